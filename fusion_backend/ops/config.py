@@ -1,0 +1,163 @@
+"""Static configuration of the fused ops, serialised into the op call as a string.
+
+``torch.library.custom_op`` schemas carry tensors and a few scalar types, not arbitrary objects, so the
+configuration of a fused region (conv hyper-parameters, the pointwise chain, the pool) travels as one
+canonical JSON string.  It must not contain anything shape-dependent: the same string serves every
+input shape (dynamic shapes), and everything size-dependent is read off the tensors at run time.
+
+``ConvEpilogueConfig.to_json()`` / ``from_json()`` round-trip exactly; ``from_json`` is cached because
+the op implementations parse the string on every call.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .chain import ChainStep, Const, Operand, PointwiseKind, TensorRef
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """Hyper-parameters of ``aten.convolution``; every tuple has one entry per spatial dim (1..3)."""
+
+    transposed: bool
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    output_padding: tuple[int, ...]
+    groups: int
+
+    @property
+    def spatial_dims(self) -> int:
+        return len(self.stride)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A terminal pool over the chain's output; tuples have one entry per spatial dim.
+
+    ``kind`` is ``"max"`` or ``"avg"``.  ``count_include_pad`` and ``divisor_override`` only apply to
+    ``"avg"``.  Dilation is always 1 (the pattern rejects dilated pools).
+    """
+
+    kind: str
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    ceil_mode: bool = False
+    count_include_pad: bool = True
+    divisor_override: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("max", "avg"):
+            raise ValueError(f"pool kind must be 'max' or 'avg', got {self.kind!r}")
+
+    @property
+    def window_volume(self) -> int:
+        volume = 1
+        for k in self.kernel_size:
+            volume *= k
+        return volume
+
+
+@dataclass(frozen=True)
+class ConvEpilogueConfig:
+    """Everything static about one ``conv -> chain -> optional pool`` region.
+
+    * ``chain`` runs on the conv output; when the op receives a bias, the implementation adds it
+      first (the bias is not a step of ``chain``).
+    * ``out_dtype``: dtype name of the region's result as eager produces it (type promotion with
+      fp32 operands under autocast makes it differ from the conv's dtype); ``None`` = conv dtype.
+    * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
+    """
+
+    conv: ConvSpec
+    chain: tuple[ChainStep, ...] = ()
+    pool: Optional[PoolSpec] = None
+    out_dtype: Optional[str] = None
+    strict: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(_config_to_dict(self), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> "ConvEpilogueConfig":
+        return _parse_conv_epilogue(text)
+
+
+def _operand_to_dict(op: Operand) -> dict[str, Any]:
+    if isinstance(op, Const):
+        return {"const": op.value}
+    return {"tensor": op.index}
+
+
+def _operand_from_dict(d: dict[str, Any]) -> Operand:
+    if "const" in d:
+        return Const(float(d["const"]))
+    return TensorRef(int(d["tensor"]))
+
+
+def _config_to_dict(cfg: ConvEpilogueConfig) -> dict[str, Any]:
+    c = cfg.conv
+    p = cfg.pool
+    return {
+        "conv": {
+            "transposed": c.transposed,
+            "stride": list(c.stride),
+            "padding": list(c.padding),
+            "dilation": list(c.dilation),
+            "output_padding": list(c.output_padding),
+            "groups": c.groups,
+        },
+        "chain": [
+            {"kind": s.kind.name.lower(), "operands": [_operand_to_dict(o) for o in s.operands]}
+            for s in cfg.chain
+        ],
+        "pool": None
+        if p is None
+        else {
+            "kind": p.kind,
+            "kernel_size": list(p.kernel_size),
+            "stride": list(p.stride),
+            "padding": list(p.padding),
+            "ceil_mode": p.ceil_mode,
+            "count_include_pad": p.count_include_pad,
+            "divisor_override": p.divisor_override,
+        },
+        "out_dtype": cfg.out_dtype,
+        "strict": cfg.strict,
+    }
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_conv_epilogue(text: str) -> ConvEpilogueConfig:
+    d = json.loads(text)
+    c = d["conv"]
+    conv = ConvSpec(
+        transposed=bool(c["transposed"]),
+        stride=tuple(c["stride"]),
+        padding=tuple(c["padding"]),
+        dilation=tuple(c["dilation"]),
+        output_padding=tuple(c["output_padding"]),
+        groups=int(c["groups"]),
+    )
+    chain = tuple(
+        ChainStep(PointwiseKind.from_name(s["kind"]), tuple(_operand_from_dict(o) for o in s["operands"]))
+        for s in d["chain"]
+    )
+    p = d.get("pool")
+    pool = None
+    if p is not None:
+        pool = PoolSpec(
+            kind=p["kind"],
+            kernel_size=tuple(p["kernel_size"]),
+            stride=tuple(p["stride"]),
+            padding=tuple(p["padding"]),
+            ceil_mode=bool(p["ceil_mode"]),
+            count_include_pad=bool(p["count_include_pad"]),
+            divisor_override=p["divisor_override"],
+        )
+    return ConvEpilogueConfig(conv=conv, chain=chain, pool=pool, out_dtype=d.get("out_dtype"), strict=bool(d.get("strict", False)))
