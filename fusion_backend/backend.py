@@ -1,0 +1,147 @@
+"""The Dynamo backend ``fusion``: rewrite fusible regions into fused ops, give the rest to Inductor.
+
+Registered through the ``torch_dynamo_backends`` entry point, so ``torch.compile(model,
+backend="fusion")`` works without importing this package.  ``fusion`` itself is an undecorated
+function on purpose: decorating it with ``register_backend(name="fusion")`` as well would make
+Dynamo see the name twice.
+
+Nothing the user gave is lost: if normalising, matching, rewriting or compiling the rewritten graph
+fails, the untouched graph is compiled by Inductor, one warning names the pattern and the error, and
+the report records the fallback.  ``options={"strict": True}`` raises ``RewriteError`` instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from .engine import registered_patterns, run_patterns
+from .errors import RewriteError
+from .options import FusionOptions
+from .report import Fallback, GraphReport, publish
+
+log = logging.getLogger("fusion_backend")
+_graph_counter = itertools.count()
+
+
+def fusion(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    mode: Optional[str] = None,
+    options: Optional[dict[str, Any]] = None,
+) -> Callable[..., Any]:
+    """Compile one Dynamo graph.  See the README for ``options``; ``mode`` is Inductor's.
+
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU())
+    >>> out = torch.compile(model, backend="fusion")(torch.randn(2, 3, 8, 8))
+    >>> tuple(out.shape)
+    (2, 8, 6, 6)
+    """
+    opts = FusionOptions.parse(options, tuple(registered_patterns()))
+    config_patches = _inductor_patches(mode, opts)
+    index = next(_graph_counter)
+    times: dict[str, float] = {}
+    original = _clone(gm)
+    before_code = gm.code if opts.dump_dir else ""
+
+    current = {"stage": "normalize", "pattern": None}
+
+    def on_stage(stage: str, pattern: Optional[str]) -> None:
+        current.update(stage=stage, pattern=pattern)
+
+    work = _clone(gm)
+    _ensure_fake_values(work, example_inputs)
+    fallbacks: list[Fallback] = []
+    matches, near_misses = [], []
+    rewritten: Optional[fx.GraphModule] = None
+    t0 = time.perf_counter()
+    try:
+        result = run_patterns(work, opts.patterns, strict=opts.strict, on_stage=on_stage)
+        matches, near_misses = result.matches, result.near_misses
+        rewritten = work
+    except Exception as exc:  # noqa: BLE001 - any failure must fall back, never lose the graph
+        fallbacks.append(_fall_back(opts, current["stage"], current["pattern"], exc))
+    times["match+rewrite"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    compiled = None
+    if rewritten is not None and matches:
+        try:
+            compiled = _compile_inductor(rewritten, example_inputs, config_patches)
+        except Exception as exc:  # noqa: BLE001
+            patterns = sorted({m.pattern for m in matches})
+            fallbacks.append(_fall_back(opts, "compile", ",".join(patterns), exc))
+            matches = []
+    if compiled is None:
+        compiled = _compile_inductor(original, example_inputs, config_patches)
+    times["inductor"] = time.perf_counter() - t0
+
+    report = GraphReport(
+        graph_index=index,
+        graph_name=f"graph_{index}",
+        matches=tuple(matches),
+        near_misses=tuple(near_misses),
+        fallbacks=tuple(fallbacks),
+        stage_seconds=times,
+        enabled_patterns=opts.patterns,
+    )
+    for m in report.matches:
+        log.info("fused %s: %s (%s)", m.pattern, m.summary, m.kernel)
+    for n in report.near_misses:
+        log.debug("near miss %s at %s: %s: %s", n.pattern, n.node, n.reason.value, n.message)
+    if opts.dump_dir is not None:
+        from .dump import write_dump
+
+        write_dump(opts.dump_dir, report, before_code, rewritten if matches else None, original)
+    publish(report)
+    return compiled
+
+
+def _fall_back(opts: FusionOptions, stage: str, pattern: Optional[str], exc: BaseException) -> Fallback:
+    what = f"pattern {pattern!r}" if pattern else "the fusion backend"
+    message = f"{what} failed during {stage}: {type(exc).__name__}: {exc}"
+    if opts.strict:
+        raise RewriteError(message + " (strict=True; without it the graph falls back to Inductor)") from exc
+    warnings.warn(f"fusion: {message}; compiling this graph with Inductor unchanged", stacklevel=3)
+    log.warning("%s\n%s", message, traceback.format_exc())
+    return Fallback(stage, pattern, f"{type(exc).__name__}: {exc}")
+
+
+def _clone(gm: fx.GraphModule) -> fx.GraphModule:
+    """A structural copy: Inductor may mutate the graph it compiles, and the fallback needs the
+    original.  Node metadata (fake values) is shared, parameters are not copied."""
+    import copy
+
+    return fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+
+
+def _ensure_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Graphs that do not come from Dynamo carry no fake values; propagate them from the inputs."""
+    if all("example_value" in n.meta or "val" in n.meta for n in gm.graph.nodes if n.op not in ("output",)):
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(*example_inputs)
+
+
+def _inductor_patches(mode: Optional[str], opts: FusionOptions) -> dict[str, Any]:
+    patches: dict[str, Any] = {}
+    if mode and mode != "default":
+        patches.update(torch._inductor.list_mode_options(mode, None))
+    patches.update(opts.inductor)
+    return patches
+
+
+def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any]) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, list(example_inputs), config_patches=patches or None)

@@ -1,0 +1,111 @@
+"""Canonical ops: what a graph node *means*, independent of how the user spelled it.
+
+The normalizer (``normalize.py``) turns every FX node into exactly one of these; patterns read only
+canonical ops, never FX targets.  Values are referenced as ``ValueRef``: an ``fx.Node``, a Python
+number, or a ``ParamRef`` (a module attribute reached through ``call_module``, which the rewriter
+materialises as a ``get_attr`` node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch.fx as fx
+
+from .ops.chain import PointwiseKind
+from .ops.config import ConvSpec, PoolSpec
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """A parameter or buffer of the root module, by qualified name (``"conv.weight"``)."""
+
+    qualified_name: str
+
+
+ValueRef = Union[fx.Node, ParamRef, float, int, bool, None]
+
+
+@dataclass(frozen=True)
+class Conv:
+    """``aten.convolution`` semantics: ``input`` (N, C_in, *spatial), ``weight``, optional ``bias``."""
+
+    node: fx.Node
+    input: fx.Node
+    weight: ValueRef
+    bias: ValueRef
+    spec: ConvSpec
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    """An elementwise op.  ``args`` are the op's value arguments in its own order, e.g.
+    ``(lhs, rhs)`` for ``mul`` or ``(x, slope)`` for ``leaky_relu``; which one is the flowing tensor
+    is decided by the pattern (see ``with_flowing``).  ``inplace`` ops alias their first argument.
+    """
+
+    node: fx.Node
+    kind: PointwiseKind
+    args: tuple[ValueRef, ...]
+    inplace: bool = False
+
+    def with_flowing(self, flowing: fx.Node) -> tuple[PointwiseKind, tuple[ValueRef, ...]] | str:
+        """Return ``(kind, operands)`` seen from ``flowing``, or a sentence saying why not.
+
+        Commutative ops accept the flowing tensor on either side; ``a - x`` becomes ``rsub`` and
+        ``a / x`` becomes ``rdiv``.  Non-arithmetic ops need the flowing tensor first.
+        """
+        positions = [i for i, a in enumerate(self.args) if a is flowing]
+        if len(positions) != 1:
+            return "the flowing tensor is used as more than one operand" if positions else "the flowing tensor is not an operand"
+        pos = positions[0]
+        others = tuple(a for i, a in enumerate(self.args) if i != pos)
+        if pos == 0:
+            return self.kind, others
+        swapped = {
+            PointwiseKind.MUL: PointwiseKind.MUL,
+            PointwiseKind.ADD: PointwiseKind.ADD,
+            PointwiseKind.SUB: PointwiseKind.RSUB,
+            PointwiseKind.DIV: PointwiseKind.RDIV,
+        }
+        if self.kind in swapped and pos == 1:
+            return swapped[self.kind], others
+        return f"the flowing tensor is argument {pos} of {self.kind.name.lower()}, which must be argument 0"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A max or avg pool over ``spatial_dims`` trailing dims.  ``unsupported`` names an argument the
+    fused kernels do not implement (``return_indices``, dilation), or is ``None``."""
+
+    node: fx.Node
+    input: fx.Node
+    spatial_dims: int
+    spec: PoolSpec
+    unsupported: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class GlobalReduce:
+    """A mean (or sum) over ``dims`` (``None`` = all dims), e.g. ``x.mean((2, 3), keepdim=True)``.
+
+    ``adaptive_avg_pool{d}d(x, 1)`` normalises to a mean over the trailing ``d`` dims with keepdim.
+    """
+
+    node: fx.Node
+    input: fx.Node
+    kind: str
+    dims: Optional[tuple[int, ...]]
+    keepdim: bool
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """Anything else.  ``description`` names the op for reports (e.g. ``torch.softmax``)."""
+
+    node: fx.Node
+    description: str
+
+
+CanonicalOp = Union[Conv, Pointwise, Pool, GlobalReduce, Opaque]

@@ -1,0 +1,257 @@
+"""The match engine: runs the registered patterns over a normalised graph and rewrites their regions.
+
+Patterns are data-like objects (``Pattern`` subclasses in ``fusion_backend/patterns/``), registered
+with ``register_pattern``; this module knows none of them by name.  The engine
+
+1. normalises every node (``normalize.py``) after rewiring in-place aliases;
+2. asks each enabled pattern, highest ``priority`` first, for candidates and near misses; a candidate
+   overlapping nodes already claimed becomes a ``CLAIMED`` near miss, so regions stay disjoint;
+3. rewrites every accepted candidate through its pattern, then lints and recompiles the graph.
+
+It raises on any internal failure; the backend turns that into a whole-graph fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from .canonical import CanonicalOp, Conv, Opaque, ParamRef
+from .normalize import functionalize_inplace, normalize_graph
+from .ops.chain import Const, Operand, TensorRef
+from .report import Match, NearMiss, ReasonKind, source_line_of
+
+
+def fake_of(node: Any) -> Any:
+    """The fake value Dynamo (``example_value``) or a fake-tensor pass (``val``) recorded for a node."""
+    if not isinstance(node, fx.Node):
+        return None
+    meta = node.meta
+    if "example_value" in meta:
+        return meta["example_value"]
+    return meta.get("val")
+
+
+@dataclass
+class Candidate:
+    """A region a pattern wants to rewrite.  ``nodes`` in graph order; the last one's value is the
+    region's result.  ``payload`` is the pattern's own description of the region."""
+
+    pattern: str
+    anchor: fx.Node
+    nodes: list[fx.Node]
+    payload: Any
+    summary: str
+    notes: list[NearMiss] = field(default_factory=list)
+    """Near misses to report even though the candidate matched (e.g. "chain stopped at X")."""
+
+
+class Pattern:
+    """Base class of a pattern family.  Subclasses set the class attributes and implement two methods.
+
+    ``find`` yields ``Candidate``s and ``NearMiss``es, reading only ``ctx.canonical`` and fake values;
+    ``rewrite`` replaces one candidate's region with a fused op call and returns the ``Match`` record.
+    """
+
+    name: str = ""
+    priority: int = 0
+    description: str = ""
+
+    def find(self, ctx: "MatchContext") -> Iterable[Union[Candidate, NearMiss]]:
+        raise NotImplementedError
+
+    def rewrite(self, ctx: "MatchContext", candidate: Candidate) -> Match:
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, Pattern] = {}
+
+
+def register_pattern(cls: type[Pattern]) -> type[Pattern]:
+    """Class decorator: instantiate and register a pattern under ``cls.name`` (unique)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and type(_REGISTRY[cls.name]) is not cls:
+        raise ValueError(f"a pattern named {cls.name!r} is already registered ({type(_REGISTRY[cls.name]).__name__})")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def registered_patterns() -> dict[str, Pattern]:
+    """Name → pattern, for every registered pattern (the built-in ones are loaded on first use)."""
+    from . import patterns  # noqa: F401  (registers the built-in families)
+
+    return dict(_REGISTRY)
+
+
+class MatchContext:
+    """What patterns see: the graph, the canonical op of every node, and shared checks."""
+
+    def __init__(self, gm: fx.GraphModule, strict: bool = False) -> None:
+        self.gm = gm
+        self.strict = strict
+        self.canonical: dict[fx.Node, CanonicalOp] = normalize_graph(gm)
+        if functionalize_inplace(gm, self.canonical):
+            self.canonical = normalize_graph(gm)
+        self.claimed: set[fx.Node] = set()
+        self.order = {node: i for i, node in enumerate(gm.graph.nodes)}
+
+    # -- graph queries -------------------------------------------------------------------------
+
+    def op(self, node: fx.Node) -> CanonicalOp:
+        return self.canonical.get(node) or Opaque(node, node.op)
+
+    def convs(self) -> Iterator[Conv]:
+        for op in self.canonical.values():
+            if isinstance(op, Conv):
+                yield op
+
+    def sole_user(self, node: fx.Node) -> tuple[Optional[fx.Node], str]:
+        """The only user of ``node``, or ``(None, why)`` naming the other users and their lines."""
+        users = list(node.users)
+        if len(users) == 1 and users[0].op != "output":
+            return users[0], ""
+        if not users:
+            return None, f"`{node.name}` has no users"
+        described = []
+        for u in users:
+            where = source_line_of(u)
+            label = "the graph output" if u.op == "output" else f"`{u.name}`"
+            described.append(label + (f" at {where.file.rsplit('/', 1)[-1]}:{where.line}" if where else ""))
+        return None, f"`{node.name}` is used by " + " and ".join(described)
+
+    def depends_on(self, value: fx.Node, nodes: set[fx.Node]) -> bool:
+        """Whether ``value`` is computed (transitively) from any of ``nodes``."""
+        stack, seen = [value], set()
+        while stack:
+            n = stack.pop()
+            if n in nodes:
+                return True
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+        return False
+
+    def near_miss(self, pattern: str, anchor: fx.Node, at: fx.Node, reason: ReasonKind, message: str) -> NearMiss:
+        return NearMiss(pattern, anchor.name, at.name, reason, message, source_line_of(at))
+
+    # -- operand classification ----------------------------------------------------------------
+
+    def classify_operand(
+        self, value: Any, flowing_fake: Any, operands: list[fx.Node]
+    ) -> Union[Operand, str]:
+        """Turn a pointwise op's second operand into a ``Const`` or a ``TensorRef`` into ``operands``.
+
+        Accepted: Python numbers; tensors with one element and at most the flowing tensor's rank;
+        per-channel tensors of shape (C,1,...,1) (rank one less) or (1,C,1,...,1) (same rank), where
+        C is dim 1 of the flowing tensor.  ``x.item()`` of such a tensor (Dynamo lifts float module
+        attributes to 0-d inputs under ``dynamic=True``) is used as the tensor itself.
+        Returns a sentence saying why when the operand is not accepted.
+        """
+        if isinstance(value, bool) or isinstance(value, (int, float)):
+            return Const(float(value))
+        if isinstance(value, ParamRef):
+            return "operands that are module attributes are not supported"
+        if not isinstance(value, fx.Node):
+            return f"operand {value!r} of type {type(value).__name__} is not a number or a tensor"
+        if value.op == "call_method" and value.target == "item" and isinstance(value.args[0], fx.Node):
+            source_fake = fake_of(value.args[0])
+            if isinstance(source_fake, torch.Tensor) and source_fake.numel() == 1:
+                value = value.args[0]
+        fake = fake_of(value)
+        if fake is None:
+            return f"no shape metadata for operand `{value.name}`"
+        if not isinstance(fake, torch.Tensor):
+            return f"operand `{value.name}` is a symbolic {type(fake).__name__}, not a number or tensor"
+        if fake.is_complex():
+            return f"operand `{value.name}` is complex ({fake.dtype})"
+        rank = flowing_fake.dim()
+        shape = tuple(fake.shape)
+        if _statically_one(fake.numel()) and fake.dim() <= rank:
+            return self._ref(value, operands)
+        channels = flowing_fake.shape[1]
+        if fake.dim() == rank - 1 and _same(shape[0], channels) and all(_statically_one(s) for s in shape[1:]):
+            return self._ref(value, operands)
+        if fake.dim() == rank and _statically_one(shape[0]) and _same(shape[1], channels) and all(_statically_one(s) for s in shape[2:]):
+            return self._ref(value, operands)
+        return (f"operand `{value.name}` has shape {list(shape)}; only numbers, one-element tensors and "
+                f"per-channel tensors of shape [C, 1, ...] or [1, C, 1, ...] (C = {channels}) fuse")
+
+    @staticmethod
+    def _ref(value: fx.Node, operands: list[fx.Node]) -> TensorRef:
+        if value not in operands:
+            operands.append(value)
+        return TensorRef(operands.index(value))
+
+
+def _statically_one(x: Any) -> bool:
+    try:
+        return int(x) == 1 if not isinstance(x, torch.SymInt) else x.node.expr == 1
+    except Exception:
+        return False
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+@dataclass
+class EngineResult:
+    matches: list[Match]
+    near_misses: list[NearMiss]
+
+
+def run_patterns(
+    gm: fx.GraphModule,
+    enabled: Iterable[str],
+    strict: bool = False,
+    on_stage: Optional[Callable[[str, Optional[str]], None]] = None,
+) -> EngineResult:
+    """Match and rewrite ``gm`` in place with the ``enabled`` patterns (names).  Raises on failure.
+
+    ``on_stage(stage, pattern)`` is called before each stage so the caller can name the failing
+    stage and pattern in its fallback report.
+    """
+    stage = on_stage or (lambda s, p: None)
+    stage("normalize", None)
+    ctx = MatchContext(gm, strict=strict)
+    registry = registered_patterns()
+    patterns = sorted((registry[name] for name in enabled), key=lambda p: -p.priority)
+
+    accepted: list[tuple[Pattern, Candidate]] = []
+    near_misses: list[NearMiss] = []
+    for pattern in patterns:
+        stage("match", pattern.name)
+        for item in pattern.find(ctx):
+            if isinstance(item, NearMiss):
+                near_misses.append(item)
+                continue
+            taken = [n for n in item.nodes if n in ctx.claimed]
+            if taken:
+                near_misses.append(ctx.near_miss(pattern.name, item.anchor, taken[0], ReasonKind.CLAIMED,
+                                                 f"`{taken[0].name}` is already part of another fused region"))
+                continue
+            ctx.claimed.update(item.nodes)
+            accepted.append((pattern, item))
+
+    # A conv fused by one family is not a near miss of another; the accepted candidates' own notes
+    # (e.g. "the chain stopped at X") are kept.
+    fused_names = {n.name for _, c in accepted for n in c.nodes}
+    near_misses = [m for m in near_misses if m.anchor not in fused_names]
+    near_misses += [note for _, c in accepted for note in c.notes]
+
+    matches = []
+    for pattern, candidate in accepted:
+        stage("rewrite", pattern.name)
+        matches.append(pattern.rewrite(ctx, candidate))
+    if accepted:
+        gm.graph.lint()
+        gm.recompile()
+    return EngineResult(matches, near_misses)

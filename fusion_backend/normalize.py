@@ -1,0 +1,459 @@
+"""Normalisation: every FX node of a Dynamo (or symbolically traced) graph → one canonical op.
+
+Why a table of spellings rather than ``torch.fx.subgraph_rewriter``: Dynamo records the op the user
+called (``torch.conv_transpose3d`` with every argument positional, ``F.leaky_relu(x, 0.2, False)``,
+``call_method "mul_"``, ``operator.mul`` with the tensor on either side...), so one semantic op
+arrives in many shapes.  Each spelling is bound here against the Python signature of the op it
+stands for, which handles positional and keyword arguments alike; patterns then see one form.
+
+``functionalize_inplace`` rewires later uses of a tensor mutated in place by a pointwise op to the
+op's result (they alias), so chains spelled with ``relu_``/``mul_``/``inplace=True`` look the same as
+out-of-place ones.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .canonical import CanonicalOp, Conv, GlobalReduce, Opaque, ParamRef, Pointwise, Pool
+from .ops.chain import PointwiseKind as K
+from .ops.config import ConvSpec, PoolSpec
+
+# --------------------------------------------------------------------------------------------
+# Signatures the spellings are bound against (argument names as in torch's own docs).
+
+
+def _sig_conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1): ...
+def _sig_conv_t(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1): ...
+def _sig_convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups): ...
+def _sig_unary(input, inplace=False): ...
+def _sig_leaky(input, negative_slope=0.01, inplace=False): ...
+def _sig_gelu(input, approximate="none"): ...
+def _sig_hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False): ...
+def _sig_clamp(input, min=None, max=None): ...
+def _sig_clamp_min(input, min): ...
+def _sig_clamp_max(input, max): ...
+def _sig_binary(input, other, *, alpha=1, out=None): ...
+def _sig_div(input, other, *, rounding_mode=None, out=None): ...
+def _sig_neg(input): ...
+def _sig_max_pool(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False): ...
+def _sig_avg_pool(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None): ...
+def _sig_reduce(input, dim=None, keepdim=False, *, dtype=None): ...
+def _sig_adaptive(input, output_size): ...
+
+
+def _bind(sig_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[dict[str, Any]]:
+    try:
+        bound = inspect.signature(sig_fn).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _tuple(value: Any, n: int) -> tuple:
+    if isinstance(value, (list, tuple)):
+        if len(value) == 1:
+            return tuple(value) * n
+        return tuple(value)
+    return (value,) * n
+
+
+# --------------------------------------------------------------------------------------------
+# Spelling tables.  Keys are call_function targets (compared by identity) or call_method names.
+
+_CONV_FUNCS: dict[Any, tuple[int, bool]] = {
+    torch.conv1d: (1, False),
+    torch.conv2d: (2, False),
+    torch.conv3d: (3, False),
+    torch.conv_transpose1d: (1, True),
+    torch.conv_transpose2d: (2, True),
+    torch.conv_transpose3d: (3, True),
+}
+
+_UNARY_FUNCS: dict[Any, tuple[K, bool]] = {
+    torch.relu: (K.RELU, False),
+    torch.relu_: (K.RELU, True),
+    torch.sigmoid: (K.SIGMOID, False),
+    torch.sigmoid_: (K.SIGMOID, True),
+    torch.tanh: (K.TANH, False),
+    torch.tanh_: (K.TANH, True),
+    F.sigmoid: (K.SIGMOID, False),
+    F.tanh: (K.TANH, False),
+}
+
+# Functions with an ``inplace`` flag: F.relu(x, inplace=True) etc.
+_INPLACE_FLAG_FUNCS: dict[Any, K] = {
+    F.relu: K.RELU,
+    F.silu: K.SILU,
+    F.hardswish: K.HARDSWISH,
+    F.mish: K.MISH,
+}
+_C_NN = torch._C._nn
+_ALWAYS_INPLACE_FUNCS: dict[Any, K] = {}
+for _name, _kind in (("silu_", K.SILU), ("hardswish_", K.HARDSWISH), ("mish_", K.MISH)):
+    if hasattr(_C_NN, _name):
+        _ALWAYS_INPLACE_FUNCS[getattr(_C_NN, _name)] = _kind
+for _name, _kind in (("silu", K.SILU), ("hardswish", K.HARDSWISH), ("mish", K.MISH)):
+    if hasattr(_C_NN, _name):
+        _UNARY_FUNCS[getattr(_C_NN, _name)] = (_kind, False)
+
+_LEAKY_FUNCS: dict[Any, bool] = {F.leaky_relu: False, _C_NN.leaky_relu: False, _C_NN.leaky_relu_: True}
+_GELU_FUNCS = {_C_NN.gelu, F.gelu}
+_HARDTANH_FUNCS: dict[Any, bool] = {F.hardtanh: False, _C_NN.hardtanh: False, _C_NN.hardtanh_: True}
+_RELU6_FUNCS = {F.relu6} | ({_C_NN.relu6} if hasattr(_C_NN, "relu6") else set())
+_CLAMP_FUNCS: dict[Any, bool] = {torch.clamp: False, torch.clip: False, torch.clamp_: True, torch.clip_: True}
+_CLAMP_MIN_FUNCS: dict[Any, bool] = {torch.clamp_min: False, torch.clamp_min_: True}
+_CLAMP_MAX_FUNCS: dict[Any, bool] = {torch.clamp_max: False, torch.clamp_max_: True}
+
+_BINARY_FUNCS: dict[Any, tuple[K, bool]] = {
+    operator.mul: (K.MUL, False),
+    operator.imul: (K.MUL, True),
+    torch.mul: (K.MUL, False),
+    torch.multiply: (K.MUL, False),
+    operator.add: (K.ADD, False),
+    operator.iadd: (K.ADD, True),
+    torch.add: (K.ADD, False),
+    operator.sub: (K.SUB, False),
+    operator.isub: (K.SUB, True),
+    torch.sub: (K.SUB, False),
+    torch.subtract: (K.SUB, False),
+    operator.truediv: (K.DIV, False),
+    operator.itruediv: (K.DIV, True),
+    torch.div: (K.DIV, False),
+    torch.divide: (K.DIV, False),
+    torch.true_divide: (K.DIV, False),
+}
+_NEG_FUNCS = {operator.neg, torch.neg, torch.negative}
+
+_METHOD_UNARY: dict[str, K] = {"relu": K.RELU, "sigmoid": K.SIGMOID, "tanh": K.TANH}
+_METHOD_BINARY: dict[str, K] = {
+    "mul": K.MUL, "multiply": K.MUL, "add": K.ADD, "sub": K.SUB, "subtract": K.SUB,
+    "div": K.DIV, "divide": K.DIV, "true_divide": K.DIV,
+    "__mul__": K.MUL, "__rmul__": K.MUL, "__add__": K.ADD, "__radd__": K.ADD,
+    "__sub__": K.SUB, "__truediv__": K.DIV,
+}
+
+_MAX_POOL_FUNCS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, torch.max_pool1d: 1, torch.max_pool2d: 2, torch.max_pool3d: 3}
+_AVG_POOL_FUNCS = {F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3}
+_ADAPTIVE_AVG_FUNCS = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
+_REDUCE_FUNCS = {torch.mean: "mean", torch.sum: "sum"}
+
+_POINTWISE_MODULES: dict[type, K] = {
+    nn.ReLU: K.RELU, nn.SiLU: K.SILU, nn.Sigmoid: K.SIGMOID, nn.Tanh: K.TANH,
+    nn.Hardswish: K.HARDSWISH, nn.Mish: K.MISH,
+}
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def describe_target(node: fx.Node) -> str:
+    """A readable name of what a node calls (``torch.nn.functional.softmax``, ``.view``, ...)."""
+    if node.op == "call_method":
+        return f".{node.target}()"
+    if node.op == "call_module":
+        return f"module {node.target}"
+    target = node.target
+    if node.op == "call_function":
+        module = getattr(target, "__module__", None) or ""
+        name = getattr(target, "__name__", str(target))
+        module = module.replace("_operator", "operator").replace("torch._C._nn", "torch._C._nn")
+        return f"{module}.{name}" if module else name
+    return node.op
+
+
+def normalize_node(node: fx.Node, root: Optional[torch.nn.Module] = None) -> CanonicalOp:
+    """Return the canonical op of ``node``.  Never raises for an unknown op: that is ``Opaque``."""
+    try:
+        if node.op == "call_function":
+            result = _normalize_function(node, node.target, node.args, dict(node.kwargs))
+        elif node.op == "call_method":
+            result = _normalize_method(node)
+        elif node.op == "call_module" and root is not None:
+            result = _normalize_module(node, root)
+        else:
+            result = None
+    except _Unsupported as exc:
+        return Opaque(node, f"{describe_target(node)} ({exc})")
+    return result if result is not None else Opaque(node, describe_target(node))
+
+
+def normalize_graph(gm: fx.GraphModule) -> dict[fx.Node, CanonicalOp]:
+    """Canonical op of every node, in graph order."""
+    return {node: normalize_node(node, gm) for node in gm.graph.nodes}
+
+
+class _Unsupported(Exception):
+    """A known op with arguments that have no canonical form (e.g. ``padding="same"`` with an even
+    kernel, ``rounding_mode="floor"``); becomes an ``Opaque`` whose description says why."""
+
+
+def _conv(node: fx.Node, dims: int, transposed: bool, b: dict[str, Any]) -> Conv:
+    padding = b["padding"]
+    if isinstance(padding, str):
+        if padding == "valid":
+            padding = 0
+        else:
+            raise _Unsupported(f"padding={padding!r} is only supported as 'valid'")
+    spec = ConvSpec(
+        transposed=transposed,
+        stride=_tuple(b["stride"], dims),
+        padding=_tuple(padding, dims),
+        dilation=_tuple(b["dilation"], dims),
+        output_padding=_tuple(b.get("output_padding", 0), dims),
+        groups=int(b["groups"]),
+    )
+    for name, values in (("stride", spec.stride), ("padding", spec.padding), ("dilation", spec.dilation), ("output_padding", spec.output_padding)):
+        if not all(isinstance(v, int) for v in values):
+            raise _Unsupported(f"{name}={values} is not a tuple of Python ints")
+    return Conv(node, b["input"], b["weight"], b["bias"], spec)
+
+
+def _pool(node: fx.Node, kind: str, dims: int, b: dict[str, Any]) -> Pool:
+    kernel = _tuple(b["kernel_size"], dims)
+    stride = b["stride"]
+    stride = kernel if stride is None or (isinstance(stride, (list, tuple)) and len(stride) == 0) else _tuple(stride, dims)
+    unsupported = None
+    if kind == "max":
+        if b["return_indices"]:
+            unsupported = "return_indices=True"
+        elif any(d != 1 for d in _tuple(b["dilation"], dims)):
+            unsupported = f"dilation={b['dilation']}"
+    spec = PoolSpec(
+        kind=kind,
+        kernel_size=kernel,
+        stride=stride,
+        padding=_tuple(b["padding"], dims),
+        ceil_mode=bool(b["ceil_mode"]),
+        count_include_pad=bool(b.get("count_include_pad", True)),
+        divisor_override=b.get("divisor_override"),
+    )
+    return Pool(node, b["input"], dims, spec, unsupported)
+
+
+def _reduce(node: fx.Node, kind: str, b: Optional[dict[str, Any]]) -> Optional[GlobalReduce]:
+    if b is None or b.get("dtype") is not None:
+        return None
+    dim = b["dim"]
+    dims = None if dim is None else tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
+    if dims is not None and not all(isinstance(d, int) for d in dims):
+        return None
+    return GlobalReduce(node, b["input"], kind, dims, bool(b["keepdim"]))
+
+
+def _normalize_function(node: fx.Node, target: Any, args: tuple, kwargs: dict) -> Optional[CanonicalOp]:
+    if target in _CONV_FUNCS:
+        dims, transposed = _CONV_FUNCS[target]
+        b = _bind(_sig_conv_t if transposed else _sig_conv, args, kwargs)
+        return _conv(node, dims, transposed, b) if b else None
+    if target is torch.convolution:
+        b = _bind(_sig_convolution, args, kwargs)
+        if not b:
+            return None
+        dims = len(_tuple(b["stride"], 1)) if isinstance(b["stride"], (list, tuple)) else None
+        if dims is None:
+            raise _Unsupported("cannot tell the number of spatial dims")
+        return _conv(node, dims, bool(b["transposed"]), b)
+    if target in _UNARY_FUNCS:
+        kind, inplace = _UNARY_FUNCS[target]
+        b = _bind(_sig_neg, args, kwargs)
+        return Pointwise(node, kind, (b["input"],), inplace) if b else None
+    if target in _ALWAYS_INPLACE_FUNCS:
+        b = _bind(_sig_neg, args, kwargs)
+        return Pointwise(node, _ALWAYS_INPLACE_FUNCS[target], (b["input"],), True) if b else None
+    if target in _INPLACE_FLAG_FUNCS:
+        b = _bind(_sig_unary, args, kwargs)
+        return Pointwise(node, _INPLACE_FLAG_FUNCS[target], (b["input"],), bool(b["inplace"])) if b else None
+    if target in _LEAKY_FUNCS:
+        b = _bind(_sig_leaky, args, kwargs)
+        if not b:
+            return None
+        return Pointwise(node, K.LEAKY_RELU, (b["input"], b["negative_slope"]), _LEAKY_FUNCS[target] or bool(b["inplace"]))
+    if target in _GELU_FUNCS:
+        b = _bind(_sig_gelu, args, kwargs)
+        if not b:
+            return None
+        if b["approximate"] not in ("none", "tanh"):
+            raise _Unsupported(f"approximate={b['approximate']!r}")
+        return Pointwise(node, K.GELU if b["approximate"] == "none" else K.GELU_TANH, (b["input"],))
+    if target in _HARDTANH_FUNCS:
+        b = _bind(_sig_hardtanh, args, kwargs)
+        if not b:
+            return None
+        inplace = _HARDTANH_FUNCS[target] or bool(b["inplace"])
+        return Pointwise(node, K.HARDTANH, (b["input"], b["min_val"], b["max_val"]), inplace)
+    if target in _RELU6_FUNCS:
+        b = _bind(_sig_unary, args, kwargs)
+        return Pointwise(node, K.HARDTANH, (b["input"], 0.0, 6.0), bool(b["inplace"])) if b else None
+    if target in _CLAMP_FUNCS:
+        return _clamp(node, _bind(_sig_clamp, args, kwargs), _CLAMP_FUNCS[target])
+    if target in _CLAMP_MIN_FUNCS:
+        b = _bind(_sig_clamp_min, args, kwargs)
+        return Pointwise(node, K.CLAMP_MIN, (b["input"], b["min"]), _CLAMP_MIN_FUNCS[target]) if b else None
+    if target in _CLAMP_MAX_FUNCS:
+        b = _bind(_sig_clamp_max, args, kwargs)
+        return Pointwise(node, K.CLAMP_MAX, (b["input"], b["max"]), _CLAMP_MAX_FUNCS[target]) if b else None
+    if target in _BINARY_FUNCS:
+        kind, inplace = _BINARY_FUNCS[target]
+        return _binary(node, kind, inplace, args, kwargs)
+    if target in _NEG_FUNCS:
+        b = _bind(_sig_neg, args, kwargs)
+        return Pointwise(node, K.MUL, (b["input"], -1.0)) if b else None
+    if target in _MAX_POOL_FUNCS:
+        b = _bind(_sig_max_pool, args, kwargs)
+        return _pool(node, "max", _MAX_POOL_FUNCS[target], b) if b else None
+    if target in _AVG_POOL_FUNCS or target in (_C_NN.avg_pool2d, _C_NN.avg_pool3d, torch.avg_pool1d):
+        dims = _AVG_POOL_FUNCS.get(target) or {_C_NN.avg_pool2d: 2, _C_NN.avg_pool3d: 3, torch.avg_pool1d: 1}[target]
+        b = _bind(_sig_avg_pool, args, kwargs)
+        return _pool(node, "avg", dims, b) if b else None
+    if target in _ADAPTIVE_AVG_FUNCS:
+        dims = _ADAPTIVE_AVG_FUNCS[target]
+        b = _bind(_sig_adaptive, args, kwargs)
+        if not b or any(s != 1 for s in _tuple(b["output_size"], dims)):
+            return None
+        return GlobalReduce(node, b["input"], "mean", tuple(range(-dims, 0)), True)
+    if target in _REDUCE_FUNCS:
+        return _reduce(node, _REDUCE_FUNCS[target], _bind(_sig_reduce, args, kwargs))
+    return None
+
+
+def _clamp(node: fx.Node, b: Optional[dict[str, Any]], inplace: bool) -> Optional[Pointwise]:
+    if not b:
+        return None
+    lo, hi = b["min"], b["max"]
+    if lo is None and hi is None:
+        raise _Unsupported("clamp without bounds")
+    if hi is None:
+        return Pointwise(node, K.CLAMP_MIN, (b["input"], lo), inplace)
+    if lo is None:
+        return Pointwise(node, K.CLAMP_MAX, (b["input"], hi), inplace)
+    return Pointwise(node, K.CLAMP, (b["input"], lo, hi), inplace)
+
+
+def _binary(node: fx.Node, kind: K, inplace: bool, args: tuple, kwargs: dict) -> Optional[Pointwise]:
+    if kind is K.DIV:
+        b = _bind(_sig_div, args, kwargs)
+        if b and b["rounding_mode"] is not None:
+            raise _Unsupported(f"rounding_mode={b['rounding_mode']!r}")
+    else:
+        b = _bind(_sig_binary, args, kwargs)
+        if b and b["alpha"] != 1:
+            if not isinstance(b["other"], (int, float)) or not isinstance(b["alpha"], (int, float)):
+                raise _Unsupported(f"alpha={b['alpha']} with a tensor operand")
+            b["other"] = b["other"] * b["alpha"]
+    if not b or b.get("out") is not None:
+        return None
+    return Pointwise(node, kind, (b["input"], b["other"]), inplace)
+
+
+def _normalize_method(node: fx.Node) -> Optional[CanonicalOp]:
+    name = str(node.target)
+    inplace = name.endswith("_") and not name.endswith("__")
+    base = name[:-1] if inplace else name
+    args, kwargs = node.args, dict(node.kwargs)
+    if base in _METHOD_UNARY:
+        b = _bind(_sig_neg, args, kwargs)
+        return Pointwise(node, _METHOD_UNARY[base], (b["input"],), inplace) if b else None
+    if base in _METHOD_BINARY:
+        kind = _METHOD_BINARY[base]
+        if name in ("__rmul__", "__radd__"):
+            args = (args[0], args[1])
+        return _binary(node, kind, inplace, args, kwargs)
+    if base in ("neg", "negative"):
+        b = _bind(_sig_neg, args, kwargs)
+        return Pointwise(node, K.MUL, (b["input"], -1.0), inplace) if b else None
+    if base in ("clamp", "clip"):
+        return _clamp(node, _bind(_sig_clamp, args, kwargs), inplace)
+    if base == "clamp_min":
+        b = _bind(_sig_clamp_min, args, kwargs)
+        return Pointwise(node, K.CLAMP_MIN, (b["input"], b["min"]), inplace) if b else None
+    if base == "clamp_max":
+        b = _bind(_sig_clamp_max, args, kwargs)
+        return Pointwise(node, K.CLAMP_MAX, (b["input"], b["max"]), inplace) if b else None
+    if name in ("mean", "sum"):
+        return _reduce(node, name, _bind(_sig_reduce, args, kwargs))
+    return None
+
+
+def _normalize_module(node: fx.Node, root: torch.nn.Module) -> Optional[CanonicalOp]:
+    """``call_module`` nodes (graphs traced without inlining nn.Modules)."""
+    mod = root.get_submodule(str(node.target))
+    (x,) = node.args if len(node.args) == 1 else (None,)
+    if x is None:
+        return None
+    qual = str(node.target)
+    if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        if mod.padding_mode != "zeros":
+            raise _Unsupported(f"padding_mode={mod.padding_mode!r}")
+        transposed = isinstance(mod, nn.modules.conv._ConvTransposeNd)
+        dims = len(mod.kernel_size)
+        b = {
+            "input": x,
+            "weight": ParamRef(f"{qual}.weight"),
+            "bias": ParamRef(f"{qual}.bias") if mod.bias is not None else None,
+            "stride": mod.stride,
+            "padding": mod.padding,
+            "dilation": mod.dilation,
+            "output_padding": mod.output_padding if transposed else 0,
+            "groups": mod.groups,
+        }
+        return _conv(node, dims, transposed, b)
+    if type(mod) in _POINTWISE_MODULES:
+        return Pointwise(node, _POINTWISE_MODULES[type(mod)], (x,), bool(getattr(mod, "inplace", False)))
+    if isinstance(mod, nn.LeakyReLU):
+        return Pointwise(node, K.LEAKY_RELU, (x, float(mod.negative_slope)), mod.inplace)
+    if isinstance(mod, nn.GELU):
+        if mod.approximate not in ("none", "tanh"):
+            raise _Unsupported(f"approximate={mod.approximate!r}")
+        return Pointwise(node, K.GELU if mod.approximate == "none" else K.GELU_TANH, (x,))
+    if isinstance(mod, nn.Hardtanh):  # includes ReLU6
+        return Pointwise(node, K.HARDTANH, (x, float(mod.min_val), float(mod.max_val)), mod.inplace)
+    if isinstance(mod, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)):
+        dims = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}[type(mod)]
+        b = {"input": x, "kernel_size": mod.kernel_size, "stride": mod.stride, "padding": mod.padding,
+             "dilation": mod.dilation, "ceil_mode": mod.ceil_mode, "return_indices": mod.return_indices}
+        return _pool(node, "max", dims, b)
+    if isinstance(mod, (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)):
+        dims = {nn.AvgPool1d: 1, nn.AvgPool2d: 2, nn.AvgPool3d: 3}[type(mod)]
+        b = {"input": x, "kernel_size": mod.kernel_size, "stride": mod.stride, "padding": mod.padding,
+             "ceil_mode": mod.ceil_mode, "count_include_pad": mod.count_include_pad,
+             "divisor_override": getattr(mod, "divisor_override", None)}
+        return _pool(node, "avg", dims, b)
+    if isinstance(mod, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
+        dims = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}[type(mod)]
+        if any(s != 1 for s in _tuple(mod.output_size, dims)):
+            return None
+        return GlobalReduce(node, x, "mean", tuple(range(-dims, 0)), True)
+    return None
+
+
+def functionalize_inplace(gm: fx.GraphModule, canonical: dict[fx.Node, CanonicalOp]) -> int:
+    """Point later uses of a tensor mutated by an in-place pointwise op at the op's result.
+
+    ``y = conv(x); y.relu_(); return y`` arrives from Dynamo as ``relu_ = relu_(conv)`` with the
+    output reading ``conv``; after this pass the output reads ``relu_``, which is the same tensor,
+    so the conv's only user is the ReLU and the chain can be matched.  Only mutations of values
+    produced by a conv or a pointwise op are rewired: those are fresh tensors, never views of
+    graph inputs.  Returns how many uses were rewired.
+    """
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    rewired = 0
+    for node, op in canonical.items():
+        if not (isinstance(op, Pointwise) and op.inplace and op.args and isinstance(op.args[0], fx.Node)):
+            continue
+        target = op.args[0]
+        if not isinstance(canonical.get(target), (Conv, Pointwise)):
+            continue
+        for user in list(target.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(target, node)
+                rewired += 1
+    return rewired

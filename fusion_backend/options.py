@@ -1,0 +1,86 @@
+"""Options of the backend: ``torch.compile(model, backend="fusion", options={...})``.
+
+Our keys are stripped; every other key must be an Inductor config key and is forwarded to Inductor
+(as Inductor itself accepts ``options``).  An unknown key raises ``UnknownOptionError`` (a
+``ValueError``) listing ours and pointing at Inductor's.
+
+======================  ===========================================================================
+key                     meaning
+======================  ===========================================================================
+``patterns``            names of the pattern families to run (iterable of str, or ``"all"``);
+                        default: every registered family
+``disable_patterns``    names to leave out of the above
+``strict``              bool; a failure to rewrite/compile a region, or a kernel that cannot run,
+                        raises instead of falling back to Inductor / the reference (for tests)
+``dump_dir``            directory for per-graph dumps (before/after code, report, DOT); the
+                        ``FUSION_DUMP_DIR`` environment variable sets it too
+======================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from .errors import InvalidOptionError, UnknownOptionError
+
+OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir")
+
+
+@dataclass(frozen=True)
+class FusionOptions:
+    """Validated options.  ``inductor`` holds the keys forwarded to Inductor as config patches."""
+
+    patterns: tuple[str, ...]
+    strict: bool = False
+    dump_dir: Optional[Path] = None
+    inductor: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def parse(options: Optional[Mapping[str, Any]], registered: tuple[str, ...]) -> "FusionOptions":
+        """Validate ``options`` against our keys and Inductor's config; see the module docstring."""
+        options = dict(options or {})
+        if not all(isinstance(k, str) for k in options):
+            raise InvalidOptionError(f"option keys must be strings, got {sorted(map(repr, options))}")
+        ours = {k: options.pop(k) for k in list(options) if k in OUR_KEYS}
+        inductor_keys = _inductor_keys()
+        unknown = sorted(k for k in options if k.replace("-", "_") not in inductor_keys)
+        if unknown:
+            raise UnknownOptionError(
+                f"unknown option(s) {unknown} for backend 'fusion'. Valid keys: our own {list(OUR_KEYS)}, "
+                f"or any Inductor config key (torch._inductor.list_options())."
+            )
+        inductor = {k.replace("-", "_"): v for k, v in options.items()}
+
+        wanted = ours.get("patterns", "all")
+        if wanted == "all" or wanted is None:
+            names = tuple(registered)
+        elif isinstance(wanted, str):
+            names = (wanted,)
+        else:
+            try:
+                names = tuple(wanted)
+            except TypeError:
+                raise InvalidOptionError(f"option 'patterns' must be 'all' or names of patterns, got {wanted!r}") from None
+        disabled = ours.get("disable_patterns") or ()
+        disabled = (disabled,) if isinstance(disabled, str) else tuple(disabled)
+        bad = sorted(n for n in (*names, *disabled) if n not in registered)
+        if bad:
+            raise InvalidOptionError(f"unknown pattern(s) {bad}; registered patterns: {sorted(registered)}")
+        names = tuple(n for n in names if n not in disabled)
+
+        strict = ours.get("strict", False)
+        if not isinstance(strict, bool):
+            raise InvalidOptionError(f"option 'strict' must be a bool, got {strict!r}")
+        dump = ours.get("dump_dir") or os.environ.get("FUSION_DUMP_DIR") or None
+        if dump is not None and not isinstance(dump, (str, os.PathLike)):
+            raise InvalidOptionError(f"option 'dump_dir' must be a path, got {dump!r}")
+        return FusionOptions(names, strict, Path(dump) if dump else None, inductor)
+
+
+def _inductor_keys() -> set[str]:
+    from torch._inductor import config
+
+    return set(config.get_config_copy().keys())

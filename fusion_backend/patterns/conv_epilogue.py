@@ -1,0 +1,186 @@
+"""Pattern family ``conv_epilogue``: conv / conv-transpose → pointwise chain → optional pool.
+
+Anchor: any ``Conv`` (1-3 spatial dims, transposed or not, any hyper-parameters, bias or not) whose
+output is batched and floating point.  From there the chain grows one user at a time while
+
+* the current value has exactly one user and is not a graph output (otherwise the chain stops
+  *before* that user: the shared value must still be produced, so it becomes the region's result);
+* that user is a supported pointwise op (``ops/chain.py``) whose other operands are numbers, 0-d or
+  one-element tensors, or per-channel tensors, none computed from the region itself;
+* the chain is shorter than ``MAX_CHAIN_LENGTH``.
+
+A max or avg pool with the conv's number of spatial dims may end the region.  A region needs at least
+one pointwise op or a pool.  Every stop is recorded as a ``NearMiss`` with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from ..canonical import Conv, Opaque, Pointwise, Pool
+from ..engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
+from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, TensorRef
+from ..ops.config import ConvEpilogueConfig
+from ..report import Match, NearMiss, ReasonKind, source_line_of
+from ..rewrite import cast_if_needed, dtype_name, item_nodes_feeding, materialize, splice_fused_call
+
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class EpilogueRegion:
+    conv: Conv
+    steps: list[ChainStep]
+    step_nodes: list[fx.Node]
+    operands: list[fx.Node]
+    pool: Optional[Pool]
+
+
+@register_pattern
+class ConvEpiloguePattern(Pattern):
+    name = "conv_epilogue"
+    priority = 100
+    description = "conv/conv-transpose (1-3d) → chain of pointwise ops with scalar or per-channel operands → optional max/avg pool"
+
+    def find(self, ctx: MatchContext) -> Iterator[Union[Candidate, NearMiss]]:
+        for conv in ctx.convs():
+            yield self._grow(ctx, conv)
+
+    def _grow(self, ctx: MatchContext, conv: Conv) -> Union[Candidate, NearMiss]:
+        anchor = conv.node
+        y = fake_of(anchor)
+        miss = lambda at, kind, msg: ctx.near_miss(self.name, anchor, at, kind, msg)  # noqa: E731
+        if not isinstance(y, torch.Tensor):
+            return miss(anchor, ReasonKind.MISSING_METADATA, f"no shape/dtype metadata for `{anchor.name}`")
+        if y.dtype not in FUSED_DTYPES:
+            return miss(anchor, ReasonKind.UNSUPPORTED_DTYPE, f"conv output dtype {y.dtype} is not a floating type the fused op supports")
+        if y.dim() != conv.spec.spatial_dims + 2:
+            return miss(anchor, ReasonKind.DIMENSION_MISMATCH, f"unbatched conv input (output rank {y.dim()})")
+
+        region = EpilogueRegion(conv, [], [], [], None)
+        stop: Optional[NearMiss] = None
+        current = anchor
+        while True:
+            user, why = ctx.sole_user(current)
+            if user is None:
+                stop = miss(current, ReasonKind.SHARED_INTERMEDIATE, why)
+                break
+            op = ctx.op(user)
+            if isinstance(op, Pointwise):
+                if len(region.steps) == MAX_CHAIN_LENGTH:
+                    stop = miss(user, ReasonKind.CHAIN_TOO_LONG, f"the fused chain holds at most {MAX_CHAIN_LENGTH} ops")
+                    break
+                step = self._step(ctx, op, current, region, y)
+                if isinstance(step, NearMiss):
+                    stop = step
+                    break
+                region.steps.append(step)
+                region.step_nodes.append(user)
+                current = user
+                continue
+            if isinstance(op, Pool):
+                stop = self._pool(ctx, op, conv, region, miss)
+                break
+            description = op.description if isinstance(op, Opaque) else type(op).__name__.lower()
+            stop = miss(user, ReasonKind.UNSUPPORTED_OP, f"`{user.name}` ({description}) is not a fusible pointwise op or pool")
+            break
+
+        if not region.steps and region.pool is None:
+            if stop is None or [u.op for u in anchor.users] == ["output"]:
+                return miss(anchor, ReasonKind.NO_EPILOGUE, "the conv output goes straight to the graph output")
+            return stop
+        nodes = [anchor, *region.step_nodes] + ([region.pool.node] if region.pool else [])
+        # A chain that simply ends at the graph output is no near miss; any other stop is reported.
+        ends_at_output = [u.op for u in current.users] == ["output"]
+        notes = [stop] if stop is not None and region.pool is None and not ends_at_output else []
+        return Candidate(self.name, anchor, nodes, region, _summary(conv, region), notes)
+
+    def _step(self, ctx: MatchContext, op: Pointwise, flowing: fx.Node, region: EpilogueRegion, y) -> Union[ChainStep, NearMiss]:
+        anchor = region.conv.node
+        seen = op.with_flowing(flowing)
+        if isinstance(seen, str):
+            return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND, seen)
+        kind, values = seen
+        out = fake_of(op.node)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(fake_of(flowing).shape):
+            return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND,
+                                 f"`{op.node.name}` changes the shape (an operand broadcasts the result)")
+        if out.dtype not in FUSED_DTYPES:
+            return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_DTYPE, f"`{op.node.name}` yields {out.dtype}")
+        region_nodes = {anchor, *region.step_nodes}
+        operands = []
+        trial = list(region.operands)
+        for value in values:
+            if isinstance(value, fx.Node) and ctx.depends_on(value, region_nodes):
+                return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND,
+                                     f"operand `{value.name}` of `{op.node.name}` is computed from the chain itself")
+            got = ctx.classify_operand(value, y, trial)
+            if isinstance(got, str):
+                return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND, got)
+            operands.append(got)
+        for i, got in enumerate(operands):
+            if isinstance(got, TensorRef) and i not in kind.differentiable_operands:
+                fake = fake_of(trial[got.index])
+                if getattr(fake, "requires_grad", False):
+                    return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND,
+                                         f"the {kind.name.lower()} parameter `{trial[got.index].name}` requires grad; only arithmetic operands get gradients")
+        region.operands[:] = trial
+        return ChainStep(kind, tuple(operands))
+
+    def _pool(self, ctx: MatchContext, op: Pool, conv: Conv, region: EpilogueRegion, miss) -> Optional[NearMiss]:
+        if op.spatial_dims != conv.spec.spatial_dims:
+            return miss(op.node, ReasonKind.DIMENSION_MISMATCH,
+                        f"a {op.spatial_dims}-d pool after a {conv.spec.spatial_dims}-d conv")
+        if op.unsupported:
+            return miss(op.node, ReasonKind.UNSUPPORTED_ARGUMENT, f"{op.spec.kind}-pool with {op.unsupported}")
+        if not isinstance(fake_of(op.node), torch.Tensor):
+            return miss(op.node, ReasonKind.MISSING_METADATA, f"no metadata for `{op.node.name}`")
+        region.pool = op
+        return None
+
+    def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:
+        from ..ops import conv_epilogue as op_module
+
+        region: EpilogueRegion = candidate.payload
+        conv = region.conv
+        conv_fake = fake_of(conv.node)
+        out_fake = fake_of(candidate.nodes[-1])
+        config = ConvEpilogueConfig(
+            conv=conv.spec,
+            chain=tuple(region.steps),
+            pool=region.pool.spec if region.pool else None,
+            out_dtype=dtype_name(out_fake.dtype) if out_fake.dtype != conv_fake.dtype else None,
+            strict=ctx.strict,
+        ).to_json()
+        dtype = conv_fake.dtype
+
+        def build(graph: fx.Graph) -> fx.Node:
+            x = cast_if_needed(graph, conv.input, dtype)
+            w = cast_if_needed(graph, materialize(graph, conv.weight), dtype)
+            b = cast_if_needed(graph, materialize(graph, conv.bias), dtype)
+            return graph.call_function(op_module.conv_epilogue, (x, w, b, list(region.operands), config))
+
+        kernel, why = op_module.kernel_path(config, dtype, conv_fake.device.type)
+        splice_fused_call(ctx.gm, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))
+        return Match(
+            pattern=self.name,
+            nodes=tuple(n.name for n in candidate.nodes),
+            source_lines=tuple(s for s in (source_line_of(n) for n in candidate.nodes) if s is not None),
+            fused_op="fusion::conv_epilogue_fwd",
+            config=config,
+            kernel=kernel if why is None else f"{kernel} ({why})",
+            summary=candidate.summary,
+        )
+
+
+def _summary(conv: Conv, region: EpilogueRegion) -> str:
+    d = conv.spec.spatial_dims
+    parts = [f"conv{'_transpose' if conv.spec.transposed else ''}{d}d"]
+    parts += [s.kind.name.lower() for s in region.steps]
+    if region.pool:
+        parts.append(f"{region.pool.spec.kind}_pool{d}d")
+    return " -> ".join(parts)

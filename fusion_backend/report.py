@@ -1,0 +1,213 @@
+"""Structured records of what the backend decided, per compiled graph.
+
+Everything here is a frozen dataclass of plain values (node *names*, not ``fx.Node`` objects), so a
+report survives the graph it describes, prints readably, and round-trips through JSON
+(``GraphReport.to_dict`` / ``GraphReport.from_dict``).
+
+Reports reach their readers through sinks: ``collect_reports()`` is a context manager that gathers
+every report produced while it is open (used by ``fusion_backend.explain`` and the pytest fixture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import re
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch.fx as fx
+
+
+class ReasonKind(str, enum.Enum):
+    """Why a candidate region was not (entirely) fused.  A closed set: tests and tools switch on it."""
+
+    UNSUPPORTED_OP = "unsupported_op"
+    """The value flows into an op no pattern can fuse (e.g. ``softmax``)."""
+    SHARED_INTERMEDIATE = "shared_intermediate"
+    """An intermediate is also used outside the chain (or is a graph output), so it must be produced."""
+    UNSUPPORTED_OPERAND = "unsupported_operand"
+    """A second operand is neither a number, a 0-d tensor nor a per-channel tensor."""
+    UNSUPPORTED_ARGUMENT = "unsupported_argument"
+    """A known op with an argument the fused kernels do not implement (``return_indices=True``...)."""
+    DIMENSION_MISMATCH = "dimension_mismatch"
+    """E.g. a 2-d pool after a 3-d conv, or a mean that does not cover every spatial dim."""
+    UNSUPPORTED_DTYPE = "unsupported_dtype"
+    """Integer, complex or otherwise unsupported element type."""
+    CHAIN_TOO_LONG = "chain_too_long"
+    """The chain reached the fused op's maximum length; the rest stays outside."""
+    CLAIMED = "claimed"
+    """The nodes were already taken by a higher-priority pattern."""
+    NO_EPILOGUE = "no_epilogue"
+    """A conv with nothing fusible after it."""
+    MISSING_METADATA = "missing_metadata"
+    """The graph carries no shape/dtype metadata for a node the decision depends on."""
+
+
+@dataclass(frozen=True)
+class SourceLine:
+    """Where in the user's code a node came from (the innermost frame of its stack trace)."""
+
+    file: str
+    line: int
+    code: str = ""
+
+    def __str__(self) -> str:
+        short = self.file.rsplit("/", 1)[-1]
+        return f"{short}:{self.line}" + (f"  `{self.code}`" if self.code else "")
+
+
+@dataclass(frozen=True)
+class Match:
+    """A region rewritten into one fused op call."""
+
+    pattern: str
+    nodes: tuple[str, ...]
+    source_lines: tuple[SourceLine, ...]
+    fused_op: str
+    config: str
+    kernel: str
+    """``"triton"`` or ``"reference (<why>)"``: what will run for the example inputs' device/dtype."""
+    summary: str
+    """One line, e.g. ``conv_transpose3d -> leaky_relu -> mul -> leaky_relu -> max_pool3d``."""
+
+
+@dataclass(frozen=True)
+class NearMiss:
+    """A candidate that stopped short: ``node`` is where matching stopped and ``reason`` why."""
+
+    pattern: str
+    anchor: str
+    node: str
+    reason: ReasonKind
+    message: str
+    source_line: Optional[SourceLine] = None
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """The graph (or a region) was compiled without the rewrite because ``stage`` failed."""
+
+    stage: str
+    pattern: Optional[str]
+    error: str
+
+
+@dataclass(frozen=True)
+class GraphReport:
+    """Everything decided for one graph Dynamo handed to the backend."""
+
+    graph_index: int
+    graph_name: str
+    matches: tuple[Match, ...] = ()
+    near_misses: tuple[NearMiss, ...] = ()
+    fallbacks: tuple[Fallback, ...] = ()
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    enabled_patterns: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for nm in d["near_misses"]:
+            nm["reason"] = nm["reason"].value if isinstance(nm["reason"], ReasonKind) else nm["reason"]
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "GraphReport":
+        def line(x: Optional[dict[str, Any]]) -> Optional[SourceLine]:
+            return None if x is None else SourceLine(**x)
+
+        return GraphReport(
+            graph_index=d["graph_index"],
+            graph_name=d["graph_name"],
+            matches=tuple(
+                Match(**{**m, "nodes": tuple(m["nodes"]), "source_lines": tuple(SourceLine(**s) for s in m["source_lines"])})
+                for m in d["matches"]
+            ),
+            near_misses=tuple(
+                NearMiss(**{**n, "reason": ReasonKind(n["reason"]), "source_line": line(n["source_line"])})
+                for n in d["near_misses"]
+            ),
+            fallbacks=tuple(Fallback(**f) for f in d["fallbacks"]),
+            stage_seconds=dict(d["stage_seconds"]),
+            enabled_patterns=tuple(d["enabled_patterns"]),
+            notes=tuple(d["notes"]),
+        )
+
+    def counts(self) -> dict[str, int]:
+        """Number of matches per pattern name."""
+        out: dict[str, int] = {}
+        for m in self.matches:
+            out[m.pattern] = out.get(m.pattern, 0) + 1
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"graph {self.graph_index} ({self.graph_name}): {len(self.matches)} fused, "
+                 f"{len(self.near_misses)} near miss(es), {len(self.fallbacks)} fallback(s)"]
+        for m in self.matches:
+            lines.append(f"  [fused] {m.pattern}: {m.summary}  -> {m.fused_op} ({m.kernel})")
+            for s in m.source_lines:
+                lines.append(f"          {s}")
+        for n in self.near_misses:
+            where = f"  at {n.source_line}" if n.source_line else ""
+            lines.append(f"  [miss]  {n.pattern} from `{n.anchor}` stopped at `{n.node}`: {n.reason.value}: {n.message}{where}")
+        for f in self.fallbacks:
+            lines.append(f"  [fallback] {f.stage}" + (f" ({f.pattern})" if f.pattern else "") + f": {f.error}")
+        for note in self.notes:
+            lines.append(f"  [note] {note}")
+        if self.stage_seconds:
+            lines.append("  time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.stage_seconds.items()))
+        return "\n".join(lines)
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def source_line_of(node: fx.Node) -> Optional[SourceLine]:
+    """The innermost user frame recorded in ``node.meta["stack_trace"]`` (Dynamo sets it)."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    lines = trace.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _FRAME.search(lines[i])
+        if m:
+            code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.search(lines[i + 1]) else ""
+            return SourceLine(m.group("file"), int(m.group("line")), code)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Sinks
+
+_local = threading.local()
+
+
+def _sinks() -> list[list[GraphReport]]:
+    if not hasattr(_local, "sinks"):
+        _local.sinks = []
+    return _local.sinks
+
+
+@contextlib.contextmanager
+def collect_reports() -> Iterator[list[GraphReport]]:
+    """Collect every ``GraphReport`` produced (in this thread) while the block runs.
+
+    >>> with collect_reports() as reports:  # doctest: +SKIP
+    ...     torch.compile(model, backend="fusion")(x)
+    >>> reports[0].counts()  # doctest: +SKIP
+    {'conv_epilogue': 1}
+    """
+    bucket: list[GraphReport] = []
+    _sinks().append(bucket)
+    try:
+        yield bucket
+    finally:
+        _sinks().remove(bucket)
+
+
+def publish(report: GraphReport) -> None:
+    """Hand a finished report to every open sink."""
+    for bucket in _sinks():
+        bucket.append(report)

@@ -1,0 +1,75 @@
+"""Graph surgery shared by the patterns: materialise operands, cast inputs, splice in a fused call.
+
+Contract of ``splice_fused_call``: the region's nodes are in graph order and only the last one is
+used outside the region; the new call is inserted right before that last node (every input of the
+region is defined before it), takes over all its uses and its metadata, and the region is erased.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from .canonical import ParamRef
+from .engine import fake_of
+
+
+def materialize(graph: fx.Graph, value: Any) -> Any:
+    """A graph value for a ``ValueRef``: ``ParamRef`` becomes a ``get_attr`` node, the rest passes."""
+    if isinstance(value, ParamRef):
+        return graph.get_attr(value.qualified_name)
+    return value
+
+
+def cast_if_needed(graph: fx.Graph, value: Any, dtype: torch.dtype) -> Any:
+    """``value.to(dtype)`` when its recorded dtype differs (autocast runs the conv in bf16/fp16 on
+    fp32 inputs, and the fused op, which autocast does not see, must receive what the conv saw)."""
+    if value is None:
+        return None
+    fake = fake_of(value) if isinstance(value, fx.Node) else None
+    current = fake.dtype if isinstance(fake, torch.Tensor) else None  # unknown: cast (free when equal)
+    if current == dtype:
+        return value
+    return graph.call_method("to", (value, dtype))
+
+
+def splice_fused_call(
+    gm: fx.GraphModule,
+    region: Sequence[fx.Node],
+    build: Callable[[fx.Graph], fx.Node],
+    extra_dead: Sequence[fx.Node] = (),
+) -> fx.Node:
+    """Insert the nodes made by ``build(graph)`` before the region's last node and erase the region.
+
+    ``extra_dead``: nodes outside the region that may become unused (e.g. ``x.item()`` calls whose
+    tensor the fused op now takes directly); each is erased only if nothing uses it any more.
+    """
+    graph = gm.graph
+    last = region[-1]
+    with graph.inserting_before(last):
+        fused = build(graph)
+    fused.meta.update({k: v for k, v in last.meta.items() if k in ("example_value", "val", "stack_trace", "tensor_meta")})
+    last.replace_all_uses_with(fused)
+    for node in reversed(region):
+        graph.erase_node(node)
+    for node in extra_dead:
+        if not node.users and node.graph is graph:
+            graph.erase_node(node)
+    return fused
+
+
+def item_nodes_feeding(region: Sequence[fx.Node]) -> list[fx.Node]:
+    """``x.item()`` nodes used by the region (candidates for ``extra_dead``)."""
+    out: list[fx.Node] = []
+    for node in region:
+        for inp in node.all_input_nodes:
+            if inp.op == "call_method" and inp.target == "item" and inp not in out:
+                out.append(inp)
+    return out
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
+    """``torch.float32`` → ``"float32"`` (the fused ops' configs carry dtype names)."""
+    return None if dtype is None else str(dtype).replace("torch.", "")
