@@ -123,19 +123,6 @@ class MatchContext:
             described.append(label + (f" at {where.file.rsplit('/', 1)[-1]}:{where.line}" if where else ""))
         return None, f"`{node.name}` is used by " + " and ".join(described)
 
-    def depends_on(self, value: fx.Node, nodes: set[fx.Node]) -> bool:
-        """Whether ``value`` is computed (transitively) from any of ``nodes``."""
-        stack, seen = [value], set()
-        while stack:
-            n = stack.pop()
-            if n in nodes:
-                return True
-            if n in seen:
-                continue
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-        return False
-
     def near_miss(self, pattern: str, anchor: fx.Node, at: fx.Node, reason: ReasonKind, message: str) -> NearMiss:
         return NearMiss(pattern, anchor.name, at.name, reason, message, source_line_of(at))
 
@@ -208,16 +195,20 @@ class EngineResult:
     near_misses: list[NearMiss]
 
 
-def run_patterns(
-    gm: fx.GraphModule,
-    enabled: Iterable[str],
-    strict: bool = False,
-    on_stage: Optional[Callable[[str, Optional[str]], None]] = None,
-) -> EngineResult:
-    """Match and rewrite ``gm`` in place with the ``enabled`` patterns (names).  Raises on failure.
+@dataclass
+class Regions:
+    """Outcome of the find phase: accepted candidates (disjoint) with their patterns, near misses."""
 
-    ``on_stage(stage, pattern)`` is called before each stage so the caller can name the failing
-    stage and pattern in its fallback report.
+    ctx: MatchContext
+    accepted: list[tuple[Pattern, Candidate]]
+    near_misses: list[NearMiss]
+
+
+def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = False,
+                 on_stage: Optional[Callable[[str, Optional[str]], None]] = None) -> Regions:
+    """Normalise ``gm`` and run the ``enabled`` patterns' ``find``, highest priority first.
+
+    Changes the graph only by rewiring in-place aliases (``functionalize_inplace``).
     """
     stage = on_stage or (lambda s, p: None)
     stage("normalize", None)
@@ -246,12 +237,27 @@ def run_patterns(
     fused_names = {n.name for _, c in accepted for n in c.nodes}
     near_misses = [m for m in near_misses if m.anchor not in fused_names]
     near_misses += [note for _, c in accepted for note in c.notes]
+    return Regions(ctx, accepted, near_misses)
 
+
+def run_patterns(
+    gm: fx.GraphModule,
+    enabled: Iterable[str],
+    strict: bool = False,
+    on_stage: Optional[Callable[[str, Optional[str]], None]] = None,
+) -> EngineResult:
+    """Find and rewrite ``gm`` in place with the ``enabled`` patterns (names).  Raises on failure.
+
+    ``on_stage(stage, pattern)`` is called before each stage so the caller can name the failing
+    stage and pattern in its fallback report.
+    """
+    stage = on_stage or (lambda s, p: None)
+    regions = find_regions(gm, enabled, strict, stage)
     matches = []
-    for pattern, candidate in accepted:
+    for pattern, candidate in regions.accepted:
         stage("rewrite", pattern.name)
-        matches.append(pattern.rewrite(ctx, candidate))
-    if accepted:
+        matches.append(pattern.rewrite(regions.ctx, candidate))
+    if regions.accepted:
         gm.graph.lint()
         gm.recompile()
-    return EngineResult(matches, near_misses)
+    return EngineResult(matches, regions.near_misses)

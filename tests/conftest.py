@@ -28,3 +28,28 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def seed_models():
+    """``seed_models(name, shrink=False)`` → (model, inputs) of ``demos/seeds/<name>.py``.
+
+    ``shrink=True`` cuts batch and spatial sizes so the seed traces and runs quickly on CPU while
+    keeping every hyper-parameter (channels, kernel, stride...) as written.
+    """
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str, shrink: bool = False):
+        path = Path(__file__).resolve().parents[1] / "demos" / "seeds" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"seed_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        torch.manual_seed(0)
+        model = module.Model(*module.get_init_inputs())
+        inputs = module.get_inputs()
+        if shrink:
+            inputs = [t[:2, :, *(slice(0, 6) for _ in t.shape[2:])].contiguous() for t in inputs]
+        return model, inputs
+
+    return load

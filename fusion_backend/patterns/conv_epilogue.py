@@ -111,13 +111,11 @@ class ConvEpiloguePattern(Pattern):
                                  f"`{op.node.name}` changes the shape (an operand broadcasts the result)")
         if out.dtype not in FUSED_DTYPES:
             return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_DTYPE, f"`{op.node.name}` yields {out.dtype}")
-        region_nodes = {anchor, *region.step_nodes}
+        # An operand cannot be computed from the region: that would need a second user of a region
+        # node, and the chain already stops at any value with two users.
         operands = []
         trial = list(region.operands)
         for value in values:
-            if isinstance(value, fx.Node) and ctx.depends_on(value, region_nodes):
-                return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND,
-                                     f"operand `{value.name}` of `{op.node.name}` is computed from the chain itself")
             got = ctx.classify_operand(value, y, trial)
             if isinstance(got, str):
                 return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND, got)

@@ -1,0 +1,296 @@
+"""Matching of the conv_epilogue family: every spelling of the ops, and every rejection reason.
+
+These run only the find phase (``dry_run``: Dynamo + our matcher, no rewrite, no Inductor), so each
+case costs a Dynamo trace and nothing else.
+"""
+
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fusion_backend.testing import assert_not_fused, dry_run
+
+X2 = (torch.rand(2, 3, 10, 10),)
+
+
+class Chain(nn.Module):
+    """conv2d(3→4, k3) followed by ``body(self, y)``."""
+
+    def __init__(self, body, conv=None):
+        super().__init__()
+        self.conv = conv or nn.Conv2d(3, 4, 3)
+        self.m = nn.Parameter(torch.randn(4, 1, 1))
+        self.m4 = nn.Parameter(torch.randn(1, 4, 1, 1))
+        self.s = nn.Parameter(torch.randn(()))
+        self.body = body
+
+    def forward(self, x):
+        return self.body(self, self.conv(x))
+
+
+def regions(model, inputs=X2, **kw):
+    return dry_run(model, inputs, patterns=["conv_epilogue"], **kw).regions
+
+
+SPELLINGS = {
+    "x*m": (lambda s, y: y * s.m, "mul"),
+    "m*x": (lambda s, y: s.m * y, "mul"),
+    "torch.mul": (lambda s, y: torch.mul(y, s.m), "mul"),
+    "x.mul(m)": (lambda s, y: y.mul(s.m), "mul"),
+    "x.mul_(m)": (lambda s, y: y.mul_(s.m), "mul"),
+    "operator.imul": (lambda s, y: operator.imul(y, s.m4), "mul"),
+    "x*2.5": (lambda s, y: y * 2.5, "mul"),
+    "x*0-d": (lambda s, y: y * s.s, "mul"),
+    "x+m": (lambda s, y: y + s.m, "add"),
+    "m+x": (lambda s, y: s.m + y, "add"),
+    "torch.add alpha": (lambda s, y: torch.add(y, 3.0, alpha=2), "add"),
+    "x-m": (lambda s, y: y - s.m, "sub"),
+    "m-x": (lambda s, y: s.m - y, "rsub"),
+    "torch.sub": (lambda s, y: torch.sub(y, s.m), "sub"),
+    "x/m": (lambda s, y: y / s.m, "div"),
+    "2/x": (lambda s, y: 2.0 / y, "rdiv"),
+    "x.div_": (lambda s, y: y.div_(4.0), "div"),
+    "-x": (lambda s, y: -y, "mul"),
+    "F.relu": (lambda s, y: F.relu(y), "relu"),
+    "F.relu inplace": (lambda s, y: F.relu(y, inplace=True), "relu"),
+    "torch.relu": (lambda s, y: torch.relu(y), "relu"),
+    "x.relu_()": (lambda s, y: y.relu_(), "relu"),
+    "nn.ReLU": (lambda s, y: nn.ReLU()(y), "relu"),
+    "F.leaky_relu pos": (lambda s, y: F.leaky_relu(y, 0.3), "leaky_relu"),
+    "F.leaky_relu kw": (lambda s, y: F.leaky_relu(y, negative_slope=0.3, inplace=True), "leaky_relu"),
+    "F.leaky_relu_": (lambda s, y: F.leaky_relu_(y, 0.1), "leaky_relu"),
+    "nn.LeakyReLU": (lambda s, y: nn.LeakyReLU(0.2)(y), "leaky_relu"),
+    "F.gelu": (lambda s, y: F.gelu(y), "gelu"),
+    "F.gelu tanh": (lambda s, y: F.gelu(y, approximate="tanh"), "gelu_tanh"),
+    "nn.GELU": (lambda s, y: nn.GELU()(y), "gelu"),
+    "F.silu": (lambda s, y: F.silu(y), "silu"),
+    "nn.SiLU inplace": (lambda s, y: nn.SiLU(inplace=True)(y), "silu"),
+    "torch.sigmoid": (lambda s, y: torch.sigmoid(y), "sigmoid"),
+    "x.sigmoid()": (lambda s, y: y.sigmoid(), "sigmoid"),
+    "torch.tanh": (lambda s, y: torch.tanh(y), "tanh"),
+    "x.tanh_()": (lambda s, y: y.tanh_(), "tanh"),
+    "F.hardtanh": (lambda s, y: F.hardtanh(y, -0.5, 0.5), "hardtanh"),
+    "F.relu6": (lambda s, y: F.relu6(y), "hardtanh"),
+    "torch.clamp": (lambda s, y: torch.clamp(y, min=-1, max=2), "clamp"),
+    "x.clamp(min)": (lambda s, y: y.clamp(-1), "clamp_min"),
+    "x.clamp_(max=)": (lambda s, y: y.clamp_(max=1.5), "clamp_max"),
+    "torch.clip": (lambda s, y: torch.clip(y, -1, 1), "clamp"),
+    "F.hardswish": (lambda s, y: F.hardswish(y), "hardswish"),
+    "F.mish": (lambda s, y: F.mish(y), "mish"),
+}
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_every_spelling_of_a_pointwise_op_fuses(name):
+    body, kind = SPELLINGS[name]
+    (region,) = regions(Chain(body))
+    assert region[1] == f"conv2d -> {kind}"
+
+
+def test_long_chain_in_mixed_spellings_is_one_region():
+    def body(s, y):
+        y = s.m * y
+        y = F.leaky_relu(y, 0.2)
+        y = y.mul_(2.0)
+        y = torch.tanh(y)
+        y = F.gelu(y)
+        y = y - s.m4
+        return F.hardswish(y)
+
+    (region,) = regions(Chain(body))
+    assert region[1] == "conv2d -> mul -> leaky_relu -> mul -> tanh -> gelu -> sub -> hardswish"
+
+
+CONVS = {
+    "conv1d": (nn.Conv1d(3, 4, 3, stride=2, padding=1, dilation=2), (2, 3, 16), "conv1d"),
+    "conv3d": (nn.Conv3d(3, 4, 3, padding=1, bias=False), (1, 3, 5, 6, 7), "conv3d"),
+    "conv2d groups": (nn.Conv2d(4, 6, 3, groups=2, stride=(2, 1)), (1, 4, 9, 9), "conv2d"),
+    "conv2d padding valid": (nn.Conv2d(3, 4, 3, padding="valid"), (1, 3, 9, 9), "conv2d"),
+    "convT1d": (nn.ConvTranspose1d(3, 4, 3, stride=2, output_padding=1), (2, 3, 8), "conv_transpose1d"),
+    "convT2d": (nn.ConvTranspose2d(3, 4, 3, stride=3, padding=1, dilation=2, groups=1), (1, 3, 5, 5), "conv_transpose2d"),
+    "convT3d": (nn.ConvTranspose3d(2, 4, 3, 2, 1, 1), (1, 2, 3, 4, 4), "conv_transpose3d"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONVS))
+def test_every_conv_kind_anchors_a_chain(name):
+    conv, shape, label = CONVS[name]
+    model = Chain(lambda s, y: F.relu(y), conv=conv)
+    (region,) = regions(model, (torch.rand(shape),))
+    assert region[1] == f"{label} -> relu"
+
+
+@pytest.mark.parametrize("functional", [True, False])
+def test_functional_conv_with_keyword_arguments(functional):
+    w = torch.randn(4, 3, 3, 3)
+
+    def f(x, w):
+        y = F.conv2d(x, w, stride=2, padding=1) if functional else torch.conv2d(input=x, weight=w, padding=(1, 1))
+        return torch.sigmoid(y)
+
+    result = dry_run(f, (torch.rand(1, 3, 8, 8), w), patterns=["conv_epilogue"])
+    assert [r[1] for r in result.regions] == ["conv2d -> sigmoid"]
+
+
+POOLS = {
+    "nn.MaxPool2d": (lambda s, y: nn.MaxPool2d(2)(F.relu(y)), "max_pool2d"),
+    "F.max_pool2d kw": (lambda s, y: F.max_pool2d(F.relu(y), kernel_size=3, stride=2, padding=1, ceil_mode=True), "max_pool2d"),
+    "F.avg_pool2d": (lambda s, y: F.avg_pool2d(y * s.m, 2, count_include_pad=False), "avg_pool2d"),
+    "nn.AvgPool2d ceil": (lambda s, y: nn.AvgPool2d(3, 2, 1, ceil_mode=True, divisor_override=5)(F.silu(y)), "avg_pool2d"),
+    "pool only": (lambda s, y: F.max_pool2d(y, 2), "max_pool2d"),
+}
+
+
+@pytest.mark.parametrize("name", list(POOLS))
+def test_a_terminal_pool_joins_the_region(name):
+    body, pool = POOLS[name]
+    (region,) = regions(Chain(body))
+    assert region[1].endswith(pool)
+
+
+def test_seed_a_is_one_region_static_and_dynamic(seed_models):
+    model, inputs = seed_models("seed_a", shrink=True)
+    for dynamic in (False, True):
+        (region,) = regions(model, inputs, dynamic=dynamic)
+        assert region[1] == "conv_transpose3d -> leaky_relu -> mul -> leaky_relu -> max_pool3d"
+
+
+def test_seed_b_is_one_region_with_mark_dynamic(seed_models):
+    model, (x,) = seed_models("seed_b_small", shrink=True)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(x, 2)
+    (region,) = regions(model, (x,))
+    assert region[1] == "conv2d -> mul -> leaky_relu -> gelu"
+
+
+def test_symbolically_traced_graph_with_call_module_nodes_matches():
+    from fusion_backend.engine import find_regions
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LeakyReLU(0.1), nn.Hardtanh(-1, 2), nn.MaxPool2d(2))
+    gm = torch.fx.symbolic_trace(model)
+    from fusion_backend.backend import _ensure_fake_values
+
+    _ensure_fake_values(gm, [torch.rand(1, 3, 8, 8)])
+    found = find_regions(gm, ["conv_epilogue"])
+    assert [c.summary for _, c in found.accepted] == ["conv2d -> leaky_relu -> hardtanh -> max_pool2d"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejections: every reason the family records.
+
+
+def test_shared_conv_output_is_a_near_miss_naming_the_other_user():
+    misses = assert_not_fused(Chain(lambda s, y: F.relu(y) + y), X2, "conv_epilogue", reason="shared_intermediate")
+    assert "is used by" in misses[0].message and "test_match_conv_epilogue.py" in misses[0].message
+
+
+def test_chain_stops_before_a_shared_intermediate_which_is_still_produced():
+    def body(s, y):
+        z = F.relu(y)
+        w = z * s.m
+        return torch.softmax(w, 1) + w
+
+    result = dry_run(Chain(body), X2, patterns=["conv_epilogue"])
+    assert [r[1] for r in result.regions] == ["conv2d -> relu -> mul"]
+    (note,) = result.near_misses
+    assert note.reason.value == "shared_intermediate" and note.node == "w"
+
+
+def test_operand_computed_from_the_chain_stops_it_as_shared():
+    assert_not_fused(Chain(lambda s, y: y * y.mean()), X2, "conv_epilogue", reason="shared_intermediate")
+
+
+def test_unsupported_op_after_conv():
+    misses = assert_not_fused(Chain(lambda s, y: torch.softmax(y, 1)), X2, "conv_epilogue", reason="unsupported_op")
+    assert "softmax" in misses[0].message
+
+
+def test_conv_alone_has_no_epilogue():
+    assert_not_fused(Chain(lambda s, y: y), X2, "conv_epilogue", reason="no_epilogue")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        lambda s, y: y * torch.ones(8, device=y.device),  # broadcast along the last dim
+        lambda s, y: y * torch.ones(8, 1, device=y.device),  # varies along H, not C
+        lambda s, y: y * y,  # the flowing tensor twice
+        lambda s, y: y * torch.ones(2, 4, 1, 1),  # batch-dependent operand
+    ],
+    ids=["last-dim", "rank-2", "square", "per-batch"],
+)
+def test_operands_that_are_not_scalar_or_per_channel_are_rejected(body):
+    assert_not_fused(Chain(body), X2, "conv_epilogue", reason="unsupported_operand")
+
+
+def test_pool_with_return_indices_or_dilation_is_an_unsupported_argument():
+    misses = assert_not_fused(Chain(lambda s, y: F.max_pool2d(y, 2, return_indices=True)[0]), X2, "conv_epilogue",
+                              reason="unsupported_argument")
+    assert "return_indices" in misses[0].message
+    assert_not_fused(Chain(lambda s, y: F.max_pool2d(y, 2, dilation=2)), X2, "conv_epilogue", reason="unsupported_argument")
+
+
+def test_relu_then_pool_with_return_indices_keeps_the_chain_without_the_pool():
+    result = dry_run(Chain(lambda s, y: F.max_pool2d(F.relu(y), 2, return_indices=True)[0]), X2, patterns=["conv_epilogue"])
+    assert [r[1] for r in result.regions] == ["conv2d -> relu"]
+
+
+def test_pool_of_other_dimensionality_is_a_dimension_mismatch():
+    model = Chain(lambda s, y: F.max_pool1d(y.flatten(2), 2), conv=nn.Conv2d(3, 4, 3))
+    assert_not_fused(model, X2, "conv_epilogue", reason="unsupported_op")
+    conv1 = nn.Conv1d(3, 4, 3)
+    m1 = Chain(lambda s, y: F.max_pool2d(F.relu(y), 2), conv=conv1)
+    result = dry_run(m1, (torch.rand(2, 3, 10),), patterns=["conv_epilogue"])
+    assert [r[1] for r in result.regions] == ["conv1d -> relu"]
+    assert [n.reason.value for n in result.near_misses] == ["dimension_mismatch"]
+
+
+def test_integer_conv_is_an_unsupported_dtype():
+    from fusion_backend.engine import find_regions
+
+    class IntConv(nn.Module):
+        def forward(self, x):
+            return torch.relu(x)
+
+    # aten has no integer conv on CPU; build the graph by hand and fake an integer conv output.
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    w = g.placeholder("w")
+    c = g.call_function(torch.conv2d, (x, w))
+    r = g.call_function(torch.relu, (c,))
+    g.output(r)
+    gm = torch.fx.GraphModule(IntConv(), g)
+    for node, val in ((x, torch.empty(1, 3, 5, 5, dtype=torch.int32)), (w, torch.empty(2, 3, 3, 3, dtype=torch.int32)),
+                      (c, torch.empty(1, 2, 3, 3, dtype=torch.int32)), (r, torch.empty(1, 2, 3, 3, dtype=torch.int32))):
+        node.meta["val"] = val
+    found = find_regions(gm, ["conv_epilogue"])
+    assert not found.accepted and found.near_misses[0].reason.value == "unsupported_dtype"
+
+
+def test_chain_longer_than_the_maximum_is_cut_with_a_reason():
+    from fusion_backend.ops.chain import MAX_CHAIN_LENGTH
+
+    def body(s, y):
+        for _ in range(MAX_CHAIN_LENGTH + 2):
+            y = y * 1.01
+        return y
+
+    result = dry_run(Chain(body), X2, patterns=["conv_epilogue"])
+    (region,) = result.regions
+    assert region[1].count("mul") == MAX_CHAIN_LENGTH
+    assert [n.reason.value for n in result.near_misses] == ["chain_too_long"]
+
+
+def test_a_slope_that_requires_grad_is_rejected():
+    def body(s, y):
+        return F.relu(y) * 2 if False else torch.clamp(y, min=s.s)  # tensor bound requiring grad
+
+    assert_not_fused(Chain(body), X2, "conv_epilogue", reason="unsupported_operand")
+
+
+def test_disabled_pattern_fuses_nothing():
+    result = dry_run(Chain(lambda s, y: F.relu(y)), X2, patterns=[])
+    assert result.regions == ()
