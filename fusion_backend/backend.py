@@ -17,7 +17,8 @@ import logging
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx

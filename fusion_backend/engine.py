@@ -13,8 +13,9 @@ It raises on any internal failure; the backend turns that into a whole-graph fal
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -60,10 +61,10 @@ class Pattern:
     priority: int = 0
     description: str = ""
 
-    def find(self, ctx: "MatchContext") -> Iterable[Union[Candidate, NearMiss]]:
+    def find(self, ctx: MatchContext) -> Iterable[Union[Candidate, NearMiss]]:
         raise NotImplementedError
 
-    def rewrite(self, ctx: "MatchContext", candidate: Candidate) -> Match:
+    def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:
         raise NotImplementedError
 
 
@@ -232,10 +233,13 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
             ctx.claimed.update(item.nodes)
             accepted.append((pattern, item))
 
-    # A conv fused by one family is not a near miss of another; the accepted candidates' own notes
-    # (e.g. "the chain stopped at X") are kept.
-    fused_names = {n.name for _, c in accepted for n in c.nodes}
-    near_misses = [m for m in near_misses if m.anchor not in fused_names]
+    # A conv fused by a family of equal or higher priority is no near miss of another family (seed C's
+    # conv is no conv_epilogue near miss); a near miss of a higher-priority family stays, since it
+    # says why the better rewrite did not happen.  The accepted candidates' own notes (e.g. "the
+    # chain stopped at X") are kept.
+    fused_by = {n.name: p.priority for p, c in accepted for n in c.nodes}
+    near_misses = [m for m in near_misses
+                   if m.anchor not in fused_by or fused_by[m.anchor] < registry[m.pattern].priority]
     near_misses += [note for _, c in accepted for note in c.notes]
     return Regions(ctx, accepted, near_misses)
 

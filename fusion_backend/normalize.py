@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx

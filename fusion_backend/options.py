@@ -20,9 +20,10 @@ key                     meaning
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from .errors import InvalidOptionError, UnknownOptionError
 
@@ -39,7 +40,7 @@ class FusionOptions:
     inductor: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
-    def parse(options: Optional[Mapping[str, Any]], registered: tuple[str, ...]) -> "FusionOptions":
+    def parse(options: Optional[Mapping[str, Any]], registered: tuple[str, ...]) -> FusionOptions:
         """Validate ``options`` against our keys and Inductor's config; see the module docstring."""
         options = dict(options or {})
         if not all(isinstance(k, str) for k in options):

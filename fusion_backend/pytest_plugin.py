@@ -11,7 +11,7 @@ On a failing test that used the fixture, the reports are added to the failure ou
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

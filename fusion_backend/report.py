@@ -14,8 +14,9 @@ import contextlib
 import enum
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch.fx as fx
 
@@ -114,7 +115,7 @@ class GraphReport:
         return d
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "GraphReport":
+    def from_dict(d: dict[str, Any]) -> GraphReport:
         def line(x: Optional[dict[str, Any]]) -> Optional[SourceLine]:
             return None if x is None else SourceLine(**x)
 

@@ -7,7 +7,8 @@ region is defined before it), takes over all its uses and its metadata, and the 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx

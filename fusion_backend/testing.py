@@ -12,8 +12,9 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -150,9 +151,11 @@ def assert_fused(
             counts[k] = counts.get(k, 0) + v
     if counts != dict(expect):
         problems.append(f"rewrites: expected {dict(expect)}, got {counts}")
-    outs_got = got if isinstance(got, (tuple, list)) else [got]
-    outs_want = want if isinstance(want, (tuple, list)) else [want]
-    for i, (g, w) in enumerate(zip(outs_got, outs_want)):
+    outs_got = list(got) if isinstance(got, (tuple, list)) else [got]
+    outs_want = list(want) if isinstance(want, (tuple, list)) else [want]
+    if len(outs_got) != len(outs_want):
+        problems.append(f"outputs: {len(outs_got)} values, eager returns {len(outs_want)}")
+    for i, (g, w) in enumerate(zip(outs_got, outs_want, strict=False)):
         if isinstance(w, torch.Tensor):
             problems.append(compare(f"output[{i}]", g, w, tol))
     for name, w in want_grads.items():

@@ -49,7 +49,7 @@ def seed_models():
         model = module.Model(*module.get_init_inputs())
         inputs = module.get_inputs()
         if shrink:
-            inputs = [t[:2, :, *(slice(0, 6) for _ in t.shape[2:])].contiguous() for t in inputs]
+            inputs = [t[(slice(0, 2), slice(None), *(slice(0, 6) for _ in t.shape[2:]))].contiguous() for t in inputs]
         return model, inputs
 
     return load

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +70,7 @@ class PointwiseKind(enum.Enum):
         self.differentiable_operands = differentiable_operands
 
     @classmethod
-    def from_name(cls, name: str) -> "PointwiseKind":
+    def from_name(cls, name: str) -> PointwiseKind:
         try:
             return cls[name.upper()]
         except KeyError:

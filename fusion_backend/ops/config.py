@@ -84,7 +84,7 @@ class ConvEpilogueConfig:
         return json.dumps(_config_to_dict(self), sort_keys=True, separators=(",", ":"))
 
     @staticmethod
-    def from_json(text: str) -> "ConvEpilogueConfig":
+    def from_json(text: str) -> ConvEpilogueConfig:
         return _parse_conv_epilogue(text)
 
 

@@ -4,4 +4,4 @@ One module per family; a family is a ``fusion_backend.engine.Pattern`` subclass 
 ``register_pattern``.  Third-party families register the same way from their own modules.
 """
 
-from . import conv_epilogue  # noqa: F401
+from . import conv_epilogue, conv_global_mean  # noqa: F401

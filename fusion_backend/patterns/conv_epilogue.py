@@ -15,14 +15,16 @@ one pointwise op or a pool.  Every stop is recorded as a ``NearMiss`` with its r
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.fx as fx
 
 from ..canonical import Conv, Opaque, Pointwise, Pool
 from ..engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
+from ..normalize import describe_target
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, TensorRef
 from ..ops.config import ConvEpilogueConfig
 from ..report import Match, NearMiss, ReasonKind, source_line_of
@@ -85,7 +87,7 @@ class ConvEpiloguePattern(Pattern):
             if isinstance(op, Pool):
                 stop = self._pool(ctx, op, conv, region, miss)
                 break
-            description = op.description if isinstance(op, Opaque) else type(op).__name__.lower()
+            description = op.description if isinstance(op, Opaque) else describe_target(user)
             stop = miss(user, ReasonKind.UNSUPPORTED_OP, f"`{user.name}` ({description}) is not a fusible pointwise op or pool")
             break
 

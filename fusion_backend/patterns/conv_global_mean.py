@@ -1,0 +1,250 @@
+"""Pattern family ``conv_global_mean``: conv / conv-transpose → per-channel affine ops → global mean.
+
+The mean over every spatial position of a convolution is linear in its input, so the fused op
+computes it from per-tap sums of the input without producing the conv output (``ops/
+conv_global_mean.py``).  Matched spellings of the reduction, all normalised to "mean over all spatial
+dims" with or without kept dims:
+
+* ``torch.mean(x, dims, keepdim)``, ``x.mean(...)``, negative dims, ``F.adaptive_avg_pool{d}d(x, 1)``;
+* a reduction in several steps (a mean of a mean) as long as together they cover every spatial dim
+  and nothing else;
+* ``x.sum(dims) / n`` (or ``* (1/n)``) where ``n`` is the number of elements the sums reduced.
+
+Before the reduction, ``mul/add/sub/div`` by numbers or per-channel tensors are folded in (they
+commute with the mean).  Anything nonlinear stops the match; ``conv_epilogue`` (lower priority) may
+then fuse the conv with that op instead.  This family has a higher priority than ``conv_epilogue``:
+the algebraic rewrite removes the conv output altogether.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+import torch.fx as fx
+
+from ..canonical import Conv, GlobalReduce, Pointwise
+from ..engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
+from ..ops.chain import ChainStep, PointwiseKind
+from ..report import Match, NearMiss, ReasonKind, source_line_of
+from ..rewrite import cast_if_needed, dtype_name, item_nodes_feeding, materialize, splice_fused_call
+
+AFFINE_KINDS = (PointwiseKind.MUL, PointwiseKind.ADD, PointwiseKind.SUB, PointwiseKind.RSUB, PointwiseKind.DIV)
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_LOOKAHEAD = 8
+
+
+@dataclass
+class MeanRegion:
+    conv: Conv
+    affine: list[ChainStep] = field(default_factory=list)
+    operands: list[fx.Node] = field(default_factory=list)
+    nodes: list[fx.Node] = field(default_factory=list)
+    spellings: list[str] = field(default_factory=list)
+
+
+@register_pattern
+class ConvGlobalMeanPattern(Pattern):
+    name = "conv_global_mean"
+    priority = 200
+    description = "conv/conv-transpose (1-3d) → per-channel affine ops → mean over all spatial dims (computed algebraically)"
+
+    def find(self, ctx: MatchContext) -> Iterator[Union[Candidate, NearMiss]]:
+        for conv in ctx.convs():
+            found = self._match(ctx, conv)
+            if found is not None:
+                yield found
+
+    def _match(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
+        anchor = conv.node
+        y = fake_of(anchor)
+        if not isinstance(y, torch.Tensor) or y.dim() != conv.spec.spatial_dims + 2:
+            return None
+        region = MeanRegion(conv, nodes=[anchor])
+
+        def miss(at: fx.Node, kind: ReasonKind, msg: str, certain: bool = False) -> Optional[NearMiss]:
+            # Report only where a reduction was reached or is in sight: other convs are simply not ours.
+            if certain or self._reduction_ahead(ctx, at):
+                return ctx.near_miss(self.name, anchor, at, kind, msg)
+            return None
+
+        if y.dtype not in FUSED_DTYPES:
+            return miss(anchor, ReasonKind.UNSUPPORTED_DTYPE, f"conv output dtype {y.dtype}")
+        current = anchor
+        # 1. per-channel affine ops
+        while True:
+            user, why = ctx.sole_user(current)
+            if user is None:
+                return miss(current, ReasonKind.SHARED_INTERMEDIATE, why)
+            op = ctx.op(user)
+            if not isinstance(op, Pointwise):
+                break
+            seen = op.with_flowing(current)
+            if isinstance(seen, str) or seen[0] not in AFFINE_KINDS:
+                label = op.kind.name.lower() if isinstance(seen, str) else seen[0].name.lower()
+                return miss(user, ReasonKind.UNSUPPORTED_OP,
+                            f"`{user.name}` ({label}) before the mean is not a per-channel affine op (mul/add/sub/div)")
+            kind, values = seen
+            trial = list(region.operands)
+            operands = []
+            for value in values:
+                got = ctx.classify_operand(value, y, trial)
+                if isinstance(got, str):
+                    return miss(user, ReasonKind.UNSUPPORTED_OPERAND, got)
+                operands.append(got)
+            out = fake_of(user)
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(y.shape):
+                return miss(user, ReasonKind.UNSUPPORTED_OPERAND, f"`{user.name}` changes the shape")
+            region.operands[:] = trial
+            region.affine.append(ChainStep(kind, tuple(operands)))
+            region.nodes.append(user)
+            current = user
+
+        # 2. reductions that together cover every spatial dim (and nothing else)
+        rank = y.dim()
+        dims_left = list(range(rank))  # original dim of each current dim
+        spatial = set(range(2, rank))
+        reduced: set[int] = set()
+        sum_count: Optional[int] = 1  # elements reduced by sums (must be divided away)
+        summed = False
+        partial = "the reductions cover dims {} of the conv output, not every spatial dim " + str(sorted(spatial))
+        while reduced != spatial:
+            user, why = ctx.sole_user(current)
+            if user is None:
+                if not reduced:
+                    return None
+                if [u.op for u in current.users] == ["output"]:
+                    return miss(current, ReasonKind.DIMENSION_MISMATCH, partial.format(sorted(reduced)), certain=True)
+                return miss(current, ReasonKind.SHARED_INTERMEDIATE, why, certain=True)
+            op = ctx.op(user)
+            if not isinstance(op, GlobalReduce) or op.input is not current:
+                if reduced:
+                    return miss(user, ReasonKind.DIMENSION_MISMATCH, partial.format(sorted(reduced)), certain=True)
+                return None
+            if op.dims is None:
+                return miss(user, ReasonKind.DIMENSION_MISMATCH, "a reduction over all dims (batch and channels too)", certain=True)
+            cur_rank = len(dims_left)
+            try:
+                these = {dims_left[d % cur_rank] for d in op.dims}
+            except IndexError:
+                return miss(user, ReasonKind.DIMENSION_MISMATCH, f"dims {op.dims} out of range", certain=True)
+            if not these <= spatial or these & reduced:
+                return miss(user, ReasonKind.DIMENSION_MISMATCH,
+                            f"`{user.name}` reduces dims {sorted(these)} of the conv output; only spatial dims {sorted(spatial)} can be",
+                            certain=True)
+            if op.kind == "sum":
+                summed = True
+                for d in these:
+                    size = y.shape[d]
+                    sum_count = sum_count * int(size) if sum_count is not None and _is_static(size) else None
+            reduced |= these
+            if not op.keepdim:
+                dims_left = [d for d in dims_left if d not in these]
+            region.nodes.append(user)
+            region.spellings.append(op.kind)
+            current = user
+
+        # 3. the division that turns sums into a mean
+        if summed:
+            user, _ = ctx.sole_user(current)
+            op = ctx.op(user) if user is not None else None
+            factor = _scale_factor(op, current)
+            if sum_count is None:
+                return miss(current, ReasonKind.UNSUPPORTED_ARGUMENT,
+                            "a sum over dims of dynamic size: cannot prove it is divided by their count", certain=True)
+            if factor is None or not math.isclose(factor, 1.0 / sum_count, rel_tol=1e-9):
+                return miss(user or current, ReasonKind.UNSUPPORTED_OP,
+                            f"a sum over spatial dims fuses only when divided by the number of summed elements ({sum_count})",
+                            certain=True)
+            region.nodes.append(user)
+            current = user
+
+        final = fake_of(current)
+        if not isinstance(final, torch.Tensor):
+            return miss(current, ReasonKind.MISSING_METADATA, f"no metadata for `{current.name}`")
+        return Candidate(self.name, anchor, region.nodes, region, _summary(conv, region), [])
+
+    @staticmethod
+    def _reduction_ahead(ctx: MatchContext, node: fx.Node) -> bool:
+        current = node
+        for _ in range(_LOOKAHEAD):
+            if isinstance(ctx.op(current), GlobalReduce):
+                return True
+            users = [u for u in current.users if u.op != "output"]
+            if len(users) != 1:
+                return any(isinstance(ctx.op(u), GlobalReduce) for u in users)
+            current = users[0]
+        return False
+
+    def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:
+        from ..ops import conv_global_mean as op_module
+
+        region: MeanRegion = candidate.payload
+        conv = region.conv
+        conv_fake = fake_of(conv.node)
+        final = fake_of(candidate.nodes[-1])
+        rank = conv_fake.dim()
+        keepdim = final.dim() == rank
+        unsqueeze = 0 if keepdim else final.dim() - 2
+        config = op_module.ConvGlobalMeanConfig(
+            conv=conv.spec,
+            affine=tuple(region.affine),
+            keepdim=keepdim,
+            out_dtype=dtype_name(final.dtype) if final.dtype != conv_fake.dtype else None,
+            strict=ctx.strict,
+        ).to_json()
+        dtype = conv_fake.dtype
+
+        def build(graph: fx.Graph) -> fx.Node:
+            x = cast_if_needed(graph, conv.input, dtype)
+            w = cast_if_needed(graph, materialize(graph, conv.weight), dtype)
+            b = cast_if_needed(graph, materialize(graph, conv.bias), dtype)
+            out = graph.call_function(op_module.conv_global_mean, (x, w, b, list(region.operands), config))
+            for _ in range(unsqueeze):  # a partial keepdim, e.g. x.mean(2, keepdim=True).mean(3)
+                out = graph.call_method("unsqueeze", (out, -1))
+            return out
+
+        kernel, why = op_module.kernel_path(config, dtype, conv_fake.device.type)
+        splice_fused_call(ctx.gm, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))
+        return Match(
+            pattern=self.name,
+            nodes=tuple(n.name for n in candidate.nodes),
+            source_lines=tuple(s for s in (source_line_of(n) for n in candidate.nodes) if s is not None),
+            fused_op="fusion::conv_global_mean_fwd",
+            config=config,
+            kernel=kernel if why is None else f"{kernel} ({why})",
+            summary=candidate.summary,
+        )
+
+
+def _is_static(size: object) -> bool:
+    return isinstance(size, int) or (isinstance(size, torch.SymInt) and size.node.expr.is_number)
+
+
+def _scale_factor(op: object, flowing: fx.Node) -> Optional[float]:
+    """The constant factor of ``flowing / n`` or ``flowing * f``, or None."""
+    if not isinstance(op, Pointwise):
+        return None
+    seen = op.with_flowing(flowing)
+    if isinstance(seen, str):
+        return None
+    kind, values = seen
+    if len(values) != 1 or not isinstance(values[0], (int, float)) or isinstance(values[0], bool):
+        return None
+    if kind is PointwiseKind.DIV and values[0] != 0:
+        return 1.0 / float(values[0])
+    if kind is PointwiseKind.MUL:
+        return float(values[0])
+    return None
+
+
+def _summary(conv: Conv, region: MeanRegion) -> str:
+    d = conv.spec.spatial_dims
+    parts = [f"conv{'_transpose' if conv.spec.transposed else ''}{d}d"]
+    parts += [s.kind.name.lower() for s in region.affine]
+    parts.append("global_mean" if region.spellings == ["mean"] else f"global_mean({'+'.join(region.spellings)})")
+    return " -> ".join(parts)
+
