@@ -31,6 +31,14 @@ from .report import Fallback, GraphReport, publish
 log = logging.getLogger("fusion_backend")
 _graph_counter = itertools.count()
 
+# Dynamo/AOTAutograd signal "trace again" with these (e.g. to specialise float scalars lifted to
+# inputs under dynamic=True).  They are control flow, not failures: never fall back on them.
+_CONTROL_FLOW = tuple(
+    getattr(torch._dynamo.exc, name)
+    for name in ("TensorifyScalarRestartAnalysis", "RestartAnalysis")
+    if hasattr(torch._dynamo.exc, name)
+)
+
 
 def fusion(
     gm: fx.GraphModule,
@@ -67,6 +75,8 @@ def fusion(
         result = run_patterns(work, opts.patterns, strict=opts.strict, on_stage=on_stage)
         matches, near_misses = result.matches, result.near_misses
         rewritten = work
+    except _CONTROL_FLOW:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure must fall back, never lose the graph
         fallbacks.append(_fall_back(opts, current["stage"], current["pattern"], exc))
     times["match+rewrite"] = time.perf_counter() - t0
@@ -76,6 +86,8 @@ def fusion(
     if rewritten is not None and matches:
         try:
             compiled = _compile_inductor(rewritten, example_inputs, config_patches)
+        except _CONTROL_FLOW:
+            raise
         except Exception as exc:  # noqa: BLE001
             patterns = sorted({m.pattern for m in matches})
             fallbacks.append(_fall_back(opts, "compile", ",".join(patterns), exc))

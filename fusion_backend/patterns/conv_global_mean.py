@@ -169,13 +169,19 @@ class ConvGlobalMeanPattern(Pattern):
 
     @staticmethod
     def _reduction_ahead(ctx: MatchContext, node: fx.Node) -> bool:
+        """Whether a reduction over some dims (not a whole-tensor ``sum()`` such as a loss) follows
+        within a few single-user steps: only then is a stop worth reporting as a near miss."""
+        def is_reduction(n: fx.Node) -> bool:
+            op = ctx.op(n)
+            return isinstance(op, GlobalReduce) and op.dims is not None
+
         current = node
         for _ in range(_LOOKAHEAD):
-            if isinstance(ctx.op(current), GlobalReduce):
+            if is_reduction(current):
                 return True
             users = [u for u in current.users if u.op != "output"]
             if len(users) != 1:
-                return any(isinstance(ctx.op(u), GlobalReduce) for u in users)
+                return any(is_reduction(u) for u in users)
             current = users[0]
         return False
 

@@ -1,0 +1,104 @@
+"""``python -m fusion_backend explain FILE.py``: compile a model file with ``fusion``, print the report,
+and check the compiled result against eager.
+
+The file uses the benchmark layout (``Model``, ``get_inputs()``, ``get_init_inputs()``).  Exit status:
+0 when everything matches eager, 1 on a mismatch, 2 on a usage error (bad file, unknown device...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Optional, TextIO
+
+import torch
+
+from .errors import FusionError
+from .testing import TOLERANCES, compare
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fusion_backend explain", description=__doc__.split("\n\n")[0])
+    p.add_argument("file", help="model file with Model, get_inputs() and get_init_inputs()")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="convert model and inputs to this dtype")
+    p.add_argument("--autocast", choices=["bf16", "fp16"], default=None, help="run the forward under autocast")
+    p.add_argument("--dump", metavar="DIR", default=None, help="write graph dumps (before/after code, report, DOT) here")
+    p.add_argument("--train", action="store_true", help="also run backward and check every gradient")
+    p.add_argument("--dynamic", action="store_true", help="compile with dynamic=True")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
+    args = build_parser().parse_args(argv)
+    from .bench.suite import load_workload
+
+    try:
+        workload = load_workload(args.file)
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise FusionError(f"--device {args.device} was asked for but CUDA is not available")
+        model, inputs = workload.build(args.seed)
+    except (FusionError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    dtype = DTYPES[args.dtype]
+    model = model.to(device=args.device, dtype=dtype)
+    inputs = [t.to(device=args.device, dtype=dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
+    # Compare like for like: TF32 would make eager and the fused kernels round differently.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    autocast = (torch.autocast(args.device.split(":")[0], dtype=DTYPES[args.autocast])
+                if args.autocast else contextlib.nullcontext())
+    tol = TOLERANCES[DTYPES[args.autocast]] if args.autocast else None
+    options = {"dump_dir": args.dump} if args.dump else {}
+
+    from .report import collect_reports
+
+    def run(fn, leaf_inputs):
+        """Forward (under autocast if asked) and, with --train, backward of a fixed weighted sum."""
+        with autocast:
+            output = fn(*leaf_inputs)
+        grads = {}
+        if args.train:
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            loss = sum((o.float() * torch.linspace(-1, 1, o.numel(), device=o.device).view(o.shape)).sum() for o in outputs)
+            loss.backward()
+            grads = {f"input[{i}]": t.grad for i, t in enumerate(leaf_inputs) if isinstance(t, torch.Tensor) and t.grad is not None}
+            grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        return output, grads
+
+    def leaves():
+        return [t.detach().clone().requires_grad_(args.train and t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+                for t in inputs]
+
+    want, want_grads = run(model, leaves())
+    model.zero_grad(set_to_none=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusion", options=options, dynamic=args.dynamic or None)
+    with collect_reports() as reports:
+        got, got_grads = run(compiled, leaves())
+    result = "\n".join(str(r) for r in reports) or "fusion: no graph was compiled"
+
+    print(result, file=out)
+    problems = []
+    outs_got = got if isinstance(got, (tuple, list)) else (got,)
+    outs_want = want if isinstance(want, (tuple, list)) else (want,)
+    for i, (g, w) in enumerate(zip(outs_got, outs_want, strict=False)):
+        problems.append(compare(f"output[{i}]", g, w, tol))
+    for name, w in want_grads.items():
+        problems.append(compare(f"grad {name}", got_grads[name], w, tol) if name in got_grads else f"grad {name}: missing")
+    problems = [p for p in problems if p]
+    checked = 1 + len(want_grads)
+    if problems:
+        print("\nMISMATCH vs eager:\n  " + "\n  ".join(problems), file=out)
+        return 1
+    print(f"\nOK: output{' and ' + str(len(want_grads)) + ' gradients' if args.train else ''} match eager "
+          f"({checked} tensors, device {args.device}, dtype {args.dtype}{', autocast ' + args.autocast if args.autocast else ''})", file=out)
+    return 0

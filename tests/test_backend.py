@@ -1,0 +1,160 @@
+"""The backend entry: options, mode forwarding, fallback on failure, strict mode, dumps, entry point."""
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fusion_backend
+from fusion_backend import InvalidOptionError, RewriteError, UnknownOptionError, collect_reports
+from fusion_backend.engine import registered_patterns
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.LeakyReLU(0.2), nn.MaxPool2d(2))
+
+
+X = torch.rand(2, 3, 10, 10)
+
+
+def test_unknown_option_raises_value_error_listing_valid_keys():
+    # Dynamo wraps whatever a backend raises in BackendCompilerFailed; ours is its inner exception.
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        torch.compile(small_model(), backend="fusion", options={"stricct": True})(X)
+    inner = info.value.inner_exception
+    assert isinstance(inner, UnknownOptionError) and isinstance(inner, ValueError)
+    message = str(inner)
+    assert "stricct" in message and "strict" in message and "dump_dir" in message and "patterns" in message
+
+
+def test_unknown_option_is_our_error_type_when_called_directly():
+    with pytest.raises(UnknownOptionError):
+        fusion_backend.fusion(torch.fx.symbolic_trace(small_model()), [X], options={"nope": 1})
+
+
+@pytest.mark.parametrize(
+    "options,fragment",
+    [({"patterns": ["conv_epilog"]}, "conv_epilog"), ({"strict": "yes"}, "strict"), ({"dump_dir": 3}, "dump_dir")],
+)
+def test_invalid_values_of_our_options_name_the_problem(options, fragment):
+    with pytest.raises(InvalidOptionError, match=fragment):
+        fusion_backend.fusion(torch.fx.symbolic_trace(small_model()), [X], options=options)
+
+
+def test_inductor_options_and_mode_are_forwarded():
+    out = torch.compile(small_model(), backend="fusion", options={"max_autotune": False, "epilogue_fusion": True})(X)
+    torch._dynamo.reset()
+    out2 = torch.compile(small_model(), backend="fusion", mode="max-autotune-no-cudagraphs")(X)
+    torch.testing.assert_close(out, out2)
+
+
+def test_disabled_pattern_leaves_the_graph_to_inductor():
+    with collect_reports() as reports:
+        torch.compile(small_model(), backend="fusion", options={"disable_patterns": ["conv_epilogue"]})(X)
+    assert reports[0].matches == () and "conv_epilogue" not in reports[0].enabled_patterns
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _break_rewrite(monkeypatch):
+    pattern = registered_patterns()["conv_epilogue"]
+
+    def fail(ctx, candidate):
+        raise Boom("synthetic rewrite failure")
+
+    monkeypatch.setattr(pattern, "rewrite", fail)
+
+
+def test_a_failing_rewrite_falls_back_to_inductor_with_one_warning_and_eager_results(monkeypatch):
+    _break_rewrite(monkeypatch)
+    model = small_model()
+    with warnings.catch_warnings(record=True) as caught, collect_reports() as reports:
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend="fusion")(X)
+    torch.testing.assert_close(out, model(X))
+    ours = [w for w in caught if "fusion:" in str(w.message)]
+    assert len(ours) == 1 and "conv_epilogue" in str(ours[0].message) and "synthetic rewrite failure" in str(ours[0].message)
+    (fallback,) = reports[0].fallbacks
+    assert fallback.stage == "rewrite" and fallback.pattern == "conv_epilogue" and "Boom" in fallback.error
+    assert reports[0].matches == ()
+
+
+def test_strict_turns_the_fallback_into_an_error(monkeypatch):
+    _break_rewrite(monkeypatch)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        torch.compile(small_model(), backend="fusion", options={"strict": True})(X)
+    inner = info.value.inner_exception
+    assert isinstance(inner, RewriteError)
+    assert "conv_epilogue" in str(inner) and "synthetic rewrite failure" in str(inner)
+
+
+def test_a_failing_compile_of_the_rewritten_graph_falls_back_to_the_original(monkeypatch):
+    import fusion_backend.backend as backend
+
+    real = backend._compile_inductor
+    calls = []
+
+    def flaky(gm, example_inputs, patches):
+        calls.append(gm)
+        if len(calls) == 1:
+            raise Boom("inductor choked")
+        return real(gm, example_inputs, patches)
+
+    monkeypatch.setattr(backend, "_compile_inductor", flaky)
+    model = small_model()
+    with pytest.warns(UserWarning, match="inductor choked"), collect_reports() as reports:
+        out = torch.compile(model, backend="fusion")(X)
+    torch.testing.assert_close(out, model(X))
+    assert reports[0].fallbacks[0].stage == "compile"
+    # The fallback compiled the untouched graph: no fused op in it.
+    assert "conv_epilogue" not in calls[1].code and "conv2d" in calls[1].code
+
+
+def test_placeholders_are_kept_in_order_with_dynamic_shapes():
+    model = small_model()
+    with collect_reports() as reports:
+        compiled = torch.compile(model, backend="fusion", dynamic=True)
+        for n in (10, 13):
+            x = torch.rand(3, 3, n, n + 1)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert all(r.counts() == {"conv_epilogue": 1} for r in reports)
+
+
+def test_dump_dir_writes_stable_files(tmp_path):
+    with collect_reports():
+        torch.compile(small_model(), backend="fusion", options={"dump_dir": str(tmp_path)})(X)
+    folder = tmp_path / "graph_000"
+    names = sorted(p.name for p in folder.iterdir())
+    assert {"before.py", "after.py", "report.md", "report.json", "graph.dot"} <= set(names)
+    assert "conv_epilogue" in (folder / "after.py").read_text()
+    assert "conv2d" in (folder / "before.py").read_text()
+    report = fusion_backend.GraphReport.from_dict(json.loads((folder / "report.json").read_text()))
+    assert report.counts() == {"conv_epilogue": 1}
+    dot = (folder / "graph.dot").read_text()
+    assert "subgraph cluster_0" in dot and "conv_epilogue" in dot
+
+
+def test_dump_dir_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSION_DUMP_DIR", str(tmp_path))
+    torch.compile(small_model(), backend="fusion")(X)
+    assert (tmp_path / "graph_000" / "report.json").exists()
+
+
+def test_backend_is_found_through_the_entry_point_without_importing_the_package():
+    code = (
+        "import sys, torch\n"
+        "m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())\n"
+        "assert 'fusion_backend' not in sys.modules\n"
+        "torch.compile(m, backend='fusion')(torch.rand(1, 3, 6, 6))\n"
+        "assert 'fusion_backend' in sys.modules\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
