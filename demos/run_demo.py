@@ -1,0 +1,132 @@
+"""Demo: compile the seed models with ``backend="fusion"`` and show what happened.
+
+    python demos/run_demo.py                 # seeds A, B, C; full size on CUDA, shrunk on CPU
+    python demos/run_demo.py --seeds a --size full --dtype bf16
+
+For each seed: the rewrites (from the report), the max error vs eager of the output and of every
+gradient (input and parameters), and on CUDA the median time of a forward and of a training step
+for eager, Inductor and fusion, measured in the same run (CUDA events, after warm-up), plus the
+memory held between forward and backward.  For the full benchmark use ``python -m fusion_backend bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.util
+import statistics
+from pathlib import Path
+
+import torch
+
+from fusion_backend import collect_reports
+
+SEEDS = Path(__file__).resolve().parent / "seeds"
+
+
+def load(name: str, size: str):
+    spec = importlib.util.spec_from_file_location(name, SEEDS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    model = module.Model(*module.get_init_inputs())
+    inputs = module.get_inputs()
+    if size == "small":  # keep every hyper-parameter, cut batch and spatial extent
+        inputs = [t[(slice(0, 2), slice(None), *(slice(0, 12) for _ in t.shape[2:]))].contiguous() for t in inputs]
+    return model, inputs
+
+
+def step(fn, x, train: bool, autocast):
+    with autocast:
+        out = fn(x)
+    if train:
+        out.float().sum().backward()
+    return out
+
+
+def time_ms(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def held_between_fw_and_bw(fn, x, autocast) -> int:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with autocast:
+        out = fn(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    out.float().sum().backward()
+    return held
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="a,b,c", help="comma-separated: a, b, c, b_small, c_small")
+    parser.add_argument("--size", choices=["full", "small"], default=None, help="default: full on CUDA, small on CPU")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 = autocast")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    size = args.size or ("full" if device == "cuda" else "small")
+    torch.backends.cudnn.allow_tf32 = False  # compare like for like (the fused kernels follow this flag)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
+
+    for seed in args.seeds.split(","):
+        name = f"seed_{seed.strip()}"
+        model, (x,) = load(name, size)
+        model, x = model.to(device), x.to(device)
+        eager = copy.deepcopy(model)
+        print(f"\n=== {name} ({size}, {args.dtype}, {device}) input {tuple(x.shape)}")
+
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="fusion")
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with collect_reports() as reports:
+            out_c = step(compiled, xc, True, autocast)
+        out_e = step(eager, xe, True, autocast)
+        for r in reports:
+            print(r)
+        print(f"  max |out - eager|      {(out_c.float() - out_e.float()).abs().max().item():.3e}"
+              f"  (max |eager| {out_e.float().abs().max().item():.3e})")
+        print(f"  max |grad x - eager|   {(xc.grad - xe.grad).abs().max().item():.3e}")
+        for (n, p), (_, pe) in zip(model.named_parameters(), eager.named_parameters(), strict=True):
+            print(f"  max |grad {n} - eager| {(p.grad - pe.grad).abs().max().item():.3e}  (max |eager| {pe.grad.abs().max().item():.3e})")
+
+        if device != "cuda":
+            print("  (timings need CUDA)")
+            continue
+        torch._dynamo.reset()
+        inductor = torch.compile(copy.deepcopy(eager), backend="inductor")
+        fused = torch.compile(copy.deepcopy(eager), backend="fusion")
+        rows = {}
+        xt = x.clone().requires_grad_()
+        for label, fn in (("eager", eager), ("inductor", inductor), ("fusion", fused)):
+            with torch.no_grad():
+                fwd = time_ms(lambda fn=fn, x=x: step(fn, x, False, autocast))
+            train = time_ms(lambda fn=fn, xt=xt: step(fn, xt, True, autocast))
+            held = held_between_fw_and_bw(fn, xt, autocast)
+            rows[label] = (fwd, train, held)
+        print(f"  {'backend':10s} {'forward ms':>11s} {'train ms':>9s} {'held MB':>9s}")
+        for label, (fwd, train, held) in rows.items():
+            print(f"  {label:10s} {fwd:11.3f} {train:9.3f} {held / 2**20:9.1f}")
+        fe, te, _ = rows["eager"]
+        fi, ti, hi = rows["inductor"]
+        ff, tf, hf = rows["fusion"]
+        print(f"  fusion speed-up: forward {fe / ff:.2f}x vs eager, {fi / ff:.2f}x vs inductor; "
+              f"train {te / tf:.2f}x vs eager, {ti / tf:.2f}x vs inductor; held memory {hf / max(hi, 1):.2f} of inductor's")
+
+
+if __name__ == "__main__":
+    main()
