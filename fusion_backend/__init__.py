@@ -5,39 +5,50 @@
     fusion_backend.explain(model, x)                             # what was fused, and why not
 
 See the README for the supported patterns and options.
+
+The public names below are imported lazily (PEP 562): ``import fusion_backend`` (and the pytest
+plugin, which pytest loads before any conftest) must not import Dynamo, and through it Triton, because
+Triton decides once, at import, whether its own helpers run under the interpreter
+(``TRITON_INTERPRET=1``, set by the test suite on machines without CUDA).
 """
 
-from .backend import fusion
-from .engine import Pattern, register_pattern, registered_patterns
-from .errors import (
-    FusionError,
-    InvalidOptionError,
-    KernelError,
-    RewriteError,
-    UnknownOptionError,
-    UnsupportedInputError,
-)
-from .explain import ExplainResult, explain
-from .report import GraphReport, Match, NearMiss, ReasonKind, collect_reports
+from __future__ import annotations
 
-__all__ = [
-    "fusion",
-    "explain",
-    "ExplainResult",
-    "collect_reports",
-    "GraphReport",
-    "Match",
-    "NearMiss",
-    "ReasonKind",
-    "Pattern",
-    "register_pattern",
-    "registered_patterns",
-    "FusionError",
-    "UnknownOptionError",
-    "InvalidOptionError",
-    "RewriteError",
-    "KernelError",
-    "UnsupportedInputError",
-]
+import importlib
+from typing import Any
 
+_EXPORTS = {
+    "fusion": "backend",
+    "explain": "explain",
+    "ExplainResult": "explain",
+    "collect_reports": "report",
+    "GraphReport": "report",
+    "Match": "report",
+    "NearMiss": "report",
+    "ReasonKind": "report",
+    "Pattern": "engine",
+    "register_pattern": "engine",
+    "registered_patterns": "engine",
+    "FusionError": "errors",
+    "UnknownOptionError": "errors",
+    "InvalidOptionError": "errors",
+    "RewriteError": "errors",
+    "KernelError": "errors",
+    "UnsupportedInputError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fusion_backend' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -15,7 +15,7 @@ from typing import Optional, TextIO
 import torch
 
 from .errors import FusionError
-from .testing import TOLERANCES, compare
+from .testing import TOLERANCES, compare, float64_reference, run_and_backward
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -60,40 +60,31 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
 
     from .report import collect_reports
 
-    def run(fn, leaf_inputs):
-        """Forward (under autocast if asked) and, with --train, backward of a fixed weighted sum."""
-        with autocast:
-            output = fn(*leaf_inputs)
-        grads = {}
-        if args.train:
-            outputs = output if isinstance(output, (tuple, list)) else (output,)
-            loss = sum((o.float() * torch.linspace(-1, 1, o.numel(), device=o.device).view(o.shape)).sum() for o in outputs)
-            loss.backward()
-            grads = {f"input[{i}]": t.grad for i, t in enumerate(leaf_inputs) if isinstance(t, torch.Tensor) and t.grad is not None}
-            grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        return output, grads
-
     def leaves():
         return [t.detach().clone().requires_grad_(args.train and t.is_floating_point()) if isinstance(t, torch.Tensor) else t
                 for t in inputs]
 
-    want, want_grads = run(model, leaves())
+    want, want_grads = run_and_backward(model, leaves(), args.train, model, autocast)
     model.zero_grad(set_to_none=True)
+    ref, ref_grads = float64_reference(model, leaves(), args.train)
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusion", options=options, dynamic=args.dynamic or None)
     with collect_reports() as reports:
-        got, got_grads = run(compiled, leaves())
+        got, got_grads = run_and_backward(compiled, leaves(), args.train, model, autocast)
     result = "\n".join(str(r) for r in reports) or "fusion: no graph was compiled"
 
     print(result, file=out)
     problems = []
     outs_got = got if isinstance(got, (tuple, list)) else (got,)
     outs_want = want if isinstance(want, (tuple, list)) else (want,)
-    for i, (g, w) in enumerate(zip(outs_got, outs_want, strict=False)):
-        problems.append(compare(f"output[{i}]", g, w, tol))
+    outs_ref = ref if isinstance(ref, (tuple, list)) else (ref,)
+    for i, (g, w, r) in enumerate(zip(outs_got, outs_want, outs_ref, strict=False)):
+        problems.append(compare(f"output[{i}]", g, w, tol, reference=r))
     for name, w in want_grads.items():
-        problems.append(compare(f"grad {name}", got_grads[name], w, tol) if name in got_grads else f"grad {name}: missing")
+        if w is not None:
+            problems.append(compare(f"grad of {name}", got_grads[name], w, tol, reference=ref_grads.get(name))
+                            if got_grads.get(name) is not None else f"grad of {name}: missing")
     problems = [p for p in problems if p]
     checked = 1 + len(want_grads)
     if problems:

@@ -7,20 +7,25 @@ Fixture ``fusion_rewrites``: the list of ``GraphReport``s produced while the tes
         assert sum(r.counts().get("conv_epilogue", 0) for r in fusion_rewrites) == 1
 
 On a failing test that used the fixture, the reports are added to the failure output.
+
+NOTE: pytest imports this module before any conftest runs, so it imports nothing of the package at
+module level: importing the backend pulls in Dynamo and Triton, and Triton must not be imported
+before a conftest has had the chance to set ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from .report import GraphReport, collect_reports
-
 
 @pytest.fixture
-def fusion_rewrites(request: pytest.FixtureRequest) -> Iterator[list[GraphReport]]:
-    """Every rewrite report produced during the test (in the test's thread)."""
+def fusion_rewrites(request: pytest.FixtureRequest) -> Iterator[list[Any]]:
+    """Every ``GraphReport`` produced during the test (in the test's thread)."""
+    from .report import collect_reports
+
     with collect_reports() as reports:
         request.node._fusion_reports = reports
         yield reports

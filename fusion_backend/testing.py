@@ -2,7 +2,7 @@
 
 * ``assert_fused(model, inputs, expect={"conv_epilogue": 1}, train=True)`` compiles with ``fusion``
   (strict), asserts the exact rewrite counts, and compares the output and every gradient (inputs and
-  parameters) with eager under per-dtype tolerances.  On failure the message holds the report (what
+  parameters) with eager and with a float64 reference under per-dtype tolerances (see ``compare``).  On failure the message holds the report (what
   matched, what was rejected and why) and the largest mismatches with their indices.
 * ``assert_not_fused(model, inputs, pattern, reason=...)`` for negative tests.
 * ``dry_run(model, inputs)`` runs only the find phase (no rewrite, no fused op) and returns what
@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -68,14 +69,19 @@ def _leaves(model: Any, inputs: Sequence[Any]) -> list[tuple[str, torch.Tensor]]
     return named
 
 
-def _run(fn: Any, inputs: Sequence[Any], train: bool, model: Any) -> tuple[Any, dict[str, Optional[torch.Tensor]]]:
-    """Run ``fn(*inputs)`` and, with ``train``, backward; gradients are read off ``model``'s
-    parameters (``fn`` may be its compiled wrapper, whose parameter names differ)."""
-    out = fn(*inputs)
+def run_and_backward(
+    fn: Any, inputs: Sequence[Any], train: bool, model: Any, autocast: Any = None
+) -> tuple[Any, dict[str, Optional[torch.Tensor]]]:
+    """Run ``fn(*inputs)`` (inside ``autocast`` if given) and, with ``train``, backward with a fixed
+    random output gradient (seeded, so every run of the same shapes uses the same one: not all ones,
+    which would hide errors that cancel).  Returns the output and the gradients of the inputs that
+    require grad (``"input[i]"``) and of ``model``'s parameters (``"param NAME"``); ``fn`` may be
+    ``model``'s compiled wrapper, whose parameter names differ."""
+    with autocast if autocast is not None else contextlib.nullcontext():
+        out = fn(*inputs)
     grads: dict[str, Optional[torch.Tensor]] = {}
     if train:
         outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor) and o.requires_grad]
-        # A fixed, non-trivial output gradient (not all ones) exercises the backward properly.
         gen = torch.Generator().manual_seed(1234)
         grad_outs = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o) for o in outs]
         torch.autograd.backward(outs, grad_outs)
@@ -84,30 +90,62 @@ def _run(fn: Any, inputs: Sequence[Any], train: bool, model: Any) -> tuple[Any, 
     return out, grads
 
 
-def compare(name: str, got: torch.Tensor, want: torch.Tensor, tol: Optional[float] = None) -> Optional[str]:
-    """``None`` if ``got`` matches ``want`` (shape, dtype, NaN positions, relative error), else a
-    sentence with the error and the five largest mismatches with their indices."""
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` in float64, NaNs (at equal positions) ignored."""
+    g, w = got.detach().double().cpu(), want.detach().double().cpu()
+    mask = torch.isnan(g) | torch.isnan(w)
+    g, w = g.masked_fill(mask, 0), w.masked_fill(mask, 0)
+    return (g - w).norm().item() / max(w.norm().item(), 1e-30)
+
+
+def compare(
+    name: str,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    tol: Optional[float] = None,
+    reference: Optional[torch.Tensor] = None,
+) -> Optional[str]:
+    """``None`` if ``got`` matches eager's ``want``, else a sentence with the error and the five
+    largest mismatches with their indices.
+
+    Shape, dtype and NaN positions must equal eager's.  Without ``reference`` the norm-wise relative
+    error of ``got`` vs ``want`` must be at most ``tol`` (default: ``TOLERANCES[want.dtype]``).  With a
+    float64 ``reference`` (the same computation in float64), ``got`` is measured against it and may be
+    off by ``max(tol, 2 * eager's own error)``: a reduction summed in another order than eager's can
+    be closer to the truth than eager and still differ from eager by more than ``tol``.
+    """
     if got.shape != want.shape:
         return f"{name}: shape {tuple(got.shape)} != eager's {tuple(want.shape)}"
     if got.dtype != want.dtype:
         return f"{name}: dtype {got.dtype} != eager's {want.dtype}"
     tol = TOLERANCES.get(want.dtype, 1e-5) if tol is None else tol
-    g, w = got.detach().double().cpu(), want.detach().double().cpu()
-    nan_g, nan_w = torch.isnan(g), torch.isnan(w)
+    nan_g, nan_w = torch.isnan(got.detach().cpu()), torch.isnan(want.detach().cpu())
     if not torch.equal(nan_g, nan_w):
         idx = torch.nonzero(nan_g != nan_w)[:5].tolist()
         return f"{name}: NaN positions differ from eager at {idx}"
-    g, w = g.masked_fill(nan_g, 0), w.masked_fill(nan_w, 0)
-    err = (g - w).norm().item() / max(w.norm().item(), 1e-30)
-    if err <= tol:
+    truth = want if reference is None else reference
+    err = relative_error(got, truth)
+    bound = tol if reference is None else max(tol, 2 * relative_error(want, reference))
+    if err <= bound:
         return None
+    g, w = got.detach().double().cpu().masked_fill(nan_g, 0), truth.detach().double().cpu().masked_fill(nan_w, 0)
     diff = (g - w).abs().flatten()
     worst = torch.topk(diff, min(5, diff.numel())).indices
     rows = []
     for flat in worst.tolist():
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), g.shape))
-        rows.append(f"    at {index}: got {g.flatten()[flat].item():.6g}, eager {w.flatten()[flat].item():.6g}")
-    return f"{name}: relative error {err:.3g} > {tol:g}; largest mismatches:\n" + "\n".join(rows)
+        rows.append(f"    at {index}: got {g.flatten()[flat].item():.6g}, {'eager' if reference is None else 'fp64'} {w.flatten()[flat].item():.6g}")
+    against = "eager" if reference is None else "the float64 reference"
+    return f"{name}: relative error {err:.3g} vs {against} > {bound:.3g}; largest mismatches:\n" + "\n".join(rows)
+
+
+def float64_reference(model: Any, inputs: Sequence[Any], train: bool) -> tuple[Any, dict[str, Optional[torch.Tensor]]]:
+    """Output and gradients of ``model`` run in float64 on float64 copies of the inputs (no autocast)."""
+    ref_model = copy.deepcopy(model).double() if isinstance(model, torch.nn.Module) else model
+    ref_inputs = [t.detach().double().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                  else t for t in inputs]
+    with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+        return run_and_backward(ref_model, ref_inputs, train, ref_model)
 
 
 def assert_fused(
@@ -136,13 +174,14 @@ def assert_fused(
                 if isinstance(t, torch.Tensor) else t for t in ts]
 
     eager_inputs, compiled_inputs = fresh(inputs), fresh(inputs)
-    want, want_grads = _run(eager_model, eager_inputs, train, eager_model)
+    want, want_grads = run_and_backward(eager_model, eager_inputs, train, eager_model)
+    ref, ref_grads = float64_reference(eager_model, fresh(inputs), train)
 
     torch._dynamo.reset()
     opts = {"strict": True, **(options or {})}
     compiled = torch.compile(model, backend="fusion", options=opts, **compile_kwargs)
     with collect_reports() as reports:
-        got, got_grads = _run(compiled, compiled_inputs, train, model)
+        got, got_grads = run_and_backward(compiled, compiled_inputs, train, model)
 
     problems = []
     counts: dict[str, int] = {}
@@ -153,17 +192,18 @@ def assert_fused(
         problems.append(f"rewrites: expected {dict(expect)}, got {counts}")
     outs_got = list(got) if isinstance(got, (tuple, list)) else [got]
     outs_want = list(want) if isinstance(want, (tuple, list)) else [want]
+    outs_ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
     if len(outs_got) != len(outs_want):
         problems.append(f"outputs: {len(outs_got)} values, eager returns {len(outs_want)}")
-    for i, (g, w) in enumerate(zip(outs_got, outs_want, strict=False)):
+    for i, (g, w, r) in enumerate(zip(outs_got, outs_want, outs_ref, strict=False)):
         if isinstance(w, torch.Tensor):
-            problems.append(compare(f"output[{i}]", g, w, tol))
+            problems.append(compare(f"output[{i}]", g, w, tol, reference=r))
     for name, w in want_grads.items():
         g = got_grads.get(name)
         if (g is None) != (w is None):
             problems.append(f"grad of {name}: {'missing' if g is None else 'unexpected'} (eager has {'none' if w is None else 'one'})")
         elif w is not None:
-            problems.append(compare(f"grad of {name}", g, w, tol))
+            problems.append(compare(f"grad of {name}", g, w, tol, reference=ref_grads.get(name)))
     problems = [p for p in problems if p]
     if problems:
         text = "\n".join(str(r) for r in reports) or "(no graph was compiled)"

@@ -1,0 +1,868 @@
+"""Triton kernels for ``conv output -> pointwise chain -> optional pool``, forward and backward.
+
+These kernels know only tensors, op codes and pool geometry; the fused op that calls them
+(``fusion_backend.ops.conv_epilogue``) owns the configuration, the autograd wiring and the fallback.
+
+One template per direction serves every chain, every pool and 1d/2d/3d:
+
+* The chain is up to ``MAX_SLOTS`` op-code slots (``OP0..OP7: tl.constexpr``, 0 = empty slot), using
+  the stable codes of ``fusion_backend.ops.chain.PointwiseKind`` (kept as plain integers here).
+* Every operand value (conv bias, constants, per-channel or scalar tensors) lives in one small fp32
+  matrix ``P`` of shape ``(NUM_PARAM_ROWS, C)`` built by the launchers: row ``BIAS_ROW`` holds the
+  bias, rows ``1 + 2*k`` and ``2 + 2*k`` hold the first and second operand of slot ``k``, each
+  expanded over the ``C`` output channels.  The kernels load ``P[row, c]``.
+* Tensors are seen as ``(N, C, D, H, W)``: 1d/2d are lifted with leading size-1 spatial dims (and the
+  pool with kernel 1 / stride 1 / padding 0 there), so one kernel serves all ranks.
+* The chain is computed in fp32 whatever the storage dtype (fp32, fp16 or bf16).
+
+Programs work on a ``[BLOCK_C, BLOCK_S]`` tile: ``BLOCK_C`` channels of one sample by ``BLOCK_S``
+flattened spatial positions.  Program id 0 enumerates ``(n, spatial block)``, id 1 channel blocks.
+Addresses are computed from explicit element strides, so NCDHW-contiguous and channels-last tensors
+both work without copies; the tile shape is chosen per layout so that the contiguous axis is the long
+one.  Offsets are computed in int64: a single activation easily exceeds 2**31 elements.
+
+Backward reductions (operand and bias gradients, which are per-channel sums over N x spatial) are
+written as one partial sum per (program, channel) and summed afterwards in a fixed order: results
+are bitwise reproducible run to run, and no float atomics are used anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+import triton
+import triton.language as tl
+
+#: Number of op-code slots of the kernel templates (== chain.MAX_CHAIN_LENGTH).
+MAX_SLOTS = 8
+#: Row of ``P`` holding the conv bias.
+BIAS_ROW = 0
+#: Rows of ``P``: the bias, then two operand rows per slot.
+NUM_PARAM_ROWS = 1 + 2 * MAX_SLOTS
+#: Rows of the backward partial-sum buffer: one per slot (its first operand), then the bias.
+NUM_GRAD_ROWS = MAX_SLOTS + 1
+#: Largest pool window the kernels unroll; larger windows go to the reference implementation.
+#: NOTE: windows are fully unrolled (``tl.static_range``) together with the chain, so compile time
+#: and code size grow with the window volume; 64 covers 4x4x4 / 8x8 windows.
+MAX_WINDOW_VOLUME = 64
+
+# Op codes, mirrored from PointwiseKind.code (tests/test_epilogue_kernels.py checks they agree).
+_RELU, _LEAKY_RELU, _GELU, _GELU_TANH, _SILU, _SIGMOID, _TANH, _HARDSWISH, _MISH = range(1, 10)
+_CLAMP, _CLAMP_MIN, _CLAMP_MAX, _MUL, _ADD, _SUB, _RSUB, _DIV, _RDIV, _HARDTANH = range(10, 20)
+OP_CODES = {
+    "relu": _RELU, "leaky_relu": _LEAKY_RELU, "gelu": _GELU, "gelu_tanh": _GELU_TANH,
+    "silu": _SILU, "sigmoid": _SIGMOID, "tanh": _TANH, "hardswish": _HARDSWISH, "mish": _MISH,
+    "clamp": _CLAMP, "clamp_min": _CLAMP_MIN, "clamp_max": _CLAMP_MAX, "mul": _MUL, "add": _ADD,
+    "sub": _SUB, "rsub": _RSUB, "div": _DIV, "rdiv": _RDIV, "hardtanh": _HARDTANH,
+}  # fmt: skip
+
+#: An operand value as the launchers take it: a Python number, or a tensor of numel 1 (broadcast over
+#: channels) or numel C (one value per channel, in channel order; any shape, any float dtype).
+OperandValue = Union[float, torch.Tensor]
+#: One chain step for the launchers: ``(op code, operand values)``.
+KernelStep = tuple[int, Sequence[OperandValue]]
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """A pool as the kernels see it, with one entry per spatial dim of the tensors (1 to 3).
+
+    ``kind`` is ``"max"`` or ``"avg"``; dilation is 1.  ``ceil_mode`` does not appear: it only changes
+    the output size, which the kernels read off the output tensor, and partial windows are clipped
+    the same way in both modes.  ``count_include_pad``/``divisor_override`` apply to ``"avg"`` only,
+    with PyTorch's divisor rule: the window clipped to ``[-padding, size + padding)`` counts when
+    ``count_include_pad``, else the window clipped to the input.
+    """
+
+    kind: str
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    count_include_pad: bool = True
+    divisor_override: int | None = None
+
+    @property
+    def window_volume(self) -> int:
+        return math.prod(self.kernel_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pointwise math (fp32), shared by both kernels.
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    # NOTE: no tanh in tl/tl.math on every supported Triton, and libdevice is off limits; the exp
+    # form 1 - 2/(e^2x + 1) loses relative precision near 0, so a Taylor polynomial (error < 1e-9
+    # for |x| < 0.3) takes over there.  Max relative error is a few 1e-7 overall.
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    # tanh(x) / x = 1 - x^2/3 + 2x^4/15 - 17x^6/315 + 62x^8/2835 - 1382x^10/155925 + O(x^12)
+    poly = -0.008863235529902197
+    poly = 0.021869488536155203 + x2 * poly
+    poly = -0.05396825396825397 + x2 * poly
+    poly = 0.13333333333333333 + x2 * poly
+    poly = -0.3333333333333333 + x2 * poly
+    poly = 1.0 + x2 * poly
+    return tl.where(ax < 0.3, x * poly, tl.where(x < 0.0, -big, big))
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _softplus(x):
+    # log1p(exp(x)) without overflow: max(x, 0) + log1p(exp(-|x|)); log1p(t) = log(u) * t / (u - 1)
+    # with u = 1 + t is exact to a few ulp (Goldberg), and falls back to t when u rounds to 1.
+    t = tl.exp(-tl.abs(x))
+    u = 1.0 + t
+    lp = tl.where(u == 1.0, t, tl.log(u) * (t / (u - 1.0)))
+    return tl.maximum(x, 0.0) + lp
+
+
+@triton.jit
+def _load_operands(p_ptr, SLOT: tl.constexpr, c, C, cmask, OP: tl.constexpr):
+    """Operand rows of slot ``SLOT`` at channels ``c`` (0.0 where the op takes no such operand).
+
+    Masked-off channels read 1.0, so that divisions in lanes that are discarded stay finite.
+    """
+    a = 0.0
+    b = 0.0
+    if OP == 2:  # leaky_relu(slope)
+        a = tl.load(p_ptr + (1 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
+    if OP >= 10:  # clamps and arithmetic take a first operand
+        a = tl.load(p_ptr + (1 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
+    if OP == 10:  # clamp(lo, hi)
+        b = tl.load(p_ptr + (2 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
+    if OP == 19:  # hardtanh(lo, hi)
+        b = tl.load(p_ptr + (2 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
+    return a, b
+
+
+@triton.jit
+def _step_fwd(v, a, b, OP: tl.constexpr):
+    """One chain step with torch semantics (NaN propagates wherever torch propagates it)."""
+    if OP == 1:  # relu
+        v = tl.where(v < 0.0, 0.0, v)
+    elif OP == 2:  # leaky_relu
+        v = tl.where(v > 0.0, v, v * a)
+    elif OP == 3:  # gelu (exact erf)
+        v = 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
+    elif OP == 4:  # gelu tanh approximation
+        inner = 0.7978845608028654 * (v + 0.044715 * v * v * v)
+        v = 0.5 * v * (1.0 + _tanh(inner))
+    elif OP == 5:  # silu
+        v = v * _sigmoid(v)
+    elif OP == 6:  # sigmoid
+        v = _sigmoid(v)
+    elif OP == 7:  # tanh
+        v = _tanh(v)
+    elif OP == 8:  # hardswish: x * min(max(x + 3, 0), 6) / 6, NaN-propagating like torch
+        r = v + 3.0
+        r = tl.where(r < 0.0, 0.0, r)
+        r = tl.where(r > 6.0, 6.0, r)
+        v = v * r / 6.0
+    elif OP == 9:  # mish
+        v = v * _tanh(_softplus(v))
+    elif OP == 10 or OP == 19:  # clamp / hardtanh: min(max(v, lo), hi)
+        v = tl.where(v < a, a, v)
+        v = tl.where(v > b, b, v)
+    elif OP == 11:  # clamp_min
+        v = tl.where(v < a, a, v)
+    elif OP == 12:  # clamp_max
+        v = tl.where(v > a, a, v)
+    elif OP == 13:
+        v = v * a
+    elif OP == 14:
+        v = v + a
+    elif OP == 15:
+        v = v - a
+    elif OP == 16:
+        v = a - v
+    elif OP == 17:
+        v = v / a
+    elif OP == 18:
+        v = a / v
+    return v
+
+
+@triton.jit
+def _step_bwd(g, v, a, b, OP: tl.constexpr):
+    """Gradients of one step at input ``v`` given the output gradient ``g``: ``(d/dv, d/da)``.
+
+    Derivatives follow torch's backward formulas (relu: 0 at 0; leaky_relu: slope at 0; clamp:
+    inclusive bounds; hardtanh: strict bounds, NaN passes).  ``d/da`` is only meaningful for the
+    arithmetic ops; it is 0.0 for the others.
+    """
+    gv = g
+    ga = 0.0
+    if OP == 1:  # threshold_backward on the result: passes where result > 0 (and for NaN)
+        gv = tl.where(v <= 0.0, 0.0, g)
+    elif OP == 2:
+        gv = tl.where(v > 0.0, g, g * a)
+    elif OP == 3:
+        cdf = 0.5 * (1.0 + tl.math.erf(v * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * v * v) * 0.3989422804014327
+        gv = g * (cdf + v * pdf)
+    elif OP == 4:
+        x_sq = v * v
+        inner = 0.7978845608028654 * (v + 0.044715 * x_sq * v)
+        th = _tanh(inner)
+        left_d = 0.5 * (1.0 + th)
+        right_d = 0.5 * v * (1.0 - th * th) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x_sq)
+        gv = g * (left_d + right_d)
+    elif OP == 5:
+        s = _sigmoid(v)
+        gv = g * (s * (1.0 + v * (1.0 - s)))
+    elif OP == 6:
+        s = _sigmoid(v)
+        gv = g * (1.0 - s) * s
+    elif OP == 7:
+        t = _tanh(v)
+        gv = g * (1.0 - t * t)
+    elif OP == 8:
+        gv = tl.where(v <= -3.0, 0.0, tl.where(v < 3.0, g * (v / 3.0 + 0.5), g))  # open interval, as torch
+    elif OP == 9:
+        s = _sigmoid(v)
+        tsp = _tanh(_softplus(v))
+        gv = g * (tsp + v * s * (1.0 - tsp * tsp))
+    elif OP == 10:
+        gv = tl.where((v >= a) & (v <= b), g, 0.0)
+    elif OP == 11:
+        gv = tl.where(v >= a, g, 0.0)
+    elif OP == 12:
+        gv = tl.where(v <= a, g, 0.0)
+    elif OP == 13:
+        gv = g * a
+        ga = g * v
+    elif OP == 14:
+        ga = g
+    elif OP == 15:
+        ga = -g
+    elif OP == 16:
+        gv = -g
+        ga = g
+    elif OP == 17:
+        gv = g / a
+        ga = -g * v / (a * a)
+    elif OP == 18:
+        gv = -g * a / (v * v)
+        ga = g / v
+    elif OP == 19:
+        gv = tl.where(((v > a) & (v < b)) | (v != v), g, 0.0)
+    return gv, ga
+
+
+@triton.jit
+def _chain_fwd(v, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+               OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+               OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr):  # fmt: skip
+    v = _step_fwd(v, a0, b0, OP0)
+    v = _step_fwd(v, a1, b1, OP1)
+    v = _step_fwd(v, a2, b2, OP2)
+    v = _step_fwd(v, a3, b3, OP3)
+    v = _step_fwd(v, a4, b4, OP4)
+    v = _step_fwd(v, a5, b5, OP5)
+    v = _step_fwd(v, a6, b6, OP6)
+    v = _step_fwd(v, a7, b7, OP7)
+    return v
+
+
+@triton.jit
+def _avg_divisor(od, oh, ow, D, H, W,
+                 KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                 SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                 PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                 COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr):  # fmt: skip
+    """PyTorch's avg-pool divisor of window ``(od, oh, ow)`` (fp32)."""
+    d0 = od * SD - PD
+    h0 = oh * SH - PH
+    w0 = ow * SW - PW
+    d1 = tl.minimum(d0 + KD, D + PD)
+    h1 = tl.minimum(h0 + KH, H + PH)
+    w1 = tl.minimum(w0 + KW, W + PW)
+    if COUNT_INCLUDE_PAD:
+        count = (d1 - d0) * (h1 - h0) * (w1 - w0)
+    else:
+        count = (
+            (tl.minimum(d1, D) - tl.maximum(d0, 0))
+            * (tl.minimum(h1, H) - tl.maximum(h0, 0))
+            * (tl.minimum(w1, W) - tl.maximum(w0, 0))
+        )
+    div = tl.maximum(count, 1).to(tl.float32)  # >= 1 for every real window; lanes out of range
+    if DIVISOR != 0:
+        div = tl.zeros_like(div) + DIVISOR
+    return div
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _epilogue_fwd_kernel(
+    y_ptr, p_ptr, out_ptr, win_ptr, win_y_ptr,
+    C, D, H, W, OD, OH, OW, num_s_blocks,
+    y_sn, y_sc, y_sd, y_sh, y_sw,
+    o_sn, o_sc, o_sd, o_sh, o_sw,
+    OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+    OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
+    HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr,
+    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+    COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """out = pool(chain(y + bias)); with a max pool and SAVE, also the winner and its y.
+
+    Pointers (all element strides, dims (N, C, D, H, W)):
+      y_ptr     conv output without bias, (N, C, D, H, W), fp32/fp16/bf16, strides ``y_s*``.
+      p_ptr     operand matrix P, (NUM_PARAM_ROWS, C) fp32, contiguous.
+      out_ptr   result, (N, C, OD, OH, OW), any float dtype, strides ``o_s*``.  Without a pool
+                OD, OH, OW == D, H, W.
+      win_ptr   (max pool and SAVE only) winner index within the window, row-major over
+                (kd, kh, kw), int8 or int32, same shape and strides as out.
+      win_y_ptr (max pool and SAVE only) y (without bias) at the winner, dtype of y, same shape and
+                strides as out.
+    POOL: 0 none, 1 max, 2 avg.  Without a pool the spatial dims must flatten for y and out
+    (s_h == W*s_w and s_d == H*s_h where those sizes exceed 1): only ``*_sw`` is used then, so that
+    contiguous rows give vectorised accesses.
+    Max-pool parity with PyTorch: taps are scanned in row-major order, the first valid tap wins
+    initially and a later one replaces it when ``v > best or isnan(v)``; padding never wins.
+    """
+    pid0 = tl.program_id(0)
+    n = pid0 // num_s_blocks
+    sb = pid0 % num_s_blocks
+    c1 = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c = c1[:, None]
+    s = sb * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
+    cmask = c < C
+    mask = cmask & (s < OD * OH * OW)
+    n64 = n.to(tl.int64)
+    c64 = c.to(tl.int64)
+    s64 = s.to(tl.int64)
+
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(p_ptr + c, mask=cmask, other=0.0)
+    a0, b0 = _load_operands(p_ptr, 0, c, C, cmask, OP0)
+    a1, b1 = _load_operands(p_ptr, 1, c, C, cmask, OP1)
+    a2, b2 = _load_operands(p_ptr, 2, c, C, cmask, OP2)
+    a3, b3 = _load_operands(p_ptr, 3, c, C, cmask, OP3)
+    a4, b4 = _load_operands(p_ptr, 4, c, C, cmask, OP4)
+    a5, b5 = _load_operands(p_ptr, 5, c, C, cmask, OP5)
+    a6, b6 = _load_operands(p_ptr, 6, c, C, cmask, OP6)
+    a7, b7 = _load_operands(p_ptr, 7, c, C, cmask, OP7)
+
+    y_base = y_ptr + n64 * y_sn + c64 * y_sc
+    o_off = n64 * o_sn + c64 * o_sc
+    if POOL == 0:
+        y = tl.load(y_base + s64 * y_sw, mask=mask, other=1.0).to(tl.float32)
+        if HAS_BIAS:
+            y = y + bias
+        v = _chain_fwd(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+                       OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+        tl.store(out_ptr + o_off + s64 * o_sw, v.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ow = s % OW
+        t = s // OW
+        oh = t % OH
+        od = t // OH
+        d0 = od * SD - PD
+        h0 = oh * SH - PH
+        w0 = ow * SW - PW
+        best = tl.full([BLOCK_C, BLOCK_S], float("-inf"), tl.float32)
+        win = tl.full([BLOCK_C, BLOCK_S], -1, tl.int32)
+        win_y = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
+        acc = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
+        for kd in tl.static_range(KD):
+            idd = d0 + kd
+            ok_d = (idd >= 0) & (idd < D)
+            for kh in tl.static_range(KH):
+                ih = h0 + kh
+                ok_h = ok_d & (ih >= 0) & (ih < H)
+                for kw in tl.static_range(KW):
+                    iw = w0 + kw
+                    ok = mask & ok_h & (iw >= 0) & (iw < W)
+                    off = idd.to(tl.int64) * y_sd + ih.to(tl.int64) * y_sh + iw.to(tl.int64) * y_sw
+                    y_raw = tl.load(y_base + off, mask=ok, other=1.0).to(tl.float32)
+                    y = y_raw
+                    if HAS_BIAS:
+                        y = y + bias
+                    v = _chain_fwd(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+                                   OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+                    if POOL == 1:
+                        take = ok & ((v > best) | (v != v) | (win < 0))
+                        best = tl.where(take, v, best)
+                        win = tl.where(take, kd * KH * KW + kh * KW + kw, win)
+                        if SAVE:
+                            win_y = tl.where(take, y_raw, win_y)
+                    else:
+                        acc += tl.where(ok, v, 0.0)
+        o_off = o_off + od.to(tl.int64) * o_sd + oh.to(tl.int64) * o_sh + ow.to(tl.int64) * o_sw
+        if POOL == 1:
+            tl.store(out_ptr + o_off, best.to(out_ptr.dtype.element_ty), mask=mask)
+            if SAVE:
+                tl.store(win_ptr + o_off, win.to(win_ptr.dtype.element_ty), mask=mask)
+                tl.store(win_y_ptr + o_off, win_y.to(win_y_ptr.dtype.element_ty), mask=mask)
+        else:
+            div = _avg_divisor(od, oh, ow, D, H, W, KD, KH, KW, SD, SH, SW, PD, PH, PW,
+                               COUNT_INCLUDE_PAD, DIVISOR)  # fmt: skip
+            tl.store(out_ptr + o_off, (acc / div).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _epilogue_bwd_kernel(
+    gout_ptr, y_ptr, win_ptr, win_y_ptr, p_ptr, gy_ptr, part_ptr,
+    C, D, H, W, OD, OH, OW, num_s_blocks, part_row_stride,
+    g_sn, g_sc, g_sd, g_sh, g_sw,
+    y_sn, y_sc, y_sd, y_sh, y_sw,
+    w_sn, w_sc, w_sd, w_sh, w_sw,
+    OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+    OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
+    HAS_BIAS: tl.constexpr, POOL: tl.constexpr, GRAD_MASK: tl.constexpr,
+    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+    COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Gradient of the conv output (full size) and per-block partial sums of operand/bias grads.
+
+    Each program owns a tile of conv-output elements and *gathers* what flows into them (no
+    scatter, no atomics): without a pool, grad_out at the same position; with a pool, the
+    grad_out of the windows containing the element (at most ceil(K/S) per dim): those it won
+    (max) or its 1/divisor share (avg).  Then the chain is recomputed at the element's value and
+    differentiated step by step.
+
+    Pointers (element strides, dims (N, C, D, H, W)):
+      gout_ptr  gradient of the op's output, (N, C, OD, OH, OW) (D, H, W without a pool), any float
+                dtype, strides ``g_s*`` (any, e.g. expanded with stride 0).
+      y_ptr     (no pool / avg) conv output without bias, (N, C, D, H, W), strides ``y_s*``.
+      win_ptr   (max) winner index per window, int8/int32, (N, C, OD, OH, OW), strides ``w_s*``.
+      win_y_ptr (max) y (without bias) at the winner, same shape and strides as win.
+      p_ptr     operand matrix P, (NUM_PARAM_ROWS, C) fp32 contiguous.
+      gy_ptr    output: gradient of the conv output, (N, C, D, H, W), strides ``y_s*`` (shared with
+                y_ptr), dtype of the conv output.
+      part_ptr  output: fp32 (NUM_GRAD_ROWS, number of programs along id 0, C) contiguous, row
+                stride ``part_row_stride``; row k < MAX_SLOTS holds the sum of d/d(first operand of
+                slot k), row MAX_SLOTS the bias grad (sum of grad y), per program id 0 and channel.
+                Only the rows selected by the GRAD_MASK bits are written.
+    Without a pool the spatial dims of gout, y and gy must flatten (only ``*_sw`` is used).
+    Elements that win no window get exactly 0 (eager gives 0 * chain'(y), which differs only
+    where chain'(y) is not finite).
+    """
+    pid0 = tl.program_id(0)
+    n = pid0 // num_s_blocks
+    sb = pid0 % num_s_blocks
+    c1 = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c = c1[:, None]
+    s = sb * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
+    cmask = c < C
+    mask = cmask & (s < D * H * W)
+    n64 = n.to(tl.int64)
+    c64 = c.to(tl.int64)
+    s64 = s.to(tl.int64)
+
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(p_ptr + c, mask=cmask, other=0.0)
+    a0, b0 = _load_operands(p_ptr, 0, c, C, cmask, OP0)
+    a1, b1 = _load_operands(p_ptr, 1, c, C, cmask, OP1)
+    a2, b2 = _load_operands(p_ptr, 2, c, C, cmask, OP2)
+    a3, b3 = _load_operands(p_ptr, 3, c, C, cmask, OP3)
+    a4, b4 = _load_operands(p_ptr, 4, c, C, cmask, OP4)
+    a5, b5 = _load_operands(p_ptr, 5, c, C, cmask, OP5)
+    a6, b6 = _load_operands(p_ptr, 6, c, C, cmask, OP6)
+    a7, b7 = _load_operands(p_ptr, 7, c, C, cmask, OP7)
+
+    y_off = n64 * y_sn + c64 * y_sc
+    active = mask
+    if POOL == 0:
+        y_off = y_off + s64 * y_sw
+        y = tl.load(y_ptr + y_off, mask=mask, other=1.0).to(tl.float32)
+        g = tl.load(gout_ptr + n64 * g_sn + c64 * g_sc + s64 * g_sw, mask=mask, other=0.0).to(tl.float32)
+    else:
+        w = s % W
+        t = s // W
+        h = t % H
+        d = t // H
+        y_off = y_off + d.to(tl.int64) * y_sd + h.to(tl.int64) * y_sh + w.to(tl.int64) * y_sw
+        g = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
+        # NOTE: lanes that are masked off or win nothing hold y = 1.0 (not 0.0), so that their
+        # discarded chain derivatives stay finite (rdiv/div would give inf/NaN at 0).
+        y = tl.full([BLOCK_C, BLOCK_S], 1.0, tl.float32)
+        won = mask & (s < 0)
+        if POOL == 2:
+            y = tl.load(y_ptr + y_off, mask=mask, other=1.0).to(tl.float32)
+        # Candidate windows along each dim: o = (i + P) // S - j for j < ceil(K / S), valid when
+        # 0 <= o < O and the tap index k = i + P - o * S is < K.  (i + P >= 0: no negative floor.)
+        for jd in tl.static_range((KD + SD - 1) // SD):
+            od = (d + PD) // SD - jd
+            kd = d + PD - od * SD
+            ok_d = (od >= 0) & (od < OD) & (kd < KD)
+            for jh in tl.static_range((KH + SH - 1) // SH):
+                oh = (h + PH) // SH - jh
+                kh = h + PH - oh * SH
+                ok_h = ok_d & (oh >= 0) & (oh < OH) & (kh < KH)
+                for jw in tl.static_range((KW + SW - 1) // SW):
+                    ow = (w + PW) // SW - jw
+                    kw = w + PW - ow * SW
+                    ok = mask & ok_h & (ow >= 0) & (ow < OW) & (kw < KW)
+                    g_off = (
+                        n64 * g_sn
+                        + c64 * g_sc
+                        + od.to(tl.int64) * g_sd
+                        + oh.to(tl.int64) * g_sh
+                        + ow.to(tl.int64) * g_sw
+                    )
+                    if POOL == 1:
+                        w_off = (
+                            n64 * w_sn
+                            + c64 * w_sc
+                            + od.to(tl.int64) * w_sd
+                            + oh.to(tl.int64) * w_sh
+                            + ow.to(tl.int64) * w_sw
+                        )
+                        widx = tl.load(win_ptr + w_off, mask=ok, other=-1).to(tl.int32)
+                        hit = ok & (widx == kd * (KH * KW) + kh * KW + kw)
+                        g += tl.load(gout_ptr + g_off, mask=hit, other=0.0).to(tl.float32)
+                        y = tl.where(hit, tl.load(win_y_ptr + w_off, mask=hit, other=0.0).to(tl.float32), y)
+                        won = won | hit
+                    else:
+                        div = _avg_divisor(od, oh, ow, D, H, W, KD, KH, KW, SD, SH, SW, PD, PH, PW,
+                                           COUNT_INCLUDE_PAD, DIVISOR)  # fmt: skip
+                        go = tl.load(gout_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
+                        g += tl.where(ok, go / div, 0.0)  # windows out of range have div 0
+        if POOL == 1:
+            active = won
+    if HAS_BIAS:
+        y = y + bias
+
+    # Recompute the chain's intermediates (the input of each slot), then walk back.
+    v0 = y
+    v1 = _step_fwd(v0, a0, b0, OP0)
+    v2 = _step_fwd(v1, a1, b1, OP1)
+    v3 = _step_fwd(v2, a2, b2, OP2)
+    v4 = _step_fwd(v3, a3, b3, OP3)
+    v5 = _step_fwd(v4, a4, b4, OP4)
+    v6 = _step_fwd(v5, a5, b5, OP5)
+    v7 = _step_fwd(v6, a6, b6, OP6)
+    g, ga7 = _step_bwd(g, v7, a7, b7, OP7)
+    g, ga6 = _step_bwd(g, v6, a6, b6, OP6)
+    g, ga5 = _step_bwd(g, v5, a5, b5, OP5)
+    g, ga4 = _step_bwd(g, v4, a4, b4, OP4)
+    g, ga3 = _step_bwd(g, v3, a3, b3, OP3)
+    g, ga2 = _step_bwd(g, v2, a2, b2, OP2)
+    g, ga1 = _step_bwd(g, v1, a1, b1, OP1)
+    g, ga0 = _step_bwd(g, v0, a0, b0, OP0)
+    g = tl.where(active, g, 0.0)
+    tl.store(gy_ptr + y_off, g.to(gy_ptr.dtype.element_ty), mask=mask)
+
+    part = part_ptr + pid0.to(tl.int64) * C + c1
+    pmask = c1 < C
+    row = part_row_stride
+    if (GRAD_MASK & 1) != 0:
+        tl.store(part + 0 * row, tl.sum(tl.where(active, ga0, 0.0), axis=1), mask=pmask)
+    if (GRAD_MASK & 2) != 0:
+        tl.store(part + 1 * row, tl.sum(tl.where(active, ga1, 0.0), axis=1), mask=pmask)
+    if (GRAD_MASK & 4) != 0:
+        tl.store(part + 2 * row, tl.sum(tl.where(active, ga2, 0.0), axis=1), mask=pmask)
+    if (GRAD_MASK & 8) != 0:
+        tl.store(part + 3 * row, tl.sum(tl.where(active, ga3, 0.0), axis=1), mask=pmask)
+    if (GRAD_MASK & 16) != 0:
+        tl.store(part + 4 * row, tl.sum(tl.where(active, ga4, 0.0), axis=1), mask=pmask)
+    if (GRAD_MASK & 32) != 0:
+        tl.store(part + 5 * row, tl.sum(tl.where(active, ga5, 0.0), axis=1), mask=pmask)
+    if (GRAD_MASK & 64) != 0:
+        tl.store(part + 6 * row, tl.sum(tl.where(active, ga6, 0.0), axis=1), mask=pmask)
+    if (GRAD_MASK & 128) != 0:
+        tl.store(part + 7 * row, tl.sum(tl.where(active, ga7, 0.0), axis=1), mask=pmask)
+    if (GRAD_MASK & 256) != 0:
+        tl.store(part + 8 * row, tl.sum(g, axis=1), mask=pmask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _lift(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Sizes and element strides of ``t`` (N, C, *spatial with 1..3 dims) as (N, C, D, H, W)."""
+    if not 3 <= t.dim() <= 5:
+        raise ValueError(
+            f"expected a (N, C, *spatial) tensor with 1 to 3 spatial dims, got shape {tuple(t.shape)}"
+        )
+    pad = 5 - t.dim()
+    sizes = [t.shape[0], t.shape[1]] + [1] * pad + list(t.shape[2:])
+    strides = [t.stride(0), t.stride(1)] + [0] * pad + list(t.stride()[2:])
+    return sizes, strides
+
+
+def _spatial_flattens(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """True when (D, H, W) can be walked as one axis of stride ``strides[4]``."""
+    _, _, d, h, w = sizes
+    sd, sh, sw = strides[2:]
+    return (h == 1 or sh == w * sw) and (d == 1 or sd == h * w * sw)
+
+
+def _lift_pool(pool: PoolGeometry, spatial_dims: int) -> dict[str, int | bool]:
+    """The kernels' pool constexprs, lifted to 3 spatial dims (kernel 1, stride 1, no padding)."""
+    if not (len(pool.kernel_size) == len(pool.stride) == len(pool.padding) == spatial_dims):
+        raise ValueError(f"pool geometry {pool} does not have {spatial_dims} spatial dims")
+    pad = 3 - spatial_dims
+    k = [1] * pad + list(pool.kernel_size)
+    s = [1] * pad + list(pool.stride)
+    p = [0] * pad + list(pool.padding)
+    return dict(
+        KD=k[0], KH=k[1], KW=k[2], SD=s[0], SH=s[1], SW=s[2], PD=p[0], PH=p[1], PW=p[2],
+        COUNT_INCLUDE_PAD=bool(pool.count_include_pad), DIVISOR=int(pool.divisor_override or 0),
+    )  # fmt: skip
+
+
+_NO_POOL = dict(KD=1, KH=1, KW=1, SD=1, SH=1, SW=1, PD=0, PH=0, PW=0, COUNT_INCLUDE_PAD=True, DIVISOR=0)
+
+
+def _tile(channels: int, spatial: int, channels_inner: bool) -> tuple[int, int]:
+    """``(BLOCK_C, BLOCK_S)`` of about 1024 elements, long along the contiguous axis.
+
+    Channels-last tiles take up to 64 channels so that each spatial position reads a contiguous run
+    of 128 to 256 bytes.
+    NOTE: measured on H100 (torch 2.11, triton 3.6), fp32, 4 warps, launcher time incl. P build:
+      seed B (64, 64, 254, 254), no pool:   fwd 0.85 ms (2.5 TB/s) NCHW, 0.71 ms (3.0 TB/s) NHWC;
+                                             bwd 1.63 ms (1.9 TB/s) NCHW, 1.39 ms (2.3 TB/s) NHWC.
+      seed A (16, 32, 32, 64, 64), max 2^3: fwd 0.24 ms (1.4 TB/s) NCDHW, 0.20 ms (1.7 TB/s) NDHWC;
+                                             bwd 0.49 ms (0.7 TB/s) NCDHW, 0.38 ms (0.9 TB/s) NDHWC.
+    The pooled kernels are bound by the per-element index arithmetic (div/mod by runtime sizes,
+    int64 offsets), not by bandwidth: the first thing to tune if they matter.
+    """
+    c_pow = triton.next_power_of_2(channels)
+    s_pow = triton.next_power_of_2(max(spatial, 1))
+    if channels_inner:
+        block_c = min(c_pow, 64)
+        block_s = min(s_pow, max(1024 // block_c, 1))
+    else:
+        block_s = min(s_pow, 1024)
+        block_c = min(c_pow, max(1024 // block_s, 1))
+    return block_c, block_s
+
+
+def _channels_inner(strides: Sequence[int], sizes: Sequence[int]) -> bool:
+    return strides[1] == 1 and sizes[1] > 1 and any(sz > 1 for sz in sizes[2:])
+
+
+def build_params(
+    steps: Sequence[KernelStep], bias: torch.Tensor | None, channels: int, device: torch.device
+) -> torch.Tensor:
+    """The operand matrix ``P``: fp32 ``(NUM_PARAM_ROWS, channels)``, contiguous (see module doc)."""
+    if len(steps) > MAX_SLOTS:
+        raise ValueError(f"chains of at most {MAX_SLOTS} steps fit the kernel template, got {len(steps)}")
+    params = torch.zeros(NUM_PARAM_ROWS, channels, dtype=torch.float32, device=device)
+    rows: list[tuple[int, OperandValue]] = []
+    if bias is not None:
+        rows.append((BIAS_ROW, bias))
+    for slot, (_, values) in enumerate(steps):
+        if len(values) > 2:
+            raise ValueError(f"slot {slot}: at most 2 operands per step, got {len(values)}")
+        rows.extend((1 + 2 * slot + j, value) for j, value in enumerate(values))
+    for row, value in rows:
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().reshape(-1)
+            if flat.numel() == 1:
+                flat = flat.expand(channels)
+            elif flat.numel() != channels:
+                raise ValueError(
+                    f"P row {row}: an operand tensor must have 1 or {channels} elements, got shape "
+                    f"{tuple(value.shape)}"
+                )
+            params[row].copy_(flat)
+        else:
+            params[row].fill_(float(value))
+    return params
+
+
+def _op_constexprs(steps: Sequence[KernelStep]) -> dict[str, int]:
+    codes = [int(code) for code, _ in steps] + [0] * (MAX_SLOTS - len(steps))
+    for code in codes:
+        if not 0 <= code <= _HARDTANH:
+            raise ValueError(f"unknown op code {code}")
+    return {f"OP{k}": code for k, code in enumerate(codes)}
+
+
+def epilogue_forward(
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+    steps: Sequence[KernelStep],
+    pool: PoolGeometry | None,
+    out: torch.Tensor,
+    winner: torch.Tensor | None = None,
+    winner_y: torch.Tensor | None = None,
+) -> None:
+    """Write ``out = pool(chain(y + bias))`` (and the max-pool winners) with one kernel launch.
+
+    Args:
+      y: conv output without bias, (N, C, *spatial) with 1 to 3 spatial dims, fp32/fp16/bf16, any
+        strides (without a pool, spatial dims must flatten: contiguous or channels-last).
+      bias: None or C values (any float dtype), added in fp32 before the chain.
+      steps: up to MAX_SLOTS ``(op code, operand values)``; see ``OperandValue``.
+      pool: None, or the pool over the chain's result.
+      out: preallocated result, (N, C, *pooled spatial) or y's shape without a pool, any float dtype;
+        without a pool its spatial dims must flatten.
+      winner, winner_y: max pool only, both or neither: preallocated like ``out`` (same shape and
+        strides), int8/int32 and y's dtype; receive the winner's row-major index in its window and
+        y (without bias) at the winner.
+    """
+    if (winner is None) != (winner_y is None):
+        raise ValueError("winner and winner_y go together")
+    save = winner is not None
+    if save and (pool is None or pool.kind != "max"):
+        raise ValueError("winners are only saved for a max pool")
+    for name, t in (("winner", winner), ("winner_y", winner_y)):
+        if t is not None and (t.shape != out.shape or t.stride() != out.stride()):
+            raise ValueError(
+                f"{name} must have out's shape and strides {tuple(out.shape)}/{out.stride()}, got "
+                f"{tuple(t.shape)}/{t.stride()}"
+            )
+    if winner is not None and winner.dtype not in (torch.int8, torch.int32):
+        raise ValueError(f"winner must be int8 or int32, got {winner.dtype}")
+    y_sizes, y_strides = _lift(y)
+    o_sizes, o_strides = _lift(out)
+    n, channels = y_sizes[:2]
+    if pool is None:
+        if list(out.shape) != list(y.shape):
+            raise ValueError(
+                f"without a pool out must have y's shape {tuple(y.shape)}, got {tuple(out.shape)}"
+            )
+        if not _spatial_flattens(o_sizes, o_strides):
+            raise ValueError(f"out's spatial dims must flatten, got strides {out.stride()}")
+        if not _spatial_flattens(y_sizes, y_strides):  # copy into out's (flattening) layout
+            y = torch.empty_like(out, dtype=y.dtype).copy_(y)
+            y_sizes, y_strides = _lift(y)
+        pool_args = _NO_POOL
+    else:
+        if pool.window_volume > MAX_WINDOW_VOLUME:
+            raise ValueError(f"pool windows above {MAX_WINDOW_VOLUME} taps are not unrolled, got {pool}")
+        pool_args = _lift_pool(pool, y.dim() - 2)
+    params = build_params(steps, bias, channels, y.device)
+    s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
+    block_c, block_s = _tile(channels, s_out, _channels_inner(o_strides, o_sizes))
+    num_s_blocks = triton.cdiv(s_out, block_s)
+    grid = (n * num_s_blocks, triton.cdiv(channels, block_c))
+    if out.numel() == 0:
+        return
+    _epilogue_fwd_kernel[grid](
+        y, params, out, winner if save else out, winner_y if save else out,
+        channels, *y_sizes[2:], *o_sizes[2:], num_s_blocks,
+        *y_strides, *o_strides,
+        **_op_constexprs(steps), HAS_BIAS=bias is not None,
+        POOL=0 if pool is None else (1 if pool.kind == "max" else 2), SAVE=save, **pool_args,
+        BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
+    )  # fmt: skip
+
+
+def epilogue_backward(
+    grad_out: torch.Tensor,
+    y: torch.Tensor | None,
+    winner: torch.Tensor | None,
+    winner_y: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    steps: Sequence[KernelStep],
+    pool: PoolGeometry | None,
+    grad_y: torch.Tensor,
+    operand_grad_slots: Sequence[bool] = (),
+    bias_grad: bool = False,
+) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+    """Write the conv-output gradient into ``grad_y`` and return per-channel operand/bias grads.
+
+    Args:
+      grad_out: gradient of ``out`` (its shape, any strides, any float dtype).
+      y: conv output without bias (no pool / avg pool), as given to ``epilogue_forward``; None with a
+        max pool.
+      winner, winner_y: max pool only: what ``epilogue_forward`` saved.
+      bias, steps, pool: as given to ``epilogue_forward``.
+      grad_y: preallocated (N, C, *spatial) like y (same strides when y is given), the conv
+        output's dtype; receives the gradient of the conv output (bias included: d/d(y + bias)).
+      operand_grad_slots: per slot, whether the gradient of its first operand is wanted (only the
+        arithmetic ops mul/add/sub/rsub/div/rdiv have one).
+      bias_grad: whether the bias gradient is wanted.
+    Returns:
+      ``(slot_grads, bias_grad)``: per slot, None or the fp32 (C,) per-channel sum of d out/d operand
+      weighted by grad_out (the caller sums channels for scalar operands); the fp32 (C,) bias grad or
+      None.  Sums are over fixed-order per-block partials, so they are bitwise reproducible.
+    """
+    if pool is not None and pool.kind == "max":
+        if winner is None or winner_y is None:
+            raise ValueError("a max pool's backward needs winner and winner_y")
+        if winner.stride() != winner_y.stride():
+            raise ValueError(f"winner/winner_y strides differ: {winner.stride()} vs {winner_y.stride()}")
+    elif y is None:
+        raise ValueError("y is required without a max pool")
+    elif y.stride() != grad_y.stride() or y.shape != grad_y.shape:
+        raise ValueError(f"grad_y must be laid out like y: {tuple(y.shape)}/{y.stride()}, got "
+                         f"{tuple(grad_y.shape)}/{grad_y.stride()}")  # fmt: skip
+    for slot, wanted in enumerate(operand_grad_slots):
+        if wanted and not _MUL <= int(steps[slot][0]) <= _RDIV:
+            raise ValueError(f"slot {slot} (op code {steps[slot][0]}) has no differentiable operand")
+    y_sizes, y_strides = _lift(grad_y)
+    g_sizes, g_strides = _lift(grad_out)
+    n, channels = y_sizes[:2]
+    if pool is None:
+        if list(grad_out.shape) != list(grad_y.shape):
+            raise ValueError(
+                f"grad_out must have y's shape {tuple(grad_y.shape)}, got {tuple(grad_out.shape)}"
+            )
+        if not _spatial_flattens(y_sizes, y_strides):
+            raise ValueError(f"grad_y's spatial dims must flatten, got strides {grad_y.stride()}")
+        if not _spatial_flattens(g_sizes, g_strides):  # copy into grad_y's (flattening) layout
+            grad_out = torch.empty_like(grad_y, dtype=grad_out.dtype).copy_(grad_out)
+            g_sizes, g_strides = _lift(grad_out)
+        pool_args = _NO_POOL
+    else:
+        if pool.window_volume > MAX_WINDOW_VOLUME:
+            raise ValueError(f"pool windows above {MAX_WINDOW_VOLUME} taps are not unrolled, got {pool}")
+        pool_args = _lift_pool(pool, grad_y.dim() - 2)
+    w_strides = _lift(winner)[1] if winner is not None else [0] * 5
+    params = build_params(steps, bias, channels, grad_y.device)
+    grad_mask = sum(1 << k for k, wanted in enumerate(operand_grad_slots) if wanted)
+    if bias_grad:
+        grad_mask |= 1 << MAX_SLOTS
+    s_full = y_sizes[2] * y_sizes[3] * y_sizes[4]
+    block_c, block_s = _tile(channels, s_full, _channels_inner(y_strides, y_sizes))
+    num_s_blocks = triton.cdiv(s_full, block_s)
+    grid = (n * num_s_blocks, triton.cdiv(channels, block_c))
+    partials = torch.empty(NUM_GRAD_ROWS, grid[0], channels, dtype=torch.float32, device=grad_y.device)
+    if grad_y.numel() > 0:
+        _epilogue_bwd_kernel[grid](
+            grad_out, y if y is not None else grad_y, winner if winner is not None else grad_y,
+            winner_y if winner_y is not None else grad_y, params, grad_y, partials,
+            channels, *y_sizes[2:], *g_sizes[2:], num_s_blocks, grid[0] * channels,
+            *g_strides, *y_strides, *w_strides,
+            **_op_constexprs(steps), HAS_BIAS=bias is not None,
+            POOL=0 if pool is None else (1 if pool.kind == "max" else 2), GRAD_MASK=grad_mask, **pool_args,
+            BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
+        )  # fmt: skip
+    else:
+        partials.zero_()
+    # NOTE: torch's reduction over a fixed shape runs in a fixed order (no atomics), so these
+    # sums, like the in-kernel block sums, are bitwise reproducible.
+    slot_grads: list[torch.Tensor | None] = [
+        partials[k].sum(0) if k < len(operand_grad_slots) and operand_grad_slots[k] else None
+        for k in range(len(steps))
+    ]
+    return slot_grads, partials[MAX_SLOTS].sum(0) if bias_grad else None

@@ -1,0 +1,832 @@
+"""The fused op ``conv -> pointwise chain -> optional pool``, forward and backward.
+
+Public entry point (what the graph rewriter calls)::
+
+    conv_epilogue(x, weight, bias, operands, config) -> Tensor
+
+with eager semantics: ``y = aten.convolution(x, weight, bias, *conv params)``, then every
+``ChainStep`` of the config in order (``chain.apply_step``; ``Const`` operands are numbers,
+``TensorRef(i)`` is ``operands[i]``: 0-d, per-channel ``(C,1,..,1)`` / ``(1,C,1,..,1)``, or any
+shape with one element and at most ``y.ndim`` dims), then the optional max/avg pool, and finally a
+cast to ``config.out_dtype`` (None = the conv's dtype).  ``x``, ``weight`` and ``bias`` share one
+dtype; operands may be fp32 under a bf16/fp16 conv.  1d/2d/3d, transposed or not, any conv
+hyper-parameters, chains of 0..MAX_CHAIN_LENGTH steps.
+
+Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
+
+* ``fusion::conv_epilogue_fwd(x, weight, bias, operands, config, save_for_backward)
+  -> (out, saved_a, saved_b)``.  Saved state, with ``C``/spatial of the conv output ``y0``
+  (the conv output WITHOUT bias; every backward adds the bias back itself):
+
+  =================  ====================================  =====================================
+  case               saved_a                               saved_b
+  =================  ====================================  =====================================
+  max pool           winner index in its window, pooled    y0 at the winner, pooled shape,
+                     shape, row-major over (kd, kh, kw),   conv dtype
+                     int8 (window <= 127 taps) else int32
+  avg pool / none    y0, full size, conv dtype             empty
+  no save            empty                                 empty
+  =================  ====================================  =====================================
+
+  "empty" is ``torch.empty(0, dtype=x.dtype)``.  The chain's full-size intermediates are never
+  saved: with a max pool the backward needs only 1/window of the elements.
+  ``out`` and the pooled saved tensors use the memory format that ``output_memory_format`` picks
+  from ``y0`` (channels-last when ``y0`` is channels-last and not also contiguous); so does
+  ``saved_a = y0``.
+* ``fusion::conv_epilogue_bwd(grad_out, x, weight, bias, operands, saved_a, saved_b, config,
+  output_mask) -> [grad_x, grad_weight, grad_bias, *grad_operands]``; entries whose mask is False
+  are empty placeholders (mapped to None by the autograd glue).
+
+Implementations:
+
+* Triton (CUDA, fp32/fp16/bf16): the conv runs through aten WITHOUT bias; one Triton kernel adds
+  the bias, applies the chain and the pool and writes only ``out`` and the saved state.  The
+  backward is one Triton kernel that produces the full-size gradient of the conv output plus
+  per-block partial sums of the operand and bias gradients (fixed-order sums, bitwise
+  reproducible), then ``aten.convolution_backward``.  See ``fusion_backend.kernels.epilogue``.
+* Reference (CPU, float64, anything the kernels don't cover): plain torch; the backward applies
+  torch's own derivative formulas to the chain recomputed from the saved state.  ``FUSION_CPU_KERNELS=triton`` (read at call time) runs the Triton path on CPU
+  tensors instead, which is only meaningful under ``TRITON_INTERPRET=1`` (CPU CI).
+
+Failure policy: when a Triton launch or compile fails, ``config.strict`` raises ``KernelError``;
+otherwise a warning is logged (``logging.getLogger("fusion_backend")``) and issued
+(``warnings.warn``) once per config and direction, and the reference runs.  ``kernel_path`` tells
+which implementation a config/dtype/device gets, for the backend's report.
+"""
+
+import logging
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import KernelError, UnsupportedInputError
+from .chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef, apply_step
+from .config import ConvEpilogueConfig, ConvSpec, PoolSpec
+
+logger = logging.getLogger("fusion_backend")
+
+#: Environment variable: set to "triton" to run the Triton kernels on CPU tensors (interpreter).
+CPU_KERNELS_ENV = "FUSION_CPU_KERNELS"
+_CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# NOTE: Triton's interpreter has no bf16 (numpy has no such type).
+_INTERPRETER_KERNEL_DTYPES = (torch.float32, torch.float16)
+#: Largest window whose winner index is saved as int8.
+_INT8_WINDOW_LIMIT = 127
+
+_warned: set[tuple[str, str]] = set()
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+def conv_epilogue(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], config: str
+) -> Tensor:
+    """``pool(chain(conv(x, weight, bias))).to(out_dtype)`` as one fused op (see module docstring).
+
+    Backward state is computed only when autograd will need it: under AOTAutograd the grad mode
+    seen at trace time is the runtime one, so inference graphs never save anything.
+    """
+    save = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, weight, bias, *operands) if t is not None
+    )
+    out, _, _ = torch.ops.fusion.conv_epilogue_fwd(x, weight, bias, list(operands), config, save)
+    return out
+
+
+def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str, str | None]:
+    """``("triton", None)`` when the Triton kernels serve this case, else ``("reference", why)``.
+
+    Operand shapes are not known here: a non-per-channel operand tensor still falls back at run
+    time (with a warning, or ``UnsupportedInputError`` under ``strict``).
+    """
+    cfg = ConvEpilogueConfig.from_json(config)
+    if device_type == "cuda":
+        if dtype not in _CUDA_KERNEL_DTYPES:
+            return "reference", f"no Triton kernel for {dtype} (kernels cover float32, float16, bfloat16)"
+    elif device_type == "cpu":
+        if os.environ.get(CPU_KERNELS_ENV, "") != "triton":
+            return "reference", (
+                f"CPU tensors run the plain-torch reference ({CPU_KERNELS_ENV}=triton with "
+                "TRITON_INTERPRET=1 runs the Triton kernels instead)"
+            )
+        if dtype not in _INTERPRETER_KERNEL_DTYPES:
+            return "reference", f"the Triton interpreter has no {dtype} kernels (float32, float16 only)"
+    else:
+        return "reference", f"no Triton kernels for device type {device_type!r}"
+    if len(cfg.chain) > MAX_CHAIN_LENGTH:
+        return "reference", f"chain of {len(cfg.chain)} steps exceeds the kernel's {MAX_CHAIN_LENGTH} slots"
+    try:
+        kernels = _kernels()
+    except ImportError as e:  # pragma: no cover - triton is a dependency
+        return "reference", f"Triton is not importable: {e}"
+    if cfg.pool is not None and cfg.pool.window_volume > kernels.MAX_WINDOW_VOLUME:
+        return "reference", (
+            f"pool window of {cfg.pool.window_volume} taps exceeds the kernel's unroll limit "
+            f"{kernels.MAX_WINDOW_VOLUME}"
+        )
+    return "triton", None
+
+
+def conv_epilogue_eager(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], config: str
+) -> Tensor:
+    """The eager composite the fused op stands for (differentiable by autograd; tests' oracle).
+
+    Operands in non-differentiable positions (leaky_relu slope, clamp bounds) are detached, as in
+    the fused op.
+    """
+    cfg = ConvEpilogueConfig.from_json(config)
+    v = apply_chain(_conv(x, weight, bias, cfg.conv), cfg.chain, operands)
+    if cfg.pool is not None:
+        v = _pool(v, cfg.pool)
+    return v.to(_out_dtype(cfg, x))
+
+
+def output_memory_format(y: Tensor) -> torch.memory_format:
+    """Memory format of the op's outputs, picked from the conv output ``y`` (real or fake).
+
+    channels_last / channels_last_3d when ``y`` is in it and not also contiguous, else contiguous.
+    Shared by the fake and the real implementations so that their strides agree exactly.
+    """
+    if y.dim() == 4 and y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous():
+        return torch.channels_last
+    if y.dim() == 5 and y.is_contiguous(memory_format=torch.channels_last_3d) and not y.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def apply_chain(y: Tensor, chain: Sequence[ChainStep], operands: Sequence[Tensor]) -> Tensor:
+    """Apply ``chain`` to ``y`` with eager semantics; non-differentiable operands are detached."""
+    for step in chain:
+        values: list[Union[Tensor, float]] = []
+        for j, operand in enumerate(step.operands):
+            if isinstance(operand, Const):
+                values.append(operand.value)
+            else:
+                t = operands[operand.index]
+                values.append(t if j in step.kind.differentiable_operands else t.detach())
+        y = apply_step(step.kind, y, values)
+    return y
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fusion::conv_epilogue_fwd", mutates_args=())
+def conv_epilogue_fwd(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    operands: list[Tensor],
+    config: str,
+    save_for_backward: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward of the fused op: ``(out, saved_a, saved_b)`` (see the module docstring)."""
+    cfg = ConvEpilogueConfig.from_json(config)
+    _check_inputs(x, weight, operands, cfg)
+    if _use_triton(config, cfg, x):
+        try:
+            return _triton_forward(x, weight, bias, operands, cfg, save_for_backward)
+        except Exception as e:  # any kernel failure takes the documented policy
+            _on_kernel_failure("forward", config, cfg, x, weight, e)
+    return _reference_forward(x, weight, bias, operands, cfg, save_for_backward)
+
+
+@conv_epilogue_fwd.register_fake
+def _conv_epilogue_fwd_fake(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    operands: list[Tensor],
+    config: str,
+    save_for_backward: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    cfg = ConvEpilogueConfig.from_json(config)
+    y0 = _conv(x, weight, None, cfg.conv)
+    out_shape = y0.shape if cfg.pool is None else _pool(y0, cfg.pool).shape
+    return _allocate_forward_outputs(x, y0, out_shape, cfg, save_for_backward)
+
+
+@torch.library.custom_op("fusion::conv_epilogue_bwd", mutates_args=())
+def conv_epilogue_bwd(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    operands: list[Tensor],
+    saved_a: Tensor,
+    saved_b: Tensor,
+    config: str,
+    output_mask: list[bool],
+) -> list[Tensor]:
+    """Backward of the fused op: ``[grad_x, grad_weight, grad_bias, *grad_operands]``.
+
+    ``output_mask`` has ``3 + len(operands)`` entries; unrequested grads are empty placeholders.
+    Each requested grad has its input's shape, dtype and ``empty_like`` strides.
+    """
+    cfg = ConvEpilogueConfig.from_json(config)
+    if len(output_mask) != 3 + len(operands):
+        raise ValueError(f"output_mask needs {3 + len(operands)} entries, got {len(output_mask)}")
+    if saved_a.dim() == 1:  # the (0,)-shaped placeholder: saved state is always (N, C, ...)
+        raise RuntimeError(
+            "fusion::conv_epilogue_bwd: the forward ran with save_for_backward=False; call "
+            "conv_epilogue() (which saves state when autograd needs it) instead of the raw op"
+        )
+    grads: list[Tensor | None] | None = None
+    if _use_triton(config, cfg, x):
+        try:
+            grads = _triton_backward(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, output_mask)
+        except Exception as e:  # any kernel failure takes the documented policy
+            _on_kernel_failure("backward", config, cfg, x, weight, e)
+    if grads is None:
+        grads = _reference_backward(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, output_mask)
+    inputs = [x, weight, bias, *operands]
+    return [
+        _like(g, ref) if wanted and ref is not None and g is not None else _placeholder(x)
+        for g, ref, wanted in zip(grads, inputs, output_mask, strict=True)
+    ]
+
+
+@conv_epilogue_bwd.register_fake
+def _conv_epilogue_bwd_fake(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    operands: list[Tensor],
+    saved_a: Tensor,
+    saved_b: Tensor,
+    config: str,
+    output_mask: list[bool],
+) -> list[Tensor]:
+    inputs = [x, weight, bias, *operands]
+    return [
+        torch.empty_like(ref) if wanted and ref is not None else _placeholder(x)
+        for ref, wanted in zip(inputs, output_mask, strict=True)
+    ]
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
+    x, weight, bias, operands, config, save_for_backward = inputs
+    _, saved_a, saved_b = output
+    ctx.config = config
+    ctx.num_operands = len(operands)
+    ctx.saved = save_for_backward
+    ctx.save_for_backward(x, weight, bias, *operands, saved_a, saved_b)
+
+
+def _backward(ctx: Any, grad_out: Tensor, _grad_saved_a: Tensor, _grad_saved_b: Tensor) -> tuple[Any, ...]:
+    if not ctx.saved:
+        raise RuntimeError(
+            "fusion::conv_epilogue_fwd ran with save_for_backward=False but a gradient was requested; "
+            "call conv_epilogue(), which saves state whenever autograd needs it"
+        )
+    x, weight, bias, *rest = ctx.saved_tensors
+    operands = rest[: ctx.num_operands]
+    saved_a, saved_b = rest[ctx.num_operands :]
+    needs = ctx.needs_input_grad  # (x, weight, bias, [operands...], config, save_for_backward)
+    mask = [bool(needs[0]), bool(needs[1]), bias is not None and bool(needs[2])]
+    mask += [bool(m) for m in needs[3]]
+    grads = torch.ops.fusion.conv_epilogue_bwd(
+        grad_out, x, weight, bias, list(operands), saved_a, saved_b, ctx.config, mask
+    )
+    out = [g if wanted else None for g, wanted in zip(grads, mask, strict=True)]
+    return out[0], out[1], out[2], out[3:], None, None
+
+
+conv_epilogue_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _kernels() -> ModuleType:
+    # Imported lazily: TRITON_INTERPRET is read when @triton.jit runs, i.e. at this import.
+    from ..kernels import epilogue
+
+    return epilogue
+
+
+def _use_triton(config: str, cfg: ConvEpilogueConfig, x: Tensor) -> bool:
+    path, why = kernel_path(config, x.dtype, x.device.type)
+    if path == "triton":
+        return True
+    if cfg.strict and x.device.type == "cuda":
+        raise UnsupportedInputError(f"fusion::conv_epilogue has no Triton kernel here: {why}")
+    return False
+
+
+def _on_kernel_failure(
+    direction: str, config: str, cfg: ConvEpilogueConfig, x: Tensor, weight: Tensor, error: Exception
+) -> None:
+    """Under ``strict`` raise (``UnsupportedInputError`` as is, anything else as ``KernelError``),
+    else warn once per (direction, config)."""
+    what = (
+        f"fusion::conv_epilogue {direction} Triton kernel failed for chain [{_describe_chain(cfg)}], "
+        f"pool {_describe_pool(cfg.pool)}, x {tuple(x.shape)} weight {tuple(weight.shape)} "
+        f"{x.dtype} on {x.device}: {type(error).__name__}: {error}"
+    )
+    if cfg.strict:
+        if isinstance(error, UnsupportedInputError):
+            raise error
+        raise KernelError(f"{what}. Unset strict to fall back to the plain-torch reference.") from error
+    key = (direction, config)
+    if key not in _warned:
+        _warned.add(key)
+        message = f"{what}. Falling back to the plain-torch reference (warned once per config)."
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _describe_chain(cfg: ConvEpilogueConfig) -> str:
+    parts = []
+    for step in cfg.chain:
+        args = ", ".join(
+            f"{o.value:g}" if isinstance(o, Const) else f"operands[{o.index}]" for o in step.operands
+        )
+        parts.append(f"{step.kind.name.lower()}({args})")
+    return ", ".join(parts)
+
+
+def _describe_pool(pool: PoolSpec | None) -> str:
+    if pool is None:
+        return "none"
+    return f"{pool.kind}(k={pool.kernel_size}, s={pool.stride}, p={pool.padding}, ceil={pool.ceil_mode})"
+
+
+def _check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> None:
+    dims = cfg.conv.spatial_dims
+    if x.dim() != dims + 2 or weight.dim() != dims + 2:
+        raise UnsupportedInputError(
+            f"fusion::conv_epilogue: a {dims}d conv needs x and weight with {dims + 2} dims, got "
+            f"x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
+    if cfg.pool is not None and len(cfg.pool.kernel_size) != dims:
+        raise UnsupportedInputError(
+            f"fusion::conv_epilogue: pool {cfg.pool} does not have {dims} spatial dims"
+        )
+    for step in cfg.chain:
+        for operand in step.operands:
+            if not isinstance(operand, Const) and not 0 <= operand.index < len(operands):
+                raise UnsupportedInputError(
+                    f"fusion::conv_epilogue: chain references operands[{operand.index}] but "
+                    f"{len(operands)} operand tensors were given"
+                )
+
+
+def _out_dtype(cfg: ConvEpilogueConfig, x: Tensor) -> torch.dtype:
+    if cfg.out_dtype is None:
+        return x.dtype
+    dtype = getattr(torch, cfg.out_dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedInputError(
+            f"fusion::conv_epilogue: out_dtype {cfg.out_dtype!r} is not a torch dtype"
+        )
+    return dtype
+
+
+def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec: ConvSpec) -> Tensor:
+    return torch.ops.aten.convolution(
+        x, weight, bias, list(spec.stride), list(spec.padding), list(spec.dilation), spec.transposed,
+        list(spec.output_padding), spec.groups,
+    )  # fmt: skip
+
+
+def _pool_stride(pool: PoolSpec) -> tuple[int, ...]:
+    # PyTorch's pools take stride=None/() to mean "= kernel_size".
+    return tuple(pool.stride) if pool.stride else tuple(pool.kernel_size)
+
+
+def _pool(v: Tensor, pool: PoolSpec, return_indices: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """The PoolSpec's F.max_pool{d}d / F.avg_pool{d}d on ``v`` (real or fake)."""
+    dims = v.dim() - 2
+    k, s, p = list(pool.kernel_size), list(_pool_stride(pool)), list(pool.padding)
+    if pool.kind == "max":
+        fn = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[dims - 1]
+        return fn(v, k, s, p, 1, ceil_mode=pool.ceil_mode, return_indices=return_indices)
+    if dims == 1:
+        # avg_pool1d has no divisor_override: the 2d pool over a (1, L) plane is the same pool.
+        out = F.avg_pool2d(
+            v.unsqueeze(-2), [1, k[0]], [1, s[0]], [0, p[0]], pool.ceil_mode, pool.count_include_pad,
+            pool.divisor_override,
+        )  # fmt: skip
+        return out.squeeze(-2)
+    fn = F.avg_pool2d if dims == 2 else F.avg_pool3d
+    return fn(v, k, s, p, pool.ceil_mode, pool.count_include_pad, pool.divisor_override)
+
+
+def _pool_output_size(size: int, k: int, s: int, p: int, ceil_mode: bool) -> int:
+    """PyTorch's ``pooling_output_shape`` (dilation 1), including the ceil_mode correction."""
+    out = (size + 2 * p - (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+def _pooled_shape(y_shape: Sequence[int], pool: PoolSpec) -> list[int]:
+    stride = _pool_stride(pool)
+    return list(y_shape[:2]) + [
+        _pool_output_size(size, k, s, p, pool.ceil_mode)
+        for size, k, s, p in zip(y_shape[2:], pool.kernel_size, stride, pool.padding, strict=True)
+    ]
+
+
+def _conv_output_shape(x: Tensor, weight: Tensor, spec: ConvSpec) -> list[int]:
+    """Shape of ``aten.convolution``'s output (real sizes only; fakes use the op itself)."""
+    spatial = []
+    for i, size in enumerate(x.shape[2:]):
+        k, s, p, d = weight.shape[2 + i], spec.stride[i], spec.padding[i], spec.dilation[i]
+        if spec.transposed:
+            spatial.append((size - 1) * s - 2 * p + d * (k - 1) + spec.output_padding[i] + 1)
+        else:
+            spatial.append((size + 2 * p - d * (k - 1) - 1) // s + 1)
+    channels = weight.shape[1] * spec.groups if spec.transposed else weight.shape[0]
+    return [x.shape[0], channels, *spatial]
+
+
+def _winner_dtype(pool: PoolSpec) -> torch.dtype:
+    return torch.int8 if pool.window_volume <= _INT8_WINDOW_LIMIT else torch.int32
+
+
+def _placeholder(x: Tensor) -> Tensor:
+    return torch.empty(0, dtype=x.dtype, device=x.device)
+
+
+def _allocate_forward_outputs(
+    x: Tensor, y0: Tensor, out_shape: Sequence[int], cfg: ConvEpilogueConfig, save: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Empty ``(out, saved_a, saved_b)`` with the exact shapes, dtypes and strides of the real op."""
+    fmt = output_memory_format(y0)
+    out = torch.empty(out_shape, dtype=_out_dtype(cfg, x), device=x.device, memory_format=fmt)
+    if not save:
+        return out, _placeholder(x), _placeholder(x)
+    if cfg.pool is not None and cfg.pool.kind == "max":
+        win = torch.empty(out_shape, dtype=_winner_dtype(cfg.pool), device=x.device, memory_format=fmt)
+        win_y = torch.empty(out_shape, dtype=y0.dtype, device=x.device, memory_format=fmt)
+        return out, win, win_y
+    return out, torch.empty(y0.shape, dtype=y0.dtype, device=x.device, memory_format=fmt), _placeholder(x)
+
+
+def _in_format(t: Tensor, fmt: torch.memory_format) -> Tensor:
+    """``t`` itself when it already has the strides ``torch.empty(..., memory_format=fmt)`` gives,
+    else a copy that does (size-1 dims included: Inductor compares strides exactly)."""
+    expected = torch.empty(t.shape, dtype=t.dtype, device="meta", memory_format=fmt).stride()
+    if t.stride() == expected:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=fmt).copy_(t)
+
+
+def _like(g: Tensor, ref: Tensor) -> Tensor:
+    """``g`` (ref's shape) with the dtype and strides of ``torch.empty_like(ref)``."""
+    expected = torch.empty_like(ref, device="meta").stride()
+    if g.dtype == ref.dtype and g.stride() == expected:
+        return g
+    return torch.empty_like(ref).copy_(g)
+
+
+def _channel_view(t: Tensor, ndim: int) -> Tensor:
+    return t.reshape([1, -1] + [1] * (ndim - 2))
+
+
+def _is_per_channel(t: Tensor, y_ndim: int, channels: int) -> bool:
+    """True when ``t`` broadcasts against (N, C, ...) as one value, or one value per channel."""
+    if t.dim() > y_ndim:
+        return False
+    if t.numel() == 1:
+        return True
+    offset = y_ndim - t.dim()
+    return all(size == (channels if i + offset == 1 else 1) for i, size in enumerate(t.shape))
+
+
+def _pool_geometry(pool: PoolSpec) -> Any:  # the kernels' PoolGeometry (module imported lazily)
+    return _kernels().PoolGeometry(
+        kind=pool.kind, kernel_size=tuple(pool.kernel_size), stride=_pool_stride(pool),
+        padding=tuple(pool.padding), count_include_pad=pool.count_include_pad,
+        divisor_override=pool.divisor_override,
+    )  # fmt: skip
+
+
+def _kernel_steps(cfg: ConvEpilogueConfig, operands: Sequence[Tensor], y_ndim: int, channels: int) -> list:
+    """The chain as the launchers take it: ``(op code, [float | per-channel tensor])`` per step."""
+    steps = []
+    for step in cfg.chain:
+        values: list[Union[float, Tensor]] = []
+        for operand in step.operands:
+            if isinstance(operand, Const):
+                values.append(operand.value)
+                continue
+            t = operands[operand.index]
+            if not _is_per_channel(t, y_ndim, channels):
+                raise UnsupportedInputError(
+                    f"operands[{operand.index}] of shape {tuple(t.shape)} is neither a scalar nor per-channel "
+                    f"for a conv output with {channels} channels and {y_ndim} dims"
+                )
+            values.append(t)
+        steps.append((step.kind.code, values))
+    return steps
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton path
+# --------------------------------------------------------------------------------------------------
+
+
+def _triton_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+    save: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """aten conv without bias, then one Triton kernel for bias + chain + pool (+ max-pool winners)."""
+    kernels = _kernels()
+    y0 = _conv(x, weight, None, cfg.conv)
+    fmt = output_memory_format(y0)
+    y0 = _in_format(y0, fmt)
+    steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
+    out_shape = list(y0.shape) if cfg.pool is None else _pooled_shape(y0.shape, cfg.pool)
+    out, saved_a, saved_b = _allocate_forward_outputs(x, y0, out_shape, cfg, save)
+    max_save = save and cfg.pool is not None and cfg.pool.kind == "max"
+    kernels.epilogue_forward(
+        y0, bias, steps, None if cfg.pool is None else _pool_geometry(cfg.pool), out,
+        saved_a if max_save else None, saved_b if max_save else None,
+    )  # fmt: skip
+    if save and not max_save:
+        saved_a = y0
+    return out, saved_a, saved_b
+
+
+def _triton_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+    saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
+) -> list[Tensor | None]:  # fmt: skip
+    """One Triton kernel for the conv-output gradient and the per-channel operand/bias sums, then
+    ``aten.convolution_backward`` for x and weight."""
+    kernels = _kernels()
+    is_max = cfg.pool is not None and cfg.pool.kind == "max"
+    if is_max:
+        y0, winner, winner_y = None, saved_a, saved_b
+        y_shape = _conv_output_shape(x, weight, cfg.conv)
+        grad_y = torch.empty(
+            y_shape, dtype=x.dtype, device=x.device, memory_format=output_memory_format(saved_a)
+        )
+    else:
+        y0, winner, winner_y = saved_a, None, None
+        grad_y = torch.empty_strided(y0.shape, y0.stride(), dtype=y0.dtype, device=y0.device)
+    steps = _kernel_steps(cfg, operands, grad_y.dim(), grad_y.shape[1])
+    operand_mask = mask[3:]
+    slot_wanted = [
+        step.kind.differentiable_operands == (0,)
+        and not isinstance(step.operands[0], Const)
+        and operand_mask[step.operands[0].index]
+        for step in cfg.chain
+    ]
+    slot_grads, grad_bias = kernels.epilogue_backward(
+        grad_out, y0, winner, winner_y, bias, steps, None if cfg.pool is None else _pool_geometry(cfg.pool),
+        grad_y, slot_wanted, mask[2],
+    )  # fmt: skip
+    grad_operands: list[Tensor | None] = []
+    for i, t in enumerate(operands):
+        if not operand_mask[i]:
+            grad_operands.append(None)
+            continue
+        total = torch.zeros(grad_y.shape[1], dtype=torch.float32, device=grad_y.device)
+        for step, g in zip(cfg.chain, slot_grads, strict=True):
+            if g is not None and step.operands[0] == TensorRef(i):
+                total = total + g
+        total = total.sum() if t.numel() == 1 else total
+        grad_operands.append(total.reshape(t.shape).to(t.dtype))
+    grad_x, grad_w = _conv_backward(grad_y, x, weight, cfg.conv, mask[0], mask[1])
+    return [grad_x, grad_w, None if grad_bias is None else grad_bias.to(bias.dtype), *grad_operands]
+
+
+def _conv_backward(
+    grad_y: Tensor, x: Tensor, weight: Tensor, spec: ConvSpec, need_x: bool, need_w: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    if not (need_x or need_w):
+        return None, None
+    grad_x, grad_w, _ = torch.ops.aten.convolution_backward(
+        grad_y, x, weight, None, list(spec.stride), list(spec.padding), list(spec.dilation), spec.transposed,
+        list(spec.output_padding), spec.groups, [need_x, need_w, False],
+    )  # fmt: skip
+    return grad_x, grad_w
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference path (plain torch)
+# --------------------------------------------------------------------------------------------------
+
+
+def _window_strides(sizes: Sequence[int]) -> list[int]:
+    """Row-major strides of a box of ``sizes``."""
+    return [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
+
+
+def _window_origins(pooled_shape: Sequence[int], pool: PoolSpec, device: torch.device) -> list[Tensor]:
+    """Per spatial dim, the (broadcastable) input coordinate where each pooled window starts."""
+    dims = len(pooled_shape) - 2
+    origins = []
+    for j, (size, s, p) in enumerate(zip(pooled_shape[2:], _pool_stride(pool), pool.padding, strict=True)):
+        shape = [1] * (dims + 2)
+        shape[2 + j] = size
+        origins.append((torch.arange(size, device=device) * s - p).reshape(shape))
+    return origins
+
+
+def _reference_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+    save: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Eager ops (the bias added after a bias-free conv, as the kernels do); max-pool winners from
+    ``return_indices``, converted to row-major indices within each window."""
+    y0 = _conv(x, weight, None, cfg.conv)
+    fmt = output_memory_format(y0)
+    y = y0 if bias is None else y0 + _channel_view(bias, y0.dim())
+    v = apply_chain(y, cfg.chain, operands)
+    saved_a, saved_b = _placeholder(x), _placeholder(x)
+    pool = cfg.pool
+    if pool is not None and pool.kind == "max" and save:
+        v, flat = _pool(v, pool, return_indices=True)
+        # Flat in-plane index -> row-major index within the window.
+        spatial = list(y0.shape[2:])
+        win = torch.zeros_like(flat)
+        for j, (origin, stride, k_stride) in enumerate(
+            zip(_window_origins(flat.shape, pool, flat.device), _window_strides(spatial),
+                _window_strides(pool.kernel_size), strict=True)
+        ):  # fmt: skip
+            coord = (flat // stride) % spatial[j]
+            win = win + (coord - origin) * k_stride
+        saved_a = _in_format(win.to(_winner_dtype(pool)), fmt)
+        gathered = y0.reshape(y0.shape[0], y0.shape[1], -1).gather(
+            2, flat.reshape(flat.shape[0], flat.shape[1], -1)
+        )
+        saved_b = _in_format(gathered.reshape(flat.shape), fmt)
+    else:
+        if pool is not None:
+            v = _pool(v, pool)
+        if save:
+            saved_a = _in_format(y0, fmt)
+    out = _in_format(v.to(_out_dtype(cfg, x)), fmt)
+    if out.data_ptr() == y0.data_ptr():  # empty chain, no bias, no pool: outputs must not alias
+        out = torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=fmt).copy_(out)
+    return out, saved_a, saved_b
+
+
+def _reference_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+    saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
+) -> list[Tensor | None]:  # fmt: skip
+    """The chain recomputed on the saved state and differentiated step by step, then
+    ``convolution_backward``.
+
+    With a max pool the chain is recomputed on the winners only (pooled shape) and the resulting
+    gradient is scattered (accumulating: windows may overlap) to the full-size conv output.
+
+    NOTE: the chain is differentiated with torch's own backward formulas (``_step_vjp``), not with
+    ``torch.autograd``: custom-op implementations run below the autograd dispatch key, where
+    ``enable_grad()`` records nothing, and functorch transforms there clash with dispatch modes
+    (opcheck's schema check, flop counters).
+    """
+    pool = cfg.pool
+    is_max = pool is not None and pool.kind == "max"
+    y_src = saved_b if is_max else saved_a
+    y = y_src if bias is None else y_src + _channel_view(bias, y_src.dim())
+    v, tape = _chain_with_tape(y, cfg.chain, operands)
+    grad_v = grad_out.to(v.dtype)
+    if pool is not None and not is_max:
+        grad_v = _avg_pool_backward(grad_v, v, pool)
+    grad_y, grad_operands = _chain_backward(tape, grad_v, operands, mask[3:])
+    if is_max:
+        grad_y = _scatter_to_windows(grad_y, saved_a, _conv_output_shape(x, weight, cfg.conv), pool)
+    grad_bias = None
+    if mask[2]:
+        grad_bias = grad_y.sum([d for d in range(grad_y.dim()) if d != 1]).to(bias.dtype)
+    grad_x, grad_w = _conv_backward(grad_y.to(x.dtype), x, weight, cfg.conv, mask[0], mask[1])
+    return [grad_x, grad_w, grad_bias, *grad_operands]
+
+
+_Tape = list[tuple[ChainStep, Tensor, list[Union[Tensor, float]]]]
+
+
+def _chain_with_tape(
+    y: Tensor, chain: Sequence[ChainStep], operands: Sequence[Tensor]
+) -> tuple[Tensor, _Tape]:
+    """``apply_chain`` that also records each step's input and operand values."""
+    tape: _Tape = []
+    for step in chain:
+        values = [o.value if isinstance(o, Const) else operands[o.index].detach() for o in step.operands]
+        tape.append((step, y, values))
+        y = apply_step(step.kind, y, values)
+    return y, tape
+
+
+def _chain_backward(
+    tape: _Tape, grad: Tensor, operands: Sequence[Tensor], operand_mask: Sequence[bool]
+) -> tuple[Tensor, list[Tensor | None]]:
+    """Walk ``tape`` backwards: the gradient of the chain's input and of the masked operands."""
+    grad_operands: list[Tensor | None] = [
+        torch.zeros_like(t) if m else None for t, m in zip(operands, operand_mask, strict=True)
+    ]
+    for step, v, values in reversed(tape):
+        grad_v, grad_a = _step_vjp(step.kind, v, values, grad)
+        operand = step.operands[0] if step.operands else None
+        if grad_a is not None and isinstance(operand, TensorRef) and operand_mask[operand.index]:
+            t = operands[operand.index]
+            reduced = grad_a.sum() if t.dim() == 0 else grad_a.sum_to_size(t.shape)
+            grad_operands[operand.index] = grad_operands[operand.index] + reduced.to(t.dtype)
+        grad = grad_v.to(v.dtype)  # as autograd does across a type-promoting op
+    return grad, grad_operands
+
+
+def _step_vjp(
+    kind: PointwiseKind, v: Tensor, values: Sequence[Union[Tensor, float]], g: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """``(d/dv, d/d first operand)`` of one step at input ``v``, with torch's backward formulas.
+
+    The operand gradient is full-size (not reduced); it is None for non-arithmetic kinds.
+    """
+    aten = torch.ops.aten
+    a = values[0] if values else None
+    if kind is PointwiseKind.RELU:
+        return aten.threshold_backward(g, torch.relu(v), 0), None
+    if kind is PointwiseKind.LEAKY_RELU:
+        return torch.where(v > 0, g, g * a), None
+    if kind is PointwiseKind.GELU:
+        return aten.gelu_backward(g, v), None
+    if kind is PointwiseKind.GELU_TANH:
+        return aten.gelu_backward(g, v, approximate="tanh"), None
+    if kind is PointwiseKind.SILU:
+        return aten.silu_backward(g, v), None
+    if kind is PointwiseKind.SIGMOID:
+        return aten.sigmoid_backward(g, torch.sigmoid(v)), None
+    if kind is PointwiseKind.TANH:
+        return aten.tanh_backward(g, torch.tanh(v)), None
+    if kind is PointwiseKind.HARDSWISH:
+        return aten.hardswish_backward(g, v), None
+    if kind is PointwiseKind.MISH:
+        return aten.mish_backward(g, v), None
+    zero = torch.zeros((), dtype=g.dtype, device=g.device)
+    if kind is PointwiseKind.CLAMP:
+        return torch.where((v >= a) & (v <= values[1]), g, zero), None
+    if kind is PointwiseKind.CLAMP_MIN:
+        return torch.where(v >= a, g, zero), None
+    if kind is PointwiseKind.CLAMP_MAX:
+        return torch.where(v <= a, g, zero), None
+    if kind is PointwiseKind.HARDTANH:
+        return torch.where(((v > a) & (v < values[1])) | torch.isnan(v), g, zero), None
+    if kind is PointwiseKind.MUL:
+        return g * a, g * v
+    if kind is PointwiseKind.ADD:
+        return g, g
+    if kind is PointwiseKind.SUB:
+        return g, -g
+    if kind is PointwiseKind.RSUB:
+        return -g, g
+    if kind is PointwiseKind.DIV:
+        return g / a, -g * v / (a * a)
+    if kind is PointwiseKind.RDIV:
+        if not isinstance(a, Tensor):  # float / tensor is reciprocal(v) * a in torch
+            r = torch.reciprocal(v)
+            return -(g * a) * (r * r), None
+        return -g * a / (v * v), g / v
+    raise AssertionError(f"unhandled pointwise kind {kind}")
+
+
+def _avg_pool_backward(grad: Tensor, v: Tensor, pool: PoolSpec) -> Tensor:
+    """Gradient of ``_pool(v, pool)`` (an avg pool) w.r.t. ``v``."""
+    k, s, p = list(pool.kernel_size), list(_pool_stride(pool)), list(pool.padding)
+    args = (pool.ceil_mode, pool.count_include_pad, pool.divisor_override)
+    if v.dim() == 3:  # pooled as a (1, L) plane, see _pool
+        return torch.ops.aten.avg_pool2d_backward(
+            grad.unsqueeze(-2), v.unsqueeze(-2), [1, k[0]], [1, s[0]], [0, p[0]], *args
+        ).squeeze(-2)
+    fn = torch.ops.aten.avg_pool2d_backward if v.dim() == 4 else torch.ops.aten.avg_pool3d_backward
+    return fn(grad, v, k, s, p, *args)
+
+
+def _scatter_to_windows(grad_w: Tensor, winner: Tensor, y_shape: Sequence[int], pool: PoolSpec) -> Tensor:
+    """Full-size (N, C, *spatial) gradient from per-window gradients at the winners (summing)."""
+    spatial = list(y_shape[2:])
+    rem = winner.to(torch.int64)
+    flat = torch.zeros_like(rem)
+    for j, (origin, k_stride, plane_stride) in enumerate(
+        zip(_window_origins(winner.shape, pool, winner.device), _window_strides(pool.kernel_size),
+            _window_strides(spatial), strict=True)
+    ):  # fmt: skip
+        k = (rem // k_stride) % pool.kernel_size[j]
+        flat = flat + (origin + k) * plane_stride
+    n, c = y_shape[:2]
+    full = torch.zeros(n, c, math.prod(spatial), dtype=grad_w.dtype, device=grad_w.device)
+    full.scatter_add_(2, flat.reshape(n, c, -1), grad_w.reshape(n, c, -1))
+    return full.reshape(y_shape)
