@@ -16,6 +16,7 @@ import contextlib
 import copy
 import importlib.util
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ SEEDS = Path(__file__).resolve().parent / "seeds"
 def load(name: str, size: str):
     spec = importlib.util.spec_from_file_location(name, SEEDS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # Dynamo looks classes up through their module
     spec.loader.exec_module(module)
     torch.manual_seed(0)
     model = module.Model(*module.get_init_inputs())

@@ -179,6 +179,16 @@ def source_line_of(node: fx.Node) -> Optional[SourceLine]:
     return None
 
 
+def source_lines_of(nodes: list[fx.Node]) -> tuple[SourceLine, ...]:
+    """The distinct user source lines of ``nodes``, in order of first appearance."""
+    seen: dict[SourceLine, None] = {}
+    for node in nodes:
+        line = source_line_of(node)
+        if line is not None:
+            seen.setdefault(line, None)
+    return tuple(seen)
+
+
 # ------------------------------------------------------------------------------------------------
 # Sinks
 

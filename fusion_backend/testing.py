@@ -164,6 +164,8 @@ def assert_fused(
     also runs backward with a fixed random output gradient and compares every gradient of inputs
     that require grad and of parameters.  Returns the reports.
     """
+    if isinstance(model, torch.nn.Module):
+        model.zero_grad(set_to_none=True)  # gradients left by an earlier run would be added to ours
     if dtype is not None:
         model = copy.deepcopy(model).to(dtype) if isinstance(model, torch.nn.Module) else model
         inputs = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]

@@ -38,12 +38,14 @@ def seed_models():
     keeping every hyper-parameter (channels, kernel, stride...) as written.
     """
     import importlib.util
+    import sys
     from pathlib import Path
 
     def load(name: str, shrink: bool = False):
         path = Path(__file__).resolve().parents[1] / "demos" / "seeds" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(f"seed_{name}", path)
+        spec = importlib.util.spec_from_file_location(f"fusion_test_seeds.{name}", path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # Dynamo looks classes up through their module
         spec.loader.exec_module(module)
         torch.manual_seed(0)
         model = module.Model(*module.get_init_inputs())

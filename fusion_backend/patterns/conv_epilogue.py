@@ -27,7 +27,7 @@ from ..engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
 from ..normalize import describe_target
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, TensorRef
 from ..ops.config import ConvEpilogueConfig
-from ..report import Match, NearMiss, ReasonKind, source_line_of
+from ..report import Match, NearMiss, ReasonKind, source_lines_of
 from ..rewrite import cast_if_needed, dtype_name, item_nodes_feeding, materialize, splice_fused_call
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -169,7 +169,7 @@ class ConvEpiloguePattern(Pattern):
         return Match(
             pattern=self.name,
             nodes=tuple(n.name for n in candidate.nodes),
-            source_lines=tuple(s for s in (source_line_of(n) for n in candidate.nodes) if s is not None),
+            source_lines=source_lines_of(candidate.nodes),
             fused_op="fusion::conv_epilogue_fwd",
             config=config,
             kernel=kernel if why is None else f"{kernel} ({why})",

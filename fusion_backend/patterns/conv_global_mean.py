@@ -29,7 +29,7 @@ import torch.fx as fx
 from ..canonical import Conv, GlobalReduce, Pointwise
 from ..engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
 from ..ops.chain import ChainStep, PointwiseKind
-from ..report import Match, NearMiss, ReasonKind, source_line_of
+from ..report import Match, NearMiss, ReasonKind, source_lines_of
 from ..rewrite import cast_if_needed, dtype_name, item_nodes_feeding, materialize, splice_fused_call
 
 AFFINE_KINDS = (PointwiseKind.MUL, PointwiseKind.ADD, PointwiseKind.SUB, PointwiseKind.RSUB, PointwiseKind.DIV)
@@ -218,7 +218,7 @@ class ConvGlobalMeanPattern(Pattern):
         return Match(
             pattern=self.name,
             nodes=tuple(n.name for n in candidate.nodes),
-            source_lines=tuple(s for s in (source_line_of(n) for n in candidate.nodes) if s is not None),
+            source_lines=source_lines_of(candidate.nodes),
             fused_op="fusion::conv_global_mean_fwd",
             config=config,
             kernel=kernel if why is None else f"{kernel} ({why})",
