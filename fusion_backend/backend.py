@@ -113,8 +113,24 @@ def fusion(
         from .dump import write_dump
 
         write_dump(opts.dump_dir, report, before_code, rewritten if matches else None, original)
+    _emit_trace_artifact(report)
     publish(report)
     return compiled
+
+
+def _emit_trace_artifact(report: GraphReport) -> None:
+    """Put the report into torch's structured trace (``TORCH_TRACE=dir``), where tlparse shows it
+    beside Dynamo's and Inductor's artifacts.  A torch without ``trace_structured`` just skips."""
+    trace_structured = getattr(getattr(torch, "_logging", None), "trace_structured", None)
+    if trace_structured is None:
+        return
+    import json
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": f"fusion_report_{report.graph_name}", "encoding": "json"},
+        payload_fn=lambda: json.dumps(report.to_dict(), sort_keys=True),
+    )
 
 
 def _fall_back(opts: FusionOptions, stage: str, pattern: Optional[str], exc: BaseException) -> Fallback:

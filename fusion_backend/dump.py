@@ -80,7 +80,9 @@ def to_dot(g: nx.DiGraph, report: GraphReport) -> str:
         lines.append(f'    label={q(f"{m.pattern} #{i}: {m.summary}")}; style=filled; color={q(colour)};')
         for name in m.nodes:
             if name in g:
-                lines.append(f"    {q(name)} [label={q(g.nodes[name]['label'])}, style=filled, fillcolor=white];")
+                label = "\\n".join([g.nodes[name]["label"], *missed.get(name, [])])
+                red = ", color=red, fontcolor=red, penwidth=2" if name in missed else ""
+                lines.append(f"    {q(name)} [label={q(label)}, style=filled, fillcolor=white{red}];")
         lines.append("  }")
     for name, data in g.nodes(data=True):
         if name in in_cluster:

@@ -99,6 +99,15 @@ class MatchContext:
             self.canonical = normalize_graph(gm)
         self.claimed: set[fx.Node] = set()
         self.order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        self.replaced: dict[fx.Node, fx.Node] = {}
+        """Result node of each rewritten region → the fused node that took its place."""
+
+    def resolve(self, value: Any) -> Any:
+        """The live graph value for ``value``: a region's result that an earlier rewrite replaced
+        (one fused region feeding another) maps to the fused node; anything else is returned as is."""
+        while isinstance(value, fx.Node) and value in self.replaced:
+            value = self.replaced[value]
+        return value
 
     # -- graph queries -------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from .canonical import ParamRef
-from .engine import fake_of
+from .engine import MatchContext, fake_of
 
 
 def materialize(graph: fx.Graph, value: Any) -> Any:
@@ -37,22 +37,25 @@ def cast_if_needed(graph: fx.Graph, value: Any, dtype: torch.dtype) -> Any:
 
 
 def splice_fused_call(
-    gm: fx.GraphModule,
+    ctx: MatchContext,
     region: Sequence[fx.Node],
     build: Callable[[fx.Graph], fx.Node],
     extra_dead: Sequence[fx.Node] = (),
 ) -> fx.Node:
     """Insert the nodes made by ``build(graph)`` before the region's last node and erase the region.
 
+    ``build`` must take its inputs through ``ctx.resolve`` (a region may read the result of one
+    rewritten before it); the replacement is recorded in ``ctx.replaced`` for the regions after.
     ``extra_dead``: nodes outside the region that may become unused (e.g. ``x.item()`` calls whose
     tensor the fused op now takes directly); each is erased only if nothing uses it any more.
     """
-    graph = gm.graph
+    graph = ctx.gm.graph
     last = region[-1]
     with graph.inserting_before(last):
         fused = build(graph)
     fused.meta.update({k: v for k, v in last.meta.items() if k in ("example_value", "val", "stack_trace", "tensor_meta")})
     last.replace_all_uses_with(fused)
+    ctx.replaced[last] = fused
     for node in reversed(region):
         graph.erase_node(node)
     for node in extra_dead:

@@ -96,9 +96,11 @@ class ConvEpiloguePattern(Pattern):
                 return miss(anchor, ReasonKind.NO_EPILOGUE, "the conv output goes straight to the graph output")
             return stop
         nodes = [anchor, *region.step_nodes] + ([region.pool.node] if region.pool else [])
-        # A chain that simply ends at the graph output is no near miss; any other stop is reported.
-        ends_at_output = [u.op for u in current.users] == ["output"]
-        notes = [stop] if stop is not None and region.pool is None and not ends_at_output else []
+        # A chain that simply ends at the graph output or at the next conv is no near miss; any other
+        # stop is reported.
+        natural_end = [u.op for u in current.users] == ["output"] or (
+            len(current.users) == 1 and isinstance(ctx.op(next(iter(current.users))), Conv))
+        notes = [stop] if stop is not None and region.pool is None and not natural_end else []
         return Candidate(self.name, anchor, nodes, region, _summary(conv, region), notes)
 
     def _step(self, ctx: MatchContext, op: Pointwise, flowing: fx.Node, region: EpilogueRegion, y) -> Union[ChainStep, NearMiss]:
@@ -159,13 +161,14 @@ class ConvEpiloguePattern(Pattern):
         dtype = conv_fake.dtype
 
         def build(graph: fx.Graph) -> fx.Node:
-            x = cast_if_needed(graph, conv.input, dtype)
-            w = cast_if_needed(graph, materialize(graph, conv.weight), dtype)
-            b = cast_if_needed(graph, materialize(graph, conv.bias), dtype)
-            return graph.call_function(op_module.conv_epilogue, (x, w, b, list(region.operands), config))
+            x = cast_if_needed(graph, ctx.resolve(conv.input), dtype)
+            w = cast_if_needed(graph, materialize(graph, ctx.resolve(conv.weight)), dtype)
+            b = cast_if_needed(graph, materialize(graph, ctx.resolve(conv.bias)), dtype)
+            operands = [ctx.resolve(v) for v in region.operands]
+            return graph.call_function(op_module.conv_epilogue, (x, w, b, operands, config))
 
         kernel, why = op_module.kernel_path(config, dtype, conv_fake.device.type)
-        splice_fused_call(ctx.gm, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))
+        splice_fused_call(ctx, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))
         return Match(
             pattern=self.name,
             nodes=tuple(n.name for n in candidate.nodes),

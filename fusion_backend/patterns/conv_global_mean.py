@@ -205,16 +205,17 @@ class ConvGlobalMeanPattern(Pattern):
         dtype = conv_fake.dtype
 
         def build(graph: fx.Graph) -> fx.Node:
-            x = cast_if_needed(graph, conv.input, dtype)
-            w = cast_if_needed(graph, materialize(graph, conv.weight), dtype)
-            b = cast_if_needed(graph, materialize(graph, conv.bias), dtype)
-            out = graph.call_function(op_module.conv_global_mean, (x, w, b, list(region.operands), config))
+            x = cast_if_needed(graph, ctx.resolve(conv.input), dtype)
+            w = cast_if_needed(graph, materialize(graph, ctx.resolve(conv.weight)), dtype)
+            b = cast_if_needed(graph, materialize(graph, ctx.resolve(conv.bias)), dtype)
+            operands = [ctx.resolve(v) for v in region.operands]
+            out = graph.call_function(op_module.conv_global_mean, (x, w, b, operands, config))
             for _ in range(unsqueeze):  # a partial keepdim, e.g. x.mean(2, keepdim=True).mean(3)
                 out = graph.call_method("unsqueeze", (out, -1))
             return out
 
         kernel, why = op_module.kernel_path(config, dtype, conv_fake.device.type)
-        splice_fused_call(ctx.gm, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))
+        splice_fused_call(ctx, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))
         return Match(
             pattern=self.name,
             nodes=tuple(n.name for n in candidate.nodes),

@@ -1,0 +1,271 @@
+"""``python -m fusion_backend bench``: argument parsing and everything the user sees.
+
+This is the output layer: the only module of the harness that writes to stdout/stderr.  Progress lines
+(or a tqdm bar when tqdm is installed) go to stderr; the summary table and the list of written files go
+to stdout, so ``... bench > table.txt`` captures the result alone.
+
+Exit status: 0 when every item passed (or when there is no CUDA and nothing was timed); 1 when any item
+FAILed the correctness gate or raised; 2 for bad arguments (unknown suite/file/backend/dtype); 130 when
+interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import logging
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from .backends import BUILTIN_BACKENDS, resolve_backends
+from .config import DEFAULT_BACKENDS, MODES, PRECISIONS, BenchConfig, MeasureConfig
+from .env import collect_environment
+from .errors import BenchError, ConfigError
+from .measure import CudaEventTimer, cuda_instruments, measure_device_rates
+from .output import fmt_ms, plan_lines, summary_table, write_reports
+from .roofline import describe_rates
+from .runner import ProgressEvent, Runner
+from .suite import SUITES, filter_workloads, resolve_suite
+
+PROG = "python -m fusion_backend bench"
+
+EPILOG = f"""\
+suites:
+{chr(10).join(f'  {k}: {", ".join(v)}' for k, v in SUITES.items())}
+  or a model file, or a folder of model files (defining Model, get_inputs() and get_init_inputs())
+backends:
+  {', '.join(BUILTIN_BACKENDS)};
+  any torch.compile backend name; NAME:MODE passes a torch.compile mode
+Every backend is checked against eager (output, and every gradient in train mode) before it is timed;
+a mismatch is reported as FAIL and never timed.  Writes bench.json, bench.txt, bench.md and bench.png
+(needs matplotlib) into --out.  Exit status 1 if any item failed.
+
+example: {PROG} --suite seeds --dtype fp32,bf16 --mode infer,train --out bench-results/h100
+"""
+
+
+def cuda_available() -> bool:
+    """Whether CUDA can be used (a module-level function so tests can pretend either way)."""
+    return torch.cuda.is_available()
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _tolerances(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in _csv(text):
+        name, sep, value = part.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected DTYPE=TOL, got {part!r}")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"tolerance {value!r} is not a number") from exc
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``bench`` argument parser."""
+    p = argparse.ArgumentParser(prog=PROG, description="Check, then time eager vs Inductor vs fusion on "
+                                "conv workloads, with memory and the roofline floor.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default="seeds",
+                   help="suite name, model file or folder; comma-separated for several (default: seeds)")
+    p.add_argument("--dtype", default="fp32,bf16", type=_csv,
+                   help=f"comma-separated precisions from {', '.join(PRECISIONS)} (default: fp32,bf16)")
+    p.add_argument("--mode", default="infer,train", type=_csv,
+                   help=f"comma-separated modes from {', '.join(MODES)} (default: infer,train)")
+    p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), type=_csv,
+                   help=f"comma-separated backends (default: {','.join(DEFAULT_BACKENDS)})")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: bench-results/<UTC date-time>)")
+    p.add_argument("--filter", default=None,
+                   help="keep workloads whose name contains any comma-separated pattern (globs allowed)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="fixed timed repetitions per measurement (default: adaptive, ~--target-ms each)")
+    p.add_argument("--target-ms", type=float, default=300.0,
+                   help="adaptive repetitions aim for this much timed time per measurement (default: 300)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed repetitions before each measurement (default: 3)")
+    p.add_argument("--no-cold", action="store_true", help="skip the cold-L2 measurement")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
+    p.add_argument("--no-chart", action="store_true", help="do not draw bench.png")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and upstream gradients")
+    p.add_argument("--tol", type=_tolerances, default=None,
+                   help="override the gate's tolerances vs eager, e.g. fp32=1e-4,bf16=2e-2 (norm-wise relative "
+                   "error; defaults: fp32 1e-4, or 2e-3 while cuDNN may use TF32, bf16 2e-2)")
+    p.add_argument("--no-fp64-check", action="store_true",
+                   help="judge by the tolerance vs eager alone; by default a tensor beyond it still passes "
+                   "if it is no farther from a float64 run than 2x (bf16: 3x) eager is")
+    p.add_argument("--check-only", action="store_true",
+                   help="run only the correctness gate (no timing); without CUDA it runs on CPU")
+    p.add_argument("--dry-run", action="store_true",
+                   help="load the suite, resolve backends, print the plan, run nothing")
+    p.add_argument("-v", "--verbose", action="store_true", help="log tracebacks of failed items to stderr")
+    return p
+
+
+class _LineProgress:
+    """One line per item on a stream: ``[ 7/60] seed_a bf16 train inductor ... ok 0.780 ms``."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def __call__(self, ev: ProgressEvent) -> None:
+        width = len(str(ev.total))
+        if ev.phase == "start":
+            self.stream.write(f"[{ev.index:>{width}}/{ev.total}] {ev.workload} {ev.dtype} {ev.mode} "
+                              f"{ev.backend} ... ")
+            self.stream.flush()
+        elif ev.result is not None:
+            self.stream.write(describe_item(ev.result) + "\n")
+            self.stream.flush()
+
+
+class _TqdmProgress:
+    """A tqdm bar with the current item as its description and a line per finished item above it."""
+
+    def __init__(self, stream: TextIO, tqdm_cls: Any) -> None:
+        self.stream = stream
+        self.tqdm_cls = tqdm_cls
+        self.bar: Any = None
+
+    def __call__(self, ev: ProgressEvent) -> None:
+        if self.bar is None:
+            self.bar = self.tqdm_cls(total=ev.total, file=self.stream, unit="item", dynamic_ncols=True)
+        if ev.phase == "start":
+            self.bar.set_description(f"{ev.workload} {ev.dtype} {ev.mode} {ev.backend}")
+        elif ev.result is not None:
+            self.bar.write(f"{ev.workload} {ev.dtype} {ev.mode} {ev.backend}: {describe_item(ev.result)}",
+                           file=self.stream)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def describe_item(item: Any) -> str:
+    """Short result of an item for progress output."""
+    if not item.ok:
+        first = item.error.splitlines()[0] if item.error else ""
+        return f"{item.status.value}: {first[:200]}"
+    parts = ["ok"]
+    if item.compile_s is not None:
+        parts.append(f"first call {item.compile_s:.1f} s")
+    if item.median_ms is not None:
+        parts.append(f"{fmt_ms(item.median_ms)} ms")
+    if item.cold_median_ms is not None:
+        parts.append(f"cold {fmt_ms(item.cold_median_ms)} ms")
+    return ", ".join(parts)
+
+
+def _make_progress(stream: TextIO) -> Any:
+    if not stream.isatty():  # a bar redrawn with carriage returns makes a log file unreadable
+        return _LineProgress(stream)
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _LineProgress(stream)
+    return _TqdmProgress(stream, tqdm)
+
+
+def _normalise_argv(argv: list[str] | None) -> list[str]:
+    if argv is None:
+        argv = sys.argv[1:]
+        if argv[:1] == ["bench"]:  # ``python -m fusion_backend bench ...`` routed without stripping
+            argv = argv[1:]
+    return list(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``bench`` command with ``argv`` (the arguments after ``bench``); return the exit status."""
+    argv = _normalise_argv(argv)
+    args = build_parser().parse_args(argv)
+    out, err = sys.stdout, sys.stderr
+    logger = logging.getLogger("fusion_backend.bench")
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    try:
+        return _run(args, argv, out, err)
+    except KeyboardInterrupt:
+        err.write("\ninterrupted before any result; no report written\n")
+        return 130
+    finally:
+        logger.removeHandler(handler)
+
+
+def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) -> int:
+    try:
+        measure = MeasureConfig(warmup=args.warmup, target_ms=args.target_ms, reps=args.reps,
+                                cold=not (args.no_cold or args.check_only))
+        config = BenchConfig(dtypes=args.dtype, modes=args.mode, backends=args.backends, seed=args.seed,
+                             check_only=args.check_only, memory=not args.no_memory, measure=measure,
+                             tolerances=args.tol or {}, fp64_check=not args.no_fp64_check)
+        backends = resolve_backends(config.backends)
+        workloads = filter_workloads(resolve_suite(args.suite), args.filter)
+        if not workloads:
+            raise ConfigError(f"no workload of suite {args.suite!r} matches --filter {args.filter!r}")
+    except BenchError as exc:
+        err.write(f"{PROG}: error: {exc}\n")
+        return 2
+
+    if args.dry_run:
+        out.write("\n".join(plan_lines(workloads, config, backends)) + "\n")
+        return 0
+
+    cuda = cuda_available()
+    if not cuda and not args.check_only:
+        err.write(
+            f"{PROG}: timing needs CUDA, and no CUDA device is visible (torch {torch.__version__}, "
+            f"CUDA build: {torch.version.cuda or 'none'}). Nothing was timed and no report was written.\n"
+            "  --dry-run shows the plan; --check-only runs the correctness gate on CPU.\n"
+        )
+        return 0
+
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        err.write("no CUDA: running the correctness gate only, on CPU\n")
+    instruments = cuda_instruments(device, config.measure) if cuda else None
+    rates = None
+    if cuda and not config.check_only:
+        err.write("measuring device copy bandwidth and matmul rates ...\n")
+        rates_timer = CudaEventTimer(device, MeasureConfig(warmup=2, target_ms=100.0, min_reps=5))
+        rates = measure_device_rates(device, rates_timer)
+        err.write(f"  {torch.cuda.get_device_name(device)}: {describe_rates(rates)}\n")
+
+    environment = collect_environment(device, argv)
+    out_dir = Path(args.out) if args.out else (
+        Path("bench-results") / _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S"))
+    progress = _make_progress(err)
+    try:
+        runner = Runner(config, backends, device=device, instruments=instruments, rates=rates,
+                        progress=progress)
+        report = runner.run(workloads, environment)
+    finally:
+        if isinstance(progress, _TqdmProgress):
+            progress.close()
+
+    files = write_reports(report, out_dir, chart=not args.no_chart)
+    out.write("\n" + summary_table(report) + "\n")
+    if not report.complete:
+        out.write(f"\ninterrupted: partial report of the {len(report.cases)} finished case(s) in {out_dir}\n")
+        return 130
+    failed = [i for i in report.items if not i.ok]
+    if failed:
+        out.write(f"\n{len(failed)} item(s) failed the correctness gate or raised; see the Failures section "
+                  f"of {files.text}\n")
+    out.write(f"\nwrote {files.json}, {files.text}, {files.markdown}")
+    out.write(f", {files.chart}\n" if files.chart else f"\n(no chart: {files.chart_note})\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""Timing and memory instruments: CUDA implementations behind small protocols that tests replace.
+
+The runner never calls ``torch.cuda`` timing or memory functions itself; it asks an :class:`Instruments`
+bundle.  On a GPU that bundle is :func:`cuda_instruments`; tests pass fakes returning fixed numbers,
+which is how report writing and the correctness gate are tested on CPU without inventing timings.
+
+Timing (:class:`CudaEventTimer`), after the caller's first (compiling, checked) call:
+
+1. ``warmup`` untimed repetitions (caches, allocator, cuDNN heuristics, lazy backward compilation);
+2. unless ``reps`` is fixed, 3 timed repetitions estimate one repetition's time, and the count is
+   chosen so the measurement takes about ``target_ms`` (:meth:`MeasureConfig.choose_reps`), like
+   ``triton.testing.do_bench`` does;
+3. every repetition is bracketed by its own pair of CUDA events; the median is reported with its
+   spread.  ``before_each`` (e.g. setting gradients to ``None``) runs before the start event, untimed.
+
+The *cold* variant zeroes a buffer twice the size of L2 before each repetition, outside the events, so
+every repetition starts with nothing of its working set in L2, as in a real network where the previous
+layer evicted it.  The *warm* variant leaves L2 as the previous repetition left it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .config import MeasureConfig
+from .roofline import DeviceRates
+
+
+@dataclass(frozen=True)
+class TimingStats:
+    """Summary of one measurement's per-repetition times, in milliseconds."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    min_ms: float
+    max_ms: float
+    mean_ms: float
+    reps: int
+
+    @classmethod
+    def from_samples(cls, samples_ms: Sequence[float]) -> TimingStats:
+        """Summarise at least one sample.
+
+        >>> TimingStats.from_samples([3.0, 1.0, 2.0]).median_ms
+        2.0
+        """
+        if not samples_ms:
+            raise ValueError("TimingStats needs at least one sample")
+        xs = sorted(float(x) for x in samples_ms)
+        if len(xs) >= 2:
+            q = statistics.quantiles(xs, n=5, method="inclusive")
+            p20, p80 = q[0], q[3]
+        else:
+            p20 = p80 = xs[0]
+        return cls(statistics.median(xs), p20, p80, xs[0], xs[-1], statistics.fmean(xs), len(xs))
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Device memory of one step, in bytes.
+
+    ``baseline_bytes`` is allocated before the step (weights, inputs, anything resident); ``peak_bytes``
+    the allocator's maximum during the step (absolute); ``held_bytes`` what the forward left allocated
+    for the backward (saved activations plus the outputs), i.e. allocated after the forward minus
+    baseline.  ``resident_bytes`` is what the backend keeps allocated *between* steps beyond the model
+    and its inputs (set by the runner; caches or constants a compiler keeps), counted into
+    ``total_peak_bytes`` so a backend cannot look lean by holding memory outside its step.  (CUDA-graph
+    pools do not show up in these statistics at all; the runner measures no memory for such backends.)
+    """
+
+    baseline_bytes: int
+    peak_bytes: int
+    held_bytes: int
+    resident_bytes: int = 0
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """Peak above baseline: the memory the step itself allocates."""
+        return self.peak_bytes - self.baseline_bytes
+
+    @property
+    def total_peak_bytes(self) -> int:
+        """Step peak plus what the backend keeps resident: the memory this backend needs beyond the model
+        and inputs, the number to compare across backends."""
+        return self.step_peak_bytes + self.resident_bytes
+
+    def json_extras(self) -> dict[str, int]:
+        """Derived values written to the JSON report next to the fields."""
+        return {"step_peak_bytes": self.step_peak_bytes, "total_peak_bytes": self.total_peak_bytes}
+
+
+class Timer(Protocol):
+    """Times repetitions of a step."""
+
+    def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
+             cold: bool = False) -> TimingStats:
+        """Median and spread of ``step``'s time; ``before_each`` runs untimed before every repetition;
+        ``cold`` flushes L2 before every repetition (untimed)."""
+        ...
+
+
+class MemoryProbe(Protocol):
+    """Measures the memory of one step split into forward and backward."""
+
+    def measure(self, forward: Callable[[], Any], backward: Callable[[Any], None] | None = None, *,
+                before: Callable[[], None] | None = None) -> MemoryStats:
+        """Run ``before()``, then ``out = forward()``, then ``backward(out)`` (if given), and report memory."""
+        ...
+
+    def allocated(self, *, drop_workspaces: bool = False) -> int:
+        """Bytes allocated on the device now; ``drop_workspaces`` first frees cached library workspaces
+        (only safe while no CUDA graph is alive: the runner asks for it before an item compiles)."""
+        ...
+
+
+def _no_op() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Instruments:
+    """Everything device-specific the runner needs.
+
+    ``clock`` (seconds) and ``synchronize`` time the first, compiling call; ``release`` frees cached
+    memory between items so one item's leftovers do not count in the next one's peak.
+    """
+
+    timer: Timer
+    memory: MemoryProbe
+    clock: Callable[[], float] = time.perf_counter
+    synchronize: Callable[[], None] = _no_op
+    release: Callable[[], None] = field(default=gc.collect)
+
+
+def l2_cache_bytes(device: torch.device) -> int | None:
+    """L2 size of a CUDA device from its properties, or ``None`` if this torch does not report it."""
+    size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
+    return int(size) if size else None
+
+
+class CudaEventTimer:
+    """:class:`Timer` with CUDA events on the current stream of ``device`` (see the module docstring)."""
+
+    #: Flush buffer size when the device does not report its L2 size (larger than any current L2).
+    FALLBACK_FLUSH_BYTES = 256 * 1024 * 1024
+
+    def __init__(self, device: torch.device, config: MeasureConfig) -> None:
+        self.device = device
+        self.config = config
+        self._flush: torch.Tensor | None = None
+
+    @property
+    def flush_bytes(self) -> int:
+        """Bytes written between cold repetitions: twice L2."""
+        l2 = l2_cache_bytes(self.device)
+        return 2 * l2 if l2 else self.FALLBACK_FLUSH_BYTES
+
+    def _flush_buffer(self) -> torch.Tensor:
+        if self._flush is None:
+            self._flush = torch.empty(self.flush_bytes // 4, dtype=torch.int32, device=self.device)
+        return self._flush
+
+    def _run(self, step: Callable[[], object], before_each: Callable[[], None] | None, cold: bool,
+             n: int) -> list[float]:
+        flush = self._flush_buffer() if cold else None
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for start, end in zip(starts, ends, strict=True):
+            if before_each is not None:
+                before_each()
+            if flush is not None:
+                flush.zero_()
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize(self.device)
+        return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+
+    def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
+             cold: bool = False) -> TimingStats:
+        with torch.cuda.device(self.device):
+            for _ in range(self.config.warmup):
+                if before_each is not None:
+                    before_each()
+                step()
+            torch.cuda.synchronize(self.device)
+            if self.config.reps is not None:
+                n = self.config.reps
+            else:
+                estimate = statistics.median(self._run(step, before_each, cold, 3))
+                n = self.config.choose_reps(estimate)
+            return TimingStats.from_samples(self._run(step, before_each, cold, n))
+
+    def release(self) -> None:
+        """Drop the flush buffer."""
+        self._flush = None
+
+
+def _drop_library_workspaces() -> None:
+    """Free cuBLAS's cached workspaces (PyTorch allocates them through the caching allocator).
+
+    NOTE: measured on H100 with ``mode="max-autotune"``: capturing a CUDA graph frees the 32 MiB cuBLAS
+    workspace that earlier matmuls left allocated, so a reading taken before the capture and one after
+    it differed by -32 MiB and the backend's resident memory came out negative.  So the reading taken
+    before an item compiles drops them first.  Only safe while no CUDA graph that may still be
+    replayed is alive (a graph keeps using the workspace it captured), which is why
+    :meth:`CudaMemoryProbe.allocated` drops them only when asked, at the start of an item, after
+    Dynamo's reset.
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+class CudaMemoryProbe:
+    """:class:`MemoryProbe` reading the caching allocator's statistics of ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def measure(self, forward: Callable[[], Any], backward: Callable[[Any], None] | None = None, *,
+                before: Callable[[], None] | None = None) -> MemoryStats:
+        if before is not None:
+            before()
+        gc.collect()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        out = forward()
+        torch.cuda.synchronize(self.device)
+        after_forward = torch.cuda.memory_allocated(self.device)
+        if backward is not None:
+            backward(out)
+            torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del out
+        return MemoryStats(baseline_bytes=baseline, peak_bytes=peak, held_bytes=after_forward - baseline)
+
+    def allocated(self, *, drop_workspaces: bool = False) -> int:
+        torch.cuda.synchronize(self.device)
+        if drop_workspaces:
+            _drop_library_workspaces()
+        return torch.cuda.memory_allocated(self.device)
+
+
+def cuda_instruments(device: torch.device, config: MeasureConfig) -> Instruments:
+    """The real instruments for a CUDA ``device``."""
+    timer = CudaEventTimer(device, config)
+    if config.cold:
+        timer._flush_buffer()  # allocated up front, so it sits in every baseline, not in one item's numbers
+
+    def synchronize() -> None:
+        torch.cuda.synchronize(device)
+
+    def release() -> None:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    return Instruments(timer=timer, memory=CudaMemoryProbe(device), clock=time.perf_counter,
+                       synchronize=synchronize, release=release)
+
+
+@contextlib.contextmanager
+def matmul_tf32(enabled: bool) -> Iterator[None]:
+    """Temporarily allow (or forbid) TF32 in fp32 matmuls, restoring the previous setting.
+
+    PyTorch >= 2.9 refuses to *read* the legacy ``allow_tf32`` flag once the new ``fp32_precision``
+    API was used (and vice versa), so the flag is saved and restored through whichever API reads.
+    """
+    matmul = torch.backends.cuda.matmul
+    try:
+        previous = matmul.allow_tf32
+    except RuntimeError:
+        previous_precision = matmul.fp32_precision
+        matmul.fp32_precision = "tf32" if enabled else "ieee"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = previous_precision
+        return
+    matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = previous
+
+
+def _spin(fn: Callable[[], object], seconds: float, device: torch.device) -> None:
+    """Run ``fn`` for about ``seconds`` so the GPU leaves its idle clocks before anything is measured."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            fn()
+        torch.cuda.synchronize(device)
+
+
+def measure_device_rates(device: torch.device, timer: Timer, *, copy_bytes: int = 1 << 30,
+                         matmul_n: int = 8192, spin_s: float = 0.5) -> DeviceRates:
+    """Measure copy bandwidth and matmul rates of ``device`` once per run (about three seconds on an H100).
+
+    Bandwidth: a device-to-device copy of ``copy_bytes`` (read + written: ``2 * copy_bytes`` per copy),
+    large enough that L2 plays no part.  Matmul: ``matmul_n``-cubed products in bf16, fp32 with TF32 and
+    strict fp32, ``2 * n**3`` flops each.  Both are what a kernel can reach in practice, a fairer floor
+    than the data-sheet peaks.  Rates use the *fastest* repetition (a ceiling, not a typical value),
+    after ``spin_s`` of matmuls: on an H100 an idle-clocked start measured bf16 at 720 TFLOP/s where a
+    warm one reached 790.
+    """
+    src = torch.ones(copy_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    _spin(copy, spin_s / 2, device)
+    t = timer.time(copy)
+    copy_rate = 2 * copy_bytes / (t.min_ms * 1e-3)
+    src = dst = torch.empty(0)  # free the copy buffers before the matmuls
+    flops = 2 * matmul_n**3
+    rates: dict[str, float] = {}
+    for unit, dtype, tf32 in (("bf16", torch.bfloat16, False), ("tf32", torch.float32, True),
+                              ("fp32", torch.float32, False)):
+        a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
+        b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
+        out = torch.empty(matmul_n, matmul_n, device=device, dtype=dtype)
+        with matmul_tf32(tf32):
+            def mm(a: torch.Tensor = a, b: torch.Tensor = b, out: torch.Tensor = out) -> None:
+                torch.mm(a, b, out=out)
+
+            if unit == "bf16":
+                _spin(mm, spin_s, device)
+            t = timer.time(mm)
+        rates[unit] = flops / (t.min_ms * 1e-3)
+        del a, b, out
+    gc.collect()
+    torch.cuda.empty_cache()
+    return DeviceRates(copy_bytes_per_s=copy_rate, matmul_flops=rates, copy_bytes=copy_bytes,
+                       matmul_n=matmul_n)

@@ -1,0 +1,259 @@
+"""Results of a run as frozen dataclasses, and their exact JSON round-trip.
+
+Shape of a report: one :class:`CaseResult` per workload x dtype x mode (with its roofline), holding one
+:class:`ItemResult` per backend.  An item's :class:`Status` is the first thing to read: only ``ok``
+items carry timings, so a wrong or crashing backend can never appear as a speedup.
+
+JSON: :meth:`BenchReport.to_dict` writes every dataclass field (plus a few derived numbers marked by
+``json_extras`` and a flat ``rows`` list for spreadsheets and pandas); :meth:`BenchReport.from_dict`
+rebuilds an equal report from it, driven by the dataclasses' type hints.  Non-finite floats are
+written as the strings ``"inf"``, ``"-inf"``, ``"nan"`` so the file is strict JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+from .config import BenchConfig
+from .correctness import CheckResult
+from .measure import MemoryStats, TimingStats
+from .roofline import DeviceRates, Roofline
+
+SCHEMA_VERSION = 1
+
+
+class Status(str, enum.Enum):
+    """Outcome of one item.
+
+    ``OK``: matched the reference and was measured.  ``FAIL``: ran, but its output or a gradient differs
+    from eager beyond tolerance; never timed.  ``ERROR``: raised (compile error, unsupported op, out of
+    memory); the message is kept.
+    """
+
+    OK = "ok"
+    FAIL = "FAIL"
+    ERROR = "ERROR"
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """One backend on one workload x dtype x mode.
+
+    ``compile_s`` is the wall time of the first call (forward, plus backward in train mode), which is
+    where ``torch.compile`` compiles; for eager it is just a first call.  ``warm``/``cold`` are the
+    timings with L2 warm / flushed; ``memory`` the step's memory; ``graph_breaks`` Dynamo's count for
+    compiled backends.  ``error`` holds the failed checks (FAIL) or the exception (ERROR); ``notes``
+    says why a number is missing (e.g. memory under CUDA graphs).
+    """
+
+    workload: str
+    dtype: str
+    mode: str
+    backend: str
+    status: Status
+    error: str = ""
+    check: CheckResult | None = None
+    compile_s: float | None = None
+    warm: TimingStats | None = None
+    cold: TimingStats | None = None
+    memory: MemoryStats | None = None
+    graph_breaks: int | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    @property
+    def median_ms(self) -> float | None:
+        """Warm median in ms, only for ``ok`` items that were timed."""
+        return self.warm.median_ms if self.ok and self.warm is not None else None
+
+    @property
+    def cold_median_ms(self) -> float | None:
+        return self.cold.median_ms if self.ok and self.cold is not None else None
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """Every backend on one workload x dtype x mode, with the workload's roofline there.
+
+    ``error`` is set when the case could not run at all (model build or the eager reference failed);
+    its items then all carry ``ERROR``.
+    """
+
+    workload: str
+    dtype: str
+    mode: str
+    roofline: Roofline | None
+    items: tuple[ItemResult, ...]
+    error: str = ""
+
+    def item(self, backend: str) -> ItemResult | None:
+        return next((i for i in self.items if i.backend == backend), None)
+
+    def speedup(self, backend: str, baseline: str, *, cold: bool = False) -> float | None:
+        """``baseline``'s median over ``backend``'s (``None`` unless both are ok and timed)."""
+        a, b = self.item(backend), self.item(baseline)
+        if a is None or b is None:
+            return None
+        ta = a.cold_median_ms if cold else a.median_ms
+        tb = b.cold_median_ms if cold else b.median_ms
+        if ta is None or tb is None or ta <= 0:
+            return None
+        return tb / ta
+
+    def floor_multiple(self, backend: str, *, cold: bool = False) -> float | None:
+        """``backend``'s median as a multiple of the roofline floor."""
+        item = self.item(backend)
+        if item is None or self.roofline is None:
+            return None
+        return self.roofline.multiple(item.cold_median_ms if cold else item.median_ms)
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    """A whole run: what was asked (``config``, ``workloads`` name -> file), where (``environment``,
+    ``rates``), when (``started``/``finished`` ISO-8601 UTC, ``wall_s``) and what came out (``cases``).
+    ``complete`` is false when the run was interrupted: ``cases`` then holds the finished ones only."""
+
+    config: BenchConfig
+    environment: dict[str, Any]
+    rates: DeviceRates | None
+    workloads: dict[str, str]
+    cases: tuple[CaseResult, ...]
+    started: str = ""
+    finished: str = ""
+    wall_s: float = 0.0
+    complete: bool = True
+
+    @property
+    def items(self) -> tuple[ItemResult, ...]:
+        return tuple(i for c in self.cases for i in c.items)
+
+    @property
+    def all_ok(self) -> bool:
+        return all(i.ok for i in self.items)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One flat dict per item: the numbers a spreadsheet wants, derived ones included."""
+        out = []
+        for case in self.cases:
+            for item in case.items:
+                mem = item.memory
+                out.append({
+                    "workload": item.workload, "dtype": item.dtype, "mode": item.mode,
+                    "backend": item.backend, "status": item.status.value, "error": item.error,
+                    "compile_s": item.compile_s,
+                    "median_ms": item.median_ms, "cold_median_ms": item.cold_median_ms,
+                    "reps": item.warm.reps if item.warm else None,
+                    "floor_ms": case.roofline.floor_ms if case.roofline else None,
+                    "x_floor": case.floor_multiple(item.backend),
+                    "x_floor_cold": case.floor_multiple(item.backend, cold=True),
+                    "speedup_vs_eager": case.speedup(item.backend, "eager"),
+                    "speedup_vs_inductor": case.speedup(item.backend, "inductor"),
+                    "total_peak_bytes": mem.total_peak_bytes if mem else None,
+                    "step_peak_bytes": mem.step_peak_bytes if mem else None,
+                    "held_bytes": mem.held_bytes if mem else None,
+                    "resident_bytes": mem.resident_bytes if mem else None,
+                    "max_rel_err": item.check.max_rel_err if item.check else None,
+                    "graph_breaks": item.graph_breaks,
+                })
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """Strict-JSON-ready dict of the whole report (see the module docstring)."""
+        data = encode(self)
+        data["schema_version"] = SCHEMA_VERSION
+        data["rows"] = encode(self.rows())
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchReport:
+        """Inverse of :meth:`to_dict` (derived keys are ignored)."""
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"report schema version {version!r}; this reader understands {SCHEMA_VERSION}")
+        return decode(cls, data)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Generic dataclass <-> JSON codec, driven by type hints.
+
+
+def _encode_float(x: float) -> float | str:
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def encode(obj: Any) -> Any:
+    """Turn dataclasses, enums, paths, tuples and non-finite floats into strict-JSON values.
+
+    A dataclass may define ``json_extras() -> dict`` to add derived values; they are written next to its
+    fields and ignored by :func:`decode`.
+    """
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        extras = getattr(obj, "json_extras", None)
+        if callable(extras):
+            out.update({k: encode(v) for k, v in extras().items()})
+        return out
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
+        return obj
+    if isinstance(obj, float):
+        return _encode_float(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {str(k): encode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [encode(v) for v in obj]
+    return str(obj)
+
+
+def decode(tp: Any, data: Any) -> Any:
+    """Rebuild a value of type ``tp`` from :func:`encode`'s output."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return data
+    if origin is Union or origin is types.UnionType:
+        args = typing.get_args(tp)
+        if data is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:
+            return decode(non_none[0], data)
+        return data
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        kwargs = {f.name: decode(hints[f.name], data[f.name])
+                  for f in dataclasses.fields(tp) if f.init and f.name in data}
+        return tp(**kwargs)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(data)
+    if tp is float:
+        return float(data)
+    if tp in (int, str, bool):
+        return data
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(decode(args[0], v) for v in data)
+        return tuple(decode(a, v) for a, v in zip(args, data, strict=True))
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        return [decode(arg, v) for v in data]
+    if origin is dict:
+        _, value_type = typing.get_args(tp)
+        return {k: decode(value_type, v) for k, v in data.items()}
+    return data

@@ -1,0 +1,503 @@
+"""Orchestration: every workload x dtype x mode x backend, correctness gate first, then measurements.
+
+Per workload the model is built once with a fixed seed and moved to the device; every backend (and
+the eager reference) gets a ``copy.deepcopy`` of it, so all see the same weights and none sees
+another's gradients.  Per workload x dtype x mode:
+
+1. **Reference**: eager runs the step once (under ``FlopCounterMode``, which also yields the flops of
+   the roofline); its outputs and gradients are kept.
+2. **Per backend**: compile, then the *first* call is both the compile-time measurement and the
+   correctness check against the reference (outputs, and in train mode the gradient of every floating
+   input and every parameter; rules in :mod:`fusion_backend.bench.correctness`, whose float64 run is
+   made lazily, once per case, only if a tensor needs it).  A mismatch makes the item ``FAIL`` and an
+   exception ``ERROR``; either way the item is never timed, so a wrong backend can never show up as a
+   speedup.
+3. Only items that pass are timed (warm, then cold L2) and have their memory measured.
+
+The step: ``infer`` is the forward under ``torch.no_grad()``; ``train`` is forward plus
+``torch.autograd.backward(outputs, grad_outputs)`` with *fixed random* upstream gradients (a plain
+``out.sum()`` feeds all-ones, which hides backward bugs such as a transposed index, and adds a loss
+kernel to the timed region); gradients are set to ``None`` before every repetition (untimed), so each
+step allocates fresh ones as ``zero_grad(set_to_none=True)`` training does.  ``bf16`` autocasts the
+forward; the backward runs outside autocast as in a training loop.
+
+Nothing here prints: progress goes to an optional callback, diagnostics to
+``logging.getLogger("fusion_backend.bench")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import datetime as _dt
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .backends import BenchBackend
+from .config import PRECISIONS, BenchConfig, Precision
+from .correctness import CheckResult, Fp64Reference, check_against_reference, fp64_reference
+from .env import collect_environment, conv_tf32_enabled
+from .errors import BenchError
+from .measure import Instruments, MemoryStats, TimingStats
+from .results import BenchReport, CaseResult, ItemResult, Status
+from .roofline import DeviceRates, FlopCount, Roofline, compute_unit, count_traffic, roofline
+from .suite import Workload
+
+log = logging.getLogger("fusion_backend.bench")
+
+#: Longest error message kept in a result (compiler errors can be pages long; the log has the rest).
+MAX_ERROR_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """Sent to the progress callback before (``phase="start"``) and after (``"done"``) every item.
+
+    ``index`` counts items from 1 to ``total``; ``result`` is set on ``"done"``.
+    """
+
+    index: int
+    total: int
+    workload: str
+    dtype: str
+    mode: str
+    backend: str
+    phase: str
+    result: ItemResult | None = None
+
+
+ProgressFn = Callable[[ProgressEvent], None]
+
+
+class _Reference:
+    """Eager's result of one case: what every backend is checked against, and the case's roofline.
+
+    ``fp64()`` runs the step in float64 the first time a check needs it (rule 2 of the gate) and keeps
+    the result for the case's other backends.
+    """
+
+    def __init__(self, outputs: Any, grads: dict[str, torch.Tensor | None],
+                 grad_outputs: tuple[torch.Tensor, ...], roofline: Roofline | None,
+                 make_fp64: Callable[[], Fp64Reference]) -> None:
+        self.outputs, self.grads, self.grad_outputs, self.roofline = outputs, grads, grad_outputs, roofline
+        self._make_fp64 = make_fp64
+        self._fp64: Fp64Reference | None = None
+
+    def fp64(self) -> Fp64Reference:
+        if self._fp64 is None:
+            self._fp64 = self._make_fp64()
+        return self._fp64
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _fresh_inputs(base: Sequence[Any], train: bool) -> list[Any]:
+    """Private copies of the inputs; floating ones require grad in train mode."""
+    out = []
+    for v in base:
+        if isinstance(v, torch.Tensor):
+            v = v.detach().clone()
+            if train and v.is_floating_point():
+                v.requires_grad_(True)
+        out.append(v)
+    return out
+
+
+def _differentiable(outputs: Any) -> list[torch.Tensor]:
+    leaves = pytree.tree_leaves(outputs)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+
+
+def _named_grads(module: torch.nn.Module, inputs: Sequence[Any]) -> dict[str, torch.Tensor | None]:
+    """Gradients of every input that requires grad and every parameter that does, by stable names."""
+    grads: dict[str, torch.Tensor | None] = {}
+    for i, v in enumerate(inputs):
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            grads[f"inputs[{i}]"] = v.grad
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            grads[f"param {name}"] = p.grad
+    return grads
+
+
+def _detach(outputs: Any) -> Any:
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, outputs)
+
+
+@contextlib.contextmanager
+def _precision(device: torch.device, precision: Precision) -> Iterator[None]:
+    dtype = precision.autocast_dtype()
+    if dtype is None:
+        yield
+    else:
+        with torch.autocast(device_type=device.type, dtype=dtype):
+            yield
+
+
+class _Step:
+    """The step of one item: forward / backward / untimed reset, closed over its module and inputs."""
+
+    def __init__(self, fn: Callable[..., Any], module: torch.nn.Module, inputs: list[Any], *,
+                 device: torch.device, precision: Precision, train: bool,
+                 grad_outputs: Sequence[torch.Tensor] = (), mark_cudagraph_steps: bool = False) -> None:
+        self.fn, self.module, self.inputs = fn, module, inputs
+        self.device, self.precision, self.train = device, precision, train
+        self.grad_outputs = tuple(grad_outputs)
+        self.mark = mark_cudagraph_steps
+
+    def forward(self) -> Any:
+        grad_mode = torch.enable_grad() if self.train else torch.no_grad()
+        with grad_mode, _precision(self.device, self.precision):
+            return self.fn(*self.inputs)
+
+    def backward(self, outputs: Any) -> None:
+        tensors = _differentiable(outputs)
+        if len(tensors) != len(self.grad_outputs):
+            raise BenchError(f"the forward returned {len(tensors)} differentiable output(s), the reference "
+                             f"{len(self.grad_outputs)}")
+        torch.autograd.backward(tensors, self.grad_outputs)
+
+    def run(self) -> Any:
+        out = self.forward()
+        if self.train:
+            self.backward(out)
+        return out
+
+    def reset(self) -> None:
+        """Untimed, before every repetition: gradients to ``None``; a new CUDA-graph step if compiled."""
+        if self.train:
+            for p in self.module.parameters():
+                p.grad = None
+            for v in self.inputs:
+                if isinstance(v, torch.Tensor):
+                    v.grad = None
+        if self.mark:
+            # Needed by Inductor's CUDA graphs (mode="max-autotune") to know the previous step's
+            # outputs are dead; a no-op otherwise.
+            torch.compiler.cudagraph_mark_step_begin()
+
+
+def _graph_breaks() -> int | None:
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(sum(counters["graph_break"].values()))
+    except Exception:  # private API drift: the count is a nicety
+        return None
+
+
+def _clear_dynamo() -> None:
+    torch._dynamo.reset()
+    try:
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+    except Exception:  # pragma: no cover
+        pass
+
+
+class Runner:
+    """Runs a benchmark matrix; see the module docstring.  One instance per run.
+
+    ``instruments`` may be ``None`` only with ``config.check_only``.  ``rates`` ``None`` skips the
+    roofline (e.g. check-only, or tests that do not care).
+    """
+
+    def __init__(self, config: BenchConfig, backends: Sequence[BenchBackend], *, device: torch.device,
+                 instruments: Instruments | None = None, rates: DeviceRates | None = None,
+                 progress: ProgressFn | None = None) -> None:
+        if instruments is None and not config.check_only:
+            raise BenchError("measuring needs instruments (timer, memory probe); pass cuda_instruments(...)")
+        if [b.name for b in backends] != list(config.backends):
+            raise BenchError(f"backends {[b.name for b in backends]} do not match config.backends "
+                             f"{list(config.backends)}")
+        self.config = config
+        self.backends = list(backends)
+        self.device = device
+        self.instruments = instruments or Instruments(timer=_NoTimer(), memory=_NoMemory())
+        self.rates = rates
+        self.progress = progress
+        #: Whether fp32 convolutions may run in TF32 here: picks the gate's fp32 tolerance and the
+        #: roofline's compute unit.  Read once: the flag is global state that a model file could change.
+        self.conv_tf32 = device.type == "cuda" and conv_tf32_enabled()
+        self._index = 0
+        self._total = 0
+
+    # -- public -----------------------------------------------------------------------------------------
+
+    def run(self, workloads: Sequence[Workload], environment: dict[str, Any] | None = None) -> BenchReport:
+        """Run every item of every workload and return the report (never raises for a backend's fault)."""
+        cfg = self.config
+        started = _dt.datetime.now(_dt.timezone.utc)
+        t0 = time.perf_counter()
+        self._index = 0
+        self._total = len(workloads) * len(cfg.dtypes) * len(cfg.modes) * len(self.backends)
+        cases: list[CaseResult] = []
+        complete = True
+        try:
+            for workload in workloads:
+                self._run_workload(workload, cases)
+        except KeyboardInterrupt:
+            complete = False  # keep what finished: a long run interrupted still leaves a report
+        if any(b.uses_dynamo for b in self.backends):
+            _clear_dynamo()
+        finished = _dt.datetime.now(_dt.timezone.utc)
+        return BenchReport(
+            config=cfg,
+            environment=dict(environment) if environment is not None else collect_environment(self.device),
+            rates=self.rates,
+            workloads={w.name: str(w.path) for w in workloads},
+            cases=tuple(cases),
+            started=started.isoformat(timespec="seconds"),
+            finished=finished.isoformat(timespec="seconds"),
+            wall_s=time.perf_counter() - t0,
+            complete=complete,
+        )
+
+    # -- per workload / case -----------------------------------------------------------------------------
+
+    def _run_workload(self, workload: Workload, cases: list[CaseResult]) -> None:
+        """Append the workload's cases to ``cases`` as each finishes."""
+        cfg = self.config
+        try:
+            model, inputs = workload.build(cfg.seed)
+            model = model.to(self.device)
+            inputs = [_to_device(v, self.device) for v in inputs]
+        except Exception as exc:
+            log.debug("building %s failed", workload.name, exc_info=True)
+            msg = f"building the model failed: {_describe(exc)}"
+            cases.extend(self._failed_case(workload.name, d, m, msg) for d in cfg.dtypes for m in cfg.modes)
+            return
+        try:
+            for dtype in cfg.dtypes:
+                for mode in cfg.modes:
+                    cases.append(self._run_case(workload.name, model, inputs, dtype, mode))
+                    self.instruments.release()
+        finally:
+            del model, inputs
+            self.instruments.release()
+
+    def _failed_case(self, workload: str, dtype: str, mode: str, message: str) -> CaseResult:
+        items = []
+        for backend in self.backends:
+            self._emit(workload, dtype, mode, backend.name, "start")
+            item = ItemResult(workload, dtype, mode, backend.name, Status.ERROR, error=message)
+            self._emit(workload, dtype, mode, backend.name, "done", item)
+            items.append(item)
+        return CaseResult(workload, dtype, mode, roofline=None, items=tuple(items), error=message)
+
+    def _reference(self, model: torch.nn.Module, base_inputs: Sequence[Any], precision: Precision,
+                   train: bool) -> _Reference:
+        module = copy.deepcopy(model)
+        inputs = _fresh_inputs(base_inputs, train)
+        step = _Step(module, module, inputs, device=self.device, precision=precision, train=train)
+        grad_outputs: tuple[torch.Tensor, ...] = ()
+        with FlopCount() as flops:
+            out = step.forward()
+            if train:
+                diff = _differentiable(out)
+                if not diff:
+                    raise BenchError("train mode needs a floating-point output that requires grad; the "
+                                     "model's outputs have none")
+                gen = torch.Generator().manual_seed(self.config.seed + 2)
+                grad_outputs = tuple(
+                    torch.randn(t.shape, generator=gen, dtype=torch.float32).to(self.device, t.dtype)
+                    for t in diff
+                )
+                torch.autograd.backward(diff, grad_outputs)
+        self.instruments.synchronize()
+        grads = {k: None if g is None else g.detach() for k, g in _named_grads(module, inputs).items()}
+        line = None
+        if self.rates is not None:
+            traffic = count_traffic(inputs, list(module.parameters()), pytree.tree_leaves(out),
+                                    grad_outputs=grad_outputs, grads=list(grads.values()))
+            line = roofline(traffic, flops.total, self.rates, compute_unit(precision.name, self.conv_tf32))
+        outputs = _detach(out)
+        del module, inputs, out
+
+        def make_fp64() -> Fp64Reference:
+            return self._fp64_reference(model, base_inputs, train, grad_outputs, outputs, grads,
+                                        precision.fp64_multiplier)
+
+        return _Reference(outputs, grads, grad_outputs, line, make_fp64)
+
+    def _fp64_reference(self, model: torch.nn.Module, base_inputs: Sequence[Any], train: bool,
+                        grad_outputs: Sequence[torch.Tensor], eager_out: Any,
+                        eager_grads: dict[str, torch.Tensor | None], multiplier: float) -> Fp64Reference:
+        """The step in float64 without autocast: the exact answer rule 2 measures errors against."""
+        try:
+            module = copy.deepcopy(model).double()
+            inputs = [v.detach().double().requires_grad_(train)
+                      if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                      for v in _fresh_inputs(base_inputs, False)]
+            step = _Step(module, module, inputs, device=self.device, precision=PRECISIONS["fp32"],
+                         train=train, grad_outputs=[g.double() for g in grad_outputs])
+            out = step.run()
+            grads = {k: None if g is None else g.detach() for k, g in _named_grads(module, inputs).items()}
+            return fp64_reference(_detach(out), grads, eager_out, eager_grads, multiplier)
+        except Exception as exc:
+            log.debug("float64 reference failed", exc_info=True)
+            return Fp64Reference(tensors={}, eager_errors={}, multiplier=multiplier, error=_describe(exc))
+
+    def _run_case(self, workload: str, model: torch.nn.Module, inputs: Sequence[Any], dtype: str,
+                  mode: str) -> CaseResult:
+        precision = PRECISIONS[dtype]
+        train = mode == "train"
+        try:
+            ref = self._reference(model, inputs, precision, train)
+        except Exception as exc:
+            log.debug("eager reference of %s/%s/%s failed", workload, dtype, mode, exc_info=True)
+            return self._failed_case(workload, dtype, mode, f"the eager reference failed: {_describe(exc)}")
+        items = []
+        for backend in self.backends:
+            self._emit(workload, dtype, mode, backend.name, "start")
+            item = self._run_item(workload, model, inputs, dtype, mode, backend, ref)
+            self.instruments.release()
+            self._emit(workload, dtype, mode, backend.name, "done", item)
+            items.append(item)
+        return CaseResult(workload, dtype, mode, roofline=ref.roofline, items=tuple(items))
+
+    # -- per item ------------------------------------------------------------------------------------------
+
+    def _run_item(self, workload: str, model: torch.nn.Module, base_inputs: Sequence[Any], dtype: str,
+                  mode: str, backend: BenchBackend, ref: _Reference) -> ItemResult:
+        result = _ItemBuilder(workload, dtype, mode, backend.name)
+        module = copy.deepcopy(model)
+        inputs = _fresh_inputs(base_inputs, mode == "train")
+        if backend.uses_dynamo:
+            _clear_dynamo()
+        try:
+            return self._check_and_measure(workload, module, inputs, dtype, mode, backend, ref, result)
+        finally:
+            if backend.uses_dynamo:
+                # Drops this item's compiled code and CUDA graphs now, not when the next item compiles.
+                _clear_dynamo()
+
+    def _check_and_measure(self, workload: str, module: torch.nn.Module, inputs: list[Any], dtype: str,
+                           mode: str, backend: BenchBackend, ref: _Reference,
+                           result: _ItemBuilder) -> ItemResult:
+        cfg = self.config
+        precision = PRECISIONS[dtype]
+        train = mode == "train"
+        tools = self.instruments
+        # 1. compile + first call, which is also the correctness check.
+        try:
+            tools.synchronize()
+            measuring_memory = cfg.memory and not cfg.check_only
+            item_start = tools.memory.allocated(drop_workspaces=True) if measuring_memory else 0
+            start = tools.clock()
+            fn = backend.compile(module)
+            step = _Step(fn, module, inputs, device=self.device, precision=precision, train=train,
+                         grad_outputs=ref.grad_outputs, mark_cudagraph_steps=backend.uses_dynamo)
+            step.reset()
+            out = step.run()
+            tools.synchronize()
+            result.compile_s = tools.clock() - start
+            if backend.uses_dynamo:
+                result.graph_breaks = _graph_breaks()
+            before_check = tools.memory.allocated() if measuring_memory else 0
+            check = check_against_reference(out, ref.outputs, cfg.tolerance(dtype, self.conv_tf32),
+                                             actual_grads=_named_grads(module, inputs),
+                                             expected_grads=ref.grads,
+                                             fp64=ref.fp64 if cfg.fp64_check else None)
+            if measuring_memory:
+                # A float64 reference made during this check stays for the case: not this backend's.
+                item_start += tools.memory.allocated() - before_check
+            del out
+        except Exception as exc:
+            log.debug("%s/%s/%s/%s: first call failed", workload, dtype, mode, backend.name, exc_info=True)
+            return result.done(Status.ERROR, f"compile or first call failed: {_describe(exc)}")
+        result.check = check
+        if not check.ok:
+            return result.done(Status.FAIL, f"differs from eager: {check.summary()}")
+        if cfg.check_only:
+            return result.done(Status.OK)
+        # 2. measurements, only for results that matched eager.
+        try:
+            result.warm = tools.timer.time(step.run, before_each=step.reset, cold=False)
+            if cfg.measure.cold:
+                result.cold = tools.timer.time(step.run, before_each=step.reset, cold=True)
+            if cfg.memory and backend.cudagraphs:
+                result.notes = ("memory not measured: CUDA graphs keep the step's tensors in a private pool "
+                                "that the allocator statistics do not count",)
+            elif cfg.memory:
+                memory = tools.memory.measure(step.forward, step.backward if train else None,
+                                              before=step.reset)
+                result.memory = dataclasses.replace(memory,
+                                                    resident_bytes=memory.baseline_bytes - item_start)
+        except Exception as exc:
+            log.debug("%s/%s/%s/%s: measuring failed", workload, dtype, mode, backend.name, exc_info=True)
+            return result.done(Status.ERROR, f"measuring failed: {_describe(exc)}")
+        return result.done(Status.OK)
+
+    def _emit(self, workload: str, dtype: str, mode: str, backend: str, phase: str,
+              result: ItemResult | None = None) -> None:
+        if phase == "start":
+            self._index += 1
+        if self.progress is not None:
+            self.progress(ProgressEvent(self._index, self._total, workload, dtype, mode, backend, phase, result))
+
+
+@dataclass
+class _ItemBuilder:
+    """Mutable accumulator for one item's numbers, frozen into an :class:`ItemResult` by :meth:`done`."""
+
+    workload: str
+    dtype: str
+    mode: str
+    backend: str
+    check: CheckResult | None = None
+    compile_s: float | None = None
+    warm: TimingStats | None = None
+    cold: TimingStats | None = None
+    memory: MemoryStats | None = None
+    graph_breaks: int | None = None
+    notes: tuple[str, ...] = ()
+
+    def done(self, status: Status, error: str = "") -> ItemResult:
+        ok = status is Status.OK
+        return ItemResult(
+            workload=self.workload, dtype=self.dtype, mode=self.mode, backend=self.backend, status=status,
+            error=error, check=self.check, compile_s=self.compile_s,
+            warm=self.warm if ok else None, cold=self.cold if ok else None,
+            memory=self.memory if ok else None, graph_breaks=self.graph_breaks, notes=self.notes,
+        )
+
+
+class _NoTimer:
+    def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
+             cold: bool = False) -> TimingStats:
+        raise BenchError("no timer: this run is check-only")
+
+
+class _NoMemory:
+    def measure(self, forward: Callable[[], Any], backward: Callable[[Any], None] | None = None, *,
+                before: Callable[[], None] | None = None) -> MemoryStats:
+        raise BenchError("no memory probe: this run is check-only")
+
+    def allocated(self, *, drop_workspaces: bool = False) -> int:
+        return 0
+
+
+def run_benchmark(workloads: Sequence[Workload], config: BenchConfig, backends: Sequence[BenchBackend], *,
+                  device: torch.device | str, instruments: Instruments | None = None,
+                  rates: DeviceRates | None = None, progress: ProgressFn | None = None,
+                  environment: dict[str, Any] | None = None) -> BenchReport:
+    """Convenience wrapper: ``Runner(config, backends, ...).run(workloads, environment)``."""
+    runner = Runner(config, backends, device=torch.device(device), instruments=instruments, rates=rates,
+                    progress=progress)
+    return runner.run(workloads, environment)

@@ -1,0 +1,201 @@
+"""Turn ``--suite`` into workloads: model files in the benchmark layout.
+
+A *benchmark model file* is a Python file defining ``Model`` (an ``nn.Module`` class), ``get_inputs()``
+(the forward's positional arguments) and ``get_init_inputs()`` (``Model``'s constructor arguments):
+the layout of KernelBench-style problem files and of ``demos/seeds/``.  Keeping the layout this small
+lets users benchmark their own models by pointing ``--suite`` at a file or folder.
+
+``--suite`` is a comma-separated list whose entries are each a suite name (see :data:`SUITES`), a
+``.py`` file, or a folder (every ``*.py`` in it not starting with ``_``, in name order).
+
+The named suites live in ``demos/seeds/`` of the repository, which is *not* inside the package: it is
+looked up next to the package (a source checkout or editable install), then under the working
+directory, then in ``$FUSION_SEEDS_DIR``; if none exists the error says where it looked.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .errors import SuiteError
+
+#: The parts every benchmark model file must define.
+LAYOUT: tuple[str, ...] = ("Model", "get_inputs", "get_init_inputs")
+
+#: Named suites: file names inside the seeds folder, in run order.
+SUITES: dict[str, tuple[str, ...]] = {
+    "seeds": ("seed_a.py", "seed_b.py", "seed_c.py", "seed_b_small.py", "seed_c_small.py"),
+    "seeds-small": ("seed_b_small.py", "seed_c_small.py"),
+}
+
+SEEDS_ENV = "FUSION_SEEDS_DIR"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One loaded benchmark model file.
+
+    ``name`` is the file's stem and is unique within a suite; ``module`` is the executed file.  Building
+    the model and inputs is :meth:`build`'s job so that loading a suite stays cheap and side-effect free.
+    """
+
+    name: str
+    path: Path
+    module: ModuleType
+
+    def build(self, seed: int) -> tuple[torch.nn.Module, list[Any]]:
+        """Construct ``Model(*get_init_inputs())`` and ``get_inputs()`` on CPU under ``torch.manual_seed(seed)``.
+
+        The same seed gives the same parameters and inputs on every call, which is what makes every
+        backend see identical weights.  Raises whatever the model file raises.
+        """
+        torch.manual_seed(seed)
+        init = list(self.module.get_init_inputs())
+        model = self.module.Model(*init)
+        if not isinstance(model, torch.nn.Module):
+            raise SuiteError(f"{self.path}: Model(*get_init_inputs()) returned {type(model).__name__}, "
+                             "not a torch.nn.Module")
+        torch.manual_seed(seed + 1)
+        inputs = self.module.get_inputs()
+        if not isinstance(inputs, (list, tuple)):
+            raise SuiteError(f"{self.path}: get_inputs() must return a list or tuple of forward arguments, "
+                             f"got {type(inputs).__name__}")
+        return model, list(inputs)
+
+
+def seeds_dir_candidates() -> list[Path]:
+    """Where the seeds folder may be, in order: ``$FUSION_SEEDS_DIR``, next to the package, under cwd."""
+    candidates: list[Path] = []
+    env = os.environ.get(SEEDS_ENV)
+    if env:
+        candidates.append(Path(env))
+    repo_root = Path(__file__).resolve().parents[2]  # <repo>/fusion_backend/bench/suite.py -> <repo>
+    candidates.append(repo_root / "demos" / "seeds")
+    candidates.append(Path.cwd() / "demos" / "seeds")
+    return candidates
+
+
+def seeds_dir() -> Path:
+    """The folder holding the named suites' files, or :class:`SuiteError` listing where it looked."""
+    candidates = seeds_dir_candidates()
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate
+    looked = ", ".join(str(c) for c in candidates)
+    raise SuiteError(
+        "the named suites are read from demos/seeds/ of the fusion repository, which is not next to the "
+        f"installed package (looked in: {looked}). Run from a source checkout (pip install -e .), set "
+        f"{SEEDS_ENV} to the folder, or pass --suite PATH to your own model files."
+    )
+
+
+def load_workload(path: str | os.PathLike[str]) -> Workload:
+    """Execute one model file and check it has the benchmark layout.
+
+    Raises :class:`SuiteError` if the file does not exist, fails to import (the message carries the
+    exception), or lacks any of :data:`LAYOUT` (the message names every missing one).  The file's folder
+    is on ``sys.path`` while it runs, so it may import helpers next to it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise SuiteError(f"model file {path} does not exist")
+    if path.suffix != ".py":
+        raise SuiteError(f"model file {path} is not a .py file")
+    resolved = path.resolve()
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
+    module_name = f"fusion_bench_workload_{path.stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if spec is None or spec.loader is None:
+        raise SuiteError(f"cannot import {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    folder = str(resolved.parent)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    # Registered so that tools resolving ``Model.__module__`` (pickling, Dynamo's source lookups) find it.
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise SuiteError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if added:
+            sys.path.remove(folder)
+    missing = [name for name in LAYOUT if not callable(getattr(module, name, None))]
+    if missing:
+        sys.modules.pop(module_name, None)
+        raise SuiteError(
+            f"{path} is not a benchmark model file: it does not define {', '.join(missing)} (a model file "
+            "defines Model, an nn.Module class; get_inputs(), the forward's arguments; and "
+            "get_init_inputs(), Model's constructor arguments)"
+        )
+    return Workload(name=path.stem, path=resolved, module=module)
+
+
+def _files_of(entry: str) -> list[Path]:
+    if entry in SUITES:
+        folder = seeds_dir()
+        files = [folder / name for name in SUITES[entry]]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise SuiteError(f"suite {entry!r}: {folder} lacks {', '.join(absent)}")
+        return files
+    path = Path(entry).expanduser()
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.py") if not p.name.startswith("_"))
+        if not files:
+            raise SuiteError(f"folder {path} holds no model files (*.py not starting with _)")
+        return files
+    if path.exists() or path.suffix == ".py":
+        return [path]
+    raise SuiteError(f"--suite entry {entry!r} is neither a suite name ({', '.join(SUITES)}) nor an "
+                     "existing file or folder")
+
+
+def resolve_suite(spec: str | Sequence[str]) -> list[Workload]:
+    """Load every workload of ``spec`` (comma-separated string or list of names/files/folders).
+
+    Duplicate files are loaded once; two different files with the same stem are an error, because the
+    stem names the workload in every table and in the JSON report.
+    """
+    entries = [e.strip() for e in spec.split(",")] if isinstance(spec, str) else [str(e) for e in spec]
+    entries = [e for e in entries if e]
+    if not entries:
+        raise SuiteError("--suite is empty; give a suite name, a model file or a folder")
+    workloads: list[Workload] = []
+    seen: dict[str, Path] = {}
+    for entry in entries:
+        for file in _files_of(entry):
+            workload = load_workload(file)
+            if workload.name in seen:
+                if seen[workload.name] == workload.path:
+                    continue
+                raise SuiteError(f"two model files are named {workload.name!r}: {seen[workload.name]} and "
+                                 f"{workload.path}; rename one")
+            seen[workload.name] = workload.path
+            workloads.append(workload)
+    return workloads
+
+
+def filter_workloads(workloads: Sequence[Workload], patterns: str | None) -> list[Workload]:
+    """Keep workloads whose name matches any comma-separated pattern (glob if it has ``*?[``, else substring)."""
+    if not patterns:
+        return list(workloads)
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+
+    def keep(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) if any(c in p for c in "*?[") else p in name for p in pats)
+
+    return [w for w in workloads if keep(w.name)]

@@ -1,0 +1,618 @@
+"""Tests of the benchmark harness (``python -m fusion_backend bench``) that run on CPU in seconds.
+
+The GPU path (CUDA events, allocator statistics, measured rates) is replaced by fakes injected through
+:class:`fusion_backend.bench.Instruments` and :class:`fusion_backend.bench.DeviceRates`, so what is
+tested here is the harness's logic: suite loading, the correctness gate (a wrong backend must be a
+FAIL, never a speedup), the roofline arithmetic, report writing and the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fusion_backend.bench import cli, suite
+from fusion_backend.bench.backends import BenchBackend, resolve_backend, resolve_backends
+from fusion_backend.bench.config import BenchConfig, MeasureConfig
+from fusion_backend.bench.correctness import compare_tensor
+from fusion_backend.bench.errors import BackendSpecError, ConfigError, SuiteError
+from fusion_backend.bench.measure import Instruments, MemoryStats, TimingStats
+from fusion_backend.bench.output import (
+    details_table,
+    format_markdown,
+    format_report,
+    read_json,
+    summary_table,
+    write_reports,
+)
+from fusion_backend.bench.results import BenchReport, Status
+from fusion_backend.bench.roofline import (
+    DeviceRates,
+    FlopCount,
+    Traffic,
+    compute_unit,
+    count_traffic,
+    roofline,
+)
+from fusion_backend.bench.runner import ProgressEvent, Runner
+from fusion_backend.bench.suite import Workload, filter_workloads, load_workload, resolve_suite
+
+TINY_CONV = """
+import torch
+import torch.nn as nn
+
+N, CIN, COUT, H, W, K = 2, 3, 4, 8, 8, 3
+
+
+class Model(nn.Module):
+    def __init__(self, cin, cout, k):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, k)
+        self.scale = nn.Parameter(torch.randn(cout, 1, 1))
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.conv(x) * self.scale)
+
+
+def get_inputs():
+    return [torch.rand(N, CIN, H, W)]
+
+
+def get_init_inputs():
+    return [CIN, COUT, K]
+"""
+
+TINY_CONVT = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv_transpose = nn.ConvTranspose2d(2, 3, 3, stride=2)
+
+    def forward(self, x):
+        return self.conv_transpose(x).mean(dim=(2, 3))
+
+
+def get_inputs():
+    return [torch.rand(2, 2, 4, 4)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+CPU = torch.device("cpu")
+FAKE_RATES = DeviceRates(copy_bytes_per_s=1e12, matmul_flops={"bf16": 4e14, "tf32": 2e14, "fp32": 5e13})
+FAKE_MS = {"eager": 2.0, "inductor": 1.0, "fusion": 0.5}
+
+
+def write_model(folder: Path, name: str, source: str = TINY_CONV) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.py"
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Workload:
+    return load_workload(write_model(tmp_path / "models", "tiny"))
+
+
+# -- fakes ---------------------------------------------------------------------------------------------------
+
+
+class FakeTimer:
+    """Returns fixed times per backend (cold = 1.25 x warm) after running the step once for real."""
+
+    def __init__(self, ms: dict[str, float]) -> None:
+        self.ms = ms
+        self.backend = ""
+        self.timed: list[tuple[str, bool]] = []
+
+    def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
+             cold: bool = False) -> TimingStats:
+        if before_each is not None:
+            before_each()
+        step()
+        self.timed.append((self.backend, cold))
+        base = self.ms.get(self.backend, 1.0) * (1.25 if cold else 1.0)
+        return TimingStats.from_samples([base * 0.9, base, base * 1.1])
+
+
+class FakeMemory:
+    """Baseline 1000 bytes, peak 5000, forward leaves 3000; ``allocated()`` before compiling is ``start``."""
+
+    def __init__(self, start: int = 1000) -> None:
+        self.start = start
+
+    def allocated(self, *, drop_workspaces: bool = False) -> int:
+        return self.start
+
+    def measure(self, forward: Callable[[], Any], backward: Callable[[Any], None] | None = None, *,
+                before: Callable[[], None] | None = None) -> MemoryStats:
+        if before is not None:
+            before()
+        out = forward()
+        if backward is not None:
+            backward(out)
+        return MemoryStats(baseline_bytes=1000, peak_bytes=5000, held_bytes=3000)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 0.5
+        return self.t
+
+
+def fake_instruments(timer: FakeTimer, memory: FakeMemory | None = None) -> Instruments:
+    return Instruments(timer=timer, memory=memory or FakeMemory(), clock=Clock())
+
+
+def adds_offset(offset: float) -> BenchBackend:
+    """A deliberately wrong backend: correct gradients, output shifted by ``offset``."""
+    return BenchBackend(f"plus{offset:g}", lambda m: (lambda *a: m(*a) + offset), "adds an offset",
+                        uses_dynamo=False)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 1.1
+
+
+WRONG_GRAD = BenchBackend("wrong-grad", lambda m: (lambda *a: _ScaleGrad.apply(m(*a))),
+                          "right output, gradients 10% too large", uses_dynamo=False)
+
+
+def _raise(module: torch.nn.Module) -> Callable[..., Any]:
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def _in_float64(module: torch.nn.Module) -> Callable[..., Any]:
+    def call(*args: torch.Tensor) -> torch.Tensor:
+        params = {name: p.double() for name, p in module.named_parameters()}
+        return torch.func.functional_call(module, params, tuple(a.double() for a in args)).float()
+
+    return call
+
+
+#: Computes in float64 and rounds to fp32 at the end: differs from eager, but is closer to exact.
+MORE_ACCURATE = BenchBackend("float64-inside", _in_float64, "computes in float64", uses_dynamo=False)
+
+BROKEN = BenchBackend("broken", _raise, "raises at compile", uses_dynamo=False)
+FAKE_FUSION = BenchBackend("fusion", lambda m: m, "eager standing in for fusion", uses_dynamo=False)
+FAKE_INDUCTOR = BenchBackend("inductor", lambda m: m, "eager standing in for inductor", uses_dynamo=False)
+
+
+def run(workloads: list[Workload], backends: list[BenchBackend], *, dtypes: tuple[str, ...] = ("fp32",),
+        modes: tuple[str, ...] = ("infer", "train"), timer: FakeTimer | None = None,
+        rates: DeviceRates | None = FAKE_RATES, check_only: bool = False,
+        events: list[ProgressEvent] | None = None, tolerances: dict[str, float] | None = None,
+        fp64_check: bool = True, memory: FakeMemory | None = None) -> BenchReport:
+    timer = timer or FakeTimer(FAKE_MS)
+    config = BenchConfig(dtypes=dtypes, modes=modes, backends=tuple(b.name for b in backends),
+                         check_only=check_only, tolerances=tolerances or {}, fp64_check=fp64_check)
+
+    def progress(ev: ProgressEvent) -> None:
+        timer.backend = ev.backend
+        if events is not None:
+            events.append(ev)
+
+    instruments = None if check_only else fake_instruments(timer, memory)
+    runner = Runner(config, backends, device=CPU, instruments=instruments,
+                    rates=rates, progress=progress)
+    return runner.run(workloads, environment={"device": "cpu", "torch": torch.__version__,
+                                              "command": "test"})
+
+
+# -- suite loading -------------------------------------------------------------------------------------------
+
+
+def test_seeds_suite_is_the_three_full_seeds_then_the_two_small_ones() -> None:
+    names = [w.name for w in resolve_suite("seeds")]
+    assert names == ["seed_a", "seed_b", "seed_c", "seed_b_small", "seed_c_small"]
+
+
+def test_suite_accepts_a_file_a_folder_and_a_comma_separated_mix(tmp_path: Path) -> None:
+    folder = tmp_path / "models"
+    write_model(folder, "b_model")
+    write_model(folder, "a_model")
+    write_model(folder, "_helper", "X = 1\n")  # underscore files are not models
+    single = write_model(tmp_path / "other", "single")
+    assert [w.name for w in resolve_suite(str(folder))] == ["a_model", "b_model"]
+    assert [w.name for w in resolve_suite(str(single))] == ["single"]
+    mixed = resolve_suite(f"{single},{folder},seeds-small")
+    assert [w.name for w in mixed] == ["single", "a_model", "b_model", "seed_b_small", "seed_c_small"]
+
+
+def test_model_file_without_the_layout_is_rejected_naming_what_is_missing(tmp_path: Path) -> None:
+    bad = write_model(tmp_path, "bad", "import torch\nclass Model(torch.nn.Module):\n    pass\n")
+    with pytest.raises(SuiteError) as info:
+        load_workload(bad)
+    message = str(info.value)
+    assert "bad.py" in message and "get_inputs, get_init_inputs" in message
+    assert "Model," not in message.split("does not define")[1].split("(")[0]
+
+
+def test_unimportable_missing_and_unknown_suite_entries_error_clearly(tmp_path: Path) -> None:
+    broken = write_model(tmp_path, "broken", "raise ValueError('boom')\n")
+    with pytest.raises(SuiteError, match="importing .*broken.py failed: ValueError: boom"):
+        load_workload(broken)
+    with pytest.raises(SuiteError, match="does not exist"):
+        resolve_suite(str(tmp_path / "nope.py"))
+    with pytest.raises(SuiteError, match="neither a suite name"):
+        resolve_suite("no-such-suite")
+    with pytest.raises(SuiteError, match="no model files"):
+        (tmp_path / "empty").mkdir()
+        resolve_suite(str(tmp_path / "empty"))
+
+
+def test_two_files_with_the_same_name_are_an_error(tmp_path: Path) -> None:
+    a = write_model(tmp_path / "a", "same")
+    b = write_model(tmp_path / "b", "same")
+    with pytest.raises(SuiteError, match="two model files are named 'same'"):
+        resolve_suite([str(a), str(b)])
+    assert len(resolve_suite([str(a), str(a)])) == 1
+
+
+def test_missing_seeds_folder_says_where_it_looked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(suite, "seeds_dir_candidates", lambda: [tmp_path / "x" / "demos" / "seeds"])
+    with pytest.raises(SuiteError, match=r"demos/seeds.*looked in: .*x/demos/seeds.*--suite PATH"):
+        resolve_suite("seeds")
+
+
+def test_filter_keeps_substring_and_glob_matches() -> None:
+    workloads = resolve_suite("seeds")
+    assert [w.name for w in filter_workloads(workloads, "small")] == ["seed_b_small", "seed_c_small"]
+    assert [w.name for w in filter_workloads(workloads, "seed_?,seed_c_*")] == [
+        "seed_a", "seed_b", "seed_c", "seed_c_small"]
+
+
+def test_build_gives_identical_weights_and_inputs_for_the_same_seed(tiny: Workload) -> None:
+    (m1, x1), (m2, x2) = tiny.build(7), tiny.build(7)
+    assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters(), strict=True))
+    assert torch.equal(x1[0], x2[0])
+
+
+# -- backends and config -------------------------------------------------------------------------------------
+
+
+def test_backend_names_resolve_to_torch_compile_settings() -> None:
+    assert resolve_backend("inductor-max-autotune").description == (
+        "torch.compile(m, backend='inductor', mode='max-autotune')")
+    assert resolve_backend("aot_eager").description == "torch.compile(m, backend='aot_eager')"
+    assert "max-autotune-no-cudagraphs" in resolve_backend("inductor:max-autotune-no-cudagraphs").description
+    assert resolve_backend("inductor-max-autotune").cudagraphs
+    assert not resolve_backend("inductor:max-autotune-no-cudagraphs").cudagraphs
+    assert [b.name for b in resolve_backends(["eager", "broken"], {"broken": BROKEN})] == ["eager", "broken"]
+    with pytest.raises(BackendSpecError, match="unknown backend 'nonsense'.*eager"):
+        resolve_backend("nonsense")
+
+
+def test_config_rejects_unknown_dtypes_modes_and_duplicates() -> None:
+    with pytest.raises(ConfigError, match="unknown dtype 'fp8'"):
+        BenchConfig(dtypes=("fp8",))
+    with pytest.raises(ConfigError, match="unknown mode"):
+        BenchConfig(modes=("serve",))
+    with pytest.raises(ConfigError, match="duplicate"):
+        BenchConfig(backends=("eager", "eager"))
+
+
+def test_adaptive_repetitions_aim_at_the_target_time_within_bounds() -> None:
+    cfg = MeasureConfig(target_ms=300.0, min_reps=10, max_reps=1000)
+    assert cfg.choose_reps(1.5) == 200
+    assert cfg.choose_reps(100.0) == 10
+    assert cfg.choose_reps(0.001) == 1000
+    assert MeasureConfig(reps=7).choose_reps(1.0) == 7
+    stats = TimingStats.from_samples([5.0, 1.0, 2.0, 4.0, 3.0])
+    assert (stats.median_ms, stats.min_ms, stats.max_ms, stats.reps) == (3.0, 1.0, 5.0, 5)
+
+
+# -- the correctness gate ------------------------------------------------------------------------------------
+
+
+def test_backend_adding_1e_2_to_the_output_is_a_fail_and_is_never_timed(tiny: Workload) -> None:
+    wrong = adds_offset(1e-2)
+    timer = FakeTimer({"eager": 2.0, wrong.name: 0.1})  # it would look 20x faster if it were timed
+    report = run([tiny], [BUILTIN_EAGER, wrong], timer=timer)
+    for case in report.cases:
+        item = case.item(wrong.name)
+        assert item is not None and item.status is Status.FAIL
+        assert "output[0]: rel err" in item.error and "> 1.0e-04" in item.error
+        assert item.warm is None and item.cold is None and item.memory is None and item.median_ms is None
+        assert case.speedup(wrong.name, "eager") is None
+        assert case.item("eager").status is Status.OK  # type: ignore[union-attr]
+    assert all(backend == "eager" for backend, _ in timer.timed)
+    assert not report.all_ok
+    table = summary_table(report)
+    assert "FAIL" in table and f"FAIL: {wrong.name}" in table
+
+
+def test_wrong_gradients_fail_train_mode_and_name_the_gradient(tiny: Workload) -> None:
+    report = run([tiny], [BUILTIN_EAGER, WRONG_GRAD])
+    infer, train = (c.item("wrong-grad") for c in report.cases)
+    assert infer is not None and infer.status is Status.OK  # the forward is right
+    assert train is not None and train.status is Status.FAIL
+    assert "grad inputs[0]" in train.error
+    assert {c.name for c in train.check.failures} == {  # type: ignore[union-attr]
+        "grad inputs[0]", "grad param conv.weight", "grad param conv.bias", "grad param scale"}
+
+
+def test_a_backend_that_raises_is_an_error_and_the_run_goes_on(tiny: Workload) -> None:
+    report = run([tiny], [BUILTIN_EAGER, BROKEN])
+    for case in report.cases:
+        item = case.item("broken")
+        assert item is not None and item.status is Status.ERROR
+        assert "RuntimeError: this backend cannot compile anything" in item.error
+        assert case.item("eager").ok  # type: ignore[union-attr]
+
+
+def test_a_correct_torch_compile_backend_passes_forward_and_every_gradient(tiny: Workload) -> None:
+    report = run([tiny], [BUILTIN_EAGER, resolve_backend("aot_eager")], modes=("train",))
+    item = report.cases[0].item("aot_eager")
+    assert item is not None and item.status is Status.OK, item
+    assert item.check is not None and len(item.check.checks) == 5  # output + 4 gradients
+    assert item.check.max_rel_err < 1e-6
+    assert item.graph_breaks == 0
+    assert item.compile_s == pytest.approx(0.5)  # the fake clock advances 0.5 s per reading
+
+
+def test_bf16_autocast_is_checked_with_the_bf16_tolerance(tiny: Workload) -> None:
+    report = run([tiny], [BUILTIN_EAGER, adds_offset(1e-3)], dtypes=("bf16",), modes=("infer",))
+    item = report.cases[0].item("plus0.001")
+    assert item is not None and item.status is Status.OK  # 1e-3 offset is inside bf16's 2e-2
+    assert report.cases[0].item("eager").check.tolerance == 2e-2  # type: ignore[union-attr]
+
+
+def test_beyond_the_tolerance_a_result_closer_to_float64_than_eager_passes(
+        tiny: Workload, monkeypatch: pytest.MonkeyPatch) -> None:
+    made = []
+    original = Runner._fp64_reference
+
+    def counting(self: Runner, *args: Any, **kwargs: Any) -> Any:
+        made.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "_fp64_reference", counting)
+    noisy = BenchBackend("noisy", lambda m: (lambda *a: m(*a) * (1 + 1e-5)), "1e-5 relative error",
+                         uses_dynamo=False)
+    tight = {"fp32": 1e-9}  # so that even float64-inside fails rule 1 and rule 2 decides
+    report = run([tiny], [BUILTIN_EAGER, MORE_ACCURATE, noisy], tolerances=tight)
+    for case in report.cases:
+        better, worse = case.item("float64-inside"), case.item("noisy")
+        assert better is not None and better.status is Status.OK, better
+        assert better.check is not None and "output[0]" in better.check.passed_by_fp64
+        assert worse is not None and worse.status is Status.FAIL
+        assert "vs float64" in worse.error and "2 x eager's" in worse.error
+    assert len(made) == 2  # once per case, shared by both backends that needed it
+    assert "*" in details_table(report)
+
+    strict = run([tiny], [BUILTIN_EAGER, MORE_ACCURATE], tolerances=tight, fp64_check=False)
+    assert all(c.item("float64-inside").status is Status.FAIL for c in strict.cases)  # type: ignore[union-attr]
+
+
+def test_fp32_tolerance_widens_to_tf32_noise_only_while_tf32_convs_are_allowed() -> None:
+    config = BenchConfig()
+    assert config.tolerance("fp32", conv_tf32=False) == 1e-4
+    assert config.tolerance("fp32", conv_tf32=True) == 2e-3
+    assert config.tolerance("bf16", conv_tf32=True) == 2e-2
+    assert BenchConfig(tolerances={"fp32": 1e-6}).tolerance("fp32", conv_tf32=True) == 1e-6
+
+
+def test_an_interrupted_run_keeps_the_cases_that_finished(tiny: Workload) -> None:
+    calls = []
+
+    def interrupt_second_time(module: torch.nn.Module) -> Callable[..., Any]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return module
+
+    stopper = BenchBackend("stopper", interrupt_second_time, "Ctrl-C during the 2nd case", uses_dynamo=False)
+    report = run([tiny], [BUILTIN_EAGER, stopper])
+    assert not report.complete and [c.mode for c in report.cases] == ["infer"]
+    assert "PARTIAL REPORT" in format_report(report)
+
+
+def test_compare_tensor_flags_structural_differences() -> None:
+    x = torch.ones(3)
+    assert compare_tensor("t", x, x.clone(), 1e-4).ok
+    assert "shape" in compare_tensor("t", torch.ones(4), x, 1e-4).problem
+    assert "dtype" in compare_tensor("t", x.double(), x, 1e-4).problem
+    assert "missing on the backend side" in compare_tensor("t", None, x, 1e-4).problem
+    nan = torch.tensor([1.0, float("nan"), 2.0])
+    assert compare_tensor("t", nan, nan.clone(), 1e-4).ok
+    assert "non-finite" in compare_tensor("t", nan, torch.tensor([1.0, 5.0, 2.0]), 1e-4).problem
+    zero = torch.zeros(3)
+    assert compare_tensor("t", zero + 1e-6, zero, 1e-4).ok  # zero reference: absolute error norm
+    assert not compare_tensor("t", zero + 1e-3, zero, 1e-4).ok
+
+
+# -- roofline ------------------------------------------------------------------------------------------------
+
+
+def test_roofline_of_a_tiny_conv_counts_bytes_and_flops_from_the_shapes(tiny: Workload) -> None:
+    report = run([tiny], [BUILTIN_EAGER])
+    infer, train = report.cases
+    n, cin, cout, h, w, k = 2, 3, 4, 8, 8, 3
+    ho, wo = h - k + 1, w - k + 1
+    x_b, out_b = n * cin * h * w * 4, n * cout * ho * wo * 4
+    params_b = (cout * cin * k * k + cout + cout) * 4  # weight, bias, scale
+    conv_flops = 2 * n * cout * ho * wo * cin * k * k
+    assert infer.roofline is not None and train.roofline is not None
+    assert infer.roofline.traffic == Traffic(inputs_read=x_b, params_read=params_b, outputs_written=out_b)
+    assert infer.roofline.flops == conv_flops
+    assert train.roofline.traffic == Traffic(
+        inputs_read=x_b, params_read=params_b, outputs_written=out_b, grad_outputs_read=out_b,
+        inputs_reread=x_b, params_reread=params_b, grads_written=x_b + params_b)
+    assert train.roofline.flops == 3 * conv_flops  # forward, grad input, grad weight
+    r = infer.roofline
+    assert r.compute_unit == "fp32"  # no TF32 off CUDA (on CUDA, PyTorch's default gives "tf32")
+    assert r.memory_ms == pytest.approx(r.traffic.total / 1e12 * 1e3)
+    assert r.compute_ms == pytest.approx(conv_flops / 5e13 * 1e3)
+    assert r.floor_ms == max(r.memory_ms, r.compute_ms) and r.bound == "memory"
+    assert infer.floor_multiple("eager") == pytest.approx(2.0 / r.floor_ms)
+
+
+def test_roofline_takes_the_larger_of_the_memory_and_compute_times() -> None:
+    traffic = Traffic(inputs_read=10**9, params_read=0, outputs_written=10**9)
+    line = roofline(traffic, 10**12, FAKE_RATES, "bf16")
+    assert (line.memory_ms, line.compute_ms, line.floor_ms, line.bound) == (2.0, 2.5, 2.5, "compute")
+    assert compute_unit("bf16", True) == "bf16" and compute_unit("fp32", False) == "fp32"
+
+
+def test_transposed_conv_flops_count_every_input_element_times_the_kernel(tmp_path: Path) -> None:
+    model, inputs = load_workload(write_model(tmp_path, "convt", TINY_CONVT)).build(0)
+    with FlopCount() as fc:
+        model(*inputs)
+    assert fc.total == 2 * 2 * 2 * 4 * 4 * 3 * 3 * 3  # 2 * N * Cin * Hin * Win * Cout * kh * kw
+    traffic = count_traffic(inputs, list(model.parameters()), [torch.zeros(2, 3)])
+    assert traffic.total == (2 * 2 * 4 * 4 + 2 * 3 * 9 + 3 + 2 * 3) * 4
+
+
+# -- report writing ------------------------------------------------------------------------------------------
+
+
+def test_report_round_trips_through_json_and_tables_show_the_numbers(tiny: Workload, tmp_path: Path) -> None:
+    events: list[ProgressEvent] = []
+    backends = [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION, adds_offset(1e-2)]
+    report = run([tiny], backends, events=events)
+    files = write_reports(report, tmp_path / "out")
+    assert read_json(files.json) == report
+    data = json.loads(files.json.read_text())
+    assert data["environment"]["command"] == "test" and data["schema_version"] == 1
+    fusion_row = next(r for r in data["rows"] if r["backend"] == "fusion" and r["mode"] == "infer")
+    assert fusion_row["median_ms"] == 0.5 and fusion_row["cold_median_ms"] == 0.625
+    assert fusion_row["speedup_vs_eager"] == 4.0 and fusion_row["speedup_vs_inductor"] == 2.0
+    assert fusion_row["step_peak_bytes"] == 4000 and fusion_row["held_bytes"] == 3000
+    assert fusion_row["total_peak_bytes"] == 4000 and fusion_row["resident_bytes"] == 0
+    fail_row = next(r for r in data["rows"] if r["backend"] == "plus0.01")
+    assert fail_row["status"] == "FAIL" and fail_row["median_ms"] is None
+
+    table = summary_table(report)
+    header, _, first = table.splitlines()[:3]
+    assert "fusion vs eager" in header and "fusion vs inductor" in header and "floor ms" in header
+    assert "4.00x" in first and "2.00x" in first and "0.5000 (" in first and "FAIL: plus0.01" in first
+    text = files.text.read_text()
+    assert "Roofline" in text and "Failures (never timed)" in text and "rel err" in text
+    assert "| workload |" in files.markdown.read_text()
+    assert "0.6250" in details_table(report)  # cold median
+    assert [e.index for e in events if e.phase == "done"] == list(range(1, 9))
+    assert all(e.total == 8 for e in events)
+
+
+def test_memory_a_backend_keeps_between_steps_counts_in_its_peak(tiny: Workload) -> None:
+    # As with CUDA graphs: the step allocates little, but the backend holds 600 bytes since compiling.
+    report = run([tiny], [BUILTIN_EAGER], modes=("train",), memory=FakeMemory(start=400))
+    mem = report.cases[0].item("eager").memory  # type: ignore[union-attr]
+    assert mem is not None and mem.resident_bytes == 600
+    assert (mem.step_peak_bytes, mem.total_peak_bytes) == (4000, 4600)
+
+
+def test_cuda_graph_backends_get_a_note_instead_of_a_false_zero_memory(tiny: Workload) -> None:
+    graphs = BenchBackend("graphs", lambda m: m, "pretends to replay CUDA graphs", uses_dynamo=False,
+                          cudagraphs=True)
+    report = run([tiny], [BUILTIN_EAGER, graphs], modes=("train",))
+    item = report.cases[0].item("graphs")
+    assert item is not None and item.ok and item.median_ms is not None and item.memory is None
+    assert "CUDA graphs" in item.notes[0] and "Notes" in format_report(report)
+
+
+def test_check_only_report_has_no_timings_but_keeps_the_gate(tiny: Workload, tmp_path: Path) -> None:
+    report = run([tiny], [BUILTIN_EAGER, adds_offset(1e-2)], check_only=True, rates=None)
+    assert all(i.warm is None and i.memory is None for i in report.items)
+    assert [i.status for i in report.items] == [Status.OK, Status.FAIL, Status.OK, Status.FAIL]
+    assert "floor ms" not in summary_table(report)
+    assert "FAIL" in format_report(report) and "FAIL" in format_markdown(report)
+    files = write_reports(report, tmp_path)
+    assert files.chart is None and files.chart_note == "no timings to chart"
+    assert read_json(files.json) == report
+
+
+def test_chart_is_written_with_matplotlib_or_skipped_with_a_note(tiny: Workload, tmp_path: Path) -> None:
+    report = run([tiny], [BUILTIN_EAGER, FAKE_FUSION])
+    files = write_reports(report, tmp_path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert files.chart is None and "matplotlib" in files.chart_note
+    else:
+        assert files.chart is not None and files.chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_non_finite_numbers_are_written_as_strict_json(tiny: Workload, tmp_path: Path) -> None:
+    report = run([tiny], [BUILTIN_EAGER, BenchBackend("nan", lambda m: (lambda *a: m(*a) * math.nan), "nan",
+                                                      uses_dynamo=False)], modes=("infer",))
+    path = write_reports(report, tmp_path).json
+    assert "NaN" not in path.read_text()
+    assert read_json(path).cases[0].item("nan").status is Status.FAIL  # type: ignore[union-attr]
+
+
+# -- command line --------------------------------------------------------------------------------------------
+
+
+def test_without_cuda_the_command_says_so_and_exits_0_without_timings(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    monkeypatch.setattr(cli, "cuda_available", lambda: False)
+    out_dir = tmp_path / "out"
+    assert cli.main(["--suite", "seeds", "--out", str(out_dir)]) == 0
+    captured = capsys.readouterr()
+    assert "timing needs CUDA" in captured.err and "Nothing was timed" in captured.err
+    assert captured.out == "" and not out_dir.exists()
+
+
+def test_bad_model_file_is_a_usage_error_naming_what_is_missing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = write_model(tmp_path, "bad", "def get_inputs():\n    return []\n")
+    assert cli.main(["--suite", str(bad), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.py is not a benchmark model file" in err and "Model, get_init_inputs" in err
+
+
+def test_unknown_backend_and_dtype_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--backends", "eager,warp-drive", "--dry-run"]) == 2
+    assert "unknown backend 'warp-drive'" in capsys.readouterr().err
+    assert cli.main(["--dtype", "fp8", "--dry-run"]) == 2
+    assert "unknown dtype 'fp8'" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--suite", "seeds", "--backends", "eager,inductor-max-autotune", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "5 workload(s)" in out and "= 40 item(s)" in out and "mode='max-autotune'" in out
+
+
+def test_check_only_on_cpu_runs_the_gate_and_writes_reports(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(cli, "cuda_available", lambda: False)
+    model = write_model(tmp_path / "m", "tiny")
+    out_dir = tmp_path / "out"
+    code = cli.main(["--suite", str(model), "--backends", "eager", "--dtype", "fp32", "--check-only",
+                     "--out", str(out_dir), "--tol", "fp32=1e-5"])
+    assert code == 0
+    captured = capsys.readouterr()
+    assert "tiny" in captured.out and "ok" in captured.out
+    report = read_json(out_dir / "bench.json")
+    assert report.config.tolerances["fp32"] == 1e-5 and report.config.check_only
+    assert len(report.items) == 2 and report.all_ok
+    assert "--check-only" in report.environment["command"]
+
+
+BUILTIN_EAGER = resolve_backend("eager")

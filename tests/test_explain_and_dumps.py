@@ -1,0 +1,169 @@
+"""Visibility: explain(), reports with source lines and reasons, dumps (code, Markdown, JSON, DOT),
+the explain CLI, logging, and the pytest helpers' failure messages."""
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fusion_backend
+from fusion_backend.report import GraphReport, ReasonKind
+from fusion_backend.testing import assert_fused
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class TwoMatchesOneMiss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = nn.Conv2d(3, 4, 3)
+        self.c2 = nn.Conv2d(4, 4, 3)
+        self.c3 = nn.Conv2d(4, 4, 1)
+        self.m = nn.Parameter(torch.randn(4, 1, 1))
+
+    def forward(self, x):
+        a = F.max_pool2d(F.relu(self.c1(x)), 2)  # match 1
+        b = self.c2(a) * self.m  # match 2 ...
+        b = torch.tanh(b)
+        shared = F.gelu(self.c3(b))  # near miss: `shared` is also used below
+        return shared + shared.mean()
+
+
+X = torch.rand(2, 3, 18, 18)
+
+
+def test_explain_shows_both_matches_with_source_lines_and_the_near_miss_with_its_reason():
+    result = fusion_backend.explain(TwoMatchesOneMiss(), X)
+    assert result.counts() == {"conv_epilogue": 3}
+    text = str(result)
+    assert "conv2d -> relu -> max_pool2d" in text and "conv2d -> mul -> tanh" in text
+    assert "test_explain_and_dumps.py" in text and "a = F.max_pool2d(F.relu(self.c1(x)), 2)" in text
+    (miss,) = result.near_misses
+    assert miss.reason is ReasonKind.SHARED_INTERMEDIATE and miss.node == "shared"
+    assert "`shared` is used by" in miss.message and "test_explain_and_dumps.py:" in miss.message
+    torch.testing.assert_close(result.output, TwoMatchesOneMiss()(X))
+
+
+def test_report_json_round_trips():
+    (report,) = fusion_backend.explain(TwoMatchesOneMiss(), X).reports
+    again = GraphReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again == report
+
+
+def test_dump_renders_clusters_and_marks_the_near_miss(tmp_path):
+    fusion_backend.explain(TwoMatchesOneMiss(), X, options={"dump_dir": str(tmp_path)})
+    folder = tmp_path / "graph_000"
+    dot = (folder / "graph.dot").read_text()
+    assert dot.count("subgraph cluster_") == 3
+    assert "color=red" in dot and "shared_intermediate" in dot
+    md = (folder / "report.md").read_text()
+    assert "## Near misses" in md and "shared_intermediate" in md
+    if shutil.which("dot"):
+        assert (folder / "graph.svg").read_text().lstrip().startswith("<?xml")
+    else:
+        assert "Graphviz" in md
+    # The DOT text is valid enough for networkx's own DOT-free parser of edges: every edge is quoted.
+    assert all(line.strip().endswith(";") for line in dot.splitlines()[3:-1] if line.strip() and not line.strip().endswith("{") and line.strip() != "}")
+
+
+def test_dump_names_are_stable_across_runs(tmp_path):
+    for run in ("one", "two"):
+        torch._dynamo.reset()
+        fusion_backend.explain(TwoMatchesOneMiss(), X, options={"dump_dir": str(tmp_path / run)})
+    names = [sorted(p.relative_to(tmp_path / run).as_posix() for p in (tmp_path / run).rglob("*")) for run in ("one", "two")]
+    assert names[0] == names[1]
+    assert (tmp_path / "one/graph_000/after.py").read_text() == (tmp_path / "two/graph_000/after.py").read_text()
+
+
+def test_logger_reports_matches_at_info_and_near_misses_at_debug(caplog):
+    with caplog.at_level(logging.DEBUG, logger="fusion_backend"):
+        fusion_backend.explain(TwoMatchesOneMiss(), X)
+    infos = [r for r in caplog.records if r.name == "fusion_backend" and r.levelno == logging.INFO]
+    debugs = [r for r in caplog.records if r.name == "fusion_backend" and r.levelno == logging.DEBUG]
+    assert len(infos) == 3 and any("shared_intermediate" in r.getMessage() for r in debugs)
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "fusion_backend", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+@pytest.mark.parametrize("seed", ["seed_a", "seed_b_small", "seed_c_small"])
+def test_explain_cli_on_the_seed_files(seed, tmp_path):
+    # Full-size seeds are heavy on a CPU: run a copy with the batch cut to 2 and the spatial size to 8.
+    src = (REPO / "demos" / "seeds" / f"{seed}.py").read_text()
+    src = src.replace("return [torch.rand(", "return [t[(slice(0, 2), slice(None)) + tuple(slice(0, 8) for _ in t.shape[2:])].contiguous() for t in [torch.rand(").replace(")]\n\n\ndef get_init", ")]]\n\n\ndef get_init")
+    model_file = tmp_path / f"{seed}.py"
+    model_file.write_text(src)
+    proc = run_cli("explain", str(model_file), "--train", "--dump", str(tmp_path / "dump"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[fused]" in proc.stdout and "OK: output and 4 gradients match eager" in proc.stdout
+    assert (tmp_path / "dump" / "graph_000" / "report.json").exists()
+
+
+def test_explain_cli_rejects_a_file_without_the_layout(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nclass Model(torch.nn.Module):\n    pass\n")
+    proc = run_cli("explain", str(bad))
+    assert proc.returncode == 2
+    assert "get_inputs" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_explain_cli_exit_code_is_nonzero_on_a_mismatch(tmp_path, monkeypatch):
+    # A fused op that is wrong on purpose: the CLI must say MISMATCH and exit 1.
+    model_file = tmp_path / "m.py"
+    model_file.write_text(
+        "import torch\n"
+        "import fusion_backend.ops.conv_epilogue as ce\n"
+        "_real = ce.conv_epilogue\n"
+        "ce.conv_epilogue = lambda *a: _real(*a) * 1.01\n"
+        "class Model(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.c = torch.nn.Conv2d(3, 4, 3)\n"
+        "    def forward(self, x):\n"
+        "        return torch.relu(self.c(x))\n"
+        "def get_inputs():\n    return [torch.rand(2, 3, 8, 8)]\n"
+        "def get_init_inputs():\n    return []\n"
+    )
+    proc = run_cli("explain", str(model_file))
+    assert proc.returncode == 1 and "MISMATCH" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_a_broken_rewrite_fails_assert_fused_with_a_message_that_explains_itself(monkeypatch):
+    import fusion_backend.ops.conv_epilogue as ce
+
+    real = ce.conv_epilogue
+    monkeypatch.setattr(ce, "conv_epilogue", lambda *a: real(*a) + 1e-3)  # a "broken pattern"
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SiLU())
+    with pytest.raises(AssertionError) as info:
+        assert_fused(model, [torch.rand(2, 3, 8, 8)], expect={"conv_epilogue": 1})
+    message = str(info.value)
+    assert "output[0]: relative error" in message and "largest mismatches" in message and "at (" in message
+    assert "[fused] conv_epilogue: conv2d -> silu" in message  # the report is part of the message
+
+
+def test_assert_fused_reports_wrong_counts():
+    with pytest.raises(AssertionError, match=r"rewrites: expected \{'conv_epilogue': 2\}, got \{'conv_epilogue': 1\}"):
+        assert_fused(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), [torch.rand(1, 3, 6, 6)], expect={"conv_epilogue": 2})
+
+
+def test_fixture_records_rewrites(fusion_rewrites):
+    torch.compile(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), backend="fusion")(torch.rand(1, 3, 6, 6))
+    assert [r.counts() for r in fusion_rewrites] == [{"conv_epilogue": 1}]
+
+
+def test_structured_trace_artifact_is_emitted_when_available(monkeypatch):
+    from fusion_backend import backend
+
+    seen = []
+    monkeypatch.setattr(backend, "_emit_trace_artifact", lambda report: seen.append(report))
+    fusion_backend.explain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), torch.rand(1, 3, 6, 6))
+    assert len(seen) == 1 and seen[0].counts() == {"conv_epilogue": 1}
