@@ -13,8 +13,9 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .canonical import ParamRef
-from .engine import MatchContext, fake_of
+from .canonical import Conv, ParamRef
+from .engine import Candidate, MatchContext, fake_of
+from .report import Match, source_lines_of
 
 
 def materialize(graph: fx.Graph, value: Any) -> Any:
@@ -77,3 +78,43 @@ def item_nodes_feeding(region: Sequence[fx.Node]) -> list[fx.Node]:
 def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
     """``torch.float32`` → ``"float32"`` (the fused ops' configs carry dtype names)."""
     return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def rewrite_conv_region(
+    ctx: MatchContext,
+    candidate: Candidate,
+    conv: Conv,
+    operands: Sequence[fx.Node],
+    fused: Callable[..., Any],
+    config: str,
+    op_name: str,
+    kernel: tuple[str, Optional[str]],
+    finish: Optional[Callable[[fx.Graph, fx.Node], fx.Node]] = None,
+) -> Match:
+    """Replace a conv-anchored region by ``fused(x, weight, bias, operands, config)`` and describe it.
+
+    The conv's input, weight and bias are cast to the dtype the conv computed in (see
+    ``cast_if_needed``) and every input is resolved through earlier rewrites.  ``finish(graph, node)``
+    may append nodes after the fused call (e.g. unsqueezes) and returns the region's new result.
+    ``kernel`` is the fused op's ``kernel_path`` answer, for the report.
+    """
+    dtype = fake_of(conv.node).dtype
+
+    def build(graph: fx.Graph) -> fx.Node:
+        x = cast_if_needed(graph, ctx.resolve(conv.input), dtype)
+        w = cast_if_needed(graph, materialize(graph, ctx.resolve(conv.weight)), dtype)
+        b = cast_if_needed(graph, materialize(graph, ctx.resolve(conv.bias)), dtype)
+        out = graph.call_function(fused, (x, w, b, [ctx.resolve(v) for v in operands], config))
+        return finish(graph, out) if finish is not None else out
+
+    splice_fused_call(ctx, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))
+    path, why = kernel
+    return Match(
+        pattern=candidate.pattern,
+        nodes=tuple(n.name for n in candidate.nodes),
+        source_lines=source_lines_of(candidate.nodes),
+        fused_op=op_name,
+        config=config,
+        kernel=path if why is None else f"{path} ({why})",
+        summary=candidate.summary,
+    )

@@ -23,6 +23,24 @@ def kernel_device() -> str:
     return KERNEL_DEVICE
 
 
+@pytest.fixture(params=["reference", "triton"] if KERNEL_DEVICE == "cpu" else ["cuda"])
+def kernels(request, monkeypatch) -> str:
+    """Which implementation of a fused op runs: the CPU reference, the Triton kernels on CPU under
+    the interpreter (``FUSION_CPU_KERNELS=triton``), or, with CUDA, the Triton kernels on the GPU."""
+    if request.param == "triton":
+        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    return request.param
+
+
+@pytest.fixture
+def exact_fp32():
+    """TF32 off for the test (fp32 parity at 1e-5 needs it; the fused kernels follow the same flags)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

@@ -18,21 +18,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-@pytest.fixture(params=["reference", "triton"] if not CUDA else ["cuda"])
-def kernels(request, monkeypatch):
-    """Which implementation of the fused op runs: the CPU reference, the Triton kernels on CPU under
-    the interpreter, or (with CUDA) the Triton kernels on the GPU."""
-    if request.param == "triton":
-        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
-    return request.param
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32():
-    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+pytestmark = pytest.mark.usefixtures("exact_fp32")
 
 
 def on_device(model, *inputs):

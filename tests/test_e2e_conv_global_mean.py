@@ -13,19 +13,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-@pytest.fixture(params=["reference", "triton"] if not CUDA else ["cuda"])
-def kernels(request, monkeypatch):
-    if request.param == "triton":
-        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
-    return request.param
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32():
-    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+pytestmark = pytest.mark.usefixtures("exact_fp32")
 
 
 def test_seed_c(kernels, seed_models):

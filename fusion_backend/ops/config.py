@@ -100,22 +100,47 @@ def _operand_from_dict(d: dict[str, Any]) -> Operand:
     return TensorRef(int(d["tensor"]))
 
 
+def conv_spec_to_dict(c: ConvSpec) -> dict[str, Any]:
+    """JSON-ready form of a ``ConvSpec`` (shared by every fused op's config)."""
+    return {
+        "transposed": c.transposed,
+        "stride": list(c.stride),
+        "padding": list(c.padding),
+        "dilation": list(c.dilation),
+        "output_padding": list(c.output_padding),
+        "groups": c.groups,
+    }
+
+
+def conv_spec_from_dict(c: dict[str, Any]) -> ConvSpec:
+    """Inverse of ``conv_spec_to_dict``."""
+    return ConvSpec(
+        transposed=bool(c["transposed"]),
+        stride=tuple(int(v) for v in c["stride"]),
+        padding=tuple(int(v) for v in c["padding"]),
+        dilation=tuple(int(v) for v in c["dilation"]),
+        output_padding=tuple(int(v) for v in c["output_padding"]),
+        groups=int(c["groups"]),
+    )
+
+
+def chain_to_list(steps: tuple[ChainStep, ...]) -> list[dict[str, Any]]:
+    """JSON-ready form of a chain of ``ChainStep``s."""
+    return [{"kind": s.kind.name.lower(), "operands": [_operand_to_dict(o) for o in s.operands]} for s in steps]
+
+
+def chain_from_list(items: list[dict[str, Any]]) -> tuple[ChainStep, ...]:
+    """Inverse of ``chain_to_list``."""
+    return tuple(
+        ChainStep(PointwiseKind.from_name(s["kind"]), tuple(_operand_from_dict(o) for o in s["operands"])) for s in items
+    )
+
+
 def _config_to_dict(cfg: ConvEpilogueConfig) -> dict[str, Any]:
-    c = cfg.conv
     p = cfg.pool
     return {
-        "conv": {
-            "transposed": c.transposed,
-            "stride": list(c.stride),
-            "padding": list(c.padding),
-            "dilation": list(c.dilation),
-            "output_padding": list(c.output_padding),
-            "groups": c.groups,
-        },
-        "chain": [
-            {"kind": s.kind.name.lower(), "operands": [_operand_to_dict(o) for o in s.operands]}
-            for s in cfg.chain
-        ],
+        "conv": conv_spec_to_dict(cfg.conv),
+        "chain": chain_to_list(cfg.chain),
         "pool": None
         if p is None
         else {
@@ -135,19 +160,8 @@ def _config_to_dict(cfg: ConvEpilogueConfig) -> dict[str, Any]:
 @functools.lru_cache(maxsize=256)
 def _parse_conv_epilogue(text: str) -> ConvEpilogueConfig:
     d = json.loads(text)
-    c = d["conv"]
-    conv = ConvSpec(
-        transposed=bool(c["transposed"]),
-        stride=tuple(c["stride"]),
-        padding=tuple(c["padding"]),
-        dilation=tuple(c["dilation"]),
-        output_padding=tuple(c["output_padding"]),
-        groups=int(c["groups"]),
-    )
-    chain = tuple(
-        ChainStep(PointwiseKind.from_name(s["kind"]), tuple(_operand_from_dict(o) for o in s["operands"]))
-        for s in d["chain"]
-    )
+    conv = conv_spec_from_dict(d["conv"])
+    chain = chain_from_list(d["chain"])
     p = d.get("pool")
     pool = None
     if p is not None:

@@ -73,7 +73,7 @@ import torch
 
 from ..errors import KernelError, UnsupportedInputError
 from .chain import ChainStep, Const, PointwiseKind, TensorRef
-from .config import ConvSpec, _operand_from_dict, _operand_to_dict
+from .config import ConvSpec, chain_from_list, chain_to_list, conv_spec_from_dict, conv_spec_to_dict
 
 logger = logging.getLogger("fusion_backend")
 
@@ -151,20 +151,9 @@ class ConvGlobalMeanConfig:
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys, no spaces): equal configs give equal strings."""
-        c = self.conv
         d: dict[str, Any] = {
-            "conv": {
-                "transposed": c.transposed,
-                "stride": list(c.stride),
-                "padding": list(c.padding),
-                "dilation": list(c.dilation),
-                "output_padding": list(c.output_padding),
-                "groups": c.groups,
-            },
-            "affine": [
-                {"kind": s.kind.name.lower(), "operands": [_operand_to_dict(o) for o in s.operands]}
-                for s in self.affine
-            ],
+            "conv": conv_spec_to_dict(self.conv),
+            "affine": chain_to_list(self.affine),
             "keepdim": self.keepdim,
             "out_dtype": self.out_dtype,
             "strict": self.strict,
@@ -180,19 +169,8 @@ class ConvGlobalMeanConfig:
 @functools.lru_cache(maxsize=256)
 def _parse_config(text: str) -> ConvGlobalMeanConfig:
     d = json.loads(text)
-    c = d["conv"]
-    conv = ConvSpec(
-        transposed=bool(c["transposed"]),
-        stride=tuple(int(v) for v in c["stride"]),
-        padding=tuple(int(v) for v in c["padding"]),
-        dilation=tuple(int(v) for v in c["dilation"]),
-        output_padding=tuple(int(v) for v in c["output_padding"]),
-        groups=int(c["groups"]),
-    )
-    affine = tuple(
-        ChainStep(PointwiseKind.from_name(s["kind"]), tuple(_operand_from_dict(o) for o in s["operands"]))
-        for s in d.get("affine", [])
-    )
+    conv = conv_spec_from_dict(d["conv"])
+    affine = chain_from_list(d.get("affine", []))
     return ConvGlobalMeanConfig(
         conv=conv,
         affine=affine,

@@ -27,8 +27,8 @@ from ..engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
 from ..normalize import describe_target
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, TensorRef
 from ..ops.config import ConvEpilogueConfig
-from ..report import Match, NearMiss, ReasonKind, source_lines_of
-from ..rewrite import cast_if_needed, dtype_name, item_nodes_feeding, materialize, splice_fused_call
+from ..report import Match, NearMiss, ReasonKind
+from ..rewrite import dtype_name, rewrite_conv_region
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -158,25 +158,9 @@ class ConvEpiloguePattern(Pattern):
             out_dtype=dtype_name(out_fake.dtype) if out_fake.dtype != conv_fake.dtype else None,
             strict=ctx.strict,
         ).to_json()
-        dtype = conv_fake.dtype
-
-        def build(graph: fx.Graph) -> fx.Node:
-            x = cast_if_needed(graph, ctx.resolve(conv.input), dtype)
-            w = cast_if_needed(graph, materialize(graph, ctx.resolve(conv.weight)), dtype)
-            b = cast_if_needed(graph, materialize(graph, ctx.resolve(conv.bias)), dtype)
-            operands = [ctx.resolve(v) for v in region.operands]
-            return graph.call_function(op_module.conv_epilogue, (x, w, b, operands, config))
-
-        kernel, why = op_module.kernel_path(config, dtype, conv_fake.device.type)
-        splice_fused_call(ctx, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))
-        return Match(
-            pattern=self.name,
-            nodes=tuple(n.name for n in candidate.nodes),
-            source_lines=source_lines_of(candidate.nodes),
-            fused_op="fusion::conv_epilogue_fwd",
-            config=config,
-            kernel=kernel if why is None else f"{kernel} ({why})",
-            summary=candidate.summary,
+        return rewrite_conv_region(
+            ctx, candidate, conv, region.operands, op_module.conv_epilogue, config, "fusion::conv_epilogue_fwd",
+            op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type),
         )
 
 

@@ -29,8 +29,8 @@ import torch.fx as fx
 from ..canonical import Conv, GlobalReduce, Pointwise
 from ..engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
 from ..ops.chain import ChainStep, PointwiseKind
-from ..report import Match, NearMiss, ReasonKind, source_lines_of
-from ..rewrite import cast_if_needed, dtype_name, item_nodes_feeding, materialize, splice_fused_call
+from ..report import Match, NearMiss, ReasonKind
+from ..rewrite import dtype_name, rewrite_conv_region
 
 AFFINE_KINDS = (PointwiseKind.MUL, PointwiseKind.ADD, PointwiseKind.SUB, PointwiseKind.RSUB, PointwiseKind.DIV)
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -194,7 +194,6 @@ class ConvGlobalMeanPattern(Pattern):
         final = fake_of(candidate.nodes[-1])
         rank = conv_fake.dim()
         keepdim = final.dim() == rank
-        unsqueeze = 0 if keepdim else final.dim() - 2
         config = op_module.ConvGlobalMeanConfig(
             conv=conv.spec,
             affine=tuple(region.affine),
@@ -202,28 +201,15 @@ class ConvGlobalMeanPattern(Pattern):
             out_dtype=dtype_name(final.dtype) if final.dtype != conv_fake.dtype else None,
             strict=ctx.strict,
         ).to_json()
-        dtype = conv_fake.dtype
 
-        def build(graph: fx.Graph) -> fx.Node:
-            x = cast_if_needed(graph, ctx.resolve(conv.input), dtype)
-            w = cast_if_needed(graph, materialize(graph, ctx.resolve(conv.weight)), dtype)
-            b = cast_if_needed(graph, materialize(graph, ctx.resolve(conv.bias)), dtype)
-            operands = [ctx.resolve(v) for v in region.operands]
-            out = graph.call_function(op_module.conv_global_mean, (x, w, b, operands, config))
-            for _ in range(unsqueeze):  # a partial keepdim, e.g. x.mean(2, keepdim=True).mean(3)
+        def unsqueeze(graph: fx.Graph, out: fx.Node) -> fx.Node:
+            for _ in range(final.dim() - 2 if not keepdim else 0):  # a partial keepdim: x.mean(2, keepdim=True).mean(3)
                 out = graph.call_method("unsqueeze", (out, -1))
             return out
 
-        kernel, why = op_module.kernel_path(config, dtype, conv_fake.device.type)
-        splice_fused_call(ctx, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))
-        return Match(
-            pattern=self.name,
-            nodes=tuple(n.name for n in candidate.nodes),
-            source_lines=source_lines_of(candidate.nodes),
-            fused_op="fusion::conv_global_mean_fwd",
-            config=config,
-            kernel=kernel if why is None else f"{kernel} ({why})",
-            summary=candidate.summary,
+        return rewrite_conv_region(
+            ctx, candidate, conv, region.operands, op_module.conv_global_mean, config, "fusion::conv_global_mean_fwd",
+            op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type), finish=unsqueeze,
         )
 
 
