@@ -30,6 +30,19 @@ TOLERANCES = {
 }
 
 
+class Autocast(torch.nn.Module):
+    """``inner`` run under ``torch.autocast(device_type, dtype)``, so ``assert_fused`` can test a
+    model the way mixed-precision training runs it (the autocast region is part of the graph)."""
+
+    def __init__(self, inner: torch.nn.Module, device_type: str, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.inner, self.device_type, self.dtype = inner, device_type, dtype
+
+    def forward(self, *args: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.inner(*args)
+
+
 @dataclass(frozen=True)
 class DryRun:
     regions: tuple[tuple[str, str, tuple[str, ...]], ...]

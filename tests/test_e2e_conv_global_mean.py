@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fusion_backend.testing import assert_fused
+from fusion_backend.testing import Autocast, assert_fused
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -76,17 +76,7 @@ def test_autocast_bf16(kernels, seed_models):
     if kernels == "triton":
         pytest.skip("Triton's interpreter has no bf16")
     model, (x,) = seed_models("seed_c_small", shrink=True)
-
-    class Autocast(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            with torch.autocast(DEVICE, dtype=torch.bfloat16):
-                return self.inner(x)
-
-    assert_fused(Autocast(model.to(DEVICE)), [x.to(DEVICE)], expect={"conv_global_mean": 1}, tol=2e-2)
+    assert_fused(Autocast(model.to(DEVICE), DEVICE), [x.to(DEVICE)], expect={"conv_global_mean": 1}, tol=2e-2)
 
 
 @pytest.mark.gpu
