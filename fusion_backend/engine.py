@@ -98,7 +98,6 @@ class MatchContext:
         if functionalize_inplace(gm, self.canonical):
             self.canonical = normalize_graph(gm)
         self.claimed: set[fx.Node] = set()
-        self.order = {node: i for i, node in enumerate(gm.graph.nodes)}
         self.replaced: dict[fx.Node, fx.Node] = {}
         """Result node of each rewritten region → the fused node that took its place."""
 

@@ -364,10 +364,8 @@ def _normalize_method(node: fx.Node) -> Optional[CanonicalOp]:
         b = _bind(_sig_neg, args, kwargs)
         return Pointwise(node, _METHOD_UNARY[base], (b["input"],), inplace) if b else None
     if base in _METHOD_BINARY:
-        kind = _METHOD_BINARY[base]
-        if name in ("__rmul__", "__radd__"):
-            args = (args[0], args[1])
-        return _binary(node, kind, inplace, args, kwargs)
+        # __rmul__/__radd__ swap the operands, which commutative ops do not mind.
+        return _binary(node, _METHOD_BINARY[base], inplace, args, kwargs)
     if base in ("neg", "negative"):
         b = _bind(_sig_neg, args, kwargs)
         return Pointwise(node, K.MUL, (b["input"], -1.0), inplace) if b else None
