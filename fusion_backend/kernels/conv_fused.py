@@ -213,10 +213,16 @@ def _conv_fused_fwd_kernel(
                                         for k0 in range(0, CIN_G, BLOCK_K):
                                             ci = k0 + ck
                                             ci_ok = ci < CIN_G
-                                            a = tl.load(a_ptrs + ci[None, :] * x_sc,
-                                                        mask=valid[:, None] & ci_ok[None, :], other=0.0)
-                                            b = tl.load(w_tap + ci[:, None] * w_sci,
-                                                        mask=ci_ok[:, None] & cmask, other=0.0)
+                                            a = tl.load(
+                                                a_ptrs + ci[None, :] * x_sc,
+                                                mask=valid[:, None] & ci_ok[None, :],
+                                                other=0.0,
+                                            )
+                                            b = tl.load(
+                                                w_tap + ci[:, None] * w_sci,
+                                                mask=ci_ok[:, None] & cmask,
+                                                other=0.0,
+                                            )
                                             acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fmt: skip
                 # The conv output as the library path materialises it (storage dtype), then the chain.
                 y_raw = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -232,7 +238,12 @@ def _conv_fused_fwd_kernel(
                     o_sp = od * y_sd + oh * y_sh + ow * y_sw
                 if POOL == 0:
                     if BIG:
-                        q = nn * o_sn + od.to(tl.int64) * o_sd + oh.to(tl.int64) * o_sh + ow.to(tl.int64) * o_sw
+                        q = (
+                            nn * o_sn
+                            + od.to(tl.int64) * o_sd
+                            + oh.to(tl.int64) * o_sh
+                            + ow.to(tl.int64) * o_sw
+                        )
                     else:
                         q = nn * o_sn + od * o_sd + oh * o_sh + ow * o_sw
                     tl.store(out_ptr + q[:, None] + c64[None, :] * o_sc, v.to(out_ptr.dtype.element_ty),
@@ -324,11 +335,11 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, conv: ConvGeometry, pool: PoolG
         units = _pad3(pooled_sizes, 1)
         window, ustride, uorigin = _pad3(pool.kernel_size, 1), _pad3(pool.stride, 1), _pad3(pool.padding, 0)
     elif conv.transposed:
-        units = [-(-o // s) for o, s in zip(conv_out, stride)]
+        units = [-(-o // s) for o, s in zip(conv_out, stride, strict=True)]
         window, ustride, uorigin = list(stride), list(stride), [0, 0, 0]
     else:
         units, window, ustride, uorigin = list(conv_out), [1, 1, 1], [1, 1, 1], [0, 0, 0]
-    static = [conv.transposed and us % s == 0 for us, s in zip(ustride, stride)]
+    static = [conv.transposed and us % s == 0 for us, s in zip(ustride, stride, strict=True)]
     unrolled = 1
     for j in range(3):
         if static[j]:
@@ -357,7 +368,9 @@ def unsupported_reason(
     of ``PoolGeometry``).  ``save``: whether the backward state will be written (an avg pool or no
     pool then stores the full conv output, which needs every element covered by some window).
     """
-    kernel_dtypes = (torch.float32, torch.float16) if _INTERPRET else (torch.float32, torch.float16, torch.bfloat16)
+    kernel_dtypes = (
+        (torch.float32, torch.float16) if _INTERPRET else (torch.float32, torch.float16, torch.bfloat16)
+    )
     if x.dtype not in kernel_dtypes or weight.dtype != x.dtype:
         return f"x/weight dtypes {x.dtype}/{weight.dtype}: the fused conv covers {kernel_dtypes} (both alike)"
     if not 3 <= x.dim() <= 5 or weight.dim() != x.dim():
@@ -377,7 +390,9 @@ def unsupported_reason(
     if groups > 65535:
         return f"{groups} groups exceed the grid's second dimension"
     if pool is not None and save and pool.kind == "avg":
-        for o, u, k, s, p in zip(plan.conv_out, plan.units, plan.window, plan.unit_stride, plan.unit_origin):
+        for o, u, k, s, p in zip(
+            plan.conv_out, plan.units, plan.window, plan.unit_stride, plan.unit_origin, strict=True
+        ):
             if s > k or (u - 1) * s - p + k < o:
                 return "avg pool with saved state: some conv-output elements lie in no pool window"
     n = x.shape[0]
@@ -411,7 +426,9 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 
 
 _conv_fused_fwd_tuned = triton.autotune(
-    configs=_configs(), key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT"], prune_configs_by={"early_config_prune": _prune}
+    configs=_configs(),
+    key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT"],
+    prune_configs_by={"early_config_prune": _prune},
 )(_conv_fused_fwd_kernel)
 
 
@@ -423,7 +440,9 @@ def _heuristic_config(cin_g: int, cout_g: int, m_total: int) -> dict[str, int]:
     if _INTERPRET:
         block_m = min(max(16, triton.next_power_of_2(m_total)), 64)
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_n <= 32 else 8, num_stages=3)
+    return dict(
+        BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_n <= 32 else 8, num_stages=3
+    )
 
 
 def conv_fused_forward(
@@ -486,7 +505,9 @@ def conv_fused_forward(
         if saved_a.dtype not in (torch.int8, torch.int32):
             raise ValueError(f"the winner index must be int8 or int32, got {saved_a.dtype}")
     elif save and list(saved_a.shape) != conv_out_shape:
-        raise ValueError(f"saved_a must have the conv output's shape {conv_out_shape}, got {tuple(saved_a.shape)}")
+        raise ValueError(
+            f"saved_a must have the conv output's shape {conv_out_shape}, got {tuple(saved_a.shape)}"
+        )
     if out.numel() == 0:
         return
     x_strides = _lift(x)[1]
@@ -505,7 +526,9 @@ def conv_fused_forward(
     if pool is None:
         pool_args = dict(COUNT_INCLUDE_PAD=True, DIVISOR=0)
     else:
-        pool_args = dict(COUNT_INCLUDE_PAD=bool(pool.count_include_pad), DIVISOR=int(pool.divisor_override or 0))
+        pool_args = dict(
+            COUNT_INCLUDE_PAD=bool(pool.count_include_pad), DIVISOR=int(pool.divisor_override or 0)
+        )
     taps = _pad3(weight.shape[2:], 1)
     stride, padding, dilation = _pad3(conv.stride, 1), _pad3(conv.padding, 0), _pad3(conv.dilation, 1)
     args = (
