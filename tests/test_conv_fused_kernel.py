@@ -57,6 +57,9 @@ CASES = [
     ("convT2d-groups-maxpool-masked-phases", (1, 4, 4, 5), (4, 3, 3, 2),
      _spec(2, True, stride=(2, 3), padding=(1, 0), output_padding=(1, 2), groups=2),
      SEED_A_CHAIN, _pool("max", 2, 3, 1, 1), {"bias": False}),
+    ("convT2d-mixed-static-and-masked-phases", (1, 3, 4, 4), (3, 4, 3, 3),
+     _spec(2, True, stride=(2, 3), padding=(1, 1), output_padding=(1, 0)),
+     SEED_A_CHAIN, _pool("max", 2, 2, (2, 1), 0), {"zero_mul": True}),
     ("conv2d-cin3-odd-channels-last", (2, 3, 7, 9), (5, 3, 3, 3), _spec(2, padding=1), SEED_B_CHAIN, None,
      {"channels_last": True}),
     ("conv3d-max-ceil-partial", (1, 3, 5, 6, 5), (4, 3, 2, 3, 3), _spec(3, padding=(0, 1, 1)),
@@ -144,8 +147,26 @@ def test_fused_conv_matches_library_path_bitwise_with_saved_state(monkeypatch, c
     assert torch.allclose(got[0][keep].double(), ref[keep], rtol=tol, atol=tol)
 
 
+def _case(name: str):
+    return next(c for c in CASES if c[0] == name)
+
+
+@pytest.mark.parametrize(
+    "name", ["convT1d-s3p1op2-nopool", "convT3d-seedA-like", "conv2d-cin3-odd-channels-last"]
+)
+def test_int64_index_path_matches(monkeypatch, name):
+    monkeypatch.setattr(conv_fused, "_BIG_INDEX_THRESHOLD", 0)  # BIG=True on small tensors
+    name, xs, ws, spec, chain, pool, opts = _case(name)
+    x, w, b, ops = _inputs(xs, ws, spec, opts, torch.float32)
+    config = _config(spec, chain, pool)
+    got = _run(monkeypatch, "triton", x, w, b, ops, config)
+    want = _run(monkeypatch, "library", x, w, b, ops, config)
+    for what, g_, w_ in zip(("out", "saved_a", "saved_b"), got, want, strict=True):
+        _assert_same(g_, w_, f"{name} {what}")
+
+
 def test_inference_saves_nothing_and_matches(monkeypatch):
-    name, xs, ws, spec, chain, pool, opts = CASES[8]
+    name, xs, ws, spec, chain, pool, opts = _case("convT3d-seedA-like")
     x, w, b, ops = _inputs(xs, ws, spec, opts, torch.float32)
     config = _config(spec, chain, pool)
     out, sa, sb = _run(monkeypatch, "triton", x, w, b, ops, config, save=False)

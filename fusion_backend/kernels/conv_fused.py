@@ -59,6 +59,9 @@ from .epilogue import (
 #: with it).  Seed A: 27 effective pairs (8 phases x 1..8 taps); a 3x3x3 conv under a 2x2x2 pool: 216.
 MAX_UNROLLED_TAPS = 256
 _INT32_LIMIT = 2**31 - 1
+#: Tensors with more elements than this get int64 index math (BIG); a module constant so that tests
+#: can exercise that path on small tensors.
+_BIG_INDEX_THRESHOLD = _INT32_LIMIT
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -85,6 +88,59 @@ def _in_index(u, o, KP: tl.constexpr, TAP: tl.constexpr, US: tl.constexpr, UP: t
 
 
 @triton.jit
+def _in_index_rt(o, tap, S: tl.constexpr, P: tl.constexpr, DIL: tl.constexpr, SIZE_IN,
+                 TRANSPOSED: tl.constexpr):  # fmt: skip
+    """``_in_index`` for a runtime tap (the flat K loop): phases are masked, not skipped."""
+    if TRANSPOSED:
+        num = o + P - tap * DIL
+        i = num // S
+        ok = (num >= 0) & (num % S == 0) & (i < SIZE_IN)
+    else:
+        i = o * S - P + tap * DIL
+        ok = (i >= 0) & (i < SIZE_IN)
+    return i, ok
+
+
+@triton.jit
+def _conv_flat(acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, IW,
+               x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+               TRANSPOSED: tl.constexpr, TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+               SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+               PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+               DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+               PRECISION: tl.constexpr, BIG: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``acc += conv at (od, oh, ow)`` as ONE runtime loop over K = taps x input-channel blocks.
+
+    A single ``scf.for`` that Triton software-pipelines (``num_stages``): the shape of a plain conv
+    (every tap live), and of the masked all-taps fallback of a transposed conv.
+    """
+    k_blocks = tl.cdiv(CIN_G, BLOCK_K)
+    for kk in range(0, TD * TH * TW * k_blocks):
+        tap = kk // k_blocks
+        ci = (kk - tap * k_blocks) * BLOCK_K + ck
+        tw = tap % TW
+        t2 = tap // TW
+        th = t2 % TH
+        td = t2 // TH
+        i_d, v_d = _in_index_rt(od, td, SD, PD, DD, ID, TRANSPOSED)
+        i_h, v_h = _in_index_rt(oh, th, SH, PH, DH, IH, TRANSPOSED)
+        i_w, v_w = _in_index_rt(ow, tw, SW, PW, DW, IW, TRANSPOSED)
+        valid = o_ok & v_d & v_h & v_w
+        if BIG:
+            sp = i_d.to(tl.int64) * x_sd + i_h.to(tl.int64) * x_sh + i_w.to(tl.int64) * x_sw
+        else:
+            sp = i_d * x_sd + i_h * x_sh + i_w * x_sw
+        ci_ok = ci < CIN_G
+        a = tl.load(
+            (x_base + sp)[:, None] + ci[None, :] * x_sc, mask=valid[:, None] & ci_ok[None, :], other=0.0
+        )
+        b = tl.load(w_base + (td * w_sd + th * w_sh + tw * w_sw) + ci[:, None] * w_sci,
+                    mask=ci_ok[:, None] & cmask, other=0.0)  # fmt: skip
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _conv_fused_fwd_kernel(
     x_ptr, w_ptr, p_ptr, out_ptr, sa_ptr, sb_ptr,
     C_OUT, CIN_G, COUT_G, M_TOTAL,
@@ -105,7 +161,7 @@ def _conv_fused_fwd_kernel(
     UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
     STATIC_D: tl.constexpr, STATIC_H: tl.constexpr, STATIC_W: tl.constexpr,
     COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr,
-    PRECISION: tl.constexpr, BIG: tl.constexpr,
+    PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out = pool(chain(conv(x, w) + bias)) for a ``[BLOCK_M units, BLOCK_N channels]`` tile.
@@ -129,6 +185,8 @@ def _conv_fused_fwd_kernel(
     scanned row-major, the first valid one wins initially, a later one replaces it when
     ``v > best or isnan(v)``; positions outside the conv output never win / count.
     BIG: index math in int64 (some tensor spans more than 2**31 - 1 elements).
+    FLAT_K: one pipelined runtime loop over taps x channel blocks (``_conv_flat``; no compile-time
+    phase skipping); else taps unrolled statically, skipping dead phases (transposed conv).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -191,39 +249,49 @@ def _conv_fused_fwd_kernel(
                 ow = uw * USW - UPW + kw
                 o_ok = m_ok & ok_h & (ow >= 0) & (ow < OW)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for td in tl.static_range(TD):
-                    if TRANSPOSED * STATIC_D * ((kd - UPD + PD - td * DD) % SD) == 0:
-                        i_d, v_d = _in_index(ud, od, kd, td, USD, UPD, SD, PD, DD, ID, TRANSPOSED, STATIC_D)
-                        for th in tl.static_range(TH):
-                            if TRANSPOSED * STATIC_H * ((kh - UPH + PH - th * DH) % SH) == 0:
-                                i_h, v_h = _in_index(uh, oh, kh, th, USH, UPH, SH, PH, DH, IH, TRANSPOSED,
-                                                     STATIC_H)  # fmt: skip
-                                for tw in tl.static_range(TW):
-                                    if TRANSPOSED * STATIC_W * ((kw - UPW + PW - tw * DW) % SW) == 0:
-                                        i_w, v_w = _in_index(uw, ow, kw, tw, USW, UPW, SW, PW, DW, IW,
-                                                             TRANSPOSED, STATIC_W)  # fmt: skip
-                                        valid = o_ok & v_d & v_h & v_w
-                                        if BIG:
-                                            sp = (i_d.to(tl.int64) * x_sd + i_h.to(tl.int64) * x_sh
-                                                  + i_w.to(tl.int64) * x_sw)  # fmt: skip
-                                        else:
-                                            sp = i_d * x_sd + i_h * x_sh + i_w * x_sw
-                                        a_ptrs = (x_base + sp)[:, None]
-                                        w_tap = w_base + (td * w_sd + th * w_sh + tw * w_sw)
-                                        for k0 in range(0, CIN_G, BLOCK_K):
-                                            ci = k0 + ck
-                                            ci_ok = ci < CIN_G
-                                            a = tl.load(
-                                                a_ptrs + ci[None, :] * x_sc,
-                                                mask=valid[:, None] & ci_ok[None, :],
-                                                other=0.0,
-                                            )
-                                            b = tl.load(
-                                                w_tap + ci[:, None] * w_sci,
-                                                mask=ci_ok[:, None] & cmask,
-                                                other=0.0,
-                                            )
-                                            acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fmt: skip
+                if FLAT_K:
+                    acc = _conv_flat(
+                        acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, IW,
+                        x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                        TRANSPOSED, TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW,
+                        PRECISION, BIG, BLOCK_K,
+                    )  # fmt: skip
+                else:
+                    for td in tl.static_range(TD):
+                        if TRANSPOSED * STATIC_D * ((kd - UPD + PD - td * DD) % SD) == 0:
+                            i_d, v_d = _in_index(
+                                ud, od, kd, td, USD, UPD, SD, PD, DD, ID, TRANSPOSED, STATIC_D
+                            )
+                            for th in tl.static_range(TH):
+                                if TRANSPOSED * STATIC_H * ((kh - UPH + PH - th * DH) % SH) == 0:
+                                    i_h, v_h = _in_index(uh, oh, kh, th, USH, UPH, SH, PH, DH, IH, TRANSPOSED,
+                                                         STATIC_H)  # fmt: skip
+                                    for tw in tl.static_range(TW):
+                                        if TRANSPOSED * STATIC_W * ((kw - UPW + PW - tw * DW) % SW) == 0:
+                                            i_w, v_w = _in_index(uw, ow, kw, tw, USW, UPW, SW, PW, DW, IW,
+                                                                 TRANSPOSED, STATIC_W)  # fmt: skip
+                                            valid = o_ok & v_d & v_h & v_w
+                                            if BIG:
+                                                sp = (i_d.to(tl.int64) * x_sd + i_h.to(tl.int64) * x_sh
+                                                      + i_w.to(tl.int64) * x_sw)  # fmt: skip
+                                            else:
+                                                sp = i_d * x_sd + i_h * x_sh + i_w * x_sw
+                                            a_ptrs = (x_base + sp)[:, None]
+                                            w_tap = w_base + (td * w_sd + th * w_sh + tw * w_sw)
+                                            for k0 in range(0, CIN_G, BLOCK_K):
+                                                ci = k0 + ck
+                                                ci_ok = ci < CIN_G
+                                                a = tl.load(
+                                                    a_ptrs + ci[None, :] * x_sc,
+                                                    mask=valid[:, None] & ci_ok[None, :],
+                                                    other=0.0,
+                                                )
+                                                b = tl.load(
+                                                    w_tap + ci[:, None] * w_sci,
+                                                    mask=ci_ok[:, None] & cmask,
+                                                    other=0.0,
+                                                )
+                                                acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fmt: skip
                 # The conv output as the library path materialises it (storage dtype), then the chain.
                 y_raw = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
                 y = y_raw
@@ -518,7 +586,7 @@ def conv_fused_forward(
     w_taps = _pad3(w_str[2:], 0)
     params = build_params(steps, bias, cout, x.device)
     m_total = n * math.prod(plan.units)
-    big = any(t.numel() > _INT32_LIMIT for t in (x, out, saved_a, saved_b) if t is not None)
+    big = any(t.numel() > _BIG_INDEX_THRESHOLD for t in (x, out, saved_a, saved_b) if t is not None)
     if _INTERPRET or x.dtype != torch.float32:
         precision = "ieee" if _INTERPRET else "tf32"
     else:
@@ -546,7 +614,7 @@ def conv_fused_forward(
         USD=plan.unit_stride[0], USH=plan.unit_stride[1], USW=plan.unit_stride[2],
         UPD=plan.unit_origin[0], UPH=plan.unit_origin[1], UPW=plan.unit_origin[2],
         STATIC_D=plan.static_phase[0], STATIC_H=plan.static_phase[1], STATIC_W=plan.static_phase[2],
-        **pool_args, PRECISION=precision, BIG=big,
+        **pool_args, PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase),
     )  # fmt: skip
     if _INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0":
         cfg = _heuristic_config(cin_g, cout_g, m_total)
