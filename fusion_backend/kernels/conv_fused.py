@@ -63,6 +63,11 @@ _INT32_LIMIT = 2**31 - 1
 #: can exercise that path on small tensors.
 _BIG_INDEX_THRESHOLD = _INT32_LIMIT
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+#: Environment variable: "0" launches one heuristic tile instead of autotuning (CUDA).
+AUTOTUNE_ENV = "FUSION_CONV_AUTOTUNE"
+#: Problems below this many multiply-adds (live taps only) take the heuristic tile: autotuning
+#: compiles every config once per shape key, not worth it for small convs (and GPU tests).
+_AUTOTUNE_MIN_MACS = 2**28
 
 
 @triton.jit
@@ -232,7 +237,9 @@ def _conv_fused_fwd_kernel(
         w_base = w_ptr + ci0 * w_sci + co[None, :] * w_sco  # [1, BLOCK_N]
     else:
         w_base = w_ptr + c_glob[None, :] * w_sco
-    c64 = c_glob.to(tl.int64) if BIG else c_glob
+    c64 = c_glob
+    if BIG:
+        c64 = c_glob.to(tl.int64)
 
     best = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
     win = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
@@ -477,8 +484,11 @@ def _configs() -> list[triton.Config]:
     """Autotuning space on CUDA (pruned per shape by ``_prune``)."""
     configs = []
     for bm, bn, bk, warps, stages in (
-        (128, 32, 16, 4, 3), (128, 64, 32, 4, 3), (128, 64, 32, 8, 3), (64, 64, 32, 4, 3),
-        (128, 128, 32, 8, 3), (256, 64, 32, 8, 3), (128, 64, 64, 8, 3), (64, 32, 16, 4, 4),
+        # narrow problems (seed A: C_in 16, C_out 32; taps unrolled, so stages matter little)
+        (128, 32, 16, 4, 2), (64, 32, 16, 4, 2), (256, 32, 16, 8, 2), (64, 32, 16, 2, 2), (128, 16, 16, 4, 2),
+        # wide problems (seed B: C_in = C_out = 64, one pipelined K loop of 9 taps x channel blocks)
+        (128, 64, 32, 4, 3), (128, 64, 32, 8, 4), (64, 64, 32, 4, 4), (256, 64, 32, 8, 3),
+        (128, 64, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3),
     ):  # fmt: skip
         configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps,
                                      num_stages=stages))  # fmt: skip
@@ -616,7 +626,8 @@ def conv_fused_forward(
         STATIC_D=plan.static_phase[0], STATIC_H=plan.static_phase[1], STATIC_W=plan.static_phase[2],
         **pool_args, PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase),
     )  # fmt: skip
-    if _INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0":
+    macs = m_total * cout_g * cin_g * plan.unrolled
+    if _INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0" or macs < _AUTOTUNE_MIN_MACS:
         cfg = _heuristic_config(cin_g, cout_g, m_total)
         grid = (triton.cdiv(m_total, cfg["BLOCK_M"]), groups * triton.cdiv(cout_g, cfg["BLOCK_N"]))
         _conv_fused_fwd_kernel[grid](*args, **constexprs, **cfg)
@@ -626,7 +637,3 @@ def conv_fused_forward(
             return (triton.cdiv(m_total, meta["BLOCK_M"]), groups * triton.cdiv(cout_g, meta["BLOCK_N"]))
 
         _conv_fused_fwd_tuned[grid](*args, **constexprs)
-
-
-#: Environment variable: "0" launches one heuristic tile instead of autotuning (CUDA).
-AUTOTUNE_ENV = "FUSION_CONV_AUTOTUNE"
