@@ -35,7 +35,11 @@ def _seed(name: str, dtype: torch.dtype):
         x, w, c = torch.rand(16, 16, 16, 32, 32), torch.randn(16, 32, 3, 3, 3) * 0.1, 32
     else:
         spec = ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
-        chain = (ChainStep(PK.MUL, (TensorRef(0),)), ChainStep(PK.LEAKY_RELU, (Const(0.01),)), ChainStep(PK.GELU))
+        chain = (
+            ChainStep(PK.MUL, (TensorRef(0),)),
+            ChainStep(PK.LEAKY_RELU, (Const(0.01),)),
+            ChainStep(PK.GELU),
+        )
         pool = None
         x, w, c = torch.rand(64, 64, 256, 256), torch.randn(64, 64, 3, 3) * 0.05, 64
     b, m = torch.randn(c), torch.randn((c,) + (1,) * (x.dim() - 2))
@@ -59,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     save = not args.no_save
-    print(f"{'seed':4} {'dtype':5} {'save':5} {'fused':>8} {'library':>8} {'cudnn':>8} {'eager':>8}  rel.err  tile")
+    print(
+        f"{'seed':4} {'dtype':5} {'save':5} {'fused':>8} {'library':>8} {'cudnn':>8} {'eager':>8}  rel.err  tile"
+    )
     for seed in args.seeds.split(","):
         for dname in args.dtypes.split(","):
             x, w, b, ops, spec, config = _seed(seed, dtypes[dname])
@@ -70,13 +76,15 @@ def main(argv: list[str] | None = None) -> int:
 
             got, want = op("triton"), op("library")
             rel = ((got[0].double() - want[0].double()).norm() / want[0].double().norm()).item()
-            times = {impl: triton.testing.do_bench(lambda impl=impl: op(impl)) for impl in ("triton", "library")}
+            times = {
+                impl: triton.testing.do_bench(lambda impl=impl: op(impl)) for impl in ("triton", "library")
+            }
             conv = lambda x=x, w=w, spec=spec: torch.ops.aten.convolution(  # noqa: E731
                 x, w, None, list(spec.stride), list(spec.padding), list(spec.dilation), spec.transposed,
                 list(spec.output_padding), spec.groups,
             )  # fmt: skip
             t_conv = triton.testing.do_bench(conv)
-            eager = lambda: ce.conv_epilogue_eager(x, w, b, ops, config)  # noqa: E731
+            eager = lambda x=x, w=w, b=b, ops=ops, config=config: ce.conv_epilogue_eager(x, w, b, ops, config)  # noqa: E731
             with torch.no_grad():
                 t_eager = triton.testing.do_bench(eager)
             best = getattr(conv_fused._conv_fused_fwd_tuned, "best_config", None)
