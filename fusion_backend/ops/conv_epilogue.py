@@ -39,8 +39,11 @@ Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, 
 
 Implementations:
 
-* Triton (CUDA, fp32/fp16/bf16): the conv runs through aten WITHOUT bias; one Triton kernel adds
-  the bias, applies the chain and the pool and writes only ``out`` and the saved state.  The
+* Triton (CUDA, fp32/fp16/bf16): by default (``conv_impl``, ``FUSION_CONV_IMPL``) one Triton kernel
+  (``fusion_backend.kernels.conv_fused``) computes the conv as an implicit GEMM and applies the bias,
+  the chain and the pool in registers, writing only ``out`` and the saved state; cases it does not
+  cover run the conv through aten WITHOUT bias, then one Triton kernel adds the bias, applies the
+  chain and the pool and writes only ``out`` and the saved state.  Both write the same saved state.  The
   backward is one Triton kernel that produces the full-size gradient of the conv output plus
   per-block partial sums of the operand and bias gradients (fixed-order sums, bitwise
   reproducible), then ``aten.convolution_backward``.  See ``fusion_backend.kernels.epilogue``.
@@ -74,6 +77,9 @@ logger = logging.getLogger("fusion_backend")
 
 #: Environment variable: set to "triton" to run the Triton kernels on CPU tensors (interpreter).
 CPU_KERNELS_ENV = "FUSION_CPU_KERNELS"
+#: Environment variable: "auto" | "triton" | "library", which conv the Triton forward runs
+#: (see ``conv_impl``).
+CONV_IMPL_ENV = "FUSION_CONV_IMPL"
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # NOTE: Triton's interpreter has no bf16 (numpy has no such type).
 _INTERPRETER_KERNEL_DTYPES = (torch.float32, torch.float16)
@@ -545,11 +551,99 @@ def _kernel_steps(cfg: ConvEpilogueConfig, operands: Sequence[Tensor], y_ndim: i
 # --------------------------------------------------------------------------------------------------
 
 
+def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) -> tuple[str, str | None]:
+    """Which conv the Triton forward runs: ``("triton", None)`` for the fused implicit-GEMM kernel
+    (``kernels.conv_fused``), ``("library", why)`` for aten/cuDNN + the epilogue kernel.
+
+    ``FUSION_CONV_IMPL`` (read at call time): ``auto`` (default) picks the fused kernel on CUDA
+    whenever ``conv_fused.unsupported_reason`` is None, and the library conv on CPU (the
+    interpreter is slow; tests force the fused kernel there); ``library`` always takes the library
+    conv; ``triton`` always takes the fused kernel and raises ``UnsupportedInputError`` (handled by
+    the failure policy: strict raises, else warn and run the reference) when it cannot serve the case.
+    """
+    mode = os.environ.get(CONV_IMPL_ENV, "auto") or "auto"
+    if mode not in ("auto", "triton", "library"):
+        raise UnsupportedInputError(f"{CONV_IMPL_ENV}={mode!r}: expected auto, triton or library")
+    if mode == "library":
+        return "library", f"{CONV_IMPL_ENV}=library"
+    if mode == "auto" and x.device.type != "cuda":
+        return "library", f"{CONV_IMPL_ENV}=auto uses the fused conv on CUDA only"
+    from ..kernels import conv_fused
+
+    pooled = None
+    if cfg.pool is not None:
+        pooled = _pooled_shape(_conv_output_shape(x, weight, cfg.conv), cfg.pool)[2:]
+    why = conv_fused.unsupported_reason(
+        x,
+        weight,
+        _conv_geometry(cfg.conv),
+        None if cfg.pool is None else _pool_geometry(cfg.pool),
+        pooled,
+        save,
+    )
+    if why is None:
+        return "triton", None
+    if mode == "triton":
+        raise UnsupportedInputError(f"{CONV_IMPL_ENV}=triton but the fused conv kernel cannot run: {why}")
+    return "library", why
+
+
+def _conv_geometry(spec: ConvSpec) -> Any:  # conv_fused.ConvGeometry (module imported lazily)
+    from ..kernels import conv_fused
+
+    return conv_fused.ConvGeometry(
+        transposed=spec.transposed, stride=tuple(spec.stride), padding=tuple(spec.padding),
+        dilation=tuple(spec.dilation), output_padding=tuple(spec.output_padding), groups=spec.groups,
+    )  # fmt: skip
+
+
+def _library_conv_meta(x: Tensor, weight: Tensor, spec: ConvSpec) -> Tensor:
+    """A meta tensor with the shape and strides the library conv (and the op's fake) would give y0.
+
+    Mirrors FakeTensor's conv rule (``_select_conv_backend`` + ``_conv_determine_backend_memory_format``)
+    without running the conv.
+    """
+    shape = _conv_output_shape(x, weight, spec)
+    fmt = torch.contiguous_format
+    if x.dim() in (4, 5):
+        backend = torch._C._select_conv_backend(
+            x, weight, bias=None, stride=list(spec.stride), padding=list(spec.padding),
+            dilation=list(spec.dilation), transposed=spec.transposed,
+            output_padding=list(spec.output_padding), groups=spec.groups, bias_sizes=None,
+        )  # fmt: skip
+        fmt = torch._C._conv_determine_backend_memory_format(x, weight, backend)
+    return torch.empty(shape, dtype=x.dtype, device="meta", memory_format=fmt)
+
+
+def _fused_conv_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+    save: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """One Triton kernel for conv + bias + chain + pool, writing only ``out`` and the saved state
+    (same formats as the library path, so the backward is shared)."""
+    from ..kernels import conv_fused
+
+    y0 = _library_conv_meta(x, weight, cfg.conv)
+    steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
+    out_shape = list(y0.shape) if cfg.pool is None else _pooled_shape(y0.shape, cfg.pool)
+    out, saved_a, saved_b = _allocate_forward_outputs(x, y0, out_shape, cfg, save)
+    max_save = save and cfg.pool is not None and cfg.pool.kind == "max"
+    conv_fused.conv_fused_forward(
+        x, weight, bias, steps, _conv_geometry(cfg.conv), None if cfg.pool is None else _pool_geometry(cfg.pool),
+        out, saved_a if save else None, saved_b if max_save else None,
+        allow_tf32=bool(torch.backends.cudnn.allow_tf32),
+    )  # fmt: skip
+    return out, saved_a, saved_b
+
+
 def _triton_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
     save: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """aten conv without bias, then one Triton kernel for bias + chain + pool (+ max-pool winners)."""
+    """The fused conv kernel when ``conv_impl`` picks it, else aten conv without bias, then one
+    Triton kernel for bias + chain + pool (+ max-pool winners)."""
+    if conv_impl(x, weight, cfg, save)[0] == "triton":
+        return _fused_conv_forward(x, weight, bias, operands, cfg, save)
     kernels = _kernels()
     y0 = _conv(x, weight, None, cfg.conv)
     fmt = output_memory_format(y0)

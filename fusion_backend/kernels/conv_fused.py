@@ -1,0 +1,639 @@
+"""Triton implicit-GEMM convolution with the pointwise chain and the pool fused in (forward only).
+
+One kernel template computes ``pool(chain(conv(x, w) + bias))`` without ever writing the conv output:
+the conv runs as an implicit GEMM with ``tl.dot`` (fp32 accumulation), the chain runs in registers
+(the ``@triton.jit`` helpers of ``fusion_backend.kernels.epilogue``), the optional max/avg pool reduces
+in registers, and only the final output plus the backward state are stored.  The saved state has the
+exact format of ``epilogue_forward`` (max pool: int8/int32 winner index in its window and the conv
+output, without bias, at the winner; otherwise the full conv output ``y0``), so the existing backward
+(``epilogue_backward``) consumes it unchanged.
+
+Mapping (every rank lifted to 3d with leading singleton spatial dims):
+
+* GEMM ``M`` = "units" of one program: pooled-output positions with a pool; conv-output positions for
+  a plain conv; for a transposed conv without pool, *super-positions* ``u`` each standing for the
+  ``s_d * s_h * s_w`` outputs ``o = u * s + r`` (one per phase ``r``).  ``M`` flattens
+  ``(n, ud, uh, uw)``.  ``N`` = output channels of one group (``BLOCK_N`` of them), ``K`` = input
+  channels of the group (``BLOCK_K`` at a time) x taps (unrolled statically).
+* Every unit has a static set of *window offsets* ``kp`` (the pool window; the phases of a
+  transposed conv without pool; a single offset for a plain conv without pool); the conv output at
+  ``o = u * US - UP + kp`` is computed for each, the chain applied, then reduced (pool) or stored.
+* Conv-transpose uses the phase (sub-pixel) decomposition: tap ``k`` contributes to output ``o`` iff
+  ``(o + p - k * dil) % s == 0``, from input ``i = (o + p - k * dil) / s``.  When ``US`` is a multiple
+  of ``s`` (always without a pool; e.g. seed A's MaxPool(2) after a stride-2 ConvTranspose), the phase
+  of every offset is a compile-time constant: taps that cannot contribute are skipped at compile time
+  and no multiply by an inserted zero happens.  Otherwise (a pool stride that is not a multiple of
+  the conv stride) the kernel falls back to a *masked all-taps* loop: every tap is visited and
+  lanes whose phase does not match are masked (correct, up to ``s**d`` times more MMA work).
+
+Numerics: the accumulator is rounded to the storage dtype of the conv before the bias and chain, as
+the library conv + epilogue kernel path does (the conv output is materialised in that dtype there).
+fp32 operands use TF32 iff the launcher is told so (``torch.backends.cudnn.allow_tf32`` on CUDA),
+``ieee`` otherwise and always under the interpreter.  No atomics; results are deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .epilogue import (
+    MAX_WINDOW_VOLUME,
+    KernelStep,
+    PoolGeometry,
+    _avg_divisor,
+    _chain_fwd,
+    _lift,
+    _load_operands,
+    _op_constexprs,
+    build_params,
+)
+
+#: Largest number of (window offset, tap) pairs the kernel unrolls (compile time and code size grow
+#: with it).  Seed A: 27 effective pairs (8 phases x 1..8 taps); a 3x3x3 conv under a 2x2x2 pool: 216.
+MAX_UNROLLED_TAPS = 256
+_INT32_LIMIT = 2**31 - 1
+#: Tensors with more elements than this get int64 index math (BIG); a module constant so that tests
+#: can exercise that path on small tensors.
+_BIG_INDEX_THRESHOLD = _INT32_LIMIT
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+#: Environment variable: "0" launches one heuristic tile instead of autotuning (CUDA).
+AUTOTUNE_ENV = "FUSION_CONV_AUTOTUNE"
+#: Problems below this many multiply-adds (live taps only) take the heuristic tile: autotuning
+#: compiles every config once per shape key, not worth it for small convs (and GPU tests).
+_AUTOTUNE_MIN_MACS = 2**28
+
+
+@triton.jit
+def _in_index(u, o, KP: tl.constexpr, TAP: tl.constexpr, US: tl.constexpr, UP: tl.constexpr,
+              S: tl.constexpr, P: tl.constexpr, DIL: tl.constexpr, SIZE_IN,
+              TRANSPOSED: tl.constexpr, STATIC_PHASE: tl.constexpr):  # fmt: skip
+    """Input coordinate feeding output coordinate ``o = u * US - UP + KP`` through tap ``TAP`` along
+    one dim, and whether it is valid (in range, and for a transposed conv, of the right phase)."""
+    if TRANSPOSED:
+        if STATIC_PHASE:
+            # (o + P - TAP*DIL) = u*US + R with R = KP - UP + P - TAP*DIL static; the caller skips
+            # taps with R % S != 0, so R // S is exact.
+            i = u * (US // S) + (KP - UP + P - TAP * DIL) // S
+            ok = (i >= 0) & (i < SIZE_IN)
+        else:
+            num = o + P - TAP * DIL
+            i = num // S
+            ok = (num >= 0) & (num % S == 0) & (i < SIZE_IN)
+    else:
+        i = o * S - P + TAP * DIL
+        ok = (i >= 0) & (i < SIZE_IN)
+    return i, ok
+
+
+@triton.jit
+def _in_index_rt(o, tap, S: tl.constexpr, P: tl.constexpr, DIL: tl.constexpr, SIZE_IN,
+                 TRANSPOSED: tl.constexpr):  # fmt: skip
+    """``_in_index`` for a runtime tap (the flat K loop): phases are masked, not skipped."""
+    if TRANSPOSED:
+        num = o + P - tap * DIL
+        i = num // S
+        ok = (num >= 0) & (num % S == 0) & (i < SIZE_IN)
+    else:
+        i = o * S - P + tap * DIL
+        ok = (i >= 0) & (i < SIZE_IN)
+    return i, ok
+
+
+@triton.jit
+def _conv_flat(acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, IW,
+               x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+               TRANSPOSED: tl.constexpr, TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+               SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+               PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+               DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+               PRECISION: tl.constexpr, BIG: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``acc += conv at (od, oh, ow)`` as ONE runtime loop over K = taps x input-channel blocks.
+
+    A single ``scf.for`` that Triton software-pipelines (``num_stages``): the shape of a plain conv
+    (every tap live), and of the masked all-taps fallback of a transposed conv.
+    """
+    k_blocks = tl.cdiv(CIN_G, BLOCK_K)
+    for kk in range(0, TD * TH * TW * k_blocks):
+        tap = kk // k_blocks
+        ci = (kk - tap * k_blocks) * BLOCK_K + ck
+        tw = tap % TW
+        t2 = tap // TW
+        th = t2 % TH
+        td = t2 // TH
+        i_d, v_d = _in_index_rt(od, td, SD, PD, DD, ID, TRANSPOSED)
+        i_h, v_h = _in_index_rt(oh, th, SH, PH, DH, IH, TRANSPOSED)
+        i_w, v_w = _in_index_rt(ow, tw, SW, PW, DW, IW, TRANSPOSED)
+        valid = o_ok & v_d & v_h & v_w
+        if BIG:
+            sp = i_d.to(tl.int64) * x_sd + i_h.to(tl.int64) * x_sh + i_w.to(tl.int64) * x_sw
+        else:
+            sp = i_d * x_sd + i_h * x_sh + i_w * x_sw
+        ci_ok = ci < CIN_G
+        a = tl.load(
+            (x_base + sp)[:, None] + ci[None, :] * x_sc, mask=valid[:, None] & ci_ok[None, :], other=0.0
+        )
+        b = tl.load(w_base + (td * w_sd + th * w_sh + tw * w_sw) + ci[:, None] * w_sci,
+                    mask=ci_ok[:, None] & cmask, other=0.0)  # fmt: skip
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _conv_fused_fwd_kernel(
+    x_ptr, w_ptr, p_ptr, out_ptr, sa_ptr, sb_ptr,
+    C_OUT, CIN_G, COUT_G, M_TOTAL,
+    ID, IH, IW, OD, OH, OW, UD, UH, UW,
+    x_sn, x_sc, x_sd, x_sh, x_sw,
+    w_sci, w_sco, w_sd, w_sh, w_sw,
+    o_sn, o_sc, o_sd, o_sh, o_sw,
+    y_sn, y_sc, y_sd, y_sh, y_sw,
+    OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+    OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
+    HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, TRANSPOSED: tl.constexpr,
+    TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+    DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    USD: tl.constexpr, USH: tl.constexpr, USW: tl.constexpr,
+    UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
+    STATIC_D: tl.constexpr, STATIC_H: tl.constexpr, STATIC_W: tl.constexpr,
+    COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr,
+    PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out = pool(chain(conv(x, w) + bias)) for a ``[BLOCK_M units, BLOCK_N channels]`` tile.
+
+    Pointers (element strides; every tensor lifted to (N, C, D, H, W)):
+      x_ptr   input (N, CIN_G * groups, ID, IH, IW), fp32/fp16/bf16, strides ``x_s*``.
+      w_ptr   weight, any strides; ``w_sci``/``w_sco`` step the input/output channel *within the
+              group* (conv: dims 1/0; transposed: dims 0/1) and the launcher has already offset
+              nothing: the kernel adds the group offset itself.  Taps ``TD x TH x TW``.
+      p_ptr   operand matrix P of ``epilogue.build_params``, (NUM_PARAM_ROWS, C_OUT) fp32 contiguous.
+      out_ptr result (N, C_OUT, pooled or conv-output spatial), any float dtype, strides ``o_s*``.
+      sa_ptr  SAVE and max pool: winner index (int8/int32), out's shape and strides.
+              SAVE without max pool: the conv output without bias, (N, C_OUT, OD, OH, OW), x's
+              dtype, strides ``y_s*``.
+      sb_ptr  SAVE and max pool: conv output (no bias) at the winner, x's dtype, out's strides.
+    Geometry: ``OD, OH, OW`` conv-output sizes; ``UD, UH, UW`` unit-grid sizes (pooled sizes, conv
+    output sizes, or ceil(O / s) super-positions for a transposed conv without pool);
+    ``KD, KH, KW`` window offsets per unit, ``US*``/``UP*`` unit stride/origin (o = u*US - UP + kp);
+    ``STATIC_*``: transposed conv with a compile-time phase per offset along that dim.
+    POOL: 0 none, 1 max, 2 avg.  Max-pool parity with PyTorch as in ``_epilogue_fwd_kernel``: offsets
+    scanned row-major, the first valid one wins initially, a later one replaces it when
+    ``v > best or isnan(v)``; positions outside the conv output never win / count.
+    BIG: index math in int64 (some tensor spans more than 2**31 - 1 elements).
+    FLAT_K: one pipelined runtime loop over taps x channel blocks (``_conv_flat``; no compile-time
+    phase skipping); else taps unrolled statically, skipping dead phases (transposed conv).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    n_blocks_n = tl.cdiv(COUT_G, BLOCK_N)
+    grp = pid_n // n_blocks_n
+    nb = pid_n % n_blocks_n
+
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M_TOTAL
+    uw = m % UW
+    t = m // UW
+    uh = t % UH
+    t = t // UH
+    ud = t % UD
+    nn = t // UD
+    if BIG:
+        nn = nn.to(tl.int64)
+
+    co = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    co_ok = co < COUT_G
+    c_glob = grp * COUT_G + co
+    c = c_glob[None, :]
+    cmask = co_ok[None, :]
+    ck = tl.arange(0, BLOCK_K)
+
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(p_ptr + c, mask=cmask, other=0.0)
+    a0, b0 = _load_operands(p_ptr, 0, c, C_OUT, cmask, OP0)
+    a1, b1 = _load_operands(p_ptr, 1, c, C_OUT, cmask, OP1)
+    a2, b2 = _load_operands(p_ptr, 2, c, C_OUT, cmask, OP2)
+    a3, b3 = _load_operands(p_ptr, 3, c, C_OUT, cmask, OP3)
+    a4, b4 = _load_operands(p_ptr, 4, c, C_OUT, cmask, OP4)
+    a5, b5 = _load_operands(p_ptr, 5, c, C_OUT, cmask, OP5)
+    a6, b6 = _load_operands(p_ptr, 6, c, C_OUT, cmask, OP6)
+    a7, b7 = _load_operands(p_ptr, 7, c, C_OUT, cmask, OP7)
+
+    ci0 = grp * CIN_G
+    if BIG:
+        ci0 = ci0.to(tl.int64)
+    x_base = x_ptr + nn * x_sn + ci0 * x_sc  # [BLOCK_M] pointers
+    if TRANSPOSED:
+        w_base = w_ptr + ci0 * w_sci + co[None, :] * w_sco  # [1, BLOCK_N]
+    else:
+        w_base = w_ptr + c_glob[None, :] * w_sco
+    c64 = c_glob
+    if BIG:
+        c64 = c_glob.to(tl.int64)
+
+    best = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+    win = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
+    win_y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    pooled = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+    for kd in tl.static_range(KD):
+        od = ud * USD - UPD + kd
+        ok_d = (od >= 0) & (od < OD)
+        for kh in tl.static_range(KH):
+            oh = uh * USH - UPH + kh
+            ok_h = ok_d & (oh >= 0) & (oh < OH)
+            for kw in tl.static_range(KW):
+                ow = uw * USW - UPW + kw
+                o_ok = m_ok & ok_h & (ow >= 0) & (ow < OW)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                if FLAT_K:
+                    acc = _conv_flat(
+                        acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, IW,
+                        x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                        TRANSPOSED, TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW,
+                        PRECISION, BIG, BLOCK_K,
+                    )  # fmt: skip
+                else:
+                    for td in tl.static_range(TD):
+                        if TRANSPOSED * STATIC_D * ((kd - UPD + PD - td * DD) % SD) == 0:
+                            i_d, v_d = _in_index(
+                                ud, od, kd, td, USD, UPD, SD, PD, DD, ID, TRANSPOSED, STATIC_D
+                            )
+                            for th in tl.static_range(TH):
+                                if TRANSPOSED * STATIC_H * ((kh - UPH + PH - th * DH) % SH) == 0:
+                                    i_h, v_h = _in_index(uh, oh, kh, th, USH, UPH, SH, PH, DH, IH, TRANSPOSED,
+                                                         STATIC_H)  # fmt: skip
+                                    for tw in tl.static_range(TW):
+                                        if TRANSPOSED * STATIC_W * ((kw - UPW + PW - tw * DW) % SW) == 0:
+                                            i_w, v_w = _in_index(uw, ow, kw, tw, USW, UPW, SW, PW, DW, IW,
+                                                                 TRANSPOSED, STATIC_W)  # fmt: skip
+                                            valid = o_ok & v_d & v_h & v_w
+                                            if BIG:
+                                                sp = (i_d.to(tl.int64) * x_sd + i_h.to(tl.int64) * x_sh
+                                                      + i_w.to(tl.int64) * x_sw)  # fmt: skip
+                                            else:
+                                                sp = i_d * x_sd + i_h * x_sh + i_w * x_sw
+                                            a_ptrs = (x_base + sp)[:, None]
+                                            w_tap = w_base + (td * w_sd + th * w_sh + tw * w_sw)
+                                            for k0 in range(0, CIN_G, BLOCK_K):
+                                                ci = k0 + ck
+                                                ci_ok = ci < CIN_G
+                                                a = tl.load(
+                                                    a_ptrs + ci[None, :] * x_sc,
+                                                    mask=valid[:, None] & ci_ok[None, :],
+                                                    other=0.0,
+                                                )
+                                                b = tl.load(
+                                                    w_tap + ci[:, None] * w_sci,
+                                                    mask=ci_ok[:, None] & cmask,
+                                                    other=0.0,
+                                                )
+                                                acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fmt: skip
+                # The conv output as the library path materialises it (storage dtype), then the chain.
+                y_raw = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+                y = y_raw
+                if HAS_BIAS:
+                    y = y + bias
+                v = _chain_fwd(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+                               OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+                ok2 = o_ok[:, None] & cmask
+                if BIG:
+                    o_sp = od.to(tl.int64) * y_sd + oh.to(tl.int64) * y_sh + ow.to(tl.int64) * y_sw
+                else:
+                    o_sp = od * y_sd + oh * y_sh + ow * y_sw
+                if POOL == 0:
+                    if BIG:
+                        q = (
+                            nn * o_sn
+                            + od.to(tl.int64) * o_sd
+                            + oh.to(tl.int64) * o_sh
+                            + ow.to(tl.int64) * o_sw
+                        )
+                    else:
+                        q = nn * o_sn + od * o_sd + oh * o_sh + ow * o_sw
+                    tl.store(out_ptr + q[:, None] + c64[None, :] * o_sc, v.to(out_ptr.dtype.element_ty),
+                             mask=ok2)  # fmt: skip
+                elif POOL == 1:
+                    take = ok2 & ((v > best) | (v != v) | (win < 0))
+                    best = tl.where(take, v, best)
+                    win = tl.where(take, kd * KH * KW + kh * KW + kw, win)
+                    win_y = tl.where(take, y_raw, win_y)
+                else:
+                    pooled += tl.where(ok2, v, 0.0)
+                if SAVE and POOL != 1:
+                    # NOTE: with overlapping avg-pool windows the same element is stored by several
+                    # programs with bitwise identical values (same operands, same K order).
+                    tl.store(sa_ptr + (nn * y_sn + o_sp)[:, None] + c64[None, :] * y_sc,
+                             y_raw.to(sa_ptr.dtype.element_ty), mask=ok2)  # fmt: skip
+
+    if POOL != 0:
+        if BIG:
+            q = nn * o_sn + ud.to(tl.int64) * o_sd + uh.to(tl.int64) * o_sh + uw.to(tl.int64) * o_sw
+        else:
+            q = nn * o_sn + ud * o_sd + uh * o_sh + uw * o_sw
+        q2 = q[:, None] + c64[None, :] * o_sc
+        omask = m_ok[:, None] & cmask
+        if POOL == 1:
+            tl.store(out_ptr + q2, best.to(out_ptr.dtype.element_ty), mask=omask)
+            if SAVE:
+                tl.store(sa_ptr + q2, win.to(sa_ptr.dtype.element_ty), mask=omask)
+                tl.store(sb_ptr + q2, win_y.to(sb_ptr.dtype.element_ty), mask=omask)
+        else:
+            div = _avg_divisor(ud[:, None], uh[:, None], uw[:, None], OD, OH, OW, KD, KH, KW,
+                               USD, USH, USW, UPD, UPH, UPW, COUNT_INCLUDE_PAD, DIVISOR)  # fmt: skip
+            tl.store(out_ptr + q2, (pooled / div).to(out_ptr.dtype.element_ty), mask=omask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """``aten.convolution``'s hyper-parameters as the kernel sees them (one entry per spatial dim)."""
+
+    transposed: bool
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    output_padding: tuple[int, ...]
+    groups: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything the launch needs that is derived from shapes and geometry (all lifted to 3d)."""
+
+    conv_out: tuple[int, int, int]  # OD, OH, OW
+    units: tuple[int, int, int]  # UD, UH, UW
+    window: tuple[int, int, int]  # KD, KH, KW (window offsets per unit)
+    unit_stride: tuple[int, int, int]
+    unit_origin: tuple[int, int, int]
+    static_phase: tuple[bool, bool, bool]
+    unrolled: int  # (window offset, tap) pairs the kernel unrolls
+
+
+def _pad3(values: Sequence[int], fill: int) -> list[int]:
+    return [fill] * (3 - len(values)) + list(values)
+
+
+def conv_output_size(x: torch.Tensor, weight: torch.Tensor, conv: ConvGeometry) -> list[int]:
+    """Spatial sizes of ``aten.convolution(x, weight, ...)``'s output (not lifted)."""
+    sizes = []
+    for j, size in enumerate(x.shape[2:]):
+        k, s, p, d = weight.shape[2 + j], conv.stride[j], conv.padding[j], conv.dilation[j]
+        if conv.transposed:
+            sizes.append((size - 1) * s - 2 * p + d * (k - 1) + conv.output_padding[j] + 1)
+        else:
+            sizes.append((size + 2 * p - d * (k - 1) - 1) // s + 1)
+    return sizes
+
+
+def _plan(x: torch.Tensor, weight: torch.Tensor, conv: ConvGeometry, pool: PoolGeometry | None,
+          pooled_sizes: Sequence[int] | None) -> _Plan:  # fmt: skip
+    dims = x.dim() - 2
+    conv_out = _pad3(conv_output_size(x, weight, conv), 1)
+    taps = _pad3(weight.shape[2:], 1)
+    stride, padding, dilation = _pad3(conv.stride, 1), _pad3(conv.padding, 0), _pad3(conv.dilation, 1)
+    if pool is not None:
+        units = _pad3(pooled_sizes, 1)
+        window, ustride, uorigin = _pad3(pool.kernel_size, 1), _pad3(pool.stride, 1), _pad3(pool.padding, 0)
+    elif conv.transposed:
+        units = [-(-o // s) for o, s in zip(conv_out, stride, strict=True)]
+        window, ustride, uorigin = list(stride), list(stride), [0, 0, 0]
+    else:
+        units, window, ustride, uorigin = list(conv_out), [1, 1, 1], [1, 1, 1], [0, 0, 0]
+    static = [conv.transposed and us % s == 0 for us, s in zip(ustride, stride, strict=True)]
+    unrolled = 1
+    for j in range(3):
+        if static[j]:
+            unrolled *= sum(
+                (kp - uorigin[j] + padding[j] - t * dilation[j]) % stride[j] == 0
+                for kp in range(window[j]) for t in range(taps[j])
+            )  # fmt: skip
+        else:
+            unrolled *= window[j] * taps[j]
+    del dims
+    return _Plan(tuple(conv_out), tuple(units), tuple(window), tuple(ustride), tuple(uorigin),
+                 tuple(static), unrolled)  # fmt: skip
+
+
+def unsupported_reason(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv: ConvGeometry,
+    pool: PoolGeometry | None,
+    pooled_sizes: Sequence[int] | None = None,
+    save: bool = False,
+) -> str | None:
+    """Why ``conv_fused_forward`` cannot serve this case, or None when it can.
+
+    ``pooled_sizes``: the pool's output spatial sizes (required with a pool: ceil_mode is not part
+    of ``PoolGeometry``).  ``save``: whether the backward state will be written (an avg pool or no
+    pool then stores the full conv output, which needs every element covered by some window).
+    """
+    kernel_dtypes = (
+        (torch.float32, torch.float16) if _INTERPRET else (torch.float32, torch.float16, torch.bfloat16)
+    )
+    if x.dtype not in kernel_dtypes or weight.dtype != x.dtype:
+        return f"x/weight dtypes {x.dtype}/{weight.dtype}: the fused conv covers {kernel_dtypes} (both alike)"
+    if not 3 <= x.dim() <= 5 or weight.dim() != x.dim():
+        return f"x {tuple(x.shape)} / weight {tuple(weight.shape)}: only 1d/2d/3d convolutions"
+    if pool is not None and pooled_sizes is None:
+        return "pooled_sizes is required with a pool"
+    if pool is not None and pool.window_volume > MAX_WINDOW_VOLUME:
+        return f"pool window of {pool.window_volume} taps exceeds the unroll limit {MAX_WINDOW_VOLUME}"
+    plan = _plan(x, weight, conv, pool, pooled_sizes)
+    if math.prod(plan.window) > MAX_WINDOW_VOLUME:
+        return f"{math.prod(plan.window)} phases/window offsets exceed the unroll limit {MAX_WINDOW_VOLUME}"
+    if plan.unrolled > MAX_UNROLLED_TAPS:
+        return f"{plan.unrolled} (window offset, tap) pairs exceed the unroll limit {MAX_UNROLLED_TAPS}"
+    if min(plan.conv_out) <= 0:
+        return f"empty conv output {plan.conv_out}"
+    groups = conv.groups
+    if groups > 65535:
+        return f"{groups} groups exceed the grid's second dimension"
+    if pool is not None and save and pool.kind == "avg":
+        for o, u, k, s, p in zip(
+            plan.conv_out, plan.units, plan.window, plan.unit_stride, plan.unit_origin, strict=True
+        ):
+            if s > k or (u - 1) * s - p + k < o:
+                return "avg pool with saved state: some conv-output elements lie in no pool window"
+    n = x.shape[0]
+    if n * math.prod(plan.units) > _INT32_LIMIT:
+        return f"{n * math.prod(plan.units)} tile units exceed int32"
+    cout = weight.shape[1] * groups if conv.transposed else weight.shape[0]
+    per_sample = max(x[0].numel(), cout * math.prod(plan.conv_out))
+    if per_sample > _INT32_LIMIT:
+        return f"one sample spans {per_sample} elements (> 2**31 - 1): not handled"
+    return None
+
+
+def _configs() -> list[triton.Config]:
+    """Autotuning space on CUDA (pruned per shape by ``_prune``)."""
+    configs = []
+    for bm, bn, bk, warps, stages in (
+        # narrow problems (seed A: C_in 16, C_out 32; taps unrolled, so stages matter little)
+        (128, 32, 16, 4, 2), (64, 32, 16, 4, 2), (256, 32, 16, 8, 2), (64, 32, 16, 2, 2), (128, 16, 16, 4, 2),
+        # wide problems (seed B: C_in = C_out = 64, one pipelined K loop of 9 taps x channel blocks)
+        (128, 64, 32, 4, 3), (128, 64, 32, 8, 4), (64, 64, 32, 4, 4), (256, 64, 32, 8, 3),
+        (128, 64, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3),
+    ):  # fmt: skip
+        configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps,
+                                     num_stages=stages))  # fmt: skip
+    return configs
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Drop tiles much wider than the problem (masked lanes cost full MMA work)."""
+    bn_max = max(16, triton.next_power_of_2(int(named_args["COUT_G"])))
+    bk_max = max(16, triton.next_power_of_2(int(named_args["CIN_G"])))
+    kept = [c for c in configs if c.kwargs["BLOCK_N"] <= bn_max and c.kwargs["BLOCK_K"] <= bk_max]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+
+
+_conv_fused_fwd_tuned = triton.autotune(
+    configs=_configs(),
+    key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_conv_fused_fwd_kernel)
+
+
+def _heuristic_config(cin_g: int, cout_g: int, m_total: int) -> dict[str, int]:
+    """One tile for the interpreter (small blocks: numpy cost grows with tile size) or when
+    ``FUSION_CONV_AUTOTUNE=0``."""
+    block_n = min(max(16, triton.next_power_of_2(cout_g)), 64)
+    block_k = min(max(16, triton.next_power_of_2(cin_g)), 32)
+    if _INTERPRET:
+        block_m = min(max(16, triton.next_power_of_2(m_total)), 64)
+        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return dict(
+        BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_n <= 32 else 8, num_stages=3
+    )
+
+
+def conv_fused_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    steps: Sequence[KernelStep],
+    conv: ConvGeometry,
+    pool: PoolGeometry | None,
+    out: torch.Tensor,
+    saved_a: torch.Tensor | None = None,
+    saved_b: torch.Tensor | None = None,
+    allow_tf32: bool = False,
+) -> None:
+    """Write ``out = pool(chain(conv(x, weight) + bias))`` (and the backward state) in one launch.
+
+    Args:
+      x: (N, C_in, *spatial) with 1 to 3 spatial dims, fp32/fp16/bf16, any strides.
+      weight: conv ``(C_out, C_in/groups, *k)`` or transposed ``(C_in, C_out/groups, *k)``, x's dtype,
+        any strides.
+      bias: None or C_out values (any float dtype), added in fp32 to the conv output (after it is
+        rounded to x's dtype) before the chain.
+      steps: the chain, as for ``epilogue.epilogue_forward`` (up to MAX_SLOTS steps).
+      conv: the conv hyper-parameters.  pool: None or the pool over the chain's result.
+      out: preallocated result (N, C_out, *pooled or conv-output spatial), any float dtype and strides.
+      saved_a, saved_b: None (nothing saved), or the backward state, in ``epilogue_forward``'s format:
+        max pool: winner index in its window (int8/int32, out's shape and strides) and the conv output
+        without bias at the winner (x's dtype, out's shape and strides); avg pool / none: ``saved_a``
+        receives the full conv output without bias ((N, C_out, *conv-output spatial), x's dtype, any
+        strides) and ``saved_b`` is None.
+      allow_tf32: fp32 operands use TF32 tensor cores (pass ``torch.backends.cudnn.allow_tf32``);
+        ignored under the interpreter.
+    Raises ValueError when ``unsupported_reason`` names a reason or the tensors disagree.
+    """
+    is_max = pool is not None and pool.kind == "max"
+    save = saved_a is not None
+    if is_max and save != (saved_b is not None):
+        raise ValueError("a max pool saves both saved_a (winner) and saved_b (winner value), or neither")
+    if not is_max and saved_b is not None:
+        raise ValueError("saved_b is only written with a max pool")
+    pooled_sizes = list(out.shape[2:]) if pool is not None else None
+    why = unsupported_reason(x, weight, conv, pool, pooled_sizes, save)
+    if why is not None:
+        raise ValueError(f"conv_fused_forward cannot run this case: {why}")
+    plan = _plan(x, weight, conv, pool, pooled_sizes)
+    dims = x.dim() - 2
+    n, groups = x.shape[0], conv.groups
+    cin_g = x.shape[1] // groups
+    cout_g = weight.shape[1] if conv.transposed else weight.shape[0] // groups
+    cout = cout_g * groups
+    conv_out_shape = [n, cout, *plan.conv_out[3 - dims :]]
+    expected_out = conv_out_shape if pool is None else [n, cout, *pooled_sizes]
+    if list(out.shape) != expected_out:
+        raise ValueError(f"out must have shape {expected_out}, got {tuple(out.shape)}")
+    if is_max and save:
+        for name, t in (("saved_a", saved_a), ("saved_b", saved_b)):
+            if t.shape != out.shape or t.stride() != out.stride():
+                raise ValueError(f"{name} must have out's shape and strides {tuple(out.shape)}/{out.stride()}, "
+                                 f"got {tuple(t.shape)}/{t.stride()}")  # fmt: skip
+        if saved_a.dtype not in (torch.int8, torch.int32):
+            raise ValueError(f"the winner index must be int8 or int32, got {saved_a.dtype}")
+    elif save and list(saved_a.shape) != conv_out_shape:
+        raise ValueError(
+            f"saved_a must have the conv output's shape {conv_out_shape}, got {tuple(saved_a.shape)}"
+        )
+    if out.numel() == 0:
+        return
+    x_strides = _lift(x)[1]
+    o_strides = _lift(out)[1]
+    y_strides = _lift(saved_a)[1] if save and not is_max else [0] * 5
+    w_str = list(weight.stride())
+    w_sci, w_sco = (w_str[0], w_str[1]) if conv.transposed else (w_str[1], w_str[0])
+    w_taps = _pad3(w_str[2:], 0)
+    params = build_params(steps, bias, cout, x.device)
+    m_total = n * math.prod(plan.units)
+    big = any(t.numel() > _BIG_INDEX_THRESHOLD for t in (x, out, saved_a, saved_b) if t is not None)
+    if _INTERPRET or x.dtype != torch.float32:
+        precision = "ieee" if _INTERPRET else "tf32"
+    else:
+        precision = "tf32" if allow_tf32 else "ieee"
+    if pool is None:
+        pool_args = dict(COUNT_INCLUDE_PAD=True, DIVISOR=0)
+    else:
+        pool_args = dict(
+            COUNT_INCLUDE_PAD=bool(pool.count_include_pad), DIVISOR=int(pool.divisor_override or 0)
+        )
+    taps = _pad3(weight.shape[2:], 1)
+    stride, padding, dilation = _pad3(conv.stride, 1), _pad3(conv.padding, 0), _pad3(conv.dilation, 1)
+    args = (
+        x, weight, params, out, saved_a if save else out, saved_b if saved_b is not None else out,
+        cout, cin_g, cout_g, m_total,
+        *_pad3(x.shape[2:], 1), *plan.conv_out, *plan.units,
+        *x_strides, w_sci, w_sco, *w_taps, *o_strides, *y_strides,
+    )  # fmt: skip
+    constexprs = dict(
+        **_op_constexprs(steps), HAS_BIAS=bias is not None,
+        POOL=0 if pool is None else (1 if is_max else 2), SAVE=save, TRANSPOSED=bool(conv.transposed),
+        TD=taps[0], TH=taps[1], TW=taps[2], SD=stride[0], SH=stride[1], SW=stride[2],
+        PD=padding[0], PH=padding[1], PW=padding[2], DD=dilation[0], DH=dilation[1], DW=dilation[2],
+        KD=plan.window[0], KH=plan.window[1], KW=plan.window[2],
+        USD=plan.unit_stride[0], USH=plan.unit_stride[1], USW=plan.unit_stride[2],
+        UPD=plan.unit_origin[0], UPH=plan.unit_origin[1], UPW=plan.unit_origin[2],
+        STATIC_D=plan.static_phase[0], STATIC_H=plan.static_phase[1], STATIC_W=plan.static_phase[2],
+        **pool_args, PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase),
+    )  # fmt: skip
+    macs = m_total * cout_g * cin_g * plan.unrolled
+    if _INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0" or macs < _AUTOTUNE_MIN_MACS:
+        cfg = _heuristic_config(cin_g, cout_g, m_total)
+        grid = (triton.cdiv(m_total, cfg["BLOCK_M"]), groups * triton.cdiv(cout_g, cfg["BLOCK_N"]))
+        _conv_fused_fwd_kernel[grid](*args, **constexprs, **cfg)
+    else:
+
+        def grid(meta: dict) -> tuple[int, int]:
+            return (triton.cdiv(m_total, meta["BLOCK_M"]), groups * triton.cdiv(cout_g, meta["BLOCK_N"]))
+
+        _conv_fused_fwd_tuned[grid](*args, **constexprs)

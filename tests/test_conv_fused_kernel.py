@@ -1,0 +1,292 @@
+"""The fused implicit-GEMM conv forward (``kernels/conv_fused.py``) against the library-conv path.
+
+Parity is checked through the fused op ``fusion::conv_epilogue_fwd`` with ``FUSION_CONV_IMPL=triton``
+(the fused kernel) vs ``FUSION_CONV_IMPL=library`` (aten conv + the epilogue kernel), both on the
+Triton path (``FUSION_CPU_KERNELS=triton``, the interpreter without CUDA).  Inputs are small
+multiples of powers of two, so both convs are exact in fp32 and fp16: the output and the saved state
+(max-pool winner index + its conv value, or the full conv output) must then agree *bitwise*, ties
+(a zero multiplier) and NaN included.  The float64 eager composite checks the values themselves, and
+an end-to-end ``torch.compile(backend="fusion")`` run checks every gradient with the fused forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fusion_backend.errors import UnsupportedInputError
+from fusion_backend.kernels import conv_fused
+from fusion_backend.kernels import epilogue as kernels
+from fusion_backend.ops import conv_epilogue as ce
+from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
+from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
+
+PK = PointwiseKind
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+LEAKY = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
+MUL = ChainStep(PK.MUL, (TensorRef(0),))
+SEED_A_CHAIN = (LEAKY, MUL, LEAKY)
+SEED_B_CHAIN = (MUL, ChainStep(PK.LEAKY_RELU, (Const(0.01),)), ChainStep(PK.GELU))
+
+
+def _spec(nd, transposed=False, stride=1, padding=0, dilation=1, output_padding=0, groups=1) -> ConvSpec:
+    t = lambda v: tuple(v) if isinstance(v, tuple) else (v,) * nd  # noqa: E731
+    return ConvSpec(transposed, t(stride), t(padding), t(dilation), t(output_padding), groups)
+
+
+def _pool(kind, nd, k=2, s=None, p=0, **kw) -> PoolSpec:
+    t = lambda v: tuple(v) if isinstance(v, tuple) else (v,) * nd  # noqa: E731
+    return PoolSpec(kind, t(k), t(s if s is not None else k), t(p), **kw)
+
+
+# name, x shape, weight shape, spec, chain, pool, options (bias / nan / zero multiplier / channels_last)
+CASES = [
+    ("conv1d-s2p1-nopool", (2, 4, 11), (6, 4, 3), _spec(1, stride=2, padding=1), SEED_B_CHAIN, None, {}),
+    ("conv1d-s3-dil2-groups-max-ceil", (2, 4, 17), (6, 2, 3), _spec(1, stride=3, dilation=2, groups=2),
+     SEED_A_CHAIN, _pool("max", 1, 3, 2, 1, ceil_mode=True), {"bias": False, "zero_mul": True}),
+    ("convT1d-s3p1op2-nopool", (2, 5, 6), (5, 3, 4), _spec(1, True, stride=3, padding=1, output_padding=2),
+     SEED_B_CHAIN, None, {"nan": True}),
+    ("conv2d-dil-groups-avg-ceil", (2, 4, 9, 8), (6, 2, 3, 3),
+     _spec(2, stride=(1, 2), padding=(1, 0), dilation=(2, 1), groups=2),
+     (ChainStep(PK.ADD, (TensorRef(0),)), ChainStep(PK.SILU)),
+     _pool("avg", 2, 3, 2, 1, ceil_mode=True, count_include_pad=False), {}),
+    ("convT2d-s2-maxpool-phases", (2, 4, 5, 6), (4, 3, 3, 3), _spec(2, True, stride=2, padding=1, output_padding=1),
+     SEED_A_CHAIN, _pool("max", 2, 2), {"nan": True, "zero_mul": True}),
+    ("convT2d-groups-maxpool-masked-phases", (1, 4, 4, 5), (4, 3, 3, 2),
+     _spec(2, True, stride=(2, 3), padding=(1, 0), output_padding=(1, 2), groups=2),
+     SEED_A_CHAIN, _pool("max", 2, 3, 1, 1), {"bias": False}),
+    ("convT2d-mixed-static-and-masked-phases", (1, 3, 4, 4), (3, 4, 3, 3),
+     _spec(2, True, stride=(2, 3), padding=(1, 1), output_padding=(1, 0)),
+     SEED_A_CHAIN, _pool("max", 2, 2, (2, 1), 0), {"zero_mul": True}),
+    ("conv2d-cin3-odd-channels-last", (2, 3, 7, 9), (5, 3, 3, 3), _spec(2, padding=1), SEED_B_CHAIN, None,
+     {"channels_last": True}),
+    ("conv3d-max-ceil-partial", (1, 3, 5, 6, 5), (4, 3, 2, 3, 3), _spec(3, padding=(0, 1, 1)),
+     SEED_A_CHAIN, _pool("max", 3, 2, 2, 0, ceil_mode=True), {"zero_mul": True}),
+    ("convT3d-seedA-like", (2, 4, 3, 4, 4), (4, 6, 3, 3, 3), _spec(3, True, stride=2, padding=1, output_padding=1),
+     SEED_A_CHAIN, _pool("max", 3, 2), {"nan": True, "zero_mul": True}),
+    ("convT3d-seedA-like-channels-last", (1, 4, 3, 3, 4), (4, 6, 3, 3, 3),
+     _spec(3, True, stride=2, padding=1, output_padding=1), SEED_A_CHAIN, _pool("max", 3, 2),
+     {"channels_last": True}),
+    ("convT3d-s122-avgpool-padded", (1, 3, 2, 3, 3), (3, 4, 2, 3, 3), _spec(3, True, stride=(1, 2, 2)),
+     SEED_B_CHAIN, _pool("avg", 3, 2, 2, 1), {}),
+]  # fmt: skip
+FP16_CASES = {
+    "conv1d-s2p1-nopool",
+    "convT2d-s2-maxpool-phases",
+    "conv2d-dil-groups-avg-ceil",
+    "convT3d-seedA-like",
+}
+
+
+def _grid_values(shape, g, scale):
+    """Random multiples of ``scale`` in [-2 scale, 2 scale]: conv sums stay exact in fp16/fp32."""
+    return torch.randint(-2, 3, shape, generator=g).double() * scale
+
+
+def _inputs(xs, ws, spec, opts, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    c_out = ws[1] * spec.groups if spec.transposed else ws[0]
+    x = _grid_values(xs, g, 0.25)
+    if opts.get("nan"):
+        x.view(-1)[x.numel() // 3] = float("nan")
+    w = _grid_values(ws, g, 0.125)
+    b = _grid_values((c_out,), g, 0.5) if opts.get("bias", True) else None
+    m = torch.randn((c_out,) + (1,) * (len(xs) - 2), generator=g, dtype=torch.float64)
+    if opts.get("zero_mul"):
+        m[::2] = 0.0  # every window ties on those channels: the first valid offset must win
+    x, w, m = x.to(dtype), w.to(dtype), m.to(dtype)
+    b = None if b is None else b.to(dtype)
+    if opts.get("channels_last"):
+        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        x = x.contiguous(memory_format=fmt)
+    return x, w, b, [m]
+
+
+def _config(spec, chain, pool) -> str:
+    return ConvEpilogueConfig(conv=spec, chain=tuple(chain), pool=pool, strict=True).to_json()
+
+
+def _run(monkeypatch, impl, x, w, b, ops, config, save=True):
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    monkeypatch.setenv(ce.CONV_IMPL_ENV, impl)
+    return torch.ops.fusion.conv_epilogue_fwd(x, w, b, ops, config, save)
+
+
+def _assert_same(got: torch.Tensor, want: torch.Tensor, what: str):
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    assert got.stride() == want.stride(), f"{what}: strides {got.stride()} vs {want.stride()}"
+    assert torch.equal(got.isnan(), want.isnan()) if got.is_floating_point() else True, (
+        f"{what}: NaN positions"
+    )
+    keep = ~got.isnan() if got.is_floating_point() else torch.ones_like(got, dtype=torch.bool)
+    diff = (got[keep].double() - want[keep].double()).abs()
+    assert diff.numel() == 0 or diff.max().item() == 0.0, f"{what}: max |diff| {diff.max().item()}"
+
+
+@pytest.mark.parametrize(
+    "case,dtype",
+    [(c, torch.float32) for c in CASES] + [(c, torch.float16) for c in CASES if c[0] in FP16_CASES],
+    ids=lambda v: v[0] if isinstance(v, tuple) else str(v).split(".")[-1],
+)
+def test_fused_conv_matches_library_path_bitwise_with_saved_state(monkeypatch, case, dtype):
+    name, xs, ws, spec, chain, pool, opts = case
+    x, w, b, ops = _inputs(xs, ws, spec, opts, dtype)
+    config = _config(spec, chain, pool)
+    got = _run(monkeypatch, "triton", x, w, b, ops, config)
+    want = _run(monkeypatch, "library", x, w, b, ops, config)
+    for what, g_, w_ in zip(("out", "saved_a", "saved_b"), got, want, strict=True):
+        _assert_same(g_, w_, f"{name} {what}")
+    # The values themselves: float64 eager composite (NaN positions included).
+    ref, _, _ = _run(monkeypatch, "library", x.double(), w.double(), None if b is None else b.double(),
+                     [o.double() for o in ops], config)  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    keep = ~ref.isnan()
+    assert torch.equal(got[0].isnan(), ref.isnan())
+    assert torch.allclose(got[0][keep].double(), ref[keep], rtol=tol, atol=tol)
+
+
+def _case(name: str):
+    return next(c for c in CASES if c[0] == name)
+
+
+@pytest.mark.parametrize(
+    "name", ["convT1d-s3p1op2-nopool", "convT3d-seedA-like", "conv2d-cin3-odd-channels-last"]
+)
+def test_int64_index_path_matches(monkeypatch, name):
+    monkeypatch.setattr(conv_fused, "_BIG_INDEX_THRESHOLD", 0)  # BIG=True on small tensors
+    name, xs, ws, spec, chain, pool, opts = _case(name)
+    x, w, b, ops = _inputs(xs, ws, spec, opts, torch.float32)
+    config = _config(spec, chain, pool)
+    got = _run(monkeypatch, "triton", x, w, b, ops, config)
+    want = _run(monkeypatch, "library", x, w, b, ops, config)
+    for what, g_, w_ in zip(("out", "saved_a", "saved_b"), got, want, strict=True):
+        _assert_same(g_, w_, f"{name} {what}")
+
+
+def test_inference_saves_nothing_and_matches(monkeypatch):
+    name, xs, ws, spec, chain, pool, opts = _case("convT3d-seedA-like")
+    x, w, b, ops = _inputs(xs, ws, spec, opts, torch.float32)
+    config = _config(spec, chain, pool)
+    out, sa, sb = _run(monkeypatch, "triton", x, w, b, ops, config, save=False)
+    want = _run(monkeypatch, "library", x, w, b, ops, config, save=False)
+    assert sa.numel() == 0 and sb.numel() == 0
+    _assert_same(out, want[0], "out")
+
+
+def test_random_values_match_float64_eager(monkeypatch):
+    """Non-grid values (rounding everywhere), odd sizes and partial tiles; fp32 at 1e-5."""
+    for xs, ws, spec, pool in (
+        ((3, 5, 13, 7), (7, 5, 2, 3), _spec(2, stride=(2, 1), padding=(1, 1)), _pool("avg", 2, 2, 1, 0)),
+        (
+            (2, 5, 4, 5),
+            (5, 9, 3, 3),
+            _spec(2, True, stride=2, padding=1, output_padding=1),
+            _pool("max", 2, 2),
+        ),
+    ):
+        g = torch.Generator().manual_seed(3)
+        x, w = torch.randn(xs, generator=g), torch.randn(ws, generator=g) * 0.3
+        c_out = ws[1] if spec.transposed else ws[0]
+        b, m = torch.randn(c_out, generator=g), torch.randn(c_out, 1, 1, generator=g)
+        config = _config(spec, SEED_B_CHAIN, pool)
+        out, _, _ = _run(monkeypatch, "triton", x, w, b, [m], config)
+        ref, _, _ = _run(monkeypatch, "library", x.double(), w.double(), b.double(), [m.double()], config)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_unsupported_reason_names_the_limits():
+    geo = conv_fused.ConvGeometry(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
+    x, w = torch.zeros(1, 2, 9, 9), torch.zeros(2, 2, 3, 3)
+    assert conv_fused.unsupported_reason(x, w, geo, None) is None
+    assert "float64" in conv_fused.unsupported_reason(x.double(), w.double(), geo, None)
+    big = kernels.PoolGeometry("max", (9, 9), (1, 1), (0, 0))
+    assert "unroll limit" in conv_fused.unsupported_reason(x, w, geo, big, [1, 1])
+    gappy = kernels.PoolGeometry("avg", (2, 2), (3, 3), (0, 0))  # stride > kernel: uncovered elements
+    assert "no pool window" in conv_fused.unsupported_reason(x, w, geo, gappy, [3, 3], save=True)
+    assert conv_fused.unsupported_reason(x, w, geo, gappy, [3, 3], save=False) is None
+
+
+def test_forced_triton_on_an_unsupported_case_raises_under_strict(monkeypatch):
+    spec = _spec(2)
+    x, w = torch.randn(1, 2, 12, 12), torch.randn(2, 2, 3, 3)
+    config = _config(spec, (), _pool("avg", 2, 2, 3, 0))
+    with pytest.raises(UnsupportedInputError, match="FUSION_CONV_IMPL=triton"):
+        _run(monkeypatch, "triton", x, w, None, [], config)
+    # auto on CPU keeps the library conv (the interpreter is slow), whatever the case.
+    monkeypatch.setenv(ce.CONV_IMPL_ENV, "auto")
+    assert ce.conv_impl(x, w, ConvEpilogueConfig.from_json(config), True)[0] == "library"
+
+
+class _SeedALike(nn.Module):
+    def __init__(self, transposed: bool):
+        super().__init__()
+        conv = (
+            nn.ConvTranspose3d(4, 6, 3, stride=2, padding=1, output_padding=1)
+            if transposed
+            else nn.Conv3d(4, 6, 3)
+        )
+        self.conv = conv
+        self.multiplier = nn.Parameter(torch.randn(6, 1, 1, 1))
+        self.leaky = nn.LeakyReLU(0.2)
+        self.pool = nn.MaxPool3d(2)
+
+    def forward(self, x):
+        return self.pool(self.leaky(self.leaky(self.conv(x)) * self.multiplier))
+
+
+def test_compiled_model_with_forced_fused_conv_matches_eager_gradients(monkeypatch):
+    from fusion_backend.testing import assert_fused
+
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
+    calls = []
+    real = conv_fused.conv_fused_forward
+    monkeypatch.setattr(conv_fused, "conv_fused_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    assert_fused(_SeedALike(True), [torch.randn(2, 4, 3, 4, 4)], expect={"conv_epilogue": 1}, train=True)
+    assert calls, "the fused conv kernel did not run"
+
+
+# --- GPU: the seeds at full size --------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("seed", ["A", "B"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_seeds_full_size_through_the_fused_conv_match_library_path(monkeypatch, seed, dtype):
+    torch.manual_seed(0)
+    if seed == "A":
+        spec, chain, pool = (
+            _spec(3, True, stride=2, padding=1, output_padding=1),
+            SEED_A_CHAIN,
+            _pool("max", 3, 2),
+        )
+        x, w = torch.rand(16, 16, 16, 32, 32), torch.randn(16, 32, 3, 3, 3) * 0.1
+        c_out = 32
+    else:
+        spec, chain, pool = _spec(2), SEED_B_CHAIN, None
+        x, w = torch.rand(64, 64, 256, 256), torch.randn(64, 64, 3, 3) * 0.05
+        c_out = 64
+    b, m = torch.randn(c_out), torch.randn((c_out,) + (1,) * (x.dim() - 2))
+    x, w, b, m = (t.cuda().to(dtype) for t in (x, w, b, m))
+    config = _config(spec, chain, pool)
+    monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
+    got = torch.ops.fusion.conv_epilogue_fwd(x, w, b, [m], config, True)
+    monkeypatch.setenv(ce.CONV_IMPL_ENV, "library")
+    want = torch.ops.fusion.conv_epilogue_fwd(x, w, b, [m], config, True)
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3  # TF32 on both sides (cudnn.allow_tf32 default)
+    for g_, w_ in zip(got, want, strict=True):
+        assert g_.shape == w_.shape and g_.dtype == w_.dtype and g_.stride() == w_.stride()
+    rel = ((got[0].double() - want[0].double()).norm() / want[0].double().norm()).item()
+    assert rel < tol
+    if seed == "A":  # winners may differ only at near-ties: > 99% agree, and their values agree
+        agree = (got[1] == want[1]).double().mean().item()
+        assert agree > 0.99
+        same = got[1] == want[1]
+        assert torch.allclose(got[2][same].double(), want[2][same].double(), rtol=tol, atol=tol)
+    else:
+        rel_y = ((got[1].double() - want[1].double()).norm() / want[1].double().norm()).item()
+        assert rel_y < tol

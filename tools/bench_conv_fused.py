@@ -1,0 +1,98 @@
+"""Time the fused conv forward (``FUSION_CONV_IMPL=triton``) against the library path on the seeds.
+
+    python tools/bench_conv_fused.py                       # seeds A and B, fp32 and bf16
+    python tools/bench_conv_fused.py --seeds A --dtypes fp32 --no-save
+
+For each seed x dtype it prints the median ms (``triton.testing.do_bench``) of
+``fusion::conv_epilogue_fwd`` with the fused implicit-GEMM kernel and with cuDNN + the epilogue
+kernel, the cuDNN conv alone, the eager module, the autotuned tile, and the relative error of the
+fused output vs the library path.  ``save`` = the training forward (writes the backward state).
+Needs CUDA; fp32 uses TF32 as ``torch.backends.cudnn.allow_tf32`` says (PyTorch's default: on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from fusion_backend.ops import conv_epilogue as ce
+from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
+from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
+
+PK = PointwiseKind
+
+
+def _seed(name: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    if name == "A":
+        spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+        leaky = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
+        chain = (leaky, ChainStep(PK.MUL, (TensorRef(0),)), leaky)
+        pool = PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
+        x, w, c = torch.rand(16, 16, 16, 32, 32), torch.randn(16, 32, 3, 3, 3) * 0.1, 32
+    else:
+        spec = ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
+        chain = (
+            ChainStep(PK.MUL, (TensorRef(0),)),
+            ChainStep(PK.LEAKY_RELU, (Const(0.01),)),
+            ChainStep(PK.GELU),
+        )
+        pool = None
+        x, w, c = torch.rand(64, 64, 256, 256), torch.randn(64, 64, 3, 3) * 0.05, 64
+    b, m = torch.randn(c), torch.randn((c,) + (1,) * (x.dim() - 2))
+    x, w, b, m = (t.cuda().to(dtype) for t in (x, w, b, m))
+    config = ConvEpilogueConfig(conv=spec, chain=chain, pool=pool, strict=True).to_json()
+    return x, w, b, [m], spec, config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="A,B")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--no-save", action="store_true", help="inference forward only (no saved state)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA: nothing to time")
+        return 0
+    import triton.testing
+
+    from fusion_backend.kernels import conv_fused
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    save = not args.no_save
+    print(
+        f"{'seed':4} {'dtype':5} {'save':5} {'fused':>8} {'library':>8} {'cudnn':>8} {'eager':>8}  rel.err  tile"
+    )
+    for seed in args.seeds.split(","):
+        for dname in args.dtypes.split(","):
+            x, w, b, ops, spec, config = _seed(seed, dtypes[dname])
+
+            def op(impl: str, x=x, w=w, b=b, ops=ops, config=config):
+                os.environ[ce.CONV_IMPL_ENV] = impl
+                return torch.ops.fusion.conv_epilogue_fwd(x, w, b, ops, config, save)
+
+            got, want = op("triton"), op("library")
+            rel = ((got[0].double() - want[0].double()).norm() / want[0].double().norm()).item()
+            times = {
+                impl: triton.testing.do_bench(lambda impl=impl: op(impl)) for impl in ("triton", "library")
+            }
+            conv = lambda x=x, w=w, spec=spec: torch.ops.aten.convolution(  # noqa: E731
+                x, w, None, list(spec.stride), list(spec.padding), list(spec.dilation), spec.transposed,
+                list(spec.output_padding), spec.groups,
+            )  # fmt: skip
+            t_conv = triton.testing.do_bench(conv)
+            eager = lambda x=x, w=w, b=b, ops=ops, config=config: ce.conv_epilogue_eager(x, w, b, ops, config)  # noqa: E731
+            with torch.no_grad():
+                t_eager = triton.testing.do_bench(eager)
+            best = getattr(conv_fused._conv_fused_fwd_tuned, "best_config", None)
+            print(f"{seed:4} {dname:5} {save!s:5} {times['triton']:8.3f} {times['library']:8.3f} {t_conv:8.3f} "
+                  f"{t_eager:8.3f}  {rel:.1e}  {best}")  # fmt: skip
+    os.environ.pop(ce.CONV_IMPL_ENV, None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
