@@ -508,16 +508,24 @@ def _set_sums_cl_kernel(
     p_end = tl.minimum(p_start + p_per_split, P)
     jv = tl.arange(0, J_PAD)
     acc = tl.zeros([J_PAD, BLOCK_C], dtype=tl.float32)
+    # NOTE: with a single set (every tap sees the same positions: the seed's case) the tile is
+    # accumulated elementwise and reduced across positions once at the end, not once per tile.
+    acc1 = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
     for p0 in range(p_start, p_end, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
         p_ok = p < p_end
         ptrs = base + p.to(tl.int64)[:, None] * stride_xp + c.to(tl.int64)[None, :] * stride_xc
         xt = tl.load(ptrs, mask=p_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
         bd, bh, bw = _position_bits(p, p_ok, bits_d_ptr, bits_h_ptr, bits_w_ptr, H, W)
-        for j in tl.static_range(J1 * J2 * J3):
-            inside = (((bd >> (j // (J2 * J3))) & (bh >> ((j // J3) % J2)) & (bw >> (j % J3))) & 1) != 0
-            part = tl.sum(tl.where(inside[:, None], xt, 0.0), axis=0)  # [BLOCK_C]
-            acc += tl.where(jv[:, None] == j, part[None, :], 0.0)
+        if J1 * J2 * J3 == 1:
+            acc1 += tl.where(((bd & bh & bw & 1) != 0)[:, None], xt, 0.0)
+        else:
+            for j in tl.static_range(J1 * J2 * J3):
+                inside = (((bd >> (j // (J2 * J3))) & (bh >> ((j // J3) % J2)) & (bw >> (j % J3))) & 1) != 0
+                part = tl.sum(tl.where(inside[:, None], xt, 0.0), axis=0)  # [BLOCK_C]
+                acc += tl.where(jv[:, None] == j, part[None, :], 0.0)
+    if J1 * J2 * J3 == 1:
+        acc += tl.sum(acc1, axis=0)[None, :]
     nsplit = tl.num_programs(2)
     out_ptrs = out_ptr + ((n.to(tl.int64) * nsplit + split) * (J1 * J2 * J3) + jv[:, None]) * C + c[None, :]
     tl.store(out_ptrs, acc, mask=(jv[:, None] < J1 * J2 * J3) & c_ok[None, :])
