@@ -26,10 +26,15 @@ in a fixed order.
 
 Measured on an H100 (torch 2.11, triton 3.6) at the seed's size, x (16, 64, 512, 512) fp32 with one
 set per dim: ``_set_sums_kernel`` 0.36 ms (~3 TB/s of x), ``_set_broadcast_kernel`` 0.34 ms; with
-three sets per dim (a padded "same" conv) 0.59 / 0.46 ms.  channels_last x is read in place but with
-strided loads along W: 2.7 ms for the same tensor.  NOTE: a channels-innermost tiling (a program
-per spatial block, a vector of channels per row) would restore full bandwidth; not written yet, and
-``x.contiguous()`` first (~1.1 ms, +1 copy of x in memory) would also beat the strided reads.
+three sets per dim (a padded "same" conv) 0.59 / 0.46 ms.  channels_last x read by the plane kernel
+(strided loads along W) took 2.7 ms: ``_set_sums_cl_kernel`` / ``_grad_broadcast_cl_kernel`` now tile
+``positions x channels`` so each tile row is a contiguous run of channels (not yet timed on a GPU).
+
+The fused op's pipeline (``set_sums_partial`` -> ``contract_forward`` forward, ``params_backward`` ->
+``grad_broadcast`` backward) is one launch per launcher: the split partials are reduced inside
+``_contract_fwd_kernel``, and grad_x's per-set coefficients are formed in ``_set_broadcast_kernel``'s
+prologue (``FROM_GRAD``) from ``G`` and the weight.  ``set_sums`` / ``set_broadcast`` remain as the
+plain building blocks (tests use them).
 
 The launchers take 5-D views ``(N, C, D, H, W)`` (1-d and 2-d problems unsqueezed in front) with any
 strides, so channels_last inputs are read in place.
@@ -714,7 +719,7 @@ def _contract_fwd_kernel(
     v = mean
     for i in tl.static_range(NS):
         v = _apply(v, _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i), KINDS[i])
-    tl.store(out_ptr + n.to(tl.int64) * C_OUT + co, v.to(out_ptr.dtype.element_ty), mask=co_ok)
+    tl.store(out_ptr + n.to(tl.int64) * C_OUT + co, v.to(tl.float32).to(out_ptr.dtype.element_ty), mask=co_ok)
 
 
 @triton.jit
@@ -806,7 +811,7 @@ def _params_bwd_kernel(
         s = tl.load(taps_ptr + (n * C_IN + ci.to(tl.int64)) * T + t, mask=ci_ok, other=0.0)
         acc += s[:, None] * gv[None, :]
     gw_off = co.to(tl.int64)[None, :] * gw_s_co + (ci.to(tl.int64) * gw_s_ci - gi * gw_off_g)[:, None] + t * gw_s_t
-    tl.store(gw_ptr + gw_off, acc.to(gw_ptr.dtype.element_ty), mask=ci_ok[:, None] & co_ok[None, :])
+    tl.store(gw_ptr + gw_off, acc.to(tl.float32).to(gw_ptr.dtype.element_ty), mask=ci_ok[:, None] & co_ok[None, :])
 
     # per-channel results (only the k == 0 programs store them)
     first = co_ok & ((col * 0 + k) == 0)
@@ -844,12 +849,12 @@ def _params_bwd_kernel(
                     d = -d
                 opacc += tl.where(slot[:, None] == i, gvi[None, :], 0.0)
     if HAS_BIAS:
-        tl.store(gbias_ptr + co * gbias_stride, gbias.to(gbias_ptr.dtype.element_ty), mask=first)
+        tl.store(gbias_ptr + co * gbias_stride, gbias.to(tl.float32).to(gbias_ptr.dtype.element_ty), mask=first)
     if NEED_OPS:
         for i in tl.static_range(NS):
             row = tl.sum(tl.where(slot[:, None] == i, opacc, 0.0), axis=0)
             if OUT_MODE[i] == 1:
-                tl.store(gops[i] + co * gop_strides[i], row.to(gops[i].dtype.element_ty), mask=first)
+                tl.store(gops[i] + co * gop_strides[i], row.to(tl.float32).to(gops[i].dtype.element_ty), mask=first)
             elif OUT_MODE[i] == 2:
                 tl.store(scratch_ptr + i * C_OUT + co, row, mask=first)
 

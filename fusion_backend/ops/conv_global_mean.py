@@ -48,13 +48,26 @@ writes it from per-set coefficients), ``dW[co, ci, t] = sum_n G[n, co] S[n, ci, 
 saved ``S``, ``N*C_in*taps`` numbers), ``dbias = sum_n g*A``; the affine operands get theirs by the
 chain rule through the fold.  Nothing full-size is saved.
 
-Precision: x is summed in fp32 (fp64 for fp64 inputs); the small products with W run in fp64, which
-also keeps them off TF32.  Results are cast to ``out_dtype``.  No float atomics anywhere.
+Kernel pipeline (CUDA, and CPU under ``FUSION_CPU_KERNELS=triton``): exactly two Triton launches each way.
 
-Cost (H100, seed C: x (16, 64, 512, 512) fp32, measured before the host-side op count was trimmed):
-the forward kernel takes 0.36 ms (1.07 GB read, ~3 TB/s), the grad_x kernel 0.34 ms; everything
-else is a few dozen tiny torch ops whose *host* time (~10-20 us each) then dominated: 0.65 ms per
-forward call, 2.8 ms per forward+backward step, versus 7.4 / 23.4 ms in eager.
+* forward: ``set_sums_partial`` (the one pass over x; a channels-innermost variant reads channels_last
+  x at full bandwidth) then ``contract_forward`` (sums the per-split partials in a fixed order, writes
+  the tap sums ``S``, contracts with W, adds the bias, scales by ``1/P`` and applies the affine steps
+  in order, writing ``out`` in its dtype plus ``S`` and ``M`` for the backward).
+* backward: ``params_backward`` (grad_weight, grad_bias, every per-channel operand gradient and
+  ``G``) then ``grad_broadcast`` (grad_x, in x's memory format; each program first forms its planes'
+  per-set coefficients from ``G`` and W, then writes every element once).  One-element or shared
+  tensor operands add a few tiny host-combined ops (never the seed's case).
+Shape-only data (bit tables, the tap-to-set table) is built once per shape and cached on the device.
+
+Precision: x is summed in fp32 with per-tile tree reductions (fp64 for fp64 inputs, on the reference
+path); the contraction with W, the chain and the parameter gradients run in fp64 in the small
+kernels (they cancel; they are tiny), which also keeps them off TF32.  grad_x coefficients are fp32.
+Results are cast to ``out_dtype``.  No float atomics anywhere: every reduction has a fixed order.
+
+Cost (H100, seed C: x (16, 64, 512, 512) fp32), measured before this pipeline: the pass over x
+0.36 ms (1.07 GB, ~3 TB/s), the grad_x pass 0.34 ms; the ~15 small torch ops around them made it
+0.65 ms per forward and 2.8 ms per step.  ``tools/bench_conv_global_mean.py`` times the pipeline.
 """
 
 from __future__ import annotations
