@@ -290,6 +290,7 @@ def test_opcheck_forward_and_backward_ops() -> None:
         tap_sums,
         conv_mean,
         list(x.shape),
+        list(x.stride()),
         x.dtype,
     )
     torch.library.opcheck(conv_global_mean_bwd, (*args, True, config))
@@ -366,7 +367,7 @@ def test_triton_path_forward_and_backward(
     import fusion_backend.kernels.global_mean as kernels
 
     launched: list[str] = []
-    for name in ("set_sums", "set_broadcast"):
+    for name in LAUNCHERS:
         original = getattr(kernels, name)
         monkeypatch.setattr(
             kernels, name, lambda *a, _f=original, _n=name, **k: launched.append(_n) or _f(*a, **k)
@@ -374,12 +375,120 @@ def test_triton_path_forward_and_backward(
     got = conv_global_mean(leaves[0], leaves[1], leaves[2], leaves[3:], config)
     assert got.dtype == dtype and got.device.type == kernel_device
     got_grads = torch.autograd.grad(got, leaves, grad.to(kernel_device, dtype))
-    assert launched == ["set_sums", "set_broadcast"]
+    assert launched == list(LAUNCHERS), "forward and backward each take exactly two kernel launches"
     rtol = 1e-5 if dtype == torch.float32 else 5e-3
     assert_close_scaled(got, expected, rtol, "out")
     for name, g, e in zip(["x", "weight", "bias", "op0", "op1"], got_grads, expected_grads, strict=True):
         assert g.dtype == dtype and g.shape == e.shape
         assert_close_scaled(g, e, rtol, name)
+
+
+#: The kernel launchers one forward + backward call goes through, in order (one Triton launch each).
+LAUNCHERS = ("set_sums_partial", "contract_forward", "params_backward", "grad_broadcast")
+
+
+def _count_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    import fusion_backend.kernels.global_mean as kernels
+
+    launched: list[str] = []
+    for name in LAUNCHERS:
+        original = getattr(kernels, name)
+        monkeypatch.setattr(
+            kernels, name, lambda *a, _f=original, _n=name, **k: launched.append(_n) or _f(*a, **k)
+        )
+    return launched
+
+
+def _kernel_parity(
+    spec: ConvSpec,
+    affine: tuple[ChainStep, ...],
+    shapes: list,
+    c_in: int,
+    c_out: int,
+    size: tuple[int, ...],
+    kernel: tuple[int, ...],
+    kernel_device: str,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    bias: bool = True,
+    keepdim: bool = False,
+) -> list[torch.Tensor]:
+    """Triton path (fp32) vs the fp64 eager composite: output and every gradient at 1e-5; returns the
+    gradients (x's first)."""
+    x, w, b = make_inputs(spec, c_in, c_out, size, kernel)
+    b = b if bias else None
+    operands = make_operands(shapes, c_out)
+    leaves64 = [t.requires_grad_() for t in (x, w, *([b] if bias else []), *operands)]
+    expected = eager(spec, affine, keepdim, x, w, b, operands)
+    grad = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, leaves64, grad)
+    xd = x.detach().to(kernel_device, torch.float32).contiguous(memory_format=memory_format).requires_grad_()
+    rest = [t.detach().to(kernel_device, torch.float32).requires_grad_() for t in leaves64[1:]]
+    wd, bd = rest[0], (rest[1] if bias else None)
+    ops = rest[2:] if bias else rest[1:]
+    config = ConvGlobalMeanConfig(spec, affine, keepdim=keepdim, strict=True).to_json()
+    got = conv_global_mean(xd, wd, bd, ops, config)
+    got_grads = torch.autograd.grad(got, [xd, *rest], grad.to(kernel_device, torch.float32))
+    assert_close_scaled(got, expected, 1e-5, "out")
+    for i, (g, e) in enumerate(zip(got_grads, expected_grads, strict=True)):
+        assert g.shape == e.shape and g.dtype == torch.float32
+        assert_close_scaled(g, e, 1e-5, f"grad {i}")
+    return list(got_grads)
+
+
+@pytest.mark.parametrize(
+    "affine_name", ["none", "scalar_const", "zero_d", "per_channel", "rsub_div", "shared_operand"]
+)
+def test_triton_path_folds_every_affine_chain(affine_name: str, monkeypatch, kernel_device: str) -> None:
+    """Constant, 0-d, per-channel and shared operands: the chain runs inside the two small kernels."""
+    monkeypatch.setenv(cgm.CPU_KERNELS_ENV, "triton")
+    launched = _count_launches(monkeypatch)
+    affine, shapes = AFFINES[affine_name]
+    _kernel_parity(spec2d(True, groups=2), affine, shapes, 4, 6, (5, 7), (3, 2), kernel_device, keepdim=True)
+    assert launched == list(LAUNCHERS)
+
+
+@pytest.mark.parametrize(
+    "spec, size, kernel",
+    [
+        (ConvSpec(False, (2,), (1,), (2,), (0,), 1), (11,), (3,)),
+        (ConvSpec(True, (2, 1, 1), (1, 0, 1), (1, 1, 2), (1, 0, 0), 2), (3, 4, 5), (2, 3, 2)),
+        (ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 1), (6, 5), (3, 3)),
+    ],
+    ids=["conv1d", "convT3d_groups", "conv2d_same"],
+)
+def test_triton_path_1d_3d_groups_no_bias(spec, size, kernel, monkeypatch, kernel_device: str) -> None:
+    monkeypatch.setenv(cgm.CPU_KERNELS_ENV, "triton")
+    affine, shapes = AFFINES["per_channel"]
+    shapes = [(s[0], *([1] * len(size))) if s[0] == "C" else (1, "C", *([1] * len(size))) for s in shapes]
+    _kernel_parity(spec, affine, shapes, 4, 6, size, kernel, kernel_device, bias=False)
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+def test_channels_last_input_reads_in_place_and_grad_x_keeps_its_layout(
+    nd: int, monkeypatch: pytest.MonkeyPatch, kernel_device: str
+) -> None:
+    """channels_last x takes the channels-innermost kernels (no copy of x) and grad_x comes back in
+    x's memory format, with the strides eager autograd gives."""
+    import fusion_backend.kernels.global_mean as kernels
+
+    monkeypatch.setenv(cgm.CPU_KERNELS_ENV, "triton")
+    fmt = torch.channels_last if nd == 2 else torch.channels_last_3d
+    spec = spec2d(True, groups=2) if nd == 2 else ConvSpec(False, (1, 2, 1), (1, 0, 1), (1, 1, 1), (0, 0, 0), 2)
+    size, kernel = ((6, 9), (3, 2)) if nd == 2 else ((3, 5, 4), (2, 3, 2))
+    seen: list[bool] = []
+    original = kernels._channels_innermost
+    monkeypatch.setattr(kernels, "_channels_innermost", lambda t: seen.append(original(t)) or seen[-1])
+    affine, shapes = AFFINES["rsub_div"]
+    shapes = [tuple(1 if s == 1 else s for s in shape[:1]) + (1,) * nd if shape[0] == "C" else (1,) * (nd + 1)
+              for shape in shapes]
+    grads = _kernel_parity(spec, affine, shapes, 4, 6, size, kernel, kernel_device, memory_format=fmt)
+    assert seen == [True, True], "both passes over x-sized data use the channels-innermost kernels"
+    grad_x = grads[0]
+    assert grad_x.is_contiguous(memory_format=fmt) and not grad_x.is_contiguous()
+    x, w, b = make_inputs(spec, 4, 6, size, kernel, dtype=torch.float32)
+    x = x.contiguous(memory_format=fmt).requires_grad_()
+    eager_grad = torch.autograd.grad(eager(spec, (), False, x, w, b, []).sum(), x)[0]
+    assert grad_x.stride() == eager_grad.stride() == x.stride()
 
 
 def test_kernel_failure_raises_when_strict_else_warns_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -389,7 +498,7 @@ def test_kernel_failure_raises_when_strict_else_warns_and_falls_back(monkeypatch
         raise RuntimeError("simulated launch failure")
 
     monkeypatch.setenv(cgm.CPU_KERNELS_ENV, "triton")
-    monkeypatch.setattr(kernels, "set_sums", broken)
+    monkeypatch.setattr(kernels, "set_sums_partial", broken)
     monkeypatch.setattr(cgm, "_warned", set())
     spec = spec2d(False)
     x, w, b = make_inputs(spec, 2, 3, (5, 6), (2, 2), dtype=torch.float32)

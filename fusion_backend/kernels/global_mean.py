@@ -26,10 +26,15 @@ in a fixed order.
 
 Measured on an H100 (torch 2.11, triton 3.6) at the seed's size, x (16, 64, 512, 512) fp32 with one
 set per dim: ``_set_sums_kernel`` 0.36 ms (~3 TB/s of x), ``_set_broadcast_kernel`` 0.34 ms; with
-three sets per dim (a padded "same" conv) 0.59 / 0.46 ms.  channels_last x is read in place but with
-strided loads along W: 2.7 ms for the same tensor.  NOTE: a channels-innermost tiling (a program
-per spatial block, a vector of channels per row) would restore full bandwidth; not written yet, and
-``x.contiguous()`` first (~1.1 ms, +1 copy of x in memory) would also beat the strided reads.
+three sets per dim (a padded "same" conv) 0.59 / 0.46 ms.  channels_last x read by the plane kernel
+(strided loads along W) took 2.7 ms: ``_set_sums_cl_kernel`` / ``_grad_broadcast_cl_kernel`` now tile
+``positions x channels`` so each tile row is a contiguous run of channels (not yet timed on a GPU).
+
+The fused op's pipeline (``set_sums_partial`` -> ``contract_forward`` forward, ``params_backward`` ->
+``grad_broadcast`` backward) is one launch per launcher: the split partials are reduced inside
+``_contract_fwd_kernel``, and grad_x's per-set coefficients are formed in ``_set_broadcast_kernel``'s
+prologue (``FROM_GRAD``) from ``G`` and the weight.  ``set_sums`` / ``set_broadcast`` remain as the
+plain building blocks (tests use them).
 
 The launchers take 5-D views ``(N, C, D, H, W)`` (1-d and 2-d problems unsqueezed in front) with any
 strides, so channels_last inputs are read in place.
@@ -38,6 +43,8 @@ strides, so channels_last inputs are read in place.
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -104,6 +111,29 @@ def _row_set_mask(
     in1 = ((bd[None, :] >> j1[:, None]) & 1) != 0
     in2 = ((bh[None, :] >> j2[:, None]) & 1) != 0
     return in1 & in2 & valid[:, None] & row_ok[None, :]
+
+
+@triton.jit
+def _tap_coef(
+    g_ptr, w_ptr, n, ci, ci_ok, t, CIN_G, COUT_G, C_OUT, s_co, s_ci, s_t, off_g, BLOCK_CO: tl.constexpr
+):
+    """``[BLOCK_C]``: ``sum over co in the group of ci of G[n, co] * W(ci, co, t)`` for a vector ``ci``.
+
+    ``g_ptr``: contiguous fp32 ``(N, C_OUT)``.  ``w_ptr``: the conv weight (any float dtype); element
+    ``(ci, co, t)`` (``t`` the flattened tap) lives at ``co*s_co + ci*s_ci - group*off_g + t*s_t``
+    (this covers both layouts: regular ``(C_out, C_in/g, *k)`` and transposed ``(C_in, C_out/g, *k)``).
+    """
+    gi = ci // CIN_G
+    acc = tl.zeros(ci.shape, dtype=tl.float32)
+    for co0 in range(0, COUT_G, BLOCK_CO):
+        col = co0 + tl.arange(0, BLOCK_CO)
+        m = ci_ok[:, None] & (col < COUT_G)[None, :]
+        co = gi[:, None] * COUT_G + col[None, :]
+        w_off = co.to(tl.int64) * s_co + (ci.to(tl.int64) * s_ci - gi.to(tl.int64) * off_g)[:, None] + t * s_t
+        w = tl.load(w_ptr + w_off, mask=m, other=0.0).to(tl.float32)
+        gv = tl.load(g_ptr + n.to(tl.int64) * C_OUT + co, mask=m, other=0.0)
+        acc += tl.sum(w * gv, axis=1)
+    return acc
 
 
 @triton.jit
@@ -200,6 +230,17 @@ def _set_broadcast_kernel(
     stride_od,
     stride_oh,
     stride_ow,
+    g_ptr,
+    w_ptr,
+    tapset_ptr,
+    T,
+    CIN_G,
+    COUT_G,
+    C_OUT,
+    s_co,
+    s_ci,
+    s_t,
+    off_g,
     J1: tl.constexpr,
     J2: tl.constexpr,
     J3: tl.constexpr,
@@ -207,6 +248,8 @@ def _set_broadcast_kernel(
     J3_PAD: tl.constexpr,
     BLOCK_A: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    FROM_GRAD: tl.constexpr,
+    BLOCK_CO: tl.constexpr,
 ):
     """Adjoint of ``_set_sums_kernel``: ``out[n, c, i] = sum of q[n, c, j] over the sets j containing i``.
 
@@ -214,7 +257,10 @@ def _set_broadcast_kernel(
     Every output element is written exactly once (no accumulation into memory).
 
     Pointer contract:
-      * ``q_ptr``: contiguous fp32 ``(N*C, J1*J2*J3)``, set index ``(j1*J2 + j2)*J3 + j3``.
+      * ``q_ptr``: contiguous fp32 ``(N*C, J1*J2*J3)``, set index ``(j1*J2 + j2)*J3 + j3``; unused when
+        ``FROM_GRAD``: then each program computes its plane's coefficients in a prologue,
+        ``q[n, ci, j] = sum over taps t of set j, co of ci's group of G[n, co] * W(ci, co, t)``
+        (see ``_tap_coef`` for the ``g_ptr``/``w_ptr``/``tapset_ptr`` contract).
       * ``bits_{d,h,w}_ptr``: as in ``_set_sums_kernel``.
       * ``out_ptr``: 5-D ``(N, C, D, H, W)`` output of fp32/fp16/bf16 with element strides
         ``stride_o{n,c,d,h,w}``; values are computed in fp32 and cast to the element type on store.
@@ -227,8 +273,20 @@ def _set_broadcast_kernel(
 
     j12v = tl.arange(0, J12_PAD)
     j3v = tl.arange(0, J3_PAD)
-    q_ptrs = q_ptr + plane.to(tl.int64) * (J1 * J2 * J3) + j12v[:, None] * J3 + j3v[None, :]
-    q = tl.load(q_ptrs, mask=(j12v[:, None] < J1 * J2) & (j3v[None, :] < J3), other=0.0)  # [J12_PAD, J3_PAD]
+    if FROM_GRAD:
+        ci = tl.full([1], 0, tl.int32) + c
+        q = tl.zeros([J12_PAD, J3_PAD], dtype=tl.float32)
+        for t in range(T):
+            coef = tl.sum(
+                _tap_coef(g_ptr, w_ptr, n, ci, ci < C, t, CIN_G, COUT_G, C_OUT, s_co, s_ci, s_t, off_g, BLOCK_CO),
+                axis=0,
+            )
+            jt = tl.load(tapset_ptr + t)
+            hit = (j12v[:, None] == jt // J3) & (j3v[None, :] == jt % J3)
+            q += tl.where(hit, coef, 0.0)
+    else:
+        q_ptrs = q_ptr + plane.to(tl.int64) * (J1 * J2 * J3) + j12v[:, None] * J3 + j3v[None, :]
+        q = tl.load(q_ptrs, mask=(j12v[:, None] < J1 * J2) & (j3v[None, :] < J3), other=0.0)  # [J12_PAD, J3_PAD]
 
     row_start = split * rows_per_split
     row_end = tl.minimum(row_start + rows_per_split, rows)
@@ -375,6 +433,10 @@ def set_broadcast(
         rows,
         rows_per_split,
         *out.stride(),
+        q32,  # g_ptr, w_ptr, tapset_ptr: unused without FROM_GRAD
+        q32,
+        bits[0],
+        *(0,) * 8,
         J1=j1,
         J2=j2,
         J3=j3,
@@ -382,6 +444,677 @@ def set_broadcast(
         J3_PAD=_next_pow2(j3),
         BLOCK_A=block_a,
         BLOCK_W=block_w,
+        FROM_GRAD=False,
+        BLOCK_CO=1,
         num_warps=_NUM_WARPS,
     )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Channels-last variants: a program owns a block of channels and a range of spatial positions, so
+# every tile row is a contiguous run of channels (full-bandwidth loads/stores).
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _position_bits(p, p_ok, bits_d_ptr, bits_h_ptr, bits_w_ptr, H, W):
+    hw = H * W
+    d = p // hw
+    rem = p - d * hw
+    h = rem // W
+    w = rem - h * W
+    bd = tl.load(bits_d_ptr + d, mask=p_ok, other=0)
+    bh = tl.load(bits_h_ptr + h, mask=p_ok, other=0)
+    bw = tl.load(bits_w_ptr + w, mask=p_ok, other=0)
+    return bd, bh, bw
+
+
+@triton.jit
+def _set_sums_cl_kernel(
+    x_ptr,
+    bits_d_ptr,
+    bits_h_ptr,
+    bits_w_ptr,
+    out_ptr,
+    C,
+    H,
+    W,
+    P,
+    p_per_split,
+    stride_xn,
+    stride_xc,
+    stride_xp,
+    J1: tl.constexpr,
+    J2: tl.constexpr,
+    J3: tl.constexpr,
+    J_PAD: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Channels-last ``_set_sums_kernel``: same sums, x read as ``(N, P = D*H*W, C)`` rows of channels.
+
+    Grid: ``(N, cdiv(C, BLOCK_C), SPLIT)``; program ``(n, cb, s)`` reduces positions
+    ``[s*p_per_split, (s+1)*p_per_split)`` for channels ``[cb*BLOCK_C, ...)``.
+
+    Pointer contract:
+      * ``x_ptr``: fp32/fp16/bf16; element ``(n, c, p)`` at ``n*stride_xn + c*stride_xc + p*stride_xp``
+        where ``p = (d*H + h)*W + w`` (valid for channels_last / channels_last_3d: ``stride_xc == 1``).
+      * ``bits_*``: as in ``_set_sums_kernel``.
+      * ``out_ptr``: contiguous fp32 ``(N, SPLIT, J1*J2*J3, C)`` partial sums (fixed-order reduced later).
+    """
+    n = tl.program_id(0)
+    cb = tl.program_id(1)
+    split = tl.program_id(2)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    base = x_ptr + n.to(tl.int64) * stride_xn
+    p_start = split * p_per_split
+    p_end = tl.minimum(p_start + p_per_split, P)
+    jv = tl.arange(0, J_PAD)
+    acc = tl.zeros([J_PAD, BLOCK_C], dtype=tl.float32)
+    # NOTE: with a single set (every tap sees the same positions: the seed's case) the tile is
+    # accumulated elementwise and reduced across positions once at the end, not once per tile.
+    acc1 = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    for p0 in range(p_start, p_end, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        p_ok = p < p_end
+        ptrs = base + p.to(tl.int64)[:, None] * stride_xp + c.to(tl.int64)[None, :] * stride_xc
+        xt = tl.load(ptrs, mask=p_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        bd, bh, bw = _position_bits(p, p_ok, bits_d_ptr, bits_h_ptr, bits_w_ptr, H, W)
+        if J1 * J2 * J3 == 1:
+            acc1 += tl.where(((bd & bh & bw & 1) != 0)[:, None], xt, 0.0)
+        else:
+            for j in tl.static_range(J1 * J2 * J3):
+                inside = (((bd >> (j // (J2 * J3))) & (bh >> ((j // J3) % J2)) & (bw >> (j % J3))) & 1) != 0
+                part = tl.sum(tl.where(inside[:, None], xt, 0.0), axis=0)  # [BLOCK_C]
+                acc += tl.where(jv[:, None] == j, part[None, :], 0.0)
+    if J1 * J2 * J3 == 1:
+        acc += tl.sum(acc1, axis=0)[None, :]
+    nsplit = tl.num_programs(2)
+    out_ptrs = out_ptr + ((n.to(tl.int64) * nsplit + split) * (J1 * J2 * J3) + jv[:, None]) * C + c[None, :]
+    tl.store(out_ptrs, acc, mask=(jv[:, None] < J1 * J2 * J3) & c_ok[None, :])
+
+
+@triton.jit
+def _grad_broadcast_cl_kernel(
+    g_ptr,
+    w_ptr,
+    tapset_ptr,
+    bits_d_ptr,
+    bits_h_ptr,
+    bits_w_ptr,
+    out_ptr,
+    C,
+    H,
+    W,
+    P,
+    p_per_split,
+    stride_on,
+    stride_oc,
+    stride_op,
+    T,
+    CIN_G,
+    COUT_G,
+    C_OUT,
+    s_co,
+    s_ci,
+    s_t,
+    off_g,
+    J1: tl.constexpr,
+    J2: tl.constexpr,
+    J3: tl.constexpr,
+    J_PAD: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_CO: tl.constexpr,
+):
+    """Channels-last grad_x: ``out[n, c, p] = sum over sets j containing p of q[n, c, j]``, with
+    ``q`` computed in the prologue from ``G`` and the weight (see ``_tap_coef``).
+
+    Grid: ``(N, cdiv(C, BLOCK_C), SPLIT)``.  ``out_ptr`` addressed like ``x_ptr`` of
+    ``_set_sums_cl_kernel``; every element is written exactly once.
+    """
+    n = tl.program_id(0)
+    cb = tl.program_id(1)
+    split = tl.program_id(2)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    jv = tl.arange(0, J_PAD)
+    q = tl.zeros([J_PAD, BLOCK_C], dtype=tl.float32)
+    for t in range(T):
+        coef = _tap_coef(g_ptr, w_ptr, n, c, c_ok, t, CIN_G, COUT_G, C_OUT, s_co, s_ci, s_t, off_g, BLOCK_CO)
+        jt = tl.load(tapset_ptr + t)
+        q += tl.where(jv[:, None] == jt, coef[None, :], 0.0)
+    base = out_ptr + n.to(tl.int64) * stride_on
+    p_start = split * p_per_split
+    p_end = tl.minimum(p_start + p_per_split, P)
+    for p0 in range(p_start, p_end, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        p_ok = p < p_end
+        bd, bh, bw = _position_bits(p, p_ok, bits_d_ptr, bits_h_ptr, bits_w_ptr, H, W)
+        val = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(J1 * J2 * J3):
+            inside = (((bd >> (j // (J2 * J3))) & (bh >> ((j // J3) % J2)) & (bw >> (j % J3))) & 1) != 0
+            qj = tl.sum(tl.where(jv[:, None] == j, q, 0.0), axis=0)  # [BLOCK_C]
+            val += tl.where(inside[:, None], qj[None, :], 0.0)
+        ptrs = base + p.to(tl.int64)[:, None] * stride_op + c.to(tl.int64)[None, :] * stride_oc
+        tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------------
+# The small kernels: the contraction with the weights plus the folded affine chain (forward), and
+# every parameter gradient from the saved sums (backward).
+# --------------------------------------------------------------------------------------------------
+
+# Affine step kinds as the kernels know them (``KINDS`` entries).
+STEP_MUL, STEP_ADD, STEP_SUB, STEP_RSUB, STEP_DIV = 1, 2, 3, 4, 5
+# Where the backward kernel puts a step operand's gradient (``OUT_MODE`` entries).
+GRAD_NONE, GRAD_DIRECT, GRAD_SCRATCH = 0, 1, 2
+
+
+@triton.jit
+def _operand(co, co_ok, ops, op_strides, TENSOR: tl.constexpr, CONSTS: tl.constexpr, i: tl.constexpr):
+    """Value of step ``i``'s operand per channel ``co``, fp64: a tensor element or a constant."""
+    if TENSOR[i]:
+        v = tl.load(ops[i] + co.to(tl.int64) * op_strides[i], mask=co_ok, other=1.0).to(tl.float64)
+    else:
+        v = tl.full(co.shape, CONSTS[i], tl.float64)
+    return v
+
+
+@triton.jit
+def _apply(u, v, KIND: tl.constexpr):
+    if KIND == 1:
+        r = u * v
+    elif KIND == 2:
+        r = u + v
+    elif KIND == 3:
+        r = u - v
+    elif KIND == 4:
+        r = v - u
+    else:
+        r = u / v
+    return r
+
+
+@triton.jit
+def _contract_fwd_kernel(
+    r_ptr,
+    rs_n,
+    rs_c,
+    rs_s,
+    rs_j,
+    NSPLIT,
+    tapset_ptr,
+    w_ptr,
+    s_co,
+    s_ci,
+    s_t,
+    off_g,
+    bias_ptr,
+    bias_stride,
+    ops,
+    op_strides,
+    out_ptr,
+    mean_ptr,
+    taps_ptr,
+    C_IN,
+    C_OUT,
+    CIN_G,
+    COUT_G,
+    T,
+    P,
+    KINDS: tl.constexpr,
+    TENSOR: tl.constexpr,
+    CONSTS: tl.constexpr,
+    NS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_CI: tl.constexpr,
+    BLOCK_CO: tl.constexpr,
+):
+    """Forward tail in one launch: tap sums, the contraction with W, bias, mean scale, affine chain.
+
+    Grid: ``(N, groups, cdiv(COUT_G, BLOCK_CO))``; program ``(n, g, cb)`` produces output channels
+    ``g*COUT_G + [cb*BLOCK_CO, ...)`` of batch element ``n``.
+
+    Pointer contract:
+      * ``r_ptr``: fp32 partial set sums; element ``(n, c, split, j)`` at
+        ``n*rs_n + c*rs_c + split*rs_s + j*rs_j``, ``split < NSPLIT`` (summed here in order, fp64).
+      * ``tapset_ptr``: int32 ``(T,)``, the product-set index of every flattened tap.
+      * ``w_ptr``/``s_*``/``off_g``: the weight, as in ``_tap_coef``.
+      * ``bias_ptr``: ``(C_OUT,)`` with stride ``bias_stride`` (unused without ``HAS_BIAS``).
+      * ``ops``/``op_strides``: one pointer per affine step (a dummy for constant steps); element
+        ``co`` of a tensor operand at ``co*op_strides[i]`` (stride 0 for a one-element operand).
+      * ``out_ptr``: contiguous ``(N, C_OUT)`` in the output dtype; ``mean_ptr``: contiguous fp64
+        ``(N, C_OUT)`` conv mean before the chain; ``taps_ptr``: contiguous fp64 ``(N, C_IN, T)`` tap
+        sums (written by the ``cb == 0`` programs).
+    Accumulation: fp64 (the contraction cancels; it is tiny).
+    """
+    n = tl.program_id(0)
+    gi = tl.program_id(1)
+    cb = tl.program_id(2)
+    col = cb * BLOCK_CO + tl.arange(0, BLOCK_CO)
+    co_ok = col < COUT_G
+    co = gi * COUT_G + col
+    acc = tl.zeros([BLOCK_CI, BLOCK_CO], dtype=tl.float64)
+    for ci0 in range(0, CIN_G, BLOCK_CI):
+        cil = ci0 + tl.arange(0, BLOCK_CI)
+        ci_ok = cil < CIN_G
+        ci = gi * CIN_G + cil
+        for t in range(T):
+            j = tl.load(tapset_ptr + t)
+            s = tl.zeros([BLOCK_CI], dtype=tl.float64)
+            r_base = r_ptr + n.to(tl.int64) * rs_n + ci.to(tl.int64) * rs_c + j * rs_j
+            for sp in range(NSPLIT):
+                s += tl.load(r_base + sp * rs_s, mask=ci_ok, other=0.0).to(tl.float64)
+            tl.store(taps_ptr + (n.to(tl.int64) * C_IN + ci) * T + t, s, mask=ci_ok & ((cil * 0 + cb) == 0))
+            w_off = co.to(tl.int64)[None, :] * s_co + (ci.to(tl.int64) * s_ci - gi * off_g)[:, None] + t * s_t
+            w = tl.load(w_ptr + w_off, mask=ci_ok[:, None] & co_ok[None, :], other=0.0).to(tl.float64)
+            acc += s[:, None] * w
+    mean = tl.sum(acc, axis=0) / P
+    if HAS_BIAS:
+        mean += tl.load(bias_ptr + co * bias_stride, mask=co_ok, other=0.0).to(tl.float64)
+    tl.store(mean_ptr + n.to(tl.int64) * C_OUT + co, mean, mask=co_ok)
+    v = mean
+    for i in tl.static_range(NS):
+        v = _apply(v, _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i), KINDS[i])
+    tl.store(out_ptr + n.to(tl.int64) * C_OUT + co, v.to(tl.float32).to(out_ptr.dtype.element_ty), mask=co_ok)
+
+
+@triton.jit
+def _params_bwd_kernel(
+    go_ptr,
+    go_sn,
+    go_sc,
+    mean_ptr,
+    taps_ptr,
+    ops,
+    op_strides,
+    gops,
+    gop_strides,
+    gw_ptr,
+    gw_s_co,
+    gw_s_ci,
+    gw_s_t,
+    gw_off_g,
+    gbias_ptr,
+    gbias_stride,
+    coef_ptr,
+    scratch_ptr,
+    N,
+    C_IN,
+    C_OUT,
+    CIN_G,
+    COUT_G,
+    T,
+    P,
+    KINDS: tl.constexpr,
+    TENSOR: tl.constexpr,
+    CONSTS: tl.constexpr,
+    OUT_MODE: tl.constexpr,
+    NS: tl.constexpr,
+    NS_PAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NEED_OPS: tl.constexpr,
+    BLOCK_CI: tl.constexpr,
+    BLOCK_CO: tl.constexpr,
+):
+    """Backward tail in one launch: grad_weight, grad_bias, operand gradients and ``G`` for grad_x.
+
+    With ``A[co]`` the chain's scale (d out / d mean) and ``G[n, co] = g[n, co] * A[co] / P``:
+    ``dW(ci, co, t) = sum_n G[n, co] * S[n, ci, t]``, ``dbias[co] = sum_n g*A``, and each step's
+    operand gradient by reverse mode through the chain (values recomputed from the saved mean).
+
+    Grid: ``(groups, cdiv(COUT_G, BLOCK_CO), cdiv(CIN_G, BLOCK_CI) * T)``; program ``(g, cb, k)``
+    writes the ``[BLOCK_CI, BLOCK_CO]`` tile of tap ``k % T`` of grad_weight; the ``k == 0`` programs
+    also write the per-channel results.  Sums over n run in order in each program: deterministic.
+
+    Pointer contract:
+      * ``go_ptr``: grad of the output, element ``(n, co)`` at ``n*go_sn + co*go_sc`` (any dtype).
+      * ``mean_ptr``: fp64 ``(N, C_OUT)``; ``taps_ptr``: fp64 ``(N, C_IN, T)`` (the forward's outputs).
+      * ``ops``/``op_strides``: as in ``_contract_fwd_kernel``.
+      * ``gops``/``gop_strides``: per step, where ``OUT_MODE[i] == GRAD_DIRECT`` puts its operand's
+        gradient (element ``co`` at ``co*gop_strides[i]``, the operand's dtype).  ``GRAD_SCRATCH`` steps
+        write their per-channel fp64 partials (summed over n) to row ``i`` of ``scratch_ptr``
+        (``(NS, C_OUT)`` contiguous) for the host to combine.
+      * ``gw_ptr``: grad_weight in the weight's dtype, addressed like ``w_ptr`` in ``_tap_coef``.
+      * ``gbias_ptr``: ``(C_OUT,)`` with stride ``gbias_stride``; ``coef_ptr``: contiguous fp32
+        ``(N, C_OUT)`` receiving ``G``.
+    """
+    gi = tl.program_id(0)
+    cb = tl.program_id(1)
+    k = tl.program_id(2)
+    col = cb * BLOCK_CO + tl.arange(0, BLOCK_CO)
+    co_ok = col < COUT_G
+    co = gi * COUT_G + col
+
+    a = tl.full([BLOCK_CO], 1.0, tl.float64)
+    for i in tl.static_range(NS):
+        if KINDS[i] == 1:
+            a = a * _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i)
+        elif KINDS[i] == 5:
+            a = a / _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i)
+        elif KINDS[i] == 4:
+            a = -a
+    scale = a / P
+
+    # grad_weight tile
+    cib = k // T
+    t = k - cib * T
+    cil = cib * BLOCK_CI + tl.arange(0, BLOCK_CI)
+    ci_ok = cil < CIN_G
+    ci = gi * CIN_G + cil
+    acc = tl.zeros([BLOCK_CI, BLOCK_CO], dtype=tl.float64)
+    for n in range(N):
+        gv = tl.load(go_ptr + n * go_sn + co * go_sc, mask=co_ok, other=0.0).to(tl.float64) * scale
+        s = tl.load(taps_ptr + (n * C_IN + ci.to(tl.int64)) * T + t, mask=ci_ok, other=0.0)
+        acc += s[:, None] * gv[None, :]
+    gw_off = co.to(tl.int64)[None, :] * gw_s_co + (ci.to(tl.int64) * gw_s_ci - gi * gw_off_g)[:, None] + t * gw_s_t
+    tl.store(gw_ptr + gw_off, acc.to(tl.float32).to(gw_ptr.dtype.element_ty), mask=ci_ok[:, None] & co_ok[None, :])
+
+    # per-channel results (only the k == 0 programs store them)
+    first = co_ok & ((col * 0 + k) == 0)
+    slot = tl.arange(0, NS_PAD)
+    gbias = tl.zeros([BLOCK_CO], dtype=tl.float64)
+    opacc = tl.zeros([NS_PAD, BLOCK_CO], dtype=tl.float64)
+    for n in range(N):
+        g = tl.load(go_ptr + n * go_sn + co * go_sc, mask=co_ok, other=0.0).to(tl.float64)
+        tl.store(coef_ptr + n * C_OUT + co, (g * scale).to(tl.float32), mask=first)
+        gbias += g * a
+        if NEED_OPS:
+            # forward values before each step, then reverse mode through the chain
+            us = tl.zeros([NS_PAD, BLOCK_CO], dtype=tl.float64)
+            u = tl.load(mean_ptr + n * C_OUT + co, mask=co_ok, other=0.0)
+            for i in tl.static_range(NS):
+                us = tl.where(slot[:, None] == i, u[None, :], us)
+                u = _apply(u, _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i), KINDS[i])
+            d = g
+            for ii in tl.static_range(NS):
+                i: tl.constexpr = NS - 1 - ii
+                v = _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i)
+                ui = tl.sum(tl.where(slot[:, None] == i, us, 0.0), axis=0)
+                if KINDS[i] == 1:
+                    gvi = d * ui
+                    d = d * v
+                elif KINDS[i] == 5:
+                    gvi = -d * ui / (v * v)
+                    d = d / v
+                elif KINDS[i] == 2:
+                    gvi = d
+                elif KINDS[i] == 3:
+                    gvi = -d
+                else:
+                    gvi = d
+                    d = -d
+                opacc += tl.where(slot[:, None] == i, gvi[None, :], 0.0)
+    if HAS_BIAS:
+        tl.store(gbias_ptr + co * gbias_stride, gbias.to(tl.float32).to(gbias_ptr.dtype.element_ty), mask=first)
+    if NEED_OPS:
+        for i in tl.static_range(NS):
+            row = tl.sum(tl.where(slot[:, None] == i, opacc, 0.0), axis=0)
+            if OUT_MODE[i] == 1:
+                tl.store(gops[i] + co * gop_strides[i], row.to(tl.float32).to(gops[i].dtype.element_ty), mask=first)
+            elif OUT_MODE[i] == 2:
+                tl.store(scratch_ptr + i * C_OUT + co, row, mask=first)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers of the fused op's pipeline (forward: big pass + contraction; backward: params + grad_x)
+# --------------------------------------------------------------------------------------------------
+
+#: Most product sets the channels-last kernels unroll (one masked reduction per set and tile).
+MAX_CL_SETS = 64
+_CL_TILE_ELEMENTS = 4096
+_MAX_BLOCK_C = 64
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """How the kernels address a conv weight: element ``(ci, co, t)`` at
+    ``co*s_co + ci*s_ci - (ci // cin_g)*off_g + t*s_t`` with ``t`` the row-major flattened tap."""
+
+    tensor: torch.Tensor
+    s_co: int
+    s_ci: int
+    s_t: int
+    off_g: int
+    cin_g: int
+    cout_g: int
+    taps: int
+
+    @staticmethod
+    def of(weight: torch.Tensor, transposed: bool, groups: int) -> WeightLayout | None:
+        """``None`` when the kernel dims cannot be addressed by one flat tap stride."""
+        dims = [(sz, st) for sz, st in zip(weight.shape[2:], weight.stride()[2:], strict=True) if sz != 1]
+        if any(dims[i][1] != dims[i + 1][1] * dims[i + 1][0] for i in range(len(dims) - 1)):
+            return None
+        s_t = dims[-1][1] if dims else 1
+        taps = math.prod(weight.shape[2:])
+        s0, s1 = weight.stride(0), weight.stride(1)
+        if transposed:  # (C_in, C_out/g, *k)
+            cin_g, cout_g = weight.shape[0] // groups, weight.shape[1]
+            return WeightLayout(weight, s1, s0, s_t, cout_g * s1, cin_g, cout_g, taps)
+        cout_g, cin_g = weight.shape[0] // groups, weight.shape[1]  # (C_out, C_in/g, *k)
+        return WeightLayout(weight, s0, s1, s_t, cin_g * s1, cin_g, cout_g, taps)
+
+
+@dataclass(frozen=True)
+class ChainArgs:
+    """The affine chain as kernel arguments: per step a kind (``STEP_*``), whether the operand is a
+    tensor, the constant (for constant steps), the operand tensor (a dummy for constants) and its
+    per-channel stride (0 for a one-element tensor).  Empty chains are padded to one dummy entry."""
+
+    kinds: tuple[int, ...]
+    tensor: tuple[bool, ...]
+    consts: tuple[float, ...]
+    ops: tuple[torch.Tensor, ...]
+    strides: tuple[int, ...]
+
+    @property
+    def steps(self) -> int:
+        return sum(1 for k in self.kinds if k)
+
+    def padded(self, dummy: torch.Tensor) -> ChainArgs:
+        if self.kinds:
+            return self
+        return ChainArgs((0,), (False,), (0.0,), (dummy,), (0,))
+
+
+def _channels_innermost(x5: torch.Tensor) -> bool:
+    """x5's spatial positions flatten to one stride and channels are unit-stride (channels_last)."""
+    n, c, d, h, w = x5.shape
+    sn, sc, sd, sh, sw = x5.stride()
+    if c <= 1 or sc != 1:
+        return False
+    ok_h = h == 1 or sh == w * sw
+    ok_d = d == 1 or sd == h * w * sw
+    return ok_h and ok_d and sw >= c
+
+
+def _cl_tiles(positions: int, channels: int) -> tuple[int, int]:
+    block_c = min(_next_pow2(channels), _MAX_BLOCK_C)
+    block_p = min(_next_pow2(positions), max(1, _CL_TILE_ELEMENTS // block_c))
+    return block_p, block_c
+
+
+def _cl_split(programs: int, positions: int, block_p: int, device: torch.device, split: int | None) -> tuple[int, int]:
+    tiles = triton.cdiv(positions, block_p)
+    if split is None:
+        split = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(programs, 1)) if device.type == "cuda" else 1
+    split = max(1, min(int(split), tiles))
+    per = triton.cdiv(tiles, split) * block_p
+    return triton.cdiv(positions, per), per
+
+
+def set_sums_partial(
+    x5: torch.Tensor,
+    bits: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    sets: tuple[int, int, int],
+    split: int | None = None,
+) -> tuple[torch.Tensor, tuple[int, int, int, int], int]:
+    """One pass over x: per-split partial set sums, not yet reduced over the splits.
+
+    Returns ``(partial, (rs_n, rs_c, rs_s, rs_j), nsplit)``: fp32 element ``(n, c, split, j)`` of
+    ``partial`` at ``n*rs_n + c*rs_c + split*rs_s + j*rs_j``.  Channels-last x (``_channels_innermost``)
+    takes the channels-innermost kernel, everything else the plane kernel.
+    """
+    _check_launch("set_sums_partial", x5, bits, sets)
+    n, c, d, h, w = x5.shape
+    j1, j2, j3 = sets
+    jn = j1 * j2 * j3
+    positions = d * h * w
+    if n * c == 0 or positions == 0:
+        z = torch.zeros((n, c, 1, jn), dtype=torch.float32, device=x5.device)
+        return z, tuple(z.stride()), 1  # type: ignore[return-value]
+    if _channels_innermost(x5) and jn <= MAX_CL_SETS:
+        block_p, block_c = _cl_tiles(positions, c)
+        cblocks = triton.cdiv(c, block_c)
+        nsplit, per = _cl_split(n * cblocks, positions, block_p, x5.device, split)
+        partial = torch.empty((n, nsplit, jn, c), dtype=torch.float32, device=x5.device)
+        _set_sums_cl_kernel[(n, cblocks, nsplit)](
+            x5, bits[0], bits[1], bits[2], partial, c, h, w, positions, per,
+            x5.stride(0), x5.stride(1), x5.stride(4),
+            J1=j1, J2=j2, J3=j3, J_PAD=_next_pow2(jn), BLOCK_P=block_p, BLOCK_C=block_c,
+            num_warps=_NUM_WARPS,
+        )  # fmt: skip
+        return partial, (nsplit * jn * c, 1, jn * c, c), nsplit
+    rows = d * h
+    block_a, block_w = _tile_shape(rows, w)
+    nsplit, rows_per_split = _choose_split(n * c, rows, block_a, x5.device, split)
+    partial = torch.empty((n, c, nsplit, jn), dtype=torch.float32, device=x5.device)
+    _set_sums_kernel[(n * c, nsplit)](
+        x5, bits[0], bits[1], bits[2], partial, c, h, w, rows, rows_per_split, *x5.stride(),
+        J1=j1, J2=j2, J3=j3, J12_PAD=_next_pow2(j1 * j2), J3_PAD=_next_pow2(j3),
+        BLOCK_A=block_a, BLOCK_W=block_w, num_warps=_NUM_WARPS,
+    )  # fmt: skip
+    return partial, (c * nsplit * jn, nsplit * jn, jn, 1), nsplit
+
+
+def _block_co(cout_g: int) -> int:
+    return min(_next_pow2(cout_g), 32)
+
+
+def _block_ci(cin_g: int) -> int:
+    return min(_next_pow2(cin_g), 32)
+
+
+def contract_forward(
+    partial: tuple[torch.Tensor, tuple[int, int, int, int], int],
+    tapset: torch.Tensor,
+    weight: WeightLayout,
+    bias: torch.Tensor | None,
+    chain: ChainArgs,
+    n_outputs: int,
+    out: torch.Tensor,
+    mean: torch.Tensor,
+    taps: torch.Tensor,
+) -> None:
+    """Launch ``_contract_fwd_kernel``: fills ``out`` ((N, C_out) contiguous, any float dtype), ``mean``
+    (fp64 (N, C_out)) and ``taps`` (fp64 (N, C_in, T)) from ``set_sums_partial``'s result."""
+    r, (rs_n, rs_c, rs_s, rs_j), nsplit = partial
+    n, c_in, t = taps.shape
+    c_out = mean.shape[1]
+    groups = c_in // weight.cin_g
+    if t != weight.taps or tapset.numel() != t or not (out.is_contiguous() and mean.is_contiguous() and taps.is_contiguous()):
+        raise ValueError(
+            f"contract_forward: taps {tuple(taps.shape)} / tapset {tuple(tapset.shape)} / weight taps "
+            f"{weight.taps} disagree, or an output is not contiguous"
+        )
+    ch = chain.padded(mean)
+    block_co = _block_co(weight.cout_g)
+    _contract_fwd_kernel[(n, groups, triton.cdiv(weight.cout_g, block_co))](
+        r, rs_n, rs_c, rs_s, rs_j, nsplit, tapset,
+        weight.tensor, weight.s_co, weight.s_ci, weight.s_t, weight.off_g,
+        bias if bias is not None else mean, bias.stride(0) if bias is not None else 0,
+        ch.ops, ch.strides, out, mean, taps,
+        c_in, c_out, weight.cin_g, weight.cout_g, t, n_outputs,
+        KINDS=ch.kinds, TENSOR=ch.tensor, CONSTS=ch.consts, NS=chain.steps, HAS_BIAS=bias is not None,
+        BLOCK_CI=_block_ci(weight.cin_g), BLOCK_CO=block_co, num_warps=_NUM_WARPS,
+    )  # fmt: skip
+
+
+def params_backward(
+    grad_out: torch.Tensor,
+    mean: torch.Tensor,
+    taps: torch.Tensor,
+    chain: ChainArgs,
+    grad_targets: tuple[tuple[int, torch.Tensor, int], ...],
+    grad_weight: WeightLayout,
+    grad_bias: torch.Tensor | None,
+    n_outputs: int,
+    coef: torch.Tensor,
+    scratch: torch.Tensor,
+) -> None:
+    """Launch ``_params_bwd_kernel``.
+
+    ``grad_out`` is viewed as ``(N, C_out)`` through its first two strides; ``grad_targets[i]`` is
+    ``(mode, tensor, stride)`` for step ``i`` (``GRAD_NONE``/``GRAD_DIRECT``/``GRAD_SCRATCH``);
+    ``grad_weight`` is the destination weight-shaped buffer; ``coef`` receives ``G`` (fp32 (N, C_out));
+    ``scratch`` is fp64 ``(max(steps, 1), C_out)`` for ``GRAD_SCRATCH`` steps.
+    """
+    n, c_in, t = taps.shape
+    c_out = mean.shape[1]
+    groups = c_in // grad_weight.cin_g
+    ch = chain.padded(mean)
+    steps = chain.steps
+    modes = tuple(m for m, _, _ in grad_targets) or (GRAD_NONE,)
+    gops = tuple(g for _, g, _ in grad_targets) or (scratch,)
+    gstrides = tuple(s for _, _, s in grad_targets) or (0,)
+    block_co, block_ci = _block_co(grad_weight.cout_g), _block_ci(grad_weight.cin_g)
+    grid = (groups, triton.cdiv(grad_weight.cout_g, block_co), triton.cdiv(grad_weight.cin_g, block_ci) * t)
+    _params_bwd_kernel[grid](
+        grad_out, grad_out.stride(0), grad_out.stride(1), mean, taps, ch.ops, ch.strides, gops, gstrides,
+        grad_weight.tensor, grad_weight.s_co, grad_weight.s_ci, grad_weight.s_t, grad_weight.off_g,
+        grad_bias if grad_bias is not None else coef, grad_bias.stride(0) if grad_bias is not None else 0,
+        coef, scratch, n, c_in, c_out, grad_weight.cin_g, grad_weight.cout_g, t, n_outputs,
+        KINDS=ch.kinds, TENSOR=ch.tensor, CONSTS=ch.consts, OUT_MODE=modes, NS=steps,
+        NS_PAD=_next_pow2(max(steps, 1)), HAS_BIAS=grad_bias is not None,
+        NEED_OPS=any(m != GRAD_NONE for m in modes), BLOCK_CI=block_ci, BLOCK_CO=block_co,
+        num_warps=_NUM_WARPS,
+    )  # fmt: skip
+
+
+def grad_broadcast(
+    coef: torch.Tensor,
+    weight: WeightLayout,
+    tapset: torch.Tensor,
+    bits: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    sets: tuple[int, int, int],
+    out: torch.Tensor,
+    split: int | None = None,
+) -> torch.Tensor:
+    """Write grad_x into ``out`` (5-D, any strides; channels-last takes the channels-innermost kernel)
+    from ``G`` (``coef``, fp32 (N, C_out)) and the weight: every element written once; returns ``out``."""
+    _check_launch("grad_broadcast", out, bits, sets)
+    n, c, d, h, w = out.shape
+    j1, j2, j3 = sets
+    jn = j1 * j2 * j3
+    positions = d * h * w
+    if n * c == 0 or positions == 0:
+        return out
+    c_out = coef.shape[1]
+    wargs = (weight.tensor, tapset)
+    wdims = (weight.taps, weight.cin_g, weight.cout_g, c_out, weight.s_co, weight.s_ci, weight.s_t, weight.off_g)
+    block_co = min(_next_pow2(weight.cout_g), 128)
+    if _channels_innermost(out) and jn <= MAX_CL_SETS:
+        block_p, block_c = _cl_tiles(positions, c)
+        cblocks = triton.cdiv(c, block_c)
+        nsplit, per = _cl_split(n * cblocks, positions, block_p, out.device, split)
+        _grad_broadcast_cl_kernel[(n, cblocks, nsplit)](
+            coef, *wargs, bits[0], bits[1], bits[2], out, c, h, w, positions, per,
+            out.stride(0), out.stride(1), out.stride(4), *wdims,
+            J1=j1, J2=j2, J3=j3, J_PAD=_next_pow2(jn), BLOCK_P=block_p, BLOCK_C=block_c,
+            BLOCK_CO=min(block_co, 32), num_warps=_NUM_WARPS,
+        )  # fmt: skip
+        return out
+    rows = d * h
+    block_a, block_w = _tile_shape(rows, w)
+    nsplit, rows_per_split = _choose_split(n * c, rows, block_a, out.device, split)
+    _set_broadcast_kernel[(n * c, nsplit)](
+        coef, bits[0], bits[1], bits[2], out, c, h, w, rows, rows_per_split, *out.stride(),
+        coef, *wargs, *wdims,
+        J1=j1, J2=j2, J3=j3, J12_PAD=_next_pow2(j1 * j2), J3_PAD=_next_pow2(j3),
+        BLOCK_A=block_a, BLOCK_W=block_w, FROM_GRAD=True, BLOCK_CO=block_co, num_warps=_NUM_WARPS,
+    )  # fmt: skip
     return out

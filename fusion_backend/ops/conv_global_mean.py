@@ -48,13 +48,26 @@ writes it from per-set coefficients), ``dW[co, ci, t] = sum_n G[n, co] S[n, ci, 
 saved ``S``, ``N*C_in*taps`` numbers), ``dbias = sum_n g*A``; the affine operands get theirs by the
 chain rule through the fold.  Nothing full-size is saved.
 
-Precision: x is summed in fp32 (fp64 for fp64 inputs); the small products with W run in fp64, which
-also keeps them off TF32.  Results are cast to ``out_dtype``.  No float atomics anywhere.
+Kernel pipeline (CUDA, and CPU under ``FUSION_CPU_KERNELS=triton``): exactly two Triton launches each way.
 
-Cost (H100, seed C: x (16, 64, 512, 512) fp32, measured before the host-side op count was trimmed):
-the forward kernel takes 0.36 ms (1.07 GB read, ~3 TB/s), the grad_x kernel 0.34 ms; everything
-else is a few dozen tiny torch ops whose *host* time (~10-20 us each) then dominated: 0.65 ms per
-forward call, 2.8 ms per forward+backward step, versus 7.4 / 23.4 ms in eager.
+* forward: ``set_sums_partial`` (the one pass over x; a channels-innermost variant reads channels_last
+  x at full bandwidth) then ``contract_forward`` (sums the per-split partials in a fixed order, writes
+  the tap sums ``S``, contracts with W, adds the bias, scales by ``1/P`` and applies the affine steps
+  in order, writing ``out`` in its dtype plus ``S`` and ``M`` for the backward).
+* backward: ``params_backward`` (grad_weight, grad_bias, every per-channel operand gradient and
+  ``G``) then ``grad_broadcast`` (grad_x, in x's memory format; each program first forms its planes'
+  per-set coefficients from ``G`` and W, then writes every element once).  One-element or shared
+  tensor operands add a few tiny host-combined ops (never the seed's case).
+Shape-only data (bit tables, the tap-to-set table) is built once per shape and cached on the device.
+
+Precision: x is summed in fp32 with per-tile tree reductions (fp64 for fp64 inputs, on the reference
+path); the contraction with W, the chain and the parameter gradients run in fp64 in the small
+kernels (they cancel; they are tiny), which also keeps them off TF32.  grad_x coefficients are fp32.
+Results are cast to ``out_dtype``.  No float atomics anywhere: every reduction has a fixed order.
+
+Cost (H100, seed C: x (16, 64, 512, 512) fp32), measured before this pipeline: the pass over x
+0.36 ms (1.07 GB, ~3 TB/s), the grad_x pass 0.34 ms; the ~15 small torch ops around them made it
+0.65 ms per forward and 2.8 ms per step.  ``tools/bench_conv_global_mean.py`` times the pipeline.
 """
 
 from __future__ import annotations
@@ -67,7 +80,7 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import torch
 
@@ -251,7 +264,8 @@ class _Geometry:
     trivial (length 1, one set ``{0}``).  ``masks[d]`` is the ``(J_d, L_d)`` bool membership matrix of
     dim ``d`` (reference path); ``bits`` are the kernels' int32 tables (``None`` when a dim has more
     sets than an int32 holds bits); ``tap_onehot`` is ``(T, J)`` fp64 with ``T`` the kernel's taps
-    (row-major over the real dims) and ``J = J1*J2*J3`` the product sets (index ``(j1*J2 + j2)*J3 + j3``).
+    (row-major over the real dims) and ``J = J1*J2*J3`` the product sets (index ``(j1*J2 + j2)*J3 + j3``);
+    ``tapset`` is the same map as an int32 ``(T,)`` table (the kernels' view of it).
     """
 
     dims: tuple[DimSets, DimSets, DimSets]
@@ -259,6 +273,7 @@ class _Geometry:
     masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     bits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     tap_onehot: torch.Tensor
+    tapset: torch.Tensor
 
     @property
     def set_counts(self) -> tuple[int, int, int]:
@@ -300,11 +315,14 @@ def _geometry(
     counts = [len(ds.sets) for ds in dims]
     taps = math.prod(kernel)
     onehot = torch.zeros((taps, math.prod(counts)), dtype=torch.float64)
+    tapset = []
     for t, tap in enumerate(_taps(tuple(len(ds.tap_to_set) for ds in dims))):
         j1, j2, j3 = (ds.tap_to_set[k] for ds, k in zip(dims, tap, strict=True))
         onehot[t, (j1 * counts[1] + j2) * counts[2] + j3] = 1.0
+        tapset.append((j1 * counts[1] + j2) * counts[2] + j3)
     n_out = math.prod(ds.out_length for ds in real)
-    return _Geometry(dims, n_out, masks, bits, onehot.to(device))
+    table = torch.tensor(tapset, dtype=torch.int32).to(device)
+    return _Geometry(dims, n_out, masks, bits, onehot.to(device), table)
 
 
 def _taps(kernel3: tuple[int, int, int]) -> list[tuple[int, int, int]]:
@@ -388,6 +406,7 @@ def _operand_values(
 
 
 Value = Union[torch.Tensor, float]
+_R = TypeVar("_R")
 
 
 # NOTE: the fold runs on every call, and each torch op on a CUDA tensor costs ~10-20 us of host time
@@ -547,16 +566,18 @@ def _run(
     config: str,
     t: torch.Tensor,
     geo: _Geometry,
-    kernel: Callable[[], torch.Tensor],
-    reference: Callable[[], torch.Tensor],
-) -> torch.Tensor:
+    kernel: Callable[[], _R],
+    reference: Callable[[], _R],
+    dtype: torch.dtype | None = None,
+) -> _R:
     """Run ``kernel()`` when this call takes the Triton path, else (or on failure) ``reference()``.
 
-    ``t`` is the tensor the path is chosen by (x forward, grad_x backward).  NOTE: a launch error
+    The path is chosen by ``t``'s device and ``dtype`` (default ``t``'s): x forward, grad_out with
+    x's dtype backward.  NOTE: a launch error
     (compilation, resources) falls back cleanly; an asynchronous CUDA fault inside a kernel cannot be
     caught here and poisons the CUDA context, as with any kernel.
     """
-    path, _ = kernel_path(config, t.dtype, t.device.type)
+    path, _ = kernel_path(config, dtype or t.dtype, t.device.type)
     if path == "triton":
         why_not = _kernel_fits(geo)
         if why_not is not None:
@@ -586,53 +607,143 @@ def _as5d(t: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
-def _set_sums(cfg: ConvGlobalMeanConfig, config: str, x: torch.Tensor, geo: _Geometry) -> torch.Tensor:
-    """``(N, C_in, J)`` sums of x over the product sets, in x's accumulation dtype."""
+def _set_sums_reference(x: torch.Tensor, geo: _Geometry) -> torch.Tensor:
+    """``(N, C_in, J)`` sums of x over the product sets, in x's accumulation dtype (torch reference)."""
     n, c = x.shape[:2]
     acc = _acc_dtype(x.dtype)
-
-    def kernel() -> torch.Tensor:
-        from ..kernels.global_mean import set_sums
-
-        return set_sums(_as5d(x), geo.bits, geo.set_counts)
-
-    def reference() -> torch.Tensor:
-        m1, m2, m3 = (mask.to(acc) for mask in geo.masks)
-        j1, j2, j3 = geo.set_counts
-        # NOTE: three matmuls, innermost dim first, rather than one 4-operand einsum: same result,
-        # no contraction-path search on every call.
-        r = _as5d(x).to(acc) @ m3.T  # (N, C, D, H, J3)
-        r = m2 @ r  # (N, C, D, J2, J3)
-        r = m1 @ r.reshape(n, c, -1, j2 * j3)  # (N, C, J1, J2*J3)
-        return r.reshape(n, c, j1 * j2 * j3)
-
-    return _run("conv_global_mean_fwd", cfg, config, x, geo, kernel, reference)
+    m1, m2, m3 = (mask.to(acc) for mask in geo.masks)
+    j1, j2, j3 = geo.set_counts
+    # NOTE: three matmuls, innermost dim first, rather than one 4-operand einsum: same result,
+    # no contraction-path search on every call.
+    r = _as5d(x).to(acc) @ m3.T  # (N, C, D, H, J3)
+    r = m2 @ r  # (N, C, D, J2, J3)
+    r = m1 @ r.reshape(n, c, -1, j2 * j3)  # (N, C, J1, J2*J3)
+    return r.reshape(n, c, j1 * j2 * j3)
 
 
-@torch.library.custom_op("fusion::conv_global_mean_fwd", mutates_args=())
-def conv_global_mean_fwd(
+_STEP_CODES = {
+    PointwiseKind.MUL: 1,
+    PointwiseKind.ADD: 2,
+    PointwiseKind.SUB: 3,
+    PointwiseKind.RSUB: 4,
+    PointwiseKind.DIV: 5,
+}
+
+
+def _channel_stride(t: torch.Tensor, c_out: int, out_rank: int) -> int:
+    """Element stride between channels of an affine operand (0 for a one-element operand); validates
+    the shape exactly like ``_channel_vector``."""
+    if t.numel() == 1 and t.dim() <= out_rank:
+        return 0
+    shape = tuple(t.shape)
+    ones = (1,) * (out_rank - 2)
+    if shape == (c_out, *ones):
+        return t.stride(0)
+    if shape == (1, c_out, *ones):
+        return t.stride(1)
+    raise UnsupportedInputError(
+        f"conv_global_mean: affine operand of shape {shape} is neither a single element nor per-channel "
+        f"({(c_out, *ones)} or {(1, c_out, *ones)})"
+    )
+
+
+def _chain_args(
+    cfg: ConvGlobalMeanConfig,
+    operands: Sequence[torch.Tensor],
+    c_out: int,
+    device: torch.device,
+    dummy: torch.Tensor,
+) -> Any:
+    """The affine chain as the kernels' ``ChainArgs`` (host only: no device work unless an operand
+    lives on another device); ``dummy`` stands in for the operand pointer of constant steps."""
+    from ..kernels.global_mean import ChainArgs
+
+    out_rank = cfg.conv.spatial_dims + 2
+    kinds, tensor, consts, ops, strides = [], [], [], [], []
+    for step in cfg.affine:
+        (op,) = step.operands
+        kinds.append(_STEP_CODES[step.kind])
+        if isinstance(op, Const):
+            tensor.append(False)
+            consts.append(float(op.value))
+            ops.append(None)
+            strides.append(0)
+        else:
+            if not 0 <= op.index < len(operands):
+                raise UnsupportedInputError(
+                    f"conv_global_mean: affine step refers to operand {op.index}, but {len(operands)} were given"
+                )
+            t = operands[op.index].detach()
+            stride = _channel_stride(t, c_out, out_rank)
+            if t.device != device:
+                t = t.to(device)
+                stride = _channel_stride(t, c_out, out_rank)
+            tensor.append(True)
+            consts.append(0.0)
+            ops.append(t)
+            strides.append(stride)
+    return ChainArgs(
+        tuple(kinds), tuple(tensor), tuple(consts), tuple(dummy if t is None else t for t in ops), tuple(strides)
+    )
+
+
+def _weight_layout(weight: torch.Tensor, spec: ConvSpec) -> Any:
+    from ..kernels.global_mean import WeightLayout
+
+    layout = WeightLayout.of(weight, spec.transposed, spec.groups)
+    if layout is None:  # kernel dims not flat-addressable (rare): one copy
+        layout = WeightLayout.of(weight.contiguous(), spec.transposed, spec.groups)
+    return layout
+
+
+def _forward_kernels(
+    cfg: ConvGlobalMeanConfig,
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    operands: list[torch.Tensor],
-    config: str,
+    operands: Sequence[torch.Tensor],
+    geo: _Geometry,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward of ``conv_global_mean``; returns ``(out, tap_sums, conv_mean)``.
+    """Forward on the Triton kernels: two launches (the pass over x, then the contraction + chain)."""
+    from ..kernels import global_mean as kernels
 
-    * ``out``: the op's result (see the module docstring), dtype ``out_dtype`` or x's.
-    * ``tap_sums``: ``S`` of the derivation, ``(N, C_in, *kernel_size)``, fp64.
-    * ``conv_mean``: ``M`` (mean of the conv output incl. bias, before the affine steps),
-      ``(N, C_out)``, fp64.
-    The last two are the tiny tensors the backward needs; they are not differentiable.
-    """
-    cfg = ConvGlobalMeanConfig.from_json(config)
-    _validate(cfg, x, weight, bias)
+    n, c_in = x.shape[:2]
+    c_out = _out_channels(cfg.conv, weight)
+    out_dtype = getattr(torch, cfg.out_dtype) if cfg.out_dtype else x.dtype
+    out_shape = (n, c_out, *([1] * cfg.conv.spatial_dims)) if cfg.keepdim else (n, c_out)
+    out = torch.empty(out_shape, dtype=out_dtype, device=x.device)
+    mean = torch.empty((n, c_out), dtype=torch.float64, device=x.device)
+    chain = _chain_args(cfg, operands, c_out, x.device, mean)
+    taps = torch.empty((n, c_in, *weight.shape[2:]), dtype=torch.float64, device=x.device)
+    assert geo.bits is not None
+    partial = kernels.set_sums_partial(_as5d(x), geo.bits, geo.set_counts)
+    kernels.contract_forward(
+        partial,
+        geo.tapset,
+        _weight_layout(weight.detach(), cfg.conv),
+        None if bias is None else bias.detach(),
+        chain,
+        geo.n_outputs,
+        out,
+        mean,
+        taps.view(n, c_in, -1),
+    )
+    return out, taps, mean
+
+
+def _forward_reference(
+    cfg: ConvGlobalMeanConfig,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    operands: Sequence[torch.Tensor],
+    geo: _Geometry,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward in plain torch (the spec): fp64 contraction and affine fold."""
     spec = cfg.conv
     n, c_in = x.shape[:2]
     c_out = _out_channels(spec, weight)
-    geo = _geometry(spec, tuple(x.shape[2:]), tuple(weight.shape[2:]), x.device)
-
-    r = _set_sums(cfg, config, x, geo)  # (N, C_in, J)
+    r = _set_sums_reference(x, geo)  # (N, C_in, J)
     tap_sums = r.to(torch.float64) @ geo.tap_onehot.T  # (N, C_in, T)
     w, letters = _grouped(spec, weight)
     g = spec.groups
@@ -654,6 +765,36 @@ def conv_global_mean_fwd(
     if cfg.keepdim:
         out = out.reshape(n, c_out, *([1] * spec.spatial_dims))
     return out, tap_sums.reshape(n, c_in, *weight.shape[2:]), mean
+
+
+@torch.library.custom_op("fusion::conv_global_mean_fwd", mutates_args=())
+def conv_global_mean_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    operands: list[torch.Tensor],
+    config: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward of ``conv_global_mean``; returns ``(out, tap_sums, conv_mean)``.
+
+    * ``out``: the op's result (see the module docstring), dtype ``out_dtype`` or x's.
+    * ``tap_sums``: ``S`` of the derivation, ``(N, C_in, *kernel_size)``, fp64.
+    * ``conv_mean``: ``M`` (mean of the conv output incl. bias, before the affine steps),
+      ``(N, C_out)``, fp64.
+    The last two are the tiny tensors the backward needs; they are not differentiable.
+    """
+    cfg = ConvGlobalMeanConfig.from_json(config)
+    _validate(cfg, x, weight, bias)
+    geo = _geometry(cfg.conv, tuple(x.shape[2:]), tuple(weight.shape[2:]), x.device)
+    return _run(
+        "conv_global_mean_fwd",
+        cfg,
+        config,
+        x,
+        geo,
+        lambda: _forward_kernels(cfg, x, weight, bias, operands, geo),
+        lambda: _forward_reference(cfg, x, weight, bias, operands, geo),
+    )
 
 
 @conv_global_mean_fwd.register_fake
@@ -679,24 +820,169 @@ def conv_global_mean_bwd(
     tap_sums: torch.Tensor,
     conv_mean: torch.Tensor,
     x_size: Sequence[int],
+    x_stride: Sequence[int],
     x_dtype: torch.dtype,
     need_grad_input: bool,
     config: str,
 ) -> list[torch.Tensor]:
     """Backward of ``conv_global_mean``: ``[grad_x, grad_weight, grad_bias, *grad_operands]``.
 
-    ``grad_x`` has ``x_size``/``x_dtype``, contiguous (an empty ``(0,)`` tensor when
-    ``need_grad_input`` is false); ``grad_bias`` is ``(C_out,)`` (``(0,)`` when there is no bias);
-    every other gradient has its input's shape and dtype.  ``tap_sums`` and ``conv_mean`` are the
-    forward's auxiliary outputs.  x itself is not needed: the gradients only use the saved sums.
+    ``grad_x`` has ``x_size``/``x_stride``/``x_dtype`` (an empty ``(0,)`` tensor when
+    ``need_grad_input`` is false; ``x_stride`` is ``_grad_input_strides(x)``: x's memory format, as
+    eager autograd gives it); ``grad_bias`` is ``(C_out,)`` (``(0,)`` when there is no bias); every
+    other gradient has its input's shape and dtype.  ``tap_sums`` and ``conv_mean`` are the forward's
+    auxiliary outputs.  x itself is not needed: the gradients only use the saved sums.
     """
     cfg = ConvGlobalMeanConfig.from_json(config)
+    geo = _geometry(cfg.conv, tuple(x_size[2:]), tuple(weight.shape[2:]), grad_out.device)
+    args = (cfg, grad_out, weight, bias, operands, tap_sums, conv_mean, tuple(x_size), tuple(x_stride), x_dtype)
+    return _run(
+        "conv_global_mean_bwd",
+        cfg,
+        config,
+        grad_out,
+        geo,
+        lambda: _backward_kernels(*args, need_grad_input, geo),
+        lambda: _backward_reference(*args, need_grad_input, geo),
+        dtype=x_dtype,
+    )
+
+
+def _grad_input_strides(x: torch.Tensor) -> tuple[int, ...]:
+    """Strides of the input gradient eager autograd would give for x: channels_last(_3d) when x is in
+    that format (and not also contiguous), else contiguous."""
+    size = tuple(x.shape)
+    fmt = torch.contiguous_format
+    if not x.is_contiguous():
+        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+            fmt = torch.channels_last
+        elif x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+            fmt = torch.channels_last_3d
+    if fmt is torch.contiguous_format:
+        strides, acc = [], 1
+        for d in reversed(size):
+            strides.append(acc)
+            acc *= max(d, 1)
+        return tuple(reversed(strides))
+    # channels first, then the spatial dims innermost-last: (N, C, *S) stored as (N, *S, C)
+    c = size[1]
+    spatial = size[2:]
+    strides_sp, acc = [], c
+    for d in reversed(spatial):
+        strides_sp.append(acc)
+        acc *= max(d, 1)
+    return (acc, 1, *reversed(strides_sp))
+
+
+def _backward_kernels(
+    cfg: ConvGlobalMeanConfig,
+    grad_out: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    operands: Sequence[torch.Tensor],
+    tap_sums: torch.Tensor,
+    conv_mean: torch.Tensor,
+    x_size: tuple[int, ...],
+    x_stride: tuple[int, ...],
+    x_dtype: torch.dtype,
+    need_grad_input: bool,
+    geo: _Geometry,
+) -> list[torch.Tensor]:
+    """Backward on the Triton kernels: one launch for every parameter gradient (and ``G``), one
+    for grad_x.  Operands that are one-element tensors or appear in several steps get their
+    gradient combined on the host from per-step partials (a few tiny extra ops)."""
+    from ..kernels import global_mean as kernels
+
+    spec = cfg.conv
+    device = grad_out.device
+    n, c_in = x_size[0], x_size[1]
+    c_out = _out_channels(spec, weight)
+    taps = tap_sums.reshape(n, c_in, -1).contiguous()
+    mean = conv_mean.contiguous()
+    coef = torch.empty((n, c_out), dtype=torch.float32, device=device)
+    chain = _chain_args(cfg, operands, c_out, device, coef)
+
+    refs: dict[int, list[int]] = {}
+    for i, step in enumerate(cfg.affine):
+        if isinstance(step.operands[0], TensorRef):
+            refs.setdefault(step.operands[0].index, []).append(i)
+    grads_ops = [torch.empty_like(t) if i in refs else torch.zeros_like(t) for i, t in enumerate(operands)]
+    targets: list[tuple[int, torch.Tensor, int]] = [(kernels.GRAD_NONE, coef, 0)] * len(cfg.affine)
+    scratch_for: list[int] = []
+    out_rank = spec.spatial_dims + 2
+    for index, steps in refs.items():
+        t = grads_ops[index]
+        stride = _channel_stride(t, c_out, out_rank)
+        if len(steps) == 1 and stride != 0 and t.device == device:
+            targets[steps[0]] = (kernels.GRAD_DIRECT, t, stride)
+        else:
+            scratch_for.append(index)
+    scratch = coef
+    if scratch_for:
+        scratch = torch.empty((len(cfg.affine), c_out), dtype=torch.float64, device=device)
+        for index in scratch_for:
+            for i in refs[index]:
+                targets[i] = (kernels.GRAD_SCRATCH, scratch, 1)
+
+    grad_w = torch.empty_like(weight)
+    gw_layout = kernels.WeightLayout.of(grad_w, spec.transposed, spec.groups)
+    gw_buffer = grad_w if gw_layout is not None else torch.empty(weight.shape, dtype=weight.dtype, device=device)
+    if gw_layout is None:
+        gw_layout = kernels.WeightLayout.of(gw_buffer, spec.transposed, spec.groups)
+    grad_bias = torch.empty_like(bias) if bias is not None else None
+    kernels.params_backward(
+        grad_out.reshape(n, c_out) if grad_out.dim() > 2 else grad_out,
+        mean,
+        taps,
+        chain,
+        tuple(targets),
+        gw_layout,
+        grad_bias,
+        geo.n_outputs,
+        coef,
+        scratch,
+    )
+    if gw_buffer is not grad_w:
+        grad_w.copy_(gw_buffer)
+    for index in scratch_for:
+        t = grads_ops[index]
+        total = scratch[refs[index]].sum(0)
+        if t.numel() == 1:
+            total = total.sum()
+        t.copy_(total.reshape(t.shape))
+
+    if need_grad_input:
+        grad_x = torch.empty_strided(x_size, x_stride, dtype=x_dtype, device=device)
+        assert geo.bits is not None
+        kernels.grad_broadcast(
+            coef, _weight_layout(weight.detach(), spec), geo.tapset, geo.bits, geo.set_counts, _as5d(grad_x)
+        )
+    else:
+        grad_x = grad_out.new_empty((0,))
+    gb = grad_bias if grad_bias is not None else grad_out.new_empty((0,))
+    return [grad_x, grad_w, gb, *grads_ops]
+
+
+def _backward_reference(
+    cfg: ConvGlobalMeanConfig,
+    grad_out: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    operands: Sequence[torch.Tensor],
+    tap_sums: torch.Tensor,
+    conv_mean: torch.Tensor,
+    x_size: tuple[int, ...],
+    x_stride: tuple[int, ...],
+    x_dtype: torch.dtype,
+    need_grad_input: bool,
+    geo: _Geometry,
+) -> list[torch.Tensor]:
+    """Backward in plain torch (the spec), fp64 contractions."""
     spec = cfg.conv
     device = grad_out.device
     n, c_in = x_size[0], x_size[1]
     c_out = _out_channels(spec, weight)
     g = spec.groups
-    geo = _geometry(spec, tuple(x_size[2:]), tuple(weight.shape[2:]), device)
 
     values = _operand_values(cfg, operands, c_out, device)
     states = _fold(cfg, values)
@@ -735,42 +1021,31 @@ def conv_global_mean_bwd(
     if need_grad_input:
         q_taps = torch.einsum(f"ngo,{letters}->ngit", coef, w).reshape(n, c_in, -1)  # (N, C_in, T)
         q = q_taps @ geo.tap_onehot  # (N, C_in, J): sets shared by several taps add up
-        grad_x = _set_broadcast(cfg, config, q, geo, tuple(x_size), x_dtype, device)
+        grad_x = _set_broadcast_reference(q, geo, x_size, x_stride, x_dtype, device)
     else:
         grad_x = grad_out.new_empty((0,))
     return [grad_x, grad_w, grad_bias, *grads_ops]
 
 
-def _set_broadcast(
-    cfg: ConvGlobalMeanConfig,
-    config: str,
+def _set_broadcast_reference(
     q: torch.Tensor,
     geo: _Geometry,
     x_size: tuple[int, ...],
+    x_stride: tuple[int, ...],
     x_dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """Contiguous grad_x of ``x_size``/``x_dtype``: ``sum_j q[n, ci, j] * [i in set j]``."""
-    grad_x = torch.empty(x_size, dtype=x_dtype, device=device)
-
-    def kernel() -> torch.Tensor:
-        from ..kernels.global_mean import set_broadcast
-
-        set_broadcast(q, geo.bits, geo.set_counts, _as5d(grad_x))
-        return grad_x
-
-    def reference() -> torch.Tensor:
-        acc = _acc_dtype(x_dtype)
-        m1, m2, m3 = (mask.to(acc) for mask in geo.masks)
-        j1, j2, j3 = geo.set_counts
-        n, c = x_size[0], x_size[1]
-        full = m1.T @ q.to(acc).reshape(n, c, j1, j2 * j3)  # (N, C, D, J2*J3)
-        full = m2.T @ full.reshape(n, c, -1, j2, j3)  # (N, C, D, H, J3)
-        full = full @ m3  # (N, C, D, H, W)
-        grad_x.copy_(full.reshape(x_size))
-        return grad_x
-
-    return _run("conv_global_mean_bwd", cfg, config, grad_x, geo, kernel, reference)
+    """grad_x of ``x_size``/``x_stride``/``x_dtype``: ``sum_j q[n, ci, j] * [i in set j]`` (torch reference)."""
+    grad_x = torch.empty_strided(x_size, x_stride, dtype=x_dtype, device=device)
+    acc = _acc_dtype(x_dtype)
+    m1, m2, m3 = (mask.to(acc) for mask in geo.masks)
+    j1, j2, j3 = geo.set_counts
+    n, c = x_size[0], x_size[1]
+    full = m1.T @ q.to(acc).reshape(n, c, j1, j2 * j3)  # (N, C, D, J2*J3)
+    full = m2.T @ full.reshape(n, c, -1, j2, j3)  # (N, C, D, H, J3)
+    full = full @ m3  # (N, C, D, H, W)
+    grad_x.copy_(full.reshape(x_size))
+    return grad_x
 
 
 def _like(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -781,9 +1056,13 @@ def _like(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 @conv_global_mean_bwd.register_fake
 def _conv_global_mean_bwd_fake(
-    grad_out, weight, bias, operands, tap_sums, conv_mean, x_size, x_dtype, need_grad_input, config
+    grad_out, weight, bias, operands, tap_sums, conv_mean, x_size, x_stride, x_dtype, need_grad_input, config
 ):
-    grad_x = grad_out.new_empty(tuple(x_size), dtype=x_dtype) if need_grad_input else grad_out.new_empty((0,))
+    grad_x = (
+        grad_out.new_empty_strided(tuple(x_size), tuple(x_stride), dtype=x_dtype)
+        if need_grad_input
+        else grad_out.new_empty((0,))
+    )
     grad_bias = torch.empty_like(bias) if bias is not None else grad_out.new_empty((0,))
     return [grad_x, torch.empty_like(weight), grad_bias, *[torch.empty_like(t) for t in operands]]
 
@@ -794,6 +1073,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(tap_sums, conv_mean)
     ctx.save_for_backward(weight, bias, tap_sums, conv_mean, *operands)
     ctx.x_size = tuple(x.shape)
+    ctx.x_stride = _grad_input_strides(x)
     ctx.x_dtype = x.dtype
     ctx.has_bias = bias is not None
     ctx.config = config
@@ -803,7 +1083,17 @@ def _backward(ctx, grad_out, _grad_tap_sums, _grad_conv_mean):
     weight, bias, tap_sums, conv_mean, *operands = ctx.saved_tensors
     need_x = bool(ctx.needs_input_grad[0])
     grads = conv_global_mean_bwd(
-        grad_out, weight, bias, operands, tap_sums, conv_mean, ctx.x_size, ctx.x_dtype, need_x, ctx.config
+        grad_out,
+        weight,
+        bias,
+        operands,
+        tap_sums,
+        conv_mean,
+        ctx.x_size,
+        ctx.x_stride,
+        ctx.x_dtype,
+        need_x,
+        ctx.config,
     )
     grad_x, grad_w, grad_b, *grad_ops = grads
     return (grad_x if need_x else None, grad_w, grad_b if ctx.has_bias else None, grad_ops, None)
