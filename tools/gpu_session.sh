@@ -1,26 +1,49 @@
 #!/usr/bin/env bash
-# One GPU session in one call: install, GPU tests, demo, benchmark; logs under $OUT (or ./gpu_out).
-# Usage: bash tools/gpu_session.sh [tests|demo|bench|all] [extra pytest args...]
+# One GPU session in one call: install, then the named stages in order; logs under $OUT (or ./gpu_out).
+#   bash tools/gpu_session.sh tests,kernels,explain,parity,bench      (default: all of them)
+# Stages:
+#   tests    the whole test suite on CUDA (pytest -n 8), then the dynamic-shape test with recompile logs
+#   kernels  the kernel-level timing scripts (tools/bench_*.py)
+#   explain  python -m fusion_backend explain --train on the three seeds (issue 3)
+#   parity   tools/parity_check.py: seeds A and B, fp32 (TF32 off) and bf16, no package import
+#   demo     demos/run_demo.py in fp32 and bf16
+#   bench    the benchmark's seeds suite, fp32 + bf16, infer + train (BENCH_ARGS adds options)
 set -uo pipefail
-what=${1:-all}; shift || true
+stages=${1:-tests,kernels,explain,parity,bench}
 out=${OUT:-gpu_out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
-python3 - <<'PY' | tee "$out/env.txt"
-import torch, triton
-print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
-print("gpu", torch.cuda.get_device_name(0))
-PY
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
+has() { [[ ",$stages," == *",$1,"* ]]; }
 rc=0
-if [[ $what == tests || $what == all ]]; then
-  timeout 420 python3 -m pytest -q -x -p no:cacheprovider "$@" tests 2>&1 | tee "$out/pytest.log" | grep -v "^DEBUG" | tail -40
-  rc=${PIPESTATUS[0]}
+if has tests; then
+  timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -n 8 -p no:cacheprovider tests >"$out/pytest.log" 2>&1 || rc=1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -25
+  TORCH_LOGS=recompiles timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_e2e_conv_epilogue.py \
+    -k dynamic_true 2>&1 | grep -i -E -A4 "recompil|passed|failed" | grep -v DEBUG | head -20
 fi
-if [[ $what == demo || $what == all ]]; then
-  timeout 300 python3 demos/run_demo.py --seeds a,b,c 2>&1 | grep -v "Warning\|warn(" | tee "$out/demo_fp32.log"
-  timeout 300 python3 demos/run_demo.py --seeds a,b,c --dtype bf16 2>&1 | grep -v "Warning\|warn(" | tee "$out/demo_bf16.log"
+if has kernels; then
+  for t in tools/bench_conv_fused.py tools/bench_conv_fused_bwd.py tools/bench_conv_global_mean.py; do
+    [[ -f $t ]] && { echo "== $t"; timeout 150 python3 "$t" 2>&1 | grep -v -i warn | tee -a "$out/kernels.log" | tail -30; }
+  done
 fi
-if [[ $what == bench || $what == all ]]; then
-  timeout 540 python3 -m fusion_backend bench --suite seeds --out "$out/bench" 2>&1 | tee "$out/bench.log" | tail -60
+if has explain; then
+  for s in a b c; do
+    timeout 60 python3 -m fusion_backend explain "demos/seeds/seed_$s.py" --train 2>&1 | grep -v -i warn \
+      | tee -a "$out/explain.log" | tail -14
+  done
+fi
+if has parity; then
+  timeout 150 python3 tools/parity_check.py 2>&1 | grep -E "^seed|imported" | tee "$out/parity.log"
+fi
+if has demo; then
+  for d in fp32 bf16; do
+    timeout 150 python3 demos/run_demo.py --seeds a,b,c --dtype "$d" 2>&1 | grep -v -i warn | tee -a "$out/demo.log" | tail -40
+  done
+fi
+if has bench; then
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m fusion_backend bench --suite seeds --dtype fp32,bf16 --mode infer,train \
+    --out "$out/bench" ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
+  tail -32 "$out/bench.log"
 fi
 exit $rc
