@@ -24,6 +24,13 @@ from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
 
 PK = PointwiseKind
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+#: The kernels' device: CUDA when there is one, else CPU tensors under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _ieee_fp32(exact_fp32):
+    """TF32 off: the grid-valued inputs below make every conv exact only in full fp32."""
 
 LEAKY = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
 MUL = ChainStep(PK.MUL, (TensorRef(0),))
@@ -96,8 +103,8 @@ def _inputs(xs, ws, spec, opts, dtype, seed=0):
     m = torch.randn((c_out,) + (1,) * (len(xs) - 2), generator=g, dtype=torch.float64)
     if opts.get("zero_mul"):
         m[::2] = 0.0  # every window ties on those channels: the first valid offset must win
-    x, w, m = x.to(dtype), w.to(dtype), m.to(dtype)
-    b = None if b is None else b.to(dtype)
+    x, w, m = x.to(DEVICE, dtype), w.to(DEVICE, dtype), m.to(DEVICE, dtype)
+    b = None if b is None else b.to(DEVICE, dtype)
     if opts.get("channels_last"):
         fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
         x = x.contiguous(memory_format=fmt)
@@ -190,6 +197,7 @@ def test_random_values_match_float64_eager(monkeypatch):
         x, w = torch.randn(xs, generator=g), torch.randn(ws, generator=g) * 0.3
         c_out = ws[1] if spec.transposed else ws[0]
         b, m = torch.randn(c_out, generator=g), torch.randn(c_out, 1, 1, generator=g)
+        x, w, b, m = (t.to(DEVICE) for t in (x, w, b, m))
         config = _config(spec, SEED_B_CHAIN, pool)
         out, _, _ = _run(monkeypatch, "triton", x, w, b, [m], config)
         ref, _, _ = _run(monkeypatch, "library", x.double(), w.double(), b.double(), [m.double()], config)
@@ -210,11 +218,11 @@ def test_unsupported_reason_names_the_limits():
 
 def test_forced_triton_on_an_unsupported_case_raises_under_strict(monkeypatch):
     spec = _spec(2)
-    x, w = torch.randn(1, 2, 12, 12), torch.randn(2, 2, 3, 3)
+    x, w = torch.randn(1, 2, 12, 12, device=DEVICE), torch.randn(2, 2, 3, 3, device=DEVICE)
     config = _config(spec, (), _pool("avg", 2, 2, 3, 0))
     with pytest.raises(UnsupportedInputError, match="FUSION_CONV_IMPL=triton"):
         _run(monkeypatch, "triton", x, w, None, [], config)
-    # auto on CPU keeps the library conv (the interpreter is slow), whatever the case.
+    # auto keeps the library conv where the fused kernel cannot serve the case.
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "auto")
     assert ce.conv_impl(x, w, ConvEpilogueConfig.from_json(config), True)[0] == "library"
 
@@ -245,7 +253,8 @@ def test_compiled_model_with_forced_fused_conv_matches_eager_gradients(monkeypat
     real = conv_fused.conv_fused_forward
     monkeypatch.setattr(conv_fused, "conv_fused_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     torch.manual_seed(0)
-    assert_fused(_SeedALike(True), [torch.randn(2, 4, 3, 4, 4)], expect={"conv_epilogue": 1}, train=True)
+    model = _SeedALike(True).to(DEVICE)
+    assert_fused(model, [torch.randn(2, 4, 3, 4, 4, device=DEVICE)], expect={"conv_epilogue": 1}, train=True)
     assert calls, "the fused conv kernel did not run"
 
 

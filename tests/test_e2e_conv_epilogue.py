@@ -86,9 +86,11 @@ def test_leaky_relu_at_exactly_zero(kernels):
 
 def test_dynamic_true_recompiles_nothing_for_new_sizes(kernels, fusion_rewrites):
     # Sizes all distinct and >= 2: equal sizes (duck sizing) and 0/1 specialise in Dynamo itself.
+    # H stays odd and W even: on CUDA, PyTorch's own max_pool2d meta (ceil_mode, traced by Dynamo
+    # before any backend runs) guards on the parity of the input size (div_rtn), for every backend.
     model, _ = on_device(Block(), torch.rand(1))
     compiled = torch.compile(model, backend="fusion", dynamic=True, options={"strict": True})
-    for shape in ((2, 3, 9, 10), (5, 3, 12, 7), (4, 3, 6, 17)):
+    for shape in ((2, 3, 9, 10), (5, 3, 13, 8), (4, 3, 7, 16)):
         x = torch.rand(shape, device=DEVICE)
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
     assert len(fusion_rewrites) == 1 and fusion_rewrites[0].counts() == {"conv_epilogue": 1}

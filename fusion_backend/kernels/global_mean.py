@@ -831,23 +831,24 @@ def _params_bwd_kernel(
                 u = _apply(u, _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i), KINDS[i])
             d = g
             for ii in tl.static_range(NS):
-                i: tl.constexpr = NS - 1 - ii
-                v = _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i)
-                ui = tl.sum(tl.where(slot[:, None] == i, us, 0.0), axis=0)
-                if KINDS[i] == 1:
+                # reverse order; a fresh name: the compiler refuses to rebind a loop constexpr
+                j = NS - 1 - ii
+                v = _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, j)
+                ui = tl.sum(tl.where(slot[:, None] == j, us, 0.0), axis=0)
+                if KINDS[j] == 1:
                     gvi = d * ui
                     d = d * v
-                elif KINDS[i] == 5:
+                elif KINDS[j] == 5:
                     gvi = -d * ui / (v * v)
                     d = d / v
-                elif KINDS[i] == 2:
+                elif KINDS[j] == 2:
                     gvi = d
-                elif KINDS[i] == 3:
+                elif KINDS[j] == 3:
                     gvi = -d
                 else:
                     gvi = d
                     d = -d
-                opacc += tl.where(slot[:, None] == i, gvi[None, :], 0.0)
+                opacc += tl.where(slot[:, None] == j, gvi[None, :], 0.0)
     if HAS_BIAS:
         tl.store(gbias_ptr + co * gbias_stride, gbias.to(tl.float32).to(gbias_ptr.dtype.element_ty), mask=first)
     if NEED_OPS:

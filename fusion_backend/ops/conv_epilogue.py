@@ -70,6 +70,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import KernelError, UnsupportedInputError
+from . import impl_choice
 from .chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef, apply_step
 from .config import ConvEpilogueConfig, ConvSpec, PoolSpec
 
@@ -551,19 +552,25 @@ def _kernel_steps(cfg: ConvEpilogueConfig, operands: Sequence[Tensor], y_ndim: i
 # --------------------------------------------------------------------------------------------------
 
 
+def _conv_impl_mode() -> str:
+    mode = os.environ.get(CONV_IMPL_ENV, "auto") or "auto"
+    if mode not in ("auto", "triton", "library"):
+        raise UnsupportedInputError(f"{CONV_IMPL_ENV}={mode!r}: expected auto, triton or library")
+    return mode
+
+
 def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) -> tuple[str, str | None]:
     """Which conv the Triton forward runs: ``("triton", None)`` for the fused implicit-GEMM kernel
     (``kernels.conv_fused``), ``("library", why)`` for aten/cuDNN + the epilogue kernel.
 
-    ``FUSION_CONV_IMPL`` (read at call time): ``auto`` (default) picks the fused kernel on CUDA
-    whenever ``conv_fused.unsupported_reason`` is None, and the library conv on CPU (the
-    interpreter is slow; tests force the fused kernel there); ``library`` always takes the library
+    ``FUSION_CONV_IMPL`` (read at call time): ``auto`` (default) answers ``triton`` on CUDA
+    whenever ``conv_fused.unsupported_reason`` is None (``_triton_forward`` then measures which of
+    the two is faster), and the library conv on CPU (the interpreter is slow; tests force the fused
+    kernel there); ``library`` always takes the library
     conv; ``triton`` always takes the fused kernel and raises ``UnsupportedInputError`` (handled by
     the failure policy: strict raises, else warn and run the reference) when it cannot serve the case.
     """
-    mode = os.environ.get(CONV_IMPL_ENV, "auto") or "auto"
-    if mode not in ("auto", "triton", "library"):
-        raise UnsupportedInputError(f"{CONV_IMPL_ENV}={mode!r}: expected auto, triton or library")
+    mode = _conv_impl_mode()
     if mode == "library":
         return "library", f"{CONV_IMPL_ENV}=library"
     if mode == "auto" and x.device.type != "cuda":
@@ -640,10 +647,37 @@ def _triton_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
     save: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The fused conv kernel when ``conv_impl`` picks it, else aten conv without bias, then one
-    Triton kernel for bias + chain + pool (+ max-pool winners)."""
-    if conv_impl(x, weight, cfg, save)[0] == "triton":
+    """The fused conv kernel or the library conv + epilogue kernel, as ``conv_impl`` says; under
+    ``FUSION_CONV_IMPL=auto`` a case both serve goes to the faster one, measured once per shape
+    (``impl_choice``; the library path when measuring is off)."""
+    impl = conv_impl(x, weight, cfg, save)[0]
+    if impl == "triton" and _conv_impl_mode() == "auto":
+        impl = impl_choice.choose(
+            _choice_key(x, weight, bias, cfg, save),
+            {
+                "triton": lambda: _fused_conv_forward(x, weight, bias, operands, cfg, save),
+                "library": lambda: _library_forward(x, weight, bias, operands, cfg, save),
+            },
+            default="library",
+        )
+    if impl == "triton":
         return _fused_conv_forward(x, weight, bias, operands, cfg, save)
+    return _library_forward(x, weight, bias, operands, cfg, save)
+
+
+def _choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvEpilogueConfig, save: bool) -> str:
+    """Everything the fused-vs-library timing depends on (the chain's op codes included)."""
+    return (
+        f"conv_epilogue|{cfg.to_json()}|x {tuple(x.shape)} {x.stride()} {x.dtype}|w {tuple(weight.shape)} "
+        f"{weight.stride()}|bias {bias is not None}|save {save}|tf32 {torch.backends.cudnn.allow_tf32}"
+    )
+
+
+def _library_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+    save: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """aten conv without bias, then one Triton kernel for bias + chain + pool (+ max-pool winners)."""
     kernels = _kernels()
     y0 = _conv(x, weight, None, cfg.conv)
     fmt = output_memory_format(y0)

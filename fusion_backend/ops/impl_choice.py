@@ -1,0 +1,125 @@
+"""Pick the fastest of several implementations of one op call by timing them once per key.
+
+WHY: the fused implicit-GEMM conv kernel beats cuDNN + the epilogue kernel on some shapes and loses
+on others (measured on an H100: on seeds A and B the library conv still wins), so ``auto`` must not
+guess.  The first call with a new key times every candidate on the GPU (CUDA events, after one
+warm-up call that also compiles/autotunes it) and remembers the winner: in memory for the process
+and in a JSON file for later processes, so the measurement is paid once per shape per machine.
+
+Contract of ``choose``:
+  * ``key``: a string that fixes everything the timing depends on (op config, shapes, strides,
+    dtypes, TF32 flag); the device name and the torch/triton versions are added here.
+  * ``candidates``: name -> zero-argument callable running that implementation (its results are
+    discarded).  Candidates must be interchangeable: they pass the same parity tests.
+  * ``default``: returned without timing when measuring is off (``FUSION_CONV_AUTOTUNE=0``, for
+    deterministic compile times), during CUDA-graph capture, or when a candidate raises.
+Timings are not run-to-run stable to the microsecond; a candidate must beat the default by
+``MIN_GAIN`` to be picked, so near-ties keep the default (the library path).
+
+The cache file is ``$FUSION_CACHE_DIR/impl_choice.json`` (default ``~/.cache/fusion_backend``);
+an unreadable or unwritable file only costs a re-measurement, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("fusion_backend.impl_choice")
+
+CACHE_DIR_ENV = "FUSION_CACHE_DIR"
+MEASURE_ENV = "FUSION_CONV_AUTOTUNE"
+#: A candidate must be this much faster than the default to replace it.
+MIN_GAIN = 1.03
+_REPS = 5
+
+_memory: dict[str, str] = {}
+
+
+def measuring_enabled() -> bool:
+    return os.environ.get(MEASURE_ENV, "1") != "0"
+
+
+def cache_file() -> Path:
+    root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "fusion_backend"
+    return Path(root) / "impl_choice.json"
+
+
+def _full_key(key: str) -> str:
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return f"{device}|torch {torch.__version__}|triton {triton.__version__}|{key}"
+
+
+def _load() -> dict[str, str]:
+    try:
+        data = json.loads(cache_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(full_key: str, name: str) -> None:
+    path = cache_file()
+    try:
+        data = _load()
+        data[full_key] = name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)  # atomic: concurrent processes never read half a file
+    except OSError as e:
+        log.debug("impl choice cache %s not written: %s", path, e)
+
+
+def _time_ms(fn: Callable[[], object]) -> float:
+    fn()  # warm-up: compiles and autotunes
+    times = []
+    for _ in range(_REPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def choose(
+    key: str,
+    candidates: Mapping[str, Callable[[], object]],
+    default: str,
+    timer: Callable[[Callable[[], object]], float] = _time_ms,
+) -> str:
+    """The name of the fastest candidate for ``key`` (see the module docstring); ``timer`` (ms of
+    one call, after warm-up) is replaceable for tests."""
+    if default not in candidates:
+        raise ValueError(f"default {default!r} is not among the candidates {sorted(candidates)}")
+    if not measuring_enabled() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return default
+    full_key = _full_key(key)
+    if full_key in _memory:
+        return _memory[full_key]
+    cached = _load().get(full_key)
+    if cached in candidates:
+        _memory[full_key] = cached
+        return cached
+    try:
+        times = {name: timer(fn) for name, fn in candidates.items()}
+    except Exception as e:  # a failing candidate is the caller's business when it runs it for real
+        log.info("impl choice for %s not measured (%s: %s); using %s", key, type(e).__name__, e, default)
+        return default
+    best = min(times, key=times.__getitem__)
+    if times[best] * MIN_GAIN > times[default]:
+        best = default
+    log.info("impl choice %s: %s (%s)", key, best, ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()))
+    _memory[full_key] = best
+    _store(full_key, best)
+    return best

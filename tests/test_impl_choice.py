@@ -1,0 +1,76 @@
+"""``ops.impl_choice``: measured once per key, remembered in memory and on disk, default on ties."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fusion_backend.ops import impl_choice
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(impl_choice.MEASURE_ENV, raising=False)
+    monkeypatch.setattr(impl_choice, "_memory", {})
+
+
+def fake_timer(times):
+    calls = []
+
+    def timer(fn):
+        name = fn()
+        calls.append(name)
+        return times[name]
+
+    return timer, calls
+
+
+CANDIDATES = {"fast": lambda: "fast", "library": lambda: "library"}
+
+
+def test_faster_candidate_wins_and_is_cached_in_memory_and_on_disk(monkeypatch):
+    timer, calls = fake_timer({"fast": 1.0, "library": 2.0})
+    assert impl_choice.choose("k", CANDIDATES, "library", timer=timer) == "fast"
+    assert impl_choice.choose("k", CANDIDATES, "library", timer=timer) == "fast"
+    assert calls == ["fast", "library"], "measured once"
+    stored = json.loads(impl_choice.cache_file().read_text())
+    assert list(stored.values()) == ["fast"] and next(iter(stored)).endswith("|k")
+    # A new process (empty memory) reads the file instead of measuring.
+    monkeypatch.setattr(impl_choice, "_memory", {})
+    timer2, calls2 = fake_timer({"fast": 9.0, "library": 1.0})
+    assert impl_choice.choose("k", CANDIDATES, "library", timer=timer2) == "fast"
+    assert calls2 == []
+
+
+def test_near_tie_keeps_the_default():
+    timer, _ = fake_timer({"fast": 0.99, "library": 1.0})
+    assert impl_choice.choose("tie", CANDIDATES, "library", timer=timer) == "library"
+
+
+def test_measuring_off_returns_the_default_without_timing(monkeypatch):
+    monkeypatch.setenv(impl_choice.MEASURE_ENV, "0")
+    timer, calls = fake_timer({"fast": 1.0, "library": 2.0})
+    assert impl_choice.choose("off", CANDIDATES, "library", timer=timer) == "library"
+    assert calls == []
+
+
+def test_a_failing_candidate_falls_back_to_the_default():
+    def broken():
+        raise RuntimeError("boom")
+
+    timer, _ = fake_timer({"fast": 1.0, "library": 2.0})
+    assert impl_choice.choose("bad", {"fast": broken, "library": lambda: "library"}, "library", timer=timer) == "library"
+
+
+def test_unreadable_cache_file_only_costs_a_measurement():
+    impl_choice.cache_file().write_text("{not json")
+    timer, calls = fake_timer({"fast": 1.0, "library": 2.0})
+    assert impl_choice.choose("k2", CANDIDATES, "library", timer=timer) == "fast"
+    assert calls == ["fast", "library"]
+
+
+def test_unknown_default_is_refused():
+    with pytest.raises(ValueError, match="default 'nope'"):
+        impl_choice.choose("k", CANDIDATES, "nope")
