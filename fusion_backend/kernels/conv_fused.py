@@ -507,6 +507,7 @@ _conv_fused_fwd_tuned = triton.autotune(
     configs=_configs(),
     key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT"],
     prune_configs_by={"early_config_prune": _prune},
+    cache_results=True,  # the best tile per key is kept in Triton's cache dir across processes
 )(_conv_fused_fwd_kernel)
 
 

@@ -699,8 +699,63 @@ def _triton_backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
     saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
 ) -> list[Tensor | None]:  # fmt: skip
-    """One Triton kernel for the conv-output gradient and the per-channel operand/bias sums, then
-    ``aten.convolution_backward`` for x and weight."""
+    """The compact backward (``_compact_backward``) or the library one (``_library_backward``), as
+    ``FUSION_CONV_IMPL`` says; under ``auto`` a case both serve goes to the faster one, measured
+    once per shape (``impl_choice``; the library path when measuring is off).  Cases the compact
+    backward cannot serve (an avg pool) take the library one under every setting."""
+    args = (grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, mask)
+    mode = _conv_impl_mode()
+    why = None if mode == "library" else _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg)
+    if why is not None:
+        logger.debug("conv_epilogue backward: library path (%s)", why)
+    if mode == "library" or why is not None or (mode == "auto" and x.device.type != "cuda"):
+        return _library_backward(*args)  # auto: the interpreter is slow, tests force "triton" on CPU
+    impl = "compact"
+    if mode == "auto":
+        impl = impl_choice.choose(
+            _choice_key(x, weight, bias, cfg, True) + f"|backward {tuple(mask)} {grad_out.stride()}",
+            {"compact": lambda: _compact_backward(*args), "library": lambda: _library_backward(*args)},
+            default="library",
+        )
+    return _compact_backward(*args) if impl == "compact" else _library_backward(*args)
+
+
+def _slot_wanted(cfg: ConvEpilogueConfig, operand_mask: Sequence[bool]) -> list[bool]:
+    """Per chain slot: whether the gradient of its (tensor) operand is wanted."""
+    return [
+        step.kind.differentiable_operands == (0,)
+        and not isinstance(step.operands[0], Const)
+        and operand_mask[step.operands[0].index]
+        for step in cfg.chain
+    ]
+
+
+def _operand_grads(
+    cfg: ConvEpilogueConfig, operands: Sequence[Tensor], operand_mask: Sequence[bool],
+    slot_grads: Sequence[Tensor | None], channels: int, device: torch.device,
+) -> list[Tensor | None]:  # fmt: skip
+    """Each operand's gradient: the fp32 per-channel sums of the slots it feeds, summed over
+    channels for a one-element operand, in the operand's shape and dtype."""
+    grads: list[Tensor | None] = []
+    for i, t in enumerate(operands):
+        if not operand_mask[i]:
+            grads.append(None)
+            continue
+        total = torch.zeros(channels, dtype=torch.float32, device=device)
+        for step, g in zip(cfg.chain, slot_grads, strict=True):
+            if g is not None and step.operands[0] == TensorRef(i):
+                total = total + g
+        total = total.sum() if t.numel() == 1 else total
+        grads.append(total.reshape(t.shape).to(t.dtype))
+    return grads
+
+
+def _library_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+    saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
+) -> list[Tensor | None]:  # fmt: skip
+    """One Triton kernel for the full-size conv-output gradient and the per-channel operand/bias
+    sums, then ``aten.convolution_backward`` for x and weight."""
     kernels = _kernels()
     is_max = cfg.pool is not None and cfg.pool.kind == "max"
     if is_max:
@@ -713,30 +768,71 @@ def _triton_backward(
         y0, winner, winner_y = saved_a, None, None
         grad_y = torch.empty_strided(y0.shape, y0.stride(), dtype=y0.dtype, device=y0.device)
     steps = _kernel_steps(cfg, operands, grad_y.dim(), grad_y.shape[1])
-    operand_mask = mask[3:]
-    slot_wanted = [
-        step.kind.differentiable_operands == (0,)
-        and not isinstance(step.operands[0], Const)
-        and operand_mask[step.operands[0].index]
-        for step in cfg.chain
-    ]
     slot_grads, grad_bias = kernels.epilogue_backward(
         grad_out, y0, winner, winner_y, bias, steps, None if cfg.pool is None else _pool_geometry(cfg.pool),
-        grad_y, slot_wanted, mask[2],
+        grad_y, _slot_wanted(cfg, mask[3:]), mask[2],
     )  # fmt: skip
-    grad_operands: list[Tensor | None] = []
-    for i, t in enumerate(operands):
-        if not operand_mask[i]:
-            grad_operands.append(None)
-            continue
-        total = torch.zeros(grad_y.shape[1], dtype=torch.float32, device=grad_y.device)
-        for step, g in zip(cfg.chain, slot_grads, strict=True):
-            if g is not None and step.operands[0] == TensorRef(i):
-                total = total + g
-        total = total.sum() if t.numel() == 1 else total
-        grad_operands.append(total.reshape(t.shape).to(t.dtype))
+    grad_operands = _operand_grads(cfg, operands, mask[3:], slot_grads, grad_y.shape[1], grad_y.device)
     grad_x, grad_w = _conv_backward(grad_y, x, weight, cfg.conv, mask[0], mask[1])
     return [grad_x, grad_w, None if grad_bias is None else grad_bias.to(bias.dtype), *grad_operands]
+
+
+def _compact_backward_unsupported(
+    x: Tensor, weight: Tensor, saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig
+) -> str | None:
+    """None when ``_compact_backward`` serves the case, else why not."""
+    if cfg.pool is not None and cfg.pool.kind != "max":
+        return "an avg pool's conv-output gradient needs the full-size chain derivative (library backward)"
+    if x.device.type != "cuda" and os.environ.get(CPU_KERNELS_ENV, "") != "triton":
+        return "the compact backward runs on CUDA (or the interpreter)"
+    from ..kernels import conv_fused_bwd
+
+    spec = cfg.conv
+    grad = saved_a if cfg.pool is None else _pooled_grad(saved_b, saved_a, cfg.pool)
+    return conv_fused_bwd.unsupported_reason(
+        grad, x, weight, spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding,
+        spec.groups,
+    )  # fmt: skip
+
+
+def _pooled_grad(g_win: Tensor, winner: Tensor, pool: PoolSpec) -> Any:  # conv_fused_bwd.PooledGrad
+    from ..kernels import conv_fused_bwd
+
+    return conv_fused_bwd.PooledGrad(
+        g_win, winner, tuple(pool.kernel_size), _pool_stride(pool), tuple(pool.padding), ceil_mode=pool.ceil_mode
+    )
+
+
+def _compact_backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+    saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
+) -> list[Tensor | None]:  # fmt: skip
+    """The conv backward never materializes the full-size gradient behind a max pool.
+
+    The chain is differentiated at the winners only (the epilogue backward kernel without a pool,
+    on the pooled-size saved state): ``g_win = grad_out * chain'(y0_winner)`` plus the operand sums;
+    then ``kernels.conv_fused_bwd`` computes grad x / weight / bias with loaders that expand
+    ``(g_win, winner)`` on the fly.  Without a pool the dense conv-output gradient is written as in
+    the library path and the same Triton conv backward consumes it.
+    """
+    from ..kernels import conv_fused_bwd
+
+    kernels = _kernels()
+    is_max = cfg.pool is not None
+    y_src = saved_b if is_max else saved_a
+    g = torch.empty_strided(y_src.shape, y_src.stride(), dtype=y_src.dtype, device=y_src.device)
+    steps = _kernel_steps(cfg, operands, g.dim(), g.shape[1])
+    slot_grads, _ = kernels.epilogue_backward(
+        grad_out, y_src, None, None, bias, steps, None, g, _slot_wanted(cfg, mask[3:]), False
+    )
+    grad_operands = _operand_grads(cfg, operands, mask[3:], slot_grads, g.shape[1], g.device)
+    grad = _pooled_grad(g, saved_a, cfg.pool) if is_max else g
+    spec = cfg.conv
+    grad_x, grad_w, grad_b = conv_fused_bwd.convolution_backward(
+        grad, x, weight, spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding,
+        spec.groups, [mask[0], mask[1], mask[2] and bias is not None],
+    )  # fmt: skip
+    return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grad_operands]
 
 
 def _conv_backward(
