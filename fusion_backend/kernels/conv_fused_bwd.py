@@ -111,13 +111,13 @@ Grad = Union[torch.Tensor, PooledGrad]
 
 
 # --------------------------------------------------------------------------------------------------
-# Loader: the conv-output gradient (or x) at arbitrary positions.
+# Loader: the conv-output gradient (or x) at (row positions) x (channels).
 # --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _load_at(
-    ptr, win_ptr, n64, c, pd, ph, pw, ok,
+    ptr, win_ptr, n64, pd, ph, pw, row_ok, c, c_ok,
     D, H, W, JD, JH, JW,
     s_n, s_c, s_d, s_h, s_w,
     w_sn, w_sc, w_sd, w_sh, w_sw,
@@ -128,30 +128,33 @@ def _load_at(
     PDD: tl.constexpr, PDH: tl.constexpr, PDW: tl.constexpr,
     NJD: tl.constexpr, NJH: tl.constexpr, NJW: tl.constexpr,
 ):  # fmt: skip
-    """fp32 values at ``(n, c, pd, ph, pw)`` (broadcast shapes); 0 outside ``(D, H, W)`` or ``~ok``.
+    """fp32 tile of values at positions ``(n, pd, ph, pw)`` x channels ``c``; 0 outside (D, H, W).
 
+    ``n64, pd, ph, pw, row_ok`` share one "row" shape and ``c, c_ok`` one "channel" shape that
+    broadcast against each other ([R, 1] and [1, C], or [1, R] and [C, 1]): all index arithmetic
+    runs on the row vectors, per element only an address add, the loads and a compare remain.
     Dense (``POOLED`` False): ``ptr`` is an ``(N, C, D, H, W)`` tensor with strides ``s_*``.
     Pooled: ``ptr`` is ``g_win`` (strides ``s_*``) and ``win_ptr`` the winners (strides ``w_s*``),
     both ``(N, C, JD, JH, JW)``; the value is the sum over the (at most NJD*NJH*NJW) windows that
     contain the position and whose winner is it.
     """
-    ok = ok & (pd >= 0) & (pd < D) & (ph >= 0) & (ph < H) & (pw >= 0) & (pw < W)
+    row_ok = row_ok & (pd >= 0) & (pd < D) & (ph >= 0) & (ph < H) & (pw >= 0) & (pw < W)
     c64 = c.to(tl.int64)
     if not POOLED:
-        off = n64 * s_n + c64 * s_c + pd.to(tl.int64) * s_d + ph.to(tl.int64) * s_h + pw.to(tl.int64) * s_w
-        return tl.load(ptr + off, mask=ok, other=0.0).to(tl.float32)
+        row = n64 * s_n + pd.to(tl.int64) * s_d + ph.to(tl.int64) * s_h + pw.to(tl.int64) * s_w
+        return tl.load(ptr + (row + c64 * s_c), mask=row_ok & c_ok, other=0.0).to(tl.float32)
     else:
         # Shift to non-negative coordinates so that // and % agree between C and Python semantics.
-        qd = tl.where(ok, pd, 0) + PPD
-        qh = tl.where(ok, ph, 0) + PPH
-        qw = tl.where(ok, pw, 0) + PPW
-        acc = tl.zeros(ok.shape, tl.float32)
-        g_base = n64 * s_n + c64 * s_c
-        w_base = n64 * w_sn + c64 * w_sc
+        qd = tl.where(row_ok, pd, 0) + PPD
+        qh = tl.where(row_ok, ph, 0) + PPH
+        qw = tl.where(row_ok, pw, 0) + PPW
+        acc = tl.zeros((row_ok & c_ok).shape, tl.float32)
+        g_col = c64 * s_c
+        w_col = c64 * w_sc
         for ad in tl.static_range(NJD):
             jd = qd // PSD - ad
             rd = qd - jd * PSD
-            ok_d = ok & (jd >= 0) & (jd < JD) & (rd % PDD == 0) & (rd < PKD * PDD)
+            ok_d = row_ok & (jd >= 0) & (jd < JD) & (rd % PDD == 0) & (rd < PKD * PDD)
             for ah in tl.static_range(NJH):
                 jh = qh // PSH - ah
                 rh = qh - jh * PSH
@@ -164,11 +167,11 @@ def _load_at(
                     jd64 = jd.to(tl.int64)
                     jh64 = jh.to(tl.int64)
                     jw64 = jw.to(tl.int64)
-                    win = tl.load(win_ptr + w_base + jd64 * w_sd + jh64 * w_sh + jw64 * w_sw, mask=hit, other=-1)
-                    hit = hit & (win.to(tl.int32) == widx)
-                    acc += tl.load(ptr + g_base + jd64 * s_d + jh64 * s_h + jw64 * s_w, mask=hit, other=0.0).to(
-                        tl.float32
-                    )
+                    w_row = n64 * w_sn + jd64 * w_sd + jh64 * w_sh + jw64 * w_sw
+                    g_row = n64 * s_n + jd64 * s_d + jh64 * s_h + jw64 * s_w
+                    win = tl.load(win_ptr + (w_row + w_col), mask=hit & c_ok, other=-1)
+                    take = (win.to(tl.int32) == widx) & hit & c_ok
+                    acc += tl.load(ptr + (g_row + g_col), mask=take, other=0.0).to(tl.float32)
         return acc
 
 
@@ -179,17 +182,20 @@ def _load_at(
 
 def _dgrad_configs() -> list[triton.Config]:
     if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
-    # NOTE: tiles for Hopper; BLOCK_N (x channels per program) is set by the launcher.
+        return [triton.Config({"BLOCK_M": 32}, num_warps=4, num_stages=1)]
+    # NOTE: tiles for Hopper; BLOCK_N (x channels) and BLOCK_K (g channels) are set by the launcher.
     return [
-        triton.Config({"BLOCK_M": 128, "BLOCK_K": 32}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 256, "BLOCK_K": 32}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 128}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 128}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 128}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 256}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=4),
     ]
 
 
-@triton.autotune(configs=_dgrad_configs(), key=["CI_G", "CO_G", "MAXT", "NTAP_MAX", "BLOCK_N", "POOLED"])
+@triton.autotune(
+    configs=_dgrad_configs(), key=["CI_G", "CO_G", "MAXT", "NTAP_MAX", "BLOCK_N", "BLOCK_K", "POOLED", "PREC"]
+)
 @triton.jit
 def _dgrad_kernel(
     g_ptr, win_ptr, w_ptr, tab_ptr, cnt_ptr, dx_ptr,
@@ -220,7 +226,8 @@ def _dgrad_kernel(
                       (elements) and the g offsets (d, h, w).  ``cnt_ptr``: int32 (phases,) taps per phase.
       dx_ptr          result (N, C_in, ID, IH, IW), strides ``x_s*``; every element written once.
     Program ids: 0 -> (n, phase, M block), 1 -> (group, N block).  Phases: (XSD, XSH, XSW) grid
-    (all 1 for a transposed conv); a phase's positions are ``r + XS*t``.
+    (all 1 for a transposed conv); a phase's positions are ``r + XS*t``.  The K loop walks (tap,
+    BLOCK_K channels): offsets are uniform per K block, so the position arithmetic is per row.
     """
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
@@ -247,37 +254,31 @@ def _dgrad_kernel(
     ci_ok = ci < CI_G
     n64 = n.to(tl.int64)
     ntap = tl.load(cnt_ptr + ph)
-    k_total = ntap * CO_G
+    n_cc = tl.cdiv(CO_G, BLOCK_K)
     w_base = w_ptr + grp.to(tl.int64) * w_s_grp + ci[None, :].to(tl.int64) * w_s_out
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, k_total, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < k_total
-        j = kk // CO_G
-        co = kk - j * CO_G
+    for it in range(0, ntap * n_cc):
+        j = it // n_cc
+        co = (it - j * n_cc) * BLOCK_K + tl.arange(0, BLOCK_K)
+        co_ok = co < CO_G
         tab = tab_ptr + (ph * NTAP_MAX + j) * 4
-        w_off = tl.load(tab, mask=k_ok, other=0)
-        o_d = tl.load(tab + 1, mask=k_ok, other=0)
-        o_h = tl.load(tab + 2, mask=k_ok, other=0)
-        o_w = tl.load(tab + 3, mask=k_ok, other=0)
+        w_off = tl.load(tab)
         a = _load_at(
-            g_ptr, win_ptr, n64, grp * CO_G + co[None, :],
-            td[:, None] * GSD + o_d[None, :], th[:, None] * GSH + o_h[None, :], tw[:, None] * GSW + o_w[None, :],
-            m_ok[:, None] & k_ok[None, :], OD, OH, OW, JD, JH, JW,
-            g_sn, g_sc, g_sd, g_sh, g_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
+            g_ptr, win_ptr, n64,
+            (td * GSD + tl.load(tab + 1))[:, None], (th * GSH + tl.load(tab + 2))[:, None],
+            (tw * GSW + tl.load(tab + 3))[:, None], m_ok[:, None], (grp * CO_G + co)[None, :], co_ok[None, :],
+            OD, OH, OW, JD, JH, JW, g_sn, g_sc, g_sd, g_sh, g_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
             POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
         )  # fmt: skip
-        b = tl.load(
-            w_base + co[:, None].to(tl.int64) * w_s_red + w_off[:, None], mask=k_ok[:, None] & ci_ok[None, :], other=0.0
-        )
+        b = tl.load(w_base + co[:, None].to(tl.int64) * w_s_red + w_off, mask=co_ok[:, None] & ci_ok[None, :], other=0.0)
         acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PREC)
-    x_off = (
+    x_row = (
         n64 * x_sn
-        + (grp * CI_G + ci[None, :]).to(tl.int64) * x_sc
-        + (rd + XSD * td[:, None]).to(tl.int64) * x_sd
-        + (rh + XSH * th[:, None]).to(tl.int64) * x_sh
-        + (rw + XSW * tw[:, None]).to(tl.int64) * x_sw
+        + (rd + XSD * td).to(tl.int64) * x_sd
+        + (rh + XSH * th).to(tl.int64) * x_sh
+        + (rw + XSW * tw).to(tl.int64) * x_sw
     )
+    x_off = x_row[:, None] + (grp * CI_G + ci).to(tl.int64)[None, :] * x_sc
     tl.store(dx_ptr + x_off, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & ci_ok[None, :])
 
 
@@ -288,21 +289,25 @@ def _dgrad_kernel(
 
 def _wgrad_configs() -> list[triton.Config]:
     if _INTERPRET:
-        return [triton.Config({"BLOCK_G": 32, "BLOCK_R": 32}, num_warps=4, num_stages=1)]
-    # NOTE: BLOCK_A (weight dim-0 channels per program) is set by the launcher.
+        return [triton.Config({"BLOCK_R": 32}, num_warps=4, num_stages=1)]
+    # NOTE: BLOCK_A / BLOCK_G (weight dim-0 / dim-1 channels per program) are set by the launcher.
     return [
-        triton.Config({"BLOCK_G": 64, "BLOCK_R": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_G": 128, "BLOCK_R": 32}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_G": 128, "BLOCK_R": 64}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_G": 64, "BLOCK_R": 128}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_R": 64}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_R": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_R": 128}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_R": 128}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_R": 32}, num_warps=4, num_stages=4),
     ]
 
 
-@triton.autotune(configs=_wgrad_configs(), key=["A_G", "B_G", "KVOL", "ROWS", "SPLIT", "BLOCK_A", "A_POOLED", "B_POOLED"])
+@triton.autotune(
+    configs=_wgrad_configs(),
+    key=["A_G", "B_G", "KVOL", "ROWS", "SPLIT", "BLOCK_A", "BLOCK_G", "A_POOLED", "B_POOLED", "PREC"],
+)
 @triton.jit
 def _wgrad_kernel(
     a_ptr, b_ptr, win_ptr, tab_ptr, part_ptr,
-    A_G, B_G, KVOL, ROWS, SPLIT, PART_NUMEL, rows_per_split, num_a_blocks,
+    A_G, B_G, KVOL, ROWS, SPLIT, PART_NUMEL, rows_per_split, num_a_blocks, num_b_blocks,
     TD, TH, TW, BD, BH, BW, JD, JH, JW,
     a_sn, a_sc, a_sd, a_sh, a_sw,
     b_sn, b_sc, b_sd, b_sh, b_sw,
@@ -324,29 +329,28 @@ def _wgrad_kernel(
              pooled ``g_win`` + ``win_ptr`` with strides ``v_s*`` and pooled sizes JD, JH, JW) or x
              (transposed conv).
       b_ptr  the "B" tensor (BD, BH, BW), strides ``b_s*``: x (conv) or g (transposed conv, same
-             dense/pooled rule).  ``G_IS_A`` says which one is g.
+             dense/pooled rule).  ``G_IS_A`` says which one is g; the MMA runs in x's dtype.
       tab_ptr int32 (KVOL, 4): per tap j: unused, and the offsets ``off_j`` (d, h, w) = ``-p + k*dl``.
       part_ptr fp32 (SPLIT, C_w0, B_G, KVOL) contiguous: this program's partial sums.
     Rows ``n*TD*TH*TW + t`` in ``[split*rows_per_split, (split+1)*rows_per_split) & [0, ROWS)``.
-    Program ids: 0 -> split, 1 -> (group, A block, G block); G columns are ``j*B_G + b``.
+    Program ids: 0 -> split, 1 -> (group, A block, tap, B block).
     """
     split = tl.program_id(0)
     pid1 = tl.program_id(1)
-    num_g_blocks = tl.cdiv(KVOL * B_G, BLOCK_G)
-    gb = pid1 % num_g_blocks
-    rest = pid1 // num_g_blocks
+    bb = pid1 % num_b_blocks
+    rest = pid1 // num_b_blocks
+    j = rest % KVOL
+    rest = rest // KVOL
     ab = rest % num_a_blocks
     grp = rest // num_a_blocks
 
     a = ab * BLOCK_A + tl.arange(0, BLOCK_A)
     a_ok = a < A_G
-    col = gb * BLOCK_G + tl.arange(0, BLOCK_G)
-    col_ok = col < KVOL * B_G
-    j = col // B_G
-    bch = col - j * B_G
-    o_d = tl.load(tab_ptr + j * 4 + 1, mask=col_ok, other=0)
-    o_h = tl.load(tab_ptr + j * 4 + 2, mask=col_ok, other=0)
-    o_w = tl.load(tab_ptr + j * 4 + 3, mask=col_ok, other=0)
+    bch = bb * BLOCK_G + tl.arange(0, BLOCK_G)
+    b_ok = bch < B_G
+    o_d = tl.load(tab_ptr + j * 4 + 1)
+    o_h = tl.load(tab_ptr + j * 4 + 2)
+    o_w = tl.load(tab_ptr + j * 4 + 3)
     a_ch = grp * A_G + a
     b_ch = grp * B_G + bch
     t_size = TD * TH * TW
@@ -364,16 +368,15 @@ def _wgrad_kernel(
         n64 = n.to(tl.int64)
         # A tile [BLOCK_A, BLOCK_R] at the row positions.
         at = _load_at(
-            a_ptr, win_ptr, n64[None, :], a_ch[:, None], td[None, :], th[None, :], tw[None, :],
-            a_ok[:, None] & r_ok[None, :], TD, TH, TW, JD, JH, JW,
+            a_ptr, win_ptr, n64[None, :], td[None, :], th[None, :], tw[None, :], r_ok[None, :],
+            a_ch[:, None], a_ok[:, None], TD, TH, TW, JD, JH, JW,
             a_sn, a_sc, a_sd, a_sh, a_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
             A_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
         )  # fmt: skip
         # B tile [BLOCK_R, BLOCK_G] at t*S + off_j.
         bt = _load_at(
-            b_ptr, win_ptr, n64[:, None], b_ch[None, :],
-            td[:, None] * SD + o_d[None, :], th[:, None] * SH + o_h[None, :], tw[:, None] * SW + o_w[None, :],
-            r_ok[:, None] & col_ok[None, :], BD, BH, BW, JD, JH, JW,
+            b_ptr, win_ptr, n64[:, None], (td * SD + o_d)[:, None], (th * SH + o_h)[:, None],
+            (tw * SW + o_w)[:, None], r_ok[:, None], b_ch[None, :], b_ok[None, :], BD, BH, BW, JD, JH, JW,
             b_sn, b_sc, b_sd, b_sh, b_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
             B_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
         )  # fmt: skip
@@ -384,13 +387,8 @@ def _wgrad_kernel(
             at = at.to(a_ptr.dtype.element_ty)
             bt = bt.to(a_ptr.dtype.element_ty)
         acc = tl.dot(at, bt, acc, input_precision=PREC)
-    out = (
-        part_ptr
-        + split.to(tl.int64) * PART_NUMEL
-        + a_ch[:, None].to(tl.int64) * (B_G * KVOL)
-        + (bch * KVOL + j)[None, :]
-    )
-    tl.store(out, acc, mask=a_ok[:, None] & col_ok[None, :])
+    out = part_ptr + split.to(tl.int64) * PART_NUMEL + a_ch[:, None].to(tl.int64) * (B_G * KVOL) + (bch * KVOL + j)[None, :]
+    tl.store(out, acc, mask=a_ok[:, None] & b_ok[None, :])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -633,7 +631,8 @@ def conv_input_grad(
     counts = torch.tensor([len(row) for row in rows], dtype=torch.int32, device=x.device)
     values, winners, g_strides, v_strides, pooled = _grad_operands(grad)
     max_t = math.prod(triton.cdiv(size, step) for size, step in zip(x_sizes[2:], xs, strict=True))
-    block_n = _block(ci_g, 128)
+    block_n = _block(ci_g, 16 if _INTERPRET else 128)
+    block_k = _block(co_g, 16 if _INTERPRET else 64)
     num_c_blocks = triton.cdiv(ci_g, block_n)
 
     def grid(meta):
@@ -645,7 +644,7 @@ def conv_input_grad(
         *x_strides, *g_strides, *v_strides, w_s_grp, w_s_out, w_s_red,
         XSD=xs[0], XSH=xs[1], XSW=xs[2], GSD=gs[0], GSH=gs[1], GSW=gs[2],
         POOLED=isinstance(grad, PooledGrad), **_pool_args(grad, geo.dims), PREC=_precision(x.dtype),
-        BLOCK_N=block_n,
+        BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return dx
 
@@ -690,9 +689,11 @@ def conv_weight_grad(
         return dw
     if rows == 0:
         return dw.zero_()
-    block_a = _block(a_g, 128)
+    block_a = _block(a_g, 16 if _INTERPRET else 128)
+    block_g = _block(b_g, 16 if _INTERPRET else 128)
     num_a_blocks = triton.cdiv(a_g, block_a)
-    tiles = groups * num_a_blocks * triton.cdiv(kvol * b_g, 64)
+    num_b_blocks = triton.cdiv(b_g, block_g)
+    tiles = groups * num_a_blocks * kvol * num_b_blocks
     # NOTE: about 4 waves of programs on an H100 (132 SMs), each reducing >= 1024 rows.
     quantum, min_rows, target = (32, 64, 8) if _INTERPRET else (128, 1024, 4 * 132)
     splits = max(1, min(triton.cdiv(target, tiles), triton.cdiv(rows, min_rows)))
@@ -701,16 +702,15 @@ def conv_weight_grad(
     part_numel = w_sizes[0] * b_g * kvol
     partials = torch.empty(splits, part_numel, dtype=torch.float32, device=x.device)
 
-    def grid(meta):
-        return (splits, groups * num_a_blocks * triton.cdiv(kvol * b_g, meta["BLOCK_G"]))
+    grid = (splits, tiles)
 
     _wgrad_kernel[grid](
         a_t, b_t, winners, table, partials,
-        a_g, b_g, kvol, rows, splits, part_numel, rows_per_split, num_a_blocks,
+        a_g, b_g, kvol, rows, splits, part_numel, rows_per_split, num_a_blocks, num_b_blocks,
         *t_sizes, *b_sizes, *pooled, *a_strides, *b_strides, *v_strides,
         SD=s[0], SH=s[1], SW=s[2], G_IS_A=not transposed,
         A_POOLED=pooled_form and not transposed, B_POOLED=pooled_form and transposed,
-        **_pool_args(grad, geo.dims), PREC=_precision(x.dtype), BLOCK_A=block_a,
+        **_pool_args(grad, geo.dims), PREC=_precision(x.dtype), BLOCK_A=block_a, BLOCK_G=block_g,
     )  # fmt: skip
     # NOTE: torch's sum over a fixed shape runs in a fixed order (no atomics): reproducible.
     dw.copy_(partials.sum(0).view(weight.shape))
