@@ -333,12 +333,13 @@ def _wgrad_kernel(
       tab_ptr int32 (KVOL, 4): per tap j: unused, and the offsets ``off_j`` (d, h, w) = ``-p + k*dl``.
       part_ptr fp32 (SPLIT, C_w0, B_G, KVOL) contiguous: this program's partial sums.
     Rows ``n*TD*TH*TW + t`` in ``[split*rows_per_split, (split+1)*rows_per_split) & [0, ROWS)``.
-    Program ids: 0 -> split, 1 -> (group, A block, tap, B block).
+    Program ids: 0 -> (group, A block, tap, B block), 1 -> split (so the programs sharing rows run
+    together and share them through L2).
     """
-    split = tl.program_id(0)
-    pid1 = tl.program_id(1)
-    bb = pid1 % num_b_blocks
-    rest = pid1 // num_b_blocks
+    pid0 = tl.program_id(0)
+    split = tl.program_id(1)
+    bb = pid0 % num_b_blocks
+    rest = pid0 // num_b_blocks
     j = rest % KVOL
     rest = rest // KVOL
     ab = rest % num_a_blocks
@@ -540,6 +541,12 @@ def unsupported_reason(
     y_shape = [x.shape[0], geo.c_out, *geo.out_spatial[3 - dims :]]
     if min(y_shape[2:]) < 1:
         return f"empty conv output {y_shape}"
+    x_rows = x.shape[0] * math.prod(x.shape[2:])
+    y_rows = x.shape[0] * math.prod(y_shape[2:])
+    if max(x_rows, y_rows) >= 2**31:
+        return f"index range: N x spatial ({x_rows}, {y_rows}) must stay below 2**31"
+    if groups * triton.cdiv(c_in // groups, 16) >= 2**16:
+        return f"grid range: groups x channel blocks ({groups} groups) must stay below 2**16"
     if not isinstance(grad, PooledGrad):
         if list(grad.shape) != y_shape:
             return f"dense gradient must have the conv output's shape {y_shape}, got {tuple(grad.shape)}"
@@ -702,7 +709,7 @@ def conv_weight_grad(
     part_numel = w_sizes[0] * b_g * kvol
     partials = torch.empty(splits, part_numel, dtype=torch.float32, device=x.device)
 
-    grid = (splits, tiles)
+    grid = (tiles, splits)
 
     _wgrad_kernel[grid](
         a_t, b_t, winners, table, partials,
