@@ -194,7 +194,7 @@ def _dgrad_configs() -> list[triton.Config]:
 
 
 @triton.autotune(
-    configs=_dgrad_configs(), key=["CI_G", "CO_G", "MAXT", "NTAP_MAX", "BLOCK_N", "BLOCK_K", "POOLED", "PREC"]
+    configs=_dgrad_configs(), key=["CI_G", "CO_G", "MAXT", "NTAP_MAX", "BLOCK_N", "BLOCK_K", "POOLED", "G_CL", "X_CL", "PREC"]
 )
 @triton.jit
 def _dgrad_kernel(
@@ -206,7 +206,7 @@ def _dgrad_kernel(
     w_s_grp, w_s_out, w_s_red,
     XSD: tl.constexpr, XSH: tl.constexpr, XSW: tl.constexpr,
     GSD: tl.constexpr, GSH: tl.constexpr, GSW: tl.constexpr,
-    POOLED: tl.constexpr,
+    POOLED: tl.constexpr, G_CL: tl.constexpr, X_CL: tl.constexpr,
     PKD: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr,
     PSD: tl.constexpr, PSH: tl.constexpr, PSW: tl.constexpr,
     PPD: tl.constexpr, PPH: tl.constexpr, PPW: tl.constexpr,
@@ -263,13 +263,25 @@ def _dgrad_kernel(
         co_ok = co < CO_G
         tab = tab_ptr + (ph * NTAP_MAX + j) * 4
         w_off = tl.load(tab)
-        a = _load_at(
-            g_ptr, win_ptr, n64,
-            (td * GSD + tl.load(tab + 1))[:, None], (th * GSH + tl.load(tab + 2))[:, None],
-            (tw * GSW + tl.load(tab + 3))[:, None], m_ok[:, None], (grp * CO_G + co)[None, :], co_ok[None, :],
-            OD, OH, OW, JD, JH, JW, g_sn, g_sc, g_sd, g_sh, g_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-            POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
-        )  # fmt: skip
+        o_d = td * GSD + tl.load(tab + 1)
+        o_h = th * GSH + tl.load(tab + 2)
+        o_w = tw * GSW + tl.load(tab + 3)
+        g_ch = grp * CO_G + co
+        # NOTE: the tile is loaded with the memory-contiguous axis last (Triton's default thread
+        # order), so channels-first g is read as [K, M] and transposed in registers.
+        if G_CL:
+            a = _load_at(
+                g_ptr, win_ptr, n64, o_d[:, None], o_h[:, None], o_w[:, None], m_ok[:, None], g_ch[None, :],
+                co_ok[None, :], OD, OH, OW, JD, JH, JW, g_sn, g_sc, g_sd, g_sh, g_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
+                POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
+            )  # fmt: skip
+        else:
+            a = _load_at(
+                g_ptr, win_ptr, n64, o_d[None, :], o_h[None, :], o_w[None, :], m_ok[None, :], g_ch[:, None],
+                co_ok[:, None], OD, OH, OW, JD, JH, JW, g_sn, g_sc, g_sd, g_sh, g_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
+                POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
+            )  # fmt: skip
+            a = tl.trans(a)
         b = tl.load(w_base + co[:, None].to(tl.int64) * w_s_red + w_off, mask=co_ok[:, None] & ci_ok[None, :], other=0.0)
         acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PREC)
     x_row = (
@@ -278,8 +290,13 @@ def _dgrad_kernel(
         + (rh + XSH * th).to(tl.int64) * x_sh
         + (rw + XSW * tw).to(tl.int64) * x_sw
     )
-    x_off = x_row[:, None] + (grp * CI_G + ci).to(tl.int64)[None, :] * x_sc
-    tl.store(dx_ptr + x_off, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & ci_ok[None, :])
+    x_col = (grp * CI_G + ci).to(tl.int64) * x_sc
+    if X_CL:
+        x_off = x_row[:, None] + x_col[None, :]
+        tl.store(dx_ptr + x_off, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & ci_ok[None, :])
+    else:
+        x_off = x_row[None, :] + x_col[:, None]
+        tl.store(dx_ptr + x_off, tl.trans(acc).to(dx_ptr.dtype.element_ty), mask=m_ok[None, :] & ci_ok[:, None])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,7 +319,7 @@ def _wgrad_configs() -> list[triton.Config]:
 
 @triton.autotune(
     configs=_wgrad_configs(),
-    key=["A_G", "B_G", "KVOL", "ROWS", "SPLIT", "BLOCK_A", "BLOCK_G", "A_POOLED", "B_POOLED", "PREC"],
+    key=["A_G", "B_G", "KVOL", "ROWS", "SPLIT", "BLOCK_A", "BLOCK_G", "A_POOLED", "B_POOLED", "A_CL", "B_CL", "PREC"],
 )
 @triton.jit
 def _wgrad_kernel(
@@ -313,7 +330,7 @@ def _wgrad_kernel(
     b_sn, b_sc, b_sd, b_sh, b_sw,
     v_sn, v_sc, v_sd, v_sh, v_sw,
     SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-    G_IS_A: tl.constexpr, A_POOLED: tl.constexpr, B_POOLED: tl.constexpr,
+    G_IS_A: tl.constexpr, A_POOLED: tl.constexpr, B_POOLED: tl.constexpr, A_CL: tl.constexpr, B_CL: tl.constexpr,
     PKD: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr,
     PSD: tl.constexpr, PSH: tl.constexpr, PSW: tl.constexpr,
     PPD: tl.constexpr, PPH: tl.constexpr, PPW: tl.constexpr,
@@ -367,20 +384,41 @@ def _wgrad_kernel(
         th = (t // TW) % TH
         td = t // (TW * TH)
         n64 = n.to(tl.int64)
-        # A tile [BLOCK_A, BLOCK_R] at the row positions.
-        at = _load_at(
-            a_ptr, win_ptr, n64[None, :], td[None, :], th[None, :], tw[None, :], r_ok[None, :],
-            a_ch[:, None], a_ok[:, None], TD, TH, TW, JD, JH, JW,
-            a_sn, a_sc, a_sd, a_sh, a_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-            A_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
-        )  # fmt: skip
-        # B tile [BLOCK_R, BLOCK_G] at t*S + off_j.
-        bt = _load_at(
-            b_ptr, win_ptr, n64[:, None], (td * SD + o_d)[:, None], (th * SH + o_h)[:, None],
-            (tw * SW + o_w)[:, None], r_ok[:, None], b_ch[None, :], b_ok[None, :], BD, BH, BW, JD, JH, JW,
-            b_sn, b_sc, b_sd, b_sh, b_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-            B_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
-        )  # fmt: skip
+        # A tile [BLOCK_A, BLOCK_R] at the row positions; B tile [BLOCK_R, BLOCK_G] at t*S + off_j.
+        # NOTE: each is loaded with its memory-contiguous axis last, then transposed if needed.
+        b_d = (td * SD + o_d)
+        b_h = (th * SH + o_h)
+        b_w = (tw * SW + o_w)
+        if A_CL:
+            at = _load_at(
+                a_ptr, win_ptr, n64[:, None], td[:, None], th[:, None], tw[:, None], r_ok[:, None],
+                a_ch[None, :], a_ok[None, :], TD, TH, TW, JD, JH, JW,
+                a_sn, a_sc, a_sd, a_sh, a_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
+                A_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
+            )  # fmt: skip
+            at = tl.trans(at)
+        else:
+            at = _load_at(
+                a_ptr, win_ptr, n64[None, :], td[None, :], th[None, :], tw[None, :], r_ok[None, :],
+                a_ch[:, None], a_ok[:, None], TD, TH, TW, JD, JH, JW,
+                a_sn, a_sc, a_sd, a_sh, a_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
+                A_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
+            )  # fmt: skip
+        if B_CL:
+            bt = _load_at(
+                b_ptr, win_ptr, n64[:, None], b_d[:, None], b_h[:, None], b_w[:, None], r_ok[:, None],
+                b_ch[None, :], b_ok[None, :], BD, BH, BW, JD, JH, JW,
+                b_sn, b_sc, b_sd, b_sh, b_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
+                B_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
+            )  # fmt: skip
+        else:
+            bt = _load_at(
+                b_ptr, win_ptr, n64[None, :], b_d[None, :], b_h[None, :], b_w[None, :], r_ok[None, :],
+                b_ch[:, None], b_ok[:, None], BD, BH, BW, JD, JH, JW,
+                b_sn, b_sc, b_sd, b_sh, b_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
+                B_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
+            )  # fmt: skip
+            bt = tl.trans(bt)
         if G_IS_A:
             at = at.to(b_ptr.dtype.element_ty)
             bt = bt.to(b_ptr.dtype.element_ty)
@@ -488,6 +526,11 @@ def _grad_operands(grad: Grad) -> tuple[torch.Tensor, torch.Tensor, list[int], l
         return grad.g_win, grad.winner, strides, _lift(grad.winner)[1], sizes[2:]
     _, strides = _lift(grad)
     return grad, grad, strides, [0] * 5, [1, 1, 1]
+
+
+def _channels_inner(lifted_strides: Sequence[int], t: torch.Tensor) -> bool:
+    """True when channels are the memory-contiguous axis (channels-last), so tiles put them last."""
+    return lifted_strides[1] == 1 and t.shape[1] > 1 and math.prod(t.shape[2:]) > 1
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -650,7 +693,8 @@ def conv_input_grad(
         ci_g, co_g, kvol, *x_sizes[2:], *geo.out_spatial, *pooled, max_t, num_c_blocks,
         *x_strides, *g_strides, *v_strides, w_s_grp, w_s_out, w_s_red,
         XSD=xs[0], XSH=xs[1], XSW=xs[2], GSD=gs[0], GSH=gs[1], GSW=gs[2],
-        POOLED=isinstance(grad, PooledGrad), **_pool_args(grad, geo.dims), PREC=_precision(x.dtype),
+        POOLED=isinstance(grad, PooledGrad), G_CL=_channels_inner(g_strides, values),
+        X_CL=_channels_inner(x_strides, dx), **_pool_args(grad, geo.dims), PREC=_precision(x.dtype),
         BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return dx
@@ -717,6 +761,7 @@ def conv_weight_grad(
         *t_sizes, *b_sizes, *pooled, *a_strides, *b_strides, *v_strides,
         SD=s[0], SH=s[1], SW=s[2], G_IS_A=not transposed,
         A_POOLED=pooled_form and not transposed, B_POOLED=pooled_form and transposed,
+        A_CL=_channels_inner(a_strides, a_t), B_CL=_channels_inner(b_strides, b_t),
         **_pool_args(grad, geo.dims), PREC=_precision(x.dtype), BLOCK_A=block_a, BLOCK_G=block_g,
     )  # fmt: skip
     # NOTE: torch's sum over a fixed shape runs in a fixed order (no atomics): reproducible.
