@@ -11,9 +11,10 @@ loader that computes it on the fly from one of two compact forms:
   row-major index inside its window (int8/int32, the format ``epilogue_forward`` saves).  Then
   ``g[n, c, o] = sum over windows j containing o with winner[n, c, j] == offset of o in j of
   g_win[n, c, j]`` (overlapping windows are summed, exactly like ``_scatter_to_windows``).
-* An avg pool (form c) is NOT offered: ``g`` at ``o`` needs ``chain'(y0[o])`` at every position and
-  ``y0`` is only saved full size, so there is nothing to save by deriving ``g`` on the fly (the
-  epilogue kernel writing ``g`` densely + form a is the same traffic).
+* An avg pool (form c) is NOT offered: ``g`` at ``o`` is ``sum_j grad[j] / div_j * chain'(y0[o])``,
+  so the loader would need the full-size saved ``y0`` and the whole pointwise-chain derivative
+  template (op codes, operand matrix) of ``kernels/epilogue.py`` inside the GEMM loops.  Use the
+  dense form after the epilogue's backward kernel there.
 
 Public launchers (they know only tensors; see each docstring for the exact contract):
 
@@ -31,7 +32,8 @@ chain's backward evaluated at the winners only (``y0 = saved_b + bias``); withou
 spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding, spec.groups,
 [mask[0], mask[1], mask[2]])`` when ``unsupported_reason(...)`` is None, else keep the aten path.
 The bias gradient comes out of the compact form (``sum g == sum g_win``), so the epilogue kernel no
-longer needs its bias partials.
+longer needs its bias partials.  ``saved_a`` goes in as it is (int8 or int32, any strides); nothing
+of the conv-output size is allocated on this path.
 
 Algorithms (1d/2d/3d all lifted to 3d with singleton leading dims; ``k`` a tap, ``s`` stride, ``p``
 padding, ``dl`` dilation; conv: ``x[i]`` feeds ``y0[o]`` when ``i = o*s - p + k*dl``; transposed:
@@ -45,12 +47,13 @@ padding, ``dl`` dilation; conv: ``x[i]`` feeds ``y0[o]`` when ``i = o*s - p + k*
   K block of channels-last g is contiguous.
 * weight grad: ``dw[a, b, k] = sum_{n,t} A[n, a, t] B[n, b, t*s - p + k*dl]`` with (A, B) = (g, x)
   for a conv and (x, g) for a transposed conv (``a`` always indexes weight dim 0, ``b`` dim 1).
-  GEMM: M = a, N = (tap, b), K = n x spatial: split into chunks over programs, each writing an fp32
+  GEMM per tap: M = a, N = b, K = n x spatial: split into chunks over programs, each writing an fp32
   partial; a second pass sums the partials in a fixed order (``torch.sum`` over a fixed shape): the
   result is bitwise reproducible run to run, no float atomics anywhere.
 * bias grad: fp32 ``sum`` of the compact form over (n, spatial) (``g_win`` for form b).
 
-Tensor cores: ``tl.dot`` with fp32 accumulation; fp16/bf16 operands as such, fp32 operands in TF32
+Tensor cores: ``tl.dot`` with fp32 accumulation; both operands in x's dtype (the gradient is
+rounded to it, as aten's conv backward would see a ``grad_y`` of the conv's dtype); fp32 in TF32
 iff ``torch.backends.cudnn.allow_tf32`` (like cuDNN), IEEE fp32 under the interpreter.  Any strides
 (contiguous or channels-last); grads come back in the layout of ``torch.empty_like`` of their
 forward tensor.  Offsets are int64.
