@@ -179,6 +179,13 @@ def test_max_pooled_gradient_fp16_channels_last(kernel_device):
     check(case, torch.float16, kernel_device, pool, channels_last=True)
 
 
+def test_int64_offsets_give_the_same_grads(kernel_device, monkeypatch):
+    # tensors of 2**31 elements don't fit a CPU test: force the int64 path on a small case
+    monkeypatch.setattr(K, "_needs_int64", lambda *tensors: True)
+    case, pool = POOLED[2]
+    check(case, torch.float32, kernel_device, pool)
+
+
 def test_output_mask_skips_grads(kernel_device):
     check(CONVS[1], torch.float32, kernel_device, mask=(False, True, False))
     check(CONVS[1], torch.float32, kernel_device, mask=(True, False, True))

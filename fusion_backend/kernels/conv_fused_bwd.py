@@ -56,7 +56,7 @@ Tensor cores: ``tl.dot`` with fp32 accumulation; both operands in x's dtype (the
 rounded to it, as aten's conv backward would see a ``grad_y`` of the conv's dtype); fp32 in TF32
 iff ``torch.backends.cudnn.allow_tf32`` (like cuDNN), IEEE fp32 under the interpreter.  Any strides
 (contiguous or channels-last); grads come back in the layout of ``torch.empty_like`` of their
-forward tensor.  Offsets are int64.
+forward tensor.  Offsets are int32 unless a tensor spans 2**31 elements or more (then int64).
 """
 
 from __future__ import annotations
@@ -119,6 +119,15 @@ Grad = Union[torch.Tensor, PooledGrad]
 
 
 @triton.jit
+def _ix(v, I64: tl.constexpr):
+    """``v`` as an offset: int64 when ``I64`` (some tensor spans 2**31 elements or more), else int32."""
+    if I64:
+        return v.to(tl.int64)
+    else:
+        return v
+
+
+@triton.jit
 def _load_at(
     ptr, win_ptr, n64, pd, ph, pw, row_ok, c, c_ok,
     D, H, W, JD, JH, JW,
@@ -129,7 +138,7 @@ def _load_at(
     PSD: tl.constexpr, PSH: tl.constexpr, PSW: tl.constexpr,
     PPD: tl.constexpr, PPH: tl.constexpr, PPW: tl.constexpr,
     PDD: tl.constexpr, PDH: tl.constexpr, PDW: tl.constexpr,
-    NJD: tl.constexpr, NJH: tl.constexpr, NJW: tl.constexpr,
+    NJD: tl.constexpr, NJH: tl.constexpr, NJW: tl.constexpr, I64: tl.constexpr,
 ):  # fmt: skip
     """fp32 tile of values at positions ``(n, pd, ph, pw)`` x channels ``c``; 0 outside (D, H, W).
 
@@ -142,9 +151,9 @@ def _load_at(
     contain the position and whose winner is it.
     """
     row_ok = row_ok & (pd >= 0) & (pd < D) & (ph >= 0) & (ph < H) & (pw >= 0) & (pw < W)
-    c64 = c.to(tl.int64)
+    c64 = _ix(c, I64)
     if not POOLED:
-        row = n64 * s_n + pd.to(tl.int64) * s_d + ph.to(tl.int64) * s_h + pw.to(tl.int64) * s_w
+        row = n64 * s_n + _ix(pd, I64) * s_d + _ix(ph, I64) * s_h + _ix(pw, I64) * s_w
         return tl.load(ptr + (row + c64 * s_c), mask=row_ok & c_ok, other=0.0).to(tl.float32)
     else:
         # Shift to non-negative coordinates so that // and % agree between C and Python semantics.
@@ -167,9 +176,9 @@ def _load_at(
                     rw = qw - jw * PSW
                     hit = ok_h & (jw >= 0) & (jw < JW) & (rw % PDW == 0) & (rw < PKW * PDW)
                     widx = (rd // PDD) * (PKH * PKW) + (rh // PDH) * PKW + rw // PDW
-                    jd64 = jd.to(tl.int64)
-                    jh64 = jh.to(tl.int64)
-                    jw64 = jw.to(tl.int64)
+                    jd64 = _ix(jd, I64)
+                    jh64 = _ix(jh, I64)
+                    jw64 = _ix(jw, I64)
                     w_row = n64 * w_sn + jd64 * w_sd + jh64 * w_sh + jw64 * w_sw
                     g_row = n64 * s_n + jd64 * s_d + jh64 * s_h + jw64 * s_w
                     win = tl.load(win_ptr + (w_row + w_col), mask=hit & c_ok, other=-1)
@@ -197,7 +206,7 @@ def _dgrad_configs() -> list[triton.Config]:
 
 
 @triton.autotune(
-    configs=_dgrad_configs(), key=["CI_G", "CO_G", "MAXT", "NTAP_MAX", "BLOCK_N", "BLOCK_K", "POOLED", "G_CL", "X_CL", "PREC"]
+    configs=_dgrad_configs(), key=["CI_G", "CO_G", "MAXT", "NTAP_MAX", "BLOCK_N", "BLOCK_K", "POOLED", "G_CL", "X_CL", "PREC", "I64"]
 )
 @triton.jit
 def _dgrad_kernel(
@@ -215,7 +224,7 @@ def _dgrad_kernel(
     PPD: tl.constexpr, PPH: tl.constexpr, PPW: tl.constexpr,
     PDD: tl.constexpr, PDH: tl.constexpr, PDW: tl.constexpr,
     NJD: tl.constexpr, NJH: tl.constexpr, NJW: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, I64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """``dx[n, grp*CI_G + ci, r + XS*t] = sum_{j < cnt[r], co} g[n, grp*CO_G + co, GS*t + off_j] * w_j``.
@@ -255,10 +264,10 @@ def _dgrad_kernel(
     td = m // (TW * TH)
     ci = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     ci_ok = ci < CI_G
-    n64 = n.to(tl.int64)
+    n64 = _ix(n, I64)
     ntap = tl.load(cnt_ptr + ph)
     n_cc = tl.cdiv(CO_G, BLOCK_K)
-    w_base = w_ptr + grp.to(tl.int64) * w_s_grp + ci[None, :].to(tl.int64) * w_s_out
+    w_base = w_ptr + _ix(grp, I64) * w_s_grp + _ix(ci[None, :], I64) * w_s_out
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for it in range(0, ntap * n_cc):
         j = it // n_cc
@@ -276,24 +285,24 @@ def _dgrad_kernel(
             a = _load_at(
                 g_ptr, win_ptr, n64, o_d[:, None], o_h[:, None], o_w[:, None], m_ok[:, None], g_ch[None, :],
                 co_ok[None, :], OD, OH, OW, JD, JH, JW, g_sn, g_sc, g_sd, g_sh, g_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-                POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
+                POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW, I64,
             )  # fmt: skip
         else:
             a = _load_at(
                 g_ptr, win_ptr, n64, o_d[None, :], o_h[None, :], o_w[None, :], m_ok[None, :], g_ch[:, None],
                 co_ok[:, None], OD, OH, OW, JD, JH, JW, g_sn, g_sc, g_sd, g_sh, g_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-                POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
+                POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW, I64,
             )  # fmt: skip
             a = tl.trans(a)
-        b = tl.load(w_base + co[:, None].to(tl.int64) * w_s_red + w_off, mask=co_ok[:, None] & ci_ok[None, :], other=0.0)
+        b = tl.load(w_base + _ix(co[:, None], I64) * w_s_red + w_off, mask=co_ok[:, None] & ci_ok[None, :], other=0.0)
         acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PREC)
     x_row = (
         n64 * x_sn
-        + (rd + XSD * td).to(tl.int64) * x_sd
-        + (rh + XSH * th).to(tl.int64) * x_sh
-        + (rw + XSW * tw).to(tl.int64) * x_sw
+        + _ix(rd + XSD * td, I64) * x_sd
+        + _ix(rh + XSH * th, I64) * x_sh
+        + _ix(rw + XSW * tw, I64) * x_sw
     )
-    x_col = (grp * CI_G + ci).to(tl.int64) * x_sc
+    x_col = _ix(grp * CI_G + ci, I64) * x_sc
     if X_CL:
         x_off = x_row[:, None] + x_col[None, :]
         tl.store(dx_ptr + x_off, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & ci_ok[None, :])
@@ -322,7 +331,7 @@ def _wgrad_configs() -> list[triton.Config]:
 
 @triton.autotune(
     configs=_wgrad_configs(),
-    key=["A_G", "B_G", "KVOL", "ROWS", "SPLIT", "BLOCK_A", "BLOCK_G", "A_POOLED", "B_POOLED", "A_CL", "B_CL", "PREC"],
+    key=["A_G", "B_G", "KVOL", "ROWS", "SPLIT", "BLOCK_A", "BLOCK_G", "A_POOLED", "B_POOLED", "A_CL", "B_CL", "PREC", "I64"],
 )
 @triton.jit
 def _wgrad_kernel(
@@ -339,7 +348,7 @@ def _wgrad_kernel(
     PPD: tl.constexpr, PPH: tl.constexpr, PPW: tl.constexpr,
     PDD: tl.constexpr, PDH: tl.constexpr, PDW: tl.constexpr,
     NJD: tl.constexpr, NJH: tl.constexpr, NJW: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, I64: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Partial ``dw[grp*A_G + a, b, j] = sum_{rows} A[n, grp*A_G + a, t] * B[n, grp*B_G + b, t*S + off_j]``.
@@ -386,7 +395,7 @@ def _wgrad_kernel(
         tw = t % TW
         th = (t // TW) % TH
         td = t // (TW * TH)
-        n64 = n.to(tl.int64)
+        n64 = _ix(n, I64)
         # A tile [BLOCK_A, BLOCK_R] at the row positions; B tile [BLOCK_R, BLOCK_G] at t*S + off_j.
         # NOTE: each is loaded with its memory-contiguous axis last, then transposed if needed.
         b_d = (td * SD + o_d)
@@ -397,7 +406,7 @@ def _wgrad_kernel(
                 a_ptr, win_ptr, n64[:, None], td[:, None], th[:, None], tw[:, None], r_ok[:, None],
                 a_ch[None, :], a_ok[None, :], TD, TH, TW, JD, JH, JW,
                 a_sn, a_sc, a_sd, a_sh, a_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-                A_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
+                A_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW, I64,
             )  # fmt: skip
             at = tl.trans(at)
         else:
@@ -405,21 +414,21 @@ def _wgrad_kernel(
                 a_ptr, win_ptr, n64[None, :], td[None, :], th[None, :], tw[None, :], r_ok[None, :],
                 a_ch[:, None], a_ok[:, None], TD, TH, TW, JD, JH, JW,
                 a_sn, a_sc, a_sd, a_sh, a_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-                A_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
+                A_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW, I64,
             )  # fmt: skip
         if B_CL:
             bt = _load_at(
                 b_ptr, win_ptr, n64[:, None], b_d[:, None], b_h[:, None], b_w[:, None], r_ok[:, None],
                 b_ch[None, :], b_ok[None, :], BD, BH, BW, JD, JH, JW,
                 b_sn, b_sc, b_sd, b_sh, b_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-                B_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
+                B_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW, I64,
             )  # fmt: skip
         else:
             bt = _load_at(
                 b_ptr, win_ptr, n64[None, :], b_d[None, :], b_h[None, :], b_w[None, :], r_ok[None, :],
                 b_ch[:, None], b_ok[:, None], BD, BH, BW, JD, JH, JW,
                 b_sn, b_sc, b_sd, b_sh, b_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-                B_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW,
+                B_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW, I64,
             )  # fmt: skip
             bt = tl.trans(bt)
         if G_IS_A:
@@ -429,7 +438,7 @@ def _wgrad_kernel(
             at = at.to(a_ptr.dtype.element_ty)
             bt = bt.to(a_ptr.dtype.element_ty)
         acc = tl.dot(at, bt, acc, input_precision=PREC)
-    out = part_ptr + split.to(tl.int64) * PART_NUMEL + a_ch[:, None].to(tl.int64) * (B_G * KVOL) + (bch * KVOL + j)[None, :]
+    out = part_ptr + _ix(split, I64) * PART_NUMEL + _ix(a_ch[:, None], I64) * (B_G * KVOL) + (bch * KVOL + j)[None, :]
     tl.store(out, acc, mask=a_ok[:, None] & b_ok[None, :])
 
 
@@ -534,6 +543,12 @@ def _grad_operands(grad: Grad) -> tuple[torch.Tensor, torch.Tensor, list[int], l
 def _channels_inner(lifted_strides: Sequence[int], t: torch.Tensor) -> bool:
     """True when channels are the memory-contiguous axis (channels-last), so tiles put them last."""
     return lifted_strides[1] == 1 and t.shape[1] > 1 and math.prod(t.shape[2:]) > 1
+
+
+def _needs_int64(*tensors: torch.Tensor) -> bool:
+    """True when an element offset of one of ``tensors`` may reach 2**31 (offsets then go int64)."""
+    return any(sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride(), strict=True)) + 1 >= 2**31
+               for t in tensors if t.numel() > 0)  # fmt: skip
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -698,6 +713,7 @@ def conv_input_grad(
         XSD=xs[0], XSH=xs[1], XSW=xs[2], GSD=gs[0], GSH=gs[1], GSW=gs[2],
         POOLED=isinstance(grad, PooledGrad), G_CL=_channels_inner(g_strides, values),
         X_CL=_channels_inner(x_strides, dx), **_pool_args(grad, geo.dims), PREC=_precision(x.dtype),
+        I64=_needs_int64(values, winners, dx, weight),
         BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return dx
@@ -766,6 +782,7 @@ def conv_weight_grad(
         A_POOLED=pooled_form and not transposed, B_POOLED=pooled_form and transposed,
         A_CL=_channels_inner(a_strides, a_t), B_CL=_channels_inner(b_strides, b_t),
         **_pool_args(grad, geo.dims), PREC=_precision(x.dtype), BLOCK_A=block_a, BLOCK_G=block_g,
+        I64=_needs_int64(values, winners, x, partials),
     )  # fmt: skip
     # NOTE: torch's sum over a fixed shape runs in a fixed order (no atomics): reproducible.
     dw.copy_(partials.sum(0).view(weight.shape))
