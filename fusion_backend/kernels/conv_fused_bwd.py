@@ -61,6 +61,7 @@ forward tensor.  Offsets are int32 unless a tensor spans 2**31 elements or more 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -642,6 +643,51 @@ def _check(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args) -> Non
         raise UnsupportedInputError(f"conv_fused_bwd: {reason} (check unsupported_reason() first)")
 
 
+def _taps(kernel: Sequence[int]) -> list[tuple[int, int, int]]:
+    return [(a, b, c) for a in range(kernel[0]) for b in range(kernel[1]) for c in range(kernel[2])]
+
+
+@functools.lru_cache(maxsize=256)
+def _dgrad_table(
+    transposed: bool, kernel: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
+    dilation: tuple[int, ...], w_tap_strides: tuple[int, ...], device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The input-grad kernel's per-phase tap table (phases, kvol, 4) and tap counts (phases,), int32.
+
+    Entry ``[r, j]``: weight tap offset (elements) and g offsets (d, h, w) of phase r's j-th tap.
+    NOTE: cached per geometry, so that a backward makes no host-to-device copy (a pageable copy
+    would stall the host until the stream drains).
+    """
+    taps = _taps(kernel)
+    w_tap = [sum(k * st for k, st in zip(tap, w_tap_strides, strict=True)) for tap in taps]
+    s, p, dl = stride, padding, dilation
+    if transposed:
+        rows = [[(w_tap[t], *(-p[i] + k[i] * dl[i] for i in range(3))) for t, k in enumerate(taps)]]
+    else:
+        rows = []
+        for r in [(a, b, c) for a in range(s[0]) for b in range(s[1]) for c in range(s[2])]:
+            rows.append([
+                (w_tap[t], *((r[i] + p[i] - k[i] * dl[i]) // s[i] for i in range(3)))
+                for t, k in enumerate(taps)
+                if all((r[i] + p[i] - k[i] * dl[i]) % s[i] == 0 for i in range(3))
+            ])  # fmt: skip
+    table = torch.zeros(len(rows), len(taps), 4, dtype=torch.int32)
+    for ph, row in enumerate(rows):
+        if row:
+            table[ph, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    counts = torch.tensor([len(row) for row in rows], dtype=torch.int32)
+    return table.to(device), counts.to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def _wgrad_table(
+    kernel: tuple[int, ...], padding: tuple[int, ...], dilation: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """The weight-grad kernel's tap table (kvol, 4) int32: (unused, ``-p + k*dl`` per dim); cached."""
+    rows = [(0, *(-padding[i] + k[i] * dilation[i] for i in range(3))) for k in _taps(kernel)]
+    return torch.tensor(rows, dtype=torch.int32).to(device)
+
+
 def conv_input_grad(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
@@ -668,35 +714,20 @@ def conv_input_grad(
     x_sizes, x_strides = _lift(dx)
     n, c_in = x_sizes[:2]
     w_sizes, w_strides = _lift(weight)
-    kd, kh, kw = geo.kernel
-    w_tap = [a * w_strides[2] + b * w_strides[3] + c * w_strides[4] for a in range(kd) for b in range(kh) for c in range(kw)]
-    taps = [(a, b, c) for a in range(kd) for b in range(kh) for c in range(kw)]
-    kvol = len(taps)
-    s, p, dl = geo.stride, geo.padding, geo.dilation
+    s = geo.stride
     if transposed:
         ci_g, co_g = c_in // groups, w_sizes[1]
         w_s_grp, w_s_out, w_s_red = ci_g * w_strides[0], w_strides[0], w_strides[1]
-        phases = [(0, 0, 0)]
         xs, gs = [1, 1, 1], s
-        rows = [[(w_tap[t], *(-p[i] + k[i] * dl[i] for i in range(3))) for t, k in enumerate(taps)]]
     else:
         ci_g, co_g = w_sizes[1], w_sizes[0] // groups
         w_s_grp, w_s_out, w_s_red = co_g * w_strides[0], w_strides[1], w_strides[0]
-        phases = [(a, b, c) for a in range(s[0]) for b in range(s[1]) for c in range(s[2])]
         xs, gs = s, [1, 1, 1]
-        rows = []
-        for r in phases:
-            rows.append([
-                (w_tap[t], *((r[i] + p[i] - k[i] * dl[i]) // s[i] for i in range(3)))
-                for t, k in enumerate(taps)
-                if all((r[i] + p[i] - k[i] * dl[i]) % s[i] == 0 for i in range(3))
-            ])  # fmt: skip
-    table = torch.zeros(len(phases), kvol, 4, dtype=torch.int32)
-    for ph, row in enumerate(rows):
-        if row:
-            table[ph, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    table = table.to(x.device)
-    counts = torch.tensor([len(row) for row in rows], dtype=torch.int32, device=x.device)
+    table, counts = _dgrad_table(
+        bool(transposed), tuple(geo.kernel), tuple(s), tuple(geo.padding), tuple(geo.dilation),
+        tuple(w_strides[2:]), x.device,
+    )  # fmt: skip
+    kvol, num_phases = table.shape[1], table.shape[0]
     values, winners, g_strides, v_strides, pooled = _grad_operands(grad)
     max_t = math.prod(triton.cdiv(size, step) for size, step in zip(x_sizes[2:], xs, strict=True))
     block_n = _block(ci_g, 16 if _INTERPRET else 128)
@@ -704,7 +735,7 @@ def conv_input_grad(
     num_c_blocks = triton.cdiv(ci_g, block_n)
 
     def grid(meta):
-        return (n * len(phases) * triton.cdiv(max_t, meta["BLOCK_M"]), groups * num_c_blocks)
+        return (n * num_phases * triton.cdiv(max_t, meta["BLOCK_M"]), groups * num_c_blocks)
 
     _dgrad_kernel[grid](
         values, winners, weight, table, counts, dx,
@@ -738,14 +769,10 @@ def conv_weight_grad(
     x_sizes, x_strides = _lift(x)
     n = x_sizes[0]
     w_sizes = _lift(weight)[0]
-    kd, kh, kw = geo.kernel
-    taps = [(a, b, c) for a in range(kd) for b in range(kh) for c in range(kw)]
-    kvol = len(taps)
     a_g, b_g = w_sizes[0] // groups, w_sizes[1]
-    s, p, dl = geo.stride, geo.padding, geo.dilation
-    table = torch.tensor(
-        [(0, *(-p[i] + k[i] * dl[i] for i in range(3))) for k in taps], dtype=torch.int32
-    ).to(x.device)
+    s = geo.stride
+    table = _wgrad_table(tuple(geo.kernel), tuple(geo.padding), tuple(geo.dilation), x.device)
+    kvol = table.shape[0]
     values, winners, g_strides, v_strides, pooled = _grad_operands(grad)
     pooled_form = isinstance(grad, PooledGrad)
     if transposed:  # A = x over x's grid, B = g over the conv output
