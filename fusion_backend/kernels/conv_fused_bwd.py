@@ -141,7 +141,9 @@ def _load_at(
     PDD: tl.constexpr, PDH: tl.constexpr, PDW: tl.constexpr,
     NJD: tl.constexpr, NJH: tl.constexpr, NJW: tl.constexpr, I64: tl.constexpr,
 ):  # fmt: skip
-    """fp32 tile of values at positions ``(n, pd, ph, pw)`` x channels ``c``; 0 outside (D, H, W).
+    """Tile of values at positions ``(n, pd, ph, pw)`` x channels ``c``; 0 outside (D, H, W).
+
+    Dense: the tensor's dtype; pooled: fp32 (sums over windows).
 
     ``n64, pd, ph, pw, row_ok`` share one "row" shape and ``c, c_ok`` one "channel" shape that
     broadcast against each other ([R, 1] and [1, C], or [1, R] and [C, 1]): all index arithmetic
@@ -155,7 +157,9 @@ def _load_at(
     c64 = _ix(c, I64)
     if not POOLED:
         row = n64 * s_n + _ix(pd, I64) * s_d + _ix(ph, I64) * s_h + _ix(pw, I64) * s_w
-        return tl.load(ptr + (row + c64 * s_c), mask=row_ok & c_ok, other=0.0).to(tl.float32)
+        # NOTE: no cast here: a load that feeds tl.dot directly is what Triton's pipeliner
+        # multi-buffers (a bf16 -> fp32 -> bf16 round trip defeats it).
+        return tl.load(ptr + (row + c64 * s_c), mask=row_ok & c_ok, other=0.0)
     else:
         # Shift to non-negative coordinates so that // and % agree between C and Python semantics.
         qd = tl.where(row_ok, pd, 0) + PPD
