@@ -711,6 +711,15 @@ def conv_input_grad(
     """
     conv_args = (stride, padding, dilation, transposed, output_padding, groups)
     _check(grad, x, weight, *conv_args)
+    return _input_grad(grad, x, weight, *conv_args)
+
+
+def _input_grad(
+    grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+) -> torch.Tensor:  # fmt: skip
+    """``conv_input_grad`` without the argument check (done once by the caller)."""
+    conv_args = (stride, padding, dilation, transposed, output_padding, groups)
     geo = _geometry(x, weight, *conv_args)
     dx = torch.empty_like(x)
     if dx.numel() == 0:
@@ -768,6 +777,15 @@ def conv_weight_grad(
     """
     conv_args = (stride, padding, dilation, transposed, output_padding, groups)
     _check(grad, x, weight, *conv_args)
+    return _weight_grad(grad, x, weight, *conv_args)
+
+
+def _weight_grad(
+    grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+) -> torch.Tensor:  # fmt: skip
+    """``conv_weight_grad`` without the argument check (done once by the caller)."""
+    conv_args = (stride, padding, dilation, transposed, output_padding, groups)
     geo = _geometry(x, weight, *conv_args)
     dw = torch.empty_like(weight)
     x_sizes, x_strides = _lift(x)
@@ -843,7 +861,7 @@ def convolution_backward(
     """
     conv_args = (stride, padding, dilation, transposed, output_padding, groups)
     _check(grad, x, weight, *conv_args)
-    gx = conv_input_grad(grad, x, weight, *conv_args) if output_mask[0] else None
-    gw = conv_weight_grad(grad, x, weight, *conv_args) if output_mask[1] else None
+    gx = _input_grad(grad, x, weight, *conv_args) if output_mask[0] else None
+    gw = _weight_grad(grad, x, weight, *conv_args) if output_mask[1] else None
     gb = conv_bias_grad(grad).to(weight.dtype) if output_mask[2] else None
     return gx, gw, gb
