@@ -323,31 +323,33 @@ def _dgrad_kernel(
 
 def _wgrad_configs() -> list[triton.Config]:
     if _INTERPRET:
-        return [triton.Config({"BLOCK_R": 32}, num_warps=4, num_stages=1)]
-    # NOTE: BLOCK_A / BLOCK_G (weight dim-0 / dim-1 channels per program) are set by the launcher.
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    # NOTE: BLOCK_A / BLOCK_G (weight dim-0 / dim-1 channels per program) and BLOCK_R (positions
+    # along W per step) are set by the launcher.
     return [
-        triton.Config({"BLOCK_R": 64}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_R": 64}, num_warps=4, num_stages=4),
-        triton.Config({"BLOCK_R": 128}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_R": 128}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_R": 32}, num_warps=4, num_stages=4),
+        triton.Config({}, num_warps=4, num_stages=3),
+        triton.Config({}, num_warps=4, num_stages=4),
+        triton.Config({}, num_warps=8, num_stages=3),
+        triton.Config({}, num_warps=8, num_stages=4),
+        triton.Config({}, num_warps=4, num_stages=2),
     ]
 
 
 @triton.autotune(
     configs=_wgrad_configs(),
-    key=["A_G", "B_G", "KVOL", "ROWS", "SPLIT", "BLOCK_A", "BLOCK_G", "A_POOLED", "B_POOLED", "A_CL", "B_CL", "PREC", "I64"],
+    key=["A_G", "B_G", "KVOL", "LINES", "TW", "SPLIT", "BLOCK_A", "BLOCK_R", "LINE_MODE", "BLOCK_G", "A_POOLED", "B_POOLED", "A_CL", "B_CL", "PREC", "I64"],
 )
 @triton.jit
 def _wgrad_kernel(
     a_ptr, b_ptr, win_ptr, tab_ptr, part_ptr,
-    A_G, B_G, KVOL, ROWS, SPLIT, PART_NUMEL, rows_per_split, num_a_blocks, num_b_blocks,
+    A_G, B_G, KVOL, LINES, SPLIT, PART_NUMEL, lines_per_split, num_a_blocks, num_b_blocks,
     TD, TH, TW, BD, BH, BW, JD, JH, JW,
     a_sn, a_sc, a_sd, a_sh, a_sw,
     b_sn, b_sc, b_sd, b_sh, b_sw,
     v_sn, v_sc, v_sd, v_sh, v_sw,
     SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
     G_IS_A: tl.constexpr, A_POOLED: tl.constexpr, B_POOLED: tl.constexpr, A_CL: tl.constexpr, B_CL: tl.constexpr,
+    LINE_MODE: tl.constexpr,
     PKD: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr,
     PSD: tl.constexpr, PSH: tl.constexpr, PSW: tl.constexpr,
     PPD: tl.constexpr, PPH: tl.constexpr, PPW: tl.constexpr,
@@ -366,7 +368,8 @@ def _wgrad_kernel(
              dense/pooled rule).  ``G_IS_A`` says which one is g; the MMA runs in x's dtype.
       tab_ptr int32 (KVOL, 4): per tap j: unused, and the offsets ``off_j`` (d, h, w) = ``-p + k*dl``.
       part_ptr fp32 (SPLIT, C_w0, B_G, KVOL) contiguous: this program's partial sums.
-    Rows ``n*TD*TH*TW + t`` in ``[split*rows_per_split, (split+1)*rows_per_split) & [0, ROWS)``.
+    Rows (``LINE_MODE`` only changes the walk): all W positions of the lines ``(n, td, th)`` numbered ``n*TD*TH + td*TH + th`` in
+    ``[split*lines_per_split, (split+1)*lines_per_split) & [0, LINES)``.
     Program ids: 0 -> (group, A block, tap, B block), 1 -> split (so the programs sharing rows run
     together and share them through L2).
     """
@@ -388,18 +391,42 @@ def _wgrad_kernel(
     o_w = tl.load(tab_ptr + j * 4 + 3)
     a_ch = grp * A_G + a
     b_ch = grp * B_G + bch
-    t_size = TD * TH * TW
-    r_lo = split * rows_per_split
-    r_hi = tl.minimum(r_lo + rows_per_split, ROWS)
+    # NOTE: with LINE_MODE (W wide enough to fill BLOCK_R) rows are walked as (line, W block),
+    # a line being (n, td, th): the index arithmetic is scalar per step instead of three vector
+    # div/mods by runtime sizes per row.  Otherwise BLOCK_R consecutive rows, decomposed per row.
+    l_lo = split * lines_per_split
+    l_hi = tl.minimum(l_lo + lines_per_split, LINES)
+    if LINE_MODE:
+        n_wb = tl.cdiv(TW, BLOCK_R)
+        it_lo = l_lo * n_wb
+        it_hi = l_hi * n_wb
+    else:
+        n_wb = 1
+        it_lo = (l_lo * TW) // BLOCK_R  # a block straddling two splits is done by both, masked
+        it_hi = tl.cdiv(l_hi * TW, BLOCK_R)
     acc = tl.zeros([BLOCK_A, BLOCK_G], tl.float32)
-    for r0 in range(r_lo, r_hi, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = r < r_hi
-        n = r // t_size
-        t = r - n * t_size
-        tw = t % TW
-        th = (t // TW) % TH
-        td = t // (TW * TH)
+    for it in range(it_lo, it_hi):
+        if LINE_MODE:
+            line = it // n_wb
+            tw = (it - line * n_wb) * BLOCK_R + tl.arange(0, BLOCK_R)
+            r_ok = tw < TW
+            n = line // (TD * TH)
+            rem = line - n * (TD * TH)
+            # NOTE: scalars splat to the row vector's shape (the interpreter rejects masks built
+            # from scalar comparisons; on the GPU a splat costs nothing).
+            zero = tl.zeros([BLOCK_R], tl.int32)
+            td = rem // TH + zero
+            th = rem - (rem // TH) * TH + zero
+            n = n + zero
+        else:
+            r = it * BLOCK_R + tl.arange(0, BLOCK_R)
+            r_ok = (r >= l_lo * TW) & (r < l_hi * TW)
+            line = r // TW
+            tw = r - line * TW
+            n = line // (TD * TH)
+            rem = line - n * (TD * TH)
+            td = rem // TH
+            th = rem - td * TH
         n64 = _ix(n, I64)
         # A tile [BLOCK_A, BLOCK_R] at the row positions; B tile [BLOCK_R, BLOCK_G] at t*S + off_j.
         # NOTE: each is loaded with its memory-contiguous axis last, then transposed if needed.
@@ -813,11 +840,18 @@ def _weight_grad(
     num_a_blocks = triton.cdiv(a_g, block_a)
     num_b_blocks = triton.cdiv(b_g, block_g)
     tiles = groups * num_a_blocks * kvol * num_b_blocks
-    # NOTE: about 4 waves of programs on an H100 (132 SMs), each reducing >= 1024 rows.
-    quantum, min_rows, target = (32, 64, 8) if _INTERPRET else (128, 1024, 4 * 132)
-    splits = max(1, min(triton.cdiv(target, tiles), triton.cdiv(rows, min_rows)))
-    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), quantum) * quantum
-    splits = triton.cdiv(rows, rows_per_split)
+    # NOTE: about 4 waves of programs on an H100 (132 SMs), each reducing >= 1024 rows; a step
+    # covers BLOCK_R positions of one W line (masked beyond TW, so narrow W wastes lanes).
+    tw = t_sizes[2]
+    block_r = max(16, min(16 if _INTERPRET else 128, triton.next_power_of_2(tw)))
+    line_mode = tw >= 0.75 * triton.cdiv(tw, block_r) * block_r  # few masked lanes per W block
+    if not line_mode:
+        block_r = 32 if _INTERPRET else 64
+    lines = n * t_sizes[0] * t_sizes[1]
+    min_rows, target = (16, 8) if _INTERPRET else (1024, 4 * 132)
+    splits = max(1, min(triton.cdiv(target, tiles), triton.cdiv(lines, triton.cdiv(min_rows, t_sizes[2]))))
+    lines_per_split = triton.cdiv(lines, splits)
+    splits = triton.cdiv(lines, lines_per_split)
     part_numel = w_sizes[0] * b_g * kvol
     partials = torch.empty(splits, part_numel, dtype=torch.float32, device=x.device)
 
@@ -825,12 +859,13 @@ def _weight_grad(
 
     _wgrad_kernel[grid](
         a_t, b_t, winners, table, partials,
-        a_g, b_g, kvol, rows, splits, part_numel, rows_per_split, num_a_blocks, num_b_blocks,
+        a_g, b_g, kvol, lines, splits, part_numel, lines_per_split, num_a_blocks, num_b_blocks,
         *t_sizes, *b_sizes, *pooled, *a_strides, *b_strides, *v_strides,
         SD=s[0], SH=s[1], SW=s[2], G_IS_A=not transposed,
         A_POOLED=pooled_form and not transposed, B_POOLED=pooled_form and transposed,
         A_CL=_channels_inner(a_strides, a_t), B_CL=_channels_inner(b_strides, b_t),
         **_pool_args(grad, geo.dims), PREC=_precision(x.dtype), BLOCK_A=block_a, BLOCK_G=block_g,
+        BLOCK_R=block_r, LINE_MODE=line_mode,
         I64=_needs_int64(values, winners, x, partials),
     )  # fmt: skip
     # NOTE: torch's sum over a fixed shape runs in a fixed order (no atomics): reproducible.
