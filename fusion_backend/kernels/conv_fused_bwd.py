@@ -843,7 +843,10 @@ def _weight_grad(
     # NOTE: about 4 waves of programs on an H100 (132 SMs), each reducing >= 1024 rows; a step
     # covers BLOCK_R positions of one W line (masked beyond TW, so narrow W wastes lanes).
     tw = t_sizes[2]
-    block_r = max(16, min(16 if _INTERPRET else 128, triton.next_power_of_2(tw)))
+    # NOTE: 64 fp32 rows keep 3 pipeline stages of 64-channel tiles at 96 KB of shared memory (two
+    # programs per SM on an H100); 16-bit tiles are half the size, so 128 rows.
+    cap = 16 if _INTERPRET else (128 if x.element_size() == 2 else 64)
+    block_r = max(16, min(cap, triton.next_power_of_2(tw)))
     line_mode = tw >= 0.75 * triton.cdiv(tw, block_r) * block_r  # few masked lanes per W block
     if not line_mode:
         block_r = 32 if _INTERPRET else 64
