@@ -211,7 +211,8 @@ def _dgrad_configs() -> list[triton.Config]:
 
 
 @triton.autotune(
-    configs=_dgrad_configs(), key=["CI_G", "CO_G", "MAXT", "NTAP_MAX", "BLOCK_N", "BLOCK_K", "POOLED", "G_CL", "X_CL", "PREC", "I64"]
+    configs=_dgrad_configs(), key=["CI_G", "CO_G", "MAXT", "NTAP_MAX", "BLOCK_N", "BLOCK_K", "POOLED", "G_CL", "X_CL", "PREC", "I64"],
+    cache_results=True,  # tile choices kept in Triton's cache dir across processes
 )
 @triton.jit
 def _dgrad_kernel(
@@ -338,6 +339,7 @@ def _wgrad_configs() -> list[triton.Config]:
 @triton.autotune(
     configs=_wgrad_configs(),
     key=["A_G", "B_G", "KVOL", "LINES", "TW", "SPLIT", "BLOCK_A", "BLOCK_R", "LINE_MODE", "BLOCK_G", "A_POOLED", "B_POOLED", "A_CL", "B_CL", "PREC", "I64"],
+    cache_results=True,
 )
 @triton.jit
 def _wgrad_kernel(
