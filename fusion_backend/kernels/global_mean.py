@@ -830,9 +830,9 @@ def _params_bwd_kernel(
                 us = tl.where(slot[:, None] == i, u[None, :], us)
                 u = _apply(u, _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i), KINDS[i])
             d = g
-            for ii in tl.static_range(NS):
-                # reverse order; a fresh name: the compiler refuses to rebind a loop constexpr
-                j = NS - 1 - ii
+            # reverse order; the loop variable itself stays a constexpr (a plain assignment such as
+            # ``j = NS - 1 - ii`` would turn it into a tensor, which cannot index the KINDS tuple)
+            for j in tl.static_range(NS - 1, -1, -1):
                 v = _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, j)
                 ui = tl.sum(tl.where(slot[:, None] == j, us, 0.0), axis=0)
                 if KINDS[j] == 1:
