@@ -89,10 +89,15 @@ def main() -> int:
             errors = {k: rel(got_all[k], want_all[k]) for k in want_all}
             refereed = {}
             if dtype == "fp32" and max(errors.values()) > BOUNDS[dtype]:
+                # Keep only what the referee needs: seed B's float64 step is large next to 24 GB.
+                keep = {k for k, e in errors.items() if e > BOUNDS[dtype]}
+                got_all = {k: v for k, v in got_all.items() if k in keep}
+                want_all = {k: v for k, v in want_all.items() if k in keep}
+                del got, want, got_grads, want_grads
                 ref, ref_grads = train_step(copy.deepcopy(eager).double(), x.double(), dtype, device)
                 ref_all = {"output": ref} | ref_grads
-                refereed = {k: (rel(got_all[k], ref_all[k]), rel(want_all[k], ref_all[k]))
-                            for k, e in errors.items() if e > BOUNDS[dtype]}
+                refereed = {k: (rel(got_all[k], ref_all[k]), rel(want_all[k], ref_all[k])) for k in keep}
+                del ref, ref_grads, ref_all
             passed = calls == 1 and all(e <= BOUNDS[dtype] or (k in refereed and refereed[k][0] <= refereed[k][1])
                                         for k, e in errors.items())
             ok &= passed
