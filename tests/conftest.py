@@ -11,6 +11,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# No tile search and no fused-vs-library timing in tests (each new shape would cost seconds of
+# autotuning on a GPU; the whole suite timed out on the H100 with it on).  Tests that exercise
+# those paths set the variable themselves.
+os.environ.setdefault("FUSION_CONV_AUTOTUNE", "0")
 
 import pytest  # noqa: E402
 

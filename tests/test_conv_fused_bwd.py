@@ -288,3 +288,14 @@ def test_gpu_seed_workloads_match_aten(seed, dtype, exact_fp32):
             assert g.dtype == ref.dtype and g.stride() == ref.stride(), name
         err = ((g.float() - e).abs().max() / e.abs().max()).item()
         assert err < (1e-4 if dtype == torch.float32 else 2e-2), f"seed {seed} grad {name}: {err:.2e}"
+
+
+def test_autotune_off_binds_the_first_tile(monkeypatch):
+    """``FUSION_CONV_AUTOTUNE=0``: the raw kernel with the first config, no tile search."""
+    configs = K._dgrad_configs()
+    monkeypatch.setenv("FUSION_CONV_AUTOTUNE", "0")
+    kernel, tile = K._launcher(K._dgrad_tuned, K._dgrad_kernel, configs)
+    assert kernel is K._dgrad_kernel
+    assert tile == dict(configs[0].kwargs, num_warps=configs[0].num_warps, num_stages=configs[0].num_stages)
+    monkeypatch.setenv("FUSION_CONV_AUTOTUNE", "1")
+    assert K._launcher(K._wgrad_tuned, K._wgrad_kernel, K._wgrad_configs()) == (K._wgrad_tuned, {})

@@ -111,7 +111,7 @@ def bench_case(seed: str, dname: str, dtype: torch.dtype, reps: int) -> None:
         ms = time_ms(fn, reps)
         tflops = f"{nflops / ms / 1e9:7.1f} TFLOP/s" if nflops else ""
         print(f"  {name:14s} {ms:8.3f} ms  {nbytes / ms / 1e6:8.1f} GB/s  {tflops}")
-    for kernel in (K._dgrad_kernel, K._wgrad_kernel):
+    for kernel in (K._dgrad_tuned, K._wgrad_tuned):
         print(f"  best config {getattr(kernel.fn, '__name__', kernel.fn)}: {getattr(kernel, 'best_config', None)}")
 
 

@@ -74,8 +74,8 @@ def main() -> int:
         "seedB": (w_ptr, dict(w_dense, A_CL=False, B_CL=False, BLOCK_R=64, LINE_MODE=True)),
         "seedB_cl_flat": (w_ptr, dict(w_dense, A_CL=True, B_CL=True, BLOCK_R=64, LINE_MODE=False)),
     }  # fmt: skip
-    for kernel, configs, cases in ((K._dgrad_kernel, K._dgrad_configs(), d_cases),
-                                   (K._wgrad_kernel, K._wgrad_configs(), w_cases)):  # fmt: skip
+    for kernel, configs, cases in ((K._dgrad_tuned, K._dgrad_configs(), d_cases),
+                                   (K._wgrad_tuned, K._wgrad_configs(), w_cases)):  # fmt: skip
         for cfg in configs[:1] if quick else configs:
             for name, (ptrs, consts) in cases.items():
                 line = compile_one(kernel, ptrs, dict(consts, PREC=prec, I64=False, **cfg.kwargs), cfg.num_warps,

@@ -72,6 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .conv_fused import AUTOTUNE_ENV
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Most candidate windows (product over dims of ceil(window extent / pool stride)) a conv-output
@@ -210,10 +212,6 @@ def _dgrad_configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(
-    configs=_dgrad_configs(), key=["CI_G", "CO_G", "MAXT", "NTAP_MAX", "BLOCK_N", "BLOCK_K", "POOLED", "G_CL", "X_CL", "PREC", "I64"],
-    cache_results=True,  # tile choices kept in Triton's cache dir across processes
-)
 @triton.jit
 def _dgrad_kernel(
     g_ptr, win_ptr, w_ptr, tab_ptr, cnt_ptr, dx_ptr,
@@ -317,6 +315,13 @@ def _dgrad_kernel(
         tl.store(dx_ptr + x_off, tl.trans(acc).to(dx_ptr.dtype.element_ty), mask=m_ok[None, :] & ci_ok[:, None])
 
 
+_dgrad_tuned = triton.autotune(
+    configs=_dgrad_configs(),
+    key=["CI_G", "CO_G", "MAXT", "NTAP_MAX", "BLOCK_N", "BLOCK_K", "POOLED", "G_CL", "X_CL", "PREC", "I64"],
+    cache_results=True,  # tile choices kept in Triton's cache dir across processes
+)(_dgrad_kernel)
+
+
 # --------------------------------------------------------------------------------------------------
 # Weight gradient
 # --------------------------------------------------------------------------------------------------
@@ -336,11 +341,6 @@ def _wgrad_configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(
-    configs=_wgrad_configs(),
-    key=["A_G", "B_G", "KVOL", "LINES", "TW", "SPLIT", "BLOCK_A", "BLOCK_R", "LINE_MODE", "BLOCK_G", "A_POOLED", "B_POOLED", "A_CL", "B_CL", "PREC", "I64"],
-    cache_results=True,
-)
 @triton.jit
 def _wgrad_kernel(
     a_ptr, b_ptr, win_ptr, tab_ptr, part_ptr,
@@ -479,6 +479,23 @@ def _wgrad_kernel(
 # --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
+
+
+_wgrad_tuned = triton.autotune(
+    configs=_wgrad_configs(),
+    key=["A_G", "B_G", "KVOL", "LINES", "TW", "SPLIT", "BLOCK_A", "BLOCK_R", "LINE_MODE", "BLOCK_G", "A_POOLED",
+         "B_POOLED", "A_CL", "B_CL", "PREC", "I64"],
+    cache_results=True,
+)(_wgrad_kernel)
+
+
+def _launcher(tuned, raw, configs: list[triton.Config]):
+    """The autotuned kernel, or with ``FUSION_CONV_AUTOTUNE=0`` (deterministic compile times: no
+    tile search on a first call) the raw kernel bound to the first config's tile."""
+    if os.environ.get(AUTOTUNE_ENV, "1") != "0":
+        return tuned, {}
+    first = configs[0]
+    return raw, dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
 
 
 def _lift(t: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -779,7 +796,8 @@ def _input_grad(
     def grid(meta):
         return (n * num_phases * triton.cdiv(max_t, meta["BLOCK_M"]), groups * num_c_blocks)
 
-    _dgrad_kernel[grid](
+    kernel, tile = _launcher(_dgrad_tuned, _dgrad_kernel, _dgrad_configs())
+    kernel[grid](
         values, winners, weight, table, counts, dx,
         ci_g, co_g, kvol, *x_sizes[2:], *geo.out_spatial, *pooled, max_t, num_c_blocks,
         *x_strides, *g_strides, *v_strides, w_s_grp, w_s_out, w_s_red,
@@ -787,7 +805,7 @@ def _input_grad(
         POOLED=isinstance(grad, PooledGrad), G_CL=_channels_inner(g_strides, values),
         X_CL=_channels_inner(x_strides, dx), **_pool_args(grad, geo.dims), PREC=_precision(x.dtype),
         I64=_needs_int64(values, winners, dx, weight),
-        BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, **tile,
     )  # fmt: skip
     return dx
 
@@ -862,7 +880,8 @@ def _weight_grad(
 
     grid = (tiles, splits)
 
-    _wgrad_kernel[grid](
+    kernel, tile = _launcher(_wgrad_tuned, _wgrad_kernel, _wgrad_configs())
+    kernel[grid](
         a_t, b_t, winners, table, partials,
         a_g, b_g, kvol, lines, splits, part_numel, lines_per_split, num_a_blocks, num_b_blocks,
         *t_sizes, *b_sizes, *pooled, *a_strides, *b_strides, *v_strides,
@@ -871,7 +890,7 @@ def _weight_grad(
         A_CL=_channels_inner(a_strides, a_t), B_CL=_channels_inner(b_strides, b_t),
         **_pool_args(grad, geo.dims), PREC=_precision(x.dtype), BLOCK_A=block_a, BLOCK_G=block_g,
         BLOCK_R=block_r, LINE_MODE=line_mode,
-        I64=_needs_int64(values, winners, x, partials),
+        I64=_needs_int64(values, winners, x, partials), **tile,
     )  # fmt: skip
     # NOTE: torch's sum over a fixed shape runs in a fixed order (no atomics): reproducible.
     dw.copy_(partials.sum(0).view(weight.shape))
