@@ -605,17 +605,14 @@ NAMES = ["out", "grad x", "grad weight", "grad bias", "grad multiplier"]
 @requires_cuda
 @pytest.mark.parametrize("seed", [SEED_A, SEED_B], ids=["seedA", "seedB"])
 def test_gpu_fp32_parity_on_seed_workloads(seed, no_tf32):
-    # Within 1e-5 of eager, or, where eager itself is further than that from float64 (cuDNN's
-    # backward algorithms are ~1e-4 off on these shapes, and a cancelling bias sum is worse), at
-    # most 1.5x eager's own error vs float64.
+    # The default (library) path runs eager's own cuDNN conv: every tensor within 1e-5 of eager.
+    # (The opt-in fused conv sums in another order, which moves max-pool near-ties: its parity is
+    # refereed by float64 in tests/test_conv_fused_kernel.py and test_conv_epilogue_compact_backward.py.)
     fused = _seed_run(seed, torch.float32, fused=True)
     want = _seed_run(seed, torch.float32, fused=False)
-    truth = _seed_run(seed, torch.float64, fused=False)
-    for name, f, e, t in zip(NAMES, fused, want, truth, strict=True):
+    for name, f, e in zip(NAMES, fused, want, strict=True):
         assert f.dtype == e.dtype and f.shape == e.shape
-        assert rel_err(f, e) <= 1e-5 or rel_err(f, t) <= 1.5 * rel_err(e, t), (
-            f"{name}: {rel_err(f, e):.2e} vs eager, {rel_err(f, t):.2e} vs float64 (eager {rel_err(e, t):.2e})"
-        )
+        assert rel_err(f, e) <= 1e-5, f"{name}: {rel_err(f, e):.2e} vs eager"
 
 
 @pytest.mark.gpu
