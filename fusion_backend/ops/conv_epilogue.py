@@ -572,12 +572,12 @@ def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) ->
     """Which conv the Triton forward runs: ``("triton", None)`` for the fused implicit-GEMM kernel
     (``kernels.conv_fused``), ``("library", why)`` for aten/cuDNN + the epilogue kernel.
 
-    ``FUSION_CONV_IMPL`` (read at call time; ``library`` by default): ``auto`` answers ``triton`` on CUDA
-    whenever ``conv_fused.unsupported_reason`` is None (``_triton_forward`` then measures which of
-    the two is faster), and the library conv on CPU (the interpreter is slow; tests force the fused
-    kernel there); ``library`` always takes the library
-    conv; ``triton`` always takes the fused kernel and raises ``UnsupportedInputError`` (handled by
-    the failure policy: strict raises, else warn and run the reference) when it cannot serve the case.
+    ``FUSION_CONV_IMPL`` (read at call time; ``library`` by default): ``library`` always takes the
+    library conv; ``auto`` answers ``triton`` on CUDA whenever ``conv_fused.unsupported_reason`` is
+    None (``_triton_forward`` then measures which of the two is faster) and the library conv on CPU
+    (the interpreter is slow; tests force the fused kernel there); ``triton`` always takes the fused
+    kernel and raises ``UnsupportedInputError`` (handled by the failure policy: strict raises, else
+    warn and run the reference) when it cannot serve the case.
     """
     mode = _conv_impl_mode()
     if mode == "library":
@@ -659,8 +659,9 @@ def _triton_forward(
     """The fused conv kernel or the library conv + epilogue kernel, as ``conv_impl`` says; under
     ``FUSION_CONV_IMPL=auto`` a case both serve goes to the faster one, measured once per shape
     (``impl_choice``; the library path when measuring is off)."""
+    mode = _conv_impl_mode()
     impl = conv_impl(x, weight, cfg, save)[0]
-    if impl == "triton" and _conv_impl_mode() == "auto":
+    if impl == "triton" and mode == "auto":
         impl = impl_choice.choose(
             _choice_key(x, weight, bias, cfg, save),
             {
@@ -714,11 +715,12 @@ def _triton_backward(
     backward cannot serve (an avg pool) take the library one under every setting."""
     args = (grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, mask)
     mode = _conv_impl_mode()
-    why = None if mode == "library" else _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg)
+    if mode == "library" or (mode == "auto" and x.device.type != "cuda"):
+        return _library_backward(*args)  # auto on CPU: the interpreter is slow (tests force "triton")
+    why = _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg)
     if why is not None:
         logger.debug("conv_epilogue backward: library path (%s)", why)
-    if mode == "library" or why is not None or (mode == "auto" and x.device.type != "cuda"):
-        return _library_backward(*args)  # auto: the interpreter is slow, tests force "triton" on CPU
+        return _library_backward(*args)
     impl = "compact"
     if mode == "auto":
         impl = impl_choice.choose(
