@@ -22,6 +22,7 @@ an unreadable or unwritable file only costs a re-measurement, never an error.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -51,11 +52,17 @@ def cache_file() -> Path:
     return Path(root) / "impl_choice.json"
 
 
-def _full_key(key: str) -> str:
+@functools.cache
+def _environment() -> str:
+    """The part of every key that is fixed for the process (asked once: ``choose`` is on the hot path)."""
     import triton
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return f"{device}|torch {torch.__version__}|triton {triton.__version__}|{key}"
+    return f"{device}|torch {torch.__version__}|triton {triton.__version__}"
+
+
+def _full_key(key: str) -> str:
+    return f"{_environment()}|{key}"
 
 
 def _load() -> dict[str, str]:
