@@ -1033,14 +1033,15 @@ def _block_ci(cin_g: int) -> int:
 
 # NOTE: the contraction kernel is latency-bound (seed C: 1.2 M fp64 multiply-adds, ~0.3 MB of weights):
 # what matters is the number of programs and the number of dependent memory round trips per program.
-# 16 output channels per program gives seed C (N=16, C_out=128) 128 programs on 132 SMs; a 2048-element
-# chunk (16 per thread with 4 warps) keeps the fp64 accumulator, the weight chunk and the 64-bit
-# addresses in registers (see tools/compile_check_global_mean.py) and walks K = C_in*T = 576 in 5
-# independent chunks.  Up to 16 split partials are summed as one tile (seed C contiguous: 1 split;
-# channels_last: 33, three chunks).
-_CONTRACT_CHUNK = 2048
+# 16 output channels per program gives seed C (N=16, C_out=128) 128 programs on 132 SMs (the old grid
+# had 64, each walking 2 ci blocks x 9 taps one after another: 18 dependent iterations).  A 4096-element
+# chunk over 8 warps (16 elements per thread, 128 registers, no spills: tools/compile_check_global_mean.py)
+# walks K = C_in*T = 576 in 3 chunks whose loads do not depend on each other.  Up to 16 split partials
+# are summed as one tile (seed C contiguous: 1 split; channels_last: 33 splits, 3 tiles per chunk).
+_CONTRACT_CHUNK = 4096
 _CONTRACT_BLOCK_CO = 16
 _CONTRACT_BLOCK_S = 16
+_CONTRACT_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -1093,7 +1094,7 @@ def contract_forward(
         KINDS=ch.kinds, TENSOR=ch.tensor, CONSTS=ch.consts, NS=chain.steps,
         NS_PAD=_next_pow2(max(chain.steps, 1)), HAS_BIAS=bias is not None,
         BLOCK_K=tiles.block_k, BLOCK_S=tiles.block_s, ONE_CHUNK=nsplit <= tiles.block_s,
-        BLOCK_CO=tiles.block_co, num_warps=_NUM_WARPS,
+        BLOCK_CO=tiles.block_co, num_warps=_CONTRACT_WARPS,
     )  # fmt: skip
 
 
