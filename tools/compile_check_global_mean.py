@@ -22,7 +22,8 @@ that Triton specializes (an int equal to 1) is ``'constexpr'`` with its value un
 
 Specialisations: seed C (x (16, 64, 512, 512), ConvTranspose2d 64->128 k3, the folded ``+ bias``
 operand), fp32 and bf16 (fp32 output as under autocast), contiguous and channels_last x, with the split
-counts an H100 (132 SMs) would choose.  Uses Triton internals, so it may need a touch after a Triton
+counts an H100 (132 SMs) would choose; plus, in fp32, a padded grouped Conv2d without bias (several
+index sets per dim, the other constexpr branches).  Uses Triton internals, so it may need a touch after a Triton
 update.  Exit status 1 when a kernel fails to compile or spills.
 """
 
@@ -51,7 +52,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 from fusion_backend.kernels import global_mean as K  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
-from fusion_backend.ops.chain import ChainStep, PointwiseKind, TensorRef  # noqa: E402
+from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef  # noqa: E402
 from fusion_backend.ops.config import ConvSpec  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -72,8 +73,14 @@ def record_launches(calls: list[tuple[JITFunction, tuple, dict]]) -> list[JITFun
     return kernels
 
 
-def seed_c_launches(dtype: torch.dtype, channels_last: bool) -> list[tuple[JITFunction, tuple, dict]]:
-    """Call the four launchers as the op does for seed C; returns the recorded kernel launches."""
+def seed_c_launches(
+    dtype: torch.dtype, channels_last: bool, padded: bool = False
+) -> list[tuple[JITFunction, tuple, dict]]:
+    """Call the four launchers as the op does for seed C; returns the recorded kernel launches.
+
+    ``padded``: a variant off seed C's path that takes the other branches of the same kernels: a
+    regular Conv2d with padding 1 and 2 groups (3 index sets per dim: the tapset gather), no bias, a
+    constant step."""
     calls: list[tuple[JITFunction, tuple, dict]] = []
     record_launches(calls)
     n, c_in, c_out, size = 16, 64, 128, (512, 512)
@@ -81,11 +88,16 @@ def seed_c_launches(dtype: torch.dtype, channels_last: bool) -> list[tuple[JITFu
     if channels_last:
         x = torch.empty((n, *size, c_in), dtype=dtype).permute(0, 3, 1, 2)
     weight = torch.empty((c_in, c_out, 3, 3), dtype=dtype)
-    bias = torch.empty((c_out,), dtype=dtype)
+    bias: torch.Tensor | None = torch.empty((c_out,), dtype=dtype)
     extra = torch.empty((c_out, 1, 1), dtype=torch.float32)
     spec = ConvSpec(True, (1, 1), (0, 0), (1, 1), (0, 0), 1)
-    cfg = cgm.ConvGlobalMeanConfig(spec, (ChainStep(PointwiseKind.ADD, (TensorRef(0),)),), keepdim=True,
-                                   out_dtype="float32")  # fmt: skip
+    step = ChainStep(PointwiseKind.ADD, (TensorRef(0),))
+    if padded:
+        weight = torch.empty((c_out, c_in // 2, 3, 3), dtype=dtype)
+        bias = None
+        spec = ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 2)
+        step = ChainStep(PointwiseKind.MUL, (Const(0.5),))
+    cfg = cgm.ConvGlobalMeanConfig(spec, (step,), keepdim=True, out_dtype="float32")
     geo = cgm._geometry(spec, size, (3, 3), x.device)
     x5 = cgm._as5d(x)
     # the split an H100 picks (the launchers only ask the device on CUDA)
@@ -104,9 +116,10 @@ def seed_c_launches(dtype: torch.dtype, channels_last: bool) -> list[tuple[JITFu
     grad = torch.empty((n, c_out, 1, 1), dtype=torch.float32)
     coef = torch.empty((n, c_out), dtype=torch.float32)
     gw = torch.empty_like(weight)
-    targets = ((K.GRAD_DIRECT, torch.empty_like(extra), 1),)
-    K.params_backward(grad.reshape(n, c_out), mean, taps, chain, targets, K.WeightLayout.of(gw, True, 1),
-                      torch.empty_like(bias), geo.n_outputs, coef, coef)  # fmt: skip
+    targets = ((K.GRAD_NONE, coef, 0),) if padded else ((K.GRAD_DIRECT, torch.empty_like(extra), 1),)
+    K.params_backward(grad.reshape(n, c_out), mean, taps, chain, targets,
+                      K.WeightLayout.of(gw, spec.transposed, spec.groups),
+                      None if bias is None else torch.empty_like(bias), geo.n_outputs, coef, coef)  # fmt: skip
     grad_x = torch.empty_strided(x.shape, cgm._grad_input_strides(x), dtype=dtype)
     K.grad_broadcast(coef, layout, geo.tapset, geo.bits, geo.set_counts, cgm._as5d(grad_x), split=split)
     return calls
@@ -151,18 +164,19 @@ def main() -> int:
     print(f"triton {triton.__version__}, target {TARGET}, ptxas {PTXAS.name}")
     failed = 0
     seen: set[str] = set()
-    for dtype in (torch.float32, torch.bfloat16):
-        for channels_last in (False, True):
-            label = f"{str(dtype).removeprefix('torch.')} {'channels_last' if channels_last else 'contiguous'}"
-            print(f"== seed C {label}")
-            for kern, kargs, kwargs in seed_c_launches(dtype, channels_last):
-                seen.add(kern.fn.__name__)
-                try:
-                    line, ok = compile_launch(kern, kargs, kwargs, args.verbose)
-                except Exception:  # noqa: BLE001 - report every kernel, then fail
-                    line, ok = f"{kern.fn.__name__:28s} COMPILE FAILED\n{traceback.format_exc()}", False
-                failed += not ok
-                print(f"  {'ok  ' if ok else 'FAIL'} {line}")
+    cases = [(dt, cl, False) for dt in (torch.float32, torch.bfloat16) for cl in (False, True)]
+    cases += [(torch.float32, False, True), (torch.float32, True, True)]
+    for dtype, channels_last, padded in cases:
+        label = f"{str(dtype).removeprefix('torch.')} {'channels_last' if channels_last else 'contiguous'}"
+        print(f"== {'padded grouped conv (off the seed path)' if padded else 'seed C'} {label}")
+        for kern, kargs, kwargs in seed_c_launches(dtype, channels_last, padded):
+            seen.add(kern.fn.__name__)
+            try:
+                line, ok = compile_launch(kern, kargs, kwargs, args.verbose)
+            except Exception:  # noqa: BLE001 - report every kernel, then fail
+                line, ok = f"{kern.fn.__name__:28s} COMPILE FAILED\n{traceback.format_exc()}", False
+            failed += not ok
+            print(f"  {'ok  ' if ok else 'FAIL'} {line}")
     print(f"compiled kernels: {', '.join(sorted(seen))}")
     print("all kernels compiled without spills" if not failed else f"{failed} launch(es) failed or spilled")
     return 1 if failed else 0
