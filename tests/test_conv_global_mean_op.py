@@ -436,6 +436,55 @@ def _kernel_parity(
 
 
 @pytest.mark.parametrize(
+    "layout, split, tiles",
+    [
+        ("contiguous", 6, {}),  # all splits in one tile, one K chunk
+        ("contiguous", 6, {"_CONTRACT_CHUNK": 16, "_CONTRACT_BLOCK_S": 2}),  # split loop, 2 K chunks
+        ("channels_last", 20, {}),  # 20 > 16 splits: split loop
+    ],
+)
+def test_contraction_sums_every_split_and_chunk_deterministically(
+    layout: str, split: int, tiles: dict, monkeypatch: pytest.MonkeyPatch, kernel_device: str
+) -> None:
+    """The forward tail reduces many per-split partials over several K chunks: the same result as the
+    fp64 composite, and bitwise the same on a second run (fixed-order sums, no atomics).  Small tiles
+    force splits and chunks the test sizes would not otherwise get."""
+    import fusion_backend.kernels.global_mean as kernels
+
+    for name, value in {"_TILE_ELEMENTS": 32, "_MAX_BLOCK_W": 8, "_CL_TILE_ELEMENTS": 16, **tiles}.items():
+        monkeypatch.setattr(kernels, name, value)
+    original = kernels.set_sums_partial
+    nsplits: list[int] = []
+
+    def forced(*args, **kwargs):
+        result = original(*args, **kwargs, split=split)
+        nsplits.append(result[2])
+        return result
+
+    monkeypatch.setattr(kernels, "set_sums_partial", forced)
+    spec = spec2d(True, groups=2)
+    affine, shapes = AFFINES["rsub_div"]
+    x, w, b = make_inputs(spec, 8, 6, (21, 13), (3, 2))
+    operands = make_operands(shapes, 6)
+    cfg = ConvGlobalMeanConfig(spec, affine, keepdim=False)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    xd = x.to(kernel_device, torch.float32).contiguous(memory_format=fmt)
+    args = [t.to(kernel_device, torch.float32) for t in (w, b)]
+    ops = [t.to(kernel_device, torch.float32) for t in operands]
+    geo = cgm._geometry(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), xd.device)
+    assert geo.set_counts != (1, 1, 1), "the test needs several index sets (a tapset gather)"
+    first = cgm._forward_kernels(cfg, xd, *args, ops, geo)
+    second = cgm._forward_kernels(cfg, xd, *args, ops, geo)
+    assert nsplits == [split, split], f"expected {split} splits of the pass over x, got {nsplits}"
+    for name, a, c in zip(("out", "tap_sums", "mean"), first, second, strict=True):
+        assert torch.equal(a, c), f"{name} differs between two identical runs"
+    geo64 = cgm._geometry(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), torch.device("cpu"))
+    expected = cgm._forward_reference(cfg, x, w, b, operands, geo64)
+    for name, got, exp in zip(("out", "tap_sums", "mean"), first, expected, strict=True):
+        assert_close_scaled(got, exp, 1e-5, name)
+
+
+@pytest.mark.parametrize(
     "affine_name", ["none", "scalar_const", "zero_d", "per_channel", "rsub_div", "shared_operand"]
 )
 def test_triton_path_folds_every_affine_chain(affine_name: str, monkeypatch, kernel_device: str) -> None:
@@ -632,3 +681,26 @@ def test_gpu_kernels_are_deterministic_and_fp16_close() -> None:
     assert_close_scaled(first, expected, 1e-5, "fp32")
     half = conv_global_mean(x.half(), w.half(), b.half(), [], config)
     assert_close_scaled(half, expected, 5e-3, "fp16")
+
+
+def test_every_cuda_kernel_compiles_for_sm90_without_spills() -> None:
+    """The kernels are on seed C's default path: one that runs under the interpreter but fails to
+    compile for the GPU would silently fall back to the torch reference.  Compiles each of them for
+    sm_90 (seed C, fp32 and bf16, both layouts) with ``tools/compile_check_global_mean.py``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell").exists():
+        pytest.skip("Triton's bundled ptxas-blackwell is missing")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(root / "tools/compile_check_global_mean.py")],
+        capture_output=True, text=True, env=env, cwd=root, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "_contract_fwd_kernel" in proc.stdout and "all kernels compiled without spills" in proc.stdout

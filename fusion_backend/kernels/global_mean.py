@@ -669,18 +669,24 @@ def _contract_fwd_kernel(
     TENSOR: tl.constexpr,
     CONSTS: tl.constexpr,
     NS: tl.constexpr,
+    NS_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    BLOCK_CI: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
     BLOCK_CO: tl.constexpr,
 ):
     """Forward tail in one launch: tap sums, the contraction with W, bias, mean scale, affine chain.
 
     Grid: ``(N, groups, cdiv(COUT_G, BLOCK_CO))``; program ``(n, g, cb)`` produces output channels
-    ``g*COUT_G + [cb*BLOCK_CO, ...)`` of batch element ``n``.
+    ``g*COUT_G + [cb*BLOCK_CO, ...)`` of batch element ``n``.  The reduction index ``k = ci_local*T + t``
+    (``K = CIN_G*T`` of them) is walked in ``[BLOCK_K]`` chunks whose loads do not depend on the
+    previous chunk: per chunk one ``[BLOCK_K, BLOCK_CO]`` weight tile and one ``[BLOCK_K, BLOCK_S]``
+    tile of split partials (``ONE_CHUNK``: ``NSPLIT <= BLOCK_S``, else a loop over split chunks).
 
     Pointer contract:
       * ``r_ptr``: fp32 partial set sums; element ``(n, c, split, j)`` at
-        ``n*rs_n + c*rs_c + split*rs_s + j*rs_j``, ``split < NSPLIT`` (summed here in order, fp64).
+        ``n*rs_n + c*rs_c + split*rs_s + j*rs_j``, ``split < NSPLIT`` (summed here, fp64).
       * ``tapset_ptr``: int32 ``(T,)``, the product-set index of every flattened tap.
       * ``w_ptr``/``s_*``/``off_g``: the weight, as in ``_tap_coef``.
       * ``bias_ptr``: ``(C_OUT,)`` with stride ``bias_stride`` (unused without ``HAS_BIAS``).
@@ -689,7 +695,9 @@ def _contract_fwd_kernel(
       * ``out_ptr``: contiguous ``(N, C_OUT)`` in the output dtype; ``mean_ptr``: contiguous fp64
         ``(N, C_OUT)`` conv mean before the chain; ``taps_ptr``: contiguous fp64 ``(N, C_IN, T)`` tap
         sums (written by the ``cb == 0`` programs).
-    Accumulation: fp64 (the contraction cancels; it is tiny).
+    Accumulation: fp64 (the contraction cancels; it is tiny).  Determinism: every sum has a fixed
+    order for a given launch configuration (``tl.sum`` trees over constexpr shapes, chunks in order);
+    no atomics.
     """
     n = tl.program_id(0)
     gi = tl.program_id(1)
@@ -697,29 +705,52 @@ def _contract_fwd_kernel(
     col = cb * BLOCK_CO + tl.arange(0, BLOCK_CO)
     co_ok = col < COUT_G
     co = gi * COUT_G + col
-    acc = tl.zeros([BLOCK_CI, BLOCK_CO], dtype=tl.float64)
-    for ci0 in range(0, CIN_G, BLOCK_CI):
-        cil = ci0 + tl.arange(0, BLOCK_CI)
-        ci_ok = cil < CIN_G
-        ci = gi * CIN_G + cil
-        for t in range(T):
-            j = tl.load(tapset_ptr + t)
-            s = tl.zeros([BLOCK_CI], dtype=tl.float64)
-            r_base = r_ptr + n.to(tl.int64) * rs_n + ci.to(tl.int64) * rs_c + j * rs_j
-            for sp in range(NSPLIT):
-                s += tl.load(r_base + sp * rs_s, mask=ci_ok, other=0.0).to(tl.float64)
-            tl.store(taps_ptr + (n.to(tl.int64) * C_IN + ci) * T + t, s, mask=ci_ok & ((cil * 0 + cb) == 0))
-            w_off = co.to(tl.int64)[None, :] * s_co + (ci.to(tl.int64) * s_ci - gi * off_g)[:, None] + t * s_t
-            w = tl.load(w_ptr + w_off, mask=ci_ok[:, None] & co_ok[None, :], other=0.0).to(tl.float64)
-            acc += s[:, None] * w
-    mean = tl.sum(acc, axis=0) / P
+
+    # NOTE: everything the epilogue reads that does not depend on the contraction (bias, step
+    # operands) is loaded before the loop, so its memory latency overlaps the loop's instead of
+    # adding a round trip after it.
+    bias = tl.zeros([BLOCK_CO], dtype=tl.float64)
     if HAS_BIAS:
-        mean += tl.load(bias_ptr + co * bias_stride, mask=co_ok, other=0.0).to(tl.float64)
-    tl.store(mean_ptr + n.to(tl.int64) * C_OUT + co, mean, mask=co_ok)
+        bias = tl.load(bias_ptr + co * bias_stride, mask=co_ok, other=0.0).to(tl.float64)
+    slot = tl.arange(0, NS_PAD)
+    # -0.0 fill: x + (-0.0) == x for every x (signed zeros included), so the row extraction below
+    # returns each operand bitwise
+    opv = tl.full([NS_PAD, BLOCK_CO], -0.0, tl.float64)
+    for i in tl.static_range(NS):
+        opv = tl.where(slot[:, None] == i, _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i)[None, :], opv)
+
+    K = CIN_G * T
+    kv = tl.arange(0, BLOCK_K)
+    sv = tl.arange(0, BLOCK_S)
+    n64 = n.to(tl.int64)
+    acc = tl.zeros([BLOCK_K, BLOCK_CO], dtype=tl.float64)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kv
+        k_ok = k < K
+        cil = k // T
+        t = k - cil * T
+        ci = gi * CIN_G + cil
+        w_off = co.to(tl.int64)[None, :] * s_co + (ci.to(tl.int64) * s_ci - gi * off_g + t * s_t)[:, None]
+        w = tl.load(w_ptr + w_off, mask=k_ok[:, None] & co_ok[None, :], other=0.0)
+        j = tl.load(tapset_ptr + t, mask=k_ok, other=0)
+        r_row = r_ptr + n64 * rs_n + ci.to(tl.int64) * rs_c + j.to(tl.int64) * rs_j  # [BLOCK_K] pointers
+        if ONE_CHUNK:
+            part = tl.load(r_row[:, None] + sv[None, :] * rs_s, mask=k_ok[:, None] & (sv < NSPLIT)[None, :], other=0.0)
+            s = tl.sum(part.to(tl.float64), axis=1)
+        else:
+            s = tl.zeros([BLOCK_K], dtype=tl.float64)
+            for s0 in range(0, NSPLIT, BLOCK_S):
+                sp = s0 + sv
+                part = tl.load(r_row[:, None] + sp[None, :] * rs_s, mask=k_ok[:, None] & (sp < NSPLIT)[None, :], other=0.0)
+                s += tl.sum(part.to(tl.float64), axis=1)
+        tl.store(taps_ptr + (n64 * C_IN + gi * CIN_G) * T + k, s, mask=k_ok & ((k * 0 + cb) == 0))
+        acc += s[:, None] * w.to(tl.float64)
+    mean = tl.sum(acc, axis=0) / P + bias
+    tl.store(mean_ptr + n64 * C_OUT + co, mean, mask=co_ok)
     v = mean
     for i in tl.static_range(NS):
-        v = _apply(v, _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i), KINDS[i])
-    tl.store(out_ptr + n.to(tl.int64) * C_OUT + co, v.to(tl.float32).to(out_ptr.dtype.element_ty), mask=co_ok)
+        v = _apply(v, tl.sum(tl.where(slot[:, None] == i, opv, -0.0), axis=0), KINDS[i])
+    tl.store(out_ptr + n64 * C_OUT + co, v.to(tl.float32).to(out_ptr.dtype.element_ty), mask=co_ok)
 
 
 @triton.jit
@@ -1000,6 +1031,36 @@ def _block_ci(cin_g: int) -> int:
     return min(_next_pow2(cin_g), 32)
 
 
+# NOTE: the contraction kernel is latency-bound (seed C: 1.2 M fp64 multiply-adds, ~0.3 MB of weights):
+# what matters is the number of programs and the number of dependent memory round trips per program.
+# 16 output channels per program gives seed C (N=16, C_out=128) 128 programs on 132 SMs (the old grid
+# had 64, each walking 2 ci blocks x 9 taps one after another: 18 dependent iterations).  A 4096-element
+# chunk over 8 warps (16 elements per thread, 128 registers, no spills: tools/compile_check_global_mean.py)
+# walks K = C_in*T = 576 in 3 chunks whose loads do not depend on each other.  Up to 16 split partials
+# are summed as one tile (seed C contiguous: 1 split; channels_last: 33 splits, 3 tiles per chunk).
+_CONTRACT_CHUNK = 4096
+_CONTRACT_BLOCK_CO = 16
+_CONTRACT_BLOCK_S = 16
+_CONTRACT_WARPS = 8
+
+
+@dataclass(frozen=True)
+class ContractTiles:
+    """Tile of ``_contract_fwd_kernel``: output channels per program, reduction chunk, split chunk."""
+
+    block_co: int
+    block_k: int
+    block_s: int
+
+
+def contract_tiles(k: int, cout_g: int, nsplit: int) -> ContractTiles:
+    """Tiles for a reduction of length ``k = C_in/groups * taps`` over ``nsplit`` split partials."""
+    block_co = min(_next_pow2(cout_g), _CONTRACT_BLOCK_CO)
+    block_s = min(_next_pow2(nsplit), _CONTRACT_BLOCK_S)
+    block_k = max(16, min(_next_pow2(k), _CONTRACT_CHUNK // max(block_co, block_s)))
+    return ContractTiles(block_co, block_k, block_s)
+
+
 def contract_forward(
     partial: tuple[torch.Tensor, tuple[int, int, int, int], int],
     tapset: torch.Tensor,
@@ -1023,15 +1084,17 @@ def contract_forward(
             f"{weight.taps} disagree, or an output is not contiguous"
         )
     ch = chain.padded(mean)
-    block_co = _block_co(weight.cout_g)
-    _contract_fwd_kernel[(n, groups, triton.cdiv(weight.cout_g, block_co))](
+    tiles = contract_tiles(weight.cin_g * t, weight.cout_g, nsplit)
+    _contract_fwd_kernel[(n, groups, triton.cdiv(weight.cout_g, tiles.block_co))](
         r, rs_n, rs_c, rs_s, rs_j, nsplit, tapset,
         weight.tensor, weight.s_co, weight.s_ci, weight.s_t, weight.off_g,
         bias if bias is not None else mean, bias.stride(0) if bias is not None else 0,
         ch.ops, ch.strides, out, mean, taps,
         c_in, c_out, weight.cin_g, weight.cout_g, t, n_outputs,
-        KINDS=ch.kinds, TENSOR=ch.tensor, CONSTS=ch.consts, NS=chain.steps, HAS_BIAS=bias is not None,
-        BLOCK_CI=_block_ci(weight.cin_g), BLOCK_CO=block_co, num_warps=_NUM_WARPS,
+        KINDS=ch.kinds, TENSOR=ch.tensor, CONSTS=ch.consts, NS=chain.steps,
+        NS_PAD=_next_pow2(max(chain.steps, 1)), HAS_BIAS=bias is not None,
+        BLOCK_K=tiles.block_k, BLOCK_S=tiles.block_s, ONE_CHUNK=nsplit <= tiles.block_s,
+        BLOCK_CO=tiles.block_co, num_warps=_CONTRACT_WARPS,
     )  # fmt: skip
 
 
