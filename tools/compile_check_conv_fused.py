@@ -111,6 +111,8 @@ def compile_one(args: tuple, consts: dict, num_warps: int, num_stages: int) -> s
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell"
     out = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
                          capture_output=True, text=True).stderr  # fmt: skip
+    if os.environ.get("KEEP_PTX"):
+        Path(os.environ["KEEP_PTX"]).write_text(ptx)
     os.unlink(f.name)
     regs = re.findall(r"Used (\d+) registers", out)
     spills = re.findall(r"(\d+) bytes spill stores", out)
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the first kept config per case")
     parser.add_argument("--cases", default="A-fp32,A-bf16,B-fp32,B-bf16")
+    parser.add_argument("--tiles", default="", help="'M,N,K,warps,stages;...' instead of the autotune configs")
     opts = parser.parse_args(argv)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     failures = 0
@@ -129,7 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         seed, dt = case.split("-")
         args, consts = record_launch(seed, dtypes[dt])
         named = dict(zip(CF._conv_fused_fwd_kernel.arg_names, args, strict=False))
-        configs = CF._prune(CF._configs(), named)
+        if opts.tiles:
+            configs = [
+                triton.Config(dict(BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2]), num_warps=t[3], num_stages=t[4])
+                for t in ([int(v) for v in tile.split(",")] for tile in opts.tiles.split(";"))
+            ]  # fmt: skip
+        else:
+            configs = CF._prune(CF._configs(), named, **consts)
         for cfg in configs[:1] if opts.quick else configs:
             tile = (f"M{cfg.kwargs['BLOCK_M']} N{cfg.kwargs['BLOCK_N']} K{cfg.kwargs['BLOCK_K']} "
                     f"w{cfg.num_warps} s{cfg.num_stages}")  # fmt: skip

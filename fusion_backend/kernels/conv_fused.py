@@ -628,23 +628,44 @@ def unsupported_reason(
     return None
 
 
+#: Tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the general paths.
+_GENERAL_TILES = (
+    # narrow problems (C_in 16, C_out 32; taps unrolled, so stages matter little)
+    (128, 32, 16, 4, 2), (64, 32, 16, 4, 2), (256, 32, 16, 8, 2), (64, 32, 16, 2, 2), (128, 16, 16, 4, 2),
+    # wide problems (seed B: C_in = C_out = 64, one pipelined K loop of 9 taps x channel blocks)
+    (128, 64, 32, 4, 3), (128, 64, 32, 8, 4), (64, 64, 32, 4, 4), (256, 64, 32, 8, 3),
+    (128, 64, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3),
+)  # fmt: skip
+#: Tiles of the BY_SHIFT path (seed A).  NOTE: up to 8 [BLOCK_M, BLOCK_N] fp32 accumulators live
+#: at once, and every X tile and all live-tap weight tiles of a channel block sit in shared memory
+#: per pipeline stage (seed A fp32, BLOCK_M 64: 87 KB), so these use one stage (seed A has a single
+#: channel block anyway) and 4-8 warps; ptxas for sm_90 (tools/compile_check_conv_fused.py): 255
+#: registers, <= 0.1 KB spills at BLOCK_M 64-128.  BLOCK_M 32 runs mma.sync instead of wgmma.
+_BY_SHIFT_TILES = (
+    (64, 32, 16, 4, 1), (128, 32, 16, 8, 1), (64, 32, 16, 8, 1), (128, 32, 16, 4, 1), (32, 32, 16, 4, 1),
+    (128, 16, 16, 4, 1), (64, 32, 32, 4, 1), (64, 64, 32, 8, 1), (128, 64, 32, 8, 1),
+)  # fmt: skip
+
+
+def _tile(cfg: triton.Config) -> tuple[int, int, int, int, int]:
+    kw = cfg.kwargs
+    return kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], cfg.num_warps, cfg.num_stages
+
+
 def _configs() -> list[triton.Config]:
-    """Autotuning space on CUDA (pruned per shape by ``_prune``)."""
+    """Autotuning space on CUDA: both paths' tiles (``_prune`` keeps the path's own, per shape)."""
     configs = []
-    for bm, bn, bk, warps, stages in (
-        # narrow problems (seed A: C_in 16, C_out 32; taps unrolled, so stages matter little)
-        (128, 32, 16, 4, 2), (64, 32, 16, 4, 2), (256, 32, 16, 8, 2), (64, 32, 16, 2, 2), (128, 16, 16, 4, 2),
-        # wide problems (seed B: C_in = C_out = 64, one pipelined K loop of 9 taps x channel blocks)
-        (128, 64, 32, 4, 3), (128, 64, 32, 8, 4), (64, 64, 32, 4, 4), (256, 64, 32, 8, 3),
-        (128, 64, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3),
-    ):  # fmt: skip
+    for bm, bn, bk, warps, stages in dict.fromkeys(_GENERAL_TILES + _BY_SHIFT_TILES):
         configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps,
                                      num_stages=stages))  # fmt: skip
     return configs
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Drop tiles much wider than the problem (masked lanes cost full MMA work)."""
+    """Keep the tiles of the launched path (``BY_SHIFT`` or not); drop tiles much wider than the
+    problem (masked lanes cost full MMA work)."""
+    tiles = set(_BY_SHIFT_TILES if kwargs.get("BY_SHIFT", False) else _GENERAL_TILES)
+    configs = [c for c in configs if _tile(c) in tiles] or configs
     bn_max = max(16, triton.next_power_of_2(int(named_args["COUT_G"])))
     bk_max = max(16, triton.next_power_of_2(int(named_args["CIN_G"])))
     kept = [c for c in configs if c.kwargs["BLOCK_N"] <= bn_max and c.kwargs["BLOCK_K"] <= bk_max]
@@ -653,13 +674,14 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 
 _conv_fused_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT"],
+    # the path constexprs are in the key: two geometries with equal sizes must not share a tile
+    key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT", "TRANSPOSED", "FLAT_K", "BY_SHIFT", "KD", "KH", "KW"],
     prune_configs_by={"early_config_prune": _prune},
     cache_results=True,  # the best tile per key is kept in Triton's cache dir across processes
 )(_conv_fused_fwd_kernel)
 
 
-def _heuristic_config(cin_g: int, cout_g: int, m_total: int) -> dict[str, int]:
+def _heuristic_config(cin_g: int, cout_g: int, m_total: int, by_shift: bool = False) -> dict[str, int]:
     """One tile for the interpreter (small blocks: numpy cost grows with tile size) or when
     ``FUSION_CONV_AUTOTUNE=0``."""
     block_n = min(max(16, triton.next_power_of_2(cout_g)), 64)
@@ -667,6 +689,8 @@ def _heuristic_config(cin_g: int, cout_g: int, m_total: int) -> dict[str, int]:
     if _INTERPRET:
         block_m = min(max(16, triton.next_power_of_2(m_total)), 64)
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    if by_shift:  # see _BY_SHIFT_TILES: registers and shared memory grow with the 8 accumulators
+        return dict(BLOCK_M=64, BLOCK_N=min(block_n, 32), BLOCK_K=16, num_warps=4, num_stages=1)
     return dict(
         BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_n <= 32 else 8, num_stages=3
     )
@@ -779,7 +803,7 @@ def conv_fused_forward(
     )  # fmt: skip
     macs = m_total * cout_g * cin_g * plan.unrolled
     if _INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0" or macs < _AUTOTUNE_MIN_MACS:
-        cfg = _heuristic_config(cin_g, cout_g, m_total)
+        cfg = _heuristic_config(cin_g, cout_g, m_total, plan.by_shift)
         grid = (triton.cdiv(m_total, cfg["BLOCK_M"]), groups * triton.cdiv(cout_g, cfg["BLOCK_N"]))
         _conv_fused_fwd_kernel[grid](*args, **constexprs, **cfg)
     else:
