@@ -22,8 +22,13 @@ Mapping (every rank lifted to 3d with leading singleton spatial dims):
   ``(o + p - k * dil) % s == 0``, from input ``i = (o + p - k * dil) / s``.  When ``US`` is a multiple
   of ``s`` (always without a pool; e.g. seed A's MaxPool(2) after a stride-2 ConvTranspose), the phase
   of every offset is a compile-time constant: taps that cannot contribute are skipped at compile time
-  and no multiply by an inserted zero happens.  Otherwise (a pool stride that is not a multiple of
-  the conv stride) the kernel falls back to a *masked all-taps* loop: every tap is visited and
+  and no multiply by an inserted zero happens.  With a static phase along every dim and at most 8
+  window offsets (seed A: 2x2x2 phases under MaxPool(2)), the *BY_SHIFT* path (``_conv_by_shift``)
+  keeps one accumulator per offset and, per input-channel block, loads the X tile of each distinct
+  input shift once (offset ``kp`` and tap ``t`` read ``i = u * US / s + (kp - UP + p - t * dil) / s``,
+  a compile-time shift: seed A has 2 per dim, so 8 tile loads feed its 27 (phase, tap) dots instead
+  of 27 gathers; the sum per output runs channel blocks outer, taps inner).  Otherwise (a pool
+  stride that is not a multiple of the conv stride) the kernel falls back to a *masked all-taps* loop: every tap is visited and
   lanes whose phase does not match are masked (correct, up to ``s**d`` times more MMA work).
 
 Numerics: the accumulator is rounded to the storage dtype of the conv before the bias and chain, as
@@ -640,9 +645,10 @@ _GENERAL_TILES = (
 #: at once, and every X tile and all live-tap weight tiles of a channel block sit in shared memory
 #: per pipeline stage (seed A fp32, BLOCK_M 64: 87 KB), so these use one stage (seed A has a single
 #: channel block anyway) and 4-8 warps; ptxas for sm_90 (tools/compile_check_conv_fused.py): 255
-#: registers, <= 0.1 KB spills at BLOCK_M 64-128.  BLOCK_M 32 runs mma.sync instead of wgmma.
+#: registers, <= 0.13 KB spills at BLOCK_M 64-128 (BLOCK_M 128 with 4 warps spilled 1.9-2.7 KB: left
+#: out).  BLOCK_M 32 runs mma.sync instead of wgmma.
 _BY_SHIFT_TILES = (
-    (64, 32, 16, 4, 1), (128, 32, 16, 8, 1), (64, 32, 16, 8, 1), (128, 32, 16, 4, 1), (32, 32, 16, 4, 1),
+    (64, 32, 16, 4, 1), (128, 32, 16, 8, 1), (64, 32, 16, 8, 1), (32, 32, 16, 4, 1),
     (128, 16, 16, 4, 1), (64, 32, 32, 4, 1), (64, 64, 32, 8, 1), (128, 64, 32, 8, 1),
 )  # fmt: skip
 
