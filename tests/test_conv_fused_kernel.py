@@ -78,12 +78,22 @@ CASES = [
      {"channels_last": True}),
     ("convT3d-s122-avgpool-padded", (1, 3, 2, 3, 3), (3, 4, 2, 3, 3), _spec(3, True, stride=(1, 2, 2)),
      SEED_B_CHAIN, _pool("avg", 3, 2, 2, 1), {}),
+    # BY_SHIFT path (each input shift loaded once): odd sizes, partial pool windows and a partial M tile
+    ("convT3d-seedA-like-odd-ceil-partial", (1, 3, 3, 5, 3), (3, 5, 3, 3, 3), _spec(3, True, stride=2, padding=1),
+     SEED_A_CHAIN, _pool("max", 3, 2, ceil_mode=True), {"nan": True, "zero_mul": True}),
+    ("convT3d-seedA-like-2-channel-blocks-groups", (1, 80, 2, 3, 2), (80, 3, 3, 3, 3),
+     _spec(3, True, stride=2, padding=1, output_padding=1, groups=2), SEED_A_CHAIN, _pool("max", 3, 2), {}),
+    ("convT2d-dil2-phase-without-taps-channels-last", (2, 3, 4, 5), (3, 4, 3, 3),
+     _spec(2, True, stride=2, padding=2, dilation=2, output_padding=1), SEED_A_CHAIN, _pool("max", 2, 2),
+     {"channels_last": True, "zero_mul": True}),
 ]  # fmt: skip
 FP16_CASES = {
     "conv1d-s2p1-nopool",
     "convT2d-s2-maxpool-phases",
     "conv2d-dil-groups-avg-ceil",
     "convT3d-seedA-like",
+    "convT3d-seedA-like-odd-ceil-partial",
+    "convT2d-dil2-phase-without-taps-channels-last",
 }
 
 
@@ -159,7 +169,13 @@ def _case(name: str):
 
 
 @pytest.mark.parametrize(
-    "name", ["convT1d-s3p1op2-nopool", "convT3d-seedA-like", "conv2d-cin3-odd-channels-last"]
+    "name",
+    [
+        "convT1d-s3p1op2-nopool",
+        "convT3d-seedA-like",
+        "conv2d-cin3-odd-channels-last",
+        "convT3d-seedA-like-odd-ceil-partial",
+    ],
 )
 def test_int64_index_path_matches(monkeypatch, name):
     monkeypatch.setattr(conv_fused, "_BIG_INDEX_THRESHOLD", 0)  # BIG=True on small tensors
@@ -170,6 +186,19 @@ def test_int64_index_path_matches(monkeypatch, name):
     want = _run(monkeypatch, "library", x, w, b, ops, config)
     for what, g_, w_ in zip(("out", "saved_a", "saved_b"), got, want, strict=True):
         _assert_same(g_, w_, f"{name} {what}")
+
+
+def test_static_phase_transposed_convs_load_each_input_shift_once():
+    """Seed A's geometry takes the BY_SHIFT path: 27 (phase, tap) pairs over 2 shifts per dim;
+    masked phases (pool stride not a multiple of the conv stride) and plain convs do not."""
+    seed_a = conv_fused.ConvGeometry(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+    x, w = torch.zeros(1, 4, 4, 4, 4), torch.zeros(4, 6, 3, 3, 3)
+    plan = conv_fused._plan(x, w, seed_a, kernels.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), [4, 4, 4])
+    assert plan.by_shift and plan.unrolled == 27 and plan.shifts == ((0, 2), (0, 2), (0, 2))
+    masked = kernels.PoolGeometry("max", (3, 3, 3), (1, 1, 1), (1, 1, 1))
+    assert not conv_fused._plan(x, w, seed_a, masked, [8, 8, 8]).by_shift
+    plain = conv_fused.ConvGeometry(False, (1, 1, 1), (0, 0, 0), (1, 1, 1), (0, 0, 0), 1)
+    assert not conv_fused._plan(x, torch.zeros(6, 4, 3, 3, 3), plain, None, None).by_shift
 
 
 def test_inference_saves_nothing_and_matches(monkeypatch):

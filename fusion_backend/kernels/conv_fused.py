@@ -22,8 +22,13 @@ Mapping (every rank lifted to 3d with leading singleton spatial dims):
   ``(o + p - k * dil) % s == 0``, from input ``i = (o + p - k * dil) / s``.  When ``US`` is a multiple
   of ``s`` (always without a pool; e.g. seed A's MaxPool(2) after a stride-2 ConvTranspose), the phase
   of every offset is a compile-time constant: taps that cannot contribute are skipped at compile time
-  and no multiply by an inserted zero happens.  Otherwise (a pool stride that is not a multiple of
-  the conv stride) the kernel falls back to a *masked all-taps* loop: every tap is visited and
+  and no multiply by an inserted zero happens.  With a static phase along every dim and at most 8
+  window offsets (seed A: 2x2x2 phases under MaxPool(2)), the *BY_SHIFT* path (``_conv_by_shift``)
+  keeps one accumulator per offset and, per input-channel block, loads the X tile of each distinct
+  input shift once (offset ``kp`` and tap ``t`` read ``i = u * US / s + (kp - UP + p - t * dil) / s``,
+  a compile-time shift: seed A has 2 per dim, so 8 tile loads feed its 27 (phase, tap) dots instead
+  of 27 gathers; the sum per output runs channel blocks outer, taps inner).  Otherwise (a pool
+  stride that is not a multiple of the conv stride) the kernel falls back to a *masked all-taps* loop: every tap is visited and
   lanes whose phase does not match are masked (correct, up to ``s**d`` times more MMA work).
 
 Numerics: the accumulator is rounded to the storage dtype of the conv before the bias and chain, as
@@ -68,6 +73,8 @@ AUTOTUNE_ENV = "FUSION_CONV_AUTOTUNE"
 #: Problems below this many multiply-adds (live taps only) take the heuristic tile: autotuning
 #: compiles every config once per shape key, not worth it for small convs (and GPU tests).
 _AUTOTUNE_MIN_MACS = 2**28
+#: Window offsets the BY_SHIFT path keeps in registers at once (``_dot_into``'s 8 accumulators).
+_BY_SHIFT_MAX_OFFSETS = 8
 
 
 @triton.jit
@@ -146,6 +153,127 @@ def _conv_flat(acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, 
 
 
 @triton.jit
+def _dot_into(IDX: tl.constexpr, a, b, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+              PRECISION: tl.constexpr):  # fmt: skip
+    """``acc{IDX} += a @ b``; the other accumulators pass through (IDX is resolved at trace time)."""
+    if IDX == 0:
+        acc0 = tl.dot(a, b, acc0, input_precision=PRECISION)
+    if IDX == 1:
+        acc1 = tl.dot(a, b, acc1, input_precision=PRECISION)
+    if IDX == 2:
+        acc2 = tl.dot(a, b, acc2, input_precision=PRECISION)
+    if IDX == 3:
+        acc3 = tl.dot(a, b, acc3, input_precision=PRECISION)
+    if IDX == 4:
+        acc4 = tl.dot(a, b, acc4, input_precision=PRECISION)
+    if IDX == 5:
+        acc5 = tl.dot(a, b, acc5, input_precision=PRECISION)
+    if IDX == 6:
+        acc6 = tl.dot(a, b, acc6, input_precision=PRECISION)
+    if IDX == 7:
+        acc7 = tl.dot(a, b, acc7, input_precision=PRECISION)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _pick(IDX: tl.constexpr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7):
+    """``acc{IDX}`` (IDX resolved at trace time)."""
+    acc = acc0
+    if IDX == 1:
+        acc = acc1
+    if IDX == 2:
+        acc = acc2
+    if IDX == 3:
+        acc = acc3
+    if IDX == 4:
+        acc = acc4
+    if IDX == 5:
+        acc = acc5
+    if IDX == 6:
+        acc = acc6
+    if IDX == 7:
+        acc = acc7
+    return acc
+
+
+@triton.jit
+def _conv_by_shift(x_base, w_base, ud, uh, uw, m_ok, ck, cmask, CIN_G, ID, IH, IW,
+                   x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                   TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+                   SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                   PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                   DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                   KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                   USD: tl.constexpr, USH: tl.constexpr, USW: tl.constexpr,
+                   UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
+                   LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
+                   NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr,
+                   PRECISION: tl.constexpr, BIG: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The conv outputs of the (up to 8) window offsets of a static-phase transposed conv, one
+    accumulator each (``acc{kd*KH*KW + kh*KW + kw}``), loading each distinct input shift ONCE.
+
+    Along a static dim, window offset ``kp`` and live tap ``t`` read input ``i = u * (US // S) + j``
+    with the shift ``j = (kp - UP + P - t * DIL) // S`` a compile-time integer; the shifts form
+    ``LO .. LO + NS - 1``.  Per input-channel block, every 3d shift ``(jd, jh, jw)`` loads its
+    ``[BLOCK_M, BLOCK_K]`` X tile once, then every (offset, tap) pair with that shift does its dot
+    with it (seed A: 8 tile loads instead of 27).  Pairs are matched to shifts by trace-time
+    ``if``s, so no index arithmetic depends on the tap; the tile's row pointers are computed once
+    and a shift adds a scalar.  A shift used by no pair only costs a dead load the compiler drops.
+    Rows whose output position is outside the conv output still load (in-range input only) and
+    accumulate: the caller masks them out of the pool and the stores.
+    """
+    i_d0 = ud * (USD // SD) + LOD
+    i_h0 = uh * (USH // SH) + LOH
+    i_w0 = uw * (USW // SW) + LOW
+    if BIG:
+        sp0 = i_d0.to(tl.int64) * x_sd + i_h0.to(tl.int64) * x_sh + i_w0.to(tl.int64) * x_sw
+    else:
+        sp0 = i_d0 * x_sd + i_h0 * x_sh + i_w0 * x_sw
+    x_rows = x_base + sp0  # [BLOCK_M] pointers at the lowest shift
+    acc0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc4 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc5 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc6 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc7 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, CIN_G, BLOCK_K):
+        ci = k0 + ck
+        ci_ok = ci < CIN_G
+        a_ptrs = x_rows[:, None] + ci[None, :] * x_sc
+        w_ci = w_base + ci[:, None] * w_sci
+        w_mask = ci_ok[:, None] & cmask
+        for jd in tl.static_range(NSD):
+            ok_d = m_ok & (i_d0 + jd >= 0) & (i_d0 + jd < ID)
+            for jh in tl.static_range(NSH):
+                ok_h = ok_d & (i_h0 + jh >= 0) & (i_h0 + jh < IH)
+                for jw in tl.static_range(NSW):
+                    ok = ok_h & (i_w0 + jw >= 0) & (i_w0 + jw < IW)
+                    a = tl.load(a_ptrs + (jd * x_sd + jh * x_sh + jw * x_sw), mask=ok[:, None] & ci_ok[None, :],
+                                other=0.0)  # fmt: skip
+                    # Every (offset, live tap) pair reading shift (jd, jh, jw): along each dim,
+                    # kp - UP + P - t * DIL == S * (LO + j) (trace-time ifs).
+                    for kd in tl.static_range(KD):
+                        for td in tl.static_range(TD):
+                            if kd - UPD + PD - td * DD == SD * (LOD + jd):
+                                for kh in tl.static_range(KH):
+                                    for th in tl.static_range(TH):
+                                        if kh - UPH + PH - th * DH == SH * (LOH + jh):
+                                            for kw in tl.static_range(KW):
+                                                for tw in tl.static_range(TW):
+                                                    if kw - UPW + PW - tw * DW == SW * (LOW + jw):
+                                                        b = tl.load(w_ci + (td * w_sd + th * w_sh + tw * w_sw),
+                                                                    mask=w_mask, other=0.0)  # fmt: skip
+                                                        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _dot_into(
+                                                            kd * KH * KW + kh * KW + kw, a, b, acc0, acc1, acc2,
+                                                            acc3, acc4, acc5, acc6, acc7, PRECISION,
+                                                        )  # fmt: skip
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
 def _conv_fused_fwd_kernel(
     x_ptr, w_ptr, p_ptr, out_ptr, sa_ptr, sb_ptr,
     C_OUT, CIN_G, COUT_G, M_TOTAL,
@@ -166,7 +294,9 @@ def _conv_fused_fwd_kernel(
     UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
     STATIC_D: tl.constexpr, STATIC_H: tl.constexpr, STATIC_W: tl.constexpr,
     COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr,
-    PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
+    PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, BY_SHIFT: tl.constexpr,
+    LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
+    NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out = pool(chain(conv(x, w) + bias)) for a ``[BLOCK_M units, BLOCK_N channels]`` tile.
@@ -192,6 +322,9 @@ def _conv_fused_fwd_kernel(
     BIG: index math in int64 (some tensor spans more than 2**31 - 1 elements).
     FLAT_K: one pipelined runtime loop over taps x channel blocks (``_conv_flat``; no compile-time
     phase skipping); else taps unrolled statically, skipping dead phases (transposed conv).
+    BY_SHIFT: transposed conv, static phase along every dim, at most 8 window offsets: all offsets
+    accumulate at once, each distinct input shift loaded once per channel block (``_conv_by_shift``;
+    ``LO*``/``NS*``: the lowest shift and the number of shifts per dim).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -245,6 +378,14 @@ def _conv_fused_fwd_kernel(
     win = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
     win_y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     pooled = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if BY_SHIFT:
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _conv_by_shift(
+            x_base, w_base, ud, uh, uw, m_ok, ck, cmask, CIN_G, ID, IH, IW,
+            x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+            TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
+            USD, USH, USW, UPD, UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW,
+            PRECISION, BIG, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
 
     for kd in tl.static_range(KD):
         od = ud * USD - UPD + kd
@@ -255,8 +396,10 @@ def _conv_fused_fwd_kernel(
             for kw in tl.static_range(KW):
                 ow = uw * USW - UPW + kw
                 o_ok = m_ok & ok_h & (ow >= 0) & (ow < OW)
-                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                if FLAT_K:
+                if BY_SHIFT:
+                    acc = _pick(kd * KH * KW + kh * KW + kw, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
+                elif FLAT_K:
+                    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                     acc = _conv_flat(
                         acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, IW,
                         x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
@@ -264,6 +407,7 @@ def _conv_fused_fwd_kernel(
                         PRECISION, BIG, BLOCK_K,
                     )  # fmt: skip
                 else:
+                    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                     for td in tl.static_range(TD):
                         if TRANSPOSED * STATIC_D * ((kd - UPD + PD - td * DD) % SD) == 0:
                             i_d, v_d = _in_index(
@@ -382,6 +526,8 @@ class _Plan:
     unit_origin: tuple[int, int, int]
     static_phase: tuple[bool, bool, bool]
     unrolled: int  # (window offset, tap) pairs the kernel unrolls
+    by_shift: bool  # the kernel's BY_SHIFT path (static phase along every dim, <= 8 window offsets)
+    shifts: tuple[tuple[int, int], ...]  # per dim (lowest input shift, number of shifts) for BY_SHIFT
 
 
 def _pad3(values: Sequence[int], fill: int) -> list[int]:
@@ -416,17 +562,24 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, conv: ConvGeometry, pool: PoolG
         units, window, ustride, uorigin = list(conv_out), [1, 1, 1], [1, 1, 1], [0, 0, 0]
     static = [conv.transposed and us % s == 0 for us, s in zip(ustride, stride, strict=True)]
     unrolled = 1
+    shifts = []
     for j in range(3):
         if static[j]:
-            unrolled *= sum(
-                (kp - uorigin[j] + padding[j] - t * dilation[j]) % stride[j] == 0
+            # Input shift of every live (window offset, tap) pair: i = u * (US // S) + shift.
+            live = [
+                (kp - uorigin[j] + padding[j] - t * dilation[j]) // stride[j]
                 for kp in range(window[j]) for t in range(taps[j])
-            )  # fmt: skip
+                if (kp - uorigin[j] + padding[j] - t * dilation[j]) % stride[j] == 0
+            ]  # fmt: skip
+            unrolled *= len(live)
+            shifts.append((min(live), max(live) - min(live) + 1) if live else (0, 0))
         else:
             unrolled *= window[j] * taps[j]
+            shifts.append((0, 0))
+    by_shift = all(static) and math.prod(window) <= _BY_SHIFT_MAX_OFFSETS
     del dims
     return _Plan(tuple(conv_out), tuple(units), tuple(window), tuple(ustride), tuple(uorigin),
-                 tuple(static), unrolled)  # fmt: skip
+                 tuple(static), unrolled, by_shift, tuple(shifts))  # fmt: skip
 
 
 def unsupported_reason(
@@ -480,23 +633,45 @@ def unsupported_reason(
     return None
 
 
+#: Tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the general paths.
+_GENERAL_TILES = (
+    # narrow problems (C_in 16, C_out 32; taps unrolled, so stages matter little)
+    (128, 32, 16, 4, 2), (64, 32, 16, 4, 2), (256, 32, 16, 8, 2), (64, 32, 16, 2, 2), (128, 16, 16, 4, 2),
+    # wide problems (seed B: C_in = C_out = 64, one pipelined K loop of 9 taps x channel blocks)
+    (128, 64, 32, 4, 3), (128, 64, 32, 8, 4), (64, 64, 32, 4, 4), (256, 64, 32, 8, 3),
+    (128, 64, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3),
+)  # fmt: skip
+#: Tiles of the BY_SHIFT path (seed A).  NOTE: up to 8 [BLOCK_M, BLOCK_N] fp32 accumulators live
+#: at once, and every X tile and all live-tap weight tiles of a channel block sit in shared memory
+#: per pipeline stage (seed A fp32, BLOCK_M 64: 87 KB), so these use one stage (seed A has a single
+#: channel block anyway) and 4-8 warps; ptxas for sm_90 (tools/compile_check_conv_fused.py): 255
+#: registers, <= 0.13 KB spills at BLOCK_M 64-128 (BLOCK_M 128 with 4 warps spilled 1.9-2.7 KB: left
+#: out).  BLOCK_M 32 runs mma.sync instead of wgmma.
+_BY_SHIFT_TILES = (
+    (64, 32, 16, 4, 1), (128, 32, 16, 8, 1), (64, 32, 16, 8, 1), (32, 32, 16, 4, 1),
+    (128, 16, 16, 4, 1), (64, 32, 32, 4, 1), (64, 64, 32, 8, 1), (128, 64, 32, 8, 1),
+)  # fmt: skip
+
+
+def _tile(cfg: triton.Config) -> tuple[int, int, int, int, int]:
+    kw = cfg.kwargs
+    return kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], cfg.num_warps, cfg.num_stages
+
+
 def _configs() -> list[triton.Config]:
-    """Autotuning space on CUDA (pruned per shape by ``_prune``)."""
+    """Autotuning space on CUDA: both paths' tiles (``_prune`` keeps the path's own, per shape)."""
     configs = []
-    for bm, bn, bk, warps, stages in (
-        # narrow problems (seed A: C_in 16, C_out 32; taps unrolled, so stages matter little)
-        (128, 32, 16, 4, 2), (64, 32, 16, 4, 2), (256, 32, 16, 8, 2), (64, 32, 16, 2, 2), (128, 16, 16, 4, 2),
-        # wide problems (seed B: C_in = C_out = 64, one pipelined K loop of 9 taps x channel blocks)
-        (128, 64, 32, 4, 3), (128, 64, 32, 8, 4), (64, 64, 32, 4, 4), (256, 64, 32, 8, 3),
-        (128, 64, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3),
-    ):  # fmt: skip
+    for bm, bn, bk, warps, stages in dict.fromkeys(_GENERAL_TILES + _BY_SHIFT_TILES):
         configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps,
                                      num_stages=stages))  # fmt: skip
     return configs
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Drop tiles much wider than the problem (masked lanes cost full MMA work)."""
+    """Keep the tiles of the launched path (``BY_SHIFT`` or not); drop tiles much wider than the
+    problem (masked lanes cost full MMA work)."""
+    tiles = set(_BY_SHIFT_TILES if kwargs.get("BY_SHIFT", False) else _GENERAL_TILES)
+    configs = [c for c in configs if _tile(c) in tiles] or configs
     bn_max = max(16, triton.next_power_of_2(int(named_args["COUT_G"])))
     bk_max = max(16, triton.next_power_of_2(int(named_args["CIN_G"])))
     kept = [c for c in configs if c.kwargs["BLOCK_N"] <= bn_max and c.kwargs["BLOCK_K"] <= bk_max]
@@ -505,13 +680,14 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 
 _conv_fused_fwd_tuned = triton.autotune(
     configs=_configs(),
-    key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT"],
+    # the path constexprs are in the key: two geometries with equal sizes must not share a tile
+    key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT", "TRANSPOSED", "FLAT_K", "BY_SHIFT", "KD", "KH", "KW"],
     prune_configs_by={"early_config_prune": _prune},
     cache_results=True,  # the best tile per key is kept in Triton's cache dir across processes
 )(_conv_fused_fwd_kernel)
 
 
-def _heuristic_config(cin_g: int, cout_g: int, m_total: int) -> dict[str, int]:
+def _heuristic_config(cin_g: int, cout_g: int, m_total: int, by_shift: bool = False) -> dict[str, int]:
     """One tile for the interpreter (small blocks: numpy cost grows with tile size) or when
     ``FUSION_CONV_AUTOTUNE=0``."""
     block_n = min(max(16, triton.next_power_of_2(cout_g)), 64)
@@ -519,6 +695,8 @@ def _heuristic_config(cin_g: int, cout_g: int, m_total: int) -> dict[str, int]:
     if _INTERPRET:
         block_m = min(max(16, triton.next_power_of_2(m_total)), 64)
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    if by_shift:  # see _BY_SHIFT_TILES: registers and shared memory grow with the 8 accumulators
+        return dict(BLOCK_M=64, BLOCK_N=min(block_n, 32), BLOCK_K=16, num_warps=4, num_stages=1)
     return dict(
         BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_n <= 32 else 8, num_stages=3
     )
@@ -625,11 +803,13 @@ def conv_fused_forward(
         USD=plan.unit_stride[0], USH=plan.unit_stride[1], USW=plan.unit_stride[2],
         UPD=plan.unit_origin[0], UPH=plan.unit_origin[1], UPW=plan.unit_origin[2],
         STATIC_D=plan.static_phase[0], STATIC_H=plan.static_phase[1], STATIC_W=plan.static_phase[2],
-        **pool_args, PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase),
+        **pool_args, PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase), BY_SHIFT=plan.by_shift,
+        LOD=plan.shifts[0][0], LOH=plan.shifts[1][0], LOW=plan.shifts[2][0],
+        NSD=plan.shifts[0][1], NSH=plan.shifts[1][1], NSW=plan.shifts[2][1],
     )  # fmt: skip
     macs = m_total * cout_g * cin_g * plan.unrolled
     if _INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0" or macs < _AUTOTUNE_MIN_MACS:
-        cfg = _heuristic_config(cin_g, cout_g, m_total)
+        cfg = _heuristic_config(cin_g, cout_g, m_total, plan.by_shift)
         grid = (triton.cdiv(m_total, cfg["BLOCK_M"]), groups * triton.cdiv(cout_g, cfg["BLOCK_N"]))
         _conv_fused_fwd_kernel[grid](*args, **constexprs, **cfg)
     else:
