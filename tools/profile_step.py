@@ -1,0 +1,115 @@
+"""Where a compiled step spends its time: one table of CUDA kernels per (workload, backend, mode).
+
+For each benchmark model file and backend, builds the model on CUDA, compiles it, warms up, then
+records ``--steps`` steps under ``torch.profiler`` and prints
+
+* the GPU time per step (sum of kernel times) and the host wall time per step (CUDA-synchronized),
+  whose difference is launch / Python overhead the GPU waits on;
+* the kernels, largest total first, with calls per step and mean time.
+
+A step is what the benchmark times: forward, and in ``train`` mode a backward with fixed random
+upstream gradients, parameter grads reset to ``None`` between steps.
+
+Usage (repository root, needs CUDA)::
+
+    python tools/profile_step.py demos/seeds/seed_c.py --backends inductor,fusion --mode train
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fusion_backend.bench.backends import resolve_backend  # noqa: E402
+from fusion_backend.bench.suite import load_workload  # noqa: E402
+
+
+def _step_fn(fn, model, inputs, train: bool, dtype: str):
+    outs_holder = {}
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        ctx = torch.autocast("cuda", torch.bfloat16) if dtype == "bf16" else torch.autocast("cuda", enabled=False)
+        with ctx:
+            out = fn(*inputs)
+        if train:
+            tensors = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+            if "grads" not in outs_holder:
+                gen = torch.Generator(device="cuda").manual_seed(1)
+                outs_holder["grads"] = [torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen)
+                                        for t in tensors]
+            torch.autograd.backward(tensors, outs_holder["grads"])
+        return out
+
+    return step
+
+
+def profile_one(path: str, backend_name: str, mode: str, dtype: str, steps: int, top: int) -> None:
+    workload = load_workload(path)
+    model, inputs = workload.build(seed=0)
+    train = mode == "train"
+    model = model.cuda()
+    inputs = [x.cuda().requires_grad_(train and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+              for x in inputs]
+    torch._dynamo.reset()
+    backend = resolve_backend(backend_name)
+    fn = backend.compile(model)
+    step = _step_fn(fn, model, inputs, train, dtype)
+    with torch.no_grad() if not train else torch.enable_grad():
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    kernels = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            total, calls = kernels.get(evt.name, (0.0, 0))
+            kernels[evt.name] = (total + evt.device_time, calls + 1)
+    gpu_ms = sum(t for t, _ in kernels.values()) / 1e3 / steps
+    print(f"\n== {workload.name} {dtype} {mode} {backend_name}: GPU {gpu_ms:.3f} ms/step, "
+          f"host wall {wall_ms:.3f} ms/step")
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    for name, (total_us, calls) in rows:
+        per_step = total_us / 1e3 / steps
+        print(f"  {per_step:8.3f} ms  {calls / steps:4.1f}x  {per_step / max(gpu_ms, 1e-9):5.1%}  {name[:110]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--backends", default="inductor,fusion")
+    parser.add_argument("--mode", default="infer,train")
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_step.py needs CUDA")
+    for path in args.files:
+        for dtype in args.dtype.split(","):
+            for mode in args.mode.split(","):
+                for backend in args.backends.split(","):
+                    try:
+                        profile_one(path, backend, mode, dtype, args.steps, args.top)
+                    except Exception as exc:  # one failing case must not hide the others
+                        print(f"\n== {path} {dtype} {mode} {backend}: FAILED {type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    main()
