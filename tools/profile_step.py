@@ -30,20 +30,24 @@ from fusion_backend.bench.backends import resolve_backend  # noqa: E402
 from fusion_backend.bench.suite import load_workload  # noqa: E402
 
 
-def _step_fn(fn, model, inputs, train: bool, dtype: str):
+def _step_fn(fn, model, inputs, train: bool, dtype: str, device: str = "cuda"):
     outs_holder = {}
 
     def step():
         for p in model.parameters():
             p.grad = None
-        ctx = torch.autocast("cuda", torch.bfloat16) if dtype == "bf16" else torch.autocast("cuda", enabled=False)
+        for x in inputs:
+            if isinstance(x, torch.Tensor):
+                x.grad = None
+        ctx = (torch.autocast(device, torch.bfloat16) if dtype == "bf16"
+               else torch.autocast(device, enabled=False))
         with ctx:
             out = fn(*inputs)
         if train:
             tensors = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
             if "grads" not in outs_holder:
-                gen = torch.Generator(device="cuda").manual_seed(1)
-                outs_holder["grads"] = [torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen)
+                gen = torch.Generator(device=device).manual_seed(1)
+                outs_holder["grads"] = [torch.randn(t.shape, device=device, dtype=t.dtype, generator=gen)
                                         for t in tensors]
             torch.autograd.backward(tensors, outs_holder["grads"])
         return out

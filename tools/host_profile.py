@@ -1,0 +1,99 @@
+"""Host (Python) time of a compiled step, function by function: is the GPU waiting on us?
+
+Compiles each benchmark model file with ``backend`` on CUDA, warms up, then runs ``--steps`` steps
+under ``cProfile`` with autograd's worker threads off (``set_multithreading_enabled(False)``), so the
+backward's Python (our custom ops' backward) runs in the profiled thread too.  Prints the host wall
+time per step, the GPU time per step is in ``tools/profile_step.py``.  A host time per step above the
+GPU's means the GPU idles between launches; a single function with a large ``tottime`` that is a CUDA
+sync (``synchronize``, ``item``, ``cpu``, a pageable copy) serializes host and device.
+
+Usage (repository root, needs CUDA)::
+
+    python tools/host_profile.py demos/seeds/seed_c.py demos/seeds/seed_b_small.py --mode train
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_step import _step_fn  # noqa: E402
+
+from fusion_backend.bench.backends import resolve_backend  # noqa: E402
+from fusion_backend.bench.suite import load_workload  # noqa: E402
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        _sync(device)
+
+
+def profile_one(path: str, backend_name: str, mode: str, steps: int, top: int, device: str) -> None:
+    workload = load_workload(path)
+    model, inputs = workload.build(seed=0)
+    train = mode == "train"
+    model = model.to(device)
+    inputs = [x.to(device).requires_grad_(train and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+              for x in inputs]
+    torch._dynamo.reset()
+    fn = resolve_backend(backend_name).compile(model)
+    step = _step_fn(fn, model, inputs, train, "fp32", device)
+    grad_mode = torch.enable_grad() if train else torch.no_grad()
+    with grad_mode, torch.autograd.set_multithreading_enabled(False):
+        for _ in range(3):
+            step()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        host_ms = (time.perf_counter() - t0) * 1e3 / steps  # enqueue time: no sync inside the loop
+        _sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            step()
+        _sync(device)
+        prof.disable()
+    print(f"\n== {workload.name} {mode} {backend_name}: host enqueue {host_ms:.3f} ms/step, "
+          f"wall with final sync {wall_ms:.3f} ms/step")
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(r"fusion_backend|triton/runtime|_library|custom_op", top)
+    text = buf.getvalue()
+    print("\n".join(line for line in text.splitlines() if line.strip() and "Ordered by" not in line
+                    and "function calls" not in line))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--backend", default="fusion")
+    parser.add_argument("--mode", default="infer,train")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--device", default="cuda", help="cpu: the reference path's host time (no kernels)")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("host_profile.py needs CUDA")
+    for path in args.files:
+        for mode in args.mode.split(","):
+            try:
+                profile_one(path, args.backend, mode, args.steps, args.top, args.device)
+            except Exception as exc:
+                print(f"\n== {path} {mode}: FAILED {type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    main()
