@@ -70,16 +70,10 @@ def count_kernels(fn: Callable[[], object]) -> tuple[int, list[str]]:
     return len(names), names
 
 
-def bench(
-    dtype: torch.dtype,
-    channels_last: bool,
-    batch: int,
-    reps: int,
-    warmup: int,
-    size: tuple[int, int] = (512, 512),
-    device: str = "cuda",
-) -> None:
-    """Time one configuration (``size``/``device`` other than the defaults: smoke tests only)."""
+def build_cases(
+    dtype: torch.dtype, channels_last: bool, batch: int, size: tuple[int, int] = (512, 512), device: str = "cuda"
+) -> tuple[torch.Tensor, dict[str, Callable[[], object]], dict[str, Callable[[], object]]]:
+    """Seed C's op at ``size``: ``(x, per_kernel, per_op)`` callables (launchers alone; op fwd/bwd/step)."""
     torch.manual_seed(0)
     dev = torch.device(device)
     c_in, c_out = 64, 128
@@ -144,6 +138,21 @@ def bench(
             coef, layout, geo.tapset, geo.bits, geo.set_counts, cgm._as5d(grad_x)
         ),
     }  # fmt: skip
+    return x, per_kernel, {"op forward": forward, "op backward": backward, "op forward + backward (autograd)": step}
+
+
+def bench(
+    dtype: torch.dtype,
+    channels_last: bool,
+    batch: int,
+    reps: int,
+    warmup: int,
+    size: tuple[int, int] = (512, 512),
+    device: str = "cuda",
+) -> None:
+    """Time one configuration (``size``/``device`` other than the defaults: smoke tests only)."""
+    x, per_kernel, per_op = build_cases(dtype, channels_last, batch, size, device)
+    forward, backward, step = per_op.values()
     label = f"{str(dtype).replace('torch.', '')} {'channels_last' if channels_last else 'contiguous'}"
     floor_ms = x.numel() * x.element_size() / FLOOR_BYTES_PER_S * 1e3
     print(f"\n== seed C, x {tuple(x.shape)} {label}: floor (x once at 3 TB/s) {floor_ms:.3f} ms")

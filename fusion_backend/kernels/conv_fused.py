@@ -59,6 +59,7 @@ from .epilogue import (
     _op_constexprs,
     build_params,
 )
+from .host import cdiv, next_pow2
 
 #: Largest number of (window offset, tap) pairs the kernel unrolls (compile time and code size grow
 #: with it).  Seed A: 27 effective pairs (8 phases x 1..8 taps); a 3x3x3 conv under a 2x2x2 pool: 216.
@@ -672,8 +673,8 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     problem (masked lanes cost full MMA work)."""
     tiles = set(_BY_SHIFT_TILES if kwargs.get("BY_SHIFT", False) else _GENERAL_TILES)
     configs = [c for c in configs if _tile(c) in tiles] or configs
-    bn_max = max(16, triton.next_power_of_2(int(named_args["COUT_G"])))
-    bk_max = max(16, triton.next_power_of_2(int(named_args["CIN_G"])))
+    bn_max = max(16, next_pow2(int(named_args["COUT_G"])))
+    bk_max = max(16, next_pow2(int(named_args["CIN_G"])))
     kept = [c for c in configs if c.kwargs["BLOCK_N"] <= bn_max and c.kwargs["BLOCK_K"] <= bk_max]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
 
@@ -690,10 +691,10 @@ _conv_fused_fwd_tuned = triton.autotune(
 def _heuristic_config(cin_g: int, cout_g: int, m_total: int, by_shift: bool = False) -> dict[str, int]:
     """One tile for the interpreter (small blocks: numpy cost grows with tile size) or when
     ``FUSION_CONV_AUTOTUNE=0``."""
-    block_n = min(max(16, triton.next_power_of_2(cout_g)), 64)
-    block_k = min(max(16, triton.next_power_of_2(cin_g)), 32)
+    block_n = min(max(16, next_pow2(cout_g)), 64)
+    block_k = min(max(16, next_pow2(cin_g)), 32)
     if _INTERPRET:
-        block_m = min(max(16, triton.next_power_of_2(m_total)), 64)
+        block_m = min(max(16, next_pow2(m_total)), 64)
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     if by_shift:  # see _BY_SHIFT_TILES: registers and shared memory grow with the 8 accumulators
         return dict(BLOCK_M=64, BLOCK_N=min(block_n, 32), BLOCK_K=16, num_warps=4, num_stages=1)
@@ -810,11 +811,11 @@ def conv_fused_forward(
     macs = m_total * cout_g * cin_g * plan.unrolled
     if _INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0" or macs < _AUTOTUNE_MIN_MACS:
         cfg = _heuristic_config(cin_g, cout_g, m_total, plan.by_shift)
-        grid = (triton.cdiv(m_total, cfg["BLOCK_M"]), groups * triton.cdiv(cout_g, cfg["BLOCK_N"]))
+        grid = (cdiv(m_total, cfg["BLOCK_M"]), groups * cdiv(cout_g, cfg["BLOCK_N"]))
         _conv_fused_fwd_kernel[grid](*args, **constexprs, **cfg)
     else:
 
         def grid(meta: dict) -> tuple[int, int]:
-            return (triton.cdiv(m_total, meta["BLOCK_M"]), groups * triton.cdiv(cout_g, meta["BLOCK_N"]))
+            return (cdiv(m_total, meta["BLOCK_M"]), groups * cdiv(cout_g, meta["BLOCK_N"]))
 
         _conv_fused_fwd_tuned[grid](*args, **constexprs)

@@ -73,6 +73,7 @@ import triton
 import triton.language as tl
 
 from .conv_fused import AUTOTUNE_ENV
+from .host import cdiv, next_pow2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -575,7 +576,7 @@ def _pool_args(grad: Grad, dims: int) -> dict[str, int | bool]:
         return dict(PKD=1, PKH=1, PKW=1, PSD=1, PSH=1, PSW=1, PPD=0, PPH=0, PPW=0, PDD=1, PDH=1, PDW=1,
                     NJD=1, NJH=1, NJW=1)  # fmt: skip
     k, s, p, d = grad.geometry(dims)
-    nj = [triton.cdiv((kk - 1) * dd + 1, ss) for kk, ss, dd in zip(k, s, d, strict=True)]
+    nj = [cdiv((kk - 1) * dd + 1, ss) for kk, ss, dd in zip(k, s, d, strict=True)]
     return dict(
         PKD=k[0], PKH=k[1], PKW=k[2], PSD=s[0], PSH=s[1], PSW=s[2], PPD=p[0], PPH=p[1], PPW=p[2],
         PDD=d[0], PDH=d[1], PDW=d[2], NJD=nj[0], NJH=nj[1], NJW=nj[2],
@@ -610,7 +611,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _block(channels: int, cap: int) -> int:
     """A tl.dot tile dim for ``channels``: a power of 2 in [16, cap] (masked beyond ``channels``)."""
-    return max(16, min(cap, triton.next_power_of_2(max(channels, 1))))
+    return max(16, min(cap, next_pow2(max(channels, 1))))
 
 
 def unsupported_reason(
@@ -657,7 +658,7 @@ def unsupported_reason(
     y_rows = x.shape[0] * math.prod(y_shape[2:])
     if max(x_rows, y_rows) >= 2**31:
         return f"index range: N x spatial ({x_rows}, {y_rows}) must stay below 2**31"
-    if groups * triton.cdiv(c_in // groups, 16) >= 2**16:
+    if groups * cdiv(c_in // groups, 16) >= 2**16:
         return f"grid range: groups x channel blocks ({groups} groups) must stay below 2**16"
     if not isinstance(grad, PooledGrad):
         if list(grad.shape) != y_shape:
@@ -679,7 +680,7 @@ def unsupported_reason(
             f"pooled gradient has shape {tuple(grad.g_win.shape)}, but max-pooling the conv output "
             f"{y_shape} with {grad} gives {y_shape[:2] + pooled}"
         )
-    candidates = math.prod(triton.cdiv((kk - 1) * dd + 1, ss) for kk, ss, dd in zip(k, s, d, strict=True))
+    candidates = math.prod(cdiv((kk - 1) * dd + 1, ss) for kk, ss, dd in zip(k, s, d, strict=True))
     if candidates > MAX_CANDIDATE_WINDOWS:
         return f"pool windows overlap {candidates}-fold (> {MAX_CANDIDATE_WINDOWS} unrolled candidates)"
     return None
@@ -788,13 +789,13 @@ def _input_grad(
     )  # fmt: skip
     kvol, num_phases = table.shape[1], table.shape[0]
     values, winners, g_strides, v_strides, pooled = _grad_operands(grad)
-    max_t = math.prod(triton.cdiv(size, step) for size, step in zip(x_sizes[2:], xs, strict=True))
+    max_t = math.prod(cdiv(size, step) for size, step in zip(x_sizes[2:], xs, strict=True))
     block_n = _block(ci_g, 16 if _INTERPRET else 128)
     block_k = _block(co_g, 16 if _INTERPRET else 64)
-    num_c_blocks = triton.cdiv(ci_g, block_n)
+    num_c_blocks = cdiv(ci_g, block_n)
 
     def grid(meta):
-        return (n * num_phases * triton.cdiv(max_t, meta["BLOCK_M"]), groups * num_c_blocks)
+        return (n * num_phases * cdiv(max_t, meta["BLOCK_M"]), groups * num_c_blocks)
 
     kernel, tile = _launcher(_dgrad_tuned, _dgrad_kernel, _dgrad_configs())
     kernel[grid](
@@ -857,8 +858,8 @@ def _weight_grad(
         return dw.zero_()
     block_a = _block(a_g, 16 if _INTERPRET else 128)
     block_g = _block(b_g, 16 if _INTERPRET else 128)
-    num_a_blocks = triton.cdiv(a_g, block_a)
-    num_b_blocks = triton.cdiv(b_g, block_g)
+    num_a_blocks = cdiv(a_g, block_a)
+    num_b_blocks = cdiv(b_g, block_g)
     tiles = groups * num_a_blocks * kvol * num_b_blocks
     # NOTE: about 4 waves of programs on an H100 (132 SMs), each reducing >= 1024 rows; a step
     # covers BLOCK_R positions of one W line (masked beyond TW, so narrow W wastes lanes).
@@ -866,15 +867,15 @@ def _weight_grad(
     # NOTE: 64 fp32 rows keep 3 pipeline stages of 64-channel tiles at 96 KB of shared memory (two
     # programs per SM on an H100); 16-bit tiles are half the size, so 128 rows.
     cap = 16 if _INTERPRET else (128 if x.element_size() == 2 else 64)
-    block_r = max(16, min(cap, triton.next_power_of_2(tw)))
-    line_mode = tw >= 0.75 * triton.cdiv(tw, block_r) * block_r  # few masked lanes per W block
+    block_r = max(16, min(cap, next_pow2(tw)))
+    line_mode = tw >= 0.75 * cdiv(tw, block_r) * block_r  # few masked lanes per W block
     if not line_mode:
         block_r = 32 if _INTERPRET else 64
     lines = n * t_sizes[0] * t_sizes[1]
     min_rows, target = (16, 8) if _INTERPRET else (1024, 4 * 132)
-    splits = max(1, min(triton.cdiv(target, tiles), triton.cdiv(lines, triton.cdiv(min_rows, t_sizes[2]))))
-    lines_per_split = triton.cdiv(lines, splits)
-    splits = triton.cdiv(lines, lines_per_split)
+    splits = max(1, min(cdiv(target, tiles), cdiv(lines, cdiv(min_rows, t_sizes[2]))))
+    lines_per_split = cdiv(lines, splits)
+    splits = cdiv(lines, lines_per_split)
     part_numel = w_sizes[0] * b_g * kvol
     partials = torch.empty(splits, part_numel, dtype=torch.float32, device=x.device)
 

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host import cdiv, next_pow2
+
 #: Number of op-code slots of the kernel templates (== chain.MAX_CHAIN_LENGTH).
 MAX_SLOTS = 8
 #: Row of ``P`` holding the conv bias.
@@ -652,8 +654,8 @@ def _tile(channels: int, spatial: int, channels_inner: bool) -> tuple[int, int]:
     The pooled kernels are bound by the per-element index arithmetic (div/mod by runtime sizes,
     int64 offsets), not by bandwidth: the first thing to tune if they matter.
     """
-    c_pow = triton.next_power_of_2(channels)
-    s_pow = triton.next_power_of_2(max(spatial, 1))
+    c_pow = next_pow2(channels)
+    s_pow = next_pow2(max(spatial, 1))
     if channels_inner:
         block_c = min(c_pow, 64)
         block_s = min(s_pow, max(1024 // block_c, 1))
@@ -762,8 +764,8 @@ def epilogue_forward(
     params = build_params(steps, bias, channels, y.device)
     s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
     block_c, block_s = _tile(channels, s_out, _channels_inner(o_strides, o_sizes))
-    num_s_blocks = triton.cdiv(s_out, block_s)
-    grid = (n * num_s_blocks, triton.cdiv(channels, block_c))
+    num_s_blocks = cdiv(s_out, block_s)
+    grid = (n * num_s_blocks, cdiv(channels, block_c))
     if out.numel() == 0:
         return
     _epilogue_fwd_kernel[grid](
@@ -844,8 +846,8 @@ def epilogue_backward(
         grad_mask |= 1 << MAX_SLOTS
     s_full = y_sizes[2] * y_sizes[3] * y_sizes[4]
     block_c, block_s = _tile(channels, s_full, _channels_inner(y_strides, y_sizes))
-    num_s_blocks = triton.cdiv(s_full, block_s)
-    grid = (n * num_s_blocks, triton.cdiv(channels, block_c))
+    num_s_blocks = cdiv(s_full, block_s)
+    grid = (n * num_s_blocks, cdiv(channels, block_c))
     partials = torch.empty(NUM_GRAD_ROWS, grid[0], channels, dtype=torch.float32, device=grad_y.device)
     if grad_y.numel() > 0:
         _epilogue_bwd_kernel[grid](

@@ -44,11 +44,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+
+from .host import cdiv, next_pow2
 
 #: Largest number of distinct index sets per spatial dim (bits of an int32 table entry).
 MAX_SETS_PER_DIM = 31
@@ -63,13 +66,9 @@ _NUM_WARPS = 4
 _PROGRAMS_PER_SM = 4
 
 
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 def _tile_shape(rows: int, width: int) -> tuple[int, int]:
-    block_w = min(_next_pow2(width), _MAX_BLOCK_W)
-    block_a = min(_next_pow2(rows), max(1, _TILE_ELEMENTS // block_w))
+    block_w = min(next_pow2(width), _MAX_BLOCK_W)
+    block_a = min(next_pow2(rows), max(1, _TILE_ELEMENTS // block_w))
     return block_a, block_w
 
 
@@ -82,15 +81,15 @@ def _choose_split(
     planes: int, rows: int, block_a: int, device: torch.device, split: int | None
 ) -> tuple[int, int]:
     """Return ``(split, rows_per_split)``; ``rows_per_split`` is a multiple of ``block_a``."""
-    row_tiles = triton.cdiv(rows, block_a)
+    row_tiles = cdiv(rows, block_a)
     if split is None:
         if device.type == "cuda":
-            split = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(planes, 1))
+            split = cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(planes, 1))
         else:
             split = 1  # the interpreter runs programs one after another: parallelism buys nothing
     split = max(1, min(int(split), row_tiles))
-    rows_per_split = triton.cdiv(row_tiles, split) * block_a
-    return triton.cdiv(rows, rows_per_split), rows_per_split
+    rows_per_split = cdiv(row_tiles, split) * block_a
+    return cdiv(rows, rows_per_split), rows_per_split
 
 
 @triton.jit
@@ -384,8 +383,8 @@ def set_sums(
         J1=j1,
         J2=j2,
         J3=j3,
-        J12_PAD=_next_pow2(j1 * j2),
-        J3_PAD=_next_pow2(j3),
+        J12_PAD=next_pow2(j1 * j2),
+        J3_PAD=next_pow2(j3),
         BLOCK_A=block_a,
         BLOCK_W=block_w,
         num_warps=_NUM_WARPS,
@@ -440,8 +439,8 @@ def set_broadcast(
         J1=j1,
         J2=j2,
         J3=j3,
-        J12_PAD=_next_pow2(j1 * j2),
-        J3_PAD=_next_pow2(j3),
+        J12_PAD=next_pow2(j1 * j2),
+        J3_PAD=next_pow2(j3),
         BLOCK_A=block_a,
         BLOCK_W=block_w,
         FROM_GRAD=False,
@@ -947,6 +946,10 @@ class ChainArgs:
     def steps(self) -> int:
         return sum(1 for k in self.kinds if k)
 
+    def static(self, steps: int) -> tuple[Any, ...]:
+        """The constexpr half (kinds, tensor flags, constants) and the real step count: a cache key."""
+        return (self.kinds, self.tensor, self.consts, steps)
+
     def padded(self, dummy: torch.Tensor) -> ChainArgs:
         if self.kinds:
             return self
@@ -955,8 +958,12 @@ class ChainArgs:
 
 def _channels_innermost(x5: torch.Tensor) -> bool:
     """x5's spatial positions flatten to one stride and channels are unit-stride (channels_last)."""
-    n, c, d, h, w = x5.shape
-    sn, sc, sd, sh, sw = x5.stride()
+    return _channels_innermost_meta(tuple(x5.shape), x5.stride())
+
+
+def _channels_innermost_meta(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    n, c, d, h, w = shape
+    sn, sc, sd, sh, sw = stride
     if c <= 1 or sc != 1:
         return False
     ok_h = h == 1 or sh == w * sw
@@ -965,18 +972,70 @@ def _channels_innermost(x5: torch.Tensor) -> bool:
 
 
 def _cl_tiles(positions: int, channels: int) -> tuple[int, int]:
-    block_c = min(_next_pow2(channels), _MAX_BLOCK_C)
-    block_p = min(_next_pow2(positions), max(1, _CL_TILE_ELEMENTS // block_c))
+    block_c = min(next_pow2(channels), _MAX_BLOCK_C)
+    block_p = min(next_pow2(positions), max(1, _CL_TILE_ELEMENTS // block_c))
     return block_p, block_c
 
 
 def _cl_split(programs: int, positions: int, block_p: int, device: torch.device, split: int | None) -> tuple[int, int]:
-    tiles = triton.cdiv(positions, block_p)
+    tiles = cdiv(positions, block_p)
     if split is None:
-        split = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(programs, 1)) if device.type == "cuda" else 1
+        split = cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(programs, 1)) if device.type == "cuda" else 1
     split = max(1, min(int(split), tiles))
-    per = triton.cdiv(tiles, split) * block_p
-    return triton.cdiv(positions, per), per
+    per = cdiv(tiles, split) * block_p
+    return cdiv(positions, per), per
+
+
+@dataclass(frozen=True, eq=False)
+class _Launch:
+    """The shape-dependent half of one launch (kernel, grid, integer arguments, constexprs), built once
+    per shape by the ``_plan_*`` functions below.
+
+    NOTE: at the seeds' sizes a training step is host-bound (docs/perf/NOTES.md): recomputing tiles,
+    splits and grids on every call cost more host time than the kernels' GPU time, so the launchers
+    look these up in an ``lru_cache`` keyed by shapes and strides and only bind tensors per call.
+    """
+
+    kernel: Any
+    grid: tuple[int, ...]
+    ints: tuple[int, ...] = ()
+    consts: dict[str, Any] = field(default_factory=dict)
+    #: set_sums_partial only: the partial buffer's shape, its (n, c, split, j) strides and split count
+    buffer_shape: tuple[int, ...] = ()
+    buffer_strides: tuple[int, int, int, int] = (0, 0, 0, 0)
+    nsplit: int = 1
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_set_sums(
+    shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
+    split: int | None,
+) -> _Launch | None:
+    """``None`` for an empty x (no launch)."""
+    n, c, d, h, w = shape
+    j1, j2, j3 = sets
+    jn = j1 * j2 * j3
+    positions = d * h * w
+    if n * c == 0 or positions == 0:
+        return None
+    if _channels_innermost_meta(shape, stride) and jn <= MAX_CL_SETS:
+        block_p, block_c = _cl_tiles(positions, c)
+        cblocks = cdiv(c, block_c)
+        nsplit, per = _cl_split(n * cblocks, positions, block_p, device, split)
+        return _Launch(
+            _set_sums_cl_kernel, (n, cblocks, nsplit), (c, h, w, positions, per, stride[0], stride[1], stride[4]),
+            dict(J1=j1, J2=j2, J3=j3, J_PAD=next_pow2(jn), BLOCK_P=block_p, BLOCK_C=block_c, num_warps=_NUM_WARPS),
+            (n, nsplit, jn, c), (nsplit * jn * c, 1, jn * c, c), nsplit,
+        )  # fmt: skip
+    rows = d * h
+    block_a, block_w = _tile_shape(rows, w)
+    nsplit, rows_per_split = _choose_split(n * c, rows, block_a, device, split)
+    return _Launch(
+        _set_sums_kernel, (n * c, nsplit), (c, h, w, rows, rows_per_split, *stride),
+        dict(J1=j1, J2=j2, J3=j3, J12_PAD=next_pow2(j1 * j2), J3_PAD=next_pow2(j3), BLOCK_A=block_a,
+             BLOCK_W=block_w, num_warps=_NUM_WARPS),
+        (n, c, nsplit, jn), (c * nsplit * jn, nsplit * jn, jn, 1), nsplit,
+    )  # fmt: skip
 
 
 def set_sums_partial(
@@ -992,43 +1051,22 @@ def set_sums_partial(
     takes the channels-innermost kernel, everything else the plane kernel.
     """
     _check_launch("set_sums_partial", x5, bits, sets)
-    n, c, d, h, w = x5.shape
-    j1, j2, j3 = sets
-    jn = j1 * j2 * j3
-    positions = d * h * w
-    if n * c == 0 or positions == 0:
-        z = torch.zeros((n, c, 1, jn), dtype=torch.float32, device=x5.device)
+    plan = _plan_set_sums(tuple(x5.shape), x5.stride(), x5.device, tuple(sets), split)
+    if plan is None:
+        n, c = x5.shape[:2]
+        z = torch.zeros((n, c, 1, sets[0] * sets[1] * sets[2]), dtype=torch.float32, device=x5.device)
         return z, tuple(z.stride()), 1  # type: ignore[return-value]
-    if _channels_innermost(x5) and jn <= MAX_CL_SETS:
-        block_p, block_c = _cl_tiles(positions, c)
-        cblocks = triton.cdiv(c, block_c)
-        nsplit, per = _cl_split(n * cblocks, positions, block_p, x5.device, split)
-        partial = torch.empty((n, nsplit, jn, c), dtype=torch.float32, device=x5.device)
-        _set_sums_cl_kernel[(n, cblocks, nsplit)](
-            x5, bits[0], bits[1], bits[2], partial, c, h, w, positions, per,
-            x5.stride(0), x5.stride(1), x5.stride(4),
-            J1=j1, J2=j2, J3=j3, J_PAD=_next_pow2(jn), BLOCK_P=block_p, BLOCK_C=block_c,
-            num_warps=_NUM_WARPS,
-        )  # fmt: skip
-        return partial, (nsplit * jn * c, 1, jn * c, c), nsplit
-    rows = d * h
-    block_a, block_w = _tile_shape(rows, w)
-    nsplit, rows_per_split = _choose_split(n * c, rows, block_a, x5.device, split)
-    partial = torch.empty((n, c, nsplit, jn), dtype=torch.float32, device=x5.device)
-    _set_sums_kernel[(n * c, nsplit)](
-        x5, bits[0], bits[1], bits[2], partial, c, h, w, rows, rows_per_split, *x5.stride(),
-        J1=j1, J2=j2, J3=j3, J12_PAD=_next_pow2(j1 * j2), J3_PAD=_next_pow2(j3),
-        BLOCK_A=block_a, BLOCK_W=block_w, num_warps=_NUM_WARPS,
-    )  # fmt: skip
-    return partial, (c * nsplit * jn, nsplit * jn, jn, 1), nsplit
+    partial = torch.empty(plan.buffer_shape, dtype=torch.float32, device=x5.device)
+    plan.kernel[plan.grid](x5, bits[0], bits[1], bits[2], partial, *plan.ints, **plan.consts)
+    return partial, plan.buffer_strides, plan.nsplit
 
 
 def _block_co(cout_g: int) -> int:
-    return min(_next_pow2(cout_g), 32)
+    return min(next_pow2(cout_g), 32)
 
 
 def _block_ci(cin_g: int) -> int:
-    return min(_next_pow2(cin_g), 32)
+    return min(next_pow2(cin_g), 32)
 
 
 # NOTE: the contraction kernel is latency-bound (seed C: 1.2 M fp64 multiply-adds, ~0.3 MB of weights):
@@ -1055,10 +1093,24 @@ class ContractTiles:
 
 def contract_tiles(k: int, cout_g: int, nsplit: int) -> ContractTiles:
     """Tiles for a reduction of length ``k = C_in/groups * taps`` over ``nsplit`` split partials."""
-    block_co = min(_next_pow2(cout_g), _CONTRACT_BLOCK_CO)
-    block_s = min(_next_pow2(nsplit), _CONTRACT_BLOCK_S)
-    block_k = max(16, min(_next_pow2(k), _CONTRACT_CHUNK // max(block_co, block_s)))
+    block_co = min(next_pow2(cout_g), _CONTRACT_BLOCK_CO)
+    block_s = min(next_pow2(nsplit), _CONTRACT_BLOCK_S)
+    block_k = max(16, min(next_pow2(k), _CONTRACT_CHUNK // max(block_co, block_s)))
     return ContractTiles(block_co, block_k, block_s)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_contract(
+    n: int, groups: int, cout_g: int, k: int, nsplit: int, chain_static: tuple[Any, ...], has_bias: bool
+) -> _Launch:
+    kinds, tensor, consts, steps = chain_static
+    tiles = contract_tiles(k, cout_g, nsplit)
+    return _Launch(
+        _contract_fwd_kernel, (n, groups, cdiv(cout_g, tiles.block_co)),
+        consts=dict(KINDS=kinds, TENSOR=tensor, CONSTS=consts, NS=steps, NS_PAD=next_pow2(max(steps, 1)),
+                    HAS_BIAS=has_bias, BLOCK_K=tiles.block_k, BLOCK_S=tiles.block_s,
+                    ONE_CHUNK=nsplit <= tiles.block_s, BLOCK_CO=tiles.block_co, num_warps=_CONTRACT_WARPS),
+    )  # fmt: skip
 
 
 def contract_forward(
@@ -1077,24 +1129,36 @@ def contract_forward(
     r, (rs_n, rs_c, rs_s, rs_j), nsplit = partial
     n, c_in, t = taps.shape
     c_out = mean.shape[1]
-    groups = c_in // weight.cin_g
     if t != weight.taps or tapset.numel() != t or not (out.is_contiguous() and mean.is_contiguous() and taps.is_contiguous()):
         raise ValueError(
             f"contract_forward: taps {tuple(taps.shape)} / tapset {tuple(tapset.shape)} / weight taps "
             f"{weight.taps} disagree, or an output is not contiguous"
         )
     ch = chain.padded(mean)
-    tiles = contract_tiles(weight.cin_g * t, weight.cout_g, nsplit)
-    _contract_fwd_kernel[(n, groups, triton.cdiv(weight.cout_g, tiles.block_co))](
+    plan = _plan_contract(n, c_in // weight.cin_g, weight.cout_g, weight.cin_g * t, nsplit, ch.static(chain.steps),
+                          bias is not None)  # fmt: skip
+    plan.kernel[plan.grid](
         r, rs_n, rs_c, rs_s, rs_j, nsplit, tapset,
         weight.tensor, weight.s_co, weight.s_ci, weight.s_t, weight.off_g,
         bias if bias is not None else mean, bias.stride(0) if bias is not None else 0,
         ch.ops, ch.strides, out, mean, taps,
-        c_in, c_out, weight.cin_g, weight.cout_g, t, n_outputs,
-        KINDS=ch.kinds, TENSOR=ch.tensor, CONSTS=ch.consts, NS=chain.steps,
-        NS_PAD=_next_pow2(max(chain.steps, 1)), HAS_BIAS=bias is not None,
-        BLOCK_K=tiles.block_k, BLOCK_S=tiles.block_s, ONE_CHUNK=nsplit <= tiles.block_s,
-        BLOCK_CO=tiles.block_co, num_warps=_CONTRACT_WARPS,
+        c_in, c_out, weight.cin_g, weight.cout_g, t, n_outputs, **plan.consts,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_params(
+    groups: int, cout_g: int, cin_g: int, t: int, chain_static: tuple[Any, ...], modes: tuple[int, ...],
+    has_bias: bool,
+) -> _Launch:
+    kinds, tensor, consts, steps = chain_static
+    block_co, block_ci = _block_co(cout_g), _block_ci(cin_g)
+    return _Launch(
+        _params_bwd_kernel, (groups, cdiv(cout_g, block_co), cdiv(cin_g, block_ci) * t),
+        consts=dict(KINDS=kinds, TENSOR=tensor, CONSTS=consts, OUT_MODE=modes, NS=steps,
+                    NS_PAD=next_pow2(max(steps, 1)), HAS_BIAS=has_bias,
+                    NEED_OPS=any(m != GRAD_NONE for m in modes), BLOCK_CI=block_ci, BLOCK_CO=block_co,
+                    num_warps=_NUM_WARPS),
     )  # fmt: skip
 
 
@@ -1119,23 +1183,49 @@ def params_backward(
     """
     n, c_in, t = taps.shape
     c_out = mean.shape[1]
-    groups = c_in // grad_weight.cin_g
     ch = chain.padded(mean)
-    steps = chain.steps
     modes = tuple(m for m, _, _ in grad_targets) or (GRAD_NONE,)
     gops = tuple(g for _, g, _ in grad_targets) or (scratch,)
     gstrides = tuple(s for _, _, s in grad_targets) or (0,)
-    block_co, block_ci = _block_co(grad_weight.cout_g), _block_ci(grad_weight.cin_g)
-    grid = (groups, triton.cdiv(grad_weight.cout_g, block_co), triton.cdiv(grad_weight.cin_g, block_ci) * t)
-    _params_bwd_kernel[grid](
+    plan = _plan_params(c_in // grad_weight.cin_g, grad_weight.cout_g, grad_weight.cin_g, t, ch.static(chain.steps),
+                        modes, grad_bias is not None)  # fmt: skip
+    plan.kernel[plan.grid](
         grad_out, grad_out.stride(0), grad_out.stride(1), mean, taps, ch.ops, ch.strides, gops, gstrides,
         grad_weight.tensor, grad_weight.s_co, grad_weight.s_ci, grad_weight.s_t, grad_weight.off_g,
         grad_bias if grad_bias is not None else coef, grad_bias.stride(0) if grad_bias is not None else 0,
-        coef, scratch, n, c_in, c_out, grad_weight.cin_g, grad_weight.cout_g, t, n_outputs,
-        KINDS=ch.kinds, TENSOR=ch.tensor, CONSTS=ch.consts, OUT_MODE=modes, NS=steps,
-        NS_PAD=_next_pow2(max(steps, 1)), HAS_BIAS=grad_bias is not None,
-        NEED_OPS=any(m != GRAD_NONE for m in modes), BLOCK_CI=block_ci, BLOCK_CO=block_co,
-        num_warps=_NUM_WARPS,
+        coef, scratch, n, c_in, c_out, grad_weight.cin_g, grad_weight.cout_g, t, n_outputs, **plan.consts,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_broadcast(
+    shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
+    cout_g: int, split: int | None,
+) -> _Launch | None:
+    """``None`` for an empty grad_x (no launch)."""
+    n, c, d, h, w = shape
+    j1, j2, j3 = sets
+    jn = j1 * j2 * j3
+    positions = d * h * w
+    if n * c == 0 or positions == 0:
+        return None
+    block_co = min(next_pow2(cout_g), 128)
+    if _channels_innermost_meta(shape, stride) and jn <= MAX_CL_SETS:
+        block_p, block_c = _cl_tiles(positions, c)
+        cblocks = cdiv(c, block_c)
+        nsplit, per = _cl_split(n * cblocks, positions, block_p, device, split)
+        return _Launch(
+            _grad_broadcast_cl_kernel, (n, cblocks, nsplit), (c, h, w, positions, per, stride[0], stride[1], stride[4]),
+            dict(J1=j1, J2=j2, J3=j3, J_PAD=next_pow2(jn), BLOCK_P=block_p, BLOCK_C=block_c,
+                 BLOCK_CO=min(block_co, 32), num_warps=_NUM_WARPS),
+        )  # fmt: skip
+    rows = d * h
+    block_a, block_w = _tile_shape(rows, w)
+    nsplit, rows_per_split = _choose_split(n * c, rows, block_a, device, split)
+    return _Launch(
+        _set_broadcast_kernel, (n * c, nsplit), (c, h, w, rows, rows_per_split, *stride),
+        dict(J1=j1, J2=j2, J3=j3, J12_PAD=next_pow2(j1 * j2), J3_PAD=next_pow2(j3), BLOCK_A=block_a,
+             BLOCK_W=block_w, FROM_GRAD=True, BLOCK_CO=block_co, num_warps=_NUM_WARPS),
     )  # fmt: skip
 
 
@@ -1151,34 +1241,16 @@ def grad_broadcast(
     """Write grad_x into ``out`` (5-D, any strides; channels-last takes the channels-innermost kernel)
     from ``G`` (``coef``, fp32 (N, C_out)) and the weight: every element written once; returns ``out``."""
     _check_launch("grad_broadcast", out, bits, sets)
-    n, c, d, h, w = out.shape
-    j1, j2, j3 = sets
-    jn = j1 * j2 * j3
-    positions = d * h * w
-    if n * c == 0 or positions == 0:
+    plan = _plan_broadcast(tuple(out.shape), out.stride(), out.device, tuple(sets), weight.cout_g, split)
+    if plan is None:
         return out
-    c_out = coef.shape[1]
-    wargs = (weight.tensor, tapset)
-    wdims = (weight.taps, weight.cin_g, weight.cout_g, c_out, weight.s_co, weight.s_ci, weight.s_t, weight.off_g)
-    block_co = min(_next_pow2(weight.cout_g), 128)
-    if _channels_innermost(out) and jn <= MAX_CL_SETS:
-        block_p, block_c = _cl_tiles(positions, c)
-        cblocks = triton.cdiv(c, block_c)
-        nsplit, per = _cl_split(n * cblocks, positions, block_p, out.device, split)
-        _grad_broadcast_cl_kernel[(n, cblocks, nsplit)](
-            coef, *wargs, bits[0], bits[1], bits[2], out, c, h, w, positions, per,
-            out.stride(0), out.stride(1), out.stride(4), *wdims,
-            J1=j1, J2=j2, J3=j3, J_PAD=_next_pow2(jn), BLOCK_P=block_p, BLOCK_C=block_c,
-            BLOCK_CO=min(block_co, 32), num_warps=_NUM_WARPS,
+    wdims = (weight.taps, weight.cin_g, weight.cout_g, coef.shape[1], weight.s_co, weight.s_ci, weight.s_t, weight.off_g)
+    if plan.kernel is _grad_broadcast_cl_kernel:
+        plan.kernel[plan.grid](
+            coef, weight.tensor, tapset, bits[0], bits[1], bits[2], out, *plan.ints, *wdims, **plan.consts
         )  # fmt: skip
-        return out
-    rows = d * h
-    block_a, block_w = _tile_shape(rows, w)
-    nsplit, rows_per_split = _choose_split(n * c, rows, block_a, out.device, split)
-    _set_broadcast_kernel[(n * c, nsplit)](
-        coef, bits[0], bits[1], bits[2], out, c, h, w, rows, rows_per_split, *out.stride(),
-        coef, *wargs, *wdims,
-        J1=j1, J2=j2, J3=j3, J12_PAD=_next_pow2(j1 * j2), J3_PAD=_next_pow2(j3),
-        BLOCK_A=block_a, BLOCK_W=block_w, FROM_GRAD=True, BLOCK_CO=block_co, num_warps=_NUM_WARPS,
-    )  # fmt: skip
+    else:
+        plan.kernel[plan.grid](
+            coef, bits[0], bits[1], bits[2], out, *plan.ints, coef, weight.tensor, tapset, *wdims, **plan.consts
+        )  # fmt: skip
     return out

@@ -633,18 +633,62 @@ _STEP_CODES = {
 def _channel_stride(t: torch.Tensor, c_out: int, out_rank: int) -> int:
     """Element stride between channels of an affine operand (0 for a one-element operand); validates
     the shape exactly like ``_channel_vector``."""
-    if t.numel() == 1 and t.dim() <= out_rank:
+    return _channel_stride_meta(tuple(t.shape), t.stride(), c_out, out_rank)
+
+
+def _channel_stride_meta(shape: tuple[int, ...], stride: tuple[int, ...], c_out: int, out_rank: int) -> int:
+    if math.prod(shape) == 1 and len(shape) <= out_rank:
         return 0
-    shape = tuple(t.shape)
+    shape = tuple(shape)
     ones = (1,) * (out_rank - 2)
     if shape == (c_out, *ones):
-        return t.stride(0)
+        return stride[0]
     if shape == (1, c_out, *ones):
-        return t.stride(1)
+        return stride[1]
     raise UnsupportedInputError(
         f"conv_global_mean: affine operand of shape {shape} is neither a single element nor per-channel "
         f"({(c_out, *ones)} or {(1, c_out, *ones)})"
     )
+
+
+@dataclass(frozen=True)
+class _ChainStatic:
+    """The shape-dependent half of ``_chain_args``: per step its kind code, whether its operand is a
+    tensor, the constant, the operand's index in ``operands`` (-1 for a constant) and channel stride."""
+
+    kinds: tuple[int, ...]
+    tensor: tuple[bool, ...]
+    consts: tuple[float, ...]
+    index: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+# NOTE: the op's Python runs on every call and, at the seeds' sizes, a training step is host-bound
+# (docs/perf/NOTES.md), so the per-shape decisions below are cached; a call only binds its tensors.
+@functools.lru_cache(maxsize=256)
+def _chain_static(
+    cfg: ConvGlobalMeanConfig, operand_meta: tuple[tuple[Any, ...], ...], c_out: int
+) -> _ChainStatic:
+    out_rank = cfg.conv.spatial_dims + 2
+    kinds, tensor, consts, index, strides = [], [], [], [], []
+    for step in cfg.affine:
+        (op,) = step.operands
+        kinds.append(_STEP_CODES[step.kind])
+        if isinstance(op, Const):
+            tensor.append(False)
+            consts.append(float(op.value))
+            index.append(-1)
+            strides.append(0)
+        else:
+            if not 0 <= op.index < len(operand_meta):
+                raise UnsupportedInputError(
+                    f"conv_global_mean: affine step refers to operand {op.index}, but {len(operand_meta)} were given"
+                )
+            tensor.append(True)
+            consts.append(0.0)
+            index.append(op.index)
+            strides.append(_channel_stride_meta(*operand_meta[op.index][:2], c_out, out_rank))
+    return _ChainStatic(tuple(kinds), tuple(tensor), tuple(consts), tuple(index), tuple(strides))
 
 
 def _chain_args(
@@ -655,45 +699,37 @@ def _chain_args(
     dummy: torch.Tensor,
 ) -> Any:
     """The affine chain as the kernels' ``ChainArgs`` (host only: no device work unless an operand
-    lives on another device); ``dummy`` stands in for the operand pointer of constant steps."""
+    lives on another device, which is then copied); ``dummy`` stands in for the operand pointer of
+    constant steps."""
     from ..kernels.global_mean import ChainArgs
 
-    out_rank = cfg.conv.spatial_dims + 2
-    kinds, tensor, consts, ops, strides = [], [], [], [], []
-    for step in cfg.affine:
-        (op,) = step.operands
-        kinds.append(_STEP_CODES[step.kind])
-        if isinstance(op, Const):
-            tensor.append(False)
-            consts.append(float(op.value))
-            ops.append(None)
-            strides.append(0)
-        else:
-            if not 0 <= op.index < len(operands):
-                raise UnsupportedInputError(
-                    f"conv_global_mean: affine step refers to operand {op.index}, but {len(operands)} were given"
-                )
-            t = operands[op.index].detach()
-            stride = _channel_stride(t, c_out, out_rank)
-            if t.device != device:
-                t = t.to(device)
-                stride = _channel_stride(t, c_out, out_rank)
-            tensor.append(True)
-            consts.append(0.0)
-            ops.append(t)
-            strides.append(stride)
-    return ChainArgs(
-        tuple(kinds), tuple(tensor), tuple(consts), tuple(dummy if t is None else t for t in ops), tuple(strides)
-    )
+    moved = [t if t.device == device else t.detach().to(device) for t in operands]
+    static = _chain_static(cfg, tuple((t.shape, t.stride()) for t in moved), c_out)
+    ops = tuple(dummy if i < 0 else moved[i] for i in static.index)
+    return ChainArgs(static.kinds, static.tensor, static.consts, ops, static.strides)
+
+
+@functools.lru_cache(maxsize=256)
+def _weight_layout_ints(
+    shape: tuple[int, ...], stride: tuple[int, ...], transposed: bool, groups: int
+) -> tuple[int, ...] | None:
+    from ..kernels.global_mean import WeightLayout
+
+    layout = WeightLayout.of(torch.empty_strided(shape, stride, device="meta"), transposed, groups)
+    if layout is None:
+        return None
+    return (layout.s_co, layout.s_ci, layout.s_t, layout.off_g, layout.cin_g, layout.cout_g, layout.taps)
 
 
 def _weight_layout(weight: torch.Tensor, spec: ConvSpec) -> Any:
+    """The kernels' view of ``weight`` (a tensor that requires grad is fine: only its data is read)."""
     from ..kernels.global_mean import WeightLayout
 
-    layout = WeightLayout.of(weight, spec.transposed, spec.groups)
-    if layout is None:  # kernel dims not flat-addressable (rare): one copy
-        layout = WeightLayout.of(weight.contiguous(), spec.transposed, spec.groups)
-    return layout
+    ints = _weight_layout_ints(tuple(weight.shape), weight.stride(), spec.transposed, spec.groups)
+    if ints is None:  # kernel dims not flat-addressable (rare): one copy
+        weight = weight.contiguous()
+        ints = _weight_layout_ints(tuple(weight.shape), weight.stride(), spec.transposed, spec.groups)
+    return WeightLayout(weight, *ints)
 
 
 def _forward_kernels(
@@ -720,8 +756,8 @@ def _forward_kernels(
     kernels.contract_forward(
         partial,
         geo.tapset,
-        _weight_layout(weight.detach(), cfg.conv),
-        None if bias is None else bias.detach(),
+        _weight_layout(weight, cfg.conv),
+        bias,
         chain,
         geo.n_outputs,
         out,
@@ -874,6 +910,43 @@ def _grad_input_strides(x: torch.Tensor) -> tuple[int, ...]:
     return (acc, 1, *reversed(strides_sp))
 
 
+@dataclass(frozen=True)
+class _GradTargets:
+    """Where ``_params_bwd_kernel`` writes each affine step's operand gradient: per step
+    ``(mode, operand index, stride)``; ``referenced`` maps each operand index to its steps;
+    ``scratch_for`` lists the operands combined on the host from per-step fp64 partials (one-element
+    operands, operands used by several steps, operands on another device)."""
+
+    steps: tuple[tuple[int, int, int], ...]
+    referenced: dict[int, list[int]]
+    scratch_for: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _grad_targets(
+    cfg: ConvGlobalMeanConfig, operand_meta: tuple[tuple[Any, ...], ...], c_out: int, device: torch.device
+) -> _GradTargets:
+    from ..kernels import global_mean as kernels
+
+    refs: dict[int, list[int]] = {}
+    for i, step in enumerate(cfg.affine):
+        if isinstance(step.operands[0], TensorRef):
+            refs.setdefault(step.operands[0].index, []).append(i)
+    steps = [(kernels.GRAD_NONE, -1, 0)] * len(cfg.affine)
+    scratch_for = []
+    out_rank = cfg.conv.spatial_dims + 2
+    for index, used_by in refs.items():
+        shape, stride, where = operand_meta[index]
+        channel_stride = _channel_stride_meta(shape, stride, c_out, out_rank)
+        if len(used_by) == 1 and channel_stride != 0 and where == device:
+            steps[used_by[0]] = (kernels.GRAD_DIRECT, index, channel_stride)
+        else:
+            scratch_for.append(index)
+            for i in used_by:
+                steps[i] = (kernels.GRAD_SCRATCH, index, 1)
+    return _GradTargets(tuple(steps), refs, tuple(scratch_for))
+
+
 def _backward_kernels(
     cfg: ConvGlobalMeanConfig,
     grad_out: torch.Tensor,
@@ -902,40 +975,32 @@ def _backward_kernels(
     coef = torch.empty((n, c_out), dtype=torch.float32, device=device)
     chain = _chain_args(cfg, operands, c_out, device, coef)
 
-    refs: dict[int, list[int]] = {}
-    for i, step in enumerate(cfg.affine):
-        if isinstance(step.operands[0], TensorRef):
-            refs.setdefault(step.operands[0].index, []).append(i)
-    grads_ops = [torch.empty_like(t) if i in refs else torch.zeros_like(t) for i, t in enumerate(operands)]
-    targets: list[tuple[int, torch.Tensor, int]] = [(kernels.GRAD_NONE, coef, 0)] * len(cfg.affine)
-    scratch_for: list[int] = []
-    out_rank = spec.spatial_dims + 2
-    for index, steps in refs.items():
-        t = grads_ops[index]
-        stride = _channel_stride(t, c_out, out_rank)
-        if len(steps) == 1 and stride != 0 and t.device == device:
-            targets[steps[0]] = (kernels.GRAD_DIRECT, t, stride)
-        else:
-            scratch_for.append(index)
+    targets_plan = _grad_targets(cfg, tuple((t.shape, t.stride(), t.device) for t in operands), c_out, device)
+    # operands written by the kernel directly or via scratch are fully overwritten; others stay zero
+    grads_ops = [
+        torch.empty_like(t) if i in targets_plan.referenced else torch.zeros_like(t) for i, t in enumerate(operands)
+    ]
     scratch = coef
-    if scratch_for:
+    if targets_plan.scratch_for:
         scratch = torch.empty((len(cfg.affine), c_out), dtype=torch.float64, device=device)
-        for index in scratch_for:
-            for i in refs[index]:
-                targets[i] = (kernels.GRAD_SCRATCH, scratch, 1)
+    targets = tuple(
+        (mode, coef if mode == kernels.GRAD_NONE else scratch if mode == kernels.GRAD_SCRATCH else grads_ops[index],
+         stride)
+        for mode, index, stride in targets_plan.steps
+    )  # fmt: skip
+    refs = targets_plan.referenced
+    scratch_for = targets_plan.scratch_for
 
     grad_w = torch.empty_like(weight)
-    gw_layout = kernels.WeightLayout.of(grad_w, spec.transposed, spec.groups)
-    gw_buffer = grad_w if gw_layout is not None else torch.empty(weight.shape, dtype=weight.dtype, device=device)
-    if gw_layout is None:
-        gw_layout = kernels.WeightLayout.of(gw_buffer, spec.transposed, spec.groups)
+    gw_layout = _weight_layout(grad_w, spec)  # a copy buffer when grad_w is not flat-addressable
+    gw_buffer = gw_layout.tensor
     grad_bias = torch.empty_like(bias) if bias is not None else None
     kernels.params_backward(
         grad_out.reshape(n, c_out) if grad_out.dim() > 2 else grad_out,
         mean,
         taps,
         chain,
-        tuple(targets),
+        targets,
         gw_layout,
         grad_bias,
         geo.n_outputs,
@@ -955,7 +1020,7 @@ def _backward_kernels(
         grad_x = torch.empty_strided(x_size, x_stride, dtype=x_dtype, device=device)
         assert geo.bits is not None
         kernels.grad_broadcast(
-            coef, _weight_layout(weight.detach(), spec), geo.tapset, geo.bits, geo.set_counts, _as5d(grad_x)
+            coef, _weight_layout(weight, spec), geo.tapset, geo.bits, geo.set_counts, _as5d(grad_x)
         )
     else:
         grad_x = grad_out.new_empty((0,))
