@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from fusion_backend.errors import UnsupportedInputError
 from fusion_backend.kernels import conv_fused_bwd as K
 
+# fp32 parity is checked at ~1e-5: TF32 off (on CUDA both the fused kernels and cuDNN follow the flag).
+pytestmark = pytest.mark.usefixtures("exact_fp32")
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 
@@ -287,7 +290,10 @@ def test_gpu_seed_workloads_match_aten(seed, dtype, exact_fp32):
         if ref is not None:
             assert g.dtype == ref.dtype and g.stride() == ref.stride(), name
         err = ((g.float() - e).abs().max() / e.abs().max()).item()
-        assert err < (1e-4 if dtype == torch.float32 else 2e-2), f"seed {seed} grad {name}: {err:.2e}"
+        # fp32: each weight-gradient element of seed B sums N*H*W ~ 8e6 products; two fp32 reductions in
+        # different orders (split-K here, cuDNN's there) differ by ~sqrt(8e6) * 6e-8 ~ 1.7e-4 of the max
+        # (measured on an H200: 1.46e-4); a wrong index gives O(1).
+        assert err < (3e-4 if dtype == torch.float32 else 2e-2), f"seed {seed} grad {name}: {err:.2e}"
 
 
 def test_autotune_off_binds_the_first_tile(monkeypatch):

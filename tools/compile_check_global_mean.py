@@ -139,8 +139,9 @@ def ptxas_report(ptx: str) -> tuple[list[str], list[str]]:
 def compile_launch(kern: JITFunction, args: tuple, kwargs: dict, verbose: bool) -> tuple[str, bool]:
     """Compile one recorded launch the way ``JITFunction.run`` would; returns (report line, ok)."""
     backend = make_backend(TARGET)
-    kwargs = dict(kwargs, debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode,
-                  fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts)  # fmt: skip
+    kwargs = dict(kwargs, debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # a run() option since Triton 3.7-ish
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
     binder = create_function_from_signature(kern.signature, kern.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kern._pack_args(backend, kwargs, bound, specialization, options)
