@@ -1006,12 +1006,12 @@ class _Launch:
     nsplit: int = 1
 
 
-@functools.lru_cache(maxsize=256)
-def _plan_set_sums(
+def _pass_plan(
     shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
-    split: int | None,
+    split: int | None, cl_kernel: Any, plane_kernel: Any, **extra: Any,
 ) -> _Launch | None:
-    """``None`` for an empty x (no launch)."""
+    """Tiles, split, grid and integer arguments of a pass over an x-sized tensor (the sums forward,
+    the broadcast backward walk it the same way); ``None`` when it is empty."""
     n, c, d, h, w = shape
     j1, j2, j3 = sets
     jn = j1 * j2 * j3
@@ -1023,7 +1023,7 @@ def _plan_set_sums(
         cblocks = cdiv(c, block_c)
         nsplit, per = _cl_split(n * cblocks, positions, block_p, device, split)
         return _Launch(
-            _set_sums_cl_kernel, (n, cblocks, nsplit), (c, h, w, positions, per, stride[0], stride[1], stride[4]),
+            cl_kernel, (n, cblocks, nsplit), (c, h, w, positions, per, stride[0], stride[1], stride[4]),
             dict(J1=j1, J2=j2, J3=j3, J_PAD=next_pow2(jn), BLOCK_P=block_p, BLOCK_C=block_c, num_warps=_NUM_WARPS),
             (n, nsplit, jn, c), (nsplit * jn * c, 1, jn * c, c), nsplit,
         )  # fmt: skip
@@ -1031,11 +1031,20 @@ def _plan_set_sums(
     block_a, block_w = _tile_shape(rows, w)
     nsplit, rows_per_split = _choose_split(n * c, rows, block_a, device, split)
     return _Launch(
-        _set_sums_kernel, (n * c, nsplit), (c, h, w, rows, rows_per_split, *stride),
+        plane_kernel, (n * c, nsplit), (c, h, w, rows, rows_per_split, *stride),
         dict(J1=j1, J2=j2, J3=j3, J12_PAD=next_pow2(j1 * j2), J3_PAD=next_pow2(j3), BLOCK_A=block_a,
-             BLOCK_W=block_w, num_warps=_NUM_WARPS),
+             BLOCK_W=block_w, num_warps=_NUM_WARPS, **extra),
         (n, c, nsplit, jn), (c * nsplit * jn, nsplit * jn, jn, 1), nsplit,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_set_sums(
+    shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
+    split: int | None,
+) -> _Launch | None:
+    """``None`` for an empty x (no launch); the buffer fields describe the partial sums."""
+    return _pass_plan(shape, stride, device, sets, split, _set_sums_cl_kernel, _set_sums_kernel)
 
 
 def set_sums_partial(
@@ -1202,31 +1211,13 @@ def _plan_broadcast(
     shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
     cout_g: int, split: int | None,
 ) -> _Launch | None:
-    """``None`` for an empty grad_x (no launch)."""
-    n, c, d, h, w = shape
-    j1, j2, j3 = sets
-    jn = j1 * j2 * j3
-    positions = d * h * w
-    if n * c == 0 or positions == 0:
-        return None
+    """``None`` for an empty grad_x (no launch); the buffer fields are unused."""
     block_co = min(next_pow2(cout_g), 128)
-    if _channels_innermost_meta(shape, stride) and jn <= MAX_CL_SETS:
-        block_p, block_c = _cl_tiles(positions, c)
-        cblocks = cdiv(c, block_c)
-        nsplit, per = _cl_split(n * cblocks, positions, block_p, device, split)
-        return _Launch(
-            _grad_broadcast_cl_kernel, (n, cblocks, nsplit), (c, h, w, positions, per, stride[0], stride[1], stride[4]),
-            dict(J1=j1, J2=j2, J3=j3, J_PAD=next_pow2(jn), BLOCK_P=block_p, BLOCK_C=block_c,
-                 BLOCK_CO=min(block_co, 32), num_warps=_NUM_WARPS),
-        )  # fmt: skip
-    rows = d * h
-    block_a, block_w = _tile_shape(rows, w)
-    nsplit, rows_per_split = _choose_split(n * c, rows, block_a, device, split)
-    return _Launch(
-        _set_broadcast_kernel, (n * c, nsplit), (c, h, w, rows, rows_per_split, *stride),
-        dict(J1=j1, J2=j2, J3=j3, J12_PAD=next_pow2(j1 * j2), J3_PAD=next_pow2(j3), BLOCK_A=block_a,
-             BLOCK_W=block_w, FROM_GRAD=True, BLOCK_CO=block_co, num_warps=_NUM_WARPS),
-    )  # fmt: skip
+    plan = _pass_plan(shape, stride, device, sets, split, _grad_broadcast_cl_kernel, _set_broadcast_kernel,
+                      FROM_GRAD=True, BLOCK_CO=block_co)  # fmt: skip
+    if plan is not None and plan.kernel is _grad_broadcast_cl_kernel:
+        plan.consts["BLOCK_CO"] = min(block_co, 32)
+    return plan
 
 
 def grad_broadcast(
