@@ -38,6 +38,7 @@ from profile_step import _step_fn  # noqa: E402
 
 from fusion_backend.bench.backends import resolve_backend  # noqa: E402
 from fusion_backend.bench.suite import load_workload  # noqa: E402
+from fusion_backend.kernels.launch import FastLaunch  # noqa: E402
 
 
 @triton.jit
@@ -80,6 +81,8 @@ def main() -> None:
     print(f"host us per call ({calls} calls, no sync inside), {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__}")
     print(f"  {'trivial triton launch':44s} {host_us(lambda: _noop_kernel[(1,)](buf, 1024, BLOCK=1024), calls):9.1f}")
+    fast_noop = FastLaunch(_noop_kernel, (1,), {"BLOCK": 1024})
+    print(f"  {'trivial triton launch, FastLaunch':44s} {host_us(lambda: fast_noop(buf, 1024), calls):9.1f}")
     print(f"  {'torch.empty':44s} {host_us(lambda: torch.empty(1024, device='cuda'), calls):9.1f}")
     from fusion_backend.ops import conv_global_mean as cgm
 

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from .host import cdiv, next_pow2
+from .launch import FastLaunch
 
 #: Largest number of distinct index sets per spatial dim (bits of an int32 table entry).
 MAX_SETS_PER_DIM = 31
@@ -1005,6 +1006,12 @@ class _Launch:
     buffer_strides: tuple[int, int, int, int] = (0, 0, 0, 0)
     nsplit: int = 1
 
+    @functools.cached_property
+    def launch(self) -> FastLaunch:
+        """``kernel[grid](*args, **consts)`` through :class:`FastLaunch` (built on first use, after
+        the plan builder's last edit of ``consts``)."""
+        return FastLaunch(self.kernel, self.grid, self.consts)
+
 
 def _pass_plan(
     shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
@@ -1066,7 +1073,7 @@ def set_sums_partial(
         z = torch.zeros((n, c, 1, sets[0] * sets[1] * sets[2]), dtype=torch.float32, device=x5.device)
         return z, tuple(z.stride()), 1  # type: ignore[return-value]
     partial = torch.empty(plan.buffer_shape, dtype=torch.float32, device=x5.device)
-    plan.kernel[plan.grid](x5, bits[0], bits[1], bits[2], partial, *plan.ints, **plan.consts)
+    plan.launch(x5, bits[0], bits[1], bits[2], partial, *plan.ints)
     return partial, plan.buffer_strides, plan.nsplit
 
 
@@ -1146,12 +1153,12 @@ def contract_forward(
     ch = chain.padded(mean)
     plan = _plan_contract(n, c_in // weight.cin_g, weight.cout_g, weight.cin_g * t, nsplit, ch.static(chain.steps),
                           bias is not None)  # fmt: skip
-    plan.kernel[plan.grid](
+    plan.launch(
         r, rs_n, rs_c, rs_s, rs_j, nsplit, tapset,
         weight.tensor, weight.s_co, weight.s_ci, weight.s_t, weight.off_g,
         bias if bias is not None else mean, bias.stride(0) if bias is not None else 0,
         ch.ops, ch.strides, out, mean, taps,
-        c_in, c_out, weight.cin_g, weight.cout_g, t, n_outputs, **plan.consts,
+        c_in, c_out, weight.cin_g, weight.cout_g, t, n_outputs
     )  # fmt: skip
 
 
@@ -1198,11 +1205,11 @@ def params_backward(
     gstrides = tuple(s for _, _, s in grad_targets) or (0,)
     plan = _plan_params(c_in // grad_weight.cin_g, grad_weight.cout_g, grad_weight.cin_g, t, ch.static(chain.steps),
                         modes, grad_bias is not None)  # fmt: skip
-    plan.kernel[plan.grid](
+    plan.launch(
         grad_out, grad_out.stride(0), grad_out.stride(1), mean, taps, ch.ops, ch.strides, gops, gstrides,
         grad_weight.tensor, grad_weight.s_co, grad_weight.s_ci, grad_weight.s_t, grad_weight.off_g,
         grad_bias if grad_bias is not None else coef, grad_bias.stride(0) if grad_bias is not None else 0,
-        coef, scratch, n, c_in, c_out, grad_weight.cin_g, grad_weight.cout_g, t, n_outputs, **plan.consts,
+        coef, scratch, n, c_in, c_out, grad_weight.cin_g, grad_weight.cout_g, t, n_outputs
     )  # fmt: skip
 
 
@@ -1237,11 +1244,11 @@ def grad_broadcast(
         return out
     wdims = (weight.taps, weight.cin_g, weight.cout_g, coef.shape[1], weight.s_co, weight.s_ci, weight.s_t, weight.off_g)
     if plan.kernel is _grad_broadcast_cl_kernel:
-        plan.kernel[plan.grid](
-            coef, weight.tensor, tapset, bits[0], bits[1], bits[2], out, *plan.ints, *wdims, **plan.consts
+        plan.launch(
+            coef, weight.tensor, tapset, bits[0], bits[1], bits[2], out, *plan.ints, *wdims
         )  # fmt: skip
     else:
-        plan.kernel[plan.grid](
-            coef, bits[0], bits[1], bits[2], out, *plan.ints, coef, weight.tensor, tapset, *wdims, **plan.consts
+        plan.launch(
+            coef, bits[0], bits[1], bits[2], out, *plan.ints, coef, weight.tensor, tapset, *wdims
         )  # fmt: skip
     return out

@@ -1,0 +1,188 @@
+"""Launch a Triton kernel with little host time: :class:`FastLaunch`.
+
+Why: at the seeds' sizes a training step is host-bound (``docs/perf/NOTES.md``).  Triton's generic
+launch path, ``kernel[grid](*args, **constexprs)``, binds the arguments, computes a specialization
+key from every argument, reads several runtime knobs and builds launch metadata before it calls the
+compiled kernel's launcher: 20-90 us per launch measured on the GPU hosts, against a few us for the
+launcher itself.  ``FastLaunch`` remembers the compiled kernel each specialization produced and
+calls its launcher directly afterwards.
+
+Contract:
+
+* One ``FastLaunch`` per (kernel, grid, constexprs, launch options), i.e. per launch plan; calling
+  it with the kernel's runtime (non-constexpr) arguments, in signature order, launches on the
+  current device's current stream, exactly like ``kernel[grid](*args, **constexprs)``.
+* The specialization key is what Triton specializes a compiled kernel on (the rules of
+  ``native_specialize_impl``): per tensor its dtype and whether its data pointer is 16-byte aligned;
+  per integer whether it is 1, whether it is divisible by 16 and which of i32/i64/u64 it needs;
+  bools, floats and ``None`` by kind; tuples element-wise.  The current device is part of the key
+  (Triton compiles per device).  Any argument of another kind makes the call take the generic path.
+* The generic path is always taken, and the result is the same, when: the call's key has not been
+  seen yet (that launch compiles or finds the kernel, which is then remembered); Triton's launch
+  hooks are set (profilers such as proton need the metadata the generic path builds); the kernel is
+  not a compiled GPU kernel (``TRITON_INTERPRET=1`` returns none) or this Triton's compiled kernel
+  lacks the launcher attributes used here (checked once per kernel object).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+try:  # Triton >= 3.4 keeps the launch hooks in knobs; older versions on CompiledKernel
+    from triton import knobs as _knobs
+
+    _RUNTIME_KNOBS: Any = _knobs.runtime
+except ImportError:  # pragma: no cover - old Triton
+    _RUNTIME_KNOBS = None
+
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_I64_MAX = 2**63 - 1
+
+#: Marks an argument kind the key does not model: such calls take the generic path.
+_UNMODELLED = object()
+#: Placeholder for a runtime argument in ``FastLaunch``'s argument template.
+_RUNTIME = object()
+
+
+def _int_key(v: int) -> tuple[int, int] | int:
+    if v == 1:
+        return 1  # Triton turns an integer argument equal to 1 into a constant
+    width = 32 if _I32_MIN <= v <= _I32_MAX else 64 if v <= _I64_MAX else 65
+    return (width, v % 16 == 0)
+
+
+def arg_key(a: Any) -> Any:
+    """The part of Triton's specialization key that argument ``a`` determines (see the module
+    docstring); ``_UNMODELLED`` for kinds it does not model."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return ("b",)
+    if isinstance(a, int):
+        return _int_key(a)
+    if a is None:
+        return None
+    if isinstance(a, float):
+        return ("f",)
+    if isinstance(a, tuple):
+        keys = tuple(arg_key(x) for x in a)
+        return _UNMODELLED if any(k is _UNMODELLED for k in keys) else keys
+    return _UNMODELLED
+
+
+def _hooks_idle() -> bool:
+    """True when no launch enter/exit hook is installed (``None`` or an empty ``HookChain``)."""
+    if _RUNTIME_KNOBS is None:
+        return False
+    for hook in (_RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook):
+        if hook is None:
+            continue
+        calls = getattr(hook, "calls", None)
+        if not isinstance(calls, list) or calls:
+            return False
+    return True
+
+
+def _direct_launcher(compiled: Any) -> tuple[Callable[..., Any], Any, Any] | None:
+    """``(launcher, function handle, packed metadata)`` of a compiled kernel, or ``None`` when it is
+    not a compiled GPU kernel of a Triton whose launcher this module knows."""
+    try:
+        run = compiled.run  # loads the module on first access
+        function = compiled.function
+        metadata = compiled.packed_metadata
+    except AttributeError:
+        return None
+    if not callable(run) or function is None:
+        return None
+    return run, function, metadata
+
+
+class FastLaunch:
+    """``kernel[grid](*args, **constexprs)`` with the per-launch host work done once per
+    specialization (see the module docstring for the contract and when it falls back)."""
+
+    def __init__(self, kernel: Any, grid: Sequence[int], constexprs: dict[str, Any]) -> None:
+        self.kernel = kernel
+        self.grid = tuple(grid)
+        self.constexprs = dict(constexprs)
+        self._grid3 = (*self.grid, 1, 1)[:3]
+        self._compiled: dict[Any, tuple[Callable[..., Any], Any, Any]] = {}
+        self._tail, self._merge = self._constexpr_layout(kernel, self.constexprs)
+        params = getattr(kernel, "params", None) or ()
+        #: how many runtime (non-constexpr) parameters the kernel has; ``-1`` when not known
+        self._n_runtime = sum(1 for p in params if not p.is_constexpr) if params else -1
+        #: Triton's ``get_current_device`` / ``get_current_stream``, bound at the first remembered kernel
+        self._device_of: Callable[[], int] | None = None
+        self._stream_of: Callable[[int], int] | None = None
+
+    @staticmethod
+    def _constexpr_layout(
+        kernel: Any, constexprs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], list[Any] | None]:
+        """How the launcher's full argument list (every parameter, constexprs included, in signature
+        order) is built from the runtime arguments: ``(tail, None)`` when every constexpr comes after
+        every runtime parameter (the list is ``args + tail``), else ``((), template)``: per parameter
+        either a constexpr value or ``_RUNTIME`` for the next runtime argument.  ``((), None)`` when
+        the kernel does not describe its parameters (the fast path is then never taken)."""
+        params = getattr(kernel, "params", None)
+        if not params:
+            return (), None
+        template: list[Any] = []
+        for p in params:
+            if p.is_constexpr:
+                template.append(constexprs[p.name] if p.name in constexprs else p.default)
+            else:
+                template.append(_RUNTIME)
+        first_const = next((i for i, v in enumerate(template) if v is not _RUNTIME), len(template))
+        if all(v is not _RUNTIME for v in template[first_const:]):
+            return tuple(template[first_const:]), None
+        return (), template
+
+    def _full_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if self._merge is None:
+            return args + self._tail
+        it = iter(args)
+        return tuple(next(it) if v is _RUNTIME else v for v in self._merge)
+
+    def __call__(self, *args: Any) -> None:
+        device_of, stream_of = self._device_of, self._stream_of
+        if device_of is not None and stream_of is not None and _hooks_idle():
+            device = device_of()
+            key = (device, *[arg_key(a) for a in args])
+            hit = self._compiled.get(key)
+            if hit is not None:
+                run, function, metadata = hit
+                gx, gy, gz = self._grid3
+                run(gx, gy, gz, stream_of(device), function, metadata, None, None, None,
+                    *self._full_args(args))  # fmt: skip
+                return
+        compiled = self.kernel[self.grid](*args, **self.constexprs)
+        self._remember(args, compiled)
+
+    def _remember(self, args: tuple[Any, ...], compiled: Any) -> None:
+        if compiled is None or len(args) != self._n_runtime:
+            return  # interpreter, not a JITFunction, or runtime args left to their defaults
+        keys = [arg_key(a) for a in args]
+        if any(k is _UNMODELLED for k in keys):
+            return
+        direct = _direct_launcher(compiled)
+        functions = _driver_functions()
+        if direct is None or functions is None:
+            return
+        self._device_of, self._stream_of = functions
+        self._compiled[(self._device_of(), *keys)] = direct
+
+
+def _driver_functions() -> tuple[Callable[[], int], Callable[[int], int]] | None:
+    """Triton's active driver's ``(get_current_device, get_current_stream)``: the device and stream
+    its generic launch path uses; ``None`` when there is no active GPU driver."""
+    try:
+        from triton.runtime import driver as triton_driver
+
+        active = triton_driver.active
+        return active.get_current_device, active.get_current_stream
+    except Exception:  # no GPU backend (CPU-only machine): the generic path stays in use
+        return None

@@ -1,0 +1,193 @@
+"""``FastLaunch``: the direct-launcher path must launch exactly what Triton's generic path would.
+
+The CPU tests drive ``FastLaunch`` with a stand-in kernel that records which path each call took and
+what the launcher received; the CUDA test launches a real kernel through both paths with arguments
+that change Triton's specialization (aligned / misaligned pointers, integers equal to 1, divisible
+by 16, beyond int32) and checks every result.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fusion_backend.kernels import launch
+from fusion_backend.kernels.launch import FastLaunch, arg_key
+
+
+class _Param:
+    def __init__(self, name: str, constexpr: bool = False, default=None) -> None:
+        self.name, self.is_constexpr, self.default = name, constexpr, default
+
+
+class _Compiled:
+    """Stands in for a ``CompiledKernel``: ``run`` records the direct launches."""
+
+    def __init__(self, log: list) -> None:
+        self.function = 1234
+        self.packed_metadata = ("meta",)
+        self._log = log
+
+    def run(self, *launch_args) -> None:
+        self._log.append(("direct", launch_args))
+
+
+class _Kernel:
+    """Stands in for a ``JITFunction``: ``kernel[grid](*args, **kw)`` records a generic launch."""
+
+    def __init__(self, params: list[_Param]) -> None:
+        self.params = params
+        self.log: list = []
+        self.compiled = _Compiled(self.log)
+
+    def __getitem__(self, grid):
+        def launch_generic(*args, **kwargs):
+            self.log.append(("generic", grid, args, kwargs))
+            return self.compiled
+
+        return launch_generic
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    monkeypatch.setattr(launch, "_driver_functions", lambda: (lambda: 0, lambda device: 77))
+    monkeypatch.setattr(
+        launch, "_RUNTIME_KNOBS", types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    )
+
+
+def _paths(kernel: _Kernel) -> list[str]:
+    return [entry[0] for entry in kernel.log]
+
+
+def test_second_call_with_the_same_specialization_launches_directly(fake_driver):
+    kernel = _Kernel([_Param("x"), _Param("n"), _Param("BLOCK", True), _Param("MODE", True, default=3)])
+    fl = FastLaunch(kernel, (5,), {"BLOCK": 64, "num_warps": 4})
+    x = torch.randn(32)
+    fl(x, 40)
+    fl(x, 48)  # 48 is divisible by 16, 40 is not: another specialization, generic
+    fl(x, 56)  # not divisible by 16, like 40: direct
+    assert _paths(kernel) == ["generic", "generic", "direct"]
+    assert kernel.log[0][1:] == ((5,), (x, 40), {"BLOCK": 64, "num_warps": 4})
+    gx, gy, gz, stream, function, meta, launch_meta, enter, exit_, *args = kernel.log[2][1]
+    assert (gx, gy, gz, stream, function, meta) == (5, 1, 1, 77, 1234, ("meta",))
+    assert (launch_meta, enter, exit_) == (None, None, None)
+    assert args[0] is x and args[1:] == [56, 64, 3]  # runtime args, then constexprs (default filled in)
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ("aligned", "misaligned"),
+        (2, 1),  # 1 becomes a constant in Triton
+        (3, 32),  # divisible by 16
+        (3, 2**31),  # needs int64
+        (2**40, 2**63 + 5),  # needs uint64
+        (torch.float32, torch.float16),  # pointer type
+    ],
+)
+def test_a_different_specialization_takes_the_generic_path(fake_driver, first, second):
+    kernel = _Kernel([_Param("x"), _Param("n")])
+    fl = FastLaunch(kernel, (1, 2), {})
+    base = torch.randn(64)
+
+    def args(v):
+        if v == "aligned":
+            return base, 7
+        if v == "misaligned":
+            return base[1:], 7
+        if isinstance(v, torch.dtype):
+            return base.to(v), 7
+        return base, v
+
+    fl(*args(first))
+    fl(*args(second))
+    fl(*args(second))
+    fl(*args(first))
+    assert _paths(kernel) == ["generic", "generic", "direct", "direct"]
+    assert arg_key(args(first)[0]) != arg_key(args(second)[0]) or arg_key(first) != arg_key(second)
+
+
+def test_constexpr_between_runtime_parameters_is_placed_in_signature_order(fake_driver):
+    kernel = _Kernel([_Param("x"), _Param("A", True), _Param("n"), _Param("B", True)])
+    fl = FastLaunch(kernel, (3, 1, 2), {"A": "a", "B": (1, 2)})
+    x = torch.randn(4)
+    fl(x, 5)
+    fl(x, 5)
+    assert _paths(kernel) == ["generic", "direct"]
+    args = kernel.log[1][1][9:]
+    assert args[0] is x and args[1:] == ("a", 5, (1, 2))
+
+
+def test_tuple_arguments_are_keyed_element_wise(fake_driver):
+    kernel = _Kernel([_Param("ops"), _Param("strides")])
+    fl = FastLaunch(kernel, (1,), {})
+    a, b = torch.randn(8), torch.randn(8)
+    fl((a, b), (1, 16))
+    fl((b, a), (1, 32))
+    fl((a, b[1:]), (1, 32))
+    fl((a, b), (2, 32))
+    assert _paths(kernel) == ["generic", "direct", "generic", "generic"]
+
+
+def test_unmodelled_arguments_and_launch_hooks_keep_the_generic_path(fake_driver, monkeypatch):
+    kernel = _Kernel([_Param("x"), _Param("what")])
+    fl = FastLaunch(kernel, (1,), {})
+    x = torch.randn(4)
+    for _ in range(3):
+        fl(x, "a string")
+    assert _paths(kernel) == ["generic"] * 3
+
+    kernel = _Kernel([_Param("x"), _Param("n")])
+    fl = FastLaunch(kernel, (1,), {})
+    fl(x, 3)
+    monkeypatch.setattr(
+        launch, "_RUNTIME_KNOBS",
+        types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[print]), launch_exit_hook=None),
+    )  # fmt: skip
+    fl(x, 3)
+    assert _paths(kernel) == ["generic", "generic"]
+
+
+def test_without_a_gpu_driver_every_call_is_generic(monkeypatch):
+    monkeypatch.setattr(launch, "_driver_functions", lambda: None)
+    kernel = _Kernel([_Param("x")])
+    fl = FastLaunch(kernel, (1,), {})
+    x = torch.randn(4)
+    fl(x)
+    fl(x)
+    assert _paths(kernel) == ["generic", "generic"]
+
+
+@triton.jit
+def _axpb_kernel(x_ptr, out_ptr, n, a, b, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, x * a + b, mask=ok)
+
+
+def test_real_kernel_gives_the_generic_result_for_every_specialization(kernel_device):
+    """On CUDA the direct path runs from the second call of each key on; under the interpreter every
+    call is generic.  Either way each launch must compute ``x * a + b`` on exactly ``n`` elements."""
+    block = 64
+    fl = FastLaunch(_axpb_kernel, (2,), {"BLOCK": block})
+    base = torch.randn(200, device=kernel_device)
+    cases = []
+    for x in (base[:100], base[1:101], base[3:103]):  # 16-byte aligned, then two misaligned
+        for n in (1, 16, 37, 100):
+            for a, b in ((1, 0), (3, 16), (2**33, -5)):  # a, b: 1 (constant), /16, int64
+                cases.append((x, n, a, b))
+    for _ in range(2):  # the second round hits remembered kernels
+        for x, n, a, b in cases:
+            out = torch.full((128,), -7.0, device=kernel_device)
+            fl(x, out, n, a, b)
+            expected = torch.full((128,), -7.0, device=kernel_device)
+            expected[:n] = x[:n].double().mul(a).add(b).float()
+            torch.testing.assert_close(out, expected, rtol=1e-6, atol=0, msg=f"n={n} a={a} b={b}")
+    if kernel_device == "cuda":
+        assert fl._compiled, "the direct path was never set up on CUDA"
