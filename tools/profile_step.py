@@ -92,6 +92,28 @@ def profile_one(path: str, backend_name: str, mode: str, dtype: str, steps: int,
     for name, (total_us, calls) in rows:
         per_step = total_us / 1e3 / steps
         print(f"  {per_step:8.3f} ms  {calls / steps:4.1f}x  {per_step / max(gpu_ms, 1e-9):5.1%}  {name[:110]}")
+    _print_host_side(prof, steps)
+
+
+def _print_host_side(prof, steps: int) -> None:
+    """CUDA runtime/driver calls per step (a synchronizing call or an allocation explains a host wall
+    above the kernels' time) and the longest gaps in which the GPU ran no kernel."""
+    api: dict[str, tuple[float, int]] = {}
+    spans = []
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            spans.append((evt.time_range.start, evt.time_range.end, evt.name))
+        elif evt.name.startswith(("cuda", "cu")) and not evt.name.startswith("cudaLaunchKernel"):
+            total, calls = api.get(evt.name, (0.0, 0))
+            api[evt.name] = (total + evt.cpu_time_total, calls + 1)
+    print("  host-side CUDA API calls (excluding kernel launches), per step:")
+    for name, (total_us, calls) in sorted(api.items(), key=lambda kv: -kv[1][0])[:8]:
+        print(f"    {total_us / steps:8.1f} us  {calls / steps:5.1f}x  {name}")
+    spans.sort()
+    gaps = [(b[0] - a[1], a[2], b[2]) for a, b in zip(spans, spans[1:], strict=False) if b[0] > a[1]]
+    print("  longest GPU idle gaps (us, kernel before -> kernel after):")
+    for gap, before, after in sorted(gaps, reverse=True)[:6]:
+        print(f"    {gap:8.1f}  {before[:50]} -> {after[:50]}")
 
 
 def main() -> None:
