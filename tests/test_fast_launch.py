@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from fusion_backend.kernels import launch
-from fusion_backend.kernels.launch import FastLaunch, arg_key
+from fusion_backend.kernels.launch import MAX_REMEMBERED, FastLaunch, call_key
 
 
 class _Param:
@@ -69,14 +69,15 @@ def test_second_call_with_the_same_specialization_launches_directly(fake_driver)
     fl = FastLaunch(kernel, (5,), {"BLOCK": 64, "num_warps": 4})
     x = torch.randn(32)
     fl(x, 40)
-    fl(x, 48)  # 48 is divisible by 16, 40 is not: another specialization, generic
-    fl(x, 56)  # not divisible by 16, like 40: direct
-    assert _paths(kernel) == ["generic", "generic", "direct"]
+    fl(x, 48)  # another integer value: generic (the key is finer than Triton's)
+    fl(x, 48)
+    fl(torch.randn(32), 40)  # another tensor, same dtype and alignment: direct
+    assert _paths(kernel) == ["generic", "generic", "direct", "direct"]
     assert kernel.log[0][1:] == ((5,), (x, 40), {"BLOCK": 64, "num_warps": 4})
     gx, gy, gz, stream, function, meta, launch_meta, enter, exit_, *args = kernel.log[2][1]
     assert (gx, gy, gz, stream, function, meta) == (5, 1, 1, 77, 1234, ("meta",))
     assert (launch_meta, enter, exit_) == (None, None, None)
-    assert args[0] is x and args[1:] == [56, 64, 3]  # runtime args, then constexprs (default filled in)
+    assert args[0] is x and args[1:] == [48, 64, 3]  # runtime args, then constexprs (default filled in)
 
 
 @pytest.mark.parametrize(
@@ -88,6 +89,8 @@ def test_second_call_with_the_same_specialization_launches_directly(fake_driver)
         (3, 2**31),  # needs int64
         (2**40, 2**63 + 5),  # needs uint64
         (torch.float32, torch.float16),  # pointer type
+        (2, 2.0),  # equal values, other type
+        (1, True),
     ],
 )
 def test_a_different_specialization_takes_the_generic_path(fake_driver, first, second):
@@ -109,7 +112,7 @@ def test_a_different_specialization_takes_the_generic_path(fake_driver, first, s
     fl(*args(second))
     fl(*args(first))
     assert _paths(kernel) == ["generic", "generic", "direct", "direct"]
-    assert arg_key(args(first)[0]) != arg_key(args(second)[0]) or arg_key(first) != arg_key(second)
+    assert call_key(args(first)) != call_key(args(second))
 
 
 def test_constexpr_between_runtime_parameters_is_placed_in_signature_order(fake_driver):
@@ -128,18 +131,19 @@ def test_tuple_arguments_are_keyed_element_wise(fake_driver):
     fl = FastLaunch(kernel, (1,), {})
     a, b = torch.randn(8), torch.randn(8)
     fl((a, b), (1, 16))
-    fl((b, a), (1, 32))
-    fl((a, b[1:]), (1, 32))
-    fl((a, b), (2, 32))
-    assert _paths(kernel) == ["generic", "direct", "generic", "generic"]
+    fl((b, a), (1, 16))
+    fl((a, b[1:]), (1, 16))
+    fl((a, b), (2, 16))
+    fl((a, b), (1, 16.0))
+    assert _paths(kernel) == ["generic", "direct", "generic", "generic", "generic"]
 
 
-def test_unmodelled_arguments_and_launch_hooks_keep_the_generic_path(fake_driver, monkeypatch):
+def test_unhashable_arguments_and_launch_hooks_keep_the_generic_path(fake_driver, monkeypatch):
     kernel = _Kernel([_Param("x"), _Param("what")])
     fl = FastLaunch(kernel, (1,), {})
     x = torch.randn(4)
     for _ in range(3):
-        fl(x, "a string")
+        fl(x, [1, 2])
     assert _paths(kernel) == ["generic"] * 3
 
     kernel = _Kernel([_Param("x"), _Param("n")])
@@ -151,6 +155,17 @@ def test_unmodelled_arguments_and_launch_hooks_keep_the_generic_path(fake_driver
     )  # fmt: skip
     fl(x, 3)
     assert _paths(kernel) == ["generic", "generic"]
+
+
+def test_remembered_specializations_are_bounded(fake_driver):
+    kernel = _Kernel([_Param("n")])
+    fl = FastLaunch(kernel, (1,), {})
+    for n in range(MAX_REMEMBERED + 10):
+        fl(n)
+    assert len(fl._compiled) == MAX_REMEMBERED
+    fl(3)
+    fl(MAX_REMEMBERED + 5)
+    assert _paths(kernel)[-2:] == ["direct", "generic"]
 
 
 def test_without_a_gpu_driver_every_call_is_generic(monkeypatch):

@@ -93,6 +93,14 @@ def main() -> None:
         forward, backward = per_op["op forward"], per_op["op backward"]
         print(f"  {'op forward (no grad)':44s} {host_us(forward, calls):9.1f}")
         print(f"  {'op backward (no grad)':44s} {host_us(backward, calls):9.1f}")
+        # the same calls with the custom-op layers (dispatcher, autograd key, alias checks) bypassed
+        ops = cgm.conv_global_mean_fwd, cgm.conv_global_mean_bwd
+        cgm.conv_global_mean_fwd, cgm.conv_global_mean_bwd = (op._init_fn for op in ops)
+        try:
+            print(f"  {'op forward, undecorated function':44s} {host_us(forward, calls):9.1f}")
+            print(f"  {'op backward, undecorated function':44s} {host_us(backward, calls):9.1f}")
+        finally:
+            cgm.conv_global_mean_fwd, cgm.conv_global_mean_bwd = ops
     print(f"  {'op forward + backward (autograd)':44s} {host_us(per_op['op forward + backward (autograd)'], calls):9.1f}")
     del cgm
     for path in ("demos/seeds/seed_c_small.py", "demos/seeds/seed_b_small.py"):

@@ -12,11 +12,13 @@ Contract:
 * One ``FastLaunch`` per (kernel, grid, constexprs, launch options), i.e. per launch plan; calling
   it with the kernel's runtime (non-constexpr) arguments, in signature order, launches on the
   current device's current stream, exactly like ``kernel[grid](*args, **constexprs)``.
-* The specialization key is what Triton specializes a compiled kernel on (the rules of
-  ``native_specialize_impl``): per tensor its dtype and whether its data pointer is 16-byte aligned;
-  per integer whether it is 1, whether it is divisible by 16 and which of i32/i64/u64 it needs;
-  bools, floats and ``None`` by kind; tuples element-wise.  The current device is part of the key
-  (Triton compiles per device).  Any argument of another kind makes the call take the generic path.
+* The key of a call is finer than Triton's specialization key, so a remembered kernel is always the
+  one the generic path would pick: per tensor its dtype and whether its data pointer is 16-byte
+  aligned (all Triton specializes a pointer on); every other argument by its exact type and value
+  (Triton specializes integers on value classes: equal to 1, divisible by 16, i32/i64/u64); tuples
+  element-wise; and the current device (Triton compiles per device).  Unhashable arguments make the
+  call take the generic path.  Integer arguments of a plan are shapes and strides, so the number of
+  keys per ``FastLaunch`` stays small; past ``MAX_REMEMBERED`` new keys are no longer remembered.
 * The generic path is always taken, and the result is the same, when: the call's key has not been
   seen yet (that launch compiles or finds the kernel, which is then remembered); Triton's launch
   hooks are set (profilers such as proton need the metadata the generic path builds); the kernel is
@@ -38,39 +40,31 @@ try:  # Triton >= 3.4 keeps the launch hooks in knobs; older versions on Compile
 except ImportError:  # pragma: no cover - old Triton
     _RUNTIME_KNOBS = None
 
-_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
-_I64_MAX = 2**63 - 1
-
-#: Marks an argument kind the key does not model: such calls take the generic path.
-_UNMODELLED = object()
+#: Specializations remembered per ``FastLaunch`` (a bound on memory if an argument varied per call).
+MAX_REMEMBERED = 64
 #: Placeholder for a runtime argument in ``FastLaunch``'s argument template.
 _RUNTIME = object()
 
 
-def _int_key(v: int) -> tuple[int, int] | int:
-    if v == 1:
-        return 1  # Triton turns an integer argument equal to 1 into a constant
-    width = 32 if _I32_MIN <= v <= _I32_MAX else 64 if v <= _I64_MAX else 65
-    return (width, v % 16 == 0)
+def call_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The key of a call with runtime arguments ``args`` (see the module docstring).
 
-
-def arg_key(a: Any) -> Any:
-    """The part of Triton's specialization key that argument ``a`` determines (see the module
-    docstring); ``_UNMODELLED`` for kinds it does not model."""
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, bool):
-        return ("b",)
-    if isinstance(a, int):
-        return _int_key(a)
-    if a is None:
-        return None
-    if isinstance(a, float):
-        return ("f",)
-    if isinstance(a, tuple):
-        keys = tuple(arg_key(x) for x in a)
-        return _UNMODELLED if any(k is _UNMODELLED for k in keys) else keys
-    return _UNMODELLED
+    NOTE: one comprehension and one ``map`` rather than a function call per argument: this runs on
+    every launch, and per-argument Python calls were most of the launch's host time.
+    """
+    values = tuple(
+        [
+            a
+            if type(a) is int
+            else (a.dtype, a.data_ptr() % 16 == 0)
+            if isinstance(a, torch.Tensor)
+            else call_key(a)
+            if type(a) is tuple
+            else a
+            for a in args
+        ]
+    )
+    return (tuple(map(type, args)), values)
 
 
 def _hooks_idle() -> bool:
@@ -151,8 +145,10 @@ class FastLaunch:
         device_of, stream_of = self._device_of, self._stream_of
         if device_of is not None and stream_of is not None and _hooks_idle():
             device = device_of()
-            key = (device, *[arg_key(a) for a in args])
-            hit = self._compiled.get(key)
+            try:
+                hit = self._compiled.get((device, call_key(args)))
+            except TypeError:  # an unhashable argument
+                hit = None
             if hit is not None:
                 run, function, metadata = hit
                 gx, gy, gz = self._grid3
@@ -163,17 +159,19 @@ class FastLaunch:
         self._remember(args, compiled)
 
     def _remember(self, args: tuple[Any, ...], compiled: Any) -> None:
-        if compiled is None or len(args) != self._n_runtime:
-            return  # interpreter, not a JITFunction, or runtime args left to their defaults
-        keys = [arg_key(a) for a in args]
-        if any(k is _UNMODELLED for k in keys):
+        if compiled is None or len(args) != self._n_runtime or len(self._compiled) >= MAX_REMEMBERED:
+            return  # interpreter, not a JITFunction, runtime args left to their defaults, or full
+        try:
+            key = call_key(args)
+            hash(key)
+        except TypeError:  # an unhashable argument
             return
         direct = _direct_launcher(compiled)
         functions = _driver_functions()
         if direct is None or functions is None:
             return
         self._device_of, self._stream_of = functions
-        self._compiled[(self._device_of(), *keys)] = direct
+        self._compiled[(self._device_of(), key)] = direct
 
 
 def _driver_functions() -> tuple[Callable[[], int], Callable[[int], int]] | None:

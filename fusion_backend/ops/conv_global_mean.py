@@ -345,29 +345,33 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _validate(
     cfg: ConvGlobalMeanConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> None:
-    spec = cfg.conv
+    _validate_shapes(cfg.conv, x.shape, weight.shape, None if bias is None else bias.shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _validate_shapes(
+    spec: ConvSpec, x_shape: torch.Size, w_shape: torch.Size, bias_shape: torch.Size | None
+) -> None:
+    """Raise ``UnsupportedInputError`` unless the shapes fit the conv (cached: runs on every call;
+    a raise is not cached, so a bad call raises every time)."""
     nd = spec.spatial_dims
-    if x.dim() != nd + 2 or weight.dim() != nd + 2:
+    if len(x_shape) != nd + 2 or len(w_shape) != nd + 2:
         raise UnsupportedInputError(
             f"conv_global_mean: a {nd}-d conv needs batched x and weight of rank {nd + 2}, got x "
-            f"{tuple(x.shape)} and weight {tuple(weight.shape)}"
+            f"{tuple(x_shape)} and weight {tuple(w_shape)}"
         )
     g = spec.groups
-    c_in = x.shape[1]
-    expected_cin = weight.shape[0] if spec.transposed else weight.shape[1] * g
-    if (
-        c_in != expected_cin
-        or (spec.transposed and c_in % g)
-        or (not spec.transposed and weight.shape[0] % g)
-    ):
+    c_in = x_shape[1]
+    expected_cin = w_shape[0] if spec.transposed else w_shape[1] * g
+    if c_in != expected_cin or (spec.transposed and c_in % g) or (not spec.transposed and w_shape[0] % g):
         raise UnsupportedInputError(
-            f"conv_global_mean: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} with "
+            f"conv_global_mean: x {tuple(x_shape)} does not match weight {tuple(w_shape)} with "
             f"groups={g} (transposed={spec.transposed})"
         )
-    c_out = _out_channels(spec, weight)
-    if bias is not None and tuple(bias.shape) != (c_out,):
+    c_out = w_shape[1] * g if spec.transposed else w_shape[0]
+    if bias_shape is not None and tuple(bias_shape) != (c_out,):
         raise UnsupportedInputError(
-            f"conv_global_mean: bias must have shape ({c_out},), got {tuple(bias.shape)}"
+            f"conv_global_mean: bias must have shape ({c_out},), got {tuple(bias_shape)}"
         )
 
 
@@ -537,11 +541,9 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
     path at run time when a spatial dim has more than 31 distinct tap index sets (kernel width > 31),
     which is reported by a one-time warning.
     """
-    ConvGlobalMeanConfig.from_json(config)  # validates
     if device_type == "cuda":
-        if dtype in _CUDA_KERNEL_DTYPES:
-            return ("triton", None)
-        return ("reference", f"no Triton kernel for dtype {dtype} (kernels: fp32, fp16, bf16)")
+        return _cuda_kernel_path(config, dtype)
+    ConvGlobalMeanConfig.from_json(config)  # validates
     if device_type == "cpu":
         if os.environ.get(CPU_KERNELS_ENV, "").lower() != "triton":
             return (
@@ -552,6 +554,15 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
             return ("triton", None)
         return ("reference", f"the Triton interpreter has no kernel for dtype {dtype} (fp32, fp16 only)")
     return ("reference", f"no Triton kernels for device type {device_type!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def _cuda_kernel_path(config: str, dtype: torch.dtype) -> tuple[str, str | None]:
+    """``kernel_path`` on CUDA (no environment to read, so cached: it runs on every call)."""
+    ConvGlobalMeanConfig.from_json(config)  # validates
+    if dtype in _CUDA_KERNEL_DTYPES:
+        return ("triton", None)
+    return ("reference", f"no Triton kernel for dtype {dtype} (kernels: fp32, fp16, bf16)")
 
 
 def _kernel_fits(geo: _Geometry) -> str | None:
