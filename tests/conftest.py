@@ -77,3 +77,12 @@ def seed_models():
         return model, inputs
 
     return load
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist with ``--dist loadgroup`` (tools/gpu_session.sh), every ``gpu``-marked test
+    (the full-size seeds, up to ~30 GB of GPU memory each) runs on one worker, one after the other:
+    four at once ran an 80 GB H100 out of memory.  Without xdist the marker does nothing."""
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.xdist_group("gpu_full_size"))

@@ -2,7 +2,8 @@
 # One GPU session in one call: install, then the named stages in order; logs under $OUT (or ./gpu_out).
 #   bash tools/gpu_session.sh tests,kernels,explain,parity,bench      (default: all of them)
 # Stages:
-#   tests    the whole test suite on CUDA (pytest -n 4; full-size seeds in parallel run out of memory at 8), then the dynamic-shape test with recompile logs
+#   tests    the whole test suite on CUDA (pytest -n 4 --dist loadgroup: the full-size gpu tests on one worker, as
+#            four of them at once run an 80 GB H100 out of memory), then the dynamic-shape test with recompile logs
 #   kernels  the kernel-level timing scripts (tools/bench_*.py)
 #   explain  python -m fusion_backend explain --train on the three seeds (issue 3)
 #   parity   tools/parity_check.py: seeds A and B, fp32 (TF32 off) and bf16, no package import
@@ -17,7 +18,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 has() { [[ ",$stages," == *",$1,"* ]]; }
 rc=0
 if has tests; then
-  timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -v -rf -n "${TEST_WORKERS:-4}" -p no:cacheprovider tests >"$out/pytest.log" 2>&1 || rc=1
+  timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -v -rf -n "${TEST_WORKERS:-4}" --dist loadgroup -p no:cacheprovider tests >"$out/pytest.log" 2>&1 || rc=1
   grep -E " (FAILED|ERROR)|^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -40  # -v: names even if timed out
   TORCH_LOGS=recompiles timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_e2e_conv_epilogue.py \
     -k dynamic_true 2>&1 | grep -i -E -A4 "recompil|passed|failed" | grep -v DEBUG | head -20
