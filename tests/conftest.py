@@ -79,6 +79,7 @@ def seed_models():
     return load
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist with ``--dist loadgroup`` (tools/gpu_session.sh), every ``gpu``-marked test
     (the full-size seeds, up to ~30 GB of GPU memory each) runs on one worker, one after the other:
