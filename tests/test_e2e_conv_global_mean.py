@@ -108,13 +108,14 @@ def test_cuda_graphs_mode_reduce_overhead_matches_eager_over_steps(seed_models):
         with collect_reports() as reports, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = compiled(xs)
+            grad_out = torch.randn_like(out)
+            grads = torch.autograd.grad(out, [xs, *params], grad_out)
+            got = [out.detach().clone(), *[g.clone() for g in grads]]
         # a kernel failure would fall back to the torch reference with a warning: none may occur
         assert not [w for w in caught if "fusion_backend" in str(w.message)], [str(w.message) for w in caught]
         if step == 0:
             assert [r.counts() for r in reports] == [{"conv_global_mean": 1}]
             assert all(not r.fallbacks for r in reports), [str(r) for r in reports]
-        grad_out = torch.randn_like(out)
-        got = [out.detach().clone(), *[g.clone() for g in torch.autograd.grad(out, [xs, *params], grad_out)]]
         ref_x = xs.detach().double().requires_grad_()
         ref_model = copy.deepcopy(model).double()
         ref_out = ref_model(ref_x)
