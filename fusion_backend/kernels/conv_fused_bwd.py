@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from .conv_fused import AUTOTUNE_ENV
-from .host import cdiv, next_pow2
+from .host import cdiv, next_pow2, persistent_device_copies
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -698,7 +698,7 @@ def _taps(kernel: Sequence[int]) -> list[tuple[int, int, int]]:
     return [(a, b, c) for a in range(kernel[0]) for b in range(kernel[1]) for c in range(kernel[2])]
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache  # never evicts: recorded CUDA graphs keep the tables' addresses
 def _dgrad_table(
     transposed: bool, kernel: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
     dilation: tuple[int, ...], w_tap_strides: tuple[int, ...], device: torch.device,
@@ -727,16 +727,17 @@ def _dgrad_table(
         if row:
             table[ph, : len(row)] = torch.tensor(row, dtype=torch.int32)
     counts = torch.tensor([len(row) for row in rows], dtype=torch.int32)
-    return table.to(device), counts.to(device)
+    table, counts = persistent_device_copies([table, counts], device)
+    return table, counts
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache  # never evicts: recorded CUDA graphs keep the table's address
 def _wgrad_table(
     kernel: tuple[int, ...], padding: tuple[int, ...], dilation: tuple[int, ...], device: torch.device
 ) -> torch.Tensor:
     """The weight-grad kernel's tap table (kvol, 4) int32: (unused, ``-p + k*dl`` per dim); cached."""
     rows = [(0, *(-padding[i] + k[i] * dilation[i] for i in range(3))) for k in _taps(kernel)]
-    return torch.tensor(rows, dtype=torch.int32).to(device)
+    return persistent_device_copies([torch.tensor(rows, dtype=torch.int32)], device)[0]
 
 
 def conv_input_grad(

@@ -1,4 +1,4 @@
-"""Host-side integer helpers shared by the kernel launchers.
+"""Host-side helpers shared by the kernel launchers: plain-int arithmetic, persistent device tables.
 
 ``triton.cdiv`` and ``triton.next_power_of_2`` are ``constexpr_function``s in recent Triton: called
 from host code they unwrap their arguments through Triton's machinery and cost ~2-3 us each.  The
@@ -7,6 +7,10 @@ step waits on (see ``docs/perf/NOTES.md``), so the launchers use these plain-int
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
 
 
 def cdiv(a: int, b: int) -> int:
@@ -17,3 +21,23 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def persistent_device_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Copies of small host tensors on ``device`` for a cache that keeps them for the process.
+
+    NOTE: on CUDA the copies are allocated and made on a side stream, synchronized before returning.
+    Under CUDA-graph trees (``torch.compile(mode="reduce-overhead")``) the warm-up and recording
+    calls allocate from the graph's private memory pool, but only on the current stream; a cached
+    tensor left in that pool is a live allocation the graph does not track ("Detected N tensor(s) in
+    the cudagraph pool not tracked as outputs").  A side stream's allocations come from the ordinary
+    pool.  The caches holding these copies never evict (a recorded graph keeps their addresses), so
+    the block is never reused by another stream.
+    """
+    if device.type != "cuda":
+        return [t.to(device) for t in tensors]
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        copies = [t.to(device) for t in tensors]
+    side.synchronize()
+    return copies

@@ -284,17 +284,23 @@ _TRIVIAL_DIM = DimSets(length=1, out_length=1, step=1, sets=((0, 0),), tap_to_se
 _MAX_TABLE_BITS = 31
 
 
-def _membership(ds: DimSets, device: torch.device) -> torch.Tensor:
-    idx = torch.arange(ds.length, device=device)
-    lo = torch.tensor([s[0] for s in ds.sets], device=device)[:, None]
-    hi = torch.tensor([s[1] for s in ds.sets], device=device)[:, None]
+def _membership(ds: DimSets) -> torch.Tensor:
+    idx = torch.arange(ds.length)
+    lo = torch.tensor([s[0] for s in ds.sets])[:, None]
+    hi = torch.tensor([s[1] for s in ds.sets])[:, None]
     return (idx >= lo) & (idx <= hi) & ((idx - lo) % ds.step == 0)
 
 
-@functools.lru_cache(maxsize=128)
+# NOTE: never evicts: a CUDA graph recorded over the kernels keeps the tables' addresses (entries are
+# a few KB: int32 tables of the spatial sizes and small masks).
+@functools.cache
 def _geometry(
     spec: ConvSpec, in_sizes: tuple[int, ...], kernel: tuple[int, ...], device: torch.device
 ) -> _Geometry:
+    """Built on the host, then copied once to ``device`` (``persistent_device_copies``: outside any
+    CUDA-graph memory pool)."""
+    from ..kernels.host import persistent_device_copies
+
     real = [
         dim_sets(spec.transposed, L, k, s, p, d, op)
         for L, k, s, p, d, op in zip(
@@ -302,12 +308,10 @@ def _geometry(
         )
     ]
     dims = (*[_TRIVIAL_DIM] * (3 - len(real)), *real)
-    masks = tuple(_membership(ds, device) for ds in dims)
-    bits = None
+    masks = tuple(_membership(ds) for ds in dims)
+    bits: tuple[torch.Tensor, ...] = ()
     if all(len(ds.sets) <= _MAX_TABLE_BITS for ds in dims):
-        weights = [
-            (1 << torch.arange(len(ds.sets), device=device, dtype=torch.int64))[:, None] for ds in dims
-        ]
+        weights = [(1 << torch.arange(len(ds.sets), dtype=torch.int64))[:, None] for ds in dims]
         bits = tuple(
             (m.to(torch.int64) * w).sum(0).to(torch.int32).contiguous()
             for m, w in zip(masks, weights, strict=True)
@@ -321,8 +325,10 @@ def _geometry(
         onehot[t, (j1 * counts[1] + j2) * counts[2] + j3] = 1.0
         tapset.append((j1 * counts[1] + j2) * counts[2] + j3)
     n_out = math.prod(ds.out_length for ds in real)
-    table = torch.tensor(tapset, dtype=torch.int32).to(device)
-    return _Geometry(dims, n_out, masks, bits, onehot.to(device), table)
+    table = torch.tensor(tapset, dtype=torch.int32)
+    m1, m2, m3, *on_device = persistent_device_copies([*masks, *bits, onehot, table], device)
+    *bits_d, onehot_d, table_d = on_device
+    return _Geometry(dims, n_out, (m1, m2, m3), tuple(bits_d) if bits else None, onehot_d, table_d)  # type: ignore[arg-type]
 
 
 def _taps(kernel3: tuple[int, int, int]) -> list[tuple[int, int, int]]:
