@@ -23,7 +23,7 @@ Contract:
   seen yet (that launch compiles or finds the kernel, which is then remembered); Triton's launch
   hooks are set (profilers such as proton need the metadata the generic path builds); the kernel is
   not a compiled GPU kernel (``TRITON_INTERPRET=1`` returns none) or this Triton's compiled kernel
-  lacks the launcher attributes used here (checked once per kernel object).
+  lacks the launcher attributes used here (checked when a specialization is remembered).
 """
 
 from __future__ import annotations
