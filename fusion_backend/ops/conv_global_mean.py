@@ -341,7 +341,11 @@ def _taps(kernel3: tuple[int, int, int]) -> list[tuple[int, int, int]]:
 
 
 def _out_channels(spec: ConvSpec, weight: torch.Tensor) -> int:
-    return weight.shape[1] * spec.groups if spec.transposed else weight.shape[0]
+    return _out_channels_of(spec, weight.shape)
+
+
+def _out_channels_of(spec: ConvSpec, w_shape: Sequence[int]) -> int:
+    return w_shape[1] * spec.groups if spec.transposed else w_shape[0]
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -374,7 +378,7 @@ def _validate_shapes(
             f"conv_global_mean: x {tuple(x_shape)} does not match weight {tuple(w_shape)} with "
             f"groups={g} (transposed={spec.transposed})"
         )
-    c_out = w_shape[1] * g if spec.transposed else w_shape[0]
+    c_out = _out_channels_of(spec, w_shape)
     if bias_shape is not None and tuple(bias_shape) != (c_out,):
         raise UnsupportedInputError(
             f"conv_global_mean: bias must have shape ({c_out},), got {tuple(bias_shape)}"
