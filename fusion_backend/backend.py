@@ -163,10 +163,18 @@ def _ensure_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
 
 
 def _inductor_patches(mode: Optional[str], opts: FusionOptions) -> dict[str, Any]:
+    """Inductor config patches: ``mode``'s, the user's Inductor options, and the post-grad pass that
+    runs our fused ops through their runtime twins (``ops/runtime_twins.py``), chained before any
+    post-grad pass the user configured."""
+    from .ops.runtime_twins import SwapInRuntimeTwins
+
     patches: dict[str, Any] = {}
     if mode and mode != "default":
         patches.update(torch._inductor.list_mode_options(mode, None))
     patches.update(opts.inductor)
+    key = "post_grad_custom_post_pass"
+    previous = patches.get(key, getattr(torch._inductor.config, key))
+    patches[key] = SwapInRuntimeTwins(previous)
     return patches
 
 

@@ -78,6 +78,7 @@ from ..errors import KernelError, UnsupportedInputError
 from . import impl_choice
 from .chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef, apply_step
 from .config import ConvEpilogueConfig, ConvSpec, PoolSpec
+from .runtime_twins import register_twin
 
 logger = logging.getLogger("fusion_backend")
 
@@ -197,8 +198,7 @@ def apply_chain(y: Tensor, chain: Sequence[ChainStep], operands: Sequence[Tensor
 # --------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fusion::conv_epilogue_fwd", mutates_args=())
-def conv_epilogue_fwd(
+def _conv_epilogue_fwd_impl(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -217,6 +217,9 @@ def conv_epilogue_fwd(
     return _reference_forward(x, weight, bias, operands, cfg, save_for_backward)
 
 
+conv_epilogue_fwd = torch.library.custom_op("fusion::conv_epilogue_fwd", mutates_args=())(_conv_epilogue_fwd_impl)
+
+
 @conv_epilogue_fwd.register_fake
 def _conv_epilogue_fwd_fake(
     x: Tensor,
@@ -232,8 +235,7 @@ def _conv_epilogue_fwd_fake(
     return _allocate_forward_outputs(x, y0, out_shape, cfg, save_for_backward)
 
 
-@torch.library.custom_op("fusion::conv_epilogue_bwd", mutates_args=())
-def conv_epilogue_bwd(
+def _conv_epilogue_bwd_impl(
     grad_out: Tensor,
     x: Tensor,
     weight: Tensor,
@@ -270,6 +272,9 @@ def conv_epilogue_bwd(
         _like(g, ref) if wanted and ref is not None and g is not None else _placeholder(x)
         for g, ref, wanted in zip(grads, inputs, output_mask, strict=True)
     ]
+
+
+conv_epilogue_bwd = torch.library.custom_op("fusion::conv_epilogue_bwd", mutates_args=())(_conv_epilogue_bwd_impl)
 
 
 @conv_epilogue_bwd.register_fake
@@ -320,6 +325,8 @@ def _backward(ctx: Any, grad_out: Tensor, _grad_saved_a: Tensor, _grad_saved_b: 
 
 
 conv_epilogue_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_twin(conv_epilogue_fwd, _conv_epilogue_fwd_impl, _conv_epilogue_fwd_fake)
+register_twin(conv_epilogue_bwd, _conv_epilogue_bwd_impl, _conv_epilogue_bwd_fake)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -87,6 +87,7 @@ import torch
 from ..errors import KernelError, UnsupportedInputError
 from .chain import ChainStep, Const, PointwiseKind, TensorRef
 from .config import ConvSpec, chain_from_list, chain_to_list, conv_spec_from_dict, conv_spec_to_dict
+from .runtime_twins import register_twin
 
 logger = logging.getLogger("fusion_backend")
 
@@ -828,8 +829,7 @@ def _forward_reference(
     return out, tap_sums.reshape(n, c_in, *weight.shape[2:]), mean
 
 
-@torch.library.custom_op("fusion::conv_global_mean_fwd", mutates_args=())
-def conv_global_mean_fwd(
+def _conv_global_mean_fwd_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -858,6 +858,11 @@ def conv_global_mean_fwd(
     )
 
 
+conv_global_mean_fwd = torch.library.custom_op("fusion::conv_global_mean_fwd", mutates_args=())(
+    _conv_global_mean_fwd_impl
+)
+
+
 @conv_global_mean_fwd.register_fake
 def _conv_global_mean_fwd_fake(x, weight, bias, operands, config):
     cfg = ConvGlobalMeanConfig.from_json(config)
@@ -872,8 +877,7 @@ def _conv_global_mean_fwd_fake(x, weight, bias, operands, config):
     )
 
 
-@torch.library.custom_op("fusion::conv_global_mean_bwd", mutates_args=())
-def conv_global_mean_bwd(
+def _conv_global_mean_bwd_impl(
     grad_out: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -907,6 +911,11 @@ def conv_global_mean_bwd(
         lambda: _backward_reference(*args, need_grad_input, geo),
         dtype=x_dtype,
     )
+
+
+conv_global_mean_bwd = torch.library.custom_op("fusion::conv_global_mean_bwd", mutates_args=())(
+    _conv_global_mean_bwd_impl
+)
 
 
 def _grad_input_strides(x: torch.Tensor) -> tuple[int, ...]:
@@ -1190,6 +1199,8 @@ def _backward(ctx, grad_out, _grad_tap_sums, _grad_conv_mean):
 
 
 conv_global_mean_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_twin(conv_global_mean_fwd, _conv_global_mean_fwd_impl, _conv_global_mean_fwd_fake)
+register_twin(conv_global_mean_bwd, _conv_global_mean_bwd_impl, _conv_global_mean_bwd_fake)
 
 
 def conv_global_mean(

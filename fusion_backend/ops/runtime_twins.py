@@ -1,0 +1,90 @@
+"""Runtime twins of the fused custom ops: the same kernels without ``custom_op``'s Python layers.
+
+WHY: a ``torch.library.custom_op`` call goes C++ dispatcher -> Python autograd kernel -> redispatch ->
+Python backend wrapper (alias check, Dynamo-disable wrapper) -> our function.  On the H100 host that is
+~70 us per forward call and ~100 us per backward call (``tools/host_overhead.py``: op forward 218 us,
+undecorated 149 us), and seed C's training step is host-bound.  Only *tracing* needs the autograd
+layer: it is how AOTAutograd records our backward formula.  Once AOTAutograd has split the joint graph,
+the forward and backward graphs that Inductor compiles never differentiate through our ops again (they
+run with grad mode off).
+
+So every fused op registers a *twin*: ``fusion::<name>_rt``, the same schema and fake, its CPU and CUDA
+kernels registered straight with ``torch.library.Library`` (one Python crossing) and no autograd kernel
+(PyTorch's C++ autograd fallback passes it through).  :class:`SwapInRuntimeTwins`, an Inductor
+post-grad pass the backend installs, retargets the graph nodes from op to twin.  Eager calls, graph
+breaks and the explain report keep using the custom op itself.
+
+Contract of :func:`register_twin`: ``impl`` is the custom op's undecorated function (same arguments,
+same results, no autograd), ``fake`` its fake; the twin is never differentiable (calling it on tensors
+that require grad, with grad mode on, warns or raises through the autograd fallback, like any op
+without an autograd formula).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+_LIB = torch.library.Library("fusion", "FRAGMENT")
+
+#: fused op overload -> its twin's overload
+_TWINS: dict[Any, Any] = {}
+
+
+def register_twin(op: Any, impl: Callable[..., Any], fake: Callable[..., Any]) -> Any:
+    """Define ``<op>_rt`` with ``op``'s schema, CPU/CUDA kernel ``impl`` and fake ``fake``; return its
+    default overload.  ``op`` is a ``torch.library.custom_op`` result."""
+    overload = op._opoverload
+    schema = str(overload._schema)  # "fusion::name(args) -> results"
+    qualified = schema[: schema.index("(")]
+    namespace, name = qualified.split("::")
+    twin_name = f"{name}_rt"
+    _LIB.define(twin_name + schema[schema.index("(") :])
+    for key in ("CPU", "CUDA"):
+        _LIB.impl(twin_name, impl, key)
+    torch.library.register_fake(f"{namespace}::{twin_name}", fake, lib=_LIB)
+    twin = getattr(getattr(torch.ops, namespace), twin_name).default
+    _TWINS[overload] = twin
+    return twin
+
+
+def twin_of(overload: Any) -> Any | None:
+    """The twin registered for ``overload`` (an ``OpOverload``), or ``None``."""
+    return _TWINS.get(overload)
+
+
+class SwapInRuntimeTwins(CustomGraphPass):
+    """Inductor post-grad pass: call every fused op through its runtime twin.
+
+    Runs on forward, backward and inference graphs after AOTAutograd, where grad mode is off, so the
+    autograd layer the twins lack is never needed.  ``previous`` is a pass that was configured before
+    (the user's): it runs afterwards, so nothing the user set is dropped.
+    """
+
+    def __init__(self, previous: Any = None) -> None:
+        self.previous = previous
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for node in graph.nodes:
+            if node.op == "call_function":
+                twin = _TWINS.get(node.target)
+                if twin is not None:
+                    node.target = twin
+        if self.previous is not None:
+            self.previous(graph)
+
+    def uuid(self) -> bytes | None:
+        names = ",".join(sorted(str(op) for op in _TWINS))
+        previous = b""
+        if self.previous is not None:
+            uuid = getattr(self.previous, "uuid", None)
+            previous = uuid() if callable(uuid) else None
+            if previous is None:  # an uncacheable user pass keeps the graph uncacheable
+                return None
+            previous = previous if isinstance(previous, bytes) else str(previous).encode()
+        return hashlib.sha256(b"fusion-runtime-twins-v1:" + names.encode() + previous).digest()

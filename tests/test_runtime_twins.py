@@ -1,0 +1,118 @@
+"""Runtime twins (``ops/runtime_twins.py``): compiled graphs call every fused op through its twin,
+the twin computes exactly what the op does, and a post-grad pass the user configured still runs."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import run_and_get_code
+
+from fusion_backend.ops import conv_epilogue as ce
+from fusion_backend.ops import conv_global_mean as cgm
+from fusion_backend.ops.runtime_twins import twin_of
+
+FUSED_OPS = {
+    "conv_global_mean_fwd": cgm.conv_global_mean_fwd,
+    "conv_global_mean_bwd": cgm.conv_global_mean_bwd,
+    "conv_epilogue_fwd": ce.conv_epilogue_fwd,
+    "conv_epilogue_bwd": ce.conv_epilogue_bwd,
+}
+
+
+class MeanHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.ConvTranspose2d(3, 5, 3, stride=2)
+        self.bias = nn.Parameter(torch.randn(5, 1, 1))
+
+    def forward(self, x):
+        y = self.conv(x).mean((2, 3), keepdim=True) + self.bias
+        return torch.logsumexp(y, dim=1).sum() * 10.0
+
+
+class EpilogueHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.m = nn.Parameter(torch.randn(4, 1, 1))
+
+    def forward(self, x):
+        return F.max_pool2d(F.leaky_relu(self.conv(x) * self.m, 0.1), 2)
+
+
+def test_every_fused_op_has_a_twin_with_the_same_schema():
+    for name, op in FUSED_OPS.items():
+        twin = twin_of(op._opoverload)
+        assert twin is not None, name
+        assert twin._schema.name == f"fusion::{name}_rt"
+        signature = str(op._opoverload._schema).split("(", 1)[1]
+        assert str(twin._schema) == f"fusion::{name}_rt({signature}"
+
+
+def test_the_twin_returns_what_the_op_returns():
+    torch.manual_seed(1)
+    x, w, b = torch.rand(2, 3, 6, 7), torch.randn(3, 5, 3, 3), torch.randn(5)
+    spec = cgm.ConvSpec(transposed=True, stride=(2, 2), padding=(1, 0), dilation=(1, 1), output_padding=(1, 0), groups=1)
+    config = cgm.ConvGlobalMeanConfig(conv=spec).to_json()
+    expected = cgm.conv_global_mean_fwd(x, w, b, [], config)
+    got = twin_of(cgm.conv_global_mean_fwd._opoverload)(x, w, b, [], config)
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def _compiled_code(model, x, options=None):
+    fn = torch.compile(model, backend="fusion", options=options or {})
+
+    def step():
+        out = fn(x)
+        out.sum().backward()
+        return out
+
+    return run_and_get_code(step)
+
+
+def test_compiled_forward_and_backward_call_the_twins_and_match_eager():
+    for model, x, names in (
+        (MeanHead(), torch.rand(2, 3, 5, 4), ("conv_global_mean_fwd", "conv_global_mean_bwd")),
+        (EpilogueHead(), torch.rand(2, 3, 9, 8), ("conv_epilogue_fwd", "conv_epilogue_bwd")),
+    ):
+        torch._dynamo.reset()
+        x_c = x.clone().requires_grad_(True)
+        out, codes = _compiled_code(model, x_c)
+        code = "\n".join(codes)
+        for name in names:
+            assert f"torch.ops.fusion.{name}_rt.default(" in code, name
+            assert f"torch.ops.fusion.{name}.default(" not in code, name
+        compiled_grads = [x_c.grad, *(p.grad for p in model.parameters())]
+        model.zero_grad()
+        x_e = x.clone().requires_grad_(True)
+        expected = model(x_e)
+        expected.sum().backward()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        for got, want in zip(compiled_grads, [x_e.grad, *(p.grad for p in model.parameters())], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class CountingPass(CustomGraphPass):
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph):
+        self.graphs += 1
+
+    def uuid(self):
+        return b"counting-pass"
+
+
+def test_a_post_grad_pass_the_user_configured_still_runs(monkeypatch):
+    # a cache hit would skip every post-grad pass (correctly: the cached graph already had them)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    torch._dynamo.reset()
+    user_pass = CountingPass()
+    x = torch.rand(2, 3, 5, 4, requires_grad=True)
+    _, codes = _compiled_code(MeanHead(), x, {"post_grad_custom_post_pass": user_pass})
+    assert user_pass.graphs == 2  # forward and backward graph
+    assert "conv_global_mean_fwd_rt" in "\n".join(codes)
