@@ -313,13 +313,31 @@ def _set_broadcast_kernel(
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+#: bit tables already checked, keyed by their ids with the sizes and device they were checked for; the
+#: value keeps the tables alive so that an id is never reused while its entry exists.  The op's tables
+#: are cached per geometry and never freed, so this stays as small as that cache.
+_CHECKED_TABLES: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
+
+
 def _check_launch(
     name: str, t: torch.Tensor, bits: tuple[torch.Tensor, ...], sets: tuple[int, int, int]
 ) -> None:
+    """Validate a pass launch; the bit tables only the first time they are seen with these sizes (the
+    launch runs on every step of a host-bound training loop)."""
     if t.dim() != 5:
         raise ValueError(f"{name}: expected a 5-D (N, C, D, H, W) tensor, got shape {tuple(t.shape)}")
     if t.dtype not in _KERNEL_DTYPES:
         raise ValueError(f"{name}: dtype {t.dtype} has no kernel (supported: {_KERNEL_DTYPES})")
+    key = (*map(id, bits), *sets, *t.shape[2:], t.device)
+    if key in _CHECKED_TABLES:
+        return
+    _check_tables(name, t, bits, sets)
+    _CHECKED_TABLES[key] = tuple(bits)
+
+
+def _check_tables(
+    name: str, t: torch.Tensor, bits: tuple[torch.Tensor, ...], sets: tuple[int, int, int]
+) -> None:
     if len(bits) != 3 or len(sets) != 3:
         raise ValueError(
             f"{name}: expected three bit tables and three set counts, got {len(bits)}, {len(sets)}"
