@@ -125,15 +125,19 @@ def seed_c_launches(
     return calls
 
 
-def ptxas_report(ptx: str) -> tuple[list[str], list[str]]:
+def ptxas_report(ptx: str) -> tuple[list[str], list[str], str]:
+    """``(registers, spill stores, ptxas's message when it reported no registers)`` of ``ptx``."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        err = subprocess.run([str(PTXAS), "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
-                             capture_output=True, text=True).stderr  # fmt: skip
+        proc = subprocess.run([str(PTXAS), "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
+                              capture_output=True, text=True)  # fmt: skip
     finally:
         os.unlink(f.name)
-    return re.findall(r"Used (\d+) registers", err), re.findall(r"(\d+) bytes spill stores", err)
+    err = proc.stderr
+    regs = re.findall(r"Used (\d+) registers", err)
+    problem = "" if regs else f"ptxas exit {proc.returncode}: {(err or proc.stdout).strip()[:400]!r}"
+    return regs, re.findall(r"(\d+) bytes spill stores", err), problem
 
 
 def compile_launch(kern: JITFunction, args: tuple, kwargs: dict, verbose: bool) -> tuple[str, bool]:
@@ -150,11 +154,13 @@ def compile_launch(kern: JITFunction, args: tuple, kwargs: dict, verbose: bool) 
     start = time.time()
     compiled = triton.compile(ASTSource(kern, signature, constexprs, attrs), target=TARGET,
                               options=options.__dict__)  # fmt: skip
-    regs, spills = ptxas_report(compiled.asm["ptx"])
+    regs, spills, problem = ptxas_report(compiled.asm["ptx"])
     ok = bool(regs) and all(s == "0" for s in spills)
     line = (f"{kern.fn.__name__:28s} warps={options.num_warps} stages={options.num_stages} "
             f"regs={','.join(regs)} spill={','.join(spills) or '?'} shared={compiled.metadata.shared} "
             f"{time.time() - start:.1f}s")  # fmt: skip
+    if problem:
+        line += f"\n       {problem}"
     return line, ok
 
 
