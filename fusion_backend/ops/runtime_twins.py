@@ -43,6 +43,8 @@ def register_twin(op: Any, impl: Callable[..., Any], fake: Callable[..., Any]) -
     schema = str(overload._schema)  # "fusion::name(args) -> results"
     qualified = schema[: schema.index("(")]
     namespace, name = qualified.split("::")
+    if namespace != _LIB.ns:
+        raise ValueError(f"register_twin: {qualified} is not in the {_LIB.ns!r} namespace the twins are defined in")
     twin_name = f"{name}_rt"
     _LIB.define(twin_name + schema[schema.index("(") :])
     for key in ("CPU", "CUDA"):
