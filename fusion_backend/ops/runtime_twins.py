@@ -63,8 +63,9 @@ def twin_of(overload: Any) -> Any | None:
 class SwapInRuntimeTwins(CustomGraphPass):
     """Inductor post-grad pass: call every fused op through its runtime twin.
 
-    Runs on forward, backward and inference graphs after AOTAutograd, where grad mode is off, so the
-    autograd layer the twins lack is never needed.  ``previous`` is a pass that was configured before
+    Runs on forward, backward and inference graphs after AOTAutograd, where nothing differentiates
+    through the fused ops any more (the training graphs run with grad mode off; an inference graph runs
+    only when no input requires grad), so the autograd layer the twins lack is never needed.  ``previous`` is a pass that was configured before
     (the user's): it runs afterwards, so nothing the user set is dropped.
     """
 
