@@ -21,7 +21,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_conv_global_mean import build_cases  # noqa: E402
-from profile_step import _step_fn  # noqa: E402
+from profile_step import _step_fn, time_calls  # noqa: E402
 
 from fusion_backend.bench.backends import resolve_backend  # noqa: E402
 from fusion_backend.bench.suite import load_workload  # noqa: E402
@@ -48,15 +47,7 @@ def _noop_kernel(ptr, n, BLOCK: tl.constexpr):
 
 
 def host_us(fn: Callable[[], object], calls: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return time_calls(fn, calls, torch.cuda.synchronize, warmup=10)[0] * 1e3
 
 
 def compiled_steps(path: str, backend: str, calls: int) -> None:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_step import _step_fn  # noqa: E402
+from profile_step import _step_fn, time_calls  # noqa: E402
 
 from fusion_backend.bench.backends import resolve_backend  # noqa: E402
 from fusion_backend.bench.suite import load_workload  # noqa: E402
@@ -60,30 +60,13 @@ def profile_one(path: str, backend_name: str, mode: str, steps: int, top: int, d
     fn = resolve_backend(backend_name).compile(model)
     step = _step_fn(fn, model, inputs, train, "fp32", device)
     grad_mode = torch.enable_grad() if train else torch.no_grad()
+    sync = functools.partial(_sync, device)
     with grad_mode:  # the default: CUDA backward nodes run on autograd's device thread
-        for _ in range(3):
-            step()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        threaded_ms = (time.perf_counter() - t0) * 1e3 / steps
-        _sync(device)
+        threaded_ms, _ = time_calls(step, steps, sync)
     with grad_mode, torch.autograd.set_multithreading_enabled(False):
-        for _ in range(3):
-            step()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        host_ms = (time.perf_counter() - t0) * 1e3 / steps  # enqueue time: no sync inside the loop
-        _sync(device)
-        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn(*inputs)  # the forward alone (in train mode its graph is dropped unused)
-        forward_ms = (time.perf_counter() - t0) * 1e3 / steps
-        _sync(device)
+        host_ms, wall_ms = time_calls(step, steps, sync)
+        # the forward alone (in train mode its graph is dropped unused)
+        forward_ms, _ = time_calls(lambda: fn(*inputs), steps, sync, warmup=0)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(steps):

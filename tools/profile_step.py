@@ -30,6 +30,21 @@ from fusion_backend.bench.backends import resolve_backend  # noqa: E402
 from fusion_backend.bench.suite import load_workload  # noqa: E402
 
 
+def time_calls(fn, calls: int, sync, warmup: int = 3) -> tuple[float, float]:
+    """``(enqueue ms, wall ms)`` per call of ``fn`` over ``calls`` calls after ``warmup`` untimed ones:
+    enqueue is the host time with no synchronization inside the loop, wall adds a final ``sync()``."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    enqueue = time.perf_counter() - start
+    sync()
+    wall = time.perf_counter() - start
+    return enqueue * 1e3 / calls, wall * 1e3 / calls
+
+
 def _step_fn(fn, model, inputs, train: bool, dtype: str, device: str = "cuda"):
     outs_holder = {}
 
@@ -67,14 +82,7 @@ def profile_one(path: str, backend_name: str, mode: str, dtype: str, steps: int,
     fn = backend.compile(model)
     step = _step_fn(fn, model, inputs, train, dtype)
     with torch.no_grad() if not train else torch.enable_grad():
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+        _, wall_ms = time_calls(step, steps, torch.cuda.synchronize)
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
