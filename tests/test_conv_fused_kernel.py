@@ -81,11 +81,15 @@ CASES = [
      {"channels_last": True}),
     ("convT3d-s122-avgpool-padded", (1, 3, 2, 3, 3), (3, 4, 2, 3, 3), _spec(3, True, stride=(1, 2, 2)),
      SEED_B_CHAIN, _pool("avg", 3, 2, 2, 1), {}),
-    # BY_SHIFT path (each input shift loaded once): odd sizes, partial pool windows and a partial M tile
+    # SHIFT_K path (one dense (shift, channel) dot per window offset): odd sizes, partial pool windows and a partial M tile
     ("convT3d-seedA-like-odd-ceil-partial", (1, 3, 3, 5, 3), (3, 5, 3, 3, 3), _spec(3, True, stride=2, padding=1),
      SEED_A_CHAIN, _pool("max", 3, 2, ceil_mode=True), {"nan": True, "zero_mul": True}),
     ("convT3d-seedA-like-2-channel-blocks-groups", (1, 80, 2, 3, 2), (80, 3, 3, 3, 3),
      _spec(3, True, stride=2, padding=1, output_padding=1, groups=2), SEED_A_CHAIN, _pool("max", 3, 2), {}),
+    # several M tiles, some holding inf/NaN (the live-pairs-only variant) and some not (shared X tile)
+    ("convT3d-seedA-like-nonfinite-tiles", (2, 4, 5, 6, 6), (4, 6, 3, 3, 3),
+     _spec(3, True, stride=2, padding=1, output_padding=1), SEED_A_CHAIN, _pool("max", 3, 2),
+     {"nan": True, "inf": True}),
     ("convT2d-dil2-phase-without-taps-channels-last", (2, 3, 4, 5), (3, 4, 3, 3),
      _spec(2, True, stride=2, padding=2, dilation=2, output_padding=1), SEED_A_CHAIN, _pool("max", 2, 2),
      {"channels_last": True, "zero_mul": True}),
@@ -96,6 +100,7 @@ FP16_CASES = {
     "conv2d-dil-groups-avg-ceil",
     "convT3d-seedA-like",
     "convT3d-seedA-like-odd-ceil-partial",
+    "convT3d-seedA-like-nonfinite-tiles",
     "convT2d-dil2-phase-without-taps-channels-last",
 }
 
@@ -111,6 +116,9 @@ def _inputs(xs, ws, spec, opts, dtype, seed=0):
     x = _grid_values(xs, g, 0.25)
     if opts.get("nan"):
         x.view(-1)[x.numel() // 3] = float("nan")
+    if opts.get("inf"):
+        x.view(-1)[x.numel() // 2] = float("inf")
+        x.view(-1)[x.numel() * 4 // 5] = float("-inf")
     w = _grid_values(ws, g, 0.125)
     b = _grid_values((c_out,), g, 0.5) if opts.get("bias", True) else None
     m = torch.randn((c_out,) + (1,) * (len(xs) - 2), generator=g, dtype=torch.float64)
@@ -143,6 +151,11 @@ def _assert_same(got: torch.Tensor, want: torch.Tensor, what: str):
         f"{what}: NaN positions"
     )
     keep = ~got.isnan() if got.is_floating_point() else torch.ones_like(got, dtype=torch.bool)
+    if got.is_floating_point():
+        infinite = want.isinf()
+        assert torch.equal(got.isinf(), infinite), f"{what}: inf positions"
+        assert torch.equal(got[infinite], want[infinite]), f"{what}: inf signs"
+        keep &= ~infinite
     diff = (got[keep].double() - want[keep].double()).abs()
     assert diff.numel() == 0 or diff.max().item() == 0.0, f"{what}: max |diff| {diff.max().item()}"
 
@@ -193,17 +206,18 @@ def test_int64_index_path_matches(monkeypatch, name):
         _assert_same(g_, w_, f"{name} {what}")
 
 
-def test_static_phase_transposed_convs_load_each_input_shift_once():
-    """Seed A's geometry takes the BY_SHIFT path: 27 (phase, tap) pairs over 2 shifts per dim;
-    masked phases (pool stride not a multiple of the conv stride) and plain convs do not."""
+def test_static_phase_transposed_convs_take_the_shift_k_path():
+    """Seed A's geometry takes the SHIFT_K path: 27 (phase, tap) pairs over 2 shifts per dim (8
+    slots); masked phases (pool stride not a multiple of the conv stride) and plain convs do not."""
     seed_a = conv_fused.ConvGeometry(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     x, w = torch.zeros(1, 4, 4, 4, 4), torch.zeros(4, 6, 3, 3, 3)
     plan = conv_fused._plan(x, w, seed_a, kernels.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), [4, 4, 4])
-    assert plan.by_shift and plan.unrolled == 27 and plan.shifts == ((0, 2), (0, 2), (0, 2))
+    assert plan.shift_k and plan.unrolled == 27 and plan.shifts == ((0, 2), (0, 2), (0, 2))
+    assert plan.shift_slots == 8
     masked = kernels.PoolGeometry("max", (3, 3, 3), (1, 1, 1), (1, 1, 1))
-    assert not conv_fused._plan(x, w, seed_a, masked, [8, 8, 8]).by_shift
+    assert not conv_fused._plan(x, w, seed_a, masked, [8, 8, 8]).shift_k
     plain = conv_fused.ConvGeometry(False, (1, 1, 1), (0, 0, 0), (1, 1, 1), (0, 0, 0), 1)
-    assert not conv_fused._plan(x, torch.zeros(6, 4, 3, 3, 3), plain, None, None).by_shift
+    assert not conv_fused._plan(x, torch.zeros(6, 4, 3, 3, 3), plain, None, None).shift_k
 
 
 def test_inference_saves_nothing_and_matches(monkeypatch):

@@ -111,8 +111,10 @@ def compile_one(args: tuple, consts: dict, num_warps: int, num_stages: int) -> s
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell"
     out = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
                          capture_output=True, text=True).stderr  # fmt: skip
-    if os.environ.get("KEEP_PTX"):
+    if os.environ.get("KEEP_PTX"):  # inspection: the last compiled config's PTX / TTGIR (layouts)
         Path(os.environ["KEEP_PTX"]).write_text(ptx)
+    if os.environ.get("KEEP_TTGIR"):
+        Path(os.environ["KEEP_TTGIR"]).write_text(compiled.asm["ttgir"])
     os.unlink(f.name)
     regs = re.findall(r"Used (\d+) registers", out)
     spills = re.findall(r"(\d+) bytes spill stores", out)

@@ -22,14 +22,17 @@ Mapping (every rank lifted to 3d with leading singleton spatial dims):
   ``(o + p - k * dil) % s == 0``, from input ``i = (o + p - k * dil) / s``.  When ``US`` is a multiple
   of ``s`` (always without a pool; e.g. seed A's MaxPool(2) after a stride-2 ConvTranspose), the phase
   of every offset is a compile-time constant: taps that cannot contribute are skipped at compile time
-  and no multiply by an inserted zero happens.  With a static phase along every dim and at most 8
-  window offsets (seed A: 2x2x2 phases under MaxPool(2)), the *BY_SHIFT* path (``_conv_by_shift``)
-  keeps one accumulator per offset and, per input-channel block, loads the X tile of each distinct
-  input shift once (offset ``kp`` and tap ``t`` read ``i = u * US / s + (kp - UP + p - t * dil) / s``,
-  a compile-time shift: seed A has 2 per dim, so 8 tile loads feed its 27 (phase, tap) dots instead
-  of 27 gathers; the sum per output runs channel blocks outer, taps inner).  Otherwise (a pool
-  stride that is not a multiple of the conv stride) the kernel falls back to a *masked all-taps* loop: every tap is visited and
-  lanes whose phase does not match are masked (correct, up to ``s**d`` times more MMA work).
+  and no multiply by an inserted zero happens.  With a static phase along every dim and at most
+  ``_SHIFT_K_MAX_SLOTS`` distinct input shifts (offset ``kp`` and tap ``t`` read
+  ``i = u * US / s + (kp - UP + p - t * dil) / s``, a compile-time shift; seed A: 2 per dim, 8 in
+  all), the *SHIFT_K* path makes every window offset ONE dense dot: K = (input shift, channel),
+  the X tile ``[BLOCK_M, 8 shifts x C_in]`` loaded once per channel block and shared by the dots
+  of all offsets, the weight tile zero where no tap links the offset to the shift (seed A: 27 live
+  of 64 (offset, shift) blocks, so 2.4x the MMA work of the live taps, traded for 8 large dots
+  with one live accumulator instead of 27 K=16 dots with 8).  Other static cases unroll the live
+  taps (``tl.static_range``).  Otherwise (a pool stride that is not a multiple of the conv
+  stride) the kernel falls back to a *masked all-taps* loop: every tap is visited and lanes whose
+  phase does not match are masked (correct, up to ``s**d`` times more MMA work).
 
 Numerics: the accumulator is rounded to the storage dtype of the conv before the bias and chain, as
 the library conv + epilogue kernel path does (the conv output is materialised in that dtype there).
@@ -74,8 +77,12 @@ AUTOTUNE_ENV = "FUSION_CONV_AUTOTUNE"
 #: Problems below this many multiply-adds (live taps only) take the heuristic tile: autotuning
 #: compiles every config once per shape key, not worth it for small convs (and GPU tests).
 _AUTOTUNE_MIN_MACS = 2**28
-#: Window offsets the BY_SHIFT path keeps in registers at once (``_dot_into``'s 8 accumulators).
-_BY_SHIFT_MAX_OFFSETS = 8
+#: Most input-shift slots (distinct shifts rounded up to a power of 2) of the SHIFT_K path: its
+#: X tile is ``[BLOCK_M, slots * SHIFT_K_BLOCK_K]`` (seed A: 8 slots, K = 128).
+_SHIFT_K_MAX_SLOTS = 8
+#: The SHIFT_K path's channel block (every tile of ``_SHIFT_K_TILES``): inputs with at most this
+#: many channels per group (seed A: 16) load their X tile once for all window offsets.
+SHIFT_K_BLOCK_K = 16
 
 
 @triton.jit
@@ -154,124 +161,194 @@ def _conv_flat(acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, 
 
 
 @triton.jit
-def _dot_into(IDX: tl.constexpr, a, b, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
-              PRECISION: tl.constexpr):  # fmt: skip
-    """``acc{IDX} += a @ b``; the other accumulators pass through (IDX is resolved at trace time)."""
-    if IDX == 0:
-        acc0 = tl.dot(a, b, acc0, input_precision=PRECISION)
-    if IDX == 1:
-        acc1 = tl.dot(a, b, acc1, input_precision=PRECISION)
-    if IDX == 2:
-        acc2 = tl.dot(a, b, acc2, input_precision=PRECISION)
-    if IDX == 3:
-        acc3 = tl.dot(a, b, acc3, input_precision=PRECISION)
-    if IDX == 4:
-        acc4 = tl.dot(a, b, acc4, input_precision=PRECISION)
-    if IDX == 5:
-        acc5 = tl.dot(a, b, acc5, input_precision=PRECISION)
-    if IDX == 6:
-        acc6 = tl.dot(a, b, acc6, input_precision=PRECISION)
-    if IDX == 7:
-        acc7 = tl.dot(a, b, acc7, input_precision=PRECISION)
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+def _live_tap(num, DIL: tl.constexpr, T: tl.constexpr):
+    """Tap ``t`` with ``t * DIL == num`` along one dim, and whether it exists (``0 <= t < T``)."""
+    t = num // DIL
+    return t, (num >= 0) & (num % DIL == 0) & (t < T)
 
 
 @triton.jit
-def _pick(IDX: tl.constexpr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7):
-    """``acc{IDX}`` (IDX resolved at trace time)."""
-    acc = acc0
-    if IDX == 1:
-        acc = acc1
-    if IDX == 2:
-        acc = acc2
-    if IDX == 3:
-        acc = acc3
-    if IDX == 4:
-        acc = acc4
-    if IDX == 5:
-        acc = acc5
-    if IDX == 6:
-        acc = acc6
-    if IDX == 7:
-        acc = acc7
-    return acc
+def _shift_k_columns(KS: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K axis of the SHIFT_K path: column ``s * BLOCK_K + c`` is channel ``c`` of the block at
+    input shift ``s = (jd * NSH + jh) * NSW + jw``.  Returns ``(s, c, jd, jh, jw)``, each ``[KS * BLOCK_K]``."""
+    kcol = tl.arange(0, KS * BLOCK_K)
+    s = kcol // BLOCK_K
+    jw = s % NSW
+    jh = (s // NSW) % NSH
+    jd = s // (NSW * NSH)
+    return s, kcol % BLOCK_K, jd, jh, jw
 
 
 @triton.jit
-def _conv_by_shift(x_base, w_base, ud, uh, uw, m_ok, ck, cmask, CIN_G, ID, IH, IW,
-                   x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
-                   TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-                   SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                   PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-                   DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                   KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                   USD: tl.constexpr, USH: tl.constexpr, USW: tl.constexpr,
-                   UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
-                   LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
-                   NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr,
-                   PRECISION: tl.constexpr, BIG: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """The conv outputs of the (up to 8) window offsets of a static-phase transposed conv, one
-    accumulator each (``acc{kd*KH*KW + kh*KW + kw}``), loading each distinct input shift ONCE.
-
-    Along a static dim, window offset ``kp`` and live tap ``t`` read input ``i = u * (US // S) + j``
-    with the shift ``j = (kp - UP + P - t * DIL) // S`` a compile-time integer; the shifts form
-    ``LO .. LO + NS - 1``.  Per input-channel block, every 3d shift ``(jd, jh, jw)`` loads its
-    ``[BLOCK_M, BLOCK_K]`` X tile once, then every (offset, tap) pair with that shift does its dot
-    with it (seed A: 8 tile loads instead of 27).  Pairs are matched to shifts by trace-time
-    ``if``s, so no index arithmetic depends on the tap; the tile's row pointers are computed once
-    and a shift adds a scalar.  A shift used by no pair only costs a dead load the compiler drops.
-    Rows whose output position is outside the conv output still load (in-range input only) and
-    accumulate: the caller masks them out of the pool and the stores.
-    """
-    i_d0 = ud * (USD // SD) + LOD
-    i_h0 = uh * (USH // SH) + LOH
-    i_w0 = uw * (USW // SW) + LOW
+def _shift_k_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw,
+                    NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
+                    BIG: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``[BLOCK_M, KS * BLOCK_K]`` X tile (the group's input channels fit one block): row ``m`` and
+    column ``(s, c)`` hold ``x[n, c, i0 + shift s]`` (``x_rows``: pointers at ``(n, group's first
+    channel, i0)``, ``i0 = (i_d0, i_h0, i_w0)`` the lowest shift's input position).  Padding shifts
+    (``s >= NSD * NSH * NSW``), channels past ``CIN_G`` and out-of-range inputs read 0."""
+    s, ci, jd, jh, jw = _shift_k_columns(KS, NSH, NSW, BLOCK_K)
+    col_ok = (s < NSD * NSH * NSW) & (ci < CIN_G)
     if BIG:
-        sp0 = i_d0.to(tl.int64) * x_sd + i_h0.to(tl.int64) * x_sh + i_w0.to(tl.int64) * x_sw
+        off = jd.to(tl.int64) * x_sd + jh.to(tl.int64) * x_sh + jw.to(tl.int64) * x_sw + ci.to(tl.int64) * x_sc
     else:
-        sp0 = i_d0 * x_sd + i_h0 * x_sh + i_w0 * x_sw
-    x_rows = x_base + sp0  # [BLOCK_M] pointers at the lowest shift
-    acc0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc4 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc5 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc6 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc7 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, CIN_G, BLOCK_K):
-        ci = k0 + ck
-        ci_ok = ci < CIN_G
-        a_ptrs = x_rows[:, None] + ci[None, :] * x_sc
-        w_ci = w_base + ci[:, None] * w_sci
-        w_mask = ci_ok[:, None] & cmask
-        for jd in tl.static_range(NSD):
-            ok_d = m_ok & (i_d0 + jd >= 0) & (i_d0 + jd < ID)
-            for jh in tl.static_range(NSH):
-                ok_h = ok_d & (i_h0 + jh >= 0) & (i_h0 + jh < IH)
-                for jw in tl.static_range(NSW):
-                    ok = ok_h & (i_w0 + jw >= 0) & (i_w0 + jw < IW)
-                    a = tl.load(a_ptrs + (jd * x_sd + jh * x_sh + jw * x_sw), mask=ok[:, None] & ci_ok[None, :],
-                                other=0.0)  # fmt: skip
-                    # Every (offset, live tap) pair reading shift (jd, jh, jw): along each dim,
-                    # kp - UP + P - t * DIL == S * (LO + j) (trace-time ifs).
-                    for kd in tl.static_range(KD):
-                        for td in tl.static_range(TD):
-                            if kd - UPD + PD - td * DD == SD * (LOD + jd):
-                                for kh in tl.static_range(KH):
-                                    for th in tl.static_range(TH):
-                                        if kh - UPH + PH - th * DH == SH * (LOH + jh):
-                                            for kw in tl.static_range(KW):
-                                                for tw in tl.static_range(TW):
-                                                    if kw - UPW + PW - tw * DW == SW * (LOW + jw):
-                                                        b = tl.load(w_ci + (td * w_sd + th * w_sh + tw * w_sw),
-                                                                    mask=w_mask, other=0.0)  # fmt: skip
-                                                        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _dot_into(
-                                                            kd * KH * KW + kh * KW + kw, a, b, acc0, acc1, acc2,
-                                                            acc3, acc4, acc5, acc6, acc7, PRECISION,
-                                                        )  # fmt: skip
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+        off = jd * x_sd + jh * x_sh + jw * x_sw + ci * x_sc
+    d = i_d0[:, None] + jd[None, :]
+    h = i_h0[:, None] + jh[None, :]
+    w = i_w0[:, None] + jw[None, :]
+    ok = m_ok[:, None] & col_ok[None, :] & (d >= 0) & (d < ID) & (h >= 0) & (h < IH) & (w >= 0) & (w < IW)
+    return tl.load(x_rows[:, None] + off[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
+def _shift_k_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
+                    TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+                    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                    DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                    UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
+                    LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
+                    NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
+    """``[KS * BLOCK_K, BLOCK_N]`` weight tile of window offset ``(kd, kh, kw)`` matching
+    ``_shift_k_x_tile``'s columns: row ``(s, c)`` holds the weight of the tap that carries input
+    shift ``s`` to that offset, or 0 where no tap does (a dead (offset, shift) pair).
+
+    Along each dim, offset ``kp`` reads shift ``j`` through tap ``t`` iff
+    ``kp - UP + P - t * DIL == S * (LO + j)`` (see ``_in_index``); for a given ``j`` at most one
+    tap satisfies it.  ``w_base``: ``[1, BLOCK_N]`` pointers at (group's first input channel,
+    output channel, tap 0)."""
+    s, ci, jd, jh, jw = _shift_k_columns(KS, NSH, NSW, BLOCK_K)
+    td, ok_d = _live_tap(kd - UPD + PD - SD * (LOD + jd), DD, TD)
+    th, ok_h = _live_tap(kh - UPH + PH - SH * (LOH + jh), DH, TH)
+    tw, ok_w = _live_tap(kw - UPW + PW - SW * (LOW + jw), DW, TW)
+    ok = (s < NSD * NSH * NSW) & (ci < CIN_G) & ok_d & ok_h & ok_w
+    off = ci * w_sci + td * w_sd + th * w_sh + tw * w_sw
+    return tl.load(w_base + off[:, None], mask=ok[:, None] & cmask, other=0.0)
+
+
+@triton.jit
+def _offset_epilogue(acc, kk, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
+                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+                     o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+                     OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+                     OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr):  # fmt: skip
+    """Bias + chain on the conv output ``acc`` of window offset ``kk`` (row-major index in the
+    window) at conv-output position ``(od, oh, ow)``; then store it (no pool), fold it into the
+    running max (``best``, winner ``win``, conv value at the winner ``win_y``) or the avg-pool sum,
+    and store the saved conv output (SAVE without max pool).  Returns ``best, win, win_y, pooled``.
+    """
+    # The conv output as the library path materialises it (storage dtype), then the chain.
+    y_raw = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = y_raw
+    if HAS_BIAS:
+        y = y + bias
+    v = _chain_fwd(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+                   OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+    ok2 = o_ok[:, None] & cmask
+    if BIG:
+        o_sp = od.to(tl.int64) * y_sd + oh.to(tl.int64) * y_sh + ow.to(tl.int64) * y_sw
+    else:
+        o_sp = od * y_sd + oh * y_sh + ow * y_sw
+    if POOL == 0:
+        if BIG:
+            q = (
+                nn * o_sn
+                + od.to(tl.int64) * o_sd
+                + oh.to(tl.int64) * o_sh
+                + ow.to(tl.int64) * o_sw
+            )
+        else:
+            q = nn * o_sn + od * o_sd + oh * o_sh + ow * o_sw
+        tl.store(out_ptr + q[:, None] + c64[None, :] * o_sc, v.to(out_ptr.dtype.element_ty),
+                 mask=ok2)  # fmt: skip
+    elif POOL == 1:
+        take = ok2 & ((v > best) | (v != v) | (win < 0))
+        best = tl.where(take, v, best)
+        win = tl.where(take, kk, win)
+        win_y = tl.where(take, y_raw, win_y)
+    else:
+        pooled += tl.where(ok2, v, 0.0)
+    if SAVE and POOL != 1:
+        # NOTE: with overlapping avg-pool windows the same element is stored by several
+        # programs with bitwise identical values (same operands, same K order).
+        tl.store(sa_ptr + (nn * y_sn + o_sp)[:, None] + c64[None, :] * y_sc,
+                 y_raw.to(sa_ptr.dtype.element_ty), mask=ok2)  # fmt: skip
+    return best, win, win_y, pooled
+
+
+@triton.jit
+def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
+                     w_base, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                     best, win, win_y, pooled,
+                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+                     o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+                     OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+                     OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr,
+                     TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+                     SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                     PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                     USD: tl.constexpr, USH: tl.constexpr, USW: tl.constexpr,
+                     UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
+                     LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
+                     NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):  # fmt: skip
+    """The SHIFT_K path's loop over window offsets: per offset one dot over (input shift, channel),
+    then ``_offset_epilogue``.  SHARED_X: every offset's dot reads ``a_all`` (the one channel
+    block's X tile, all finite; dead (offset, shift) pairs multiply by zero weights); else each
+    offset runs one small dot per live (channel block, shift) pair, loading its X tile (several
+    channel blocks, or a tile holding inf/NaN, where 0 * inf would make NaN).
+    Returns ``best, win, win_y, pooled`` as ``_offset_epilogue``.
+    """
+    # NOTE: a runtime loop (not static_range): unrolled, the compiler hoisted all 8 weight-tile
+    # loads of seed A into registers at once (255 registers, spills); as a loop, each offset's
+    # tile is loaded when its dot needs it.
+    for kk in range(0, KD * KH * KW):
+        kd = kk // (KH * KW)
+        kh = (kk // KW) % KH
+        kw = kk % KW
+        od = ud * USD - UPD + kd
+        oh = uh * USH - UPH + kh
+        ow = uw * USW - UPW + kw
+        o_ok = m_ok & (od >= 0) & (od < OD) & (oh >= 0) & (oh < OH) & (ow >= 0) & (ow < OW)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if SHARED_X:
+            b = _shift_k_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
+                                TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, UPD, UPH, UPW,
+                                LOD, LOH, LOW, NSD, NSH, NSW, KS, BLOCK_K)  # fmt: skip
+            acc = tl.dot(a_all, b, acc, input_precision=PRECISION)
+        else:
+            # Only the live (offset, shift) pairs, one [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot each.
+            for k0 in range(0, CIN_G, BLOCK_K):
+                ci = k0 + ck
+                ci_ok = ci < CIN_G
+                for sidx in range(0, NSD * NSH * NSW):
+                    jw = sidx % NSW
+                    jh = (sidx // NSW) % NSH
+                    jd = sidx // (NSW * NSH)
+                    td, ok_d = _live_tap(kd - UPD + PD - SD * (LOD + jd), DD, TD)
+                    th, ok_h = _live_tap(kh - UPH + PH - SH * (LOH + jh), DH, TH)
+                    tw, ok_w = _live_tap(kw - UPW + PW - SW * (LOW + jw), DW, TW)
+                    if ok_d & ok_h & ok_w:
+                        row_ok = (m_ok & (i_d0 + jd >= 0) & (i_d0 + jd < ID) & (i_h0 + jh >= 0) & (i_h0 + jh < IH)
+                                  & (i_w0 + jw >= 0) & (i_w0 + jw < IW))  # fmt: skip
+                        a = tl.load(x_rows[:, None] + (jd * x_sd + jh * x_sh + jw * x_sw) + ci[None, :] * x_sc,
+                                    mask=row_ok[:, None] & ci_ok[None, :], other=0.0)  # fmt: skip
+                        b = tl.load(w_base + (td * w_sd + th * w_sh + tw * w_sw) + ci[:, None] * w_sci,
+                                    mask=ci_ok[:, None] & cmask, other=0.0)  # fmt: skip
+                        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        best, win, win_y, pooled = _offset_epilogue(
+            acc, kk, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
+            bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+            o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+            OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
+        )  # fmt: skip
+    return best, win, win_y, pooled
 
 
 @triton.jit
@@ -295,7 +372,8 @@ def _conv_fused_fwd_kernel(
     UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
     STATIC_D: tl.constexpr, STATIC_H: tl.constexpr, STATIC_W: tl.constexpr,
     COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr,
-    PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, BY_SHIFT: tl.constexpr,
+    PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, SHIFT_K: tl.constexpr,
+    ONE_CBLOCK: tl.constexpr, KS: tl.constexpr,
     LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
     NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -323,9 +401,12 @@ def _conv_fused_fwd_kernel(
     BIG: index math in int64 (some tensor spans more than 2**31 - 1 elements).
     FLAT_K: one pipelined runtime loop over taps x channel blocks (``_conv_flat``; no compile-time
     phase skipping); else taps unrolled statically, skipping dead phases (transposed conv).
-    BY_SHIFT: transposed conv, static phase along every dim, at most 8 window offsets: all offsets
-    accumulate at once, each distinct input shift loaded once per channel block (``_conv_by_shift``;
-    ``LO*``/``NS*``: the lowest shift and the number of shifts per dim).
+    SHIFT_K: transposed conv with a static phase along every dim: per window offset ONE dot whose K
+    axis is (input shift, channel) over all ``NSD * NSH * NSW`` distinct input shifts (padded to
+    ``KS``, a power of 2), the weight tile zero where no tap links the offset to the shift
+    (``_shift_k_x_tile`` / ``_shift_k_w_tile``; ``LO*``/``NS*``: the lowest shift and the number of
+    shifts per dim).  ONE_CBLOCK (``CIN_G <= BLOCK_K``): the X tile is loaded once and feeds the
+    dots of every window offset.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -379,16 +460,54 @@ def _conv_fused_fwd_kernel(
     win = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
     win_y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     pooled = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if BY_SHIFT:
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _conv_by_shift(
-            x_base, w_base, ud, uh, uw, m_ok, ck, cmask, CIN_G, ID, IH, IW,
-            x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
-            TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
-            USD, USH, USW, UPD, UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW,
-            PRECISION, BIG, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+    if SHIFT_K:
+        # Input position of the lowest shift; offset kp and tap t read i0 + (shift - LO) (static).
+        i_d0 = ud * (USD // SD) + LOD
+        i_h0 = uh * (USH // SH) + LOH
+        i_w0 = uw * (USW // SW) + LOW
+        if BIG:
+            x_rows = x_base + (i_d0.to(tl.int64) * x_sd + i_h0.to(tl.int64) * x_sh + i_w0.to(tl.int64) * x_sw)
+        else:
+            x_rows = x_base + (i_d0 * x_sd + i_h0 * x_sh + i_w0 * x_sw)
+        if ONE_CBLOCK:
+            a_all = _shift_k_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw,
+                                    NSD, NSH, NSW, KS, BIG, BLOCK_K)  # fmt: skip
+            # NOTE: a dead (offset, shift) pair multiplies its X column by a zero weight, and
+            # 0 * inf = NaN: a tile holding a non-finite input takes the live-pairs-only variant,
+            # so NaN/inf reach exactly the outputs whose taps read them, as in the library conv.
+            # Two whole loops, not a branch per dot: a per-dot branch (or zeroing a_all's dead
+            # columns in registers) kept the tile live across the loop: 255 registers and spills.
+            # (x - x) != 0 only for inf and NaN.
+            non_finite = tl.max(tl.max(((a_all - a_all) != 0).to(tl.int32), axis=1), axis=0)
+        else:
+            a_all = 0.0
+            non_finite = 1
+        if non_finite:
+            best, win, win_y, pooled = _shift_k_offsets(
+                a_all, False, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
+                CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                best, win, win_y, pooled,
+                bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+                o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+                OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
+                TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
+                USD, USH, USW, UPD, UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS,
+                PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        else:
+            best, win, win_y, pooled = _shift_k_offsets(
+                a_all, True, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
+                CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                best, win, win_y, pooled,
+                bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+                o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+                OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
+                TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
+                USD, USH, USW, UPD, UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS,
+                PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
 
-    for kd in tl.static_range(KD):
+    for kd in tl.static_range(KD * (1 - SHIFT_K)):
         od = ud * USD - UPD + kd
         ok_d = (od >= 0) & (od < OD)
         for kh in tl.static_range(KH):
@@ -397,9 +516,7 @@ def _conv_fused_fwd_kernel(
             for kw in tl.static_range(KW):
                 ow = uw * USW - UPW + kw
                 o_ok = m_ok & ok_h & (ow >= 0) & (ow < OW)
-                if BY_SHIFT:
-                    acc = _pick(kd * KH * KW + kh * KW + kw, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
-                elif FLAT_K:
+                if FLAT_K:
                     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                     acc = _conv_flat(
                         acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, IW,
@@ -444,42 +561,12 @@ def _conv_fused_fwd_kernel(
                                                     other=0.0,
                                                 )
                                                 acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fmt: skip
-                # The conv output as the library path materialises it (storage dtype), then the chain.
-                y_raw = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-                y = y_raw
-                if HAS_BIAS:
-                    y = y + bias
-                v = _chain_fwd(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
-                               OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
-                ok2 = o_ok[:, None] & cmask
-                if BIG:
-                    o_sp = od.to(tl.int64) * y_sd + oh.to(tl.int64) * y_sh + ow.to(tl.int64) * y_sw
-                else:
-                    o_sp = od * y_sd + oh * y_sh + ow * y_sw
-                if POOL == 0:
-                    if BIG:
-                        q = (
-                            nn * o_sn
-                            + od.to(tl.int64) * o_sd
-                            + oh.to(tl.int64) * o_sh
-                            + ow.to(tl.int64) * o_sw
-                        )
-                    else:
-                        q = nn * o_sn + od * o_sd + oh * o_sh + ow * o_sw
-                    tl.store(out_ptr + q[:, None] + c64[None, :] * o_sc, v.to(out_ptr.dtype.element_ty),
-                             mask=ok2)  # fmt: skip
-                elif POOL == 1:
-                    take = ok2 & ((v > best) | (v != v) | (win < 0))
-                    best = tl.where(take, v, best)
-                    win = tl.where(take, kd * KH * KW + kh * KW + kw, win)
-                    win_y = tl.where(take, y_raw, win_y)
-                else:
-                    pooled += tl.where(ok2, v, 0.0)
-                if SAVE and POOL != 1:
-                    # NOTE: with overlapping avg-pool windows the same element is stored by several
-                    # programs with bitwise identical values (same operands, same K order).
-                    tl.store(sa_ptr + (nn * y_sn + o_sp)[:, None] + c64[None, :] * y_sc,
-                             y_raw.to(sa_ptr.dtype.element_ty), mask=ok2)  # fmt: skip
+                best, win, win_y, pooled = _offset_epilogue(
+                    acc, kd * KH * KW + kh * KW + kw, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
+                    bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+                    o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+                    OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
+                )  # fmt: skip
 
     if POOL != 0:
         if BIG:
@@ -527,8 +614,23 @@ class _Plan:
     unit_origin: tuple[int, int, int]
     static_phase: tuple[bool, bool, bool]
     unrolled: int  # (window offset, tap) pairs the kernel unrolls
-    by_shift: bool  # the kernel's BY_SHIFT path (static phase along every dim, <= 8 window offsets)
-    shifts: tuple[tuple[int, int], ...]  # per dim (lowest input shift, number of shifts) for BY_SHIFT
+    shift_k: bool  # the kernel's SHIFT_K path (static phase along every dim, few input shifts)
+    shifts: tuple[tuple[int, int], ...]  # per dim (lowest input shift, number of shifts) for SHIFT_K
+    shift_slots: int  # SHIFT_K: the number of distinct input shifts rounded up to a power of 2
+
+
+def _output_channels_innermost(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``weight`` with the same shape, stored with the output-channel dim innermost (stride 1).
+
+    WHY: every weight tile is ``[K rows, BLOCK_N output channels]``; with the output channel
+    contiguous a warp reads whole rows (coalesced, vectorised).  In PyTorch's layouts it is strided
+    by C_in/groups x taps (conv) or taps (transposed): 27 lines per warp load on seed A.  The copy
+    is one small kernel (the weight is tiny next to the activations).
+    """
+    co_dim = 1 if transposed else 0
+    if weight.stride(co_dim) == 1 or weight.shape[co_dim] == 1:
+        return weight
+    return weight.movedim(co_dim, -1).contiguous().movedim(-1, co_dim)
 
 
 def _pad3(values: Sequence[int], fill: int) -> list[int]:
@@ -577,10 +679,11 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, conv: ConvGeometry, pool: PoolG
         else:
             unrolled *= window[j] * taps[j]
             shifts.append((0, 0))
-    by_shift = all(static) and math.prod(window) <= _BY_SHIFT_MAX_OFFSETS
+    slots = next_pow2(math.prod(n for _, n in shifts)) if all(static) else 0
+    shift_k = all(static) and 0 < slots <= _SHIFT_K_MAX_SLOTS
     del dims
     return _Plan(tuple(conv_out), tuple(units), tuple(window), tuple(ustride), tuple(uorigin),
-                 tuple(static), unrolled, by_shift, tuple(shifts))  # fmt: skip
+                 tuple(static), unrolled, shift_k, tuple(shifts), slots)  # fmt: skip
 
 
 def unsupported_reason(
@@ -642,15 +745,12 @@ _GENERAL_TILES = (
     (128, 64, 32, 4, 3), (128, 64, 32, 8, 4), (64, 64, 32, 4, 4), (256, 64, 32, 8, 3),
     (128, 64, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3),
 )  # fmt: skip
-#: Tiles of the BY_SHIFT path (seed A).  NOTE: up to 8 [BLOCK_M, BLOCK_N] fp32 accumulators live
-#: at once, and every X tile and all live-tap weight tiles of a channel block sit in shared memory
-#: per pipeline stage (seed A fp32, BLOCK_M 64: 87 KB), so these use one stage (seed A has a single
-#: channel block anyway) and 4-8 warps; ptxas for sm_90 (tools/compile_check_conv_fused.py): 255
-#: registers, <= 0.13 KB spills at BLOCK_M 64-128 (BLOCK_M 128 with 4 warps spilled 1.9-2.7 KB: left
-#: out).  BLOCK_M 32 runs mma.sync instead of wgmma.
-_BY_SHIFT_TILES = (
-    (64, 32, 16, 4, 1), (128, 32, 16, 8, 1), (64, 32, 16, 8, 1), (32, 32, 16, 4, 1),
-    (128, 16, 16, 4, 1), (64, 32, 32, 4, 1), (64, 64, 32, 8, 1), (128, 64, 32, 8, 1),
+#: Tiles of the SHIFT_K path (seed A), all with BLOCK_K = SHIFT_K_BLOCK_K.  NOTE: one accumulator
+#: lives at a time; the X tile (seed A fp32 at BLOCK_M 128: 64 KB) stays in shared memory for all
+#: window offsets, so one stage suffices with a single channel block; two stages for wider inputs.
+_SHIFT_K_TILES = (
+    (64, 32, 16, 4, 1), (128, 32, 16, 4, 1), (128, 32, 16, 8, 1), (256, 32, 16, 8, 1),
+    (64, 64, 16, 4, 1), (128, 64, 16, 8, 1), (128, 16, 16, 4, 1), (128, 32, 16, 8, 2),
 )  # fmt: skip
 
 
@@ -662,19 +762,22 @@ def _tile(cfg: triton.Config) -> tuple[int, int, int, int, int]:
 def _configs() -> list[triton.Config]:
     """Autotuning space on CUDA: both paths' tiles (``_prune`` keeps the path's own, per shape)."""
     configs = []
-    for bm, bn, bk, warps, stages in dict.fromkeys(_GENERAL_TILES + _BY_SHIFT_TILES):
+    for bm, bn, bk, warps, stages in dict.fromkeys(_GENERAL_TILES + _SHIFT_K_TILES):
         configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps,
                                      num_stages=stages))  # fmt: skip
     return configs
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Keep the tiles of the launched path (``BY_SHIFT`` or not); drop tiles much wider than the
+    """Keep the tiles of the launched path (``SHIFT_K`` or not); drop tiles much wider than the
     problem (masked lanes cost full MMA work)."""
-    tiles = set(_BY_SHIFT_TILES if kwargs.get("BY_SHIFT", False) else _GENERAL_TILES)
+    shift_k = kwargs.get("SHIFT_K", False)
+    tiles = set(_SHIFT_K_TILES if shift_k else _GENERAL_TILES)
     configs = [c for c in configs if _tile(c) in tiles] or configs
+    if shift_k:  # the channel block is fixed (ONE_CBLOCK was decided for it); two stages only help a K loop
+        configs = [c for c in configs if (c.num_stages == 1) == bool(kwargs["ONE_CBLOCK"])] or configs
     bn_max = max(16, next_pow2(int(named_args["COUT_G"])))
-    bk_max = max(16, next_pow2(int(named_args["CIN_G"])))
+    bk_max = SHIFT_K_BLOCK_K if shift_k else max(16, next_pow2(int(named_args["CIN_G"])))
     kept = [c for c in configs if c.kwargs["BLOCK_N"] <= bn_max and c.kwargs["BLOCK_K"] <= bk_max]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
 
@@ -682,22 +785,23 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 _conv_fused_fwd_tuned = triton.autotune(
     configs=_configs(),
     # the path constexprs are in the key: two geometries with equal sizes must not share a tile
-    key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT", "TRANSPOSED", "FLAT_K", "BY_SHIFT", "KD", "KH", "KW"],
+    key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT", "TRANSPOSED", "FLAT_K", "SHIFT_K", "KS", "KD", "KH", "KW"],
     prune_configs_by={"early_config_prune": _prune},
     cache_results=True,  # the best tile per key is kept in Triton's cache dir across processes
 )(_conv_fused_fwd_kernel)
 
 
-def _heuristic_config(cin_g: int, cout_g: int, m_total: int, by_shift: bool = False) -> dict[str, int]:
+def _heuristic_config(cin_g: int, cout_g: int, m_total: int, shift_k: bool = False) -> dict[str, int]:
     """One tile for the interpreter (small blocks: numpy cost grows with tile size) or when
     ``FUSION_CONV_AUTOTUNE=0``."""
     block_n = min(max(16, next_pow2(cout_g)), 64)
-    block_k = min(max(16, next_pow2(cin_g)), 32)
+    block_k = SHIFT_K_BLOCK_K if shift_k else min(max(16, next_pow2(cin_g)), 32)
     if _INTERPRET:
         block_m = min(max(16, next_pow2(m_total)), 64)
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    if by_shift:  # see _BY_SHIFT_TILES: registers and shared memory grow with the 8 accumulators
-        return dict(BLOCK_M=64, BLOCK_N=min(block_n, 32), BLOCK_K=16, num_warps=4, num_stages=1)
+    if shift_k:  # see _SHIFT_K_TILES
+        stages = 1 if cin_g <= SHIFT_K_BLOCK_K else 2
+        return dict(BLOCK_M=128, BLOCK_N=min(block_n, 32), BLOCK_K=block_k, num_warps=8, num_stages=stages)
     return dict(
         BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_n <= 32 else 8, num_stages=3
     )
@@ -771,6 +875,7 @@ def conv_fused_forward(
     x_strides = _lift(x)[1]
     o_strides = _lift(out)[1]
     y_strides = _lift(saved_a)[1] if save and not is_max else [0] * 5
+    weight = _output_channels_innermost(weight, conv.transposed)
     w_str = list(weight.stride())
     w_sci, w_sco = (w_str[0], w_str[1]) if conv.transposed else (w_str[1], w_str[0])
     w_taps = _pad3(w_str[2:], 0)
@@ -804,13 +909,14 @@ def conv_fused_forward(
         USD=plan.unit_stride[0], USH=plan.unit_stride[1], USW=plan.unit_stride[2],
         UPD=plan.unit_origin[0], UPH=plan.unit_origin[1], UPW=plan.unit_origin[2],
         STATIC_D=plan.static_phase[0], STATIC_H=plan.static_phase[1], STATIC_W=plan.static_phase[2],
-        **pool_args, PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase), BY_SHIFT=plan.by_shift,
+        **pool_args, PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase), SHIFT_K=plan.shift_k,
+        ONE_CBLOCK=cin_g <= SHIFT_K_BLOCK_K, KS=max(plan.shift_slots, 1),
         LOD=plan.shifts[0][0], LOH=plan.shifts[1][0], LOW=plan.shifts[2][0],
         NSD=plan.shifts[0][1], NSH=plan.shifts[1][1], NSW=plan.shifts[2][1],
     )  # fmt: skip
     macs = m_total * cout_g * cin_g * plan.unrolled
     if _INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0" or macs < _AUTOTUNE_MIN_MACS:
-        cfg = _heuristic_config(cin_g, cout_g, m_total, plan.by_shift)
+        cfg = _heuristic_config(cin_g, cout_g, m_total, plan.shift_k)
         grid = (cdiv(m_total, cfg["BLOCK_M"]), groups * cdiv(cout_g, cfg["BLOCK_N"]))
         _conv_fused_fwd_kernel[grid](*args, **constexprs, **cfg)
     else:
