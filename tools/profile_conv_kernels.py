@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def run_cases(seeds: list[str], dtypes: list[str]) -> None:
+def run_cases(seeds: list[str], dtypes: list[str], only: str = "") -> None:
     import bench_conv_fused as fwd_tool
     import bench_conv_fused_bwd as bwd_tool
     import torch
@@ -50,6 +50,7 @@ def run_cases(seeds: list[str], dtypes: list[str]) -> None:
             cases.append(
                 (f"{seed} {name} backward compact", lambda g=grad, x=bx, w=bw, a=args: K.convolution_backward(g, x, w, *a))
             )
+    cases = [(label, fn) for label, fn in cases if only in label]
     for _label, fn in cases:  # compile and autotune outside the range
         fn()
     torch.cuda.synchronize()
@@ -73,6 +74,17 @@ METRICS = {
 }
 
 
+#: Warp stall reasons, requested by profile_conv_kernels.sh as ``--metrics`` (ncu prints them under
+#: their raw names): smsp__warp_issue_stalled_<reason>_per_warp_active.pct
+_STALL_PREFIX = "smsp__warp_issue_stalled_"
+_STALL_SUFFIX = "_per_warp_active.pct"
+STALL_REASONS = (
+    "barrier", "branch_resolving", "dispatch_stall", "drain", "imc_miss", "lg_throttle", "long_scoreboard",
+    "math_pipe_throttle", "membar", "mio_throttle", "misc", "no_instruction", "not_selected", "selected",
+    "short_scoreboard", "sleeping", "tex_throttle", "wait",
+)  # fmt: skip
+
+
 def summarize(path: str) -> None:
     rows: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
     stalls: dict[tuple[str, str], list[tuple[float, str]]] = defaultdict(list)
@@ -87,15 +99,15 @@ def summarize(path: str) -> None:
             elif name == "Duration" and unit in ("nsecond", "ns"):
                 value = f"{float(value.replace(',', '')) / 1000:.1f}"
             rows[key][METRICS[name]] = value
-        if name.startswith("Stall ") or "stall" in name.lower():
+        if name.startswith(_STALL_PREFIX) and name.endswith(_STALL_SUFFIX):
             try:
-                stalls[key].append((float(value.replace(",", "")), name))
+                stalls[key].append((float(value.replace(",", "")), name[len(_STALL_PREFIX) : -len(_STALL_SUFFIX)]))
             except ValueError:
                 pass
     cols = list(METRICS.values())
-    print(f"{'id':>4} {'kernel':40} " + " ".join(f"{c:>8}" for c in cols) + "  top stall")
+    print(f"{'id':>4} {'kernel':40} " + " ".join(f"{c:>8}" for c in cols) + "  top stalls (% of active warp cycles)")
     for key, vals in rows.items():
-        top = max(stalls[key])[1] if stalls[key] else ""
+        top = ", ".join(f"{name} {pct:.0f}" for pct, name in sorted(stalls[key], reverse=True)[:4])
         print(f"{key[0]:>4} {key[1]:40} " + " ".join(f"{vals.get(c, ''):>8}" for c in cols) + f"  {top}")
 
 
@@ -103,12 +115,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="A,B")
     parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--only", default="", help="profile only the cases whose label contains this")
+    parser.add_argument("--stall-metrics", action="store_true", help="print the ncu --metrics list and exit")
     parser.add_argument("--summarize", metavar="CSV", help="print the summary of an ncu --csv --page details file")
     args = parser.parse_args()
+    if args.stall_metrics:
+        print(",".join(f"{_STALL_PREFIX}{r}{_STALL_SUFFIX}" for r in STALL_REASONS))
+        return 0
     if args.summarize:
         summarize(args.summarize)
         return 0
-    run_cases(args.seeds.split(","), args.dtypes.split(","))
+    run_cases(args.seeds.split(","), args.dtypes.split(","), args.only)
     return 0
 
 

@@ -301,8 +301,9 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
     """The SHIFT_K path's loop over window offsets: per offset one dot over (input shift, channel),
     then ``_offset_epilogue``.  SHARED_X: every offset's dot reads ``a_all`` (the one channel
     block's X tile, all finite; dead (offset, shift) pairs multiply by zero weights); else each
-    offset runs one small dot per live (channel block, shift) pair, loading its X tile (several
-    channel blocks, or a tile holding inf/NaN, where 0 * inf would make NaN).
+    offset runs one small dot per (channel block, shift) pair, loading its X tile with the dead
+    pairs masked to zero on both sides (several channel blocks, or a tile holding inf/NaN, where
+    0 * inf would make NaN).
     Returns ``best, win, win_y, pooled`` as ``_offset_epilogue``.
     """
     # NOTE: a runtime loop (not static_range): unrolled, the compiler hoisted all 8 weight-tile
@@ -323,7 +324,7 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
                                 LOD, LOH, LOW, NSD, NSH, NSW, KS, BLOCK_K)  # fmt: skip
             acc = tl.dot(a_all, b, acc, input_precision=PRECISION)
         else:
-            # Only the live (offset, shift) pairs, one [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot each.
+            # One [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot per (channel block, shift), dead pairs masked.
             for k0 in range(0, CIN_G, BLOCK_K):
                 ci = k0 + ck
                 ci_ok = ci < CIN_G
@@ -334,14 +335,17 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
                     td, ok_d = _live_tap(kd - UPD + PD - SD * (LOD + jd), DD, TD)
                     th, ok_h = _live_tap(kh - UPH + PH - SH * (LOH + jh), DH, TH)
                     tw, ok_w = _live_tap(kw - UPW + PW - SW * (LOW + jw), DW, TW)
-                    if ok_d & ok_h & ok_w:
-                        row_ok = (m_ok & (i_d0 + jd >= 0) & (i_d0 + jd < ID) & (i_h0 + jh >= 0) & (i_h0 + jh < IH)
-                                  & (i_w0 + jw >= 0) & (i_w0 + jw < IW))  # fmt: skip
-                        a = tl.load(x_rows[:, None] + (jd * x_sd + jh * x_sh + jw * x_sw) + ci[None, :] * x_sc,
-                                    mask=row_ok[:, None] & ci_ok[None, :], other=0.0)  # fmt: skip
-                        b = tl.load(w_base + (td * w_sd + th * w_sh + tw * w_sw) + ci[:, None] * w_sci,
-                                    mask=ci_ok[:, None] & cmask, other=0.0)  # fmt: skip
-                        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                    # A dead pair loads nothing (both masks off) and adds 0 * 0: masks, not a
+                    # runtime branch around the dot.  (tl.where: under the interpreter the scalar
+                    # `&` chain came out as an int32 array, which tl.load refuses as a mask.)
+                    live = tl.where(ok_d & ok_h & ok_w, ci_ok, False)
+                    row_ok = (m_ok & (i_d0 + jd >= 0) & (i_d0 + jd < ID) & (i_h0 + jh >= 0) & (i_h0 + jh < IH)
+                              & (i_w0 + jw >= 0) & (i_w0 + jw < IW))  # fmt: skip
+                    a = tl.load(x_rows[:, None] + (jd * x_sd + jh * x_sh + jw * x_sw) + ci[None, :] * x_sc,
+                                mask=row_ok[:, None] & live[None, :], other=0.0)  # fmt: skip
+                    b = tl.load(w_base + (td * w_sd + th * w_sh + tw * w_sw) + ci[:, None] * w_sci,
+                                mask=live[:, None] & cmask, other=0.0)  # fmt: skip
+                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
         best, win, win_y, pooled = _offset_epilogue(
             acc, kk, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
             bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
