@@ -1,6 +1,6 @@
 """Compile the fused conv forward kernel for sm_90 without a GPU: catches GPU-only compile errors.
 
-    python tools/compile_check_conv_fused.py [--quick] [--cases A-fp32,A-bf16,B-fp32,B-bf16]
+    python tools/compile_check_conv_fused.py [--quick] [--cases A-fp32,A-bf16,B-fp32,B-bf16,Awide-fp32]
 
 For the seed-A (ConvTranspose3d + chain + MaxPool3d, training forward with saved state) and seed-B
 (Conv2d + chain, no pool) specialisations, fp32 (TF32) and bf16: the launcher runs on empty CPU
@@ -56,12 +56,13 @@ class _Recorder:
 
 def _seed(name: str, dtype: torch.dtype):
     """The seed's tensors (empty, full size, CPU) and config, as ``tools/bench_conv_fused.py``."""
-    if name == "A":
+    if name in ("A", "Awide"):  # Awide: 48 input channels, the SHIFT_K path with several channel blocks
         spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
         leaky = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
         chain = (leaky, ChainStep(PK.MUL, (TensorRef(0),)), leaky)
         pool = PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
-        x, w, c = torch.empty(16, 16, 16, 32, 32, dtype=dtype), torch.empty(16, 32, 3, 3, 3, dtype=dtype), 32
+        cin = 16 if name == "A" else 48
+        x, w, c = torch.empty(16, cin, 16, 32, 32, dtype=dtype), torch.empty(cin, 32, 3, 3, 3, dtype=dtype), 32
     else:
         spec = ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
         chain = (ChainStep(PK.MUL, (TensorRef(0),)), ChainStep(PK.LEAKY_RELU, (Const(0.01),)), ChainStep(PK.GELU))

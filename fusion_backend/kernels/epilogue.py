@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import cdiv, next_pow2
+from .host import cdiv, next_pow2, persistent_device_copies
 
 #: Number of op-code slots of the kernel templates (== chain.MAX_CHAIN_LENGTH).
 MAX_SLOTS = 8
@@ -669,34 +669,59 @@ def _channels_inner(strides: Sequence[int], sizes: Sequence[int]) -> bool:
     return strides[1] == 1 and sizes[1] > 1 and any(sz > 1 for sz in sizes[2:])
 
 
+#: (constant per row, channels, device) -> the device matrix ``P`` with those constants and zero
+#: rows elsewhere.  Never evicted: a recorded CUDA graph keeps reading the addresses it saw
+#: (``host.persistent_device_copies``); the keys are the distinct constant sets of the model's chains.
+_CONSTANT_PARAMS: dict[tuple[tuple[float, ...], int, torch.device], torch.Tensor] = {}
+
+
 def build_params(
     steps: Sequence[KernelStep], bias: torch.Tensor | None, channels: int, device: torch.device
 ) -> torch.Tensor:
-    """The operand matrix ``P``: fp32 ``(NUM_PARAM_ROWS, channels)``, contiguous (see module doc)."""
+    """The operand matrix ``P``: fp32 ``(NUM_PARAM_ROWS, channels)``, contiguous (see module doc).
+
+    The result is read-only: when every operand is a constant it is a cached tensor shared by all
+    calls with those constants.  NOTE: host time matters here (seed A's launch is host-bound):
+    one ``torch.cat`` of the tensor rows and slices of the cached constant matrix replaces a
+    ``zeros`` plus one ``copy_``/``fill_`` per row (5 device ops on seed A).
+    """
     if len(steps) > MAX_SLOTS:
         raise ValueError(f"chains of at most {MAX_SLOTS} steps fit the kernel template, got {len(steps)}")
-    params = torch.zeros(NUM_PARAM_ROWS, channels, dtype=torch.float32, device=device)
-    rows: list[tuple[int, OperandValue]] = []
+    values: list[OperandValue | None] = [None] * NUM_PARAM_ROWS
     if bias is not None:
-        rows.append((BIAS_ROW, bias))
-    for slot, (_, values) in enumerate(steps):
-        if len(values) > 2:
-            raise ValueError(f"slot {slot}: at most 2 operands per step, got {len(values)}")
-        rows.extend((1 + 2 * slot + j, value) for j, value in enumerate(values))
-    for row, value in rows:
-        if isinstance(value, torch.Tensor):
-            flat = value.detach().reshape(-1)
-            if flat.numel() == 1:
-                flat = flat.expand(channels)
-            elif flat.numel() != channels:
-                raise ValueError(
-                    f"P row {row}: an operand tensor must have 1 or {channels} elements, got shape "
-                    f"{tuple(value.shape)}"
-                )
-            params[row].copy_(flat)
-        else:
-            params[row].fill_(float(value))
-    return params
+        values[BIAS_ROW] = bias
+    for slot, (_, operands) in enumerate(steps):
+        if len(operands) > 2:
+            raise ValueError(f"slot {slot}: at most 2 operands per step, got {len(operands)}")
+        for j, value in enumerate(operands):
+            values[1 + 2 * slot + j] = value
+    constants = tuple(0.0 if v is None or isinstance(v, torch.Tensor) else float(v) for v in values)
+    key = (constants, channels, torch.device(device))
+    base = _CONSTANT_PARAMS.get(key)
+    if base is None:
+        table = torch.tensor(constants, dtype=torch.float32)[:, None].expand(NUM_PARAM_ROWS, channels)
+        base = _CONSTANT_PARAMS[key] = persistent_device_copies([table.contiguous()], torch.device(device))[0]
+    pieces: list[torch.Tensor] = []
+    done = 0
+    for row, value in enumerate(values):
+        if not isinstance(value, torch.Tensor):
+            continue
+        flat = value.detach().reshape(1, -1)
+        if flat.shape[1] == 1:
+            flat = flat.expand(1, channels)
+        elif flat.shape[1] != channels:
+            raise ValueError(
+                f"P row {row}: an operand tensor must have 1 or {channels} elements, got shape {tuple(value.shape)}"
+            )
+        if row > done:
+            pieces.append(base[done:row])
+        pieces.append(flat.to(device=device, dtype=torch.float32))
+        done = row + 1
+    if not pieces:
+        return base
+    if done < NUM_PARAM_ROWS:
+        pieces.append(base[done:])
+    return torch.cat(pieces)
 
 
 def _op_constexprs(steps: Sequence[KernelStep]) -> dict[str, int]:

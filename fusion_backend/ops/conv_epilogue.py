@@ -66,7 +66,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, Union
 
@@ -591,6 +591,35 @@ def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) ->
         return "library", f"{CONV_IMPL_ENV}=library"
     if mode == "auto" and x.device.type != "cuda":
         return "library", f"{CONV_IMPL_ENV}=auto uses the fused conv on CUDA only"
+    key = ("conv_impl", _tensor_meta(x), _tensor_meta(weight), cfg, save, mode)
+    return _memo(key, lambda: _fused_conv_answer(x, weight, cfg, save, mode))
+
+
+#: Per-call decisions that depend only on shapes, strides, dtypes, devices and the config, cached:
+#: the op makes them on every call and host time is what small steps wait on.  Bounded (oldest out).
+_DECISIONS: dict[tuple, Any] = {}
+_MAX_DECISIONS = 512
+
+
+def _memo(key: tuple, compute: Callable[[], Any]) -> Any:
+    try:
+        return _DECISIONS[key]
+    except KeyError:
+        pass
+    value = compute()
+    if len(_DECISIONS) >= _MAX_DECISIONS:
+        del _DECISIONS[next(iter(_DECISIONS))]
+    _DECISIONS[key] = value
+    return value
+
+
+def _tensor_meta(t: Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool,
+                       mode: str) -> tuple[str, str | None]:  # fmt: skip
+    """``conv_impl``'s answer for ``auto``/``triton`` (see there)."""
     from ..kernels import conv_fused
 
     pooled = None
@@ -624,8 +653,13 @@ def _library_conv_meta(x: Tensor, weight: Tensor, spec: ConvSpec) -> Tensor:
     """A meta tensor with the shape and strides the library conv (and the op's fake) would give y0.
 
     Mirrors FakeTensor's conv rule (``_select_conv_backend`` + ``_conv_determine_backend_memory_format``)
-    without running the conv.
+    without running the conv; cached per shapes, strides, dtypes and devices (asked on every call).
     """
+    return _memo(("conv_meta", _tensor_meta(x), _tensor_meta(weight), spec),
+                 lambda: _library_conv_meta_uncached(x, weight, spec))  # fmt: skip
+
+
+def _library_conv_meta_uncached(x: Tensor, weight: Tensor, spec: ConvSpec) -> Tensor:
     shape = _conv_output_shape(x, weight, spec)
     fmt = torch.contiguous_format
     if x.dim() in (4, 5):
