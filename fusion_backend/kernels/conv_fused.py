@@ -912,7 +912,8 @@ def _prepare(
     x_strides = _lift(x)[1]
     o_strides = _lift(out)[1]
     y_strides = _lift(saved_a)[1] if save and not is_max else [0] * 5
-    w_str = list(_output_channels_innermost(weight.to("meta"), conv.transposed).stride())
+    # the strides of the weight as launched (a copy only on this cache miss; exact for any layout)
+    w_str = list(_output_channels_innermost(weight, conv.transposed).stride())
     w_sci, w_sco = (w_str[0], w_str[1]) if conv.transposed else (w_str[1], w_str[0])
     w_taps = _pad3(w_str[2:], 0)
     m_total = n * math.prod(plan.units)
