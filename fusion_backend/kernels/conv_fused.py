@@ -62,7 +62,7 @@ from .epilogue import (
     _op_constexprs,
     build_params,
 )
-from .host import cdiv, next_pow2
+from .host import BoundedCache, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
 
 #: Largest number of (window offset, tap) pairs the kernel unrolls (compile time and code size grow
@@ -474,6 +474,7 @@ def _conv_fused_fwd_kernel(
             x_rows = x_base + (i_d0.to(tl.int64) * x_sd + i_h0.to(tl.int64) * x_sh + i_w0.to(tl.int64) * x_sw)
         else:
             x_rows = x_base + (i_d0 * x_sd + i_h0 * x_sh + i_w0 * x_sw)
+        masked = 1  # several channel blocks: the masked variant (a_all does not exist)
         if ONE_CBLOCK:
             a_all = _shift_k_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw,
                                     NSD, NSH, NSW, KS, BIG, BLOCK_K)  # fmt: skip
@@ -483,20 +484,8 @@ def _conv_fused_fwd_kernel(
             # loops, not a branch per dot: a per-dot branch (or zeroing a_all's dead columns in
             # registers) kept the tile live across the loop: 255 registers and spills.
             # (x - x) != 0 only for inf and NaN.
-            non_finite = tl.max(tl.max(((a_all - a_all) != 0).to(tl.int32), axis=1), axis=0)
-            if non_finite:
-                best, win, win_y, pooled = _shift_k_offsets(
-                    0.0, False, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
-                    CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
-                    best, win, win_y, pooled,
-                    bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
-                    o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-                    OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
-                    TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
-                    USD, USH, USW, UPD, UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS,
-                    PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                )  # fmt: skip
-            else:
+            masked = tl.max(tl.max(((a_all - a_all) != 0).to(tl.int32), axis=1), axis=0)
+            if masked == 0:
                 best, win, win_y, pooled = _shift_k_offsets(
                     a_all, True, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
                     CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
@@ -508,7 +497,9 @@ def _conv_fused_fwd_kernel(
                     USD, USH, USW, UPD, UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS,
                     PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
-        else:  # several channel blocks: the masked variant (static branch: a_all does not exist)
+        # A runtime branch with one channel block; a static one otherwise (masked stays the int 1,
+        # so the shared-tile call above is never compiled without a_all).
+        if masked != 0:
             best, win, win_y, pooled = _shift_k_offsets(
                 0.0, False, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
                 CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
@@ -845,21 +836,16 @@ class _Launch:
             self.fast = FastLaunch(_conv_fused_fwd_kernel, self.grid(best.kwargs), {**self.constexprs, **best.all_kwargs()})
 
 
-#: Launch plans by ``_launch_key`` (bounded: the oldest is dropped past the limit).
-_LAUNCHES: dict[tuple, _Launch] = {}
-_MAX_LAUNCHES = 256
-
-
-def _meta(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
+#: Launch plans by ``_launch_key``.
+_LAUNCHES = BoundedCache(256)
 
 
 def _launch_key(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32) -> tuple:  # noqa: ANN001
     """Everything ``_prepare``'s result depends on (shapes, strides, dtypes, geometry, op codes,
     precision, and the module switches tests change)."""
     return (
-        _meta(x), _meta(weight), bias is None, tuple((int(code), len(values)) for code, values in steps), conv, pool,
-        _meta(out), _meta(saved_a), _meta(saved_b), bool(allow_tf32), os.environ.get(AUTOTUNE_ENV, "1"),
+        tensor_key(x), tensor_key(weight), bias is None, tuple((int(code), len(values)) for code, values in steps), conv, pool,
+        tensor_key(out), tensor_key(saved_a), tensor_key(saved_b), bool(allow_tf32), os.environ.get(AUTOTUNE_ENV, "1"),
         _BIG_INDEX_THRESHOLD,
     )  # fmt: skip
 
@@ -991,12 +977,7 @@ def conv_fused_forward(
         _prepare(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32)  # validates
         return
     key = _launch_key(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32)
-    launch = _LAUNCHES.get(key)
-    if launch is None:
-        launch = _prepare(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32)
-        if len(_LAUNCHES) >= _MAX_LAUNCHES:
-            del _LAUNCHES[next(iter(_LAUNCHES))]
-        _LAUNCHES[key] = launch
+    launch = _LAUNCHES.get(key, lambda: _prepare(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32))
     params = build_params(steps, bias, launch.cout, x.device)
     w = _output_channels_innermost(weight, conv.transposed)
     sa = saved_a if saved_a is not None else out

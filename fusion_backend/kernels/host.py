@@ -8,7 +8,8 @@ step waits on (see ``docs/perf/NOTES.md``), so the launchers use these plain-int
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -21,6 +22,36 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What a per-shape cache of a launch or decision keys a tensor by: shape, strides, dtype,
+    device (None for an absent tensor)."""
+    return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+class BoundedCache:
+    """``key -> value`` computed once per key, at most ``limit`` entries (the oldest goes first).
+
+    For the per-shape host decisions of the op calls (launch plans, layout decisions): the keys
+    are shapes and strides, so a model needs few, and the bound only guards against a key that
+    varies per call.  A ``compute`` that raises caches nothing.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._values: dict[Hashable, Any] = {}
+
+    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        try:
+            return self._values[key]
+        except KeyError:
+            pass
+        value = compute()
+        if len(self._values) >= self.limit:
+            del self._values[next(iter(self._values))]
+        self._values[key] = value
+        return value
 
 
 def persistent_device_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -66,7 +66,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Union
 
@@ -75,6 +75,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import KernelError, UnsupportedInputError
+from ..kernels.host import BoundedCache, tensor_key
 from . import impl_choice
 from .chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef, apply_step
 from .config import ConvEpilogueConfig, ConvSpec, PoolSpec
@@ -591,30 +592,13 @@ def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) ->
         return "library", f"{CONV_IMPL_ENV}=library"
     if mode == "auto" and x.device.type != "cuda":
         return "library", f"{CONV_IMPL_ENV}=auto uses the fused conv on CUDA only"
-    key = ("conv_impl", _tensor_meta(x), _tensor_meta(weight), cfg, save, mode)
-    return _memo(key, lambda: _fused_conv_answer(x, weight, cfg, save, mode))
+    key = ("conv_impl", tensor_key(x), tensor_key(weight), cfg, save, mode)
+    return _DECISIONS.get(key, lambda: _fused_conv_answer(x, weight, cfg, save, mode))
 
 
 #: Per-call decisions that depend only on shapes, strides, dtypes, devices and the config, cached:
-#: the op makes them on every call and host time is what small steps wait on.  Bounded (oldest out).
-_DECISIONS: dict[tuple, Any] = {}
-_MAX_DECISIONS = 512
-
-
-def _memo(key: tuple, compute: Callable[[], Any]) -> Any:
-    try:
-        return _DECISIONS[key]
-    except KeyError:
-        pass
-    value = compute()
-    if len(_DECISIONS) >= _MAX_DECISIONS:
-        del _DECISIONS[next(iter(_DECISIONS))]
-    _DECISIONS[key] = value
-    return value
-
-
-def _tensor_meta(t: Tensor) -> tuple:
-    return (tuple(t.shape), t.stride(), t.dtype, t.device)
+#: the op makes them on every call and host time is what small steps wait on.
+_DECISIONS = BoundedCache(512)
 
 
 def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool,
@@ -655,8 +639,8 @@ def _library_conv_meta(x: Tensor, weight: Tensor, spec: ConvSpec) -> Tensor:
     Mirrors FakeTensor's conv rule (``_select_conv_backend`` + ``_conv_determine_backend_memory_format``)
     without running the conv; cached per shapes, strides, dtypes and devices (asked on every call).
     """
-    return _memo(("conv_meta", _tensor_meta(x), _tensor_meta(weight), spec),
-                 lambda: _library_conv_meta_uncached(x, weight, spec))  # fmt: skip
+    return _DECISIONS.get(("conv_meta", tensor_key(x), tensor_key(weight), spec),
+                          lambda: _library_conv_meta_uncached(x, weight, spec))  # fmt: skip
 
 
 def _library_conv_meta_uncached(x: Tensor, weight: Tensor, spec: ConvSpec) -> Tensor:
