@@ -37,7 +37,8 @@ Mapping (every rank lifted to 3d with leading singleton spatial dims):
 Numerics: the accumulator is rounded to the storage dtype of the conv before the bias and chain, as
 the library conv + epilogue kernel path does (the conv output is materialised in that dtype there).
 fp32 operands use TF32 iff the launcher is told so (``torch.backends.cudnn.allow_tf32`` on CUDA),
-``ieee`` otherwise and always under the interpreter.  No atomics; results are deterministic.
+``ieee`` otherwise and always under the interpreter; TF32 operands are rounded to nearest first, as
+cuDNN does (``kernels.tf32``: the tensor cores would truncate them).  No atomics; results are deterministic.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from .epilogue import (
 )
 from .host import BoundedCache, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
+from .tf32 import round_tf32
 
 #: Largest number of (window offset, tap) pairs the kernel unrolls (compile time and code size grow
 #: with it).  Seed A: 27 effective pairs (8 phases x 1..8 taps); a 3x3x3 conv under a 2x2x2 pool: 216.
@@ -157,7 +159,7 @@ def _conv_flat(acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, 
         )
         b = tl.load(w_base + (td * w_sd + th * w_sh + tw * w_sw) + ci[:, None] * w_sci,
                     mask=ci_ok[:, None] & cmask, other=0.0)  # fmt: skip
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
     return acc
 
 
@@ -323,7 +325,7 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
             b = _shift_k_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
                                 TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, UPD, UPH, UPW,
                                 LOD, LOH, LOW, NSD, NSH, NSW, KS, BLOCK_K)  # fmt: skip
-            acc = tl.dot(a_all, b, acc, input_precision=PRECISION)
+            acc = tl.dot(a_all, round_tf32(b, PRECISION), acc, input_precision=PRECISION)
         else:
             # One [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot per (channel block, shift), dead pairs masked.
             for k0 in range(0, CIN_G, BLOCK_K):
@@ -346,7 +348,8 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
                                 mask=row_ok[:, None] & live[None, :], other=0.0)  # fmt: skip
                     b = tl.load(w_base + (td * w_sd + th * w_sh + tw * w_sw) + ci[:, None] * w_sci,
                                 mask=live[:, None] & cmask, other=0.0)  # fmt: skip
-                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                    acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc,
+                                 input_precision=PRECISION)  # fmt: skip
         best, win, win_y, pooled = _offset_epilogue(
             acc, kk, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
             bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
@@ -485,6 +488,7 @@ def _conv_fused_fwd_kernel(
             # registers) kept the tile live across the loop: 255 registers and spills.
             # (x - x) != 0 only for inf and NaN.
             masked = tl.max(tl.max(((a_all - a_all) != 0).to(tl.int32), axis=1), axis=0)
+            a_all = round_tf32(a_all, PRECISION)
             if masked == 0:
                 best, win, win_y, pooled = _shift_k_offsets(
                     a_all, True, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
@@ -565,7 +569,8 @@ def _conv_fused_fwd_kernel(
                                                     mask=ci_ok[:, None] & cmask,
                                                     other=0.0,
                                                 )
-                                                acc = tl.dot(a, b, acc, input_precision=PRECISION)  # fmt: skip
+                                                acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION),
+                                                             acc, input_precision=PRECISION)  # fmt: skip
                 best, win, win_y, pooled = _offset_epilogue(
                     acc, kd * KH * KW + kh * KW + kw, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,

@@ -54,7 +54,8 @@ padding, ``dl`` dilation; conv: ``x[i]`` feeds ``y0[o]`` when ``i = o*s - p + k*
 
 Tensor cores: ``tl.dot`` with fp32 accumulation; both operands in x's dtype (the gradient is
 rounded to it, as aten's conv backward would see a ``grad_y`` of the conv's dtype); fp32 in TF32
-iff ``torch.backends.cudnn.allow_tf32`` (like cuDNN), IEEE fp32 under the interpreter.  Any strides
+iff ``torch.backends.cudnn.allow_tf32`` (like cuDNN, rounded to nearest: ``kernels.tf32``), IEEE fp32
+under the interpreter.  Any strides
 (contiguous or channels-last); grads come back in the layout of ``torch.empty_like`` of their
 forward tensor.  Offsets are int32 unless a tensor spans 2**31 elements or more (then int64).
 """
@@ -74,6 +75,7 @@ import triton.language as tl
 
 from .conv_fused import AUTOTUNE_ENV
 from .host import cdiv, next_pow2, persistent_device_copies
+from .tf32 import round_tf32
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -300,7 +302,7 @@ def _dgrad_kernel(
             )  # fmt: skip
             a = tl.trans(a)
         b = tl.load(w_base + _ix(co[:, None], I64) * w_s_red + w_off, mask=co_ok[:, None] & ci_ok[None, :], other=0.0)
-        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PREC)
+        acc = tl.dot(round_tf32(a.to(b.dtype), PREC), round_tf32(b, PREC), acc, input_precision=PREC)
     x_row = (
         n64 * x_sn
         + _ix(rd + XSD * td, I64) * x_sd
@@ -472,7 +474,7 @@ def _wgrad_kernel(
         else:
             at = at.to(a_ptr.dtype.element_ty)
             bt = bt.to(a_ptr.dtype.element_ty)
-        acc = tl.dot(at, bt, acc, input_precision=PREC)
+        acc = tl.dot(round_tf32(at, PREC), round_tf32(bt, PREC), acc, input_precision=PREC)
     out = part_ptr + _ix(split, I64) * PART_NUMEL + _ix(a_ch[:, None], I64) * (B_G * KVOL) + (bch * KVOL + j)[None, :]
     tl.store(out, acc, mask=a_ok[:, None] & b_ok[None, :])
 
