@@ -90,6 +90,11 @@ CASES = [
     ("convT3d-seedA-like-nonfinite-tiles", (2, 4, 5, 6, 6), (4, 6, 3, 3, 3),
      _spec(3, True, stride=2, padding=1, output_padding=1), SEED_A_CHAIN, _pool("max", 3, 2),
      {"nan": True, "inf": True}),
+    # the prearranged weight matrix of the SHIFT_K path (and its masked variant, NaN in x): a weight
+    # with permuted strides
+    ("convT3d-seedA-like-strided-weight", (2, 4, 3, 4, 4), (4, 6, 3, 3, 3),
+     _spec(3, True, stride=2, padding=1, output_padding=1), SEED_A_CHAIN, _pool("max", 3, 2),
+     {"w_strided": True, "nan": True}),
     ("convT2d-dil2-phase-without-taps-channels-last", (2, 3, 4, 5), (3, 4, 3, 3),
      _spec(2, True, stride=2, padding=2, dilation=2, output_padding=1), SEED_A_CHAIN, _pool("max", 2, 2),
      {"channels_last": True, "zero_mul": True}),
@@ -126,6 +131,8 @@ def _inputs(xs, ws, spec, opts, dtype, seed=0):
         m[::2] = 0.0  # every window ties on those channels: the first valid offset must win
     x, w, m = x.to(DEVICE, dtype), w.to(DEVICE, dtype), m.to(DEVICE, dtype)
     b = None if b is None else b.to(DEVICE, dtype)
+    if opts.get("w_strided"):  # same values, dims 0 and 1 swapped in memory
+        w = w.transpose(0, 1).contiguous().transpose(0, 1)
     if opts.get("channels_last"):
         fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
         x = x.contiguous(memory_format=fmt)

@@ -101,3 +101,26 @@ def test_timer_counts_host_time_only_where_it_exceeds_gpu_time():
         time.sleep(1e-3)
 
     assert impl_choice._time_ms(host_only) >= 0.9, "a host-bound call is charged its host time"
+
+
+def test_op_keeps_only_settled_answers_under_its_cheap_key(monkeypatch):
+    """``conv_epilogue._auto_choice``: an answer given without a measurement (measuring off) is not
+    kept, so turning measuring on later is honoured; a settled answer is kept under the tuple key."""
+    from fusion_backend.kernels.host import BoundedCache
+    from fusion_backend.ops import conv_epilogue as ce
+
+    monkeypatch.setattr(ce, "_AUTO_CHOICES", BoundedCache(8))
+    built = []
+
+    def key():
+        built.append(1)
+        return "op-key"
+
+    monkeypatch.setenv(impl_choice.MEASURE_ENV, "0")
+    assert ce._auto_choice(("k",), key, CANDIDATES | {"library": lambda: "library"}) == "library"
+    assert ce._AUTO_CHOICES.peek(("k",)) is None
+    monkeypatch.delenv(impl_choice.MEASURE_ENV)
+    impl_choice._memory[impl_choice._full_key("op-key")] = "fast"  # as if measured earlier
+    assert ce._auto_choice(("k",), key, CANDIDATES) == "fast"
+    assert ce._auto_choice(("k",), key, CANDIDATES) == "fast"
+    assert len(built) == 2, "the string key is built only until the answer is settled"

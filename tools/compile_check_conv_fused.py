@@ -73,24 +73,25 @@ def _seed(name: str, dtype: torch.dtype):
     return x, w, b, [m], cfg
 
 
-def record_launch(seed: str, dtype: torch.dtype) -> tuple[tuple, dict]:
-    """The positional args and keyword constexprs of the seed's training-forward launch."""
-    rec = _Recorder()
-    saved = CF._conv_fused_fwd_kernel, CF._INTERPRET, torch.backends.cudnn.allow_tf32
-    CF._conv_fused_fwd_kernel, CF._INTERPRET = rec, False
+def record_launch(seed: str, dtype: torch.dtype) -> tuple[tuple, dict, tuple | None]:
+    """The positional args and keyword constexprs of the seed's training-forward launch, and the
+    (args, constexprs) of its weight-matrix launch (None when the path has none)."""
+    rec, rec_w = _Recorder(), _Recorder()
+    saved = CF._conv_fused_fwd_kernel, CF._shift_k_weight_kernel, CF._INTERPRET, torch.backends.cudnn.allow_tf32
+    CF._conv_fused_fwd_kernel, CF._shift_k_weight_kernel, CF._INTERPRET = rec, rec_w, False
     torch.backends.cudnn.allow_tf32 = True  # PyTorch's default on CUDA
     try:
         x, w, b, ops, cfg = _seed(seed, dtype)
         ce._fused_conv_forward(x, w, b, ops, cfg, True)
     finally:
-        CF._conv_fused_fwd_kernel, CF._INTERPRET, torch.backends.cudnn.allow_tf32 = saved
+        CF._conv_fused_fwd_kernel, CF._shift_k_weight_kernel, CF._INTERPRET, torch.backends.cudnn.allow_tf32 = saved
     (args, kw), = rec.calls
-    return args, {k: v for k, v in kw.items() if k not in _TILE_KEYS}
+    return args, {k: v for k, v in kw.items() if k not in _TILE_KEYS}, (rec_w.calls[0] if rec_w.calls else None)
 
 
-def compile_one(args: tuple, consts: dict, num_warps: int, num_stages: int) -> str:
+def compile_one(args: tuple, consts: dict, num_warps: int, num_stages: int, fn=None) -> str:  # noqa: ANN001
     """Compile one specialisation; a line with time, registers, spills, shared memory and wgmma."""
-    fn = CF._conv_fused_fwd_kernel
+    fn = fn or CF._conv_fused_fwd_kernel
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -133,7 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     for case in opts.cases.split(","):
         seed, dt = case.split("-")
-        args, consts = record_launch(seed, dtypes[dt])
+        args, consts, weight_launch = record_launch(seed, dtypes[dt])
+        if weight_launch is not None:
+            try:
+                line = compile_one(*weight_launch, 4, 1, fn=CF._shift_k_weight_kernel)
+            except Exception as err:  # noqa: BLE001
+                failures += 1
+                line = f"FAIL {type(err).__name__}: {str(err)[:1500]}"
+            print(f"{case:7s} {'weight matrix':22s} {line}", flush=True)
         named = dict(zip(CF._conv_fused_fwd_kernel.arg_names, args, strict=False))
         if opts.tiles:
             configs = [

@@ -38,7 +38,9 @@ Numerics: the accumulator is rounded to the storage dtype of the conv before the
 the library conv + epilogue kernel path does (the conv output is materialised in that dtype there).
 fp32 operands use TF32 iff the launcher is told so (``torch.backends.cudnn.allow_tf32`` on CUDA),
 ``ieee`` otherwise and always under the interpreter; TF32 operands are rounded to nearest first, as
-cuDNN does (``kernels.tf32``: the tensor cores would truncate them).  No atomics; results are deterministic.
+cuDNN does (``kernels.tf32``: the tensor cores would truncate them).  inf/NaN in ``x`` reach exactly
+the outputs they reach in aten's conv; a non-finite *weight* also reaches the outputs whose taps fall
+on the zero padding (masked loads read 0, and 0 * NaN = NaN), as in implicit-GEMM convs generally.  No atomics; results are deterministic.
 """
 
 from __future__ import annotations
@@ -283,7 +285,7 @@ def _offset_epilogue(acc, kk, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y
 
 @triton.jit
 def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
-                     w_base, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                     w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                      best, win, win_y, pooled,
                      bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
                      o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
@@ -303,7 +305,9 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
                      BLOCK_K: tl.constexpr):  # fmt: skip
     """The SHIFT_K path's loop over window offsets: per offset one dot over (input shift, channel),
     then ``_offset_epilogue``.  SHARED_X: every offset's dot reads ``a_all`` (the one channel
-    block's X tile, all finite; dead (offset, shift) pairs multiply by zero weights); else each
+    block's X tile, all finite) and the offset's rows of the prearranged weight matrix
+    (``wm_base``: ``[1, BLOCK_N]`` pointers at the group's offset 0, row 0; rows ``wm_sk`` apart;
+    see ``shift_k_weight_matrix``; dead (offset, shift) pairs multiply by zero weights); else each
     offset runs one small dot per (channel block, shift) pair, loading its X tile with the dead
     pairs masked to zero on both sides (several channel blocks, or a tile holding inf/NaN, where
     0 * inf would make NaN).
@@ -322,10 +326,11 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
         o_ok = m_ok & (od >= 0) & (od < OD) & (oh >= 0) & (oh < OH) & (ow >= 0) & (ow < OW)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if SHARED_X:
-            b = _shift_k_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
-                                TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, UPD, UPH, UPW,
-                                LOD, LOH, LOW, NSD, NSH, NSW, KS, BLOCK_K)  # fmt: skip
-            acc = tl.dot(a_all, round_tf32(b, PRECISION), acc, input_precision=PRECISION)
+            # The offset's [KS * BLOCK_K, BLOCK_N] slice of the prearranged weight matrix (zeros at
+            # dead pairs, already TF32-rounded): a plain load that feeds the dot directly.
+            krow = kk * (KS * BLOCK_K) + tl.arange(0, KS * BLOCK_K)
+            b = tl.load(wm_base + krow[:, None] * wm_sk, mask=cmask, other=0.0)
+            acc = tl.dot(a_all, b, acc, input_precision=PRECISION)
         else:
             # One [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot per (channel block, shift), dead pairs masked.
             for k0 in range(0, CIN_G, BLOCK_K):
@@ -361,7 +366,7 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
 
 @triton.jit
 def _conv_fused_fwd_kernel(
-    x_ptr, w_ptr, p_ptr, out_ptr, sa_ptr, sb_ptr,
+    x_ptr, w_ptr, wm_ptr, p_ptr, out_ptr, sa_ptr, sb_ptr,
     C_OUT, CIN_G, COUT_G, M_TOTAL,
     ID, IH, IW, OD, OH, OW, UD, UH, UW,
     x_sn, x_sc, x_sd, x_sh, x_sw,
@@ -393,6 +398,8 @@ def _conv_fused_fwd_kernel(
       w_ptr   weight, any strides; ``w_sci``/``w_sco`` step the input/output channel *within the
               group* (conv: dims 1/0; transposed: dims 0/1) and the launcher has already offset
               nothing: the kernel adds the group offset itself.  Taps ``TD x TH x TW``.
+      wm_ptr  SHIFT_K with ONE_CBLOCK: the prearranged weight matrix of ``shift_k_weight_matrix``
+              ((groups, KD*KH*KW, KS*BLOCK_K, COUT_G), x's dtype, contiguous); else unused.
       p_ptr   operand matrix P of ``epilogue.build_params``, (NUM_PARAM_ROWS, C_OUT) fp32 contiguous.
       out_ptr result (N, C_OUT, pooled or conv-output spatial), any float dtype, strides ``o_s*``.
       sa_ptr  SAVE and max pool: winner index (int8/int32), out's shape and strides.
@@ -490,9 +497,10 @@ def _conv_fused_fwd_kernel(
             masked = tl.max(tl.max(((a_all - a_all) != 0).to(tl.int32), axis=1), axis=0)
             a_all = round_tf32(a_all, PRECISION)
             if masked == 0:
+                wm_base = wm_ptr + (grp * (KD * KH * KW * KS * BLOCK_K)) * COUT_G + co[None, :]
                 best, win, win_y, pooled = _shift_k_offsets(
                     a_all, True, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
-                    CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                    wm_base, COUT_G, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                     best, win, win_y, pooled,
                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
                     o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
@@ -506,7 +514,7 @@ def _conv_fused_fwd_kernel(
         if masked != 0:
             best, win, win_y, pooled = _shift_k_offsets(
                 0.0, False, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
-                CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                w_base, COUT_G, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                 best, win, win_y, pooled,
                 bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
                 o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
@@ -594,6 +602,40 @@ def _conv_fused_fwd_kernel(
             div = _avg_divisor(ud[:, None], uh[:, None], uw[:, None], OD, OH, OW, KD, KH, KW,
                                USD, USH, USW, UPD, UPH, UPW, COUNT_INCLUDE_PAD, DIVISOR)  # fmt: skip
             tl.store(out_ptr + q2, (pooled / div).to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _shift_k_weight_kernel(
+    w_ptr, wm_ptr, CIN_G, COUT_G, w_sci, w_sco, w_sd, w_sh, w_sw,
+    TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+    DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
+    LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
+    NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One program per (window offset, group x output-channel block): writes that offset's
+    ``[KS * BLOCK_K, BLOCK_N]`` slice of the prearranged weight matrix (``_shift_k_w_tile``'s tile,
+    TF32-rounded when PRECISION says so) at ``wm_ptr`` (see ``shift_k_weight_matrix``)."""
+    kk = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    n_blocks_n = tl.cdiv(COUT_G, BLOCK_N)
+    grp = pid_n // n_blocks_n
+    co = (pid_n % n_blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = (co < COUT_G)[None, :]
+    kd = kk // (KH * KW)
+    kh = (kk // KW) % KH
+    kw = kk % KW
+    w_base = w_ptr + (grp * CIN_G) * w_sci + co[None, :] * w_sco
+    tile = _shift_k_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
+                           TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, UPD, UPH, UPW,
+                           LOD, LOH, LOW, NSD, NSH, NSW, KS, BLOCK_K)  # fmt: skip
+    krow = (grp * (KD * KH * KW) + kk) * (KS * BLOCK_K) + tl.arange(0, KS * BLOCK_K)
+    tl.store(wm_ptr + krow[:, None] * COUT_G + co[None, :],
+             round_tf32(tile, PRECISION).to(wm_ptr.dtype.element_ty), mask=cmask)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -757,10 +799,13 @@ _GENERAL_TILES = (
 )  # fmt: skip
 #: Tiles of the SHIFT_K path (seed A), all with BLOCK_K = SHIFT_K_BLOCK_K.  NOTE: one accumulator
 #: lives at a time; the X tile (seed A fp32 at BLOCK_M 128: 64 KB) stays in shared memory for all
-#: window offsets, so one stage suffices with a single channel block; two stages for wider inputs.
+#: window offsets.  With one channel block, two stages let Triton prefetch the next offset's slice
+#: of the prearranged weight matrix (``cp.async`` into a double buffer; seed A fp32 M128 N32 8 warps:
+#: 205 registers, 96 KB shared, no spills); with several blocks they pipeline the K loop.
 _SHIFT_K_TILES = (
     (64, 32, 16, 4, 1), (128, 32, 16, 4, 1), (128, 32, 16, 8, 1), (256, 32, 16, 8, 1),
-    (64, 64, 16, 4, 1), (128, 64, 16, 8, 1), (128, 16, 16, 4, 1), (128, 32, 16, 8, 2),
+    (64, 64, 16, 4, 1), (128, 64, 16, 8, 1), (128, 16, 16, 4, 1),
+    (64, 32, 16, 4, 2), (128, 32, 16, 8, 2), (128, 64, 16, 8, 2),
 )  # fmt: skip
 
 
@@ -784,8 +829,8 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     shift_k = kwargs.get("SHIFT_K", False)
     tiles = set(_SHIFT_K_TILES if shift_k else _GENERAL_TILES)
     configs = [c for c in configs if _tile(c) in tiles] or configs
-    if shift_k:  # the channel block is fixed (ONE_CBLOCK was decided for it); two stages only help a K loop
-        configs = [c for c in configs if (c.num_stages == 1) == bool(kwargs["ONE_CBLOCK"])] or configs
+    if shift_k and not kwargs["ONE_CBLOCK"]:  # several channel blocks: a K loop, which needs two stages
+        configs = [c for c in configs if c.num_stages > 1] or configs
     bn_max = max(16, next_pow2(int(named_args["COUT_G"])))
     bk_max = SHIFT_K_BLOCK_K if shift_k else max(16, next_pow2(int(named_args["CIN_G"])))
     kept = [c for c in configs if c.kwargs["BLOCK_N"] <= bn_max and c.kwargs["BLOCK_K"] <= bk_max]
@@ -810,8 +855,7 @@ def _heuristic_config(cin_g: int, cout_g: int, m_total: int, shift_k: bool = Fal
         block_m = min(max(16, next_pow2(m_total)), 64)
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     if shift_k:  # see _SHIFT_K_TILES
-        stages = 1 if cin_g <= SHIFT_K_BLOCK_K else 2
-        return dict(BLOCK_M=128, BLOCK_N=min(block_n, 32), BLOCK_K=block_k, num_warps=8, num_stages=stages)
+        return dict(BLOCK_M=128, BLOCK_N=min(block_n, 32), BLOCK_K=block_k, num_warps=8, num_stages=2)
     return dict(
         BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_n <= 32 else 8, num_stages=3
     )
@@ -823,10 +867,12 @@ class _Launch:
     tile the autotuner picked on the first call)."""
 
     def __init__(self, ints: tuple[int, ...], constexprs: dict, m_total: int, groups: int, cout_g: int,
-                 cout: int, cfg: dict | None) -> None:  # fmt: skip
+                 cout: int, cfg: dict | None, weight_matrix: _WeightMatrixLaunch | None) -> None:  # fmt: skip
         self.ints, self.constexprs, self.cout = ints, constexprs, cout
         self.m_total, self.groups, self.cout_g = m_total, groups, cout_g
         self.fast = None if cfg is None else FastLaunch(_conv_fused_fwd_kernel, self.grid(cfg), {**constexprs, **cfg})
+        #: None: the kernel reads the weight with its output channels innermost (``_output_channels_innermost``).
+        self.weight_matrix = weight_matrix
 
     def grid(self, meta: dict) -> tuple[int, int]:
         return (cdiv(self.m_total, meta["BLOCK_M"]), self.groups * cdiv(self.cout_g, meta["BLOCK_N"]))
@@ -839,6 +885,53 @@ class _Launch:
         best = getattr(_conv_fused_fwd_tuned, "best_config", None)  # the tile of this call's key
         if best is not None:
             self.fast = FastLaunch(_conv_fused_fwd_kernel, self.grid(best.kwargs), {**self.constexprs, **best.all_kwargs()})
+
+
+class _WeightMatrixLaunch:
+    """The launch of ``_shift_k_weight_kernel`` for one plan: ``(weight) -> prearranged matrix``."""
+
+    def __init__(self, shape: tuple[int, ...], ints: tuple[int, ...], constexprs: dict, grid: tuple[int, int]) -> None:
+        self.shape, self.ints = shape, ints
+        self.launch = FastLaunch(_shift_k_weight_kernel, grid, constexprs)
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        matrix = torch.empty(self.shape, dtype=weight.dtype, device=weight.device)
+        self.launch(weight, matrix, *self.ints)
+        return matrix
+
+
+def shift_k_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry, precision: str) -> _WeightMatrixLaunch:
+    """The launch that writes the SHIFT_K path's prearranged weight matrix of a transposed conv.
+
+    Matrix: ``(groups, KD * KH * KW, KS * SHIFT_K_BLOCK_K, COUT_G)``, the weight's dtype,
+    contiguous.  Row ``(s, c)`` of window offset ``kk`` holds ``w[group's input channel c, co, tap]``
+    for the tap that carries input shift ``s`` to offset ``kk``, and 0 for a dead (offset, shift)
+    pair, a padding shift slot or ``c >= CIN_G``; fp32 values are rounded to TF32 with
+    ``precision == "tf32"`` (``kernels.tf32``).
+    WHY: the main kernel's per-offset weight tile is then one contiguous, unmasked load that feeds
+    the dot directly (no per-row tap arithmetic, no rounding per program, and Triton can pipeline
+    it); one small launch per call replaces the weight relayout copy it made before.
+    """
+    groups = conv.groups
+    cin_g, cout_g = weight.shape[0] // groups, weight.shape[1]
+    offsets = math.prod(plan.window)
+    rows = plan.shift_slots * SHIFT_K_BLOCK_K
+    block_n = min(max(16, next_pow2(cout_g)), 64)
+    taps = _pad3(weight.shape[2:], 1)
+    stride, padding, dilation = _pad3(conv.stride, 1), _pad3(conv.padding, 0), _pad3(conv.dilation, 1)
+    w_str = weight.stride()
+    constexprs = dict(
+        TD=taps[0], TH=taps[1], TW=taps[2], SD=stride[0], SH=stride[1], SW=stride[2],
+        PD=padding[0], PH=padding[1], PW=padding[2], DD=dilation[0], DH=dilation[1], DW=dilation[2],
+        KD=plan.window[0], KH=plan.window[1], KW=plan.window[2],
+        UPD=plan.unit_origin[0], UPH=plan.unit_origin[1], UPW=plan.unit_origin[2],
+        LOD=plan.shifts[0][0], LOH=plan.shifts[1][0], LOW=plan.shifts[2][0],
+        NSD=plan.shifts[0][1], NSH=plan.shifts[1][1], NSW=plan.shifts[2][1], KS=plan.shift_slots,
+        PRECISION=precision, BLOCK_K=SHIFT_K_BLOCK_K, BLOCK_N=block_n,
+    )  # fmt: skip
+    ints = (cin_g, cout_g, w_str[0], w_str[1], *_pad3(w_str[2:], 0))
+    grid = (offsets, groups * cdiv(cout_g, block_n))
+    return _WeightMatrixLaunch((groups, offsets, rows, cout_g), ints, constexprs, grid)
 
 
 #: Launch plans by ``_launch_key``.
@@ -903,16 +996,23 @@ def _prepare(
     x_strides = _lift(x)[1]
     o_strides = _lift(out)[1]
     y_strides = _lift(saved_a)[1] if save and not is_max else [0] * 5
-    # the strides of the weight as launched (a copy only on this cache miss; exact for any layout)
-    w_str = list(_output_channels_innermost(weight, conv.transposed).stride())
-    w_sci, w_sco = (w_str[0], w_str[1]) if conv.transposed else (w_str[1], w_str[0])
-    w_taps = _pad3(w_str[2:], 0)
-    m_total = n * math.prod(plan.units)
-    big = any(t.numel() > _BIG_INDEX_THRESHOLD for t in (x, out, saved_a, saved_b) if t is not None)
     if _INTERPRET or x.dtype != torch.float32:
         precision = "ieee" if _INTERPRET else "tf32"
     else:
         precision = "tf32" if allow_tf32 else "ieee"
+    one_cblock = cin_g <= SHIFT_K_BLOCK_K
+    # SHIFT_K with one channel block reads the prearranged matrix; its masked variant (tiles with
+    # inf/NaN only) reads the weight as it is.  Every other path reads the relaid weight.
+    weight_matrix = None
+    if plan.shift_k and one_cblock:
+        weight_matrix = shift_k_weight_matrix(weight, plan, conv, precision)
+        w_str = list(weight.stride())
+    else:  # the strides of the weight as launched (a copy only on this cache miss; exact for any layout)
+        w_str = list(_output_channels_innermost(weight, conv.transposed).stride())
+    w_sci, w_sco = (w_str[0], w_str[1]) if conv.transposed else (w_str[1], w_str[0])
+    w_taps = _pad3(w_str[2:], 0)
+    m_total = n * math.prod(plan.units)
+    big = any(t.numel() > _BIG_INDEX_THRESHOLD for t in (x, out, saved_a, saved_b) if t is not None)
     if pool is None:
         pool_args = dict(COUNT_INCLUDE_PAD=True, DIVISOR=0)
     else:
@@ -936,14 +1036,14 @@ def _prepare(
         UPD=plan.unit_origin[0], UPH=plan.unit_origin[1], UPW=plan.unit_origin[2],
         STATIC_D=plan.static_phase[0], STATIC_H=plan.static_phase[1], STATIC_W=plan.static_phase[2],
         **pool_args, PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase), SHIFT_K=plan.shift_k,
-        ONE_CBLOCK=cin_g <= SHIFT_K_BLOCK_K, KS=max(plan.shift_slots, 1),
+        ONE_CBLOCK=one_cblock, KS=max(plan.shift_slots, 1),
         LOD=plan.shifts[0][0], LOH=plan.shifts[1][0], LOW=plan.shifts[2][0],
         NSD=plan.shifts[0][1], NSH=plan.shifts[1][1], NSW=plan.shifts[2][1],
     )  # fmt: skip
     macs = m_total * cout_g * cin_g * plan.unrolled
     tuned = not (_INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0" or macs < _AUTOTUNE_MIN_MACS)
     cfg = None if tuned else _heuristic_config(cin_g, cout_g, m_total, plan.shift_k)
-    return _Launch(ints, constexprs, m_total, groups, cout_g, cout, cfg)
+    return _Launch(ints, constexprs, m_total, groups, cout_g, cout, cfg, weight_matrix)
 
 
 def conv_fused_forward(
@@ -984,6 +1084,9 @@ def conv_fused_forward(
     key = _launch_key(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32)
     launch = _LAUNCHES.get(key, lambda: _prepare(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32))
     params = build_params(steps, bias, launch.cout, x.device)
-    w = _output_channels_innermost(weight, conv.transposed)
+    if launch.weight_matrix is not None:
+        w, wm = weight, launch.weight_matrix(weight)
+    else:
+        w = wm = _output_channels_innermost(weight, conv.transposed)
     sa = saved_a if saved_a is not None else out
-    launch((x, w, params, out, sa, saved_b if saved_b is not None else out))
+    launch((x, w, wm, params, out, sa, saved_b if saved_b is not None else out))

@@ -48,10 +48,17 @@ class BoundedCache:
         except KeyError:
             pass
         value = compute()
-        if len(self._values) >= self.limit:
+        self.put(key, value)
+        return value
+
+    def peek(self, key: Hashable) -> Any:
+        """The value kept for ``key``, or None."""
+        return self._values.get(key)
+
+    def put(self, key: Hashable, value: Any) -> None:
+        if key not in self._values and len(self._values) >= self.limit:
             del self._values[next(iter(self._values))]
         self._values[key] = value
-        return value
 
 
 def persistent_device_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

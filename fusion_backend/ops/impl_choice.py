@@ -119,6 +119,12 @@ def _time_ms(fn: Callable[[], object]) -> float:
     return best
 
 
+def decided(key: str) -> bool:
+    """Whether ``choose(key, ...)`` has a remembered answer (measured, or read from the file) that it
+    will return from now on in this process, so a caller may keep the answer under a cheaper key."""
+    return _full_key(key) in _memory
+
+
 def choose(
     key: str,
     candidates: Mapping[str, Callable[[], object]],
