@@ -314,6 +314,36 @@ def test_compiled_model_with_forced_fused_conv_matches_eager_gradients(monkeypat
     assert calls, "the fused conv kernel did not run"
 
 
+@pytest.mark.gpu
+@requires_cuda
+def test_auto_default_measures_both_paths_and_matches_eager_in_training(monkeypatch, tmp_path):
+    """The default ``auto`` with measuring on (the suite turns it off): the first call of each
+    direction times both paths (real CUDA-event timer), and whatever it keeps trains like eager
+    (TF32 on, as PyTorch's default; the fused forward rounds its operands as cuDNN does)."""
+    from fusion_backend.ops import impl_choice
+
+    monkeypatch.delenv(ce.CONV_IMPL_ENV, raising=False)
+    monkeypatch.setenv(impl_choice.MEASURE_ENV, "1")
+    monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(impl_choice, "_memory", {})
+    timed = []
+    real_timer = impl_choice._time_ms
+    monkeypatch.setattr(impl_choice, "_time_ms", lambda fn: timed.append(1) or real_timer(fn))
+    torch.manual_seed(0)
+    model = _SeedALike(True).cuda()
+    x = torch.rand(4, 4, 8, 16, 16, device="cuda")
+    compiled = torch.compile(model, backend="fusion")
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [compiled(xs[0]), model(xs[1])]
+    g = torch.randn_like(outs[1])
+    grads = [torch.autograd.grad(o, [xi, *model.parameters()], g) for o, xi in zip(outs, xs, strict=True)]
+    assert len(timed) == 4, "forward and backward each timed both candidates once"
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-3, atol=2e-3)
+    for got, want in zip(*grads, strict=True):
+        rel = ((got - want).double().norm() / want.double().norm()).item()
+        assert rel < 2e-3, rel
+
+
 # --- GPU: the seeds at full size --------------------------------------------------------------------
 
 

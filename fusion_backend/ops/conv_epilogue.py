@@ -40,9 +40,11 @@ Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, 
 Implementations:
 
 * Triton (CUDA, fp32/fp16/bf16), two interchangeable paths chosen by ``FUSION_CONV_IMPL``
-  (``conv_impl``; both write the same saved state and pass the same parity tests):
+  (``conv_impl``; both write the same saved state and pass the same parity tests).  By default
+  (``auto``) the first call of a shape times both on the GPU and keeps the faster, per direction
+  (``impl_choice``; cached on disk; the library path when measuring is off or on CPU):
 
-  - library (the default): the conv through aten/cuDNN WITHOUT bias, then one Triton kernel adds
+  - library: the conv through aten/cuDNN WITHOUT bias, then one Triton kernel adds
     the bias, applies the chain and the pool and writes only ``out`` and the saved state
     (``kernels.epilogue``).  Backward: one Triton kernel writes the full-size conv-output gradient
     plus fixed-order per-channel partial sums of the operand and bias gradients (bitwise
@@ -50,8 +52,9 @@ Implementations:
   - fused (``triton``, or ``auto`` where measured faster): one implicit-GEMM Triton kernel computes
     the conv and applies bias, chain and pool in registers (``kernels.conv_fused``); the backward
     differentiates the chain at the max-pool winners only and hands the compact gradient to Triton
-    conv-backward kernels that expand it on the fly (``kernels.conv_fused_bwd``), so no full-size
-    gradient exists.
+    conv-backward kernels that expand it on the fly (``kernels.conv_shift_bwd`` for a transposed
+    conv whose pool stride is its stride, e.g. seed A; ``kernels.conv_fused_bwd`` otherwise), so no
+    full-size gradient exists.
 * Reference (CPU, float64, anything the kernels don't cover): plain torch; the backward applies
   torch's own derivative formulas to the chain recomputed from the saved state.  ``FUSION_CPU_KERNELS=triton`` (read at call time) runs the Triton path on CPU
   tensors instead, which is only meaningful under ``TRITON_INTERPRET=1`` (CPU CI).
@@ -88,7 +91,7 @@ CPU_KERNELS_ENV = "FUSION_CPU_KERNELS"
 #: Environment variable: "auto" | "triton" | "library", which conv the Triton forward runs
 #: (see ``conv_impl``).
 CONV_IMPL_ENV = "FUSION_CONV_IMPL"
-DEFAULT_CONV_IMPL = "library"
+DEFAULT_CONV_IMPL = "auto"
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # NOTE: Triton's interpreter has no bf16 (numpy has no such type).
 _INTERPRETER_KERNEL_DTYPES = (torch.float32, torch.float16)
@@ -567,9 +570,8 @@ def _kernel_steps(cfg: ConvEpilogueConfig, operands: Sequence[Tensor], y_ndim: i
 
 
 def _conv_impl_mode() -> str:
-    # The library path is the default: on the H100 the fused kernels lost to cuDNN on seeds A and B
-    # (except seed A's bf16 forward), measuring costs tens of seconds on a first call, and a fused
-    # conv's different summation order moves max-pool near-ties (README, "Environment switches").
+    # ``auto`` is the default: the faster path per shape, measured once (``impl_choice``).  On the
+    # H100 the fused forward wins on seed A (0.25 vs 0.73 ms fp32) and cuDNN on seed B.
     mode = os.environ.get(CONV_IMPL_ENV, DEFAULT_CONV_IMPL) or DEFAULT_CONV_IMPL
     if mode not in ("auto", "triton", "library"):
         raise UnsupportedInputError(f"{CONV_IMPL_ENV}={mode!r}: expected auto, triton or library")
@@ -580,7 +582,7 @@ def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) ->
     """Which conv the Triton forward runs: ``("triton", None)`` for the fused implicit-GEMM kernel
     (``kernels.conv_fused``), ``("library", why)`` for aten/cuDNN + the epilogue kernel.
 
-    ``FUSION_CONV_IMPL`` (read at call time; ``library`` by default): ``library`` always takes the
+    ``FUSION_CONV_IMPL`` (read at call time; ``auto`` by default): ``library`` always takes the
     library conv; ``auto`` answers ``triton`` on CUDA whenever ``conv_fused.unsupported_reason`` is
     None (``_triton_forward`` then measures which of the two is faster) and the library conv on CPU
     (the interpreter is slow; tests force the fused kernel there); ``triton`` always takes the fused
@@ -870,12 +872,10 @@ def _compact_backward(
 
     The chain is differentiated at the winners only (the epilogue backward kernel without a pool,
     on the pooled-size saved state): ``g_win = grad_out * chain'(y0_winner)`` plus the operand sums;
-    then ``kernels.conv_fused_bwd`` computes grad x / weight / bias with loaders that expand
+    then ``_compact_kernels`` (shift or general) compute grad x / weight / bias with loaders that expand
     ``(g_win, winner)`` on the fly.  Without a pool the dense conv-output gradient is written as in
     the library path and the same Triton conv backward consumes it.
     """
-    from ..kernels import conv_fused_bwd
-
     kernels = _kernels()
     is_max = cfg.pool is not None
     y_src = saved_b if is_max else saved_a
@@ -887,11 +887,27 @@ def _compact_backward(
     grad_operands = _operand_grads(cfg, operands, mask[3:], slot_grads, g.shape[1], g.device)
     grad = _pooled_grad(g, saved_a, cfg.pool) if is_max else g
     spec = cfg.conv
-    grad_x, grad_w, grad_b = conv_fused_bwd.convolution_backward(
-        grad, x, weight, spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding,
-        spec.groups, [mask[0], mask[1], mask[2] and bias is not None],
-    )  # fmt: skip
+    conv_args = (grad, x, weight, spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding,
+                 spec.groups)  # fmt: skip
+    grad_x, grad_w, grad_b = _compact_kernels(conv_args, cfg).convolution_backward(
+        *conv_args, [mask[0], mask[1], mask[2] and bias is not None]
+    )
     return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grad_operands]
+
+
+def _compact_kernels(conv_args: tuple, cfg: ConvEpilogueConfig) -> ModuleType:
+    """The conv-backward kernels of the compact backward: ``kernels.conv_shift_bwd`` (dense GEMMs
+    over (shift, window offset), for a transposed conv under a max pool whose stride is the conv's)
+    where it serves the case, else the general ``kernels.conv_fused_bwd``.  Both take the same
+    arguments (``conv_args``) and give the same results; the answer is cached per shapes."""
+    from ..kernels import conv_fused_bwd, conv_shift_bwd
+
+    grad, x, weight = conv_args[:3]
+    if not isinstance(grad, conv_fused_bwd.PooledGrad):
+        return conv_fused_bwd
+    key = ("compact_kernels", tensor_key(grad.g_win), tensor_key(grad.winner), tensor_key(x), tensor_key(weight), cfg)
+    why = _DECISIONS.get(key, lambda: conv_shift_bwd.unsupported_reason(*conv_args))
+    return conv_fused_bwd if why is not None else conv_shift_bwd
 
 
 def _conv_backward(

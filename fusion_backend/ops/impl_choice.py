@@ -129,10 +129,10 @@ def choose(
     key: str,
     candidates: Mapping[str, Callable[[], object]],
     default: str,
-    timer: Callable[[Callable[[], object]], float] = _time_ms,
+    timer: Callable[[Callable[[], object]], float] | None = None,
 ) -> str:
-    """The name of the fastest candidate for ``key`` (see the module docstring); ``timer`` (ms of
-    one call, after warm-up) is replaceable for tests."""
+    """The name of the fastest candidate for ``key`` (see the module docstring); ``timer`` (ms per
+    call of a candidate; ``_time_ms`` when None) is replaceable for tests."""
     if default not in candidates:
         raise ValueError(f"default {default!r} is not among the candidates {sorted(candidates)}")
     if not measuring_enabled() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
@@ -144,6 +144,7 @@ def choose(
     if cached in candidates:
         _memory[full_key] = cached
         return cached
+    timer = timer or _time_ms
     try:
         times = {name: timer(fn) for name, fn in candidates.items()}
     except Exception as e:  # a failing candidate is the caller's business when it runs it for real
