@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fusion_backend.kernels import conv_fused_bwd
+from fusion_backend.kernels import conv_fused_bwd, conv_shift_bwd
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.testing import assert_fused
 
@@ -58,11 +58,13 @@ CASES = {
 def forced_triton(monkeypatch, exact_fp32):
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
-    calls = []
-    real = conv_fused_bwd.convolution_backward
-    monkeypatch.setattr(
-        conv_fused_bwd, "convolution_backward", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
+    calls = []  # the name of each compact conv-backward module that ran
+    for module in (conv_fused_bwd, conv_shift_bwd):
+        real = module.convolution_backward
+        name = module.__name__.rsplit(".", 1)[1]
+        monkeypatch.setattr(
+            module, "convolution_backward", lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
     return calls
 
 
@@ -73,6 +75,8 @@ def test_compact_backward_matches_eager(forced_triton, name):
     model = build().to(DEVICE)
     assert_fused(model, [torch.randn(shape, device=DEVICE)], expect={"conv_epilogue": 1}, train=True)
     assert forced_triton, "the compact backward did not run"
+    # a transposed conv under a max pool whose stride is the conv's takes the shift kernels
+    assert forced_triton == (["conv_shift_bwd"] if name == "convT3d-maxpool2" else ["conv_fused_bwd"])
 
 
 def test_zero_multiplier_ties_route_the_gradient_like_eager(forced_triton):

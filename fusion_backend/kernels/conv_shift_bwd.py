@@ -77,7 +77,8 @@ import triton.language as tl
 
 from .conv_fused import AUTOTUNE_ENV
 from .conv_fused_bwd import Grad, PooledGrad, conv_bias_grad, conv_output_spatial, pooled_spatial
-from .host import cdiv, next_pow2, persistent_device_copies
+from .host import BoundedCache, cdiv, next_pow2, persistent_device_copies, tensor_key
+from .launch import FastLaunch
 from .tf32 import round_tf32
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -970,24 +971,48 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _launch(tuned, raw, tile: tuple[int, ...] | None, grid, *args, **constexprs):  # noqa: ANN001, ANN202
-    """``raw`` bound to ``tile`` when given, else the autotuned kernel (``_pruner`` picks its tiles).
-    Returns what the launch returns (the compiled kernel on a GPU: tools read its registers)."""
-    if tile is None:
-        return tuned[grid](*args, **constexprs)
+def _tile_meta(tile: tuple[int, ...]) -> dict:
     bm, bci, bco, kpb, warps, stages = tile
-    meta = dict(BLOCK_M=bm, BLOCK_CI=bci, BLOCK_CO=bco, KPB=kpb)
-    return raw[grid(meta)](*args, **constexprs, **meta, num_warps=warps, num_stages=stages)
+    return dict(BLOCK_M=bm, BLOCK_CI=bci, BLOCK_CO=bco, KPB=kpb, num_warps=warps, num_stages=stages)
+
+
+class _KernelLaunch:
+    """One kernel launch of a backward plan: ``raw`` with ``tile`` through ``FastLaunch``, or, with
+    ``tile`` None, the autotuned kernel on the first call and its pick through ``FastLaunch`` after.
+
+    WHY: Triton's generic launch costs 20-90 us of host time per call on the GPU hosts, and a
+    training step at seed A's size waits on the host (``docs/perf/NOTES.md``)."""
+
+    def __init__(self, tuned, raw, tile: tuple[int, ...] | None, grid, constexprs: dict) -> None:  # noqa: ANN001
+        self.tuned, self.raw, self.grid, self.constexprs = tuned, raw, grid, constexprs
+        self.fast = None if tile is None else self._bind(_tile_meta(tile))
+
+    def _bind(self, meta: dict) -> FastLaunch:
+        return FastLaunch(self.raw, self.grid(meta), {**self.constexprs, **meta})
+
+    def __call__(self, *args) -> None:  # noqa: ANN002
+        if self.fast is not None:
+            self.fast(*args)
+            return
+        self.tuned[self.grid](*args, **self.constexprs)
+        best = getattr(self.tuned, "best_config", None)  # the tile of this call's key
+        if best is not None:
+            self.fast = self._bind(best.all_kwargs())
 
 
 def _input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry) -> torch.Tensor:
-    dx = torch.empty_like(x)
-    if dx.numel() == 0:
-        return dx
+    return _prepare_input_grad(grad, x, weight, geo)(grad, x, weight)
+
+
+def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry):  # noqa: ANN202
+    """``(grad, x, weight) -> dx`` for tensors with these shapes, strides and dtypes (a plan)."""
+    if x.numel() == 0:
+        return lambda grad, x, weight: torch.empty_like(x)
     if geo.n_shifts == 0 or grad.g_win.numel() == 0:
-        return dx.zero_()
+        return lambda grad, x, weight: torch.empty_like(x).zero_()
     g, v = grad.g_win, grad.winner
-    w = _ci_innermost(weight)
+    w = _ci_innermost(weight)  # the launched weight's strides (a copy only here, on a plan miss)
+    dx = torch.empty_like(x, device="meta")
     m_total = x.shape[0] * math.prod(geo.in_size)
     kpn = geo.window_volume
     macs = m_total * geo.ci_g * geo.co_g * kpn * geo.n_shifts
@@ -997,10 +1022,11 @@ def _input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _G
     def grid(meta):
         return (cdiv(m_total, meta["BLOCK_M"]), geo.groups * cdiv(geo.ci_g, meta["BLOCK_CI"]))
 
-    _launch(
-        _dgrad_tuned, _shift_dgrad_kernel, tile, grid,
-        g, v, w, table, dx, m_total, geo.ci_g, geo.co_g, *geo.in_size, *geo.conv_out, *geo.units,
+    ints = (
+        m_total, geo.ci_g, geo.co_g, *geo.in_size, *geo.conv_out, *geo.units,
         *_lift(dx), *_lift(g), *_lift(v), w.stride(0), w.stride(1), *_lift3(w.stride()[2:], 0),
+    )  # fmt: skip
+    launch = _KernelLaunch(_dgrad_tuned, _shift_dgrad_kernel, tile, grid, dict(
         TD=geo.taps[0], TH=geo.taps[1], TW=geo.taps[2], SD=geo.stride[0], SH=geo.stride[1], SW=geo.stride[2],
         PD=geo.padding[0], PH=geo.padding[1], PW=geo.padding[2],
         DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
@@ -1008,18 +1034,29 @@ def _input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _G
         UPD=geo.pool_padding[0], UPH=geo.pool_padding[1], UPW=geo.pool_padding[2],
         G_CL=_channels_inner(g), X_CL=_channels_inner(dx), WIN_INSIDE=geo.windows_inside,
         V_SAME=g.stride() == v.stride(), PREC=_precision(x.dtype),
-    )  # fmt: skip
-    return dx
+    ))  # fmt: skip
+
+    def run(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        launch(grad.g_win, grad.winner, _ci_innermost(weight), table, out, *ints)
+        return out
+
+    return run
 
 
 def _weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry) -> torch.Tensor:
-    dw = torch.empty_like(weight)
-    if dw.numel() == 0:
-        return dw
+    return _prepare_weight_grad(grad, x, weight, geo)(grad, x, weight)
+
+
+def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry):  # noqa: ANN202
+    """``(grad, x, weight) -> dw`` for tensors with these shapes, strides and dtypes (a plan)."""
+    if weight.numel() == 0:
+        return lambda grad, x, weight: torch.empty_like(weight)
     n = x.shape[0]
     m_total = n * math.prod(geo.units)
     if geo.n_shifts == 0 or m_total == 0:
-        return dw.zero_()
+        return lambda grad, x, weight: torch.empty_like(weight).zero_()
+    dw = torch.empty_like(weight, device="meta")
     g, v = grad.g_win, grad.winner
     kpn = geo.window_volume
     ns = geo.n_shifts
@@ -1040,7 +1077,7 @@ def _weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _
     if splits * part_split >= 2**31:
         splits = 1
         rows_per_split = m_total
-    part = torch.empty(splits * part_split, dtype=torch.float32, device=x.device)
+    part_numel = splits * part_split
     constexprs = dict(
         SD=geo.stride[0], SH=geo.stride[1], SW=geo.stride[2],
         UPD=geo.pool_padding[0], UPH=geo.pool_padding[1], UPW=geo.pool_padding[2],
@@ -1057,21 +1094,27 @@ def _weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _
                  * cdiv(kpn, meta["KPB"]))  # fmt: skip
         return (splits, tiles)
 
-    _launch(
-        _wgrad_tuned, _shift_wgrad_kernel, tile, grid,
-        x, g, v, part, m_total, geo.ci_g, geo.co_g, rows_per_split, part_split, *geo.in_size, *geo.conv_out, *geo.units,
-        *_lift(x), *_lift(g), *_lift(v), **constexprs,
+    partials = _KernelLaunch(_wgrad_tuned, _shift_wgrad_kernel, tile, grid, constexprs)
+    ints = (
+        m_total, geo.ci_g, geo.co_g, rows_per_split, part_split, *geo.in_size, *geo.conv_out, *geo.units,
+        *_lift(x), *_lift(g), *_lift(v),
     )  # fmt: skip
     table = _finish_table(geo, x.device)
-    w_taps = _lift3(dw.stride()[2:], 0)
     fb = _FINISH_BLOCK if not _INTERPRET else 16
     finish_grid = (math.prod(geo.taps), geo.groups * cdiv(geo.ci_g, fb) * cdiv(geo.co_g, fb))
-    _shift_wgrad_finish_kernel[finish_grid](
-        part, table, dw, splits, geo.ci_g, geo.co_g, table.shape[1], part_split,
-        dw.stride(0), dw.stride(1), *w_taps,
-        TH=geo.taps[1], TW=geo.taps[2], NS=ns, KPN=kpn, BLOCK_A=fb, BLOCK_B=fb,
-    )  # fmt: skip
-    return dw
+    finish = FastLaunch(_shift_wgrad_finish_kernel, finish_grid,
+                        dict(TH=geo.taps[1], TW=geo.taps[2], NS=ns, KPN=kpn, BLOCK_A=fb, BLOCK_B=fb))  # fmt: skip
+    finish_ints = (splits, geo.ci_g, geo.co_g, table.shape[1], part_split, dw.stride(0), dw.stride(1),
+                   *_lift3(dw.stride()[2:], 0))  # fmt: skip
+
+    def run(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        part = torch.empty(part_numel, dtype=torch.float32, device=x.device)
+        out = torch.empty_like(weight)
+        partials(x, grad.g_win, grad.winner, part, *ints)
+        finish(part, table, out, *finish_ints)
+        return out
+
+    return run
 
 
 def convolution_backward(
@@ -1091,10 +1134,32 @@ def convolution_backward(
     ``empty_like(x)``, grad_w like ``empty_like(weight)``, grad_b (C_out,) in weight's dtype.
     Raises ``UnsupportedInputError`` when ``unsupported_reason(...)`` is not None.
     """
-    conv_args = (stride, padding, dilation, transposed, output_padding, groups)
-    _check(grad, x, weight, *conv_args)
-    geo = _geometry(grad, x, weight, stride, padding, dilation, output_padding, groups)
-    gx = _input_grad(grad, x, weight, geo) if output_mask[0] else None
-    gw = _weight_grad(grad, x, weight, geo) if output_mask[1] else None
+    conv_args = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(output_padding), int(groups))
+    key = (
+        tensor_key(grad.g_win) if isinstance(grad, PooledGrad) else None, None if not isinstance(grad, PooledGrad)
+        else (tensor_key(grad.winner), grad.kernel_size, grad.stride, grad.padding, grad.dilation, grad.ceil_mode),
+        tensor_key(x), tensor_key(weight), conv_args, tuple(bool(m) for m in output_mask[:2]),
+        _precision(x.dtype), os.environ.get(AUTOTUNE_ENV, "1"),
+    )  # fmt: skip
+    input_grad, weight_grad = _PLANS.get(key, lambda: _plan(grad, x, weight, conv_args, output_mask))
+    gx = input_grad(grad, x, weight) if output_mask[0] else None
+    gw = weight_grad(grad, x, weight) if output_mask[1] else None
     gb = conv_bias_grad(grad).to(weight.dtype) if output_mask[2] else None
     return gx, gw, gb
+
+
+#: ``convolution_backward``'s plans by shapes, strides, dtypes, geometry and mask: the checks,
+#: the geometry and the launch arguments are worked out once (host time is what seed A's training
+#: step waits on).
+_PLANS = BoundedCache(256)
+
+
+def _plan(grad: Grad, x: torch.Tensor, weight: torch.Tensor, conv_args: tuple, output_mask: Sequence[bool]):  # noqa: ANN202
+    """``(input_grad, weight_grad)`` runners for these arguments (None where the mask is off);
+    raises ``UnsupportedInputError`` when ``unsupported_reason`` names a reason."""
+    _check(grad, x, weight, *conv_args)
+    stride, padding, dilation, _, output_padding, groups = conv_args
+    geo = _geometry(grad, x, weight, stride, padding, dilation, output_padding, groups)
+    input_grad = _prepare_input_grad(grad, x, weight, geo) if output_mask[0] else None
+    weight_grad = _prepare_weight_grad(grad, x, weight, geo) if output_mask[1] else None
+    return input_grad, weight_grad

@@ -80,6 +80,15 @@ class ConvEpilogueConfig:
     out_dtype: Optional[str] = None
     strict: bool = False
 
+    def __hash__(self) -> int:
+        # Cached: configs key the op's per-call host caches, and hashing the nested fields costs
+        # ~10 us per call (measured with cProfile).  Equal configs still hash equal.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.conv, self.chain, self.pool, self.out_dtype, self.strict))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     def to_json(self) -> str:
         return json.dumps(_config_to_dict(self), sort_keys=True, separators=(",", ":"))
 

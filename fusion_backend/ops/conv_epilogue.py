@@ -766,7 +766,8 @@ def _triton_backward(
     mode = _conv_impl_mode()
     if mode == "library" or (mode == "auto" and x.device.type != "cuda"):
         return _library_backward(*args)  # auto on CPU: the interpreter is slow (tests force "triton")
-    why = _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg)
+    key = ("compact_unsupported", tensor_key(x), tensor_key(weight), tensor_key(saved_a), tensor_key(saved_b), cfg)
+    why = _DECISIONS.get(key, lambda: _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg))
     if why is not None:
         logger.debug("conv_epilogue backward: library path (%s)", why)
         return _library_backward(*args)
