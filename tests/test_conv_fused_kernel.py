@@ -337,7 +337,9 @@ def test_auto_default_measures_both_paths_and_matches_eager_in_training(monkeypa
     outs = [compiled(xs[0]), model(xs[1])]
     g = torch.randn_like(outs[1])
     grads = [torch.autograd.grad(o, [xi, *model.parameters()], g) for o, xi in zip(outs, xs, strict=True)]
-    assert len(timed) == 4, "forward and backward each timed both candidates once"
+    # each direction times the library path, and the fused one unless its results disagree with it
+    # (``_results_agree``: e.g. where cuDNN runs such a narrow conv in full fp32, not TF32)
+    assert 2 <= len(timed) <= 4, timed
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-3, atol=2e-3)
     for got, want in zip(*grads, strict=True):
         rel = ((got - want).double().norm() / want.double().norm()).item()

@@ -124,3 +124,33 @@ def test_op_keeps_only_settled_answers_under_its_cheap_key(monkeypatch):
     assert ce._auto_choice(("k",), key, CANDIDATES) == "fast"
     assert ce._auto_choice(("k",), key, CANDIDATES) == "fast"
     assert len(built) == 2, "the string key is built only until the answer is settled"
+
+
+def test_a_candidate_whose_results_disagree_is_never_picked():
+    timer, calls = fake_timer({"fast": 1.0, "library": 2.0})
+    results = {"fast": lambda: "fast", "library": lambda: "library"}
+    disagree = lambda got, want: None if got == want else f"{got} != {want}"  # noqa: E731
+    assert impl_choice.choose("k", results, "library", timer=timer, agree=disagree) == "library"
+    assert calls == ["library"], "the disagreeing candidate is not even timed"
+    assert impl_choice.decided("k")
+    agree = lambda got, want: None  # noqa: E731
+    assert impl_choice.choose("k2", results, "library", timer=timer, agree=agree) == "fast"
+
+
+def test_op_results_agree_within_the_dtype_bound():
+    """``conv_epilogue._results_agree``: TF32-vs-TF32 differences pass, a TF32-vs-fp32 sized one
+    (seed B small on the H100: 2.7e-4) does not; integer winners and None entries are ignored."""
+    from fusion_backend.ops import conv_epilogue as ce
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1000, generator=g)
+    winners = torch.randint(0, 8, (10,), dtype=torch.int8)
+    close = ref + 1e-6 * torch.randn(1000, generator=g)
+    far = ref + 3e-4 * torch.randn(1000, generator=g)
+    assert ce._results_agree((close, winners, None), (ref, winners.flip(0), None)) is None
+    assert "relative difference" in ce._results_agree((far,), (ref,))
+    nan = ref.clone()
+    nan[3] = float("nan")
+    assert "non-finite" in ce._results_agree((ref,), (nan,))
+    half = ref.to(torch.bfloat16)
+    assert ce._results_agree((half + 1e-3 * half,), (half,)) is None

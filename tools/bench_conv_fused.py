@@ -33,7 +33,7 @@ def _seed(name: str, dtype: torch.dtype):
         chain = (leaky, ChainStep(PK.MUL, (TensorRef(0),)), leaky)
         pool = PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
         x, w, c = torch.rand(16, 16, 16, 32, 32), torch.randn(16, 32, 3, 3, 3) * 0.1, 32
-    else:
+    else:  # "B", or "Bsmall" (demos/seeds/seed_b_small.py's shapes)
         spec = ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
         chain = (
             ChainStep(PK.MUL, (TensorRef(0),)),
@@ -41,7 +41,10 @@ def _seed(name: str, dtype: torch.dtype):
             ChainStep(PK.GELU),
         )
         pool = None
-        x, w, c = torch.rand(64, 64, 256, 256), torch.randn(64, 64, 3, 3) * 0.05, 64
+        if name == "Bsmall":
+            x, w, c = torch.rand(128, 3, 32, 32), torch.randn(16, 3, 3, 3) * 0.2, 16
+        else:
+            x, w, c = torch.rand(64, 64, 256, 256), torch.randn(64, 64, 3, 3) * 0.05, 64
     b, m = torch.randn(c), torch.randn((c,) + (1,) * (x.dim() - 2))
     x, w, b, m = (t.cuda().to(dtype) for t in (x, w, b, m))
     config = ConvEpilogueConfig(conv=spec, chain=chain, pool=pool, strict=True).to_json()

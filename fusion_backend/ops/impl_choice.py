@@ -130,9 +130,15 @@ def choose(
     candidates: Mapping[str, Callable[[], object]],
     default: str,
     timer: Callable[[Callable[[], object]], float] | None = None,
+    agree: Callable[[object, object], str | None] | None = None,
 ) -> str:
     """The name of the fastest candidate for ``key`` (see the module docstring); ``timer`` (ms per
-    call of a candidate; ``_time_ms`` when None) is replaceable for tests."""
+    call of a candidate; ``_time_ms`` when None) is replaceable for tests.
+
+    ``agree(result, default_result)``: None when a candidate's result may stand in for the
+    default's, else why not.  A candidate that disagrees is never picked (and the choice is
+    remembered like any other): speed must not change the numbers beyond the candidates' own
+    summation order (e.g. a TF32 kernel against a library conv that runs in full fp32)."""
     if default not in candidates:
         raise ValueError(f"default {default!r} is not among the candidates {sorted(candidates)}")
     if not measuring_enabled() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
@@ -146,6 +152,13 @@ def choose(
         return cached
     timer = timer or _time_ms
     try:
+        if agree is not None:
+            reference = candidates[default]()
+            for name, fn in list(candidates.items()):
+                why = None if name == default else agree(fn(), reference)
+                if why is not None:
+                    log.info("impl choice %s: %s not considered (%s)", key, name, why)
+                    candidates = {n: f for n, f in candidates.items() if n != name}
         times = {name: timer(fn) for name, fn in candidates.items()}
     except Exception as e:  # a failing candidate is the caller's business when it runs it for real
         log.info("impl choice for %s not measured (%s: %s); using %s", key, type(e).__name__, e, default)
