@@ -738,14 +738,16 @@ def _results_agree(result: Any, reference: Any) -> str | None:
     for i, (got, want) in enumerate(zip(result, reference, strict=True)):
         if got is None or want is None or not want.is_floating_point() or want.numel() == 0:
             continue
-        a, b = got.double(), want.double()
-        finite = b.isfinite() & a.isfinite()
-        if not torch.equal(a.isfinite(), b.isfinite()):
+        # fp32 (no copy for fp32 results: seed B's saved conv output is 1 GB), fp32-accumulated norms
+        a, b = got.float(), want.float()
+        finite = b.isfinite()
+        if not torch.equal(a.isfinite(), finite):
             return f"result {i}: non-finite values in other places"
-        diff = (a[finite] - b[finite]).norm().item()
-        bound = _AGREEMENT.get(want.dtype, 1e-4) * max(b[finite].norm().item(), 1e-30)
-        if diff > bound:
-            return f"result {i}: relative difference {diff / max(b[finite].norm().item(), 1e-30):.1e} from the library path"
+        zero = torch.zeros((), dtype=torch.float32, device=b.device)
+        diff = torch.where(finite, a - b, zero).norm().item()
+        norm = max(torch.where(finite, b, zero).norm().item(), 1e-30)
+        if diff > _AGREEMENT.get(want.dtype, 1e-4) * norm:
+            return f"result {i}: relative difference {diff / norm:.1e} from the library path"
     return None
 
 
