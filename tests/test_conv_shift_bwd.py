@@ -367,3 +367,18 @@ def test_gpu_seed_a_matches_float64_and_conv_fused_bwd(mode):
         assert err < max(2 * err_generic, tol / 10), (
             f"{mode} grad {name}: {err:.2e} vs conv_fused_bwd {err_generic:.2e}"
         )
+
+
+def test_cached_plan_reads_each_calls_tensors(kernel_device):
+    """``convolution_backward`` caches a plan per shapes: a second call with new data of the same
+    shapes must read the new tensors (nothing of the first call's data is baked into the plan)."""
+    case = CASES["2d"]
+    (x, w, full), (xk, wk, grad) = make(case, torch.float32, kernel_device)
+    args = case.conv_args()
+    S.convolution_backward(grad, xk, wk, *args)
+    grad2 = FB.PooledGrad(grad.g_win * 0.5, grad.winner, grad.kernel_size, grad.stride, grad.padding, (),
+                          grad.ceil_mode)  # fmt: skip
+    got = S.convolution_backward(grad2, xk * -1.5, wk * 2.0, *args)
+    want = torch.ops.aten.convolution_backward(full * 0.5, x * -1.5, w * 2.0, [full.shape[1]], *args, [True] * 3)
+    for name, g, e in zip("xwb", got, want, strict=True):
+        assert rel_err(g, e) <= TOL[torch.float32], f"grad {name}: rel err {rel_err(g, e):.2e}"
