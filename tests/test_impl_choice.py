@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import impl_choice
 
 
@@ -16,6 +17,7 @@ def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.delenv(impl_choice.MEASURE_ENV, raising=False)
     monkeypatch.setattr(impl_choice, "_memory", {})
+    monkeypatch.setattr(impl_choice, "_fast", BoundedCache(8))
 
 
 def fake_timer(times):
@@ -103,13 +105,10 @@ def test_timer_counts_host_time_only_where_it_exceeds_gpu_time():
     assert impl_choice._time_ms(host_only) >= 0.9, "a host-bound call is charged its host time"
 
 
-def test_op_keeps_only_settled_answers_under_its_cheap_key(monkeypatch):
-    """``conv_epilogue._auto_choice``: an answer given without a measurement (measuring off) is not
-    kept, so turning measuring on later is honoured; a settled answer is kept under the tuple key."""
-    from fusion_backend.kernels.host import BoundedCache
-    from fusion_backend.ops import conv_epilogue as ce
-
-    monkeypatch.setattr(ce, "_AUTO_CHOICES", BoundedCache(8))
+def test_only_settled_answers_are_kept_under_the_fast_key(monkeypatch):
+    """``fast_key``: an answer given without a measurement (measuring off) is not kept, so turning
+    measuring on later is honoured; a settled answer is kept under the cheap key, and the string
+    key (a callable) is built only until the answer is settled."""
     built = []
 
     def key():
@@ -117,13 +116,14 @@ def test_op_keeps_only_settled_answers_under_its_cheap_key(monkeypatch):
         return "op-key"
 
     monkeypatch.setenv(impl_choice.MEASURE_ENV, "0")
-    assert ce._auto_choice(("k",), key, CANDIDATES | {"library": lambda: "library"}) == "library"
-    assert ce._AUTO_CHOICES.peek(("k",)) is None
+    assert impl_choice.choose(key, CANDIDATES, "library", fast_key=("k",)) == "library"
+    assert impl_choice._fast.peek(("k",)) is None
     monkeypatch.delenv(impl_choice.MEASURE_ENV)
     impl_choice._memory[impl_choice._full_key("op-key")] = "fast"  # as if measured earlier
-    assert ce._auto_choice(("k",), key, CANDIDATES) == "fast"
-    assert ce._auto_choice(("k",), key, CANDIDATES) == "fast"
-    assert len(built) == 2, "the string key is built only until the answer is settled"
+    assert impl_choice.choose(key, CANDIDATES, "library", fast_key=("k",)) == "fast"
+    assert impl_choice.choose(key, CANDIDATES, "library", fast_key=("k",)) == "fast"
+    assert impl_choice._fast.peek(("k",)) == "fast"
+    assert len(built) == 1, "the string key is built only until the answer is settled"
 
 
 def test_a_candidate_whose_results_disagree_is_never_picked():
@@ -132,7 +132,7 @@ def test_a_candidate_whose_results_disagree_is_never_picked():
     disagree = lambda got, want: None if got == want else f"{got} != {want}"  # noqa: E731
     assert impl_choice.choose("k", results, "library", timer=timer, agree=disagree) == "library"
     assert calls == ["library"], "the disagreeing candidate is not even timed"
-    assert impl_choice.decided("k")
+    assert impl_choice._full_key("k") in impl_choice._memory, "the answer is remembered"
     agree = lambda got, want: None  # noqa: E731
     assert impl_choice.choose("k2", results, "library", timer=timer, agree=agree) == "fast"
 

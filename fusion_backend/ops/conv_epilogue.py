@@ -69,7 +69,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Union
 
@@ -689,39 +689,20 @@ def _triton_forward(
     mode = _conv_impl_mode()
     impl = conv_impl(x, weight, cfg, save)[0]
     if impl == "triton" and mode == "auto":
-        impl = _auto_choice(
-            ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save, torch.backends.cudnn.allow_tf32),
+        impl = impl_choice.choose(
             lambda: _choice_key(x, weight, bias, cfg, save),
             {
                 "triton": lambda: _fused_conv_forward(x, weight, bias, operands, cfg, save),
                 "library": lambda: _library_forward(x, weight, bias, operands, cfg, save),
             },
-        )
+            default="library",
+            agree=_results_agree,
+            fast_key=("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
+                      torch.backends.cudnn.allow_tf32),
+        )  # fmt: skip
     if impl == "triton":
         return _fused_conv_forward(x, weight, bias, operands, cfg, save)
     return _library_forward(x, weight, bias, operands, cfg, save)
-
-
-#: ``_auto_choice``'s answers by cheap tuple keys, once ``impl_choice`` has settled them.
-_AUTO_CHOICES = BoundedCache(512)
-
-
-def _auto_choice(fast_key: tuple, key: Callable[[], str], candidates: dict[str, Callable[[], object]]) -> str:
-    """``impl_choice.choose(key(), candidates, default="library")``, remembered under ``fast_key``
-    (shapes, strides, dtypes, config: what ``key()`` spells out as a string) once it is settled.
-
-    WHY: the string key (the config's JSON, shapes, strides) costs tens of microseconds to build, and
-    at seed A's sizes host time is what the fused forward waits on.  An unsettled answer (measuring
-    off, CUDA-graph capture, a failing candidate) is not kept: the next call asks again.
-    """
-    impl = _AUTO_CHOICES.peek(fast_key)
-    if impl is not None:
-        return impl
-    full = key()
-    impl = impl_choice.choose(full, candidates, default="library", agree=_results_agree)
-    if impl_choice.decided(full):
-        _AUTO_CHOICES.put(fast_key, impl)
-    return impl
 
 
 #: Largest norm-wise relative difference between the fused and the library path's floating results
@@ -800,11 +781,13 @@ def _triton_backward(
         return _library_backward(*args)
     impl = "compact"
     if mode == "auto":
-        impl = _auto_choice(
-            ("backward", tensor_key(x), tensor_key(weight), bias is None, cfg, tuple(mask), tensor_key(grad_out),
-             torch.backends.cudnn.allow_tf32),
+        impl = impl_choice.choose(
             lambda: _choice_key(x, weight, bias, cfg, True) + f"|backward {tuple(mask)} {grad_out.stride()}",
             {"compact": lambda: _compact_backward(*args), "library": lambda: _library_backward(*args)},
+            default="library",
+            agree=_results_agree,
+            fast_key=("backward", tensor_key(x), tensor_key(weight), bias is None, cfg, tuple(mask),
+                      tensor_key(grad_out), torch.backends.cudnn.allow_tf32),
         )  # fmt: skip
     return _compact_backward(*args) if impl == "compact" else _library_backward(*args)
 

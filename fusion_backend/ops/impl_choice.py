@@ -27,10 +27,12 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 
 import torch
+
+from ..kernels.host import BoundedCache
 
 log = logging.getLogger("fusion_backend.impl_choice")
 
@@ -44,6 +46,9 @@ _ROUND_MS = 5.0
 _MAX_CALLS = 50
 
 _memory: dict[str, str] = {}
+#: Settled answers by the callers' cheap ``fast_key`` (tuples of shapes, strides, dtypes, config):
+#: building the string key costs tens of microseconds, on the op's hot path.
+_fast = BoundedCache(512)
 
 
 def measuring_enabled() -> bool:
@@ -119,21 +124,21 @@ def _time_ms(fn: Callable[[], object]) -> float:
     return best
 
 
-def decided(key: str) -> bool:
-    """Whether ``choose(key, ...)`` has a remembered answer (measured, or read from the file) that it
-    will return from now on in this process, so a caller may keep the answer under a cheaper key."""
-    return _full_key(key) in _memory
-
-
 def choose(
-    key: str,
+    key: str | Callable[[], str],
     candidates: Mapping[str, Callable[[], object]],
     default: str,
     timer: Callable[[Callable[[], object]], float] | None = None,
     agree: Callable[[object, object], str | None] | None = None,
+    fast_key: Hashable | None = None,
 ) -> str:
     """The name of the fastest candidate for ``key`` (see the module docstring); ``timer`` (ms per
     call of a candidate; ``_time_ms`` when None) is replaceable for tests.
+
+    ``key`` may be a callable building the string, called only when no answer is settled under
+    ``fast_key`` yet: once an answer is remembered (measured, or read from the file), it is also
+    kept under ``fast_key`` (which must determine the string key) and returned from there.  An
+    unsettled answer (measuring off, CUDA-graph capture, a failing candidate) is not kept.
 
     ``agree(result, default_result)``: None when a candidate's result may stand in for the
     default's, else why not.  A candidate that disagrees is never picked (and the choice is
@@ -141,15 +146,18 @@ def choose(
     summation order (e.g. a TF32 kernel against a library conv that runs in full fp32)."""
     if default not in candidates:
         raise ValueError(f"default {default!r} is not among the candidates {sorted(candidates)}")
+    if fast_key is not None and (settled := _fast.peek(fast_key)) is not None:
+        return settled
     if not measuring_enabled() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return default
+    if callable(key):
+        key = key()
     full_key = _full_key(key)
     if full_key in _memory:
-        return _memory[full_key]
+        return _remember(full_key, _memory[full_key], fast_key)
     cached = _load().get(full_key)
     if cached in candidates:
-        _memory[full_key] = cached
-        return cached
+        return _remember(full_key, cached, fast_key)
     timer = timer or _time_ms
     try:
         if agree is not None:
@@ -167,6 +175,12 @@ def choose(
     if times[best] * MIN_GAIN > times[default]:
         best = default
     log.info("impl choice %s: %s (%s)", key, best, ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()))
-    _memory[full_key] = best
     _store(full_key, best)
-    return best
+    return _remember(full_key, best, fast_key)
+
+
+def _remember(full_key: str, name: str, fast_key: Hashable | None) -> str:
+    _memory[full_key] = name
+    if fast_key is not None:
+        _fast.put(fast_key, name)
+    return name
