@@ -77,7 +77,7 @@ from .conv_fused import AUTOTUNE_ENV
 from .host import cdiv, next_pow2, persistent_device_copies
 from .tf32 import round_tf32
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Most candidate windows (product over dims of ceil(window extent / pool stride)) a conv-output
 #: position may belong to; the loader unrolls them.
@@ -599,13 +599,20 @@ def _channels_inner(lifted_strides: Sequence[int], t: torch.Tensor) -> bool:
     return lifted_strides[1] == 1 and t.shape[1] > 1 and math.prod(t.shape[2:]) > 1
 
 
+def _extent(t: torch.Tensor) -> int:
+    """One past the largest element offset ``t`` addresses (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride(), strict=True)) + 1
+
+
 def _needs_int64(*tensors: torch.Tensor) -> bool:
     """True when an element offset of one of ``tensors`` may reach 2**31 (offsets then go int64)."""
-    return any(sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride(), strict=True)) + 1 >= 2**31
-               for t in tensors if t.numel() > 0)  # fmt: skip
+    return any(_extent(t) >= 2**31 for t in tensors)
 
 
 def _precision(dtype: torch.dtype) -> str:
+    """TF32 for fp32 iff ``torch.backends.cudnn.allow_tf32`` (as cuDNN), never under the interpreter."""
     if dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and not _INTERPRET:
         return "tf32"
     return "ieee"

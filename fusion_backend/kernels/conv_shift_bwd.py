@@ -76,7 +76,15 @@ import triton
 import triton.language as tl
 
 from .conv_fused import AUTOTUNE_ENV
-from .conv_fused_bwd import Grad, PooledGrad, conv_bias_grad, conv_output_spatial, pooled_spatial
+from .conv_fused_bwd import (
+    Grad,
+    PooledGrad,
+    _extent,
+    _precision,
+    conv_bias_grad,
+    conv_output_spatial,
+    pooled_spatial,
+)
 from .host import BoundedCache, cdiv, next_pow2, persistent_device_copies, tensor_key
 from .launch import FastLaunch
 from .tf32 import round_tf32
@@ -758,13 +766,6 @@ def _geometry(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, stride: S
     )  # fmt: skip
 
 
-def _extent(t: torch.Tensor) -> int:
-    """One past the largest element offset ``t`` addresses (0 when empty)."""
-    if t.numel() == 0:
-        return 0
-    return sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride(), strict=True)) + 1
-
-
 def unsupported_reason(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
@@ -866,13 +867,6 @@ def _check(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args) -> Non
         from ..errors import UnsupportedInputError
 
         raise UnsupportedInputError(f"conv_shift_bwd: {reason} (check unsupported_reason() first)")
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """``conv_fused_bwd``'s rule: TF32 for fp32 iff ``torch.backends.cudnn.allow_tf32`` (on CUDA)."""
-    if dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and not _INTERPRET:
-        return "tf32"
-    return "ieee"
 
 
 def _channels_inner(t: torch.Tensor) -> bool:
