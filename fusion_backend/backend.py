@@ -5,6 +5,10 @@ backend="fusion")`` works without importing this package.  ``fusion`` itself is 
 function on purpose: decorating it with ``register_backend(name="fusion")`` as well would make
 Dynamo see the name twice.
 
+A rewritten graph that holds only fused ops and glue (casts, views) skips AOTAutograd and Inductor,
+which would fuse nothing there: it runs as plain FX code with eager autograd (``direct.py``; the
+report's ``runner`` says which; ``options={"direct": False}`` turns it off).
+
 Nothing the user gave is lost: if normalising, matching, rewriting or compiling the rewritten graph
 fails, the untouched graph is compiled by Inductor, one warning names the pattern and the error, and
 the report records the fallback.  ``options={"strict": True}`` raises ``RewriteError`` instead.
@@ -23,6 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from .direct import direct_module, why_not_direct
 from .engine import registered_patterns, run_patterns
 from .errors import RewriteError
 from .options import FusionOptions
@@ -83,7 +88,17 @@ def fusion(
 
     t0 = time.perf_counter()
     compiled = None
+    runner, notes = "inductor", []
     if rewritten is not None and matches:
+        why_not = _why_not_direct(rewritten, opts, config_patches)
+        if why_not is None:
+            try:
+                compiled, runner = direct_module(rewritten).forward, "direct"
+            except Exception as exc:  # noqa: BLE001 - Inductor can still run the rewritten graph
+                fallbacks.append(_fall_back(opts, "direct", None, exc))
+        else:
+            notes.append(f"runs through Inductor, not directly: {why_not}")
+    if compiled is None and rewritten is not None and matches:
         try:
             compiled = _compile_inductor(rewritten, example_inputs, config_patches)
         except _CONTROL_FLOW:
@@ -94,7 +109,7 @@ def fusion(
             matches = []
     if compiled is None:
         compiled = _compile_inductor(original, example_inputs, config_patches)
-    times["inductor"] = time.perf_counter() - t0
+    times["inductor" if runner == "inductor" else "direct"] = time.perf_counter() - t0
 
     report = GraphReport(
         graph_index=index,
@@ -104,6 +119,8 @@ def fusion(
         fallbacks=tuple(fallbacks),
         stage_seconds=times,
         enabled_patterns=opts.patterns,
+        notes=tuple(notes),
+        runner=runner,
     )
     for m in report.matches:
         log.info("fused %s: %s (%s)", m.pattern, m.summary, m.kernel)
@@ -116,6 +133,17 @@ def fusion(
     _emit_trace_artifact(report)
     publish(report)
     return compiled
+
+
+def _why_not_direct(gm: fx.GraphModule, opts: FusionOptions, patches: dict[str, Any]) -> Optional[str]:
+    """``None`` when the rewritten graph may skip AOTAutograd and Inductor (``direct.py``), else why not."""
+    if not opts.direct:
+        return "option direct=False"
+    if opts.inductor:
+        return f"Inductor options were given ({', '.join(sorted(opts.inductor))})"
+    if patches.get("triton.cudagraphs"):
+        return "the mode asks for CUDA graphs, which Inductor provides"
+    return why_not_direct(gm)
 
 
 def _emit_trace_artifact(report: GraphReport) -> None:

@@ -14,6 +14,11 @@ key                     meaning
                         raises instead of falling back to Inductor / the reference (for tests)
 ``dump_dir``            directory for per-graph dumps (before/after code, report, DOT); the
                         ``FUSION_DUMP_DIR`` environment variable sets it too
+``direct``              bool, default True: a rewritten graph that holds only fused ops and glue
+                        (casts, views) runs as plain FX code with eager autograd instead of through
+                        AOTAutograd and Inductor, which would fuse nothing there but cost host time
+                        per call (``fusion_backend/direct.py``); False sends it to Inductor too.
+                        Inductor options, or a mode with CUDA graphs, also send it to Inductor
 ======================  ===========================================================================
 """
 
@@ -27,7 +32,7 @@ from typing import Any, Optional
 
 from .errors import InvalidOptionError, UnknownOptionError
 
-OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir")
+OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir", "direct")
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class FusionOptions:
     strict: bool = False
     dump_dir: Optional[Path] = None
     inductor: dict[str, Any] = field(default_factory=dict)
+    direct: bool = True
 
     @staticmethod
     def parse(options: Optional[Mapping[str, Any]], registered: tuple[str, ...]) -> FusionOptions:
@@ -78,7 +84,10 @@ class FusionOptions:
         dump = ours.get("dump_dir") or os.environ.get("FUSION_DUMP_DIR") or None
         if dump is not None and not isinstance(dump, (str, os.PathLike)):
             raise InvalidOptionError(f"option 'dump_dir' must be a path, got {dump!r}")
-        return FusionOptions(names, strict, Path(dump) if dump else None, inductor)
+        direct = ours.get("direct", True)
+        if not isinstance(direct, bool):
+            raise InvalidOptionError(f"option 'direct' must be a bool, got {direct!r}")
+        return FusionOptions(names, strict, Path(dump) if dump else None, inductor, direct)
 
 
 def _inductor_keys() -> set[str]:

@@ -107,6 +107,9 @@ class GraphReport:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     enabled_patterns: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    runner: str = "inductor"
+    """What runs the compiled graph: ``"inductor"`` (AOTAutograd + Inductor) or ``"direct"`` (only
+    fused ops and glue, run as plain FX code with eager autograd: ``fusion_backend/direct.py``)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -134,6 +137,7 @@ class GraphReport:
             stage_seconds=dict(d["stage_seconds"]),
             enabled_patterns=tuple(d["enabled_patterns"]),
             notes=tuple(d["notes"]),
+            runner=d.get("runner", "inductor"),
         )
 
     def counts(self) -> dict[str, int]:
@@ -145,7 +149,7 @@ class GraphReport:
 
     def __str__(self) -> str:
         lines = [f"graph {self.graph_index} ({self.graph_name}): {len(self.matches)} fused, "
-                 f"{len(self.near_misses)} near miss(es), {len(self.fallbacks)} fallback(s)"]
+                 f"{len(self.near_misses)} near miss(es), {len(self.fallbacks)} fallback(s); runs {self.runner}"]
         for m in self.matches:
             lines.append(f"  [fused] {m.pattern}: {m.summary}  -> {m.fused_op} ({m.kernel})")
             for s in m.source_lines:

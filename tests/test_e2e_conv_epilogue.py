@@ -3,7 +3,8 @@ output and every gradient equal to eager (and to a float64 reference).
 
 Each CPU case runs twice: on the plain-torch reference implementation, and on the Triton kernels
 under Triton's interpreter (``FUSION_CPU_KERNELS=triton``), so CI exercises the real kernels through
-the whole stack (Dynamo → rewrite → AOTAutograd → Inductor → fused op → Triton).  With CUDA the same
+the whole stack (Dynamo → rewrite → direct runner, or AOTAutograd → Inductor where other ops remain →
+fused op → Triton; ``test_direct.py`` runs seed A through both).  With CUDA the same
 cases run on the GPU, and the full-size seeds run too (marked ``gpu``).
 """
 

@@ -80,7 +80,8 @@ def test_compiled_forward_and_backward_call_the_twins_and_match_eager():
     ):
         torch._dynamo.reset()
         x_c = x.clone().requires_grad_(True)
-        out, codes = _compiled_code(model, x_c)
+        # direct=False: these graphs hold only the fused op, which would otherwise skip Inductor
+        out, codes = _compiled_code(model, x_c, {"direct": False})
         code = "\n".join(codes)
         for name in names:
             assert f"torch.ops.fusion.{name}_rt.default(" in code, name
@@ -106,13 +107,14 @@ class CountingPass(CustomGraphPass):
         return b"counting-pass"
 
 
-def test_a_post_grad_pass_the_user_configured_still_runs(monkeypatch):
-    # a cache hit would skip every post-grad pass (correctly: the cached graph already had them)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+def test_a_post_grad_pass_the_user_configured_still_runs():
+    # a cache hit would skip every post-grad pass (correctly: the cached graph already had them).
+    # NOTE: config.patch, not monkeypatch.setattr: undoing a setattr on torch 2.13's config module
+    # left enable_autograd_cache hidden, and every later compile in the process failed.
     torch._dynamo.reset()
     user_pass = CountingPass()
     x = torch.rand(2, 3, 5, 4, requires_grad=True)
-    _, codes = _compiled_code(MeanHead(), x, {"post_grad_custom_post_pass": user_pass})
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        _, codes = _compiled_code(MeanHead(), x, {"post_grad_custom_post_pass": user_pass})
     assert user_pass.graphs == 2  # forward and backward graph
     assert "conv_global_mean_fwd_rt" in "\n".join(codes)

@@ -82,6 +82,7 @@ from ..kernels.host import BoundedCache, tensor_key
 from . import impl_choice
 from .chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef, apply_step
 from .config import ConvEpilogueConfig, ConvSpec, PoolSpec
+from .direct_twins import register_direct
 from .runtime_twins import register_twin
 
 logger = logging.getLogger("fusion_backend")
@@ -331,6 +332,51 @@ def _backward(ctx: Any, grad_out: Tensor, _grad_saved_a: Tensor, _grad_saved_b: 
 conv_epilogue_fwd.register_autograd(_backward, setup_context=_setup_context)
 register_twin(conv_epilogue_fwd, _conv_epilogue_fwd_impl, _conv_epilogue_fwd_fake)
 register_twin(conv_epilogue_bwd, _conv_epilogue_bwd_impl, _conv_epilogue_bwd_fake)
+
+
+class _DirectConvEpilogue(torch.autograd.Function):
+    """``conv_epilogue`` for graphs the backend runs without AOTAutograd (``ops/direct_twins.py``).
+
+    The same two implementations as the custom ops, called straight: the forward saves the same
+    state, the backward gets the same output mask.  ``operands`` are spread into separate arguments
+    because autograd tracks only tensors passed one by one.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, config: str, x: Tensor, weight: Tensor, bias: Tensor | None, *operands: Tensor) -> Tensor:
+        out, saved_a, saved_b = _conv_epilogue_fwd_impl(x, weight, bias, list(operands), config, True)
+        ctx.config = config
+        ctx.save_for_backward(x, weight, bias, *operands)
+        # Intermediates (neither inputs nor outputs) are kept as attributes, as autograd advises for
+        # state that double backward never needs.
+        ctx.state = (saved_a, saved_b)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:
+        x, weight, bias, *operands = ctx.saved_tensors
+        saved_a, saved_b = ctx.state
+        needs = ctx.needs_input_grad  # (config, x, weight, bias, *operands)
+        mask = [bool(needs[1]), bool(needs[2]), bias is not None and bool(needs[3])]
+        mask += [bool(m) for m in needs[4:]]
+        grads = _conv_epilogue_bwd_impl(grad_out, x, weight, bias, operands, saved_a, saved_b, ctx.config, mask)
+        return (None, *(g if wanted else None for g, wanted in zip(grads, mask, strict=True)))
+
+
+def _conv_epilogue_direct(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], config: str
+) -> Tensor:
+    """``conv_epilogue`` without the custom-op layers (the direct twin; same contract)."""
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        or any(t.requires_grad for t in operands)
+    ):
+        return _DirectConvEpilogue.apply(config, x, weight, bias, *operands)
+    return _conv_epilogue_fwd_impl(x, weight, bias, list(operands), config, False)[0]
+
+
+register_direct(conv_epilogue, _conv_epilogue_direct)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -87,6 +87,7 @@ import torch
 from ..errors import KernelError, UnsupportedInputError
 from .chain import ChainStep, Const, PointwiseKind, TensorRef
 from .config import ConvSpec, chain_from_list, chain_to_list, conv_spec_from_dict, conv_spec_to_dict
+from .direct_twins import register_direct
 from .runtime_twins import register_twin
 
 logger = logging.getLogger("fusion_backend")
@@ -1224,3 +1225,47 @@ def conv_global_mean(
         Differentiable in x, weight, bias and every operand.
     """
     return conv_global_mean_fwd(x, weight, bias, operands, config)[0]
+
+
+class _DirectConvGlobalMean(torch.autograd.Function):
+    """``conv_global_mean`` for graphs the backend runs without AOTAutograd (``ops/direct_twins.py``):
+    the custom ops' implementations called straight, saving the same state.  ``operands`` are spread
+    into separate arguments because autograd tracks only tensors passed one by one."""
+
+    @staticmethod
+    def forward(ctx, config, x, weight, bias, *operands):
+        out, tap_sums, conv_mean = _conv_global_mean_fwd_impl(x, weight, bias, list(operands), config)
+        ctx.save_for_backward(weight, bias, *operands)
+        ctx.state = (tap_sums, conv_mean)  # intermediates: attributes, as autograd advises
+        ctx.x_size = tuple(x.shape)
+        ctx.x_stride = _grad_input_strides(x)
+        ctx.x_dtype = x.dtype
+        ctx.config = config
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        weight, bias, *operands = ctx.saved_tensors
+        tap_sums, conv_mean = ctx.state
+        needs = ctx.needs_input_grad  # (config, x, weight, bias, *operands)
+        grad_x, grad_w, grad_b, *grad_ops = _conv_global_mean_bwd_impl(
+            grad_out, weight, bias, operands, tap_sums, conv_mean,
+            ctx.x_size, ctx.x_stride, ctx.x_dtype, bool(needs[1]), ctx.config,
+        )
+        grads = (grad_x if needs[1] else None, grad_w if needs[2] else None,
+                 grad_b if bias is not None and needs[3] else None)
+        return (None, *grads, *(g if wanted else None for g, wanted in zip(grad_ops, needs[4:], strict=True)))
+
+
+def _conv_global_mean_direct(x, weight, bias, operands, config):
+    """``conv_global_mean`` without the custom-op layers (the direct twin; same contract)."""
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        or any(t.requires_grad for t in operands)
+    ):
+        return _DirectConvGlobalMean.apply(config, x, weight, bias, *operands)
+    return _conv_global_mean_fwd_impl(x, weight, bias, list(operands), config)[0]
+
+
+register_direct(conv_global_mean, _conv_global_mean_direct)

@@ -1,0 +1,86 @@
+"""Run a rewritten graph that holds only fused ops and glue as plain FX code, without a compiler.
+
+WHY: AOTAutograd and Inductor earn their host time by fusing what is left around our fused ops.  When
+nothing is left (seed A: the whole graph is one ``conv_epilogue`` call, plus dtype casts under
+autocast) they fuse nothing, yet each step still pays their runtime wrappers, and the training step
+of seed A is host-bound on the H100 (see ``ops/direct_twins.py``).  Such a graph is run as its own
+``GraphModule.forward`` with every fused call retargeted to its direct twin, an
+``autograd.Function`` that calls the kernels with no dispatcher layers.  Eager autograd then records
+the backward, exactly as for a module the user wrote by hand.
+
+Which graphs qualify (``why_not_direct`` returns ``None``): every node is a placeholder, a
+``get_attr``, the output, a call of a fused op that has a direct twin, or *glue*: ops that launch at
+most one copy kernel and that Inductor could not do better (``.to``/``.type_as`` casts, views,
+``getitem``).  Anything else (an add, a softmax...) is Inductor's to fuse, so the graph goes to
+Inductor whole.  Running a graph eagerly is always correct, so this list is about speed only.
+
+Contract of :func:`direct_module`: a new ``GraphModule`` computing what ``gm`` computes (same
+placeholders, same outputs) whose fused calls go to their direct twins; ``gm`` itself is unchanged.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .ops.direct_twins import direct_twin
+
+#: ``call_method`` targets that are glue (casts and views: at most one copy kernel each).
+GLUE_METHODS = frozenset({
+    "to", "type_as", "float", "half", "bfloat16", "double", "contiguous",
+    "view", "reshape", "unsqueeze", "squeeze", "flatten", "expand", "permute", "transpose",
+})
+#: ``call_function`` targets that are glue.  Dynamo records an autocast region inside the compiled
+#: code as ``_enter_autocast``/``_exit_autocast`` calls (no kernels, the casts are separate nodes).
+GLUE_FUNCTIONS = frozenset({
+    operator.getitem, torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten, torch.permute,
+    torch.transpose,
+    *(getattr(torch.amp.autocast_mode, name) for name in ("_enter_autocast", "_exit_autocast")
+      if hasattr(torch.amp.autocast_mode, name)),
+})
+
+
+def _describe(node: fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return f"{node.name} ({node.op} {target})"
+
+
+def why_not_direct(gm: fx.GraphModule) -> str | None:
+    """``None`` when ``gm`` can run directly (see the module docstring), else the reason, naming the
+    first few nodes that are neither fused ops with a direct twin nor glue."""
+    blocking: list[str] = []
+    fused = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        if node.op == "call_function" and direct_twin(node.target) is not None:
+            fused += 1
+            continue
+        if node.op == "call_method" and node.target in GLUE_METHODS:
+            continue
+        if node.op == "call_function" and node.target in GLUE_FUNCTIONS:
+            continue
+        blocking.append(_describe(node))
+    if blocking:
+        more = f" and {len(blocking) - 3} more" if len(blocking) > 3 else ""
+        return f"the graph holds ops for Inductor besides the fused ops: {', '.join(blocking[:3])}{more}"
+    if fused == 0:
+        return "the graph holds no fused op"
+    return None
+
+
+def direct_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose fused calls go to their direct twins (see the module docstring)."""
+    import copy
+
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.op == "call_function":
+            twin = direct_twin(node.target)
+            if twin is not None:
+                node.target = twin
+    module = fx.GraphModule(gm, graph, class_name="FusionDirectGraph")
+    module.recompile()
+    return module

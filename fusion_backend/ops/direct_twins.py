@@ -1,0 +1,37 @@
+"""Direct twins of the fused ops: what a graph calls when it runs without AOTAutograd and Inductor.
+
+WHY: a graph that holds nothing but fused ops (plus casts and views) gains nothing from AOTAutograd
+and Inductor: there is nothing left for Inductor to fuse.  Yet it still pays their per-call host time:
+AOTAutograd's runtime wrappers around the forward and the backward, Inductor's compiled-module call,
+and the dispatcher crossings of the custom ops.  Seed A's training step on the H100 is host-bound
+(GPU work 0.93 ms, step 2.07 ms: session 7).  So the backend runs such a graph as plain FX code (see
+``fusion_backend/direct.py``), where each fused call goes to its direct twin: a
+``torch.autograd.Function`` whose forward and backward call the op's undecorated implementations (the
+same functions the custom ops and their runtime twins wrap), with no dispatcher layer in between.
+
+Contract of :func:`register_direct`: ``fused`` is the public callable the rewriter puts into graphs
+(e.g. ``conv_epilogue``); ``direct`` takes the same arguments and returns the same result, computed
+by the same kernels, with the same gradients for every differentiable input.  A direct twin need not
+support double backward (the custom ops do not either).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+#: fused callable (what graphs call) -> its direct twin
+_DIRECT: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def register_direct(fused: Callable[..., Any], direct: Callable[..., Any]) -> None:
+    """Make ``direct`` the twin of ``fused`` (see the module docstring for the contract)."""
+    _DIRECT[fused] = direct
+
+
+def direct_twin(fused: Any) -> Callable[..., Any] | None:
+    """The direct twin of ``fused``, or ``None`` when it has none (or is not hashable)."""
+    try:
+        return _DIRECT.get(fused)
+    except TypeError:
+        return None
