@@ -300,6 +300,8 @@ def test_backend_names_resolve_to_torch_compile_settings() -> None:
     assert resolve_backend("aot_eager").description == "torch.compile(m, backend='aot_eager')"
     assert "max-autotune-no-cudagraphs" in resolve_backend("inductor:max-autotune-no-cudagraphs").description
     assert resolve_backend("inductor-max-autotune").cudagraphs
+    assert resolve_backend("fusion-via-inductor").description == (
+        "torch.compile(m, backend='fusion', options={'direct': False})")
     assert not resolve_backend("inductor:max-autotune-no-cudagraphs").cudagraphs
     assert [b.name for b in resolve_backends(["eager", "broken"], {"broken": BROKEN})] == ["eager", "broken"]
     with pytest.raises(BackendSpecError, match="unknown backend 'nonsense'.*eager"):

@@ -8,6 +8,8 @@ reference weights) to the callable that is run.  Built-ins:
 ``inductor-max-autotune``  ``torch.compile(m, backend="inductor", mode="max-autotune")``
 ``fusion``                 ``torch.compile(m, backend="fusion")``
 ``fusion-max-autotune``    ``torch.compile(m, backend="fusion", mode="max-autotune")``
+``fusion-via-inductor``    ``torch.compile(m, backend="fusion", options={"direct": False})``: graphs of only
+                           fused ops go through AOTAutograd and Inductor too (measures the direct runner)
 
 Any other name registered with Dynamo (``torch._dynamo.list_backends()``, e.g. ``aot_eager``,
 ``cudagraphs``) works too, and ``NAME:MODE`` passes a ``torch.compile`` mode.  Tests and scripts can
@@ -58,15 +60,19 @@ def _identity(module: torch.nn.Module) -> Callable[..., Any]:
     return module
 
 
-def torch_compile_backend(name: str, backend: str, mode: str | None = None) -> BenchBackend:
-    """A :class:`BenchBackend` calling ``torch.compile(module, backend=backend, mode=mode)``."""
+def torch_compile_backend(name: str, backend: str, mode: str | None = None,
+                          options: dict[str, Any] | None = None) -> BenchBackend:
+    """A :class:`BenchBackend` calling ``torch.compile(module, backend=backend, mode=mode, options=options)``."""
 
     def compile_fn(module: torch.nn.Module) -> Callable[..., Any]:
-        if mode is None:
-            return torch.compile(module, backend=backend)
-        return torch.compile(module, backend=backend, mode=mode)
+        kwargs: dict[str, Any] = {}
+        if mode is not None:
+            kwargs["mode"] = mode
+        if options:
+            kwargs["options"] = dict(options)
+        return torch.compile(module, backend=backend, **kwargs)
 
-    suffix = f", mode={mode!r}" if mode else ""
+    suffix = (f", mode={mode!r}" if mode else "") + (f", options={options!r}" if options else "")
     return BenchBackend(name, compile_fn, f"torch.compile(m, backend={backend!r}{suffix})",
                         cudagraphs=mode in CUDAGRAPH_MODES)
 
@@ -77,6 +83,7 @@ BUILTIN_BACKENDS: dict[str, BenchBackend] = {
     "inductor-max-autotune": torch_compile_backend("inductor-max-autotune", "inductor", "max-autotune"),
     "fusion": torch_compile_backend("fusion", "fusion"),
     "fusion-max-autotune": torch_compile_backend("fusion-max-autotune", "fusion", "max-autotune"),
+    "fusion-via-inductor": torch_compile_backend("fusion-via-inductor", "fusion", options={"direct": False}),
 }
 
 
