@@ -90,6 +90,11 @@ CASES = [
     ("convT3d-seedA-like-nonfinite-tiles", (2, 4, 5, 6, 6), (4, 6, 3, 3, 3),
      _spec(3, True, stride=2, padding=1, output_padding=1), SEED_A_CHAIN, _pool("max", 3, 2),
      {"nan": True, "inf": True}),
+    # SHIFT_K with a padded pool (windows cut at every border: no FULL_WINDOWS, offset 0 is not every
+    # row's first valid offset) and inf/NaN in some M tiles: both variants with the per-row first offset
+    ("convT3d-seedA-like-padded-pool-nonfinite-tiles", (2, 4, 5, 6, 6), (4, 6, 3, 3, 3),
+     _spec(3, True, stride=2, padding=1, output_padding=1), SEED_A_CHAIN, _pool("max", 3, 2, 2, 1),
+     {"nan": True, "inf": True, "zero_mul": True}),
     # the prearranged weight matrix of the SHIFT_K path (and its masked variant, NaN in x): a weight
     # with permuted strides
     ("convT3d-seedA-like-strided-weight", (2, 4, 3, 4, 4), (4, 6, 3, 3, 3),
@@ -106,6 +111,7 @@ FP16_CASES = {
     "convT3d-seedA-like",
     "convT3d-seedA-like-odd-ceil-partial",
     "convT3d-seedA-like-nonfinite-tiles",
+    "convT3d-seedA-like-padded-pool-nonfinite-tiles",
     "convT2d-dil2-phase-without-taps-channels-last",
 }
 
@@ -225,6 +231,36 @@ def test_static_phase_transposed_convs_take_the_shift_k_path():
     assert not conv_fused._plan(x, w, seed_a, masked, [8, 8, 8]).shift_k
     plain = conv_fused.ConvGeometry(False, (1, 1, 1), (0, 0, 0), (1, 1, 1), (0, 0, 0), 1)
     assert not conv_fused._plan(x, torch.zeros(6, 4, 3, 3, 3), plain, None, None).shift_k
+
+
+def test_full_windows_only_where_every_window_offset_is_in_range():
+    """FULL_WINDOWS (offset 0 peeled, no row masks in the max pool) holds for seed A's even conv
+    output, not for a padded or ceil-mode pool (the cases above run both)."""
+    seed_a = conv_fused.ConvGeometry(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+    x, w = torch.zeros(1, 4, 4, 4, 4), torch.zeros(4, 6, 3, 3, 3)
+    pool = kernels.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
+    assert conv_fused._full_windows(conv_fused._plan(x, w, seed_a, pool, [4, 4, 4]))
+    padded = kernels.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (1, 1, 1))
+    assert not conv_fused._full_windows(conv_fused._plan(x, w, seed_a, padded, [5, 5, 5]))
+    no_op = conv_fused.ConvGeometry(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (0, 0, 0), 1)  # odd output 7
+    assert not conv_fused._full_windows(conv_fused._plan(x, w, no_op, pool, [4, 4, 4]))  # ceil mode
+
+
+@pytest.mark.parametrize("pool_padding", [0, 1])
+def test_all_minus_inf_windows_keep_the_first_valid_offset(monkeypatch, pool_padding):
+    """Every conv output -inf (x = -inf, positive weights): no later offset beats the first, so the
+    saved winner is each window's first valid offset (offset 0 without pool padding: FULL_WINDOWS;
+    later ones at padded borders: the per-row first-offset flag)."""
+    name, xs, ws, spec, chain, _, _ = _case("convT3d-seedA-like")
+    x = torch.full(xs, float("-inf"), device=DEVICE)
+    w = torch.rand(ws, generator=torch.Generator().manual_seed(1)).to(DEVICE) + 0.5
+    b, m = torch.zeros(ws[1], device=DEVICE), torch.ones(ws[1], 1, 1, 1, device=DEVICE)
+    config = _config(spec, chain, _pool("max", 3, 2, 2, pool_padding))
+    got = _run(monkeypatch, "triton", x, w, b, [m], config)
+    want = _run(monkeypatch, "library", x, w, b, [m], config)
+    for what, g_, w_ in zip(("out", "saved_a", "saved_b"), got, want, strict=True):
+        _assert_same(g_, w_, f"{name} pool padding {pool_padding} {what}")
+    assert torch.isneginf(got[0]).all()
 
 
 def test_inference_saves_nothing_and_matches(monkeypatch):

@@ -1,6 +1,7 @@
 """Compile the fused conv forward kernel for sm_90 without a GPU: catches GPU-only compile errors.
 
     python tools/compile_check_conv_fused.py [--quick] [--cases A-fp32,A-bf16,B-fp32,B-bf16,Awide-fp32]
+        [--tiles M,N,K,warps,stages;...] [--sass] [--dump-sass DIR]
 
 For the seed-A (ConvTranspose3d + chain + MaxPool3d, training forward with saved state) and seed-B
 (Conv2d + chain, no pool) specialisations, fp32 (TF32) and bf16: the launcher runs on empty CPU
@@ -10,6 +11,14 @@ compile; then, for every autotune config that ``_prune`` keeps for the shape (on
 ``--quick``), Triton -> PTX -> cubin for sm_90a and ``ptxas -v`` (Triton's bundled ptxas) for
 registers and spills, plus whether ``wgmma`` appears in the PTX.  Uses Triton internals
 (``ASTSource``, ``native_specialize_impl``), so it may need a touch after a Triton update.
+
+``--sass``: also disassemble each cubin (Triton's bundled ``cuobjdump -sass``) and count the SASS
+instructions by class, for the whole kernel and for its *main loop*: the innermost loop (a backward
+branch) with the most MMA instructions (SHIFT_K: the shared-X-tile offsets loop).  The headline
+proxies printed for the main loop: thread-instructions per conv-output element of one iteration
+(``body * 32 * warps / (BLOCK_M * BLOCK_N)``) and warp-instructions per MMA instruction.  Static
+counts: predicated-off instructions and latencies are not modelled.  ``--dump-sass DIR`` keeps the
+SASS listings (one file per case and tile).
 """
 
 from __future__ import annotations
@@ -89,8 +98,92 @@ def record_launch(seed: str, dtype: torch.dtype) -> tuple[tuple, dict, tuple | N
     return args, {k: v for k, v in kw.items() if k not in _TILE_KEYS}, (rec_w.calls[0] if rec_w.calls else None)
 
 
-def compile_one(args: tuple, consts: dict, num_warps: int, num_stages: int, fn=None) -> str:  # noqa: ANN001
-    """Compile one specialisation; a line with time, registers, spills, shared memory and wgmma."""
+#: SASS opcode (before the first '.') -> class, for ``--sass``; anything else is "other".
+_SASS_CLASSES = {
+    "mma": ("HGMMA", "HMMA", "IMMA", "QGMMA", "IGMMA"),
+    "ldg/stg": ("LDG", "STG", "LDGSTS", "LDGDEPBAR", "ATOM", "ATOMG", "RED", "UTMALDG", "UTMASTG"),
+    "lds/sts": ("LDS", "STS", "LDSM", "STSM", "ATOMS"),
+    "sync": ("BAR", "MEMBAR", "FENCE", "WARPGROUP", "DEPBAR", "ARRIVES", "SYNCS", "WARPSYNC"),
+    "fp": ("FADD", "FMUL", "FFMA", "FSETP", "FMNMX", "FSEL", "FCHK", "MUFU", "FSET", "HADD2", "HMUL2",
+           "HFMA2", "HSETP2", "HMNMX2", "DADD", "DMUL", "DFMA"),
+    "cvt": ("F2F", "I2F", "F2I", "F2FP", "FRND", "I2FP", "F2IP"),
+    "int/logic": ("IMAD", "IADD3", "IADD", "LOP3", "ISETP", "SEL", "SHF", "LEA", "SGXT", "PLOP3", "P2R", "R2P",
+                  "IMNMX", "VIMNMX", "PRMT", "BMSK", "FLO", "POPC", "MOV", "IABS", "I2I", "IMUL", "ISCADD",
+                  "CS2R", "S2R", "S2UR", "LOP", "SHL", "SHR", "BREV", "IDP", "LDC", "VOTE", "SHFL"),
+    "uniform": (),  # every opcode starting with U (uniform datapath), checked first
+    "control": ("BRA", "EXIT", "BSSY", "BSYNC", "NOP", "YIELD", "CALL", "RET", "JMP", "BREAK", "WARPSYNC", "ELECT"),
+}
+_SASS_OPCODE = {op: cls for cls, ops in _SASS_CLASSES.items() for op in ops}
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)\s*([^;]*);")
+
+
+def sass_listing(cubin: bytes) -> list[tuple[int, str, str]]:
+    """``(address, opcode with modifiers, operands)`` of every instruction of the cubin's kernel."""
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return [(int(m[1], 16), m[3] + m[4], m[5].strip()) for m in _SASS_LINE.finditer(text)]
+
+
+def _sass_class(opcode: str) -> str:
+    base = opcode.split(".")[0]
+    if base.startswith("U") and base not in _SASS_OPCODE:
+        return "uniform"
+    return _SASS_OPCODE.get(base, "other")
+
+
+def _main_loop(listing: list[tuple[int, str, str]]) -> tuple[int, int]:
+    """``(first, last)`` listing indices of the innermost loop with the most MMA instructions
+    (the whole kernel when there is no loop with one)."""
+    index = {addr: i for i, (addr, _, _) in enumerate(listing)}
+    loops = []
+    for i, (addr, op, operands) in enumerate(listing):
+        if op.startswith("BRA"):
+            target = re.match(r"(0x[0-9a-f]+)", operands.split(",")[-1].strip())
+            if target and int(target[1], 16) < addr and int(target[1], 16) in index:
+                loops.append((index[int(target[1], 16)], i))
+    best, best_key = (0, len(listing) - 1), (0, 0)
+    for lo, hi in loops:
+        mma = sum(_sass_class(op) == "mma" for _, op, _ in listing[lo : hi + 1])
+        key = (mma, -(hi - lo))
+        if mma and key > best_key:
+            best, best_key = (lo, hi), key
+    return best
+
+
+def sass_counts(listing: list[tuple[int, str, str]]) -> dict[str, int]:
+    counts = {cls: 0 for cls in _SASS_CLASSES}
+    counts["other"] = 0
+    for _, op, _ in listing:
+        counts[_sass_class(op)] += 1
+    return counts
+
+
+def sass_summary(cubin: bytes, block_m: int, block_n: int, num_warps: int, dump: Path | None = None) -> str:
+    """Per-class SASS counts of the main loop and of the whole kernel, and the headline proxies."""
+    listing = sass_listing(cubin)
+    if dump is not None:
+        dump.write_text("\n".join(f"/*{a:04x}*/ {op} {ops};" for a, op, ops in listing) + "\n")
+    lo, hi = _main_loop(listing)
+    body = listing[lo : hi + 1]
+    loop, total = sass_counts(body), sass_counts(listing)
+    n = len(body)
+    per_elem = n * 32 * num_warps / (block_m * block_n)
+    per_mma = n / max(loop["mma"], 1)
+    cls = " ".join(f"{k}={v}" for k, v in loop.items() if v)
+    return (f"main loop [{body[0][0]:#x}..{body[-1][0]:#x}] {n} instr ({per_elem:.1f}/conv-output element, "
+            f"{per_mma:.1f}/MMA): {cls}; kernel {len(listing)} instr: "
+            + " ".join(f"{k}={v}" for k, v in total.items() if v))  # fmt: skip
+
+
+def compile_one(args: tuple, consts: dict, num_warps: int, num_stages: int, fn=None, sass: bool = False,
+                dump: Path | None = None) -> str:  # noqa: ANN001  # fmt: skip
+    """Compile one specialisation; a line with time, registers, spills, shared memory and wgmma (and
+    with ``sass``, a second line: ``sass_summary``)."""
     fn = fn or CF._conv_fused_fwd_kernel
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -120,8 +213,11 @@ def compile_one(args: tuple, consts: dict, num_warps: int, num_stages: int, fn=N
     os.unlink(f.name)
     regs = re.findall(r"Used (\d+) registers", out)
     spills = re.findall(r"(\d+) bytes spill stores", out)
-    return (f"{time.time() - start:5.1f}s regs={','.join(regs)} spill={','.join(spills)} "
+    line = (f"{time.time() - start:5.1f}s regs={','.join(regs)} spill={','.join(spills)} "
             f"shared={compiled.metadata.shared} wgmma={'wgmma' in ptx} ptx_lines={ptx.count(chr(10))}")  # fmt: skip
+    if sass:
+        line += "\n        " + sass_summary(compiled.asm["cubin"], consts["BLOCK_M"], consts["BLOCK_N"], num_warps, dump)
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="only the first kept config per case")
     parser.add_argument("--cases", default="A-fp32,A-bf16,B-fp32,B-bf16")
     parser.add_argument("--tiles", default="", help="'M,N,K,warps,stages;...' instead of the autotune configs")
+    parser.add_argument("--sass", action="store_true", help="count SASS instructions by class (main loop, kernel)")
+    parser.add_argument("--dump-sass", default="", help="directory for the SASS listings (implies --sass)")
     opts = parser.parse_args(argv)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     failures = 0
@@ -154,7 +252,12 @@ def main(argv: list[str] | None = None) -> int:
             tile = (f"M{cfg.kwargs['BLOCK_M']} N{cfg.kwargs['BLOCK_N']} K{cfg.kwargs['BLOCK_K']} "
                     f"w{cfg.num_warps} s{cfg.num_stages}")  # fmt: skip
             try:
-                line = compile_one(args, {**consts, **cfg.kwargs}, cfg.num_warps, cfg.num_stages)
+                dump = None
+                if opts.dump_sass:
+                    Path(opts.dump_sass).mkdir(parents=True, exist_ok=True)
+                    dump = Path(opts.dump_sass) / f"{case}_{tile.replace(' ', '_')}.sass"
+                line = compile_one(args, {**consts, **cfg.kwargs}, cfg.num_warps, cfg.num_stages,
+                                   sass=opts.sass or bool(opts.dump_sass), dump=dump)  # fmt: skip
             except Exception as err:  # noqa: BLE001 - report every failing specialisation, go on
                 failures += 1
                 line = f"FAIL {type(err).__name__}: {str(err)[:1500]}"

@@ -233,16 +233,35 @@ def _shift_k_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
 
 
 @triton.jit
-def _offset_epilogue(acc, kk, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
+def _first_offset(kd, kh, kw, od, oh, ow):
+    """Whether offset ``(kd, kh, kw)`` (at conv-output position ``(od, oh, ow)``, assumed valid) is
+    the first valid offset of its window in row-major order: along each dim the valid offsets form
+    one interval, so it is the first iff along every dim it is offset 0 or the previous offset's
+    position (``o - 1``) lies before the conv output (``o == 0``)."""
+    return ((od == 0) | (kd == 0)) & ((oh == 0) | (kh == 0)) & ((ow == 0) | (kw == 0))
+
+
+@triton.jit
+def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
                      bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
                      o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                      OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
                      OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr):  # fmt: skip
+                     HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr,
+                     FULL: tl.constexpr, FIRST: tl.constexpr = 0):  # fmt: skip
     """Bias + chain on the conv output ``acc`` of window offset ``kk`` (row-major index in the
     window) at conv-output position ``(od, oh, ow)``; then store it (no pool), fold it into the
     running max (``best``, winner ``win``, conv value at the winner ``win_y``) or the avg-pool sum,
     and store the saved conv output (SAVE without max pool).  Returns ``best, win, win_y, pooled``.
+
+    ``o_ok`` (``[BLOCK_M]``): the rows whose offset lies in the conv output (and in M).  ``first``
+    (``[BLOCK_M, 1]`` or a scalar): the offset is the first valid one of the row's window in
+    row-major order (``_first_offset``), where the max pool takes it without a compare.  FULL
+    (``_full_windows``: every offset of every unit lies in the conv output): ``o_ok`` is ``m_ok``,
+    ``first`` is ``kk == 0`` and rows past M are never stored, so the max pool and the avg-pool
+    sum need no row mask.  FIRST (FULL max pool, offset 0 peeled by the caller): 1 for offset 0
+    (sets best/win/win_y, no compare), 2 for the later offsets (no ``first`` test), 0 otherwise.  Max pool: output channels past ``C_OUT`` (``cmask``) are computed but never
+    stored, so they are not masked.
     """
     # The conv output as the library path materialises it (storage dtype), then the chain.
     y_raw = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -269,10 +288,25 @@ def _offset_epilogue(acc, kk, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y
         tl.store(out_ptr + q[:, None] + c64[None, :] * o_sc, v.to(out_ptr.dtype.element_ty),
                  mask=ok2)  # fmt: skip
     elif POOL == 1:
-        take = ok2 & ((v > best) | (v != v) | (win < 0))
-        best = tl.where(take, v, best)
-        win = tl.where(take, kk, win)
-        win_y = tl.where(take, y_raw, win_y)
+        # PyTorch's rule: the first valid offset, then a later one iff v > best or v is NaN.
+        # WHY `first`/FIRST, not `win < 0`: a per-row (or compile-time) flag instead of a compare
+        # per element.
+        if FIRST == 1:  # every row's first valid offset (FULL, offset 0): taken without compares
+            best = v
+            win = tl.zeros_like(win) + kk
+            win_y = y_raw
+        else:
+            if FIRST == 2:  # FULL, a later offset: offset 0 was taken by the FIRST == 1 call
+                take = (v > best) | (v != v)
+            elif FULL:  # first: kk == 0
+                take = first | (v > best) | (v != v)
+            else:
+                take = o_ok[:, None] & (first | (v > best) | (v != v))
+            best = tl.where(take, v, best)
+            win = tl.where(take, kk, win)
+            win_y = tl.where(take, y_raw, win_y)
+    elif FULL:
+        pooled += v
     else:
         pooled += tl.where(ok2, v, 0.0)
     if SAVE and POOL != 1:
@@ -280,6 +314,81 @@ def _offset_epilogue(acc, kk, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y
         # programs with bitwise identical values (same operands, same K order).
         tl.store(sa_ptr + (nn * y_sn + o_sp)[:, None] + c64[None, :] * y_sc,
                  y_raw.to(sa_ptr.dtype.element_ty), mask=ok2)  # fmt: skip
+    return best, win, win_y, pooled
+
+
+@triton.jit
+def _shift_k_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
+                      w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                      best, win, win_y, pooled,
+                      bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+                      o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+                      OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+                      OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr,
+                      FULL: tl.constexpr, TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+                      SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                      PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                      DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                      KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                      USD: tl.constexpr, USH: tl.constexpr, USW: tl.constexpr,
+                      UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
+                      LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
+                      NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
+                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):  # fmt: skip
+    """One window offset ``kk`` of ``_shift_k_offsets``: its dot, then ``_offset_epilogue`` (FIRST:
+    1 offset 0 of a FULL window, peeled; 2 a later offset of a FULL window after the peeled one;
+    0 otherwise)."""
+    kd = kk // (KH * KW)
+    kh = (kk // KW) % KH
+    kw = kk % KW
+    od = ud * USD - UPD + kd
+    oh = uh * USH - UPH + kh
+    ow = uw * USW - UPW + kw
+    if FULL:
+        o_ok = m_ok
+        first = kk == 0
+    else:
+        o_ok = m_ok & (od >= 0) & (od < OD) & (oh >= 0) & (oh < OH) & (ow >= 0) & (ow < OW)
+        first = _first_offset(kd, kh, kw, od, oh, ow)[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SHARED_X:
+        # The offset's [KS * BLOCK_K, BLOCK_N] slice of the prearranged weight matrix (zeros at
+        # dead pairs, already TF32-rounded): a plain load that feeds the dot directly.
+        krow = tl.arange(0, KS * BLOCK_K)
+        b = tl.load(wm_base + kk * wm_sk + krow[:, None], mask=cmask, other=0.0)
+        acc = tl.dot(a_all, b, acc, input_precision=PRECISION)
+    else:
+        # One [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot per (channel block, shift), dead pairs masked.
+        for k0 in range(0, CIN_G, BLOCK_K):
+            ci = k0 + ck
+            ci_ok = ci < CIN_G
+            for sidx in range(0, NSD * NSH * NSW):
+                jw = sidx % NSW
+                jh = (sidx // NSW) % NSH
+                jd = sidx // (NSW * NSH)
+                td, ok_d = _live_tap(kd - UPD + PD - SD * (LOD + jd), DD, TD)
+                th, ok_h = _live_tap(kh - UPH + PH - SH * (LOH + jh), DH, TH)
+                tw, ok_w = _live_tap(kw - UPW + PW - SW * (LOW + jw), DW, TW)
+                # A dead pair loads nothing (both masks off) and adds 0 * 0: masks, not a
+                # runtime branch around the dot.  (tl.where: under the interpreter the scalar
+                # `&` chain came out as an int32 array, which tl.load refuses as a mask.)
+                live = tl.where(ok_d & ok_h & ok_w, ci_ok, False)
+                row_ok = (m_ok & (i_d0 + jd >= 0) & (i_d0 + jd < ID) & (i_h0 + jh >= 0) & (i_h0 + jh < IH)
+                          & (i_w0 + jw >= 0) & (i_w0 + jw < IW))  # fmt: skip
+                a = tl.load(x_rows[:, None] + (jd * x_sd + jh * x_sh + jw * x_sw) + ci[None, :] * x_sc,
+                            mask=row_ok[:, None] & live[None, :], other=0.0)  # fmt: skip
+                b = tl.load(w_base + (td * w_sd + th * w_sh + tw * w_sw) + ci[:, None] * w_sci,
+                            mask=live[:, None] & cmask, other=0.0)  # fmt: skip
+                acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc,
+                             input_precision=PRECISION)  # fmt: skip
+    best, win, win_y, pooled = _offset_epilogue(
+        acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
+        bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+        o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+        OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, FULL, FIRST,
+    )  # fmt: skip
     return best, win, win_y, pooled
 
 
@@ -292,7 +401,7 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
                      OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
                      OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
                      HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr,
-                     TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+                     FULL: tl.constexpr, TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
                      SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                      PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
                      DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
@@ -306,7 +415,7 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
     """The SHIFT_K path's loop over window offsets: per offset one dot over (input shift, channel),
     then ``_offset_epilogue``.  SHARED_X: every offset's dot reads ``a_all`` (the one channel
     block's X tile, all finite) and the offset's rows of the prearranged weight matrix
-    (``wm_base``: ``[1, BLOCK_N]`` pointers at the group's offset 0, row 0; rows ``wm_sk`` apart;
+    (``wm_base``: ``[1, BLOCK_N]`` pointers at the group's offset 0, row 0; offsets ``wm_sk`` apart, rows contiguous;
     see ``shift_k_weight_matrix``; dead (offset, shift) pairs multiply by zero weights); else each
     offset runs one small dot per (channel block, shift) pair, loading its X tile with the dead
     pairs masked to zero on both sides (several channel blocks, or a tile holding inf/NaN, where
@@ -316,50 +425,31 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
     # NOTE: a runtime loop (not static_range): unrolled, the compiler hoisted all 8 weight-tile
     # loads of seed A into registers at once (255 registers, spills); as a loop, each offset's
     # tile is loaded when its dot needs it.
-    for kk in range(0, KD * KH * KW):
-        kd = kk // (KH * KW)
-        kh = (kk // KW) % KH
-        kw = kk % KW
-        od = ud * USD - UPD + kd
-        oh = uh * USH - UPH + kh
-        ow = uw * USW - UPW + kw
-        o_ok = m_ok & (od >= 0) & (od < OD) & (oh >= 0) & (oh < OH) & (ow >= 0) & (ow < OW)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if SHARED_X:
-            # The offset's [KS * BLOCK_K, BLOCK_N] slice of the prearranged weight matrix (zeros at
-            # dead pairs, already TF32-rounded): a plain load that feeds the dot directly.
-            krow = kk * (KS * BLOCK_K) + tl.arange(0, KS * BLOCK_K)
-            b = tl.load(wm_base + krow[:, None] * wm_sk, mask=cmask, other=0.0)
-            acc = tl.dot(a_all, b, acc, input_precision=PRECISION)
-        else:
-            # One [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] dot per (channel block, shift), dead pairs masked.
-            for k0 in range(0, CIN_G, BLOCK_K):
-                ci = k0 + ck
-                ci_ok = ci < CIN_G
-                for sidx in range(0, NSD * NSH * NSW):
-                    jw = sidx % NSW
-                    jh = (sidx // NSW) % NSH
-                    jd = sidx // (NSW * NSH)
-                    td, ok_d = _live_tap(kd - UPD + PD - SD * (LOD + jd), DD, TD)
-                    th, ok_h = _live_tap(kh - UPH + PH - SH * (LOH + jh), DH, TH)
-                    tw, ok_w = _live_tap(kw - UPW + PW - SW * (LOW + jw), DW, TW)
-                    # A dead pair loads nothing (both masks off) and adds 0 * 0: masks, not a
-                    # runtime branch around the dot.  (tl.where: under the interpreter the scalar
-                    # `&` chain came out as an int32 array, which tl.load refuses as a mask.)
-                    live = tl.where(ok_d & ok_h & ok_w, ci_ok, False)
-                    row_ok = (m_ok & (i_d0 + jd >= 0) & (i_d0 + jd < ID) & (i_h0 + jh >= 0) & (i_h0 + jh < IH)
-                              & (i_w0 + jw >= 0) & (i_w0 + jw < IW))  # fmt: skip
-                    a = tl.load(x_rows[:, None] + (jd * x_sd + jh * x_sh + jw * x_sw) + ci[None, :] * x_sc,
-                                mask=row_ok[:, None] & live[None, :], other=0.0)  # fmt: skip
-                    b = tl.load(w_base + (td * w_sd + th * w_sh + tw * w_sw) + ci[:, None] * w_sci,
-                                mask=live[:, None] & cmask, other=0.0)  # fmt: skip
-                    acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc,
-                                 input_precision=PRECISION)  # fmt: skip
-        best, win, win_y, pooled = _offset_epilogue(
-            acc, kk, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
-            bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
-            o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-            OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
+    # FULL max pool with the shared X tile: offset 0 is every row's first valid offset and is
+    # peeled (set without compares; the loop's offsets then compare without a first-offset test).
+    # Not in the masked variant (tiles with inf/NaN only): its dots would be duplicated.
+    PEEL: tl.constexpr = 1 if FULL and POOL == 1 and SHARED_X else 0
+    for kk in tl.static_range(PEEL):
+        best, win, win_y, pooled = _shift_k_offset(
+            kk, 1,
+            a_all, SHARED_X, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
+            wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd,
+            w_sh, w_sw, best, win, win_y, pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5,
+            b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc,
+            y_sd, y_sh, y_sw, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
+            FULL, TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW, USD, USH, USW, UPD,
+            UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
+        )  # fmt: skip
+    for kk in range(PEEL, KD * KH * KW):
+        best, win, win_y, pooled = _shift_k_offset(
+            kk, 2 * PEEL,
+            a_all, SHARED_X, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
+            wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd,
+            w_sh, w_sw, best, win, win_y, pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5,
+            b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc,
+            y_sd, y_sh, y_sw, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
+            FULL, TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW, USD, USH, USW, UPD,
+            UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
         )  # fmt: skip
     return best, win, win_y, pooled
 
@@ -386,7 +476,7 @@ def _conv_fused_fwd_kernel(
     STATIC_D: tl.constexpr, STATIC_H: tl.constexpr, STATIC_W: tl.constexpr,
     COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr,
     PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, SHIFT_K: tl.constexpr,
-    ONE_CBLOCK: tl.constexpr, KS: tl.constexpr,
+    ONE_CBLOCK: tl.constexpr, KS: tl.constexpr, FULL_WINDOWS: tl.constexpr,
     LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
     NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -399,7 +489,7 @@ def _conv_fused_fwd_kernel(
               group* (conv: dims 1/0; transposed: dims 0/1) and the launcher has already offset
               nothing: the kernel adds the group offset itself.  Taps ``TD x TH x TW``.
       wm_ptr  SHIFT_K with ONE_CBLOCK: the prearranged weight matrix of ``shift_k_weight_matrix``
-              ((groups, KD*KH*KW, KS*BLOCK_K, COUT_G), x's dtype, contiguous); else unused.
+              ((groups, KD*KH*KW, COUT_G, KS*BLOCK_K), x's dtype, contiguous); else unused.
       p_ptr   operand matrix P of ``epilogue.build_params``, (NUM_PARAM_ROWS, C_OUT) fp32 contiguous.
       out_ptr result (N, C_OUT, pooled or conv-output spatial), any float dtype, strides ``o_s*``.
       sa_ptr  SAVE and max pool: winner index (int8/int32), out's shape and strides.
@@ -493,22 +583,34 @@ def _conv_fused_fwd_kernel(
             # reach exactly the outputs whose taps read them, as in the library conv.  Two whole
             # loops, not a branch per dot: a per-dot branch (or zeroing a_all's dead columns in
             # registers) kept the tile live across the loop: 255 registers and spills.
-            # (x - x) != 0 only for inf and NaN.
-            masked = tl.max(tl.max(((a_all - a_all) != 0).to(tl.int32), axis=1), axis=0)
+            # x * 0 is NaN for inf and NaN, else +-0: the tile's sum of x * 0 is NaN iff it holds a
+            # non-finite value (one FFMA per element; was (x - x) != 0, converted and max-reduced).
+            masked = tl.sum(tl.sum(a_all.to(tl.float32) * 0.0, axis=1), axis=0) != 0
             a_all = round_tf32(a_all, PRECISION)
             if masked == 0:
-                wm_base = wm_ptr + (grp * (KD * KH * KW * KS * BLOCK_K)) * COUT_G + co[None, :]
-                best, win, win_y, pooled = _shift_k_offsets(
-                    a_all, True, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
-                    wm_base, COUT_G, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
-                    best, win, win_y, pooled,
-                    bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
-                    o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-                    OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
-                    TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
-                    USD, USH, USW, UPD, UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS,
-                    PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                )  # fmt: skip
+                wm_base = wm_ptr + (grp * (KD * KH * KW) * COUT_G + co[None, :]) * (KS * BLOCK_K)
+                a_cur = a_all
+                # WHY a one-trip loop carrying the tile: with fp32 (TF32 rounding between the load
+                # and the dot) Triton otherwise keeps the dot operand in registers and reloads it
+                # from shared memory on every offset (64 LDS per thread per offset on seed A);
+                # loop-carried, it stays in shared memory and the MMAs read it there.  The add of 0
+                # only keeps it loop-carried.  bf16 does not need it (carrying cost +15 registers).
+                # Measured statically (tools/compile_check_conv_fused.py --sass, Triton 3.9): seed A
+                # fp32 main loop 403 -> 269 instructions.
+                for _once in range(pid_m, pid_m + 1):
+                    best, win, win_y, pooled = _shift_k_offsets(
+                        a_cur, True, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
+                        wm_base, COUT_G * (KS * BLOCK_K), CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                        best, win, win_y, pooled,
+                        bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+                        o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+                        OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, FULL_WINDOWS,
+                        TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
+                        USD, USH, USW, UPD, UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS,
+                        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                    )  # fmt: skip
+                    if a_cur.dtype == tl.float32:
+                        a_cur = a_cur + (_once - pid_m).to(a_cur.dtype)
         # A runtime branch with one channel block; a static one otherwise (masked stays the int 1,
         # so the shared-tile call above is never compiled without a_all).
         if masked != 0:
@@ -518,7 +620,7 @@ def _conv_fused_fwd_kernel(
                 best, win, win_y, pooled,
                 bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
                 o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-                OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
+                OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, FULL_WINDOWS,
                 TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
                 USD, USH, USW, UPD, UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS,
                 PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -579,11 +681,12 @@ def _conv_fused_fwd_kernel(
                                                 )
                                                 acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION),
                                                              acc, input_precision=PRECISION)  # fmt: skip
+                first = _first_offset(kd, kh, kw, od, oh, ow)[:, None]
                 best, win, win_y, pooled = _offset_epilogue(
-                    acc, kd * KH * KW + kh * KW + kw, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
-                    bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
-                    o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-                    OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
+                    acc, kd * KH * KW + kh * KW + kw, first, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y,
+                    pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr,
+                    sa_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+                    OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, False,
                 )  # fmt: skip
 
     if POOL != 0:
@@ -633,8 +736,8 @@ def _shift_k_weight_kernel(
     tile = _shift_k_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
                            TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, UPD, UPH, UPW,
                            LOD, LOH, LOW, NSD, NSH, NSW, KS, BLOCK_K)  # fmt: skip
-    krow = (grp * (KD * KH * KW) + kk) * (KS * BLOCK_K) + tl.arange(0, KS * BLOCK_K)
-    tl.store(wm_ptr + krow[:, None] * COUT_G + co[None, :],
+    krow = tl.arange(0, KS * BLOCK_K)
+    tl.store(wm_ptr + ((grp * (KD * KH * KW) + kk) * COUT_G + co[None, :]) * (KS * BLOCK_K) + krow[:, None],
              round_tf32(tile, PRECISION).to(wm_ptr.dtype.element_ty), mask=cmask)  # fmt: skip
 
 
@@ -738,6 +841,16 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, conv: ConvGeometry, pool: PoolG
                  tuple(static), unrolled, shift_k, tuple(shifts), slots)  # fmt: skip
 
 
+def _full_windows(plan: _Plan) -> bool:
+    """Whether every window offset of every unit lies in the conv output (``o = u * US - UP + kp``
+    in ``[0, O)`` for all ``u < U``, ``kp < K``): seed A's MaxPool(2) over an even conv output."""
+    return all(
+        up == 0 and (u - 1) * us + k <= o
+        for o, u, k, us, up in zip(plan.conv_out, plan.units, plan.window, plan.unit_stride, plan.unit_origin,
+                                   strict=True)
+    )  # fmt: skip
+
+
 def unsupported_reason(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -831,6 +944,11 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     configs = [c for c in configs if _tile(c) in tiles] or configs
     if shift_k and not kwargs["ONE_CBLOCK"]:  # several channel blocks: a K loop, which needs two stages
         configs = [c for c in configs if c.num_stages > 1] or configs
+    x = named_args.get("x_ptr")
+    if shift_k and kwargs["ONE_CBLOCK"] and getattr(x, "dtype", None) == torch.float32:
+        # fp32 shared X tile at 32+ rows per warp (4 warps, BLOCK_M >= 128): ptxas spills (seed A,
+        # sm_90, tools/compile_check_conv_fused.py: 8-932 bytes); M256 with 8 warps does not.
+        configs = [c for c in configs if not (c.num_warps == 4 and c.kwargs["BLOCK_M"] >= 128)] or configs
     bn_max = max(16, next_pow2(int(named_args["COUT_G"])))
     bk_max = SHIFT_K_BLOCK_K if shift_k else max(16, next_pow2(int(named_args["CIN_G"])))
     kept = [c for c in configs if c.kwargs["BLOCK_N"] <= bn_max and c.kwargs["BLOCK_K"] <= bk_max]
@@ -903,11 +1021,14 @@ class _WeightMatrixLaunch:
 def shift_k_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry, precision: str) -> _WeightMatrixLaunch:
     """The launch that writes the SHIFT_K path's prearranged weight matrix of a transposed conv.
 
-    Matrix: ``(groups, KD * KH * KW, KS * SHIFT_K_BLOCK_K, COUT_G)``, the weight's dtype,
+    Matrix: ``(groups, KD * KH * KW, COUT_G, KS * SHIFT_K_BLOCK_K)``, the weight's dtype,
     contiguous.  Row ``(s, c)`` of window offset ``kk`` holds ``w[group's input channel c, co, tap]``
     for the tap that carries input shift ``s`` to offset ``kk``, and 0 for a dead (offset, shift)
     pair, a padding shift slot or ``c >= CIN_G``; fp32 values are rounded to TF32 with
     ``precision == "tf32"`` (``kernels.tf32``).
+    K (the row) innermost: fp32 (TF32) wgmma wants B K-major in shared memory, so an output-channel-
+    innermost matrix was stored there element by element (16 STS.32 per thread and offset on seed A
+    fp32 M128 N32 w8); K-contiguous rows give 4 LDG.128 + 4 STS.128.
     WHY: the main kernel's per-offset weight tile is then one contiguous, unmasked load that feeds
     the dot directly (no per-row tap arithmetic, no rounding per program, and Triton can pipeline
     it); one small launch per call replaces the weight relayout copy it made before.
@@ -931,7 +1052,7 @@ def shift_k_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry,
     )  # fmt: skip
     ints = (cin_g, cout_g, w_str[0], w_str[1], *_pad3(w_str[2:], 0))
     grid = (offsets, groups * cdiv(cout_g, block_n))
-    return _WeightMatrixLaunch((groups, offsets, rows, cout_g), ints, constexprs, grid)
+    return _WeightMatrixLaunch((groups, offsets, cout_g, rows), ints, constexprs, grid)
 
 
 #: Launch plans by ``_launch_key``.
@@ -1036,7 +1157,7 @@ def _prepare(
         UPD=plan.unit_origin[0], UPH=plan.unit_origin[1], UPW=plan.unit_origin[2],
         STATIC_D=plan.static_phase[0], STATIC_H=plan.static_phase[1], STATIC_W=plan.static_phase[2],
         **pool_args, PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase), SHIFT_K=plan.shift_k,
-        ONE_CBLOCK=one_cblock, KS=max(plan.shift_slots, 1),
+        ONE_CBLOCK=one_cblock, KS=max(plan.shift_slots, 1), FULL_WINDOWS=_full_windows(plan),
         LOD=plan.shifts[0][0], LOH=plan.shifts[1][0], LOW=plan.shifts[2][0],
         NSD=plan.shifts[0][1], NSH=plan.shifts[1][1], NSW=plan.shifts[2][1],
     )  # fmt: skip
