@@ -173,6 +173,64 @@ def test_every_tile_shape_gives_the_same_grads(
     check(CASES[name], torch.float32, kernel_device)
 
 
+#: Pooled widths that a BLOCK_M of 16 divides: the weight grad's LINE path (every block of unit rows
+#: inside one line; scalar (n, ud, uh) walked by carries).  Odd depths/heights, partial channel
+#: tiles, and a negative w shift (pool padding on w: shifts -1..1, LOW < 0).
+LINE_CASES = {
+    "line_3d_w16": Case((3, 5, 16), 3, 5, 3, 2, padding=1, output_padding=1),  # one block per line
+    "line_2d_w32": Case((3, 32), 3, 4, 3, 2, padding=1, output_padding=1),  # two blocks per line
+    "line_2d_low_neg": Case((3, 16), 3, 4, 3, 2, padding=1, pool=(2, 3), pool_padding=(0, 1)),
+    "line_3d_groups": Case((2, 3, 16), 4, 6, 3, 2, padding=1, output_padding=1, groups=2),
+}
+
+
+def _force_wgrad_tile(monkeypatch, tile: tuple[int, ...]) -> list[dict]:
+    """Use ``tile`` for the weight grad (the input grad keeps its heuristic); returns, per weight-grad
+    launch built from now on, whether the kernel takes its LINE path."""
+    seen: list[bool] = []
+    heuristic = S._heuristic_tile
+    monkeypatch.setattr(S, "_use_autotune", lambda macs: False)
+    monkeypatch.setattr(
+        S,
+        "_heuristic_tile",
+        lambda kind, ci_g, co_g, kpn: (
+            S._fit([tile], ci_g, co_g, kpn)[0] if kind == "wgrad" else heuristic(kind, ci_g, co_g, kpn)
+        ),
+    )
+
+    class Recording(S._KernelLaunch):
+        def __init__(self, tuned, raw, tile, grid, constexprs) -> None:  # noqa: ANN001
+            if raw is S._shift_wgrad_kernel:
+                seen.append(constexprs["LINE_DIV"] % tile[0] == 0)  # the kernel's LINE
+            super().__init__(tuned, raw, tile, grid, constexprs)
+
+    monkeypatch.setattr(S, "_KernelLaunch", Recording)
+    monkeypatch.setattr(S, "_PLANS", type(S._PLANS)(256))  # no plan cached with another tile
+    return seen
+
+
+@pytest.mark.parametrize("name", list(LINE_CASES))
+@pytest.mark.parametrize("kpb", [2, 8])
+def test_weight_grad_line_path(name, kpb, kernel_device, monkeypatch):
+    seen = _force_wgrad_tile(monkeypatch, (16, 16, 16, kpb, 4, 1))
+    check(LINE_CASES[name], torch.float32, kernel_device)
+    assert seen and all(seen)
+
+
+def test_weight_grad_line_path_channels_last_fp16(kernel_device, monkeypatch):
+    seen = _force_wgrad_tile(monkeypatch, (16, 16, 16, 4, 4, 1))
+    check(LINE_CASES["line_3d_w16"], torch.float32, kernel_device, channels_last=True)
+    check(LINE_CASES["line_3d_w16"], torch.float16, kernel_device)
+    assert seen and all(seen)
+
+
+def test_weight_grad_without_line_path(kernel_device, monkeypatch):
+    """BLOCK_M 32 does not divide the pooled width 16: the general row walk (no LINE)."""
+    seen = _force_wgrad_tile(monkeypatch, (32, 16, 16, 4, 4, 1))
+    check(LINE_CASES["line_3d_w16"], torch.float32, kernel_device)
+    assert seen and not any(seen)
+
+
 def test_int32_winners(kernel_device):
     check(CASES["2d_pool_pad_overlap"], torch.float32, kernel_device, winner_dtype=torch.int32)
 
@@ -232,6 +290,8 @@ def _assert_same_with_non_finite(got: torch.Tensor, want: torch.Tensor, name: st
     assert torch.equal(torch.isinf(got), torch.isinf(want)), f"grad {name}: inf pattern differs"
     assert torch.equal(got[torch.isinf(got)], want[torch.isinf(want)]), f"grad {name}: inf signs differ"
     finite = torch.isfinite(want)
+    if not finite.any():
+        return
     scale = want[finite].abs().max().clamp_min(1e-30)
     assert ((got[finite] - want[finite]).abs().max() / scale).item() <= TOL[torch.float32], name
 
@@ -263,6 +323,49 @@ def test_inf_and_nan_reach_exactly_the_reference_outputs(kernel_device):
     got = S.convolution_backward(grad, x.float().to(kernel_device), wk, *args)
     for name, g, e in zip("xwb", got, want, strict=True):
         _assert_same_with_non_finite(g, e, name)
+
+
+@pytest.mark.parametrize("name", ["line_3d_w16", "line_2d_low_neg"])
+def test_inf_and_nan_reach_exactly_the_reference_outputs_line_path(name, kernel_device, monkeypatch):
+    """As above on the weight grad's LINE path: inf/NaN gradients at w, h and d border units (the
+    first and last unit of a line, the last line, the last depth) and at interior units, inf/NaN in
+    x (3d case)."""
+    seen = _force_wgrad_tile(monkeypatch, (16, 16, 16, 4, 4, 1))
+    case = LINE_CASES[name]
+    (x, w, full), (xk, wk, grad) = make(case, torch.float32, kernel_device)
+    if name == "line_3d_w16":  # (interior positions; see the module docstring for x's inf/NaN)
+        x[0, 1, 1, 1, 2] = float("inf")
+        x[1, 0, 1, 1, 3] = float("nan")
+    g_win, win = grad.g_win.clone(), grad.winner
+    units = g_win.shape[2:]
+    last = tuple(u - 1 for u in units)
+    picks = [
+        ((0, 2, *last), float("inf")),  # last unit: w, h (and d) border
+        ((1, 1, *(0,) * case.dims), float("-inf")),  # first unit
+        ((0, 0, *last[:-1], 7), float("nan")),  # last line (h / d border), middle of the line
+        ((1, 3, *(1,) * (case.dims - 1), units[-1] - 1), float("inf")),  # w border only
+        ((1, 1, *(1,) * (case.dims - 1), 5), float("nan")),  # interior
+    ]
+    pk, ps, pp = case.per_dim(case.pool), case.per_dim(case.stride), case.per_dim(case.pool_padding)
+    spatial = full.shape[2:]
+    for idx, value in picks:
+        n, c, *u = idx
+        old = g_win[idx].item()
+        g_win[idx] = value
+        kp = int(win[idx])
+        o = []
+        for j in range(case.dims):  # winner (row-major over the window) -> conv-output position
+            k_j = (kp // math.prod(pk[j + 1 :])) % pk[j]
+            o.append(u[j] * ps[j] - pp[j] + k_j)
+        if all(0 <= o[j] < spatial[j] for j in range(case.dims)):
+            full[(n, c, *o)] += value - old  # (overlapping windows: another unit may share it)
+    grad = FB.PooledGrad(g_win, win, grad.kernel_size, grad.stride, grad.padding, (), grad.ceil_mode)
+    args = case.conv_args()
+    want = torch.ops.aten.convolution_backward(full, x, w, [full.shape[1]], *args, [True, True, True])
+    got = S.convolution_backward(grad, x.float().to(kernel_device), wk, *args)
+    for name_, g, e in zip("xwb", got, want, strict=True):
+        _assert_same_with_non_finite(g, e, name_)
+    assert seen and all(seen)
 
 
 def test_inf_in_weight_reaches_exactly_the_reference_outputs(kernel_device):

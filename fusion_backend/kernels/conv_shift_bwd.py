@@ -233,6 +233,31 @@ def _shift_bits(ud, uh, uw, m_ok, ID, IH, IW, LOD: tl.constexpr, LOH: tl.constex
     return bits
 
 
+@triton.jit
+def _line_dh_bits(ud, uh, ID, IH, LOD: tl.constexpr, LOH: tl.constexpr,
+                  NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr):  # fmt: skip
+    """Scalar: the ``_shift_bits`` bits of the shifts whose (d, h) part reads inside x at ``(ud, uh)``
+    (all ``NSW`` w shifts of each such (sd, sh))."""
+    dh = 0
+    for sdh in tl.static_range(NSD * NSH):
+        xd = ud + (LOD + sdh // NSH)
+        xh = uh + (LOH + sdh % NSH)
+        ok = (xd >= 0) & (xd < ID) & (xh >= 0) & (xh < IH)
+        dh = dh | tl.where(ok, ((1 << NSW) - 1) << (sdh * NSW), 0)
+    return dh
+
+
+@triton.jit
+def _line_w_ok(r, w_lo, w_hi, sw: tl.constexpr, LOW: tl.constexpr):
+    """Rows ``r`` (``[BLOCK_M]``, units ``uw0 + r`` of one line) whose w shift ``sw`` reads inside x:
+    ``w_lo - sw <= r < w_hi - sw`` with ``w_lo = -LOW - uw0``, ``w_hi = IW - LOW - uw0`` (the lower
+    bound holds by itself when ``LOW + sw >= 0``)."""
+    if LOW + sw >= 0:
+        return r < w_hi - sw
+    else:
+        return (r >= w_lo - sw) & (r < w_hi - sw)
+
+
 # --------------------------------------------------------------------------------------------------
 # Input gradient
 # --------------------------------------------------------------------------------------------------
@@ -382,7 +407,7 @@ def _shift_wgrad_kernel(
     LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
     NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
     KPB: tl.constexpr, X_CL: tl.constexpr, G_CL: tl.constexpr, WIN_INSIDE: tl.constexpr, V_SAME: tl.constexpr,
-    CARRY: tl.constexpr, PREC: tl.constexpr,
+    CARRY: tl.constexpr, LINE_DIV: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_CO: tl.constexpr,
 ):  # fmt: skip
     """Partial ``P[split, grp, s, ci, kp, co] = sum_{rows} x[n, grp*CI_G + ci, u + LO + s] * Gexp[n, u, kp, co]``.
@@ -395,10 +420,15 @@ def _shift_wgrad_kernel(
                     shifts (flat ``(sd*NSH + sh)*NSW + sw``, relative to LO): every element written
                     once per launch (also dead (shift, offset) pairs, which the finish kernel skips).
     Rows: units ``(n, ud, uh, uw)`` row-major, ``[split*ROWS_PER_SPLIT, (split+1)*ROWS_PER_SPLIT) &
-    [0, M_TOTAL)`` for program id 0 = split (``CARRY``: ``BLOCK_M <= UW``, see ``_unit_rows``).  Program id 1 -> (group, BLOCK_CI input channels, KPB
-    window offsets, BLOCK_CO output channels).  The accumulator is ``P^T``: rows (co, offset),
+    [0, M_TOTAL)`` for program id 0 = split (``CARRY``: ``BLOCK_M <= UW``, see ``_unit_rows``;
+    ``LINE`` (``BLOCK_M`` divides ``LINE_DIV``, the largest power of 2 dividing ``UW`` and
+    ``ROWS_PER_SPLIT``): ``BLOCK_M`` divides both, so every block is ``BLOCK_M`` units
+    of one line: ``(n, ud, uh)`` are scalars walked by carries from block to block, the w index is
+    ``uw0 + row``, and the shift bits / border rows come from scalar bounds).  Program id 1 ->
+    (group, BLOCK_CI input channels, KPB window offsets, BLOCK_CO output channels).  The accumulator is ``P^T``: rows (co, offset),
     columns (shift slot s < KS, ci).  ``WIN_INSIDE``, ``V_SAME`` as for the input-grad kernel.
     """
+    LINE: tl.constexpr = LINE_DIV % BLOCK_M == 0
     split = tl.program_id(0)
     pid = tl.program_id(1)
     n_cob = tl.cdiv(CO_G, BLOCK_CO)
@@ -439,18 +469,51 @@ def _shift_wgrad_kernel(
     flagged = tl.zeros([BLOCK_CO * KPB, BLOCK_M], tl.int32)
     lo = split * ROWS_PER_SPLIT
     hi = tl.minimum(lo + ROWS_PER_SPLIT, M_TOTAL)
+    x_bit = tl.where(k_ok, 1 << s_col, 0)  # per X column: its shift's bit in ``inside`` (0: padding)
+    FULL: tl.constexpr = (1 << (NSD * NSH * NSW)) - 1  # every shift inside x
+    REP: tl.constexpr = FULL // ((1 << NSW) - 1)  # the bit of w shift 0 in every (d, h) slot
+    if LINE:  # the first row's unit as scalars, walked by carries below (no division in the loop)
+        uw0 = lo % UW
+        q_w = lo // UW
+        uh0 = q_w % UH
+        q_h = q_w // UH
+        ud0 = q_h % UD
+        n0 = q_h // UD
+        r_m = tl.arange(0, BLOCK_M)
     for m0 in range(lo, hi, BLOCK_M):
-        n, ud, uh, uw, m_ok = _unit_rows(m0, hi, UD, UH, UW, BLOCK_M, CARRY)
+        if LINE:
+            uw = uw0 + r_m
+            # shifts inside x per row (see _shift_bits): the (d, h) part is one scalar per block,
+            # the w part one compare of the row index per w shift
+            dh = _line_dh_bits(ud0, uh0, ID, IH, LOD, LOH, NSD, NSH, NSW)
+            w_lo = -LOW - uw0
+            w_hi = IW - LOW - uw0
+            inside = tl.zeros([BLOCK_M], tl.int32)
+            for sw in tl.static_range(NSW):
+                inside = inside | tl.where(_line_w_ok(r_m, w_lo, w_hi, sw, LOW), REP << sw, 0)
+            inside = inside & dh
+            # border rows (some shift reads outside x): in the gradient tile's layout, from scalars
+            border = r_m >= tl.where(dh != FULL, 0, w_hi - (NSW - 1))
+            if LOW < 0:
+                border = border | (r_m < w_lo)
+            x_row = (n0 * x_sn + ud0 * x_sd + uh0 * x_sh) + uw * x_sw
+            m_ok = r_m < BLOCK_M  # (every row is a unit: the block lies inside a line and [lo, hi))
+            ud = tl.zeros([BLOCK_M], tl.int32) + ud0
+            uh = tl.zeros([BLOCK_M], tl.int32) + uh0
+            n = tl.zeros([BLOCK_M], tl.int32) + n0
+        else:
+            n, ud, uh, uw, m_ok = _unit_rows(m0, hi, UD, UH, UW, BLOCK_M, CARRY)
+            # NOTE: per unit, a bit mask of the shifts inside x: per element the mask is then one
+            # shift and test (the per-dim range checks per element were ~15 integer ops).
+            inside = _shift_bits(ud, uh, uw, m_ok, ID, IH, IW, LOD, LOH, LOW, NSD, NSH, NSW, BLOCK_M)
+            border = m_ok & (inside != FULL)
+            x_row = n * x_sn + ud * x_sd + uh * x_sh + uw * x_sw
         # X tile [BLOCK_M, KS*BLOCK_CI]: x at (n, ci, u + LO + s); 0 outside x and for padding slots.
-        # NOTE: per unit, a bit mask of the shifts inside x: per element the mask is then one shift
-        # and test (the per-dim range checks per element were ~15 integer ops).
-        inside = _shift_bits(ud, uh, uw, m_ok, ID, IH, IW, LOD, LOH, LOW, NSD, NSH, NSW, BLOCK_M)
-        x_row = n * x_sn + ud * x_sd + uh * x_sh + uw * x_sw
         if X_CL:
-            x_ok = k_ok[None, :] & (((inside[:, None] >> s_col[None, :]) & 1) != 0)
+            x_ok = (inside[:, None] & x_bit[None, :]) != 0
             xb = tl.load(x_ptr + x_row[:, None] + x_col[None, :], mask=x_ok, other=0.0)
         else:
-            x_ok = k_ok[:, None] & (((inside[None, :] >> s_col[:, None]) & 1) != 0)
+            x_ok = (inside[None, :] & x_bit[:, None]) != 0
             xb = tl.trans(tl.load(x_ptr + x_col[:, None] + x_row[None, :], mask=x_ok, other=0.0))
         # Gexp^T [BLOCK_CO * KPB, BLOCK_M], rows (c, q): g_win / winner loaded straight into that
         # shape (each compact element read by KPB rows, from L1).
@@ -476,12 +539,25 @@ def _shift_wgrad_kernel(
         # shift's columns: an inf/NaN gradient of such a *border* unit is left out here and added
         # by the fix-up pass below ((g - g) != 0 only for inf and NaN).  Interior units' inf/NaN
         # meet only real x values, as in the reference.
-        border = m_ok & (inside != (1 << (NSD * NSH * NSW)) - 1)
-        odd = sel & ((g - g) != 0) & border[None, :]
-        flagged = flagged | odd.to(tl.int32)
+        # (the flag is set for every inf/NaN of a border unit, selected or not: the fix-up pass
+        # selects exactly; (g - g) != 0 only for inf and NaN)
+        odd = ((g - g) != 0) & border[None, :]
+        flagged = tl.where(odd, 1, flagged)
         # (every pair is computed here, dead ones included: the finish kernel never reads those)
-        ga = round_tf32(tl.where(sel & ~odd, g, 0.0).to(x_ptr.dtype.element_ty), PREC)
+        # (rounded before the select: round(0) == 0, the same values)
+        ga = tl.where(sel & ~odd, round_tf32(g.to(x_ptr.dtype.element_ty), PREC), 0.0)
         acc = tl.dot(ga, round_tf32(xb, PREC), acc, input_precision=PREC)
+        if LINE:  # next block: BLOCK_M divides UW, so a line ends exactly at a block's end
+            uw0 += BLOCK_M
+            c = (uw0 >= UW).to(tl.int32)
+            uw0 -= c * UW
+            uh0 += c
+            c = (uh0 >= UH).to(tl.int32)
+            uh0 -= c * UH
+            ud0 += c
+            c = (ud0 >= UD).to(tl.int32)
+            ud0 -= c * UD
+            n0 += c
     out_row = split * PART_SPLIT + kpr * CO_G + cor  # this program's partial: rows (co, offset)
     tl.store(part_ptr + out_row[:, None] + out_col[None, :], acc, mask=row_ok[:, None] & k_ok[None, :])
     if tl.max(tl.max(flagged, axis=1), axis=0) != 0:
@@ -1072,6 +1148,10 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
         splits = 1
         rows_per_split = m_total
     part_numel = splits * part_split
+    # CARRY: BLOCK_M is a power of 2, what holds for the largest candidate holds for every one.
+    # LINE_DIV: the largest power of 2 dividing the pooled width and the split length (a tile's
+    # BLOCK_M divides both iff it divides LINE_DIV: the kernel decides per tile).
+    max_bm = max(t[0] for t in ([tile] if tile else _fit(_WGRAD_TILES, geo.ci_g, geo.co_g, kpn)))
     constexprs = dict(
         SD=geo.stride[0], SH=geo.stride[1], SW=geo.stride[2],
         UPD=geo.pool_padding[0], UPH=geo.pool_padding[1], UPW=geo.pool_padding[2],
@@ -1079,7 +1159,8 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
         LOD=geo.shifts[0][0], LOH=geo.shifts[1][0], LOW=geo.shifts[2][0],
         NSD=geo.shifts[0][1], NSH=geo.shifts[1][1], NSW=geo.shifts[2][1], KS=slots,
         X_CL=_channels_inner(x), G_CL=_channels_inner(g), WIN_INSIDE=geo.windows_inside,
-        V_SAME=g.stride() == v.stride(), CARRY=max(t[0] for t in ([tile] if tile else _fit(_WGRAD_TILES, geo.ci_g, geo.co_g, kpn))) <= geo.units[2],
+        V_SAME=g.stride() == v.stride(), CARRY=max_bm <= geo.units[2],
+        LINE_DIV=math.gcd(geo.units[2], rows_per_split) & -math.gcd(geo.units[2], rows_per_split),
         PREC=_precision(x.dtype),
     )  # fmt: skip
 
