@@ -82,7 +82,7 @@ from ..kernels.host import BoundedCache, tensor_key
 from . import impl_choice
 from .chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef, apply_step
 from .config import ConvEpilogueConfig, ConvSpec, PoolSpec
-from .direct_twins import register_direct
+from .direct_twins import records_backward, register_direct
 from .runtime_twins import register_twin
 
 logger = logging.getLogger("fusion_backend")
@@ -115,9 +115,7 @@ def conv_epilogue(
     Backward state is computed only when autograd will need it: under AOTAutograd the grad mode
     seen at trace time is the runtime one, so inference graphs never save anything.
     """
-    save = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, weight, bias, *operands) if t is not None
-    )
+    save = records_backward(x, weight, bias, operands)
     out, _, _ = torch.ops.fusion.conv_epilogue_fwd(x, weight, bias, list(operands), config, save)
     return out
 
@@ -368,10 +366,7 @@ def _conv_epilogue_direct(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], config: str
 ) -> Tensor:
     """``conv_epilogue`` without the custom-op layers (the direct twin; same contract)."""
-    if torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-        or any(t.requires_grad for t in operands)
-    ):
+    if records_backward(x, weight, bias, operands):
         return _DirectConvEpilogue.apply(config, x, weight, bias, *operands)
     return _conv_epilogue_fwd_impl(x, weight, bias, list(operands), config, False)[0]
 

@@ -87,7 +87,7 @@ import torch
 from ..errors import KernelError, UnsupportedInputError
 from .chain import ChainStep, Const, PointwiseKind, TensorRef
 from .config import ConvSpec, chain_from_list, chain_to_list, conv_spec_from_dict, conv_spec_to_dict
-from .direct_twins import register_direct
+from .direct_twins import records_backward, register_direct
 from .runtime_twins import register_twin
 
 logger = logging.getLogger("fusion_backend")
@@ -1260,10 +1260,7 @@ class _DirectConvGlobalMean(torch.autograd.Function):
 
 def _conv_global_mean_direct(x, weight, bias, operands, config):
     """``conv_global_mean`` without the custom-op layers (the direct twin; same contract)."""
-    if torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-        or any(t.requires_grad for t in operands)
-    ):
+    if records_backward(x, weight, bias, operands):
         return _DirectConvGlobalMean.apply(config, x, weight, bias, *operands)
     return _conv_global_mean_fwd_impl(x, weight, bias, list(operands), config)[0]
 

@@ -17,8 +17,10 @@ support double backward (the custom ops do not either).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 #: fused callable (what graphs call) -> its direct twin
 _DIRECT: dict[Callable[..., Any], Callable[..., Any]] = {}
@@ -35,3 +37,13 @@ def direct_twin(fused: Any) -> Callable[..., Any] | None:
         return _DIRECT.get(fused)
     except TypeError:
         return None
+
+
+def records_backward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     operands: Sequence[torch.Tensor]) -> bool:
+    """Whether a fused conv op called on these inputs now must record its backward: grad mode is on
+    and some input requires grad (else a direct twin runs the forward alone and saves nothing)."""
+    return torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        or any(t.requires_grad for t in operands)
+    )
