@@ -59,12 +59,16 @@ def forced_triton(monkeypatch, exact_fp32):
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
     calls = []  # the name of each compact conv-backward module that ran
+    monkeypatch.setattr(ce, "_BACKWARD_PLANS", type(ce._BACKWARD_PLANS)(256))  # no plan kept by another test
     for module in (conv_fused_bwd, conv_shift_bwd):
-        real = module.convolution_backward
+        real = module.backward_plan
         name = module.__name__.rsplit(".", 1)[1]
-        monkeypatch.setattr(
-            module, "convolution_backward", lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
-        )
+
+        def recording_plan(*a, _real=real, _name=name, **k):
+            run = _real(*a, **k)
+            return lambda *args: calls.append(_name) or run(*args)
+
+        monkeypatch.setattr(module, "backward_plan", recording_plan)
     return calls
 
 

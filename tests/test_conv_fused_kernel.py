@@ -210,10 +210,12 @@ def _case(name: str):
 )
 def test_int64_index_path_matches(monkeypatch, name):
     monkeypatch.setattr(conv_fused, "_BIG_INDEX_THRESHOLD", 0)  # BIG=True on small tensors
+    monkeypatch.setattr(ce, "_FORWARD_PLANS", type(ce._FORWARD_PLANS)(256))  # no plan kept with BIG=False
     name, xs, ws, spec, chain, pool, opts = _case(name)
     x, w, b, ops = _inputs(xs, ws, spec, opts, torch.float32)
     config = _config(spec, chain, pool)
     got = _run(monkeypatch, "triton", x, w, b, ops, config)
+    assert any(launch.constexprs["BIG"] for launch in conv_fused._LAUNCHES._values.values()), "BIG not taken"
     want = _run(monkeypatch, "library", x, w, b, ops, config)
     for what, g_, w_ in zip(("out", "saved_a", "saved_b"), got, want, strict=True):
         _assert_same(g_, w_, f"{name} {what}")
@@ -342,8 +344,18 @@ def test_compiled_model_with_forced_fused_conv_matches_eager_gradients(monkeypat
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
     calls = []
-    real = conv_fused.conv_fused_forward
-    monkeypatch.setattr(conv_fused, "conv_fused_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = conv_fused.forward_launch
+
+    class Recording:  # the op's plan launches through the launch plan's ``run``
+        def __init__(self, launch):
+            self.launch = launch
+
+        def run(self, *args):
+            calls.append(1)
+            self.launch.run(*args)
+
+    monkeypatch.setattr(conv_fused, "forward_launch", lambda *a, **k: Recording(real(*a, **k)))
+    monkeypatch.setattr(ce, "_FORWARD_PLANS", type(ce._FORWARD_PLANS)(256))  # no plan kept by another test
     torch.manual_seed(0)
     model = _SeedALike(True).to(DEVICE)
     assert_fused(model, [torch.randn(2, 4, 3, 4, 4, device=DEVICE)], expect={"conv_epilogue": 1}, train=True)

@@ -47,7 +47,7 @@ def _shrink(x: object) -> object:
 
 
 def profile_one(path: str, backend_name: str, mode: str, steps: int, top: int, device: str,
-                small: bool) -> None:
+                small: bool, dtype: str = "fp32") -> None:
     workload = load_workload(path)
     model, inputs = workload.build(seed=0)
     if small:
@@ -58,7 +58,7 @@ def profile_one(path: str, backend_name: str, mode: str, steps: int, top: int, d
               for x in inputs]
     torch._dynamo.reset()
     fn = resolve_backend(backend_name).compile(model)
-    step = _step_fn(fn, model, inputs, train, "fp32", device)
+    step = _step_fn(fn, model, inputs, train, dtype, device)
     grad_mode = torch.enable_grad() if train else torch.no_grad()
     sync = functools.partial(_sync, device)
     with grad_mode:  # the default: CUDA backward nodes run on autograd's device thread
@@ -66,14 +66,18 @@ def profile_one(path: str, backend_name: str, mode: str, steps: int, top: int, d
     with grad_mode, torch.autograd.set_multithreading_enabled(False):
         host_ms, wall_ms = time_calls(step, steps, sync)
         # the forward alone (in train mode its graph is dropped unused)
-        forward_ms, _ = time_calls(lambda: fn(*inputs), steps, sync, warmup=0)
+        def forward() -> object:
+            with torch.autocast(device, torch.bfloat16, enabled=dtype == "bf16"):
+                return fn(*inputs)
+
+        forward_ms, _ = time_calls(forward, steps, sync, warmup=0)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(steps):
             step()
         _sync(device)
         prof.disable()
-    print(f"\n== {workload.name} {mode} {backend_name}: host enqueue {host_ms:.3f} ms/step, "
+    print(f"\n== {workload.name} {mode} {dtype} {backend_name}: host enqueue {host_ms:.3f} ms/step, "
           f"wall with final sync {wall_ms:.3f} ms/step, forward alone {forward_ms:.3f} ms; "
           f"with autograd's device threads (default) {threaded_ms:.3f} ms/step")
     buf = io.StringIO()
@@ -90,6 +94,7 @@ def main() -> None:
     parser.add_argument("files", nargs="+")
     parser.add_argument("--backend", default="fusion", help="comma-separated backends")
     parser.add_argument("--mode", default="infer,train")
+    parser.add_argument("--dtype", default="fp32", help="comma-separated: fp32 and/or bf16 (autocast)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--device", default="cuda", help="cpu: the reference path's host time (no kernels)")
@@ -102,7 +107,8 @@ def main() -> None:
         for mode in args.mode.split(","):
             try:
                 for backend in args.backend.split(","):
-                    profile_one(path, backend, mode, args.steps, args.top, args.device, args.small)
+                    for dtype in args.dtype.split(","):
+                        profile_one(path, backend, mode, args.steps, args.top, args.device, args.small, dtype)
             except Exception as exc:
                 print(f"\n== {path} {mode}: FAILED {type(exc).__name__}: {exc}")
 

@@ -987,6 +987,7 @@ class _Launch:
     def __init__(self, ints: tuple[int, ...], constexprs: dict, m_total: int, groups: int, cout_g: int,
                  cout: int, cfg: dict | None, weight_matrix: _WeightMatrixLaunch | None) -> None:  # fmt: skip
         self.ints, self.constexprs, self.cout = ints, constexprs, cout
+        self.transposed = bool(constexprs["TRANSPOSED"])
         self.m_total, self.groups, self.cout_g = m_total, groups, cout_g
         self.fast = None if cfg is None else FastLaunch(_conv_fused_fwd_kernel, self.grid(cfg), {**constexprs, **cfg})
         #: None: the kernel reads the weight with its output channels innermost (``_output_channels_innermost``).
@@ -994,6 +995,17 @@ class _Launch:
 
     def grid(self, meta: dict) -> tuple[int, int]:
         return (cdiv(self.m_total, meta["BLOCK_M"]), self.groups * cdiv(self.cout_g, meta["BLOCK_N"]))
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
+            saved_a: torch.Tensor | None, saved_b: torch.Tensor | None) -> None:  # fmt: skip
+        """Launch for tensors like the ones this plan was made for (``conv_fused_forward``'s
+        arguments; ``params``: ``build_params`` of its steps and bias)."""
+        if self.weight_matrix is not None:
+            w, wm = weight, self.weight_matrix(weight)
+        else:
+            w = wm = _output_channels_innermost(weight, self.transposed)
+        self((x, w, wm, params, out, saved_a if saved_a is not None else out,
+              saved_b if saved_b is not None else out))  # fmt: skip
 
     def __call__(self, tensors: tuple[torch.Tensor, ...]) -> None:
         if self.fast is not None:
@@ -1199,15 +1211,30 @@ def conv_fused_forward(
         ignored under the interpreter.
     Raises ValueError when ``unsupported_reason`` names a reason or the tensors disagree.
     """
+    launch = forward_launch(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32)
+    if launch is not None:
+        launch.run(x, weight, build_params(steps, bias, launch.cout, x.device), out, saved_a, saved_b)
+
+
+def forward_launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    steps: Sequence[KernelStep],
+    conv: ConvGeometry,
+    pool: PoolGeometry | None,
+    out: torch.Tensor,
+    saved_a: torch.Tensor | None = None,
+    saved_b: torch.Tensor | None = None,
+    allow_tf32: bool = False,
+) -> _Launch | None:
+    """The checked launch plan of ``conv_fused_forward`` for these arguments (cached per shapes,
+    strides, dtypes, geometry, op codes and precision), or None when ``out`` is empty (nothing to
+    launch; the arguments are still checked).  Its ``run(x, weight, params, out, saved_a, saved_b)``
+    launches for tensors laid out like these: a caller that keeps it (a per-signature call plan)
+    skips the cache lookup.  Raises ValueError as ``conv_fused_forward`` does."""
     if out.numel() == 0:
         _prepare(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32)  # validates
-        return
+        return None
     key = _launch_key(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32)
-    launch = _LAUNCHES.get(key, lambda: _prepare(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32))
-    params = build_params(steps, bias, launch.cout, x.device)
-    if launch.weight_matrix is not None:
-        w, wm = weight, launch.weight_matrix(weight)
-    else:
-        w = wm = _output_channels_innermost(weight, conv.transposed)
-    sa = saved_a if saved_a is not None else out
-    launch((x, w, wm, params, out, sa, saved_b if saved_b is not None else out))
+    return _LAUNCHES.get(key, lambda: _prepare(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32))

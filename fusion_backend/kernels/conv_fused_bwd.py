@@ -65,7 +65,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Union
 
@@ -916,6 +916,25 @@ def conv_bias_grad(grad: Grad) -> torch.Tensor:
     """
     values = grad.g_win if isinstance(grad, PooledGrad) else grad
     return values.sum([d for d in range(values.dim()) if d != 1], dtype=torch.float32)
+
+
+def backward_plan(
+    grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+    output_mask: Sequence[bool] = (True, True),
+) -> Callable[[Grad, torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """``(grad, x, weight) -> (grad_x, grad_w)`` for tensors laid out like these (the same API as
+    ``conv_shift_bwd.backward_plan``): ``convolution_backward`` without the bias.  The arguments
+    are checked here; each call runs ``convolution_backward``'s launchers."""
+    conv_args = (stride, padding, dilation, transposed, output_padding, groups)
+    _check(grad, x, weight, *conv_args)
+    need_x, need_w = bool(output_mask[0]), bool(output_mask[1])
+
+    def run(grad: Grad, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (_input_grad(grad, x, weight, *conv_args) if need_x else None,
+                _weight_grad(grad, x, weight, *conv_args) if need_w else None)  # fmt: skip
+
+    return run
 
 
 def convolution_backward(

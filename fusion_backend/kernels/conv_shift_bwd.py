@@ -68,7 +68,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -1221,6 +1221,24 @@ def convolution_backward(
     gw = weight_grad(grad, x, weight) if output_mask[1] else None
     gb = conv_bias_grad(grad).to(weight.dtype) if output_mask[2] else None
     return gx, gw, gb
+
+
+def backward_plan(
+    grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+    output_mask: Sequence[bool] = (True, True),
+) -> Callable[[Grad, torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """``(grad, x, weight) -> (grad_x, grad_w)`` for tensors laid out like these (a per-signature
+    call plan keeps it): ``convolution_backward`` without the bias and without the per-call checks
+    and cache lookup.  Raises ``UnsupportedInputError`` as ``convolution_backward`` does."""
+    conv_args = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(output_padding), int(groups))
+    input_grad, weight_grad = _plan(grad, x, weight, conv_args, output_mask)
+
+    def run(grad: Grad, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (None if input_grad is None else input_grad(grad, x, weight),
+                None if weight_grad is None else weight_grad(grad, x, weight))  # fmt: skip
+
+    return run
 
 
 #: ``convolution_backward``'s plans by shapes, strides, dtypes, geometry and mask: the checks,

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .host import cdiv, next_pow2, persistent_device_copies
+from .launch import FastLaunch
 
 #: Number of op-code slots of the kernel templates (== chain.MAX_CHAIN_LENGTH).
 MAX_SLOTS = 8
@@ -675,53 +676,85 @@ def _channels_inner(strides: Sequence[int], sizes: Sequence[int]) -> bool:
 _CONSTANT_PARAMS: dict[tuple[tuple[float, ...], int, torch.device], torch.Tensor] = {}
 
 
+class OperandMatrix:
+    """How ``P`` is assembled for one chain signature: which rows are constants, which come from
+    which operand tensor (and whether that tensor is one value to expand over the channels).
+
+    Built once per signature (a call plan keeps it); ``build`` then only reshapes the tensors and
+    concatenates.  ``sources``: the tensor rows in row order (the bias first, then each slot's
+    operands), the order ``build`` takes its tensors in.
+    NOTE: host time matters here (seed A's launch is host-bound): one ``torch.cat`` of the tensor
+    rows and slices of the cached constant matrix replaces a ``zeros`` plus one ``copy_``/``fill_``
+    per row (5 device ops on seed A).
+    """
+
+    def __init__(self, steps: Sequence[KernelStep], bias: torch.Tensor | None, channels: int,
+                 device: torch.device) -> None:  # fmt: skip
+        if len(steps) > MAX_SLOTS:
+            raise ValueError(f"chains of at most {MAX_SLOTS} steps fit the kernel template, got {len(steps)}")
+        values: list[OperandValue | None] = [None] * NUM_PARAM_ROWS
+        if bias is not None:
+            values[BIAS_ROW] = bias
+        for slot, (_, operands) in enumerate(steps):
+            if len(operands) > 2:
+                raise ValueError(f"slot {slot}: at most 2 operands per step, got {len(operands)}")
+            for j, value in enumerate(operands):
+                values[1 + 2 * slot + j] = value
+        constants = tuple(0.0 if v is None or isinstance(v, torch.Tensor) else float(v) for v in values)
+        device = torch.device(device)
+        key = (constants, channels, device)
+        base = _CONSTANT_PARAMS.get(key)
+        if base is None:
+            table = torch.tensor(constants, dtype=torch.float32)[:, None].expand(NUM_PARAM_ROWS, channels)
+            base = _CONSTANT_PARAMS[key] = persistent_device_copies([table.contiguous()], device)[0]
+        self.base, self.channels, self.device = base, channels, device
+        #: per piece of the concatenation: a slice of ``base``, or ``(source number, expand, convert)``
+        #: (convert: the tensor is not fp32 on ``device``)
+        self.pieces: list[torch.Tensor | tuple[int, bool, bool]] = []
+        self.sources: list[torch.Tensor] = []
+        done = 0
+        for row, value in enumerate(values):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.numel() not in (1, channels):
+                raise ValueError(
+                    f"P row {row}: an operand tensor must have 1 or {channels} elements, got shape {tuple(value.shape)}"
+                )
+            if row > done:
+                self.pieces.append(base[done:row])
+            convert = value.dtype != torch.float32 or value.device != device
+            self.pieces.append((len(self.sources), value.numel() == 1 and channels != 1, convert))
+            self.sources.append(value)
+            done = row + 1
+        if done < NUM_PARAM_ROWS and self.sources:
+            self.pieces.append(base[done:])
+
+    def build(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``P`` for ``tensors`` (one per ``sources`` entry, with its numel, dtype and device).
+
+        The result is read-only: without tensor rows it is the cached constant matrix itself."""
+        if not self.sources:
+            return self.base
+        pieces = []
+        for piece in self.pieces:
+            if isinstance(piece, torch.Tensor):
+                pieces.append(piece)
+                continue
+            index, expand, convert = piece
+            row = tensors[index].detach().reshape(1, -1)
+            if expand:
+                row = row.expand(1, self.channels)
+            pieces.append(row.to(device=self.device, dtype=torch.float32) if convert else row)
+        return torch.cat(pieces)
+
+
 def build_params(
     steps: Sequence[KernelStep], bias: torch.Tensor | None, channels: int, device: torch.device
 ) -> torch.Tensor:
-    """The operand matrix ``P``: fp32 ``(NUM_PARAM_ROWS, channels)``, contiguous (see module doc).
-
-    The result is read-only: when every operand is a constant it is a cached tensor shared by all
-    calls with those constants.  NOTE: host time matters here (seed A's launch is host-bound):
-    one ``torch.cat`` of the tensor rows and slices of the cached constant matrix replaces a
-    ``zeros`` plus one ``copy_``/``fill_`` per row (5 device ops on seed A).
-    """
-    if len(steps) > MAX_SLOTS:
-        raise ValueError(f"chains of at most {MAX_SLOTS} steps fit the kernel template, got {len(steps)}")
-    values: list[OperandValue | None] = [None] * NUM_PARAM_ROWS
-    if bias is not None:
-        values[BIAS_ROW] = bias
-    for slot, (_, operands) in enumerate(steps):
-        if len(operands) > 2:
-            raise ValueError(f"slot {slot}: at most 2 operands per step, got {len(operands)}")
-        for j, value in enumerate(operands):
-            values[1 + 2 * slot + j] = value
-    constants = tuple(0.0 if v is None or isinstance(v, torch.Tensor) else float(v) for v in values)
-    key = (constants, channels, torch.device(device))
-    base = _CONSTANT_PARAMS.get(key)
-    if base is None:
-        table = torch.tensor(constants, dtype=torch.float32)[:, None].expand(NUM_PARAM_ROWS, channels)
-        base = _CONSTANT_PARAMS[key] = persistent_device_copies([table.contiguous()], torch.device(device))[0]
-    pieces: list[torch.Tensor] = []
-    done = 0
-    for row, value in enumerate(values):
-        if not isinstance(value, torch.Tensor):
-            continue
-        flat = value.detach().reshape(1, -1)
-        if flat.shape[1] == 1:
-            flat = flat.expand(1, channels)
-        elif flat.shape[1] != channels:
-            raise ValueError(
-                f"P row {row}: an operand tensor must have 1 or {channels} elements, got shape {tuple(value.shape)}"
-            )
-        if row > done:
-            pieces.append(base[done:row])
-        pieces.append(flat.to(device=device, dtype=torch.float32))
-        done = row + 1
-    if not pieces:
-        return base
-    if done < NUM_PARAM_ROWS:
-        pieces.append(base[done:])
-    return torch.cat(pieces)
+    """The operand matrix ``P``: fp32 ``(NUM_PARAM_ROWS, channels)``, contiguous (see module doc);
+    read-only (see ``OperandMatrix.build``)."""
+    layout = OperandMatrix(steps, bias, channels, device)
+    return layout.build(layout.sources)
 
 
 def _op_constexprs(steps: Sequence[KernelStep]) -> dict[str, int]:
@@ -833,63 +866,95 @@ def epilogue_backward(
       weighted by grad_out (the caller sums channels for scalar operands); the fp32 (C,) bias grad or
       None.  Sums are over fixed-order per-block partials, so they are bitwise reproducible.
     """
-    if pool is not None and pool.kind == "max":
-        if winner is None or winner_y is None:
-            raise ValueError("a max pool's backward needs winner and winner_y")
-        if winner.stride() != winner_y.stride():
-            raise ValueError(f"winner/winner_y strides differ: {winner.stride()} vs {winner_y.stride()}")
-    elif y is None:
-        raise ValueError("y is required without a max pool")
-    elif y.stride() != grad_y.stride() or y.shape != grad_y.shape:
-        raise ValueError(f"grad_y must be laid out like y: {tuple(y.shape)}/{y.stride()}, got "
-                         f"{tuple(grad_y.shape)}/{grad_y.stride()}")  # fmt: skip
-    for slot, wanted in enumerate(operand_grad_slots):
-        if wanted and not _MUL <= int(steps[slot][0]) <= _RDIV:
-            raise ValueError(f"slot {slot} (op code {steps[slot][0]}) has no differentiable operand")
-    y_sizes, y_strides = _lift(grad_y)
-    g_sizes, g_strides = _lift(grad_out)
-    n, channels = y_sizes[:2]
-    if pool is None:
-        if list(grad_out.shape) != list(grad_y.shape):
-            raise ValueError(
-                f"grad_out must have y's shape {tuple(grad_y.shape)}, got {tuple(grad_out.shape)}"
-            )
-        if not _spatial_flattens(y_sizes, y_strides):
-            raise ValueError(f"grad_y's spatial dims must flatten, got strides {grad_y.stride()}")
-        if not _spatial_flattens(g_sizes, g_strides):  # copy into grad_y's (flattening) layout
-            grad_out = torch.empty_like(grad_y, dtype=grad_out.dtype).copy_(grad_out)
-            g_sizes, g_strides = _lift(grad_out)
-        pool_args = _NO_POOL
-    else:
-        if pool.window_volume > MAX_WINDOW_VOLUME:
-            raise ValueError(f"pool windows above {MAX_WINDOW_VOLUME} taps are not unrolled, got {pool}")
-        pool_args = _lift_pool(pool, grad_y.dim() - 2)
-    w_strides = _lift(winner)[1] if winner is not None else [0] * 5
-    params = build_params(steps, bias, channels, grad_y.device)
-    grad_mask = sum(1 << k for k, wanted in enumerate(operand_grad_slots) if wanted)
-    if bias_grad:
-        grad_mask |= 1 << MAX_SLOTS
-    s_full = y_sizes[2] * y_sizes[3] * y_sizes[4]
-    block_c, block_s = _tile(channels, s_full, _channels_inner(y_strides, y_sizes))
-    num_s_blocks = cdiv(s_full, block_s)
-    grid = (n * num_s_blocks, cdiv(channels, block_c))
-    partials = torch.empty(NUM_GRAD_ROWS, grid[0], channels, dtype=torch.float32, device=grad_y.device)
-    if grad_y.numel() > 0:
-        _epilogue_bwd_kernel[grid](
-            grad_out, y if y is not None else grad_y, winner if winner is not None else grad_y,
-            winner_y if winner_y is not None else grad_y, params, grad_y, partials,
-            channels, *y_sizes[2:], *g_sizes[2:], num_s_blocks, grid[0] * channels,
-            *g_strides, *y_strides, *w_strides,
-            **_op_constexprs(steps), HAS_BIAS=bias is not None,
-            POOL=0 if pool is None else (1 if pool.kind == "max" else 2), GRAD_MASK=grad_mask, **pool_args,
-            BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
+    launch = BackwardLaunch(grad_out, y, winner, winner_y, bias, steps, pool, grad_y, operand_grad_slots, bias_grad)
+    return launch(grad_out, y, winner, winner_y, build_params(steps, bias, launch.channels, grad_y.device), grad_y)
+
+
+class BackwardLaunch:
+    """``epilogue_backward`` for one signature (shapes, strides, dtypes, chain codes, pool, wanted
+    grads): the arguments are checked and the launch worked out once; a call only allocates the
+    partial sums, launches (``FastLaunch``) and reduces them.
+
+    ``__call__(grad_out, y, winner, winner_y, params, grad_y)`` takes tensors like the constructor's
+    (``params``: ``P`` as ``build_params`` gives it for the constructor's ``steps`` and ``bias``) and
+    returns what ``epilogue_backward`` returns.
+    """
+
+    def __init__(self, grad_out: torch.Tensor, y: torch.Tensor | None, winner: torch.Tensor | None,
+                 winner_y: torch.Tensor | None, bias: torch.Tensor | None, steps: Sequence[KernelStep],
+                 pool: PoolGeometry | None, grad_y: torch.Tensor, operand_grad_slots: Sequence[bool] = (),
+                 bias_grad: bool = False) -> None:  # fmt: skip
+        if pool is not None and pool.kind == "max":
+            if winner is None or winner_y is None:
+                raise ValueError("a max pool's backward needs winner and winner_y")
+            if winner.stride() != winner_y.stride():
+                raise ValueError(f"winner/winner_y strides differ: {winner.stride()} vs {winner_y.stride()}")
+        elif y is None:
+            raise ValueError("y is required without a max pool")
+        elif y.stride() != grad_y.stride() or y.shape != grad_y.shape:
+            raise ValueError(f"grad_y must be laid out like y: {tuple(y.shape)}/{y.stride()}, got "
+                             f"{tuple(grad_y.shape)}/{grad_y.stride()}")  # fmt: skip
+        for slot, wanted in enumerate(operand_grad_slots):
+            if wanted and not _MUL <= int(steps[slot][0]) <= _RDIV:
+                raise ValueError(f"slot {slot} (op code {steps[slot][0]}) has no differentiable operand")
+        y_sizes, y_strides = _lift(grad_y)
+        g_sizes, g_strides = _lift(grad_out)
+        n, channels = y_sizes[:2]
+        #: grad_out is copied into grad_y's (flattening) layout first
+        self.copy_grad_out = False
+        if pool is None:
+            if list(grad_out.shape) != list(grad_y.shape):
+                raise ValueError(
+                    f"grad_out must have y's shape {tuple(grad_y.shape)}, got {tuple(grad_out.shape)}"
+                )
+            if not _spatial_flattens(y_sizes, y_strides):
+                raise ValueError(f"grad_y's spatial dims must flatten, got strides {grad_y.stride()}")
+            if not _spatial_flattens(g_sizes, g_strides):
+                self.copy_grad_out = True
+                g_sizes, g_strides = y_sizes, y_strides
+            pool_args = _NO_POOL
+        else:
+            if pool.window_volume > MAX_WINDOW_VOLUME:
+                raise ValueError(f"pool windows above {MAX_WINDOW_VOLUME} taps are not unrolled, got {pool}")
+            pool_args = _lift_pool(pool, grad_y.dim() - 2)
+        w_strides = _lift(winner)[1] if winner is not None else [0] * 5
+        grad_mask = sum(1 << k for k, wanted in enumerate(operand_grad_slots) if wanted)
+        if bias_grad:
+            grad_mask |= 1 << MAX_SLOTS
+        s_full = y_sizes[2] * y_sizes[3] * y_sizes[4]
+        block_c, block_s = _tile(channels, s_full, _channels_inner(y_strides, y_sizes))
+        num_s_blocks = cdiv(s_full, block_s)
+        grid = (n * num_s_blocks, cdiv(channels, block_c))
+        self.channels = channels
+        self.partials_shape = (NUM_GRAD_ROWS, grid[0], channels)
+        self.ints = (
+            channels, *y_sizes[2:], *g_sizes[2:], num_s_blocks, grid[0] * channels, *g_strides, *y_strides, *w_strides,
         )  # fmt: skip
-    else:
-        partials.zero_()
-    # NOTE: torch's reduction over a fixed shape runs in a fixed order (no atomics), so these
-    # sums, like the in-kernel block sums, are bitwise reproducible.
-    slot_grads: list[torch.Tensor | None] = [
-        partials[k].sum(0) if k < len(operand_grad_slots) and operand_grad_slots[k] else None
-        for k in range(len(steps))
-    ]
-    return slot_grads, partials[MAX_SLOTS].sum(0) if bias_grad else None
+        self.launch = None
+        if grad_y.numel() > 0:
+            self.launch = FastLaunch(_epilogue_bwd_kernel, grid, dict(
+                **_op_constexprs(steps), HAS_BIAS=bias is not None,
+                POOL=0 if pool is None else (1 if pool.kind == "max" else 2), GRAD_MASK=grad_mask, **pool_args,
+                BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
+            ))  # fmt: skip
+        self.slots = [k < len(operand_grad_slots) and bool(operand_grad_slots[k]) for k in range(len(steps))]
+        self.bias_grad = bias_grad
+
+    def __call__(self, grad_out: torch.Tensor, y: torch.Tensor | None, winner: torch.Tensor | None,
+                 winner_y: torch.Tensor | None, params: torch.Tensor,
+                 grad_y: torch.Tensor) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:  # fmt: skip
+        if self.copy_grad_out:
+            grad_out = torch.empty_like(grad_y, dtype=grad_out.dtype).copy_(grad_out)
+        partials = torch.empty(self.partials_shape, dtype=torch.float32, device=grad_y.device)
+        if self.launch is not None:
+            self.launch(
+                grad_out, y if y is not None else grad_y, winner if winner is not None else grad_y,
+                winner_y if winner_y is not None else grad_y, params, grad_y, partials, *self.ints,
+            )  # fmt: skip
+        else:
+            partials.zero_()
+        # NOTE: torch's reduction over a fixed shape runs in a fixed order (no atomics), so these
+        # sums, like the in-kernel block sums, are bitwise reproducible.  One reduction per wanted
+        # row: each result is its own tensor (a custom op's outputs must not alias each other).
+        slot_grads = [partials[k].sum(0) if wanted else None for k, wanted in enumerate(self.slots)]
+        return slot_grads, partials[MAX_SLOTS].sum(0) if self.bias_grad else None

@@ -209,15 +209,31 @@ def _conv_epilogue_fwd_impl(
     config: str,
     save_for_backward: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Forward of the fused op: ``(out, saved_a, saved_b)`` (see the module docstring)."""
-    cfg = ConvEpilogueConfig.from_json(config)
-    _check_inputs(x, weight, operands, cfg)
-    if _use_triton(config, cfg, x):
+    """Forward of the fused op: ``(out, saved_a, saved_b)`` (see the module docstring).
+
+    A call whose signature (``_signature``) has a settled plan runs it straight; the first call of
+    a signature checks the inputs, picks the path (``_forward_plan``) and keeps the plan.
+    """
+    key = _signature(config, save_for_backward, x, weight, bias, operands)
+    plan = _FORWARD_PLANS.peek(key)
+    if plan is None:
+        cfg = ConvEpilogueConfig.from_json(config)
+        _check_inputs(x, weight, operands, cfg)
+        if not _use_triton(config, cfg, x):
+            return _reference_forward(x, weight, bias, operands, cfg, save_for_backward)
         try:
-            return _triton_forward(x, weight, bias, operands, cfg, save_for_backward)
+            plan, settled = _forward_plan(x, weight, bias, operands, cfg, save_for_backward)
         except Exception as e:  # any kernel failure takes the documented policy
             _on_kernel_failure("forward", config, cfg, x, weight, e)
-    return _reference_forward(x, weight, bias, operands, cfg, save_for_backward)
+            return _reference_forward(x, weight, bias, operands, cfg, save_for_backward)
+        if settled:
+            _FORWARD_PLANS.put(key, plan)
+    try:
+        return plan(x, weight, bias, operands)
+    except Exception as e:  # any kernel failure takes the documented policy
+        cfg = ConvEpilogueConfig.from_json(config)
+        _on_kernel_failure("forward", config, cfg, x, weight, e)
+        return _reference_forward(x, weight, bias, operands, cfg, save_for_backward)
 
 
 conv_epilogue_fwd = torch.library.custom_op("fusion::conv_epilogue_fwd", mutates_args=())(_conv_epilogue_fwd_impl)
@@ -252,23 +268,41 @@ def _conv_epilogue_bwd_impl(
     """Backward of the fused op: ``[grad_x, grad_weight, grad_bias, *grad_operands]``.
 
     ``output_mask`` has ``3 + len(operands)`` entries; unrequested grads are empty placeholders.
-    Each requested grad has its input's shape, dtype and ``empty_like`` strides.
+    Each requested grad has its input's shape, dtype and ``empty_like`` strides.  Plans are kept
+    per signature as in the forward (``_backward_plan``).
     """
-    cfg = ConvEpilogueConfig.from_json(config)
-    if len(output_mask) != 3 + len(operands):
-        raise ValueError(f"output_mask needs {3 + len(operands)} entries, got {len(output_mask)}")
-    if saved_a.dim() == 1:  # the (0,)-shaped placeholder: saved state is always (N, C, ...)
-        raise RuntimeError(
-            "fusion::conv_epilogue_bwd: the forward ran with save_for_backward=False; call "
-            "conv_epilogue() (which saves state when autograd needs it) instead of the raw op"
-        )
-    grads: list[Tensor | None] | None = None
-    if _use_triton(config, cfg, x):
+    key = (
+        _signature(config, True, x, weight, bias, operands), tuple(output_mask), tensor_key(grad_out),
+        tensor_key(saved_a), tensor_key(saved_b),
+    )  # fmt: skip
+    plan = _BACKWARD_PLANS.peek(key)
+    cfg = None
+    if plan is None:
+        cfg = ConvEpilogueConfig.from_json(config)
+        if len(output_mask) != 3 + len(operands):
+            raise ValueError(f"output_mask needs {3 + len(operands)} entries, got {len(output_mask)}")
+        if saved_a.dim() == 1:  # the (0,)-shaped placeholder: saved state is always (N, C, ...)
+            raise RuntimeError(
+                "fusion::conv_epilogue_bwd: the forward ran with save_for_backward=False; call "
+                "conv_epilogue() (which saves state when autograd needs it) instead of the raw op"
+            )
+        if _use_triton(config, cfg, x):
+            try:
+                plan, settled = _backward_plan(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, output_mask)
+            except Exception as e:  # any kernel failure takes the documented policy
+                _on_kernel_failure("backward", config, cfg, x, weight, e)
+            else:
+                if settled:
+                    _BACKWARD_PLANS.put(key, plan)
+    grads = None
+    if plan is not None:
         try:
-            grads = _triton_backward(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, output_mask)
+            grads = plan(grad_out, x, weight, bias, operands, saved_a, saved_b)
         except Exception as e:  # any kernel failure takes the documented policy
+            cfg = cfg or ConvEpilogueConfig.from_json(config)
             _on_kernel_failure("backward", config, cfg, x, weight, e)
     if grads is None:
+        cfg = cfg or ConvEpilogueConfig.from_json(config)
         grads = _reference_backward(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, output_mask)
     inputs = [x, weight, bias, *operands]
     return [
@@ -557,7 +591,7 @@ def _in_format(t: Tensor, fmt: torch.memory_format) -> Tensor:
 
 def _like(g: Tensor, ref: Tensor) -> Tensor:
     """``g`` (ref's shape) with the dtype and strides of ``torch.empty_like(ref)``."""
-    expected = torch.empty_like(ref, device="meta").stride()
+    expected = _DECISIONS.get(("like", tensor_key(ref)), lambda: torch.empty_like(ref, device="meta").stride())
     if g.dtype == ref.dtype and g.stride() == expected:
         return g
     return torch.empty_like(ref).copy_(g)
@@ -625,7 +659,7 @@ def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) ->
 
     ``FUSION_CONV_IMPL`` (read at call time; ``auto`` by default): ``library`` always takes the
     library conv; ``auto`` answers ``triton`` on CUDA whenever ``conv_fused.unsupported_reason`` is
-    None (``_triton_forward`` then measures which of the two is faster) and the library conv on CPU
+    None (``_forward_plan`` then measures which of the two is faster) and the library conv on CPU
     (the interpreter is slow; tests force the fused kernel there); ``triton`` always takes the fused
     kernel and raises ``UnsupportedInputError`` (handled by the failure policy: strict raises, else
     warn and run the reference) when it cannot serve the case.
@@ -699,51 +733,119 @@ def _library_conv_meta_uncached(x: Tensor, weight: Tensor, spec: ConvSpec) -> Te
     return torch.empty(shape, dtype=x.dtype, device="meta", memory_format=fmt)
 
 
+class _FusedForward:
+    """The fused conv kernel's forward for one call signature: the output layouts, the operand
+    matrix layout and the kernel's launch plan are worked out once; a call allocates the outputs,
+    builds ``P`` and launches (``(x, weight, bias, operands) -> (out, saved_a, saved_b)``, tensors
+    laid out like the constructor's).  Same outputs and formats as the library path, so the
+    backward is shared.
+
+    WHY a plan object: seed A's step waits on the host; the per-call checks, decisions and cache
+    lookups this skips cost more than the launches (146 us per forward on the H100 host before).
+    """
+
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                 cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
+        from ..kernels import conv_fused
+
+        y0 = _library_conv_meta(x, weight, cfg.conv)
+        steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
+        out_shape = list(y0.shape) if cfg.pool is None else _pooled_shape(y0.shape, cfg.pool)
+        like_x = torch.empty(0, dtype=x.dtype, device="meta")  # the outputs' layouts, no memory
+        outputs = _allocate_forward_outputs(like_x, y0, out_shape, cfg, save)
+        self.layouts = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
+        self.save_a = save
+        self.save_b = save and cfg.pool is not None and cfg.pool.kind == "max"
+        out, saved_a, saved_b = outputs
+        self.launch = conv_fused.forward_launch(
+            x, weight, bias, steps, _conv_geometry(cfg.conv), None if cfg.pool is None else _pool_geometry(cfg.pool),
+            out, saved_a if self.save_a else None, saved_b if self.save_b else None,
+            allow_tf32=bool(torch.backends.cudnn.allow_tf32),
+        )  # fmt: skip
+        self.matrix = _kernels().OperandMatrix(steps, bias, y0.shape[1], x.device)
+        self.sources = _operand_sources(cfg, bias)
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        device = x.device
+        out, saved_a, saved_b = (
+            torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self.layouts
+        )
+        if self.launch is not None:
+            inputs = (bias, *operands)
+            params = self.matrix.build([inputs[i] for i in self.sources])
+            self.launch.run(x, weight, params, out, saved_a if self.save_a else None,
+                            saved_b if self.save_b else None)  # fmt: skip
+        return out, saved_a, saved_b
+
+
+def _operand_sources(cfg: ConvEpilogueConfig, bias: Tensor | None) -> tuple[int, ...]:
+    """Where each tensor row of ``P`` comes from, in ``OperandMatrix.sources`` order, as indices
+    into ``(bias, *operands)``: the bias first, then each slot's tensor operands."""
+    sources = [0] if bias is not None else []
+    for step in cfg.chain:
+        sources += [1 + operand.index for operand in step.operands if not isinstance(operand, Const)]
+    return tuple(sources)
+
+
 def _fused_conv_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
     save: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """One Triton kernel for conv + bias + chain + pool, writing only ``out`` and the saved state
-    (same formats as the library path, so the backward is shared)."""
-    from ..kernels import conv_fused
+    """One Triton kernel for conv + bias + chain + pool (``_FusedForward``, unplanned)."""
+    return _FusedForward(x, weight, bias, operands, cfg, save)(x, weight, bias, operands)
 
-    y0 = _library_conv_meta(x, weight, cfg.conv)
-    steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
-    out_shape = list(y0.shape) if cfg.pool is None else _pooled_shape(y0.shape, cfg.pool)
-    out, saved_a, saved_b = _allocate_forward_outputs(x, y0, out_shape, cfg, save)
-    max_save = save and cfg.pool is not None and cfg.pool.kind == "max"
-    conv_fused.conv_fused_forward(
-        x, weight, bias, steps, _conv_geometry(cfg.conv), None if cfg.pool is None else _pool_geometry(cfg.pool),
-        out, saved_a if save else None, saved_b if max_save else None,
-        allow_tf32=bool(torch.backends.cudnn.allow_tf32),
+
+#: Settled per-signature call plans (``_signature``) of the forward and of the backward (whose key
+#: adds the output mask and the grad/saved-state layouts).
+_FORWARD_PLANS = BoundedCache(256)
+_BACKWARD_PLANS = BoundedCache(256)
+
+
+def _signature(config: str, save: bool, x: Tensor, weight: Tensor, bias: Tensor | None,
+               operands: Sequence[Tensor]) -> tuple:  # fmt: skip
+    """Everything a call's path and plan depend on: the config, the tensors' shapes, strides, dtypes
+    and devices, the TF32 flag and the environment switches (read per call: tests change them)."""
+    environ = os.environ
+    return (
+        config, save, tensor_key(x), tensor_key(weight), tensor_key(bias), tuple(map(tensor_key, operands)),
+        torch.backends.cudnn.allow_tf32, environ.get(CONV_IMPL_ENV), environ.get(impl_choice.MEASURE_ENV),
+        environ.get(CPU_KERNELS_ENV),
     )  # fmt: skip
-    return out, saved_a, saved_b
 
 
-def _triton_forward(
+def _forward_plan(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
     save: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The fused conv kernel or the library conv + epilogue kernel, as ``conv_impl`` says; under
-    ``FUSION_CONV_IMPL=auto`` a case both serve goes to the faster one, measured once per shape
-    (``impl_choice``; the library path when measuring is off)."""
+) -> tuple[Any, bool]:  # fmt: skip
+    """``(plan, settled)``: the fused conv kernel's plan (``_FusedForward``) or the library conv +
+    epilogue kernel, as ``conv_impl`` says; under ``FUSION_CONV_IMPL=auto`` a case both serve goes to
+    the faster one, measured once per shape (``impl_choice``; the library path when measuring is
+    off).  ``settled``: the same signature always gets this answer (not while the choice is
+    unmeasured), so the caller may keep the plan."""
     mode = _conv_impl_mode()
     impl = conv_impl(x, weight, cfg, save)[0]
-    if impl == "triton" and mode == "auto":
-        impl = impl_choice.choose(
-            lambda: _choice_key(x, weight, bias, cfg, save),
-            {
-                "triton": lambda: _fused_conv_forward(x, weight, bias, operands, cfg, save),
-                "library": lambda: _library_forward(x, weight, bias, operands, cfg, save),
-            },
-            default="library",
-            agree=_results_agree,
-            fast_key=("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
-                      torch.backends.cudnn.allow_tf32),
-        )  # fmt: skip
+    settled = True
+    fused = None
     if impl == "triton":
-        return _fused_conv_forward(x, weight, bias, operands, cfg, save)
-    return _library_forward(x, weight, bias, operands, cfg, save)
+        fused = _FusedForward(x, weight, bias, operands, cfg, save)
+        if mode == "auto":
+            fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
+                        torch.backends.cudnn.allow_tf32)  # fmt: skip
+            impl = impl_choice.choose(
+                lambda: _choice_key(x, weight, bias, cfg, save),
+                {
+                    "triton": lambda: fused(x, weight, bias, operands),
+                    "library": lambda: _library_forward(x, weight, bias, operands, cfg, save),
+                },
+                default="library",
+                agree=_results_agree,
+                fast_key=fast_key,
+            )
+            settled = impl_choice.settled(fast_key) is not None or not impl_choice.measuring_enabled()
+    if impl == "triton":
+        return fused, settled
+    return (lambda x, weight, bias, operands: _library_forward(x, weight, bias, operands, cfg, save)), settled
 
 
 #: Largest norm-wise relative difference between the fused and the library path's floating results
@@ -803,34 +905,41 @@ def _library_forward(
     return out, saved_a, saved_b
 
 
-def _triton_backward(
+def _backward_plan(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
     saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
-) -> list[Tensor | None]:  # fmt: skip
-    """The compact backward (``_compact_backward``) or the library one (``_library_backward``), as
-    ``FUSION_CONV_IMPL`` says; under ``auto`` a case both serve goes to the faster one, measured
-    once per shape (``impl_choice``; the library path when measuring is off).  Cases the compact
-    backward cannot serve (an avg pool) take the library one under every setting."""
-    args = (grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, mask)
+) -> tuple[Any, bool]:  # fmt: skip
+    """``(plan, settled)`` as ``_forward_plan``: the compact backward (``_CompactBackward``) or the
+    library one (``_library_backward``), as ``FUSION_CONV_IMPL`` says; under ``auto`` a case both
+    serve goes to the faster one, measured once per shape (``impl_choice``; the library path when
+    measuring is off).  Cases the compact backward cannot serve (an avg pool) take the library one
+    under every setting.  ``plan(grad_out, x, weight, bias, operands, saved_a, saved_b)``."""
+
+    def library(grad_out, x, weight, bias, operands, saved_a, saved_b):  # noqa: ANN001, ANN202
+        return _library_backward(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, mask)
+
+    args = (grad_out, x, weight, bias, operands, saved_a, saved_b)
     mode = _conv_impl_mode()
     if mode == "library" or (mode == "auto" and x.device.type != "cuda"):
-        return _library_backward(*args)  # auto on CPU: the interpreter is slow (tests force "triton")
-    key = ("compact_unsupported", tensor_key(x), tensor_key(weight), tensor_key(saved_a), tensor_key(saved_b), cfg)
-    why = _DECISIONS.get(key, lambda: _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg))
+        return library, True  # auto on CPU: the interpreter is slow (tests force "triton")
+    why = _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg)
     if why is not None:
         logger.debug("conv_epilogue backward: library path (%s)", why)
-        return _library_backward(*args)
-    impl = "compact"
-    if mode == "auto":
-        impl = impl_choice.choose(
-            lambda: _choice_key(x, weight, bias, cfg, True) + f"|backward {tuple(mask)} {grad_out.stride()}",
-            {"compact": lambda: _compact_backward(*args), "library": lambda: _library_backward(*args)},
-            default="library",
-            agree=_results_agree,
-            fast_key=("backward", tensor_key(x), tensor_key(weight), bias is None, cfg, tuple(mask),
-                      tensor_key(grad_out), torch.backends.cudnn.allow_tf32),
-        )  # fmt: skip
-    return _compact_backward(*args) if impl == "compact" else _library_backward(*args)
+        return library, True
+    compact = _CompactBackward(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, mask)
+    if mode != "auto":
+        return compact, True
+    fast_key = ("backward", tensor_key(x), tensor_key(weight), bias is None, cfg, tuple(mask),
+                tensor_key(grad_out), torch.backends.cudnn.allow_tf32)  # fmt: skip
+    impl = impl_choice.choose(
+        lambda: _choice_key(x, weight, bias, cfg, True) + f"|backward {tuple(mask)} {grad_out.stride()}",
+        {"compact": lambda: compact(*args), "library": lambda: library(*args)},
+        default="library",
+        agree=_results_agree,
+        fast_key=fast_key,
+    )
+    settled = impl_choice.settled(fast_key) is not None or not impl_choice.measuring_enabled()
+    return (compact if impl == "compact" else library), settled
 
 
 def _slot_wanted(cfg: ConvEpilogueConfig, operand_mask: Sequence[bool]) -> list[bool]:
@@ -849,17 +958,46 @@ def _operand_grads(
 ) -> list[Tensor | None]:  # fmt: skip
     """Each operand's gradient: the fp32 per-channel sums of the slots it feeds, summed over
     channels for a one-element operand, in the operand's shape and dtype."""
-    grads: list[Tensor | None] = []
+    recipe = _operand_grad_recipe(cfg, operands, operand_mask, [g is not None for g in slot_grads])
+    return _sum_operand_grads(recipe, slot_grads, channels, device)
+
+
+def _operand_grad_recipe(
+    cfg: ConvEpilogueConfig, operands: Sequence[Tensor], operand_mask: Sequence[bool],
+    slot_has_sum: Sequence[bool],
+) -> list[tuple[list[int], bool, torch.Size, torch.dtype] | None]:  # fmt: skip
+    """Per operand, None (not wanted) or ``(slots whose sums add up to its gradient, is one value,
+    shape, dtype)``; ``slot_has_sum[k]``: slot k's gradient sum is computed (its step has a tensor
+    first operand)."""
+    recipe: list[tuple[list[int], bool, torch.Size, torch.dtype] | None] = []
     for i, t in enumerate(operands):
         if not operand_mask[i]:
+            recipe.append(None)
+            continue
+        slots = [k for k, step in enumerate(cfg.chain) if slot_has_sum[k] and step.operands[0] == TensorRef(i)]
+        recipe.append((slots, t.numel() == 1, t.shape, t.dtype))
+    return recipe
+
+
+def _sum_operand_grads(
+    recipe: Sequence[tuple[list[int], bool, torch.Size, torch.dtype] | None],
+    slot_grads: Sequence[Tensor | None], channels: int, device: torch.device,
+) -> list[Tensor | None]:  # fmt: skip
+    """The operand gradients of ``_operand_grad_recipe`` from the slots' fp32 (C,) sums."""
+    grads: list[Tensor | None] = []
+    for entry in recipe:
+        if entry is None:
             grads.append(None)
             continue
-        total = torch.zeros(channels, dtype=torch.float32, device=device)
-        for step, g in zip(cfg.chain, slot_grads, strict=True):
-            if g is not None and step.operands[0] == TensorRef(i):
-                total = total + g
-        total = total.sum() if t.numel() == 1 else total
-        grads.append(total.reshape(t.shape).to(t.dtype))
+        slots, one_value, shape, dtype = entry
+        if not slots:  # feeds only operands without a gradient (e.g. a clamp bound)
+            grads.append(torch.zeros(shape, dtype=dtype, device=device))
+            continue
+        total = slot_grads[slots[0]]
+        for k in slots[1:]:
+            total = total + slot_grads[k]
+        total = total.sum() if one_value else total
+        grads.append(total.reshape(shape).to(dtype))
     return grads
 
 
@@ -916,35 +1054,57 @@ def _pooled_grad(g_win: Tensor, winner: Tensor, pool: PoolSpec) -> Any:  # conv_
     )
 
 
-def _compact_backward(
-    grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
-    saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
-) -> list[Tensor | None]:  # fmt: skip
+class _CompactBackward:
     """The conv backward never materializes the full-size gradient behind a max pool.
 
     The chain is differentiated at the winners only (the epilogue backward kernel without a pool,
-    on the pooled-size saved state): ``g_win = grad_out * chain'(y0_winner)`` plus the operand sums;
-    then ``_compact_kernels`` (shift or general) compute grad x / weight / bias with loaders that expand
-    ``(g_win, winner)`` on the fly.  Without a pool the dense conv-output gradient is written as in
-    the library path and the same Triton conv backward consumes it.
+    on the pooled-size saved state): ``g_win = grad_out * chain'(y0_winner)``, with the operand and
+    bias sums in the same pass; then ``_compact_kernels`` (shift or general) compute grad x and
+    weight with loaders that expand ``(g_win, winner)`` on the fly.  Without a pool the dense
+    conv-output gradient is written as in the library path and the same Triton conv backward
+    consumes it.
+
+    A plan for one call signature (see ``_FusedForward``): built from a call's arguments, called
+    as ``(grad_out, x, weight, bias, operands, saved_a, saved_b) -> [gx, gw, gb, *g_operands]``
+    (None where the mask is off) with tensors laid out like them.
     """
-    kernels = _kernels()
-    is_max = cfg.pool is not None
-    y_src = saved_b if is_max else saved_a
-    g = torch.empty_strided(y_src.shape, y_src.stride(), dtype=y_src.dtype, device=y_src.device)
-    steps = _kernel_steps(cfg, operands, g.dim(), g.shape[1])
-    slot_grads, _ = kernels.epilogue_backward(
-        grad_out, y_src, None, None, bias, steps, None, g, _slot_wanted(cfg, mask[3:]), False
-    )
-    grad_operands = _operand_grads(cfg, operands, mask[3:], slot_grads, g.shape[1], g.device)
-    grad = _pooled_grad(g, saved_a, cfg.pool) if is_max else g
-    spec = cfg.conv
-    conv_args = (grad, x, weight, spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding,
-                 spec.groups)  # fmt: skip
-    grad_x, grad_w, grad_b = _compact_kernels(conv_args, cfg).convolution_backward(
-        *conv_args, [mask[0], mask[1], mask[2] and bias is not None]
-    )
-    return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grad_operands]
+
+    def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig,
+                 mask: Sequence[bool]) -> None:  # fmt: skip
+        kernels = _kernels()
+        self.pool = cfg.pool  # not None: a max pool (``_compact_backward_unsupported``)
+        y_src = saved_b if self.pool is not None else saved_a
+        #: the gradient at the winners (or the dense conv-output gradient) is laid out like y_src
+        self.g_layout = (tuple(y_src.shape), y_src.stride(), y_src.dtype)
+        channels = y_src.shape[1]
+        steps = _kernel_steps(cfg, operands, y_src.dim(), channels)
+        slots = _slot_wanted(cfg, mask[3:])
+        self.want_bias = bool(mask[2]) and bias is not None
+        self.epilogue = kernels.BackwardLaunch(grad_out, y_src, None, None, bias, steps, None, y_src, slots,
+                                               self.want_bias)  # fmt: skip
+        self.matrix = kernels.OperandMatrix(steps, bias, channels, x.device)
+        self.sources = _operand_sources(cfg, bias)
+        self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
+        self.bias_dtype = None if bias is None else bias.dtype
+        grad = _pooled_grad(y_src, saved_a, self.pool) if self.pool is not None else y_src
+        spec = cfg.conv
+        conv_args = (grad, x, weight, spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding,
+                     spec.groups)  # fmt: skip
+        self.conv_backward = _compact_kernels(conv_args, cfg).backward_plan(*conv_args, [mask[0], mask[1]])
+
+    def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor) -> list[Tensor | None]:  # fmt: skip
+        y_src = saved_b if self.pool is not None else saved_a
+        shape, stride, dtype = self.g_layout
+        g = torch.empty_strided(shape, stride, dtype=dtype, device=y_src.device)
+        inputs = (bias, *operands)
+        params = self.matrix.build([inputs[i] for i in self.sources])
+        slot_grads, grad_bias = self.epilogue(grad_out, y_src, None, None, params, g)
+        grad = _pooled_grad(g, saved_a, self.pool) if self.pool is not None else g
+        grad_x, grad_w = self.conv_backward(grad, x, weight)
+        grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], g.device)
+        return [grad_x, grad_w, None if grad_bias is None else grad_bias.to(self.bias_dtype), *grad_operands]
 
 
 def _compact_kernels(conv_args: tuple, cfg: ConvEpilogueConfig) -> ModuleType:

@@ -2,8 +2,9 @@
 
 WHY: the fused implicit-GEMM conv kernel beats cuDNN + the epilogue kernel on some shapes and loses
 on others (measured on an H100: on seeds A and B the library conv still wins), so ``auto`` must not
-guess.  The first call with a new key times every candidate on the GPU (CUDA events, after one
-warm-up call that also compiles/autotunes it; ``_time_ms``) and remembers the winner: in memory for the process
+guess.  The first call with a new key times every candidate's GPU work (CUDA events around
+back-to-back calls queued behind a GPU spin, after one warm-up call that also compiles/autotunes
+it; ``_time_ms``) and remembers the winner: in memory for the process
 and in a JSON file for later processes, so the measurement is paid once per shape per machine.
 
 Contract of ``choose``:
@@ -27,6 +28,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 
@@ -66,7 +68,8 @@ def _environment() -> str:
     import triton
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return f"{device}|torch {torch.__version__}|triton {triton.__version__}"
+    # "gpu-time": answers measured by the wall-time timer of earlier versions are not reused
+    return f"{device}|torch {torch.__version__}|triton {triton.__version__}|gpu-time"
 
 
 def _full_key(key: str) -> str:
@@ -94,34 +97,66 @@ def _store(full_key: str, name: str) -> None:
         log.debug("impl choice cache %s not written: %s", path, e)
 
 
-def _time_ms(fn: Callable[[], object]) -> float:
-    """Milliseconds per call of ``fn`` in a steady stream of back-to-back calls (after a warm-up
-    call that compiles and autotunes): the best of ``_ROUNDS`` rounds of ``n`` calls between two
-    events, ``n`` chosen so that a round lasts about ``_ROUND_MS``.
+@functools.cache
+def _spin_cycles_per_ms() -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond on the current device (measured once)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000)  # loads the kernel
+    start.record()
+    torch.cuda._sleep(2_000_000)
+    end.record()
+    end.synchronize()
+    return 2_000_000 / max(start.elapsed_time(end), 1e-3)
 
-    WHY back to back: with events around ONE call, the GPU sits idle from the start event until the
-    host has prepared the launch, so the candidate's host time is counted in full although in a
-    training loop it overlaps the previous kernels (measured on the H100: ``auto`` then kept the
-    library forward of seed A at 0.72 ms against the fused kernel's 0.28 ms).  Back to back, host
-    time counts only where it exceeds the GPU time, as it does in a real loop.
+
+def _time_ms(fn: Callable[[], object]) -> float:
+    """GPU milliseconds per call of ``fn`` (after a warm-up call that compiles and autotunes): the
+    best of ``_ROUNDS`` rounds of ``n`` back-to-back calls between two events, ``n`` chosen so that
+    a round lasts about ``_ROUND_MS``.
+
+    Each round first queues a GPU spin (``torch.cuda._sleep``) long enough for the host to enqueue
+    all of the round's calls behind it, so the events see the calls' GPU work back to back however
+    slow the host is; a round whose enqueueing outlasted its spin is repeated with a longer spin.
+
+    WHY GPU time, not wall time: the wall time of host-bound calls moves with the host (the H100
+    host's speed varied 2x between calls in session 8), and the answer flipped with it (seed A's
+    bf16 forward: fused kernel in one run, the library conv, 4x the GPU time, in the next).  Both
+    candidates' host paths are a few launches whose cost the op keeps low separately; which
+    kernels run is what the choice decides.  A candidate that synchronizes inside (its enqueueing
+    can never run ahead) is charged its wall time after the retries.
     """
     fn()  # warm-up: compiles and autotunes
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    began = time.perf_counter()
     start.record()
     fn()
     end.record()
+    host_ms = (time.perf_counter() - began) * 1e3
     end.synchronize()
     calls = max(1, min(_MAX_CALLS, math.ceil(_ROUND_MS / max(start.elapsed_time(end), 1e-3))))
-    best = math.inf
-    for _ in range(_ROUNDS):
+    cycles_per_ms = _spin_cycles_per_ms()
+    best, fallback, rounds = math.inf, math.inf, 0
+    for _ in range(4 * _ROUNDS):
+        cover_ms = 2.0 * host_ms * calls + 0.5
+        torch.cuda._sleep(int(cover_ms * cycles_per_ms))
+        began = time.perf_counter()
         start.record()
         for _ in range(calls):
             fn()
         end.record()
+        enqueue_ms = (time.perf_counter() - began) * 1e3
         end.synchronize()
-        best = min(best, start.elapsed_time(end) / calls)
-    return best
+        per_call = start.elapsed_time(end) / calls
+        if enqueue_ms >= cover_ms:  # the GPU may have waited on the host: a longer spin next time
+            host_ms = max(host_ms, enqueue_ms / calls)
+            fallback = min(fallback, per_call)
+            continue
+        best = min(best, per_call)
+        rounds += 1
+        if rounds == _ROUNDS:
+            break
+    return best if rounds else fallback
 
 
 def choose(
@@ -177,6 +212,12 @@ def choose(
     log.info("impl choice %s: %s (%s)", key, best, ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()))
     _store(full_key, best)
     return _remember(full_key, best, fast_key)
+
+
+def settled(fast_key: Hashable) -> str | None:
+    """The answer kept under ``fast_key`` (measured, or read from the file), or None while there is
+    none (not measured yet, measuring off, CUDA-graph capture, a failing candidate)."""
+    return _fast.peek(fast_key)
 
 
 def _remember(full_key: str, name: str, fast_key: Hashable | None) -> str:
