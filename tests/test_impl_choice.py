@@ -99,8 +99,10 @@ def test_timer_charges_gpu_time_whatever_the_host_time():
     gpu = impl_choice._time_ms(gpu_only)
     assert gpu > 0.1, f"four 2048^3 matmuls take more than 0.1 ms (got {gpu:.3f} ms)"
     slow_host = impl_choice._time_ms(host_then_gpu)
-    assert abs(slow_host - gpu) < 0.1 * gpu + 0.02, f"host sleep charged: {slow_host:.3f} vs {gpu:.3f} ms"
-    assert impl_choice._time_ms(lambda: time.sleep(1e-3)) < 0.05, "a call without GPU work is charged ~0"
+    # Charging the 1 ms host sleep would add >= 1 ms; the rest is GPU-time noise (the suite shares
+    # the GPU between workers).
+    assert slow_host < gpu + 0.4, f"host sleep charged: {slow_host:.3f} vs {gpu:.3f} ms"
+    assert impl_choice._time_ms(lambda: time.sleep(1e-3)) < 0.1, "a call without GPU work is charged ~0"
 
 
 def test_only_settled_answers_are_kept_under_the_fast_key(monkeypatch):
