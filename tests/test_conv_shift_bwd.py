@@ -199,10 +199,10 @@ def _force_wgrad_tile(monkeypatch, tile: tuple[int, ...]) -> list[dict]:
     )
 
     class Recording(S._KernelLaunch):
-        def __init__(self, tuned, raw, tile, grid, constexprs) -> None:  # noqa: ANN001
+        def __init__(self, tuned, raw, tile, grid, constexprs, fixed=()) -> None:  # noqa: ANN001
             if raw is S._shift_wgrad_kernel:
                 seen.append(constexprs["LINE_DIV"] % tile[0] == 0)  # the kernel's LINE
-            super().__init__(tuned, raw, tile, grid, constexprs)
+            super().__init__(tuned, raw, tile, grid, constexprs, fixed)
 
     monkeypatch.setattr(S, "_KernelLaunch", Recording)
     monkeypatch.setattr(S, "_PLANS", type(S._PLANS)(256))  # no plan cached with another tile

@@ -80,6 +80,20 @@ def test_second_call_with_the_same_specialization_launches_directly(fake_driver)
     assert args[0] is x and args[1:] == [48, 64, 3]  # runtime args, then constexprs (default filled in)
 
 
+def test_fixed_trailing_arguments_are_passed_on_every_path(fake_driver):
+    """``fixed``: the plan's integers, given once; calls pass only the tensors.  Both paths receive
+    them after the call's arguments, and where a constexpr sits between runtime parameters too."""
+    kernel = _Kernel([_Param("x"), _Param("y"), _Param("n"), _Param("BLOCK", True), _Param("m")])
+    fl = FastLaunch(kernel, (2,), {"BLOCK": 16}, fixed=(40, 7))
+    x, y = torch.randn(32), torch.randn(32)
+    fl(x, y)
+    fl(x, y)
+    assert _paths(kernel) == ["generic", "direct"]
+    assert kernel.log[0][2] == (x, y, 40, 7) and kernel.log[0][3] == {"BLOCK": 16}
+    *_, a0, a1, a2, a3, a4 = kernel.log[1][1]
+    assert a0 is x and a1 is y and (a2, a3, a4) == (40, 16, 7)
+
+
 @pytest.mark.parametrize(
     "first, second",
     [

@@ -989,12 +989,15 @@ class _Launch:
         self.ints, self.constexprs, self.cout = ints, constexprs, cout
         self.transposed = bool(constexprs["TRANSPOSED"])
         self.m_total, self.groups, self.cout_g = m_total, groups, cout_g
-        self.fast = None if cfg is None else FastLaunch(_conv_fused_fwd_kernel, self.grid(cfg), {**constexprs, **cfg})
+        self.fast = None if cfg is None else self._bind(cfg)
         #: None: the kernel reads the weight with its output channels innermost (``_output_channels_innermost``).
         self.weight_matrix = weight_matrix
 
     def grid(self, meta: dict) -> tuple[int, int]:
         return (cdiv(self.m_total, meta["BLOCK_M"]), self.groups * cdiv(self.cout_g, meta["BLOCK_N"]))
+
+    def _bind(self, meta: dict) -> FastLaunch:
+        return FastLaunch(_conv_fused_fwd_kernel, self.grid(meta), {**self.constexprs, **meta}, fixed=self.ints)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
             saved_a: torch.Tensor | None, saved_b: torch.Tensor | None) -> None:  # fmt: skip
@@ -1009,24 +1012,24 @@ class _Launch:
 
     def __call__(self, tensors: tuple[torch.Tensor, ...]) -> None:
         if self.fast is not None:
-            self.fast(*tensors, *self.ints)
+            self.fast(*tensors)
             return
         _conv_fused_fwd_tuned[self.grid](*tensors, *self.ints, **self.constexprs)
         best = getattr(_conv_fused_fwd_tuned, "best_config", None)  # the tile of this call's key
         if best is not None:
-            self.fast = FastLaunch(_conv_fused_fwd_kernel, self.grid(best.kwargs), {**self.constexprs, **best.all_kwargs()})
+            self.fast = self._bind(best.all_kwargs())
 
 
 class _WeightMatrixLaunch:
     """The launch of ``_shift_k_weight_kernel`` for one plan: ``(weight) -> prearranged matrix``."""
 
     def __init__(self, shape: tuple[int, ...], ints: tuple[int, ...], constexprs: dict, grid: tuple[int, int]) -> None:
-        self.shape, self.ints = shape, ints
-        self.launch = FastLaunch(_shift_k_weight_kernel, grid, constexprs)
+        self.shape = shape
+        self.launch = FastLaunch(_shift_k_weight_kernel, grid, constexprs, fixed=ints)
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         matrix = torch.empty(self.shape, dtype=weight.dtype, device=weight.device)
-        self.launch(weight, matrix, *self.ints)
+        self.launch(weight, matrix)
         return matrix
 
 

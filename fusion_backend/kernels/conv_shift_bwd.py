@@ -1053,18 +1053,19 @@ class _KernelLaunch:
     WHY: Triton's generic launch costs 20-90 us of host time per call on the GPU hosts, and a
     training step at seed A's size waits on the host (``docs/perf/NOTES.md``)."""
 
-    def __init__(self, tuned, raw, tile: tuple[int, ...] | None, grid, constexprs: dict) -> None:  # noqa: ANN001
-        self.tuned, self.raw, self.grid, self.constexprs = tuned, raw, grid, constexprs
+    def __init__(self, tuned, raw, tile: tuple[int, ...] | None, grid, constexprs: dict, fixed: tuple = ()) -> None:  # noqa: ANN001
+        self.tuned, self.raw, self.grid, self.constexprs, self.fixed = tuned, raw, grid, constexprs, fixed
         self.fast = None if tile is None else self._bind(_tile_meta(tile))
 
     def _bind(self, meta: dict) -> FastLaunch:
-        return FastLaunch(self.raw, self.grid(meta), {**self.constexprs, **meta})
+        return FastLaunch(self.raw, self.grid(meta), {**self.constexprs, **meta}, fixed=self.fixed)
 
     def __call__(self, *args) -> None:  # noqa: ANN002
+        """Launch with the tensors (the runtime arguments before ``fixed``, the plan's integers)."""
         if self.fast is not None:
             self.fast(*args)
             return
-        self.tuned[self.grid](*args, **self.constexprs)
+        self.tuned[self.grid](*args, *self.fixed, **self.constexprs)
         best = getattr(self.tuned, "best_config", None)  # the tile of this call's key
         if best is not None:
             self.fast = self._bind(best.all_kwargs())
@@ -1104,11 +1105,11 @@ def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor,
         UPD=geo.pool_padding[0], UPH=geo.pool_padding[1], UPW=geo.pool_padding[2],
         G_CL=_channels_inner(g), X_CL=_channels_inner(dx), WIN_INSIDE=geo.windows_inside,
         V_SAME=g.stride() == v.stride(), PREC=_precision(x.dtype),
-    ))  # fmt: skip
+    ), fixed=ints)  # fmt: skip
 
     def run(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        launch(grad.g_win, grad.winner, _ci_innermost(weight), table, out, *ints)
+        launch(grad.g_win, grad.winner, _ci_innermost(weight), table, out)
         return out
 
     return run
@@ -1169,24 +1170,25 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
                  * cdiv(kpn, meta["KPB"]))  # fmt: skip
         return (splits, tiles)
 
-    partials = _KernelLaunch(_wgrad_tuned, _shift_wgrad_kernel, tile, grid, constexprs)
     ints = (
         m_total, geo.ci_g, geo.co_g, rows_per_split, part_split, *geo.in_size, *geo.conv_out, *geo.units,
         *_lift(x), *_lift(g), *_lift(v),
     )  # fmt: skip
+    partials = _KernelLaunch(_wgrad_tuned, _shift_wgrad_kernel, tile, grid, constexprs, fixed=ints)
     table = _finish_table(geo, x.device)
     fb = _FINISH_BLOCK if not _INTERPRET else 16
     finish_grid = (math.prod(geo.taps), geo.groups * cdiv(geo.ci_g, fb) * cdiv(geo.co_g, fb))
-    finish = FastLaunch(_shift_wgrad_finish_kernel, finish_grid,
-                        dict(TH=geo.taps[1], TW=geo.taps[2], NS=ns, KPN=kpn, BLOCK_A=fb, BLOCK_B=fb))  # fmt: skip
     finish_ints = (splits, geo.ci_g, geo.co_g, table.shape[1], part_split, dw.stride(0), dw.stride(1),
                    *_lift3(dw.stride()[2:], 0))  # fmt: skip
+    finish = FastLaunch(_shift_wgrad_finish_kernel, finish_grid,
+                        dict(TH=geo.taps[1], TW=geo.taps[2], NS=ns, KPN=kpn, BLOCK_A=fb, BLOCK_B=fb),
+                        fixed=finish_ints)  # fmt: skip
 
     def run(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         part = torch.empty(part_numel, dtype=torch.float32, device=x.device)
         out = torch.empty_like(weight)
-        partials(x, grad.g_win, grad.winner, part, *ints)
-        finish(part, table, out, *finish_ints)
+        partials(x, grad.g_win, grad.winner, part)
+        finish(part, table, out)
         return out
 
     return run

@@ -927,7 +927,7 @@ class BackwardLaunch:
         grid = (n * num_s_blocks, cdiv(channels, block_c))
         self.channels = channels
         self.partials_shape = (NUM_GRAD_ROWS, grid[0], channels)
-        self.ints = (
+        ints = (
             channels, *y_sizes[2:], *g_sizes[2:], num_s_blocks, grid[0] * channels, *g_strides, *y_strides, *w_strides,
         )  # fmt: skip
         self.launch = None
@@ -936,7 +936,7 @@ class BackwardLaunch:
                 **_op_constexprs(steps), HAS_BIAS=bias is not None,
                 POOL=0 if pool is None else (1 if pool.kind == "max" else 2), GRAD_MASK=grad_mask, **pool_args,
                 BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
-            ))  # fmt: skip
+            ), fixed=ints)  # fmt: skip
         self.slots = [k < len(operand_grad_slots) and bool(operand_grad_slots[k]) for k in range(len(steps))]
         self.bias_grad = bias_grad
 
@@ -949,7 +949,7 @@ class BackwardLaunch:
         if self.launch is not None:
             self.launch(
                 grad_out, y if y is not None else grad_y, winner if winner is not None else grad_y,
-                winner_y if winner_y is not None else grad_y, params, grad_y, partials, *self.ints,
+                winner_y if winner_y is not None else grad_y, params, grad_y, partials,
             )  # fmt: skip
         else:
             partials.zero_()

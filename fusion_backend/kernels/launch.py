@@ -11,7 +11,10 @@ Contract:
 
 * One ``FastLaunch`` per (kernel, grid, constexprs, launch options), i.e. per launch plan; calling
   it with the kernel's runtime (non-constexpr) arguments, in signature order, launches on the
-  current device's current stream, exactly like ``kernel[grid](*args, **constexprs)``.
+  current device's current stream, exactly like ``kernel[grid](*args, **constexprs)``.  ``fixed``:
+  trailing runtime arguments that are the same on every call of the plan (its shapes and strides);
+  they are given once, the calls pass only the arguments before them, and they are not part of the
+  call key (they cannot change it).
 * The key of a call is finer than Triton's specialization key, so a remembered kernel is always the
   one the generic path would pick: per tensor its dtype and whether its data pointer is 16-byte
   aligned (all Triton specializes a pointer on); every other argument by its exact type and value
@@ -98,10 +101,11 @@ class FastLaunch:
     """``kernel[grid](*args, **constexprs)`` with the per-launch host work done once per
     specialization (see the module docstring for the contract and when it falls back)."""
 
-    def __init__(self, kernel: Any, grid: Sequence[int], constexprs: dict[str, Any]) -> None:
+    def __init__(self, kernel: Any, grid: Sequence[int], constexprs: dict[str, Any], fixed: Sequence[Any] = ()) -> None:
         self.kernel = kernel
         self.grid = tuple(grid)
         self.constexprs = dict(constexprs)
+        self.fixed = tuple(fixed)
         self._grid3 = (*self.grid, 1, 1)[:3]
         self._compiled: dict[Any, tuple[Callable[..., Any], Any, Any]] = {}
         self._tail, self._merge = self._constexpr_layout(kernel, self.constexprs)
@@ -137,8 +141,8 @@ class FastLaunch:
 
     def _full_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         if self._merge is None:
-            return args + self._tail
-        it = iter(args)
+            return args + self.fixed + self._tail
+        it = iter(args + self.fixed)
         return tuple(next(it) if v is _RUNTIME else v for v in self._merge)
 
     def __call__(self, *args: Any) -> None:
@@ -155,11 +159,11 @@ class FastLaunch:
                 run(gx, gy, gz, stream_of(device), function, metadata, None, None, None,
                     *self._full_args(args))  # fmt: skip
                 return
-        compiled = self.kernel[self.grid](*args, **self.constexprs)
+        compiled = self.kernel[self.grid](*args, *self.fixed, **self.constexprs)
         self._remember(args, compiled)
 
     def _remember(self, args: tuple[Any, ...], compiled: Any) -> None:
-        if compiled is None or len(args) != self._n_runtime or len(self._compiled) >= MAX_REMEMBERED:
+        if compiled is None or len(args) + len(self.fixed) != self._n_runtime or len(self._compiled) >= MAX_REMEMBERED:
             return  # interpreter, not a JITFunction, runtime args left to their defaults, or full
         try:
             key = call_key(args)
