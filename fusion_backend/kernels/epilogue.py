@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import cdiv, next_pow2, persistent_device_copies
+from .host import BoundedCache, cdiv, next_pow2, persistent_device_copies, tensor_key
 from .launch import FastLaunch
 
 #: Number of op-code slots of the kernel templates (== chain.MAX_CHAIN_LENGTH).
@@ -866,8 +866,20 @@ def epilogue_backward(
       weighted by grad_out (the caller sums channels for scalar operands); the fp32 (C,) bias grad or
       None.  Sums are over fixed-order per-block partials, so they are bitwise reproducible.
     """
-    launch = BackwardLaunch(grad_out, y, winner, winner_y, bias, steps, pool, grad_y, operand_grad_slots, bias_grad)
+    key = (
+        tensor_key(grad_out), tensor_key(y), tensor_key(winner), tensor_key(winner_y), bias is None,
+        tuple(int(code) for code, _ in steps), pool, tensor_key(grad_y), tuple(map(bool, operand_grad_slots)),
+        bool(bias_grad),
+    )  # fmt: skip
+    launch = _BACKWARD_LAUNCHES.get(
+        key, lambda: BackwardLaunch(grad_out, y, winner, winner_y, bias, steps, pool, grad_y, operand_grad_slots, bias_grad)
+    )
     return launch(grad_out, y, winner, winner_y, build_params(steps, bias, launch.channels, grad_y.device), grad_y)
+
+
+#: ``epilogue_backward``'s launch plans by what they depend on (layouts, op codes, pool, wanted
+#: sums): a kept plan's ``FastLaunch`` skips Triton's generic launch path on later calls.
+_BACKWARD_LAUNCHES = BoundedCache(256)
 
 
 class BackwardLaunch:
