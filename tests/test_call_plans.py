@@ -126,7 +126,7 @@ def test_no_plan_is_kept_while_the_choice_is_unmeasured(monkeypatch, planned):
     monkeypatch.setenv(impl_choice.MEASURE_ENV, "1")
     monkeypatch.setattr(ce, "conv_impl", lambda *a: ("triton", None))  # as on CUDA
     monkeypatch.setattr(impl_choice, "choose", lambda *a, **k: "library")  # unsettled: nothing kept
-    monkeypatch.setattr(impl_choice, "settled", lambda key: None)
+    monkeypatch.setattr(impl_choice, "is_final", lambda key: False)
     (x, w, b, m), config = _seed_a_like()
     with torch.no_grad():
         for _ in range(2):

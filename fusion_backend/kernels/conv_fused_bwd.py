@@ -948,9 +948,7 @@ def convolution_backward(
     ``empty_like(x)``, grad_w like ``empty_like(weight)``, grad_b (C_out,) in weight's dtype.
     Raises ``UnsupportedInputError`` when ``unsupported_reason(...)`` is not None.
     """
-    conv_args = (stride, padding, dilation, transposed, output_padding, groups)
-    _check(grad, x, weight, *conv_args)
-    gx = _input_grad(grad, x, weight, *conv_args) if output_mask[0] else None
-    gw = _weight_grad(grad, x, weight, *conv_args) if output_mask[1] else None
+    run = backward_plan(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups, output_mask[:2])
+    gx, gw = run(grad, x, weight)
     gb = conv_bias_grad(grad).to(weight.dtype) if output_mask[2] else None
     return gx, gw, gb

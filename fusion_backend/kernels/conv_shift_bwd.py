@@ -1218,9 +1218,8 @@ def convolution_backward(
         tensor_key(x), tensor_key(weight), conv_args, tuple(bool(m) for m in output_mask[:2]),
         _precision(x.dtype), os.environ.get(AUTOTUNE_ENV, "1"),
     )  # fmt: skip
-    input_grad, weight_grad = _PLANS.get(key, lambda: _plan(grad, x, weight, conv_args, output_mask))
-    gx = input_grad(grad, x, weight) if output_mask[0] else None
-    gw = weight_grad(grad, x, weight) if output_mask[1] else None
+    run = _PLANS.get(key, lambda: backward_plan(grad, x, weight, *conv_args, output_mask[:2]))
+    gx, gw = run(grad, x, weight)
     gb = conv_bias_grad(grad).to(weight.dtype) if output_mask[2] else None
     return gx, gw, gb
 
@@ -1231,8 +1230,9 @@ def backward_plan(
     output_mask: Sequence[bool] = (True, True),
 ) -> Callable[[Grad, torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]]:
     """``(grad, x, weight) -> (grad_x, grad_w)`` for tensors laid out like these (a per-signature
-    call plan keeps it): ``convolution_backward`` without the bias and without the per-call checks
-    and cache lookup.  Raises ``UnsupportedInputError`` as ``convolution_backward`` does."""
+    call plan keeps it): ``convolution_backward`` without the bias, the per-call checks and the
+    cache lookup (``convolution_backward`` keeps these per shape).  Raises ``UnsupportedInputError``
+    as ``convolution_backward`` does."""
     conv_args = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(output_padding), int(groups))
     input_grad, weight_grad = _plan(grad, x, weight, conv_args, output_mask)
 

@@ -626,7 +626,10 @@ def _spatial_flattens(sizes: Sequence[int], strides: Sequence[int]) -> bool:
 
 
 def _lift_pool(pool: PoolGeometry, spatial_dims: int) -> dict[str, int | bool]:
-    """The kernels' pool constexprs, lifted to 3 spatial dims (kernel 1, stride 1, no padding)."""
+    """The kernels' pool constexprs, lifted to 3 spatial dims (kernel 1, stride 1, no padding);
+    ValueError for a window the kernels do not unroll (above ``MAX_WINDOW_VOLUME`` taps)."""
+    if pool.window_volume > MAX_WINDOW_VOLUME:
+        raise ValueError(f"pool windows above {MAX_WINDOW_VOLUME} taps are not unrolled, got {pool}")
     if not (len(pool.kernel_size) == len(pool.stride) == len(pool.padding) == spatial_dims):
         raise ValueError(f"pool geometry {pool} does not have {spatial_dims} spatial dims")
     pad = 3 - spatial_dims
@@ -681,8 +684,8 @@ class OperandMatrix:
     which operand tensor (and whether that tensor is one value to expand over the channels).
 
     Built once per signature (a call plan keeps it); ``build`` then only reshapes the tensors and
-    concatenates.  ``sources``: the tensor rows in row order (the bias first, then each slot's
-    operands), the order ``build`` takes its tensors in.
+    concatenates.  ``build`` takes the tensor rows in row order (``tensor_rows``: the bias first,
+    then each slot's tensor operands).
     NOTE: host time matters here (seed A's launch is host-bound): one ``torch.cat`` of the tensor
     rows and slices of the cached constant matrix replaces a ``zeros`` plus one ``copy_``/``fill_``
     per row (5 device ops on seed A).
@@ -711,7 +714,8 @@ class OperandMatrix:
         #: per piece of the concatenation: a slice of ``base``, or ``(source number, expand, convert)``
         #: (convert: the tensor is not fp32 on ``device``)
         self.pieces: list[torch.Tensor | tuple[int, bool, bool]] = []
-        self.sources: list[torch.Tensor] = []
+        #: how many tensor rows ``build`` takes (no tensor is kept: a cached plan must not hold them)
+        self.num_sources = 0
         done = 0
         for row, value in enumerate(values):
             if not isinstance(value, torch.Tensor):
@@ -723,17 +727,18 @@ class OperandMatrix:
             if row > done:
                 self.pieces.append(base[done:row])
             convert = value.dtype != torch.float32 or value.device != device
-            self.pieces.append((len(self.sources), value.numel() == 1 and channels != 1, convert))
-            self.sources.append(value)
+            self.pieces.append((self.num_sources, value.numel() == 1 and channels != 1, convert))
+            self.num_sources += 1
             done = row + 1
-        if done < NUM_PARAM_ROWS and self.sources:
+        if done < NUM_PARAM_ROWS and self.num_sources:
             self.pieces.append(base[done:])
 
     def build(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``P`` for ``tensors`` (one per ``sources`` entry, with its numel, dtype and device).
+        """``P`` for ``tensors`` (``tensor_rows`` of a call like the constructor's: same numel,
+        dtype and device per row).
 
         The result is read-only: without tensor rows it is the cached constant matrix itself."""
-        if not self.sources:
+        if not self.num_sources:
             return self.base
         pieces = []
         for piece in self.pieces:
@@ -753,8 +758,13 @@ def build_params(
 ) -> torch.Tensor:
     """The operand matrix ``P``: fp32 ``(NUM_PARAM_ROWS, channels)``, contiguous (see module doc);
     read-only (see ``OperandMatrix.build``)."""
-    layout = OperandMatrix(steps, bias, channels, device)
-    return layout.build(layout.sources)
+    return OperandMatrix(steps, bias, channels, device).build(tensor_rows(steps, bias))
+
+
+def tensor_rows(steps: Sequence[KernelStep], bias: torch.Tensor | None) -> list[torch.Tensor]:
+    """The tensors of ``P``'s rows in row order (what ``OperandMatrix.build`` takes)."""
+    rows = [] if bias is None else [bias]
+    return rows + [v for _, operands in steps for v in operands if isinstance(v, torch.Tensor)]
 
 
 def _op_constexprs(steps: Sequence[KernelStep]) -> dict[str, int]:
@@ -816,8 +826,6 @@ def epilogue_forward(
             y_sizes, y_strides = _lift(y)
         pool_args = _NO_POOL
     else:
-        if pool.window_volume > MAX_WINDOW_VOLUME:
-            raise ValueError(f"pool windows above {MAX_WINDOW_VOLUME} taps are not unrolled, got {pool}")
         pool_args = _lift_pool(pool, y.dim() - 2)
     params = build_params(steps, bias, channels, y.device)
     s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
@@ -926,8 +934,6 @@ class BackwardLaunch:
                 g_sizes, g_strides = y_sizes, y_strides
             pool_args = _NO_POOL
         else:
-            if pool.window_volume > MAX_WINDOW_VOLUME:
-                raise ValueError(f"pool windows above {MAX_WINDOW_VOLUME} taps are not unrolled, got {pool}")
             pool_args = _lift_pool(pool, grad_y.dim() - 2)
         w_strides = _lift(winner)[1] if winner is not None else [0] * 5
         grad_mask = sum(1 << k for k, wanted in enumerate(operand_grad_slots) if wanted)

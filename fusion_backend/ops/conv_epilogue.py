@@ -762,8 +762,7 @@ class _FusedForward:
             out, saved_a if self.save_a else None, saved_b if self.save_b else None,
             allow_tf32=bool(torch.backends.cudnn.allow_tf32),
         )  # fmt: skip
-        self.matrix = _kernels().OperandMatrix(steps, bias, y0.shape[1], x.device)
-        self.sources = _operand_sources(cfg, bias)
+        self.params = _PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
@@ -772,20 +771,27 @@ class _FusedForward:
             torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self.layouts
         )
         if self.launch is not None:
-            inputs = (bias, *operands)
-            params = self.matrix.build([inputs[i] for i in self.sources])
-            self.launch.run(x, weight, params, out, saved_a if self.save_a else None,
+            self.launch.run(x, weight, self.params(bias, operands), out, saved_a if self.save_a else None,
                             saved_b if self.save_b else None)  # fmt: skip
         return out, saved_a, saved_b
 
 
-def _operand_sources(cfg: ConvEpilogueConfig, bias: Tensor | None) -> tuple[int, ...]:
-    """Where each tensor row of ``P`` comes from, in ``OperandMatrix.sources`` order, as indices
-    into ``(bias, *operands)``: the bias first, then each slot's tensor operands."""
-    sources = [0] if bias is not None else []
-    for step in cfg.chain:
-        sources += [1 + operand.index for operand in step.operands if not isinstance(operand, Const)]
-    return tuple(sources)
+class _PlannedOperands:
+    """``(bias, operands) -> P`` for one call signature: the kernels' ``OperandMatrix`` layout and,
+    per tensor row (``tensor_rows`` order: the bias first, then each slot's tensor operands), its
+    index into ``(bias, *operands)``."""
+
+    def __init__(self, cfg: ConvEpilogueConfig, steps: Sequence[Any], bias: Tensor | None, channels: int,
+                 device: torch.device) -> None:  # fmt: skip
+        self.matrix = _kernels().OperandMatrix(steps, bias, channels, device)
+        sources = [0] if bias is not None else []
+        for step in cfg.chain:
+            sources += [1 + operand.index for operand in step.operands if not isinstance(operand, Const)]
+        self.sources = tuple(sources)
+
+    def __call__(self, bias: Tensor | None, operands: Sequence[Tensor]) -> Tensor:
+        inputs = (bias, *operands)
+        return self.matrix.build([inputs[i] for i in self.sources])
 
 
 def _fused_conv_forward(
@@ -842,7 +848,7 @@ def _forward_plan(
                 agree=_results_agree,
                 fast_key=fast_key,
             )
-            settled = impl_choice.settled(fast_key) is not None or not impl_choice.measuring_enabled()
+            settled = impl_choice.is_final(fast_key)
     if impl == "triton":
         return fused, settled
     return (lambda x, weight, bias, operands: _library_forward(x, weight, bias, operands, cfg, save)), settled
@@ -938,7 +944,7 @@ def _backward_plan(
         agree=_results_agree,
         fast_key=fast_key,
     )
-    settled = impl_choice.settled(fast_key) is not None or not impl_choice.measuring_enabled()
+    settled = impl_choice.is_final(fast_key)
     return (compact if impl == "compact" else library), settled
 
 
@@ -1083,8 +1089,7 @@ class _CompactBackward:
         self.want_bias = bool(mask[2]) and bias is not None
         self.epilogue = kernels.BackwardLaunch(grad_out, y_src, None, None, bias, steps, None, y_src, slots,
                                                self.want_bias)  # fmt: skip
-        self.matrix = kernels.OperandMatrix(steps, bias, channels, x.device)
-        self.sources = _operand_sources(cfg, bias)
+        self.params = _PlannedOperands(cfg, steps, bias, channels, x.device)
         self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
         self.bias_dtype = None if bias is None else bias.dtype
         grad = _pooled_grad(y_src, saved_a, self.pool) if self.pool is not None else y_src
@@ -1098,9 +1103,7 @@ class _CompactBackward:
         y_src = saved_b if self.pool is not None else saved_a
         shape, stride, dtype = self.g_layout
         g = torch.empty_strided(shape, stride, dtype=dtype, device=y_src.device)
-        inputs = (bias, *operands)
-        params = self.matrix.build([inputs[i] for i in self.sources])
-        slot_grads, grad_bias = self.epilogue(grad_out, y_src, None, None, params, g)
+        slot_grads, grad_bias = self.epilogue(grad_out, y_src, None, None, self.params(bias, operands), g)
         grad = _pooled_grad(g, saved_a, self.pool) if self.pool is not None else g
         grad_x, grad_w = self.conv_backward(grad, x, weight)
         grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], g.device)

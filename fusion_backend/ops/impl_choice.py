@@ -214,10 +214,12 @@ def choose(
     return _remember(full_key, best, fast_key)
 
 
-def settled(fast_key: Hashable) -> str | None:
-    """The answer kept under ``fast_key`` (measured, or read from the file), or None while there is
-    none (not measured yet, measuring off, CUDA-graph capture, a failing candidate)."""
-    return _fast.peek(fast_key)
+def is_final(fast_key: Hashable) -> bool:
+    """Whether ``choose`` will give the same answer for ``fast_key`` from now on (while the
+    ``MEASURE_ENV`` switch stays as it is): an answer is kept under it (measured, or read from the
+    file), or measuring is off (the default is then always the answer).  False while unmeasured
+    (CUDA-graph capture, a failing candidate)."""
+    return _fast.peek(fast_key) is not None or not measuring_enabled()
 
 
 def _remember(full_key: str, name: str, fast_key: Hashable | None) -> str:
