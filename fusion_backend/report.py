@@ -219,7 +219,10 @@ def collect_reports() -> Iterator[list[GraphReport]]:
     try:
         yield bucket
     finally:
-        _sinks().remove(bucket)
+        # by identity: ``list.remove`` compares by ``==``, and a nested block's bucket holding the
+        # same reports would take the outer one's place
+        sinks = _sinks()
+        del sinks[next(i for i, b in enumerate(sinks) if b is bucket)]
 
 
 def publish(report: GraphReport) -> None:

@@ -90,20 +90,25 @@ def rewrite_conv_region(
     op_name: str,
     kernel: tuple[str, Optional[str]],
     finish: Optional[Callable[[fx.Graph, fx.Node], fx.Node]] = None,
+    cast_inputs: bool = True,
 ) -> Match:
     """Replace a conv-anchored region by ``fused(x, weight, bias, operands, config)`` and describe it.
 
-    The conv's input, weight and bias are cast to the dtype the conv computed in (see
-    ``cast_if_needed``) and every input is resolved through earlier rewrites.  ``finish(graph, node)``
-    may append nodes after the fused call (e.g. unsqueezes) and returns the region's new result.
-    ``kernel`` is the fused op's ``kernel_path`` answer, for the report.
+    With ``cast_inputs`` the conv's input, weight and bias are cast to the dtype the conv computed in
+    (see ``cast_if_needed``); without, they are passed as they are and the fused op casts them itself
+    (its config names the compute dtype).  Every input is resolved through earlier rewrites.
+    ``finish(graph, node)`` may append nodes after the fused call (e.g. unsqueezes) and returns the
+    region's new result.  ``kernel`` is the fused op's ``kernel_path`` answer, for the report.
     """
     dtype = fake_of(conv.node).dtype
 
+    def cast(graph: fx.Graph, value: Any) -> Any:
+        return cast_if_needed(graph, value, dtype) if cast_inputs else value
+
     def build(graph: fx.Graph) -> fx.Node:
-        x = cast_if_needed(graph, ctx.resolve(conv.input), dtype)
-        w = cast_if_needed(graph, materialize(graph, ctx.resolve(conv.weight)), dtype)
-        b = cast_if_needed(graph, materialize(graph, ctx.resolve(conv.bias)), dtype)
+        x = cast(graph, ctx.resolve(conv.input))
+        w = cast(graph, materialize(graph, ctx.resolve(conv.weight)))
+        b = cast(graph, materialize(graph, ctx.resolve(conv.bias)))
         out = graph.call_function(fused, (x, w, b, [ctx.resolve(v) for v in operands], config))
         return finish(graph, out) if finish is not None else out
 

@@ -59,6 +59,18 @@ def test_disabled_pattern_leaves_the_graph_to_inductor():
     assert reports[0].matches == () and "conv_epilogue" not in reports[0].enabled_patterns
 
 
+def test_nested_report_collection_gives_each_block_its_reports():
+    """An inner block (e.g. ``assert_fused`` inside a test using ``fusion_rewrites``) whose bucket
+    equals the outer one must leave the outer block's bucket in place (was removed by ``==``)."""
+    with collect_reports() as outer:
+        with collect_reports() as inner:
+            torch.compile(small_model(), backend="fusion")(X)
+        assert inner == outer and len(inner) == 1
+        torch._dynamo.reset()
+        torch.compile(small_model(), backend="fusion")(X)
+    assert len(outer) == 2 and len(inner) == 1
+
+
 class Boom(RuntimeError):
     pass
 

@@ -89,8 +89,8 @@ def record_launches(dtype: torch.dtype, channels_last: bool) -> dict[str, tuple[
     try:
         grad, x, w, args = _seed_a(dtype, channels_last)
         geo = S._geometry(grad, x, w, args[0], args[1], args[2], args[4], args[5])
-        S._input_grad(grad, x, w, geo)
-        S._weight_grad(grad, x, w, geo)
+        S._prepare_input_grad(grad, x, w, geo, x.dtype)(grad, x, w)
+        S._prepare_weight_grad(grad, x, w, geo, x.dtype)(grad, x, w)
     finally:
         for name, fn in saved.items():
             setattr(S, name, fn)

@@ -67,7 +67,7 @@ from .epilogue import (
 )
 from .host import BoundedCache, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
-from .tf32 import round_tf32
+from .tf32 import compute_code, round_tf32, to_compute
 
 #: Largest number of (window offset, tap) pairs the kernel unrolls (compile time and code size grow
 #: with it).  Seed A: 27 effective pairs (8 phases x 1..8 taps); a 3x3x3 conv under a 2x2x2 pool: 216.
@@ -133,7 +133,7 @@ def _conv_flat(acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, 
                SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
                DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-               PRECISION: tl.constexpr, BIG: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+               CDT: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """``acc += conv at (od, oh, ow)`` as ONE runtime loop over K = taps x input-channel blocks.
 
     A single ``scf.for`` that Triton software-pipelines (``num_stages``): the shape of a plain conv
@@ -161,7 +161,8 @@ def _conv_flat(acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, 
         )
         b = tl.load(w_base + (td * w_sd + th * w_sh + tw * w_sw) + ci[:, None] * w_sci,
                     mask=ci_ok[:, None] & cmask, other=0.0)  # fmt: skip
-        acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
+        acc = tl.dot(round_tf32(to_compute(a, CDT), PRECISION), round_tf32(to_compute(b, CDT), PRECISION), acc,
+                     input_precision=PRECISION)  # fmt: skip
     return acc
 
 
@@ -243,7 +244,7 @@ def _first_offset(kd, kh, kw, od, oh, ow):
 
 @triton.jit
 def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
-                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, sa_ptr,
                      o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                      OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
                      OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
@@ -264,7 +265,7 @@ def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win
     stored, so they are not masked.
     """
     # The conv output as the library path materialises it (storage dtype), then the chain.
-    y_raw = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y_raw = to_compute(acc, CDT).to(tl.float32)
     y = y_raw
     if HAS_BIAS:
         y = y + bias
@@ -321,7 +322,7 @@ def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win
 def _shift_k_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
                       w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                       best, win, win_y, pooled,
-                      bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+                      bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, sa_ptr,
                       o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                       OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
                       OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
@@ -381,11 +382,11 @@ def _shift_k_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr, x_ro
                             mask=row_ok[:, None] & live[None, :], other=0.0)  # fmt: skip
                 b = tl.load(w_base + (td * w_sd + th * w_sh + tw * w_sw) + ci[:, None] * w_sci,
                             mask=live[:, None] & cmask, other=0.0)  # fmt: skip
-                acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc,
-                             input_precision=PRECISION)  # fmt: skip
+                acc = tl.dot(round_tf32(to_compute(a, CDT), PRECISION), round_tf32(to_compute(b, CDT), PRECISION),
+                             acc, input_precision=PRECISION)  # fmt: skip
     best, win, win_y, pooled = _offset_epilogue(
         acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
-        bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+        bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr, sa_ptr,
         o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
         OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, FULL, FIRST,
     )  # fmt: skip
@@ -396,7 +397,7 @@ def _shift_k_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr, x_ro
 def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
                      w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                      best, win, win_y, pooled,
-                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, sa_ptr,
                      o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                      OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
                      OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
@@ -435,7 +436,7 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
             a_all, SHARED_X, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
             wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd,
             w_sh, w_sw, best, win, win_y, pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5,
-            b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc,
+            b5, a6, b6, a7, b7, CDT, out_ptr, sa_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc,
             y_sd, y_sh, y_sw, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
             FULL, TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW, USD, USH, USW, UPD,
             UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
@@ -446,7 +447,7 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
             a_all, SHARED_X, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
             wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd,
             w_sh, w_sw, best, win, win_y, pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5,
-            b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc,
+            b5, a6, b6, a7, b7, CDT, out_ptr, sa_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc,
             y_sd, y_sh, y_sw, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
             FULL, TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW, USD, USH, USW, UPD,
             UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
@@ -475,7 +476,7 @@ def _conv_fused_fwd_kernel(
     UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
     STATIC_D: tl.constexpr, STATIC_H: tl.constexpr, STATIC_W: tl.constexpr,
     COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr,
-    PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, SHIFT_K: tl.constexpr,
+    CDT: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, SHIFT_K: tl.constexpr,
     ONE_CBLOCK: tl.constexpr, KS: tl.constexpr, FULL_WINDOWS: tl.constexpr,
     LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
     NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr,
@@ -484,18 +485,20 @@ def _conv_fused_fwd_kernel(
     """out = pool(chain(conv(x, w) + bias)) for a ``[BLOCK_M units, BLOCK_N channels]`` tile.
 
     Pointers (element strides; every tensor lifted to (N, C, D, H, W)):
-      x_ptr   input (N, CIN_G * groups, ID, IH, IW), fp32/fp16/bf16, strides ``x_s*``.
+      x_ptr   input (N, CIN_G * groups, ID, IH, IW), fp32/fp16/bf16, strides ``x_s*``; x and
+              weight tiles are cast to the compute dtype ``CDT`` (``tf32.compute_code``) as they
+              are loaded, and the conv output is rounded to it before bias and chain.
       w_ptr   weight, any strides; ``w_sci``/``w_sco`` step the input/output channel *within the
               group* (conv: dims 1/0; transposed: dims 0/1) and the launcher has already offset
               nothing: the kernel adds the group offset itself.  Taps ``TD x TH x TW``.
       wm_ptr  SHIFT_K with ONE_CBLOCK: the prearranged weight matrix of ``shift_k_weight_matrix``
-              ((groups, KD*KH*KW, COUT_G, KS*BLOCK_K), x's dtype, contiguous); else unused.
+              ((groups, KD*KH*KW, COUT_G, KS*BLOCK_K), the compute dtype, contiguous); else unused.
       p_ptr   operand matrix P of ``epilogue.build_params``, (NUM_PARAM_ROWS, C_OUT) fp32 contiguous.
       out_ptr result (N, C_OUT, pooled or conv-output spatial), any float dtype, strides ``o_s*``.
       sa_ptr  SAVE and max pool: winner index (int8/int32), out's shape and strides.
-              SAVE without max pool: the conv output without bias, (N, C_OUT, OD, OH, OW), x's
-              dtype, strides ``y_s*``.
-      sb_ptr  SAVE and max pool: conv output (no bias) at the winner, x's dtype, out's strides.
+              SAVE without max pool: the conv output without bias, (N, C_OUT, OD, OH, OW), the
+              compute dtype, strides ``y_s*``.
+      sb_ptr  SAVE and max pool: conv output (no bias) at the winner, the compute dtype, out's strides.
     Geometry: ``OD, OH, OW`` conv-output sizes; ``UD, UH, UW`` unit-grid sizes (pooled sizes, conv
     output sizes, or ceil(O / s) super-positions for a transposed conv without pool);
     ``KD, KH, KW`` window offsets per unit, ``US*``/``UP*`` unit stride/origin (o = u*US - UP + kp);
@@ -538,8 +541,8 @@ def _conv_fused_fwd_kernel(
     ck = tl.arange(0, BLOCK_K)
 
     bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(p_ptr + c, mask=cmask, other=0.0)
+    if HAS_BIAS:  # in the compute dtype, as the conv adds it (an fp32 bias under autocast is cast)
+        bias = to_compute(tl.load(p_ptr + c, mask=cmask, other=0.0), CDT).to(tl.float32)
     a0, b0 = _load_operands(p_ptr, 0, c, C_OUT, cmask, OP0)
     a1, b1 = _load_operands(p_ptr, 1, c, C_OUT, cmask, OP1)
     a2, b2 = _load_operands(p_ptr, 2, c, C_OUT, cmask, OP2)
@@ -578,6 +581,7 @@ def _conv_fused_fwd_kernel(
         if ONE_CBLOCK:
             a_all = _shift_k_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw,
                                     NSD, NSH, NSW, KS, BIG, BLOCK_K)  # fmt: skip
+            a_all = to_compute(a_all, CDT)  # an fp32 x under autocast: cast here, not in a pass of its own
             # NOTE: a dead (offset, shift) pair multiplies its X column by a zero weight, and
             # 0 * inf = NaN: a tile holding a non-finite input takes the masked variant, so NaN/inf
             # reach exactly the outputs whose taps read them, as in the library conv.  Two whole
@@ -602,7 +606,7 @@ def _conv_fused_fwd_kernel(
                         a_cur, True, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
                         wm_base, COUT_G * (KS * BLOCK_K), CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                         best, win, win_y, pooled,
-                        bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+                        bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr, sa_ptr,
                         o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                         OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, FULL_WINDOWS,
                         TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
@@ -618,7 +622,7 @@ def _conv_fused_fwd_kernel(
                 0.0, False, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
                 w_base, COUT_G, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                 best, win, win_y, pooled,
-                bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr, sa_ptr,
+                bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr, sa_ptr,
                 o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                 OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, FULL_WINDOWS,
                 TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
@@ -641,7 +645,7 @@ def _conv_fused_fwd_kernel(
                         acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, IW,
                         x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                         TRANSPOSED, TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW,
-                        PRECISION, BIG, BLOCK_K,
+                        CDT, PRECISION, BIG, BLOCK_K,
                     )  # fmt: skip
                 else:
                     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -679,12 +683,13 @@ def _conv_fused_fwd_kernel(
                                                     mask=ci_ok[:, None] & cmask,
                                                     other=0.0,
                                                 )
-                                                acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION),
+                                                acc = tl.dot(round_tf32(to_compute(a, CDT), PRECISION),
+                                                             round_tf32(to_compute(b, CDT), PRECISION),
                                                              acc, input_precision=PRECISION)  # fmt: skip
                 first = _first_offset(kd, kh, kw, od, oh, ow)[:, None]
                 best, win, win_y, pooled = _offset_epilogue(
                     acc, kd * KH * KW + kh * KW + kw, first, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y,
-                    pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, x_ptr, out_ptr,
+                    pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr,
                     sa_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                     OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, False,
                 )  # fmt: skip
@@ -722,7 +727,8 @@ def _shift_k_weight_kernel(
 ):  # fmt: skip
     """One program per (window offset, group x output-channel block): writes that offset's
     ``[KS * BLOCK_K, BLOCK_N]`` slice of the prearranged weight matrix (``_shift_k_w_tile``'s tile,
-    TF32-rounded when PRECISION says so) at ``wm_ptr`` (see ``shift_k_weight_matrix``)."""
+    cast to the matrix's dtype (the compute dtype), then TF32-rounded when PRECISION says so) at
+    ``wm_ptr`` (see ``shift_k_weight_matrix``)."""
     kk = tl.program_id(0)
     pid_n = tl.program_id(1)
     n_blocks_n = tl.cdiv(COUT_G, BLOCK_N)
@@ -738,7 +744,7 @@ def _shift_k_weight_kernel(
                            LOD, LOH, LOW, NSD, NSH, NSW, KS, BLOCK_K)  # fmt: skip
     krow = tl.arange(0, KS * BLOCK_K)
     tl.store(wm_ptr + ((grp * (KD * KH * KW) + kk) * COUT_G + co[None, :]) * (KS * BLOCK_K) + krow[:, None],
-             round_tf32(tile, PRECISION).to(wm_ptr.dtype.element_ty), mask=cmask)  # fmt: skip
+             round_tf32(tile.to(wm_ptr.dtype.element_ty), PRECISION), mask=cmask)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -858,18 +864,22 @@ def unsupported_reason(
     pool: PoolGeometry | None,
     pooled_sizes: Sequence[int] | None = None,
     save: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> str | None:
     """Why ``conv_fused_forward`` cannot serve this case, or None when it can.
 
     ``pooled_sizes``: the pool's output spatial sizes (required with a pool: ceil_mode is not part
     of ``PoolGeometry``).  ``save``: whether the backward state will be written (an avg pool or no
     pool then stores the full conv output, which needs every element covered by some window).
+    ``compute_dtype``: the conv's dtype (None: x's), see ``conv_fused_forward``.
     """
     kernel_dtypes = (
         (torch.float32, torch.float16) if _INTERPRET else (torch.float32, torch.float16, torch.bfloat16)
     )
-    if x.dtype not in kernel_dtypes or weight.dtype != x.dtype:
-        return f"x/weight dtypes {x.dtype}/{weight.dtype}: the fused conv covers {kernel_dtypes} (both alike)"
+    compute_dtype = compute_dtype or x.dtype
+    if any(dtype not in kernel_dtypes for dtype in (x.dtype, weight.dtype, compute_dtype)):
+        return (f"x/weight/compute dtypes {x.dtype}/{weight.dtype}/{compute_dtype}: the fused conv covers "
+                f"{kernel_dtypes}")  # fmt: skip
     if not 3 <= x.dim() <= 5 or weight.dim() != x.dim():
         return f"x {tuple(x.shape)} / weight {tuple(weight.shape)}: only 1d/2d/3d convolutions"
     if pool is not None and pooled_sizes is None:
@@ -944,8 +954,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     configs = [c for c in configs if _tile(c) in tiles] or configs
     if shift_k and not kwargs["ONE_CBLOCK"]:  # several channel blocks: a K loop, which needs two stages
         configs = [c for c in configs if c.num_stages > 1] or configs
-    x = named_args.get("x_ptr")
-    if shift_k and kwargs["ONE_CBLOCK"] and getattr(x, "dtype", None) == torch.float32:
+    if shift_k and kwargs["ONE_CBLOCK"] and kwargs.get("CDT", 0) == 0:
         # fp32 shared X tile at 32+ rows per warp (4 warps, BLOCK_M >= 128): ptxas spills (seed A,
         # sm_90, tools/compile_check_conv_fused.py: 8-932 bytes); M256 with 8 warps does not.
         configs = [c for c in configs if not (c.num_warps == 4 and c.kwargs["BLOCK_M"] >= 128)] or configs
@@ -958,7 +967,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 _conv_fused_fwd_tuned = triton.autotune(
     configs=_configs(),
     # the path constexprs are in the key: two geometries with equal sizes must not share a tile
-    key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT", "TRANSPOSED", "FLAT_K", "SHIFT_K", "KS", "KD", "KH", "KW"],
+    key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT", "TRANSPOSED", "FLAT_K", "SHIFT_K", "KS", "KD", "KH", "KW", "CDT"],
     prune_configs_by={"early_config_prune": _prune},
     cache_results=True,  # the best tile per key is kept in Triton's cache dir across processes
 )(_conv_fused_fwd_kernel)
@@ -1023,21 +1032,23 @@ class _Launch:
 class _WeightMatrixLaunch:
     """The launch of ``_shift_k_weight_kernel`` for one plan: ``(weight) -> prearranged matrix``."""
 
-    def __init__(self, shape: tuple[int, ...], ints: tuple[int, ...], constexprs: dict, grid: tuple[int, int]) -> None:
-        self.shape = shape
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, ints: tuple[int, ...], constexprs: dict,
+                 grid: tuple[int, int]) -> None:  # fmt: skip
+        self.shape, self.dtype = shape, dtype
         self.launch = FastLaunch(_shift_k_weight_kernel, grid, constexprs, fixed=ints)
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        matrix = torch.empty(self.shape, dtype=weight.dtype, device=weight.device)
+        matrix = torch.empty(self.shape, dtype=self.dtype, device=weight.device)
         self.launch(weight, matrix)
         return matrix
 
 
-def shift_k_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry, precision: str) -> _WeightMatrixLaunch:
+def shift_k_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry, precision: str,
+                          dtype: torch.dtype) -> _WeightMatrixLaunch:  # fmt: skip
     """The launch that writes the SHIFT_K path's prearranged weight matrix of a transposed conv.
 
-    Matrix: ``(groups, KD * KH * KW, COUT_G, KS * SHIFT_K_BLOCK_K)``, the weight's dtype,
-    contiguous.  Row ``(s, c)`` of window offset ``kk`` holds ``w[group's input channel c, co, tap]``
+    Matrix: ``(groups, KD * KH * KW, COUT_G, KS * SHIFT_K_BLOCK_K)``, ``dtype`` (the compute dtype:
+    an fp32 weight under autocast is cast here, for free), contiguous.  Row ``(s, c)`` of window offset ``kk`` holds ``w[group's input channel c, co, tap]``
     for the tap that carries input shift ``s`` to offset ``kk``, and 0 for a dead (offset, shift)
     pair, a padding shift slot or ``c >= CIN_G``; fp32 values are rounded to TF32 with
     ``precision == "tf32"`` (``kernels.tf32``).
@@ -1067,20 +1078,20 @@ def shift_k_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry,
     )  # fmt: skip
     ints = (cin_g, cout_g, w_str[0], w_str[1], *_pad3(w_str[2:], 0))
     grid = (offsets, groups * cdiv(cout_g, block_n))
-    return _WeightMatrixLaunch((groups, offsets, cout_g, rows), ints, constexprs, grid)
+    return _WeightMatrixLaunch((groups, offsets, cout_g, rows), dtype, ints, constexprs, grid)
 
 
 #: Launch plans by ``_launch_key``.
 _LAUNCHES = BoundedCache(256)
 
 
-def _launch_key(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32) -> tuple:  # noqa: ANN001
+def _launch_key(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32, compute_dtype) -> tuple:  # noqa: ANN001
     """Everything ``_prepare``'s result depends on (shapes, strides, dtypes, geometry, op codes,
     precision, and the module switches tests change)."""
     return (
         tensor_key(x), tensor_key(weight), bias is None, tuple((int(code), len(values)) for code, values in steps), conv, pool,
-        tensor_key(out), tensor_key(saved_a), tensor_key(saved_b), bool(allow_tf32), os.environ.get(AUTOTUNE_ENV, "1"),
-        _BIG_INDEX_THRESHOLD,
+        tensor_key(out), tensor_key(saved_a), tensor_key(saved_b), bool(allow_tf32), compute_dtype,
+        os.environ.get(AUTOTUNE_ENV, "1"), _BIG_INDEX_THRESHOLD,
     )  # fmt: skip
 
 
@@ -1095,6 +1106,7 @@ def _prepare(
     saved_a: torch.Tensor | None,
     saved_b: torch.Tensor | None,
     allow_tf32: bool,
+    compute_dtype: torch.dtype,
 ) -> _Launch:
     """Validate a call and derive its launch (everything but the tensors' data); see
     ``conv_fused_forward``.  Depends only on what ``_launch_key`` records."""
@@ -1105,7 +1117,7 @@ def _prepare(
     if not is_max and saved_b is not None:
         raise ValueError("saved_b is only written with a max pool")
     pooled_sizes = list(out.shape[2:]) if pool is not None else None
-    why = unsupported_reason(x, weight, conv, pool, pooled_sizes, save)
+    why = unsupported_reason(x, weight, conv, pool, pooled_sizes, save, compute_dtype)
     if why is not None:
         raise ValueError(f"conv_fused_forward cannot run this case: {why}")
     plan = _plan(x, weight, conv, pool, pooled_sizes)
@@ -1132,7 +1144,7 @@ def _prepare(
     x_strides = _lift(x)[1]
     o_strides = _lift(out)[1]
     y_strides = _lift(saved_a)[1] if save and not is_max else [0] * 5
-    if _INTERPRET or x.dtype != torch.float32:
+    if _INTERPRET or compute_dtype != torch.float32:
         precision = "ieee" if _INTERPRET else "tf32"
     else:
         precision = "tf32" if allow_tf32 else "ieee"
@@ -1141,7 +1153,7 @@ def _prepare(
     # inf/NaN only) reads the weight as it is.  Every other path reads the relaid weight.
     weight_matrix = None
     if plan.shift_k and one_cblock:
-        weight_matrix = shift_k_weight_matrix(weight, plan, conv, precision)
+        weight_matrix = shift_k_weight_matrix(weight, plan, conv, precision, compute_dtype)
         w_str = list(weight.stride())
     else:  # the strides of the weight as launched (a copy only on this cache miss; exact for any layout)
         w_str = list(_output_channels_innermost(weight, conv.transposed).stride())
@@ -1171,7 +1183,7 @@ def _prepare(
         USD=plan.unit_stride[0], USH=plan.unit_stride[1], USW=plan.unit_stride[2],
         UPD=plan.unit_origin[0], UPH=plan.unit_origin[1], UPW=plan.unit_origin[2],
         STATIC_D=plan.static_phase[0], STATIC_H=plan.static_phase[1], STATIC_W=plan.static_phase[2],
-        **pool_args, PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase), SHIFT_K=plan.shift_k,
+        **pool_args, CDT=compute_code(compute_dtype), PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase), SHIFT_K=plan.shift_k,
         ONE_CBLOCK=one_cblock, KS=max(plan.shift_slots, 1), FULL_WINDOWS=_full_windows(plan),
         LOD=plan.shifts[0][0], LOH=plan.shifts[1][0], LOW=plan.shifts[2][0],
         NSD=plan.shifts[0][1], NSH=plan.shifts[1][1], NSW=plan.shifts[2][1],
@@ -1193,28 +1205,33 @@ def conv_fused_forward(
     saved_a: torch.Tensor | None = None,
     saved_b: torch.Tensor | None = None,
     allow_tf32: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> None:
     """Write ``out = pool(chain(conv(x, weight) + bias))`` (and the backward state) in one launch.
 
     Args:
       x: (N, C_in, *spatial) with 1 to 3 spatial dims, fp32/fp16/bf16, any strides.
-      weight: conv ``(C_out, C_in/groups, *k)`` or transposed ``(C_in, C_out/groups, *k)``, x's dtype,
-        any strides.
-      bias: None or C_out values (any float dtype), added in fp32 to the conv output (after it is
-        rounded to x's dtype) before the chain.
+      weight: conv ``(C_out, C_in/groups, *k)`` or transposed ``(C_in, C_out/groups, *k)``,
+        fp32/fp16/bf16, any strides.
+      bias: None or C_out values (any float dtype), rounded to the compute dtype and added in fp32
+        to the conv output (after it is rounded to the compute dtype) before the chain.
       steps: the chain, as for ``epilogue.epilogue_forward`` (up to MAX_SLOTS steps).
       conv: the conv hyper-parameters.  pool: None or the pool over the chain's result.
       out: preallocated result (N, C_out, *pooled or conv-output spatial), any float dtype and strides.
       saved_a, saved_b: None (nothing saved), or the backward state, in ``epilogue_forward``'s format:
         max pool: winner index in its window (int8/int32, out's shape and strides) and the conv output
-        without bias at the winner (x's dtype, out's shape and strides); avg pool / none: ``saved_a``
-        receives the full conv output without bias ((N, C_out, *conv-output spatial), x's dtype, any
+        without bias at the winner (the compute dtype, out's shape and strides); avg pool / none: ``saved_a``
+        receives the full conv output without bias ((N, C_out, *conv-output spatial), the compute dtype, any
         strides) and ``saved_b`` is None.
       allow_tf32: fp32 operands use TF32 tensor cores (pass ``torch.backends.cudnn.allow_tf32``);
         ignored under the interpreter.
+      compute_dtype: the conv's dtype (None: x's): x and weight are cast to it as they are loaded
+        (exactly ``conv(x.to(compute_dtype), weight.to(compute_dtype))``: autocast's casts without a
+        pass of their own), and the conv output is rounded to it, as it is stored in the library path.
+        The saved conv output has this dtype.
     Raises ValueError when ``unsupported_reason`` names a reason or the tensors disagree.
     """
-    launch = forward_launch(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32)
+    launch = forward_launch(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32, compute_dtype)
     if launch is not None:
         launch.run(x, weight, build_params(steps, bias, launch.cout, x.device), out, saved_a, saved_b)
 
@@ -1230,14 +1247,16 @@ def forward_launch(
     saved_a: torch.Tensor | None = None,
     saved_b: torch.Tensor | None = None,
     allow_tf32: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> _Launch | None:
     """The checked launch plan of ``conv_fused_forward`` for these arguments (cached per shapes,
     strides, dtypes, geometry, op codes and precision), or None when ``out`` is empty (nothing to
     launch; the arguments are still checked).  Its ``run(x, weight, params, out, saved_a, saved_b)``
     launches for tensors laid out like these: a caller that keeps it (a per-signature call plan)
     skips the cache lookup.  Raises ValueError as ``conv_fused_forward`` does."""
+    compute_dtype = compute_dtype or x.dtype
+    args = (x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32, compute_dtype)
     if out.numel() == 0:
-        _prepare(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32)  # validates
+        _prepare(*args)  # validates
         return None
-    key = _launch_key(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32)
-    return _LAUNCHES.get(key, lambda: _prepare(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32))
+    return _LAUNCHES.get(_launch_key(*args), lambda: _prepare(*args))

@@ -87,7 +87,7 @@ from .conv_fused_bwd import (
 )
 from .host import BoundedCache, cdiv, next_pow2, persistent_device_copies, tensor_key
 from .launch import FastLaunch
-from .tf32 import round_tf32
+from .tf32 import compute_code, round_tf32, to_compute
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -279,7 +279,7 @@ def _shift_dgrad_kernel(
     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
     UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
     KPB: tl.constexpr, G_CL: tl.constexpr, X_CL: tl.constexpr, WIN_INSIDE: tl.constexpr, V_SAME: tl.constexpr,
-    PREC: tl.constexpr,
+    CDT: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_CO: tl.constexpr,
 ):  # fmt: skip
     """``dx[n, grp*CI_G + ci, i] = sum_{shifts j} sum_{live blocks kp0} sum_{kp, co} Gexp[n, i - j, kp, co] w[ci, co, t(kp, j)]``.
@@ -287,13 +287,14 @@ def _shift_dgrad_kernel(
     Pointers (element strides, every tensor lifted to (N, C, D, H, W)):
       g_ptr, v_ptr  ``g_win`` (any float dtype, strides ``g_s*``) and ``winner`` (int8/int32, strides
                     ``v_s*``), both (N, groups*CO_G, UD, UH, UW).
-      w_ptr         weight (groups*CI_G, CO_G, TD, TH, TW) in x's dtype: element (ci, co, t) at
+      w_ptr         weight (groups*CI_G, CO_G, TD, TH, TW), fp32/fp16/bf16 (cast to the compute
+                    dtype ``CDT`` as loaded): element (ci, co, t) at
                     ``ci*w_sci + co*w_sco + td*w_sd + th*w_sh + tw*w_sw`` (launched ci-innermost).
       tab_ptr       int32 live-block table (``_dgrad_table``): per ``KPB``, entries ``(jd, jh, jw,
                     first, count)``: a shift and where its live offset blocks' first offsets
                     (row-major flat index over (KD, KH, KW)) lie in the table.
-      dx_ptr        result (N, groups*CI_G, ID, IH, IW) in x's dtype, strides ``x_s*``: every element
-                    written once.
+      dx_ptr        result (N, groups*CI_G, ID, IH, IW) in x's dtype (from the fp32 accumulator),
+                    strides ``x_s*``: every element written once.
     Program ids: 0 -> block of BLOCK_M input positions (n, id, ih, iw) row-major over M_TOTAL;
     1 -> (group, block of BLOCK_CI input channels).  ``WIN_INSIDE``: every pool window lies inside
     the conv output (no partial windows), so winners need no range check.
@@ -346,7 +347,7 @@ def _shift_dgrad_kernel(
                             g_sn, g_sc, g_sd, g_sh, g_sw, v_sn, v_sc, v_sd, v_sh, v_sw, G_CL)  # fmt: skip
         # NOTE: rounded to the MMA dtype (and to TF32) once per shift tile, not once per offset
         # block: the expansion below only selects values or zeros, so A stays exact for the dot.
-        g = round_tf32(g.to(w_ptr.dtype.element_ty), PREC)
+        g = round_tf32(to_compute(g, CDT), PREC)
         if KPB > 1 and not WIN_INSIDE:
             v = _valid_winner(v, ud, uh, uw, row_ok, OD, OH, OW, SD, SH, SW, UPD, UPH, UPW, KD, KH, KW, True)
         for q in range(0, kp_count):
@@ -378,7 +379,7 @@ def _shift_dgrad_kernel(
             row_live = (kpc < KD * KH * KW) & okc_d & okc_h & okc_w & (coc < CO_G)
             b = tl.load(w_cols + (coc * w_sco + tdc * w_sd + thc * w_sh + twc * w_sw)[:, None],
                         mask=row_live[:, None] & ci_ok[None, :], other=0.0)  # fmt: skip
-            acc = tl.dot(a, round_tf32(b, PREC), acc, input_precision=PREC)
+            acc = tl.dot(a, round_tf32(to_compute(b, CDT), PREC), acc, input_precision=PREC)
     x_row = n * x_sn + i_d * x_sd + ih * x_sh + iw * x_sw
     x_col = (grp * CI_G + ci) * x_sc
     out = acc.to(dx_ptr.dtype.element_ty)
@@ -407,13 +408,14 @@ def _shift_wgrad_kernel(
     LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
     NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
     KPB: tl.constexpr, X_CL: tl.constexpr, G_CL: tl.constexpr, WIN_INSIDE: tl.constexpr, V_SAME: tl.constexpr,
-    CARRY: tl.constexpr, LINE_DIV: tl.constexpr, PREC: tl.constexpr,
+    CARRY: tl.constexpr, LINE_DIV: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_CO: tl.constexpr,
 ):  # fmt: skip
     """Partial ``P[split, grp, s, ci, kp, co] = sum_{rows} x[n, grp*CI_G + ci, u + LO + s] * Gexp[n, u, kp, co]``.
 
     Pointers (element strides, lifted to (N, C, D, H, W)):
-      x_ptr         input (N, groups*CI_G, ID, IH, IW), fp32/fp16/bf16, strides ``x_s*``.
+      x_ptr         input (N, groups*CI_G, ID, IH, IW), fp32/fp16/bf16 (cast to the compute dtype
+                    ``CDT`` as loaded), strides ``x_s*``.
       g_ptr, v_ptr  ``g_win`` / ``winner`` (N, groups*CO_G, UD, UH, UW), strides ``g_s*`` / ``v_s*``.
       part_ptr      fp32 (splits, groups, NS, CI_G, KD*KH*KW, CO_G) contiguous (``PART_SPLIT``
                     elements per split), NS = NSD*NSH*NSW
@@ -545,8 +547,8 @@ def _shift_wgrad_kernel(
         flagged = tl.where(odd, 1, flagged)
         # (every pair is computed here, dead ones included: the finish kernel never reads those)
         # (rounded before the select: round(0) == 0, the same values)
-        ga = tl.where(sel & ~odd, round_tf32(g.to(x_ptr.dtype.element_ty), PREC), 0.0)
-        acc = tl.dot(ga, round_tf32(xb, PREC), acc, input_precision=PREC)
+        ga = tl.where(sel & ~odd, round_tf32(to_compute(g, CDT), PREC), 0.0)
+        acc = tl.dot(ga, round_tf32(to_compute(xb, CDT), PREC), acc, input_precision=PREC)
         if LINE:  # next block: BLOCK_M divides UW, so a line ends exactly at a block's end
             uw0 += BLOCK_M
             c = (uw0 >= UW).to(tl.int32)
@@ -608,7 +610,8 @@ def _shift_wgrad_kernel(
                         if (xd1 >= 0) & (xd1 < ID) & (xh1 >= 0) & (xh1 < IH) & (xw1 >= 0) & (xw1 < IW):
                             xs = tl.load(x_ptr + n1 * x_sn + (grp * CI_G + ci_blk) * x_sc + xd1 * x_sd + xh1 * x_sh
                                          + xw1 * x_sw, mask=ci_ok, other=0.0)  # fmt: skip
-                            prod = g1.to(tl.float32)[:, None] * xs.to(tl.float32)[None, :]
+                            xs = to_compute(xs, CDT).to(tl.float32)  # x as the conv saw it
+                            prod = g1.to(tl.float32)[:, None] * xs[None, :]
                             col = ((grp * (NSD * NSH * NSW) + sidx) * CI_G + ci_blk) * (kpn * CO_G)
                             ptrs = part_ptr + out_row[:, None] + col[None, :]
                             p_ok = row_ok[:, None] & ci_ok[None, :]
@@ -845,6 +848,7 @@ def _geometry(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, stride: S
 def unsupported_reason(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+    compute_dtype: torch.dtype | None = None,
 ) -> str | None:  # fmt: skip
     """None when ``convolution_backward`` handles these arguments, else why not (never raises).
 
@@ -854,12 +858,13 @@ def unsupported_reason(
     (fp32/fp16 under the interpreter), every tensor within half the int32 offset range.
     """
     try:
-        return _reason(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups)
+        return _reason(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups,
+                       compute_dtype or x.dtype)  # fmt: skip
     except Exception as err:  # noqa: BLE001 - a malformed argument is a reason, not a crash
         return f"arguments not understood: {type(err).__name__}: {err}"
 
 
-def _reason(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups) -> str | None:  # noqa: ANN001
+def _reason(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups, compute_dtype) -> str | None:  # noqa: ANN001
     if not isinstance(grad, PooledGrad):
         return "the gradient is not a PooledGrad (dense gradients: use conv_fused_bwd)"
     if not transposed:
@@ -877,11 +882,11 @@ def _reason(grad, x, weight, stride, padding, dilation, transposed, output_paddi
             return f"{name} {tuple(v)} must have {dims} entries"
     if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0 or min(output_padding) < 0 or groups < 1:
         return f"invalid conv hyper-parameters stride={stride} padding={padding} dilation={dilation} groups={groups}"
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
-        return f"x and weight must share one of {_DTYPES}, got {x.dtype} and {weight.dtype}"
+    if any(dtype not in _DTYPES for dtype in (x.dtype, weight.dtype, compute_dtype)):
+        return f"x, weight and compute dtype must be in {_DTYPES}, got {x.dtype}, {weight.dtype}, {compute_dtype}"
     if grad.g_win.dtype not in _DTYPES:
         return f"g_win must be fp32/fp16/bf16, got {grad.g_win.dtype}"
-    if _INTERPRET and torch.bfloat16 in (x.dtype, grad.g_win.dtype):
+    if _INTERPRET and torch.bfloat16 in (x.dtype, weight.dtype, compute_dtype, grad.g_win.dtype):
         return "Triton's interpreter has no bf16"
     if grad.winner.dtype not in (torch.int8, torch.int32):
         return f"winner must be int8 or int32, got {grad.winner.dtype}"
@@ -937,8 +942,8 @@ def _reason(grad, x, weight, stride, padding, dilation, transposed, output_paddi
     return None
 
 
-def _check(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args) -> None:
-    reason = unsupported_reason(grad, x, weight, *conv_args)
+def _check(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args, compute_dtype: torch.dtype) -> None:
+    reason = unsupported_reason(grad, x, weight, *conv_args, compute_dtype=compute_dtype)
     if reason is not None:
         from ..errors import UnsupportedInputError
 
@@ -1071,11 +1076,8 @@ class _KernelLaunch:
             self.fast = self._bind(best.all_kwargs())
 
 
-def _input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry) -> torch.Tensor:
-    return _prepare_input_grad(grad, x, weight, geo)(grad, x, weight)
-
-
-def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry):  # noqa: ANN202
+def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry,
+                        compute_dtype: torch.dtype):  # noqa: ANN202  # fmt: skip
     """``(grad, x, weight) -> dx`` for tensors with these shapes, strides and dtypes (a plan)."""
     if x.numel() == 0:
         return lambda grad, x, weight: torch.empty_like(x)
@@ -1104,7 +1106,7 @@ def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor,
         KD=geo.window[0], KH=geo.window[1], KW=geo.window[2],
         UPD=geo.pool_padding[0], UPH=geo.pool_padding[1], UPW=geo.pool_padding[2],
         G_CL=_channels_inner(g), X_CL=_channels_inner(dx), WIN_INSIDE=geo.windows_inside,
-        V_SAME=g.stride() == v.stride(), PREC=_precision(x.dtype),
+        V_SAME=g.stride() == v.stride(), CDT=compute_code(compute_dtype), PREC=_precision(compute_dtype),
     ), fixed=ints)  # fmt: skip
 
     def run(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -1115,11 +1117,8 @@ def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor,
     return run
 
 
-def _weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry) -> torch.Tensor:
-    return _prepare_weight_grad(grad, x, weight, geo)(grad, x, weight)
-
-
-def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry):  # noqa: ANN202
+def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry,
+                         compute_dtype: torch.dtype):  # noqa: ANN202  # fmt: skip
     """``(grad, x, weight) -> dw`` for tensors with these shapes, strides and dtypes (a plan)."""
     if weight.numel() == 0:
         return lambda grad, x, weight: torch.empty_like(weight)
@@ -1162,7 +1161,7 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
         X_CL=_channels_inner(x), G_CL=_channels_inner(g), WIN_INSIDE=geo.windows_inside,
         V_SAME=g.stride() == v.stride(), CARRY=max_bm <= geo.units[2],
         LINE_DIV=math.gcd(geo.units[2], rows_per_split) & -math.gcd(geo.units[2], rows_per_split),
-        PREC=_precision(x.dtype),
+        CDT=compute_code(compute_dtype), PREC=_precision(compute_dtype),
     )  # fmt: skip
 
     def grid(meta):
@@ -1197,16 +1196,19 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
 def convolution_backward(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
-    output_mask: Sequence[bool] = (True, True, True),
+    output_mask: Sequence[bool] = (True, True, True), compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """Drop-in for ``conv_fused_bwd.convolution_backward`` on the cases ``unsupported_reason`` accepts.
 
     Args:
       grad: ``PooledGrad`` (g_win any float dtype, winner int8/int32; any strides).
       x: (N, C_in, *spatial) conv-transpose input, 1 to 3 spatial dims, fp32/fp16/bf16, any strides.
-      weight: (C_in, C_out/groups, *k), x's dtype, any strides.
+      weight: (C_in, C_out/groups, *k), fp32/fp16/bf16, any strides.
       stride, padding, dilation, transposed, output_padding, groups: as ``aten.convolution``.
       output_mask: which of (grad_x, grad_w, grad_b) to compute.
+      compute_dtype: the dtype the forward conv ran in (None: x's); x, weight and the gradient are
+        cast to it as they are loaded (the backward of ``conv(x.to(dtype), weight.to(dtype))`` under
+        autocast, without a cast pass over x), and the fp32 sums are written in x's / weight's dtype.
     Returns ``(grad_x, grad_w, grad_b)``, None where ``output_mask`` is False: grad_x like
     ``empty_like(x)``, grad_w like ``empty_like(weight)``, grad_b (C_out,) in weight's dtype.
     Raises ``UnsupportedInputError`` when ``unsupported_reason(...)`` is not None.
@@ -1216,9 +1218,9 @@ def convolution_backward(
         tensor_key(grad.g_win) if isinstance(grad, PooledGrad) else None, None if not isinstance(grad, PooledGrad)
         else (tensor_key(grad.winner), grad.kernel_size, grad.stride, grad.padding, grad.dilation, grad.ceil_mode),
         tensor_key(x), tensor_key(weight), conv_args, tuple(bool(m) for m in output_mask[:2]),
-        _precision(x.dtype), os.environ.get(AUTOTUNE_ENV, "1"),
+        compute_dtype, _precision(compute_dtype or x.dtype), os.environ.get(AUTOTUNE_ENV, "1"),
     )  # fmt: skip
-    run = _PLANS.get(key, lambda: backward_plan(grad, x, weight, *conv_args, output_mask[:2]))
+    run = _PLANS.get(key, lambda: backward_plan(grad, x, weight, *conv_args, output_mask[:2], compute_dtype))
     gx, gw = run(grad, x, weight)
     gb = conv_bias_grad(grad).to(weight.dtype) if output_mask[2] else None
     return gx, gw, gb
@@ -1227,14 +1229,14 @@ def convolution_backward(
 def backward_plan(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
-    output_mask: Sequence[bool] = (True, True),
+    output_mask: Sequence[bool] = (True, True), compute_dtype: torch.dtype | None = None,
 ) -> Callable[[Grad, torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]]:
     """``(grad, x, weight) -> (grad_x, grad_w)`` for tensors laid out like these (a per-signature
     call plan keeps it): ``convolution_backward`` without the bias, the per-call checks and the
     cache lookup (``convolution_backward`` keeps these per shape).  Raises ``UnsupportedInputError``
     as ``convolution_backward`` does."""
     conv_args = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(output_padding), int(groups))
-    input_grad, weight_grad = _plan(grad, x, weight, conv_args, output_mask)
+    input_grad, weight_grad = _plan(grad, x, weight, conv_args, output_mask, compute_dtype or x.dtype)
 
     def run(grad: Grad, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (None if input_grad is None else input_grad(grad, x, weight),
@@ -1249,12 +1251,13 @@ def backward_plan(
 _PLANS = BoundedCache(256)
 
 
-def _plan(grad: Grad, x: torch.Tensor, weight: torch.Tensor, conv_args: tuple, output_mask: Sequence[bool]):  # noqa: ANN202
+def _plan(grad: Grad, x: torch.Tensor, weight: torch.Tensor, conv_args: tuple, output_mask: Sequence[bool],
+          compute_dtype: torch.dtype):  # noqa: ANN202  # fmt: skip
     """``(input_grad, weight_grad)`` runners for these arguments (None where the mask is off);
     raises ``UnsupportedInputError`` when ``unsupported_reason`` names a reason."""
-    _check(grad, x, weight, *conv_args)
+    _check(grad, x, weight, *conv_args, compute_dtype=compute_dtype)
     stride, padding, dilation, _, output_padding, groups = conv_args
     geo = _geometry(grad, x, weight, stride, padding, dilation, output_padding, groups)
-    input_grad = _prepare_input_grad(grad, x, weight, geo) if output_mask[0] else None
-    weight_grad = _prepare_weight_grad(grad, x, weight, geo) if output_mask[1] else None
+    input_grad = _prepare_input_grad(grad, x, weight, geo, compute_dtype) if output_mask[0] else None
+    weight_grad = _prepare_weight_grad(grad, x, weight, geo, compute_dtype) if output_mask[1] else None
     return input_grad, weight_grad

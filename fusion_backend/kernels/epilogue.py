@@ -357,8 +357,8 @@ def _epilogue_fwd_kernel(
     s64 = s.to(tl.int64)
 
     bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(p_ptr + c, mask=cmask, other=0.0)
+    if HAS_BIAS:  # in the conv's dtype, as the conv adds it (an fp32 bias under autocast is cast)
+        bias = tl.load(p_ptr + c, mask=cmask, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
     a0, b0 = _load_operands(p_ptr, 0, c, C, cmask, OP0)
     a1, b1 = _load_operands(p_ptr, 1, c, C, cmask, OP1)
     a2, b2 = _load_operands(p_ptr, 2, c, C, cmask, OP2)
@@ -484,8 +484,8 @@ def _epilogue_bwd_kernel(
     s64 = s.to(tl.int64)
 
     bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(p_ptr + c, mask=cmask, other=0.0)
+    if HAS_BIAS:  # in the conv's dtype (gy's), as the forward added it
+        bias = tl.load(p_ptr + c, mask=cmask, other=0.0).to(gy_ptr.dtype.element_ty).to(tl.float32)
     a0, b0 = _load_operands(p_ptr, 0, c, C, cmask, OP0)
     a1, b1 = _load_operands(p_ptr, 1, c, C, cmask, OP1)
     a2, b2 = _load_operands(p_ptr, 2, c, C, cmask, OP2)
@@ -789,7 +789,8 @@ def epilogue_forward(
     Args:
       y: conv output without bias, (N, C, *spatial) with 1 to 3 spatial dims, fp32/fp16/bf16, any
         strides (without a pool, spatial dims must flatten: contiguous or channels-last).
-      bias: None or C values (any float dtype), added in fp32 before the chain.
+      bias: None or C values (any float dtype), rounded to y's dtype (as the conv adds it in its
+        dtype), then added in fp32 before the chain.
       steps: up to MAX_SLOTS ``(op code, operand values)``; see ``OperandValue``.
       pool: None, or the pool over the chain's result.
       out: preallocated result, (N, C, *pooled spatial) or y's shape without a pool, any float dtype;

@@ -1,4 +1,12 @@
-"""Round fp32 GEMM operands to TF32 to nearest before ``tl.dot``, as cuDNN and cuBLAS do.
+"""Prepare GEMM operands for ``tl.dot``: cast to the conv's compute dtype, round fp32 to TF32.
+
+``to_compute(v, CDT)``: the conv kernels take ``x`` and ``weight`` in their stored dtype and cast
+each loaded tile to the compute dtype (``CDT``: ``compute_code(dtype)``), so an fp32 model under
+bf16/fp16 autocast needs no separate cast pass over ``x`` (autocast's casts are absorbed into the
+loaders: the values are exactly those of ``x.to(dtype)``).  With ``CDT`` equal to the stored dtype
+the cast is a no-op.
+
+Rounding fp32 operands to TF32 to nearest before ``tl.dot``, as cuDNN and cuBLAS do:
 
 WHY: with ``input_precision="tf32"`` Triton hands the fp32 registers to the tensor cores as they
 are, and the hardware drops the 13 low mantissa bits: the operands are *truncated* toward zero
@@ -17,8 +25,32 @@ interpreter (the launchers use "ieee" there), so the PTX-only ``cvt`` is never i
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+#: ``CDT`` constexpr codes of the compute dtypes.
+_COMPUTE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def compute_code(dtype: torch.dtype) -> int:
+    """The ``CDT`` constexpr for a compute dtype (float32, float16 or bfloat16)."""
+    try:
+        return _COMPUTE_CODES[dtype]
+    except KeyError:
+        raise ValueError(f"no conv kernels compute in {dtype} (float32, float16, bfloat16)") from None
+
+
+@triton.jit
+def to_compute(v, CDT: tl.constexpr):
+    """``v`` cast to the compute dtype ``CDT`` (``compute_code``): 0 fp32, 1 fp16, 2 bf16."""
+    if CDT == 1:
+        v = v.to(tl.float16)
+    elif CDT == 2:
+        v = v.to(tl.bfloat16)
+    else:
+        v = v.to(tl.float32)
+    return v
 
 
 @triton.jit

@@ -71,6 +71,10 @@ class ConvEpilogueConfig:
       first (the bias is not a step of ``chain``).
     * ``out_dtype``: dtype name of the region's result as eager produces it (type promotion with
       fp32 operands under autocast makes it differ from the conv's dtype); ``None`` = conv dtype.
+    * ``compute_dtype``: dtype name the conv runs in; ``x``, ``weight`` and ``bias`` stored in another
+      dtype are cast to it by the op (autocast: the op receives the fp32 tensors and its kernels cast
+      them as they load them, instead of three cast kernels before it and three after its backward);
+      gradients come back in each input's own dtype.  ``None`` = x's dtype.
     * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
     """
 
@@ -79,13 +83,14 @@ class ConvEpilogueConfig:
     pool: Optional[PoolSpec] = None
     out_dtype: Optional[str] = None
     strict: bool = False
+    compute_dtype: Optional[str] = None
 
     def __hash__(self) -> int:
         # Cached: configs key the op's per-call host caches, and hashing the nested fields costs
         # ~10 us per call (measured with cProfile).  Equal configs still hash equal.
         cached = self.__dict__.get("_hash")
         if cached is None:
-            cached = hash((self.conv, self.chain, self.pool, self.out_dtype, self.strict))
+            cached = hash((self.conv, self.chain, self.pool, self.out_dtype, self.strict, self.compute_dtype))
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -163,6 +168,7 @@ def _config_to_dict(cfg: ConvEpilogueConfig) -> dict[str, Any]:
         },
         "out_dtype": cfg.out_dtype,
         "strict": cfg.strict,
+        "compute_dtype": cfg.compute_dtype,
     }
 
 
@@ -183,4 +189,5 @@ def _parse_conv_epilogue(text: str) -> ConvEpilogueConfig:
             count_include_pad=bool(p["count_include_pad"]),
             divisor_override=p["divisor_override"],
         )
-    return ConvEpilogueConfig(conv=conv, chain=chain, pool=pool, out_dtype=d.get("out_dtype"), strict=bool(d.get("strict", False)))
+    return ConvEpilogueConfig(conv=conv, chain=chain, pool=pool, out_dtype=d.get("out_dtype"),
+                              strict=bool(d.get("strict", False)), compute_dtype=d.get("compute_dtype"))  # fmt: skip

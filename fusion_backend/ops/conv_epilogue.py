@@ -8,8 +8,10 @@ with eager semantics: ``y = aten.convolution(x, weight, bias, *conv params)``, t
 ``ChainStep`` of the config in order (``chain.apply_step``; ``Const`` operands are numbers,
 ``TensorRef(i)`` is ``operands[i]``: 0-d, per-channel ``(C,1,..,1)`` / ``(1,C,1,..,1)``, or any
 shape with one element and at most ``y.ndim`` dims), then the optional max/avg pool, and finally a
-cast to ``config.out_dtype`` (None = the conv's dtype).  ``x``, ``weight`` and ``bias`` share one
-dtype; operands may be fp32 under a bf16/fp16 conv.  1d/2d/3d, transposed or not, any conv
+cast to ``config.out_dtype`` (None = the conv's dtype).  The conv runs in ``config.compute_dtype``
+(None = x's dtype): ``x``, ``weight`` and ``bias`` stored in another dtype are cast to it first, as
+autocast would (the Triton kernels cast as they load; gradients come back in each input's dtype);
+operands may be fp32 under a bf16/fp16 conv.  1d/2d/3d, transposed or not, any conv
 hyper-parameters, chains of 0..MAX_CHAIN_LENGTH steps.
 
 Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
@@ -163,10 +165,12 @@ def conv_epilogue_eager(
     the fused op.
     """
     cfg = ConvEpilogueConfig.from_json(config)
+    dtype = _compute_dtype(cfg, x)
+    x, weight, bias = _cast_inputs(x, weight, bias, dtype)
     v = apply_chain(_conv(x, weight, bias, cfg.conv), cfg.chain, operands)
     if cfg.pool is not None:
         v = _pool(v, cfg.pool)
-    return v.to(_out_dtype(cfg, x))
+    return v.to(_out_dtype(cfg, dtype))
 
 
 def output_memory_format(y: Tensor) -> torch.memory_format:
@@ -249,7 +253,8 @@ def _conv_epilogue_fwd_fake(
     save_for_backward: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     cfg = ConvEpilogueConfig.from_json(config)
-    y0 = _conv(x, weight, None, cfg.conv)
+    dtype = _compute_dtype(cfg, x)
+    y0 = _conv(x.to(dtype), weight.to(dtype), None, cfg.conv)
     out_shape = y0.shape if cfg.pool is None else _pool(y0, cfg.pool).shape
     return _allocate_forward_outputs(x, y0, out_shape, cfg, save_for_backward)
 
@@ -421,7 +426,7 @@ def _kernels() -> ModuleType:
 
 
 def _use_triton(config: str, cfg: ConvEpilogueConfig, x: Tensor) -> bool:
-    path, why = kernel_path(config, x.dtype, x.device.type)
+    path, why = kernel_path(config, _compute_dtype(cfg, x), x.device.type)
     if path == "triton":
         return True
     if cfg.strict and x.device.type == "cuda":
@@ -468,6 +473,7 @@ def _describe_pool(pool: PoolSpec | None) -> str:
 
 
 def _check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> None:
+    _out_dtype(cfg, _compute_dtype(cfg, x))  # both dtype names are valid
     dims = cfg.conv.spatial_dims
     if x.dim() != dims + 2 or weight.dim() != dims + 2:
         raise UnsupportedInputError(
@@ -487,15 +493,28 @@ def _check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: Co
                 )
 
 
-def _out_dtype(cfg: ConvEpilogueConfig, x: Tensor) -> torch.dtype:
-    if cfg.out_dtype is None:
-        return x.dtype
-    dtype = getattr(torch, cfg.out_dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise UnsupportedInputError(
-            f"fusion::conv_epilogue: out_dtype {cfg.out_dtype!r} is not a torch dtype"
-        )
+def _dtype_named(name: str, field: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise UnsupportedInputError(f"fusion::conv_epilogue: {field} {name!r} is not a torch floating dtype")
     return dtype
+
+
+def _out_dtype(cfg: ConvEpilogueConfig, conv_dtype: torch.dtype) -> torch.dtype:
+    """The result's dtype: ``config.out_dtype``, else the conv's (compute) dtype."""
+    return conv_dtype if cfg.out_dtype is None else _dtype_named(cfg.out_dtype, "out_dtype")
+
+
+def _compute_dtype(cfg: ConvEpilogueConfig, x: Tensor) -> torch.dtype:
+    """The dtype the conv runs in: ``config.compute_dtype``, else x's."""
+    return x.dtype if cfg.compute_dtype is None else _dtype_named(cfg.compute_dtype, "compute_dtype")
+
+
+def _cast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """``x``, ``weight`` and ``bias`` in the compute dtype (the same tensors where they already are):
+    what the library and reference paths run on; the Triton conv kernels cast as they load instead."""
+    return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec: ConvSpec) -> Tensor:
@@ -568,9 +587,11 @@ def _placeholder(x: Tensor) -> Tensor:
 def _allocate_forward_outputs(
     x: Tensor, y0: Tensor, out_shape: Sequence[int], cfg: ConvEpilogueConfig, save: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Empty ``(out, saved_a, saved_b)`` with the exact shapes, dtypes and strides of the real op."""
+    """Empty ``(out, saved_a, saved_b)`` with the exact shapes, dtypes and strides of the real op
+    (``x``: the op's input as given, for the device and the placeholders' dtype; ``y0``: the conv
+    output in the compute dtype)."""
     fmt = output_memory_format(y0)
-    out = torch.empty(out_shape, dtype=_out_dtype(cfg, x), device=x.device, memory_format=fmt)
+    out = torch.empty(out_shape, dtype=_out_dtype(cfg, y0.dtype), device=x.device, memory_format=fmt)
     if not save:
         return out, _placeholder(x), _placeholder(x)
     if cfg.pool is not None and cfg.pool.kind == "max":
@@ -693,6 +714,7 @@ def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save:
         None if cfg.pool is None else _pool_geometry(cfg.pool),
         pooled,
         save,
+        _compute_dtype(cfg, x),
     )
     if why is None:
         return "triton", None
@@ -710,27 +732,32 @@ def _conv_geometry(spec: ConvSpec) -> Any:  # conv_fused.ConvGeometry (module im
     )  # fmt: skip
 
 
-def _library_conv_meta(x: Tensor, weight: Tensor, spec: ConvSpec) -> Tensor:
-    """A meta tensor with the shape and strides the library conv (and the op's fake) would give y0.
+def _library_conv_meta(x: Tensor, weight: Tensor, spec: ConvSpec, dtype: torch.dtype) -> Tensor:
+    """A meta tensor with the shape, strides and dtype (the compute dtype) the library conv (and the
+    op's fake) would give y0.
 
     Mirrors FakeTensor's conv rule (``_select_conv_backend`` + ``_conv_determine_backend_memory_format``)
     without running the conv; cached per shapes, strides, dtypes and devices (asked on every call).
     """
-    return _DECISIONS.get(("conv_meta", tensor_key(x), tensor_key(weight), spec),
-                          lambda: _library_conv_meta_uncached(x, weight, spec))  # fmt: skip
+    return _DECISIONS.get(("conv_meta", tensor_key(x), tensor_key(weight), spec, dtype),
+                          lambda: _library_conv_meta_uncached(x, weight, spec, dtype))  # fmt: skip
 
 
-def _library_conv_meta_uncached(x: Tensor, weight: Tensor, spec: ConvSpec) -> Tensor:
+def _library_conv_meta_uncached(x: Tensor, weight: Tensor, spec: ConvSpec, dtype: torch.dtype) -> Tensor:
     shape = _conv_output_shape(x, weight, spec)
     fmt = torch.contiguous_format
     if x.dim() in (4, 5):
+        # NOTE: x and weight as stored, not cast: the backend and its memory format depend on the
+        # layouts and on float64-or-not (cuDNN's rule), not on fp32 vs bf16/fp16; only a weight
+        # whose dtype differs from x's (never under autocast) is cast, once per signature.
+        weight = weight if weight.dtype == x.dtype else weight.to(x.dtype)
         backend = torch._C._select_conv_backend(
             x, weight, bias=None, stride=list(spec.stride), padding=list(spec.padding),
             dilation=list(spec.dilation), transposed=spec.transposed,
             output_padding=list(spec.output_padding), groups=spec.groups, bias_sizes=None,
         )  # fmt: skip
         fmt = torch._C._conv_determine_backend_memory_format(x, weight, backend)
-    return torch.empty(shape, dtype=x.dtype, device="meta", memory_format=fmt)
+    return torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
 
 
 class _FusedForward:
@@ -748,7 +775,8 @@ class _FusedForward:
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
         from ..kernels import conv_fused
 
-        y0 = _library_conv_meta(x, weight, cfg.conv)
+        dtype = _compute_dtype(cfg, x)
+        y0 = _library_conv_meta(x, weight, cfg.conv, dtype)
         steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
         out_shape = list(y0.shape) if cfg.pool is None else _pooled_shape(y0.shape, cfg.pool)
         like_x = torch.empty(0, dtype=x.dtype, device="meta")  # the outputs' layouts, no memory
@@ -760,7 +788,7 @@ class _FusedForward:
         self.launch = conv_fused.forward_launch(
             x, weight, bias, steps, _conv_geometry(cfg.conv), None if cfg.pool is None else _pool_geometry(cfg.pool),
             out, saved_a if self.save_a else None, saved_b if self.save_b else None,
-            allow_tf32=bool(torch.backends.cudnn.allow_tf32),
+            allow_tf32=bool(torch.backends.cudnn.allow_tf32), compute_dtype=dtype,
         )  # fmt: skip
         self.params = _PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
 
@@ -895,7 +923,8 @@ def _library_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """aten conv without bias, then one Triton kernel for bias + chain + pool (+ max-pool winners)."""
     kernels = _kernels()
-    y0 = _conv(x, weight, None, cfg.conv)
+    xc, weight, bias = _cast_inputs(x, weight, bias, _compute_dtype(cfg, x))
+    y0 = _conv(xc, weight, None, cfg.conv)
     fmt = output_memory_format(y0)
     y0 = _in_format(y0, fmt)
     steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
@@ -1014,12 +1043,13 @@ def _library_backward(
     """One Triton kernel for the full-size conv-output gradient and the per-channel operand/bias
     sums, then ``aten.convolution_backward`` for x and weight."""
     kernels = _kernels()
+    x, weight, _ = _cast_inputs(x, weight, None, _compute_dtype(cfg, x))  # grads: ``_like`` casts back
     is_max = cfg.pool is not None and cfg.pool.kind == "max"
     if is_max:
         y0, winner, winner_y = None, saved_a, saved_b
         y_shape = _conv_output_shape(x, weight, cfg.conv)
         grad_y = torch.empty(
-            y_shape, dtype=x.dtype, device=x.device, memory_format=output_memory_format(saved_a)
+            y_shape, dtype=saved_b.dtype, device=x.device, memory_format=output_memory_format(saved_a)
         )
     else:
         y0, winner, winner_y = saved_a, None, None
@@ -1096,7 +1126,20 @@ class _CompactBackward:
         spec = cfg.conv
         conv_args = (grad, x, weight, spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding,
                      spec.groups)  # fmt: skip
-        self.conv_backward = _compact_kernels(conv_args, cfg).backward_plan(*conv_args, [mask[0], mask[1]])
+        from ..kernels import conv_shift_bwd
+
+        dtype = _compute_dtype(cfg, x)
+        kernels_module = _compact_kernels(conv_args, cfg, dtype)
+        #: None, or the compute dtype x and weight are cast to before the general conv-backward
+        #: kernels (``conv_fused_bwd`` computes in x's dtype; ``conv_shift_bwd`` casts as it loads)
+        self.cast_to = None
+        if kernels_module is conv_shift_bwd:
+            self.conv_backward = kernels_module.backward_plan(*conv_args, [mask[0], mask[1]], dtype)
+        else:
+            if (x.dtype, weight.dtype) != (dtype, dtype):
+                self.cast_to = dtype
+                conv_args = (grad, x.to(dtype), weight.to(dtype), *conv_args[3:])
+            self.conv_backward = kernels_module.backward_plan(*conv_args, [mask[0], mask[1]])
 
     def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor) -> list[Tensor | None]:  # fmt: skip
@@ -1105,23 +1148,26 @@ class _CompactBackward:
         g = torch.empty_strided(shape, stride, dtype=dtype, device=y_src.device)
         slot_grads, grad_bias = self.epilogue(grad_out, y_src, None, None, self.params(bias, operands), g)
         grad = _pooled_grad(g, saved_a, self.pool) if self.pool is not None else g
+        if self.cast_to is not None:  # the results' dtype is then cast back by ``_like``
+            x, weight = x.to(self.cast_to), weight.to(self.cast_to)
         grad_x, grad_w = self.conv_backward(grad, x, weight)
         grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], g.device)
         return [grad_x, grad_w, None if grad_bias is None else grad_bias.to(self.bias_dtype), *grad_operands]
 
 
-def _compact_kernels(conv_args: tuple, cfg: ConvEpilogueConfig) -> ModuleType:
+def _compact_kernels(conv_args: tuple, cfg: ConvEpilogueConfig, dtype: torch.dtype) -> ModuleType:
     """The conv-backward kernels of the compact backward: ``kernels.conv_shift_bwd`` (dense GEMMs
     over (shift, window offset), for a transposed conv under a max pool whose stride is the conv's)
     where it serves the case, else the general ``kernels.conv_fused_bwd``.  Both take the same
-    arguments (``conv_args``) and give the same results; the answer is cached per shapes."""
+    arguments (``conv_args``) and give the same results (``conv_shift_bwd`` also takes the compute
+    ``dtype`` and casts as it loads); the answer is cached per shapes."""
     from ..kernels import conv_fused_bwd, conv_shift_bwd
 
     grad, x, weight = conv_args[:3]
     if not isinstance(grad, conv_fused_bwd.PooledGrad):
         return conv_fused_bwd
     key = ("compact_kernels", tensor_key(grad.g_win), tensor_key(grad.winner), tensor_key(x), tensor_key(weight), cfg)
-    why = _DECISIONS.get(key, lambda: conv_shift_bwd.unsupported_reason(*conv_args))
+    why = _DECISIONS.get(key, lambda: conv_shift_bwd.unsupported_reason(*conv_args, compute_dtype=dtype))
     return conv_fused_bwd if why is not None else conv_shift_bwd
 
 
@@ -1166,7 +1212,9 @@ def _reference_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Eager ops (the bias added after a bias-free conv, as the kernels do); max-pool winners from
     ``return_indices``, converted to row-major indices within each window."""
-    y0 = _conv(x, weight, None, cfg.conv)
+    dtype = _compute_dtype(cfg, x)
+    xc, weight, bias = _cast_inputs(x, weight, bias, dtype)
+    y0 = _conv(xc, weight, None, cfg.conv)
     fmt = output_memory_format(y0)
     y = y0 if bias is None else y0 + _channel_view(bias, y0.dim())
     v = apply_chain(y, cfg.chain, operands)
@@ -1193,7 +1241,7 @@ def _reference_forward(
             v = _pool(v, pool)
         if save:
             saved_a = _in_format(y0, fmt)
-    out = _in_format(v.to(_out_dtype(cfg, x)), fmt)
+    out = _in_format(v.to(_out_dtype(cfg, dtype)), fmt)
     if out.data_ptr() == y0.data_ptr():  # empty chain, no bias, no pool: outputs must not alias
         out = torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=fmt).copy_(out)
     return out, saved_a, saved_b
@@ -1216,8 +1264,9 @@ def _reference_backward(
     """
     pool = cfg.pool
     is_max = pool is not None and pool.kind == "max"
+    x, weight, bias_c = _cast_inputs(x, weight, bias, _compute_dtype(cfg, x))  # grads: ``_like`` casts back
     y_src = saved_b if is_max else saved_a
-    y = y_src if bias is None else y_src + _channel_view(bias, y_src.dim())
+    y = y_src if bias_c is None else y_src + _channel_view(bias_c, y_src.dim())
     v, tape = _chain_with_tape(y, cfg.chain, operands)
     grad_v = grad_out.to(v.dtype)
     if pool is not None and not is_max:

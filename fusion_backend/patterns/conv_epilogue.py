@@ -157,10 +157,13 @@ class ConvEpiloguePattern(Pattern):
             pool=region.pool.spec if region.pool else None,
             out_dtype=dtype_name(out_fake.dtype) if out_fake.dtype != conv_fake.dtype else None,
             strict=ctx.strict,
+            # WHY: under autocast the op takes the fp32 input, weight and bias and its kernels cast
+            # them as they load them (no cast kernels around it); a no-op when they are in it already.
+            compute_dtype=dtype_name(conv_fake.dtype),
         ).to_json()
         return rewrite_conv_region(
             ctx, candidate, conv, region.operands, op_module.conv_epilogue, config, "fusion::conv_epilogue_fwd",
-            op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type),
+            op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type), cast_inputs=False,
         )
 
 

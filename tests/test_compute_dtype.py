@@ -1,0 +1,169 @@
+"""Autocast's casts absorbed into ``fusion::conv_epilogue`` (``config.compute_dtype``).
+
+Under autocast the rewrite hands the op the fp32 input, weight and bias and names the conv's dtype in
+the config; the Triton kernels cast each tile as they load it, and the gradients come back in fp32.
+What must hold:
+
+* the forward is *bitwise* the forward of the same op given explicitly cast tensors (the values the
+  kernels cast are the values ``.to(dtype)`` gives), on every path: the fused conv (SHIFT_K and
+  general), the library conv, the reference;
+* every gradient has its input's dtype (fp32) and is at least as close to float64 as the
+  explicit-cast path's (which rounds the gradients to the low dtype before casting them back);
+* the compiled graph has no cast nodes before the op, and the results match eager under autocast.
+
+On CPU the kernels run under the interpreter in fp16 (it has no bf16); on CUDA also in bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from fusion_backend.kernels.host import BoundedCache
+from fusion_backend.ops import conv_epilogue as ce
+from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
+from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
+from fusion_backend.testing import Autocast, assert_fused
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+PK = PointwiseKind
+LOW_DTYPES = [torch.float16, torch.bfloat16] if CUDA else [torch.float16]
+
+
+@pytest.fixture(params=["triton", "library"])
+def impl(request, monkeypatch, exact_fp32):
+    """The conv path of the op's Triton implementation (fresh plan caches)."""
+    if DEVICE == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
+        if request.param == "library":
+            pytest.skip("aten's CPU conv in fp16 is the reference's business (covered on the GPU)")
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    monkeypatch.setenv(ce.CONV_IMPL_ENV, request.param)
+    monkeypatch.setattr(ce, "_FORWARD_PLANS", BoundedCache(256))
+    monkeypatch.setattr(ce, "_BACKWARD_PLANS", BoundedCache(256))
+    return request.param
+
+
+def _seed_a_like():
+    """ConvTranspose3d stride 2 -> leaky -> x per-channel -> leaky -> MaxPool3d(2): the SHIFT_K
+    forward and the shift backward."""
+    spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+    leaky = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
+    chain = (leaky, ChainStep(PK.MUL, (TensorRef(0),)), leaky)
+    pool = PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
+    shapes = dict(x=(2, 4, 3, 4, 5), w=(4, 6, 3, 3, 3), b=6, m=(6, 1, 1, 1))
+    return spec, chain, pool, shapes
+
+
+def _plain_2d():
+    """Conv2d (padding 1, odd sizes) -> x per-channel -> gelu, no pool: the general forward and
+    the general compact backward (which the op feeds cast tensors)."""
+    spec = ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 1)
+    chain = (ChainStep(PK.MUL, (TensorRef(0),)), ChainStep(PK.GELU, ()))
+    shapes = dict(x=(2, 5, 7, 9), w=(6, 5, 3, 3), b=6, m=(6, 1, 1))
+    return spec, chain, None, shapes
+
+
+CASES = {"seedA-like": _seed_a_like, "conv2d": _plain_2d}
+
+
+def _leaves(shapes: dict, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shapes["x"], generator=g)
+    w = torch.randn(shapes["w"], generator=g) * 0.3
+    b = torch.randn(shapes["b"], generator=g)
+    m = torch.randn(shapes["m"], generator=g)  # mixed signs: negative multipliers flip the max
+    return [t.to(DEVICE) for t in (x, w, b, m)]
+
+
+def _config(spec, chain, pool, compute_dtype: torch.dtype | None) -> str:
+    # out_dtype float32: the fp32 multiplier promotes the low-precision conv output, as under autocast
+    return ConvEpilogueConfig(
+        conv=spec, chain=chain, pool=pool, out_dtype="float32", strict=True,
+        compute_dtype=None if compute_dtype is None else str(compute_dtype).replace("torch.", ""),
+    ).to_json()  # fmt: skip
+
+
+def _run(leaves: list[torch.Tensor], config: str, grad_seed: int = 1) -> list[torch.Tensor]:
+    """[out, grad x, grad w, grad b, grad multiplier] of the op on these leaves."""
+    leaves = [t.detach().requires_grad_(True) for t in leaves]
+    x, w, b, m = leaves
+    out = ce.conv_epilogue(x, w, b, [m], config)
+    g = torch.Generator().manual_seed(grad_seed)
+    grad = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad)]
+
+
+def _float64_reference(leaves: list[torch.Tensor], spec, chain, pool, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The eager composite in float64 on x, weight and bias rounded to ``dtype`` (what the conv sees)."""
+    x, w, b, m = leaves
+    rounded = [t.to(dtype).double().requires_grad_(True) for t in (x, w, b)] + [m.double().requires_grad_(True)]
+    config = _config(spec, chain, pool, None).replace('"out_dtype":"float32"', '"out_dtype":null')
+    out = ce.conv_epilogue_eager(*rounded[:3], [rounded[3]], config)
+    g = torch.Generator().manual_seed(1)
+    grad = torch.randn(out.shape, generator=g).to(out.device, torch.float32).double()
+    return [out.detach(), *torch.autograd.grad(out, rounded, grad)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
+def test_absorbed_casts_match_the_explicit_casts(case, dtype, impl):
+    spec, chain, pool, shapes = CASES[case]()
+    leaves = _leaves(shapes)
+    absorbed = _run(leaves, _config(spec, chain, pool, dtype))
+    explicit = _run([t.to(dtype) for t in leaves[:3]] + [leaves[3]], _config(spec, chain, pool, None))
+    want = _float64_reference(leaves, spec, chain, pool, dtype)
+    assert absorbed[0].dtype == torch.float32
+    # The forward casts exactly what .to() casts: bitwise the same result.
+    assert torch.equal(absorbed[0], explicit[0])
+    names = ["grad x", "grad weight", "grad bias", "grad multiplier"]
+    for name, leaf, got, other, ref in zip(names, leaves, absorbed[1:], explicit[1:], want[1:], strict=True):
+        assert got.dtype == leaf.dtype == torch.float32 and got.shape == leaf.shape, name
+        err, err_explicit = _rel(got, ref), _rel(other, ref)
+        # fp32 gradients from the fp32 sums: never worse than rounding them to the low dtype first
+        assert err <= 1.05 * err_explicit + 1e-6, f"{name}: {err:.2e} vs explicit casts {err_explicit:.2e}"
+        assert err < (2e-2 if dtype == torch.bfloat16 else 5e-3), f"{name}: {err:.2e} from float64"
+
+
+def test_compute_dtype_is_checked(impl):
+    spec, chain, pool, shapes = _seed_a_like()
+    x, w, b, m = _leaves(shapes)
+    config = _config(spec, chain, pool, None).replace('"compute_dtype":null', '"compute_dtype":"int8"')
+    with pytest.raises(Exception, match="compute_dtype 'int8' is not a torch floating dtype"):
+        ce.conv_epilogue(x, w, b, [m], config)
+
+
+class _SeedB(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.multiplier = torch.nn.Parameter(torch.randn(8, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(torch.nn.functional.leaky_relu(self.conv(x) * self.multiplier))
+
+
+def test_rewrite_passes_uncast_inputs_under_autocast(fusion_rewrites, tmp_path):
+    """Under autocast the fused call takes the fp32 input, weight and bias (no cast nodes before it)
+    and its config names the conv's dtype; the results match eager's under autocast (CPU: bf16
+    through the reference)."""
+    torch.manual_seed(0)
+    model = Autocast(_SeedB().to(DEVICE), DEVICE)
+    x = torch.rand(2, 3, 10, 12, device=DEVICE)
+    assert_fused(model, [x], expect={"conv_epilogue": 1}, tol=2e-2)
+    match = fusion_rewrites[0].matches[0]
+    assert json.loads(match.config)["compute_dtype"] == "bfloat16"
+    torch._dynamo.reset()
+    torch.compile(model, backend="fusion", options={"dump_dir": str(tmp_path)})(x)
+    (after,) = tmp_path.glob("**/after.py")
+    code = after.read_text()
+    assert "conv_epilogue" in code and ".to(" not in code, code
