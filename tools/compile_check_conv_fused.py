@@ -1,6 +1,6 @@
 """Compile the fused conv forward kernel for sm_90 without a GPU: catches GPU-only compile errors.
 
-    python tools/compile_check_conv_fused.py [--quick] [--cases A-fp32,A-bf16,B-fp32,B-bf16,Awide-fp32]
+    python tools/compile_check_conv_fused.py [--quick] [--cases A-fp32,A-bf16,A-amp,B-fp32,B-bf16,Awide-fp32]
         [--tiles M,N,K,warps,stages;...] [--sass] [--dump-sass DIR]
 
 For the seed-A (ConvTranspose3d + chain + MaxPool3d, training forward with saved state) and seed-B
@@ -63,7 +63,7 @@ class _Recorder:
         return lambda *args, **kw: self.calls.append((args, kw))
 
 
-def _seed(name: str, dtype: torch.dtype):
+def _seed(name: str, dtype: torch.dtype, compute_dtype: str | None = None):
     """The seed's tensors (empty, full size, CPU) and config, as ``tools/bench_conv_fused.py``."""
     if name in ("A", "Awide"):  # Awide: 48 input channels, the SHIFT_K path with several channel blocks
         spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
@@ -78,11 +78,11 @@ def _seed(name: str, dtype: torch.dtype):
         pool = None
         x, w, c = torch.empty(64, 64, 256, 256, dtype=dtype), torch.empty(64, 64, 3, 3, dtype=dtype), 64
     b, m = torch.zeros(c, dtype=dtype), torch.ones((c,) + (1,) * (x.dim() - 2), dtype=dtype)
-    cfg = ConvEpilogueConfig(conv=spec, chain=chain, pool=pool, strict=True)
+    cfg = ConvEpilogueConfig(conv=spec, chain=chain, pool=pool, strict=True, compute_dtype=compute_dtype)
     return x, w, b, [m], cfg
 
 
-def record_launch(seed: str, dtype: torch.dtype) -> tuple[tuple, dict, tuple | None]:
+def record_launch(seed: str, dtype: torch.dtype, compute_dtype: str | None = None) -> tuple[tuple, dict, tuple | None]:
     """The positional args and keyword constexprs of the seed's training-forward launch, and the
     (args, constexprs) of its weight-matrix launch (None when the path has none)."""
     rec, rec_w = _Recorder(), _Recorder()
@@ -90,7 +90,7 @@ def record_launch(seed: str, dtype: torch.dtype) -> tuple[tuple, dict, tuple | N
     CF._conv_fused_fwd_kernel, CF._shift_k_weight_kernel, CF._INTERPRET = rec, rec_w, False
     torch.backends.cudnn.allow_tf32 = True  # PyTorch's default on CUDA
     try:
-        x, w, b, ops, cfg = _seed(seed, dtype)
+        x, w, b, ops, cfg = _seed(seed, dtype, compute_dtype)
         ce._fused_conv_forward(x, w, b, ops, cfg, True)
     finally:
         CF._conv_fused_fwd_kernel, CF._shift_k_weight_kernel, CF._INTERPRET, torch.backends.cudnn.allow_tf32 = saved
@@ -223,16 +223,17 @@ def compile_one(args: tuple, consts: dict, num_warps: int, num_stages: int, fn=N
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the first kept config per case")
-    parser.add_argument("--cases", default="A-fp32,A-bf16,B-fp32,B-bf16")
+    parser.add_argument("--cases", default="A-fp32,A-bf16,A-amp,B-fp32,B-bf16")
     parser.add_argument("--tiles", default="", help="'M,N,K,warps,stages;...' instead of the autotune configs")
     parser.add_argument("--sass", action="store_true", help="count SASS instructions by class (main loop, kernel)")
     parser.add_argument("--dump-sass", default="", help="directory for the SASS listings (implies --sass)")
     opts = parser.parse_args(argv)
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    # amp: fp32 tensors, bf16 compute (autocast's casts absorbed into the loaders)
+    dtypes = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "amp": (torch.float32, "bfloat16")}
     failures = 0
     for case in opts.cases.split(","):
         seed, dt = case.split("-")
-        args, consts, weight_launch = record_launch(seed, dtypes[dt])
+        args, consts, weight_launch = record_launch(seed, *dtypes[dt])
         if weight_launch is not None:
             try:
                 line = compile_one(*weight_launch, 4, 1, fn=CF._shift_k_weight_kernel)
