@@ -738,6 +738,7 @@ _dgrad_tuned = triton.autotune(
         "TW",
         "G_CL",
         "X_CL",
+        "CDT",
         "PREC",
     ],
     prune_configs_by={"early_config_prune": _pruner(_DGRAD_TILES)},
@@ -745,7 +746,7 @@ _dgrad_tuned = triton.autotune(
 )(_shift_dgrad_kernel)
 _wgrad_tuned = triton.autotune(
     configs=[_tile_config(t) for t in _WGRAD_TILES],
-    key=["M_TOTAL", "CI_G", "CO_G", "ROWS_PER_SPLIT", "KD", "KH", "KW", "KS", "X_CL", "G_CL", "PREC"],
+    key=["M_TOTAL", "CI_G", "CO_G", "ROWS_PER_SPLIT", "KD", "KH", "KW", "KS", "X_CL", "G_CL", "CDT", "PREC"],
     prune_configs_by={"early_config_prune": _pruner(_WGRAD_TILES)},
     cache_results=True,
 )(_shift_wgrad_kernel)
