@@ -77,7 +77,7 @@ from .conv_fused import AUTOTUNE_ENV, ConvGeometry, conv_output_size
 from .epilogue import KernelStep, PoolGeometry, _chain_fwd, _load_operands, _op_constexprs, build_params
 from .host import BoundedCache, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
-from .tf32 import round_tf32
+from .tf32 import dot_precision, round_tf32
 
 _INT32_LIMIT = 2**31 - 1
 #: Tensors with more elements than this get int64 index math (BIG); a module constant so that tests
@@ -591,10 +591,7 @@ def _prepare(
     c_shift = (-pw) % align if kwg > 1 else 0
     p_end = (h - 1) * r + w
 
-    if _INTERPRET or compute != torch.float32:
-        precision = "ieee" if _INTERPRET else "tf32"
-    else:
-        precision = "tf32" if allow_tf32 else "ieee"
+    precision = dot_precision(compute, allow_tf32, _INTERPRET)
     block_n = min(max(16, next_pow2(cout)), 64)
     n_blocks = cdiv(cout, block_n)
     cin_pad = cdiv(cin, _CIN_ALIGN) * _CIN_ALIGN

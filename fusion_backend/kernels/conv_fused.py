@@ -67,7 +67,7 @@ from .epilogue import (
 )
 from .host import BoundedCache, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
-from .tf32 import compute_code, round_tf32, to_compute
+from .tf32 import compute_code, dot_precision, round_tf32, to_compute
 
 #: Largest number of (window offset, tap) pairs the kernel unrolls (compile time and code size grow
 #: with it).  Seed A: 27 effective pairs (8 phases x 1..8 taps); a 3x3x3 conv under a 2x2x2 pool: 216.
@@ -1144,10 +1144,7 @@ def _prepare(
     x_strides = _lift(x)[1]
     o_strides = _lift(out)[1]
     y_strides = _lift(saved_a)[1] if save and not is_max else [0] * 5
-    if _INTERPRET or compute_dtype != torch.float32:
-        precision = "ieee" if _INTERPRET else "tf32"
-    else:
-        precision = "tf32" if allow_tf32 else "ieee"
+    precision = dot_precision(compute_dtype, allow_tf32, _INTERPRET)
     one_cblock = cin_g <= SHIFT_K_BLOCK_K
     # SHIFT_K with one channel block reads the prearranged matrix; its masked variant (tiles with
     # inf/NaN only) reads the weight as it is.  Every other path reads the relaid weight.

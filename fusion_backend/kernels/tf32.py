@@ -41,6 +41,17 @@ def compute_code(dtype: torch.dtype) -> int:
         raise ValueError(f"no conv kernels compute in {dtype} (float32, float16, bfloat16)") from None
 
 
+def dot_precision(compute_dtype: torch.dtype, allow_tf32: bool, interpret: bool) -> str:
+    """The ``input_precision`` of the forward conv kernels' dots: "ieee" under the interpreter (it has
+    no TF32); for fp32 operands "tf32" iff ``allow_tf32`` (the user's cuDNN flag); "tf32" for 16-bit
+    operands, where ``tl.dot`` ignores it."""
+    if interpret:
+        return "ieee"
+    if compute_dtype != torch.float32:
+        return "tf32"
+    return "tf32" if allow_tf32 else "ieee"
+
+
 @triton.jit
 def to_compute(v, CDT: tl.constexpr):
     """``v`` cast to the compute dtype ``CDT`` (``compute_code``): 0 fp32, 1 fp16, 2 bf16."""
