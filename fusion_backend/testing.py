@@ -104,9 +104,10 @@ def run_and_backward(
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``||got - want|| / ||want||`` in float64, NaNs (at equal positions) ignored."""
+    """``||got - want|| / ||want||`` in float64; NaNs and equal infinities ignored (``compare`` checks
+    their positions first)."""
     g, w = got.detach().double().cpu(), want.detach().double().cpu()
-    mask = torch.isnan(g) | torch.isnan(w)
+    mask = torch.isnan(g) | torch.isnan(w) | (torch.isinf(w) & (g == w))
     g, w = g.masked_fill(mask, 0), w.masked_fill(mask, 0)
     return (g - w).norm().item() / max(w.norm().item(), 1e-30)
 
@@ -121,7 +122,7 @@ def compare(
     """``None`` if ``got`` matches eager's ``want``, else a sentence with the error and the five
     largest mismatches with their indices.
 
-    Shape, dtype and NaN positions must equal eager's.  Without ``reference`` the norm-wise relative
+    Shape, dtype, NaN positions and infinities (positions and signs) must equal eager's.  Without ``reference`` the norm-wise relative
     error of ``got`` vs ``want`` must be at most ``tol`` (default: ``TOLERANCES[want.dtype]``).  With a
     float64 ``reference`` (the same computation in float64), ``got`` is measured against it and may be
     off by ``max(tol, 2 * eager's own error)``: a reduction summed in another order than eager's can
@@ -136,12 +137,18 @@ def compare(
     if not torch.equal(nan_g, nan_w):
         idx = torch.nonzero(nan_g != nan_w)[:5].tolist()
         return f"{name}: NaN positions differ from eager at {idx}"
+    inf_g, inf_w = got.detach().cpu().isinf(), want.detach().cpu().isinf()
+    if not (torch.equal(inf_g, inf_w) and torch.equal(got.detach().cpu()[inf_g], want.detach().cpu()[inf_w])):
+        idx = torch.nonzero((inf_g != inf_w) | (inf_g & (got.detach().cpu() != want.detach().cpu())))[:5].tolist()
+        return f"{name}: infinities differ from eager's at {idx}"
     truth = want if reference is None else reference
     err = relative_error(got, truth)
     bound = tol if reference is None else max(tol, 2 * relative_error(want, reference))
     if err <= bound:
         return None
-    g, w = got.detach().double().cpu().masked_fill(nan_g, 0), truth.detach().double().cpu().masked_fill(nan_w, 0)
+    g, w = got.detach().double().cpu(), truth.detach().double().cpu()
+    skip = g.isnan() | w.isnan() | (w.isinf() & (g == w))
+    g, w = g.masked_fill(skip, 0), w.masked_fill(skip, 0)
     diff = (g - w).abs().flatten()
     worst = torch.topk(diff, min(5, diff.numel())).indices
     rows = []

@@ -3,7 +3,7 @@
 Without CUDA the kernels run under Triton's interpreter (``conftest``), so shapes are small; the
 shapes are odd on purpose (partial tiles, tiles that cross image rows, channel counts that are not
 multiples of the blocks).  Reference: ``conv{1,2}d`` in float64 of the operands rounded to the compute
-dtype, the conv output rounded to the compute dtype (the kernel's storage rule), then bias and the
+dtype, the conv output and the bias rounded to the compute dtype (the kernel's storage rule), then the
 chain in float64.  Outputs are poisoned with NaN before each run, and NaN/inf positions must match
 exactly, so an unwritten element or a NaN/inf leaking across an image row (the kernel walks H and W
 as one flattened axis) fails.
@@ -57,7 +57,7 @@ def _reference(x, w, b, chain_ref, padding, compute):  # noqa: ANN001
     xr, wr = x.cpu().to(compute).double(), w.cpu().to(compute).double()
     conv = F.conv1d if x.dim() == 3 else F.conv2d
     y = conv(xr, wr, None, padding=padding).to(compute).double()
-    v = y if b is None else y + b.cpu().double().view(1, -1, *([1] * (y.dim() - 2)))
+    v = y if b is None else y + b.cpu().to(compute).double().view(1, -1, *([1] * (y.dim() - 2)))
     return chain_ref(v), y
 
 

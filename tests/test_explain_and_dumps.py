@@ -173,3 +173,17 @@ def test_structured_trace_artifact_is_emitted_when_available(monkeypatch):
     monkeypatch.setattr(backend, "_emit_trace_artifact", lambda report: seen.append(report))
     fusion_backend.explain(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), torch.rand(1, 3, 6, 6))
     assert len(seen) == 1 and seen[0].counts() == {"conv_epilogue": 1}
+
+
+def test_compare_accepts_equal_infinities_and_names_differing_ones():
+    from fusion_backend.testing import compare
+
+    want = torch.tensor([1.0, float("inf"), -float("inf"), float("nan"), 2.0])
+    assert compare("out", want.clone(), want) is None  # equal inf/NaN positions: the finite rest is compared
+    assert compare("out", want + torch.tensor([0, 0, 0, 0, 1e-3]), want).startswith("out: relative error")
+    flipped = want.clone()
+    flipped[1] = -float("inf")
+    assert compare("out", flipped, want) == "out: infinities differ from eager's at [[1]]"
+    finite = want.clone()
+    finite[2] = 0.0
+    assert compare("out", finite, want) == "out: infinities differ from eager's at [[2]]"

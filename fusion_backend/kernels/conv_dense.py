@@ -45,8 +45,9 @@ Outputs with ``ow >= OW`` (the last ``R - OW`` of each virtual row) are computed
   contiguous, zero padded to ``COUT_PAD x CIN_PAD``, in the compute dtype, TF32-rounded when the dot
   runs in TF32): every B tile is one unmasked load, K-major in shared memory as TF32 wgmma needs it.
 
-Numerics (as ``conv_fused``'s ``_offset_epilogue``): fp32 accumulation; the conv output is rounded to
-the compute dtype before the bias and the chain; ``saved_a`` receives it without bias.  fp32 compute
+Numerics (as ``conv_fused``'s ``_offset_epilogue``): fp32 accumulation; the conv output and the bias
+are rounded to the compute dtype, then added in fp32 before the chain; ``saved_a`` receives the conv
+output without bias.  fp32 compute
 uses TF32 iff ``allow_tf32`` (operands rounded to nearest first, ``kernels.tf32``), ``ieee`` otherwise
 and always under the interpreter.  inf/NaN in ``x`` reach exactly the outputs whose taps read them.  A
 non-finite *weight* reaches the outputs whose taps fall on padded rows (masked loads read 0, and
@@ -226,10 +227,11 @@ def _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, sa_pt
             y += _tap_term(acc3, j, ow, 3, PW, W, BLOCK_M)
     c = co[None, :]
     cmask = (co < C_OUT)[None, :]
-    y_raw = y.to(wm_ptr.dtype.element_ty).to(tl.float32)  # the conv output in its storage (compute) dtype
+    compute = wm_ptr.dtype.element_ty
+    y_raw = y.to(compute).to(tl.float32)  # the conv output in its storage (compute) dtype
     val = y_raw
-    if HAS_BIAS:
-        val = val + tl.load(p_ptr + c, mask=cmask, other=0.0)
+    if HAS_BIAS:  # the bias as the conv sees it: rounded to the compute dtype (P holds it in fp32)
+        val = val + tl.load(p_ptr + c, mask=cmask, other=0.0).to(compute).to(tl.float32)
     a0, b0 = _load_operands(p_ptr, 0, c, C_OUT, cmask, OP0)
     a1, b1 = _load_operands(p_ptr, 1, c, C_OUT, cmask, OP1)
     a2, b2 = _load_operands(p_ptr, 2, c, C_OUT, cmask, OP2)

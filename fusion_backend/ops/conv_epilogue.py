@@ -52,7 +52,8 @@ Implementations:
     plus fixed-order per-channel partial sums of the operand and bias gradients (bitwise
     reproducible), then ``aten.convolution_backward``.
   - fused (``triton``, or ``auto`` where measured faster): one implicit-GEMM Triton kernel computes
-    the conv and applies bias, chain and pool in registers (``kernels.conv_fused``); the backward
+    the conv and applies bias, chain and pool in registers (``kernels.conv_dense`` for the plain
+    stride-1 1d/2d convs it serves, e.g. seed B; ``kernels.conv_fused`` otherwise); the backward
     differentiates the chain at the max-pool winners only and hands the compact gradient to Triton
     conv-backward kernels that expand it on the fly (``kernels.conv_shift_bwd`` for a transposed
     conv whose pool stride is its stride, e.g. seed A; ``kernels.conv_fused_bwd`` otherwise), so no
@@ -676,12 +677,14 @@ def _conv_impl_mode() -> str:
 
 def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) -> tuple[str, str | None]:
     """Which conv the Triton forward runs: ``("triton", None)`` for the fused implicit-GEMM kernel
-    (``kernels.conv_fused``), ``("library", why)`` for aten/cuDNN + the epilogue kernel.
+    (``_forward_kernels``: ``kernels.conv_dense`` or ``kernels.conv_fused``), ``("library", why)``
+    for aten/cuDNN + the epilogue kernel.
 
     ``FUSION_CONV_IMPL`` (read at call time; ``auto`` by default): ``library`` always takes the
-    library conv; ``auto`` answers ``triton`` on CUDA whenever ``conv_fused.unsupported_reason`` is
-    None (``_forward_plan`` then measures which of the two is faster) and the library conv on CPU
-    (the interpreter is slow; tests force the fused kernel there); ``triton`` always takes the fused
+    library conv; ``auto`` answers ``triton`` on CUDA whenever one of the fused kernels serves the
+    case (``conv_dense``, else ``conv_fused.unsupported_reason`` is None; ``_forward_plan`` then
+    measures which of the two is faster) and the library conv on CPU (the interpreter is slow;
+    tests force the fused kernel there); ``triton`` always takes the fused
     kernel and raises ``UnsupportedInputError`` (handled by the failure policy: strict raises, else
     warn and run the reference) when it cannot serve the case.
     """
@@ -704,6 +707,8 @@ def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save:
     """``conv_impl``'s answer for ``auto``/``triton`` (see there)."""
     from ..kernels import conv_fused
 
+    if _forward_kernels(x, weight, cfg) is not conv_fused:
+        return "triton", None
     pooled = None
     if cfg.pool is not None:
         pooled = _pooled_shape(_conv_output_shape(x, weight, cfg.conv), cfg.pool)[2:]
@@ -721,6 +726,21 @@ def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save:
     if mode == "triton":
         raise UnsupportedInputError(f"{CONV_IMPL_ENV}=triton but the fused conv kernel cannot run: {why}")
     return "library", why
+
+
+def _forward_kernels(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> ModuleType:
+    """The fused forward's kernel module: ``kernels.conv_dense`` where it serves the case (a plain
+    stride-1 1d/2d conv without a pool: one shift per tap over flattened planes, 2.3x faster than
+    ``conv_fused`` on seed B), else the general ``kernels.conv_fused``.  Both take the same launch
+    arguments and write the same outputs and saved state; cached per shapes, strides and dtypes."""
+    from ..kernels import conv_dense, conv_fused
+
+    def answer() -> ModuleType:
+        pool = None if cfg.pool is None else _pool_geometry(cfg.pool)
+        dense = conv_dense.unsupported_reason(x, weight, _conv_geometry(cfg.conv), pool) is None
+        return conv_dense if dense else conv_fused
+
+    return _DECISIONS.get(("forward_kernels", tensor_key(x), tensor_key(weight), cfg), answer)
 
 
 def _conv_geometry(spec: ConvSpec) -> Any:  # conv_fused.ConvGeometry (module imported lazily)
@@ -773,8 +793,6 @@ class _FusedForward:
 
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
-        from ..kernels import conv_fused
-
         dtype = _compute_dtype(cfg, x)
         y0 = _library_conv_meta(x, weight, cfg.conv, dtype)
         steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
@@ -785,7 +803,7 @@ class _FusedForward:
         self.save_a = save
         self.save_b = save and cfg.pool is not None and cfg.pool.kind == "max"
         out, saved_a, saved_b = outputs
-        self.launch = conv_fused.forward_launch(
+        self.launch = _forward_kernels(x, weight, cfg).forward_launch(
             x, weight, bias, steps, _conv_geometry(cfg.conv), None if cfg.pool is None else _pool_geometry(cfg.pool),
             out, saved_a if self.save_a else None, saved_b if self.save_b else None,
             allow_tf32=bool(torch.backends.cudnn.allow_tf32), compute_dtype=dtype,
