@@ -213,10 +213,11 @@ def cpu_kernels(monkeypatch) -> None:
 
 @pytest.fixture
 def triton_on_cpu(monkeypatch):
-    """Route CPU calls through the Triton launchers and count the launches."""
+    """Route CPU calls through the Triton launchers and count the epilogue kernels' launches (the
+    op's call plans launch through ``ForwardLaunch`` / ``BackwardLaunch``)."""
     cpu_kernels(monkeypatch)
     calls = {"forward": 0, "backward": 0}
-    fwd, bwd = kernels.epilogue_forward, kernels.epilogue_backward
+    fwd, bwd = kernels.ForwardLaunch.__call__, kernels.BackwardLaunch.__call__
 
     def count(name, fn):
         def wrapped(*args, **kwargs):
@@ -225,8 +226,8 @@ def triton_on_cpu(monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(kernels, "epilogue_forward", count("forward", fwd))
-    monkeypatch.setattr(kernels, "epilogue_backward", count("backward", bwd))
+    monkeypatch.setattr(kernels.ForwardLaunch, "__call__", count("forward", fwd))
+    monkeypatch.setattr(kernels.BackwardLaunch, "__call__", count("backward", bwd))
     return calls
 
 
@@ -496,7 +497,7 @@ def _broken_forward(*args, **kwargs):
 
 def test_kernel_failure_falls_back_with_one_warning(monkeypatch, caplog):
     cpu_kernels(monkeypatch)
-    monkeypatch.setattr(kernels, "epilogue_forward", _broken_forward)
+    monkeypatch.setattr(kernels.ForwardLaunch, "__call__", _broken_forward)
     case = CONVS[2]
     chain, pool = _variants(2)["leaky-mul-leaky-maxpool"]
     x, w, b, ops = make_inputs(case, torch.float32)
@@ -519,7 +520,7 @@ def test_kernel_failure_falls_back_with_one_warning(monkeypatch, caplog):
 
 def test_kernel_failure_raises_under_strict(monkeypatch):
     cpu_kernels(monkeypatch)
-    monkeypatch.setattr(kernels, "epilogue_forward", _broken_forward)
+    monkeypatch.setattr(kernels.ForwardLaunch, "__call__", _broken_forward)
     case = CONVS[2]
     chain, pool = _variants(2)["leaky-mul-leaky-maxpool"]
     x, w, b, ops = make_inputs(case, torch.float32)

@@ -799,50 +799,87 @@ def epilogue_forward(
         strides), int8/int32 and y's dtype; receive the winner's row-major index in its window and
         y (without bias) at the winner.
     """
-    if (winner is None) != (winner_y is None):
-        raise ValueError("winner and winner_y go together")
-    save = winner is not None
-    if save and (pool is None or pool.kind != "max"):
-        raise ValueError("winners are only saved for a max pool")
-    for name, t in (("winner", winner), ("winner_y", winner_y)):
-        if t is not None and (t.shape != out.shape or t.stride() != out.stride()):
-            raise ValueError(
-                f"{name} must have out's shape and strides {tuple(out.shape)}/{out.stride()}, got "
-                f"{tuple(t.shape)}/{t.stride()}"
-            )
-    if winner is not None and winner.dtype not in (torch.int8, torch.int32):
-        raise ValueError(f"winner must be int8 or int32, got {winner.dtype}")
-    y_sizes, y_strides = _lift(y)
-    o_sizes, o_strides = _lift(out)
-    n, channels = y_sizes[:2]
-    if pool is None:
-        if list(out.shape) != list(y.shape):
-            raise ValueError(
-                f"without a pool out must have y's shape {tuple(y.shape)}, got {tuple(out.shape)}"
-            )
-        if not _spatial_flattens(o_sizes, o_strides):
-            raise ValueError(f"out's spatial dims must flatten, got strides {out.stride()}")
-        if not _spatial_flattens(y_sizes, y_strides):  # copy into out's (flattening) layout
-            y = torch.empty_like(out, dtype=y.dtype).copy_(y)
-            y_sizes, y_strides = _lift(y)
-        pool_args = _NO_POOL
-    else:
-        pool_args = _lift_pool(pool, y.dim() - 2)
-    params = build_params(steps, bias, channels, y.device)
-    s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
-    block_c, block_s = _tile(channels, s_out, _channels_inner(o_strides, o_sizes))
-    num_s_blocks = cdiv(s_out, block_s)
-    grid = (n * num_s_blocks, cdiv(channels, block_c))
-    if out.numel() == 0:
-        return
-    _epilogue_fwd_kernel[grid](
-        y, params, out, winner if save else out, winner_y if save else out,
-        channels, *y_sizes[2:], *o_sizes[2:], num_s_blocks,
-        *y_strides, *o_strides,
-        **_op_constexprs(steps), HAS_BIAS=bias is not None,
-        POOL=0 if pool is None else (1 if pool.kind == "max" else 2), SAVE=save, **pool_args,
-        BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
+    key = (
+        tensor_key(y), bias is None, tuple(int(code) for code, _ in steps), pool, tensor_key(out),
+        tensor_key(winner), tensor_key(winner_y),
     )  # fmt: skip
+    launch = _FORWARD_LAUNCHES.get(key, lambda: ForwardLaunch(y, bias, steps, pool, out, winner, winner_y))
+    launch(y, build_params(steps, bias, launch.channels, y.device), out, winner, winner_y)
+
+
+#: ``epilogue_forward``'s launch plans by what they depend on (layouts, op codes, pool).
+_FORWARD_LAUNCHES = BoundedCache(256)
+
+
+class ForwardLaunch:
+    """``epilogue_forward`` for one signature (shapes, strides, dtypes, chain codes, bias presence,
+    pool): the arguments are checked and the launch worked out once (the tensors may be meta
+    tensors); a call only launches (``FastLaunch``).
+
+    ``__call__(y, params, out, winner, winner_y)`` takes tensors laid out like the constructor's
+    (``params``: ``P`` as ``build_params`` gives it for the constructor's ``steps`` and ``bias``).
+    """
+
+    def __init__(self, y: torch.Tensor, bias: torch.Tensor | None, steps: Sequence[KernelStep],
+                 pool: PoolGeometry | None, out: torch.Tensor, winner: torch.Tensor | None = None,
+                 winner_y: torch.Tensor | None = None) -> None:  # fmt: skip
+        if (winner is None) != (winner_y is None):
+            raise ValueError("winner and winner_y go together")
+        save = winner is not None
+        if save and (pool is None or pool.kind != "max"):
+            raise ValueError("winners are only saved for a max pool")
+        for name, t in (("winner", winner), ("winner_y", winner_y)):
+            if t is not None and (t.shape != out.shape or t.stride() != out.stride()):
+                raise ValueError(
+                    f"{name} must have out's shape and strides {tuple(out.shape)}/{out.stride()}, got "
+                    f"{tuple(t.shape)}/{t.stride()}"
+                )
+        if winner is not None and winner.dtype not in (torch.int8, torch.int32):
+            raise ValueError(f"winner must be int8 or int32, got {winner.dtype}")
+        y_sizes, y_strides = _lift(y)
+        o_sizes, o_strides = _lift(out)
+        channels = y_sizes[1]
+        #: y is copied into out's (flattening) layout first
+        self.copy_y = False
+        if pool is None:
+            if list(out.shape) != list(y.shape):
+                raise ValueError(
+                    f"without a pool out must have y's shape {tuple(y.shape)}, got {tuple(out.shape)}"
+                )
+            if not _spatial_flattens(o_sizes, o_strides):
+                raise ValueError(f"out's spatial dims must flatten, got strides {out.stride()}")
+            if not _spatial_flattens(y_sizes, y_strides):
+                self.copy_y = True
+                y_strides = _lift(torch.empty_like(out, dtype=y.dtype, device="meta"))[1]
+            pool_args = _NO_POOL
+        else:
+            pool_args = _lift_pool(pool, y.dim() - 2)
+        _op_constexprs(steps)  # checks the op codes before anything is kept
+        s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
+        block_c, block_s = _tile(channels, s_out, _channels_inner(o_strides, o_sizes))
+        num_s_blocks = cdiv(s_out, block_s)
+        grid = (y_sizes[0] * num_s_blocks, cdiv(channels, block_c))
+        self.channels = channels
+        self.save = save
+        self.launch = None
+        if out.numel() > 0:
+            ints = (channels, *y_sizes[2:], *o_sizes[2:], num_s_blocks, *y_strides, *o_strides)
+            self.launch = FastLaunch(_epilogue_fwd_kernel, grid, dict(
+                **_op_constexprs(steps), HAS_BIAS=bias is not None,
+                POOL=0 if pool is None else (1 if pool.kind == "max" else 2), SAVE=save, **pool_args,
+                BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
+            ), fixed=ints)  # fmt: skip
+
+    def __call__(self, y: torch.Tensor, params: torch.Tensor, out: torch.Tensor, winner: torch.Tensor | None = None,
+                 winner_y: torch.Tensor | None = None) -> None:  # fmt: skip
+        if self.launch is None:
+            return
+        if self.copy_y:
+            y = torch.empty_like(out, dtype=y.dtype).copy_(y)
+        if self.save:
+            self.launch(y, params, out, winner, winner_y)
+        else:
+            self.launch(y, params, out, out, out)
 
 
 def epilogue_backward(

@@ -897,7 +897,7 @@ def _forward_plan(
             settled = impl_choice.is_final(fast_key)
     if impl == "triton":
         return fused, settled
-    return (lambda x, weight, bias, operands: _library_forward(x, weight, bias, operands, cfg, save)), settled
+    return _LibraryForward(x, weight, bias, operands, cfg, save), settled
 
 
 #: Largest norm-wise relative difference between the fused and the library path's floating results
@@ -935,27 +935,66 @@ def _choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvEpilogu
     )
 
 
+class _LibraryForward:
+    """The library path's forward for one call signature (see ``_FusedForward``): aten's conv
+    without bias, then one Triton kernel for bias + chain + pool (+ max-pool winners).  The conv
+    output's layout (``_library_conv_meta``, the fake's rule), the outputs' layouts, the operand
+    matrix layout and the epilogue kernel's launch (``kernels.epilogue.ForwardLaunch``) are worked
+    out once; a call casts, convolves, allocates and launches.
+
+    WHY a plan object: on small convs (seed B small: 128 x 3 x 32 x 32) the step is host time, and
+    the per-call checks, key building and Triton's generic launch were most of it.
+    """
+
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                 cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
+        kernels = _kernels()
+        self.spec = cfg.conv
+        self.dtype = _compute_dtype(cfg, x)
+        y0 = _library_conv_meta(x, weight, cfg.conv, self.dtype)
+        y0 = torch.empty(y0.shape, dtype=y0.dtype, device="meta", memory_format=output_memory_format(y0))
+        #: the conv output's shape and strides in the outputs' memory format (as ``_in_format`` gives)
+        self.y0_layout = (tuple(y0.shape), y0.stride())
+        steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
+        out_shape = list(y0.shape) if cfg.pool is None else _pooled_shape(y0.shape, cfg.pool)
+        like_x = torch.empty(0, dtype=x.dtype, device="meta")
+        outputs = _allocate_forward_outputs(like_x, y0, out_shape, cfg, save)
+        self.layouts = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
+        self.max_save = save and cfg.pool is not None and cfg.pool.kind == "max"
+        #: the conv output is the saved state (no pool / avg pool)
+        self.save_y0 = save and not self.max_save
+        out, saved_a, saved_b = outputs
+        self.launch = kernels.ForwardLaunch(
+            y0, bias, steps, None if cfg.pool is None else _pool_geometry(cfg.pool), out,
+            saved_a if self.max_save else None, saved_b if self.max_save else None,
+        )  # fmt: skip
+        self.params = _PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        xc, wc, _ = _cast_inputs(x, weight, None, self.dtype)
+        y0 = _conv(xc, wc, None, self.spec)
+        shape, stride = self.y0_layout
+        if y0.stride() != stride:
+            y0 = torch.empty_strided(shape, stride, dtype=y0.dtype, device=y0.device).copy_(y0)
+        out, saved_a, saved_b = (
+            torch.empty_strided(shape, stride, dtype=dtype, device=x.device) for shape, stride, dtype in self.layouts
+        )
+        params = self.params(bias, operands)
+        if self.max_save:
+            self.launch(y0, params, out, saved_a, saved_b)
+        else:
+            self.launch(y0, params, out)
+        return out, y0 if self.save_y0 else saved_a, saved_b
+
+
 def _library_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
     save: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """aten conv without bias, then one Triton kernel for bias + chain + pool (+ max-pool winners)."""
-    kernels = _kernels()
-    xc, weight, bias = _cast_inputs(x, weight, bias, _compute_dtype(cfg, x))
-    y0 = _conv(xc, weight, None, cfg.conv)
-    fmt = output_memory_format(y0)
-    y0 = _in_format(y0, fmt)
-    steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
-    out_shape = list(y0.shape) if cfg.pool is None else _pooled_shape(y0.shape, cfg.pool)
-    out, saved_a, saved_b = _allocate_forward_outputs(x, y0, out_shape, cfg, save)
-    max_save = save and cfg.pool is not None and cfg.pool.kind == "max"
-    kernels.epilogue_forward(
-        y0, bias, steps, None if cfg.pool is None else _pool_geometry(cfg.pool), out,
-        saved_a if max_save else None, saved_b if max_save else None,
-    )  # fmt: skip
-    if save and not max_save:
-        saved_a = y0
-    return out, saved_a, saved_b
+    """aten conv without bias, then one Triton kernel for bias + chain + pool (``_LibraryForward``,
+    unplanned)."""
+    return _LibraryForward(x, weight, bias, operands, cfg, save)(x, weight, bias, operands)
 
 
 def _backward_plan(
@@ -968,10 +1007,8 @@ def _backward_plan(
     measuring is off).  Cases the compact backward cannot serve (an avg pool) take the library one
     under every setting.  ``plan(grad_out, x, weight, bias, operands, saved_a, saved_b)``."""
 
-    def library(grad_out, x, weight, bias, operands, saved_a, saved_b):  # noqa: ANN001, ANN202
-        return _library_backward(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, mask)
-
     args = (grad_out, x, weight, bias, operands, saved_a, saved_b)
+    library = _LibraryBackward(*args, cfg, mask)
     mode = _conv_impl_mode()
     if mode == "library" or (mode == "auto" and x.device.type != "cuda"):
         return library, True  # auto on CPU: the interpreter is slow (tests force "triton")
@@ -1003,16 +1040,6 @@ def _slot_wanted(cfg: ConvEpilogueConfig, operand_mask: Sequence[bool]) -> list[
         and operand_mask[step.operands[0].index]
         for step in cfg.chain
     ]
-
-
-def _operand_grads(
-    cfg: ConvEpilogueConfig, operands: Sequence[Tensor], operand_mask: Sequence[bool],
-    slot_grads: Sequence[Tensor | None], channels: int, device: torch.device,
-) -> list[Tensor | None]:  # fmt: skip
-    """Each operand's gradient: the fp32 per-channel sums of the slots it feeds, summed over
-    channels for a one-element operand, in the operand's shape and dtype."""
-    recipe = _operand_grad_recipe(cfg, operands, operand_mask, [g is not None for g in slot_grads])
-    return _sum_operand_grads(recipe, slot_grads, channels, device)
 
 
 def _operand_grad_recipe(
@@ -1054,32 +1081,62 @@ def _sum_operand_grads(
     return grads
 
 
+class _LibraryBackward:
+    """The library path's backward for one call signature (see ``_CompactBackward`` for the plan
+    contract): one Triton kernel writes the full-size conv-output gradient and the per-channel
+    operand/bias sums (``kernels.epilogue.BackwardLaunch``, worked out once with the operand matrix
+    layout and the operand-gradient recipe), then ``aten.convolution_backward`` for x and weight (on
+    x and weight cast to the compute dtype; ``_like`` casts the gradients back)."""
+
+    def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig,
+                 mask: Sequence[bool]) -> None:  # fmt: skip
+        kernels = _kernels()
+        self.spec, self.mask = cfg.conv, tuple(mask)
+        self.dtype = _compute_dtype(cfg, x)
+        self.is_max = cfg.pool is not None and cfg.pool.kind == "max"
+        if self.is_max:
+            y_shape = _conv_output_shape(x, weight, cfg.conv)
+            grad_y = torch.empty(y_shape, dtype=saved_b.dtype, device="meta",
+                                 memory_format=output_memory_format(saved_a))  # fmt: skip
+        else:
+            grad_y = torch.empty_strided(saved_a.shape, saved_a.stride(), dtype=saved_a.dtype, device="meta")
+        self.g_layout = (tuple(grad_y.shape), grad_y.stride(), grad_y.dtype)
+        channels = grad_y.shape[1]
+        steps = _kernel_steps(cfg, operands, grad_y.dim(), channels)
+        slots = _slot_wanted(cfg, mask[3:])
+        self.want_bias = bool(mask[2]) and bias is not None
+        self.epilogue = kernels.BackwardLaunch(
+            grad_out, None if self.is_max else saved_a, saved_a if self.is_max else None,
+            saved_b if self.is_max else None, bias, steps, None if cfg.pool is None else _pool_geometry(cfg.pool),
+            grad_y, slots, self.want_bias,
+        )  # fmt: skip
+        self.params = _PlannedOperands(cfg, steps, bias, channels, x.device)
+        self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
+
+    def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor) -> list[Tensor | None]:  # fmt: skip
+        shape, stride, dtype = self.g_layout
+        grad_y = torch.empty_strided(shape, stride, dtype=dtype, device=grad_out.device)
+        if self.is_max:
+            y0, winner, winner_y = None, saved_a, saved_b
+        else:
+            y0, winner, winner_y = saved_a, None, None
+        slot_grads, grad_bias = self.epilogue(grad_out, y0, winner, winner_y, self.params(bias, operands), grad_y)
+        grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], grad_y.device)
+        x, weight, _ = _cast_inputs(x, weight, None, self.dtype)  # grads: ``_like`` casts back
+        grad_x, grad_w, _ = _conv_backward(grad_y, x, weight, self.spec, self.mask[0], self.mask[1])
+        return [grad_x, grad_w, grad_bias.to(bias.dtype) if self.want_bias else None, *grad_operands]
+
+
 def _library_backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
     saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
 ) -> list[Tensor | None]:  # fmt: skip
     """One Triton kernel for the full-size conv-output gradient and the per-channel operand/bias
-    sums, then ``aten.convolution_backward`` for x and weight."""
-    kernels = _kernels()
-    x, weight, _ = _cast_inputs(x, weight, None, _compute_dtype(cfg, x))  # grads: ``_like`` casts back
-    is_max = cfg.pool is not None and cfg.pool.kind == "max"
-    if is_max:
-        y0, winner, winner_y = None, saved_a, saved_b
-        y_shape = _conv_output_shape(x, weight, cfg.conv)
-        grad_y = torch.empty(
-            y_shape, dtype=saved_b.dtype, device=x.device, memory_format=output_memory_format(saved_a)
-        )
-    else:
-        y0, winner, winner_y = saved_a, None, None
-        grad_y = torch.empty_strided(y0.shape, y0.stride(), dtype=y0.dtype, device=y0.device)
-    steps = _kernel_steps(cfg, operands, grad_y.dim(), grad_y.shape[1])
-    slot_grads, grad_bias = kernels.epilogue_backward(
-        grad_out, y0, winner, winner_y, bias, steps, None if cfg.pool is None else _pool_geometry(cfg.pool),
-        grad_y, _slot_wanted(cfg, mask[3:]), mask[2],
-    )  # fmt: skip
-    grad_operands = _operand_grads(cfg, operands, mask[3:], slot_grads, grad_y.shape[1], grad_y.device)
-    grad_x, grad_w, _ = _conv_backward(grad_y, x, weight, cfg.conv, mask[0], mask[1])
-    return [grad_x, grad_w, None if grad_bias is None else grad_bias.to(bias.dtype), *grad_operands]
+    sums, then ``aten.convolution_backward`` for x and weight (``_LibraryBackward``, unplanned)."""
+    args = (grad_out, x, weight, bias, operands, saved_a, saved_b)
+    return _LibraryBackward(*args, cfg, mask)(*args)
 
 
 def _compact_backward_unsupported(
