@@ -110,7 +110,8 @@ def _dense_weight_kernel(
 
     w_ptr   weight (C_OUT, C_IN, KH, KW), any float dtype and strides ``w_s*`` (1d lifted: KH 1).
     wm_ptr  ``Wm`` (COUT_PAD, KH, KW, CIN_PAD), the compute dtype, contiguous: ``w[co, ci, kh, kw]``,
-            TF32-rounded with ``PRECISION == "tf32"``; 0 for ``co >= C_OUT`` or ``ci >= C_IN``.
+            TF32-rounded with ``PRECISION == "tf32"`` (the launcher passes "tf32" only for an fp32
+            ``Wm``); 0 for ``co >= C_OUT`` or ``ci >= C_IN``.
     """
     co = tl.program_id(0)
     tap = tl.arange(0, BLOCK_T)
@@ -601,7 +602,10 @@ def _prepare(
     w_taps = (0, w_str[2]) if dims == 1 else (w_str[2], w_str[3])
     weight_launch = _WeightLaunch(
         (n_blocks * block_n, kh, kw, cin_pad), compute, (cin, cout, w_str[0], w_str[1], *w_taps),
-        dict(KH=kh, KW=kw, CIN_PAD=cin_pad, PRECISION=precision, BLOCK_T=next_pow2(kh * kw),
+        # TF32 rounding only for an fp32 matrix: before a cast to bf16 it would round twice (the
+        # values must be exactly ``weight.to(compute)``'s)
+        dict(KH=kh, KW=kw, CIN_PAD=cin_pad, PRECISION=precision if compute == torch.float32 else "ieee",
+             BLOCK_T=next_pow2(kh * kw),
              BLOCK_C=64 if cin_pad % 64 == 0 else 16),
     )  # fmt: skip
 
