@@ -5,8 +5,8 @@ the config; the Triton kernels cast each tile as they load it, and the gradients
 What must hold:
 
 * the forward is *bitwise* the forward of the same op given explicitly cast tensors (the values the
-  kernels cast are the values ``.to(dtype)`` gives), on every path: the fused conv (SHIFT_K and
-  general), the library conv, the reference;
+  kernels cast are the values ``.to(dtype)`` gives), on every path: the fused conv (SHIFT_K, dense
+  and general), the library conv, the reference;
 * every gradient has its input's dtype (fp32) and is at least as close to float64 as the
   explicit-cast path's (which rounds the gradients to the low dtype before casting them back);
 * the compiled graph has no cast nodes before the op, and the results match eager under autocast.
@@ -60,16 +60,17 @@ def _seed_a_like():
     return spec, chain, pool, shapes
 
 
-def _plain_2d():
-    """Conv2d (padding 1, odd sizes) -> x per-channel -> gelu, no pool: the general forward and
-    the general compact backward (which the op feeds cast tensors)."""
-    spec = ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 1)
+def _plain_2d(stride: int = 1):
+    """Conv2d (padding 1, odd sizes) -> x per-channel -> gelu, no pool: the dense forward
+    (``conv_dense``; stride 2: the general ``conv_fused``) and the general compact backward (which
+    the op feeds cast tensors)."""
+    spec = ConvSpec(False, (stride, stride), (1, 1), (1, 1), (0, 0), 1)
     chain = (ChainStep(PK.MUL, (TensorRef(0),)), ChainStep(PK.GELU, ()))
     shapes = dict(x=(2, 5, 7, 9), w=(6, 5, 3, 3), b=6, m=(6, 1, 1))
     return spec, chain, None, shapes
 
 
-CASES = {"seedA-like": _seed_a_like, "conv2d": _plain_2d}
+CASES = {"seedA-like": _seed_a_like, "conv2d": _plain_2d, "conv2d-s2": lambda: _plain_2d(2)}
 
 
 def _leaves(shapes: dict, seed: int = 0) -> list[torch.Tensor]:

@@ -25,6 +25,16 @@ from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
 # fp32 parity is checked at ~1e-5: TF32 off (on CUDA both the fused kernels and cuDNN follow the flag).
 pytestmark = pytest.mark.usefixtures("exact_fp32")
 
+
+@pytest.fixture(autouse=True)
+def _conv_fused_only(monkeypatch):
+    """The op's fused forward takes ``conv_fused`` for every case here, the plain stride-1 convs the
+    dense kernel would serve included (its wiring: ``tests/test_dense_forward_wiring.py``); no
+    plan or launch kept by another test is reused."""
+    monkeypatch.setattr(ce, "_forward_kernels", lambda x, weight, cfg: conv_fused)
+    monkeypatch.setattr(ce, "_FORWARD_PLANS", type(ce._FORWARD_PLANS)(256))
+    monkeypatch.setattr(conv_fused, "_LAUNCHES", type(conv_fused._LAUNCHES)(256))
+
 PK = PointwiseKind
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 #: The kernels' device: CUDA when there is one, else CPU tensors under the interpreter.
