@@ -7,13 +7,11 @@ general gather kernel vs 1.45-3 ms in cuDNN).  Same launch-plan contract as
 ``conv_fused.forward_launch`` for that sub-case, plus ``compute_dtype`` (the operands are rounded to it
 in registers, so autocast's casts of ``x`` and ``w`` cost no pass of their own).
 
-Status (session 10): measured and tested (``tools/bench_conv_dense.py``, ``tests/test_conv_dense.py``),
-NOT yet called by ``fusion::conv_epilogue``.  Seed B on the H100 (Triton 3.6): the whole fused op 2.56
-ms fp32 (TF32) / 1.87 ms bf16, against the library op's 3.81 / 2.20 and ``conv_fused``'s 5.86 / 3.55;
-issue 6's targets are 1.1 / 0.97 ms.  Wiring it in needs ``impl_choice``'s agreement rule revisited
-(conv_dense's TF32 output is 2.0e-4 from full fp32, above the rule's 1e-4 for fp32; cuDNN's TF32 one
-is likely as far, independently) and the interpreter
-tests that compare ``conv_fused`` with the library path bitwise kept on ``conv_fused``.
+Status: ``fusion::conv_epilogue``'s fused forward for the cases it serves (``ops.conv_epilogue.
+_forward_kernels``; ``auto`` still measures it against the library path per shape).  Seed B on the
+H100 (Triton 3.6): the whole fused op 2.56 ms fp32 (TF32) / 1.87 ms bf16, against the library op's
+3.81 / 2.20 and ``conv_fused``'s 5.86 / 3.55; issue 6's targets are 1.1 / 0.97 ms.  cuDNN runs seed B's
+conv in TF32 too: the two outputs are 5e-6 apart (2.5e-4 each from float64).
 
 Mapping.  The spatial dims of one (sample, channel) plane are walked as ONE axis ``p = h * R + w``
 (``R``: the row pitch of ``x`` in units of its W stride; ``R == W`` for NCHW and channels-last
