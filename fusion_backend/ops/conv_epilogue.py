@@ -978,14 +978,15 @@ class _LibraryForward:
         if y0.stride() != stride:
             y0 = torch.empty_strided(shape, stride, dtype=y0.dtype, device=y0.device).copy_(y0)
         out, saved_a, saved_b = (
-            torch.empty_strided(shape, stride, dtype=dtype, device=x.device) for shape, stride, dtype in self.layouts
-        )
+            y0 if i == 1 and self.save_y0 else torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
+            for i, (shape, stride, dtype) in enumerate(self.layouts)
+        )  # (the saved conv output is y0 itself: nothing allocated for it)
         params = self.params(bias, operands)
         if self.max_save:
             self.launch(y0, params, out, saved_a, saved_b)
         else:
             self.launch(y0, params, out)
-        return out, y0 if self.save_y0 else saved_a, saved_b
+        return out, saved_a, saved_b
 
 
 def _library_forward(
