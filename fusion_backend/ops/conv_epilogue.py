@@ -794,11 +794,7 @@ class _FusedForward:
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
         dtype = _compute_dtype(cfg, x)
-        y0 = _library_conv_meta(x, weight, cfg.conv, dtype)
-        steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
-        out_shape = list(y0.shape) if cfg.pool is None else _pooled_shape(y0.shape, cfg.pool)
-        like_x = torch.empty(0, dtype=x.dtype, device="meta")  # the outputs' layouts, no memory
-        outputs = _allocate_forward_outputs(like_x, y0, out_shape, cfg, save)
+        y0, steps, outputs = _forward_layouts(x, weight, operands, cfg, save, dtype)
         self.layouts = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
         self.save_a = save
         self.save_b = save and cfg.pool is not None and cfg.pool.kind == "max"
@@ -820,6 +816,21 @@ class _FusedForward:
             self.launch.run(x, weight, self.params(bias, operands), out, saved_a if self.save_a else None,
                             saved_b if self.save_b else None)  # fmt: skip
         return out, saved_a, saved_b
+
+
+def _forward_layouts(
+    x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig, save: bool, dtype: torch.dtype,
+) -> tuple[Tensor, list, tuple[Tensor, Tensor, Tensor]]:  # fmt: skip
+    """What both forward plans work out first, on meta tensors (no memory): the conv output ``y0`` in
+    the compute ``dtype`` and the outputs' memory format (``output_memory_format`` of the fake's
+    conv layout, as ``_in_format`` lays it out), the kernels' chain steps, and ``(out, saved_a,
+    saved_b)`` as ``_allocate_forward_outputs`` gives them."""
+    y0 = _library_conv_meta(x, weight, cfg.conv, dtype)
+    y0 = torch.empty(y0.shape, dtype=dtype, device="meta", memory_format=output_memory_format(y0))
+    steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
+    out_shape = list(y0.shape) if cfg.pool is None else _pooled_shape(y0.shape, cfg.pool)
+    like_x = torch.empty(0, dtype=x.dtype, device="meta")
+    return y0, steps, _allocate_forward_outputs(like_x, y0, out_shape, cfg, save)
 
 
 class _PlannedOperands:
@@ -878,17 +889,18 @@ def _forward_plan(
     mode = _conv_impl_mode()
     impl = conv_impl(x, weight, cfg, save)[0]
     settled = True
-    fused = None
+    fused = library = None
     if impl == "triton":
         fused = _FusedForward(x, weight, bias, operands, cfg, save)
         if mode == "auto":
+            library = _LibraryForward(x, weight, bias, operands, cfg, save)
             fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
                         torch.backends.cudnn.allow_tf32)  # fmt: skip
             impl = impl_choice.choose(
                 lambda: _choice_key(x, weight, bias, cfg, save),
                 {
                     "triton": lambda: fused(x, weight, bias, operands),
-                    "library": lambda: _library_forward(x, weight, bias, operands, cfg, save),
+                    "library": lambda: library(x, weight, bias, operands),
                 },
                 default="library",
                 agree=_results_agree,
@@ -897,7 +909,7 @@ def _forward_plan(
             settled = impl_choice.is_final(fast_key)
     if impl == "triton":
         return fused, settled
-    return _LibraryForward(x, weight, bias, operands, cfg, save), settled
+    return library or _LibraryForward(x, weight, bias, operands, cfg, save), settled
 
 
 #: Largest norm-wise relative difference between the fused and the library path's floating results
@@ -951,14 +963,9 @@ class _LibraryForward:
         kernels = _kernels()
         self.spec = cfg.conv
         self.dtype = _compute_dtype(cfg, x)
-        y0 = _library_conv_meta(x, weight, cfg.conv, self.dtype)
-        y0 = torch.empty(y0.shape, dtype=y0.dtype, device="meta", memory_format=output_memory_format(y0))
+        y0, steps, outputs = _forward_layouts(x, weight, operands, cfg, save, self.dtype)
         #: the conv output's shape and strides in the outputs' memory format (as ``_in_format`` gives)
         self.y0_layout = (tuple(y0.shape), y0.stride())
-        steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
-        out_shape = list(y0.shape) if cfg.pool is None else _pooled_shape(y0.shape, cfg.pool)
-        like_x = torch.empty(0, dtype=x.dtype, device="meta")
-        outputs = _allocate_forward_outputs(like_x, y0, out_shape, cfg, save)
         self.layouts = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
         self.max_save = save and cfg.pool is not None and cfg.pool.kind == "max"
         #: the conv output is the saved state (no pool / avg pool)
@@ -989,21 +996,12 @@ class _LibraryForward:
         return out, saved_a, saved_b
 
 
-def _library_forward(
-    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
-    save: bool,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """aten conv without bias, then one Triton kernel for bias + chain + pool (``_LibraryForward``,
-    unplanned)."""
-    return _LibraryForward(x, weight, bias, operands, cfg, save)(x, weight, bias, operands)
-
-
 def _backward_plan(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
     saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
 ) -> tuple[Any, bool]:  # fmt: skip
     """``(plan, settled)`` as ``_forward_plan``: the compact backward (``_CompactBackward``) or the
-    library one (``_library_backward``), as ``FUSION_CONV_IMPL`` says; under ``auto`` a case both
+    library one (``_LibraryBackward``), as ``FUSION_CONV_IMPL`` says; under ``auto`` a case both
     serve goes to the faster one, measured once per shape (``impl_choice``; the library path when
     measuring is off).  Cases the compact backward cannot serve (an avg pool) take the library one
     under every setting.  ``plan(grad_out, x, weight, bias, operands, saved_a, saved_b)``."""
@@ -1128,16 +1126,6 @@ class _LibraryBackward:
         x, weight, _ = _cast_inputs(x, weight, None, self.dtype)  # grads: ``_like`` casts back
         grad_x, grad_w, _ = _conv_backward(grad_y, x, weight, self.spec, self.mask[0], self.mask[1])
         return [grad_x, grad_w, grad_bias.to(bias.dtype) if self.want_bias else None, *grad_operands]
-
-
-def _library_backward(
-    grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
-    saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
-) -> list[Tensor | None]:  # fmt: skip
-    """One Triton kernel for the full-size conv-output gradient and the per-channel operand/bias
-    sums, then ``aten.convolution_backward`` for x and weight (``_LibraryBackward``, unplanned)."""
-    args = (grad_out, x, weight, bias, operands, saved_a, saved_b)
-    return _LibraryBackward(*args, cfg, mask)(*args)
 
 
 def _compact_backward_unsupported(
