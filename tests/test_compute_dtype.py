@@ -26,7 +26,7 @@ from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
 from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
-from fusion_backend.testing import Autocast, assert_fused
+from fusion_backend.testing import Autocast, assert_fused, compare
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -176,3 +176,29 @@ def test_rewrite_absorbs_the_casts_only_before_a_max_pool(pool, tmp_path):
         assert config["compute_dtype"] == "bfloat16" and ".to(" not in code, code
     else:
         assert config["compute_dtype"] is None and code.count(".to(") == 3, code
+
+
+def test_rewrite_absorbs_the_casts_where_no_gradient_flows(tmp_path):
+    """Traced under ``no_grad`` nothing is saved for a backward, so the casts are absorbed even
+    without a max pool (the graph's cast pass would be pure cost); the result is eager's under
+    autocast and no_grad, and a later call with grad enabled recompiles (Dynamo guards on grad
+    mode) into the graph that keeps the casts."""
+    torch.manual_seed(0)
+    model = Autocast(_ConvPool(False).to(DEVICE), DEVICE)
+    x = torch.rand(2, 3, 10, 12, device=DEVICE)
+    dumps = tmp_path / "no-grad"
+    compiled = torch.compile(model, backend="fusion", options={"dump_dir": str(dumps), "strict": True})
+    with torch.no_grad():
+        got = compiled(x)
+        want = model(x)
+    assert got.dtype == want.dtype
+    compare("output", got, want, tol=2e-2)
+    (after,) = dumps.glob("**/after.py")
+    code = after.read_text()
+    config = json.loads(json.loads(next(dumps.glob("**/report.json")).read_text())["matches"][0]["config"])
+    assert config["compute_dtype"] == "bfloat16" and ".to(" not in code, code
+    torch._dynamo.reset()
+    with_grad = tmp_path / "grad"
+    torch.compile(model, backend="fusion", options={"dump_dir": str(with_grad)})(x)
+    (after,) = with_grad.glob("**/after.py")
+    assert after.read_text().count(".to(") == 3
