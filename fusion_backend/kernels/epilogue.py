@@ -436,6 +436,7 @@ def _epilogue_bwd_kernel(
     C, D, H, W, OD, OH, OW, num_s_blocks, part_row_stride,
     g_sn, g_sc, g_sd, g_sh, g_sw,
     y_sn, y_sc, y_sd, y_sh, y_sw,
+    gy_sn, gy_sc, gy_sd, gy_sh, gy_sw,
     w_sn, w_sc, w_sd, w_sh, w_sw,
     OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
     OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
@@ -461,8 +462,9 @@ def _epilogue_bwd_kernel(
       win_ptr   (max) winner index per window, int8/int32, (N, C, OD, OH, OW), strides ``w_s*``.
       win_y_ptr (max) y (without bias) at the winner, same shape and strides as win.
       p_ptr     operand matrix P, (NUM_PARAM_ROWS, C) fp32 contiguous.
-      gy_ptr    output: gradient of the conv output, (N, C, D, H, W), strides ``y_s*`` (shared with
-                y_ptr), dtype of the conv output.
+      gy_ptr    output: gradient of the conv output, (N, C, D, H, W), strides ``gy_s*`` (may differ
+                from y's: the library backward asks for a channels-last gradient of an NCHW y, the
+                tile then transposes through shared memory), dtype of the conv output.
       part_ptr  output: fp32 (NUM_GRAD_ROWS, number of programs along id 0, C) contiguous, row
                 stride ``part_row_stride``; row k < MAX_SLOTS holds the sum of d/d(first operand of
                 slot k), row MAX_SLOTS the bias grad (sum of grad y), per program id 0 and channel.
@@ -496,9 +498,11 @@ def _epilogue_bwd_kernel(
     a7, b7 = _load_operands(p_ptr, 7, c, C, cmask, OP7)
 
     y_off = n64 * y_sn + c64 * y_sc
+    gy_off = n64 * gy_sn + c64 * gy_sc
     active = mask
     if POOL == 0:
         y_off = y_off + s64 * y_sw
+        gy_off = gy_off + s64 * gy_sw
         y = tl.load(y_ptr + y_off, mask=mask, other=1.0).to(tl.float32)
         g = tl.load(gout_ptr + n64 * g_sn + c64 * g_sc + s64 * g_sw, mask=mask, other=0.0).to(tl.float32)
     else:
@@ -506,7 +510,9 @@ def _epilogue_bwd_kernel(
         t = s // W
         h = t % H
         d = t // H
-        y_off = y_off + d.to(tl.int64) * y_sd + h.to(tl.int64) * y_sh + w.to(tl.int64) * y_sw
+        d64, h64, w64 = d.to(tl.int64), h.to(tl.int64), w.to(tl.int64)
+        y_off = y_off + d64 * y_sd + h64 * y_sh + w64 * y_sw
+        gy_off = gy_off + d64 * gy_sd + h64 * gy_sh + w64 * gy_sw
         g = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
         # NOTE: lanes that are masked off or win nothing hold y = 1.0 (not 0.0), so that their
         # discarded chain derivatives stay finite (rdiv/div would give inf/NaN at 0).
@@ -576,7 +582,7 @@ def _epilogue_bwd_kernel(
     g, ga1 = _step_bwd(g, v1, a1, b1, OP1)
     g, ga0 = _step_bwd(g, v0, a0, b0, OP0)
     g = tl.where(active, g, 0.0)
-    tl.store(gy_ptr + y_off, g.to(gy_ptr.dtype.element_ty), mask=mask)
+    tl.store(gy_ptr + gy_off, g.to(gy_ptr.dtype.element_ty), mask=mask)
 
     part = part_ptr + pid0.to(tl.int64) * C + c1
     pmask = c1 < C
@@ -645,11 +651,12 @@ def _lift_pool(pool: PoolGeometry, spatial_dims: int) -> dict[str, int | bool]:
 _NO_POOL = dict(KD=1, KH=1, KW=1, SD=1, SH=1, SW=1, PD=0, PH=0, PW=0, COUNT_INCLUDE_PAD=True, DIVISOR=0)
 
 
-def _tile(channels: int, spatial: int, channels_inner: bool) -> tuple[int, int]:
+def _tile(channels: int, spatial: int, channels_inner: bool, transposing: bool = False) -> tuple[int, int]:
     """``(BLOCK_C, BLOCK_S)`` of about 1024 elements, long along the contiguous axis.
 
     Channels-last tiles take up to 64 channels so that each spatial position reads a contiguous run
-    of 128 to 256 bytes.
+    of 128 to 256 bytes.  A transposing tile (reads in one layout, writes in the other) takes up to
+    64 channels by 32 positions, so that both sides move runs of at least 128 bytes (fp32).
     NOTE: measured on H100 (torch 2.11, triton 3.6), fp32, 4 warps, launcher time incl. P build:
       seed B (64, 64, 254, 254), no pool:   fwd 0.85 ms (2.5 TB/s) NCHW, 0.71 ms (3.0 TB/s) NHWC;
                                              bwd 1.63 ms (1.9 TB/s) NCHW, 1.39 ms (2.3 TB/s) NHWC.
@@ -660,6 +667,8 @@ def _tile(channels: int, spatial: int, channels_inner: bool) -> tuple[int, int]:
     """
     c_pow = next_pow2(channels)
     s_pow = next_pow2(max(spatial, 1))
+    if transposing:
+        return min(c_pow, 64), min(s_pow, 32)
     if channels_inner:
         block_c = min(c_pow, 64)
         block_s = min(s_pow, max(1024 // block_c, 1))
@@ -902,8 +911,10 @@ def epilogue_backward(
         max pool.
       winner, winner_y: max pool only: what ``epilogue_forward`` saved.
       bias, steps, pool: as given to ``epilogue_forward``.
-      grad_y: preallocated (N, C, *spatial) like y (same strides when y is given), the conv
-        output's dtype; receives the gradient of the conv output (bias included: d/d(y + bias)).
+      grad_y: preallocated (N, C, *spatial), y's shape (any strides whose spatial dims flatten
+        without a pool: e.g. channels-last for an NCHW y, for a channels-last library backward),
+        the conv output's dtype; receives the gradient of the conv output (bias included:
+        d/d(y + bias)).
       operand_grad_slots: per slot, whether the gradient of its first operand is wanted (only the
         arithmetic ops mul/add/sub/rsub/div/rdiv have one).
       bias_grad: whether the bias gradient is wanted.
@@ -949,15 +960,16 @@ class BackwardLaunch:
                 raise ValueError(f"winner/winner_y strides differ: {winner.stride()} vs {winner_y.stride()}")
         elif y is None:
             raise ValueError("y is required without a max pool")
-        elif y.stride() != grad_y.stride() or y.shape != grad_y.shape:
-            raise ValueError(f"grad_y must be laid out like y: {tuple(y.shape)}/{y.stride()}, got "
-                             f"{tuple(grad_y.shape)}/{grad_y.stride()}")  # fmt: skip
+        elif y.shape != grad_y.shape:
+            raise ValueError(f"grad_y must have y's shape {tuple(y.shape)}, got {tuple(grad_y.shape)}")
         for slot, wanted in enumerate(operand_grad_slots):
             if wanted and not _MUL <= int(steps[slot][0]) <= _RDIV:
                 raise ValueError(f"slot {slot} (op code {steps[slot][0]}) has no differentiable operand")
-        y_sizes, y_strides = _lift(grad_y)
+        gy_sizes, gy_strides = _lift(grad_y)
+        #: y's strides (grad_y's where there is no y: a max pool loads no y)
+        y_strides = _lift(y)[1] if y is not None else gy_strides
         g_sizes, g_strides = _lift(grad_out)
-        n, channels = y_sizes[:2]
+        n, channels = gy_sizes[:2]
         #: grad_out is copied into grad_y's (flattening) layout first
         self.copy_grad_out = False
         if pool is None:
@@ -965,11 +977,12 @@ class BackwardLaunch:
                 raise ValueError(
                     f"grad_out must have y's shape {tuple(grad_y.shape)}, got {tuple(grad_out.shape)}"
                 )
-            if not _spatial_flattens(y_sizes, y_strides):
-                raise ValueError(f"grad_y's spatial dims must flatten, got strides {grad_y.stride()}")
+            for name, strides in (("grad_y", gy_strides), ("y", y_strides)):
+                if not _spatial_flattens(gy_sizes, strides):
+                    raise ValueError(f"{name}'s spatial dims must flatten, got strides {tuple(strides[-grad_y.dim():])}")
             if not _spatial_flattens(g_sizes, g_strides):
                 self.copy_grad_out = True
-                g_sizes, g_strides = y_sizes, y_strides
+                g_sizes, g_strides = gy_sizes, gy_strides
             pool_args = _NO_POOL
         else:
             pool_args = _lift_pool(pool, grad_y.dim() - 2)
@@ -977,14 +990,17 @@ class BackwardLaunch:
         grad_mask = sum(1 << k for k, wanted in enumerate(operand_grad_slots) if wanted)
         if bias_grad:
             grad_mask |= 1 << MAX_SLOTS
-        s_full = y_sizes[2] * y_sizes[3] * y_sizes[4]
-        block_c, block_s = _tile(channels, s_full, _channels_inner(y_strides, y_sizes))
+        s_full = gy_sizes[2] * gy_sizes[3] * gy_sizes[4]
+        read_inner = _channels_inner(y_strides, gy_sizes)  # grad_y's own where there is no y
+        write_inner = _channels_inner(gy_strides, gy_sizes)
+        block_c, block_s = _tile(channels, s_full, write_inner, transposing=read_inner != write_inner)
         num_s_blocks = cdiv(s_full, block_s)
         grid = (n * num_s_blocks, cdiv(channels, block_c))
         self.channels = channels
         self.partials_shape = (NUM_GRAD_ROWS, grid[0], channels)
         ints = (
-            channels, *y_sizes[2:], *g_sizes[2:], num_s_blocks, grid[0] * channels, *g_strides, *y_strides, *w_strides,
+            channels, *gy_sizes[2:], *g_sizes[2:], num_s_blocks, grid[0] * channels, *g_strides, *y_strides,
+            *gy_strides, *w_strides,
         )  # fmt: skip
         self.launch = None
         if grad_y.numel() > 0:
