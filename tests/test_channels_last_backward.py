@@ -116,6 +116,23 @@ def test_channels_last_backward_matches_float64(case, channels_last_backward):
         assert problem is None, problem
 
 
+def test_channels_last_backward_with_a_sliced_input(channels_last_backward):
+    """x a slice of a wider tensor (its spatial dims do not flatten: the relayout into
+    channels-last takes torch's copy); its gradient comes back in ``empty_like(x)``'s layout."""
+    leaves, has_bias, config = _inputs("conv2d-seed-b")
+    wide = torch.randn(2, 5, 7, 12, device=DEVICE)
+    x = wide[..., 2:11].detach().requires_grad_(True)
+    leaves[0] = x
+    out = _call(ce.conv_epilogue, leaves, has_bias, config)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, grad)
+    want = torch.autograd.grad(_call(ce.conv_epilogue_eager, leaves, has_bias, config), leaves, grad)
+    assert got[0].stride() == torch.empty_like(x).stride()
+    for name, g, w_ in zip("x weight bias multiplier".split(), got, want, strict=True):
+        problem = compare(name, g, w_, tol=1e-5)
+        assert problem is None, problem
+
+
 def test_channels_last_backward_with_half_compute(channels_last_backward):
     """fp32 tensors with ``compute_dtype=float16`` (autocast's casts absorbed): x is cast and relaid
     in one copy; the gradients come back in fp32 and in NCHW."""

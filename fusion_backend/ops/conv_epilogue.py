@@ -1114,10 +1114,12 @@ class _LibraryBackward:
 
     ``channels_last``: the conv backward runs on channels-last tensors whatever the layout of x and
     the saved state: the epilogue kernel writes the conv-output gradient channels-last (transposing
-    in its tile), x is cast and relaid in one copy, and ``_like`` relays the input gradient back.
-    WHY: cuDNN's channels-last dgrad + wgrad are much faster than its NCHW ones on large convs
-    (seed B, H100: 4.30 against 7.30 ms fp32, 1.50 against 3.34 ms bf16), more than the two
-    relayouts cost there; ``_backward_plan`` measures whether that holds per shape.
+    in its tile), x is cast and relaid in one copy and the input gradient relaid back
+    (``kernels.relayout``, at memory speed: torch's strided copy runs at a fifth of it).
+    WHY: cuDNN's NCHW backward converts x and the conv-output gradient to channels-last itself,
+    once for the dgrad and again for the wgrad (seed B, H100: 7.30 ms fp32 / 3.34 ms bf16 against
+    4.22 / 1.30 for its channels-last kernels alone); ``_backward_plan`` measures whether the
+    variant wins per shape.
     """
 
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
@@ -1159,11 +1161,22 @@ class _LibraryBackward:
             y0, winner, winner_y = saved_a, None, None
         slot_grads, grad_bias = self.epilogue(grad_out, y0, winner, winner_y, self.params(bias, operands), grad_y)
         grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], grad_y.device)
+        x_in = x
         if self.x_format is not None:  # one copy casts and relays
-            x = x.to(dtype=self.dtype, memory_format=self.x_format)
+            x = _relayout(x, torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=self.x_format))
         x, weight, _ = _cast_inputs(x, weight, None, self.dtype)  # grads: ``_like`` casts back
         grad_x, grad_w, _ = _conv_backward(grad_y, x, weight, self.spec, self.mask[0], self.mask[1])
+        if self.x_format is not None and grad_x is not None:  # back to x's layout and dtype (``_like``'s)
+            grad_x = _relayout(grad_x, torch.empty_like(x_in))
         return [grad_x, grad_w, grad_bias.to(bias.dtype) if self.want_bias else None, *grad_operands]
+
+
+def _relayout(src: Tensor, dst: Tensor) -> Tensor:
+    """``dst.copy_(src)``, through ``kernels.relayout`` where it serves the layouts (any whose
+    spatial dims flatten; torch's copy otherwise)."""
+    from ..kernels.relayout import relayout, relayout_supported
+
+    return relayout(src, dst) if relayout_supported(src, dst) is None else dst.copy_(src)
 
 
 def _channels_last_format(ndim: int) -> torch.memory_format:

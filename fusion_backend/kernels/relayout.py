@@ -1,0 +1,100 @@
+"""Copy a tensor into another memory format (and dtype) at memory speed: ``relayout(src, dst)``.
+
+WHY: the channels-last library backward (``ops/conv_epilogue._LibraryBackward``) relays x into
+channels-last and the input gradient back.  torch's strided copy moves seed B's 1 GB tensors at
+about 0.65 TB/s on an H100 (1.66 ms per copy, measured with the profiler), a fifth of the memory's
+bandwidth: it walks the destination in order and gathers the source with a stride.  A tile of
+channels x positions read along one layout's contiguous axis and written along the other's
+(Triton converts the register layout between the two through shared memory) does not.
+
+Contract of ``relayout(src, dst)``: same shape ``(N, C, *spatial)``, any float dtypes (cast on the
+copy, as ``Tensor.copy_``), any strides whose spatial dims flatten to one axis (contiguous,
+channels-last and the 3-d forms do; ``relayout_supported`` says).  CUDA tensors, or CPU tensors
+under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .host import BoundedCache, cdiv, next_pow2, tensor_key
+from .launch import FastLaunch
+
+
+@triton.jit
+def _relayout_kernel(
+    src_ptr, dst_ptr, C, S, num_s_blocks,
+    src_sn, src_sc, src_ss, dst_sn, dst_sc, dst_ss,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """dst[n, c, s] = src[n, c, s] for one (sample, position block, channel block) tile; strides
+    in elements, spatial dims flattened to ``s``."""
+    pid0 = tl.program_id(0)
+    n = (pid0 // num_s_blocks).to(tl.int64)
+    sb = pid0 % num_s_blocks
+    c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[:, None]
+    s = (sb * BLOCK_S + tl.arange(0, BLOCK_S))[None, :]
+    mask = (c < C) & (s < S)
+    c64, s64 = c.to(tl.int64), s.to(tl.int64)
+    v = tl.load(src_ptr + n * src_sn + c64 * src_sc + s64 * src_ss, mask=mask)
+    tl.store(dst_ptr + n * dst_sn + c64 * dst_sc + s64 * dst_ss, v.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _flat_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(sn, sc, ss)`` when ``t``'s spatial dims walk as one axis of stride ``ss``, else None."""
+    sizes, strides = t.shape[2:], t.stride()[2:]
+    ss = strides[-1] if strides else 1
+    for i in range(len(sizes) - 1):
+        if sizes[i] != 1 and strides[i] != ss * math.prod(sizes[i + 1 :]):
+            return None
+    return t.stride(0), t.stride(1), ss
+
+
+def relayout_supported(src: torch.Tensor, dst: torch.Tensor) -> str | None:
+    """None when ``relayout(src, dst)`` serves the pair, else why not."""
+    if src.shape != dst.shape:
+        return f"shapes differ: {tuple(src.shape)} vs {tuple(dst.shape)}"
+    if src.dim() < 3:
+        return f"a {src.dim()}-d tensor (needs (N, C, *spatial))"
+    if not (src.is_floating_point() and dst.is_floating_point()):
+        return f"non-float dtypes {src.dtype} -> {dst.dtype}"
+    for name, t in (("source", src), ("destination", dst)):
+        if _flat_strides(t) is None:
+            return f"the {name}'s spatial dims do not flatten (strides {t.stride()})"
+    return None
+
+
+#: A tile of 64 channels x 64 positions, 8 warps (each side moves runs of >= 128 bytes in bf16).
+#: NOTE: set from the H100 probe of session 12 (``docs/perf/NOTES.md``).
+TILE = (64, 64, 8)
+
+_LAUNCHES = BoundedCache(256)
+
+
+def relayout(src: torch.Tensor, dst: torch.Tensor, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Copy ``src`` into ``dst`` (see the module docstring); returns ``dst``.  ``tile``:
+    ``(BLOCK_C, BLOCK_S, num_warps)``, ``TILE`` by default (for probes)."""
+    why = relayout_supported(src, dst)
+    if why is not None:
+        raise ValueError(f"relayout: {why}")
+    launch = _LAUNCHES.get((tensor_key(src), tensor_key(dst), tile), lambda: _plan(src, dst, tile or TILE))
+    if launch is not None:
+        launch(src, dst)
+    return dst
+
+
+def _plan(src: torch.Tensor, dst: torch.Tensor, tile: tuple[int, int, int]) -> FastLaunch | None:
+    n, c = src.shape[:2]
+    s = math.prod(src.shape[2:])
+    if src.numel() == 0:
+        return None
+    block_c = min(tile[0], next_pow2(c))
+    block_s = min(tile[1], next_pow2(s))
+    num_s_blocks = cdiv(s, block_s)
+    grid = (n * num_s_blocks, cdiv(c, block_c))
+    ints = (c, s, num_s_blocks, *_flat_strides(src), *_flat_strides(dst))
+    return FastLaunch(_relayout_kernel, grid, dict(BLOCK_C=block_c, BLOCK_S=block_s, num_warps=tile[2]), fixed=ints)
