@@ -77,10 +77,22 @@ _LAUNCHES = BoundedCache(256)
 
 def relayout(src: torch.Tensor, dst: torch.Tensor, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Copy ``src`` into ``dst`` (see the module docstring); returns ``dst``.  ``tile``:
-    ``(BLOCK_C, BLOCK_S, num_warps)``, ``TILE`` by default (for probes)."""
+    ``(BLOCK_C, BLOCK_S, num_warps)``, ``TILE`` by default (for probes).  Raises ValueError for
+    layouts it does not serve (``relayout_supported``)."""
     why = relayout_supported(src, dst)
     if why is not None:
         raise ValueError(f"relayout: {why}")
+    return _launch(src, dst, tile)
+
+
+def relayout_or_copy(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(src)``: through the kernel where it serves the layouts, torch's copy otherwise."""
+    if relayout_supported(src, dst) is not None:
+        return dst.copy_(src)
+    return _launch(src, dst, None)
+
+
+def _launch(src: torch.Tensor, dst: torch.Tensor, tile: tuple[int, int, int] | None) -> torch.Tensor:
     launch = _LAUNCHES.get((tensor_key(src), tensor_key(dst), tile), lambda: _plan(src, dst, tile or TILE))
     if launch is not None:
         launch(src, dst)

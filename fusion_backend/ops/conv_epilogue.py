@@ -1174,9 +1174,9 @@ class _LibraryBackward:
 def _relayout(src: Tensor, dst: Tensor) -> Tensor:
     """``dst.copy_(src)``, through ``kernels.relayout`` where it serves the layouts (any whose
     spatial dims flatten; torch's copy otherwise)."""
-    from ..kernels.relayout import relayout, relayout_supported
+    from ..kernels.relayout import relayout_or_copy  # lazily: TRITON_INTERPRET is read at import
 
-    return relayout(src, dst) if relayout_supported(src, dst) is None else dst.copy_(src)
+    return relayout_or_copy(src, dst)
 
 
 def _channels_last_format(ndim: int) -> torch.memory_format:
