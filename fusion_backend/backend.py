@@ -27,11 +27,12 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from .decision import decide
 from .direct import direct_module, why_not_direct
-from .engine import registered_patterns, run_patterns
+from .engine import Candidate, registered_patterns, run_patterns
 from .errors import RewriteError
 from .options import FusionOptions
-from .report import Fallback, GraphReport, publish
+from .report import Decision, Fallback, GraphReport, publish
 
 log = logging.getLogger("fusion_backend")
 _graph_counter = itertools.count()
@@ -75,16 +76,28 @@ def fusion(
     fallbacks: list[Fallback] = []
     matches, near_misses = [], []
     rewritten: Optional[fx.GraphModule] = None
+    decisions: list[Decision] = []
+
+    def keep(graph: fx.GraphModule, candidate: Candidate) -> bool:
+        decisions.append(decide(
+            graph, candidate.pattern, candidate.summary, candidate.nodes, example_inputs, policy=opts.decide,
+            margin=opts.decide_margin, cache_dir=opts.cache_dir, inductor_patches=config_patches,
+            strict=opts.strict,
+        ))  # fmt: skip
+        log.info("%s %s at %s: %s", candidate.pattern, candidate.summary, candidate.anchor.name, decisions[-1])
+        return decisions[-1].fused
+
     t0 = time.perf_counter()
     try:
-        result = run_patterns(work, opts.patterns, strict=opts.strict, on_stage=on_stage)
+        result = run_patterns(work, opts.patterns, strict=opts.strict, on_stage=on_stage, keep=keep)
         matches, near_misses = result.matches, result.near_misses
         rewritten = work
     except _CONTROL_FLOW:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure must fall back, never lose the graph
         fallbacks.append(_fall_back(opts, current["stage"], current["pattern"], exc))
-    times["match+rewrite"] = time.perf_counter() - t0
+        decisions.clear()  # nothing was rewritten
+    times["match+decide+rewrite"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     compiled = None
@@ -120,6 +133,7 @@ def fusion(
         stage_seconds=times,
         enabled_patterns=opts.patterns,
         notes=tuple(notes),
+        decisions=tuple(decisions),
         runner=runner,
     )
     for m in report.matches:

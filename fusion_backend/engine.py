@@ -257,19 +257,26 @@ def run_patterns(
     enabled: Iterable[str],
     strict: bool = False,
     on_stage: Optional[Callable[[str, Optional[str]], None]] = None,
+    keep: Optional[Callable[[fx.GraphModule, Candidate], bool]] = None,
 ) -> EngineResult:
     """Find and rewrite ``gm`` in place with the ``enabled`` patterns (names).  Raises on failure.
 
     ``on_stage(stage, pattern)`` is called before each stage so the caller can name the failing
-    stage and pattern in its fallback report.
+    stage and pattern in its fallback report.  ``keep(gm, candidate)``, when given, is asked for
+    every accepted candidate before any rewrite (the graph is still whole then); a candidate it
+    declines is left as it is, nodes and all.
     """
     stage = on_stage or (lambda s, p: None)
     regions = find_regions(gm, enabled, strict, stage)
+    chosen = regions.accepted
+    if keep is not None:
+        stage("decide", None)
+        chosen = [(p, c) for p, c in regions.accepted if keep(gm, c)]
     matches = []
-    for pattern, candidate in regions.accepted:
+    for pattern, candidate in chosen:
         stage("rewrite", pattern.name)
         matches.append(pattern.rewrite(regions.ctx, candidate))
-    if regions.accepted:
+    if chosen:
         gm.graph.lint()
         gm.recompile()
     return EngineResult(matches, regions.near_misses)

@@ -19,7 +19,18 @@ key                     meaning
                         AOTAutograd and Inductor, which would fuse nothing there but cost host time
                         per call (``fusion_backend/direct.py``); False sends it to Inductor too.
                         Inductor options, or a mode with CUDA graphs, also send it to Inductor
+``decide``              ``"measure"`` (default; the ``FUSION_DECIDE`` environment variable sets
+                        it too): keep a rewrite only where the fused op is faster than Inductor's
+                        code for the region, timed on the first compile of each input signature
+                        and cached (``decision.py``); ``"fuse"``: always rewrite; ``"inductor"``:
+                        never rewrite (matches are still reported)
+``decide_margin``       float >= 0, default 0.03: how much faster the fused op must be to be kept
+                        (ties go to Inductor)
 ======================  ===========================================================================
+
+Environment variables read here and nowhere else in this module's users: ``FUSION_DUMP_DIR``,
+``FUSION_DECIDE`` and ``FUSION_CACHE_DIR`` (where measured decisions are kept; default
+``~/.cache/fusion_backend``).
 """
 
 from __future__ import annotations
@@ -30,9 +41,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from .decision import DEFAULT_MARGIN, POLICIES
 from .errors import InvalidOptionError, UnknownOptionError
 
-OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir", "direct")
+OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir", "direct", "decide", "decide_margin")
+DECIDE_ENV = "FUSION_DECIDE"
+CACHE_DIR_ENV = "FUSION_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where measured choices are kept across processes (``$FUSION_CACHE_DIR``)."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "fusion_backend")
 
 
 @dataclass(frozen=True)
@@ -44,6 +63,9 @@ class FusionOptions:
     dump_dir: Optional[Path] = None
     inductor: dict[str, Any] = field(default_factory=dict)
     direct: bool = True
+    decide: str = "measure"
+    decide_margin: float = DEFAULT_MARGIN
+    cache_dir: Path = field(default_factory=cache_dir)
 
     @staticmethod
     def parse(options: Optional[Mapping[str, Any]], registered: tuple[str, ...]) -> FusionOptions:
@@ -87,7 +109,14 @@ class FusionOptions:
         direct = ours.get("direct", True)
         if not isinstance(direct, bool):
             raise InvalidOptionError(f"option 'direct' must be a bool, got {direct!r}")
-        return FusionOptions(names, strict, Path(dump) if dump else None, inductor, direct)
+        decide = ours.get("decide") or os.environ.get(DECIDE_ENV) or "measure"
+        if decide not in POLICIES:
+            where = "option 'decide'" if "decide" in ours else f"{DECIDE_ENV}"
+            raise InvalidOptionError(f"{where} must be one of {list(POLICIES)}, got {decide!r}")
+        margin = ours.get("decide_margin", DEFAULT_MARGIN)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
+            raise InvalidOptionError(f"option 'decide_margin' must be a number >= 0, got {margin!r}")
+        return FusionOptions(names, strict, Path(dump) if dump else None, inductor, direct, decide, float(margin))
 
 
 def _inductor_keys() -> set[str]:

@@ -87,6 +87,32 @@ class NearMiss:
 
 
 @dataclass(frozen=True)
+class Decision:
+    """Whether a matched region was rewritten, and the rule that decided (``decision.py``).
+
+    ``fused_ms`` / ``inductor_ms``: the measured milliseconds per call of the fused op and of
+    Inductor's code for the region (forward, or forward + backward where gradients flow); ``None``
+    when the policy decided without timing.  ``cached``: the times came from the decision cache."""
+
+    pattern: str
+    summary: str
+    anchor: str
+    fused: bool
+    rule: str
+    fused_ms: Optional[float] = None
+    inductor_ms: Optional[float] = None
+    cached: bool = False
+
+    def __str__(self) -> str:
+        verdict = "fused" if self.fused else "left to Inductor"
+        if self.fused_ms is None or self.inductor_ms is None:
+            return f"{verdict}: {self.rule}"
+        source = ", cached" if self.cached else ""
+        return (f"{verdict}: {self.rule} (fused {self.fused_ms:.3f} ms vs Inductor {self.inductor_ms:.3f} ms, "
+                f"{self.inductor_ms / self.fused_ms:.2f}x{source})")
+
+
+@dataclass(frozen=True)
 class Fallback:
     """The graph (or a region) was compiled without the rewrite because ``stage`` failed."""
 
@@ -107,6 +133,8 @@ class GraphReport:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     enabled_patterns: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    decisions: tuple[Decision, ...] = ()
+    """One per matched region, rewritten or not, in match order."""
     runner: str = "inductor"
     """What runs the compiled graph: ``"inductor"`` (AOTAutograd + Inductor) or ``"direct"`` (only
     fused ops and glue, run as plain FX code with eager autograd: ``fusion_backend/direct.py``)."""
@@ -137,6 +165,7 @@ class GraphReport:
             stage_seconds=dict(d["stage_seconds"]),
             enabled_patterns=tuple(d["enabled_patterns"]),
             notes=tuple(d["notes"]),
+            decisions=tuple(Decision(**x) for x in d.get("decisions", ())),
             runner=d.get("runner", "inductor"),
         )
 
@@ -148,12 +177,20 @@ class GraphReport:
         return out
 
     def __str__(self) -> str:
+        left = [d for d in self.decisions if not d.fused]
         lines = [f"graph {self.graph_index} ({self.graph_name}): {len(self.matches)} fused, "
-                 f"{len(self.near_misses)} near miss(es), {len(self.fallbacks)} fallback(s); runs {self.runner}"]
+                 + (f"{len(left)} left to Inductor, " if left else "")
+                 + f"{len(self.near_misses)} near miss(es), {len(self.fallbacks)} fallback(s); runs {self.runner}"]
+        decided = {(d.pattern, d.anchor): d for d in self.decisions}
         for m in self.matches:
             lines.append(f"  [fused] {m.pattern}: {m.summary}  -> {m.fused_op} ({m.kernel})")
+            decision = decided.get((m.pattern, m.nodes[0]))
+            if decision is not None:
+                lines.append(f"          {decision}")
             for s in m.source_lines:
                 lines.append(f"          {s}")
+        for d in left:
+            lines.append(f"  [inductor] {d.pattern}: {d.summary} from `{d.anchor}`: {d}")
         for n in self.near_misses:
             where = f"  at {n.source_line}" if n.source_line else ""
             lines.append(f"  [miss]  {n.pattern} from `{n.anchor}` stopped at `{n.node}`: {n.reason.value}: {n.message}{where}")

@@ -200,7 +200,7 @@ def assert_fused(
     ref, ref_grads = float64_reference(eager_model, fresh(inputs), train)
 
     torch._dynamo.reset()
-    opts = {"strict": True, **(options or {})}
+    opts = {"strict": True, "decide": "fuse", **(options or {})}
     compiled = torch.compile(model, backend="fusion", options=opts, **compile_kwargs)
     with collect_reports() as reports:
         got, got_grads = run_and_backward(compiled, compiled_inputs, train, model)

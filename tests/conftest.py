@@ -15,6 +15,9 @@ if not torch.cuda.is_available():
 # autotuning on a GPU; the whole suite timed out on the H100 with it on).  Tests that exercise
 # those paths set the variable themselves.
 os.environ.setdefault("FUSION_CONV_AUTOTUNE", "0")
+# Every matched region is rewritten (no timing against Inductor, which on CPU would keep every region
+# with Inductor): the suite tests the rewrites.  The decision's own tests set the policy themselves.
+os.environ.setdefault("FUSION_DECIDE", "fuse")
 
 import pytest  # noqa: E402
 

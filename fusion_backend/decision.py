@@ -1,0 +1,282 @@
+"""Keep a rewrite only where it is faster than Inductor's own code for the same region.
+
+The backend's promise is never to be slower than ``backend="inductor"``.  For every region a
+pattern matched, and for the input signature the graph was compiled for, this module compares the
+fused op with Inductor's compiled code for the original nodes (``region_timing.py``) and keeps the
+rewrite only where the fused op wins by the margin (``decide_margin``, default 3%); a tie goes to
+Inductor.  With gradients flowing, forward + backward is timed; without, the forward.
+
+Policies (option ``decide``, environment ``FUSION_DECIDE``; parsed in ``options.py``):
+
+==============  ===============================================================================
+``measure``     the default.  On CUDA: time both, keep the winner.  On CPU no Triton kernel runs:
+                the fused op would run its plain-torch reference, which is no faster than
+                Inductor's CPU code, so the region stays with Inductor (not measured).
+``fuse``        always rewrite (tests of the rewrite itself, ``fusion_backend.testing``).
+``inductor``    never rewrite; the report still lists what matched.
+==============  ===============================================================================
+
+Answers are cached in memory and on disk (``$FUSION_CACHE_DIR/decisions.json``, one JSON object
+``{"schema": SCHEMA, "entries": {key: {"fused_ms": .., "inductor_ms": .., "what": ..}}}``), keyed by
+the GPU, the torch / Triton versions, a fingerprint of this package's sources, the pattern, the
+region's computation and its inputs' shapes, strides, dtypes and ``requires_grad``, grad mode,
+autocast state, TF32 flags and Inductor options: a second process reuses the times and compiles
+nothing for the decision.  The margin is applied when reading, so changing it needs no new timing.
+A file that does not parse, has another schema or holds a malformed entry is ignored entry by entry
+and rewritten on the next store.
+
+A region that cannot be timed (symbolic scalar inputs, a failure while building or timing either
+candidate) stays with Inductor and the report says why; with ``strict=True`` a failure raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .report import Decision
+
+log = logging.getLogger("fusion_backend.decision")
+
+POLICIES = ("measure", "fuse", "inductor")
+DEFAULT_MARGIN = 0.03
+#: Version of the cache file's layout and of what a key means; another version is ignored.
+SCHEMA = 1
+CACHE_FILE = "decisions.json"
+
+#: ``timer(steps) -> {name: ms}`` for the steps ``"fused"`` and ``"inductor"`` (zero-argument calls
+#: that build their candidate on first use).  ``region_timing.time_steps`` unless a test replaces it.
+Timer = Callable[[Mapping[str, Callable[[], None]]], Mapping[str, float]]
+
+_lock = threading.Lock()
+_memory: dict[str, dict[str, Any]] = {}
+#: What ``timing_override`` replaced: the timer, and the device types on which regions are measured.
+_timer: Timer | None = None
+_measured_devices: tuple[str, ...] = ("cuda",)
+
+
+@contextlib.contextmanager
+def timing_override(timer: Timer | None, measure_on: Sequence[str] = ("cuda", "cpu")) -> Iterator[None]:
+    """Within the block, time regions with ``timer`` (``None``: the real timer) on the device types
+    ``measure_on``.  For tests of the decision: a fake timer returns chosen times without running
+    (or building) either candidate, and CPU regions can be put through the measured path.
+
+    >>> with timing_override(lambda steps: {"fused": 2.0, "inductor": 1.0}):  # doctest: +SKIP
+    ...     torch.compile(model, backend="fusion")(x)    # every region is left to Inductor
+    """
+    global _timer, _measured_devices
+    saved = _timer, _measured_devices
+    _timer, _measured_devices = timer, tuple(measure_on)
+    try:
+        yield
+    finally:
+        _timer, _measured_devices = saved
+
+
+def verdict(pattern: str, summary: str, anchor: str, fused_ms: float, inductor_ms: float, margin: float,
+            cached: bool) -> Decision:
+    """The decision from two times: fused only when ``inductor_ms / fused_ms >= 1 + margin``."""
+    speedup = inductor_ms / fused_ms if fused_ms > 0 else float("inf")
+    if speedup >= 1 + margin:
+        rule = "fused is faster"
+    elif speedup >= 1 / (1 + margin):
+        rule = f"a tie (within {margin:.0%}) goes to Inductor"
+    else:
+        rule = "Inductor is faster"
+    return Decision(pattern, summary, anchor, speedup >= 1 + margin, rule, fused_ms, inductor_ms, cached)
+
+
+def decide(
+    gm: fx.GraphModule,
+    pattern: str,
+    summary: str,
+    nodes: Sequence[fx.Node],
+    example_inputs: Sequence[Any],
+    *,
+    policy: str,
+    margin: float,
+    cache_dir: Path,
+    inductor_patches: Mapping[str, Any],
+    strict: bool,
+) -> Decision:
+    """Whether to rewrite the region ``nodes`` of ``gm`` (matched by ``pattern``), per ``policy``
+    (see the module docstring).  ``inductor_patches``: the Inductor config the graph will be
+    compiled with (CUDA graphs are left out of the timing: both candidates would get them)."""
+    anchor = nodes[0].name
+    if policy == "fuse":
+        return Decision(pattern, summary, anchor, True, "decide='fuse'")
+    if policy == "inductor":
+        return Decision(pattern, summary, anchor, False, "decide='inductor'")
+    from . import region_timing
+    from .engine import fake_of
+
+    result = fake_of(nodes[-1])
+    if not isinstance(result, torch.Tensor) or result.device.type not in _measured_devices:
+        return Decision(pattern, summary, anchor, False,
+                        "not measured on CPU: the fused op would run its plain-torch reference there, which "
+                        "Inductor's CPU code matches or beats (decide='fuse' rewrites anyway)")
+    try:
+        region = region_timing.extract_region(gm, nodes)
+        train = torch.is_grad_enabled() and any(
+            getattr(fake_of(n), "requires_grad", False) for n in region.inputs)
+        patches = {k: v for k, v in inductor_patches.items() if k != "post_grad_custom_post_pass"}
+        patches["triton.cudagraphs"] = False
+        key = _key(pattern, region, train, patches)
+        with _lock:
+            entry = _memory.get(key) or _load(cache_dir).get(key)
+        if entry is not None:
+            _memory[key] = entry
+            return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=True)
+        times = _measure(gm, pattern, region, example_inputs, train, patches, inductor_patches, _timer)
+    except Exception as exc:  # noqa: BLE001 - an unmeasurable region stays with Inductor
+        why = str(exc) if isinstance(exc, region_timing.NotMeasurable) else f"{type(exc).__name__}: {exc}"
+        if strict and not isinstance(exc, region_timing.NotMeasurable):
+            from .errors import RewriteError
+
+            raise RewriteError(f"timing the {pattern} region at `{anchor}` failed: {why} (strict=True)") from exc
+        log.info("decision %s at %s: not measured (%s); Inductor keeps the region", pattern, anchor, why)
+        return Decision(pattern, summary, anchor, False, f"not measured ({why}); Inductor keeps the region")
+    entry = {"fused_ms": float(times["fused"]), "inductor_ms": float(times["inductor"]),
+             "what": f"{pattern}: {summary} ({'forward + backward' if train else 'forward'})"}
+    with _lock:
+        _memory[key] = entry
+        _store(cache_dir, key, entry)
+    return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=False)
+
+
+def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequence[Any], train: bool,
+             patches: Mapping[str, Any], fused_patches: Mapping[str, Any], timer: Timer | None) -> Mapping[str, float]:
+    """Time the fused op and Inductor's code on the region (each built on its step's first call)."""
+    from . import region_timing
+
+    inputs = region_timing.region_inputs(region, gm, example_inputs)
+
+    def lazily(build: Callable[[], Callable[..., Any]]) -> Callable[[], None]:
+        step: list[Callable[[], None]] = []
+
+        def run() -> None:
+            if not step:
+                step.append(region_timing.make_step(build(), inputs, train))
+            step[0]()
+        return run
+
+    steps = {
+        "fused": lazily(lambda: _fused_callable(region, pattern, inputs, fused_patches)),
+        "inductor": lazily(lambda: region_timing.compile_with_inductor(region, inputs, patches)),
+    }
+    log.info("timing %s (%s) fused vs Inductor on its inputs %s", pattern, "forward + backward" if train else "forward",
+             ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs))
+    times = (timer or region_timing.time_steps)(steps)
+    return {name: float(times[name]) for name in ("fused", "inductor")}
+
+
+def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
+                    patches: Mapping[str, Any]) -> Callable[..., Any]:
+    """The region rewritten by ``pattern`` alone, run the way the backend would run it (directly when
+    only fused ops and glue are left, else through Inductor with the fused ops' runtime twins)."""
+    import copy
+
+    from . import region_timing
+    from .direct import direct_module, why_not_direct
+    from .engine import run_patterns
+
+    gm = fx.GraphModule(region.gm, copy.deepcopy(region.gm.graph), class_name="Region")
+    result = run_patterns(gm, [pattern], strict=True)
+    if len(result.matches) != 1:
+        raise region_timing.NotMeasurable(f"the region alone gives {len(result.matches)} {pattern} matches, not 1")
+    if why_not_direct(gm) is None:
+        return direct_module(gm).forward
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), torch._guards.tracing(None):
+        return compile_fx(gm, list(inputs), config_patches=dict(patches) or None)
+
+
+# ------------------------------------------------------------------------------------------------
+# The cache
+
+
+def _key(pattern: str, region: Any, train: bool, patches: Mapping[str, Any]) -> str:
+    from . import region_timing
+    from .engine import fake_of
+
+    signature = [(tuple(int(s) for s in f.shape), tuple(int(s) for s in f.stride()), str(f.dtype),
+                  f.device.type, bool(f.requires_grad))
+                 for f in (fake_of(n) for n in region.inputs)]  # fmt: skip
+    autocast = [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cuda", "cpu")]
+    parts = {
+        "environment": _environment(),
+        "pattern": pattern,
+        "region": region_timing.canonical_text(region),
+        "inputs": signature,
+        "train": train,
+        "grad_enabled": torch.is_grad_enabled(),
+        "autocast": autocast,
+        "tf32": (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32),
+        "conv_impl": os.environ.get("FUSION_CONV_IMPL", ""),
+        "inductor": sorted((k, repr(v)) for k, v in patches.items()),
+    }
+    text = json.dumps(parts, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.cache
+def _environment() -> str:
+    """GPU, torch, Triton and a fingerprint of this package's sources (a changed kernel or pattern
+    must not reuse old times)."""
+    import triton
+
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return f"{device}|torch {torch.__version__}|triton {triton.__version__}|sources {digest.hexdigest()[:16]}"
+
+
+def _load(cache_dir: Path) -> dict[str, dict[str, Any]]:
+    """The well-formed entries of the cache file (none when it is missing, corrupt or of another schema)."""
+    try:
+        data = json.loads((cache_dir / CACHE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
+        return {}
+    return {k: v for k, v in data["entries"].items() if _well_formed(v)}
+
+
+def _well_formed(entry: Any) -> bool:
+    return (isinstance(entry, dict)
+            and all(isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in ("fused_ms", "inductor_ms")))
+
+
+def _store(cache_dir: Path, key: str, entry: dict[str, Any]) -> None:
+    """Add one entry, rewriting the file atomically (a concurrent reader never sees half a file)."""
+    path = cache_dir / CACHE_FILE
+    try:
+        entries = _load(cache_dir)
+        entries[key] = entry
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps({"schema": SCHEMA, "entries": entries}, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:
+        log.debug("decision cache %s not written: %s", path, exc)
+
+
+def forget_in_memory() -> None:
+    """Drop the in-process answers (tests use it to act as a second process would)."""
+    with _lock:
+        _memory.clear()

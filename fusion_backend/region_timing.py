@@ -1,0 +1,252 @@
+"""Time one matched region two ways: as the fused op, and as Inductor's own code for the same nodes.
+
+WHY: a fused op that loses to Inductor's code for its region makes the model slower than
+``backend="inductor"``.  Which one wins depends on the shapes, the layouts, the dtype and whether a
+backward runs (a conv whose Inductor code is a cuDNN call plus one pointwise kernel is hard to beat
+on a small input; a transposed 3-d conv followed by a max pool is 2-3x faster fused), so the
+backend measures instead of guessing (``decision.py`` decides from these times).
+
+Contract of :func:`extract_region`: ``nodes`` are a region as a pattern claimed it (graph order, only
+the last one used outside the region).  The result is a self-contained ``GraphModule`` whose
+placeholders are the region's inputs (every outside node a region node reads, in order of first
+use; an ``x.item()`` feeding the region is pulled in and ``x`` becomes the input), whose output is
+the one-tuple of the region's result, and whose nodes carry the original fake values.  Where the
+region sits inside an autocast block recorded in the graph (``_enter_autocast``), the copy enters
+and leaves the same block.  A region whose inputs are not all tensors (symbolic scalars) raises
+:class:`NotMeasurable`.
+
+Contract of :func:`time_steps`: wall-clock milliseconds per call of each zero-argument step, after
+two warm-up calls (which compile, autotune and fill caches), as the best of interleaved rounds of
+back-to-back calls ended by a device synchronisation.  Wall time, not GPU time, on purpose: a small
+region is host-bound, and the host time per call is part of what the user waits for.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .engine import fake_of
+
+#: Timing: rounds per candidate (interleaved), the length one round aims at, the most calls in one.
+ROUNDS = 5
+ROUND_MS = 15.0
+MAX_CALLS = 200
+
+_AUTOCAST_ENTER = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
+_AUTOCAST_EXIT = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
+
+
+class NotMeasurable(Exception):
+    """The region cannot be timed on its own; the message says why (it ends up in the report)."""
+
+
+@dataclass
+class ExtractedRegion:
+    """A region copied into its own graph (see the module docstring)."""
+
+    gm: fx.GraphModule
+    inputs: list[fx.Node]
+    """The original graph's nodes that feed the region, in placeholder order."""
+    result: fx.Node
+    """The original graph's node whose value is the region's result."""
+
+
+def extract_region(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> ExtractedRegion:
+    """Copy ``nodes`` of ``gm`` into a graph of their own (see the module docstring)."""
+    members = list(nodes)
+    inside = set(members)
+    inputs: list[fx.Node] = []
+
+    def note_input(node: fx.Node) -> None:
+        if node not in inside and node not in inputs:
+            inputs.append(node)
+
+    for node in list(members):
+        for source in node.all_input_nodes:
+            if source in inside:
+                continue
+            if source.op == "call_method" and source.target == "item" and isinstance(source.args[0], fx.Node):
+                inside.add(source)
+                members.insert(0, source)
+    for node in members:
+        for source in node.all_input_nodes:
+            note_input(source)
+    for source in inputs:
+        if source.op == "get_attr":
+            continue
+        if not isinstance(fake_of(source), torch.Tensor):
+            raise NotMeasurable(f"the region reads `{source.name}`, which is not a tensor "
+                                f"({type(fake_of(source)).__name__})")
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, source in enumerate(inputs):
+        if source.op == "get_attr":
+            env[source] = graph.get_attr(source.target)
+            continue
+        placeholder = graph.placeholder(f"input_{i}")
+        placeholder.meta["example_value"] = fake_of(source)
+        env[source] = placeholder
+    blocks = [graph.call_function(_AUTOCAST_ENTER, enter.args, enter.kwargs) for enter in _open_autocast_blocks(gm, nodes[0])]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in sorted(members, key=order.__getitem__):
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    for block in reversed(blocks):
+        graph.call_function(_AUTOCAST_EXIT, (block,))
+    graph.output((env[nodes[-1]],))
+    inputs = [n for n in inputs if n.op != "get_attr"]
+    return ExtractedRegion(fx.GraphModule(gm, graph, class_name="Region"), inputs, nodes[-1])
+
+
+def _open_autocast_blocks(gm: fx.GraphModule, first: fx.Node) -> list[fx.Node]:
+    """The ``_enter_autocast`` nodes of ``gm`` still open where ``first`` runs, outermost first."""
+    if _AUTOCAST_ENTER is None:
+        return []
+    open_blocks: list[fx.Node] = []
+    for node in gm.graph.nodes:
+        if node is first:
+            break
+        if node.op != "call_function":
+            continue
+        if node.target is _AUTOCAST_ENTER:
+            open_blocks.append(node)
+        elif node.target is _AUTOCAST_EXIT and node.args and node.args[0] in open_blocks:
+            open_blocks.remove(node.args[0])
+    return open_blocks
+
+
+def region_inputs(region: ExtractedRegion, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """Real tensors for the region's placeholders: the graph's own example inputs where the region
+    reads a graph input (detached, so that timing a backward never touches the user's ``.grad``),
+    else fresh random tensors with the recorded shape, strides, dtype, device and ``requires_grad``
+    (symbolic sizes take their hints)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    given = dict(zip(placeholders, example_inputs, strict=False))
+    out = []
+    for node in region.inputs:
+        fake = fake_of(node)
+        value = given.get(node)
+        if isinstance(value, torch.Tensor):
+            out.append(value.detach().requires_grad_(value.requires_grad))
+            continue
+        out.append(random_like(fake))
+    return out
+
+
+def random_like(fake: torch.Tensor) -> torch.Tensor:
+    """A real tensor shaped, strided and typed like ``fake`` (values: standard normal, or 0/1 for
+    integer and boolean tensors), a leaf that requires grad when ``fake`` does."""
+    shape = [_hint(s) for s in fake.shape]
+    stride = [_hint(s) for s in fake.stride()]
+    t = torch.empty_strided(shape, stride, dtype=fake.dtype, device=fake.device)
+    if t.is_floating_point() or t.is_complex():
+        t.normal_()
+    else:
+        t.random_(0, 2)
+    return t.requires_grad_(bool(fake.requires_grad) and t.is_floating_point())
+
+
+def _hint(size: Any) -> int:
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        if hint is None:
+            raise NotMeasurable(f"size {size} has no example value (an unbacked symbol)")
+        return int(hint)
+    return int(size)
+
+
+def make_step(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], train: bool) -> Callable[[], None]:
+    """A zero-argument call of ``fn(*inputs)`` (its first output), and with ``train`` also a backward
+    with a fixed random gradient into every input that requires grad."""
+    leaves = [t for t in inputs if t.requires_grad]
+    grad: list[torch.Tensor] = []
+
+    def forward() -> torch.Tensor:
+        out = fn(*inputs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    if not train:
+        def infer() -> None:
+            forward()
+        return infer
+
+    def step() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        out = forward()
+        if not grad:
+            grad.append(torch.randn_like(out))
+        out.backward(grad[0])
+
+    return step
+
+
+def compile_with_inductor(region: ExtractedRegion, inputs: Sequence[torch.Tensor],
+                          config_patches: Mapping[str, Any]) -> Callable[..., Any]:
+    """Inductor's code for the region (``compile_fx`` on a copy: it may mutate what it compiles).
+
+    The backward is compiled right away (``force_non_lazy_backward_lowering``): a lazy backward
+    compile would run at the first timed backward, inside the outer Dynamo compile, whose metrics
+    context refuses a second ``is_forward``.  ``tracing(None)`` keeps this compile out of the outer
+    graph's tracing context (its fake mode, shape guards and output strides)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    gm = fx.GraphModule(region.gm, copy.deepcopy(region.gm.graph), class_name="Region")
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), torch._guards.tracing(None):
+        return compile_fx(gm, list(inputs), config_patches=dict(config_patches) or None)
+
+
+def time_steps(steps: Mapping[str, Callable[[], None]]) -> dict[str, float]:
+    """Milliseconds per call of each step (see the module docstring)."""
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    calls: dict[str, int] = {}
+    for name, step in steps.items():
+        step()
+        step()
+        sync()
+        began = time.perf_counter()
+        step()
+        sync()
+        once_ms = (time.perf_counter() - began) * 1e3
+        calls[name] = max(1, min(MAX_CALLS, math.ceil(ROUND_MS / max(once_ms, 1e-3))))
+    best = dict.fromkeys(steps, math.inf)
+    for _ in range(ROUNDS):
+        for name, step in steps.items():
+            sync()
+            began = time.perf_counter()
+            for _ in range(calls[name]):
+                step()
+            sync()
+            best[name] = min(best[name], (time.perf_counter() - began) * 1e3 / calls[name])
+    return best
+
+
+def canonical_text(region: ExtractedRegion) -> str:
+    """The region's computation as text that does not depend on node names (a cache key part):
+    one line per node with its op, target and arguments, nodes named by position."""
+    index: dict[fx.Node, str] = {}
+    lines = []
+    for i, node in enumerate(region.gm.graph.nodes):
+        index[node] = f"%{i}"
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
+        lines.append(f"{node.op} {_target_name(node.target)} {args!r}")
+    return "\n".join(lines)
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    if target in (operator.getitem,):
+        return "getitem"
+    module = getattr(target, "__module__", "") or ""
+    return f"{module}.{getattr(target, '__name__', None) or getattr(target, '__qualname__', repr(target))}"

@@ -1,0 +1,264 @@
+"""The measured decision: a region is rewritten only where the fused op beats Inductor's code for it.
+
+A fake timer stands in for the GPU (``decision.timing_override``): it returns chosen times without
+building either candidate, and lets CPU regions go through the measured path.  One test runs the
+real timer on CPU, end to end (region extraction, Inductor's compile of the region, the fused op).
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fusion_backend import decision
+from fusion_backend.errors import InvalidOptionError
+from fusion_backend.report import GraphReport, collect_reports
+
+
+class ConvLeakyPool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.scale = nn.Parameter(torch.randn(8, 1, 1))
+
+    def forward(self, x):
+        y = F.leaky_relu(self.conv(x), 0.1) * self.scale
+        return F.max_pool2d(y, 2)
+
+
+class FakeTimer:
+    """Times by candidate name; counts how often it was asked; never runs a candidate."""
+
+    def __init__(self, fused: float, inductor: float):
+        self.times = {"fused": fused, "inductor": inductor}
+        self.calls = 0
+
+    def __call__(self, steps):
+        assert set(steps) == {"fused", "inductor"}
+        self.calls += 1
+        return dict(self.times)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh decision cache for the test, on disk and in memory."""
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FUSION_DECIDE", raising=False)
+    decision.forget_in_memory()
+    yield tmp_path / decision.CACHE_FILE
+    decision.forget_in_memory()
+
+
+def compile_and_run(model, x, timer=None, train=True, **options):
+    compiled = torch.compile(model, backend="fusion", options=options or None)
+    with decision.timing_override(timer), collect_reports() as reports:
+        out = compiled(x)
+        if train:
+            out.sum().backward()
+    torch._dynamo.reset()
+    return out, reports
+
+
+def only_decision(reports: list[GraphReport]):
+    (report,) = reports
+    (d,) = report.decisions
+    return report, d
+
+
+def test_a_slower_fused_op_is_left_to_inductor_and_the_result_is_eager_s(cache):
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    want = model(x)
+    out, reports = compile_and_run(model, x, FakeTimer(fused=2.0, inductor=1.0))
+    report, d = only_decision(reports)
+    assert not d.fused and d.rule == "Inductor is faster"
+    assert (d.fused_ms, d.inductor_ms, d.cached) == (2.0, 1.0, False)
+    assert report.matches == () and report.runner == "inductor"
+    torch.testing.assert_close(out, want)
+    assert "[inductor] conv_epilogue" in str(report) and "0.50x" in str(report)
+
+
+def test_a_faster_fused_op_is_kept(cache):
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), FakeTimer(fused=1.0, inductor=1.5))
+    report, d = only_decision(reports)
+    assert d.fused and d.rule == "fused is faster"
+    assert report.counts() == {"conv_epilogue": 1}
+    assert "fused is faster (fused 1.000 ms vs Inductor 1.500 ms, 1.50x)" in str(report)
+
+
+@pytest.mark.parametrize("fused, inductor", [(1.0, 1.02), (1.0, 1.0), (1.02, 1.0)])
+def test_ties_within_the_margin_go_to_inductor(cache, fused, inductor):
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), FakeTimer(fused, inductor), train=False)
+    _, d = only_decision(reports)
+    assert not d.fused and d.rule.startswith("a tie (within 3%)")
+
+
+def test_the_margin_is_an_option(cache):
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), FakeTimer(1.0, 1.02), train=False,
+                                 decide_margin=0.01)  # fmt: skip
+    assert only_decision(reports)[1].fused
+
+
+def test_a_second_process_reuses_the_cache_without_timing(cache):
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    first = FakeTimer(fused=1.0, inductor=3.0)
+    compile_and_run(model, x, first)
+    assert first.calls == 1 and cache.is_file()
+    stored = json.loads(cache.read_text())
+    assert stored["schema"] == decision.SCHEMA and len(stored["entries"]) == 1
+
+    decision.forget_in_memory()  # what a new process starts with
+    second = FakeTimer(fused=9.0, inductor=1.0)
+    _, reports = compile_and_run(model, x, second)
+    assert second.calls == 0
+    _, d = only_decision(reports)
+    assert d.fused and d.cached and (d.fused_ms, d.inductor_ms) == (1.0, 3.0)
+    assert "cached" in str(d)
+
+
+def test_another_input_signature_is_timed_again(cache):
+    model, timer = ConvLeakyPool(), FakeTimer(1.0, 3.0)
+    compile_and_run(model, torch.randn(2, 3, 12, 12), timer)
+    compile_and_run(model, torch.randn(2, 3, 14, 12), timer)
+    compile_and_run(model, torch.randn(2, 3, 12, 12).to(memory_format=torch.channels_last), timer)
+    with torch.no_grad():  # forward only: another question
+        compile_and_run(model, torch.randn(2, 3, 12, 12), timer, train=False)
+    assert timer.calls == 3 + 1
+
+
+@pytest.mark.parametrize("content", [
+    "{ not json",
+    json.dumps({"schema": decision.SCHEMA + 1, "entries": {}}),
+    json.dumps([1, 2, 3]),
+])
+def test_a_corrupt_or_stale_cache_file_is_ignored_and_rebuilt(cache, content):
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(content)
+    timer = FakeTimer(1.0, 2.0)
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), timer)
+    assert timer.calls == 1 and only_decision(reports)[1].fused
+    assert json.loads(cache.read_text())["schema"] == decision.SCHEMA
+
+
+def test_a_malformed_entry_is_ignored_and_remeasured(cache):
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    compile_and_run(model, x, FakeTimer(1.0, 2.0))
+    data = json.loads(cache.read_text())
+    (key,) = data["entries"]
+    data["entries"][key] = {"fused_ms": "fast", "inductor_ms": -1}
+    cache.write_text(json.dumps(data))
+    decision.forget_in_memory()
+    timer = FakeTimer(5.0, 1.0)
+    _, reports = compile_and_run(model, x, timer)
+    assert timer.calls == 1 and not only_decision(reports)[1].fused
+    assert json.loads(cache.read_text())["entries"][key]["fused_ms"] == 5.0
+
+
+def test_policies_fuse_and_inductor_decide_without_timing(cache):
+    timer = FakeTimer(1.0, 9.0)
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), timer, decide="inductor")
+    report, d = only_decision(reports)
+    assert not d.fused and d.rule == "decide='inductor'" and report.matches == ()
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), FakeTimer(9.0, 1.0), decide="fuse")
+    assert only_decision(reports)[1].fused
+    assert timer.calls == 0
+
+
+def test_the_policy_comes_from_the_environment_when_not_given(cache, monkeypatch):
+    monkeypatch.setenv("FUSION_DECIDE", "inductor")
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), FakeTimer(1.0, 9.0))
+    assert not only_decision(reports)[1].fused
+
+
+def test_cpu_regions_are_left_to_inductor_unmeasured_by_default(cache):
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    compiled = torch.compile(model, backend="fusion")
+    with collect_reports() as reports:
+        out = compiled(x)
+    report, d = only_decision(reports)
+    assert not d.fused and d.fused_ms is None and d.rule.startswith("not measured on CPU")
+    torch.testing.assert_close(out, model(x))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"decide": "fastest"}, "option 'decide' must be one of ['measure', 'fuse', 'inductor'], got 'fastest'"),
+    ({"decide_margin": -0.1}, "option 'decide_margin' must be a number >= 0, got -0.1"),
+    ({"decide_margin": "3%"}, "option 'decide_margin' must be a number >= 0, got '3%'"),
+])
+def test_bad_decision_options_are_named(options, message):
+    from fusion_backend.engine import registered_patterns
+    from fusion_backend.options import FusionOptions
+
+    with pytest.raises(InvalidOptionError) as info:
+        FusionOptions.parse(options, tuple(registered_patterns()))
+    assert str(info.value) == message
+
+
+def test_a_bad_policy_in_the_environment_is_named(monkeypatch):
+    from fusion_backend.options import FusionOptions
+
+    monkeypatch.setenv("FUSION_DECIDE", "always")
+    with pytest.raises(InvalidOptionError, match="FUSION_DECIDE must be one of"):
+        FusionOptions.parse({}, ("conv_epilogue",))
+
+
+def test_a_failing_measurement_leaves_the_region_to_inductor_or_raises_when_strict(cache):
+    def broken(steps):
+        raise RuntimeError("no timer today")
+
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    out, reports = compile_and_run(model, x, broken)
+    _, d = only_decision(reports)
+    assert not d.fused and "RuntimeError: no timer today" in d.rule
+    torch.testing.assert_close(out, model(x))
+    from fusion_backend.errors import RewriteError
+
+    with pytest.raises(Exception) as info:
+        compile_and_run(model, x, broken, strict=True)
+    assert isinstance(info.value, RewriteError) or isinstance(info.value.__cause__, RewriteError) or \
+        "no timer today" in str(info.value)
+
+
+def test_report_round_trips_its_decisions(cache):
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), FakeTimer(1.0, 2.0))
+    (report,) = reports
+    assert GraphReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+
+
+class Autocasting(nn.Module):
+    """The region sits inside an autocast block recorded in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = ConvLeakyPool()
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x).float()
+
+
+@pytest.mark.parametrize("model_cls", [ConvLeakyPool, Autocasting])
+def test_the_real_timer_runs_both_candidates_on_cpu(cache, model_cls):
+    """End to end with real timing (on CPU: the mechanics, not the speed): the region is extracted,
+    compiled by Inductor with its backward, rewritten alone, both are timed, and the times land in
+    the report and the cache; whatever wins, the output and gradients are eager's."""
+    model, x = model_cls(), torch.randn(2, 3, 10, 10, requires_grad=True)
+    want = model(x)
+    want.sum().backward()
+    want_grad, want_wgrad = x.grad.clone(), model.get_submodule("conv" if model_cls is ConvLeakyPool else "inner.conv").weight.grad.clone()
+    x.grad = None
+    model.zero_grad()
+    compiled = torch.compile(model, backend="fusion")
+    with decision.timing_override(None, measure_on=("cpu",)), collect_reports() as reports:
+        out = compiled(x)
+        out.sum().backward()
+    _, d = only_decision(reports)
+    assert d.fused_ms > 0 and d.inductor_ms > 0 and not d.cached
+    tol = dict(atol=2e-2, rtol=2e-2) if model_cls is Autocasting else {}
+    torch.testing.assert_close(out, want, **tol)
+    torch.testing.assert_close(x.grad, want_grad, **tol)
+    conv = model.get_submodule("conv" if model_cls is ConvLeakyPool else "inner.conv")
+    torch.testing.assert_close(conv.weight.grad, want_wgrad, **tol)
+    assert len(json.loads(cache.read_text())["entries"]) == 1
