@@ -327,20 +327,28 @@ def _epilogue_fwd_kernel(
     COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """out = pool(chain(y + bias)); with a max pool and SAVE, also the winner and its y.
+    """out = pool(chain(y + bias)); with a max pool and SAVE, also the winner and its y; without a
+    pool and with SAVE, also a copy of y in out's layout.
 
     Pointers (all element strides, dims (N, C, D, H, W)):
-      y_ptr     conv output without bias, (N, C, D, H, W), fp32/fp16/bf16, strides ``y_s*``.
+      y_ptr     conv output without bias, (N, C, D, H, W), fp32/fp16/bf16, strides ``y_s*``
+                (independent of out's: the channels-last library forward reads a channels-last y
+                and writes an NCHW out).
       p_ptr     operand matrix P, (NUM_PARAM_ROWS, C) fp32, contiguous.
       out_ptr   result, (N, C, OD, OH, OW), any float dtype, strides ``o_s*``.  Without a pool
                 OD, OH, OW == D, H, W.
       win_ptr   (max pool and SAVE only) winner index within the window, row-major over
                 (kd, kh, kw), int8 or int32, same shape and strides as out.
-      win_y_ptr (max pool and SAVE only) y (without bias) at the winner, dtype of y, same shape and
+      win_y_ptr (SAVE only) with a max pool: y (without bias) at the winner; without a pool: y
+                (without bias) itself; any float dtype (y's for the saved state), same shape and
                 strides as out.
-    POOL: 0 none, 1 max, 2 avg.  Without a pool the spatial dims must flatten for y and out
-    (s_h == W*s_w and s_d == H*s_h where those sizes exceed 1): only ``*_sw`` is used then, so that
-    contiguous rows give vectorised accesses.
+    POOL: 0 none, 1 max, 2 avg (SAVE is not used with an avg pool).  Without a pool the spatial
+    dims must flatten for y and out (s_h == W*s_w and s_d == H*s_h where those sizes exceed 1):
+    only ``*_sw`` is used then, so that contiguous rows give vectorised accesses.  Where y and out
+    have different contiguous axes (channels vs positions) each access is coalesced along its own
+    tensor's contiguous axis: Triton lays out the load and the store by their pointers'
+    contiguity and converts between the two register layouts through shared memory, which is
+    the transposing tile (``_tile`` gives it a square shape).
     Max-pool parity with PyTorch: taps are scanned in row-major order, the first valid tap wins
     initially and a later one replaces it when ``v > best or isnan(v)``; padding never wins.
     """
@@ -371,12 +379,15 @@ def _epilogue_fwd_kernel(
     y_base = y_ptr + n64 * y_sn + c64 * y_sc
     o_off = n64 * o_sn + c64 * o_sc
     if POOL == 0:
-        y = tl.load(y_base + s64 * y_sw, mask=mask, other=1.0).to(tl.float32)
+        y_raw = tl.load(y_base + s64 * y_sw, mask=mask, other=1.0)
+        y = y_raw.to(tl.float32)
         if HAS_BIAS:
             y = y + bias
         v = _chain_fwd(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
                        OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
         tl.store(out_ptr + o_off + s64 * o_sw, v.to(out_ptr.dtype.element_ty), mask=mask)
+        if SAVE:  # the conv output itself, relaid into out's layout (the saved state)
+            tl.store(win_y_ptr + o_off + s64 * o_sw, y_raw.to(win_y_ptr.dtype.element_ty), mask=mask)
     else:
         ow = s % OW
         t = s // OW
@@ -658,7 +669,9 @@ def _tile(channels: int, spatial: int, channels_inner: bool, transposing: bool =
     of 128 to 256 bytes.  A transposing tile (reads in one layout, writes in the other) is 32 x 32:
     measured on H100, seed B's backward with an NCHW y and a channels-last grad_y, fp32 / bf16 y:
     32 x 32 1.45 / 1.29 ms, 16 x 128 2.75 / 2.01, 32 x 64 3.46 / 3.41, 64 x 32 4.00 / 3.20,
-    64 x 64 6.13 / 5.45 (the same-layout NCHW tile: 1.67 / 1.40).
+    64 x 64 6.13 / 5.45 (the same-layout NCHW tile: 1.67 / 1.40).  The forward's transposing case
+    (a channels-last y read, an NCHW out written: the channels-last library forward) takes the
+    same 32 x 32 shape; it has not been measured on its own.
     NOTE: measured on H100 (torch 2.11, triton 3.6), fp32, 4 warps, launcher time incl. P build:
       seed B (64, 64, 254, 254), no pool:   fwd 0.85 ms (2.5 TB/s) NCHW, 0.71 ms (3.0 TB/s) NHWC;
                                              bwd 1.63 ms (1.9 TB/s) NCHW, 1.39 ms (2.3 TB/s) NHWC.
@@ -794,12 +807,14 @@ def epilogue_forward(
     out: torch.Tensor,
     winner: torch.Tensor | None = None,
     winner_y: torch.Tensor | None = None,
+    y_copy: torch.Tensor | None = None,
 ) -> None:
     """Write ``out = pool(chain(y + bias))`` (and the max-pool winners) with one kernel launch.
 
     Args:
       y: conv output without bias, (N, C, *spatial) with 1 to 3 spatial dims, fp32/fp16/bf16, any
-        strides (without a pool, spatial dims must flatten: contiguous or channels-last).
+        strides, independent of out's (without a pool, spatial dims must flatten: contiguous or
+        channels-last; a channels-last y with an NCHW out goes through a transposing tile).
       bias: None or C values (any float dtype), rounded to y's dtype (as the conv adds it in its
         dtype), then added in fp32 before the chain.
       steps: up to MAX_SLOTS ``(op code, operand values)``; see ``OperandValue``.
@@ -809,13 +824,18 @@ def epilogue_forward(
       winner, winner_y: max pool only, both or neither: preallocated like ``out`` (same shape and
         strides), int8/int32 and y's dtype; receive the winner's row-major index in its window and
         y (without bias) at the winner.
+      y_copy: no pool only: None, or preallocated like ``out`` (same shape and strides), any float
+        dtype (y's for a saved conv output); receives y (without bias), i.e. y relaid into out's
+        layout in the same pass.
     """
     key = (
         tensor_key(y), bias is None, tuple(int(code) for code, _ in steps), pool, tensor_key(out),
-        tensor_key(winner), tensor_key(winner_y),
+        tensor_key(winner), tensor_key(winner_y), tensor_key(y_copy),
     )  # fmt: skip
-    launch = _FORWARD_LAUNCHES.get(key, lambda: ForwardLaunch(y, bias, steps, pool, out, winner, winner_y))
-    launch(y, build_params(steps, bias, launch.channels, y.device), out, winner, winner_y)
+    launch = _FORWARD_LAUNCHES.get(
+        key, lambda: ForwardLaunch(y, bias, steps, pool, out, winner, winner_y, y_copy=y_copy)
+    )
+    launch(y, build_params(steps, bias, launch.channels, y.device), out, winner, winner_y, y_copy=y_copy)
 
 
 #: ``epilogue_forward``'s launch plans by what they depend on (layouts, op codes, pool).
@@ -824,22 +844,30 @@ _FORWARD_LAUNCHES = BoundedCache(256)
 
 class ForwardLaunch:
     """``epilogue_forward`` for one signature (shapes, strides, dtypes, chain codes, bias presence,
-    pool): the arguments are checked and the launch worked out once (the tensors may be meta
-    tensors); a call only launches (``FastLaunch``).
+    pool, which saved outputs): the arguments are checked and the launch worked out once (the
+    tensors may be meta tensors); a call only launches (``FastLaunch``).
 
-    ``__call__(y, params, out, winner, winner_y)`` takes tensors laid out like the constructor's
-    (``params``: ``P`` as ``build_params`` gives it for the constructor's ``steps`` and ``bias``).
+    ``__call__(y, params, out, winner, winner_y, y_copy=None)`` takes tensors laid out like the
+    constructor's (``params``: ``P`` as ``build_params`` gives it for the constructor's ``steps``
+    and ``bias``).
+
+    The tile follows the layouts: long along the contiguous axis when y and out share it, square
+    (``_tile``'s transposing tile) when y's contiguous axis is the channels and out's the positions
+    or the other way round (the channels-last library forward: cuDNN's channels-last conv output
+    read coalesced along channels, an NCHW out written coalesced along positions).
     """
 
     def __init__(self, y: torch.Tensor, bias: torch.Tensor | None, steps: Sequence[KernelStep],
                  pool: PoolGeometry | None, out: torch.Tensor, winner: torch.Tensor | None = None,
-                 winner_y: torch.Tensor | None = None) -> None:  # fmt: skip
+                 winner_y: torch.Tensor | None = None, y_copy: torch.Tensor | None = None) -> None:  # fmt: skip
         if (winner is None) != (winner_y is None):
             raise ValueError("winner and winner_y go together")
-        save = winner is not None
-        if save and (pool is None or pool.kind != "max"):
+        if winner is not None and (pool is None or pool.kind != "max"):
             raise ValueError("winners are only saved for a max pool")
-        for name, t in (("winner", winner), ("winner_y", winner_y)):
+        if y_copy is not None and pool is not None:
+            raise ValueError(f"y_copy is only written without a pool, got pool {pool}")
+        save = winner is not None or y_copy is not None
+        for name, t in (("winner", winner), ("winner_y", winner_y), ("y_copy", y_copy)):
             if t is not None and (t.shape != out.shape or t.stride() != out.stride()):
                 raise ValueError(
                     f"{name} must have out's shape and strides {tuple(out.shape)}/{out.stride()}, got "
@@ -867,7 +895,9 @@ class ForwardLaunch:
             pool_args = _lift_pool(pool, y.dim() - 2)
         _op_constexprs(steps)  # checks the op codes before anything is kept
         s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
-        block_c, block_s = _tile(channels, s_out, _channels_inner(o_strides, o_sizes))
+        write_inner = _channels_inner(o_strides, o_sizes)
+        read_inner = _channels_inner(y_strides, y_sizes)
+        block_c, block_s = _tile(channels, s_out, write_inner, transposing=read_inner != write_inner)
         num_s_blocks = cdiv(s_out, block_s)
         grid = (y_sizes[0] * num_s_blocks, cdiv(channels, block_c))
         self.channels = channels
@@ -882,15 +912,17 @@ class ForwardLaunch:
             ), fixed=ints)  # fmt: skip
 
     def __call__(self, y: torch.Tensor, params: torch.Tensor, out: torch.Tensor, winner: torch.Tensor | None = None,
-                 winner_y: torch.Tensor | None = None) -> None:  # fmt: skip
+                 winner_y: torch.Tensor | None = None, y_copy: torch.Tensor | None = None) -> None:  # fmt: skip
         if self.launch is None:
             return
         if self.copy_y:
             y = torch.empty_like(out, dtype=y.dtype).copy_(y)
-        if self.save:
-            self.launch(y, params, out, winner, winner_y)
-        else:
+        if not self.save:
             self.launch(y, params, out, out, out)
+        elif y_copy is not None:  # (the winner pointer is not read without a pool)
+            self.launch(y, params, out, out, y_copy)
+        else:
+            self.launch(y, params, out, winner, winner_y)
 
 
 def epilogue_backward(

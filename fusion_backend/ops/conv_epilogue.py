@@ -43,14 +43,19 @@ Implementations:
 
 * Triton (CUDA, fp32/fp16/bf16), two interchangeable paths chosen by ``FUSION_CONV_IMPL``
   (``conv_impl``; both write the same saved state and pass the same parity tests).  By default
-  (``auto``) the first call of a shape times both on the GPU and keeps the faster, per direction
-  (``impl_choice``; cached on disk; the library path when measuring is off or on CPU):
+  (``auto``) the first call of a shape times both (and the library path's channels-last variant)
+  on the GPU and keeps the fastest, per direction (``impl_choice``; cached on disk; the library
+  path when measuring is off or on CPU):
 
   - library: the conv through aten/cuDNN WITHOUT bias, then one Triton kernel adds
     the bias, applies the chain and the pool and writes only ``out`` and the saved state
     (``kernels.epilogue``).  Backward: one Triton kernel writes the full-size conv-output gradient
     plus fixed-order per-channel partial sums of the operand and bias gradients (bitwise
-    reproducible), then ``aten.convolution_backward``.
+    reproducible), then ``aten.convolution_backward``.  Each direction has a channels-last
+    variant among ``auto``'s measured candidates for 2-d/3-d convs of NCHW-style tensors: the
+    conv (or conv backward) runs on channels-last copies, where cuDNN's fast Hopper kernels are,
+    and the epilogue kernels transpose between the layouts in their tiles
+    (``_ChannelsLastLibraryForward``, ``_LibraryBackward(channels_last=True)``).
   - fused (``triton``, or ``auto`` where measured faster): one implicit-GEMM Triton kernel computes
     the conv and applies bias, chain and pool in registers (``kernels.conv_dense`` for the plain
     stride-1 1d/2d convs it serves, e.g. seed B; ``kernels.conv_fused`` otherwise); the backward
@@ -684,7 +689,7 @@ def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) ->
     ``FUSION_CONV_IMPL`` (read at call time; ``auto`` by default): ``library`` always takes the
     library conv; ``auto`` answers ``triton`` on CUDA whenever one of the fused kernels serves the
     case (``conv_dense``, else ``conv_fused.unsupported_reason`` is None; ``_forward_plan`` then
-    measures which of the two is faster) and the library conv on CPU (the interpreter is slow;
+    measures which of the candidates is fastest) and the library conv on CPU (the interpreter is slow;
     tests force the fused kernel there); ``triton`` always takes the fused
     kernel and raises ``UnsupportedInputError`` (handled by the failure policy: strict raises, else
     warn and run the reference) when it cannot serve the case.
@@ -883,34 +888,60 @@ def _forward_plan(
     save: bool,
 ) -> tuple[Any, bool]:  # fmt: skip
     """``(plan, settled)``: the fused conv kernel's plan (``_FusedForward``) or the library conv +
-    epilogue kernel, as ``conv_impl`` says; under ``FUSION_CONV_IMPL=auto`` a case both serve goes to
-    the faster one, measured once per shape (``impl_choice``; the library path when measuring is
-    off).  ``settled``: the same signature always gets this answer (not while the choice is
-    unmeasured), so the caller may keep the plan."""
+    epilogue kernel (``_LibraryForward``), as ``conv_impl`` says; under ``FUSION_CONV_IMPL=auto``
+    the fastest of ``_forward_candidates`` (the fused kernel where it serves the case, the library
+    conv in x's layout and in channels-last), measured once per shape (``impl_choice``; the
+    library path in x's layout when measuring is off, and without measuring where only the library
+    conv serves and the timer has no CUDA device: ``_times_library_layouts``).  ``settled``: the
+    same signature always gets this answer (not while the choice is unmeasured), so the caller may
+    keep the plan."""
     mode = _conv_impl_mode()
     impl = conv_impl(x, weight, cfg, save)[0]
-    settled = True
-    fused = library = None
-    if impl == "triton":
-        fused = _FusedForward(x, weight, bias, operands, cfg, save)
-        if mode == "auto":
-            library = _LibraryForward(x, weight, bias, operands, cfg, save)
-            fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
-                        torch.backends.cudnn.allow_tf32)  # fmt: skip
-            impl = impl_choice.choose(
-                lambda: _choice_key(x, weight, bias, cfg, save),
-                {
-                    "triton": lambda: fused(x, weight, bias, operands),
-                    "library": lambda: library(x, weight, bias, operands),
-                },
-                default="library",
-                agree=_results_agree,
-                fast_key=fast_key,
-            )
-            settled = impl_choice.is_final(fast_key)
-    if impl == "triton":
-        return fused, settled
-    return library or _LibraryForward(x, weight, bias, operands, cfg, save), settled
+    if mode != "auto" or (impl == "library" and not _times_library_layouts(x)):
+        if impl == "triton":
+            return _FusedForward(x, weight, bias, operands, cfg, save), True
+        return _LibraryForward(x, weight, bias, operands, cfg, save), True
+    plans = _forward_candidates(x, weight, bias, operands, cfg, save, fused=impl == "triton")
+    if len(plans) == 1:
+        return plans["library"], True
+    fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
+                torch.backends.cudnn.allow_tf32)  # fmt: skip
+    impl = impl_choice.choose(
+        # (v2: the channels-last library variant joined the candidates; older answers are re-measured)
+        lambda: _choice_key(x, weight, bias, cfg, save) + "|forward-v2",
+        {name: functools.partial(plan, x, weight, bias, operands) for name, plan in plans.items()},
+        default="library",
+        agree=_results_agree,
+        fast_key=fast_key,
+    )
+    return plans[impl], impl_choice.is_final(fast_key)
+
+
+def _times_library_layouts(x: Tensor) -> bool:
+    """Whether ``auto`` measures the library forward's layouts against each other where the fused
+    conv kernel is no candidate: on CUDA only (``impl_choice`` times with CUDA events; on CPU the
+    interpreter is slow, and tests force a path or replace this answer)."""
+    return x.device.type == "cuda"
+
+
+def _forward_candidates(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+    save: bool, fused: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """The forward plans that can serve this call, by name: ``triton`` (``_FusedForward``) when
+    ``fused``; always ``library``; ``library-channels-last`` (``_ChannelsLastLibraryForward``) for
+    2-d and 3-d convs of an x that is not channels-last (``_channels_last_forward_unsupported``)."""
+    args = (x, weight, bias, operands, cfg, save)
+    plans: dict[str, Any] = {}
+    if fused:
+        plans["triton"] = _FusedForward(*args)
+    plans["library"] = _LibraryForward(*args)
+    why = _channels_last_forward_unsupported(x, weight, cfg)
+    if why is None:
+        plans["library-channels-last"] = _ChannelsLastLibraryForward(*args)
+    else:
+        logger.debug("conv_epilogue forward: no channels-last library forward (%s)", why)
+    return plans
 
 
 #: Largest norm-wise relative difference between the fused and the library path's floating results
@@ -957,44 +988,138 @@ class _LibraryForward:
 
     WHY a plan object: on small convs (seed B small: 128 x 3 x 32 x 32) the step is host time, and
     the per-call checks, key building and Triton's generic launch were most of it.
+
+    ``_ChannelsLastLibraryForward`` is the same plan with the conv in channels-last: it sets
+    ``conv_format`` and overrides ``_conv_output``; everything after the conv is shared here.
     """
+
+    #: the memory format x and the weight are relaid into for the conv (None: as they are given)
+    conv_format: torch.memory_format | None = None
 
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
-        kernels = _kernels()
         self.spec = cfg.conv
         self.dtype = _compute_dtype(cfg, x)
         y0, steps, outputs = _forward_layouts(x, weight, operands, cfg, save, self.dtype)
-        #: the conv output's shape and strides in the outputs' memory format (as ``_in_format`` gives)
+        if self.conv_format is not None:  # a channels-last conv writes a channels-last y0
+            y0 = torch.empty(y0.shape, dtype=self.dtype, device="meta", memory_format=self.conv_format)
+        #: the conv output's shape and strides: in the outputs' memory format (as ``_in_format``
+        #: gives), or channels-last for a channels-last conv (as cuDNN writes it)
         self.y0_layout = (tuple(y0.shape), y0.stride())
         self.layouts = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
         self.max_save = save and cfg.pool is not None and cfg.pool.kind == "max"
-        #: the conv output is the saved state (no pool / avg pool)
+        #: the conv output is the saved state (no pool / avg pool) ...
         self.save_y0 = save and not self.max_save
-        out, saved_a, saved_b = outputs
-        self.launch = kernels.ForwardLaunch(
-            y0, bias, steps, None if cfg.pool is None else _pool_geometry(cfg.pool), out,
-            saved_a if self.max_save else None, saved_b if self.max_save else None,
-        )  # fmt: skip
+        #: ... and y0 itself is it (the conv ran in the saved state's layout: nothing to allocate)
+        self.saved_is_y0 = self.save_y0 and self.conv_format is None
+        #: ... else the epilogue kernel writes it, relaid into the saved layout, in its pass (no
+        #: pool), or ``kernels.relayout`` copies it (avg pool: the kernel writes only pooled values)
+        self.kernel_saves_y0 = self.save_y0 and not self.saved_is_y0 and cfg.pool is None
+        self.relays_y0 = self.save_y0 and not self.saved_is_y0 and cfg.pool is not None
+        #: what ``_plan_launch`` needs besides y0: meta tensors and op codes only (a kept plan holds
+        #: no tensor of a call)
+        bias_meta = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device="meta")
+        pool = None if cfg.pool is None else _pool_geometry(cfg.pool)
+        self._launch_args = (bias_meta, [(code, ()) for code, _ in steps], pool, outputs)
+        #: the epilogue kernel's launches by y0's strides (one, unless the conv surprises us)
+        self.launches = {y0.stride(): self._plan_launch(y0)}
         self.params = _PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
 
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
-                 operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    def _plan_launch(self, y0: Tensor) -> Any:  # kernels.epilogue.ForwardLaunch
+        """The epilogue kernel's launch for a conv output laid out like ``y0`` (real or meta)."""
+        bias_meta, codes, pool, (out, saved_a, saved_b) = self._launch_args
+        return _kernels().ForwardLaunch(
+            y0, bias_meta, codes, pool, out, saved_a if self.max_save else None,
+            saved_b if self.max_save else None, y_copy=saved_a if self.kernel_saves_y0 else None,
+        )  # fmt: skip
+
+    def _conv_output(self, x: Tensor, weight: Tensor) -> Tensor:
+        """y0: the conv of x and weight cast to the compute dtype, in ``y0_layout``."""
         xc, wc, _ = _cast_inputs(x, weight, None, self.dtype)
         y0 = _conv(xc, wc, None, self.spec)
         shape, stride = self.y0_layout
         if y0.stride() != stride:
             y0 = torch.empty_strided(shape, stride, dtype=y0.dtype, device=y0.device).copy_(y0)
+        return y0
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        y0 = self._conv_output(x, weight)
+        launch = self.launches.get(y0.stride())
+        if launch is None:  # a layout the plan did not expect (``_ChannelsLastLibraryForward`` only)
+            launch = self.launches[y0.stride()] = self._plan_launch(y0)
         out, saved_a, saved_b = (
-            y0 if i == 1 and self.save_y0 else torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
+            y0 if i == 1 and self.saved_is_y0 else torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
             for i, (shape, stride, dtype) in enumerate(self.layouts)
-        )  # (the saved conv output is y0 itself: nothing allocated for it)
+        )  # (the saved conv output is y0 itself where it can be: nothing allocated for it)
         params = self.params(bias, operands)
         if self.max_save:
-            self.launch(y0, params, out, saved_a, saved_b)
+            launch(y0, params, out, saved_a, saved_b)
+        elif self.kernel_saves_y0:
+            launch(y0, params, out, y_copy=saved_a)
         else:
-            self.launch(y0, params, out)
+            if self.relays_y0:
+                _relayout(y0, saved_a)
+            launch(y0, params, out)
         return out, saved_a, saved_b
+
+
+class _ChannelsLastLibraryForward(_LibraryForward):
+    """``_LibraryForward`` with the conv on channels-last tensors whatever x's layout, for 2-d and
+    3-d convs of an x that is not channels-last (``_channels_last_forward_unsupported``).
+
+    Per call: x is cast to the compute dtype and relaid into channels-last in one copy, and so is
+    the weight where it is not channels-last in the compute dtype already (``kernels.relayout``;
+    torch's copy where a tensor's spatial dims do not flatten, e.g. a slice).  The weight's copy is
+    made on every call and never kept: weights change in training (an optimizer updates them in
+    place), and a kept device tensor made during a CUDA-graph capture breaks the graph.  cuDNN then
+    picks its channels-last kernels and writes y0 channels-last; the epilogue kernel reads y0
+    through its own strides and writes ``out`` (and the saved state) in exactly the layouts of the
+    op's fake (``_forward_layouts``: NCHW-contiguous for an NCHW x), through a transposing tile
+    where the layouts differ (``kernels.epilogue.ForwardLaunch``).
+
+    Saved state (``save``), in the fake's layouts as the library path writes it: a max pool's
+    winners and their y0 come from the kernel as always; without a pool the kernel also writes y0
+    relaid into the saved layout in the same pass; with an avg pool ``kernels.relayout`` copies y0
+    into it.  Should the conv give y0 in another layout than channels-last (a backend without
+    channels-last kernels for the case), the plan adds an epilogue launch for that layout.
+
+    WHY: Inductor runs cuDNN's channels-last conv kernels, the fast ones on Hopper, while an NCHW
+    conv runs slower ones (seed B's conv alone on the H100: 1.37 / 0.66 ms fp32 / bf16 channels-last
+    against 2.96 / 1.65 NCHW, ``docs/perf/NOTES.md``, session 11).  Whether the relayouts of x and
+    of the weight plus the transposing epilogue cost less than that difference depends on the
+    shape: ``_forward_plan`` measures it per shape.
+    """
+
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                 cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
+        self.conv_format = _channels_last_format(x.dim())
+        super().__init__(x, weight, bias, operands, cfg, save)
+        #: the weight is used as given (already channels-last in the compute dtype)
+        self.weight_ready = weight.dtype == self.dtype and weight.is_contiguous(memory_format=self.conv_format)
+
+    def _conv_output(self, x: Tensor, weight: Tensor) -> Tensor:
+        """y0 from the channels-last conv, in the layout the conv gives (channels-last as planned)."""
+        fmt = self.conv_format
+        xc = _relayout(x, torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=fmt))
+        if not self.weight_ready:
+            weight = _relayout(weight, torch.empty(weight.shape, dtype=self.dtype, device=weight.device,
+                                                   memory_format=fmt))  # fmt: skip
+        return _conv(xc, weight, None, self.spec)
+
+
+def _channels_last_forward_unsupported(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> str | None:
+    """Why the library forward has no channels-last variant worth measuring here, or None."""
+    if x.dim() not in (4, 5):
+        return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
+    dtype = _compute_dtype(cfg, x)
+    if dtype == torch.float64:
+        return "float64 (cuDNN runs it in NCHW whatever the layout)"
+    if x.is_contiguous(memory_format=_channels_last_format(x.dim())):
+        return "x is channels-last already"
+    if output_memory_format(_library_conv_meta(x, weight, cfg.conv, dtype)) != torch.contiguous_format:
+        return "the library conv runs channels-last already (e.g. a channels-last weight)"
+    return None
 
 
 def _backward_plan(
