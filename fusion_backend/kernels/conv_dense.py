@@ -74,7 +74,7 @@ import triton.language as tl
 
 from .conv_fused import AUTOTUNE_ENV, ConvGeometry, conv_output_size
 from .epilogue import KernelStep, PoolGeometry, _chain_fwd, _load_operands, _op_constexprs, build_params
-from .host import BoundedCache, cdiv, next_pow2, tensor_key
+from .host import BoundedCache, best_first, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
 from .tf32 import dot_precision, round_tf32
 
@@ -359,7 +359,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
         and c.num_stages * _stage_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], bn, kwg, x_size, w_size)
         <= _MAX_STAGE_BYTES
     ]  # fmt: skip
-    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"]))]
+    return best_first(kept) or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"]))]
 
 
 _conv_dense_fwd_tuned = triton.autotune(

@@ -65,7 +65,7 @@ from .epilogue import (
     _op_constexprs,
     build_params,
 )
-from .host import BoundedCache, cdiv, next_pow2, tensor_key
+from .host import BoundedCache, best_first, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
 from .tf32 import compute_code, dot_precision, round_tf32, to_compute
 
@@ -961,7 +961,11 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     bn_max = max(16, next_pow2(int(named_args["COUT_G"])))
     bk_max = SHIFT_K_BLOCK_K if shift_k else max(16, next_pow2(int(named_args["CIN_G"])))
     kept = [c for c in configs if c.kwargs["BLOCK_N"] <= bn_max and c.kwargs["BLOCK_K"] <= bk_max]
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+    kept = kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+    # the heuristic tile first, then the others in list order
+    h = _heuristic_config(int(named_args["CIN_G"]), int(named_args["COUT_G"]), int(named_args["M_TOTAL"]), shift_k)
+    preferred = (h["BLOCK_M"], h["BLOCK_N"], h["BLOCK_K"], h.get("num_warps"), h.get("num_stages"))
+    return best_first(sorted(kept, key=lambda c: _tile(c) != preferred))
 
 
 _conv_fused_fwd_tuned = triton.autotune(

@@ -74,7 +74,7 @@ import triton
 import triton.language as tl
 
 from .conv_fused import AUTOTUNE_ENV
-from .host import cdiv, next_pow2, persistent_device_copies
+from .host import best_first, cdiv, next_pow2, persistent_device_copies
 from .tf32 import round_tf32
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -319,7 +319,7 @@ def _dgrad_kernel(
 
 
 _dgrad_tuned = triton.autotune(
-    configs=_dgrad_configs(),
+    configs=best_first(_dgrad_configs()),
     key=["CI_G", "CO_G", "MAXT", "NTAP_MAX", "BLOCK_N", "BLOCK_K", "POOLED", "G_CL", "X_CL", "PREC", "I64"],
     cache_results=True,  # tile choices kept in Triton's cache dir across processes
 )(_dgrad_kernel)
@@ -485,7 +485,7 @@ def _wgrad_kernel(
 
 
 _wgrad_tuned = triton.autotune(
-    configs=_wgrad_configs(),
+    configs=best_first(_wgrad_configs()),
     key=["A_G", "B_G", "KVOL", "LINES", "TW", "SPLIT", "BLOCK_A", "BLOCK_R", "LINE_MODE", "BLOCK_G", "A_POOLED",
          "B_POOLED", "A_CL", "B_CL", "PREC", "I64"],
     cache_results=True,

@@ -85,7 +85,7 @@ from .conv_fused_bwd import (
     conv_output_spatial,
     pooled_spatial,
 )
-from .host import BoundedCache, cdiv, next_pow2, persistent_device_copies, tensor_key
+from .host import BoundedCache, best_first, cdiv, next_pow2, persistent_device_copies, tensor_key
 from .launch import FastLaunch
 from .tf32 import compute_code, round_tf32, to_compute
 
@@ -716,7 +716,7 @@ def _fit(tiles: Sequence[tuple[int, ...]], ci_g: int, co_g: int, kpn: int) -> li
 def _pruner(tiles: Sequence[tuple[int, ...]]):
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         kpn = kwargs["KD"] * kwargs["KH"] * kwargs["KW"]
-        return [_tile_config(t) for t in _fit(tiles, int(named_args["CI_G"]), int(named_args["CO_G"]), kpn)]
+        return best_first([_tile_config(t) for t in _fit(tiles, int(named_args["CI_G"]), int(named_args["CO_G"]), kpn)])
 
     return prune
 

@@ -24,6 +24,18 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+#: The most tiles one autotuned kernel times on its first call with a new key.  Every tile compiles
+#: before it is timed (0.3-1 s each on the H100 host), and a first call that sweeps ten tiles per
+#: kernel made the first compile 3-9x Inductor's; each kernel's tiles are listed best first (its
+#: ``NOTE``s say where that order was measured), so the first few are the ones worth timing.
+MAX_TUNED_CONFIGS = 3
+
+
+def best_first(configs: list, limit: int = MAX_TUNED_CONFIGS) -> list:
+    """The first ``limit`` of ``configs`` (a pruner's last step; see ``MAX_TUNED_CONFIGS``)."""
+    return configs[:limit]
+
+
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
     """What a per-shape cache of a launch or decision keys a tensor by: shape, strides, dtype,
     device (None for an absent tensor)."""
