@@ -84,7 +84,6 @@ def fusion(
             margin=opts.decide_margin, cache_dir=opts.cache_dir, inductor_patches=config_patches,
             strict=opts.strict,
         ))  # fmt: skip
-        log.info("%s %s at %s: %s", candidate.pattern, candidate.summary, candidate.anchor.name, decisions[-1])
         return decisions[-1].fused
 
     t0 = time.perf_counter()
@@ -136,8 +135,12 @@ def fusion(
         decisions=tuple(decisions),
         runner=runner,
     )
-    for m in report.matches:
-        log.info("fused %s: %s (%s)", m.pattern, m.summary, m.kernel)
+    kernels = {(m.pattern, m.nodes[0]): m.kernel for m in report.matches}
+    for d in report.decisions:  # one line per decision
+        if (d.pattern, d.anchor) in kernels:
+            log.info("fused %s: %s (%s): %s", d.pattern, d.summary, kernels[d.pattern, d.anchor], d)
+        else:
+            log.info("left %s to Inductor: %s: %s", d.pattern, d.summary, d)
     for n in report.near_misses:
         log.debug("near miss %s at %s: %s: %s", n.pattern, n.node, n.reason.value, n.message)
     if opts.dump_dir is not None:
