@@ -8,6 +8,7 @@ FAIL, never a speedup), the roofline arithmetic, report writing and the command 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import textwrap
@@ -19,7 +20,13 @@ import pytest
 import torch
 
 from fusion_backend.bench import cli, suite
-from fusion_backend.bench.backends import BenchBackend, resolve_backend, resolve_backends
+from fusion_backend.bench.backends import (
+    BenchBackend,
+    pick_contenders,
+    resolve_backend,
+    resolve_backends,
+    with_compile_mode,
+)
 from fusion_backend.bench.config import BenchConfig, MeasureConfig
 from fusion_backend.bench.correctness import compare_tensor
 from fusion_backend.bench.errors import BackendSpecError, ConfigError, SuiteError
@@ -32,7 +39,7 @@ from fusion_backend.bench.output import (
     summary_table,
     write_reports,
 )
-from fusion_backend.bench.results import BenchReport, Status
+from fusion_backend.bench.results import BenchReport, CaseResult, ItemResult, Status
 from fusion_backend.bench.roofline import (
     DeviceRates,
     FlopCount,
@@ -42,7 +49,8 @@ from fusion_backend.bench.roofline import (
     roofline,
 )
 from fusion_backend.bench.runner import ProgressEvent, Runner
-from fusion_backend.bench.suite import Workload, filter_workloads, load_workload, resolve_suite
+from fusion_backend.bench.suite import SUITES, Workload, filter_workloads, load_workload, resolve_suite
+from fusion_backend.bench.verdict import verdict_of
 
 TINY_CONV = """
 import torch
@@ -90,6 +98,13 @@ def get_inputs():
 def get_init_inputs():
     return []
 """
+
+#: TINY_CONV with a channels-last input; ``SEEN`` records, per forward, whether x arrived channels-last.
+TINY_CHANNELS_LAST = TINY_CONV.replace("return [torch.rand(N, CIN, H, W)]",
+                                       "return [torch.rand(N, CIN, H, W).to(memory_format=torch.channels_last)]"
+                                       ).replace("    def forward(self, x):\n", """    def forward(self, x):
+        SEEN.append(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+""") + "\nSEEN = []\n"
 
 CPU = torch.device("cpu")
 FAKE_RATES = DeviceRates(copy_bytes_per_s=1e12, matmul_flops={"bf16": 4e14, "tf32": 2e14, "fp32": 5e13})
@@ -157,8 +172,13 @@ class Clock:
         return self.t
 
 
+def _keep_everything() -> None:
+    """Stands in for ``release`` (gc.collect + emptying the CUDA cache): a full collection costs about
+    0.15 s with torch imported, several times per run, and frees nothing a fake measurement reads."""
+
+
 def fake_instruments(timer: FakeTimer, memory: FakeMemory | None = None) -> Instruments:
-    return Instruments(timer=timer, memory=memory or FakeMemory(), clock=Clock())
+    return Instruments(timer=timer, memory=memory or FakeMemory(), clock=Clock(), release=_keep_everything)
 
 
 def adds_offset(offset: float) -> BenchBackend:
@@ -272,10 +292,25 @@ def test_two_files_with_the_same_name_are_an_error(tmp_path: Path) -> None:
     assert len(resolve_suite([str(a), str(a)])) == 1
 
 
-def test_missing_seeds_folder_says_where_it_looked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(suite, "seeds_dir_candidates", lambda: [tmp_path / "x" / "demos" / "seeds"])
-    with pytest.raises(SuiteError, match=r"demos/seeds.*looked in: .*x/demos/seeds.*--suite PATH"):
+def test_missing_suite_folder_says_where_it_looked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(suite, "demos_dir_candidates", lambda: [tmp_path / "x" / "demos"])
+    with pytest.raises(SuiteError, match=r"demos/seeds.*looked in: .*x/demos/seeds.*FUSION_DEMOS_DIR.*--suite"):
         resolve_suite("seeds")
+    with pytest.raises(SuiteError, match=r"demos/convnets/ .*looked in: .*x/demos/convnets\b"):
+        resolve_suite("convnets")
+
+
+def test_demos_folder_from_the_environment_comes_first_and_each_suite_finds_its_folder(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    demos = tmp_path / "my_demos"
+    write_model(demos / "seeds", "seed_b_small")
+    write_model(demos / "seeds", "seed_c_small", TINY_CONVT)
+    monkeypatch.setenv("FUSION_DEMOS_DIR", str(demos))
+    assert suite.demos_dir_candidates()[0] == demos
+    small = resolve_suite("seeds-small")
+    assert [w.path for w in small] == [demos / "seeds" / f"seed_{x}_small.py" for x in "bc"]
+    # my_demos/ has no convnets/: that suite falls through to the repository's demos/.
+    assert suite.suite_dir("convnets") == Path(suite.__file__).resolve().parents[2] / "demos" / "convnets"
 
 
 def test_filter_keeps_substring_and_glob_matches() -> None:
@@ -289,6 +324,92 @@ def test_build_gives_identical_weights_and_inputs_for_the_same_seed(tiny: Worklo
     (m1, x1), (m2, x2) = tiny.build(7), tiny.build(7)
     assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters(), strict=True))
     assert torch.equal(x1[0], x2[0])
+
+
+#: Every convnets workload: input shape, whether it is channels-last, the conv as (class, in, out, kernel,
+#: stride, padding, groups), the layers after it, and the output shape at full size.
+CONVNETS: dict[str, tuple[tuple[int, ...], bool, tuple[Any, ...], tuple[str, ...], tuple[int, ...]]] = {
+    "conv2d_64_k3_relu":
+        ((32, 64, 56, 56), False, ("Conv2d", 64, 64, 3, 1, 1, 1), ("ReLU",), (32, 64, 56, 56)),
+    "conv2d_128_256_k3_s2_relu":
+        ((32, 128, 28, 28), False, ("Conv2d", 128, 256, 3, 2, 1, 1), ("ReLU",), (32, 256, 14, 14)),
+    "conv2d_256_k3_relu_maxpool":
+        ((16, 256, 56, 56), False, ("Conv2d", 256, 256, 3, 1, 1, 1), ("ReLU", "MaxPool2d"), (16, 256, 28, 28)),
+    "conv2d_depthwise_144_k3_relu6":
+        ((32, 144, 56, 56), False, ("Conv2d", 144, 144, 3, 1, 1, 144), ("ReLU6",), (32, 144, 56, 56)),
+    "conv2d_128_k3_silu":
+        ((8, 128, 128, 128), False, ("Conv2d", 128, 128, 3, 1, 1, 1), ("SiLU",), (8, 128, 128, 128)),
+    "convt2d_128_64_k2_s2_relu":
+        ((8, 128, 64, 64), False, ("ConvTranspose2d", 128, 64, 2, 2, 0, 1), ("ReLU",), (8, 64, 128, 128)),
+    "convt2d_256_128_k4_s2_relu":
+        ((64, 256, 16, 16), False, ("ConvTranspose2d", 256, 128, 4, 2, 1, 1), ("ReLU",), (64, 128, 32, 32)),
+    "convt2d_64_3_k4_s2_tanh":
+        ((64, 64, 32, 32), False, ("ConvTranspose2d", 64, 3, 4, 2, 1, 1), ("Tanh",), (64, 3, 64, 64)),
+    "conv3d_32_64_k3_leaky_maxpool":
+        ((2, 32, 64, 64, 64), False, ("Conv3d", 32, 64, 3, 1, 1, 1), ("LeakyReLU", "MaxPool3d"),
+         (2, 64, 32, 32, 32)),
+    "convt3d_64_32_k2_s2_relu":
+        ((2, 64, 32, 32, 32), False, ("ConvTranspose3d", 64, 32, 2, 2, 0, 1), ("ReLU",), (2, 32, 64, 64, 64)),
+    "conv1d_80_256_k5_gelu":
+        ((16, 80, 3000), False, ("Conv1d", 80, 256, 5, 1, 2, 1), ("GELU",), (16, 256, 3000)),
+    "conv2d_512_k3_global_mean":
+        ((32, 512, 7, 7), False, ("Conv2d", 512, 512, 3, 1, 1, 1), (), (32, 512)),
+    "conv2d_64_k3_relu_batch1":
+        ((1, 64, 56, 56), False, ("Conv2d", 64, 64, 3, 1, 1, 1), ("ReLU",), (1, 64, 56, 56)),
+    "conv2d_128_k3_silu_batch1":
+        ((1, 128, 128, 128), False, ("Conv2d", 128, 128, 3, 1, 1, 1), ("SiLU",), (1, 128, 128, 128)),
+    "conv1d_80_256_k5_gelu_batch1":
+        ((1, 80, 3000), False, ("Conv1d", 80, 256, 5, 1, 2, 1), ("GELU",), (1, 256, 3000)),
+    "conv2d_64_k3_relu_channels_last":
+        ((32, 64, 56, 56), True, ("Conv2d", 64, 64, 3, 1, 1, 1), ("ReLU",), (32, 64, 56, 56)),
+    "conv2d_256_k3_relu_maxpool_channels_last":
+        ((16, 256, 56, 56), True, ("Conv2d", 256, 256, 3, 1, 1, 1), ("ReLU", "MaxPool2d"), (16, 256, 28, 28)),
+    "convt2d_128_64_k2_s2_relu_channels_last":
+        ((8, 128, 64, 64), True, ("ConvTranspose2d", 128, 64, 2, 2, 0, 1), ("ReLU",), (8, 64, 128, 128)),
+}
+
+
+def test_convnets_suite_runs_every_file_of_demos_convnets_in_registry_order() -> None:
+    workloads = resolve_suite("convnets")
+    assert [w.name for w in workloads] == list(CONVNETS)
+    folder = workloads[0].path.parent
+    assert folder.name == "convnets" and folder.parent.name == "demos"
+    on_disk = {p.name for p in folder.glob("*.py") if not p.name.startswith("_")}
+    assert on_disk == set(SUITES["convnets"].files)  # no file left out of the suite, none missing
+
+
+def test_convnets_models_have_the_documented_layers_and_shapes_and_run_on_cpu() -> None:
+    """Full size on the meta device (shapes without allocating the inputs); a real forward on CPU with
+    the same channels and a few pixels."""
+    for workload in resolve_suite("convnets"):
+        in_shape, channels_last, conv_spec, after, out_shape = CONVNETS[workload.name]
+        module = workload.module
+        doc = (module.__doc__ or "").strip()
+        assert doc and "\n" not in doc, f"{workload.name}: docstring must be one line"
+        assert conv_spec[0] in doc and "x".join(map(str, in_shape[1:])) in doc, (workload.name, doc)
+        with torch.device("meta"):
+            model = module.Model(*module.get_init_inputs())
+            (x,) = module.get_inputs()
+            out = model(x)
+        conv, *rest = list(model.children())
+        kind, cin, cout, k, stride, padding, groups = conv_spec
+        assert (type(conv).__name__, conv.in_channels, conv.out_channels, conv.kernel_size[0], conv.stride[0],
+                conv.padding[0], conv.groups) == conv_spec, workload.name
+        assert tuple(type(m).__name__ for m in rest) == after, workload.name
+        assert tuple(x.shape) == in_shape and tuple(out.shape) == out_shape, workload.name
+        assert (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+                and not x.is_contiguous()) == channels_last, workload.name
+
+        model = module.Model(*module.get_init_inputs())
+        small = torch.rand(1, cin, *([16] if x.dim() == 3 else [6] * (x.dim() - 2)))
+        if channels_last:
+            small = small.to(memory_format=torch.channels_last)
+        with torch.no_grad():
+            y = model(small)
+        assert y.shape[:2] == (1, cout) and bool(torch.isfinite(y).all()), workload.name
+    leaky = resolve_suite(str(Path(suite.__file__).resolve().parents[2] / "demos" / "convnets"
+                              / "conv3d_32_64_k3_leaky_maxpool.py"))[0]
+    assert leaky.module.Model(*leaky.module.get_init_inputs()).leaky_relu.negative_slope == 0.01
 
 
 # -- backends and config -------------------------------------------------------------------------------------
@@ -325,6 +446,42 @@ def test_adaptive_repetitions_aim_at_the_target_time_within_bounds() -> None:
     assert MeasureConfig(reps=7).choose_reps(1.0) == 7
     stats = TimingStats.from_samples([5.0, 1.0, 2.0, 4.0, 3.0])
     assert (stats.median_ms, stats.min_ms, stats.max_ms, stats.reps) == (3.0, 1.0, 5.0, 5)
+
+
+def test_compile_mode_applies_to_every_compiled_backend_and_rejects_a_conflicting_one() -> None:
+    assert with_compile_mode(["eager", "inductor", "fusion"], "reduce-overhead") == [
+        "eager", "inductor:reduce-overhead", "fusion:reduce-overhead"]
+    assert with_compile_mode(["inductor:reduce-overhead", "aot_eager"], "reduce-overhead") == [
+        "inductor:reduce-overhead", "aot_eager:reduce-overhead"]  # the same mode twice is no conflict
+    assert with_compile_mode(["inductor-max-autotune"], "max-autotune") == ["inductor-max-autotune"]
+    assert with_compile_mode(["inductor", "fusion"], None) == ["inductor", "fusion"]
+    with pytest.raises(BackendSpecError, match="conflicts with backend 'inductor:max-autotune'"):
+        with_compile_mode(["fusion", "inductor:max-autotune"], "reduce-overhead")
+    with pytest.raises(BackendSpecError, match="conflicts with backend 'fusion-max-autotune'"):
+        with_compile_mode(["fusion-max-autotune"], "reduce-overhead")
+    with pytest.raises(BackendSpecError, match="'fusion-via-inductor'.*a mode or options, not both"):
+        with_compile_mode(["fusion-via-inductor"], "reduce-overhead")
+    with pytest.raises(ConfigError, match="unknown --compile-mode 'turbo'.*reduce-overhead"):
+        with_compile_mode(["inductor"], "turbo")
+
+
+def test_cudagraph_modes_and_the_cudagraphs_backend_are_known_to_replay_graphs() -> None:
+    ro = resolve_backend("fusion:reduce-overhead")
+    assert ro.cudagraphs and (ro.compiler, ro.mode) == ("fusion", "reduce-overhead")
+    assert resolve_backend("inductor:reduce-overhead").cudagraphs
+    assert resolve_backend("cudagraphs").cudagraphs
+    assert not resolve_backend("fusion").cudagraphs and not resolve_backend("eager").cudagraphs
+
+
+def test_the_verdict_compares_fusion_with_the_inductor_backend_of_the_same_mode() -> None:
+    assert pick_contenders(["eager", "inductor", "fusion"]) == ("fusion", "inductor")
+    assert pick_contenders(["inductor", "inductor:reduce-overhead", "fusion:reduce-overhead"]) == (
+        "fusion:reduce-overhead", "inductor:reduce-overhead")
+    assert pick_contenders(["inductor-max-autotune", "fusion-max-autotune", "inductor"]) == (
+        "fusion-max-autotune", "inductor-max-autotune")
+    assert pick_contenders(["fusion-via-inductor", "fusion:default", "inductor"]) == ("fusion:default", "inductor")
+    assert pick_contenders(["eager", "fusion"]) == ("fusion", None)
+    assert pick_contenders(["eager", "inductor"]) == (None, "inductor")
 
 
 # -- the correctness gate ------------------------------------------------------------------------------------
@@ -537,6 +694,38 @@ def test_cuda_graph_backends_get_a_note_instead_of_a_false_zero_memory(tiny: Wor
     assert "CUDA graphs" in item.notes[0] and "Notes" in format_report(report)
 
 
+def test_cuda_graph_backends_start_every_call_with_a_new_cudagraph_step(
+        tiny: Workload, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: calls.append("mark"))
+
+    def logging_compile(module: torch.nn.Module) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            calls.append("forward")
+            return module(*args)
+
+        return call
+
+    graphs = BenchBackend("graphs", logging_compile, "replays CUDA graphs", uses_dynamo=False, cudagraphs=True)
+    report = run([tiny], [BUILTIN_EAGER, graphs])
+    assert all(i.ok for i in report.items)
+    # Per mode: the checked first call, the warm and the cold measurement (memory is not measured).
+    assert calls == ["mark", "forward"] * 6
+    calls.clear()
+    plain = BenchBackend("plain", logging_compile, "no CUDA graphs", uses_dynamo=False)
+    run([tiny], [BUILTIN_EAGER, plain], modes=("train",))
+    assert calls == ["forward"] * 4  # first call, warm, cold, memory: and no mark
+
+
+def test_channels_last_inputs_reach_every_call_channels_last(tmp_path: Path) -> None:
+    workload = load_workload(write_model(tmp_path, "tiny_channels_last", TINY_CHANNELS_LAST))
+    # A tolerance float64-inside misses, so that the gate also runs the model on float64 copies.
+    report = run([workload], [BUILTIN_EAGER, MORE_ACCURATE], tolerances={"fp32": 1e-9})
+    assert all(c.item("float64-inside").check.passed_by_fp64 for c in report.cases)  # type: ignore[union-attr]
+    seen = workload.module.SEEN
+    assert len(seen) >= 12 and all(seen)  # reference, float64 run, first calls, timings, memory
+
+
 def test_check_only_report_has_no_timings_but_keeps_the_gate(tiny: Workload, tmp_path: Path) -> None:
     report = run([tiny], [BUILTIN_EAGER, adds_offset(1e-2)], check_only=True, rates=None)
     assert all(i.warm is None and i.memory is None for i in report.items)
@@ -567,6 +756,111 @@ def test_non_finite_numbers_are_written_as_strict_json(tiny: Workload, tmp_path:
     assert read_json(path).cases[0].item("nan").status is Status.FAIL  # type: ignore[union-attr]
 
 
+# -- the verdict ---------------------------------------------------------------------------------------------
+
+
+def synthetic_report(rows: list[tuple[str, str, str, dict[str, float | Status]]],
+                     backends: tuple[str, ...] = ("eager", "inductor", "fusion")) -> BenchReport:
+    """A report without running anything: per row, each backend's warm median in ms or its failure
+    (backends a row does not name took 1 ms); every timed item's first call took 2.5 s."""
+    cases = []
+    for workload, dtype, mode, results in rows:
+        items = []
+        for backend in backends:
+            result = results.get(backend, 1.0)
+            if isinstance(result, Status):
+                items.append(ItemResult(workload, dtype, mode, backend, result, error="synthetic failure"))
+            else:
+                items.append(ItemResult(workload, dtype, mode, backend, Status.OK, compile_s=2.5,
+                                        warm=TimingStats.from_samples([result])))
+        cases.append(CaseResult(workload, dtype, mode, roofline=None, items=tuple(items)))
+    return BenchReport(config=BenchConfig(backends=backends), environment={"command": "test"}, rates=None,
+                       workloads={}, cases=tuple(cases))
+
+
+def test_verdict_counts_ties_at_0_97_names_the_slowest_row_and_takes_the_geomean() -> None:
+    report = synthetic_report([
+        ("conv_a", "fp32", "infer", {"inductor": 2.0, "fusion": 1.0}),   # 2x faster
+        ("conv_b", "fp32", "train", {"inductor": 1.0, "fusion": 1.0}),   # equal
+        ("conv_c", "bf16", "infer", {"inductor": 0.97, "fusion": 1.0}),  # 0.97x: a tie, counts
+        ("conv_d", "bf16", "train", {"inductor": 0.96, "fusion": 1.0}),  # 0.96x: slower
+        ("conv_e", "fp32", "infer", {"inductor": 0.9, "fusion": 1.0}),   # 0.90x: the worst
+    ])
+    verdict = verdict_of(report)
+    assert (verdict.at_least_baseline, verdict.compared, len(verdict.rows)) == (3, 5, 5)
+    assert verdict.geomean == pytest.approx((2.0 * 1.0 * 0.97 * 0.96 * 0.9) ** (1 / 5))
+    assert verdict.worst is not None and verdict.worst.label == "conv_e fp32 infer"
+    assert verdict.line() == ("fusion >= inductor on 3/5 rows (0.97x counts as a tie); worst: conv_e fp32 infer "
+                              "0.90x; geomean vs inductor 1.11x")
+
+
+def test_a_failed_fusion_row_never_counts_and_is_the_worst_row_ahead_of_any_slow_one() -> None:
+    report = synthetic_report([
+        ("conv_a", "fp32", "infer", {"inductor": 1.0, "fusion": 2.0}),           # 0.5x, slow but correct
+        ("conv_b", "fp32", "train", {"inductor": 1.0, "fusion": Status.FAIL}),   # wrong: worst
+        ("conv_c", "bf16", "infer", {"inductor": Status.ERROR, "fusion": 0.5}),  # no Inductor time
+        ("conv_d", "bf16", "train", {"inductor": 3.0, "fusion": 1.0}),           # 3x faster
+        ("conv_e", "bf16", "train", {"inductor": 1.0, "fusion": Status.ERROR}),  # also failed, named second
+    ])
+    verdict = verdict_of(report)
+    assert (verdict.at_least_baseline, verdict.compared) == (1, 2)
+    assert [r.problem for r in verdict.rows] == ["", "fusion FAIL", "inductor ERROR", "", "fusion ERROR"]
+    assert [r.subject_failed for r in verdict.rows] == [False, True, False, False, True]
+    assert verdict.line() == (
+        "fusion >= inductor on 1/5 rows (0.97x counts as a tie; 3 rows without both timings counted as not >=); "
+        "worst: conv_b fp32 train fusion FAIL; geomean vs inductor 1.22x over 2 rows")
+
+    all_failed = synthetic_report([("conv_a", "fp32", "infer", {"fusion": Status.ERROR})])
+    assert verdict_of(all_failed).line() == (
+        "fusion >= inductor on 0/1 rows (0.97x counts as a tie; 1 row without both timings counted as not >=); "
+        "worst: conv_a fp32 infer fusion ERROR; geomean vs inductor -: no row has both timings")
+
+
+def test_verdict_without_timings_or_without_both_contenders_says_why() -> None:
+    timed = [("conv_a", "fp32", "infer", {"inductor": 2.0, "fusion": 1.0})]
+    no_inductor = synthetic_report(timed, backends=("eager", "fusion"))
+    assert verdict_of(no_inductor).line() == (
+        "no fusion-vs-inductor verdict: the run has no inductor backend (backends: eager, fusion)")
+    check_only = dataclasses.replace(synthetic_report(timed), config=BenchConfig(check_only=True))
+    assert verdict_of(check_only).line() == "nothing was timed (--check-only): no fusion-vs-inductor verdict"
+
+
+def test_verdict_under_a_compile_mode_compares_the_backends_of_that_mode() -> None:
+    backends = ("eager", "inductor", "inductor:reduce-overhead", "fusion:reduce-overhead")
+    report = synthetic_report([("conv_a", "fp32", "infer", {"inductor": 0.5, "inductor:reduce-overhead": 2.0,
+                                                            "fusion:reduce-overhead": 1.0})], backends=backends)
+    assert verdict_of(report).line().startswith(
+        "fusion:reduce-overhead >= inductor:reduce-overhead on 1/1 rows (0.97x counts as a tie); worst: conv_a "
+        "fp32 infer 2.00x")
+    header = summary_table(report).splitlines()[0]
+    assert "fusion:reduce-overhead vs inductor:reduce-overhead" in header
+    row = next(r for r in report.rows() if r["backend"] == "fusion:reduce-overhead")
+    assert row["speedup_vs_inductor"] == 2.0  # against the Inductor of the same mode, not plain inductor
+
+
+def test_verdict_and_first_call_times_are_in_bench_json_md_and_txt(tmp_path: Path) -> None:
+    report = synthetic_report([
+        ("conv_a", "fp32", "infer", {"inductor": 2.0, "fusion": 1.0}),
+        ("conv_b", "fp32", "train", {"inductor": 1.0, "fusion": Status.FAIL}),
+    ])
+    line = verdict_of(report).line()
+    assert line.startswith("fusion >= inductor on 1/2 rows")
+    files = write_reports(report, tmp_path, chart=False)
+    data = json.loads(files.json.read_text())
+    verdict = data["verdict"]
+    assert (verdict["subject"], verdict["baseline"], verdict["statistic"]) == ("fusion", "inductor", "warm median")
+    assert (verdict["at_least_baseline"], verdict["compared"], verdict["total_rows"]) == (1, 1, 2)
+    assert verdict["geomean"] == 2.0 and verdict["tie_ratio"] == 0.97 and verdict["line"] == line
+    assert verdict["worst"] == {"workload": "conv_b", "dtype": "fp32", "mode": "train", "ratio": None,
+                                "problem": "fusion FAIL"}
+    assert read_json(files.json) == report  # the derived verdict does not disturb the round trip
+    assert all(r["compile_s"] == 2.5 for r in data["rows"] if r["status"] == "ok")
+    markdown = files.markdown.read_text()
+    assert f"**Verdict:** {line}" in markdown
+    assert "| compile s |" in markdown and "| 2.5 |" in markdown  # first call, compilation included
+    assert line in files.text.read_text()
+
+
 # -- command line --------------------------------------------------------------------------------------------
 
 
@@ -577,7 +871,8 @@ def test_without_cuda_the_command_says_so_and_exits_0_without_timings(
     assert cli.main(["--suite", "seeds", "--out", str(out_dir)]) == 0
     captured = capsys.readouterr()
     assert "timing needs CUDA" in captured.err and "Nothing was timed" in captured.err
-    assert captured.out == "" and not out_dir.exists()
+    assert captured.out == "nothing was timed (no CUDA device): no fusion-vs-inductor verdict\n"
+    assert not out_dir.exists()
 
 
 def test_bad_model_file_is_a_usage_error_naming_what_is_missing(
@@ -601,6 +896,20 @@ def test_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert "5 workload(s)" in out and "= 40 item(s)" in out and "mode='max-autotune'" in out
 
 
+def test_compile_mode_option_renames_compiled_backends_and_conflicts_are_usage_errors(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--suite", "seeds-small", "--backends", "eager,inductor,fusion", "--compile-mode",
+                     "reduce-overhead", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "backends eager,inductor:reduce-overhead,fusion:reduce-overhead = 24 item(s)" in out
+    assert "torch.compile(m, backend='fusion', mode='reduce-overhead')" in out
+    assert cli.main(["--backends", "inductor:max-autotune,fusion", "--compile-mode", "reduce-overhead",
+                     "--dry-run"]) == 2
+    assert "conflicts with backend 'inductor:max-autotune'" in capsys.readouterr().err
+    assert cli.main(["--compile-mode", "fastest", "--dry-run"]) == 2
+    assert "unknown --compile-mode 'fastest'" in capsys.readouterr().err
+
+
 def test_check_only_on_cpu_runs_the_gate_and_writes_reports(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(cli, "cuda_available", lambda: False)
@@ -611,6 +920,7 @@ def test_check_only_on_cpu_runs_the_gate_and_writes_reports(
     assert code == 0
     captured = capsys.readouterr()
     assert "tiny" in captured.out and "ok" in captured.out
+    assert captured.out.splitlines()[-1] == "nothing was timed (--check-only): no fusion-vs-inductor verdict"
     report = read_json(out_dir / "bench.json")
     assert report.config.tolerances["fp32"] == 1e-5 and report.config.check_only
     assert len(report.items) == 2 and report.all_ok

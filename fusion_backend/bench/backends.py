@@ -12,9 +12,14 @@ reference weights) to the callable that is run.  Built-ins:
                            fused ops go through AOTAutograd and Inductor too (measures the direct runner)
 
 Any other name registered with Dynamo (``torch._dynamo.list_backends()``, e.g. ``aot_eager``,
-``cudagraphs``) works too, and ``NAME:MODE`` passes a ``torch.compile`` mode.  Tests and scripts can
+``cudagraphs``) works too, and ``NAME:MODE`` passes a ``torch.compile`` mode.  ``--compile-mode MODE``
+(:func:`with_compile_mode`) is shorthand for ``:MODE`` after every compiled backend of a run, so that
+Inductor and fusion are timed under the same mode (e.g. both with CUDA graphs).  Tests and scripts can
 pass their own :class:`BenchBackend` objects (see ``extra`` in :func:`resolve_backends`), e.g. a
 deliberately wrong one to prove the correctness gate catches it.
+
+The verdict of a run compares one fusion backend with one Inductor backend; :func:`pick_contenders`
+chooses them from the run's backend names (``fusion`` and ``inductor``, or their ``:MODE`` variants).
 """
 
 from __future__ import annotations
@@ -25,12 +30,19 @@ from typing import Any
 
 import torch
 
-from .errors import BackendSpecError
+from .errors import BackendSpecError, ConfigError
 
 CompileFn = Callable[[torch.nn.Module], Callable[..., Any]]
 
 #: ``torch.compile`` modes that turn on Inductor's CUDA graphs.
 CUDAGRAPH_MODES = frozenset({"max-autotune", "reduce-overhead"})
+
+#: Dynamo backends that replay CUDA graphs whatever the mode.
+CUDAGRAPH_COMPILERS = frozenset({"cudagraphs"})
+
+#: The compiler whose result the verdict judges, and the one it is judged against.
+SUBJECT_COMPILER = "fusion"
+BASELINE_COMPILER = "inductor"
 
 
 @dataclass(frozen=True)
@@ -46,7 +58,10 @@ class BenchBackend:
     ``reduce-overhead`` modes).  Their intermediates and outputs live in a private memory pool that
     the allocator's statistics do not show as allocated (measured on H100: 0.001 MiB "peak" for a train
     step holding tens of MiB), so the runner does not report memory for them rather than report a
-    false zero.
+    false zero; and it starts every step with ``torch.compiler.cudagraph_mark_step_begin()``.
+
+    ``compiler``, ``mode`` and ``options`` are what is passed to ``torch.compile`` (``compiler`` is
+    ``None`` for backends that do not call it), so that a mode can be checked against ``--compile-mode``.
     """
 
     name: str
@@ -54,6 +69,9 @@ class BenchBackend:
     description: str
     uses_dynamo: bool = True
     cudagraphs: bool = False
+    compiler: str | None = None
+    mode: str | None = None
+    options: Mapping[str, Any] | None = None
 
 
 def _identity(module: torch.nn.Module) -> Callable[..., Any]:
@@ -74,7 +92,8 @@ def torch_compile_backend(name: str, backend: str, mode: str | None = None,
 
     suffix = (f", mode={mode!r}" if mode else "") + (f", options={options!r}" if options else "")
     return BenchBackend(name, compile_fn, f"torch.compile(m, backend={backend!r}{suffix})",
-                        cudagraphs=mode in CUDAGRAPH_MODES)
+                        cudagraphs=mode in CUDAGRAPH_MODES or backend in CUDAGRAPH_COMPILERS,
+                        compiler=backend, mode=mode, options=dict(options) if options else None)
 
 
 BUILTIN_BACKENDS: dict[str, BenchBackend] = {
@@ -117,3 +136,101 @@ def resolve_backend(name: str, extra: Mapping[str, BenchBackend] | None = None) 
 def resolve_backends(names: Sequence[str], extra: Mapping[str, BenchBackend] | None = None) -> list[BenchBackend]:
     """Resolve every name (see :func:`resolve_backend`), keeping order."""
     return [resolve_backend(n, extra) for n in names]
+
+
+def split_backend_name(name: str) -> tuple[str, str | None]:
+    """``(compiler, mode)`` a backend name stands for: a built-in's, else ``NAME:MODE`` split.
+
+    >>> split_backend_name("inductor-max-autotune"), split_backend_name("fusion:reduce-overhead")
+    (('inductor', 'max-autotune'), ('fusion', 'reduce-overhead'))
+    >>> split_backend_name("eager"), split_backend_name("my_backend")
+    (('eager', None), ('my_backend', None))
+    """
+    builtin = BUILTIN_BACKENDS.get(name)
+    if builtin is not None:
+        return builtin.compiler or name, builtin.mode
+    compiler, _, mode = name.partition(":")
+    return compiler, mode or None
+
+
+def pick_contenders(names: Sequence[str]) -> tuple[str | None, str | None]:
+    """The fusion backend a run's verdict judges and the Inductor backend it is judged against.
+
+    The subject is ``fusion`` if the run has it, else the first fusion backend without extra
+    ``torch.compile`` options (``fusion:MODE``, ``fusion-max-autotune``), else the first fusion backend
+    at all.  The baseline is the first Inductor backend under the subject's mode, else ``inductor``,
+    else the first Inductor backend.  Either is ``None`` when the run has no backend of that compiler.
+
+    >>> pick_contenders(["eager", "inductor", "fusion"])
+    ('fusion', 'inductor')
+    >>> pick_contenders(["inductor", "inductor:reduce-overhead", "fusion:reduce-overhead"])
+    ('fusion:reduce-overhead', 'inductor:reduce-overhead')
+    >>> pick_contenders(["eager", "fusion"])
+    ('fusion', None)
+    """
+    parsed = [(n, *split_backend_name(n)) for n in names]
+    fusions = [(n, mode) for n, compiler, mode in parsed if compiler == SUBJECT_COMPILER]
+    inductors = [(n, mode) for n, compiler, mode in parsed if compiler == BASELINE_COMPILER]
+    subject: tuple[str, str | None] | None = None
+    if fusions:
+        plain = [f for f in fusions if not _has_options(f[0])]
+        subject = next((f for f in fusions if f[0] == SUBJECT_COMPILER), plain[0] if plain else fusions[0])
+    baseline: str | None = None
+    if inductors:
+        same_mode = [n for n, mode in inductors if subject is not None and mode == subject[1]
+                     and not _has_options(n)]
+        exact = [n for n, _ in inductors if n == BASELINE_COMPILER]
+        baseline = (same_mode or exact or [inductors[0][0]])[0]
+    return (subject[0] if subject else None), baseline
+
+
+def _has_options(name: str) -> bool:
+    builtin = BUILTIN_BACKENDS.get(name)
+    return builtin is not None and bool(builtin.options)
+
+
+def compile_modes() -> tuple[str, ...]:
+    """The ``torch.compile`` modes this torch knows (``torch._inductor.list_mode_options()``)."""
+    try:
+        from torch._inductor import list_mode_options
+
+        return tuple(list_mode_options())
+    except Exception:  # pragma: no cover - private API drift: the modes documented by torch.compile
+        return ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def with_compile_mode(names: Sequence[str], mode: str | None) -> list[str]:
+    """``names`` with ``:mode`` appended to every backend that goes through ``torch.compile``.
+
+    ``eager`` (and anything else that does not compile) is kept as is, so is a backend that already
+    names the same mode (``inductor:reduce-overhead``, ``inductor-max-autotune`` under
+    ``max-autotune``).  Raises :class:`ConfigError` for a mode this torch does not know and
+    :class:`BackendSpecError` for a backend that names another mode, or passes ``torch.compile``
+    options (which takes a mode or options, not both).  ``mode=None`` returns ``names`` unchanged.
+
+    >>> with_compile_mode(["eager", "inductor", "fusion:reduce-overhead"], "reduce-overhead")
+    ['eager', 'inductor:reduce-overhead', 'fusion:reduce-overhead']
+    """
+    if mode is None:
+        return list(names)
+    known = compile_modes()
+    if mode not in known:
+        raise ConfigError(f"unknown --compile-mode {mode!r}; torch.compile modes: {', '.join(known)}")
+    out = []
+    for name in names:
+        backend = resolve_backend(name)
+        if not backend.uses_dynamo or backend.compiler is None:
+            out.append(name)
+        elif backend.options:
+            raise BackendSpecError(
+                f"--compile-mode {mode} cannot apply to backend {name!r}: it passes torch.compile options "
+                f"{dict(backend.options)!r}, and torch.compile takes a mode or options, not both; drop one")
+        elif backend.mode is None:
+            out.append(f"{name}:{mode}")
+        elif backend.mode == mode:
+            out.append(name)
+        else:
+            raise BackendSpecError(
+                f"--compile-mode {mode} conflicts with backend {name!r}, which names mode {backend.mode!r}; "
+                f"drop one, or give the mode per backend as NAME:MODE without --compile-mode")
+    return out

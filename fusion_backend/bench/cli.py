@@ -1,8 +1,9 @@
 """``python -m fusion_backend bench``: argument parsing and everything the user sees.
 
 This is the output layer: the only module of the harness that writes to stdout/stderr.  Progress lines
-(or a tqdm bar when tqdm is installed) go to stderr; the summary table and the list of written files go
-to stdout, so ``... bench > table.txt`` captures the result alone.
+(or a tqdm bar when tqdm is installed) go to stderr; the summary table, the list of written files and,
+last, the verdict line (:mod:`.verdict`) go to stdout, so ``... bench > table.txt`` captures the result
+alone and ``... bench | tail -1`` the verdict.
 
 Exit status: 0 when every item passed (or when there is no CUDA and nothing was timed); 1 when any item
 FAILed the correctness gate or raised; 2 for bad arguments (unknown suite/file/backend/dtype); 130 when
@@ -20,7 +21,7 @@ from typing import Any, TextIO
 
 import torch
 
-from .backends import BUILTIN_BACKENDS, resolve_backends
+from .backends import BUILTIN_BACKENDS, resolve_backends, with_compile_mode
 from .config import DEFAULT_BACKENDS, MODES, PRECISIONS, BenchConfig, MeasureConfig
 from .env import collect_environment
 from .errors import BenchError, ConfigError
@@ -29,21 +30,28 @@ from .output import fmt_ms, plan_lines, summary_table, write_reports
 from .roofline import describe_rates
 from .runner import ProgressEvent, Runner
 from .suite import SUITES, filter_workloads, resolve_suite
+from .verdict import TIE_RATIO, nothing_timed, verdict_of
 
 PROG = "python -m fusion_backend bench"
 
 EPILOG = f"""\
-suites:
-{chr(10).join(f'  {k}: {", ".join(v)}' for k, v in SUITES.items())}
+suites (folders under the repository's demos/, or $FUSION_DEMOS_DIR):
+{chr(10).join(f'  {k}: {v.description} (demos/{v.folder}/, {len(v.files)} files)' for k, v in SUITES.items())}
   or a model file, or a folder of model files (defining Model, get_inputs() and get_init_inputs())
 backends:
   {', '.join(BUILTIN_BACKENDS)};
-  any torch.compile backend name; NAME:MODE passes a torch.compile mode
+  any torch.compile backend name; NAME:MODE passes a torch.compile mode;
+  --compile-mode MODE passes it to every compiled backend (inductor:MODE, fusion:MODE, ...)
 Every backend is checked against eager (output, and every gradient in train mode) before it is timed;
 a mismatch is reported as FAIL and never timed.  Writes bench.json, bench.txt, bench.md and bench.png
-(needs matplotlib) into --out.  Exit status 1 if any item failed.
+(needs matplotlib) into --out.  The last line printed is the verdict: on how many rows (workload x
+dtype x mode) fusion's warm median is at least Inductor's ({TIE_RATIO:g}x counts as a tie; a row where
+fusion failed never counts and is named worst), the worst row, and the geometric mean of Inductor's
+time over fusion's.  Exit status 1 if any item failed.
 
-example: {PROG} --suite seeds --dtype fp32,bf16 --mode infer,train --out bench-results/h100
+examples:
+  {PROG} --suite seeds --dtype fp32,bf16 --mode infer,train --out bench-results/h100
+  {PROG} --suite convnets --backends inductor,fusion --compile-mode reduce-overhead
 """
 
 
@@ -82,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated modes from {', '.join(MODES)} (default: infer,train)")
     p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), type=_csv,
                    help=f"comma-separated backends (default: {','.join(DEFAULT_BACKENDS)})")
+    p.add_argument("--compile-mode", default=None, metavar="MODE",
+                   help="torch.compile mode for every compiled backend, e.g. reduce-overhead (CUDA graphs "
+                   "for Inductor and fusion alike); same as NAME:MODE on each, and an error where a backend "
+                   "names another mode")
     p.add_argument("--out", default=None,
                    help="output folder (default: bench-results/<UTC date-time>)")
     p.add_argument("--filter", default=None,
@@ -206,7 +218,8 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
     try:
         measure = MeasureConfig(warmup=args.warmup, target_ms=args.target_ms, reps=args.reps,
                                 cold=not (args.no_cold or args.check_only))
-        config = BenchConfig(dtypes=args.dtype, modes=args.mode, backends=args.backends, seed=args.seed,
+        backend_names = tuple(with_compile_mode(args.backends, args.compile_mode))
+        config = BenchConfig(dtypes=args.dtype, modes=args.mode, backends=backend_names, seed=args.seed,
                              check_only=args.check_only, memory=not args.no_memory, measure=measure,
                              tolerances=args.tol or {}, fp64_check=not args.no_fp64_check)
         backends = resolve_backends(config.backends)
@@ -228,6 +241,7 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
             f"CUDA build: {torch.version.cuda or 'none'}). Nothing was timed and no report was written.\n"
             "  --dry-run shows the plan; --check-only runs the correctness gate on CPU.\n"
         )
+        out.write(nothing_timed("no CUDA device", config.backends).line() + "\n")
         return 0
 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -255,8 +269,10 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
 
     files = write_reports(report, out_dir, chart=not args.no_chart)
     out.write("\n" + summary_table(report) + "\n")
+    verdict = verdict_of(report).line()
     if not report.complete:
         out.write(f"\ninterrupted: partial report of the {len(report.cases)} finished case(s) in {out_dir}\n")
+        out.write(f"\n{verdict} (finished rows only)\n")
         return 130
     failed = [i for i in report.items if not i.ok]
     if failed:
@@ -264,6 +280,7 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
                   f"of {files.text}\n")
     out.write(f"\nwrote {files.json}, {files.text}, {files.markdown}")
     out.write(f", {files.chart}\n" if files.chart else f"\n(no chart: {files.chart_note})\n")
+    out.write(f"\n{verdict}\n")
     return 1 if failed else 0
 
 

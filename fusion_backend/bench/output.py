@@ -6,11 +6,14 @@ from the floor — so the summary has one row per workload x dtype x mode:
 
 ``floor ms``            roofline floor (see :mod:`fusion_backend.bench.roofline`)
 ``<backend> ms (x)``    warm-L2 median in ms, and in brackets that time as a multiple of the floor
-``fusion vs eager``     eager's median over fusion's (>1: fusion is faster)
+``fusion vs eager``     eager's median over fusion's (>1: fusion is faster); ``fusion vs inductor`` too
 ``status``              ``ok``, or which backends FAILed the correctness gate or raised an ERROR
 
-A FAIL or ERROR cell shows the word instead of a time: a wrong result is never displayed as a speed.
-The details table has one row per item with cold-L2 times, compile time, memory and the check's error.
+Under ``--compile-mode`` the compared backends are ``fusion:MODE`` and ``inductor:MODE`` (chosen by
+:func:`fusion_backend.bench.backends.pick_contenders`).  A FAIL or ERROR cell shows the word instead of
+a time: a wrong result is never displayed as a speed.  The verdict line (:mod:`.verdict`) follows the
+table.  The details table has one row per item with cold-L2 times, the first call's time (``compile
+s``: compilation included), memory and the check's error.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .backends import pick_contenders
 from .results import BenchReport, CaseResult, ItemResult, Status
 from .roofline import describe_rates
+from .verdict import verdict_of
 
-SUBJECT = "fusion"
-BASELINES = ("eager", "inductor")
 MB = 1024 * 1024
 
 
@@ -122,7 +125,8 @@ def summary_table(report: BenchReport, *, markdown: bool = False) -> str:
     """One row per workload x dtype x mode: per-backend medians, fusion's speedups, floor, status."""
     backends = list(report.config.backends)
     check_only = report.config.check_only
-    speedup_cols = [b for b in BASELINES if b in backends and b != SUBJECT] if SUBJECT in backends else []
+    subject, inductor = pick_contenders(backends)
+    speedup_cols = [b for b in ("eager", inductor) if b in backends] if subject else []
     headers = ["workload", "dtype", "mode"]
     right = [False, False, False]
     if not check_only:
@@ -131,7 +135,7 @@ def summary_table(report: BenchReport, *, markdown: bool = False) -> str:
     headers += [b if check_only else f"{b} ms (x floor)" for b in backends]
     right += [True] * len(backends)
     if not check_only:
-        headers += [f"{SUBJECT} vs {b}" for b in speedup_cols]
+        headers += [f"{subject} vs {b}" for b in speedup_cols]
         right += [True] * len(speedup_cols)
     headers.append("status")
     right.append(False)
@@ -142,7 +146,7 @@ def summary_table(report: BenchReport, *, markdown: bool = False) -> str:
             row.append(fmt_ms(case.roofline.floor_ms) if case.roofline else "-")
         row += [_backend_cell(case, case.item(b), check_only) for b in backends]
         if not check_only:
-            row += [fmt_x(case.speedup(SUBJECT, b)) for b in speedup_cols]
+            row += [fmt_x(case.speedup(subject, b)) for b in speedup_cols]
         row.append(case_status(case))
         rows.append(row)
     return render_table(headers, rows, markdown=markdown, right=right)
@@ -261,7 +265,7 @@ def _any_below_floor(report: BenchReport) -> bool:
 
 def format_report(report: BenchReport) -> str:
     """The full plain-text report: environment, summary, roofline, details, failures."""
-    parts = ["\n".join(environment_lines(report)), "", summary_table(report)]
+    parts = ["\n".join(environment_lines(report)), "", summary_table(report), "", verdict_of(report).line()]
     if not report.config.check_only:
         parts += ["", NOTE_FLOOR]
         if _any_below_floor(report):
@@ -280,7 +284,8 @@ def format_report(report: BenchReport) -> str:
 def format_markdown(report: BenchReport) -> str:
     """The report as Markdown, ready to paste into the README's performance section."""
     env_lines = "\n".join(f"- {line}" for line in environment_lines(report))
-    parts = [env_lines, "", summary_table(report, markdown=True)]
+    parts = [env_lines, "", summary_table(report, markdown=True), "",
+             f"**Verdict:** {verdict_of(report).line()}"]
     if any(c.roofline for c in report.cases):
         parts += ["", NOTE_FLOOR]
         if _any_below_floor(report):
@@ -442,7 +447,8 @@ def write_reports(report: BenchReport, out_dir: Path, *, chart: bool = True) -> 
 
 def plan_lines(workloads: Sequence[Any], config: Any, backends: Sequence[Any]) -> list[str]:
     """What a run would do (for ``--dry-run``): one line per workload, then the matrix size."""
-    lines = [f"{w.name:<20} {w.path}" for w in workloads]
+    width = max((len(w.name) for w in workloads), default=0)
+    lines = [f"{w.name:<{width}}  {w.path}" for w in workloads]
     n = len(workloads) * len(config.dtypes) * len(config.modes) * len(backends)
     lines.append(f"{len(workloads)} workload(s) x dtypes {','.join(config.dtypes)} x modes "
                  f"{','.join(config.modes)} x backends {','.join(b.name for b in backends)} = {n} item(s)")

@@ -5,8 +5,9 @@ Shape of a report: one :class:`CaseResult` per workload x dtype x mode (with its
 items carry timings, so a wrong or crashing backend can never appear as a speedup.
 
 JSON: :meth:`BenchReport.to_dict` writes every dataclass field (plus a few derived numbers marked by
-``json_extras`` and a flat ``rows`` list for spreadsheets and pandas); :meth:`BenchReport.from_dict`
-rebuilds an equal report from it, driven by the dataclasses' type hints.  Non-finite floats are
+``json_extras``, a flat ``rows`` list for spreadsheets and pandas, and the ``verdict`` of
+:mod:`fusion_backend.bench.verdict`); :meth:`BenchReport.from_dict` rebuilds an equal report from it,
+driven by the dataclasses' type hints, ignoring the derived keys.  Non-finite floats are
 written as the strings ``"inf"``, ``"-inf"``, ``"nan"`` so the file is strict JSON.
 """
 
@@ -21,10 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+from .backends import pick_contenders
 from .config import BenchConfig
 from .correctness import CheckResult
 from .measure import MemoryStats, TimingStats
 from .roofline import DeviceRates, Roofline
+from .verdict import verdict_of
 
 SCHEMA_VERSION = 1
 
@@ -143,7 +146,12 @@ class BenchReport:
         return all(i.ok for i in self.items)
 
     def rows(self) -> list[dict[str, Any]]:
-        """One flat dict per item: the numbers a spreadsheet wants, derived ones included."""
+        """One flat dict per item: the numbers a spreadsheet wants, derived ones included.
+
+        ``speedup_vs_inductor`` is against the run's Inductor backend that the verdict compares with
+        (``inductor``, or ``inductor:MODE`` under ``--compile-mode``; see ``pick_contenders``).
+        """
+        _, inductor = pick_contenders(self.config.backends)
         out = []
         for case in self.cases:
             for item in case.items:
@@ -158,7 +166,7 @@ class BenchReport:
                     "x_floor": case.floor_multiple(item.backend),
                     "x_floor_cold": case.floor_multiple(item.backend, cold=True),
                     "speedup_vs_eager": case.speedup(item.backend, "eager"),
-                    "speedup_vs_inductor": case.speedup(item.backend, "inductor"),
+                    "speedup_vs_inductor": case.speedup(item.backend, inductor) if inductor else None,
                     "total_peak_bytes": mem.total_peak_bytes if mem else None,
                     "step_peak_bytes": mem.step_peak_bytes if mem else None,
                     "held_bytes": mem.held_bytes if mem else None,
@@ -173,6 +181,7 @@ class BenchReport:
         data = encode(self)
         data["schema_version"] = SCHEMA_VERSION
         data["rows"] = encode(self.rows())
+        data["verdict"] = encode(verdict_of(self))
         return data
 
     @classmethod

@@ -21,6 +21,16 @@ kernel to the timed region); gradients are set to ``None`` before every repetiti
 step allocates fresh ones as ``zero_grad(set_to_none=True)`` training does.  ``bf16`` autocasts the
 forward; the backward runs outside autocast as in a training loop.
 
+Inputs keep the memory format ``get_inputs()`` gave them (a channels-last input stays channels-last on
+the device and in every private copy), so a model file chooses the layout a backend is timed on.
+
+CUDA graphs (a backend whose :attr:`BenchBackend.cudagraphs` is set, e.g. ``mode="reduce-overhead"``):
+every call of the compiled step, the checked first call, warm-up, timed and memory repetitions alike,
+is preceded by ``torch.compiler.cudagraph_mark_step_begin()`` (in :meth:`_Step.reset`, which the timer
+runs untimed before each repetition).  Without it, CUDA-graph trees may replay a graph whose outputs
+the previous training step still holds, and the step fails with "accessing tensor output of CUDAGraphs
+that has been overwritten by a subsequent run".
+
 Nothing here prints: progress goes to an optional callback, diagnostics to
 ``logging.getLogger("fusion_backend.bench")``.
 """
@@ -102,15 +112,18 @@ def _describe(exc: BaseException) -> str:
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
-    return value.to(device) if isinstance(value, torch.Tensor) else value
+    """``value`` on ``device`` in its own memory format (a channels-last input stays channels-last)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, memory_format=torch.preserve_format)
+    return value
 
 
 def _fresh_inputs(base: Sequence[Any], train: bool) -> list[Any]:
-    """Private copies of the inputs; floating ones require grad in train mode."""
+    """Private copies of the inputs, in their own memory format; floating ones require grad in train mode."""
     out = []
     for v in base:
         if isinstance(v, torch.Tensor):
-            v = v.detach().clone()
+            v = v.detach().clone(memory_format=torch.preserve_format)
             if train and v.is_floating_point():
                 v.requires_grad_(True)
         out.append(v)
@@ -178,7 +191,8 @@ class _Step:
         return out
 
     def reset(self) -> None:
-        """Untimed, before every repetition: gradients to ``None``; a new CUDA-graph step if compiled."""
+        """Untimed, before every call: gradients to ``None``; a new CUDA-graph step if the backend
+        replays CUDA graphs."""
         if self.train:
             for p in self.module.parameters():
                 p.grad = None
@@ -186,8 +200,8 @@ class _Step:
                 if isinstance(v, torch.Tensor):
                     v.grad = None
         if self.mark:
-            # Needed by Inductor's CUDA graphs (mode="max-autotune") to know the previous step's
-            # outputs are dead; a no-op otherwise.
+            # CUDA-graph trees (mode="reduce-overhead" or "max-autotune") learn here that the previous
+            # step's outputs are dead and its graphs may be replayed over them.
             torch.compiler.cudagraph_mark_step_begin()
 
 
@@ -402,7 +416,7 @@ class Runner:
             start = tools.clock()
             fn = backend.compile(module)
             step = _Step(fn, module, inputs, device=self.device, precision=precision, train=train,
-                         grad_outputs=ref.grad_outputs, mark_cudagraph_steps=backend.uses_dynamo)
+                         grad_outputs=ref.grad_outputs, mark_cudagraph_steps=backend.cudagraphs)
             step.reset()
             out = step.run()
             tools.synchronize()

@@ -8,9 +8,12 @@ lets users benchmark their own models by pointing ``--suite`` at a file or folde
 ``--suite`` is a comma-separated list whose entries are each a suite name (see :data:`SUITES`), a
 ``.py`` file, or a folder (every ``*.py`` in it not starting with ``_``, in name order).
 
-The named suites live in ``demos/seeds/`` of the repository, which is *not* inside the package: it is
-looked up next to the package (a source checkout or editable install), then under the working
-directory, then in ``$FUSION_SEEDS_DIR``; if none exists the error says where it looked.
+A named suite (:data:`SUITES`) is a folder under the repository's ``demos/`` (``seeds``: the seed
+models; ``convnets``: single conv layers with what real networks put after them) and the files to
+run from it, in order.  ``demos/`` is *not* inside the package, so it is looked up in
+``$FUSION_DEMOS_DIR`` (the folder holding ``seeds/`` and ``convnets/``), then next to the package (a
+source checkout or editable install), then under the working directory; each suite takes the first of
+these that has its folder, and if none has it the error says where it looked.
 """
 
 from __future__ import annotations
@@ -33,13 +36,46 @@ from .errors import SuiteError
 #: The parts every benchmark model file must define.
 LAYOUT: tuple[str, ...] = ("Model", "get_inputs", "get_init_inputs")
 
-#: Named suites: file names inside the seeds folder, in run order.
-SUITES: dict[str, tuple[str, ...]] = {
-    "seeds": ("seed_a.py", "seed_b.py", "seed_c.py", "seed_b_small.py", "seed_c_small.py"),
-    "seeds-small": ("seed_b_small.py", "seed_c_small.py"),
+
+@dataclass(frozen=True)
+class NamedSuite:
+    """A ``--suite`` name: ``files`` (run in this order) inside the folder ``demos/<folder>/``."""
+
+    folder: str
+    files: tuple[str, ...]
+    description: str
+
+
+#: Named suites, in the order ``--help`` lists them.
+SUITES: dict[str, NamedSuite] = {
+    "seeds": NamedSuite("seeds",
+                        ("seed_a.py", "seed_b.py", "seed_c.py", "seed_b_small.py", "seed_c_small.py"),
+                        "the seed models, full size then small"),
+    "seeds-small": NamedSuite("seeds", ("seed_b_small.py", "seed_c_small.py"), "the small seed models"),
+    "convnets": NamedSuite("convnets", (
+        "conv2d_64_k3_relu.py",
+        "conv2d_128_256_k3_s2_relu.py",
+        "conv2d_256_k3_relu_maxpool.py",
+        "conv2d_depthwise_144_k3_relu6.py",
+        "conv2d_128_k3_silu.py",
+        "convt2d_128_64_k2_s2_relu.py",
+        "convt2d_256_128_k4_s2_relu.py",
+        "convt2d_64_3_k4_s2_tanh.py",
+        "conv3d_32_64_k3_leaky_maxpool.py",
+        "convt3d_64_32_k2_s2_relu.py",
+        "conv1d_80_256_k5_gelu.py",
+        "conv2d_512_k3_global_mean.py",
+        "conv2d_64_k3_relu_batch1.py",
+        "conv2d_128_k3_silu_batch1.py",
+        "conv1d_80_256_k5_gelu_batch1.py",
+        "conv2d_64_k3_relu_channels_last.py",
+        "conv2d_256_k3_relu_maxpool_channels_last.py",
+        "convt2d_128_64_k2_s2_relu_channels_last.py",
+    ), "conv layers of real networks with their activation or pooling"),
 }
 
-SEEDS_ENV = "FUSION_SEEDS_DIR"
+#: Environment variable naming the folder that holds the named suites' folders (``seeds/``, ``convnets/``).
+DEMOS_ENV = "FUSION_DEMOS_DIR"
 
 
 @dataclass(frozen=True)
@@ -74,29 +110,30 @@ class Workload:
         return model, list(inputs)
 
 
-def seeds_dir_candidates() -> list[Path]:
-    """Where the seeds folder may be, in order: ``$FUSION_SEEDS_DIR``, next to the package, under cwd."""
+def demos_dir_candidates() -> list[Path]:
+    """Where the ``demos`` folder may be, in order: ``$FUSION_DEMOS_DIR``, next to the package, under cwd."""
     candidates: list[Path] = []
-    env = os.environ.get(SEEDS_ENV)
+    env = os.environ.get(DEMOS_ENV)
     if env:
-        candidates.append(Path(env))
+        candidates.append(Path(env).expanduser())
     repo_root = Path(__file__).resolve().parents[2]  # <repo>/fusion_backend/bench/suite.py -> <repo>
-    candidates.append(repo_root / "demos" / "seeds")
-    candidates.append(Path.cwd() / "demos" / "seeds")
+    candidates.append(repo_root / "demos")
+    candidates.append(Path.cwd() / "demos")
     return candidates
 
 
-def seeds_dir() -> Path:
-    """The folder holding the named suites' files, or :class:`SuiteError` listing where it looked."""
-    candidates = seeds_dir_candidates()
+def suite_dir(folder: str) -> Path:
+    """``<demos>/<folder>`` for the first ``demos`` candidate that has it, or :class:`SuiteError` listing
+    where it looked."""
+    candidates = [c / folder for c in demos_dir_candidates()]
     for candidate in candidates:
         if candidate.is_dir():
             return candidate
     looked = ", ".join(str(c) for c in candidates)
     raise SuiteError(
-        "the named suites are read from demos/seeds/ of the fusion repository, which is not next to the "
+        f"the named suites are read from demos/{folder}/ of the fusion repository, which is not next to the "
         f"installed package (looked in: {looked}). Run from a source checkout (pip install -e .), set "
-        f"{SEEDS_ENV} to the folder, or pass --suite PATH to your own model files."
+        f"{DEMOS_ENV} to the repository's demos/ folder, or pass --suite PATH to your own model files."
     )
 
 
@@ -146,8 +183,9 @@ def load_workload(path: str | os.PathLike[str]) -> Workload:
 
 def _files_of(entry: str) -> list[Path]:
     if entry in SUITES:
-        folder = seeds_dir()
-        files = [folder / name for name in SUITES[entry]]
+        named = SUITES[entry]
+        folder = suite_dir(named.folder)
+        files = [folder / name for name in named.files]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise SuiteError(f"suite {entry!r}: {folder} lacks {', '.join(absent)}")

@@ -1,0 +1,184 @@
+"""The run's verdict: on how many rows is fusion at least as fast as Inductor, which row is worst, and
+by how much fusion is faster on average.
+
+A row is one workload x dtype x mode.  Its ratio is the Inductor backend's warm median over the fusion
+backend's (the statistic the summary table shows; above 1: fusion is faster).  Which two backends are
+compared is :func:`fusion_backend.bench.backends.pick_contenders`'s choice (``fusion`` and ``inductor``,
+or their ``:MODE`` variants under ``--compile-mode``).  The rules:
+
+- a ratio of :data:`TIE_RATIO` or more counts as fusion >= Inductor: differences of a few percent are
+  within the run-to-run noise of GPU timings;
+- a row where fusion FAILed the correctness gate, raised, or was not timed never counts as >=, and it
+  is the worst row ahead of any slow one (the first such row in run order): a wrong or crashing
+  fusion is worse than a slow one;
+- a row where fusion was timed but Inductor was not (Inductor failed or raised) also counts as not
+  >=, since nothing shows fusion is at least as fast there, but it is never the worst row;
+- the geometric mean is over the rows with both timings, and the line says over how many when that is
+  not every row.
+
+The verdict is the last line the command prints, and is stored in ``bench.json`` (``"verdict"``),
+``bench.txt`` and ``bench.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .backends import pick_contenders
+
+if TYPE_CHECKING:  # results imports this module to write the verdict into the JSON report
+    from .results import BenchReport, ItemResult
+
+#: A ratio (Inductor's time over fusion's) at or above this counts as fusion >= Inductor.
+TIE_RATIO = 0.97
+
+#: The timing statistic the ratios are taken from (the one the summary table shows).
+STATISTIC = "warm median"
+
+
+@dataclass(frozen=True)
+class RowRatio:
+    """One workload x dtype x mode of the verdict.
+
+    ``ratio`` is the baseline's warm median over the subject's, ``None`` unless both were timed;
+    ``problem`` then says why (``"fusion FAIL"``, ``"inductor ERROR"``, ``"fusion not timed"``), and
+    ``subject_failed`` whether it was the subject's fault.
+    """
+
+    workload: str
+    dtype: str
+    mode: str
+    ratio: float | None
+    problem: str = ""
+    subject_failed: bool = False
+
+    @property
+    def label(self) -> str:
+        """``"conv1d_80_256_k5_gelu fp32 infer"``."""
+        return f"{self.workload} {self.dtype} {self.mode}"
+
+    def outcome(self) -> str:
+        """The ratio as ``"0.91x"``, or the problem."""
+        return _fmt_ratio(self.ratio) if self.ratio is not None else self.problem
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Fusion against Inductor over a run's rows (rules in the module docstring).
+
+    ``subject`` and ``baseline`` are the backend names compared (``None`` if the run lacks one);
+    ``note`` is set instead of a verdict when there is nothing to judge, and says why.
+    """
+
+    subject: str | None
+    baseline: str | None
+    rows: tuple[RowRatio, ...] = ()
+    tie_ratio: float = TIE_RATIO
+    statistic: str = STATISTIC
+    note: str = ""
+
+    @property
+    def at_least_baseline(self) -> int:
+        """Rows where the subject is at least as fast as the baseline (tie included)."""
+        return sum(1 for r in self.rows if r.ratio is not None and r.ratio >= self.tie_ratio)
+
+    @property
+    def compared(self) -> int:
+        """Rows with both timings."""
+        return sum(1 for r in self.rows if r.ratio is not None)
+
+    @property
+    def geomean(self) -> float | None:
+        """Geometric mean of the ratios of the rows with both timings (``None`` if there are none)."""
+        ratios = [r.ratio for r in self.rows if r.ratio is not None]
+        if not ratios:
+            return None
+        return math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+
+    @property
+    def worst(self) -> RowRatio | None:
+        """The first row where the subject failed, else the row of the lowest ratio, else ``None``."""
+        failed = [r for r in self.rows if r.subject_failed]
+        if failed:
+            return failed[0]
+        timed = [r for r in self.rows if r.ratio is not None]
+        return min(timed, key=lambda r: r.ratio) if timed else None  # type: ignore[arg-type, return-value]
+
+    def line(self) -> str:
+        """One line, e.g. ``fusion >= inductor on 38/40 rows (0.97x counts as a tie); worst:
+        conv1d_80_256_k5_gelu fp32 infer 0.91x; geomean vs inductor 1.34x``."""
+        if self.note:
+            return self.note
+        total, compared = len(self.rows), self.compared
+        tie = f"{self.tie_ratio:g}x counts as a tie"
+        if compared < total:
+            tie += f"; {_rows(total - compared)} without both timings counted as not >="
+        worst = self.worst
+        geomean = self.geomean
+        mean = "-: no row has both timings" if geomean is None else _fmt_ratio(geomean)
+        if geomean is not None and compared < total:
+            mean += f" over {_rows(compared)}"
+        return (f"{self.subject} >= {self.baseline} on {self.at_least_baseline}/{total} rows ({tie}); "
+                f"worst: {f'{worst.label} {worst.outcome()}' if worst else '-'}; "
+                f"geomean vs {self.baseline} {mean}")
+
+    def json_extras(self) -> dict[str, object]:
+        """Derived values written to the JSON report next to the fields."""
+        worst = self.worst
+        return {"at_least_baseline": self.at_least_baseline, "compared": self.compared,
+                "total_rows": len(self.rows), "geomean": self.geomean,
+                "worst": None if worst is None else {"workload": worst.workload, "dtype": worst.dtype,
+                                                     "mode": worst.mode, "ratio": worst.ratio,
+                                                     "problem": worst.problem},
+                "line": self.line()}
+
+
+def _fmt_ratio(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
+def nothing_timed(reason: str, backends: tuple[str, ...] | list[str] = ()) -> Verdict:
+    """The verdict of a run that timed nothing (``reason``: e.g. ``"no CUDA device"``, ``"--check-only"``)."""
+    subject, baseline = pick_contenders(list(backends))
+    return Verdict(subject, baseline, note=f"nothing was timed ({reason}): no fusion-vs-inductor verdict")
+
+
+def verdict_of(report: BenchReport) -> Verdict:
+    """Judge ``report``'s rows (see the module docstring)."""
+    backends = list(report.config.backends)
+    subject, baseline = pick_contenders(backends)
+    if report.config.check_only:
+        return nothing_timed("--check-only", backends)
+    if subject is None or baseline is None:
+        lacking = " and ".join(n for n, b in (("fusion", subject), ("inductor", baseline)) if b is None)
+        return Verdict(subject, baseline, note=f"no fusion-vs-inductor verdict: the run has no {lacking} "
+                       f"backend (backends: {', '.join(backends)})")
+    if not report.cases:
+        return Verdict(subject, baseline, note="no fusion-vs-inductor verdict: no row finished")
+    rows = []
+    for case in report.cases:
+        ratio = case.speedup(subject, baseline)
+        problem, subject_failed = "", False
+        if ratio is None:
+            mine, theirs = case.item(subject), case.item(baseline)
+            if mine is None or not mine.ok or mine.median_ms is None:
+                subject_failed = True
+                problem = f"{subject} {_why_untimed(mine)}"
+                if case.error:
+                    problem += " (the eager reference failed)"
+            else:
+                problem = f"{baseline} {_why_untimed(theirs)}"
+        rows.append(RowRatio(case.workload, case.dtype, case.mode, ratio, problem, subject_failed))
+    return Verdict(subject, baseline, rows=tuple(rows))
+
+
+def _why_untimed(item: ItemResult | None) -> str:
+    if item is None:
+        return "missing"
+    return "not timed" if item.ok else item.status.value
