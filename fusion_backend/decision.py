@@ -138,7 +138,7 @@ def decide(
         if entry is not None:
             _memory[key] = entry
             return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=True)
-        times = _measure(gm, pattern, region, example_inputs, train, patches, inductor_patches, _timer)
+        times = _measure(gm, pattern, region, example_inputs, train, patches, inductor_patches, strict, _timer)
     except Exception as exc:  # noqa: BLE001 - an unmeasurable region stays with Inductor
         why = str(exc) if isinstance(exc, region_timing.NotMeasurable) else f"{type(exc).__name__}: {exc}"
         if strict and not isinstance(exc, region_timing.NotMeasurable):
@@ -156,7 +156,8 @@ def decide(
 
 
 def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequence[Any], train: bool,
-             patches: Mapping[str, Any], fused_patches: Mapping[str, Any], timer: Timer | None) -> Mapping[str, float]:
+             patches: Mapping[str, Any], fused_patches: Mapping[str, Any], strict: bool,
+             timer: Timer | None) -> Mapping[str, float]:
     """Time the fused op and Inductor's code on the region (each built on its step's first call)."""
     from . import region_timing
 
@@ -172,7 +173,7 @@ def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequ
         return run
 
     steps = {
-        "fused": lazily(lambda: _fused_callable(region, pattern, inputs, fused_patches)),
+        "fused": lazily(lambda: _fused_callable(region, pattern, inputs, fused_patches, strict)),
         "inductor": lazily(lambda: region_timing.compile_with_inductor(region, inputs, patches)),
     }
     log.info("timing %s (%s) fused vs Inductor on its inputs %s", pattern, "forward + backward" if train else "forward",
@@ -182,9 +183,11 @@ def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequ
 
 
 def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
-                    patches: Mapping[str, Any]) -> Callable[..., Any]:
+                    patches: Mapping[str, Any], strict: bool) -> Callable[..., Any]:
     """The region rewritten by ``pattern`` alone, run the way the backend would run it (directly when
-    only fused ops and glue are left, else through Inductor with the fused ops' runtime twins)."""
+    only fused ops and glue are left, else through Inductor with the fused ops' runtime twins).
+    ``strict`` as the graph's own rewrite gets it: it is part of the op's config, so the op's
+    per-shape choices measured here are the ones the compiled graph finds in its caches."""
     import copy
 
     from . import region_timing
@@ -192,7 +195,7 @@ def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
     from .engine import run_patterns
 
     gm = fx.GraphModule(region.gm, copy.deepcopy(region.gm.graph), class_name="Region")
-    result = run_patterns(gm, [pattern], strict=True)
+    result = run_patterns(gm, [pattern], strict=strict)
     if len(result.matches) != 1:
         raise region_timing.NotMeasurable(f"the region alone gives {len(result.matches)} {pattern} matches, not 1")
     if why_not_direct(gm) is None:

@@ -1,0 +1,118 @@
+"""On CUDA: CUDA-graph training parity (``mode="reduce-overhead"``), and regions left to Inductor by
+the measured decision.  Skipped without a GPU."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fusion_backend import decision
+from fusion_backend.report import collect_reports
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("exact_fp32")]
+
+
+class ConvT3dPipeline(nn.Module):
+    """ConvTranspose3d -> leaky -> x per-channel multiplier -> leaky -> max_pool3d (small)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.ConvTranspose3d(4, 8, 3, stride=2, padding=1, output_padding=1)
+        self.multiplier = nn.Parameter(torch.randn(8, 1, 1, 1))
+
+    def forward(self, x):
+        y = F.leaky_relu(self.conv(x), 0.2) * self.multiplier
+        return F.max_pool3d(F.leaky_relu(y, 0.2), 2)
+
+
+class Conv2dRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+
+    def forward(self, x):
+        return F.relu(self.conv(x)) + 1
+
+
+def _train_steps(model, x, steps, compiled=None):
+    outs, grads = [], []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        if compiled is not None:
+            torch.compiler.cudagraph_mark_step_begin()
+        out = (compiled or model)(x)
+        out.sum().backward()
+        outs.append(out.detach().clone())
+        grads.append([p.grad.detach().clone() for p in model.parameters()])
+    return outs, grads
+
+
+@pytest.mark.parametrize("model_cls, shape", [(ConvT3dPipeline, (2, 4, 5, 6, 7)), (Conv2dRelu, (4, 8, 12, 10))])
+@pytest.mark.parametrize("train", [False, True])
+def test_cuda_graphs_match_eager(model_cls, shape, train):
+    torch.manual_seed(0)
+    model = model_cls().cuda()
+    x = torch.randn(shape, device="cuda")
+    compiled = torch.compile(model, backend="fusion", mode="reduce-overhead")
+    if not train:
+        with torch.no_grad():
+            want = model(x)
+            for _ in range(3):
+                torch.compiler.cudagraph_mark_step_begin()
+                got = compiled(x).clone()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return
+    want_outs, want_grads = _train_steps(model, x, 1)
+    with collect_reports() as reports:
+        got_outs, got_grads = _train_steps(model, x, 4, compiled)
+    assert sum(r.counts().get("conv_epilogue", 0) for r in reports) == 1
+    for out, grads in zip(got_outs, got_grads, strict=True):
+        torch.testing.assert_close(out, want_outs[0], rtol=1e-5, atol=1e-5)
+        for g, w in zip(grads, want_grads[0], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_a_region_left_to_inductor_runs_inductor_s_code_with_eager_s_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FUSION_DECIDE")
+    decision.forget_in_memory()
+    torch.manual_seed(0)
+    model = ConvT3dPipeline().cuda()
+    x = torch.randn(2, 4, 5, 6, 7, device="cuda", requires_grad=True)
+    want = model(x)
+    want.sum().backward()
+    want_grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad()
+    compiled = torch.compile(model, backend="fusion")
+    with decision.timing_override(lambda steps: {"fused": 3.0, "inductor": 1.0}), collect_reports() as reports:
+        out = compiled(x)
+        out.sum().backward()
+    (report,) = reports
+    assert report.matches == () and report.runner == "inductor"
+    assert [d.fused for d in report.decisions] == [False]
+    torch.testing.assert_close(out, want)
+    for g, w in zip([x.grad] + [p.grad for p in model.parameters()], want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_the_real_decision_follows_its_times_and_keeps_parity(tmp_path, monkeypatch, train):
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FUSION_DECIDE")
+    decision.forget_in_memory()
+    torch.manual_seed(0)
+    model = ConvT3dPipeline().cuda()
+    x = torch.randn(4, 4, 8, 16, 16, device="cuda")
+    with torch.no_grad():
+        want = model(x)
+    compiled = torch.compile(model, backend="fusion")
+    with collect_reports() as reports, torch.set_grad_enabled(train):
+        out = compiled(x)
+    (report,) = reports
+    (d,) = report.decisions
+    assert d.fused_ms > 0 and d.inductor_ms > 0
+    assert d.fused == (d.inductor_ms / d.fused_ms >= 1 + decision.DEFAULT_MARGIN)
+    assert report.counts() == ({"conv_epilogue": 1} if d.fused else {})
+    torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-5)
