@@ -39,6 +39,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,18 +115,83 @@ def decide(
     (see the module docstring).  ``inductor_patches``: the Inductor config the graph will be
     compiled with (CUDA graphs are left out of the timing: both candidates would get them)."""
     anchor = nodes[0].name
-    if policy == "fuse":
-        return Decision(pattern, summary, anchor, True, "decide='fuse'")
     if policy == "inductor":
         return Decision(pattern, summary, anchor, False, "decide='inductor'")
+    decided = _decide(gm, pattern, summary, nodes, example_inputs, policy=policy, margin=margin,
+                      cache_dir=cache_dir, inductor_patches=inductor_patches, strict=strict)
+    if decided.fused and inductor_patches.get("triton.cudagraphs") and not decided.ran_here:
+        why = _prime_for_cuda_graphs(gm, pattern, nodes, example_inputs, inductor_patches, strict)
+        if why is not None:
+            return Decision(pattern, summary, anchor, False, f"left to Inductor: {why}")
+    return decided.decision
+
+
+@dataclass(frozen=True)
+class _Decided:
+    decision: Decision
+    ran_here: bool
+    """Whether the fused op ran on the region's inputs in this process (its caches are filled)."""
+
+    @property
+    def fused(self) -> bool:
+        return self.decision.fused
+
+
+def _prime_for_cuda_graphs(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node],
+                           example_inputs: Sequence[Any], patches: Mapping[str, Any], strict: bool) -> str | None:
+    """Run the fused region once (forward, and backward where gradients flow) before CUDA graphs
+    record it; None when that worked, else why not.
+
+    WHY: the fused ops keep small device tensors across calls (constant operand rows, index tables,
+    call plans).  Created during CUDA-graph trees' warm-up, they would come from the graph's private
+    pool, where every live allocation must be a graph output ("Detected 1 tensor(s) in the cudagraph
+    pool not tracked as outputs"); created here, at compile time, they live in the ordinary pool."""
+    from . import region_timing
+    from .engine import fake_of
+
+    try:
+        region = region_timing.extract_region(gm, nodes)
+        inputs = region_timing.region_inputs(region, gm, example_inputs)
+        train = torch.is_grad_enabled() and any(getattr(fake_of(n), "requires_grad", False) for n in region.inputs)
+        fused = _fused_callable(region, pattern, inputs, {**patches, "triton.cudagraphs": False}, strict)
+        region_timing.make_step(fused, inputs, train)()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return None
+    except Exception as exc:  # noqa: BLE001 - an unprepared region stays with Inductor
+        if strict:
+            from .errors import RewriteError
+
+            raise RewriteError(f"preparing the {pattern} region at `{nodes[0].name}` for CUDA graphs failed: "
+                               f"{type(exc).__name__}: {exc} (strict=True)") from exc
+        return f"preparing it for CUDA graphs failed ({type(exc).__name__}: {exc})"
+
+
+def _decide(
+    gm: fx.GraphModule,
+    pattern: str,
+    summary: str,
+    nodes: Sequence[fx.Node],
+    example_inputs: Sequence[Any],
+    *,
+    policy: str,
+    margin: float,
+    cache_dir: Path,
+    inductor_patches: Mapping[str, Any],
+    strict: bool,
+) -> _Decided:
+    """``decide`` without the CUDA-graph preparation."""
+    anchor = nodes[0].name
+    if policy == "fuse":
+        return _Decided(Decision(pattern, summary, anchor, True, "decide='fuse'"), False)
     from . import region_timing
     from .engine import fake_of
 
     result = fake_of(nodes[-1])
     if not isinstance(result, torch.Tensor) or result.device.type not in _measured_devices:
-        return Decision(pattern, summary, anchor, False,
-                        "not measured on CPU: the fused op would run its plain-torch reference there, which "
-                        "Inductor's CPU code matches or beats (decide='fuse' rewrites anyway)")
+        return _Decided(Decision(pattern, summary, anchor, False,
+                                 "not measured on CPU: the fused op would run its plain-torch reference there, "
+                                 "which Inductor's CPU code matches or beats (decide='fuse' rewrites anyway)"), False)
     try:
         region = region_timing.extract_region(gm, nodes)
         train = torch.is_grad_enabled() and any(
@@ -137,8 +203,10 @@ def decide(
             entry = _memory.get(key) or _load(cache_dir).get(key)
         if entry is not None:
             _memory[key] = entry
-            return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=True)
-        times = _measure(gm, pattern, region, example_inputs, train, patches, inductor_patches, strict, _timer)
+            return _Decided(verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin,
+                                    cached=True), False)
+        fused_patches = {**inductor_patches, "triton.cudagraphs": False}
+        times = _measure(gm, pattern, region, example_inputs, train, patches, fused_patches, strict, _timer)
     except Exception as exc:  # noqa: BLE001 - an unmeasurable region stays with Inductor
         why = str(exc) if isinstance(exc, region_timing.NotMeasurable) else f"{type(exc).__name__}: {exc}"
         if strict and not isinstance(exc, region_timing.NotMeasurable):
@@ -146,13 +214,15 @@ def decide(
 
             raise RewriteError(f"timing the {pattern} region at `{anchor}` failed: {why} (strict=True)") from exc
         log.info("decision %s at %s: not measured (%s); Inductor keeps the region", pattern, anchor, why)
-        return Decision(pattern, summary, anchor, False, f"not measured ({why}); Inductor keeps the region")
+        return _Decided(Decision(pattern, summary, anchor, False, f"not measured ({why}); Inductor keeps the region"),
+                        False)
     entry = {"fused_ms": float(times["fused"]), "inductor_ms": float(times["inductor"]),
              "what": f"{pattern}: {summary} ({'forward + backward' if train else 'forward'})"}
     with _lock:
         _memory[key] = entry
         _store(cache_dir, key, entry)
-    return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=False)
+    return _Decided(verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=False),
+                    ran_here=_timer is None)
 
 
 def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequence[Any], train: bool,
