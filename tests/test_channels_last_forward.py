@@ -118,10 +118,17 @@ def _both(x, w, b, ops, cfg, save):
     return library, plan(x, w, b, ops), plan
 
 
+#: Bitwise under the interpreter.  On a GPU the transposing tile and the same-layout tile may contract
+#: the chain's multiply-adds differently (1 ulp seen on the H100), and cuDNN's channels-last and NCHW
+#: kernels sum in different orders: within a few ulp there.
+_TOLERANCE = dict(rtol=1e-5, atol=1e-6) if torch.cuda.is_available() else dict(rtol=0, atol=0)
+
+
 def _assert_identical(got, want):
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype), f"output {i}: layout"
-        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True, msg=lambda m, i=i: f"output {i}: {m}")
+        tol = _TOLERANCE if g.is_floating_point() else dict(rtol=0, atol=0)
+        torch.testing.assert_close(g, w, equal_nan=True, msg=lambda m, i=i: f"output {i}: {m}", **tol)
 
 
 @pytest.mark.parametrize("save", [False, True], ids=["no-save", "save"])

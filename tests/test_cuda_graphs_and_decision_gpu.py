@@ -41,7 +41,7 @@ def _train_steps(model, x, steps, compiled=None):
         model.zero_grad(set_to_none=True)
         if compiled is not None:
             torch.compiler.cudagraph_mark_step_begin()
-        out = (compiled or model)(x)
+        out = (model if compiled is None else compiled)(x)
         out.sum().backward()
         outs.append(out.detach().clone())
         grads.append([p.grad.detach().clone() for p in model.parameters()])
