@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from ..report import collect_reports
 from .backends import BenchBackend
 from .config import PRECISIONS, BenchConfig, Precision
 from .correctness import CheckResult, Fp64Reference, check_against_reference, fp64_reference
@@ -418,9 +419,11 @@ class Runner:
             step = _Step(fn, module, inputs, device=self.device, precision=precision, train=train,
                          grad_outputs=ref.grad_outputs, mark_cudagraph_steps=backend.cudagraphs)
             step.reset()
-            out = step.run()
+            with collect_reports() as reports:  # the fusion backend's decisions, for the item's notes
+                out = step.run()
             tools.synchronize()
             result.compile_s = tools.clock() - start
+            result.notes += tuple(f"{d.pattern} {d.summary}: {d}" for r in reports for d in r.decisions)
             if backend.uses_dynamo:
                 result.graph_breaks = _graph_breaks()
             before_check = tools.memory.allocated() if measuring_memory else 0
@@ -446,8 +449,8 @@ class Runner:
             if cfg.measure.cold:
                 result.cold = tools.timer.time(step.run, before_each=step.reset, cold=True)
             if cfg.memory and backend.cudagraphs:
-                result.notes = ("memory not measured: CUDA graphs keep the step's tensors in a private pool "
-                                "that the allocator statistics do not count",)
+                result.notes += ("memory not measured: CUDA graphs keep the step's tensors in a private pool "
+                                 "that the allocator statistics do not count",)
             elif cfg.memory:
                 memory = tools.memory.measure(step.forward, step.backward if train else None,
                                               before=step.reset)
