@@ -122,7 +122,7 @@ def decide(
     if decided.fused and inductor_patches.get("triton.cudagraphs") and not decided.ran_here:
         why = _prime_for_cuda_graphs(gm, pattern, nodes, example_inputs, inductor_patches, strict)
         if why is not None:
-            return Decision(pattern, summary, anchor, False, f"left to Inductor: {why}")
+            return Decision(pattern, summary, anchor, False, why)
     return decided.decision
 
 
@@ -137,6 +137,14 @@ class _Decided:
         return self.decision.fused
 
 
+def _gradients_flow(region: Any) -> bool:
+    """Whether the graph's call runs a backward through the region: grad mode is on (Dynamo guards
+    on it) and one of the region's inputs requires grad."""
+    from .engine import fake_of
+
+    return torch.is_grad_enabled() and any(getattr(fake_of(n), "requires_grad", False) for n in region.inputs)
+
+
 def _prime_for_cuda_graphs(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node],
                            example_inputs: Sequence[Any], patches: Mapping[str, Any], strict: bool) -> str | None:
     """Run the fused region once (forward, and backward where gradients flow) before CUDA graphs
@@ -147,12 +155,11 @@ def _prime_for_cuda_graphs(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.
     pool, where every live allocation must be a graph output ("Detected 1 tensor(s) in the cudagraph
     pool not tracked as outputs"); created here, at compile time, they live in the ordinary pool."""
     from . import region_timing
-    from .engine import fake_of
 
     try:
         region = region_timing.extract_region(gm, nodes)
         inputs = region_timing.region_inputs(region, gm, example_inputs)
-        train = torch.is_grad_enabled() and any(getattr(fake_of(n), "requires_grad", False) for n in region.inputs)
+        train = _gradients_flow(region)
         fused = _fused_callable(region, pattern, inputs, {**patches, "triton.cudagraphs": False}, strict)
         region_timing.make_step(fused, inputs, train)()
         if torch.cuda.is_available():
@@ -194,8 +201,7 @@ def _decide(
                                  "which Inductor's CPU code matches or beats (decide='fuse' rewrites anyway)"), False)
     try:
         region = region_timing.extract_region(gm, nodes)
-        train = torch.is_grad_enabled() and any(
-            getattr(fake_of(n), "requires_grad", False) for n in region.inputs)
+        train = _gradients_flow(region)
         patches = {k: v for k, v in inductor_patches.items() if k != "post_grad_custom_post_pass"}
         patches["triton.cudagraphs"] = False
         key = _key(pattern, region, train, patches)
