@@ -1,9 +1,10 @@
-"""Demo: compile the seed models with ``backend="fusion"`` and show what happened.
+"""Demo: compile the ``seeds`` suite's models with ``backend="fusion"`` and show what happened.
 
-    python demos/run_demo.py                 # seeds A, B, C; full size on CUDA, shrunk on CPU
-    python demos/run_demo.py --seeds a --size full --dtype bf16
+    python demos/run_demo.py                 # convt3d, conv2d, convt2d; full size on CUDA, shrunk on CPU
+    python demos/run_demo.py --seeds convt3d --size full --dtype bf16
 
-For each seed: the rewrites (from the report); for the output and every gradient (input and
+``--seeds`` takes short names (see ``SHORT_NAMES``) or file names without ``.py`` from ``demos/seeds/``.
+For each model: the rewrites (from the report); for the output and every gradient (input and
 parameters) the max absolute and the relative difference to eager (||fusion - eager|| / ||eager||),
 and the relative error of fusion and of eager vs a float64 run; on CUDA the median time of a forward
 (under no_grad) and of a training step for eager, Inductor and fusion, measured in the same run (CUDA
@@ -30,6 +31,15 @@ from fusion_backend import collect_reports
 from fusion_backend.testing import float64_reference, relative_error, run_and_backward
 
 SEEDS = Path(__file__).resolve().parent / "seeds"
+
+#: ``--seeds`` short names -> model files in ``demos/seeds/``.
+SHORT_NAMES = {
+    "convt3d": "convt3d_leaky_mul_leaky_maxpool",  # ConvTranspose3d -> leaky -> x m -> leaky -> MaxPool3d
+    "conv2d": "conv2d_mul_leaky_gelu",  # Conv2d -> x m -> leaky -> GELU
+    "convt2d": "convt2d_global_mean_bias_logsumexp",  # ConvTranspose2d -> global mean -> + b -> logsumexp
+    "conv2d_small": "conv2d_mul_leaky_gelu_small",
+    "convt2d_small": "convt2d_global_mean_bias_logsumexp_small",
+}
 
 
 def load(name: str, size: str):
@@ -81,7 +91,8 @@ def held_between_fw_and_bw(fn, x, autocast) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", default="a,b,c", help="comma-separated: a, b, c, b_small, c_small")
+    parser.add_argument("--seeds", default="convt3d,conv2d,convt2d",
+                        help=f"comma-separated: {', '.join(SHORT_NAMES)}, or a file name in demos/seeds/")
     parser.add_argument("--size", choices=["full", "small"], default=None, help="default: full on CUDA, small on CPU")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 = autocast")
     parser.add_argument("--tf32", action="store_true", help="allow TF32 in convolutions (PyTorch's default)")
@@ -94,7 +105,7 @@ def main() -> None:
     autocast = torch.autocast(device, dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
 
     for seed in args.seeds.split(","):
-        name = f"seed_{seed.strip()}"
+        name = SHORT_NAMES.get(seed.strip(), seed.strip())
         model, (x,) = load(name, size)
         model, x = model.to(device), x.to(device)
         eager = copy.deepcopy(model)

@@ -1,9 +1,10 @@
 """Run a rewritten graph that holds only fused ops and glue as plain FX code, without a compiler.
 
 WHY: AOTAutograd and Inductor earn their host time by fusing what is left around our fused ops.  When
-nothing is left (seed A: the whole graph is one ``conv_epilogue`` call, which absorbs the dtype casts of
-autocast) they fuse nothing, yet each step still pays their runtime wrappers, and the training step
-of seed A is host-bound on the H100 (see ``ops/direct_twins.py``).  Such a graph is run as its own
+nothing is left (the ConvTranspose3d -> leaky -> x m -> leaky -> MaxPool3d pipeline: the whole graph
+is one ``conv_epilogue`` call, which absorbs the dtype casts of autocast) they fuse nothing, yet each
+step still pays their runtime wrappers, and that pipeline's training step at 16x16x16x32x32 is
+host-bound on the H100 (see ``ops/direct_twins.py``).  Such a graph is run as its own
 ``GraphModule.forward`` with every fused call retargeted to its direct twin, an
 ``autograd.Function`` that calls the kernels with no dispatcher layers.  Eager autograd then records
 the backward, exactly as for a module the user wrote by hand.

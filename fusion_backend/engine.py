@@ -241,10 +241,10 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
             ctx.claimed.update(item.nodes)
             accepted.append((pattern, item))
 
-    # A conv fused by a family of equal or higher priority is no near miss of another family (seed C's
-    # conv is no conv_epilogue near miss); a near miss of a higher-priority family stays, since it
-    # says why the better rewrite did not happen.  The accepted candidates' own notes (e.g. "the
-    # chain stopped at X") are kept.
+    # A conv fused by a family of equal or higher priority is no near miss of another family (the conv
+    # of ConvTranspose2d -> global mean is no conv_epilogue near miss); a near miss of a
+    # higher-priority family stays, since it says why the better rewrite did not happen.  The accepted
+    # candidates' own notes (e.g. "the chain stopped at X") are kept.
     fused_by = {n.name: p.priority for p, c in accepted for n in c.nodes}
     near_misses = [m for m in near_misses
                    if m.anchor not in fused_by or fused_by[m.anchor] < registry[m.pattern].priority]

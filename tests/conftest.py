@@ -59,7 +59,7 @@ def _fresh_dynamo():
 def seed_models():
     """``seed_models(name, shrink=False)`` → (model, inputs) of ``demos/seeds/<name>.py``.
 
-    ``shrink=True`` cuts batch and spatial sizes so the seed traces and runs quickly on CPU while
+    ``shrink=True`` cuts batch and spatial sizes so the model traces and runs quickly on CPU while
     keeping every hyper-parameter (channels, kernel, stride...) as written.
     """
     import importlib.util
@@ -84,9 +84,10 @@ def seed_models():
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist with ``--dist loadgroup`` (tools/gpu_session.sh), every ``gpu``-marked test
-    (the full-size seeds, up to ~30 GB of GPU memory each) runs on one worker, one after the other:
-    four at once ran an 80 GB H100 out of memory.  Without xdist the marker does nothing."""
+    """Under pytest-xdist with ``--dist loadgroup`` (tools/gpu_session.sh), every ``gpu``-marked
+    test (the ``seeds`` suite's full-size models, up to ~30 GB of GPU memory each) runs on one
+    worker, one after the other: four at once ran an 80 GB H100 out of memory.  Without xdist the
+    marker does nothing."""
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.xdist_group("gpu_full_size"))

@@ -245,9 +245,11 @@ def run(workloads: list[Workload], backends: list[BenchBackend], *, dtypes: tupl
 # -- suite loading -------------------------------------------------------------------------------------------
 
 
-def test_seeds_suite_is_the_three_full_seeds_then_the_two_small_ones() -> None:
+def test_seeds_suite_is_the_three_full_size_pipelines_then_the_two_small_ones() -> None:
     names = [w.name for w in resolve_suite("seeds")]
-    assert names == ["seed_a", "seed_b", "seed_c", "seed_b_small", "seed_c_small"]
+    assert names == ["convt3d_leaky_mul_leaky_maxpool", "conv2d_mul_leaky_gelu",
+                     "convt2d_global_mean_bias_logsumexp", "conv2d_mul_leaky_gelu_small",
+                     "convt2d_global_mean_bias_logsumexp_small"]
 
 
 def test_suite_accepts_a_file_a_folder_and_a_comma_separated_mix(tmp_path: Path) -> None:
@@ -259,7 +261,8 @@ def test_suite_accepts_a_file_a_folder_and_a_comma_separated_mix(tmp_path: Path)
     assert [w.name for w in resolve_suite(str(folder))] == ["a_model", "b_model"]
     assert [w.name for w in resolve_suite(str(single))] == ["single"]
     mixed = resolve_suite(f"{single},{folder},seeds-small")
-    assert [w.name for w in mixed] == ["single", "a_model", "b_model", "seed_b_small", "seed_c_small"]
+    assert [w.name for w in mixed] == ["single", "a_model", "b_model", "conv2d_mul_leaky_gelu_small",
+                                       "convt2d_global_mean_bias_logsumexp_small"]
 
 
 def test_model_file_without_the_layout_is_rejected_naming_what_is_missing(tmp_path: Path) -> None:
@@ -303,21 +306,23 @@ def test_missing_suite_folder_says_where_it_looked(monkeypatch: pytest.MonkeyPat
 def test_demos_folder_from_the_environment_comes_first_and_each_suite_finds_its_folder(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     demos = tmp_path / "my_demos"
-    write_model(demos / "seeds", "seed_b_small")
-    write_model(demos / "seeds", "seed_c_small", TINY_CONVT)
+    names = ("conv2d_mul_leaky_gelu_small", "convt2d_global_mean_bias_logsumexp_small")
+    write_model(demos / "seeds", names[0])
+    write_model(demos / "seeds", names[1], TINY_CONVT)
     monkeypatch.setenv("FUSION_DEMOS_DIR", str(demos))
     assert suite.demos_dir_candidates()[0] == demos
     small = resolve_suite("seeds-small")
-    assert [w.path for w in small] == [demos / "seeds" / f"seed_{x}_small.py" for x in "bc"]
+    assert [w.path for w in small] == [demos / "seeds" / f"{name}.py" for name in names]
     # my_demos/ has no convnets/: that suite falls through to the repository's demos/.
     assert suite.suite_dir("convnets") == Path(suite.__file__).resolve().parents[2] / "demos" / "convnets"
 
 
 def test_filter_keeps_substring_and_glob_matches() -> None:
     workloads = resolve_suite("seeds")
-    assert [w.name for w in filter_workloads(workloads, "small")] == ["seed_b_small", "seed_c_small"]
-    assert [w.name for w in filter_workloads(workloads, "seed_?,seed_c_*")] == [
-        "seed_a", "seed_b", "seed_c", "seed_c_small"]
+    assert [w.name for w in filter_workloads(workloads, "small")] == [
+        "conv2d_mul_leaky_gelu_small", "convt2d_global_mean_bias_logsumexp_small"]
+    assert [w.name for w in filter_workloads(workloads, "conv?d_*,convt2d_*_small")] == [
+        "conv2d_mul_leaky_gelu", "conv2d_mul_leaky_gelu_small", "convt2d_global_mean_bias_logsumexp_small"]
 
 
 def test_build_gives_identical_weights_and_inputs_for_the_same_seed(tiny: Workload) -> None:

@@ -50,8 +50,9 @@ def planned(monkeypatch, exact_fp32):
     return built
 
 
-def _seed_a_like(c_in: int = 4, c_out: int = 6):
-    """Seed A's op (conv-transpose 3d stride 2, leaky, x per-channel, leaky, max pool 2) at a small size."""
+def _convt3d_pipeline_op(c_in: int = 4, c_out: int = 6):
+    """The ``convt3d_leaky_mul_leaky_maxpool`` op (conv-transpose 3d stride 2, leaky, x per-channel, leaky,
+    max pool 2) at a small size."""
     spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     leaky = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
     chain = (leaky, ChainStep(PK.MUL, (TensorRef(0),)), leaky)
@@ -72,7 +73,7 @@ def _grads(out, inputs, grad):
 def test_a_kept_plan_reads_parameters_updated_in_place(planned):
     """The second and third calls run the kept plans, and see the bias and multiplier as they are
     now (an optimizer updates them in place), in the forward and in the backward."""
-    (x, w, b, m), config = _seed_a_like()
+    (x, w, b, m), config = _convt3d_pipeline_op()
     for step in range(3):
         out = ce.conv_epilogue(x, w, b, [m], config)
         want = ce.conv_epilogue_eager(x, w, b, [m], config)
@@ -89,7 +90,7 @@ def test_a_kept_plan_reads_parameters_updated_in_place(planned):
 
 def test_a_new_layout_gets_its_own_plan(planned):
     """channels_last input and a non-contiguous weight: a second plan, with the right results."""
-    (x, w, b, m), config = _seed_a_like()
+    (x, w, b, m), config = _convt3d_pipeline_op()
     out = ce.conv_epilogue(x, w, b, [m], config)
     x_cl = x.detach().to(memory_format=torch.channels_last_3d).requires_grad_(True)
     w_nc = w.detach().transpose(3, 4).contiguous().transpose(3, 4).requires_grad_(True)
@@ -105,7 +106,7 @@ def test_a_new_layout_gets_its_own_plan(planned):
 def test_the_backward_reads_its_own_forwards_state(planned):
     """Two forwards before their backwards (two micro-batches): each backward uses its own saved
     winners and values, not the last forward's."""
-    (x, w, b, m), config = _seed_a_like()
+    (x, w, b, m), config = _convt3d_pipeline_op()
     x2 = torch.randn_like(x).requires_grad_(True)
     out1 = ce.conv_epilogue(x, w, b, [m], config)
     out2 = ce.conv_epilogue(x2, w, b, [m], config)
@@ -127,7 +128,7 @@ def test_no_plan_is_kept_while_the_choice_is_unmeasured(monkeypatch, planned):
     monkeypatch.setattr(ce, "conv_impl", lambda *a: ("triton", None))  # as on CUDA
     monkeypatch.setattr(impl_choice, "choose", lambda *a, **k: "library")  # unsettled: nothing kept
     monkeypatch.setattr(impl_choice, "is_final", lambda key: False)
-    (x, w, b, m), config = _seed_a_like()
+    (x, w, b, m), config = _convt3d_pipeline_op()
     with torch.no_grad():
         for _ in range(2):
             out = ce.conv_epilogue(x, w, b, [m], config)

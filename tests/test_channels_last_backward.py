@@ -36,8 +36,8 @@ def _spec(d: int, stride: int = 1, padding: int = 1, dilation: int = 1, groups: 
 
 #: name -> (conv spec, chain, pool, x shape, weight shape, has bias, multiplier shape)
 CASES = {
-    # seed B's op at a small, odd size: conv2d 3x3, x per-channel multiplier, leaky ReLU, GELU
-    "conv2d-seed-b": (_spec(2), (MUL0, LEAKY, GELU), None, (2, 5, 7, 9), (6, 5, 3, 3), True, (6, 1, 1)),
+    # the op of demos/seeds/conv2d_mul_leaky_gelu.py at a small, odd size
+    "conv2d-mul-leaky-gelu": (_spec(2), (MUL0, LEAKY, GELU), None, (2, 5, 7, 9), (6, 5, 3, 3), True, (6, 1, 1)),
     "conv2d-s2-max-pool": (
         _spec(2, stride=2), (LEAKY, MUL0), PoolSpec("max", (2, 2), (2, 2), (0, 0)), (2, 3, 11, 10), (4, 3, 3, 3),
         True, (4, 1, 1),
@@ -48,8 +48,8 @@ CASES = {
     "conv2d-groups-dilation": (
         _spec(2, padding=2, dilation=2, groups=2), (LEAKY,), None, (2, 4, 8, 7), (6, 2, 3, 3), False, None,
     ),
-    # seed A's op: conv-transpose 3d stride 2, leaky, x per-channel, leaky, max pool 2 (channels_last_3d)
-    "convT3d-seed-a": (
+    # the op of demos/seeds/convt3d_leaky_mul_leaky_maxpool.py (channels_last_3d)
+    "convT3d-leaky-mul-leaky-max-pool": (
         _spec(3, stride=2, transposed=True, output_padding=1), (LEAKY, MUL0, LEAKY),
         PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), (2, 3, 3, 4, 5), (3, 4, 3, 3, 3), True, (4, 1, 1, 1),
     ),
@@ -119,7 +119,7 @@ def test_channels_last_backward_matches_float64(case, channels_last_backward):
 def test_channels_last_backward_with_a_sliced_input(channels_last_backward):
     """x a slice of a wider tensor (its spatial dims do not flatten: the relayout into
     channels-last takes torch's copy); its gradient comes back in ``empty_like(x)``'s layout."""
-    leaves, has_bias, config = _inputs("conv2d-seed-b")
+    leaves, has_bias, config = _inputs("conv2d-mul-leaky-gelu")
     wide = torch.randn(2, 5, 7, 12, device=DEVICE)
     x = wide[..., 2:11].detach().requires_grad_(True)
     leaves[0] = x
@@ -136,8 +136,8 @@ def test_channels_last_backward_with_a_sliced_input(channels_last_backward):
 def test_channels_last_backward_with_half_compute(channels_last_backward):
     """fp32 tensors with ``compute_dtype=float16`` (autocast's casts absorbed): x is cast and relaid
     in one copy; the gradients come back in fp32 and in NCHW."""
-    leaves, has_bias, _ = _inputs("conv2d-seed-b")
-    spec, chain, *_ = CASES["conv2d-seed-b"]
+    leaves, has_bias, _ = _inputs("conv2d-mul-leaky-gelu")
+    spec, chain, *_ = CASES["conv2d-mul-leaky-gelu"]
     config = ConvEpilogueConfig(conv=spec, chain=chain, compute_dtype="float16", strict=True).to_json()
     out = _call(ce.conv_epilogue, leaves, has_bias, config)
     grad = torch.randn_like(out)
@@ -171,7 +171,7 @@ def test_transposing_epilogue_kernel_writes_the_same_values(exact_fp32, monkeypa
     their summation order (the transposing tile groups positions differently)."""
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-    spec, chain, _, x_shape, w_shape, _, m_shape = CASES["conv2d-seed-b"]
+    spec, chain, _, x_shape, w_shape, _, m_shape = CASES["conv2d-mul-leaky-gelu"]
     cfg = ConvEpilogueConfig(conv=spec, chain=chain)
     g = torch.Generator().manual_seed(3)
     y = torch.randn(3, 70, 9, 11, generator=g).to(DEVICE)  # 70 channels: two channel blocks, one partial

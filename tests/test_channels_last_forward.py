@@ -42,8 +42,8 @@ def _spec(d: int, stride: int = 1, padding: int = 1, dilation: int = 1, groups: 
 
 #: name -> (conv spec, chain, pool, x shape, weight shape, has bias, multiplier shape)
 CASES = {
-    # seed B's op at a small, odd size: conv2d 3x3, x per-channel multiplier, leaky ReLU, GELU
-    "conv2d-seed-b": (_spec(2), (MUL0, LEAKY, GELU), None, (2, 5, 7, 9), (6, 5, 3, 3), True, (6, 1, 1)),
+    # the op of demos/seeds/conv2d_mul_leaky_gelu.py at a small, odd size
+    "conv2d-mul-leaky-gelu": (_spec(2), (MUL0, LEAKY, GELU), None, (2, 5, 7, 9), (6, 5, 3, 3), True, (6, 1, 1)),
     "conv2d-no-bias-groups": (
         _spec(2, padding=2, dilation=2, groups=2), (LEAKY,), None, (2, 4, 8, 7), (6, 2, 3, 3), False, None,
     ),
@@ -61,8 +61,8 @@ CASES = {
         _spec(2, stride=2, transposed=True, output_padding=1), (LEAKY, MUL0), None, (2, 3, 5, 4), (3, 4, 3, 3),
         True, (4, 1, 1),
     ),
-    # seed A's op: conv-transpose 3d stride 2, leaky, x per-channel, leaky, max pool 2
-    "convT3d-seed-a-max-pool": (
+    # the op of demos/seeds/convt3d_leaky_mul_leaky_maxpool.py
+    "convT3d-leaky-mul-leaky-max-pool": (
         _spec(3, stride=2, transposed=True, output_padding=1), (LEAKY, MUL0, LEAKY),
         PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), (2, 3, 3, 4, 3), (3, 4, 3, 3, 3), False, (4, 1, 1, 1),
     ),
@@ -143,7 +143,8 @@ def test_channels_last_forward_equals_library_forward_bitwise(case, save, same_c
     assert list(plan.launches) == [torch.empty(plan.y0_layout[0], device="meta", memory_format=fmt).stride()]
 
 
-@pytest.mark.parametrize("case", ["conv2d-seed-b", "conv2d-avg-pool-partial", "conv3d", "convT3d-seed-a-max-pool"])
+@pytest.mark.parametrize("case", ["conv2d-mul-leaky-gelu", "conv2d-avg-pool-partial", "conv3d",
+                                  "convT3d-leaky-mul-leaky-max-pool"])
 def test_channels_last_forward_matches_the_reference(case, interpreted):
     """With the real conv on channels-last tensors: the reference's values within fp32 tolerance,
     the reference's layouts, and its max-pool winners."""
@@ -159,7 +160,7 @@ def test_channels_last_forward_matches_the_reference(case, interpreted):
             assert torch.equal(g, r), f"output {i}: max-pool winners differ"
 
 
-@pytest.mark.parametrize("case", ["conv2d-seed-b", "convT3d-seed-a-max-pool"])
+@pytest.mark.parametrize("case", ["conv2d-mul-leaky-gelu", "convT3d-leaky-mul-leaky-max-pool"])
 def test_absorbed_cast_to_half_is_folded_into_the_relayout(case, same_conv):
     """fp32 tensors with ``compute_dtype=float16`` (autocast's casts absorbed): x is cast while it
     is relaid, the weight likewise; the results are the library path's bitwise, in fp16."""
@@ -180,7 +181,7 @@ def test_half_tensors(same_conv):
 
 def test_sliced_input(same_conv):
     """x a slice of a wider tensor (its spatial dims do not flatten: the relayout takes torch's copy)."""
-    x, w, b, ops, cfg = _inputs("conv2d-seed-b")
+    x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
     wide = torch.randn(2, 5, 7, 12, device=DEVICE)
     x = wide[..., 2:11]
     assert not x.is_contiguous()
@@ -189,7 +190,7 @@ def test_sliced_input(same_conv):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy
-@pytest.mark.parametrize("case", ["conv2d-seed-b", "conv2d-s2-max-pool"])
+@pytest.mark.parametrize("case", ["conv2d-mul-leaky-gelu", "conv2d-s2-max-pool"])
 def test_nan_and_inf_in_x(case, same_conv):
     """NaN and inf in x reach the same outputs in the same places (a NaN wins its max-pool window)."""
     x, w, b, ops, cfg = _inputs(case)
@@ -204,7 +205,7 @@ def test_nan_and_inf_in_x(case, same_conv):
 def test_a_conv_output_in_another_layout_gets_its_own_launch(monkeypatch, interpreted):
     """Should the conv hand y0 back contiguous (a backend without channels-last kernels for the
     case), the plan launches the epilogue for that layout, with the same results."""
-    x, w, b, ops, cfg = _inputs("conv2d-seed-b")
+    x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
     real = ce._conv
     monkeypatch.setattr(ce, "_conv", lambda *args: real(*args).contiguous())
     library, got, plan = _both(x, w, b, ops, cfg, True)
@@ -298,7 +299,7 @@ def test_which_calls_get_a_channels_last_candidate():
 
 @pytest.mark.parametrize("save", [False, True], ids=["no-save", "save"])
 def test_forward_candidates(save, interpreted):
-    x, w, b, ops, cfg = _inputs("conv2d-seed-b")
+    x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
     names = lambda xx, fused: sorted(ce._forward_candidates(xx, w, b, ops, cfg, save, fused))  # noqa: E731
     assert names(x, False) == ["library", "library-channels-last"]
     assert names(x, True) == ["library", "library-channels-last", "triton"]
@@ -337,7 +338,7 @@ def test_auto_times_three_candidates_where_the_fused_conv_serves(monkeypatch, me
     times, timed = measured
     monkeypatch.setattr(ce, "conv_impl", lambda *a: ("triton", None))  # as on CUDA
     times.update({"triton": 3.0, "library": 2.0, "library-channels-last": 1.0})
-    x, w, b, ops, cfg = _inputs("conv2d-seed-b")
+    x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
     plan, settled = ce._forward_plan(x, w, b, ops, cfg, False)
     assert sorted(timed[0]) == ["library", "library-channels-last", "triton"]
     assert isinstance(plan, ce._ChannelsLastLibraryForward) and settled
@@ -362,7 +363,7 @@ def test_library_path_without_timing_when_measuring_is_off_or_on_cpu(monkeypatch
     """Measuring off: the library path in x's layout, untimed.  On CPU under ``auto`` (nothing
     patched) the library conv serves and nothing is timed either, so CPU tests keep their paths."""
     times, timed = measured
-    x, w, b, ops, cfg = _inputs("conv2d-seed-b")
+    x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
     if DEVICE == "cpu":
         plan, settled = ce._forward_plan(x, w, b, ops, cfg, False)
         assert type(plan) is ce._LibraryForward and settled and not timed

@@ -49,7 +49,7 @@ def impl(request, monkeypatch, exact_fp32):
     return request.param
 
 
-def _seed_a_like():
+def _convt3d_maxpool():
     """ConvTranspose3d stride 2 -> leaky -> x per-channel -> leaky -> MaxPool3d(2): the SHIFT_K
     forward and the shift backward."""
     spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
@@ -70,7 +70,7 @@ def _plain_2d(stride: int = 1):
     return spec, chain, None, shapes
 
 
-CASES = {"seedA-like": _seed_a_like, "conv2d": _plain_2d, "conv2d-s2": lambda: _plain_2d(2)}
+CASES = {"convT3d-s2-maxpool": _convt3d_maxpool, "conv2d": _plain_2d, "conv2d-s2": lambda: _plain_2d(2)}
 
 
 def _leaves(shapes: dict, seed: int = 0) -> list[torch.Tensor]:
@@ -136,7 +136,7 @@ def test_absorbed_casts_match_the_explicit_casts(case, dtype, impl):
 
 
 def test_compute_dtype_is_checked(impl):
-    spec, chain, pool, shapes = _seed_a_like()
+    spec, chain, pool, shapes = _convt3d_maxpool()
     x, w, b, m = _leaves(shapes)
     config = _config(spec, chain, pool, None).replace('"compute_dtype":null', '"compute_dtype":"int8"')
     with pytest.raises(Exception, match="compute_dtype 'int8' is not a torch floating dtype"):

@@ -31,10 +31,10 @@ def _geometry(nd: int, padding) -> ConvGeometry:  # noqa: ANN001
 
 
 def _chain(kind: str, cout: int, g: torch.Generator):
-    """``(steps for the kernel, float64 reference function)``.  ``seed_b``: per-channel multiplier with
-    negative values -> leaky_relu(0.01) -> gelu; ``scalar``: + a one-element tensor -> * a Python
-    number -> relu -> leaky_relu(0.2)."""
-    if kind == "seed_b":
+    """``(steps for the kernel, float64 reference function)``.  ``mul_leaky_gelu``: per-channel
+    multiplier with negative values -> leaky_relu(0.01) -> gelu; ``scalar``: + a one-element tensor
+    -> * a Python number -> relu -> leaky_relu(0.2)."""
+    if kind == "mul_leaky_gelu":
         m = torch.randn(cout, 1, 1, generator=g)
         m[0] = -abs(m[0]) - 0.5
 
@@ -127,7 +127,7 @@ def test_dense_conv_matches_float64_reference_fp32(case, save):
     name, xs, ws, padding, opts = case
     g = torch.Generator().manual_seed(hash(name) % 1000 + save)
     x, w, b = _inputs(xs, ws, opts, torch.float32, g)
-    steps, chain_ref = _chain(opts.get("chain", "seed_b"), ws[0], g)
+    steps, chain_ref = _chain(opts.get("chain", "mul_leaky_gelu"), ws[0], g)
     geo = _geometry(len(xs) - 2, padding)
     want, want_y = _reference(x, w, b, chain_ref, padding, torch.float32)
     fmt = torch.channels_last if opts.get("channels_last") else None
@@ -153,7 +153,7 @@ def test_half_operands_match_reference_of_rounded_operands(name, x_dtype, comput
     _, xs, ws, padding, opts = next(c for c in CASES if c[0] == name)
     g = torch.Generator().manual_seed(7)
     x, w, b = _inputs(xs, ws, opts, x_dtype, g)
-    steps, chain_ref = _chain("seed_b", ws[0], g)
+    steps, chain_ref = _chain("mul_leaky_gelu", ws[0], g)
     want, want_y = _reference(x, w, b, chain_ref, padding, compute or x_dtype)
     out, saved = _run(x, w, b, steps, _geometry(len(xs) - 2, padding), want.shape, True, compute=compute)
     assert saved.dtype == (compute or x_dtype)
@@ -193,7 +193,7 @@ def test_int64_index_path_matches(monkeypatch):
     name, xs, ws, padding, opts = next(c for c in CASES if c[0] == "pad1-rows-crossing-tiles")
     g = torch.Generator().manual_seed(5)
     x, w, b = _inputs(xs, ws, opts, torch.float32, g)
-    steps, chain_ref = _chain("seed_b", ws[0], g)
+    steps, chain_ref = _chain("mul_leaky_gelu", ws[0], g)
     geo = _geometry(2, padding)
     want, want_y = _reference(x, w, b, chain_ref, padding, torch.float32)
     out, saved = _run(x, w, b, steps, geo, want.shape, True)
@@ -260,12 +260,13 @@ def test_unsupported_reason_names_each_limit():
     [(torch.float32, None, True), (torch.bfloat16, None, False), (torch.float32, torch.bfloat16, False)],
 )
 def test_gpu_tensor_core_paths_match_reference(x_dtype, compute, tf32):
-    """TF32 and bf16 (not interpretable): a mid-size seed-B-like conv, norm-wise relative error."""
+    """TF32 and bf16 (not interpretable): a mid-size Conv2d 64->64 k3 like the seeds suite's,
+    norm-wise relative error."""
     g = torch.Generator().manual_seed(0)
     x = torch.rand(2, 64, 40, 72, generator=g).to(DEVICE, x_dtype)
     w = (torch.randn(64, 64, 3, 3, generator=g) * 0.05).to(DEVICE, x_dtype)
     b = torch.randn(64, generator=g).to(DEVICE)
-    steps, chain_ref = _chain("seed_b", 64, g)
+    steps, chain_ref = _chain("mul_leaky_gelu", 64, g)
     ctype = compute or x_dtype
     want, want_y = _reference(
         x.float(), w.float(), b, chain_ref, 1, ctype if ctype != torch.float32 else torch.float32

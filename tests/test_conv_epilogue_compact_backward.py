@@ -36,7 +36,8 @@ class ConvChainPool(nn.Module):
 
 
 CASES = {
-    # seed A in miniature: phase-aligned pool, windows do not overlap
+    # the ConvT3d pipeline (convt3d_leaky_mul_leaky_maxpool) in miniature: phase-aligned pool,
+    # windows do not overlap
     "convT3d-maxpool2": (
         lambda: ConvChainPool(nn.ConvTranspose3d(4, 6, 3, 2, 1, 1), 6, 3, nn.MaxPool3d(2)),
         (2, 4, 3, 4, 4),

@@ -4,7 +4,8 @@ The oracle is the eager composite (``F.conv*`` with bias -> ``chain.apply_step``
 ``F.*_pool*d``) in float64, with gradients of x, weight, bias and every operand tensor by autograd.
 CPU runs the plain-torch reference; ``FUSION_CPU_KERNELS=triton`` runs the Triton path on CPU tensors
 under the interpreter (conftest sets ``TRITON_INTERPRET=1`` without CUDA), autograd included.
-GPU tests (``-m gpu``) check fp32 and bf16 parity on the seed workloads at full size.
+GPU tests (``-m gpu``) check fp32 and bf16 parity on the ``seeds`` suite's ConvT3d and Conv2d pipelines
+at full size.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ CONVS = [
     ConvCase("conv2d-dil-groups", (2, 4, 7, 6), (6, 2, 3, 3), _spec(2, stride=(1, 2), padding=(1, 0), dilation=(2, 1), groups=2)),
     ConvCase("convT2d-groups", (2, 4, 4, 5), (4, 3, 3, 2), _spec(2, True, stride=(2, 1), padding=(1, 0), output_padding=(1, 0), groups=2)),
     ConvCase("conv3d-pad", (1, 3, 5, 6, 5), (4, 3, 2, 3, 3), _spec(3, padding=(0, 1, 1))),
-    ConvCase("convT3d-seedA-like", (1, 3, 3, 4, 4), (3, 4, 3, 3, 3), _spec(3, True, stride=2, padding=1, output_padding=1)),
+    ConvCase("convT3d-s2p1op1", (1, 3, 3, 4, 4), (3, 4, 3, 3, 3), _spec(3, True, stride=2, padding=1, output_padding=1)),
 ]  # fmt: skip
 
 
@@ -73,7 +74,8 @@ def _pool(kind: str, nd: int, k=2, s=None, p=0, **kw) -> PoolSpec:
 
 
 def _variants(nd: int) -> dict[str, tuple[tuple[ChainStep, ...], PoolSpec | None]]:
-    """Chains/pools exercised on every conv: seed-A-like max pool, seed-B-like no pool, avg pool."""
+    """Chains/pools exercised on every conv: leaky, x m, leaky, max pool; x m, leaky, GELU, no pool;
+    add, SiLU, avg pool."""
     leaky = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
     mul = ChainStep(PK.MUL, (TensorRef(0),))
     return {
@@ -563,27 +565,27 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
-SEED_A = (
-    ConvCase("seedA", (16, 16, 16, 32, 32), (16, 32, 3, 3, 3), _spec(3, True, stride=2, padding=1, output_padding=1)),
+CONVT3D_FULL = (  # demos/seeds/convt3d_leaky_mul_leaky_maxpool.py
+    ConvCase("convt3d", (16, 16, 16, 32, 32), (16, 32, 3, 3, 3), _spec(3, True, stride=2, padding=1, output_padding=1)),
     (ChainStep(PK.LEAKY_RELU, (Const(0.2),)), ChainStep(PK.MUL, (TensorRef(0),)), ChainStep(PK.LEAKY_RELU, (Const(0.2),))),
     _pool("max", 3, 2),
     (32, 1, 1, 1),
 )  # fmt: skip
-SEED_B = (
-    ConvCase("seedB", (64, 64, 256, 256), (64, 64, 3, 3), _spec(2)),
+CONV2D_FULL = (  # demos/seeds/conv2d_mul_leaky_gelu.py
+    ConvCase("conv2d", (64, 64, 256, 256), (64, 64, 3, 3), _spec(2)),
     (ChainStep(PK.MUL, (TensorRef(0),)), ChainStep(PK.LEAKY_RELU, (Const(0.01),)), ChainStep(PK.GELU)),
     None,
     (64, 1, 1),
 )  # fmt: skip
 
 
-def _seed_run(seed, dtype: torch.dtype, fused: bool) -> list[torch.Tensor]:
-    """[out, grad x, grad weight, grad bias, grad multiplier] of a seed at full size, fused or eager.
+def _full_size_run(workload, dtype: torch.dtype, fused: bool) -> list[torch.Tensor]:
+    """[out, grad x, grad weight, grad bias, grad multiplier] of a full-size workload, fused or eager.
 
     With a low-precision ``dtype`` the conv runs in it and the multiplier stays fp32, as under
     autocast: the result is fp32 by type promotion.
     """
-    case, chain, pool, m_shape = seed
+    case, chain, pool, m_shape = workload
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.rand(case.x, generator=g, device="cuda")
     w = torch.randn(case.w, generator=g, device="cuda") * 0.05
@@ -604,13 +606,13 @@ NAMES = ["out", "grad x", "grad weight", "grad bias", "grad multiplier"]
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("seed", [SEED_A, SEED_B], ids=["seedA", "seedB"])
-def test_gpu_fp32_parity_on_seed_workloads(seed, no_tf32):
+@pytest.mark.parametrize("workload", [CONVT3D_FULL, CONV2D_FULL], ids=["convt3d", "conv2d"])
+def test_gpu_fp32_parity_on_full_size_workloads(workload, no_tf32):
     # The default (library) path runs eager's own cuDNN conv: every tensor within 1e-5 of eager.
     # (The opt-in fused conv sums in another order, which moves max-pool near-ties: its parity is
     # refereed by float64 in tests/test_conv_fused_kernel.py and test_conv_epilogue_compact_backward.py.)
-    fused = _seed_run(seed, torch.float32, fused=True)
-    want = _seed_run(seed, torch.float32, fused=False)
+    fused = _full_size_run(workload, torch.float32, fused=True)
+    want = _full_size_run(workload, torch.float32, fused=False)
     for name, f, e in zip(NAMES, fused, want, strict=True):
         assert f.dtype == e.dtype and f.shape == e.shape
         assert rel_err(f, e) <= 1e-5, f"{name}: {rel_err(f, e):.2e} vs eager"
@@ -618,13 +620,13 @@ def test_gpu_fp32_parity_on_seed_workloads(seed, no_tf32):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("seed", [SEED_A, SEED_B], ids=["seedA", "seedB"])
-def test_gpu_bf16_parity_on_seed_workloads(seed, no_tf32):
+@pytest.mark.parametrize("workload", [CONVT3D_FULL, CONV2D_FULL], ids=["convt3d", "conv2d"])
+def test_gpu_bf16_parity_on_full_size_workloads(workload, no_tf32):
     # The fused chain runs in fp32 where eager rounds every step to bf16, so both are measured
     # against the fp32 truth: the fused op must be within 1e-2 of it, or no worse than eager bf16.
-    fused = _seed_run(seed, torch.bfloat16, fused=True)
-    bf16_eager = _seed_run(seed, torch.bfloat16, fused=False)
-    truth = _seed_run(seed, torch.float32, fused=False)
+    fused = _full_size_run(workload, torch.bfloat16, fused=True)
+    bf16_eager = _full_size_run(workload, torch.bfloat16, fused=False)
+    truth = _full_size_run(workload, torch.float32, fused=False)
     for name, f, e, t in zip(NAMES, fused, bf16_eager, truth, strict=True):
         assert f.dtype == e.dtype and f.shape == e.shape
         assert rel_err(f, t) <= max(1e-2, 1.5 * rel_err(e, t)), name

@@ -3,7 +3,8 @@
 Every case is checked against ``aten.convolution_backward`` in float64 on the full-size gradient
 (inputs rounded to the kernel dtype first, so the reference sees exactly what the kernel sees).
 Without CUDA the kernels run under Triton's interpreter: small shapes, fp32 and fp16.
-GPU tests (``-m gpu``) check seeds A (max-pooled form) and B (dense form) at full size.
+GPU tests (``-m gpu``) check the ``seeds`` suite's ConvTranspose3d 16->32 + MaxPool3d(2) (max-pooled
+form) and Conv2d 64->64 (dense form) at full size.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def test_channels_last_inputs_give_grads_in_their_layout(case, kernel_device):
 
 
 POOLED = [
-    (Case(3, True, 3, 4, 3, stride=2, padding=1, output_padding=1, size=(3,)), Pool(2)),  # seed A in small
+    (Case(3, True, 3, 4, 3, stride=2, padding=1, output_padding=1, size=(3,)), Pool(2)),  # ConvT3d pipeline
     (Case(2, False, 3, 5, 3, padding=1, size=(7,)), Pool(2, ceil_mode=True)),  # partial windows
     (Case(2, True, 4, 6, 3, stride=2, padding=1, groups=2, size=(4,)), Pool(3, 2, padding=1, ceil_mode=True)),  # overlap
     (Case(1, False, 3, 5, 3, stride=2, size=(15,)), Pool(2, ties=True)),
@@ -174,7 +175,7 @@ POOLED = [
 ]
 
 
-@pytest.mark.parametrize("case,pool", POOLED, ids=["seedA", "ceil", "overlapT", "ties1d", "overlap_ties", "dilated"])
+@pytest.mark.parametrize("case,pool", POOLED, ids=["convT3d_s2", "ceil", "overlapT", "ties1d", "overlap_ties", "dilated"])
 def test_max_pooled_gradient_matches_aten_fp32(case, pool, kernel_device):
     check(case, torch.float32, kernel_device, pool)
 
@@ -245,11 +246,12 @@ def test_unsupported_cases_say_why(kernel_device):
 
 
 # --------------------------------------------------------------------------------------------------
-# GPU: the seed workloads at full size
+# GPU: the seeds suite's ConvT3d and Conv2d pipelines at full size
 # --------------------------------------------------------------------------------------------------
 
 
-def _seed_a(device: str = "cuda"):
+def _convt3d_maxpool(device: str = "cuda"):
+    """ConvTranspose3d 16->32 k3 s2 p1 op1 on (16, 16, 16, 32, 32), gradient behind MaxPool3d(2)."""
     torch.manual_seed(0)
     x = torch.rand(16, 16, 16, 32, 32, device=device)
     w = torch.randn(16, 32, 3, 3, 3, device=device) * 0.1
@@ -265,7 +267,8 @@ def _seed_a(device: str = "cuda"):
     return x, w, args, K.PooledGrad(g_win, win, (2, 2, 2)), full.reshape(y.shape)
 
 
-def _seed_b(device: str = "cuda"):
+def _conv2d_dense(device: str = "cuda"):
+    """Conv2d 64->64 k3 on (64, 64, 256, 256), dense gradient."""
     torch.manual_seed(0)
     x = torch.rand(64, 64, 256, 256, device=device)
     w = torch.randn(64, 64, 3, 3, device=device) * 0.05
@@ -277,9 +280,9 @@ def _seed_b(device: str = "cuda"):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("seed", ["A", "B"])
-def test_gpu_seed_workloads_match_aten(seed, dtype, exact_fp32):
-    x, w, args, grad, full = (_seed_a if seed == "A" else _seed_b)()
+@pytest.mark.parametrize("workload", ["convt3d_maxpool", "conv2d_dense"])
+def test_gpu_full_size_workloads_match_aten(workload, dtype, exact_fp32):
+    x, w, args, grad, full = (_convt3d_maxpool if workload == "convt3d_maxpool" else _conv2d_dense)()
     want = torch.ops.aten.convolution_backward(full, x, w, [full.shape[1]], *args, [True, True, True])
     x, w = x.to(dtype), w.to(dtype)
     if dtype != torch.float32:  # the compact form stays fp32 (what the epilogue kernel produces)
@@ -290,10 +293,10 @@ def test_gpu_seed_workloads_match_aten(seed, dtype, exact_fp32):
         if ref is not None:
             assert g.dtype == ref.dtype and g.stride() == ref.stride(), name
         err = ((g.float() - e).abs().max() / e.abs().max()).item()
-        # fp32: each weight-gradient element of seed B sums N*H*W ~ 8e6 products; two fp32 reductions in
+        # fp32: each weight-gradient element of the dense case sums N*H*W ~ 8e6 products; two fp32 reductions in
         # different orders (split-K here, cuDNN's there) differ by ~sqrt(8e6) * 6e-8 ~ 1.7e-4 of the max
         # (measured on an H200: 1.46e-4); a wrong index gives O(1).
-        assert err < (3e-4 if dtype == torch.float32 else 2e-2), f"seed {seed} grad {name}: {err:.2e}"
+        assert err < (3e-4 if dtype == torch.float32 else 2e-2), f"{workload} grad {name}: {err:.2e}"
 
 
 def test_autotune_off_binds_the_first_tile(monkeypatch):

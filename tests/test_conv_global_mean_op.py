@@ -1,4 +1,5 @@
-"""The ``conv_global_mean`` fused op: config, custom-op contract, gradients, dispatch, seed C on GPU.
+"""The ``conv_global_mean`` fused op: config, custom-op contract, gradients, dispatch, the seeds suite's
+global-mean pipeline on GPU.
 
 The oracle is the literal eager composite ``mean(affine(conv(x, W, b)))`` in float64 (summation order
 differs from the op's, so fp32 results are compared to fp64 within 1e-5 relative).
@@ -584,11 +585,11 @@ def test_too_many_index_sets_use_the_reference(monkeypatch: pytest.MonkeyPatch) 
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU: seed C at full size, and its small variant
+# GPU: the seeds suite's global-mean pipeline at full size, and its small variant
 # ------------------------------------------------------------------------------------------------
 
 
-class SeedC(torch.nn.Module):
+class GlobalMeanPipeline(torch.nn.Module):
     """ConvTranspose2d -> mean(2,3, keepdim) -> +bias -> logsumexp(1, keepdim) -> sum(2,3) -> *10."""
 
     def __init__(self, c_in: int, c_out: int) -> None:
@@ -614,14 +615,14 @@ class SeedC(torch.nn.Module):
         return torch.sum(torch.logsumexp(y, dim=1, keepdim=True), dim=(2, 3)) * 10.0
 
 
-def _seed_c_parity(c_in: int, c_out: int, shape: tuple[int, ...]) -> None:
+def _global_mean_pipeline_parity(c_in: int, c_out: int, shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
-    model = SeedC(c_in, c_out).cuda()
+    model = GlobalMeanPipeline(c_in, c_out).cuda()
     x = torch.rand(shape, device="cuda")
     params = [model.conv.weight, model.conv.bias, model.bias]
 
     # fp64 eager oracle on the GPU.
-    ref_model = SeedC(c_in, c_out).cuda().double()
+    ref_model = GlobalMeanPipeline(c_in, c_out).cuda().double()
     ref_model.load_state_dict(model.state_dict())
     x64 = x.double().requires_grad_()
     ref = ref_model(x64)
@@ -658,15 +659,15 @@ def _seed_c_parity(c_in: int, c_out: int, shape: tuple[int, ...]) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_seed_c_small_matches_eager_on_gpu() -> None:
-    _seed_c_parity(3, 16, (128, 3, 32, 32))
+def test_global_mean_pipeline_small_matches_eager_on_gpu() -> None:
+    _global_mean_pipeline_parity(3, 16, (128, 3, 32, 32))
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_seed_c_full_size_matches_eager_on_gpu() -> None:
-    _seed_c_parity(64, 128, (16, 64, 512, 512))
+def test_global_mean_pipeline_full_size_matches_eager_on_gpu() -> None:
+    _global_mean_pipeline_parity(64, 128, (16, 64, 512, 512))
 
 
 @pytest.mark.gpu
@@ -688,9 +689,10 @@ def test_gpu_kernels_are_deterministic_and_fp16_close() -> None:
 
 
 def test_every_cuda_kernel_compiles_for_sm90_without_spills() -> None:
-    """The kernels are on seed C's default path: one that runs under the interpreter but fails to
-    compile for the GPU would silently fall back to the torch reference.  Compiles each of them for
-    sm_90 (seed C, fp32 and bf16, both layouts) with ``tools/compile_check_global_mean.py``."""
+    """The kernels are on the global-mean pipeline's default path: one that runs under the interpreter
+    but fails to compile for the GPU would silently fall back to the torch reference.  Compiles each
+    of them for sm_90 (ConvTranspose2d 64->128 on 16x64x512x512, fp32 and bf16, both layouts) with
+    ``tools/compile_check_global_mean.py``."""
     import os
     import subprocess
     import sys

@@ -4,8 +4,8 @@ Every case is checked against ``aten.convolution_backward`` in float64 on the fu
 gradient that the compact ``PooledGrad`` stands for (inputs rounded to the kernel dtype first, so the
 reference sees exactly what the kernels see); one test takes the reference from autograd through
 ``conv_transpose`` + ``max_pool`` directly.  Without CUDA the kernels run under Triton's interpreter
-(fp32/fp16, small shapes).  The GPU tests (``-m gpu``) run seed A at full size against
-``conv_fused_bwd`` and float64.
+(fp32/fp16, small shapes).  The GPU tests (``-m gpu``) run the ``seeds`` suite's ConvTranspose3d
+16->32 + MaxPool3d(2) at full size against ``conv_fused_bwd`` and float64.
 """
 
 from __future__ import annotations
@@ -117,9 +117,8 @@ def check(case: Case, dtype, device, channels_last=False, winner_dtype=torch.int
     return got
 
 
-SEED_A_SMALL = Case((3, 4, 5), 3, 5, 3, 2, padding=1, output_padding=1)  # seed A's geometry, tiny
 CASES = {
-    "seedA": SEED_A_SMALL,
+    "3d": Case((3, 4, 5), 3, 5, 3, 2, padding=1, output_padding=1),  # the ConvT3d pipeline's geometry, tiny
     "1d": Case((11,), 3, 4, 3, 2, padding=1, output_padding=1),
     "2d": Case((5, 6), 3, 4, 3, 2, padding=1, output_padding=1),
     "2d_odd_ceil": Case((5, 7), 3, 4, 3, 2, ceil_mode=True),  # odd conv output: partial windows
@@ -140,12 +139,12 @@ def test_grads_match_float64_aten_fp32(name, kernel_device):
     check(CASES[name], torch.float32, kernel_device)
 
 
-@pytest.mark.parametrize("name", ["seedA", "2d_groups"])
+@pytest.mark.parametrize("name", ["3d", "2d_groups"])
 def test_grads_match_float64_aten_fp16(name, kernel_device):
     check(CASES[name], torch.float16, kernel_device)
 
 
-@pytest.mark.parametrize("name", ["seedA", "2d_groups"])
+@pytest.mark.parametrize("name", ["3d", "2d_groups"])
 def test_channels_last_inputs_give_grads_in_their_layout(name, kernel_device):
     check(CASES[name], torch.float32, kernel_device, channels_last=True)
 
@@ -153,7 +152,7 @@ def test_channels_last_inputs_give_grads_in_their_layout(name, kernel_device):
 @pytest.mark.parametrize(
     "name,dgrad_kpb,wgrad_kpb,block_m",
     [
-        ("seedA", 1, 2, 64),
+        ("3d", 1, 2, 64),
         ("2d_pool_pad_overlap", 4, 4, 64),
         ("3d_wide_channels", 2, 1, 64),
         ("2d_long_rows", 2, 4, 16),
@@ -277,7 +276,7 @@ def test_empty_batch_gives_zero_weight_grad(kernel_device):
 
 
 def test_weight_grad_is_bitwise_reproducible(kernel_device):
-    case = CASES["seedA"]
+    case = CASES["3d"]
     _, (xk, wk, grad) = make(case, torch.float32, kernel_device)
     first = S.convolution_backward(grad, xk, wk, *case.conv_args(), (False, True, False))[1]
     again = S.convolution_backward(grad, xk, wk, *case.conv_args(), (False, True, False))[1]
@@ -299,7 +298,7 @@ def _assert_same_with_non_finite(got: torch.Tensor, want: torch.Tensor, name: st
 def test_inf_and_nan_reach_exactly_the_reference_outputs(kernel_device):
     """inf/NaN in x (interior) and g_win (border and interior units) land where float64 aten puts
     them: dead (offset, shift) pairs never multiply them by a structural zero."""
-    case = CASES["seedA"]
+    case = CASES["3d"]
     (x, w, full), (xk, wk, grad) = make(case, torch.float32, kernel_device)
     x[0, 1, 1, 2, 2] = float("inf")
     x[1, 0, 1, 1, 3] = float("nan")
@@ -420,11 +419,12 @@ def test_tiles_are_clamped_to_the_problem():
 
 
 # --------------------------------------------------------------------------------------------------
-# GPU: seed A at full size
+# GPU: the ConvT3d pipeline at full size
 # --------------------------------------------------------------------------------------------------
 
 
-def _seed_a(device: str = "cuda"):
+def _convt3d_maxpool(device: str = "cuda"):
+    """ConvTranspose3d 16->32 k3 s2 p1 op1 on (16, 16, 16, 32, 32), gradient behind MaxPool3d(2)."""
     torch.manual_seed(0)
     x = torch.rand(16, 16, 16, 32, 32, device=device)
     w = torch.randn(16, 32, 3, 3, 3, device=device) * 0.1
@@ -442,8 +442,8 @@ def _seed_a(device: str = "cuda"):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16"])
-def test_gpu_seed_a_matches_float64_and_conv_fused_bwd(mode):
-    x, w, args, grad, full = _seed_a()
+def test_gpu_convt3d_maxpool_matches_float64_and_conv_fused_bwd(mode):
+    x, w, args, grad, full = _convt3d_maxpool()
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     x, w = x.to(dtype), w.to(dtype)
     want = torch.ops.aten.convolution_backward(

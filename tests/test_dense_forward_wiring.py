@@ -1,10 +1,11 @@
 """``fusion::conv_epilogue``'s fused forward takes ``kernels.conv_dense`` for the convs it serves.
 
 A plain (not transposed) stride-1, dilation-1, groups-1 1d/2d conv without a pool goes to the dense
-kernel (seed B's case); everything else stays on ``kernels.conv_fused``.  Either way the output and
-every gradient (input, weight, bias, multiplier) must match eager and a float64 run, the training
-forward's saved conv output feeding the shared backward.  ``FUSION_CONV_IMPL=triton`` forces the fused
-forward; on CPU the kernels run under the interpreter (``FUSION_CPU_KERNELS=triton``).
+kernel (the case of Conv2d 64->64 k3 in the seeds suite); everything else stays on
+``kernels.conv_fused``.  Either way the output and every gradient (input, weight, bias, multiplier)
+must match eager and a float64 run, the training forward's saved conv output feeding the shared
+backward.  ``FUSION_CONV_IMPL=triton`` forces the fused forward; on CPU the kernels run under the
+interpreter (``FUSION_CPU_KERNELS=triton``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class ConvChain(nn.Module):
-    """conv -> x per-channel multiplier -> leaky -> GELU (seed B's chain), optional pool."""
+    """conv -> x per-channel multiplier -> leaky -> GELU (conv2d_mul_leaky_gelu's chain), optional pool."""
 
     def __init__(self, conv: nn.Module, channels: int, nd: int, pool: nn.Module | None = None, gelu: bool = True):
         super().__init__()

@@ -41,7 +41,7 @@ class MeanOnly(nn.Module):
 
 
 class WithTail(nn.Module):
-    """seed A's chain, then an add after the pool: the add is Inductor's, so no direct run."""
+    """The ConvT3d pipeline's chain, then an add after the pool: the add is Inductor's, so no direct run."""
 
     def __init__(self):
         super().__init__()
@@ -59,8 +59,8 @@ def _runners(reports):
 
 
 @pytest.mark.parametrize("runner", ["direct", "inductor"])
-def test_seed_a_runs_directly_and_matches_eager(kernels, seed_models, runner):
-    model, inputs = seed_models("seed_a", shrink=True)
+def test_convt3d_pipeline_runs_directly_and_matches_eager(kernels, seed_models, runner):
+    model, inputs = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     with torch.no_grad():
         model.multiplier[::2].neg_()  # negative multipliers flip which window element wins
     reports = assert_fused(*on_device(model, *inputs), expect={"conv_epilogue": 1},
@@ -70,8 +70,8 @@ def test_seed_a_runs_directly_and_matches_eager(kernels, seed_models, runner):
         assert any("direct=False" in note for note in reports[0].notes)
 
 
-def test_seed_a_channels_last_and_only_some_inputs_require_grad(kernels, seed_models):
-    model, (x,) = seed_models("seed_a", shrink=True)
+def test_convt3d_pipeline_channels_last_and_only_some_inputs_require_grad(kernels, seed_models):
+    model, (x,) = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     model.conv_transpose.bias.requires_grad_(False)  # no bias gradient asked for
     x = x.to(memory_format=torch.channels_last_3d)
     reports = assert_fused(*on_device(model, x), expect={"conv_epilogue": 1})
@@ -81,14 +81,14 @@ def test_seed_a_channels_last_and_only_some_inputs_require_grad(kernels, seed_mo
 def test_autocast_casts_run_as_glue(kernels, seed_models):
     if kernels == "triton":
         pytest.skip("Triton's interpreter has no bf16")
-    model, (x,) = seed_models("seed_b_small", shrink=True)
+    model, (x,) = seed_models("conv2d_mul_leaky_gelu_small", shrink=True)
     model, (x,) = on_device(model, x)
     reports = assert_fused(Autocast(model, DEVICE), [x], expect={"conv_epilogue": 1}, tol=2e-2)
     assert _runners(reports) == ["direct"]
 
 
 def test_dynamic_shapes_run_directly_without_recompiling(kernels, seed_models):
-    model, (x,) = seed_models("seed_a", shrink=True)
+    model, (x,) = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     model = model.to(DEVICE)
     with collect_reports() as reports:
         compiled = torch.compile(model, backend="fusion", dynamic=True, options={"strict": True})
@@ -108,7 +108,7 @@ def test_dynamic_shapes_run_directly_without_recompiling(kernels, seed_models):
 def test_expanded_output_gradient(kernels, seed_models):
     """``out.sum().backward()`` hands the backward a stride-0 gradient (AOTAutograd would have made
     it contiguous; the direct twin passes it as autograd gives it)."""
-    model, (x,) = seed_models("seed_a", shrink=True)
+    model, (x,) = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     model, (x,) = on_device(model, x)
     compiled = torch.compile(model, backend="fusion", options={"strict": True})
     xc, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
@@ -124,7 +124,7 @@ def test_expanded_output_gradient(kernels, seed_models):
 
 
 def test_no_grad_saves_no_backward_state(kernels, seed_models, monkeypatch):
-    model, (x,) = seed_models("seed_a", shrink=True)
+    model, (x,) = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     model, (x,) = on_device(model, x)
     saves = []
     real = ce._conv_epilogue_fwd_impl

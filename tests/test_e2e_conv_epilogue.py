@@ -4,8 +4,8 @@ output and every gradient equal to eager (and to a float64 reference).
 Each CPU case runs twice: on the plain-torch reference implementation, and on the Triton kernels
 under Triton's interpreter (``FUSION_CPU_KERNELS=triton``), so CI exercises the real kernels through
 the whole stack (Dynamo → rewrite → direct runner, or AOTAutograd → Inductor where other ops remain →
-fused op → Triton; ``test_direct.py`` runs seed A through both).  With CUDA the same
-cases run on the GPU, and the full-size seeds run too (marked ``gpu``).
+fused op → Triton; ``test_direct.py`` runs the ConvT3d pipeline through both).  With CUDA the
+same cases run on the GPU, and the ``seeds`` suite's full-size models run too (marked ``gpu``).
 """
 
 import pytest
@@ -26,25 +26,25 @@ def on_device(model, *inputs):
     return model.to(DEVICE), [t.to(DEVICE) for t in inputs]
 
 
-def test_seed_a(kernels, seed_models):
-    model, inputs = seed_models("seed_a", shrink=True)
+def test_convt3d_leaky_mul_leaky_maxpool(kernels, seed_models):
+    model, inputs = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     assert_fused(*on_device(model, *inputs), expect={"conv_epilogue": 1})
 
 
-def test_seed_b(kernels, seed_models):
-    model, inputs = seed_models("seed_b_small", shrink=True)
+def test_conv2d_mul_leaky_gelu_small(kernels, seed_models):
+    model, inputs = seed_models("conv2d_mul_leaky_gelu_small", shrink=True)
     assert_fused(*on_device(model, *inputs), expect={"conv_epilogue": 1})
 
 
 def test_zero_multiplier_makes_every_window_tie_and_eager_routing_wins(kernels, seed_models):
-    model, inputs = seed_models("seed_a", shrink=True)
+    model, inputs = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     with torch.no_grad():
         model.multiplier.zero_()
     assert_fused(*on_device(model, *inputs), expect={"conv_epilogue": 1})
 
 
 def test_negative_multipliers_and_nan_input(kernels, seed_models):
-    model, (x,) = seed_models("seed_a", shrink=True)
+    model, (x,) = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     with torch.no_grad():
         model.multiplier.neg_()
     x = x.clone()
@@ -98,7 +98,7 @@ def test_dynamic_true_recompiles_nothing_for_new_sizes(kernels, fusion_rewrites)
 
 
 def test_mark_dynamic_batch_and_spatial(kernels, seed_models):
-    model, (x,) = seed_models("seed_b_small", shrink=True)
+    model, (x,) = seed_models("conv2d_mul_leaky_gelu_small", shrink=True)
     model, (x,) = on_device(model, x)
     torch._dynamo.mark_dynamic(x, 0)
     torch._dynamo.mark_dynamic(x, 3)
@@ -166,16 +166,16 @@ def test_fp16_model(kernels):
 def test_autocast_bf16_matches_eager(kernels, seed_models):
     if kernels == "triton":
         pytest.skip("Triton's interpreter has no bf16")
-    model, (x,) = seed_models("seed_b_small", shrink=True)
+    model, (x,) = seed_models("conv2d_mul_leaky_gelu_small", shrink=True)
     model, (x,) = on_device(model, x)
     assert_fused(Autocast(model, DEVICE), [x], expect={"conv_epilogue": 1}, tol=2e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("name", ["seed_a", "seed_b"])
+@pytest.mark.parametrize("name", ["convt3d_leaky_mul_leaky_maxpool", "conv2d_mul_leaky_gelu"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
-def test_full_size_seeds_on_gpu(name, precision, seed_models):
+def test_full_size_seeds_suite_models_on_gpu(name, precision, seed_models):
     model, (x,) = seed_models(name)
     model, x = model.cuda(), x.cuda()
     if precision == "fp32":

@@ -1,6 +1,7 @@
-"""torch.compile(backend="fusion") end to end for the conv_global_mean family (seed C and friends):
-one fused op, output and every gradient equal to eager and to a float64 reference, on the CPU
-reference and on the Triton kernels under the interpreter (with CUDA: on the GPU, plus full size)."""
+"""torch.compile(backend="fusion") end to end for the conv_global_mean family (the seeds suite's
+ConvTranspose2d -> global mean -> logsumexp pipeline and friends): one fused op, output and every
+gradient equal to eager and to a float64 reference, on the CPU reference and on the Triton kernels
+under the interpreter (with CUDA: on the GPU, plus full size)."""
 
 import copy
 import warnings
@@ -20,8 +21,8 @@ DEVICE = "cuda" if CUDA else "cpu"
 pytestmark = pytest.mark.usefixtures("exact_fp32")
 
 
-def test_seed_c(kernels, seed_models):
-    model, (x,) = seed_models("seed_c_small", shrink=True)
+def test_convt2d_global_mean_bias_logsumexp_small(kernels, seed_models):
+    model, (x,) = seed_models("convt2d_global_mean_bias_logsumexp_small", shrink=True)
     reports = assert_fused(model.to(DEVICE), [x.to(DEVICE)], expect={"conv_global_mean": 1})
     assert reports[0].near_misses == ()
 
@@ -61,13 +62,13 @@ def test_conv_variants(kernels, name):
 
 
 def test_channels_last_input(kernels, seed_models):
-    model, (x,) = seed_models("seed_c_small", shrink=True)
+    model, (x,) = seed_models("convt2d_global_mean_bias_logsumexp_small", shrink=True)
     x = x.to(memory_format=torch.channels_last)
     assert_fused(model.to(DEVICE), [x.to(DEVICE)], expect={"conv_global_mean": 1})
 
 
 def test_dynamic_shapes_compile_once(kernels, fusion_rewrites, seed_models):
-    model, _ = seed_models("seed_c_small", shrink=True)
+    model, _ = seed_models("convt2d_global_mean_bias_logsumexp_small", shrink=True)
     model = model.to(DEVICE)
     compiled = torch.compile(model, backend="fusion", dynamic=True, options={"strict": True})
     for shape in ((2, 3, 6, 7), (5, 3, 9, 4), (3, 3, 11, 8)):
@@ -79,14 +80,15 @@ def test_dynamic_shapes_compile_once(kernels, fusion_rewrites, seed_models):
 def test_autocast_bf16(kernels, seed_models):
     if kernels == "triton":
         pytest.skip("Triton's interpreter has no bf16")
-    model, (x,) = seed_models("seed_c_small", shrink=True)
+    model, (x,) = seed_models("convt2d_global_mean_bias_logsumexp_small", shrink=True)
     assert_fused(Autocast(model.to(DEVICE), DEVICE), [x.to(DEVICE)], expect={"conv_global_mean": 1}, tol=2e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("name", ["seed_c", "seed_c_small"])
-def test_full_size_seed_c_on_gpu(name, seed_models):
+@pytest.mark.parametrize("name", ["convt2d_global_mean_bias_logsumexp",
+                                  "convt2d_global_mean_bias_logsumexp_small"])
+def test_global_mean_pipeline_on_gpu(name, seed_models):
     model, (x,) = seed_models(name)
     assert_fused(model.cuda(), [x.cuda()], expect={"conv_global_mean": 1})
 
@@ -98,7 +100,7 @@ def test_cuda_graphs_mode_reduce_overhead_matches_eager_over_steps(seed_models):
     launches, cached plans and output allocations must replay correctly on fresh inputs, forward and
     backward, step after step (outputs are cloned: a replay overwrites the previous step's)."""
     torch.manual_seed(0)
-    model, (x,) = seed_models("seed_c_small")
+    model, (x,) = seed_models("convt2d_global_mean_bias_logsumexp_small")
     model = model.cuda()
     compiled = torch.compile(model, backend="fusion", mode="reduce-overhead")  # mode excludes options
     params = list(model.parameters())

@@ -102,12 +102,13 @@ def run_cli(*args, timeout=600):
                           timeout=timeout, cwd=REPO)
 
 
-@pytest.mark.parametrize("seed", ["seed_a", "seed_b_small", "seed_c_small"])
-def test_explain_cli_on_the_seed_files(seed, tmp_path):
-    # Full-size seeds are heavy on a CPU: run a copy with the batch cut to 2 and the spatial size to 8.
-    src = (REPO / "demos" / "seeds" / f"{seed}.py").read_text()
+@pytest.mark.parametrize("name", ["convt3d_leaky_mul_leaky_maxpool", "conv2d_mul_leaky_gelu_small",
+                                  "convt2d_global_mean_bias_logsumexp_small"])
+def test_explain_cli_on_the_seeds_suite_files(name, tmp_path):
+    # Full-size models are heavy on a CPU: run a copy with the batch cut to 2 and the spatial size to 8.
+    src = (REPO / "demos" / "seeds" / f"{name}.py").read_text()
     src = src.replace("return [torch.rand(", "return [t[(slice(0, 2), slice(None)) + tuple(slice(0, 8) for _ in t.shape[2:])].contiguous() for t in [torch.rand(").replace(")]\n\n\ndef get_init", ")]]\n\n\ndef get_init")
-    model_file = tmp_path / f"{seed}.py"
+    model_file = tmp_path / f"{name}.py"
     model_file.write_text(src)
     proc = run_cli("explain", str(model_file), "--train", "--dump", str(tmp_path / "dump"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -148,8 +148,8 @@ def test_strided_conv_sets_are_progressions_not_ranges() -> None:
 
 
 def test_transposed_zero_padding_stride_one_has_one_set_per_dim() -> None:
-    # The seed's ConvTranspose2d(k=3): every tap sees the whole input, so the kernel reduces each
-    # plane to a single sum (the "Σ x @ Σ_taps W" special case of the issue).
+    # The global-mean pipeline's ConvTranspose2d(k=3): every tap sees the whole input, so the kernel
+    # reduces each plane to a single sum (the "Σ x @ Σ_taps W" special case).
     ds = dim_sets(True, 512, 3, 1, 0, 1, 0)
     assert ds.sets == ((0, 511),) and ds.tap_to_set == (0, 0, 0)
 

@@ -84,7 +84,8 @@ def test_unknown_default_is_refused():
 def test_timer_charges_gpu_time_whatever_the_host_time():
     """The timer measures the candidates' GPU work: host time before the GPU work (a slow host, a
     long Python path) is not charged, and a call with no GPU work costs ~nothing, so the answer
-    does not move with the host's speed (session 8: it did, and flipped seed A's bf16 forward)."""
+    does not move with the host's speed (a wall-time timer once flipped the ConvT3d pipeline's bf16
+    forward between two runs on the same H100)."""
     a = torch.randn(2048, 2048, device="cuda")
 
     def gpu_only():
@@ -139,7 +140,8 @@ def test_a_candidate_whose_results_disagree_is_never_picked():
 
 def test_op_results_agree_within_the_dtype_bound():
     """``conv_epilogue._results_agree``: TF32-vs-TF32 differences pass, a TF32-vs-fp32 sized one
-    (seed B small on the H100: 2.7e-4) does not; integer winners and None entries are ignored."""
+    (conv2d_mul_leaky_gelu_small on the H100: 2.7e-4) does not; integer winners and None entries are
+    ignored."""
     from fusion_backend.ops import conv_epilogue as ce
 
     g = torch.Generator().manual_seed(0)

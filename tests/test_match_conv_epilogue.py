@@ -151,15 +151,15 @@ def test_a_terminal_pool_joins_the_region(name):
     assert region[1].endswith(pool)
 
 
-def test_seed_a_is_one_region_static_and_dynamic(seed_models):
-    model, inputs = seed_models("seed_a", shrink=True)
+def test_convt3d_pipeline_is_one_region_static_and_dynamic(seed_models):
+    model, inputs = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     for dynamic in (False, True):
         (region,) = regions(model, inputs, dynamic=dynamic)
         assert region[1] == "conv_transpose3d -> leaky_relu -> mul -> leaky_relu -> max_pool3d"
 
 
-def test_seed_b_is_one_region_with_mark_dynamic(seed_models):
-    model, (x,) = seed_models("seed_b_small", shrink=True)
+def test_conv2d_pipeline_is_one_region_with_mark_dynamic(seed_models):
+    model, (x,) = seed_models("conv2d_mul_leaky_gelu_small", shrink=True)
     torch._dynamo.mark_dynamic(x, 0)
     torch._dynamo.mark_dynamic(x, 2)
     (region,) = regions(model, (x,))

@@ -48,8 +48,8 @@ def test_every_spelling_of_the_global_mean_fuses(name):
     assert fused == [f"conv_transpose2d -> {label}"]
 
 
-def test_seed_c_fuses_its_conv_and_mean_and_leaves_the_tail(seed_models):
-    model, inputs = seed_models("seed_c_small", shrink=True)
+def test_global_mean_pipeline_fuses_its_conv_and_mean_and_leaves_the_tail(seed_models):
+    model, inputs = seed_models("convt2d_global_mean_bias_logsumexp_small", shrink=True)
     for dynamic in (False, True):
         fused, result = summary(model, inputs, dynamic=dynamic)
         assert fused == ["conv_transpose2d -> global_mean"]

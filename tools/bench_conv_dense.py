@@ -1,8 +1,8 @@
-"""Time the dense conv forward (``kernels/conv_dense.py``) on seed B against cuDNN, the library-path op
-and the general fused kernel (``kernels/conv_fused.py``).
+"""Time the dense conv forward (``kernels/conv_dense.py``) on the ``seeds`` suite's Conv2d against cuDNN,
+the library-path op and the general fused kernel (``kernels/conv_fused.py``).
 
-    python tools/bench_conv_dense.py                  # seed B full size: fp32 (TF32), bf16, fp32 x -> bf16
-    python tools/bench_conv_dense.py --small          # seed B small (128, 3, 32, 32) -> 16 channels
+    python tools/bench_conv_dense.py                  # Conv2d 64->64 k3 on (64, 64, 256, 256): fp32 (TF32), bf16, fp32 x -> bf16
+    python tools/bench_conv_dense.py --small          # Conv2d 3->16 k3 on (128, 3, 32, 32)
     python tools/bench_conv_dense.py --cases fp32 --save off --tiles "64,32,4,3;128,32,8,3"
 
 Per case (``fp32``: fp32 x and weight, TF32 as ``torch.backends.cudnn.allow_tf32`` says, PyTorch's
@@ -46,7 +46,7 @@ CASES = {
 }
 
 
-def _seed(small: bool, dtype: torch.dtype):
+def _conv2d(small: bool, dtype: torch.dtype):
     torch.manual_seed(0)
     if small:
         x, w = torch.rand(128, 3, 32, 32), torch.randn(16, 3, 3, 3) * 0.2
@@ -111,7 +111,7 @@ def run_case(case: str, save: bool, small: bool, tile: tuple[int, ...] | None, d
 
     errors: list[str] = []
     dtype, compute = CASES[case]
-    x, w, b, m = _seed(small, dtype)
+    x, w, b, m = _conv2d(small, dtype)
     n, cin, h, wd = x.shape
     cout = w.shape[0]
     oh, ow = h - 2, wd - 2
@@ -196,7 +196,7 @@ def run_case(case: str, save: bool, small: bool, tile: tuple[int, ...] | None, d
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="seed B small: (128, 3, 32, 32) -> 16 channels")
+    parser.add_argument("--small", action="store_true", help="the small Conv2d: (128, 3, 32, 32) -> 16 channels")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--save", default="both", choices=("both", "on", "off"))
     parser.add_argument("--tiles", default="", help="'M,K,warps,stages;...': time these tiles, no autotuning")
@@ -215,14 +215,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from fusion_backend.kernels import conv_dense, conv_fused
 
-    # conv_fused's own tile search on seed B would take minutes: its heuristic tile is timed.
+    # conv_fused's own tile search on the full-size Conv2d would take minutes: its heuristic tile is timed.
     conv_fused._AUTOTUNE_MIN_MACS = 2**62
     if args.kw_group:
         conv_dense.MAX_KW_GROUP = args.kw_group
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";")] if args.tiles else [None]
     saves = {"both": (False, True), "on": (True,), "off": (False,)}[args.save]
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
-          f"tf32 {torch.backends.cudnn.allow_tf32} {'seed B small' if args.small else 'seed B'}")  # fmt: skip
+          f"tf32 {torch.backends.cudnn.allow_tf32} {'Conv2d 3->16 on 128x3x32x32' if args.small else 'Conv2d 64->64 on 64x64x256x256'}")  # fmt: skip
     print(f"{'case':10s} {'save':5s} {'dense':>8s} {'cudnn':>8s} {'library':>8s} {'fused':>8s} "
           f"{'GB/s':>6s} {'TFLOPs':>6s}  {'rel.err norm/max':>16s} {'tile M,N,K,w,s':16s} first")  # fmt: skip
     for tile in tiles:

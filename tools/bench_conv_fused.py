@@ -1,9 +1,12 @@
-"""Time the fused conv forward (``FUSION_CONV_IMPL=triton``) against the library path on the seeds.
+"""Time the fused conv forward (``FUSION_CONV_IMPL=triton``) against the library path.
 
-    python tools/bench_conv_fused.py                       # seeds A and B, fp32 and bf16
-    python tools/bench_conv_fused.py --seeds A --dtypes fp32 --no-save
+    python tools/bench_conv_fused.py                       # convt3d and conv2d, fp32 and bf16
+    python tools/bench_conv_fused.py --seeds convt3d --dtypes fp32 --no-save
 
-For each seed x dtype it prints the median ms (``triton.testing.do_bench``) of
+``--seeds`` names the convs of the ``seeds`` suite (``demos/seeds/``): ``convt3d`` (ConvTranspose3d
+16->32 k3 s2 on 16x16x16x32x32, leaky -> x m -> leaky, MaxPool3d(2)), ``conv2d`` (Conv2d 64->64 k3 on
+64x64x256x256, x m -> leaky -> GELU) and ``conv2d_small`` (Conv2d 3->16 k3 on 128x3x32x32, same chain).
+For each conv x dtype it prints the median ms (``triton.testing.do_bench``) of
 ``fusion::conv_epilogue_fwd`` with the fused implicit-GEMM kernel and with cuDNN + the epilogue
 kernel, the cuDNN conv alone, the eager module, the autotuned tile, and the relative error of the
 fused output vs the library path.  ``save`` = the training forward (writes the backward state).
@@ -25,15 +28,15 @@ from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
 PK = PointwiseKind
 
 
-def _seed(name: str, dtype: torch.dtype):
+def _workload(name: str, dtype: torch.dtype):
     torch.manual_seed(0)
-    if name == "A":
+    if name == "convt3d":
         spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
         leaky = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
         chain = (leaky, ChainStep(PK.MUL, (TensorRef(0),)), leaky)
         pool = PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
         x, w, c = torch.rand(16, 16, 16, 32, 32), torch.randn(16, 32, 3, 3, 3) * 0.1, 32
-    else:  # "B", or "Bsmall" (demos/seeds/seed_b_small.py's shapes)
+    else:  # "conv2d", or "conv2d_small" (demos/seeds/conv2d_mul_leaky_gelu_small.py's shapes)
         spec = ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
         chain = (
             ChainStep(PK.MUL, (TensorRef(0),)),
@@ -41,7 +44,7 @@ def _seed(name: str, dtype: torch.dtype):
             ChainStep(PK.GELU),
         )
         pool = None
-        if name == "Bsmall":
+        if name == "conv2d_small":
             x, w, c = torch.rand(128, 3, 32, 32), torch.randn(16, 3, 3, 3) * 0.2, 16
         else:
             x, w, c = torch.rand(64, 64, 256, 256), torch.randn(64, 64, 3, 3) * 0.05, 64
@@ -53,7 +56,7 @@ def _seed(name: str, dtype: torch.dtype):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="A,B")
+    parser.add_argument("--seeds", default="convt3d,conv2d", help="convt3d, conv2d, conv2d_small")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--no-save", action="store_true", help="inference forward only (no saved state)")
     args = parser.parse_args(argv)
@@ -67,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     save = not args.no_save
     print(
-        f"{'seed':4} {'dtype':5} {'save':5} {'fused':>8} {'library':>8} {'cudnn':>8} {'eager':>8}  rel.err  tile"
+        f"{'conv':12} {'dtype':5} {'save':5} {'fused':>8} {'library':>8} {'cudnn':>8} {'eager':>8}  rel.err  tile"
     )
     for seed in args.seeds.split(","):
         for dname in args.dtypes.split(","):
-            x, w, b, ops, spec, config = _seed(seed, dtypes[dname])
+            x, w, b, ops, spec, config = _workload(seed, dtypes[dname])
 
             def op(impl: str, x=x, w=w, b=b, ops=ops, config=config):
                 os.environ[ce.CONV_IMPL_ENV] = impl
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             with torch.no_grad():
                 t_eager = triton.testing.do_bench(eager)
             best = getattr(conv_fused._conv_fused_fwd_tuned, "best_config", None)
-            print(f"{seed:4} {dname:5} {save!s:5} {times['triton']:8.3f} {times['library']:8.3f} {t_conv:8.3f} "
+            print(f"{seed:12} {dname:5} {save!s:5} {times['triton']:8.3f} {times['library']:8.3f} {t_conv:8.3f} "
                   f"{t_eager:8.3f}  {rel:.1e}  {best}")  # fmt: skip
     os.environ.pop(ce.CONV_IMPL_ENV, None)
     return 0

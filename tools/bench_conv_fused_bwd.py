@@ -1,11 +1,11 @@
 """Time the compact-gradient conv backward kernels against aten's convolution_backward (CUDA).
 
-    python tools/bench_conv_fused_bwd.py                       # seeds A and B, fp32 (TF32 per cudnn flag) and bf16
-    python tools/bench_conv_fused_bwd.py --seeds A --dtypes fp32 --no-tf32 --reps 50
+    python tools/bench_conv_fused_bwd.py                       # convt3d and conv2d, fp32 (TF32 per cudnn flag) and bf16
+    python tools/bench_conv_fused_bwd.py --seeds convt3d --dtypes fp32 --no-tf32 --reps 50
 
-Seed A: ConvTranspose3d 16->32 k3 s2 p1 op1 on (16, 16, 16, 32, 32), gradient in max-pooled form (b)
-(``g_win`` + int8 winners of MaxPool3d(2)).  Seed B: Conv2d 64->64 k3 on (64, 64, 256, 256), dense
-form (a).  For each: parity vs aten (fp32 ieee reference on the full-size gradient), then the median of
+The convs of the ``seeds`` suite (``demos/seeds/``): ``convt3d``: ConvTranspose3d 16->32 k3 s2 p1 op1
+on (16, 16, 16, 32, 32), gradient in max-pooled form (b) (``g_win`` + int8 winners of MaxPool3d(2)).
+``conv2d``: Conv2d 64->64 k3 on (64, 64, 256, 256), dense form (a).  For each: parity vs aten (fp32 ieee reference on the full-size gradient), then the median of
 CUDA-event timings after warm-up (the first calls autotune) for grad_x, grad_w, grad_b and all three,
 and aten's ``convolution_backward`` on the full-size gradient (grad_x + grad_w + grad_b) for
 comparison; GB/s counts the compulsory bytes (inputs read once, outputs written once), TFLOP/s the
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fusion_backend.kernels import conv_fused_bwd as K  # noqa: E402
 
 
-def seed_a(dtype: torch.dtype):
+def convt3d_maxpool(dtype: torch.dtype):
     torch.manual_seed(0)
     x = torch.rand(16, 16, 16, 32, 32, device="cuda")
     w = torch.randn(16, 32, 3, 3, 3, device="cuda") * 0.1
@@ -45,7 +45,7 @@ def seed_a(dtype: torch.dtype):
     return x.to(dtype), w.to(dtype), args, compact, full.to(dtype), g_win.numel() * (g_win.element_size() + 1)
 
 
-def seed_b(dtype: torch.dtype):
+def conv2d_dense(dtype: torch.dtype):
     torch.manual_seed(0)
     x = torch.rand(64, 64, 256, 256, device="cuda")
     w = torch.randn(64, 64, 3, 3, device="cuda") * 0.05
@@ -74,10 +74,10 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def bench_case(seed: str, dname: str, dtype: torch.dtype, reps: int) -> None:
-    x, w, args, grad, full, grad_bytes = (seed_a if seed == "A" else seed_b)(dtype)
+    x, w, args, grad, full, grad_bytes = (convt3d_maxpool if seed == "convt3d" else conv2d_dense)(dtype)
     reason = K.unsupported_reason(grad, x, w, *args)
     if reason:
-        print(f"seed {seed} {dname}: unsupported: {reason}")
+        print(f"{seed} {dname}: unsupported: {reason}")
         return
     # parity: fp32 IEEE aten on the full-size gradient
     saved = torch.backends.cudnn.allow_tf32
@@ -106,7 +106,7 @@ def bench_case(seed: str, dname: str, dtype: torch.dtype, reps: int) -> None:
             full.numel() * full.element_size() + 2 * xb + 2 * wb, 2 * flops,
         ),
     }  # fmt: skip
-    print(f"\nseed {seed} {dname}: parity vs fp32 aten: {errs}")
+    print(f"\n{seed} {dname}: parity vs fp32 aten: {errs}")
     for name, (fn, nbytes, nflops) in runs.items():
         ms = time_ms(fn, reps)
         tflops = f"{nflops / ms / 1e9:7.1f} TFLOP/s" if nflops else ""
@@ -117,7 +117,7 @@ def bench_case(seed: str, dname: str, dtype: torch.dtype, reps: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="A,B")
+    parser.add_argument("--seeds", default="convt3d,conv2d", help="convt3d, conv2d")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-tf32", action="store_true", help="fp32 in IEEE (cudnn.allow_tf32 = False)")
@@ -130,7 +130,7 @@ def main() -> int:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     for seed in opts.seeds.split(","):
         for dname in opts.dtypes.split(","):
-            bench_case(seed.upper(), dname, dtypes[dname], opts.reps)
+            bench_case(seed.lower(), dname, dtypes[dname], opts.reps)
     return 0
 
 

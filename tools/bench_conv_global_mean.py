@@ -1,4 +1,5 @@
-"""GPU timing of the ``conv_global_mean`` fused op on seed C (self-contained; needs CUDA).
+"""GPU timing of the ``conv_global_mean`` fused op on the ``seeds`` suite's ConvTranspose2d 64->128 k3
+global-mean pipeline (self-contained; needs CUDA).
 
 Prints, for fp32 and bf16 (bf16 x/weight/bias, the folded bias and the output in fp32 as under
 autocast), in channels-first and channels_last layouts:
@@ -73,7 +74,7 @@ def count_kernels(fn: Callable[[], object]) -> tuple[int, list[str]]:
 def build_cases(
     dtype: torch.dtype, channels_last: bool, batch: int, size: tuple[int, int] = (512, 512), device: str = "cuda"
 ) -> tuple[torch.Tensor, dict[str, Callable[[], object]], dict[str, Callable[[], object]]]:
-    """Seed C's op at ``size``: ``(x, per_kernel, per_op)`` callables (launchers alone; op fwd/bwd/step)."""
+    """The global-mean pipeline's op at ``size``: ``(x, per_kernel, per_op)`` callables (launchers alone; op fwd/bwd/step)."""
     torch.manual_seed(0)
     dev = torch.device(device)
     c_in, c_out = 64, 128
@@ -155,7 +156,7 @@ def bench(
     forward, backward, step = per_op.values()
     label = f"{str(dtype).replace('torch.', '')} {'channels_last' if channels_last else 'contiguous'}"
     floor_ms = x.numel() * x.element_size() / FLOOR_BYTES_PER_S * 1e3
-    print(f"\n== seed C, x {tuple(x.shape)} {label}: floor (x once at 3 TB/s) {floor_ms:.3f} ms")
+    print(f"\n== ConvTranspose2d 64->128 global mean, x {tuple(x.shape)} {label}: floor (x once at 3 TB/s) {floor_ms:.3f} ms")
     for name, fn in per_kernel.items():
         print(f"  {name:44s} {cuda_ms(fn, reps, warmup):8.3f} ms")
     fwd_ms = cuda_ms(forward, reps, warmup)

@@ -1,18 +1,19 @@
 """Compile the dense conv forward kernel (``kernels/conv_dense.py``) for sm_90a without a GPU.
 
-    python tools/compile_check_conv_dense.py [--quick] [--cases B-fp32,B-bf16,B-fp32x-bf16]
+    python tools/compile_check_conv_dense.py [--quick] [--cases conv2d-fp32,conv2d-bf16,conv2d-fp32x-bf16]
         [--save both|on|off] [--tiles M,K,warps,stages;...] [--sass] [--dump-sass DIR]
 
-For seed B (Conv2d(64, 64, 3) over (64, 64, 256, 256), chain mul -> leaky_relu -> gelu, no pool):
-``B-fp32`` fp32 x and weight with TF32 (``allow_tf32``, PyTorch's default), ``B-bf16`` bf16 x and
-weight, ``B-fp32x-bf16`` fp32 x and weight with ``compute_dtype=bfloat16`` (autocast absorbed), each
-with and without the saved conv output.  The launcher runs on empty CPU tensors of the full seed
-shapes with the kernels replaced by recorders, so the constexprs and the argument specialisation
-(``tt.divisibility``, ints equal to 1) are exactly what a CUDA launch compiles; then for every
-autotune tile ``_prune`` keeps (only the first with ``--quick``): Triton -> PTX -> cubin for sm_90a,
-``ptxas -v`` for registers and spills, and whether ``wgmma`` appears in the PTX (see
-``tools/compile_check_conv_fused.py``, whose compile and SASS helpers this reuses).  The weight
-prearrangement kernel is compiled once per case.  Exit status 1 when any compile failed.
+For the ``seeds`` suite's Conv2d(64, 64, 3) over (64, 64, 256, 256), chain mul -> leaky_relu -> gelu,
+no pool: ``conv2d-fp32`` fp32 x and weight with TF32 (``allow_tf32``, PyTorch's default),
+``conv2d-bf16`` bf16 x and weight, ``conv2d-fp32x-bf16`` fp32 x and weight with
+``compute_dtype=bfloat16`` (autocast absorbed), each with and without the saved conv output.  The
+launcher runs on empty CPU tensors of the full shapes with the kernels replaced by recorders, so the
+constexprs and the argument specialisation (``tt.divisibility``, ints equal to 1) are exactly what a
+CUDA launch compiles; then for every autotune tile ``_prune`` keeps (only the first with ``--quick``):
+Triton -> PTX -> cubin for sm_90a, ``ptxas -v`` for registers and spills, and whether ``wgmma``
+appears in the PTX (see ``tools/compile_check_conv_fused.py``, whose compile and SASS helpers this
+reuses).  The weight prearrangement kernel is compiled once per case.  Exit status 1 when any compile
+failed.
 """
 
 from __future__ import annotations
@@ -33,16 +34,16 @@ from fusion_backend.kernels.epilogue import OP_CODES  # noqa: E402
 _TILE_KEYS = ("BLOCK_M", "BLOCK_K", "num_warps", "num_stages")
 #: case -> (x dtype, weight dtype, compute dtype)
 CASES = {
-    "B-fp32": (torch.float32, torch.float32, None),
-    "B-bf16": (torch.bfloat16, torch.bfloat16, None),
-    "B-fp32x-bf16": (torch.float32, torch.float32, torch.bfloat16),
+    "conv2d-fp32": (torch.float32, torch.float32, None),
+    "conv2d-bf16": (torch.bfloat16, torch.bfloat16, None),
+    "conv2d-fp32x-bf16": (torch.float32, torch.float32, torch.bfloat16),
 }
 
 
 def record_launch(
     case: str, save: bool, shape: tuple[int, ...] = (64, 64, 256, 256)
 ) -> tuple[tuple, dict, tuple]:
-    """``(args, constexprs)`` of the main kernel's launch for seed B (tile keys left out), and
+    """``(args, constexprs)`` of the main kernel's launch for that Conv2d (tile keys left out), and
     ``(args, constexprs)`` of the weight prearrangement's."""
     x_dtype, w_dtype, compute = CASES[case]
     rec, rec_w = ccf._Recorder(), ccf._Recorder()
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as err:  # noqa: BLE001
                     failures += 1
                     line = f"FAIL {type(err).__name__}: {str(err)[:1500]}"
-                print(f"{name:18s} {'weight matrix':21s} {line}", flush=True)
+                print(f"{name:22s} {'weight matrix':21s} {line}", flush=True)
             if opts.tiles:
                 configs = [
                     triton.Config(dict(BLOCK_M=t[0], BLOCK_K=t[1]), num_warps=t[2], num_stages=t[3])
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as err:  # noqa: BLE001 - report every failing specialisation, go on
                     failures += 1
                     line = f"FAIL {type(err).__name__}: {str(err)[:1500]}"
-                print(f"{name:18s} {tile:21s} {line}", flush=True)
+                print(f"{name:22s} {tile:21s} {line}", flush=True)
     return 1 if failures else 0
 
 

@@ -1,11 +1,13 @@
 """Compile the fused conv forward kernel for sm_90 without a GPU: catches GPU-only compile errors.
 
-    python tools/compile_check_conv_fused.py [--quick] [--cases A-fp32,A-bf16,A-amp,B-fp32,B-bf16,Awide-fp32]
-        [--tiles M,N,K,warps,stages;...] [--sass] [--dump-sass DIR]
+    python tools/compile_check_conv_fused.py [--quick] [--sass] [--dump-sass DIR]
+        [--cases convt3d-fp32,convt3d-bf16,convt3d-amp,conv2d-fp32,conv2d-bf16,convt3d_wide-fp32]
+        [--tiles M,N,K,warps,stages;...]
 
-For the seed-A (ConvTranspose3d + chain + MaxPool3d, training forward with saved state) and seed-B
-(Conv2d + chain, no pool) specialisations, fp32 (TF32) and bf16: the launcher runs on empty CPU
-tensors of the full seed shapes with the kernel replaced by a recorder, so the constexprs and the
+For the ``convt3d`` (ConvTranspose3d 16->32 + chain + MaxPool3d(2) on 16x16x16x32x32, training
+forward with saved state) and ``conv2d`` (Conv2d 64->64 + chain on 64x64x256x256, no pool)
+specialisations of the ``seeds`` suite, fp32 (TF32) and bf16: the launcher runs on empty CPU
+tensors of the full shapes with the kernel replaced by a recorder, so the constexprs and the
 argument specialisation (``tt.divisibility``, ints equal to 1) are exactly what a CUDA launch would
 compile; then, for every autotune config that ``_prune`` keeps for the shape (only the first with
 ``--quick``), Triton -> PTX -> cubin for sm_90a and ``ptxas -v`` (Triton's bundled ptxas) for
@@ -63,14 +65,14 @@ class _Recorder:
         return lambda *args, **kw: self.calls.append((args, kw))
 
 
-def _seed(name: str, dtype: torch.dtype, compute_dtype: str | None = None):
-    """The seed's tensors (empty, full size, CPU) and config, as ``tools/bench_conv_fused.py``."""
-    if name in ("A", "Awide"):  # Awide: 48 input channels, the SHIFT_K path with several channel blocks
+def _workload(name: str, dtype: torch.dtype, compute_dtype: str | None = None):
+    """The conv's tensors (empty, full size, CPU) and config, as ``tools/bench_conv_fused.py``."""
+    if name in ("convt3d", "convt3d_wide"):  # convt3d_wide: 48 input channels, SHIFT_K with several channel blocks
         spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
         leaky = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
         chain = (leaky, ChainStep(PK.MUL, (TensorRef(0),)), leaky)
         pool = PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
-        cin = 16 if name == "A" else 48
+        cin = 16 if name == "convt3d" else 48
         x, w, c = torch.empty(16, cin, 16, 32, 32, dtype=dtype), torch.empty(cin, 32, 3, 3, 3, dtype=dtype), 32
     else:
         spec = ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
@@ -83,14 +85,14 @@ def _seed(name: str, dtype: torch.dtype, compute_dtype: str | None = None):
 
 
 def record_launch(seed: str, dtype: torch.dtype, compute_dtype: str | None = None) -> tuple[tuple, dict, tuple | None]:
-    """The positional args and keyword constexprs of the seed's training-forward launch, and the
+    """The positional args and keyword constexprs of the conv's training-forward launch, and the
     (args, constexprs) of its weight-matrix launch (None when the path has none)."""
     rec, rec_w = _Recorder(), _Recorder()
     saved = CF._conv_fused_fwd_kernel, CF._shift_k_weight_kernel, CF._INTERPRET, torch.backends.cudnn.allow_tf32
     CF._conv_fused_fwd_kernel, CF._shift_k_weight_kernel, CF._INTERPRET = rec, rec_w, False
     torch.backends.cudnn.allow_tf32 = True  # PyTorch's default on CUDA
     try:
-        x, w, b, ops, cfg = _seed(seed, dtype, compute_dtype)
+        x, w, b, ops, cfg = _workload(seed, dtype, compute_dtype)
         ce._fused_conv_forward(x, w, b, ops, cfg, True)
     finally:
         CF._conv_fused_fwd_kernel, CF._shift_k_weight_kernel, CF._INTERPRET, torch.backends.cudnn.allow_tf32 = saved
@@ -223,7 +225,7 @@ def compile_one(args: tuple, consts: dict, num_warps: int, num_stages: int, fn=N
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the first kept config per case")
-    parser.add_argument("--cases", default="A-fp32,A-bf16,A-amp,B-fp32,B-bf16")
+    parser.add_argument("--cases", default="convt3d-fp32,convt3d-bf16,convt3d-amp,conv2d-fp32,conv2d-bf16")
     parser.add_argument("--tiles", default="", help="'M,N,K,warps,stages;...' instead of the autotune configs")
     parser.add_argument("--sass", action="store_true", help="count SASS instructions by class (main loop, kernel)")
     parser.add_argument("--dump-sass", default="", help="directory for the SASS listings (implies --sass)")
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as err:  # noqa: BLE001
                 failures += 1
                 line = f"FAIL {type(err).__name__}: {str(err)[:1500]}"
-            print(f"{case:7s} {'weight matrix':22s} {line}", flush=True)
+            print(f"{case:17s} {'weight matrix':22s} {line}", flush=True)
         named = dict(zip(CF._conv_fused_fwd_kernel.arg_names, args, strict=False))
         if opts.tiles:
             configs = [
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as err:  # noqa: BLE001 - report every failing specialisation, go on
                 failures += 1
                 line = f"FAIL {type(err).__name__}: {str(err)[:1500]}"
-            print(f"{case:7s} {tile:22s} {line}", flush=True)
+            print(f"{case:17s} {tile:22s} {line}", flush=True)
     return 1 if failures else 0
 
 

@@ -2,8 +2,9 @@
 
     TRITON_DEFAULT_FP_FUSION=1 python tools/compile_check_conv_fused_bwd.py [fp32|bf16] [--quick]
 
-For the seed-A (max-pooled, transposed) and seed-B (dense; NCHW and channels-last) specialisations
-and every autotune config (only the first with ``--quick``): Triton -> PTX -> cubin, then
+For the ``pooled`` (ConvTranspose3d 16->32 k3 s2 behind MaxPool3d(2): max-pooled, transposed) and
+``dense`` (Conv2d 64->64 k3; NCHW and channels-last) specialisations, the convs of the ``seeds``
+suite, and every autotune config (only the first with ``--quick``): Triton -> PTX -> cubin, then
 ``ptxas -v`` for registers and spills.  Uses Triton internals (``ASTSource``), so it may need a touch
 after a Triton update.
 """
@@ -61,18 +62,18 @@ def main() -> int:
              "dx_ptr": f"*{dt}"}  # fmt: skip
     dense = dict(XSD=1, XSH=1, XSW=1, GSD=1, GSH=1, GSW=1, POOLED=False, **NOPOOL, BLOCK_N=64, BLOCK_K=64)
     d_cases = {
-        "seedA": (d_ptr, dict(XSD=1, XSH=1, XSW=1, GSD=2, GSH=2, GSW=2, POOLED=True, G_CL=False, X_CL=False,
-                              **POOL, BLOCK_N=16, BLOCK_K=32)),
-        "seedB": ({**d_ptr, "win_ptr": f"*{dt}"}, dict(dense, G_CL=False, X_CL=False)),
-        "seedB_cl": ({**d_ptr, "win_ptr": f"*{dt}"}, dict(dense, G_CL=True, X_CL=True)),
+        "pooled": (d_ptr, dict(XSD=1, XSH=1, XSW=1, GSD=2, GSH=2, GSW=2, POOLED=True, G_CL=False, X_CL=False,
+                               **POOL, BLOCK_N=16, BLOCK_K=32)),
+        "dense": ({**d_ptr, "win_ptr": f"*{dt}"}, dict(dense, G_CL=False, X_CL=False)),
+        "dense_cl": ({**d_ptr, "win_ptr": f"*{dt}"}, dict(dense, G_CL=True, X_CL=True)),
     }  # fmt: skip
     w_ptr = {"a_ptr": f"*{dt}", "b_ptr": f"*{dt}", "win_ptr": "*i8", "tab_ptr": "*i32", "part_ptr": "*fp32"}
     w_dense = dict(SD=1, SH=1, SW=1, G_IS_A=True, A_POOLED=False, B_POOLED=False, **NOPOOL, BLOCK_A=64, BLOCK_G=64)
     w_cases = {
-        "seedA": (w_ptr, dict(SD=2, SH=2, SW=2, G_IS_A=False, A_POOLED=False, B_POOLED=True, A_CL=False, B_CL=False,
-                              **POOL, BLOCK_A=16, BLOCK_G=32, BLOCK_R=32, LINE_MODE=True)),
-        "seedB": (w_ptr, dict(w_dense, A_CL=False, B_CL=False, BLOCK_R=64, LINE_MODE=True)),
-        "seedB_cl_flat": (w_ptr, dict(w_dense, A_CL=True, B_CL=True, BLOCK_R=64, LINE_MODE=False)),
+        "pooled": (w_ptr, dict(SD=2, SH=2, SW=2, G_IS_A=False, A_POOLED=False, B_POOLED=True, A_CL=False, B_CL=False,
+                               **POOL, BLOCK_A=16, BLOCK_G=32, BLOCK_R=32, LINE_MODE=True)),
+        "dense": (w_ptr, dict(w_dense, A_CL=False, B_CL=False, BLOCK_R=64, LINE_MODE=True)),
+        "dense_cl_flat": (w_ptr, dict(w_dense, A_CL=True, B_CL=True, BLOCK_R=64, LINE_MODE=False)),
     }  # fmt: skip
     for kernel, configs, cases in ((K._dgrad_tuned, K._dgrad_configs(), d_cases),
                                    (K._wgrad_tuned, K._wgrad_configs(), w_cases)):  # fmt: skip

@@ -1,14 +1,15 @@
 """Compile the conv_shift_bwd kernels for sm_90 without a GPU: catches GPU-only compile errors.
 
-    python tools/compile_check_conv_shift_bwd.py [--quick] [--cases A-fp32,A-bf16,A-fp32-cl] [--tiles ...]
+    python tools/compile_check_conv_shift_bwd.py [--quick] [--cases convt3d-fp32,convt3d-bf16,convt3d-fp32-cl]
+        [--tiles ...]
 
-For seed A (ConvTranspose3d 16->32 k3 s2 p1 op1 on (16, 16, 16, 32, 32), MaxPool3d(2) gradient in
-compact form), fp32 (TF32) and bf16, contiguous or channels-last (``-cl``): the launchers run on
-empty CPU tensors of the full seed shapes with the kernels replaced by recorders, so the constexprs
-and the argument specialisation (``tt.divisibility``, ints equal to 1) are exactly what a CUDA
-launch would compile; then, for every tile the autotuner would try on that shape (only the first
-with ``--quick``), Triton -> PTX -> cubin for sm_90a and ``ptxas -v`` (Triton's bundled ptxas) for
-registers and spills, plus shared memory and whether ``wgmma`` appears in the PTX.  The finish
+For ``convt3d``, the ``seeds`` suite's ConvTranspose3d 16->32 k3 s2 p1 op1 on (16, 16, 16, 32, 32)
+(MaxPool3d(2) gradient in compact form), fp32 (TF32) and bf16, contiguous or channels-last (``-cl``):
+the launchers run on empty CPU tensors of the full shapes with the kernels replaced by recorders, so
+the constexprs and the argument specialisation (``tt.divisibility``, ints equal to 1) are exactly what
+a CUDA launch would compile; then, for every tile the autotuner would try on that shape (only the
+first with ``--quick``), Triton -> PTX -> cubin for sm_90a and ``ptxas -v`` (Triton's bundled ptxas)
+for registers and spills, plus shared memory and whether ``wgmma`` appears in the PTX.  The finish
 kernel (weight-grad partials -> taps) is compiled once per case.  Uses Triton internals
 (``ASTSource``, ``native_specialize_impl``), so it may need a touch after a Triton update.
 
@@ -65,7 +66,7 @@ class _Recorder:
         return lambda *args, **kw: self.calls.append((args, kw))
 
 
-def _seed_a(dtype: torch.dtype, channels_last: bool):
+def _convt3d_maxpool(dtype: torch.dtype, channels_last: bool):
     x = torch.empty(16, 16, 16, 32, 32, dtype=dtype)
     w = torch.empty(16, 32, 3, 3, 3, dtype=dtype)
     g_win = torch.empty(16, 32, 16, 32, 32, dtype=torch.float32)
@@ -78,7 +79,7 @@ def _seed_a(dtype: torch.dtype, channels_last: bool):
 
 
 def record_launches(dtype: torch.dtype, channels_last: bool) -> dict[str, tuple[tuple, dict]]:
-    """Per kernel name, the positional args and keyword constexprs of seed A's backward launches."""
+    """Per kernel name, the positional args and keyword constexprs of the ConvT3d conv's backward launches."""
     recorders = {name: _Recorder(getattr(S, name)) for name in _KERNELS}
     saved = {name: getattr(S, name) for name in _KERNELS}
     saved_flags = S._INTERPRET, S._sm_count, torch.backends.cudnn.allow_tf32
@@ -87,7 +88,7 @@ def record_launches(dtype: torch.dtype, channels_last: bool) -> dict[str, tuple[
     S._INTERPRET, S._sm_count = False, lambda device: 132  # an H100's SM count sets the split count
     torch.backends.cudnn.allow_tf32 = True  # PyTorch's default on CUDA
     try:
-        grad, x, w, args = _seed_a(dtype, channels_last)
+        grad, x, w, args = _convt3d_maxpool(dtype, channels_last)
         geo = S._geometry(grad, x, w, args[0], args[1], args[2], args[4], args[5])
         S._prepare_input_grad(grad, x, w, geo, x.dtype)(grad, x, w)
         S._prepare_weight_grad(grad, x, w, geo, x.dtype)(grad, x, w)
@@ -221,7 +222,7 @@ def _parse_tiles(text: str) -> list[tuple[int, ...]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the first tile per kernel and case")
-    parser.add_argument("--cases", default="A-fp32,A-bf16")
+    parser.add_argument("--cases", default="convt3d-fp32,convt3d-bf16")
     parser.add_argument(
         "--sass", action="store_true", help="count the main loop's SASS instructions by class"
     )
@@ -241,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["SASS_DUMP"] = opts.sass_dump
     for case in opts.cases.split(","):
         os.environ["SASS_CASE"] = case
-        seed, dt, *rest = case.split("-")
-        assert seed == "A", f"only seed A is known, got {case!r}"
+        conv, dt, *rest = case.split("-")
+        assert conv == "convt3d", f"only convt3d is known, got {case!r}"
         launches = record_launches(dtypes[dt], "cl" in rest)
         for name, tiles, custom in (
             ("_shift_dgrad_kernel", S._DGRAD_TILES, opts.dgrad_tiles),
@@ -263,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
                     failures += 1
                     line = f"FAIL {type(err).__name__}: {str(err)[:1500]}"
                 label = f"M{bm} CI{bci} CO{bco} KPB{kpb} w{warps} s{stages}"
-                print(f"{case:10s} {name[7:12]} {label:30s} {line}", flush=True)
+                print(f"{case:16s} {name[7:12]} {label:30s} {line}", flush=True)
         args, consts = launches["_shift_wgrad_finish_kernel"]
         line = compile_one(S._shift_wgrad_finish_kernel, args, consts, 4, 1)
-        print(f"{case:10s} finish {'':30s} {line}", flush=True)
+        print(f"{case:16s} finish {'':30s} {line}", flush=True)
     return 1 if failures else 0
 
 

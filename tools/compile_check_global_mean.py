@@ -2,16 +2,17 @@
 
     python tools/compile_check_global_mean.py [--verbose]
 
-The ``conv_global_mean`` kernels are on seed C's default path: a kernel that compiles under the
-interpreter but not for the GPU makes the op fall back to the slow torch reference (with one warning),
-so run this after every change to the file.
+The ``conv_global_mean`` kernels are on the default path of the ``seeds`` suite's global-mean
+pipeline: a kernel that compiles under the interpreter but not for the GPU makes the op fall back to
+the slow torch reference (with one warning), so run this after every change to the file.
 
 How: the real launchers (``set_sums_partial``, ``contract_forward``, ``params_backward``,
-``grad_broadcast``) are called with seed C's arguments on CPU tensors (empty, never read) while each
-``JITFunction.run`` is replaced by a recorder.  Each recorded launch then goes through Triton's own
-argument binder and ``_pack_args`` (the code a real launch runs), so the signature, the constexprs
-and the divisibility attributes are exactly the ones a launch on the GPU would compile, and is compiled
-with ``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32))``
+``grad_broadcast``) are called with that pipeline's arguments on CPU tensors (empty, never read) while
+each ``JITFunction.run`` is replaced by a recorder.  Each recorded launch then goes through Triton's
+own argument binder and ``_pack_args`` (the code a real launch runs), so the signature, the constexprs
+and the divisibility attributes are exactly the ones a launch on the GPU would compile, and is
+compiled with
+``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32))``
 to PTX and cubin; Triton's bundled ``ptxas -v`` reports registers and spills.
 
 Tuple arguments in an ``ASTSource`` signature (what the binder produces, printed with ``--verbose``): a
@@ -20,11 +21,12 @@ that Triton specializes (an int equal to 1) is ``'constexpr'`` with its value un
 ``(arg_index, element_index)`` in ``constexprs``; a ``tl.constexpr`` tuple parameter (``KINDS``) is
 ``'constexpr'`` with the whole tuple under ``(arg_index,)``.
 
-Specialisations: seed C (x (16, 64, 512, 512), ConvTranspose2d 64->128 k3, the folded ``+ bias``
-operand), fp32 and bf16 (fp32 output as under autocast), contiguous and channels_last x, with the split
-counts an H100 (132 SMs) would choose; plus, in fp32, a padded grouped Conv2d without bias (several
-index sets per dim, the other constexpr branches).  Uses Triton internals, so it may need a touch after a Triton
-update.  Exit status 1 when a kernel fails to compile or spills.
+Specialisations: the global-mean pipeline (x (16, 64, 512, 512), ConvTranspose2d 64->128 k3, the
+folded ``+ bias`` operand), fp32 and bf16 (fp32 output as under autocast), contiguous and
+channels_last x, with the split counts an H100 (132 SMs) would choose; plus, in fp32, a padded grouped
+Conv2d without bias (several index sets per dim, the other constexpr branches).  Uses Triton
+internals, so it may need a touch after a Triton update.  Exit status 1 when a kernel fails to compile
+or spills.
 """
 
 from __future__ import annotations
@@ -73,13 +75,14 @@ def record_launches(calls: list[tuple[JITFunction, tuple, dict]]) -> list[JITFun
     return kernels
 
 
-def seed_c_launches(
+def global_mean_pipeline_launches(
     dtype: torch.dtype, channels_last: bool, padded: bool = False
 ) -> list[tuple[JITFunction, tuple, dict]]:
-    """Call the four launchers as the op does for seed C; returns the recorded kernel launches.
+    """Call the four launchers as the op does for the global-mean pipeline; returns the recorded kernel
+    launches.
 
-    ``padded``: a variant off seed C's path that takes the other branches of the same kernels: a
-    regular Conv2d with padding 1 and 2 groups (3 index sets per dim: the tapset gather), no bias, a
+    ``padded``: a variant off that pipeline's path that takes the other branches of the same kernels:
+    a regular Conv2d with padding 1 and 2 groups (3 index sets per dim: the tapset gather), no bias, a
     constant step."""
     calls: list[tuple[JITFunction, tuple, dict]] = []
     record_launches(calls)
@@ -175,8 +178,9 @@ def main() -> int:
     cases += [(torch.float32, False, True), (torch.float32, True, True)]
     for dtype, channels_last, padded in cases:
         label = f"{str(dtype).removeprefix('torch.')} {'channels_last' if channels_last else 'contiguous'}"
-        print(f"== {'padded grouped conv (off the seed path)' if padded else 'seed C'} {label}")
-        for kern, kargs, kwargs in seed_c_launches(dtype, channels_last, padded):
+        what = "padded grouped conv (off the pipeline's path)" if padded else "ConvTranspose2d 64->128 global mean"
+        print(f"== {what} {label}")
+        for kern, kargs, kwargs in global_mean_pipeline_launches(dtype, channels_last, padded):
             seen.add(kern.fn.__name__)
             try:
                 line, ok = compile_launch(kern, kargs, kwargs, args.verbose)

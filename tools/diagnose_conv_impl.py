@@ -1,9 +1,10 @@
 """Accuracy of every forward x backward implementation pair of the fused conv op, against eager and float64.
 
-    python tools/diagnose_conv_impl.py                    # seed A, fp32 (TF32 as PyTorch's default) and bf16
-    python tools/diagnose_conv_impl.py --seeds A,B --dtypes fp32
+    python tools/diagnose_conv_impl.py                    # convt3d, fp32 (TF32 as PyTorch's default) and bf16
+    python tools/diagnose_conv_impl.py --seeds convt3d,conv2d --dtypes fp32
 
-For each seed and dtype it runs ``fusion::conv_epilogue_fwd`` with the library forward (cuDNN + the
+``--seeds`` takes the conv names of ``tools/bench_conv_fused.py`` (convt3d, conv2d, conv2d_small).
+For each conv and dtype it runs ``fusion::conv_epilogue_fwd`` with the library forward (cuDNN + the
 epilogue kernel) and the fused kernel (``FUSION_CONV_IMPL=library|triton``), then the library and the
 compact backward on each forward's saved state, with one fixed random upstream gradient, and prints
 ``||got - ref|| / ||ref||`` of the output and of every gradient against eager (the same dtype and
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_conv_fused import _seed  # noqa: E402
+from bench_conv_fused import _workload  # noqa: E402
 
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops.config import ConvEpilogueConfig  # noqa: E402
@@ -58,7 +59,7 @@ def _fused(x, w, b, ops, config, grad_out, fwd: str, bwd: str):  # noqa: ANN001
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="A")
+    parser.add_argument("--seeds", default="convt3d", help="convt3d, conv2d, conv2d_small")
     parser.add_argument("--dtypes", default="fp32,bf16")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -71,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds.split(","):
         for dname in args.dtypes.split(","):
             dtype = dtypes[dname]
-            x, w, b, ops, _spec, config = _seed(seed, dtype)
+            x, w, b, ops, _spec, config = _workload(seed, dtype)
             cfg = ConvEpilogueConfig.from_json(config)
             gen = torch.Generator(device="cuda").manual_seed(1)
             out_shape = torch.ops.fusion.conv_epilogue_fwd(x, w, b, ops, config, False)[0].shape
             grad_out = torch.randn(out_shape, device="cuda", generator=gen)
             eager = _eager(x, w, b, ops, config, grad_out, dtype)
             exact = _eager(x, w, b, ops, config, grad_out.double(), torch.float64)
-            print(f"\n== seed {seed} {dname}: rel. error vs eager / vs float64 ({', '.join(NAMES)})")
+            print(f"\n== {seed} {dname}: rel. error vs eager / vs float64 ({', '.join(NAMES)})")
             print(
                 f"{'eager':22} "
                 + "  ".join(f"{'-':>8} / {_rel(e, f):.1e}" for e, f in zip(eager, exact, strict=True))

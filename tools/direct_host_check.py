@@ -1,12 +1,13 @@
-"""Host time per call of a compiled seed A forward: direct runner vs through Inductor (CUDA).
+"""Host time per call of a compiled ConvT3d pipeline forward: direct runner vs through Inductor (CUDA).
 
     python tools/direct_host_check.py
 
-Compiles seed A at batch 2, 4x8x8 (GPU work ~0, so the time per call is host time) three ways, twice:
-``options={"direct": False}`` (AOTAutograd + Inductor), the default direct runner, and the direct
-runner wrapped in ``torch._dynamo.disable``; then the op's forward function alone.  Prints the best of
-5 rounds of 300 calls, in us.  Also prints whether a torch function mode is active inside the direct
-call and what ``torch.empty`` costs there (a slower dispatch inside the compiled call would show).
+Compiles ``demos/seeds/convt3d_leaky_mul_leaky_maxpool.py`` at batch 2, 4x8x8 (GPU work ~0, so the
+time per call is host time) three ways, twice: ``options={"direct": False}`` (AOTAutograd + Inductor),
+the default direct runner, and the direct runner wrapped in ``torch._dynamo.disable``; then the op's
+forward function alone.  Prints the best of 5 rounds of 300 calls, in us.  Also prints whether a torch
+function mode is active inside the direct call and what ``torch.empty`` costs there (a slower dispatch
+inside the compiled call would show).
 """
 
 import sys
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "demos" / "seeds"))
 sys.path.insert(0, str(ROOT))
 
-import seed_a  # noqa: E402
+import convt3d_leaky_mul_leaky_maxpool as convt3d_pipeline  # noqa: E402
 
 import fusion_backend.backend as B  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
@@ -52,7 +53,7 @@ def main() -> None:
         print("needs CUDA")
         return
     torch.manual_seed(0)
-    model = seed_a.Model(*seed_a.get_init_inputs()).cuda()
+    model = convt3d_pipeline.Model(*convt3d_pipeline.get_init_inputs()).cuda()
     x = torch.rand(2, 16, 4, 8, 8, device="cuda")
     info = {}
     original = ce._conv_epilogue_direct

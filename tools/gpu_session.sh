@@ -5,8 +5,8 @@
 #   tests    the whole test suite on CUDA (pytest -n 4 --dist loadgroup: the full-size gpu tests on one worker, as
 #            four of them at once run an 80 GB H100 out of memory), then the dynamic-shape test with recompile logs
 #   kernels  the kernel-level timing scripts (tools/bench_*.py)
-#   explain  python -m fusion_backend explain --train on the three seeds (issue 3)
-#   parity   tools/parity_check.py: seeds A and B, fp32 (TF32 off) and bf16, no package import
+#   explain  python -m fusion_backend explain --train on the seeds suite's three full-size models
+#   parity   tools/parity_check.py: the ConvT3d and Conv2d models, fp32 (TF32 off) and bf16, no package import
 #   demo     demos/run_demo.py in fp32 and bf16
 #   bench    the benchmark's seeds suite, fp32 + bf16, infer + train (BENCH_ARGS adds options)
 set -uo pipefail
@@ -29,17 +29,17 @@ if has kernels; then
   done
 fi
 if has explain; then
-  for s in a b c; do
-    timeout 60 python3 -m fusion_backend explain "demos/seeds/seed_$s.py" --train 2>&1 | grep -v -i warn \
+  for s in convt3d_leaky_mul_leaky_maxpool conv2d_mul_leaky_gelu convt2d_global_mean_bias_logsumexp; do
+    timeout 60 python3 -m fusion_backend explain "demos/seeds/$s.py" --train 2>&1 | grep -v -i warn \
       | tee -a "$out/explain.log" | tail -14
   done
 fi
 if has parity; then
-  timeout 150 python3 tools/parity_check.py 2>&1 | grep -E "^seed|imported" | tee "$out/parity.log"
+  timeout 150 python3 tools/parity_check.py 2>&1 | grep -E "PASS|FAIL|skipped|imported" | tee "$out/parity.log"
 fi
 if has demo; then
   for d in fp32 bf16; do
-    timeout 150 python3 demos/run_demo.py --seeds a,b,c --dtype "$d" 2>&1 | grep -v -i warn | tee -a "$out/demo.log" | tail -40
+    timeout 150 python3 demos/run_demo.py --seeds convt3d,conv2d,convt2d --dtype "$d" 2>&1 | grep -v -i warn | tee -a "$out/demo.log" | tail -40
   done
 fi
 if has bench; then

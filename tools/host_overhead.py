@@ -7,7 +7,7 @@ microseconds of host time per call (``--calls`` calls back to back, no synchroni
 * a trivial Triton kernel launch and ``torch.empty`` (the floors any launcher pays);
 * each ``conv_global_mean`` launcher alone, the fused op's forward / backward (through the custom
   op and through the undecorated function), and its autograd step;
-* compiled steps of small seed models with ``fusion`` and with ``inductor``;
+* compiled steps of the ``seeds-small`` suite's models with ``fusion`` and with ``inductor``;
 * a cProfile of the op's direct forward and backward (top functions by own time).
 
 Usage (repository root, needs CUDA)::
@@ -94,7 +94,8 @@ def main() -> None:
             cgm.conv_global_mean_fwd, cgm.conv_global_mean_bwd = ops
     print(f"  {'op forward + backward (autograd)':44s} {host_us(per_op['op forward + backward (autograd)'], calls):9.1f}")
     del cgm
-    for path in ("demos/seeds/seed_c_small.py", "demos/seeds/seed_b_small.py"):
+    for name in ("convt2d_global_mean_bias_logsumexp_small", "conv2d_mul_leaky_gelu_small"):
+        path = f"demos/seeds/{name}.py"
         for backend in ("inductor", "fusion"):
             try:
                 compiled_steps(path, backend, calls)

@@ -9,7 +9,7 @@ sync (``synchronize``, ``item``, ``cpu``, a pageable copy) serializes host and d
 
 Usage (repository root, needs CUDA)::
 
-    python tools/host_profile.py demos/seeds/seed_c.py demos/seeds/seed_b_small.py --mode train
+    python tools/host_profile.py demos/seeds/convt2d_global_mean_bias_logsumexp.py demos/seeds/conv2d_mul_leaky_gelu_small.py --mode train
 """
 
 from __future__ import annotations

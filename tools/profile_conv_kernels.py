@@ -3,13 +3,14 @@
     bash tools/profile_conv_kernels.sh            # on the GPU machine: ncu over this script, then a summary
     python tools/profile_conv_kernels.py --summarize ncu.csv
 
-Seeds A and B, fp32 (TF32 as PyTorch's default) and bf16: the fused forward (``FUSION_CONV_IMPL=triton``
-through ``fusion::conv_epilogue_fwd``), the library forward (cuDNN + epilogue kernel) for comparison,
-and the compact backward kernels (``kernels.conv_fused_bwd``).  Every case runs once before the
-range (compilation, autotuning), then once inside ``torch.cuda.profiler`` start/stop, so
-``ncu --profile-from-start off`` sees one launch of each kernel.  ``--summarize`` turns ncu's CSV
-(``--csv --page details``) into a short table: duration, DRAM and SM throughput, occupancy, the
-main warp stall.
+The ``seeds`` suite's ConvTranspose3d and Conv2d convs (``--seeds convt3d,conv2d``, shapes as
+``tools/bench_conv_fused.py``), fp32 (TF32 as PyTorch's default) and bf16: the fused forward
+(``FUSION_CONV_IMPL=triton`` through ``fusion::conv_epilogue_fwd``), the library forward (cuDNN +
+epilogue kernel) for comparison, and the compact backward kernels (``kernels.conv_fused_bwd``).  Every
+case runs once before the range (compilation, autotuning), then once inside ``torch.cuda.profiler``
+start/stop, so ``ncu --profile-from-start off`` sees one launch of each kernel.  ``--summarize`` turns
+ncu's CSV (``--csv --page details``) into a short table: duration, DRAM and SM throughput, occupancy,
+the main warp stall.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def run_cases(seeds: list[str], dtypes: list[str], only: str = "") -> None:
     for seed in seeds:
         for name in dtypes:
             dtype = torch_dtypes[name]
-            x, w, b, ops, _spec, config = fwd_tool._seed(seed, dtype)
+            x, w, b, ops, _spec, config = fwd_tool._workload(seed, dtype)
 
             def forward(impl, x=x, w=w, b=b, ops=ops, config=config):
                 os.environ[ce.CONV_IMPL_ENV] = impl
@@ -46,7 +47,7 @@ def run_cases(seeds: list[str], dtypes: list[str], only: str = "") -> None:
 
             cases.append((f"{seed} {name} forward fused", lambda f=forward: f("triton")))
             cases.append((f"{seed} {name} forward library", lambda f=forward: f("library")))
-            bx, bw, args, grad, _full, _ = (bwd_tool.seed_a if seed == "A" else bwd_tool.seed_b)(dtype)
+            bx, bw, args, grad, _full, _ = (bwd_tool.convt3d_maxpool if seed == "convt3d" else bwd_tool.conv2d_dense)(dtype)
             cases.append(
                 (f"{seed} {name} backward compact", lambda g=grad, x=bx, w=bw, a=args: K.convolution_backward(g, x, w, *a))
             )
@@ -113,7 +114,7 @@ def summarize(path: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", default="A,B")
+    parser.add_argument("--seeds", default="convt3d,conv2d", help="convt3d, conv2d")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--only", default="", help="profile only the cases whose label contains this")
     parser.add_argument("--stall-metrics", action="store_true", help="print the ncu --metrics list and exit")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute over tools/profile_conv_kernels.py: one launch of every fused conv kernel (and the
-# library path's for comparison), seeds A and B, fp32 + bf16; CSV and summary under $OUT (or ./gpu_out).
-#   bash tools/profile_conv_kernels.sh [--seeds A] [--dtypes fp32] [--only "forward fused"]
+# library path's for comparison), the seeds suite's ConvTranspose3d and Conv2d convs, fp32 + bf16; CSV and
+# summary under $OUT (or ./gpu_out).
+#   bash tools/profile_conv_kernels.sh [--seeds convt3d] [--dtypes fp32] [--only "forward fused"]
 set -uo pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1

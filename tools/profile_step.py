@@ -12,7 +12,7 @@ upstream gradients, parameter grads reset to ``None`` between steps.
 
 Usage (repository root, needs CUDA)::
 
-    python tools/profile_step.py demos/seeds/seed_c.py --backends inductor,fusion --mode train
+    python tools/profile_step.py demos/seeds/convt2d_global_mean_bias_logsumexp.py --backends inductor,fusion --mode train
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Seed B: Conv2d -> x * per-channel multiplier -> LeakyReLU -> GELU.
+"""Conv2d(64->64, k3) -> x * per-channel multiplier -> LeakyReLU -> GELU.
 
-Benchmark layout: ``Model``, ``get_inputs()``, ``get_init_inputs()``.
+Input 64x64x256x256.  Benchmark layout: ``Model``, ``get_inputs()``, ``get_init_inputs()``.
 """
 
 import torch

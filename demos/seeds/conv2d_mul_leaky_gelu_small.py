@@ -1,6 +1,6 @@
-"""Seed B (small variant): Conv2d -> x * per-channel multiplier -> LeakyReLU -> GELU.
+"""Conv2d(3->16, k3) -> x * per-channel multiplier -> LeakyReLU -> GELU.
 
-Benchmark layout: ``Model``, ``get_inputs()``, ``get_init_inputs()``.
+Input 128x3x32x32: the small variant of ``conv2d_mul_leaky_gelu.py``.  Benchmark layout: ``Model``, ``get_inputs()``, ``get_init_inputs()``.
 """
 
 import torch

@@ -1,6 +1,6 @@
-"""Seed C: ConvTranspose2d -> global mean -> + bias -> logsumexp over channels -> sum -> * 10.
+"""ConvTranspose2d(64->128, k3) -> global mean -> + bias -> logsumexp over channels -> sum -> * 10.
 
-Benchmark layout: ``Model``, ``get_inputs()``, ``get_init_inputs()``.
+Input 16x64x512x512.  Benchmark layout: ``Model``, ``get_inputs()``, ``get_init_inputs()``.
 """
 
 import torch

@@ -1,6 +1,6 @@
-"""Seed C (small variant): ConvTranspose2d -> global mean -> + bias -> logsumexp over channels -> sum -> * 10.
+"""ConvTranspose2d(3->16, k3) -> global mean -> + bias -> logsumexp over channels -> sum -> * 10.
 
-Benchmark layout: ``Model``, ``get_inputs()``, ``get_init_inputs()``.
+Input 128x3x32x32: the small variant of ``convt2d_global_mean_bias_logsumexp.py``.  Benchmark layout: ``Model``, ``get_inputs()``, ``get_init_inputs()``.
 """
 
 import torch

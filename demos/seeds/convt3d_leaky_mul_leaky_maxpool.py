@@ -1,6 +1,6 @@
-"""Seed A: ConvTranspose3d -> LeakyReLU -> x * per-channel multiplier -> LeakyReLU -> MaxPool3d.
+"""ConvTranspose3d(16->32, k3, s2) -> LeakyReLU -> x * per-channel multiplier -> LeakyReLU -> MaxPool3d(2).
 
-Benchmark layout: ``Model``, ``get_inputs()``, ``get_init_inputs()``.
+Input 16x16x16x32x32.  Benchmark layout: ``Model``, ``get_inputs()``, ``get_init_inputs()``.
 """
 
 import torch

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _LineProgress:
-    """One line per item on a stream: ``[ 7/60] seed_a bf16 train inductor ... ok 0.780 ms``."""
+    """One line per item on a stream: ``[ 7/60] convt3d_leaky_mul_leaky_maxpool bf16 train inductor ... ok 0.780 ms``."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream

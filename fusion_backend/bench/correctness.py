@@ -10,11 +10,11 @@ Rule 2, against the exact answer, consulted only for a tensor that fails rule 1 
 correct implementations can legitimately differ by more than the tolerance from *each other* while
 being equally close to the exact result: in bf16, a 2x2x2 max-pool whose window holds two values
 within one bf16 rounding of each other picks a different winner when the values are rounded in a
-different order, and routes that gradient elsewhere (measured on seed A: Inductor's input gradient is
-2.6e-2 from eager's).  So, as Inductor's own accuracy checker does (``torch._dynamo.utils.same`` with
-``fp64_ref``), the model is run in float64 and the tensor passes if its error from the float64 result
-is at most ``multiplier`` times eager's own error from it, plus a tenth of the tolerance.  The
-float64 run is made lazily, only when some tensor needs it.
+different order, and routes that gradient elsewhere (measured on ``convt3d_leaky_mul_leaky_maxpool``:
+Inductor's input gradient is 2.6e-2 from eager's).  So, as Inductor's own accuracy checker does
+(``torch._dynamo.utils.same`` with ``fp64_ref``), the model is run in float64 and the tensor passes
+if its error from the float64 result is at most ``multiplier`` times eager's own error from it, plus
+a tenth of the tolerance.  The float64 run is made lazily, only when some tensor needs it.
 
 Beyond the numbers, a check fails on any structural difference: shape, dtype or output structure, a
 gradient present on one side only, or non-finite values in other places than the reference.  Every

@@ -8,12 +8,13 @@ lets users benchmark their own models by pointing ``--suite`` at a file or folde
 ``--suite`` is a comma-separated list whose entries are each a suite name (see :data:`SUITES`), a
 ``.py`` file, or a folder (every ``*.py`` in it not starting with ``_``, in name order).
 
-A named suite (:data:`SUITES`) is a folder under the repository's ``demos/`` (``seeds``: the seed
-models; ``convnets``: single conv layers with what real networks put after them) and the files to
-run from it, in order.  ``demos/`` is *not* inside the package, so it is looked up in
-``$FUSION_DEMOS_DIR`` (the folder holding ``seeds/`` and ``convnets/``), then next to the package (a
-source checkout or editable install), then under the working directory; each suite takes the first of
-these that has its folder, and if none has it the error says where it looked.
+A named suite (:data:`SUITES`) is a folder under the repository's ``demos/`` (``seeds``: three
+multi-op conv pipelines at full size, two of them also small; ``convnets``: single conv layers with
+what real networks put after them) and the files to run from it, in order.  ``demos/`` is *not*
+inside the package, so it is looked up in ``$FUSION_DEMOS_DIR`` (the folder holding ``seeds/`` and
+``convnets/``), then next to the package (a source checkout or editable install), then under the
+working directory; each suite takes the first of these that has its folder, and if none has it the
+error says where it looked.
 """
 
 from __future__ import annotations
@@ -48,10 +49,17 @@ class NamedSuite:
 
 #: Named suites, in the order ``--help`` lists them.
 SUITES: dict[str, NamedSuite] = {
-    "seeds": NamedSuite("seeds",
-                        ("seed_a.py", "seed_b.py", "seed_c.py", "seed_b_small.py", "seed_c_small.py"),
-                        "the seed models, full size then small"),
-    "seeds-small": NamedSuite("seeds", ("seed_b_small.py", "seed_c_small.py"), "the small seed models"),
+    "seeds": NamedSuite("seeds", (
+        "convt3d_leaky_mul_leaky_maxpool.py",
+        "conv2d_mul_leaky_gelu.py",
+        "convt2d_global_mean_bias_logsumexp.py",
+        "conv2d_mul_leaky_gelu_small.py",
+        "convt2d_global_mean_bias_logsumexp_small.py",
+    ), "three multi-op conv pipelines, full size then small"),
+    "seeds-small": NamedSuite("seeds", (
+        "conv2d_mul_leaky_gelu_small.py",
+        "convt2d_global_mean_bias_logsumexp_small.py",
+    ), "the small variants of the seeds suite's Conv2d and ConvTranspose2d pipelines"),
     "convnets": NamedSuite("convnets", (
         "conv2d_64_k3_relu.py",
         "conv2d_128_256_k3_s2_relu.py",

@@ -2,16 +2,16 @@
 
 ``out = chain(conv(x, w) + bias)`` (and optionally the conv output without bias, ``saved_a``) for
 the sub-case ``conv_fused`` serves slowly: not transposed, groups 1, stride 1, dilation 1, any
-padding, no pool (seed B: Conv2d(64, 64, 3) over (64, 64, 256, 256), 7 ms in ``conv_fused``'s
-general gather kernel vs 1.45-3 ms in cuDNN).  Same launch-plan contract as
-``conv_fused.forward_launch`` for that sub-case, plus ``compute_dtype`` (the operands are rounded to it
-in registers, so autocast's casts of ``x`` and ``w`` cost no pass of their own).
+padding, no pool (e.g. Conv2d(64, 64, 3) over (64, 64, 256, 256), the ``conv2d_mul_leaky_gelu``
+workload: 7 ms in ``conv_fused``'s general gather kernel vs 1.45-3 ms in cuDNN).  Same launch-plan
+contract as ``conv_fused.forward_launch`` for that sub-case, plus ``compute_dtype`` (the operands are
+rounded to it in registers, so autocast's casts of ``x`` and ``w`` cost no pass of their own).
 
 Status: ``fusion::conv_epilogue``'s fused forward for the cases it serves (``ops.conv_epilogue.
-_forward_kernels``; ``auto`` still measures it against the library path per shape).  Seed B on the
-H100 (Triton 3.6): the whole fused op 2.56 ms fp32 (TF32) / 1.87 ms bf16, against the library op's
-3.81 / 2.20 and ``conv_fused``'s 5.86 / 3.55; issue 6's targets are 1.1 / 0.97 ms.  cuDNN runs seed B's
-conv in TF32 too: the two outputs are 5e-6 apart (2.5e-4 each from float64).
+_forward_kernels``; ``auto`` still measures it against the library path per shape).  That Conv2d
+64->64 case on the H100 (Triton 3.6): the whole fused op 2.56 ms fp32 (TF32) / 1.87 ms bf16, against
+the library op's 3.81 / 2.20 and ``conv_fused``'s 5.86 / 3.55.  cuDNN runs that conv in TF32 too:
+the two outputs are 5e-6 apart (2.5e-4 each from float64).
 
 Mapping.  The spatial dims of one (sample, channel) plane are walked as ONE axis ``p = h * R + w``
 (``R``: the row pitch of ``x`` in units of its W stride; ``R == W`` for NCHW and channels-last
@@ -19,17 +19,17 @@ tensors).  A virtual output ``v = oh * R + ow`` then reads tap ``(kh, kw)`` at
 ``p = v + (kh - PH) * R + kw - PW``: a conv over the flattened axis with a *constant* shift per tap.
 Outputs with ``ow >= OW`` (the last ``R - OW`` of each virtual row) are computed and never stored.
 
-* GEMM ``M``: ``BLOCK_M`` consecutive positions of one sample (they cross image rows freely).
-  ``N``: ``BLOCK_N`` output channels (seed B: all 64, so ``x`` is read once).  ``K``: input channels
-  x ``KH`` tap rows, ONE flattened runtime loop that Triton software-pipelines (``num_stages``).
+* GEMM ``M``: ``BLOCK_M`` consecutive positions of one sample (they cross image rows freely).  ``N``:
+  ``BLOCK_N`` output channels (Conv2d 64->64: all 64, so ``x`` is read once).  ``K``: input channels x
+  ``KH`` tap rows, ONE flattened runtime loop that Triton software-pipelines (``num_stages``).
 * The ``KW`` taps of a row are NOT separate K steps: ``KWG == KW`` (``KW <= MAX_KW_GROUP``) dots
   share one ``[BLOCK_M, BLOCK_K]`` X tile per K step, one accumulator per tap
   (``acc_s[j] = sum_{kh, ci} w[co, ci, kh, s] * x[ci, p_j(kh)]``), and the epilogue combines
   ``y[q] = sum_s acc_s[q + s]`` (``tl.gather`` along M, once per tile).  WHY: a tile shifted by
   ``kw`` elements is misaligned, so Triton loads it 4 bytes at a time with a mask per element; the
   shared tile starts 16-byte aligned (the tile origin is shifted left by ``C_SHIFT``), loads in
-  16-byte vectors, and is loaded ``KW`` times less often (seed B: 3 X tiles per output tile instead of
-  9, ~12x fewer load instructions per MMA).  A tile of ``BLOCK_M`` rows thus yields ``STEP =
+  16-byte vectors, and is loaded ``KW`` times less often (a 3x3 conv: 3 X tiles per output tile instead
+  of 9, ~12x fewer load instructions per MMA).  A tile of ``BLOCK_M`` rows thus yields ``STEP =
   BLOCK_M - (KW - 1)`` (rounded down to the alignment) outputs; consecutive tiles overlap by the halo.
 * Padding: a tap whose input row lies outside ``x`` reads positions outside ``[0, P_END)``: masked to
   0 at the load.  A tap whose input *column* lies outside ``x`` would read the neighbouring row (the
@@ -52,9 +52,10 @@ non-finite *weight* reaches the outputs whose taps fall on padded rows (masked l
 0 * NaN = NaN, as in ``conv_fused``) but, with ``KWG > 1``, not those whose taps fall on padded
 columns (those terms are dropped).  No atomics; results are deterministic.
 
-Performance (H100, Triton 3.6, seed B, ``tools/bench_conv_dense.py``; the whole op, weight
-prearrangement included): fp32/TF32 2.56 ms (cuDNN's conv alone 2.97, the library op 3.81,
-``conv_fused`` 5.86); bf16 1.87 (1.65 / 2.20 / 3.55); fp32 x with bf16 compute 2.01 (- / 2.85 / 4.42).
+Performance (H100, Triton 3.6, Conv2d 64->64 k3 on 64x64x256x256, ``tools/bench_conv_dense.py``; the
+whole op, weight prearrangement included): fp32/TF32 2.56 ms (cuDNN's conv alone 2.97, the library
+op 3.81, ``conv_fused`` 5.86); bf16 1.87 (1.65 / 2.20 / 3.55); fp32 x with bf16 compute 2.01 (- /
+2.85 / 4.42).
 NOTE: ncu (fp32, 64x32 tile): issue slots 45 % busy with ~2 warps per scheduler, DRAM traffic at the
 floor (x read once, out written once), L2 51 %: instruction- and latency-bound, not memory-bound.
 ~130 (fp32) / ~105 (bf16) thread instructions per output element, about half of them in the
@@ -93,8 +94,8 @@ _CIN_ALIGN = 16
 _AUTOTUNE_MIN_MACS = 2**28
 #: Accumulator registers per thread the tiles may use (``BLOCK_M * BLOCK_N * KWG / threads``).
 _MAX_ACC_REGS = 128
-#: Shared memory the autotuned tiles' pipeline buffers may use (seed B fp32: 64x32 3 stages, 88 KB, two
-#: programs per multiprocessor; 128x32 8 warps 3 stages, 120 KB, one).
+#: Shared memory the autotuned tiles' pipeline buffers may use (Conv2d 64->64 k3, fp32: 64x32 3 stages,
+#: 88 KB, two programs per multiprocessor; 128x32 8 warps 3 stages, 120 KB, one).
 _MAX_STAGE_BYTES = 120 * 1024
 
 
@@ -320,12 +321,12 @@ def _conv_dense_fwd_kernel(
 #: Tiles (BLOCK_M, BLOCK_K, num_warps, num_stages) the autotuner tries (``BLOCK_N`` is the plan's);
 #: ``_prune`` drops those whose accumulators (``KWG`` of ``[BLOCK_M, BLOCK_N]`` fp32) exceed
 #: ``_MAX_ACC_REGS`` registers per thread and ``BLOCK_K`` not dividing the padded channels.
-#: NOTE (H100, Triton 3.6, seed B, ``tools/bench_conv_dense.py --tiles``): 64x32, 4 warps, 3 stages
-#: won for fp32 (TF32), bf16 and fp32 x -> bf16 (2.56 / 1.84 / 2.00 ms); 128x32 8 warps 3 stages
-#: next (2.73 / 2.07 / 2.43).  Measured worse, so left out: 8 or 16 warps per 64/128 rows (the
-#: warpgroups split N: +15-45 %), BLOCK_K 16 (+3-40 %), a persistent grid walking the tiles in one
-#: flattened (tile, K step) loop with the epilogue inside (+30 %), weight tiles through L1
-#: (``cache_modifier=".ca"``: unchanged, L1 hit rate 3 %).
+#: NOTE (H100, Triton 3.6, Conv2d 64->64 k3 on 64x64x256x256, ``tools/bench_conv_dense.py --tiles``):
+#: 64x32, 4 warps, 3 stages won for fp32 (TF32), bf16 and fp32 x -> bf16 (2.56 / 1.84 / 2.00 ms);
+#: 128x32 8 warps 3 stages next (2.73 / 2.07 / 2.43).  Measured worse, so left out: 8 or 16 warps per
+#: 64/128 rows (the warpgroups split N: +15-45 %), BLOCK_K 16 (+3-40 %), a persistent grid walking the
+#: tiles in one flattened (tile, K step) loop with the epilogue inside (+30 %), weight tiles through
+#: L1 (``cache_modifier=".ca"``: unchanged, L1 hit rate 3 %).
 _TILES = ((64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (64, 16, 4, 4))
 
 
@@ -375,7 +376,7 @@ _conv_dense_fwd_tuned = triton.autotune(
 def _heuristic_config(block_n: int, kwg: int, cin_pad: int, align: int) -> dict:
     """One tile for the interpreter (small blocks: numpy cost grows with tile size) or when
     ``FUSION_CONV_AUTOTUNE=0`` / the problem is small: 4 warps, the most rows whose accumulators
-    stay within 96 registers per thread (seed B: 64)."""
+    stay within 96 registers per thread (Conv2d 64->64 k3: 64)."""
     block_k = 32 if cin_pad % 32 == 0 else 16
     if _INTERPRET:
         return dict(BLOCK_M=max(16, next_pow2(kwg - 1 + align)), BLOCK_K=16)

@@ -20,19 +20,20 @@ Mapping (every rank lifted to 3d with leading singleton spatial dims):
   ``o = u * US - UP + kp`` is computed for each, the chain applied, then reduced (pool) or stored.
 * Conv-transpose uses the phase (sub-pixel) decomposition: tap ``k`` contributes to output ``o`` iff
   ``(o + p - k * dil) % s == 0``, from input ``i = (o + p - k * dil) / s``.  When ``US`` is a multiple
-  of ``s`` (always without a pool; e.g. seed A's MaxPool(2) after a stride-2 ConvTranspose), the phase
+  of ``s`` (always without a pool; e.g. the ConvT3d pipeline's MaxPool(2) after a stride-2
+  ConvTranspose3d(16->32, k3, p1, op1), the ``convt3d_leaky_mul_leaky_maxpool`` workload), the phase
   of every offset is a compile-time constant: taps that cannot contribute are skipped at compile time
   and no multiply by an inserted zero happens.  With a static phase along every dim and at most
-  ``_SHIFT_K_MAX_SLOTS`` distinct input shifts (offset ``kp`` and tap ``t`` read
-  ``i = u * US / s + (kp - UP + p - t * dil) / s``, a compile-time shift; seed A: 2 per dim, 8 in
-  all), the *SHIFT_K* path makes every window offset ONE dense dot: K = (input shift, channel),
-  the X tile ``[BLOCK_M, 8 shifts x C_in]`` loaded once per channel block and shared by the dots
-  of all offsets, the weight tile zero where no tap links the offset to the shift (seed A: 27 live
-  of 64 (offset, shift) blocks, so 2.4x the MMA work of the live taps, traded for 8 large dots
-  with one live accumulator instead of 27 K=16 dots with 8).  Other static cases unroll the live
-  taps (``tl.static_range``).  Otherwise (a pool stride that is not a multiple of the conv
-  stride) the kernel falls back to a *masked all-taps* loop: every tap is visited and lanes whose
-  phase does not match are masked (correct, up to ``s**d`` times more MMA work).
+  ``_SHIFT_K_MAX_SLOTS`` distinct input shifts (offset ``kp`` and tap ``t`` read ``i = u * US / s +
+  (kp - UP + p - t * dil) / s``, a compile-time shift; the ConvT3d pipeline: 2 per dim, 8 in all), the
+  *SHIFT_K* path makes every window offset ONE dense dot: K = (input shift, channel), the X tile
+  ``[BLOCK_M, 8 shifts x C_in]`` loaded once per channel block and shared by the dots of all offsets,
+  the weight tile zero where no tap links the offset to the shift (the ConvT3d pipeline: 27 live of 64
+  (offset, shift) blocks, so 2.4x the MMA work of the live taps, traded for 8 large dots with one live
+  accumulator instead of 27 K=16 dots with 8).  Other static cases unroll the live taps
+  (``tl.static_range``).  Otherwise (a pool stride that is not a multiple of the conv stride) the
+  kernel falls back to a *masked all-taps* loop: every tap is visited and lanes whose phase does not
+  match are masked (correct, up to ``s**d`` times more MMA work).
 
 Numerics: the accumulator is rounded to the storage dtype of the conv before the bias and chain, as
 the library conv + epilogue kernel path does (the conv output is materialised in that dtype there).
@@ -70,7 +71,8 @@ from .launch import FastLaunch
 from .tf32 import compute_code, dot_precision, round_tf32, to_compute
 
 #: Largest number of (window offset, tap) pairs the kernel unrolls (compile time and code size grow
-#: with it).  Seed A: 27 effective pairs (8 phases x 1..8 taps); a 3x3x3 conv under a 2x2x2 pool: 216.
+#: with it).  The ConvT3d pipeline: 27 effective pairs (8 phases x 1..8 taps); a 3x3x3 conv under a
+#: 2x2x2 pool: 216.
 MAX_UNROLLED_TAPS = 256
 _INT32_LIMIT = 2**31 - 1
 #: Tensors with more elements than this get int64 index math (BIG); a module constant so that tests
@@ -83,10 +85,10 @@ AUTOTUNE_ENV = "FUSION_CONV_AUTOTUNE"
 #: compiles every config once per shape key, not worth it for small convs (and GPU tests).
 _AUTOTUNE_MIN_MACS = 2**28
 #: Most input-shift slots (distinct shifts rounded up to a power of 2) of the SHIFT_K path: its
-#: X tile is ``[BLOCK_M, slots * SHIFT_K_BLOCK_K]`` (seed A: 8 slots, K = 128).
+#: X tile is ``[BLOCK_M, slots * SHIFT_K_BLOCK_K]`` (the ConvT3d pipeline: 8 slots, K = 128).
 _SHIFT_K_MAX_SLOTS = 8
 #: The SHIFT_K path's channel block (every tile of ``_SHIFT_K_TILES``): inputs with at most this
-#: many channels per group (seed A: 16) load their X tile once for all window offsets.
+#: many channels per group (the ConvT3d pipeline: 16) load their X tile once for all window offsets.
 SHIFT_K_BLOCK_K = 16
 
 
@@ -423,8 +425,8 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
     0 * inf would make NaN).
     Returns ``best, win, win_y, pooled`` as ``_offset_epilogue``.
     """
-    # NOTE: a runtime loop (not static_range): unrolled, the compiler hoisted all 8 weight-tile
-    # loads of seed A into registers at once (255 registers, spills); as a loop, each offset's
+    # NOTE: a runtime loop (not static_range): unrolled, the compiler hoisted all 8 weight-tile loads
+    # of the ConvT3d pipeline into registers at once (255 registers, spills); as a loop, each offset's
     # tile is loaded when its dot needs it.
     # FULL max pool with the shared X tile: offset 0 is every row's first valid offset and is
     # peeled (set without compares; the loop's offsets then compare without a first-offset test).
@@ -594,13 +596,13 @@ def _conv_fused_fwd_kernel(
             if masked == 0:
                 wm_base = wm_ptr + (grp * (KD * KH * KW) * COUT_G + co[None, :]) * (KS * BLOCK_K)
                 a_cur = a_all
-                # WHY a one-trip loop carrying the tile: with fp32 (TF32 rounding between the load
-                # and the dot) Triton otherwise keeps the dot operand in registers and reloads it
-                # from shared memory on every offset (64 LDS per thread per offset on seed A);
-                # loop-carried, it stays in shared memory and the MMAs read it there.  The add of 0
-                # only keeps it loop-carried.  bf16 does not need it (carrying cost +15 registers).
-                # Measured statically (tools/compile_check_conv_fused.py --sass, Triton 3.9): seed A
-                # fp32 main loop 403 -> 269 instructions.
+                # WHY a one-trip loop carrying the tile: with fp32 (TF32 rounding between the load and
+                # the dot) Triton otherwise keeps the dot operand in registers and reloads it from
+                # shared memory on every offset (64 LDS per thread per offset on the ConvT3d
+                # pipeline); loop-carried, it stays in shared memory and the MMAs read it there.  The
+                # add of 0 only keeps it loop-carried.  bf16 does not need it (carrying cost +15
+                # registers).  Measured statically (tools/compile_check_conv_fused.py --sass, Triton
+                # 3.9): the ConvT3d pipeline's fp32 main loop 403 -> 269 instructions.
                 for _once in range(pid_m, pid_m + 1):
                     best, win, win_y, pooled = _shift_k_offsets(
                         a_cur, True, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
@@ -785,8 +787,8 @@ def _output_channels_innermost(weight: torch.Tensor, transposed: bool) -> torch.
 
     WHY: every weight tile is ``[K rows, BLOCK_N output channels]``; with the output channel
     contiguous a warp reads whole rows (coalesced, vectorised).  In PyTorch's layouts it is strided
-    by C_in/groups x taps (conv) or taps (transposed): 27 lines per warp load on seed A.  The copy
-    is one small kernel (the weight is tiny next to the activations).
+    by C_in/groups x taps (conv) or taps (transposed): 27 lines per warp load on the ConvT3d pipeline.
+    The copy is one small kernel (the weight is tiny next to the activations).
     """
     co_dim = 1 if transposed else 0
     if weight.stride(co_dim) == 1 or weight.shape[co_dim] == 1:
@@ -848,8 +850,9 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, conv: ConvGeometry, pool: PoolG
 
 
 def _full_windows(plan: _Plan) -> bool:
-    """Whether every window offset of every unit lies in the conv output (``o = u * US - UP + kp``
-    in ``[0, O)`` for all ``u < U``, ``kp < K``): seed A's MaxPool(2) over an even conv output."""
+    """Whether every window offset of every unit lies in the conv output (``o = u * US - UP + kp`` in
+    ``[0, O)`` for all ``u < U``, ``kp < K``): the ConvT3d pipeline's MaxPool(2) over an even conv
+    output."""
     return all(
         up == 0 and (u - 1) * us + k <= o
         for o, u, k, us, up in zip(plan.conv_out, plan.units, plan.window, plan.unit_stride, plan.unit_origin,
@@ -916,15 +919,17 @@ def unsupported_reason(
 _GENERAL_TILES = (
     # narrow problems (C_in 16, C_out 32; taps unrolled, so stages matter little)
     (128, 32, 16, 4, 2), (64, 32, 16, 4, 2), (256, 32, 16, 8, 2), (64, 32, 16, 2, 2), (128, 16, 16, 4, 2),
-    # wide problems (seed B: C_in = C_out = 64, one pipelined K loop of 9 taps x channel blocks)
+    # wide problems (Conv2d 64->64 k3: C_in = C_out = 64, one pipelined K loop of 9 taps x channel
+    # blocks)
     (128, 64, 32, 4, 3), (128, 64, 32, 8, 4), (64, 64, 32, 4, 4), (256, 64, 32, 8, 3),
     (128, 64, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3),
 )  # fmt: skip
-#: Tiles of the SHIFT_K path (seed A), all with BLOCK_K = SHIFT_K_BLOCK_K.  NOTE: one accumulator
-#: lives at a time; the X tile (seed A fp32 at BLOCK_M 128: 64 KB) stays in shared memory for all
-#: window offsets.  With one channel block, two stages let Triton prefetch the next offset's slice
-#: of the prearranged weight matrix (``cp.async`` into a double buffer; seed A fp32 M128 N32 8 warps:
-#: 205 registers, 96 KB shared, no spills); with several blocks they pipeline the K loop.
+#: Tiles of the SHIFT_K path (the ConvT3d pipeline), all with BLOCK_K = SHIFT_K_BLOCK_K.  NOTE: one
+#: accumulator lives at a time; the X tile (ConvT3d pipeline fp32 at BLOCK_M 128: 64 KB) stays in
+#: shared memory for all window offsets.  With one channel block, two stages let Triton prefetch the
+#: next offset's slice of the prearranged weight matrix (``cp.async`` into a double buffer; ConvT3d
+#: pipeline fp32 M128 N32 8 warps: 205 registers, 96 KB shared, no spills); with several blocks they
+#: pipeline the K loop.
 _SHIFT_K_TILES = (
     (64, 32, 16, 4, 1), (128, 32, 16, 4, 1), (128, 32, 16, 8, 1), (256, 32, 16, 8, 1),
     (64, 64, 16, 4, 1), (128, 64, 16, 8, 1), (128, 16, 16, 4, 1),
@@ -955,8 +960,8 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     if shift_k and not kwargs["ONE_CBLOCK"]:  # several channel blocks: a K loop, which needs two stages
         configs = [c for c in configs if c.num_stages > 1] or configs
     if shift_k and kwargs["ONE_CBLOCK"] and kwargs.get("CDT", 0) == 0:
-        # fp32 shared X tile at 32+ rows per warp (4 warps, BLOCK_M >= 128): ptxas spills (seed A,
-        # sm_90, tools/compile_check_conv_fused.py: 8-932 bytes); M256 with 8 warps does not.
+        # fp32 shared X tile at 32+ rows per warp (4 warps, BLOCK_M >= 128): ptxas spills (the ConvT3d
+        # pipeline, sm_90, tools/compile_check_conv_fused.py: 8-932 bytes); M256 with 8 warps does not.
         configs = [c for c in configs if not (c.num_warps == 4 and c.kwargs["BLOCK_M"] >= 128)] or configs
     bn_max = max(16, next_pow2(int(named_args["COUT_G"])))
     bk_max = SHIFT_K_BLOCK_K if shift_k else max(16, next_pow2(int(named_args["CIN_G"])))
@@ -1057,8 +1062,8 @@ def shift_k_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry,
     pair, a padding shift slot or ``c >= CIN_G``; fp32 values are rounded to TF32 with
     ``precision == "tf32"`` (``kernels.tf32``).
     K (the row) innermost: fp32 (TF32) wgmma wants B K-major in shared memory, so an output-channel-
-    innermost matrix was stored there element by element (16 STS.32 per thread and offset on seed A
-    fp32 M128 N32 w8); K-contiguous rows give 4 LDG.128 + 4 STS.128.
+    innermost matrix was stored there element by element (16 STS.32 per thread and offset on the
+    ConvT3d pipeline, fp32 M128 N32 w8); K-contiguous rows give 4 LDG.128 + 4 STS.128.
     WHY: the main kernel's per-offset weight tile is then one contiguous, unmasked load that feeds
     the dot directly (no per-row tap arithmetic, no rounding per program, and Triton can pipeline
     it); one small launch per call replaces the weight relayout copy it made before.

@@ -1,9 +1,9 @@
 """Triton implicit-GEMM backward of a convolution whose output gradient is never materialised.
 
 WHY: ``conv_epilogue``'s backward used to write the FULL-SIZE gradient ``g`` of the conv output and
-hand it to ``aten.convolution_backward``.  Behind a max pool 7/8 (seed A) of that tensor are zeros,
-and writing + re-reading it costs more than the GEMMs.  The kernels here read ``g`` through a
-loader that computes it on the fly from one of two compact forms:
+hand it to ``aten.convolution_backward``.  Behind a 2x2x2 max pool (the ConvT3d pipeline) 7/8 of that
+tensor are zeros, and writing + re-reading it costs more than the GEMMs.  The kernels here read ``g``
+through a loader that computes it on the fly from one of two compact forms:
 
 * **dense** (form a): ``g`` is a tensor of the conv-output shape (no pool; any strides);
 * **max-pooled** (form b): ``PooledGrad(g_win, winner, pool geometry)``: ``g_win`` (pooled shape) is

@@ -1,6 +1,7 @@
 """Backward of a transposed conv whose max pool lines up with the conv's phases (the SHIFT_K idea, reversed).
 
-WHY: seed A (ConvTranspose3d(16->32, k3, s2, p1, op1) then MaxPool3d(2)) trains through
+WHY: the ConvT3d pipeline (ConvTranspose3d(16->32, k3, s2, p1, op1) then MaxPool3d(2) on
+16x16x16x32x32, ``demos/seeds/convt3d_leaky_mul_leaky_maxpool.py``) trains through
 ``conv_fused_bwd``'s generic kernels: 1.7 ms (input grad) + 2.6 ms (weight grad) in fp32 on an
 H100.  They treat the pooled gradient as a sparse full-size gradient and walk taps.  When the pool
 stride equals the conv stride on every dim, a pooled unit ``u`` and a window offset ``kp`` address
@@ -13,8 +14,8 @@ Notation (per spatial dim, every rank lifted to 3d): conv stride ``s``, padding 
 ``dl``, taps ``T``; pool kernel ``KP``, pool stride ``US == s``, pool padding ``UP`` (pool dilation 1).
 Offset ``kp`` and tap ``t`` form a *live pair* iff ``(kp - UP + p - t*dl) % s == 0``; the pair reads
 ``i = u + j`` with ``j = (kp - UP + p - t*dl) // s``.  The distinct shifts along a dim are
-``LO .. LO+NS-1``; a given (kp, j) has at most one tap, a given (kp, t) exactly one j.  Seed A: 2
-shifts per dim, 8 in all, 27 live (offset, shift) pairs of 64 (one per tap).
+``LO .. LO+NS-1``; a given (kp, j) has at most one tap, a given (kp, t) exactly one j.  The ConvT3d
+pipeline: 2 shifts per dim, 8 in all, 27 live (offset, shift) pairs of 64 (one per tap).
 
 The compact gradient is ``PooledGrad(g_win, winner, ...)`` (``conv_fused_bwd``): ``Gexp[n, u, kp, co]
 = g_win[n, co, u]`` if ``winner[n, co, u] == kp`` and ``o`` lies inside the conv output, else 0.
@@ -29,8 +30,8 @@ Kernels (weights of a transposed conv are ``w[ci, co, t]`` per group):
   inner runtime loop over a host-built table of the shift's *live blocks* (``KPB`` consecutive
   window offsets holding at least one live pair): A = Gexp ``[BLOCK_M, BLOCK_CO * KPB]``, B = the
   weight rows of (kp, j), zero for dead pairs.  ``KPB`` = all offsets is the plain "one dot per
-  shift" form; ``KPB = 1`` skips every dead pair (seed A: 27 of 64 blocks run).  Every dx element
-  is written once, no atomics.
+  shift" form; ``KPB = 1`` skips every dead pair (the ConvT3d pipeline: 27 of 64 blocks run).
+  Every dx element is written once, no atomics.
 * weight grad ``dw[ci, co, t] = sum_{n, u, kp live for t} x[n, ci, u + j(kp, t)] * Gexp[n, u, kp, co]``:
   the reduction runs over chunks of units (one chunk per program along grid axis 0).  Per block of
   ``BLOCK_M`` units, ``P^T += Gexp^T @ X`` with X the ``[BLOCK_M, KS shifts x BLOCK_CI]`` tile of
@@ -328,7 +329,7 @@ def _shift_dgrad_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_CI], tl.float32)
     # NOTE: runtime loops: unrolled, every block's weight tile would be hoisted into registers.
     # Outer: (shift, channel block): the compact tile at u = i - j is loaded once; inner: the
-    # shift's live offset blocks (seed A with KPB = 1: 8 shifts, 27 blocks).
+    # shift's live offset blocks (the ConvT3d pipeline with KPB = 1: 8 shifts, 27 blocks).
     for it in range(0, n_sh * n_cob):
         e = it // n_cob
         cob = it - e * n_cob
@@ -669,21 +670,23 @@ def _shift_wgrad_finish_kernel(
 # Tiles
 # --------------------------------------------------------------------------------------------------
 
-#: Input-grad tiles (BLOCK_M, BLOCK_CI, BLOCK_CO, KPB, num_warps, num_stages), best first for seed A
-#: (the heuristic takes the first that fits).  KPB = 1 skips every dead (offset, shift) pair (seed A:
-#: 27 of 64 blocks run) and measured fastest; KPB 4 was 5-8x slower (H200, Triton 3.6).
-#: NOTE: registers for seed A on the H200 (Triton 3.6, the compiled kernel's n_regs): 96-168, no
-#: spills; Triton 3.9's ptxas numbers (``tools/compile_check_conv_shift_bwd.py``) run lower.
+#: Input-grad tiles (BLOCK_M, BLOCK_CI, BLOCK_CO, KPB, num_warps, num_stages), best first for the
+#: ConvT3d pipeline (the heuristic takes the first that fits).  KPB = 1 skips every dead (offset,
+#: shift) pair (there: 27 of 64 blocks run) and measured fastest; KPB 4 was 5-8x slower (H200,
+#: Triton 3.6).
+#: NOTE: registers for the ConvT3d pipeline on the H200 (Triton 3.6, the compiled kernel's n_regs):
+#: 96-168, no spills; Triton 3.9's ptxas numbers (``tools/compile_check_conv_shift_bwd.py``) run lower.
 _DGRAD_TILES = (
     (128, 16, 32, 1, 4, 2), (64, 16, 32, 1, 4, 2), (128, 16, 32, 1, 8, 1), (128, 16, 32, 1, 8, 2),
     (128, 16, 32, 2, 8, 2), (128, 32, 32, 1, 4, 2), (128, 64, 32, 1, 8, 2),
 )  # fmt: skip
-#: Weight-grad tiles (BLOCK_M, BLOCK_CI, BLOCK_CO, KPB, num_warps, num_stages), best first for seed
-#: A; the accumulator is ``[BLOCK_CO * KPB, KS * BLOCK_CI]`` (seed A: KS = 8, 128 columns).
+#: Weight-grad tiles (BLOCK_M, BLOCK_CI, BLOCK_CO, KPB, num_warps, num_stages), best first for the
+#: ConvT3d pipeline; the accumulator is ``[BLOCK_CO * KPB, KS * BLOCK_CI]`` (there: KS = 8, 128
+#: columns).
 #: NOTE: BLOCK_CO * KPB >= 64 keeps wgmma (32 rows fell back to mma.sync).  On the H200 (Triton 3.6)
-#: these run 0.42-0.63 ms for seed A at 220-250 registers without spills; the 4-warp tiles of
-#: 32 x 32/16 channel rows were as fast but spilled (42-50 bytes), BLOCK_M 64 at 4 warps spilled
-#: ~100 bytes, and every 2-stage tile was slower than its 1-stage twin.
+#: these run 0.42-0.63 ms for the ConvT3d pipeline at 220-250 registers without spills; the 4-warp
+#: tiles of 32 x 32/16 channel rows were as fast but spilled (42-50 bytes), BLOCK_M 64 at 4 warps
+#: spilled ~100 bytes, and every 2-stage tile was slower than its 1-stage twin.
 _WGRAD_TILES = (
     (16, 16, 32, 2, 4, 1), (16, 16, 16, 4, 4, 1), (32, 16, 32, 4, 8, 1), (64, 16, 32, 2, 8, 1),
     (16, 16, 32, 4, 8, 1),
@@ -1057,7 +1060,10 @@ class _KernelLaunch:
     ``tile`` None, the autotuned kernel on the first call and its pick through ``FastLaunch`` after.
 
     WHY: Triton's generic launch costs 20-90 us of host time per call on the GPU hosts, and a
-    training step at seed A's size waits on the host (``docs/perf/NOTES.md``)."""
+    training step of the ConvT3d pipeline at 16x16x16x32x32 waits on the host (H100: 0.93 ms of GPU
+    work in a 2.07 ms step).
+    NOTE: ``python tools/profile_step.py demos/seeds/convt3d_leaky_mul_leaky_maxpool.py --mode train``
+    shows both times."""
 
     def __init__(self, tuned, raw, tile: tuple[int, ...] | None, grid, constexprs: dict, fixed: tuple = ()) -> None:  # noqa: ANN001
         self.tuned, self.raw, self.grid, self.constexprs, self.fixed = tuned, raw, grid, constexprs, fixed
@@ -1247,8 +1253,8 @@ def backward_plan(
 
 
 #: ``convolution_backward``'s plans by shapes, strides, dtypes, geometry and mask: the checks,
-#: the geometry and the launch arguments are worked out once (host time is what seed A's training
-#: step waits on).
+#: the geometry and the launch arguments are worked out once (host time is what the ConvT3d
+#: pipeline's training step waits on).
 _PLANS = BoundedCache(256)
 
 

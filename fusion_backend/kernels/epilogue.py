@@ -665,18 +665,18 @@ _NO_POOL = dict(KD=1, KH=1, KW=1, SD=1, SH=1, SW=1, PD=0, PH=0, PW=0, COUNT_INCL
 def _tile(channels: int, spatial: int, channels_inner: bool, transposing: bool = False) -> tuple[int, int]:
     """``(BLOCK_C, BLOCK_S)`` of about 1024 elements, long along the contiguous axis.
 
-    Channels-last tiles take up to 64 channels so that each spatial position reads a contiguous run
-    of 128 to 256 bytes.  A transposing tile (reads in one layout, writes in the other) is 32 x 32:
-    measured on H100, seed B's backward with an NCHW y and a channels-last grad_y, fp32 / bf16 y:
-    32 x 32 1.45 / 1.29 ms, 16 x 128 2.75 / 2.01, 32 x 64 3.46 / 3.41, 64 x 32 4.00 / 3.20,
-    64 x 64 6.13 / 5.45 (the same-layout NCHW tile: 1.67 / 1.40).  The forward's transposing case
-    (a channels-last y read, an NCHW out written: the channels-last library forward) takes the
-    same 32 x 32 shape; it has not been measured on its own.
+    Channels-last tiles take up to 64 channels so that each spatial position reads a contiguous run of
+    128 to 256 bytes.  A transposing tile (reads in one layout, writes in the other) is 32 x 32:
+    measured on H100, the backward of Conv2d 64->64 on 64x64x256x256 with an NCHW y and a
+    channels-last grad_y, fp32 / bf16 y: 32 x 32 1.45 / 1.29 ms, 16 x 128 2.75 / 2.01, 32 x 64 3.46 /
+    3.41, 64 x 32 4.00 / 3.20, 64 x 64 6.13 / 5.45 (the same-layout NCHW tile: 1.67 / 1.40).  The
+    forward's transposing case (a channels-last y read, an NCHW out written: the channels-last library
+    forward) takes the same 32 x 32 shape; it has not been measured on its own.
     NOTE: measured on H100 (torch 2.11, triton 3.6), fp32, 4 warps, launcher time incl. P build:
-      seed B (64, 64, 254, 254), no pool:   fwd 0.85 ms (2.5 TB/s) NCHW, 0.71 ms (3.0 TB/s) NHWC;
-                                             bwd 1.63 ms (1.9 TB/s) NCHW, 1.39 ms (2.3 TB/s) NHWC.
-      seed A (16, 32, 32, 64, 64), max 2^3: fwd 0.24 ms (1.4 TB/s) NCDHW, 0.20 ms (1.7 TB/s) NDHWC;
-                                             bwd 0.49 ms (0.7 TB/s) NCDHW, 0.38 ms (0.9 TB/s) NDHWC.
+      Conv2d y (64, 64, 254, 254), no pool:    fwd 0.85 ms (2.5 TB/s) NCHW, 0.71 ms (3.0 TB/s) NHWC;
+                                               bwd 1.63 ms (1.9 TB/s) NCHW, 1.39 ms (2.3 TB/s) NHWC.
+      ConvT3d y (16, 32, 32, 64, 64), max 2^3: fwd 0.24 ms (1.4 TB/s) NCDHW, 0.20 ms (1.7 TB/s) NDHWC;
+                                               bwd 0.49 ms (0.7 TB/s) NCDHW, 0.38 ms (0.9 TB/s) NDHWC.
     The pooled kernels are bound by the per-element index arithmetic (div/mod by runtime sizes,
     int64 offsets), not by bandwidth: the first thing to tune if they matter.
     """
@@ -710,9 +710,9 @@ class OperandMatrix:
     Built once per signature (a call plan keeps it); ``build`` then only reshapes the tensors and
     concatenates.  ``build`` takes the tensor rows in row order (``tensor_rows``: the bias first,
     then each slot's tensor operands).
-    NOTE: host time matters here (seed A's launch is host-bound): one ``torch.cat`` of the tensor
-    rows and slices of the cached constant matrix replaces a ``zeros`` plus one ``copy_``/``fill_``
-    per row (5 device ops on seed A).
+    NOTE: host time matters here (the ConvT3d pipeline's launch is host-bound): one ``torch.cat`` of
+    the tensor rows and slices of the cached constant matrix replaces a ``zeros`` plus one
+    ``copy_``/``fill_`` per row (5 device ops on the ConvT3d pipeline).
     """
 
     def __init__(self, steps: Sequence[KernelStep], bias: torch.Tensor | None, channels: int,

@@ -24,11 +24,12 @@ Determinism: no atomics.  A plane may be split into ``SPLIT`` row ranges (for pa
 are few planes); each split writes its own partial row of the output and the launcher sums the splits
 in a fixed order.
 
-Measured on an H100 (torch 2.11, triton 3.6) at the seed's size, x (16, 64, 512, 512) fp32 with one
-set per dim: ``_set_sums_kernel`` 0.36 ms (~3 TB/s of x), ``_set_broadcast_kernel`` 0.34 ms; with
-three sets per dim (a padded "same" conv) 0.59 / 0.46 ms.  channels_last x read by the plane kernel
-(strided loads along W) took 2.7 ms: ``_set_sums_cl_kernel`` / ``_grad_broadcast_cl_kernel`` now tile
-``positions x channels`` so each tile row is a contiguous run of channels (not yet timed on a GPU).
+Measured on an H100 (torch 2.11, triton 3.6) at the size of the ``seeds`` suite's ConvTranspose2d
+64->128 k3 pipeline, x (16, 64, 512, 512) fp32 with one set per dim: ``_set_sums_kernel`` 0.36 ms
+(~3 TB/s of x), ``_set_broadcast_kernel`` 0.34 ms; with three sets per dim (a padded "same" conv)
+0.59 / 0.46 ms.  channels_last x read by the plane kernel (strided loads along W) took 2.7 ms:
+``_set_sums_cl_kernel`` / ``_grad_broadcast_cl_kernel`` now tile ``positions x channels`` so each tile
+row is a contiguous run of channels (not yet timed on a GPU).
 
 The fused op's pipeline (``set_sums_partial`` -> ``contract_forward`` forward, ``params_backward`` ->
 ``grad_broadcast`` backward) is one launch per launcher: the split partials are reduced inside
@@ -531,7 +532,7 @@ def _set_sums_cl_kernel(
     p_end = tl.minimum(p_start + p_per_split, P)
     jv = tl.arange(0, J_PAD)
     acc = tl.zeros([J_PAD, BLOCK_C], dtype=tl.float32)
-    # NOTE: with a single set (every tap sees the same positions: the seed's case) the tile is
+    # NOTE: with a single set (every tap sees the same positions: an unpadded conv's case) the tile is
     # accumulated elementwise and reduced across positions once at the end, not once per tile.
     acc1 = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
     for p0 in range(p_start, p_end, BLOCK_P):
@@ -1010,9 +1011,11 @@ class _Launch:
     """The shape-dependent half of one launch (kernel, grid, integer arguments, constexprs), built once
     per shape by the ``_plan_*`` functions below.
 
-    NOTE: at the seeds' sizes a training step is host-bound (docs/perf/NOTES.md): recomputing tiles,
-    splits and grids on every call cost more host time than the kernels' GPU time, so the launchers
-    look these up in an ``lru_cache`` keyed by shapes and strides and only bind tensors per call.
+    NOTE: at the ``seeds`` suite's sizes a training step is host-bound (``python tools/profile_step.py
+    demos/seeds/convt2d_global_mean_bias_logsumexp.py --mode train`` shows the GPU time against the
+    host time per step): recomputing tiles, splits and grids on every call cost more host time than
+    the kernels' GPU time, so the launchers look these up in an ``lru_cache`` keyed by shapes and
+    strides and only bind tensors per call.
     """
 
     kernel: Any
@@ -1103,13 +1106,14 @@ def _block_ci(cin_g: int) -> int:
     return min(next_pow2(cin_g), 32)
 
 
-# NOTE: the contraction kernel is latency-bound (seed C: 1.2 M fp64 multiply-adds, ~0.3 MB of weights):
-# what matters is the number of programs and the number of dependent memory round trips per program.
-# 16 output channels per program gives seed C (N=16, C_out=128) 128 programs on 132 SMs (the old grid
-# had 64, each walking 2 ci blocks x 9 taps one after another: 18 dependent iterations).  A 4096-element
-# chunk over 8 warps (16 elements per thread, 128 registers, no spills: tools/compile_check_global_mean.py)
-# walks K = C_in*T = 576 in 3 chunks whose loads do not depend on each other.  Up to 16 split partials
-# are summed as one tile (seed C contiguous: 1 split; channels_last: 33 splits, 3 tiles per chunk).
+# NOTE: the contraction kernel is latency-bound (ConvTranspose2d 64->128 k3 on 16x64x512x512: 1.2 M
+# fp64 multiply-adds, ~0.3 MB of weights): what matters is the number of programs and the number of
+# dependent memory round trips per program.  16 output channels per program gives that conv (N=16,
+# C_out=128) 128 programs on 132 SMs (the old grid had 64, each walking 2 ci blocks x 9 taps one after
+# another: 18 dependent iterations).  A 4096-element chunk over 8 warps (16 elements per thread, 128
+# registers, no spills: tools/compile_check_global_mean.py) walks K = C_in*T = 576 in 3 chunks whose
+# loads do not depend on each other.  Up to 16 split partials are summed as one tile (that conv
+# contiguous: 1 split; channels_last: 33 splits, 3 tiles per chunk).
 _CONTRACT_CHUNK = 4096
 _CONTRACT_BLOCK_CO = 16
 _CONTRACT_BLOCK_S = 16

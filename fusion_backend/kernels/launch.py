@@ -1,10 +1,11 @@
 """Launch a Triton kernel with little host time: :class:`FastLaunch`.
 
-Why: at the seeds' sizes a training step is host-bound (``docs/perf/NOTES.md``).  Triton's generic
-launch path, ``kernel[grid](*args, **constexprs)``, binds the arguments, computes a specialization
-key from every argument, reads several runtime knobs and builds launch metadata before it calls the
-compiled kernel's launcher: 20-90 us per launch measured on the GPU hosts, against a few us for the
-launcher itself.  ``FastLaunch`` remembers the compiled kernel each specialization produced and
+Why: at the ``seeds`` suite's sizes a training step is host-bound (``python tools/profile_step.py FILE
+--mode train`` shows the GPU time against the host time per step).  Triton's generic launch path,
+``kernel[grid](*args, **constexprs)``, binds the arguments, computes a specialization key from every
+argument, reads several runtime knobs and builds launch metadata before it calls the compiled kernel's
+launcher: 20-90 us per launch measured on the GPU hosts, against a few us for the launcher itself.
+``FastLaunch`` remembers the compiled kernel each specialization produced and
 calls its launcher directly afterwards.
 
 Contract:

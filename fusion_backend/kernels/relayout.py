@@ -1,11 +1,12 @@
 """Copy a tensor into another memory format (and dtype) at memory speed: ``relayout(src, dst)``.
 
 WHY: the channels-last library backward (``ops/conv_epilogue._LibraryBackward``) relays x into
-channels-last and the input gradient back.  torch's strided copy moves seed B's 1 GB tensors at
-about 0.65 TB/s on an H100 (1.66 ms per copy, measured with the profiler), a fifth of the memory's
-bandwidth: it walks the destination in order and gathers the source with a stride.  A tile of
-channels x positions read along one layout's contiguous axis and written along the other's
-(Triton converts the register layout between the two through shared memory) does not.
+channels-last and the input gradient back.  torch's strided copy moves the 1 GB tensors of Conv2d
+64->64 on 64x64x256x256 at about 0.65 TB/s on an H100 (1.66 ms per copy, measured with the
+profiler), a fifth of the memory's bandwidth: it walks the destination in order and gathers the
+source with a stride.  A tile of channels x positions read along one layout's contiguous axis and
+written along the other's (Triton converts the register layout between the two through shared
+memory) does not.
 
 Contract of ``relayout(src, dst)``: same shape ``(N, C, *spatial)``, any float dtypes (cast on the
 copy, as ``Tensor.copy_``), any strides whose spatial dims flatten to one axis (contiguous,
@@ -69,7 +70,10 @@ def relayout_supported(src: torch.Tensor, dst: torch.Tensor) -> str | None:
 
 
 #: A tile of 64 channels x 64 positions, 8 warps (each side moves runs of >= 128 bytes in bf16).
-#: NOTE: set from the H100 probe of session 12 (``docs/perf/NOTES.md``).
+#: NOTE: measured on an H100 on a (64, 64, 256, 256) tensor, either direction: 0.72 ms fp32 / 0.37 ms
+#: bf16 per copy (2.97 TB/s; the device copies at 3.01), torch's ``copy_`` 1.1-2.2 ms.  The other
+#: tiles of 64 channels (32-128 positions, 4 or 8 warps) ran within 3 % of it, tiles of 32 channels
+#: up to 1.2x and of 16 channels up to 1.9x slower.
 TILE = (64, 64, 8)
 
 _LAUNCHES = BoundedCache(256)

@@ -11,7 +11,8 @@ Rounding fp32 operands to TF32 to nearest before ``tl.dot``, as cuDNN and cuBLAS
 WHY: with ``input_precision="tf32"`` Triton hands the fp32 registers to the tensor cores as they
 are, and the hardware drops the 13 low mantissa bits: the operands are *truncated* toward zero
 (triton-lang/triton#4574: Triton's tf32 matmul is several times less accurate than PyTorch's).  The
-library path's cuDNN kernels round to nearest (``cvt.rna.tf32.f32``).  On seed A the fused
+library path's cuDNN kernels round to nearest (``cvt.rna.tf32.f32``).  On the ConvTranspose3d ->
+leaky -> x m -> leaky -> MaxPool3d pipeline (``convt3d_leaky_mul_leaky_maxpool``) the fused
 conv's truncated pre-activations flipped the leaky-ReLU slope of about three times as many max-pool
 winners as cuDNN's did, and the conv bias gradient (a sum with heavy cancellation) came out 7.4e-3
 from float64 against cuDNN's 2.2e-3, failing the benchmark's correctness gate.  One ``cvt`` per

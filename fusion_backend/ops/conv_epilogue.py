@@ -58,11 +58,11 @@ Implementations:
     (``_ChannelsLastLibraryForward``, ``_LibraryBackward(channels_last=True)``).
   - fused (``triton``, or ``auto`` where measured faster): one implicit-GEMM Triton kernel computes
     the conv and applies bias, chain and pool in registers (``kernels.conv_dense`` for the plain
-    stride-1 1d/2d convs it serves, e.g. seed B; ``kernels.conv_fused`` otherwise); the backward
-    differentiates the chain at the max-pool winners only and hands the compact gradient to Triton
-    conv-backward kernels that expand it on the fly (``kernels.conv_shift_bwd`` for a transposed
-    conv whose pool stride is its stride, e.g. seed A; ``kernels.conv_fused_bwd`` otherwise), so no
-    full-size gradient exists.
+    stride-1 1d/2d convs it serves, e.g. Conv2d 64->64 k3; ``kernels.conv_fused`` otherwise); the
+    backward differentiates the chain at the max-pool winners only and hands the compact gradient to
+    Triton conv-backward kernels that expand it on the fly (``kernels.conv_shift_bwd`` for a
+    transposed conv whose pool stride is its stride, e.g. ConvTranspose3d k3 s2 + MaxPool3d(2);
+    ``kernels.conv_fused_bwd`` otherwise), so no full-size gradient exists.
 * Reference (CPU, float64, anything the kernels don't cover): plain torch; the backward applies
   torch's own derivative formulas to the chain recomputed from the saved state.  ``FUSION_CPU_KERNELS=triton`` (read at call time) runs the Triton path on CPU
   tensors instead, which is only meaningful under ``TRITON_INTERPRET=1`` (CPU CI).
@@ -674,7 +674,8 @@ def _kernel_steps(cfg: ConvEpilogueConfig, operands: Sequence[Tensor], y_ndim: i
 
 def _conv_impl_mode() -> str:
     # ``auto`` is the default: the faster path per shape, measured once (``impl_choice``).  On the
-    # H100 the fused forward wins on seed A (0.25 vs 0.73 ms fp32) and cuDNN on seed B.
+    # H100 the fused forward wins on the ConvT3d pipeline of the ``seeds`` suite (0.25 vs 0.73 ms
+    # fp32) and cuDNN on its Conv2d 64->64 pipeline.
     mode = os.environ.get(CONV_IMPL_ENV, DEFAULT_CONV_IMPL) or DEFAULT_CONV_IMPL
     if mode not in ("auto", "triton", "library"):
         raise UnsupportedInputError(f"{CONV_IMPL_ENV}={mode!r}: expected auto, triton or library")
@@ -737,8 +738,9 @@ def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save:
 def _forward_kernels(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> ModuleType:
     """The fused forward's kernel module: ``kernels.conv_dense`` where it serves the case (a plain
     stride-1 1d/2d conv without a pool: one shift per tap over flattened planes, 2.3x faster than
-    ``conv_fused`` on seed B), else the general ``kernels.conv_fused``.  Both take the same launch
-    arguments and write the same outputs and saved state; cached per shapes, strides and dtypes."""
+    ``conv_fused`` on Conv2d 64->64 k3 over 64x64x256x256), else the general ``kernels.conv_fused``.
+    Both take the same launch arguments and write the same outputs and saved state; cached per
+    shapes, strides and dtypes."""
     from ..kernels import conv_dense, conv_fused
 
     def answer() -> ModuleType:
@@ -793,8 +795,9 @@ class _FusedForward:
     laid out like the constructor's).  Same outputs and formats as the library path, so the
     backward is shared.
 
-    WHY a plan object: seed A's step waits on the host; the per-call checks, decisions and cache
-    lookups this skips cost more than the launches (146 us per forward on the H100 host before).
+    WHY a plan object: the ConvT3d pipeline's step (16x16x16x32x32) waits on the host; the per-call
+    checks, decisions and cache lookups this skips cost more than the launches (146 us per forward on
+    the H100 host before).
     """
 
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
@@ -946,8 +949,9 @@ def _forward_candidates(
 
 #: Largest norm-wise relative difference between the fused and the library path's floating results
 #: for ``auto`` to consider the fused one, by the results' dtype.  Measured on the H100: both in TF32
-#: (seed A) they differ by 1e-6..1e-5; a TF32 kernel against cuDNN's full-fp32 kernel for a 3-channel
-#: conv (seed B small) by 2.7e-4 in the output and 1e-2 in the gradients (leaky-ReLU kinks flip).
+#: (the ConvT3d pipeline) they differ by 1e-6..1e-5; a TF32 kernel against cuDNN's full-fp32 kernel
+#: for a 3-channel conv (``conv2d_mul_leaky_gelu_small``) by 2.7e-4 in the output and 1e-2 in the
+#: gradients (leaky-ReLU kinks flip).
 _AGREEMENT = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 
@@ -958,7 +962,7 @@ def _results_agree(result: Any, reference: Any) -> str | None:
     for i, (got, want) in enumerate(zip(result, reference, strict=True)):
         if got is None or want is None or not want.is_floating_point() or want.numel() == 0:
             continue
-        # fp32 (no copy for fp32 results: seed B's saved conv output is 1 GB), fp32-accumulated norms
+        # fp32 (no copy for fp32 results: a saved conv output can be 1 GB), fp32-accumulated norms
         a, b = got.float(), want.float()
         finite = b.isfinite()
         if not torch.equal(a.isfinite(), finite):
@@ -986,8 +990,8 @@ class _LibraryForward:
     matrix layout and the epilogue kernel's launch (``kernels.epilogue.ForwardLaunch``) are worked
     out once; a call casts, convolves, allocates and launches.
 
-    WHY a plan object: on small convs (seed B small: 128 x 3 x 32 x 32) the step is host time, and
-    the per-call checks, key building and Triton's generic launch were most of it.
+    WHY a plan object: on small convs (Conv2d 3->16 k3 on 128 x 3 x 32 x 32) the step is host time,
+    and the per-call checks, key building and Triton's generic launch were most of it.
 
     ``_ChannelsLastLibraryForward`` is the same plan with the conv in channels-last: it sets
     ``conv_format`` and overrides ``_conv_output``; everything after the conv is shared here.
@@ -1085,10 +1089,10 @@ class _ChannelsLastLibraryForward(_LibraryForward):
     channels-last kernels for the case), the plan adds an epilogue launch for that layout.
 
     WHY: Inductor runs cuDNN's channels-last conv kernels, the fast ones on Hopper, while an NCHW
-    conv runs slower ones (seed B's conv alone on the H100: 1.37 / 0.66 ms fp32 / bf16 channels-last
-    against 2.96 / 1.65 NCHW, ``docs/perf/NOTES.md``, session 11).  Whether the relayouts of x and
-    of the weight plus the transposing epilogue cost less than that difference depends on the
-    shape: ``_forward_plan`` measures it per shape.
+    conv runs slower ones (Conv2d 64->64 k3 on 64x64x256x256 alone on the H100: 1.37 / 0.66 ms fp32
+    / bf16 channels-last against 2.96 / 1.65 NCHW).  Whether the relayouts of x and of the weight
+    plus the transposing epilogue cost less than that difference depends on the shape:
+    ``_forward_plan`` measures it per shape.
     """
 
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
@@ -1241,10 +1245,10 @@ class _LibraryBackward:
     the saved state: the epilogue kernel writes the conv-output gradient channels-last (transposing
     in its tile), x is cast and relaid in one copy and the input gradient relaid back
     (``kernels.relayout``, at memory speed: torch's strided copy runs at a fifth of it).
-    WHY: cuDNN's NCHW backward converts x and the conv-output gradient to channels-last itself,
-    once for the dgrad and again for the wgrad (seed B, H100: 7.30 ms fp32 / 3.34 ms bf16 against
-    4.22 / 1.30 for its channels-last kernels alone); ``_backward_plan`` measures whether the
-    variant wins per shape.
+    WHY: cuDNN's NCHW backward converts x and the conv-output gradient to channels-last itself, once
+    for the dgrad and again for the wgrad (Conv2d 64->64 k3 on 64x64x256x256, H100: 7.30 ms fp32 /
+    3.34 ms bf16 against 4.22 / 1.30 for its channels-last kernels alone); ``_backward_plan``
+    measures whether the variant wins per shape.
     """
 
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,

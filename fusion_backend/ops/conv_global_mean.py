@@ -57,7 +57,7 @@ Kernel pipeline (CUDA, and CPU under ``FUSION_CPU_KERNELS=triton``): exactly two
 * backward: ``params_backward`` (grad_weight, grad_bias, every per-channel operand gradient and
   ``G``) then ``grad_broadcast`` (grad_x, in x's memory format; each program first forms its planes'
   per-set coefficients from ``G`` and W, then writes every element once).  One-element or shared
-  tensor operands add a few tiny host-combined ops (never the seed's case).
+  tensor operands add a few tiny host-combined ops (not the case of the ``seeds`` suite's pipelines).
 Shape-only data (bit tables, the tap-to-set table) is built once per shape and cached on the device.
 
 Precision: x is summed in fp32 with per-tile tree reductions (fp64 for fp64 inputs, on the reference
@@ -65,9 +65,10 @@ path); the contraction with W, the chain and the parameter gradients run in fp64
 kernels (they cancel; they are tiny), which also keeps them off TF32.  grad_x coefficients are fp32.
 Results are cast to ``out_dtype``.  No float atomics anywhere: every reduction has a fixed order.
 
-Cost (H100, seed C: x (16, 64, 512, 512) fp32), measured before this pipeline: the pass over x
-0.36 ms (1.07 GB, ~3 TB/s), the grad_x pass 0.34 ms; the ~15 small torch ops around them made it
-0.65 ms per forward and 2.8 ms per step.  ``tools/bench_conv_global_mean.py`` times the pipeline.
+Cost (H100, ConvTranspose2d 64->128 k3 on x (16, 64, 512, 512) fp32), measured before this pipeline:
+the pass over x 0.36 ms (1.07 GB, ~3 TB/s), the grad_x pass 0.34 ms; the ~15 small torch ops around
+them made it 0.65 ms per forward and 2.8 ms per step.  ``tools/bench_conv_global_mean.py`` times the
+pipeline.
 """
 
 from __future__ import annotations
@@ -426,8 +427,8 @@ _R = TypeVar("_R")
 
 
 # NOTE: the fold runs on every call, and each torch op on a CUDA tensor costs ~10-20 us of host time
-# (more than the kernels' GPU time at the seed's sizes), so the arithmetic below keeps Python floats
-# as long as it can and skips multiplications by 1 and additions of 0.
+# (more than the kernels' GPU time at the ``seeds`` suite's sizes), so the arithmetic below keeps
+# Python floats as long as it can and skips multiplications by 1 and additions of 0.
 def _mul(p: Value, q: Value) -> Value:
     for u, v in ((p, q), (q, p)):
         if isinstance(u, float):
@@ -686,8 +687,10 @@ class _ChainStatic:
     strides: tuple[int, ...]
 
 
-# NOTE: the op's Python runs on every call and, at the seeds' sizes, a training step is host-bound
-# (docs/perf/NOTES.md), so the per-shape decisions below are cached; a call only binds its tensors.
+# NOTE: the op's Python runs on every call and, at the ``seeds`` suite's sizes, a training step is
+# host-bound (``python tools/profile_step.py demos/seeds/convt2d_global_mean_bias_logsumexp.py --mode
+# train`` shows the GPU time against the host time per step), so the per-shape decisions below are
+# cached; a call only binds its tensors.
 @functools.lru_cache(maxsize=256)
 def _chain_static(
     cfg: ConvGlobalMeanConfig, operand_meta: tuple[tuple[Any, ...], ...], c_out: int
@@ -766,7 +769,8 @@ def _forward_kernels(
     """Forward on the Triton kernels: two launches (the pass over x, then the contraction + chain).
 
     NOTE: the pass over x is launched before anything else is prepared: it is nearly all of the GPU
-    time, and at the seed's sizes the GPU otherwise idles while the host builds the second launch.
+    time, and at the ``seeds`` suite's sizes the GPU otherwise idles while the host builds the second
+    launch.
     """
     from ..kernels import global_mean as kernels
 
@@ -1031,7 +1035,8 @@ def _backward_kernels(
     gw_buffer = gw_layout.tensor
     grad_bias = torch.empty_like(bias) if bias is not None else None
     # NOTE: grad_x is prepared before the first launch so that its pass (nearly all of the backward's GPU
-    # time) is enqueued right after the small parameter kernel: the step is host-bound at seed sizes.
+    # time) is enqueued right after the small parameter kernel: the step is host-bound at the ``seeds``
+    # suite's sizes.
     grad_x = torch.empty_strided(x_size, x_stride, dtype=x_dtype, device=device) if need_grad_input else None
     w_layout = _weight_layout(weight, spec) if need_grad_input else None
     kernels.params_backward(

@@ -3,9 +3,10 @@
 WHY: a graph that holds nothing but fused ops (plus casts and views) gains nothing from AOTAutograd
 and Inductor: there is nothing left for Inductor to fuse.  Yet it still pays their per-call host time:
 AOTAutograd's runtime wrappers around the forward and the backward, Inductor's compiled-module call,
-and the dispatcher crossings of the custom ops.  Seed A's training step on the H100 is host-bound
-(GPU work 0.93 ms, step 2.07 ms: session 7).  So the backend runs such a graph as plain FX code (see
-``fusion_backend/direct.py``), where each fused call goes to its direct twin: a
+and the dispatcher crossings of the custom ops.  The training step of the ConvT3d pipeline
+(``convt3d_leaky_mul_leaky_maxpool``, 16x16x16x32x32) on the H100 is host-bound (GPU work 0.93 ms,
+step 2.07 ms; ``tools/profile_step.py`` shows both).  So the backend runs such a graph as plain FX
+code (see ``fusion_backend/direct.py``), where each fused call goes to its direct twin: a
 ``torch.autograd.Function`` whose forward and backward call the op's undecorated implementations (the
 same functions the custom ops and their runtime twins wrap), with no dispatcher layer in between.
 

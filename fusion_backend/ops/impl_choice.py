@@ -1,11 +1,11 @@
 """Pick the fastest of several implementations of one op call by timing them once per key.
 
-WHY: the fused implicit-GEMM conv kernel beats cuDNN + the epilogue kernel on some shapes and loses
-on others (measured on an H100: on seeds A and B the library conv still wins), so ``auto`` must not
-guess.  The first call with a new key times every candidate's GPU work (CUDA events around
-back-to-back calls queued behind a GPU spin, after one warm-up call that also compiles/autotunes
-it; ``_time_ms``) and remembers the winner: in memory for the process
-and in a JSON file for later processes, so the measurement is paid once per shape per machine.
+WHY: the fused implicit-GEMM conv kernel beats cuDNN + the epilogue kernel on some shapes and loses on
+others (measured on an H100: on the ``seeds`` suite's ConvT3d and Conv2d pipelines the library conv
+still wins), so ``auto`` must not guess.  The first call with a new key times every candidate's GPU
+work (CUDA events around back-to-back calls queued behind a GPU spin, after one warm-up call that also
+compiles/autotunes it; ``_time_ms``) and remembers the winner: in memory for the process and in a JSON
+file for later processes, so the measurement is paid once per shape per machine.
 
 Contract of ``choose``:
   * ``key``: a string that fixes everything the timing depends on (op config, shapes, strides,
@@ -119,11 +119,11 @@ def _time_ms(fn: Callable[[], object]) -> float:
     slow the host is; a round whose enqueueing outlasted its spin is repeated with a longer spin.
 
     WHY GPU time, not wall time: the wall time of host-bound calls moves with the host (the H100
-    host's speed varied 2x between calls in session 8), and the answer flipped with it (seed A's
+    host's speed varied 2x between calls), and the answer flipped with it (the ConvT3d pipeline's
     bf16 forward: fused kernel in one run, the library conv, 4x the GPU time, in the next).  Both
-    candidates' host paths are a few launches whose cost the op keeps low separately; which
-    kernels run is what the choice decides.  A candidate that synchronizes inside (its enqueueing
-    can never run ahead) is charged its wall time after the retries.
+    candidates' host paths are a few launches whose cost the op keeps low separately; which kernels
+    run is what the choice decides.  A candidate that synchronizes inside (its enqueueing can never
+    run ahead) is charged its wall time after the retries.
     """
     fn()  # warm-up: compiles and autotunes
     torch.cuda.synchronize()

@@ -3,7 +3,8 @@
 WHY: a ``torch.library.custom_op`` call goes C++ dispatcher -> Python autograd kernel -> redispatch ->
 Python backend wrapper (alias check, Dynamo-disable wrapper) -> our function.  On the H100 host that is
 ~70 us per forward call and ~100 us per backward call (``tools/host_overhead.py``: op forward 218 us,
-undecorated 149 us), and seed C's training step is host-bound.  Only *tracing* needs the autograd
+undecorated 149 us), and the training step of the ``seeds`` suite's global-mean pipeline is
+host-bound.  Only *tracing* needs the autograd
 layer: it is how AOTAutograd records our backward formula.  Once AOTAutograd has split the joint graph,
 the forward and backward graphs that Inductor compiles never differentiate through our ops again (they
 run with grad mode off).

@@ -153,12 +153,12 @@ class ConvEpiloguePattern(Pattern):
         out_fake = fake_of(candidate.nodes[-1])
         # WHY absorb autocast's casts only before a max pool or where no gradient flows: the op then
         # takes the fp32 input, weight and bias and its kernels cast them as they load them (no cast
-        # kernels around it; the compact backward reads x as it is).  With a gradient and no max
-        # pool the backward may run the library conv backward, which needs x in the conv's dtype:
-        # the graph's cast, done once and saved, is cheaper there than casting again in the
-        # backward (seed B bf16 train: +0.55 ms, H100).  Without a gradient (the graph was traced
-        # under no_grad, or nothing in it requires grad; Dynamo guards on grad mode) nothing is
-        # saved, so the cast pass is pure cost.
+        # kernels around it; the compact backward reads x as it is).  With a gradient and no max pool
+        # the backward may run the library conv backward, which needs x in the conv's dtype: the
+        # graph's cast, done once and saved, is cheaper there than casting again in the backward
+        # (Conv2d 64->64 k3 on 64x64x256x256, bf16 train: +0.55 ms, H100).  Without a gradient (the
+        # graph was traced under no_grad, or nothing in it requires grad; Dynamo guards on grad mode)
+        # nothing is saved, so the cast pass is pure cost.
         absorb = (region.pool is not None and region.pool.spec.kind == "max") or not conv_fake.requires_grad
         config = ConvEpilogueConfig(
             conv=conv.spec,
