@@ -39,7 +39,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,28 +112,21 @@ def decide(
 ) -> Decision:
     """Whether to rewrite the region ``nodes`` of ``gm`` (matched by ``pattern``), per ``policy``
     (see the module docstring).  ``inductor_patches``: the Inductor config the graph will be
-    compiled with (CUDA graphs are left out of the timing: both candidates would get them)."""
+    compiled with; CUDA graphs are left out of the timing (both candidates would get them), and
+    when they are on, a kept region runs once here first (``_prime_for_cuda_graphs``)."""
     anchor = nodes[0].name
     if policy == "inductor":
         return Decision(pattern, summary, anchor, False, "decide='inductor'")
-    decided = _decide(gm, pattern, summary, nodes, example_inputs, policy=policy, margin=margin,
-                      cache_dir=cache_dir, inductor_patches=inductor_patches, strict=strict)
-    if decided.fused and inductor_patches.get("triton.cudagraphs") and not decided.ran_here:
+    if policy == "fuse":
+        decision, ran_here = Decision(pattern, summary, anchor, True, "decide='fuse'"), False
+    else:
+        decision, ran_here = _measured(gm, pattern, summary, nodes, example_inputs, margin, cache_dir,
+                                       inductor_patches, strict)
+    if decision.fused and inductor_patches.get("triton.cudagraphs") and not ran_here:
         why = _prime_for_cuda_graphs(gm, pattern, nodes, example_inputs, inductor_patches, strict)
         if why is not None:
             return Decision(pattern, summary, anchor, False, why)
-    return decided.decision
-
-
-@dataclass(frozen=True)
-class _Decided:
-    decision: Decision
-    ran_here: bool
-    """Whether the fused op ran on the region's inputs in this process (its caches are filled)."""
-
-    @property
-    def fused(self) -> bool:
-        return self.decision.fused
+    return decision
 
 
 def _gradients_flow(region: Any) -> bool:
@@ -174,31 +166,20 @@ def _prime_for_cuda_graphs(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.
         return f"preparing it for CUDA graphs failed ({type(exc).__name__}: {exc})"
 
 
-def _decide(
-    gm: fx.GraphModule,
-    pattern: str,
-    summary: str,
-    nodes: Sequence[fx.Node],
-    example_inputs: Sequence[Any],
-    *,
-    policy: str,
-    margin: float,
-    cache_dir: Path,
-    inductor_patches: Mapping[str, Any],
-    strict: bool,
-) -> _Decided:
-    """``decide`` without the CUDA-graph preparation."""
+def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx.Node],
+              example_inputs: Sequence[Any], margin: float, cache_dir: Path, inductor_patches: Mapping[str, Any],
+              strict: bool) -> tuple[Decision, bool]:
+    """The ``measure`` policy's decision, and whether the fused op ran on the region's inputs in
+    this process (its caches are then filled)."""
     anchor = nodes[0].name
-    if policy == "fuse":
-        return _Decided(Decision(pattern, summary, anchor, True, "decide='fuse'"), False)
     from . import region_timing
     from .engine import fake_of
 
     result = fake_of(nodes[-1])
     if not isinstance(result, torch.Tensor) or result.device.type not in _measured_devices:
-        return _Decided(Decision(pattern, summary, anchor, False,
-                                 "not measured on CPU: the fused op would run its plain-torch reference there, "
-                                 "which Inductor's CPU code matches or beats (decide='fuse' rewrites anyway)"), False)
+        return Decision(pattern, summary, anchor, False,
+                        "not measured on CPU: the fused op would run its plain-torch reference there, "
+                        "which Inductor's CPU code matches or beats (decide='fuse' rewrites anyway)"), False
     try:
         region = region_timing.extract_region(gm, nodes)
         train = _gradients_flow(region)
@@ -209,8 +190,7 @@ def _decide(
             entry = _memory.get(key) or _load(cache_dir).get(key)
         if entry is not None:
             _memory[key] = entry
-            return _Decided(verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin,
-                                    cached=True), False)
+            return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=True), False
         fused_patches = {**inductor_patches, "triton.cudagraphs": False}
         times = _measure(gm, pattern, region, example_inputs, train, patches, fused_patches, strict, _timer)
     except Exception as exc:  # noqa: BLE001 - an unmeasurable region stays with Inductor
@@ -220,15 +200,14 @@ def _decide(
 
             raise RewriteError(f"timing the {pattern} region at `{anchor}` failed: {why} (strict=True)") from exc
         log.info("decision %s at %s: not measured (%s); Inductor keeps the region", pattern, anchor, why)
-        return _Decided(Decision(pattern, summary, anchor, False, f"not measured ({why}); Inductor keeps the region"),
-                        False)
+        return Decision(pattern, summary, anchor, False, f"not measured ({why}); Inductor keeps the region"), False
     entry = {"fused_ms": float(times["fused"]), "inductor_ms": float(times["inductor"]),
              "what": f"{pattern}: {summary} ({'forward + backward' if train else 'forward'})"}
     with _lock:
         _memory[key] = entry
         _store(cache_dir, key, entry)
-    return _Decided(verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=False),
-                    ran_here=_timer is None)
+    ran_here = _timer is None  # a fake timer runs neither candidate
+    return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=False), ran_here
 
 
 def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequence[Any], train: bool,
