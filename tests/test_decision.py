@@ -262,3 +262,27 @@ def test_the_real_timer_runs_both_candidates_on_cpu(cache, model_cls):
     conv = model.get_submodule("conv" if model_cls is ConvLeakyPool else "inner.conv")
     torch.testing.assert_close(conv.weight.grad, want_wgrad, **tol)
     assert len(json.loads(cache.read_text())["entries"]) == 1
+
+
+def test_under_cuda_graphs_a_kept_region_runs_once_at_compile_time(cache, monkeypatch):
+    """With a CUDA-graph mode, a region kept without having run in this process (``fuse``, or a
+    cached decision) runs once while compiling, so the fused ops' cached device tensors are made
+    outside the graph's pool; if that run fails, the region is left to Inductor and the report says why."""
+    monkeypatch.setenv("FUSION_DECIDE", "fuse")
+    ran = []
+    real = decision._prime_for_cuda_graphs
+    monkeypatch.setattr(decision, "_prime_for_cuda_graphs", lambda *a: ran.append(a[1]) or real(*a))
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    compiled = torch.compile(model, backend="fusion", mode="reduce-overhead")
+    with collect_reports() as reports:
+        out = compiled(x)
+    assert ran == ["conv_epilogue"] and only_decision(reports)[1].fused
+    torch.testing.assert_close(out, model(x))
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(decision, "_prime_for_cuda_graphs", lambda *a: "preparing it for CUDA graphs failed (boom)")
+    with collect_reports() as reports:
+        out = torch.compile(model, backend="fusion", mode="reduce-overhead")(x)
+    report, d = only_decision(reports)
+    assert not d.fused and d.rule == "preparing it for CUDA graphs failed (boom)" and report.matches == ()
+    torch.testing.assert_close(out, model(x))
