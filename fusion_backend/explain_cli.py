@@ -2,7 +2,9 @@
 and check the compiled result against eager.
 
 The file uses the benchmark layout (``Model``, ``get_inputs()``, ``get_init_inputs()``).  Exit status:
-0 when everything matches eager, 1 on a mismatch, 2 on a usage error (bad file, unknown device...).
+0 when everything matches eager; 1 on a mismatch (or when the compiled model raises); 2 on a usage
+error or bad input: a bad file, an unknown or unavailable device, a model that fails to build or to
+run in eager.  Every error is one line on stderr.
 """
 
 from __future__ import annotations
@@ -39,21 +41,22 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
 
     try:
         workload = load_workload(args.file)
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise FusionError(f"--device {args.device} was asked for but CUDA is not available")
-        model, inputs = workload.build(args.seed)
+        device = _device(args.device)
     except (FusionError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _usage_error(str(exc))
+    try:
+        model, inputs = workload.build(args.seed)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's file raises is bad input
+        return _usage_error(f"{args.file}: building the model or its inputs failed: {type(exc).__name__}: {exc}")
 
     dtype = DTYPES[args.dtype]
-    model = model.to(device=args.device, dtype=dtype)
-    inputs = [t.to(device=args.device, dtype=dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
+    model = model.to(device=device, dtype=dtype)
+    inputs = [t.to(device=device, dtype=dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
     # Compare like for like: TF32 would make eager and the fused kernels round differently.
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
 
-    autocast = (torch.autocast(args.device.split(":")[0], dtype=DTYPES[args.autocast])
+    autocast = (torch.autocast(device.type, dtype=DTYPES[args.autocast])
                 if args.autocast else contextlib.nullcontext())
     tol = TOLERANCES[DTYPES[args.autocast]] if args.autocast else None
     options = {"dump_dir": args.dump} if args.dump else {}
@@ -64,14 +67,22 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
         return [t.detach().clone().requires_grad_(args.train and t.is_floating_point()) if isinstance(t, torch.Tensor) else t
                 for t in inputs]
 
-    want, want_grads = run_and_backward(model, leaves(), args.train, model, autocast)
+    try:
+        want, want_grads = run_and_backward(model, leaves(), args.train, model, autocast)
+    except Exception as exc:  # noqa: BLE001 - a model that fails in eager is bad input, not a mismatch
+        return _usage_error(f"{args.file}: the model fails in eager on {device}: {type(exc).__name__}: {exc}")
     model.zero_grad(set_to_none=True)
     ref, ref_grads = float64_reference(model, leaves(), args.train)
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusion", options=options, dynamic=args.dynamic or None)
     with collect_reports() as reports:
-        got, got_grads = run_and_backward(compiled, leaves(), args.train, model, autocast)
+        try:
+            got, got_grads = run_and_backward(compiled, leaves(), args.train, model, autocast)
+        except Exception as exc:  # noqa: BLE001 - eager ran, the compiled model did not: a mismatch
+            print(f"MISMATCH vs eager: the compiled model raised {type(exc).__name__}: "
+                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}", file=out)
+            return 1
     result = "\n".join(str(r) for r in reports) or "fusion: no graph was compiled"
 
     print(result, file=out)
@@ -93,3 +104,21 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
     print(f"\nOK: output{' and ' + str(len(want_grads)) + ' gradients' if args.train else ''} match eager "
           f"({checked} tensors, device {args.device}, dtype {args.dtype}{', autocast ' + args.autocast if args.autocast else ''})", file=out)
     return 0
+
+
+def _device(name: str) -> torch.device:
+    """``--device`` checked: ``cpu`` or an available ``cuda[:N]``; anything else is a ``FusionError``."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise FusionError(f"--device {name!r} is not a device: use cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise FusionError(f"--device {name!r}: the fusion backend runs on cpu or cuda[:N]")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FusionError(f"--device {name} was asked for but CUDA is not available")
+    return device
+
+
+def _usage_error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2

@@ -69,7 +69,7 @@ class Match:
     fused_op: str
     config: str
     kernel: str
-    """``"triton"`` or ``"reference (<why>)"``: what will run for the example inputs' device/dtype."""
+    """``"triton"`` or ``"reference: <why>"``: what will run for the example inputs' device/dtype."""
     summary: str
     """One line, e.g. ``conv_transpose3d -> leaky_relu -> mul -> leaky_relu -> max_pool3d``."""
 

@@ -120,6 +120,6 @@ def rewrite_conv_region(
         source_lines=source_lines_of(candidate.nodes),
         fused_op=op_name,
         config=config,
-        kernel=path if why is None else f"{path} ({why})",
+        kernel=path if why is None else f"{path}: {why}",
         summary=candidate.summary,
     )

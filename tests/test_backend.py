@@ -171,3 +171,16 @@ def test_backend_is_found_through_the_entry_point_without_importing_the_package(
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_an_unknown_option_surfaces_at_the_first_call_as_documented():
+    """The README: Dynamo wraps the backend's error in ``BackendCompilerFailed``; its
+    ``inner_exception`` is our ``UnknownOptionError`` (a ``ValueError``) naming the key."""
+    from fusion_backend.errors import UnknownOptionError
+
+    compiled = torch.compile(small_model(), backend="fusion", options={"bogus_key": 1})
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compiled(X)
+    inner = info.value.inner_exception
+    assert isinstance(inner, UnknownOptionError) and isinstance(inner, ValueError)
+    assert str(inner).startswith("unknown option(s) ['bogus_key'] for backend 'fusion'")

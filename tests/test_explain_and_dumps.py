@@ -1,6 +1,7 @@
 """Visibility: explain(), reports with source lines and reasons, dumps (code, Markdown, JSON, DOT),
 the explain CLI, logging, and the pytest helpers' failure messages."""
 
+import io
 import json
 import logging
 import shutil
@@ -188,3 +189,44 @@ def test_compare_accepts_equal_infinities_and_names_differing_ones():
     finite = want.clone()
     finite[2] = 0.0
     assert compare("out", finite, want) == "out: infinities differ from eager's at [[2]]"
+
+
+SMALL_MODEL = (
+    "import torch\n"
+    "class Model(torch.nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__(); self.c = torch.nn.Conv2d(3, 4, 3)\n"
+    "    def forward(self, x):\n"
+    "        return torch.relu(self.c(x)){extra}\n"
+    "def get_inputs():\n    return [torch.rand(2, 3, 8, 8)]\n"
+    "def get_init_inputs():\n    return []\n"
+)
+
+
+def _explain(tmp_path, capsys, *args, extra=""):
+    from fusion_backend import explain_cli
+
+    model_file = tmp_path / "m.py"
+    model_file.write_text(SMALL_MODEL.format(extra=extra))
+    code = explain_cli.main([str(model_file), *args], out=io.StringIO())
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, message", [
+    ("tpu", "error: --device 'tpu' is not a device: use cpu or cuda[:N]"),
+    ("meta", "error: --device 'meta': the fusion backend runs on cpu or cuda[:N]"),
+])
+def test_explain_cli_an_unknown_device_is_a_usage_error_in_one_line(tmp_path, capsys, device, message):
+    code, err = _explain(tmp_path, capsys, "--device", device)
+    assert code == 2 and err.strip() == message
+
+
+def test_explain_cli_a_model_that_fails_in_eager_is_bad_input_in_one_line(tmp_path, capsys):
+    code, err = _explain(tmp_path, capsys, "--device", "cpu", extra=".view(3, -1, 7)")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: ") and "the model fails in eager on cpu: RuntimeError" in err
+
+
+def test_explain_cli_parity_exits_zero(tmp_path, capsys):
+    code, err = _explain(tmp_path, capsys, "--device", "cpu")
+    assert code == 0 and err == ""

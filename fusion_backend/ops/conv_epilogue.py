@@ -142,8 +142,8 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
     elif device_type == "cpu":
         if os.environ.get(CPU_KERNELS_ENV, "") != "triton":
             return "reference", (
-                f"CPU tensors run the plain-torch reference ({CPU_KERNELS_ENV}=triton with "
-                "TRITON_INTERPRET=1 runs the Triton kernels instead)"
+                f"ran the CPU reference; set {CPU_KERNELS_ENV}=triton and TRITON_INTERPRET=1 to run the "
+                "Triton kernels under the interpreter"
             )
         if dtype not in _INTERPRETER_KERNEL_DTYPES:
             return "reference", f"the Triton interpreter has no {dtype} kernels (float32, float16 only)"

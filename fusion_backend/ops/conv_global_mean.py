@@ -561,7 +561,8 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
         if os.environ.get(CPU_KERNELS_ENV, "").lower() != "triton":
             return (
                 "reference",
-                f"CPU tensors use the torch reference (set {CPU_KERNELS_ENV}=triton for the Triton interpreter)",
+                f"ran the CPU reference; set {CPU_KERNELS_ENV}=triton and TRITON_INTERPRET=1 to run the Triton kernels "
+                "under the interpreter",
             )
         if dtype in _INTERPRETER_KERNEL_DTYPES:
             return ("triton", None)
