@@ -9,10 +9,27 @@ training step waits on (``convt3d_leaky_mul_leaky_maxpool`` on an H100: 0.93 ms 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
+
+#: Whether Triton's interpreter was on when the kernels were defined (``TRITON_INTERPRET`` is read
+#: as ``@triton.jit`` decorates a kernel, and this module is imported before any kernel module).
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def cpu_kernels_unavailable(cpu_kernels_env: str) -> str | None:
+    """Why the Triton kernels cannot run on CPU tensors (``None`` when they can): they run there
+    only under Triton's interpreter, asked for with ``cpu_kernels_env=triton``."""
+    if os.environ.get(cpu_kernels_env, "").lower() != "triton":
+        return (f"ran the CPU reference; set {cpu_kernels_env}=triton and TRITON_INTERPRET=1 to run the Triton "
+                "kernels under the interpreter")
+    if not INTERPRETER:
+        return (f"ran the CPU reference: {cpu_kernels_env}=triton needs TRITON_INTERPRET=1 in the environment "
+                "before the process starts (Triton kernels run on CPU tensors only under its interpreter)")
+    return None
 
 
 def cdiv(a: int, b: int) -> int:

@@ -87,7 +87,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import KernelError, UnsupportedInputError
-from ..kernels.host import BoundedCache, tensor_key
+from ..kernels.host import BoundedCache, cpu_kernels_unavailable, tensor_key
 from . import impl_choice
 from .chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef, apply_step
 from .config import ConvEpilogueConfig, ConvSpec, PoolSpec
@@ -140,11 +140,9 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
         if dtype not in _CUDA_KERNEL_DTYPES:
             return "reference", f"no Triton kernel for {dtype} (kernels cover float32, float16, bfloat16)"
     elif device_type == "cpu":
-        if os.environ.get(CPU_KERNELS_ENV, "") != "triton":
-            return "reference", (
-                f"ran the CPU reference; set {CPU_KERNELS_ENV}=triton and TRITON_INTERPRET=1 to run the "
-                "Triton kernels under the interpreter"
-            )
+        why = cpu_kernels_unavailable(CPU_KERNELS_ENV)
+        if why is not None:
+            return "reference", why
         if dtype not in _INTERPRETER_KERNEL_DTYPES:
             return "reference", f"the Triton interpreter has no {dtype} kernels (float32, float16 only)"
     else:

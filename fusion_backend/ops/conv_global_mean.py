@@ -77,7 +77,6 @@ import functools
 import json
 import logging
 import math
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -558,12 +557,11 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
         return _cuda_kernel_path(config, dtype)
     ConvGlobalMeanConfig.from_json(config)  # validates
     if device_type == "cpu":
-        if os.environ.get(CPU_KERNELS_ENV, "").lower() != "triton":
-            return (
-                "reference",
-                f"ran the CPU reference; set {CPU_KERNELS_ENV}=triton and TRITON_INTERPRET=1 to run the Triton kernels "
-                "under the interpreter",
-            )
+        from ..kernels.host import cpu_kernels_unavailable
+
+        why = cpu_kernels_unavailable(CPU_KERNELS_ENV)
+        if why is not None:
+            return ("reference", why)
         if dtype in _INTERPRETER_KERNEL_DTYPES:
             return ("triton", None)
         return ("reference", f"the Triton interpreter has no kernel for dtype {dtype} (fp32, fp16 only)")
