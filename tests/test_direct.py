@@ -186,3 +186,28 @@ def test_direct_option_must_be_a_bool():
 def test_why_not_direct_on_a_graph_without_fused_ops():
     gm = torch.fx.symbolic_trace(lambda x: x.to(torch.float16))
     assert direct.why_not_direct(gm) == "the graph holds no fused op"
+
+
+@pytest.mark.parametrize("family", ["conv_epilogue", "conv_global_mean"])
+def test_profiler_shows_the_fused_op_forward_and_backward_in_direct_graphs(family):
+    """A graph run by the direct runner calls no dispatcher op for its fused op: the direct twin
+    opens ``record_function`` ranges named like the custom ops, so a profiled step shows both."""
+    from fusion_backend.report import collect_reports
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3)
+    if family == "conv_epilogue":
+        def fn(x):
+            return torch.relu(conv(x))
+    else:
+        def fn(x):
+            return conv(x).mean((2, 3))
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    compiled = torch.compile(fn, backend="fusion", options={"decide": "fuse"})
+    with collect_reports() as reports:
+        compiled(x).sum().backward()  # compiles
+    assert reports[0].runner == "direct"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(x).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert {f"fusion::{family}_fwd", f"fusion::{family}_bwd"} <= names, sorted(n for n in names if "fusion" in n)

@@ -91,7 +91,7 @@ from ..kernels.host import BoundedCache, cpu_kernels_unavailable, tensor_key
 from . import impl_choice
 from .chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef, apply_step
 from .config import ConvEpilogueConfig, ConvSpec, PoolSpec
-from .direct_twins import records_backward, register_direct
+from .direct_twins import profiled, records_backward, register_direct
 from .runtime_twins import register_twin
 
 logger = logging.getLogger("fusion_backend")
@@ -396,6 +396,7 @@ class _DirectConvEpilogue(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @profiled("fusion::conv_epilogue_bwd")
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:
         x, weight, bias, *operands = ctx.saved_tensors
         saved_a, saved_b = ctx.state
@@ -406,6 +407,7 @@ class _DirectConvEpilogue(torch.autograd.Function):
         return (None, *(g if wanted else None for g, wanted in zip(grads, mask, strict=True)))
 
 
+@profiled("fusion::conv_epilogue_fwd")
 def _conv_epilogue_direct(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], config: str
 ) -> Tensor:

@@ -87,7 +87,7 @@ import torch
 from ..errors import KernelError, UnsupportedInputError
 from .chain import ChainStep, Const, PointwiseKind, TensorRef
 from .config import ConvSpec, chain_from_list, chain_to_list, conv_spec_from_dict, conv_spec_to_dict
-from .direct_twins import records_backward, register_direct
+from .direct_twins import profiled, records_backward, register_direct
 from .runtime_twins import register_twin
 
 logger = logging.getLogger("fusion_backend")
@@ -1249,6 +1249,7 @@ class _DirectConvGlobalMean(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @profiled("fusion::conv_global_mean_bwd")
     def backward(ctx, grad_out):
         weight, bias, *operands = ctx.saved_tensors
         tap_sums, conv_mean = ctx.state
@@ -1262,6 +1263,7 @@ class _DirectConvGlobalMean(torch.autograd.Function):
         return (None, *grads, *(g if wanted else None for g, wanted in zip(grad_ops, needs[4:], strict=True)))
 
 
+@profiled("fusion::conv_global_mean_fwd")
 def _conv_global_mean_direct(x, weight, bias, operands, config):
     """``conv_global_mean`` without the custom-op layers (the direct twin; same contract)."""
     if records_backward(x, weight, bias, operands):
