@@ -82,6 +82,8 @@ class FusionOptions:
                 f"or any Inductor config key (torch._inductor.list_options())."
             )
         inductor = {k.replace("-", "_"): v for k, v in options.items()}
+        for key, value in inductor.items():
+            _check_inductor_value(key, value, inductor_keys[key])
 
         wanted = ours.get("patterns", "all")
         if wanted == "all" or wanted is None:
@@ -119,7 +121,26 @@ class FusionOptions:
         return FusionOptions(names, strict, Path(dump) if dump else None, inductor, direct, decide, float(margin))
 
 
-def _inductor_keys() -> set[str]:
+def _inductor_keys() -> dict[str, Any]:
+    """Inductor's config keys with their current values (whose types the values given must match)."""
     from torch._inductor import config
 
-    return set(config.get_config_copy().keys())
+    return config.get_config_copy()
+
+
+def _check_inductor_value(key: str, value: Any, current: Any) -> None:
+    """An Inductor option's value must have the type of Inductor's own setting where that type is a
+    plain bool, int, float or str (a setting that is ``None`` or a container is not checked)."""
+    if isinstance(current, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(current, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(current, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(current, str):
+        ok = isinstance(value, str)
+    else:
+        return
+    if not ok:
+        raise InvalidOptionError(
+            f"Inductor option {key!r} takes a {type(current).__name__} (it is {current!r} now), got {value!r}")

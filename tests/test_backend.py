@@ -210,3 +210,23 @@ def test_cpu_kernels_without_the_interpreter_run_the_reference_and_say_why_once(
         "reference: ran the CPU reference: FUSION_CPU_KERNELS=triton needs TRITON_INTERPRET=1 in the environment "
         "before the process starts (Triton kernels run on CPU tensors only under its interpreter)")
     assert "Traceback" not in proc.stderr and "active drivers" not in proc.stderr
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_autotune": "nope"}, "Inductor option 'max_autotune' takes a bool (it is False now), got 'nope'"),
+    ({"triton.cudagraphs": 1}, "Inductor option 'triton.cudagraphs' takes a bool (it is False now), got 1"),
+])
+def test_inductor_option_values_are_checked_against_inductor_s_types(options, message):
+    from fusion_backend.errors import InvalidOptionError
+    from fusion_backend.options import FusionOptions
+
+    with pytest.raises(InvalidOptionError) as info:
+        FusionOptions.parse(options, ("conv_epilogue",))
+    assert str(info.value) == message
+
+
+def test_well_typed_inductor_options_pass_through():
+    from fusion_backend.options import FusionOptions
+
+    opts = FusionOptions.parse({"max_autotune": True, "triton.cudagraphs": False}, ("conv_epilogue",))
+    assert opts.inductor == {"max_autotune": True, "triton.cudagraphs": False}
