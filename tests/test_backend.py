@@ -230,3 +230,46 @@ def test_well_typed_inductor_options_pass_through():
 
     opts = FusionOptions.parse({"max_autotune": True, "triton.cudagraphs": False}, ("conv_epilogue",))
     assert opts.inductor == {"max_autotune": True, "triton.cudagraphs": False}
+
+
+def test_two_threads_compiling_different_models_at_once_get_eager_s_results():
+    import threading
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), nn.Sequential(nn.Conv2d(3, 6, 3, stride=2), nn.GELU())]
+    inputs = [torch.randn(2, 3, 9, 9), torch.randn(1, 3, 11, 7)]
+    results: list = [None, None]
+    errors: list = []
+
+    # torch.compile() itself looks the backend up; two threads doing the first lookup of an entry-point
+    # backend at once race inside Dynamo's registry ("duplicate name"), so the wrappers are made here
+    # and both graphs compile, through the backend, in the threads.
+    compiled = [torch.compile(m, backend="fusion", options={"decide": "fuse"}) for m in models]
+
+    def run(i):
+        try:
+            results[i] = compiled[i](inputs[i])
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for i in range(2):
+        torch.testing.assert_close(results[i], models[i](inputs[i]))
+
+
+def test_compiling_under_set_stance_and_at_the_recompile_limit():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    compiled = torch.compile(model, backend="fusion", options={"decide": "fuse"}, dynamic=False)
+    with torch.compiler.set_stance("force_eager"):
+        x = torch.randn(1, 3, 6, 6)
+        torch.testing.assert_close(compiled(x), model(x))
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with torch._dynamo.config.patch(**{limit: 1}):
+        for size in (6, 7, 8):  # the second and third shapes are past the limit: eager runs them
+            x = torch.randn(1, 3, size, size)
+            torch.testing.assert_close(compiled(x), model(x))
