@@ -125,24 +125,19 @@ def test_explain_cli_rejects_a_file_without_the_layout(tmp_path):
     assert "get_inputs" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_explain_cli_exit_code_is_nonzero_on_a_mismatch(tmp_path, monkeypatch):
-    # A fused op that is wrong on purpose: the CLI must say MISMATCH and exit 1.
+def test_explain_cli_exit_code_is_nonzero_on_a_mismatch(tmp_path, capsys, monkeypatch):
+    # A fused op that is wrong on purpose: the CLI must say MISMATCH and exit 1 (in-process: the
+    # subprocess runs above already cover ``python -m fusion_backend explain`` itself).
+    import fusion_backend.ops.conv_epilogue as ce
+    from fusion_backend import explain_cli
+
+    real = ce.conv_epilogue
+    monkeypatch.setattr(ce, "conv_epilogue", lambda *a: real(*a) * 1.01)
     model_file = tmp_path / "m.py"
-    model_file.write_text(
-        "import torch\n"
-        "import fusion_backend.ops.conv_epilogue as ce\n"
-        "_real = ce.conv_epilogue\n"
-        "ce.conv_epilogue = lambda *a: _real(*a) * 1.01\n"
-        "class Model(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__(); self.c = torch.nn.Conv2d(3, 4, 3)\n"
-        "    def forward(self, x):\n"
-        "        return torch.relu(self.c(x))\n"
-        "def get_inputs():\n    return [torch.rand(2, 3, 8, 8)]\n"
-        "def get_init_inputs():\n    return []\n"
-    )
-    proc = run_cli("explain", str(model_file))
-    assert proc.returncode == 1 and "MISMATCH" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    model_file.write_text(SMALL_MODEL.format(extra=""))
+    out = io.StringIO()
+    assert explain_cli.main([str(model_file), "--device", "cpu"], out=out) == 1
+    assert "MISMATCH" in out.getvalue(), out.getvalue()
 
 
 def test_a_broken_rewrite_fails_assert_fused_with_a_message_that_explains_itself(monkeypatch):
