@@ -14,43 +14,34 @@ import os
 
 import pytest
 import torch
+from conv_cases import GELU, LEAKY, MUL0, conv_spec
 
 from fusion_backend.kernels import epilogue as kernels
 from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import conv_epilogue as ce
-from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
-from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
+from fusion_backend.ops.config import ConvEpilogueConfig, PoolSpec
 from fusion_backend.testing import compare
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-PK = PointwiseKind
-LEAKY = ChainStep(PK.LEAKY_RELU, (Const(0.01),))
-MUL0 = ChainStep(PK.MUL, (TensorRef(0),))
-GELU = ChainStep(PK.GELU, ())
-
-
-def _spec(d: int, stride: int = 1, padding: int = 1, dilation: int = 1, groups: int = 1,
-          transposed: bool = False, output_padding: int = 0) -> ConvSpec:  # fmt: skip
-    return ConvSpec(transposed, (stride,) * d, (padding,) * d, (dilation,) * d, (output_padding,) * d, groups)
 
 
 #: name -> (conv spec, chain, pool, x shape, weight shape, has bias, multiplier shape)
 CASES = {
     # the op of demos/seeds/conv2d_mul_leaky_gelu.py at a small, odd size
-    "conv2d-mul-leaky-gelu": (_spec(2), (MUL0, LEAKY, GELU), None, (2, 5, 7, 9), (6, 5, 3, 3), True, (6, 1, 1)),
+    "conv2d-mul-leaky-gelu": (conv_spec(2), (MUL0, LEAKY, GELU), None, (2, 5, 7, 9), (6, 5, 3, 3), True, (6, 1, 1)),
     "conv2d-s2-max-pool": (
-        _spec(2, stride=2), (LEAKY, MUL0), PoolSpec("max", (2, 2), (2, 2), (0, 0)), (2, 3, 11, 10), (4, 3, 3, 3),
+        conv_spec(2, stride=2), (LEAKY, MUL0), PoolSpec("max", (2, 2), (2, 2), (0, 0)), (2, 3, 11, 10), (4, 3, 3, 3),
         True, (4, 1, 1),
     ),
     "conv2d-avg-pool-partial": (
-        _spec(2), (MUL0,), PoolSpec("avg", (3, 3), (2, 2), (1, 1)), (1, 4, 9, 7), (5, 4, 3, 3), False, (1,),
+        conv_spec(2), (MUL0,), PoolSpec("avg", (3, 3), (2, 2), (1, 1)), (1, 4, 9, 7), (5, 4, 3, 3), False, (1,),
     ),
     "conv2d-groups-dilation": (
-        _spec(2, padding=2, dilation=2, groups=2), (LEAKY,), None, (2, 4, 8, 7), (6, 2, 3, 3), False, None,
+        conv_spec(2, padding=2, dilation=2, groups=2), (LEAKY,), None, (2, 4, 8, 7), (6, 2, 3, 3), False, None,
     ),
     # the op of demos/seeds/convt3d_leaky_mul_leaky_maxpool.py (channels_last_3d)
     "convT3d-leaky-mul-leaky-max-pool": (
-        _spec(3, stride=2, transposed=True, output_padding=1), (LEAKY, MUL0, LEAKY),
+        conv_spec(3, stride=2, transposed=True, output_padding=1), (LEAKY, MUL0, LEAKY),
         PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), (2, 3, 3, 4, 5), (3, 4, 3, 3, 3), True, (4, 1, 1, 1),
     ),
 }

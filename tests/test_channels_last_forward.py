@@ -19,51 +19,43 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from conv_cases import GELU, LEAKY, MUL0, conv_spec
 
 from fusion_backend.kernels import epilogue as kernels
 from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops import impl_choice
-from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
-from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
+from fusion_backend.ops.chain import PointwiseKind
+from fusion_backend.ops.config import ConvEpilogueConfig, PoolSpec
 from fusion_backend.testing import compare
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-PK = PointwiseKind
-LEAKY = ChainStep(PK.LEAKY_RELU, (Const(0.01),))
-MUL0 = ChainStep(PK.MUL, (TensorRef(0),))
-GELU = ChainStep(PK.GELU, ())
-
-
-def _spec(d: int, stride: int = 1, padding: int = 1, dilation: int = 1, groups: int = 1,
-          transposed: bool = False, output_padding: int = 0) -> ConvSpec:  # fmt: skip
-    return ConvSpec(transposed, (stride,) * d, (padding,) * d, (dilation,) * d, (output_padding,) * d, groups)
 
 
 #: name -> (conv spec, chain, pool, x shape, weight shape, has bias, multiplier shape)
 CASES = {
     # the op of demos/seeds/conv2d_mul_leaky_gelu.py at a small, odd size
-    "conv2d-mul-leaky-gelu": (_spec(2), (MUL0, LEAKY, GELU), None, (2, 5, 7, 9), (6, 5, 3, 3), True, (6, 1, 1)),
+    "conv2d-mul-leaky-gelu": (conv_spec(2), (MUL0, LEAKY, GELU), None, (2, 5, 7, 9), (6, 5, 3, 3), True, (6, 1, 1)),
     "conv2d-no-bias-groups": (
-        _spec(2, padding=2, dilation=2, groups=2), (LEAKY,), None, (2, 4, 8, 7), (6, 2, 3, 3), False, None,
+        conv_spec(2, padding=2, dilation=2, groups=2), (LEAKY,), None, (2, 4, 8, 7), (6, 2, 3, 3), False, None,
     ),
     "conv2d-s2-max-pool": (
-        _spec(2, stride=2), (LEAKY, MUL0), PoolSpec("max", (2, 2), (2, 2), (0, 0)), (2, 3, 11, 10), (4, 3, 3, 3),
+        conv_spec(2, stride=2), (LEAKY, MUL0), PoolSpec("max", (2, 2), (2, 2), (0, 0)), (2, 3, 11, 10), (4, 3, 3, 3),
         True, (4, 1, 1),
     ),
     # partial windows at the border (padding, ceil_mode) and padding left out of the divisor
     "conv2d-avg-pool-partial": (
-        _spec(2), (MUL0,), PoolSpec("avg", (3, 3), (2, 2), (1, 1), ceil_mode=True, count_include_pad=False),
+        conv_spec(2), (MUL0,), PoolSpec("avg", (3, 3), (2, 2), (1, 1), ceil_mode=True, count_include_pad=False),
         (1, 4, 9, 7), (5, 4, 3, 3), True, (5, 1, 1),
     ),
-    "conv3d": (_spec(3), (MUL0, GELU), None, (1, 3, 4, 5, 3), (4, 3, 3, 3, 3), True, (4, 1, 1, 1)),
+    "conv3d": (conv_spec(3), (MUL0, GELU), None, (1, 3, 4, 5, 3), (4, 3, 3, 3, 3), True, (4, 1, 1, 1)),
     "convT2d-s2": (
-        _spec(2, stride=2, transposed=True, output_padding=1), (LEAKY, MUL0), None, (2, 3, 5, 4), (3, 4, 3, 3),
+        conv_spec(2, stride=2, transposed=True, output_padding=1), (LEAKY, MUL0), None, (2, 3, 5, 4), (3, 4, 3, 3),
         True, (4, 1, 1),
     ),
     # the op of demos/seeds/convt3d_leaky_mul_leaky_maxpool.py
     "convT3d-leaky-mul-leaky-max-pool": (
-        _spec(3, stride=2, transposed=True, output_padding=1), (LEAKY, MUL0, LEAKY),
+        conv_spec(3, stride=2, transposed=True, output_padding=1), (LEAKY, MUL0, LEAKY),
         PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), (2, 3, 3, 4, 3), (3, 4, 3, 3, 3), False, (4, 1, 1, 1),
     ),
 }
@@ -224,7 +216,7 @@ def _kernel_inputs(dtype: torch.dtype, spatial: tuple[int, ...] = (9, 11)):
     bias = torch.randn(70, generator=g).to(DEVICE, dtype)
     mult = torch.randn(70, 1, *([1] * len(spatial)), generator=g).to(DEVICE)
     mult[::3] = -mult[::3].abs()  # negative multipliers
-    steps = [(PK.MUL.code, [mult]), (PK.LEAKY_RELU.code, [0.01])]
+    steps = [(PointwiseKind.MUL.code, [mult]), (PointwiseKind.LEAKY_RELU.code, [0.01])]
     # the chain in fp32, with the bias rounded to y's dtype first (as the kernel adds it)
     v = (y.float() + bias.float().view(1, -1, *([1] * len(spatial)))) * mult.float().view(1, -1, *([1] * len(spatial)))
     return y, bias, steps, F.leaky_relu(v, 0.01)
@@ -285,14 +277,14 @@ def test_which_calls_get_a_channels_last_candidate():
     convs (no cuDNN channels-last kernels), not a channels-last x or weight (the library conv is
     channels-last there already), not float64."""
     why = ce._channels_last_forward_unsupported
-    cfg2 = ConvEpilogueConfig(conv=_spec(2), chain=(LEAKY,))
+    cfg2 = ConvEpilogueConfig(conv=conv_spec(2), chain=(LEAKY,))
     x4, w4 = torch.randn(2, 3, 5, 5), torch.randn(4, 3, 3, 3)
     assert why(x4, w4, cfg2) is None
     assert why(x4[..., 1:4], w4, cfg2) is None  # a slice
-    assert why(torch.randn(2, 3, 4, 4, 4), torch.randn(4, 3, 3, 3, 3), ConvEpilogueConfig(conv=_spec(3))) is None
-    assert "1-d" in why(torch.randn(2, 3, 5), torch.randn(4, 3, 3), ConvEpilogueConfig(conv=_spec(1)))
+    assert why(torch.randn(2, 3, 4, 4, 4), torch.randn(4, 3, 3, 3, 3), ConvEpilogueConfig(conv=conv_spec(3))) is None
+    assert "1-d" in why(torch.randn(2, 3, 5), torch.randn(4, 3, 3), ConvEpilogueConfig(conv=conv_spec(1)))
     assert "float64" in why(x4.double(), w4.double(), cfg2)
-    assert "float64" in why(x4, w4, ConvEpilogueConfig(conv=_spec(2), compute_dtype="float64"))
+    assert "float64" in why(x4, w4, ConvEpilogueConfig(conv=conv_spec(2), compute_dtype="float64"))
     assert "already" in why(x4.to(memory_format=torch.channels_last), w4, cfg2)
     assert "already" in why(x4, w4.to(memory_format=torch.channels_last), cfg2)
 
