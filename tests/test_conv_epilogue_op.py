@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fusion_backend.errors import KernelError, UnsupportedInputError
 from fusion_backend.kernels import epilogue as kernels
+from fusion_backend.kernels import host
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef, apply_step
 from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
@@ -485,6 +486,7 @@ def test_kernel_path_reports_what_runs(monkeypatch):
     path, why = ce.kernel_path(config, torch.float32, "cpu")
     assert path == "reference" and "FUSION_CPU_KERNELS" in why
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    monkeypatch.setattr(host, "INTERPRETER", True)  # as under TRITON_INTERPRET=1, on any machine
     assert ce.kernel_path(config, torch.float32, "cpu") == ("triton", None)
     assert ce.kernel_path(config, torch.bfloat16, "cpu")[0] == "reference"
     big = config_of(_spec(2), [ChainStep(PK.RELU)], _pool("max", 2, 9, 1))

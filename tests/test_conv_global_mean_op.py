@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fusion_backend.errors import KernelError, UnsupportedInputError
+from fusion_backend.kernels import host
 from fusion_backend.ops import conv_global_mean as cgm
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef, apply_step
 from fusion_backend.ops.config import ConvSpec
@@ -338,6 +339,7 @@ def test_kernel_path_reports_why(monkeypatch: pytest.MonkeyPatch) -> None:
     path, why = kernel_path(config, torch.float32, "cpu")
     assert path == "reference" and cgm.CPU_KERNELS_ENV in why
     monkeypatch.setenv(cgm.CPU_KERNELS_ENV, "triton")
+    monkeypatch.setattr(host, "INTERPRETER", True)  # as under TRITON_INTERPRET=1, on any machine
     assert kernel_path(config, torch.float16, "cpu") == ("triton", None)
     path, why = kernel_path(config, torch.bfloat16, "cpu")
     assert path == "reference" and "interpreter" in why
@@ -552,6 +554,7 @@ def test_kernel_failure_raises_when_strict_else_warns_and_falls_back(monkeypatch
         raise RuntimeError("simulated launch failure")
 
     monkeypatch.setenv(cgm.CPU_KERNELS_ENV, "triton")
+    monkeypatch.setattr(host, "INTERPRETER", True)  # the CPU routing only: the launch itself is replaced
     monkeypatch.setattr(kernels, "set_sums_partial", broken)
     monkeypatch.setattr(cgm, "_warned", set())
     spec = spec2d(False)
@@ -575,6 +578,7 @@ def test_kernel_failure_raises_when_strict_else_warns_and_falls_back(monkeypatch
 def test_too_many_index_sets_use_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     # A 1-d kernel of width 40 with padding 20 gives 40 distinct index sets: more than an int32 table.
     monkeypatch.setenv(cgm.CPU_KERNELS_ENV, "triton")
+    monkeypatch.setattr(host, "INTERPRETER", True)  # the table is refused before any kernel runs
     monkeypatch.setattr(cgm, "_warned", set())
     spec = ConvSpec(False, (1,), (20,), (1,), (0,), 1)
     x, w, b = make_inputs(spec, 1, 2, (45,), (40,), dtype=torch.float32)
