@@ -444,8 +444,9 @@ def test_config_rejects_unknown_dtypes_modes_and_duplicates() -> None:
 
 
 def test_adaptive_repetitions_aim_at_the_target_time_within_bounds() -> None:
-    cfg = MeasureConfig(target_ms=300.0, min_reps=10, max_reps=1000)
+    cfg = MeasureConfig(target_ms=300.0, min_reps=10, max_reps=1000, rounds=1)
     assert cfg.choose_reps(1.5) == 200
+    assert MeasureConfig(target_ms=300.0, rounds=3).choose_reps(1.5) == 66  # the target covers all rounds
     assert cfg.choose_reps(100.0) == 10
     assert cfg.choose_reps(0.001) == 1000
     assert MeasureConfig(reps=7).choose_reps(1.0) == 7
@@ -678,7 +679,9 @@ def test_report_round_trips_through_json_and_tables_show_the_numbers(tiny: Workl
     assert "Roofline" in text and "Failures (never timed)" in text and "rel err" in text
     assert "| workload |" in files.markdown.read_text()
     assert "0.6250" in details_table(report)  # cold median
-    assert [e.index for e in events if e.phase == "done"] == list(range(1, 9))
+    # every item is done once; the failed one (never timed) before its case's timed ones
+    assert sorted(e.index for e in events if e.phase == "done") == list(range(1, 9))
+    assert [e.index for e in events if e.phase == "done"][:4] == [4, 1, 2, 3]
     assert all(e.total == 8 for e in events)
 
 
@@ -714,12 +717,13 @@ def test_cuda_graph_backends_start_every_call_with_a_new_cudagraph_step(
     graphs = BenchBackend("graphs", logging_compile, "replays CUDA graphs", uses_dynamo=False, cudagraphs=True)
     report = run([tiny], [BUILTIN_EAGER, graphs])
     assert all(i.ok for i in report.items)
-    # Per mode: the checked first call, the warm and the cold measurement (memory is not measured).
-    assert calls == ["mark", "forward"] * 6
+    # Per mode: the checked first call, a warm and a cold measurement per round (memory is not measured).
+    rounds = MeasureConfig().rounds
+    assert calls == ["mark", "forward"] * 2 * (1 + 2 * rounds)
     calls.clear()
     plain = BenchBackend("plain", logging_compile, "no CUDA graphs", uses_dynamo=False)
     run([tiny], [BUILTIN_EAGER, plain], modes=("train",))
-    assert calls == ["forward"] * 4  # first call, warm, cold, memory: and no mark
+    assert calls == ["forward"] * (2 + 2 * rounds)  # first call, memory, warm and cold per round: and no mark
 
 
 def test_channels_last_inputs_reach_every_call_channels_last(tmp_path: Path) -> None:
@@ -933,3 +937,33 @@ def test_check_only_on_cpu_runs_the_gate_and_writes_reports(
 
 
 BUILTIN_EAGER = resolve_backend("eager")
+
+
+class DriftingTimer(FakeTimer):
+    """Every backend equally fast, but the host slows down by 20% with every measurement."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.calls = 0
+
+    def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
+             cold: bool = False) -> TimingStats:
+        super().time(step, before_each=before_each, cold=cold)
+        self.calls += 1
+        ms = 1.2 ** self.calls
+        return TimingStats.from_samples([ms, ms])
+
+
+def test_backends_of_a_row_are_timed_in_interleaved_rounds_so_drift_hits_them_alike(tiny: Workload) -> None:
+    timer = DriftingTimer()
+    report = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=timer)
+    names = ["eager", "inductor", "fusion"]
+    rotated = [names[r:] + names[:r] for r in range(MeasureConfig().rounds)]
+    assert [b for b, cold in timer.timed if not cold] == [b for order in rotated for b in order]
+    assert [b for b, cold in timer.timed if cold] == [b for order in rotated for b in order]
+    case = report.cases[0]
+    # One backend after the other, the last would look 1.2**6 = 3x slower than the first; interleaved
+    # and rotated, equally fast backends differ by at most one drift step.
+    times = [case.item(b).warm.median_ms for b in names]  # type: ignore[union-attr]
+    assert max(times) / min(times) <= 1.2 ** 2
+    assert case.item("fusion").warm.reps == 2 * MeasureConfig().rounds  # type: ignore[union-attr]

@@ -99,9 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--filter", default=None,
                    help="keep workloads whose name contains any comma-separated pattern (globs allowed)")
     p.add_argument("--reps", type=int, default=None,
-                   help="fixed timed repetitions per measurement (default: adaptive, ~--target-ms each)")
+                   help="fixed timed repetitions per round (default: adaptive, ~--target-ms over all rounds)")
     p.add_argument("--target-ms", type=float, default=300.0,
-                   help="adaptive repetitions aim for this much timed time per measurement (default: 300)")
+                   help="adaptive repetitions aim for this much timed time per measurement, all rounds "
+                   "together (default: 300)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="each backend of a row is timed this many times, interleaved with the row's other "
+                   "backends; its time is the median of the rounds (default: 3)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed repetitions before each measurement (default: 3)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold-L2 measurement")
@@ -123,20 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _LineProgress:
-    """One line per item on a stream: ``[ 7/60] convt3d_leaky_mul_leaky_maxpool bf16 train inductor ... ok 0.780 ms``."""
+    """Two lines per item on a stream, when it starts and when it is finished (the items of a case are
+    timed together, after all of them compiled): ``[ 7/60] convt3d_leaky_mul_leaky_maxpool bf16 train
+    inductor: ok 0.780 ms``."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
 
     def __call__(self, ev: ProgressEvent) -> None:
+        if ev.phase not in ("start", "done") or ev.phase == "done" and ev.result is None:
+            return
         width = len(str(ev.total))
-        if ev.phase == "start":
-            self.stream.write(f"[{ev.index:>{width}}/{ev.total}] {ev.workload} {ev.dtype} {ev.mode} "
-                              f"{ev.backend} ... ")
-            self.stream.flush()
-        elif ev.result is not None:
-            self.stream.write(describe_item(ev.result) + "\n")
-            self.stream.flush()
+        what = "compiling and checking" if ev.phase == "start" else describe_item(ev.result)
+        self.stream.write(f"[{ev.index:>{width}}/{ev.total}] {ev.workload} {ev.dtype} {ev.mode} {ev.backend}: {what}\n")
+        self.stream.flush()
 
 
 class _TqdmProgress:
@@ -217,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) -> int:
     try:
         measure = MeasureConfig(warmup=args.warmup, target_ms=args.target_ms, reps=args.reps,
-                                cold=not (args.no_cold or args.check_only))
+                                cold=not (args.no_cold or args.check_only), rounds=args.rounds)
         backend_names = tuple(with_compile_mode(args.backends, args.compile_mode))
         config = BenchConfig(dtypes=args.dtype, modes=args.mode, backends=backend_names, seed=args.seed,
                              check_only=args.check_only, memory=not args.no_memory, measure=measure,

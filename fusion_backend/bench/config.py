@@ -65,11 +65,12 @@ DEFAULT_BACKENDS: tuple[str, ...] = ("eager", "inductor", "fusion")
 class MeasureConfig:
     """How timings are taken (see :class:`fusion_backend.bench.measure.CudaEventTimer`).
 
-    ``warmup`` calls run untimed after the first (compiling, checked) call.  Without a fixed ``reps``
-    the number of timed repetitions is picked from an estimate so that one measurement takes about
-    ``target_ms``, clamped to ``[min_reps, max_reps]``: enough samples for a stable median on fast
-    workloads without spending minutes on slow ones.  ``cold`` adds a second measurement with L2
-    flushed before every repetition.
+    ``warmup`` calls run untimed before every measurement.  Each item is measured in ``rounds``
+    rounds, interleaved with the other backends of its case (``runner.py``).  Without a fixed ``reps``
+    the number of timed repetitions per round is picked from an estimate so that all rounds together
+    take about ``target_ms``, clamped to ``[min_reps, max_reps]``: enough samples for a stable median
+    on fast workloads without spending minutes on slow ones.  ``cold`` adds a second measurement per
+    round with L2 flushed before every repetition.
     """
 
     warmup: int = 3
@@ -78,6 +79,7 @@ class MeasureConfig:
     min_reps: int = 10
     max_reps: int = 1000
     cold: bool = True
+    rounds: int = 3
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -88,12 +90,16 @@ class MeasureConfig:
             raise ConfigError(f"need 1 <= min_reps <= max_reps, got {self.min_reps}, {self.max_reps}")
         if self.target_ms <= 0:
             raise ConfigError(f"target_ms must be > 0, got {self.target_ms}")
+        if self.rounds < 1:
+            raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
 
     def choose_reps(self, estimate_ms: float) -> int:
-        """Repetitions for one measurement given one repetition's estimated time in milliseconds.
+        """Repetitions for one round's measurement given one repetition's estimated time in milliseconds.
 
-        >>> MeasureConfig(target_ms=300).choose_reps(1.5)
+        >>> MeasureConfig(target_ms=300, rounds=1).choose_reps(1.5)
         200
+        >>> MeasureConfig(target_ms=300, rounds=3).choose_reps(1.5)
+        66
         >>> MeasureConfig(target_ms=300).choose_reps(100.0)   # slow: never fewer than min_reps
         10
         """
@@ -101,7 +107,7 @@ class MeasureConfig:
             return self.reps
         if estimate_ms <= 0:
             return self.max_reps
-        wanted = int(self.target_ms / estimate_ms)
+        wanted = int(self.target_ms / self.rounds / estimate_ms)
         return max(self.min_reps, min(self.max_reps, wanted))
 
 

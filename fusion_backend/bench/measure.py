@@ -8,7 +8,8 @@ Timing (:class:`CudaEventTimer`), after the caller's first (compiling, checked) 
 
 1. ``warmup`` untimed repetitions (caches, allocator, cuDNN heuristics, lazy backward compilation);
 2. unless ``reps`` is fixed, 3 timed repetitions estimate one repetition's time, and the count is
-   chosen so the measurement takes about ``target_ms`` (:meth:`MeasureConfig.choose_reps`), like
+   chosen so the measurement takes about ``target_ms / rounds`` (:meth:`MeasureConfig.choose_reps`;
+   the runner measures every item ``rounds`` times, interleaved with the case's other backends), like
    ``triton.testing.do_bench`` does;
 3. every repetition is bracketed by its own pair of CUDA events; the median is reported with its
    spread.  ``before_each`` (e.g. setting gradients to ``None``) runs before the start event, untimed.
@@ -62,6 +63,22 @@ class TimingStats:
         else:
             p20 = p80 = xs[0]
         return cls(statistics.median(xs), p20, p80, xs[0], xs[-1], statistics.fmean(xs), len(xs))
+
+    @classmethod
+    def of_rounds(cls, rounds: Sequence[TimingStats]) -> TimingStats:
+        """One summary of the same step measured in several rounds: the median of the round medians
+        (and of their p20 / p80), the extremes over all rounds, the mean over all repetitions.
+
+        >>> a, b, c = (TimingStats.from_samples(s) for s in ([1.0, 2.0], [5.0, 6.0], [2.0, 3.0]))
+        >>> TimingStats.of_rounds([a, b, c]).median_ms, TimingStats.of_rounds([a, b, c]).reps
+        (2.5, 6)
+        """
+        if not rounds:
+            raise ValueError("TimingStats.of_rounds needs at least one round")
+        reps = sum(r.reps for r in rounds)
+        return cls(statistics.median(r.median_ms for r in rounds), statistics.median(r.p20_ms for r in rounds),
+                   statistics.median(r.p80_ms for r in rounds), min(r.min_ms for r in rounds),
+                   max(r.max_ms for r in rounds), sum(r.mean_ms * r.reps for r in rounds) / reps, reps)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,13 @@ another's gradients.  Per workload x dtype x mode:
    made lazily, once per case, only if a tensor needs it).  A mismatch makes the item ``FAIL`` and an
    exception ``ERROR``; either way the item is never timed, so a wrong backend can never show up as a
    speedup.
-3. Only items that pass are timed (warm, then cold L2) and have their memory measured.
+3. Only items that pass have their memory measured (right after their check, before the next
+   backend compiles) and are timed (warm, then cold L2).  Timing is interleaved: every backend of the
+   case stays compiled, and ``MeasureConfig.rounds`` rounds each time every backend once, the order
+   rotating from round to round; an item's time is the median of its round medians.  WHY: the host
+   of a GPU machine drifts by tens of percent over seconds (the same eager step measured 0.17 ms and
+   0.27 ms in two runs), and host-bound rows timed one backend after the other compared windows,
+   not backends.
 
 The step: ``infer`` is the forward under ``torch.no_grad()``; ``train`` is forward plus
 ``torch.autograd.backward(outputs, grad_outputs)`` with *fixed random* upstream gradients (a plain
@@ -69,7 +75,9 @@ MAX_ERROR_CHARS = 4000
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """Sent to the progress callback before (``phase="start"``) and after (``"done"``) every item.
+    """Sent to the progress callback when an item starts compiling (``phase="start"``), before each of
+    its timed measurements (``"timing"``) and when it is finished (``"done"``).  Items of one case are
+    timed in interleaved rounds, so a case's items start one after the other and finish together.
 
     ``index`` counts items from 1 to ``total``; ``result`` is set on ``"done"``.
     """
@@ -251,6 +259,9 @@ class Runner:
         self.conv_tf32 = device.type == "cuda" and conv_tf32_enabled()
         self._index = 0
         self._total = 0
+        #: Whether a backend of the current case recorded CUDA graphs (which keep using the library
+        #: workspaces they captured, so those must not be freed before the next item's reading).
+        self._graphs_alive = False
 
     # -- public -----------------------------------------------------------------------------------------
 
@@ -377,35 +388,43 @@ class Runner:
         except Exception as exc:
             log.debug("eager reference of %s/%s/%s failed", workload, dtype, mode, exc_info=True)
             return self._failed_case(workload, dtype, mode, f"the eager reference failed: {_describe(exc)}")
-        items = []
-        for backend in self.backends:
-            self._emit(workload, dtype, mode, backend.name, "start")
-            item = self._run_item(workload, model, inputs, dtype, mode, backend, ref)
-            self.instruments.release()
-            self._emit(workload, dtype, mode, backend.name, "done", item)
-            items.append(item)
-        return CaseResult(workload, dtype, mode, roofline=ref.roofline, items=tuple(items))
+        finished: dict[str, ItemResult] = {}
+        live: list[_Live] = []
+        dynamo = any(b.uses_dynamo for b in self.backends)
+        if dynamo:
+            _clear_dynamo()
+        self._graphs_alive = False
+        try:
+            for backend in self.backends:
+                self._emit(workload, dtype, mode, backend.name, "start")
+                prepared = self._prepare_item(workload, model, inputs, dtype, mode, backend, ref)
+                self.instruments.release()
+                if isinstance(prepared, ItemResult):
+                    finished[backend.name] = prepared
+                    self._emit(workload, dtype, mode, backend.name, "done", prepared)
+                else:
+                    live.append(prepared)
+            for entry, item in zip(live, self._time_interleaved(live), strict=True):
+                finished[item.backend] = item
+                self._emit(workload, dtype, mode, item.backend, "done", item, index=entry.index)
+        finally:
+            del live
+            if dynamo:
+                # Drops this case's compiled code and CUDA graphs now, not when the next case compiles.
+                _clear_dynamo()
+        items = tuple(finished[b.name] for b in self.backends)
+        return CaseResult(workload, dtype, mode, roofline=ref.roofline, items=items)
 
     # -- per item ------------------------------------------------------------------------------------------
 
-    def _run_item(self, workload: str, model: torch.nn.Module, base_inputs: Sequence[Any], dtype: str,
-                  mode: str, backend: BenchBackend, ref: _Reference) -> ItemResult:
+    def _prepare_item(self, workload: str, model: torch.nn.Module, base_inputs: Sequence[Any], dtype: str,
+                      mode: str, backend: BenchBackend, ref: _Reference) -> _Live | ItemResult:
+        """Compile, check and measure the memory of one backend's step: the step, ready to be timed,
+        or the item's final result (failed, or check-only)."""
+        cfg = self.config
         result = _ItemBuilder(workload, dtype, mode, backend.name)
         module = copy.deepcopy(model)
         inputs = _fresh_inputs(base_inputs, mode == "train")
-        if backend.uses_dynamo:
-            _clear_dynamo()
-        try:
-            return self._check_and_measure(workload, module, inputs, dtype, mode, backend, ref, result)
-        finally:
-            if backend.uses_dynamo:
-                # Drops this item's compiled code and CUDA graphs now, not when the next item compiles.
-                _clear_dynamo()
-
-    def _check_and_measure(self, workload: str, module: torch.nn.Module, inputs: list[Any], dtype: str,
-                           mode: str, backend: BenchBackend, ref: _Reference,
-                           result: _ItemBuilder) -> ItemResult:
-        cfg = self.config
         precision = PRECISIONS[dtype]
         train = mode == "train"
         tools = self.instruments
@@ -413,7 +432,8 @@ class Runner:
         try:
             tools.synchronize()
             measuring_memory = cfg.memory and not cfg.check_only
-            item_start = tools.memory.allocated(drop_workspaces=True) if measuring_memory else 0
+            item_start = tools.memory.allocated(drop_workspaces=not self._graphs_alive) if measuring_memory else 0
+            breaks_before = _graph_breaks() if backend.uses_dynamo else None
             start = tools.clock()
             fn = backend.compile(module)
             step = _Step(fn, module, inputs, device=self.device, precision=precision, train=train,
@@ -423,9 +443,11 @@ class Runner:
                 out = step.run()
             tools.synchronize()
             result.compile_s = tools.clock() - start
+            self._graphs_alive = self._graphs_alive or backend.cudagraphs
             result.notes += tuple(f"{d.pattern} {d.summary}: {d}" for r in reports for d in r.decisions)
             if backend.uses_dynamo:
-                result.graph_breaks = _graph_breaks()
+                after = _graph_breaks()
+                result.graph_breaks = None if after is None or breaks_before is None else after - breaks_before
             before_check = tools.memory.allocated() if measuring_memory else 0
             check = check_against_reference(out, ref.outputs, cfg.tolerance(dtype, self.conv_tf32),
                                              actual_grads=_named_grads(module, inputs),
@@ -443,11 +465,8 @@ class Runner:
             return result.done(Status.FAIL, f"differs from eager: {check.summary()}")
         if cfg.check_only:
             return result.done(Status.OK)
-        # 2. measurements, only for results that matched eager.
+        # 2. memory, only for results that matched eager, before another backend allocates anything.
         try:
-            result.warm = tools.timer.time(step.run, before_each=step.reset, cold=False)
-            if cfg.measure.cold:
-                result.cold = tools.timer.time(step.run, before_each=step.reset, cold=True)
             if cfg.memory and backend.cudagraphs:
                 result.notes += ("memory not measured: CUDA graphs keep the step's tensors in a private pool "
                                  "that the allocator statistics do not count",)
@@ -457,16 +476,61 @@ class Runner:
                 result.memory = dataclasses.replace(memory,
                                                     resident_bytes=memory.baseline_bytes - item_start)
         except Exception as exc:
-            log.debug("%s/%s/%s/%s: measuring failed", workload, dtype, mode, backend.name, exc_info=True)
+            log.debug("%s/%s/%s/%s: measuring memory failed", workload, dtype, mode, backend.name, exc_info=True)
             return result.done(Status.ERROR, f"measuring failed: {_describe(exc)}")
-        return result.done(Status.OK)
+        return _Live(backend.name, self._index, result, step)
+
+    def _time_interleaved(self, live: list[_Live]) -> list[ItemResult]:
+        """Time every live item in rounds (module docstring, step 3); the items' results."""
+        cfg = self.config
+        rounds = cfg.measure.rounds
+        kinds = (False, True) if cfg.measure.cold else (False,)
+        for r in range(rounds):
+            order = live[r % len(live):] + live[:r % len(live)] if live else []
+            for cold in kinds:
+                for item in order:
+                    if item.error:
+                        continue
+                    self._emit(item.result.workload, item.result.dtype, item.result.mode, item.backend, "timing",
+                               index=item.index)
+                    try:
+                        stats = self.instruments.timer.time(item.step.run, before_each=item.step.reset, cold=cold)
+                    except Exception as exc:
+                        log.debug("%s: measuring failed", item.backend, exc_info=True)
+                        item.error = f"measuring failed: {_describe(exc)}"
+                        continue
+                    (item.cold_rounds if cold else item.warm_rounds).append(stats)
+        results = []
+        for item in live:
+            if item.error:
+                results.append(item.result.done(Status.ERROR, item.error))
+                continue
+            item.result.warm = TimingStats.of_rounds(item.warm_rounds)
+            item.result.cold = TimingStats.of_rounds(item.cold_rounds) if item.cold_rounds else None
+            results.append(item.result.done(Status.OK))
+        return results
 
     def _emit(self, workload: str, dtype: str, mode: str, backend: str, phase: str,
-              result: ItemResult | None = None) -> None:
+              result: ItemResult | None = None, index: int | None = None) -> None:
         if phase == "start":
             self._index += 1
         if self.progress is not None:
-            self.progress(ProgressEvent(self._index, self._total, workload, dtype, mode, backend, phase, result))
+            self.progress(ProgressEvent(self._index if index is None else index, self._total, workload, dtype,
+                                        mode, backend, phase, result))
+
+
+@dataclass
+class _Live:
+    """A compiled, checked item waiting to be timed, and its round-by-round timings."""
+
+    backend: str
+    index: int
+    """The item's place in the run (progress events)."""
+    result: _ItemBuilder
+    step: _Step
+    warm_rounds: list[TimingStats] = dataclasses.field(default_factory=list)
+    cold_rounds: list[TimingStats] = dataclasses.field(default_factory=list)
+    error: str = ""
 
 
 @dataclass
