@@ -4,7 +4,9 @@ The backend's promise is never to be slower than ``backend="inductor"``.  For ev
 pattern matched, and for the input signature the graph was compiled for, this module compares the
 fused op with Inductor's compiled code for the original nodes (``region_timing.py``) and keeps the
 rewrite only where the fused op wins by the margin (``decide_margin``, default 3%); a tie goes to
-Inductor.  With gradients flowing, forward + backward is timed; without, the forward.
+Inductor.  With gradients flowing, forward + backward is timed; without, the forward.  The timed
+region includes the cheap ops that consume its result (``region_timing.with_consumers``), which
+Inductor would fuse with the region's last op: both candidates run them as the compiled graph will.
 
 Policies (option ``decide``, environment ``FUSION_DECIDE``; parsed in ``options.py``):
 
@@ -181,7 +183,7 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
                         "not measured on CPU: the fused op would run its plain-torch reference there, "
                         "which Inductor's CPU code matches or beats (decide='fuse' rewrites anyway)"), False
     try:
-        region = region_timing.extract_region(gm, nodes)
+        region = region_timing.extract_region(gm, region_timing.with_consumers(gm, nodes))
         train = _gradients_flow(region)
         patches = {k: v for k, v in inductor_patches.items() if k != "post_grad_custom_post_pass"}
         patches["triton.cudagraphs"] = False

@@ -646,3 +646,13 @@ def test_gpu_strict_rejects_float64_and_the_reference_serves_it():
         ce.conv_epilogue(*args, [m.cuda()], config_of(case.spec, chain, pool, strict=True))
     out = ce.conv_epilogue(*args, [m.cuda()], config_of(case.spec, chain, pool))
     assert rel_err(out, eager(x, w, b, [m], case.spec, chain, pool)) < 1e-10
+
+
+def test_auto_times_the_compact_backward_only_behind_a_transposed_conv_with_a_max_pool():
+    def reason(spec, pool):
+        return ce._compact_backward_never_wins(ConvEpilogueConfig(conv=spec, chain=(ChainStep(PK.RELU),), pool=pool))
+
+    assert reason(_spec(3, transposed=True, stride=2), _pool("max", 3)) is None
+    for spec, pool in [(_spec(3), _pool("max", 3)), (_spec(2, transposed=True, stride=2), None),
+                       (_spec(2, transposed=True, stride=2), _pool("avg", 2)), (_spec(1), None)]:
+        assert "transposed conv with a max pool" in reason(spec, pool)

@@ -286,3 +286,92 @@ def test_under_cuda_graphs_a_kept_region_runs_once_at_compile_time(cache, monkey
     report, d = only_decision(reports)
     assert not d.fused and d.rule == "preparing it for CUDA graphs failed (boom)" and report.matches == ()
     torch.testing.assert_close(out, model(x))
+
+
+def _dynamo_graph(fn, *args):
+    """The FX graph Dynamo captures for ``fn(*args)`` (its nodes carry fake values)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return graphs[0]
+
+
+def _names(nodes):
+    return [n.target if isinstance(n.target, str) else n.target.__name__ for n in nodes]
+
+
+def test_a_region_is_timed_with_the_cheap_consumers_inductor_would_fuse_into_it():
+    """A global mean timed alone would make Inductor pay a kernel that in the graph it fuses with the
+    bias, logsumexp and sum after it: those consumers join the timed region (both candidates run
+    them); a conv, an in-place op, a larger (broadcast) result or a second user ends the chain."""
+    from fusion_backend import region_timing
+
+    weight, bias = torch.randn(3, 8, 3, 3), torch.randn(8, 1, 1)
+
+    def pipeline(x):
+        y = F.conv_transpose2d(x, weight).mean((2, 3), keepdim=True)
+        y = torch.logsumexp(y + bias, 1, keepdim=True)
+        return y.sum((2, 3)) * 10
+
+    gm = _dynamo_graph(pipeline, torch.randn(2, 3, 6, 6))
+    conv, mean = [n for n in gm.graph.nodes if n.op != "placeholder"][:2]
+    assert _names(region_timing.with_consumers(gm, [conv, mean])) == [
+        "conv_transpose2d", "mean", "add", "logsumexp", "sum", "mul"]
+
+    def stoppers(x, big):
+        a = F.relu(F.conv2d(x, weight.transpose(0, 1)))
+        b = (a * 2).add_(1)  # in-place: not timed again and again on a copy
+        c = F.relu(F.conv2d(x, weight.transpose(0, 1))) * 3
+        d = F.conv2d(c, torch.randn(8, 8, 1, 1))  # a conv: another region's
+        e = F.relu(F.conv2d(x, weight.transpose(0, 1)))
+        f = e + big  # broadcast to a larger result
+        g = F.relu(F.conv2d(x, weight.transpose(0, 1)))
+        return b, d, f, g.sin(), g.cos()  # g: two users
+
+    gm = _dynamo_graph(stoppers, torch.randn(2, 3, 6, 6), torch.randn(3, 1, 8, 4, 4))
+    regions = [[n, next(iter(n.users))] for n in gm.graph.nodes if n.op == "call_function" and n.target is F.conv2d
+               and next(iter(n.users)).target is F.relu]
+    grown = [_names(region_timing.with_consumers(gm, r))[2:] for r in regions]
+    assert grown == [["mul"], ["mul"], [], []]
+
+
+class GlobalMeanLogsumexp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.ConvTranspose2d(3, 8, 3)
+        self.bias = nn.Parameter(torch.randn(8, 1, 1))
+
+    def forward(self, x):
+        y = self.conv(x).mean((2, 3), keepdim=True) + self.bias
+        return torch.logsumexp(y, 1, keepdim=True).sum((2, 3)) * 10
+
+
+def test_the_real_timer_runs_a_region_with_its_consumers_on_cpu(cache, monkeypatch):
+    """Both candidates of a region grown by its consumers build and run (the fused one through
+    Inductor, which compiles the consumers after the fused op), and the compiled model is eager's."""
+    from fusion_backend import region_timing
+
+    timed = []
+    real = region_timing.extract_region
+    monkeypatch.setattr(region_timing, "extract_region", lambda gm, nodes: timed.append(_names(nodes)) or real(gm, nodes))
+    model, x = GlobalMeanLogsumexp(), torch.randn(2, 3, 6, 6, requires_grad=True)
+    want = model(x)
+    want.sum().backward()
+    want_grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad()
+    with decision.timing_override(None, measure_on=("cpu",)), collect_reports() as reports:
+        out = torch.compile(model, backend="fusion")(x)
+        out.sum().backward()
+    _, d = only_decision(reports)
+    assert d.pattern == "conv_global_mean" and d.fused_ms > 0 and d.inductor_ms > 0
+    assert timed == [["conv_transpose2d", "mean", "add", "logsumexp", "sum", "mul"]]
+    torch.testing.assert_close(out, want)
+    for got, expected in zip([x.grad] + [p.grad for p in model.parameters()], want_grads, strict=True):
+        torch.testing.assert_close(got, expected)

@@ -1172,7 +1172,7 @@ def _backward_candidates(
     saved state are not channels-last already and cuDNN has channels-last kernels."""
     args = (grad_out, x, weight, bias, operands, saved_a, saved_b)
     plans: dict[str, Any] = {"library": _LibraryBackward(*args, cfg, mask)}
-    why = _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg)
+    why = _compact_backward_never_wins(cfg) or _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg)
     if why is None:
         plans["compact"] = _CompactBackward(*args, cfg, mask)
     else:
@@ -1321,6 +1321,24 @@ def _channels_last_backward_unsupported(x: Tensor, saved_a: Tensor) -> str | Non
     if output_memory_format(saved_a) != torch.contiguous_format or x.is_contiguous(memory_format=_channels_last_format(x.dim())):
         return "the tensors are channels-last already"
     return None
+
+
+def _compact_backward_never_wins(cfg: ConvEpilogueConfig) -> str | None:
+    """Why ``auto`` does not time the compact backward here (None: it may win).
+
+    NOTE: measured on the H100 (``python -m fusion_backend bench --suite seeds`` and six ``convnets``
+    files, with ``logging.getLogger("fusion_backend.impl_choice")`` at INFO): the compact backward
+    beat cuDNN's only behind a transposed conv followed by a max pool (ConvTranspose3d k3 s2 +
+    max_pool3d: 0.56 vs 1.66 ms fp32, 0.46 vs 0.79 ms bf16).  Everywhere else it lost: Conv3d 32->64
+    + max_pool3d 19.4 vs 1.7 ms, Conv2d 64->64 at 256x256 12.4 vs 3.3 ms, Conv1d 80->256 0.66 vs
+    0.21 ms, ConvTranspose2d 256->128 without a pool 0.96 vs 0.14 ms, a Conv2d at batch 1 0.96 vs
+    0.14 ms (one tiny Conv2d won by 11%, in a region Inductor kept anyway), while its kernels cost
+    about 10 s of a first call to compile and tune.  ``FUSION_CONV_IMPL=triton`` still runs it
+    wherever it serves the case."""
+    if cfg.conv.transposed and cfg.pool is not None and cfg.pool.kind == "max":
+        return None
+    return ("the compact backward wins only behind a transposed conv with a max pool (measured), so auto "
+            "does not time it here")
 
 
 def _compact_backward_unsupported(
