@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ir.shapes import conv_output_length
 from .epilogue import (
     MAX_WINDOW_VOLUME,
     KernelStep,
@@ -804,11 +805,8 @@ def conv_output_size(x: torch.Tensor, weight: torch.Tensor, conv: ConvGeometry) 
     """Spatial sizes of ``aten.convolution(x, weight, ...)``'s output (not lifted)."""
     sizes = []
     for j, size in enumerate(x.shape[2:]):
-        k, s, p, d = weight.shape[2 + j], conv.stride[j], conv.padding[j], conv.dilation[j]
-        if conv.transposed:
-            sizes.append((size - 1) * s - 2 * p + d * (k - 1) + conv.output_padding[j] + 1)
-        else:
-            sizes.append((size + 2 * p - d * (k - 1) - 1) // s + 1)
+        sizes.append(conv_output_length(size, weight.shape[2 + j], conv.stride[j], conv.padding[j], conv.dilation[j],
+                                        conv.transposed, conv.output_padding[j]))
     return sizes
 
 

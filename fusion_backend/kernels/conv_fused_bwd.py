@@ -73,6 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ir.shapes import conv_output_length, pool_output_length
 from .conv_fused import AUTOTUNE_ENV
 from .host import best_first, cdiv, next_pow2, persistent_device_copies
 from .tf32 import round_tf32
@@ -519,15 +520,8 @@ def conv_output_spatial(
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
 ) -> list[int]:  # fmt: skip
     """Spatial sizes of ``aten.convolution``'s output."""
-    if transposed:
-        return [
-            (i - 1) * s - 2 * p + d * (k - 1) + op + 1
-            for i, k, s, p, d, op in zip(x_spatial, kernel, stride, padding, dilation, output_padding, strict=True)
-        ]
-    return [
-        (i + 2 * p - d * (k - 1) - 1) // s + 1
-        for i, k, s, p, d in zip(x_spatial, kernel, stride, padding, dilation, strict=True)
-    ]
+    return [conv_output_length(i, k, s, p, d, transposed, op)
+            for i, k, s, p, d, op in zip(x_spatial, kernel, stride, padding, dilation, output_padding, strict=True)]
 
 
 def pooled_spatial(
@@ -535,13 +529,8 @@ def pooled_spatial(
     dilation: Sequence[int], ceil_mode: bool,
 ) -> list[int]:  # fmt: skip
     """PyTorch's max-pool output sizes (``pooling_output_shape``)."""
-    out = []
-    for size, k, s, p, d in zip(spatial, kernel, stride, padding, dilation, strict=True):
-        o = (size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
-        if ceil_mode and (o - 1) * s >= size + p:
-            o -= 1
-        out.append(o)
-    return out
+    return [pool_output_length(size, k, s, p, d, ceil_mode)
+            for size, k, s, p, d in zip(spatial, kernel, stride, padding, dilation, strict=True)]
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import KernelError, UnsupportedInputError
+from ..ir.shapes import conv_output_length, pool_output_length
 from ..kernels.host import BoundedCache, cpu_kernels_unavailable, tensor_key
 from . import impl_choice
 from .chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef, apply_step
@@ -554,18 +555,10 @@ def _pool(v: Tensor, pool: PoolSpec, return_indices: bool = False) -> Union[Tens
     return fn(v, k, s, p, pool.ceil_mode, pool.count_include_pad, pool.divisor_override)
 
 
-def _pool_output_size(size: int, k: int, s: int, p: int, ceil_mode: bool) -> int:
-    """PyTorch's ``pooling_output_shape`` (dilation 1), including the ceil_mode correction."""
-    out = (size + 2 * p - (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
-    if ceil_mode and (out - 1) * s >= size + p:
-        out -= 1
-    return out
-
-
 def _pooled_shape(y_shape: Sequence[int], pool: PoolSpec) -> list[int]:
     stride = _pool_stride(pool)
     return list(y_shape[:2]) + [
-        _pool_output_size(size, k, s, p, pool.ceil_mode)
+        pool_output_length(size, k, s, p, ceil_mode=pool.ceil_mode)
         for size, k, s, p in zip(y_shape[2:], pool.kernel_size, stride, pool.padding, strict=True)
     ]
 
@@ -574,11 +567,8 @@ def _conv_output_shape(x: Tensor, weight: Tensor, spec: ConvSpec) -> list[int]:
     """Shape of ``aten.convolution``'s output (real sizes only; fakes use the op itself)."""
     spatial = []
     for i, size in enumerate(x.shape[2:]):
-        k, s, p, d = weight.shape[2 + i], spec.stride[i], spec.padding[i], spec.dilation[i]
-        if spec.transposed:
-            spatial.append((size - 1) * s - 2 * p + d * (k - 1) + spec.output_padding[i] + 1)
-        else:
-            spatial.append((size + 2 * p - d * (k - 1) - 1) // s + 1)
+        spatial.append(conv_output_length(size, weight.shape[2 + i], spec.stride[i], spec.padding[i], spec.dilation[i],
+                                          spec.transposed, spec.output_padding[i]))
     channels = weight.shape[1] * spec.groups if spec.transposed else weight.shape[0]
     return [x.shape[0], channels, *spatial]
 

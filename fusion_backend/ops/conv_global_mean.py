@@ -85,6 +85,7 @@ from typing import Any, TypeVar, Union
 import torch
 
 from ..errors import KernelError, UnsupportedInputError
+from ..ir.shapes import conv_output_length
 from .chain import ChainStep, Const, PointwiseKind, TensorRef
 from .config import ConvSpec, chain_from_list, chain_to_list, conv_spec_from_dict, conv_spec_to_dict
 from .direct_twins import profiled, records_backward, register_direct
@@ -231,10 +232,7 @@ def dim_sets(
 
     Raises ``UnsupportedInputError`` when the conv would have no output along this dim.
     """
-    if transposed:
-        out_len = (length - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
-    else:
-        out_len = (length + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+    out_len = conv_output_length(length, kernel, stride, padding, dilation, transposed, output_padding)
     if out_len <= 0 or length <= 0:
         raise UnsupportedInputError(
             f"conv_global_mean: input length {length} with kernel {kernel}, stride {stride}, padding "
