@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from fusion_backend.ir.shapes import conv_output_length, pool_output_length
+from fusion_backend.ir.shapes import conv_output_length
 from fusion_backend.testing import compare, float64_reference, run_and_backward
 
 #: Chain steps: (name, spellings).  Steps on per-channel parameters draw a (C, 1, ...) tensor.

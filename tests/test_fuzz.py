@@ -5,22 +5,18 @@ In the suite the examples are fixed (hypothesis derandomized) and few; a long ru
 
     FUSION_FUZZ_EXAMPLES=300 FUSION_FUZZ_SEED=7 python -m pytest tests/test_fuzz.py -q
 
-Every counterexample found becomes a regression case in ``REGRESSIONS``.
+Every counterexample the fuzzer finds becomes an ``@example(spec=Pipeline(...))`` of the test, which
+runs it first, every time.
 """
 
 import os
 
-import pytest
-from hypothesis import HealthCheck, Phase, given, seed, settings
-
-from fuzz_models import Pipeline, check, pipelines
 from conftest import KERNEL_DEVICE
+from fuzz_models import check, pipelines
+from hypothesis import HealthCheck, Phase, given, seed, settings
 
 EXAMPLES = int(os.environ.get("FUSION_FUZZ_EXAMPLES", "6"))
 SEED = os.environ.get("FUSION_FUZZ_SEED")
-
-#: Counterexamples the fuzzer found, kept as fixed cases.
-REGRESSIONS: list[Pipeline] = []
 
 
 def _settings(fn):
@@ -33,11 +29,5 @@ def _settings(fn):
 @_settings
 @given(spec=pipelines())
 def test_random_pipelines_match_eager(spec):
-    problem = check(spec, KERNEL_DEVICE)
-    assert problem is None, f"{spec}\n{problem}"
-
-
-@pytest.mark.parametrize("spec", REGRESSIONS, ids=str)
-def test_counterexamples_found_by_the_fuzzer_stay_fixed(spec):
     problem = check(spec, KERNEL_DEVICE)
     assert problem is None, f"{spec}\n{problem}"
