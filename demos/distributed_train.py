@@ -139,10 +139,13 @@ def wrap(model: nn.Module, how: str, device: str, backend: str, bucket_cap_mb: f
         ddp = DDP(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None,
                   bucket_cap_mb=bucket_cap_mb)
         return ddp if backend == "eager" else torch.compile(ddp, **compile_kwargs)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     step_fn = model if backend == "eager" else torch.compile(model, **compile_kwargs)
-    fully_shard(step_fn)
+    # The mesh names the device type: left to itself, FSDP2 takes CUDA's whenever CUDA is present,
+    # also for a CPU model on a gloo group.
+    fully_shard(step_fn, mesh=init_device_mesh(torch.device(device).type, (dist.get_world_size(),)))
     return step_fn
 
 
