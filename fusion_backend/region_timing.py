@@ -132,8 +132,8 @@ def with_consumers(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> list[fx.Node
     following ops, each the way the compiled graph will."""
     grown = list(nodes)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    limit = fake_of(nodes[-1])
-    if not isinstance(limit, torch.Tensor):
+    limit = _numel_hint(fake_of(nodes[-1]))
+    if limit is None:
         return grown
     markers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_AUTOCAST_ENTER, _AUTOCAST_EXIT)
                and _AUTOCAST_ENTER is not None]
@@ -142,7 +142,7 @@ def with_consumers(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> list[fx.Node
         if len(users) != 1:
             break
         user = users[0]
-        if not _cheap_consumer(user, limit.numel()):
+        if not _cheap_consumer(user, limit):
             break
         if any(order[grown[0]] < order[m] < order[user] for m in markers):
             break  # it runs in another autocast state than the region
@@ -160,8 +160,18 @@ def _cheap_consumer(node: fx.Node, max_numel: int) -> bool:
                 or node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True)
     if in_place:
         return False
-    value = fake_of(node)
-    return isinstance(value, torch.Tensor) and value.numel() <= max_numel
+    numel = _numel_hint(fake_of(node))
+    return numel is not None and numel <= max_numel
+
+
+def _numel_hint(value: Any) -> int | None:
+    """Elements of a fake tensor at its sizes' example values (no guard on symbolic sizes), or None."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return math.prod(_hint(s) for s in value.shape)
+    except NotMeasurable:
+        return None
 
 
 def _open_autocast_blocks(gm: fx.GraphModule, first: fx.Node) -> list[fx.Node]:

@@ -288,7 +288,7 @@ def test_under_cuda_graphs_a_kept_region_runs_once_at_compile_time(cache, monkey
     torch.testing.assert_close(out, model(x))
 
 
-def _dynamo_graph(fn, *args):
+def _dynamo_graph(fn, *args, dynamic=False):
     """The FX graph Dynamo captures for ``fn(*args)`` (its nodes carry fake values)."""
     graphs = []
 
@@ -296,7 +296,7 @@ def _dynamo_graph(fn, *args):
         graphs.append(gm)
         return gm.forward
 
-    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    torch.compile(fn, backend=capture, fullgraph=True, dynamic=dynamic)(*args)
     torch._dynamo.reset()
     return graphs[0]
 
@@ -318,10 +318,11 @@ def test_a_region_is_timed_with_the_cheap_consumers_inductor_would_fuse_into_it(
         y = torch.logsumexp(y + bias, 1, keepdim=True)
         return y.sum((2, 3)) * 10
 
-    gm = _dynamo_graph(pipeline, torch.randn(2, 3, 6, 6))
-    conv, mean = [n for n in gm.graph.nodes if n.op != "placeholder"][:2]
-    assert _names(region_timing.with_consumers(gm, [conv, mean])) == [
-        "conv_transpose2d", "mean", "add", "logsumexp", "sum", "mul"]
+    for dynamic in (False, True):  # symbolic sizes are compared at their example values
+        gm = _dynamo_graph(pipeline, torch.randn(2, 3, 6, 6), dynamic=dynamic)
+        conv, mean = [n for n in gm.graph.nodes if n.op == "call_function"][:2]
+        assert _names(region_timing.with_consumers(gm, [conv, mean])) == [
+            "conv_transpose2d", "mean", "add", "logsumexp", "sum", "mul"]
 
     def stoppers(x, big):
         a = F.relu(F.conv2d(x, weight.transpose(0, 1)))
