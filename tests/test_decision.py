@@ -320,9 +320,14 @@ def test_a_region_is_timed_with_the_cheap_consumers_inductor_would_fuse_into_it(
 
     for dynamic in (False, True):  # symbolic sizes are compared at their example values
         gm = _dynamo_graph(pipeline, torch.randn(2, 3, 6, 6), dynamic=dynamic)
-        conv, mean = [n for n in gm.graph.nodes if n.op == "call_function"][:2]
+        conv = next(n for n in gm.graph.nodes if n.target is F.conv_transpose2d)
+        mean = next(iter(conv.users))
+        size = conv.meta["example_value"].shape[0]
+        guards = len(size.node.shape_env.guards) if isinstance(size, torch.SymInt) else 0
         assert _names(region_timing.with_consumers(gm, [conv, mean])) == [
             "conv_transpose2d", "mean", "add", "logsumexp", "sum", "mul"]
+        assert isinstance(size, torch.SymInt) == dynamic
+        assert (len(size.node.shape_env.guards) if dynamic else 0) == guards
 
     def stoppers(x, big):
         a = F.relu(F.conv2d(x, weight.transpose(0, 1)))
