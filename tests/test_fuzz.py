@@ -15,7 +15,7 @@ from conftest import KERNEL_DEVICE
 from fuzz_models import Pipeline, check, pipelines
 from hypothesis import HealthCheck, Phase, example, given, seed, settings
 
-EXAMPLES = int(os.environ.get("FUSION_FUZZ_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("FUSION_FUZZ_EXAMPLES", "3"))
 SEED = os.environ.get("FUSION_FUZZ_SEED")
 
 
