@@ -360,24 +360,20 @@ class GlobalMeanLogsumexp(nn.Module):
 
 def test_the_real_timer_runs_a_region_with_its_consumers_on_cpu(cache, monkeypatch):
     """Both candidates of a region grown by its consumers build and run (the fused one through
-    Inductor, which compiles the consumers after the fused op), and the compiled model is eager's."""
+    Inductor, which compiles the consumers after the fused op), and the compiled model is eager's.
+    Inference only: the growing and the candidates are the same with a backward, which the other
+    real-timer test covers."""
     from fusion_backend import region_timing
 
     timed = []
     real = region_timing.extract_region
     monkeypatch.setattr(region_timing, "extract_region", lambda gm, nodes: timed.append(_names(nodes)) or real(gm, nodes))
-    model, x = GlobalMeanLogsumexp(), torch.randn(2, 3, 6, 6, requires_grad=True)
-    want = model(x)
-    want.sum().backward()
-    want_grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
-    x.grad = None
-    model.zero_grad()
-    with decision.timing_override(None, measure_on=("cpu",)), collect_reports() as reports:
-        out = torch.compile(model, backend="fusion")(x)
-        out.sum().backward()
+    model, x = GlobalMeanLogsumexp(), torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        want = model(x)
+        with decision.timing_override(None, measure_on=("cpu",)), collect_reports() as reports:
+            out = torch.compile(model, backend="fusion")(x)
     _, d = only_decision(reports)
     assert d.pattern == "conv_global_mean" and d.fused_ms > 0 and d.inductor_ms > 0
     assert timed == [["conv_transpose2d", "mean", "add", "logsumexp", "sum", "mul"]]
     torch.testing.assert_close(out, want)
-    for got, expected in zip([x.grad] + [p.grad for p in model.parameters()], want_grads, strict=True):
-        torch.testing.assert_close(got, expected)
