@@ -188,10 +188,13 @@ def test_why_not_direct_on_a_graph_without_fused_ops():
     assert direct.why_not_direct(gm) == "the graph holds no fused op"
 
 
+@pytest.mark.parametrize("runner", ["direct", "inductor"])
 @pytest.mark.parametrize("family", ["conv_epilogue", "conv_global_mean"])
-def test_profiler_shows_the_fused_op_forward_and_backward_in_direct_graphs(family):
+def test_profiler_shows_the_fused_op_forward_and_backward_in_every_runner(family, runner):
     """A graph run by the direct runner calls no dispatcher op for its fused op: the direct twin
-    opens ``record_function`` ranges named like the custom ops, so a profiled step shows both."""
+    opens ``record_function`` ranges named like the custom ops.  Through Inductor, the runtime twins
+    are dispatcher ops of their own (``fusion::<op>_rt``).  Either way a profiled step shows the
+    forward and the backward."""
     from fusion_backend.report import collect_reports
 
     torch.manual_seed(0)
@@ -203,11 +206,12 @@ def test_profiler_shows_the_fused_op_forward_and_backward_in_direct_graphs(famil
         def fn(x):
             return conv(x).mean((2, 3))
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
-    compiled = torch.compile(fn, backend="fusion", options={"decide": "fuse"})
+    compiled = torch.compile(fn, backend="fusion", options={"decide": "fuse", "direct": runner == "direct"})
     with collect_reports() as reports:
         compiled(x).sum().backward()  # compiles
-    assert reports[0].runner == "direct"
+    assert reports[0].runner == runner
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         compiled(x).sum().backward()
     names = {e.name for e in prof.events()}
-    assert {f"fusion::{family}_fwd", f"fusion::{family}_bwd"} <= names, sorted(n for n in names if "fusion" in n)
+    suffix = "" if runner == "direct" else "_rt"
+    assert {f"fusion::{family}_fwd{suffix}", f"fusion::{family}_bwd{suffix}"} <= names, sorted(n for n in names if "fusion" in n)
