@@ -110,18 +110,21 @@ def shard_loss(out: torch.Tensor, step: int, rank: int, world: int) -> torch.Ten
     return F.mse_loss(out, full[rank * part:(rank + 1) * part].to(out))
 
 
+def sgd_step(optimizer: torch.optim.Optimizer, step_fn: Callable[..., torch.Tensor], inputs: Sequence[Any],
+             step: int, rank: int, world: int) -> torch.Tensor:
+    """One optimizer step on this process's shard of batch ``step``; its loss (not synchronised)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = shard_loss(step_fn(*inputs), step, rank, world)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def train(parameters: Sequence[nn.Parameter], step_fn: Callable[..., torch.Tensor],
           batches: Callable[[int], list[Any]], steps: int, rank: int = 0, world: int = 1) -> list[float]:
     """``steps`` steps of SGD with momentum; the losses (of this process's shards)."""
     optimizer = torch.optim.SGD(parameters, lr=LEARNING_RATE, momentum=MOMENTUM)
-    losses = []
-    for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss = shard_loss(step_fn(*batches(step)), step, rank, world)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return [sgd_step(optimizer, step_fn, batches(step), step, rank, world).item() for step in range(steps)]
 
 
 def wrap(model: nn.Module, how: str, device: str, backend: str, bucket_cap_mb: float,
@@ -219,6 +222,7 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
     """Rank 0 prints, per backend, the first step's seconds (compilation) and the median ms per step."""
     rows = []
     batches = [shard(workload.batch(s), rank, world, device) for s in range(2)]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for backend in backends:
         model = workload.model().to(device)
         step_fn = wrap(model, how, device, backend, bucket_cap_mb, None)
@@ -226,14 +230,10 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
         times = []
         for step in range(timed_steps + 3):
             dist.barrier()
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            shard_loss(step_fn(*batches[step % 2]), step % 2, rank, world).backward()
-            optimizer.step()
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
+            sgd_step(optimizer, step_fn, batches[step % 2], step % 2, rank, world)
+            sync()
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times.append(elapsed.item())

@@ -107,8 +107,8 @@ def extract_region(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> ExtractedReg
     return ExtractedRegion(fx.GraphModule(gm, graph, class_name="Region"), inputs, nodes[-1])
 
 
-#: Ops a region's consumers may not be: the compute a later region would claim, and anything that
-#: writes to a tensor (timing runs the copy many times and must not touch the user's tensors).
+#: Ops a region's consumers may not be: the compute a later region would claim.  (Nor may they write
+#: to a tensor: timing runs the copy many times and must not touch the user's tensors.)
 _HEAVY_NAMES = ("conv", "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product")
 
 _IN_PLACE_OPERATORS = {getattr(operator, n) for n in dir(operator)
@@ -135,8 +135,8 @@ def with_consumers(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> list[fx.Node
     limit = _numel_hint(fake_of(nodes[-1]))
     if limit is None:
         return grown
-    markers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_AUTOCAST_ENTER, _AUTOCAST_EXIT)
-               and _AUTOCAST_ENTER is not None]
+    boundaries = {_AUTOCAST_ENTER, _AUTOCAST_EXIT} - {None}
+    markers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in boundaries]
     while len(grown) < len(nodes) + MAX_CONSUMERS:
         users = list(grown[-1].users)
         if len(users) != 1:
