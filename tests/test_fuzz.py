@@ -7,13 +7,20 @@ In the suite the examples are fixed (hypothesis derandomized) and few; a long ru
 
 Every counterexample the fuzzer finds becomes an ``@example(spec=Pipeline(...))`` of the test, which
 runs it first, every time.
+
+A model that ``backend="inductor"`` alone gets wrong in exactly the same way is not counted against
+the fusion backend (it handed that graph to Inductor untouched): the example is dropped with a warning
+that names the problem.  Known case: torch < 2.13's fake ``convolution_backward`` predicts a contiguous
+``grad_input`` where cuDNN returns channels-last (pytorch/pytorch#171622), so Inductor's compiled
+backward of a channels-last transposed conv fails its own stride assertion on CUDA.
 """
 
 import os
+import warnings
 
 from conftest import KERNEL_DEVICE
-from fuzz_models import Pipeline, check, pipelines
-from hypothesis import HealthCheck, Phase, example, given, seed, settings
+from fuzz_models import Pipeline, outcome, pipelines
+from hypothesis import HealthCheck, Phase, example, given, reject, seed, settings
 
 EXAMPLES = int(os.environ.get("FUSION_FUZZ_EXAMPLES", "3"))
 SEED = os.environ.get("FUSION_FUZZ_SEED")
@@ -28,10 +35,19 @@ def _settings(fn):
 
 @_settings
 @given(spec=pipelines())
-# found on the H100 in a long run: a transposed 3-d conv alone, channels-last input, frozen weight
+# found on the H100 in a long run (torch 2.11): a transposed 3-d conv alone, channels-last input, frozen
+# weight; Inductor alone fails the same way there (pytorch/pytorch#171622), and it must stay that way
 @example(spec=Pipeline(nd=3, transposed=True, batch=1, c_in=3, c_out=1, groups=1, size=(3, 4, 3), kernel=3, stride=1,
                        padding=1, dilation=1, output_padding=0, bias=False, steps=(), branch="none", tail="none",
                        ceil_mode=False, layout="channels_last", conv_grad=False))
-def test_random_pipelines_match_eager(spec):
-    problem = check(spec, KERNEL_DEVICE)
+# a model eager refuses (the in-place step overwrites relu's saved output): dropped, not failed
+@example(spec=Pipeline(nd=1, transposed=False, batch=1, c_in=1, c_out=2, groups=1, size=(5,), kernel=1, stride=1,
+                       padding=0, dilation=1, output_padding=0, bias=True,
+                       steps=(("relu", "F.relu", 0.5, False), ("mul_scalar", "inplace", 2.0, False)), branch="none",
+                       tail="none", ceil_mode=False, layout="contiguous", conv_grad=True))
+def test_random_pipelines_match_eager(spec, exact_fp32):
+    problem = outcome(spec, KERNEL_DEVICE)
+    if problem is not None and outcome(spec, KERNEL_DEVICE, "inductor") == problem:
+        warnings.warn(f"inherited from Inductor, not counted: {spec}: {problem}", stacklevel=1)
+        reject()
     assert problem is None, f"{spec}\n{problem}"
