@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -219,23 +220,32 @@ def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequ
     from . import region_timing
 
     inputs = region_timing.region_inputs(region, gm, example_inputs)
+    first_call_s: dict[str, float] = {}
 
-    def lazily(build: Callable[[], Callable[..., Any]]) -> Callable[[], None]:
+    def lazily(name: str, build: Callable[[], Callable[..., Any]]) -> Callable[[], None]:
         step: list[Callable[[], None]] = []
 
         def run() -> None:
-            if not step:
+            if not step:  # the first call builds the step and compiles what it runs
+                began = time.perf_counter()
                 step.append(region_timing.make_step(build(), inputs, train))
+                step[0]()
+                first_call_s[name] = time.perf_counter() - began
+                return
             step[0]()
         return run
 
     steps = {
-        "fused": lazily(lambda: _fused_callable(region, pattern, inputs, fused_patches, strict)),
-        "inductor": lazily(lambda: region_timing.compile_with_inductor(region, inputs, patches)),
+        "fused": lazily("fused", lambda: _fused_callable(region, pattern, inputs, fused_patches, strict)),
+        "inductor": lazily("inductor", lambda: region_timing.compile_with_inductor(region, inputs, patches)),
     }
     log.info("timing %s (%s) fused vs Inductor on its inputs %s", pattern, "forward + backward" if train else "forward",
              ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs))
+    began = time.perf_counter()
     times = (timer or region_timing.time_steps)(steps)
+    log.info("timed %s in %.1f s (first calls, compiling included: fused op %s, Inductor %s)", pattern,
+             time.perf_counter() - began,
+             *(f"{first_call_s[n]:.1f} s" if n in first_call_s else "-" for n in ("fused", "inductor")))
     return {name: float(times[name]) for name in ("fused", "inductor")}
 
 

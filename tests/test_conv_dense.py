@@ -280,3 +280,26 @@ def test_gpu_tensor_core_paths_match_reference(x_dtype, compute, tf32):
     assert rel < (2e-3 if tf32 else 1e-2 if ctype == torch.bfloat16 else 1e-5), rel
     rel_y = ((saved.double().cpu() - want_y).norm() / want_y.norm()).item()
     assert rel_y < (2e-3 if tf32 else 1e-2), rel_y
+
+
+def test_the_probe_binds_the_first_fitting_tile_and_matches_the_plan(monkeypatch):
+    """``_Launch.probe`` (what the op's plan screens with): the tile ``_fitting`` puts first when the
+    plan autotunes (on CUDA), the heuristic one otherwise; same results as the plan."""
+    monkeypatch.setattr(conv_dense, "_AUTOTUNE_MIN_MACS", 0)
+    monkeypatch.setattr(conv_dense, "_LAUNCHES", type(conv_dense._LAUNCHES)(256))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 16, 9, 10, generator=g).to(DEVICE)
+    w = torch.randn(8, 16, 3, 3, generator=g).to(DEVICE)
+    steps, geo = [(RELU, [])], _geometry(2, 1)
+    out, probed = (torch.full((2, 8, 9, 10), float("nan"), device=DEVICE) for _ in range(2))
+    plan = conv_dense.forward_launch(x, w, None, steps, geo, None, out)
+    probe = plan.probe()
+    assert probe is not plan and probe.fast is not None
+    if torch.cuda.is_available():
+        first = conv_dense._fitting(conv_dense._configs(), plan.constexprs["BLOCK_N"], plan.constexprs["KWG"],
+                                    plan.constexprs["CIN_PAD"], plan.constexprs["ALIGN"], 4, 4)[0]
+        assert probe.first_tile == dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
+    params = build_params(steps, None, 8, x.device)
+    plan.run(x, w, params, out, None, None)
+    probe.run(x, w, params, probed, None, None)
+    torch.testing.assert_close(probed.cpu(), out.cpu(), rtol=1e-5, atol=1e-5)

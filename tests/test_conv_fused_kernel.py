@@ -447,3 +447,24 @@ def test_full_size_convt3d_and_conv2d_through_the_fused_conv_match_library_path(
     else:
         rel_y = ((got[1].double() - want[1].double()).norm() / want[1].double().norm()).item()
         assert rel_y < tol
+
+
+def test_the_probe_runs_the_autotuner_s_first_tile_and_gives_the_plan_s_results(monkeypatch):
+    """``_FusedForward.probe``: the same plan on the tile the autotuner times first (``impl_choice``
+    times it to screen the fused kernel before tuning it), with the tuned plan's results."""
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    monkeypatch.setattr(conv_fused, "_AUTOTUNE_MIN_MACS", 0)  # tuned even at this size (on CUDA)
+    torch.manual_seed(0)
+    spec = _spec(3, transposed=True, stride=2)
+    cfg = ConvEpilogueConfig(conv=spec, chain=LEAKY_MUL_LEAKY, pool=_pool("max", 3), strict=True)
+    x = torch.randn(2, 4, 3, 4, 4, device=DEVICE)
+    w, b, m = torch.randn(4, 6, 3, 3, 3, device=DEVICE), torch.randn(6, device=DEVICE), torch.randn(6, 1, 1, 1, device=DEVICE)
+    plan = ce._FusedForward(x, w, b, [m], cfg, True)
+    probe = plan.probe()
+    assert probe.launch is not plan.launch and probe.launch.fast is not None
+    if torch.cuda.is_available():
+        first = conv_fused._prune(conv_fused._configs(), {"CIN_G": 4, "COUT_G": 6, "M_TOTAL": plan.launch.m_total},
+                                  **plan.launch.constexprs)[0]
+        assert probe.launch.first_tile == dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
+    for got, want in zip(probe(x, w, b, [m]), plan(x, w, b, [m]), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -156,3 +156,36 @@ def test_op_results_agree_within_the_dtype_bound():
     assert "non-finite" in ce._results_agree((ref,), (nan,))
     half = ref.to(torch.bfloat16)
     assert ce._results_agree((half + 1e-3 * half,), (half,)) is None
+
+
+def test_a_probe_far_behind_screens_its_candidate_out_untuned():
+    """The probe (the candidate on its first tile) is timed after the unprobed candidates; beyond
+    ``SCREEN`` times the best of them the candidate itself never runs (its tuning never compiles)."""
+    timer, calls = fake_timer({"fast": 1.0, "fast-probe": 1.1 * 1.6 * impl_choice.SCREEN, "library": 1.6})
+    probes = {"fast": lambda: "fast-probe"}
+    assert impl_choice.choose("k", CANDIDATES, "library", timer=timer, probes=probes) == "library"
+    assert calls == ["library", "fast-probe"]
+
+
+def test_a_probe_within_the_screen_lets_its_candidate_be_tuned_and_win():
+    timer, calls = fake_timer({"fast": 1.0, "fast-probe": 1.5, "library": 1.6})
+    probes = {"fast": lambda: "fast-probe"}
+    assert impl_choice.choose("k", CANDIDATES, "library", timer=timer, probes=probes) == "fast"
+    assert calls == ["library", "fast-probe", "fast"]
+
+
+def test_the_agreement_check_runs_the_probe_not_the_tuned_candidate():
+    timer, _ = fake_timer({"fast": 1.0, "fast-probe": 1.0, "library": 2.0})
+    ran = []
+    candidates = {"fast": lambda: ran.append("fast") or "fast", "library": lambda: "library"}
+    probes = {"fast": lambda: ran.append("probe") or "fast-probe"}
+    agree = lambda got, want: None  # noqa: E731
+    impl_choice.choose("k", candidates, "library", timer=timer, agree=agree, probes=probes)
+    assert ran[0] == "probe", "the agreement check must not tune the candidate before it is screened"
+
+
+def test_probes_must_name_other_candidates_than_the_default():
+    with pytest.raises(ValueError, match="probes"):
+        impl_choice.choose("k", CANDIDATES, "library", probes={"library": lambda: "library"})
+    with pytest.raises(ValueError, match="probes"):
+        impl_choice.choose("k", CANDIDATES, "library", probes={"other": lambda: "x"})

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "together (default: 300)")
     p.add_argument("--rounds", type=int, default=3,
                    help="each backend of a row is timed this many times, interleaved with the row's other "
-                   "backends; its time is the median of the rounds (default: 3)")
+                   "backends; its time is the median of its quietest round (default: 3)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed repetitions before each measurement (default: 3)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold-L2 measurement")

@@ -15,10 +15,10 @@ another's gradients.  Per workload x dtype x mode:
 3. Only items that pass have their memory measured (right after their check, before the next
    backend compiles) and are timed (warm, then cold L2).  Timing is interleaved: every backend of the
    case stays compiled, and ``MeasureConfig.rounds`` rounds each time every backend once, the order
-   rotating from round to round; an item's time is the median of its round medians.  WHY: the host
-   of a GPU machine drifts by tens of percent over seconds (the same eager step measured 0.17 ms and
-   0.27 ms in two runs), and host-bound rows timed one backend after the other compared windows,
-   not backends.
+   rotating from round to round; an item's time is the median of its quietest round
+   (``TimingStats.of_rounds``).  WHY: the host of a GPU machine drifts by tens of percent over
+   seconds (the same eager step measured 0.17 ms and 0.27 ms in two runs), and host-bound rows timed
+   one backend after the other compared windows, not backends.
 
 The step: ``infer`` is the forward under ``torch.no_grad()``; ``train`` is forward plus
 ``torch.autograd.backward(outputs, grad_outputs)`` with *fixed random* upstream gradients (a plain

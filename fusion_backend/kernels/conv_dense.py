@@ -65,6 +65,7 @@ shuffle and a select per element; the chain's erf ~25 per element).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Sequence
@@ -347,16 +348,20 @@ def _stage_bytes(block_m: int, block_k: int, block_n: int, kwg: int, x_size: int
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Tiles that fit: accumulators within ``_MAX_ACC_REGS`` registers per thread, ``BLOCK_K``
-    dividing ``CIN_PAD``, at least one output per tile, and pipeline buffers within
-    ``_MAX_STAGE_BYTES``."""
-    bn, kwg, cin_pad = kwargs["BLOCK_N"], kwargs["KWG"], kwargs["CIN_PAD"]
-    x_size = named_args["x_ptr"].element_size()
-    w_size = named_args["wm_ptr"].element_size()
+    """The autotuner's pruner: ``_fitting`` for the launch's constexprs and operand dtypes."""
+    return _fitting(configs, kwargs["BLOCK_N"], kwargs["KWG"], kwargs["CIN_PAD"], kwargs["ALIGN"],
+                    named_args["x_ptr"].element_size(), named_args["wm_ptr"].element_size())
+
+
+def _fitting(configs: list[triton.Config], bn: int, kwg: int, cin_pad: int, align: int, x_size: int,
+             w_size: int) -> list[triton.Config]:  # fmt: skip
+    """Tiles that fit, best first: accumulators within ``_MAX_ACC_REGS`` registers per thread,
+    ``BLOCK_K`` dividing ``CIN_PAD``, at least one output per tile, and pipeline buffers within
+    ``_MAX_STAGE_BYTES`` (``x_size`` / ``w_size``: bytes per element of x and of the weight matrix)."""
     kept = [
         c for c in configs
         if _acc_regs(c.kwargs["BLOCK_M"], bn, kwg, c.num_warps) <= _MAX_ACC_REGS
-        and cin_pad % c.kwargs["BLOCK_K"] == 0 and c.kwargs["BLOCK_M"] - (kwg - 1) >= kwargs["ALIGN"]
+        and cin_pad % c.kwargs["BLOCK_K"] == 0 and c.kwargs["BLOCK_M"] - (kwg - 1) >= align
         and c.num_stages * _stage_bytes(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], bn, kwg, x_size, w_size)
         <= _MAX_STAGE_BYTES
     ]  # fmt: skip
@@ -408,13 +413,22 @@ class _Launch:
     transposed = False
 
     def __init__(self, ints: tuple[int, ...], constexprs: dict, grid_args: tuple[int, ...], cout: int,
-                 cfg: dict | None, weight_launch: _WeightLaunch, relayout: tuple | None) -> None:  # fmt: skip
+                 cfg: dict | None, weight_launch: _WeightLaunch, relayout: tuple | None,
+                 first_tile: dict) -> None:  # fmt: skip
         self.ints, self.constexprs, self.cout = ints, constexprs, cout
         self.grid_args = grid_args  # (N, OH * R, C_SHIFT, channel blocks)
         self.weight_launch = weight_launch
         #: None, or (shape of the relaid buffer (N, C, H, R), spatial dims of x): x is copied per call
         self.relayout = relayout
         self.fast = None if cfg is None else self._bind(cfg)
+        #: the tile the autotuner times first (``_fitting``'s first), which ``probe`` binds
+        self.first_tile = first_tile
+
+    def probe(self) -> _Launch:
+        """This plan bound to the tile the autotuner times first (``conv_fused._Launch.probe``)."""
+        probe = copy.copy(self)
+        probe.fast = self._bind(self.first_tile)
+        return probe
 
     def tile(self) -> dict | None:
         """The bound tile (``BLOCK_*``, warps, stages), or None before the first tuned call."""
@@ -625,8 +639,13 @@ def _prepare(
     )  # fmt: skip
     macs = n * oh * ow * cout * cin * kh * kw
     tuned = not (_INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0" or macs < _AUTOTUNE_MIN_MACS)
-    cfg = None if tuned else _heuristic_config(block_n, kwg, cin_pad, align)
-    return _Launch(ints, constexprs, (n, oh * r, c_shift, n_blocks), cout, cfg, weight_launch, relayout)
+    if tuned:
+        first = _fitting(_configs(), block_n, kwg, cin_pad, align, x.element_size(), compute.itemsize)[0]
+        first_tile = dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
+    else:
+        first_tile = _heuristic_config(block_n, kwg, cin_pad, align)
+    return _Launch(ints, constexprs, (n, oh * r, c_shift, n_blocks), cout, None if tuned else first_tile,
+                   weight_launch, relayout, first_tile)
 
 
 def forward_launch(

@@ -46,6 +46,7 @@ on the zero padding (masked loads read 0, and 0 * NaN = NaN), as in implicit-GEM
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Sequence
@@ -1001,16 +1002,27 @@ class _Launch:
     tile the autotuner picked on the first call)."""
 
     def __init__(self, ints: tuple[int, ...], constexprs: dict, m_total: int, groups: int, cout_g: int,
-                 cout: int, cfg: dict | None, weight_matrix: _WeightMatrixLaunch | None) -> None:  # fmt: skip
+                 cout: int, cfg: dict | None, weight_matrix: _WeightMatrixLaunch | None,
+                 first_tile: dict) -> None:  # fmt: skip
         self.ints, self.constexprs, self.cout = ints, constexprs, cout
         self.transposed = bool(constexprs["TRANSPOSED"])
         self.m_total, self.groups, self.cout_g = m_total, groups, cout_g
         self.fast = None if cfg is None else self._bind(cfg)
+        #: the tile the autotuner times first (``_prune``'s first), which ``probe`` binds
+        self.first_tile = first_tile
         #: None: the kernel reads the weight with its output channels innermost (``_output_channels_innermost``).
         self.weight_matrix = weight_matrix
 
     def grid(self, meta: dict) -> tuple[int, int]:
         return (cdiv(self.m_total, meta["BLOCK_M"]), self.groups * cdiv(self.cout_g, meta["BLOCK_N"]))
+
+    def probe(self) -> _Launch:
+        """This plan bound to the tile the autotuner times first: one compile instead of up to
+        ``MAX_TUNED_CONFIGS``, to screen the path before tuning it (``impl_choice.choose``'s
+        ``probes``; the tuned plan then finds that tile compiled)."""
+        probe = copy.copy(self)
+        probe.fast = self._bind(self.first_tile)
+        return probe
 
     def _bind(self, meta: dict) -> FastLaunch:
         return FastLaunch(_conv_fused_fwd_kernel, self.grid(meta), {**self.constexprs, **meta}, fixed=self.ints)
@@ -1194,8 +1206,13 @@ def _prepare(
     )  # fmt: skip
     macs = m_total * cout_g * cin_g * plan.unrolled
     tuned = not (_INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0" or macs < _AUTOTUNE_MIN_MACS)
-    cfg = None if tuned else _heuristic_config(cin_g, cout_g, m_total, plan.shift_k)
-    return _Launch(ints, constexprs, m_total, groups, cout_g, cout, cfg, weight_matrix)
+    if tuned:
+        first = _prune(_configs(), {"CIN_G": cin_g, "COUT_G": cout_g, "M_TOTAL": m_total}, **constexprs)[0]
+        first_tile = dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
+    else:
+        first_tile = _heuristic_config(cin_g, cout_g, m_total, plan.shift_k)
+    return _Launch(ints, constexprs, m_total, groups, cout_g, cout, None if tuned else first_tile, weight_matrix,
+                   first_tile)
 
 
 def conv_fused_forward(

@@ -73,6 +73,7 @@ otherwise a warning is logged (``logging.getLogger("fusion_backend")``) and issu
 which implementation a config/dtype/device gets, for the backend's report.
 """
 
+import copy
 import functools
 import logging
 import math
@@ -805,6 +806,13 @@ class _FusedForward:
         )  # fmt: skip
         self.params = _PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
 
+    def probe(self) -> "_FusedForward":
+        """This plan on the tile its autotuner would time first, without tuning (one compile): what
+        ``impl_choice`` times to screen the fused kernel before tuning it."""
+        probe = copy.copy(self)
+        probe.launch = None if self.launch is None else self.launch.probe()
+        return probe
+
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         device = x.device
@@ -899,6 +907,7 @@ def _forward_plan(
         return plans["library"], True
     fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
+    probes = {"triton": functools.partial(plans["triton"].probe(), x, weight, bias, operands)} if "triton" in plans else {}
     impl = impl_choice.choose(
         # (v2: the channels-last library variant joined the candidates; older answers are re-measured)
         lambda: _choice_key(x, weight, bias, cfg, save) + "|forward-v2",
@@ -906,6 +915,7 @@ def _forward_plan(
         default="library",
         agree=_results_agree,
         fast_key=fast_key,
+        probes=probes,
     )
     return plans[impl], impl_choice.is_final(fast_key)
 

@@ -14,6 +14,10 @@ Contract of ``choose``:
     discarded).  Candidates must be interchangeable: they pass the same parity tests.
   * ``default``: returned without timing when measuring is off (``FUSION_CONV_AUTOTUNE=0``, for
     deterministic compile times), during CUDA-graph capture, or when a candidate raises.
+  * ``probes``: for candidates that autotune on their first call, name -> the same candidate on the
+    one tile its autotuner would time first.  The probe is timed after the unprobed candidates; a
+    candidate whose probe is more than ``SCREEN`` times slower than the best of them is dropped
+    untuned, so its other tiles never compile (0.3-1.5 s each on the H100 host).
 Timings are not run-to-run stable to the microsecond; a candidate must beat the default by
 ``MIN_GAIN`` to be picked, so near-ties keep the default (the library path).
 
@@ -42,6 +46,12 @@ CACHE_DIR_ENV = "FUSION_CACHE_DIR"
 MEASURE_ENV = "FUSION_CONV_AUTOTUNE"
 #: A candidate must be this much faster than the default to replace it.
 MIN_GAIN = 1.03
+#: A probed candidate is tuned only if its probe is at most this many times the best unprobed time.
+#: The probe runs the autotuner's first tile, which the tuned kernel beats by at most the spread
+#: between its few tiles; 1.5x leaves room for that (the tiles' NOTEs in ``kernels`` show spreads
+#: of 5-40 %) while dropping what loses by far, as the fused conv's 2.1 ms against the library's
+#: 0.42 ms on Conv3d 32->64 k3 + leaky + max_pool3d (fp32, 2x32x64^3).
+SCREEN = 1.5
 #: Timing rounds per candidate, the target length of one round, and the most calls in a round.
 _ROUNDS = 3
 _ROUND_MS = 5.0
@@ -166,6 +176,7 @@ def choose(
     timer: Callable[[Callable[[], object]], float] | None = None,
     agree: Callable[[object, object], str | None] | None = None,
     fast_key: Hashable | None = None,
+    probes: Mapping[str, Callable[[], object]] | None = None,
 ) -> str:
     """The name of the fastest candidate for ``key`` (see the module docstring); ``timer`` (ms per
     call of a candidate; ``_time_ms`` when None) is replaceable for tests.
@@ -181,6 +192,9 @@ def choose(
     summation order (e.g. a TF32 kernel against a library conv that runs in full fp32)."""
     if default not in candidates:
         raise ValueError(f"default {default!r} is not among the candidates {sorted(candidates)}")
+    probes = dict(probes or {})
+    if default in probes or not set(probes) <= set(candidates):
+        raise ValueError(f"probes {sorted(probes)} must name candidates other than the default {default!r}")
     if fast_key is not None and (settled := _fast.peek(fast_key)) is not None:
         return settled
     if not measuring_enabled() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
@@ -194,22 +208,33 @@ def choose(
     if cached in candidates:
         return _remember(full_key, cached, fast_key)
     timer = timer or _time_ms
+    screened: dict[str, float] = {}
     try:
         if agree is not None:
             reference = candidates[default]()
             for name, fn in list(candidates.items()):
-                why = None if name == default else agree(fn(), reference)
+                why = None if name == default else agree(probes.get(name, fn)(), reference)
                 if why is not None:
                     log.info("impl choice %s: %s not considered (%s)", key, name, why)
                     candidates = {n: f for n, f in candidates.items() if n != name}
-        times = {name: timer(fn) for name, fn in candidates.items()}
+        times = {name: timer(fn) for name, fn in candidates.items() if name not in probes}
+        for name, probe in probes.items():
+            if name not in candidates:
+                continue
+            probe_ms = timer(probe)
+            if probe_ms > SCREEN * min(times.values()):
+                screened[name] = probe_ms
+                continue
+            times[name] = timer(candidates[name])
     except Exception as e:  # a failing candidate is the caller's business when it runs it for real
         log.info("impl choice for %s not measured (%s: %s); using %s", key, type(e).__name__, e, default)
         return default
     best = min(times, key=times.__getitem__)
     if times[best] * MIN_GAIN > times[default]:
         best = default
-    log.info("impl choice %s: %s (%s)", key, best, ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()))
+    log.info("impl choice %s: %s (%s)", key, best, ", ".join(
+        [f"{n} {t:.3f} ms" for n, t in times.items()]
+        + [f"{n} {t:.3f} ms on its first tile, not tuned" for n, t in screened.items()]))
     _store(full_key, best)
     return _remember(full_key, best, fast_key)
 
