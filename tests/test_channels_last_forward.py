@@ -301,7 +301,8 @@ def test_forward_candidates(save, interpreted):
 @pytest.fixture
 def measured(monkeypatch, tmp_path, interpreted):
     """``auto`` with measuring on and a fake timer; returns ``(times, timed)``: the time each
-    candidate reports, by name, and the names timed, per ``choose`` call."""
+    candidate reports, by name, and the names timed, per ``choose`` call.  A candidate's probe is
+    named ``"<name> (probe)"`` and reports the candidate's time unless ``times`` names it."""
     monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setenv(impl_choice.MEASURE_ENV, "1")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "auto")
@@ -313,12 +314,14 @@ def measured(monkeypatch, tmp_path, interpreted):
 
     def choose(key, candidates, default, **kwargs):
         names = {id(fn): name for name, fn in candidates.items()}
+        names.update({id(fn): f"{name} (probe)" for name, fn in (kwargs.get("probes") or {}).items()})
         timed.append([])
 
         def timer(fn):
             fn()
-            timed[-1].append(names[id(fn)])
-            return times[names[id(fn)]]
+            name = names[id(fn)]
+            timed[-1].append(name)
+            return times.get(name, times.get(name.removesuffix(" (probe)")))
 
         return real_choose(key, candidates, default, timer=timer, **kwargs)
 
@@ -329,11 +332,21 @@ def measured(monkeypatch, tmp_path, interpreted):
 def test_auto_times_three_candidates_where_the_fused_conv_serves(monkeypatch, measured):
     times, timed = measured
     monkeypatch.setattr(ce, "conv_impl", lambda *a: ("triton", None))  # as on CUDA
-    times.update({"triton": 3.0, "library": 2.0, "library-channels-last": 1.0})
+    times.update({"triton": 1.4, "library": 2.0, "library-channels-last": 1.0})  # probe within SCREEN: tuned
     x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
     plan, settled = ce._forward_plan(x, w, b, ops, cfg, False)
-    assert sorted(timed[0]) == ["library", "library-channels-last", "triton"]
+    assert timed[0] == ["library", "library-channels-last", "triton (probe)", "triton"]
     assert isinstance(plan, ce._ChannelsLastLibraryForward) and settled
+
+
+def test_auto_does_not_tune_a_fused_conv_whose_first_tile_is_far_behind(monkeypatch, measured):
+    times, timed = measured
+    monkeypatch.setattr(ce, "conv_impl", lambda *a: ("triton", None))  # as on CUDA
+    times.update({"triton (probe)": 10.0, "triton": 0.5, "library": 2.0, "library-channels-last": 3.0})
+    x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
+    plan, settled = ce._forward_plan(x, w, b, ops, cfg, False)
+    assert timed[0] == ["library", "library-channels-last", "triton (probe)"], "screened: never tuned"
+    assert type(plan) is ce._LibraryForward and settled
 
 
 def test_auto_times_both_library_layouts_where_only_the_library_conv_serves(monkeypatch, measured):
