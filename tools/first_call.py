@@ -1,0 +1,107 @@
+"""First-call time of a compiled model with cold and with warm disk caches, per backend.
+
+The benchmark's ``compile_s`` is measured in one process where eager and Inductor compiled the same
+workload just before, so its caches are partly warm.  This tool measures what a user sees:
+
+* **cold**: a fresh process with empty Inductor, Triton and fusion cache folders;
+* **warm**: a second fresh process on the caches the cold one left (a re-run of the same script).
+
+Each measurement is its own process (``--child``): the model file is loaded as the benchmark loads it,
+built on CUDA, compiled with the backend, and its first step (forward; ``--mode train`` adds the
+backward) is timed from the call to the end of its GPU work, compilation included.  Process start-up and
+imports are not counted.  The last lines compare every backend with Inductor against the budgets
+``--cold-budget`` (3x) and ``--warm-budget`` (1.2x).
+
+Usage (repository root, needs CUDA)::
+
+    python tools/first_call.py demos/convnets/conv3d_32_64_k3_leaky_maxpool.py --mode infer --dtype fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CACHE_ENVS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSION_CACHE_DIR")
+
+
+def child(path: str, backend: str, mode: str, dtype: str) -> None:
+    """Build, compile and run one first step; print ``{"first_call_s": ...}`` as the last line."""
+    import torch
+
+    from fusion_backend.bench.suite import load_workload
+
+    model, inputs = load_workload(path).build(seed=0)
+    model = model.cuda()
+    inputs = [t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs]
+    train = mode == "train"
+    if train:
+        inputs = [t.requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                  for t in inputs]
+    compiled = torch.compile(model, backend=backend)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    with torch.set_grad_enabled(train), torch.autocast("cuda", torch.bfloat16, enabled=dtype == "bf16"):
+        out = compiled(*inputs)
+    if train:
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        torch.autograd.backward([o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad])
+    torch.cuda.synchronize()
+    print(json.dumps({"first_call_s": time.perf_counter() - began}))
+
+
+def measure(path: str, backend: str, mode: str, dtype: str, caches: str, timeout: float) -> float:
+    """One child process's first-call seconds with the cache folders under ``caches``."""
+    env = dict(os.environ, **{name: os.path.join(caches, name.lower()) for name in CACHE_ENVS})
+    cmd = [sys.executable, __file__, path, "--child", "--backends", backend, "--mode", mode, "--dtype", dtype]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{backend} {mode} {dtype}: the child process failed ({tail})")
+    return float(json.loads(lines[-1])["first_call_s"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a model file in the benchmark layout")
+    parser.add_argument("--backends", default="inductor,fusion", help="comma-separated (default: inductor,fusion)")
+    parser.add_argument("--mode", choices=("infer", "train"), default="infer")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--cold-budget", type=float, default=3.0, help="cold first call / Inductor's (default: 3)")
+    parser.add_argument("--warm-budget", type=float, default=1.2, help="warm first call / Inductor's (default: 1.2)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per child process")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    if args.child:
+        child(args.model, backends[0], args.mode, args.dtype)
+        return 0
+    times: dict[str, tuple[float, float]] = {}
+    for backend in backends:
+        with tempfile.TemporaryDirectory(prefix=f"first_call_{backend}_") as caches:
+            cold = measure(args.model, backend, args.mode, args.dtype, caches, args.timeout)
+            warm = measure(args.model, backend, args.mode, args.dtype, caches, args.timeout)
+        times[backend] = cold, warm
+        print(f"{os.path.basename(args.model)} {args.mode} {args.dtype} {backend}: cold {cold:.2f} s, warm {warm:.2f} s",
+              flush=True)
+    ok = True
+    if "inductor" in times:
+        base_cold, base_warm = times["inductor"]
+        for backend, (cold, warm) in times.items():
+            if backend == "inductor":
+                continue
+            within = cold <= args.cold_budget * base_cold and warm <= args.warm_budget * base_warm
+            ok &= within
+            print(f"{backend} / inductor: cold {cold / base_cold:.2f}x (budget {args.cold_budget}x), "
+                  f"warm {warm / base_warm:.2f}x (budget {args.warm_budget}x): {'within' if within else 'OVER'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
