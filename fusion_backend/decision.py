@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from . import environment
 from .report import Decision
 
 log = logging.getLogger("fusion_backend.decision")
@@ -294,7 +295,7 @@ def _key(pattern: str, region: Any, train: bool, patches: Mapping[str, Any]) -> 
         "grad_enabled": torch.is_grad_enabled(),
         "autocast": autocast,
         "tf32": (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32),
-        "conv_impl": os.environ.get("FUSION_CONV_IMPL", ""),
+        "conv_impl": environment.conv_impl(),
         "inductor": sorted((k, repr(v)) for k, v in patches.items()),
     }
     text = json.dumps(parts, sort_keys=True, default=repr)

@@ -28,9 +28,9 @@ key                     meaning
                         (ties go to Inductor)
 ======================  ===========================================================================
 
-Environment variables read here and nowhere else in this module's users: ``FUSION_DUMP_DIR``,
-``FUSION_DECIDE`` and ``FUSION_CACHE_DIR`` (where measured decisions are kept; default
-``~/.cache/fusion_backend``).
+Environment variables that set defaults here (``fusion_backend.environment`` lists them all):
+``FUSION_DUMP_DIR``, ``FUSION_DECIDE`` and ``FUSION_CACHE_DIR`` (where measured decisions are kept;
+default ``~/.cache/fusion_backend``).
 """
 
 from __future__ import annotations
@@ -41,17 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from . import environment
 from .decision import DEFAULT_MARGIN, POLICIES
 from .errors import InvalidOptionError, UnknownOptionError
 
 OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir", "direct", "decide", "decide_margin")
-DECIDE_ENV = "FUSION_DECIDE"
-CACHE_DIR_ENV = "FUSION_CACHE_DIR"
-
-
-def cache_dir() -> Path:
-    """Where measured choices are kept across processes (``$FUSION_CACHE_DIR``)."""
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "fusion_backend")
+DECIDE_ENV = environment.DECIDE
+CACHE_DIR_ENV = environment.CACHE_DIR
+cache_dir = environment.cache_dir
 
 
 @dataclass(frozen=True)
@@ -105,13 +102,13 @@ class FusionOptions:
         strict = ours.get("strict", False)
         if not isinstance(strict, bool):
             raise InvalidOptionError(f"option 'strict' must be a bool, got {strict!r}")
-        dump = ours.get("dump_dir") or os.environ.get("FUSION_DUMP_DIR") or None
+        dump = ours.get("dump_dir") or environment.dump_dir()
         if dump is not None and not isinstance(dump, (str, os.PathLike)):
             raise InvalidOptionError(f"option 'dump_dir' must be a path, got {dump!r}")
         direct = ours.get("direct", True)
         if not isinstance(direct, bool):
             raise InvalidOptionError(f"option 'direct' must be a bool, got {direct!r}")
-        decide = ours.get("decide") or os.environ.get(DECIDE_ENV) or "measure"
+        decide = ours.get("decide") or environment.decide() or "measure"
         if decide not in POLICIES:
             where = "option 'decide'" if "decide" in ours else f"{DECIDE_ENV}"
             raise InvalidOptionError(f"{where} must be one of {list(POLICIES)}, got {decide!r}")

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fusion_backend import environment
 from fusion_backend.kernels import conv_dense
 from fusion_backend.kernels.conv_fused import ConvGeometry
 from fusion_backend.kernels.epilogue import OP_CODES, PoolGeometry, build_params
@@ -286,7 +287,7 @@ def test_the_probe_binds_the_first_fitting_tile_and_matches_the_plan(monkeypatch
     """``_Launch.probe`` (what the op's plan screens with): the tile ``_fitting`` puts first when the
     plan autotunes (on CUDA), the heuristic one otherwise; same results as the plan."""
     monkeypatch.setattr(conv_dense, "_AUTOTUNE_MIN_MACS", 0)
-    monkeypatch.setenv(conv_dense.AUTOTUNE_ENV, "1")  # the suite turns tuning off
+    monkeypatch.setenv(environment.CONV_AUTOTUNE, "1")  # the suite turns tuning off
     monkeypatch.setattr(conv_dense, "_LAUNCHES", type(conv_dense._LAUNCHES)(256))
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, 16, 9, 10, generator=g).to(DEVICE)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fusion_backend import environment
 from fusion_backend.errors import UnsupportedInputError
 from fusion_backend.kernels import conv_fused
 from fusion_backend.kernels import epilogue as kernels
@@ -454,7 +455,7 @@ def test_the_probe_runs_the_autotuner_s_first_tile_and_gives_the_plan_s_results(
     times it to screen the fused kernel before tuning it), with the tuned plan's results."""
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setattr(conv_fused, "_AUTOTUNE_MIN_MACS", 0)
-    monkeypatch.setenv(conv_fused.AUTOTUNE_ENV, "1")  # the suite turns tuning off  # tuned even at this size (on CUDA)
+    monkeypatch.setenv(environment.CONV_AUTOTUNE, "1")  # the suite turns tuning off  # tuned even at this size (on CUDA)
     torch.manual_seed(0)
     spec = _spec(3, transposed=True, stride=2)
     cfg = ConvEpilogueConfig(conv=spec, chain=LEAKY_MUL_LEAKY, pool=_pool("max", 3), strict=True)

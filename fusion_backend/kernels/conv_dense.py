@@ -74,7 +74,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .conv_fused import AUTOTUNE_ENV, ConvGeometry, conv_output_size
+from .. import environment
+from .conv_fused import ConvGeometry, conv_output_size
 from .epilogue import KernelStep, PoolGeometry, _chain_fwd, _load_operands, _op_constexprs, build_params
 from .host import BoundedCache, best_first, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
@@ -547,7 +548,7 @@ def _launch_key(
     codes = tuple((int(code), len(values)) for code, values in steps)
     return (
         tensor_key(x), tensor_key(weight), bias is None, codes, conv, pool, tensor_key(out), tensor_key(saved_a),
-        tensor_key(saved_b), bool(allow_tf32), compute_dtype, os.environ.get(AUTOTUNE_ENV, "1"),
+        tensor_key(saved_b), bool(allow_tf32), compute_dtype, environment.measuring(),
         _BIG_INDEX_THRESHOLD, MAX_KW_GROUP,
     )  # fmt: skip
 
@@ -638,7 +639,7 @@ def _prepare(
         PRECISION=precision, BIG=big, BLOCK_N=block_n,
     )  # fmt: skip
     macs = n * oh * ow * cout * cin * kh * kw
-    tuned = not (_INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0" or macs < _AUTOTUNE_MIN_MACS)
+    tuned = not (_INTERPRET or not environment.measuring() or macs < _AUTOTUNE_MIN_MACS)
     if tuned:
         first = _fitting(_configs(), block_n, kwg, cin_pad, align, x.element_size(), compute.itemsize)[0]
         first_tile = dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)

@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import environment
 from ..ir.shapes import conv_output_length
 from .epilogue import (
     MAX_WINDOW_VOLUME,
@@ -82,7 +83,7 @@ _INT32_LIMIT = 2**31 - 1
 _BIG_INDEX_THRESHOLD = _INT32_LIMIT
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: Environment variable: "0" launches one heuristic tile instead of autotuning (CUDA).
-AUTOTUNE_ENV = "FUSION_CONV_AUTOTUNE"
+AUTOTUNE_ENV = environment.CONV_AUTOTUNE
 #: Problems below this many multiply-adds (live taps only) take the heuristic tile: autotuning
 #: compiles every config once per shape key, not worth it for small convs (and GPU tests).
 _AUTOTUNE_MIN_MACS = 2**28
@@ -1110,7 +1111,7 @@ def _launch_key(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow
     return (
         tensor_key(x), tensor_key(weight), bias is None, tuple((int(code), len(values)) for code, values in steps), conv, pool,
         tensor_key(out), tensor_key(saved_a), tensor_key(saved_b), bool(allow_tf32), compute_dtype,
-        os.environ.get(AUTOTUNE_ENV, "1"), _BIG_INDEX_THRESHOLD,
+        environment.measuring(), _BIG_INDEX_THRESHOLD,
     )  # fmt: skip
 
 
@@ -1205,7 +1206,7 @@ def _prepare(
         NSD=plan.shifts[0][1], NSH=plan.shifts[1][1], NSW=plan.shifts[2][1],
     )  # fmt: skip
     macs = m_total * cout_g * cin_g * plan.unrolled
-    tuned = not (_INTERPRET or os.environ.get(AUTOTUNE_ENV, "1") == "0" or macs < _AUTOTUNE_MIN_MACS)
+    tuned = not (_INTERPRET or not environment.measuring() or macs < _AUTOTUNE_MIN_MACS)
     if tuned:
         first = _prune(_configs(), {"CIN_G": cin_g, "COUT_G": cout_g, "M_TOTAL": m_total}, **constexprs)[0]
         first_tile = dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)

@@ -73,8 +73,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import environment
 from ..ir.shapes import conv_output_length, pool_output_length
-from .conv_fused import AUTOTUNE_ENV
 from .host import best_first, cdiv, next_pow2, persistent_device_copies
 from .tf32 import round_tf32
 
@@ -496,7 +496,7 @@ _wgrad_tuned = triton.autotune(
 def _launcher(tuned, raw, configs: list[triton.Config]):
     """The autotuned kernel, or with ``FUSION_CONV_AUTOTUNE=0`` (deterministic compile times: no
     tile search on a first call) the raw kernel bound to the first config's tile."""
-    if os.environ.get(AUTOTUNE_ENV, "1") != "0":
+    if environment.measuring():
         return tuned, {}
     first = configs[0]
     return raw, dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)

@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .conv_fused import AUTOTUNE_ENV
+from .. import environment
 from .conv_fused_bwd import (
     Grad,
     PooledGrad,
@@ -764,7 +764,7 @@ def _heuristic_tile(kind: str, ci_g: int, co_g: int, kpn: int) -> tuple[int, ...
 
 
 def _use_autotune(macs: int) -> bool:
-    return not _INTERPRET and os.environ.get(AUTOTUNE_ENV, "1") != "0" and macs >= 2**28
+    return not _INTERPRET and environment.measuring() and macs >= 2**28
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1225,7 +1225,7 @@ def convolution_backward(
         tensor_key(grad.g_win) if isinstance(grad, PooledGrad) else None, None if not isinstance(grad, PooledGrad)
         else (tensor_key(grad.winner), grad.kernel_size, grad.stride, grad.padding, grad.dilation, grad.ceil_mode),
         tensor_key(x), tensor_key(weight), conv_args, tuple(bool(m) for m in output_mask[:2]),
-        compute_dtype, _precision(compute_dtype or x.dtype), os.environ.get(AUTOTUNE_ENV, "1"),
+        compute_dtype, _precision(compute_dtype or x.dtype), environment.measuring(),
     )  # fmt: skip
     run = _PLANS.get(key, lambda: backward_plan(grad, x, weight, *conv_args, output_mask[:2], compute_dtype))
     gx, gw = run(grad, x, weight)

@@ -15,15 +15,18 @@ from typing import Any
 
 import torch
 
+from .. import environment
+
 #: Whether Triton's interpreter was on when the kernels were defined (``TRITON_INTERPRET`` is read
 #: as ``@triton.jit`` decorates a kernel, and this module is imported before any kernel module).
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def cpu_kernels_unavailable(cpu_kernels_env: str) -> str | None:
+def cpu_kernels_unavailable() -> str | None:
     """Why the Triton kernels cannot run on CPU tensors (``None`` when they can): they run there
-    only under Triton's interpreter, asked for with ``cpu_kernels_env=triton``."""
-    if os.environ.get(cpu_kernels_env, "").lower() != "triton":
+    only under Triton's interpreter, asked for with ``FUSION_CPU_KERNELS=triton``."""
+    cpu_kernels_env = environment.CPU_KERNELS
+    if not environment.cpu_kernels_triton():
         return (f"ran the CPU reference; set {cpu_kernels_env}=triton and TRITON_INTERPRET=1 to run the Triton "
                 "kernels under the interpreter")
     if not INTERPRETER:

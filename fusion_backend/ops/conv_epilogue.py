@@ -77,7 +77,6 @@ import copy
 import functools
 import logging
 import math
-import os
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
@@ -87,6 +86,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import environment
 from ..errors import KernelError, UnsupportedInputError
 from ..ir.shapes import conv_output_length, pool_output_length
 from ..kernels.host import BoundedCache, cpu_kernels_unavailable, tensor_key
@@ -98,12 +98,10 @@ from .runtime_twins import register_twin
 
 logger = logging.getLogger("fusion_backend")
 
-#: Environment variable: set to "triton" to run the Triton kernels on CPU tensors (interpreter).
-CPU_KERNELS_ENV = "FUSION_CPU_KERNELS"
-#: Environment variable: "auto" | "triton" | "library", which conv the Triton forward runs
-#: (see ``conv_impl``).
-CONV_IMPL_ENV = "FUSION_CONV_IMPL"
-DEFAULT_CONV_IMPL = "auto"
+#: The environment switches this op reads (``fusion_backend.environment`` says what they do).
+CPU_KERNELS_ENV = environment.CPU_KERNELS
+CONV_IMPL_ENV = environment.CONV_IMPL
+DEFAULT_CONV_IMPL = environment.DEFAULT_CONV_IMPL
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # NOTE: Triton's interpreter has no bf16 (numpy has no such type).
 _INTERPRETER_KERNEL_DTYPES = (torch.float32, torch.float16)
@@ -142,7 +140,7 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
         if dtype not in _CUDA_KERNEL_DTYPES:
             return "reference", f"no Triton kernel for {dtype} (kernels cover float32, float16, bfloat16)"
     elif device_type == "cpu":
-        why = cpu_kernels_unavailable(CPU_KERNELS_ENV)
+        why = cpu_kernels_unavailable()
         if why is not None:
             return "reference", why
         if dtype not in _INTERPRETER_KERNEL_DTYPES:
@@ -667,8 +665,8 @@ def _conv_impl_mode() -> str:
     # ``auto`` is the default: the faster path per shape, measured once (``impl_choice``).  On the
     # H100 the fused forward wins on the ConvT3d pipeline of the ``seeds`` suite (0.25 vs 0.73 ms
     # fp32) and cuDNN on its Conv2d 64->64 pipeline.
-    mode = os.environ.get(CONV_IMPL_ENV, DEFAULT_CONV_IMPL) or DEFAULT_CONV_IMPL
-    if mode not in ("auto", "triton", "library"):
+    mode = environment.conv_impl()
+    if mode not in environment.CONV_IMPLS:
         raise UnsupportedInputError(f"{CONV_IMPL_ENV}={mode!r}: expected auto, triton or library")
     return mode
 
@@ -876,11 +874,9 @@ def _signature(config: str, save: bool, x: Tensor, weight: Tensor, bias: Tensor 
                operands: Sequence[Tensor]) -> tuple:  # fmt: skip
     """Everything a call's path and plan depend on: the config, the tensors' shapes, strides, dtypes
     and devices, the TF32 flag and the environment switches (read per call: tests change them)."""
-    environ = os.environ
     return (
         config, save, tensor_key(x), tensor_key(weight), tensor_key(bias), tuple(map(tensor_key, operands)),
-        torch.backends.cudnn.allow_tf32, environ.get(CONV_IMPL_ENV), environ.get(impl_choice.MEASURE_ENV),
-        environ.get(CPU_KERNELS_ENV),
+        torch.backends.cudnn.allow_tf32, *environment.plan_switches(),
     )  # fmt: skip
 
 
@@ -1347,7 +1343,7 @@ def _compact_backward_unsupported(
     """None when ``_compact_backward`` serves the case, else why not."""
     if cfg.pool is not None and cfg.pool.kind != "max":
         return "an avg pool's conv-output gradient needs the full-size chain derivative (library backward)"
-    if x.device.type != "cuda" and os.environ.get(CPU_KERNELS_ENV, "") != "triton":
+    if x.device.type != "cuda" and not environment.cpu_kernels_triton():
         return "the compact backward runs on CUDA (or the interpreter)"
     from ..kernels import conv_fused_bwd
 

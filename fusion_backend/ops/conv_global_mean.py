@@ -84,6 +84,7 @@ from typing import Any, TypeVar, Union
 
 import torch
 
+from .. import environment
 from ..errors import KernelError, UnsupportedInputError
 from ..ir.shapes import conv_output_length
 from .chain import ChainStep, Const, PointwiseKind, TensorRef
@@ -107,9 +108,8 @@ AFFINE_KINDS = frozenset(
     {PointwiseKind.MUL, PointwiseKind.ADD, PointwiseKind.SUB, PointwiseKind.RSUB, PointwiseKind.DIV}
 )
 
-#: Environment variable (read at call time): ``triton`` makes the CPU implementation run the Triton
-#: launchers (under ``TRITON_INTERPRET=1``) instead of the torch reference.
-CPU_KERNELS_ENV = "FUSION_CPU_KERNELS"
+#: The environment switch that makes CPU tensors run the Triton launchers (``fusion_backend.environment``).
+CPU_KERNELS_ENV = environment.CPU_KERNELS
 
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # NOTE: the Triton interpreter has no bf16, so on CPU only fp32/fp16 can take the kernel path.
@@ -557,7 +557,7 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
     if device_type == "cpu":
         from ..kernels.host import cpu_kernels_unavailable
 
-        why = cpu_kernels_unavailable(CPU_KERNELS_ENV)
+        why = cpu_kernels_unavailable()
         if why is not None:
             return ("reference", why)
         if dtype in _INTERPRETER_KERNEL_DTYPES:

@@ -38,12 +38,13 @@ from pathlib import Path
 
 import torch
 
+from .. import environment
 from ..kernels.host import BoundedCache
 
 log = logging.getLogger("fusion_backend.impl_choice")
 
-CACHE_DIR_ENV = "FUSION_CACHE_DIR"
-MEASURE_ENV = "FUSION_CONV_AUTOTUNE"
+CACHE_DIR_ENV = environment.CACHE_DIR
+MEASURE_ENV = environment.CONV_AUTOTUNE
 #: A candidate must be this much faster than the default to replace it.
 MIN_GAIN = 1.03
 #: A probed candidate is tuned only if its probe is at most this many times the best unprobed time.
@@ -64,12 +65,11 @@ _fast = BoundedCache(512)
 
 
 def measuring_enabled() -> bool:
-    return os.environ.get(MEASURE_ENV, "1") != "0"
+    return environment.measuring()
 
 
 def cache_file() -> Path:
-    root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "fusion_backend"
-    return Path(root) / "impl_choice.json"
+    return environment.cache_dir() / "impl_choice.json"
 
 
 @functools.cache
