@@ -101,6 +101,22 @@ class GlobalReduce:
 
 
 @dataclass(frozen=True)
+class BatchNorm:
+    """``F.batch_norm`` over dim 1: ``(input - mean) / sqrt(var + eps) * weight + bias``, with the
+    running statistics when ``training`` is False, with the batch's otherwise (or when a running
+    statistic is ``None``).  ``weight`` and ``bias`` may be ``None`` (``affine=False``)."""
+
+    node: fx.Node
+    input: fx.Node
+    running_mean: ValueRef
+    running_var: ValueRef
+    weight: ValueRef
+    bias: ValueRef
+    training: bool
+    eps: float
+
+
+@dataclass(frozen=True)
 class Opaque:
     """Anything else.  ``description`` names the op for reports (e.g. ``torch.softmax``)."""
 
@@ -108,4 +124,4 @@ class Opaque:
     description: str
 
 
-CanonicalOp = Union[Conv, Pointwise, Pool, GlobalReduce, Opaque]
+CanonicalOp = Union[Conv, Pointwise, Pool, GlobalReduce, BatchNorm, Opaque]

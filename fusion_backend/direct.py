@@ -26,6 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .ops import bn_fold
 from .ops.direct_twins import direct_twin
 
 #: ``call_method`` targets that are glue (casts and views: at most one copy kernel each).
@@ -35,9 +36,11 @@ GLUE_METHODS = frozenset({
 })
 #: ``call_function`` targets that are glue.  Dynamo records an autocast region inside the compiled
 #: code as ``_enter_autocast``/``_exit_autocast`` calls (no kernels, the casts are separate nodes).
+#: Batch norm's folded scale and shift (``ops/bn_fold.py``) count as glue too: a few small kernels
+#: on per-channel tensors, never on activations; the region's measured decision times them with it.
 GLUE_FUNCTIONS = frozenset({
     operator.getitem, torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten, torch.permute,
-    torch.transpose,
+    torch.transpose, bn_fold.scale, bn_fold.shift,
     *(getattr(torch.amp.autocast_mode, name) for name in ("_enter_autocast", "_exit_autocast")
       if hasattr(torch.amp.autocast_mode, name)),
 })

@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .canonical import CanonicalOp, Conv, GlobalReduce, Opaque, ParamRef, Pointwise, Pool
+from .canonical import BatchNorm, CanonicalOp, Conv, GlobalReduce, Opaque, ParamRef, Pointwise, Pool
 from .ops.chain import PointwiseKind as K
 from .ops.config import ConvSpec, PoolSpec
 
@@ -48,6 +48,8 @@ def _sig_max_pool(input, kernel_size, stride=None, padding=0, dilation=1, ceil_m
 def _sig_avg_pool(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None): ...
 def _sig_reduce(input, dim=None, keepdim=False, *, dtype=None): ...
 def _sig_adaptive(input, output_size): ...
+def _sig_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
+                    eps=1e-05): ...
 
 
 def _bind(sig_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[dict[str, Any]]:
@@ -323,6 +325,12 @@ def _normalize_function(node: fx.Node, target: Any, args: tuple, kwargs: dict) -
         return GlobalReduce(node, b["input"], "mean", tuple(range(-dims, 0)), True)
     if target in _REDUCE_FUNCS:
         return _reduce(node, _REDUCE_FUNCS[target], _bind(_sig_reduce, args, kwargs))
+    if target is F.batch_norm:
+        b = _bind(_sig_batch_norm, args, kwargs)
+        if not b or not isinstance(b["training"], bool) or not isinstance(b["eps"], (int, float)):
+            return None  # a traced training flag or eps: nothing to fold at compile time
+        return BatchNorm(node, b["input"], b["running_mean"], b["running_var"], b["weight"], b["bias"],
+                         b["training"] or b["running_mean"] is None or b["running_var"] is None, float(b["eps"]))
     return None
 
 
@@ -426,6 +434,13 @@ def _normalize_module(node: fx.Node, root: torch.nn.Module) -> Optional[Canonica
              "ceil_mode": mod.ceil_mode, "count_include_pad": mod.count_include_pad,
              "divisor_override": getattr(mod, "divisor_override", None)}
         return _pool(node, "avg", dims, b)
+    if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+        def ref(name: str) -> Optional[ParamRef]:
+            return ParamRef(f"{qual}.{name}") if getattr(mod, name) is not None else None
+
+        batch_statistics = mod.training or mod.running_mean is None or mod.running_var is None
+        return BatchNorm(node, x, ref("running_mean"), ref("running_var"), ref("weight"), ref("bias"),
+                         batch_statistics, float(mod.eps))
     if isinstance(mod, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
         dims = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}[type(mod)]
         if any(s != 1 for s in _tuple(mod.output_size, dims)):

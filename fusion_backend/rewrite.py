@@ -8,6 +8,7 @@ region is defined before it), takes over all its uses and its metadata, and the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -16,6 +17,15 @@ import torch.fx as fx
 from .canonical import Conv, ParamRef
 from .engine import Candidate, MatchContext, fake_of
 from .report import Match, source_lines_of
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """An operand of a fused op that does not exist in the graph yet: ``make(graph)`` inserts the
+    nodes computing it when the region is rewritten (matching never changes the graph), e.g. batch
+    norm's per-channel scale from its statistics."""
+
+    make: Callable[[fx.Graph], fx.Node]
 
 
 def materialize(graph: fx.Graph, value: Any) -> Any:
@@ -84,7 +94,7 @@ def rewrite_conv_region(
     ctx: MatchContext,
     candidate: Candidate,
     conv: Conv,
-    operands: Sequence[fx.Node],
+    operands: Sequence[fx.Node | Deferred],
     fused: Callable[..., Any],
     config: str,
     op_name: str,
@@ -96,7 +106,8 @@ def rewrite_conv_region(
 
     With ``cast_inputs`` the conv's input, weight and bias are cast to the dtype the conv computed in
     (see ``cast_if_needed``); without, they are passed as they are and the fused op casts them itself
-    (its config names the compute dtype).  Every input is resolved through earlier rewrites.
+    (its config names the compute dtype).  Every input is resolved through earlier rewrites; a
+    ``Deferred`` operand is made here.
     ``finish(graph, node)`` may append nodes after the fused call (e.g. unsqueezes) and returns the
     region's new result.  ``kernel`` is the fused op's ``kernel_path`` answer, for the report.
     """
@@ -109,7 +120,8 @@ def rewrite_conv_region(
         x = cast(graph, ctx.resolve(conv.input))
         w = cast(graph, materialize(graph, ctx.resolve(conv.weight)))
         b = cast(graph, materialize(graph, ctx.resolve(conv.bias)))
-        out = graph.call_function(fused, (x, w, b, [ctx.resolve(v) for v in operands], config))
+        ops = [v.make(graph) if isinstance(v, Deferred) else ctx.resolve(v) for v in operands]
+        out = graph.call_function(fused, (x, w, b, ops, config))
         return finish(graph, out) if finish is not None else out
 
     splice_fused_call(ctx, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))

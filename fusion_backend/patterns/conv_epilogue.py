@@ -1,4 +1,4 @@
-"""Pattern family ``conv_epilogue``: conv / conv-transpose → pointwise chain → optional pool.
+"""Pattern family ``conv_epilogue``: conv / conv-transpose → [batch norm, eval] → pointwise chain → optional pool.
 
 Anchor: any ``Conv`` (1-3 spatial dims, transposed or not, any hyper-parameters, bias or not) whose
 output is batched and floating point.  From there the chain grows one user at a time while
@@ -9,8 +9,10 @@ output is batched and floating point.  From there the chain grows one user at a 
   one-element tensors, or per-channel tensors, none computed from the region itself;
 * the chain is shorter than ``MAX_CHAIN_LENGTH``.
 
-A max or avg pool with the conv's number of spatial dims may end the region.  A region needs at least
-one pointwise op or a pool.  Every stop is recorded as a ``NearMiss`` with its reason.
+A batch norm with running statistics (eval mode) right after the conv joins the region as a
+per-channel ``mul`` and ``add`` at the head of the chain, their operands computed from its statistics
+when the region is rewritten (``ops/bn_fold.py``); one with batch statistics (training mode) stops it.  A max or avg pool with the conv's number of spatial dims may end the region.  A region needs at
+least one pointwise op or a pool.  Every stop is recorded as a ``NearMiss`` with its reason.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from ..canonical import Conv, Opaque, Pointwise, Pool
+from ..canonical import BatchNorm, Conv, Opaque, ParamRef, Pointwise, Pool
 from ..engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
 from ..normalize import describe_target
-from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, TensorRef
+from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, PointwiseKind, TensorRef
 from ..ops.config import ConvEpilogueConfig
 from ..report import Match, NearMiss, ReasonKind
-from ..rewrite import dtype_name, rewrite_conv_region
+from ..rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -40,13 +42,15 @@ class EpilogueRegion:
     step_nodes: list[fx.Node]
     operands: list[fx.Node]
     pool: Optional[Pool]
+    batch_norm: Optional[BatchNorm] = None
 
 
 @register_pattern
 class ConvEpiloguePattern(Pattern):
     name = "conv_epilogue"
     priority = 100
-    description = "conv/conv-transpose (1-3d) → chain of pointwise ops with scalar or per-channel operands → optional max/avg pool"
+    description = ("conv/conv-transpose (1-3d) → optional batch norm in eval mode (folded) → chain of pointwise ops "
+                   "with scalar or per-channel operands → optional max/avg pool")
 
     def find(self, ctx: MatchContext) -> Iterator[Union[Candidate, NearMiss]]:
         for conv in ctx.convs():
@@ -72,6 +76,17 @@ class ConvEpiloguePattern(Pattern):
                 stop = miss(current, ReasonKind.SHARED_INTERMEDIATE, why)
                 break
             op = ctx.op(user)
+            if isinstance(op, BatchNorm):
+                why = _unfoldable(op, current, anchor, y) if current is anchor else (
+                    "a batch norm after the chain (only one right after the conv is folded)")
+                if why is not None:
+                    stop = miss(user, ReasonKind.UNSUPPORTED_OP, why)
+                    break
+                region.batch_norm = op
+                region.steps += [ChainStep(PointwiseKind.MUL, (TensorRef(0),)), ChainStep(PointwiseKind.ADD, (TensorRef(1),))]
+                region.operands += _folded_operands(ctx, op, conv.spec.spatial_dims)
+                current = user
+                continue
             if isinstance(op, Pointwise):
                 if len(region.steps) == MAX_CHAIN_LENGTH:
                     stop = miss(user, ReasonKind.CHAIN_TOO_LONG, f"the fused chain holds at most {MAX_CHAIN_LENGTH} ops")
@@ -95,7 +110,8 @@ class ConvEpiloguePattern(Pattern):
             if stop is None or [u.op for u in anchor.users] == ["output"]:
                 return miss(anchor, ReasonKind.NO_EPILOGUE, "the conv output goes straight to the graph output")
             return stop
-        nodes = [anchor, *region.step_nodes] + ([region.pool.node] if region.pool else [])
+        folded = [region.batch_norm.node] if region.batch_norm else []
+        nodes = [anchor, *folded, *region.step_nodes] + ([region.pool.node] if region.pool else [])
         # A chain that simply ends at the graph output or at the next conv is no near miss; any other
         # stop is reported.
         natural_end = [u.op for u in current.users] == ["output"] or (
@@ -174,10 +190,48 @@ class ConvEpiloguePattern(Pattern):
         )
 
 
+def _unfoldable(bn: BatchNorm, flowing: fx.Node, anchor: fx.Node, y: torch.Tensor) -> Optional[str]:
+    """Why batch norm ``bn`` right after the conv cannot be folded into it, or None."""
+    if bn.training:
+        return "a batch norm with batch statistics (training mode) is not fused yet; in eval mode it is folded"
+    if bn.input is not flowing:
+        return "the conv output is not the batch norm's input"
+    for name in ("running_mean", "running_var", "weight", "bias"):
+        value = getattr(bn, name)
+        if isinstance(value, fx.Node):
+            fake = fake_of(value)
+            if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != (y.shape[1],):
+                return f"the batch norm's {name} `{value.name}` is not one value per conv output channel"
+        elif value is not None and not isinstance(value, ParamRef):
+            return f"the batch norm's {name} is not a tensor"
+    return None
+
+
+def _folded_operands(ctx: MatchContext, bn: BatchNorm, spatial_dims: int) -> list[Deferred]:
+    """Batch norm's per-channel scale and shift (``ops/bn_fold.py``), made when the region is rewritten."""
+    from ..ops import bn_fold
+
+    def stats(graph: fx.Graph) -> list:
+        return [materialize(graph, ctx.resolve(v)) for v in (bn.running_mean, bn.running_var, bn.weight, bn.bias)]
+
+    def scale(graph: fx.Graph) -> fx.Node:
+        _, var, gamma, _ = stats(graph)
+        return graph.call_function(bn_fold.scale, (var, gamma, bn.eps, spatial_dims))
+
+    def shift(graph: fx.Graph) -> fx.Node:
+        mean, var, gamma, beta = stats(graph)
+        return graph.call_function(bn_fold.shift, (mean, var, gamma, beta, bn.eps, spatial_dims))
+
+    return [Deferred(scale), Deferred(shift)]
+
+
 def _summary(conv: Conv, region: EpilogueRegion) -> str:
     d = conv.spec.spatial_dims
     parts = [f"conv{'_transpose' if conv.spec.transposed else ''}{d}d"]
-    parts += [s.kind.name.lower() for s in region.steps]
+    if region.batch_norm is not None:
+        parts.append("batch_norm (folded)")
+    steps = region.steps[2:] if region.batch_norm is not None else region.steps
+    parts += [s.kind.name.lower() for s in steps]
     if region.pool:
         parts.append(f"{region.pool.spec.kind}_pool{d}d")
     return " -> ".join(parts)
