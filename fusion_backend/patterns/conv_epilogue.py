@@ -11,8 +11,9 @@ output is batched and floating point.  From there the chain grows one user at a 
 
 A batch norm with running statistics (eval mode) right after the conv joins the region as a
 per-channel ``mul`` and ``add`` at the head of the chain, their operands computed from its statistics
-when the region is rewritten (``ops/bn_fold.py``); one with batch statistics (training mode) stops it.  A max or avg pool with the conv's number of spatial dims may end the region.  A region needs at
-least one pointwise op or a pool.  Every stop is recorded as a ``NearMiss`` with its reason.
+when the region is rewritten (``ops/bn_fold.py``); one with batch statistics (training mode) stops it.
+A max or avg pool with the conv's number of spatial dims may end the region.  A region needs at least
+one pointwise op or a pool.  Every stop is recorded as a ``NearMiss`` with its reason.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class EpilogueRegion:
     conv: Conv
     steps: list[ChainStep]
     step_nodes: list[fx.Node]
-    operands: list[fx.Node]
+    operands: list[Union[fx.Node, Deferred]]
     pool: Optional[Pool]
     batch_norm: Optional[BatchNorm] = None
 
@@ -77,11 +78,12 @@ class ConvEpiloguePattern(Pattern):
                 break
             op = ctx.op(user)
             if isinstance(op, BatchNorm):
-                why = _unfoldable(op, current, anchor, y) if current is anchor else (
+                why = _unfoldable(op, current, y) if current is anchor else (
                     "a batch norm after the chain (only one right after the conv is folded)")
                 if why is not None:
                     stop = miss(user, ReasonKind.UNSUPPORTED_OP, why)
                     break
+                # the chain's first steps, so its operands are the region's first two (no step before them)
                 region.batch_norm = op
                 region.steps += [ChainStep(PointwiseKind.MUL, (TensorRef(0),)), ChainStep(PointwiseKind.ADD, (TensorRef(1),))]
                 region.operands += _folded_operands(ctx, op, conv.spec.spatial_dims)
@@ -190,7 +192,7 @@ class ConvEpiloguePattern(Pattern):
         )
 
 
-def _unfoldable(bn: BatchNorm, flowing: fx.Node, anchor: fx.Node, y: torch.Tensor) -> Optional[str]:
+def _unfoldable(bn: BatchNorm, flowing: fx.Node, y: torch.Tensor) -> Optional[str]:
     """Why batch norm ``bn`` right after the conv cannot be folded into it, or None."""
     if bn.training:
         return "a batch norm with batch statistics (training mode) is not fused yet; in eval mode it is folded"
