@@ -19,8 +19,8 @@ variable                meaning
 WHY read at the time of use, not once at import: users and tests switch them between compiles (a
 notebook cell, ``monkeypatch.setenv``), and the per-call plans that depend on them key on
 :func:`plan_switches`, so a switched variable gets a new plan rather than a stale one.  A lookup costs
-well under a microsecond.  (``TRITON_INTERPRET`` is Triton's own and is read once, at import, by the
-kernel modules, as Triton itself does.)
+well under a microsecond.  ``TRITON_INTERPRET`` is Triton's own; :func:`triton_interpreter` reads it
+once, when ``kernels/host.py`` is imported, as Triton reads it when it decorates a kernel.
 """
 
 from __future__ import annotations
@@ -75,3 +75,8 @@ def plan_switches() -> tuple[str | None, str | None, str | None]:
     their cache keys (``FUSION_CONV_IMPL``, ``FUSION_CONV_AUTOTUNE``, ``FUSION_CPU_KERNELS``)."""
     environ = os.environ
     return environ.get(CONV_IMPL), environ.get(CONV_AUTOTUNE), environ.get(CPU_KERNELS)
+
+
+def triton_interpreter() -> bool:
+    """Whether ``TRITON_INTERPRET`` turns Triton's interpreter on (any value but empty or ``0``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

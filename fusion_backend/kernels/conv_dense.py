@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from collections.abc import Sequence
 
 import torch
@@ -77,7 +76,7 @@ import triton.language as tl
 from .. import environment
 from .conv_fused import ConvGeometry, conv_output_size
 from .epilogue import KernelStep, PoolGeometry, _chain_fwd, _load_operands, _op_constexprs, build_params
-from .host import BoundedCache, best_first, cdiv, next_pow2, tensor_key
+from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
 from .tf32 import dot_precision, round_tf32
 
@@ -85,7 +84,7 @@ _INT32_LIMIT = 2**31 - 1
 #: Tensors with more elements than this get int64 index math (BIG); a module constant so that tests
 #: can exercise that path on small tensors.
 _BIG_INDEX_THRESHOLD = _INT32_LIMIT
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
 #: Most taps of one kernel row that share an X tile (one accumulator each; ``KWG``).  Wider kernels
 #: take one tap per K step.
 MAX_KW_GROUP = 4

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,7 +68,7 @@ from .epilogue import (
     _op_constexprs,
     build_params,
 )
-from .host import BoundedCache, best_first, cdiv, next_pow2, tensor_key
+from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
 from .tf32 import compute_code, dot_precision, round_tf32, to_compute
 
@@ -81,7 +80,7 @@ _INT32_LIMIT = 2**31 - 1
 #: Tensors with more elements than this get int64 index math (BIG); a module constant so that tests
 #: can exercise that path on small tensors.
 _BIG_INDEX_THRESHOLD = _INT32_LIMIT
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
 #: Environment variable: "0" launches one heuristic tile instead of autotuning (CUDA).
 AUTOTUNE_ENV = environment.CONV_AUTOTUNE
 #: Problems below this many multiply-adds (live taps only) take the heuristic tile: autotuning

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -75,10 +74,10 @@ import triton.language as tl
 
 from .. import environment
 from ..ir.shapes import conv_output_length, pool_output_length
-from .host import best_first, cdiv, next_pow2, persistent_device_copies
+from .host import INTERPRETER, best_first, cdiv, next_pow2, persistent_device_copies
 from .tf32 import round_tf32
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Most candidate windows (product over dims of ceil(window extent / pool stride)) a conv-output
 #: position may belong to; the loader unrolls them.

@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -86,11 +85,11 @@ from .conv_fused_bwd import (
     conv_output_spatial,
     pooled_spatial,
 )
-from .host import BoundedCache, best_first, cdiv, next_pow2, persistent_device_copies, tensor_key
+from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2, persistent_device_copies, tensor_key
 from .launch import FastLaunch
 from .tf32 import compute_code, round_tf32, to_compute
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Most distinct input shifts (rounded up to a power of 2): the weight-grad X tile is
 #: ``[slots * BLOCK_CI, BLOCK_M]`` and its accumulator ``slots * BLOCK_CI`` rows.

@@ -9,7 +9,6 @@ training step waits on (``convt3d_leaky_mul_leaky_maxpool`` on an H100: 0.93 ms 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -18,8 +17,9 @@ import torch
 from .. import environment
 
 #: Whether Triton's interpreter was on when the kernels were defined (``TRITON_INTERPRET`` is read
-#: as ``@triton.jit`` decorates a kernel, and this module is imported before any kernel module).
-INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+#: as ``@triton.jit`` decorates a kernel, and this module is imported before any kernel module).  The
+#: one place the kernel modules learn it from (their ``_INTERPRET``).
+INTERPRETER = environment.triton_interpreter()
 
 
 def cpu_kernels_unavailable() -> str | None:
