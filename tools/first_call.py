@@ -9,10 +9,12 @@ workload just before, so its caches are partly warm.  This tool measures what a 
 Each measurement is its own process (``--child``): the model file is loaded as the benchmark loads it,
 built on CUDA, compiled with the backend, and its first step (forward; ``--mode train`` adds the
 backward) is timed from the call to the end of its GPU work, compilation included.  Process start-up and
-imports are not counted.  The last lines compare every backend with Inductor against the budgets
+imports are not counted.  ``--log`` prints the children's ``fusion_backend.decision`` and
+``fusion_backend.impl_choice`` INFO lines: what each first call timed, and how long that took.  The last lines compare every backend with Inductor against the budgets
 ``--cold-budget`` (3x) and ``--warm-budget`` (1.2x).
 
-Usage (repository root, needs CUDA)::
+Usage (repository root; ``--device cpu`` measures CPU compiles, where fused regions stay with Inductor
+unless ``FUSION_DECIDE=fuse``)::
 
     python tools/first_call.py demos/convnets/conv3d_32_64_k3_leaky_maxpool.py --mode infer --dtype fp32
 """
@@ -30,36 +32,49 @@ import time
 CACHE_ENVS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSION_CACHE_DIR")
 
 
-def child(path: str, backend: str, mode: str, dtype: str) -> None:
+def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str) -> None:
     """Build, compile and run one first step; print ``{"first_call_s": ...}`` as the last line."""
+    import logging
+
     import torch
+
+    if log:
+        logging.basicConfig(level=logging.WARNING, format="    %(name)s: %(message)s")
+        for name in ("fusion_backend.decision", "fusion_backend.impl_choice"):
+            logging.getLogger(name).setLevel(logging.INFO)
 
     from fusion_backend.bench.suite import load_workload
 
     model, inputs = load_workload(path).build(seed=0)
-    model = model.cuda()
-    inputs = [t.cuda() if isinstance(t, torch.Tensor) else t for t in inputs]
+    model = model.to(device)
+    inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     train = mode == "train"
     if train:
         inputs = [t.requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                   for t in inputs]
     compiled = torch.compile(model, backend=backend)
-    torch.cuda.synchronize()
+    sync()
     began = time.perf_counter()
-    with torch.set_grad_enabled(train), torch.autocast("cuda", torch.bfloat16, enabled=dtype == "bf16"):
+    with torch.set_grad_enabled(train), torch.autocast(device, torch.bfloat16, enabled=dtype == "bf16"):
         out = compiled(*inputs)
     if train:
         outs = out if isinstance(out, (tuple, list)) else [out]
         torch.autograd.backward([o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad])
-    torch.cuda.synchronize()
+    sync()
     print(json.dumps({"first_call_s": time.perf_counter() - began}))
 
 
-def measure(path: str, backend: str, mode: str, dtype: str, caches: str, timeout: float) -> float:
+def measure(path: str, backend: str, mode: str, dtype: str, caches: str, timeout: float, log: bool,
+            device: str) -> float:
     """One child process's first-call seconds with the cache folders under ``caches``."""
     env = dict(os.environ, **{name: os.path.join(caches, name.lower()) for name in CACHE_ENVS})
     cmd = [sys.executable, __file__, path, "--child", "--backends", backend, "--mode", mode, "--dtype", dtype]
+    cmd += ["--device", device] + (["--log"] if log else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    for line in proc.stderr.splitlines() if log else ():
+        if line.startswith("    fusion_backend"):
+            print(line)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -76,17 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-budget", type=float, default=3.0, help="cold first call / Inductor's (default: 3)")
     parser.add_argument("--warm-budget", type=float, default=1.2, help="warm first call / Inductor's (default: 1.2)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per child process")
+    parser.add_argument("--log", action="store_true", help="print what the backend's first calls timed")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     if args.child:
-        child(args.model, backends[0], args.mode, args.dtype)
+        child(args.model, backends[0], args.mode, args.dtype, args.log, args.device)
         return 0
     times: dict[str, tuple[float, float]] = {}
     for backend in backends:
         with tempfile.TemporaryDirectory(prefix=f"first_call_{backend}_") as caches:
-            cold = measure(args.model, backend, args.mode, args.dtype, caches, args.timeout)
-            warm = measure(args.model, backend, args.mode, args.dtype, caches, args.timeout)
+            cold = measure(args.model, backend, args.mode, args.dtype, caches, args.timeout, args.log, args.device)
+            warm = measure(args.model, backend, args.mode, args.dtype, caches, args.timeout, args.log, args.device)
         times[backend] = cold, warm
         print(f"{os.path.basename(args.model)} {args.mode} {args.dtype} {backend}: cold {cold:.2f} s, warm {warm:.2f} s",
               flush=True)

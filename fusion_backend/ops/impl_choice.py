@@ -52,8 +52,7 @@ MIN_GAIN = 1.03
 #: between its few tiles; 1.5x leaves room for that (``kernels/conv_dense.py``'s tile NOTE: the
 #: runner-up within 7 % of the best, the others 15-45 % behind) while dropping what loses by far, as
 #: the fused conv's 2.06 ms against the library's 0.42 ms on Conv3d 32->64 k3 + leaky + max_pool3d
-#: (fp32, 2x32x64^3, H100; ``python tools/first_call.py demos/convnets/conv3d_32_64_k3_leaky_maxpool.py``
-#: with the ``fusion_backend.impl_choice`` INFO log).
+#: (fp32, 2x32x64^3, H100; ``python tools/first_call.py demos/convnets/conv3d_32_64_k3_leaky_maxpool.py --log``).
 SCREEN = 1.5
 #: Timing rounds per candidate, the target length of one round, and the most calls in a round.
 _ROUNDS = 3
