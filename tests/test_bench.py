@@ -417,6 +417,36 @@ def test_convnets_models_have_the_documented_layers_and_shapes_and_run_on_cpu() 
     assert leaky.module.Model(*leaky.module.get_init_inputs()).leaky_relu.negative_slope == 0.01
 
 
+#: The families workloads: what each fuses today (pattern -> regions) on a few pixels, and the near miss
+#: that names why the rest stays with Inductor.
+FAMILIES = {
+    "conv2d_64_k3_batchnorm_train_relu": ({}, "batch statistics (training mode)"),
+    "convt2d_64_32_k4_s2_groupnorm_silu": ({}, "group_norm"),
+    "conv3d_16_32_k3_softmax_mul": ({}, "softmax"),
+    "conv2d_64_128_k3_min_tanh": ({}, "min"),
+    "conv2d_3_64_k7_s2_batchnorm_eval_relu_maxpool": ({"conv_epilogue": 1}, None),
+}
+
+
+def test_families_suite_runs_every_file_and_says_what_fuses_and_why_not() -> None:
+    from fusion_backend.testing import dry_run
+
+    workloads = resolve_suite("families")
+    assert [w.name for w in workloads] == list(FAMILIES)
+    on_disk = {p.name for p in workloads[0].path.parent.glob("*.py") if not p.name.startswith("_")}
+    assert on_disk == set(SUITES["families"].files)
+    for workload in workloads:
+        module = workload.module
+        model = module.Model(*module.get_init_inputs())
+        (x,) = module.get_inputs()
+        small = torch.randn(2, x.shape[1], *[8] * (x.dim() - 2))
+        counts, reason = FAMILIES[workload.name]
+        result = dry_run(model, [small])
+        assert result.counts() == counts, (workload.name, result)
+        if reason is not None:
+            assert any(reason in m.message for m in result.near_misses), (workload.name, result.near_misses)
+
+
 # -- backends and config -------------------------------------------------------------------------------------
 
 

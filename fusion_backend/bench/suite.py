@@ -80,6 +80,13 @@ SUITES: dict[str, NamedSuite] = {
         "conv2d_256_k3_relu_maxpool_channels_last.py",
         "convt2d_128_64_k2_s2_relu_channels_last.py",
     ), "conv layers of real networks with their activation or pooling"),
+    "families": NamedSuite("families", (
+        "conv2d_64_k3_batchnorm_train_relu.py",
+        "convt2d_64_32_k4_s2_groupnorm_silu.py",
+        "conv3d_16_32_k3_softmax_mul.py",
+        "conv2d_64_128_k3_min_tanh.py",
+        "conv2d_3_64_k7_s2_batchnorm_eval_relu_maxpool.py",
+    ), "one conv + normalization or channel reduction workload per pattern family"),
 }
 
 #: Environment variable naming the folder that holds the named suites' folders (``seeds/``, ``convnets/``).
