@@ -1,20 +1,22 @@
 """Every ``FUSION_*`` environment variable the backend reads: name, default and meaning, in one place.
 
-======================  =================================================================================
-variable                meaning
-======================  =================================================================================
-``FUSION_CONV_IMPL``    which conv path ``conv_epilogue`` runs: ``auto`` (default: measured on CUDA),
-                        ``library`` (cuDNN + the Triton epilogue) or ``triton`` (the fused conv kernels)
-``FUSION_CONV_AUTOTUNE`` ``0`` turns measuring off: no timed choice between paths (the library path runs)
-                        and no tile tuning (each kernel takes its heuristic tile); deterministic first
-                        calls.  Anything else, or unset: on
-``FUSION_CPU_KERNELS``  ``triton``: CPU tensors run the Triton kernels (needs ``TRITON_INTERPRET=1`` before
-                        the process starts); unset: CPU tensors run the plain-torch reference
-``FUSION_CACHE_DIR``    where measured choices (region decisions, path choices) are kept across processes;
-                        default ``~/.cache/fusion_backend``
-``FUSION_DECIDE``       the default of the ``decide`` option (``measure``, ``fuse`` or ``inductor``)
-``FUSION_DUMP_DIR``     the default of the ``dump_dir`` option (per-graph dumps)
-======================  =================================================================================
+==========================  ===========================================================================
+variable                    meaning
+==========================  ===========================================================================
+``FUSION_CONV_IMPL``        which conv path ``conv_epilogue`` runs: ``auto`` (default: measured on CUDA),
+                            ``library`` (cuDNN + the Triton epilogue) or ``triton`` (the fused kernels)
+``FUSION_CONV_AUTOTUNE``    ``0`` turns measuring off: no timed choice between paths (the library path
+                            runs) and no tile tuning (each kernel takes its heuristic tile);
+                            deterministic first calls.  Anything else, or unset: on
+``FUSION_CPU_KERNELS``      ``triton``: CPU tensors run the Triton kernels (needs ``TRITON_INTERPRET=1``
+                            before the process starts); unset: they run the plain-torch reference
+``FUSION_CACHE_DIR``        where measured choices (region decisions, path choices) are kept across
+                            processes; default ``~/.cache/fusion_backend``
+``FUSION_DECIDE``           the default of the ``decide`` option (``measure``, ``fuse`` or ``inductor``)
+``FUSION_DUMP_DIR``         the default of the ``dump_dir`` option (per-graph dumps)
+==========================  ===========================================================================
+
+(The benchmark's ``FUSION_DEMOS_DIR`` and the fuzzer's ``FUSION_FUZZ_*`` belong to those tools.)
 
 WHY read at the time of use, not once at import: users and tests switch them between compiles (a
 notebook cell, ``monkeypatch.setenv``), and the per-call plans that depend on them key on
