@@ -1,7 +1,8 @@
-"""A batch norm in eval mode right after a conv is folded into the conv (``ops/bn_fold.py``) and the
-region fuses as ``conv_epilogue``: output and every gradient (input, conv weight and bias, batch
-norm's weight and bias) equal eager's against float64, on the CPU reference and on the Triton kernels
-under the interpreter (or on CUDA).  Batch norm in training mode stays with Inductor, with the reason."""
+"""A batch norm in eval mode in a conv's chain is folded into it as a per-channel scale and shift
+(``ops/bn_fold.py``) and the region fuses as ``conv_epilogue``: output and every gradient (input, conv
+weight and bias, batch norm's weight and bias) equal eager's against float64, on the CPU reference and
+on the Triton kernels under the interpreter (or on CUDA).  Batch norm in training mode stays with
+Inductor, with the reason."""
 
 import pytest
 import torch
@@ -111,11 +112,32 @@ def test_batch_norm_in_training_mode_is_a_near_miss_with_its_reason():
     assert any("batch statistics (training mode) is not fused yet" in r for r in reasons), reasons
 
 
-def test_a_batch_norm_after_the_chain_stops_the_region_before_it():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4)).eval().to(DEVICE)
+class BatchNormInsideTheChain(nn.Module):
+    """Conv2d -> ReLU -> BatchNorm2d -> x 2 -> BatchNorm2d: batch norms anywhere in the chain, twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn1, self.bn2 = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.BatchNorm2d(4, affine=False)
+
+    def forward(self, x):
+        return self.bn2(self.bn1(torch.relu(self.conv(x))) * 2.0)
+
+
+def test_batch_norms_inside_the_chain_are_folded_where_they_stand(kernels):
+    gen = torch.Generator().manual_seed(11)
+    torch.manual_seed(11)
+    model = BatchNormInsideTheChain()
+    for bn in (model.bn1, model.bn2):
+        _randomize(bn, gen)
+    model = model.eval().to(DEVICE)
+    (report,) = assert_fused(model, [torch.randn(2, 3, 7, 6, device=DEVICE)], expect={"conv_epilogue": 1}, train=True)
+    assert report.matches[0].summary == "conv2d -> relu -> batch_norm (folded) -> mul -> batch_norm (folded)"
+
+
+def test_a_conv_and_its_batch_norm_alone_fuse():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval().to(DEVICE)
     result = dry_run(model, [torch.randn(1, 3, 6, 6, device=DEVICE)])
     assert result.counts() == {"conv_epilogue": 1}
-    assert any("only one right after the conv is folded" in m.message for m in result.near_misses)
 
 
 @pytest.mark.parametrize("affine", [True, False])

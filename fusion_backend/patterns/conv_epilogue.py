@@ -9,9 +9,9 @@ output is batched and floating point.  From there the chain grows one user at a 
   one-element tensors, or per-channel tensors, none computed from the region itself;
 * the chain is shorter than ``MAX_CHAIN_LENGTH``.
 
-A batch norm with running statistics (eval mode) right after the conv joins the region as a
-per-channel ``mul`` and ``add`` at the head of the chain, their operands computed from its statistics
-when the region is rewritten (``ops/bn_fold.py``); one with batch statistics (training mode) stops it.
+A batch norm with running statistics (eval mode) joins the chain as a per-channel ``mul`` and
+``add``, their operands computed from its statistics when the region is rewritten
+(``ops/bn_fold.py``); one with batch statistics (training mode) stops it.
 A max or avg pool with the conv's number of spatial dims may end the region.  A region needs at least
 one pointwise op or a pool.  Every stop is recorded as a ``NearMiss`` with its reason.
 """
@@ -19,7 +19,7 @@ one pointwise op or a pool.  Every stop is recorded as a ``NearMiss`` with its r
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -41,17 +41,19 @@ class EpilogueRegion:
     conv: Conv
     steps: list[ChainStep]
     step_nodes: list[fx.Node]
+    """The nodes after the conv, in graph order: one per op (a batch norm is two chain steps)."""
     operands: list[Union[fx.Node, Deferred]]
     pool: Optional[Pool]
-    batch_norm: Optional[BatchNorm] = None
+    labels: list[str] = field(default_factory=list)
+    """What each of ``step_nodes`` is, for the summary."""
 
 
 @register_pattern
 class ConvEpiloguePattern(Pattern):
     name = "conv_epilogue"
     priority = 100
-    description = ("conv/conv-transpose (1-3d) → optional batch norm in eval mode (folded) → chain of pointwise ops "
-                   "with scalar or per-channel operands → optional max/avg pool")
+    description = ("conv/conv-transpose (1-3d) → chain of pointwise ops with scalar or per-channel operands and "
+                   "eval-mode batch norms (folded into per-channel scale and shift) → optional max/avg pool")
 
     def find(self, ctx: MatchContext) -> Iterator[Union[Candidate, NearMiss]]:
         for conv in ctx.convs():
@@ -78,15 +80,19 @@ class ConvEpiloguePattern(Pattern):
                 break
             op = ctx.op(user)
             if isinstance(op, BatchNorm):
-                why = _unfoldable(op, current, y) if current is anchor else (
-                    "a batch norm after the chain (only one right after the conv is folded)")
+                why = _unfoldable(op, current, y)
                 if why is not None:
                     stop = miss(user, ReasonKind.UNSUPPORTED_OP, why)
                     break
-                # the chain's first steps, so its operands are the region's first two (no step before them)
-                region.batch_norm = op
-                region.steps += [ChainStep(PointwiseKind.MUL, (TensorRef(0),)), ChainStep(PointwiseKind.ADD, (TensorRef(1),))]
+                if len(region.steps) + 2 > MAX_CHAIN_LENGTH:
+                    stop = miss(user, ReasonKind.CHAIN_TOO_LONG,
+                                f"the fused chain holds at most {MAX_CHAIN_LENGTH} ops (a batch norm takes two)")
+                    break
+                n = len(region.operands)
+                region.steps += [ChainStep(PointwiseKind.MUL, (TensorRef(n),)), ChainStep(PointwiseKind.ADD, (TensorRef(n + 1),))]
                 region.operands += _folded_operands(ctx, op, conv.spec.spatial_dims)
+                region.step_nodes.append(user)
+                region.labels.append("batch_norm (folded)")
                 current = user
                 continue
             if isinstance(op, Pointwise):
@@ -99,6 +105,7 @@ class ConvEpiloguePattern(Pattern):
                     break
                 region.steps.append(step)
                 region.step_nodes.append(user)
+                region.labels.append(step.kind.name.lower())
                 current = user
                 continue
             if isinstance(op, Pool):
@@ -112,8 +119,7 @@ class ConvEpiloguePattern(Pattern):
             if stop is None or [u.op for u in anchor.users] == ["output"]:
                 return miss(anchor, ReasonKind.NO_EPILOGUE, "the conv output goes straight to the graph output")
             return stop
-        folded = [region.batch_norm.node] if region.batch_norm else []
-        nodes = [anchor, *folded, *region.step_nodes] + ([region.pool.node] if region.pool else [])
+        nodes = [anchor, *region.step_nodes] + ([region.pool.node] if region.pool else [])
         # A chain that simply ends at the graph output or at the next conv is no near miss; any other
         # stop is reported.
         natural_end = [u.op for u in current.users] == ["output"] or (
@@ -193,11 +199,11 @@ class ConvEpiloguePattern(Pattern):
 
 
 def _unfoldable(bn: BatchNorm, flowing: fx.Node, y: torch.Tensor) -> Optional[str]:
-    """Why batch norm ``bn`` right after the conv cannot be folded into it, or None."""
+    """Why batch norm ``bn``, reading the chain's ``flowing`` value, cannot join the chain, or None."""
     if bn.training:
         return "a batch norm with batch statistics (training mode) is not fused yet; in eval mode it is folded"
     if bn.input is not flowing:
-        return "the conv output is not the batch norm's input"
+        return "the chain's value is not the batch norm's input"
     for name in ("running_mean", "running_var", "weight", "bias"):
         value = getattr(bn, name)
         if isinstance(value, fx.Node):
@@ -230,10 +236,7 @@ def _folded_operands(ctx: MatchContext, bn: BatchNorm, spatial_dims: int) -> lis
 def _summary(conv: Conv, region: EpilogueRegion) -> str:
     d = conv.spec.spatial_dims
     parts = [f"conv{'_transpose' if conv.spec.transposed else ''}{d}d"]
-    if region.batch_norm is not None:
-        parts.append("batch_norm (folded)")
-    steps = region.steps[2:] if region.batch_norm is not None else region.steps
-    parts += [s.kind.name.lower() for s in steps]
+    parts += region.labels
     if region.pool:
         parts.append(f"{region.pool.spec.kind}_pool{d}d")
     return " -> ".join(parts)
