@@ -40,7 +40,7 @@ GLUE_METHODS = frozenset({
 #: on per-channel tensors, never on activations; the region's measured decision times them with it.
 GLUE_FUNCTIONS = frozenset({
     operator.getitem, torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten, torch.permute,
-    torch.transpose, bn_fold.scale, bn_fold.shift,
+    torch.transpose, bn_fold.scale_and_shift,
     *(getattr(torch.amp.autocast_mode, name) for name in ("_enter_autocast", "_exit_autocast")
       if hasattr(torch.amp.autocast_mode, name)),
 })

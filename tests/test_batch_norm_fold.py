@@ -147,7 +147,8 @@ def test_the_scale_and_shift_equal_batch_norm_in_float64(affine):
     gamma, beta = (torch.randn(6, generator=gen).double() for _ in range(2)) if affine else (None, None)
     y = torch.randn(2, 6, 5, 4, generator=gen).double()
     want = F.batch_norm(y, mean, var, gamma, beta, False, 0.0, 1e-5)
-    got = y * bn_fold.scale(var, gamma, 1e-5, 2) + bn_fold.shift(mean, var, gamma, beta, 1e-5, 2)
+    scale, shift = bn_fold.scale_and_shift(mean, var, gamma, beta, 1e-5, 2)
+    got = y * scale + shift
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 

@@ -5,10 +5,10 @@ In eval mode ``batch_norm(y)`` is ``y * scale + shift`` with, per channel ``c``,
     scale[c] = gamma[c] / sqrt(running_var[c] + eps)          (gamma = 1 without affine)
     shift[c] = beta[c] - running_mean[c] * scale[c]           (beta = 0 without affine)
 
-so the ``conv_epilogue`` op runs it as a ``mul`` and an ``add`` at the head of its chain, on the conv
-output in the epilogue's float32 registers: no pass over the conv output of its own, and the conv
-itself untouched (its result rounds exactly where eager's does).  The rewritten graph calls these two
-functions on the per-channel tensors every step, so gradients reach batch norm's ``weight`` and
+so the ``conv_epilogue`` op runs it as a ``mul`` and an ``add`` in its chain, on the values in the
+epilogue's float32 registers: no pass over the conv output of its own, and the conv itself untouched
+(its result rounds exactly where eager's does).  The rewritten graph calls :func:`scale_and_shift` on
+the per-channel tensors every step (one call per batch norm), so gradients reach batch norm's ``weight`` and
 ``bias`` through autograd (fine-tuning with frozen statistics).
 
 Contract: the statistics, ``gamma`` and ``beta`` are ``(C,)``; the results are ``(C, 1, ..., 1)`` with
@@ -24,24 +24,15 @@ import torch
 from torch import Tensor
 
 
-def _dtype(running_var: Tensor) -> torch.dtype:
-    return torch.promote_types(running_var.dtype, torch.float32)
-
-
-def _scale(running_var: Tensor, gamma: Optional[Tensor], eps: float) -> Tensor:
-    dtype = _dtype(running_var)
+def scale_and_shift(running_mean: Tensor, running_var: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor],
+                    eps: float, spatial_dims: int) -> tuple[Tensor, Tensor]:
+    """``(scale, shift)`` as ``(C, 1, ...)`` chain operands (module docstring)."""
+    dtype = torch.promote_types(running_var.dtype, torch.float32)
     scale = torch.rsqrt(running_var.to(dtype) + eps)
-    return scale if gamma is None else scale * gamma.to(dtype)
-
-
-def scale(running_var: Tensor, gamma: Optional[Tensor], eps: float, spatial_dims: int) -> Tensor:
-    """``gamma / sqrt(running_var + eps)`` as a ``(C, 1, ...)`` chain operand (module docstring)."""
-    return _scale(running_var, gamma, eps).view(-1, *(1,) * spatial_dims)
-
-
-def shift(running_mean: Tensor, running_var: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], eps: float,
-          spatial_dims: int) -> Tensor:
-    """``beta - running_mean * scale`` as a ``(C, 1, ...)`` chain operand (module docstring)."""
-    shifted = -running_mean.to(_dtype(running_var)) * _scale(running_var, gamma, eps)
-    shifted = shifted if beta is None else shifted + beta.to(shifted.dtype)
-    return shifted.view(-1, *(1,) * spatial_dims)
+    if gamma is not None:
+        scale = scale * gamma.to(dtype)
+    shift = -running_mean.to(dtype) * scale
+    if beta is not None:
+        shift = shift + beta.to(dtype)
+    per_channel = (-1, *(1,) * spatial_dims)
+    return scale.view(per_channel), shift.view(per_channel)

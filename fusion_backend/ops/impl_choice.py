@@ -65,10 +65,6 @@ _memory: dict[str, str] = {}
 _fast = BoundedCache(512)
 
 
-def measuring_enabled() -> bool:
-    return environment.measuring()
-
-
 def cache_file() -> Path:
     return environment.cache_dir() / "impl_choice.json"
 
@@ -198,7 +194,7 @@ def choose(
         raise ValueError(f"probes {sorted(probes)} must name candidates other than the default {default!r}")
     if fast_key is not None and (settled := _fast.peek(fast_key)) is not None:
         return settled
-    if not measuring_enabled() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if not environment.measuring() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return default
     if callable(key):
         key = key()
@@ -245,7 +241,7 @@ def is_final(fast_key: Hashable) -> bool:
     ``MEASURE_ENV`` switch stays as it is): an answer is kept under it (measured, or read from the
     file), or measuring is off (the default is then always the answer).  False while unmeasured
     (CUDA-graph capture, a failing candidate)."""
-    return _fast.peek(fast_key) is not None or not measuring_enabled()
+    return _fast.peek(fast_key) is not None or not environment.measuring()
 
 
 def _remember(full_key: str, name: str, fast_key: Hashable | None) -> str:

@@ -18,6 +18,7 @@ one pointwise op or a pool.  Every stop is recorded as a ``NearMiss`` with its r
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -219,18 +220,15 @@ def _folded_operands(ctx: MatchContext, bn: BatchNorm, spatial_dims: int) -> lis
     """Batch norm's per-channel scale and shift (``ops/bn_fold.py``), made when the region is rewritten."""
     from ..ops import bn_fold
 
-    def stats(graph: fx.Graph) -> list:
-        return [materialize(graph, ctx.resolve(v)) for v in (bn.running_mean, bn.running_var, bn.weight, bn.bias)]
+    made: dict[fx.Graph, fx.Node] = {}
 
-    def scale(graph: fx.Graph) -> fx.Node:
-        _, var, gamma, _ = stats(graph)
-        return graph.call_function(bn_fold.scale, (var, gamma, bn.eps, spatial_dims))
+    def both(graph: fx.Graph) -> fx.Node:  # one call makes both operands, once per rewritten graph
+        if graph not in made:
+            stats = (materialize(graph, ctx.resolve(v)) for v in (bn.running_mean, bn.running_var, bn.weight, bn.bias))
+            made[graph] = graph.call_function(bn_fold.scale_and_shift, (*stats, bn.eps, spatial_dims))
+        return made[graph]
 
-    def shift(graph: fx.Graph) -> fx.Node:
-        mean, var, gamma, beta = stats(graph)
-        return graph.call_function(bn_fold.shift, (mean, var, gamma, beta, bn.eps, spatial_dims))
-
-    return [Deferred(scale), Deferred(shift)]
+    return [Deferred(lambda graph, i=i: graph.call_function(operator.getitem, (both(graph), i))) for i in (0, 1)]
 
 
 def _summary(conv: Conv, region: EpilogueRegion) -> str:
