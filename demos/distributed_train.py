@@ -99,22 +99,23 @@ def shard(batch: Sequence[Any], rank: int, world: int, device: str) -> list[Any]
             else t for t in batch]
 
 
-def shard_loss(out: torch.Tensor, step: int, rank: int, world: int) -> torch.Tensor:
-    """Mean squared error of this process's rows of the global batch's output against a fixed random
-    target: the global target is drawn from the step and this process's rows sliced out, so the mean
-    of the shard losses is the whole batch's loss."""
+def shard_target(out: torch.Tensor, step: int, rank: int, world: int) -> torch.Tensor:
+    """This process's rows of batch ``step``'s random target (drawn whole on the CPU from the step, so
+    that every process and the single-process run see the same global target), like ``out``."""
     gen = torch.Generator().manual_seed(2000 + step)
     full = torch.randn((out.shape[0] * world, *out.shape[1:]), generator=gen)
     part = out.shape[0]
-    out = out.to(torch.promote_types(out.dtype, torch.float32))
-    return F.mse_loss(out, full[rank * part:(rank + 1) * part].to(out))
+    return full[rank * part:(rank + 1) * part].to(device=out.device, dtype=torch.promote_types(out.dtype, torch.float32))
 
 
 def sgd_step(optimizer: torch.optim.Optimizer, step_fn: Callable[..., torch.Tensor], inputs: Sequence[Any],
-             step: int, rank: int, world: int) -> torch.Tensor:
-    """One optimizer step on this process's shard of batch ``step``; its loss (not synchronised)."""
+             target: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """One optimizer step on this process's shard of a batch; its loss (not synchronised): the mean
+    squared error against ``target(output)``, so the mean of the shard losses is the batch's loss."""
     optimizer.zero_grad(set_to_none=True)
-    loss = shard_loss(step_fn(*inputs), step, rank, world)
+    out = step_fn(*inputs)
+    out = out.to(torch.promote_types(out.dtype, torch.float32))
+    loss = F.mse_loss(out, target(out))
     loss.backward()
     optimizer.step()
     return loss
@@ -124,7 +125,8 @@ def train(parameters: Sequence[nn.Parameter], step_fn: Callable[..., torch.Tenso
           batches: Callable[[int], list[Any]], steps: int, rank: int = 0, world: int = 1) -> list[float]:
     """``steps`` steps of SGD with momentum; the losses (of this process's shards)."""
     optimizer = torch.optim.SGD(parameters, lr=LEARNING_RATE, momentum=MOMENTUM)
-    return [sgd_step(optimizer, step_fn, batches(step), step, rank, world).item() for step in range(steps)]
+    return [sgd_step(optimizer, step_fn, batches(step), lambda out, s=step: shard_target(out, s, rank, world)).item()
+            for step in range(steps)]
 
 
 def wrap(model: nn.Module, how: str, device: str, backend: str, bucket_cap_mb: float,
@@ -222,6 +224,13 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
     """Rank 0 prints, per backend, the first step's seconds (compilation) and the median ms per step."""
     rows = []
     batches = [shard(workload.batch(s), rank, world, device) for s in range(2)]
+    targets: dict[int, torch.Tensor] = {}  # drawn once: a CPU draw per step would be timed too
+
+    def target(step: int, out: torch.Tensor) -> torch.Tensor:
+        if step not in targets:
+            targets[step] = shard_target(out, step, rank, world)
+        return targets[step]
+
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for backend in backends:
         model = workload.model().to(device)
@@ -232,7 +241,7 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
             dist.barrier()
             sync()
             start = time.perf_counter()
-            sgd_step(optimizer, step_fn, batches[step % 2], step % 2, rank, world)
+            sgd_step(optimizer, step_fn, batches[step % 2], lambda out, s=step % 2: target(s, out))
             sync()
             elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)

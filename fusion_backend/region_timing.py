@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import is_fake
 
 from .engine import fake_of
 
@@ -193,16 +194,17 @@ def _open_autocast_blocks(gm: fx.GraphModule, first: fx.Node) -> list[fx.Node]:
 
 def region_inputs(region: ExtractedRegion, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[torch.Tensor]:
     """Real tensors for the region's placeholders: the graph's own example inputs where the region
-    reads a graph input (detached, so that timing a backward never touches the user's ``.grad``),
-    else fresh random tensors with the recorded shape, strides, dtype, device and ``requires_grad``
-    (symbolic sizes take their hints)."""
+    reads a graph input that is a real tensor (detached, so that timing a backward never touches the
+    user's ``.grad``), else fresh random tensors with the recorded shape, strides, dtype, device and
+    ``requires_grad`` (symbolic sizes take their hints).  Example inputs may be fake: DDPOptimizer
+    compiles each bucket's piece of the graph with fake activations and real parameters."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     given = dict(zip(placeholders, example_inputs, strict=False))
     out = []
     for node in region.inputs:
         fake = fake_of(node)
         value = given.get(node)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and not is_fake(value):
             out.append(value.detach().requires_grad_(value.requires_grad))
             continue
         out.append(random_like(fake))

@@ -377,3 +377,44 @@ def test_the_real_timer_runs_a_region_with_its_consumers_on_cpu(cache, monkeypat
     assert d.pattern == "conv_global_mean" and d.fused_ms > 0 and d.inductor_ms > 0
     assert timed == [["conv_transpose2d", "mean", "add", "logsumexp", "sum", "mul"]]
     torch.testing.assert_close(out, want)
+
+
+class TwoConvs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Conv2d(3, 8, 3, padding=1)
+        self.second = nn.Conv2d(8, 8, 3)
+
+    def forward(self, x):
+        return F.max_pool2d(F.leaky_relu(self.second(torch.tanh(self.first(x))), 0.1), 2)
+
+
+def test_a_region_whose_inputs_arrive_fake_is_timed_on_real_tensors(cache):
+    """DDPOptimizer hands each bucket's piece of the graph to the backend with fake activations (and
+    real parameters): the second conv's input is fake there, and timing must draw real inputs."""
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    from fusion_backend.backend import fusion
+
+    model, x = TwoConvs(), torch.randn(2, 3, 10, 10, requires_grad=True)
+    want = model(x)
+    want.sum().backward()
+    want_grads = [p.grad.clone() for p in (x, *model.parameters())]
+    x.grad = None
+    model.zero_grad()
+    # A bucket of 100 bytes puts a boundary after each parameter: the second conv's piece of the
+    # graph receives the first piece's output as a fake tensor.
+    splitter = DDPOptimizer(bucket_bytes_cap=100, backend_compile_fn=fusion, first_bucket_cap=100)
+    compiled = torch.compile(model, backend=splitter.compile_fn)
+    with decision.timing_override(None, measure_on=("cpu",)), collect_reports() as reports:
+        out = compiled(x)
+        out.sum().backward()
+    torch._dynamo.reset()
+    decisions = [d for r in reports for d in r.decisions]
+    assert len(reports) > 1 and decisions, [r.summary() for r in reports]
+    for d in decisions:
+        assert d.fused_ms > 0 and d.inductor_ms > 0, d.rule
+    torch.testing.assert_close(out, want)
+    for got, expected in zip((x.grad, *(p.grad for p in model.parameters())), want_grads, strict=True):
+        torch.testing.assert_close(got, expected)
