@@ -278,10 +278,7 @@ def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
         raise region_timing.NotMeasurable(f"the region alone gives {len(result.matches)} {pattern} matches, not 1")
     if why_not_direct(gm) is None:
         return direct_module(gm).forward
-    from torch._inductor.compile_fx import compile_fx
-
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), torch._guards.tracing(None):
-        return compile_fx(gm, list(inputs), config_patches=dict(patches) or None)
+    return region_timing.compile_apart(gm, inputs, patches)
 
 
 # ------------------------------------------------------------------------------------------------

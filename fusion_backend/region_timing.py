@@ -261,16 +261,33 @@ def make_step(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], train: boo
 
 def compile_with_inductor(region: ExtractedRegion, inputs: Sequence[torch.Tensor],
                           config_patches: Mapping[str, Any]) -> Callable[..., Any]:
-    """Inductor's code for the region (``compile_fx`` on a copy: it may mutate what it compiles).
+    """Inductor's code for the region (on a copy: ``compile_fx`` may mutate what it compiles)."""
+    gm = fx.GraphModule(region.gm, copy.deepcopy(region.gm.graph), class_name="Region")
+    return compile_apart(gm, inputs, config_patches)
 
-    The backward is compiled right away (``force_non_lazy_backward_lowering``): a lazy backward
-    compile would run at the first timed backward, inside the outer Dynamo compile, whose metrics
-    context refuses a second ``is_forward``.  ``tracing(None)`` keeps this compile out of the outer
-    graph's tracing context (its fake mode, shape guards and output strides)."""
+
+def compile_apart(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
+                  config_patches: Mapping[str, Any]) -> Callable[..., Any]:
+    """``compile_fx`` for a timing candidate, apart from the outer Dynamo compile that is running.
+
+    - The backward is compiled right away (``force_non_lazy_backward_lowering``): a lazy backward
+      compile would run at the first timed backward, inside the outer compile, whose metrics
+      context refuses a second ``is_forward``.
+    - ``tracing(None)`` keeps this compile out of the outer graph's tracing context (its fake mode,
+      shape guards and output strides).
+    - Nothing is saved to the AOTAutograd cache.  Under DDPOptimizer the outer compile needs the
+      tracing context's forward metadata that only a real AOTAutograd compile sets; torch 2.11 looks
+      DDPOptimizer's pieces up in that cache, and a hit on an entry saved here (the region is often
+      the whole piece) fails DDPOptimizer's ``fw_metadata is not None`` assertion.  Inductor's own
+      FX graph cache still serves this compile.
+      NOTE: ``pytest tests/test_decision.py -k ddp_pieces`` compiles the same pieces with plain
+      Inductor after timing them; on torch 2.11 it fails without this switch."""
     from torch._inductor.compile_fx import compile_fx
 
-    gm = fx.GraphModule(region.gm, copy.deepcopy(region.gm.graph), class_name="Region")
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), torch._guards.tracing(None):
+    with (
+        torch._functorch.config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False),
+        torch._guards.tracing(None),
+    ):
         return compile_fx(gm, list(inputs), config_patches=dict(config_patches) or None)
 
 

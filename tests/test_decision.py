@@ -390,9 +390,11 @@ class TwoConvs(nn.Module):
         return F.max_pool2d(F.leaky_relu(self.second(torch.tanh(self.first(x))), 0.1), 2)
 
 
-def test_a_region_whose_inputs_arrive_fake_is_timed_on_real_tensors(cache):
+def test_ddp_pieces_are_timed_on_real_tensors_and_plain_inductor_compiles_them_after(cache):
     """DDPOptimizer hands each bucket's piece of the graph to the backend with fake activations (and
-    real parameters): the second conv's input is fake there, and timing must draw real inputs."""
+    real parameters): the second conv's input is fake there, and timing must draw real inputs.  The
+    timing compiles leave nothing that breaks a later DDPOptimizer compile of the same pieces by
+    Inductor alone (an AOTAutograd cache entry it would hit without its forward metadata)."""
     from torch._dynamo.backends.distributed import DDPOptimizer
 
     from fusion_backend.backend import fusion
@@ -418,3 +420,9 @@ def test_a_region_whose_inputs_arrive_fake_is_timed_on_real_tensors(cache):
     torch.testing.assert_close(out, want)
     for got, expected in zip((x.grad, *(p.grad for p in model.parameters())), want_grads, strict=True):
         torch.testing.assert_close(got, expected)
+
+    from torch._inductor.compile_fx import compile_fx
+
+    splitter = DDPOptimizer(bucket_bytes_cap=100, backend_compile_fn=compile_fx, first_bucket_cap=100)
+    torch.testing.assert_close(torch.compile(model, backend=splitter.compile_fn)(x), want)
+    torch._dynamo.reset()
