@@ -275,20 +275,21 @@ def compile_apart(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
       context refuses a second ``is_forward``.
     - ``tracing(None)`` keeps this compile out of the outer graph's tracing context (its fake mode,
       shape guards and output strides).
-    - Nothing is saved to the AOTAutograd cache.  Under DDPOptimizer the outer compile needs the
-      tracing context's forward metadata that only a real AOTAutograd compile sets; torch 2.11 looks
-      DDPOptimizer's pieces up in that cache, and a hit on an entry saved here (the region is often
-      the whole piece) fails DDPOptimizer's ``fw_metadata is not None`` assertion.  Inductor's own
-      FX graph cache still serves this compile.
-      NOTE: ``pytest tests/test_decision.py -k ddp_pieces`` compiles the same pieces with plain
-      Inductor after timing them; on torch 2.11 it fails without this switch."""
+    - Dynamo's ``aot_autograd`` counters are left as they were.  DDPOptimizer decides whether the
+      backend ran AOTAutograd on its piece of the graph by comparing ``counters["aot_autograd"]
+      ["total"]`` before and after the backend call; a timing compile counted there makes it look
+      for the piece's forward metadata when the backend returns the direct runner, and it fails
+      (``fw_metadata must not be None``).
+      NOTE: ``pytest tests/test_decision.py -k ddp_pieces`` fails that way without the restore."""
+    from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 
-    with (
-        torch._functorch.config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False),
-        torch._guards.tracing(None),
-    ):
-        return compile_fx(gm, list(inputs), config_patches=dict(config_patches) or None)
+    saved = counters["aot_autograd"].copy()
+    try:
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), torch._guards.tracing(None):
+            return compile_fx(gm, list(inputs), config_patches=dict(config_patches) or None)
+    finally:
+        counters["aot_autograd"] = saved
 
 
 def time_steps(steps: Mapping[str, Callable[[], None]]) -> dict[str, float]:
