@@ -225,10 +225,12 @@ def run(workloads: list[Workload], backends: list[BenchBackend], *, dtypes: tupl
         modes: tuple[str, ...] = ("infer", "train"), timer: FakeTimer | None = None,
         rates: DeviceRates | None = FAKE_RATES, check_only: bool = False,
         events: list[ProgressEvent] | None = None, tolerances: dict[str, float] | None = None,
-        fp64_check: bool = True, memory: FakeMemory | None = None) -> BenchReport:
+        fp64_check: bool = True, memory: FakeMemory | None = None,
+        measure: MeasureConfig | None = None) -> BenchReport:
     timer = timer or FakeTimer(FAKE_MS)
     config = BenchConfig(dtypes=dtypes, modes=modes, backends=tuple(b.name for b in backends),
-                         check_only=check_only, tolerances=tolerances or {}, fp64_check=fp64_check)
+                         check_only=check_only, tolerances=tolerances or {}, fp64_check=fp64_check,
+                         measure=measure or MeasureConfig())
 
     def progress(ev: ProgressEvent) -> None:
         timer.backend = ev.backend
@@ -986,7 +988,8 @@ class DriftingTimer(FakeTimer):
 
 def test_backends_of_a_row_are_timed_in_interleaved_rounds_so_drift_hits_them_alike(tiny: Workload) -> None:
     timer = DriftingTimer()
-    report = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=timer)
+    report = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=timer,
+                 measure=MeasureConfig(extra_rounds=0))
     names = ["eager", "inductor", "fusion"]
     rotated = [names[r:] + names[:r] for r in range(MeasureConfig().rounds)]
     assert [b for b, cold in timer.timed if not cold] == [b for order in rotated for b in order]
@@ -1023,3 +1026,55 @@ def test_an_item_s_time_is_its_quietest_round_so_disturbed_windows_do_not_rank_b
     # the median of the rounds would put fusion at 2 ms and Inductor at 1 ms: 0.5x for equal code
     assert case.item("fusion").warm.median_ms == case.item("inductor").warm.median_ms == 1.0  # type: ignore[union-attr]
     assert case.item("fusion").warm.max_ms == 2.0, "the disturbed rounds still show in the extremes"  # type: ignore[union-attr]
+
+
+class WindowTimer(FakeTimer):
+    """Each backend's warm rounds take the listed times in turn, then 1 ms (cold rounds: 1 ms)."""
+
+    def __init__(self, windows: dict[str, list[float]]) -> None:
+        super().__init__({})
+        self.windows = windows
+        self.rounds: dict[tuple[str, bool], int] = {}
+
+    def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
+             cold: bool = False) -> TimingStats:
+        super().time(step, before_each=before_each, cold=cold)
+        r = self.rounds[self.backend, cold] = self.rounds.get((self.backend, cold), -1) + 1
+        listed = self.windows.get(self.backend, [])
+        ms = listed[r] if r < len(listed) and not cold else 1.0
+        return TimingStats.from_samples([ms, ms])
+
+    def warm_rounds(self, backend: str) -> int:
+        return self.rounds.get((backend, False), -1) + 1
+
+
+def test_a_row_whose_quietest_rounds_disagree_gets_more_rounds(tiny: Workload) -> None:
+    """Inductor's first three windows are disturbed by different amounts (3, 2, 3 ms for 1 ms of
+    work): its quietest round would make equal code read 2x slower than fusion's.  The row gets more
+    rounds (every backend, still interleaved) until each backend's two quietest rounds agree."""
+    timer = WindowTimer({"inductor": [3.0, 2.0, 3.0]})
+    report = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=timer)
+    case = report.cases[0]
+    assert case.item("fusion").warm.median_ms == case.item("inductor").warm.median_ms == 1.0  # type: ignore[union-attr]
+    # rounds 4 and 5 are quiet; after them Inductor's two quietest agree
+    assert {b: timer.warm_rounds(b) for b in ("eager", "inductor", "fusion")} == {"eager": 5, "inductor": 5, "fusion": 5}
+    without = WindowTimer({"inductor": [3.0, 2.0, 3.0]})
+    case = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=without,
+               measure=MeasureConfig(extra_rounds=0)).cases[0]
+    assert case.item("inductor").warm.median_ms == 2.0  # type: ignore[union-attr]
+
+
+def test_quiet_rows_take_exactly_the_configured_rounds_and_noisy_ones_stop_at_the_cap(tiny: Workload) -> None:
+    quiet = WindowTimer({})
+    run([tiny], [BUILTIN_EAGER, FAKE_FUSION], modes=("infer",), timer=quiet)
+    assert quiet.warm_rounds("fusion") == MeasureConfig().rounds
+    noisy = DriftingTimer()  # every measurement 20% slower than the last: rounds never agree
+    run([tiny], [BUILTIN_EAGER, FAKE_FUSION], modes=("infer",), timer=noisy,
+        measure=MeasureConfig(rounds=2, extra_rounds=3))
+    assert sum(1 for b, cold in noisy.timed if b == "fusion" and not cold) == 5
+
+
+@pytest.mark.parametrize("field, value", [("extra_rounds", -1), ("agreement", -0.1)])
+def test_bad_round_settings_are_named(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=field):
+        MeasureConfig(**{field: value})

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3,
                    help="each backend of a row is timed this many times, interleaved with the row's other "
                    "backends; its time is the median of its quietest round (default: 3)")
+    p.add_argument("--extra-rounds", type=int, default=6,
+                   help="while a backend's two quietest rounds of a row differ by more than 3%%, the row's "
+                   "backends are timed once more, at most this many more times (default: 6)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed repetitions before each measurement (default: 3)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold-L2 measurement")
@@ -221,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) -> int:
     try:
         measure = MeasureConfig(warmup=args.warmup, target_ms=args.target_ms, reps=args.reps,
-                                cold=not (args.no_cold or args.check_only), rounds=args.rounds)
+                                cold=not (args.no_cold or args.check_only), rounds=args.rounds,
+                                extra_rounds=args.extra_rounds)
         backend_names = tuple(with_compile_mode(args.backends, args.compile_mode))
         config = BenchConfig(dtypes=args.dtype, modes=args.mode, backends=backend_names, seed=args.seed,
                              check_only=args.check_only, memory=not args.no_memory, measure=measure,

@@ -66,7 +66,9 @@ class MeasureConfig:
     """How timings are taken (see :class:`fusion_backend.bench.measure.CudaEventTimer`).
 
     ``warmup`` calls run untimed before every measurement.  Each item is measured in ``rounds``
-    rounds, interleaved with the other backends of its case (``runner.py``).  Without a fixed ``reps``
+    rounds, interleaved with the other backends of its case (``runner.py``); while some item's two
+    quietest warm rounds differ by more than ``agreement`` (relative), every item of the case gets
+    another round, at most ``extra_rounds`` more.  Without a fixed ``reps``
     the number of timed repetitions per round is picked from an estimate so that all rounds together
     take about ``target_ms``, clamped to ``[min_reps, max_reps]``: enough samples for a stable median
     on fast workloads without spending minutes on slow ones.  ``cold`` adds a second measurement per
@@ -80,6 +82,8 @@ class MeasureConfig:
     max_reps: int = 1000
     cold: bool = True
     rounds: int = 3
+    extra_rounds: int = 6
+    agreement: float = 0.03
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -92,6 +96,10 @@ class MeasureConfig:
             raise ConfigError(f"target_ms must be > 0, got {self.target_ms}")
         if self.rounds < 1:
             raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        if self.extra_rounds < 0:
+            raise ConfigError(f"extra_rounds must be >= 0, got {self.extra_rounds}")
+        if self.agreement < 0:
+            raise ConfigError(f"agreement must be >= 0, got {self.agreement}")
 
     def choose_reps(self, estimate_ms: float) -> int:
         """Repetitions for one round's measurement given one repetition's estimated time in milliseconds.

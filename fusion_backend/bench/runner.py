@@ -18,7 +18,14 @@ another's gradients.  Per workload x dtype x mode:
    rotating from round to round; an item's time is the median of its quietest round
    (``TimingStats.of_rounds``).  WHY: the host of a GPU machine drifts by tens of percent over
    seconds (the same eager step measured 0.17 ms and 0.27 ms in two runs), and host-bound rows timed
-   one backend after the other compared windows, not backends.
+   one backend after the other compared windows, not backends.  Until every item's two quietest
+   rounds agree (``MeasureConfig.agreement``), the case gets more rounds (at most
+   ``extra_rounds``): one quiet round alone may be luck, and a row whose rounds were all disturbed
+   for one backend has not been measured yet.
+   NOTE: ``python -m fusion_backend bench --suite families --no-memory`` on the H100, three rounds,
+   put fusion at 0.81x Inductor on convt2d_64_32_k4_s2_groupnorm_silu bf16 infer, where both ran
+   Inductor's same kernels (76 us of GPU time per step, by the profiler); in one process that
+   compiled step measured 0.17 ms and then 0.73 ms per call in two consecutive windows.
 
 The step: ``infer`` is the forward under ``torch.no_grad()``; ``train`` is forward plus
 ``torch.autograd.backward(outputs, grad_outputs)`` with *fixed random* upstream gradients (a plain
@@ -483,9 +490,11 @@ class Runner:
     def _time_interleaved(self, live: list[_Live]) -> list[ItemResult]:
         """Time every live item in rounds (module docstring, step 3); the items' results."""
         cfg = self.config
-        rounds = cfg.measure.rounds
         kinds = (False, True) if cfg.measure.cold else (False,)
-        for r in range(rounds):
+        for r in range(cfg.measure.rounds + cfg.measure.extra_rounds):
+            if r >= cfg.measure.rounds and all(item.error or _settled(item.warm_rounds, cfg.measure.agreement)
+                                               for item in live):
+                break
             order = live[r % len(live):] + live[:r % len(live)] if live else []
             for cold in kinds:
                 for item in order:
@@ -582,3 +591,11 @@ def run_benchmark(workloads: Sequence[Workload], config: BenchConfig, backends: 
     runner = Runner(config, backends, device=torch.device(device), instruments=instruments, rates=rates,
                     progress=progress)
     return runner.run(workloads, environment)
+
+
+def _settled(rounds: list[TimingStats], agreement: float) -> bool:
+    """Whether an item's two quietest rounds agree within ``agreement`` (relative to the quieter)."""
+    if len(rounds) < 2:
+        return False
+    first, second = sorted(r.median_ms for r in rounds)[:2]
+    return second <= first * (1 + agreement)
