@@ -1,4 +1,4 @@
-"""Per-signature call plans of ``fusion::conv_epilogue`` (``ops/conv_epilogue.py``).
+"""Per-signature call plans of ``fusion::conv_epilogue`` (``ops/conv_epilogue/``).
 
 A call whose signature (config, shapes, strides, dtypes, devices, TF32 flag, switches) was seen
 runs a kept plan: no checks, no decisions, only allocations and launches.  These tests pin what a
@@ -32,10 +32,10 @@ def planned(monkeypatch, exact_fp32):
         pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
-    monkeypatch.setattr(ce, "_FORWARD_PLANS", BoundedCache(256))
-    monkeypatch.setattr(ce, "_BACKWARD_PLANS", BoundedCache(256))
+    monkeypatch.setattr(ce.forward, "PLANS", BoundedCache(256))
+    monkeypatch.setattr(ce.backward, "PLANS", BoundedCache(256))
     built = {"forward": 0, "backward": 0}
-    real_forward, real_backward = ce._forward_plan, ce._backward_plan
+    real_forward, real_backward = ce.forward.plan_for, ce.backward.plan_for
 
     def forward_plan(*args):
         built["forward"] += 1
@@ -45,8 +45,8 @@ def planned(monkeypatch, exact_fp32):
         built["backward"] += 1
         return real_backward(*args)
 
-    monkeypatch.setattr(ce, "_forward_plan", forward_plan)
-    monkeypatch.setattr(ce, "_backward_plan", backward_plan)
+    monkeypatch.setattr(ce.forward, "plan_for", forward_plan)
+    monkeypatch.setattr(ce.backward, "plan_for", backward_plan)
     return built
 
 
@@ -125,7 +125,7 @@ def test_no_plan_is_kept_while_the_choice_is_unmeasured(monkeypatch, planned):
 
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "auto")
     monkeypatch.setenv(impl_choice.MEASURE_ENV, "1")
-    monkeypatch.setattr(ce, "conv_impl", lambda *a: ("triton", None))  # as on CUDA
+    monkeypatch.setattr(ce.forward, "conv_impl", lambda *a: ("triton", None))  # as on CUDA
     monkeypatch.setattr(impl_choice, "choose", lambda *a, **k: "library")  # unsettled: nothing kept
     monkeypatch.setattr(impl_choice, "is_final", lambda key: False)
     (x, w, b, m), config = _convt3d_pipeline_op()

@@ -1,4 +1,4 @@
-"""The library backward's channels-last variant (``ops/conv_epilogue._LibraryBackward``,
+"""The library backward's channels-last variant (``ops/conv_epilogue/backward._LibraryBackward``,
 ``channels_last=True``): the epilogue kernel writes the conv-output gradient channels-last from an
 NCHW saved state (a transposing tile), x is cast and relaid in one copy, the conv backward runs on
 channels-last tensors, and the gradients come back in the inputs' layouts.
@@ -54,16 +54,16 @@ def channels_last_backward(monkeypatch, exact_fp32):
         pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "library")
-    monkeypatch.setattr(ce, "_FORWARD_PLANS", BoundedCache(256))
-    monkeypatch.setattr(ce, "_BACKWARD_PLANS", BoundedCache(256))
+    monkeypatch.setattr(ce.forward, "PLANS", BoundedCache(256))
+    monkeypatch.setattr(ce.backward, "PLANS", BoundedCache(256))
     built = []
 
     def backward_plan(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, mask):
-        plans = ce._backward_candidates(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, mask)
+        plans = ce.backward._backward_candidates(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, mask)
         built.append(plans["library-channels-last"])
         return plans["library-channels-last"], True
 
-    monkeypatch.setattr(ce, "_backward_plan", backward_plan)
+    monkeypatch.setattr(ce.backward, "plan_for", backward_plan)
     return built
 
 
@@ -98,7 +98,7 @@ def test_channels_last_backward_matches_float64(case, channels_last_backward):
     ref = torch.autograd.grad(_call(ce.conv_epilogue_eager, leaves64, has_bias, config), leaves64, grad.double())
     assert len(channels_last_backward) == 1, "the forced plan was not used"
     plan = channels_last_backward[0]
-    fmt = ce._channels_last_format(leaves[0].dim())
+    fmt = ce.common._channels_last_format(leaves[0].dim())
     shape, stride, _ = plan.g_layout
     assert stride == torch.empty(shape, device="meta", memory_format=fmt).stride(), "grad_y is not channels-last"
     for name, leaf, g, w_, r in zip("x weight bias multiplier".split(), leaves, got, want, ref, strict=False):
@@ -169,7 +169,7 @@ def test_transposing_epilogue_kernel_writes_the_same_values(exact_fp32, monkeypa
     bias = torch.randn(70, generator=g).to(DEVICE)
     mult = torch.randn(70, 1, 1, generator=g).to(DEVICE)
     grad_out = torch.randn(y.shape, generator=g).to(DEVICE)
-    steps = ce._kernel_steps(cfg, [mult], 4, 70)
+    steps = ce.common._kernel_steps(cfg, [mult], 4, 70)
     results = {}
     for fmt in (torch.contiguous_format, torch.channels_last):
         grad_y = torch.empty(y.shape, device=DEVICE, memory_format=fmt)
@@ -186,10 +186,10 @@ def test_which_cases_get_a_channels_last_candidate():
     """2-d and 3-d convs on NCHW-style tensors; not 1-d convs (no cuDNN channels-last kernels),
     not tensors already channels-last (the library backward is channels-last there), not float64."""
     x4 = torch.randn(2, 3, 5, 5)
-    assert ce._channels_last_backward_unsupported(x4, torch.randn(2, 4, 5, 5)) is None
-    assert ce._channels_last_backward_unsupported(torch.randn(2, 3, 4, 4, 4), torch.randn(2, 4, 4, 4, 4)) is None
-    assert "1-d" in ce._channels_last_backward_unsupported(torch.randn(2, 3, 5), torch.randn(2, 4, 5))
-    assert "float64" in ce._channels_last_backward_unsupported(x4.double(), torch.randn(2, 4, 5, 5))
+    assert ce.backward._channels_last_backward_unsupported(x4, torch.randn(2, 4, 5, 5)) is None
+    assert ce.backward._channels_last_backward_unsupported(torch.randn(2, 3, 4, 4, 4), torch.randn(2, 4, 4, 4, 4)) is None
+    assert "1-d" in ce.backward._channels_last_backward_unsupported(torch.randn(2, 3, 5), torch.randn(2, 4, 5))
+    assert "float64" in ce.backward._channels_last_backward_unsupported(x4.double(), torch.randn(2, 4, 5, 5))
     x_cl = x4.to(memory_format=torch.channels_last)
     y_cl = torch.randn(2, 4, 5, 5).to(memory_format=torch.channels_last)
-    assert "already" in ce._channels_last_backward_unsupported(x_cl, y_cl)
+    assert "already" in ce.backward._channels_last_backward_unsupported(x_cl, y_cl)

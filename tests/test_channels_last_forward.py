@@ -1,4 +1,4 @@
-"""The library forward's channels-last variant (``ops/conv_epilogue._ChannelsLastLibraryForward``):
+"""The library forward's channels-last variant (``ops/conv_epilogue/forward._ChannelsLastLibraryForward``):
 x cast and relaid into channels-last in one copy, the weight relaid per call, the conv on
 channels-last tensors (cuDNN's fast kernels on Hopper), then the epilogue kernel reading the
 channels-last conv output and writing the outputs (and the saved state) in the fake's layouts
@@ -67,8 +67,8 @@ def interpreted(monkeypatch, exact_fp32):
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
-    monkeypatch.setattr(ce, "_FORWARD_PLANS", BoundedCache(256))
-    monkeypatch.setattr(ce, "_BACKWARD_PLANS", BoundedCache(256))
+    monkeypatch.setattr(ce.forward, "PLANS", BoundedCache(256))
+    monkeypatch.setattr(ce.backward, "PLANS", BoundedCache(256))
 
 
 @pytest.fixture
@@ -76,14 +76,14 @@ def same_conv(monkeypatch, interpreted):
     """Both plans get the same conv values: the conv is computed on contiguous copies and handed back
     channels-last where its input is channels-last (as cuDNN lays it out), so every difference left
     between the plans is in what they do after the conv."""
-    real = ce._conv
+    real = ce.forward._conv
 
     def conv(x, weight, bias, spec):
         y = real(x.contiguous(), weight.contiguous(), bias, spec)
-        fmt = ce._channels_last_format(x.dim())
+        fmt = ce.common._channels_last_format(x.dim())
         return y.contiguous(memory_format=fmt) if x.is_contiguous(memory_format=fmt) else y
 
-    monkeypatch.setattr(ce, "_conv", conv)
+    monkeypatch.setattr(ce.forward, "_conv", conv)
 
 
 def _inputs(case: str, compute_dtype: str | None = None, dtype: torch.dtype = torch.float32):
@@ -105,8 +105,8 @@ def _inputs(case: str, compute_dtype: str | None = None, dtype: torch.dtype = to
 
 def _both(x, w, b, ops, cfg, save):
     """The outputs of ``_LibraryForward`` and of ``_ChannelsLastLibraryForward`` (and the latter plan)."""
-    library = ce._LibraryForward(x, w, b, ops, cfg, save)(x, w, b, ops)
-    plan = ce._ChannelsLastLibraryForward(x, w, b, ops, cfg, save)
+    library = ce.forward._LibraryForward(x, w, b, ops, cfg, save)(x, w, b, ops)
+    plan = ce.forward._ChannelsLastLibraryForward(x, w, b, ops, cfg, save)
     return library, plan(x, w, b, ops), plan
 
 
@@ -131,7 +131,7 @@ def test_channels_last_forward_equals_library_forward_bitwise(case, save, same_c
     x, w, b, ops, cfg = _inputs(case)
     library, got, plan = _both(x, w, b, ops, cfg, save)
     _assert_identical(got, library)
-    fmt = ce._channels_last_format(x.dim())
+    fmt = ce.common._channels_last_format(x.dim())
     assert list(plan.launches) == [torch.empty(plan.y0_layout[0], device="meta", memory_format=fmt).stride()]
 
 
@@ -141,8 +141,8 @@ def test_channels_last_forward_matches_the_reference(case, interpreted):
     """With the real conv on channels-last tensors: the reference's values within fp32 tolerance,
     the reference's layouts, and its max-pool winners."""
     x, w, b, ops, cfg = _inputs(case)
-    got = ce._ChannelsLastLibraryForward(x, w, b, ops, cfg, True)(x, w, b, ops)
-    want = ce._reference_forward(x, w, b, ops, cfg, True)
+    got = ce.forward._ChannelsLastLibraryForward(x, w, b, ops, cfg, True)(x, w, b, ops)
+    want = ce.reference.forward(x, w, b, ops, cfg, True)
     for i, (g, r) in enumerate(zip(got, want, strict=True)):
         assert (g.shape, g.stride(), g.dtype) == (r.shape, r.stride(), r.dtype), f"output {i}"
         if r.is_floating_point():
@@ -167,7 +167,7 @@ def test_half_tensors(same_conv):
     x, w, b, ops, cfg = _inputs("conv2d-s2-max-pool", dtype=torch.float16)
     library, got, _ = _both(x, w, b, ops, cfg, True)
     _assert_identical(got, library)
-    problem = compare("out", got[0], ce._reference_forward(x, w, b, ops, cfg, False)[0], tol=2e-3)
+    problem = compare("out", got[0], ce.reference.forward(x, w, b, ops, cfg, False)[0], tol=2e-3)
     assert problem is None, problem
 
 
@@ -198,8 +198,8 @@ def test_a_conv_output_in_another_layout_gets_its_own_launch(monkeypatch, interp
     """Should the conv hand y0 back contiguous (a backend without channels-last kernels for the
     case), the plan launches the epilogue for that layout, with the same results."""
     x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
-    real = ce._conv
-    monkeypatch.setattr(ce, "_conv", lambda *args: real(*args).contiguous())
+    real = ce.forward._conv
+    monkeypatch.setattr(ce.forward, "_conv", lambda *args: real(*args).contiguous())
     library, got, plan = _both(x, w, b, ops, cfg, True)
     _assert_identical(got, library)
     assert len(plan.launches) == 2
@@ -276,7 +276,7 @@ def test_which_calls_get_a_channels_last_candidate():
     """2-d and 3-d convs of an x that is not channels-last, with or without saved state; not 1-d
     convs (no cuDNN channels-last kernels), not a channels-last x or weight (the library conv is
     channels-last there already), not float64."""
-    why = ce._channels_last_forward_unsupported
+    why = ce.forward._channels_last_forward_unsupported
     cfg2 = ConvEpilogueConfig(conv=conv_spec(2), chain=(LEAKY,))
     x4, w4 = torch.randn(2, 3, 5, 5), torch.randn(4, 3, 3, 3)
     assert why(x4, w4, cfg2) is None
@@ -292,7 +292,7 @@ def test_which_calls_get_a_channels_last_candidate():
 @pytest.mark.parametrize("save", [False, True], ids=["no-save", "save"])
 def test_forward_candidates(save, interpreted):
     x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
-    names = lambda xx, fused: sorted(ce._forward_candidates(xx, w, b, ops, cfg, save, fused))  # noqa: E731
+    names = lambda xx, fused: sorted(ce.forward._forward_candidates(xx, w, b, ops, cfg, save, fused))  # noqa: E731
     assert names(x, False) == ["library", "library-channels-last"]
     assert names(x, True) == ["library", "library-channels-last", "triton"]
     assert names(x.contiguous(memory_format=torch.channels_last), False) == ["library"]
@@ -331,37 +331,37 @@ def measured(monkeypatch, tmp_path, interpreted):
 
 def test_auto_times_three_candidates_where_the_fused_conv_serves(monkeypatch, measured):
     times, timed = measured
-    monkeypatch.setattr(ce, "conv_impl", lambda *a: ("triton", None))  # as on CUDA
+    monkeypatch.setattr(ce.forward, "conv_impl", lambda *a: ("triton", None))  # as on CUDA
     times.update({"triton": 1.4, "library": 2.0, "library-channels-last": 1.0})  # probe within SCREEN: tuned
     x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
-    plan, settled = ce._forward_plan(x, w, b, ops, cfg, False)
+    plan, settled = ce.forward.plan_for(x, w, b, ops, cfg, False)
     assert timed[0] == ["library", "library-channels-last", "triton (probe)", "triton"]
-    assert isinstance(plan, ce._ChannelsLastLibraryForward) and settled
+    assert isinstance(plan, ce.forward._ChannelsLastLibraryForward) and settled
 
 
 def test_auto_does_not_tune_a_fused_conv_whose_first_tile_is_far_behind(monkeypatch, measured):
     times, timed = measured
-    monkeypatch.setattr(ce, "conv_impl", lambda *a: ("triton", None))  # as on CUDA
+    monkeypatch.setattr(ce.forward, "conv_impl", lambda *a: ("triton", None))  # as on CUDA
     times.update({"triton (probe)": 10.0, "triton": 0.5, "library": 2.0, "library-channels-last": 3.0})
     x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
-    plan, settled = ce._forward_plan(x, w, b, ops, cfg, False)
+    plan, settled = ce.forward.plan_for(x, w, b, ops, cfg, False)
     assert timed[0] == ["library", "library-channels-last", "triton (probe)"], "screened: never tuned"
-    assert type(plan) is ce._LibraryForward and settled
+    assert type(plan) is ce.forward._LibraryForward and settled
 
 
 def test_auto_times_both_library_layouts_where_only_the_library_conv_serves(monkeypatch, measured):
     times, timed = measured
-    monkeypatch.setattr(ce, "conv_impl", lambda *a: ("library", "the fused conv cannot serve it"))
-    monkeypatch.setattr(ce, "_times_library_layouts", lambda x: True)  # as on CUDA
+    monkeypatch.setattr(ce.forward, "conv_impl", lambda *a: ("library", "the fused conv cannot serve it"))
+    monkeypatch.setattr(ce.forward, "_times_library_layouts", lambda x: True)  # as on CUDA
     times.update({"library": 1.0, "library-channels-last": 2.0})
     x, w, b, ops, cfg = _inputs("conv2d-s2-max-pool")
-    plan, settled = ce._forward_plan(x, w, b, ops, cfg, True)
+    plan, settled = ce.forward.plan_for(x, w, b, ops, cfg, True)
     assert sorted(timed[0]) == ["library", "library-channels-last"]
-    assert type(plan) is ce._LibraryForward and settled
+    assert type(plan) is ce.forward._LibraryForward and settled
     # a channels-last x has one candidate: nothing to time
     x_cl = x.contiguous(memory_format=torch.channels_last)
-    plan, settled = ce._forward_plan(x_cl, w, b, ops, cfg, True)
-    assert len(timed) == 1 and type(plan) is ce._LibraryForward and settled
+    plan, settled = ce.forward.plan_for(x_cl, w, b, ops, cfg, True)
+    assert len(timed) == 1 and type(plan) is ce.forward._LibraryForward and settled
 
 
 def test_library_path_without_timing_when_measuring_is_off_or_on_cpu(monkeypatch, measured):
@@ -370,13 +370,13 @@ def test_library_path_without_timing_when_measuring_is_off_or_on_cpu(monkeypatch
     times, timed = measured
     x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
     if DEVICE == "cpu":
-        plan, settled = ce._forward_plan(x, w, b, ops, cfg, False)
-        assert type(plan) is ce._LibraryForward and settled and not timed
+        plan, settled = ce.forward.plan_for(x, w, b, ops, cfg, False)
+        assert type(plan) is ce.forward._LibraryForward and settled and not timed
     monkeypatch.setenv(impl_choice.MEASURE_ENV, "0")
-    monkeypatch.setattr(ce, "conv_impl", lambda *a: ("library", "the fused conv cannot serve it"))
-    monkeypatch.setattr(ce, "_times_library_layouts", lambda x: True)
-    plan, settled = ce._forward_plan(x, w, b, ops, cfg, False)
-    assert type(plan) is ce._LibraryForward and settled
+    monkeypatch.setattr(ce.forward, "conv_impl", lambda *a: ("library", "the fused conv cannot serve it"))
+    monkeypatch.setattr(ce.forward, "_times_library_layouts", lambda x: True)
+    plan, settled = ce.forward.plan_for(x, w, b, ops, cfg, False)
+    assert type(plan) is ce.forward._LibraryForward and settled
     assert all(not names for names in timed)
 
 
@@ -387,10 +387,10 @@ def test_through_the_op_in_training_and_inference(monkeypatch, interpreted):
     built = []
 
     def forward_plan(x, weight, bias, operands, cfg, save):
-        built.append(ce._ChannelsLastLibraryForward(x, weight, bias, operands, cfg, save))
+        built.append(ce.forward._ChannelsLastLibraryForward(x, weight, bias, operands, cfg, save))
         return built[-1], True
 
-    monkeypatch.setattr(ce, "_forward_plan", forward_plan)
+    monkeypatch.setattr(ce.forward, "plan_for", forward_plan)
     x, w, b, ops, cfg = _inputs("conv2d-avg-pool-partial")
     config = cfg.to_json()
     leaves = [t.requires_grad_(True) for t in (x, w, b, *ops)]

@@ -44,8 +44,8 @@ def impl(request, monkeypatch, exact_fp32):
             pytest.skip("aten's CPU conv in fp16 is the reference's business (covered on the GPU)")
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, request.param)
-    monkeypatch.setattr(ce, "_FORWARD_PLANS", BoundedCache(256))
-    monkeypatch.setattr(ce, "_BACKWARD_PLANS", BoundedCache(256))
+    monkeypatch.setattr(ce.forward, "PLANS", BoundedCache(256))
+    monkeypatch.setattr(ce.backward, "PLANS", BoundedCache(256))
     return request.param
 
 

@@ -60,7 +60,7 @@ def forced_triton(monkeypatch, exact_fp32):
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
     calls = []  # the name of each compact conv-backward module that ran
-    monkeypatch.setattr(ce, "_BACKWARD_PLANS", type(ce._BACKWARD_PLANS)(256))  # no plan kept by another test
+    monkeypatch.setattr(ce.backward, "PLANS", type(ce.backward.PLANS)(256))  # no plan kept by another test
     for module in (conv_fused_bwd, conv_shift_bwd):
         real = module.backward_plan
         name = module.__name__.rsplit(".", 1)[1]

@@ -433,8 +433,8 @@ def test_saved_state_layout(monkeypatch):
 
 def test_state_is_saved_only_when_autograd_needs_it(monkeypatch):
     seen = []
-    ref = ce._reference_forward
-    monkeypatch.setattr(ce, "_reference_forward", lambda *a: seen.append(a[-1]) or ref(*a))
+    ref = ce.reference.forward
+    monkeypatch.setattr(ce.reference, "forward", lambda *a: seen.append(a[-1]) or ref(*a))
     case = CONVS[0]
     chain, pool = _variants(1)["leaky-mul-leaky-maxpool"]
     x, w, b, ops = make_inputs(case, torch.float32)
@@ -650,7 +650,7 @@ def test_gpu_strict_rejects_float64_and_the_reference_serves_it():
 
 def test_auto_times_the_compact_backward_only_behind_a_transposed_conv_with_a_max_pool():
     def reason(spec, pool):
-        return ce._compact_backward_never_wins(ConvEpilogueConfig(conv=spec, chain=(ChainStep(PK.RELU),), pool=pool))
+        return ce.backward._compact_backward_never_wins(ConvEpilogueConfig(conv=spec, chain=(ChainStep(PK.RELU),), pool=pool))
 
     assert reason(_spec(3, transposed=True, stride=2), _pool("max", 3)) is None
     for spec, pool in [(_spec(3), _pool("max", 3)), (_spec(2, transposed=True, stride=2), None),

@@ -32,8 +32,8 @@ def _conv_fused_only(monkeypatch):
     """The op's fused forward takes ``conv_fused`` for every case here, the plain stride-1 convs the
     dense kernel would serve included (its wiring: ``tests/test_dense_forward_wiring.py``); no
     plan or launch kept by another test is reused."""
-    monkeypatch.setattr(ce, "_forward_kernels", lambda x, weight, cfg: conv_fused)
-    monkeypatch.setattr(ce, "_FORWARD_PLANS", type(ce._FORWARD_PLANS)(256))
+    monkeypatch.setattr(ce.forward, "_forward_kernels", lambda x, weight, cfg: conv_fused)
+    monkeypatch.setattr(ce.forward, "PLANS", type(ce.forward.PLANS)(256))
     monkeypatch.setattr(conv_fused, "_LAUNCHES", type(conv_fused._LAUNCHES)(256))
 
 PK = PointwiseKind
@@ -220,7 +220,7 @@ def _case(name: str):
 )
 def test_int64_index_path_matches(monkeypatch, name):
     monkeypatch.setattr(conv_fused, "_BIG_INDEX_THRESHOLD", 0)  # BIG=True on small tensors
-    monkeypatch.setattr(ce, "_FORWARD_PLANS", type(ce._FORWARD_PLANS)(256))  # no plan kept with BIG=False
+    monkeypatch.setattr(ce.forward, "PLANS", type(ce.forward.PLANS)(256))  # no plan kept with BIG=False
     name, xs, ws, spec, chain, pool, opts = _case(name)
     x, w, b, ops = _inputs(xs, ws, spec, opts, torch.float32)
     config = _config(spec, chain, pool)
@@ -329,7 +329,7 @@ def test_forced_triton_on_an_unsupported_case_raises_under_strict(monkeypatch):
         _run(monkeypatch, "triton", x, w, None, [], config)
     # auto keeps the library conv where the fused kernel cannot serve the case.
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "auto")
-    assert ce.conv_impl(x, w, ConvEpilogueConfig.from_json(config), True)[0] == "library"
+    assert ce.forward.conv_impl(x, w, ConvEpilogueConfig.from_json(config), True)[0] == "library"
 
 
 class _ConvT3dPipeline(nn.Module):
@@ -366,7 +366,7 @@ def test_compiled_model_with_forced_fused_conv_matches_eager_gradients(monkeypat
             self.launch.run(*args)
 
     monkeypatch.setattr(conv_fused, "forward_launch", lambda *a, **k: Recording(real(*a, **k)))
-    monkeypatch.setattr(ce, "_FORWARD_PLANS", type(ce._FORWARD_PLANS)(256))  # no plan kept by another test
+    monkeypatch.setattr(ce.forward, "PLANS", type(ce.forward.PLANS)(256))  # no plan kept by another test
     torch.manual_seed(0)
     model = _ConvT3dPipeline(True).to(DEVICE)
     assert_fused(model, [torch.randn(2, 4, 3, 4, 4, device=DEVICE)], expect={"conv_epilogue": 1}, train=True)
@@ -461,7 +461,7 @@ def test_the_probe_runs_the_autotuner_s_first_tile_and_gives_the_plan_s_results(
     cfg = ConvEpilogueConfig(conv=spec, chain=LEAKY_MUL_LEAKY, pool=_pool("max", 3), strict=True)
     x = torch.randn(2, 4, 3, 4, 4, device=DEVICE)
     w, b, m = torch.randn(4, 6, 3, 3, 3, device=DEVICE), torch.randn(6, device=DEVICE), torch.randn(6, 1, 1, 1, device=DEVICE)
-    plan = ce._FusedForward(x, w, b, [m], cfg, True)
+    plan = ce.forward._FusedForward(x, w, b, [m], cfg, True)
     probe = plan.probe()
     assert probe.launch is not plan.launch and probe.launch.fast is not None
     if torch.cuda.is_available():

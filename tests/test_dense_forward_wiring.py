@@ -65,7 +65,7 @@ def forward_kernels_run(monkeypatch, exact_fp32):
     """Forces the fused forward and records the module of every forward launch plan built."""
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
-    monkeypatch.setattr(ce, "_FORWARD_PLANS", type(ce._FORWARD_PLANS)(256))  # no plan kept by another test
+    monkeypatch.setattr(ce.forward, "PLANS", type(ce.forward.PLANS)(256))  # no plan kept by another test
     built = []
     for module in (conv_dense, conv_fused):
         real = module.forward_launch
@@ -112,4 +112,4 @@ def _config(**conv) -> ConvEpilogueConfig:
 )
 def test_forward_kernels_choice(conv, expected):
     x, w = torch.empty(2, 4, 9, 9), torch.empty(5, 4, 3, 3)
-    assert ce._forward_kernels(x, w, _config(**conv)) is expected
+    assert ce.forward._forward_kernels(x, w, _config(**conv)) is expected

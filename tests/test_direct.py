@@ -127,13 +127,13 @@ def test_no_grad_saves_no_backward_state(kernels, seed_models, monkeypatch):
     model, (x,) = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     model, (x,) = on_device(model, x)
     saves = []
-    real = ce._conv_epilogue_fwd_impl
+    real = ce.op._conv_epilogue_fwd_impl
 
     def spy(*args):
         saves.append(args[-1])
         return real(*args)
 
-    monkeypatch.setattr(ce, "_conv_epilogue_fwd_impl", spy)
+    monkeypatch.setattr(ce.op, "_conv_epilogue_fwd_impl", spy)
     compiled = torch.compile(model, backend="fusion", options={"strict": True})
     with torch.no_grad():
         out = compiled(x)

@@ -93,7 +93,7 @@ def record_launch(seed: str, dtype: torch.dtype, compute_dtype: str | None = Non
     torch.backends.cudnn.allow_tf32 = True  # PyTorch's default on CUDA
     try:
         x, w, b, ops, cfg = _workload(seed, dtype, compute_dtype)
-        ce._fused_conv_forward(x, w, b, ops, cfg, True)
+        ce.forward._fused_conv_forward(x, w, b, ops, cfg, True)
     finally:
         CF._conv_fused_fwd_kernel, CF._shift_k_weight_kernel, CF._INTERPRET, torch.backends.cudnn.allow_tf32 = saved
     (args, kw), = rec.calls

@@ -1,0 +1,103 @@
+"""The fused op ``conv -> pointwise chain -> optional pool``, forward and backward.
+
+Public entry point (what the graph rewriter calls)::
+
+    conv_epilogue(x, weight, bias, operands, config) -> Tensor
+
+with eager semantics: ``y = aten.convolution(x, weight, bias, *conv params)``, then every
+``ChainStep`` of the config in order (``chain.apply_step``; ``Const`` operands are numbers,
+``TensorRef(i)`` is ``operands[i]``: 0-d, per-channel ``(C,1,..,1)`` / ``(1,C,1,..,1)``, or any
+shape with one element and at most ``y.ndim`` dims), then the optional max/avg pool, and finally a
+cast to ``config.out_dtype`` (None = the conv's dtype).  The conv runs in ``config.compute_dtype``
+(None = x's dtype): ``x``, ``weight`` and ``bias`` stored in another dtype are cast to it first, as
+autocast would (the Triton kernels cast as they load; gradients come back in each input's dtype);
+operands may be fp32 under a bf16/fp16 conv.  1d/2d/3d, transposed or not, any conv
+hyper-parameters, chains of 0..MAX_CHAIN_LENGTH steps.
+
+Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
+
+* ``fusion::conv_epilogue_fwd(x, weight, bias, operands, config, save_for_backward)
+  -> (out, saved_a, saved_b)``.  Saved state, with ``C``/spatial of the conv output ``y0``
+  (the conv output WITHOUT bias; every backward adds the bias back itself):
+
+  =================  ====================================  =====================================
+  case               saved_a                               saved_b
+  =================  ====================================  =====================================
+  max pool           winner index in its window, pooled    y0 at the winner, pooled shape,
+                     shape, row-major over (kd, kh, kw),   conv dtype
+                     int8 (window <= 127 taps) else int32
+  avg pool / none    y0, full size, conv dtype             empty
+  no save            empty                                 empty
+  =================  ====================================  =====================================
+
+  "empty" is ``torch.empty(0, dtype=x.dtype)``.  The chain's full-size intermediates are never
+  saved: with a max pool the backward needs only 1/window of the elements.
+  ``out`` and the pooled saved tensors use the memory format that ``output_memory_format`` picks
+  from ``y0`` (channels-last when ``y0`` is channels-last and not also contiguous); so does
+  ``saved_a = y0``.
+* ``fusion::conv_epilogue_bwd(grad_out, x, weight, bias, operands, saved_a, saved_b, config,
+  output_mask) -> [grad_x, grad_weight, grad_bias, *grad_operands]``; entries whose mask is False
+  are empty placeholders (mapped to None by the autograd glue).
+
+Implementations:
+
+* Triton (CUDA, fp32/fp16/bf16), two interchangeable paths chosen by ``FUSION_CONV_IMPL``
+  (``conv_impl``; both write the same saved state and pass the same parity tests).  By default
+  (``auto``) the first call of a shape times both (and the library path's channels-last variant)
+  on the GPU and keeps the fastest, per direction (``impl_choice``; cached on disk; the library
+  path when measuring is off or on CPU):
+
+  - library: the conv through aten/cuDNN WITHOUT bias, then one Triton kernel adds
+    the bias, applies the chain and the pool and writes only ``out`` and the saved state
+    (``kernels.epilogue``).  Backward: one Triton kernel writes the full-size conv-output gradient
+    plus fixed-order per-channel partial sums of the operand and bias gradients (bitwise
+    reproducible), then ``aten.convolution_backward``.  Each direction has a channels-last
+    variant among ``auto``'s measured candidates for 2-d/3-d convs of NCHW-style tensors: the
+    conv (or conv backward) runs on channels-last copies, where cuDNN's fast Hopper kernels are,
+    and the epilogue kernels transpose between the layouts in their tiles
+    (``_ChannelsLastLibraryForward``, ``_LibraryBackward(channels_last=True)``).
+  - fused (``triton``, or ``auto`` where measured faster): one implicit-GEMM Triton kernel computes
+    the conv and applies bias, chain and pool in registers (``kernels.conv_dense`` for the plain
+    stride-1 1d/2d convs it serves, e.g. Conv2d 64->64 k3; ``kernels.conv_fused`` otherwise); the
+    backward differentiates the chain at the max-pool winners only and hands the compact gradient to
+    Triton conv-backward kernels that expand it on the fly (``kernels.conv_shift_bwd`` for a
+    transposed conv whose pool stride is its stride, e.g. ConvTranspose3d k3 s2 + MaxPool3d(2);
+    ``kernels.conv_fused_bwd`` otherwise), so no full-size gradient exists.
+* Reference (CPU, float64, anything the kernels don't cover): plain torch; the backward applies
+  torch's own derivative formulas to the chain recomputed from the saved state.  ``FUSION_CPU_KERNELS=triton`` (read at call time) runs the Triton path on CPU
+  tensors instead, which is only meaningful under ``TRITON_INTERPRET=1`` (CPU CI).
+
+Failure policy: when a Triton launch or compile fails, ``config.strict`` raises ``KernelError``;
+otherwise a warning is logged (``logging.getLogger("fusion_backend")``) and issued
+(``warnings.warn``) once per config and direction, and the reference runs.  ``kernel_path`` tells
+which implementation a config/dtype/device gets, for the backend's report.
+
+
+Modules: ``op`` (entry points, custom ops, autograd, twins), ``forward`` and ``backward`` (the Triton
+paths, their measured choices and call plans), ``reference`` (plain torch), ``common`` (what they share).
+"""
+
+from .common import (
+    CONV_IMPL_ENV,
+    CPU_KERNELS_ENV,
+    DEFAULT_CONV_IMPL,
+    apply_chain,
+    kernel_path,
+    output_memory_format,
+)
+from .forward import conv_impl
+from .op import conv_epilogue, conv_epilogue_bwd, conv_epilogue_eager, conv_epilogue_fwd
+
+__all__ = [
+    "CONV_IMPL_ENV",
+    "CPU_KERNELS_ENV",
+    "DEFAULT_CONV_IMPL",
+    "apply_chain",
+    "conv_epilogue",
+    "conv_epilogue_bwd",
+    "conv_epilogue_eager",
+    "conv_epilogue_fwd",
+    "conv_impl",
+    "kernel_path",
+    "output_memory_format",
+]

@@ -1,0 +1,347 @@
+"""The Triton backward of ``fusion::conv_epilogue``: the library backward (epilogue-gradient kernel, then
+``aten.convolution_backward``; channels-last variant), the compact backward (the chain differentiated
+at the max-pool winners only, expanded inside Triton conv-backward kernels), the measured choice
+among them, and the per-signature call plans (``plan_for``, kept in ``PLANS``).
+"""
+
+import functools
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ... import environment
+from ...kernels.host import BoundedCache, tensor_key
+from .. import impl_choice
+from ..chain import Const, TensorRef
+from ..config import ConvEpilogueConfig, PoolSpec
+from .common import (
+    _DECISIONS,
+    _cast_inputs,
+    _channels_last_format,
+    _compute_dtype,
+    _conv_backward,
+    _conv_output_shape,
+    _kernel_steps,
+    _kernels,
+    _pool_geometry,
+    _pool_stride,
+    _relayout,
+    logger,
+    output_memory_format,
+)
+from .forward import _choice_key, _conv_impl_mode, _PlannedOperands, _results_agree
+
+PLANS = BoundedCache(256)
+
+
+def plan_for(
+    grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+    saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
+) -> tuple[Any, bool]:  # fmt: skip
+    """``(plan, settled)`` as ``forward.plan_for``: the compact backward (``_CompactBackward``) or the
+    library one (``_LibraryBackward``), as ``FUSION_CONV_IMPL`` says; under ``auto`` the fastest of
+    ``_backward_candidates`` (the library one in the tensors' layout or in channels-last, the
+    compact one), measured once per shape (``impl_choice``; the library path when measuring is
+    off).  Cases the compact backward cannot serve (an avg pool) take the library one under
+    ``triton``.  ``plan(grad_out, x, weight, bias, operands, saved_a, saved_b)``."""
+
+    args = (grad_out, x, weight, bias, operands, saved_a, saved_b)
+    mode = _conv_impl_mode()
+    if mode == "library" or (mode == "auto" and x.device.type != "cuda"):
+        return _LibraryBackward(*args, cfg, mask), True  # auto on CPU: the interpreter is slow (tests force "triton")
+    if mode != "auto":
+        why = _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg)
+        if why is not None:
+            logger.debug("conv_epilogue backward: library path (%s)", why)
+            return _LibraryBackward(*args, cfg, mask), True
+        return _CompactBackward(*args, cfg, mask), True
+    plans = _backward_candidates(*args, cfg, mask)
+    if len(plans) == 1:
+        return plans["library"], True
+    fast_key = ("backward", tensor_key(x), tensor_key(weight), bias is None, cfg, tuple(mask),
+                tensor_key(grad_out), torch.backends.cudnn.allow_tf32)  # fmt: skip
+    impl = impl_choice.choose(
+        # (v2: the channels-last library variant joined the candidates; older answers are re-measured)
+        lambda: _choice_key(x, weight, bias, cfg, True) + f"|backward-v2 {tuple(mask)} {grad_out.stride()}",
+        {name: functools.partial(plan, *args) for name, plan in plans.items()},
+        default="library",
+        agree=_results_agree,
+        fast_key=fast_key,
+    )
+    return plans[impl], impl_choice.is_final(fast_key)
+
+
+def _backward_candidates(
+    grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+    saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
+) -> dict[str, Any]:  # fmt: skip
+    """The backward plans that can serve this call, by name: always ``library``; ``compact``
+    (``_CompactBackward``) where it serves the case; ``library-channels-last`` where x and the
+    saved state are not channels-last already and cuDNN has channels-last kernels."""
+    args = (grad_out, x, weight, bias, operands, saved_a, saved_b)
+    plans: dict[str, Any] = {"library": _LibraryBackward(*args, cfg, mask)}
+    why = _compact_backward_never_wins(cfg) or _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg)
+    if why is None:
+        plans["compact"] = _CompactBackward(*args, cfg, mask)
+    else:
+        logger.debug("conv_epilogue backward: no compact backward (%s)", why)
+    why = _channels_last_backward_unsupported(x, saved_a)
+    if why is None:
+        plans["library-channels-last"] = _LibraryBackward(*args, cfg, mask, channels_last=True)
+    else:
+        logger.debug("conv_epilogue backward: no channels-last library backward (%s)", why)
+    return plans
+
+
+def _slot_wanted(cfg: ConvEpilogueConfig, operand_mask: Sequence[bool]) -> list[bool]:
+    """Per chain slot: whether the gradient of its (tensor) operand is wanted."""
+    return [
+        step.kind.differentiable_operands == (0,)
+        and not isinstance(step.operands[0], Const)
+        and operand_mask[step.operands[0].index]
+        for step in cfg.chain
+    ]
+
+
+def _operand_grad_recipe(
+    cfg: ConvEpilogueConfig, operands: Sequence[Tensor], operand_mask: Sequence[bool],
+    slot_has_sum: Sequence[bool],
+) -> list[tuple[list[int], bool, torch.Size, torch.dtype] | None]:  # fmt: skip
+    """Per operand, None (not wanted) or ``(slots whose sums add up to its gradient, is one value,
+    shape, dtype)``; ``slot_has_sum[k]``: slot k's gradient sum is computed (its step has a tensor
+    first operand)."""
+    recipe: list[tuple[list[int], bool, torch.Size, torch.dtype] | None] = []
+    for i, t in enumerate(operands):
+        if not operand_mask[i]:
+            recipe.append(None)
+            continue
+        slots = [k for k, step in enumerate(cfg.chain) if slot_has_sum[k] and step.operands[0] == TensorRef(i)]
+        recipe.append((slots, t.numel() == 1, t.shape, t.dtype))
+    return recipe
+
+
+def _sum_operand_grads(
+    recipe: Sequence[tuple[list[int], bool, torch.Size, torch.dtype] | None],
+    slot_grads: Sequence[Tensor | None], channels: int, device: torch.device,
+) -> list[Tensor | None]:  # fmt: skip
+    """The operand gradients of ``_operand_grad_recipe`` from the slots' fp32 (C,) sums."""
+    grads: list[Tensor | None] = []
+    for entry in recipe:
+        if entry is None:
+            grads.append(None)
+            continue
+        slots, one_value, shape, dtype = entry
+        if not slots:  # feeds only operands without a gradient (e.g. a clamp bound)
+            grads.append(torch.zeros(shape, dtype=dtype, device=device))
+            continue
+        total = slot_grads[slots[0]]
+        for k in slots[1:]:
+            total = total + slot_grads[k]
+        total = total.sum() if one_value else total
+        grads.append(total.reshape(shape).to(dtype))
+    return grads
+
+
+class _LibraryBackward:
+    """The library path's backward for one call signature (see ``_CompactBackward`` for the plan
+    contract): one Triton kernel writes the full-size conv-output gradient and the per-channel
+    operand/bias sums (``kernels.epilogue.BackwardLaunch``, worked out once with the operand matrix
+    layout and the operand-gradient recipe), then ``aten.convolution_backward`` for x and weight (on
+    x and weight cast to the compute dtype; ``_like`` casts the gradients back).
+
+    ``channels_last``: the conv backward runs on channels-last tensors whatever the layout of x and
+    the saved state: the epilogue kernel writes the conv-output gradient channels-last (transposing
+    in its tile), x is cast and relaid in one copy and the input gradient relaid back
+    (``kernels.relayout``, at memory speed: torch's strided copy runs at a fifth of it).
+    WHY: cuDNN's NCHW backward converts x and the conv-output gradient to channels-last itself, once
+    for the dgrad and again for the wgrad (Conv2d 64->64 k3 on 64x64x256x256, H100: 7.30 ms fp32 /
+    3.34 ms bf16 against 4.22 / 1.30 for its channels-last kernels alone); ``plan_for``
+    measures whether the variant wins per shape.
+    """
+
+    def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig,
+                 mask: Sequence[bool], channels_last: bool = False) -> None:  # fmt: skip
+        kernels = _kernels()
+        self.spec, self.mask = cfg.conv, tuple(mask)
+        self.dtype = _compute_dtype(cfg, x)
+        self.is_max = cfg.pool is not None and cfg.pool.kind == "max"
+        #: the memory format x is relaid into for the conv backward (None: as it is)
+        self.x_format = _channels_last_format(x.dim()) if channels_last else None
+        if self.is_max or channels_last:
+            y_shape = _conv_output_shape(x, weight, cfg.conv)
+            fmt = self.x_format if channels_last else output_memory_format(saved_a)
+            grad_y = torch.empty(y_shape, dtype=saved_b.dtype if self.is_max else saved_a.dtype, device="meta",
+                                 memory_format=fmt)  # fmt: skip
+        else:
+            grad_y = torch.empty_strided(saved_a.shape, saved_a.stride(), dtype=saved_a.dtype, device="meta")
+        self.g_layout = (tuple(grad_y.shape), grad_y.stride(), grad_y.dtype)
+        channels = grad_y.shape[1]
+        steps = _kernel_steps(cfg, operands, grad_y.dim(), channels)
+        slots = _slot_wanted(cfg, mask[3:])
+        self.want_bias = bool(mask[2]) and bias is not None
+        self.epilogue = kernels.BackwardLaunch(
+            grad_out, None if self.is_max else saved_a, saved_a if self.is_max else None,
+            saved_b if self.is_max else None, bias, steps, None if cfg.pool is None else _pool_geometry(cfg.pool),
+            grad_y, slots, self.want_bias,
+        )  # fmt: skip
+        self.params = _PlannedOperands(cfg, steps, bias, channels, x.device)
+        self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
+
+    def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor) -> list[Tensor | None]:  # fmt: skip
+        shape, stride, dtype = self.g_layout
+        grad_y = torch.empty_strided(shape, stride, dtype=dtype, device=grad_out.device)
+        if self.is_max:
+            y0, winner, winner_y = None, saved_a, saved_b
+        else:
+            y0, winner, winner_y = saved_a, None, None
+        slot_grads, grad_bias = self.epilogue(grad_out, y0, winner, winner_y, self.params(bias, operands), grad_y)
+        grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], grad_y.device)
+        x_in = x
+        if self.x_format is not None:  # one copy casts and relays
+            x = _relayout(x, torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=self.x_format))
+        x, weight, _ = _cast_inputs(x, weight, None, self.dtype)  # grads: ``_like`` casts back
+        grad_x, grad_w, _ = _conv_backward(grad_y, x, weight, self.spec, self.mask[0], self.mask[1])
+        if self.x_format is not None and grad_x is not None:  # back to x's layout and dtype (``_like``'s)
+            grad_x = _relayout(grad_x, torch.empty_like(x_in))
+        return [grad_x, grad_w, grad_bias.to(bias.dtype) if self.want_bias else None, *grad_operands]
+
+
+def _channels_last_backward_unsupported(x: Tensor, saved_a: Tensor) -> str | None:
+    """Why the library backward has no channels-last variant worth measuring here, or None."""
+    if x.dim() not in (4, 5):
+        return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
+    if x.dtype == torch.float64:
+        return "float64 (cuDNN runs it in NCHW whatever the layout)"
+    if output_memory_format(saved_a) != torch.contiguous_format or x.is_contiguous(memory_format=_channels_last_format(x.dim())):
+        return "the tensors are channels-last already"
+    return None
+
+
+def _compact_backward_never_wins(cfg: ConvEpilogueConfig) -> str | None:
+    """Why ``auto`` does not time the compact backward here (None: it may win).
+
+    NOTE: measured on the H100 (``python -m fusion_backend bench --suite seeds`` and six ``convnets``
+    files, with ``logging.getLogger("fusion_backend.impl_choice")`` at INFO): the compact backward
+    beat cuDNN's only behind a transposed conv followed by a max pool (ConvTranspose3d k3 s2 +
+    max_pool3d: 0.56 vs 1.66 ms fp32, 0.46 vs 0.79 ms bf16).  Everywhere else it lost: Conv3d 32->64
+    + max_pool3d 19.4 vs 1.7 ms, Conv2d 64->64 at 256x256 12.4 vs 3.3 ms, Conv1d 80->256 0.66 vs
+    0.21 ms, ConvTranspose2d 256->128 without a pool 0.96 vs 0.14 ms, a Conv2d at batch 1 0.96 vs
+    0.14 ms (one tiny Conv2d won by 11%, in a region Inductor kept anyway), while its kernels cost
+    about 10 s of a first call to compile and tune.  ``FUSION_CONV_IMPL=triton`` still runs it
+    wherever it serves the case."""
+    if cfg.conv.transposed and cfg.pool is not None and cfg.pool.kind == "max":
+        return None
+    return ("the compact backward wins only behind a transposed conv with a max pool (measured), so auto "
+            "does not time it here")
+
+
+def _compact_backward_unsupported(
+    x: Tensor, weight: Tensor, saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig
+) -> str | None:
+    """None when ``_compact_backward`` serves the case, else why not."""
+    if cfg.pool is not None and cfg.pool.kind != "max":
+        return "an avg pool's conv-output gradient needs the full-size chain derivative (library backward)"
+    if x.device.type != "cuda" and not environment.cpu_kernels_triton():
+        return "the compact backward runs on CUDA (or the interpreter)"
+    from ...kernels import conv_fused_bwd
+
+    spec = cfg.conv
+    grad = saved_a if cfg.pool is None else _pooled_grad(saved_b, saved_a, cfg.pool)
+    return conv_fused_bwd.unsupported_reason(
+        grad, x, weight, spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding,
+        spec.groups,
+    )  # fmt: skip
+
+
+def _pooled_grad(g_win: Tensor, winner: Tensor, pool: PoolSpec) -> Any:  # conv_fused_bwd.PooledGrad
+    from ...kernels import conv_fused_bwd
+
+    return conv_fused_bwd.PooledGrad(
+        g_win, winner, tuple(pool.kernel_size), _pool_stride(pool), tuple(pool.padding), ceil_mode=pool.ceil_mode
+    )
+
+
+class _CompactBackward:
+    """The conv backward never materializes the full-size gradient behind a max pool.
+
+    The chain is differentiated at the winners only (the epilogue backward kernel without a pool,
+    on the pooled-size saved state): ``g_win = grad_out * chain'(y0_winner)``, with the operand and
+    bias sums in the same pass; then ``_compact_kernels`` (shift or general) compute grad x and
+    weight with loaders that expand ``(g_win, winner)`` on the fly.  Without a pool the dense
+    conv-output gradient is written as in the library path and the same Triton conv backward
+    consumes it.
+
+    A plan for one call signature (see ``_FusedForward``): built from a call's arguments, called
+    as ``(grad_out, x, weight, bias, operands, saved_a, saved_b) -> [gx, gw, gb, *g_operands]``
+    (None where the mask is off) with tensors laid out like them.
+    """
+
+    def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig,
+                 mask: Sequence[bool]) -> None:  # fmt: skip
+        kernels = _kernels()
+        self.pool = cfg.pool  # not None: a max pool (``_compact_backward_unsupported``)
+        y_src = saved_b if self.pool is not None else saved_a
+        #: the gradient at the winners (or the dense conv-output gradient) is laid out like y_src
+        self.g_layout = (tuple(y_src.shape), y_src.stride(), y_src.dtype)
+        channels = y_src.shape[1]
+        steps = _kernel_steps(cfg, operands, y_src.dim(), channels)
+        slots = _slot_wanted(cfg, mask[3:])
+        self.want_bias = bool(mask[2]) and bias is not None
+        self.epilogue = kernels.BackwardLaunch(grad_out, y_src, None, None, bias, steps, None, y_src, slots,
+                                               self.want_bias)  # fmt: skip
+        self.params = _PlannedOperands(cfg, steps, bias, channels, x.device)
+        self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
+        self.bias_dtype = None if bias is None else bias.dtype
+        grad = _pooled_grad(y_src, saved_a, self.pool) if self.pool is not None else y_src
+        spec = cfg.conv
+        conv_args = (grad, x, weight, spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding,
+                     spec.groups)  # fmt: skip
+        from ...kernels import conv_shift_bwd
+
+        dtype = _compute_dtype(cfg, x)
+        kernels_module = _compact_kernels(conv_args, cfg, dtype)
+        #: None, or the compute dtype x and weight are cast to before the general conv-backward
+        #: kernels (``conv_fused_bwd`` computes in x's dtype; ``conv_shift_bwd`` casts as it loads)
+        self.cast_to = None
+        if kernels_module is conv_shift_bwd:
+            self.conv_backward = kernels_module.backward_plan(*conv_args, [mask[0], mask[1]], dtype)
+        else:
+            if (x.dtype, weight.dtype) != (dtype, dtype):
+                self.cast_to = dtype
+                conv_args = (grad, x.to(dtype), weight.to(dtype), *conv_args[3:])
+            self.conv_backward = kernels_module.backward_plan(*conv_args, [mask[0], mask[1]])
+
+    def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor) -> list[Tensor | None]:  # fmt: skip
+        y_src = saved_b if self.pool is not None else saved_a
+        shape, stride, dtype = self.g_layout
+        g = torch.empty_strided(shape, stride, dtype=dtype, device=y_src.device)
+        slot_grads, grad_bias = self.epilogue(grad_out, y_src, None, None, self.params(bias, operands), g)
+        grad = _pooled_grad(g, saved_a, self.pool) if self.pool is not None else g
+        if self.cast_to is not None:  # the results' dtype is then cast back by ``_like``
+            x, weight = x.to(self.cast_to), weight.to(self.cast_to)
+        grad_x, grad_w = self.conv_backward(grad, x, weight)
+        grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], g.device)
+        return [grad_x, grad_w, None if grad_bias is None else grad_bias.to(self.bias_dtype), *grad_operands]
+
+
+def _compact_kernels(conv_args: tuple, cfg: ConvEpilogueConfig, dtype: torch.dtype) -> ModuleType:
+    """The conv-backward kernels of the compact backward: ``kernels.conv_shift_bwd`` (dense GEMMs
+    over (shift, window offset), for a transposed conv under a max pool whose stride is the conv's)
+    where it serves the case, else the general ``kernels.conv_fused_bwd``.  Both take the same
+    arguments (``conv_args``) and give the same results (``conv_shift_bwd`` also takes the compute
+    ``dtype`` and casts as it loads); the answer is cached per shapes."""
+    from ...kernels import conv_fused_bwd, conv_shift_bwd
+
+    grad, x, weight = conv_args[:3]
+    if not isinstance(grad, conv_fused_bwd.PooledGrad):
+        return conv_fused_bwd
+    key = ("compact_kernels", tensor_key(grad.g_win), tensor_key(grad.winner), tensor_key(x), tensor_key(weight), cfg)
+    why = _DECISIONS.get(key, lambda: conv_shift_bwd.unsupported_reason(*conv_args, compute_dtype=dtype))
+    return conv_fused_bwd if why is not None else conv_shift_bwd

@@ -1,0 +1,493 @@
+"""The Triton forward of ``fusion::conv_epilogue``: which implementation a call gets (``conv_impl``:
+the fused implicit-GEMM conv, or the library conv then the epilogue kernel, and its channels-last
+variant), the measured choice among them (``impl_choice``), and the per-signature call plans that
+run it (``plan_for``, kept in ``PLANS`` under ``call_signature``).
+"""
+
+import copy
+import functools
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ... import environment
+from ...errors import UnsupportedInputError
+from ...kernels.host import BoundedCache, tensor_key
+from .. import impl_choice
+from ..chain import Const
+from ..config import ConvEpilogueConfig, ConvSpec
+from .common import (
+    _DECISIONS,
+    CONV_IMPL_ENV,
+    _allocate_forward_outputs,
+    _cast_inputs,
+    _channels_last_format,
+    _compute_dtype,
+    _conv,
+    _conv_output_shape,
+    _kernel_steps,
+    _kernels,
+    _pool_geometry,
+    _pooled_shape,
+    _relayout,
+    logger,
+    output_memory_format,
+)
+
+
+def _conv_impl_mode() -> str:
+    # ``auto`` is the default: the faster path per shape, measured once (``impl_choice``).  On the
+    # H100 the fused forward wins on the ConvT3d pipeline of the ``seeds`` suite (0.25 vs 0.73 ms
+    # fp32) and cuDNN on its Conv2d 64->64 pipeline.
+    mode = environment.conv_impl()
+    if mode not in environment.CONV_IMPLS:
+        raise UnsupportedInputError(f"{CONV_IMPL_ENV}={mode!r}: expected auto, triton or library")
+    return mode
+
+
+def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) -> tuple[str, str | None]:
+    """Which conv the Triton forward runs: ``("triton", None)`` for the fused implicit-GEMM kernel
+    (``_forward_kernels``: ``kernels.conv_dense`` or ``kernels.conv_fused``), ``("library", why)``
+    for aten/cuDNN + the epilogue kernel.
+
+    ``FUSION_CONV_IMPL`` (read at call time; ``auto`` by default): ``library`` always takes the
+    library conv; ``auto`` answers ``triton`` on CUDA whenever one of the fused kernels serves the
+    case (``conv_dense``, else ``conv_fused.unsupported_reason`` is None; ``plan_for`` then
+    measures which of the candidates is fastest) and the library conv on CPU (the interpreter is slow;
+    tests force the fused kernel there); ``triton`` always takes the fused
+    kernel and raises ``UnsupportedInputError`` (handled by the failure policy: strict raises, else
+    warn and run the reference) when it cannot serve the case.
+    """
+    mode = _conv_impl_mode()
+    if mode == "library":
+        return "library", f"{CONV_IMPL_ENV}=library"
+    if mode == "auto" and x.device.type != "cuda":
+        return "library", f"{CONV_IMPL_ENV}=auto uses the fused conv on CUDA only"
+    key = ("conv_impl", tensor_key(x), tensor_key(weight), cfg, save, mode)
+    return _DECISIONS.get(key, lambda: _fused_conv_answer(x, weight, cfg, save, mode))
+
+
+def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool,
+                       mode: str) -> tuple[str, str | None]:  # fmt: skip
+    """``conv_impl``'s answer for ``auto``/``triton`` (see there)."""
+    from ...kernels import conv_fused
+
+    if _forward_kernels(x, weight, cfg) is not conv_fused:
+        return "triton", None
+    pooled = None
+    if cfg.pool is not None:
+        pooled = _pooled_shape(_conv_output_shape(x, weight, cfg.conv), cfg.pool)[2:]
+    why = conv_fused.unsupported_reason(
+        x,
+        weight,
+        _conv_geometry(cfg.conv),
+        None if cfg.pool is None else _pool_geometry(cfg.pool),
+        pooled,
+        save,
+        _compute_dtype(cfg, x),
+    )
+    if why is None:
+        return "triton", None
+    if mode == "triton":
+        raise UnsupportedInputError(f"{CONV_IMPL_ENV}=triton but the fused conv kernel cannot run: {why}")
+    return "library", why
+
+
+def _forward_kernels(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> ModuleType:
+    """The fused forward's kernel module: ``kernels.conv_dense`` where it serves the case (a plain
+    stride-1 1d/2d conv without a pool: one shift per tap over flattened planes, 2.3x faster than
+    ``conv_fused`` on Conv2d 64->64 k3 over 64x64x256x256), else the general ``kernels.conv_fused``.
+    Both take the same launch arguments and write the same outputs and saved state; cached per
+    shapes, strides and dtypes."""
+    from ...kernels import conv_dense, conv_fused
+
+    def answer() -> ModuleType:
+        pool = None if cfg.pool is None else _pool_geometry(cfg.pool)
+        dense = conv_dense.unsupported_reason(x, weight, _conv_geometry(cfg.conv), pool) is None
+        return conv_dense if dense else conv_fused
+
+    return _DECISIONS.get(("forward_kernels", tensor_key(x), tensor_key(weight), cfg), answer)
+
+
+def _conv_geometry(spec: ConvSpec) -> Any:  # conv_fused.ConvGeometry (module imported lazily)
+    from ...kernels import conv_fused
+
+    return conv_fused.ConvGeometry(
+        transposed=spec.transposed, stride=tuple(spec.stride), padding=tuple(spec.padding),
+        dilation=tuple(spec.dilation), output_padding=tuple(spec.output_padding), groups=spec.groups,
+    )  # fmt: skip
+
+
+def _library_conv_meta(x: Tensor, weight: Tensor, spec: ConvSpec, dtype: torch.dtype) -> Tensor:
+    """A meta tensor with the shape, strides and dtype (the compute dtype) the library conv (and the
+    op's fake) would give y0.
+
+    Mirrors FakeTensor's conv rule (``_select_conv_backend`` + ``_conv_determine_backend_memory_format``)
+    without running the conv; cached per shapes, strides, dtypes and devices (asked on every call).
+    """
+    return _DECISIONS.get(("conv_meta", tensor_key(x), tensor_key(weight), spec, dtype),
+                          lambda: _library_conv_meta_uncached(x, weight, spec, dtype))  # fmt: skip
+
+
+def _library_conv_meta_uncached(x: Tensor, weight: Tensor, spec: ConvSpec, dtype: torch.dtype) -> Tensor:
+    shape = _conv_output_shape(x, weight, spec)
+    fmt = torch.contiguous_format
+    if x.dim() in (4, 5):
+        # NOTE: x and weight as stored, not cast: the backend and its memory format depend on the
+        # layouts and on float64-or-not (cuDNN's rule), not on fp32 vs bf16/fp16; only a weight
+        # whose dtype differs from x's (never under autocast) is cast, once per signature.
+        weight = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+        backend = torch._C._select_conv_backend(
+            x, weight, bias=None, stride=list(spec.stride), padding=list(spec.padding),
+            dilation=list(spec.dilation), transposed=spec.transposed,
+            output_padding=list(spec.output_padding), groups=spec.groups, bias_sizes=None,
+        )  # fmt: skip
+        fmt = torch._C._conv_determine_backend_memory_format(x, weight, backend)
+    return torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
+
+
+class _FusedForward:
+    """The fused conv kernel's forward for one call signature: the output layouts, the operand
+    matrix layout and the kernel's launch plan are worked out once; a call allocates the outputs,
+    builds ``P`` and launches (``(x, weight, bias, operands) -> (out, saved_a, saved_b)``, tensors
+    laid out like the constructor's).  Same outputs and formats as the library path, so the
+    backward is shared.
+
+    WHY a plan object: the ConvT3d pipeline's step (16x16x16x32x32) waits on the host; the per-call
+    checks, decisions and cache lookups this skips cost more than the launches (146 us per forward on
+    the H100 host before).
+    """
+
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                 cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
+        dtype = _compute_dtype(cfg, x)
+        y0, steps, outputs = _forward_layouts(x, weight, operands, cfg, save, dtype)
+        self.layouts = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
+        self.save_a = save
+        self.save_b = save and cfg.pool is not None and cfg.pool.kind == "max"
+        out, saved_a, saved_b = outputs
+        self.launch = _forward_kernels(x, weight, cfg).forward_launch(
+            x, weight, bias, steps, _conv_geometry(cfg.conv), None if cfg.pool is None else _pool_geometry(cfg.pool),
+            out, saved_a if self.save_a else None, saved_b if self.save_b else None,
+            allow_tf32=bool(torch.backends.cudnn.allow_tf32), compute_dtype=dtype,
+        )  # fmt: skip
+        self.params = _PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
+
+    def probe(self) -> "_FusedForward":
+        """This plan on the tile its autotuner would time first, without tuning (one compile): what
+        ``impl_choice`` times to screen the fused kernel before tuning it."""
+        probe = copy.copy(self)
+        probe.launch = None if self.launch is None else self.launch.probe()
+        return probe
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        device = x.device
+        out, saved_a, saved_b = (
+            torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self.layouts
+        )
+        if self.launch is not None:
+            self.launch.run(x, weight, self.params(bias, operands), out, saved_a if self.save_a else None,
+                            saved_b if self.save_b else None)  # fmt: skip
+        return out, saved_a, saved_b
+
+
+def _forward_layouts(
+    x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig, save: bool, dtype: torch.dtype,
+) -> tuple[Tensor, list, tuple[Tensor, Tensor, Tensor]]:  # fmt: skip
+    """What both forward plans work out first, on meta tensors (no memory): the conv output ``y0`` in
+    the compute ``dtype`` and the outputs' memory format (``output_memory_format`` of the fake's
+    conv layout, as ``_in_format`` lays it out), the kernels' chain steps, and ``(out, saved_a,
+    saved_b)`` as ``_allocate_forward_outputs`` gives them."""
+    y0 = _library_conv_meta(x, weight, cfg.conv, dtype)
+    y0 = torch.empty(y0.shape, dtype=dtype, device="meta", memory_format=output_memory_format(y0))
+    steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
+    out_shape = list(y0.shape) if cfg.pool is None else _pooled_shape(y0.shape, cfg.pool)
+    like_x = torch.empty(0, dtype=x.dtype, device="meta")
+    return y0, steps, _allocate_forward_outputs(like_x, y0, out_shape, cfg, save)
+
+
+class _PlannedOperands:
+    """``(bias, operands) -> P`` for one call signature: the kernels' ``OperandMatrix`` layout and,
+    per tensor row (``tensor_rows`` order: the bias first, then each slot's tensor operands), its
+    index into ``(bias, *operands)``."""
+
+    def __init__(self, cfg: ConvEpilogueConfig, steps: Sequence[Any], bias: Tensor | None, channels: int,
+                 device: torch.device) -> None:  # fmt: skip
+        self.matrix = _kernels().OperandMatrix(steps, bias, channels, device)
+        sources = [0] if bias is not None else []
+        for step in cfg.chain:
+            sources += [1 + operand.index for operand in step.operands if not isinstance(operand, Const)]
+        self.sources = tuple(sources)
+
+    def __call__(self, bias: Tensor | None, operands: Sequence[Tensor]) -> Tensor:
+        inputs = (bias, *operands)
+        return self.matrix.build([inputs[i] for i in self.sources])
+
+
+def _fused_conv_forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+    save: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """One Triton kernel for conv + bias + chain + pool (``_FusedForward``, unplanned)."""
+    return _FusedForward(x, weight, bias, operands, cfg, save)(x, weight, bias, operands)
+
+
+#: Settled per-signature call plans (``call_signature``) of the forward and of the backward (whose key
+#: adds the output mask and the grad/saved-state layouts).
+PLANS = BoundedCache(256)
+
+
+def call_signature(config: str, save: bool, x: Tensor, weight: Tensor, bias: Tensor | None,
+               operands: Sequence[Tensor]) -> tuple:  # fmt: skip
+    """Everything a call's path and plan depend on: the config, the tensors' shapes, strides, dtypes
+    and devices, the TF32 flag and the environment switches (read per call: tests change them)."""
+    return (
+        config, save, tensor_key(x), tensor_key(weight), tensor_key(bias), tuple(map(tensor_key, operands)),
+        torch.backends.cudnn.allow_tf32, *environment.plan_switches(),
+    )  # fmt: skip
+
+
+def plan_for(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+    save: bool,
+) -> tuple[Any, bool]:  # fmt: skip
+    """``(plan, settled)``: the fused conv kernel's plan (``_FusedForward``) or the library conv +
+    epilogue kernel (``_LibraryForward``), as ``conv_impl`` says; under ``FUSION_CONV_IMPL=auto``
+    the fastest of ``_forward_candidates`` (the fused kernel where it serves the case, the library
+    conv in x's layout and in channels-last), measured once per shape (``impl_choice``; the
+    library path in x's layout when measuring is off, and without measuring where only the library
+    conv serves and the timer has no CUDA device: ``_times_library_layouts``).  ``settled``: the
+    same signature always gets this answer (not while the choice is unmeasured), so the caller may
+    keep the plan."""
+    mode = _conv_impl_mode()
+    impl = conv_impl(x, weight, cfg, save)[0]
+    if mode != "auto" or (impl == "library" and not _times_library_layouts(x)):
+        if impl == "triton":
+            return _FusedForward(x, weight, bias, operands, cfg, save), True
+        return _LibraryForward(x, weight, bias, operands, cfg, save), True
+    plans = _forward_candidates(x, weight, bias, operands, cfg, save, fused=impl == "triton")
+    if len(plans) == 1:
+        return plans["library"], True
+    fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
+                torch.backends.cudnn.allow_tf32)  # fmt: skip
+    probes = {"triton": functools.partial(plans["triton"].probe(), x, weight, bias, operands)} if "triton" in plans else {}
+    impl = impl_choice.choose(
+        # (v2: the channels-last library variant joined the candidates; older answers are re-measured)
+        lambda: _choice_key(x, weight, bias, cfg, save) + "|forward-v2",
+        {name: functools.partial(plan, x, weight, bias, operands) for name, plan in plans.items()},
+        default="library",
+        agree=_results_agree,
+        fast_key=fast_key,
+        probes=probes,
+    )
+    return plans[impl], impl_choice.is_final(fast_key)
+
+
+def _times_library_layouts(x: Tensor) -> bool:
+    """Whether ``auto`` measures the library forward's layouts against each other where the fused
+    conv kernel is no candidate: on CUDA only (``impl_choice`` times with CUDA events; on CPU the
+    interpreter is slow, and tests force a path or replace this answer)."""
+    return x.device.type == "cuda"
+
+
+def _forward_candidates(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+    save: bool, fused: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """The forward plans that can serve this call, by name: ``triton`` (``_FusedForward``) when
+    ``fused``; always ``library``; ``library-channels-last`` (``_ChannelsLastLibraryForward``) for
+    2-d and 3-d convs of an x that is not channels-last (``_channels_last_forward_unsupported``)."""
+    args = (x, weight, bias, operands, cfg, save)
+    plans: dict[str, Any] = {}
+    if fused:
+        plans["triton"] = _FusedForward(*args)
+    plans["library"] = _LibraryForward(*args)
+    why = _channels_last_forward_unsupported(x, weight, cfg)
+    if why is None:
+        plans["library-channels-last"] = _ChannelsLastLibraryForward(*args)
+    else:
+        logger.debug("conv_epilogue forward: no channels-last library forward (%s)", why)
+    return plans
+
+
+#: Largest norm-wise relative difference between the fused and the library path's floating results
+#: for ``auto`` to consider the fused one, by the results' dtype.  Measured on the H100: both in TF32
+#: (the ConvT3d pipeline) they differ by 1e-6..1e-5; a TF32 kernel against cuDNN's full-fp32 kernel
+#: for a 3-channel conv (``conv2d_mul_leaky_gelu_small``) by 2.7e-4 in the output and 1e-2 in the
+#: gradients (leaky-ReLU kinks flip).
+_AGREEMENT = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+def _results_agree(result: Any, reference: Any) -> str | None:
+    """``impl_choice``'s ``agree`` for the op's paths: None when every floating tensor of ``result``
+    is within ``_AGREEMENT`` of ``reference``'s (integer tensors, the max-pool winners, may differ
+    at ties), else which one is not."""
+    for i, (got, want) in enumerate(zip(result, reference, strict=True)):
+        if got is None or want is None or not want.is_floating_point() or want.numel() == 0:
+            continue
+        # fp32 (no copy for fp32 results: a saved conv output can be 1 GB), fp32-accumulated norms
+        a, b = got.float(), want.float()
+        finite = b.isfinite()
+        if not torch.equal(a.isfinite(), finite):
+            return f"result {i}: non-finite values in other places"
+        zero = torch.zeros((), dtype=torch.float32, device=b.device)
+        diff = torch.where(finite, a - b, zero).norm().item()
+        norm = max(torch.where(finite, b, zero).norm().item(), 1e-30)
+        if diff > _AGREEMENT.get(want.dtype, 1e-4) * norm:
+            return f"result {i}: relative difference {diff / norm:.1e} from the library path"
+    return None
+
+
+def _choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvEpilogueConfig, save: bool) -> str:
+    """Everything the fused-vs-library timing depends on (the chain's op codes included)."""
+    return (
+        f"conv_epilogue|{cfg.to_json()}|x {tuple(x.shape)} {x.stride()} {x.dtype}|w {tuple(weight.shape)} "
+        f"{weight.stride()}|bias {bias is not None}|save {save}|tf32 {torch.backends.cudnn.allow_tf32}"
+    )
+
+
+class _LibraryForward:
+    """The library path's forward for one call signature (see ``_FusedForward``): aten's conv
+    without bias, then one Triton kernel for bias + chain + pool (+ max-pool winners).  The conv
+    output's layout (``_library_conv_meta``, the fake's rule), the outputs' layouts, the operand
+    matrix layout and the epilogue kernel's launch (``kernels.epilogue.ForwardLaunch``) are worked
+    out once; a call casts, convolves, allocates and launches.
+
+    WHY a plan object: on small convs (Conv2d 3->16 k3 on 128 x 3 x 32 x 32) the step is host time,
+    and the per-call checks, key building and Triton's generic launch were most of it.
+
+    ``_ChannelsLastLibraryForward`` is the same plan with the conv in channels-last: it sets
+    ``conv_format`` and overrides ``_conv_output``; everything after the conv is shared here.
+    """
+
+    #: the memory format x and the weight are relaid into for the conv (None: as they are given)
+    conv_format: torch.memory_format | None = None
+
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                 cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
+        self.spec = cfg.conv
+        self.dtype = _compute_dtype(cfg, x)
+        y0, steps, outputs = _forward_layouts(x, weight, operands, cfg, save, self.dtype)
+        if self.conv_format is not None:  # a channels-last conv writes a channels-last y0
+            y0 = torch.empty(y0.shape, dtype=self.dtype, device="meta", memory_format=self.conv_format)
+        #: the conv output's shape and strides: in the outputs' memory format (as ``_in_format``
+        #: gives), or channels-last for a channels-last conv (as cuDNN writes it)
+        self.y0_layout = (tuple(y0.shape), y0.stride())
+        self.layouts = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
+        self.max_save = save and cfg.pool is not None and cfg.pool.kind == "max"
+        #: the conv output is the saved state (no pool / avg pool) ...
+        self.save_y0 = save and not self.max_save
+        #: ... and y0 itself is it (the conv ran in the saved state's layout: nothing to allocate)
+        self.saved_is_y0 = self.save_y0 and self.conv_format is None
+        #: ... else the epilogue kernel writes it, relaid into the saved layout, in its pass (no
+        #: pool), or ``kernels.relayout`` copies it (avg pool: the kernel writes only pooled values)
+        self.kernel_saves_y0 = self.save_y0 and not self.saved_is_y0 and cfg.pool is None
+        self.relays_y0 = self.save_y0 and not self.saved_is_y0 and cfg.pool is not None
+        #: what ``_plan_launch`` needs besides y0: meta tensors and op codes only (a kept plan holds
+        #: no tensor of a call)
+        bias_meta = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device="meta")
+        pool = None if cfg.pool is None else _pool_geometry(cfg.pool)
+        self._launch_args = (bias_meta, [(code, ()) for code, _ in steps], pool, outputs)
+        #: the epilogue kernel's launches by y0's strides (one, unless the conv surprises us)
+        self.launches = {y0.stride(): self._plan_launch(y0)}
+        self.params = _PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
+
+    def _plan_launch(self, y0: Tensor) -> Any:  # kernels.epilogue.ForwardLaunch
+        """The epilogue kernel's launch for a conv output laid out like ``y0`` (real or meta)."""
+        bias_meta, codes, pool, (out, saved_a, saved_b) = self._launch_args
+        return _kernels().ForwardLaunch(
+            y0, bias_meta, codes, pool, out, saved_a if self.max_save else None,
+            saved_b if self.max_save else None, y_copy=saved_a if self.kernel_saves_y0 else None,
+        )  # fmt: skip
+
+    def _conv_output(self, x: Tensor, weight: Tensor) -> Tensor:
+        """y0: the conv of x and weight cast to the compute dtype, in ``y0_layout``."""
+        xc, wc, _ = _cast_inputs(x, weight, None, self.dtype)
+        y0 = _conv(xc, wc, None, self.spec)
+        shape, stride = self.y0_layout
+        if y0.stride() != stride:
+            y0 = torch.empty_strided(shape, stride, dtype=y0.dtype, device=y0.device).copy_(y0)
+        return y0
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        y0 = self._conv_output(x, weight)
+        launch = self.launches.get(y0.stride())
+        if launch is None:  # a layout the plan did not expect (``_ChannelsLastLibraryForward`` only)
+            launch = self.launches[y0.stride()] = self._plan_launch(y0)
+        out, saved_a, saved_b = (
+            y0 if i == 1 and self.saved_is_y0 else torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
+            for i, (shape, stride, dtype) in enumerate(self.layouts)
+        )  # (the saved conv output is y0 itself where it can be: nothing allocated for it)
+        params = self.params(bias, operands)
+        if self.max_save:
+            launch(y0, params, out, saved_a, saved_b)
+        elif self.kernel_saves_y0:
+            launch(y0, params, out, y_copy=saved_a)
+        else:
+            if self.relays_y0:
+                _relayout(y0, saved_a)
+            launch(y0, params, out)
+        return out, saved_a, saved_b
+
+
+class _ChannelsLastLibraryForward(_LibraryForward):
+    """``_LibraryForward`` with the conv on channels-last tensors whatever x's layout, for 2-d and
+    3-d convs of an x that is not channels-last (``_channels_last_forward_unsupported``).
+
+    Per call: x is cast to the compute dtype and relaid into channels-last in one copy, and so is
+    the weight where it is not channels-last in the compute dtype already (``kernels.relayout``;
+    torch's copy where a tensor's spatial dims do not flatten, e.g. a slice).  The weight's copy is
+    made on every call and never kept: weights change in training (an optimizer updates them in
+    place), and a kept device tensor made during a CUDA-graph capture breaks the graph.  cuDNN then
+    picks its channels-last kernels and writes y0 channels-last; the epilogue kernel reads y0
+    through its own strides and writes ``out`` (and the saved state) in exactly the layouts of the
+    op's fake (``_forward_layouts``: NCHW-contiguous for an NCHW x), through a transposing tile
+    where the layouts differ (``kernels.epilogue.ForwardLaunch``).
+
+    Saved state (``save``), in the fake's layouts as the library path writes it: a max pool's
+    winners and their y0 come from the kernel as always; without a pool the kernel also writes y0
+    relaid into the saved layout in the same pass; with an avg pool ``kernels.relayout`` copies y0
+    into it.  Should the conv give y0 in another layout than channels-last (a backend without
+    channels-last kernels for the case), the plan adds an epilogue launch for that layout.
+
+    WHY: Inductor runs cuDNN's channels-last conv kernels, the fast ones on Hopper, while an NCHW
+    conv runs slower ones (Conv2d 64->64 k3 on 64x64x256x256 alone on the H100: 1.37 / 0.66 ms fp32
+    / bf16 channels-last against 2.96 / 1.65 NCHW).  Whether the relayouts of x and of the weight
+    plus the transposing epilogue cost less than that difference depends on the shape:
+    ``plan_for`` measures it per shape.
+    """
+
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                 cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
+        self.conv_format = _channels_last_format(x.dim())
+        super().__init__(x, weight, bias, operands, cfg, save)
+        #: the weight is used as given (already channels-last in the compute dtype)
+        self.weight_ready = weight.dtype == self.dtype and weight.is_contiguous(memory_format=self.conv_format)
+
+    def _conv_output(self, x: Tensor, weight: Tensor) -> Tensor:
+        """y0 from the channels-last conv, in the layout the conv gives (channels-last as planned)."""
+        fmt = self.conv_format
+        xc = _relayout(x, torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=fmt))
+        if not self.weight_ready:
+            weight = _relayout(weight, torch.empty(weight.shape, dtype=self.dtype, device=weight.device,
+                                                   memory_format=fmt))  # fmt: skip
+        return _conv(xc, weight, None, self.spec)
+
+
+def _channels_last_forward_unsupported(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> str | None:
+    """Why the library forward has no channels-last variant worth measuring here, or None."""
+    if x.dim() not in (4, 5):
+        return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
+    dtype = _compute_dtype(cfg, x)
+    if dtype == torch.float64:
+        return "float64 (cuDNN runs it in NCHW whatever the layout)"
+    if x.is_contiguous(memory_format=_channels_last_format(x.dim())):
+        return "x is channels-last already"
+    if output_memory_format(_library_conv_meta(x, weight, cfg.conv, dtype)) != torch.contiguous_format:
+        return "the library conv runs channels-last already (e.g. a channels-last weight)"
+    return None

@@ -1,0 +1,238 @@
+"""The plain-torch reference of ``fusion::conv_epilogue`` (CPU, float64, anything the kernels do not
+cover): ``forward`` writes the same outputs and saved state as the kernels; ``backward`` applies
+torch's own derivative formulas to the chain recomputed from the saved state.
+"""
+
+import math
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from ..chain import ChainStep, Const, PointwiseKind, TensorRef, apply_step
+from ..config import ConvEpilogueConfig, PoolSpec
+from .common import (
+    _cast_inputs,
+    _channel_view,
+    _compute_dtype,
+    _conv,
+    _conv_backward,
+    _conv_output_shape,
+    _in_format,
+    _out_dtype,
+    _placeholder,
+    _pool,
+    _pool_stride,
+    _winner_dtype,
+    apply_chain,
+    output_memory_format,
+)
+
+
+def _window_strides(sizes: Sequence[int]) -> list[int]:
+    """Row-major strides of a box of ``sizes``."""
+    return [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
+
+
+def _window_origins(pooled_shape: Sequence[int], pool: PoolSpec, device: torch.device) -> list[Tensor]:
+    """Per spatial dim, the (broadcastable) input coordinate where each pooled window starts."""
+    dims = len(pooled_shape) - 2
+    origins = []
+    for j, (size, s, p) in enumerate(zip(pooled_shape[2:], _pool_stride(pool), pool.padding, strict=True)):
+        shape = [1] * (dims + 2)
+        shape[2 + j] = size
+        origins.append((torch.arange(size, device=device) * s - p).reshape(shape))
+    return origins
+
+
+def forward(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+    save: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Eager ops (the bias added after a bias-free conv, as the kernels do); max-pool winners from
+    ``return_indices``, converted to row-major indices within each window."""
+    dtype = _compute_dtype(cfg, x)
+    xc, weight, bias = _cast_inputs(x, weight, bias, dtype)
+    y0 = _conv(xc, weight, None, cfg.conv)
+    fmt = output_memory_format(y0)
+    y = y0 if bias is None else y0 + _channel_view(bias, y0.dim())
+    v = apply_chain(y, cfg.chain, operands)
+    saved_a, saved_b = _placeholder(x), _placeholder(x)
+    pool = cfg.pool
+    if pool is not None and pool.kind == "max" and save:
+        v, flat = _pool(v, pool, return_indices=True)
+        # Flat in-plane index -> row-major index within the window.
+        spatial = list(y0.shape[2:])
+        win = torch.zeros_like(flat)
+        for j, (origin, stride, k_stride) in enumerate(
+            zip(_window_origins(flat.shape, pool, flat.device), _window_strides(spatial),
+                _window_strides(pool.kernel_size), strict=True)
+        ):  # fmt: skip
+            coord = (flat // stride) % spatial[j]
+            win = win + (coord - origin) * k_stride
+        saved_a = _in_format(win.to(_winner_dtype(pool)), fmt)
+        gathered = y0.reshape(y0.shape[0], y0.shape[1], -1).gather(
+            2, flat.reshape(flat.shape[0], flat.shape[1], -1)
+        )
+        saved_b = _in_format(gathered.reshape(flat.shape), fmt)
+    else:
+        if pool is not None:
+            v = _pool(v, pool)
+        if save:
+            saved_a = _in_format(y0, fmt)
+    out = _in_format(v.to(_out_dtype(cfg, dtype)), fmt)
+    if out.data_ptr() == y0.data_ptr():  # empty chain, no bias, no pool: outputs must not alias
+        out = torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=fmt).copy_(out)
+    return out, saved_a, saved_b
+
+
+def backward(
+    grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+    saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
+) -> list[Tensor | None]:  # fmt: skip
+    """The chain recomputed on the saved state and differentiated step by step, then
+    ``convolution_backward``.
+
+    With a max pool the chain is recomputed on the winners only (pooled shape) and the resulting
+    gradient is scattered (accumulating: windows may overlap) to the full-size conv output.
+
+    NOTE: the chain is differentiated with torch's own backward formulas (``_step_vjp``), not with
+    ``torch.autograd``: custom-op implementations run below the autograd dispatch key, where
+    ``enable_grad()`` records nothing, and functorch transforms there clash with dispatch modes
+    (opcheck's schema check, flop counters).
+    """
+    pool = cfg.pool
+    is_max = pool is not None and pool.kind == "max"
+    x, weight, bias_c = _cast_inputs(x, weight, bias, _compute_dtype(cfg, x))  # grads: ``_like`` casts back
+    y_src = saved_b if is_max else saved_a
+    y = y_src if bias_c is None else y_src + _channel_view(bias_c, y_src.dim())
+    v, tape = _chain_with_tape(y, cfg.chain, operands)
+    grad_v = grad_out.to(v.dtype)
+    if pool is not None and not is_max:
+        grad_v = _avg_pool_backward(grad_v, v, pool)
+    grad_y, grad_operands = _chain_backward(tape, grad_v, operands, mask[3:])
+    if is_max:
+        grad_y = _scatter_to_windows(grad_y, saved_a, _conv_output_shape(x, weight, cfg.conv), pool)
+    # The bias gradient comes from the same aten call as eager's: on these heavily cancelling sums
+    # any other summation order differs from eager by ~1e-4 (from float64 by as much), this one by 0.
+    grad_x, grad_w, grad_bias = _conv_backward(
+        grad_y.to(x.dtype), x, weight, cfg.conv, mask[0], mask[1], bool(mask[2])
+    )
+    return [grad_x, grad_w, None if grad_bias is None else grad_bias.to(bias.dtype), *grad_operands]
+
+
+_Tape = list[tuple[ChainStep, Tensor, list[Union[Tensor, float]]]]
+
+
+def _chain_with_tape(
+    y: Tensor, chain: Sequence[ChainStep], operands: Sequence[Tensor]
+) -> tuple[Tensor, _Tape]:
+    """``apply_chain`` that also records each step's input and operand values."""
+    tape: _Tape = []
+    for step in chain:
+        values = [o.value if isinstance(o, Const) else operands[o.index].detach() for o in step.operands]
+        tape.append((step, y, values))
+        y = apply_step(step.kind, y, values)
+    return y, tape
+
+
+def _chain_backward(
+    tape: _Tape, grad: Tensor, operands: Sequence[Tensor], operand_mask: Sequence[bool]
+) -> tuple[Tensor, list[Tensor | None]]:
+    """Walk ``tape`` backwards: the gradient of the chain's input and of the masked operands."""
+    grad_operands: list[Tensor | None] = [
+        torch.zeros_like(t) if m else None for t, m in zip(operands, operand_mask, strict=True)
+    ]
+    for step, v, values in reversed(tape):
+        grad_v, grad_a = _step_vjp(step.kind, v, values, grad)
+        operand = step.operands[0] if step.operands else None
+        if grad_a is not None and isinstance(operand, TensorRef) and operand_mask[operand.index]:
+            t = operands[operand.index]
+            reduced = grad_a.sum() if t.dim() == 0 else grad_a.sum_to_size(t.shape)
+            grad_operands[operand.index] = grad_operands[operand.index] + reduced.to(t.dtype)
+        grad = grad_v.to(v.dtype)  # as autograd does across a type-promoting op
+    return grad, grad_operands
+
+
+def _step_vjp(
+    kind: PointwiseKind, v: Tensor, values: Sequence[Union[Tensor, float]], g: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """``(d/dv, d/d first operand)`` of one step at input ``v``, with torch's backward formulas.
+
+    The operand gradient is full-size (not reduced); it is None for non-arithmetic kinds.
+    """
+    aten = torch.ops.aten
+    a = values[0] if values else None
+    if kind is PointwiseKind.RELU:
+        return aten.threshold_backward(g, torch.relu(v), 0), None
+    if kind is PointwiseKind.LEAKY_RELU:
+        return torch.where(v > 0, g, g * a), None
+    if kind is PointwiseKind.GELU:
+        return aten.gelu_backward(g, v), None
+    if kind is PointwiseKind.GELU_TANH:
+        return aten.gelu_backward(g, v, approximate="tanh"), None
+    if kind is PointwiseKind.SILU:
+        return aten.silu_backward(g, v), None
+    if kind is PointwiseKind.SIGMOID:
+        return aten.sigmoid_backward(g, torch.sigmoid(v)), None
+    if kind is PointwiseKind.TANH:
+        return aten.tanh_backward(g, torch.tanh(v)), None
+    if kind is PointwiseKind.HARDSWISH:
+        return aten.hardswish_backward(g, v), None
+    if kind is PointwiseKind.MISH:
+        return aten.mish_backward(g, v), None
+    zero = torch.zeros((), dtype=g.dtype, device=g.device)
+    if kind is PointwiseKind.CLAMP:
+        return torch.where((v >= a) & (v <= values[1]), g, zero), None
+    if kind is PointwiseKind.CLAMP_MIN:
+        return torch.where(v >= a, g, zero), None
+    if kind is PointwiseKind.CLAMP_MAX:
+        return torch.where(v <= a, g, zero), None
+    if kind is PointwiseKind.HARDTANH:
+        return torch.where(((v > a) & (v < values[1])) | torch.isnan(v), g, zero), None
+    if kind is PointwiseKind.MUL:
+        return g * a, g * v
+    if kind is PointwiseKind.ADD:
+        return g, g
+    if kind is PointwiseKind.SUB:
+        return g, -g
+    if kind is PointwiseKind.RSUB:
+        return -g, g
+    if kind is PointwiseKind.DIV:
+        return g / a, -g * v / (a * a)
+    if kind is PointwiseKind.RDIV:
+        if not isinstance(a, Tensor):  # float / tensor is reciprocal(v) * a in torch
+            r = torch.reciprocal(v)
+            return -(g * a) * (r * r), None
+        return -g * a / (v * v), g / v
+    raise AssertionError(f"unhandled pointwise kind {kind}")
+
+
+def _avg_pool_backward(grad: Tensor, v: Tensor, pool: PoolSpec) -> Tensor:
+    """Gradient of ``_pool(v, pool)`` (an avg pool) w.r.t. ``v``."""
+    k, s, p = list(pool.kernel_size), list(_pool_stride(pool)), list(pool.padding)
+    args = (pool.ceil_mode, pool.count_include_pad, pool.divisor_override)
+    if v.dim() == 3:  # pooled as a (1, L) plane, see _pool
+        return torch.ops.aten.avg_pool2d_backward(
+            grad.unsqueeze(-2), v.unsqueeze(-2), [1, k[0]], [1, s[0]], [0, p[0]], *args
+        ).squeeze(-2)
+    fn = torch.ops.aten.avg_pool2d_backward if v.dim() == 4 else torch.ops.aten.avg_pool3d_backward
+    return fn(grad, v, k, s, p, *args)
+
+
+def _scatter_to_windows(grad_w: Tensor, winner: Tensor, y_shape: Sequence[int], pool: PoolSpec) -> Tensor:
+    """Full-size (N, C, *spatial) gradient from per-window gradients at the winners (summing)."""
+    spatial = list(y_shape[2:])
+    rem = winner.to(torch.int64)
+    flat = torch.zeros_like(rem)
+    for j, (origin, k_stride, plane_stride) in enumerate(
+        zip(_window_origins(winner.shape, pool, winner.device), _window_strides(pool.kernel_size),
+            _window_strides(spatial), strict=True)
+    ):  # fmt: skip
+        k = (rem // k_stride) % pool.kernel_size[j]
+        flat = flat + (origin + k) * plane_stride
+    n, c = y_shape[:2]
+    full = torch.zeros(n, c, math.prod(spatial), dtype=grad_w.dtype, device=grad_w.device)
+    full.scatter_add_(2, flat.reshape(n, c, -1), grad_w.reshape(n, c, -1))
+    return full.reshape(y_shape)
