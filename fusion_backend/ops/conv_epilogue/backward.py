@@ -34,6 +34,8 @@ from .common import (
 )
 from .forward import _choice_key, _conv_impl_mode, _PlannedOperands, _results_agree
 
+#: Settled per-signature backward call plans, keyed by ``forward.call_signature`` plus the output
+#: mask and the grad / saved-state layouts (``op.py``).
 PLANS = BoundedCache(256)
 
 

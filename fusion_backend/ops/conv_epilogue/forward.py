@@ -236,13 +236,12 @@ def _fused_conv_forward(
     return _FusedForward(x, weight, bias, operands, cfg, save)(x, weight, bias, operands)
 
 
-#: Settled per-signature call plans (``call_signature``) of the forward and of the backward (whose key
-#: adds the output mask and the grad/saved-state layouts).
+#: Settled per-signature forward call plans, keyed by ``call_signature``.
 PLANS = BoundedCache(256)
 
 
 def call_signature(config: str, save: bool, x: Tensor, weight: Tensor, bias: Tensor | None,
-               operands: Sequence[Tensor]) -> tuple:  # fmt: skip
+                   operands: Sequence[Tensor]) -> tuple:  # fmt: skip
     """Everything a call's path and plan depend on: the config, the tensors' shapes, strides, dtypes
     and devices, the TF32 flag and the environment switches (read per call: tests change them)."""
     return (

@@ -33,7 +33,7 @@ from .common import (
 def conv_epilogue(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], config: str
 ) -> Tensor:
-    """``pool(chain(conv(x, weight, bias))).to(out_dtype)`` as one fused op (see module docstring).
+    """``pool(chain(conv(x, weight, bias))).to(out_dtype)`` as one fused op (see the package docstring).
 
     Backward state is computed only when autograd will need it: under AOTAutograd the grad mode
     seen at trace time is the runtime one, so inference graphs never save anything.
@@ -68,10 +68,11 @@ def _conv_epilogue_fwd_impl(
     config: str,
     save_for_backward: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Forward of the fused op: ``(out, saved_a, saved_b)`` (see the module docstring).
+    """Forward of the fused op: ``(out, saved_a, saved_b)`` (see the package docstring).
 
-    A call whose signature (``forward.call_signature``) has a settled plan runs it straight; the first call of
-    a signature checks the inputs, picks the path (``forward.plan_for``) and keeps the plan.
+    A call whose signature (``forward.call_signature``) has a settled plan runs it straight; the
+    first call of a signature checks the inputs, picks the path (``forward.plan_for``) and keeps
+    the plan.
     """
     key = forward.call_signature(config, save_for_backward, x, weight, bias, operands)
     plan = forward.PLANS.peek(key)
