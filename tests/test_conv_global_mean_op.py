@@ -476,15 +476,15 @@ def test_contraction_sums_every_split_and_chunk_deterministically(
     xd = x.to(kernel_device, torch.float32).contiguous(memory_format=fmt)
     args = [t.to(kernel_device, torch.float32) for t in (w, b)]
     ops = [t.to(kernel_device, torch.float32) for t in operands]
-    geo = cgm._geometry(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), xd.device)
+    geo = cgm.geometry._geometry(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), xd.device)
     assert geo.set_counts != (1, 1, 1), "the test needs several index sets (a tapset gather)"
-    first = cgm._forward_kernels(cfg, xd, *args, ops, geo)
-    second = cgm._forward_kernels(cfg, xd, *args, ops, geo)
+    first = cgm.forward._forward_kernels(cfg, xd, *args, ops, geo)
+    second = cgm.forward._forward_kernels(cfg, xd, *args, ops, geo)
     assert nsplits == [split, split], f"expected {split} splits of the pass over x, got {nsplits}"
     for name, a, c in zip(("out", "tap_sums", "mean"), first, second, strict=True):
         assert torch.equal(a, c), f"{name} differs between two identical runs"
-    geo64 = cgm._geometry(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), torch.device("cpu"))
-    expected = cgm._forward_reference(cfg, x, w, b, operands, geo64)
+    geo64 = cgm.geometry._geometry(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), torch.device("cpu"))
+    expected = cgm.forward._forward_reference(cfg, x, w, b, operands, geo64)
     for name, got, exp in zip(("out", "tap_sums", "mean"), first, expected, strict=True):
         assert_close_scaled(got, exp, 1e-5, name)
 
@@ -556,7 +556,7 @@ def test_kernel_failure_raises_when_strict_else_warns_and_falls_back(monkeypatch
     monkeypatch.setenv(cgm.CPU_KERNELS_ENV, "triton")
     monkeypatch.setattr(host, "INTERPRETER", True)  # the CPU routing only: the launch itself is replaced
     monkeypatch.setattr(kernels, "set_sums_partial", broken)
-    monkeypatch.setattr(cgm, "_warned", set())
+    monkeypatch.setattr(cgm.common, "_warned", set())
     spec = spec2d(False)
     x, w, b = make_inputs(spec, 2, 3, (5, 6), (2, 2), dtype=torch.float32)
 
@@ -579,7 +579,7 @@ def test_too_many_index_sets_use_the_reference(monkeypatch: pytest.MonkeyPatch) 
     # A 1-d kernel of width 40 with padding 20 gives 40 distinct index sets: more than an int32 table.
     monkeypatch.setenv(cgm.CPU_KERNELS_ENV, "triton")
     monkeypatch.setattr(host, "INTERPRETER", True)  # the table is refused before any kernel runs
-    monkeypatch.setattr(cgm, "_warned", set())
+    monkeypatch.setattr(cgm.common, "_warned", set())
     spec = ConvSpec(False, (1,), (20,), (1,), (0,), 1)
     x, w, b = make_inputs(spec, 1, 2, (45,), (40,), dtype=torch.float32)
     config = ConvGlobalMeanConfig(spec, strict=True).to_json()

@@ -9,6 +9,7 @@ from torch._inductor.utils import run_and_get_code
 
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops import conv_global_mean as cgm
+from fusion_backend.ops.config import ConvSpec
 from fusion_backend.ops.runtime_twins import twin_of
 
 FUSED_OPS = {
@@ -54,7 +55,7 @@ def test_every_fused_op_has_a_twin_with_the_same_schema():
 def test_the_twin_returns_what_the_op_returns():
     torch.manual_seed(1)
     x, w, b = torch.rand(2, 3, 6, 7), torch.randn(3, 5, 3, 3), torch.randn(5)
-    spec = cgm.ConvSpec(transposed=True, stride=(2, 2), padding=(1, 0), dilation=(1, 1), output_padding=(1, 0), groups=1)
+    spec = ConvSpec(transposed=True, stride=(2, 2), padding=(1, 0), dilation=(1, 1), output_padding=(1, 0), groups=1)
     config = cgm.ConvGlobalMeanConfig(conv=spec).to_json()
     expected = cgm.conv_global_mean_fwd(x, w, b, [], config)
     got = twin_of(cgm.conv_global_mean_fwd._opoverload)(x, w, b, [], config)

@@ -101,8 +101,8 @@ def global_mean_pipeline_launches(
         spec = ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 2)
         step = ChainStep(PointwiseKind.MUL, (Const(0.5),))
     cfg = cgm.ConvGlobalMeanConfig(spec, (step,), keepdim=True, out_dtype="float32")
-    geo = cgm._geometry(spec, size, (3, 3), x.device)
-    x5 = cgm._as5d(x)
+    geo = cgm.geometry._geometry(spec, size, (3, 3), x.device)
+    x5 = cgm.common._as5d(x)
     # the split an H100 picks (the launchers only ask the device on CUDA)
     if K._channels_innermost(x5):
         block_p, block_c = K._cl_tiles(size[0] * size[1], c_in)
@@ -113,8 +113,8 @@ def global_mean_pipeline_launches(
     mean = torch.empty((n, c_out), dtype=torch.float64)
     taps = torch.empty((n, c_in, 9), dtype=torch.float64)
     out = torch.empty((n, c_out), dtype=torch.float32)
-    layout = cgm._weight_layout(weight, spec)
-    chain = cgm._chain_args(cfg, [extra], c_out, x.device, mean)
+    layout = cgm.forward._weight_layout(weight, spec)
+    chain = cgm.forward._chain_args(cfg, [extra], c_out, x.device, mean)
     K.contract_forward(partial, geo.tapset, layout, bias, chain, geo.n_outputs, out, mean, taps)
     grad = torch.empty((n, c_out, 1, 1), dtype=torch.float32)
     coef = torch.empty((n, c_out), dtype=torch.float32)
@@ -123,8 +123,8 @@ def global_mean_pipeline_launches(
     K.params_backward(grad.reshape(n, c_out), mean, taps, chain, targets,
                       K.WeightLayout.of(gw, spec.transposed, spec.groups),
                       None if bias is None else torch.empty_like(bias), geo.n_outputs, coef, coef)  # fmt: skip
-    grad_x = torch.empty_strided(x.shape, cgm._grad_input_strides(x), dtype=dtype)
-    K.grad_broadcast(coef, layout, geo.tapset, geo.bits, geo.set_counts, cgm._as5d(grad_x), split=split)
+    grad_x = torch.empty_strided(x.shape, cgm.backward._grad_input_strides(x), dtype=dtype)
+    K.grad_broadcast(coef, layout, geo.tapset, geo.bits, geo.set_counts, cgm.common._as5d(grad_x), split=split)
     return calls
 
 

@@ -1,8 +1,8 @@
 """Pattern family ``conv_global_mean``: conv / conv-transpose → per-channel affine ops → global mean.
 
 The mean over every spatial position of a convolution is linear in its input, so the fused op
-computes it from per-tap sums of the input without producing the conv output (``ops/
-conv_global_mean.py``).  Matched spellings of the reduction, all normalised to "mean over all spatial
+computes it from per-tap sums of the input without producing the conv output
+(``ops/conv_global_mean/``).  Matched spellings of the reduction, all normalised to "mean over all spatial
 dims" with or without kept dims:
 
 * ``torch.mean(x, dims, keepdim)``, ``x.mean(...)``, negative dims, ``F.adaptive_avg_pool{d}d(x, 1)``;
