@@ -74,8 +74,9 @@ import triton
 import triton.language as tl
 
 from .. import environment
+from .chain_math import KernelStep, PoolGeometry, chain_forward, load_operands, op_constexprs
 from .conv_fused import ConvGeometry, conv_output_size
-from .epilogue import KernelStep, PoolGeometry, _chain_fwd, _load_operands, _op_constexprs, build_params
+from .epilogue import build_params
 from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
 from .tf32 import dot_precision, round_tf32
@@ -233,15 +234,15 @@ def _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, sa_pt
     val = y_raw
     if HAS_BIAS:  # the bias as the conv sees it: rounded to the compute dtype (P holds it in fp32)
         val = val + tl.load(p_ptr + c, mask=cmask, other=0.0).to(compute).to(tl.float32)
-    a0, b0 = _load_operands(p_ptr, 0, c, C_OUT, cmask, OP0)
-    a1, b1 = _load_operands(p_ptr, 1, c, C_OUT, cmask, OP1)
-    a2, b2 = _load_operands(p_ptr, 2, c, C_OUT, cmask, OP2)
-    a3, b3 = _load_operands(p_ptr, 3, c, C_OUT, cmask, OP3)
-    a4, b4 = _load_operands(p_ptr, 4, c, C_OUT, cmask, OP4)
-    a5, b5 = _load_operands(p_ptr, 5, c, C_OUT, cmask, OP5)
-    a6, b6 = _load_operands(p_ptr, 6, c, C_OUT, cmask, OP6)
-    a7, b7 = _load_operands(p_ptr, 7, c, C_OUT, cmask, OP7)
-    val = _chain_fwd(val, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+    a0, b0 = load_operands(p_ptr, 0, c, C_OUT, cmask, OP0)
+    a1, b1 = load_operands(p_ptr, 1, c, C_OUT, cmask, OP1)
+    a2, b2 = load_operands(p_ptr, 2, c, C_OUT, cmask, OP2)
+    a3, b3 = load_operands(p_ptr, 3, c, C_OUT, cmask, OP3)
+    a4, b4 = load_operands(p_ptr, 4, c, C_OUT, cmask, OP4)
+    a5, b5 = load_operands(p_ptr, 5, c, C_OUT, cmask, OP5)
+    a6, b6 = load_operands(p_ptr, 6, c, C_OUT, cmask, OP6)
+    a7, b7 = load_operands(p_ptr, 7, c, C_OUT, cmask, OP7)
+    val = chain_forward(val, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
                      OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
     ok2 = o_ok[:, None] & cmask
     if BIG:
@@ -633,7 +634,7 @@ def _prepare(
     big = big_elems > _BIG_INDEX_THRESHOLD
     ints = (cin, cout, w, r, oh, ow, p_end, x_sn, x_sc, sp, *hw_strides(out), *hw_strides(saved_a))
     constexprs = dict(
-        **_op_constexprs(steps), HAS_BIAS=bias is not None, SAVE=saved_a is not None,
+        **op_constexprs(steps), HAS_BIAS=bias is not None, SAVE=saved_a is not None,
         KH=kh, KW=kw, KWG=kwg, PH=ph, PW=pw, ALIGN=align, C_SHIFT=c_shift, CIN_PAD=cin_pad,
         PRECISION=precision, BIG=big, BLOCK_N=block_n,
     )  # fmt: skip

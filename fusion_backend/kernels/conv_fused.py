@@ -57,18 +57,17 @@ import triton.language as tl
 
 from .. import environment
 from ..ir.shapes import conv_output_length
-from .epilogue import (
+from .chain_math import (
     MAX_WINDOW_VOLUME,
     KernelStep,
     PoolGeometry,
-    _avg_divisor,
-    _chain_fwd,
-    _lift,
-    _load_operands,
-    _op_constexprs,
-    build_params,
+    avg_divisor,
+    chain_forward,
+    load_operands,
+    op_constexprs,
 )
-from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2, tensor_key
+from .epilogue import build_params
+from .host import INTERPRETER, BoundedCache, best_first, cdiv, lift_5d, next_pow2, tensor_key
 from .launch import FastLaunch
 from .tf32 import compute_code, dot_precision, round_tf32, to_compute
 
@@ -273,7 +272,7 @@ def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win
     y = y_raw
     if HAS_BIAS:
         y = y + bias
-    v = _chain_fwd(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+    v = chain_forward(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
                    OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
     ok2 = o_ok[:, None] & cmask
     if BIG:
@@ -547,14 +546,14 @@ def _conv_fused_fwd_kernel(
     bias = 0.0
     if HAS_BIAS:  # in the compute dtype, as the conv adds it (an fp32 bias under autocast is cast)
         bias = to_compute(tl.load(p_ptr + c, mask=cmask, other=0.0), CDT).to(tl.float32)
-    a0, b0 = _load_operands(p_ptr, 0, c, C_OUT, cmask, OP0)
-    a1, b1 = _load_operands(p_ptr, 1, c, C_OUT, cmask, OP1)
-    a2, b2 = _load_operands(p_ptr, 2, c, C_OUT, cmask, OP2)
-    a3, b3 = _load_operands(p_ptr, 3, c, C_OUT, cmask, OP3)
-    a4, b4 = _load_operands(p_ptr, 4, c, C_OUT, cmask, OP4)
-    a5, b5 = _load_operands(p_ptr, 5, c, C_OUT, cmask, OP5)
-    a6, b6 = _load_operands(p_ptr, 6, c, C_OUT, cmask, OP6)
-    a7, b7 = _load_operands(p_ptr, 7, c, C_OUT, cmask, OP7)
+    a0, b0 = load_operands(p_ptr, 0, c, C_OUT, cmask, OP0)
+    a1, b1 = load_operands(p_ptr, 1, c, C_OUT, cmask, OP1)
+    a2, b2 = load_operands(p_ptr, 2, c, C_OUT, cmask, OP2)
+    a3, b3 = load_operands(p_ptr, 3, c, C_OUT, cmask, OP3)
+    a4, b4 = load_operands(p_ptr, 4, c, C_OUT, cmask, OP4)
+    a5, b5 = load_operands(p_ptr, 5, c, C_OUT, cmask, OP5)
+    a6, b6 = load_operands(p_ptr, 6, c, C_OUT, cmask, OP6)
+    a7, b7 = load_operands(p_ptr, 7, c, C_OUT, cmask, OP7)
 
     ci0 = grp * CIN_G
     if BIG:
@@ -711,7 +710,7 @@ def _conv_fused_fwd_kernel(
                 tl.store(sa_ptr + q2, win.to(sa_ptr.dtype.element_ty), mask=omask)
                 tl.store(sb_ptr + q2, win_y.to(sb_ptr.dtype.element_ty), mask=omask)
         else:
-            div = _avg_divisor(ud[:, None], uh[:, None], uw[:, None], OD, OH, OW, KD, KH, KW,
+            div = avg_divisor(ud[:, None], uh[:, None], uw[:, None], OD, OH, OW, KD, KH, KW,
                                USD, USH, USW, UPD, UPH, UPW, COUNT_INCLUDE_PAD, DIVISOR)  # fmt: skip
             tl.store(out_ptr + q2, (pooled / div).to(out_ptr.dtype.element_ty), mask=omask)
 
@@ -1160,9 +1159,9 @@ def _prepare(
         raise ValueError(
             f"saved_a must have the conv output's shape {conv_out_shape}, got {tuple(saved_a.shape)}"
         )
-    x_strides = _lift(x)[1]
-    o_strides = _lift(out)[1]
-    y_strides = _lift(saved_a)[1] if save and not is_max else [0] * 5
+    x_strides = lift_5d(x)[1]
+    o_strides = lift_5d(out)[1]
+    y_strides = lift_5d(saved_a)[1] if save and not is_max else [0] * 5
     precision = dot_precision(compute_dtype, allow_tf32, _INTERPRET)
     one_cblock = cin_g <= SHIFT_K_BLOCK_K
     # SHIFT_K with one channel block reads the prearranged matrix; its masked variant (tiles with
@@ -1191,7 +1190,7 @@ def _prepare(
         *x_strides, w_sci, w_sco, *w_taps, *o_strides, *y_strides,
     )  # fmt: skip
     constexprs = dict(
-        **_op_constexprs(steps), HAS_BIAS=bias is not None,
+        **op_constexprs(steps), HAS_BIAS=bias is not None,
         POOL=0 if pool is None else (1 if is_max else 2), SAVE=save, TRANSPOSED=bool(conv.transposed),
         TD=taps[0], TH=taps[1], TW=taps[2], SD=stride[0], SH=stride[1], SW=stride[2],
         PD=padding[0], PH=padding[1], PW=padding[2], DD=dilation[0], DH=dilation[1], DW=dilation[2],

@@ -74,8 +74,17 @@ import triton.language as tl
 
 from .. import environment
 from ..ir.shapes import conv_output_length, pool_output_length
-from .host import INTERPRETER, best_first, cdiv, next_pow2, persistent_device_copies
-from .tf32 import round_tf32
+from .host import (
+    INTERPRETER,
+    best_first,
+    cdiv,
+    element_extent,
+    lift3,
+    lift_5d,
+    next_pow2,
+    persistent_device_copies,
+)
+from .tf32 import backward_dot_precision, round_tf32
 
 _INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -501,17 +510,8 @@ def _launcher(tuned, raw, configs: list[triton.Config]):
     return raw, dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
 
 
-def _lift(t: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Sizes and element strides of an (N, C, *spatial 1..3) tensor as (N, C, D, H, W)."""
-    pad = 5 - t.dim()
-    return (
-        [t.shape[0], t.shape[1]] + [1] * pad + list(t.shape[2:]),
-        [t.stride(0), t.stride(1)] + [0] * pad + list(t.stride()[2:]),
-    )
 
 
-def _lift3(values: Sequence[int], fill: int) -> list[int]:
-    return [fill] * (3 - len(values)) + [int(v) for v in values]
 
 
 def conv_output_spatial(
@@ -556,7 +556,7 @@ def _geometry(
     out = conv_output_spatial(x.shape[2:], kernel, stride, padding, dilation, transposed, output_padding)
     c_out = weight.shape[1] * groups if transposed else weight.shape[0]
     return _Geometry(
-        dims, _lift3(stride, 1), _lift3(padding, 0), _lift3(dilation, 1), _lift3(kernel, 1), _lift3(out, 1),
+        dims, lift3(stride, 1), lift3(padding, 0), lift3(dilation, 1), lift3(kernel, 1), lift3(out, 1),
         c_out, bool(transposed), int(groups),
     )  # fmt: skip
 
@@ -576,9 +576,9 @@ def _pool_args(grad: Grad, dims: int) -> dict[str, int | bool]:
 def _grad_operands(grad: Grad) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int]]:
     """(values, winners, values' lifted strides, winners' lifted strides, pooled lifted spatial)."""
     if isinstance(grad, PooledGrad):
-        sizes, strides = _lift(grad.g_win)
-        return grad.g_win, grad.winner, strides, _lift(grad.winner)[1], sizes[2:]
-    _, strides = _lift(grad)
+        sizes, strides = lift_5d(grad.g_win)
+        return grad.g_win, grad.winner, strides, lift_5d(grad.winner)[1], sizes[2:]
+    _, strides = lift_5d(grad)
     return grad, grad, strides, [0] * 5, [1, 1, 1]
 
 
@@ -587,23 +587,13 @@ def _channels_inner(lifted_strides: Sequence[int], t: torch.Tensor) -> bool:
     return lifted_strides[1] == 1 and t.shape[1] > 1 and math.prod(t.shape[2:]) > 1
 
 
-def _extent(t: torch.Tensor) -> int:
-    """One past the largest element offset ``t`` addresses (0 when empty)."""
-    if t.numel() == 0:
-        return 0
-    return sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride(), strict=True)) + 1
 
 
 def _needs_int64(*tensors: torch.Tensor) -> bool:
     """True when an element offset of one of ``tensors`` may reach 2**31 (offsets then go int64)."""
-    return any(_extent(t) >= 2**31 for t in tensors)
+    return any(element_extent(t) >= 2**31 for t in tensors)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """TF32 for fp32 iff ``torch.backends.cudnn.allow_tf32`` (as cuDNN), never under the interpreter."""
-    if dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and not _INTERPRET:
-        return "tf32"
-    return "ieee"
 
 
 def _block(channels: int, cap: int) -> int:
@@ -769,9 +759,9 @@ def _input_grad(
     dx = torch.empty_like(x)
     if dx.numel() == 0:
         return dx
-    x_sizes, x_strides = _lift(dx)
+    x_sizes, x_strides = lift_5d(dx)
     n, c_in = x_sizes[:2]
-    w_sizes, w_strides = _lift(weight)
+    w_sizes, w_strides = lift_5d(weight)
     s = geo.stride
     if transposed:
         ci_g, co_g = c_in // groups, w_sizes[1]
@@ -802,7 +792,7 @@ def _input_grad(
         *x_strides, *g_strides, *v_strides, w_s_grp, w_s_out, w_s_red,
         XSD=xs[0], XSH=xs[1], XSW=xs[2], GSD=gs[0], GSH=gs[1], GSW=gs[2],
         POOLED=isinstance(grad, PooledGrad), G_CL=_channels_inner(g_strides, values),
-        X_CL=_channels_inner(x_strides, dx), **_pool_args(grad, geo.dims), PREC=_precision(x.dtype),
+        X_CL=_channels_inner(x_strides, dx), **_pool_args(grad, geo.dims), PREC=backward_dot_precision(x.dtype),
         I64=_needs_int64(values, winners, dx, weight),
         BLOCK_N=block_n, BLOCK_K=block_k, **tile,
     )  # fmt: skip
@@ -834,9 +824,9 @@ def _weight_grad(
     conv_args = (stride, padding, dilation, transposed, output_padding, groups)
     geo = _geometry(x, weight, *conv_args)
     dw = torch.empty_like(weight)
-    x_sizes, x_strides = _lift(x)
+    x_sizes, x_strides = lift_5d(x)
     n = x_sizes[0]
-    w_sizes = _lift(weight)[0]
+    w_sizes = lift_5d(weight)[0]
     a_g, b_g = w_sizes[0] // groups, w_sizes[1]
     s = geo.stride
     table = _wgrad_table(tuple(geo.kernel), tuple(geo.padding), tuple(geo.dilation), x.device)
@@ -887,7 +877,7 @@ def _weight_grad(
         SD=s[0], SH=s[1], SW=s[2], G_IS_A=not transposed,
         A_POOLED=pooled_form and not transposed, B_POOLED=pooled_form and transposed,
         A_CL=_channels_inner(a_strides, a_t), B_CL=_channels_inner(b_strides, b_t),
-        **_pool_args(grad, geo.dims), PREC=_precision(x.dtype), BLOCK_A=block_a, BLOCK_G=block_g,
+        **_pool_args(grad, geo.dims), PREC=backward_dot_precision(x.dtype), BLOCK_A=block_a, BLOCK_G=block_g,
         BLOCK_R=block_r, LINE_MODE=line_mode,
         I64=_needs_int64(values, winners, x, partials), **tile,
     )  # fmt: skip

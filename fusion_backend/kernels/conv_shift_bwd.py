@@ -79,15 +79,24 @@ from .. import environment
 from .conv_fused_bwd import (
     Grad,
     PooledGrad,
-    _extent,
-    _precision,
     conv_bias_grad,
     conv_output_spatial,
     pooled_spatial,
 )
-from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2, persistent_device_copies, tensor_key
+from .host import (
+    INTERPRETER,
+    BoundedCache,
+    best_first,
+    cdiv,
+    element_extent,
+    lift3,
+    lift_5d,
+    next_pow2,
+    persistent_device_copies,
+    tensor_key,
+)
 from .launch import FastLaunch
-from .tf32 import compute_code, round_tf32, to_compute
+from .tf32 import backward_dot_precision, compute_code, round_tf32, to_compute
 
 _INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -811,13 +820,8 @@ class _Geometry:
         )
 
 
-def _lift3(values: Sequence[int], fill: int) -> tuple[int, int, int]:
-    return tuple([fill] * (3 - len(values)) + [int(v) for v in values])  # type: ignore[return-value]
 
 
-def _lift(t: torch.Tensor) -> list[int]:
-    """Element strides of an (N, C, *spatial 1..3) tensor as (N, C, D, H, W)."""
-    return [t.stride(0), t.stride(1)] + [0] * (5 - t.dim()) + list(t.stride()[2:])
 
 
 def _live_shifts(kp_n: int, up: int, p: int, s: int, dl: int, taps: int) -> list[int]:
@@ -837,13 +841,13 @@ def _geometry(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, stride: S
     kernel = list(weight.shape[2:])
     out = conv_output_spatial(x.shape[2:], kernel, stride, padding, dilation, True, output_padding)
     k, _, p, _ = grad.geometry(dims)
-    s3, p3, d3, t3 = _lift3(stride, 1), _lift3(padding, 0), _lift3(dilation, 1), _lift3(kernel, 1)
+    s3, p3, d3, t3 = lift3(stride, 1), lift3(padding, 0), lift3(dilation, 1), lift3(kernel, 1)
     shifts = []
     for j in range(3):
         live = _live_shifts(k[j], p[j], p3[j], s3[j], d3[j], t3[j])
         shifts.append((min(live), max(live) - min(live) + 1) if live else (0, 0))
     return _Geometry(
-        dims, _lift3(x.shape[2:], 1), _lift3(out, 1), _lift3(grad.g_win.shape[2:], 1), t3, s3, p3, d3,
+        dims, lift3(x.shape[2:], 1), lift3(out, 1), lift3(grad.g_win.shape[2:], 1), t3, s3, p3, d3,
         tuple(k), tuple(p), tuple(shifts), int(groups), x.shape[1] // groups, weight.shape[1],
     )  # fmt: skip
 
@@ -938,8 +942,8 @@ def _reason(grad, x, weight, stride, padding, dilation, transposed, output_paddi
     if next_pow2(geo.n_shifts) > MAX_SHIFT_SLOTS:
         return f"{geo.n_shifts} distinct input shifts (per dim {[ns for _, ns in geo.shifts]}) exceed {MAX_SHIFT_SLOTS} slots"
     for name, t in (("x", x), ("weight", weight), ("g_win", grad.g_win), ("winner", grad.winner)):
-        if _extent(t) >= _INDEX_LIMIT:
-            return f"{name} spans {_extent(t)} elements: beyond the int32 offsets these kernels use (< {_INDEX_LIMIT})"
+        if element_extent(t) >= _INDEX_LIMIT:
+            return f"{name} spans {element_extent(t)} elements: beyond the int32 offsets these kernels use (< {_INDEX_LIMIT})"
     if groups * cdiv(geo.ci_g, 16) * max(1, cdiv(geo.co_g, 16)) * math.prod(k) >= 2**16:
         return f"grid range: groups x channel blocks x window offsets ({groups} groups) must stay below 2**16"
     return None
@@ -1103,7 +1107,7 @@ def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor,
 
     ints = (
         m_total, geo.ci_g, geo.co_g, *geo.in_size, *geo.conv_out, *geo.units,
-        *_lift(dx), *_lift(g), *_lift(v), w.stride(0), w.stride(1), *_lift3(w.stride()[2:], 0),
+        *lift_5d(dx)[1], *lift_5d(g)[1], *lift_5d(v)[1], w.stride(0), w.stride(1), *lift3(w.stride()[2:], 0),
     )  # fmt: skip
     launch = _KernelLaunch(_dgrad_tuned, _shift_dgrad_kernel, tile, grid, dict(
         TD=geo.taps[0], TH=geo.taps[1], TW=geo.taps[2], SD=geo.stride[0], SH=geo.stride[1], SW=geo.stride[2],
@@ -1112,7 +1116,7 @@ def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor,
         KD=geo.window[0], KH=geo.window[1], KW=geo.window[2],
         UPD=geo.pool_padding[0], UPH=geo.pool_padding[1], UPW=geo.pool_padding[2],
         G_CL=_channels_inner(g), X_CL=_channels_inner(dx), WIN_INSIDE=geo.windows_inside,
-        V_SAME=g.stride() == v.stride(), CDT=compute_code(compute_dtype), PREC=_precision(compute_dtype),
+        V_SAME=g.stride() == v.stride(), CDT=compute_code(compute_dtype), PREC=backward_dot_precision(compute_dtype),
     ), fixed=ints)  # fmt: skip
 
     def run(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -1167,7 +1171,7 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
         X_CL=_channels_inner(x), G_CL=_channels_inner(g), WIN_INSIDE=geo.windows_inside,
         V_SAME=g.stride() == v.stride(), CARRY=max_bm <= geo.units[2],
         LINE_DIV=math.gcd(geo.units[2], rows_per_split) & -math.gcd(geo.units[2], rows_per_split),
-        CDT=compute_code(compute_dtype), PREC=_precision(compute_dtype),
+        CDT=compute_code(compute_dtype), PREC=backward_dot_precision(compute_dtype),
     )  # fmt: skip
 
     def grid(meta):
@@ -1177,14 +1181,14 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
 
     ints = (
         m_total, geo.ci_g, geo.co_g, rows_per_split, part_split, *geo.in_size, *geo.conv_out, *geo.units,
-        *_lift(x), *_lift(g), *_lift(v),
+        *lift_5d(x)[1], *lift_5d(g)[1], *lift_5d(v)[1],
     )  # fmt: skip
     partials = _KernelLaunch(_wgrad_tuned, _shift_wgrad_kernel, tile, grid, constexprs, fixed=ints)
     table = _finish_table(geo, x.device)
     fb = _FINISH_BLOCK if not _INTERPRET else 16
     finish_grid = (math.prod(geo.taps), geo.groups * cdiv(geo.ci_g, fb) * cdiv(geo.co_g, fb))
     finish_ints = (splits, geo.ci_g, geo.co_g, table.shape[1], part_split, dw.stride(0), dw.stride(1),
-                   *_lift3(dw.stride()[2:], 0))  # fmt: skip
+                   *lift3(dw.stride()[2:], 0))  # fmt: skip
     finish = FastLaunch(_shift_wgrad_finish_kernel, finish_grid,
                         dict(TH=geo.taps[1], TW=geo.taps[2], NS=ns, KPN=kpn, BLOCK_A=fb, BLOCK_B=fb),
                         fixed=finish_ints)  # fmt: skip
@@ -1224,7 +1228,7 @@ def convolution_backward(
         tensor_key(grad.g_win) if isinstance(grad, PooledGrad) else None, None if not isinstance(grad, PooledGrad)
         else (tensor_key(grad.winner), grad.kernel_size, grad.stride, grad.padding, grad.dilation, grad.ceil_mode),
         tensor_key(x), tensor_key(weight), conv_args, tuple(bool(m) for m in output_mask[:2]),
-        compute_dtype, _precision(compute_dtype or x.dtype), environment.measuring(),
+        compute_dtype, backward_dot_precision(compute_dtype or x.dtype), environment.measuring(),
     )  # fmt: skip
     run = _PLANS.get(key, lambda: backward_plan(grad, x, weight, *conv_args, output_mask[:2], compute_dtype))
     gx, gw = run(grad, x, weight)

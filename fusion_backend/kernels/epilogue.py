@@ -28,284 +28,31 @@ are bitwise reproducible run to run, and no float atomics are used anywhere.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Union
 
 import torch
 import triton
 import triton.language as tl
 
-from .host import BoundedCache, cdiv, next_pow2, persistent_device_copies, tensor_key
+from .chain_math import (
+    BIAS_ROW,
+    MAX_SLOTS,
+    MAX_WINDOW_VOLUME,
+    NUM_GRAD_ROWS,
+    NUM_PARAM_ROWS,
+    OP_CODES,
+    KernelStep,
+    OperandValue,
+    PoolGeometry,
+    avg_divisor,
+    chain_forward,
+    load_operands,
+    op_constexprs,
+    step_backward,
+    step_forward,
+)
+from .host import BoundedCache, cdiv, lift_5d, next_pow2, persistent_device_copies, tensor_key
 from .launch import FastLaunch
-
-#: Number of op-code slots of the kernel templates (== chain.MAX_CHAIN_LENGTH).
-MAX_SLOTS = 8
-#: Row of ``P`` holding the conv bias.
-BIAS_ROW = 0
-#: Rows of ``P``: the bias, then two operand rows per slot.
-NUM_PARAM_ROWS = 1 + 2 * MAX_SLOTS
-#: Rows of the backward partial-sum buffer: one per slot (its first operand), then the bias.
-NUM_GRAD_ROWS = MAX_SLOTS + 1
-#: Largest pool window the kernels unroll; larger windows go to the reference implementation.
-#: NOTE: windows are fully unrolled (``tl.static_range``) together with the chain, so compile time
-#: and code size grow with the window volume; 64 covers 4x4x4 / 8x8 windows.
-MAX_WINDOW_VOLUME = 64
-
-# Op codes, mirrored from PointwiseKind.code (tests/test_epilogue_kernels.py checks they agree).
-_RELU, _LEAKY_RELU, _GELU, _GELU_TANH, _SILU, _SIGMOID, _TANH, _HARDSWISH, _MISH = range(1, 10)
-_CLAMP, _CLAMP_MIN, _CLAMP_MAX, _MUL, _ADD, _SUB, _RSUB, _DIV, _RDIV, _HARDTANH = range(10, 20)
-OP_CODES = {
-    "relu": _RELU, "leaky_relu": _LEAKY_RELU, "gelu": _GELU, "gelu_tanh": _GELU_TANH,
-    "silu": _SILU, "sigmoid": _SIGMOID, "tanh": _TANH, "hardswish": _HARDSWISH, "mish": _MISH,
-    "clamp": _CLAMP, "clamp_min": _CLAMP_MIN, "clamp_max": _CLAMP_MAX, "mul": _MUL, "add": _ADD,
-    "sub": _SUB, "rsub": _RSUB, "div": _DIV, "rdiv": _RDIV, "hardtanh": _HARDTANH,
-}  # fmt: skip
-
-#: An operand value as the launchers take it: a Python number, or a tensor of numel 1 (broadcast over
-#: channels) or numel C (one value per channel, in channel order; any shape, any float dtype).
-OperandValue = Union[float, torch.Tensor]
-#: One chain step for the launchers: ``(op code, operand values)``.
-KernelStep = tuple[int, Sequence[OperandValue]]
-
-
-@dataclass(frozen=True)
-class PoolGeometry:
-    """A pool as the kernels see it, with one entry per spatial dim of the tensors (1 to 3).
-
-    ``kind`` is ``"max"`` or ``"avg"``; dilation is 1.  ``ceil_mode`` does not appear: it only changes
-    the output size, which the kernels read off the output tensor, and partial windows are clipped
-    the same way in both modes.  ``count_include_pad``/``divisor_override`` apply to ``"avg"`` only,
-    with PyTorch's divisor rule: the window clipped to ``[-padding, size + padding)`` counts when
-    ``count_include_pad``, else the window clipped to the input.
-    """
-
-    kind: str
-    kernel_size: tuple[int, ...]
-    stride: tuple[int, ...]
-    padding: tuple[int, ...]
-    count_include_pad: bool = True
-    divisor_override: int | None = None
-
-    @property
-    def window_volume(self) -> int:
-        return math.prod(self.kernel_size)
-
-
-# --------------------------------------------------------------------------------------------------
-# Pointwise math (fp32), shared by both kernels.
-# --------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _tanh(x):
-    # NOTE: no tanh in tl/tl.math on every supported Triton, and libdevice is off limits; the exp
-    # form 1 - 2/(e^2x + 1) loses relative precision near 0, so a Taylor polynomial (error < 1e-9
-    # for |x| < 0.3) takes over there.  Max relative error is a few 1e-7 overall.
-    ax = tl.abs(x)
-    e = tl.exp(-2.0 * ax)
-    big = (1.0 - e) / (1.0 + e)
-    x2 = x * x
-    # tanh(x) / x = 1 - x^2/3 + 2x^4/15 - 17x^6/315 + 62x^8/2835 - 1382x^10/155925 + O(x^12)
-    poly = -0.008863235529902197
-    poly = 0.021869488536155203 + x2 * poly
-    poly = -0.05396825396825397 + x2 * poly
-    poly = 0.13333333333333333 + x2 * poly
-    poly = -0.3333333333333333 + x2 * poly
-    poly = 1.0 + x2 * poly
-    return tl.where(ax < 0.3, x * poly, tl.where(x < 0.0, -big, big))
-
-
-@triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def _softplus(x):
-    # log1p(exp(x)) without overflow: max(x, 0) + log1p(exp(-|x|)); log1p(t) = log(u) * t / (u - 1)
-    # with u = 1 + t is exact to a few ulp (Goldberg), and falls back to t when u rounds to 1.
-    t = tl.exp(-tl.abs(x))
-    u = 1.0 + t
-    lp = tl.where(u == 1.0, t, tl.log(u) * (t / (u - 1.0)))
-    return tl.maximum(x, 0.0) + lp
-
-
-@triton.jit
-def _load_operands(p_ptr, SLOT: tl.constexpr, c, C, cmask, OP: tl.constexpr):
-    """Operand rows of slot ``SLOT`` at channels ``c`` (0.0 where the op takes no such operand).
-
-    Masked-off channels read 1.0, so that divisions in lanes that are discarded stay finite.
-    """
-    a = 0.0
-    b = 0.0
-    if OP == 2:  # leaky_relu(slope)
-        a = tl.load(p_ptr + (1 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
-    if OP >= 10:  # clamps and arithmetic take a first operand
-        a = tl.load(p_ptr + (1 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
-    if OP == 10:  # clamp(lo, hi)
-        b = tl.load(p_ptr + (2 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
-    if OP == 19:  # hardtanh(lo, hi)
-        b = tl.load(p_ptr + (2 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
-    return a, b
-
-
-@triton.jit
-def _step_fwd(v, a, b, OP: tl.constexpr):
-    """One chain step with torch semantics (NaN propagates wherever torch propagates it)."""
-    if OP == 1:  # relu
-        v = tl.where(v < 0.0, 0.0, v)
-    elif OP == 2:  # leaky_relu
-        v = tl.where(v > 0.0, v, v * a)
-    elif OP == 3:  # gelu (exact erf)
-        v = 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
-    elif OP == 4:  # gelu tanh approximation
-        inner = 0.7978845608028654 * (v + 0.044715 * v * v * v)
-        v = 0.5 * v * (1.0 + _tanh(inner))
-    elif OP == 5:  # silu
-        v = v * _sigmoid(v)
-    elif OP == 6:  # sigmoid
-        v = _sigmoid(v)
-    elif OP == 7:  # tanh
-        v = _tanh(v)
-    elif OP == 8:  # hardswish: x * min(max(x + 3, 0), 6) / 6, NaN-propagating like torch
-        r = v + 3.0
-        r = tl.where(r < 0.0, 0.0, r)
-        r = tl.where(r > 6.0, 6.0, r)
-        v = v * r / 6.0
-    elif OP == 9:  # mish
-        v = v * _tanh(_softplus(v))
-    elif OP == 10 or OP == 19:  # clamp / hardtanh: min(max(v, lo), hi)
-        v = tl.where(v < a, a, v)
-        v = tl.where(v > b, b, v)
-    elif OP == 11:  # clamp_min
-        v = tl.where(v < a, a, v)
-    elif OP == 12:  # clamp_max
-        v = tl.where(v > a, a, v)
-    elif OP == 13:
-        v = v * a
-    elif OP == 14:
-        v = v + a
-    elif OP == 15:
-        v = v - a
-    elif OP == 16:
-        v = a - v
-    elif OP == 17:
-        v = v / a
-    elif OP == 18:
-        v = a / v
-    return v
-
-
-@triton.jit
-def _step_bwd(g, v, a, b, OP: tl.constexpr):
-    """Gradients of one step at input ``v`` given the output gradient ``g``: ``(d/dv, d/da)``.
-
-    Derivatives follow torch's backward formulas (relu: 0 at 0; leaky_relu: slope at 0; clamp:
-    inclusive bounds; hardtanh: strict bounds, NaN passes).  ``d/da`` is only meaningful for the
-    arithmetic ops; it is 0.0 for the others.
-    """
-    gv = g
-    ga = 0.0
-    if OP == 1:  # threshold_backward on the result: passes where result > 0 (and for NaN)
-        gv = tl.where(v <= 0.0, 0.0, g)
-    elif OP == 2:
-        gv = tl.where(v > 0.0, g, g * a)
-    elif OP == 3:
-        cdf = 0.5 * (1.0 + tl.math.erf(v * 0.7071067811865476))
-        pdf = tl.exp(-0.5 * v * v) * 0.3989422804014327
-        gv = g * (cdf + v * pdf)
-    elif OP == 4:
-        x_sq = v * v
-        inner = 0.7978845608028654 * (v + 0.044715 * x_sq * v)
-        th = _tanh(inner)
-        left_d = 0.5 * (1.0 + th)
-        right_d = 0.5 * v * (1.0 - th * th) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x_sq)
-        gv = g * (left_d + right_d)
-    elif OP == 5:
-        s = _sigmoid(v)
-        gv = g * (s * (1.0 + v * (1.0 - s)))
-    elif OP == 6:
-        s = _sigmoid(v)
-        gv = g * (1.0 - s) * s
-    elif OP == 7:
-        t = _tanh(v)
-        gv = g * (1.0 - t * t)
-    elif OP == 8:
-        gv = tl.where(v <= -3.0, 0.0, tl.where(v < 3.0, g * (v / 3.0 + 0.5), g))  # open interval, as torch
-    elif OP == 9:
-        s = _sigmoid(v)
-        tsp = _tanh(_softplus(v))
-        gv = g * (tsp + v * s * (1.0 - tsp * tsp))
-    elif OP == 10:
-        gv = tl.where((v >= a) & (v <= b), g, 0.0)
-    elif OP == 11:
-        gv = tl.where(v >= a, g, 0.0)
-    elif OP == 12:
-        gv = tl.where(v <= a, g, 0.0)
-    elif OP == 13:
-        gv = g * a
-        ga = g * v
-    elif OP == 14:
-        ga = g
-    elif OP == 15:
-        ga = -g
-    elif OP == 16:
-        gv = -g
-        ga = g
-    elif OP == 17:
-        gv = g / a
-        ga = -g * v / (a * a)
-    elif OP == 18:
-        gv = -g * a / (v * v)
-        ga = g / v
-    elif OP == 19:
-        gv = tl.where(((v > a) & (v < b)) | (v != v), g, 0.0)
-    return gv, ga
-
-
-@triton.jit
-def _chain_fwd(v, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
-               OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
-               OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr):  # fmt: skip
-    v = _step_fwd(v, a0, b0, OP0)
-    v = _step_fwd(v, a1, b1, OP1)
-    v = _step_fwd(v, a2, b2, OP2)
-    v = _step_fwd(v, a3, b3, OP3)
-    v = _step_fwd(v, a4, b4, OP4)
-    v = _step_fwd(v, a5, b5, OP5)
-    v = _step_fwd(v, a6, b6, OP6)
-    v = _step_fwd(v, a7, b7, OP7)
-    return v
-
-
-@triton.jit
-def _avg_divisor(od, oh, ow, D, H, W,
-                 KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                 SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                 PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-                 COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr):  # fmt: skip
-    """PyTorch's avg-pool divisor of window ``(od, oh, ow)`` (fp32)."""
-    d0 = od * SD - PD
-    h0 = oh * SH - PH
-    w0 = ow * SW - PW
-    d1 = tl.minimum(d0 + KD, D + PD)
-    h1 = tl.minimum(h0 + KH, H + PH)
-    w1 = tl.minimum(w0 + KW, W + PW)
-    if COUNT_INCLUDE_PAD:
-        count = (d1 - d0) * (h1 - h0) * (w1 - w0)
-    else:
-        count = (
-            (tl.minimum(d1, D) - tl.maximum(d0, 0))
-            * (tl.minimum(h1, H) - tl.maximum(h0, 0))
-            * (tl.minimum(w1, W) - tl.maximum(w0, 0))
-        )
-    div = tl.maximum(count, 1).to(tl.float32)  # >= 1 for every real window; lanes out of range
-    if DIVISOR != 0:
-        div = tl.zeros_like(div) + DIVISOR
-    return div
-
 
 # --------------------------------------------------------------------------------------------------
 # Forward
@@ -367,14 +114,14 @@ def _epilogue_fwd_kernel(
     bias = 0.0
     if HAS_BIAS:  # in the conv's dtype, as the conv adds it (an fp32 bias under autocast is cast)
         bias = tl.load(p_ptr + c, mask=cmask, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
-    a0, b0 = _load_operands(p_ptr, 0, c, C, cmask, OP0)
-    a1, b1 = _load_operands(p_ptr, 1, c, C, cmask, OP1)
-    a2, b2 = _load_operands(p_ptr, 2, c, C, cmask, OP2)
-    a3, b3 = _load_operands(p_ptr, 3, c, C, cmask, OP3)
-    a4, b4 = _load_operands(p_ptr, 4, c, C, cmask, OP4)
-    a5, b5 = _load_operands(p_ptr, 5, c, C, cmask, OP5)
-    a6, b6 = _load_operands(p_ptr, 6, c, C, cmask, OP6)
-    a7, b7 = _load_operands(p_ptr, 7, c, C, cmask, OP7)
+    a0, b0 = load_operands(p_ptr, 0, c, C, cmask, OP0)
+    a1, b1 = load_operands(p_ptr, 1, c, C, cmask, OP1)
+    a2, b2 = load_operands(p_ptr, 2, c, C, cmask, OP2)
+    a3, b3 = load_operands(p_ptr, 3, c, C, cmask, OP3)
+    a4, b4 = load_operands(p_ptr, 4, c, C, cmask, OP4)
+    a5, b5 = load_operands(p_ptr, 5, c, C, cmask, OP5)
+    a6, b6 = load_operands(p_ptr, 6, c, C, cmask, OP6)
+    a7, b7 = load_operands(p_ptr, 7, c, C, cmask, OP7)
 
     y_base = y_ptr + n64 * y_sn + c64 * y_sc
     o_off = n64 * o_sn + c64 * o_sc
@@ -383,7 +130,7 @@ def _epilogue_fwd_kernel(
         y = y_raw.to(tl.float32)
         if HAS_BIAS:
             y = y + bias
-        v = _chain_fwd(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+        v = chain_forward(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
                        OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
         tl.store(out_ptr + o_off + s64 * o_sw, v.to(out_ptr.dtype.element_ty), mask=mask)
         if SAVE:  # the conv output itself, relaid into out's layout (the saved state)
@@ -414,7 +161,7 @@ def _epilogue_fwd_kernel(
                     y = y_raw
                     if HAS_BIAS:
                         y = y + bias
-                    v = _chain_fwd(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+                    v = chain_forward(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
                                    OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
                     if POOL == 1:
                         take = ok & ((v > best) | (v != v) | (win < 0))
@@ -431,7 +178,7 @@ def _epilogue_fwd_kernel(
                 tl.store(win_ptr + o_off, win.to(win_ptr.dtype.element_ty), mask=mask)
                 tl.store(win_y_ptr + o_off, win_y.to(win_y_ptr.dtype.element_ty), mask=mask)
         else:
-            div = _avg_divisor(od, oh, ow, D, H, W, KD, KH, KW, SD, SH, SW, PD, PH, PW,
+            div = avg_divisor(od, oh, ow, D, H, W, KD, KH, KW, SD, SH, SW, PD, PH, PW,
                                COUNT_INCLUDE_PAD, DIVISOR)  # fmt: skip
             tl.store(out_ptr + o_off, (acc / div).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -499,14 +246,14 @@ def _epilogue_bwd_kernel(
     bias = 0.0
     if HAS_BIAS:  # in the conv's dtype (gy's), as the forward added it
         bias = tl.load(p_ptr + c, mask=cmask, other=0.0).to(gy_ptr.dtype.element_ty).to(tl.float32)
-    a0, b0 = _load_operands(p_ptr, 0, c, C, cmask, OP0)
-    a1, b1 = _load_operands(p_ptr, 1, c, C, cmask, OP1)
-    a2, b2 = _load_operands(p_ptr, 2, c, C, cmask, OP2)
-    a3, b3 = _load_operands(p_ptr, 3, c, C, cmask, OP3)
-    a4, b4 = _load_operands(p_ptr, 4, c, C, cmask, OP4)
-    a5, b5 = _load_operands(p_ptr, 5, c, C, cmask, OP5)
-    a6, b6 = _load_operands(p_ptr, 6, c, C, cmask, OP6)
-    a7, b7 = _load_operands(p_ptr, 7, c, C, cmask, OP7)
+    a0, b0 = load_operands(p_ptr, 0, c, C, cmask, OP0)
+    a1, b1 = load_operands(p_ptr, 1, c, C, cmask, OP1)
+    a2, b2 = load_operands(p_ptr, 2, c, C, cmask, OP2)
+    a3, b3 = load_operands(p_ptr, 3, c, C, cmask, OP3)
+    a4, b4 = load_operands(p_ptr, 4, c, C, cmask, OP4)
+    a5, b5 = load_operands(p_ptr, 5, c, C, cmask, OP5)
+    a6, b6 = load_operands(p_ptr, 6, c, C, cmask, OP6)
+    a7, b7 = load_operands(p_ptr, 7, c, C, cmask, OP7)
 
     y_off = n64 * y_sn + c64 * y_sc
     gy_off = n64 * gy_sn + c64 * gy_sc
@@ -566,7 +313,7 @@ def _epilogue_bwd_kernel(
                         y = tl.where(hit, tl.load(win_y_ptr + w_off, mask=hit, other=0.0).to(tl.float32), y)
                         won = won | hit
                     else:
-                        div = _avg_divisor(od, oh, ow, D, H, W, KD, KH, KW, SD, SH, SW, PD, PH, PW,
+                        div = avg_divisor(od, oh, ow, D, H, W, KD, KH, KW, SD, SH, SW, PD, PH, PW,
                                            COUNT_INCLUDE_PAD, DIVISOR)  # fmt: skip
                         go = tl.load(gout_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
                         g += tl.where(ok, go / div, 0.0)  # windows out of range have div 0
@@ -577,21 +324,21 @@ def _epilogue_bwd_kernel(
 
     # Recompute the chain's intermediates (the input of each slot), then walk back.
     v0 = y
-    v1 = _step_fwd(v0, a0, b0, OP0)
-    v2 = _step_fwd(v1, a1, b1, OP1)
-    v3 = _step_fwd(v2, a2, b2, OP2)
-    v4 = _step_fwd(v3, a3, b3, OP3)
-    v5 = _step_fwd(v4, a4, b4, OP4)
-    v6 = _step_fwd(v5, a5, b5, OP5)
-    v7 = _step_fwd(v6, a6, b6, OP6)
-    g, ga7 = _step_bwd(g, v7, a7, b7, OP7)
-    g, ga6 = _step_bwd(g, v6, a6, b6, OP6)
-    g, ga5 = _step_bwd(g, v5, a5, b5, OP5)
-    g, ga4 = _step_bwd(g, v4, a4, b4, OP4)
-    g, ga3 = _step_bwd(g, v3, a3, b3, OP3)
-    g, ga2 = _step_bwd(g, v2, a2, b2, OP2)
-    g, ga1 = _step_bwd(g, v1, a1, b1, OP1)
-    g, ga0 = _step_bwd(g, v0, a0, b0, OP0)
+    v1 = step_forward(v0, a0, b0, OP0)
+    v2 = step_forward(v1, a1, b1, OP1)
+    v3 = step_forward(v2, a2, b2, OP2)
+    v4 = step_forward(v3, a3, b3, OP3)
+    v5 = step_forward(v4, a4, b4, OP4)
+    v6 = step_forward(v5, a5, b5, OP5)
+    v7 = step_forward(v6, a6, b6, OP6)
+    g, ga7 = step_backward(g, v7, a7, b7, OP7)
+    g, ga6 = step_backward(g, v6, a6, b6, OP6)
+    g, ga5 = step_backward(g, v5, a5, b5, OP5)
+    g, ga4 = step_backward(g, v4, a4, b4, OP4)
+    g, ga3 = step_backward(g, v3, a3, b3, OP3)
+    g, ga2 = step_backward(g, v2, a2, b2, OP2)
+    g, ga1 = step_backward(g, v1, a1, b1, OP1)
+    g, ga0 = step_backward(g, v0, a0, b0, OP0)
     g = tl.where(active, g, 0.0)
     tl.store(gy_ptr + gy_off, g.to(gy_ptr.dtype.element_ty), mask=mask)
 
@@ -623,16 +370,6 @@ def _epilogue_bwd_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
-def _lift(t: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Sizes and element strides of ``t`` (N, C, *spatial with 1..3 dims) as (N, C, D, H, W)."""
-    if not 3 <= t.dim() <= 5:
-        raise ValueError(
-            f"expected a (N, C, *spatial) tensor with 1 to 3 spatial dims, got shape {tuple(t.shape)}"
-        )
-    pad = 5 - t.dim()
-    sizes = [t.shape[0], t.shape[1]] + [1] * pad + list(t.shape[2:])
-    strides = [t.stride(0), t.stride(1)] + [0] * pad + list(t.stride()[2:])
-    return sizes, strides
 
 
 def _spatial_flattens(sizes: Sequence[int], strides: Sequence[int]) -> bool:
@@ -791,13 +528,6 @@ def tensor_rows(steps: Sequence[KernelStep], bias: torch.Tensor | None) -> list[
     return rows + [v for _, operands in steps for v in operands if isinstance(v, torch.Tensor)]
 
 
-def _op_constexprs(steps: Sequence[KernelStep]) -> dict[str, int]:
-    codes = [int(code) for code, _ in steps] + [0] * (MAX_SLOTS - len(steps))
-    for code in codes:
-        if not 0 <= code <= _HARDTANH:
-            raise ValueError(f"unknown op code {code}")
-    return {f"OP{k}": code for k, code in enumerate(codes)}
-
 
 def epilogue_forward(
     y: torch.Tensor,
@@ -875,8 +605,8 @@ class ForwardLaunch:
                 )
         if winner is not None and winner.dtype not in (torch.int8, torch.int32):
             raise ValueError(f"winner must be int8 or int32, got {winner.dtype}")
-        y_sizes, y_strides = _lift(y)
-        o_sizes, o_strides = _lift(out)
+        y_sizes, y_strides = lift_5d(y)
+        o_sizes, o_strides = lift_5d(out)
         channels = y_sizes[1]
         #: y is copied into out's (flattening) layout first
         self.copy_y = False
@@ -889,11 +619,11 @@ class ForwardLaunch:
                 raise ValueError(f"out's spatial dims must flatten, got strides {out.stride()}")
             if not _spatial_flattens(y_sizes, y_strides):
                 self.copy_y = True
-                y_strides = _lift(torch.empty_like(out, dtype=y.dtype, device="meta"))[1]
+                y_strides = lift_5d(torch.empty_like(out, dtype=y.dtype, device="meta"))[1]
             pool_args = _NO_POOL
         else:
             pool_args = _lift_pool(pool, y.dim() - 2)
-        _op_constexprs(steps)  # checks the op codes before anything is kept
+        op_constexprs(steps)  # checks the op codes before anything is kept
         s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
         write_inner = _channels_inner(o_strides, o_sizes)
         read_inner = _channels_inner(y_strides, y_sizes)
@@ -906,7 +636,7 @@ class ForwardLaunch:
         if out.numel() > 0:
             ints = (channels, *y_sizes[2:], *o_sizes[2:], num_s_blocks, *y_strides, *o_strides)
             self.launch = FastLaunch(_epilogue_fwd_kernel, grid, dict(
-                **_op_constexprs(steps), HAS_BIAS=bias is not None,
+                **op_constexprs(steps), HAS_BIAS=bias is not None,
                 POOL=0 if pool is None else (1 if pool.kind == "max" else 2), SAVE=save, **pool_args,
                 BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
             ), fixed=ints)  # fmt: skip
@@ -997,12 +727,12 @@ class BackwardLaunch:
         elif y.shape != grad_y.shape:
             raise ValueError(f"grad_y must have y's shape {tuple(y.shape)}, got {tuple(grad_y.shape)}")
         for slot, wanted in enumerate(operand_grad_slots):
-            if wanted and not _MUL <= int(steps[slot][0]) <= _RDIV:
+            if wanted and not OP_CODES["mul"] <= int(steps[slot][0]) <= OP_CODES["rdiv"]:
                 raise ValueError(f"slot {slot} (op code {steps[slot][0]}) has no differentiable operand")
-        gy_sizes, gy_strides = _lift(grad_y)
+        gy_sizes, gy_strides = lift_5d(grad_y)
         #: y's strides (grad_y's where there is no y: a max pool loads no y)
-        y_strides = _lift(y)[1] if y is not None else gy_strides
-        g_sizes, g_strides = _lift(grad_out)
+        y_strides = lift_5d(y)[1] if y is not None else gy_strides
+        g_sizes, g_strides = lift_5d(grad_out)
         n, channels = gy_sizes[:2]
         #: grad_out is copied into grad_y's (flattening) layout first
         self.copy_grad_out = False
@@ -1020,7 +750,7 @@ class BackwardLaunch:
             pool_args = _NO_POOL
         else:
             pool_args = _lift_pool(pool, grad_y.dim() - 2)
-        w_strides = _lift(winner)[1] if winner is not None else [0] * 5
+        w_strides = lift_5d(winner)[1] if winner is not None else [0] * 5
         grad_mask = sum(1 << k for k, wanted in enumerate(operand_grad_slots) if wanted)
         if bias_grad:
             grad_mask |= 1 << MAX_SLOTS
@@ -1039,7 +769,7 @@ class BackwardLaunch:
         self.launch = None
         if grad_y.numel() > 0:
             self.launch = FastLaunch(_epilogue_bwd_kernel, grid, dict(
-                **_op_constexprs(steps), HAS_BIAS=bias is not None,
+                **op_constexprs(steps), HAS_BIAS=bias is not None,
                 POOL=0 if pool is None else (1 if pool.kind == "max" else 2), GRAD_MASK=grad_mask, **pool_args,
                 BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
             ), fixed=ints)  # fmt: skip

@@ -112,3 +112,26 @@ def persistent_device_copies(tensors: Sequence[torch.Tensor], device: torch.devi
         copies = [t.to(device) for t in tensors]
     side.synchronize()
     return copies
+
+
+def lift_5d(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Sizes and element strides of ``t`` (N, C, *spatial with 1..3 dims) as (N, C, D, H, W): a 1-d or
+    2-d tensor gets leading spatial dims of size 1 and stride 0, so one kernel serves every rank."""
+    if not 3 <= t.dim() <= 5:
+        raise ValueError(f"expected a (N, C, *spatial) tensor with 1 to 3 spatial dims, got shape {tuple(t.shape)}")
+    pad = 5 - t.dim()
+    sizes = [t.shape[0], t.shape[1]] + [1] * pad + list(t.shape[2:])
+    strides = [t.stride(0), t.stride(1)] + [0] * pad + list(t.stride()[2:])
+    return sizes, strides
+
+
+def lift3(values: Sequence[int], fill: int) -> tuple[int, int, int]:
+    """Per-spatial-dim ``values`` (1 to 3 of them) lifted to 3 dims with ``fill`` in front."""
+    return tuple([fill] * (3 - len(values)) + [int(v) for v in values])  # type: ignore[return-value]
+
+
+def element_extent(t: torch.Tensor) -> int:
+    """One past the largest element offset ``t`` addresses (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride(), strict=True)) + 1

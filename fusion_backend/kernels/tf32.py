@@ -53,6 +53,17 @@ def dot_precision(compute_dtype: torch.dtype, allow_tf32: bool, interpret: bool)
     return "tf32" if allow_tf32 else "ieee"
 
 
+def backward_dot_precision(dtype: torch.dtype) -> str:
+    """The ``input_precision`` of the conv-backward kernels' dots: "tf32" for fp32 data iff
+    ``torch.backends.cudnn.allow_tf32`` (as cuDNN's backward), "ieee" for 16-bit data and always
+    under the interpreter (it has no TF32)."""
+    from .host import INTERPRETER
+
+    if dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and not INTERPRETER:
+        return "tf32"
+    return "ieee"
+
+
 @triton.jit
 def to_compute(v, CDT: tl.constexpr):
     """``v`` cast to the compute dtype ``CDT`` (``compute_code``): 0 fp32, 1 fp16, 2 bf16."""

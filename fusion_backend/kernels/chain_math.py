@@ -1,0 +1,296 @@
+"""The pointwise chain and pool arithmetic every conv-epilogue kernel shares (``epilogue``, ``conv_fused``,
+``conv_dense``): op codes, the operand-matrix layout, the ``@triton.jit`` step functions with torch
+semantics, PyTorch's avg-pool divisor, and the launch constexprs of a chain.
+
+* The chain is up to ``MAX_SLOTS`` op-code slots (``OP0..OP7: tl.constexpr``, 0 = empty slot), using
+  the stable codes of ``fusion_backend.ops.chain.PointwiseKind`` (kept as plain integers here).
+* Every operand value lives in one small fp32 matrix ``P`` of shape ``(NUM_PARAM_ROWS, C)``: row
+  ``BIAS_ROW`` holds the bias, rows ``1 + 2*k`` and ``2 + 2*k`` the first and second operand of slot
+  ``k``, each expanded over the ``C`` output channels (``load_operands`` reads them).
+* All arithmetic is fp32 whatever the storage dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+import triton
+import triton.language as tl
+
+#: Number of op-code slots of the kernel templates (== chain.MAX_CHAIN_LENGTH).
+MAX_SLOTS = 8
+#: Row of ``P`` holding the conv bias.
+BIAS_ROW = 0
+#: Rows of ``P``: the bias, then two operand rows per slot.
+NUM_PARAM_ROWS = 1 + 2 * MAX_SLOTS
+#: Rows of the backward partial-sum buffer: one per slot (its first operand), then the bias.
+NUM_GRAD_ROWS = MAX_SLOTS + 1
+#: Largest pool window the kernels unroll; larger windows go to the reference implementation.
+#: NOTE: windows are fully unrolled (``tl.static_range``) together with the chain, so compile time
+#: and code size grow with the window volume; 64 covers 4x4x4 / 8x8 windows.
+MAX_WINDOW_VOLUME = 64
+
+# Op codes, mirrored from PointwiseKind.code (tests/test_epilogue_kernels.py checks they agree).
+_RELU, _LEAKY_RELU, _GELU, _GELU_TANH, _SILU, _SIGMOID, _TANH, _HARDSWISH, _MISH = range(1, 10)
+_CLAMP, _CLAMP_MIN, _CLAMP_MAX, _MUL, _ADD, _SUB, _RSUB, _DIV, _RDIV, _HARDTANH = range(10, 20)
+OP_CODES = {
+    "relu": _RELU, "leaky_relu": _LEAKY_RELU, "gelu": _GELU, "gelu_tanh": _GELU_TANH,
+    "silu": _SILU, "sigmoid": _SIGMOID, "tanh": _TANH, "hardswish": _HARDSWISH, "mish": _MISH,
+    "clamp": _CLAMP, "clamp_min": _CLAMP_MIN, "clamp_max": _CLAMP_MAX, "mul": _MUL, "add": _ADD,
+    "sub": _SUB, "rsub": _RSUB, "div": _DIV, "rdiv": _RDIV, "hardtanh": _HARDTANH,
+}  # fmt: skip
+
+#: An operand value as the launchers take it: a Python number, or a tensor of numel 1 (broadcast over
+#: channels) or numel C (one value per channel, in channel order; any shape, any float dtype).
+OperandValue = Union[float, torch.Tensor]
+#: One chain step for the launchers: ``(op code, operand values)``.
+KernelStep = tuple[int, Sequence[OperandValue]]
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """A pool as the kernels see it, with one entry per spatial dim of the tensors (1 to 3).
+
+    ``kind`` is ``"max"`` or ``"avg"``; dilation is 1.  ``ceil_mode`` does not appear: it only changes
+    the output size, which the kernels read off the output tensor, and partial windows are clipped
+    the same way in both modes.  ``count_include_pad``/``divisor_override`` apply to ``"avg"`` only,
+    with PyTorch's divisor rule: the window clipped to ``[-padding, size + padding)`` counts when
+    ``count_include_pad``, else the window clipped to the input.
+    """
+
+    kind: str
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    count_include_pad: bool = True
+    divisor_override: int | None = None
+
+    @property
+    def window_volume(self) -> int:
+        return math.prod(self.kernel_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pointwise math (fp32)
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    # NOTE: no tanh in tl/tl.math on every supported Triton, and libdevice is off limits; the exp
+    # form 1 - 2/(e^2x + 1) loses relative precision near 0, so a Taylor polynomial (error < 1e-9
+    # for |x| < 0.3) takes over there.  Max relative error is a few 1e-7 overall.
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    # tanh(x) / x = 1 - x^2/3 + 2x^4/15 - 17x^6/315 + 62x^8/2835 - 1382x^10/155925 + O(x^12)
+    poly = -0.008863235529902197
+    poly = 0.021869488536155203 + x2 * poly
+    poly = -0.05396825396825397 + x2 * poly
+    poly = 0.13333333333333333 + x2 * poly
+    poly = -0.3333333333333333 + x2 * poly
+    poly = 1.0 + x2 * poly
+    return tl.where(ax < 0.3, x * poly, tl.where(x < 0.0, -big, big))
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _softplus(x):
+    # log1p(exp(x)) without overflow: max(x, 0) + log1p(exp(-|x|)); log1p(t) = log(u) * t / (u - 1)
+    # with u = 1 + t is exact to a few ulp (Goldberg), and falls back to t when u rounds to 1.
+    t = tl.exp(-tl.abs(x))
+    u = 1.0 + t
+    lp = tl.where(u == 1.0, t, tl.log(u) * (t / (u - 1.0)))
+    return tl.maximum(x, 0.0) + lp
+
+
+@triton.jit
+def load_operands(p_ptr, SLOT: tl.constexpr, c, C, cmask, OP: tl.constexpr):
+    """Operand rows of slot ``SLOT`` at channels ``c`` (0.0 where the op takes no such operand).
+
+    Masked-off channels read 1.0, so that divisions in lanes that are discarded stay finite.
+    """
+    a = 0.0
+    b = 0.0
+    if OP == 2:  # leaky_relu(slope)
+        a = tl.load(p_ptr + (1 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
+    if OP >= 10:  # clamps and arithmetic take a first operand
+        a = tl.load(p_ptr + (1 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
+    if OP == 10:  # clamp(lo, hi)
+        b = tl.load(p_ptr + (2 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
+    if OP == 19:  # hardtanh(lo, hi)
+        b = tl.load(p_ptr + (2 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
+    return a, b
+
+
+@triton.jit
+def step_forward(v, a, b, OP: tl.constexpr):
+    """One chain step with torch semantics (NaN propagates wherever torch propagates it)."""
+    if OP == 1:  # relu
+        v = tl.where(v < 0.0, 0.0, v)
+    elif OP == 2:  # leaky_relu
+        v = tl.where(v > 0.0, v, v * a)
+    elif OP == 3:  # gelu (exact erf)
+        v = 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
+    elif OP == 4:  # gelu tanh approximation
+        inner = 0.7978845608028654 * (v + 0.044715 * v * v * v)
+        v = 0.5 * v * (1.0 + _tanh(inner))
+    elif OP == 5:  # silu
+        v = v * _sigmoid(v)
+    elif OP == 6:  # sigmoid
+        v = _sigmoid(v)
+    elif OP == 7:  # tanh
+        v = _tanh(v)
+    elif OP == 8:  # hardswish: x * min(max(x + 3, 0), 6) / 6, NaN-propagating like torch
+        r = v + 3.0
+        r = tl.where(r < 0.0, 0.0, r)
+        r = tl.where(r > 6.0, 6.0, r)
+        v = v * r / 6.0
+    elif OP == 9:  # mish
+        v = v * _tanh(_softplus(v))
+    elif OP == 10 or OP == 19:  # clamp / hardtanh: min(max(v, lo), hi)
+        v = tl.where(v < a, a, v)
+        v = tl.where(v > b, b, v)
+    elif OP == 11:  # clamp_min
+        v = tl.where(v < a, a, v)
+    elif OP == 12:  # clamp_max
+        v = tl.where(v > a, a, v)
+    elif OP == 13:
+        v = v * a
+    elif OP == 14:
+        v = v + a
+    elif OP == 15:
+        v = v - a
+    elif OP == 16:
+        v = a - v
+    elif OP == 17:
+        v = v / a
+    elif OP == 18:
+        v = a / v
+    return v
+
+
+@triton.jit
+def step_backward(g, v, a, b, OP: tl.constexpr):
+    """Gradients of one step at input ``v`` given the output gradient ``g``: ``(d/dv, d/da)``.
+
+    Derivatives follow torch's backward formulas (relu: 0 at 0; leaky_relu: slope at 0; clamp:
+    inclusive bounds; hardtanh: strict bounds, NaN passes).  ``d/da`` is only meaningful for the
+    arithmetic ops; it is 0.0 for the others.
+    """
+    gv = g
+    ga = 0.0
+    if OP == 1:  # threshold_backward on the result: passes where result > 0 (and for NaN)
+        gv = tl.where(v <= 0.0, 0.0, g)
+    elif OP == 2:
+        gv = tl.where(v > 0.0, g, g * a)
+    elif OP == 3:
+        cdf = 0.5 * (1.0 + tl.math.erf(v * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * v * v) * 0.3989422804014327
+        gv = g * (cdf + v * pdf)
+    elif OP == 4:
+        x_sq = v * v
+        inner = 0.7978845608028654 * (v + 0.044715 * x_sq * v)
+        th = _tanh(inner)
+        left_d = 0.5 * (1.0 + th)
+        right_d = 0.5 * v * (1.0 - th * th) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x_sq)
+        gv = g * (left_d + right_d)
+    elif OP == 5:
+        s = _sigmoid(v)
+        gv = g * (s * (1.0 + v * (1.0 - s)))
+    elif OP == 6:
+        s = _sigmoid(v)
+        gv = g * (1.0 - s) * s
+    elif OP == 7:
+        t = _tanh(v)
+        gv = g * (1.0 - t * t)
+    elif OP == 8:
+        gv = tl.where(v <= -3.0, 0.0, tl.where(v < 3.0, g * (v / 3.0 + 0.5), g))  # open interval, as torch
+    elif OP == 9:
+        s = _sigmoid(v)
+        tsp = _tanh(_softplus(v))
+        gv = g * (tsp + v * s * (1.0 - tsp * tsp))
+    elif OP == 10:
+        gv = tl.where((v >= a) & (v <= b), g, 0.0)
+    elif OP == 11:
+        gv = tl.where(v >= a, g, 0.0)
+    elif OP == 12:
+        gv = tl.where(v <= a, g, 0.0)
+    elif OP == 13:
+        gv = g * a
+        ga = g * v
+    elif OP == 14:
+        ga = g
+    elif OP == 15:
+        ga = -g
+    elif OP == 16:
+        gv = -g
+        ga = g
+    elif OP == 17:
+        gv = g / a
+        ga = -g * v / (a * a)
+    elif OP == 18:
+        gv = -g * a / (v * v)
+        ga = g / v
+    elif OP == 19:
+        gv = tl.where(((v > a) & (v < b)) | (v != v), g, 0.0)
+    return gv, ga
+
+
+@triton.jit
+def chain_forward(v, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+               OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+               OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr):  # fmt: skip
+    v = step_forward(v, a0, b0, OP0)
+    v = step_forward(v, a1, b1, OP1)
+    v = step_forward(v, a2, b2, OP2)
+    v = step_forward(v, a3, b3, OP3)
+    v = step_forward(v, a4, b4, OP4)
+    v = step_forward(v, a5, b5, OP5)
+    v = step_forward(v, a6, b6, OP6)
+    v = step_forward(v, a7, b7, OP7)
+    return v
+
+
+@triton.jit
+def avg_divisor(od, oh, ow, D, H, W,
+                 KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                 SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                 PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                 COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr):  # fmt: skip
+    """PyTorch's avg-pool divisor of window ``(od, oh, ow)`` (fp32)."""
+    d0 = od * SD - PD
+    h0 = oh * SH - PH
+    w0 = ow * SW - PW
+    d1 = tl.minimum(d0 + KD, D + PD)
+    h1 = tl.minimum(h0 + KH, H + PH)
+    w1 = tl.minimum(w0 + KW, W + PW)
+    if COUNT_INCLUDE_PAD:
+        count = (d1 - d0) * (h1 - h0) * (w1 - w0)
+    else:
+        count = (
+            (tl.minimum(d1, D) - tl.maximum(d0, 0))
+            * (tl.minimum(h1, H) - tl.maximum(h0, 0))
+            * (tl.minimum(w1, W) - tl.maximum(w0, 0))
+        )
+    div = tl.maximum(count, 1).to(tl.float32)  # >= 1 for every real window; lanes out of range
+    if DIVISOR != 0:
+        div = tl.zeros_like(div) + DIVISOR
+    return div
+
+
+def op_constexprs(steps: Sequence[KernelStep]) -> dict[str, int]:
+    codes = [int(code) for code, _ in steps] + [0] * (MAX_SLOTS - len(steps))
+    for code in codes:
+        if not 0 <= code <= _HARDTANH:
+            raise ValueError(f"unknown op code {code}")
+    return {f"OP{k}": code for k, code in enumerate(codes)}
