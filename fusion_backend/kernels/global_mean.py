@@ -626,8 +626,8 @@ def _grad_broadcast_cl_kernel(
 # every parameter gradient from the saved sums (backward).
 # --------------------------------------------------------------------------------------------------
 
-# Affine step kinds as the kernels know them (``KINDS`` entries).
-STEP_MUL, STEP_ADD, STEP_SUB, STEP_RSUB, STEP_DIV = 1, 2, 3, 4, 5
+# ``KINDS`` entries are the op codes of ``chain_math.OP_CODES`` (``PointwiseKind.code``): mul 13, add 14,
+# sub 15, rsub 16, div 17 (the jitted code compares them as literals).
 # Where the backward kernel puts a step operand's gradient (``OUT_MODE`` entries).
 GRAD_NONE, GRAD_DIRECT, GRAD_SCRATCH = 0, 1, 2
 
@@ -644,13 +644,13 @@ def _operand(co, co_ok, ops, op_strides, TENSOR: tl.constexpr, CONSTS: tl.conste
 
 @triton.jit
 def _apply(u, v, KIND: tl.constexpr):
-    if KIND == 1:
+    if KIND == 13:  # mul
         r = u * v
-    elif KIND == 2:
+    elif KIND == 14:  # add
         r = u + v
-    elif KIND == 3:
+    elif KIND == 15:  # sub
         r = u - v
-    elif KIND == 4:
+    elif KIND == 16:  # rsub
         r = v - u
     else:
         r = u / v
@@ -841,11 +841,11 @@ def _params_bwd_kernel(
 
     a = tl.full([BLOCK_CO], 1.0, tl.float64)
     for i in tl.static_range(NS):
-        if KINDS[i] == 1:
+        if KINDS[i] == 13:  # mul
             a = a * _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i)
-        elif KINDS[i] == 5:
+        elif KINDS[i] == 17:  # div
             a = a / _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i)
-        elif KINDS[i] == 4:
+        elif KINDS[i] == 16:  # rsub
             a = -a
     scale = a / P
 
@@ -885,15 +885,15 @@ def _params_bwd_kernel(
             for j in tl.static_range(NS - 1, -1, -1):
                 v = _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, j)
                 ui = tl.sum(tl.where(slot[:, None] == j, us, 0.0), axis=0)
-                if KINDS[j] == 1:
+                if KINDS[j] == 13:  # mul
                     gvi = d * ui
                     d = d * v
-                elif KINDS[j] == 5:
+                elif KINDS[j] == 17:  # div
                     gvi = -d * ui / (v * v)
                     d = d / v
-                elif KINDS[j] == 2:
+                elif KINDS[j] == 14:  # add
                     gvi = d
-                elif KINDS[j] == 3:
+                elif KINDS[j] == 15:  # sub
                     gvi = -d
                 else:
                     gvi = d

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ...errors import UnsupportedInputError
-from ..chain import Const, PointwiseKind
+from ..chain import Const
 from ..config import ConvSpec
 from .common import _as5d, _run
 from .config import ConvGlobalMeanConfig
@@ -35,13 +35,6 @@ def _set_sums_reference(x: torch.Tensor, geo: _Geometry) -> torch.Tensor:
     return r.reshape(n, c, j1 * j2 * j3)
 
 
-_STEP_CODES = {
-    PointwiseKind.MUL: 1,
-    PointwiseKind.ADD: 2,
-    PointwiseKind.SUB: 3,
-    PointwiseKind.RSUB: 4,
-    PointwiseKind.DIV: 5,
-}
 
 
 def _channel_stride(t: torch.Tensor, c_out: int, out_rank: int) -> int:
@@ -89,7 +82,7 @@ def _chain_static(
     kinds, tensor, consts, index, strides = [], [], [], [], []
     for step in cfg.affine:
         (op,) = step.operands
-        kinds.append(_STEP_CODES[step.kind])
+        kinds.append(step.kind.code)
         if isinstance(op, Const):
             tensor.append(False)
             consts.append(float(op.value))
