@@ -457,7 +457,8 @@ def test_contraction_sums_every_split_and_chunk_deterministically(
     import fusion_backend.kernels.global_mean as kernels
 
     for name, value in {"_TILE_ELEMENTS": 32, "_MAX_BLOCK_W": 8, "_CL_TILE_ELEMENTS": 16, **tiles}.items():
-        monkeypatch.setattr(kernels, name, value)
+        module = kernels.contract if name.startswith("_CONTRACT") else kernels.passes
+        monkeypatch.setattr(module, name, value)
     original = kernels.set_sums_partial
     nsplits: list[int] = []
 
@@ -530,10 +531,10 @@ def test_channels_last_input_reads_in_place_and_grad_x_keeps_its_layout(
     spec = spec2d(True, groups=2) if nd == 2 else ConvSpec(False, (1, 2, 1), (1, 0, 1), (1, 1, 1), (0, 0, 0), 2)
     size, kernel = ((6, 9), (3, 2)) if nd == 2 else ((3, 5, 4), (2, 3, 2))
     seen: list[bool] = []
-    original = kernels._channels_innermost_meta
-    monkeypatch.setattr(kernels, "_channels_innermost_meta", lambda *a: seen.append(original(*a)) or seen[-1])
-    kernels._plan_set_sums.cache_clear()  # launch plans are cached per shape: make both passes plan anew
-    kernels._plan_broadcast.cache_clear()
+    original = kernels.passes._channels_innermost_meta
+    monkeypatch.setattr(kernels.passes, "_channels_innermost_meta", lambda *a: seen.append(original(*a)) or seen[-1])
+    kernels.passes._plan_set_sums.cache_clear()  # launch plans are cached per shape: make both passes plan anew
+    kernels.passes._plan_broadcast.cache_clear()
     affine, shapes = AFFINES["rsub_div"]
     shapes = [tuple(1 if s == 1 else s for s in shape[:1]) + (1,) * nd if shape[0] == "C" else (1,) * (nd + 1)
               for shape in shapes]

@@ -1,4 +1,4 @@
-"""Compile every CUDA-path kernel of ``kernels/global_mean.py`` for sm_90 without a GPU.
+"""Compile every CUDA-path kernel of ``kernels/global_mean/`` for sm_90 without a GPU.
 
     python tools/compile_check_global_mean.py [--verbose]
 
@@ -64,8 +64,9 @@ PTXAS = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell"
 
 
 def record_launches(calls: list[tuple[JITFunction, tuple, dict]]) -> list[JITFunction]:
-    """Replace ``run`` of every kernel in the module by a recorder; returns the kernels."""
-    kernels = [v for v in vars(K).values() if isinstance(v, JITFunction) and v.fn.__name__.endswith("_kernel")]
+    """Replace ``run`` of every kernel of the package's modules by a recorder; returns the kernels."""
+    kernels = [v for module in (K.passes, K.contract) for v in vars(module).values()
+               if isinstance(v, JITFunction) and v.fn.__name__.endswith("_kernel")]  # fmt: skip
     for kern in kernels:
 
         def run(*args, grid, warmup, _k=kern, **kwargs):
@@ -104,11 +105,11 @@ def global_mean_pipeline_launches(
     geo = cgm.geometry._geometry(spec, size, (3, 3), x.device)
     x5 = cgm.common._as5d(x)
     # the split an H100 picks (the launchers only ask the device on CUDA)
-    if K._channels_innermost(x5):
-        block_p, block_c = K._cl_tiles(size[0] * size[1], c_in)
-        split = triton.cdiv(K._PROGRAMS_PER_SM * H100_SMS, n * triton.cdiv(c_in, block_c))
+    if K.passes._channels_innermost(x5):
+        block_p, block_c = K.passes._cl_tiles(size[0] * size[1], c_in)
+        split = triton.cdiv(K.passes._PROGRAMS_PER_SM * H100_SMS, n * triton.cdiv(c_in, block_c))
     else:
-        split = triton.cdiv(K._PROGRAMS_PER_SM * H100_SMS, n * c_in)
+        split = triton.cdiv(K.passes._PROGRAMS_PER_SM * H100_SMS, n * c_in)
     partial = K.set_sums_partial(x5, geo.bits, geo.set_counts, split=split)
     mean = torch.empty((n, c_out), dtype=torch.float64)
     taps = torch.empty((n, c_in, 9), dtype=torch.float64)

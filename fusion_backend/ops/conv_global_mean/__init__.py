@@ -37,7 +37,7 @@ act per dim.  Per dim (input length L, kernel k, stride s, padding p, dilation d
   (output_padding only lengthens O).
 
 Many taps share a set (with zero padding and stride 1 every tap of a transposed conv sees the whole
-input), so the host dedups the 1-d sets per dim; the Triton pass (``kernels/global_mean.py``) reads
+input), so the host dedups the 1-d sets per dim; the Triton pass (``kernels/global_mean/``) reads
 x once and produces the sum of every plane over every product of distinct sets, and a one-hot matrix
 maps sets back to taps.  Groups: ``ci`` runs over the group of ``co``.  Weight layouts:
 ``(C_out, C_in/g, *k)`` regular, ``(C_in, C_out/g, *k)`` transposed.

@@ -1,69 +1,34 @@
-"""Triton kernels of the ``conv_global_mean`` fused op: one pass over x forward, one pass over grad_x backward.
-
-What the kernels compute
-------------------------
-The op (``fusion_backend.ops.conv_global_mean``) reduces the mean over all output positions of a
-convolution to sums of the input over a few *index sets*.  Per spatial dim the host computes the
-distinct sets of input indices that the kernel taps touch (an arithmetic progression per tap, see the
-op module) and encodes them as a bit table: ``bits_dim[i]`` has bit ``j`` set iff input index ``i`` of
-that dim belongs to set ``j``.  A set of the full nd problem is a product ``(j1, j2, j3)`` of one set
-per dim (dims are padded in front to three with trivial size-1 dims, whose one set is ``{0}``).
-
-* ``_set_sums_kernel`` (forward): for every plane ``(n, c)`` and every set triple,
-  ``R[n, c, j1, j2, j3] = sum over i in set1[j1] x set2[j2] x set3[j3] of x[n, c, i]`` -- reading x
-  exactly once.
-* ``_set_broadcast_kernel`` (backward): the adjoint,
-  ``grad_x[n, c, i] = sum over (j1, j2, j3) with i in the product set of Q[n, c, j1, j2, j3]``.
-
-Both work on a plane viewed as ``rows x W`` with ``rows = D*H``: a tile is ``BLOCK_A`` rows by
-``BLOCK_W`` columns.  Membership is separable, so the inner dim costs ``J3`` masked row-reductions
-(or broadcasts) of the tile, and the two outer dims are handled once per row as a
-``[J12_PAD, BLOCK_A]`` mask (``J12 = J1*J2``), never a per-element loop over all ``J1*J2*J3`` sets.
-
-Determinism: no atomics.  A plane may be split into ``SPLIT`` row ranges (for parallelism when there
-are few planes); each split writes its own partial row of the output and the launcher sums the splits
-in a fixed order.
-
-Measured on an H100 (torch 2.11, triton 3.6) at the size of the ``seeds`` suite's ConvTranspose2d
-64->128 k3 pipeline, x (16, 64, 512, 512) fp32 with one set per dim: ``_set_sums_kernel`` 0.36 ms
-(~3 TB/s of x), ``_set_broadcast_kernel`` 0.34 ms; with three sets per dim (a padded "same" conv)
-0.59 / 0.46 ms.  channels_last x read by the plane kernel (strided loads along W) took 2.7 ms:
-``_set_sums_cl_kernel`` / ``_grad_broadcast_cl_kernel`` now tile ``positions x channels`` so each tile
-row is a contiguous run of channels (not yet timed on a GPU).
-
-The fused op's pipeline (``set_sums_partial`` -> ``contract_forward`` forward, ``params_backward`` ->
-``grad_broadcast`` backward) is one launch per launcher: the split partials are reduced inside
-``_contract_fwd_kernel``, and grad_x's per-set coefficients are formed in ``_set_broadcast_kernel``'s
-prologue (``FROM_GRAD``) from ``G`` and the weight.  ``set_sums`` / ``set_broadcast`` remain as the
-plain building blocks (tests use them).
-
-The launchers take 5-D views ``(N, C, D, H, W)`` (1-d and 2-d problems unsqueezed in front) with any
-strides, so channels_last inputs are read in place.
+"""The two passes of ``conv_global_mean`` over full-size tensors: the per-set sums of x (forward) and
+grad_x written from per-set coefficients (backward), in a plane layout and a channels-last layout,
+with their launchers (``set_sums`` / ``set_broadcast`` the plain building blocks, ``set_sums_partial``
+/ ``grad_broadcast`` the fused op's pipeline steps).
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from .host import cdiv, next_pow2
-from .launch import FastLaunch
+from ..host import cdiv, next_pow2
+from .common import NUM_WARPS, Launch, WeightLayout
 
 #: Largest number of distinct index sets per spatial dim (bits of an int32 table entry).
 MAX_SETS_PER_DIM = 31
+
 
 # NOTE: tile sizes.  ~4096 elements per tile (16 KB of fp32) with 4 warps keeps 32 elements per
 # thread in flight: enough to stream x at close to HBM bandwidth while the per-tile mask work (J3
 # masked reductions plus a J12_PAD x BLOCK_A mask) stays well below the memory time.
 _TILE_ELEMENTS = 4096
+
+
 _MAX_BLOCK_W = 256
-_NUM_WARPS = 4
+
+
 # Programs to aim for per SM when choosing how many row-splits a plane gets.
 _PROGRAMS_PER_SM = 4
 
@@ -407,7 +372,7 @@ def set_sums(
         J3_PAD=next_pow2(j3),
         BLOCK_A=block_a,
         BLOCK_W=block_w,
-        num_warps=_NUM_WARPS,
+        num_warps=NUM_WARPS,
     )
     # NOTE: a fixed-order reduction over the splits keeps the result bitwise reproducible.
     out = partial[:, 0] if nsplit == 1 else partial.sum(dim=1)
@@ -465,15 +430,11 @@ def set_broadcast(
         BLOCK_W=block_w,
         FROM_GRAD=False,
         BLOCK_CO=1,
-        num_warps=_NUM_WARPS,
+        num_warps=NUM_WARPS,
     )
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# Channels-last variants: a program owns a block of channels and a range of spatial positions, so
-# every tile row is a contiguous run of channels (full-bandwidth loads/stores).
-# --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -621,359 +582,15 @@ def _grad_broadcast_cl_kernel(
         tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
 
 
-# --------------------------------------------------------------------------------------------------
-# The small kernels: the contraction with the weights plus the folded affine chain (forward), and
-# every parameter gradient from the saved sums (backward).
-# --------------------------------------------------------------------------------------------------
-
-# ``KINDS`` entries are the op codes of ``chain_math.OP_CODES`` (``PointwiseKind.code``): mul 13, add 14,
-# sub 15, rsub 16, div 17 (the jitted code compares them as literals).
-# Where the backward kernel puts a step operand's gradient (``OUT_MODE`` entries).
-GRAD_NONE, GRAD_DIRECT, GRAD_SCRATCH = 0, 1, 2
-
-
-@triton.jit
-def _operand(co, co_ok, ops, op_strides, TENSOR: tl.constexpr, CONSTS: tl.constexpr, i: tl.constexpr):
-    """Value of step ``i``'s operand per channel ``co``, fp64: a tensor element or a constant."""
-    if TENSOR[i]:
-        v = tl.load(ops[i] + co.to(tl.int64) * op_strides[i], mask=co_ok, other=1.0).to(tl.float64)
-    else:
-        v = tl.full(co.shape, CONSTS[i], tl.float64)
-    return v
-
-
-@triton.jit
-def _apply(u, v, KIND: tl.constexpr):
-    if KIND == 13:  # mul
-        r = u * v
-    elif KIND == 14:  # add
-        r = u + v
-    elif KIND == 15:  # sub
-        r = u - v
-    elif KIND == 16:  # rsub
-        r = v - u
-    else:
-        r = u / v
-    return r
-
-
-@triton.jit
-def _contract_fwd_kernel(
-    r_ptr,
-    rs_n,
-    rs_c,
-    rs_s,
-    rs_j,
-    NSPLIT,
-    tapset_ptr,
-    w_ptr,
-    s_co,
-    s_ci,
-    s_t,
-    off_g,
-    bias_ptr,
-    bias_stride,
-    ops,
-    op_strides,
-    out_ptr,
-    mean_ptr,
-    taps_ptr,
-    C_IN,
-    C_OUT,
-    CIN_G,
-    COUT_G,
-    T,
-    P,
-    KINDS: tl.constexpr,
-    TENSOR: tl.constexpr,
-    CONSTS: tl.constexpr,
-    NS: tl.constexpr,
-    NS_PAD: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,
-    BLOCK_CO: tl.constexpr,
-):
-    """Forward tail in one launch: tap sums, the contraction with W, bias, mean scale, affine chain.
-
-    Grid: ``(N, groups, cdiv(COUT_G, BLOCK_CO))``; program ``(n, g, cb)`` produces output channels
-    ``g*COUT_G + [cb*BLOCK_CO, ...)`` of batch element ``n``.  The reduction index ``k = ci_local*T + t``
-    (``K = CIN_G*T`` of them) is walked in ``[BLOCK_K]`` chunks whose loads do not depend on the
-    previous chunk: per chunk one ``[BLOCK_K, BLOCK_CO]`` weight tile and one ``[BLOCK_K, BLOCK_S]``
-    tile of split partials (``ONE_CHUNK``: ``NSPLIT <= BLOCK_S``, else a loop over split chunks).
-
-    Pointer contract:
-      * ``r_ptr``: fp32 partial set sums; element ``(n, c, split, j)`` at
-        ``n*rs_n + c*rs_c + split*rs_s + j*rs_j``, ``split < NSPLIT`` (summed here, fp64).
-      * ``tapset_ptr``: int32 ``(T,)``, the product-set index of every flattened tap.
-      * ``w_ptr``/``s_*``/``off_g``: the weight, as in ``_tap_coef``.
-      * ``bias_ptr``: ``(C_OUT,)`` with stride ``bias_stride`` (unused without ``HAS_BIAS``).
-      * ``ops``/``op_strides``: one pointer per affine step (a dummy for constant steps); element
-        ``co`` of a tensor operand at ``co*op_strides[i]`` (stride 0 for a one-element operand).
-      * ``out_ptr``: contiguous ``(N, C_OUT)`` in the output dtype; ``mean_ptr``: contiguous fp64
-        ``(N, C_OUT)`` conv mean before the chain; ``taps_ptr``: contiguous fp64 ``(N, C_IN, T)`` tap
-        sums (written by the ``cb == 0`` programs).
-    Accumulation: fp64 (the contraction cancels; it is tiny).  Determinism: every sum has a fixed
-    order for a given launch configuration (``tl.sum`` trees over constexpr shapes, chunks in order);
-    no atomics.
-    """
-    n = tl.program_id(0)
-    gi = tl.program_id(1)
-    cb = tl.program_id(2)
-    col = cb * BLOCK_CO + tl.arange(0, BLOCK_CO)
-    co_ok = col < COUT_G
-    co = gi * COUT_G + col
-
-    # NOTE: everything the epilogue reads that does not depend on the contraction (bias, step
-    # operands) is loaded before the loop, so its memory latency overlaps the loop's instead of
-    # adding a round trip after it.
-    bias = tl.zeros([BLOCK_CO], dtype=tl.float64)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + co * bias_stride, mask=co_ok, other=0.0).to(tl.float64)
-    slot = tl.arange(0, NS_PAD)
-    # -0.0 fill: x + (-0.0) == x for every x (signed zeros included), so the row extraction below
-    # returns each operand bitwise
-    opv = tl.full([NS_PAD, BLOCK_CO], -0.0, tl.float64)
-    for i in tl.static_range(NS):
-        opv = tl.where(slot[:, None] == i, _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i)[None, :], opv)
-
-    K = CIN_G * T
-    kv = tl.arange(0, BLOCK_K)
-    sv = tl.arange(0, BLOCK_S)
-    n64 = n.to(tl.int64)
-    acc = tl.zeros([BLOCK_K, BLOCK_CO], dtype=tl.float64)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + kv
-        k_ok = k < K
-        cil = k // T
-        t = k - cil * T
-        ci = gi * CIN_G + cil
-        w_off = co.to(tl.int64)[None, :] * s_co + (ci.to(tl.int64) * s_ci - gi * off_g + t * s_t)[:, None]
-        w = tl.load(w_ptr + w_off, mask=k_ok[:, None] & co_ok[None, :], other=0.0)
-        j = tl.load(tapset_ptr + t, mask=k_ok, other=0)
-        r_row = r_ptr + n64 * rs_n + ci.to(tl.int64) * rs_c + j.to(tl.int64) * rs_j  # [BLOCK_K] pointers
-        if ONE_CHUNK:
-            part = tl.load(r_row[:, None] + sv[None, :] * rs_s, mask=k_ok[:, None] & (sv < NSPLIT)[None, :], other=0.0)
-            s = tl.sum(part.to(tl.float64), axis=1)
-        else:
-            s = tl.zeros([BLOCK_K], dtype=tl.float64)
-            for s0 in range(0, NSPLIT, BLOCK_S):
-                sp = s0 + sv
-                part = tl.load(r_row[:, None] + sp[None, :] * rs_s, mask=k_ok[:, None] & (sp < NSPLIT)[None, :], other=0.0)
-                s += tl.sum(part.to(tl.float64), axis=1)
-        tl.store(taps_ptr + (n64 * C_IN + gi * CIN_G) * T + k, s, mask=k_ok & ((k * 0 + cb) == 0))
-        acc += s[:, None] * w.to(tl.float64)
-    mean = tl.sum(acc, axis=0) / P + bias
-    tl.store(mean_ptr + n64 * C_OUT + co, mean, mask=co_ok)
-    v = mean
-    for i in tl.static_range(NS):
-        v = _apply(v, tl.sum(tl.where(slot[:, None] == i, opv, -0.0), axis=0), KINDS[i])
-    tl.store(out_ptr + n64 * C_OUT + co, v.to(tl.float32).to(out_ptr.dtype.element_ty), mask=co_ok)
-
-
-@triton.jit
-def _params_bwd_kernel(
-    go_ptr,
-    go_sn,
-    go_sc,
-    mean_ptr,
-    taps_ptr,
-    ops,
-    op_strides,
-    gops,
-    gop_strides,
-    gw_ptr,
-    gw_s_co,
-    gw_s_ci,
-    gw_s_t,
-    gw_off_g,
-    gbias_ptr,
-    gbias_stride,
-    coef_ptr,
-    scratch_ptr,
-    N,
-    C_IN,
-    C_OUT,
-    CIN_G,
-    COUT_G,
-    T,
-    P,
-    KINDS: tl.constexpr,
-    TENSOR: tl.constexpr,
-    CONSTS: tl.constexpr,
-    OUT_MODE: tl.constexpr,
-    NS: tl.constexpr,
-    NS_PAD: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    NEED_OPS: tl.constexpr,
-    BLOCK_CI: tl.constexpr,
-    BLOCK_CO: tl.constexpr,
-):
-    """Backward tail in one launch: grad_weight, grad_bias, operand gradients and ``G`` for grad_x.
-
-    With ``A[co]`` the chain's scale (d out / d mean) and ``G[n, co] = g[n, co] * A[co] / P``:
-    ``dW(ci, co, t) = sum_n G[n, co] * S[n, ci, t]``, ``dbias[co] = sum_n g*A``, and each step's
-    operand gradient by reverse mode through the chain (values recomputed from the saved mean).
-
-    Grid: ``(groups, cdiv(COUT_G, BLOCK_CO), cdiv(CIN_G, BLOCK_CI) * T)``; program ``(g, cb, k)``
-    writes the ``[BLOCK_CI, BLOCK_CO]`` tile of tap ``k % T`` of grad_weight; the ``k == 0`` programs
-    also write the per-channel results.  Sums over n run in order in each program: deterministic.
-
-    Pointer contract:
-      * ``go_ptr``: grad of the output, element ``(n, co)`` at ``n*go_sn + co*go_sc`` (any dtype).
-      * ``mean_ptr``: fp64 ``(N, C_OUT)``; ``taps_ptr``: fp64 ``(N, C_IN, T)`` (the forward's outputs).
-      * ``ops``/``op_strides``: as in ``_contract_fwd_kernel``.
-      * ``gops``/``gop_strides``: per step, where ``OUT_MODE[i] == GRAD_DIRECT`` puts its operand's
-        gradient (element ``co`` at ``co*gop_strides[i]``, the operand's dtype).  ``GRAD_SCRATCH`` steps
-        write their per-channel fp64 partials (summed over n) to row ``i`` of ``scratch_ptr``
-        (``(NS, C_OUT)`` contiguous) for the host to combine.
-      * ``gw_ptr``: grad_weight in the weight's dtype, addressed like ``w_ptr`` in ``_tap_coef``.
-      * ``gbias_ptr``: ``(C_OUT,)`` with stride ``gbias_stride``; ``coef_ptr``: contiguous fp32
-        ``(N, C_OUT)`` receiving ``G``.
-    """
-    gi = tl.program_id(0)
-    cb = tl.program_id(1)
-    k = tl.program_id(2)
-    col = cb * BLOCK_CO + tl.arange(0, BLOCK_CO)
-    co_ok = col < COUT_G
-    co = gi * COUT_G + col
-
-    a = tl.full([BLOCK_CO], 1.0, tl.float64)
-    for i in tl.static_range(NS):
-        if KINDS[i] == 13:  # mul
-            a = a * _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i)
-        elif KINDS[i] == 17:  # div
-            a = a / _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i)
-        elif KINDS[i] == 16:  # rsub
-            a = -a
-    scale = a / P
-
-    # grad_weight tile
-    cib = k // T
-    t = k - cib * T
-    cil = cib * BLOCK_CI + tl.arange(0, BLOCK_CI)
-    ci_ok = cil < CIN_G
-    ci = gi * CIN_G + cil
-    acc = tl.zeros([BLOCK_CI, BLOCK_CO], dtype=tl.float64)
-    for n in range(N):
-        gv = tl.load(go_ptr + n * go_sn + co * go_sc, mask=co_ok, other=0.0).to(tl.float64) * scale
-        s = tl.load(taps_ptr + (n * C_IN + ci.to(tl.int64)) * T + t, mask=ci_ok, other=0.0)
-        acc += s[:, None] * gv[None, :]
-    gw_off = co.to(tl.int64)[None, :] * gw_s_co + (ci.to(tl.int64) * gw_s_ci - gi * gw_off_g)[:, None] + t * gw_s_t
-    tl.store(gw_ptr + gw_off, acc.to(tl.float32).to(gw_ptr.dtype.element_ty), mask=ci_ok[:, None] & co_ok[None, :])
-
-    # per-channel results (only the k == 0 programs store them)
-    first = co_ok & ((col * 0 + k) == 0)
-    slot = tl.arange(0, NS_PAD)
-    gbias = tl.zeros([BLOCK_CO], dtype=tl.float64)
-    opacc = tl.zeros([NS_PAD, BLOCK_CO], dtype=tl.float64)
-    for n in range(N):
-        g = tl.load(go_ptr + n * go_sn + co * go_sc, mask=co_ok, other=0.0).to(tl.float64)
-        tl.store(coef_ptr + n * C_OUT + co, (g * scale).to(tl.float32), mask=first)
-        gbias += g * a
-        if NEED_OPS:
-            # forward values before each step, then reverse mode through the chain
-            us = tl.zeros([NS_PAD, BLOCK_CO], dtype=tl.float64)
-            u = tl.load(mean_ptr + n * C_OUT + co, mask=co_ok, other=0.0)
-            for i in tl.static_range(NS):
-                us = tl.where(slot[:, None] == i, u[None, :], us)
-                u = _apply(u, _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, i), KINDS[i])
-            d = g
-            # reverse order; the loop variable itself stays a constexpr (a plain assignment such as
-            # ``j = NS - 1 - ii`` would turn it into a tensor, which cannot index the KINDS tuple)
-            for j in tl.static_range(NS - 1, -1, -1):
-                v = _operand(co, co_ok, ops, op_strides, TENSOR, CONSTS, j)
-                ui = tl.sum(tl.where(slot[:, None] == j, us, 0.0), axis=0)
-                if KINDS[j] == 13:  # mul
-                    gvi = d * ui
-                    d = d * v
-                elif KINDS[j] == 17:  # div
-                    gvi = -d * ui / (v * v)
-                    d = d / v
-                elif KINDS[j] == 14:  # add
-                    gvi = d
-                elif KINDS[j] == 15:  # sub
-                    gvi = -d
-                else:
-                    gvi = d
-                    d = -d
-                opacc += tl.where(slot[:, None] == j, gvi[None, :], 0.0)
-    if HAS_BIAS:
-        tl.store(gbias_ptr + co * gbias_stride, gbias.to(tl.float32).to(gbias_ptr.dtype.element_ty), mask=first)
-    if NEED_OPS:
-        for i in tl.static_range(NS):
-            row = tl.sum(tl.where(slot[:, None] == i, opacc, 0.0), axis=0)
-            if OUT_MODE[i] == 1:
-                tl.store(gops[i] + co * gop_strides[i], row.to(tl.float32).to(gops[i].dtype.element_ty), mask=first)
-            elif OUT_MODE[i] == 2:
-                tl.store(scratch_ptr + i * C_OUT + co, row, mask=first)
-
-
-# --------------------------------------------------------------------------------------------------
-# Launchers of the fused op's pipeline (forward: big pass + contraction; backward: params + grad_x)
-# --------------------------------------------------------------------------------------------------
 
 #: Most product sets the channels-last kernels unroll (one masked reduction per set and tile).
 MAX_CL_SETS = 64
+
+
 _CL_TILE_ELEMENTS = 4096
+
+
 _MAX_BLOCK_C = 64
-
-
-@dataclass(frozen=True)
-class WeightLayout:
-    """How the kernels address a conv weight: element ``(ci, co, t)`` at
-    ``co*s_co + ci*s_ci - (ci // cin_g)*off_g + t*s_t`` with ``t`` the row-major flattened tap."""
-
-    tensor: torch.Tensor
-    s_co: int
-    s_ci: int
-    s_t: int
-    off_g: int
-    cin_g: int
-    cout_g: int
-    taps: int
-
-    @staticmethod
-    def of(weight: torch.Tensor, transposed: bool, groups: int) -> WeightLayout | None:
-        """``None`` when the kernel dims cannot be addressed by one flat tap stride."""
-        dims = [(sz, st) for sz, st in zip(weight.shape[2:], weight.stride()[2:], strict=True) if sz != 1]
-        if any(dims[i][1] != dims[i + 1][1] * dims[i + 1][0] for i in range(len(dims) - 1)):
-            return None
-        s_t = dims[-1][1] if dims else 1
-        taps = math.prod(weight.shape[2:])
-        s0, s1 = weight.stride(0), weight.stride(1)
-        if transposed:  # (C_in, C_out/g, *k)
-            cin_g, cout_g = weight.shape[0] // groups, weight.shape[1]
-            return WeightLayout(weight, s1, s0, s_t, cout_g * s1, cin_g, cout_g, taps)
-        cout_g, cin_g = weight.shape[0] // groups, weight.shape[1]  # (C_out, C_in/g, *k)
-        return WeightLayout(weight, s0, s1, s_t, cin_g * s1, cin_g, cout_g, taps)
-
-
-@dataclass(frozen=True)
-class ChainArgs:
-    """The affine chain as kernel arguments: per step a kind (``STEP_*``), whether the operand is a
-    tensor, the constant (for constant steps), the operand tensor (a dummy for constants) and its
-    per-channel stride (0 for a one-element tensor).  Empty chains are padded to one dummy entry."""
-
-    kinds: tuple[int, ...]
-    tensor: tuple[bool, ...]
-    consts: tuple[float, ...]
-    ops: tuple[torch.Tensor, ...]
-    strides: tuple[int, ...]
-
-    @property
-    def steps(self) -> int:
-        return sum(1 for k in self.kinds if k)
-
-    def static(self, steps: int) -> tuple[Any, ...]:
-        """The constexpr half (kinds, tensor flags, constants) and the real step count: a cache key."""
-        return (self.kinds, self.tensor, self.consts, steps)
-
-    def padded(self, dummy: torch.Tensor) -> ChainArgs:
-        if self.kinds:
-            return self
-        return ChainArgs((0,), (False,), (0.0,), (dummy,), (0,))
 
 
 def _channels_innermost(x5: torch.Tensor) -> bool:
@@ -1006,38 +623,10 @@ def _cl_split(programs: int, positions: int, block_p: int, device: torch.device,
     return cdiv(positions, per), per
 
 
-@dataclass(frozen=True, eq=False)
-class _Launch:
-    """The shape-dependent half of one launch (kernel, grid, integer arguments, constexprs), built once
-    per shape by the ``_plan_*`` functions below.
-
-    NOTE: at the ``seeds`` suite's sizes a training step is host-bound (``python tools/profile_step.py
-    demos/seeds/convt2d_global_mean_bias_logsumexp.py --mode train`` shows the GPU time against the
-    host time per step): recomputing tiles, splits and grids on every call cost more host time than
-    the kernels' GPU time, so the launchers look these up in an ``lru_cache`` keyed by shapes and
-    strides and only bind tensors per call.
-    """
-
-    kernel: Any
-    grid: tuple[int, ...]
-    ints: tuple[int, ...] = ()
-    consts: dict[str, Any] = field(default_factory=dict)
-    #: set_sums_partial only: the partial buffer's shape, its (n, c, split, j) strides and split count
-    buffer_shape: tuple[int, ...] = ()
-    buffer_strides: tuple[int, int, int, int] = (0, 0, 0, 0)
-    nsplit: int = 1
-
-    @functools.cached_property
-    def launch(self) -> FastLaunch:
-        """``kernel[grid](*args, **consts)`` through :class:`FastLaunch` (built on first use, after
-        the plan builder's last edit of ``consts``)."""
-        return FastLaunch(self.kernel, self.grid, self.consts)
-
-
 def _pass_plan(
     shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
     split: int | None, cl_kernel: Any, plane_kernel: Any, **extra: Any,
-) -> _Launch | None:
+) -> Launch | None:
     """Tiles, split, grid and integer arguments of a pass over an x-sized tensor (the sums forward,
     the broadcast backward walk it the same way); ``None`` when it is empty."""
     n, c, d, h, w = shape
@@ -1050,18 +639,18 @@ def _pass_plan(
         block_p, block_c = _cl_tiles(positions, c)
         cblocks = cdiv(c, block_c)
         nsplit, per = _cl_split(n * cblocks, positions, block_p, device, split)
-        return _Launch(
+        return Launch(
             cl_kernel, (n, cblocks, nsplit), (c, h, w, positions, per, stride[0], stride[1], stride[4]),
-            dict(J1=j1, J2=j2, J3=j3, J_PAD=next_pow2(jn), BLOCK_P=block_p, BLOCK_C=block_c, num_warps=_NUM_WARPS),
+            dict(J1=j1, J2=j2, J3=j3, J_PAD=next_pow2(jn), BLOCK_P=block_p, BLOCK_C=block_c, num_warps=NUM_WARPS),
             (n, nsplit, jn, c), (nsplit * jn * c, 1, jn * c, c), nsplit,
         )  # fmt: skip
     rows = d * h
     block_a, block_w = _tile_shape(rows, w)
     nsplit, rows_per_split = _choose_split(n * c, rows, block_a, device, split)
-    return _Launch(
+    return Launch(
         plane_kernel, (n * c, nsplit), (c, h, w, rows, rows_per_split, *stride),
         dict(J1=j1, J2=j2, J3=j3, J12_PAD=next_pow2(j1 * j2), J3_PAD=next_pow2(j3), BLOCK_A=block_a,
-             BLOCK_W=block_w, num_warps=_NUM_WARPS, **extra),
+             BLOCK_W=block_w, num_warps=NUM_WARPS, **extra),
         (n, c, nsplit, jn), (c * nsplit * jn, nsplit * jn, jn, 1), nsplit,
     )  # fmt: skip
 
@@ -1070,7 +659,7 @@ def _pass_plan(
 def _plan_set_sums(
     shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
     split: int | None,
-) -> _Launch | None:
+) -> Launch | None:
     """``None`` for an empty x (no launch); the buffer fields describe the partial sums."""
     return _pass_plan(shape, stride, device, sets, split, _set_sums_cl_kernel, _set_sums_kernel)
 
@@ -1098,148 +687,11 @@ def set_sums_partial(
     return partial, plan.buffer_strides, plan.nsplit
 
 
-def _block_co(cout_g: int) -> int:
-    return min(next_pow2(cout_g), 32)
-
-
-def _block_ci(cin_g: int) -> int:
-    return min(next_pow2(cin_g), 32)
-
-
-# NOTE: the contraction kernel is latency-bound (ConvTranspose2d 64->128 k3 on 16x64x512x512: 1.2 M
-# fp64 multiply-adds, ~0.3 MB of weights): what matters is the number of programs and the number of
-# dependent memory round trips per program.  16 output channels per program gives that conv (N=16,
-# C_out=128) 128 programs on 132 SMs (the old grid had 64, each walking 2 ci blocks x 9 taps one after
-# another: 18 dependent iterations).  A 4096-element chunk over 8 warps (16 elements per thread, 128
-# registers, no spills: tools/compile_check_global_mean.py) walks K = C_in*T = 576 in 3 chunks whose
-# loads do not depend on each other.  Up to 16 split partials are summed as one tile (that conv
-# contiguous: 1 split; channels_last: 33 splits, 3 tiles per chunk).
-_CONTRACT_CHUNK = 4096
-_CONTRACT_BLOCK_CO = 16
-_CONTRACT_BLOCK_S = 16
-_CONTRACT_WARPS = 8
-
-
-@dataclass(frozen=True)
-class ContractTiles:
-    """Tile of ``_contract_fwd_kernel``: output channels per program, reduction chunk, split chunk."""
-
-    block_co: int
-    block_k: int
-    block_s: int
-
-
-def contract_tiles(k: int, cout_g: int, nsplit: int) -> ContractTiles:
-    """Tiles for a reduction of length ``k = C_in/groups * taps`` over ``nsplit`` split partials."""
-    block_co = min(next_pow2(cout_g), _CONTRACT_BLOCK_CO)
-    block_s = min(next_pow2(nsplit), _CONTRACT_BLOCK_S)
-    block_k = max(16, min(next_pow2(k), _CONTRACT_CHUNK // max(block_co, block_s)))
-    return ContractTiles(block_co, block_k, block_s)
-
-
-@functools.lru_cache(maxsize=256)
-def _plan_contract(
-    n: int, groups: int, cout_g: int, k: int, nsplit: int, chain_static: tuple[Any, ...], has_bias: bool
-) -> _Launch:
-    kinds, tensor, consts, steps = chain_static
-    tiles = contract_tiles(k, cout_g, nsplit)
-    return _Launch(
-        _contract_fwd_kernel, (n, groups, cdiv(cout_g, tiles.block_co)),
-        consts=dict(KINDS=kinds, TENSOR=tensor, CONSTS=consts, NS=steps, NS_PAD=next_pow2(max(steps, 1)),
-                    HAS_BIAS=has_bias, BLOCK_K=tiles.block_k, BLOCK_S=tiles.block_s,
-                    ONE_CHUNK=nsplit <= tiles.block_s, BLOCK_CO=tiles.block_co, num_warps=_CONTRACT_WARPS),
-    )  # fmt: skip
-
-
-def contract_forward(
-    partial: tuple[torch.Tensor, tuple[int, int, int, int], int],
-    tapset: torch.Tensor,
-    weight: WeightLayout,
-    bias: torch.Tensor | None,
-    chain: ChainArgs,
-    n_outputs: int,
-    out: torch.Tensor,
-    mean: torch.Tensor,
-    taps: torch.Tensor,
-) -> None:
-    """Launch ``_contract_fwd_kernel``: fills ``out`` ((N, C_out) contiguous, any float dtype), ``mean``
-    (fp64 (N, C_out)) and ``taps`` (fp64 (N, C_in, T)) from ``set_sums_partial``'s result."""
-    r, (rs_n, rs_c, rs_s, rs_j), nsplit = partial
-    n, c_in, t = taps.shape
-    c_out = mean.shape[1]
-    if t != weight.taps or tapset.numel() != t or not (out.is_contiguous() and mean.is_contiguous() and taps.is_contiguous()):
-        raise ValueError(
-            f"contract_forward: taps {tuple(taps.shape)} / tapset {tuple(tapset.shape)} / weight taps "
-            f"{weight.taps} disagree, or an output is not contiguous"
-        )
-    ch = chain.padded(mean)
-    plan = _plan_contract(n, c_in // weight.cin_g, weight.cout_g, weight.cin_g * t, nsplit, ch.static(chain.steps),
-                          bias is not None)  # fmt: skip
-    plan.launch(
-        r, rs_n, rs_c, rs_s, rs_j, nsplit, tapset,
-        weight.tensor, weight.s_co, weight.s_ci, weight.s_t, weight.off_g,
-        bias if bias is not None else mean, bias.stride(0) if bias is not None else 0,
-        ch.ops, ch.strides, out, mean, taps,
-        c_in, c_out, weight.cin_g, weight.cout_g, t, n_outputs
-    )  # fmt: skip
-
-
-@functools.lru_cache(maxsize=256)
-def _plan_params(
-    groups: int, cout_g: int, cin_g: int, t: int, chain_static: tuple[Any, ...], modes: tuple[int, ...],
-    has_bias: bool,
-) -> _Launch:
-    kinds, tensor, consts, steps = chain_static
-    block_co, block_ci = _block_co(cout_g), _block_ci(cin_g)
-    return _Launch(
-        _params_bwd_kernel, (groups, cdiv(cout_g, block_co), cdiv(cin_g, block_ci) * t),
-        consts=dict(KINDS=kinds, TENSOR=tensor, CONSTS=consts, OUT_MODE=modes, NS=steps,
-                    NS_PAD=next_pow2(max(steps, 1)), HAS_BIAS=has_bias,
-                    NEED_OPS=any(m != GRAD_NONE for m in modes), BLOCK_CI=block_ci, BLOCK_CO=block_co,
-                    num_warps=_NUM_WARPS),
-    )  # fmt: skip
-
-
-def params_backward(
-    grad_out: torch.Tensor,
-    mean: torch.Tensor,
-    taps: torch.Tensor,
-    chain: ChainArgs,
-    grad_targets: tuple[tuple[int, torch.Tensor, int], ...],
-    grad_weight: WeightLayout,
-    grad_bias: torch.Tensor | None,
-    n_outputs: int,
-    coef: torch.Tensor,
-    scratch: torch.Tensor,
-) -> None:
-    """Launch ``_params_bwd_kernel``.
-
-    ``grad_out`` is viewed as ``(N, C_out)`` through its first two strides; ``grad_targets[i]`` is
-    ``(mode, tensor, stride)`` for step ``i`` (``GRAD_NONE``/``GRAD_DIRECT``/``GRAD_SCRATCH``);
-    ``grad_weight`` is the destination weight-shaped buffer; ``coef`` receives ``G`` (fp32 (N, C_out));
-    ``scratch`` is fp64 ``(max(steps, 1), C_out)`` for ``GRAD_SCRATCH`` steps.
-    """
-    n, c_in, t = taps.shape
-    c_out = mean.shape[1]
-    ch = chain.padded(mean)
-    modes = tuple(m for m, _, _ in grad_targets) or (GRAD_NONE,)
-    gops = tuple(g for _, g, _ in grad_targets) or (scratch,)
-    gstrides = tuple(s for _, _, s in grad_targets) or (0,)
-    plan = _plan_params(c_in // grad_weight.cin_g, grad_weight.cout_g, grad_weight.cin_g, t, ch.static(chain.steps),
-                        modes, grad_bias is not None)  # fmt: skip
-    plan.launch(
-        grad_out, grad_out.stride(0), grad_out.stride(1), mean, taps, ch.ops, ch.strides, gops, gstrides,
-        grad_weight.tensor, grad_weight.s_co, grad_weight.s_ci, grad_weight.s_t, grad_weight.off_g,
-        grad_bias if grad_bias is not None else coef, grad_bias.stride(0) if grad_bias is not None else 0,
-        coef, scratch, n, c_in, c_out, grad_weight.cin_g, grad_weight.cout_g, t, n_outputs
-    )  # fmt: skip
-
-
 @functools.lru_cache(maxsize=256)
 def _plan_broadcast(
     shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
     cout_g: int, split: int | None,
-) -> _Launch | None:
+) -> Launch | None:
     """``None`` for an empty grad_x (no launch); the buffer fields are unused."""
     block_co = min(next_pow2(cout_g), 128)
     plan = _pass_plan(shape, stride, device, sets, split, _grad_broadcast_cl_kernel, _set_broadcast_kernel,
