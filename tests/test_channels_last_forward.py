@@ -76,14 +76,14 @@ def same_conv(monkeypatch, interpreted):
     """Both plans get the same conv values: the conv is computed on contiguous copies and handed back
     channels-last where its input is channels-last (as cuDNN lays it out), so every difference left
     between the plans is in what they do after the conv."""
-    real = ce.forward._conv
+    real = ce.forward.run_conv
 
     def conv(x, weight, bias, spec):
         y = real(x.contiguous(), weight.contiguous(), bias, spec)
-        fmt = ce.common._channels_last_format(x.dim())
+        fmt = ce.common.channels_last_format(x.dim())
         return y.contiguous(memory_format=fmt) if x.is_contiguous(memory_format=fmt) else y
 
-    monkeypatch.setattr(ce.forward, "_conv", conv)
+    monkeypatch.setattr(ce.forward, "run_conv", conv)
 
 
 def _inputs(case: str, compute_dtype: str | None = None, dtype: torch.dtype = torch.float32):
@@ -131,7 +131,7 @@ def test_channels_last_forward_equals_library_forward_bitwise(case, save, same_c
     x, w, b, ops, cfg = _inputs(case)
     library, got, plan = _both(x, w, b, ops, cfg, save)
     _assert_identical(got, library)
-    fmt = ce.common._channels_last_format(x.dim())
+    fmt = ce.common.channels_last_format(x.dim())
     assert list(plan.launches) == [torch.empty(plan.y0_layout[0], device="meta", memory_format=fmt).stride()]
 
 
@@ -198,8 +198,8 @@ def test_a_conv_output_in_another_layout_gets_its_own_launch(monkeypatch, interp
     """Should the conv hand y0 back contiguous (a backend without channels-last kernels for the
     case), the plan launches the epilogue for that layout, with the same results."""
     x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
-    real = ce.forward._conv
-    monkeypatch.setattr(ce.forward, "_conv", lambda *args: real(*args).contiguous())
+    real = ce.forward.run_conv
+    monkeypatch.setattr(ce.forward, "run_conv", lambda *args: real(*args).contiguous())
     library, got, plan = _both(x, w, b, ops, cfg, True)
     _assert_identical(got, library)
     assert len(plan.launches) == 2

@@ -477,14 +477,14 @@ def test_contraction_sums_every_split_and_chunk_deterministically(
     xd = x.to(kernel_device, torch.float32).contiguous(memory_format=fmt)
     args = [t.to(kernel_device, torch.float32) for t in (w, b)]
     ops = [t.to(kernel_device, torch.float32) for t in operands]
-    geo = cgm.geometry._geometry(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), xd.device)
+    geo = cgm.geometry.geometry_for(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), xd.device)
     assert geo.set_counts != (1, 1, 1), "the test needs several index sets (a tapset gather)"
     first = cgm.forward._forward_kernels(cfg, xd, *args, ops, geo)
     second = cgm.forward._forward_kernels(cfg, xd, *args, ops, geo)
     assert nsplits == [split, split], f"expected {split} splits of the pass over x, got {nsplits}"
     for name, a, c in zip(("out", "tap_sums", "mean"), first, second, strict=True):
         assert torch.equal(a, c), f"{name} differs between two identical runs"
-    geo64 = cgm.geometry._geometry(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), torch.device("cpu"))
+    geo64 = cgm.geometry.geometry_for(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), torch.device("cpu"))
     expected = cgm.forward._forward_reference(cfg, x, w, b, operands, geo64)
     for name, got, exp in zip(("out", "tap_sums", "mean"), first, expected, strict=True):
         assert_close_scaled(got, exp, 1e-5, name)
@@ -697,7 +697,7 @@ def test_every_cuda_kernel_compiles_for_sm90_without_spills() -> None:
     """The kernels are on the global-mean pipeline's default path: one that runs under the interpreter
     but fails to compile for the GPU would silently fall back to the torch reference.  Compiles each
     of them for sm_90 (ConvTranspose2d 64->128 on 16x64x512x512, fp32 and bf16, both layouts) with
-    ``tools/compile_check_global_mean.py``."""
+    ``tools/compile_check.py global_mean``."""
     import os
     import subprocess
     import sys
@@ -710,7 +710,7 @@ def test_every_cuda_kernel_compiles_for_sm90_without_spills() -> None:
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, str(root / "tools/compile_check_global_mean.py")],
+        [sys.executable, str(root / "tools/compile_check.py"), "global_mean"],
         capture_output=True, text=True, env=env, cwd=root, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

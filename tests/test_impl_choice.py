@@ -149,13 +149,13 @@ def test_op_results_agree_within_the_dtype_bound():
     winners = torch.randint(0, 8, (10,), dtype=torch.int8)
     close = ref + 1e-6 * torch.randn(1000, generator=g)
     far = ref + 3e-4 * torch.randn(1000, generator=g)
-    assert ce.forward._results_agree((close, winners, None), (ref, winners.flip(0), None)) is None
-    assert "relative difference" in ce.forward._results_agree((far,), (ref,))
+    assert ce.forward.results_agree((close, winners, None), (ref, winners.flip(0), None)) is None
+    assert "relative difference" in ce.forward.results_agree((far,), (ref,))
     nan = ref.clone()
     nan[3] = float("nan")
-    assert "non-finite" in ce.forward._results_agree((ref,), (nan,))
+    assert "non-finite" in ce.forward.results_agree((ref,), (nan,))
     half = ref.to(torch.bfloat16)
-    assert ce.forward._results_agree((half + 1e-3 * half,), (half,)) is None
+    assert ce.forward.results_agree((half + 1e-3 * half,), (half,)) is None
 
 
 def test_a_probe_far_behind_screens_its_candidate_out_untuned():

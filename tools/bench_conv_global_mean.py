@@ -101,7 +101,7 @@ def build_cases(
 
     def backward() -> list[torch.Tensor]:
         return cgm.conv_global_mean_bwd(
-            grad, weight, bias, [extra], taps, mean, list(x.shape), list(cgm.backward._grad_input_strides(x)),
+            grad, weight, bias, [extra], taps, mean, list(x.shape), list(cgm.backward.grad_input_strides(x)),
             x.dtype, True, config,
         )  # fmt: skip
 
@@ -110,11 +110,11 @@ def build_cases(
         torch.autograd.grad(y, [xg, weight, bias, extra], grad)
 
     # the kernels alone, with the op's own arguments
-    geo = cgm.geometry._geometry(spec, tuple(x.shape[2:]), tuple(weight.shape[2:]), dev)
-    x5 = cgm.common._as5d(x)
+    geo = cgm.geometry.geometry_for(spec, tuple(x.shape[2:]), tuple(weight.shape[2:]), dev)
+    x5 = cgm.common.as_5d(x)
     partial = kernels.set_sums_partial(x5, geo.bits, geo.set_counts)
-    layout = cgm.forward._weight_layout(weight.detach(), spec)
-    chain = cgm.forward._chain_args(cfg, [extra], c_out, dev, mean)
+    layout = cgm.forward.weight_layout(weight.detach(), spec)
+    chain = cgm.forward.chain_args(cfg, [extra], c_out, dev, mean)
     n = x.shape[0]
     out_buf = torch.empty((n, c_out), dtype=torch.float32, device=dev)
     mean_buf = torch.empty((n, c_out), dtype=torch.float64, device=dev)
@@ -125,7 +125,7 @@ def build_cases(
     gb = torch.empty_like(bias)
     gextra = torch.empty_like(extra)
     targets = ((kernels.GRAD_DIRECT, gextra, 1),)
-    grad_x = torch.empty_strided(x.shape, cgm.backward._grad_input_strides(x), dtype=x.dtype, device=dev)
+    grad_x = torch.empty_strided(x.shape, cgm.backward.grad_input_strides(x), dtype=x.dtype, device=dev)
     per_kernel = {
         "pass over x (set_sums_partial)": lambda: kernels.set_sums_partial(x5, geo.bits, geo.set_counts),
         "contraction + chain (contract_forward)": lambda: kernels.contract_forward(
@@ -136,7 +136,7 @@ def build_cases(
             geo.n_outputs, coef, coef,
         ),
         "grad_x pass (grad_broadcast)": lambda: kernels.grad_broadcast(
-            coef, layout, geo.tapset, geo.bits, geo.set_counts, cgm.common._as5d(grad_x)
+            coef, layout, geo.tapset, geo.bits, geo.set_counts, cgm.common.as_5d(grad_x)
         ),
     }  # fmt: skip
     return x, per_kernel, {"op forward": forward, "op backward": backward, "op forward + backward (autograd)": step}

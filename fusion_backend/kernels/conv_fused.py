@@ -602,7 +602,7 @@ def _conv_fused_fwd_kernel(
                 # shared memory on every offset (64 LDS per thread per offset on the ConvT3d
                 # pipeline); loop-carried, it stays in shared memory and the MMAs read it there.  The
                 # add of 0 only keeps it loop-carried.  bf16 does not need it (carrying cost +15
-                # registers).  Measured statically (tools/compile_check_conv_fused.py --sass, Triton
+                # registers).  Measured statically (tools/compile_check.py conv_fused --sass, Triton
                 # 3.9): the ConvT3d pipeline's fp32 main loop 403 -> 269 instructions.
                 for _once in range(pid_m, pid_m + 1):
                     best, win, win_y, pooled = _shift_k_offsets(
@@ -959,7 +959,8 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
         configs = [c for c in configs if c.num_stages > 1] or configs
     if shift_k and kwargs["ONE_CBLOCK"] and kwargs.get("CDT", 0) == 0:
         # fp32 shared X tile at 32+ rows per warp (4 warps, BLOCK_M >= 128): ptxas spills (the ConvT3d
-        # pipeline, sm_90, tools/compile_check_conv_fused.py: 8-932 bytes); M256 with 8 warps does not.
+        # pipeline, sm_90: 8-932 bytes; tools/compile_check.py conv_fused --tiles M,N,K,4,S shows it); M256
+        # with 8 warps does not.
         configs = [c for c in configs if not (c.num_warps == 4 and c.kwargs["BLOCK_M"] >= 128)] or configs
     bn_max = max(16, next_pow2(int(named_args["COUT_G"])))
     bk_max = SHIFT_K_BLOCK_K if shift_k else max(16, next_pow2(int(named_args["CIN_G"])))

@@ -683,7 +683,7 @@ def _shift_wgrad_finish_kernel(
 #: shift) pair (there: 27 of 64 blocks run) and measured fastest; KPB 4 was 5-8x slower (H200,
 #: Triton 3.6).
 #: NOTE: registers for the ConvT3d pipeline on the H200 (Triton 3.6, the compiled kernel's n_regs):
-#: 96-168, no spills; Triton 3.9's ptxas numbers (``tools/compile_check_conv_shift_bwd.py``) run lower.
+#: 96-168, no spills; Triton 3.9's ptxas numbers (``tools/compile_check.py conv_shift_bwd``) run lower.
 _DGRAD_TILES = (
     (128, 16, 32, 1, 4, 2), (64, 16, 32, 1, 4, 2), (128, 16, 32, 1, 8, 1), (128, 16, 32, 1, 8, 2),
     (128, 16, 32, 2, 8, 2), (128, 32, 32, 1, 4, 2), (128, 64, 32, 1, 8, 2),

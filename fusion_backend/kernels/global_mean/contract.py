@@ -340,7 +340,7 @@ def _block_ci(cin_g: int) -> int:
 # dependent memory round trips per program.  16 output channels per program gives that conv (N=16,
 # C_out=128) 128 programs on 132 SMs (the old grid had 64, each walking 2 ci blocks x 9 taps one after
 # another: 18 dependent iterations).  A 4096-element chunk over 8 warps (16 elements per thread, 128
-# registers, no spills: tools/compile_check_global_mean.py) walks K = C_in*T = 576 in 3 chunks whose
+# registers, no spills: tools/compile_check.py global_mean) walks K = C_in*T = 576 in 3 chunks whose
 # loads do not depend on each other.  Up to 16 split partials are summed as one tile (that conv
 # contiguous: 1 split; channels_last: 33 splits, 3 tiles per chunk).
 _CONTRACT_CHUNK = 4096

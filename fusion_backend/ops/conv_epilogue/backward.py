@@ -18,21 +18,21 @@ from .. import impl_choice
 from ..chain import Const, TensorRef
 from ..config import ConvEpilogueConfig, PoolSpec
 from .common import (
-    _DECISIONS,
-    _cast_inputs,
-    _channels_last_format,
-    _compute_dtype,
-    _conv_backward,
-    _conv_output_shape,
-    _kernel_steps,
-    _kernels,
-    _pool_geometry,
-    _pool_stride,
-    _relayout,
+    DECISIONS,
+    cast_inputs,
+    channels_last_format,
+    conv_compute_dtype,
+    conv_output_shape,
+    epilogue_kernels,
+    kernel_steps,
     logger,
     output_memory_format,
+    pool_geometry,
+    pool_stride,
+    relayout,
+    run_conv_backward,
 )
-from .forward import _choice_key, _conv_impl_mode, _PlannedOperands, _results_agree
+from .forward import PlannedOperands, choice_key, conv_impl_mode, results_agree
 
 #: Settled per-signature backward call plans, keyed by ``forward.call_signature`` plus the output
 #: mask and the grad / saved-state layouts (``op.py``).
@@ -51,7 +51,7 @@ def plan_for(
     ``triton``.  ``plan(grad_out, x, weight, bias, operands, saved_a, saved_b)``."""
 
     args = (grad_out, x, weight, bias, operands, saved_a, saved_b)
-    mode = _conv_impl_mode()
+    mode = conv_impl_mode()
     if mode == "library" or (mode == "auto" and x.device.type != "cuda"):
         return _LibraryBackward(*args, cfg, mask), True  # auto on CPU: the interpreter is slow (tests force "triton")
     if mode != "auto":
@@ -67,10 +67,10 @@ def plan_for(
                 tensor_key(grad_out), torch.backends.cudnn.allow_tf32)  # fmt: skip
     impl = impl_choice.choose(
         # (v2: the channels-last library variant joined the candidates; older answers are re-measured)
-        lambda: _choice_key(x, weight, bias, cfg, True) + f"|backward-v2 {tuple(mask)} {grad_out.stride()}",
+        lambda: choice_key(x, weight, bias, cfg, True) + f"|backward-v2 {tuple(mask)} {grad_out.stride()}",
         {name: functools.partial(plan, *args) for name, plan in plans.items()},
         default="library",
-        agree=_results_agree,
+        agree=results_agree,
         fast_key=fast_key,
     )
     return plans[impl], impl_choice.is_final(fast_key)
@@ -152,7 +152,7 @@ class _LibraryBackward:
     contract): one Triton kernel writes the full-size conv-output gradient and the per-channel
     operand/bias sums (``kernels.epilogue.BackwardLaunch``, worked out once with the operand matrix
     layout and the operand-gradient recipe), then ``aten.convolution_backward`` for x and weight (on
-    x and weight cast to the compute dtype; ``_like`` casts the gradients back).
+    x and weight cast to the compute dtype; ``strided_like`` casts the gradients back).
 
     ``channels_last``: the conv backward runs on channels-last tensors whatever the layout of x and
     the saved state: the epilogue kernel writes the conv-output gradient channels-last (transposing
@@ -167,14 +167,14 @@ class _LibraryBackward:
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig,
                  mask: Sequence[bool], channels_last: bool = False) -> None:  # fmt: skip
-        kernels = _kernels()
+        kernels = epilogue_kernels()
         self.spec, self.mask = cfg.conv, tuple(mask)
-        self.dtype = _compute_dtype(cfg, x)
+        self.dtype = conv_compute_dtype(cfg, x)
         self.is_max = cfg.pool is not None and cfg.pool.kind == "max"
         #: the memory format x is relaid into for the conv backward (None: as it is)
-        self.x_format = _channels_last_format(x.dim()) if channels_last else None
+        self.x_format = channels_last_format(x.dim()) if channels_last else None
         if self.is_max or channels_last:
-            y_shape = _conv_output_shape(x, weight, cfg.conv)
+            y_shape = conv_output_shape(x, weight, cfg.conv)
             fmt = self.x_format if channels_last else output_memory_format(saved_a)
             grad_y = torch.empty(y_shape, dtype=saved_b.dtype if self.is_max else saved_a.dtype, device="meta",
                                  memory_format=fmt)  # fmt: skip
@@ -182,15 +182,15 @@ class _LibraryBackward:
             grad_y = torch.empty_strided(saved_a.shape, saved_a.stride(), dtype=saved_a.dtype, device="meta")
         self.g_layout = (tuple(grad_y.shape), grad_y.stride(), grad_y.dtype)
         channels = grad_y.shape[1]
-        steps = _kernel_steps(cfg, operands, grad_y.dim(), channels)
+        steps = kernel_steps(cfg, operands, grad_y.dim(), channels)
         slots = _slot_wanted(cfg, mask[3:])
         self.want_bias = bool(mask[2]) and bias is not None
         self.epilogue = kernels.BackwardLaunch(
             grad_out, None if self.is_max else saved_a, saved_a if self.is_max else None,
-            saved_b if self.is_max else None, bias, steps, None if cfg.pool is None else _pool_geometry(cfg.pool),
+            saved_b if self.is_max else None, bias, steps, None if cfg.pool is None else pool_geometry(cfg.pool),
             grad_y, slots, self.want_bias,
         )  # fmt: skip
-        self.params = _PlannedOperands(cfg, steps, bias, channels, x.device)
+        self.params = PlannedOperands(cfg, steps, bias, channels, x.device)
         self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
 
     def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
@@ -205,11 +205,11 @@ class _LibraryBackward:
         grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], grad_y.device)
         x_in = x
         if self.x_format is not None:  # one copy casts and relays
-            x = _relayout(x, torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=self.x_format))
-        x, weight, _ = _cast_inputs(x, weight, None, self.dtype)  # grads: ``_like`` casts back
-        grad_x, grad_w, _ = _conv_backward(grad_y, x, weight, self.spec, self.mask[0], self.mask[1])
-        if self.x_format is not None and grad_x is not None:  # back to x's layout and dtype (``_like``'s)
-            grad_x = _relayout(grad_x, torch.empty_like(x_in))
+            x = relayout(x, torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=self.x_format))
+        x, weight, _ = cast_inputs(x, weight, None, self.dtype)  # grads: ``strided_like`` casts back
+        grad_x, grad_w, _ = run_conv_backward(grad_y, x, weight, self.spec, self.mask[0], self.mask[1])
+        if self.x_format is not None and grad_x is not None:  # back to x's layout and dtype (``strided_like``'s)
+            grad_x = relayout(grad_x, torch.empty_like(x_in))
         return [grad_x, grad_w, grad_bias.to(bias.dtype) if self.want_bias else None, *grad_operands]
 
 
@@ -219,7 +219,7 @@ def _channels_last_backward_unsupported(x: Tensor, saved_a: Tensor) -> str | Non
         return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
     if x.dtype == torch.float64:
         return "float64 (cuDNN runs it in NCHW whatever the layout)"
-    if output_memory_format(saved_a) != torch.contiguous_format or x.is_contiguous(memory_format=_channels_last_format(x.dim())):
+    if output_memory_format(saved_a) != torch.contiguous_format or x.is_contiguous(memory_format=channels_last_format(x.dim())):
         return "the tensors are channels-last already"
     return None
 
@@ -264,7 +264,7 @@ def _pooled_grad(g_win: Tensor, winner: Tensor, pool: PoolSpec) -> Any:  # conv_
     from ...kernels import conv_fused_bwd
 
     return conv_fused_bwd.PooledGrad(
-        g_win, winner, tuple(pool.kernel_size), _pool_stride(pool), tuple(pool.padding), ceil_mode=pool.ceil_mode
+        g_win, winner, tuple(pool.kernel_size), pool_stride(pool), tuple(pool.padding), ceil_mode=pool.ceil_mode
     )
 
 
@@ -286,18 +286,18 @@ class _CompactBackward:
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig,
                  mask: Sequence[bool]) -> None:  # fmt: skip
-        kernels = _kernels()
+        kernels = epilogue_kernels()
         self.pool = cfg.pool  # not None: a max pool (``_compact_backward_unsupported``)
         y_src = saved_b if self.pool is not None else saved_a
         #: the gradient at the winners (or the dense conv-output gradient) is laid out like y_src
         self.g_layout = (tuple(y_src.shape), y_src.stride(), y_src.dtype)
         channels = y_src.shape[1]
-        steps = _kernel_steps(cfg, operands, y_src.dim(), channels)
+        steps = kernel_steps(cfg, operands, y_src.dim(), channels)
         slots = _slot_wanted(cfg, mask[3:])
         self.want_bias = bool(mask[2]) and bias is not None
         self.epilogue = kernels.BackwardLaunch(grad_out, y_src, None, None, bias, steps, None, y_src, slots,
                                                self.want_bias)  # fmt: skip
-        self.params = _PlannedOperands(cfg, steps, bias, channels, x.device)
+        self.params = PlannedOperands(cfg, steps, bias, channels, x.device)
         self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
         self.bias_dtype = None if bias is None else bias.dtype
         grad = _pooled_grad(y_src, saved_a, self.pool) if self.pool is not None else y_src
@@ -306,7 +306,7 @@ class _CompactBackward:
                      spec.groups)  # fmt: skip
         from ...kernels import conv_shift_bwd
 
-        dtype = _compute_dtype(cfg, x)
+        dtype = conv_compute_dtype(cfg, x)
         kernels_module = _compact_kernels(conv_args, cfg, dtype)
         #: None, or the compute dtype x and weight are cast to before the general conv-backward
         #: kernels (``conv_fused_bwd`` computes in x's dtype; ``conv_shift_bwd`` casts as it loads)
@@ -326,7 +326,7 @@ class _CompactBackward:
         g = torch.empty_strided(shape, stride, dtype=dtype, device=y_src.device)
         slot_grads, grad_bias = self.epilogue(grad_out, y_src, None, None, self.params(bias, operands), g)
         grad = _pooled_grad(g, saved_a, self.pool) if self.pool is not None else g
-        if self.cast_to is not None:  # the results' dtype is then cast back by ``_like``
+        if self.cast_to is not None:  # the results' dtype is then cast back by ``strided_like``
             x, weight = x.to(self.cast_to), weight.to(self.cast_to)
         grad_x, grad_w = self.conv_backward(grad, x, weight)
         grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], g.device)
@@ -345,5 +345,5 @@ def _compact_kernels(conv_args: tuple, cfg: ConvEpilogueConfig, dtype: torch.dty
     if not isinstance(grad, conv_fused_bwd.PooledGrad):
         return conv_fused_bwd
     key = ("compact_kernels", tensor_key(grad.g_win), tensor_key(grad.winner), tensor_key(x), tensor_key(weight), cfg)
-    why = _DECISIONS.get(key, lambda: conv_shift_bwd.unsupported_reason(*conv_args, compute_dtype=dtype))
+    why = DECISIONS.get(key, lambda: conv_shift_bwd.unsupported_reason(*conv_args, compute_dtype=dtype))
     return conv_fused_bwd if why is not None else conv_shift_bwd

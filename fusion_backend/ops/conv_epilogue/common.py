@@ -1,7 +1,7 @@
 """What every part of ``fusion::conv_epilogue`` shares: the environment switches it reads, which
 implementation serves a case (``kernel_path``), the outputs' memory format, the chain applied with
 eager semantics, input checks and casts, shape arithmetic, per-shape cached answers
-(``_DECISIONS``) and the failure policy (``_on_kernel_failure``).
+(``DECISIONS``) and the failure policy (``on_kernel_failure``).
 """
 
 import logging
@@ -26,24 +26,13 @@ logger = logging.getLogger("fusion_backend")
 
 #: The environment switches this op reads (``fusion_backend.environment`` says what they do).
 CPU_KERNELS_ENV = environment.CPU_KERNELS
-
-
 CONV_IMPL_ENV = environment.CONV_IMPL
-
-
 DEFAULT_CONV_IMPL = environment.DEFAULT_CONV_IMPL
-
-
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 # NOTE: Triton's interpreter has no bf16 (numpy has no such type).
 _INTERPRETER_KERNEL_DTYPES = (torch.float32, torch.float16)
-
-
 #: Largest window whose winner index is saved as int8.
 _INT8_WINDOW_LIMIT = 127
-
 
 _warned: set[tuple[str, str]] = set()
 
@@ -69,7 +58,7 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
     if len(cfg.chain) > MAX_CHAIN_LENGTH:
         return "reference", f"chain of {len(cfg.chain)} steps exceeds the kernel's {MAX_CHAIN_LENGTH} slots"
     try:
-        kernels = _kernels()
+        kernels = epilogue_kernels()
     except ImportError as e:  # pragma: no cover - triton is a dependency
         return "reference", f"Triton is not importable: {e}"
     if cfg.pool is not None and cfg.pool.window_volume > kernels.MAX_WINDOW_VOLUME:
@@ -107,15 +96,15 @@ def apply_chain(y: Tensor, chain: Sequence[ChainStep], operands: Sequence[Tensor
     return y
 
 
-def _kernels() -> ModuleType:
+def epilogue_kernels() -> ModuleType:
     # Imported lazily: TRITON_INTERPRET is read when @triton.jit runs, i.e. at this import.
     from ...kernels import epilogue
 
     return epilogue
 
 
-def _use_triton(config: str, cfg: ConvEpilogueConfig, x: Tensor) -> bool:
-    path, why = kernel_path(config, _compute_dtype(cfg, x), x.device.type)
+def use_triton(config: str, cfg: ConvEpilogueConfig, x: Tensor) -> bool:
+    path, why = kernel_path(config, conv_compute_dtype(cfg, x), x.device.type)
     if path == "triton":
         return True
     if cfg.strict and x.device.type == "cuda":
@@ -123,7 +112,7 @@ def _use_triton(config: str, cfg: ConvEpilogueConfig, x: Tensor) -> bool:
     return False
 
 
-def _on_kernel_failure(
+def on_kernel_failure(
     direction: str, config: str, cfg: ConvEpilogueConfig, x: Tensor, weight: Tensor, error: Exception
 ) -> None:
     """Under ``strict`` raise (``UnsupportedInputError`` as is, anything else as ``KernelError``),
@@ -161,8 +150,8 @@ def _describe_pool(pool: PoolSpec | None) -> str:
     return f"{pool.kind}(k={pool.kernel_size}, s={pool.stride}, p={pool.padding}, ceil={pool.ceil_mode})"
 
 
-def _check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> None:
-    _out_dtype(cfg, _compute_dtype(cfg, x))  # both dtype names are valid
+def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> None:
+    output_dtype(cfg, conv_compute_dtype(cfg, x))  # both dtype names are valid
     dims = cfg.conv.spatial_dims
     if x.dim() != dims + 2 or weight.dim() != dims + 2:
         raise UnsupportedInputError(
@@ -189,39 +178,39 @@ def _dtype_named(name: str, field: str) -> torch.dtype:
     return dtype
 
 
-def _out_dtype(cfg: ConvEpilogueConfig, conv_dtype: torch.dtype) -> torch.dtype:
+def output_dtype(cfg: ConvEpilogueConfig, conv_dtype: torch.dtype) -> torch.dtype:
     """The result's dtype: ``config.out_dtype``, else the conv's (compute) dtype."""
     return conv_dtype if cfg.out_dtype is None else _dtype_named(cfg.out_dtype, "out_dtype")
 
 
-def _compute_dtype(cfg: ConvEpilogueConfig, x: Tensor) -> torch.dtype:
+def conv_compute_dtype(cfg: ConvEpilogueConfig, x: Tensor) -> torch.dtype:
     """The dtype the conv runs in: ``config.compute_dtype``, else x's."""
     return x.dtype if cfg.compute_dtype is None else _dtype_named(cfg.compute_dtype, "compute_dtype")
 
 
-def _cast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None,
+def cast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None,
                  dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
     """``x``, ``weight`` and ``bias`` in the compute dtype (the same tensors where they already are):
     what the library and reference paths run on; the Triton conv kernels cast as they load instead."""
     return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec: ConvSpec) -> Tensor:
+def run_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec: ConvSpec) -> Tensor:
     return torch.ops.aten.convolution(
         x, weight, bias, list(spec.stride), list(spec.padding), list(spec.dilation), spec.transposed,
         list(spec.output_padding), spec.groups,
     )  # fmt: skip
 
 
-def _pool_stride(pool: PoolSpec) -> tuple[int, ...]:
+def pool_stride(pool: PoolSpec) -> tuple[int, ...]:
     # PyTorch's pools take stride=None/() to mean "= kernel_size".
     return tuple(pool.stride) if pool.stride else tuple(pool.kernel_size)
 
 
-def _pool(v: Tensor, pool: PoolSpec, return_indices: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
+def run_pool(v: Tensor, pool: PoolSpec, return_indices: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """The PoolSpec's F.max_pool{d}d / F.avg_pool{d}d on ``v`` (real or fake)."""
     dims = v.dim() - 2
-    k, s, p = list(pool.kernel_size), list(_pool_stride(pool)), list(pool.padding)
+    k, s, p = list(pool.kernel_size), list(pool_stride(pool)), list(pool.padding)
     if pool.kind == "max":
         fn = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[dims - 1]
         return fn(v, k, s, p, 1, ceil_mode=pool.ceil_mode, return_indices=return_indices)
@@ -236,15 +225,15 @@ def _pool(v: Tensor, pool: PoolSpec, return_indices: bool = False) -> Union[Tens
     return fn(v, k, s, p, pool.ceil_mode, pool.count_include_pad, pool.divisor_override)
 
 
-def _pooled_shape(y_shape: Sequence[int], pool: PoolSpec) -> list[int]:
-    stride = _pool_stride(pool)
+def pooled_output_shape(y_shape: Sequence[int], pool: PoolSpec) -> list[int]:
+    stride = pool_stride(pool)
     return list(y_shape[:2]) + [
         pool_output_length(size, k, s, p, ceil_mode=pool.ceil_mode)
         for size, k, s, p in zip(y_shape[2:], pool.kernel_size, stride, pool.padding, strict=True)
     ]
 
 
-def _conv_output_shape(x: Tensor, weight: Tensor, spec: ConvSpec) -> list[int]:
+def conv_output_shape(x: Tensor, weight: Tensor, spec: ConvSpec) -> list[int]:
     """Shape of ``aten.convolution``'s output (real sizes only; fakes use the op itself)."""
     spatial = []
     for i, size in enumerate(x.shape[2:]):
@@ -254,32 +243,32 @@ def _conv_output_shape(x: Tensor, weight: Tensor, spec: ConvSpec) -> list[int]:
     return [x.shape[0], channels, *spatial]
 
 
-def _winner_dtype(pool: PoolSpec) -> torch.dtype:
+def winner_dtype(pool: PoolSpec) -> torch.dtype:
     return torch.int8 if pool.window_volume <= _INT8_WINDOW_LIMIT else torch.int32
 
 
-def _placeholder(x: Tensor) -> Tensor:
+def empty_placeholder(x: Tensor) -> Tensor:
     return torch.empty(0, dtype=x.dtype, device=x.device)
 
 
-def _allocate_forward_outputs(
+def allocate_forward_outputs(
     x: Tensor, y0: Tensor, out_shape: Sequence[int], cfg: ConvEpilogueConfig, save: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Empty ``(out, saved_a, saved_b)`` with the exact shapes, dtypes and strides of the real op
     (``x``: the op's input as given, for the device and the placeholders' dtype; ``y0``: the conv
     output in the compute dtype)."""
     fmt = output_memory_format(y0)
-    out = torch.empty(out_shape, dtype=_out_dtype(cfg, y0.dtype), device=x.device, memory_format=fmt)
+    out = torch.empty(out_shape, dtype=output_dtype(cfg, y0.dtype), device=x.device, memory_format=fmt)
     if not save:
-        return out, _placeholder(x), _placeholder(x)
+        return out, empty_placeholder(x), empty_placeholder(x)
     if cfg.pool is not None and cfg.pool.kind == "max":
-        win = torch.empty(out_shape, dtype=_winner_dtype(cfg.pool), device=x.device, memory_format=fmt)
+        win = torch.empty(out_shape, dtype=winner_dtype(cfg.pool), device=x.device, memory_format=fmt)
         win_y = torch.empty(out_shape, dtype=y0.dtype, device=x.device, memory_format=fmt)
         return out, win, win_y
-    return out, torch.empty(y0.shape, dtype=y0.dtype, device=x.device, memory_format=fmt), _placeholder(x)
+    return out, torch.empty(y0.shape, dtype=y0.dtype, device=x.device, memory_format=fmt), empty_placeholder(x)
 
 
-def _in_format(t: Tensor, fmt: torch.memory_format) -> Tensor:
+def in_format(t: Tensor, fmt: torch.memory_format) -> Tensor:
     """``t`` itself when it already has the strides ``torch.empty(..., memory_format=fmt)`` gives,
     else a copy that does (size-1 dims included: Inductor compares strides exactly)."""
     expected = torch.empty(t.shape, dtype=t.dtype, device="meta", memory_format=fmt).stride()
@@ -288,15 +277,15 @@ def _in_format(t: Tensor, fmt: torch.memory_format) -> Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=fmt).copy_(t)
 
 
-def _like(g: Tensor, ref: Tensor) -> Tensor:
+def strided_like(g: Tensor, ref: Tensor) -> Tensor:
     """``g`` (ref's shape) with the dtype and strides of ``torch.empty_like(ref)``."""
-    expected = _DECISIONS.get(("like", tensor_key(ref)), lambda: torch.empty_like(ref, device="meta").stride())
+    expected = DECISIONS.get(("like", tensor_key(ref)), lambda: torch.empty_like(ref, device="meta").stride())
     if g.dtype == ref.dtype and g.stride() == expected:
         return g
     return torch.empty_like(ref).copy_(g)
 
 
-def _channel_view(t: Tensor, ndim: int) -> Tensor:
+def channel_view(t: Tensor, ndim: int) -> Tensor:
     return t.reshape([1, -1] + [1] * (ndim - 2))
 
 
@@ -310,15 +299,15 @@ def _is_per_channel(t: Tensor, y_ndim: int, channels: int) -> bool:
     return all(size == (channels if i + offset == 1 else 1) for i, size in enumerate(t.shape))
 
 
-def _pool_geometry(pool: PoolSpec) -> Any:  # the kernels' PoolGeometry (module imported lazily)
-    return _kernels().PoolGeometry(
-        kind=pool.kind, kernel_size=tuple(pool.kernel_size), stride=_pool_stride(pool),
+def pool_geometry(pool: PoolSpec) -> Any:  # the kernels' PoolGeometry (module imported lazily)
+    return epilogue_kernels().PoolGeometry(
+        kind=pool.kind, kernel_size=tuple(pool.kernel_size), stride=pool_stride(pool),
         padding=tuple(pool.padding), count_include_pad=pool.count_include_pad,
         divisor_override=pool.divisor_override,
     )  # fmt: skip
 
 
-def _kernel_steps(cfg: ConvEpilogueConfig, operands: Sequence[Tensor], y_ndim: int, channels: int) -> list:
+def kernel_steps(cfg: ConvEpilogueConfig, operands: Sequence[Tensor], y_ndim: int, channels: int) -> list:
     """The chain as the launchers take it: ``(op code, [float | per-channel tensor])`` per step."""
     steps = []
     for step in cfg.chain:
@@ -340,10 +329,10 @@ def _kernel_steps(cfg: ConvEpilogueConfig, operands: Sequence[Tensor], y_ndim: i
 
 #: Per-call decisions that depend only on shapes, strides, dtypes, devices and the config, cached:
 #: the op makes them on every call and host time is what small steps wait on.
-_DECISIONS = BoundedCache(512)
+DECISIONS = BoundedCache(512)
 
 
-def _relayout(src: Tensor, dst: Tensor) -> Tensor:
+def relayout(src: Tensor, dst: Tensor) -> Tensor:
     """``dst.copy_(src)``, through ``kernels.relayout`` where it serves the layouts (any whose
     spatial dims flatten; torch's copy otherwise)."""
     from ...kernels.relayout import relayout_or_copy  # lazily: TRITON_INTERPRET is read at import
@@ -351,11 +340,11 @@ def _relayout(src: Tensor, dst: Tensor) -> Tensor:
     return relayout_or_copy(src, dst)
 
 
-def _channels_last_format(ndim: int) -> torch.memory_format:
+def channels_last_format(ndim: int) -> torch.memory_format:
     return torch.channels_last if ndim == 4 else torch.channels_last_3d
 
 
-def _conv_backward(
+def run_conv_backward(
     grad_y: Tensor, x: Tensor, weight: Tensor, spec: ConvSpec, need_x: bool, need_w: bool, need_b: bool = False
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``aten.convolution_backward``: grad x, weight and (``need_b``) bias, None where not needed."""

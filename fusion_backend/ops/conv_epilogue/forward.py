@@ -20,25 +20,25 @@ from .. import impl_choice
 from ..chain import Const
 from ..config import ConvEpilogueConfig, ConvSpec
 from .common import (
-    _DECISIONS,
     CONV_IMPL_ENV,
-    _allocate_forward_outputs,
-    _cast_inputs,
-    _channels_last_format,
-    _compute_dtype,
-    _conv,
-    _conv_output_shape,
-    _kernel_steps,
-    _kernels,
-    _pool_geometry,
-    _pooled_shape,
-    _relayout,
+    DECISIONS,
+    allocate_forward_outputs,
+    cast_inputs,
+    channels_last_format,
+    conv_compute_dtype,
+    conv_output_shape,
+    epilogue_kernels,
+    kernel_steps,
     logger,
     output_memory_format,
+    pool_geometry,
+    pooled_output_shape,
+    relayout,
+    run_conv,
 )
 
 
-def _conv_impl_mode() -> str:
+def conv_impl_mode() -> str:
     # ``auto`` is the default: the faster path per shape, measured once (``impl_choice``).  On the
     # H100 the fused forward wins on the ConvT3d pipeline of the ``seeds`` suite (0.25 vs 0.73 ms
     # fp32) and cuDNN on its Conv2d 64->64 pipeline.
@@ -61,13 +61,13 @@ def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) ->
     kernel and raises ``UnsupportedInputError`` (handled by the failure policy: strict raises, else
     warn and run the reference) when it cannot serve the case.
     """
-    mode = _conv_impl_mode()
+    mode = conv_impl_mode()
     if mode == "library":
         return "library", f"{CONV_IMPL_ENV}=library"
     if mode == "auto" and x.device.type != "cuda":
         return "library", f"{CONV_IMPL_ENV}=auto uses the fused conv on CUDA only"
     key = ("conv_impl", tensor_key(x), tensor_key(weight), cfg, save, mode)
-    return _DECISIONS.get(key, lambda: _fused_conv_answer(x, weight, cfg, save, mode))
+    return DECISIONS.get(key, lambda: _fused_conv_answer(x, weight, cfg, save, mode))
 
 
 def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool,
@@ -79,15 +79,15 @@ def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save:
         return "triton", None
     pooled = None
     if cfg.pool is not None:
-        pooled = _pooled_shape(_conv_output_shape(x, weight, cfg.conv), cfg.pool)[2:]
+        pooled = pooled_output_shape(conv_output_shape(x, weight, cfg.conv), cfg.pool)[2:]
     why = conv_fused.unsupported_reason(
         x,
         weight,
         _conv_geometry(cfg.conv),
-        None if cfg.pool is None else _pool_geometry(cfg.pool),
+        None if cfg.pool is None else pool_geometry(cfg.pool),
         pooled,
         save,
-        _compute_dtype(cfg, x),
+        conv_compute_dtype(cfg, x),
     )
     if why is None:
         return "triton", None
@@ -105,11 +105,11 @@ def _forward_kernels(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> Modu
     from ...kernels import conv_dense, conv_fused
 
     def answer() -> ModuleType:
-        pool = None if cfg.pool is None else _pool_geometry(cfg.pool)
+        pool = None if cfg.pool is None else pool_geometry(cfg.pool)
         dense = conv_dense.unsupported_reason(x, weight, _conv_geometry(cfg.conv), pool) is None
         return conv_dense if dense else conv_fused
 
-    return _DECISIONS.get(("forward_kernels", tensor_key(x), tensor_key(weight), cfg), answer)
+    return DECISIONS.get(("forward_kernels", tensor_key(x), tensor_key(weight), cfg), answer)
 
 
 def _conv_geometry(spec: ConvSpec) -> Any:  # conv_fused.ConvGeometry (module imported lazily)
@@ -128,12 +128,12 @@ def _library_conv_meta(x: Tensor, weight: Tensor, spec: ConvSpec, dtype: torch.d
     Mirrors FakeTensor's conv rule (``_select_conv_backend`` + ``_conv_determine_backend_memory_format``)
     without running the conv; cached per shapes, strides, dtypes and devices (asked on every call).
     """
-    return _DECISIONS.get(("conv_meta", tensor_key(x), tensor_key(weight), spec, dtype),
+    return DECISIONS.get(("conv_meta", tensor_key(x), tensor_key(weight), spec, dtype),
                           lambda: _library_conv_meta_uncached(x, weight, spec, dtype))  # fmt: skip
 
 
 def _library_conv_meta_uncached(x: Tensor, weight: Tensor, spec: ConvSpec, dtype: torch.dtype) -> Tensor:
-    shape = _conv_output_shape(x, weight, spec)
+    shape = conv_output_shape(x, weight, spec)
     fmt = torch.contiguous_format
     if x.dim() in (4, 5):
         # NOTE: x and weight as stored, not cast: the backend and its memory format depend on the
@@ -163,18 +163,18 @@ class _FusedForward:
 
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
-        dtype = _compute_dtype(cfg, x)
+        dtype = conv_compute_dtype(cfg, x)
         y0, steps, outputs = _forward_layouts(x, weight, operands, cfg, save, dtype)
         self.layouts = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
         self.save_a = save
         self.save_b = save and cfg.pool is not None and cfg.pool.kind == "max"
         out, saved_a, saved_b = outputs
         self.launch = _forward_kernels(x, weight, cfg).forward_launch(
-            x, weight, bias, steps, _conv_geometry(cfg.conv), None if cfg.pool is None else _pool_geometry(cfg.pool),
+            x, weight, bias, steps, _conv_geometry(cfg.conv), None if cfg.pool is None else pool_geometry(cfg.pool),
             out, saved_a if self.save_a else None, saved_b if self.save_b else None,
             allow_tf32=bool(torch.backends.cudnn.allow_tf32), compute_dtype=dtype,
         )  # fmt: skip
-        self.params = _PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
+        self.params = PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
 
     def probe(self) -> "_FusedForward":
         """This plan on the tile its autotuner would time first, without tuning (one compile): what
@@ -200,24 +200,24 @@ def _forward_layouts(
 ) -> tuple[Tensor, list, tuple[Tensor, Tensor, Tensor]]:  # fmt: skip
     """What both forward plans work out first, on meta tensors (no memory): the conv output ``y0`` in
     the compute ``dtype`` and the outputs' memory format (``output_memory_format`` of the fake's
-    conv layout, as ``_in_format`` lays it out), the kernels' chain steps, and ``(out, saved_a,
-    saved_b)`` as ``_allocate_forward_outputs`` gives them."""
+    conv layout, as ``in_format`` lays it out), the kernels' chain steps, and ``(out, saved_a,
+    saved_b)`` as ``allocate_forward_outputs`` gives them."""
     y0 = _library_conv_meta(x, weight, cfg.conv, dtype)
     y0 = torch.empty(y0.shape, dtype=dtype, device="meta", memory_format=output_memory_format(y0))
-    steps = _kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
-    out_shape = list(y0.shape) if cfg.pool is None else _pooled_shape(y0.shape, cfg.pool)
+    steps = kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
+    out_shape = list(y0.shape) if cfg.pool is None else pooled_output_shape(y0.shape, cfg.pool)
     like_x = torch.empty(0, dtype=x.dtype, device="meta")
-    return y0, steps, _allocate_forward_outputs(like_x, y0, out_shape, cfg, save)
+    return y0, steps, allocate_forward_outputs(like_x, y0, out_shape, cfg, save)
 
 
-class _PlannedOperands:
+class PlannedOperands:
     """``(bias, operands) -> P`` for one call signature: the kernels' ``OperandMatrix`` layout and,
     per tensor row (``tensor_rows`` order: the bias first, then each slot's tensor operands), its
     index into ``(bias, *operands)``."""
 
     def __init__(self, cfg: ConvEpilogueConfig, steps: Sequence[Any], bias: Tensor | None, channels: int,
                  device: torch.device) -> None:  # fmt: skip
-        self.matrix = _kernels().OperandMatrix(steps, bias, channels, device)
+        self.matrix = epilogue_kernels().OperandMatrix(steps, bias, channels, device)
         sources = [0] if bias is not None else []
         for step in cfg.chain:
             sources += [1 + operand.index for operand in step.operands if not isinstance(operand, Const)]
@@ -262,7 +262,7 @@ def plan_for(
     conv serves and the timer has no CUDA device: ``_times_library_layouts``).  ``settled``: the
     same signature always gets this answer (not while the choice is unmeasured), so the caller may
     keep the plan."""
-    mode = _conv_impl_mode()
+    mode = conv_impl_mode()
     impl = conv_impl(x, weight, cfg, save)[0]
     if mode != "auto" or (impl == "library" and not _times_library_layouts(x)):
         if impl == "triton":
@@ -276,10 +276,10 @@ def plan_for(
     probes = {"triton": functools.partial(plans["triton"].probe(), x, weight, bias, operands)} if "triton" in plans else {}
     impl = impl_choice.choose(
         # (v2: the channels-last library variant joined the candidates; older answers are re-measured)
-        lambda: _choice_key(x, weight, bias, cfg, save) + "|forward-v2",
+        lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v2",
         {name: functools.partial(plan, x, weight, bias, operands) for name, plan in plans.items()},
         default="library",
-        agree=_results_agree,
+        agree=results_agree,
         fast_key=fast_key,
         probes=probes,
     )
@@ -321,7 +321,7 @@ def _forward_candidates(
 _AGREEMENT = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 
-def _results_agree(result: Any, reference: Any) -> str | None:
+def results_agree(result: Any, reference: Any) -> str | None:
     """``impl_choice``'s ``agree`` for the op's paths: None when every floating tensor of ``result``
     is within ``_AGREEMENT`` of ``reference``'s (integer tensors, the max-pool winners, may differ
     at ties), else which one is not."""
@@ -341,7 +341,7 @@ def _results_agree(result: Any, reference: Any) -> str | None:
     return None
 
 
-def _choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvEpilogueConfig, save: bool) -> str:
+def choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvEpilogueConfig, save: bool) -> str:
     """Everything the fused-vs-library timing depends on (the chain's op codes included)."""
     return (
         f"conv_epilogue|{cfg.to_json()}|x {tuple(x.shape)} {x.stride()} {x.dtype}|w {tuple(weight.shape)} "
@@ -369,11 +369,11 @@ class _LibraryForward:
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
         self.spec = cfg.conv
-        self.dtype = _compute_dtype(cfg, x)
+        self.dtype = conv_compute_dtype(cfg, x)
         y0, steps, outputs = _forward_layouts(x, weight, operands, cfg, save, self.dtype)
         if self.conv_format is not None:  # a channels-last conv writes a channels-last y0
             y0 = torch.empty(y0.shape, dtype=self.dtype, device="meta", memory_format=self.conv_format)
-        #: the conv output's shape and strides: in the outputs' memory format (as ``_in_format``
+        #: the conv output's shape and strides: in the outputs' memory format (as ``in_format``
         #: gives), or channels-last for a channels-last conv (as cuDNN writes it)
         self.y0_layout = (tuple(y0.shape), y0.stride())
         self.layouts = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
@@ -389,24 +389,24 @@ class _LibraryForward:
         #: what ``_plan_launch`` needs besides y0: meta tensors and op codes only (a kept plan holds
         #: no tensor of a call)
         bias_meta = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device="meta")
-        pool = None if cfg.pool is None else _pool_geometry(cfg.pool)
+        pool = None if cfg.pool is None else pool_geometry(cfg.pool)
         self._launch_args = (bias_meta, [(code, ()) for code, _ in steps], pool, outputs)
         #: the epilogue kernel's launches by y0's strides (one, unless the conv surprises us)
         self.launches = {y0.stride(): self._plan_launch(y0)}
-        self.params = _PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
+        self.params = PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
 
     def _plan_launch(self, y0: Tensor) -> Any:  # kernels.epilogue.ForwardLaunch
         """The epilogue kernel's launch for a conv output laid out like ``y0`` (real or meta)."""
         bias_meta, codes, pool, (out, saved_a, saved_b) = self._launch_args
-        return _kernels().ForwardLaunch(
+        return epilogue_kernels().ForwardLaunch(
             y0, bias_meta, codes, pool, out, saved_a if self.max_save else None,
             saved_b if self.max_save else None, y_copy=saved_a if self.kernel_saves_y0 else None,
         )  # fmt: skip
 
     def _conv_output(self, x: Tensor, weight: Tensor) -> Tensor:
         """y0: the conv of x and weight cast to the compute dtype, in ``y0_layout``."""
-        xc, wc, _ = _cast_inputs(x, weight, None, self.dtype)
-        y0 = _conv(xc, wc, None, self.spec)
+        xc, wc, _ = cast_inputs(x, weight, None, self.dtype)
+        y0 = run_conv(xc, wc, None, self.spec)
         shape, stride = self.y0_layout
         if y0.stride() != stride:
             y0 = torch.empty_strided(shape, stride, dtype=y0.dtype, device=y0.device).copy_(y0)
@@ -429,7 +429,7 @@ class _LibraryForward:
             launch(y0, params, out, y_copy=saved_a)
         else:
             if self.relays_y0:
-                _relayout(y0, saved_a)
+                relayout(y0, saved_a)
             launch(y0, params, out)
         return out, saved_a, saved_b
 
@@ -463,7 +463,7 @@ class _ChannelsLastLibraryForward(_LibraryForward):
 
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
-        self.conv_format = _channels_last_format(x.dim())
+        self.conv_format = channels_last_format(x.dim())
         super().__init__(x, weight, bias, operands, cfg, save)
         #: the weight is used as given (already channels-last in the compute dtype)
         self.weight_ready = weight.dtype == self.dtype and weight.is_contiguous(memory_format=self.conv_format)
@@ -471,21 +471,21 @@ class _ChannelsLastLibraryForward(_LibraryForward):
     def _conv_output(self, x: Tensor, weight: Tensor) -> Tensor:
         """y0 from the channels-last conv, in the layout the conv gives (channels-last as planned)."""
         fmt = self.conv_format
-        xc = _relayout(x, torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=fmt))
+        xc = relayout(x, torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=fmt))
         if not self.weight_ready:
-            weight = _relayout(weight, torch.empty(weight.shape, dtype=self.dtype, device=weight.device,
+            weight = relayout(weight, torch.empty(weight.shape, dtype=self.dtype, device=weight.device,
                                                    memory_format=fmt))  # fmt: skip
-        return _conv(xc, weight, None, self.spec)
+        return run_conv(xc, weight, None, self.spec)
 
 
 def _channels_last_forward_unsupported(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> str | None:
     """Why the library forward has no channels-last variant worth measuring here, or None."""
     if x.dim() not in (4, 5):
         return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
-    dtype = _compute_dtype(cfg, x)
+    dtype = conv_compute_dtype(cfg, x)
     if dtype == torch.float64:
         return "float64 (cuDNN runs it in NCHW whatever the layout)"
-    if x.is_contiguous(memory_format=_channels_last_format(x.dim())):
+    if x.is_contiguous(memory_format=channels_last_format(x.dim())):
         return "x is channels-last already"
     if output_memory_format(_library_conv_meta(x, weight, cfg.conv, dtype)) != torch.contiguous_format:
         return "the library conv runs channels-last already (e.g. a channels-last weight)"

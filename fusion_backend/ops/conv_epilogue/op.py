@@ -15,18 +15,18 @@ from ..direct_twins import profiled, records_backward, register_direct
 from ..runtime_twins import register_twin
 from . import backward, forward, reference
 from .common import (
-    _allocate_forward_outputs,
-    _cast_inputs,
-    _check_inputs,
-    _compute_dtype,
-    _conv,
-    _like,
-    _on_kernel_failure,
-    _out_dtype,
-    _placeholder,
-    _pool,
-    _use_triton,
+    allocate_forward_outputs,
     apply_chain,
+    cast_inputs,
+    check_inputs,
+    conv_compute_dtype,
+    empty_placeholder,
+    on_kernel_failure,
+    output_dtype,
+    run_conv,
+    run_pool,
+    strided_like,
+    use_triton,
 )
 
 
@@ -52,12 +52,12 @@ def conv_epilogue_eager(
     the fused op.
     """
     cfg = ConvEpilogueConfig.from_json(config)
-    dtype = _compute_dtype(cfg, x)
-    x, weight, bias = _cast_inputs(x, weight, bias, dtype)
-    v = apply_chain(_conv(x, weight, bias, cfg.conv), cfg.chain, operands)
+    dtype = conv_compute_dtype(cfg, x)
+    x, weight, bias = cast_inputs(x, weight, bias, dtype)
+    v = apply_chain(run_conv(x, weight, bias, cfg.conv), cfg.chain, operands)
     if cfg.pool is not None:
-        v = _pool(v, cfg.pool)
-    return v.to(_out_dtype(cfg, dtype))
+        v = run_pool(v, cfg.pool)
+    return v.to(output_dtype(cfg, dtype))
 
 
 def _conv_epilogue_fwd_impl(
@@ -78,13 +78,13 @@ def _conv_epilogue_fwd_impl(
     plan = forward.PLANS.peek(key)
     if plan is None:
         cfg = ConvEpilogueConfig.from_json(config)
-        _check_inputs(x, weight, operands, cfg)
-        if not _use_triton(config, cfg, x):
+        check_inputs(x, weight, operands, cfg)
+        if not use_triton(config, cfg, x):
             return reference.forward(x, weight, bias, operands, cfg, save_for_backward)
         try:
             plan, settled = forward.plan_for(x, weight, bias, operands, cfg, save_for_backward)
         except Exception as e:  # any kernel failure takes the documented policy
-            _on_kernel_failure("forward", config, cfg, x, weight, e)
+            on_kernel_failure("forward", config, cfg, x, weight, e)
             return reference.forward(x, weight, bias, operands, cfg, save_for_backward)
         if settled:
             forward.PLANS.put(key, plan)
@@ -92,7 +92,7 @@ def _conv_epilogue_fwd_impl(
         return plan(x, weight, bias, operands)
     except Exception as e:  # any kernel failure takes the documented policy
         cfg = ConvEpilogueConfig.from_json(config)
-        _on_kernel_failure("forward", config, cfg, x, weight, e)
+        on_kernel_failure("forward", config, cfg, x, weight, e)
         return reference.forward(x, weight, bias, operands, cfg, save_for_backward)
 
 
@@ -109,10 +109,10 @@ def _conv_epilogue_fwd_fake(
     save_for_backward: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     cfg = ConvEpilogueConfig.from_json(config)
-    dtype = _compute_dtype(cfg, x)
-    y0 = _conv(x.to(dtype), weight.to(dtype), None, cfg.conv)
-    out_shape = y0.shape if cfg.pool is None else _pool(y0, cfg.pool).shape
-    return _allocate_forward_outputs(x, y0, out_shape, cfg, save_for_backward)
+    dtype = conv_compute_dtype(cfg, x)
+    y0 = run_conv(x.to(dtype), weight.to(dtype), None, cfg.conv)
+    out_shape = y0.shape if cfg.pool is None else run_pool(y0, cfg.pool).shape
+    return allocate_forward_outputs(x, y0, out_shape, cfg, save_for_backward)
 
 
 def _conv_epilogue_bwd_impl(
@@ -147,11 +147,11 @@ def _conv_epilogue_bwd_impl(
                 "fusion::conv_epilogue_bwd: the forward ran with save_for_backward=False; call "
                 "conv_epilogue() (which saves state when autograd needs it) instead of the raw op"
             )
-        if _use_triton(config, cfg, x):
+        if use_triton(config, cfg, x):
             try:
                 plan, settled = backward.plan_for(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, output_mask)
             except Exception as e:  # any kernel failure takes the documented policy
-                _on_kernel_failure("backward", config, cfg, x, weight, e)
+                on_kernel_failure("backward", config, cfg, x, weight, e)
             else:
                 if settled:
                     backward.PLANS.put(key, plan)
@@ -161,13 +161,13 @@ def _conv_epilogue_bwd_impl(
             grads = plan(grad_out, x, weight, bias, operands, saved_a, saved_b)
         except Exception as e:  # any kernel failure takes the documented policy
             cfg = cfg or ConvEpilogueConfig.from_json(config)
-            _on_kernel_failure("backward", config, cfg, x, weight, e)
+            on_kernel_failure("backward", config, cfg, x, weight, e)
     if grads is None:
         cfg = cfg or ConvEpilogueConfig.from_json(config)
         grads = reference.backward(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, output_mask)
     inputs = [x, weight, bias, *operands]
     return [
-        _like(g, ref) if wanted and ref is not None and g is not None else _placeholder(x)
+        strided_like(g, ref) if wanted and ref is not None and g is not None else empty_placeholder(x)
         for g, ref, wanted in zip(grads, inputs, output_mask, strict=True)
     ]
 
@@ -189,7 +189,7 @@ def _conv_epilogue_bwd_fake(
 ) -> list[Tensor]:
     inputs = [x, weight, bias, *operands]
     return [
-        torch.empty_like(ref) if wanted and ref is not None else _placeholder(x)
+        torch.empty_like(ref) if wanted and ref is not None else empty_placeholder(x)
         for ref, wanted in zip(inputs, output_mask, strict=True)
     ]
 

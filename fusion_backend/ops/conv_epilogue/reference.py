@@ -13,20 +13,20 @@ from torch import Tensor
 from ..chain import ChainStep, Const, PointwiseKind, TensorRef, apply_step
 from ..config import ConvEpilogueConfig, PoolSpec
 from .common import (
-    _cast_inputs,
-    _channel_view,
-    _compute_dtype,
-    _conv,
-    _conv_backward,
-    _conv_output_shape,
-    _in_format,
-    _out_dtype,
-    _placeholder,
-    _pool,
-    _pool_stride,
-    _winner_dtype,
     apply_chain,
+    cast_inputs,
+    channel_view,
+    conv_compute_dtype,
+    conv_output_shape,
+    empty_placeholder,
+    in_format,
+    output_dtype,
     output_memory_format,
+    pool_stride,
+    run_conv,
+    run_conv_backward,
+    run_pool,
+    winner_dtype,
 )
 
 
@@ -39,7 +39,7 @@ def _window_origins(pooled_shape: Sequence[int], pool: PoolSpec, device: torch.d
     """Per spatial dim, the (broadcastable) input coordinate where each pooled window starts."""
     dims = len(pooled_shape) - 2
     origins = []
-    for j, (size, s, p) in enumerate(zip(pooled_shape[2:], _pool_stride(pool), pool.padding, strict=True)):
+    for j, (size, s, p) in enumerate(zip(pooled_shape[2:], pool_stride(pool), pool.padding, strict=True)):
         shape = [1] * (dims + 2)
         shape[2 + j] = size
         origins.append((torch.arange(size, device=device) * s - p).reshape(shape))
@@ -52,16 +52,16 @@ def forward(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Eager ops (the bias added after a bias-free conv, as the kernels do); max-pool winners from
     ``return_indices``, converted to row-major indices within each window."""
-    dtype = _compute_dtype(cfg, x)
-    xc, weight, bias = _cast_inputs(x, weight, bias, dtype)
-    y0 = _conv(xc, weight, None, cfg.conv)
+    dtype = conv_compute_dtype(cfg, x)
+    xc, weight, bias = cast_inputs(x, weight, bias, dtype)
+    y0 = run_conv(xc, weight, None, cfg.conv)
     fmt = output_memory_format(y0)
-    y = y0 if bias is None else y0 + _channel_view(bias, y0.dim())
+    y = y0 if bias is None else y0 + channel_view(bias, y0.dim())
     v = apply_chain(y, cfg.chain, operands)
-    saved_a, saved_b = _placeholder(x), _placeholder(x)
+    saved_a, saved_b = empty_placeholder(x), empty_placeholder(x)
     pool = cfg.pool
     if pool is not None and pool.kind == "max" and save:
-        v, flat = _pool(v, pool, return_indices=True)
+        v, flat = run_pool(v, pool, return_indices=True)
         # Flat in-plane index -> row-major index within the window.
         spatial = list(y0.shape[2:])
         win = torch.zeros_like(flat)
@@ -71,17 +71,17 @@ def forward(
         ):  # fmt: skip
             coord = (flat // stride) % spatial[j]
             win = win + (coord - origin) * k_stride
-        saved_a = _in_format(win.to(_winner_dtype(pool)), fmt)
+        saved_a = in_format(win.to(winner_dtype(pool)), fmt)
         gathered = y0.reshape(y0.shape[0], y0.shape[1], -1).gather(
             2, flat.reshape(flat.shape[0], flat.shape[1], -1)
         )
-        saved_b = _in_format(gathered.reshape(flat.shape), fmt)
+        saved_b = in_format(gathered.reshape(flat.shape), fmt)
     else:
         if pool is not None:
-            v = _pool(v, pool)
+            v = run_pool(v, pool)
         if save:
-            saved_a = _in_format(y0, fmt)
-    out = _in_format(v.to(_out_dtype(cfg, dtype)), fmt)
+            saved_a = in_format(y0, fmt)
+    out = in_format(v.to(output_dtype(cfg, dtype)), fmt)
     if out.data_ptr() == y0.data_ptr():  # empty chain, no bias, no pool: outputs must not alias
         out = torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=fmt).copy_(out)
     return out, saved_a, saved_b
@@ -104,19 +104,19 @@ def backward(
     """
     pool = cfg.pool
     is_max = pool is not None and pool.kind == "max"
-    x, weight, bias_c = _cast_inputs(x, weight, bias, _compute_dtype(cfg, x))  # grads: ``_like`` casts back
+    x, weight, bias_c = cast_inputs(x, weight, bias, conv_compute_dtype(cfg, x))  # grads: ``strided_like`` casts back
     y_src = saved_b if is_max else saved_a
-    y = y_src if bias_c is None else y_src + _channel_view(bias_c, y_src.dim())
+    y = y_src if bias_c is None else y_src + channel_view(bias_c, y_src.dim())
     v, tape = _chain_with_tape(y, cfg.chain, operands)
     grad_v = grad_out.to(v.dtype)
     if pool is not None and not is_max:
         grad_v = _avg_pool_backward(grad_v, v, pool)
     grad_y, grad_operands = _chain_backward(tape, grad_v, operands, mask[3:])
     if is_max:
-        grad_y = _scatter_to_windows(grad_y, saved_a, _conv_output_shape(x, weight, cfg.conv), pool)
+        grad_y = _scatter_to_windows(grad_y, saved_a, conv_output_shape(x, weight, cfg.conv), pool)
     # The bias gradient comes from the same aten call as eager's: on these heavily cancelling sums
     # any other summation order differs from eager by ~1e-4 (from float64 by as much), this one by 0.
-    grad_x, grad_w, grad_bias = _conv_backward(
+    grad_x, grad_w, grad_bias = run_conv_backward(
         grad_y.to(x.dtype), x, weight, cfg.conv, mask[0], mask[1], bool(mask[2])
     )
     return [grad_x, grad_w, None if grad_bias is None else grad_bias.to(bias.dtype), *grad_operands]
@@ -210,10 +210,10 @@ def _step_vjp(
 
 
 def _avg_pool_backward(grad: Tensor, v: Tensor, pool: PoolSpec) -> Tensor:
-    """Gradient of ``_pool(v, pool)`` (an avg pool) w.r.t. ``v``."""
-    k, s, p = list(pool.kernel_size), list(_pool_stride(pool)), list(pool.padding)
+    """Gradient of ``run_pool(v, pool)`` (an avg pool) w.r.t. ``v``."""
+    k, s, p = list(pool.kernel_size), list(pool_stride(pool)), list(pool.padding)
     args = (pool.ceil_mode, pool.count_include_pad, pool.divisor_override)
-    if v.dim() == 3:  # pooled as a (1, L) plane, see _pool
+    if v.dim() == 3:  # pooled as a (1, L) plane, see run_pool
         return torch.ops.aten.avg_pool2d_backward(
             grad.unsqueeze(-2), v.unsqueeze(-2), [1, k[0]], [1, s[0]], [0, p[0]], *args
         ).squeeze(-2)

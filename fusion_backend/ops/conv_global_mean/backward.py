@@ -12,14 +12,22 @@ from typing import Any
 import torch
 
 from ..chain import PointwiseKind, TensorRef
-from .common import _as5d, _run
+from .common import as_5d, run_with_fallback
 from .config import ConvGlobalMeanConfig
-from .fold import _acc_dtype, _fold, _fold_backward, _grouped, _mul, _operand_values, _out_channels
-from .forward import _chain_args, _channel_stride_meta, _weight_layout
-from .geometry import _Geometry, _geometry
+from .fold import (
+    accumulation_dtype,
+    fold_chain,
+    fold_chain_backward,
+    grouped_weight,
+    mul_values,
+    operand_values,
+    output_channels,
+)
+from .forward import chain_args, channel_stride_meta, weight_layout
+from .geometry import Geometry, geometry_for
 
 
-def _conv_global_mean_bwd_impl(
+def backward_impl(
     grad_out: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -35,15 +43,15 @@ def _conv_global_mean_bwd_impl(
     """Backward of ``conv_global_mean``: ``[grad_x, grad_weight, grad_bias, *grad_operands]``.
 
     ``grad_x`` has ``x_size``/``x_stride``/``x_dtype`` (an empty ``(0,)`` tensor when
-    ``need_grad_input`` is false; ``x_stride`` is ``_grad_input_strides(x)``: x's memory format, as
+    ``need_grad_input`` is false; ``x_stride`` is ``grad_input_strides(x)``: x's memory format, as
     eager autograd gives it); ``grad_bias`` is ``(C_out,)`` (``(0,)`` when there is no bias); every
     other gradient has its input's shape and dtype.  ``tap_sums`` and ``conv_mean`` are the forward's
     auxiliary outputs.  x itself is not needed: the gradients only use the saved sums.
     """
     cfg = ConvGlobalMeanConfig.from_json(config)
-    geo = _geometry(cfg.conv, tuple(x_size[2:]), tuple(weight.shape[2:]), grad_out.device)
+    geo = geometry_for(cfg.conv, tuple(x_size[2:]), tuple(weight.shape[2:]), grad_out.device)
     args = (cfg, grad_out, weight, bias, operands, tap_sums, conv_mean, tuple(x_size), tuple(x_stride), x_dtype)
-    return _run(
+    return run_with_fallback(
         "conv_global_mean_bwd",
         cfg,
         config,
@@ -55,7 +63,7 @@ def _conv_global_mean_bwd_impl(
     )
 
 
-def _grad_input_strides(x: torch.Tensor) -> tuple[int, ...]:
+def grad_input_strides(x: torch.Tensor) -> tuple[int, ...]:
     """Strides of the input gradient eager autograd would give for x: channels_last(_3d) when x is in
     that format (and not also contiguous), else contiguous."""
     size = tuple(x.shape)
@@ -108,7 +116,7 @@ def _grad_targets(
     out_rank = cfg.conv.spatial_dims + 2
     for index, used_by in refs.items():
         shape, stride, where = operand_meta[index]
-        channel_stride = _channel_stride_meta(shape, stride, c_out, out_rank)
+        channel_stride = channel_stride_meta(shape, stride, c_out, out_rank)
         if len(used_by) == 1 and channel_stride != 0 and where == device:
             steps[used_by[0]] = (kernels.GRAD_DIRECT, index, channel_stride)
         else:
@@ -130,7 +138,7 @@ def _backward_kernels(
     x_stride: tuple[int, ...],
     x_dtype: torch.dtype,
     need_grad_input: bool,
-    geo: _Geometry,
+    geo: Geometry,
 ) -> list[torch.Tensor]:
     """Backward on the Triton kernels: one launch for every parameter gradient (and ``G``), one
     for grad_x.  Operands that are one-element tensors or appear in several steps get their
@@ -140,11 +148,11 @@ def _backward_kernels(
     spec = cfg.conv
     device = grad_out.device
     n, c_in = x_size[0], x_size[1]
-    c_out = _out_channels(spec, weight)
+    c_out = output_channels(spec, weight)
     taps = tap_sums.reshape(n, c_in, -1).contiguous()
     mean = conv_mean.contiguous()
     coef = torch.empty((n, c_out), dtype=torch.float32, device=device)
-    chain = _chain_args(cfg, operands, c_out, device, coef)
+    chain = chain_args(cfg, operands, c_out, device, coef)
 
     targets_plan = _grad_targets(cfg, tuple((t.shape, t.stride(), t.device) for t in operands), c_out, device)
     # operands written by the kernel directly or via scratch are fully overwritten; others stay zero
@@ -163,14 +171,14 @@ def _backward_kernels(
     scratch_for = targets_plan.scratch_for
 
     grad_w = torch.empty_like(weight)
-    gw_layout = _weight_layout(grad_w, spec)  # a copy buffer when grad_w is not flat-addressable
+    gw_layout = weight_layout(grad_w, spec)  # a copy buffer when grad_w is not flat-addressable
     gw_buffer = gw_layout.tensor
     grad_bias = torch.empty_like(bias) if bias is not None else None
     # NOTE: grad_x is prepared before the first launch so that its pass (nearly all of the backward's GPU
     # time) is enqueued right after the small parameter kernel: the step is host-bound at the ``seeds``
     # suite's sizes.
     grad_x = torch.empty_strided(x_size, x_stride, dtype=x_dtype, device=device) if need_grad_input else None
-    w_layout = _weight_layout(weight, spec) if need_grad_input else None
+    w_layout = weight_layout(weight, spec) if need_grad_input else None
     kernels.params_backward(
         grad_out.reshape(n, c_out) if grad_out.dim() > 2 else grad_out,
         mean,
@@ -185,7 +193,7 @@ def _backward_kernels(
     )
     if grad_x is not None:
         assert geo.bits is not None
-        kernels.grad_broadcast(coef, w_layout, geo.tapset, geo.bits, geo.set_counts, _as5d(grad_x))
+        kernels.grad_broadcast(coef, w_layout, geo.tapset, geo.bits, geo.set_counts, as_5d(grad_x))
     else:
         grad_x = grad_out.new_empty((0,))
     if gw_buffer is not grad_w:
@@ -212,23 +220,23 @@ def _backward_reference(
     x_stride: tuple[int, ...],
     x_dtype: torch.dtype,
     need_grad_input: bool,
-    geo: _Geometry,
+    geo: Geometry,
 ) -> list[torch.Tensor]:
     """Backward in plain torch (the spec), fp64 contractions."""
     spec = cfg.conv
     device = grad_out.device
     n, c_in = x_size[0], x_size[1]
-    c_out = _out_channels(spec, weight)
+    c_out = output_channels(spec, weight)
     g = spec.groups
 
-    values = _operand_values(cfg, operands, c_out, device)
-    states = _fold(cfg, values)
+    values = operand_values(cfg, operands, c_out, device)
+    states = fold_chain(cfg, values)
     go = grad_out.reshape(n, c_out).to(torch.float64)
-    gm = _mul(go, states[-1][0])  # d loss / d conv_mean
+    gm = mul_values(go, states[-1][0])  # d loss / d conv_mean
     assert isinstance(gm, torch.Tensor)
     coef = (gm * (1.0 / geo.n_outputs)).reshape(n, g, c_out // g)  # G of the derivation
 
-    w, letters = _grouped(spec, weight)
+    w, letters = grouped_weight(spec, weight)
     s = tap_sums.to(torch.float64).reshape(n, g, c_in // g, -1)
     grad_w = _like(weight, torch.einsum(f"ngo,ngit->{letters}", coef, s).reshape(weight.shape))
     grad_bias = _like(bias, gm.sum(0).reshape(bias.shape)) if bias is not None else grad_out.new_empty((0,))
@@ -240,7 +248,7 @@ def _backward_reference(
             for step in cfg.affine
         )
         grad_a = (go * conv_mean.to(torch.float64)).sum(0) if needs_a else None
-        op_grads = _fold_backward(cfg, values, states, grad_a, go.sum(0))
+        op_grads = fold_chain_backward(cfg, values, states, grad_a, go.sum(0))
         for step, grad in zip(cfg.affine, op_grads, strict=True):
             (op,) = step.operands
             if grad is None or not isinstance(op, TensorRef):
@@ -266,7 +274,7 @@ def _backward_reference(
 
 def _set_broadcast_reference(
     q: torch.Tensor,
-    geo: _Geometry,
+    geo: Geometry,
     x_size: tuple[int, ...],
     x_stride: tuple[int, ...],
     x_dtype: torch.dtype,
@@ -274,7 +282,7 @@ def _set_broadcast_reference(
 ) -> torch.Tensor:
     """grad_x of ``x_size``/``x_stride``/``x_dtype``: ``sum_j q[n, ci, j] * [i in set j]`` (torch reference)."""
     grad_x = torch.empty_strided(x_size, x_stride, dtype=x_dtype, device=device)
-    acc = _acc_dtype(x_dtype)
+    acc = accumulation_dtype(x_dtype)
     m1, m2, m3 = (mask.to(acc) for mask in geo.masks)
     j1, j2, j3 = geo.set_counts
     n, c = x_size[0], x_size[1]

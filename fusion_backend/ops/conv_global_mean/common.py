@@ -1,6 +1,6 @@
-"""What the parts of ``fusion::conv_global_mean`` share: the environment switch and dtypes the kernels
-cover, which implementation serves a case (``kernel_path``), and the failure policy (``_run``:
-strict raises, otherwise warn once and run the reference).
+"""What the parts of ``fusion::conv_global_mean`` share: the environment switch and dtypes the
+kernels cover, which implementation serves a case (``kernel_path``), and the failure policy
+(``run_with_fallback``: strict raises, otherwise warn once and run the reference).
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ import torch
 from ... import environment
 from ...errors import KernelError
 from .config import ConvGlobalMeanConfig
-from .geometry import _MAX_TABLE_BITS, _Geometry
+from .geometry import MAX_TABLE_BITS, Geometry
 
 logger = logging.getLogger("fusion_backend")
 
 
 #: The environment switch that makes CPU tensors run the Triton launchers (``fusion_backend.environment``).
 CPU_KERNELS_ENV = environment.CPU_KERNELS
-
-
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -77,18 +75,18 @@ def _cuda_kernel_path(config: str, dtype: torch.dtype) -> tuple[str, str | None]
     return ("reference", f"no Triton kernel for dtype {dtype} (kernels: fp32, fp16, bf16)")
 
 
-def _kernel_fits(geo: _Geometry) -> str | None:
+def _kernel_fits(geo: Geometry) -> str | None:
     if geo.bits is None:
-        return f"a spatial dim has {max(geo.set_counts)} distinct tap index sets (the kernels support {_MAX_TABLE_BITS})"
+        return f"a spatial dim has {max(geo.set_counts)} distinct tap index sets (the kernels support {MAX_TABLE_BITS})"
     return None
 
 
-def _run(
+def run_with_fallback(
     op: str,
     cfg: ConvGlobalMeanConfig,
     config: str,
     t: torch.Tensor,
-    geo: _Geometry,
+    geo: Geometry,
     kernel: Callable[[], _R],
     reference: Callable[[], _R],
     dtype: torch.dtype | None = None,
@@ -119,7 +117,7 @@ def _run(
     return reference()
 
 
-def _as5d(t: torch.Tensor) -> torch.Tensor:
+def as_5d(t: torch.Tensor) -> torch.Tensor:
     while t.dim() < 5:
         t = t.unsqueeze(2)
     return t

@@ -17,7 +17,7 @@ from ..config import ConvSpec
 from .config import ConvGlobalMeanConfig
 
 
-def _out_channels(spec: ConvSpec, weight: torch.Tensor) -> int:
+def output_channels(spec: ConvSpec, weight: torch.Tensor) -> int:
     return _out_channels_of(spec, weight.shape)
 
 
@@ -25,11 +25,11 @@ def _out_channels_of(spec: ConvSpec, w_shape: Sequence[int]) -> int:
     return w_shape[1] * spec.groups if spec.transposed else w_shape[0]
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _validate(
+def validate(
     cfg: ConvGlobalMeanConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> None:
     _validate_shapes(cfg.conv, x.shape, weight.shape, None if bias is None else bias.shape)
@@ -76,7 +76,7 @@ def _channel_vector(t: torch.Tensor, c_out: int, out_rank: int, device: torch.de
     )
 
 
-def _operand_values(
+def operand_values(
     cfg: ConvGlobalMeanConfig, operands: Sequence[torch.Tensor], c_out: int, device: torch.device
 ) -> list[torch.Tensor | float]:
     """The value of every step's operand: a Python float (``Const``) or an fp64 0-d / ``(c_out,)`` tensor."""
@@ -102,7 +102,7 @@ Value = Union[torch.Tensor, float]
 # NOTE: the fold runs on every call, and each torch op on a CUDA tensor costs ~10-20 us of host time
 # (more than the kernels' GPU time at the ``seeds`` suite's sizes), so the arithmetic below keeps
 # Python floats as long as it can and skips multiplications by 1 and additions of 0.
-def _mul(p: Value, q: Value) -> Value:
+def mul_values(p: Value, q: Value) -> Value:
     for u, v in ((p, q), (q, p)):
         if isinstance(u, float):
             if u == 1.0:
@@ -112,7 +112,7 @@ def _mul(p: Value, q: Value) -> Value:
     return p * q
 
 
-def _add(p: Value, q: Value) -> Value:
+def add_values(p: Value, q: Value) -> Value:
     if isinstance(p, float) and p == 0.0:
         return q
     if isinstance(q, float) and q == 0.0:
@@ -126,7 +126,7 @@ def _recip(v: Value) -> Value:
     return 1.0 / v
 
 
-def _fold(cfg: ConvGlobalMeanConfig, values: Sequence[Value]) -> list[tuple[Value, Value]]:
+def fold_chain(cfg: ConvGlobalMeanConfig, values: Sequence[Value]) -> list[tuple[Value, Value]]:
     """States ``(A, B)`` before each step and after the last: ``v -> A*v + B``.
 
     ``A``/``B`` are Python floats while only constants are involved, else fp64 0-d / ``(C_out,)``.
@@ -139,30 +139,30 @@ def _fold(cfg: ConvGlobalMeanConfig, values: Sequence[Value]) -> list[tuple[Valu
     for step, v in zip(cfg.affine, values, strict=True):
         k = step.kind
         if k is PointwiseKind.MUL:
-            a, b = _mul(a, v), (0.0 if isinstance(b, float) and b == 0.0 else _mul(b, v))
+            a, b = mul_values(a, v), (0.0 if isinstance(b, float) and b == 0.0 else mul_values(b, v))
         elif k is PointwiseKind.ADD:
-            b = _add(b, v)
+            b = add_values(b, v)
         elif k is PointwiseKind.SUB:
-            b = _add(b, -v)
+            b = add_values(b, -v)
         elif k is PointwiseKind.RSUB:
-            a, b = -a, _add(v, -b)
+            a, b = -a, add_values(v, -b)
         elif k is PointwiseKind.DIV:
             inv = _recip(v)
-            a, b = _mul(a, inv), (0.0 if isinstance(b, float) and b == 0.0 else _mul(b, inv))
+            a, b = mul_values(a, inv), (0.0 if isinstance(b, float) and b == 0.0 else mul_values(b, inv))
         else:  # pragma: no cover - rejected by the config
             raise AssertionError(k)
         states.append((a, b))
     return states
 
 
-def _fold_backward(
+def fold_chain_backward(
     cfg: ConvGlobalMeanConfig,
     values: Sequence[Value],
     states: Sequence[tuple[Value, Value]],
     grad_a: torch.Tensor | None,
     grad_b: torch.Tensor,
 ) -> list[Value | None]:
-    """Reverse-mode through ``_fold``: gradient of each ``TensorRef`` step's operand value (else ``None``).
+    """Reverse-mode through ``fold_chain``: gradient of each ``TensorRef`` step's operand value (else ``None``).
 
     ``grad_a``/``grad_b`` are the gradients of the final ``A``/``B`` (``grad_a`` may be ``None`` when
     no tensor operand of a mul/div step needs it).  Walking the steps backwards,
@@ -180,11 +180,11 @@ def _fold_backward(
         if k in (PointwiseKind.MUL, PointwiseKind.DIV):
             if wanted:
                 assert ga is not None, "grad_a is needed for a mul/div by a tensor"
-                dv = _add(_mul(ga, a), _mul(gb, b))
+                dv = add_values(mul_values(ga, a), mul_values(gb, b))
                 grads[i] = dv if k is PointwiseKind.MUL else -dv / (v * v)
             scale = v if k is PointwiseKind.MUL else _recip(v)
-            ga = None if ga is None else _mul(ga, scale)
-            gb = _mul(gb, scale)
+            ga = None if ga is None else mul_values(ga, scale)
+            gb = mul_values(gb, scale)
         elif k is PointwiseKind.ADD:
             grads[i] = gb if wanted else None
         elif k is PointwiseKind.SUB:
@@ -196,7 +196,7 @@ def _fold_backward(
     return grads
 
 
-def _grouped(spec: ConvSpec, weight: torch.Tensor) -> tuple[torch.Tensor, str]:
+def grouped_weight(spec: ConvSpec, weight: torch.Tensor) -> tuple[torch.Tensor, str]:
     """Weight as fp64 ``(g, ., ., T)`` plus its einsum letters (``o`` = out channel, ``i`` = in channel)."""
     g = spec.groups
     w = weight.detach().to(torch.float64)

@@ -15,21 +15,30 @@ import torch
 from ...errors import UnsupportedInputError
 from ..chain import Const
 from ..config import ConvSpec
-from .common import _as5d, _run
+from .common import as_5d, run_with_fallback
 from .config import ConvGlobalMeanConfig
-from .fold import _acc_dtype, _add, _fold, _grouped, _mul, _operand_values, _out_channels, _validate
-from .geometry import _Geometry, _geometry
+from .fold import (
+    accumulation_dtype,
+    add_values,
+    fold_chain,
+    grouped_weight,
+    mul_values,
+    operand_values,
+    output_channels,
+    validate,
+)
+from .geometry import Geometry, geometry_for
 
 
-def _set_sums_reference(x: torch.Tensor, geo: _Geometry) -> torch.Tensor:
+def _set_sums_reference(x: torch.Tensor, geo: Geometry) -> torch.Tensor:
     """``(N, C_in, J)`` sums of x over the product sets, in x's accumulation dtype (torch reference)."""
     n, c = x.shape[:2]
-    acc = _acc_dtype(x.dtype)
+    acc = accumulation_dtype(x.dtype)
     m1, m2, m3 = (mask.to(acc) for mask in geo.masks)
     j1, j2, j3 = geo.set_counts
     # NOTE: three matmuls, innermost dim first, rather than one 4-operand einsum: same result,
     # no contraction-path search on every call.
-    r = _as5d(x).to(acc) @ m3.T  # (N, C, D, H, J3)
+    r = as_5d(x).to(acc) @ m3.T  # (N, C, D, H, J3)
     r = m2 @ r  # (N, C, D, J2, J3)
     r = m1 @ r.reshape(n, c, -1, j2 * j3)  # (N, C, J1, J2*J3)
     return r.reshape(n, c, j1 * j2 * j3)
@@ -40,10 +49,10 @@ def _set_sums_reference(x: torch.Tensor, geo: _Geometry) -> torch.Tensor:
 def _channel_stride(t: torch.Tensor, c_out: int, out_rank: int) -> int:
     """Element stride between channels of an affine operand (0 for a one-element operand); validates
     the shape exactly like ``_channel_vector``."""
-    return _channel_stride_meta(tuple(t.shape), t.stride(), c_out, out_rank)
+    return channel_stride_meta(tuple(t.shape), t.stride(), c_out, out_rank)
 
 
-def _channel_stride_meta(shape: tuple[int, ...], stride: tuple[int, ...], c_out: int, out_rank: int) -> int:
+def channel_stride_meta(shape: tuple[int, ...], stride: tuple[int, ...], c_out: int, out_rank: int) -> int:
     if math.prod(shape) == 1 and len(shape) <= out_rank:
         return 0
     shape = tuple(shape)
@@ -60,7 +69,7 @@ def _channel_stride_meta(shape: tuple[int, ...], stride: tuple[int, ...], c_out:
 
 @dataclass(frozen=True)
 class _ChainStatic:
-    """The shape-dependent half of ``_chain_args``: per step its kind code, whether its operand is a
+    """The shape-dependent half of ``chain_args``: per step its kind code, whether its operand is a
     tensor, the constant, the operand's index in ``operands`` (-1 for a constant) and channel stride."""
 
     kinds: tuple[int, ...]
@@ -96,11 +105,11 @@ def _chain_static(
             tensor.append(True)
             consts.append(0.0)
             index.append(op.index)
-            strides.append(_channel_stride_meta(*operand_meta[op.index][:2], c_out, out_rank))
+            strides.append(channel_stride_meta(*operand_meta[op.index][:2], c_out, out_rank))
     return _ChainStatic(tuple(kinds), tuple(tensor), tuple(consts), tuple(index), tuple(strides))
 
 
-def _chain_args(
+def chain_args(
     cfg: ConvGlobalMeanConfig,
     operands: Sequence[torch.Tensor],
     c_out: int,
@@ -130,7 +139,7 @@ def _weight_layout_ints(
     return (layout.s_co, layout.s_ci, layout.s_t, layout.off_g, layout.cin_g, layout.cout_g, layout.taps)
 
 
-def _weight_layout(weight: torch.Tensor, spec: ConvSpec) -> Any:
+def weight_layout(weight: torch.Tensor, spec: ConvSpec) -> Any:
     """The kernels' view of ``weight`` (a tensor that requires grad is fine: only its data is read)."""
     from ...kernels.global_mean import WeightLayout
 
@@ -147,7 +156,7 @@ def _forward_kernels(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     operands: Sequence[torch.Tensor],
-    geo: _Geometry,
+    geo: Geometry,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward on the Triton kernels: two launches (the pass over x, then the contraction + chain).
 
@@ -158,19 +167,19 @@ def _forward_kernels(
     from ...kernels import global_mean as kernels
 
     assert geo.bits is not None
-    partial = kernels.set_sums_partial(_as5d(x), geo.bits, geo.set_counts)
+    partial = kernels.set_sums_partial(as_5d(x), geo.bits, geo.set_counts)
     n, c_in = x.shape[:2]
-    c_out = _out_channels(cfg.conv, weight)
+    c_out = output_channels(cfg.conv, weight)
     out_dtype = getattr(torch, cfg.out_dtype) if cfg.out_dtype else x.dtype
     out_shape = (n, c_out, *([1] * cfg.conv.spatial_dims)) if cfg.keepdim else (n, c_out)
     out = torch.empty(out_shape, dtype=out_dtype, device=x.device)
     mean = torch.empty((n, c_out), dtype=torch.float64, device=x.device)
-    chain = _chain_args(cfg, operands, c_out, x.device, mean)
+    chain = chain_args(cfg, operands, c_out, x.device, mean)
     taps = torch.empty((n, c_in, *weight.shape[2:]), dtype=torch.float64, device=x.device)
     kernels.contract_forward(
         partial,
         geo.tapset,
-        _weight_layout(weight, cfg.conv),
+        weight_layout(weight, cfg.conv),
         bias,
         chain,
         geo.n_outputs,
@@ -187,23 +196,23 @@ def _forward_reference(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     operands: Sequence[torch.Tensor],
-    geo: _Geometry,
+    geo: Geometry,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward in plain torch (the spec): fp64 contraction and affine fold."""
     spec = cfg.conv
     n, c_in = x.shape[:2]
-    c_out = _out_channels(spec, weight)
+    c_out = output_channels(spec, weight)
     r = _set_sums_reference(x, geo)  # (N, C_in, J)
     tap_sums = r.to(torch.float64) @ geo.tap_onehot.T  # (N, C_in, T)
-    w, letters = _grouped(spec, weight)
+    w, letters = grouped_weight(spec, weight)
     g = spec.groups
     total = torch.einsum(f"ngit,{letters}->ngo", tap_sums.reshape(n, g, c_in // g, -1), w).reshape(n, c_out)
     if bias is not None:
         mean = torch.add(bias.detach().to(torch.float64), total, alpha=1.0 / geo.n_outputs)
     else:
         mean = total * (1.0 / geo.n_outputs)
-    a, b = _fold(cfg, _operand_values(cfg, operands, c_out, x.device))[-1]
-    out = _add(_mul(mean, a), b)
+    a, b = fold_chain(cfg, operand_values(cfg, operands, c_out, x.device))[-1]
+    out = add_values(mul_values(mean, a), b)
     assert isinstance(out, torch.Tensor)
     out_dtype = getattr(torch, cfg.out_dtype) if cfg.out_dtype else x.dtype
     if out.dtype != out_dtype:
@@ -217,7 +226,7 @@ def _forward_reference(
     return out, tap_sums.reshape(n, c_in, *weight.shape[2:]), mean
 
 
-def _conv_global_mean_fwd_impl(
+def forward_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -233,9 +242,9 @@ def _conv_global_mean_fwd_impl(
     The last two are the tiny tensors the backward needs; they are not differentiable.
     """
     cfg = ConvGlobalMeanConfig.from_json(config)
-    _validate(cfg, x, weight, bias)
-    geo = _geometry(cfg.conv, tuple(x.shape[2:]), tuple(weight.shape[2:]), x.device)
-    return _run(
+    validate(cfg, x, weight, bias)
+    geo = geometry_for(cfg.conv, tuple(x.shape[2:]), tuple(weight.shape[2:]), x.device)
+    return run_with_fallback(
         "conv_global_mean_fwd",
         cfg,
         config,

@@ -72,7 +72,7 @@ def dim_sets(
 
 
 @dataclass(frozen=True, eq=False)
-class _Geometry:
+class Geometry:
     """Everything shape-dependent about one call, built once per (config, shapes, device).
 
     ``dims`` has exactly three entries: real spatial dims are the last ones; missing leading dims are
@@ -98,7 +98,7 @@ class _Geometry:
 _TRIVIAL_DIM = DimSets(length=1, out_length=1, step=1, sets=((0, 0),), tap_to_set=(0,))
 
 
-_MAX_TABLE_BITS = 31
+MAX_TABLE_BITS = 31
 
 
 def _membership(ds: DimSets) -> torch.Tensor:
@@ -111,9 +111,9 @@ def _membership(ds: DimSets) -> torch.Tensor:
 # NOTE: never evicts: a CUDA graph recorded over the kernels keeps the tables' addresses (entries are
 # a few KB: int32 tables of the spatial sizes and small masks).
 @functools.cache
-def _geometry(
+def geometry_for(
     spec: ConvSpec, in_sizes: tuple[int, ...], kernel: tuple[int, ...], device: torch.device
-) -> _Geometry:
+) -> Geometry:
     """Built on the host, then copied once to ``device`` (``persistent_device_copies``: outside any
     CUDA-graph memory pool)."""
     from ...kernels.host import persistent_device_copies
@@ -127,7 +127,7 @@ def _geometry(
     dims = (*[_TRIVIAL_DIM] * (3 - len(real)), *real)
     masks = tuple(_membership(ds) for ds in dims)
     bits: tuple[torch.Tensor, ...] = ()
-    if all(len(ds.sets) <= _MAX_TABLE_BITS for ds in dims):
+    if all(len(ds.sets) <= MAX_TABLE_BITS for ds in dims):
         weights = [(1 << torch.arange(len(ds.sets), dtype=torch.int64))[:, None] for ds in dims]
         bits = tuple(
             (m.to(torch.int64) * w).sum(0).to(torch.int32).contiguous()
@@ -145,7 +145,7 @@ def _geometry(
     table = torch.tensor(tapset, dtype=torch.int32)
     m1, m2, m3, *on_device = persistent_device_copies([*masks, *bits, onehot, table], device)
     *bits_d, onehot_d, table_d = on_device
-    return _Geometry(dims, n_out, (m1, m2, m3), tuple(bits_d) if bits else None, onehot_d, table_d)  # type: ignore[arg-type]
+    return Geometry(dims, n_out, (m1, m2, m3), tuple(bits_d) if bits else None, onehot_d, table_d)  # type: ignore[arg-type]
 
 
 def _taps(kernel3: tuple[int, int, int]) -> list[tuple[int, int, int]]:

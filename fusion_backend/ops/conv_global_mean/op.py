@@ -9,13 +9,13 @@ import torch
 
 from ..direct_twins import profiled, records_backward, register_direct
 from ..runtime_twins import register_twin
-from .backward import _conv_global_mean_bwd_impl, _grad_input_strides
+from .backward import backward_impl, grad_input_strides
 from .config import ConvGlobalMeanConfig
-from .fold import _out_channels
-from .forward import _conv_global_mean_fwd_impl
+from .fold import output_channels
+from .forward import forward_impl
 
 conv_global_mean_fwd = torch.library.custom_op("fusion::conv_global_mean_fwd", mutates_args=())(
-    _conv_global_mean_fwd_impl
+    forward_impl
 )
 
 
@@ -23,7 +23,7 @@ conv_global_mean_fwd = torch.library.custom_op("fusion::conv_global_mean_fwd", m
 def _conv_global_mean_fwd_fake(x, weight, bias, operands, config):
     cfg = ConvGlobalMeanConfig.from_json(config)
     n, c_in = x.shape[:2]
-    c_out = _out_channels(cfg.conv, weight)
+    c_out = output_channels(cfg.conv, weight)
     out_dtype = getattr(torch, cfg.out_dtype) if cfg.out_dtype else x.dtype
     out_shape = (n, c_out, *([1] * cfg.conv.spatial_dims)) if cfg.keepdim else (n, c_out)
     return (
@@ -34,7 +34,7 @@ def _conv_global_mean_fwd_fake(x, weight, bias, operands, config):
 
 
 conv_global_mean_bwd = torch.library.custom_op("fusion::conv_global_mean_bwd", mutates_args=())(
-    _conv_global_mean_bwd_impl
+    backward_impl
 )
 
 
@@ -57,7 +57,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(tap_sums, conv_mean)
     ctx.save_for_backward(weight, bias, tap_sums, conv_mean, *operands)
     ctx.x_size = tuple(x.shape)
-    ctx.x_stride = _grad_input_strides(x)
+    ctx.x_stride = grad_input_strides(x)
     ctx.x_dtype = x.dtype
     ctx.has_bias = bias is not None
     ctx.config = config
@@ -86,10 +86,10 @@ def _backward(ctx, grad_out, _grad_tap_sums, _grad_conv_mean):
 conv_global_mean_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-register_twin(conv_global_mean_fwd, _conv_global_mean_fwd_impl, _conv_global_mean_fwd_fake)
+register_twin(conv_global_mean_fwd, forward_impl, _conv_global_mean_fwd_fake)
 
 
-register_twin(conv_global_mean_bwd, _conv_global_mean_bwd_impl, _conv_global_mean_bwd_fake)
+register_twin(conv_global_mean_bwd, backward_impl, _conv_global_mean_bwd_fake)
 
 
 def conv_global_mean(
@@ -122,11 +122,11 @@ class _DirectConvGlobalMean(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, config, x, weight, bias, *operands):
-        out, tap_sums, conv_mean = _conv_global_mean_fwd_impl(x, weight, bias, list(operands), config)
+        out, tap_sums, conv_mean = forward_impl(x, weight, bias, list(operands), config)
         ctx.save_for_backward(weight, bias, *operands)
         ctx.state = (tap_sums, conv_mean)  # intermediates: attributes, as autograd advises
         ctx.x_size = tuple(x.shape)
-        ctx.x_stride = _grad_input_strides(x)
+        ctx.x_stride = grad_input_strides(x)
         ctx.x_dtype = x.dtype
         ctx.config = config
         return out
@@ -138,7 +138,7 @@ class _DirectConvGlobalMean(torch.autograd.Function):
         weight, bias, *operands = ctx.saved_tensors
         tap_sums, conv_mean = ctx.state
         needs = ctx.needs_input_grad  # (config, x, weight, bias, *operands)
-        grad_x, grad_w, grad_b, *grad_ops = _conv_global_mean_bwd_impl(
+        grad_x, grad_w, grad_b, *grad_ops = backward_impl(
             grad_out, weight, bias, operands, tap_sums, conv_mean,
             ctx.x_size, ctx.x_stride, ctx.x_dtype, bool(needs[1]), ctx.config,
         )
@@ -152,7 +152,7 @@ def _conv_global_mean_direct(x, weight, bias, operands, config):
     """``conv_global_mean`` without the custom-op layers (the direct twin; same contract)."""
     if records_backward(x, weight, bias, operands):
         return _DirectConvGlobalMean.apply(config, x, weight, bias, *operands)
-    return _conv_global_mean_fwd_impl(x, weight, bias, list(operands), config)[0]
+    return forward_impl(x, weight, bias, list(operands), config)[0]
 
 
 register_direct(conv_global_mean, _conv_global_mean_direct)

@@ -1,0 +1,545 @@
+"""Compile the project's Triton kernels for sm_90a (H100) without a GPU: catches GPU-only compile errors.
+
+    python tools/compile_check.py [KERNEL ...] [--quick] [--cases CASE,...] [--kernels NAME,...]
+        [--sass] [--dump-sass DIR] [--verbose]
+        [--tiles T;...] [--dgrad-tiles T;...] [--wgrad-tiles T;...]
+
+KERNEL (a job; none: all): ``conv_fused``, ``conv_dense``, ``conv_fused_bwd``, ``conv_shift_bwd``,
+``global_mean``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
+compile for the GPU; on ``conv_global_mean``'s default path such a kernel makes the op fall back to
+the slow torch reference (with one warning).  Run this after every change to a kernel.
+
+How: per case, the real launchers run on empty CPU tensors of the full shapes (never read) while
+every kernel launch is recorded instead of run (``tools/kernel_compile.py``).  Each recorded launch
+goes through Triton's own argument binder and ``_pack_args`` (the code a real launch runs), so the
+signature, the constexprs and the divisibility attributes are exactly the ones a CUDA launch
+compiles; then Triton -> PTX -> cubin for sm_90a, and Triton's bundled ``ptxas-blackwell -v``
+reports registers and spill stores, besides shared memory and whether ``wgmma`` appears in the PTX.
+A job's tiled kernel is compiled for every tile of its list that fits the launch (only the first
+with ``--quick``): ``conv_fused`` / ``conv_dense``: the tiles their ``_prune`` keeps (what the
+autotuner times); ``conv_fused_bwd``: every config of ``_dgrad_configs`` / ``_wgrad_configs``;
+``conv_shift_bwd``: ``_DGRAD_TILES`` / ``_WGRAD_TILES`` clamped to the problem (``_fit``).  Other
+kernels are compiled as launched.  A specialisation already compiled in the run is not compiled
+again (its line names the case that compiled it).  Environment: ``TRITON_INTERPRET`` is removed
+before the kernels are imported, ``FUSION_CONV_AUTOTUNE=0`` (the launchers take their heuristic
+tile at once), ``TRITON_DEFAULT_FP_FUSION=1`` unless set; split counts are an H100's (132 SMs).
+Compiles go through Triton's cache (``TRITON_CACHE_DIR``): a specialisation compiled by an earlier
+run prints a cache hit's seconds.
+
+Jobs and cases (``--cases``: each listed case must belong to every named job):
+
+* ``conv_fused``: ``fusion::conv_epilogue``'s Triton forward (``ops.conv_epilogue.forward.
+  _fused_conv_forward``) on the ``seeds`` suite's ConvTranspose3d 16->32 k3 s2 + leaky_relu -> mul
+  -> leaky_relu + MaxPool3d(2) over (16, 16, 16, 32, 32) (``convt3d``), or the same with 48 input
+  channels (``convt3d_wide``: SHIFT_K with several channel blocks): ``_conv_fused_fwd_kernel`` and,
+  with one channel block, the weight-matrix kernel.  Dtypes ``fp32`` (TF32), ``bf16``, ``amp`` (fp32 tensors, bf16
+  compute: autocast's casts absorbed into the loaders); ``-save``: the training forward (writes the
+  backward state).  Cases ``{convt3d,convt3d_wide}-{fp32,bf16,amp}[-save]``; default
+  ``convt3d-{fp32,bf16,amp}-save``.
+* ``conv_dense``: the same forward on the ``seeds`` suite's Conv2d(64, 64, 3) + mul -> leaky_relu ->
+  gelu over (64, 64, 256, 256), no pool (which the op sends to ``conv_dense``): the weight
+  prearrangement and ``_conv_dense_fwd_kernel``.  Cases ``conv2d-{fp32,bf16,amp}[-save]``; default
+  all six.
+* ``conv_fused_bwd``: ``_dgrad_kernel`` and ``_wgrad_kernel`` (``_input_grad`` / ``_weight_grad``)
+  for ``convt3d`` (the ConvTranspose3d above, p1 op1, behind MaxPool3d(2): the pooled gradient),
+  ``conv2d`` (the Conv2d above: a dense gradient) and ``conv2d_narrow`` (that Conv2d over (64, 64,
+  256, 20): its 18-wide output rows take the weight grad's flat ``LINE_MODE=False`` path); ``fp32``
+  (TF32) or ``bf16``; ``-cl``: channels-last.  Cases ``{convt3d,conv2d,conv2d_narrow}-{fp32,bf16}
+  [-cl]``; default ``convt3d-fp32``, ``conv2d-fp32``, ``conv2d-fp32-cl``, ``conv2d_narrow-fp32-cl``.
+* ``conv_shift_bwd``: ``_shift_dgrad_kernel``, ``_shift_wgrad_kernel`` and the finish kernel
+  (weight-grad partials -> taps) for ``convt3d`` (as above, its MaxPool3d(2) gradient in compact form
+  with an fp32 ``g_win``); ``fp32`` (TF32), ``bf16``, ``fp16``; ``-cl``: channels-last.  Cases
+  ``convt3d-{fp32,bf16,fp16}[-cl]``; default ``convt3d-fp32``, ``convt3d-bf16``.
+* ``global_mean``: every CUDA-path kernel of ``kernels/global_mean/``: the launchers
+  ``set_sums_partial``, ``contract_forward``, ``params_backward`` and ``grad_broadcast`` called as
+  the op does for the ``seeds`` suite's global-mean pipeline (x (16, 64, 512, 512), ConvTranspose2d
+  64->128 k3, the folded ``+ bias`` operand: ``convt2d``), in ``fp32`` and ``bf16`` (fp32 output as
+  under autocast), and for a padded grouped Conv2d without bias, off that pipeline's path
+  (``conv2d_padded``, fp32: 3 index sets per dim, the other constexpr branches); ``-cl``:
+  channels-last x.  Default: all six cases.  In this job a spill fails the compile.
+
+Options for some jobs only (given for another job: an error): ``--tiles 'M,N,K,warps,stages;...'``
+(``conv_fused``) or ``'M,K,warps,stages;...'`` (``conv_dense``; N is the conv's); ``--dgrad-tiles``
+/ ``--wgrad-tiles``: ``'M,CI,CO,KPB,warps,stages;...'`` (``conv_shift_bwd``), ``'M,warps,stages'`` /
+``'warps,stages'`` (``conv_fused_bwd``): these tiles instead of the kernel's list.
+
+``--kernels dgrad,finish``: only the recorded kernels whose name contains one of the words.
+``--verbose``: each specialisation's ``ASTSource`` signature and constexprs.  A tuple parameter's
+signature entry is a tuple of per-element types, e.g. ``ops: ('*fp32',)``; an element Triton
+specialises (an int equal to 1) is ``'constexpr'`` with its value under ``(arg_index,
+element_index)`` in the constexprs; a ``tl.constexpr`` tuple parameter is ``'constexpr'`` with the
+whole tuple under ``(arg_index,)``.
+
+``--sass``: disassemble each cubin (bundled ``cuobjdump -sass``) and count its instructions by class
+for the whole kernel and for its *main loop*: the innermost loop (a backward branch) holding MMA
+instructions, among several the one with the most (conv_fused SHIFT_K: the shared-X-tile
+offsets loop; conv_shift_bwd: the weight grad's loop over unit rows, the input grad's loop over live
+offset blocks).  Printed for the main loop: ``instr/MMA`` (instructions per MMA instruction, the
+headline static cost proxy; compare like with like: an fp32/TF32 HGMMA has K=8, a bf16 one K=16,
+and the HGMMA shape follows the tile), the six most frequent opcodes, and per job:
+``thread-instr/output`` (conv_fused, conv_dense: ``loop * 32 * warps / (BLOCK_M * BLOCK_N)``, thread
+instructions per conv-output element of one iteration); ``instr/row`` (per unit row of BLOCK_M) and
+``warp-instr/kMAC`` (conv_shift_bwd: the loop's instructions times the CTA's warps per 1000
+multiply-adds of one iteration, comparable across tiles; an H100 SM issues 4 warp-instructions per
+clock and runs ~1000 TF32 / ~2000 bf16 dense MACs per clock).  Static counts: predicated-off
+instructions and latencies are not modelled.  ``--dump-sass DIR`` (implies ``--sass``) writes each
+specialisation's SASS listing and cubin to DIR as ``<job>_<case>_<kernel>_<tile>.{sass,cubin}``;
+the environment variables ``KEEP_PTX=DIR`` / ``KEEP_TTGIR=DIR`` do the same with its PTX / TTGIR
+(layouts).
+
+Exit status 1 when a case or a compile failed (ptxas included; in ``global_mean``, also a spill),
+else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from unittest import mock
+
+os.environ.pop("TRITON_INTERPRET", None)  # before the kernels are decorated
+os.environ["FUSION_CONV_AUTOTUNE"] = "0"  # the launchers take the heuristic tile: one recorded launch
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what a launch uses today, without Triton's warning
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernel_compile as kc  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from fusion_backend.kernels import conv_dense as CD  # noqa: E402
+from fusion_backend.kernels import conv_fused as CF  # noqa: E402
+from fusion_backend.kernels import conv_fused_bwd as FB  # noqa: E402
+from fusion_backend.kernels import conv_shift_bwd as S  # noqa: E402
+from fusion_backend.kernels import global_mean as GM  # noqa: E402
+from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
+from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
+from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef  # noqa: E402
+from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec  # noqa: E402
+
+H100_SMS = 132
+PK = PointwiseKind
+
+# --------------------------------------------------------------------------------------------------
+# Workloads: each runs the real launchers on empty CPU tensors (under ``kc.recording``)
+# --------------------------------------------------------------------------------------------------
+
+#: forward dtype name -> (x and weight dtype, compute dtype)
+FORWARD_DTYPES = {
+    "fp32": (torch.float32, None),
+    "bf16": (torch.bfloat16, None),
+    "amp": (torch.float32, "bfloat16"),
+}
+BACKWARD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def conv_epilogue_forward(workload: str, dtype: str, save: bool) -> None:
+    """``fusion::conv_epilogue``'s Triton forward for ``convt3d``, ``convt3d_wide`` or ``conv2d`` (see
+    the module docstring; the shapes of ``tools/bench_conv_fused.py``)."""
+    x_dtype, compute_dtype = FORWARD_DTYPES[dtype]
+    if workload == "conv2d":
+        spec = ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
+        chain = (
+            ChainStep(PK.MUL, (TensorRef(0),)),
+            ChainStep(PK.LEAKY_RELU, (Const(0.01),)),
+            ChainStep(PK.GELU),
+        )
+        pool = None
+        x, w = torch.empty(64, 64, 256, 256, dtype=x_dtype), torch.empty(64, 64, 3, 3, dtype=x_dtype)
+    else:
+        spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+        leaky = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
+        chain = (leaky, ChainStep(PK.MUL, (TensorRef(0),)), leaky)
+        pool = PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
+        cin = 16 if workload == "convt3d" else 48
+        x, w = torch.empty(16, cin, 16, 32, 32, dtype=x_dtype), torch.empty(cin, 32, 3, 3, 3, dtype=x_dtype)
+    c = w.shape[0] if not spec.transposed else w.shape[1]
+    bias, mult = torch.zeros(c, dtype=x_dtype), torch.ones((c,) + (1,) * (x.dim() - 2), dtype=x_dtype)
+    cfg = ConvEpilogueConfig(conv=spec, chain=chain, pool=pool, strict=True, compute_dtype=compute_dtype)
+    ce.forward._fused_conv_forward(x, w, bias, [mult], cfg, save)
+
+
+def convt3d_maxpool_grad(dtype: torch.dtype, grad_dtype: torch.dtype, channels_last: bool):  # noqa: ANN201
+    """``(PooledGrad, x, weight, (stride, padding, dilation, transposed, output_padding, groups))`` of
+    the ``seeds`` suite's ConvTranspose3d 16->32 k3 s2 p1 op1 over (16, 16, 16, 32, 32) behind
+    MaxPool3d(2)."""
+    x = torch.empty(16, 16, 16, 32, 32, dtype=dtype)
+    w = torch.empty(16, 32, 3, 3, 3, dtype=dtype)
+    g_win = torch.empty(16, 32, 16, 32, 32, dtype=grad_dtype)
+    winner = torch.empty(16, 32, 16, 32, 32, dtype=torch.int8)
+    if channels_last:
+        x, g_win, winner = (t.contiguous(memory_format=torch.channels_last_3d) for t in (x, g_win, winner))
+    conv = ((2, 2, 2), (1, 1, 1), (1, 1, 1), True, (1, 1, 1), 1)
+    return FB.PooledGrad(g_win, winner, (2, 2, 2)), x, w, conv
+
+
+def conv_fused_backward(workload: str, dtype: str, channels_last: bool) -> None:
+    """``conv_fused_bwd``'s input-grad and weight-grad launchers for ``convt3d``, ``conv2d`` or
+    ``conv2d_narrow`` (see the module docstring)."""
+    dt = BACKWARD_DTYPES[dtype]
+    if workload == "convt3d":
+        grad, x, w, conv = convt3d_maxpool_grad(dt, dt, channels_last)
+    else:
+        width = 256 if workload == "conv2d" else 20
+        x, w = torch.empty(64, 64, 256, width, dtype=dt), torch.empty(64, 64, 3, 3, dtype=dt)
+        grad = torch.empty(64, 64, 254, width - 2, dtype=dt)
+        if channels_last:
+            x, grad = (t.contiguous(memory_format=torch.channels_last) for t in (x, grad))
+        conv = ((1, 1), (0, 0), (1, 1), False, (0, 0), 1)
+    FB._input_grad(grad, x, w, *conv)
+    FB._weight_grad(grad, x, w, *conv)
+
+
+def conv_shift_backward(dtype: str, channels_last: bool) -> None:
+    """``conv_shift_bwd``'s input-grad and weight-grad plans for the ConvTranspose3d behind
+    MaxPool3d(2), run once, with an H100's SM count setting the weight grad's split count."""
+    dt = BACKWARD_DTYPES[dtype]
+    grad, x, w, (stride, padding, dilation, _, output_padding, groups) = convt3d_maxpool_grad(
+        dt, torch.float32, channels_last
+    )
+    with mock.patch.object(S, "_sm_count", lambda device: H100_SMS):
+        geo = S._geometry(grad, x, w, stride, padding, dilation, output_padding, groups)
+        S._prepare_input_grad(grad, x, w, geo, x.dtype)(grad, x, w)
+        S._prepare_weight_grad(grad, x, w, geo, x.dtype)(grad, x, w)
+
+
+def global_mean_pipeline(dtype: str, channels_last: bool, padded: bool) -> None:
+    """The four launchers as ``conv_global_mean`` calls them for the global-mean pipeline, or
+    (``padded``) for a regular Conv2d with padding 1 and 2 groups (3 index sets per dim: the tapset
+    gather), no bias, a constant step: off that pipeline's path, the other branches of the kernels."""
+    dt = BACKWARD_DTYPES[dtype]
+    n, c_in, c_out, size = 16, 64, 128, (512, 512)
+    x = torch.empty((n, c_in, *size), dtype=dt)
+    if channels_last:
+        x = torch.empty((n, *size, c_in), dtype=dt).permute(0, 3, 1, 2)
+    weight = torch.empty((c_in, c_out, 3, 3), dtype=dt)
+    bias: torch.Tensor | None = torch.empty((c_out,), dtype=dt)
+    extra = torch.empty((c_out, 1, 1), dtype=torch.float32)
+    spec = ConvSpec(True, (1, 1), (0, 0), (1, 1), (0, 0), 1)
+    step = ChainStep(PointwiseKind.ADD, (TensorRef(0),))
+    if padded:
+        weight = torch.empty((c_out, c_in // 2, 3, 3), dtype=dt)
+        bias = None
+        spec = ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 2)
+        step = ChainStep(PointwiseKind.MUL, (Const(0.5),))
+    cfg = cgm.ConvGlobalMeanConfig(spec, (step,), keepdim=True, out_dtype="float32")
+    geo = cgm.geometry.geometry_for(spec, size, (3, 3), x.device)
+    x5 = cgm.common.as_5d(x)
+    # the split an H100 picks (the launchers only ask the device on CUDA)
+    if GM.passes._channels_innermost(x5):
+        _, block_c = GM.passes._cl_tiles(size[0] * size[1], c_in)
+        split = triton.cdiv(GM.passes._PROGRAMS_PER_SM * H100_SMS, n * triton.cdiv(c_in, block_c))
+    else:
+        split = triton.cdiv(GM.passes._PROGRAMS_PER_SM * H100_SMS, n * c_in)
+    partial_sums = GM.set_sums_partial(x5, geo.bits, geo.set_counts, split=split)
+    mean = torch.empty((n, c_out), dtype=torch.float64)
+    taps = torch.empty((n, c_in, 9), dtype=torch.float64)
+    out = torch.empty((n, c_out), dtype=torch.float32)
+    layout = cgm.forward.weight_layout(weight, spec)
+    chain = cgm.forward.chain_args(cfg, [extra], c_out, x.device, mean)
+    GM.contract_forward(partial_sums, geo.tapset, layout, bias, chain, geo.n_outputs, out, mean, taps)
+    grad = torch.empty((n, c_out, 1, 1), dtype=torch.float32)
+    coef = torch.empty((n, c_out), dtype=torch.float32)
+    gw = torch.empty_like(weight)
+    targets = ((GM.GRAD_NONE, coef, 0),) if padded else ((GM.GRAD_DIRECT, torch.empty_like(extra), 1),)
+    GM.params_backward(grad.reshape(n, c_out), mean, taps, chain, targets,
+                       GM.WeightLayout.of(gw, spec.transposed, spec.groups),
+                       None if bias is None else torch.empty_like(bias), geo.n_outputs, coef, coef)  # fmt: skip
+    grad_x = torch.empty_strided(x.shape, cgm.backward.grad_input_strides(x), dtype=dt)
+    GM.grad_broadcast(
+        coef, layout, geo.tapset, geo.bits, geo.set_counts, cgm.common.as_5d(grad_x), split=split
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Jobs
+# --------------------------------------------------------------------------------------------------
+
+
+def conv_output_rate(launch: kc.Launch) -> dict[str, float]:
+    """``thread-instr/output`` of a conv forward's main loop (per loop instruction)."""
+    kw = launch.kwargs
+    return {"thread-instr/output": 32 * launch.option("num_warps") / (kw["BLOCK_M"] * kw["BLOCK_N"])}
+
+
+def shift_rates(launch: kc.Launch) -> dict[str, float]:
+    """``instr/row`` and ``warp-instr/kMAC`` of a ``conv_shift_bwd`` kernel's main loop (per loop
+    instruction); one iteration multiplies ``BLOCK_M * BLOCK_CI * BLOCK_CO * KPB * KS`` (the input
+    grad: per offset block)."""
+    kw = launch.kwargs
+    macs = kw["BLOCK_M"] * kw["BLOCK_CI"] * kw["BLOCK_CO"] * kw["KPB"] * kw.get("KS", 1)
+    return {"instr/row": 1 / kw["BLOCK_M"], "warp-instr/kMAC": launch.option("num_warps") * 1000 / macs}
+
+
+def pruned_tiles(module) -> Callable[[kc.Launch], list[triton.Config]]:  # noqa: ANN001
+    """The tiles ``module._prune`` keeps of ``module._configs()`` for a launch (what its autotuner times)."""
+    return lambda launch: module._prune(module._configs(), launch.named_args, **launch.kwargs)
+
+
+def shift_tiles(tiles: tuple[tuple[int, ...], ...]) -> Callable[[kc.Launch], list[triton.Config]]:
+    """``tiles`` clamped to a ``conv_shift_bwd`` launch's problem (``_fit``)."""
+
+    def fit(launch: kc.Launch) -> list[triton.Config]:
+        kw, named = launch.kwargs, launch.named_args
+        kpn = kw["KD"] * kw["KH"] * kw["KW"]
+        return [S._tile_config(t) for t in S._fit(tiles, named["CI_G"], named["CO_G"], kpn)]
+
+    return fit
+
+
+@dataclass(frozen=True)
+class TiledKernel:
+    """A kernel compiled once per tile of its list instead of as launched."""
+
+    kernel: str  # the kernel's function name
+    fields: tuple[str, ...]  # a tile's constexprs, in the order a tile option gives them (then warps, stages)
+    option: str  # the option (argparse dest) giving tiles instead of the list
+    tiles: Callable[[kc.Launch], list[triton.Config]]  # the list for a recorded launch, best first
+    sass_rates: Callable[[kc.Launch], dict[str, float]] | None = None  # job-specific ``--sass`` proxies
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    summary: str
+    cases: dict[str, Callable[[], None]]  # case -> its workload
+    default_cases: tuple[str, ...] = ()  # empty: every case
+    tiled: tuple[TiledKernel, ...] = ()  # every case must launch each of these
+    spills_fail: bool = False
+
+
+SHIFT_FIELDS = ("BLOCK_M", "BLOCK_CI", "BLOCK_CO", "KPB")
+JOBS = {job.name: job for job in (
+    Job(
+        "conv_fused", "conv_epilogue forward through kernels/conv_fused.py (ConvTranspose3d + chain + MaxPool3d)",
+        {f"{w}-{d}{save}": partial(conv_epilogue_forward, w, d, bool(save))
+         for w in ("convt3d", "convt3d_wide") for d in FORWARD_DTYPES for save in ("", "-save")},
+        ("convt3d-fp32-save", "convt3d-bf16-save", "convt3d-amp-save"),
+        (TiledKernel("_conv_fused_fwd_kernel", ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "tiles", pruned_tiles(CF),
+                     conv_output_rate),),
+    ),
+    Job(
+        "conv_dense", "conv_epilogue forward through kernels/conv_dense.py (Conv2d 64->64 + chain)",
+        {f"conv2d-{d}{save}": partial(conv_epilogue_forward, "conv2d", d, bool(save))
+         for d in FORWARD_DTYPES for save in ("", "-save")},
+        tiled=(TiledKernel("_conv_dense_fwd_kernel", ("BLOCK_M", "BLOCK_K"), "tiles", pruned_tiles(CD),
+                           conv_output_rate),),
+    ),
+    Job(
+        "conv_fused_bwd", "kernels/conv_fused_bwd.py: input and weight grads (pooled and dense gradients)",
+        {f"{w}-{d}{cl}": partial(conv_fused_backward, w, d, bool(cl))
+         for w in ("convt3d", "conv2d", "conv2d_narrow") for d in ("fp32", "bf16") for cl in ("", "-cl")},
+        ("convt3d-fp32", "conv2d-fp32", "conv2d-fp32-cl", "conv2d_narrow-fp32-cl"),
+        (TiledKernel("_dgrad_kernel", ("BLOCK_M",), "dgrad_tiles", lambda launch: FB._dgrad_configs()),
+         TiledKernel("_wgrad_kernel", (), "wgrad_tiles", lambda launch: FB._wgrad_configs())),
+    ),
+    Job(
+        "conv_shift_bwd", "kernels/conv_shift_bwd.py: input and weight grads behind a max pool (ConvTranspose3d)",
+        {f"convt3d-{d}{cl}": partial(conv_shift_backward, d, bool(cl)) for d in BACKWARD_DTYPES for cl in ("", "-cl")},
+        ("convt3d-fp32", "convt3d-bf16"),
+        (TiledKernel("_shift_dgrad_kernel", SHIFT_FIELDS, "dgrad_tiles", shift_tiles(S._DGRAD_TILES), shift_rates),
+         TiledKernel("_shift_wgrad_kernel", SHIFT_FIELDS, "wgrad_tiles", shift_tiles(S._WGRAD_TILES), shift_rates)),
+    ),
+    Job(
+        "global_mean", "kernels/global_mean/: the conv_global_mean pipeline (ConvTranspose2d 64->128 global mean)",
+        {f"{w}-{d}{cl}": partial(global_mean_pipeline, d, bool(cl), w == "conv2d_padded")
+         for w, d in (("convt2d", "fp32"), ("convt2d", "bf16"), ("conv2d_padded", "fp32")) for cl in ("", "-cl")},
+        spills_fail=True,
+    ),
+)}  # fmt: skip
+TILE_OPTIONS = ("tiles", "dgrad_tiles", "wgrad_tiles")
+
+
+# --------------------------------------------------------------------------------------------------
+# Running a job
+# --------------------------------------------------------------------------------------------------
+
+
+def tile_label(launch: kc.Launch, tiled: TiledKernel | None) -> str:
+    """``M128 N32 K16 w8 s2``: the tile's constexprs (``BLOCK_`` dropped), warps and stages."""
+    fields = tiled.fields if tiled is not None else ()
+    names = [f"{f.removeprefix('BLOCK_')}{launch.kwargs[f]}" for f in fields]
+    return " ".join([*names, f"w{launch.option('num_warps')}", f"s{launch.option('num_stages')}"])
+
+
+def parse_tiles(text: str, tiled: TiledKernel) -> list[triton.Config]:
+    """``'a,b,...;...'`` -> configs; raises ValueError naming the format when a tile does not fit it."""
+    fields = (*tiled.fields, "num_warps", "num_stages")
+    configs = []
+    for tile in filter(None, text.split(";")):
+        values = [int(v) for v in tile.split(",")]
+        if len(values) != len(fields):
+            fmt = ",".join([f.removeprefix("BLOCK_") for f in tiled.fields] + ["warps", "stages"])
+            raise ValueError(f"{tiled.kernel} takes tiles {fmt!r}, got {tile!r}")
+        configs.append(triton.Config(dict(zip(tiled.fields, values[:-2], strict=True)), num_warps=values[-2],
+                                     num_stages=values[-1]))  # fmt: skip
+    return configs
+
+
+class JobRun:
+    """One job's run over its cases: per case the recorded launches, each compiled once per tile (a
+    tiled kernel) or as launched, one printed line per compile, and the job's summary."""
+
+    def __init__(self, job: Job, opts: argparse.Namespace, custom: dict[str, list[triton.Config]],
+                 keep: dict[str, Path]) -> None:  # fmt: skip
+        self.job, self.opts, self.keep = job, opts, keep
+        self.custom = custom  # kernel -> the tiles given on the command line
+        self.tiled = {t.kernel: t for t in job.tiled}
+        self.first_case: dict[
+            str, tuple[str, str]
+        ] = {}  # specialisation key -> (case that compiled it, status)
+        self.kernels: set[str] = set()
+        self.compiled = self.failed = self.spilled = 0
+
+    def run(self, cases: list[str]) -> int:
+        """Compile every case; returns the number of failed cases and compiles."""
+        print(f"== {self.job.name}: {self.job.summary}", flush=True)
+        for case in cases:
+            try:
+                launches = self.record(case)
+            except Exception as err:  # noqa: BLE001 - report every failing case, go on
+                self.failed += 1
+                print(f"FAIL {case}: {type(err).__name__}: {str(err)[:1500]}", flush=True)
+                continue
+            words = self.opts.kernels.split(",") if self.opts.kernels else []
+            for launch in launches:
+                if not words or any(word in launch.name for word in words):
+                    self.compile_launch(case, launch)
+        kernels = f" of {', '.join(sorted(self.kernels))}" if self.kernels else ""
+        print(f"{self.job.name}: {self.compiled} specialisations{kernels}")
+        if self.failed:
+            print(f"{self.job.name}: {self.failed} failed" + (" or spilled" if self.job.spills_fail else ""))
+        elif self.spilled:
+            print(f"{self.job.name}: all kernels compiled, {self.spilled} with spills")
+        else:
+            print(f"{self.job.name}: all kernels compiled without spills")
+        return self.failed
+
+    def record(self, case: str) -> list[kc.Launch]:
+        """The case's launches; raises when it launches none of a tiled kernel (a case of another job)."""
+        with kc.recording() as launches:
+            self.job.cases[case]()
+        launched = {launch.name for launch in launches}
+        missing = sorted(set(self.tiled) - launched)
+        if missing:
+            raise RuntimeError(
+                f"launched {', '.join(sorted(launched)) or 'nothing'}, not {', '.join(missing)}"
+            )
+        return launches
+
+    def compile_launch(self, case: str, launch: kc.Launch) -> None:
+        self.kernels.add(launch.name)
+        tiled = self.tiled.get(launch.name)
+        variants = [launch]
+        if tiled is not None:
+            tiles = self.custom.get(launch.name) or tiled.tiles(launch)
+            variants = [launch.with_tile(t) for t in (tiles[:1] if self.opts.quick else tiles)]
+        for variant in variants:
+            tile = tile_label(variant, tiled)
+            status, text = self.compile_variant(case, variant, tile, tiled)
+            print(f"{status:4s} {case:22s} {launch.name:27s} {tile:24s} {text}", flush=True)
+
+    def compile_variant(
+        self, case: str, launch: kc.Launch, tile: str, tiled: TiledKernel | None
+    ) -> tuple[str, str]:
+        """``(status, report)``: ``ok`` or ``FAIL``, and ``kc.Report.line``, the error, or ``= CASE``
+        for a specialisation that CASE compiled."""
+        try:
+            spec = kc.specialise(launch)
+            key = spec.key()
+            if key in self.first_case:
+                earlier, status = self.first_case[key]
+                return status, f"= {earlier}"
+            if self.opts.verbose:
+                print(f"    signature {spec.signature}\n    constexprs {spec.constexprs}")
+            rates = None
+            if self.opts.sass or self.opts.dump_sass:
+                rates = tiled.sass_rates(launch) if tiled is not None and tiled.sass_rates is not None else {}
+            label = re.sub(r"[^\w.-]+", "_", f"{self.job.name}_{case}_{launch.name}_{tile}")
+            report = kc.compile_specialisation(spec, rates, self.keep, label)
+        except Exception as err:  # noqa: BLE001 - report every failing specialisation, go on
+            self.failed += 1
+            return "FAIL", f"{type(err).__name__}: {str(err)[:1500]}"
+        self.compiled += 1
+        self.spilled += report.spills
+        failed = not report.ok or (self.job.spills_fail and report.spills)
+        self.failed += failed
+        status = "FAIL" if failed else "ok"
+        self.first_case[key] = (case, status)
+        return status, report.line()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("jobs", nargs="*", metavar="KERNEL", help=f"{', '.join(JOBS)} (default: all)")
+    parser.add_argument("--quick", action="store_true", help="only the first tile of each tiled kernel")
+    parser.add_argument("--cases", default="", help="comma-separated cases instead of the jobs' defaults")
+    parser.add_argument("--kernels", default="", help="only kernels whose name contains one of these words")
+    parser.add_argument(
+        "--sass", action="store_true", help="count SASS instructions by class (main loop, kernel)"
+    )
+    parser.add_argument(
+        "--dump-sass", default="", metavar="DIR", help="write SASS listings and cubins (implies --sass)"
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="print each specialisation's signature and constexprs"
+    )
+    parser.add_argument(
+        "--tiles", default="", help="conv_fused: 'M,N,K,warps,stages;...'; conv_dense: 'M,K,warps,stages;...'"
+    )
+    parser.add_argument(
+        "--dgrad-tiles",
+        default="",
+        help="conv_shift_bwd: 'M,CI,CO,KPB,warps,stages;...'; conv_fused_bwd: 'M,warps,stages;...'",
+    )
+    parser.add_argument(
+        "--wgrad-tiles",
+        default="",
+        help="conv_shift_bwd: 'M,CI,CO,KPB,warps,stages;...'; conv_fused_bwd: 'warps,stages;...'",
+    )
+    opts = parser.parse_args(argv)
+    unknown = [name for name in opts.jobs if name not in JOBS]
+    if unknown:
+        parser.error(f"unknown KERNEL {', '.join(unknown)} (choose from {', '.join(JOBS)})")
+    jobs = [JOBS[name] for name in dict.fromkeys(opts.jobs or JOBS)]
+    custom: dict[str, list[triton.Config]] = {}
+    for option in TILE_OPTIONS:
+        text = getattr(opts, option)
+        if not text:
+            continue
+        flag = "--" + option.replace("_", "-")
+        takers = [job.name for job in JOBS.values() if any(t.option == option for t in job.tiled)]
+        others = [job.name for job in jobs if job.name not in takers]
+        if others:
+            parser.error(f"{flag} applies to {' and '.join(takers)} only, not to {', '.join(others)}")
+        for job in jobs:
+            for tiled in job.tiled:
+                if tiled.option == option:
+                    try:
+                        custom[tiled.kernel] = parse_tiles(text, tiled)
+                    except ValueError as err:
+                        parser.error(f"{flag}: {err}")
+    cases = {job.name: list(job.default_cases or job.cases) for job in jobs}
+    if opts.cases:
+        for job in jobs:
+            unknown = [c for c in opts.cases.split(",") if c not in job.cases]
+            if unknown:
+                parser.error(
+                    f"{job.name} has no case {', '.join(unknown)} (its cases: {', '.join(job.cases)})"
+                )
+            cases[job.name] = opts.cases.split(",")
+    keep = {ext: Path(folder) for ext, folder in
+            (("ptx", os.environ.get("KEEP_PTX")), ("ttgir", os.environ.get("KEEP_TTGIR")),
+             ("sass", opts.dump_sass), ("cubin", opts.dump_sass)) if folder}  # fmt: skip
+    print(f"triton {triton.__version__}, target {kc.TARGET}, ptxas {kc.PTXAS.name}", flush=True)
+    failed = sum(JobRun(job, opts, custom, keep).run(cases[job.name]) for job in jobs)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
