@@ -280,7 +280,7 @@ def compile_apart(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
       ["total"]`` before and after the backend call; a timing compile counted there makes it look
       for the piece's forward metadata when the backend returns the direct runner, and it fails
       (``fw_metadata must not be None``).
-      NOTE: ``pytest tests/test_decision.py -k ddp_pieces`` fails that way without the restore."""
+      NOTE: ``pytest tests/e2e/test_decision.py -k ddp_pieces`` fails that way without the restore."""
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 

@@ -34,7 +34,7 @@ NUM_GRAD_ROWS = MAX_SLOTS + 1
 #: and code size grow with the window volume; 64 covers 4x4x4 / 8x8 windows.
 MAX_WINDOW_VOLUME = 64
 
-# Op codes, mirrored from PointwiseKind.code (tests/test_epilogue_kernels.py checks they agree).
+# Op codes, mirrored from PointwiseKind.code (tests/kernels/test_epilogue_kernels.py checks they agree).
 _RELU, _LEAKY_RELU, _GELU, _GELU_TANH, _SILU, _SIGMOID, _TANH, _HARDSWISH, _MISH = range(1, 10)
 _CLAMP, _CLAMP_MIN, _CLAMP_MAX, _MUL, _ADD, _SUB, _RSUB, _DIV, _RDIV, _HARDTANH = range(10, 20)
 OP_CODES = {

@@ -3,7 +3,7 @@ must give eager's output and every gradient, whatever matched, fell back or was 
 
 In the suite the examples are fixed (hypothesis derandomized) and few; a long run draws fresh ones:
 
-    FUSION_FUZZ_EXAMPLES=300 FUSION_FUZZ_SEED=7 python -m pytest tests/test_fuzz.py -q
+    FUSION_FUZZ_EXAMPLES=300 FUSION_FUZZ_SEED=7 python -m pytest tests/e2e/test_fuzz.py -q
 
 Every counterexample the fuzzer finds becomes an ``@example(spec=Pipeline(...))`` of the test, which
 runs it first, every time.

@@ -612,7 +612,7 @@ NAMES = ["out", "grad x", "grad weight", "grad bias", "grad multiplier"]
 def test_gpu_fp32_parity_on_full_size_workloads(workload, no_tf32):
     # The default (library) path runs eager's own cuDNN conv: every tensor within 1e-5 of eager.
     # (The opt-in fused conv sums in another order, which moves max-pool near-ties: its parity is
-    # refereed by float64 in tests/test_conv_fused_kernel.py and test_conv_epilogue_compact_backward.py.)
+    # refereed by float64 in tests/kernels/test_conv_fused_kernel.py and tests/ops/test_conv_epilogue_compact_backward.py.)
     fused = _full_size_run(workload, torch.float32, fused=True)
     want = _full_size_run(workload, torch.float32, fused=False)
     for name, f, e in zip(NAMES, fused, want, strict=True):

@@ -18,7 +18,7 @@ import fusion_backend
 from fusion_backend.report import GraphReport, ReasonKind
 from fusion_backend.testing import assert_fused
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class TwoMatchesOneMiss(nn.Module):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demos"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "demos"))
 import distributed_train  # noqa: E402
 
 WRAPPERS = ("ddp", "fsdp2")

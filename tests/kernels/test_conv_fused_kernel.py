@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("exact_fp32")
 @pytest.fixture(autouse=True)
 def _conv_fused_only(monkeypatch):
     """The op's fused forward takes ``conv_fused`` for every case here, the plain stride-1 convs the
-    dense kernel would serve included (its wiring: ``tests/test_dense_forward_wiring.py``); no
+    dense kernel would serve included (its wiring: ``tests/ops/test_dense_forward_wiring.py``); no
     plan or launch kept by another test is reused."""
     monkeypatch.setattr(ce.forward, "_forward_kernels", lambda x, weight, cfg: conv_fused)
     monkeypatch.setattr(ce.forward, "PLANS", type(ce.forward.PLANS)(256))

@@ -707,7 +707,7 @@ def test_every_cuda_kernel_compiles_for_sm90_without_spills() -> None:
 
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell").exists():
         pytest.skip("Triton's bundled ptxas-blackwell is missing")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, str(root / "tools/compile_check.py"), "global_mean"],
