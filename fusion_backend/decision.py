@@ -217,17 +217,7 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
 def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequence[Any], train: bool,
              patches: Mapping[str, Any], fused_patches: Mapping[str, Any], strict: bool,
              timer: Timer | None) -> Mapping[str, float]:
-    """Time the fused op and Inductor's code on the region (each built on its step's first call).
-    Runs outside any active fake mode: DDPOptimizer runs the pieces it compiles under its own."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        return _measure_real(gm, pattern, region, example_inputs, train, patches, fused_patches, strict, timer)
-
-
-def _measure_real(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequence[Any], train: bool,
-                  patches: Mapping[str, Any], fused_patches: Mapping[str, Any], strict: bool,
-                  timer: Timer | None) -> Mapping[str, float]:
+    """Time the fused op and Inductor's code on the region (each built on its step's first call)."""
     from . import region_timing
 
     inputs = region_timing.region_inputs(region, gm, example_inputs)
