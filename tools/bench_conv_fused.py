@@ -20,34 +20,21 @@ import os
 import sys
 
 import torch
+from seed_convs import seed_conv  # tools/, this script's folder
 
 from fusion_backend.ops import conv_epilogue as ce
-from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
-from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
-
-PK = PointwiseKind
+from fusion_backend.ops.config import ConvEpilogueConfig
 
 
 def _workload(name: str, dtype: torch.dtype):
     torch.manual_seed(0)
+    spec, chain, pool = seed_conv("convt3d" if name == "convt3d" else "conv2d")
     if name == "convt3d":
-        spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
-        leaky = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
-        chain = (leaky, ChainStep(PK.MUL, (TensorRef(0),)), leaky)
-        pool = PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
         x, w, c = torch.rand(16, 16, 16, 32, 32), torch.randn(16, 32, 3, 3, 3) * 0.1, 32
-    else:  # "conv2d", or "conv2d_small" (demos/seeds/conv2d_mul_leaky_gelu_small.py's shapes)
-        spec = ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
-        chain = (
-            ChainStep(PK.MUL, (TensorRef(0),)),
-            ChainStep(PK.LEAKY_RELU, (Const(0.01),)),
-            ChainStep(PK.GELU),
-        )
-        pool = None
-        if name == "conv2d_small":
-            x, w, c = torch.rand(128, 3, 32, 32), torch.randn(16, 3, 3, 3) * 0.2, 16
-        else:
-            x, w, c = torch.rand(64, 64, 256, 256), torch.randn(64, 64, 3, 3) * 0.05, 64
+    elif name == "conv2d_small":  # demos/seeds/conv2d_mul_leaky_gelu_small.py's shapes
+        x, w, c = torch.rand(128, 3, 32, 32), torch.randn(16, 3, 3, 3) * 0.2, 16
+    else:
+        x, w, c = torch.rand(64, 64, 256, 256), torch.randn(64, 64, 3, 3) * 0.05, 64
     b, m = torch.randn(c), torch.randn((c,) + (1,) * (x.dim() - 2))
     x, w, b, m = (t.cuda().to(dtype) for t in (x, w, b, m))
     config = ConvEpilogueConfig(conv=spec, chain=chain, pool=pool, strict=True).to_json()

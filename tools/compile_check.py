@@ -111,6 +111,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernel_compile as kc  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
+from seed_convs import seed_conv  # noqa: E402
 
 from fusion_backend.kernels import conv_dense as CD  # noqa: E402
 from fusion_backend.kernels import conv_fused as CF  # noqa: E402
@@ -120,10 +121,9 @@ from fusion_backend.kernels import global_mean as GM  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef  # noqa: E402
-from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec  # noqa: E402
+from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec  # noqa: E402
 
 H100_SMS = 132
-PK = PointwiseKind
 
 # --------------------------------------------------------------------------------------------------
 # Workloads: each runs the real launchers on empty CPU tensors (under ``kc.recording``)
@@ -142,20 +142,10 @@ def conv_epilogue_forward(workload: str, dtype: str, save: bool) -> None:
     """``fusion::conv_epilogue``'s Triton forward for ``convt3d``, ``convt3d_wide`` or ``conv2d`` (see
     the module docstring; the shapes of ``tools/bench_conv_fused.py``)."""
     x_dtype, compute_dtype = FORWARD_DTYPES[dtype]
+    spec, chain, pool = seed_conv("conv2d" if workload == "conv2d" else "convt3d")
     if workload == "conv2d":
-        spec = ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
-        chain = (
-            ChainStep(PK.MUL, (TensorRef(0),)),
-            ChainStep(PK.LEAKY_RELU, (Const(0.01),)),
-            ChainStep(PK.GELU),
-        )
-        pool = None
         x, w = torch.empty(64, 64, 256, 256, dtype=x_dtype), torch.empty(64, 64, 3, 3, dtype=x_dtype)
     else:
-        spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
-        leaky = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
-        chain = (leaky, ChainStep(PK.MUL, (TensorRef(0),)), leaky)
-        pool = PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
         cin = 16 if workload == "convt3d" else 48
         x, w = torch.empty(16, cin, 16, 32, 32, dtype=x_dtype), torch.empty(cin, 32, 3, 3, 3, dtype=x_dtype)
     c = w.shape[0] if not spec.transposed else w.shape[1]
