@@ -10,7 +10,7 @@ Each measurement is its own process (``--child``): the model file is loaded as t
 built on CUDA, compiled with the backend, and its first step (forward; ``--mode train`` adds the
 backward) is timed from the call to the end of its GPU work, compilation included.  Process start-up and
 imports are not counted.  ``--log`` prints the children's ``fusion_backend.decision`` and
-``fusion_backend.impl_choice`` INFO lines: what each first call timed, and how long that took.  The last lines compare every backend with Inductor against the budgets
+``fusion_backend.impl_choice`` and ``fusion_backend.launch`` INFO lines: what each first call compiled and timed, and how long that took.  The last lines compare every backend with Inductor against the budgets
 ``--cold-budget`` (3x) and ``--warm-budget`` (1.2x).
 
 Usage (repository root; ``--device cpu`` measures CPU compiles, where fused regions stay with Inductor
@@ -40,7 +40,7 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
 
     if log:
         logging.basicConfig(level=logging.WARNING, format="    %(name)s: %(message)s")
-        for name in ("fusion_backend.decision", "fusion_backend.impl_choice"):
+        for name in ("fusion_backend.decision", "fusion_backend.impl_choice", "fusion_backend.launch"):
             logging.getLogger(name).setLevel(logging.INFO)
 
     from fusion_backend.bench.suite import load_workload

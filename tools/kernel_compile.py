@@ -124,8 +124,9 @@ def specialise(launch: Launch) -> Specialisation:
     kern = launch.kernel
     kwargs = dict(launch.kwargs)
     kwargs["debug"] = kwargs.get("debug", kern.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    for knob in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # what JITFunction.run adds (by version)
+        if hasattr(knobs.compilation, knob):
+            kwargs[knob] = getattr(knobs.compilation, knob)
     binder = create_function_from_signature(kern.signature, kern.params, BACKEND)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kern._pack_args(BACKEND, kwargs, bound, specialization, options)

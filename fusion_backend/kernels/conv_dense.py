@@ -78,7 +78,7 @@ from .chain_math import KernelStep, PoolGeometry, chain_forward, load_operands, 
 from .conv_fused import ConvGeometry, conv_output_size
 from .epilogue import build_params
 from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2, tensor_key
-from .launch import FastLaunch
+from .launch import FastLaunch, launch
 from .tf32 import dot_precision, round_tf32
 
 _INT32_LIMIT = 2**31 - 1
@@ -471,9 +471,9 @@ class _Launch:
         if self.fast is not None:
             self.fast(*tensors)
             return
-        _conv_dense_fwd_tuned[self.grid](*tensors, *self.ints, **self.constexprs)
-        best = getattr(_conv_dense_fwd_tuned, "best_config", None)
-        if best is not None:
+        launched = launch(_conv_dense_fwd_tuned, self.grid, *tensors, *self.ints, **self.constexprs)
+        best = getattr(_conv_dense_fwd_tuned, "best_config", None)  # the tile of this call's key
+        if launched and best is not None:
             self.fast = self._bind(best.all_kwargs())
 
 

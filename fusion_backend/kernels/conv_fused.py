@@ -68,7 +68,7 @@ from .chain_math import (
 )
 from .epilogue import build_params
 from .host import INTERPRETER, BoundedCache, best_first, cdiv, lift_5d, next_pow2, tensor_key
-from .launch import FastLaunch
+from .launch import FastLaunch, launch
 from .tf32 import compute_code, dot_precision, round_tf32, to_compute
 
 #: Largest number of (window offset, tap) pairs the kernel unrolls (compile time and code size grow
@@ -1042,9 +1042,9 @@ class _Launch:
         if self.fast is not None:
             self.fast(*tensors)
             return
-        _conv_fused_fwd_tuned[self.grid](*tensors, *self.ints, **self.constexprs)
+        launched = launch(_conv_fused_fwd_tuned, self.grid, *tensors, *self.ints, **self.constexprs)
         best = getattr(_conv_fused_fwd_tuned, "best_config", None)  # the tile of this call's key
-        if best is not None:
+        if launched and best is not None:
             self.fast = self._bind(best.all_kwargs())
 
 

@@ -84,6 +84,7 @@ from .host import (
     next_pow2,
     persistent_device_copies,
 )
+from .launch import launch
 from .tf32 import backward_dot_precision, round_tf32
 
 _INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
@@ -510,10 +511,6 @@ def _launcher(tuned, raw, configs: list[triton.Config]):
     return raw, dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
 
 
-
-
-
-
 def conv_output_spatial(
     x_spatial: Sequence[int], kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
@@ -786,8 +783,8 @@ def _input_grad(
         return (n * num_phases * cdiv(max_t, meta["BLOCK_M"]), groups * num_c_blocks)
 
     kernel, tile = _launcher(_dgrad_tuned, _dgrad_kernel, _dgrad_configs())
-    kernel[grid](
-        values, winners, weight, table, counts, dx,
+    launch(
+        kernel, grid, values, winners, weight, table, counts, dx,
         ci_g, co_g, kvol, *x_sizes[2:], *geo.out_spatial, *pooled, max_t, num_c_blocks,
         *x_strides, *g_strides, *v_strides, w_s_grp, w_s_out, w_s_red,
         XSD=xs[0], XSH=xs[1], XSW=xs[2], GSD=gs[0], GSH=gs[1], GSW=gs[2],
@@ -870,8 +867,8 @@ def _weight_grad(
     grid = (tiles, splits)
 
     kernel, tile = _launcher(_wgrad_tuned, _wgrad_kernel, _wgrad_configs())
-    kernel[grid](
-        a_t, b_t, winners, table, partials,
+    launch(
+        kernel, grid, a_t, b_t, winners, table, partials,
         a_g, b_g, kvol, lines, splits, part_numel, lines_per_split, num_a_blocks, num_b_blocks,
         *t_sizes, *b_sizes, *pooled, *a_strides, *b_strides, *v_strides,
         SD=s[0], SH=s[1], SW=s[2], G_IS_A=not transposed,

@@ -95,7 +95,7 @@ from .host import (
     persistent_device_copies,
     tensor_key,
 )
-from .launch import FastLaunch
+from .launch import FastLaunch, launch
 from .tf32 import backward_dot_precision, compute_code, round_tf32, to_compute
 
 _INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
@@ -1080,9 +1080,9 @@ class _KernelLaunch:
         if self.fast is not None:
             self.fast(*args)
             return
-        self.tuned[self.grid](*args, *self.fixed, **self.constexprs)
+        launched = launch(self.tuned, self.grid, *args, *self.fixed, **self.constexprs)
         best = getattr(self.tuned, "best_config", None)  # the tile of this call's key
-        if best is not None:
+        if launched and best is not None:
             self.fast = self._bind(best.all_kwargs())
 
 

@@ -13,11 +13,15 @@ Contract of ``choose``:
   * ``candidates``: name -> zero-argument callable running that implementation (its results are
     discarded).  Candidates must be interchangeable: they pass the same parity tests.
   * ``default``: returned without timing when measuring is off (``FUSION_CONV_AUTOTUNE=0``, for
-    deterministic compile times), during CUDA-graph capture, or when a candidate raises.
+    deterministic compile times), during CUDA-graph capture, inside ``kernels.launch.compile_ahead``,
+    or when a candidate raises.
   * ``probes``: for candidates that autotune on their first call, name -> the same candidate on the
     one tile its autotuner would time first.  The probe is timed after the unprobed candidates; a
     candidate whose probe is more than ``SCREEN`` times slower than the best of them is dropped
-    untuned, so its other tiles never compile (0.3-1.5 s each on the H100 host).
+    untuned, so its autotuner never benchmarks its tiles (Triton's ``do_bench``: about 0.1 s each).
+Before timing, the kernels of every unprobed candidate and every probe compile at once on a thread
+pool (``kernels.launch.compile_ahead``), and so do a probed candidate's tiles once its probe passed:
+compiled one after another as each was timed, they were most of a cold first call.
 Timings are not run-to-run stable to the microsecond; a candidate must beat the default by
 ``MIN_GAIN`` to be picked, so near-ties keep the default (the library path).
 
@@ -39,6 +43,7 @@ from pathlib import Path
 import torch
 
 from .. import environment
+from ..kernels import launch
 from ..kernels.host import BoundedCache
 
 log = logging.getLogger("fusion_backend.impl_choice")
@@ -194,7 +199,11 @@ def choose(
         raise ValueError(f"probes {sorted(probes)} must name candidates other than the default {default!r}")
     if fast_key is not None and (settled := _fast.peek(fast_key)) is not None:
         return settled
-    if not environment.measuring() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if (
+        not environment.measuring()
+        or launch.compiling_ahead()
+        or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    ):
         return default
     if callable(key):
         key = key()
@@ -204,6 +213,9 @@ def choose(
     cached = _load().get(full_key)
     if cached in candidates:
         return _remember(full_key, cached, fast_key)
+    if timer is None:  # the real timer: compile the kernels of every unprobed candidate and probe at once
+        launch.compile_ahead([fn for name, fn in candidates.items() if name not in probes] + list(probes.values()))
+    compile_ahead = launch.compile_ahead if timer is None else (lambda calls: False)
     timer = timer or _time_ms
     screened: dict[str, float] = {}
     try:
@@ -222,6 +234,7 @@ def choose(
             if probe_ms > SCREEN * min(times.values()):
                 screened[name] = probe_ms
                 continue
+            compile_ahead([candidates[name]])  # the tiles its autotuner times, at once
             times[name] = timer(candidates[name])
     except Exception as e:  # a failing candidate is the caller's business when it runs it for real
         log.info("impl choice for %s not measured (%s: %s); using %s", key, type(e).__name__, e, default)

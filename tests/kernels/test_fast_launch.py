@@ -220,3 +220,114 @@ def test_real_kernel_gives_the_generic_result_for_every_specialization(kernel_de
             torch.testing.assert_close(out, expected, rtol=1e-6, atol=0, msg=f"n={n} a={a} b={b}")
     if kernel_device == "cuda":
         assert fl._compiled, "the direct path was never set up on CUDA"
+
+
+# --------------------------------------------------------------------------------------------------
+# compile_ahead: every launch inside it is only compiled
+# --------------------------------------------------------------------------------------------------
+
+
+class _WarmableKernel(_Kernel):
+    """``_Kernel`` that also records ``warmup`` (a compile without a launch), as ``JITFunction`` and
+    triton's ``Autotuner`` have it."""
+
+    def warmup(self, *args, grid, **kwargs):
+        self.log.append(("warmup", grid, args, kwargs))
+
+
+@pytest.fixture
+def compiled_kernels(monkeypatch):
+    """``compile_ahead`` as on a GPU machine (it does nothing under the interpreter)."""
+    pytest.importorskip("triton.runtime._async_compile", reason="this Triton has no AsyncCompileMode")
+    monkeypatch.setattr(launch, "INTERPRETER", False)
+
+
+def test_compile_ahead_compiles_every_launch_and_launches_none(fake_driver, compiled_kernels):
+    plain, tuned = _WarmableKernel([_Param("x"), _Param("n")]), _WarmableKernel([_Param("x")])
+    fl = FastLaunch(plain, (3,), {}, fixed=(5,))
+    x = torch.randn(4)
+    fl(x)
+    fl(x)  # now remembered: the direct path
+    results = []
+
+    def candidate():
+        fl(x)
+        results.append(launch.launch(tuned, (2, 1), x, BLOCK=16))
+        results.append(launch.compiling_ahead())
+
+    assert launch.compile_ahead([candidate])
+    assert _paths(plain) == ["generic", "direct", "warmup"]
+    assert plain.log[-1] == ("warmup", (3,), (x, 5), {})
+    assert tuned.log == [("warmup", (2, 1), (x,), {"BLOCK": 16})]
+    assert results == [False, True]
+    assert not launch.compiling_ahead()
+    assert launch.launch(tuned, (2, 1), x, BLOCK=16) is True  # outside: a real launch
+    assert _paths(tuned) == ["warmup", "generic"]
+
+
+def test_compile_ahead_skips_a_call_that_raises_and_runs_the_others(fake_driver, compiled_kernels):
+    kernel = _WarmableKernel([_Param("x")])
+    ran = []
+
+    def broken():
+        ran.append("broken")
+        raise ValueError("unsupported case")
+
+    def fine():
+        ran.append("fine")
+        launch.launch(kernel, (1,), torch.zeros(1))
+
+    assert launch.compile_ahead([broken, fine])
+    assert ran == ["broken", "fine"] and _paths(kernel) == ["warmup"]
+
+
+def test_compile_ahead_does_nothing_under_the_interpreter(monkeypatch):
+    monkeypatch.setattr(launch, "INTERPRETER", True)
+    ran = []
+    assert not launch.compile_ahead([lambda: ran.append(1)])
+    assert ran == []
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64})], key=["n"])
+@triton.jit
+def _axpb_tuned(x_ptr, out_ptr, n, a, b, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, x * a + b, mask=ok)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles for and launches on a CUDA GPU")
+def test_after_compile_ahead_the_real_calls_compile_nothing(monkeypatch):
+    """Kernels compiled ahead (a plain launch through ``FastLaunch``, and every tile of an autotuned
+    kernel) are found compiled by the calls that follow, which compute the right values."""
+    pytest.importorskip("triton.runtime._async_compile", reason="this Triton has no AsyncCompileMode")
+    from triton.runtime.jit import JITFunction
+
+    compiles = []
+    original = JITFunction._do_compile
+
+    def counting(self, *args, **kwargs):
+        compiles.append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", counting)
+    n = 37 + torch.randint(0, 1000, ()).item() * 16  # a key no earlier test compiled
+    x = torch.randn(n + 64, device="cuda")
+    out1, out2 = torch.zeros_like(x), torch.zeros_like(x)
+    fl = FastLaunch(_axpb_kernel, (triton.cdiv(n, 64),), {"BLOCK": 64})
+
+    def call():
+        fl(x, out1, n, 3, 16)
+        launch.launch(_axpb_tuned, lambda meta: (triton.cdiv(n, meta["BLOCK"]),), x, out2, n, 3, 16)
+
+    assert launch.compile_ahead([call])
+    assert sorted(compiles) == ["_axpb_kernel", "_axpb_tuned", "_axpb_tuned"]
+    assert not out1.any() and not out2.any()  # nothing ran
+    compiles.clear()
+    call()
+    assert compiles == []
+    expected = torch.zeros_like(x)
+    expected[:n] = x[:n] * 3 + 16
+    torch.testing.assert_close(out1, expected)
+    torch.testing.assert_close(out2, expected)

@@ -189,3 +189,19 @@ def test_probes_must_name_other_candidates_than_the_default():
         impl_choice.choose("k", CANDIDATES, "library", probes={"library": lambda: "library"})
     with pytest.raises(ValueError, match="probes"):
         impl_choice.choose("k", CANDIDATES, "library", probes={"other": lambda: "x"})
+
+
+def test_a_choice_asked_while_compiling_ahead_is_the_default_and_not_remembered(monkeypatch):
+    from fusion_backend.kernels import launch
+
+    pytest.importorskip("triton.runtime._async_compile", reason="this Triton has no AsyncCompileMode")
+    monkeypatch.setattr(launch, "INTERPRETER", False)
+    answers = []
+
+    def ask():
+        answers.append(impl_choice.choose("compile-ahead-test", {"a": lambda: 1, "b": lambda: 2}, default="a",
+                                          timer=lambda fn: {1: 5.0, 2: 1.0}[fn()], fast_key=("compile-ahead",)))  # fmt: skip
+
+    launch.compile_ahead([ask])
+    assert answers == ["a"]
+    assert not impl_choice.is_final(("compile-ahead",))

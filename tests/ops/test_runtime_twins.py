@@ -119,3 +119,22 @@ def test_a_post_grad_pass_the_user_configured_still_runs():
         _, codes = _compiled_code(MeanHead(), x, {"post_grad_custom_post_pass": user_pass})
     assert user_pass.graphs == 2  # forward and backward graph
     assert "conv_global_mean_fwd_rt" in "\n".join(codes)
+
+
+def test_the_swap_pass_has_one_cache_key_whatever_ops_a_process_has_imported():
+    """Inductor's caches key on the pass's ``uuid``: a second process that never imported a fused op
+    (every region left to Inductor, decisions read from the cache) must find what the first stored."""
+    import subprocess
+    import sys
+
+    from fusion_backend.ops.runtime_twins import SwapInRuntimeTwins
+
+    here = SwapInRuntimeTwins().uuid()
+    fresh = subprocess.run(
+        [sys.executable, "-c", "from fusion_backend.ops.runtime_twins import SwapInRuntimeTwins as S, _TWINS; "
+         "print(len(_TWINS), S().uuid().hex())"],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout.split()  # fmt: skip
+    assert fresh[0] == "0"  # that process registered no twin
+    assert fresh[1] == here.hex()
+    assert SwapInRuntimeTwins(CountingPass()).uuid() != here

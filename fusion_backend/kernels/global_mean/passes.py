@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..host import cdiv, next_pow2
+from ..launch import launch
 from .common import NUM_WARPS, Launch, WeightLayout
 
 #: Largest number of distinct index sets per spatial dim (bits of an int32 table entry).
@@ -353,7 +354,8 @@ def set_sums(
     block_a, block_w = _tile_shape(rows, w)
     nsplit, rows_per_split = _choose_split(planes, rows, block_a, x5.device, split)
     partial = torch.empty((planes, nsplit, j1 * j2 * j3), dtype=torch.float32, device=x5.device)
-    _set_sums_kernel[(planes, nsplit)](
+    launch(
+        _set_sums_kernel, (planes, nsplit),
         x5,
         bits[0],
         bits[1],
@@ -405,7 +407,8 @@ def set_broadcast(
     q32 = q.to(device=out.device, dtype=torch.float32).contiguous()
     block_a, block_w = _tile_shape(rows, w)
     nsplit, rows_per_split = _choose_split(planes, rows, block_a, out.device, split)
-    _set_broadcast_kernel[(planes, nsplit)](
+    launch(
+        _set_broadcast_kernel, (planes, nsplit),
         q32,
         bits[0],
         bits[1],
