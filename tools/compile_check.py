@@ -46,7 +46,7 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
   256, 20): its 18-wide output rows take the weight grad's flat ``LINE_MODE=False`` path); ``fp32``
   (TF32) or ``bf16``; ``-cl``: channels-last.  Cases ``{convt3d,conv2d,conv2d_narrow}-{fp32,bf16}
   [-cl]``; default ``convt3d-fp32``, ``conv2d-fp32``, ``conv2d-fp32-cl``, ``conv2d_narrow-fp32-cl``.
-* ``conv_shift_bwd``: ``_shift_dgrad_kernel``, ``_shift_wgrad_kernel`` and the finish kernel
+* ``conv_shift_bwd``: ``shift_dgrad_kernel``, ``shift_wgrad_kernel`` and the finish kernel
   (weight-grad partials -> taps) for ``convt3d`` (as above, its MaxPool3d(2) gradient in compact form
   with an fp32 ``g_win``); ``fp32`` (TF32), ``bf16``, ``fp16``; ``-cl``: channels-last.  Cases
   ``convt3d-{fp32,bf16,fp16}[-cl]``; default ``convt3d-fp32``, ``convt3d-bf16``.
@@ -192,10 +192,10 @@ def conv_shift_backward(dtype: str, channels_last: bool) -> None:
     grad, x, w, (stride, padding, dilation, _, output_padding, groups) = convt3d_maxpool_grad(
         dt, torch.float32, channels_last
     )
-    with mock.patch.object(S, "_sm_count", lambda device: H100_SMS):
-        geo = S._geometry(grad, x, w, stride, padding, dilation, output_padding, groups)
-        S._prepare_input_grad(grad, x, w, geo, x.dtype)(grad, x, w)
-        S._prepare_weight_grad(grad, x, w, geo, x.dtype)(grad, x, w)
+    with mock.patch.object(S.plan, "_sm_count", lambda device: H100_SMS):
+        geo = S.plan._geometry(grad, x, w, stride, padding, dilation, output_padding, groups)
+        S.plan._prepare_input_grad(grad, x, w, geo, x.dtype)(grad, x, w)
+        S.plan._prepare_weight_grad(grad, x, w, geo, x.dtype)(grad, x, w)
 
 
 def global_mean_pipeline(dtype: str, channels_last: bool, padded: bool) -> None:
@@ -277,7 +277,7 @@ def shift_tiles(tiles: tuple[tuple[int, ...], ...]) -> Callable[[kc.Launch], lis
     def fit(launch: kc.Launch) -> list[triton.Config]:
         kw, named = launch.kwargs, launch.named_args
         kpn = kw["KD"] * kw["KH"] * kw["KW"]
-        return [S._tile_config(t) for t in S._fit(tiles, named["CI_G"], named["CO_G"], kpn)]
+        return [S.plan._tile_config(t) for t in S.plan._fit(tiles, named["CI_G"], named["CO_G"], kpn)]
 
     return fit
 
@@ -329,11 +329,11 @@ JOBS = {job.name: job for job in (
          TiledKernel("_wgrad_kernel", (), "wgrad_tiles", lambda launch: FB._wgrad_configs())),
     ),
     Job(
-        "conv_shift_bwd", "kernels/conv_shift_bwd.py: input and weight grads behind a max pool (ConvTranspose3d)",
+        "conv_shift_bwd", "kernels/conv_shift_bwd/: input and weight grads behind a max pool (ConvTranspose3d)",
         {f"convt3d-{d}{cl}": partial(conv_shift_backward, d, bool(cl)) for d in BACKWARD_DTYPES for cl in ("", "-cl")},
         ("convt3d-fp32", "convt3d-bf16"),
-        (TiledKernel("_shift_dgrad_kernel", SHIFT_FIELDS, "dgrad_tiles", shift_tiles(S._DGRAD_TILES), shift_rates),
-         TiledKernel("_shift_wgrad_kernel", SHIFT_FIELDS, "wgrad_tiles", shift_tiles(S._WGRAD_TILES), shift_rates)),
+        (TiledKernel("shift_dgrad_kernel", SHIFT_FIELDS, "dgrad_tiles", shift_tiles(S.plan._DGRAD_TILES), shift_rates),
+         TiledKernel("shift_wgrad_kernel", SHIFT_FIELDS, "wgrad_tiles", shift_tiles(S.plan._WGRAD_TILES), shift_rates)),
     ),
     Job(
         "global_mean", "kernels/global_mean/: the conv_global_mean pipeline (ConvTranspose2d 64->128 global mean)",

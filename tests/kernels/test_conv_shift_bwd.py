@@ -165,9 +165,9 @@ def test_every_tile_shape_gives_the_same_grads(
     may run past the window volume.  BLOCK_M <= pooled width takes the weight grad's carry path
     for the unit rows (blocks straddling two lines)."""
     tiles = {"dgrad": (block_m, 16, 16, dgrad_kpb, 4, 1), "wgrad": (block_m, 16, 16, wgrad_kpb, 4, 1)}
-    monkeypatch.setattr(S, "_use_autotune", lambda macs: False)
+    monkeypatch.setattr(S.plan, "_use_autotune", lambda macs: False)
     monkeypatch.setattr(
-        S, "_heuristic_tile", lambda kind, ci_g, co_g, kpn: S._fit([tiles[kind]], ci_g, co_g, kpn)[0]
+        S.plan, "_heuristic_tile", lambda kind, ci_g, co_g, kpn: S.plan._fit([tiles[kind]], ci_g, co_g, kpn)[0]
     )
     check(CASES[name], torch.float32, kernel_device)
 
@@ -187,24 +187,24 @@ def _force_wgrad_tile(monkeypatch, tile: tuple[int, ...]) -> list[dict]:
     """Use ``tile`` for the weight grad (the input grad keeps its heuristic); returns, per weight-grad
     launch built from now on, whether the kernel takes its LINE path."""
     seen: list[bool] = []
-    heuristic = S._heuristic_tile
-    monkeypatch.setattr(S, "_use_autotune", lambda macs: False)
+    heuristic = S.plan._heuristic_tile
+    monkeypatch.setattr(S.plan, "_use_autotune", lambda macs: False)
     monkeypatch.setattr(
-        S,
+        S.plan,
         "_heuristic_tile",
         lambda kind, ci_g, co_g, kpn: (
-            S._fit([tile], ci_g, co_g, kpn)[0] if kind == "wgrad" else heuristic(kind, ci_g, co_g, kpn)
+            S.plan._fit([tile], ci_g, co_g, kpn)[0] if kind == "wgrad" else heuristic(kind, ci_g, co_g, kpn)
         ),
     )
 
-    class Recording(S._KernelLaunch):
+    class Recording(S.plan._KernelLaunch):
         def __init__(self, tuned, raw, tile, grid, constexprs, fixed=()) -> None:  # noqa: ANN001
-            if raw is S._shift_wgrad_kernel:
+            if raw is S.device.shift_wgrad_kernel:
                 seen.append(constexprs["LINE_DIV"] % tile[0] == 0)  # the kernel's LINE
             super().__init__(tuned, raw, tile, grid, constexprs, fixed)
 
-    monkeypatch.setattr(S, "_KernelLaunch", Recording)
-    monkeypatch.setattr(S, "_PLANS", type(S._PLANS)(256))  # no plan cached with another tile
+    monkeypatch.setattr(S.plan, "_KernelLaunch", Recording)
+    monkeypatch.setattr(S.plan, "_PLANS", type(S.plan._PLANS)(256))  # no plan cached with another tile
     return seen
 
 
@@ -406,14 +406,14 @@ def test_unsupported_cases_say_why(kernel_device):
     assert "shifts" in reason(g=gw, x=xw, w=ww, a=wide.conv_args())
     # malformed arguments give a reason, not an exception
     assert "not understood" in reason(a=(s, p, d, True, op, "two"))
-    if S._INTERPRET:
+    if S.plan._INTERPRET:
         assert "bf16" in reason(x=xk.bfloat16(), w=wk.bfloat16())
     with pytest.raises(UnsupportedInputError, match="PooledGrad"):
         S.convolution_backward(full.float(), xk, wk, *args)
 
 
 def test_tiles_are_clamped_to_the_problem():
-    tiles = S._fit(S._DGRAD_TILES, ci_g=3, co_g=5, kpn=2)
+    tiles = S.plan._fit(S.plan._DGRAD_TILES, ci_g=3, co_g=5, kpn=2)
     assert all(t[1] == 16 and t[2] == 16 and t[3] <= 2 for t in tiles)
     assert len(tiles) == len(set(tiles))
 
