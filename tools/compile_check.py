@@ -40,7 +40,7 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
   gelu over (64, 64, 256, 256), no pool (which the op sends to ``conv_dense``): the weight
   prearrangement and ``_conv_dense_fwd_kernel``.  Cases ``conv2d-{fp32,bf16,amp}[-save]``; default
   all six.
-* ``conv_fused_bwd``: ``_dgrad_kernel`` and ``_wgrad_kernel`` (``_input_grad`` / ``_weight_grad``)
+* ``conv_fused_bwd``: ``dgrad_kernel`` and ``wgrad_kernel`` (``plan._input_grad`` / ``plan._weight_grad``)
   for ``convt3d`` (the ConvTranspose3d above, p1 op1, behind MaxPool3d(2): the pooled gradient),
   ``conv2d`` (the Conv2d above: a dense gradient) and ``conv2d_narrow`` (that Conv2d over (64, 64,
   256, 20): its 18-wide output rows take the weight grad's flat ``LINE_MODE=False`` path); ``fp32``
@@ -181,8 +181,8 @@ def conv_fused_backward(workload: str, dtype: str, channels_last: bool) -> None:
         if channels_last:
             x, grad = (t.contiguous(memory_format=torch.channels_last) for t in (x, grad))
         conv = ((1, 1), (0, 0), (1, 1), False, (0, 0), 1)
-    FB._input_grad(grad, x, w, *conv)
-    FB._weight_grad(grad, x, w, *conv)
+    FB.plan._input_grad(grad, x, w, *conv)
+    FB.plan._weight_grad(grad, x, w, *conv)
 
 
 def conv_shift_backward(dtype: str, channels_last: bool) -> None:
@@ -321,12 +321,12 @@ JOBS = {job.name: job for job in (
                            conv_output_rate),),
     ),
     Job(
-        "conv_fused_bwd", "kernels/conv_fused_bwd.py: input and weight grads (pooled and dense gradients)",
+        "conv_fused_bwd", "kernels/conv_fused_bwd/: input and weight grads (pooled and dense gradients)",
         {f"{w}-{d}{cl}": partial(conv_fused_backward, w, d, bool(cl))
          for w in ("convt3d", "conv2d", "conv2d_narrow") for d in ("fp32", "bf16") for cl in ("", "-cl")},
         ("convt3d-fp32", "conv2d-fp32", "conv2d-fp32-cl", "conv2d_narrow-fp32-cl"),
-        (TiledKernel("_dgrad_kernel", ("BLOCK_M",), "dgrad_tiles", lambda launch: FB._dgrad_configs()),
-         TiledKernel("_wgrad_kernel", (), "wgrad_tiles", lambda launch: FB._wgrad_configs())),
+        (TiledKernel("dgrad_kernel", ("BLOCK_M",), "dgrad_tiles", lambda launch: FB.device.dgrad_configs()),
+         TiledKernel("wgrad_kernel", (), "wgrad_tiles", lambda launch: FB.device.wgrad_configs())),
     ),
     Job(
         "conv_shift_bwd", "kernels/conv_shift_bwd/: input and weight grads behind a max pool (ConvTranspose3d)",

@@ -187,7 +187,7 @@ def test_max_pooled_gradient_fp16_channels_last(kernel_device):
 
 def test_int64_offsets_give_the_same_grads(kernel_device, monkeypatch):
     # tensors of 2**31 elements don't fit a CPU test: force the int64 path on a small case
-    monkeypatch.setattr(K, "_needs_int64", lambda *tensors: True)
+    monkeypatch.setattr(K.plan, "_needs_int64", lambda *tensors: True)
     case, pool = POOLED[2]
     check(case, torch.float32, kernel_device, pool)
 
@@ -301,10 +301,10 @@ def test_gpu_full_size_workloads_match_aten(workload, dtype, exact_fp32):
 
 def test_autotune_off_binds_the_first_tile(monkeypatch):
     """``FUSION_CONV_AUTOTUNE=0``: the raw kernel with the first config, no tile search."""
-    configs = K._dgrad_configs()
+    configs = K.device.dgrad_configs()
     monkeypatch.setenv("FUSION_CONV_AUTOTUNE", "0")
-    kernel, tile = K._launcher(K._dgrad_tuned, K._dgrad_kernel, configs)
-    assert kernel is K._dgrad_kernel
+    kernel, tile = K.plan._launcher(K.device.dgrad_tuned, K.device.dgrad_kernel, configs)
+    assert kernel is K.device.dgrad_kernel
     assert tile == dict(configs[0].kwargs, num_warps=configs[0].num_warps, num_stages=configs[0].num_stages)
     monkeypatch.setenv("FUSION_CONV_AUTOTUNE", "1")
-    assert K._launcher(K._wgrad_tuned, K._wgrad_kernel, K._wgrad_configs()) == (K._wgrad_tuned, {})
+    assert K.plan._launcher(K.device.wgrad_tuned, K.device.wgrad_kernel, K.device.wgrad_configs()) == (K.device.wgrad_tuned, {})

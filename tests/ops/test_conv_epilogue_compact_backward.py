@@ -1,4 +1,4 @@
-"""The compact conv backward (``kernels/conv_fused_bwd.py``) wired into ``fusion::conv_epilogue``.
+"""The compact conv backward (``kernels/conv_fused_bwd/``) wired into ``fusion::conv_epilogue``.
 
 ``FUSION_CONV_IMPL=triton`` forces the fused forward and the compact backward (behind a max pool the
 conv-output gradient is never written full size); the results must match eager and a float64 run
