@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             eager = lambda x=x, w=w, b=b, ops=ops, config=config: ce.conv_epilogue_eager(x, w, b, ops, config)  # noqa: E731
             with torch.no_grad():
                 t_eager = triton.testing.do_bench(eager)
-            best = getattr(conv_fused._conv_fused_fwd_tuned, "best_config", None)
+            best = getattr(conv_fused.plan._conv_fused_fwd_tuned, "best_config", None)
             print(f"{seed:12} {dname:5} {save!s:5} {times['triton']:8.3f} {times['library']:8.3f} {t_conv:8.3f} "
                   f"{t_eager:8.3f}  {rel:.1e}  {best}")  # fmt: skip
     os.environ.pop(ce.CONV_IMPL_ENV, None)

@@ -31,7 +31,7 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
 * ``conv_fused``: ``fusion::conv_epilogue``'s Triton forward (``ops.conv_epilogue.forward.
   _fused_conv_forward``) on the ``seeds`` suite's ConvTranspose3d 16->32 k3 s2 + leaky_relu -> mul
   -> leaky_relu + MaxPool3d(2) over (16, 16, 16, 32, 32) (``convt3d``), or the same with 48 input
-  channels (``convt3d_wide``: SHIFT_K with several channel blocks): ``_conv_fused_fwd_kernel`` and,
+  channels (``convt3d_wide``: SHIFT_K with several channel blocks): ``conv_fused_fwd_kernel`` and,
   with one channel block, the weight-matrix kernel.  Dtypes ``fp32`` (TF32), ``bf16``, ``amp`` (fp32 tensors, bf16
   compute: autocast's casts absorbed into the loaders); ``-save``: the training forward (writes the
   backward state).  Cases ``{convt3d,convt3d_wide}-{fp32,bf16,amp}[-save]``; default
@@ -306,11 +306,11 @@ class Job:
 SHIFT_FIELDS = ("BLOCK_M", "BLOCK_CI", "BLOCK_CO", "KPB")
 JOBS = {job.name: job for job in (
     Job(
-        "conv_fused", "conv_epilogue forward through kernels/conv_fused.py (ConvTranspose3d + chain + MaxPool3d)",
+        "conv_fused", "conv_epilogue forward through kernels/conv_fused/ (ConvTranspose3d + chain + MaxPool3d)",
         {f"{w}-{d}{save}": partial(conv_epilogue_forward, w, d, bool(save))
          for w in ("convt3d", "convt3d_wide") for d in FORWARD_DTYPES for save in ("", "-save")},
         ("convt3d-fp32-save", "convt3d-bf16-save", "convt3d-amp-save"),
-        (TiledKernel("_conv_fused_fwd_kernel", ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "tiles", pruned_tiles(CF),
+        (TiledKernel("conv_fused_fwd_kernel", ("BLOCK_M", "BLOCK_N", "BLOCK_K"), "tiles", pruned_tiles(CF.plan),
                      conv_output_rate),),
     ),
     Job(

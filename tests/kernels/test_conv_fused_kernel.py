@@ -1,4 +1,4 @@
-"""The fused implicit-GEMM conv forward (``kernels/conv_fused.py``) against the library-conv path.
+"""The fused implicit-GEMM conv forward (``kernels/conv_fused/``) against the library-conv path.
 
 Parity is checked through the fused op ``fusion::conv_epilogue_fwd`` with ``FUSION_CONV_IMPL=triton``
 (the fused kernel) vs ``FUSION_CONV_IMPL=library`` (aten conv + the epilogue kernel), both on the
@@ -34,7 +34,7 @@ def _conv_fused_only(monkeypatch):
     plan or launch kept by another test is reused."""
     monkeypatch.setattr(ce.forward, "_forward_kernels", lambda x, weight, cfg: conv_fused)
     monkeypatch.setattr(ce.forward, "PLANS", type(ce.forward.PLANS)(256))
-    monkeypatch.setattr(conv_fused, "_LAUNCHES", type(conv_fused._LAUNCHES)(256))
+    monkeypatch.setattr(conv_fused.plan, "_LAUNCHES", type(conv_fused.plan._LAUNCHES)(256))
 
 PK = PointwiseKind
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -219,13 +219,13 @@ def _case(name: str):
     ],
 )
 def test_int64_index_path_matches(monkeypatch, name):
-    monkeypatch.setattr(conv_fused, "_BIG_INDEX_THRESHOLD", 0)  # BIG=True on small tensors
+    monkeypatch.setattr(conv_fused.plan, "_BIG_INDEX_THRESHOLD", 0)  # BIG=True on small tensors
     monkeypatch.setattr(ce.forward, "PLANS", type(ce.forward.PLANS)(256))  # no plan kept with BIG=False
     name, xs, ws, spec, chain, pool, opts = _case(name)
     x, w, b, ops = _inputs(xs, ws, spec, opts, torch.float32)
     config = _config(spec, chain, pool)
     got = _run(monkeypatch, "triton", x, w, b, ops, config)
-    assert any(launch.constexprs["BIG"] for launch in conv_fused._LAUNCHES._values.values()), "BIG not taken"
+    assert any(launch.constexprs["BIG"] for launch in conv_fused.plan._LAUNCHES._values.values()), "BIG not taken"
     want = _run(monkeypatch, "library", x, w, b, ops, config)
     for what, g_, w_ in zip(("out", "saved_a", "saved_b"), got, want, strict=True):
         _assert_same(g_, w_, f"{name} {what}")
@@ -237,13 +237,13 @@ def test_static_phase_transposed_convs_take_the_shift_k_path():
     not a multiple of the conv stride) and plain convs do not."""
     convt3d = conv_fused.ConvGeometry(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     x, w = torch.zeros(1, 4, 4, 4, 4), torch.zeros(4, 6, 3, 3, 3)
-    plan = conv_fused._plan(x, w, convt3d, kernels.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), [4, 4, 4])
+    plan = conv_fused.plan._plan(x, w, convt3d, kernels.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), [4, 4, 4])
     assert plan.shift_k and plan.unrolled == 27 and plan.shifts == ((0, 2), (0, 2), (0, 2))
     assert plan.shift_slots == 8
     masked = kernels.PoolGeometry("max", (3, 3, 3), (1, 1, 1), (1, 1, 1))
-    assert not conv_fused._plan(x, w, convt3d, masked, [8, 8, 8]).shift_k
+    assert not conv_fused.plan._plan(x, w, convt3d, masked, [8, 8, 8]).shift_k
     plain = conv_fused.ConvGeometry(False, (1, 1, 1), (0, 0, 0), (1, 1, 1), (0, 0, 0), 1)
-    assert not conv_fused._plan(x, torch.zeros(6, 4, 3, 3, 3), plain, None, None).shift_k
+    assert not conv_fused.plan._plan(x, torch.zeros(6, 4, 3, 3, 3), plain, None, None).shift_k
 
 
 def test_full_windows_only_where_every_window_offset_is_in_range():
@@ -252,11 +252,11 @@ def test_full_windows_only_where_every_window_offset_is_in_range():
     convt3d = conv_fused.ConvGeometry(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     x, w = torch.zeros(1, 4, 4, 4, 4), torch.zeros(4, 6, 3, 3, 3)
     pool = kernels.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
-    assert conv_fused._full_windows(conv_fused._plan(x, w, convt3d, pool, [4, 4, 4]))
+    assert conv_fused.plan._full_windows(conv_fused.plan._plan(x, w, convt3d, pool, [4, 4, 4]))
     padded = kernels.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (1, 1, 1))
-    assert not conv_fused._full_windows(conv_fused._plan(x, w, convt3d, padded, [5, 5, 5]))
+    assert not conv_fused.plan._full_windows(conv_fused.plan._plan(x, w, convt3d, padded, [5, 5, 5]))
     no_op = conv_fused.ConvGeometry(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (0, 0, 0), 1)  # odd output 7
-    assert not conv_fused._full_windows(conv_fused._plan(x, w, no_op, pool, [4, 4, 4]))  # ceil mode
+    assert not conv_fused.plan._full_windows(conv_fused.plan._plan(x, w, no_op, pool, [4, 4, 4]))  # ceil mode
 
 
 @pytest.mark.parametrize("pool_padding", [0, 1])
@@ -454,7 +454,7 @@ def test_the_probe_runs_the_autotuner_s_first_tile_and_gives_the_plan_s_results(
     """``_FusedForward.probe``: the same plan on the tile the autotuner times first (``impl_choice``
     times it to screen the fused kernel before tuning it), with the tuned plan's results."""
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
-    monkeypatch.setattr(conv_fused, "_AUTOTUNE_MIN_MACS", 0)
+    monkeypatch.setattr(conv_fused.plan, "_AUTOTUNE_MIN_MACS", 0)
     monkeypatch.setenv(environment.CONV_AUTOTUNE, "1")  # the suite turns tuning off  # tuned even at this size (on CUDA)
     torch.manual_seed(0)
     spec = _spec(3, transposed=True, stride=2)
@@ -465,7 +465,7 @@ def test_the_probe_runs_the_autotuner_s_first_tile_and_gives_the_plan_s_results(
     probe = plan.probe()
     assert probe.launch is not plan.launch and probe.launch.fast is not None
     if torch.cuda.is_available():
-        first = conv_fused._prune(conv_fused._configs(), {"CIN_G": 4, "COUT_G": 6, "M_TOTAL": plan.launch.m_total},
+        first = conv_fused.plan._prune(conv_fused.plan._configs(), {"CIN_G": 4, "COUT_G": 6, "M_TOTAL": plan.launch.m_total},
                                   **plan.launch.constexprs)[0]
         assert probe.launch.first_tile == dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
     for got, want in zip(probe(x, w, b, [m]), plan(x, w, b, [m]), strict=True):
