@@ -305,11 +305,14 @@ def _environment() -> str:
     must not reuse old times)."""
     import triton
 
-    root = Path(__file__).resolve().parent
+    from . import patterns
+
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode())
-        digest.update(path.read_bytes())
+    # the pattern families live outside the package folder (top-level patterns/, see pyproject.toml)
+    for root in (Path(__file__).resolve().parent, Path(patterns.__file__).resolve().parent):
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(root.parent).as_posix().encode())
+            digest.update(path.read_bytes())
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return f"{device}|torch {torch.__version__}|triton {triton.__version__}|sources {digest.hexdigest()[:16]}"
 

@@ -1,7 +1,7 @@
 """The match engine: runs the registered patterns over a normalised graph and rewrites their regions.
 
-Patterns are data-like objects (``Pattern`` subclasses in ``fusion_backend/patterns/``), registered
-with ``register_pattern``; this module knows none of them by name.  The engine
+Patterns are data-like objects (``Pattern`` subclasses in the top-level ``patterns/`` folder,
+installed as ``fusion_backend.patterns``), registered with ``register_pattern``; this module knows none of them by name.  The engine
 
 1. normalises every node (``normalize.py``) after rewiring in-place aliases;
 2. asks each enabled pattern, highest ``priority`` first, for candidates and near misses; a candidate
