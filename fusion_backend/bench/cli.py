@@ -13,9 +13,11 @@ interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -270,7 +272,8 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
     try:
         runner = Runner(config, backends, device=device, instruments=instruments, rates=rates,
                         progress=progress)
-        report = runner.run(workloads, environment)
+        with _sigterm_as_interrupt():
+            report = runner.run(workloads, environment)
     finally:
         if isinstance(progress, _TqdmProgress):
             progress.close()
@@ -290,6 +293,28 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
     out.write(f", {files.chart}\n" if files.chart else f"\n(no chart: {files.chart_note})\n")
     out.write(f"\n{verdict}\n")
     return 1 if failed else 0
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (what ``timeout``, job schedulers and CI send) ends the run as Ctrl-C does: the runner
+    stops and the finished cases are written as a partial report.  Only in the main thread (the one
+    place Python lets a handler be installed); elsewhere SIGTERM keeps its default action."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -628,6 +628,34 @@ def test_an_interrupted_run_keeps_the_cases_that_finished(tiny: Workload) -> Non
     assert "PARTIAL REPORT" in format_report(report)
 
 
+def test_sigterm_ends_a_command_line_run_with_a_partial_report(tmp_path: Path) -> None:
+    """``timeout``, job schedulers and CI stop a run with SIGTERM: like Ctrl-C, the finished cases are
+    written (``complete: false``) and the command exits 130."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    slow = TINY_CONV.replace("    def forward(self, x):\n", "    def forward(self, x):\n        time.sleep(0.3)\n")
+    model = write_model(tmp_path / "models", "slow", "import time\n" + slow)
+    out_dir = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fusion_backend", "bench", "--suite", str(model), "--backends", "eager",
+         "--dtype", "fp32", "--mode", "infer,train", "--check-only", "--no-fp64-check", "--out", str(out_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the first case has finished; the second is running
+        if "infer eager: ok" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stdout
+    assert "interrupted: partial report" in stdout
+    report = json.loads((out_dir / "bench.json").read_text())
+    assert report["complete"] is False and [c["mode"] for c in report["cases"]] == ["infer"]
+
+
 def test_compare_tensor_flags_structural_differences() -> None:
     x = torch.ones(3)
     assert compare_tensor("t", x, x.clone(), 1e-4).ok
