@@ -6,7 +6,7 @@ function on purpose: decorating it with ``register_backend(name="fusion")`` as w
 Dynamo see the name twice.
 
 A rewritten graph that holds only fused ops and glue (casts, views) skips AOTAutograd and Inductor,
-which would fuse nothing there: it runs as plain FX code with eager autograd (``direct.py``; the
+which would fuse nothing there: it runs as plain FX code with eager autograd (``runtime/direct.py``; the
 report's ``runner`` says which; ``options={"direct": False}`` turns it off).
 
 Nothing the user gave is lost: if normalising, matching, rewriting or compiling the rewritten graph
@@ -27,12 +27,12 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .decision import decide
-from .direct import direct_module, why_not_direct
-from .engine import Candidate, registered_patterns, run_patterns
 from .errors import RewriteError
+from .match.engine import Candidate, registered_patterns, run_patterns
 from .options import FusionOptions
 from .report import Decision, Fallback, GraphReport, publish
+from .runtime.decision import decide
+from .runtime.direct import direct_module, why_not_direct
 
 log = logging.getLogger("fusion_backend")
 _graph_counter = itertools.count()
@@ -153,7 +153,7 @@ def fusion(
 
 
 def _why_not_direct(gm: fx.GraphModule, opts: FusionOptions, patches: dict[str, Any]) -> Optional[str]:
-    """``None`` when the rewritten graph may skip AOTAutograd and Inductor (``direct.py``), else why not."""
+    """``None`` when the rewritten graph may skip AOTAutograd and Inductor (``runtime/direct.py``), else why not."""
     if not opts.direct:
         return "option direct=False"
     if opts.inductor:

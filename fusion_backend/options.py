@@ -17,12 +17,12 @@ key                     meaning
 ``direct``              bool, default True: a rewritten graph that holds only fused ops and glue
                         (casts, views) runs as plain FX code with eager autograd instead of through
                         AOTAutograd and Inductor, which would fuse nothing there but cost host time
-                        per call (``fusion_backend/direct.py``); False sends it to Inductor too.
+                        per call (``fusion_backend/runtime/direct.py``); False sends it to Inductor too.
                         Inductor options, or a mode with CUDA graphs, also send it to Inductor
 ``decide``              ``"measure"`` (default; the ``FUSION_DECIDE`` environment variable sets
                         it too): keep a rewrite only where the fused op is faster than Inductor's
                         code for the region, timed on the first compile of each input signature
-                        and cached (``decision.py``); ``"fuse"``: always rewrite; ``"inductor"``:
+                        and cached (``runtime/decision.py``); ``"fuse"``: always rewrite; ``"inductor"``:
                         never rewrite (matches are still reported)
 ``decide_margin``       float >= 0, default 0.03: how much faster the fused op must be to be kept
                         (ties go to Inductor)
@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import environment
-from .decision import DEFAULT_MARGIN, POLICIES
 from .errors import InvalidOptionError, UnknownOptionError
+from .runtime.decision import DEFAULT_MARGIN, POLICIES
 
 OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir", "direct", "decide", "decide_margin")
 DECIDE_ENV = environment.DECIDE

@@ -88,7 +88,7 @@ class NearMiss:
 
 @dataclass(frozen=True)
 class Decision:
-    """Whether a matched region was rewritten, and the rule that decided (``decision.py``).
+    """Whether a matched region was rewritten, and the rule that decided (``runtime/decision.py``).
 
     ``fused_ms`` / ``inductor_ms``: the measured milliseconds per call of the fused op and of
     Inductor's code for the region (forward, or forward + backward where gradients flow); ``None``
@@ -137,7 +137,7 @@ class GraphReport:
     """One per matched region, rewritten or not, in match order."""
     runner: str = "inductor"
     """What runs the compiled graph: ``"inductor"`` (AOTAutograd + Inductor) or ``"direct"`` (only
-    fused ops and glue, run as plain FX code with eager autograd: ``fusion_backend/direct.py``)."""
+    fused ops and glue, run as plain FX code with eager autograd: ``fusion_backend/runtime/direct.py``)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -58,7 +58,7 @@ class DryRun:
 
 def dry_run(model: Any, inputs: Sequence[Any], patterns: Optional[Sequence[str]] = None, **compile_kwargs: Any) -> DryRun:
     """What ``fusion`` would fuse in ``model(*inputs)``, without rewriting or running fused ops."""
-    from .engine import find_regions, registered_patterns
+    from .match.engine import find_regions, registered_patterns
 
     enabled = tuple(patterns) if patterns is not None else tuple(registered_patterns())
     regions: list[tuple[str, str, tuple[str, ...]]] = []

@@ -1,6 +1,6 @@
 """Built-in pattern families.  Importing this package registers each with the engine.
 
-One module per family; a family is a ``fusion_backend.engine.Pattern`` subclass decorated with
+One module per family; a family is a ``fusion_backend.match.engine.Pattern`` subclass decorated with
 ``register_pattern``.  Third-party families register the same way from their own modules.
 """
 

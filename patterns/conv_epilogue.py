@@ -26,13 +26,13 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from ..canonical import BatchNorm, Conv, Opaque, ParamRef, Pointwise, Pool
-from ..engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
-from ..normalize import describe_target
+from ..frontend.canonical import BatchNorm, Conv, Opaque, ParamRef, Pointwise, Pool
+from ..frontend.normalize import describe_target
+from ..match.engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
+from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, PointwiseKind, TensorRef
 from ..ops.config import ConvEpilogueConfig
 from ..report import Match, NearMiss, ReasonKind
-from ..rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

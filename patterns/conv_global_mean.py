@@ -26,11 +26,11 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from ..canonical import Conv, GlobalReduce, Pointwise
-from ..engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
+from ..frontend.canonical import Conv, GlobalReduce, Pointwise
+from ..match.engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
+from ..match.rewrite import dtype_name, rewrite_conv_region
 from ..ops.chain import ChainStep, PointwiseKind
 from ..report import Match, NearMiss, ReasonKind
-from ..rewrite import dtype_name, rewrite_conv_region
 
 AFFINE_KINDS = (PointwiseKind.MUL, PointwiseKind.ADD, PointwiseKind.SUB, PointwiseKind.RSUB, PointwiseKind.DIV)
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -9,7 +9,7 @@ workload just before, so its caches are partly warm.  This tool measures what a 
 Each measurement is its own process (``--child``): the model file is loaded as the benchmark loads it,
 built on CUDA, compiled with the backend, and its first step (forward; ``--mode train`` adds the
 backward) is timed from the ``torch.compile`` call to the end of its GPU work, compilation included.  Process start-up and
-imports are not counted.  ``--log`` prints the children's ``fusion_backend.decision`` and
+imports are not counted.  ``--log`` prints the children's ``fusion_backend.runtime.decision`` and
 ``fusion_backend.impl_choice`` and ``fusion_backend.launch`` INFO lines: what each first call compiled and timed, and how long that took.  The last lines compare every backend with Inductor against the budgets
 ``--cold-budget`` (3x) and ``--warm-budget`` (1.2x).
 

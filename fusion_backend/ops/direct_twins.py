@@ -6,7 +6,7 @@ AOTAutograd's runtime wrappers around the forward and the backward, Inductor's c
 and the dispatcher crossings of the custom ops.  The training step of the ConvT3d pipeline
 (``convt3d_leaky_mul_leaky_maxpool``, 16x16x16x32x32) on the H100 is host-bound (GPU work 0.93 ms,
 step 2.07 ms; ``tools/profile_step.py`` shows both).  So the backend runs such a graph as plain FX
-code (see ``fusion_backend/direct.py``), where each fused call goes to its direct twin: a
+code (see ``fusion_backend/runtime/direct.py``), where each fused call goes to its direct twin: a
 ``torch.autograd.Function`` whose forward and backward call the op's undecorated implementations (the
 same functions the custom ops and their runtime twins wrap), with no dispatcher layer in between.
 

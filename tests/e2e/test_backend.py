@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import fusion_backend
 from fusion_backend import InvalidOptionError, RewriteError, UnknownOptionError, collect_reports
-from fusion_backend.engine import registered_patterns
+from fusion_backend.match.engine import registered_patterns
 
 
 def small_model():

@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fusion_backend import decision
 from fusion_backend.report import collect_reports
+from fusion_backend.runtime import decision
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.usefixtures("exact_fp32")]

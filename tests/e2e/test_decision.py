@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fusion_backend import decision
 from fusion_backend.errors import InvalidOptionError
 from fusion_backend.report import GraphReport, collect_reports
+from fusion_backend.runtime import decision
 
 
 class ConvLeakyPool(nn.Module):
@@ -188,7 +188,7 @@ def test_cpu_regions_are_left_to_inductor_unmeasured_by_default(cache):
     ({"decide_margin": "3%"}, "option 'decide_margin' must be a number >= 0, got '3%'"),
 ])
 def test_bad_decision_options_are_named(options, message):
-    from fusion_backend.engine import registered_patterns
+    from fusion_backend.match.engine import registered_patterns
     from fusion_backend.options import FusionOptions
 
     with pytest.raises(InvalidOptionError) as info:
@@ -309,7 +309,7 @@ def test_a_region_is_timed_with_the_cheap_consumers_inductor_would_fuse_into_it(
     """A global mean timed alone would make Inductor pay a kernel that in the graph it fuses with the
     bias, logsumexp and sum after it: those consumers join the timed region (both candidates run
     them); a conv, an in-place op, a larger (broadcast) result or a second user ends the chain."""
-    from fusion_backend import region_timing
+    from fusion_backend.runtime import region_timing
 
     weight, bias = torch.randn(3, 8, 3, 3), torch.randn(8, 1, 1)
 
@@ -363,7 +363,7 @@ def test_the_real_timer_runs_a_region_with_its_consumers_on_cpu(cache, monkeypat
     Inductor, which compiles the consumers after the fused op), and the compiled model is eager's.
     Inference only: the growing and the candidates are the same with a backward, which the other
     real-timer test covers."""
-    from fusion_backend import region_timing
+    from fusion_backend.runtime import region_timing
 
     timed = []
     real = region_timing.extract_region

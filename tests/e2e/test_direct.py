@@ -1,4 +1,4 @@
-"""The direct runner (``fusion_backend/direct.py``): graphs of only fused ops and glue skip
+"""The direct runner (``fusion_backend/runtime/direct.py``): graphs of only fused ops and glue skip
 AOTAutograd and Inductor, run as plain FX code whose fused calls go to their direct twins.
 
 Every case checks the runner the report names, and parity with eager (outputs and every gradient,
@@ -12,10 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fusion_backend.backend as backend
-from fusion_backend import direct
 from fusion_backend.errors import InvalidOptionError
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.report import collect_reports
+from fusion_backend.runtime import direct
 from fusion_backend.testing import Autocast, assert_fused
 
 CUDA = torch.cuda.is_available()

@@ -167,7 +167,7 @@ def test_conv2d_pipeline_is_one_region_with_mark_dynamic(seed_models):
 
 
 def test_symbolically_traced_graph_with_call_module_nodes_matches():
-    from fusion_backend.engine import find_regions
+    from fusion_backend.match.engine import find_regions
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LeakyReLU(0.1), nn.Hardtanh(-1, 2), nn.MaxPool2d(2))
     gm = torch.fx.symbolic_trace(model)
@@ -249,7 +249,7 @@ def test_pool_of_other_dimensionality_is_a_dimension_mismatch():
 
 
 def test_integer_conv_is_an_unsupported_dtype():
-    from fusion_backend.engine import find_regions
+    from fusion_backend.match.engine import find_regions
 
     class IntConv(nn.Module):
         def forward(self, x):

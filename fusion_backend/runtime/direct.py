@@ -26,8 +26,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from .ops import bn_fold
-from .ops.direct_twins import direct_twin
+from ..ops import bn_fold
+from ..ops.direct_twins import direct_twin
 
 #: ``call_method`` targets that are glue (casts and views: at most one copy kernel each).
 GLUE_METHODS = frozenset({

@@ -14,9 +14,9 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .canonical import Conv, ParamRef
+from ..frontend.canonical import Conv, ParamRef
+from ..report import Match, source_lines_of
 from .engine import Candidate, MatchContext, fake_of
-from .report import Match, source_lines_of
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import environment
-from .report import Decision
+from .. import environment
+from ..report import Decision
 
 log = logging.getLogger("fusion_backend.decision")
 
@@ -136,7 +136,7 @@ def decide(
 def _gradients_flow(region: Any) -> bool:
     """Whether the graph's call runs a backward through the region: grad mode is on (Dynamo guards
     on it) and one of the region's inputs requires grad."""
-    from .engine import fake_of
+    from ..match.engine import fake_of
 
     return torch.is_grad_enabled() and any(getattr(fake_of(n), "requires_grad", False) for n in region.inputs)
 
@@ -163,7 +163,7 @@ def _prime_for_cuda_graphs(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.
         return None
     except Exception as exc:  # noqa: BLE001 - an unprepared region stays with Inductor
         if strict:
-            from .errors import RewriteError
+            from ..errors import RewriteError
 
             raise RewriteError(f"preparing the {pattern} region at `{nodes[0].name}` for CUDA graphs failed: "
                                f"{type(exc).__name__}: {exc} (strict=True)") from exc
@@ -176,8 +176,8 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
     """The ``measure`` policy's decision, and whether the fused op ran on the region's inputs in
     this process (its caches are then filled)."""
     anchor = nodes[0].name
+    from ..match.engine import fake_of
     from . import region_timing
-    from .engine import fake_of
 
     result = fake_of(nodes[-1])
     if not isinstance(result, torch.Tensor) or result.device.type not in _measured_devices:
@@ -200,7 +200,7 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
     except Exception as exc:  # noqa: BLE001 - an unmeasurable region stays with Inductor
         why = str(exc) if isinstance(exc, region_timing.NotMeasurable) else f"{type(exc).__name__}: {exc}"
         if strict and not isinstance(exc, region_timing.NotMeasurable):
-            from .errors import RewriteError
+            from ..errors import RewriteError
 
             raise RewriteError(f"timing the {pattern} region at `{anchor}` failed: {why} (strict=True)") from exc
         log.info("decision %s at %s: not measured (%s); Inductor keeps the region", pattern, anchor, why)
@@ -258,9 +258,9 @@ def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
     per-shape choices measured here are the ones the compiled graph finds in its caches."""
     import copy
 
+    from ..match.engine import run_patterns
     from . import region_timing
     from .direct import direct_module, why_not_direct
-    from .engine import run_patterns
 
     gm = fx.GraphModule(region.gm, copy.deepcopy(region.gm.graph), class_name="Region")
     result = run_patterns(gm, [pattern], strict=strict)
@@ -276,8 +276,8 @@ def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
 
 
 def _key(pattern: str, region: Any, train: bool, patches: Mapping[str, Any]) -> str:
+    from ..match.engine import fake_of
     from . import region_timing
-    from .engine import fake_of
 
     signature = [(tuple(int(s) for s in f.shape), tuple(int(s) for s in f.stride()), str(f.dtype),
                   f.device.type, bool(f.requires_grad))
@@ -305,11 +305,11 @@ def _environment() -> str:
     must not reuse old times)."""
     import triton
 
-    from . import patterns
+    from .. import patterns
 
     digest = hashlib.sha256()
     # the pattern families live outside the package folder (top-level patterns/, see pyproject.toml)
-    for root in (Path(__file__).resolve().parent, Path(patterns.__file__).resolve().parent):
+    for root in (Path(__file__).resolve().parents[1], Path(patterns.__file__).resolve().parent):
         for path in sorted(root.rglob("*.py")):
             digest.update(path.relative_to(root.parent).as_posix().encode())
             digest.update(path.read_bytes())

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 
-from .engine import fake_of
+from ..match.engine import fake_of
 
 #: Timing: rounds per candidate (interleaved), the length one round aims at, the most calls in one.
 ROUNDS = 5

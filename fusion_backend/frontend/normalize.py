@@ -23,9 +23,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops.chain import PointwiseKind as K
+from ..ops.config import ConvSpec, PoolSpec
 from .canonical import BatchNorm, CanonicalOp, Conv, GlobalReduce, Opaque, ParamRef, Pointwise, Pool
-from .ops.chain import PointwiseKind as K
-from .ops.config import ConvSpec, PoolSpec
 
 # --------------------------------------------------------------------------------------------
 # Signatures the spellings are bound against (argument names as in torch's own docs).

@@ -3,7 +3,7 @@
 Patterns are data-like objects (``Pattern`` subclasses in the top-level ``patterns/`` folder,
 installed as ``fusion_backend.patterns``), registered with ``register_pattern``; this module knows none of them by name.  The engine
 
-1. normalises every node (``normalize.py``) after rewiring in-place aliases;
+1. normalises every node (``frontend/normalize.py``) after rewiring in-place aliases;
 2. asks each enabled pattern, highest ``priority`` first, for candidates and near misses; a candidate
    overlapping nodes already claimed becomes a ``CLAIMED`` near miss, so regions stay disjoint;
 3. rewrites every accepted candidate through its pattern, then lints and recompiles the graph.
@@ -20,10 +20,10 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-from .canonical import CanonicalOp, Conv, Opaque, ParamRef
-from .normalize import functionalize_inplace, normalize_graph
-from .ops.chain import Const, Operand, TensorRef
-from .report import Match, NearMiss, ReasonKind, source_line_of
+from ..frontend.canonical import CanonicalOp, Conv, Opaque, ParamRef
+from ..frontend.normalize import functionalize_inplace, normalize_graph
+from ..ops.chain import Const, Operand, TensorRef
+from ..report import Match, NearMiss, ReasonKind, source_line_of
 
 
 def fake_of(node: Any) -> Any:
@@ -83,7 +83,7 @@ def register_pattern(cls: type[Pattern]) -> type[Pattern]:
 
 def registered_patterns() -> dict[str, Pattern]:
     """Name → pattern, for every registered pattern (the built-in ones are loaded on first use)."""
-    from . import patterns  # noqa: F401  (registers the built-in families)
+    from .. import patterns  # noqa: F401  (registers the built-in families)
 
     return dict(_REGISTRY)
 
