@@ -3,7 +3,8 @@
 Patterns are data-like objects (``Pattern`` subclasses in the top-level ``patterns/`` folder,
 installed as ``fusion_backend.patterns``), registered with ``register_pattern``; this module knows none of them by name.  The engine
 
-1. normalises every node (``frontend/normalize.py``) after rewiring in-place aliases;
+1. normalises every node (``frontend/normalize.py``) after rewiring in-place aliases and folding
+   multi-node spellings of one op (``frontend/idioms.py``: ``y * sigmoid(y)`` is a SiLU);
 2. asks each enabled pattern, highest ``priority`` first, for candidates and near misses; a candidate
    overlapping nodes already claimed becomes a ``CLAIMED`` near miss, so regions stay disjoint;
 3. rewrites every accepted candidate through its pattern, then lints and recompiles the graph.
@@ -21,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..frontend.canonical import CanonicalOp, Conv, Opaque, ParamRef
+from ..frontend.idioms import fold_idioms
 from ..frontend.normalize import functionalize_inplace, normalize_graph
 from ..ops.chain import Const, Operand, TensorRef
 from ..report import Match, NearMiss, ReasonKind, source_line_of
@@ -97,6 +99,8 @@ class MatchContext:
         self.canonical: dict[fx.Node, CanonicalOp] = normalize_graph(gm)
         if functionalize_inplace(gm, self.canonical):
             self.canonical = normalize_graph(gm)
+        while fold_idioms(gm, self.canonical):  # y * sigmoid(y) -> silu(y), ...; until none is left
+            self.canonical = normalize_graph(gm)  # (a folded node may start the next idiom)
         self.claimed: set[fx.Node] = set()
         self.replaced: dict[fx.Node, fx.Node] = {}
         """Result node of each rewritten region → the fused node that took its place."""
@@ -217,7 +221,8 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
                  on_stage: Optional[Callable[[str, Optional[str]], None]] = None) -> Regions:
     """Normalise ``gm`` and run the ``enabled`` patterns' ``find``, highest priority first.
 
-    Changes the graph only by rewiring in-place aliases (``functionalize_inplace``).
+    Changes the graph only by rewiring in-place aliases (``functionalize_inplace``) and folding
+    multi-node spellings of one op into that op (``frontend/idioms.py``), both exact.
     """
     stage = on_stage or (lambda s, p: None)
     stage("normalize", None)

@@ -294,3 +294,46 @@ def test_a_slope_that_requires_grad_is_rejected():
 def test_disabled_pattern_fuses_nothing():
     result = dry_run(Chain(lambda s, y: F.relu(y)), X2, patterns=[])
     assert result.regions == ()
+
+
+# -- spelled-out activations (frontend/idioms.py) ---------------------------------------------------------
+
+IDIOMS = {
+    "y*sigmoid(y)": (lambda s, y: y * torch.sigmoid(y), "silu"),
+    "sigmoid(y)*y": (lambda s, y: y.sigmoid() * y, "silu"),
+    "torch.mul(y, F.sigmoid(y))": (lambda s, y: torch.mul(y, F.sigmoid(y)), "silu"),
+    "where(y>0, y, a*y)": (lambda s, y: torch.where(y > 0, y, 0.2 * y), "leaky_relu"),
+    "where(0<y, y, y*a)": (lambda s, y: torch.where(0 < y, y, y * 0.1), "leaky_relu"),
+}
+
+
+@pytest.mark.parametrize("name", list(IDIOMS))
+def test_spelled_out_activations_fold_into_the_chain(name):
+    body, kind = IDIOMS[name]
+    (region,) = regions(Chain(lambda s, y: body(s, F.relu(y * s.m))))
+    assert region[1] == f"conv2d -> mul -> relu -> {kind}"
+
+
+NOT_IDIOMS = {
+    # y >= 0 sends the gradient at 0 to the identity branch: not leaky_relu's backward
+    "where(y>=0, y, a*y)": lambda s, y: torch.where(y >= 0, y, 0.2 * y),
+    # a tensor slope, and a product of two different tensors
+    "where(y>0, y, m*y)": lambda s, y: torch.where(y > 0, y, s.m * y),
+    "y*sigmoid(relu(y))": lambda s, y: y * torch.sigmoid(torch.relu(y)),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_IDIOMS))
+def test_look_alikes_are_not_folded_and_stop_the_chain_as_shared(name):
+    found = dry_run(Chain(NOT_IDIOMS[name]), X2, patterns=["conv_epilogue"])
+    assert all("silu" not in summary and "leaky" not in summary for _, summary, _ in found.regions)
+    assert any(m.reason.value == "shared_intermediate" for m in found.near_misses)
+
+
+def test_a_sigmoid_with_another_user_is_not_folded():
+    def body(s, y):
+        sig = torch.sigmoid(y)
+        return y * sig + sig
+
+    found = dry_run(Chain(body), X2, patterns=["conv_epilogue"])
+    assert all("silu" not in summary for _, summary, _ in found.regions)
