@@ -28,6 +28,7 @@ from .config import DEFAULT_BACKENDS, MODES, PRECISIONS, BenchConfig, MeasureCon
 from .env import collect_environment
 from .errors import BenchError, ConfigError
 from .measure import CudaEventTimer, cuda_instruments, measure_device_rates
+from .merge import merge_reports, read_report
 from .output import fmt_ms, plan_lines, summary_table, write_reports
 from .roofline import describe_rates
 from .runner import ProgressEvent, Runner
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "names another mode")
     p.add_argument("--out", default=None,
                    help="output folder (default: bench-results/<UTC date-time>)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
+                   help="merge these runs (folders holding bench.json, or the files) into one report in --out, "
+                   "with one verdict; nothing is run.  They must share every setting and the device")
     p.add_argument("--filter", default=None,
                    help="keep workloads whose name contains any comma-separated pattern (globs allowed)")
     p.add_argument("--reps", type=int, default=None,
@@ -224,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) -> int:
+    if args.merge:
+        return _merge(args, out, err)
     try:
         measure = MeasureConfig(warmup=args.warmup, target_ms=args.target_ms, reps=args.reps,
                                 cold=not (args.no_cold or args.check_only), rounds=args.rounds,
@@ -293,6 +299,23 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
     out.write(f", {files.chart}\n" if files.chart else f"\n(no chart: {files.chart_note})\n")
     out.write(f"\n{verdict}\n")
     return 1 if failed else 0
+
+
+def _merge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``--merge``: the parts' reports as one (``bench/merge.py``), written to ``--out``."""
+    if not args.out:
+        err.write(f"{PROG}: error: --merge needs --out\n")
+        return 2
+    try:
+        report = merge_reports([read_report(path) for path in args.merge])
+    except BenchError as exc:
+        err.write(f"{PROG}: error: {exc}\n")
+        return 2
+    files = write_reports(report, Path(args.out), chart=not args.no_chart)
+    out.write("\n" + summary_table(report) + "\n")
+    out.write(f"\nwrote {files.json}, {files.text}, {files.markdown}\n")
+    out.write(f"\n{verdict_of(report).line()}\n")
+    return 0 if report.all_ok else 1
 
 
 @contextlib.contextmanager

@@ -1106,3 +1106,42 @@ def test_quiet_rows_take_exactly_the_configured_rounds_and_noisy_ones_stop_at_th
 def test_bad_round_settings_are_named(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=field):
         MeasureConfig(**{field: value})
+
+
+# -- merging the parts of a suite ----------------------------------------------------------------------------
+
+
+def test_parts_of_a_suite_merge_into_one_report_with_one_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = load_workload(write_model(tmp_path / "models", "part_a"))
+    b = load_workload(write_model(tmp_path / "models", "part_b", TINY_CONVT))
+    backends = [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION]
+    for name, workload in (("a", a), ("b", b)):
+        write_reports(run([workload], backends), tmp_path / name, chart=False)
+    whole = run([a, b], backends)
+
+    out = tmp_path / "merged"
+    assert cli.main(["--merge", str(tmp_path / "a"), str(tmp_path / "b" / "bench.json"), "--out", str(out),
+                     "--no-chart"]) == 0  # fmt: skip
+    merged = read_json(out / "bench.json")
+    assert [(c.workload, c.mode) for c in merged.cases] == [(c.workload, c.mode) for c in whole.cases]
+    assert merged.workloads.keys() == {"part_a", "part_b"} and merged.complete
+    assert verdict_of(merged).line() == verdict_of(whole).line()
+    assert verdict_of(merged).line() in capsys.readouterr().out
+
+
+def test_merging_refuses_other_settings_a_repeated_row_or_a_single_report(tmp_path: Path) -> None:
+    from fusion_backend.bench.merge import merge_reports
+
+    a = load_workload(write_model(tmp_path / "models", "part_a"))
+    backends = [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION]
+    fp32, bf16 = run([a], backends), run([a], backends, dtypes=("bf16",))
+    with pytest.raises(ConfigError, match=r"report 2 was run with other settings than report 1 \(dtypes\)"):
+        merge_reports([fp32, bf16])
+    with pytest.raises(ConfigError, match="row part_a fp32 infer is in more than one report"):
+        merge_reports([fp32, fp32])
+    other_gpu = dataclasses.replace(fp32, environment={**fp32.environment, "torch": "0.0"})
+    with pytest.raises(ConfigError, match="report 2 has torch '0.0'"):
+        merge_reports([fp32, other_gpu])
+    with pytest.raises(ConfigError, match="at least two"):
+        merge_reports([fp32])
+    assert cli.main(["--merge", str(tmp_path / "nowhere"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "m")]) == 2

@@ -1,0 +1,80 @@
+"""One report from several runs of one suite: ``python -m fusion_backend bench --merge DIR DIR ... --out DIR``.
+
+WHY: a suite can take longer than one sitting allows (the ``convnets`` suite's 18 workloads, fp32 and
+bf16, inference and training: 10-13 minutes on an H100), so it runs in parts (``--filter`` or a list of
+model files), merged into the one ``bench.json`` the suite is read from, with one verdict over all rows.
+
+Contract of :func:`merge_reports`: the reports must come from the same configuration (precisions,
+modes, backends, seed, tolerances, measurement settings), the same GPU, software, TF32 flags and git
+commit, and no (workload, dtype, mode) row may appear twice; otherwise :class:`ConfigError` names
+the difference.  Rows keep their order (the reports' order, then each report's); the merged run
+started when the first began and finished when the last ended, its wall time is the sum, and it is
+complete only if every part is.
+Each row was timed within its own run, with all of its backends: merging never compares numbers
+across runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import ConfigError
+from .output import read_json
+from .results import BenchReport
+
+#: What the parts' environments must share: the GPU, the software, the TF32 flags and the code.
+_SAME_ENVIRONMENT = ("gpu", "device", "torch", "triton", "cuda", "cudnn", "tf32", "git_commit")
+
+
+def _environment_value(report: BenchReport, key: str) -> object:
+    value = report.environment.get(key)
+    return value.get("name") if key == "gpu" and isinstance(value, dict) else value
+
+
+def read_report(path: str | Path) -> BenchReport:
+    """The report in ``path``: a ``bench.json`` file or a folder holding one."""
+    path = Path(path)
+    file = path / "bench.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"no bench.json at {path}")
+    return read_json(file)
+
+
+def merge_reports(reports: Sequence[BenchReport]) -> BenchReport:
+    """The reports as one run (see the module docstring)."""
+    if len(reports) < 2:
+        raise ConfigError(f"--merge needs at least two reports, got {len(reports)}")
+    first = reports[0]
+    seen: set[tuple[str, str, str]] = set()
+    for i, report in enumerate(reports):
+        if report.config != first.config:
+            differ = [f.name for f in dataclasses.fields(first.config)
+                      if getattr(report.config, f.name) != getattr(first.config, f.name)]  # fmt: skip
+            raise ConfigError(f"report {i + 1} was run with other settings than report 1 ({', '.join(differ)})")
+        for key in _SAME_ENVIRONMENT:
+            if _environment_value(report, key) != _environment_value(first, key):
+                raise ConfigError(f"report {i + 1} has {key} {_environment_value(report, key)!r}, "
+                                  f"report 1 {_environment_value(first, key)!r}")  # fmt: skip
+        for case in report.cases:
+            key = (case.workload, case.dtype, case.mode)
+            if key in seen:
+                raise ConfigError(f"row {' '.join(key)} is in more than one report")
+            seen.add(key)
+    workloads: dict[str, str] = {}
+    for report in reports:
+        workloads.update(report.workloads)
+    environment = dict(first.environment)
+    environment["merged_from"] = [r.environment.get("command", "") for r in reports]
+    return BenchReport(
+        config=first.config,
+        environment=environment,
+        rates=first.rates,
+        workloads=workloads,
+        cases=tuple(case for report in reports for case in report.cases),
+        started=min(r.started for r in reports),
+        finished=max(r.finished for r in reports),
+        wall_s=sum(r.wall_s for r in reports),
+        complete=all(r.complete for r in reports),
+    )
