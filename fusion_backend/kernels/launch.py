@@ -31,8 +31,9 @@ Contract:
 
 Compiling ahead (:func:`compile_ahead`): a first call with a new shape times several candidate
 implementations (``ops/impl_choice.py``), each a few Triton kernels, an autotuned one with up to three
-tiles; compiled one after another they were most of a cold first call (6.9 of 11.4-12.9 s for Conv2d
-64->64 k3 + ReLU, fp32, on the H100 host; Inductor's whole cold first call: 3.3 s).  ``compile_ahead``
+tiles; compiled one after another they were most of a cold first call (NOTE: 6.9 of 11.4-12.9 s for
+Conv2d 64->64 k3 + ReLU, fp32, on the H100 host, Inductor's whole cold first call 3.3 s; 9.97-10.5 s
+with compile_ahead: ``python tools/first_call.py demos/convnets/conv2d_64_k3_relu.py --log``).  ``compile_ahead``
 runs the candidates once with every launch (:func:`launch`, ``FastLaunch``) replaced by the compile
 of that launch, submitted to a thread pool (Triton's ``AsyncCompileMode``; its compiler releases the
 GIL), and returns when all have compiled, so the timing that follows finds every kernel compiled.

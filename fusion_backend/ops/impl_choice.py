@@ -213,9 +213,10 @@ def choose(
     cached = _load().get(full_key)
     if cached in candidates:
         return _remember(full_key, cached, fast_key)
-    if timer is None:  # the real timer: compile the kernels of every unprobed candidate and probe at once
-        launch.compile_ahead([fn for name, fn in candidates.items() if name not in probes] + list(probes.values()))
+    # with the real timer, kernels compile at once before they are timed: the unprobed candidates' and
+    # the probes' first, a probed candidate's other tiles once its probe passed
     compile_ahead = launch.compile_ahead if timer is None else (lambda calls: False)
+    compile_ahead([fn for name, fn in candidates.items() if name not in probes] + list(probes.values()))
     timer = timer or _time_ms
     screened: dict[str, float] = {}
     try:
@@ -234,7 +235,7 @@ def choose(
             if probe_ms > SCREEN * min(times.values()):
                 screened[name] = probe_ms
                 continue
-            compile_ahead([candidates[name]])  # the tiles its autotuner times, at once
+            compile_ahead([candidates[name]])
             times[name] = timer(candidates[name])
     except Exception as e:  # a failing candidate is the caller's business when it runs it for real
         log.info("impl choice for %s not measured (%s: %s); using %s", key, type(e).__name__, e, default)
