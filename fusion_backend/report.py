@@ -91,8 +91,10 @@ class Decision:
     """Whether a matched region was rewritten, and the rule that decided (``runtime/decision.py``).
 
     ``fused_ms`` / ``inductor_ms``: the measured milliseconds per call of the fused op and of
-    Inductor's code for the region (forward, or forward + backward where gradients flow); ``None``
-    when the policy decided without timing.  ``cached``: the times came from the decision cache."""
+    Inductor's code for the region (forward, or forward + backward where gradients flow; the median
+    of the timing rounds); ``None`` when the policy decided without timing.  ``speedup``: what the
+    rule compared with the margin, Inductor's time over the fused op's (the median of the rounds'
+    ratios; ``inductor_ms / fused_ms`` when not given).  ``cached``: the times came from the cache."""
 
     pattern: str
     summary: str
@@ -102,14 +104,16 @@ class Decision:
     fused_ms: Optional[float] = None
     inductor_ms: Optional[float] = None
     cached: bool = False
+    speedup: Optional[float] = None
 
     def __str__(self) -> str:
         verdict = "fused" if self.fused else "left to Inductor"
         if self.fused_ms is None or self.inductor_ms is None:
             return f"{verdict}: {self.rule}"
         source = ", cached" if self.cached else ""
+        speedup = self.speedup if self.speedup is not None else self.inductor_ms / self.fused_ms
         return (f"{verdict}: {self.rule} (fused {self.fused_ms:.3f} ms vs Inductor {self.inductor_ms:.3f} ms, "
-                f"{self.inductor_ms / self.fused_ms:.2f}x{source})")
+                f"{speedup:.2f}x{source})")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,13 @@ The backend's promise is never to be slower than ``backend="inductor"``.  For ev
 pattern matched, and for the input signature the graph was compiled for, this module compares the
 fused op with Inductor's compiled code for the original nodes (``region_timing.py``) and keeps the
 rewrite only where the fused op wins by the margin (``decide_margin``, default 3%); a tie goes to
-Inductor.  With gradients flowing, forward + backward is timed; without, the forward.  The timed
+Inductor.  The two are timed in alternating rounds, and what is compared with the margin is the
+median over the rounds of each round's ratio (Inductor's time over the fused op's).  WHY: a
+host-bound region's speed drifts between rounds (two copies of the same compiled code measured 4%
+apart in one process on the H100), and each one's best round may come from a different, quieter
+moment; side-by-side rounds cancel the drift, and the median ignores a round disturbed for one of
+them.  The best-round comparison kept regions that the benchmark then measured slower (decisions
+of 1.08-1.10x for steps measured at 0.60-0.92x, ``docs/perf/RESULTS.md``, convnets).  With gradients flowing, forward + backward is timed; without, the forward.  The timed
 region includes the cheap ops that consume its result (``region_timing.with_consumers``), which
 Inductor would fuse with the region's last op: both candidates run them as the compiled graph will.
 
@@ -19,7 +25,8 @@ Policies (option ``decide``, environment ``FUSION_DECIDE``; parsed in ``options.
 ==============  ===============================================================================
 
 Answers are cached in memory and on disk (``$FUSION_CACHE_DIR/decisions.json``, one JSON object
-``{"schema": SCHEMA, "entries": {key: {"fused_ms": .., "inductor_ms": .., "what": ..}}}``), keyed by
+``{"schema": SCHEMA, "entries": {key: {"fused_ms": .., "inductor_ms": .., "speedup": .., "what": ..}}}``;
+the times are the medians of the rounds, ``speedup`` the median of the rounds' ratios), keyed by
 the GPU, the torch / Triton versions, a fingerprint of this package's sources, the pattern, the
 region's computation and its inputs' shapes, strides, dtypes and ``requires_grad``, grad mode,
 autocast state, TF32 flags and Inductor options: a second process reuses the times and compiles
@@ -39,6 +46,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -56,12 +64,13 @@ log = logging.getLogger("fusion_backend.decision")
 POLICIES = ("measure", "fuse", "inductor")
 DEFAULT_MARGIN = 0.03
 #: Version of the cache file's layout and of what a key means; another version is ignored.
-SCHEMA = 1
+SCHEMA = 2
 CACHE_FILE = "decisions.json"
 
-#: ``timer(steps) -> {name: ms}`` for the steps ``"fused"`` and ``"inductor"`` (zero-argument calls
-#: that build their candidate on first use).  ``region_timing.time_steps`` unless a test replaces it.
-Timer = Callable[[Mapping[str, Callable[[], None]]], Mapping[str, float]]
+#: ``timer(steps) -> {name: ms per round}`` for the steps ``"fused"`` and ``"inductor"`` (zero-argument
+#: calls that build their candidate on first use); the i-th entries of the two were timed side by side,
+#: and a single number counts as one round.  ``region_timing.time_steps`` unless a test replaces it.
+Timer = Callable[[Mapping[str, Callable[[], None]]], Mapping[str, "float | Sequence[float]"]]
 
 _lock = threading.Lock()
 _memory: dict[str, dict[str, Any]] = {}
@@ -89,16 +98,30 @@ def timing_override(timer: Timer | None, measure_on: Sequence[str] = ("cuda", "c
 
 
 def verdict(pattern: str, summary: str, anchor: str, fused_ms: float, inductor_ms: float, margin: float,
-            cached: bool) -> Decision:
-    """The decision from two times: fused only when ``inductor_ms / fused_ms >= 1 + margin``."""
-    speedup = inductor_ms / fused_ms if fused_ms > 0 else float("inf")
+            cached: bool, speedup: float | None = None) -> Decision:
+    """The decision: fused only when ``speedup`` (default ``inductor_ms / fused_ms``) is at least
+    ``1 + margin``."""
+    if speedup is None:
+        speedup = inductor_ms / fused_ms if fused_ms > 0 else float("inf")
     if speedup >= 1 + margin:
         rule = "fused is faster"
     elif speedup >= 1 / (1 + margin):
         rule = f"a tie (within {margin:.0%}) goes to Inductor"
     else:
         rule = "Inductor is faster"
-    return Decision(pattern, summary, anchor, speedup >= 1 + margin, rule, fused_ms, inductor_ms, cached)
+    return Decision(pattern, summary, anchor, speedup >= 1 + margin, rule, fused_ms, inductor_ms, cached, speedup)
+
+
+def summarise_rounds(fused: float | Sequence[float], inductor: float | Sequence[float]) -> dict[str, float]:
+    """``fused_ms`` and ``inductor_ms`` (each one's median round) and ``speedup`` (the median of the
+    rounds' ratios, Inductor's time over the fused op's) from side-by-side rounds."""
+    f = [float(fused)] if isinstance(fused, (int, float)) else [float(t) for t in fused]
+    i = [float(inductor)] if isinstance(inductor, (int, float)) else [float(t) for t in inductor]
+    if len(f) != len(i) or not f:
+        raise ValueError(f"the two candidates were timed in {len(f)} and {len(i)} rounds")
+    ratios = [b / a if a > 0 else float("inf") for a, b in zip(f, i, strict=True)]
+    return {"fused_ms": statistics.median(f), "inductor_ms": statistics.median(i),
+            "speedup": statistics.median(ratios)}
 
 
 def decide(
@@ -194,9 +217,11 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
             entry = _memory.get(key) or _load(cache_dir).get(key)
         if entry is not None:
             _memory[key] = entry
-            return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=True), False
+            return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=True,
+                           speedup=entry["speedup"]), False
         fused_patches = {**inductor_patches, "triton.cudagraphs": False}
         times = _measure(gm, pattern, region, example_inputs, train, patches, fused_patches, strict, _timer)
+        measured = summarise_rounds(times["fused"], times["inductor"])
     except Exception as exc:  # noqa: BLE001 - an unmeasurable region stays with Inductor
         why = str(exc) if isinstance(exc, region_timing.NotMeasurable) else f"{type(exc).__name__}: {exc}"
         if strict and not isinstance(exc, region_timing.NotMeasurable):
@@ -205,19 +230,21 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
             raise RewriteError(f"timing the {pattern} region at `{anchor}` failed: {why} (strict=True)") from exc
         log.info("decision %s at %s: not measured (%s); Inductor keeps the region", pattern, anchor, why)
         return Decision(pattern, summary, anchor, False, f"not measured ({why}); Inductor keeps the region"), False
-    entry = {"fused_ms": float(times["fused"]), "inductor_ms": float(times["inductor"]),
+    entry = {**measured,
              "what": f"{pattern}: {summary} ({'forward + backward' if train else 'forward'})"}
     with _lock:
         _memory[key] = entry
         _store(cache_dir, key, entry)
     ran_here = _timer is None  # a fake timer runs neither candidate
-    return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=False), ran_here
+    return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=False,
+                   speedup=entry["speedup"]), ran_here
 
 
 def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequence[Any], train: bool,
              patches: Mapping[str, Any], fused_patches: Mapping[str, Any], strict: bool,
-             timer: Timer | None) -> Mapping[str, float]:
-    """Time the fused op and Inductor's code on the region (each built on its step's first call)."""
+             timer: Timer | None) -> Mapping[str, float | Sequence[float]]:
+    """Time the fused op and Inductor's code on the region (each built on its step's first call): ms
+    per call per round, side by side (see ``Timer``)."""
     from . import region_timing
 
     inputs = region_timing.region_inputs(region, gm, example_inputs)
@@ -247,7 +274,7 @@ def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequ
     log.info("timed %s in %.1f s (first calls, compiling included: fused op %s, Inductor %s)", pattern,
              time.perf_counter() - began,
              *(f"{first_call_s[n]:.1f} s" if n in first_call_s else "-" for n in ("fused", "inductor")))
-    return {name: float(times[name]) for name in ("fused", "inductor")}
+    return {name: times[name] for name in ("fused", "inductor")}
 
 
 def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
@@ -330,7 +357,7 @@ def _load(cache_dir: Path) -> dict[str, dict[str, Any]]:
 
 def _well_formed(entry: Any) -> bool:
     return (isinstance(entry, dict)
-            and all(isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in ("fused_ms", "inductor_ms")))
+            and all(isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in ("fused_ms", "inductor_ms", "speedup")))
 
 
 def _store(cache_dir: Path, key: str, entry: dict[str, Any]) -> None:

@@ -16,8 +16,9 @@ and leaves the same block.  A region whose inputs are not all tensors (symbolic 
 :class:`NotMeasurable`.
 
 Contract of :func:`time_steps`: wall-clock milliseconds per call of each zero-argument step, after
-two warm-up calls (which compile, autotune and fill caches), as the best of interleaved rounds of
-back-to-back calls ended by a device synchronisation.  Wall time, not GPU time, on purpose: a small
+two warm-up calls (which compile, autotune and fill caches), one number per round: the steps take
+turns, round after round, each round back-to-back calls ended by a device synchronisation, so the
+i-th numbers of two steps were measured side by side.  Wall time, not GPU time, on purpose: a small
 region is host-bound, and the host time per call is part of what the user waits for.
 """
 
@@ -292,8 +293,8 @@ def compile_apart(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
         counters["aot_autograd"] = saved
 
 
-def time_steps(steps: Mapping[str, Callable[[], None]]) -> dict[str, float]:
-    """Milliseconds per call of each step (see the module docstring)."""
+def time_steps(steps: Mapping[str, Callable[[], None]]) -> dict[str, list[float]]:
+    """Milliseconds per call of each step, per round (see the module docstring)."""
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     calls: dict[str, int] = {}
@@ -306,7 +307,7 @@ def time_steps(steps: Mapping[str, Callable[[], None]]) -> dict[str, float]:
         sync()
         once_ms = (time.perf_counter() - began) * 1e3
         calls[name] = max(1, min(MAX_CALLS, math.ceil(ROUND_MS / max(once_ms, 1e-3))))
-    best = dict.fromkeys(steps, math.inf)
+    rounds: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(ROUNDS):
         for name, step in steps.items():
             sync()
@@ -314,8 +315,8 @@ def time_steps(steps: Mapping[str, Callable[[], None]]) -> dict[str, float]:
             for _ in range(calls[name]):
                 step()
             sync()
-            best[name] = min(best[name], (time.perf_counter() - began) * 1e3 / calls[name])
-    return best
+            rounds[name].append((time.perf_counter() - began) * 1e3 / calls[name])
+    return rounds
 
 
 def canonical_text(region: ExtractedRegion) -> str:

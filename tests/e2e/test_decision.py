@@ -95,6 +95,28 @@ def test_ties_within_the_margin_go_to_inductor(cache, fused, inductor):
     assert not d.fused and d.rule.startswith("a tie (within 3%)")
 
 
+def test_rounds_are_compared_side_by_side_and_a_disturbed_round_does_not_decide(cache):
+    """The host slows down from round to round (a drifting, host-bound region): each one's best round
+    says fused is 1.5x faster, but side by side it is 1.0x in every round but one: a tie."""
+    drifting = FakeTimer(fused=[1.0, 1.5, 2.0, 2.5, 3.0], inductor=[1.0, 1.5, 2.0, 2.5, 1.5])
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), drifting, train=False)
+    _, d = only_decision(reports)
+    assert not d.fused and d.rule.startswith("a tie") and d.speedup == 1.0
+    assert (d.fused_ms, d.inductor_ms) == (2.0, 1.5)  # each one's median round
+    steady = FakeTimer(fused=[1.0, 1.0, 9.0, 1.0, 1.0], inductor=[1.5, 1.5, 1.5, 1.6, 1.4])  # one disturbed round
+    decision.forget_in_memory()
+    cache.unlink()
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), steady, train=False)
+    _, d = only_decision(reports)
+    assert d.fused and d.speedup == 1.5 and "1.50x" in str(d)
+
+
+def test_rounds_of_different_counts_are_a_timing_failure_named_in_the_report(cache):
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), FakeTimer([1.0, 1.0], [2.0]), train=False)
+    _, d = only_decision(reports)
+    assert not d.fused and "timed in 2 and 1 rounds" in d.rule
+
+
 def test_the_margin_is_an_option(cache):
     _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), FakeTimer(1.0, 1.02), train=False,
                                  decide_margin=0.01)  # fmt: skip
