@@ -27,7 +27,6 @@ def test_pyproject_lists_every_package_folder():
 
 def test_the_pattern_families_import_from_the_top_level_folder():
     import fusion_backend.patterns as patterns
-
     from fusion_backend.match.engine import registered_patterns
 
     assert Path(patterns.__file__).resolve() == ROOT / "patterns" / "__init__.py"

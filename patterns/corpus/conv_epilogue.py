@@ -1,0 +1,86 @@
+"""``conv_epilogue`` examples: conv -> pointwise chain -> optional pool, as real networks write it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from . import CorpusCase
+
+
+def _x(*shape: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.randn(*shape)]
+
+
+class _Residual(nn.Module):
+    """A residual add reads the conv output a second time: the chain cannot absorb it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return y + torch.relu(y)
+
+
+class _Swish(nn.Module):
+    """EfficientNet's Swish as older code spells it, then a per-channel scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+        self.scale = nn.Parameter(torch.ones(16, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return (y * torch.sigmoid(y)) * self.scale
+
+
+class _ChannelMin(nn.Module):
+    """A reduction over channels after the conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.amin(self.conv(x), dim=1, keepdim=True))
+
+
+CASES = [
+    CorpusCase("vgg_block", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True),
+                                                   nn.MaxPool2d(2)), _x(2, 3, 16, 16)),  # fmt: skip
+               regions=("conv2d -> relu -> max_pool2d",)),
+    CorpusCase("resnet_stem_eval", lambda: (nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8),
+                                                          nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)).eval(),
+                                            _x(2, 3, 32, 32)),  # fmt: skip
+               regions=("conv2d -> batch_norm (folded) -> relu -> max_pool2d",)),
+    CorpusCase("mobilenet_depthwise", lambda: (nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU6()),
+                                               _x(2, 8, 16, 16)),  # fmt: skip
+               regions=("conv2d -> hardtanh",)),
+    CorpusCase("efficientnet_swish_spelled_out", lambda: (_Swish(), _x(2, 8, 12, 12)),
+               regions=("conv2d -> silu -> mul",)),
+    CorpusCase("unet_decoder_up", lambda: (nn.Sequential(nn.ConvTranspose2d(16, 8, 2, 2), nn.ReLU()),
+                                           _x(2, 16, 8, 8)),  # fmt: skip
+               regions=("conv_transpose2d -> relu",)),
+    CorpusCase("dcgan_output", lambda: (nn.Sequential(nn.ConvTranspose2d(16, 3, 4, 2, 1), nn.Tanh()), _x(2, 16, 8, 8)),
+               regions=("conv_transpose2d -> tanh",)),
+    CorpusCase("conv3d_leaky_maxpool", lambda: (nn.Sequential(nn.Conv3d(4, 8, 3, padding=1), nn.LeakyReLU(0.01),
+                                                              nn.MaxPool3d(2)), _x(1, 4, 8, 8, 8)),  # fmt: skip
+               regions=("conv3d -> leaky_relu -> max_pool3d",)),
+    CorpusCase("wav2vec_conv1d_gelu", lambda: (nn.Sequential(nn.Conv1d(8, 16, 5, padding=2), nn.GELU()), _x(2, 8, 40)),
+               regions=("conv1d -> gelu",)),
+    # near misses
+    CorpusCase("batch_norm_training", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).train(),
+                                               _x(2, 3, 12, 12)),  # fmt: skip
+               near_misses=(("conv_epilogue", "unsupported_op", "batch statistics"),)),
+    CorpusCase("group_norm", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.SiLU()), _x(2, 3, 12, 12)),
+               near_misses=(("conv_epilogue", "unsupported_op", "group_norm"),)),
+    CorpusCase("softmax_over_channels", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.Softmax(dim=1)), _x(2, 3, 12, 12)),
+               near_misses=(("conv_epilogue", "unsupported_op", "softmax"),)),
+    CorpusCase("min_over_channels", lambda: (_ChannelMin(), _x(2, 3, 12, 12)), near_misses=(("conv_epilogue", "unsupported_op", "amin"),)),
+    CorpusCase("residual_reads_conv_twice", lambda: (_Residual(), _x(2, 8, 12, 12)),
+               near_misses=(("conv_epilogue", "shared_intermediate", "is used by"),)),
+]
