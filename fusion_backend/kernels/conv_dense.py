@@ -406,7 +406,7 @@ class _WeightLaunch:
 
 
 class _Launch:
-    """One launch plan of ``_conv_dense_fwd_kernel`` (``conv_fused._Launch``'s contract): integer
+    """One launch plan of ``_conv_dense_fwd_kernel`` (``conv_fused.plan._Launch``'s contract): integer
     arguments and constexprs, the weight prearrangement, the relayout of ``x`` when its layout does
     not flatten, and a :class:`FastLaunch` once the tile is known (the heuristic tile at once; with
     autotuning, the tile the autotuner picked on the first call)."""
@@ -426,7 +426,7 @@ class _Launch:
         self.first_tile = first_tile
 
     def probe(self) -> _Launch:
-        """This plan bound to the tile the autotuner times first (``conv_fused._Launch.probe``)."""
+        """This plan bound to the tile the autotuner times first (``conv_fused.plan._Launch.probe``)."""
         probe = copy.copy(self)
         probe.fast = self._bind(self.first_tile)
         return probe
@@ -544,7 +544,7 @@ _LAUNCHES = BoundedCache(256)
 def _launch_key(
     x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32, compute_dtype
 ) -> tuple:  # noqa: ANN001
-    """Everything ``_prepare``'s result depends on (``conv_fused._launch_key`` plus the compute dtype)."""
+    """Everything ``_prepare``'s result depends on (``conv_fused.plan._launch_key`` plus the compute dtype)."""
     codes = tuple((int(code), len(values)) for code, values in steps)
     return (
         tensor_key(x), tensor_key(weight), bias is None, codes, conv, pool, tensor_key(out), tensor_key(saved_a),

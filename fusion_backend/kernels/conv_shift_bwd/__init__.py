@@ -7,7 +7,7 @@ H100.  They treat the pooled gradient as a sparse full-size gradient and walk ta
 stride equals the conv stride on every dim, a pooled unit ``u`` and a window offset ``kp`` address
 the conv output ``o = u*US - UP + kp``, and every live (offset, tap) pair reads the input at
 ``i = u + j`` with a COMPILE-TIME shift ``j``: the same structure as the forward's SHIFT_K path
-(``conv_fused._shift_k_*``), so both gradients become a few large dense GEMMs over the compact
+(``conv_fused.device._shift_k_*``), so both gradients become a few large dense GEMMs over the compact
 gradient, with no per-tap index arithmetic and nothing full-size ever written.
 
 Notation (per spatial dim, every rank lifted to 3d): conv stride ``s``, padding ``p``, dilation
