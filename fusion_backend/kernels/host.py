@@ -93,6 +93,9 @@ class BoundedCache:
             del self._values[next(iter(self._values))]
         self._values[key] = value
 
+    def clear(self) -> None:
+        self._values.clear()
+
 
 def persistent_device_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Copies of small host tensors on ``device`` for a cache that keeps them for the process.

@@ -250,6 +250,13 @@ def choose(
     return _remember(full_key, best, fast_key)
 
 
+def forget_in_memory() -> None:
+    """Drop the answers kept in this process (the file stays): the next ``choose`` of each key reads
+    the file or measures, as a new process would."""
+    _memory.clear()
+    _fast.clear()
+
+
 def is_final(fast_key: Hashable) -> bool:
     """Whether ``choose`` will give the same answer for ``fast_key`` from now on (while the
     ``MEASURE_ENV`` switch stays as it is): an answer is kept under it (measured, or read from the

@@ -384,8 +384,7 @@ def test_auto_default_measures_both_paths_and_matches_eager_in_training(monkeypa
     monkeypatch.delenv(ce.CONV_IMPL_ENV, raising=False)
     monkeypatch.setenv(impl_choice.MEASURE_ENV, "1")
     monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(impl_choice, "_memory", {})
-    monkeypatch.setattr(impl_choice, "_fast", type(impl_choice._fast)(8))
+    impl_choice.forget_in_memory()
     timed = []
     real_timer = impl_choice._time_ms
     monkeypatch.setattr(impl_choice, "_time_ms", lambda fn: timed.append(1) or real_timer(fn))

@@ -306,8 +306,7 @@ def measured(monkeypatch, tmp_path, interpreted):
     monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setenv(impl_choice.MEASURE_ENV, "1")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "auto")
-    monkeypatch.setattr(impl_choice, "_memory", {})
-    monkeypatch.setattr(impl_choice, "_fast", BoundedCache(8))
+    impl_choice.forget_in_memory()
     times: dict[str, float] = {}
     timed: list[list[str]] = []
     real_choose = impl_choice.choose
@@ -326,7 +325,8 @@ def measured(monkeypatch, tmp_path, interpreted):
         return real_choose(key, candidates, default, timer=timer, **kwargs)
 
     monkeypatch.setattr(impl_choice, "choose", choose)
-    return times, timed
+    yield times, timed
+    impl_choice.forget_in_memory()  # answers given by the fake timer stay with this test
 
 
 def test_auto_times_three_candidates_where_the_fused_conv_serves(monkeypatch, measured):

@@ -42,7 +42,7 @@ def test_faster_candidate_wins_and_is_cached_in_memory_and_on_disk(monkeypatch):
     stored = json.loads(impl_choice.cache_file().read_text())
     assert list(stored.values()) == ["fast"] and next(iter(stored)).endswith("|k")
     # A new process (empty memory) reads the file instead of measuring.
-    monkeypatch.setattr(impl_choice, "_memory", {})
+    impl_choice.forget_in_memory()
     timer2, calls2 = fake_timer({"fast": 9.0, "library": 1.0})
     assert impl_choice.choose("k", CANDIDATES, "library", timer=timer2) == "fast"
     assert calls2 == []
