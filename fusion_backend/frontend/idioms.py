@@ -4,8 +4,8 @@ Older models spell some activations out, reading the flowing tensor twice:
 
 * SiLU / Swish: ``y * torch.sigmoid(y)`` (either operand order, any spelling of ``mul`` and of
   ``sigmoid``) becomes ``F.silu(y)``;
-* leaky ReLU: ``torch.where(y > 0, y, a * y)`` (``0 < y`` too; ``a * y`` or ``y * a``, ``a`` a Python
-  number) becomes ``F.leaky_relu(y, a)``.
+* leaky ReLU: ``torch.where(y > 0, y, a * y)`` or ``y.where(y > 0, a * y)`` (``0 < y`` too; ``a * y`` or
+  ``y * a``, ``a`` a Python number) becomes ``F.leaky_relu(y, a)``.
 
 Left as they are, ``y`` has two users and the chain stops there (a shared intermediate).  Folded,
 the chain runs through them.  Each fold is exact in value and in gradient, including at the
@@ -97,7 +97,10 @@ def _arg(node: fx.Node, index: int, name: str) -> Any:
 
 
 def _fold_leaky_relu(gm: fx.GraphModule, where: fx.Node, canonical: dict[fx.Node, CanonicalOp]) -> int:
-    cond, y, other = (_arg(where, i, n) for i, n in enumerate(("condition", "input", "other")))
+    if where.op == "call_method":  # y.where(condition, other): the tensor comes first
+        y, cond, other = (_arg(where, i, n) for i, n in enumerate(("self", "condition", "other")))
+    else:
+        cond, y, other = (_arg(where, i, n) for i, n in enumerate(("condition", "input", "other")))
     if not (isinstance(cond, fx.Node) and isinstance(other, fx.Node) and _fresh(y, canonical)):
         return 0
     lhs, rhs = _arg(cond, 0, "input"), _arg(cond, 1, "other")

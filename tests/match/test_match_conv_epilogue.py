@@ -304,6 +304,7 @@ IDIOMS = {
     "torch.mul(y, F.sigmoid(y))": (lambda s, y: torch.mul(y, F.sigmoid(y)), "silu"),
     "where(y>0, y, a*y)": (lambda s, y: torch.where(y > 0, y, 0.2 * y), "leaky_relu"),
     "where(0<y, y, y*a)": (lambda s, y: torch.where(0 < y, y, y * 0.1), "leaky_relu"),
+    "y.where(y>0, a*y)": (lambda s, y: y.where(y > 0, 0.3 * y), "leaky_relu"),
 }
 
 
@@ -320,6 +321,8 @@ NOT_IDIOMS = {
     # a tensor slope, and a product of two different tensors
     "where(y>0, y, m*y)": lambda s, y: torch.where(y > 0, y, s.m * y),
     "y*sigmoid(relu(y))": lambda s, y: y * torch.sigmoid(torch.relu(y)),
+    # the kept branch is the scaled one
+    "where(y>0, a*y, y)": lambda s, y: torch.where(y > 0, 0.2 * y, y),
 }
 
 
