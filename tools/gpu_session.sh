@@ -9,6 +9,10 @@
 #   parity   tools/parity_check.py: the ConvT3d and Conv2d models, fp32 (TF32 off) and bf16, no package import
 #   demo     demos/run_demo.py in fp32 and bf16
 #   bench    the benchmark's seeds suite, fp32 + bf16, infer + train (BENCH_ARGS adds options)
+#   convnets one half of the convnets suite (CONVNETS_HALF=1 or 2: nine workloads each, as one call allows),
+#            fp32 + bf16, infer + train, no memory or cold-L2 readings; join the halves with
+#            python -m fusion_backend bench --merge OUT1/convnets OUT2/convnets --out DIR
+#   firstcall tools/first_call.py, cold and warm, on Conv2d 64->64 (infer, train), Conv3d (infer), ConvT3d (train)
 set -uo pipefail
 stages=${1:-tests,kernels,explain,parity,bench}
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -46,5 +50,20 @@ if has bench; then
   timeout "${BENCH_TIMEOUT:-300}" python3 -m fusion_backend bench --suite seeds --dtype fp32,bf16 --mode infer,train \
     --out "$out/bench" ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
   tail -32 "$out/bench.log"
+fi
+if has convnets; then
+  half=${CONVNETS_HALF:-1}
+  files=$(ls demos/convnets/*.py | { if [[ $half == 1 ]]; then head -9; else tail -n +10; fi; } | paste -sd,)
+  timeout "${BENCH_TIMEOUT:-520}" python3 -m fusion_backend bench --suite "$files" --dtype fp32,bf16 \
+    --mode infer,train --no-memory --no-cold --no-chart --out "$out/convnets" ${BENCH_ARGS:-} >"$out/convnets.log" 2>&1
+  tail -40 "$out/convnets.log"
+fi
+if has firstcall; then
+  for spec in "demos/convnets/conv2d_64_k3_relu.py infer" "demos/convnets/conv2d_64_k3_relu.py train" \
+              "demos/convnets/conv3d_32_64_k3_leaky_maxpool.py infer" "demos/seeds/convt3d_leaky_mul_leaky_maxpool.py train"; do
+    read -r model mode <<<"$spec"
+    timeout 150 python3 tools/first_call.py "$model" --mode "$mode" --dtype fp32 --log 2>&1 \
+      | tee -a "$out/first_call.log" | grep -E "cold|budget|launch:"
+  done
 fi
 exit $rc
