@@ -4,6 +4,8 @@ Older models spell some activations out, reading the flowing tensor twice:
 
 * SiLU / Swish: ``y * torch.sigmoid(y)`` (either operand order, any spelling of ``mul`` and of
   ``sigmoid``) becomes ``F.silu(y)``;
+* Mish (YOLOv4-era code): ``y * torch.tanh(F.softplus(y))`` (softplus with its defaults, ``beta=1``,
+  ``threshold=20``) becomes ``F.mish(y)``;
 * leaky ReLU: ``torch.where(y > 0, y, a * y)`` or ``y.where(y > 0, a * y)`` (``0 < y`` too; ``a * y`` or
   ``y * a``, ``a`` a Python number) becomes ``F.leaky_relu(y, a)``.
 
@@ -32,20 +34,21 @@ import torch.nn.functional as F
 from ..ops.chain import PointwiseKind as K
 from .canonical import CanonicalOp, Conv, Pointwise
 
+_SOFTPLUS = {F.softplus}
 _GREATER = {operator.gt, torch.gt, "gt"}
 _LESS = {operator.lt, torch.lt, "lt"}
 _WHERE = {torch.where, "where"}
 
 
 def fold_idioms(gm: fx.GraphModule, canonical: dict[fx.Node, CanonicalOp]) -> int:
-    """Fold every SiLU and leaky-ReLU idiom of ``gm`` (see the module docstring); the count."""
+    """Fold every SiLU, Mish and leaky-ReLU idiom of ``gm`` (see the module docstring); the count."""
     folded = 0
     for node in list(gm.graph.nodes):
         if node.graph is not gm.graph:  # erased by an earlier fold
             continue
         op = canonical.get(node)
         if isinstance(op, Pointwise) and op.kind is K.MUL and not op.inplace:
-            folded += _fold_silu(gm, node, op, canonical)
+            folded += _fold_product(gm, node, op, canonical)
         elif _target_in(node, _WHERE):
             folded += _fold_leaky_relu(gm, node, canonical)
     if folded:
@@ -80,16 +83,30 @@ def _replace(gm: fx.GraphModule, old: fx.Node, target: Any, args: tuple, dead: l
         gm.graph.erase_node(node)
 
 
-def _fold_silu(gm: fx.GraphModule, mul: fx.Node, op: Pointwise, canonical: dict[fx.Node, CanonicalOp]) -> int:
+def _fold_product(gm: fx.GraphModule, mul: fx.Node, op: Pointwise, canonical: dict[fx.Node, CanonicalOp]) -> int:
+    """``y * sigmoid(y)`` -> ``silu(y)``; ``y * tanh(softplus(y))`` -> ``mish(y)`` (either operand order)."""
     if len(op.args) != 2:
         return 0
     for y, s in (op.args, op.args[::-1]):
-        sig = canonical.get(s) if isinstance(s, fx.Node) else None
-        if (isinstance(sig, Pointwise) and sig.kind is K.SIGMOID and not sig.inplace and sig.args
-                and sig.args[0] is y and _fresh(y, canonical) and _only_user(s, mul)):  # fmt: skip
+        act = canonical.get(s) if isinstance(s, fx.Node) else None
+        if not (isinstance(act, Pointwise) and not act.inplace and act.args and _fresh(y, canonical)
+                and _only_user(s, mul)):  # fmt: skip
+            continue
+        if act.kind is K.SIGMOID and act.args[0] is y:
             _replace(gm, mul, F.silu, (y,), [s])
             return 1
+        sp = act.args[0]
+        if act.kind is K.TANH and isinstance(sp, fx.Node) and _is_default_softplus_of(sp, y) and _only_user(sp, s):
+            _replace(gm, mul, F.mish, (y,), [s, sp])
+            return 1
     return 0
+
+
+def _is_default_softplus_of(node: fx.Node, y: fx.Node) -> bool:
+    if not (_target_in(node, _SOFTPLUS) and _arg(node, 0, "input") is y):
+        return False
+    beta, threshold = _arg(node, 1, "beta"), _arg(node, 2, "threshold")
+    return beta in (None, 1) and threshold in (None, 20) and not isinstance(beta, bool)
 
 
 def _arg(node: fx.Node, index: int, name: str) -> Any:

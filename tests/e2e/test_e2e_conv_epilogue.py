@@ -185,8 +185,9 @@ def test_full_size_seeds_suite_models_on_gpu(name, precision, seed_models):
 
 
 class SpelledOut(nn.Module):
-    """conv2d → ×m → Swish spelled ``y * sigmoid(y)`` → leaky ReLU spelled ``where(y > 0, y, 0.1 * y)``
-    → max_pool2d; ``zero_conv`` makes every conv output exactly 0 (the leaky kink)."""
+    """conv2d → ×m → Swish spelled ``y * sigmoid(y)`` → Mish spelled ``y * tanh(softplus(y))`` → leaky
+    ReLU spelled ``where(y > 0, y, 0.1 * y)`` → max_pool2d; ``zero_conv`` makes every conv output
+    exactly 0 (the leaky kink)."""
 
     def __init__(self, zero_conv: bool = False):
         super().__init__()
@@ -201,12 +202,13 @@ class SpelledOut(nn.Module):
     def forward(self, x):
         y = self.conv(x) * self.m
         y = y * torch.sigmoid(y)
+        y = y * torch.tanh(F.softplus(y))
         y = torch.where(y > 0, y, 0.1 * y)
         return F.max_pool2d(y, 2)
 
 
 @pytest.mark.parametrize("zero_conv", [False, True], ids=["random", "exact-zeros"])
-def test_spelled_out_swish_and_leaky_relu_fuse_with_eager_gradients(kernels, zero_conv):
+def test_spelled_out_swish_mish_and_leaky_relu_fuse_with_eager_gradients(kernels, zero_conv):
     reports = assert_fused(*on_device(SpelledOut(zero_conv), torch.randn(2, 3, 9, 7)), expect={"conv_epilogue": 1})
     (match,) = [m for r in reports for m in r.matches]
-    assert "silu -> leaky_relu -> max_pool2d" in match.summary
+    assert "silu -> mish -> leaky_relu -> max_pool2d" in match.summary

@@ -302,6 +302,8 @@ IDIOMS = {
     "y*sigmoid(y)": (lambda s, y: y * torch.sigmoid(y), "silu"),
     "sigmoid(y)*y": (lambda s, y: y.sigmoid() * y, "silu"),
     "torch.mul(y, F.sigmoid(y))": (lambda s, y: torch.mul(y, F.sigmoid(y)), "silu"),
+    "y*tanh(softplus(y))": (lambda s, y: y * torch.tanh(F.softplus(y)), "mish"),
+    "tanh(F.softplus(y, beta=1))*y": (lambda s, y: torch.tanh(F.softplus(y, beta=1)) * y, "mish"),
     "where(y>0, y, a*y)": (lambda s, y: torch.where(y > 0, y, 0.2 * y), "leaky_relu"),
     "where(0<y, y, y*a)": (lambda s, y: torch.where(0 < y, y, y * 0.1), "leaky_relu"),
     "y.where(y>0, a*y)": (lambda s, y: y.where(y > 0, 0.3 * y), "leaky_relu"),
@@ -321,6 +323,8 @@ NOT_IDIOMS = {
     # a tensor slope, and a product of two different tensors
     "where(y>0, y, m*y)": lambda s, y: torch.where(y > 0, y, s.m * y),
     "y*sigmoid(relu(y))": lambda s, y: y * torch.sigmoid(torch.relu(y)),
+    # softplus with another beta is not Mish's
+    "y*tanh(softplus(y, beta=2))": lambda s, y: y * torch.tanh(F.softplus(y, beta=2)),
     # the kept branch is the scaled one
     "where(y>0, a*y, y)": lambda s, y: torch.where(y > 0, 0.2 * y, y),
 }
@@ -329,7 +333,7 @@ NOT_IDIOMS = {
 @pytest.mark.parametrize("name", list(NOT_IDIOMS))
 def test_look_alikes_are_not_folded_and_stop_the_chain_as_shared(name):
     found = dry_run(Chain(NOT_IDIOMS[name]), X2, patterns=["conv_epilogue"])
-    assert all("silu" not in summary and "leaky" not in summary for _, summary, _ in found.regions)
+    assert all(k not in summary for k in ("silu", "mish", "leaky") for _, summary, _ in found.regions)
     assert any(m.reason.value == "shared_intermediate" for m in found.near_misses)
 
 
