@@ -30,6 +30,7 @@ from .errors import BenchError, ConfigError
 from .measure import CudaEventTimer, cuda_instruments, measure_device_rates
 from .merge import merge_reports, read_report
 from .output import fmt_ms, plan_lines, summary_table, write_reports
+from .results import BenchReport
 from .roofline import describe_rates
 from .runner import ProgressEvent, Runner
 from .suite import SUITES, filter_workloads, resolve_suite
@@ -284,6 +285,12 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
         if isinstance(progress, _TqdmProgress):
             progress.close()
 
+    return _write_and_summarise(report, out_dir, args, out)
+
+
+def _write_and_summarise(report: BenchReport, out_dir: Path, args: argparse.Namespace, out: TextIO) -> int:
+    """Write ``report``'s files to ``out_dir``, print its table and verdict; the exit status (130 for a
+    partial report, 1 when an item failed, else 0)."""
     files = write_reports(report, out_dir, chart=not args.no_chart)
     out.write("\n" + summary_table(report) + "\n")
     verdict = verdict_of(report).line()
@@ -311,11 +318,7 @@ def _merge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except BenchError as exc:
         err.write(f"{PROG}: error: {exc}\n")
         return 2
-    files = write_reports(report, Path(args.out), chart=not args.no_chart)
-    out.write("\n" + summary_table(report) + "\n")
-    out.write(f"\nwrote {files.json}, {files.text}, {files.markdown}\n")
-    out.write(f"\n{verdict_of(report).line()}\n")
-    return 0 if report.all_ok else 1
+    return _write_and_summarise(report, Path(args.out), args, out)
 
 
 @contextlib.contextmanager
