@@ -209,9 +209,9 @@ def _ensure_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
 
 def _inductor_patches(mode: Optional[str], opts: FusionOptions) -> dict[str, Any]:
     """Inductor config patches: ``mode``'s, the user's Inductor options, and the post-grad pass that
-    runs our fused ops through their runtime twins (``ops/runtime_twins.py``), chained before any
+    runs our fused ops through their autograd-free ops (``ops/autograd_free.py``), chained before any
     post-grad pass the user configured."""
-    from .ops.runtime_twins import SwapInRuntimeTwins
+    from .ops.autograd_free import SwapInAutogradFreeOps
 
     patches: dict[str, Any] = {}
     if mode and mode != "default":
@@ -219,7 +219,7 @@ def _inductor_patches(mode: Optional[str], opts: FusionOptions) -> dict[str, Any
     patches.update(opts.inductor)
     key = "post_grad_custom_post_pass"
     previous = patches.get(key, getattr(torch._inductor.config, key))
-    patches[key] = SwapInRuntimeTwins(previous)
+    patches[key] = SwapInAutogradFreeOps(previous)
     return patches
 
 

@@ -24,7 +24,7 @@ import convt3d_leaky_mul_leaky_maxpool as convt3d_pipeline  # noqa: E402
 
 import fusion_backend.backend as B  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
-from fusion_backend.ops import direct_twins as dt  # noqa: E402
+from fusion_backend.ops import direct_impls as dt  # noqa: E402
 
 
 def t_us(fn, n=300):

@@ -280,7 +280,7 @@ def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequ
 def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
                     patches: Mapping[str, Any], strict: bool) -> Callable[..., Any]:
     """The region rewritten by ``pattern`` alone, run the way the backend would run it (directly when
-    only fused ops and glue are left, else through Inductor with the fused ops' runtime twins).
+    only fused ops and glue are left, else through Inductor with the fused ops' autograd-free ops).
     ``strict`` as the graph's own rewrite gets it: it is part of the op's config, so the op's
     per-shape choices measured here are the ones the compiled graph finds in its caches."""
     import copy

@@ -4,19 +4,19 @@ WHY: AOTAutograd and Inductor earn their host time by fusing what is left around
 nothing is left (the ConvTranspose3d -> leaky -> x m -> leaky -> MaxPool3d pipeline: the whole graph
 is one ``conv_epilogue`` call, which absorbs the dtype casts of autocast) they fuse nothing, yet each
 step still pays their runtime wrappers, and that pipeline's training step at 16x16x16x32x32 is
-host-bound on the H100 (see ``ops/direct_twins.py``).  Such a graph is run as its own
-``GraphModule.forward`` with every fused call retargeted to its direct twin, an
+host-bound on the H100 (see ``ops/direct_impls.py``).  Such a graph is run as its own
+``GraphModule.forward`` with every fused call retargeted to its direct implementation, an
 ``autograd.Function`` that calls the kernels with no dispatcher layers.  Eager autograd then records
 the backward, exactly as for a module the user wrote by hand.
 
 Which graphs qualify (``why_not_direct`` returns ``None``): every node is a placeholder, a
-``get_attr``, the output, a call of a fused op that has a direct twin, or *glue*: ops that launch at
+``get_attr``, the output, a call of a fused op that has a direct implementation, or *glue*: ops that launch at
 most one copy kernel and that Inductor could not do better (``.to``/``.type_as`` casts, views,
 ``getitem``).  Anything else (an add, a softmax...) is Inductor's to fuse, so the graph goes to
 Inductor whole.  Running a graph eagerly is always correct, so this list is about speed only.
 
 Contract of :func:`direct_module`: a new ``GraphModule`` computing what ``gm`` computes (same
-placeholders, same outputs) whose fused calls go to their direct twins; ``gm`` itself is unchanged.
+placeholders, same outputs) whose fused calls go to their direct implementations; ``gm`` itself is unchanged.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from ..ops import bn_fold
-from ..ops.direct_twins import direct_twin
+from ..ops.direct_impls import direct_impl
 
 #: ``call_method`` targets that are glue (casts and views: at most one copy kernel each).
 GLUE_METHODS = frozenset({
@@ -53,13 +53,13 @@ def _describe(node: fx.Node) -> str:
 
 def why_not_direct(gm: fx.GraphModule) -> str | None:
     """``None`` when ``gm`` can run directly (see the module docstring), else the reason, naming the
-    first few nodes that are neither fused ops with a direct twin nor glue."""
+    first few nodes that are neither fused ops with a direct implementation nor glue."""
     blocking: list[str] = []
     fused = 0
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr", "output"):
             continue
-        if node.op == "call_function" and direct_twin(node.target) is not None:
+        if node.op == "call_function" and direct_impl(node.target) is not None:
             fused += 1
             continue
         if node.op == "call_method" and node.target in GLUE_METHODS:
@@ -76,15 +76,15 @@ def why_not_direct(gm: fx.GraphModule) -> str | None:
 
 
 def direct_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose fused calls go to their direct twins (see the module docstring)."""
+    """A copy of ``gm`` whose fused calls go to their direct implementations (see the module docstring)."""
     import copy
 
     graph = copy.deepcopy(gm.graph)
     for node in graph.nodes:
         if node.op == "call_function":
-            twin = direct_twin(node.target)
-            if twin is not None:
-                node.target = twin
+            free_op = direct_impl(node.target)
+            if free_op is not None:
+                node.target = free_op
     module = fx.GraphModule(gm, graph, class_name="FusionDirectGraph")
     module.recompile()
     return module

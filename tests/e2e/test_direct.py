@@ -1,5 +1,5 @@
 """The direct runner (``fusion_backend/runtime/direct.py``): graphs of only fused ops and glue skip
-AOTAutograd and Inductor, run as plain FX code whose fused calls go to their direct twins.
+AOTAutograd and Inductor, run as plain FX code whose fused calls go to their direct implementations.
 
 Every case checks the runner the report names, and parity with eager (outputs and every gradient,
 through ``assert_fused``, which also checks against a float64 reference), on the CPU reference and on
@@ -107,13 +107,13 @@ def test_dynamic_shapes_run_directly_without_recompiling(kernels, seed_models):
 
 def test_expanded_output_gradient(kernels, seed_models):
     """``out.sum().backward()`` hands the backward a stride-0 gradient (AOTAutograd would have made
-    it contiguous; the direct twin passes it as autograd gives it)."""
+    it contiguous; the direct implementation passes it as autograd gives it)."""
     model, (x,) = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     model, (x,) = on_device(model, x)
     compiled = torch.compile(model, backend="fusion", options={"strict": True})
     xc, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     out = compiled(xc)
-    assert type(out.grad_fn).__name__ == "_DirectConvEpilogueBackward"  # the direct twin ran
+    assert type(out.grad_fn).__name__ == "_DirectConvEpilogueBackward"  # the direct implementation ran
     out.sum().backward()
     got = [xc.grad, *(p.grad.clone() for p in model.parameters())]
     model.zero_grad()
@@ -191,9 +191,9 @@ def test_why_not_direct_on_a_graph_without_fused_ops():
 @pytest.mark.parametrize("runner", ["direct", "inductor"])
 @pytest.mark.parametrize("family", ["conv_epilogue", "conv_global_mean"])
 def test_profiler_shows_the_fused_op_forward_and_backward_in_every_runner(family, runner):
-    """A graph run by the direct runner calls no dispatcher op for its fused op: the direct twin
-    opens ``record_function`` ranges named like the custom ops.  Through Inductor, the runtime twins
-    are dispatcher ops of their own (``fusion::<op>_rt``).  Either way a profiled step shows the
+    """A graph run by the direct runner calls no dispatcher op for its fused op: the direct implementation
+    opens ``record_function`` ranges named like the custom ops.  Through Inductor, the autograd-free ops
+    are dispatcher ops of their own (``fusion::<op>_noautograd``).  Either way a profiled step shows the
     forward and the backward."""
     from fusion_backend.report import collect_reports
 
@@ -213,5 +213,5 @@ def test_profiler_shows_the_fused_op_forward_and_backward_in_every_runner(family
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         compiled(x).sum().backward()
     names = {e.name for e in prof.events()}
-    suffix = "" if runner == "direct" else "_rt"
+    suffix = "" if runner == "direct" else "_noautograd"
     assert {f"fusion::{family}_fwd{suffix}", f"fusion::{family}_bwd{suffix}"} <= names, sorted(n for n in names if "fusion" in n)

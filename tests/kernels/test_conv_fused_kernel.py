@@ -121,7 +121,7 @@ FP16_CASES = {
     "conv2d-dil-groups-avg-ceil",
     "convT3d-s2-maxpool",
     "convT3d-s2-maxpool-odd-ceil-partial",
-    "convT3d-s2-maxpool-nonfinite-tiles",  # (its padded-pool twin runs in fp32 only: the same fp16 loads)
+    "convT3d-s2-maxpool-nonfinite-tiles",  # (its padded-pool variant runs in fp32 only: the same fp16 loads)
     "convT2d-dil2-phase-without-taps-channels-last",
 }
 

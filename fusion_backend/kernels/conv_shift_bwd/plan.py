@@ -71,7 +71,7 @@ _DGRAD_TILES = (
 #: NOTE: BLOCK_CO * KPB >= 64 keeps wgmma (32 rows fell back to mma.sync).  On the H200 (Triton 3.6)
 #: these run 0.42-0.63 ms for the ConvT3d pipeline at 220-250 registers without spills; the 4-warp
 #: tiles of 32 x 32/16 channel rows were as fast but spilled (42-50 bytes), BLOCK_M 64 at 4 warps
-#: spilled ~100 bytes, and every 2-stage tile was slower than its 1-stage twin.
+#: spilled ~100 bytes, and every 2-stage tile was slower than its 1-stage counterpart.
 _WGRAD_TILES = (
     (16, 16, 32, 2, 4, 1), (16, 16, 16, 4, 4, 1), (32, 16, 32, 4, 8, 1), (64, 16, 32, 2, 8, 1),
     (16, 16, 32, 4, 8, 1),

@@ -73,7 +73,7 @@ otherwise a warning is logged (``logging.getLogger("fusion_backend")``) and issu
 which implementation a config/dtype/device gets, for the backend's report.
 
 
-Modules: ``op`` (entry points, custom ops, autograd, twins), ``forward`` and ``backward`` (the Triton
+Modules: ``op`` (entry points, custom ops, autograd, autograd-free and direct implementations), ``forward`` and ``backward`` (the Triton
 paths, their measured choices and call plans), ``reference`` (plain torch), ``common`` (what they share).
 """
 

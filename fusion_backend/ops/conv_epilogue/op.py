@@ -1,6 +1,6 @@
 """``fusion::conv_epilogue``'s entry points and registrations: ``conv_epilogue`` (what rewritten graphs
 call), its eager composite (``conv_epilogue_eager``), the two custom ops with their fakes, the
-autograd formula, and the runtime and direct twins.
+autograd formula, and the autograd-free and direct implementations.
 """
 
 from collections.abc import Sequence
@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 
 from ...kernels.host import tensor_key
+from ..autograd_free import register_autograd_free
 from ..config import ConvEpilogueConfig
-from ..direct_twins import profiled, records_backward, register_direct
-from ..runtime_twins import register_twin
+from ..direct_impls import profiled, records_backward, register_direct
 from . import backward, forward, reference
 from .common import (
     allocate_forward_outputs,
@@ -225,14 +225,14 @@ def _backward(ctx: Any, grad_out: Tensor, _grad_saved_a: Tensor, _grad_saved_b: 
 conv_epilogue_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-register_twin(conv_epilogue_fwd, _conv_epilogue_fwd_impl, _conv_epilogue_fwd_fake)
+register_autograd_free(conv_epilogue_fwd, _conv_epilogue_fwd_impl, _conv_epilogue_fwd_fake)
 
 
-register_twin(conv_epilogue_bwd, _conv_epilogue_bwd_impl, _conv_epilogue_bwd_fake)
+register_autograd_free(conv_epilogue_bwd, _conv_epilogue_bwd_impl, _conv_epilogue_bwd_fake)
 
 
 class _DirectConvEpilogue(torch.autograd.Function):
-    """``conv_epilogue`` for graphs the backend runs without AOTAutograd (``ops/direct_twins.py``).
+    """``conv_epilogue`` for graphs the backend runs without AOTAutograd (``ops/direct_impls.py``).
 
     The same two implementations as the custom ops, called straight: the forward saves the same
     state, the backward gets the same output mask.  ``operands`` are spread into separate arguments
@@ -266,7 +266,7 @@ class _DirectConvEpilogue(torch.autograd.Function):
 def _conv_epilogue_direct(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], config: str
 ) -> Tensor:
-    """``conv_epilogue`` without the custom-op layers (the direct twin; same contract)."""
+    """``conv_epilogue`` without the custom-op layers (the direct implementation; same contract)."""
     if records_backward(x, weight, bias, operands):
         return _DirectConvEpilogue.apply(config, x, weight, bias, *operands)
     return _conv_epilogue_fwd_impl(x, weight, bias, list(operands), config, False)[0]

@@ -70,7 +70,7 @@ the pass over x 0.36 ms (1.07 GB, ~3 TB/s), the grad_x pass 0.34 ms; the ~15 sma
 them made it 0.65 ms per forward and 2.8 ms per step.  ``tools/bench_conv_global_mean.py`` times the
 pipeline.
 
-Modules: ``op`` (entry points, custom ops, autograd, twins), ``forward`` and ``backward`` (Triton
+Modules: ``op`` (entry points, custom ops, autograd, autograd-free and direct implementations), ``forward`` and ``backward`` (Triton
 launches and plain-torch references), ``geometry`` (the per-dim index sets), ``fold`` (validation and
 the affine fold), ``config`` (the static config), ``common`` (what they share).
 """

@@ -1,14 +1,14 @@
 """``fusion::conv_global_mean``'s entry points and registrations: ``conv_global_mean`` (what rewritten
-graphs call), the two custom ops with their fakes, the autograd formula, and the runtime and direct
-twins.
+graphs call), the two custom ops with their fakes, the autograd formula, and the autograd-free and direct
+implementations.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..direct_twins import profiled, records_backward, register_direct
-from ..runtime_twins import register_twin
+from ..autograd_free import register_autograd_free
+from ..direct_impls import profiled, records_backward, register_direct
 from .backward import backward_impl, grad_input_strides
 from .config import ConvGlobalMeanConfig
 from .fold import output_channels
@@ -86,10 +86,10 @@ def _backward(ctx, grad_out, _grad_tap_sums, _grad_conv_mean):
 conv_global_mean_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-register_twin(conv_global_mean_fwd, forward_impl, _conv_global_mean_fwd_fake)
+register_autograd_free(conv_global_mean_fwd, forward_impl, _conv_global_mean_fwd_fake)
 
 
-register_twin(conv_global_mean_bwd, backward_impl, _conv_global_mean_bwd_fake)
+register_autograd_free(conv_global_mean_bwd, backward_impl, _conv_global_mean_bwd_fake)
 
 
 def conv_global_mean(
@@ -116,7 +116,7 @@ def conv_global_mean(
 
 
 class _DirectConvGlobalMean(torch.autograd.Function):
-    """``conv_global_mean`` for graphs the backend runs without AOTAutograd (``ops/direct_twins.py``):
+    """``conv_global_mean`` for graphs the backend runs without AOTAutograd (``ops/direct_impls.py``):
     the custom ops' implementations called straight, saving the same state.  ``operands`` are spread
     into separate arguments because autograd tracks only tensors passed one by one."""
 
@@ -149,7 +149,7 @@ class _DirectConvGlobalMean(torch.autograd.Function):
 
 @profiled("fusion::conv_global_mean_fwd")
 def _conv_global_mean_direct(x, weight, bias, operands, config):
-    """``conv_global_mean`` without the custom-op layers (the direct twin; same contract)."""
+    """``conv_global_mean`` without the custom-op layers (the direct implementation; same contract)."""
     if records_backward(x, weight, bias, operands):
         return _DirectConvGlobalMean.apply(config, x, weight, bias, *operands)
     return forward_impl(x, weight, bias, list(operands), config)[0]

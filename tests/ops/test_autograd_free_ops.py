@@ -1,5 +1,5 @@
-"""Runtime twins (``ops/runtime_twins.py``): compiled graphs call every fused op through its twin,
-the twin computes exactly what the op does, and a post-grad pass the user configured still runs."""
+"""autograd-free ops (``ops/autograd_free.py``): compiled graphs call every fused op through its autograd-free op,
+which computes exactly what the op does, and a post-grad pass the user configured still runs."""
 
 import torch
 import torch.nn as nn
@@ -9,8 +9,8 @@ from torch._inductor.utils import run_and_get_code
 
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops import conv_global_mean as cgm
+from fusion_backend.ops.autograd_free import autograd_free_of
 from fusion_backend.ops.config import ConvSpec
-from fusion_backend.ops.runtime_twins import twin_of
 
 FUSED_OPS = {
     "conv_global_mean_fwd": cgm.conv_global_mean_fwd,
@@ -43,22 +43,22 @@ class EpilogueHead(nn.Module):
         return F.max_pool2d(F.leaky_relu(self.conv(x) * self.m, 0.1), 2)
 
 
-def test_every_fused_op_has_a_twin_with_the_same_schema():
+def test_every_fused_op_has_an_autograd_free_op_with_the_same_schema():
     for name, op in FUSED_OPS.items():
-        twin = twin_of(op._opoverload)
-        assert twin is not None, name
-        assert twin._schema.name == f"fusion::{name}_rt"
+        free_op = autograd_free_of(op._opoverload)
+        assert free_op is not None, name
+        assert free_op._schema.name == f"fusion::{name}_noautograd"
         signature = str(op._opoverload._schema).split("(", 1)[1]
-        assert str(twin._schema) == f"fusion::{name}_rt({signature}"
+        assert str(free_op._schema) == f"fusion::{name}_noautograd({signature}"
 
 
-def test_the_twin_returns_what_the_op_returns():
+def test_the_autograd_free_op_returns_what_the_op_returns():
     torch.manual_seed(1)
     x, w, b = torch.rand(2, 3, 6, 7), torch.randn(3, 5, 3, 3), torch.randn(5)
     spec = ConvSpec(transposed=True, stride=(2, 2), padding=(1, 0), dilation=(1, 1), output_padding=(1, 0), groups=1)
     config = cgm.ConvGlobalMeanConfig(conv=spec).to_json()
     expected = cgm.conv_global_mean_fwd(x, w, b, [], config)
-    got = twin_of(cgm.conv_global_mean_fwd._opoverload)(x, w, b, [], config)
+    got = autograd_free_of(cgm.conv_global_mean_fwd._opoverload)(x, w, b, [], config)
     for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 
@@ -74,7 +74,7 @@ def _compiled_code(model, x, options=None):
     return run_and_get_code(step)
 
 
-def test_compiled_forward_and_backward_call_the_twins_and_match_eager():
+def test_compiled_forward_and_backward_call_the_autograd_free_ops_and_match_eager():
     for model, x, names in (
         (MeanHead(), torch.rand(2, 3, 5, 4), ("conv_global_mean_fwd", "conv_global_mean_bwd")),
         (EpilogueHead(), torch.rand(2, 3, 9, 8), ("conv_epilogue_fwd", "conv_epilogue_bwd")),
@@ -85,7 +85,7 @@ def test_compiled_forward_and_backward_call_the_twins_and_match_eager():
         out, codes = _compiled_code(model, x_c, {"direct": False})
         code = "\n".join(codes)
         for name in names:
-            assert f"torch.ops.fusion.{name}_rt.default(" in code, name
+            assert f"torch.ops.fusion.{name}_noautograd.default(" in code, name
             assert f"torch.ops.fusion.{name}.default(" not in code, name
         compiled_grads = [x_c.grad, *(p.grad for p in model.parameters())]
         model.zero_grad()
@@ -118,7 +118,7 @@ def test_a_post_grad_pass_the_user_configured_still_runs():
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         _, codes = _compiled_code(MeanHead(), x, {"post_grad_custom_post_pass": user_pass})
     assert user_pass.graphs == 2  # forward and backward graph
-    assert "conv_global_mean_fwd_rt" in "\n".join(codes)
+    assert "conv_global_mean_fwd_noautograd" in "\n".join(codes)
 
 
 def test_the_swap_pass_has_one_cache_key_whatever_ops_a_process_has_imported():
@@ -127,14 +127,14 @@ def test_the_swap_pass_has_one_cache_key_whatever_ops_a_process_has_imported():
     import subprocess
     import sys
 
-    from fusion_backend.ops.runtime_twins import SwapInRuntimeTwins
+    from fusion_backend.ops.autograd_free import SwapInAutogradFreeOps
 
-    here = SwapInRuntimeTwins().uuid()
+    here = SwapInAutogradFreeOps().uuid()
     fresh = subprocess.run(
-        [sys.executable, "-c", "from fusion_backend.ops.runtime_twins import SwapInRuntimeTwins as S, _TWINS; "
-         "print(len(_TWINS), S().uuid().hex())"],
+        [sys.executable, "-c", "from fusion_backend.ops.autograd_free import SwapInAutogradFreeOps as S, _AUTOGRAD_FREE; "
+         "print(len(_AUTOGRAD_FREE), S().uuid().hex())"],
         capture_output=True, text=True, check=True, timeout=120,
     ).stdout.split()  # fmt: skip
-    assert fresh[0] == "0"  # that process registered no twin
+    assert fresh[0] == "0"  # that process registered no autograd-free op
     assert fresh[1] == here.hex()
-    assert SwapInRuntimeTwins(CountingPass()).uuid() != here
+    assert SwapInAutogradFreeOps(CountingPass()).uuid() != here

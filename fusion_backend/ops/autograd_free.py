@@ -1,4 +1,4 @@
-"""Runtime twins of the fused custom ops: the same kernels without ``custom_op``'s Python layers.
+"""autograd-free ops of the fused custom ops: the same kernels without ``custom_op``'s Python layers.
 
 WHY: a ``torch.library.custom_op`` call goes C++ dispatcher -> Python autograd kernel -> redispatch ->
 Python backend wrapper (alias check, Dynamo-disable wrapper) -> our function.  On the H100 host that is
@@ -9,14 +9,14 @@ layer: it is how AOTAutograd records our backward formula.  Once AOTAutograd has
 the forward and backward graphs that Inductor compiles never differentiate through our ops again (they
 run with grad mode off).
 
-So every fused op registers a *twin*: ``fusion::<name>_rt``, the same schema and fake, its CPU and CUDA
+So every fused op registers an *autograd-free op*: ``fusion::<name>_noautograd``, the same schema and fake, its CPU and CUDA
 kernels registered straight with ``torch.library.Library`` (one Python crossing) and no autograd kernel
-(PyTorch's C++ autograd fallback passes it through).  :class:`SwapInRuntimeTwins`, an Inductor
-post-grad pass the backend installs, retargets the graph nodes from op to twin.  Eager calls, graph
+(PyTorch's C++ autograd fallback passes it through).  :class:`SwapInAutogradFreeOps`, an Inductor
+post-grad pass the backend installs, retargets the graph nodes from op to autograd-free op.  Eager calls, graph
 breaks and the explain report keep using the custom op itself.
 
-Contract of :func:`register_twin`: ``impl`` is the custom op's undecorated function (same arguments,
-same results, no autograd), ``fake`` its fake; the twin is never differentiable (calling it on tensors
+Contract of :func:`register_autograd_free`: ``impl`` is the custom op's undecorated function (same arguments,
+same results, no autograd), ``fake`` its fake; the autograd-free op is never differentiable (calling it on tensors
 that require grad, with grad mode on, warns or raises through the autograd fallback, like any op
 without an autograd formula).
 """
@@ -33,40 +33,40 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 _LIB = torch.library.Library("fusion", "FRAGMENT")
 
-#: fused op overload -> its twin's overload
-_TWINS: dict[Any, Any] = {}
+#: fused op overload -> its autograd-free overload
+_AUTOGRAD_FREE: dict[Any, Any] = {}
 
 
-def register_twin(op: Any, impl: Callable[..., Any], fake: Callable[..., Any]) -> Any:
-    """Define ``<op>_rt`` with ``op``'s schema, CPU/CUDA kernel ``impl`` and fake ``fake``; return its
+def register_autograd_free(op: Any, impl: Callable[..., Any], fake: Callable[..., Any]) -> Any:
+    """Define ``<op>_noautograd`` with ``op``'s schema, CPU/CUDA kernel ``impl`` and fake ``fake``; return its
     default overload.  ``op`` is a ``torch.library.custom_op`` result."""
     overload = op._opoverload
     schema = str(overload._schema)  # "fusion::name(args) -> results"
     qualified = schema[: schema.index("(")]
     namespace, name = qualified.split("::")
     if namespace != _LIB.ns:
-        raise ValueError(f"register_twin: {qualified} is not in the {_LIB.ns!r} namespace the twins are defined in")
-    twin_name = f"{name}_rt"
-    _LIB.define(twin_name + schema[schema.index("(") :])
+        raise ValueError(f"register_autograd_free: {qualified} is not in the {_LIB.ns!r} namespace the autograd-free ops are defined in")
+    free_name = f"{name}_noautograd"
+    _LIB.define(free_name + schema[schema.index("(") :])
     for key in ("CPU", "CUDA"):
-        _LIB.impl(twin_name, impl, key)
-    torch.library.register_fake(f"{namespace}::{twin_name}", fake, lib=_LIB)
-    twin = getattr(getattr(torch.ops, namespace), twin_name).default
-    _TWINS[overload] = twin
-    return twin
+        _LIB.impl(free_name, impl, key)
+    torch.library.register_fake(f"{namespace}::{free_name}", fake, lib=_LIB)
+    free_op = getattr(getattr(torch.ops, namespace), free_name).default
+    _AUTOGRAD_FREE[overload] = free_op
+    return free_op
 
 
-def twin_of(overload: Any) -> Any | None:
-    """The twin registered for ``overload`` (an ``OpOverload``), or ``None``."""
-    return _TWINS.get(overload)
+def autograd_free_of(overload: Any) -> Any | None:
+    """The autograd-free op registered for ``overload`` (an ``OpOverload``), or ``None``."""
+    return _AUTOGRAD_FREE.get(overload)
 
 
-class SwapInRuntimeTwins(CustomGraphPass):
-    """Inductor post-grad pass: call every fused op through its runtime twin.
+class SwapInAutogradFreeOps(CustomGraphPass):
+    """Inductor post-grad pass: call every fused op through its autograd-free op.
 
     Runs on forward, backward and inference graphs after AOTAutograd, where nothing differentiates
     through the fused ops any more (the training graphs run with grad mode off; an inference graph runs
-    only when no input requires grad), so the autograd layer the twins lack is never needed.  ``previous`` is a pass that was configured before
+    only when no input requires grad), so the autograd layer the autograd-free ops lack is never needed.  ``previous`` is a pass that was configured before
     (the user's): it runs afterwards, so nothing the user set is dropped.
     """
 
@@ -76,22 +76,22 @@ class SwapInRuntimeTwins(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         for node in graph.nodes:
             if node.op == "call_function":
-                twin = _TWINS.get(node.target)
-                if twin is not None:
-                    node.target = twin
+                free_op = _AUTOGRAD_FREE.get(node.target)
+                if free_op is not None:
+                    node.target = free_op
         if self.previous is not None:
             self.previous(graph)
 
     def uuid(self) -> bytes | None:
         """Inductor's cache key of this pass: a constant (and the previous pass's key).
 
-        NOT the registered twins: ops register theirs when their module is first imported, so a key
+        NOT the registered autograd-free ops: ops register theirs when their module is first imported, so a key
         built from the registry differed between a process that had run a fused op and one that had
         not, and a second process missed Inductor's caches for every graph (``fxgraph_cache_miss``
         and ``autograd_cache_miss`` where a hit was due: a warm first call of 4.0 s against
         Inductor's 1.2 s for Conv2d 64->64 + ReLU training on the H100).  What the pass does to a graph
         is fixed by the graph: each fused op in it (registered, since it is in the graph) becomes
-        its ``_rt`` twin."""
+        its ``_noautograd`` op."""
         previous = b""
         if self.previous is not None:
             uuid = getattr(self.previous, "uuid", None)
@@ -99,4 +99,4 @@ class SwapInRuntimeTwins(CustomGraphPass):
             if previous is None:  # an uncacheable user pass keeps the graph uncacheable
                 return None
             previous = previous if isinstance(previous, bytes) else str(previous).encode()
-        return hashlib.sha256(b"fusion-runtime-twins-v2:" + previous).digest()
+        return hashlib.sha256(b"fusion-autograd-free-ops-v1:" + previous).digest()

@@ -1,4 +1,4 @@
-"""Direct twins of the fused ops: what a graph calls when it runs without AOTAutograd and Inductor.
+"""direct implementations of the fused ops: what a graph calls when it runs without AOTAutograd and Inductor.
 
 WHY: a graph that holds nothing but fused ops (plus casts and views) gains nothing from AOTAutograd
 and Inductor: there is nothing left for Inductor to fuse.  Yet it still pays their per-call host time:
@@ -6,13 +6,13 @@ AOTAutograd's runtime wrappers around the forward and the backward, Inductor's c
 and the dispatcher crossings of the custom ops.  The training step of the ConvT3d pipeline
 (``convt3d_leaky_mul_leaky_maxpool``, 16x16x16x32x32) on the H100 is host-bound (GPU work 0.93 ms,
 step 2.07 ms; ``tools/profile_step.py`` shows both).  So the backend runs such a graph as plain FX
-code (see ``fusion_backend/runtime/direct.py``), where each fused call goes to its direct twin: a
+code (see ``fusion_backend/runtime/direct.py``), where each fused call goes to its direct implementation: a
 ``torch.autograd.Function`` whose forward and backward call the op's undecorated implementations (the
-same functions the custom ops and their runtime twins wrap), with no dispatcher layer in between.
+same functions the custom ops and their autograd-free ops wrap), with no dispatcher layer in between.
 
 Contract of :func:`register_direct`: ``fused`` is the public callable the rewriter puts into graphs
 (e.g. ``conv_epilogue``); ``direct`` takes the same arguments and returns the same result, computed
-by the same kernels, with the same gradients for every differentiable input.  A direct twin need not
+by the same kernels, with the same gradients for every differentiable input.  A direct implementation need not
 support double backward (the custom ops do not either).
 """
 
@@ -24,18 +24,18 @@ from typing import Any
 
 import torch
 
-#: fused callable (what graphs call) -> its direct twin
+#: fused callable (what graphs call) -> its direct implementation
 _DIRECT: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
 def register_direct(fused: Callable[..., Any], direct: Callable[..., Any]) -> None:
-    """Make ``direct`` the twin of ``fused`` (see the module docstring for the contract)."""
+    """Make ``direct`` the direct implementation of ``fused`` (see the module docstring for the contract)."""
     _DIRECT[fused] = direct
 
 
 def profiled(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: while a profiler records, each call shows in its trace as a ``record_function``
-    range named ``name`` (the custom op's name: a direct twin runs no dispatcher op that a profiler
+    range named ``name`` (the custom op's name: a direct implementation runs no dispatcher op that a profiler
     could show); otherwise the call costs one flag check more."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -51,8 +51,8 @@ def profiled(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return wrap
 
 
-def direct_twin(fused: Any) -> Callable[..., Any] | None:
-    """The direct twin of ``fused``, or ``None`` when it has none (or is not hashable)."""
+def direct_impl(fused: Any) -> Callable[..., Any] | None:
+    """The direct implementation of ``fused``, or ``None`` when it has none (or is not hashable)."""
     try:
         return _DIRECT.get(fused)
     except TypeError:
@@ -62,7 +62,7 @@ def direct_twin(fused: Any) -> Callable[..., Any] | None:
 def records_backward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      operands: Sequence[torch.Tensor]) -> bool:
     """Whether a fused conv op called on these inputs now must record its backward: grad mode is on
-    and some input requires grad (else a direct twin runs the forward alone and saves nothing)."""
+    and some input requires grad (else a direct implementation runs the forward alone and saves nothing)."""
     return torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         or any(t.requires_grad for t in operands)
