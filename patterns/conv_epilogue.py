@@ -178,7 +178,7 @@ class ConvEpiloguePattern(Pattern):
         out_fake = fake_of(candidate.nodes[-1])
         # WHY absorb autocast's casts only before a max pool or where no gradient flows: the op then
         # takes the fp32 input, weight and bias and its kernels cast them as they load them (no cast
-        # kernels around it; the compact backward reads x as it is).  With a gradient and no max pool
+        # kernels around it; the Triton backward reads x as it is).  With a gradient and no max pool
         # the backward may run the library conv backward, which needs x in the conv's dtype: the
         # graph's cast, done once and saved, is cheaper there than casting again in the backward
         # (Conv2d 64->64 k3 on 64x64x256x256, bf16 train: +0.55 ms, H100).  Without a gradient (the

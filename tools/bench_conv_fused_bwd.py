@@ -1,4 +1,4 @@
-"""Time the compact-gradient conv backward kernels against aten's convolution_backward (CUDA).
+"""Time the implicit-gradient conv backward kernels against aten's convolution_backward (CUDA).
 
     python tools/bench_conv_fused_bwd.py                       # convt3d and conv2d, fp32 (TF32 per cudnn flag) and bf16
     python tools/bench_conv_fused_bwd.py --seeds convt3d --dtypes fp32 --no-tf32 --reps 50
@@ -41,8 +41,8 @@ def convt3d_maxpool(dtype: torch.dtype):
     full = torch.zeros(flat.shape[0] * flat.shape[1], y[0, 0].numel(), device="cuda")
     full.scatter_add_(1, flat.reshape(full.shape[0], -1), g_win.reshape(full.shape[0], -1))
     full = full.reshape(y.shape)
-    compact = K.PooledGrad(g_win.to(dtype), win, (2, 2, 2))
-    return x.to(dtype), w.to(dtype), args, compact, full.to(dtype), g_win.numel() * (g_win.element_size() + 1)
+    implicit = K.PooledGrad(g_win.to(dtype), win, (2, 2, 2))
+    return x.to(dtype), w.to(dtype), args, implicit, full.to(dtype), g_win.numel() * (g_win.element_size() + 1)
 
 
 def conv2d_dense(dtype: torch.dtype):

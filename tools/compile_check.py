@@ -47,7 +47,7 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
   (TF32) or ``bf16``; ``-cl``: channels-last.  Cases ``{convt3d,conv2d,conv2d_narrow}-{fp32,bf16}
   [-cl]``; default ``convt3d-fp32``, ``conv2d-fp32``, ``conv2d-fp32-cl``, ``conv2d_narrow-fp32-cl``.
 * ``conv_shift_bwd``: ``shift_dgrad_kernel``, ``shift_wgrad_kernel`` and the finish kernel
-  (weight-grad partials -> taps) for ``convt3d`` (as above, its MaxPool3d(2) gradient in compact form
+  (weight-grad partials -> taps) for ``convt3d`` (as above, its MaxPool3d(2) gradient in implicit form
   with an fp32 ``g_win``); ``fp32`` (TF32), ``bf16``, ``fp16``; ``-cl``: channels-last.  Cases
   ``convt3d-{fp32,bf16,fp16}[-cl]``; default ``convt3d-fp32``, ``convt3d-bf16``.
 * ``global_mean``: every CUDA-path kernel of ``kernels/global_mean/``: the launchers

@@ -6,7 +6,7 @@
 ``--seeds`` takes the conv names of ``tools/bench_conv_fused.py`` (convt3d, conv2d, conv2d_small).
 For each conv and dtype it runs ``fusion::conv_epilogue_fwd`` with the library forward (cuDNN + the
 epilogue kernel) and the fused kernel (``FUSION_CONV_IMPL=library|triton``), then the library and the
-compact backward on each forward's saved state, with one fixed random upstream gradient, and prints
+Triton backward on each forward's saved state, with one fixed random upstream gradient, and prints
 ``||got - ref|| / ||ref||`` of the output and of every gradient against eager (the same dtype and
 TF32 setting) and against a float64 run, next to eager's own error from float64.  With a max pool it
 also prints the fraction of winners on which the two forwards disagree.  Then the ``auto`` choice
@@ -50,7 +50,7 @@ def _eager(x, w, b, ops, config, grad_out, dtype):  # noqa: ANN001
 def _fused(x, w, b, ops, config, grad_out, fwd: str, bwd: str):  # noqa: ANN001
     os.environ[ce.CONV_IMPL_ENV] = fwd
     out, sa, sb = torch.ops.fusion.conv_epilogue_fwd(x, w, b, ops, config, True)
-    os.environ[ce.CONV_IMPL_ENV] = {"library": "library", "compact": "triton"}.get(bwd, bwd)
+    os.environ[ce.CONV_IMPL_ENV] = {"library": "library", "triton": "triton"}.get(bwd, bwd)
     grads = torch.ops.fusion.conv_epilogue_bwd(
         grad_out.to(out.dtype), x, w, b, ops, sa, sb, config, [True] * (3 + len(ops))
     )
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             winners = {}
             for fwd in ("library", "triton"):
-                for bwd in ("library", "compact"):
+                for bwd in ("library", "triton"):
                     got, winners[fwd] = _fused(x, w, b, ops, config, grad_out, fwd, bwd)
                     cells = [
                         f"{_rel(g, e):.1e} / {_rel(g, f):.1e}"

@@ -6,7 +6,7 @@
 The ``seeds`` suite's ConvTranspose3d and Conv2d convs (``--seeds convt3d,conv2d``, shapes as
 ``tools/bench_conv_fused.py``), fp32 (TF32 as PyTorch's default) and bf16: the fused forward
 (``FUSION_CONV_IMPL=triton`` through ``fusion::conv_epilogue_fwd``), the library forward (cuDNN +
-epilogue kernel) for comparison, and the compact backward kernels (``kernels.conv_fused_bwd``).  Every
+epilogue kernel) for comparison, and the Triton backward kernels (``kernels.conv_fused_bwd``).  Every
 case runs once before the range (compilation, autotuning), then once inside ``torch.cuda.profiler``
 start/stop, so ``ncu --profile-from-start off`` sees one launch of each kernel.  ``--summarize`` turns
 ncu's CSV (``--csv --page details``) into a short table: duration, DRAM and SM throughput, occupancy,
@@ -49,7 +49,7 @@ def run_cases(seeds: list[str], dtypes: list[str], only: str = "") -> None:
             cases.append((f"{seed} {name} forward library", lambda f=forward: f("library")))
             bx, bw, args, grad, _full, _ = (bwd_tool.convt3d_maxpool if seed == "convt3d" else bwd_tool.conv2d_dense)(dtype)
             cases.append(
-                (f"{seed} {name} backward compact", lambda g=grad, x=bx, w=bw, a=args: K.convolution_backward(g, x, w, *a))
+                (f"{seed} {name} backward triton", lambda g=grad, x=bx, w=bw, a=args: K.convolution_backward(g, x, w, *a))
             )
     cases = [(label, fn) for label, fn in cases if only in label]
     for _label, fn in cases:  # compile and autotune outside the range

@@ -1,4 +1,4 @@
-"""The conv backward kernels that read the conv-output gradient from a compact form.
+"""The conv backward kernels that read the conv-output gradient from a implicit form.
 
 Every case is checked against ``aten.convolution_backward`` in float64 on the full-size gradient
 (inputs rounded to the kernel dtype first, so the reference sees exactly what the kernel sees).
@@ -99,11 +99,11 @@ def pooled_grad(y: torch.Tensor, pool: Pool, dtype: torch.dtype, device: str, ge
     g_win = torch.randn(flat.shape, generator=gen, dtype=torch.float64).to(dtype).double()
     full = torch.zeros(y.shape[0], y.shape[1], y[0, 0].numel(), dtype=torch.float64)
     full.scatter_add_(2, flat.reshape(*flat.shape[:2], -1), g_win.reshape(*flat.shape[:2], -1))
-    compact = K.PooledGrad(
+    implicit = K.PooledGrad(
         g_win.to(device, dtype), win.to(device, torch.int8), (pool.kernel,) * dims, (stride,) * dims,
         (pool.padding,) * dims, (pool.dilation,) * dims, pool.ceil_mode,
     )  # fmt: skip
-    return compact, full.reshape(y.shape)
+    return implicit, full.reshape(y.shape)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -218,7 +218,7 @@ def test_weight_grad_is_bitwise_reproducible(kernel_device):
     assert torch.equal(first, K.conv_weight_grad(grad, xk, wk, *case.conv_args()))
 
 
-def test_bias_grad_comes_from_the_compact_form(kernel_device):
+def test_bias_grad_comes_from_the_implicit_form(kernel_device):
     case, pool = POOLED[4]
     x, w, _, _ = make(case, torch.float32, kernel_device)
     y = torch.ops.aten.convolution(x, w, None, *case.conv_args())
@@ -285,7 +285,7 @@ def test_gpu_full_size_workloads_match_aten(workload, dtype, exact_fp32):
     x, w, args, grad, full = (_convt3d_maxpool if workload == "convt3d_maxpool" else _conv2d_dense)()
     want = torch.ops.aten.convolution_backward(full, x, w, [full.shape[1]], *args, [True, True, True])
     x, w = x.to(dtype), w.to(dtype)
-    if dtype != torch.float32:  # the compact form stays fp32 (what the epilogue kernel produces)
+    if dtype != torch.float32:  # the implicit form stays fp32 (what the epilogue kernel produces)
         grad = grad if isinstance(grad, K.PooledGrad) else grad.to(dtype)
     assert K.unsupported_reason(grad, x, w, *args) is None
     got = K.convolution_backward(grad, x, w, *args)

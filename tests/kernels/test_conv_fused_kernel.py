@@ -398,7 +398,7 @@ def test_auto_default_measures_both_paths_and_matches_eager_in_training(monkeypa
     grads = [torch.autograd.grad(o, [xi, *model.parameters()], g) for o, xi in zip(outs, xs, strict=True)]
     # each direction times the library path, and the others unless their results disagree with it
     # (``_results_agree``: e.g. where cuDNN runs such a narrow conv in full fp32, not TF32): the
-    # forward's fused path; the backward's compact one and its channels-last library variant
+    # forward's fused path; the backward's Triton one and its channels-last library variant
     assert 2 <= len(timed) <= 6, timed
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-3, atol=2e-3)
     for got, want in zip(*grads, strict=True):

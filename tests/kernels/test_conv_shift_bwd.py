@@ -1,7 +1,7 @@
 """The shift-decomposed backward of a transposed conv followed by a phase-aligned max pool.
 
 Every case is checked against ``aten.convolution_backward`` in float64 on the full-size conv-output
-gradient that the compact ``PooledGrad`` stands for (inputs rounded to the kernel dtype first, so the
+gradient that the implicit ``PooledGrad`` stands for (inputs rounded to the kernel dtype first, so the
 reference sees exactly what the kernels see); one test takes the reference from autograd through
 ``conv_transpose`` + ``max_pool`` directly.  Without CUDA the kernels run under Triton's interpreter
 (fp32/fp16, small shapes).  The GPU tests (``-m gpu``) run the ``seeds`` suite's ConvTranspose3d
@@ -240,7 +240,7 @@ def test_output_mask_skips_grads(kernel_device):
 
 
 def test_matches_autograd_through_conv_transpose_and_max_pool(kernel_device):
-    """The compact gradient as the fused forward would save it: winners of the pool over the conv output."""
+    """The implicit gradient as the fused forward would save it: winners of the pool over the conv output."""
     torch.manual_seed(0)
     x = torch.randn(2, 3, 3, 4, 5, dtype=torch.float64, requires_grad=True)
     w = torch.randn(3, 4, 3, 3, 3, dtype=torch.float64, requires_grad=True)

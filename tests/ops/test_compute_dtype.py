@@ -62,7 +62,7 @@ def _convt3d_maxpool():
 
 def _plain_2d(stride: int = 1):
     """Conv2d (padding 1, odd sizes) -> x per-channel -> gelu, no pool: the dense forward
-    (``conv_dense``; stride 2: the general ``conv_fused``) and the general compact backward (which
+    (``conv_dense``; stride 2: the general ``conv_fused``) and the general Triton backward (which
     the op feeds cast tensors)."""
     spec = ConvSpec(False, (stride, stride), (1, 1), (1, 1), (0, 0), 1)
     chain = (ChainStep(PK.MUL, (TensorRef(0),)), ChainStep(PK.GELU, ()))

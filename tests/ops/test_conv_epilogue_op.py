@@ -612,7 +612,7 @@ NAMES = ["out", "grad x", "grad weight", "grad bias", "grad multiplier"]
 def test_gpu_fp32_parity_on_full_size_workloads(workload, no_tf32):
     # The default (library) path runs eager's own cuDNN conv: every tensor within 1e-5 of eager.
     # (The opt-in fused conv sums in another order, which moves max-pool near-ties: its parity is
-    # refereed by float64 in tests/kernels/test_conv_fused_kernel.py and tests/ops/test_conv_epilogue_compact_backward.py.)
+    # refereed by float64 in tests/kernels/test_conv_fused_kernel.py and tests/ops/test_conv_epilogue_triton_backward.py.)
     fused = _full_size_run(workload, torch.float32, fused=True)
     want = _full_size_run(workload, torch.float32, fused=False)
     for name, f, e in zip(NAMES, fused, want, strict=True):
@@ -648,9 +648,9 @@ def test_gpu_strict_rejects_float64_and_the_reference_serves_it():
     assert rel_err(out, eager(x, w, b, [m], case.spec, chain, pool)) < 1e-10
 
 
-def test_auto_times_the_compact_backward_only_behind_a_transposed_conv_with_a_max_pool():
+def test_auto_times_the_triton_backward_only_behind_a_transposed_conv_with_a_max_pool():
     def reason(spec, pool):
-        return ce.backward._compact_backward_never_wins(ConvEpilogueConfig(conv=spec, chain=(ChainStep(PK.RELU),), pool=pool))
+        return ce.backward._triton_backward_never_wins(ConvEpilogueConfig(conv=spec, chain=(ChainStep(PK.RELU),), pool=pool))
 
     assert reason(_spec(3, transposed=True, stride=2), _pool("max", 3)) is None
     for spec, pool in [(_spec(3), _pool("max", 3)), (_spec(2, transposed=True, stride=2), None),

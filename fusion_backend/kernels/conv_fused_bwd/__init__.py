@@ -3,7 +3,7 @@
 WHY: ``conv_epilogue``'s backward used to write the FULL-SIZE gradient ``g`` of the conv output and
 hand it to ``aten.convolution_backward``.  Behind a 2x2x2 max pool (the ConvT3d pipeline) 7/8 of that
 tensor are zeros, and writing + re-reading it costs more than the GEMMs.  The kernels here read ``g``
-through a loader that computes it on the fly from one of two compact forms:
+through a loader that computes it on the fly from one of two implicit forms:
 
 * **dense** (form a): ``g`` is a tensor of the conv-output shape (no pool; any strides);
 * **max-pooled** (form b): ``PooledGrad(g_win, winner, pool geometry)``: ``g_win`` (pooled shape) is
@@ -31,7 +31,7 @@ chain's backward evaluated at the winners only (``y0 = saved_b + bias``); withou
 ``grad_y`` and pass it as the dense form.  Then call ``convolution_backward(grad, x, weight,
 spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding, spec.groups,
 [mask[0], mask[1], mask[2]])`` when ``unsupported_reason(...)`` is None, else keep the aten path.
-The bias gradient comes out of the compact form (``sum g == sum g_win``), so the epilogue kernel no
+The bias gradient comes out of the implicit form (``sum g == sum g_win``), so the epilogue kernel no
 longer needs its bias partials.  ``saved_a`` goes in as it is (int8 or int32, any strides); nothing
 of the conv-output size is allocated on this path.
 
@@ -50,7 +50,7 @@ padding, ``dl`` dilation; conv: ``x[i]`` feeds ``y0[o]`` when ``i = o*s - p + k*
   GEMM per tap: M = a, N = b, K = n x spatial: split into chunks over programs, each writing an fp32
   partial; a second pass sums the partials in a fixed order (``torch.sum`` over a fixed shape): the
   result is bitwise reproducible run to run, no float atomics anywhere.
-* bias grad: fp32 ``sum`` of the compact form over (n, spatial) (``g_win`` for form b).
+* bias grad: fp32 ``sum`` of the implicit form over (n, spatial) (``g_win`` for form b).
 
 Tensor cores: ``tl.dot`` with fp32 accumulation; both operands in x's dtype (the gradient is
 rounded to it, as aten's conv backward would see a ``grad_y`` of the conv's dtype); fp32 in TF32
@@ -60,7 +60,7 @@ under the interpreter.  Any strides
 forward tensor.  Offsets are int32 unless a tensor spans 2**31 elements or more (then int64).
 
 Layout: ``device.py`` holds the Triton kernels, their loader and tiles; ``plan.py`` the host side
-(the compact gradient forms ``PooledGrad`` / ``Grad``, cases served, geometry, tables, launchers).
+(the implicit gradient forms ``PooledGrad`` / ``Grad``, cases served, geometry, tables, launchers).
 """
 
 from .plan import (

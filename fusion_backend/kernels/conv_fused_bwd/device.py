@@ -1,6 +1,6 @@
-"""Device code of the compact conv backward (``kernels/conv_fused_bwd``): the gradient loader, the
+"""Device code of the Triton conv backward (``kernels/conv_fused_bwd``): the gradient loader, the
 input-grad (``dgrad_kernel``) and weight-grad (``wgrad_kernel``) kernels, their tiles and autotuned
-wrappers.  The compact gradient forms, the numerics and the arguments are described in the package
+wrappers.  The implicit gradient forms, the numerics and the arguments are described in the package
 docstring and at each kernel; ``plan.py`` builds their launches.
 """
 

@@ -1,4 +1,4 @@
-"""Host side of the compact conv backward (``kernels/conv_fused_bwd``): the compact gradient forms,
+"""Host side of the Triton conv backward (``kernels/conv_fused_bwd``): the implicit gradient forms,
 which cases are served, the geometry and tap tables, and the launchers."""
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def conv_input_grad(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
 ) -> torch.Tensor:  # fmt: skip
-    """Gradient of ``aten.convolution(x, weight, ...)`` w.r.t. ``x``, from a compact output gradient.
+    """Gradient of ``aten.convolution(x, weight, ...)`` w.r.t. ``x``, from a implicit output gradient.
 
     Args:
       grad: the conv-output gradient ``g``: a dense tensor of the conv output's shape (form a), or a
@@ -368,7 +368,7 @@ def conv_weight_grad(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
 ) -> torch.Tensor:  # fmt: skip
-    """Gradient of ``aten.convolution(x, weight, ...)`` w.r.t. ``weight``, from a compact output gradient.
+    """Gradient of ``aten.convolution(x, weight, ...)`` w.r.t. ``weight``, from a implicit output gradient.
 
     Args as ``conv_input_grad`` (here ``x``'s values are read).  The reduction over N x spatial is
     split over programs into fp32 partials ``(splits, *weight.shape)`` that are summed in a fixed
@@ -452,7 +452,7 @@ def _weight_grad(
 
 
 def conv_bias_grad(grad: Grad) -> torch.Tensor:
-    """fp32 (C_out,) per-channel sum of the conv-output gradient, from the compact form.
+    """fp32 (C_out,) per-channel sum of the conv-output gradient, from the implicit form.
 
     With a ``PooledGrad`` every window adds its ``g_win`` to exactly one conv-output position, so
     the sum of ``g`` is the sum of ``g_win``.  Deterministic (fixed-order torch reduction).
@@ -485,7 +485,7 @@ def convolution_backward(
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
     output_mask: Sequence[bool] = (True, True, True),
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """Drop-in for ``aten.convolution_backward`` (without ``bias_sizes``) taking a compact gradient.
+    """Drop-in for ``aten.convolution_backward`` (without ``bias_sizes``) taking a implicit gradient.
 
     Returns ``(grad_x, grad_w, grad_b)``, None where ``output_mask`` is False: grad_x like
     ``empty_like(x)``, grad_w like ``empty_like(weight)``, grad_b (C_out,) in weight's dtype.

@@ -7,7 +7,7 @@ H100.  They treat the pooled gradient as a sparse full-size gradient and walk ta
 stride equals the conv stride on every dim, a pooled unit ``u`` and a window offset ``kp`` address
 the conv output ``o = u*US - UP + kp``, and every live (offset, tap) pair reads the input at
 ``i = u + j`` with a COMPILE-TIME shift ``j``: the same structure as the forward's SHIFT_K path
-(``conv_fused.device._shift_k_*``), so both gradients become a few large dense GEMMs over the compact
+(``conv_fused.device._shift_k_*``), so both gradients become a few large dense GEMMs over the pooled
 gradient, with no per-tap index arithmetic and nothing full-size ever written.
 
 Notation (per spatial dim, every rank lifted to 3d): conv stride ``s``, padding ``p``, dilation
@@ -17,16 +17,16 @@ Offset ``kp`` and tap ``t`` form a *live pair* iff ``(kp - UP + p - t*dl) % s ==
 ``LO .. LO+NS-1``; a given (kp, j) has at most one tap, a given (kp, t) exactly one j.  The ConvT3d
 pipeline: 2 shifts per dim, 8 in all, 27 live (offset, shift) pairs of 64 (one per tap).
 
-The compact gradient is ``PooledGrad(g_win, winner, ...)`` (``conv_fused_bwd``): ``Gexp[n, u, kp, co]
+The implicit gradient is ``PooledGrad(g_win, winner, ...)`` (``conv_fused_bwd``): ``Gexp[n, u, kp, co]
 = g_win[n, co, u]`` if ``winner[n, co, u] == kp`` and ``o`` lies inside the conv output, else 0.
-It is built in registers with ``tl.where`` from the compact form, never materialised in memory.
+It is built in registers with ``tl.where`` from the implicit form, never materialised in memory.
 Overlapping windows (``KP > s``) need nothing special: each (window, offset) is its own column.
 
 Kernels (weights of a transposed conv are ``w[ci, co, t]`` per group):
 
 * input grad ``dx[n, ci, i] = sum_{j, kp, co} Gexp[n, i - j, kp, co] * w[ci, co, t(kp, j)]``:
   M = input positions (n, i), N = ci, K = (kp, co).  Outer runtime loop over the shifts j (and
-  output-channel blocks): the compact tile at ``u = i - j`` is loaded, rounded and checked once;
+  output-channel blocks): the pooled-gradient tile at ``u = i - j`` is loaded, rounded and checked once;
   inner runtime loop over a host-built table of the shift's *live blocks* (``KPB`` consecutive
   window offsets holding at least one live pair): A = Gexp ``[BLOCK_M, BLOCK_CO * KPB]``, B = the
   weight rows of (kp, j), zero for dead pairs.  ``KPB`` = all offsets is the plain "one dot per

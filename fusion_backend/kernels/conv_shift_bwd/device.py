@@ -62,7 +62,7 @@ def _valid_winner(v, ud, uh, uw, row_ok, OD, OH, OW,
     -1 where the row is masked or the winner is no window offset whose conv-output position
     ``o = u*US - UP + kp`` exists (such a winner contributes nothing, as in ``conv_fused_bwd``).
 
-    NOTE: checked once per compact element, not per (row, offset) of the expanded tile: a
+    NOTE: checked once per pooled-gradient element, not per (row, offset) of the expanded tile: a
     ``[BLOCK_M, KPB]`` mask took the 3d expansion's layout (all rows of a column in one thread's
     registers) and the input-grad kernel hit 255 registers."""
     if ROWS_FIRST:
@@ -89,7 +89,7 @@ def _valid_winner(v, ud, uh, uw, row_ok, OD, OH, OW,
 
 @triton.jit
 def _expand(g, v, kp, live, BLOCK_M: tl.constexpr, KPB: tl.constexpr, BLOCK_CO: tl.constexpr):
-    """``Gexp`` ``[BLOCK_M, BLOCK_CO * KPB]`` from the compact ``[BLOCK_M, BLOCK_CO]`` tiles ``g`` and
+    """``Gexp`` ``[BLOCK_M, BLOCK_CO * KPB]`` from the pooled-gradient ``[BLOCK_M, BLOCK_CO]`` tiles ``g`` and
     ``v`` (validated winners): column ``c * KPB + q`` (channel ``c``, offset ``kp[q]``) holds ``g``
     where the winner is ``kp[q]`` and ``live[q]``, else 0."""
     sel = (v[:, :, None] == kp[None, None, :]) & live[None, None, :]
@@ -240,7 +240,7 @@ def shift_dgrad_kernel(
     entries = tab_ptr + TABLE_HEADER + 5 * sh_start
     acc = tl.zeros([BLOCK_M, BLOCK_CI], tl.float32)
     # NOTE: runtime loops: unrolled, every block's weight tile would be hoisted into registers.
-    # Outer: (shift, channel block): the compact tile at u = i - j is loaded once; inner: the
+    # Outer: (shift, channel block): the pooled-gradient tile at u = i - j is loaded once; inner: the
     # shift's live offset blocks (the ConvT3d pipeline with KPB = 1: 8 shifts, 27 blocks).
     for it in range(0, n_sh * n_cob):
         e = it // n_cob
@@ -431,7 +431,7 @@ def shift_wgrad_kernel(
             x_ok = (inside[None, :] & x_bit[:, None]) != 0
             xb = tl.trans(tl.load(x_ptr + x_col[:, None] + x_row[None, :], mask=x_ok, other=0.0))
         # Gexp^T [BLOCK_CO * KPB, BLOCK_M], rows (c, q): g_win / winner loaded straight into that
-        # shape (each compact element read by KPB rows, from L1).
+        # shape (each pooled-gradient element read by KPB rows, from L1).
         # NOTE: a [BLOCK_CO, BLOCK_M] tile broadcast to 3d and reshaped was converted to the 3d
         # layout right after its load, replicating every per-element op KPB times (the winner
         # decode among them): ~1650 instructions per warp and iteration, ALU-bound (ncu).

@@ -1,5 +1,5 @@
 """The Triton backward of ``fusion::conv_epilogue``: the library backward (epilogue-gradient kernel, then
-``aten.convolution_backward``; channels-last variant), the compact backward (the chain differentiated
+``aten.convolution_backward``; channels-last variant), the Triton backward (the chain differentiated
 at the max-pool winners only, expanded inside Triton conv-backward kernels), the measured choice
 among them, and the per-signature call plans (``plan_for``, kept in ``PLANS``).
 """
@@ -43,11 +43,11 @@ def plan_for(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
     saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
 ) -> tuple[Any, bool]:  # fmt: skip
-    """``(plan, settled)`` as ``forward.plan_for``: the compact backward (``_CompactBackward``) or the
+    """``(plan, settled)`` as ``forward.plan_for``: the Triton backward (``_TritonBackward``) or the
     library one (``_LibraryBackward``), as ``FUSION_CONV_IMPL`` says; under ``auto`` the fastest of
     ``_backward_candidates`` (the library one in the tensors' layout or in channels-last, the
-    compact one), measured once per shape (``impl_choice``; the library path when measuring is
-    off).  Cases the compact backward cannot serve (an avg pool) take the library one under
+    Triton one), measured once per shape (``impl_choice``; the library path when measuring is
+    off).  Cases the Triton backward cannot serve (an avg pool) take the library one under
     ``triton``.  ``plan(grad_out, x, weight, bias, operands, saved_a, saved_b)``."""
 
     args = (grad_out, x, weight, bias, operands, saved_a, saved_b)
@@ -55,11 +55,11 @@ def plan_for(
     if mode == "library" or (mode == "auto" and x.device.type != "cuda"):
         return _LibraryBackward(*args, cfg, mask), True  # auto on CPU: the interpreter is slow (tests force "triton")
     if mode != "auto":
-        why = _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg)
+        why = _triton_backward_unsupported(x, weight, saved_a, saved_b, cfg)
         if why is not None:
             logger.debug("conv_epilogue backward: library path (%s)", why)
             return _LibraryBackward(*args, cfg, mask), True
-        return _CompactBackward(*args, cfg, mask), True
+        return _TritonBackward(*args, cfg, mask), True
     plans = _backward_candidates(*args, cfg, mask)
     if len(plans) == 1:
         return plans["library"], True
@@ -80,16 +80,16 @@ def _backward_candidates(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
     saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
 ) -> dict[str, Any]:  # fmt: skip
-    """The backward plans that can serve this call, by name: always ``library``; ``compact``
-    (``_CompactBackward``) where it serves the case; ``library-channels-last`` where x and the
+    """The backward plans that can serve this call, by name: always ``library``; ``triton``
+    (``_TritonBackward``) where it serves the case; ``library-channels-last`` where x and the
     saved state are not channels-last already and cuDNN has channels-last kernels."""
     args = (grad_out, x, weight, bias, operands, saved_a, saved_b)
     plans: dict[str, Any] = {"library": _LibraryBackward(*args, cfg, mask)}
-    why = _compact_backward_never_wins(cfg) or _compact_backward_unsupported(x, weight, saved_a, saved_b, cfg)
+    why = _triton_backward_never_wins(cfg) or _triton_backward_unsupported(x, weight, saved_a, saved_b, cfg)
     if why is None:
-        plans["compact"] = _CompactBackward(*args, cfg, mask)
+        plans["triton"] = _TritonBackward(*args, cfg, mask)
     else:
-        logger.debug("conv_epilogue backward: no compact backward (%s)", why)
+        logger.debug("conv_epilogue backward: no Triton backward (%s)", why)
     why = _channels_last_backward_unsupported(x, saved_a)
     if why is None:
         plans["library-channels-last"] = _LibraryBackward(*args, cfg, mask, channels_last=True)
@@ -148,7 +148,7 @@ def _sum_operand_grads(
 
 
 class _LibraryBackward:
-    """The library path's backward for one call signature (see ``_CompactBackward`` for the plan
+    """The library path's backward for one call signature (see ``_TritonBackward`` for the plan
     contract): one Triton kernel writes the full-size conv-output gradient and the per-channel
     operand/bias sums (``kernels.epilogue.BackwardLaunch``, worked out once with the operand matrix
     layout and the operand-gradient recipe), then ``aten.convolution_backward`` for x and weight (on
@@ -224,11 +224,11 @@ def _channels_last_backward_unsupported(x: Tensor, saved_a: Tensor) -> str | Non
     return None
 
 
-def _compact_backward_never_wins(cfg: ConvEpilogueConfig) -> str | None:
-    """Why ``auto`` does not time the compact backward here (None: it may win).
+def _triton_backward_never_wins(cfg: ConvEpilogueConfig) -> str | None:
+    """Why ``auto`` does not time the Triton backward here (None: it may win).
 
     NOTE: measured on the H100 (``python -m fusion_backend bench --suite seeds`` and six ``convnets``
-    files, with ``logging.getLogger("fusion_backend.impl_choice")`` at INFO): the compact backward
+    files, with ``logging.getLogger("fusion_backend.impl_choice")`` at INFO): the Triton backward
     beat cuDNN's only behind a transposed conv followed by a max pool (ConvTranspose3d k3 s2 +
     max_pool3d: 0.56 vs 1.66 ms fp32, 0.46 vs 0.79 ms bf16).  Everywhere else it lost: Conv3d 32->64
     + max_pool3d 19.4 vs 1.7 ms, Conv2d 64->64 at 256x256 12.4 vs 3.3 ms, Conv1d 80->256 0.66 vs
@@ -238,18 +238,18 @@ def _compact_backward_never_wins(cfg: ConvEpilogueConfig) -> str | None:
     wherever it serves the case."""
     if cfg.conv.transposed and cfg.pool is not None and cfg.pool.kind == "max":
         return None
-    return ("the compact backward wins only behind a transposed conv with a max pool (measured), so auto "
+    return ("the Triton backward wins only behind a transposed conv with a max pool (measured), so auto "
             "does not time it here")
 
 
-def _compact_backward_unsupported(
+def _triton_backward_unsupported(
     x: Tensor, weight: Tensor, saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig
 ) -> str | None:
-    """None when ``_compact_backward`` serves the case, else why not."""
+    """None when ``_TritonBackward`` serves the case, else why not."""
     if cfg.pool is not None and cfg.pool.kind != "max":
         return "an avg pool's conv-output gradient needs the full-size chain derivative (library backward)"
     if x.device.type != "cuda" and not environment.cpu_kernels_triton():
-        return "the compact backward runs on CUDA (or the interpreter)"
+        return "the Triton backward runs on CUDA (or the interpreter)"
     from ...kernels import conv_fused_bwd
 
     spec = cfg.conv
@@ -268,12 +268,12 @@ def _pooled_grad(g_win: Tensor, winner: Tensor, pool: PoolSpec) -> Any:  # conv_
     )
 
 
-class _CompactBackward:
+class _TritonBackward:
     """The conv backward never materializes the full-size gradient behind a max pool.
 
     The chain is differentiated at the winners only (the epilogue backward kernel without a pool,
     on the pooled-size saved state): ``g_win = grad_out * chain'(y0_winner)``, with the operand and
-    bias sums in the same pass; then ``_compact_kernels`` (shift or general) compute grad x and
+    bias sums in the same pass; then ``_triton_kernels`` (shift or general) compute grad x and
     weight with loaders that expand ``(g_win, winner)`` on the fly.  Without a pool the dense
     conv-output gradient is written as in the library path and the same Triton conv backward
     consumes it.
@@ -287,7 +287,7 @@ class _CompactBackward:
                  operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig,
                  mask: Sequence[bool]) -> None:  # fmt: skip
         kernels = epilogue_kernels()
-        self.pool = cfg.pool  # not None: a max pool (``_compact_backward_unsupported``)
+        self.pool = cfg.pool  # not None: a max pool (``_triton_backward_unsupported``)
         y_src = saved_b if self.pool is not None else saved_a
         #: the gradient at the winners (or the dense conv-output gradient) is laid out like y_src
         self.g_layout = (tuple(y_src.shape), y_src.stride(), y_src.dtype)
@@ -307,7 +307,7 @@ class _CompactBackward:
         from ...kernels import conv_shift_bwd
 
         dtype = conv_compute_dtype(cfg, x)
-        kernels_module = _compact_kernels(conv_args, cfg, dtype)
+        kernels_module = _triton_kernels(conv_args, cfg, dtype)
         #: None, or the compute dtype x and weight are cast to before the general conv-backward
         #: kernels (``conv_fused_bwd`` computes in x's dtype; ``conv_shift_bwd`` casts as it loads)
         self.cast_to = None
@@ -333,8 +333,8 @@ class _CompactBackward:
         return [grad_x, grad_w, None if grad_bias is None else grad_bias.to(self.bias_dtype), *grad_operands]
 
 
-def _compact_kernels(conv_args: tuple, cfg: ConvEpilogueConfig, dtype: torch.dtype) -> ModuleType:
-    """The conv-backward kernels of the compact backward: ``kernels.conv_shift_bwd`` (dense GEMMs
+def _triton_kernels(conv_args: tuple, cfg: ConvEpilogueConfig, dtype: torch.dtype) -> ModuleType:
+    """The conv-backward kernels of the Triton backward: ``kernels.conv_shift_bwd`` (dense GEMMs
     over (shift, window offset), for a transposed conv under a max pool whose stride is the conv's)
     where it serves the case, else the general ``kernels.conv_fused_bwd``.  Both take the same
     arguments (``conv_args``) and give the same results (``conv_shift_bwd`` also takes the compute
@@ -344,6 +344,6 @@ def _compact_kernels(conv_args: tuple, cfg: ConvEpilogueConfig, dtype: torch.dty
     grad, x, weight = conv_args[:3]
     if not isinstance(grad, conv_fused_bwd.PooledGrad):
         return conv_fused_bwd
-    key = ("compact_kernels", tensor_key(grad.g_win), tensor_key(grad.winner), tensor_key(x), tensor_key(weight), cfg)
+    key = ("triton_kernels", tensor_key(grad.g_win), tensor_key(grad.winner), tensor_key(x), tensor_key(weight), cfg)
     why = DECISIONS.get(key, lambda: conv_shift_bwd.unsupported_reason(*conv_args, compute_dtype=dtype))
     return conv_fused_bwd if why is not None else conv_shift_bwd

@@ -1,6 +1,6 @@
-"""The compact conv backward (``kernels/conv_fused_bwd/``) wired into ``fusion::conv_epilogue``.
+"""The Triton conv backward (``kernels/conv_fused_bwd/``) wired into ``fusion::conv_epilogue``.
 
-``FUSION_CONV_IMPL=triton`` forces the fused forward and the compact backward (behind a max pool the
+``FUSION_CONV_IMPL=triton`` forces the fused forward and the Triton backward (behind a max pool the
 conv-output gradient is never written full size); the results must match eager and a float64 run
 for the output and every gradient (input, weight, bias, multiplier), as the library path does.
 On CPU the kernels run under the interpreter (``FUSION_CPU_KERNELS=triton``), on CUDA for real.
@@ -59,7 +59,7 @@ CASES = {
 def forced_triton(monkeypatch, exact_fp32):
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
-    calls = []  # the name of each compact conv-backward module that ran
+    calls = []  # the name of each Triton conv backward module that ran
     monkeypatch.setattr(ce.backward, "PLANS", type(ce.backward.PLANS)(256))  # no plan kept by another test
     for module in (conv_fused_bwd, conv_shift_bwd):
         real = module.backward_plan
@@ -74,12 +74,12 @@ def forced_triton(monkeypatch, exact_fp32):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_compact_backward_matches_eager(forced_triton, name):
+def test_triton_backward_matches_eager(forced_triton, name):
     build, shape = CASES[name]
     torch.manual_seed(1)
     model = build().to(DEVICE)
     assert_fused(model, [torch.randn(shape, device=DEVICE)], expect={"conv_epilogue": 1}, train=True)
-    assert forced_triton, "the compact backward did not run"
+    assert forced_triton, "the Triton backward did not run"
     # a transposed conv under a max pool whose stride is the conv's takes the shift kernels
     assert forced_triton == (["conv_shift_bwd"] if name == "convT3d-maxpool2" else ["conv_fused_bwd"])
 
@@ -97,4 +97,4 @@ def test_zero_multiplier_ties_route_the_gradient_like_eager(forced_triton):
 def test_avg_pool_takes_the_library_backward(forced_triton):
     model = ConvChainPool(nn.Conv2d(3, 4, 3), 4, 2, nn.AvgPool2d(2)).to(DEVICE)
     assert_fused(model, [torch.randn(2, 3, 8, 8, device=DEVICE)], expect={"conv_epilogue": 1}, train=True)
-    assert not forced_triton, "an avg pool has no compact conv-output gradient"
+    assert not forced_triton, "an avg pool has no implicit conv-output gradient"
