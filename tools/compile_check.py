@@ -4,7 +4,7 @@
         [--sass] [--dump-sass DIR] [--verbose]
         [--tiles T;...] [--dgrad-tiles T;...] [--wgrad-tiles T;...]
 
-KERNEL (a job; none: all): ``conv_fused``, ``conv_dense``, ``conv_fused_bwd``, ``conv_shift_bwd``,
+KERNEL (a job; none: all): ``conv_fused``, ``conv_dense``, ``conv_fused_bwd``, ``conv_phase_aligned_bwd``,
 ``global_mean``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
 compile for the GPU; on ``conv_global_mean``'s default path such a kernel makes the op fall back to
 the slow torch reference (with one warning).  Run this after every change to a kernel.
@@ -18,7 +18,7 @@ reports registers and spill stores, besides shared memory and whether ``wgmma`` 
 A job's tiled kernel is compiled for every tile of its list that fits the launch (only the first
 with ``--quick``): ``conv_fused`` / ``conv_dense``: the tiles their ``_prune`` keeps (what the
 autotuner times); ``conv_fused_bwd``: every config of ``_dgrad_configs`` / ``_wgrad_configs``;
-``conv_shift_bwd``: ``_DGRAD_TILES`` / ``_WGRAD_TILES`` clamped to the problem (``_fit``).  Other
+``conv_phase_aligned_bwd``: ``_DGRAD_TILES`` / ``_WGRAD_TILES`` clamped to the problem (``_fit``).  Other
 kernels are compiled as launched.  A specialisation already compiled in the run is not compiled
 again (its line names the case that compiled it).  Environment: ``TRITON_INTERPRET`` is removed
 before the kernels are imported, ``FUSION_CONV_AUTOTUNE=0`` (the launchers take their heuristic
@@ -31,7 +31,7 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
 * ``conv_fused``: ``fusion::conv_epilogue``'s Triton forward (``ops.conv_epilogue.forward.
   _fused_conv_forward``) on the ``seeds`` suite's ConvTranspose3d 16->32 k3 s2 + leaky_relu -> mul
   -> leaky_relu + MaxPool3d(2) over (16, 16, 16, 32, 32) (``convt3d``), or the same with 48 input
-  channels (``convt3d_wide``: SHIFT_K with several channel blocks): ``conv_fused_fwd_kernel`` and,
+  channels (``convt3d_wide``: PHASE_ALIGNED with several channel blocks): ``conv_fused_fwd_kernel`` and,
   with one channel block, the weight-matrix kernel.  Dtypes ``fp32`` (TF32), ``bf16``, ``amp`` (fp32 tensors, bf16
   compute: autocast's casts absorbed into the loaders); ``-save``: the training forward (writes the
   backward state).  Cases ``{convt3d,convt3d_wide}-{fp32,bf16,amp}[-save]``; default
@@ -46,7 +46,7 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
   256, 20): its 18-wide output rows take the weight grad's flat ``LINE_MODE=False`` path); ``fp32``
   (TF32) or ``bf16``; ``-cl``: channels-last.  Cases ``{convt3d,conv2d,conv2d_narrow}-{fp32,bf16}
   [-cl]``; default ``convt3d-fp32``, ``conv2d-fp32``, ``conv2d-fp32-cl``, ``conv2d_narrow-fp32-cl``.
-* ``conv_shift_bwd``: ``shift_dgrad_kernel``, ``shift_wgrad_kernel`` and the finish kernel
+* ``conv_phase_aligned_bwd``: ``phase_aligned_dgrad_kernel``, ``phase_aligned_wgrad_kernel`` and the finish kernel
   (weight-grad partials -> taps) for ``convt3d`` (as above, its MaxPool3d(2) gradient in implicit form
   with an fp32 ``g_win``); ``fp32`` (TF32), ``bf16``, ``fp16``; ``-cl``: channels-last.  Cases
   ``convt3d-{fp32,bf16,fp16}[-cl]``; default ``convt3d-fp32``, ``convt3d-bf16``.
@@ -60,7 +60,7 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
 
 Options for some jobs only (given for another job: an error): ``--tiles 'M,N,K,warps,stages;...'``
 (``conv_fused``) or ``'M,K,warps,stages;...'`` (``conv_dense``; N is the conv's); ``--dgrad-tiles``
-/ ``--wgrad-tiles``: ``'M,CI,CO,KPB,warps,stages;...'`` (``conv_shift_bwd``), ``'M,warps,stages'`` /
+/ ``--wgrad-tiles``: ``'M,CI,CO,KPB,warps,stages;...'`` (``conv_phase_aligned_bwd``), ``'M,warps,stages'`` /
 ``'warps,stages'`` (``conv_fused_bwd``): these tiles instead of the kernel's list.
 
 ``--kernels dgrad,finish``: only the recorded kernels whose name contains one of the words.
@@ -72,14 +72,14 @@ whole tuple under ``(arg_index,)``.
 
 ``--sass``: disassemble each cubin (bundled ``cuobjdump -sass``) and count its instructions by class
 for the whole kernel and for its *main loop*: the innermost loop (a backward branch) holding MMA
-instructions, among several the one with the most (conv_fused SHIFT_K: the shared-X-tile
-offsets loop; conv_shift_bwd: the weight grad's loop over unit rows, the input grad's loop over live
+instructions, among several the one with the most (conv_fused PHASE_ALIGNED: the shared-X-tile
+offsets loop; conv_phase_aligned_bwd: the weight grad's loop over unit rows, the input grad's loop over live
 offset blocks).  Printed for the main loop: ``instr/MMA`` (instructions per MMA instruction, the
 headline static cost proxy; compare like with like: an fp32/TF32 HGMMA has K=8, a bf16 one K=16,
 and the HGMMA shape follows the tile), the six most frequent opcodes, and per job:
 ``thread-instr/output`` (conv_fused, conv_dense: ``loop * 32 * warps / (BLOCK_M * BLOCK_N)``, thread
 instructions per conv-output element of one iteration); ``instr/row`` (per unit row of BLOCK_M) and
-``warp-instr/kMAC`` (conv_shift_bwd: the loop's instructions times the CTA's warps per 1000
+``warp-instr/kMAC`` (conv_phase_aligned_bwd: the loop's instructions times the CTA's warps per 1000
 multiply-adds of one iteration, comparable across tiles; an H100 SM issues 4 warp-instructions per
 clock and runs ~1000 TF32 / ~2000 bf16 dense MACs per clock).  Static counts: predicated-off
 instructions and latencies are not modelled.  ``--dump-sass DIR`` (implies ``--sass``) writes each
@@ -116,7 +116,7 @@ from seed_convs import seed_conv  # noqa: E402
 from fusion_backend.kernels import conv_dense as CD  # noqa: E402
 from fusion_backend.kernels import conv_fused as CF  # noqa: E402
 from fusion_backend.kernels import conv_fused_bwd as FB  # noqa: E402
-from fusion_backend.kernels import conv_shift_bwd as S  # noqa: E402
+from fusion_backend.kernels import conv_phase_aligned_bwd as S  # noqa: E402
 from fusion_backend.kernels import global_mean as GM  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
@@ -185,8 +185,8 @@ def conv_fused_backward(workload: str, dtype: str, channels_last: bool) -> None:
     FB.plan._weight_grad(grad, x, w, *conv)
 
 
-def conv_shift_backward(dtype: str, channels_last: bool) -> None:
-    """``conv_shift_bwd``'s input-grad and weight-grad plans for the ConvTranspose3d behind
+def conv_phase_aligned_backward(dtype: str, channels_last: bool) -> None:
+    """``conv_phase_aligned_bwd``'s input-grad and weight-grad plans for the ConvTranspose3d behind
     MaxPool3d(2), run once, with an H100's SM count setting the weight grad's split count."""
     dt = BACKWARD_DTYPES[dtype]
     grad, x, w, (stride, padding, dilation, _, output_padding, groups) = convt3d_maxpool_grad(
@@ -257,8 +257,8 @@ def conv_output_rate(launch: kc.Launch) -> dict[str, float]:
     return {"thread-instr/output": 32 * launch.option("num_warps") / (kw["BLOCK_M"] * kw["BLOCK_N"])}
 
 
-def shift_rates(launch: kc.Launch) -> dict[str, float]:
-    """``instr/row`` and ``warp-instr/kMAC`` of a ``conv_shift_bwd`` kernel's main loop (per loop
+def phase_aligned_rates(launch: kc.Launch) -> dict[str, float]:
+    """``instr/row`` and ``warp-instr/kMAC`` of a ``conv_phase_aligned_bwd`` kernel's main loop (per loop
     instruction); one iteration multiplies ``BLOCK_M * BLOCK_CI * BLOCK_CO * KPB * KS`` (the input
     grad: per offset block)."""
     kw = launch.kwargs
@@ -271,8 +271,8 @@ def pruned_tiles(module) -> Callable[[kc.Launch], list[triton.Config]]:  # noqa:
     return lambda launch: module._prune(module._configs(), launch.named_args, **launch.kwargs)
 
 
-def shift_tiles(tiles: tuple[tuple[int, ...], ...]) -> Callable[[kc.Launch], list[triton.Config]]:
-    """``tiles`` clamped to a ``conv_shift_bwd`` launch's problem (``_fit``)."""
+def phase_aligned_tiles(tiles: tuple[tuple[int, ...], ...]) -> Callable[[kc.Launch], list[triton.Config]]:
+    """``tiles`` clamped to a ``conv_phase_aligned_bwd`` launch's problem (``_fit``)."""
 
     def fit(launch: kc.Launch) -> list[triton.Config]:
         kw, named = launch.kwargs, launch.named_args
@@ -303,7 +303,7 @@ class Job:
     spills_fail: bool = False
 
 
-SHIFT_FIELDS = ("BLOCK_M", "BLOCK_CI", "BLOCK_CO", "KPB")
+PHASE_ALIGNED_FIELDS = ("BLOCK_M", "BLOCK_CI", "BLOCK_CO", "KPB")
 JOBS = {job.name: job for job in (
     Job(
         "conv_fused", "conv_epilogue forward through kernels/conv_fused/ (ConvTranspose3d + chain + MaxPool3d)",
@@ -329,11 +329,11 @@ JOBS = {job.name: job for job in (
          TiledKernel("wgrad_kernel", (), "wgrad_tiles", lambda launch: FB.device.wgrad_configs())),
     ),
     Job(
-        "conv_shift_bwd", "kernels/conv_shift_bwd/: input and weight grads behind a max pool (ConvTranspose3d)",
-        {f"convt3d-{d}{cl}": partial(conv_shift_backward, d, bool(cl)) for d in BACKWARD_DTYPES for cl in ("", "-cl")},
+        "conv_phase_aligned_bwd", "kernels/conv_phase_aligned_bwd/: input and weight grads behind a max pool (ConvTranspose3d)",
+        {f"convt3d-{d}{cl}": partial(conv_phase_aligned_backward, d, bool(cl)) for d in BACKWARD_DTYPES for cl in ("", "-cl")},
         ("convt3d-fp32", "convt3d-bf16"),
-        (TiledKernel("shift_dgrad_kernel", SHIFT_FIELDS, "dgrad_tiles", shift_tiles(S.plan._DGRAD_TILES), shift_rates),
-         TiledKernel("shift_wgrad_kernel", SHIFT_FIELDS, "wgrad_tiles", shift_tiles(S.plan._WGRAD_TILES), shift_rates)),
+        (TiledKernel("phase_aligned_dgrad_kernel", PHASE_ALIGNED_FIELDS, "dgrad_tiles", phase_aligned_tiles(S.plan._DGRAD_TILES), phase_aligned_rates),
+         TiledKernel("phase_aligned_wgrad_kernel", PHASE_ALIGNED_FIELDS, "wgrad_tiles", phase_aligned_tiles(S.plan._WGRAD_TILES), phase_aligned_rates)),
     ),
     Job(
         "global_mean", "kernels/global_mean/: the conv_global_mean pipeline (ConvTranspose2d 64->128 global mean)",
@@ -485,12 +485,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dgrad-tiles",
         default="",
-        help="conv_shift_bwd: 'M,CI,CO,KPB,warps,stages;...'; conv_fused_bwd: 'M,warps,stages;...'",
+        help="conv_phase_aligned_bwd: 'M,CI,CO,KPB,warps,stages;...'; conv_fused_bwd: 'M,warps,stages;...'",
     )
     parser.add_argument(
         "--wgrad-tiles",
         default="",
-        help="conv_shift_bwd: 'M,CI,CO,KPB,warps,stages;...'; conv_fused_bwd: 'warps,stages;...'",
+        help="conv_phase_aligned_bwd: 'M,CI,CO,KPB,warps,stages;...'; conv_fused_bwd: 'warps,stages;...'",
     )
     opts = parser.parse_args(argv)
     unknown = [name for name in opts.jobs if name not in JOBS]

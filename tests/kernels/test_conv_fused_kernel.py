@@ -92,7 +92,7 @@ CASES = [
      {"channels_last": True}),
     ("convT3d-s122-avgpool-padded", (1, 3, 2, 3, 3), (3, 4, 2, 3, 3), _spec(3, True, stride=(1, 2, 2)),
      MUL_LEAKY_GELU, _pool("avg", 3, 2, 2, 1), {}),
-    # SHIFT_K path (one dense (shift, channel) dot per window offset): odd sizes, partial pool windows and a partial M tile
+    # phase-aligned path (one dense (shift, channel) dot per window offset): odd sizes, partial pool windows and a partial M tile
     ("convT3d-s2-maxpool-odd-ceil-partial", (1, 3, 3, 5, 3), (3, 5, 3, 3, 3), _spec(3, True, stride=2, padding=1),
      LEAKY_MUL_LEAKY, _pool("max", 3, 2, ceil_mode=True), {"nan": True, "zero_mul": True}),
     ("convT3d-s2-maxpool-2-channel-blocks-groups", (1, 80, 2, 3, 2), (80, 3, 3, 3, 3),
@@ -101,12 +101,12 @@ CASES = [
     ("convT3d-s2-maxpool-nonfinite-tiles", (2, 4, 5, 6, 6), (4, 6, 3, 3, 3),
      _spec(3, True, stride=2, padding=1, output_padding=1), LEAKY_MUL_LEAKY, _pool("max", 3, 2),
      {"nan": True, "inf": True}),
-    # SHIFT_K with a padded pool (windows cut at every border: no FULL_WINDOWS, offset 0 is not every
+    # PHASE_ALIGNED with a padded pool (windows cut at every border: no FULL_WINDOWS, offset 0 is not every
     # row's first valid offset) and inf/NaN in some M tiles: both variants with the per-row first offset
     ("convT3d-s2-maxpool-padded-pool-nonfinite-tiles", (2, 4, 5, 6, 6), (4, 6, 3, 3, 3),
      _spec(3, True, stride=2, padding=1, output_padding=1), LEAKY_MUL_LEAKY, _pool("max", 3, 2, 2, 1),
      {"nan": True, "inf": True, "zero_mul": True}),
-    # the prearranged weight matrix of the SHIFT_K path (and its masked variant, NaN in x): a weight
+    # the prearranged weight matrix of the phase-aligned path (and its masked variant, NaN in x): a weight
     # with permuted strides
     ("convT3d-s2-maxpool-strided-weight", (2, 4, 3, 4, 4), (4, 6, 3, 3, 3),
      _spec(3, True, stride=2, padding=1, output_padding=1), LEAKY_MUL_LEAKY, _pool("max", 3, 2),
@@ -231,19 +231,19 @@ def test_int64_index_path_matches(monkeypatch, name):
         _assert_same(g_, w_, f"{name} {what}")
 
 
-def test_static_phase_transposed_convs_take_the_shift_k_path():
+def test_static_phase_transposed_convs_take_the_phase_aligned_path():
     """The ConvT3d pipeline's geometry (stride 2, padding 1, output padding 1, max pool 2) takes the
-    SHIFT_K path: 27 (phase, tap) pairs over 2 shifts per dim (8 slots); masked phases (pool stride
+    phase-aligned path: 27 (phase, tap) pairs over 2 shifts per dim (8 slots); masked phases (pool stride
     not a multiple of the conv stride) and plain convs do not."""
     convt3d = conv_fused.ConvGeometry(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     x, w = torch.zeros(1, 4, 4, 4, 4), torch.zeros(4, 6, 3, 3, 3)
     plan = conv_fused.plan._plan(x, w, convt3d, kernels.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), [4, 4, 4])
-    assert plan.shift_k and plan.unrolled == 27 and plan.shifts == ((0, 2), (0, 2), (0, 2))
+    assert plan.phase_aligned and plan.unrolled == 27 and plan.shifts == ((0, 2), (0, 2), (0, 2))
     assert plan.shift_slots == 8
     masked = kernels.PoolGeometry("max", (3, 3, 3), (1, 1, 1), (1, 1, 1))
-    assert not conv_fused.plan._plan(x, w, convt3d, masked, [8, 8, 8]).shift_k
+    assert not conv_fused.plan._plan(x, w, convt3d, masked, [8, 8, 8]).phase_aligned
     plain = conv_fused.ConvGeometry(False, (1, 1, 1), (0, 0, 0), (1, 1, 1), (0, 0, 0), 1)
-    assert not conv_fused.plan._plan(x, torch.zeros(6, 4, 3, 3, 3), plain, None, None).shift_k
+    assert not conv_fused.plan._plan(x, torch.zeros(6, 4, 3, 3, 3), plain, None, None).phase_aligned
 
 
 def test_full_windows_only_where_every_window_offset_is_in_range():

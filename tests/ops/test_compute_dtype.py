@@ -5,7 +5,7 @@ the config; the Triton kernels cast each tile as they load it, and the gradients
 What must hold:
 
 * the forward is *bitwise* the forward of the same op given explicitly cast tensors (the values the
-  kernels cast are the values ``.to(dtype)`` gives), on every path: the fused conv (SHIFT_K, dense
+  kernels cast are the values ``.to(dtype)`` gives), on every path: the fused conv (PHASE_ALIGNED, dense
   and general), the library conv, the reference;
 * every gradient has its input's dtype (fp32) and is at least as close to float64 as the
   explicit-cast path's (which rounds the gradients to the low dtype before casting them back);
@@ -50,8 +50,8 @@ def impl(request, monkeypatch, exact_fp32):
 
 
 def _convt3d_maxpool():
-    """ConvTranspose3d stride 2 -> leaky -> x per-channel -> leaky -> MaxPool3d(2): the SHIFT_K
-    forward and the shift backward."""
+    """ConvTranspose3d stride 2 -> leaky -> x per-channel -> leaky -> MaxPool3d(2): the PHASE_ALIGNED
+    forward and the phase-aligned backward."""
     spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     leaky = ChainStep(PK.LEAKY_RELU, (Const(0.2),))
     chain = (leaky, ChainStep(PK.MUL, (TensorRef(0),)), leaky)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fusion_backend.kernels import conv_fused_bwd, conv_shift_bwd
+from fusion_backend.kernels import conv_fused_bwd, conv_phase_aligned_bwd
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.testing import assert_fused
 
@@ -61,7 +61,7 @@ def forced_triton(monkeypatch, exact_fp32):
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
     calls = []  # the name of each Triton conv backward module that ran
     monkeypatch.setattr(ce.backward, "PLANS", type(ce.backward.PLANS)(256))  # no plan kept by another test
-    for module in (conv_fused_bwd, conv_shift_bwd):
+    for module in (conv_fused_bwd, conv_phase_aligned_bwd):
         real = module.backward_plan
         name = module.__name__.rsplit(".", 1)[1]
 
@@ -80,8 +80,8 @@ def test_triton_backward_matches_eager(forced_triton, name):
     model = build().to(DEVICE)
     assert_fused(model, [torch.randn(shape, device=DEVICE)], expect={"conv_epilogue": 1}, train=True)
     assert forced_triton, "the Triton backward did not run"
-    # a transposed conv under a max pool whose stride is the conv's takes the shift kernels
-    assert forced_triton == (["conv_shift_bwd"] if name == "convT3d-maxpool2" else ["conv_fused_bwd"])
+    # a transposed conv under a max pool whose stride is the conv's takes the phase-aligned kernels
+    assert forced_triton == (["conv_phase_aligned_bwd"] if name == "convT3d-maxpool2" else ["conv_fused_bwd"])
 
 
 def test_zero_multiplier_ties_route_the_gradient_like_eager(forced_triton):

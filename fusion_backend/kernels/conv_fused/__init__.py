@@ -24,9 +24,9 @@ Mapping (every rank lifted to 3d with leading singleton spatial dims):
   ConvTranspose3d(16->32, k3, p1, op1), the ``convt3d_leaky_mul_leaky_maxpool`` workload), the phase
   of every offset is a compile-time constant: taps that cannot contribute are skipped at compile time
   and no multiply by an inserted zero happens.  With a static phase along every dim and at most
-  ``_SHIFT_K_MAX_SLOTS`` distinct input shifts (offset ``kp`` and tap ``t`` read ``i = u * US / s +
+  ``_PHASE_ALIGNED_MAX_SLOTS`` distinct input shifts (offset ``kp`` and tap ``t`` read ``i = u * US / s +
   (kp - UP + p - t * dil) / s``, a compile-time shift; the ConvT3d pipeline: 2 per dim, 8 in all), the
-  *SHIFT_K* path makes every window offset ONE dense dot: K = (input shift, channel), the X tile
+  *phase-aligned* path makes every window offset ONE dense dot: K = (input shift, channel), the X tile
   ``[BLOCK_M, 8 shifts x C_in]`` loaded once per channel block and shared by the dots of all offsets,
   the weight tile zero where no tap links the offset to the shift (the ConvT3d pipeline: 27 live of 64
   (offset, shift) blocks, so 2.4x the MMA work of the live taps, traded for 8 large dots with one live
@@ -50,16 +50,16 @@ Layout: ``device.py`` holds the Triton kernels and their device helpers; ``plan.
 from .plan import (
     AUTOTUNE_ENV,
     MAX_UNROLLED_TAPS,
-    SHIFT_K_BLOCK_K,
+    PHASE_ALIGNED_BLOCK_K,
     ConvGeometry,
     conv_fused_forward,
     conv_output_size,
     forward_launch,
-    shift_k_weight_matrix,
+    phase_aligned_weight_matrix,
     unsupported_reason,
 )
 
 __all__ = [
-    "AUTOTUNE_ENV", "MAX_UNROLLED_TAPS", "SHIFT_K_BLOCK_K", "ConvGeometry", "conv_fused_forward", "conv_output_size",
-    "forward_launch", "shift_k_weight_matrix", "unsupported_reason",
+    "AUTOTUNE_ENV", "MAX_UNROLLED_TAPS", "PHASE_ALIGNED_BLOCK_K", "ConvGeometry", "conv_fused_forward", "conv_output_size",
+    "forward_launch", "phase_aligned_weight_matrix", "unsupported_reason",
 ]  # fmt: skip

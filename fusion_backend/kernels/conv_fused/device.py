@@ -1,5 +1,5 @@
 """Device code of the fused conv forward (``kernels/conv_fused``): ``conv_fused_fwd_kernel`` (implicit-GEMM
-conv or conv-transpose + bias + chain + pool, in registers), ``shift_k_weight_kernel`` (the SHIFT_K
+conv or conv-transpose + bias + chain + pool, in registers), ``phase_aligned_weight_kernel`` (the PHASE_ALIGNED
 path's prearranged weight matrix) and their device helpers.  The paths, the numerics and the
 arguments are described in the package docstring and at each kernel; ``plan.py`` builds the launches.
 """
@@ -97,8 +97,8 @@ def _live_tap(num, DIL: tl.constexpr, T: tl.constexpr):
 
 
 @triton.jit
-def _shift_k_columns(KS: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The K axis of the SHIFT_K path: column ``s * BLOCK_K + c`` is channel ``c`` of the block at
+def _phase_aligned_columns(KS: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K axis of the phase-aligned path: column ``s * BLOCK_K + c`` is channel ``c`` of the block at
     input shift ``s = (jd * NSH + jh) * NSW + jw``.  Returns ``(s, c, jd, jh, jw)``, each ``[KS * BLOCK_K]``."""
     kcol = tl.arange(0, KS * BLOCK_K)
     s = kcol // BLOCK_K
@@ -109,14 +109,14 @@ def _shift_k_columns(KS: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, BLO
 
 
 @triton.jit
-def _shift_k_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw,
+def _phase_aligned_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw,
                     NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
                     BIG: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """``[BLOCK_M, KS * BLOCK_K]`` X tile (the group's input channels fit one block): row ``m`` and
     column ``(s, c)`` hold ``x[n, c, i0 + shift s]`` (``x_rows``: pointers at ``(n, group's first
     channel, i0)``, ``i0 = (i_d0, i_h0, i_w0)`` the lowest shift's input position).  Padding shifts
     (``s >= NSD * NSH * NSW``), channels past ``CIN_G`` and out-of-range inputs read 0."""
-    s, ci, jd, jh, jw = _shift_k_columns(KS, NSH, NSW, BLOCK_K)
+    s, ci, jd, jh, jw = _phase_aligned_columns(KS, NSH, NSW, BLOCK_K)
     col_ok = (s < NSD * NSH * NSW) & (ci < CIN_G)
     if BIG:
         off = jd.to(tl.int64) * x_sd + jh.to(tl.int64) * x_sh + jw.to(tl.int64) * x_sw + ci.to(tl.int64) * x_sc
@@ -130,7 +130,7 @@ def _shift_k_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_s
 
 
 @triton.jit
-def _shift_k_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
+def _phase_aligned_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
                     TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
                     SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                     PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
@@ -140,14 +140,14 @@ def _shift_k_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
                     NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
                     BLOCK_K: tl.constexpr):  # fmt: skip
     """``[KS * BLOCK_K, BLOCK_N]`` weight tile of window offset ``(kd, kh, kw)`` matching
-    ``_shift_k_x_tile``'s columns: row ``(s, c)`` holds the weight of the tap that carries input
+    ``_phase_aligned_x_tile``'s columns: row ``(s, c)`` holds the weight of the tap that carries input
     shift ``s`` to that offset, or 0 where no tap does (a dead (offset, shift) pair).
 
     Along each dim, offset ``kp`` reads shift ``j`` through tap ``t`` iff
     ``kp - UP + P - t * DIL == S * (LO + j)`` (see ``_in_index``); for a given ``j`` at most one
     tap satisfies it.  ``w_base``: ``[1, BLOCK_N]`` pointers at (group's first input channel,
     output channel, tap 0)."""
-    s, ci, jd, jh, jw = _shift_k_columns(KS, NSH, NSW, BLOCK_K)
+    s, ci, jd, jh, jw = _phase_aligned_columns(KS, NSH, NSW, BLOCK_K)
     td, ok_d = _live_tap(kd - UPD + PD - SD * (LOD + jd), DD, TD)
     th, ok_h = _live_tap(kh - UPH + PH - SH * (LOH + jh), DH, TH)
     tw, ok_w = _live_tap(kw - UPW + PW - SW * (LOW + jw), DW, TW)
@@ -242,7 +242,7 @@ def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win
 
 
 @triton.jit
-def _shift_k_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
+def _phase_aligned_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
                       w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                       best, win, win_y, pooled,
                       bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, sa_ptr,
@@ -261,7 +261,7 @@ def _shift_k_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr, x_ro
                       NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):  # fmt: skip
-    """One window offset ``kk`` of ``_shift_k_offsets``: its dot, then ``_offset_epilogue`` (FIRST:
+    """One window offset ``kk`` of ``_phase_aligned_offsets``: its dot, then ``_offset_epilogue`` (FIRST:
     1 offset 0 of a FULL window, peeled; 2 a later offset of a FULL window after the peeled one;
     0 otherwise)."""
     kd = kk // (KH * KW)
@@ -317,7 +317,7 @@ def _shift_k_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr, x_ro
 
 
 @triton.jit
-def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
+def _phase_aligned_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
                      w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                      best, win, win_y, pooled,
                      bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, sa_ptr,
@@ -336,11 +336,11 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
                      NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr):  # fmt: skip
-    """The SHIFT_K path's loop over window offsets: per offset one dot over (input shift, channel),
+    """The phase-aligned path's loop over window offsets: per offset one dot over (input shift, channel),
     then ``_offset_epilogue``.  SHARED_X: every offset's dot reads ``a_all`` (the one channel
     block's X tile, all finite) and the offset's rows of the prearranged weight matrix
     (``wm_base``: ``[1, BLOCK_N]`` pointers at the group's offset 0, row 0; offsets ``wm_sk`` apart, rows contiguous;
-    see ``shift_k_weight_matrix``; dead (offset, shift) pairs multiply by zero weights); else each
+    see ``phase_aligned_weight_matrix``; dead (offset, shift) pairs multiply by zero weights); else each
     offset runs one small dot per (channel block, shift) pair, loading its X tile with the dead
     pairs masked to zero on both sides (several channel blocks, or a tile holding inf/NaN, where
     0 * inf would make NaN).
@@ -354,7 +354,7 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
     # Not in the masked variant (tiles with inf/NaN only): its dots would be duplicated.
     PEEL: tl.constexpr = 1 if FULL and POOL == 1 and SHARED_X else 0
     for kk in tl.static_range(PEEL):
-        best, win, win_y, pooled = _shift_k_offset(
+        best, win, win_y, pooled = _phase_aligned_offset(
             kk, 1,
             a_all, SHARED_X, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
             wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd,
@@ -365,7 +365,7 @@ def _shift_k_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_
             UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
         )  # fmt: skip
     for kk in range(PEEL, KD * KH * KW):
-        best, win, win_y, pooled = _shift_k_offset(
+        best, win, win_y, pooled = _phase_aligned_offset(
             kk, 2 * PEEL,
             a_all, SHARED_X, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
             wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd,
@@ -399,7 +399,7 @@ def conv_fused_fwd_kernel(
     UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
     STATIC_D: tl.constexpr, STATIC_H: tl.constexpr, STATIC_W: tl.constexpr,
     COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr,
-    CDT: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, SHIFT_K: tl.constexpr,
+    CDT: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, PHASE_ALIGNED: tl.constexpr,
     ONE_CBLOCK: tl.constexpr, KS: tl.constexpr, FULL_WINDOWS: tl.constexpr,
     LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
     NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr,
@@ -414,7 +414,7 @@ def conv_fused_fwd_kernel(
       w_ptr   weight, any strides; ``w_sci``/``w_sco`` step the input/output channel *within the
               group* (conv: dims 1/0; transposed: dims 0/1) and the launcher has already offset
               nothing: the kernel adds the group offset itself.  Taps ``TD x TH x TW``.
-      wm_ptr  SHIFT_K with ONE_CBLOCK: the prearranged weight matrix of ``shift_k_weight_matrix``
+      wm_ptr  PHASE_ALIGNED with ONE_CBLOCK: the prearranged weight matrix of ``phase_aligned_weight_matrix``
               ((groups, KD*KH*KW, COUT_G, KS*BLOCK_K), the compute dtype, contiguous); else unused.
       p_ptr   operand matrix P of ``epilogue.build_params``, (NUM_PARAM_ROWS, C_OUT) fp32 contiguous.
       out_ptr result (N, C_OUT, pooled or conv-output spatial), any float dtype, strides ``o_s*``.
@@ -432,10 +432,10 @@ def conv_fused_fwd_kernel(
     BIG: index math in int64 (some tensor spans more than 2**31 - 1 elements).
     FLAT_K: one pipelined runtime loop over taps x channel blocks (``_conv_flat``; no compile-time
     phase skipping); else taps unrolled statically, skipping dead phases (transposed conv).
-    SHIFT_K: transposed conv with a static phase along every dim: per window offset ONE dot whose K
+    PHASE_ALIGNED: transposed conv with a static phase along every dim: per window offset ONE dot whose K
     axis is (input shift, channel) over all ``NSD * NSH * NSW`` distinct input shifts (padded to
     ``KS``, a power of 2), the weight tile zero where no tap links the offset to the shift
-    (``_shift_k_x_tile`` / ``_shift_k_w_tile``; ``LO*``/``NS*``: the lowest shift and the number of
+    (``_phase_aligned_x_tile`` / ``_phase_aligned_w_tile``; ``LO*``/``NS*``: the lowest shift and the number of
     shifts per dim).  ONE_CBLOCK (``CIN_G <= BLOCK_K``): the X tile is loaded once and feeds the
     dots of every window offset.
     """
@@ -491,7 +491,7 @@ def conv_fused_fwd_kernel(
     win = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
     win_y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     pooled = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if SHIFT_K:
+    if PHASE_ALIGNED:
         # Input position of the lowest shift; offset kp and tap t read i0 + (shift - LO) (static).
         i_d0 = ud * (USD // SD) + LOD
         i_h0 = uh * (USH // SH) + LOH
@@ -502,7 +502,7 @@ def conv_fused_fwd_kernel(
             x_rows = x_base + (i_d0 * x_sd + i_h0 * x_sh + i_w0 * x_sw)
         masked = 1  # several channel blocks: the masked variant (a_all does not exist)
         if ONE_CBLOCK:
-            a_all = _shift_k_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw,
+            a_all = _phase_aligned_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw,
                                     NSD, NSH, NSW, KS, BIG, BLOCK_K)  # fmt: skip
             a_all = to_compute(a_all, CDT)  # an fp32 x under autocast: cast here, not in a pass of its own
             # NOTE: a dead (offset, shift) pair multiplies its X column by a zero weight, and
@@ -525,7 +525,7 @@ def conv_fused_fwd_kernel(
                 # registers).  Measured statically (tools/compile_check.py conv_fused --sass, Triton
                 # 3.9): the ConvT3d pipeline's fp32 main loop 403 -> 269 instructions.
                 for _once in range(pid_m, pid_m + 1):
-                    best, win, win_y, pooled = _shift_k_offsets(
+                    best, win, win_y, pooled = _phase_aligned_offsets(
                         a_cur, True, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
                         wm_base, COUT_G * (KS * BLOCK_K), CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                         best, win, win_y, pooled,
@@ -541,7 +541,7 @@ def conv_fused_fwd_kernel(
         # A runtime branch with one channel block; a static one otherwise (masked stays the int 1,
         # so the shared-tile call above is never compiled without a_all).
         if masked != 0:
-            best, win, win_y, pooled = _shift_k_offsets(
+            best, win, win_y, pooled = _phase_aligned_offsets(
                 0.0, False, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
                 w_base, COUT_G, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                 best, win, win_y, pooled,
@@ -553,7 +553,7 @@ def conv_fused_fwd_kernel(
                 PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
 
-    for kd in tl.static_range(KD * (1 - SHIFT_K)):
+    for kd in tl.static_range(KD * (1 - PHASE_ALIGNED)):
         od = ud * USD - UPD + kd
         ok_d = (od >= 0) & (od < OD)
         for kh in tl.static_range(KH):
@@ -636,7 +636,7 @@ def conv_fused_fwd_kernel(
 
 
 @triton.jit
-def shift_k_weight_kernel(
+def phase_aligned_weight_kernel(
     w_ptr, wm_ptr, CIN_G, COUT_G, w_sci, w_sco, w_sd, w_sh, w_sw,
     TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
     SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
@@ -649,9 +649,9 @@ def shift_k_weight_kernel(
     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One program per (window offset, group x output-channel block): writes that offset's
-    ``[KS * BLOCK_K, BLOCK_N]`` slice of the prearranged weight matrix (``_shift_k_w_tile``'s tile,
+    ``[KS * BLOCK_K, BLOCK_N]`` slice of the prearranged weight matrix (``_phase_aligned_w_tile``'s tile,
     cast to the matrix's dtype (the compute dtype), then TF32-rounded when PRECISION says so) at
-    ``wm_ptr`` (see ``shift_k_weight_matrix``)."""
+    ``wm_ptr`` (see ``phase_aligned_weight_matrix``)."""
     kk = tl.program_id(0)
     pid_n = tl.program_id(1)
     n_blocks_n = tl.cdiv(COUT_G, BLOCK_N)
@@ -662,7 +662,7 @@ def shift_k_weight_kernel(
     kh = (kk // KW) % KH
     kw = kk % KW
     w_base = w_ptr + (grp * CIN_G) * w_sci + co[None, :] * w_sco
-    tile = _shift_k_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
+    tile = _phase_aligned_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
                            TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, UPD, UPH, UPW,
                            LOD, LOH, LOW, NSD, NSH, NSW, KS, BLOCK_K)  # fmt: skip
     krow = tl.arange(0, KS * BLOCK_K)

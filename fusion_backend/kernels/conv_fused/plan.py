@@ -1,6 +1,6 @@
 """Host side of the fused conv forward (``kernels/conv_fused``): conv geometry and the output-size
 arithmetic's use, which cases are served, the per-call plan, the tiles and their autotuning, the
-SHIFT_K weight matrix and the launch plans."""
+PHASE_ALIGNED weight matrix and the launch plans."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ..epilogue import build_params
 from ..host import INTERPRETER, BoundedCache, best_first, cdiv, lift_5d, next_pow2, tensor_key
 from ..launch import FastLaunch, launch
 from ..tf32 import compute_code, dot_precision
-from .device import conv_fused_fwd_kernel, shift_k_weight_kernel
+from .device import conv_fused_fwd_kernel, phase_aligned_weight_kernel
 
 #: Largest number of (window offset, tap) pairs the kernel unrolls (compile time and code size grow
 #: with it).  The ConvT3d pipeline: 27 effective pairs (8 phases x 1..8 taps); a 3x3x3 conv under a
@@ -40,12 +40,12 @@ AUTOTUNE_ENV = environment.CONV_AUTOTUNE
 #: Problems below this many multiply-adds (live taps only) take the heuristic tile: autotuning
 #: compiles every config once per shape key, not worth it for small convs (and GPU tests).
 _AUTOTUNE_MIN_MACS = 2**28
-#: Most input-shift slots (distinct shifts rounded up to a power of 2) of the SHIFT_K path: its
-#: X tile is ``[BLOCK_M, slots * SHIFT_K_BLOCK_K]`` (the ConvT3d pipeline: 8 slots, K = 128).
-_SHIFT_K_MAX_SLOTS = 8
-#: The SHIFT_K path's channel block (every tile of ``_SHIFT_K_TILES``): inputs with at most this
+#: Most input-shift slots (distinct shifts rounded up to a power of 2) of the phase-aligned path: its
+#: X tile is ``[BLOCK_M, slots * PHASE_ALIGNED_BLOCK_K]`` (the ConvT3d pipeline: 8 slots, K = 128).
+_PHASE_ALIGNED_MAX_SLOTS = 8
+#: The phase-aligned path's channel block (every tile of ``_PHASE_ALIGNED_TILES``): inputs with at most this
 #: many channels per group (the ConvT3d pipeline: 16) load their X tile once for all window offsets.
-SHIFT_K_BLOCK_K = 16
+PHASE_ALIGNED_BLOCK_K = 16
 
 
 # --------------------------------------------------------------------------------------------------
@@ -76,9 +76,9 @@ class _Plan:
     unit_origin: tuple[int, int, int]
     static_phase: tuple[bool, bool, bool]
     unrolled: int  # (window offset, tap) pairs the kernel unrolls
-    shift_k: bool  # the kernel's SHIFT_K path (static phase along every dim, few input shifts)
-    shifts: tuple[tuple[int, int], ...]  # per dim (lowest input shift, number of shifts) for SHIFT_K
-    shift_slots: int  # SHIFT_K: the number of distinct input shifts rounded up to a power of 2
+    phase_aligned: bool  # the kernel's phase-aligned path (static phase along every dim, few input shifts)
+    shifts: tuple[tuple[int, int], ...]  # per dim (lowest input shift, number of shifts) for PHASE_ALIGNED
+    shift_slots: int  # PHASE_ALIGNED: the number of distinct input shifts rounded up to a power of 2
 
 
 def _output_channels_innermost(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -139,10 +139,10 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, conv: ConvGeometry, pool: PoolG
             unrolled *= window[j] * taps[j]
             shifts.append((0, 0))
     slots = next_pow2(math.prod(n for _, n in shifts)) if all(static) else 0
-    shift_k = all(static) and 0 < slots <= _SHIFT_K_MAX_SLOTS
+    phase_aligned = all(static) and 0 < slots <= _PHASE_ALIGNED_MAX_SLOTS
     del dims
     return _Plan(tuple(conv_out), tuple(units), tuple(window), tuple(ustride), tuple(uorigin),
-                 tuple(static), unrolled, shift_k, tuple(shifts), slots)  # fmt: skip
+                 tuple(static), unrolled, phase_aligned, tuple(shifts), slots)  # fmt: skip
 
 
 def _full_windows(plan: _Plan) -> bool:
@@ -220,13 +220,13 @@ _GENERAL_TILES = (
     (128, 64, 32, 4, 3), (128, 64, 32, 8, 4), (64, 64, 32, 4, 4), (256, 64, 32, 8, 3),
     (128, 64, 64, 8, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3),
 )  # fmt: skip
-#: Tiles of the SHIFT_K path (the ConvT3d pipeline), all with BLOCK_K = SHIFT_K_BLOCK_K.  NOTE: one
+#: Tiles of the phase-aligned path (the ConvT3d pipeline), all with BLOCK_K = PHASE_ALIGNED_BLOCK_K.  NOTE: one
 #: accumulator lives at a time; the X tile (ConvT3d pipeline fp32 at BLOCK_M 128: 64 KB) stays in
 #: shared memory for all window offsets.  With one channel block, two stages let Triton prefetch the
 #: next offset's slice of the prearranged weight matrix (``cp.async`` into a double buffer; ConvT3d
 #: pipeline fp32 M128 N32 8 warps: 205 registers, 96 KB shared, no spills); with several blocks they
 #: pipeline the K loop.
-_SHIFT_K_TILES = (
+_PHASE_ALIGNED_TILES = (
     (64, 32, 16, 4, 1), (128, 32, 16, 4, 1), (128, 32, 16, 8, 1), (256, 32, 16, 8, 1),
     (64, 64, 16, 4, 1), (128, 64, 16, 8, 1), (128, 16, 16, 4, 1),
     (64, 32, 16, 4, 2), (128, 32, 16, 8, 2), (128, 64, 16, 8, 2),
@@ -241,31 +241,31 @@ def _tile(cfg: triton.Config) -> tuple[int, int, int, int, int]:
 def _configs() -> list[triton.Config]:
     """Autotuning space on CUDA: both paths' tiles (``_prune`` keeps the path's own, per shape)."""
     configs = []
-    for bm, bn, bk, warps, stages in dict.fromkeys(_GENERAL_TILES + _SHIFT_K_TILES):
+    for bm, bn, bk, warps, stages in dict.fromkeys(_GENERAL_TILES + _PHASE_ALIGNED_TILES):
         configs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps,
                                      num_stages=stages))  # fmt: skip
     return configs
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Keep the tiles of the launched path (``SHIFT_K`` or not); drop tiles much wider than the
+    """Keep the tiles of the launched path (``PHASE_ALIGNED`` or not); drop tiles much wider than the
     problem (masked lanes cost full MMA work)."""
-    shift_k = kwargs.get("SHIFT_K", False)
-    tiles = set(_SHIFT_K_TILES if shift_k else _GENERAL_TILES)
+    phase_aligned = kwargs.get("PHASE_ALIGNED", False)
+    tiles = set(_PHASE_ALIGNED_TILES if phase_aligned else _GENERAL_TILES)
     configs = [c for c in configs if _tile(c) in tiles] or configs
-    if shift_k and not kwargs["ONE_CBLOCK"]:  # several channel blocks: a K loop, which needs two stages
+    if phase_aligned and not kwargs["ONE_CBLOCK"]:  # several channel blocks: a K loop, which needs two stages
         configs = [c for c in configs if c.num_stages > 1] or configs
-    if shift_k and kwargs["ONE_CBLOCK"] and kwargs.get("CDT", 0) == 0:
+    if phase_aligned and kwargs["ONE_CBLOCK"] and kwargs.get("CDT", 0) == 0:
         # fp32 shared X tile at 32+ rows per warp (4 warps, BLOCK_M >= 128): ptxas spills (the ConvT3d
         # pipeline, sm_90: 8-932 bytes; tools/compile_check.py conv_fused --tiles M,N,K,4,S shows it); M256
         # with 8 warps does not.
         configs = [c for c in configs if not (c.num_warps == 4 and c.kwargs["BLOCK_M"] >= 128)] or configs
     bn_max = max(16, next_pow2(int(named_args["COUT_G"])))
-    bk_max = SHIFT_K_BLOCK_K if shift_k else max(16, next_pow2(int(named_args["CIN_G"])))
+    bk_max = PHASE_ALIGNED_BLOCK_K if phase_aligned else max(16, next_pow2(int(named_args["CIN_G"])))
     kept = [c for c in configs if c.kwargs["BLOCK_N"] <= bn_max and c.kwargs["BLOCK_K"] <= bk_max]
     kept = kept or [min(configs, key=lambda c: c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
     # the heuristic tile first, then the others in list order
-    h = _heuristic_config(int(named_args["CIN_G"]), int(named_args["COUT_G"]), int(named_args["M_TOTAL"]), shift_k)
+    h = _heuristic_config(int(named_args["CIN_G"]), int(named_args["COUT_G"]), int(named_args["M_TOTAL"]), phase_aligned)
     preferred = (h["BLOCK_M"], h["BLOCK_N"], h["BLOCK_K"], h.get("num_warps"), h.get("num_stages"))
     return best_first(sorted(kept, key=lambda c: _tile(c) != preferred))
 
@@ -273,21 +273,21 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 _conv_fused_fwd_tuned = triton.autotune(
     configs=_configs(),
     # the path constexprs are in the key: two geometries with equal sizes must not share a tile
-    key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT", "TRANSPOSED", "FLAT_K", "SHIFT_K", "KS", "KD", "KH", "KW", "CDT"],
+    key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT", "TRANSPOSED", "FLAT_K", "PHASE_ALIGNED", "KS", "KD", "KH", "KW", "CDT"],
     prune_configs_by={"early_config_prune": _prune},
     cache_results=True,  # the best tile per key is kept in Triton's cache dir across processes
 )(conv_fused_fwd_kernel)
 
 
-def _heuristic_config(cin_g: int, cout_g: int, m_total: int, shift_k: bool = False) -> dict[str, int]:
+def _heuristic_config(cin_g: int, cout_g: int, m_total: int, phase_aligned: bool = False) -> dict[str, int]:
     """One tile for the interpreter (small blocks: numpy cost grows with tile size) or when
     ``FUSION_CONV_AUTOTUNE=0``."""
     block_n = min(max(16, next_pow2(cout_g)), 64)
-    block_k = SHIFT_K_BLOCK_K if shift_k else min(max(16, next_pow2(cin_g)), 32)
+    block_k = PHASE_ALIGNED_BLOCK_K if phase_aligned else min(max(16, next_pow2(cin_g)), 32)
     if _INTERPRET:
         block_m = min(max(16, next_pow2(m_total)), 64)
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    if shift_k:  # see _SHIFT_K_TILES
+    if phase_aligned:  # see _PHASE_ALIGNED_TILES
         return dict(BLOCK_M=128, BLOCK_N=min(block_n, 32), BLOCK_K=block_k, num_warps=8, num_stages=2)
     return dict(
         BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4 if block_n <= 32 else 8, num_stages=3
@@ -347,12 +347,12 @@ class _Launch:
 
 
 class _WeightMatrixLaunch:
-    """The launch of ``shift_k_weight_kernel`` for one plan: ``(weight) -> prearranged matrix``."""
+    """The launch of ``phase_aligned_weight_kernel`` for one plan: ``(weight) -> prearranged matrix``."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, ints: tuple[int, ...], constexprs: dict,
                  grid: tuple[int, int]) -> None:  # fmt: skip
         self.shape, self.dtype = shape, dtype
-        self.launch = FastLaunch(shift_k_weight_kernel, grid, constexprs, fixed=ints)
+        self.launch = FastLaunch(phase_aligned_weight_kernel, grid, constexprs, fixed=ints)
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         matrix = torch.empty(self.shape, dtype=self.dtype, device=weight.device)
@@ -360,11 +360,11 @@ class _WeightMatrixLaunch:
         return matrix
 
 
-def shift_k_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry, precision: str,
+def phase_aligned_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry, precision: str,
                           dtype: torch.dtype) -> _WeightMatrixLaunch:  # fmt: skip
-    """The launch that writes the SHIFT_K path's prearranged weight matrix of a transposed conv.
+    """The launch that writes the phase-aligned path's prearranged weight matrix of a transposed conv.
 
-    Matrix: ``(groups, KD * KH * KW, COUT_G, KS * SHIFT_K_BLOCK_K)``, ``dtype`` (the compute dtype:
+    Matrix: ``(groups, KD * KH * KW, COUT_G, KS * PHASE_ALIGNED_BLOCK_K)``, ``dtype`` (the compute dtype:
     an fp32 weight under autocast is cast here, for free), contiguous.  Row ``(s, c)`` of window offset ``kk`` holds ``w[group's input channel c, co, tap]``
     for the tap that carries input shift ``s`` to offset ``kk``, and 0 for a dead (offset, shift)
     pair, a padding shift slot or ``c >= CIN_G``; fp32 values are rounded to TF32 with
@@ -379,7 +379,7 @@ def shift_k_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry,
     groups = conv.groups
     cin_g, cout_g = weight.shape[0] // groups, weight.shape[1]
     offsets = math.prod(plan.window)
-    rows = plan.shift_slots * SHIFT_K_BLOCK_K
+    rows = plan.shift_slots * PHASE_ALIGNED_BLOCK_K
     block_n = min(max(16, next_pow2(cout_g)), 64)
     taps = _pad3(weight.shape[2:], 1)
     stride, padding, dilation = _pad3(conv.stride, 1), _pad3(conv.padding, 0), _pad3(conv.dilation, 1)
@@ -391,7 +391,7 @@ def shift_k_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry,
         UPD=plan.unit_origin[0], UPH=plan.unit_origin[1], UPW=plan.unit_origin[2],
         LOD=plan.shifts[0][0], LOH=plan.shifts[1][0], LOW=plan.shifts[2][0],
         NSD=plan.shifts[0][1], NSH=plan.shifts[1][1], NSW=plan.shifts[2][1], KS=plan.shift_slots,
-        PRECISION=precision, BLOCK_K=SHIFT_K_BLOCK_K, BLOCK_N=block_n,
+        PRECISION=precision, BLOCK_K=PHASE_ALIGNED_BLOCK_K, BLOCK_N=block_n,
     )  # fmt: skip
     ints = (cin_g, cout_g, w_str[0], w_str[1], *_pad3(w_str[2:], 0))
     grid = (offsets, groups * cdiv(cout_g, block_n))
@@ -462,12 +462,12 @@ def _prepare(
     o_strides = lift_5d(out)[1]
     y_strides = lift_5d(saved_a)[1] if save and not is_max else [0] * 5
     precision = dot_precision(compute_dtype, allow_tf32, _INTERPRET)
-    one_cblock = cin_g <= SHIFT_K_BLOCK_K
-    # SHIFT_K with one channel block reads the prearranged matrix; its masked variant (tiles with
+    one_cblock = cin_g <= PHASE_ALIGNED_BLOCK_K
+    # PHASE_ALIGNED with one channel block reads the prearranged matrix; its masked variant (tiles with
     # inf/NaN only) reads the weight as it is.  Every other path reads the relaid weight.
     weight_matrix = None
-    if plan.shift_k and one_cblock:
-        weight_matrix = shift_k_weight_matrix(weight, plan, conv, precision, compute_dtype)
+    if plan.phase_aligned and one_cblock:
+        weight_matrix = phase_aligned_weight_matrix(weight, plan, conv, precision, compute_dtype)
         w_str = list(weight.stride())
     else:  # the strides of the weight as launched (a copy only on this cache miss; exact for any layout)
         w_str = list(_output_channels_innermost(weight, conv.transposed).stride())
@@ -497,7 +497,7 @@ def _prepare(
         USD=plan.unit_stride[0], USH=plan.unit_stride[1], USW=plan.unit_stride[2],
         UPD=plan.unit_origin[0], UPH=plan.unit_origin[1], UPW=plan.unit_origin[2],
         STATIC_D=plan.static_phase[0], STATIC_H=plan.static_phase[1], STATIC_W=plan.static_phase[2],
-        **pool_args, CDT=compute_code(compute_dtype), PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase), SHIFT_K=plan.shift_k,
+        **pool_args, CDT=compute_code(compute_dtype), PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase), PHASE_ALIGNED=plan.phase_aligned,
         ONE_CBLOCK=one_cblock, KS=max(plan.shift_slots, 1), FULL_WINDOWS=_full_windows(plan),
         LOD=plan.shifts[0][0], LOH=plan.shifts[1][0], LOW=plan.shifts[2][0],
         NSD=plan.shifts[0][1], NSH=plan.shifts[1][1], NSW=plan.shifts[2][1],
@@ -508,7 +508,7 @@ def _prepare(
         first = _prune(_configs(), {"CIN_G": cin_g, "COUT_G": cout_g, "M_TOTAL": m_total}, **constexprs)[0]
         first_tile = dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
     else:
-        first_tile = _heuristic_config(cin_g, cout_g, m_total, plan.shift_k)
+        first_tile = _heuristic_config(cin_g, cout_g, m_total, plan.phase_aligned)
     return _Launch(ints, constexprs, m_total, groups, cout_g, cout, None if tuned else first_tile, weight_matrix,
                    first_tile)
 

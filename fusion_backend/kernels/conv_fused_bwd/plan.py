@@ -467,7 +467,7 @@ def backward_plan(
     output_mask: Sequence[bool] = (True, True),
 ) -> Callable[[Grad, torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]]:
     """``(grad, x, weight) -> (grad_x, grad_w)`` for tensors laid out like these (the same API as
-    ``conv_shift_bwd.backward_plan``): ``convolution_backward`` without the bias.  The arguments
+    ``conv_phase_aligned_bwd.backward_plan``): ``convolution_backward`` without the bias.  The arguments
     are checked here; each call runs ``convolution_backward``'s launchers."""
     conv_args = (stride, padding, dilation, transposed, output_padding, groups)
     _check(grad, x, weight, *conv_args)

@@ -60,7 +60,7 @@ Implementations:
     the conv and applies bias, chain and pool in registers (``kernels.conv_dense`` for the plain
     stride-1 1d/2d convs it serves, e.g. Conv2d 64->64 k3; ``kernels.conv_fused`` otherwise); the
     backward differentiates the chain at the max-pool winners only and hands the implicit gradient to
-    Triton conv-backward kernels that expand it on the fly (``kernels.conv_shift_bwd`` for a
+    Triton conv-backward kernels that expand it on the fly (``kernels.conv_phase_aligned_bwd`` for a
     transposed conv whose pool stride is its stride, e.g. ConvTranspose3d k3 s2 + MaxPool3d(2);
     ``kernels.conv_fused_bwd`` otherwise), so no full-size gradient exists.
 * Reference (CPU, float64, anything the kernels don't cover): plain torch; the backward applies

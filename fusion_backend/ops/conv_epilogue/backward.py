@@ -273,7 +273,7 @@ class _TritonBackward:
 
     The chain is differentiated at the winners only (the epilogue backward kernel without a pool,
     on the pooled-size saved state): ``g_win = grad_out * chain'(y0_winner)``, with the operand and
-    bias sums in the same pass; then ``_triton_kernels`` (shift or general) compute grad x and
+    bias sums in the same pass; then ``_triton_kernels`` (phase-aligned or general) compute grad x and
     weight with loaders that expand ``(g_win, winner)`` on the fly.  Without a pool the dense
     conv-output gradient is written as in the library path and the same Triton conv backward
     consumes it.
@@ -304,14 +304,14 @@ class _TritonBackward:
         spec = cfg.conv
         conv_args = (grad, x, weight, spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding,
                      spec.groups)  # fmt: skip
-        from ...kernels import conv_shift_bwd
+        from ...kernels import conv_phase_aligned_bwd
 
         dtype = conv_compute_dtype(cfg, x)
         kernels_module = _triton_kernels(conv_args, cfg, dtype)
         #: None, or the compute dtype x and weight are cast to before the general conv-backward
-        #: kernels (``conv_fused_bwd`` computes in x's dtype; ``conv_shift_bwd`` casts as it loads)
+        #: kernels (``conv_fused_bwd`` computes in x's dtype; ``conv_phase_aligned_bwd`` casts as it loads)
         self.cast_to = None
-        if kernels_module is conv_shift_bwd:
+        if kernels_module is conv_phase_aligned_bwd:
             self.conv_backward = kernels_module.backward_plan(*conv_args, [mask[0], mask[1]], dtype)
         else:
             if (x.dtype, weight.dtype) != (dtype, dtype):
@@ -334,16 +334,16 @@ class _TritonBackward:
 
 
 def _triton_kernels(conv_args: tuple, cfg: ConvEpilogueConfig, dtype: torch.dtype) -> ModuleType:
-    """The conv-backward kernels of the Triton backward: ``kernels.conv_shift_bwd`` (dense GEMMs
+    """The conv-backward kernels of the Triton backward: ``kernels.conv_phase_aligned_bwd`` (dense GEMMs
     over (shift, window offset), for a transposed conv under a max pool whose stride is the conv's)
     where it serves the case, else the general ``kernels.conv_fused_bwd``.  Both take the same
-    arguments (``conv_args``) and give the same results (``conv_shift_bwd`` also takes the compute
+    arguments (``conv_args``) and give the same results (``conv_phase_aligned_bwd`` also takes the compute
     ``dtype`` and casts as it loads); the answer is cached per shapes."""
-    from ...kernels import conv_fused_bwd, conv_shift_bwd
+    from ...kernels import conv_fused_bwd, conv_phase_aligned_bwd
 
     grad, x, weight = conv_args[:3]
     if not isinstance(grad, conv_fused_bwd.PooledGrad):
         return conv_fused_bwd
     key = ("triton_kernels", tensor_key(grad.g_win), tensor_key(grad.winner), tensor_key(x), tensor_key(weight), cfg)
-    why = DECISIONS.get(key, lambda: conv_shift_bwd.unsupported_reason(*conv_args, compute_dtype=dtype))
-    return conv_fused_bwd if why is not None else conv_shift_bwd
+    why = DECISIONS.get(key, lambda: conv_phase_aligned_bwd.unsupported_reason(*conv_args, compute_dtype=dtype))
+    return conv_fused_bwd if why is not None else conv_phase_aligned_bwd

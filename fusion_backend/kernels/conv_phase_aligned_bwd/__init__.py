@@ -1,4 +1,4 @@
-"""Backward of a transposed conv whose max pool lines up with the conv's phases (the SHIFT_K idea, reversed).
+"""Backward of a transposed conv whose max pool lines up with the conv's phases (the phase-aligned forward, reversed).
 
 WHY: the ConvT3d pipeline (ConvTranspose3d(16->32, k3, s2, p1, op1) then MaxPool3d(2) on
 16x16x16x32x32, ``demos/seeds/convt3d_leaky_mul_leaky_maxpool.py``) trains through
@@ -6,8 +6,8 @@ WHY: the ConvT3d pipeline (ConvTranspose3d(16->32, k3, s2, p1, op1) then MaxPool
 H100.  They treat the pooled gradient as a sparse full-size gradient and walk taps.  When the pool
 stride equals the conv stride on every dim, a pooled unit ``u`` and a window offset ``kp`` address
 the conv output ``o = u*US - UP + kp``, and every live (offset, tap) pair reads the input at
-``i = u + j`` with a COMPILE-TIME shift ``j``: the same structure as the forward's SHIFT_K path
-(``conv_fused.device._shift_k_*``), so both gradients become a few large dense GEMMs over the pooled
+``i = u + j`` with a COMPILE-TIME shift ``j``: the same structure as the forward's phase-aligned path
+(``conv_fused.device._phase_aligned_*``), so both gradients become a few large dense GEMMs over the pooled
 gradient, with no per-tap index arithmetic and nothing full-size ever written.
 
 Notation (per spatial dim, every rank lifted to 3d): conv stride ``s``, padding ``p``, dilation
@@ -35,7 +35,7 @@ Kernels (weights of a transposed conv are ``w[ci, co, t]`` per group):
 * weight grad ``dw[ci, co, t] = sum_{n, u, kp live for t} x[n, ci, u + j(kp, t)] * Gexp[n, u, kp, co]``:
   the reduction runs over chunks of units (one chunk per program along grid axis 0).  Per block of
   ``BLOCK_M`` units, ``P^T += Gexp^T @ X`` with X the ``[BLOCK_M, KS shifts x BLOCK_CI]`` tile of
-  the forward's ``_shift_k_x_tile`` (0 outside x) and Gexp^T ``[BLOCK_CO * KPB, BLOCK_M]`` (the
+  the forward's ``_phase_aligned_x_tile`` (0 outside x) and Gexp^T ``[BLOCK_CO * KPB, BLOCK_M]`` (the
   expanded tile is the wgmma A operand in registers, X goes to shared memory as B).  Each program
   writes an fp32 partial for every (shift, offset) pair of its (group, channel, offset) tile; a
   finish kernel sums, per tap, its live pairs over all partials in a fixed order and writes ``dw``
@@ -61,13 +61,13 @@ border unit gives NaN where aten gives +-inf.
 Public API (mirrors ``conv_fused_bwd`` so that the two are interchangeable):
 ``unsupported_reason(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups)``
 and ``convolution_backward(..., output_mask)``.  How it is wired: ``ops/conv_epilogue/backward.py``
-tries ``conv_shift_bwd.unsupported_reason(...)`` first and falls back to ``conv_fused_bwd``.
+tries ``conv_phase_aligned_bwd.unsupported_reason(...)`` first and falls back to ``conv_fused_bwd``.
 
 Layout: ``device.py`` holds the Triton kernels and their device helpers, ``plan.py`` the host side
 (cases served, tiles, geometry, tables, launch plans).
 """
 
 from .device import MAX_WINDOW_VOLUME
-from .plan import MAX_SHIFT_SLOTS, backward_plan, convolution_backward, unsupported_reason
+from .plan import MAX_PHASE_ALIGNED_SLOTS, backward_plan, convolution_backward, unsupported_reason
 
-__all__ = ["MAX_SHIFT_SLOTS", "MAX_WINDOW_VOLUME", "backward_plan", "convolution_backward", "unsupported_reason"]
+__all__ = ["MAX_PHASE_ALIGNED_SLOTS", "MAX_WINDOW_VOLUME", "backward_plan", "convolution_backward", "unsupported_reason"]

@@ -1,4 +1,4 @@
-"""Host side of the shift backward (``kernels/conv_shift_bwd``): which cases it serves, the tiles and
+"""Host side of the phase-aligned backward (``kernels/conv_phase_aligned_bwd``): which cases it serves, the tiles and
 their autotuning, the geometry and the host-built tables, and the launch plans."""
 
 from __future__ import annotations
@@ -36,16 +36,16 @@ from ..tf32 import backward_dot_precision, compute_code
 from .device import (
     MAX_WINDOW_VOLUME,
     TABLE_HEADER,
-    shift_dgrad_kernel,
-    shift_wgrad_finish_kernel,
-    shift_wgrad_kernel,
+    phase_aligned_dgrad_kernel,
+    phase_aligned_wgrad_finish_kernel,
+    phase_aligned_wgrad_kernel,
 )
 
 _INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Most distinct input shifts (rounded up to a power of 2): the weight-grad X tile is
 #: ``[slots * BLOCK_CI, BLOCK_M]`` and its accumulator ``slots * BLOCK_CI`` rows.
-MAX_SHIFT_SLOTS = 8
+MAX_PHASE_ALIGNED_SLOTS = 8
 #: Offsets of every tensor (and of its masked neighbours) stay int32: tensors may span at most
 #: half the int32 range (room for the masked out-of-range offsets of shifted loads).
 _INDEX_LIMIT = 2**30
@@ -60,7 +60,7 @@ _INDEX_LIMIT = 2**30
 #: shift) pair (there: 27 of 64 blocks run) and measured fastest; KPB 4 was 5-8x slower (H200,
 #: Triton 3.6).
 #: NOTE: registers for the ConvT3d pipeline on the H200 (Triton 3.6, the compiled kernel's n_regs):
-#: 96-168, no spills; Triton 3.9's ptxas numbers (``tools/compile_check.py conv_shift_bwd``) run lower.
+#: 96-168, no spills; Triton 3.9's ptxas numbers (``tools/compile_check.py conv_phase_aligned_bwd``) run lower.
 _DGRAD_TILES = (
     (128, 16, 32, 1, 4, 2), (64, 16, 32, 1, 4, 2), (128, 16, 32, 1, 8, 1), (128, 16, 32, 1, 8, 2),
     (128, 16, 32, 2, 8, 2), (128, 32, 32, 1, 4, 2), (128, 64, 32, 1, 8, 2),
@@ -131,13 +131,13 @@ _dgrad_tuned = triton.autotune(
     ],
     prune_configs_by={"early_config_prune": _pruner(_DGRAD_TILES)},
     cache_results=True,  # the best tile per key is kept in Triton's cache dir across processes
-)(shift_dgrad_kernel)
+)(phase_aligned_dgrad_kernel)
 _wgrad_tuned = triton.autotune(
     configs=[_tile_config(t) for t in _WGRAD_TILES],
     key=["M_TOTAL", "CI_G", "CO_G", "ROWS_PER_SPLIT", "KD", "KH", "KW", "KS", "X_CL", "G_CL", "CDT", "PREC"],
     prune_configs_by={"early_config_prune": _pruner(_WGRAD_TILES)},
     cache_results=True,
-)(shift_wgrad_kernel)
+)(phase_aligned_wgrad_kernel)
 
 
 def _heuristic_tile(kind: str, ci_g: int, co_g: int, kpn: int) -> tuple[int, ...]:
@@ -237,7 +237,7 @@ def unsupported_reason(
     """None when ``convolution_backward`` handles these arguments, else why not (never raises).
 
     Arguments as for ``convolution_backward``.  Taken: a transposed conv and a ``PooledGrad`` with
-    pool dilation 1 and pool stride == conv stride on every dim, at most ``MAX_SHIFT_SLOTS`` input
+    pool dilation 1 and pool stride == conv stride on every dim, at most ``MAX_PHASE_ALIGNED_SLOTS`` input
     shifts (rounded up to a power of 2) and ``MAX_WINDOW_VOLUME`` window offsets, fp32/fp16/bf16
     (fp32/fp16 under the interpreter), every tensor within half the int32 offset range.
     """
@@ -316,8 +316,8 @@ def _reason(grad, x, weight, stride, padding, dilation, transposed, output_paddi
     if math.prod(k) > MAX_WINDOW_VOLUME:
         return f"pool window of {math.prod(k)} offsets exceeds {MAX_WINDOW_VOLUME}"
     geo = _geometry(grad, x, weight, stride, padding, dilation, output_padding, groups)
-    if next_pow2(geo.n_shifts) > MAX_SHIFT_SLOTS:
-        return f"{geo.n_shifts} distinct input shifts (per dim {[ns for _, ns in geo.shifts]}) exceed {MAX_SHIFT_SLOTS} slots"
+    if next_pow2(geo.n_shifts) > MAX_PHASE_ALIGNED_SLOTS:
+        return f"{geo.n_shifts} distinct input shifts (per dim {[ns for _, ns in geo.shifts]}) exceed {MAX_PHASE_ALIGNED_SLOTS} slots"
     for name, t in (("x", x), ("weight", weight), ("g_win", grad.g_win), ("winner", grad.winner)):
         if element_extent(t) >= _INDEX_LIMIT:
             return f"{name} spans {element_extent(t)} elements: beyond the int32 offsets these kernels use (< {_INDEX_LIMIT})"
@@ -331,7 +331,7 @@ def _check(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args, comput
     if reason is not None:
         from ...errors import UnsupportedInputError
 
-        raise UnsupportedInputError(f"conv_shift_bwd: {reason} (check unsupported_reason() first)")
+        raise UnsupportedInputError(f"conv_phase_aligned_bwd: {reason} (check unsupported_reason() first)")
 
 
 def _channels_inner(t: torch.Tensor) -> bool:
@@ -486,7 +486,7 @@ def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor,
         m_total, geo.ci_g, geo.co_g, *geo.in_size, *geo.conv_out, *geo.units,
         *lift_5d(dx)[1], *lift_5d(g)[1], *lift_5d(v)[1], w.stride(0), w.stride(1), *lift3(w.stride()[2:], 0),
     )  # fmt: skip
-    launch = _KernelLaunch(_dgrad_tuned, shift_dgrad_kernel, tile, grid, dict(
+    launch = _KernelLaunch(_dgrad_tuned, phase_aligned_dgrad_kernel, tile, grid, dict(
         TD=geo.taps[0], TH=geo.taps[1], TW=geo.taps[2], SD=geo.stride[0], SH=geo.stride[1], SW=geo.stride[2],
         PD=geo.padding[0], PH=geo.padding[1], PW=geo.padding[2],
         DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
@@ -560,13 +560,13 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
         m_total, geo.ci_g, geo.co_g, rows_per_split, part_split, *geo.in_size, *geo.conv_out, *geo.units,
         *lift_5d(x)[1], *lift_5d(g)[1], *lift_5d(v)[1],
     )  # fmt: skip
-    partials = _KernelLaunch(_wgrad_tuned, shift_wgrad_kernel, tile, grid, constexprs, fixed=ints)
+    partials = _KernelLaunch(_wgrad_tuned, phase_aligned_wgrad_kernel, tile, grid, constexprs, fixed=ints)
     table = _finish_table(geo, x.device)
     fb = _FINISH_BLOCK if not _INTERPRET else 16
     finish_grid = (math.prod(geo.taps), geo.groups * cdiv(geo.ci_g, fb) * cdiv(geo.co_g, fb))
     finish_ints = (splits, geo.ci_g, geo.co_g, table.shape[1], part_split, dw.stride(0), dw.stride(1),
                    *lift3(dw.stride()[2:], 0))  # fmt: skip
-    finish = FastLaunch(shift_wgrad_finish_kernel, finish_grid,
+    finish = FastLaunch(phase_aligned_wgrad_finish_kernel, finish_grid,
                         dict(TH=geo.taps[1], TW=geo.taps[2], NS=ns, KPN=kpn, BLOCK_A=fb, BLOCK_B=fb),
                         fixed=finish_ints)  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""Device code of the shift backward (``kernels/conv_shift_bwd``): the input-grad, weight-grad and
+"""Device code of the phase-aligned backward (``kernels/conv_phase_aligned_bwd``): the input-grad, weight-grad and
 weight-grad finish kernels and the helpers they share.  The notation, the numerics and each kernel's
 arguments are described in the package docstring and at each kernel; ``plan.py`` builds their launches.
 """
@@ -177,7 +177,7 @@ def _line_w_ok(r, w_lo, w_hi, sw: tl.constexpr, LOW: tl.constexpr):
 
 
 @triton.jit
-def shift_dgrad_kernel(
+def phase_aligned_dgrad_kernel(
     g_ptr, v_ptr, w_ptr, tab_ptr, dx_ptr,
     M_TOTAL, CI_G, CO_G,
     ID, IH, IW, OD, OH, OW, UD, UH, UW,
@@ -308,7 +308,7 @@ def shift_dgrad_kernel(
 
 
 @triton.jit
-def shift_wgrad_kernel(
+def phase_aligned_wgrad_kernel(
     x_ptr, g_ptr, v_ptr, part_ptr,
     M_TOTAL, CI_G, CO_G, ROWS_PER_SPLIT, PART_SPLIT,
     ID, IH, IW, OD, OH, OW, UD, UH, UW,
@@ -533,7 +533,7 @@ def shift_wgrad_kernel(
 
 
 @triton.jit
-def shift_wgrad_finish_kernel(
+def phase_aligned_wgrad_finish_kernel(
     part_ptr, tab_ptr, dw_ptr,
     SPLITS, CI_G, CO_G, MAXP, PART_SPLIT,
     w_sci, w_sco, w_sd, w_sh, w_sw,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from fusion_backend.errors import UnsupportedInputError
 from fusion_backend.kernels import conv_fused_bwd as FB
-from fusion_backend.kernels import conv_shift_bwd as S
+from fusion_backend.kernels import conv_phase_aligned_bwd as S
 
 # fp32 parity is checked at ~1e-5: TF32 off (on CUDA the kernels follow cudnn.allow_tf32).
 pytestmark = pytest.mark.usefixtures("exact_fp32")
@@ -199,7 +199,7 @@ def _force_wgrad_tile(monkeypatch, tile: tuple[int, ...]) -> list[dict]:
 
     class Recording(S.plan._KernelLaunch):
         def __init__(self, tuned, raw, tile, grid, constexprs, fixed=()) -> None:  # noqa: ANN001
-            if raw is S.device.shift_wgrad_kernel:
+            if raw is S.device.phase_aligned_wgrad_kernel:
                 seen.append(constexprs["LINE_DIV"] % tile[0] == 0)  # the kernel's LINE
             super().__init__(tuned, raw, tile, grid, constexprs, fixed)
 
