@@ -117,7 +117,7 @@ def run_case(case: str, save: bool, small: bool, tile: tuple[int, ...] | None, d
     oh, ow = h - 2, wd - 2
     out_dtype = torch.float32 if compute != dtype or dtype == torch.float32 else dtype
     out = torch.empty(n, cout, oh, ow, device="cuda", dtype=out_dtype)
-    saved_a = torch.empty(n, cout, oh, ow, device="cuda", dtype=compute) if save else None
+    saved_y0 = torch.empty(n, cout, oh, ow, device="cuda", dtype=compute) if save else None
     conv = ConvGeometry(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
     steps = _steps(m)
     tf32 = bool(torch.backends.cudnn.allow_tf32)
@@ -132,7 +132,7 @@ def run_case(case: str, save: bool, small: bool, tile: tuple[int, ...] | None, d
     start = time.time()
     launch = _try(
         "plan",
-        lambda: CD.forward_launch(x, w, b, steps, conv, None, out, saved_a, None, tf32, compute_arg),
+        lambda: CD.forward_launch(x, w, b, steps, conv, None, out, saved_y0, None, tf32, compute_arg),
         errors,
     )
     t_dense = err = None
@@ -140,7 +140,7 @@ def run_case(case: str, save: bool, small: bool, tile: tuple[int, ...] | None, d
         params = build_params(steps, b, cout, x.device)
 
         def dense():
-            launch.run(x, w, params, out, saved_a, None)
+            launch.run(x, w, params, out, saved_y0, None)
 
         _try("dense first call", dense, errors)  # autotunes (the tile is bound after it)
         tune_s = time.time() - start
@@ -179,8 +179,8 @@ def run_case(case: str, save: bool, small: bool, tile: tuple[int, ...] | None, d
 
     macs = n * cout * oh * ow * cin * 9
     bytes_moved = x.numel() * x.element_size() + out.numel() * out.element_size()
-    if saved_a is not None:
-        bytes_moved += saved_a.numel() * saved_a.element_size()
+    if saved_y0 is not None:
+        bytes_moved += saved_y0.numel() * saved_y0.element_size()
     rate = ""
     if t_dense:
         rate = f"{bytes_moved / t_dense / 1e6:6.0f} {2 * macs / t_dense / 1e9:6.0f}"

@@ -1,6 +1,6 @@
 """Triton implicit-GEMM forward of a dense stride-1 2d (or 1d) convolution with the chain fused in.
 
-``out = chain(conv(x, w) + bias)`` (and optionally the conv output without bias, ``saved_a``) for
+``out = chain(conv(x, w) + bias)`` (and optionally the conv output without bias, ``saved_y0``) for
 the sub-case ``conv_fused`` serves slowly: not transposed, groups 1, stride 1, dilation 1, any
 padding, no pool (e.g. Conv2d(64, 64, 3) over (64, 64, 256, 256), the ``conv2d_mul_leaky_gelu``
 workload: 7 ms in ``conv_fused``'s general gather kernel vs 1.45-3 ms in cuDNN).  Same launch-plan
@@ -44,7 +44,7 @@ Outputs with ``ow >= OW`` (the last ``R - OW`` of each virtual row) are computed
   runs in TF32): every B tile is one unmasked load, K-major in shared memory as TF32 wgmma needs it.
 
 Numerics (as ``conv_fused``'s ``_offset_epilogue``): fp32 accumulation; the conv output and the bias
-are rounded to the compute dtype, then added in fp32 before the chain; ``saved_a`` receives the conv
+are rounded to the compute dtype, then added in fp32 before the chain; ``saved_y0`` receives the conv
 output without bias.  fp32 compute
 uses TF32 iff ``allow_tf32`` (operands rounded to nearest first, ``kernels.tf32``), ``ieee`` otherwise
 and always under the interpreter.  inf/NaN in ``x`` reach exactly the outputs whose taps read them.  A
@@ -204,7 +204,7 @@ def _k_step(acc0, acc1, acc2, acc3, kk, x_n, wm_rows, t, j, ck, C_IN, W, R, P_EN
 
 
 @triton.jit
-def _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, sa_ptr, C_OUT, W, R, OH, OW,
+def _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, y0_ptr, C_OUT, W, R, OH, OW,
               o_sn, o_sc, o_sh, o_sw, y_sn, y_sc, y_sh, y_sw,
               OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
               OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
@@ -213,7 +213,7 @@ def _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, sa_pt
               BLOCK_M: tl.constexpr):  # fmt: skip
     """Combine the taps (``y[q] = sum_s acc_s[q + s]`` over the taps whose input column is in
     range), then as conv_fused's ``_offset_epilogue``: the conv output in the compute dtype, bias,
-    chain, store ``out`` (and ``saved_a``: the conv output without bias)."""
+    chain, store ``out`` (and ``saved_y0``: the conv output without bias)."""
     v = t * STEP - C_SHIFT + j
     oh = v // R
     ow = v % R
@@ -252,13 +252,13 @@ def _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, sa_pt
     tl.store(out_ptr + (n * o_sn + oh * o_sh + ow * o_sw)[:, None] + c * o_sc,
              val.to(out_ptr.dtype.element_ty), mask=ok2)  # fmt: skip
     if SAVE:
-        tl.store(sa_ptr + (n * y_sn + oh * y_sh + ow * y_sw)[:, None] + c * y_sc,
-                 y_raw.to(sa_ptr.dtype.element_ty), mask=ok2)  # fmt: skip
+        tl.store(y0_ptr + (n * y_sn + oh * y_sh + ow * y_sw)[:, None] + c * y_sc,
+                 y_raw.to(y0_ptr.dtype.element_ty), mask=ok2)  # fmt: skip
 
 
 @triton.jit
 def _conv_dense_fwd_kernel(
-    x_ptr, wm_ptr, p_ptr, out_ptr, sa_ptr,
+    x_ptr, wm_ptr, p_ptr, out_ptr, y0_ptr,
     C_IN, C_OUT, W, R, OH, OW, P_END,
     x_sn, x_sc, x_sp,
     o_sn, o_sc, o_sh, o_sw,
@@ -282,7 +282,7 @@ def _conv_dense_fwd_kernel(
               (the dot's operand dtype: ``x`` is converted to it after the load).
       p_ptr   operand matrix P of ``epilogue.build_params``, (NUM_PARAM_ROWS, C_OUT) fp32 contiguous.
       out_ptr result (N, C_OUT, OH, OW), any float dtype, strides ``o_s*``.
-      sa_ptr  SAVE: the conv output without bias (N, C_OUT, OH, OW), any float dtype (the values are
+      y0_ptr  SAVE: the conv output without bias (N, C_OUT, OH, OW), any float dtype (the values are
               rounded to the compute dtype), strides ``y_s*``; else unused.
     Geometry: program ``pid`` is tile (sample ``n``, ``t``, channel block ``nb``; ``_tile_of``); it
     covers virtual outputs ``v = t * STEP - C_SHIFT + q`` (``q < STEP``); its X tiles start at position
@@ -311,7 +311,7 @@ def _conv_dense_fwd_kernel(
             acc0, acc1, acc2, acc3, kk, x_n, wm_rows, t, j, ck, C_IN, W, R, P_END, x_sc, x_sp,
             KW, KWG, PH, PW, C_PW, CIN_PAD, STEP, PRECISION, BIG, BLOCK_K,
         )  # fmt: skip
-    _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, sa_ptr, C_OUT, W, R, OH, OW,
+    _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, y0_ptr, C_OUT, W, R, OH, OW,
               o_sn, o_sc, o_sh, o_sw, y_sn, y_sc, y_sh, y_sw, OP0, OP1, OP2, OP3, OP4, OP5, OP6,
               OP7, HAS_BIAS, SAVE, KWG, PW, C_SHIFT, STEP, BIG, BLOCK_M)  # fmt: skip
 
@@ -459,12 +459,12 @@ class _Launch:
         return buf
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
-            saved_a: torch.Tensor | None, saved_b: torch.Tensor | None) -> None:  # fmt: skip
+            saved_y0: torch.Tensor | None, saved_winner: torch.Tensor | None) -> None:  # fmt: skip
         """Launch for tensors like the ones this plan was made for (``conv_dense_forward``'s
-        arguments; ``params``: ``build_params`` of its steps and bias; ``saved_b`` is always None)."""
-        del saved_b
+        arguments; ``params``: ``build_params`` of its steps and bias; ``saved_winner`` is always None)."""
+        del saved_winner
         self(
-            (self.relaid(x), self.weight_launch(weight), params, out, saved_a if saved_a is not None else out)
+            (self.relaid(x), self.weight_launch(weight), params, out, saved_y0 if saved_y0 is not None else out)
         )
 
     def __call__(self, tensors: tuple[torch.Tensor, ...]) -> None:
@@ -542,13 +542,13 @@ _LAUNCHES = BoundedCache(256)
 
 
 def _launch_key(
-    x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32, compute_dtype
+    x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype
 ) -> tuple:  # noqa: ANN001
     """Everything ``_prepare``'s result depends on (``conv_fused.plan._launch_key`` plus the compute dtype)."""
     codes = tuple((int(code), len(values)) for code, values in steps)
     return (
-        tensor_key(x), tensor_key(weight), bias is None, codes, conv, pool, tensor_key(out), tensor_key(saved_a),
-        tensor_key(saved_b), bool(allow_tf32), compute_dtype, environment.measuring(),
+        tensor_key(x), tensor_key(weight), bias is None, codes, conv, pool, tensor_key(out), tensor_key(saved_y0),
+        tensor_key(saved_winner), bool(allow_tf32), compute_dtype, environment.measuring(),
         _BIG_INDEX_THRESHOLD, MAX_KW_GROUP,
     )  # fmt: skip
 
@@ -561,8 +561,8 @@ def _prepare(
     conv: ConvGeometry,
     pool: PoolGeometry | None,
     out: torch.Tensor,
-    saved_a: torch.Tensor | None,
-    saved_b: torch.Tensor | None,
+    saved_y0: torch.Tensor | None,
+    saved_winner: torch.Tensor | None,
     allow_tf32: bool,
     compute_dtype: torch.dtype | None,
 ) -> _Launch:
@@ -572,9 +572,9 @@ def _prepare(
         _INTERPRET and compute == torch.bfloat16
     ):
         raise ValueError(f"conv_dense_forward: unsupported compute dtype {compute}")
-    if saved_b is not None:
-        raise ValueError("saved_b is only written with a max pool, which the dense conv does not serve")
-    why = unsupported_reason(x, weight, conv, pool, saved_a is not None)
+    if saved_winner is not None:
+        raise ValueError("saved_winner is only written with a max pool, which the dense conv does not serve")
+    why = unsupported_reason(x, weight, conv, pool, saved_y0 is not None)
     if why is not None:
         raise ValueError(f"conv_dense_forward cannot run this case: {why}")
     dims = x.dim() - 2
@@ -583,8 +583,8 @@ def _prepare(
     expected = [n, cout, *conv_out]
     if list(out.shape) != expected:
         raise ValueError(f"out must have shape {expected}, got {tuple(out.shape)}")
-    if saved_a is not None and list(saved_a.shape) != expected:
-        raise ValueError(f"saved_a must have the conv output's shape {expected}, got {tuple(saved_a.shape)}")
+    if saved_y0 is not None and list(saved_y0.shape) != expected:
+        raise ValueError(f"saved_y0 must have the conv output's shape {expected}, got {tuple(saved_y0.shape)}")
     if bias is not None and bias.numel() != cout:
         raise ValueError(f"bias must have {cout} values, got {bias.numel()}")
 
@@ -628,13 +628,13 @@ def _prepare(
             return [0, 0, 0, 0]
         return [t.stride(0), t.stride(1), 0, t.stride(2)] if dims == 1 else list(t.stride())
 
-    big_elems = max(t.numel() for t in (x, out, saved_a) if t is not None)
+    big_elems = max(t.numel() for t in (x, out, saved_y0) if t is not None)
     if relayout is not None:
         big_elems = max(big_elems, math.prod(relayout[0]))
     big = big_elems > _BIG_INDEX_THRESHOLD
-    ints = (cin, cout, w, r, oh, ow, p_end, x_sn, x_sc, sp, *hw_strides(out), *hw_strides(saved_a))
+    ints = (cin, cout, w, r, oh, ow, p_end, x_sn, x_sc, sp, *hw_strides(out), *hw_strides(saved_y0))
     constexprs = dict(
-        **op_constexprs(steps), HAS_BIAS=bias is not None, SAVE=saved_a is not None,
+        **op_constexprs(steps), HAS_BIAS=bias is not None, SAVE=saved_y0 is not None,
         KH=kh, KW=kw, KWG=kwg, PH=ph, PW=pw, ALIGN=align, C_SHIFT=c_shift, CIN_PAD=cin_pad,
         PRECISION=precision, BIG=big, BLOCK_N=block_n,
     )  # fmt: skip
@@ -657,23 +657,23 @@ def forward_launch(
     conv: ConvGeometry,
     pool: PoolGeometry | None,
     out: torch.Tensor,
-    saved_a: torch.Tensor | None = None,
-    saved_b: torch.Tensor | None = None,
+    saved_y0: torch.Tensor | None = None,
+    saved_winner: torch.Tensor | None = None,
     allow_tf32: bool = False,
     compute_dtype: torch.dtype | None = None,
 ) -> _Launch | None:
     """The checked launch plan of ``conv_dense_forward`` for these arguments (cached per shapes,
     strides, dtypes, geometry, op codes, precision and compute dtype), or None when ``out`` is empty
-    (the arguments are still checked).  Its ``run(x, weight, params, out, saved_a, saved_b)`` launches
+    (the arguments are still checked).  Its ``run(x, weight, params, out, saved_y0, saved_winner)`` launches
     for tensors laid out like these.  Raises ValueError as ``conv_dense_forward`` does."""
     if out.numel() == 0:
-        _prepare(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32, compute_dtype)
+        _prepare(x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype)
         return None
-    key = _launch_key(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32, compute_dtype)
+    key = _launch_key(x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype)
     return _LAUNCHES.get(
         key,
         lambda: _prepare(
-            x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32, compute_dtype
+            x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype
         ),
     )
 
@@ -686,12 +686,12 @@ def conv_dense_forward(
     conv: ConvGeometry,
     pool: PoolGeometry | None,
     out: torch.Tensor,
-    saved_a: torch.Tensor | None = None,
-    saved_b: torch.Tensor | None = None,
+    saved_y0: torch.Tensor | None = None,
+    saved_winner: torch.Tensor | None = None,
     allow_tf32: bool = False,
     compute_dtype: torch.dtype | None = None,
 ) -> None:
-    """Write ``out = chain(conv(x, weight) + bias)`` (and ``saved_a``) with one kernel launch (plus
+    """Write ``out = chain(conv(x, weight) + bias)`` (and ``saved_y0``) with one kernel launch (plus
     the weight prearrangement).
 
     Args:
@@ -703,8 +703,8 @@ def conv_dense_forward(
       conv: the conv hyper-parameters (not transposed, groups 1, stride 1, dilation 1).
       pool: must be None.
       out: preallocated result (N, C_out, [OH,] OW), any float dtype and strides.
-      saved_a: None, or the conv output without bias (out's shape, any float dtype, any strides):
-        the values are rounded to the compute dtype.  saved_b: must be None.
+      saved_y0: None, or the conv output without bias (out's shape, any float dtype, any strides):
+        the values are rounded to the compute dtype.  saved_winner: must be None.
       allow_tf32: fp32 compute uses TF32 tensor cores (pass ``torch.backends.cudnn.allow_tf32``);
         ignored under the interpreter.
       compute_dtype: the dtype the operands are rounded to before the MMA and the conv output's
@@ -712,7 +712,7 @@ def conv_dense_forward(
     Raises ValueError when ``unsupported_reason`` names a reason or the tensors disagree.
     """
     launch = forward_launch(
-        x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32, compute_dtype
+        x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype
     )
     if launch is not None:
-        launch.run(x, weight, build_params(steps, bias, launch.cout, x.device), out, saved_a, saved_b)
+        launch.run(x, weight, build_params(steps, bias, launch.cout, x.device), out, saved_y0, saved_winner)

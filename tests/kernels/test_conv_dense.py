@@ -206,7 +206,7 @@ def test_int64_index_path_matches(monkeypatch):
 
 def test_launch_plan_contract_and_cache():
     """``forward_launch`` has ``conv_fused.forward_launch``'s contract: a cached plan with ``cout``,
-    ``transposed`` and ``run(x, weight, params, out, saved_a, saved_b)``; None for an empty output."""
+    ``transposed`` and ``run(x, weight, params, out, saved_y0, saved_winner)``; None for an empty output."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 3, 5, 6, generator=g).to(DEVICE)
     w = torch.randn(4, 3, 3, 3, generator=g).to(DEVICE)

@@ -194,7 +194,7 @@ def test_fused_conv_matches_library_path_bitwise_with_saved_state(monkeypatch, c
     config = _config(spec, chain, pool)
     got = _run(monkeypatch, "triton", x, w, b, ops, config)
     want = _run(monkeypatch, "library", x, w, b, ops, config)
-    for what, g_, w_ in zip(("out", "saved_a", "saved_b"), got, want, strict=True):
+    for what, g_, w_ in zip(("out", "saved_y0", "saved_winner"), got, want, strict=True):
         _assert_same(g_, w_, f"{name} {what}")
     # The values themselves: float64 eager composite (NaN positions included).
     ref, _, _ = _run(monkeypatch, "library", x.double(), w.double(), None if b is None else b.double(),
@@ -227,7 +227,7 @@ def test_int64_index_path_matches(monkeypatch, name):
     got = _run(monkeypatch, "triton", x, w, b, ops, config)
     assert any(launch.constexprs["BIG"] for launch in conv_fused.plan._LAUNCHES._values.values()), "BIG not taken"
     want = _run(monkeypatch, "library", x, w, b, ops, config)
-    for what, g_, w_ in zip(("out", "saved_a", "saved_b"), got, want, strict=True):
+    for what, g_, w_ in zip(("out", "saved_y0", "saved_winner"), got, want, strict=True):
         _assert_same(g_, w_, f"{name} {what}")
 
 
@@ -271,7 +271,7 @@ def test_all_minus_inf_windows_keep_the_first_valid_offset(monkeypatch, pool_pad
     config = _config(spec, chain, _pool("max", 3, 2, 2, pool_padding))
     got = _run(monkeypatch, "triton", x, w, b, [m], config)
     want = _run(monkeypatch, "library", x, w, b, [m], config)
-    for what, g_, w_ in zip(("out", "saved_a", "saved_b"), got, want, strict=True):
+    for what, g_, w_ in zip(("out", "saved_y0", "saved_winner"), got, want, strict=True):
         _assert_same(g_, w_, f"{name} pool padding {pool_padding} {what}")
     assert torch.isneginf(got[0]).all()
 

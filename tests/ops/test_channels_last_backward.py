@@ -58,8 +58,8 @@ def channels_last_backward(monkeypatch, exact_fp32):
     monkeypatch.setattr(ce.backward, "PLANS", BoundedCache(256))
     built = []
 
-    def backward_plan(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, mask):
-        plans = ce.backward._backward_candidates(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, mask)
+    def backward_plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner, cfg, mask):
+        plans = ce.backward._backward_candidates(grad_out, x, weight, bias, operands, saved_y0, saved_winner, cfg, mask)
         built.append(plans["library-channels-last"])
         return plans["library-channels-last"], True
 

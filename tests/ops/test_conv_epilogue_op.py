@@ -189,8 +189,8 @@ def test_reference_handles_big_windows_with_int32_winners():
         check_against_eager(case, chain, p, make_inputs(case), 1e-12, 1e-12)
     x, w, b, ops = make_inputs(case)
     huge = _pool("max", 3, (4, 6, 6), 1, (2, 3, 3))  # 144 taps
-    _, saved_a, _ = torch.ops.fusion.conv_epilogue_fwd(x, w, b, ops, config_of(case.spec, chain, huge), True)
-    assert saved_a.dtype == torch.int32
+    _, _, saved_winner = torch.ops.fusion.conv_epilogue_fwd(x, w, b, ops, config_of(case.spec, chain, huge), True)
+    assert saved_winner.dtype == torch.int32
 
 
 def test_gradcheck_of_the_reference_in_float64():
@@ -372,8 +372,8 @@ def test_opcheck_forward_and_backward_ops(case, variant, save, fmt):
     torch.library.opcheck(torch.ops.fusion.conv_epilogue_fwd.default, args)
     if save:
         x, w, b, ops, config, _ = args
-        out, saved_a, saved_b = torch.ops.fusion.conv_epilogue_fwd(*args)
-        bwd_args = (torch.randn_like(out), x, w, b, ops, saved_a, saved_b, config, [True, True, True, True])
+        out, saved_y0, saved_winner = torch.ops.fusion.conv_epilogue_fwd(*args)
+        bwd_args = (torch.randn_like(out), x, w, b, ops, saved_y0, saved_winner, config, [True, True, True, True])
         torch.library.opcheck(torch.ops.fusion.conv_epilogue_bwd.default, bwd_args)
     grad_args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in args[:3]) + args[3:]
     torch.library.opcheck(
@@ -420,10 +420,10 @@ def test_saved_state_layout(monkeypatch):
     want_y = y0.flatten(2).gather(2, flat.flatten(2)).reshape(flat.shape)
     for path in ("", "triton") if os.environ.get("TRITON_INTERPRET") == "1" else ("",):
         monkeypatch.setenv("FUSION_CPU_KERNELS", path)
-        out, saved_a, saved_b = torch.ops.fusion.conv_epilogue_fwd(x, w, b, ops, config, True)
-        assert saved_a.dtype == torch.int8 and saved_a.shape == out.shape
-        assert torch.equal(saved_a.long(), want_win)
-        assert saved_b.dtype == x.dtype and torch.allclose(saved_b, want_y, atol=1e-6)  # y WITHOUT bias
+        out, saved_y0, saved_winner = torch.ops.fusion.conv_epilogue_fwd(x, w, b, ops, config, True)
+        assert saved_winner.dtype == torch.int8 and saved_winner.shape == out.shape
+        assert torch.equal(saved_winner.long(), want_win)
+        assert saved_y0.dtype == x.dtype and torch.allclose(saved_y0, want_y, atol=1e-6)  # y WITHOUT bias
         nopool = config_of(case.spec, chain, strict=True)
         _, full, empty = torch.ops.fusion.conv_epilogue_fwd(x, w, b, ops, nopool, True)
         assert torch.allclose(full, y0, atol=1e-6) and empty.numel() == 0

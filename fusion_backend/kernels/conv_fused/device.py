@@ -167,7 +167,7 @@ def _first_offset(kd, kh, kw, od, oh, ow):
 
 @triton.jit
 def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
-                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, sa_ptr,
+                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, y0_ptr,
                      o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                      OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
                      OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
@@ -236,8 +236,8 @@ def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win
     if SAVE and POOL != 1:
         # NOTE: with overlapping avg-pool windows the same element is stored by several
         # programs with bitwise identical values (same operands, same K order).
-        tl.store(sa_ptr + (nn * y_sn + o_sp)[:, None] + c64[None, :] * y_sc,
-                 y_raw.to(sa_ptr.dtype.element_ty), mask=ok2)  # fmt: skip
+        tl.store(y0_ptr + (nn * y_sn + o_sp)[:, None] + c64[None, :] * y_sc,
+                 y_raw.to(y0_ptr.dtype.element_ty), mask=ok2)  # fmt: skip
     return best, win, win_y, pooled
 
 
@@ -245,7 +245,7 @@ def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win
 def _phase_aligned_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
                       w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                       best, win, win_y, pooled,
-                      bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, sa_ptr,
+                      bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, y0_ptr,
                       o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                       OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
                       OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
@@ -309,7 +309,7 @@ def _phase_aligned_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr
                              acc, input_precision=PRECISION)  # fmt: skip
     best, win, win_y, pooled = _offset_epilogue(
         acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
-        bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr, sa_ptr,
+        bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr, y0_ptr,
         o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
         OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, FULL, FIRST,
     )  # fmt: skip
@@ -320,7 +320,7 @@ def _phase_aligned_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr
 def _phase_aligned_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
                      w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                      best, win, win_y, pooled,
-                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, sa_ptr,
+                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, y0_ptr,
                      o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                      OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
                      OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
@@ -359,7 +359,7 @@ def _phase_aligned_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_
             a_all, SHARED_X, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
             wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd,
             w_sh, w_sw, best, win, win_y, pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5,
-            b5, a6, b6, a7, b7, CDT, out_ptr, sa_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc,
+            b5, a6, b6, a7, b7, CDT, out_ptr, y0_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc,
             y_sd, y_sh, y_sw, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
             FULL, TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW, USD, USH, USW, UPD,
             UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
@@ -370,7 +370,7 @@ def _phase_aligned_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_
             a_all, SHARED_X, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
             wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd,
             w_sh, w_sw, best, win, win_y, pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5,
-            b5, a6, b6, a7, b7, CDT, out_ptr, sa_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc,
+            b5, a6, b6, a7, b7, CDT, out_ptr, y0_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc,
             y_sd, y_sh, y_sw, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
             FULL, TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW, USD, USH, USW, UPD,
             UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
@@ -380,7 +380,7 @@ def _phase_aligned_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_
 
 @triton.jit
 def conv_fused_fwd_kernel(
-    x_ptr, w_ptr, wm_ptr, p_ptr, out_ptr, sa_ptr, sb_ptr,
+    x_ptr, w_ptr, wm_ptr, p_ptr, out_ptr, y0_ptr, win_ptr,
     C_OUT, CIN_G, COUT_G, M_TOTAL,
     ID, IH, IW, OD, OH, OW, UD, UH, UW,
     x_sn, x_sc, x_sd, x_sh, x_sw,
@@ -418,10 +418,10 @@ def conv_fused_fwd_kernel(
               ((groups, KD*KH*KW, COUT_G, KS*BLOCK_K), the compute dtype, contiguous); else unused.
       p_ptr   operand matrix P of ``epilogue.build_params``, (NUM_PARAM_ROWS, C_OUT) fp32 contiguous.
       out_ptr result (N, C_OUT, pooled or conv-output spatial), any float dtype, strides ``o_s*``.
-      sa_ptr  SAVE and max pool: winner index (int8/int32), out's shape and strides.
-              SAVE without max pool: the conv output without bias, (N, C_OUT, OD, OH, OW), the
-              compute dtype, strides ``y_s*``.
-      sb_ptr  SAVE and max pool: conv output (no bias) at the winner, the compute dtype, out's strides.
+      y0_ptr  SAVE: the conv output without bias, the compute dtype.  Max pool: its value at each
+              window's winner, out's shape and strides; otherwise the whole of it,
+              (N, C_OUT, OD, OH, OW), strides ``y_s*``.
+      win_ptr SAVE and max pool: winner index in its window (int8/int32), out's shape and strides.
     Geometry: ``OD, OH, OW`` conv-output sizes; ``UD, UH, UW`` unit-grid sizes (pooled sizes, conv
     output sizes, or ceil(O / s) super-positions for a transposed conv without pool);
     ``KD, KH, KW`` window offsets per unit, ``US*``/``UP*`` unit stride/origin (o = u*US - UP + kp);
@@ -529,7 +529,7 @@ def conv_fused_fwd_kernel(
                         a_cur, True, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
                         wm_base, COUT_G * (KS * BLOCK_K), CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                         best, win, win_y, pooled,
-                        bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr, sa_ptr,
+                        bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr, y0_ptr,
                         o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                         OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, FULL_WINDOWS,
                         TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
@@ -545,7 +545,7 @@ def conv_fused_fwd_kernel(
                 0.0, False, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
                 w_base, COUT_G, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
                 best, win, win_y, pooled,
-                bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr, sa_ptr,
+                bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr, y0_ptr,
                 o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                 OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, FULL_WINDOWS,
                 TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
@@ -613,7 +613,7 @@ def conv_fused_fwd_kernel(
                 best, win, win_y, pooled = _offset_epilogue(
                     acc, kd * KH * KW + kh * KW + kw, first, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y,
                     pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr,
-                    sa_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+                    y0_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
                     OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, False,
                 )  # fmt: skip
 
@@ -627,8 +627,8 @@ def conv_fused_fwd_kernel(
         if POOL == 1:
             tl.store(out_ptr + q2, best.to(out_ptr.dtype.element_ty), mask=omask)
             if SAVE:
-                tl.store(sa_ptr + q2, win.to(sa_ptr.dtype.element_ty), mask=omask)
-                tl.store(sb_ptr + q2, win_y.to(sb_ptr.dtype.element_ty), mask=omask)
+                tl.store(win_ptr + q2, win.to(win_ptr.dtype.element_ty), mask=omask)
+                tl.store(y0_ptr + q2, win_y.to(y0_ptr.dtype.element_ty), mask=omask)
         else:
             div = avg_divisor(ud[:, None], uh[:, None], uw[:, None], OD, OH, OW, KD, KH, KW,
                                USD, USH, USW, UPD, UPH, UPW, COUNT_INCLUDE_PAD, DIVISOR)  # fmt: skip

@@ -326,15 +326,15 @@ class _Launch:
         return FastLaunch(conv_fused_fwd_kernel, self.grid(meta), {**self.constexprs, **meta}, fixed=self.ints)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
-            saved_a: torch.Tensor | None, saved_b: torch.Tensor | None) -> None:  # fmt: skip
+            saved_y0: torch.Tensor | None, saved_winner: torch.Tensor | None) -> None:  # fmt: skip
         """Launch for tensors like the ones this plan was made for (``conv_fused_forward``'s
         arguments; ``params``: ``build_params`` of its steps and bias)."""
         if self.weight_matrix is not None:
             w, wm = weight, self.weight_matrix(weight)
         else:
             w = wm = _output_channels_innermost(weight, self.transposed)
-        self((x, w, wm, params, out, saved_a if saved_a is not None else out,
-              saved_b if saved_b is not None else out))  # fmt: skip
+        self((x, w, wm, params, out, saved_y0 if saved_y0 is not None else out,
+              saved_winner if saved_winner is not None else out))  # fmt: skip
 
     def __call__(self, tensors: tuple[torch.Tensor, ...]) -> None:
         if self.fast is not None:
@@ -402,12 +402,12 @@ def phase_aligned_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeo
 _LAUNCHES = BoundedCache(256)
 
 
-def _launch_key(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32, compute_dtype) -> tuple:  # noqa: ANN001
+def _launch_key(x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype) -> tuple:  # noqa: ANN001
     """Everything ``_prepare``'s result depends on (shapes, strides, dtypes, geometry, op codes,
     precision, and the module switches tests change)."""
     return (
         tensor_key(x), tensor_key(weight), bias is None, tuple((int(code), len(values)) for code, values in steps), conv, pool,
-        tensor_key(out), tensor_key(saved_a), tensor_key(saved_b), bool(allow_tf32), compute_dtype,
+        tensor_key(out), tensor_key(saved_y0), tensor_key(saved_winner), bool(allow_tf32), compute_dtype,
         environment.measuring(), _BIG_INDEX_THRESHOLD,
     )  # fmt: skip
 
@@ -420,19 +420,19 @@ def _prepare(
     conv: ConvGeometry,
     pool: PoolGeometry | None,
     out: torch.Tensor,
-    saved_a: torch.Tensor | None,
-    saved_b: torch.Tensor | None,
+    saved_y0: torch.Tensor | None,
+    saved_winner: torch.Tensor | None,
     allow_tf32: bool,
     compute_dtype: torch.dtype,
 ) -> _Launch:
     """Validate a call and derive its launch (everything but the tensors' data); see
     ``conv_fused_forward``.  Depends only on what ``_launch_key`` records."""
     is_max = pool is not None and pool.kind == "max"
-    save = saved_a is not None
-    if is_max and save != (saved_b is not None):
-        raise ValueError("a max pool saves both saved_a (winner) and saved_b (winner value), or neither")
-    if not is_max and saved_b is not None:
-        raise ValueError("saved_b is only written with a max pool")
+    save = saved_y0 is not None
+    if is_max and save != (saved_winner is not None):
+        raise ValueError("a max pool saves both saved_y0 (the value at the winner) and saved_winner, or neither")
+    if not is_max and saved_winner is not None:
+        raise ValueError("saved_winner is only written with a max pool")
     pooled_sizes = list(out.shape[2:]) if pool is not None else None
     why = unsupported_reason(x, weight, conv, pool, pooled_sizes, save, compute_dtype)
     if why is not None:
@@ -448,19 +448,19 @@ def _prepare(
     if list(out.shape) != expected_out:
         raise ValueError(f"out must have shape {expected_out}, got {tuple(out.shape)}")
     if is_max and save:
-        for name, t in (("saved_a", saved_a), ("saved_b", saved_b)):
+        for name, t in (("saved_y0", saved_y0), ("saved_winner", saved_winner)):
             if t.shape != out.shape or t.stride() != out.stride():
                 raise ValueError(f"{name} must have out's shape and strides {tuple(out.shape)}/{out.stride()}, "
                                  f"got {tuple(t.shape)}/{t.stride()}")  # fmt: skip
-        if saved_a.dtype not in (torch.int8, torch.int32):
-            raise ValueError(f"the winner index must be int8 or int32, got {saved_a.dtype}")
-    elif save and list(saved_a.shape) != conv_out_shape:
+        if saved_winner.dtype not in (torch.int8, torch.int32):
+            raise ValueError(f"the winner index must be int8 or int32, got {saved_winner.dtype}")
+    elif save and list(saved_y0.shape) != conv_out_shape:
         raise ValueError(
-            f"saved_a must have the conv output's shape {conv_out_shape}, got {tuple(saved_a.shape)}"
+            f"saved_y0 must have the conv output's shape {conv_out_shape}, got {tuple(saved_y0.shape)}"
         )
     x_strides = lift_5d(x)[1]
     o_strides = lift_5d(out)[1]
-    y_strides = lift_5d(saved_a)[1] if save and not is_max else [0] * 5
+    y_strides = lift_5d(saved_y0)[1] if save and not is_max else [0] * 5
     precision = dot_precision(compute_dtype, allow_tf32, _INTERPRET)
     one_cblock = cin_g <= PHASE_ALIGNED_BLOCK_K
     # PHASE_ALIGNED with one channel block reads the prearranged matrix; its masked variant (tiles with
@@ -474,7 +474,7 @@ def _prepare(
     w_sci, w_sco = (w_str[0], w_str[1]) if conv.transposed else (w_str[1], w_str[0])
     w_taps = _pad3(w_str[2:], 0)
     m_total = n * math.prod(plan.units)
-    big = any(t.numel() > _BIG_INDEX_THRESHOLD for t in (x, out, saved_a, saved_b) if t is not None)
+    big = any(t.numel() > _BIG_INDEX_THRESHOLD for t in (x, out, saved_y0, saved_winner) if t is not None)
     if pool is None:
         pool_args = dict(COUNT_INCLUDE_PAD=True, DIVISOR=0)
     else:
@@ -521,8 +521,8 @@ def conv_fused_forward(
     conv: ConvGeometry,
     pool: PoolGeometry | None,
     out: torch.Tensor,
-    saved_a: torch.Tensor | None = None,
-    saved_b: torch.Tensor | None = None,
+    saved_y0: torch.Tensor | None = None,
+    saved_winner: torch.Tensor | None = None,
     allow_tf32: bool = False,
     compute_dtype: torch.dtype | None = None,
 ) -> None:
@@ -537,11 +537,11 @@ def conv_fused_forward(
       steps: the chain, as for ``epilogue.epilogue_forward`` (up to MAX_SLOTS steps).
       conv: the conv hyper-parameters.  pool: None or the pool over the chain's result.
       out: preallocated result (N, C_out, *pooled or conv-output spatial), any float dtype and strides.
-      saved_a, saved_b: None (nothing saved), or the backward state, in ``epilogue_forward``'s format:
-        max pool: winner index in its window (int8/int32, out's shape and strides) and the conv output
-        without bias at the winner (the compute dtype, out's shape and strides); avg pool / none: ``saved_a``
-        receives the full conv output without bias ((N, C_out, *conv-output spatial), the compute dtype, any
-        strides) and ``saved_b`` is None.
+      saved_y0, saved_winner: None (nothing saved), or the backward state, in ``epilogue_forward``'s
+        format: ``saved_y0`` the conv output without bias in the compute dtype: with a max pool its value
+        at each window's winner (out's shape and strides), else all of it ((N, C_out, *conv-output
+        spatial), any strides); ``saved_winner`` with a max pool the winner's index in its window
+        (int8/int32, out's shape and strides), else None.
       allow_tf32: fp32 operands use TF32 tensor cores (pass ``torch.backends.cudnn.allow_tf32``);
         ignored under the interpreter.
       compute_dtype: the conv's dtype (None: x's): x and weight are cast to it as they are loaded
@@ -550,9 +550,9 @@ def conv_fused_forward(
         The saved conv output has this dtype.
     Raises ValueError when ``unsupported_reason`` names a reason or the tensors disagree.
     """
-    launch = forward_launch(x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32, compute_dtype)
+    launch = forward_launch(x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype)
     if launch is not None:
-        launch.run(x, weight, build_params(steps, bias, launch.cout, x.device), out, saved_a, saved_b)
+        launch.run(x, weight, build_params(steps, bias, launch.cout, x.device), out, saved_y0, saved_winner)
 
 
 def forward_launch(
@@ -563,18 +563,18 @@ def forward_launch(
     conv: ConvGeometry,
     pool: PoolGeometry | None,
     out: torch.Tensor,
-    saved_a: torch.Tensor | None = None,
-    saved_b: torch.Tensor | None = None,
+    saved_y0: torch.Tensor | None = None,
+    saved_winner: torch.Tensor | None = None,
     allow_tf32: bool = False,
     compute_dtype: torch.dtype | None = None,
 ) -> _Launch | None:
     """The checked launch plan of ``conv_fused_forward`` for these arguments (cached per shapes,
     strides, dtypes, geometry, op codes and precision), or None when ``out`` is empty (nothing to
-    launch; the arguments are still checked).  Its ``run(x, weight, params, out, saved_a, saved_b)``
+    launch; the arguments are still checked).  Its ``run(x, weight, params, out, saved_y0, saved_winner)``
     launches for tensors laid out like these: a caller that keeps it (a per-signature call plan)
     skips the cache lookup.  Raises ValueError as ``conv_fused_forward`` does."""
     compute_dtype = compute_dtype or x.dtype
-    args = (x, weight, bias, steps, conv, pool, out, saved_a, saved_b, allow_tf32, compute_dtype)
+    args = (x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype)
     if out.numel() == 0:
         _prepare(*args)  # validates
         return None

@@ -24,16 +24,12 @@ Public launchers (they know only tensors; see each docstring for the exact contr
 * ``conv_input_grad(...)``, ``conv_weight_grad(...)``, ``conv_bias_grad(grad)``: the three parts.
 * ``unsupported_reason(grad, x, weight, ...) -> str | None``: None when the kernels take the case.
 
-How to wire (``ops/conv_epilogue.py::_triton_backward``): with a max pool, replace the full-size
-``grad_y`` written by ``epilogue_backward`` with ``PooledGrad(g_win, saved_a, kernel_size, stride,
-padding, ceil_mode=...)`` where ``g_win`` (pooled shape, any float dtype, fp32 recommended) is the
-chain's backward evaluated at the winners only (``y0 = saved_b + bias``); without a pool keep
-``grad_y`` and pass it as the dense form.  Then call ``convolution_backward(grad, x, weight,
-spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding, spec.groups,
-[mask[0], mask[1], mask[2]])`` when ``unsupported_reason(...)`` is None, else keep the aten path.
-The bias gradient comes out of the implicit form (``sum g == sum g_win``), so the epilogue kernel no
-longer needs its bias partials.  ``saved_a`` goes in as it is (int8 or int32, any strides); nothing
-of the conv-output size is allocated on this path.
+How ``conv_epilogue`` uses them (``ops/conv_epilogue/backward.py``, ``_TritonBackward``): with a max
+pool, ``g_win`` (pooled shape) is the chain's backward evaluated at the winners only (``y0 =
+saved_y0 + bias``) and the gradient goes in as ``PooledGrad(g_win, saved_winner, kernel_size, stride,
+padding, ceil_mode=...)`` (the winner index as saved, int8 or int32, any strides); without a pool the
+dense conv-output gradient goes in as it is.  The bias gradient comes out of the implicit form
+(``sum g == sum g_win``), and nothing of the conv-output size is allocated on this path.
 
 Algorithms (1d/2d/3d all lifted to 3d with singleton leading dims; ``k`` a tap, ``s`` stride, ``p``
 padding, ``dl`` dilation; conv: ``x[i]`` feeds ``y0[o]`` when ``i = o*s - p + k*dl``; transposed:

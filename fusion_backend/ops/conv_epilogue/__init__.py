@@ -17,15 +17,15 @@ hyper-parameters, chains of 0..MAX_CHAIN_LENGTH steps.
 Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
 
 * ``fusion::conv_epilogue_fwd(x, weight, bias, operands, config, save_for_backward)
-  -> (out, saved_a, saved_b)``.  Saved state, with ``C``/spatial of the conv output ``y0``
+  -> (out, saved_y0, saved_winner)``.  Saved state, with ``C``/spatial of the conv output ``y0``
   (the conv output WITHOUT bias; every backward adds the bias back itself):
 
   =================  ====================================  =====================================
-  case               saved_a                               saved_b
+  case               saved_y0                              saved_winner
   =================  ====================================  =====================================
-  max pool           winner index in its window, pooled    y0 at the winner, pooled shape,
-                     shape, row-major over (kd, kh, kw),   conv dtype
-                     int8 (window <= 127 taps) else int32
+  max pool           y0 at each window's winner, pooled    winner index in its window, pooled
+                     shape, conv dtype                     shape, row-major over (kd, kh, kw),
+                                                           int8 (window <= 127 taps) else int32
   avg pool / none    y0, full size, conv dtype             empty
   no save            empty                                 empty
   =================  ====================================  =====================================
@@ -34,8 +34,8 @@ Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, 
   saved: with a max pool the backward needs only 1/window of the elements.
   ``out`` and the pooled saved tensors use the memory format that ``output_memory_format`` picks
   from ``y0`` (channels-last when ``y0`` is channels-last and not also contiguous); so does
-  ``saved_a = y0``.
-* ``fusion::conv_epilogue_bwd(grad_out, x, weight, bias, operands, saved_a, saved_b, config,
+  a full-size ``saved_y0``.
+* ``fusion::conv_epilogue_bwd(grad_out, x, weight, bias, operands, saved_y0, saved_winner, config,
   output_mask) -> [grad_x, grad_weight, grad_bias, *grad_operands]``; entries whose mask is False
   are empty placeholders (mapped to None by the autograd glue).
 

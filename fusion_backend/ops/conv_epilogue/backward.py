@@ -41,21 +41,21 @@ PLANS = BoundedCache(256)
 
 def plan_for(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
-    saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
+    saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
 ) -> tuple[Any, bool]:  # fmt: skip
     """``(plan, settled)`` as ``forward.plan_for``: the Triton backward (``_TritonBackward``) or the
     library one (``_LibraryBackward``), as ``FUSION_CONV_IMPL`` says; under ``auto`` the fastest of
     ``_backward_candidates`` (the library one in the tensors' layout or in channels-last, the
     Triton one), measured once per shape (``impl_choice``; the library path when measuring is
     off).  Cases the Triton backward cannot serve (an avg pool) take the library one under
-    ``triton``.  ``plan(grad_out, x, weight, bias, operands, saved_a, saved_b)``."""
+    ``triton``.  ``plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner)``."""
 
-    args = (grad_out, x, weight, bias, operands, saved_a, saved_b)
+    args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
     mode = conv_impl_mode()
     if mode == "library" or (mode == "auto" and x.device.type != "cuda"):
         return _LibraryBackward(*args, cfg, mask), True  # auto on CPU: the interpreter is slow (tests force "triton")
     if mode != "auto":
-        why = _triton_backward_unsupported(x, weight, saved_a, saved_b, cfg)
+        why = _triton_backward_unsupported(x, weight, saved_y0, saved_winner, cfg)
         if why is not None:
             logger.debug("conv_epilogue backward: library path (%s)", why)
             return _LibraryBackward(*args, cfg, mask), True
@@ -78,19 +78,19 @@ def plan_for(
 
 def _backward_candidates(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
-    saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
+    saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
 ) -> dict[str, Any]:  # fmt: skip
     """The backward plans that can serve this call, by name: always ``library``; ``triton``
     (``_TritonBackward``) where it serves the case; ``library-channels-last`` where x and the
     saved state are not channels-last already and cuDNN has channels-last kernels."""
-    args = (grad_out, x, weight, bias, operands, saved_a, saved_b)
+    args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
     plans: dict[str, Any] = {"library": _LibraryBackward(*args, cfg, mask)}
-    why = _triton_backward_never_wins(cfg) or _triton_backward_unsupported(x, weight, saved_a, saved_b, cfg)
+    why = _triton_backward_never_wins(cfg) or _triton_backward_unsupported(x, weight, saved_y0, saved_winner, cfg)
     if why is None:
         plans["triton"] = _TritonBackward(*args, cfg, mask)
     else:
         logger.debug("conv_epilogue backward: no Triton backward (%s)", why)
-    why = _channels_last_backward_unsupported(x, saved_a)
+    why = _channels_last_backward_unsupported(x, saved_y0)
     if why is None:
         plans["library-channels-last"] = _LibraryBackward(*args, cfg, mask, channels_last=True)
     else:
@@ -165,7 +165,7 @@ class _LibraryBackward:
     """
 
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
-                 operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig,
+                 operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig,
                  mask: Sequence[bool], channels_last: bool = False) -> None:  # fmt: skip
         kernels = epilogue_kernels()
         self.spec, self.mask = cfg.conv, tuple(mask)
@@ -175,32 +175,31 @@ class _LibraryBackward:
         self.x_format = channels_last_format(x.dim()) if channels_last else None
         if self.is_max or channels_last:
             y_shape = conv_output_shape(x, weight, cfg.conv)
-            fmt = self.x_format if channels_last else output_memory_format(saved_a)
-            grad_y = torch.empty(y_shape, dtype=saved_b.dtype if self.is_max else saved_a.dtype, device="meta",
-                                 memory_format=fmt)  # fmt: skip
+            fmt = self.x_format if channels_last else output_memory_format(saved_y0)
+            grad_y = torch.empty(y_shape, dtype=saved_y0.dtype, device="meta", memory_format=fmt)
         else:
-            grad_y = torch.empty_strided(saved_a.shape, saved_a.stride(), dtype=saved_a.dtype, device="meta")
+            grad_y = torch.empty_strided(saved_y0.shape, saved_y0.stride(), dtype=saved_y0.dtype, device="meta")
         self.g_layout = (tuple(grad_y.shape), grad_y.stride(), grad_y.dtype)
         channels = grad_y.shape[1]
         steps = kernel_steps(cfg, operands, grad_y.dim(), channels)
         slots = _slot_wanted(cfg, mask[3:])
         self.want_bias = bool(mask[2]) and bias is not None
         self.epilogue = kernels.BackwardLaunch(
-            grad_out, None if self.is_max else saved_a, saved_a if self.is_max else None,
-            saved_b if self.is_max else None, bias, steps, None if cfg.pool is None else pool_geometry(cfg.pool),
+            grad_out, None if self.is_max else saved_y0, saved_winner if self.is_max else None,
+            saved_y0 if self.is_max else None, bias, steps, None if cfg.pool is None else pool_geometry(cfg.pool),
             grad_y, slots, self.want_bias,
         )  # fmt: skip
         self.params = PlannedOperands(cfg, steps, bias, channels, x.device)
         self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
 
     def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
-                 operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor) -> list[Tensor | None]:  # fmt: skip
+                 operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor) -> list[Tensor | None]:  # fmt: skip
         shape, stride, dtype = self.g_layout
         grad_y = torch.empty_strided(shape, stride, dtype=dtype, device=grad_out.device)
         if self.is_max:
-            y0, winner, winner_y = None, saved_a, saved_b
+            y0, winner, winner_y = None, saved_winner, saved_y0
         else:
-            y0, winner, winner_y = saved_a, None, None
+            y0, winner, winner_y = saved_y0, None, None
         slot_grads, grad_bias = self.epilogue(grad_out, y0, winner, winner_y, self.params(bias, operands), grad_y)
         grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], grad_y.device)
         x_in = x
@@ -213,13 +212,13 @@ class _LibraryBackward:
         return [grad_x, grad_w, grad_bias.to(bias.dtype) if self.want_bias else None, *grad_operands]
 
 
-def _channels_last_backward_unsupported(x: Tensor, saved_a: Tensor) -> str | None:
+def _channels_last_backward_unsupported(x: Tensor, saved_y0: Tensor) -> str | None:
     """Why the library backward has no channels-last variant worth measuring here, or None."""
     if x.dim() not in (4, 5):
         return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
     if x.dtype == torch.float64:
         return "float64 (cuDNN runs it in NCHW whatever the layout)"
-    if output_memory_format(saved_a) != torch.contiguous_format or x.is_contiguous(memory_format=channels_last_format(x.dim())):
+    if output_memory_format(saved_y0) != torch.contiguous_format or x.is_contiguous(memory_format=channels_last_format(x.dim())):
         return "the tensors are channels-last already"
     return None
 
@@ -243,7 +242,7 @@ def _triton_backward_never_wins(cfg: ConvEpilogueConfig) -> str | None:
 
 
 def _triton_backward_unsupported(
-    x: Tensor, weight: Tensor, saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig
+    x: Tensor, weight: Tensor, saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig
 ) -> str | None:
     """None when ``_TritonBackward`` serves the case, else why not."""
     if cfg.pool is not None and cfg.pool.kind != "max":
@@ -253,7 +252,7 @@ def _triton_backward_unsupported(
     from ...kernels import conv_fused_bwd
 
     spec = cfg.conv
-    grad = saved_a if cfg.pool is None else _pooled_grad(saved_b, saved_a, cfg.pool)
+    grad = saved_y0 if cfg.pool is None else _pooled_grad(saved_y0, saved_winner, cfg.pool)
     return conv_fused_bwd.unsupported_reason(
         grad, x, weight, spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding,
         spec.groups,
@@ -279,28 +278,27 @@ class _TritonBackward:
     consumes it.
 
     A plan for one call signature (see ``_FusedForward``): built from a call's arguments, called
-    as ``(grad_out, x, weight, bias, operands, saved_a, saved_b) -> [gx, gw, gb, *g_operands]``
+    as ``(grad_out, x, weight, bias, operands, saved_y0, saved_winner) -> [gx, gw, gb, *g_operands]``
     (None where the mask is off) with tensors laid out like them.
     """
 
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
-                 operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig,
+                 operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig,
                  mask: Sequence[bool]) -> None:  # fmt: skip
         kernels = epilogue_kernels()
         self.pool = cfg.pool  # not None: a max pool (``_triton_backward_unsupported``)
-        y_src = saved_b if self.pool is not None else saved_a
-        #: the gradient at the winners (or the dense conv-output gradient) is laid out like y_src
-        self.g_layout = (tuple(y_src.shape), y_src.stride(), y_src.dtype)
-        channels = y_src.shape[1]
-        steps = kernel_steps(cfg, operands, y_src.dim(), channels)
+        #: the gradient at the winners (or the dense conv-output gradient) is laid out like saved_y0
+        self.g_layout = (tuple(saved_y0.shape), saved_y0.stride(), saved_y0.dtype)
+        channels = saved_y0.shape[1]
+        steps = kernel_steps(cfg, operands, saved_y0.dim(), channels)
         slots = _slot_wanted(cfg, mask[3:])
         self.want_bias = bool(mask[2]) and bias is not None
-        self.epilogue = kernels.BackwardLaunch(grad_out, y_src, None, None, bias, steps, None, y_src, slots,
+        self.epilogue = kernels.BackwardLaunch(grad_out, saved_y0, None, None, bias, steps, None, saved_y0, slots,
                                                self.want_bias)  # fmt: skip
         self.params = PlannedOperands(cfg, steps, bias, channels, x.device)
         self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
         self.bias_dtype = None if bias is None else bias.dtype
-        grad = _pooled_grad(y_src, saved_a, self.pool) if self.pool is not None else y_src
+        grad = _pooled_grad(saved_y0, saved_winner, self.pool) if self.pool is not None else saved_y0
         spec = cfg.conv
         conv_args = (grad, x, weight, spec.stride, spec.padding, spec.dilation, spec.transposed, spec.output_padding,
                      spec.groups)  # fmt: skip
@@ -320,12 +318,11 @@ class _TritonBackward:
             self.conv_backward = kernels_module.backward_plan(*conv_args, [mask[0], mask[1]])
 
     def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
-                 operands: Sequence[Tensor], saved_a: Tensor, saved_b: Tensor) -> list[Tensor | None]:  # fmt: skip
-        y_src = saved_b if self.pool is not None else saved_a
+                 operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor) -> list[Tensor | None]:  # fmt: skip
         shape, stride, dtype = self.g_layout
-        g = torch.empty_strided(shape, stride, dtype=dtype, device=y_src.device)
-        slot_grads, grad_bias = self.epilogue(grad_out, y_src, None, None, self.params(bias, operands), g)
-        grad = _pooled_grad(g, saved_a, self.pool) if self.pool is not None else g
+        g = torch.empty_strided(shape, stride, dtype=dtype, device=saved_y0.device)
+        slot_grads, grad_bias = self.epilogue(grad_out, saved_y0, None, None, self.params(bias, operands), g)
+        grad = _pooled_grad(g, saved_winner, self.pool) if self.pool is not None else g
         if self.cast_to is not None:  # the results' dtype is then cast back by ``strided_like``
             x, weight = x.to(self.cast_to), weight.to(self.cast_to)
         grad_x, grad_w = self.conv_backward(grad, x, weight)

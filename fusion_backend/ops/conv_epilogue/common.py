@@ -254,7 +254,7 @@ def empty_placeholder(x: Tensor) -> Tensor:
 def allocate_forward_outputs(
     x: Tensor, y0: Tensor, out_shape: Sequence[int], cfg: ConvEpilogueConfig, save: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Empty ``(out, saved_a, saved_b)`` with the exact shapes, dtypes and strides of the real op
+    """Empty ``(out, saved_y0, saved_winner)`` with the exact shapes, dtypes and strides of the real op
     (``x``: the op's input as given, for the device and the placeholders' dtype; ``y0``: the conv
     output in the compute dtype)."""
     fmt = output_memory_format(y0)
@@ -264,7 +264,7 @@ def allocate_forward_outputs(
     if cfg.pool is not None and cfg.pool.kind == "max":
         win = torch.empty(out_shape, dtype=winner_dtype(cfg.pool), device=x.device, memory_format=fmt)
         win_y = torch.empty(out_shape, dtype=y0.dtype, device=x.device, memory_format=fmt)
-        return out, win, win_y
+        return out, win_y, win
     return out, torch.empty(y0.shape, dtype=y0.dtype, device=x.device, memory_format=fmt), empty_placeholder(x)
 
 

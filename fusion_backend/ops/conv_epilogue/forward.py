@@ -152,7 +152,7 @@ def _library_conv_meta_uncached(x: Tensor, weight: Tensor, spec: ConvSpec, dtype
 class _FusedForward:
     """The fused conv kernel's forward for one call signature: the output layouts, the operand
     matrix layout and the kernel's launch plan are worked out once; a call allocates the outputs,
-    builds ``P`` and launches (``(x, weight, bias, operands) -> (out, saved_a, saved_b)``, tensors
+    builds ``P`` and launches (``(x, weight, bias, operands) -> (out, saved_y0, saved_winner)``, tensors
     laid out like the constructor's).  Same outputs and formats as the library path, so the
     backward is shared.
 
@@ -166,12 +166,12 @@ class _FusedForward:
         dtype = conv_compute_dtype(cfg, x)
         y0, steps, outputs = _forward_layouts(x, weight, operands, cfg, save, dtype)
         self.layouts = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
-        self.save_a = save
-        self.save_b = save and cfg.pool is not None and cfg.pool.kind == "max"
-        out, saved_a, saved_b = outputs
+        self.save_y0 = save
+        self.save_winner = save and cfg.pool is not None and cfg.pool.kind == "max"
+        out, saved_y0, saved_winner = outputs
         self.launch = _forward_kernels(x, weight, cfg).forward_launch(
             x, weight, bias, steps, _conv_geometry(cfg.conv), None if cfg.pool is None else pool_geometry(cfg.pool),
-            out, saved_a if self.save_a else None, saved_b if self.save_b else None,
+            out, saved_y0 if self.save_y0 else None, saved_winner if self.save_winner else None,
             allow_tf32=bool(torch.backends.cudnn.allow_tf32), compute_dtype=dtype,
         )  # fmt: skip
         self.params = PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
@@ -186,13 +186,13 @@ class _FusedForward:
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         device = x.device
-        out, saved_a, saved_b = (
+        out, saved_y0, saved_winner = (
             torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self.layouts
         )
         if self.launch is not None:
-            self.launch.run(x, weight, self.params(bias, operands), out, saved_a if self.save_a else None,
-                            saved_b if self.save_b else None)  # fmt: skip
-        return out, saved_a, saved_b
+            self.launch.run(x, weight, self.params(bias, operands), out, saved_y0 if self.save_y0 else None,
+                            saved_winner if self.save_winner else None)  # fmt: skip
+        return out, saved_y0, saved_winner
 
 
 def _forward_layouts(
@@ -200,8 +200,8 @@ def _forward_layouts(
 ) -> tuple[Tensor, list, tuple[Tensor, Tensor, Tensor]]:  # fmt: skip
     """What both forward plans work out first, on meta tensors (no memory): the conv output ``y0`` in
     the compute ``dtype`` and the outputs' memory format (``output_memory_format`` of the fake's
-    conv layout, as ``in_format`` lays it out), the kernels' chain steps, and ``(out, saved_a,
-    saved_b)`` as ``allocate_forward_outputs`` gives them."""
+    conv layout, as ``in_format`` lays it out), the kernels' chain steps, and ``(out, saved_y0,
+    saved_winner)`` as ``allocate_forward_outputs`` gives them."""
     y0 = _library_conv_meta(x, weight, cfg.conv, dtype)
     y0 = torch.empty(y0.shape, dtype=dtype, device="meta", memory_format=output_memory_format(y0))
     steps = kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
@@ -397,10 +397,10 @@ class _LibraryForward:
 
     def _plan_launch(self, y0: Tensor) -> Any:  # kernels.epilogue.ForwardLaunch
         """The epilogue kernel's launch for a conv output laid out like ``y0`` (real or meta)."""
-        bias_meta, codes, pool, (out, saved_a, saved_b) = self._launch_args
+        bias_meta, codes, pool, (out, saved_y0, saved_winner) = self._launch_args
         return epilogue_kernels().ForwardLaunch(
-            y0, bias_meta, codes, pool, out, saved_a if self.max_save else None,
-            saved_b if self.max_save else None, y_copy=saved_a if self.kernel_saves_y0 else None,
+            y0, bias_meta, codes, pool, out, saved_winner if self.max_save else None,
+            saved_y0 if self.max_save else None, y_copy=saved_y0 if self.kernel_saves_y0 else None,
         )  # fmt: skip
 
     def _conv_output(self, x: Tensor, weight: Tensor) -> Tensor:
@@ -418,20 +418,20 @@ class _LibraryForward:
         launch = self.launches.get(y0.stride())
         if launch is None:  # a layout the plan did not expect (``_ChannelsLastLibraryForward`` only)
             launch = self.launches[y0.stride()] = self._plan_launch(y0)
-        out, saved_a, saved_b = (
+        out, saved_y0, saved_winner = (
             y0 if i == 1 and self.saved_is_y0 else torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
             for i, (shape, stride, dtype) in enumerate(self.layouts)
         )  # (the saved conv output is y0 itself where it can be: nothing allocated for it)
         params = self.params(bias, operands)
         if self.max_save:
-            launch(y0, params, out, saved_a, saved_b)
+            launch(y0, params, out, saved_winner, saved_y0)
         elif self.kernel_saves_y0:
-            launch(y0, params, out, y_copy=saved_a)
+            launch(y0, params, out, y_copy=saved_y0)
         else:
             if self.relays_y0:
-                relayout(y0, saved_a)
+                relayout(y0, saved_y0)
             launch(y0, params, out)
-        return out, saved_a, saved_b
+        return out, saved_y0, saved_winner
 
 
 class _ChannelsLastLibraryForward(_LibraryForward):

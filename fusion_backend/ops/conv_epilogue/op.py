@@ -68,7 +68,7 @@ def _conv_epilogue_fwd_impl(
     config: str,
     save_for_backward: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Forward of the fused op: ``(out, saved_a, saved_b)`` (see the package docstring).
+    """Forward of the fused op: ``(out, saved_y0, saved_winner)`` (see the package docstring).
 
     A call whose signature (``forward.call_signature``) has a settled plan runs it straight; the
     first call of a signature checks the inputs, picks the path (``forward.plan_for``) and keeps
@@ -121,8 +121,8 @@ def _conv_epilogue_bwd_impl(
     weight: Tensor,
     bias: Tensor | None,
     operands: list[Tensor],
-    saved_a: Tensor,
-    saved_b: Tensor,
+    saved_y0: Tensor,
+    saved_winner: Tensor,
     config: str,
     output_mask: list[bool],
 ) -> list[Tensor]:
@@ -134,7 +134,7 @@ def _conv_epilogue_bwd_impl(
     """
     key = (
         forward.call_signature(config, True, x, weight, bias, operands), tuple(output_mask), tensor_key(grad_out),
-        tensor_key(saved_a), tensor_key(saved_b),
+        tensor_key(saved_y0), tensor_key(saved_winner),
     )  # fmt: skip
     plan = backward.PLANS.peek(key)
     cfg = None
@@ -142,14 +142,14 @@ def _conv_epilogue_bwd_impl(
         cfg = ConvEpilogueConfig.from_json(config)
         if len(output_mask) != 3 + len(operands):
             raise ValueError(f"output_mask needs {3 + len(operands)} entries, got {len(output_mask)}")
-        if saved_a.dim() == 1:  # the (0,)-shaped placeholder: saved state is always (N, C, ...)
+        if saved_y0.dim() == 1:  # the (0,)-shaped placeholder: saved state is always (N, C, ...)
             raise RuntimeError(
                 "fusion::conv_epilogue_bwd: the forward ran with save_for_backward=False; call "
                 "conv_epilogue() (which saves state when autograd needs it) instead of the raw op"
             )
         if use_triton(config, cfg, x):
             try:
-                plan, settled = backward.plan_for(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, output_mask)
+                plan, settled = backward.plan_for(grad_out, x, weight, bias, operands, saved_y0, saved_winner, cfg, output_mask)
             except Exception as e:  # any kernel failure takes the documented policy
                 on_kernel_failure("backward", config, cfg, x, weight, e)
             else:
@@ -158,13 +158,13 @@ def _conv_epilogue_bwd_impl(
     grads = None
     if plan is not None:
         try:
-            grads = plan(grad_out, x, weight, bias, operands, saved_a, saved_b)
+            grads = plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner)
         except Exception as e:  # any kernel failure takes the documented policy
             cfg = cfg or ConvEpilogueConfig.from_json(config)
             on_kernel_failure("backward", config, cfg, x, weight, e)
     if grads is None:
         cfg = cfg or ConvEpilogueConfig.from_json(config)
-        grads = reference.backward(grad_out, x, weight, bias, operands, saved_a, saved_b, cfg, output_mask)
+        grads = reference.backward(grad_out, x, weight, bias, operands, saved_y0, saved_winner, cfg, output_mask)
     inputs = [x, weight, bias, *operands]
     return [
         strided_like(g, ref) if wanted and ref is not None and g is not None else empty_placeholder(x)
@@ -182,8 +182,8 @@ def _conv_epilogue_bwd_fake(
     weight: Tensor,
     bias: Tensor | None,
     operands: list[Tensor],
-    saved_a: Tensor,
-    saved_b: Tensor,
+    saved_y0: Tensor,
+    saved_winner: Tensor,
     config: str,
     output_mask: list[bool],
 ) -> list[Tensor]:
@@ -196,14 +196,14 @@ def _conv_epilogue_bwd_fake(
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
     x, weight, bias, operands, config, save_for_backward = inputs
-    _, saved_a, saved_b = output
+    _, saved_y0, saved_winner = output
     ctx.config = config
     ctx.num_operands = len(operands)
     ctx.saved = save_for_backward
-    ctx.save_for_backward(x, weight, bias, *operands, saved_a, saved_b)
+    ctx.save_for_backward(x, weight, bias, *operands, saved_y0, saved_winner)
 
 
-def _backward(ctx: Any, grad_out: Tensor, _grad_saved_a: Tensor, _grad_saved_b: Tensor) -> tuple[Any, ...]:
+def _backward(ctx: Any, grad_out: Tensor, _grad_saved_y0: Tensor, _grad_saved_winner: Tensor) -> tuple[Any, ...]:
     if not ctx.saved:
         raise RuntimeError(
             "fusion::conv_epilogue_fwd ran with save_for_backward=False but a gradient was requested; "
@@ -211,12 +211,12 @@ def _backward(ctx: Any, grad_out: Tensor, _grad_saved_a: Tensor, _grad_saved_b: 
         )
     x, weight, bias, *rest = ctx.saved_tensors
     operands = rest[: ctx.num_operands]
-    saved_a, saved_b = rest[ctx.num_operands :]
+    saved_y0, saved_winner = rest[ctx.num_operands :]
     needs = ctx.needs_input_grad  # (x, weight, bias, [operands...], config, save_for_backward)
     mask = [bool(needs[0]), bool(needs[1]), bias is not None and bool(needs[2])]
     mask += [bool(m) for m in needs[3]]
     grads = torch.ops.fusion.conv_epilogue_bwd(
-        grad_out, x, weight, bias, list(operands), saved_a, saved_b, ctx.config, mask
+        grad_out, x, weight, bias, list(operands), saved_y0, saved_winner, ctx.config, mask
     )
     out = [g if wanted else None for g, wanted in zip(grads, mask, strict=True)]
     return out[0], out[1], out[2], out[3:], None, None
@@ -241,12 +241,12 @@ class _DirectConvEpilogue(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, config: str, x: Tensor, weight: Tensor, bias: Tensor | None, *operands: Tensor) -> Tensor:
-        out, saved_a, saved_b = _conv_epilogue_fwd_impl(x, weight, bias, list(operands), config, True)
+        out, saved_y0, saved_winner = _conv_epilogue_fwd_impl(x, weight, bias, list(operands), config, True)
         ctx.config = config
         ctx.save_for_backward(x, weight, bias, *operands)
         # Intermediates (neither inputs nor outputs) are kept as attributes, as autograd advises for
         # state that double backward never needs.
-        ctx.state = (saved_a, saved_b)
+        ctx.state = (saved_y0, saved_winner)
         return out
 
     @staticmethod
@@ -254,11 +254,11 @@ class _DirectConvEpilogue(torch.autograd.Function):
     @profiled("fusion::conv_epilogue_bwd")
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:
         x, weight, bias, *operands = ctx.saved_tensors
-        saved_a, saved_b = ctx.state
+        saved_y0, saved_winner = ctx.state
         needs = ctx.needs_input_grad  # (config, x, weight, bias, *operands)
         mask = [bool(needs[1]), bool(needs[2]), bias is not None and bool(needs[3])]
         mask += [bool(m) for m in needs[4:]]
-        grads = _conv_epilogue_bwd_impl(grad_out, x, weight, bias, operands, saved_a, saved_b, ctx.config, mask)
+        grads = _conv_epilogue_bwd_impl(grad_out, x, weight, bias, operands, saved_y0, saved_winner, ctx.config, mask)
         return (None, *(g if wanted else None for g, wanted in zip(grads, mask, strict=True)))
 
 

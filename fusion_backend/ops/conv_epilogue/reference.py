@@ -58,7 +58,7 @@ def forward(
     fmt = output_memory_format(y0)
     y = y0 if bias is None else y0 + channel_view(bias, y0.dim())
     v = apply_chain(y, cfg.chain, operands)
-    saved_a, saved_b = empty_placeholder(x), empty_placeholder(x)
+    saved_y0, saved_winner = empty_placeholder(x), empty_placeholder(x)
     pool = cfg.pool
     if pool is not None and pool.kind == "max" and save:
         v, flat = run_pool(v, pool, return_indices=True)
@@ -71,25 +71,25 @@ def forward(
         ):  # fmt: skip
             coord = (flat // stride) % spatial[j]
             win = win + (coord - origin) * k_stride
-        saved_a = in_format(win.to(winner_dtype(pool)), fmt)
+        saved_winner = in_format(win.to(winner_dtype(pool)), fmt)
         gathered = y0.reshape(y0.shape[0], y0.shape[1], -1).gather(
             2, flat.reshape(flat.shape[0], flat.shape[1], -1)
         )
-        saved_b = in_format(gathered.reshape(flat.shape), fmt)
+        saved_y0 = in_format(gathered.reshape(flat.shape), fmt)
     else:
         if pool is not None:
             v = run_pool(v, pool)
         if save:
-            saved_a = in_format(y0, fmt)
+            saved_y0 = in_format(y0, fmt)
     out = in_format(v.to(output_dtype(cfg, dtype)), fmt)
     if out.data_ptr() == y0.data_ptr():  # empty chain, no bias, no pool: outputs must not alias
         out = torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=fmt).copy_(out)
-    return out, saved_a, saved_b
+    return out, saved_y0, saved_winner
 
 
 def backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
-    saved_a: Tensor, saved_b: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
+    saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
 ) -> list[Tensor | None]:  # fmt: skip
     """The chain recomputed on the saved state and differentiated step by step, then
     ``convolution_backward``.
@@ -105,15 +105,14 @@ def backward(
     pool = cfg.pool
     is_max = pool is not None and pool.kind == "max"
     x, weight, bias_c = cast_inputs(x, weight, bias, conv_compute_dtype(cfg, x))  # grads: ``strided_like`` casts back
-    y_src = saved_b if is_max else saved_a
-    y = y_src if bias_c is None else y_src + channel_view(bias_c, y_src.dim())
+    y = saved_y0 if bias_c is None else saved_y0 + channel_view(bias_c, saved_y0.dim())
     v, tape = _chain_with_tape(y, cfg.chain, operands)
     grad_v = grad_out.to(v.dtype)
     if pool is not None and not is_max:
         grad_v = _avg_pool_backward(grad_v, v, pool)
     grad_y, grad_operands = _chain_backward(tape, grad_v, operands, mask[3:])
     if is_max:
-        grad_y = _scatter_to_windows(grad_y, saved_a, conv_output_shape(x, weight, cfg.conv), pool)
+        grad_y = _scatter_to_windows(grad_y, saved_winner, conv_output_shape(x, weight, cfg.conv), pool)
     # The bias gradient comes from the same aten call as eager's: on these heavily cancelling sums
     # any other summation order differs from eager by ~1e-4 (from float64 by as much), this one by 0.
     grad_x, grad_w, grad_bias = run_conv_backward(
