@@ -10,6 +10,9 @@ reference weights) to the callable that is run.  Built-ins:
 ``fusion-max-autotune``    ``torch.compile(m, backend="fusion", mode="max-autotune")``
 ``fusion-via-inductor``    ``torch.compile(m, backend="fusion", options={"direct": False})``: graphs of only
                            fused ops go through AOTAutograd and Inductor too (measures the direct runner)
+``fusion-unfused``         ``torch.compile(m, backend="fusion", options={"decide": "inductor"})``: matches and
+                           reports but rewrites nothing (measures what the backend costs where it leaves
+                           every region to Inductor: it should time as ``inductor`` does)
 
 Any other name registered with Dynamo (``torch._dynamo.list_backends()``, e.g. ``aot_eager``,
 ``cudagraphs``) works too, and ``NAME:MODE`` passes a ``torch.compile`` mode.  ``--compile-mode MODE``
@@ -103,6 +106,7 @@ BUILTIN_BACKENDS: dict[str, BenchBackend] = {
     "fusion": torch_compile_backend("fusion", "fusion"),
     "fusion-max-autotune": torch_compile_backend("fusion-max-autotune", "fusion", "max-autotune"),
     "fusion-via-inductor": torch_compile_backend("fusion-via-inductor", "fusion", options={"direct": False}),
+    "fusion-unfused": torch_compile_backend("fusion-unfused", "fusion", options={"decide": "inductor"}),
 }
 
 

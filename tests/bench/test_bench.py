@@ -460,10 +460,24 @@ def test_backend_names_resolve_to_torch_compile_settings() -> None:
     assert resolve_backend("inductor-max-autotune").cudagraphs
     assert resolve_backend("fusion-via-inductor").description == (
         "torch.compile(m, backend='fusion', options={'direct': False})")
+    assert resolve_backend("fusion-unfused").options == {"decide": "inductor"}
     assert not resolve_backend("inductor:max-autotune-no-cudagraphs").cudagraphs
     assert [b.name for b in resolve_backends(["eager", "broken"], {"broken": BROKEN})] == ["eager", "broken"]
     with pytest.raises(BackendSpecError, match="unknown backend 'nonsense'.*eager"):
         resolve_backend("nonsense")
+
+
+def test_fusion_unfused_matches_but_leaves_every_region_to_inductor() -> None:
+    from fusion_backend.report import collect_reports
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    x = torch.randn(2, 3, 8, 8)
+    with collect_reports() as reports:
+        out = resolve_backend("fusion-unfused").compile(model)(x)
+    torch.testing.assert_close(out, model(x))
+    assert [m.pattern for r in reports for m in r.matches] == []
+    assert [d.fused for r in reports for d in r.decisions] == [False]
 
 
 def test_config_rejects_unknown_dtypes_modes_and_duplicates() -> None:
