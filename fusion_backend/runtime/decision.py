@@ -179,7 +179,7 @@ def _prime_for_cuda_graphs(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.
         region = region_timing.extract_region(gm, nodes)
         inputs = region_timing.region_inputs(region, gm, example_inputs)
         train = _gradients_flow(region)
-        fused = _fused_callable(region, pattern, inputs, {**patches, "triton.cudagraphs": False}, strict)
+        fused, _ = _fused_callable(region, pattern, inputs, {**patches, "triton.cudagraphs": False}, strict)
         region_timing.make_step(fused, inputs, train)()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -243,44 +243,102 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
 def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequence[Any], train: bool,
              patches: Mapping[str, Any], fused_patches: Mapping[str, Any], strict: bool,
              timer: Timer | None) -> Mapping[str, float | Sequence[float]]:
-    """Time the fused op and Inductor's code on the region (each built on its step's first call): ms
-    per call per round, side by side (see ``Timer``)."""
+    """Time the fused op and Inductor's code on the region: ms per call per round, side by side (see
+    ``Timer``).  A fake timer gets steps that build their candidate at their first call; the real
+    one gets both candidates built and run once, their first calls overlapped where they can be
+    (``_first_calls``)."""
     from . import region_timing
 
     inputs = region_timing.region_inputs(region, gm, example_inputs)
-    first_call_s: dict[str, float] = {}
-
-    def lazily(name: str, build: Callable[[], Callable[..., Any]]) -> Callable[[], None]:
-        step: list[Callable[[], None]] = []
-
-        def run() -> None:
-            if not step:  # the first call builds the step and compiles what it runs
-                began = time.perf_counter()
-                step.append(region_timing.make_step(build(), inputs, train))
-                step[0]()
-                first_call_s[name] = time.perf_counter() - began
-                return
-            step[0]()
-        return run
-
-    steps = {
-        "fused": lazily("fused", lambda: _fused_callable(region, pattern, inputs, fused_patches, strict)),
-        "inductor": lazily("inductor", lambda: region_timing.compile_with_inductor(region, inputs, patches)),
-    }
     log.info("timing %s (%s) fused vs Inductor on its inputs %s", pattern, "forward + backward" if train else "forward",
              ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs))
     began = time.perf_counter()
-    times = (timer or region_timing.time_steps)(steps)
-    log.info("timed %s in %.1f s (first calls, compiling included: fused op %s, Inductor %s)", pattern,
-             time.perf_counter() - began,
-             *(f"{first_call_s[n]:.1f} s" if n in first_call_s else "-" for n in ("fused", "inductor")))
-    return {name: times[name] for name in ("fused", "inductor")}
+    builders: dict[str, Callable[[], tuple[Callable[..., Any], bool]]] = {
+        "fused": lambda: _fused_callable(region, pattern, inputs, fused_patches, strict),
+        "inductor": lambda: (region_timing.compile_with_inductor(region, inputs, patches), False),
+    }
+    if timer is not None:
+        steps = {name: _built_at_first_call(build, inputs, train) for name, build in builders.items()}
+        return {name: times for name, times in timer(steps).items() if name in builders}
+    steps, first_call_s = _first_calls(builders, inputs, train)
+    times = region_timing.time_steps(steps)
+    log.info("timed %s in %.1f s (first calls, compiling included: fused op %.1f s, Inductor %.1f s%s)", pattern,
+             time.perf_counter() - began, first_call_s["fused"], first_call_s["inductor"],
+             ", at once" if first_call_s["overlapped"] else "")
+    return {name: times[name] for name in builders}
+
+
+def _built_at_first_call(build: Callable[[], tuple[Callable[..., Any], bool]], inputs: Sequence[torch.Tensor],
+                         train: bool) -> Callable[[], None]:
+    from . import region_timing
+
+    step: list[Callable[[], None]] = []
+
+    def run() -> None:
+        if not step:
+            step.append(region_timing.make_step(build()[0], inputs, train))
+        step[0]()
+
+    return run
+
+
+def _first_calls(builders: Mapping[str, Callable[[], tuple[Callable[..., Any], bool]]], inputs: Sequence[torch.Tensor],
+                 train: bool) -> tuple[dict[str, Callable[[], None]], dict[str, Any]]:
+    """Both candidates' steps, each built and run once (compiles, per-shape choices, autotuning), and
+    how long that took.
+
+    WHY at once: on a cold cache a region's decision is most of a first call, and its two halves
+    wait on different things: the fused op's first call on its Triton compiles (a thread pool,
+    ``kernels.launch.compile_ahead``) and on GPU-timed choices (``ops.impl_choice``, host speed does
+    not move them), Inductor's on its compile of the region, Python on this thread.  So the fused
+    op's first call runs on a worker thread (with this thread's grad mode and CUDA device) while
+    Inductor compiles; Inductor's first run waits until the worker is done, so that no kernel of its
+    lands among the fused op's timed ones.  A fused callable that is itself an Inductor compile (not
+    run directly) is built here first: two Inductor compiles never run at once.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from . import region_timing
+
+    first_call_s: dict[str, Any] = {}
+    began = time.perf_counter()
+    fused_fn, overlapped = builders["fused"]()  # overlapped where it runs directly
+    fused_step = region_timing.make_step(fused_fn, inputs, train)
+    grad_mode, device = torch.is_grad_enabled(), inputs[0].device if inputs else None
+
+    def fused_first_call() -> None:
+        with torch.set_grad_enabled(grad_mode), _on_device(device):
+            fused_step()
+        first_call_s["fused"] = time.perf_counter() - began
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusion-first-call") as pool:
+        pending = pool.submit(fused_first_call) if overlapped else None
+        if pending is None:
+            fused_first_call()
+        inductor_began = time.perf_counter()
+        inductor_fn, _ = builders["inductor"]()
+        compiled_s = time.perf_counter() - inductor_began
+        if pending is not None:
+            pending.result()
+    inductor_step = region_timing.make_step(inductor_fn, inputs, train)
+    run_began = time.perf_counter()
+    inductor_step()
+    first_call_s["inductor"] = compiled_s + time.perf_counter() - run_began
+    first_call_s["overlapped"] = overlapped
+    return {"fused": fused_step, "inductor": inductor_step}, first_call_s
+
+
+def _on_device(device: torch.device | None) -> Any:
+    if device is not None and device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
-                    patches: Mapping[str, Any], strict: bool) -> Callable[..., Any]:
+                    patches: Mapping[str, Any], strict: bool) -> tuple[Callable[..., Any], bool]:
     """The region rewritten by ``pattern`` alone, run the way the backend would run it (directly when
-    only fused ops and glue are left, else through Inductor with the fused ops' autograd-free ops).
+    only fused ops and glue are left, else through Inductor with the fused ops' autograd-free ops),
+    and whether it runs directly.
     ``strict`` as the graph's own rewrite gets it: it is part of the op's config, so the op's
     per-shape choices measured here are the ones the compiled graph finds in its caches."""
     import copy
@@ -294,8 +352,8 @@ def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
     if len(result.matches) != 1:
         raise region_timing.NotMeasurable(f"the region alone gives {len(result.matches)} {pattern} matches, not 1")
     if why_not_direct(gm) is None:
-        return direct_module(gm).forward
-    return region_timing.compile_apart(gm, inputs, patches)
+        return direct_module(gm).forward, True
+    return region_timing.compile_apart(gm, inputs, patches), False
 
 
 # ------------------------------------------------------------------------------------------------

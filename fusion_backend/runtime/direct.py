@@ -82,9 +82,9 @@ def direct_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph = copy.deepcopy(gm.graph)
     for node in graph.nodes:
         if node.op == "call_function":
-            free_op = direct_impl(node.target)
-            if free_op is not None:
-                node.target = free_op
+            direct = direct_impl(node.target)
+            if direct is not None:
+                node.target = direct
     module = fx.GraphModule(gm, graph, class_name="FusionDirectGraph")
     module.recompile()
     return module

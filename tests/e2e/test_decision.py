@@ -6,6 +6,7 @@ real timer on CPU, end to end (region extraction, Inductor's compile of the regi
 """
 
 import json
+import logging
 
 import pytest
 import torch
@@ -284,6 +285,24 @@ def test_the_real_timer_runs_both_candidates_on_cpu(cache, model_cls):
     conv = model.get_submodule("conv" if model_cls is ConvLeakyPool else "inner.conv")
     torch.testing.assert_close(conv.weight.grad, want_wgrad, **tol)
     assert len(json.loads(cache.read_text())["entries"]) == 1
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_the_fused_first_call_overlaps_inductors_compile_in_the_callers_grad_mode(cache, caplog, grad):
+    """The fused op's first call runs on a worker thread while Inductor compiles the region (the log
+    says "at once"), under the grad mode of the thread that compiles: in inference the fused op then
+    saves nothing for a backward, so what it built and chose there is what the timed calls use."""
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 10, 10)
+    compiled = torch.compile(model, backend="fusion")
+    with torch.set_grad_enabled(grad), caplog.at_level(logging.INFO, logger="fusion_backend.decision"), \
+            decision.timing_override(None, measure_on=("cpu",)), collect_reports() as reports:
+        out = compiled(x)
+    _, d = only_decision(reports)
+    assert d.fused_ms > 0 and d.inductor_ms > 0
+    timed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("timed ")]
+    assert len(timed) == 1 and timed[0].endswith(", at once)"), timed
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
 
 
 def test_under_cuda_graphs_a_kept_region_runs_once_at_compile_time(cache, monkeypatch):
