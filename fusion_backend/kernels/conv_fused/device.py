@@ -110,8 +110,8 @@ def _phase_aligned_columns(KS: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexp
 
 @triton.jit
 def _phase_aligned_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw,
-                    NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
-                    BIG: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                          NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
+                          BIG: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """``[BLOCK_M, KS * BLOCK_K]`` X tile (the group's input channels fit one block): row ``m`` and
     column ``(s, c)`` hold ``x[n, c, i0 + shift s]`` (``x_rows``: pointers at ``(n, group's first
     channel, i0)``, ``i0 = (i_d0, i_h0, i_w0)`` the lowest shift's input position).  Padding shifts
@@ -131,14 +131,14 @@ def _phase_aligned_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_s
 
 @triton.jit
 def _phase_aligned_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
-                    TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-                    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-                    DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                    UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
-                    LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
-                    NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
+                          TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+                          SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                          PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                          DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                          UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
+                          LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
+                          NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
+                          BLOCK_K: tl.constexpr):  # fmt: skip
     """``[KS * BLOCK_K, BLOCK_N]`` weight tile of window offset ``(kd, kh, kw)`` matching
     ``_phase_aligned_x_tile``'s columns: row ``(s, c)`` holds the weight of the tap that carries input
     shift ``s`` to that offset, or 0 where no tap does (a dead (offset, shift) pair).
@@ -243,24 +243,24 @@ def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win
 
 @triton.jit
 def _phase_aligned_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
-                      w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
-                      best, win, win_y, pooled,
-                      bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, y0_ptr,
-                      o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-                      OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
-                      OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr,
-                      FULL: tl.constexpr, TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-                      SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                      PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-                      DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                      KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                      USD: tl.constexpr, USH: tl.constexpr, USW: tl.constexpr,
-                      UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
-                      LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
-                      NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
-                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):  # fmt: skip
+                          w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                          best, win, win_y, pooled,
+                          bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, y0_ptr,
+                          o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+                          OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+                          OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr,
+                          FULL: tl.constexpr, TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+                          SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                          PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                          DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                          KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                          USD: tl.constexpr, USH: tl.constexpr, USW: tl.constexpr,
+                          UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
+                          LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
+                          NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
+                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):  # fmt: skip
     """One window offset ``kk`` of ``_phase_aligned_offsets``: its dot, then ``_offset_epilogue`` (FIRST:
     1 offset 0 of a FULL window, peeled; 2 a later offset of a FULL window after the peeled one;
     0 otherwise)."""
@@ -318,24 +318,24 @@ def _phase_aligned_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr
 
 @triton.jit
 def _phase_aligned_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
-                     w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
-                     best, win, win_y, pooled,
-                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, y0_ptr,
-                     o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-                     OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
-                     OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr,
-                     FULL: tl.constexpr, TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-                     SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                     PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-                     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                     USD: tl.constexpr, USH: tl.constexpr, USW: tl.constexpr,
-                     UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
-                     LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
-                     NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):  # fmt: skip
+                           w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
+                           best, win, win_y, pooled,
+                           bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, y0_ptr,
+                           o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
+                           OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+                           OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr,
+                           FULL: tl.constexpr, TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+                           SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                           PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                           DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                           KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                           USD: tl.constexpr, USH: tl.constexpr, USW: tl.constexpr,
+                           UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
+                           LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
+                           NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
+                           PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):  # fmt: skip
     """The phase-aligned path's loop over window offsets: per offset one dot over (input shift, channel),
     then ``_offset_epilogue``.  SHARED_X: every offset's dot reads ``a_all`` (the one channel
     block's X tile, all finite) and the offset's rows of the prearranged weight matrix
@@ -503,7 +503,7 @@ def conv_fused_fwd_kernel(
         masked = 1  # several channel blocks: the masked variant (a_all does not exist)
         if ONE_CBLOCK:
             a_all = _phase_aligned_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw,
-                                    NSD, NSH, NSW, KS, BIG, BLOCK_K)  # fmt: skip
+                                          NSD, NSH, NSW, KS, BIG, BLOCK_K)  # fmt: skip
             a_all = to_compute(a_all, CDT)  # an fp32 x under autocast: cast here, not in a pass of its own
             # NOTE: a dead (offset, shift) pair multiplies its X column by a zero weight, and
             # 0 * inf = NaN: a tile holding a non-finite input takes the masked variant, so NaN/inf
@@ -663,8 +663,8 @@ def phase_aligned_weight_kernel(
     kw = kk % KW
     w_base = w_ptr + (grp * CIN_G) * w_sci + co[None, :] * w_sco
     tile = _phase_aligned_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
-                           TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, UPD, UPH, UPW,
-                           LOD, LOH, LOW, NSD, NSH, NSW, KS, BLOCK_K)  # fmt: skip
+                                 TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, UPD, UPH, UPW,
+                                 LOD, LOH, LOW, NSD, NSH, NSW, KS, BLOCK_K)  # fmt: skip
     krow = tl.arange(0, KS * BLOCK_K)
     tl.store(wm_ptr + ((grp * (KD * KH * KW) + kk) * COUT_G + co[None, :]) * (KS * BLOCK_K) + krow[:, None],
              round_tf32(tile.to(wm_ptr.dtype.element_ty), PRECISION), mask=cmask)  # fmt: skip

@@ -361,7 +361,7 @@ class _WeightMatrixLaunch:
 
 
 def phase_aligned_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry, precision: str,
-                          dtype: torch.dtype) -> _WeightMatrixLaunch:  # fmt: skip
+                                dtype: torch.dtype) -> _WeightMatrixLaunch:  # fmt: skip
     """The launch that writes the phase-aligned path's prearranged weight matrix of a transposed conv.
 
     Matrix: ``(groups, KD * KH * KW, COUT_G, KS * PHASE_ALIGNED_BLOCK_K)``, ``dtype`` (the compute dtype:
