@@ -1,8 +1,8 @@
 """Vocabulary shared by the channels-last tests: conv specs with one value per spatial dim, and the
 chain steps their cases use."""
 
+from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
-from fusion_backend.ops.config import ConvSpec
 
 LEAKY = ChainStep(PointwiseKind.LEAKY_RELU, (Const(0.01),))
 MUL0 = ChainStep(PointwiseKind.MUL, (TensorRef(0),))

@@ -102,12 +102,12 @@ def _fmt(v: float | None) -> str:
 
 def run_case(case: str, save: bool, small: bool, tile: tuple[int, ...] | None, do_bench,  # noqa: ANN001
              others: bool = True) -> list[str]:  # fmt: skip
+    from fusion_backend.ir.specs import ConvSpec
     from fusion_backend.kernels import conv_dense as CD
-    from fusion_backend.kernels.conv_fused import ConvGeometry
     from fusion_backend.kernels.epilogue import build_params
     from fusion_backend.ops import conv_epilogue as ce
     from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
-    from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec
+    from fusion_backend.ops.config import ConvEpilogueConfig
 
     errors: list[str] = []
     dtype, compute = CASES[case]
@@ -118,7 +118,7 @@ def run_case(case: str, save: bool, small: bool, tile: tuple[int, ...] | None, d
     out_dtype = torch.float32 if compute != dtype or dtype == torch.float32 else dtype
     out = torch.empty(n, cout, oh, ow, device="cuda", dtype=out_dtype)
     saved_y0 = torch.empty(n, cout, oh, ow, device="cuda", dtype=compute) if save else None
-    conv = ConvGeometry(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
+    conv = ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
     steps = _steps(m)
     tf32 = bool(torch.backends.cudnn.allow_tf32)
     if tile is not None:

@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fusion_backend.ir.specs import ConvSpec  # noqa: E402
 from fusion_backend.kernels import global_mean as kernels  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
 from fusion_backend.ops.chain import ChainStep, PointwiseKind, TensorRef  # noqa: E402
-from fusion_backend.ops.config import ConvSpec  # noqa: E402
 
 FLOOR_BYTES_PER_S = 3.0e12
 

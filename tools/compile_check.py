@@ -113,6 +113,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from seed_convs import seed_conv  # noqa: E402
 
+from fusion_backend.ir.specs import ConvSpec  # noqa: E402
 from fusion_backend.kernels import conv_dense as CD  # noqa: E402
 from fusion_backend.kernels import conv_fused as CF  # noqa: E402
 from fusion_backend.kernels import conv_fused_bwd as FB  # noqa: E402
@@ -121,7 +122,7 @@ from fusion_backend.kernels import global_mean as GM  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef  # noqa: E402
-from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec  # noqa: E402
+from fusion_backend.ops.config import ConvEpilogueConfig  # noqa: E402
 
 H100_SMS = 132
 

@@ -12,8 +12,8 @@ The multiplier ``m`` is ``operands[0]``.
 
 from __future__ import annotations
 
+from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
-from fusion_backend.ops.config import ConvSpec, PoolSpec
 
 
 def seed_conv(name: str) -> tuple[ConvSpec, tuple[ChainStep, ...], PoolSpec | None]:

@@ -13,8 +13,8 @@ from typing import Optional, Union
 
 import torch.fx as fx
 
+from ..ir.specs import ConvSpec, PoolSpec
 from ..ops.chain import PointwiseKind
-from ..ops.config import ConvSpec, PoolSpec
 
 
 @dataclass(frozen=True)

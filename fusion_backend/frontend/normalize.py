@@ -23,8 +23,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ir.specs import ConvSpec, PoolSpec
 from ..ops.chain import PointwiseKind as K
-from ..ops.config import ConvSpec, PoolSpec
 from .canonical import BatchNorm, CanonicalOp, Conv, GlobalReduce, Opaque, ParamRef, Pointwise, Pool
 
 # --------------------------------------------------------------------------------------------

@@ -12,9 +12,7 @@ semantics, PyTorch's avg-pool divisor, and the launch constexprs of a chain.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Union
 
 import torch
@@ -49,29 +47,6 @@ OP_CODES = {
 OperandValue = Union[float, torch.Tensor]
 #: One chain step for the launchers: ``(op code, operand values)``.
 KernelStep = tuple[int, Sequence[OperandValue]]
-
-
-@dataclass(frozen=True)
-class PoolGeometry:
-    """A pool as the kernels see it, with one entry per spatial dim of the tensors (1 to 3).
-
-    ``kind`` is ``"max"`` or ``"avg"``; dilation is 1.  ``ceil_mode`` does not appear: it only changes
-    the output size, which the kernels read off the output tensor, and partial windows are clipped
-    the same way in both modes.  ``count_include_pad``/``divisor_override`` apply to ``"avg"`` only,
-    with PyTorch's divisor rule: the window clipped to ``[-padding, size + padding)`` counts when
-    ``count_include_pad``, else the window clipped to the input.
-    """
-
-    kind: str
-    kernel_size: tuple[int, ...]
-    stride: tuple[int, ...]
-    padding: tuple[int, ...]
-    count_include_pad: bool = True
-    divisor_override: int | None = None
-
-    @property
-    def window_volume(self) -> int:
-        return math.prod(self.kernel_size)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -74,8 +74,9 @@ import triton
 import triton.language as tl
 
 from .. import environment
-from .chain_math import KernelStep, PoolGeometry, chain_forward, load_operands, op_constexprs
-from .conv_fused import ConvGeometry, conv_output_size
+from ..ir.specs import ConvSpec, PoolSpec
+from .chain_math import KernelStep, chain_forward, load_operands, op_constexprs
+from .conv_fused import conv_output_size
 from .epilogue import build_params
 from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch, launch
@@ -500,8 +501,8 @@ def _flat_pitch(sizes: Sequence[int], strides: Sequence[int]) -> tuple[int, int]
 def unsupported_reason(
     x: torch.Tensor,
     weight: torch.Tensor,
-    conv: ConvGeometry,
-    pool: PoolGeometry | None,
+    conv: ConvSpec,
+    pool: PoolSpec | None,
     save: bool = False,
 ) -> str | None:
     """Why ``conv_dense_forward`` cannot serve this case, or None when it can (``save`` changes
@@ -558,8 +559,8 @@ def _prepare(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     steps: Sequence[KernelStep],
-    conv: ConvGeometry,
-    pool: PoolGeometry | None,
+    conv: ConvSpec,
+    pool: PoolSpec | None,
     out: torch.Tensor,
     saved_y0: torch.Tensor | None,
     saved_winner: torch.Tensor | None,
@@ -654,8 +655,8 @@ def forward_launch(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     steps: Sequence[KernelStep],
-    conv: ConvGeometry,
-    pool: PoolGeometry | None,
+    conv: ConvSpec,
+    pool: PoolSpec | None,
     out: torch.Tensor,
     saved_y0: torch.Tensor | None = None,
     saved_winner: torch.Tensor | None = None,
@@ -683,8 +684,8 @@ def conv_dense_forward(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     steps: Sequence[KernelStep],
-    conv: ConvGeometry,
-    pool: PoolGeometry | None,
+    conv: ConvSpec,
+    pool: PoolSpec | None,
     out: torch.Tensor,
     saved_y0: torch.Tensor | None = None,
     saved_winner: torch.Tensor | None = None,

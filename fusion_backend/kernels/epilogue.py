@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ir.specs import PoolSpec
 from .chain_math import (
     BIAS_ROW,
     MAX_SLOTS,
@@ -43,7 +44,6 @@ from .chain_math import (
     OP_CODES,
     KernelStep,
     OperandValue,
-    PoolGeometry,
     avg_divisor,
     chain_forward,
     load_operands,
@@ -379,7 +379,7 @@ def _spatial_flattens(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     return (h == 1 or sh == w * sw) and (d == 1 or sd == h * w * sw)
 
 
-def _lift_pool(pool: PoolGeometry, spatial_dims: int) -> dict[str, int | bool]:
+def _lift_pool(pool: PoolSpec, spatial_dims: int) -> dict[str, int | bool]:
     """The kernels' pool constexprs, lifted to 3 spatial dims (kernel 1, stride 1, no padding);
     ValueError for a window the kernels do not unroll (above ``MAX_WINDOW_VOLUME`` taps)."""
     if pool.window_volume > MAX_WINDOW_VOLUME:
@@ -533,7 +533,7 @@ def epilogue_forward(
     y: torch.Tensor,
     bias: torch.Tensor | None,
     steps: Sequence[KernelStep],
-    pool: PoolGeometry | None,
+    pool: PoolSpec | None,
     out: torch.Tensor,
     winner: torch.Tensor | None = None,
     winner_y: torch.Tensor | None = None,
@@ -588,7 +588,7 @@ class ForwardLaunch:
     """
 
     def __init__(self, y: torch.Tensor, bias: torch.Tensor | None, steps: Sequence[KernelStep],
-                 pool: PoolGeometry | None, out: torch.Tensor, winner: torch.Tensor | None = None,
+                 pool: PoolSpec | None, out: torch.Tensor, winner: torch.Tensor | None = None,
                  winner_y: torch.Tensor | None = None, y_copy: torch.Tensor | None = None) -> None:  # fmt: skip
         if (winner is None) != (winner_y is None):
             raise ValueError("winner and winner_y go together")
@@ -662,7 +662,7 @@ def epilogue_backward(
     winner_y: torch.Tensor | None,
     bias: torch.Tensor | None,
     steps: Sequence[KernelStep],
-    pool: PoolGeometry | None,
+    pool: PoolSpec | None,
     grad_y: torch.Tensor,
     operand_grad_slots: Sequence[bool] = (),
     bias_grad: bool = False,
@@ -715,7 +715,7 @@ class BackwardLaunch:
 
     def __init__(self, grad_out: torch.Tensor, y: torch.Tensor | None, winner: torch.Tensor | None,
                  winner_y: torch.Tensor | None, bias: torch.Tensor | None, steps: Sequence[KernelStep],
-                 pool: PoolGeometry | None, grad_y: torch.Tensor, operand_grad_slots: Sequence[bool] = (),
+                 pool: PoolSpec | None, grad_y: torch.Tensor, operand_grad_slots: Sequence[bool] = (),
                  bias_grad: bool = False) -> None:  # fmt: skip
         if pool is not None and pool.kind == "max":
             if winner is None or winner_y is None:

@@ -16,51 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..ir.specs import ConvSpec, PoolSpec
 from .chain import ChainStep, Const, Operand, PointwiseKind, TensorRef
-
-
-@dataclass(frozen=True)
-class ConvSpec:
-    """Hyper-parameters of ``aten.convolution``; every tuple has one entry per spatial dim (1..3)."""
-
-    transposed: bool
-    stride: tuple[int, ...]
-    padding: tuple[int, ...]
-    dilation: tuple[int, ...]
-    output_padding: tuple[int, ...]
-    groups: int
-
-    @property
-    def spatial_dims(self) -> int:
-        return len(self.stride)
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    """A terminal pool over the chain's output; tuples have one entry per spatial dim.
-
-    ``kind`` is ``"max"`` or ``"avg"``.  ``count_include_pad`` and ``divisor_override`` only apply to
-    ``"avg"``.  Dilation is always 1 (the pattern rejects dilated pools).
-    """
-
-    kind: str
-    kernel_size: tuple[int, ...]
-    stride: tuple[int, ...]
-    padding: tuple[int, ...]
-    ceil_mode: bool = False
-    count_include_pad: bool = True
-    divisor_override: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("max", "avg"):
-            raise ValueError(f"pool kind must be 'max' or 'avg', got {self.kind!r}")
-
-    @property
-    def window_volume(self) -> int:
-        volume = 1
-        for k in self.kernel_size:
-            volume *= k
-        return volume
 
 
 @dataclass(frozen=True)
@@ -114,30 +71,6 @@ def _operand_from_dict(d: dict[str, Any]) -> Operand:
     return TensorRef(int(d["tensor"]))
 
 
-def conv_spec_to_dict(c: ConvSpec) -> dict[str, Any]:
-    """JSON-ready form of a ``ConvSpec`` (shared by every fused op's config)."""
-    return {
-        "transposed": c.transposed,
-        "stride": list(c.stride),
-        "padding": list(c.padding),
-        "dilation": list(c.dilation),
-        "output_padding": list(c.output_padding),
-        "groups": c.groups,
-    }
-
-
-def conv_spec_from_dict(c: dict[str, Any]) -> ConvSpec:
-    """Inverse of ``conv_spec_to_dict``."""
-    return ConvSpec(
-        transposed=bool(c["transposed"]),
-        stride=tuple(int(v) for v in c["stride"]),
-        padding=tuple(int(v) for v in c["padding"]),
-        dilation=tuple(int(v) for v in c["dilation"]),
-        output_padding=tuple(int(v) for v in c["output_padding"]),
-        groups=int(c["groups"]),
-    )
-
-
 def chain_to_list(steps: tuple[ChainStep, ...]) -> list[dict[str, Any]]:
     """JSON-ready form of a chain of ``ChainStep``s."""
     return [{"kind": s.kind.name.lower(), "operands": [_operand_to_dict(o) for o in s.operands]} for s in steps]
@@ -153,7 +86,7 @@ def chain_from_list(items: list[dict[str, Any]]) -> tuple[ChainStep, ...]:
 def _config_to_dict(cfg: ConvEpilogueConfig) -> dict[str, Any]:
     p = cfg.pool
     return {
-        "conv": conv_spec_to_dict(cfg.conv),
+        "conv": cfg.conv.to_dict(),
         "chain": chain_to_list(cfg.chain),
         "pool": None
         if p is None
@@ -175,7 +108,7 @@ def _config_to_dict(cfg: ConvEpilogueConfig) -> dict[str, Any]:
 @functools.lru_cache(maxsize=256)
 def _parse_conv_epilogue(text: str) -> ConvEpilogueConfig:
     d = json.loads(text)
-    conv = conv_spec_from_dict(d["conv"])
+    conv = ConvSpec.from_dict(d["conv"])
     chain = chain_from_list(d["chain"])
     p = d.get("pool")
     pool = None

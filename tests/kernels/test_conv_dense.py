@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from fusion_backend import environment
+from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.kernels import conv_dense
-from fusion_backend.kernels.conv_fused import ConvGeometry
-from fusion_backend.kernels.epilogue import OP_CODES, PoolGeometry, build_params
+from fusion_backend.kernels.epilogue import OP_CODES, build_params
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -26,9 +26,9 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 MUL, LEAKY, GELU, ADD, RELU = (OP_CODES[k] for k in ("mul", "leaky_relu", "gelu", "add", "relu"))
 
 
-def _geometry(nd: int, padding) -> ConvGeometry:  # noqa: ANN001
+def _geometry(nd: int, padding) -> ConvSpec:  # noqa: ANN001
     pad = tuple(padding) if isinstance(padding, tuple) else (padding,) * nd
-    return ConvGeometry(False, (1,) * nd, pad, (1,) * nd, (0,) * nd, 1)
+    return ConvSpec(False, (1,) * nd, pad, (1,) * nd, (0,) * nd, 1)
 
 
 def _chain(kind: str, cout: int, g: torch.Generator):
@@ -234,17 +234,17 @@ def test_unsupported_reason_names_each_limit():
         base = dict(
             transposed=False, stride=(1, 1), padding=(0, 0), dilation=(1, 1), output_padding=(0, 0), groups=1
         )
-        return ConvGeometry(**{**base, **kw})
+        return ConvSpec(**{**base, **kw})
 
     assert "stride" in conv_dense.unsupported_reason(x, w, geo(stride=(2, 2)), None)
     assert "groups" in conv_dense.unsupported_reason(x, torch.zeros(4, 2, 3, 3), geo(groups=2), None)
     assert "dilation" in conv_dense.unsupported_reason(x, w, geo(dilation=(2, 1)), None)
     assert "transposed" in conv_dense.unsupported_reason(x, w, geo(transposed=True), None)
-    pool = PoolGeometry("max", (2, 2), (2, 2), (0, 0))
+    pool = PoolSpec("max", (2, 2), (2, 2), (0, 0))
     assert "pool" in conv_dense.unsupported_reason(x, w, ok, pool, True)
     x3, w3 = torch.zeros(1, 4, 4, 4, 4), torch.zeros(4, 4, 3, 3, 3)
     assert "1d/2d" in conv_dense.unsupported_reason(
-        x3, w3, ConvGeometry(False, (1,) * 3, (0,) * 3, (1,) * 3, (0,) * 3, 1), None
+        x3, w3, ConvSpec(False, (1,) * 3, (0,) * 3, (1,) * 3, (0,) * 3, 1), None
     )
     assert "float64" in conv_dense.unsupported_reason(x.double(), w.double(), ok, None)
     assert "empty conv output" in conv_dense.unsupported_reason(

@@ -17,11 +17,11 @@ import torch.nn as nn
 
 from fusion_backend import environment
 from fusion_backend.errors import UnsupportedInputError
+from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.kernels import conv_fused
-from fusion_backend.kernels import epilogue as kernels
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
-from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
+from fusion_backend.ops.config import ConvEpilogueConfig
 
 # fp32 parity is checked at ~1e-5: TF32 off (on CUDA both the fused kernels and cuDNN follow the flag).
 pytestmark = pytest.mark.usefixtures("exact_fp32")
@@ -235,27 +235,27 @@ def test_static_phase_transposed_convs_take_the_phase_aligned_path():
     """The ConvT3d pipeline's geometry (stride 2, padding 1, output padding 1, max pool 2) takes the
     phase-aligned path: 27 (phase, tap) pairs over 2 shifts per dim (8 slots); masked phases (pool stride
     not a multiple of the conv stride) and plain convs do not."""
-    convt3d = conv_fused.ConvGeometry(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+    convt3d = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     x, w = torch.zeros(1, 4, 4, 4, 4), torch.zeros(4, 6, 3, 3, 3)
-    plan = conv_fused.plan._plan(x, w, convt3d, kernels.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), [4, 4, 4])
+    plan = conv_fused.plan._plan(x, w, convt3d, PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), [4, 4, 4])
     assert plan.phase_aligned and plan.unrolled == 27 and plan.shifts == ((0, 2), (0, 2), (0, 2))
     assert plan.shift_slots == 8
-    masked = kernels.PoolGeometry("max", (3, 3, 3), (1, 1, 1), (1, 1, 1))
+    masked = PoolSpec("max", (3, 3, 3), (1, 1, 1), (1, 1, 1))
     assert not conv_fused.plan._plan(x, w, convt3d, masked, [8, 8, 8]).phase_aligned
-    plain = conv_fused.ConvGeometry(False, (1, 1, 1), (0, 0, 0), (1, 1, 1), (0, 0, 0), 1)
+    plain = ConvSpec(False, (1, 1, 1), (0, 0, 0), (1, 1, 1), (0, 0, 0), 1)
     assert not conv_fused.plan._plan(x, torch.zeros(6, 4, 3, 3, 3), plain, None, None).phase_aligned
 
 
 def test_full_windows_only_where_every_window_offset_is_in_range():
     """FULL_WINDOWS (offset 0 peeled, no row masks in the max pool) holds for the ConvT3d pipeline's
     even conv output, not for a padded or ceil-mode pool (the cases above run both)."""
-    convt3d = conv_fused.ConvGeometry(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+    convt3d = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     x, w = torch.zeros(1, 4, 4, 4, 4), torch.zeros(4, 6, 3, 3, 3)
-    pool = kernels.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
+    pool = PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
     assert conv_fused.plan._full_windows(conv_fused.plan._plan(x, w, convt3d, pool, [4, 4, 4]))
-    padded = kernels.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (1, 1, 1))
+    padded = PoolSpec("max", (2, 2, 2), (2, 2, 2), (1, 1, 1))
     assert not conv_fused.plan._full_windows(conv_fused.plan._plan(x, w, convt3d, padded, [5, 5, 5]))
-    no_op = conv_fused.ConvGeometry(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (0, 0, 0), 1)  # odd output 7
+    no_op = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (0, 0, 0), 1)  # odd output 7
     assert not conv_fused.plan._full_windows(conv_fused.plan._plan(x, w, no_op, pool, [4, 4, 4]))  # ceil mode
 
 
@@ -310,13 +310,13 @@ def test_random_values_match_float64_eager(monkeypatch):
 
 
 def test_unsupported_reason_names_the_limits():
-    geo = conv_fused.ConvGeometry(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
+    geo = ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
     x, w = torch.zeros(1, 2, 9, 9), torch.zeros(2, 2, 3, 3)
     assert conv_fused.unsupported_reason(x, w, geo, None) is None
     assert "float64" in conv_fused.unsupported_reason(x.double(), w.double(), geo, None)
-    big = kernels.PoolGeometry("max", (9, 9), (1, 1), (0, 0))
+    big = PoolSpec("max", (9, 9), (1, 1), (0, 0))
     assert "unroll limit" in conv_fused.unsupported_reason(x, w, geo, big, [1, 1])
-    gappy = kernels.PoolGeometry("avg", (2, 2), (3, 3), (0, 0))  # stride > kernel: uncovered elements
+    gappy = PoolSpec("avg", (2, 2), (3, 3), (0, 0))  # stride > kernel: uncovered elements
     assert "no pool window" in conv_fused.unsupported_reason(x, w, geo, gappy, [3, 3], save=True)
     assert conv_fused.unsupported_reason(x, w, geo, gappy, [3, 3], save=False) is None
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fusion_backend.ir.specs import PoolSpec
 from fusion_backend.kernels import epilogue as K
 from fusion_backend.ops.chain import PointwiseKind, apply_step
 
@@ -35,7 +36,7 @@ class Case:
 
     shape: tuple[int, ...]
     steps: list[tuple[PointwiseKind, list]] = field(default_factory=list)  # operands: float | "t" | tensor
-    pool: K.PoolGeometry | None = None
+    pool: PoolSpec | None = None
     ceil_mode: bool = False
     bias: bool = True
     channels_last: bool = False
@@ -59,7 +60,7 @@ def _pool_ref(v: torch.Tensor, case: Case, return_indices: bool = False):
               pool.divisor_override)  # fmt: skip
 
 
-def _window_index(flat: torch.Tensor, spatial: list[int], pool: K.PoolGeometry) -> torch.Tensor:
+def _window_index(flat: torch.Tensor, spatial: list[int], pool: PoolSpec) -> torch.Tensor:
     """torch's flat in-plane max-pool indices -> row-major index within each window."""
     win = torch.zeros_like(flat)
     dims = len(spatial)
@@ -242,7 +243,7 @@ LONG_CHAIN = [
 
 
 def test_a_full_eight_step_chain_with_a_pool(kernel_device):
-    run_case(Case((2, 3, 6, 5), LONG_CHAIN, K.PoolGeometry("max", (3, 2), (2, 1), (1, 0))), kernel_device)
+    run_case(Case((2, 3, 6, 5), LONG_CHAIN, PoolSpec("max", (3, 2), (2, 1), (1, 0))), kernel_device)
 
 
 def test_a_six_step_chain_of_transcendental_ops(kernel_device):
@@ -266,7 +267,7 @@ def test_empty_chain_without_bias_copies(kernel_device):
 @pytest.mark.parametrize("pool", [None, "max", "avg"])
 def test_channels_last_tensors_are_read_and_written_in_place(shape, pool, kernel_device):
     nd = len(shape) - 2
-    geometry = None if pool is None else K.PoolGeometry(pool, (2,) * nd, (2,) * nd, (1,) * nd)
+    geometry = None if pool is None else PoolSpec(pool, (2,) * nd, (2,) * nd, (1,) * nd)
     run_case(
         Case(shape, [(PK.MUL, ["t"]), (PK.LEAKY_RELU, [0.2])], geometry, channels_last=True), kernel_device
     )
@@ -274,7 +275,7 @@ def test_channels_last_tensors_are_read_and_written_in_place(shape, pool, kernel
 
 @pytest.mark.parametrize("pool", [None, "max", "avg"])
 def test_fp16_storage_with_fp32_math(pool, kernel_device):
-    geometry = None if pool is None else K.PoolGeometry(pool, (2, 2), (2, 2), (0, 0))
+    geometry = None if pool is None else PoolSpec(pool, (2, 2), (2, 2), (0, 0))
     run_case(
         Case((2, 3, 6, 6), [(PK.MUL, ["t"]), (PK.GELU, [])], geometry, dtype=torch.float16), kernel_device
     )
@@ -284,18 +285,18 @@ def test_fp16_storage_with_fp32_math(pool, kernel_device):
 
 POOLS = [
     # (spatial shape, pool, ceil_mode)
-    ((9,), K.PoolGeometry("max", (3,), (2,), (1,)), False),
-    ((9,), K.PoolGeometry("avg", (3,), (2,), (1,), count_include_pad=False), True),
-    ((7, 6), K.PoolGeometry("max", (2, 2), (2, 2), (0, 0)), False),
-    ((7, 6), K.PoolGeometry("max", (3, 3), (2, 2), (1, 1)), True),  # overlapping, padding, ceil
-    ((7, 5), K.PoolGeometry("max", (3, 2), (1, 2), (0, 1)), True),  # stride < kernel in one dim
-    ((7, 6), K.PoolGeometry("avg", (3, 3), (2, 2), (1, 1)), True),  # partial windows, include pad
-    ((7, 6), K.PoolGeometry("avg", (3, 3), (2, 2), (1, 1), count_include_pad=False), True),
-    ((7, 6), K.PoolGeometry("avg", (2, 3), (2, 2), (1, 1), divisor_override=5), False),
-    ((5, 5), K.PoolGeometry("max", (2, 2), (3, 3), (0, 0)), False),  # stride > kernel: gaps
-    ((5, 4, 5), K.PoolGeometry("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), True),
-    ((5, 4, 5), K.PoolGeometry("max", (3, 3, 3), (2, 2, 2), (1, 1, 1)), False),
-    ((5, 4, 5), K.PoolGeometry("avg", (3, 2, 3), (2, 1, 2), (1, 0, 1), count_include_pad=False), True),
+    ((9,), PoolSpec("max", (3,), (2,), (1,)), False),
+    ((9,), PoolSpec("avg", (3,), (2,), (1,), count_include_pad=False), True),
+    ((7, 6), PoolSpec("max", (2, 2), (2, 2), (0, 0)), False),
+    ((7, 6), PoolSpec("max", (3, 3), (2, 2), (1, 1)), True),  # overlapping, padding, ceil
+    ((7, 5), PoolSpec("max", (3, 2), (1, 2), (0, 1)), True),  # stride < kernel in one dim
+    ((7, 6), PoolSpec("avg", (3, 3), (2, 2), (1, 1)), True),  # partial windows, include pad
+    ((7, 6), PoolSpec("avg", (3, 3), (2, 2), (1, 1), count_include_pad=False), True),
+    ((7, 6), PoolSpec("avg", (2, 3), (2, 2), (1, 1), divisor_override=5), False),
+    ((5, 5), PoolSpec("max", (2, 2), (3, 3), (0, 0)), False),  # stride > kernel: gaps
+    ((5, 4, 5), PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), True),
+    ((5, 4, 5), PoolSpec("max", (3, 3, 3), (2, 2, 2), (1, 1, 1)), False),
+    ((5, 4, 5), PoolSpec("avg", (3, 2, 3), (2, 1, 2), (1, 0, 1), count_include_pad=False), True),
 ]
 
 
@@ -311,7 +312,7 @@ def test_negative_multipliers_flip_the_max_pool_winner(kernel_device):
     case = Case(
         (2, 4, 6, 6),
         [(PK.MUL, [torch.tensor([-1.0, 2.0, -0.5, 1.0])])],
-        K.PoolGeometry("max", (2, 2), (2, 2), (0, 0)),
+        PoolSpec("max", (2, 2), (2, 2), (0, 0)),
     )
     run_case(case, kernel_device)
 
@@ -321,7 +322,7 @@ def test_tied_windows_pick_the_first_valid_element(padding, kernel_device):
     # A zero multiplier makes every value of channel 1 equal: the first valid tap wins, as in torch
     # (with padding, the first valid tap of a border window is not tap 0).
     m = torch.tensor([1.0, 0.0, -2.0])
-    pool = K.PoolGeometry("max", (3, 3), (2, 2), (padding, padding))
+    pool = PoolSpec("max", (3, 3), (2, 2), (padding, padding))
     res = run_case(Case((1, 3, 7, 7), [(PK.MUL, [m]), (PK.GELU, [])], pool, bias=False), kernel_device)
     assert res["winner"][0, 1, 1, 1].item() == 0
     if padding:
@@ -335,7 +336,7 @@ def test_nan_wins_and_a_later_nan_replaces_an_earlier_one(kernel_device):
     y[0, 1, 3, 3] = float("nan")
     steps = [(PK.LEAKY_RELU.code, [0.2]), (PK.MUL.code, [torch.tensor([1.0, -1.0])])]
     y_dev = y.to(kernel_device)
-    pool = K.PoolGeometry("max", (2, 2), (2, 2), (0, 0))
+    pool = PoolSpec("max", (2, 2), (2, 2), (0, 0))
     out = torch.empty(1, 2, 2, 2, device=kernel_device)
     winner = torch.empty(out.shape, dtype=torch.int8, device=kernel_device)
     winner_y = torch.empty_like(out)
@@ -411,7 +412,7 @@ def test_strided_views_as_inputs(pool, kernel_device):
     m = torch.randn(3, device=kernel_device)
     steps = [(PK.MUL.code, [m]), (PK.RELU.code, [])]
     v = torch.relu(y.cpu().double() * m.cpu().double().reshape(1, 3, 1, 1))
-    geometry = None if pool is None else K.PoolGeometry("max", (2, 2), (2, 2), (0, 0))
+    geometry = None if pool is None else PoolSpec("max", (2, 2), (2, 2), (0, 0))
     want = v if pool is None else F.max_pool2d(v, 2)
     out = torch.empty(want.shape, device=kernel_device)
     winner = None if pool is None else torch.empty(want.shape, dtype=torch.int8, device=kernel_device)

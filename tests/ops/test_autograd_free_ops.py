@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
 
+from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops import conv_global_mean as cgm
 from fusion_backend.ops.autograd_free import autograd_free_of
-from fusion_backend.ops.config import ConvSpec
 
 FUSED_OPS = {
     "conv_global_mean_fwd": cgm.conv_global_mean_fwd,

@@ -15,11 +15,12 @@ import os
 import pytest
 import torch
 
+from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.kernels import epilogue as kernels
 from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
-from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
+from fusion_backend.ops.config import ConvEpilogueConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PK = PointwiseKind

@@ -16,10 +16,11 @@ import pytest
 import torch
 from conv_cases import GELU, LEAKY, MUL0, conv_spec
 
+from fusion_backend.ir.specs import PoolSpec
 from fusion_backend.kernels import epilogue as kernels
 from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import conv_epilogue as ce
-from fusion_backend.ops.config import ConvEpilogueConfig, PoolSpec
+from fusion_backend.ops.config import ConvEpilogueConfig
 from fusion_backend.testing import compare
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

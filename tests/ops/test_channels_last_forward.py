@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 from conv_cases import GELU, LEAKY, MUL0, conv_spec
 
+from fusion_backend.ir.specs import PoolSpec
 from fusion_backend.kernels import epilogue as kernels
 from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops import impl_choice
 from fusion_backend.ops.chain import PointwiseKind
-from fusion_backend.ops.config import ConvEpilogueConfig, PoolSpec
+from fusion_backend.ops.config import ConvEpilogueConfig
 from fusion_backend.testing import compare
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -245,8 +246,8 @@ def test_epilogue_kernel_pools_a_channels_last_y_into_nchw(spatial, interpreted)
     y, bias, steps, v = _kernel_inputs(torch.float32, spatial)
     d = len(spatial)
     for pool in (
-        kernels.PoolGeometry("max", (2,) * d, (2,) * d, (0,) * d),
-        kernels.PoolGeometry("avg", (3,) * d, (2,) * d, (1,) * d, count_include_pad=False),
+        PoolSpec("max", (2,) * d, (2,) * d, (0,) * d),
+        PoolSpec("avg", (3,) * d, (2,) * d, (1,) * d, count_include_pad=False),
     ):
         pooled = F.max_pool2d if d == 2 else F.max_pool3d
         if pool.kind == "avg":

@@ -22,10 +22,11 @@ import os
 import pytest
 import torch
 
+from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
-from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
+from fusion_backend.ops.config import ConvEpilogueConfig
 from fusion_backend.testing import Autocast, assert_fused, compare
 
 CUDA = torch.cuda.is_available()

@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fusion_backend.errors import KernelError, UnsupportedInputError
+from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.kernels import epilogue as kernels
 from fusion_backend.kernels import host
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef, apply_step
-from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec, PoolSpec
+from fusion_backend.ops.config import ConvEpilogueConfig
 
 PK = PointwiseKind
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from fusion_backend.errors import KernelError, UnsupportedInputError
+from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.kernels import host
 from fusion_backend.ops import conv_global_mean as cgm
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef, apply_step
-from fusion_backend.ops.config import ConvSpec
 from fusion_backend.ops.conv_global_mean import (
     ConvGlobalMeanConfig,
     conv_global_mean,

@@ -15,9 +15,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.kernels import conv_dense, conv_fused
 from fusion_backend.ops import conv_epilogue as ce
-from fusion_backend.ops.config import ConvEpilogueConfig, ConvSpec
+from fusion_backend.ops.config import ConvEpilogueConfig
 from fusion_backend.testing import assert_fused
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.ops import conv_global_mean as cgm
-from fusion_backend.ops.config import ConvSpec
 from fusion_backend.ops.conv_global_mean import ConvGlobalMeanConfig, conv_global_mean, dim_sets
 
 

@@ -51,7 +51,6 @@ from .plan import (
     AUTOTUNE_ENV,
     MAX_UNROLLED_TAPS,
     PHASE_ALIGNED_BLOCK_K,
-    ConvGeometry,
     conv_fused_forward,
     conv_output_size,
     forward_launch,
@@ -60,6 +59,6 @@ from .plan import (
 )
 
 __all__ = [
-    "AUTOTUNE_ENV", "MAX_UNROLLED_TAPS", "PHASE_ALIGNED_BLOCK_K", "ConvGeometry", "conv_fused_forward", "conv_output_size",
+    "AUTOTUNE_ENV", "MAX_UNROLLED_TAPS", "PHASE_ALIGNED_BLOCK_K", "conv_fused_forward", "conv_output_size",
     "forward_launch", "phase_aligned_weight_matrix", "unsupported_reason",
 ]  # fmt: skip

@@ -14,10 +14,10 @@ import triton
 
 from ... import environment
 from ...ir.shapes import conv_output_length
+from ...ir.specs import ConvSpec, PoolSpec
 from ..chain_math import (
     MAX_WINDOW_VOLUME,
     KernelStep,
-    PoolGeometry,
     op_constexprs,
 )
 from ..epilogue import build_params
@@ -54,18 +54,6 @@ PHASE_ALIGNED_BLOCK_K = 16
 
 
 @dataclass(frozen=True)
-class ConvGeometry:
-    """``aten.convolution``'s hyper-parameters as the kernel sees them (one entry per spatial dim)."""
-
-    transposed: bool
-    stride: tuple[int, ...]
-    padding: tuple[int, ...]
-    dilation: tuple[int, ...]
-    output_padding: tuple[int, ...]
-    groups: int
-
-
-@dataclass(frozen=True)
 class _Plan:
     """Everything the launch needs that is derived from shapes and geometry (all lifted to 3d)."""
 
@@ -99,7 +87,7 @@ def _pad3(values: Sequence[int], fill: int) -> list[int]:
     return [fill] * (3 - len(values)) + list(values)
 
 
-def conv_output_size(x: torch.Tensor, weight: torch.Tensor, conv: ConvGeometry) -> list[int]:
+def conv_output_size(x: torch.Tensor, weight: torch.Tensor, conv: ConvSpec) -> list[int]:
     """Spatial sizes of ``aten.convolution(x, weight, ...)``'s output (not lifted)."""
     sizes = []
     for j, size in enumerate(x.shape[2:]):
@@ -108,7 +96,7 @@ def conv_output_size(x: torch.Tensor, weight: torch.Tensor, conv: ConvGeometry) 
     return sizes
 
 
-def _plan(x: torch.Tensor, weight: torch.Tensor, conv: ConvGeometry, pool: PoolGeometry | None,
+def _plan(x: torch.Tensor, weight: torch.Tensor, conv: ConvSpec, pool: PoolSpec | None,
           pooled_sizes: Sequence[int] | None) -> _Plan:  # fmt: skip
     dims = x.dim() - 2
     conv_out = _pad3(conv_output_size(x, weight, conv), 1)
@@ -159,8 +147,8 @@ def _full_windows(plan: _Plan) -> bool:
 def unsupported_reason(
     x: torch.Tensor,
     weight: torch.Tensor,
-    conv: ConvGeometry,
-    pool: PoolGeometry | None,
+    conv: ConvSpec,
+    pool: PoolSpec | None,
     pooled_sizes: Sequence[int] | None = None,
     save: bool = False,
     compute_dtype: torch.dtype | None = None,
@@ -168,7 +156,7 @@ def unsupported_reason(
     """Why ``conv_fused_forward`` cannot serve this case, or None when it can.
 
     ``pooled_sizes``: the pool's output spatial sizes (required with a pool: ceil_mode is not part
-    of ``PoolGeometry``).  ``save``: whether the backward state will be written (an avg pool or no
+    of ``PoolSpec``).  ``save``: whether the backward state will be written (an avg pool or no
     pool then stores the full conv output, which needs every element covered by some window).
     ``compute_dtype``: the conv's dtype (None: x's), see ``conv_fused_forward``.
     """
@@ -360,7 +348,7 @@ class _WeightMatrixLaunch:
         return matrix
 
 
-def phase_aligned_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvGeometry, precision: str,
+def phase_aligned_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvSpec, precision: str,
                                 dtype: torch.dtype) -> _WeightMatrixLaunch:  # fmt: skip
     """The launch that writes the phase-aligned path's prearranged weight matrix of a transposed conv.
 
@@ -417,8 +405,8 @@ def _prepare(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     steps: Sequence[KernelStep],
-    conv: ConvGeometry,
-    pool: PoolGeometry | None,
+    conv: ConvSpec,
+    pool: PoolSpec | None,
     out: torch.Tensor,
     saved_y0: torch.Tensor | None,
     saved_winner: torch.Tensor | None,
@@ -518,8 +506,8 @@ def conv_fused_forward(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     steps: Sequence[KernelStep],
-    conv: ConvGeometry,
-    pool: PoolGeometry | None,
+    conv: ConvSpec,
+    pool: PoolSpec | None,
     out: torch.Tensor,
     saved_y0: torch.Tensor | None = None,
     saved_winner: torch.Tensor | None = None,
@@ -560,8 +548,8 @@ def forward_launch(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     steps: Sequence[KernelStep],
-    conv: ConvGeometry,
-    pool: PoolGeometry | None,
+    conv: ConvSpec,
+    pool: PoolSpec | None,
     out: torch.Tensor,
     saved_y0: torch.Tensor | None = None,
     saved_winner: torch.Tensor | None = None,

@@ -13,10 +13,11 @@ import torch
 from torch import Tensor
 
 from ... import environment
+from ...ir.specs import PoolSpec
 from ...kernels.host import BoundedCache, tensor_key
 from .. import impl_choice
 from ..chain import Const, TensorRef
-from ..config import ConvEpilogueConfig, PoolSpec
+from ..config import ConvEpilogueConfig
 from .common import (
     DECISIONS,
     cast_inputs,
@@ -27,8 +28,6 @@ from .common import (
     kernel_steps,
     logger,
     output_memory_format,
-    pool_geometry,
-    pool_stride,
     relayout,
     run_conv_backward,
 )
@@ -186,7 +185,7 @@ class _LibraryBackward:
         self.want_bias = bool(mask[2]) and bias is not None
         self.epilogue = kernels.BackwardLaunch(
             grad_out, None if self.is_max else saved_y0, saved_winner if self.is_max else None,
-            saved_y0 if self.is_max else None, bias, steps, None if cfg.pool is None else pool_geometry(cfg.pool),
+            saved_y0 if self.is_max else None, bias, steps, cfg.pool,
             grad_y, slots, self.want_bias,
         )  # fmt: skip
         self.params = PlannedOperands(cfg, steps, bias, channels, x.device)
@@ -263,7 +262,7 @@ def _pooled_grad(g_win: Tensor, winner: Tensor, pool: PoolSpec) -> Any:  # conv_
     from ...kernels import conv_fused_bwd
 
     return conv_fused_bwd.PooledGrad(
-        g_win, winner, tuple(pool.kernel_size), pool_stride(pool), tuple(pool.padding), ceil_mode=pool.ceil_mode
+        g_win, winner, tuple(pool.kernel_size), pool.stride, tuple(pool.padding), ceil_mode=pool.ceil_mode
     )
 
 

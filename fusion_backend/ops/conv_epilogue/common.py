@@ -8,7 +8,7 @@ import logging
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Union
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +17,10 @@ from torch import Tensor
 from ... import environment
 from ...errors import KernelError, UnsupportedInputError
 from ...ir.shapes import conv_output_length, pool_output_length
+from ...ir.specs import ConvSpec, PoolSpec
 from ...kernels.host import BoundedCache, cpu_kernels_unavailable, tensor_key
 from ..chain import MAX_CHAIN_LENGTH, ChainStep, Const, apply_step
-from ..config import ConvEpilogueConfig, ConvSpec, PoolSpec
+from ..config import ConvEpilogueConfig
 
 logger = logging.getLogger("fusion_backend")
 
@@ -202,15 +203,10 @@ def run_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spec: ConvSpec) -> 
     )  # fmt: skip
 
 
-def pool_stride(pool: PoolSpec) -> tuple[int, ...]:
-    # PyTorch's pools take stride=None/() to mean "= kernel_size".
-    return tuple(pool.stride) if pool.stride else tuple(pool.kernel_size)
-
-
 def run_pool(v: Tensor, pool: PoolSpec, return_indices: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """The PoolSpec's F.max_pool{d}d / F.avg_pool{d}d on ``v`` (real or fake)."""
     dims = v.dim() - 2
-    k, s, p = list(pool.kernel_size), list(pool_stride(pool)), list(pool.padding)
+    k, s, p = list(pool.kernel_size), list(pool.stride), list(pool.padding)
     if pool.kind == "max":
         fn = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[dims - 1]
         return fn(v, k, s, p, 1, ceil_mode=pool.ceil_mode, return_indices=return_indices)
@@ -226,7 +222,7 @@ def run_pool(v: Tensor, pool: PoolSpec, return_indices: bool = False) -> Union[T
 
 
 def pooled_output_shape(y_shape: Sequence[int], pool: PoolSpec) -> list[int]:
-    stride = pool_stride(pool)
+    stride = pool.stride
     return list(y_shape[:2]) + [
         pool_output_length(size, k, s, p, ceil_mode=pool.ceil_mode)
         for size, k, s, p in zip(y_shape[2:], pool.kernel_size, stride, pool.padding, strict=True)
@@ -297,14 +293,6 @@ def _is_per_channel(t: Tensor, y_ndim: int, channels: int) -> bool:
         return True
     offset = y_ndim - t.dim()
     return all(size == (channels if i + offset == 1 else 1) for i, size in enumerate(t.shape))
-
-
-def pool_geometry(pool: PoolSpec) -> Any:  # the kernels' PoolGeometry (module imported lazily)
-    return epilogue_kernels().PoolGeometry(
-        kind=pool.kind, kernel_size=tuple(pool.kernel_size), stride=pool_stride(pool),
-        padding=tuple(pool.padding), count_include_pad=pool.count_include_pad,
-        divisor_override=pool.divisor_override,
-    )  # fmt: skip
 
 
 def kernel_steps(cfg: ConvEpilogueConfig, operands: Sequence[Tensor], y_ndim: int, channels: int) -> list:

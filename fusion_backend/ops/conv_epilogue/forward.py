@@ -15,10 +15,11 @@ from torch import Tensor
 
 from ... import environment
 from ...errors import UnsupportedInputError
+from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
 from .. import impl_choice
 from ..chain import Const
-from ..config import ConvEpilogueConfig, ConvSpec
+from ..config import ConvEpilogueConfig
 from .common import (
     CONV_IMPL_ENV,
     DECISIONS,
@@ -31,7 +32,6 @@ from .common import (
     kernel_steps,
     logger,
     output_memory_format,
-    pool_geometry,
     pooled_output_shape,
     relayout,
     run_conv,
@@ -83,8 +83,8 @@ def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save:
     why = conv_fused.unsupported_reason(
         x,
         weight,
-        _conv_geometry(cfg.conv),
-        None if cfg.pool is None else pool_geometry(cfg.pool),
+        cfg.conv,
+        cfg.pool,
         pooled,
         save,
         conv_compute_dtype(cfg, x),
@@ -105,20 +105,11 @@ def _forward_kernels(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> Modu
     from ...kernels import conv_dense, conv_fused
 
     def answer() -> ModuleType:
-        pool = None if cfg.pool is None else pool_geometry(cfg.pool)
-        dense = conv_dense.unsupported_reason(x, weight, _conv_geometry(cfg.conv), pool) is None
+        pool = cfg.pool
+        dense = conv_dense.unsupported_reason(x, weight, cfg.conv, pool) is None
         return conv_dense if dense else conv_fused
 
     return DECISIONS.get(("forward_kernels", tensor_key(x), tensor_key(weight), cfg), answer)
-
-
-def _conv_geometry(spec: ConvSpec) -> Any:  # conv_fused.ConvGeometry (module imported lazily)
-    from ...kernels import conv_fused
-
-    return conv_fused.ConvGeometry(
-        transposed=spec.transposed, stride=tuple(spec.stride), padding=tuple(spec.padding),
-        dilation=tuple(spec.dilation), output_padding=tuple(spec.output_padding), groups=spec.groups,
-    )  # fmt: skip
 
 
 def _library_conv_meta(x: Tensor, weight: Tensor, spec: ConvSpec, dtype: torch.dtype) -> Tensor:
@@ -170,7 +161,7 @@ class _FusedForward:
         self.save_winner = save and cfg.pool is not None and cfg.pool.kind == "max"
         out, saved_y0, saved_winner = outputs
         self.launch = _forward_kernels(x, weight, cfg).forward_launch(
-            x, weight, bias, steps, _conv_geometry(cfg.conv), None if cfg.pool is None else pool_geometry(cfg.pool),
+            x, weight, bias, steps, cfg.conv, cfg.pool,
             out, saved_y0 if self.save_y0 else None, saved_winner if self.save_winner else None,
             allow_tf32=bool(torch.backends.cudnn.allow_tf32), compute_dtype=dtype,
         )  # fmt: skip
@@ -389,7 +380,7 @@ class _LibraryForward:
         #: what ``_plan_launch`` needs besides y0: meta tensors and op codes only (a kept plan holds
         #: no tensor of a call)
         bias_meta = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device="meta")
-        pool = None if cfg.pool is None else pool_geometry(cfg.pool)
+        pool = cfg.pool
         self._launch_args = (bias_meta, [(code, ()) for code, _ in steps], pool, outputs)
         #: the epilogue kernel's launches by y0's strides (one, unless the conv surprises us)
         self.launches = {y0.stride(): self._plan_launch(y0)}

@@ -10,8 +10,9 @@ from typing import Union
 import torch
 from torch import Tensor
 
+from ...ir.specs import PoolSpec
 from ..chain import ChainStep, Const, PointwiseKind, TensorRef, apply_step
-from ..config import ConvEpilogueConfig, PoolSpec
+from ..config import ConvEpilogueConfig
 from .common import (
     apply_chain,
     cast_inputs,
@@ -22,7 +23,6 @@ from .common import (
     in_format,
     output_dtype,
     output_memory_format,
-    pool_stride,
     run_conv,
     run_conv_backward,
     run_pool,
@@ -39,7 +39,7 @@ def _window_origins(pooled_shape: Sequence[int], pool: PoolSpec, device: torch.d
     """Per spatial dim, the (broadcastable) input coordinate where each pooled window starts."""
     dims = len(pooled_shape) - 2
     origins = []
-    for j, (size, s, p) in enumerate(zip(pooled_shape[2:], pool_stride(pool), pool.padding, strict=True)):
+    for j, (size, s, p) in enumerate(zip(pooled_shape[2:], pool.stride, pool.padding, strict=True)):
         shape = [1] * (dims + 2)
         shape[2 + j] = size
         origins.append((torch.arange(size, device=device) * s - p).reshape(shape))
@@ -210,7 +210,7 @@ def _step_vjp(
 
 def _avg_pool_backward(grad: Tensor, v: Tensor, pool: PoolSpec) -> Tensor:
     """Gradient of ``run_pool(v, pool)`` (an avg pool) w.r.t. ``v``."""
-    k, s, p = list(pool.kernel_size), list(pool_stride(pool)), list(pool.padding)
+    k, s, p = list(pool.kernel_size), list(pool.stride), list(pool.padding)
     args = (pool.ceil_mode, pool.count_include_pad, pool.divisor_override)
     if v.dim() == 3:  # pooled as a (1, L) plane, see run_pool
         return torch.ops.aten.avg_pool2d_backward(

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
+from ...ir.specs import ConvSpec
 from ..chain import ChainStep, PointwiseKind
-from ..config import ConvSpec, chain_from_list, chain_to_list, conv_spec_from_dict, conv_spec_to_dict
+from ..config import chain_from_list, chain_to_list
 
 #: The pointwise kinds that are affine per channel and may therefore be folded into the mean.
 AFFINE_KINDS = frozenset(
@@ -67,7 +68,7 @@ class ConvGlobalMeanConfig:
     def to_json(self) -> str:
         """Canonical JSON (sorted keys, no spaces): equal configs give equal strings."""
         d: dict[str, Any] = {
-            "conv": conv_spec_to_dict(self.conv),
+            "conv": self.conv.to_dict(),
             "affine": chain_to_list(self.affine),
             "keepdim": self.keepdim,
             "out_dtype": self.out_dtype,
@@ -84,7 +85,7 @@ class ConvGlobalMeanConfig:
 @functools.lru_cache(maxsize=256)
 def _parse_config(text: str) -> ConvGlobalMeanConfig:
     d = json.loads(text)
-    conv = conv_spec_from_dict(d["conv"])
+    conv = ConvSpec.from_dict(d["conv"])
     affine = chain_from_list(d.get("affine", []))
     return ConvGlobalMeanConfig(
         conv=conv,

@@ -12,8 +12,8 @@ from typing import Union
 import torch
 
 from ...errors import UnsupportedInputError
+from ...ir.specs import ConvSpec
 from ..chain import Const, PointwiseKind, TensorRef
-from ..config import ConvSpec
 from .config import ConvGlobalMeanConfig
 
 

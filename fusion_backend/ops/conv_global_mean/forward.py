@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from ...errors import UnsupportedInputError
+from ...ir.specs import ConvSpec
 from ..chain import Const
-from ..config import ConvSpec
 from .common import as_5d, run_with_fallback
 from .config import ConvGlobalMeanConfig
 from .fold import (

@@ -13,7 +13,7 @@ import torch
 
 from ...errors import UnsupportedInputError
 from ...ir.shapes import conv_output_length
-from ..config import ConvSpec
+from ...ir.specs import ConvSpec
 
 
 def _ceil_div(a: int, b: int) -> int:
