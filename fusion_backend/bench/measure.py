@@ -46,6 +46,9 @@ class TimingStats:
     max_ms: float
     mean_ms: float
     reps: int
+    #: each round's median, in the order the rounds ran (one entry for a single measurement): how far
+    #: apart the windows of one step were, next to the same rounds of the row's other backends
+    round_medians_ms: tuple[float, ...] = ()
 
     @classmethod
     def from_samples(cls, samples_ms: Sequence[float]) -> TimingStats:
@@ -62,7 +65,8 @@ class TimingStats:
             p20, p80 = q[0], q[3]
         else:
             p20 = p80 = xs[0]
-        return cls(statistics.median(xs), p20, p80, xs[0], xs[-1], statistics.fmean(xs), len(xs))
+        median = statistics.median(xs)
+        return cls(median, p20, p80, xs[0], xs[-1], statistics.fmean(xs), len(xs), (median,))
 
     @classmethod
     def of_rounds(cls, rounds: Sequence[TimingStats]) -> TimingStats:
@@ -81,13 +85,16 @@ class TimingStats:
         >>> a, b, c = (TimingStats.from_samples(s) for s in ([1.0, 2.0], [5.0, 6.0], [2.0, 3.0]))
         >>> TimingStats.of_rounds([a, b, c]).median_ms, TimingStats.of_rounds([a, b, c]).reps
         (1.5, 6)
+        >>> TimingStats.of_rounds([a, b, c]).round_medians_ms
+        (1.5, 5.5, 2.5)
         """
         if not rounds:
             raise ValueError("TimingStats.of_rounds needs at least one round")
         reps = sum(r.reps for r in rounds)
         quiet = min(rounds, key=lambda r: r.median_ms)
         return cls(quiet.median_ms, quiet.p20_ms, quiet.p80_ms, min(r.min_ms for r in rounds),
-                   max(r.max_ms for r in rounds), sum(r.mean_ms * r.reps for r in rounds) / reps, reps)
+                   max(r.max_ms for r in rounds), sum(r.mean_ms * r.reps for r in rounds) / reps, reps,
+                   tuple(r.median_ms for r in rounds))
 
 
 @dataclass(frozen=True)
