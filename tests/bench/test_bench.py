@@ -650,7 +650,11 @@ def test_sigterm_ends_a_command_line_run_with_a_partial_report(tmp_path: Path) -
     import subprocess
     import sys
 
-    slow = TINY_CONV.replace("    def forward(self, x):\n", "    def forward(self, x):\n        time.sleep(0.3)\n")
+    # The train case is slow (3 s per forward) so that the signal lands in it even on a loaded machine
+    # (the infer case, run under no_grad, stays quick).
+    slow = TINY_CONV.replace(
+        "    def forward(self, x):\n", "    def forward(self, x):\n        time.sleep(3.0 if torch.is_grad_enabled() else 0.05)\n"
+    )
     model = write_model(tmp_path / "models", "slow", "import time\n" + slow)
     out_dir = tmp_path / "out"
     proc = subprocess.Popen(
