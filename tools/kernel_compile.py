@@ -40,8 +40,23 @@ BACKEND = make_backend(TARGET)
 #: Launch options a kernel gets when its launch names none (``num_warps``, ``num_stages``).
 DEFAULT_OPTIONS = BACKEND.parse_options({})
 _NVIDIA_BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
-#: The plain bundled ptxas is older than the PTX version Triton 3.9 emits; the Blackwell one reads it.
-PTXAS = _NVIDIA_BIN / "ptxas-blackwell"
+
+
+def _triton_ptxas() -> Path:
+    """The ptxas Triton itself assembles ``TARGET``'s code with, so it reads the PTX version Triton
+    emits for it (that version follows this ptxas: the bundled Blackwell one on Triton 3.9, whatever
+    ``knobs.nvidia.ptxas`` resolves to on Triton 3.6, which can be a newer CUDA's than the bundled
+    Blackwell one's 12.8)."""
+    from triton.backends.nvidia import compiler as nvidia
+
+    try:
+        tool = nvidia.get_ptxas(TARGET.arch)
+    except TypeError:  # a Triton with one ptxas for every arch
+        tool = nvidia.get_ptxas()
+    return Path(tool.path)
+
+
+PTXAS = _triton_ptxas()
 CUOBJDUMP = _NVIDIA_BIN / "cuobjdump"
 
 
