@@ -174,20 +174,6 @@ class Instruments:
     release: Callable[[], None] = field(default=gc.collect)
 
 
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """Python's cyclic garbage collector off for a timed loop, as ``timeit`` does: a collection
-    starts whenever allocations cross a threshold, so it lands in whichever backend's loop happens
-    to cross it and adds its pause there (host-bound steps are a fraction of a millisecond)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def l2_cache_bytes(device: torch.device) -> int | None:
     """L2 size of a CUDA device from its properties, or ``None`` if this torch does not report it."""
     size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
@@ -221,16 +207,15 @@ class CudaEventTimer:
         flush = self._flush_buffer() if cold else None
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        with _no_gc():
-            for start, end in zip(starts, ends, strict=True):
-                if before_each is not None:
-                    before_each()
-                if flush is not None:
-                    flush.zero_()
-                start.record()
-                step()
-                end.record()
-            torch.cuda.synchronize(self.device)
+        for start, end in zip(starts, ends, strict=True):
+            if before_each is not None:
+                before_each()
+            if flush is not None:
+                flush.zero_()
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize(self.device)
         return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
 
     def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
