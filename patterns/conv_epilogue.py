@@ -154,7 +154,7 @@ class ConvEpiloguePattern(Pattern):
                 fake = fake_of(trial[got.index])
                 if getattr(fake, "requires_grad", False):
                     return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND,
-                                         f"the {kind.name.lower()} parameter `{trial[got.index].name}` requires grad; only arithmetic operands get gradients")
+                                         f"the {kind.name.lower()} parameter `{trial[got.index].name}` requires grad; only arithmetic operands and the bound of clamp_min / clamp_max get gradients")
         region.operands[:] = trial
         return ChainStep(kind, tuple(operands))
 

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusion_backend.kernels.epilogue import OP_CODES  # noqa: E402
+from fusion_backend.kernels.chain_math import OP_CODES  # noqa: E402
 
 #: case -> (x and weight dtype, compute dtype)
 CASES = {

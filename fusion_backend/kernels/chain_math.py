@@ -41,6 +41,9 @@ OP_CODES = {
     "clamp": _CLAMP, "clamp_min": _CLAMP_MIN, "clamp_max": _CLAMP_MAX, "mul": _MUL, "add": _ADD,
     "sub": _SUB, "rsub": _RSUB, "div": _DIV, "rdiv": _RDIV, "hardtanh": _HARDTANH,
 }  # fmt: skip
+#: The op codes whose first operand gets a gradient (``step_backward``'s ``d/da``): the arithmetic ops
+#: and the bound of clamp_min / clamp_max.
+OPERAND_GRAD_CODES = frozenset({_CLAMP_MIN, _CLAMP_MAX, _MUL, _ADD, _SUB, _RSUB, _DIV, _RDIV})
 
 #: An operand value as the launchers take it: a Python number, or a tensor of numel 1 (broadcast over
 #: channels) or numel C (one value per channel, in channel order; any shape, any float dtype).
@@ -160,7 +163,7 @@ def step_backward(g, v, a, b, OP: tl.constexpr):
 
     Derivatives follow torch's backward formulas (relu: 0 at 0; leaky_relu: slope at 0; clamp:
     inclusive bounds; hardtanh: strict bounds, NaN passes).  ``d/da`` is only meaningful for the
-    arithmetic ops; it is 0.0 for the others.
+    arithmetic ops and the bound of clamp_min / clamp_max; it is 0.0 for the others.
     """
     gv = g
     ga = 0.0
@@ -196,10 +199,12 @@ def step_backward(g, v, a, b, OP: tl.constexpr):
         gv = g * (tsp + v * s * (1.0 - tsp * tsp))
     elif OP == 10:
         gv = tl.where((v >= a) & (v <= b), g, 0.0)
-    elif OP == 11:
+    elif OP == 11:  # the bound's gradient where it was taken (NaN: neither side, as torch)
         gv = tl.where(v >= a, g, 0.0)
+        ga = tl.where(v < a, g, 0.0)
     elif OP == 12:
         gv = tl.where(v <= a, g, 0.0)
+        ga = tl.where(v > a, g, 0.0)
     elif OP == 13:
         gv = g * a
         ga = g * v

@@ -41,7 +41,7 @@ from .chain_math import (
     MAX_WINDOW_VOLUME,
     NUM_GRAD_ROWS,
     NUM_PARAM_ROWS,
-    OP_CODES,
+    OPERAND_GRAD_CODES,
     KernelStep,
     OperandValue,
     avg_divisor,
@@ -727,7 +727,7 @@ class BackwardLaunch:
         elif y.shape != grad_y.shape:
             raise ValueError(f"grad_y must have y's shape {tuple(y.shape)}, got {tuple(grad_y.shape)}")
         for slot, wanted in enumerate(operand_grad_slots):
-            if wanted and not OP_CODES["mul"] <= int(steps[slot][0]) <= OP_CODES["rdiv"]:
+            if wanted and int(steps[slot][0]) not in OPERAND_GRAD_CODES:
                 raise ValueError(f"slot {slot} (op code {steps[slot][0]}) has no differentiable operand")
         gy_sizes, gy_strides = lift_5d(grad_y)
         #: y's strides (grad_y's where there is no y: a max pool loads no y)

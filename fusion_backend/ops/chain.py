@@ -39,9 +39,12 @@ class PointwiseKind(enum.Enum):
       hardtanh(a, b): clamp forward, but the gradient passes only where a < v < b (strict), as
                    torch's hardtanh_backward does; relu6 is hardtanh(0, 6)
       mul(a): v*a    add(a): v+a    sub(a): v-a    rsub(a): a-v    div(a): v/a    rdiv(a): a/v
-    Only the operands of the arithmetic kinds may be tensors that require grad; the parameters of
-    leaky_relu and the clamps may still come from 0-d tensors (Dynamo lifts float module attributes
-    to inputs under ``dynamic=True``) but never receive a gradient.
+    The operands of the arithmetic kinds and the one bound of clamp_min / clamp_max may be tensors
+    that require grad (a bound's gradient is ``grad`` where the bound was taken: ``v < a`` for
+    clamp_min, ``v > a`` for clamp_max, as torch's clamp_min / clamp_max backward; a tie and NaN give
+    the flowing value the gradient).  The parameters of leaky_relu, clamp and hardtanh may still come
+    from 0-d tensors (Dynamo lifts float module attributes to inputs under ``dynamic=True``) but never
+    receive a gradient: a kernel slot has room for one operand gradient.
     """
 
     RELU = (1, 0, ())
@@ -54,8 +57,8 @@ class PointwiseKind(enum.Enum):
     HARDSWISH = (8, 0, ())
     MISH = (9, 0, ())
     CLAMP = (10, 2, ())
-    CLAMP_MIN = (11, 1, ())
-    CLAMP_MAX = (12, 1, ())
+    CLAMP_MIN = (11, 1, (0,))
+    CLAMP_MAX = (12, 1, (0,))
     MUL = (13, 1, (0,))
     ADD = (14, 1, (0,))
     SUB = (15, 1, (0,))

@@ -49,6 +49,31 @@ class _ChannelMin(nn.Module):
         return torch.tanh(torch.amin(self.conv(x), dim=1, keepdim=True))
 
 
+class _LearnedClamp(nn.Module):
+    """A learned floor (a 0-d parameter) clamps the conv output; its gradient is where it was taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.floor = nn.Parameter(torch.tensor(-0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(torch.clamp(self.conv(x), min=self.floor))
+
+
+class _LearnedBand(nn.Module):
+    """Both bounds of one clamp are learned: a kernel slot has room for one operand gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.lo = nn.Parameter(torch.tensor(-0.5))
+        self.hi = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(self.conv(x), min=self.lo, max=self.hi)
+
+
 CASES = [
     CorpusCase("vgg_block", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True),
                                                    nn.MaxPool2d(2)), _x(2, 3, 16, 16)),  # fmt: skip
@@ -72,6 +97,8 @@ CASES = [
                regions=("conv3d -> leaky_relu -> max_pool3d",)),
     CorpusCase("wav2vec_conv1d_gelu", lambda: (nn.Sequential(nn.Conv1d(8, 16, 5, padding=2), nn.GELU()), _x(2, 8, 40)),
                regions=("conv1d -> gelu",)),
+    CorpusCase("learned_clamp_floor", lambda: (_LearnedClamp(), _x(2, 3, 12, 12)),
+               regions=("conv2d -> clamp_min -> relu",)),
     # near misses
     CorpusCase("batch_norm_training", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).train(),
                                                _x(2, 3, 12, 12)),  # fmt: skip
@@ -81,6 +108,8 @@ CASES = [
     CorpusCase("softmax_over_channels", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.Softmax(dim=1)), _x(2, 3, 12, 12)),
                near_misses=(("conv_epilogue", "unsupported_op", "softmax"),)),
     CorpusCase("min_over_channels", lambda: (_ChannelMin(), _x(2, 3, 12, 12)), near_misses=(("conv_epilogue", "unsupported_op", "amin"),)),
+    CorpusCase("learned_clamp_band", lambda: (_LearnedBand(), _x(2, 3, 12, 12)),
+               near_misses=(("conv_epilogue", "unsupported_operand", "requires grad"),)),
     CorpusCase("residual_reads_conv_twice", lambda: (_Residual(), _x(2, 8, 12, 12)),
                near_misses=(("conv_epilogue", "shared_intermediate", "is used by"),)),
 ]

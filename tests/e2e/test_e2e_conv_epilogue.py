@@ -212,3 +212,23 @@ def test_spelled_out_swish_mish_and_leaky_relu_fuse_with_eager_gradients(kernels
     reports = assert_fused(*on_device(SpelledOut(zero_conv), torch.randn(2, 3, 9, 7)), expect={"conv_epilogue": 1})
     (match,) = [m for r in reports for m in r.matches]
     assert "silu -> mish -> leaky_relu -> max_pool2d" in match.summary
+
+
+class LearnedClamp(nn.Module):
+    """conv3d → clamp(min=learned 0-d floor) → ×m → clamp_max(learned per-channel ceiling) → max_pool3d."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.conv = nn.Conv3d(3, 4, 3, padding=1)
+        self.floor = nn.Parameter(torch.tensor(-0.2))
+        self.m = nn.Parameter(torch.randn(4, 1, 1, 1))
+        self.ceiling = nn.Parameter(torch.rand(4, 1, 1, 1) * 0.5)
+
+    def forward(self, x):
+        y = torch.clamp(self.conv(x), min=self.floor) * self.m
+        return F.max_pool3d(y.clamp_max(self.ceiling), 2)
+
+
+def test_learned_clamp_bounds_get_their_gradients(kernels):
+    assert_fused(*on_device(LearnedClamp(), torch.randn(2, 3, 6, 5, 6)), expect={"conv_epilogue": 1})

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from fusion_backend import environment
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.kernels import conv_dense
-from fusion_backend.kernels.epilogue import OP_CODES, build_params
+from fusion_backend.kernels.chain_math import OP_CODES
+from fusion_backend.kernels.epilogue import build_params
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

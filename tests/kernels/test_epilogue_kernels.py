@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fusion_backend.ir.specs import PoolSpec
+from fusion_backend.kernels import chain_math
 from fusion_backend.kernels import epilogue as K
 from fusion_backend.ops.chain import PointwiseKind, apply_step
 
@@ -259,6 +260,14 @@ def test_scalar_and_tensor_operands_in_non_differentiable_positions(kernel_devic
              kernel_device)  # fmt: skip
 
 
+@pytest.mark.parametrize("pool", [None, PoolSpec("max", (2, 2), (2, 2), (0, 0))], ids=["no-pool", "max-pool"])
+def test_tensor_clamp_bounds_get_their_gradient(pool, kernel_device):
+    """A per-channel clamp_min bound and a clamp_max bound (tensors) receive the gradient where they
+    were taken, next to an arithmetic operand; the oracle is autograd in float64."""
+    chain = [(PK.MUL, ["t"]), (PK.CLAMP_MIN, ["t"]), (PK.CLAMP_MAX, ["t"])]
+    run_case(Case((2, 3, 6, 5), chain, pool), kernel_device)
+
+
 def test_empty_chain_without_bias_copies(kernel_device):
     run_case(Case((2, 3, 4, 5), [], bias=False), kernel_device)
 
@@ -399,7 +408,8 @@ def test_params_matrix_layout():
 
 
 def test_kernel_op_codes_mirror_the_catalogue():
-    assert K.OP_CODES == {kind.name.lower(): kind.code for kind in PointwiseKind}
+    assert chain_math.OP_CODES == {kind.name.lower(): kind.code for kind in PointwiseKind}
+    assert chain_math.OPERAND_GRAD_CODES == {kind.code for kind in PointwiseKind if kind.differentiable_operands}
     assert K.MAX_SLOTS == 8
 
 

@@ -214,11 +214,18 @@ def test_chain_longer_than_the_maximum_is_cut_with_a_reason():
     assert [n.reason.value for n in result.near_misses] == ["chain_too_long"]
 
 
-def test_a_slope_that_requires_grad_is_rejected():
+def test_two_clamp_bounds_that_require_grad_are_rejected():
     def body(s, y):
-        return F.relu(y) * 2 if False else torch.clamp(y, min=s.s)  # tensor bound requiring grad
+        return torch.clamp(y, min=s.s, max=s.m)  # a kernel slot has room for one operand gradient
 
     assert_not_fused(Chain(body), X2, "conv_epilogue", reason="unsupported_operand")
+
+
+@pytest.mark.parametrize("spelling", ["clamp(min=t)", "clamp_max(t)"])
+def test_one_clamp_bound_that_requires_grad_fuses(spelling):
+    body = {"clamp(min=t)": lambda s, y: torch.clamp(y, min=s.s), "clamp_max(t)": lambda s, y: y.clamp_max(s.m)}[spelling]
+    (region,) = regions(Chain(body))
+    assert region[1] == "conv2d -> " + ("clamp_min" if "min" in spelling else "clamp_max")
 
 
 def test_disabled_pattern_fuses_nothing():

@@ -256,11 +256,45 @@ def test_every_kind_end_to_end(kind, triton_on_cpu):
     chain = [ChainStep(kind, operands)]
     if kind is PK.RDIV:  # keep the divisor away from 0
         chain.insert(0, ChainStep(PK.SIGMOID))
-    if not kind.differentiable_operands:  # the operand tensor still gets a gradient to check
+    if not any(isinstance(o, TensorRef) for o in operands):  # the operand tensor still gets a gradient to check
         chain.append(ChainStep(PK.MUL, (TensorRef(0),)))
     x, w, b, (m,) = make_inputs(case, torch.float32)
     m = m.sign() * (m.abs() + 0.5)
     check_against_eager(case, chain, _pool("max", 2, 2), (x, w, b, [m]), 1e-5, 2e-5)
+
+
+@pytest.mark.parametrize("operand_shape", ["channel", "scalar"])
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_tensor_clamp_bounds_that_require_grad(operand_shape, path, monkeypatch):
+    """``torch.clamp(y, min=t)`` / ``max=t`` with a tensor bound that requires grad: the bound gets
+    torch's gradient (where it was taken), on both paths, behind a max pool and without one."""
+    if path == "triton":
+        cpu_kernels(monkeypatch)
+    case = CONVS[2]
+    x, w, b, (m,) = make_inputs(case, torch.float32, operand_shape=operand_shape)
+    lo, hi = m * 0.1 - 0.3, m * 0.1 + 0.4
+    for pool in (None, _pool("max", 2, 2)):
+        chain = [ChainStep(PK.CLAMP_MIN, (TensorRef(0),)), ChainStep(PK.MUL, (TensorRef(2),)),
+                 ChainStep(PK.CLAMP_MAX, (TensorRef(1),))]  # fmt: skip
+        check_against_eager(case, chain, pool, (x, w, b, [lo, hi, m]), 1e-5, 2e-5)
+
+
+def test_a_clamp_bound_tied_with_the_value_gives_the_gradient_to_the_value():
+    """At ``v == bound`` torch's clamp_min / clamp_max backward send the gradient to ``v`` and none to
+    the bound; NaN sends it to neither."""
+    case = CONVS[2]
+    x, w, _, _ = make_inputs(case, torch.float32)
+    w = torch.zeros_like(w)  # the conv output is exactly the bias: 0, or NaN in channel 1
+    b = torch.zeros(case.out_channels)
+    b[1] = float("nan")
+    for kind in (PK.CLAMP_MIN, PK.CLAMP_MAX):
+        bound = torch.zeros((), requires_grad=True)
+        bl = b.clone().requires_grad_()
+        config = config_of(case.spec, [ChainStep(kind, (TensorRef(0),))], None)
+        out = ce.conv_epilogue(x, w, bl, [bound], config)
+        out.backward(torch.ones_like(out))
+        assert bound.grad.item() == 0.0, kind
+        assert bl.grad[0].item() == out[:, 0].numel() and bl.grad[1].item() == 0.0, kind
 
 
 def test_a_long_chain_sharing_one_operand(triton_on_cpu):

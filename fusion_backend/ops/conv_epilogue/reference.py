@@ -159,7 +159,7 @@ def _step_vjp(
 ) -> tuple[Tensor, Tensor | None]:
     """``(d/dv, d/d first operand)`` of one step at input ``v``, with torch's backward formulas.
 
-    The operand gradient is full-size (not reduced); it is None for non-arithmetic kinds.
+    The operand gradient is full-size (not reduced); it is None for kinds whose operands get none.
     """
     aten = torch.ops.aten
     a = values[0] if values else None
@@ -185,9 +185,9 @@ def _step_vjp(
     if kind is PointwiseKind.CLAMP:
         return torch.where((v >= a) & (v <= values[1]), g, zero), None
     if kind is PointwiseKind.CLAMP_MIN:
-        return torch.where(v >= a, g, zero), None
+        return torch.where(v >= a, g, zero), torch.where(v < a, g, zero)
     if kind is PointwiseKind.CLAMP_MAX:
-        return torch.where(v <= a, g, zero), None
+        return torch.where(v <= a, g, zero), torch.where(v > a, g, zero)
     if kind is PointwiseKind.HARDTANH:
         return torch.where(((v > a) & (v < values[1])) | torch.isnan(v), g, zero), None
     if kind is PointwiseKind.MUL:
