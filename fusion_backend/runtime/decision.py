@@ -260,11 +260,11 @@ def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequ
     if timer is not None:
         steps = {name: _built_at_first_call(build, inputs, train) for name, build in builders.items()}
         return {name: times for name, times in timer(steps).items() if name in builders}
-    steps, first_call_s = _first_calls(builders, inputs, train)
+    steps, first_call_s, overlapped = _first_calls(builders, inputs, train)
     times = region_timing.time_steps(steps)
     log.info("timed %s in %.1f s (first calls, compiling included: fused op %.1f s, Inductor %.1f s%s)", pattern,
              time.perf_counter() - began, first_call_s["fused"], first_call_s["inductor"],
-             ", at once" if first_call_s["overlapped"] else "")
+             ", at once" if overlapped else "")
     return {name: times[name] for name in builders}
 
 
@@ -283,9 +283,9 @@ def _built_at_first_call(build: Callable[[], tuple[Callable[..., Any], bool]], i
 
 
 def _first_calls(builders: Mapping[str, Callable[[], tuple[Callable[..., Any], bool]]], inputs: Sequence[torch.Tensor],
-                 train: bool) -> tuple[dict[str, Callable[[], None]], dict[str, Any]]:
-    """Both candidates' steps, each built and run once (compiles, per-shape choices, autotuning), and
-    how long that took.
+                 train: bool) -> tuple[dict[str, Callable[[], None]], dict[str, float], bool]:
+    """Both candidates' steps, each built and run once (compiles, per-shape choices, autotuning), the
+    seconds each took, and whether the two ran at once.
 
     WHY at once: on a cold cache a region's decision is most of a first call, and its two halves
     wait on different things: the fused op's first call on its Triton compiles (a thread pool,
@@ -300,7 +300,7 @@ def _first_calls(builders: Mapping[str, Callable[[], tuple[Callable[..., Any], b
 
     from . import region_timing
 
-    first_call_s: dict[str, Any] = {}
+    first_call_s: dict[str, float] = {}
     began = time.perf_counter()
     fused_fn, overlapped = builders["fused"]()  # overlapped where it runs directly
     fused_step = region_timing.make_step(fused_fn, inputs, train)
@@ -324,8 +324,7 @@ def _first_calls(builders: Mapping[str, Callable[[], tuple[Callable[..., Any], b
     run_began = time.perf_counter()
     inductor_step()
     first_call_s["inductor"] = compiled_s + time.perf_counter() - run_began
-    first_call_s["overlapped"] = overlapped
-    return {"fused": fused_step, "inductor": inductor_step}, first_call_s
+    return {"fused": fused_step, "inductor": inductor_step}, first_call_s, overlapped
 
 
 def _on_device(device: torch.device | None) -> Any:
