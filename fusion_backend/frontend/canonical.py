@@ -53,7 +53,7 @@ class Pointwise:
     def with_flowing(self, flowing: fx.Node) -> tuple[PointwiseKind, tuple[ValueRef, ...]] | str:
         """Return ``(kind, operands)`` seen from ``flowing``, or a sentence saying why not.
 
-        Commutative ops accept the flowing tensor on either side; ``a - x`` becomes ``rsub`` and
+        Commutative ops (mul, add, minimum, maximum) accept the flowing tensor on either side; ``a - x`` becomes ``rsub`` and
         ``a / x`` becomes ``rdiv``.  Non-arithmetic ops need the flowing tensor first.
         """
         positions = [i for i, a in enumerate(self.args) if a is flowing]
@@ -68,6 +68,8 @@ class Pointwise:
             PointwiseKind.ADD: PointwiseKind.ADD,
             PointwiseKind.SUB: PointwiseKind.RSUB,
             PointwiseKind.DIV: PointwiseKind.RDIV,
+            PointwiseKind.MINIMUM: PointwiseKind.MINIMUM,
+            PointwiseKind.MAXIMUM: PointwiseKind.MAXIMUM,
         }
         if self.kind in swapped and pos == 1:
             return swapped[self.kind], others

@@ -44,6 +44,7 @@ def _sig_clamp_max(input, max): ...
 def _sig_binary(input, other, *, alpha=1, out=None): ...
 def _sig_div(input, other, *, rounding_mode=None, out=None): ...
 def _sig_neg(input): ...
+def _sig_min_max(input, other, *, out=None): ...
 def _sig_max_pool(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False): ...
 def _sig_avg_pool(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None): ...
 def _sig_reduce(input, dim=None, keepdim=False, *, dtype=None): ...
@@ -135,6 +136,10 @@ _BINARY_FUNCS: dict[Any, tuple[K, bool]] = {
     torch.true_divide: (K.DIV, False),
 }
 _NEG_FUNCS = {operator.neg, torch.neg, torch.negative}
+#: Elementwise minimum / maximum of two tensors; ``torch.min`` / ``torch.max`` are that only when
+#: their second argument is a tensor (an int there is a reduction's dim).
+_MIN_MAX_FUNCS: dict[Any, K] = {torch.minimum: K.MINIMUM, torch.maximum: K.MAXIMUM}
+_MIN_MAX_OVERLOADED: dict[Any, K] = {torch.min: K.MINIMUM, torch.max: K.MAXIMUM}
 
 _METHOD_UNARY: dict[str, K] = {"relu": K.RELU, "sigmoid": K.SIGMOID, "tanh": K.TANH}
 _METHOD_BINARY: dict[str, K] = {
@@ -310,6 +315,8 @@ def _normalize_function(node: fx.Node, target: Any, args: tuple, kwargs: dict) -
     if target in _NEG_FUNCS:
         b = _bind(_sig_neg, args, kwargs)
         return Pointwise(node, K.MUL, (b["input"], -1.0)) if b else None
+    if target in _MIN_MAX_FUNCS or target in _MIN_MAX_OVERLOADED:
+        return _min_max(node, _MIN_MAX_FUNCS.get(target) or _MIN_MAX_OVERLOADED[target], False, args, kwargs)
     if target in _MAX_POOL_FUNCS:
         b = _bind(_sig_max_pool, args, kwargs)
         return _pool(node, "max", _MAX_POOL_FUNCS[target], b) if b else None
@@ -347,6 +354,15 @@ def _clamp(node: fx.Node, b: Optional[dict[str, Any]], inplace: bool) -> Optiona
     return Pointwise(node, K.CLAMP, (b["input"], lo, hi), inplace)
 
 
+def _min_max(node: fx.Node, kind: K, inplace: bool, args: tuple, kwargs: dict) -> Optional[Pointwise]:
+    """``torch.minimum(a, b)`` / ``maximum`` (and ``min`` / ``max`` of two tensors): both sides are
+    graph values (a number there is not a tensor; ``min(x, 1)`` reduces over dim 1)."""
+    b = _bind(_sig_min_max, args, kwargs)
+    if not b or b.get("out") is not None or not isinstance(b["other"], fx.Node):
+        return None
+    return Pointwise(node, kind, (b["input"], b["other"]), inplace)
+
+
 def _binary(node: fx.Node, kind: K, inplace: bool, args: tuple, kwargs: dict) -> Optional[Pointwise]:
     if kind is K.DIV:
         b = _bind(_sig_div, args, kwargs)
@@ -374,6 +390,9 @@ def _normalize_method(node: fx.Node) -> Optional[CanonicalOp]:
     if base in _METHOD_BINARY:
         # __rmul__/__radd__ swap the operands, which commutative ops do not mind.
         return _binary(node, _METHOD_BINARY[base], inplace, args, kwargs)
+    if base in ("minimum", "maximum", "min", "max"):
+        kind = K.MINIMUM if base in ("minimum", "min") else K.MAXIMUM
+        return _min_max(node, kind, inplace, args, kwargs)
     if base in ("neg", "negative"):
         b = _bind(_sig_neg, args, kwargs)
         return Pointwise(node, K.MUL, (b["input"], -1.0), inplace) if b else None

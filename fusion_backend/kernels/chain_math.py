@@ -34,16 +34,17 @@ MAX_WINDOW_VOLUME = 64
 
 # Op codes, mirrored from PointwiseKind.code (tests/kernels/test_epilogue_kernels.py checks they agree).
 _RELU, _LEAKY_RELU, _GELU, _GELU_TANH, _SILU, _SIGMOID, _TANH, _HARDSWISH, _MISH = range(1, 10)
-_CLAMP, _CLAMP_MIN, _CLAMP_MAX, _MUL, _ADD, _SUB, _RSUB, _DIV, _RDIV, _HARDTANH = range(10, 20)
+_CLAMP, _CLAMP_MIN, _CLAMP_MAX, _MUL, _ADD, _SUB, _RSUB, _DIV, _RDIV, _HARDTANH, _MINIMUM, _MAXIMUM = range(10, 22)
 OP_CODES = {
     "relu": _RELU, "leaky_relu": _LEAKY_RELU, "gelu": _GELU, "gelu_tanh": _GELU_TANH,
     "silu": _SILU, "sigmoid": _SIGMOID, "tanh": _TANH, "hardswish": _HARDSWISH, "mish": _MISH,
     "clamp": _CLAMP, "clamp_min": _CLAMP_MIN, "clamp_max": _CLAMP_MAX, "mul": _MUL, "add": _ADD,
-    "sub": _SUB, "rsub": _RSUB, "div": _DIV, "rdiv": _RDIV, "hardtanh": _HARDTANH,
+    "sub": _SUB, "rsub": _RSUB, "div": _DIV, "rdiv": _RDIV, "hardtanh": _HARDTANH, "minimum": _MINIMUM,
+    "maximum": _MAXIMUM,
 }  # fmt: skip
-#: The op codes whose first operand gets a gradient (``step_backward``'s ``d/da``): the arithmetic ops
-#: and the bound of clamp_min / clamp_max.
-OPERAND_GRAD_CODES = frozenset({_CLAMP_MIN, _CLAMP_MAX, _MUL, _ADD, _SUB, _RSUB, _DIV, _RDIV})
+#: The op codes whose first operand gets a gradient (``step_backward``'s ``d/da``): the arithmetic ops,
+#: minimum / maximum and the bound of clamp_min / clamp_max.
+OPERAND_GRAD_CODES = frozenset({_CLAMP_MIN, _CLAMP_MAX, _MUL, _ADD, _SUB, _RSUB, _DIV, _RDIV, _MINIMUM, _MAXIMUM})
 
 #: An operand value as the launchers take it: a Python number, or a tensor of numel 1 (broadcast over
 #: channels) or numel C (one value per channel, in channel order; any shape, any float dtype).
@@ -101,7 +102,7 @@ def load_operands(p_ptr, SLOT: tl.constexpr, c, C, cmask, OP: tl.constexpr):
     b = 0.0
     if OP == 2:  # leaky_relu(slope)
         a = tl.load(p_ptr + (1 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
-    if OP >= 10:  # clamps and arithmetic take a first operand
+    if OP >= 10:  # clamps, arithmetic, minimum and maximum take a first operand
         a = tl.load(p_ptr + (1 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
     if OP == 10:  # clamp(lo, hi)
         b = tl.load(p_ptr + (2 + 2 * SLOT) * C + c, mask=cmask, other=1.0)
@@ -154,6 +155,10 @@ def step_forward(v, a, b, OP: tl.constexpr):
         v = v / a
     elif OP == 18:
         v = a / v
+    elif OP == 20:  # minimum: NaN from either side propagates
+        v = tl.where((v < a) | (v != v), v, a)
+    elif OP == 21:  # maximum
+        v = tl.where((v > a) | (v != v), v, a)
     return v
 
 
@@ -163,7 +168,7 @@ def step_backward(g, v, a, b, OP: tl.constexpr):
 
     Derivatives follow torch's backward formulas (relu: 0 at 0; leaky_relu: slope at 0; clamp:
     inclusive bounds; hardtanh: strict bounds, NaN passes).  ``d/da`` is only meaningful for the
-    arithmetic ops and the bound of clamp_min / clamp_max; it is 0.0 for the others.
+    arithmetic ops, minimum / maximum and the bound of clamp_min / clamp_max; it is 0.0 for the others.
     """
     gv = g
     ga = 0.0
@@ -223,6 +228,14 @@ def step_backward(g, v, a, b, OP: tl.constexpr):
         ga = g / v
     elif OP == 19:
         gv = tl.where(((v > a) & (v < b)) | (v != v), g, 0.0)
+    elif OP == 20:  # minimum: half each at a tie, 0 to the side not taken (NaN: both get g)
+        half = tl.where(v == a, 0.5 * g, g)
+        gv = tl.where(v > a, 0.0, half)
+        ga = tl.where(v < a, 0.0, half)
+    elif OP == 21:  # maximum
+        half = tl.where(v == a, 0.5 * g, g)
+        gv = tl.where(v < a, 0.0, half)
+        ga = tl.where(v > a, 0.0, half)
     return gv, ga
 
 
@@ -268,9 +281,12 @@ def avg_divisor(od, oh, ow, D, H, W,
     return div
 
 
+_KNOWN_CODES = frozenset(OP_CODES.values())
+
+
 def op_constexprs(steps: Sequence[KernelStep]) -> dict[str, int]:
     codes = [int(code) for code, _ in steps] + [0] * (MAX_SLOTS - len(steps))
     for code in codes:
-        if not 0 <= code <= _HARDTANH:
+        if code != 0 and code not in _KNOWN_CODES:
             raise ValueError(f"unknown op code {code}")
     return {f"OP{k}": code for k, code in enumerate(codes)}

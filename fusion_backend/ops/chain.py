@@ -39,7 +39,11 @@ class PointwiseKind(enum.Enum):
       hardtanh(a, b): clamp forward, but the gradient passes only where a < v < b (strict), as
                    torch's hardtanh_backward does; relu6 is hardtanh(0, 6)
       mul(a): v*a    add(a): v+a    sub(a): v-a    rsub(a): a-v    div(a): v/a    rdiv(a): a/v
-    The operands of the arithmetic kinds and the one bound of clamp_min / clamp_max may be tensors
+      minimum(a) / maximum(a): torch.minimum / torch.maximum with a tensor: NaN from either side
+                   propagates; at a tie each side gets half the gradient, and NaN gives both all of
+                   it, as torch's backward does
+    The operands of the arithmetic kinds, of minimum / maximum and the one bound of clamp_min /
+    clamp_max may be tensors
     that require grad (a bound's gradient is ``grad`` where the bound was taken: ``v < a`` for
     clamp_min, ``v > a`` for clamp_max, as torch's clamp_min / clamp_max backward; a tie and NaN give
     the flowing value the gradient).  The parameters of leaky_relu, clamp and hardtanh may still come
@@ -66,6 +70,8 @@ class PointwiseKind(enum.Enum):
     DIV = (17, 1, (0,))
     RDIV = (18, 1, (0,))
     HARDTANH = (19, 2, ())
+    MINIMUM = (20, 1, (0,))
+    MAXIMUM = (21, 1, (0,))
 
     def __init__(self, code: int, arity: int, differentiable_operands: tuple[int, ...]) -> None:
         self.code = code
@@ -154,6 +160,9 @@ def apply_step(kind: PointwiseKind, v: torch.Tensor, operands: Sequence[torch.Te
     if kind is PointwiseKind.CLAMP_MAX:
         return torch.clamp(v, max=operands[0])
     (a,) = operands
+    if kind in (PointwiseKind.MINIMUM, PointwiseKind.MAXIMUM):
+        other = a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=v.dtype, device=v.device)
+        return (torch.minimum if kind is PointwiseKind.MINIMUM else torch.maximum)(v, other)
     if kind is PointwiseKind.MUL:
         return v * a
     if kind is PointwiseKind.ADD:

@@ -232,3 +232,23 @@ class LearnedClamp(nn.Module):
 
 def test_learned_clamp_bounds_get_their_gradients(kernels):
     assert_fused(*on_device(LearnedClamp(), torch.randn(2, 3, 6, 5, 6)), expect={"conv_epilogue": 1})
+
+
+class LearnedMinMax(nn.Module):
+    """conv2d → maximum(learned per-channel floor) → ×m → minimum(a 0-d buffer) → max_pool2d."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.floor = nn.Parameter(torch.randn(4, 1, 1) * 0.1)
+        self.m = nn.Parameter(torch.randn(4, 1, 1))
+        self.register_buffer("cap", torch.tensor(0.5))
+
+    def forward(self, x):
+        y = torch.maximum(self.conv(x), self.floor) * self.m
+        return F.max_pool2d(torch.min(y, self.cap), 2)
+
+
+def test_elementwise_minimum_and_maximum_with_tensors(kernels):
+    assert_fused(*on_device(LearnedMinMax(), torch.randn(2, 3, 10, 9)), expect={"conv_epilogue": 1})

@@ -57,7 +57,17 @@ SPELLINGS = {
     "torch.clip": (lambda s, y: torch.clip(y, -1, 1), "clamp"),
     "F.hardswish": (lambda s, y: F.hardswish(y), "hardswish"),
     "F.mish": (lambda s, y: F.mish(y), "mish"),
+    "torch.minimum": (lambda s, y: torch.minimum(y, s.m), "minimum"),
+    "m.maximum(x)": (lambda s, y: s.m.maximum(y), "maximum"),
+    "torch.min(x, 0-d)": (lambda s, y: torch.min(y, s.s), "minimum"),
+    "x.max(m)": (lambda s, y: y.max(s.m4), "maximum"),
 }
+
+
+@pytest.mark.parametrize("spelling", ["torch.max(x, 1)", "x.min(dim=1)"])
+def test_min_and_max_over_a_dim_are_reductions_not_minimum(spelling):
+    body = {"torch.max(x, 1)": lambda s, y: torch.max(y, 1)[0], "x.min(dim=1)": lambda s, y: y.min(dim=1).values}[spelling]
+    assert regions(Chain(body)) == ()
 
 
 @pytest.mark.parametrize("name", list(SPELLINGS))

@@ -208,6 +208,8 @@ def _kink_inputs(values: list[float]) -> torch.Tensor:
         (PK.HARDTANH, [-1.0, 1.0], [-1.0, 1.0, 2.0, 0.5], [0.0, 0.0, 0.0, 1.0]),  # strict bounds
         (PK.CLAMP_MIN, [0.5], [0.5, 0.4, 0.6], [1.0, 0.0, 1.0]),
         (PK.CLAMP_MAX, [0.5], [0.5, 0.4, 0.6], [1.0, 1.0, 0.0]),
+        (PK.MINIMUM, [0.5], [0.5, 0.4, 0.6], [0.5, 1.0, 0.0]),  # a tie splits the gradient
+        (PK.MAXIMUM, [0.5], [0.5, 0.4, 0.6], [0.5, 0.0, 1.0]),
         (PK.HARDSWISH, [], [-3.0, 3.0, -4.0, 4.0, 0.0, 1.5], [0.0, 1.0, 0.0, 1.0, 0.5, 1.0]),  # open interval
     ],
 )

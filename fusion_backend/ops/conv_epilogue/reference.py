@@ -190,6 +190,11 @@ def _step_vjp(
         return torch.where(v <= a, g, zero), torch.where(v > a, g, zero)
     if kind is PointwiseKind.HARDTANH:
         return torch.where(((v > a) & (v < values[1])) | torch.isnan(v), g, zero), None
+    if kind in (PointwiseKind.MINIMUM, PointwiseKind.MAXIMUM):
+        # torch: where(v == a, g / 2, g), zero where the other side was taken (NaN: neither is)
+        half = torch.where(v == a, g / 2, g)
+        v_lost, a_lost = (v > a, v < a) if kind is PointwiseKind.MINIMUM else (v < a, v > a)
+        return torch.where(v_lost, zero, half), torch.where(a_lost, zero, half)
     if kind is PointwiseKind.MUL:
         return g * a, g * v
     if kind is PointwiseKind.ADD:
