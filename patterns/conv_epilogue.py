@@ -174,8 +174,7 @@ class ConvEpiloguePattern(Pattern):
 
         region: EpilogueRegion = candidate.payload
         conv = region.conv
-        conv_fake = fake_of(conv.node)
-        out_fake = fake_of(candidate.nodes[-1])
+        conv_fake, out_fake = fake_of(conv.node), fake_of(candidate.nodes[-1])
         # WHY absorb autocast's casts only before a max pool or where no gradient flows: the op then
         # takes the fp32 input, weight and bias and its kernels cast them as they load them (no cast
         # kernels around it; the Triton backward reads x as it is).  With a gradient and no max pool

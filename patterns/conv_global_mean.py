@@ -190,8 +190,7 @@ class ConvGlobalMeanPattern(Pattern):
 
         region: MeanRegion = candidate.payload
         conv = region.conv
-        conv_fake = fake_of(conv.node)
-        final = fake_of(candidate.nodes[-1])
+        conv_fake, final = fake_of(conv.node), fake_of(candidate.nodes[-1])
         rank = conv_fake.dim()
         keepdim = final.dim() == rank
         config = op_module.ConvGlobalMeanConfig(

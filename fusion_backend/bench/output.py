@@ -36,30 +36,26 @@ MB = 1024 * 1024
 # -- number formatting ----------------------------------------------------------------------------------
 
 
+def _by_magnitude(value: float, formats: tuple[tuple[float, str], ...], smallest: str) -> str:
+    """``value`` in the format of the first ``(floor, format)`` whose floor it reaches, else ``smallest``."""
+    for floor, fmt in formats:
+        if value >= floor:
+            return format(value, fmt)
+    return format(value, smallest)
+
+
 def fmt_ms(ms: float | None) -> str:
     """Milliseconds with about four significant digits: ``0.0312``, ``1.470``, ``23.20``, ``123.4``."""
     if ms is None:
         return "-"
-    if ms >= 100:
-        return f"{ms:.1f}"
-    if ms >= 10:
-        return f"{ms:.2f}"
-    if ms >= 1:
-        return f"{ms:.3f}"
-    if ms >= 0.001:
-        return f"{ms:.4f}"
-    return f"{ms:.2e}"
+    return _by_magnitude(ms, ((100, ".1f"), (10, ".2f"), (1, ".3f"), (0.001, ".4f")), ".2e")
 
 
 def fmt_x(x: float | None) -> str:
     """A ratio as ``1.88x`` (``-`` when missing)."""
     if x is None or not math.isfinite(x):
         return "-"
-    if x >= 100:
-        return f"{x:.0f}x"
-    if x >= 10:
-        return f"{x:.1f}x"
-    return f"{x:.2f}x"
+    return _by_magnitude(x, ((100, ".0f"), (10, ".1f")), ".2f") + "x"
 
 
 def fmt_mb(n: int | None) -> str:

@@ -82,16 +82,21 @@ _CONV_FUNCS: dict[Any, tuple[int, bool]] = {
     torch.conv_transpose3d: (3, True),
 }
 
-_UNARY_FUNCS: dict[Any, tuple[K, bool]] = {
-    torch.relu: (K.RELU, False),
-    torch.relu_: (K.RELU, True),
-    torch.sigmoid: (K.SIGMOID, False),
-    torch.sigmoid_: (K.SIGMOID, True),
-    torch.tanh: (K.TANH, False),
-    torch.tanh_: (K.TANH, True),
-    F.sigmoid: (K.SIGMOID, False),
-    F.tanh: (K.TANH, False),
-}
+
+def _by_function(*spellings: tuple[K, Any, Any]) -> dict[Any, tuple[K, bool]]:
+    """``{function: (kind, in_place)}`` from ``(kind, out-of-place function, in-place function or None)``."""
+    table: dict[Any, tuple[K, bool]] = {}
+    for kind, function, inplace_function in spellings:
+        table[function] = (kind, False)
+        if inplace_function is not None:
+            table[inplace_function] = (kind, True)
+    return table
+
+
+_UNARY_FUNCS = _by_function(
+    (K.RELU, torch.relu, torch.relu_), (K.SIGMOID, torch.sigmoid, torch.sigmoid_), (K.SIGMOID, F.sigmoid, None),
+    (K.TANH, torch.tanh, torch.tanh_), (K.TANH, F.tanh, None),
+)
 
 # Functions with an ``inplace`` flag: F.relu(x, inplace=True) etc.
 _INPLACE_FLAG_FUNCS: dict[Any, K] = {
@@ -117,24 +122,13 @@ _CLAMP_FUNCS: dict[Any, bool] = {torch.clamp: False, torch.clip: False, torch.cl
 _CLAMP_MIN_FUNCS: dict[Any, bool] = {torch.clamp_min: False, torch.clamp_min_: True}
 _CLAMP_MAX_FUNCS: dict[Any, bool] = {torch.clamp_max: False, torch.clamp_max_: True}
 
-_BINARY_FUNCS: dict[Any, tuple[K, bool]] = {
-    operator.mul: (K.MUL, False),
-    operator.imul: (K.MUL, True),
-    torch.mul: (K.MUL, False),
-    torch.multiply: (K.MUL, False),
-    operator.add: (K.ADD, False),
-    operator.iadd: (K.ADD, True),
-    torch.add: (K.ADD, False),
-    operator.sub: (K.SUB, False),
-    operator.isub: (K.SUB, True),
-    torch.sub: (K.SUB, False),
-    torch.subtract: (K.SUB, False),
-    operator.truediv: (K.DIV, False),
-    operator.itruediv: (K.DIV, True),
-    torch.div: (K.DIV, False),
-    torch.divide: (K.DIV, False),
-    torch.true_divide: (K.DIV, False),
-}
+_BINARY_FUNCS = _by_function(
+    (K.MUL, operator.mul, operator.imul), (K.MUL, torch.mul, None), (K.MUL, torch.multiply, None),
+    (K.ADD, operator.add, operator.iadd), (K.ADD, torch.add, None),
+    (K.SUB, operator.sub, operator.isub), (K.SUB, torch.sub, None), (K.SUB, torch.subtract, None),
+    (K.DIV, operator.truediv, operator.itruediv), (K.DIV, torch.div, None), (K.DIV, torch.divide, None),
+    (K.DIV, torch.true_divide, None),
+)
 _NEG_FUNCS = {operator.neg, torch.neg, torch.negative}
 #: Elementwise minimum / maximum of two tensors; ``torch.min`` / ``torch.max`` are that only when
 #: their second argument is a tensor (an int there is a reduction's dim).

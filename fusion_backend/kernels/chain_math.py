@@ -112,6 +112,22 @@ def load_operands(p_ptr, SLOT: tl.constexpr, c, C, cmask, OP: tl.constexpr):
 
 
 @triton.jit
+def load_chain_operands(p_ptr, c, C, cmask,
+                        OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+                        OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr):  # fmt: skip
+    """Every slot's operands at channels ``c``: ``(a0, b0, ..., a7, b7)`` as ``load_operands`` reads them."""
+    a0, b0 = load_operands(p_ptr, 0, c, C, cmask, OP0)
+    a1, b1 = load_operands(p_ptr, 1, c, C, cmask, OP1)
+    a2, b2 = load_operands(p_ptr, 2, c, C, cmask, OP2)
+    a3, b3 = load_operands(p_ptr, 3, c, C, cmask, OP3)
+    a4, b4 = load_operands(p_ptr, 4, c, C, cmask, OP4)
+    a5, b5 = load_operands(p_ptr, 5, c, C, cmask, OP5)
+    a6, b6 = load_operands(p_ptr, 6, c, C, cmask, OP6)
+    a7, b7 = load_operands(p_ptr, 7, c, C, cmask, OP7)
+    return a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7
+
+
+@triton.jit
 def step_forward(v, a, b, OP: tl.constexpr):
     """One chain step with torch semantics (NaN propagates wherever torch propagates it)."""
     if OP == 1:  # relu
@@ -240,18 +256,29 @@ def step_backward(g, v, a, b, OP: tl.constexpr):
 
 
 @triton.jit
+def chain_slot_inputs(v, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+                      OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+                      OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr):  # fmt: skip
+    """The input of every slot of the chain applied to ``v``: ``(v0, ..., v7)`` with ``v0 = v`` (what a
+    backward walks back through)."""
+    v1 = step_forward(v, a0, b0, OP0)
+    v2 = step_forward(v1, a1, b1, OP1)
+    v3 = step_forward(v2, a2, b2, OP2)
+    v4 = step_forward(v3, a3, b3, OP3)
+    v5 = step_forward(v4, a4, b4, OP4)
+    v6 = step_forward(v5, a5, b5, OP5)
+    v7 = step_forward(v6, a6, b6, OP6)
+    return v, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
 def chain_forward(v, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
                OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
                OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr):  # fmt: skip
-    v = step_forward(v, a0, b0, OP0)
-    v = step_forward(v, a1, b1, OP1)
-    v = step_forward(v, a2, b2, OP2)
-    v = step_forward(v, a3, b3, OP3)
-    v = step_forward(v, a4, b4, OP4)
-    v = step_forward(v, a5, b5, OP5)
-    v = step_forward(v, a6, b6, OP6)
-    v = step_forward(v, a7, b7, OP7)
-    return v
+    """The whole chain applied to ``v``."""
+    _, _, _, _, _, _, _, v7 = chain_slot_inputs(v, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+                                                OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+    return step_forward(v7, a7, b7, OP7)
 
 
 @triton.jit

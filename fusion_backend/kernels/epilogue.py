@@ -46,10 +46,10 @@ from .chain_math import (
     OperandValue,
     avg_divisor,
     chain_forward,
-    load_operands,
+    chain_slot_inputs,
+    load_chain_operands,
     op_constexprs,
     step_backward,
-    step_forward,
 )
 from .host import BoundedCache, cdiv, lift_5d, next_pow2, persistent_device_copies, tensor_key
 from .launch import FastLaunch
@@ -57,6 +57,23 @@ from .launch import FastLaunch
 # --------------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _program_tile(C, S, num_s_blocks, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """This program's ``[BLOCK_C, BLOCK_S]`` tile of (channel, flat position) for a grid of
+    ``(N * num_s_blocks, cdiv(C, BLOCK_C))`` programs over ``S`` positions per (sample, channel):
+    ``(n64, c, c64, s, s64, cmask, mask)`` with ``c`` a ``[BLOCK_C, 1]`` and ``s`` a ``[1, BLOCK_S]``
+    column / row, their int64 copies for offsets, ``cmask = c < C`` and ``mask`` the tile's valid
+    elements."""
+    pid0 = tl.program_id(0)
+    n = pid0 // num_s_blocks
+    sb = pid0 % num_s_blocks
+    c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[:, None]
+    s = sb * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
+    cmask = c < C
+    mask = cmask & (s < S)
+    return n.to(tl.int64), c, c.to(tl.int64), s, s.to(tl.int64), cmask, mask
 
 
 @triton.jit
@@ -99,29 +116,13 @@ def _epilogue_fwd_kernel(
     Max-pool parity with PyTorch: taps are scanned in row-major order, the first valid tap wins
     initially and a later one replaces it when ``v > best or isnan(v)``; padding never wins.
     """
-    pid0 = tl.program_id(0)
-    n = pid0 // num_s_blocks
-    sb = pid0 % num_s_blocks
-    c1 = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c = c1[:, None]
-    s = sb * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
-    cmask = c < C
-    mask = cmask & (s < OD * OH * OW)
-    n64 = n.to(tl.int64)
-    c64 = c.to(tl.int64)
-    s64 = s.to(tl.int64)
+    n64, c, c64, s, s64, cmask, mask = _program_tile(C, OD * OH * OW, num_s_blocks, BLOCK_C, BLOCK_S)
 
     bias = 0.0
     if HAS_BIAS:  # in the conv's dtype, as the conv adds it (an fp32 bias under autocast is cast)
         bias = tl.load(p_ptr + c, mask=cmask, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
-    a0, b0 = load_operands(p_ptr, 0, c, C, cmask, OP0)
-    a1, b1 = load_operands(p_ptr, 1, c, C, cmask, OP1)
-    a2, b2 = load_operands(p_ptr, 2, c, C, cmask, OP2)
-    a3, b3 = load_operands(p_ptr, 3, c, C, cmask, OP3)
-    a4, b4 = load_operands(p_ptr, 4, c, C, cmask, OP4)
-    a5, b5 = load_operands(p_ptr, 5, c, C, cmask, OP5)
-    a6, b6 = load_operands(p_ptr, 6, c, C, cmask, OP6)
-    a7, b7 = load_operands(p_ptr, 7, c, C, cmask, OP7)
+    a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = load_chain_operands(
+        p_ptr, c, C, cmask, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
 
     y_base = y_ptr + n64 * y_sn + c64 * y_sc
     o_off = n64 * o_sn + c64 * o_sc
@@ -231,29 +232,13 @@ def _epilogue_bwd_kernel(
     Elements that win no window get exactly 0 (eager gives 0 * chain'(y), which differs only
     where chain'(y) is not finite).
     """
-    pid0 = tl.program_id(0)
-    n = pid0 // num_s_blocks
-    sb = pid0 % num_s_blocks
-    c1 = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c = c1[:, None]
-    s = sb * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
-    cmask = c < C
-    mask = cmask & (s < D * H * W)
-    n64 = n.to(tl.int64)
-    c64 = c.to(tl.int64)
-    s64 = s.to(tl.int64)
+    n64, c, c64, s, s64, cmask, mask = _program_tile(C, D * H * W, num_s_blocks, BLOCK_C, BLOCK_S)
 
     bias = 0.0
     if HAS_BIAS:  # in the conv's dtype (gy's), as the forward added it
         bias = tl.load(p_ptr + c, mask=cmask, other=0.0).to(gy_ptr.dtype.element_ty).to(tl.float32)
-    a0, b0 = load_operands(p_ptr, 0, c, C, cmask, OP0)
-    a1, b1 = load_operands(p_ptr, 1, c, C, cmask, OP1)
-    a2, b2 = load_operands(p_ptr, 2, c, C, cmask, OP2)
-    a3, b3 = load_operands(p_ptr, 3, c, C, cmask, OP3)
-    a4, b4 = load_operands(p_ptr, 4, c, C, cmask, OP4)
-    a5, b5 = load_operands(p_ptr, 5, c, C, cmask, OP5)
-    a6, b6 = load_operands(p_ptr, 6, c, C, cmask, OP6)
-    a7, b7 = load_operands(p_ptr, 7, c, C, cmask, OP7)
+    a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = load_chain_operands(
+        p_ptr, c, C, cmask, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
 
     y_off = n64 * y_sn + c64 * y_sc
     gy_off = n64 * gy_sn + c64 * gy_sc
@@ -323,14 +308,8 @@ def _epilogue_bwd_kernel(
         y = y + bias
 
     # Recompute the chain's intermediates (the input of each slot), then walk back.
-    v0 = y
-    v1 = step_forward(v0, a0, b0, OP0)
-    v2 = step_forward(v1, a1, b1, OP1)
-    v3 = step_forward(v2, a2, b2, OP2)
-    v4 = step_forward(v3, a3, b3, OP3)
-    v5 = step_forward(v4, a4, b4, OP4)
-    v6 = step_forward(v5, a5, b5, OP5)
-    v7 = step_forward(v6, a6, b6, OP6)
+    v0, v1, v2, v3, v4, v5, v6, v7 = chain_slot_inputs(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6,
+                                                       a7, b7, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
     g, ga7 = step_backward(g, v7, a7, b7, OP7)
     g, ga6 = step_backward(g, v6, a6, b6, OP6)
     g, ga5 = step_backward(g, v5, a5, b5, OP5)
@@ -342,7 +321,8 @@ def _epilogue_bwd_kernel(
     g = tl.where(active, g, 0.0)
     tl.store(gy_ptr + gy_off, g.to(gy_ptr.dtype.element_ty), mask=mask)
 
-    part = part_ptr + pid0.to(tl.int64) * C + c1
+    c1 = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # the tile's channels as a row
+    part = part_ptr + tl.program_id(0).to(tl.int64) * C + c1
     pmask = c1 < C
     row = part_row_stride
     if (GRAD_MASK & 1) != 0:

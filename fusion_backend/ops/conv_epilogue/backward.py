@@ -18,19 +18,7 @@ from ...kernels.host import BoundedCache, tensor_key
 from .. import impl_choice
 from ..chain import Const, TensorRef
 from ..config import ConvEpilogueConfig
-from .common import (
-    DECISIONS,
-    cast_inputs,
-    channels_last_format,
-    conv_compute_dtype,
-    conv_output_shape,
-    epilogue_kernels,
-    kernel_steps,
-    logger,
-    output_memory_format,
-    relayout,
-    run_conv_backward,
-)
+from . import common
 from .forward import PlannedOperands, choice_key, conv_impl_mode, results_agree
 
 #: Settled per-signature backward call plans, keyed by ``forward.call_signature`` plus the output
@@ -56,7 +44,7 @@ def plan_for(
     if mode != "auto":
         why = _triton_backward_unsupported(x, weight, saved_y0, saved_winner, cfg)
         if why is not None:
-            logger.debug("conv_epilogue backward: library path (%s)", why)
+            common.logger.debug("conv_epilogue backward: library path (%s)", why)
             return _LibraryBackward(*args, cfg, mask), True
         return _TritonBackward(*args, cfg, mask), True
     plans = _backward_candidates(*args, cfg, mask)
@@ -88,12 +76,12 @@ def _backward_candidates(
     if why is None:
         plans["triton"] = _TritonBackward(*args, cfg, mask)
     else:
-        logger.debug("conv_epilogue backward: no Triton backward (%s)", why)
+        common.logger.debug("conv_epilogue backward: no Triton backward (%s)", why)
     why = _channels_last_backward_unsupported(x, saved_y0)
     if why is None:
         plans["library-channels-last"] = _LibraryBackward(*args, cfg, mask, channels_last=True)
     else:
-        logger.debug("conv_epilogue backward: no channels-last library backward (%s)", why)
+        common.logger.debug("conv_epilogue backward: no channels-last library backward (%s)", why)
     return plans
 
 
@@ -166,21 +154,21 @@ class _LibraryBackward:
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig,
                  mask: Sequence[bool], channels_last: bool = False) -> None:  # fmt: skip
-        kernels = epilogue_kernels()
+        kernels = common.epilogue_kernels()
         self.spec, self.mask = cfg.conv, tuple(mask)
-        self.dtype = conv_compute_dtype(cfg, x)
+        self.dtype = common.conv_compute_dtype(cfg, x)
         self.is_max = cfg.pool is not None and cfg.pool.kind == "max"
         #: the memory format x is relaid into for the conv backward (None: as it is)
-        self.x_format = channels_last_format(x.dim()) if channels_last else None
+        self.x_format = common.channels_last_format(x.dim()) if channels_last else None
         if self.is_max or channels_last:
-            y_shape = conv_output_shape(x, weight, cfg.conv)
-            fmt = self.x_format if channels_last else output_memory_format(saved_y0)
+            y_shape = common.conv_output_shape(x, weight, cfg.conv)
+            fmt = self.x_format if channels_last else common.output_memory_format(saved_y0)
             grad_y = torch.empty(y_shape, dtype=saved_y0.dtype, device="meta", memory_format=fmt)
         else:
             grad_y = torch.empty_strided(saved_y0.shape, saved_y0.stride(), dtype=saved_y0.dtype, device="meta")
         self.g_layout = (tuple(grad_y.shape), grad_y.stride(), grad_y.dtype)
         channels = grad_y.shape[1]
-        steps = kernel_steps(cfg, operands, grad_y.dim(), channels)
+        steps = common.kernel_steps(cfg, operands, grad_y.dim(), channels)
         slots = _slot_wanted(cfg, mask[3:])
         self.want_bias = bool(mask[2]) and bias is not None
         self.epilogue = kernels.BackwardLaunch(
@@ -203,11 +191,11 @@ class _LibraryBackward:
         grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], grad_y.device)
         x_in = x
         if self.x_format is not None:  # one copy casts and relays
-            x = relayout(x, torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=self.x_format))
-        x, weight, _ = cast_inputs(x, weight, None, self.dtype)  # grads: ``strided_like`` casts back
-        grad_x, grad_w, _ = run_conv_backward(grad_y, x, weight, self.spec, self.mask[0], self.mask[1])
+            x = common.relayout(x, torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=self.x_format))
+        x, weight, _ = common.cast_inputs(x, weight, None, self.dtype)  # grads: ``strided_like`` casts back
+        grad_x, grad_w, _ = common.run_conv_backward(grad_y, x, weight, self.spec, self.mask[0], self.mask[1])
         if self.x_format is not None and grad_x is not None:  # back to x's layout and dtype (``strided_like``'s)
-            grad_x = relayout(grad_x, torch.empty_like(x_in))
+            grad_x = common.relayout(grad_x, torch.empty_like(x_in))
         return [grad_x, grad_w, grad_bias.to(bias.dtype) if self.want_bias else None, *grad_operands]
 
 
@@ -217,7 +205,8 @@ def _channels_last_backward_unsupported(x: Tensor, saved_y0: Tensor) -> str | No
         return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
     if x.dtype == torch.float64:
         return "float64 (cuDNN runs it in NCHW whatever the layout)"
-    if output_memory_format(saved_y0) != torch.contiguous_format or x.is_contiguous(memory_format=channels_last_format(x.dim())):
+    channels_last = x.is_contiguous(memory_format=common.channels_last_format(x.dim()))
+    if common.output_memory_format(saved_y0) != torch.contiguous_format or channels_last:
         return "the tensors are channels-last already"
     return None
 
@@ -284,12 +273,12 @@ class _TritonBackward:
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig,
                  mask: Sequence[bool]) -> None:  # fmt: skip
-        kernels = epilogue_kernels()
+        kernels = common.epilogue_kernels()
         self.pool = cfg.pool  # not None: a max pool (``_triton_backward_unsupported``)
         #: the gradient at the winners (or the dense conv-output gradient) is laid out like saved_y0
         self.g_layout = (tuple(saved_y0.shape), saved_y0.stride(), saved_y0.dtype)
         channels = saved_y0.shape[1]
-        steps = kernel_steps(cfg, operands, saved_y0.dim(), channels)
+        steps = common.kernel_steps(cfg, operands, saved_y0.dim(), channels)
         slots = _slot_wanted(cfg, mask[3:])
         self.want_bias = bool(mask[2]) and bias is not None
         self.epilogue = kernels.BackwardLaunch(grad_out, saved_y0, None, None, bias, steps, None, saved_y0, slots,
@@ -303,7 +292,7 @@ class _TritonBackward:
                      spec.groups)  # fmt: skip
         from ...kernels import conv_phase_aligned_bwd
 
-        dtype = conv_compute_dtype(cfg, x)
+        dtype = common.conv_compute_dtype(cfg, x)
         kernels_module = _triton_kernels(conv_args, cfg, dtype)
         #: None, or the compute dtype x and weight are cast to before the general conv-backward
         #: kernels (``conv_fused_bwd`` computes in x's dtype; ``conv_phase_aligned_bwd`` casts as it loads)
@@ -341,5 +330,5 @@ def _triton_kernels(conv_args: tuple, cfg: ConvEpilogueConfig, dtype: torch.dtyp
     if not isinstance(grad, conv_fused_bwd.PooledGrad):
         return conv_fused_bwd
     key = ("triton_kernels", tensor_key(grad.g_win), tensor_key(grad.winner), tensor_key(x), tensor_key(weight), cfg)
-    why = DECISIONS.get(key, lambda: conv_phase_aligned_bwd.unsupported_reason(*conv_args, compute_dtype=dtype))
+    why = common.DECISIONS.get(key, lambda: conv_phase_aligned_bwd.unsupported_reason(*conv_args, compute_dtype=dtype))
     return conv_fused_bwd if why is not None else conv_phase_aligned_bwd

@@ -100,14 +100,8 @@ conv_epilogue_fwd = torch.library.custom_op("fusion::conv_epilogue_fwd", mutates
 
 
 @conv_epilogue_fwd.register_fake
-def _conv_epilogue_fwd_fake(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    operands: list[Tensor],
-    config: str,
-    save_for_backward: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _conv_epilogue_fwd_fake(x, weight, bias, operands, config, save_for_backward):
+    """The outputs' metadata (types as in ``_conv_epilogue_fwd_impl``, which gives the op its schema)."""
     cfg = ConvEpilogueConfig.from_json(config)
     dtype = conv_compute_dtype(cfg, x)
     y0 = run_conv(x.to(dtype), weight.to(dtype), None, cfg.conv)
@@ -176,17 +170,8 @@ conv_epilogue_bwd = torch.library.custom_op("fusion::conv_epilogue_bwd", mutates
 
 
 @conv_epilogue_bwd.register_fake
-def _conv_epilogue_bwd_fake(
-    grad_out: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    operands: list[Tensor],
-    saved_y0: Tensor,
-    saved_winner: Tensor,
-    config: str,
-    output_mask: list[bool],
-) -> list[Tensor]:
+def _conv_epilogue_bwd_fake(grad_out, x, weight, bias, operands, saved_y0, saved_winner, config, output_mask):
+    """The gradients' metadata (types as in ``_conv_epilogue_bwd_impl``, which gives the op its schema)."""
     inputs = [x, weight, bias, *operands]
     return [
         torch.empty_like(ref) if wanted and ref is not None else empty_placeholder(x)
