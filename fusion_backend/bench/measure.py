@@ -4,19 +4,27 @@ The runner never calls ``torch.cuda`` timing or memory functions itself; it asks
 bundle.  On a GPU that bundle is :func:`cuda_instruments`; tests pass fakes returning fixed numbers,
 which is how report writing and the correctness gate are tested on CPU without inventing timings.
 
-Timing (:class:`CudaEventTimer`), after the caller's first (compiling, checked) call:
+Timing (:class:`CudaEventTimer`), after the caller's first (compiling, checked) call, of all the steps
+of a case (one per backend) together:
 
-1. ``warmup`` untimed repetitions (caches, allocator, cuDNN heuristics, lazy backward compilation);
-2. unless ``reps`` is fixed, 3 timed repetitions estimate one repetition's time, and the count is
-   chosen so the measurement takes about ``target_ms / rounds`` (:meth:`MeasureConfig.choose_reps`;
-   the runner measures every item ``rounds`` times, interleaved with the case's other backends), like
-   ``triton.testing.do_bench`` does;
-3. every repetition is bracketed by its own pair of CUDA events; the median is reported with its
-   spread.  ``before_each`` (e.g. setting gradients to ``None``) runs before the start event, untimed.
+1. ``warmup`` untimed repetitions of every step (caches, allocator, cuDNN heuristics, lazy backward
+   compilation);
+2. unless ``reps`` is fixed, 3 timed repetitions estimate each step's time, and one count for all is
+   chosen so the measurement takes about ``target_ms / rounds`` per step (:meth:`MeasureConfig.choose_reps`;
+   the runner measures every case ``rounds`` times), like ``triton.testing.do_bench`` does;
+3. the repetitions are interleaved: each repetition runs every step once, in the runner's order, each
+   bracketed by its own pair of CUDA events; per step the median is reported with its spread.  A step's
+   ``reset`` (e.g. setting gradients to ``None``) runs before its start event, untimed.
+
+WHY interleave repetition by repetition: a host-bound step's time follows the host's state (other
+processes, clocks, page cache), which drifts within seconds; timed one backend after the other, two
+copies of the same compiled Inductor code measured 0.91-1.25x apart in one run (``docs/perf/RESULTS.md``,
+noise section).  Interleaved, every backend samples the same stretch of time.
 
 The *cold* variant zeroes a buffer twice the size of L2 before each repetition, outside the events, so
 every repetition starts with nothing of its working set in L2, as in a real network where the previous
-layer evicted it.  The *warm* variant leaves L2 as the previous repetition left it.
+layer evicted it.  The *warm* variant runs the step once untimed right before each timed repetition, so
+that L2 holds what the step's own previous run left, not the previous backend's data.
 """
 
 from __future__ import annotations
@@ -131,13 +139,23 @@ class MemoryStats:
         return {"step_peak_bytes": self.step_peak_bytes, "total_peak_bytes": self.total_peak_bytes}
 
 
-class Timer(Protocol):
-    """Times repetitions of a step."""
+@dataclass(frozen=True)
+class TimedStep:
+    """One step as a :class:`Timer` takes it: ``run`` is timed; ``reset`` (e.g. setting gradients to
+    ``None``) runs untimed before every repetition; ``name`` labels it (fakes, errors)."""
 
-    def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
-             cold: bool = False) -> TimingStats:
-        """Median and spread of ``step``'s time; ``before_each`` runs untimed before every repetition;
-        ``cold`` flushes L2 before every repetition (untimed)."""
+    name: str
+    run: Callable[[], object]
+    reset: Callable[[], None] | None = None
+
+
+class Timer(Protocol):
+    """Times repetitions of steps, interleaved repetition by repetition."""
+
+    def time(self, steps: Sequence[TimedStep], *, cold: bool = False) -> list[TimingStats | Exception]:
+        """Per step, in order: the median and spread of its time, or the exception it raised (that step
+        is then left out of the rest of the measurement, the others go on).  ``cold`` flushes L2
+        before every repetition (untimed)."""
         ...
 
 
@@ -157,6 +175,12 @@ class MemoryProbe(Protocol):
 
 def _no_op() -> None:
     return None
+
+
+def _reset_and_run(step: TimedStep) -> None:
+    if step.reset is not None:
+        step.reset()
+    step.run()
 
 
 @dataclass(frozen=True)
@@ -202,36 +226,57 @@ class CudaEventTimer:
             self._flush = torch.empty(self.flush_bytes // 4, dtype=torch.int32, device=self.device)
         return self._flush
 
-    def _run(self, step: Callable[[], object], before_each: Callable[[], None] | None, cold: bool,
-             n: int) -> list[float]:
+    def _run(self, steps: Sequence[TimedStep], failed: list[Exception | None], cold: bool,
+             n: int) -> list[list[float]]:
+        """``n`` timed repetitions of every step that has not failed, interleaved: per repetition each
+        step once, in order.  Warm, each timed run follows an untimed run of the same step, so that
+        it finds L2 as its own previous run left it (not as the step before it, another backend's,
+        did); cold, the flush replaces that run."""
         flush = self._flush_buffer() if cold else None
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        for start, end in zip(starts, ends, strict=True):
-            if before_each is not None:
-                before_each()
-            if flush is not None:
-                flush.zero_()
-            start.record()
-            step()
-            end.record()
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                   for _ in range(n)] for _ in steps]  # fmt: skip
+        for rep in range(n):
+            for i, step in enumerate(steps):
+                if failed[i] is not None:
+                    continue
+                try:
+                    if flush is None:
+                        _reset_and_run(step)
+                    if step.reset is not None:
+                        step.reset()
+                    if flush is not None:
+                        flush.zero_()
+                    start, end = events[i][rep]
+                    start.record()
+                    step.run()
+                    end.record()
+                except Exception as exc:  # this backend's step broke: the others are still measured
+                    failed[i] = exc
         torch.cuda.synchronize(self.device)
-        return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+        return [[] if failed[i] is not None else [s.elapsed_time(e) for s, e in events[i]] for i in range(len(steps))]
 
-    def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
-             cold: bool = False) -> TimingStats:
+    def time(self, steps: Sequence[TimedStep], *, cold: bool = False) -> list[TimingStats | Exception]:
+        failed: list[Exception | None] = [None] * len(steps)
         with torch.cuda.device(self.device):
             for _ in range(self.config.warmup):
-                if before_each is not None:
-                    before_each()
-                step()
+                for i, step in enumerate(steps):
+                    if failed[i] is None:
+                        try:
+                            _reset_and_run(step)
+                        except Exception as exc:
+                            failed[i] = exc
             torch.cuda.synchronize(self.device)
             if self.config.reps is not None:
                 n = self.config.reps
             else:
-                estimate = statistics.median(self._run(step, before_each, cold, 3))
-                n = self.config.choose_reps(estimate)
-            return TimingStats.from_samples(self._run(step, before_each, cold, n))
+                estimates = self._run(steps, failed, cold, 3)
+                # One count for all: the slowest step's share of the round's time bounds everyone's
+                # (warm, each timed run costs two runs).
+                cost = 1 if cold else 2
+                n = min((self.config.choose_reps(cost * statistics.median(e)) for e in estimates if e), default=1)
+            samples = self._run(steps, failed, cold, n)
+        return [failed[i] if failed[i] is not None else TimingStats.from_samples(samples[i])
+                for i in range(len(steps))]  # type: ignore[misc]
 
     def release(self) -> None:
         """Drop the flush buffer."""
@@ -327,6 +372,13 @@ def matmul_tf32(enabled: bool) -> Iterator[None]:
         matmul.allow_tf32 = previous
 
 
+def _timed_alone(timer: Timer, name: str, fn: Callable[[], object]) -> TimingStats:
+    (result,) = timer.time([TimedStep(name, fn)])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
 def _spin(fn: Callable[[], object], seconds: float, device: torch.device) -> None:
     """Run ``fn`` for about ``seconds`` so the GPU leaves its idle clocks before anything is measured."""
     end = time.perf_counter() + seconds
@@ -354,7 +406,7 @@ def measure_device_rates(device: torch.device, timer: Timer, *, copy_bytes: int 
         dst.copy_(src)
 
     _spin(copy, spin_s / 2, device)
-    t = timer.time(copy)
+    t = _timed_alone(timer, "copy", copy)
     copy_rate = 2 * copy_bytes / (t.min_ms * 1e-3)
     src = dst = torch.empty(0)  # free the copy buffers before the matmuls
     flops = 2 * matmul_n**3
@@ -370,7 +422,7 @@ def measure_device_rates(device: torch.device, timer: Timer, *, copy_bytes: int 
 
             if unit == "bf16":
                 _spin(mm, spin_s, device)
-            t = timer.time(mm)
+            t = _timed_alone(timer, unit + " matmul", mm)
         rates[unit] = flops / (t.min_ms * 1e-3)
         del a, b, out
     gc.collect()

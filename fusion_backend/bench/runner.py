@@ -14,9 +14,9 @@ another's gradients.  Per workload x dtype x mode:
    speedup.
 3. Only items that pass have their memory measured (right after their check, before the next
    backend compiles) and are timed (warm, then cold L2).  Timing is interleaved: every backend of the
-   case stays compiled, and ``MeasureConfig.rounds`` rounds each time every backend once, the order
-   rotating from round to round; an item's time is the median of its quietest round
-   (``TimingStats.of_rounds``).  WHY: the host of a GPU machine drifts by tens of percent over
+   case stays compiled, and ``MeasureConfig.rounds`` rounds each time all backends together, one
+   repetition of each in turn (``measure.CudaEventTimer``), the order rotating from round to round;
+   an item's time is the median of its quietest round (``TimingStats.of_rounds``).  WHY: the host of a GPU machine drifts by tens of percent over
    seconds (the same eager step measured 0.17 ms and 0.27 ms in two runs), and host-bound rows timed
    one backend after the other compared windows, not backends.  Until every item's two quietest
    rounds agree (``MeasureConfig.agreement``), the case gets more rounds (at most
@@ -66,10 +66,10 @@ import torch.utils._pytree as pytree
 from ..report import collect_reports
 from .backends import BenchBackend
 from .config import PRECISIONS, BenchConfig, Precision
-from .correctness import CheckResult, Fp64Reference, check_against_reference, fp64_reference
+from .correctness import Fp64Reference, check_against_reference, fp64_reference
 from .env import collect_environment, conv_tf32_enabled
 from .errors import BenchError
-from .measure import Instruments, MemoryStats, TimingStats
+from .measure import Instruments, MemoryStats, TimedStep, TimingStats
 from .results import BenchReport, CaseResult, ItemResult, Status
 from .roofline import DeviceRates, FlopCount, Roofline, compute_unit, count_traffic, roofline
 from .suite import Workload
@@ -429,7 +429,8 @@ class Runner:
         """Compile, check and measure the memory of one backend's step: the step, ready to be timed,
         or the item's final result (failed, or check-only)."""
         cfg = self.config
-        result = _ItemBuilder(workload, dtype, mode, backend.name)
+        # The item's numbers so far; ``_finished`` gives it its final status.
+        result = ItemResult(workload, dtype, mode, backend.name, Status.OK)
         module = copy.deepcopy(model)
         inputs = _fresh_inputs(base_inputs, mode == "train")
         precision = PRECISIONS[dtype]
@@ -449,12 +450,13 @@ class Runner:
             with collect_reports() as reports:  # the fusion backend's decisions, for the item's notes
                 out = step.run()
             tools.synchronize()
-            result.compile_s = tools.clock() - start
+            result = dataclasses.replace(result, compile_s=tools.clock() - start)
             self._graphs_alive = self._graphs_alive or backend.cudagraphs
-            result.notes += tuple(f"{d.pattern} {d.summary}: {d}" for r in reports for d in r.decisions)
+            result = _with_notes(result, *(f"{d.pattern} {d.summary}: {d}" for r in reports for d in r.decisions))
             if backend.uses_dynamo:
                 after = _graph_breaks()
-                result.graph_breaks = None if after is None or breaks_before is None else after - breaks_before
+                breaks = None if after is None or breaks_before is None else after - breaks_before
+                result = dataclasses.replace(result, graph_breaks=breaks)
             before_check = tools.memory.allocated() if measuring_memory else 0
             check = check_against_reference(out, ref.outputs, cfg.tolerance(dtype, self.conv_tf32),
                                              actual_grads=_named_grads(module, inputs),
@@ -466,57 +468,57 @@ class Runner:
             del out
         except Exception as exc:
             log.debug("%s/%s/%s/%s: first call failed", workload, dtype, mode, backend.name, exc_info=True)
-            return result.done(Status.ERROR, f"compile or first call failed: {_describe(exc)}")
-        result.check = check
+            return _finished(result, Status.ERROR, f"compile or first call failed: {_describe(exc)}")
+        result = dataclasses.replace(result, check=check)
         if not check.ok:
-            return result.done(Status.FAIL, f"differs from eager: {check.summary()}")
+            return _finished(result, Status.FAIL, f"differs from eager: {check.summary()}")
         if cfg.check_only:
-            return result.done(Status.OK)
+            return _finished(result, Status.OK)
         # 2. memory, only for results that matched eager, before another backend allocates anything.
         try:
             if cfg.memory and backend.cudagraphs:
-                result.notes += ("memory not measured: CUDA graphs keep the step's tensors in a private pool "
-                                 "that the allocator statistics do not count",)
+                result = _with_notes(result, "memory not measured: CUDA graphs keep the step's tensors in a "
+                                             "private pool that the allocator statistics do not count")
             elif cfg.memory:
                 memory = tools.memory.measure(step.forward, step.backward if train else None,
                                               before=step.reset)
-                result.memory = dataclasses.replace(memory,
-                                                    resident_bytes=memory.baseline_bytes - item_start)
+                memory = dataclasses.replace(memory, resident_bytes=memory.baseline_bytes - item_start)
+                result = dataclasses.replace(result, memory=memory)
         except Exception as exc:
             log.debug("%s/%s/%s/%s: measuring memory failed", workload, dtype, mode, backend.name, exc_info=True)
-            return result.done(Status.ERROR, f"measuring failed: {_describe(exc)}")
+            return _finished(result, Status.ERROR, f"measuring failed: {_describe(exc)}")
         return _Live(backend.name, self._index, result, step)
 
     def _time_interleaved(self, live: list[_Live]) -> list[ItemResult]:
         """Time every live item in rounds (module docstring, step 3); the items' results."""
         cfg = self.config
         kinds = (False, True) if cfg.measure.cold else (False,)
-        for r in range(cfg.measure.rounds + cfg.measure.extra_rounds):
+        for r in range(cfg.measure.rounds + cfg.measure.extra_rounds if live else 0):
             if r >= cfg.measure.rounds and all(item.error or _settled(item.warm_rounds, cfg.measure.agreement)
                                                for item in live):
                 break
-            order = live[r % len(live):] + live[:r % len(live)] if live else []
+            order = live[r % len(live):] + live[:r % len(live)]
             for cold in kinds:
+                order = [item for item in order if not item.error]
                 for item in order:
-                    if item.error:
-                        continue
                     self._emit(item.result.workload, item.result.dtype, item.result.mode, item.backend, "timing",
                                index=item.index)
-                    try:
-                        stats = self.instruments.timer.time(item.step.run, before_each=item.step.reset, cold=cold)
-                    except Exception as exc:
-                        log.debug("%s: measuring failed", item.backend, exc_info=True)
-                        item.error = f"measuring failed: {_describe(exc)}"
-                        continue
-                    (item.cold_rounds if cold else item.warm_rounds).append(stats)
+                timed = self.instruments.timer.time(
+                    [TimedStep(item.backend, item.step.run, item.step.reset) for item in order], cold=cold)
+                for item, stats in zip(order, timed, strict=True):
+                    if isinstance(stats, Exception):
+                        log.debug("%s: measuring failed", item.backend, exc_info=stats)
+                        item.error = item.error or f"measuring failed: {_describe(stats)}"
+                    else:
+                        (item.cold_rounds if cold else item.warm_rounds).append(stats)
         results = []
         for item in live:
             if item.error:
-                results.append(item.result.done(Status.ERROR, item.error))
+                results.append(_finished(item.result, Status.ERROR, item.error))
                 continue
-            item.result.warm = TimingStats.of_rounds(item.warm_rounds)
-            item.result.cold = TimingStats.of_rounds(item.cold_rounds) if item.cold_rounds else None
-            results.append(item.result.done(Status.OK))
+            cold = TimingStats.of_rounds(item.cold_rounds) if item.cold_rounds else None
+            timed = dataclasses.replace(item.result, warm=TimingStats.of_rounds(item.warm_rounds), cold=cold)
+            results.append(_finished(timed, Status.OK))
         return results
 
     def _emit(self, workload: str, dtype: str, mode: str, backend: str, phase: str,
@@ -535,37 +537,23 @@ class _Live:
     backend: str
     index: int
     """The item's place in the run (progress events)."""
-    result: _ItemBuilder
+    result: ItemResult
+    """The item's numbers before timing (status not final yet)."""
     step: _Step
     warm_rounds: list[TimingStats] = dataclasses.field(default_factory=list)
     cold_rounds: list[TimingStats] = dataclasses.field(default_factory=list)
     error: str = ""
 
 
-@dataclass
-class _ItemBuilder:
-    """Mutable accumulator for one item's numbers, frozen into an :class:`ItemResult` by :meth:`done`."""
+def _with_notes(result: ItemResult, *notes: str) -> ItemResult:
+    return dataclasses.replace(result, notes=result.notes + notes)
 
-    workload: str
-    dtype: str
-    mode: str
-    backend: str
-    check: CheckResult | None = None
-    compile_s: float | None = None
-    warm: TimingStats | None = None
-    cold: TimingStats | None = None
-    memory: MemoryStats | None = None
-    graph_breaks: int | None = None
-    notes: tuple[str, ...] = ()
 
-    def done(self, status: Status, error: str = "") -> ItemResult:
-        ok = status is Status.OK
-        return ItemResult(
-            workload=self.workload, dtype=self.dtype, mode=self.mode, backend=self.backend, status=status,
-            error=error, check=self.check, compile_s=self.compile_s,
-            warm=self.warm if ok else None, cold=self.cold if ok else None,
-            memory=self.memory if ok else None, graph_breaks=self.graph_breaks, notes=self.notes,
-        )
+def _finished(result: ItemResult, status: Status, error: str = "") -> ItemResult:
+    """``result`` with its final status: timings and memory only for an item that ended OK."""
+    ok = status is Status.OK
+    return dataclasses.replace(result, status=status, error=error, warm=result.warm if ok else None,
+                               cold=result.cold if ok else None, memory=result.memory if ok else None)
 
 
 class _NoTimer:

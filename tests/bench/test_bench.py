@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from fusion_backend.bench.backends import (
 from fusion_backend.bench.config import BenchConfig, MeasureConfig
 from fusion_backend.bench.correctness import compare_tensor
 from fusion_backend.bench.errors import BackendSpecError, ConfigError, SuiteError
-from fusion_backend.bench.measure import Instruments, MemoryStats, TimingStats
+from fusion_backend.bench.measure import Instruments, MemoryStats, TimedStep, TimingStats
 from fusion_backend.bench.output import (
     details_table,
     format_markdown,
@@ -134,11 +134,20 @@ class FakeTimer:
         self.backend = ""
         self.timed: list[tuple[str, bool]] = []
 
-    def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
-             cold: bool = False) -> TimingStats:
-        if before_each is not None:
-            before_each()
-        step()
+    def time(self, steps: Sequence[TimedStep], *, cold: bool = False) -> list[TimingStats | Exception]:
+        results: list[TimingStats | Exception] = []
+        for step in steps:
+            self.backend = step.name
+            try:
+                results.append(self.time_one(step, cold))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def time_one(self, step: TimedStep, cold: bool) -> TimingStats:
+        if step.reset is not None:
+            step.reset()
+        step.run()
         self.timed.append((self.backend, cold))
         base = self.ms.get(self.backend, 1.0) * (1.25 if cold else 1.0)
         return TimingStats.from_samples([base * 0.9, base, base * 1.1])
@@ -233,7 +242,6 @@ def run(workloads: list[Workload], backends: list[BenchBackend], *, dtypes: tupl
                          measure=measure or MeasureConfig())
 
     def progress(ev: ProgressEvent) -> None:
-        timer.backend = ev.backend
         if events is not None:
             events.append(ev)
 
@@ -1024,9 +1032,8 @@ class DriftingTimer(FakeTimer):
         super().__init__({})
         self.calls = 0
 
-    def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
-             cold: bool = False) -> TimingStats:
-        super().time(step, before_each=before_each, cold=cold)
+    def time_one(self, step: TimedStep, cold: bool) -> TimingStats:
+        super().time_one(step, cold)
         self.calls += 1
         ms = 1.2 ** self.calls
         return TimingStats.from_samples([ms, ms])
@@ -1056,9 +1063,8 @@ class DisturbedTimer(FakeTimer):
         super().__init__({})
         self.rounds: dict[str, int] = {}
 
-    def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
-             cold: bool = False) -> TimingStats:
-        super().time(step, before_each=before_each, cold=cold)
+    def time_one(self, step: TimedStep, cold: bool) -> TimingStats:
+        super().time_one(step, cold)
         r = self.rounds[self.backend, cold] = self.rounds.get((self.backend, cold), -1) + 1
         disturbed = {"fusion": (0, 2), "inductor": (1,)}.get(self.backend, ())
         ms = 2.0 if r in disturbed and not cold else 1.0
@@ -1082,9 +1088,8 @@ class WindowTimer(FakeTimer):
         self.windows = windows
         self.rounds: dict[tuple[str, bool], int] = {}
 
-    def time(self, step: Callable[[], object], *, before_each: Callable[[], None] | None = None,
-             cold: bool = False) -> TimingStats:
-        super().time(step, before_each=before_each, cold=cold)
+    def time_one(self, step: TimedStep, cold: bool) -> TimingStats:
+        super().time_one(step, cold)
         r = self.rounds[self.backend, cold] = self.rounds.get((self.backend, cold), -1) + 1
         listed = self.windows.get(self.backend, [])
         ms = listed[r] if r < len(listed) and not cold else 1.0
@@ -1163,3 +1168,31 @@ def test_merging_refuses_other_settings_a_repeated_row_or_a_single_report(tmp_pa
     with pytest.raises(ConfigError, match="at least two"):
         merge_reports([fp32])
     assert cli.main(["--merge", str(tmp_path / "nowhere"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "m")]) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events time GPU steps")
+def test_the_cuda_timer_interleaves_steps_repetition_by_repetition_and_survives_a_failing_one() -> None:
+    from fusion_backend.bench.measure import CudaEventTimer
+
+    ran: list[str] = []
+    x = torch.randn(1 << 20, device="cuda")
+
+    def step(name: str) -> Callable[[], object]:
+        def run() -> object:
+            ran.append(name)
+            if name == "broken" and len(ran) > 12:
+                raise RuntimeError("step broke while being timed")
+            return x * 2
+
+        return run
+
+    timer = CudaEventTimer(torch.device("cuda"), MeasureConfig(warmup=1, reps=5))
+    steps = [TimedStep(n, step(n)) for n in ("a", "broken", "b")]
+    results = timer.time(steps)
+    assert isinstance(results[1], RuntimeError) and "broke" in str(results[1])
+    assert [r.reps for r in (results[0], results[2])] == [5, 5]  # type: ignore[union-attr]
+    # warmup a, broken, b; then per repetition each step twice (untimed + timed), in order
+    assert ran[:9] == ["a", "broken", "b", "a", "a", "broken", "broken", "b", "b"]
+    assert ran[-4:] == ["a", "a", "b", "b"], "once broken, a step is left out and the others go on"
+    cold = timer.time([TimedStep("a", step("a"), reset=lambda: ran.append("reset a"))], cold=True)
+    assert cold[0].reps == 5 and ran[-2:] == ["reset a", "a"]  # type: ignore[union-attr]
