@@ -7,6 +7,8 @@
 * ``assert_not_fused(model, inputs, pattern, reason=...)`` for negative tests.
 * ``dry_run(model, inputs)`` runs only the find phase (no rewrite, no fused op) and returns what
   would be fused and the near misses.
+* ``forget_call_plans()`` makes the next call of every fused op plan, compile and measure again, as a
+  first call does (a test of first-call behaviour, or one that changes an environment switch).
 """
 
 from __future__ import annotations
@@ -54,6 +56,14 @@ class DryRun:
         for pattern, _, _ in self.regions:
             out[pattern] = out.get(pattern, 0) + 1
         return out
+
+
+def forget_call_plans() -> None:
+    """Make the next call of every fused op signature plan, compile and measure again, as a first call
+    does (``kernels.host.forget_call_plans``)."""
+    from .kernels.host import forget_call_plans as forget
+
+    forget()
 
 
 def dry_run(model: Any, inputs: Sequence[Any], patterns: Optional[Sequence[str]] = None, **compile_kwargs: Any) -> DryRun:

@@ -48,6 +48,17 @@ def exact_fp32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+@pytest.fixture
+def fresh_plans():
+    """No fused-op call plan kept from another test, and none left behind: a test that sets an
+    environment switch makes its calls plan again (``fusion_backend.testing.forget_call_plans``)."""
+    from fusion_backend.testing import forget_call_plans
+
+    forget_call_plans()
+    yield
+    forget_call_plans()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

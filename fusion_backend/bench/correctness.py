@@ -34,19 +34,18 @@ import torch.utils._pytree as pytree
 
 @dataclass(frozen=True)
 class TensorCheck:
-    """One compared tensor.
-
-    ``rel_err`` is the relative error against eager (``inf`` for a structural mismatch).  When rule 2
-    was consulted, ``fp64_err`` is this backend's relative error from the float64 result and
-    ``eager_fp64_err`` eager's.  ``problem`` says why the check failed (empty if ``ok``).
-    """
+    """One compared tensor (rule 2: the float64 comparison, module docstring)."""
 
     name: str
     rel_err: float
+    """The relative error against eager (``inf`` for a structural mismatch)."""
     ok: bool
     problem: str = ""
+    """Why the check failed (empty if ``ok``)."""
     fp64_err: float | None = None
+    """When rule 2 was consulted: this backend's relative error from the float64 result."""
     eager_fp64_err: float | None = None
+    """When rule 2 was consulted: eager's relative error from the float64 result."""
 
 
 @dataclass(frozen=True)

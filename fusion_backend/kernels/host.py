@@ -9,6 +9,7 @@ training step waits on (``convt3d_leaky_mul_leaky_maxpool`` on an H100: 0.93 ms 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -74,6 +75,7 @@ class BoundedCache:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._values: dict[Hashable, Any] = {}
+        _EVERY_CACHE.add(self)
 
     def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         try:
@@ -95,6 +97,18 @@ class BoundedCache:
 
     def clear(self) -> None:
         self._values.clear()
+
+
+#: Every :class:`BoundedCache` of the process, for :func:`forget_call_plans`.
+_EVERY_CACHE: weakref.WeakSet[BoundedCache] = weakref.WeakSet()
+
+
+def forget_call_plans() -> None:
+    """Empty every per-signature cache of the fused ops (call plans, launches, layout decisions,
+    measured implementation choices): the next call of each signature plans, compiles and measures
+    again, as a first call does.  Compiled Triton kernels and the region decisions' disk cache stay."""
+    for cache in list(_EVERY_CACHE):
+        cache.clear()
 
 
 def persistent_device_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

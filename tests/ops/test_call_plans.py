@@ -17,7 +17,6 @@ import torch
 
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.kernels import epilogue as kernels
-from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
 from fusion_backend.ops.config import ConvEpilogueConfig
@@ -27,14 +26,12 @@ PK = PointwiseKind
 
 
 @pytest.fixture
-def planned(monkeypatch, exact_fp32):
+def planned(monkeypatch, exact_fp32, fresh_plans):
     """The fused conv path (forced), empty plan caches, and a count of plans built per direction."""
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
-    monkeypatch.setattr(ce.forward, "PLANS", BoundedCache(256))
-    monkeypatch.setattr(ce.backward, "PLANS", BoundedCache(256))
     built = {"forward": 0, "backward": 0}
     real_forward, real_backward = ce.forward.plan_for, ce.backward.plan_for
 

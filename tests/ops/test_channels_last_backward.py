@@ -18,7 +18,6 @@ from conv_cases import GELU, LEAKY, MUL0, conv_spec
 
 from fusion_backend.ir.specs import PoolSpec
 from fusion_backend.kernels import epilogue as kernels
-from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops.config import ConvEpilogueConfig
 from fusion_backend.testing import compare
@@ -49,14 +48,12 @@ CASES = {
 
 
 @pytest.fixture
-def channels_last_backward(monkeypatch, exact_fp32):
+def channels_last_backward(monkeypatch, exact_fp32, fresh_plans):
     """The fused op with its backward forced to the channels-last library variant."""
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "library")
-    monkeypatch.setattr(ce.forward, "PLANS", BoundedCache(256))
-    monkeypatch.setattr(ce.backward, "PLANS", BoundedCache(256))
     built = []
 
     def backward_plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner, cfg, mask):

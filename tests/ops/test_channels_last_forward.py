@@ -23,7 +23,6 @@ from conv_cases import GELU, LEAKY, MUL0, conv_spec
 
 from fusion_backend.ir.specs import PoolSpec
 from fusion_backend.kernels import epilogue as kernels
-from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops import impl_choice
 from fusion_backend.ops.chain import PointwiseKind
@@ -63,13 +62,11 @@ CASES = {
 
 
 @pytest.fixture
-def interpreted(monkeypatch, exact_fp32):
+def interpreted(monkeypatch, exact_fp32, fresh_plans):
     """The Triton path (on CPU tensors under the interpreter), with empty plan caches."""
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
-    monkeypatch.setattr(ce.forward, "PLANS", BoundedCache(256))
-    monkeypatch.setattr(ce.backward, "PLANS", BoundedCache(256))
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
-from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
 from fusion_backend.ops.config import ConvEpilogueConfig
@@ -36,7 +35,7 @@ LOW_DTYPES = [torch.float16, torch.bfloat16] if CUDA else [torch.float16]
 
 
 @pytest.fixture(params=["triton", "library"])
-def impl(request, monkeypatch, exact_fp32):
+def impl(request, monkeypatch, exact_fp32, fresh_plans):
     """The conv path of the op's Triton implementation (fresh plan caches)."""
     if DEVICE == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -45,8 +44,6 @@ def impl(request, monkeypatch, exact_fp32):
             pytest.skip("aten's CPU conv in fp16 is the reference's business (covered on the GPU)")
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, request.param)
-    monkeypatch.setattr(ce.forward, "PLANS", BoundedCache(256))
-    monkeypatch.setattr(ce.backward, "PLANS", BoundedCache(256))
     return request.param
 
 

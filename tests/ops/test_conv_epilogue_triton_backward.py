@@ -56,11 +56,10 @@ CASES = {
 
 
 @pytest.fixture
-def forced_triton(monkeypatch, exact_fp32):
+def forced_triton(monkeypatch, exact_fp32, fresh_plans):
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
     calls = []  # the name of each Triton conv backward module that ran
-    monkeypatch.setattr(ce.backward, "PLANS", type(ce.backward.PLANS)(256))  # no plan kept by another test
     for module in (conv_fused_bwd, conv_phase_aligned_bwd):
         real = module.backward_plan
         name = module.__name__.rsplit(".", 1)[1]

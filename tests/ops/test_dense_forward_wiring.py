@@ -62,11 +62,10 @@ CASES = {
 
 
 @pytest.fixture
-def forward_kernels_run(monkeypatch, exact_fp32):
+def forward_kernels_run(monkeypatch, exact_fp32, fresh_plans):
     """Forces the fused forward and records the module of every forward launch plan built."""
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "triton")
-    monkeypatch.setattr(ce.forward, "PLANS", type(ce.forward.PLANS)(256))  # no plan kept by another test
     built = []
     for module in (conv_dense, conv_fused):
         real = module.forward_launch
