@@ -80,3 +80,18 @@ class PoolSpec:
     @property
     def window_volume(self) -> int:
         return math.prod(self.kernel_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the config of a fused op that pools carries one)."""
+        return {"kind": self.kind, "kernel_size": list(self.kernel_size), "stride": list(self.stride),
+                "padding": list(self.padding), "ceil_mode": self.ceil_mode,
+                "count_include_pad": self.count_include_pad, "divisor_override": self.divisor_override}
+
+    @staticmethod
+    def from_dict(p: dict[str, Any]) -> PoolSpec:
+        """Inverse of ``to_dict``."""
+        divisor = p["divisor_override"]
+        return PoolSpec(kind=str(p["kind"]), kernel_size=tuple(int(v) for v in p["kernel_size"]),
+                        stride=tuple(int(v) for v in p["stride"]), padding=tuple(int(v) for v in p["padding"]),
+                        ceil_mode=bool(p["ceil_mode"]), count_include_pad=bool(p["count_include_pad"]),
+                        divisor_override=None if divisor is None else int(divisor))

@@ -84,21 +84,10 @@ def chain_from_list(items: list[dict[str, Any]]) -> tuple[ChainStep, ...]:
 
 
 def _config_to_dict(cfg: ConvEpilogueConfig) -> dict[str, Any]:
-    p = cfg.pool
     return {
         "conv": cfg.conv.to_dict(),
         "chain": chain_to_list(cfg.chain),
-        "pool": None
-        if p is None
-        else {
-            "kind": p.kind,
-            "kernel_size": list(p.kernel_size),
-            "stride": list(p.stride),
-            "padding": list(p.padding),
-            "ceil_mode": p.ceil_mode,
-            "count_include_pad": p.count_include_pad,
-            "divisor_override": p.divisor_override,
-        },
+        "pool": None if cfg.pool is None else cfg.pool.to_dict(),
         "out_dtype": cfg.out_dtype,
         "strict": cfg.strict,
         "compute_dtype": cfg.compute_dtype,
@@ -108,19 +97,7 @@ def _config_to_dict(cfg: ConvEpilogueConfig) -> dict[str, Any]:
 @functools.lru_cache(maxsize=256)
 def _parse_conv_epilogue(text: str) -> ConvEpilogueConfig:
     d = json.loads(text)
-    conv = ConvSpec.from_dict(d["conv"])
-    chain = chain_from_list(d["chain"])
-    p = d.get("pool")
-    pool = None
-    if p is not None:
-        pool = PoolSpec(
-            kind=p["kind"],
-            kernel_size=tuple(p["kernel_size"]),
-            stride=tuple(p["stride"]),
-            padding=tuple(p["padding"]),
-            ceil_mode=bool(p["ceil_mode"]),
-            count_include_pad=bool(p["count_include_pad"]),
-            divisor_override=p["divisor_override"],
-        )
-    return ConvEpilogueConfig(conv=conv, chain=chain, pool=pool, out_dtype=d.get("out_dtype"),
+    pool = d.get("pool")
+    return ConvEpilogueConfig(conv=ConvSpec.from_dict(d["conv"]), chain=chain_from_list(d["chain"]),
+                              pool=None if pool is None else PoolSpec.from_dict(pool), out_dtype=d.get("out_dtype"),
                               strict=bool(d.get("strict", False)), compute_dtype=d.get("compute_dtype"))  # fmt: skip

@@ -25,3 +25,9 @@ def test_a_conv_spec_round_trips_through_json():
     spec = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 4)
     assert ConvSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     assert spec.spatial_dims == 3
+
+
+@pytest.mark.parametrize("spec", [PoolSpec("max", (2, 3), (1, 2), (1, 0), ceil_mode=True),
+                                  PoolSpec("avg", (3, 3, 3), count_include_pad=False, divisor_override=5)])
+def test_a_pool_spec_round_trips_through_json(spec):
+    assert PoolSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
