@@ -162,11 +162,21 @@ def pick_contenders(names: Sequence[str]) -> tuple[str | None, str | None]:
 
     The subject is ``fusion`` if the run has it, else the first fusion backend without extra
     ``torch.compile`` options (``fusion:MODE``, ``fusion-max-autotune``), else the first fusion backend
-    at all.  The baseline is the first Inductor backend under the subject's mode, else ``inductor``,
-    else the first Inductor backend.  Either is ``None`` when the run has no backend of that compiler.
+    at all.  The baseline is an Inductor backend under the subject's mode, else ``inductor``, else the
+    first Inductor backend; of several candidates, the first one listed after the subject, else the
+    first.  Either is ``None`` when the run has no backend of that compiler.
+
+    WHY after the subject: the runner compiles a case's backends in the run's order, and the first
+    model compiled in a case timed slower than later copies of the same compiled code, on host-bound
+    rows by 1-11% (NOTE: ``python -m fusion_backend bench --suite SMALL_ROWS --backends
+    eager,inductor,inductor:default,fusion,fusion-unfused --no-memory --no-cold`` and the same with the
+    backend order reversed, on the H100: whichever Inductor-code backend came first was the slowest,
+    ``docs/perf/RESULTS.md``).  A baseline compiled after the subject cannot gain from that.
 
     >>> pick_contenders(["eager", "inductor", "fusion"])
     ('fusion', 'inductor')
+    >>> pick_contenders(["eager", "inductor", "fusion", "inductor:default"])
+    ('fusion', 'inductor:default')
     >>> pick_contenders(["inductor", "inductor:reduce-overhead", "fusion:reduce-overhead"])
     ('fusion:reduce-overhead', 'inductor:reduce-overhead')
     >>> pick_contenders(["eager", "fusion"])
@@ -181,10 +191,12 @@ def pick_contenders(names: Sequence[str]) -> tuple[str | None, str | None]:
         subject = next((f for f in fusions if f[0] == SUBJECT_COMPILER), plain[0] if plain else fusions[0])
     baseline: str | None = None
     if inductors:
-        same_mode = [n for n, mode in inductors if subject is not None and mode == subject[1]
-                     and not _has_options(n)]
+        same_mode = [n for n, mode in inductors if subject is not None
+                     and (mode or "default") == (subject[1] or "default") and not _has_options(n)]
         exact = [n for n, _ in inductors if n == BASELINE_COMPILER]
-        baseline = (same_mode or exact or [inductors[0][0]])[0]
+        candidates = same_mode or exact or [inductors[0][0]]
+        after = [n for n in candidates if subject is not None and names.index(n) > names.index(subject[0])]
+        baseline = (after or candidates)[0]
     return (subject[0] if subject else None), baseline
 
 
