@@ -48,43 +48,26 @@ def _apply(u, v, KIND: tl.constexpr):
 
 
 @triton.jit
+def _group_channels(gi, cb, COUT_G, BLOCK_CO: tl.constexpr):
+    """Output-channel block ``cb`` of group ``gi`` (``COUT_G`` channels per group): ``(col, co_ok, co)``
+    with ``col`` the ``[BLOCK_CO]`` in-group indices, ``co_ok = col < COUT_G`` and ``co = gi*COUT_G + col``
+    the channels."""
+    col = cb * BLOCK_CO + tl.arange(0, BLOCK_CO)
+    co_ok = col < COUT_G
+    co = gi * COUT_G + col
+    return col, co_ok, co
+
+
+@triton.jit
 def _contract_fwd_kernel(
-    r_ptr,
-    rs_n,
-    rs_c,
-    rs_s,
-    rs_j,
-    NSPLIT,
-    tapset_ptr,
-    w_ptr,
-    s_co,
-    s_ci,
-    s_t,
-    off_g,
-    bias_ptr,
-    bias_stride,
-    ops,
-    op_strides,
-    out_ptr,
-    mean_ptr,
-    taps_ptr,
-    C_IN,
-    C_OUT,
-    CIN_G,
-    COUT_G,
-    T,
-    P,
-    KINDS: tl.constexpr,
-    TENSOR: tl.constexpr,
-    CONSTS: tl.constexpr,
-    NS: tl.constexpr,
-    NS_PAD: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,
+    r_ptr, rs_n, rs_c, rs_s, rs_j, NSPLIT, tapset_ptr,
+    w_ptr, s_co, s_ci, s_t, off_g, bias_ptr, bias_stride, ops, op_strides,
+    out_ptr, mean_ptr, taps_ptr,
+    C_IN, C_OUT, CIN_G, COUT_G, T, P,
+    KINDS: tl.constexpr, TENSOR: tl.constexpr, CONSTS: tl.constexpr, NS: tl.constexpr, NS_PAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, ONE_CHUNK: tl.constexpr,
     BLOCK_CO: tl.constexpr,
-):
+):  # fmt: skip
     """Forward tail in one launch: tap sums, the contraction with W, bias, mean scale, affine chain.
 
     Grid: ``(N, groups, cdiv(COUT_G, BLOCK_CO))``; program ``(n, g, cb)`` produces output channels
@@ -111,9 +94,7 @@ def _contract_fwd_kernel(
     n = tl.program_id(0)
     gi = tl.program_id(1)
     cb = tl.program_id(2)
-    col = cb * BLOCK_CO + tl.arange(0, BLOCK_CO)
-    co_ok = col < COUT_G
-    co = gi * COUT_G + col
+    _, co_ok, co = _group_channels(gi, cb, COUT_G, BLOCK_CO)
 
     # NOTE: everything the epilogue reads that does not depend on the contraction (bias, step
     # operands) is loaded before the loop, so its memory latency overlaps the loop's instead of
@@ -164,42 +145,13 @@ def _contract_fwd_kernel(
 
 @triton.jit
 def _params_bwd_kernel(
-    go_ptr,
-    go_sn,
-    go_sc,
-    mean_ptr,
-    taps_ptr,
-    ops,
-    op_strides,
-    gops,
-    gop_strides,
-    gw_ptr,
-    gw_s_co,
-    gw_s_ci,
-    gw_s_t,
-    gw_off_g,
-    gbias_ptr,
-    gbias_stride,
-    coef_ptr,
-    scratch_ptr,
-    N,
-    C_IN,
-    C_OUT,
-    CIN_G,
-    COUT_G,
-    T,
-    P,
-    KINDS: tl.constexpr,
-    TENSOR: tl.constexpr,
-    CONSTS: tl.constexpr,
-    OUT_MODE: tl.constexpr,
-    NS: tl.constexpr,
-    NS_PAD: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    NEED_OPS: tl.constexpr,
-    BLOCK_CI: tl.constexpr,
-    BLOCK_CO: tl.constexpr,
-):
+    go_ptr, go_sn, go_sc, mean_ptr, taps_ptr, ops, op_strides, gops, gop_strides,
+    gw_ptr, gw_s_co, gw_s_ci, gw_s_t, gw_off_g, gbias_ptr, gbias_stride, coef_ptr, scratch_ptr,
+    N, C_IN, C_OUT, CIN_G, COUT_G, T, P,
+    KINDS: tl.constexpr, TENSOR: tl.constexpr, CONSTS: tl.constexpr, OUT_MODE: tl.constexpr,
+    NS: tl.constexpr, NS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_OPS: tl.constexpr,
+    BLOCK_CI: tl.constexpr, BLOCK_CO: tl.constexpr,
+):  # fmt: skip
     """Backward tail in one launch: grad_weight, grad_bias, operand gradients and ``G`` for grad_x.
 
     With ``A[co]`` the chain's scale (d out / d mean) and ``G[n, co] = g[n, co] * A[co] / P``:
@@ -225,9 +177,7 @@ def _params_bwd_kernel(
     gi = tl.program_id(0)
     cb = tl.program_id(1)
     k = tl.program_id(2)
-    col = cb * BLOCK_CO + tl.arange(0, BLOCK_CO)
-    co_ok = col < COUT_G
-    co = gi * COUT_G + col
+    col, co_ok, co = _group_channels(gi, cb, COUT_G, BLOCK_CO)
 
     a = tl.full([BLOCK_CO], 1.0, tl.float64)
     for i in tl.static_range(NS):

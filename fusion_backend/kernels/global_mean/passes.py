@@ -7,6 +7,7 @@ with their launchers (``set_sums`` / ``set_broadcast`` the plain building blocks
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -19,6 +20,11 @@ from .common import NUM_WARPS, Launch, WeightLayout
 
 #: Largest number of distinct index sets per spatial dim (bits of an int32 table entry).
 MAX_SETS_PER_DIM = 31
+
+#: The per-dim int32 bit tables ``(bits_d, bits_h, bits_w)`` (see the package docstring).
+BitTables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: ``(J1, J2, J3)``: the number of index sets of each dim.
+SetCounts = tuple[int, int, int]
 
 
 # NOTE: tile sizes.  ~4096 elements per tile (16 KB of fp32) with 4 warps keeps 32 elements per
@@ -46,18 +52,21 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _choose_split(
-    planes: int, rows: int, block_a: int, device: torch.device, split: int | None
+    programs: int, length: int, block: int, device: torch.device, split: int | None
 ) -> tuple[int, int]:
-    """Return ``(split, rows_per_split)``; ``rows_per_split`` is a multiple of ``block_a``."""
-    row_tiles = cdiv(rows, block_a)
+    """Cut a walk of ``length`` rows (plane kernels) or positions (channels-last kernels), tiled by
+    ``block``, into parts for ``programs`` programs per part; return ``(split, per_split)``, the
+    number of parts and their length (a multiple of ``block``).  ``split=None`` aims at
+    ``_PROGRAMS_PER_SM`` programs per SM on CUDA."""
+    tiles = cdiv(length, block)
     if split is None:
         if device.type == "cuda":
-            split = cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(planes, 1))
+            split = cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(programs, 1))
         else:
             split = 1  # the interpreter runs programs one after another: parallelism buys nothing
-    split = max(1, min(int(split), row_tiles))
-    rows_per_split = cdiv(row_tiles, split) * block_a
-    return cdiv(rows, rows_per_split), rows_per_split
+    split = max(1, min(int(split), tiles))
+    per_split = cdiv(tiles, split) * block
+    return cdiv(length, per_split), per_split
 
 
 @triton.jit
@@ -104,30 +113,52 @@ def _tap_coef(
 
 
 @triton.jit
+def _plane_program(ptr, C, stride_n, stride_c):
+    """This program of a ``(N*C, SPLIT)`` grid: ``(plane, split, n, c, base)`` with ``plane = n*C + c``
+    and ``base`` the origin of plane ``(n, c)`` of the 5-D tensor at ``ptr`` (batch and channel
+    element strides ``stride_n``, ``stride_c``; offsets in int64)."""
+    plane = tl.program_id(0)
+    split = tl.program_id(1)
+    n = plane // C
+    c = plane - n * C
+    base = ptr + n.to(tl.int64) * stride_n + c.to(tl.int64) * stride_c
+    return plane, split, n, c, base
+
+
+@triton.jit
+def _plane_rows(
+    a0, row_end, bits_d_ptr, bits_h_ptr, H, stride_d, stride_h,
+    J1: tl.constexpr, J2: tl.constexpr, J12_PAD: tl.constexpr, BLOCK_A: tl.constexpr,
+):  # fmt: skip
+    """Rows ``r`` in ``[a0, a0 + BLOCK_A)`` of a plane seen as ``rows x W`` (``r = d*H + h``), valid
+    below ``row_end``: ``(row_ok, mask12, row_off)`` with ``mask12`` their ``[J12_PAD, BLOCK_A]``
+    set mask (``_row_set_mask``) and ``row_off`` the int64 element offset ``d*stride_d + h*stride_h``."""
+    r = a0 + tl.arange(0, BLOCK_A)
+    row_ok = r < row_end
+    mask12 = _row_set_mask(r, row_ok, bits_d_ptr, bits_h_ptr, H, J1, J2, J12_PAD)
+    d = r // H
+    row_off = d.to(tl.int64) * stride_d + (r - d * H).to(tl.int64) * stride_h
+    return row_ok, mask12, row_off
+
+
+@triton.jit
+def _plane_cols(w0, W, bits_w_ptr, BLOCK_W: tl.constexpr):
+    """Columns ``[w0, w0 + BLOCK_W)`` of a plane: ``(cols, col_ok, bw)`` with ``col_ok = cols < W`` and
+    ``bw`` their entries of dim W's bit table (0 past the end)."""
+    cols = w0 + tl.arange(0, BLOCK_W)
+    col_ok = cols < W
+    bw = tl.load(bits_w_ptr + cols, mask=col_ok, other=0)
+    return cols, col_ok, bw
+
+
+@triton.jit
 def _set_sums_kernel(
-    x_ptr,
-    bits_d_ptr,
-    bits_h_ptr,
-    bits_w_ptr,
-    out_ptr,
-    C,
-    H,
-    W,
-    rows,
-    rows_per_split,
-    stride_xn,
-    stride_xc,
-    stride_xd,
-    stride_xh,
-    stride_xw,
-    J1: tl.constexpr,
-    J2: tl.constexpr,
-    J3: tl.constexpr,
-    J12_PAD: tl.constexpr,
-    J3_PAD: tl.constexpr,
-    BLOCK_A: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-):
+    x_ptr, bits_d_ptr, bits_h_ptr, bits_w_ptr, out_ptr,
+    C, H, W, rows, rows_per_split,
+    stride_xn, stride_xc, stride_xd, stride_xh, stride_xw,
+    J1: tl.constexpr, J2: tl.constexpr, J3: tl.constexpr, J12_PAD: tl.constexpr, J3_PAD: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
     """Per-plane sums of x over every product of per-dim index sets (forward pass; reads x once).
 
     Grid: ``(N*C, SPLIT)``; program ``(p, s)`` reduces rows ``[s*rows_per_split, (s+1)*rows_per_split)``
@@ -141,11 +172,7 @@ def _set_sums_kernel(
       * ``out_ptr``: contiguous fp32 ``(N*C, SPLIT, J1*J2*J3)`` with ``SPLIT`` the grid's second dim; entry ``(p, s, (j1*J2 + j2)*J3 + j3)``
         receives this program's partial sum.  Accumulation is fp32.
     """
-    plane = tl.program_id(0)
-    split = tl.program_id(1)
-    n = plane // C
-    c = plane - n * C
-    base = x_ptr + n.to(tl.int64) * stride_xn + c.to(tl.int64) * stride_xc
+    plane, split, n, c, base = _plane_program(x_ptr, C, stride_xn, stride_xc)
 
     row_start = split * rows_per_split
     row_end = tl.minimum(row_start + rows_per_split, rows)
@@ -153,15 +180,10 @@ def _set_sums_kernel(
     acc = tl.zeros([J12_PAD, J3_PAD], dtype=tl.float32)
 
     for a0 in range(row_start, row_end, BLOCK_A):
-        r = a0 + tl.arange(0, BLOCK_A)
-        row_ok = r < row_end
-        mask12 = _row_set_mask(r, row_ok, bits_d_ptr, bits_h_ptr, H, J1, J2, J12_PAD)
-        d = r // H
-        row_off = d.to(tl.int64) * stride_xd + (r - d * H).to(tl.int64) * stride_xh
+        row_ok, mask12, row_off = _plane_rows(a0, row_end, bits_d_ptr, bits_h_ptr, H, stride_xd, stride_xh,
+                                              J1, J2, J12_PAD, BLOCK_A)  # fmt: skip
         for w0 in range(0, W, BLOCK_W):
-            cols = w0 + tl.arange(0, BLOCK_W)
-            col_ok = cols < W
-            bw = tl.load(bits_w_ptr + cols, mask=col_ok, other=0)
+            cols, col_ok, bw = _plane_cols(w0, W, bits_w_ptr, BLOCK_W)
             ptrs = base + row_off[:, None] + cols.to(tl.int64)[None, :] * stride_xw
             xt = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             for j3 in tl.static_range(J3):
@@ -182,42 +204,13 @@ def _set_sums_kernel(
 
 @triton.jit
 def _set_broadcast_kernel(
-    q_ptr,
-    bits_d_ptr,
-    bits_h_ptr,
-    bits_w_ptr,
-    out_ptr,
-    C,
-    H,
-    W,
-    rows,
-    rows_per_split,
-    stride_on,
-    stride_oc,
-    stride_od,
-    stride_oh,
-    stride_ow,
-    g_ptr,
-    w_ptr,
-    tapset_ptr,
-    T,
-    CIN_G,
-    COUT_G,
-    C_OUT,
-    s_co,
-    s_ci,
-    s_t,
-    off_g,
-    J1: tl.constexpr,
-    J2: tl.constexpr,
-    J3: tl.constexpr,
-    J12_PAD: tl.constexpr,
-    J3_PAD: tl.constexpr,
-    BLOCK_A: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    FROM_GRAD: tl.constexpr,
-    BLOCK_CO: tl.constexpr,
-):
+    q_ptr, bits_d_ptr, bits_h_ptr, bits_w_ptr, out_ptr,
+    C, H, W, rows, rows_per_split,
+    stride_on, stride_oc, stride_od, stride_oh, stride_ow,
+    g_ptr, w_ptr, tapset_ptr, T, CIN_G, COUT_G, C_OUT, s_co, s_ci, s_t, off_g,
+    J1: tl.constexpr, J2: tl.constexpr, J3: tl.constexpr, J12_PAD: tl.constexpr, J3_PAD: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_W: tl.constexpr, FROM_GRAD: tl.constexpr, BLOCK_CO: tl.constexpr,
+):  # fmt: skip
     """Adjoint of ``_set_sums_kernel``: ``out[n, c, i] = sum of q[n, c, j] over the sets j containing i``.
 
     Grid: ``(N*C, SPLIT)``; program ``(p, s)`` writes rows ``[s*rows_per_split, ...)`` of plane ``p``.
@@ -232,11 +225,7 @@ def _set_broadcast_kernel(
       * ``out_ptr``: 5-D ``(N, C, D, H, W)`` output of fp32/fp16/bf16 with element strides
         ``stride_o{n,c,d,h,w}``; values are computed in fp32 and cast to the element type on store.
     """
-    plane = tl.program_id(0)
-    split = tl.program_id(1)
-    n = plane // C
-    c = plane - n * C
-    base = out_ptr + n.to(tl.int64) * stride_on + c.to(tl.int64) * stride_oc
+    plane, split, n, c, base = _plane_program(out_ptr, C, stride_on, stride_oc)
 
     j12v = tl.arange(0, J12_PAD)
     j3v = tl.arange(0, J3_PAD)
@@ -258,15 +247,10 @@ def _set_broadcast_kernel(
     row_start = split * rows_per_split
     row_end = tl.minimum(row_start + rows_per_split, rows)
     for a0 in range(row_start, row_end, BLOCK_A):
-        r = a0 + tl.arange(0, BLOCK_A)
-        row_ok = r < row_end
-        mask12 = _row_set_mask(r, row_ok, bits_d_ptr, bits_h_ptr, H, J1, J2, J12_PAD)
-        d = r // H
-        row_off = d.to(tl.int64) * stride_od + (r - d * H).to(tl.int64) * stride_oh
+        row_ok, mask12, row_off = _plane_rows(a0, row_end, bits_d_ptr, bits_h_ptr, H, stride_od, stride_oh,
+                                              J1, J2, J12_PAD, BLOCK_A)  # fmt: skip
         for w0 in range(0, W, BLOCK_W):
-            cols = w0 + tl.arange(0, BLOCK_W)
-            col_ok = cols < W
-            bw = tl.load(bits_w_ptr + cols, mask=col_ok, other=0)
+            cols, col_ok, bw = _plane_cols(w0, W, bits_w_ptr, BLOCK_W)
             val = tl.zeros([BLOCK_A, BLOCK_W], dtype=tl.float32)
             for j3 in tl.static_range(J3):
                 q_col = tl.sum(tl.where(j3v[None, :] == j3, q, 0.0), axis=1)  # [J12_PAD]
@@ -328,12 +312,29 @@ def _check_tables(
             )
 
 
-def set_sums(
-    x5: torch.Tensor,
-    bits: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    sets: tuple[int, int, int],
-    split: int | None = None,
-) -> torch.Tensor:
+def _plane_plan(
+    shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
+    split: int | None, kernel: Any, **extra: Any,
+) -> Launch:
+    """Launch of a plane kernel (``_set_sums_kernel``, ``_set_broadcast_kernel``; ``extra``: further
+    constexprs) over a non-empty 5-D ``shape``/``stride`` tensor: grid ``(N*C, SPLIT)``, integer
+    arguments ``(C, H, W, rows, rows_per_split, *stride)``; the buffer fields describe the sums'
+    ``(N, C, SPLIT, J)`` partial buffer."""
+    n, c, d, h, w = shape
+    j1, j2, j3 = sets
+    jn = j1 * j2 * j3
+    rows = d * h
+    block_a, block_w = _tile_shape(rows, w)
+    nsplit, rows_per_split = _choose_split(n * c, rows, block_a, device, split)
+    return Launch(
+        kernel, (n * c, nsplit), (c, h, w, rows, rows_per_split, *stride),
+        dict(J1=j1, J2=j2, J3=j3, J12_PAD=next_pow2(j1 * j2), J3_PAD=next_pow2(j3), BLOCK_A=block_a,
+             BLOCK_W=block_w, num_warps=NUM_WARPS, **extra),
+        (n, c, nsplit, jn), (c * nsplit * jn, nsplit * jn, jn, 1), nsplit,
+    )  # fmt: skip
+
+
+def set_sums(x5: torch.Tensor, bits: BitTables, sets: SetCounts, split: int | None = None) -> torch.Tensor:
     """Sums of each ``(n, c)`` plane of ``x5`` over every product of per-dim index sets.
 
     Args:
@@ -346,47 +347,20 @@ def set_sums(
         fp32 ``(N, C, J1*J2*J3)`` contiguous, set index ``(j1*J2 + j2)*J3 + j3``.
     """
     _check_launch("set_sums", x5, bits, sets)
-    n, c, d, h, w = x5.shape
-    j1, j2, j3 = sets
-    planes, rows = n * c, d * h
-    if planes == 0 or rows * w == 0:
-        return torch.zeros((n, c, j1 * j2 * j3), dtype=torch.float32, device=x5.device)
-    block_a, block_w = _tile_shape(rows, w)
-    nsplit, rows_per_split = _choose_split(planes, rows, block_a, x5.device, split)
-    partial = torch.empty((planes, nsplit, j1 * j2 * j3), dtype=torch.float32, device=x5.device)
-    launch(
-        _set_sums_kernel, (planes, nsplit),
-        x5,
-        bits[0],
-        bits[1],
-        bits[2],
-        partial,
-        c,
-        h,
-        w,
-        rows,
-        rows_per_split,
-        *x5.stride(),
-        J1=j1,
-        J2=j2,
-        J3=j3,
-        J12_PAD=next_pow2(j1 * j2),
-        J3_PAD=next_pow2(j3),
-        BLOCK_A=block_a,
-        BLOCK_W=block_w,
-        num_warps=NUM_WARPS,
-    )
+    n, c = x5.shape[:2]
+    jn = sets[0] * sets[1] * sets[2]
+    if x5.numel() == 0:
+        return torch.zeros((n, c, jn), dtype=torch.float32, device=x5.device)
+    plan = _plane_plan(tuple(x5.shape), x5.stride(), x5.device, tuple(sets), split, _set_sums_kernel)
+    partial = torch.empty((n * c, plan.nsplit, jn), dtype=torch.float32, device=x5.device)
+    launch(plan.kernel, plan.grid, x5, *bits, partial, *plan.ints, **plan.consts)
     # NOTE: a fixed-order reduction over the splits keeps the result bitwise reproducible.
-    out = partial[:, 0] if nsplit == 1 else partial.sum(dim=1)
-    return out.view(n, c, j1 * j2 * j3)
+    out = partial[:, 0] if plan.nsplit == 1 else partial.sum(dim=1)
+    return out.view(n, c, jn)
 
 
 def set_broadcast(
-    q: torch.Tensor,
-    bits: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    sets: tuple[int, int, int],
-    out: torch.Tensor,
-    split: int | None = None,
+    q: torch.Tensor, bits: BitTables, sets: SetCounts, out: torch.Tensor, split: int | None = None
 ) -> torch.Tensor:
     """Write ``out[n, c, i] = sum of q[n, c, j] over the product sets j that contain i``; returns ``out``.
 
@@ -397,47 +371,18 @@ def set_broadcast(
         split: row-splits per plane; ``None`` picks one from the device's SM count.
     """
     _check_launch("set_broadcast", out, bits, sets)
-    n, c, d, h, w = out.shape
-    j1, j2, j3 = sets
-    if tuple(q.shape) != (n, c, j1 * j2 * j3):
-        raise ValueError(f"set_broadcast: q must have shape {(n, c, j1 * j2 * j3)}, got {tuple(q.shape)}")
-    planes, rows = n * c, d * h
-    if planes == 0 or rows * w == 0:
+    n, c = out.shape[:2]
+    jn = sets[0] * sets[1] * sets[2]
+    if tuple(q.shape) != (n, c, jn):
+        raise ValueError(f"set_broadcast: q must have shape {(n, c, jn)}, got {tuple(q.shape)}")
+    if out.numel() == 0:
         return out
     q32 = q.to(device=out.device, dtype=torch.float32).contiguous()
-    block_a, block_w = _tile_shape(rows, w)
-    nsplit, rows_per_split = _choose_split(planes, rows, block_a, out.device, split)
-    launch(
-        _set_broadcast_kernel, (planes, nsplit),
-        q32,
-        bits[0],
-        bits[1],
-        bits[2],
-        out,
-        c,
-        h,
-        w,
-        rows,
-        rows_per_split,
-        *out.stride(),
-        q32,  # g_ptr, w_ptr, tapset_ptr: unused without FROM_GRAD
-        q32,
-        bits[0],
-        *(0,) * 8,
-        J1=j1,
-        J2=j2,
-        J3=j3,
-        J12_PAD=next_pow2(j1 * j2),
-        J3_PAD=next_pow2(j3),
-        BLOCK_A=block_a,
-        BLOCK_W=block_w,
-        FROM_GRAD=False,
-        BLOCK_CO=1,
-        num_warps=NUM_WARPS,
-    )
+    plan = _plane_plan(tuple(out.shape), out.stride(), out.device, tuple(sets), split, _set_broadcast_kernel,
+                       FROM_GRAD=False, BLOCK_CO=1)  # fmt: skip
+    # g_ptr, w_ptr, tapset_ptr and the weight's integers: unused without FROM_GRAD
+    launch(plan.kernel, plan.grid, q32, *bits, out, *plan.ints, q32, q32, bits[0], *(0,) * 8, **plan.consts)
     return out
-
-
 
 
 @triton.jit
@@ -454,27 +399,32 @@ def _position_bits(p, p_ok, bits_d_ptr, bits_h_ptr, bits_w_ptr, H, W):
 
 
 @triton.jit
+def _in_product_set(bd, bh, bw, j: tl.constexpr, J2: tl.constexpr, J3: tl.constexpr):
+    """Whether positions with per-dim bit-table entries ``bd``, ``bh``, ``bw`` lie in product set
+    ``j = (j1*J2 + j2)*J3 + j3`` (bit ``j1`` of ``bd``, ``j2`` of ``bh`` and ``j3`` of ``bw`` all set)."""
+    return (((bd >> (j // (J2 * J3))) & (bh >> ((j // J3) % J2)) & (bw >> (j % J3))) & 1) != 0
+
+
+@triton.jit
+def _channel_block_program(C, BLOCK_C: tl.constexpr):
+    """This program of a ``(N, cdiv(C, BLOCK_C), SPLIT)`` grid: ``(n, split, c, c_ok)`` with ``c`` its
+    ``[BLOCK_C]`` channels and ``c_ok = c < C``."""
+    n = tl.program_id(0)
+    cb = tl.program_id(1)
+    split = tl.program_id(2)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    return n, split, c, c_ok
+
+
+@triton.jit
 def _set_sums_cl_kernel(
-    x_ptr,
-    bits_d_ptr,
-    bits_h_ptr,
-    bits_w_ptr,
-    out_ptr,
-    C,
-    H,
-    W,
-    P,
-    p_per_split,
-    stride_xn,
-    stride_xc,
-    stride_xp,
-    J1: tl.constexpr,
-    J2: tl.constexpr,
-    J3: tl.constexpr,
-    J_PAD: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
+    x_ptr, bits_d_ptr, bits_h_ptr, bits_w_ptr, out_ptr,
+    C, H, W, P, p_per_split,
+    stride_xn, stride_xc, stride_xp,
+    J1: tl.constexpr, J2: tl.constexpr, J3: tl.constexpr, J_PAD: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
     """Channels-last ``_set_sums_kernel``: same sums, x read as ``(N, P = D*H*W, C)`` rows of channels.
 
     Grid: ``(N, cdiv(C, BLOCK_C), SPLIT)``; program ``(n, cb, s)`` reduces positions
@@ -486,11 +436,7 @@ def _set_sums_cl_kernel(
       * ``bits_*``: as in ``_set_sums_kernel``.
       * ``out_ptr``: contiguous fp32 ``(N, SPLIT, J1*J2*J3, C)`` partial sums (fixed-order reduced later).
     """
-    n = tl.program_id(0)
-    cb = tl.program_id(1)
-    split = tl.program_id(2)
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < C
+    n, split, c, c_ok = _channel_block_program(C, BLOCK_C)
     base = x_ptr + n.to(tl.int64) * stride_xn
     p_start = split * p_per_split
     p_end = tl.minimum(p_start + p_per_split, P)
@@ -509,7 +455,7 @@ def _set_sums_cl_kernel(
             acc1 += tl.where(((bd & bh & bw & 1) != 0)[:, None], xt, 0.0)
         else:
             for j in tl.static_range(J1 * J2 * J3):
-                inside = (((bd >> (j // (J2 * J3))) & (bh >> ((j // J3) % J2)) & (bw >> (j % J3))) & 1) != 0
+                inside = _in_product_set(bd, bh, bw, j, J2, J3)
                 part = tl.sum(tl.where(inside[:, None], xt, 0.0), axis=0)  # [BLOCK_C]
                 acc += tl.where(jv[:, None] == j, part[None, :], 0.0)
     if J1 * J2 * J3 == 1:
@@ -521,48 +467,20 @@ def _set_sums_cl_kernel(
 
 @triton.jit
 def _grad_broadcast_cl_kernel(
-    g_ptr,
-    w_ptr,
-    tapset_ptr,
-    bits_d_ptr,
-    bits_h_ptr,
-    bits_w_ptr,
-    out_ptr,
-    C,
-    H,
-    W,
-    P,
-    p_per_split,
-    stride_on,
-    stride_oc,
-    stride_op,
-    T,
-    CIN_G,
-    COUT_G,
-    C_OUT,
-    s_co,
-    s_ci,
-    s_t,
-    off_g,
-    J1: tl.constexpr,
-    J2: tl.constexpr,
-    J3: tl.constexpr,
-    J_PAD: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_CO: tl.constexpr,
-):
+    g_ptr, w_ptr, tapset_ptr, bits_d_ptr, bits_h_ptr, bits_w_ptr, out_ptr,
+    C, H, W, P, p_per_split,
+    stride_on, stride_oc, stride_op,
+    T, CIN_G, COUT_G, C_OUT, s_co, s_ci, s_t, off_g,
+    J1: tl.constexpr, J2: tl.constexpr, J3: tl.constexpr, J_PAD: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CO: tl.constexpr,
+):  # fmt: skip
     """Channels-last grad_x: ``out[n, c, p] = sum over sets j containing p of q[n, c, j]``, with
     ``q`` computed in the prologue from ``G`` and the weight (see ``_tap_coef``).
 
     Grid: ``(N, cdiv(C, BLOCK_C), SPLIT)``.  ``out_ptr`` addressed like ``x_ptr`` of
     ``_set_sums_cl_kernel``; every element is written exactly once.
     """
-    n = tl.program_id(0)
-    cb = tl.program_id(1)
-    split = tl.program_id(2)
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < C
+    n, split, c, c_ok = _channel_block_program(C, BLOCK_C)
     jv = tl.arange(0, J_PAD)
     q = tl.zeros([J_PAD, BLOCK_C], dtype=tl.float32)
     for t in range(T):
@@ -578,12 +496,11 @@ def _grad_broadcast_cl_kernel(
         bd, bh, bw = _position_bits(p, p_ok, bits_d_ptr, bits_h_ptr, bits_w_ptr, H, W)
         val = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
         for j in tl.static_range(J1 * J2 * J3):
-            inside = (((bd >> (j // (J2 * J3))) & (bh >> ((j // J3) % J2)) & (bw >> (j % J3))) & 1) != 0
+            inside = _in_product_set(bd, bh, bw, j, J2, J3)
             qj = tl.sum(tl.where(jv[:, None] == j, q, 0.0), axis=0)  # [BLOCK_C]
             val += tl.where(inside[:, None], qj[None, :], 0.0)
         ptrs = base + p.to(tl.int64)[:, None] * stride_op + c.to(tl.int64)[None, :] * stride_oc
         tl.store(ptrs, val.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
-
 
 
 #: Most product sets the channels-last kernels unroll (one masked reduction per set and tile).
@@ -617,13 +534,26 @@ def _cl_tiles(positions: int, channels: int) -> tuple[int, int]:
     return block_p, block_c
 
 
-def _cl_split(programs: int, positions: int, block_p: int, device: torch.device, split: int | None) -> tuple[int, int]:
-    tiles = cdiv(positions, block_p)
-    if split is None:
-        split = cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(programs, 1)) if device.type == "cuda" else 1
-    split = max(1, min(int(split), tiles))
-    per = cdiv(tiles, split) * block_p
-    return cdiv(positions, per), per
+def _cl_plan(
+    shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
+    split: int | None, kernel: Any,
+) -> Launch:
+    """Launch of a channels-last kernel (``_set_sums_cl_kernel``, ``_grad_broadcast_cl_kernel``) over a
+    non-empty 5-D ``shape``/``stride`` tensor that ``_channels_innermost_meta`` accepts: grid
+    ``(N, cdiv(C, BLOCK_C), SPLIT)``, integer arguments ``(C, H, W, P, p_per_split, stride_n,
+    stride_c, stride_p)``; the buffer fields describe the sums' ``(N, SPLIT, J, C)`` partial buffer."""
+    n, c, d, h, w = shape
+    j1, j2, j3 = sets
+    jn = j1 * j2 * j3
+    positions = d * h * w
+    block_p, block_c = _cl_tiles(positions, c)
+    cblocks = cdiv(c, block_c)
+    nsplit, per = _choose_split(n * cblocks, positions, block_p, device, split)
+    return Launch(
+        kernel, (n, cblocks, nsplit), (c, h, w, positions, per, stride[0], stride[1], stride[4]),
+        dict(J1=j1, J2=j2, J3=j3, J_PAD=next_pow2(jn), BLOCK_P=block_p, BLOCK_C=block_c, num_warps=NUM_WARPS),
+        (n, nsplit, jn, c), (nsplit * jn * c, 1, jn * c, c), nsplit,
+    )  # fmt: skip
 
 
 def _pass_plan(
@@ -631,31 +561,14 @@ def _pass_plan(
     split: int | None, cl_kernel: Any, plane_kernel: Any, **extra: Any,
 ) -> Launch | None:
     """Tiles, split, grid and integer arguments of a pass over an x-sized tensor (the sums forward,
-    the broadcast backward walk it the same way); ``None`` when it is empty."""
-    n, c, d, h, w = shape
-    j1, j2, j3 = sets
-    jn = j1 * j2 * j3
-    positions = d * h * w
-    if n * c == 0 or positions == 0:
+    the broadcast backward walk it the same way): ``cl_kernel`` for channels-last data with at most
+    ``MAX_CL_SETS`` product sets, else ``plane_kernel`` (with the constexprs ``extra``); ``None``
+    when it is empty."""
+    if math.prod(shape) == 0:
         return None
-    if _channels_innermost_meta(shape, stride) and jn <= MAX_CL_SETS:
-        block_p, block_c = _cl_tiles(positions, c)
-        cblocks = cdiv(c, block_c)
-        nsplit, per = _cl_split(n * cblocks, positions, block_p, device, split)
-        return Launch(
-            cl_kernel, (n, cblocks, nsplit), (c, h, w, positions, per, stride[0], stride[1], stride[4]),
-            dict(J1=j1, J2=j2, J3=j3, J_PAD=next_pow2(jn), BLOCK_P=block_p, BLOCK_C=block_c, num_warps=NUM_WARPS),
-            (n, nsplit, jn, c), (nsplit * jn * c, 1, jn * c, c), nsplit,
-        )  # fmt: skip
-    rows = d * h
-    block_a, block_w = _tile_shape(rows, w)
-    nsplit, rows_per_split = _choose_split(n * c, rows, block_a, device, split)
-    return Launch(
-        plane_kernel, (n * c, nsplit), (c, h, w, rows, rows_per_split, *stride),
-        dict(J1=j1, J2=j2, J3=j3, J12_PAD=next_pow2(j1 * j2), J3_PAD=next_pow2(j3), BLOCK_A=block_a,
-             BLOCK_W=block_w, num_warps=NUM_WARPS, **extra),
-        (n, c, nsplit, jn), (c * nsplit * jn, nsplit * jn, jn, 1), nsplit,
-    )  # fmt: skip
+    if _channels_innermost_meta(shape, stride) and sets[0] * sets[1] * sets[2] <= MAX_CL_SETS:
+        return _cl_plan(shape, stride, device, sets, split, cl_kernel)
+    return _plane_plan(shape, stride, device, sets, split, plane_kernel, **extra)
 
 
 @functools.lru_cache(maxsize=256)
@@ -668,10 +581,7 @@ def _plan_set_sums(
 
 
 def set_sums_partial(
-    x5: torch.Tensor,
-    bits: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    sets: tuple[int, int, int],
-    split: int | None = None,
+    x5: torch.Tensor, bits: BitTables, sets: SetCounts, split: int | None = None
 ) -> tuple[torch.Tensor, tuple[int, int, int, int], int]:
     """One pass over x: per-split partial set sums, not yet reduced over the splits.
 
@@ -705,14 +615,9 @@ def _plan_broadcast(
 
 
 def grad_broadcast(
-    coef: torch.Tensor,
-    weight: WeightLayout,
-    tapset: torch.Tensor,
-    bits: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    sets: tuple[int, int, int],
-    out: torch.Tensor,
-    split: int | None = None,
-) -> torch.Tensor:
+    coef: torch.Tensor, weight: WeightLayout, tapset: torch.Tensor, bits: BitTables, sets: SetCounts,
+    out: torch.Tensor, split: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Write grad_x into ``out`` (5-D, any strides; channels-last takes the channels-innermost kernel)
     from ``G`` (``coef``, fp32 (N, C_out)) and the weight: every element written once; returns ``out``."""
     _check_launch("grad_broadcast", out, bits, sets)

@@ -50,15 +50,23 @@ def backward_impl(
     """
     cfg = ConvGlobalMeanConfig.from_json(config)
     geo = geometry_for(cfg.conv, tuple(x_size[2:]), tuple(weight.shape[2:]), grad_out.device)
-    args = (cfg, grad_out, weight, bias, operands, tap_sums, conv_mean, tuple(x_size), tuple(x_stride), x_dtype)
+    # NOTE: grad_x is allocated before the first launch so that its pass (nearly all of the backward's GPU
+    # time) is enqueued right after the small parameter kernel: the step is host-bound at the ``seeds``
+    # suite's sizes.
+    grad_x = (
+        torch.empty_strided(tuple(x_size), tuple(x_stride), dtype=x_dtype, device=grad_out.device)
+        if need_grad_input
+        else None
+    )
+    args = (cfg, grad_out, weight, bias, operands, tap_sums, conv_mean, grad_x, geo)
     return run_with_fallback(
         "conv_global_mean_bwd",
         cfg,
         config,
         grad_out,
         geo,
-        lambda: _backward_kernels(*args, need_grad_input, geo),
-        lambda: _backward_reference(*args, need_grad_input, geo),
+        lambda: _backward_kernels(*args),
+        lambda: _backward_reference(*args),
         dtype=x_dtype,
     )
 
@@ -127,27 +135,19 @@ def _grad_targets(
 
 
 def _backward_kernels(
-    cfg: ConvGlobalMeanConfig,
-    grad_out: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    operands: Sequence[torch.Tensor],
-    tap_sums: torch.Tensor,
-    conv_mean: torch.Tensor,
-    x_size: tuple[int, ...],
-    x_stride: tuple[int, ...],
-    x_dtype: torch.dtype,
-    need_grad_input: bool,
-    geo: Geometry,
-) -> list[torch.Tensor]:
+    cfg: ConvGlobalMeanConfig, grad_out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    operands: Sequence[torch.Tensor], tap_sums: torch.Tensor, conv_mean: torch.Tensor,
+    grad_x: torch.Tensor | None, geo: Geometry,
+) -> list[torch.Tensor]:  # fmt: skip
     """Backward on the Triton kernels: one launch for every parameter gradient (and ``G``), one
-    for grad_x.  Operands that are one-element tensors or appear in several steps get their
+    for grad_x (written into ``grad_x``, the destination ``backward_impl`` allocated; ``None`` when
+    not needed).  Operands that are one-element tensors or appear in several steps get their
     gradient combined on the host from per-step partials (a few tiny extra ops)."""
     from ...kernels import global_mean as kernels
 
     spec = cfg.conv
     device = grad_out.device
-    n, c_in = x_size[0], x_size[1]
+    n, c_in = tap_sums.shape[:2]
     c_out = output_channels(spec, weight)
     taps = tap_sums.reshape(n, c_in, -1).contiguous()
     mean = conv_mean.contiguous()
@@ -174,11 +174,7 @@ def _backward_kernels(
     gw_layout = weight_layout(grad_w, spec)  # a copy buffer when grad_w is not flat-addressable
     gw_buffer = gw_layout.tensor
     grad_bias = torch.empty_like(bias) if bias is not None else None
-    # NOTE: grad_x is prepared before the first launch so that its pass (nearly all of the backward's GPU
-    # time) is enqueued right after the small parameter kernel: the step is host-bound at the ``seeds``
-    # suite's sizes.
-    grad_x = torch.empty_strided(x_size, x_stride, dtype=x_dtype, device=device) if need_grad_input else None
-    w_layout = weight_layout(weight, spec) if need_grad_input else None
+    w_layout = weight_layout(weight, spec) if grad_x is not None else None
     kernels.params_backward(
         grad_out.reshape(n, c_out) if grad_out.dim() > 2 else grad_out,
         mean,
@@ -209,23 +205,14 @@ def _backward_kernels(
 
 
 def _backward_reference(
-    cfg: ConvGlobalMeanConfig,
-    grad_out: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    operands: Sequence[torch.Tensor],
-    tap_sums: torch.Tensor,
-    conv_mean: torch.Tensor,
-    x_size: tuple[int, ...],
-    x_stride: tuple[int, ...],
-    x_dtype: torch.dtype,
-    need_grad_input: bool,
-    geo: Geometry,
-) -> list[torch.Tensor]:
-    """Backward in plain torch (the spec), fp64 contractions."""
+    cfg: ConvGlobalMeanConfig, grad_out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    operands: Sequence[torch.Tensor], tap_sums: torch.Tensor, conv_mean: torch.Tensor,
+    grad_x: torch.Tensor | None, geo: Geometry,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Backward in plain torch (the spec), fp64 contractions; ``grad_x`` as in ``_backward_kernels``."""
     spec = cfg.conv
     device = grad_out.device
-    n, c_in = x_size[0], x_size[1]
+    n, c_in = tap_sums.shape[:2]
     c_out = output_channels(spec, weight)
     g = spec.groups
 
@@ -263,34 +250,26 @@ def _backward_reference(
         torch.zeros_like(t) if gr is None else _like(t, gr) for t, gr in zip(operands, grad_operands, strict=True)
     ]
 
-    if need_grad_input:
+    if grad_x is not None:
         q_taps = torch.einsum(f"ngo,{letters}->ngit", coef, w).reshape(n, c_in, -1)  # (N, C_in, T)
         q = q_taps @ geo.tap_onehot  # (N, C_in, J): sets shared by several taps add up
-        grad_x = _set_broadcast_reference(q, geo, x_size, x_stride, x_dtype, device)
+        _set_broadcast_reference(q, geo, grad_x)
     else:
         grad_x = grad_out.new_empty((0,))
     return [grad_x, grad_w, grad_bias, *grads_ops]
 
 
-def _set_broadcast_reference(
-    q: torch.Tensor,
-    geo: Geometry,
-    x_size: tuple[int, ...],
-    x_stride: tuple[int, ...],
-    x_dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """grad_x of ``x_size``/``x_stride``/``x_dtype``: ``sum_j q[n, ci, j] * [i in set j]`` (torch reference)."""
-    grad_x = torch.empty_strided(x_size, x_stride, dtype=x_dtype, device=device)
-    acc = accumulation_dtype(x_dtype)
+def _set_broadcast_reference(q: torch.Tensor, geo: Geometry, grad_x: torch.Tensor) -> None:
+    """Write ``grad_x[n, ci, i] = sum_j q[n, ci, j] * [i in set j]`` (torch reference; computed in
+    ``grad_x``'s accumulation dtype)."""
+    acc = accumulation_dtype(grad_x.dtype)
     m1, m2, m3 = (mask.to(acc) for mask in geo.masks)
     j1, j2, j3 = geo.set_counts
-    n, c = x_size[0], x_size[1]
+    n, c = grad_x.shape[0], grad_x.shape[1]
     full = m1.T @ q.to(acc).reshape(n, c, j1, j2 * j3)  # (N, C, D, J2*J3)
     full = m2.T @ full.reshape(n, c, -1, j2, j3)  # (N, C, D, H, J3)
     full = full @ m3  # (N, C, D, H, W)
-    grad_x.copy_(full.reshape(x_size))
-    return grad_x
+    grad_x.copy_(full.reshape(grad_x.shape))
 
 
 def _like(reference: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

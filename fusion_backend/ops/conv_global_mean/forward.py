@@ -151,13 +151,9 @@ def weight_layout(weight: torch.Tensor, spec: ConvSpec) -> Any:
 
 
 def _forward_kernels(
-    cfg: ConvGlobalMeanConfig,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    operands: Sequence[torch.Tensor],
-    geo: Geometry,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg: ConvGlobalMeanConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    operands: Sequence[torch.Tensor], geo: Geometry,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Forward on the Triton kernels: two launches (the pass over x, then the contraction + chain).
 
     NOTE: the pass over x is launched before anything else is prepared: it is nearly all of the GPU
@@ -191,13 +187,9 @@ def _forward_kernels(
 
 
 def _forward_reference(
-    cfg: ConvGlobalMeanConfig,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    operands: Sequence[torch.Tensor],
-    geo: Geometry,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg: ConvGlobalMeanConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    operands: Sequence[torch.Tensor], geo: Geometry,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Forward in plain torch (the spec): fp64 contraction and affine fold."""
     spec = cfg.conv
     n, c_in = x.shape[:2]
@@ -227,12 +219,9 @@ def _forward_reference(
 
 
 def forward_impl(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    operands: list[torch.Tensor],
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, operands: list[torch.Tensor],
     config: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Forward of ``conv_global_mean``; returns ``(out, tap_sums, conv_mean)``.
 
     * ``out``: the op's result (see the module docstring), dtype ``out_dtype`` or x's.
