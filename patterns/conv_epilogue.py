@@ -3,11 +3,16 @@
 Anchor: any ``Conv`` (1-3 spatial dims, transposed or not, any hyper-parameters, bias or not) whose
 output is batched and floating point.  From there the chain grows one user at a time while
 
-* the current value has exactly one user and is not a graph output (otherwise the chain stops
-  *before* that user: the shared value must still be produced, so it becomes the region's result);
-* that user is a supported pointwise op (``ops/chain.py``) whose other operands are numbers, 0-d or
-  one-element tensors, or per-channel tensors, none computed from the region itself;
+* the next op is the current value's only user, or, of several users, the only fusible one whose
+  inputs the chain already holds (the others must join the chain later: ``y + torch.tanh(y)``);
+* that op is a supported pointwise op (``ops/chain.py``) whose other operands are numbers, 0-d or
+  one-element tensors, per-channel tensors, or a value the chain computed before (a DAG epilogue: the
+  first operand of an arithmetic op, ``minimum`` / ``maximum`` or a clamp bound, ``ChainValue``); an
+  operand computed from the conv output outside the chain stops it;
 * the chain is shorter than ``MAX_CHAIN_LENGTH``.
+
+The region then ends at the last value of the longest prefix whose earlier values are read only
+inside it (a value read outside, such as a graph output, can only be the region's result).
 
 A batch norm with running statistics (eval mode) joins the chain as a per-channel ``mul`` and
 ``add``, their operands computed from its statistics when the region is rewritten
@@ -21,7 +26,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -30,7 +35,7 @@ from ..frontend.canonical import BatchNorm, Conv, Opaque, ParamRef, Pointwise, P
 from ..frontend.normalize import describe_target
 from ..match.engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
-from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, PointwiseKind, TensorRef
+from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, ChainValue, PointwiseKind, TensorRef
 from ..ops.config import ConvEpilogueConfig
 from ..report import Match, NearMiss, ReasonKind
 
@@ -53,8 +58,9 @@ class EpilogueRegion:
 class ConvEpiloguePattern(Pattern):
     name = "conv_epilogue"
     priority = 100
-    description = ("conv/conv-transpose (1-3d) → chain of pointwise ops with scalar or per-channel operands and "
-                   "eval-mode batch norms (folded into per-channel scale and shift) → optional max/avg pool")
+    description = ("conv/conv-transpose (1-3d) → chain of pointwise ops with scalar, per-channel or earlier "
+                   "chain values as operands, and eval-mode batch norms (folded into per-channel scale and shift) "
+                   "→ optional max/avg pool")
 
     def find(self, ctx: MatchContext) -> Iterator[Union[Candidate, NearMiss]]:
         for conv in ctx.convs():
@@ -72,10 +78,12 @@ class ConvEpiloguePattern(Pattern):
             return miss(anchor, ReasonKind.DIMENSION_MISMATCH, f"unbatched conv input (output rank {y.dim()})")
 
         region = EpilogueRegion(conv, [], [], [], None)
+        chain = _ChainValues(anchor)
         stop: Optional[NearMiss] = None
         current = anchor
         while True:
-            user, why = ctx.sole_user(current)
+            chain.prefix_ends_at(current, region)
+            user, why = chain.next_user(ctx, current)
             if user is None:
                 stop = miss(current, ReasonKind.SHARED_INTERMEDIATE, why)
                 break
@@ -94,20 +102,20 @@ class ConvEpiloguePattern(Pattern):
                 region.operands += _folded_operands(ctx, op, conv.spec.spatial_dims)
                 region.step_nodes.append(user)
                 region.labels.append("batch_norm (folded)")
-                current = user
+                current = chain.computed(user, len(region.steps))
                 continue
             if isinstance(op, Pointwise):
                 if len(region.steps) == MAX_CHAIN_LENGTH:
                     stop = miss(user, ReasonKind.CHAIN_TOO_LONG, f"the fused chain holds at most {MAX_CHAIN_LENGTH} ops")
                     break
-                step = self._step(ctx, op, current, region, y)
+                step = self._step(ctx, op, current, region, y, chain)
                 if isinstance(step, NearMiss):
                     stop = step
                     break
                 region.steps.append(step)
                 region.step_nodes.append(user)
-                region.labels.append(step.kind.name.lower())
-                current = user
+                region.labels.append(chain.label(step))
+                current = chain.computed(user, len(region.steps))
                 continue
             if isinstance(op, Pool):
                 stop = self._pool(ctx, op, conv, region, miss)
@@ -115,6 +123,11 @@ class ConvEpiloguePattern(Pattern):
             description = op.description if isinstance(op, Opaque) else describe_target(user)
             stop = miss(user, ReasonKind.UNSUPPORTED_OP, f"`{user.name}` ({description}) is not a fusible pointwise op or pool")
             break
+        if region.pool is None or not chain.closed(region.pool.node):
+            region.pool = None
+            current, read_outside = chain.longest_closed_prefix(region)
+            if read_outside is not None:
+                stop = miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, chain.outside_users(read_outside))
 
         if not region.steps and region.pool is None:
             if stop is None or [u.op for u in anchor.users] == ["output"]:
@@ -128,7 +141,8 @@ class ConvEpiloguePattern(Pattern):
         notes = [stop] if stop is not None and region.pool is None and not natural_end else []
         return Candidate(self.name, anchor, nodes, region, _summary(conv, region), notes)
 
-    def _step(self, ctx: MatchContext, op: Pointwise, flowing: fx.Node, region: EpilogueRegion, y) -> Union[ChainStep, NearMiss]:
+    def _step(self, ctx: MatchContext, op: Pointwise, flowing: fx.Node, region: EpilogueRegion, y,
+              chain: _ChainValues) -> Union[ChainStep, NearMiss]:  # fmt: skip
         anchor = region.conv.node
         seen = op.with_flowing(flowing)
         if isinstance(seen, str):
@@ -140,12 +154,12 @@ class ConvEpiloguePattern(Pattern):
                                  f"`{op.node.name}` changes the shape (an operand broadcasts the result)")
         if out.dtype not in FUSED_DTYPES:
             return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_DTYPE, f"`{op.node.name}` yields {out.dtype}")
-        # An operand cannot be computed from the region: that would need a second user of a region
-        # node, and the chain already stops at any value with two users.
         operands = []
         trial = list(region.operands)
-        for value in values:
-            got = ctx.classify_operand(value, y, trial)
+        for i, value in enumerate(values):
+            got = chain.operand(value, kind, i)
+            if got is None:
+                got = ctx.classify_operand(value, y, trial)
             if isinstance(got, str):
                 return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND, got)
             operands.append(got)
@@ -196,6 +210,101 @@ class ConvEpiloguePattern(Pattern):
             ctx, candidate, conv, region.operands, op_module.conv_epilogue, config, "fusion::conv_epilogue_fwd",
             op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type), cast_inputs=not absorb,
         )
+
+
+class _ChainValues:
+    """What a growing chain has computed, so that it may read a value again (a DAG epilogue:
+    ``y * torch.sigmoid(2 * y)``, ``y + torch.tanh(y)``).
+
+    * ``position[node]``: the step whose input the region node is (``ChainValue(position)``);
+    * ``downstream``: every node computed from the conv output; one of them outside the chain cannot be
+      an operand (the fused op would read its own result);
+    * the prefixes the region could end at: a region may end at a node only if no node before it is
+      read outside the region (``longest_closed_prefix``).
+    """
+
+    def __init__(self, anchor: fx.Node) -> None:
+        self.position: dict[fx.Node, int] = {anchor: 0}
+        self.held: list[fx.Node] = [anchor]
+        self.downstream = _computed_from(anchor)
+        self._prefixes: list[tuple[fx.Node, int, int, int, int]] = []
+
+    def prefix_ends_at(self, current: fx.Node, region: EpilogueRegion) -> None:
+        self._prefixes.append((current, len(region.steps), len(region.step_nodes), len(region.operands),
+                               len(region.labels)))
+
+    def computed(self, node: fx.Node, steps: int) -> fx.Node:
+        """Record ``node`` as the chain's value after its first ``steps`` steps; returns it."""
+        self.position[node] = steps
+        self.held.append(node)
+        return node
+
+    def label(self, step: ChainStep) -> str:
+        """The step's kind, with the earlier value it reads again: ``add(conv2d)``."""
+        reads = [o for o in step.operands if isinstance(o, ChainValue)]
+        if not reads:
+            return step.kind.name.lower()
+        node = next(n for n, p in self.position.items() if p == reads[0].position)
+        return f"{step.kind.name.lower()}({node.name})"
+
+    def operand(self, value: Any, kind: PointwiseKind, index: int) -> Union[ChainValue, str, None]:
+        """``ChainValue`` for a value the chain holds, a reason for one computed from the conv output
+        outside the chain, None for anything else (an outside operand)."""
+        if not isinstance(value, fx.Node) or (value not in self.position and value not in self.downstream):
+            return None
+        if value not in self.position:
+            return f"operand `{value.name}` is computed from the conv output outside the chain"
+        if index not in kind.differentiable_operands:
+            return f"{kind.name.lower()} cannot read the chain's own value `{value.name}` as operand {index}"
+        return ChainValue(self.position[value])
+
+    def next_user(self, ctx: MatchContext, current: fx.Node) -> tuple[Optional[fx.Node], str]:
+        """The op the chain continues with: ``current``'s only user, or of several users the only
+        fusible one whose other inputs the chain holds (the others must join later); else
+        ``(None, why)``."""
+        user, why = ctx.sole_user(current)
+        if user is not None:
+            return user, ""
+        ready = [u for u in current.users if u.op != "output" and isinstance(ctx.op(u), (Pointwise, BatchNorm, Pool))
+                 and all(n in self.position or n not in self.downstream for n in u.all_input_nodes)]
+        if len(ready) == 1:
+            return ready[0], ""
+        return None, why + (" (the chain would branch)" if len(ready) > 1 else "")
+
+    def closed(self, result: fx.Node) -> bool:
+        """Whether the held nodes and ``result`` form a region whose only value read outside is ``result``."""
+        inside = set(self.held) | {result}
+        return all(u in inside for n in inside if n is not result for u in n.users)
+
+    def longest_closed_prefix(self, region: EpilogueRegion) -> tuple[fx.Node, Optional[fx.Node]]:
+        """Cut ``region`` back to its longest prefix that is ``closed``: ``(its result, the first node
+        of the whole region read outside it)`` (None when the whole chain was closed)."""
+        whole = set(self.held)
+        read_outside = next((n for n in self.held[:-1] if any(u not in whole for u in n.users)), None)
+        for current, steps, step_nodes, operands, labels in reversed(self._prefixes):
+            inside = set(self.held[:step_nodes + 1])
+            if all(u in inside for n in inside if n is not current for u in n.users):
+                del region.steps[steps:], region.step_nodes[step_nodes:], region.operands[operands:]
+                del region.labels[labels:]
+                self.held = self.held[:step_nodes + 1]
+                return current, read_outside
+        raise AssertionError("the conv output alone is always a closed region")
+
+    @staticmethod
+    def outside_users(node: fx.Node) -> str:
+        return f"`{node.name}` is read again outside the chain (by " + ", ".join(
+            "the graph output" if u.op == "output" else f"`{u.name}`" for u in node.users) + ")"
+
+
+def _computed_from(anchor: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = list(anchor.users)
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.users)
+    return seen
 
 
 def _unfoldable(bn: BatchNorm, flowing: fx.Node, y: torch.Tensor) -> Optional[str]:

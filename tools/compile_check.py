@@ -5,7 +5,7 @@
         [--tiles T;...] [--dgrad-tiles T;...] [--wgrad-tiles T;...]
 
 KERNEL (a job; none: all): ``conv_fused``, ``conv_dense``, ``conv_fused_bwd``, ``conv_phase_aligned_bwd``,
-``global_mean``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
+``epilogue``, ``global_mean``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
 compile for the GPU; on ``conv_global_mean``'s default path such a kernel makes the op fall back to
 the slow torch reference (with one warning).  Run this after every change to a kernel.
 
@@ -50,6 +50,10 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
   (weight-grad partials -> taps) for ``convt3d`` (as above, its MaxPool3d(2) gradient in implicit form
   with an fp32 ``g_win``); ``fp32`` (TF32), ``bf16``, ``fp16``; ``-cl``: channels-last.  Cases
   ``convt3d-{fp32,bf16,fp16}[-cl]``; default ``convt3d-fp32``, ``convt3d-bf16``.
+* ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
+  the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
+  pool, a max or an avg pool; ``fp32``, ``bf16``.  Cases ``{none,max,avg}-{fp32,bf16}``, all by default.
+  In this job a spill fails the compile.
 * ``global_mean``: every CUDA-path kernel of ``kernels/global_mean/``: the launchers
   ``set_sums_partial``, ``contract_forward``, ``params_backward`` and ``grad_broadcast`` called as
   the op does for the ``seeds`` suite's global-mean pipeline (x (16, 64, 512, 512), ConvTranspose2d
@@ -113,15 +117,16 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from seed_convs import seed_conv  # noqa: E402
 
-from fusion_backend.ir.specs import ConvSpec  # noqa: E402
+from fusion_backend.ir.specs import ConvSpec, PoolSpec  # noqa: E402
 from fusion_backend.kernels import conv_dense as CD  # noqa: E402
 from fusion_backend.kernels import conv_fused as CF  # noqa: E402
 from fusion_backend.kernels import conv_fused_bwd as FB  # noqa: E402
 from fusion_backend.kernels import conv_phase_aligned_bwd as S  # noqa: E402
+from fusion_backend.kernels import epilogue as EP  # noqa: E402
 from fusion_backend.kernels import global_mean as GM  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
-from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef  # noqa: E402
+from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef  # noqa: E402
 from fusion_backend.ops.config import ConvEpilogueConfig  # noqa: E402
 
 H100_SMS = 132
@@ -137,6 +142,33 @@ FORWARD_DTYPES = {
     "amp": (torch.float32, "bfloat16"),
 }
 BACKWARD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+#: The epilogue job's chain: mul(m) -> tanh -> add(conv output) -> mul(itself) -> leaky_relu(0.01), a
+#: chain that reads earlier values again (codes from ``ops.chain.kernel_code``).
+EPILOGUE_CHAIN = (
+    ChainStep(PointwiseKind.MUL, (TensorRef(0),)), ChainStep(PointwiseKind.TANH),
+    ChainStep(PointwiseKind.ADD, (ChainValue(0),)), ChainStep(PointwiseKind.MUL, (ChainValue(3),)),
+    ChainStep(PointwiseKind.LEAKY_RELU, (Const(0.01),)),
+)
+
+
+def epilogue_pass(pool: str, dtype: str) -> None:
+    """``kernels/epilogue.py``'s forward (training: saving the backward's state) and backward on the
+    ``seeds`` Conv2d's output (64, 64, 254, 254) with ``EPILOGUE_CHAIN`` and no pool, a 2x2 max pool or a
+    3x3 stride-2 avg pool."""
+    dt = BACKWARD_DTYPES[dtype]
+    y = torch.empty(64, 64, 254, 254, dtype=dt)
+    spec = {"none": None, "max": PoolSpec("max", (2, 2)), "avg": PoolSpec("avg", (3, 3), (2, 2), (1, 1))}[pool]
+    out_shape = y.shape if spec is None else (64, 64, 127, 127)
+    cfg = ConvEpilogueConfig(conv=ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1), chain=EPILOGUE_CHAIN, pool=spec)
+    steps = ce.common.kernel_steps(cfg, [torch.ones(64, 1, 1)], y.dim(), 64)
+    bias, out = torch.zeros(64, dtype=dt), torch.empty(out_shape, dtype=dt)
+    winner = torch.empty(out_shape, dtype=torch.int8) if pool == "max" else None
+    winner_y = torch.empty(out_shape, dtype=dt) if pool == "max" else None
+    EP.epilogue_forward(y, bias, steps, spec, out, winner, winner_y, torch.empty_like(y) if spec is None else None)
+    EP.epilogue_backward(torch.empty(out_shape, dtype=dt), None if pool == "max" else y, winner, winner_y, bias,
+                         steps, spec, torch.empty_like(y), [True] + [False] * (len(steps) - 1), True)
 
 
 def conv_epilogue_forward(workload: str, dtype: str, save: bool) -> None:
@@ -335,6 +367,11 @@ JOBS = {job.name: job for job in (
         ("convt3d-fp32", "convt3d-bf16"),
         (TiledKernel("phase_aligned_dgrad_kernel", PHASE_ALIGNED_FIELDS, "dgrad_tiles", phase_aligned_tiles(S.plan._DGRAD_TILES), phase_aligned_rates),
          TiledKernel("phase_aligned_wgrad_kernel", PHASE_ALIGNED_FIELDS, "wgrad_tiles", phase_aligned_tiles(S.plan._WGRAD_TILES), phase_aligned_rates)),
+    ),
+    Job(
+        "epilogue", "kernels/epilogue.py: the epilogue kernels' forward and backward (a DAG chain, each pool kind)",
+        {f"{p}-{d}": partial(epilogue_pass, p, d) for p in ("none", "max", "avg") for d in ("fp32", "bf16")},
+        spills_fail=True,
     ),
     Job(
         "global_mean", "kernels/global_mean/: the conv_global_mean pipeline (ConvTranspose2d 64->128 global mean)",

@@ -54,9 +54,11 @@ class Pointwise:
         """Return ``(kind, operands)`` seen from ``flowing``, or a sentence saying why not.
 
         Commutative ops (mul, add, minimum, maximum) accept the flowing tensor on either side; ``a - x`` becomes ``rsub`` and
-        ``a / x`` becomes ``rdiv``.  Non-arithmetic ops need the flowing tensor first.
+        ``a / x`` becomes ``rdiv``; ``x * x`` has ``x`` as its operand.  Non-arithmetic ops need the flowing tensor first.
         """
         positions = [i for i, a in enumerate(self.args) if a is flowing]
+        if positions == [0, 1] and len(self.args) == 2:  # y * y, y + y, ...: the operand is the flowing tensor too
+            return self.kind, (flowing,)
         if len(positions) != 1:
             return "the flowing tensor is used as more than one operand" if positions else "the flowing tensor is not an operand"
         pos = positions[0]

@@ -7,6 +7,9 @@ semantics, PyTorch's avg-pool divisor, and the launch constexprs of a chain.
 * Every operand value lives in one small fp32 matrix ``P`` of shape ``(NUM_PARAM_ROWS, C)``: row
   ``BIAS_ROW`` holds the bias, rows ``1 + 2*k`` and ``2 + 2*k`` the first and second operand of slot
   ``k``, each expanded over the ``C`` output channels (``load_operands`` reads them).
+* A slot may read an earlier chain value as its first operand instead of its operand row (a DAG
+  epilogue such as ``y * sigmoid(y)``): its code then carries the source (``SOURCE_STRIDE``), and
+  ``chain_slot_inputs`` / ``chain_backward`` route the value and its gradient.
 * All arithmetic is fp32 whatever the storage dtype.
 """
 
@@ -27,6 +30,10 @@ BIAS_ROW = 0
 NUM_PARAM_ROWS = 1 + 2 * MAX_SLOTS
 #: Rows of the backward partial-sum buffer: one per slot (its first operand), then the bias.
 NUM_GRAD_ROWS = MAX_SLOTS + 1
+#: An op code past this stride names where its slot's first operand comes from: ``code // SOURCE_STRIDE - 1``
+#: is the slot whose input (an earlier chain value) it reads instead of its operand row; ``code %
+#: SOURCE_STRIDE`` is the op (mirrors ``ops.chain.SOURCE_STRIDE``; the jit functions spell it 32).
+SOURCE_STRIDE = 32
 #: Largest pool window the kernels unroll; larger windows go to the reference implementation.
 #: NOTE: windows are fully unrolled (``tl.static_range``) together with the chain, so compile time
 #: and code size grow with the window volume; 64 covers 4x4x4 / 8x8 windows.
@@ -256,19 +263,73 @@ def step_backward(g, v, a, b, OP: tl.constexpr):
 
 
 @triton.jit
+def _slot_operand(a, OP: tl.constexpr, values):
+    """A slot's first operand: ``a`` (its operand row), or for a code past ``SOURCE_STRIDE`` the chain's
+    value before slot ``OP // SOURCE_STRIDE - 1`` (``values``: the inputs of the slots up to this one)."""
+    if OP >= 32:
+        a = values[OP // 32 - 1]
+    return a
+
+
+@triton.jit
 def chain_slot_inputs(v, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
                       OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
                       OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr):  # fmt: skip
-    """The input of every slot of the chain applied to ``v``: ``(v0, ..., v7)`` with ``v0 = v`` (what a
-    backward walks back through)."""
-    v1 = step_forward(v, a0, b0, OP0)
-    v2 = step_forward(v1, a1, b1, OP1)
-    v3 = step_forward(v2, a2, b2, OP2)
-    v4 = step_forward(v3, a3, b3, OP3)
-    v5 = step_forward(v4, a4, b4, OP4)
-    v6 = step_forward(v5, a5, b5, OP5)
-    v7 = step_forward(v6, a6, b6, OP6)
-    return v, v1, v2, v3, v4, v5, v6, v7
+    """The chain applied to ``v``: the input of every slot and every slot's first operand,
+    ``(v0, ..., v7, a0, ..., a7)`` with ``v0 = v`` (a backward walks back through them).  A slot whose
+    code reads an earlier chain value gets it as its first operand (``_slot_operand``)."""
+    a0 = _slot_operand(a0, OP0, (v,))
+    v1 = step_forward(v, a0, b0, OP0 % 32)
+    a1 = _slot_operand(a1, OP1, (v, v1))
+    v2 = step_forward(v1, a1, b1, OP1 % 32)
+    a2 = _slot_operand(a2, OP2, (v, v1, v2))
+    v3 = step_forward(v2, a2, b2, OP2 % 32)
+    a3 = _slot_operand(a3, OP3, (v, v1, v2, v3))
+    v4 = step_forward(v3, a3, b3, OP3 % 32)
+    a4 = _slot_operand(a4, OP4, (v, v1, v2, v3, v4))
+    v5 = step_forward(v4, a4, b4, OP4 % 32)
+    a5 = _slot_operand(a5, OP5, (v, v1, v2, v3, v4, v5))
+    v6 = step_forward(v5, a5, b5, OP5 % 32)
+    a6 = _slot_operand(a6, OP6, (v, v1, v2, v3, v4, v5, v6))
+    v7 = step_forward(v6, a6, b6, OP6 % 32)
+    a7 = _slot_operand(a7, OP7, (v, v1, v2, v3, v4, v5, v6, v7))
+    return v, v1, v2, v3, v4, v5, v6, v7, a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _slot_backward(g, K: tl.constexpr, v, a, b, gas, OP: tl.constexpr, OPS: tl.constexpr):
+    """Slot ``K``'s step (code ``OP``) walked back from ``g``, the gradient of its result: ``(d/d its
+    input, d/d its first operand)``.  The input's gradient includes the first-operand gradients of the
+    slots that read this input again (its own, and of the later slots in ``gas``, every slot's ``d/da``
+    with the later ones computed); ``OPS``: every slot's code."""
+    g, ga = step_backward(g, v, a, b, OP % 32)
+    if OP // 32 == K + 1:
+        g = g + ga
+    for m in tl.static_range(K + 1, len(OPS)):
+        if OPS[m] // 32 == K + 1:
+            g = g + gas[m]
+    return g, ga
+
+
+@triton.jit
+def chain_backward(g, v0, v1, v2, v3, v4, v5, v6, v7, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6,
+                   a7, b7, OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
+                   OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr):  # fmt: skip
+    """Walk the chain back from the gradient ``g`` of its result, given the slot inputs and first
+    operands of ``chain_slot_inputs``: ``(d/dv0, d/da0, ..., d/da7)``.  Where a slot's first operand is an
+    earlier chain value, its gradient joins that value's (autograd sums the gradients of a value read
+    twice); that slot's ``d/da`` is no operand row's gradient."""
+    OPS = (OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)
+    ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    g, ga7 = _slot_backward(g, 7, v7, a7, b7, (ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7), OP7, OPS)
+    g, ga6 = _slot_backward(g, 6, v6, a6, b6, (ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7), OP6, OPS)
+    g, ga5 = _slot_backward(g, 5, v5, a5, b5, (ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7), OP5, OPS)
+    g, ga4 = _slot_backward(g, 4, v4, a4, b4, (ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7), OP4, OPS)
+    g, ga3 = _slot_backward(g, 3, v3, a3, b3, (ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7), OP3, OPS)
+    g, ga2 = _slot_backward(g, 2, v2, a2, b2, (ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7), OP2, OPS)
+    g, ga1 = _slot_backward(g, 1, v1, a1, b1, (ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7), OP1, OPS)
+    g, ga0 = _slot_backward(g, 0, v0, a0, b0, (ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7), OP0, OPS)
+    return g, ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7
 
 
 @triton.jit
@@ -276,9 +337,9 @@ def chain_forward(v, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7,
                OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
                OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr):  # fmt: skip
     """The whole chain applied to ``v``."""
-    _, _, _, _, _, _, _, v7 = chain_slot_inputs(v, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
-                                                OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
-    return step_forward(v7, a7, b7, OP7)
+    _, _, _, _, _, _, _, v7, _, _, _, _, _, _, _, a7 = chain_slot_inputs(
+        v, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+    return step_forward(v7, a7, b7, OP7 % 32)
 
 
 @triton.jit
@@ -314,6 +375,6 @@ _KNOWN_CODES = frozenset(OP_CODES.values())
 def op_constexprs(steps: Sequence[KernelStep]) -> dict[str, int]:
     codes = [int(code) for code, _ in steps] + [0] * (MAX_SLOTS - len(steps))
     for code in codes:
-        if code != 0 and code not in _KNOWN_CODES:
+        if code != 0 and (code % SOURCE_STRIDE not in _KNOWN_CODES or code // SOURCE_STRIDE > MAX_SLOTS):
             raise ValueError(f"unknown op code {code}")
     return {f"OP{k}": code for k, code in enumerate(codes)}

@@ -45,11 +45,11 @@ from .chain_math import (
     KernelStep,
     OperandValue,
     avg_divisor,
+    chain_backward,
     chain_forward,
     chain_slot_inputs,
     load_chain_operands,
     op_constexprs,
-    step_backward,
 )
 from .host import BoundedCache, cdiv, lift_5d, next_pow2, persistent_device_copies, tensor_key
 from .launch import FastLaunch
@@ -307,17 +307,12 @@ def _epilogue_bwd_kernel(
     if HAS_BIAS:
         y = y + bias
 
-    # Recompute the chain's intermediates (the input of each slot), then walk back.
-    v0, v1, v2, v3, v4, v5, v6, v7 = chain_slot_inputs(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6,
-                                                       a7, b7, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
-    g, ga7 = step_backward(g, v7, a7, b7, OP7)
-    g, ga6 = step_backward(g, v6, a6, b6, OP6)
-    g, ga5 = step_backward(g, v5, a5, b5, OP5)
-    g, ga4 = step_backward(g, v4, a4, b4, OP4)
-    g, ga3 = step_backward(g, v3, a3, b3, OP3)
-    g, ga2 = step_backward(g, v2, a2, b2, OP2)
-    g, ga1 = step_backward(g, v1, a1, b1, OP1)
-    g, ga0 = step_backward(g, v0, a0, b0, OP0)
+    # Recompute the chain's intermediates (the input and first operand of each slot), then walk back.
+    v0, v1, v2, v3, v4, v5, v6, v7, a0, a1, a2, a3, a4, a5, a6, a7 = chain_slot_inputs(
+        y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+    g, ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7 = chain_backward(
+        g, v0, v1, v2, v3, v4, v5, v6, v7, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+        OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
     g = tl.where(active, g, 0.0)
     tl.store(gy_ptr + gy_off, g.to(gy_ptr.dtype.element_ty), mask=mask)
 

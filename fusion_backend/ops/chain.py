@@ -1,9 +1,12 @@
 """The catalogue of pointwise ops that a fused chain may contain.
 
 A chain is a sequence of ``ChainStep``s applied to one flowing tensor ``v`` (the conv output).  Each
-step has a ``PointwiseKind`` and a tuple of operands; an operand is either a Python number baked into
-the static configuration (``Const``) or a reference to one of the fused op's tensor operands
-(``TensorRef``: a 0-d tensor or a per-channel tensor, broadcastable as (C,1,...,1) or (1,C,1,...,1)).
+step has a ``PointwiseKind`` and a tuple of operands; an operand is a Python number baked into the
+static configuration (``Const``), a reference to one of the fused op's tensor operands (``TensorRef``:
+a 0-d tensor or a per-channel tensor, broadcastable as (C,1,...,1) or (1,C,1,...,1)), or, for the
+first operand of a kind whose first operand is differentiable, the chain's own value before an earlier
+step (``ChainValue``), which makes the chain a DAG: ``y * torch.sigmoid(2 * y)`` is
+``[mul(2), sigmoid, mul(ChainValue(0))]``.
 
 This module is the single source of truth for:
   * which ops exist and how many operands each takes (``PointwiseKind.arity``),
@@ -106,7 +109,15 @@ class TensorRef:
     index: int
 
 
-Operand = Union[Const, TensorRef]
+@dataclass(frozen=True)
+class ChainValue:
+    """The chain's value before step ``position`` (0: the conv output, bias included), read again by
+    a later step.  ``ChainValue(i)`` as an operand of step ``i`` itself is the flowing value (``y * y``)."""
+
+    position: int
+
+
+Operand = Union[Const, TensorRef, ChainValue]
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,50 @@ class ChainStep:
             raise ValueError(
                 f"{self.kind.name.lower()} takes {self.kind.arity} operand(s), got {len(self.operands)}"
             )
+        for i, operand in enumerate(self.operands):
+            if isinstance(operand, ChainValue) and i not in self.kind.differentiable_operands:
+                raise ValueError(f"{self.kind.name.lower()} cannot take a chain value as operand {i}")
+
+
+def check_chain(chain: Sequence[ChainStep]) -> None:
+    """Raise ``ValueError`` unless every ``ChainValue`` names a value the chain has computed."""
+    if len(chain) > MAX_CHAIN_LENGTH:
+        raise ValueError(f"a chain holds at most {MAX_CHAIN_LENGTH} steps, got {len(chain)}")
+    for i, step in enumerate(chain):
+        for operand in step.operands:
+            if isinstance(operand, ChainValue) and not 0 <= operand.position <= i:
+                raise ValueError(f"step {i} ({step.kind.name.lower()}) reads the chain's value before step "
+                                 f"{operand.position}, which it has not computed")
+
+
+#: A kernel op code is ``kind.code + SOURCE_STRIDE * (position + 1)`` when the step's first operand is
+#: ``ChainValue(position)``, plain ``kind.code`` otherwise (``kernels/chain_math.py`` decodes it).
+SOURCE_STRIDE = 32
+
+
+def kernel_code(step: ChainStep) -> int:
+    """The step's op code as the Triton kernels take it (``SOURCE_STRIDE``)."""
+    first = step.operands[0] if step.operands else None
+    if isinstance(first, ChainValue):
+        return step.kind.code + SOURCE_STRIDE * (first.position + 1)
+    return step.kind.code
+
+
+def operand_values(step: ChainStep, operands: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                   detach_fixed: bool = True) -> list[torch.Tensor | float]:
+    """The values of ``step``'s operands: numbers, ``operands[i]`` for a ``TensorRef`` (detached where
+    the kind takes no gradient, unless ``detach_fixed`` is off), ``inputs[j]`` for ``ChainValue(j)``
+    (``inputs``: the chain's value before each step so far, the current one last)."""
+    values: list[torch.Tensor | float] = []
+    for j, operand in enumerate(step.operands):
+        if isinstance(operand, Const):
+            values.append(operand.value)
+        elif isinstance(operand, ChainValue):
+            values.append(inputs[operand.position])
+        else:
+            t = operands[operand.index]
+            values.append(t if not detach_fixed or j in step.kind.differentiable_operands else t.detach())
+    return values
 
 
 def _gelu_tanh(v: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..ir.specs import ConvSpec, PoolSpec
-from .chain import ChainStep, Const, Operand, PointwiseKind, TensorRef
+from .chain import ChainStep, ChainValue, Const, Operand, PointwiseKind, TensorRef, check_chain
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,9 @@ class ConvEpilogueConfig:
     strict: bool = False
     compute_dtype: Optional[str] = None
 
+    def __post_init__(self) -> None:
+        check_chain(self.chain)
+
     def __hash__(self) -> int:
         # Cached: configs key the op's per-call host caches, and hashing the nested fields costs
         # ~10 us per call (measured with cProfile).  Equal configs still hash equal.
@@ -62,12 +65,16 @@ class ConvEpilogueConfig:
 def _operand_to_dict(op: Operand) -> dict[str, Any]:
     if isinstance(op, Const):
         return {"const": op.value}
+    if isinstance(op, ChainValue):
+        return {"chain_value": op.position}
     return {"tensor": op.index}
 
 
 def _operand_from_dict(d: dict[str, Any]) -> Operand:
     if "const" in d:
         return Const(float(d["const"]))
+    if "chain_value" in d:
+        return ChainValue(int(d["chain_value"]))
     return TensorRef(int(d["tensor"]))
 
 

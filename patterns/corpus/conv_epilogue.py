@@ -13,16 +13,17 @@ def _x(*shape: int) -> list[torch.Tensor]:
     return [torch.randn(*shape)]
 
 
-class _Residual(nn.Module):
-    """A residual add reads the conv output a second time: the chain cannot absorb it."""
+class _ReadsConvTwice(nn.Module):
+    """``join(y)`` reads the conv output ``y`` twice: a residual ``y + relu(y)`` is a DAG epilogue;
+    ``relu(y) + tanh(y)``, two branches, is more than one chain can carry."""
 
-    def __init__(self) -> None:
+    def __init__(self, join) -> None:
         super().__init__()
         self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.join = join
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.conv(x)
-        return y + torch.relu(y)
+        return self.join(self.conv(x))
 
 
 class _Swish(nn.Module):
@@ -97,6 +98,9 @@ CASES = [
                regions=("conv3d -> leaky_relu -> max_pool3d",)),
     CorpusCase("wav2vec_conv1d_gelu", lambda: (nn.Sequential(nn.Conv1d(8, 16, 5, padding=2), nn.GELU()), _x(2, 8, 40)),
                regions=("conv1d -> gelu",)),
+    CorpusCase("residual_reads_conv_twice",
+               lambda: (_ReadsConvTwice(lambda y: y + torch.relu(y)), _x(2, 8, 12, 12)),
+               regions=("conv2d -> relu -> add(conv2d)",)),
     CorpusCase("learned_clamp_floor", lambda: (_LearnedClamp(), _x(2, 3, 12, 12)),
                regions=("conv2d -> clamp_min -> relu",)),
     # near misses
@@ -110,6 +114,7 @@ CASES = [
     CorpusCase("min_over_channels", lambda: (_ChannelMin(), _x(2, 3, 12, 12)), near_misses=(("conv_epilogue", "unsupported_op", "amin"),)),
     CorpusCase("learned_clamp_band", lambda: (_LearnedBand(), _x(2, 3, 12, 12)),
                near_misses=(("conv_epilogue", "unsupported_operand", "requires grad"),)),
-    CorpusCase("residual_reads_conv_twice", lambda: (_Residual(), _x(2, 8, 12, 12)),
-               near_misses=(("conv_epilogue", "shared_intermediate", "is used by"),)),
+    CorpusCase("two_branches_of_the_conv_output",
+               lambda: (_ReadsConvTwice(lambda y: torch.relu(y) + torch.tanh(y)), _x(2, 8, 12, 12)),
+               near_misses=(("conv_epilogue", "shared_intermediate", "the chain would branch"),)),
 ]

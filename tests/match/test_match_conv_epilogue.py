@@ -91,9 +91,44 @@ def test_symbolically_traced_graph_with_call_module_nodes_matches():
 # Rejections: every reason the family records.
 
 
-def test_shared_conv_output_is_a_near_miss_naming_the_other_user():
-    misses = assert_not_fused(Chain(lambda s, y: F.relu(y) + y), X2, "conv_epilogue", reason="shared_intermediate")
+def test_two_branches_of_the_conv_output_are_a_near_miss_naming_both_users():
+    misses = assert_not_fused(Chain(lambda s, y: F.relu(y) + torch.tanh(y)), X2, "conv_epilogue",
+                              reason="shared_intermediate")
     assert "is used by" in misses[0].message and "test_match_conv_epilogue.py" in misses[0].message
+    assert "the chain would branch" in misses[0].message
+
+
+@pytest.mark.parametrize("body, summary", [
+    (lambda s, y: F.relu(y) + y, "conv2d -> relu -> add(conv2d)"),
+    (lambda s, y: y * torch.sigmoid(2 * y), "conv2d -> mul -> sigmoid -> mul(conv2d)"),
+    (lambda s, y: y * y, "conv2d -> mul(conv2d)"),
+    (lambda s, y: torch.maximum(torch.tanh(y) * s.m, y) - 1, "conv2d -> tanh -> mul -> maximum(conv2d) -> sub"),
+    (lambda s, y: (lambda z: z / (torch.relu(z) + 1))(y * s.m), "conv2d -> mul -> relu -> add -> rdiv(mul)"),
+], ids=["residual", "quick-gelu-like", "square", "maximum", "reads-a-later-value"])
+def test_a_value_the_chain_computed_may_be_read_again_as_an_operand(body, summary):
+    assert [r[1] for r in regions(Chain(body))] == [summary]
+
+
+def test_a_value_read_again_outside_the_chain_is_where_the_region_ends():
+    """``w`` also goes to the graph output: the region cannot end after the tanh that reads it, so it
+    ends at ``w`` (its result); ``relu(y)`` alone could not end it, as ``w`` reads ``y`` again."""
+    def body(s, y):
+        w = F.relu(y) * y
+        return torch.tanh(w), w
+
+    result = dry_run(Chain(body), X2, patterns=["conv_epilogue"])
+    assert [r[1] for r in result.regions] == ["conv2d -> relu -> mul(conv2d)"]
+    (note,) = result.near_misses
+    assert note.reason.value == "shared_intermediate" and "read again outside the chain" in note.message
+    misses = assert_not_fused(Chain(lambda s, y: (lambda z: (z * y, z))(F.relu(y))), X2, "conv_epilogue",
+                              reason="shared_intermediate")
+    assert "read again outside the chain" in misses[0].message
+
+
+def test_a_value_the_conv_output_feeds_outside_the_chain_is_no_operand():
+    misses = assert_not_fused(Chain(lambda s, y: torch.relu(y) * torch.amax(y, (0, 2, 3), keepdim=True)), X2,
+                              "conv_epilogue", reason="shared_intermediate")
+    assert "`conv2d` is read again outside the chain (by `relu`, `amax`)" in misses[0].message
 
 
 def test_chain_stops_before_a_shared_intermediate_which_is_still_produced():
@@ -126,10 +161,9 @@ def test_conv_alone_has_no_epilogue():
     [
         lambda s, y: y * torch.ones(8, device=y.device),  # broadcast along the last dim
         lambda s, y: y * torch.ones(8, 1, device=y.device),  # varies along H, not C
-        lambda s, y: y * y,  # the flowing tensor twice
         lambda s, y: y * torch.ones(2, 4, 1, 1),  # batch-dependent operand
     ],
-    ids=["last-dim", "rank-2", "square", "per-batch"],
+    ids=["last-dim", "rank-2", "per-batch"],
 )
 def test_operands_that_are_not_scalar_or_per_channel_are_rejected(body):
     assert_not_fused(Chain(body), X2, "conv_epilogue", reason="unsupported_operand")

@@ -90,6 +90,32 @@ def test_fused_forward_module_and_parity(forward_kernels_run, name):
     assert forward_kernels_run and set(forward_kernels_run) == {expected}
 
 
+class DagChain(nn.Module):
+    """conv → z = y + tanh(y) → maximum(z * z, y), optionally max-pooled: slots that read earlier chain values."""
+
+    def __init__(self, conv: nn.Module, pool: bool) -> None:
+        super().__init__()
+        self.conv, self.pool = conv, pool
+
+    def forward(self, x):
+        y = self.conv(x)
+        z = y + torch.tanh(y)
+        out = torch.maximum(z * z, y)
+        return torch.nn.functional.max_pool2d(out, 2) if self.pool else out
+
+
+@pytest.mark.parametrize("conv, pool, expected", [
+    (nn.Conv2d(3, 4, 3, padding=1), False, "conv_dense"),
+    (nn.Conv2d(3, 4, 3, stride=2), True, "conv_fused"),
+    (nn.ConvTranspose2d(3, 4, 3, stride=2), True, "conv_fused"),
+], ids=["dense", "strided-maxpool", "transposed-maxpool"])
+def test_fused_forward_kernels_read_chain_values_again(forward_kernels_run, conv, pool, expected):
+    torch.manual_seed(2)
+    assert_fused(DagChain(conv, pool).to(DEVICE), [torch.randn(2, 3, 8, 9, device=DEVICE)],
+                 expect={"conv_epilogue": 1}, train=True)
+    assert set(forward_kernels_run) == {expected}
+
+
 def test_dense_forward_keeps_inf_and_nan_where_eager_has_them(forward_kernels_run):
     # no GELU: eager's vectorized fp32 GELU on CPU maps +inf to NaN (float64's gives inf, as the kernel)
     model = ConvChain(nn.Conv2d(3, 4, 3, padding=1), 4, 2, gelu=False).to(DEVICE)

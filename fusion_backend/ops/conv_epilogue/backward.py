@@ -16,7 +16,7 @@ from ... import environment
 from ...ir.specs import PoolSpec
 from ...kernels.host import BoundedCache, tensor_key
 from .. import impl_choice
-from ..chain import Const, TensorRef
+from ..chain import TensorRef
 from ..config import ConvEpilogueConfig
 from . import common
 from .forward import PlannedOperands, choice_key, conv_impl_mode, results_agree
@@ -89,7 +89,7 @@ def _slot_wanted(cfg: ConvEpilogueConfig, operand_mask: Sequence[bool]) -> list[
     """Per chain slot: whether the gradient of its (tensor) operand is wanted."""
     return [
         step.kind.differentiable_operands == (0,)
-        and not isinstance(step.operands[0], Const)
+        and isinstance(step.operands[0], TensorRef)
         and operand_mask[step.operands[0].index]
         for step in cfg.chain
     ]

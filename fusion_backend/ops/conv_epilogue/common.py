@@ -19,7 +19,16 @@ from ...errors import KernelError, UnsupportedInputError
 from ...ir.shapes import conv_output_length, pool_output_length
 from ...ir.specs import ConvSpec, PoolSpec
 from ...kernels.host import BoundedCache, cpu_kernels_unavailable, tensor_key
-from ..chain import MAX_CHAIN_LENGTH, ChainStep, Const, apply_step
+from ..chain import (
+    MAX_CHAIN_LENGTH,
+    ChainStep,
+    ChainValue,
+    Const,
+    TensorRef,
+    apply_step,
+    kernel_code,
+    operand_values,
+)
 from ..config import ConvEpilogueConfig
 
 logger = logging.getLogger("fusion_backend")
@@ -85,15 +94,10 @@ def output_memory_format(y: Tensor) -> torch.memory_format:
 
 def apply_chain(y: Tensor, chain: Sequence[ChainStep], operands: Sequence[Tensor]) -> Tensor:
     """Apply ``chain`` to ``y`` with eager semantics; non-differentiable operands are detached."""
+    inputs: list[Tensor] = []
     for step in chain:
-        values: list[Union[Tensor, float]] = []
-        for j, operand in enumerate(step.operands):
-            if isinstance(operand, Const):
-                values.append(operand.value)
-            else:
-                t = operands[operand.index]
-                values.append(t if j in step.kind.differentiable_operands else t.detach())
-        y = apply_step(step.kind, y, values)
+        inputs.append(y)
+        y = apply_step(step.kind, y, operand_values(step, operands, inputs))
     return y
 
 
@@ -139,8 +143,9 @@ def _describe_chain(cfg: ConvEpilogueConfig) -> str:
     parts = []
     for step in cfg.chain:
         args = ", ".join(
-            f"{o.value:g}" if isinstance(o, Const) else f"operands[{o.index}]" for o in step.operands
-        )
+            f"{o.value:g}" if isinstance(o, Const) else f"operands[{o.index}]" if isinstance(o, TensorRef)
+            else f"value before step {o.position}" for o in step.operands
+        )  # fmt: skip
         parts.append(f"{step.kind.name.lower()}({args})")
     return ", ".join(parts)
 
@@ -165,7 +170,7 @@ def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: Con
         )
     for step in cfg.chain:
         for operand in step.operands:
-            if not isinstance(operand, Const) and not 0 <= operand.index < len(operands):
+            if isinstance(operand, TensorRef) and not 0 <= operand.index < len(operands):
                 raise UnsupportedInputError(
                     f"fusion::conv_epilogue: chain references operands[{operand.index}] but "
                     f"{len(operands)} operand tensors were given"
@@ -304,6 +309,9 @@ def kernel_steps(cfg: ConvEpilogueConfig, operands: Sequence[Tensor], y_ndim: in
             if isinstance(operand, Const):
                 values.append(operand.value)
                 continue
+            if isinstance(operand, ChainValue):  # the kernels read it from the chain: no operand row
+                values.append(0.0)
+                continue
             t = operands[operand.index]
             if not _is_per_channel(t, y_ndim, channels):
                 raise UnsupportedInputError(
@@ -311,7 +319,7 @@ def kernel_steps(cfg: ConvEpilogueConfig, operands: Sequence[Tensor], y_ndim: in
                     f"for a conv output with {channels} channels and {y_ndim} dims"
                 )
             values.append(t)
-        steps.append((step.kind.code, values))
+        steps.append((kernel_code(step), values))
     return steps
 
 

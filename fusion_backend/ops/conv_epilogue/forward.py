@@ -18,7 +18,7 @@ from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
 from .. import impl_choice
-from ..chain import Const
+from ..chain import TensorRef
 from ..config import ConvEpilogueConfig
 from .common import (
     CONV_IMPL_ENV,
@@ -211,7 +211,7 @@ class PlannedOperands:
         self.matrix = epilogue_kernels().OperandMatrix(steps, bias, channels, device)
         sources = [0] if bias is not None else []
         for step in cfg.chain:
-            sources += [1 + operand.index for operand in step.operands if not isinstance(operand, Const)]
+            sources += [1 + operand.index for operand in step.operands if isinstance(operand, TensorRef)]
         self.sources = tuple(sources)
 
     def __call__(self, bias: Tensor | None, operands: Sequence[Tensor]) -> Tensor:

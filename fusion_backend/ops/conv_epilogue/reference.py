@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ...ir.specs import PoolSpec
-from ..chain import ChainStep, Const, PointwiseKind, TensorRef, apply_step
+from ..chain import ChainStep, ChainValue, PointwiseKind, TensorRef, apply_step, operand_values
 from ..config import ConvEpilogueConfig
 from .common import (
     apply_chain,
@@ -129,8 +129,9 @@ def _chain_with_tape(
 ) -> tuple[Tensor, _Tape]:
     """``apply_chain`` that also records each step's input and operand values."""
     tape: _Tape = []
+    detached = [t.detach() for t in operands]
     for step in chain:
-        values = [o.value if isinstance(o, Const) else operands[o.index].detach() for o in step.operands]
+        values = operand_values(step, detached, [v for _, v, _ in tape] + [y], detach_fixed=False)
         tape.append((step, y, values))
         y = apply_step(step.kind, y, values)
     return y, tape
@@ -139,18 +140,27 @@ def _chain_with_tape(
 def _chain_backward(
     tape: _Tape, grad: Tensor, operands: Sequence[Tensor], operand_mask: Sequence[bool]
 ) -> tuple[Tensor, list[Tensor | None]]:
-    """Walk ``tape`` backwards: the gradient of the chain's input and of the masked operands."""
+    """Walk ``tape`` backwards: the gradient of the chain's input and of the masked operands.  The
+    gradient of a ``ChainValue`` operand joins the gradient of that step's input when the walk gets
+    there, as autograd sums the gradients of a value read twice."""
     grad_operands: list[Tensor | None] = [
         torch.zeros_like(t) if m else None for t, m in zip(operands, operand_mask, strict=True)
     ]
-    for step, v, values in reversed(tape):
+    reread: list[Tensor | None] = [None] * len(tape)  # per step: the gradient its input got as an operand
+    for k in reversed(range(len(tape))):
+        step, v, values = tape[k]
         grad_v, grad_a = _step_vjp(step.kind, v, values, grad)
         operand = step.operands[0] if step.operands else None
-        if grad_a is not None and isinstance(operand, TensorRef) and operand_mask[operand.index]:
+        if grad_a is not None and isinstance(operand, ChainValue):
+            j = operand.position
+            reread[j] = grad_a if reread[j] is None else reread[j] + grad_a
+        elif grad_a is not None and isinstance(operand, TensorRef) and operand_mask[operand.index]:
             t = operands[operand.index]
             reduced = grad_a.sum() if t.dim() == 0 else grad_a.sum_to_size(t.shape)
             grad_operands[operand.index] = grad_operands[operand.index] + reduced.to(t.dtype)
         grad = grad_v.to(v.dtype)  # as autograd does across a type-promoting op
+        if reread[k] is not None:
+            grad = grad + reread[k].to(v.dtype)
     return grad, grad_operands
 
 
