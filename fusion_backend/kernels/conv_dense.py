@@ -65,9 +65,9 @@ shuffle and a select per element; the chain's erf ~25 per element).
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -75,11 +75,10 @@ import triton.language as tl
 
 from .. import environment
 from ..ir.specs import ConvSpec, PoolSpec
-from .chain_math import KernelStep, chain_forward, load_operands, op_constexprs
+from .chain_math import chain_forward, load_chain_operands, op_constexprs
+from .conv_common import AutotunedLaunch, ForwardArgs, WeightMatrixLaunch, cached_forward_launch, run_forward
 from .conv_fused import conv_output_size
-from .epilogue import build_params
-from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2, tensor_key
-from .launch import FastLaunch, launch
+from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2
 from .tf32 import dot_precision, round_tf32
 
 _INT32_LIMIT = 2**31 - 1
@@ -235,16 +234,8 @@ def _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, y0_pt
     val = y_raw
     if HAS_BIAS:  # the bias as the conv sees it: rounded to the compute dtype (P holds it in fp32)
         val = val + tl.load(p_ptr + c, mask=cmask, other=0.0).to(compute).to(tl.float32)
-    a0, b0 = load_operands(p_ptr, 0, c, C_OUT, cmask, OP0)
-    a1, b1 = load_operands(p_ptr, 1, c, C_OUT, cmask, OP1)
-    a2, b2 = load_operands(p_ptr, 2, c, C_OUT, cmask, OP2)
-    a3, b3 = load_operands(p_ptr, 3, c, C_OUT, cmask, OP3)
-    a4, b4 = load_operands(p_ptr, 4, c, C_OUT, cmask, OP4)
-    a5, b5 = load_operands(p_ptr, 5, c, C_OUT, cmask, OP5)
-    a6, b6 = load_operands(p_ptr, 6, c, C_OUT, cmask, OP6)
-    a7, b7 = load_operands(p_ptr, 7, c, C_OUT, cmask, OP7)
-    val = chain_forward(val, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
-                     OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+    operands = load_chain_operands(p_ptr, c, C_OUT, cmask, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)
+    val = chain_forward(val, *operands, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)
     ok2 = o_ok[:, None] & cmask
     if BIG:
         oh = oh.to(tl.int64)
@@ -391,46 +382,23 @@ def _heuristic_config(block_n: int, kwg: int, cin_pad: int, align: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
-class _WeightLaunch:
-    """``weight -> Wm`` (``_dense_weight_kernel``) for one plan."""
-
-    def __init__(
-        self, shape: tuple[int, ...], dtype: torch.dtype, ints: tuple[int, ...], constexprs: dict
-    ) -> None:
-        self.shape, self.dtype = shape, dtype
-        self.launch = FastLaunch(_dense_weight_kernel, (shape[0],), constexprs, fixed=ints)
-
-    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        matrix = torch.empty(self.shape, dtype=self.dtype, device=weight.device)
-        self.launch(weight, matrix)
-        return matrix
-
-
-class _Launch:
-    """One launch plan of ``_conv_dense_fwd_kernel`` (``conv_fused.plan._Launch``'s contract): integer
-    arguments and constexprs, the weight prearrangement, the relayout of ``x`` when its layout does
-    not flatten, and a :class:`FastLaunch` once the tile is known (the heuristic tile at once; with
-    autotuning, the tile the autotuner picked on the first call)."""
+class _Launch(AutotunedLaunch):
+    """One launch plan of ``_conv_dense_fwd_kernel`` (``conv_fused.plan._Launch``'s contract): an
+    ``AutotunedLaunch`` (the heuristic tile bound at once, or the autotuner's pick on the first
+    call; ``first_tile``: ``_fitting``'s first) with the weight prearrangement and the relayout of
+    ``x`` when its layout does not flatten."""
 
     transposed = False
 
     def __init__(self, ints: tuple[int, ...], constexprs: dict, grid_args: tuple[int, ...], cout: int,
-                 cfg: dict | None, weight_launch: _WeightLaunch, relayout: tuple | None,
+                 cfg: dict | None, weight_launch: WeightMatrixLaunch, relayout: tuple | None,
                  first_tile: dict) -> None:  # fmt: skip
-        self.ints, self.constexprs, self.cout = ints, constexprs, cout
+        self.cout = cout
         self.grid_args = grid_args  # (N, OH * R, C_SHIFT, channel blocks)
         self.weight_launch = weight_launch
         #: None, or (shape of the relaid buffer (N, C, H, R), spatial dims of x): x is copied per call
         self.relayout = relayout
-        self.fast = None if cfg is None else self._bind(cfg)
-        #: the tile the autotuner times first (``_fitting``'s first), which ``probe`` binds
-        self.first_tile = first_tile
-
-    def probe(self) -> _Launch:
-        """This plan bound to the tile the autotuner times first (``conv_fused.plan._Launch.probe``)."""
-        probe = copy.copy(self)
-        probe.fast = self._bind(self.first_tile)
-        return probe
+        super().__init__(_conv_dense_fwd_tuned, _conv_dense_fwd_kernel, constexprs, ints, cfg, first_tile)
 
     def tile(self) -> dict | None:
         """The bound tile (``BLOCK_*``, warps, stages), or None before the first tuned call."""
@@ -444,11 +412,6 @@ class _Launch:
         kwg, align = self.constexprs["KWG"], self.constexprs["ALIGN"]
         step = ((meta["BLOCK_M"] - (kwg - 1)) // align) * align
         return (n * cdiv(v_total + c_shift, step) * n_blocks,)
-
-    def _bind(self, meta: dict) -> FastLaunch:
-        return FastLaunch(
-            _conv_dense_fwd_kernel, self.grid(meta), {**self.constexprs, **meta}, fixed=self.ints
-        )
 
     def relaid(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as the kernel reads it: itself, or (relayout) a copy with row pitch ``R``."""
@@ -464,18 +427,7 @@ class _Launch:
         """Launch for tensors like the ones this plan was made for (``conv_dense_forward``'s
         arguments; ``params``: ``build_params`` of its steps and bias; ``saved_winner`` is always None)."""
         del saved_winner
-        self(
-            (self.relaid(x), self.weight_launch(weight), params, out, saved_y0 if saved_y0 is not None else out)
-        )
-
-    def __call__(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        if self.fast is not None:
-            self.fast(*tensors)
-            return
-        launched = launch(_conv_dense_fwd_tuned, self.grid, *tensors, *self.ints, **self.constexprs)
-        best = getattr(_conv_dense_fwd_tuned, "best_config", None)  # the tile of this call's key
-        if launched and best is not None:
-            self.fast = self._bind(best.all_kwargs())
+        self(self.relaid(x), self.weight_launch(weight), params, out, saved_y0 if saved_y0 is not None else out)
 
 
 def _spatial(t: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -542,32 +494,10 @@ def unsupported_reason(
 _LAUNCHES = BoundedCache(256)
 
 
-def _launch_key(
-    x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype
-) -> tuple:  # noqa: ANN001
-    """Everything ``_prepare``'s result depends on (``conv_fused.plan._launch_key`` plus the compute dtype)."""
-    codes = tuple((int(code), len(values)) for code, values in steps)
-    return (
-        tensor_key(x), tensor_key(weight), bias is None, codes, conv, pool, tensor_key(out), tensor_key(saved_y0),
-        tensor_key(saved_winner), bool(allow_tf32), compute_dtype, environment.measuring(),
-        _BIG_INDEX_THRESHOLD, MAX_KW_GROUP,
-    )  # fmt: skip
-
-
-def _prepare(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    steps: Sequence[KernelStep],
-    conv: ConvSpec,
-    pool: PoolSpec | None,
-    out: torch.Tensor,
-    saved_y0: torch.Tensor | None,
-    saved_winner: torch.Tensor | None,
-    allow_tf32: bool,
-    compute_dtype: torch.dtype | None,
-) -> _Launch:
-    """Validate a call and derive its launch plan (everything but the tensors' data)."""
+def _prepare(args: ForwardArgs) -> _Launch:
+    """Validate a call and derive its launch plan (everything but the tensors' data).  Depends only
+    on ``args.plan_key()`` and the module switches ``forward_launch`` keys the plan by."""
+    x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype = args
     compute = x.dtype if compute_dtype is None else compute_dtype
     if compute not in (torch.float32, torch.float16, torch.bfloat16) or (
         _INTERPRET and compute == torch.bfloat16
@@ -615,8 +545,9 @@ def _prepare(
     cin_pad = cdiv(cin, _CIN_ALIGN) * _CIN_ALIGN
     w_str = list(weight.stride())
     w_taps = (0, w_str[2]) if dims == 1 else (w_str[2], w_str[3])
-    weight_launch = _WeightLaunch(
-        (n_blocks * block_n, kh, kw, cin_pad), compute, (cin, cout, w_str[0], w_str[1], *w_taps),
+    weight_launch = WeightMatrixLaunch(
+        _dense_weight_kernel, (n_blocks * block_n,), (n_blocks * block_n, kh, kw, cin_pad), compute,
+        (cin, cout, w_str[0], w_str[1], *w_taps),
         # TF32 rounding only for an fp32 matrix: before a cast to bf16 it would round twice (the
         # values must be exactly ``weight.to(compute)``'s)
         dict(KH=kh, KW=kw, CIN_PAD=cin_pad, PRECISION=precision if compute == torch.float32 else "ieee",
@@ -650,70 +581,26 @@ def _prepare(
                    weight_launch, relayout, first_tile)
 
 
-def forward_launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    steps: Sequence[KernelStep],
-    conv: ConvSpec,
-    pool: PoolSpec | None,
-    out: torch.Tensor,
-    saved_y0: torch.Tensor | None = None,
-    saved_winner: torch.Tensor | None = None,
-    allow_tf32: bool = False,
-    compute_dtype: torch.dtype | None = None,
-) -> _Launch | None:
-    """The checked launch plan of ``conv_dense_forward`` for these arguments (cached per shapes,
-    strides, dtypes, geometry, op codes, precision and compute dtype), or None when ``out`` is empty
-    (the arguments are still checked).  Its ``run(x, weight, params, out, saved_y0, saved_winner)`` launches
-    for tensors laid out like these.  Raises ValueError as ``conv_dense_forward`` does."""
-    if out.numel() == 0:
-        _prepare(x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype)
-        return None
-    key = _launch_key(x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype)
-    return _LAUNCHES.get(
-        key,
-        lambda: _prepare(
-            x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype
-        ),
-    )
+def forward_launch(*args: Any, **kwargs: Any) -> _Launch | None:
+    """The checked launch plan of ``conv_dense_forward`` for these arguments (``ForwardArgs``; cached
+    per shapes, strides, dtypes, geometry, op codes, precision and compute dtype), or None when
+    ``out`` is empty (the arguments are still checked).  Its ``run(x, weight, params, out, saved_y0,
+    saved_winner)`` launches for tensors laid out like these.  Raises ValueError as
+    ``conv_dense_forward`` does."""
+    return cached_forward_launch(ForwardArgs(*args, **kwargs), _LAUNCHES, _prepare, _BIG_INDEX_THRESHOLD,
+                                 MAX_KW_GROUP)  # fmt: skip
 
 
-def conv_dense_forward(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    steps: Sequence[KernelStep],
-    conv: ConvSpec,
-    pool: PoolSpec | None,
-    out: torch.Tensor,
-    saved_y0: torch.Tensor | None = None,
-    saved_winner: torch.Tensor | None = None,
-    allow_tf32: bool = False,
-    compute_dtype: torch.dtype | None = None,
-) -> None:
+def conv_dense_forward(*args: Any, **kwargs: Any) -> None:
     """Write ``out = chain(conv(x, weight) + bias)`` (and ``saved_y0``) with one kernel launch (plus
     the weight prearrangement).
 
-    Args:
-      x: (N, C_in, W) or (N, C_in, H, W), fp32/fp16/bf16, any strides.
-      weight: (C_out, C_in, [KH,] KW), any float dtype and strides.
-      bias: None or C_out values (any float dtype), added in fp32 to the conv output (after it is
-        rounded to the compute dtype) before the chain.
-      steps: the chain, as for ``epilogue.epilogue_forward`` (up to MAX_SLOTS steps).
-      conv: the conv hyper-parameters (not transposed, groups 1, stride 1, dilation 1).
-      pool: must be None.
-      out: preallocated result (N, C_out, [OH,] OW), any float dtype and strides.
-      saved_y0: None, or the conv output without bias (out's shape, any float dtype, any strides):
-        the values are rounded to the compute dtype.  saved_winner: must be None.
-      allow_tf32: fp32 compute uses TF32 tensor cores (pass ``torch.backends.cudnn.allow_tf32``);
-        ignored under the interpreter.
-      compute_dtype: the dtype the operands are rounded to before the MMA and the conv output's
-        storage dtype (None: x's dtype).
+    Arguments: ``ForwardArgs`` (``conv_fused_forward``'s), for the cases ``unsupported_reason``
+    accepts: x (N, C_in, W) or (N, C_in, H, W); weight (C_out, C_in, [KH,] KW); conv not transposed,
+    groups 1, stride 1, dilation 1; pool None; out (N, C_out, [OH,] OW); saved_y0 None or the conv
+    output without bias (out's shape, any float dtype and strides; the values are rounded to the
+    compute dtype); saved_winner None.
     Raises ValueError when ``unsupported_reason`` names a reason or the tensors disagree.
     """
-    launch = forward_launch(
-        x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype
-    )
-    if launch is not None:
-        launch.run(x, weight, build_params(steps, bias, launch.cout, x.device), out, saved_y0, saved_winner)
+    args = ForwardArgs(*args, **kwargs)
+    run_forward(forward_launch(*args), args)

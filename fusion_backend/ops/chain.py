@@ -139,8 +139,6 @@ class ChainStep:
 
 def check_chain(chain: Sequence[ChainStep]) -> None:
     """Raise ``ValueError`` unless every ``ChainValue`` names a value the chain has computed."""
-    if len(chain) > MAX_CHAIN_LENGTH:
-        raise ValueError(f"a chain holds at most {MAX_CHAIN_LENGTH} steps, got {len(chain)}")
     for i, step in enumerate(chain):
         for operand in step.operands:
             if isinstance(operand, ChainValue) and not 0 <= operand.position <= i:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..chain_math import avg_divisor, chain_forward, load_operands
+from ..chain_math import avg_divisor, chain_forward, load_chain_operands
+from ..conv_common import live_tap, peel_coords, row_channel_tile
 from ..tf32 import round_tf32, to_compute
 
 
@@ -19,26 +20,21 @@ def _in_index(u, o, KP: tl.constexpr, TAP: tl.constexpr, US: tl.constexpr, UP: t
               TRANSPOSED: tl.constexpr, STATIC_PHASE: tl.constexpr):  # fmt: skip
     """Input coordinate feeding output coordinate ``o = u * US - UP + KP`` through tap ``TAP`` along
     one dim, and whether it is valid (in range, and for a transposed conv, of the right phase)."""
-    if TRANSPOSED:
-        if STATIC_PHASE:
-            # (o + P - TAP*DIL) = u*US + R with R = KP - UP + P - TAP*DIL static; the caller skips
-            # taps with R % S != 0, so R // S is exact.
-            i = u * (US // S) + (KP - UP + P - TAP * DIL) // S
-            ok = (i >= 0) & (i < SIZE_IN)
-        else:
-            num = o + P - TAP * DIL
-            i = num // S
-            ok = (num >= 0) & (num % S == 0) & (i < SIZE_IN)
-    else:
-        i = o * S - P + TAP * DIL
+    if TRANSPOSED and STATIC_PHASE:
+        # (o + P - TAP*DIL) = u*US + R with R = KP - UP + P - TAP*DIL static; the caller skips
+        # taps with R % S != 0, so R // S is exact.
+        i = u * (US // S) + (KP - UP + P - TAP * DIL) // S
         ok = (i >= 0) & (i < SIZE_IN)
+    else:
+        i, ok = _in_index_rt(o, TAP, S, P, DIL, SIZE_IN, TRANSPOSED)
     return i, ok
 
 
 @triton.jit
 def _in_index_rt(o, tap, S: tl.constexpr, P: tl.constexpr, DIL: tl.constexpr, SIZE_IN,
                  TRANSPOSED: tl.constexpr):  # fmt: skip
-    """``_in_index`` for a runtime tap (the flat K loop): phases are masked, not skipped."""
+    """``_in_index`` for a runtime tap (the flat K loop; also a compile-time one without a static
+    phase): phases are masked, not skipped."""
     if TRANSPOSED:
         num = o + P - tap * DIL
         i = num // S
@@ -90,34 +86,43 @@ def _conv_flat(acc, x_base, w_base, od, oh, ow, o_ok, ck, cmask, CIN_G, ID, IH, 
 
 
 @triton.jit
-def _live_tap(num, DIL: tl.constexpr, T: tl.constexpr):
-    """Tap ``t`` with ``t * DIL == num`` along one dim, and whether it exists (``0 <= t < T``)."""
-    t = num // DIL
-    return t, (num >= 0) & (num % DIL == 0) & (t < T)
+def _live_taps(kd, kh, kw, jd, jh, jw, TAPS: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
+               DIL: tl.constexpr, UORIGIN: tl.constexpr, LO: tl.constexpr):  # fmt: skip
+    """Per dim, the tap carrying input shift ``j`` (relative to the lowest, ``LO``) to window offset
+    ``k``, and whether one does: ``(td, th, tw, ok_d, ok_h, ok_w)``.  Along each dim offset ``kp``
+    reads shift ``j`` through tap ``t`` iff ``kp - UP + P - t * DIL == S * (LO + j)`` (see
+    ``_in_index``); for a given ``j`` at most one tap satisfies it.  ``TAPS``, ``STRIDE``, ``PAD``,
+    ``DIL``, ``UORIGIN`` (the units' origin ``UP``), ``LO``: (d, h, w) constexprs."""
+    td, ok_d = live_tap(kd - UORIGIN[0] + PAD[0] - STRIDE[0] * (LO[0] + jd), DIL[0], TAPS[0])
+    th, ok_h = live_tap(kh - UORIGIN[1] + PAD[1] - STRIDE[1] * (LO[1] + jh), DIL[1], TAPS[1])
+    tw, ok_w = live_tap(kw - UORIGIN[2] + PAD[2] - STRIDE[2] * (LO[2] + jw), DIL[2], TAPS[2])
+    return td, th, tw, ok_d, ok_h, ok_w
 
 
 @triton.jit
-def _phase_aligned_columns(KS: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, BLOCK_K: tl.constexpr):
+def _phase_aligned_columns(KS: tl.constexpr, NS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The K axis of the phase-aligned path: column ``s * BLOCK_K + c`` is channel ``c`` of the block at
-    input shift ``s = (jd * NSH + jh) * NSW + jw``.  Returns ``(s, c, jd, jh, jw)``, each ``[KS * BLOCK_K]``."""
+    input shift ``s = (jd * NSH + jh) * NSW + jw`` (``NS = (NSD, NSH, NSW)``: shifts per dim).
+    Returns ``(s, c, jd, jh, jw)``, each ``[KS * BLOCK_K]``."""
     kcol = tl.arange(0, KS * BLOCK_K)
     s = kcol // BLOCK_K
-    jw = s % NSW
-    jh = (s // NSW) % NSH
-    jd = s // (NSW * NSH)
+    jw = s % NS[2]
+    jh = (s // NS[2]) % NS[1]
+    jd = s // (NS[2] * NS[1])
     return s, kcol % BLOCK_K, jd, jh, jw
 
 
 @triton.jit
-def _phase_aligned_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw,
-                          NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
-                          BIG: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _phase_aligned_x_tile(x_in, m_ok, NS: tl.constexpr, KS: tl.constexpr, BIG: tl.constexpr,
+                          BLOCK_K: tl.constexpr):  # fmt: skip
     """``[BLOCK_M, KS * BLOCK_K]`` X tile (the group's input channels fit one block): row ``m`` and
-    column ``(s, c)`` hold ``x[n, c, i0 + shift s]`` (``x_rows``: pointers at ``(n, group's first
-    channel, i0)``, ``i0 = (i_d0, i_h0, i_w0)`` the lowest shift's input position).  Padding shifts
-    (``s >= NSD * NSH * NSW``), channels past ``CIN_G`` and out-of-range inputs read 0."""
-    s, ci, jd, jh, jw = _phase_aligned_columns(KS, NSH, NSW, BLOCK_K)
-    col_ok = (s < NSD * NSH * NSW) & (ci < CIN_G)
+    column ``(s, c)`` hold ``x[n, c, i0 + shift s]`` (``x_in``: see ``_phase_aligned_offsets``;
+    ``x_rows``: pointers at ``(n, group's first channel, i0)``, ``i0 = (i_d0, i_h0, i_w0)`` the
+    lowest shift's input position).  Padding shifts (``s >= NSD * NSH * NSW``), channels past
+    ``CIN_G`` and out-of-range inputs read 0."""
+    x_rows, i_d0, i_h0, i_w0, _, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw = x_in
+    s, ci, jd, jh, jw = _phase_aligned_columns(KS, NS, BLOCK_K)
+    col_ok = (s < NS[0] * NS[1] * NS[2]) & (ci < CIN_G)
     if BIG:
         off = jd.to(tl.int64) * x_sd + jh.to(tl.int64) * x_sh + jw.to(tl.int64) * x_sw + ci.to(tl.int64) * x_sc
     else:
@@ -130,28 +135,19 @@ def _phase_aligned_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_s
 
 
 @triton.jit
-def _phase_aligned_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
-                          TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-                          SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                          PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-                          DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                          UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
-                          LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
-                          NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
-                          BLOCK_K: tl.constexpr):  # fmt: skip
+def _phase_aligned_w_tile(w_in, CIN_G, kd, kh, kw, TAPS: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
+                          DIL: tl.constexpr, UORIGIN: tl.constexpr, LO: tl.constexpr, NS: tl.constexpr,
+                          KS: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """``[KS * BLOCK_K, BLOCK_N]`` weight tile of window offset ``(kd, kh, kw)`` matching
     ``_phase_aligned_x_tile``'s columns: row ``(s, c)`` holds the weight of the tap that carries input
-    shift ``s`` to that offset, or 0 where no tap does (a dead (offset, shift) pair).
-
-    Along each dim, offset ``kp`` reads shift ``j`` through tap ``t`` iff
-    ``kp - UP + P - t * DIL == S * (LO + j)`` (see ``_in_index``); for a given ``j`` at most one
-    tap satisfies it.  ``w_base``: ``[1, BLOCK_N]`` pointers at (group's first input channel,
-    output channel, tap 0)."""
-    s, ci, jd, jh, jw = _phase_aligned_columns(KS, NSH, NSW, BLOCK_K)
-    td, ok_d = _live_tap(kd - UPD + PD - SD * (LOD + jd), DD, TD)
-    th, ok_h = _live_tap(kh - UPH + PH - SH * (LOH + jh), DH, TH)
-    tw, ok_w = _live_tap(kw - UPW + PW - SW * (LOW + jw), DW, TW)
-    ok = (s < NSD * NSH * NSW) & (ci < CIN_G) & ok_d & ok_h & ok_w
+    shift ``s`` to that offset (``_live_taps``), or 0 where no tap does (a dead (offset, shift) pair).
+    ``w_in``: ``(w_base, cmask, w_sci, w_sd, w_sh, w_sw)``, ``w_base`` ``[1, BLOCK_N]`` pointers at
+    (group's first input channel, output channel, tap 0), ``cmask`` the real output channels
+    (``[1, BLOCK_N]``), then the weight's strides along the input channel and the taps."""
+    w_base, cmask, w_sci, w_sd, w_sh, w_sw = w_in
+    s, ci, jd, jh, jw = _phase_aligned_columns(KS, NS, BLOCK_K)
+    td, th, tw, ok_d, ok_h, ok_w = _live_taps(kd, kh, kw, jd, jh, jw, TAPS, STRIDE, PAD, DIL, UORIGIN, LO)
+    ok = (s < NS[0] * NS[1] * NS[2]) & (ci < CIN_G) & ok_d & ok_h & ok_w
     off = ci * w_sci + td * w_sd + th * w_sh + tw * w_sw
     return tl.load(w_base + off[:, None], mask=ok[:, None] & cmask, other=0.0)
 
@@ -166,17 +162,20 @@ def _first_offset(kd, kh, kw, od, oh, ow):
 
 
 @triton.jit
-def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
-                     bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, y0_ptr,
-                     o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-                     OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
-                     OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr,
-                     FULL: tl.constexpr, FIRST: tl.constexpr = 0):  # fmt: skip
+def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, state, epi, EPI: tl.constexpr, FULL: tl.constexpr,
+                     FIRST: tl.constexpr = 0):  # fmt: skip
     """Bias + chain on the conv output ``acc`` of window offset ``kk`` (row-major index in the
     window) at conv-output position ``(od, oh, ow)``; then store it (no pool), fold it into the
     running max (``best``, winner ``win``, conv value at the winner ``win_y``) or the avg-pool sum,
-    and store the saved conv output (SAVE without max pool).  Returns ``best, win, win_y, pooled``.
+    and store the saved conv output (SAVE without max pool).  ``state``: ``(best, win, win_y,
+    pooled)``; returns it updated.
+
+    ``epi`` (built once by the kernel): ``(nn, c64, cmask, bias, operands, out_ptr, o_sn, o_sc, o_sd,
+    o_sh, o_sw, y0_ptr, y_sn, y_sc, y_sd, y_sh, y_sw)``: the rows' samples (``[BLOCK_M]``), the
+    tile's output channels (``[BLOCK_N]``, int64 when BIG) and which are real (``[1, BLOCK_N]``), the
+    bias (``[1, BLOCK_N]``, fp32, in the compute dtype's values; 0.0 without) and the chain's
+    ``load_chain_operands``, then ``out`` and ``y0`` with their strides.  ``EPI``: the constexprs
+    ``((OP0, ..., OP7), CDT, HAS_BIAS, POOL, SAVE, BIG)`` of the kernel.
 
     ``o_ok`` (``[BLOCK_M]``): the rows whose offset lies in the conv output (and in M).  ``first``
     (``[BLOCK_M, 1]`` or a scalar): the offset is the first valid one of the row's window in
@@ -187,13 +186,20 @@ def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win
     (sets best/win/win_y, no compare), 2 for the later offsets (no ``first`` test), 0 otherwise.  Max pool: output channels past ``C_OUT`` (``cmask``) are computed but never
     stored, so they are not masked.
     """
+    OPS: tl.constexpr = EPI[0]
+    CDT: tl.constexpr = EPI[1]
+    HAS_BIAS: tl.constexpr = EPI[2]
+    POOL: tl.constexpr = EPI[3]
+    SAVE: tl.constexpr = EPI[4]
+    BIG: tl.constexpr = EPI[5]
+    best, win, win_y, pooled = state
+    nn, c64, cmask, bias, operands, out_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y0_ptr, y_sn, y_sc, y_sd, y_sh, y_sw = epi
     # The conv output as the library path materialises it (storage dtype), then the chain.
     y_raw = to_compute(acc, CDT).to(tl.float32)
     y = y_raw
     if HAS_BIAS:
         y = y + bias
-    v = chain_forward(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
-                   OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+    v = chain_forward(y, *operands, OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])
     ok2 = o_ok[:, None] & cmask
     if BIG:
         o_sp = od.to(tl.int64) * y_sd + oh.to(tl.int64) * y_sh + ow.to(tl.int64) * y_sw
@@ -242,34 +248,25 @@ def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win
 
 
 @triton.jit
-def _phase_aligned_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
-                          w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
-                          best, win, win_y, pooled,
-                          bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, y0_ptr,
-                          o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-                          OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
-                          OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr,
-                          FULL: tl.constexpr, TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-                          SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                          PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-                          DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                          KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                          USD: tl.constexpr, USH: tl.constexpr, USW: tl.constexpr,
-                          UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
-                          LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
-                          NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
-                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):  # fmt: skip
-    """One window offset ``kk`` of ``_phase_aligned_offsets``: its dot, then ``_offset_epilogue`` (FIRST:
-    1 offset 0 of a FULL window, peeled; 2 a later offset of a FULL window after the peeled one;
-    0 otherwise)."""
-    kd = kk // (KH * KW)
-    kh = (kk // KW) % KH
-    kw = kk % KW
-    od = ud * USD - UPD + kd
-    oh = uh * USH - UPH + kh
-    ow = uw * USW - UPW + kw
+def _phase_aligned_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr, x_in, w_in, wm_base, wm_sk,
+                          units, state, epi, EPI: tl.constexpr, FULL: tl.constexpr, TAPS: tl.constexpr,
+                          STRIDE: tl.constexpr, PAD: tl.constexpr, DIL: tl.constexpr, WINDOW: tl.constexpr,
+                          USTRIDE: tl.constexpr, UORIGIN: tl.constexpr, LO: tl.constexpr, NS: tl.constexpr,
+                          KS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One window offset ``kk`` of ``_phase_aligned_offsets`` (same arguments): its dot, then
+    ``_offset_epilogue`` (FIRST: 1 offset 0 of a FULL window, peeled; 2 a later offset of a FULL
+    window after the peeled one; 0 otherwise).  Returns the updated ``state``."""
+    CDT: tl.constexpr = EPI[1]
+    x_rows, i_d0, i_h0, i_w0, ck, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw = x_in
+    w_base, cmask, w_sci, w_sd, w_sh, w_sw = w_in
+    ud, uh, uw, m_ok, OD, OH, OW = units
+    kd = kk // (WINDOW[1] * WINDOW[2])
+    kh = (kk // WINDOW[2]) % WINDOW[1]
+    kw = kk % WINDOW[2]
+    od = ud * USTRIDE[0] - UORIGIN[0] + kd
+    oh = uh * USTRIDE[1] - UORIGIN[1] + kh
+    ow = uw * USTRIDE[2] - UORIGIN[2] + kw
     if FULL:
         o_ok = m_ok
         first = kk == 0
@@ -288,13 +285,11 @@ def _phase_aligned_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr
         for k0 in range(0, CIN_G, BLOCK_K):
             ci = k0 + ck
             ci_ok = ci < CIN_G
-            for sidx in range(0, NSD * NSH * NSW):
-                jw = sidx % NSW
-                jh = (sidx // NSW) % NSH
-                jd = sidx // (NSW * NSH)
-                td, ok_d = _live_tap(kd - UPD + PD - SD * (LOD + jd), DD, TD)
-                th, ok_h = _live_tap(kh - UPH + PH - SH * (LOH + jh), DH, TH)
-                tw, ok_w = _live_tap(kw - UPW + PW - SW * (LOW + jw), DW, TW)
+            for sidx in range(0, NS[0] * NS[1] * NS[2]):
+                jw = sidx % NS[2]
+                jh = (sidx // NS[2]) % NS[1]
+                jd = sidx // (NS[2] * NS[1])
+                td, th, tw, ok_d, ok_h, ok_w = _live_taps(kd, kh, kw, jd, jh, jw, TAPS, STRIDE, PAD, DIL, UORIGIN, LO)
                 # A dead pair loads nothing (both masks off) and adds 0 * 0: masks, not a
                 # runtime branch around the dot.  (tl.where: under the interpreter the scalar
                 # `&` chain came out as an int32 array, which tl.load refuses as a mask.)
@@ -307,33 +302,14 @@ def _phase_aligned_offset(kk, FIRST: tl.constexpr, a_all, SHARED_X: tl.constexpr
                             mask=live[:, None] & cmask, other=0.0)  # fmt: skip
                 acc = tl.dot(round_tf32(to_compute(a, CDT), PRECISION), round_tf32(to_compute(b, CDT), PRECISION),
                              acc, input_precision=PRECISION)  # fmt: skip
-    best, win, win_y, pooled = _offset_epilogue(
-        acc, kk, first, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y, pooled,
-        bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr, y0_ptr,
-        o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-        OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, FULL, FIRST,
-    )  # fmt: skip
-    return best, win, win_y, pooled
+    return _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, state, epi, EPI, FULL, FIRST)
 
 
 @triton.jit
-def _phase_aligned_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask,
-                           w_base, wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
-                           best, win, win_y, pooled,
-                           bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT: tl.constexpr, out_ptr, y0_ptr,
-                           o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-                           OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
-                           OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr, BIG: tl.constexpr,
-                           FULL: tl.constexpr, TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-                           SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                           PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-                           DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-                           KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-                           USD: tl.constexpr, USH: tl.constexpr, USW: tl.constexpr,
-                           UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
-                           LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
-                           NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
+def _phase_aligned_offsets(a_all, SHARED_X: tl.constexpr, x_in, w_in, wm_base, wm_sk, units, state, epi,
+                           EPI: tl.constexpr, FULL: tl.constexpr, TAPS: tl.constexpr, STRIDE: tl.constexpr,
+                           PAD: tl.constexpr, DIL: tl.constexpr, WINDOW: tl.constexpr, USTRIDE: tl.constexpr,
+                           UORIGIN: tl.constexpr, LO: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr,
                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr):  # fmt: skip
     """The phase-aligned path's loop over window offsets: per offset one dot over (input shift, channel),
@@ -344,7 +320,17 @@ def _phase_aligned_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_
     offset runs one small dot per (channel block, shift) pair, loading its X tile with the dead
     pairs masked to zero on both sides (several channel blocks, or a tile holding inf/NaN, where
     0 * inf would make NaN).
-    Returns ``best, win, win_y, pooled`` as ``_offset_epilogue``.
+
+    Bundles (built once by the kernel): ``x_in`` ``(x_rows, i_d0, i_h0, i_w0, ck, CIN_G, ID, IH, IW,
+    x_sc, x_sd, x_sh, x_sw)``: pointers at each row's sample, the group's first input channel and
+    the lowest shift's input position ``(i_d0, i_h0, i_w0)``, the channel lanes of a block
+    (``[BLOCK_K]``), the group's input channels, x's spatial sizes and strides; ``w_in``: see
+    ``_phase_aligned_w_tile``; ``units`` ``(ud, uh, uw, m_ok, OD, OH, OW)``: the rows' units, which
+    rows are real, the conv output's sizes; ``state``, ``epi``, ``EPI``: see ``_offset_epilogue``.
+    Constexprs: FULL (``_full_windows``), and per (d, h, w): ``TAPS``, ``STRIDE``, ``PAD``, ``DIL``
+    of the conv, ``WINDOW`` (offsets per unit), ``USTRIDE``, ``UORIGIN`` of the units, ``LO`` / ``NS``
+    (lowest input shift / number of shifts); ``KS``: shift slots.
+    Returns the updated ``state``.
     """
     # NOTE: a runtime loop (not static_range): unrolled, the compiler hoisted all 8 weight-tile loads
     # of the ConvT3d pipeline into registers at once (255 registers, spills); as a loop, each offset's
@@ -352,30 +338,17 @@ def _phase_aligned_offsets(a_all, SHARED_X: tl.constexpr, x_rows, i_d0, i_h0, i_
     # FULL max pool with the shared X tile: offset 0 is every row's first valid offset and is
     # peeled (set without compares; the loop's offsets then compare without a first-offset test).
     # Not in the masked variant (tiles with inf/NaN only): its dots would be duplicated.
+    POOL: tl.constexpr = EPI[3]
     PEEL: tl.constexpr = 1 if FULL and POOL == 1 and SHARED_X else 0
     for kk in tl.static_range(PEEL):
-        best, win, win_y, pooled = _phase_aligned_offset(
-            kk, 1,
-            a_all, SHARED_X, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
-            wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd,
-            w_sh, w_sw, best, win, win_y, pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5,
-            b5, a6, b6, a7, b7, CDT, out_ptr, y0_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc,
-            y_sd, y_sh, y_sw, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
-            FULL, TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW, USD, USH, USW, UPD,
-            UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
-        )  # fmt: skip
-    for kk in range(PEEL, KD * KH * KW):
-        best, win, win_y, pooled = _phase_aligned_offset(
-            kk, 2 * PEEL,
-            a_all, SHARED_X, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
-            wm_base, wm_sk, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd,
-            w_sh, w_sw, best, win, win_y, pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5,
-            b5, a6, b6, a7, b7, CDT, out_ptr, y0_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc,
-            y_sd, y_sh, y_sw, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG,
-            FULL, TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW, USD, USH, USW, UPD,
-            UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K
-        )  # fmt: skip
-    return best, win, win_y, pooled
+        state = _phase_aligned_offset(kk, 1, a_all, SHARED_X, x_in, w_in, wm_base, wm_sk, units, state, epi, EPI,
+                                      FULL, TAPS, STRIDE, PAD, DIL, WINDOW, USTRIDE, UORIGIN, LO, NS, KS,
+                                      PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    for kk in range(PEEL, WINDOW[0] * WINDOW[1] * WINDOW[2]):
+        state = _phase_aligned_offset(kk, 2 * PEEL, a_all, SHARED_X, x_in, w_in, wm_base, wm_sk, units, state,
+                                      epi, EPI, FULL, TAPS, STRIDE, PAD, DIL, WINDOW, USTRIDE, UORIGIN, LO, NS,
+                                      KS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    return state
 
 
 @triton.jit
@@ -440,19 +413,8 @@ def conv_fused_fwd_kernel(
     dots of every window offset.
     """
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    n_blocks_n = tl.cdiv(COUT_G, BLOCK_N)
-    grp = pid_n // n_blocks_n
-    nb = pid_n % n_blocks_n
-
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < M_TOTAL
-    uw = m % UW
-    t = m // UW
-    uh = t % UH
-    t = t // UH
-    ud = t % UD
-    nn = t // UD
+    m, m_ok, grp, nb = row_channel_tile(pid_m, tl.program_id(1), M_TOTAL, COUT_G, BLOCK_M, BLOCK_N)
+    uw, uh, ud, nn = peel_coords(m, UW, UH, UD)
     if BIG:
         nn = nn.to(tl.int64)
 
@@ -466,14 +428,7 @@ def conv_fused_fwd_kernel(
     bias = 0.0
     if HAS_BIAS:  # in the compute dtype, as the conv adds it (an fp32 bias under autocast is cast)
         bias = to_compute(tl.load(p_ptr + c, mask=cmask, other=0.0), CDT).to(tl.float32)
-    a0, b0 = load_operands(p_ptr, 0, c, C_OUT, cmask, OP0)
-    a1, b1 = load_operands(p_ptr, 1, c, C_OUT, cmask, OP1)
-    a2, b2 = load_operands(p_ptr, 2, c, C_OUT, cmask, OP2)
-    a3, b3 = load_operands(p_ptr, 3, c, C_OUT, cmask, OP3)
-    a4, b4 = load_operands(p_ptr, 4, c, C_OUT, cmask, OP4)
-    a5, b5 = load_operands(p_ptr, 5, c, C_OUT, cmask, OP5)
-    a6, b6 = load_operands(p_ptr, 6, c, C_OUT, cmask, OP6)
-    a7, b7 = load_operands(p_ptr, 7, c, C_OUT, cmask, OP7)
+    operands = load_chain_operands(p_ptr, c, C_OUT, cmask, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)
 
     ci0 = grp * CIN_G
     if BIG:
@@ -486,11 +441,15 @@ def conv_fused_fwd_kernel(
     c64 = c_glob
     if BIG:
         c64 = c_glob.to(tl.int64)
+    # What every window offset's epilogue reads (see _offset_epilogue).
+    epi = (nn, c64, cmask, bias, operands, out_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y0_ptr, y_sn, y_sc, y_sd, y_sh, y_sw)
+    EPI: tl.constexpr = ((OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7), CDT, HAS_BIAS, POOL, SAVE, BIG)
 
     best = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
     win = tl.full([BLOCK_M, BLOCK_N], -1, tl.int32)
     win_y = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     pooled = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    state = (best, win, win_y, pooled)
     if PHASE_ALIGNED:
         # Input position of the lowest shift; offset kp and tap t read i0 + (shift - LO) (static).
         i_d0 = ud * (USD // SD) + LOD
@@ -500,10 +459,22 @@ def conv_fused_fwd_kernel(
             x_rows = x_base + (i_d0.to(tl.int64) * x_sd + i_h0.to(tl.int64) * x_sh + i_w0.to(tl.int64) * x_sw)
         else:
             x_rows = x_base + (i_d0 * x_sd + i_h0 * x_sh + i_w0 * x_sw)
+        # The bundles and per-dim constexprs of _phase_aligned_offsets.
+        x_in = (x_rows, i_d0, i_h0, i_w0, ck, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw)
+        w_in = (w_base, cmask, w_sci, w_sd, w_sh, w_sw)
+        units = (ud, uh, uw, m_ok, OD, OH, OW)
+        TAPS: tl.constexpr = (TD, TH, TW)
+        STRIDE: tl.constexpr = (SD, SH, SW)
+        PAD: tl.constexpr = (PD, PH, PW)
+        DIL: tl.constexpr = (DD, DH, DW)
+        WINDOW: tl.constexpr = (KD, KH, KW)
+        USTRIDE: tl.constexpr = (USD, USH, USW)
+        UORIGIN: tl.constexpr = (UPD, UPH, UPW)
+        LO: tl.constexpr = (LOD, LOH, LOW)
+        NS: tl.constexpr = (NSD, NSH, NSW)
         masked = 1  # several channel blocks: the masked variant (a_all does not exist)
         if ONE_CBLOCK:
-            a_all = _phase_aligned_x_tile(x_rows, i_d0, i_h0, i_w0, m_ok, CIN_G, ID, IH, IW, x_sc, x_sd, x_sh, x_sw,
-                                          NSD, NSH, NSW, KS, BIG, BLOCK_K)  # fmt: skip
+            a_all = _phase_aligned_x_tile(x_in, m_ok, NS, KS, BIG, BLOCK_K)
             a_all = to_compute(a_all, CDT)  # an fp32 x under autocast: cast here, not in a pass of its own
             # NOTE: a dead (offset, shift) pair multiplies its X column by a zero weight, and
             # 0 * inf = NaN: a tile holding a non-finite input takes the masked variant, so NaN/inf
@@ -525,33 +496,19 @@ def conv_fused_fwd_kernel(
                 # registers).  Measured statically (tools/compile_check.py conv_fused --sass, Triton
                 # 3.9): the ConvT3d pipeline's fp32 main loop 403 -> 269 instructions.
                 for _once in range(pid_m, pid_m + 1):
-                    best, win, win_y, pooled = _phase_aligned_offsets(
-                        a_cur, True, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
-                        wm_base, COUT_G * (KS * BLOCK_K), CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
-                        best, win, win_y, pooled,
-                        bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr, y0_ptr,
-                        o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-                        OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, FULL_WINDOWS,
-                        TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
-                        USD, USH, USW, UPD, UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS,
-                        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                    state = _phase_aligned_offsets(
+                        a_cur, True, x_in, w_in, wm_base, COUT_G * (KS * BLOCK_K), units, state, epi, EPI,
+                        FULL_WINDOWS, TAPS, STRIDE, PAD, DIL, WINDOW, USTRIDE, UORIGIN, LO, NS, KS, PRECISION,
+                        BLOCK_M, BLOCK_N, BLOCK_K,
                     )  # fmt: skip
                     if a_cur.dtype == tl.float32:
                         a_cur = a_cur + (_once - pid_m).to(a_cur.dtype)
         # A runtime branch with one channel block; a static one otherwise (masked stays the int 1,
         # so the shared-tile call above is never compiled without a_all).
         if masked != 0:
-            best, win, win_y, pooled = _phase_aligned_offsets(
-                0.0, False, x_rows, i_d0, i_h0, i_w0, m_ok, ck, ud, uh, uw, nn, c64, cmask, w_base,
-                w_base, COUT_G, CIN_G, ID, IH, IW, OD, OH, OW, x_sc, x_sd, x_sh, x_sw, w_sci, w_sd, w_sh, w_sw,
-                best, win, win_y, pooled,
-                bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr, y0_ptr,
-                o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-                OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, FULL_WINDOWS,
-                TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, KD, KH, KW,
-                USD, USH, USW, UPD, UPH, UPW, LOD, LOH, LOW, NSD, NSH, NSW, KS,
-                PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
+            state = _phase_aligned_offsets(0.0, False, x_in, w_in, w_base, COUT_G, units, state, epi, EPI, FULL_WINDOWS,
+                                           TAPS, STRIDE, PAD, DIL, WINDOW, USTRIDE, UORIGIN, LO, NS, KS, PRECISION,
+                                           BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
     for kd in tl.static_range(KD * (1 - PHASE_ALIGNED)):
         od = ud * USD - UPD + kd
@@ -610,14 +567,11 @@ def conv_fused_fwd_kernel(
                                                              round_tf32(to_compute(b, CDT), PRECISION),
                                                              acc, input_precision=PRECISION)  # fmt: skip
                 first = _first_offset(kd, kh, kw, od, oh, ow)[:, None]
-                best, win, win_y, pooled = _offset_epilogue(
-                    acc, kd * KH * KW + kh * KW + kw, first, od, oh, ow, o_ok, nn, c64, cmask, best, win, win_y,
-                    pooled, bias, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, CDT, out_ptr,
-                    y0_ptr, o_sn, o_sc, o_sd, o_sh, o_sw, y_sn, y_sc, y_sd, y_sh, y_sw,
-                    OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7, HAS_BIAS, POOL, SAVE, BIG, False,
-                )  # fmt: skip
+                state = _offset_epilogue(acc, kd * KH * KW + kh * KW + kw, first, od, oh, ow, o_ok, state, epi, EPI,
+                                         False)  # fmt: skip
 
     if POOL != 0:
+        best, win, win_y, pooled = state
         if BIG:
             q = nn * o_sn + ud.to(tl.int64) * o_sd + uh.to(tl.int64) * o_sh + uw.to(tl.int64) * o_sw
         else:
@@ -638,33 +592,29 @@ def conv_fused_fwd_kernel(
 @triton.jit
 def phase_aligned_weight_kernel(
     w_ptr, wm_ptr, CIN_G, COUT_G, w_sci, w_sco, w_sd, w_sh, w_sw,
-    TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-    DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-    UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
-    LOD: tl.constexpr, LOH: tl.constexpr, LOW: tl.constexpr,
-    NSD: tl.constexpr, NSH: tl.constexpr, NSW: tl.constexpr, KS: tl.constexpr,
+    TAPS: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr, DIL: tl.constexpr, WINDOW: tl.constexpr,
+    UORIGIN: tl.constexpr, LO: tl.constexpr, NS: tl.constexpr, KS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One program per (window offset, group x output-channel block): writes that offset's
     ``[KS * BLOCK_K, BLOCK_N]`` slice of the prearranged weight matrix (``_phase_aligned_w_tile``'s tile,
     cast to the matrix's dtype (the compute dtype), then TF32-rounded when PRECISION says so) at
-    ``wm_ptr`` (see ``phase_aligned_weight_matrix``)."""
+    ``wm_ptr`` (see ``phase_aligned_weight_matrix``).  The geometry as ``_phase_aligned_offsets``
+    takes it, per (d, h, w): ``TAPS``, ``STRIDE``, ``PAD``, ``DIL`` of the conv, ``WINDOW`` (offsets
+    per unit), ``UORIGIN``, ``LO`` / ``NS``; ``KS``: shift slots."""
     kk = tl.program_id(0)
     pid_n = tl.program_id(1)
     n_blocks_n = tl.cdiv(COUT_G, BLOCK_N)
     grp = pid_n // n_blocks_n
     co = (pid_n % n_blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = (co < COUT_G)[None, :]
-    kd = kk // (KH * KW)
-    kh = (kk // KW) % KH
-    kw = kk % KW
+    kd = kk // (WINDOW[1] * WINDOW[2])
+    kh = (kk // WINDOW[2]) % WINDOW[1]
+    kw = kk % WINDOW[2]
     w_base = w_ptr + (grp * CIN_G) * w_sci + co[None, :] * w_sco
-    tile = _phase_aligned_w_tile(w_base, cmask, CIN_G, w_sci, w_sd, w_sh, w_sw, kd, kh, kw,
-                                 TD, TH, TW, SD, SH, SW, PD, PH, PW, DD, DH, DW, UPD, UPH, UPW,
-                                 LOD, LOH, LOW, NSD, NSH, NSW, KS, BLOCK_K)  # fmt: skip
+    tile = _phase_aligned_w_tile((w_base, cmask, w_sci, w_sd, w_sh, w_sw), CIN_G, kd, kh, kw, TAPS, STRIDE, PAD,
+                                 DIL, UORIGIN, LO, NS, KS, BLOCK_K)  # fmt: skip
     krow = tl.arange(0, KS * BLOCK_K)
-    tl.store(wm_ptr + ((grp * (KD * KH * KW) + kk) * COUT_G + co[None, :]) * (KS * BLOCK_K) + krow[:, None],
+    tl.store(wm_ptr + ((grp * (WINDOW[0] * WINDOW[1] * WINDOW[2]) + kk) * COUT_G + co[None, :]) * (KS * BLOCK_K)
+             + krow[:, None],
              round_tf32(tile.to(wm_ptr.dtype.element_ty), PRECISION), mask=cmask)  # fmt: skip

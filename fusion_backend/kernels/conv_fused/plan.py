@@ -4,10 +4,10 @@ PHASE_ALIGNED weight matrix and the launch plans."""
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -15,14 +15,9 @@ import triton
 from ... import environment
 from ...ir.shapes import conv_output_length
 from ...ir.specs import ConvSpec, PoolSpec
-from ..chain_math import (
-    MAX_WINDOW_VOLUME,
-    KernelStep,
-    op_constexprs,
-)
-from ..epilogue import build_params
-from ..host import INTERPRETER, BoundedCache, best_first, cdiv, lift_5d, next_pow2, tensor_key
-from ..launch import FastLaunch, launch
+from ..chain_math import MAX_WINDOW_VOLUME, op_constexprs
+from ..conv_common import AutotunedLaunch, ForwardArgs, WeightMatrixLaunch, cached_forward_launch, run_forward
+from ..host import INTERPRETER, BoundedCache, best_first, cdiv, lift_5d, next_pow2
 from ..tf32 import compute_code, dot_precision
 from .device import conv_fused_fwd_kernel, phase_aligned_weight_kernel
 
@@ -282,36 +277,23 @@ def _heuristic_config(cin_g: int, cout_g: int, m_total: int, phase_aligned: bool
     )
 
 
-class _Launch:
-    """One launch plan of ``conv_fused_fwd_kernel``: its integer arguments and constexprs, and a
-    :class:`FastLaunch` once the tile is known (the heuristic tile at once; with autotuning, the
-    tile the autotuner picked on the first call)."""
+class _Launch(AutotunedLaunch):
+    """One launch plan of ``conv_fused_fwd_kernel``: an ``AutotunedLaunch`` (the heuristic tile
+    bound at once, or the autotuner's pick on the first call; ``first_tile``: ``_prune``'s first)
+    with the weight it reads."""
 
     def __init__(self, ints: tuple[int, ...], constexprs: dict, m_total: int, groups: int, cout_g: int,
-                 cout: int, cfg: dict | None, weight_matrix: _WeightMatrixLaunch | None,
+                 cout: int, cfg: dict | None, weight_matrix: WeightMatrixLaunch | None,
                  first_tile: dict) -> None:  # fmt: skip
-        self.ints, self.constexprs, self.cout = ints, constexprs, cout
+        self.cout = cout
         self.transposed = bool(constexprs["TRANSPOSED"])
         self.m_total, self.groups, self.cout_g = m_total, groups, cout_g
-        self.fast = None if cfg is None else self._bind(cfg)
-        #: the tile the autotuner times first (``_prune``'s first), which ``probe`` binds
-        self.first_tile = first_tile
         #: None: the kernel reads the weight with its output channels innermost (``_output_channels_innermost``).
         self.weight_matrix = weight_matrix
+        super().__init__(_conv_fused_fwd_tuned, conv_fused_fwd_kernel, constexprs, ints, cfg, first_tile)
 
     def grid(self, meta: dict) -> tuple[int, int]:
         return (cdiv(self.m_total, meta["BLOCK_M"]), self.groups * cdiv(self.cout_g, meta["BLOCK_N"]))
-
-    def probe(self) -> _Launch:
-        """This plan bound to the tile the autotuner times first: one compile instead of up to
-        ``MAX_TUNED_CONFIGS``, to screen the path before tuning it (``impl_choice.choose``'s
-        ``probes``; the tuned plan then finds that tile compiled)."""
-        probe = copy.copy(self)
-        probe.fast = self._bind(self.first_tile)
-        return probe
-
-    def _bind(self, meta: dict) -> FastLaunch:
-        return FastLaunch(conv_fused_fwd_kernel, self.grid(meta), {**self.constexprs, **meta}, fixed=self.ints)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
             saved_y0: torch.Tensor | None, saved_winner: torch.Tensor | None) -> None:  # fmt: skip
@@ -321,35 +303,12 @@ class _Launch:
             w, wm = weight, self.weight_matrix(weight)
         else:
             w = wm = _output_channels_innermost(weight, self.transposed)
-        self((x, w, wm, params, out, saved_y0 if saved_y0 is not None else out,
-              saved_winner if saved_winner is not None else out))  # fmt: skip
-
-    def __call__(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        if self.fast is not None:
-            self.fast(*tensors)
-            return
-        launched = launch(_conv_fused_fwd_tuned, self.grid, *tensors, *self.ints, **self.constexprs)
-        best = getattr(_conv_fused_fwd_tuned, "best_config", None)  # the tile of this call's key
-        if launched and best is not None:
-            self.fast = self._bind(best.all_kwargs())
-
-
-class _WeightMatrixLaunch:
-    """The launch of ``phase_aligned_weight_kernel`` for one plan: ``(weight) -> prearranged matrix``."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, ints: tuple[int, ...], constexprs: dict,
-                 grid: tuple[int, int]) -> None:  # fmt: skip
-        self.shape, self.dtype = shape, dtype
-        self.launch = FastLaunch(phase_aligned_weight_kernel, grid, constexprs, fixed=ints)
-
-    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        matrix = torch.empty(self.shape, dtype=self.dtype, device=weight.device)
-        self.launch(weight, matrix)
-        return matrix
+        self(x, w, wm, params, out, saved_y0 if saved_y0 is not None else out,
+             saved_winner if saved_winner is not None else out)  # fmt: skip
 
 
 def phase_aligned_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvSpec, precision: str,
-                                dtype: torch.dtype) -> _WeightMatrixLaunch:  # fmt: skip
+                                dtype: torch.dtype) -> WeightMatrixLaunch:  # fmt: skip
     """The launch that writes the phase-aligned path's prearranged weight matrix of a transposed conv.
 
     Matrix: ``(groups, KD * KH * KW, COUT_G, KS * PHASE_ALIGNED_BLOCK_K)``, ``dtype`` (the compute dtype:
@@ -373,48 +332,25 @@ def phase_aligned_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvSpe
     stride, padding, dilation = _pad3(conv.stride, 1), _pad3(conv.padding, 0), _pad3(conv.dilation, 1)
     w_str = weight.stride()
     constexprs = dict(
-        TD=taps[0], TH=taps[1], TW=taps[2], SD=stride[0], SH=stride[1], SW=stride[2],
-        PD=padding[0], PH=padding[1], PW=padding[2], DD=dilation[0], DH=dilation[1], DW=dilation[2],
-        KD=plan.window[0], KH=plan.window[1], KW=plan.window[2],
-        UPD=plan.unit_origin[0], UPH=plan.unit_origin[1], UPW=plan.unit_origin[2],
-        LOD=plan.shifts[0][0], LOH=plan.shifts[1][0], LOW=plan.shifts[2][0],
-        NSD=plan.shifts[0][1], NSH=plan.shifts[1][1], NSW=plan.shifts[2][1], KS=plan.shift_slots,
-        PRECISION=precision, BLOCK_K=PHASE_ALIGNED_BLOCK_K, BLOCK_N=block_n,
+        TAPS=tuple(taps), STRIDE=tuple(stride), PAD=tuple(padding), DIL=tuple(dilation), WINDOW=plan.window,
+        UORIGIN=plan.unit_origin, LO=tuple(lo for lo, _ in plan.shifts), NS=tuple(ns for _, ns in plan.shifts),
+        KS=plan.shift_slots, PRECISION=precision, BLOCK_K=PHASE_ALIGNED_BLOCK_K, BLOCK_N=block_n,
     )  # fmt: skip
     ints = (cin_g, cout_g, w_str[0], w_str[1], *_pad3(w_str[2:], 0))
     grid = (offsets, groups * cdiv(cout_g, block_n))
-    return _WeightMatrixLaunch((groups, offsets, cout_g, rows), dtype, ints, constexprs, grid)
+    return WeightMatrixLaunch(phase_aligned_weight_kernel, grid, (groups, offsets, cout_g, rows), dtype, ints,
+                              constexprs)  # fmt: skip
 
 
 #: Launch plans by ``_launch_key``.
 _LAUNCHES = BoundedCache(256)
 
 
-def _launch_key(x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype) -> tuple:  # noqa: ANN001
-    """Everything ``_prepare``'s result depends on (shapes, strides, dtypes, geometry, op codes,
-    precision, and the module switches tests change)."""
-    return (
-        tensor_key(x), tensor_key(weight), bias is None, tuple((int(code), len(values)) for code, values in steps), conv, pool,
-        tensor_key(out), tensor_key(saved_y0), tensor_key(saved_winner), bool(allow_tf32), compute_dtype,
-        environment.measuring(), _BIG_INDEX_THRESHOLD,
-    )  # fmt: skip
-
-
-def _prepare(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    steps: Sequence[KernelStep],
-    conv: ConvSpec,
-    pool: PoolSpec | None,
-    out: torch.Tensor,
-    saved_y0: torch.Tensor | None,
-    saved_winner: torch.Tensor | None,
-    allow_tf32: bool,
-    compute_dtype: torch.dtype,
-) -> _Launch:
-    """Validate a call and derive its launch (everything but the tensors' data); see
-    ``conv_fused_forward``.  Depends only on what ``_launch_key`` records."""
+def _prepare(args: ForwardArgs) -> _Launch:
+    """Validate a call (its compute dtype resolved) and derive its launch (everything but the
+    tensors' data); see ``conv_fused_forward``.  Depends only on ``args.plan_key()`` and the module
+    switches ``forward_launch`` keys the plan by."""
+    x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype = args
     is_max = pool is not None and pool.kind == "max"
     save = saved_y0 is not None
     if is_max and save != (saved_winner is not None):
@@ -501,69 +437,24 @@ def _prepare(
                    first_tile)
 
 
-def conv_fused_forward(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    steps: Sequence[KernelStep],
-    conv: ConvSpec,
-    pool: PoolSpec | None,
-    out: torch.Tensor,
-    saved_y0: torch.Tensor | None = None,
-    saved_winner: torch.Tensor | None = None,
-    allow_tf32: bool = False,
-    compute_dtype: torch.dtype | None = None,
-) -> None:
+def conv_fused_forward(*args: Any, **kwargs: Any) -> None:
     """Write ``out = pool(chain(conv(x, weight) + bias))`` (and the backward state) in one launch.
 
-    Args:
-      x: (N, C_in, *spatial) with 1 to 3 spatial dims, fp32/fp16/bf16, any strides.
-      weight: conv ``(C_out, C_in/groups, *k)`` or transposed ``(C_in, C_out/groups, *k)``,
-        fp32/fp16/bf16, any strides.
-      bias: None or C_out values (any float dtype), rounded to the compute dtype and added in fp32
-        to the conv output (after it is rounded to the compute dtype) before the chain.
-      steps: the chain, as for ``epilogue.epilogue_forward`` (up to MAX_SLOTS steps).
-      conv: the conv hyper-parameters.  pool: None or the pool over the chain's result.
-      out: preallocated result (N, C_out, *pooled or conv-output spatial), any float dtype and strides.
-      saved_y0, saved_winner: None (nothing saved), or the backward state, in ``epilogue_forward``'s
-        format: ``saved_y0`` the conv output without bias in the compute dtype: with a max pool its value
-        at each window's winner (out's shape and strides), else all of it ((N, C_out, *conv-output
-        spatial), any strides); ``saved_winner`` with a max pool the winner's index in its window
-        (int8/int32, out's shape and strides), else None.
-      allow_tf32: fp32 operands use TF32 tensor cores (pass ``torch.backends.cudnn.allow_tf32``);
-        ignored under the interpreter.
-      compute_dtype: the conv's dtype (None: x's): x and weight are cast to it as they are loaded
-        (exactly ``conv(x.to(compute_dtype), weight.to(compute_dtype))``: autocast's casts without a
-        pass of their own), and the conv output is rounded to it, as it is stored in the library path.
-        The saved conv output has this dtype.
+    Arguments: ``ForwardArgs`` (x, weight, bias, steps, conv, pool, out, saved_y0=None,
+    saved_winner=None, allow_tf32=False, compute_dtype=None).
     Raises ValueError when ``unsupported_reason`` names a reason or the tensors disagree.
     """
-    launch = forward_launch(x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype)
-    if launch is not None:
-        launch.run(x, weight, build_params(steps, bias, launch.cout, x.device), out, saved_y0, saved_winner)
+    args = ForwardArgs(*args, **kwargs)
+    run_forward(forward_launch(*args), args)
 
 
-def forward_launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    steps: Sequence[KernelStep],
-    conv: ConvSpec,
-    pool: PoolSpec | None,
-    out: torch.Tensor,
-    saved_y0: torch.Tensor | None = None,
-    saved_winner: torch.Tensor | None = None,
-    allow_tf32: bool = False,
-    compute_dtype: torch.dtype | None = None,
-) -> _Launch | None:
-    """The checked launch plan of ``conv_fused_forward`` for these arguments (cached per shapes,
-    strides, dtypes, geometry, op codes and precision), or None when ``out`` is empty (nothing to
-    launch; the arguments are still checked).  Its ``run(x, weight, params, out, saved_y0, saved_winner)``
-    launches for tensors laid out like these: a caller that keeps it (a per-signature call plan)
-    skips the cache lookup.  Raises ValueError as ``conv_fused_forward`` does."""
-    compute_dtype = compute_dtype or x.dtype
-    args = (x, weight, bias, steps, conv, pool, out, saved_y0, saved_winner, allow_tf32, compute_dtype)
-    if out.numel() == 0:
-        _prepare(*args)  # validates
-        return None
-    return _LAUNCHES.get(_launch_key(*args), lambda: _prepare(*args))
+def forward_launch(*args: Any, **kwargs: Any) -> _Launch | None:
+    """The checked launch plan of ``conv_fused_forward`` for these arguments (``ForwardArgs``; cached
+    per shapes, strides, dtypes, geometry, op codes and precision), or None when ``out`` is empty
+    (nothing to launch; the arguments are still checked).  Its ``run(x, weight, params, out,
+    saved_y0, saved_winner)`` launches for tensors laid out like these: a caller that keeps it (a
+    per-signature call plan) skips the cache lookup.  Raises ValueError as ``conv_fused_forward``
+    does."""
+    args = ForwardArgs(*args, **kwargs)
+    args = args._replace(compute_dtype=args.compute_dtype or args.x.dtype)
+    return cached_forward_launch(args, _LAUNCHES, _prepare, _BIG_INDEX_THRESHOLD)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..conv_common import peel_coords
 from ..host import INTERPRETER, best_first
 from ..tf32 import round_tf32
 
@@ -30,17 +31,24 @@ def _ix(v, I64: tl.constexpr):
 
 
 @triton.jit
+def _window_candidate(q, a, ok, J, K: tl.constexpr, S: tl.constexpr, DIL: tl.constexpr):
+    """Along one dim of a max pool (``K`` taps, stride ``S``, dilation ``DIL``, ``J`` windows): the
+    ``a``-th candidate window of position ``q`` (shifted by the pool padding, so non-negative),
+    counting down from the last window starting at or before it.  Returns ``(j, r, ok)``: the
+    window, ``q``'s offset in it, and ``ok`` narrowed to where that window exists and holds ``q``
+    on one of its taps."""
+    j = q // S - a
+    r = q - j * S
+    return j, r, ok & (j >= 0) & (j < J) & (r % DIL == 0) & (r < K * DIL)
+
+
+@triton.jit
 def _load_at(
     ptr, win_ptr, n64, pd, ph, pw, row_ok, c, c_ok,
     D, H, W, JD, JH, JW,
     s_n, s_c, s_d, s_h, s_w,
     w_sn, w_sc, w_sd, w_sh, w_sw,
-    POOLED: tl.constexpr,
-    PKD: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr,
-    PSD: tl.constexpr, PSH: tl.constexpr, PSW: tl.constexpr,
-    PPD: tl.constexpr, PPH: tl.constexpr, PPW: tl.constexpr,
-    PDD: tl.constexpr, PDH: tl.constexpr, PDW: tl.constexpr,
-    NJD: tl.constexpr, NJH: tl.constexpr, NJW: tl.constexpr, I64: tl.constexpr,
+    POOLED: tl.constexpr, POOL_GEOM: tl.constexpr, I64: tl.constexpr,
 ):  # fmt: skip
     """Tile of values at positions ``(n, pd, ph, pw)`` x channels ``c``; 0 outside (D, H, W).
 
@@ -52,8 +60,18 @@ def _load_at(
     Dense (``POOLED`` False): ``ptr`` is an ``(N, C, D, H, W)`` tensor with strides ``s_*``.
     Pooled: ``ptr`` is ``g_win`` (strides ``s_*``) and ``win_ptr`` the winners (strides ``w_s*``),
     both ``(N, C, JD, JH, JW)``; the value is the sum over the (at most NJD*NJH*NJW) windows that
-    contain the position and whose winner is it.
+    contain the position and whose winner is it.  ``POOL_GEOM``: the max pool's ``(kernel, stride,
+    padding, dilation, NJ)``, each per (d, h, w); ``NJ``: candidate windows per position.
     """
+    PK: tl.constexpr = POOL_GEOM[0]
+    PS: tl.constexpr = POOL_GEOM[1]
+    PP: tl.constexpr = POOL_GEOM[2]
+    PDIL: tl.constexpr = POOL_GEOM[3]
+    # (scalars: tl.static_range takes a constexpr, and an element of a tuple launch argument may be
+    # a plain int)
+    NJD: tl.constexpr = POOL_GEOM[4][0]
+    NJH: tl.constexpr = POOL_GEOM[4][1]
+    NJW: tl.constexpr = POOL_GEOM[4][2]
     row_ok = row_ok & (pd >= 0) & (pd < D) & (ph >= 0) & (ph < H) & (pw >= 0) & (pw < W)
     c64 = _ix(c, I64)
     if not POOLED:
@@ -63,25 +81,19 @@ def _load_at(
         return tl.load(ptr + (row + c64 * s_c), mask=row_ok & c_ok, other=0.0)
     else:
         # Shift to non-negative coordinates so that // and % agree between C and Python semantics.
-        qd = tl.where(row_ok, pd, 0) + PPD
-        qh = tl.where(row_ok, ph, 0) + PPH
-        qw = tl.where(row_ok, pw, 0) + PPW
+        qd = tl.where(row_ok, pd, 0) + PP[0]
+        qh = tl.where(row_ok, ph, 0) + PP[1]
+        qw = tl.where(row_ok, pw, 0) + PP[2]
         acc = tl.zeros((row_ok & c_ok).shape, tl.float32)
         g_col = c64 * s_c
         w_col = c64 * w_sc
         for ad in tl.static_range(NJD):
-            jd = qd // PSD - ad
-            rd = qd - jd * PSD
-            ok_d = row_ok & (jd >= 0) & (jd < JD) & (rd % PDD == 0) & (rd < PKD * PDD)
+            jd, rd, ok_d = _window_candidate(qd, ad, row_ok, JD, PK[0], PS[0], PDIL[0])
             for ah in tl.static_range(NJH):
-                jh = qh // PSH - ah
-                rh = qh - jh * PSH
-                ok_h = ok_d & (jh >= 0) & (jh < JH) & (rh % PDH == 0) & (rh < PKH * PDH)
+                jh, rh, ok_h = _window_candidate(qh, ah, ok_d, JH, PK[1], PS[1], PDIL[1])
                 for aw in tl.static_range(NJW):
-                    jw = qw // PSW - aw
-                    rw = qw - jw * PSW
-                    hit = ok_h & (jw >= 0) & (jw < JW) & (rw % PDW == 0) & (rw < PKW * PDW)
-                    widx = (rd // PDD) * (PKH * PKW) + (rh // PDH) * PKW + rw // PDW
+                    jw, rw, hit = _window_candidate(qw, aw, ok_h, JW, PK[2], PS[2], PDIL[2])
+                    widx = (rd // PDIL[0]) * (PK[1] * PK[2]) + (rh // PDIL[1]) * PK[2] + rw // PDIL[2]
                     jd64 = _ix(jd, I64)
                     jh64 = _ix(jh, I64)
                     jw64 = _ix(jw, I64)
@@ -91,6 +103,29 @@ def _load_at(
                     take = (win.to(tl.int32) == widx) & hit & c_ok
                     acc += tl.load(ptr + (g_row + g_col), mask=take, other=0.0).to(tl.float32)
         return acc
+
+
+@triton.jit
+def _load_rows(ptr, win_ptr, n64, pd, ph, pw, row_ok, c, c_ok, layout, POOLED: tl.constexpr,
+               POOL_GEOM: tl.constexpr, I64: tl.constexpr, CL: tl.constexpr, ROWS_FIRST: tl.constexpr):  # fmt: skip
+    """``_load_at``'s tile at rows ``(n64, pd, ph, pw, row_ok)`` (``[R]`` each) x channels ``(c,
+    c_ok)`` (``[C]`` each) as ``[R, C]`` (``ROWS_FIRST``) or ``[C, R]``; ``layout``: ``_load_at``'s
+    ``(D, H, W, JD, JH, JW, s_n, s_c, s_d, s_h, s_w, w_sn, w_sc, w_sd, w_sh, w_sw)``.
+
+    NOTE: the tile is loaded with the memory-contiguous axis last (Triton's default thread order;
+    ``CL``: the channels are that axis), then transposed in registers where that is not the order
+    asked for."""
+    if CL:
+        t = _load_at(ptr, win_ptr, n64[:, None], pd[:, None], ph[:, None], pw[:, None], row_ok[:, None], c[None, :],
+                     c_ok[None, :], *layout, POOLED, POOL_GEOM, I64)  # fmt: skip
+        if not ROWS_FIRST:
+            t = tl.trans(t)
+    else:
+        t = _load_at(ptr, win_ptr, n64[None, :], pd[None, :], ph[None, :], pw[None, :], row_ok[None, :], c[:, None],
+                     c_ok[:, None], *layout, POOLED, POOL_GEOM, I64)  # fmt: skip
+        if ROWS_FIRST:
+            t = tl.trans(t)
+    return t
 
 
 # --------------------------------------------------------------------------------------------------
@@ -121,12 +156,7 @@ def dgrad_kernel(
     w_s_grp, w_s_out, w_s_red,
     XSD: tl.constexpr, XSH: tl.constexpr, XSW: tl.constexpr,
     GSD: tl.constexpr, GSH: tl.constexpr, GSW: tl.constexpr,
-    POOLED: tl.constexpr, G_CL: tl.constexpr, X_CL: tl.constexpr,
-    PKD: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr,
-    PSD: tl.constexpr, PSH: tl.constexpr, PSW: tl.constexpr,
-    PPD: tl.constexpr, PPH: tl.constexpr, PPW: tl.constexpr,
-    PDD: tl.constexpr, PDH: tl.constexpr, PDW: tl.constexpr,
-    NJD: tl.constexpr, NJH: tl.constexpr, NJW: tl.constexpr,
+    POOLED: tl.constexpr, G_CL: tl.constexpr, X_CL: tl.constexpr, POOL_GEOM: tl.constexpr,
     PREC: tl.constexpr, I64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -140,6 +170,7 @@ def dgrad_kernel(
       tab_ptr         int32 (phases, NTAP_MAX, 4): per phase r and its j-th tap: weight tap offset
                       (elements) and the g offsets (d, h, w).  ``cnt_ptr``: int32 (phases,) taps per phase.
       dx_ptr          result (N, C_in, ID, IH, IW), strides ``x_s*``; every element written once.
+    ``POOL_GEOM``: the pooled gradient's max pool (``_load_at``).
     Program ids: 0 -> (n, phase, M block), 1 -> (group, N block).  Phases: (XSD, XSH, XSW) grid
     (all 1 for a transposed conv); a phase's positions are ``r + XS*t``.  The K loop walks (tap,
     BLOCK_K channels): offsets are uniform per K block, so the position arithmetic is per row.
@@ -185,17 +216,13 @@ def dgrad_kernel(
         # NOTE: the tile is loaded with the memory-contiguous axis last (Triton's default thread
         # order), so channels-first g is read as [K, M] and transposed in registers.
         if G_CL:
-            a = _load_at(
-                g_ptr, win_ptr, n64, o_d[:, None], o_h[:, None], o_w[:, None], m_ok[:, None], g_ch[None, :],
-                co_ok[None, :], OD, OH, OW, JD, JH, JW, g_sn, g_sc, g_sd, g_sh, g_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-                POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW, I64,
-            )  # fmt: skip
+            a = _load_at(g_ptr, win_ptr, n64, o_d[:, None], o_h[:, None], o_w[:, None], m_ok[:, None], g_ch[None, :],
+                         co_ok[None, :], OD, OH, OW, JD, JH, JW, g_sn, g_sc, g_sd, g_sh, g_sw, v_sn, v_sc, v_sd,
+                         v_sh, v_sw, POOLED, POOL_GEOM, I64)  # fmt: skip
         else:
-            a = _load_at(
-                g_ptr, win_ptr, n64, o_d[None, :], o_h[None, :], o_w[None, :], m_ok[None, :], g_ch[:, None],
-                co_ok[:, None], OD, OH, OW, JD, JH, JW, g_sn, g_sc, g_sd, g_sh, g_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-                POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW, I64,
-            )  # fmt: skip
+            a = _load_at(g_ptr, win_ptr, n64, o_d[None, :], o_h[None, :], o_w[None, :], m_ok[None, :], g_ch[:, None],
+                         co_ok[:, None], OD, OH, OW, JD, JH, JW, g_sn, g_sc, g_sd, g_sh, g_sw, v_sn, v_sc, v_sd,
+                         v_sh, v_sw, POOLED, POOL_GEOM, I64)  # fmt: skip
             a = tl.trans(a)
         b = tl.load(w_base + _ix(co[:, None], I64) * w_s_red + w_off, mask=co_ok[:, None] & ci_ok[None, :], other=0.0)
         acc = tl.dot(round_tf32(a.to(b.dtype), PREC), round_tf32(b, PREC), acc, input_precision=PREC)
@@ -250,13 +277,7 @@ def wgrad_kernel(
     v_sn, v_sc, v_sd, v_sh, v_sw,
     SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
     G_IS_A: tl.constexpr, A_POOLED: tl.constexpr, B_POOLED: tl.constexpr, A_CL: tl.constexpr, B_CL: tl.constexpr,
-    LINE_MODE: tl.constexpr,
-    PKD: tl.constexpr, PKH: tl.constexpr, PKW: tl.constexpr,
-    PSD: tl.constexpr, PSH: tl.constexpr, PSW: tl.constexpr,
-    PPD: tl.constexpr, PPH: tl.constexpr, PPW: tl.constexpr,
-    PDD: tl.constexpr, PDH: tl.constexpr, PDW: tl.constexpr,
-    NJD: tl.constexpr, NJH: tl.constexpr, NJW: tl.constexpr,
-    PREC: tl.constexpr, I64: tl.constexpr,
+    LINE_MODE: tl.constexpr, POOL_GEOM: tl.constexpr, PREC: tl.constexpr, I64: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Partial ``dw[grp*A_G + a, b, j] = sum_{rows} A[n, grp*A_G + a, t] * B[n, grp*B_G + b, t*S + off_j]``.
@@ -269,6 +290,7 @@ def wgrad_kernel(
              dense/pooled rule).  ``G_IS_A`` says which one is g; the MMA runs in x's dtype.
       tab_ptr int32 (KVOL, 4): per tap j: unused, and the offsets ``off_j`` (d, h, w) = ``-p + k*dl``.
       part_ptr fp32 (SPLIT, C_w0, B_G, KVOL) contiguous: this program's partial sums.
+    ``POOL_GEOM``: the pooled gradient's max pool (``_load_at``).
     Rows (``LINE_MODE`` only changes the walk): all W positions of the lines ``(n, td, th)`` numbered ``n*TD*TH + td*TH + th`` in
     ``[split*lines_per_split, (split+1)*lines_per_split) & [0, LINES)``.
     Program ids: 0 -> (group, A block, tap, B block), 1 -> split (so the programs sharing rows run
@@ -276,12 +298,7 @@ def wgrad_kernel(
     """
     pid0 = tl.program_id(0)
     split = tl.program_id(1)
-    bb = pid0 % num_b_blocks
-    rest = pid0 // num_b_blocks
-    j = rest % KVOL
-    rest = rest // KVOL
-    ab = rest % num_a_blocks
-    grp = rest // num_a_blocks
+    bb, j, ab, grp = peel_coords(pid0, num_b_blocks, KVOL, num_a_blocks)
 
     a = ab * BLOCK_A + tl.arange(0, BLOCK_A)
     a_ok = a < A_G
@@ -330,40 +347,15 @@ def wgrad_kernel(
             th = rem - td * TH
         n64 = _ix(n, I64)
         # A tile [BLOCK_A, BLOCK_R] at the row positions; B tile [BLOCK_R, BLOCK_G] at t*S + off_j.
-        # NOTE: each is loaded with its memory-contiguous axis last, then transposed if needed.
         b_d = (td * SD + o_d)
         b_h = (th * SH + o_h)
         b_w = (tw * SW + o_w)
-        if A_CL:
-            at = _load_at(
-                a_ptr, win_ptr, n64[:, None], td[:, None], th[:, None], tw[:, None], r_ok[:, None],
-                a_ch[None, :], a_ok[None, :], TD, TH, TW, JD, JH, JW,
-                a_sn, a_sc, a_sd, a_sh, a_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-                A_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW, I64,
-            )  # fmt: skip
-            at = tl.trans(at)
-        else:
-            at = _load_at(
-                a_ptr, win_ptr, n64[None, :], td[None, :], th[None, :], tw[None, :], r_ok[None, :],
-                a_ch[:, None], a_ok[:, None], TD, TH, TW, JD, JH, JW,
-                a_sn, a_sc, a_sd, a_sh, a_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-                A_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW, I64,
-            )  # fmt: skip
-        if B_CL:
-            bt = _load_at(
-                b_ptr, win_ptr, n64[:, None], b_d[:, None], b_h[:, None], b_w[:, None], r_ok[:, None],
-                b_ch[None, :], b_ok[None, :], BD, BH, BW, JD, JH, JW,
-                b_sn, b_sc, b_sd, b_sh, b_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-                B_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW, I64,
-            )  # fmt: skip
-        else:
-            bt = _load_at(
-                b_ptr, win_ptr, n64[None, :], b_d[None, :], b_h[None, :], b_w[None, :], r_ok[None, :],
-                b_ch[:, None], b_ok[:, None], BD, BH, BW, JD, JH, JW,
-                b_sn, b_sc, b_sd, b_sh, b_sw, v_sn, v_sc, v_sd, v_sh, v_sw,
-                B_POOLED, PKD, PKH, PKW, PSD, PSH, PSW, PPD, PPH, PPW, PDD, PDH, PDW, NJD, NJH, NJW, I64,
-            )  # fmt: skip
-            bt = tl.trans(bt)
+        at = _load_rows(a_ptr, win_ptr, n64, td, th, tw, r_ok, a_ch, a_ok,
+                        (TD, TH, TW, JD, JH, JW, a_sn, a_sc, a_sd, a_sh, a_sw, v_sn, v_sc, v_sd, v_sh, v_sw),
+                        A_POOLED, POOL_GEOM, I64, A_CL, False)  # fmt: skip
+        bt = _load_rows(b_ptr, win_ptr, n64, b_d, b_h, b_w, r_ok, b_ch, b_ok,
+                        (BD, BH, BW, JD, JH, JW, b_sn, b_sc, b_sd, b_sh, b_sw, v_sn, v_sc, v_sd, v_sh, v_sw),
+                        B_POOLED, POOL_GEOM, I64, B_CL, True)  # fmt: skip
         if G_IS_A:
             at = at.to(b_ptr.dtype.element_ty)
             bt = bt.to(b_ptr.dtype.element_ty)

@@ -7,13 +7,14 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import torch
 import triton
 
 from ... import environment
 from ...ir.shapes import conv_output_length, pool_output_length
+from ..conv_common import BACKWARD_DTYPES, channels_inner, raise_unsupported
 from ..host import (
     INTERPRETER,
     cdiv,
@@ -28,7 +29,6 @@ from ..tf32 import backward_dot_precision
 from .device import dgrad_configs, dgrad_kernel, dgrad_tuned, wgrad_configs, wgrad_kernel, wgrad_tuned
 
 _INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Most candidate windows (product over dims of ceil(window extent / pool stride)) a conv-output
 #: position may belong to; the loader unrolls them.
 MAX_CANDIDATE_WINDOWS = 8
@@ -130,16 +130,15 @@ def _geometry(
     )  # fmt: skip
 
 
-def _pool_args(grad: Grad, dims: int) -> dict[str, int | bool]:
+def _pool_geometry(grad: Grad, dims: int) -> tuple:
+    """The kernels' ``POOL_GEOM`` constexpr: the max pool behind ``grad`` as ``(kernel, stride,
+    padding, dilation, candidate windows per position)``, each lifted to (d, h, w); a dense gradient
+    takes the identity pool."""
     if not isinstance(grad, PooledGrad):
-        return dict(PKD=1, PKH=1, PKW=1, PSD=1, PSH=1, PSW=1, PPD=0, PPH=0, PPW=0, PDD=1, PDH=1, PDW=1,
-                    NJD=1, NJH=1, NJW=1)  # fmt: skip
+        return ((1, 1, 1), (1, 1, 1), (0, 0, 0), (1, 1, 1), (1, 1, 1))
     k, s, p, d = grad.geometry(dims)
     nj = [cdiv((kk - 1) * dd + 1, ss) for kk, ss, dd in zip(k, s, d, strict=True)]
-    return dict(
-        PKD=k[0], PKH=k[1], PKW=k[2], PSD=s[0], PSH=s[1], PSW=s[2], PPD=p[0], PPH=p[1], PPW=p[2],
-        PDD=d[0], PDH=d[1], PDW=d[2], NJD=nj[0], NJH=nj[1], NJW=nj[2],
-    )  # fmt: skip
+    return tuple(tuple(int(v) for v in values) for values in (k, s, p, d, nj))
 
 
 def _grad_operands(grad: Grad) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int]]:
@@ -149,11 +148,6 @@ def _grad_operands(grad: Grad) -> tuple[torch.Tensor, torch.Tensor, list[int], l
         return grad.g_win, grad.winner, strides, lift_5d(grad.winner)[1], sizes[2:]
     _, strides = lift_5d(grad)
     return grad, grad, strides, [0] * 5, [1, 1, 1]
-
-
-def _channels_inner(lifted_strides: Sequence[int], t: torch.Tensor) -> bool:
-    """True when channels are the memory-contiguous axis (channels-last), so tiles put them last."""
-    return lifted_strides[1] == 1 and t.shape[1] > 1 and math.prod(t.shape[2:]) > 1
 
 
 def _needs_int64(*tensors: torch.Tensor) -> bool:
@@ -182,10 +176,10 @@ def unsupported_reason(
             return f"{name} {tuple(v)} must have {dims} entries"
     if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0 or min(output_padding) < 0 or groups < 1:
         return f"invalid conv hyper-parameters stride={stride} padding={padding} dilation={dilation} groups={groups}"
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
-        return f"x and weight must share one of {_DTYPES}, got {x.dtype} and {weight.dtype}"
+    if x.dtype not in BACKWARD_DTYPES or weight.dtype != x.dtype:
+        return f"x and weight must share one of {BACKWARD_DTYPES}, got {x.dtype} and {weight.dtype}"
     values = grad.g_win if isinstance(grad, PooledGrad) else grad
-    if values.dtype not in _DTYPES:
+    if values.dtype not in BACKWARD_DTYPES:
         return f"the gradient must be fp32/fp16/bf16, got {values.dtype}"
     if _INTERPRET and torch.bfloat16 in (x.dtype, values.dtype):
         return "Triton's interpreter has no bf16"
@@ -238,12 +232,11 @@ def unsupported_reason(
     return None
 
 
-def _check(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args) -> None:
-    reason = unsupported_reason(grad, x, weight, *conv_args)
-    if reason is not None:
-        from ...errors import UnsupportedInputError
-
-        raise UnsupportedInputError(f"conv_fused_bwd: {reason} (check unsupported_reason() first)")
+def _checked(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: Any) -> tuple:
+    """``(grad, x, weight, *conv_args)`` (``convolution_backward``'s arguments up to ``groups``) once
+    ``unsupported_reason`` finds nothing against them; raises ``UnsupportedInputError`` otherwise."""
+    raise_unsupported("conv_fused_bwd", unsupported_reason(grad, x, weight, *conv_args))
+    return (grad, x, weight, *conv_args)
 
 
 def _taps(kernel: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -309,18 +302,14 @@ def conv_input_grad(
     Returns:
       grad_x: ``torch.empty_like(x)`` layout and dtype (fp32 accumulation inside).
     """
-    conv_args = (stride, padding, dilation, transposed, output_padding, groups)
-    _check(grad, x, weight, *conv_args)
-    return _input_grad(grad, x, weight, *conv_args)
+    return _input_grad(*_checked(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups))
 
 
-def _input_grad(
-    grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
-    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
-) -> torch.Tensor:  # fmt: skip
-    """``conv_input_grad`` without the argument check (done once by the caller)."""
-    conv_args = (stride, padding, dilation, transposed, output_padding, groups)
+def _input_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: Any) -> torch.Tensor:
+    """``conv_input_grad`` without the argument check (done once by the caller).  ``conv_args``:
+    stride, padding, dilation, transposed, output_padding, groups."""
     geo = _geometry(x, weight, *conv_args)
+    transposed, groups = geo.transposed, geo.groups
     dx = torch.empty_like(x)
     if dx.numel() == 0:
         return dx
@@ -356,8 +345,8 @@ def _input_grad(
         ci_g, co_g, kvol, *x_sizes[2:], *geo.out_spatial, *pooled, max_t, num_c_blocks,
         *x_strides, *g_strides, *v_strides, w_s_grp, w_s_out, w_s_red,
         XSD=xs[0], XSH=xs[1], XSW=xs[2], GSD=gs[0], GSH=gs[1], GSW=gs[2],
-        POOLED=isinstance(grad, PooledGrad), G_CL=_channels_inner(g_strides, values),
-        X_CL=_channels_inner(x_strides, dx), **_pool_args(grad, geo.dims), PREC=backward_dot_precision(x.dtype),
+        POOLED=isinstance(grad, PooledGrad), G_CL=channels_inner(values),
+        X_CL=channels_inner(dx), POOL_GEOM=_pool_geometry(grad, geo.dims), PREC=backward_dot_precision(x.dtype),
         I64=_needs_int64(values, winners, dx, weight),
         BLOCK_N=block_n, BLOCK_K=block_k, **tile,
     )  # fmt: skip
@@ -376,18 +365,14 @@ def conv_weight_grad(
     Returns:
       grad_w: ``torch.empty_like(weight)`` layout and dtype.
     """
-    conv_args = (stride, padding, dilation, transposed, output_padding, groups)
-    _check(grad, x, weight, *conv_args)
-    return _weight_grad(grad, x, weight, *conv_args)
+    return _weight_grad(*_checked(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups))
 
 
-def _weight_grad(
-    grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
-    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
-) -> torch.Tensor:  # fmt: skip
-    """``conv_weight_grad`` without the argument check (done once by the caller)."""
-    conv_args = (stride, padding, dilation, transposed, output_padding, groups)
+def _weight_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: Any) -> torch.Tensor:
+    """``conv_weight_grad`` without the argument check (done once by the caller); ``conv_args`` as
+    ``_input_grad``'s."""
     geo = _geometry(x, weight, *conv_args)
+    transposed, groups = geo.transposed, geo.groups
     dw = torch.empty_like(weight)
     x_sizes, x_strides = lift_5d(x)
     n = x_sizes[0]
@@ -441,8 +426,8 @@ def _weight_grad(
         *t_sizes, *b_sizes, *pooled, *a_strides, *b_strides, *v_strides,
         SD=s[0], SH=s[1], SW=s[2], G_IS_A=not transposed,
         A_POOLED=pooled_form and not transposed, B_POOLED=pooled_form and transposed,
-        A_CL=_channels_inner(a_strides, a_t), B_CL=_channels_inner(b_strides, b_t),
-        **_pool_args(grad, geo.dims), PREC=backward_dot_precision(x.dtype), BLOCK_A=block_a, BLOCK_G=block_g,
+        A_CL=channels_inner(a_t), B_CL=channels_inner(b_t),
+        POOL_GEOM=_pool_geometry(grad, geo.dims), PREC=backward_dot_precision(x.dtype), BLOCK_A=block_a, BLOCK_G=block_g,
         BLOCK_R=block_r, LINE_MODE=line_mode,
         I64=_needs_int64(values, winners, x, partials), **tile,
     )  # fmt: skip
@@ -469,8 +454,7 @@ def backward_plan(
     """``(grad, x, weight) -> (grad_x, grad_w)`` for tensors laid out like these (the same API as
     ``conv_phase_aligned_bwd.backward_plan``): ``convolution_backward`` without the bias.  The arguments
     are checked here; each call runs ``convolution_backward``'s launchers."""
-    conv_args = (stride, padding, dilation, transposed, output_padding, groups)
-    _check(grad, x, weight, *conv_args)
+    conv_args = _checked(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups)[3:]
     need_x, need_w = bool(output_mask[0]), bool(output_mask[1])
 
     def run(grad: Grad, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..conv_common import live_tap, peel_coords, row_channel_tile
 from ..tf32 import round_tf32, to_compute
 
 #: Most pool-window offsets (KD * KH * KW): columns of the weight grad's partial.
@@ -25,9 +26,19 @@ TABLE_HEADER = tl.constexpr(2 * (MAX_WINDOW_VOLUME + 1))
 def _tap_of(kp, j, UP: tl.constexpr, P: tl.constexpr, S: tl.constexpr, DIL: tl.constexpr, T: tl.constexpr):
     """Tap ``t`` linking window offset ``kp`` to input shift ``j`` along one dim
     (``kp - UP + P - t*DIL == S*j``), and whether it exists (``0 <= t < T``)."""
-    num = kp - UP + P - S * j
-    t = num // DIL
-    return t, (num >= 0) & (num % DIL == 0) & (t < T)
+    return live_tap(kp - UP + P - S * j, DIL, T)
+
+
+@triton.jit
+def _offset_taps(kp, jd, jh, jw, KH: tl.constexpr, KW: tl.constexpr, TAPS: tl.constexpr, STRIDE: tl.constexpr,
+                 PAD: tl.constexpr, DIL: tl.constexpr, UORIGIN: tl.constexpr):  # fmt: skip
+    """``_tap_of`` per dim for window offsets ``kp`` (row-major flat over ``(KD, KH, KW)``) and input
+    shift ``(jd, jh, jw)``: ``(td, th, tw, ok_d, ok_h, ok_w)``.  ``TAPS``, ``STRIDE``, ``PAD``,
+    ``DIL`` (the conv's) and ``UORIGIN`` (the pool padding): (d, h, w) constexprs."""
+    td, ok_d = _tap_of(kp // (KH * KW), jd, UORIGIN[0], PAD[0], STRIDE[0], DIL[0], TAPS[0])
+    th, ok_h = _tap_of((kp // KW) % KH, jh, UORIGIN[1], PAD[1], STRIDE[1], DIL[1], TAPS[1])
+    tw, ok_w = _tap_of(kp % KW, jw, UORIGIN[2], PAD[2], STRIDE[2], DIL[2], TAPS[2])
+    return td, th, tw, ok_d, ok_h, ok_w
 
 
 @triton.jit
@@ -53,30 +64,29 @@ def _load_pooled(g_ptr, v_ptr, n, ud, uh, uw, row_ok, ch, ch_ok,
 
 
 @triton.jit
-def _valid_winner(v, ud, uh, uw, row_ok, OD, OH, OW,
-                  SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                  UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
+def _valid_winner(v, ud, uh, uw, row_ok, OD, OH, OW, STRIDE: tl.constexpr, UORIGIN: tl.constexpr,
                   KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, ROWS_FIRST: tl.constexpr):  # fmt: skip
     """``v`` (winners of the units ``(ud, uh, uw)``, ``[BLOCK_M]`` each; ``[BLOCK_M, BLOCK_CO]`` when
     ``ROWS_FIRST``, else ``[BLOCK_CO, BLOCK_M]``), with
     -1 where the row is masked or the winner is no window offset whose conv-output position
     ``o = u*US - UP + kp`` exists (such a winner contributes nothing, as in ``conv_fused_bwd``).
+    ``STRIDE`` (the units' stride ``US``, the conv's) and ``UORIGIN`` (``UP``): (d, h, w) constexprs.
 
     NOTE: checked once per pooled-gradient element, not per (row, offset) of the expanded tile: a
     ``[BLOCK_M, KPB]`` mask took the 3d expansion's layout (all rows of a column in one thread's
     registers) and the input-grad kernel hit 255 registers."""
     if ROWS_FIRST:
         od0, oh0, ow0, r_ok = (
-            (ud * SD - UPD)[:, None],
-            (uh * SH - UPH)[:, None],
-            (uw * SW - UPW)[:, None],
+            (ud * STRIDE[0] - UORIGIN[0])[:, None],
+            (uh * STRIDE[1] - UORIGIN[1])[:, None],
+            (uw * STRIDE[2] - UORIGIN[2])[:, None],
             row_ok[:, None],
         )
     else:
         od0, oh0, ow0, r_ok = (
-            (ud * SD - UPD)[None, :],
-            (uh * SH - UPH)[None, :],
-            (uw * SW - UPW)[None, :],
+            (ud * STRIDE[0] - UORIGIN[0])[None, :],
+            (uh * STRIDE[1] - UORIGIN[1])[None, :],
+            (uw * STRIDE[2] - UORIGIN[2])[None, :],
             row_ok[None, :],
         )
     od = od0 + v // (KH * KW)
@@ -121,13 +131,7 @@ def _unit_rows(m0, hi, UD, UH, UW, BLOCK_M: tl.constexpr, CARRY: tl.constexpr):
         ud = tl.where(c, ud - UD, ud)
         n = q_d + c.to(tl.int32)
     else:
-        m = m0 + r
-        uw = m % UW
-        rest = m // UW
-        uh = rest % UH
-        rest = rest // UH
-        ud = rest % UD
-        n = rest // UD
+        uw, uh, ud, n = peel_coords(m0 + r, UW, UH, UD)
     return n, ud, uh, uw, m0 + r < hi
 
 
@@ -185,12 +189,8 @@ def phase_aligned_dgrad_kernel(
     g_sn, g_sc, g_sd, g_sh, g_sw,
     v_sn, v_sc, v_sd, v_sh, v_sw,
     w_sci, w_sco, w_sd, w_sh, w_sw,
-    TD: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-    DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    TAPS: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr, DIL: tl.constexpr, UORIGIN: tl.constexpr,
     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-    UPD: tl.constexpr, UPH: tl.constexpr, UPW: tl.constexpr,
     KPB: tl.constexpr, G_CL: tl.constexpr, X_CL: tl.constexpr, WIN_INSIDE: tl.constexpr, V_SAME: tl.constexpr,
     CDT: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_CO: tl.constexpr,
@@ -208,25 +208,16 @@ def phase_aligned_dgrad_kernel(
                     (row-major flat index over (KD, KH, KW)) lie in the table.
       dx_ptr        result (N, groups*CI_G, ID, IH, IW) in x's dtype (from the fp32 accumulator),
                     strides ``x_s*``: every element written once.
+    Geometry: ``TAPS``, ``STRIDE``, ``PAD``, ``DIL`` of the conv and ``UORIGIN`` (the pool padding),
+    each per (d, h, w); ``KD, KH, KW`` the pool window (its stride is the conv's).
     Program ids: 0 -> block of BLOCK_M input positions (n, id, ih, iw) row-major over M_TOTAL;
     1 -> (group, block of BLOCK_CI input channels).  ``WIN_INSIDE``: every pool window lies inside
     the conv output (no partial windows), so winners need no range check.
     """
     if V_SAME:  # winner laid out like g_win: one offset computation serves both
         v_sn, v_sc, v_sd, v_sh, v_sw = g_sn, g_sc, g_sd, g_sh, g_sw
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    n_cib = tl.cdiv(CI_G, BLOCK_CI)
-    grp = pid_n // n_cib
-    cib = pid_n % n_cib
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < M_TOTAL
-    iw = m % IW
-    r = m // IW
-    ih = r % IH
-    r = r // IH
-    i_d = r % ID
-    n = r // ID
+    m, m_ok, grp, cib = row_channel_tile(tl.program_id(0), tl.program_id(1), M_TOTAL, CI_G, BLOCK_M, BLOCK_CI)
+    iw, ih, i_d, n = peel_coords(m, IW, IH, ID)
     ci = cib * BLOCK_CI + tl.arange(0, BLOCK_CI)
     ci_ok = ci < CI_G
     w_cols = w_ptr + ((grp * CI_G + ci) * w_sci)[None, :]  # [1, BLOCK_CI]
@@ -262,32 +253,28 @@ def phase_aligned_dgrad_kernel(
         # block: the expansion below only selects values or zeros, so A stays exact for the dot.
         g = round_tf32(to_compute(g, CDT), PREC)
         if KPB > 1 and not WIN_INSIDE:
-            v = _valid_winner(v, ud, uh, uw, row_ok, OD, OH, OW, SD, SH, SW, UPD, UPH, UPW, KD, KH, KW, True)
+            v = _valid_winner(v, ud, uh, uw, row_ok, OD, OH, OW, STRIDE, UORIGIN, KD, KH, KW, True)
         for q in range(0, kp_count):
             kp0 = tl.load(tab_ptr + kp_first + q)
             vq = v
             if (
                 KPB == 1 and not WIN_INSIDE
             ):  # one offset: check its position per row (cheaper than decoding v)
-                od = ud * SD - UPD + kp0 // (KH * KW)
-                oh = uh * SH - UPH + (kp0 // KW) % KH
-                ow = uw * SW - UPW + kp0 % KW
+                od = ud * STRIDE[0] - UORIGIN[0] + kp0 // (KH * KW)
+                oh = uh * STRIDE[1] - UORIGIN[1] + (kp0 // KW) % KH
+                ow = uw * STRIDE[2] - UORIGIN[2] + kp0 % KW
                 o_ok = row_ok & (od >= 0) & (od < OD) & (oh >= 0) & (oh < OH) & (ow >= 0) & (ow < OW)
                 vq = tl.where(o_ok[:, None], v, -1)
             if KPB == 1:  # table entries of single offsets are live pairs by construction
                 a = tl.where(vq == kp0, g, 0.0)
             else:  # the block's offsets and which of them form a live pair with this shift
                 kp = kp0 + kq
-                _, ok_d = _tap_of(kp // (KH * KW), jd, UPD, PD, SD, DD, TD)
-                _, ok_h = _tap_of((kp // KW) % KH, jh, UPH, PH, SH, DH, TH)
-                _, ok_w = _tap_of(kp % KW, jw, UPW, PW, SW, DW, TW)
+                _, _, _, ok_d, ok_h, ok_w = _offset_taps(kp, jd, jh, jw, KH, KW, TAPS, STRIDE, PAD, DIL, UORIGIN)
                 live = (kp < KD * KH * KW) & ok_d & ok_h & ok_w
                 a = _expand(g, vq, kp, live, BLOCK_M, KPB, BLOCK_CO)
             # B: row (c, q) = w[ci, co, t(kp0 + q, j)], zero for a dead pair (never 0 * inf with A).
             kpc = kp0 + col_q
-            tdc, okc_d = _tap_of(kpc // (KH * KW), jd, UPD, PD, SD, DD, TD)
-            thc, okc_h = _tap_of((kpc // KW) % KH, jh, UPH, PH, SH, DH, TH)
-            twc, okc_w = _tap_of(kpc % KW, jw, UPW, PW, SW, DW, TW)
+            tdc, thc, twc, okc_d, okc_h, okc_w = _offset_taps(kpc, jd, jh, jw, KH, KW, TAPS, STRIDE, PAD, DIL, UORIGIN)
             coc = cob * BLOCK_CO + col_c
             row_live = (kpc < KD * KH * KW) & okc_d & okc_h & okc_w & (coc < CO_G)
             b = tl.load(w_cols + (coc * w_sco + tdc * w_sd + thc * w_sh + twc * w_sw)[:, None],
@@ -349,12 +336,7 @@ def phase_aligned_wgrad_kernel(
     n_cob = tl.cdiv(CO_G, BLOCK_CO)
     n_kpb: tl.constexpr = (KD * KH * KW + KPB - 1) // KPB
     n_cib = tl.cdiv(CI_G, BLOCK_CI)
-    cob = pid % n_cob
-    r = pid // n_cob
-    kpb = r % n_kpb
-    r = r // n_kpb
-    cib = r % n_cib
-    grp = r // n_cib
+    cob, kpb, cib, grp = peel_coords(pid, n_cob, n_kpb, n_cib)
     # X columns / accumulator columns: (shift slot, input channel)
     kcol = tl.arange(0, KS * BLOCK_CI)
     s_col = kcol // BLOCK_CI
@@ -388,12 +370,7 @@ def phase_aligned_wgrad_kernel(
     FULL: tl.constexpr = (1 << (NSD * NSH * NSW)) - 1  # every shift inside x
     REP: tl.constexpr = FULL // ((1 << NSW) - 1)  # the bit of w shift 0 in every (d, h) slot
     if LINE:  # the first row's unit as scalars, walked by carries below (no division in the loop)
-        uw0 = lo % UW
-        q_w = lo // UW
-        uh0 = q_w % UH
-        q_h = q_w // UH
-        ud0 = q_h % UD
-        n0 = q_h // UD
+        uw0, uh0, ud0, n0 = peel_coords(lo, UW, UH, UD)
         r_m = tl.arange(0, BLOCK_M)
     for m0 in range(lo, hi, BLOCK_M):
         if LINE:
@@ -448,7 +425,7 @@ def phase_aligned_wgrad_kernel(
             g = tl.load(g_ptr + g_rows[:, None] + g_units[None, :], mask=gv_mask, other=0.0)
             v = tl.load(v_ptr + v_rows[:, None] + v_units[None, :], mask=gv_mask, other=-1).to(tl.int32)
         if not WIN_INSIDE:
-            v = _valid_winner(v, ud, uh, uw, m_ok, OD, OH, OW, SD, SH, SW, UPD, UPH, UPW, KD, KH, KW, False)
+            v = _valid_winner(v, ud, uh, uw, m_ok, OD, OH, OW, (SD, SH, SW), (UPD, UPH, UPW), KD, KH, KW, False)
         sel = v == kpr[:, None]
         # NOTE: X reads 0 where u + shift lies outside x, and 0 * inf = NaN would poison that
         # shift's columns: an inf/NaN gradient of such a *border* unit is left out here and added
@@ -489,12 +466,7 @@ def phase_aligned_wgrad_kernel(
         q_co = cob * BLOCK_CO + row // KPB  # the accumulator rows (co, offset) as a vector
         q_kp = kpb * KPB + row % KPB
         for m in range(lo, hi):
-            uw1 = m % UW
-            rest = m // UW
-            uh1 = rest % UH
-            rest = rest // UH
-            ud1 = rest % UD
-            n1 = rest // UD
+            uw1, uh1, ud1, n1 = peel_coords(m, UW, UH, UD)
             in_x = ((ud1 + LOD >= 0) & (ud1 + LOD + NSD - 1 < ID) & (uh1 + LOH >= 0) & (uh1 + LOH + NSH - 1 < IH)
                     & (uw1 + LOW >= 0) & (uw1 + LOW + NSW - 1 < IW))  # fmt: skip
             if not in_x:  # a border unit

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from ... import environment
+from ..conv_common import BACKWARD_DTYPES, AutotunedLaunch, channels_inner, raise_unsupported
 from ..conv_fused_bwd import (
     Grad,
     PooledGrad,
@@ -31,7 +32,7 @@ from ..host import (
     persistent_device_copies,
     tensor_key,
 )
-from ..launch import FastLaunch, launch
+from ..launch import FastLaunch
 from ..tf32 import backward_dot_precision, compute_code
 from .device import (
     MAX_WINDOW_VOLUME,
@@ -42,7 +43,6 @@ from .device import (
 )
 
 _INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Most distinct input shifts (rounded up to a power of 2): the weight-grad X tile is
 #: ``[slots * BLOCK_CI, BLOCK_M]`` and its accumulator ``slots * BLOCK_CI`` rows.
 MAX_PHASE_ALIGNED_SLOTS = 8
@@ -111,24 +111,7 @@ def _pruner(tiles: Sequence[tuple[int, ...]]):
 
 _dgrad_tuned = triton.autotune(
     configs=[_tile_config(t) for t in _DGRAD_TILES],
-    key=[
-        "M_TOTAL",
-        "CI_G",
-        "CO_G",
-        "KD",
-        "KH",
-        "KW",
-        "SD",
-        "SH",
-        "SW",
-        "TD",
-        "TH",
-        "TW",
-        "G_CL",
-        "X_CL",
-        "CDT",
-        "PREC",
-    ],
+    key=["M_TOTAL", "CI_G", "CO_G", "KD", "KH", "KW", "STRIDE", "TAPS", "G_CL", "X_CL", "CDT", "PREC"],
     prune_configs_by={"early_config_prune": _pruner(_DGRAD_TILES)},
     cache_results=True,  # the best tile per key is kept in Triton's cache dir across processes
 )(phase_aligned_dgrad_kernel)
@@ -266,9 +249,9 @@ def _reason(grad, x, weight, stride, padding, dilation, transposed, output_paddi
             return f"{name} {tuple(v)} must have {dims} entries"
     if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0 or min(output_padding) < 0 or groups < 1:
         return f"invalid conv hyper-parameters stride={stride} padding={padding} dilation={dilation} groups={groups}"
-    if any(dtype not in _DTYPES for dtype in (x.dtype, weight.dtype, compute_dtype)):
-        return f"x, weight and compute dtype must be in {_DTYPES}, got {x.dtype}, {weight.dtype}, {compute_dtype}"
-    if grad.g_win.dtype not in _DTYPES:
+    if any(dtype not in BACKWARD_DTYPES for dtype in (x.dtype, weight.dtype, compute_dtype)):
+        return f"x, weight and compute dtype must be in {BACKWARD_DTYPES}, got {x.dtype}, {weight.dtype}, {compute_dtype}"
+    if grad.g_win.dtype not in BACKWARD_DTYPES:
         return f"g_win must be fp32/fp16/bf16, got {grad.g_win.dtype}"
     if _INTERPRET and torch.bfloat16 in (x.dtype, weight.dtype, compute_dtype, grad.g_win.dtype):
         return "Triton's interpreter has no bf16"
@@ -327,16 +310,7 @@ def _reason(grad, x, weight, stride, padding, dilation, transposed, output_paddi
 
 
 def _check(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args, compute_dtype: torch.dtype) -> None:
-    reason = unsupported_reason(grad, x, weight, *conv_args, compute_dtype=compute_dtype)
-    if reason is not None:
-        from ...errors import UnsupportedInputError
-
-        raise UnsupportedInputError(f"conv_phase_aligned_bwd: {reason} (check unsupported_reason() first)")
-
-
-def _channels_inner(t: torch.Tensor) -> bool:
-    """True when channels are the memory-contiguous axis (channels-last): tiles then put them last."""
-    return t.stride(1) == 1 and t.shape[1] > 1 and math.prod(t.shape[2:]) > 1
+    raise_unsupported("conv_phase_aligned_bwd", unsupported_reason(grad, x, weight, *conv_args, compute_dtype=compute_dtype))
 
 
 def _ci_innermost(weight: torch.Tensor) -> torch.Tensor:
@@ -435,8 +409,9 @@ def _tile_meta(tile: tuple[int, ...]) -> dict:
     return dict(BLOCK_M=bm, BLOCK_CI=bci, BLOCK_CO=bco, KPB=kpb, num_warps=warps, num_stages=stages)
 
 
-class _KernelLaunch:
-    """One kernel launch of a backward plan: ``raw`` with ``tile`` through ``FastLaunch``, or, with
+class _KernelLaunch(AutotunedLaunch):
+    """One kernel launch of a backward plan: an ``AutotunedLaunch`` of ``raw`` over ``grid(meta)``
+    with ``tile`` (a ``_DGRAD_TILES`` / ``_WGRAD_TILES`` entry) through ``FastLaunch``, or, with
     ``tile`` None, the autotuned kernel on the first call and its pick through ``FastLaunch`` after.
 
     WHY: Triton's generic launch costs 20-90 us of host time per call on the GPU hosts, and a
@@ -446,21 +421,8 @@ class _KernelLaunch:
     shows both times."""
 
     def __init__(self, tuned, raw, tile: tuple[int, ...] | None, grid, constexprs: dict, fixed: tuple = ()) -> None:  # noqa: ANN001
-        self.tuned, self.raw, self.grid, self.constexprs, self.fixed = tuned, raw, grid, constexprs, fixed
-        self.fast = None if tile is None else self._bind(_tile_meta(tile))
-
-    def _bind(self, meta: dict) -> FastLaunch:
-        return FastLaunch(self.raw, self.grid(meta), {**self.constexprs, **meta}, fixed=self.fixed)
-
-    def __call__(self, *args) -> None:  # noqa: ANN002
-        """Launch with the tensors (the runtime arguments before ``fixed``, the plan's integers)."""
-        if self.fast is not None:
-            self.fast(*args)
-            return
-        launched = launch(self.tuned, self.grid, *args, *self.fixed, **self.constexprs)
-        best = getattr(self.tuned, "best_config", None)  # the tile of this call's key
-        if launched and best is not None:
-            self.fast = self._bind(best.all_kwargs())
+        self.grid = grid
+        super().__init__(tuned, raw, constexprs, fixed, None if tile is None else _tile_meta(tile))
 
 
 def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry,
@@ -487,12 +449,9 @@ def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor,
         *lift_5d(dx)[1], *lift_5d(g)[1], *lift_5d(v)[1], w.stride(0), w.stride(1), *lift3(w.stride()[2:], 0),
     )  # fmt: skip
     launch = _KernelLaunch(_dgrad_tuned, phase_aligned_dgrad_kernel, tile, grid, dict(
-        TD=geo.taps[0], TH=geo.taps[1], TW=geo.taps[2], SD=geo.stride[0], SH=geo.stride[1], SW=geo.stride[2],
-        PD=geo.padding[0], PH=geo.padding[1], PW=geo.padding[2],
-        DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
+        TAPS=geo.taps, STRIDE=geo.stride, PAD=geo.padding, DIL=geo.dilation, UORIGIN=geo.pool_padding,
         KD=geo.window[0], KH=geo.window[1], KW=geo.window[2],
-        UPD=geo.pool_padding[0], UPH=geo.pool_padding[1], UPW=geo.pool_padding[2],
-        G_CL=_channels_inner(g), X_CL=_channels_inner(dx), WIN_INSIDE=geo.windows_inside,
+        G_CL=channels_inner(g), X_CL=channels_inner(dx), WIN_INSIDE=geo.windows_inside,
         V_SAME=g.stride() == v.stride(), CDT=compute_code(compute_dtype), PREC=backward_dot_precision(compute_dtype),
     ), fixed=ints)  # fmt: skip
 
@@ -545,7 +504,7 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
         KD=geo.window[0], KH=geo.window[1], KW=geo.window[2],
         LOD=geo.shifts[0][0], LOH=geo.shifts[1][0], LOW=geo.shifts[2][0],
         NSD=geo.shifts[0][1], NSH=geo.shifts[1][1], NSW=geo.shifts[2][1], KS=slots,
-        X_CL=_channels_inner(x), G_CL=_channels_inner(g), WIN_INSIDE=geo.windows_inside,
+        X_CL=channels_inner(x), G_CL=channels_inner(g), WIN_INSIDE=geo.windows_inside,
         V_SAME=g.stride() == v.stride(), CARRY=max_bm <= geo.units[2],
         LINE_DIV=math.gcd(geo.units[2], rows_per_split) & -math.gcd(geo.units[2], rows_per_split),
         CDT=compute_code(compute_dtype), PREC=backward_dot_precision(compute_dtype),
