@@ -19,7 +19,10 @@ of a case (one per backend) together:
 WHY interleave repetition by repetition: a host-bound step's time follows the host's state (other
 processes, clocks, page cache), which drifts within seconds; timed one backend after the other, two
 copies of the same compiled Inductor code measured 0.91-1.25x apart in one run (``docs/perf/RESULTS.md``,
-noise section).  Interleaved, every backend samples the same stretch of time.
+noise section).  Interleaved, every backend samples the same stretch of time: NOTE the same rows then
+measured 1.01-1.11x apart, the copy compiled first the slower in every row (``python -m fusion_backend
+bench --suite <the noise run's workloads> --backends eager,inductor,inductor:default,fusion,fusion-unfused
+--no-memory --no-cold`` on the H100; ``pick_contenders`` says how the verdict deals with that).
 
 The *cold* variant zeroes a buffer twice the size of L2 before each repetition, outside the events, so
 every repetition starts with nothing of its working set in L2, as in a real network where the previous
