@@ -82,7 +82,7 @@ class ConvEpiloguePattern(Pattern):
         stop: Optional[NearMiss] = None
         current = anchor
         while True:
-            chain.prefix_ends_at(current, region)
+            chain.prefix_ends_at(region)
             user, why = chain.next_user(ctx, current)
             if user is None:
                 stop = miss(current, ReasonKind.SHARED_INTERMEDIATE, why)
@@ -123,7 +123,7 @@ class ConvEpiloguePattern(Pattern):
             description = op.description if isinstance(op, Opaque) else describe_target(user)
             stop = miss(user, ReasonKind.UNSUPPORTED_OP, f"`{user.name}` ({description}) is not a fusible pointwise op or pool")
             break
-        if region.pool is None or not chain.closed(region.pool.node):
+        if region.pool is None or not chain.closed(region, region.pool.node):
             region.pool = None
             current, read_outside = chain.longest_closed_prefix(region)
             if read_outside is not None:
@@ -219,24 +219,24 @@ class _ChainValues:
     * ``position[node]``: the step whose input the region node is (``ChainValue(position)``);
     * ``downstream``: every node computed from the conv output; one of them outside the chain cannot be
       an operand (the fused op would read its own result);
-    * the prefixes the region could end at: a region may end at a node only if no node before it is
-      read outside the region (``longest_closed_prefix``).
+    * the prefixes the region could end at, as the lengths of its ``steps``, ``step_nodes`` and
+      ``operands`` there: a region may end at a node only if no node before it is read outside the
+      region (``longest_closed_prefix``).
     """
 
     def __init__(self, anchor: fx.Node) -> None:
+        self.anchor = anchor
         self.position: dict[fx.Node, int] = {anchor: 0}
-        self.held: list[fx.Node] = [anchor]
         self.downstream = _computed_from(anchor)
-        self._prefixes: list[tuple[fx.Node, int, int, int, int]] = []
+        self._prefixes: list[tuple[int, int, int]] = []
 
-    def prefix_ends_at(self, current: fx.Node, region: EpilogueRegion) -> None:
-        self._prefixes.append((current, len(region.steps), len(region.step_nodes), len(region.operands),
-                               len(region.labels)))
+    def prefix_ends_at(self, region: EpilogueRegion) -> None:
+        """Record that ``region``, as it is now, could end at its last node."""
+        self._prefixes.append((len(region.steps), len(region.step_nodes), len(region.operands)))
 
     def computed(self, node: fx.Node, steps: int) -> fx.Node:
         """Record ``node`` as the chain's value after its first ``steps`` steps; returns it."""
         self.position[node] = steps
-        self.held.append(node)
         return node
 
     def label(self, step: ChainStep) -> str:
@@ -271,23 +271,23 @@ class _ChainValues:
             return ready[0], ""
         return None, why + (" (the chain would branch)" if len(ready) > 1 else "")
 
-    def closed(self, result: fx.Node) -> bool:
-        """Whether the held nodes and ``result`` form a region whose only value read outside is ``result``."""
-        inside = set(self.held) | {result}
+    def closed(self, region: EpilogueRegion, result: fx.Node, step_nodes: Optional[int] = None) -> bool:
+        """Whether the conv, the first ``step_nodes`` of ``region``'s step nodes (all by default) and
+        ``result`` form a region whose only value read outside is ``result``."""
+        inside = {self.anchor, *region.step_nodes[:step_nodes], result}
         return all(u in inside for n in inside if n is not result for u in n.users)
 
     def longest_closed_prefix(self, region: EpilogueRegion) -> tuple[fx.Node, Optional[fx.Node]]:
-        """Cut ``region`` back to its longest prefix that is ``closed``: ``(its result, the first node
-        of the whole region read outside it)`` (None when the whole chain was closed)."""
-        whole = set(self.held)
-        read_outside = next((n for n in self.held[:-1] if any(u not in whole for u in n.users)), None)
-        for current, steps, step_nodes, operands, labels in reversed(self._prefixes):
-            inside = set(self.held[:step_nodes + 1])
-            if all(u in inside for n in inside if n is not current for u in n.users):
+        """Cut ``region`` (no pool) back to its longest prefix that is ``closed``: ``(its result, the
+        first node of the whole region read outside it)`` (None when the whole chain was closed)."""
+        held = [self.anchor, *region.step_nodes]
+        read_outside = next((n for n in held[:-1] if any(u not in held for u in n.users)), None)
+        for steps, step_nodes, operands in reversed(self._prefixes):
+            result = held[step_nodes]
+            if self.closed(region, result, step_nodes):
                 del region.steps[steps:], region.step_nodes[step_nodes:], region.operands[operands:]
-                del region.labels[labels:]
-                self.held = self.held[:step_nodes + 1]
-                return current, read_outside
+                del region.labels[step_nodes:]  # one label per step node
+                return result, read_outside
         raise AssertionError("the conv output alone is always a closed region")
 
     @staticmethod

@@ -130,8 +130,10 @@ def _chain_with_tape(
     """``apply_chain`` that also records each step's input and operand values."""
     tape: _Tape = []
     detached = [t.detach() for t in operands]
+    inputs: list[Tensor] = []
     for step in chain:
-        values = operand_values(step, detached, [v for _, v, _ in tape] + [y], detach_fixed=False)
+        inputs.append(y)
+        values = operand_values(step, detached, inputs, detach_fixed=False)
         tape.append((step, y, values))
         y = apply_step(step.kind, y, values)
     return y, tape
