@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from fusion_backend.ir.specs import PoolSpec
 from fusion_backend.kernels import chain_math
 from fusion_backend.kernels import epilogue as K
-from fusion_backend.ops.chain import PointwiseKind, apply_step
+from fusion_backend.ops.chain import SOURCE_STRIDE, PointwiseKind, apply_step
 
 PK = PointwiseKind
 
@@ -412,6 +412,8 @@ def test_params_matrix_layout():
 def test_kernel_op_codes_mirror_the_catalogue():
     assert chain_math.OP_CODES == {kind.name.lower(): kind.code for kind in PointwiseKind}
     assert chain_math.OPERAND_GRAD_CODES == {kind.code for kind in PointwiseKind if kind.differentiable_operands}
+    assert chain_math.SOURCE_STRIDE == SOURCE_STRIDE == 32  # the jit functions spell it 32
+    assert max(kind.code for kind in PointwiseKind) < SOURCE_STRIDE
     assert K.MAX_SLOTS == 8
 
 
