@@ -92,9 +92,11 @@ class Decision:
 
     ``fused_ms`` / ``inductor_ms``: the measured milliseconds per call of the fused op and of
     Inductor's code for the region (forward, or forward + backward where gradients flow; the median
-    of the timing rounds); ``None`` when the policy decided without timing.  ``speedup``: what the
-    rule compared with the margin, Inductor's time over the fused op's (the median of the rounds'
-    ratios; ``inductor_ms / fused_ms`` when not given).  ``cached``: the times came from the cache."""
+    of the timing rounds); ``None`` when the policy decided without timing.  ``speedup``: Inductor's
+    time over the fused op's (the median of the rounds' ratios; ``inductor_ms / fused_ms`` when not
+    given).  ``fused_gpu_ms`` / ``inductor_gpu_ms`` / ``gpu_speedup``: the same on the GPU, with the
+    host ahead of the device (``runtime/region_timing.py``); ``None`` where not measured.  ``cached``:
+    the times came from the cache."""
 
     pattern: str
     summary: str
@@ -105,6 +107,9 @@ class Decision:
     inductor_ms: Optional[float] = None
     cached: bool = False
     speedup: Optional[float] = None
+    fused_gpu_ms: Optional[float] = None
+    inductor_gpu_ms: Optional[float] = None
+    gpu_speedup: Optional[float] = None
 
     def __str__(self) -> str:
         verdict = "fused" if self.fused else "left to Inductor"
@@ -112,8 +117,11 @@ class Decision:
             return f"{verdict}: {self.rule}"
         source = ", cached" if self.cached else ""
         speedup = self.speedup if self.speedup is not None else self.inductor_ms / self.fused_ms
+        gpu = ""
+        if self.fused_gpu_ms is not None and self.inductor_gpu_ms is not None and self.gpu_speedup is not None:
+            gpu = f"; GPU {self.fused_gpu_ms:.3f} vs {self.inductor_gpu_ms:.3f} ms, {self.gpu_speedup:.2f}x"
         return (f"{verdict}: {self.rule} (fused {self.fused_ms:.3f} ms vs Inductor {self.inductor_ms:.3f} ms, "
-                f"{speedup:.2f}x{source})")
+                f"{speedup:.2f}x{gpu}{source})")
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .. import environment
+from .. import environment, gpu_timing
 from ..kernels import launch
 from ..kernels.host import BoundedCache
 
@@ -109,18 +109,6 @@ def _store(full_key: str, name: str) -> None:
         log.debug("impl choice cache %s not written: %s", path, e)
 
 
-@functools.cache
-def _spin_cycles_per_ms() -> float:
-    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond on the current device (measured once)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000)  # loads the kernel
-    start.record()
-    torch.cuda._sleep(2_000_000)
-    end.record()
-    end.synchronize()
-    return 2_000_000 / max(start.elapsed_time(end), 1e-3)
-
-
 def _time_ms(fn: Callable[[], object]) -> float:
     """GPU milliseconds per call of ``fn`` (after a warm-up call that compiles and autotunes): the
     best of ``_ROUNDS`` rounds of ``n`` back-to-back calls between two events, ``n`` chosen so that
@@ -147,19 +135,10 @@ def _time_ms(fn: Callable[[], object]) -> float:
     host_ms = (time.perf_counter() - began) * 1e3
     end.synchronize()
     calls = max(1, min(_MAX_CALLS, math.ceil(_ROUND_MS / max(start.elapsed_time(end), 1e-3))))
-    cycles_per_ms = _spin_cycles_per_ms()
     best, fallback, rounds = math.inf, math.inf, 0
     for _ in range(4 * _ROUNDS):
         cover_ms = 2.0 * host_ms * calls + 0.5
-        torch.cuda._sleep(int(cover_ms * cycles_per_ms))
-        began = time.perf_counter()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        enqueue_ms = (time.perf_counter() - began) * 1e3
-        end.synchronize()
-        per_call = start.elapsed_time(end) / calls
+        per_call, enqueue_ms = gpu_timing.queued_ms(fn, calls, cover_ms)
         if enqueue_ms >= cover_ms:  # the GPU may have waited on the host: a longer spin next time
             host_ms = max(host_ms, enqueue_ms / calls)
             fallback = min(fallback, per_call)

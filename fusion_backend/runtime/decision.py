@@ -2,10 +2,13 @@
 
 The backend's promise is never to be slower than ``backend="inductor"``.  For every region a
 pattern matched, and for the input signature the graph was compiled for, this module compares the
-fused op with Inductor's compiled code for the original nodes (``region_timing.py``) and keeps the
-rewrite only where the fused op wins by the margin (``decide_margin``, default 3%); a tie goes to
-Inductor.  The two are timed in alternating rounds, and what is compared with the margin is the
-median over the rounds of each round's ratio (Inductor's time over the fused op's).  WHY: a
+fused op with Inductor's compiled code for the original nodes (``region_timing.py``), by two
+times: per call (host and device, what a small model waits for) and on the GPU (what the region
+costs in a network that keeps the device busy).  The rewrite is kept only where the fused op wins
+by the margin (``decide_margin``, default 3%) in one of them and does not lose by more than the
+margin in the other; a tie goes to Inductor.  The two are timed in alternating rounds, and what is
+compared with the margin is, for each time, the median over the rounds of each round's ratio
+(Inductor's time over the fused op's).  WHY: a
 host-bound region's speed drifts between rounds (two copies of the same compiled code measured 4%
 apart in one process on the H100), and each one's best round may come from a different, quieter
 moment; side-by-side rounds cancel the drift, and the median ignores a round disturbed for one of
@@ -25,8 +28,9 @@ Policies (option ``decide``, environment ``FUSION_DECIDE``; parsed in ``options.
 ==============  ===============================================================================
 
 Answers are cached in memory and on disk (``$FUSION_CACHE_DIR/decisions.json``, one JSON object
-``{"schema": SCHEMA, "entries": {key: {"fused_ms": .., "inductor_ms": .., "speedup": .., "what": ..}}}``;
-the times are the medians of the rounds, ``speedup`` the median of the rounds' ratios), keyed by
+``{"schema": SCHEMA, "entries": {key: {"fused_ms": .., "inductor_ms": .., "speedup": .., "fused_gpu_ms": ..,
+"inductor_gpu_ms": .., "gpu_speedup": .., "what": ..}}}``; the times are the medians of the rounds,
+the speedups the medians of the rounds' ratios), keyed by
 the GPU, the torch / Triton versions, a fingerprint of this package's sources, the pattern, the
 region's computation and its inputs' shapes, strides, dtypes and ``requires_grad``, grad mode,
 autocast state, TF32 flags and Inductor options: a second process reuses the times and compiles
@@ -58,19 +62,21 @@ import torch.fx as fx
 
 from .. import environment
 from ..report import Decision
+from .region_timing import RoundTimes
 
 log = logging.getLogger("fusion_backend.decision")
 
 POLICIES = ("measure", "fuse", "inductor")
 DEFAULT_MARGIN = 0.03
 #: Version of the cache file's layout and of what a key means; another version is ignored.
-SCHEMA = 2
+SCHEMA = 3
 CACHE_FILE = "decisions.json"
 
 #: ``timer(steps) -> {name: ms per round}`` for the steps ``"fused"`` and ``"inductor"`` (zero-argument
 #: calls that build their candidate on first use); the i-th entries of the two were timed side by side,
-#: and a single number counts as one round.  ``region_timing.time_steps`` unless a test replaces it.
-Timer = Callable[[Mapping[str, Callable[[], None]]], Mapping[str, "float | Sequence[float]"]]
+#: and a single number counts as one round.  A ``RoundTimes`` gives the per-call and GPU times; plain
+#: numbers stand for both.  ``region_timing.time_steps`` unless a test replaces it.
+Timer = Callable[[Mapping[str, Callable[[], None]]], Mapping[str, "float | Sequence[float] | RoundTimes"]]
 
 _lock = threading.Lock()
 _memory: dict[str, dict[str, Any]] = {}
@@ -98,30 +104,58 @@ def timing_override(timer: Timer | None, measure_on: Sequence[str] = ("cuda", "c
 
 
 def verdict(pattern: str, summary: str, anchor: str, fused_ms: float, inductor_ms: float, margin: float,
-            cached: bool, speedup: float | None = None) -> Decision:
-    """The decision: fused only when ``speedup`` (default ``inductor_ms / fused_ms``) is at least
-    ``1 + margin``."""
+            cached: bool, speedup: float | None = None, fused_gpu_ms: float | None = None,
+            inductor_gpu_ms: float | None = None, gpu_speedup: float | None = None) -> Decision:
+    """The decision from the two times (see the module docstring).  ``speedup`` (default
+    ``inductor_ms / fused_ms``) is per call, ``gpu_speedup`` (default from the GPU times, else
+    ``speedup``) on the GPU: fused when one is at least ``1 + margin`` and neither is below
+    ``1 / (1 + margin)``."""
     if speedup is None:
-        speedup = inductor_ms / fused_ms if fused_ms > 0 else float("inf")
-    if speedup >= 1 + margin:
-        rule = "fused is faster"
-    elif speedup >= 1 / (1 + margin):
-        rule = f"a tie (within {margin:.0%}) goes to Inductor"
-    else:
+        speedup = _ratio(inductor_ms, fused_ms)
+    if gpu_speedup is None:
+        gpu_speedup = speedup if fused_gpu_ms is None or inductor_gpu_ms is None else _ratio(inductor_gpu_ms, fused_gpu_ms)
+    tie = 1 / (1 + margin)
+    if speedup < tie and gpu_speedup < tie:
         rule = "Inductor is faster"
-    return Decision(pattern, summary, anchor, speedup >= 1 + margin, rule, fused_ms, inductor_ms, cached, speedup)
+    elif speedup < tie:
+        rule = "Inductor is faster per call"
+    elif gpu_speedup < tie:
+        rule = "Inductor is faster on the GPU"
+    elif max(speedup, gpu_speedup) >= 1 + margin:
+        rule = "fused is faster"
+    else:
+        rule = f"a tie (within {margin:.0%}) goes to Inductor"
+    fused = rule == "fused is faster"
+    return Decision(pattern, summary, anchor, fused, rule, fused_ms, inductor_ms, cached, speedup,
+                    fused_gpu_ms, inductor_gpu_ms, gpu_speedup)
 
 
-def summarise_rounds(fused: float | Sequence[float], inductor: float | Sequence[float]) -> dict[str, float]:
-    """``fused_ms`` and ``inductor_ms`` (each one's median round) and ``speedup`` (the median of the
-    rounds' ratios, Inductor's time over the fused op's) from side-by-side rounds."""
-    f = [float(fused)] if isinstance(fused, (int, float)) else [float(t) for t in fused]
-    i = [float(inductor)] if isinstance(inductor, (int, float)) else [float(t) for t in inductor]
-    if len(f) != len(i) or not f:
-        raise ValueError(f"the two candidates were timed in {len(f)} and {len(i)} rounds")
-    ratios = [b / a if a > 0 else float("inf") for a, b in zip(f, i, strict=True)]
-    return {"fused_ms": statistics.median(f), "inductor_ms": statistics.median(i),
-            "speedup": statistics.median(ratios)}
+def _ratio(inductor_ms: float, fused_ms: float) -> float:
+    return inductor_ms / fused_ms if fused_ms > 0 else float("inf")
+
+
+def summarise_rounds(fused: float | Sequence[float] | RoundTimes,
+                     inductor: float | Sequence[float] | RoundTimes) -> dict[str, float]:
+    """From side-by-side rounds: ``fused_ms`` and ``inductor_ms`` (each one's median round per call),
+    ``speedup`` (the median of the rounds' ratios, Inductor's time over the fused op's), and the same
+    three for the GPU times (``fused_gpu_ms``, ``inductor_gpu_ms``, ``gpu_speedup``)."""
+    summary: dict[str, float] = {}
+    for kind, prefix in (("per_call_ms", ""), ("gpu_ms", "gpu_")):
+        f, i = _rounds(fused, kind), _rounds(inductor, kind)
+        if len(f) != len(i) or not f:
+            raise ValueError(f"the two candidates were timed in {len(f)} and {len(i)} rounds")
+        summary[f"fused_{prefix}ms"] = statistics.median(f)
+        summary[f"inductor_{prefix}ms"] = statistics.median(i)
+        summary[f"{prefix}speedup"] = statistics.median(_ratio(b, a) for a, b in zip(f, i, strict=True))
+    return summary
+
+
+def _rounds(times: float | Sequence[float] | RoundTimes, kind: str) -> list[float]:
+    if isinstance(times, RoundTimes):
+        return [float(t) for t in getattr(times, kind)]
+    if isinstance(times, (int, float)):
+        return [float(times)]
+    return [float(t) for t in times]
 
 
 def decide(
@@ -217,8 +251,7 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
             entry = _memory.get(key) or _load(cache_dir).get(key)
         if entry is not None:
             _memory[key] = entry
-            return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=True,
-                           speedup=entry["speedup"]), False
+            return _entry_verdict(pattern, summary, anchor, entry, margin, cached=True), False
         fused_patches = {**inductor_patches, "triton.cudagraphs": False}
         times = _measure(gm, pattern, region, example_inputs, train, patches, fused_patches, strict, _timer)
         measured = summarise_rounds(times["fused"], times["inductor"])
@@ -236,13 +269,18 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
         _memory[key] = entry
         _store(cache_dir, key, entry)
     ran_here = _timer is None  # a fake timer runs neither candidate
-    return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached=False,
-                   speedup=entry["speedup"]), ran_here
+    return _entry_verdict(pattern, summary, anchor, entry, margin, cached=False), ran_here
+
+
+def _entry_verdict(pattern: str, summary: str, anchor: str, entry: Mapping[str, Any], margin: float,
+                   cached: bool) -> Decision:
+    return verdict(pattern, summary, anchor, entry["fused_ms"], entry["inductor_ms"], margin, cached,
+                   entry["speedup"], entry["fused_gpu_ms"], entry["inductor_gpu_ms"], entry["gpu_speedup"])
 
 
 def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequence[Any], train: bool,
              patches: Mapping[str, Any], fused_patches: Mapping[str, Any], strict: bool,
-             timer: Timer | None) -> Mapping[str, float | Sequence[float]]:
+             timer: Timer | None) -> Mapping[str, float | Sequence[float] | RoundTimes]:
     """Time the fused op and Inductor's code on the region: ms per call per round, side by side (see
     ``Timer``).  A fake timer gets steps that build their candidate at their first call; the real
     one gets both candidates built and run once, their first calls overlapped where they can be
@@ -413,8 +451,11 @@ def _load(cache_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def _well_formed(entry: Any) -> bool:
-    return (isinstance(entry, dict)
-            and all(isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in ("fused_ms", "inductor_ms", "speedup")))
+    return isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in _TIMES)
+
+
+#: The numbers of a cache entry (``summarise_rounds``).
+_TIMES = ("fused_ms", "inductor_ms", "speedup", "fused_gpu_ms", "inductor_gpu_ms", "gpu_speedup")
 
 
 def _store(cache_dir: Path, key: str, entry: dict[str, Any]) -> None:

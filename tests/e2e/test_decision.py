@@ -86,7 +86,25 @@ def test_a_faster_fused_op_is_kept(cache):
     report, d = only_decision(reports)
     assert d.fused and d.rule == "fused is faster"
     assert report.counts() == {"conv_epilogue": 1}
-    assert "fused is faster (fused 1.000 ms vs Inductor 1.500 ms, 1.50x)" in str(report)
+    assert "fused is faster (fused 1.000 ms vs Inductor 1.500 ms, 1.50x; GPU 1.000 vs 1.500 ms, 1.50x)" in str(report)
+
+
+@pytest.mark.parametrize("per_call, gpu, fused, rule", [
+    ((1.0, 1.5), (2.0, 1.0), False, "Inductor is faster on the GPU"),  # host-bound win, GPU loss
+    ((1.5, 1.0), (1.0, 2.0), False, "Inductor is faster per call"),  # GPU win, host-bound loss
+    ((1.0, 1.01), (1.0, 2.0), True, "fused is faster"),  # a tie per call, a GPU win
+    ((1.0, 2.0), (1.0, 1.01), True, "fused is faster"),  # a win per call, a tie on the GPU
+    ((1.0, 1.01), (1.0, 0.99), False, "a tie (within 3%) goes to Inductor"),
+])
+def test_the_rewrite_must_win_per_call_or_on_the_gpu_and_lose_on_neither(cache, per_call, gpu, fused, rule):
+    """A region that wins per call (host-bound, alone) but loses on the GPU would make a network that
+    keeps the GPU busy slower: both times must agree."""
+    timer = FakeTimer(*(decision.RoundTimes([p], [g]) for p, g in zip(per_call, gpu, strict=True)))
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), timer, train=False)
+    _, d = only_decision(reports)
+    assert (d.fused, d.rule) == (fused, rule)
+    assert (d.fused_ms, d.inductor_ms, d.fused_gpu_ms, d.inductor_gpu_ms) == (*per_call, *gpu)
+    assert f"GPU {gpu[0]:.3f} vs {gpu[1]:.3f} ms" in str(d)
 
 
 @pytest.mark.parametrize("fused, inductor", [(1.0, 1.02), (1.0, 1.0), (1.02, 1.0)])
@@ -131,6 +149,8 @@ def test_a_second_process_reuses_the_cache_without_timing(cache):
     assert first.calls == 1 and cache.is_file()
     stored = json.loads(cache.read_text())
     assert stored["schema"] == decision.SCHEMA and len(stored["entries"]) == 1
+    (entry,) = stored["entries"].values()
+    assert (entry["fused_gpu_ms"], entry["inductor_gpu_ms"], entry["gpu_speedup"]) == (1.0, 3.0, 3.0)
 
     decision.forget_in_memory()  # what a new process starts with
     second = FakeTimer(fused=9.0, inductor=1.0)
@@ -154,6 +174,7 @@ def test_another_input_signature_is_timed_again(cache):
 @pytest.mark.parametrize("content", [
     "{ not json",
     json.dumps({"schema": decision.SCHEMA + 1, "entries": {}}),
+    json.dumps({"schema": decision.SCHEMA - 1, "entries": {}}),
     json.dumps([1, 2, 3]),
 ])
 def test_a_corrupt_or_stale_cache_file_is_ignored_and_rebuilt(cache, content):
@@ -171,12 +192,14 @@ def test_a_malformed_entry_is_ignored_and_remeasured(cache):
     data = json.loads(cache.read_text())
     (key,) = data["entries"]
     data["entries"][key] = {"fused_ms": "fast", "inductor_ms": -1}
+    data["entries"]["an entry without GPU times"] = {"fused_ms": 1.0, "inductor_ms": 2.0, "speedup": 2.0}
     cache.write_text(json.dumps(data))
     decision.forget_in_memory()
     timer = FakeTimer(5.0, 1.0)
     _, reports = compile_and_run(model, x, timer)
     assert timer.calls == 1 and not only_decision(reports)[1].fused
-    assert json.loads(cache.read_text())["entries"][key]["fused_ms"] == 5.0
+    entries = json.loads(cache.read_text())["entries"]
+    assert entries[key]["fused_ms"] == 5.0 and list(entries) == [key]
 
 
 def test_policies_fuse_and_inductor_decide_without_timing(cache):
@@ -279,6 +302,7 @@ def test_the_real_timer_runs_both_candidates_on_cpu(cache, model_cls):
         out.sum().backward()
     _, d = only_decision(reports)
     assert d.fused_ms > 0 and d.inductor_ms > 0 and not d.cached
+    assert (d.fused_gpu_ms, d.inductor_gpu_ms) == (d.fused_ms, d.inductor_ms)  # no device apart from the host
     tol = dict(atol=2e-2, rtol=2e-2) if model_cls is Autocasting else {}
     torch.testing.assert_close(out, want, **tol)
     torch.testing.assert_close(x.grad, want_grad, **tol)
