@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import statistics
 import types
 import typing
 from dataclasses import dataclass
@@ -103,15 +104,26 @@ class CaseResult:
         return next((i for i in self.items if i.backend == backend), None)
 
     def speedup(self, backend: str, baseline: str, *, cold: bool = False) -> float | None:
-        """``baseline``'s median over ``backend``'s (``None`` unless both are ok and timed)."""
+        """How many times faster ``backend`` ran than ``baseline`` (``None`` unless both are ok and
+        timed): the median over the rounds of each round's ratio (``baseline``'s round median over
+        ``backend``'s) where both were timed in the same rounds, else the ratio of their medians.
+
+        WHY paired rounds: the backends of a case are timed repetition by repetition in each round
+        (``runner.py``), so a round's two medians come from the same stretch of host time, and their
+        ratio cancels the host's drift between rounds; the ratio of each one's quietest round
+        compares two different stretches.  NOTE: on host-bound convnets rows where fusion runs
+        Inductor's own code, the quietest-round ratio read 0.94-0.95x where the paired one read
+        0.98-1.00x (``docs/perf/h100/convnets/bench.json``, ``round_medians_ms``)."""
         a, b = self.item(backend), self.item(baseline)
         if a is None or b is None:
             return None
-        ta = a.cold_median_ms if cold else a.median_ms
-        tb = b.cold_median_ms if cold else b.median_ms
-        if ta is None or tb is None or ta <= 0:
+        sa, sb = (a.cold, b.cold) if cold else (a.warm, b.warm)
+        if sa is None or sb is None or not (a.ok and b.ok) or sa.median_ms <= 0:
             return None
-        return tb / ta
+        ra, rb = sa.round_medians_ms, sb.round_medians_ms
+        if len(ra) > 1 and len(ra) == len(rb) and min(ra) > 0:
+            return statistics.median(y / x for x, y in zip(ra, rb, strict=True))
+        return sb.median_ms / sa.median_ms
 
     def floor_multiple(self, backend: str, *, cold: bool = False) -> float | None:
         """``backend``'s median as a multiple of the roofline floor."""

@@ -873,6 +873,23 @@ def synthetic_report(rows: list[tuple[str, str, str, dict[str, float | Status]]]
                        workloads={}, cases=tuple(cases))
 
 
+def test_a_speedup_pairs_the_rounds_the_two_backends_were_timed_in_together() -> None:
+    """Round by round, fusion and Inductor took about the same time, but fusion's quietest round was
+    quieter than any of Inductor's: the paired ratio says 1.02x, not the quietest rounds' 1.5x.
+    Rounds that do not pair up (different counts) fall back to the medians' ratio."""
+    def item(backend: str, rounds: list[float]) -> ItemResult:
+        warm = TimingStats.of_rounds([TimingStats.from_samples([t]) for t in rounds])
+        return ItemResult("conv", "fp32", "train", backend, Status.OK, warm=warm)
+
+    case = CaseResult("conv", "fp32", "train", roofline=None,
+                      items=(item("fusion", [1.0, 1.5, 1.52]), item("inductor", [1.6, 1.5, 1.55])))
+    assert case.speedup("fusion", "inductor") == pytest.approx(1.55 / 1.52)
+    assert case.item("inductor").median_ms / case.item("fusion").median_ms == pytest.approx(1.5)
+    unpaired = CaseResult("conv", "fp32", "train", roofline=None,
+                          items=(item("fusion", [1.0, 1.5]), item("inductor", [1.6, 1.5, 1.55])))
+    assert unpaired.speedup("fusion", "inductor") == pytest.approx(1.5)
+
+
 def test_verdict_counts_ties_at_0_97_names_the_slowest_row_and_takes_the_geomean() -> None:
     report = synthetic_report([
         ("conv_a", "fp32", "infer", {"inductor": 2.0, "fusion": 1.0}),   # 2x faster
