@@ -299,7 +299,7 @@ def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequ
         steps = {name: _built_at_first_call(build, inputs, train) for name, build in builders.items()}
         return {name: times for name, times in timer(steps).items() if name in builders}
     steps, first_call_s, overlapped = _first_calls(builders, inputs, train)
-    times = region_timing.time_steps(steps)
+    times = region_timing.time_steps(steps, on_cuda=any(t.is_cuda for t in inputs))
     log.info("timed %s in %.1f s (first calls, compiling included: fused op %.1f s, Inductor %.1f s%s)", pattern,
              time.perf_counter() - began, first_call_s["fused"], first_call_s["inductor"],
              ", at once" if overlapped else "")

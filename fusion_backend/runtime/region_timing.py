@@ -33,7 +33,7 @@ fp32, measured 0.93 ms per call against Inductor's 1.13 ms while its kernels ran
 against Inductor's 178 us (``torch.profiler`` on the H100); kept on the per-call time alone, the
 benchmark's step measured 0.90-0.96x Inductor's (``python -m fusion_backend bench --suite
 demos/convnets/conv2d_512_k3_global_mean.py --mode train --backends eager,inductor,fusion,inductor:default``).
-On CPU the two are the same number.
+For a region on the CPU the two are the same number.
 """
 
 from __future__ import annotations
@@ -316,9 +316,11 @@ class RoundTimes:
     gpu_ms: list[float]
 
 
-def time_steps(steps: Mapping[str, Callable[[], None]]) -> dict[str, RoundTimes]:
-    """Milliseconds per call of each step, per round, per call and on the GPU (see the module docstring)."""
-    cuda = torch.cuda.is_available()
+def time_steps(steps: Mapping[str, Callable[[], None]], *, on_cuda: bool) -> dict[str, RoundTimes]:
+    """Milliseconds per call of each step, per round, per call and on the GPU (see the module
+    docstring); ``on_cuda``: the steps run on a CUDA device (else the GPU time is the time per call,
+    even where a GPU is present)."""
+    cuda = on_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     calls: dict[str, int] = {}
     for name, step in steps.items():

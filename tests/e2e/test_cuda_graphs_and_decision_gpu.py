@@ -137,7 +137,7 @@ def test_region_timing_tells_the_gpu_time_of_a_host_bound_step_from_its_time_per
     def device_bound():
         torch.cuda._sleep(int(2.0 * cycles_per_ms))
 
-    times = region_timing.time_steps({"host": host_bound, "device": device_bound})
+    times = region_timing.time_steps({"host": host_bound, "device": device_bound}, on_cuda=True)
     host, device = times["host"], times["device"]
     assert len(host.per_call_ms) == len(host.gpu_ms) == region_timing.ROUNDS
     assert min(host.per_call_ms) > 1.9 and max(host.gpu_ms) < 0.3, host
