@@ -5,8 +5,13 @@ pattern matched, and for the input signature the graph was compiled for, this mo
 fused op with Inductor's compiled code for the original nodes (``region_timing.py``), by two
 times: per call (host and device, what a small model waits for) and on the GPU (what the region
 costs in a network that keeps the device busy).  The rewrite is kept only where the fused op wins
-by the margin (``decide_margin``, default 3%) in one of them and does not lose by more than the
-margin in the other; a tie goes to Inductor.  The two are timed in alternating rounds, and what is
+per call by the margin (``decide_margin``, default 3%) and does not lose on the GPU by more than the
+margin; a tie goes to Inductor.  WHY not also a GPU win with a tie per call: NOTE the benchmark's
+``conv2d_256_k3_relu_maxpool`` fp32 training row, kept that way (1.00x per call, 1.06x on the GPU),
+ran 0.99 ms against Inductor's 1.04 ms in quiet rounds and 1.4-1.9 ms against 1.2-1.5 ms in rounds
+where the host was slow, 0.85x over the run (``python -m fusion_backend bench --suite
+demos/convnets/conv2d_256_k3_relu_maxpool.py --mode train --backends eager,inductor,fusion,inductor:default``,
+H100): a fused op whose host path is the longer one loses whenever the host is the bottleneck.  The two are timed in alternating rounds, and what is
 compared with the margin is, for each time, the median over the rounds of each round's ratio
 (Inductor's time over the fused op's).  WHY: a
 host-bound region's speed drifts between rounds (two copies of the same compiled code measured 4%
@@ -108,8 +113,8 @@ def verdict(pattern: str, summary: str, anchor: str, fused_ms: float, inductor_m
             inductor_gpu_ms: float | None = None, gpu_speedup: float | None = None) -> Decision:
     """The decision from the two times (see the module docstring).  ``speedup`` (default
     ``inductor_ms / fused_ms``) is per call, ``gpu_speedup`` (default from the GPU times, else
-    ``speedup``) on the GPU: fused when one is at least ``1 + margin`` and neither is below
-    ``1 / (1 + margin)``."""
+    ``speedup``) on the GPU: fused when ``speedup`` is at least ``1 + margin`` and ``gpu_speedup``
+    not below ``1 / (1 + margin)``."""
     if speedup is None:
         speedup = _ratio(inductor_ms, fused_ms)
     if gpu_speedup is None:
@@ -121,7 +126,7 @@ def verdict(pattern: str, summary: str, anchor: str, fused_ms: float, inductor_m
         rule = "Inductor is faster per call"
     elif gpu_speedup < tie:
         rule = "Inductor is faster on the GPU"
-    elif max(speedup, gpu_speedup) >= 1 + margin:
+    elif speedup >= 1 + margin:
         rule = "fused is faster"
     else:
         rule = f"a tie (within {margin:.0%}) goes to Inductor"

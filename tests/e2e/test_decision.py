@@ -92,13 +92,13 @@ def test_a_faster_fused_op_is_kept(cache):
 @pytest.mark.parametrize("per_call, gpu, fused, rule", [
     ((1.0, 1.5), (2.0, 1.0), False, "Inductor is faster on the GPU"),  # host-bound win, GPU loss
     ((1.5, 1.0), (1.0, 2.0), False, "Inductor is faster per call"),  # GPU win, host-bound loss
-    ((1.0, 1.01), (1.0, 2.0), True, "fused is faster"),  # a tie per call, a GPU win
     ((1.0, 2.0), (1.0, 1.01), True, "fused is faster"),  # a win per call, a tie on the GPU
+    ((1.0, 1.01), (1.0, 2.0), False, "a tie (within 3%) goes to Inductor"),  # a GPU win, a tie per call
     ((1.0, 1.01), (1.0, 0.99), False, "a tie (within 3%) goes to Inductor"),
 ])
-def test_the_rewrite_must_win_per_call_or_on_the_gpu_and_lose_on_neither(cache, per_call, gpu, fused, rule):
+def test_the_rewrite_must_win_per_call_and_not_lose_on_the_gpu(cache, per_call, gpu, fused, rule):
     """A region that wins per call (host-bound, alone) but loses on the GPU would make a network that
-    keeps the GPU busy slower: both times must agree."""
+    keeps the GPU busy slower; one that only wins on the GPU loses whenever the host is the bottleneck."""
     timer = FakeTimer(*(decision.RoundTimes([p], [g]) for p, g in zip(per_call, gpu, strict=True)))
     _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), timer, train=False)
     _, d = only_decision(reports)
