@@ -249,7 +249,7 @@ def environment_lines(report: BenchReport) -> list[str]:
 
 
 NOTE_FLOOR = ("x floor: warm median over the roofline floor, max(minimal bytes / copy bandwidth, flops of the "
-              "convolutions as written / matmul rate); speedups are ratios of warm medians.")
+              "convolutions as written / matmul rate); speedups are medians of the rounds' paired ratios of warm medians.")
 NOTE_BELOW_FLOOR = ("x floor below 1: the data fit in L2 (compare the cold column of the details), or the backend "
                     "does fewer flops than the convolutions as written (an algebraic rewrite); the memory term "
                     "of the roofline table still binds.")
