@@ -18,7 +18,7 @@ reports registers and spill stores, besides shared memory and whether ``wgmma`` 
 A job's tiled kernel is compiled for every tile of its list that fits the launch (only the first
 with ``--quick``): ``conv_fused`` / ``conv_dense``: the tiles their ``_prune`` keeps (what the
 autotuner times); ``conv_fused_bwd``: every config of ``_dgrad_configs`` / ``_wgrad_configs``;
-``conv_phase_aligned_bwd``: ``_DGRAD_TILES`` / ``_WGRAD_TILES`` clamped to the problem (``_fit``).  Other
+``conv_phase_aligned_bwd``: ``DGRAD_TILES`` / ``WGRAD_TILES`` clamped to the problem (``fit_tiles``).  Other
 kernels are compiled as launched.  A specialisation already compiled in the run is not compiled
 again (its line names the case that compiled it).  Environment: ``TRITON_INTERPRET`` is removed
 before the kernels are imported, ``FUSION_CONV_AUTOTUNE=0`` (the launchers take their heuristic
@@ -305,12 +305,12 @@ def pruned_tiles(module) -> Callable[[kc.Launch], list[triton.Config]]:  # noqa:
 
 
 def phase_aligned_tiles(tiles: tuple[tuple[int, ...], ...]) -> Callable[[kc.Launch], list[triton.Config]]:
-    """``tiles`` clamped to a ``conv_phase_aligned_bwd`` launch's problem (``_fit``)."""
+    """``tiles`` clamped to a ``conv_phase_aligned_bwd`` launch's problem (``fit_tiles``)."""
 
     def fit(launch: kc.Launch) -> list[triton.Config]:
         kw, named = launch.kwargs, launch.named_args
         kpn = kw["KD"] * kw["KH"] * kw["KW"]
-        return [S.plan._tile_config(t) for t in S.plan._fit(tiles, named["CI_G"], named["CO_G"], kpn)]
+        return [S.plan._tile_config(t) for t in S.plan.fit_tiles(tiles, named["CI_G"], named["CO_G"], kpn)]
 
     return fit
 
@@ -365,8 +365,8 @@ JOBS = {job.name: job for job in (
         "conv_phase_aligned_bwd", "kernels/conv_phase_aligned_bwd/: input and weight grads behind a max pool (ConvTranspose3d)",
         {f"convt3d-{d}{cl}": partial(conv_phase_aligned_backward, d, bool(cl)) for d in BACKWARD_DTYPES for cl in ("", "-cl")},
         ("convt3d-fp32", "convt3d-bf16"),
-        (TiledKernel("phase_aligned_dgrad_kernel", PHASE_ALIGNED_FIELDS, "dgrad_tiles", phase_aligned_tiles(S.plan._DGRAD_TILES), phase_aligned_rates),
-         TiledKernel("phase_aligned_wgrad_kernel", PHASE_ALIGNED_FIELDS, "wgrad_tiles", phase_aligned_tiles(S.plan._WGRAD_TILES), phase_aligned_rates)),
+        (TiledKernel("phase_aligned_dgrad_kernel", PHASE_ALIGNED_FIELDS, "dgrad_tiles", phase_aligned_tiles(S.plan.DGRAD_TILES), phase_aligned_rates),
+         TiledKernel("phase_aligned_wgrad_kernel", PHASE_ALIGNED_FIELDS, "wgrad_tiles", phase_aligned_tiles(S.plan.WGRAD_TILES), phase_aligned_rates)),
     ),
     Job(
         "epilogue", "kernels/epilogue.py: the epilogue kernels' forward and backward (a DAG chain, each pool kind)",

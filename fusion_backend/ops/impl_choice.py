@@ -4,7 +4,7 @@ WHY: the fused implicit-GEMM conv kernel beats cuDNN + the epilogue kernel on so
 others (measured on an H100: on the ``seeds`` suite's ConvT3d and Conv2d pipelines the library conv
 still wins), so ``auto`` must not guess.  The first call with a new key times every candidate's GPU
 work (CUDA events around back-to-back calls queued behind a GPU spin, after one warm-up call that also
-compiles/autotunes it; ``_time_ms``) and remembers the winner: in memory for the process and in a JSON
+compiles/autotunes it; ``gpu_ms_per_call``) and remembers the winner: in memory for the process and in a JSON
 file for later processes, so the measurement is paid once per shape per machine.
 
 Contract of ``choose``:
@@ -109,7 +109,7 @@ def _store(full_key: str, name: str) -> None:
         log.debug("impl choice cache %s not written: %s", path, e)
 
 
-def _time_ms(fn: Callable[[], object]) -> float:
+def gpu_ms_per_call(fn: Callable[[], object]) -> float:
     """GPU milliseconds per call of ``fn`` (after a warm-up call that compiles and autotunes): the
     best of ``_ROUNDS`` rounds of ``n`` back-to-back calls between two events, ``n`` chosen so that
     a round lasts about ``_ROUND_MS``.
@@ -160,7 +160,7 @@ def choose(
     probes: Mapping[str, Callable[[], object]] | None = None,
 ) -> str:
     """The name of the fastest candidate for ``key`` (see the module docstring); ``timer`` (ms per
-    call of a candidate; ``_time_ms`` when None) is replaceable for tests.
+    call of a candidate; ``gpu_ms_per_call`` when None) is replaceable for tests.
 
     ``key`` may be a callable building the string, called only when no answer is settled under
     ``fast_key`` yet: once an answer is remembered (measured, or read from the file), it is also
@@ -196,7 +196,7 @@ def choose(
     # the probes' first, a probed candidate's other tiles once its probe passed
     compile_ahead = launch.compile_ahead if timer is None else (lambda calls: False)
     compile_ahead([fn for name, fn in candidates.items() if name not in probes] + list(probes.values()))
-    timer = timer or _time_ms
+    timer = timer or gpu_ms_per_call
     screened: dict[str, float] = {}
     try:
         if agree is not None:

@@ -303,8 +303,8 @@ def test_autotune_off_binds_the_first_tile(monkeypatch):
     """``FUSION_CONV_AUTOTUNE=0``: the raw kernel with the first config, no tile search."""
     configs = K.device.dgrad_configs()
     monkeypatch.setenv("FUSION_CONV_AUTOTUNE", "0")
-    kernel, tile = K.plan._launcher(K.device.dgrad_tuned, K.device.dgrad_kernel, configs)
+    kernel, tile = K.plan.launcher(K.device.dgrad_tuned, K.device.dgrad_kernel, configs)
     assert kernel is K.device.dgrad_kernel
     assert tile == dict(configs[0].kwargs, num_warps=configs[0].num_warps, num_stages=configs[0].num_stages)
     monkeypatch.setenv("FUSION_CONV_AUTOTUNE", "1")
-    assert K.plan._launcher(K.device.wgrad_tuned, K.device.wgrad_kernel, K.device.wgrad_configs()) == (K.device.wgrad_tuned, {})
+    assert K.plan.launcher(K.device.wgrad_tuned, K.device.wgrad_kernel, K.device.wgrad_configs()) == (K.device.wgrad_tuned, {})

@@ -32,7 +32,7 @@ def _conv_fused_only(monkeypatch):
     """The op's fused forward takes ``conv_fused`` for every case here, the plain stride-1 convs the
     dense kernel would serve included (its wiring: ``tests/ops/test_dense_forward_wiring.py``); no
     plan or launch kept by another test is reused."""
-    monkeypatch.setattr(ce.forward, "_forward_kernels", lambda x, weight, cfg: conv_fused)
+    monkeypatch.setattr(ce.forward, "forward_kernels", lambda x, weight, cfg: conv_fused)
     monkeypatch.setattr(ce.forward, "PLANS", type(ce.forward.PLANS)(256))
     monkeypatch.setattr(conv_fused.plan, "_LAUNCHES", type(conv_fused.plan._LAUNCHES)(256))
 
@@ -237,13 +237,13 @@ def test_static_phase_transposed_convs_take_the_phase_aligned_path():
     not a multiple of the conv stride) and plain convs do not."""
     convt3d = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     x, w = torch.zeros(1, 4, 4, 4, 4), torch.zeros(4, 6, 3, 3, 3)
-    plan = conv_fused.plan._plan(x, w, convt3d, PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), [4, 4, 4])
+    plan = conv_fused.plan.launch_plan(x, w, convt3d, PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0)), [4, 4, 4])
     assert plan.phase_aligned and plan.unrolled == 27 and plan.shifts == ((0, 2), (0, 2), (0, 2))
     assert plan.shift_slots == 8
     masked = PoolSpec("max", (3, 3, 3), (1, 1, 1), (1, 1, 1))
-    assert not conv_fused.plan._plan(x, w, convt3d, masked, [8, 8, 8]).phase_aligned
+    assert not conv_fused.plan.launch_plan(x, w, convt3d, masked, [8, 8, 8]).phase_aligned
     plain = ConvSpec(False, (1, 1, 1), (0, 0, 0), (1, 1, 1), (0, 0, 0), 1)
-    assert not conv_fused.plan._plan(x, torch.zeros(6, 4, 3, 3, 3), plain, None, None).phase_aligned
+    assert not conv_fused.plan.launch_plan(x, torch.zeros(6, 4, 3, 3, 3), plain, None, None).phase_aligned
 
 
 def test_full_windows_only_where_every_window_offset_is_in_range():
@@ -252,11 +252,11 @@ def test_full_windows_only_where_every_window_offset_is_in_range():
     convt3d = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     x, w = torch.zeros(1, 4, 4, 4, 4), torch.zeros(4, 6, 3, 3, 3)
     pool = PoolSpec("max", (2, 2, 2), (2, 2, 2), (0, 0, 0))
-    assert conv_fused.plan._full_windows(conv_fused.plan._plan(x, w, convt3d, pool, [4, 4, 4]))
+    assert conv_fused.plan.full_windows(conv_fused.plan.launch_plan(x, w, convt3d, pool, [4, 4, 4]))
     padded = PoolSpec("max", (2, 2, 2), (2, 2, 2), (1, 1, 1))
-    assert not conv_fused.plan._full_windows(conv_fused.plan._plan(x, w, convt3d, padded, [5, 5, 5]))
+    assert not conv_fused.plan.full_windows(conv_fused.plan.launch_plan(x, w, convt3d, padded, [5, 5, 5]))
     no_op = ConvSpec(True, (2, 2, 2), (1, 1, 1), (1, 1, 1), (0, 0, 0), 1)  # odd output 7
-    assert not conv_fused.plan._full_windows(conv_fused.plan._plan(x, w, no_op, pool, [4, 4, 4]))  # ceil mode
+    assert not conv_fused.plan.full_windows(conv_fused.plan.launch_plan(x, w, no_op, pool, [4, 4, 4]))  # ceil mode
 
 
 @pytest.mark.parametrize("pool_padding", [0, 1])
@@ -386,8 +386,8 @@ def test_auto_default_measures_both_paths_and_matches_eager_in_training(monkeypa
     monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
     impl_choice.forget_in_memory()
     timed = []
-    real_timer = impl_choice._time_ms
-    monkeypatch.setattr(impl_choice, "_time_ms", lambda fn: timed.append(1) or real_timer(fn))
+    real_timer = impl_choice.gpu_ms_per_call
+    monkeypatch.setattr(impl_choice, "gpu_ms_per_call", lambda fn: timed.append(1) or real_timer(fn))
     torch.manual_seed(0)
     model = _ConvT3dPipeline(True).cuda()
     x = torch.rand(4, 4, 8, 16, 16, device="cuda")

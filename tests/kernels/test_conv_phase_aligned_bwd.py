@@ -167,7 +167,7 @@ def test_every_tile_shape_gives_the_same_grads(
     tiles = {"dgrad": (block_m, 16, 16, dgrad_kpb, 4, 1), "wgrad": (block_m, 16, 16, wgrad_kpb, 4, 1)}
     monkeypatch.setattr(S.plan, "_use_autotune", lambda macs: False)
     monkeypatch.setattr(
-        S.plan, "_heuristic_tile", lambda kind, ci_g, co_g, kpn: S.plan._fit([tiles[kind]], ci_g, co_g, kpn)[0]
+        S.plan, "heuristic_tile", lambda kind, ci_g, co_g, kpn: S.plan.fit_tiles([tiles[kind]], ci_g, co_g, kpn)[0]
     )
     check(CASES[name], torch.float32, kernel_device)
 
@@ -187,13 +187,13 @@ def _force_wgrad_tile(monkeypatch, tile: tuple[int, ...]) -> list[dict]:
     """Use ``tile`` for the weight grad (the input grad keeps its heuristic); returns, per weight-grad
     launch built from now on, whether the kernel takes its LINE path."""
     seen: list[bool] = []
-    heuristic = S.plan._heuristic_tile
+    heuristic = S.plan.heuristic_tile
     monkeypatch.setattr(S.plan, "_use_autotune", lambda macs: False)
     monkeypatch.setattr(
         S.plan,
-        "_heuristic_tile",
+        "heuristic_tile",
         lambda kind, ci_g, co_g, kpn: (
-            S.plan._fit([tile], ci_g, co_g, kpn)[0] if kind == "wgrad" else heuristic(kind, ci_g, co_g, kpn)
+            S.plan.fit_tiles([tile], ci_g, co_g, kpn)[0] if kind == "wgrad" else heuristic(kind, ci_g, co_g, kpn)
         ),
     )
 
@@ -413,7 +413,7 @@ def test_unsupported_cases_say_why(kernel_device):
 
 
 def test_tiles_are_clamped_to_the_problem():
-    tiles = S.plan._fit(S.plan._DGRAD_TILES, ci_g=3, co_g=5, kpn=2)
+    tiles = S.plan.fit_tiles(S.plan.DGRAD_TILES, ci_g=3, co_g=5, kpn=2)
     assert all(t[1] == 16 and t[2] == 16 and t[3] <= 2 for t in tiles)
     assert len(tiles) == len(set(tiles))
 

@@ -57,7 +57,7 @@ def channels_last_backward(monkeypatch, exact_fp32, fresh_plans):
     built = []
 
     def backward_plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner, cfg, mask):
-        plans = ce.backward._backward_candidates(grad_out, x, weight, bias, operands, saved_y0, saved_winner, cfg, mask)
+        plans = ce.backward.backward_candidates(grad_out, x, weight, bias, operands, saved_y0, saved_winner, cfg, mask)
         built.append(plans["library-channels-last"])
         return plans["library-channels-last"], True
 
@@ -184,10 +184,10 @@ def test_which_cases_get_a_channels_last_candidate():
     """2-d and 3-d convs on NCHW-style tensors; not 1-d convs (no cuDNN channels-last kernels),
     not tensors already channels-last (the library backward is channels-last there), not float64."""
     x4 = torch.randn(2, 3, 5, 5)
-    assert ce.backward._channels_last_backward_unsupported(x4, torch.randn(2, 4, 5, 5)) is None
-    assert ce.backward._channels_last_backward_unsupported(torch.randn(2, 3, 4, 4, 4), torch.randn(2, 4, 4, 4, 4)) is None
-    assert "1-d" in ce.backward._channels_last_backward_unsupported(torch.randn(2, 3, 5), torch.randn(2, 4, 5))
-    assert "float64" in ce.backward._channels_last_backward_unsupported(x4.double(), torch.randn(2, 4, 5, 5))
+    assert ce.backward.channels_last_backward_unsupported(x4, torch.randn(2, 4, 5, 5)) is None
+    assert ce.backward.channels_last_backward_unsupported(torch.randn(2, 3, 4, 4, 4), torch.randn(2, 4, 4, 4, 4)) is None
+    assert "1-d" in ce.backward.channels_last_backward_unsupported(torch.randn(2, 3, 5), torch.randn(2, 4, 5))
+    assert "float64" in ce.backward.channels_last_backward_unsupported(x4.double(), torch.randn(2, 4, 5, 5))
     x_cl = x4.to(memory_format=torch.channels_last)
     y_cl = torch.randn(2, 4, 5, 5).to(memory_format=torch.channels_last)
-    assert "already" in ce.backward._channels_last_backward_unsupported(x_cl, y_cl)
+    assert "already" in ce.backward.channels_last_backward_unsupported(x_cl, y_cl)

@@ -274,7 +274,7 @@ def test_which_calls_get_a_channels_last_candidate():
     """2-d and 3-d convs of an x that is not channels-last, with or without saved state; not 1-d
     convs (no cuDNN channels-last kernels), not a channels-last x or weight (the library conv is
     channels-last there already), not float64."""
-    why = ce.forward._channels_last_forward_unsupported
+    why = ce.forward.channels_last_forward_unsupported
     cfg2 = ConvEpilogueConfig(conv=conv_spec(2), chain=(LEAKY,))
     x4, w4 = torch.randn(2, 3, 5, 5), torch.randn(4, 3, 3, 3)
     assert why(x4, w4, cfg2) is None
@@ -290,7 +290,7 @@ def test_which_calls_get_a_channels_last_candidate():
 @pytest.mark.parametrize("save", [False, True], ids=["no-save", "save"])
 def test_forward_candidates(save, interpreted):
     x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
-    names = lambda xx, fused: sorted(ce.forward._forward_candidates(xx, w, b, ops, cfg, save, fused))  # noqa: E731
+    names = lambda xx, fused: sorted(ce.forward.forward_candidates(xx, w, b, ops, cfg, save, fused))  # noqa: E731
     assert names(x, False) == ["library", "library-channels-last"]
     assert names(x, True) == ["library", "library-channels-last", "triton"]
     assert names(x.contiguous(memory_format=torch.channels_last), False) == ["library"]

@@ -685,7 +685,7 @@ def test_gpu_strict_rejects_float64_and_the_reference_serves_it():
 
 def test_auto_times_the_triton_backward_only_behind_a_transposed_conv_with_a_max_pool():
     def reason(spec, pool):
-        return ce.backward._triton_backward_never_wins(ConvEpilogueConfig(conv=spec, chain=(ChainStep(PK.RELU),), pool=pool))
+        return ce.backward.triton_backward_never_wins(ConvEpilogueConfig(conv=spec, chain=(ChainStep(PK.RELU),), pool=pool))
 
     assert reason(_spec(3, transposed=True, stride=2), _pool("max", 3)) is None
     for spec, pool in [(_spec(3), _pool("max", 3)), (_spec(2, transposed=True, stride=2), None),

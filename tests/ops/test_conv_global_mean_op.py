@@ -479,8 +479,8 @@ def test_contraction_sums_every_split_and_chunk_deterministically(
     ops = [t.to(kernel_device, torch.float32) for t in operands]
     geo = cgm.geometry.geometry_for(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), xd.device)
     assert geo.set_counts != (1, 1, 1), "the test needs several index sets (a tapset gather)"
-    first = cgm.forward._forward_kernels(cfg, xd, *args, ops, geo)
-    second = cgm.forward._forward_kernels(cfg, xd, *args, ops, geo)
+    first = cgm.forward.forward_kernels(cfg, xd, *args, ops, geo)
+    second = cgm.forward.forward_kernels(cfg, xd, *args, ops, geo)
     assert nsplits == [split, split], f"expected {split} splits of the pass over x, got {nsplits}"
     for name, a, c in zip(("out", "tap_sums", "mean"), first, second, strict=True):
         assert torch.equal(a, c), f"{name} differs between two identical runs"

@@ -138,4 +138,4 @@ def _config(**conv) -> ConvEpilogueConfig:
 )
 def test_forward_kernels_choice(conv, expected):
     x, w = torch.empty(2, 4, 9, 9), torch.empty(5, 4, 3, 3)
-    assert ce.forward._forward_kernels(x, w, _config(**conv)) is expected
+    assert ce.forward.forward_kernels(x, w, _config(**conv)) is expected

@@ -180,7 +180,7 @@ def _offset_epilogue(acc, kk, first, od, oh, ow, o_ok, state, epi, EPI: tl.const
     ``o_ok`` (``[BLOCK_M]``): the rows whose offset lies in the conv output (and in M).  ``first``
     (``[BLOCK_M, 1]`` or a scalar): the offset is the first valid one of the row's window in
     row-major order (``_first_offset``), where the max pool takes it without a compare.  FULL
-    (``_full_windows``: every offset of every unit lies in the conv output): ``o_ok`` is ``m_ok``,
+    (``full_windows``: every offset of every unit lies in the conv output): ``o_ok`` is ``m_ok``,
     ``first`` is ``kk == 0`` and rows past M are never stored, so the max pool and the avg-pool
     sum need no row mask.  FIRST (FULL max pool, offset 0 peeled by the caller): 1 for offset 0
     (sets best/win/win_y, no compare), 2 for the later offsets (no ``first`` test), 0 otherwise.  Max pool: output channels past ``C_OUT`` (``cmask``) are computed but never
@@ -327,7 +327,7 @@ def _phase_aligned_offsets(a_all, SHARED_X: tl.constexpr, x_in, w_in, wm_base, w
     (``[BLOCK_K]``), the group's input channels, x's spatial sizes and strides; ``w_in``: see
     ``_phase_aligned_w_tile``; ``units`` ``(ud, uh, uw, m_ok, OD, OH, OW)``: the rows' units, which
     rows are real, the conv output's sizes; ``state``, ``epi``, ``EPI``: see ``_offset_epilogue``.
-    Constexprs: FULL (``_full_windows``), and per (d, h, w): ``TAPS``, ``STRIDE``, ``PAD``, ``DIL``
+    Constexprs: FULL (``full_windows``), and per (d, h, w): ``TAPS``, ``STRIDE``, ``PAD``, ``DIL``
     of the conv, ``WINDOW`` (offsets per unit), ``USTRIDE``, ``UORIGIN`` of the units, ``LO`` / ``NS``
     (lowest input shift / number of shifts); ``KS``: shift slots.
     Returns the updated ``state``.

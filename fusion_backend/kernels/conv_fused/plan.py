@@ -49,7 +49,7 @@ PHASE_ALIGNED_BLOCK_K = 16
 
 
 @dataclass(frozen=True)
-class _Plan:
+class LaunchPlan:
     """Everything the launch needs that is derived from shapes and geometry (all lifted to 3d)."""
 
     conv_out: tuple[int, int, int]  # OD, OH, OW
@@ -91,8 +91,8 @@ def conv_output_size(x: torch.Tensor, weight: torch.Tensor, conv: ConvSpec) -> l
     return sizes
 
 
-def _plan(x: torch.Tensor, weight: torch.Tensor, conv: ConvSpec, pool: PoolSpec | None,
-          pooled_sizes: Sequence[int] | None) -> _Plan:  # fmt: skip
+def launch_plan(x: torch.Tensor, weight: torch.Tensor, conv: ConvSpec, pool: PoolSpec | None,
+          pooled_sizes: Sequence[int] | None) -> LaunchPlan:  # fmt: skip
     dims = x.dim() - 2
     conv_out = _pad3(conv_output_size(x, weight, conv), 1)
     taps = _pad3(weight.shape[2:], 1)
@@ -124,11 +124,11 @@ def _plan(x: torch.Tensor, weight: torch.Tensor, conv: ConvSpec, pool: PoolSpec 
     slots = next_pow2(math.prod(n for _, n in shifts)) if all(static) else 0
     phase_aligned = all(static) and 0 < slots <= _PHASE_ALIGNED_MAX_SLOTS
     del dims
-    return _Plan(tuple(conv_out), tuple(units), tuple(window), tuple(ustride), tuple(uorigin),
+    return LaunchPlan(tuple(conv_out), tuple(units), tuple(window), tuple(ustride), tuple(uorigin),
                  tuple(static), unrolled, phase_aligned, tuple(shifts), slots)  # fmt: skip
 
 
-def _full_windows(plan: _Plan) -> bool:
+def full_windows(plan: LaunchPlan) -> bool:
     """Whether every window offset of every unit lies in the conv output (``o = u * US - UP + kp`` in
     ``[0, O)`` for all ``u < U``, ``kp < K``): the ConvT3d pipeline's MaxPool(2) over an even conv
     output."""
@@ -168,7 +168,7 @@ def unsupported_reason(
         return "pooled_sizes is required with a pool"
     if pool is not None and pool.window_volume > MAX_WINDOW_VOLUME:
         return f"pool window of {pool.window_volume} taps exceeds the unroll limit {MAX_WINDOW_VOLUME}"
-    plan = _plan(x, weight, conv, pool, pooled_sizes)
+    plan = launch_plan(x, weight, conv, pool, pooled_sizes)
     if math.prod(plan.window) > MAX_WINDOW_VOLUME:
         return f"{math.prod(plan.window)} phases/window offsets exceed the unroll limit {MAX_WINDOW_VOLUME}"
     if plan.unrolled > MAX_UNROLLED_TAPS:
@@ -307,7 +307,7 @@ class _Launch(AutotunedLaunch):
              saved_winner if saved_winner is not None else out)  # fmt: skip
 
 
-def phase_aligned_weight_matrix(weight: torch.Tensor, plan: _Plan, conv: ConvSpec, precision: str,
+def phase_aligned_weight_matrix(weight: torch.Tensor, plan: LaunchPlan, conv: ConvSpec, precision: str,
                                 dtype: torch.dtype) -> WeightMatrixLaunch:  # fmt: skip
     """The launch that writes the phase-aligned path's prearranged weight matrix of a transposed conv.
 
@@ -361,7 +361,7 @@ def _prepare(args: ForwardArgs) -> _Launch:
     why = unsupported_reason(x, weight, conv, pool, pooled_sizes, save, compute_dtype)
     if why is not None:
         raise ValueError(f"conv_fused_forward cannot run this case: {why}")
-    plan = _plan(x, weight, conv, pool, pooled_sizes)
+    plan = launch_plan(x, weight, conv, pool, pooled_sizes)
     dims = x.dim() - 2
     n, groups = x.shape[0], conv.groups
     cin_g = x.shape[1] // groups
@@ -422,7 +422,7 @@ def _prepare(args: ForwardArgs) -> _Launch:
         UPD=plan.unit_origin[0], UPH=plan.unit_origin[1], UPW=plan.unit_origin[2],
         STATIC_D=plan.static_phase[0], STATIC_H=plan.static_phase[1], STATIC_W=plan.static_phase[2],
         **pool_args, CDT=compute_code(compute_dtype), PRECISION=precision, BIG=big, FLAT_K=not any(plan.static_phase), PHASE_ALIGNED=plan.phase_aligned,
-        ONE_CBLOCK=one_cblock, KS=max(plan.shift_slots, 1), FULL_WINDOWS=_full_windows(plan),
+        ONE_CBLOCK=one_cblock, KS=max(plan.shift_slots, 1), FULL_WINDOWS=full_windows(plan),
         LOD=plan.shifts[0][0], LOH=plan.shifts[1][0], LOW=plan.shifts[2][0],
         NSD=plan.shifts[0][1], NSH=plan.shifts[1][1], NSW=plan.shifts[2][1],
     )  # fmt: skip

@@ -74,7 +74,7 @@ Grad = Union[torch.Tensor, PooledGrad]
 # --------------------------------------------------------------------------------------------------
 
 
-def _launcher(tuned, raw, configs: list[triton.Config]):
+def launcher(tuned, raw, configs: list[triton.Config]):
     """The autotuned kernel, or with ``FUSION_CONV_AUTOTUNE=0`` (deterministic compile times: no
     tile search on a first call) the raw kernel bound to the first config's tile."""
     if environment.measuring():
@@ -339,7 +339,7 @@ def _input_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: A
     def grid(meta):
         return (n * num_phases * cdiv(max_t, meta["BLOCK_M"]), groups * num_c_blocks)
 
-    kernel, tile = _launcher(dgrad_tuned, dgrad_kernel, dgrad_configs())
+    kernel, tile = launcher(dgrad_tuned, dgrad_kernel, dgrad_configs())
     launch(
         kernel, grid, values, winners, weight, table, counts, dx,
         ci_g, co_g, kvol, *x_sizes[2:], *geo.out_spatial, *pooled, max_t, num_c_blocks,
@@ -419,7 +419,7 @@ def _weight_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: 
 
     grid = (tiles, splits)
 
-    kernel, tile = _launcher(wgrad_tuned, wgrad_kernel, wgrad_configs())
+    kernel, tile = launcher(wgrad_tuned, wgrad_kernel, wgrad_configs())
     launch(
         kernel, grid, a_t, b_t, winners, table, partials,
         a_g, b_g, kvol, lines, splits, part_numel, lines_per_split, num_a_blocks, num_b_blocks,

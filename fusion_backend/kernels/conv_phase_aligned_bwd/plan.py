@@ -61,7 +61,7 @@ _INDEX_LIMIT = 2**30
 #: Triton 3.6).
 #: NOTE: registers for the ConvT3d pipeline on the H200 (Triton 3.6, the compiled kernel's n_regs):
 #: 96-168, no spills; Triton 3.9's ptxas numbers (``tools/compile_check.py conv_phase_aligned_bwd``) run lower.
-_DGRAD_TILES = (
+DGRAD_TILES = (
     (128, 16, 32, 1, 4, 2), (64, 16, 32, 1, 4, 2), (128, 16, 32, 1, 8, 1), (128, 16, 32, 1, 8, 2),
     (128, 16, 32, 2, 8, 2), (128, 32, 32, 1, 4, 2), (128, 64, 32, 1, 8, 2),
 )  # fmt: skip
@@ -72,7 +72,7 @@ _DGRAD_TILES = (
 #: these run 0.42-0.63 ms for the ConvT3d pipeline at 220-250 registers without spills; the 4-warp
 #: tiles of 32 x 32/16 channel rows were as fast but spilled (42-50 bytes), BLOCK_M 64 at 4 warps
 #: spilled ~100 bytes, and every 2-stage tile was slower than its 1-stage counterpart.
-_WGRAD_TILES = (
+WGRAD_TILES = (
     (16, 16, 32, 2, 4, 1), (16, 16, 16, 4, 4, 1), (32, 16, 32, 4, 8, 1), (64, 16, 32, 2, 8, 1),
     (16, 16, 32, 4, 8, 1),
 )  # fmt: skip
@@ -89,7 +89,7 @@ def _tile_config(tile: tuple[int, ...]) -> triton.Config:
     )
 
 
-def _fit(tiles: Sequence[tuple[int, ...]], ci_g: int, co_g: int, kpn: int) -> list[tuple[int, ...]]:
+def fit_tiles(tiles: Sequence[tuple[int, ...]], ci_g: int, co_g: int, kpn: int) -> list[tuple[int, ...]]:
     """``tiles`` clamped to the problem (masked lanes cost full MMA work), duplicates dropped, order kept.
 
     Every block stays a power of 2 with the channel blocks >= 16, so each dot keeps K >= 16."""
@@ -104,31 +104,31 @@ def _fit(tiles: Sequence[tuple[int, ...]], ci_g: int, co_g: int, kpn: int) -> li
 def _pruner(tiles: Sequence[tuple[int, ...]]):
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         kpn = kwargs["KD"] * kwargs["KH"] * kwargs["KW"]
-        return best_first([_tile_config(t) for t in _fit(tiles, int(named_args["CI_G"]), int(named_args["CO_G"]), kpn)])
+        return best_first([_tile_config(t) for t in fit_tiles(tiles, int(named_args["CI_G"]), int(named_args["CO_G"]), kpn)])
 
     return prune
 
 
 _dgrad_tuned = triton.autotune(
-    configs=[_tile_config(t) for t in _DGRAD_TILES],
+    configs=[_tile_config(t) for t in DGRAD_TILES],
     key=["M_TOTAL", "CI_G", "CO_G", "KD", "KH", "KW", "STRIDE", "TAPS", "G_CL", "X_CL", "CDT", "PREC"],
-    prune_configs_by={"early_config_prune": _pruner(_DGRAD_TILES)},
+    prune_configs_by={"early_config_prune": _pruner(DGRAD_TILES)},
     cache_results=True,  # the best tile per key is kept in Triton's cache dir across processes
 )(phase_aligned_dgrad_kernel)
 _wgrad_tuned = triton.autotune(
-    configs=[_tile_config(t) for t in _WGRAD_TILES],
+    configs=[_tile_config(t) for t in WGRAD_TILES],
     key=["M_TOTAL", "CI_G", "CO_G", "ROWS_PER_SPLIT", "KD", "KH", "KW", "KS", "X_CL", "G_CL", "CDT", "PREC"],
-    prune_configs_by={"early_config_prune": _pruner(_WGRAD_TILES)},
+    prune_configs_by={"early_config_prune": _pruner(WGRAD_TILES)},
     cache_results=True,
 )(phase_aligned_wgrad_kernel)
 
 
-def _heuristic_tile(kind: str, ci_g: int, co_g: int, kpn: int) -> tuple[int, ...]:
+def heuristic_tile(kind: str, ci_g: int, co_g: int, kpn: int) -> tuple[int, ...]:
     """The tile used under the interpreter (small: numpy cost grows with tile size), with
     ``FUSION_CONV_AUTOTUNE=0``, and for problems too small to be worth a tile search."""
     if _INTERPRET:  # NOTE: per-op overhead dominates there: few, large programs run fastest
-        return _fit([(64, 16, 16, 4 if kind == "dgrad" else 8, 4, 1)], ci_g, co_g, kpn)[0]
-    return _fit(_DGRAD_TILES if kind == "dgrad" else _WGRAD_TILES, ci_g, co_g, kpn)[0]
+        return fit_tiles([(64, 16, 16, 4 if kind == "dgrad" else 8, 4, 1)], ci_g, co_g, kpn)[0]
+    return fit_tiles(DGRAD_TILES if kind == "dgrad" else WGRAD_TILES, ci_g, co_g, kpn)[0]
 
 
 def _use_autotune(macs: int) -> bool:
@@ -411,7 +411,7 @@ def _tile_meta(tile: tuple[int, ...]) -> dict:
 
 class _KernelLaunch(AutotunedLaunch):
     """One kernel launch of a backward plan: an ``AutotunedLaunch`` of ``raw`` over ``grid(meta)``
-    with ``tile`` (a ``_DGRAD_TILES`` / ``_WGRAD_TILES`` entry) through ``FastLaunch``, or, with
+    with ``tile`` (a ``DGRAD_TILES`` / ``WGRAD_TILES`` entry) through ``FastLaunch``, or, with
     ``tile`` None, the autotuned kernel on the first call and its pick through ``FastLaunch`` after.
 
     WHY: Triton's generic launch costs 20-90 us of host time per call on the GPU hosts, and a
@@ -438,7 +438,7 @@ def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor,
     m_total = x.shape[0] * math.prod(geo.in_size)
     kpn = geo.window_volume
     macs = m_total * geo.ci_g * geo.co_g * kpn * geo.n_shifts
-    tile = None if _use_autotune(macs) else _heuristic_tile("dgrad", geo.ci_g, geo.co_g, kpn)
+    tile = None if _use_autotune(macs) else heuristic_tile("dgrad", geo.ci_g, geo.co_g, kpn)
     table = _dgrad_table(geo, x.device)
 
     def grid(meta):
@@ -478,10 +478,10 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
     ns = geo.n_shifts
     slots = next_pow2(ns)
     macs = m_total * slots * geo.ci_g * kpn * geo.co_g
-    tile = None if _use_autotune(macs) else _heuristic_tile("wgrad", geo.ci_g, geo.co_g, kpn)
+    tile = None if _use_autotune(macs) else heuristic_tile("wgrad", geo.ci_g, geo.co_g, kpn)
     # Splits of the unit rows: about two waves of programs, each reducing >= MIN_ROWS rows.  The
     # split count depends on the shape only (the partials buffer is sized before tuning).
-    ref = tile or _fit(_WGRAD_TILES, geo.ci_g, geo.co_g, kpn)[0]
+    ref = tile or fit_tiles(WGRAD_TILES, geo.ci_g, geo.co_g, kpn)[0]
     tiles_est = geo.groups * cdiv(geo.ci_g, ref[1]) * cdiv(geo.co_g, ref[2]) * cdiv(kpn, ref[3])
     min_rows, align = (32, 16) if _INTERPRET else (2048, 256)
     splits = max(
@@ -497,7 +497,7 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
     # CARRY: BLOCK_M is a power of 2, what holds for the largest candidate holds for every one.
     # LINE_DIV: the largest power of 2 dividing the pooled width and the split length (a tile's
     # BLOCK_M divides both iff it divides LINE_DIV: the kernel decides per tile).
-    max_bm = max(t[0] for t in ([tile] if tile else _fit(_WGRAD_TILES, geo.ci_g, geo.co_g, kpn)))
+    max_bm = max(t[0] for t in ([tile] if tile else fit_tiles(WGRAD_TILES, geo.ci_g, geo.co_g, kpn)))
     constexprs = dict(
         SD=geo.stride[0], SH=geo.stride[1], SW=geo.stride[2],
         UPD=geo.pool_padding[0], UPH=geo.pool_padding[1], UPW=geo.pool_padding[2],

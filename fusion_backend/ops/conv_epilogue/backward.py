@@ -32,7 +32,7 @@ def plan_for(
 ) -> tuple[Any, bool]:  # fmt: skip
     """``(plan, settled)`` as ``forward.plan_for``: the Triton backward (``_TritonBackward``) or the
     library one (``_LibraryBackward``), as ``FUSION_CONV_IMPL`` says; under ``auto`` the fastest of
-    ``_backward_candidates`` (the library one in the tensors' layout or in channels-last, the
+    ``backward_candidates`` (the library one in the tensors' layout or in channels-last, the
     Triton one), measured once per shape (``impl_choice``; the library path when measuring is
     off).  Cases the Triton backward cannot serve (an avg pool) take the library one under
     ``triton``.  ``plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner)``."""
@@ -42,12 +42,12 @@ def plan_for(
     if mode == "library" or (mode == "auto" and x.device.type != "cuda"):
         return _LibraryBackward(*args, cfg, mask), True  # auto on CPU: the interpreter is slow (tests force "triton")
     if mode != "auto":
-        why = _triton_backward_unsupported(x, weight, saved_y0, saved_winner, cfg)
+        why = triton_backward_unsupported(x, weight, saved_y0, saved_winner, cfg)
         if why is not None:
             common.logger.debug("conv_epilogue backward: library path (%s)", why)
             return _LibraryBackward(*args, cfg, mask), True
         return _TritonBackward(*args, cfg, mask), True
-    plans = _backward_candidates(*args, cfg, mask)
+    plans = backward_candidates(*args, cfg, mask)
     if len(plans) == 1:
         return plans["library"], True
     fast_key = ("backward", tensor_key(x), tensor_key(weight), bias is None, cfg, tuple(mask),
@@ -63,7 +63,7 @@ def plan_for(
     return plans[impl], impl_choice.is_final(fast_key)
 
 
-def _backward_candidates(
+def backward_candidates(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
     saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
 ) -> dict[str, Any]:  # fmt: skip
@@ -72,12 +72,12 @@ def _backward_candidates(
     saved state are not channels-last already and cuDNN has channels-last kernels."""
     args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
     plans: dict[str, Any] = {"library": _LibraryBackward(*args, cfg, mask)}
-    why = _triton_backward_never_wins(cfg) or _triton_backward_unsupported(x, weight, saved_y0, saved_winner, cfg)
+    why = triton_backward_never_wins(cfg) or triton_backward_unsupported(x, weight, saved_y0, saved_winner, cfg)
     if why is None:
         plans["triton"] = _TritonBackward(*args, cfg, mask)
     else:
         common.logger.debug("conv_epilogue backward: no Triton backward (%s)", why)
-    why = _channels_last_backward_unsupported(x, saved_y0)
+    why = channels_last_backward_unsupported(x, saved_y0)
     if why is None:
         plans["library-channels-last"] = _LibraryBackward(*args, cfg, mask, channels_last=True)
     else:
@@ -199,7 +199,7 @@ class _LibraryBackward:
         return [grad_x, grad_w, grad_bias.to(bias.dtype) if self.want_bias else None, *grad_operands]
 
 
-def _channels_last_backward_unsupported(x: Tensor, saved_y0: Tensor) -> str | None:
+def channels_last_backward_unsupported(x: Tensor, saved_y0: Tensor) -> str | None:
     """Why the library backward has no channels-last variant worth measuring here, or None."""
     if x.dim() not in (4, 5):
         return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
@@ -211,7 +211,7 @@ def _channels_last_backward_unsupported(x: Tensor, saved_y0: Tensor) -> str | No
     return None
 
 
-def _triton_backward_never_wins(cfg: ConvEpilogueConfig) -> str | None:
+def triton_backward_never_wins(cfg: ConvEpilogueConfig) -> str | None:
     """Why ``auto`` does not time the Triton backward here (None: it may win).
 
     NOTE: measured on the H100 (``python -m fusion_backend bench --suite seeds`` and six ``convnets``
@@ -229,7 +229,7 @@ def _triton_backward_never_wins(cfg: ConvEpilogueConfig) -> str | None:
             "does not time it here")
 
 
-def _triton_backward_unsupported(
+def triton_backward_unsupported(
     x: Tensor, weight: Tensor, saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig
 ) -> str | None:
     """None when ``_TritonBackward`` serves the case, else why not."""
@@ -274,7 +274,7 @@ class _TritonBackward:
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig,
                  mask: Sequence[bool]) -> None:  # fmt: skip
         kernels = common.epilogue_kernels()
-        self.pool = cfg.pool  # not None: a max pool (``_triton_backward_unsupported``)
+        self.pool = cfg.pool  # not None: a max pool (``triton_backward_unsupported``)
         #: the gradient at the winners (or the dense conv-output gradient) is laid out like saved_y0
         self.g_layout = (tuple(saved_y0.shape), saved_y0.stride(), saved_y0.dtype)
         channels = saved_y0.shape[1]

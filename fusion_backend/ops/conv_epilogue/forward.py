@@ -50,7 +50,7 @@ def conv_impl_mode() -> str:
 
 def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) -> tuple[str, str | None]:
     """Which conv the Triton forward runs: ``("triton", None)`` for the fused implicit-GEMM kernel
-    (``_forward_kernels``: ``kernels.conv_dense`` or ``kernels.conv_fused``), ``("library", why)``
+    (``forward_kernels``: ``kernels.conv_dense`` or ``kernels.conv_fused``), ``("library", why)``
     for aten/cuDNN + the epilogue kernel.
 
     ``FUSION_CONV_IMPL`` (read at call time; ``auto`` by default): ``library`` always takes the
@@ -75,7 +75,7 @@ def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save:
     """``conv_impl``'s answer for ``auto``/``triton`` (see there)."""
     from ...kernels import conv_fused
 
-    if _forward_kernels(x, weight, cfg) is not conv_fused:
+    if forward_kernels(x, weight, cfg) is not conv_fused:
         return "triton", None
     pooled = None
     if cfg.pool is not None:
@@ -96,7 +96,7 @@ def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save:
     return "library", why
 
 
-def _forward_kernels(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> ModuleType:
+def forward_kernels(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> ModuleType:
     """The fused forward's kernel module: ``kernels.conv_dense`` where it serves the case (a plain
     stride-1 1d/2d conv without a pool: one shift per tap over flattened planes, 2.3x faster than
     ``conv_fused`` on Conv2d 64->64 k3 over 64x64x256x256), else the general ``kernels.conv_fused``.
@@ -160,7 +160,7 @@ class _FusedForward:
         self.save_y0 = save
         self.save_winner = save and cfg.pool is not None and cfg.pool.kind == "max"
         out, saved_y0, saved_winner = outputs
-        self.launch = _forward_kernels(x, weight, cfg).forward_launch(
+        self.launch = forward_kernels(x, weight, cfg).forward_launch(
             x, weight, bias, steps, cfg.conv, cfg.pool,
             out, saved_y0 if self.save_y0 else None, saved_winner if self.save_winner else None,
             allow_tf32=bool(torch.backends.cudnn.allow_tf32), compute_dtype=dtype,
@@ -247,7 +247,7 @@ def plan_for(
 ) -> tuple[Any, bool]:  # fmt: skip
     """``(plan, settled)``: the fused conv kernel's plan (``_FusedForward``) or the library conv +
     epilogue kernel (``_LibraryForward``), as ``conv_impl`` says; under ``FUSION_CONV_IMPL=auto``
-    the fastest of ``_forward_candidates`` (the fused kernel where it serves the case, the library
+    the fastest of ``forward_candidates`` (the fused kernel where it serves the case, the library
     conv in x's layout and in channels-last), measured once per shape (``impl_choice``; the
     library path in x's layout when measuring is off, and without measuring where only the library
     conv serves and the timer has no CUDA device: ``_times_library_layouts``).  ``settled``: the
@@ -259,7 +259,7 @@ def plan_for(
         if impl == "triton":
             return _FusedForward(x, weight, bias, operands, cfg, save), True
         return _LibraryForward(x, weight, bias, operands, cfg, save), True
-    plans = _forward_candidates(x, weight, bias, operands, cfg, save, fused=impl == "triton")
+    plans = forward_candidates(x, weight, bias, operands, cfg, save, fused=impl == "triton")
     if len(plans) == 1:
         return plans["library"], True
     fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
@@ -284,19 +284,19 @@ def _times_library_layouts(x: Tensor) -> bool:
     return x.device.type == "cuda"
 
 
-def _forward_candidates(
+def forward_candidates(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
     save: bool, fused: bool,
 ) -> dict[str, Any]:  # fmt: skip
     """The forward plans that can serve this call, by name: ``triton`` (``_FusedForward``) when
     ``fused``; always ``library``; ``library-channels-last`` (``_ChannelsLastLibraryForward``) for
-    2-d and 3-d convs of an x that is not channels-last (``_channels_last_forward_unsupported``)."""
+    2-d and 3-d convs of an x that is not channels-last (``channels_last_forward_unsupported``)."""
     args = (x, weight, bias, operands, cfg, save)
     plans: dict[str, Any] = {}
     if fused:
         plans["triton"] = _FusedForward(*args)
     plans["library"] = _LibraryForward(*args)
-    why = _channels_last_forward_unsupported(x, weight, cfg)
+    why = channels_last_forward_unsupported(x, weight, cfg)
     if why is None:
         plans["library-channels-last"] = _ChannelsLastLibraryForward(*args)
     else:
@@ -427,7 +427,7 @@ class _LibraryForward:
 
 class _ChannelsLastLibraryForward(_LibraryForward):
     """``_LibraryForward`` with the conv on channels-last tensors whatever x's layout, for 2-d and
-    3-d convs of an x that is not channels-last (``_channels_last_forward_unsupported``).
+    3-d convs of an x that is not channels-last (``channels_last_forward_unsupported``).
 
     Per call: x is cast to the compute dtype and relaid into channels-last in one copy, and so is
     the weight where it is not channels-last in the compute dtype already (``kernels.relayout``;
@@ -469,7 +469,7 @@ class _ChannelsLastLibraryForward(_LibraryForward):
         return run_conv(xc, weight, None, self.spec)
 
 
-def _channels_last_forward_unsupported(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> str | None:
+def channels_last_forward_unsupported(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> str | None:
     """Why the library forward has no channels-last variant worth measuring here, or None."""
     if x.dim() not in (4, 5):
         return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"

@@ -150,7 +150,7 @@ def weight_layout(weight: torch.Tensor, spec: ConvSpec) -> Any:
     return WeightLayout(weight, *ints)
 
 
-def _forward_kernels(
+def forward_kernels(
     cfg: ConvGlobalMeanConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     operands: Sequence[torch.Tensor], geo: Geometry,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -239,6 +239,6 @@ def forward_impl(
         config,
         x,
         geo,
-        lambda: _forward_kernels(cfg, x, weight, bias, operands, geo),
+        lambda: forward_kernels(cfg, x, weight, bias, operands, geo),
         lambda: _forward_reference(cfg, x, weight, bias, operands, geo),
     )
