@@ -1,6 +1,6 @@
 """Copy a tensor into another memory format (and dtype) at memory speed: ``relayout(src, dst)``.
 
-WHY: the channels-last library backward (``ops/conv_epilogue._LibraryBackward``) relays x into
+WHY: the channels-last library backward (``ops/conv_epilogue.LibraryBackward``) relays x into
 channels-last and the input gradient back.  torch's strided copy moves the 1 GB tensors of Conv2d
 64->64 on 64x64x256x256 at about 0.65 TB/s on an H100 (1.66 ms per copy, measured with the
 profiler), a fifth of the memory's bandwidth: it walks the destination in order and gathers the

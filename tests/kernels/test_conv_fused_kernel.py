@@ -28,13 +28,11 @@ pytestmark = pytest.mark.usefixtures("exact_fp32")
 
 
 @pytest.fixture(autouse=True)
-def _conv_fused_only(monkeypatch):
+def _conv_fused_only(monkeypatch, fresh_plans):
     """The op's fused forward takes ``conv_fused`` for every case here, the plain stride-1 convs the
     dense kernel would serve included (its wiring: ``tests/ops/test_dense_forward_wiring.py``); no
     plan or launch kept by another test is reused."""
     monkeypatch.setattr(ce.forward, "forward_kernels", lambda x, weight, cfg: conv_fused)
-    monkeypatch.setattr(ce.forward, "PLANS", type(ce.forward.PLANS)(256))
-    monkeypatch.setattr(conv_fused.plan, "_LAUNCHES", type(conv_fused.plan._LAUNCHES)(256))
 
 PK = PointwiseKind
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -450,7 +448,7 @@ def test_full_size_convt3d_and_conv2d_through_the_fused_conv_match_library_path(
 
 
 def test_the_probe_runs_the_autotuner_s_first_tile_and_gives_the_plan_s_results(monkeypatch):
-    """``_FusedForward.probe``: the same plan on the tile the autotuner times first (``impl_choice``
+    """``FusedForward.probe``: the same plan on the tile the autotuner times first (``impl_choice``
     times it to screen the fused kernel before tuning it), with the tuned plan's results."""
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setattr(conv_fused.plan, "_AUTOTUNE_MIN_MACS", 0)
@@ -460,7 +458,7 @@ def test_the_probe_runs_the_autotuner_s_first_tile_and_gives_the_plan_s_results(
     cfg = ConvEpilogueConfig(conv=spec, chain=LEAKY_MUL_LEAKY, pool=_pool("max", 3), strict=True)
     x = torch.randn(2, 4, 3, 4, 4, device=DEVICE)
     w, b, m = torch.randn(4, 6, 3, 3, 3, device=DEVICE), torch.randn(6, device=DEVICE), torch.randn(6, 1, 1, 1, device=DEVICE)
-    plan = ce.forward._FusedForward(x, w, b, [m], cfg, True)
+    plan = ce.forward.FusedForward(x, w, b, [m], cfg, True)
     probe = plan.probe()
     assert probe.launch is not plan.launch and probe.launch.fast is not None
     if torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""The library backward's channels-last variant (``ops/conv_epilogue/backward._LibraryBackward``,
+"""The library backward's channels-last variant (``ops/conv_epilogue/backward.LibraryBackward``,
 ``channels_last=True``): the epilogue kernel writes the conv-output gradient channels-last from an
 NCHW saved state (a transposing tile), x is cast and relaid in one copy, the conv backward runs on
 channels-last tensors, and the gradients come back in the inputs' layouts.

@@ -1,4 +1,4 @@
-"""The library forward's channels-last variant (``ops/conv_epilogue/forward._ChannelsLastLibraryForward``):
+"""The library forward's channels-last variant (``ops/conv_epilogue/forward.ChannelsLastLibraryForward``):
 x cast and relaid into channels-last in one copy, the weight relaid per call, the conv on
 channels-last tensors (cuDNN's fast kernels on Hopper), then the epilogue kernel reading the
 channels-last conv output and writing the outputs (and the saved state) in the fake's layouts
@@ -8,7 +8,7 @@ The variant is one of ``auto``'s measured forward candidates on CUDA; here its p
 directly, so the CPU run (interpreter) checks the same values the GPU run does.  Where both plans
 are given the same conv values (``same_conv``: the conv computed in one layout and handed back in
 the layout its inputs ask for), everything after the conv is the same math and the outputs must be
-bitwise equal to ``_LibraryForward``'s; with the real conv they are checked against the reference.
+bitwise equal to ``LibraryForward``'s; with the real conv they are checked against the reference.
 """
 
 from __future__ import annotations
@@ -102,9 +102,9 @@ def _inputs(case: str, compute_dtype: str | None = None, dtype: torch.dtype = to
 
 
 def _both(x, w, b, ops, cfg, save):
-    """The outputs of ``_LibraryForward`` and of ``_ChannelsLastLibraryForward`` (and the latter plan)."""
-    library = ce.forward._LibraryForward(x, w, b, ops, cfg, save)(x, w, b, ops)
-    plan = ce.forward._ChannelsLastLibraryForward(x, w, b, ops, cfg, save)
+    """The outputs of ``LibraryForward`` and of ``ChannelsLastLibraryForward`` (and the latter plan)."""
+    library = ce.forward.LibraryForward(x, w, b, ops, cfg, save)(x, w, b, ops)
+    plan = ce.forward.ChannelsLastLibraryForward(x, w, b, ops, cfg, save)
     return library, plan(x, w, b, ops), plan
 
 
@@ -139,7 +139,7 @@ def test_channels_last_forward_matches_the_reference(case, interpreted):
     """With the real conv on channels-last tensors: the reference's values within fp32 tolerance,
     the reference's layouts, and its max-pool winners."""
     x, w, b, ops, cfg = _inputs(case)
-    got = ce.forward._ChannelsLastLibraryForward(x, w, b, ops, cfg, True)(x, w, b, ops)
+    got = ce.forward.ChannelsLastLibraryForward(x, w, b, ops, cfg, True)(x, w, b, ops)
     want = ce.reference.forward(x, w, b, ops, cfg, True)
     for i, (g, r) in enumerate(zip(got, want, strict=True)):
         assert (g.shape, g.stride(), g.dtype) == (r.shape, r.stride(), r.dtype), f"output {i}"
@@ -334,7 +334,7 @@ def test_auto_times_three_candidates_where_the_fused_conv_serves(monkeypatch, me
     x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
     plan, settled = ce.forward.plan_for(x, w, b, ops, cfg, False)
     assert timed[0] == ["library", "library-channels-last", "triton (probe)", "triton"]
-    assert isinstance(plan, ce.forward._ChannelsLastLibraryForward) and settled
+    assert isinstance(plan, ce.forward.ChannelsLastLibraryForward) and settled
 
 
 def test_auto_does_not_tune_a_fused_conv_whose_first_tile_is_far_behind(monkeypatch, measured):
@@ -344,7 +344,7 @@ def test_auto_does_not_tune_a_fused_conv_whose_first_tile_is_far_behind(monkeypa
     x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
     plan, settled = ce.forward.plan_for(x, w, b, ops, cfg, False)
     assert timed[0] == ["library", "library-channels-last", "triton (probe)"], "screened: never tuned"
-    assert type(plan) is ce.forward._LibraryForward and settled
+    assert type(plan) is ce.forward.LibraryForward and settled
 
 
 def test_auto_times_both_library_layouts_where_only_the_library_conv_serves(monkeypatch, measured):
@@ -355,11 +355,11 @@ def test_auto_times_both_library_layouts_where_only_the_library_conv_serves(monk
     x, w, b, ops, cfg = _inputs("conv2d-s2-max-pool")
     plan, settled = ce.forward.plan_for(x, w, b, ops, cfg, True)
     assert sorted(timed[0]) == ["library", "library-channels-last"]
-    assert type(plan) is ce.forward._LibraryForward and settled
+    assert type(plan) is ce.forward.LibraryForward and settled
     # a channels-last x has one candidate: nothing to time
     x_cl = x.contiguous(memory_format=torch.channels_last)
     plan, settled = ce.forward.plan_for(x_cl, w, b, ops, cfg, True)
-    assert len(timed) == 1 and type(plan) is ce.forward._LibraryForward and settled
+    assert len(timed) == 1 and type(plan) is ce.forward.LibraryForward and settled
 
 
 def test_library_path_without_timing_when_measuring_is_off_or_on_cpu(monkeypatch, measured):
@@ -369,12 +369,12 @@ def test_library_path_without_timing_when_measuring_is_off_or_on_cpu(monkeypatch
     x, w, b, ops, cfg = _inputs("conv2d-mul-leaky-gelu")
     if DEVICE == "cpu":
         plan, settled = ce.forward.plan_for(x, w, b, ops, cfg, False)
-        assert type(plan) is ce.forward._LibraryForward and settled and not timed
+        assert type(plan) is ce.forward.LibraryForward and settled and not timed
     monkeypatch.setenv(impl_choice.MEASURE_ENV, "0")
     monkeypatch.setattr(ce.forward, "conv_impl", lambda *a: ("library", "the fused conv cannot serve it"))
     monkeypatch.setattr(ce.forward, "_times_library_layouts", lambda x: True)
     plan, settled = ce.forward.plan_for(x, w, b, ops, cfg, False)
-    assert type(plan) is ce.forward._LibraryForward and settled
+    assert type(plan) is ce.forward.LibraryForward and settled
     assert all(not names for names in timed)
 
 
@@ -385,7 +385,7 @@ def test_through_the_op_in_training_and_inference(monkeypatch, interpreted):
     built = []
 
     def forward_plan(x, weight, bias, operands, cfg, save):
-        built.append(ce.forward._ChannelsLastLibraryForward(x, weight, bias, operands, cfg, save))
+        built.append(ce.forward.ChannelsLastLibraryForward(x, weight, bias, operands, cfg, save))
         return built[-1], True
 
     monkeypatch.setattr(ce.forward, "plan_for", forward_plan)

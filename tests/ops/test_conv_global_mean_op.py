@@ -485,7 +485,7 @@ def test_contraction_sums_every_split_and_chunk_deterministically(
     for name, a, c in zip(("out", "tap_sums", "mean"), first, second, strict=True):
         assert torch.equal(a, c), f"{name} differs between two identical runs"
     geo64 = cgm.geometry.geometry_for(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), torch.device("cpu"))
-    expected = cgm.forward._forward_reference(cfg, x, w, b, operands, geo64)
+    expected = cgm.forward.forward_reference(cfg, x, w, b, operands, geo64)
     for name, got, exp in zip(("out", "tap_sums", "mean"), first, expected, strict=True):
         assert_close_scaled(got, exp, 1e-5, name)
 
@@ -531,10 +531,10 @@ def test_channels_last_input_reads_in_place_and_grad_x_keeps_its_layout(
     spec = spec2d(True, groups=2) if nd == 2 else ConvSpec(False, (1, 2, 1), (1, 0, 1), (1, 1, 1), (0, 0, 0), 2)
     size, kernel = ((6, 9), (3, 2)) if nd == 2 else ((3, 5, 4), (2, 3, 2))
     seen: list[bool] = []
-    original = kernels.passes._channels_innermost_meta
-    monkeypatch.setattr(kernels.passes, "_channels_innermost_meta", lambda *a: seen.append(original(*a)) or seen[-1])
-    kernels.passes._plan_set_sums.cache_clear()  # launch plans are cached per shape: make both passes plan anew
-    kernels.passes._plan_broadcast.cache_clear()
+    original = kernels.passes.channels_innermost_meta
+    monkeypatch.setattr(kernels.passes, "channels_innermost_meta", lambda *a: seen.append(original(*a)) or seen[-1])
+    kernels.passes.plan_set_sums.cache_clear()  # launch plans are cached per shape: make both passes plan anew
+    kernels.passes.plan_broadcast.cache_clear()
     affine, shapes = AFFINES["rsub_div"]
     shapes = [tuple(1 if s == 1 else s for s in shape[:1]) + (1,) * nd if shape[0] == "C" else (1,) * (nd + 1)
               for shape in shapes]

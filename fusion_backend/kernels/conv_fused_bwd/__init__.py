@@ -24,7 +24,7 @@ Public launchers (they know only tensors; see each docstring for the exact contr
 * ``conv_input_grad(...)``, ``conv_weight_grad(...)``, ``conv_bias_grad(grad)``: the three parts.
 * ``unsupported_reason(grad, x, weight, ...) -> str | None``: None when the kernels take the case.
 
-How ``conv_epilogue`` uses them (``ops/conv_epilogue/backward.py``, ``_TritonBackward``): with a max
+How ``conv_epilogue`` uses them (``ops/conv_epilogue/backward.py``, ``TritonBackward``): with a max
 pool, ``g_win`` (pooled shape) is the chain's backward evaluated at the winners only (``y0 =
 saved_y0 + bias``) and the gradient goes in as ``PooledGrad(g_win, saved_winner, kernel_size, stride,
 padding, ceil_mode=...)`` (the winner index as saved, int8 or int32, any strides); without a pool the

@@ -515,10 +515,10 @@ _MAX_BLOCK_C = 64
 
 def _channels_innermost(x5: torch.Tensor) -> bool:
     """x5's spatial positions flatten to one stride and channels are unit-stride (channels_last)."""
-    return _channels_innermost_meta(tuple(x5.shape), x5.stride())
+    return channels_innermost_meta(tuple(x5.shape), x5.stride())
 
 
-def _channels_innermost_meta(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+def channels_innermost_meta(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     n, c, d, h, w = shape
     sn, sc, sd, sh, sw = stride
     if c <= 1 or sc != 1:
@@ -539,7 +539,7 @@ def _cl_plan(
     split: int | None, kernel: Any,
 ) -> Launch:
     """Launch of a channels-last kernel (``_set_sums_cl_kernel``, ``_grad_broadcast_cl_kernel``) over a
-    non-empty 5-D ``shape``/``stride`` tensor that ``_channels_innermost_meta`` accepts: grid
+    non-empty 5-D ``shape``/``stride`` tensor that ``channels_innermost_meta`` accepts: grid
     ``(N, cdiv(C, BLOCK_C), SPLIT)``, integer arguments ``(C, H, W, P, p_per_split, stride_n,
     stride_c, stride_p)``; the buffer fields describe the sums' ``(N, SPLIT, J, C)`` partial buffer."""
     n, c, d, h, w = shape
@@ -566,13 +566,13 @@ def _pass_plan(
     when it is empty."""
     if math.prod(shape) == 0:
         return None
-    if _channels_innermost_meta(shape, stride) and sets[0] * sets[1] * sets[2] <= MAX_CL_SETS:
+    if channels_innermost_meta(shape, stride) and sets[0] * sets[1] * sets[2] <= MAX_CL_SETS:
         return _cl_plan(shape, stride, device, sets, split, cl_kernel)
     return _plane_plan(shape, stride, device, sets, split, plane_kernel, **extra)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_set_sums(
+def plan_set_sums(
     shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
     split: int | None,
 ) -> Launch | None:
@@ -590,7 +590,7 @@ def set_sums_partial(
     takes the channels-innermost kernel, everything else the plane kernel.
     """
     _check_launch("set_sums_partial", x5, bits, sets)
-    plan = _plan_set_sums(tuple(x5.shape), x5.stride(), x5.device, tuple(sets), split)
+    plan = plan_set_sums(tuple(x5.shape), x5.stride(), x5.device, tuple(sets), split)
     if plan is None:
         n, c = x5.shape[:2]
         z = torch.zeros((n, c, 1, sets[0] * sets[1] * sets[2]), dtype=torch.float32, device=x5.device)
@@ -601,7 +601,7 @@ def set_sums_partial(
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_broadcast(
+def plan_broadcast(
     shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
     cout_g: int, split: int | None,
 ) -> Launch | None:
@@ -621,7 +621,7 @@ def grad_broadcast(
     """Write grad_x into ``out`` (5-D, any strides; channels-last takes the channels-innermost kernel)
     from ``G`` (``coef``, fp32 (N, C_out)) and the weight: every element written once; returns ``out``."""
     _check_launch("grad_broadcast", out, bits, sets)
-    plan = _plan_broadcast(tuple(out.shape), out.stride(), out.device, tuple(sets), weight.cout_g, split)
+    plan = plan_broadcast(tuple(out.shape), out.stride(), out.device, tuple(sets), weight.cout_g, split)
     if plan is None:
         return out
     wdims = (weight.taps, weight.cin_g, weight.cout_g, coef.shape[1], weight.s_co, weight.s_ci, weight.s_t, weight.off_g)

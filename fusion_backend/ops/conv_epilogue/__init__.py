@@ -55,7 +55,7 @@ Implementations:
     variant among ``auto``'s measured candidates for 2-d/3-d convs of NCHW-style tensors: the
     conv (or conv backward) runs on channels-last copies, where cuDNN's fast Hopper kernels are,
     and the epilogue kernels transpose between the layouts in their tiles
-    (``_ChannelsLastLibraryForward``, ``_LibraryBackward(channels_last=True)``).
+    (``ChannelsLastLibraryForward``, ``LibraryBackward(channels_last=True)``).
   - fused (``triton``, or ``auto`` where measured faster): one implicit-GEMM Triton kernel computes
     the conv and applies bias, chain and pool in registers (``kernels.conv_dense`` for the plain
     stride-1 1d/2d convs it serves, e.g. Conv2d 64->64 k3; ``kernels.conv_fused`` otherwise); the

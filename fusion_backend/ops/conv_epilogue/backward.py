@@ -30,8 +30,8 @@ def plan_for(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
     saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
 ) -> tuple[Any, bool]:  # fmt: skip
-    """``(plan, settled)`` as ``forward.plan_for``: the Triton backward (``_TritonBackward``) or the
-    library one (``_LibraryBackward``), as ``FUSION_CONV_IMPL`` says; under ``auto`` the fastest of
+    """``(plan, settled)`` as ``forward.plan_for``: the Triton backward (``TritonBackward``) or the
+    library one (``LibraryBackward``), as ``FUSION_CONV_IMPL`` says; under ``auto`` the fastest of
     ``backward_candidates`` (the library one in the tensors' layout or in channels-last, the
     Triton one), measured once per shape (``impl_choice``; the library path when measuring is
     off).  Cases the Triton backward cannot serve (an avg pool) take the library one under
@@ -40,13 +40,13 @@ def plan_for(
     args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
     mode = conv_impl_mode()
     if mode == "library" or (mode == "auto" and x.device.type != "cuda"):
-        return _LibraryBackward(*args, cfg, mask), True  # auto on CPU: the interpreter is slow (tests force "triton")
+        return LibraryBackward(*args, cfg, mask), True  # auto on CPU: the interpreter is slow (tests force "triton")
     if mode != "auto":
         why = triton_backward_unsupported(x, weight, saved_y0, saved_winner, cfg)
         if why is not None:
             common.logger.debug("conv_epilogue backward: library path (%s)", why)
-            return _LibraryBackward(*args, cfg, mask), True
-        return _TritonBackward(*args, cfg, mask), True
+            return LibraryBackward(*args, cfg, mask), True
+        return TritonBackward(*args, cfg, mask), True
     plans = backward_candidates(*args, cfg, mask)
     if len(plans) == 1:
         return plans["library"], True
@@ -68,18 +68,18 @@ def backward_candidates(
     saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
 ) -> dict[str, Any]:  # fmt: skip
     """The backward plans that can serve this call, by name: always ``library``; ``triton``
-    (``_TritonBackward``) where it serves the case; ``library-channels-last`` where x and the
+    (``TritonBackward``) where it serves the case; ``library-channels-last`` where x and the
     saved state are not channels-last already and cuDNN has channels-last kernels."""
     args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
-    plans: dict[str, Any] = {"library": _LibraryBackward(*args, cfg, mask)}
+    plans: dict[str, Any] = {"library": LibraryBackward(*args, cfg, mask)}
     why = triton_backward_never_wins(cfg) or triton_backward_unsupported(x, weight, saved_y0, saved_winner, cfg)
     if why is None:
-        plans["triton"] = _TritonBackward(*args, cfg, mask)
+        plans["triton"] = TritonBackward(*args, cfg, mask)
     else:
         common.logger.debug("conv_epilogue backward: no Triton backward (%s)", why)
     why = channels_last_backward_unsupported(x, saved_y0)
     if why is None:
-        plans["library-channels-last"] = _LibraryBackward(*args, cfg, mask, channels_last=True)
+        plans["library-channels-last"] = LibraryBackward(*args, cfg, mask, channels_last=True)
     else:
         common.logger.debug("conv_epilogue backward: no channels-last library backward (%s)", why)
     return plans
@@ -134,8 +134,8 @@ def _sum_operand_grads(
     return grads
 
 
-class _LibraryBackward:
-    """The library path's backward for one call signature (see ``_TritonBackward`` for the plan
+class LibraryBackward:
+    """The library path's backward for one call signature (see ``TritonBackward`` for the plan
     contract): one Triton kernel writes the full-size conv-output gradient and the per-channel
     operand/bias sums (``kernels.epilogue.BackwardLaunch``, worked out once with the operand matrix
     layout and the operand-gradient recipe), then ``aten.convolution_backward`` for x and weight (on
@@ -232,7 +232,7 @@ def triton_backward_never_wins(cfg: ConvEpilogueConfig) -> str | None:
 def triton_backward_unsupported(
     x: Tensor, weight: Tensor, saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig
 ) -> str | None:
-    """None when ``_TritonBackward`` serves the case, else why not."""
+    """None when ``TritonBackward`` serves the case, else why not."""
     if cfg.pool is not None and cfg.pool.kind != "max":
         return "an avg pool's conv-output gradient needs the full-size chain derivative (library backward)"
     if x.device.type != "cuda" and not environment.cpu_kernels_triton():
@@ -255,7 +255,7 @@ def _pooled_grad(g_win: Tensor, winner: Tensor, pool: PoolSpec) -> Any:  # conv_
     )
 
 
-class _TritonBackward:
+class TritonBackward:
     """The conv backward never materializes the full-size gradient behind a max pool.
 
     The chain is differentiated at the winners only (the epilogue backward kernel without a pool,
@@ -265,7 +265,7 @@ class _TritonBackward:
     conv-output gradient is written as in the library path and the same Triton conv backward
     consumes it.
 
-    A plan for one call signature (see ``_FusedForward``): built from a call's arguments, called
+    A plan for one call signature (see ``FusedForward``): built from a call's arguments, called
     as ``(grad_out, x, weight, bias, operands, saved_y0, saved_winner) -> [gx, gw, gb, *g_operands]``
     (None where the mask is off) with tensors laid out like them.
     """

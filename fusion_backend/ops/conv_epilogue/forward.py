@@ -140,7 +140,7 @@ def _library_conv_meta_uncached(x: Tensor, weight: Tensor, spec: ConvSpec, dtype
     return torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
 
 
-class _FusedForward:
+class FusedForward:
     """The fused conv kernel's forward for one call signature: the output layouts, the operand
     matrix layout and the kernel's launch plan are worked out once; a call allocates the outputs,
     builds ``P`` and launches (``(x, weight, bias, operands) -> (out, saved_y0, saved_winner)``, tensors
@@ -167,7 +167,7 @@ class _FusedForward:
         )  # fmt: skip
         self.params = PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
 
-    def probe(self) -> "_FusedForward":
+    def probe(self) -> "FusedForward":
         """This plan on the tile its autotuner would time first, without tuning (one compile): what
         ``impl_choice`` times to screen the fused kernel before tuning it."""
         probe = copy.copy(self)
@@ -223,8 +223,8 @@ def _fused_conv_forward(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
     save: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """One Triton kernel for conv + bias + chain + pool (``_FusedForward``, unplanned)."""
-    return _FusedForward(x, weight, bias, operands, cfg, save)(x, weight, bias, operands)
+    """One Triton kernel for conv + bias + chain + pool (``FusedForward``, unplanned)."""
+    return FusedForward(x, weight, bias, operands, cfg, save)(x, weight, bias, operands)
 
 
 #: Settled per-signature forward call plans, keyed by ``call_signature``.
@@ -245,8 +245,8 @@ def plan_for(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
     save: bool,
 ) -> tuple[Any, bool]:  # fmt: skip
-    """``(plan, settled)``: the fused conv kernel's plan (``_FusedForward``) or the library conv +
-    epilogue kernel (``_LibraryForward``), as ``conv_impl`` says; under ``FUSION_CONV_IMPL=auto``
+    """``(plan, settled)``: the fused conv kernel's plan (``FusedForward``) or the library conv +
+    epilogue kernel (``LibraryForward``), as ``conv_impl`` says; under ``FUSION_CONV_IMPL=auto``
     the fastest of ``forward_candidates`` (the fused kernel where it serves the case, the library
     conv in x's layout and in channels-last), measured once per shape (``impl_choice``; the
     library path in x's layout when measuring is off, and without measuring where only the library
@@ -257,8 +257,8 @@ def plan_for(
     impl = conv_impl(x, weight, cfg, save)[0]
     if mode != "auto" or (impl == "library" and not _times_library_layouts(x)):
         if impl == "triton":
-            return _FusedForward(x, weight, bias, operands, cfg, save), True
-        return _LibraryForward(x, weight, bias, operands, cfg, save), True
+            return FusedForward(x, weight, bias, operands, cfg, save), True
+        return LibraryForward(x, weight, bias, operands, cfg, save), True
     plans = forward_candidates(x, weight, bias, operands, cfg, save, fused=impl == "triton")
     if len(plans) == 1:
         return plans["library"], True
@@ -288,17 +288,17 @@ def forward_candidates(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
     save: bool, fused: bool,
 ) -> dict[str, Any]:  # fmt: skip
-    """The forward plans that can serve this call, by name: ``triton`` (``_FusedForward``) when
-    ``fused``; always ``library``; ``library-channels-last`` (``_ChannelsLastLibraryForward``) for
+    """The forward plans that can serve this call, by name: ``triton`` (``FusedForward``) when
+    ``fused``; always ``library``; ``library-channels-last`` (``ChannelsLastLibraryForward``) for
     2-d and 3-d convs of an x that is not channels-last (``channels_last_forward_unsupported``)."""
     args = (x, weight, bias, operands, cfg, save)
     plans: dict[str, Any] = {}
     if fused:
-        plans["triton"] = _FusedForward(*args)
-    plans["library"] = _LibraryForward(*args)
+        plans["triton"] = FusedForward(*args)
+    plans["library"] = LibraryForward(*args)
     why = channels_last_forward_unsupported(x, weight, cfg)
     if why is None:
-        plans["library-channels-last"] = _ChannelsLastLibraryForward(*args)
+        plans["library-channels-last"] = ChannelsLastLibraryForward(*args)
     else:
         logger.debug("conv_epilogue forward: no channels-last library forward (%s)", why)
     return plans
@@ -340,8 +340,8 @@ def choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvEpilogue
     )
 
 
-class _LibraryForward:
-    """The library path's forward for one call signature (see ``_FusedForward``): aten's conv
+class LibraryForward:
+    """The library path's forward for one call signature (see ``FusedForward``): aten's conv
     without bias, then one Triton kernel for bias + chain + pool (+ max-pool winners).  The conv
     output's layout (``_library_conv_meta``, the fake's rule), the outputs' layouts, the operand
     matrix layout and the epilogue kernel's launch (``kernels.epilogue.ForwardLaunch``) are worked
@@ -350,7 +350,7 @@ class _LibraryForward:
     WHY a plan object: on small convs (Conv2d 3->16 k3 on 128 x 3 x 32 x 32) the step is host time,
     and the per-call checks, key building and Triton's generic launch were most of it.
 
-    ``_ChannelsLastLibraryForward`` is the same plan with the conv in channels-last: it sets
+    ``ChannelsLastLibraryForward`` is the same plan with the conv in channels-last: it sets
     ``conv_format`` and overrides ``_conv_output``; everything after the conv is shared here.
     """
 
@@ -407,7 +407,7 @@ class _LibraryForward:
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         y0 = self._conv_output(x, weight)
         launch = self.launches.get(y0.stride())
-        if launch is None:  # a layout the plan did not expect (``_ChannelsLastLibraryForward`` only)
+        if launch is None:  # a layout the plan did not expect (``ChannelsLastLibraryForward`` only)
             launch = self.launches[y0.stride()] = self._plan_launch(y0)
         out, saved_y0, saved_winner = (
             y0 if i == 1 and self.saved_is_y0 else torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
@@ -425,8 +425,8 @@ class _LibraryForward:
         return out, saved_y0, saved_winner
 
 
-class _ChannelsLastLibraryForward(_LibraryForward):
-    """``_LibraryForward`` with the conv on channels-last tensors whatever x's layout, for 2-d and
+class ChannelsLastLibraryForward(LibraryForward):
+    """``LibraryForward`` with the conv on channels-last tensors whatever x's layout, for 2-d and
     3-d convs of an x that is not channels-last (``channels_last_forward_unsupported``).
 
     Per call: x is cast to the compute dtype and relaid into channels-last in one copy, and so is

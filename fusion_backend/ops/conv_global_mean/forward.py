@@ -186,7 +186,7 @@ def forward_kernels(
     return out, taps, mean
 
 
-def _forward_reference(
+def forward_reference(
     cfg: ConvGlobalMeanConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     operands: Sequence[torch.Tensor], geo: Geometry,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -240,5 +240,5 @@ def forward_impl(
         x,
         geo,
         lambda: forward_kernels(cfg, x, weight, bias, operands, geo),
-        lambda: _forward_reference(cfg, x, weight, bias, operands, geo),
+        lambda: forward_reference(cfg, x, weight, bias, operands, geo),
     )
