@@ -329,6 +329,24 @@ def test_the_fused_first_call_overlaps_inductors_compile_in_the_callers_grad_mod
         torch.testing.assert_close(out, model(x))
 
 
+def test_under_cuda_graphs_the_gpu_time_alone_decides(cache):
+    """A replay does the host's work for every kernel at once, so a fused op that loses per call
+    (its host path is longer) but wins on the GPU is kept under ``mode="reduce-overhead"``, and the
+    same cached times leave it to Inductor without CUDA graphs."""
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    timer = FakeTimer(decision.RoundTimes([1.5], [1.0]), decision.RoundTimes([1.0], [2.0]))
+    with decision.timing_override(timer, measure_on=("cpu",)), collect_reports() as reports:
+        torch.compile(model, backend="fusion")(x)
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="fusion", mode="reduce-overhead")(x)
+    torch._dynamo.reset()
+    plain, graphs = (r.decisions[0] for r in reports)
+    assert (plain.fused, plain.rule) == (False, "Inductor is faster per call")
+    assert (graphs.fused, graphs.rule, graphs.cached) == (True, "fused is faster on the GPU (CUDA graphs)", True)
+    assert timer.calls == 1
+    torch.testing.assert_close(out, model(x))
+
+
 def test_under_cuda_graphs_a_kept_region_runs_once_at_compile_time(cache, monkeypatch):
     """With a CUDA-graph mode, a region kept without having run in this process (``fuse``, or a
     cached decision) runs once while compiling, so the fused ops' cached device tensors are made
