@@ -13,15 +13,16 @@ where the host was slow, 0.85x over the run (``python -m fusion_backend bench --
 demos/convnets/conv2d_256_k3_relu_maxpool.py --mode train --backends eager,inductor,fusion,inductor:default``,
 H100): a fused op whose host path is the longer one loses whenever the host is the bottleneck.
 Under CUDA graphs (``mode="reduce-overhead"``), where a replay does the host's work for all the
-kernels at once, the GPU time alone decides: fused where it wins on the GPU by the margin.  The two are timed in alternating rounds, and what is
-compared with the margin is, for each time, the median over the rounds of each round's ratio
-(Inductor's time over the fused op's).  WHY: a
-host-bound region's speed drifts between rounds (two copies of the same compiled code measured 4%
-apart in one process on the H100), and each one's best round may come from a different, quieter
-moment; side-by-side rounds cancel the drift, and the median ignores a round disturbed for one of
-them.  The best-round comparison kept regions that the benchmark then measured slower (decisions
-of 1.08-1.10x for steps measured at 0.60-0.92x, ``docs/perf/RESULTS.md``, convnets).  With gradients flowing, forward + backward is timed; without, the forward.  The timed
-region includes the cheap ops that consume its result (``region_timing.with_consumers``), which
+kernels at once, the GPU time alone decides: fused where it wins on the GPU by the margin.
+
+The two candidates are timed in alternating rounds, and what is compared with the margin is, for
+each time, the median over the rounds of each round's ratio (Inductor's time over the fused op's).
+WHY: a host-bound region's speed drifts between rounds (two copies of the same compiled code
+measured 4% apart in one process on the H100), and each one's best round may come from a
+different, quieter moment; side-by-side rounds cancel the drift, and the median ignores a round
+disturbed for one of them (the best-round comparison kept regions that the benchmark then measured
+at 0.60-0.92x with decisions of 1.08-1.10x).  With gradients flowing, forward + backward is timed;
+without, the forward.  The timed region includes the cheap ops that consume its result (``region_timing.with_consumers``), which
 Inductor would fuse with the region's last op: both candidates run them as the compiled graph will.
 
 Policies (option ``decide``, environment ``FUSION_DECIDE``; parsed in ``options.py``):
