@@ -121,7 +121,8 @@ class ConvEpiloguePattern(Pattern):
                 stop = self._pool(ctx, op, conv, region, miss)
                 break
             description = op.description if isinstance(op, Opaque) else describe_target(user)
-            stop = miss(user, ReasonKind.UNSUPPORTED_OP, f"`{user.name}` ({description}) is not a fusible pointwise op or pool")
+            why = _not_fused_yet(user, y.dim()) or "is not a fusible pointwise op or pool"
+            stop = miss(user, ReasonKind.UNSUPPORTED_OP, f"`{user.name}` ({description}) {why}")
             break
         if region.pool is None or not chain.closed(region, region.pool.node):
             region.pool = None
@@ -294,6 +295,28 @@ class _ChainValues:
     def outside_users(node: fx.Node) -> str:
         return f"`{node.name}` is read again outside the chain (by " + ", ".join(
             "the graph output" if u.op == "output" else f"`{u.name}`" for u in node.users) + ")"
+
+
+#: Normalizations with statistics per sample (or per group of channels), by function name.
+_SAMPLE_NORMS = {"group_norm": "GroupNorm", "instance_norm": "InstanceNorm", "layer_norm": "LayerNorm"}
+#: Reductions that, over the conv's channels, a channel-reduction epilogue would take.
+_REDUCTIONS = {"softmax", "log_softmax", "min", "max", "amin", "amax", "sum", "mean", "logsumexp"}
+
+
+def _not_fused_yet(node: fx.Node, rank: int) -> Optional[str]:
+    """What a near miss says about a normalization or a reduction over the conv's channels (families
+    the conv epilogue does not take), or None for any other op.  ``rank``: the conv output's rank."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if name in _SAMPLE_NORMS:
+        return f"normalizes by statistics of the conv output ({_SAMPLE_NORMS[name]}), which is not fused yet"
+    if name not in _REDUCTIONS:
+        return None
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    if all(isinstance(d, int) and not isinstance(d, bool) for d in dims) and 1 in {d % rank for d in dims}:
+        article = "an" if name[0] in "aeiou" else "a"
+        return f"reduces over the conv's channels: {article} {name} over dim 1 is not fused yet"
+    return None
 
 
 def _computed_from(anchor: fx.Node) -> set[fx.Node]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from . import CorpusCase
 
@@ -24,6 +25,17 @@ class _ReadsConvTwice(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.join(self.conv(x))
+
+
+class _Then(nn.Module):
+    """``conv`` followed by ``after``, a function of its output."""
+
+    def __init__(self, conv: nn.Module, after) -> None:
+        super().__init__()
+        self.conv, self.after = conv, after
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.after(self.conv(x))
 
 
 class _Swish(nn.Module):
@@ -108,10 +120,17 @@ CASES = [
                                                _x(2, 3, 12, 12)),  # fmt: skip
                near_misses=(("conv_epilogue", "unsupported_op", "batch statistics"),)),
     CorpusCase("group_norm", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.SiLU()), _x(2, 3, 12, 12)),
-               near_misses=(("conv_epilogue", "unsupported_op", "group_norm"),)),
+               near_misses=(("conv_epilogue", "unsupported_op", "group_norm) normalizes by statistics of the conv output"),)),
     CorpusCase("softmax_over_channels", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.Softmax(dim=1)), _x(2, 3, 12, 12)),
-               near_misses=(("conv_epilogue", "unsupported_op", "softmax"),)),
-    CorpusCase("min_over_channels", lambda: (_ChannelMin(), _x(2, 3, 12, 12)), near_misses=(("conv_epilogue", "unsupported_op", "amin"),)),
+               near_misses=(("conv_epilogue", "unsupported_op", "a softmax over dim 1 is not fused yet"),)),
+    CorpusCase("min_over_channels", lambda: (_ChannelMin(), _x(2, 3, 12, 12)), near_misses=(("conv_epilogue", "unsupported_op", "an amin over dim 1"),)),
+    CorpusCase("layer_norm_over_trailing_dims",
+               lambda: (_Then(nn.Conv2d(3, 8, 3), lambda y: F.layer_norm(y, y.shape[-2:])), _x(2, 3, 12, 12)),
+               near_misses=(("conv_epilogue", "unsupported_op", "(LayerNorm), which is not fused yet"),)),
+    CorpusCase("sum_over_space_is_not_a_channel_reduction",
+               lambda: (_Then(nn.Conv2d(3, 8, 3), lambda y: y.sum(dim=-1)), _x(2, 3, 12, 12)),
+               near_misses=(("conv_epilogue", "unsupported_op", "is not a fusible pointwise op or pool"),
+                            ("conv_global_mean", "dimension_mismatch", "not every spatial dim"))),
     CorpusCase("learned_clamp_band", lambda: (_LearnedBand(), _x(2, 3, 12, 12)),
                near_misses=(("conv_epilogue", "unsupported_operand", "requires grad"),)),
     CorpusCase("two_branches_of_the_conv_output",

@@ -55,5 +55,5 @@ CASES = [
                regions=("conv_transpose2d -> global_mean",)),
     CorpusCase("mean_over_channels", lambda: (_MeanOverChannels(), _x(2, 3, 10, 10)),
                near_misses=(("conv_global_mean", "dimension_mismatch", "only spatial dims"),
-                             ("conv_epilogue", "unsupported_op", "not a fusible pointwise op"))),
+                             ("conv_epilogue", "unsupported_op", "a mean over dim 1 is not fused yet"))),
 ]
