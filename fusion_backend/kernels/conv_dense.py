@@ -8,7 +8,7 @@ contract as ``conv_fused.forward_launch`` for that sub-case, plus ``compute_dtyp
 rounded to it in registers, so autocast's casts of ``x`` and ``w`` cost no pass of their own).
 
 Status: ``fusion::conv_epilogue``'s fused forward for the cases it serves (``ops.conv_epilogue.
-_forward_kernels``; ``auto`` still measures it against the library path per shape).  That Conv2d
+forward.forward_kernels``; ``auto`` still measures it against the library path per shape).  That Conv2d
 64->64 case on the H100 (Triton 3.6): the whole fused op 2.56 ms fp32 (TF32) / 1.87 ms bf16, against
 the library op's 3.81 / 2.20 and ``conv_fused``'s 5.86 / 3.55.  cuDNN runs that conv in TF32 too:
 the two outputs are 5e-6 apart (2.5e-4 each from float64).
