@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from ..frontend.canonical import BatchNorm, Conv, Opaque, ParamRef, Pointwise, Pool
-from ..frontend.normalize import describe_target
+from ..frontend.normalize import describe_target, target_name
 from ..match.engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, ChainValue, PointwiseKind, TensorRef
@@ -306,7 +306,7 @@ _REDUCTIONS = {"softmax", "log_softmax", "min", "max", "amin", "amax", "sum", "m
 def _not_fused_yet(node: fx.Node, rank: int) -> Optional[str]:
     """What a near miss says about a normalization or a reduction over the conv's channels (families
     the conv epilogue does not take), or None for any other op.  ``rank``: the conv output's rank."""
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    name = target_name(node)
     if name in _SAMPLE_NORMS:
         return f"normalizes by statistics of the conv output ({_SAMPLE_NORMS[name]}), which is not fused yet"
     if name not in _REDUCTIONS:

@@ -157,6 +157,12 @@ _POINTWISE_MODULES: dict[type, K] = {
 # --------------------------------------------------------------------------------------------
 
 
+def target_name(node: fx.Node) -> str:
+    """The bare name of what a node calls: a method's name, a function's ``__name__`` (``softmax``,
+    ``group_norm``), ``""`` for anything else."""
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+
+
 def describe_target(node: fx.Node) -> str:
     """A readable name of what a node calls (``torch.nn.functional.softmax``, ``.view``, ...)."""
     if node.op == "call_method":

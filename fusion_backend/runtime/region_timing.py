@@ -51,6 +51,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import gpu_timing
+from ..frontend.normalize import target_name
 from ..match.engine import fake_of
 
 #: Timing: rounds per candidate (interleaved), the length one round aims at, the most calls in one.
@@ -170,7 +171,7 @@ def with_consumers(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> list[fx.Node
 def _cheap_consumer(node: fx.Node, max_numel: int) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
-    name = str(node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")).lower()
+    name = target_name(node).lower()
     if not name or name in ("setitem", "item") or any(heavy in name for heavy in _HEAVY_NAMES):
         return False
     in_place = (name.endswith("_") and not name.endswith("__") or name.startswith("__i")
@@ -320,8 +321,7 @@ def time_steps(steps: Mapping[str, Callable[[], None]], *, on_cuda: bool) -> dic
     """Milliseconds per call of each step, per round, per call and on the GPU (see the module
     docstring); ``on_cuda``: the steps run on a CUDA device (else the GPU time is the time per call,
     even where a GPU is present)."""
-    cuda = on_cuda
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     calls: dict[str, int] = {}
     for name, step in steps.items():
         step()
@@ -340,24 +340,23 @@ def time_steps(steps: Mapping[str, Callable[[], None]], *, on_cuda: bool) -> dic
             for _ in range(calls[name]):
                 step()
             sync()
-            wall_ms = (time.perf_counter() - began) * 1e3
-            rounds[name].per_call_ms.append(wall_ms / calls[name])
-            gpu_ms = _gpu_ms(step, calls[name], queue_ms=wall_ms) if cuda else wall_ms
-            rounds[name].gpu_ms.append(gpu_ms / calls[name])
+            per_call_ms = (time.perf_counter() - began) * 1e3 / calls[name]
+            rounds[name].per_call_ms.append(per_call_ms)
+            rounds[name].gpu_ms.append(_gpu_ms(step, calls[name], per_call_ms) if on_cuda else per_call_ms)
     return rounds
 
 
-def _gpu_ms(step: Callable[[], None], calls: int, queue_ms: float) -> float:
-    """Device milliseconds of ``calls`` calls of ``step`` queued behind a spin covering the host's
-    ``queue_ms`` for those calls (measured just before) with room to spare; if the host still
-    outlasted the spin, once more behind a spin twice its enqueueing time, and then that number
-    (an upper bound: the device may have waited on the host)."""
-    torch.cuda.synchronize()
-    cover_ms = 1.25 * queue_ms + 0.5
-    per_call, enqueue_ms = gpu_timing.queued_ms(step, calls, cover_ms)
+def _gpu_ms(step: Callable[[], None], calls: int, per_call_ms: float) -> float:
+    """Device milliseconds per call of ``calls`` calls of ``step`` (the device idle: called right
+    after a synchronisation), queued behind a spin covering the host's time for those calls
+    (``per_call_ms`` each, measured just before) with room to spare; if the host still outlasted
+    the spin, once more behind a spin twice its enqueueing time, and then that number (an upper
+    bound: the device may have waited on the host)."""
+    cover_ms = 1.25 * per_call_ms * calls + 0.5
+    gpu_ms, enqueue_ms = gpu_timing.queued_ms(step, calls, cover_ms)
     if enqueue_ms >= cover_ms:
-        per_call, _ = gpu_timing.queued_ms(step, calls, 2 * enqueue_ms + 0.5)
-    return per_call * calls
+        gpu_ms, _ = gpu_timing.queued_ms(step, calls, 2 * enqueue_ms + 0.5)
+    return gpu_ms
 
 
 def canonical_text(region: ExtractedRegion) -> str:
