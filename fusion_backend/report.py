@@ -95,8 +95,9 @@ class Decision:
     of the timing rounds); ``None`` when the policy decided without timing.  ``speedup``: Inductor's
     time over the fused op's (the median of the rounds' ratios; ``inductor_ms / fused_ms`` when not
     given).  ``fused_gpu_ms`` / ``inductor_gpu_ms`` / ``gpu_speedup``: the same on the GPU, with the
-    host ahead of the device (``runtime/region_timing.py``); ``None`` where not measured.  ``cached``:
-    the times came from the cache."""
+    host ahead of the device (``runtime/region_timing.py``); ``None`` where not measured.
+    ``fused_host_ms`` / ``inductor_host_ms``: the host time per call of each.  ``cached``: the times
+    came from the cache."""
 
     pattern: str
     summary: str
@@ -110,6 +111,8 @@ class Decision:
     fused_gpu_ms: Optional[float] = None
     inductor_gpu_ms: Optional[float] = None
     gpu_speedup: Optional[float] = None
+    fused_host_ms: Optional[float] = None
+    inductor_host_ms: Optional[float] = None
 
     def __str__(self) -> str:
         verdict = "fused" if self.fused else "left to Inductor"
@@ -120,6 +123,8 @@ class Decision:
         gpu = ""
         if self.fused_gpu_ms is not None and self.inductor_gpu_ms is not None and self.gpu_speedup is not None:
             gpu = f"; GPU {self.fused_gpu_ms:.3f} vs {self.inductor_gpu_ms:.3f} ms, {self.gpu_speedup:.2f}x"
+        if self.fused_host_ms is not None and self.inductor_host_ms is not None:
+            gpu += f"; host {self.fused_host_ms:.3f} vs {self.inductor_host_ms:.3f} ms"
         return (f"{verdict}: {self.rule} (fused {self.fused_ms:.3f} ms vs Inductor {self.inductor_ms:.3f} ms, "
                 f"{speedup:.2f}x{gpu}{source})")
 

@@ -26,6 +26,9 @@ take turns, round after round, so the i-th numbers of two steps were measured si
   stream first runs a sleep kernel long enough for the host to queue all of the round's calls, so
   the device runs them back to back and the events around them see no host gaps.  In a network
   that keeps the GPU busy, this is what the region costs.
+- *host*: milliseconds of host time per call, from the same round: how long the host took to queue
+  the calls while the device was busy with the sleep (at most the time per call).  What the region
+  adds to a step whose host is the bottleneck.
 
 WHY both: a host-bound region can win per call and lose on the GPU.  NOTE: the fused global-mean op
 on Conv2d 512->512 3x3 at 32x512x7x7 (``demos/convnets/conv2d_512_k3_global_mean.py``), training,
@@ -33,7 +36,7 @@ fp32, measured 0.93 ms per call against Inductor's 1.13 ms while its kernels ran
 against Inductor's 178 us (``torch.profiler`` on the H100); kept on the per-call time alone, the
 benchmark's step measured 0.90-0.96x Inductor's (``python -m fusion_backend bench --suite
 demos/convnets/conv2d_512_k3_global_mean.py --mode train --backends eager,inductor,fusion,inductor:default``).
-For a region on the CPU the two are the same number.
+For a region on the CPU the three are the same number.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import math
 import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -311,10 +314,12 @@ def compile_apart(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
 
 @dataclass(frozen=True)
 class RoundTimes:
-    """One step's milliseconds per call, one entry per round (see the module docstring)."""
+    """One step's milliseconds per call, one entry per round (see the module docstring).  Without
+    ``host_ms`` (an empty list) the host time is taken to be the time per call (an upper bound)."""
 
     per_call_ms: list[float]
     gpu_ms: list[float]
+    host_ms: list[float] = field(default_factory=list)
 
 
 def time_steps(steps: Mapping[str, Callable[[], None]], *, on_cuda: bool) -> dict[str, RoundTimes]:
@@ -332,7 +337,7 @@ def time_steps(steps: Mapping[str, Callable[[], None]], *, on_cuda: bool) -> dic
         sync()
         once_ms = (time.perf_counter() - began) * 1e3
         calls[name] = max(1, min(MAX_CALLS, math.ceil(ROUND_MS / max(once_ms, 1e-3))))
-    rounds = {name: RoundTimes([], []) for name in steps}
+    rounds = {name: RoundTimes([], [], []) for name in steps}
     for _ in range(ROUNDS):
         for name, step in steps.items():
             sync()
@@ -341,22 +346,25 @@ def time_steps(steps: Mapping[str, Callable[[], None]], *, on_cuda: bool) -> dic
                 step()
             sync()
             per_call_ms = (time.perf_counter() - began) * 1e3 / calls[name]
+            gpu_ms, host_ms = _gpu_and_host_ms(step, calls[name], per_call_ms) if on_cuda else (per_call_ms,) * 2
             rounds[name].per_call_ms.append(per_call_ms)
-            rounds[name].gpu_ms.append(_gpu_ms(step, calls[name], per_call_ms) if on_cuda else per_call_ms)
+            rounds[name].gpu_ms.append(gpu_ms)
+            rounds[name].host_ms.append(host_ms)
     return rounds
 
 
-def _gpu_ms(step: Callable[[], None], calls: int, per_call_ms: float) -> float:
-    """Device milliseconds per call of ``calls`` calls of ``step`` (the device idle: called right
-    after a synchronisation), queued behind a spin covering the host's time for those calls
+def _gpu_and_host_ms(step: Callable[[], None], calls: int, per_call_ms: float) -> tuple[float, float]:
+    """Device and host milliseconds per call of ``calls`` calls of ``step`` (the device idle: called
+    right after a synchronisation), queued behind a spin covering the host's time for those calls
     (``per_call_ms`` each, measured just before) with room to spare; if the host still outlasted
     the spin, once more behind a spin twice its enqueueing time, and then that number (an upper
-    bound: the device may have waited on the host)."""
+    bound: the device may have waited on the host).  The host time is the enqueueing time per call,
+    at most ``per_call_ms`` (a launch queue that filled up makes the host wait on the device)."""
     cover_ms = 1.25 * per_call_ms * calls + 0.5
     gpu_ms, enqueue_ms = gpu_timing.queued_ms(step, calls, cover_ms)
     if enqueue_ms >= cover_ms:
-        gpu_ms, _ = gpu_timing.queued_ms(step, calls, 2 * enqueue_ms + 0.5)
-    return gpu_ms
+        gpu_ms, enqueue_ms = gpu_timing.queued_ms(step, calls, 2 * enqueue_ms + 0.5)
+    return gpu_ms, min(enqueue_ms / calls, per_call_ms)
 
 
 def canonical_text(region: ExtractedRegion) -> str:

@@ -113,8 +113,11 @@ def test_the_real_decision_follows_its_times_and_keeps_parity(tmp_path, monkeypa
     (report,) = reports
     (d,) = report.decisions
     assert d.fused_ms > 0 and d.inductor_ms > 0 and d.fused_gpu_ms > 0 and d.inductor_gpu_ms > 0
-    again = decision.verdict(d.pattern, d.summary, d.anchor, d.fused_ms, d.inductor_ms, decision.DEFAULT_MARGIN,
-                             d.cached, d.speedup, d.fused_gpu_ms, d.inductor_gpu_ms, d.gpu_speedup)
+    assert 0 < d.fused_host_ms <= d.fused_ms and 0 < d.inductor_host_ms <= d.inductor_ms
+    times = {"fused_ms": d.fused_ms, "inductor_ms": d.inductor_ms, "speedup": d.speedup,
+             "fused_gpu_ms": d.fused_gpu_ms, "inductor_gpu_ms": d.inductor_gpu_ms, "gpu_speedup": d.gpu_speedup,
+             "fused_host_ms": d.fused_host_ms, "inductor_host_ms": d.inductor_host_ms}
+    again = decision.verdict(d.pattern, d.summary, d.anchor, times, decision.DEFAULT_MARGIN, d.cached)
     assert d.fused == again.fused and d.fused == (d.rule == "fused is faster")
     assert report.counts() == ({"conv_epilogue": 1} if d.fused else {})
     torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-5)
@@ -122,7 +125,8 @@ def test_the_real_decision_follows_its_times_and_keeps_parity(tmp_path, monkeypa
 
 def test_region_timing_tells_the_gpu_time_of_a_host_bound_step_from_its_time_per_call():
     """A step that spends ~2 ms on the host and ~0.1 ms on the device: per call it takes the host's
-    time, on the GPU the device's; a step that is all device work takes the same time either way."""
+    time, on the GPU the device's, on the host its 2 ms; a step that is all device work takes the
+    same time per call and on the GPU, and next to nothing on the host."""
     import time
 
     from fusion_backend import gpu_timing
@@ -142,3 +146,5 @@ def test_region_timing_tells_the_gpu_time_of_a_host_bound_step_from_its_time_per
     assert len(host.per_call_ms) == len(host.gpu_ms) == region_timing.ROUNDS
     assert min(host.per_call_ms) > 1.9 and max(host.gpu_ms) < 0.3, host
     assert all(1.8 < t < 2.4 for t in device.per_call_ms + device.gpu_ms), device
+    assert all(1.9 < t <= p for t, p in zip(host.host_ms, host.per_call_ms, strict=True)), host
+    assert max(device.host_ms) < 0.5, device

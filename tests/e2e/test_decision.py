@@ -86,7 +86,8 @@ def test_a_faster_fused_op_is_kept(cache):
     report, d = only_decision(reports)
     assert d.fused and d.rule == "fused is faster"
     assert report.counts() == {"conv_epilogue": 1}
-    assert "fused is faster (fused 1.000 ms vs Inductor 1.500 ms, 1.50x; GPU 1.000 vs 1.500 ms, 1.50x)" in str(report)
+    assert ("fused is faster (fused 1.000 ms vs Inductor 1.500 ms, 1.50x; GPU 1.000 vs 1.500 ms, 1.50x; "
+            "host 1.000 vs 1.500 ms)") in str(report)
 
 
 @pytest.mark.parametrize("per_call, gpu, fused, rule", [
@@ -105,6 +106,39 @@ def test_the_rewrite_must_win_per_call_and_not_lose_on_the_gpu(cache, per_call, 
     assert (d.fused, d.rule) == (fused, rule)
     assert (d.fused_ms, d.inductor_ms, d.fused_gpu_ms, d.inductor_gpu_ms) == (*per_call, *gpu)
     assert f"GPU {gpu[0]:.3f} vs {gpu[1]:.3f} ms" in str(d)
+
+
+@pytest.mark.parametrize("fused, inductor, kept", [
+    # host-bound fused op (0.135 ms of host, 0.095 on the GPU) against GPU-bound Inductor code
+    # (0.06 ms of host, 0.178 on the GPU): 1.32x alone, 0.75x with 0.1 ms of caller host time
+    (decision.RoundTimes([0.135], [0.095], [0.135]), decision.RoundTimes([0.178], [0.178], [0.06]), False),
+    # the same GPU times with a cheap host path: it stays ahead in any step
+    (decision.RoundTimes([0.095], [0.095], [0.03]), decision.RoundTimes([0.178], [0.178], [0.06]), True),
+    # both host-bound: the caller's time is added to both, and the fused op keeps its lead
+    (decision.RoundTimes([0.8], [0.4], [0.8]), decision.RoundTimes([1.0], [0.5], [1.0]), True),
+    # a large GPU win whose host path is longer: ahead with any caller's time up to the bound
+    (decision.RoundTimes([0.16], [0.155], [0.12]), decision.RoundTimes([0.78], [0.777], [0.06]), True),
+])
+def test_the_rewrite_must_not_lose_in_a_host_bound_step(cache, fused, inductor, kept):
+    """In the compiled model the code around the region adds host time per call; a fused op that
+    wins alone only because Inductor's code waits on the GPU while its own waits on the host loses
+    that win in such a step."""
+    _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), FakeTimer(fused, inductor), train=False)
+    _, d = only_decision(reports)
+    assert d.fused == kept
+    assert d.speedup >= 1.03 and d.gpu_speedup >= 1 / 1.03, "only the host-bound step decides here"
+    if not kept:
+        assert d.rule == "Inductor is faster in a host-bound step"
+    assert f"host {fused.host_ms[0]:.3f} vs {inductor.host_ms[0]:.3f} ms" in str(d)
+
+
+def test_the_host_bound_step_ratio_is_the_lowest_for_a_callers_time_up_to_the_bound():
+    """With Inductor's code turning host-bound inside the range (its knee), the ratio there is the
+    lowest: the fused op's extra host time is no longer hidden behind Inductor's GPU time."""
+    times = {"fused_host_ms": 0.1, "fused_gpu_ms": 0.05, "inductor_host_ms": 0.02, "inductor_gpu_ms": 0.07}
+    # knee at 0.05: Inductor 0.07 against fused 0.15 (at 0.1: 0.12 against 0.2)
+    assert decision.in_step_speedup(times, caller_host_ms=0.1) == pytest.approx(0.07 / 0.15)
+    assert decision.in_step_speedup(times, caller_host_ms=0.04) == pytest.approx(0.07 / 0.14)
 
 
 @pytest.mark.parametrize("fused, inductor", [(1.0, 1.02), (1.0, 1.0), (1.02, 1.0)])
