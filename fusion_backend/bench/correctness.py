@@ -39,13 +39,21 @@ class TensorCheck:
     name: str
     rel_err: float
     """The relative error against eager (``inf`` for a structural mismatch)."""
-    ok: bool
     problem: str = ""
-    """Why the check failed (empty if ``ok``)."""
+    """Why the check failed; empty when it passed."""
     fp64_err: float | None = None
     """When rule 2 was consulted: this backend's relative error from the float64 result."""
     eager_fp64_err: float | None = None
     """When rule 2 was consulted: eager's relative error from the float64 result."""
+
+    @property
+    def ok(self) -> bool:
+        """Whether the check passed (no ``problem``)."""
+        return not self.problem
+
+    def json_extras(self) -> dict[str, object]:
+        """Derived values written to the JSON report next to the fields."""
+        return {"ok": self.ok}
 
 
 @dataclass(frozen=True)
@@ -126,48 +134,48 @@ def compare_tensor(name: str, actual: torch.Tensor | None, expected: torch.Tenso
                    tolerance: float) -> TensorCheck:
     """Rule 1 for one tensor, plus the structural checks (see the module docstring)."""
     if expected is None and actual is None:
-        return TensorCheck(name, 0.0, True)
+        return TensorCheck(name, 0.0)
     if expected is None or actual is None:
         side = "backend" if actual is None else "reference"
-        return TensorCheck(name, math.inf, False, f"missing on the {side} side")
+        return TensorCheck(name, math.inf, f"missing on the {side} side")
     if actual.shape != expected.shape:
-        return TensorCheck(name, math.inf, False, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+        return TensorCheck(name, math.inf, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}")
     if actual.dtype != expected.dtype:
-        return TensorCheck(name, math.inf, False, f"dtype {actual.dtype} != {expected.dtype}")
+        return TensorCheck(name, math.inf, f"dtype {actual.dtype} != {expected.dtype}")
     a = actual.detach().to(device=expected.device)
     e = expected.detach()
     a_fin, e_fin = torch.isfinite(a), torch.isfinite(e)
     if not torch.equal(a_fin, e_fin):
         count = int((a_fin != e_fin).sum())
-        return TensorCheck(name, math.inf, False, f"non-finite values differ from the reference at {count} "
+        return TensorCheck(name, math.inf, f"non-finite values differ from the reference at {count} "
                            "element(s)")
     if not bool(a_fin.all()):
         a_nan, e_nan = torch.isnan(a), torch.isnan(e)
         if not torch.equal(a_nan, e_nan) or not torch.equal(a[~a_fin & ~a_nan], e[~e_fin & ~e_nan]):
-            return TensorCheck(name, math.inf, False, "inf/nan values differ from the reference")
+            return TensorCheck(name, math.inf, "inf/nan values differ from the reference")
     rel = relative_error(a, e)
     if math.isnan(rel) or rel > tolerance:
-        return TensorCheck(name, rel, False, f"rel err {rel:.1e} > {tolerance:.1e}")
-    return TensorCheck(name, rel, True)
+        return TensorCheck(name, rel, f"rel err {rel:.1e} > {tolerance:.1e}")
+    return TensorCheck(name, rel)
 
 
 def _compare_leaf(name: str, actual: Any, expected: Any, tolerance: float) -> TensorCheck:
     if isinstance(expected, torch.Tensor) or isinstance(actual, torch.Tensor):
         if not (isinstance(actual, torch.Tensor) or actual is None) or not (
                 isinstance(expected, torch.Tensor) or expected is None):
-            return TensorCheck(name, math.inf, False, "tensor on one side only")
+            return TensorCheck(name, math.inf, "tensor on one side only")
         return compare_tensor(name, actual, expected, tolerance)
     if actual is None and expected is None:
-        return TensorCheck(name, 0.0, True)
+        return TensorCheck(name, 0.0)
     if actual != expected:
-        return TensorCheck(name, math.inf, False, f"{actual!r} != reference {expected!r}")
-    return TensorCheck(name, 0.0, True)
+        return TensorCheck(name, math.inf, f"{actual!r} != reference {expected!r}")
+    return TensorCheck(name, 0.0)
 
 
 def _rescue(check: TensorCheck, actual: torch.Tensor, fp64: Fp64Reference, tolerance: float) -> TensorCheck:
     """Rule 2 for a tensor that failed rule 1 numerically."""
     if fp64.error:
-        return TensorCheck(check.name, check.rel_err, False,
+        return TensorCheck(check.name, check.rel_err,
                            f"{check.problem} (float64 check unavailable: {fp64.error})")
     exact = fp64.tensors.get(check.name)
     eager_err = fp64.eager_errors.get(check.name)
@@ -176,8 +184,8 @@ def _rescue(check: TensorCheck, actual: torch.Tensor, fp64: Fp64Reference, toler
     err = relative_error(actual, exact)
     bound = fp64.multiplier * eager_err + tolerance / 10
     if err <= bound:
-        return TensorCheck(check.name, check.rel_err, True, "", err, eager_err)
-    return TensorCheck(check.name, check.rel_err, False,
+        return TensorCheck(check.name, check.rel_err, "", err, eager_err)
+    return TensorCheck(check.name, check.rel_err,
                        f"{check.problem}, and vs float64 {err:.1e} > {fp64.multiplier:g} x eager's "
                        f"{eager_err:.1e} + {tolerance / 10:.0e}", err, eager_err)
 
@@ -191,7 +199,7 @@ def check_against_reference(actual_out: Any, expected_out: Any, tolerance: float
     a_leaves, a_spec = pytree.tree_flatten(actual_out)
     e_leaves, e_spec = pytree.tree_flatten(expected_out)
     if a_spec != e_spec:
-        return CheckResult(tolerance, (TensorCheck("output", math.inf, False,
+        return CheckResult(tolerance, (TensorCheck("output", math.inf,
                                                    f"structure {a_spec} != reference {e_spec}"),))
     actual = named_results(actual_out, actual_grads)
     expected = named_results(expected_out, expected_grads)

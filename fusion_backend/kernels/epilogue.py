@@ -5,14 +5,17 @@ These kernels know only tensors, op codes and pool geometry; the fused op that c
 
 One template per direction serves every chain, every pool and 1d/2d/3d:
 
-* The chain is up to ``MAX_SLOTS`` op-code slots (``OP0..OP7: tl.constexpr``, 0 = empty slot), using
-  the stable codes of ``fusion_backend.ops.chain.PointwiseKind`` (kept as plain integers here).
+* The chain is up to ``MAX_SLOTS`` op-code slots (the constexpr tuple ``OPS``, one code per slot,
+  0 = empty slot), using the stable codes of ``fusion_backend.ops.chain.PointwiseKind`` (kept as
+  plain integers here).
 * Every operand value (conv bias, constants, per-channel or scalar tensors) lives in one small fp32
   matrix ``P`` of shape ``(NUM_PARAM_ROWS, C)`` built by the launchers: row ``BIAS_ROW`` holds the
   bias, rows ``1 + 2*k`` and ``2 + 2*k`` hold the first and second operand of slot ``k``, each
   expanded over the ``C`` output channels.  The kernels load ``P[row, c]``.
 * Tensors are seen as ``(N, C, D, H, W)``: 1d/2d are lifted with leading size-1 spatial dims (and the
-  pool with kernel 1 / stride 1 / padding 0 there), so one kernel serves all ranks.
+  pool with kernel 1 / stride 1 / padding 0 there), so one kernel serves all ranks.  The pool is the
+  constexpr tuple ``POOL_GEOM`` (``_pool_geometry``): ``(window, stride, padding)``, each per
+  (d, h, w), then ``count_include_pad`` and the divisor override (0: none).
 * The chain is computed in fp32 whatever the storage dtype (fp32, fp16 or bf16).
 
 Programs work on a ``[BLOCK_C, BLOCK_S]`` tile: ``BLOCK_C`` channels of one sample by ``BLOCK_S``
@@ -77,19 +80,68 @@ def _program_tile(C, S, num_s_blocks, BLOCK_C: tl.constexpr, BLOCK_S: tl.constex
 
 
 @triton.jit
+def _spatial_coords(s, H, W):
+    """The spatial position ``(d, h, w)`` of flat position ``s`` over spatial sizes ``(*, H, W)``
+    (row-major)."""
+    w = s % W
+    t = s // W
+    h = t % H
+    return t // H, h, w
+
+
+@triton.jit
+def _add_spatial_offset(offset, d, h, w, s_d, s_h, s_w):
+    """``offset`` (int64) plus the element offset of spatial position ``(d, h, w)`` under strides
+    ``(s_d, s_h, s_w)``, computed in int64."""
+    return offset + d.to(tl.int64) * s_d + h.to(tl.int64) * s_h + w.to(tl.int64) * s_w
+
+
+@triton.jit
+def _pool_divisor(od, oh, ow, D, H, W, POOL_GEOM: tl.constexpr):
+    """PyTorch's avg-pool divisor (fp32, ``avg_divisor``) of window ``(od, oh, ow)`` over an input of
+    spatial sizes ``(D, H, W)``; ``POOL_GEOM``: ``(window, stride, padding)``, each per (d, h, w), then
+    ``count_include_pad`` and the divisor override (0: none)."""
+    KD: tl.constexpr = POOL_GEOM[0][0]
+    KH: tl.constexpr = POOL_GEOM[0][1]
+    KW: tl.constexpr = POOL_GEOM[0][2]
+    SD: tl.constexpr = POOL_GEOM[1][0]
+    SH: tl.constexpr = POOL_GEOM[1][1]
+    SW: tl.constexpr = POOL_GEOM[1][2]
+    PD: tl.constexpr = POOL_GEOM[2][0]
+    PH: tl.constexpr = POOL_GEOM[2][1]
+    PW: tl.constexpr = POOL_GEOM[2][2]
+    COUNT_INCLUDE_PAD: tl.constexpr = POOL_GEOM[3]
+    DIVISOR: tl.constexpr = POOL_GEOM[4]
+    return avg_divisor(od, oh, ow, D, H, W, KD, KH, KW, SD, SH, SW, PD, PH, PW, COUNT_INCLUDE_PAD, DIVISOR)
+
+
+@triton.jit
+def store_pooled(out_ptr, win_ptr, win_y_ptr, off, mask, best, win, win_y, total, od, oh, ow, D, H, W,
+                 POOL: tl.constexpr, SAVE: tl.constexpr, POOL_GEOM: tl.constexpr):  # fmt: skip
+    """Store a pool's result at element offsets ``off`` (where ``mask``) of out and, with SAVE, of the
+    winner tensors (out's shape and strides).  Max pool (POOL 1): the maximum ``best``, with SAVE the
+    winner's row-major index ``win`` in its window (``win_ptr``, int8/int32) and the conv output
+    (without bias) there ``win_y`` (``win_y_ptr``).  Avg pool (POOL 2): the window sum ``total``
+    over ``_pool_divisor`` of window ``(od, oh, ow)`` over an input of spatial sizes ``(D, H, W)``
+    with geometry ``POOL_GEOM``.  Every value is converted to its pointer's dtype."""
+    if POOL == 1:
+        tl.store(out_ptr + off, best.to(out_ptr.dtype.element_ty), mask=mask)
+        if SAVE:
+            tl.store(win_ptr + off, win.to(win_ptr.dtype.element_ty), mask=mask)
+            tl.store(win_y_ptr + off, win_y.to(win_y_ptr.dtype.element_ty), mask=mask)
+    else:
+        div = _pool_divisor(od, oh, ow, D, H, W, POOL_GEOM)
+        tl.store(out_ptr + off, (total / div).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _epilogue_fwd_kernel(
     y_ptr, p_ptr, out_ptr, win_ptr, win_y_ptr,
     C, D, H, W, OD, OH, OW, num_s_blocks,
     y_sn, y_sc, y_sd, y_sh, y_sw,
     o_sn, o_sc, o_sd, o_sh, o_sw,
-    OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
-    OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
-    HAS_BIAS: tl.constexpr, POOL: tl.constexpr, SAVE: tl.constexpr,
-    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-    COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    OPS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    POOL: tl.constexpr, POOL_GEOM: tl.constexpr, SAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """out = pool(chain(y + bias)); with a max pool and SAVE, also the winner and its y; without a
     pool and with SAVE, also a copy of y in out's layout.
@@ -106,13 +158,14 @@ def _epilogue_fwd_kernel(
       win_y_ptr (SAVE only) with a max pool: y (without bias) at the winner; without a pool: y
                 (without bias) itself; any float dtype (y's for the saved state), same shape and
                 strides as out.
-    POOL: 0 none, 1 max, 2 avg (SAVE is not used with an avg pool).  Without a pool the spatial
-    dims must flatten for y and out (s_h == W*s_w and s_d == H*s_h where those sizes exceed 1):
-    only ``*_sw`` is used then, so that contiguous rows give vectorised accesses.  Where y and out
-    have different contiguous axes (channels vs positions) each access is coalesced along its own
-    tensor's contiguous axis: Triton lays out the load and the store by their pointers'
-    contiguity and converts between the two register layouts through shared memory, which is
-    the transposing tile (``_tile`` gives it a square shape).
+    OPS: the chain's op codes, one per slot (0 = empty).  POOL: 0 none, 1 max, 2 avg (SAVE is not
+    used with an avg pool); POOL_GEOM: its geometry (module docstring; the identity pool without a
+    pool).  Without a pool the spatial dims must flatten for y and out (s_h == W*s_w and
+    s_d == H*s_h where those sizes exceed 1): only ``*_sw`` is used then, so that contiguous rows
+    give vectorised accesses.  Where y and out have different contiguous axes (channels vs
+    positions) each access is coalesced along its own tensor's contiguous axis: Triton lays out the
+    load and the store by their pointers' contiguity and converts between the two register layouts
+    through shared memory, which is the transposing tile (``_tile`` gives it a square shape).
     Max-pool parity with PyTorch: taps are scanned in row-major order, the first valid tap wins
     initially and a later one replaces it when ``v > best or isnan(v)``; padding never wins.
     """
@@ -122,7 +175,7 @@ def _epilogue_fwd_kernel(
     if HAS_BIAS:  # in the conv's dtype, as the conv adds it (an fp32 bias under autocast is cast)
         bias = tl.load(p_ptr + c, mask=cmask, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
     a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = load_chain_operands(
-        p_ptr, c, C, cmask, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+        p_ptr, c, C, cmask, OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
 
     y_base = y_ptr + n64 * y_sn + c64 * y_sc
     o_off = n64 * o_sn + c64 * o_sc
@@ -132,18 +185,20 @@ def _epilogue_fwd_kernel(
         if HAS_BIAS:
             y = y + bias
         v = chain_forward(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
-                       OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+                       OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
         tl.store(out_ptr + o_off + s64 * o_sw, v.to(out_ptr.dtype.element_ty), mask=mask)
         if SAVE:  # the conv output itself, relaid into out's layout (the saved state)
             tl.store(win_y_ptr + o_off + s64 * o_sw, y_raw.to(win_y_ptr.dtype.element_ty), mask=mask)
     else:
-        ow = s % OW
-        t = s // OW
-        oh = t % OH
-        od = t // OH
-        d0 = od * SD - PD
-        h0 = oh * SH - PH
-        w0 = ow * SW - PW
+        od, oh, ow = _spatial_coords(s, OH, OW)
+        KD: tl.constexpr = POOL_GEOM[0][0]
+        KH: tl.constexpr = POOL_GEOM[0][1]
+        KW: tl.constexpr = POOL_GEOM[0][2]
+        STRIDE: tl.constexpr = POOL_GEOM[1]
+        PAD: tl.constexpr = POOL_GEOM[2]
+        d0 = od * STRIDE[0] - PAD[0]
+        h0 = oh * STRIDE[1] - PAD[1]
+        w0 = ow * STRIDE[2] - PAD[2]
         best = tl.full([BLOCK_C, BLOCK_S], float("-inf"), tl.float32)
         win = tl.full([BLOCK_C, BLOCK_S], -1, tl.int32)
         win_y = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
@@ -157,13 +212,13 @@ def _epilogue_fwd_kernel(
                 for kw in tl.static_range(KW):
                     iw = w0 + kw
                     ok = mask & ok_h & (iw >= 0) & (iw < W)
-                    off = idd.to(tl.int64) * y_sd + ih.to(tl.int64) * y_sh + iw.to(tl.int64) * y_sw
+                    off = _add_spatial_offset(0, idd, ih, iw, y_sd, y_sh, y_sw)
                     y_raw = tl.load(y_base + off, mask=ok, other=1.0).to(tl.float32)
                     y = y_raw
                     if HAS_BIAS:
                         y = y + bias
                     v = chain_forward(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
-                                   OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+                                   OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
                     if POOL == 1:
                         take = ok & ((v > best) | (v != v) | (win < 0))
                         best = tl.where(take, v, best)
@@ -172,16 +227,9 @@ def _epilogue_fwd_kernel(
                             win_y = tl.where(take, y_raw, win_y)
                     else:
                         acc += tl.where(ok, v, 0.0)
-        o_off = o_off + od.to(tl.int64) * o_sd + oh.to(tl.int64) * o_sh + ow.to(tl.int64) * o_sw
-        if POOL == 1:
-            tl.store(out_ptr + o_off, best.to(out_ptr.dtype.element_ty), mask=mask)
-            if SAVE:
-                tl.store(win_ptr + o_off, win.to(win_ptr.dtype.element_ty), mask=mask)
-                tl.store(win_y_ptr + o_off, win_y.to(win_y_ptr.dtype.element_ty), mask=mask)
-        else:
-            div = avg_divisor(od, oh, ow, D, H, W, KD, KH, KW, SD, SH, SW, PD, PH, PW,
-                               COUNT_INCLUDE_PAD, DIVISOR)  # fmt: skip
-            tl.store(out_ptr + o_off, (acc / div).to(out_ptr.dtype.element_ty), mask=mask)
+        o_off = _add_spatial_offset(o_off, od, oh, ow, o_sd, o_sh, o_sw)
+        store_pooled(out_ptr, win_ptr, win_y_ptr, o_off, mask, best, win, win_y, acc, od, oh, ow, D, H, W,
+                     POOL, SAVE, POOL_GEOM)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,14 +245,8 @@ def _epilogue_bwd_kernel(
     y_sn, y_sc, y_sd, y_sh, y_sw,
     gy_sn, gy_sc, gy_sd, gy_sh, gy_sw,
     w_sn, w_sc, w_sd, w_sh, w_sw,
-    OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
-    OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
-    HAS_BIAS: tl.constexpr, POOL: tl.constexpr, GRAD_MASK: tl.constexpr,
-    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-    COUNT_INCLUDE_PAD: tl.constexpr, DIVISOR: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    OPS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    POOL: tl.constexpr, POOL_GEOM: tl.constexpr, GRAD_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """Gradient of the conv output (full size) and per-block partial sums of operand/bias grads.
 
@@ -227,7 +269,8 @@ def _epilogue_bwd_kernel(
       part_ptr  output: fp32 (NUM_GRAD_ROWS, number of programs along id 0, C) contiguous, row
                 stride ``part_row_stride``; row k < MAX_SLOTS holds the sum of d/d(first operand of
                 slot k), row MAX_SLOTS the bias grad (sum of grad y), per program id 0 and channel.
-                Only the rows selected by the GRAD_MASK bits are written.
+                Only the rows selected by the GRAD_MASK bits are written (bit k: row k).
+    OPS, POOL, POOL_GEOM: as in ``_epilogue_fwd_kernel``.
     Without a pool the spatial dims of gout, y and gy must flatten (only ``*_sw`` is used).
     Elements that win no window get exactly 0 (eager gives 0 * chain'(y), which differs only
     where chain'(y) is not finite).
@@ -238,7 +281,7 @@ def _epilogue_bwd_kernel(
     if HAS_BIAS:  # in the conv's dtype (gy's), as the forward added it
         bias = tl.load(p_ptr + c, mask=cmask, other=0.0).to(gy_ptr.dtype.element_ty).to(tl.float32)
     a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = load_chain_operands(
-        p_ptr, c, C, cmask, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+        p_ptr, c, C, cmask, OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
 
     y_off = n64 * y_sn + c64 * y_sc
     gy_off = n64 * gy_sn + c64 * gy_sc
@@ -249,13 +292,12 @@ def _epilogue_bwd_kernel(
         y = tl.load(y_ptr + y_off, mask=mask, other=1.0).to(tl.float32)
         g = tl.load(gout_ptr + n64 * g_sn + c64 * g_sc + s64 * g_sw, mask=mask, other=0.0).to(tl.float32)
     else:
-        w = s % W
-        t = s // W
-        h = t % H
-        d = t // H
-        d64, h64, w64 = d.to(tl.int64), h.to(tl.int64), w.to(tl.int64)
-        y_off = y_off + d64 * y_sd + h64 * y_sh + w64 * y_sw
-        gy_off = gy_off + d64 * gy_sd + h64 * gy_sh + w64 * gy_sw
+        WINDOW: tl.constexpr = POOL_GEOM[0]
+        STRIDE: tl.constexpr = POOL_GEOM[1]
+        PAD: tl.constexpr = POOL_GEOM[2]
+        d, h, w = _spatial_coords(s, H, W)
+        y_off = _add_spatial_offset(y_off, d, h, w, y_sd, y_sh, y_sw)
+        gy_off = _add_spatial_offset(gy_off, d, h, w, gy_sd, gy_sh, gy_sw)
         g = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
         # NOTE: lanes that are masked off or win nothing hold y = 1.0 (not 0.0), so that their
         # discarded chain derivatives stay finite (rdiv/div would give inf/NaN at 0).
@@ -265,41 +307,31 @@ def _epilogue_bwd_kernel(
             y = tl.load(y_ptr + y_off, mask=mask, other=1.0).to(tl.float32)
         # Candidate windows along each dim: o = (i + P) // S - j for j < ceil(K / S), valid when
         # 0 <= o < O and the tap index k = i + P - o * S is < K.  (i + P >= 0: no negative floor.)
-        for jd in tl.static_range((KD + SD - 1) // SD):
-            od = (d + PD) // SD - jd
-            kd = d + PD - od * SD
-            ok_d = (od >= 0) & (od < OD) & (kd < KD)
-            for jh in tl.static_range((KH + SH - 1) // SH):
-                oh = (h + PH) // SH - jh
-                kh = h + PH - oh * SH
-                ok_h = ok_d & (oh >= 0) & (oh < OH) & (kh < KH)
-                for jw in tl.static_range((KW + SW - 1) // SW):
-                    ow = (w + PW) // SW - jw
-                    kw = w + PW - ow * SW
-                    ok = mask & ok_h & (ow >= 0) & (ow < OW) & (kw < KW)
-                    g_off = (
-                        n64 * g_sn
-                        + c64 * g_sc
-                        + od.to(tl.int64) * g_sd
-                        + oh.to(tl.int64) * g_sh
-                        + ow.to(tl.int64) * g_sw
-                    )
+        NJD: tl.constexpr = (WINDOW[0] + STRIDE[0] - 1) // STRIDE[0]
+        NJH: tl.constexpr = (WINDOW[1] + STRIDE[1] - 1) // STRIDE[1]
+        NJW: tl.constexpr = (WINDOW[2] + STRIDE[2] - 1) // STRIDE[2]
+        for jd in tl.static_range(NJD):
+            od = (d + PAD[0]) // STRIDE[0] - jd
+            kd = d + PAD[0] - od * STRIDE[0]
+            ok_d = (od >= 0) & (od < OD) & (kd < WINDOW[0])
+            for jh in tl.static_range(NJH):
+                oh = (h + PAD[1]) // STRIDE[1] - jh
+                kh = h + PAD[1] - oh * STRIDE[1]
+                ok_h = ok_d & (oh >= 0) & (oh < OH) & (kh < WINDOW[1])
+                for jw in tl.static_range(NJW):
+                    ow = (w + PAD[2]) // STRIDE[2] - jw
+                    kw = w + PAD[2] - ow * STRIDE[2]
+                    ok = mask & ok_h & (ow >= 0) & (ow < OW) & (kw < WINDOW[2])
+                    g_off = _add_spatial_offset(n64 * g_sn + c64 * g_sc, od, oh, ow, g_sd, g_sh, g_sw)
                     if POOL == 1:
-                        w_off = (
-                            n64 * w_sn
-                            + c64 * w_sc
-                            + od.to(tl.int64) * w_sd
-                            + oh.to(tl.int64) * w_sh
-                            + ow.to(tl.int64) * w_sw
-                        )
+                        w_off = _add_spatial_offset(n64 * w_sn + c64 * w_sc, od, oh, ow, w_sd, w_sh, w_sw)
                         widx = tl.load(win_ptr + w_off, mask=ok, other=-1).to(tl.int32)
-                        hit = ok & (widx == kd * (KH * KW) + kh * KW + kw)
+                        hit = ok & (widx == kd * (WINDOW[1] * WINDOW[2]) + kh * WINDOW[2] + kw)
                         g += tl.load(gout_ptr + g_off, mask=hit, other=0.0).to(tl.float32)
                         y = tl.where(hit, tl.load(win_y_ptr + w_off, mask=hit, other=0.0).to(tl.float32), y)
                         won = won | hit
                     else:
-                        div = avg_divisor(od, oh, ow, D, H, W, KD, KH, KW, SD, SH, SW, PD, PH, PW,
-                                           COUNT_INCLUDE_PAD, DIVISOR)  # fmt: skip
+                        div = _pool_divisor(od, oh, ow, D, H, W, POOL_GEOM)
                         go = tl.load(gout_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
                         g += tl.where(ok, go / div, 0.0)  # windows out of range have div 0
         if POOL == 1:
@@ -309,10 +341,11 @@ def _epilogue_bwd_kernel(
 
     # Recompute the chain's intermediates (the input and first operand of each slot), then walk back.
     v0, v1, v2, v3, v4, v5, v6, v7, a0, a1, a2, a3, a4, a5, a6, a7 = chain_slot_inputs(
-        y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+        y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+        OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
     g, ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7 = chain_backward(
         g, v0, v1, v2, v3, v4, v5, v6, v7, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
-        OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)  # fmt: skip
+        OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
     g = tl.where(active, g, 0.0)
     tl.store(gy_ptr + gy_off, g.to(gy_ptr.dtype.element_ty), mask=mask)
 
@@ -320,24 +353,13 @@ def _epilogue_bwd_kernel(
     part = part_ptr + tl.program_id(0).to(tl.int64) * C + c1
     pmask = c1 < C
     row = part_row_stride
-    if (GRAD_MASK & 1) != 0:
-        tl.store(part + 0 * row, tl.sum(tl.where(active, ga0, 0.0), axis=1), mask=pmask)
-    if (GRAD_MASK & 2) != 0:
-        tl.store(part + 1 * row, tl.sum(tl.where(active, ga1, 0.0), axis=1), mask=pmask)
-    if (GRAD_MASK & 4) != 0:
-        tl.store(part + 2 * row, tl.sum(tl.where(active, ga2, 0.0), axis=1), mask=pmask)
-    if (GRAD_MASK & 8) != 0:
-        tl.store(part + 3 * row, tl.sum(tl.where(active, ga3, 0.0), axis=1), mask=pmask)
-    if (GRAD_MASK & 16) != 0:
-        tl.store(part + 4 * row, tl.sum(tl.where(active, ga4, 0.0), axis=1), mask=pmask)
-    if (GRAD_MASK & 32) != 0:
-        tl.store(part + 5 * row, tl.sum(tl.where(active, ga5, 0.0), axis=1), mask=pmask)
-    if (GRAD_MASK & 64) != 0:
-        tl.store(part + 6 * row, tl.sum(tl.where(active, ga6, 0.0), axis=1), mask=pmask)
-    if (GRAD_MASK & 128) != 0:
-        tl.store(part + 7 * row, tl.sum(tl.where(active, ga7, 0.0), axis=1), mask=pmask)
-    if (GRAD_MASK & 256) != 0:
-        tl.store(part + 8 * row, tl.sum(g, axis=1), mask=pmask)
+    operand_grads = (ga0, ga1, ga2, ga3, ga4, ga5, ga6, ga7)
+    for k in tl.static_range(len(OPS)):
+        if ((GRAD_MASK >> k) & 1) != 0:
+            tl.store(part + k * row, tl.sum(tl.where(active, operand_grads[k], 0.0), axis=1), mask=pmask)
+    BIAS_GRAD_ROW: tl.constexpr = len(OPS)
+    if ((GRAD_MASK >> BIAS_GRAD_ROW) & 1) != 0:
+        tl.store(part + BIAS_GRAD_ROW * row, tl.sum(g, axis=1), mask=pmask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,24 +376,32 @@ def _spatial_flattens(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     return (h == 1 or sh == w * sw) and (d == 1 or sd == h * w * sw)
 
 
-def _lift_pool(pool: PoolSpec, spatial_dims: int) -> dict[str, int | bool]:
-    """The kernels' pool constexprs, lifted to 3 spatial dims (kernel 1, stride 1, no padding);
-    ValueError for a window the kernels do not unroll (above ``MAX_WINDOW_VOLUME`` taps)."""
+def _pool_geometry(pool: PoolSpec | None, spatial_dims: int) -> tuple:
+    """The kernels' ``POOL_GEOM`` constexpr: ``(window, stride, padding, count_include_pad, divisor)``,
+    the first three lifted to 3 spatial dims (kernel 1, stride 1, no padding on the added dims), the
+    divisor override 0 where there is none; the identity pool without a pool.  ValueError for a
+    window the kernels do not unroll (above ``MAX_WINDOW_VOLUME`` taps)."""
+    if pool is None:
+        return ((1, 1, 1), (1, 1, 1), (0, 0, 0), True, 0)
     if pool.window_volume > MAX_WINDOW_VOLUME:
         raise ValueError(f"pool windows above {MAX_WINDOW_VOLUME} taps are not unrolled, got {pool}")
     if not (len(pool.kernel_size) == len(pool.stride) == len(pool.padding) == spatial_dims):
         raise ValueError(f"pool geometry {pool} does not have {spatial_dims} spatial dims")
     pad = 3 - spatial_dims
-    k = [1] * pad + list(pool.kernel_size)
-    s = [1] * pad + list(pool.stride)
-    p = [0] * pad + list(pool.padding)
-    return dict(
-        KD=k[0], KH=k[1], KW=k[2], SD=s[0], SH=s[1], SW=s[2], PD=p[0], PH=p[1], PW=p[2],
-        COUNT_INCLUDE_PAD=bool(pool.count_include_pad), DIVISOR=int(pool.divisor_override or 0),
-    )  # fmt: skip
+    window = (1,) * pad + tuple(int(v) for v in pool.kernel_size)
+    stride = (1,) * pad + tuple(int(v) for v in pool.stride)
+    padding = (0,) * pad + tuple(int(v) for v in pool.padding)
+    return window, stride, padding, bool(pool.count_include_pad), int(pool.divisor_override or 0)
 
 
-_NO_POOL = dict(KD=1, KH=1, KW=1, SD=1, SH=1, SW=1, PD=0, PH=0, PW=0, COUNT_INCLUDE_PAD=True, DIVISOR=0)
+def _pool_code(pool: PoolSpec | None) -> int:
+    """The kernels' ``POOL`` constexpr: 0 none, 1 max, 2 avg."""
+    return 0 if pool is None else (1 if pool.kind == "max" else 2)
+
+
+def _op_codes(steps: Sequence[KernelStep]) -> tuple[int, ...]:
+    """The kernels' ``OPS`` constexpr: one op code per slot (0 = empty); ValueError for an unknown code."""
+    return tuple(op_constexprs(steps).values())
 
 
 def _tile(channels: int, spatial: int, channels_inner: bool, transposing: bool = False) -> tuple[int, int]:
@@ -595,10 +625,8 @@ class ForwardLaunch:
             if not _spatial_flattens(y_sizes, y_strides):
                 self.copy_y = True
                 y_strides = lift_5d(torch.empty_like(out, dtype=y.dtype, device="meta"))[1]
-            pool_args = _NO_POOL
-        else:
-            pool_args = _lift_pool(pool, y.dim() - 2)
-        op_constexprs(steps)  # checks the op codes before anything is kept
+        pool_geom = _pool_geometry(pool, y.dim() - 2)
+        ops = _op_codes(steps)  # checks the op codes before anything is kept
         s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
         write_inner = _channels_inner(o_strides, o_sizes)
         read_inner = _channels_inner(y_strides, y_sizes)
@@ -611,8 +639,7 @@ class ForwardLaunch:
         if out.numel() > 0:
             ints = (channels, *y_sizes[2:], *o_sizes[2:], num_s_blocks, *y_strides, *o_strides)
             self.launch = FastLaunch(_epilogue_fwd_kernel, grid, dict(
-                **op_constexprs(steps), HAS_BIAS=bias is not None,
-                POOL=0 if pool is None else (1 if pool.kind == "max" else 2), SAVE=save, **pool_args,
+                OPS=ops, HAS_BIAS=bias is not None, POOL=_pool_code(pool), POOL_GEOM=pool_geom, SAVE=save,
                 BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
             ), fixed=ints)  # fmt: skip
 
@@ -722,9 +749,7 @@ class BackwardLaunch:
             if not _spatial_flattens(g_sizes, g_strides):
                 self.copy_grad_out = True
                 g_sizes, g_strides = gy_sizes, gy_strides
-            pool_args = _NO_POOL
-        else:
-            pool_args = _lift_pool(pool, grad_y.dim() - 2)
+        pool_geom = _pool_geometry(pool, grad_y.dim() - 2)
         w_strides = lift_5d(winner)[1] if winner is not None else [0] * 5
         grad_mask = sum(1 << k for k, wanted in enumerate(operand_grad_slots) if wanted)
         if bias_grad:
@@ -744,9 +769,8 @@ class BackwardLaunch:
         self.launch = None
         if grad_y.numel() > 0:
             self.launch = FastLaunch(_epilogue_bwd_kernel, grid, dict(
-                **op_constexprs(steps), HAS_BIAS=bias is not None,
-                POOL=0 if pool is None else (1 if pool.kind == "max" else 2), GRAD_MASK=grad_mask, **pool_args,
-                BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
+                OPS=_op_codes(steps), HAS_BIAS=bias is not None, POOL=_pool_code(pool), POOL_GEOM=pool_geom,
+                GRAD_MASK=grad_mask, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
             ), fixed=ints)  # fmt: skip
         self.slots = [k < len(operand_grad_slots) and bool(operand_grad_slots[k]) for k in range(len(steps))]
         self.bias_grad = bias_grad

@@ -406,7 +406,7 @@ def test_unsupported_cases_say_why(kernel_device):
     assert "shifts" in reason(g=gw, x=xw, w=ww, a=wide.conv_args())
     # malformed arguments give a reason, not an exception
     assert "not understood" in reason(a=(s, p, d, True, op, "two"))
-    if S.plan._INTERPRET:
+    if S.plan.INTERPRETER:
         assert "bf16" in reason(x=xk.bfloat16(), w=wk.bfloat16())
     with pytest.raises(UnsupportedInputError, match="PooledGrad"):
         S.convolution_backward(full.float(), xk, wk, *args)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..chain_math import avg_divisor, chain_forward, load_chain_operands
+from ..chain_math import chain_forward, load_chain_operands
 from ..conv_common import live_tap, peel_coords, row_channel_tile
+from ..epilogue import store_pooled
 from ..tf32 import round_tf32, to_compute
 
 
@@ -577,16 +578,11 @@ def conv_fused_fwd_kernel(
         else:
             q = nn * o_sn + ud * o_sd + uh * o_sh + uw * o_sw
         q2 = q[:, None] + c64[None, :] * o_sc
-        omask = m_ok[:, None] & cmask
-        if POOL == 1:
-            tl.store(out_ptr + q2, best.to(out_ptr.dtype.element_ty), mask=omask)
-            if SAVE:
-                tl.store(win_ptr + q2, win.to(win_ptr.dtype.element_ty), mask=omask)
-                tl.store(y0_ptr + q2, win_y.to(y0_ptr.dtype.element_ty), mask=omask)
-        else:
-            div = avg_divisor(ud[:, None], uh[:, None], uw[:, None], OD, OH, OW, KD, KH, KW,
-                               USD, USH, USW, UPD, UPH, UPW, COUNT_INCLUDE_PAD, DIVISOR)  # fmt: skip
-            tl.store(out_ptr + q2, (pooled / div).to(out_ptr.dtype.element_ty), mask=omask)
+        # The pool over the conv output: its window, stride and padding are the units' offsets,
+        # stride and origin.
+        POOL_GEOM: tl.constexpr = ((KD, KH, KW), (USD, USH, USW), (UPD, UPH, UPW), COUNT_INCLUDE_PAD, DIVISOR)
+        store_pooled(out_ptr, win_ptr, y0_ptr, q2, m_ok[:, None] & cmask, best, win, win_y, pooled,
+                     ud[:, None], uh[:, None], uw[:, None], OD, OH, OW, POOL, SAVE, POOL_GEOM)  # fmt: skip
 
 
 @triton.jit

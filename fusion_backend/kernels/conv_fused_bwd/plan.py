@@ -15,20 +15,11 @@ import triton
 from ... import environment
 from ...ir.shapes import conv_output_length, pool_output_length
 from ..conv_common import BACKWARD_DTYPES, channels_inner, raise_unsupported
-from ..host import (
-    INTERPRETER,
-    cdiv,
-    element_extent,
-    lift3,
-    lift_5d,
-    next_pow2,
-    persistent_device_copies,
-)
+from ..host import INTERPRETER, cdiv, element_extent, lift3, lift_5d, next_pow2, persistent_device_copies
 from ..launch import launch
 from ..tf32 import backward_dot_precision
 from .device import dgrad_configs, dgrad_kernel, dgrad_tuned, wgrad_configs, wgrad_kernel, wgrad_tuned
 
-_INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
 #: Most candidate windows (product over dims of ceil(window extent / pool stride)) a conv-output
 #: position may belong to; the loader unrolls them.
 MAX_CANDIDATE_WINDOWS = 8
@@ -160,14 +151,12 @@ def _block(channels: int, cap: int) -> int:
     return max(16, min(cap, next_pow2(max(channels, 1))))
 
 
-def unsupported_reason(
-    grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
-    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+def conv_arguments_reason(
+    x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+    output_padding: Sequence[int], groups: int,
 ) -> str | None:  # fmt: skip
-    """None when ``convolution_backward`` and the per-part launchers handle these arguments, else why not.
-
-    Arguments as for ``convolution_backward``.
-    """
+    """Why ``x``, ``weight`` and the conv hyper-parameters do not describe a conv of 1 to 3 spatial
+    dims (ranks, one hyper-parameter entry per spatial dim, values in range), or None."""
     if not 3 <= x.dim() <= 5 or weight.dim() != x.dim():
         return f"x and weight must be (N, C, *spatial) with 1 to 3 spatial dims, got {tuple(x.shape)} and {tuple(weight.shape)}"
     dims = x.dim() - 2
@@ -176,18 +165,42 @@ def unsupported_reason(
             return f"{name} {tuple(v)} must have {dims} entries"
     if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0 or min(output_padding) < 0 or groups < 1:
         return f"invalid conv hyper-parameters stride={stride} padding={padding} dilation={dilation} groups={groups}"
+    return None
+
+
+def device_reason(tensors: Sequence[torch.Tensor]) -> str | None:
+    """Why the Triton kernels cannot take ``tensors`` (x first): they lie on several devices, or on
+    one that is not CUDA (a CPU one is taken under Triton's interpreter only); None when they can."""
+    if len({t.device for t in tensors}) != 1:
+        return f"tensors on several devices: {[str(t.device) for t in tensors]}"
+    device = tensors[0].device
+    if device.type != "cuda" and not (INTERPRETER and device.type == "cpu"):
+        return f"Triton kernels need CUDA tensors (or CPU under TRITON_INTERPRET=1), got {device}"
+    return None
+
+
+def unsupported_reason(
+    grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+) -> str | None:  # fmt: skip
+    """None when ``convolution_backward`` and the per-part launchers handle these arguments, else why not.
+
+    Arguments as for ``convolution_backward``.
+    """
+    reason = conv_arguments_reason(x, weight, stride, padding, dilation, output_padding, groups)
+    if reason is not None:
+        return reason
+    dims = x.dim() - 2
     if x.dtype not in BACKWARD_DTYPES or weight.dtype != x.dtype:
         return f"x and weight must share one of {BACKWARD_DTYPES}, got {x.dtype} and {weight.dtype}"
     values = grad.g_win if isinstance(grad, PooledGrad) else grad
     if values.dtype not in BACKWARD_DTYPES:
         return f"the gradient must be fp32/fp16/bf16, got {values.dtype}"
-    if _INTERPRET and torch.bfloat16 in (x.dtype, values.dtype):
+    if INTERPRETER and torch.bfloat16 in (x.dtype, values.dtype):
         return "Triton's interpreter has no bf16"
-    tensors = [x, weight, values] + ([grad.winner] if isinstance(grad, PooledGrad) else [])
-    if len({t.device for t in tensors}) != 1:
-        return f"tensors on several devices: {[str(t.device) for t in tensors]}"
-    if x.device.type != "cuda" and not (_INTERPRET and x.device.type == "cpu"):
-        return f"Triton kernels need CUDA tensors (or CPU under TRITON_INTERPRET=1), got {x.device}"
+    reason = device_reason([x, weight, values] + ([grad.winner] if isinstance(grad, PooledGrad) else []))
+    if reason is not None:
+        return reason
     c_in = x.shape[1]
     if transposed:
         if weight.shape[0] != c_in or c_in % groups:
@@ -332,8 +345,8 @@ def _input_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: A
     kvol, num_phases = table.shape[1], table.shape[0]
     values, winners, g_strides, v_strides, pooled = _grad_operands(grad)
     max_t = math.prod(cdiv(size, step) for size, step in zip(x_sizes[2:], xs, strict=True))
-    block_n = _block(ci_g, 16 if _INTERPRET else 128)
-    block_k = _block(co_g, 16 if _INTERPRET else 64)
+    block_n = _block(ci_g, 16 if INTERPRETER else 128)
+    block_k = _block(co_g, 16 if INTERPRETER else 64)
     num_c_blocks = cdiv(ci_g, block_n)
 
     def grid(meta):
@@ -394,8 +407,8 @@ def _weight_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: 
         return dw
     if rows == 0:
         return dw.zero_()
-    block_a = _block(a_g, 16 if _INTERPRET else 128)
-    block_g = _block(b_g, 16 if _INTERPRET else 128)
+    block_a = _block(a_g, 16 if INTERPRETER else 128)
+    block_g = _block(b_g, 16 if INTERPRETER else 128)
     num_a_blocks = cdiv(a_g, block_a)
     num_b_blocks = cdiv(b_g, block_g)
     tiles = groups * num_a_blocks * kvol * num_b_blocks
@@ -404,13 +417,13 @@ def _weight_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: 
     tw = t_sizes[2]
     # NOTE: 64 fp32 rows keep 3 pipeline stages of 64-channel tiles at 96 KB of shared memory (two
     # programs per SM on an H100); 16-bit tiles are half the size, so 128 rows.
-    cap = 16 if _INTERPRET else (128 if x.element_size() == 2 else 64)
+    cap = 16 if INTERPRETER else (128 if x.element_size() == 2 else 64)
     block_r = max(16, min(cap, next_pow2(tw)))
     line_mode = tw >= 0.75 * cdiv(tw, block_r) * block_r  # few masked lanes per W block
     if not line_mode:
-        block_r = 32 if _INTERPRET else 64
+        block_r = 32 if INTERPRETER else 64
     lines = n * t_sizes[0] * t_sizes[1]
-    min_rows, target = (16, 8) if _INTERPRET else (1024, 4 * 132)
+    min_rows, target = (16, 8) if INTERPRETER else (1024, 4 * 132)
     splits = max(1, min(cdiv(target, tiles), cdiv(lines, cdiv(min_rows, t_sizes[2]))))
     lines_per_split = cdiv(lines, splits)
     splits = cdiv(lines, lines_per_split)

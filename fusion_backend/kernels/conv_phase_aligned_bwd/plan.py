@@ -13,11 +13,13 @@ import triton
 
 from ... import environment
 from ..conv_common import BACKWARD_DTYPES, AutotunedLaunch, channels_inner, raise_unsupported
-from ..conv_fused_bwd import (
+from ..conv_fused_bwd.plan import (
     Grad,
     PooledGrad,
+    conv_arguments_reason,
     conv_bias_grad,
     conv_output_spatial,
+    device_reason,
     pooled_spatial,
 )
 from ..host import (
@@ -42,7 +44,6 @@ from .device import (
     phase_aligned_wgrad_kernel,
 )
 
-_INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
 #: Most distinct input shifts (rounded up to a power of 2): the weight-grad X tile is
 #: ``[slots * BLOCK_CI, BLOCK_M]`` and its accumulator ``slots * BLOCK_CI`` rows.
 MAX_PHASE_ALIGNED_SLOTS = 8
@@ -126,13 +127,13 @@ _wgrad_tuned = triton.autotune(
 def heuristic_tile(kind: str, ci_g: int, co_g: int, kpn: int) -> tuple[int, ...]:
     """The tile used under the interpreter (small: numpy cost grows with tile size), with
     ``FUSION_CONV_AUTOTUNE=0``, and for problems too small to be worth a tile search."""
-    if _INTERPRET:  # NOTE: per-op overhead dominates there: few, large programs run fastest
+    if INTERPRETER:  # NOTE: per-op overhead dominates there: few, large programs run fastest
         return fit_tiles([(64, 16, 16, 4 if kind == "dgrad" else 8, 4, 1)], ci_g, co_g, kpn)[0]
     return fit_tiles(DGRAD_TILES if kind == "dgrad" else WGRAD_TILES, ci_g, co_g, kpn)[0]
 
 
 def _use_autotune(macs: int) -> bool:
-    return not _INTERPRET and environment.measuring() and macs >= 2**28
+    return not INTERPRETER and environment.measuring() and macs >= 2**28
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,32 +237,21 @@ def _reason(grad, x, weight, stride, padding, dilation, transposed, output_paddi
         return "the gradient is not a PooledGrad (dense gradients: use conv_fused_bwd)"
     if not transposed:
         return "not a transposed conv (the shift decomposition is for conv-transpose phases)"
-    if not 3 <= x.dim() <= 5 or weight.dim() != x.dim():
-        return f"x and weight must be (N, C, *spatial) with 1 to 3 spatial dims, got {tuple(x.shape)} and {tuple(weight.shape)}"
+    reason = conv_arguments_reason(x, weight, stride, padding, dilation, output_padding, groups)
+    if reason is not None:
+        return reason
     dims = x.dim() - 2
-    for name, v in (
-        ("stride", stride),
-        ("padding", padding),
-        ("dilation", dilation),
-        ("output_padding", output_padding),
-    ):
-        if len(v) != dims:
-            return f"{name} {tuple(v)} must have {dims} entries"
-    if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0 or min(output_padding) < 0 or groups < 1:
-        return f"invalid conv hyper-parameters stride={stride} padding={padding} dilation={dilation} groups={groups}"
     if any(dtype not in BACKWARD_DTYPES for dtype in (x.dtype, weight.dtype, compute_dtype)):
         return f"x, weight and compute dtype must be in {BACKWARD_DTYPES}, got {x.dtype}, {weight.dtype}, {compute_dtype}"
     if grad.g_win.dtype not in BACKWARD_DTYPES:
         return f"g_win must be fp32/fp16/bf16, got {grad.g_win.dtype}"
-    if _INTERPRET and torch.bfloat16 in (x.dtype, weight.dtype, compute_dtype, grad.g_win.dtype):
+    if INTERPRETER and torch.bfloat16 in (x.dtype, weight.dtype, compute_dtype, grad.g_win.dtype):
         return "Triton's interpreter has no bf16"
     if grad.winner.dtype not in (torch.int8, torch.int32):
         return f"winner must be int8 or int32, got {grad.winner.dtype}"
-    tensors = (x, weight, grad.g_win, grad.winner)
-    if len({t.device for t in tensors}) != 1:
-        return f"tensors on several devices: {[str(t.device) for t in tensors]}"
-    if x.device.type != "cuda" and not (_INTERPRET and x.device.type == "cpu"):
-        return f"Triton kernels need CUDA tensors (or CPU under TRITON_INTERPRET=1), got {x.device}"
+    reason = device_reason((x, weight, grad.g_win, grad.winner))
+    if reason is not None:
+        return reason
     c_in = x.shape[1]
     if weight.shape[0] != c_in or c_in % groups:
         return f"conv-transpose weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}, groups={groups}"
@@ -483,7 +473,7 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
     # split count depends on the shape only (the partials buffer is sized before tuning).
     ref = tile or fit_tiles(WGRAD_TILES, geo.ci_g, geo.co_g, kpn)[0]
     tiles_est = geo.groups * cdiv(geo.ci_g, ref[1]) * cdiv(geo.co_g, ref[2]) * cdiv(kpn, ref[3])
-    min_rows, align = (32, 16) if _INTERPRET else (2048, 256)
+    min_rows, align = (32, 16) if INTERPRETER else (2048, 256)
     splits = max(
         1, min(cdiv(_WGRAD_PROGRAMS_PER_SM * _sm_count(x.device), tiles_est), cdiv(m_total, min_rows))
     )
@@ -521,7 +511,7 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
     )  # fmt: skip
     partials = _KernelLaunch(_wgrad_tuned, phase_aligned_wgrad_kernel, tile, grid, constexprs, fixed=ints)
     table = _finish_table(geo, x.device)
-    fb = _FINISH_BLOCK if not _INTERPRET else 16
+    fb = _FINISH_BLOCK if not INTERPRETER else 16
     finish_grid = (math.prod(geo.taps), geo.groups * cdiv(geo.ci_g, fb) * cdiv(geo.co_g, fb))
     finish_ints = (splits, geo.ci_g, geo.co_g, table.shape[1], part_split, dw.stride(0), dw.stride(1),
                    *lift3(dw.stride()[2:], 0))  # fmt: skip
