@@ -145,6 +145,7 @@ def test_region_timing_tells_the_gpu_time_of_a_host_bound_step_from_its_time_per
     host, device = times["host"], times["device"]
     assert len(host.per_call_ms) == len(host.gpu_ms) == region_timing.ROUNDS
     assert min(host.per_call_ms) > 1.9 and max(host.gpu_ms) < 0.3, host
-    assert all(1.8 < t < 2.4 for t in device.per_call_ms + device.gpu_ms), device
+    # per call adds the host's synchronisation to the device time (and the test workers' contention)
+    assert all(1.8 < t < 2.4 for t in device.gpu_ms) and all(1.8 < t < 4.0 for t in device.per_call_ms), device
     assert all(1.9 < t <= p for t, p in zip(host.host_ms, host.per_call_ms, strict=True)), host
     assert max(device.host_ms) < 0.5, device
