@@ -1,27 +1,27 @@
 """Keep a rewrite only where it is faster than Inductor's own code for the same region.
 
-The backend's promise is never to be slower than ``backend="inductor"``.  For every region a
-pattern matched, and for the input signature the graph was compiled for, this module compares the
-fused op with Inductor's compiled code for the original nodes (``region_timing.py``), by three
-times: per call (host and device, what a small model waits for), on the GPU (what the region
-costs in a network that keeps the device busy) and on the host.  The rewrite is kept only where the fused op wins
-per call by the margin (``decide_margin``, default 3%) and does not lose on the GPU by more than the
-margin; a tie goes to Inductor.  WHY not also a GPU win with a tie per call: NOTE the benchmark's
-``conv2d_256_k3_relu_maxpool`` fp32 training row, kept that way (1.00x per call, 1.06x on the GPU),
-ran 0.99 ms against Inductor's 1.04 ms in quiet rounds and 1.4-1.9 ms against 1.2-1.5 ms in rounds
-where the host was slow, 0.85x over the run (``python -m fusion_backend bench --suite
-demos/convnets/conv2d_256_k3_relu_maxpool.py --mode train --backends eager,inductor,fusion,inductor:default``,
-H100): a fused op whose host path is the longer one loses whenever the host is the bottleneck.
-For the same reason the fused op must not lose in a host-bound step: in the compiled model the
-code around the region (Dynamo's guards, the rest of the graph, the caller's Python) adds host time
-per call, ``CALLER_HOST_MS``, which the region timed alone does not see.  Each candidate then takes
-``max(caller + its host time, its GPU time)`` per call (``in_step_speedup``), and a fused op that
-is host-bound while Inductor's code is not can lose its whole per-call win.  NOTE: the benchmark's
-``convt3d_64_32_k2_s2_relu`` fp32 forward, kept at 1.35x per call (0.135 vs 0.182 ms; GPU 0.095 vs
-0.178 ms), measured 0.206-0.255 ms per call against Inductor's 0.190-0.224 in the benchmark's
-step, 0.88-0.92x (``python -m fusion_backend bench --suite demos/convnets/convt3d_64_32_k2_s2_relu.py
---dtype fp32 --mode infer --backends inductor,fusion,inductor:default``, H100, two processes): the
-caller's share was 0.07-0.12 ms.
+The backend's promise is never to be slower than ``backend="inductor"``. For every region a pattern
+matched, and for the input signature the graph was compiled for, this module compares the fused op
+with Inductor's compiled code for the original nodes (``region_timing.py``), by three times: per
+call (host and device, what a small model waits for), on the GPU (what the region costs in a network
+that keeps the device busy) and on the host. The rewrite is kept only where the fused op wins per
+call by the margin (``decide_margin``, default 3%) and loses by no more than the margin on the GPU
+and in a host-bound step (below); a tie goes to Inductor. WHY not also a GPU win with a tie per
+call: NOTE the benchmark's ``conv2d_256_k3_relu_maxpool`` fp32 training row, kept that way (1.00x
+per call, 1.06x on the GPU), ran 0.99 ms against Inductor's 1.04 ms in quiet rounds and 1.4-1.9 ms
+against 1.2-1.5 ms in rounds where the host was slow, 0.85x over the run (``python -m fusion_backend
+bench --suite demos/convnets/conv2d_256_k3_relu_maxpool.py --mode train --backends
+eager,inductor,fusion,inductor:default``, H100): a fused op whose host path is the longer one loses
+whenever the host is the bottleneck. For the same reason the fused op must not lose in a host-bound
+step: in the compiled model the code around the region (Dynamo's guards, the rest of the graph, the
+caller's Python) adds host time per call, ``CALLER_HOST_MS``, which the region timed alone does not
+see. Each candidate then takes ``max(caller + its host time, its GPU time)`` per call
+(``in_step_speedup``), and a fused op that is host-bound while Inductor's code is not can lose its
+whole per-call win. NOTE: the benchmark's ``convt3d_64_32_k2_s2_relu`` fp32 forward, kept at 1.35x
+per call (0.135 vs 0.182 ms; GPU 0.095 vs 0.178 ms), measured 0.206-0.255 ms per call against
+Inductor's 0.190-0.224 in the benchmark's step, 0.88-0.92x (``python -m fusion_backend bench --suite
+demos/convnets/convt3d_64_32_k2_s2_relu.py --dtype fp32 --mode infer --backends
+inductor,fusion,inductor:default``, H100, two processes): the caller's share was 0.07-0.12 ms.
 Under CUDA graphs (``mode="reduce-overhead"``), where a replay does the host's work for all the
 kernels at once, the GPU time alone decides: fused where it wins on the GPU by the margin.
 
@@ -48,10 +48,8 @@ Policies (option ``decide``, environment ``FUSION_DECIDE``; parsed in ``options.
 Answers are cached in memory and on disk (``$FUSION_CACHE_DIR/decisions.json``, one JSON object
 ``{"schema": SCHEMA, "entries": {key: {"fused_ms": .., "inductor_ms": .., "speedup": .., "fused_gpu_ms": ..,
 "inductor_gpu_ms": .., "gpu_speedup": .., "fused_host_ms": .., "inductor_host_ms": .., "in_step_speedup": ..,
-"what": ..}}}``;
-the times are the medians of the rounds,
-the speedups the medians of the rounds' ratios), keyed by
-the GPU, the torch / Triton versions, a fingerprint of this package's sources, the pattern, the
+"what": ..}}}``; the times are the medians of the rounds, the speedups the medians of the rounds'
+ratios), keyed by the GPU, the torch / Triton versions, a fingerprint of this package's sources, the pattern, the
 region's computation and its inputs' shapes, strides, dtypes and ``requires_grad``, grad mode,
 autocast state, TF32 flags and Inductor options: a second process reuses the times and compiles
 nothing for the decision.  The margin is applied when reading, so changing it needs no new timing.
@@ -132,8 +130,8 @@ def verdict(pattern: str, summary: str, anchor: str, times: Mapping[str, float],
     docstring).  Per call, ``speedup`` (default ``inductor_ms / fused_ms``) must reach ``1 + margin``;
     on the GPU (``gpu_speedup``, default from ``fused_gpu_ms`` / ``inductor_gpu_ms``, else
     ``speedup``) and in a host-bound step (``in_step_speedup``, default from the medians; host
-    times default to the times per call) the fused op must not fall below ``1 / (1 + margin)``.  With ``cuda_graphs``, fused when
-    ``gpu_speedup`` is at least ``1 + margin``."""
+    times default to the times per call) the fused op must not fall below ``1 / (1 + margin)``.
+    With ``cuda_graphs``, fused when ``gpu_speedup`` is at least ``1 + margin``."""
     times = _completed(times)
     speedup, gpu_speedup = times["speedup"], times["gpu_speedup"]
     tie, tied = 1 / (1 + margin), f"a tie (within {margin:.0%}) goes to Inductor"
