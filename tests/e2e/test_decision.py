@@ -337,6 +337,7 @@ def test_the_real_timer_runs_both_candidates_on_cpu(cache, model_cls):
     _, d = only_decision(reports)
     assert d.fused_ms > 0 and d.inductor_ms > 0 and not d.cached
     assert (d.fused_gpu_ms, d.inductor_gpu_ms) == (d.fused_ms, d.inductor_ms)  # no device apart from the host
+    assert (d.fused_host_ms, d.inductor_host_ms) == (d.fused_ms, d.inductor_ms)  # all of it is host time
     tol = dict(atol=2e-2, rtol=2e-2) if model_cls is Autocasting else {}
     torch.testing.assert_close(out, want, **tol)
     torch.testing.assert_close(x.grad, want_grad, **tol)
