@@ -120,13 +120,13 @@ class Decision:
             return f"{verdict}: {self.rule}"
         source = ", cached" if self.cached else ""
         speedup = self.speedup if self.speedup is not None else self.inductor_ms / self.fused_ms
-        gpu = ""
+        other_times = ""
         if self.fused_gpu_ms is not None and self.inductor_gpu_ms is not None and self.gpu_speedup is not None:
-            gpu = f"; GPU {self.fused_gpu_ms:.3f} vs {self.inductor_gpu_ms:.3f} ms, {self.gpu_speedup:.2f}x"
+            other_times = f"; GPU {self.fused_gpu_ms:.3f} vs {self.inductor_gpu_ms:.3f} ms, {self.gpu_speedup:.2f}x"
         if self.fused_host_ms is not None and self.inductor_host_ms is not None:
-            gpu += f"; host {self.fused_host_ms:.3f} vs {self.inductor_host_ms:.3f} ms"
+            other_times += f"; host {self.fused_host_ms:.3f} vs {self.inductor_host_ms:.3f} ms"
         return (f"{verdict}: {self.rule} (fused {self.fused_ms:.3f} ms vs Inductor {self.inductor_ms:.3f} ms, "
-                f"{speedup:.2f}x{gpu}{source})")
+                f"{speedup:.2f}x{other_times}{source})")
 
 
 @dataclass(frozen=True)
