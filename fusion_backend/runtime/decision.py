@@ -126,13 +126,11 @@ def timing_override(timer: Timer | None, measure_on: Sequence[str] = ("cuda", "c
 
 def verdict(pattern: str, summary: str, anchor: str, times: Mapping[str, float], margin: float,
             cached: bool = False, cuda_graphs: bool = False) -> Decision:
-    """The decision from the measured ``times`` (``summarise_rounds``' keys; see the module
-    docstring).  Per call, ``speedup`` (default ``inductor_ms / fused_ms``) must reach ``1 + margin``;
-    on the GPU (``gpu_speedup``, default from ``fused_gpu_ms`` / ``inductor_gpu_ms``, else
-    ``speedup``) and in a host-bound step (``in_step_speedup``, default from the medians; host
-    times default to the times per call) the fused op must not fall below ``1 / (1 + margin)``.
-    With ``cuda_graphs``, fused when ``gpu_speedup`` is at least ``1 + margin``."""
-    times = _completed(times)
+    """The decision from the measured ``times`` (every key of ``_TIMES``, as ``summarise_rounds``
+    gives them; see the module docstring).  Per call, ``speedup`` must reach ``1 + margin``; on the
+    GPU (``gpu_speedup``) and in a host-bound step (``in_step_speedup``) the fused op must not fall
+    below ``1 / (1 + margin)``.  With ``cuda_graphs``, fused when ``gpu_speedup`` is at least
+    ``1 + margin``."""
     speedup, gpu_speedup = times["speedup"], times["gpu_speedup"]
     tie, tied = 1 / (1 + margin), f"a tie (within {margin:.0%}) goes to Inductor"
     if cuda_graphs:  # a replay does the host's work for every kernel at once: the GPU time decides
@@ -149,22 +147,6 @@ def verdict(pattern: str, summary: str, anchor: str, times: Mapping[str, float],
     return Decision(pattern, summary, anchor, rule.startswith("fused is faster"), rule, times["fused_ms"],
                     times["inductor_ms"], cached, speedup, times["fused_gpu_ms"], times["inductor_gpu_ms"],
                     gpu_speedup, times["fused_host_ms"], times["inductor_host_ms"])
-
-
-def _completed(times: Mapping[str, float]) -> dict[str, float]:
-    """``times`` with the defaults ``verdict`` states filled in."""
-    full = dict(times)
-    full.setdefault("speedup", _ratio(full["inductor_ms"], full["fused_ms"]))
-    for who in ("fused", "inductor"):
-        full.setdefault(f"{who}_host_ms", full[f"{who}_ms"])
-    if "fused_gpu_ms" in full and "inductor_gpu_ms" in full:
-        full.setdefault("gpu_speedup", _ratio(full["inductor_gpu_ms"], full["fused_gpu_ms"]))
-    else:
-        full.setdefault("fused_gpu_ms", full["fused_ms"])
-        full.setdefault("inductor_gpu_ms", full["inductor_ms"])
-        full.setdefault("gpu_speedup", full["speedup"])
-    full.setdefault("in_step_speedup", in_step_speedup(full))
-    return full
 
 
 def in_step_speedup(times: Mapping[str, float], caller_host_ms: float = CALLER_HOST_MS) -> float:
