@@ -26,16 +26,17 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.fx as fx
 
 from ..frontend.canonical import BatchNorm, Conv, Opaque, ParamRef, Pointwise, Pool
 from ..frontend.normalize import describe_target, target_name
+from ..match.chain_walk import ChainValues, pointwise_step
 from ..match.engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
-from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, ChainValue, PointwiseKind, TensorRef
+from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, PointwiseKind, TensorRef
 from ..ops.config import ConvEpilogueConfig
 from ..report import Match, NearMiss, ReasonKind
 
@@ -78,7 +79,7 @@ class ConvEpiloguePattern(Pattern):
             return miss(anchor, ReasonKind.DIMENSION_MISMATCH, f"unbatched conv input (output rank {y.dim()})")
 
         region = EpilogueRegion(conv, [], [], [], None)
-        chain = _ChainValues(anchor)
+        chain = ChainValues(anchor)
         stop: Optional[NearMiss] = None
         current = anchor
         while True:
@@ -108,7 +109,7 @@ class ConvEpiloguePattern(Pattern):
                 if len(region.steps) == MAX_CHAIN_LENGTH:
                     stop = miss(user, ReasonKind.CHAIN_TOO_LONG, f"the fused chain holds at most {MAX_CHAIN_LENGTH} ops")
                     break
-                step = self._step(ctx, op, current, region, y, chain)
+                step = pointwise_step(ctx, self.name, anchor, op, current, region.operands, y, chain, FUSED_DTYPES)
                 if isinstance(step, NearMiss):
                     stop = step
                     break
@@ -141,37 +142,6 @@ class ConvEpiloguePattern(Pattern):
             len(current.users) == 1 and isinstance(ctx.op(next(iter(current.users))), Conv))
         notes = [stop] if stop is not None and region.pool is None and not natural_end else []
         return Candidate(self.name, anchor, nodes, region, _summary(conv, region), notes)
-
-    def _step(self, ctx: MatchContext, op: Pointwise, flowing: fx.Node, region: EpilogueRegion, y,
-              chain: _ChainValues) -> Union[ChainStep, NearMiss]:  # fmt: skip
-        anchor = region.conv.node
-        seen = op.with_flowing(flowing)
-        if isinstance(seen, str):
-            return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND, seen)
-        kind, values = seen
-        out = fake_of(op.node)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(fake_of(flowing).shape):
-            return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND,
-                                 f"`{op.node.name}` changes the shape (an operand broadcasts the result)")
-        if out.dtype not in FUSED_DTYPES:
-            return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_DTYPE, f"`{op.node.name}` yields {out.dtype}")
-        operands = []
-        trial = list(region.operands)
-        for i, value in enumerate(values):
-            got = chain.operand(value, kind, i)
-            if got is None:
-                got = ctx.classify_operand(value, y, trial)
-            if isinstance(got, str):
-                return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND, got)
-            operands.append(got)
-        for i, got in enumerate(operands):
-            if isinstance(got, TensorRef) and i not in kind.differentiable_operands:
-                fake = fake_of(trial[got.index])
-                if getattr(fake, "requires_grad", False):
-                    return ctx.near_miss(self.name, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND,
-                                         f"the {kind.name.lower()} parameter `{trial[got.index].name}` requires grad; only arithmetic operands and the bound of clamp_min / clamp_max get gradients")
-        region.operands[:] = trial
-        return ChainStep(kind, tuple(operands))
 
     def _pool(self, ctx: MatchContext, op: Pool, conv: Conv, region: EpilogueRegion, miss) -> Optional[NearMiss]:
         if op.spatial_dims != conv.spec.spatial_dims:
@@ -213,90 +183,6 @@ class ConvEpiloguePattern(Pattern):
         )
 
 
-class _ChainValues:
-    """What a growing chain has computed, so that it may read a value again (a DAG epilogue:
-    ``y * torch.sigmoid(2 * y)``, ``y + torch.tanh(y)``).
-
-    * ``position[node]``: the step whose input the region node is (``ChainValue(position)``);
-    * ``downstream``: every node computed from the conv output; one of them outside the chain cannot be
-      an operand (the fused op would read its own result);
-    * the prefixes the region could end at, as the lengths of its ``steps``, ``step_nodes`` and
-      ``operands`` there: a region may end at a node only if no node before it is read outside the
-      region (``longest_closed_prefix``).
-    """
-
-    def __init__(self, anchor: fx.Node) -> None:
-        self.anchor = anchor
-        self.position: dict[fx.Node, int] = {anchor: 0}
-        self.downstream = _computed_from(anchor)
-        self._prefixes: list[tuple[int, int, int]] = []
-
-    def prefix_ends_at(self, region: EpilogueRegion) -> None:
-        """Record that ``region``, as it is now, could end at its last node."""
-        self._prefixes.append((len(region.steps), len(region.step_nodes), len(region.operands)))
-
-    def computed(self, node: fx.Node, steps: int) -> fx.Node:
-        """Record ``node`` as the chain's value after its first ``steps`` steps; returns it."""
-        self.position[node] = steps
-        return node
-
-    def label(self, step: ChainStep) -> str:
-        """The step's kind, with the earlier value it reads again: ``add(conv2d)``."""
-        reads = [o for o in step.operands if isinstance(o, ChainValue)]
-        if not reads:
-            return step.kind.name.lower()
-        node = next(n for n, p in self.position.items() if p == reads[0].position)
-        return f"{step.kind.name.lower()}({node.name})"
-
-    def operand(self, value: Any, kind: PointwiseKind, index: int) -> Union[ChainValue, str, None]:
-        """``ChainValue`` for a value the chain holds, a reason for one computed from the conv output
-        outside the chain, None for anything else (an outside operand)."""
-        if not isinstance(value, fx.Node) or (value not in self.position and value not in self.downstream):
-            return None
-        if value not in self.position:
-            return f"operand `{value.name}` is computed from the conv output outside the chain"
-        if index not in kind.differentiable_operands:
-            return f"{kind.name.lower()} cannot read the chain's own value `{value.name}` as operand {index}"
-        return ChainValue(self.position[value])
-
-    def next_user(self, ctx: MatchContext, current: fx.Node) -> tuple[Optional[fx.Node], str]:
-        """The op the chain continues with: ``current``'s only user, or of several users the only
-        fusible one whose other inputs the chain holds (the others must join later); else
-        ``(None, why)``."""
-        user, why = ctx.sole_user(current)
-        if user is not None:
-            return user, ""
-        ready = [u for u in current.users if u.op != "output" and isinstance(ctx.op(u), (Pointwise, BatchNorm, Pool))
-                 and all(n in self.position or n not in self.downstream for n in u.all_input_nodes)]
-        if len(ready) == 1:
-            return ready[0], ""
-        return None, why + (" (the chain would branch)" if len(ready) > 1 else "")
-
-    def closed(self, region: EpilogueRegion, result: fx.Node, step_nodes: Optional[int] = None) -> bool:
-        """Whether the conv, the first ``step_nodes`` of ``region``'s step nodes (all by default) and
-        ``result`` form a region whose only value read outside is ``result``."""
-        inside = {self.anchor, *region.step_nodes[:step_nodes], result}
-        return all(u in inside for n in inside if n is not result for u in n.users)
-
-    def longest_closed_prefix(self, region: EpilogueRegion) -> tuple[fx.Node, Optional[fx.Node]]:
-        """Cut ``region`` (no pool) back to its longest prefix that is ``closed``: ``(its result, the
-        first node of the whole region read outside it)`` (None when the whole chain was closed)."""
-        held = [self.anchor, *region.step_nodes]
-        read_outside = next((n for n in held[:-1] if any(u not in held for u in n.users)), None)
-        for steps, step_nodes, operands in reversed(self._prefixes):
-            result = held[step_nodes]
-            if self.closed(region, result, step_nodes):
-                del region.steps[steps:], region.step_nodes[step_nodes:], region.operands[operands:]
-                del region.labels[step_nodes:]  # one label per step node
-                return result, read_outside
-        raise AssertionError("the conv output alone is always a closed region")
-
-    @staticmethod
-    def outside_users(node: fx.Node) -> str:
-        return f"`{node.name}` is read again outside the chain (by " + ", ".join(
-            "the graph output" if u.op == "output" else f"`{u.name}`" for u in node.users) + ")"
-
-
 #: Normalizations with statistics per sample (or per group of channels), by function name.
 _SAMPLE_NORMS = {"group_norm": "GroupNorm", "instance_norm": "InstanceNorm", "layer_norm": "LayerNorm"}
 #: Reductions that, over the conv's channels, a channel-reduction epilogue would take.
@@ -317,17 +203,6 @@ def _not_fused_yet(node: fx.Node, rank: int) -> Optional[str]:
         article = "an" if name[0] in "aeiou" else "a"
         return f"reduces over the conv's channels: {article} {name} over dim 1 is not fused yet"
     return None
-
-
-def _computed_from(anchor: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = list(anchor.users)
-    while todo:
-        node = todo.pop()
-        if node not in seen:
-            seen.add(node)
-            todo.extend(node.users)
-    return seen
 
 
 def _unfoldable(bn: BatchNorm, flowing: fx.Node, y: torch.Tensor) -> Optional[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import torch
 import torch.fx as fx
 
 from ..ir.specs import ConvSpec, PoolSpec
@@ -105,6 +106,23 @@ class GlobalReduce:
 
 
 @dataclass(frozen=True)
+class Reduce:
+    """A reduction that is not a plain mean or sum (``GlobalReduce``): ``kind`` is ``"min"`` / ``"max"``
+    (``torch.min(x, dim)``: a (values, indices) pair, read through ``getitem``), ``"amin"``,
+    ``"amax"``, ``"logsumexp"``, ``"softmax"`` / ``"log_softmax"`` (same shape as the input:
+    ``keepdim`` is True), or ``"sum"`` / ``"mean"`` with a ``dtype`` argument.  ``dims`` as written
+    (negative dims not normalised; ``None``: every dim); ``dtype``: the ``dtype=`` argument or None.
+    """
+
+    node: fx.Node
+    input: fx.Node
+    kind: str
+    dims: Optional[tuple[int, ...]]
+    keepdim: bool
+    dtype: Optional[torch.dtype] = None
+
+
+@dataclass(frozen=True)
 class BatchNorm:
     """``F.batch_norm`` over dim 1: ``(input - mean) / sqrt(var + eps) * weight + bias``, with the
     running statistics when ``training`` is False, with the batch's otherwise (or when a running
@@ -128,4 +146,4 @@ class Opaque:
     description: str
 
 
-CanonicalOp = Union[Conv, Pointwise, Pool, GlobalReduce, BatchNorm, Opaque]
+CanonicalOp = Union[Conv, Pointwise, Pool, GlobalReduce, Reduce, BatchNorm, Opaque]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..ir.specs import ConvSpec, PoolSpec
 from ..ops.chain import PointwiseKind as K
-from .canonical import BatchNorm, CanonicalOp, Conv, GlobalReduce, Opaque, ParamRef, Pointwise, Pool
+from .canonical import BatchNorm, CanonicalOp, Conv, GlobalReduce, Opaque, ParamRef, Pointwise, Pool, Reduce
 
 # --------------------------------------------------------------------------------------------
 # Signatures the spellings are bound against (argument names as in torch's own docs).
@@ -49,6 +49,10 @@ def _sig_max_pool(input, kernel_size, stride=None, padding=0, dilation=1, ceil_m
 def _sig_avg_pool(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None): ...
 def _sig_reduce(input, dim=None, keepdim=False, *, dtype=None): ...
 def _sig_adaptive(input, output_size): ...
+def _sig_min_max_dim(input, dim, keepdim=False): ...
+def _sig_amin_amax(input, dim=(), keepdim=False): ...
+def _sig_logsumexp(input, dim, keepdim=False): ...
+def _sig_softmax(input, dim=None, _stacklevel=3, dtype=None): ...
 def _sig_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
                     eps=1e-05): ...
 
@@ -147,6 +151,13 @@ _MAX_POOL_FUNCS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, torch.max_
 _AVG_POOL_FUNCS = {F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3}
 _ADAPTIVE_AVG_FUNCS = {F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3}
 _REDUCE_FUNCS = {torch.mean: "mean", torch.sum: "sum"}
+#: Reductions that are not a plain mean or sum (``Reduce``), by function; min / max are
+#: ``_MIN_MAX_OVERLOADED`` (a reduction only with an int ``dim``).
+_AMIN_AMAX_FUNCS = {torch.amin: "amin", torch.amax: "amax"}
+_LOGSUMEXP_FUNCS = {torch.logsumexp, torch.special.logsumexp}
+_SOFTMAX_FUNCS = {torch.softmax: "softmax", F.softmax: "softmax", torch.log_softmax: "log_softmax",
+                  F.log_softmax: "log_softmax", torch.special.softmax: "softmax",
+                  torch.special.log_softmax: "log_softmax"}
 
 _POINTWISE_MODULES: dict[type, K] = {
     nn.ReLU: K.RELU, nn.SiLU: K.SILU, nn.Sigmoid: K.SIGMOID, nn.Tanh: K.TANH,
@@ -247,14 +258,53 @@ def _pool(node: fx.Node, kind: str, dims: int, b: dict[str, Any]) -> Pool:
     return Pool(node, b["input"], dims, spec, unsupported)
 
 
-def _reduce(node: fx.Node, kind: str, b: Optional[dict[str, Any]]) -> Optional[GlobalReduce]:
-    if b is None or b.get("dtype") is not None:
+def _reduce(node: fx.Node, kind: str, b: Optional[dict[str, Any]]) -> Optional[GlobalReduce | Reduce]:
+    """A mean or sum: ``GlobalReduce``, or with a ``dtype=`` argument a ``Reduce`` that says so."""
+    if b is None:
         return None
+    if b.get("dtype") is not None:
+        return _dims_reduce(node, kind, b)
     dim = b["dim"]
     dims = None if dim is None else tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
     if dims is not None and not all(isinstance(d, int) for d in dims):
         return None
     return GlobalReduce(node, b["input"], kind, dims, bool(b["keepdim"]))
+
+
+def _reduce_dims(dim: Any) -> Optional[tuple[int, ...]] | str:
+    """``dim`` as a tuple of ints, None for every dim (``None`` or ``()``), or "bad" for anything
+    else (a traced value)."""
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return None
+    dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return "bad"
+    return dims
+
+
+def _dims_reduce(node: fx.Node, kind: str, b: Optional[dict[str, Any]]) -> Optional[Reduce]:
+    """``amin`` / ``amax`` / ``logsumexp`` (and sum / mean with a dtype) bound to their signature."""
+    if b is None:
+        return None
+    dims = _reduce_dims(b["dim"])
+    if dims == "bad" or not isinstance(b["keepdim"], bool):
+        return None
+    return Reduce(node, b["input"], kind, dims, b["keepdim"], b.get("dtype"))
+
+
+def _min_max_reduction(node: fx.Node, kind: K, args: tuple, kwargs: dict) -> Optional[Reduce]:
+    """``torch.min(x, dim[, keepdim])`` / ``max``: a (values, indices) reduction, when ``dim`` is an int."""
+    b = _bind(_sig_min_max_dim, args, kwargs)
+    if not b or not isinstance(b["dim"], int) or isinstance(b["dim"], bool) or not isinstance(b["keepdim"], bool):
+        return None
+    return Reduce(node, b["input"], "min" if kind is K.MINIMUM else "max", (b["dim"],), b["keepdim"])
+
+
+def _softmax(node: fx.Node, kind: str, b: Optional[dict[str, Any]]) -> Optional[Reduce]:
+    """softmax / log_softmax over one int dim (the implicit dim of ``dim=None`` is left opaque)."""
+    if b is None or not isinstance(b["dim"], int) or isinstance(b["dim"], bool):
+        return None
+    return Reduce(node, b["input"], kind, (b["dim"],), True, b.get("dtype"))
 
 
 def _normalize_function(node: fx.Node, target: Any, args: tuple, kwargs: dict) -> Optional[CanonicalOp]:
@@ -315,8 +365,18 @@ def _normalize_function(node: fx.Node, target: Any, args: tuple, kwargs: dict) -
     if target in _NEG_FUNCS:
         b = _bind(_sig_neg, args, kwargs)
         return Pointwise(node, K.MUL, (b["input"], -1.0)) if b else None
+    if target in _MIN_MAX_OVERLOADED:
+        reduction = _min_max_reduction(node, _MIN_MAX_OVERLOADED[target], args, kwargs)
+        if reduction is not None:
+            return reduction
     if target in _MIN_MAX_FUNCS or target in _MIN_MAX_OVERLOADED:
         return _min_max(node, _MIN_MAX_FUNCS.get(target) or _MIN_MAX_OVERLOADED[target], False, args, kwargs)
+    if target in _AMIN_AMAX_FUNCS:
+        return _dims_reduce(node, _AMIN_AMAX_FUNCS[target], _bind(_sig_amin_amax, args, kwargs))
+    if target in _LOGSUMEXP_FUNCS:
+        return _dims_reduce(node, "logsumexp", _bind(_sig_logsumexp, args, kwargs))
+    if target in _SOFTMAX_FUNCS:
+        return _softmax(node, _SOFTMAX_FUNCS[target], _bind(_sig_softmax, args, kwargs))
     if target in _MAX_POOL_FUNCS:
         b = _bind(_sig_max_pool, args, kwargs)
         return _pool(node, "max", _MAX_POOL_FUNCS[target], b) if b else None
@@ -392,7 +452,17 @@ def _normalize_method(node: fx.Node) -> Optional[CanonicalOp]:
         return _binary(node, _METHOD_BINARY[base], inplace, args, kwargs)
     if base in ("minimum", "maximum", "min", "max"):
         kind = K.MINIMUM if base in ("minimum", "min") else K.MAXIMUM
+        if name in ("min", "max"):
+            reduction = _min_max_reduction(node, kind, args, kwargs)
+            if reduction is not None:
+                return reduction
         return _min_max(node, kind, inplace, args, kwargs)
+    if name in ("amin", "amax"):
+        return _dims_reduce(node, name, _bind(_sig_amin_amax, args, kwargs))
+    if name == "logsumexp":
+        return _dims_reduce(node, name, _bind(_sig_logsumexp, args, kwargs))
+    if name in ("softmax", "log_softmax"):
+        return _softmax(node, name, _bind(_sig_softmax, args, kwargs))
     if base in ("neg", "negative"):
         b = _bind(_sig_neg, args, kwargs)
         return Pointwise(node, K.MUL, (b["input"], -1.0), inplace) if b else None
@@ -460,6 +530,9 @@ def _normalize_module(node: fx.Node, root: torch.nn.Module) -> Optional[Canonica
         batch_statistics = mod.training or mod.running_mean is None or mod.running_var is None
         return BatchNorm(node, x, ref("running_mean"), ref("running_var"), ref("weight"), ref("bias"),
                          batch_statistics, float(mod.eps))
+    if isinstance(mod, (nn.Softmax, nn.LogSoftmax)):
+        kind = "softmax" if isinstance(mod, nn.Softmax) else "log_softmax"
+        return _softmax(node, kind, {"input": x, "dim": mod.dim, "dtype": None})
     if isinstance(mod, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
         dims = {nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3}[type(mod)]
         if any(s != 1 for s in _tuple(mod.output_size, dims)):

@@ -1,0 +1,171 @@
+"""Growing a pointwise chain over canonical ops, shared by the families that fuse one.
+
+A chain starts at a value (a conv output, or a reduction's result) and grows one user at a time;
+``ChainValues`` records what it has computed so that a later step may read an earlier value again
+(a DAG chain: ``y + torch.tanh(y)``) and where the chain may end (every value but its last read only
+inside the region).  ``pointwise_step`` turns one canonical ``Pointwise`` op into a ``ChainStep``
+(or a ``NearMiss`` saying why it cannot join).
+
+The region object a ``ChainValues`` works on is duck-typed: it has the lists ``steps``
+(``ChainStep``s), ``step_nodes`` (the graph nodes after the start, one per op), ``operands`` (the fused
+op's tensor operands) and ``labels`` (one per step node, for the summary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from ..frontend.canonical import BatchNorm, Pointwise, Pool
+from ..ops.chain import ChainStep, ChainValue, PointwiseKind, TensorRef
+from ..report import NearMiss, ReasonKind
+from .engine import MatchContext, fake_of
+
+
+class ChainValues:
+    """What a growing chain, started at ``anchor``, has computed, so that it may read a value again (a DAG epilogue:
+    ``y * torch.sigmoid(2 * y)``, ``y + torch.tanh(y)``).
+
+    * ``position[node]``: the step whose input the region node is (``ChainValue(position)``);
+    * ``downstream``: every node computed from the conv output; one of them outside the chain cannot be
+      an operand (the fused op would read its own result);
+    * the prefixes the region could end at, as the lengths of its ``steps``, ``step_nodes`` and
+      ``operands`` there: a region may end at a node only if no node before it is read outside the
+      region (``longest_closed_prefix``).
+    """
+
+    def __init__(self, anchor: fx.Node) -> None:
+        self.anchor = anchor
+        self.position: dict[fx.Node, int] = {anchor: 0}
+        self.downstream = computed_from(anchor)
+        self._prefixes: list[tuple[int, int, int]] = []
+
+    def prefix_ends_at(self, region: Any) -> None:
+        """Record that ``region``, as it is now, could end at its last node."""
+        self._prefixes.append((len(region.steps), len(region.step_nodes), len(region.operands)))
+
+    def computed(self, node: fx.Node, steps: int) -> fx.Node:
+        """Record ``node`` as the chain's value after its first ``steps`` steps; returns it."""
+        self.position[node] = steps
+        return node
+
+    def label(self, step: ChainStep) -> str:
+        """The step's kind, with the earlier value it reads again: ``add(conv2d)``."""
+        reads = [o for o in step.operands if isinstance(o, ChainValue)]
+        if not reads:
+            return step.kind.name.lower()
+        node = next(n for n, p in self.position.items() if p == reads[0].position)
+        return f"{step.kind.name.lower()}({node.name})"
+
+    def operand(self, value: Any, kind: PointwiseKind, index: int) -> Union[ChainValue, str, None]:
+        """``ChainValue`` for a value the chain holds, a reason for one computed from the conv output
+        outside the chain, None for anything else (an outside operand)."""
+        if not isinstance(value, fx.Node) or (value not in self.position and value not in self.downstream):
+            return None
+        if value not in self.position:
+            return f"operand `{value.name}` is computed from the conv output outside the chain"
+        if index not in kind.differentiable_operands:
+            return f"{kind.name.lower()} cannot read the chain's own value `{value.name}` as operand {index}"
+        return ChainValue(self.position[value])
+
+    def next_user(self, ctx: MatchContext, current: fx.Node,
+                  fusible: tuple[type, ...] = (Pointwise, BatchNorm, Pool)) -> tuple[Optional[fx.Node], str]:  # fmt: skip
+        """The op the chain continues with: ``current``'s only user, or of several users the only
+        ``fusible`` one (by canonical op type) whose other inputs the chain holds (the others must
+        join later); else ``(None, why)``."""
+        user, why = ctx.sole_user(current)
+        if user is not None:
+            return user, ""
+        ready = [u for u in current.users if u.op != "output" and isinstance(ctx.op(u), fusible)
+                 and all(n in self.position or n not in self.downstream for n in u.all_input_nodes)]
+        if len(ready) == 1:
+            return ready[0], ""
+        return None, why + (" (the chain would branch)" if len(ready) > 1 else "")
+
+    def closed(self, region: Any, result: fx.Node, step_nodes: Optional[int] = None) -> bool:
+        """Whether the conv, the first ``step_nodes`` of ``region``'s step nodes (all by default) and
+        ``result`` form a region whose only value read outside is ``result``."""
+        inside = {self.anchor, *region.step_nodes[:step_nodes], result}
+        return all(u in inside for n in inside if n is not result for u in n.users)
+
+    def longest_closed_prefix(self, region: Any) -> tuple[fx.Node, Optional[fx.Node]]:
+        """Cut ``region`` (no pool) back to its longest prefix that is ``closed``: ``(its result, the
+        first node of the whole region read outside it)`` (None when the whole chain was closed)."""
+        held = [self.anchor, *region.step_nodes]
+        read_outside = next((n for n in held[:-1] if any(u not in held for u in n.users)), None)
+        for steps, step_nodes, operands in reversed(self._prefixes):
+            result = held[step_nodes]
+            if self.closed(region, result, step_nodes):
+                del region.steps[steps:], region.step_nodes[step_nodes:], region.operands[operands:]
+                del region.labels[step_nodes:]  # one label per step node
+                return result, read_outside
+        raise AssertionError("the conv output alone is always a closed region")
+
+    @staticmethod
+    def outside_users(node: fx.Node) -> str:
+        return f"`{node.name}` is read again outside the chain (by " + ", ".join(
+            "the graph output" if u.op == "output" else f"`{u.name}`" for u in node.users) + ")"
+
+
+def computed_from(anchor: fx.Node) -> set[fx.Node]:
+    """Every node computed (directly or not) from ``anchor``'s value."""
+    seen: set[fx.Node] = set()
+    todo = list(anchor.users)
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.users)
+    return seen
+
+
+def pointwise_step(
+    ctx: MatchContext, pattern: str, anchor: fx.Node, op: Pointwise, flowing: fx.Node, operands: list[Any],
+    y: Any, chain: ChainValues, dtypes: Sequence[torch.dtype], scalar_operands: bool = False,
+) -> Union[ChainStep, NearMiss]:  # fmt: skip
+    """``op`` as the chain's next step, reading the chain's value ``flowing``, or the near miss (of
+    ``pattern``, anchored at ``anchor``) saying why it cannot be.
+
+    ``operands``: the region's tensor operands so far; a new one is appended only when the step is
+    accepted.  ``y``: the fake value whose dim 1 is "the channels" a per-channel operand must match
+    (``MatchContext.classify_operand``).  ``dtypes``: the result dtypes a fused step may have.
+    ``scalar_operands``: accept only numbers and one-element tensors (a chain after a reduction over
+    the channels has no channel dim).
+    """
+    seen = op.with_flowing(flowing)
+    if isinstance(seen, str):
+        return ctx.near_miss(pattern, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND, seen)
+    kind, values = seen
+    out = fake_of(op.node)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(fake_of(flowing).shape):
+        return ctx.near_miss(pattern, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND,
+                             f"`{op.node.name}` changes the shape (an operand broadcasts the result)")
+    if out.dtype not in dtypes:
+        return ctx.near_miss(pattern, anchor, op.node, ReasonKind.UNSUPPORTED_DTYPE, f"`{op.node.name}` yields {out.dtype}")
+    found = []
+    trial = list(operands)
+    for i, value in enumerate(values):
+        got = chain.operand(value, kind, i)
+        if got is None and scalar_operands and isinstance(value, fx.Node):
+            fake = fake_of(value)
+            if isinstance(fake, torch.Tensor) and fake.numel() != 1:
+                got = (f"operand `{value.name}` has shape {list(fake.shape)}; after a reduction over the channels "
+                       "only numbers and one-element tensors fuse")
+        if got is None:
+            got = ctx.classify_operand(value, y, trial)
+        if isinstance(got, str):
+            return ctx.near_miss(pattern, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND, got)
+        found.append(got)
+    for i, got in enumerate(found):
+        if isinstance(got, TensorRef) and i not in kind.differentiable_operands:
+            fake = fake_of(trial[got.index])
+            if getattr(fake, "requires_grad", False):
+                return ctx.near_miss(pattern, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND,
+                                     f"the {kind.name.lower()} parameter `{trial[got.index].name}` requires grad; only arithmetic operands and the bound of clamp_min / clamp_max get gradients")
+    operands[:] = trial
+    return ChainStep(kind, tuple(found))
+
+

@@ -1,0 +1,186 @@
+"""What every part of ``fusion::conv_channel_reduce`` shares: which implementation serves a case
+(``kernel_path``), the outputs and saved state with their exact shapes, dtypes and strides (the fake
+and both implementations allocate through ``allocate_forward_outputs``), input checks, the chains as
+the kernels take them, and the failure policy (``on_kernel_failure``).
+
+The conv itself, its backward, the chain semantics and the outputs' memory format are
+``conv_epilogue``'s (imported, not repeated).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ...errors import KernelError, UnsupportedInputError
+from ...kernels.host import cpu_kernels_unavailable
+from ..config import ConvEpilogueConfig
+from ..conv_epilogue.common import empty_placeholder, in_format, kernel_steps, output_memory_format
+from .config import ConvChannelReduceConfig
+
+logger = logging.getLogger("fusion_backend")
+
+_CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# NOTE: Triton's interpreter has no bf16 (numpy has no such type).
+_INTERPRETER_KERNEL_DTYPES = (torch.float32, torch.float16)
+#: Most channels the Triton kernels reduce over (``kernels.channel_reduce.MAX_CHANNELS``; the pattern
+#: leaves wider convs as a near miss, and a direct call with more runs the reference).
+MAX_CHANNELS = 1024
+
+_warned: set[tuple[str, str]] = set()
+
+
+def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str, str | None]:
+    """``("triton", None)`` when the Triton kernels serve this case, else ``("reference", why)``.
+    The channel count is checked at run time (``use_triton``)."""
+    ConvChannelReduceConfig.from_json(config)  # a valid config
+    if device_type == "cuda":
+        if dtype not in _CUDA_KERNEL_DTYPES:
+            return "reference", f"no Triton kernel for {dtype} (kernels cover float32, float16, bfloat16)"
+    elif device_type == "cpu":
+        why = cpu_kernels_unavailable()
+        if why is not None:
+            return "reference", why
+        if dtype not in _INTERPRETER_KERNEL_DTYPES:
+            return "reference", f"the Triton interpreter has no {dtype} kernels (float32, float16 only)"
+    else:
+        return "reference", f"no Triton kernels for device type {device_type!r}"
+    return "triton", None
+
+
+def use_triton(config: str, cfg: ConvChannelReduceConfig, x: Tensor, channels: int) -> bool:
+    """Whether this call runs the Triton kernels; under ``strict`` on CUDA a case they cannot serve
+    raises ``UnsupportedInputError`` instead of running the reference."""
+    path, why = kernel_path(config, x.dtype, x.device.type)
+    if path == "triton" and channels > MAX_CHANNELS:
+        path, why = "reference", f"{channels} channels exceed the kernels' {MAX_CHANNELS}"
+    if path == "triton":
+        return True
+    if cfg.strict and x.device.type == "cuda":
+        raise UnsupportedInputError(f"fusion::conv_channel_reduce has no Triton kernel here: {why}")
+    return False
+
+
+def on_kernel_failure(direction: str, config: str, cfg: ConvChannelReduceConfig, x: Tensor, weight: Tensor,
+                      error: Exception) -> None:  # fmt: skip
+    """Under ``strict`` raise (``UnsupportedInputError`` as is, anything else as ``KernelError``),
+    else warn once per (direction, config); the caller then runs the reference."""
+    what = (
+        f"fusion::conv_channel_reduce {direction} Triton kernel failed for {describe(cfg)}, x {tuple(x.shape)} "
+        f"weight {tuple(weight.shape)} {x.dtype} on {x.device}: {type(error).__name__}: {error}"
+    )
+    if cfg.strict:
+        if isinstance(error, UnsupportedInputError):
+            raise error
+        raise KernelError(f"{what}. Unset strict to fall back to the plain-torch reference.") from error
+    key = (direction, config)
+    if key not in _warned:
+        _warned.add(key)
+        message = f"{what}. Falling back to the plain-torch reference (warned once per config)."
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def describe(cfg: ConvChannelReduceConfig) -> str:
+    """``pre [relu] -> amax(dim=1, keepdim) -> post [tanh]`` for messages."""
+    def chain(steps) -> str:
+        return ", ".join(s.kind.name.lower() for s in steps)
+
+    keep = ", keepdim" if cfg.keepdim and not cfg.full_size else ""
+    return f"pre [{chain(cfg.pre)}] -> {cfg.reduction}(dim=1{keep}) -> post [{chain(cfg.post)}]"
+
+
+def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvChannelReduceConfig) -> None:
+    """One-line ``UnsupportedInputError`` for inputs that do not fit the config."""
+    dims = cfg.conv.spatial_dims
+    if x.dim() != dims + 2 or weight.dim() != dims + 2:
+        raise UnsupportedInputError(
+            f"fusion::conv_channel_reduce: a {dims}d conv needs x and weight with {dims + 2} dims, got "
+            f"x {tuple(x.shape)} and weight {tuple(weight.shape)}"
+        )
+    if not x.is_floating_point():
+        raise UnsupportedInputError(f"fusion::conv_channel_reduce: x must be floating point, got {x.dtype}")
+    for name, chain in (("pre", cfg.pre), ("post", cfg.post)):
+        for step in chain:
+            for operand in step.operands:
+                index = getattr(operand, "index", None)
+                if index is not None and not 0 <= index < len(operands):
+                    raise UnsupportedInputError(
+                        f"fusion::conv_channel_reduce: the {name}-chain references operands[{index}] but "
+                        f"{len(operands)} operand tensors were given"
+                    )
+
+
+def output_dtype(cfg: ConvChannelReduceConfig, conv_dtype: torch.dtype) -> torch.dtype:
+    return conv_dtype if cfg.out_dtype is None else getattr(torch, cfg.out_dtype)
+
+
+def needs_y(cfg: ConvChannelReduceConfig) -> bool:
+    """Whether the backward reads the conv output: every reduction but min / max (those keep the
+    winner's value), and sum / mean only through a pre-chain."""
+    if cfg.reduction in ("min", "max"):
+        return False
+    return cfg.reduction not in ("sum", "mean") or len(cfg.pre) > 0
+
+
+def stats_dtype(conv_dtype: torch.dtype) -> torch.dtype:
+    """The saved statistics' dtype: fp32 (the kernels' compute type), fp64 for an fp64 conv (the
+    reference's: amin / amax compare the recomputed values with the saved extremum exactly)."""
+    return torch.float64 if conv_dtype == torch.float64 else torch.float32
+
+
+def index_dtype(channels: int) -> torch.dtype:
+    """The winner index's dtype: int16 while the channels fit, else int32."""
+    return torch.int16 if channels <= torch.iinfo(torch.int16).max else torch.int32
+
+
+def reduced_shape(y_shape: Sequence[int], cfg: ConvChannelReduceConfig) -> list[int]:
+    """The result's shape for a conv output of ``y_shape``."""
+    if cfg.full_size:
+        return list(y_shape)
+    return [y_shape[0], *([1] if cfg.keepdim else []), *y_shape[2:]]
+
+
+def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvChannelReduceConfig,
+                             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Empty ``(out, saved_y, saved_index, saved_stats)`` with the exact shapes, dtypes and strides of
+    the real op (``y0``: the conv output, real or fake).
+
+    * ``out``: softmax / log_softmax: y's shape in ``output_memory_format(y0)``; else
+      ``(N, [1,] *spatial)`` contiguous; dtype ``out_dtype`` (the conv's by default).
+    * ``saved_y`` (with ``save`` and ``needs_y``): the conv output without bias, y0 itself where it
+      is in ``output_memory_format(y0)`` already (a conv's output always is), else a copy in it.
+    * ``saved_index`` (with ``save``, min / max): the winning channel, ``(N, *spatial)`` contiguous,
+      ``index_dtype(C)``.
+    * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, N, *spatial)`` contiguous
+      (``kernels/channel_reduce.py``'s table).
+    Absent entries are ``empty_placeholder(x)``.
+    """
+    fmt = output_memory_format(y0)
+    shape = reduced_shape(y0.shape, cfg)
+    dtype = output_dtype(cfg, y0.dtype)
+    if cfg.full_size:
+        out = torch.empty(shape, dtype=dtype, device=x.device, memory_format=fmt)
+    else:
+        out = torch.empty(shape, dtype=dtype, device=x.device)
+    placeholder = empty_placeholder(x)
+    if not save:
+        return out, placeholder, empty_placeholder(x), empty_placeholder(x)
+    n, channels, spatial = y0.shape[0], y0.shape[1], list(y0.shape[2:])
+    saved_y = in_format(y0, fmt) if needs_y(cfg) else placeholder
+    index = (torch.empty([n, *spatial], dtype=index_dtype(channels), device=x.device)
+             if cfg.reduction in ("min", "max") else empty_placeholder(x))  # fmt: skip
+    stats = torch.empty([2, n, *spatial], dtype=stats_dtype(y0.dtype), device=x.device)
+    return out, saved_y, index, stats
+
+
+def chain_kernel_steps(cfg: ConvChannelReduceConfig, steps, operands: Sequence[Tensor], ndim: int,
+                       channels: int) -> list:  # fmt: skip
+    """One of ``cfg``'s chains as the launchers take it (``conv_epilogue.common.kernel_steps``'s form,
+    which reads only the chain of the config it is given): per step ``(op code, [float | tensor of 1
+    or `channels` values])``."""
+    return kernel_steps(ConvEpilogueConfig(conv=cfg.conv, chain=tuple(steps)), operands, ndim, channels)

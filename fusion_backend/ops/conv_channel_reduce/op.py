@@ -1,0 +1,173 @@
+"""``fusion::conv_channel_reduce``'s entry points and registrations: ``conv_channel_reduce`` (what
+rewritten graphs call), the two custom ops with their fakes, the autograd formula, and the
+autograd-free and direct implementations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..autograd_free import register_autograd_free
+from ..conv_epilogue.common import empty_placeholder, run_conv, strided_like
+from ..direct_impls import profiled, records_backward, register_direct
+from . import reference
+from .backward import backward_triton
+from .common import allocate_forward_outputs, check_inputs, on_kernel_failure, use_triton
+from .config import ConvChannelReduceConfig
+from .forward import forward_triton
+
+
+def _fwd_impl(x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Tensor], config: str,
+              save_for_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(out, saved_y, saved_index, saved_stats)`` (``common.allocate_forward_outputs``): the Triton
+    path where it serves the call, else (or when a kernel fails, per the failure policy) the reference."""
+    cfg = ConvChannelReduceConfig.from_json(config)
+    check_inputs(x, weight, operands, cfg)
+    channels = weight.shape[1] * cfg.conv.groups if cfg.conv.transposed else weight.shape[0]
+    if use_triton(config, cfg, x, channels):
+        try:
+            return forward_triton(x, weight, bias, operands, cfg, save_for_backward)
+        except Exception as e:  # any kernel failure takes the documented policy
+            on_kernel_failure("forward", config, cfg, x, weight, e)
+    return reference.forward(x, weight, bias, operands, cfg, save_for_backward)
+
+
+conv_channel_reduce_fwd = torch.library.custom_op("fusion::conv_channel_reduce_fwd", mutates_args=())(_fwd_impl)
+
+
+@conv_channel_reduce_fwd.register_fake
+def _fwd_fake(x, weight, bias, operands, config, save_for_backward):
+    cfg = ConvChannelReduceConfig.from_json(config)
+    y0 = run_conv(x, weight, None, cfg.conv)
+    return allocate_forward_outputs(x, y0, cfg, save_for_backward)
+
+
+def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Tensor],
+              saved_y: Tensor, saved_index: Tensor, saved_stats: Tensor, config: str,
+              output_mask: list[bool]) -> list[Tensor]:  # fmt: skip
+    """``[grad_x, grad_weight, grad_bias, *grad_operands]``; entries whose mask is False are empty
+    placeholders; the others have their input's shape, dtype and ``empty_like`` strides."""
+    cfg = ConvChannelReduceConfig.from_json(config)
+    if len(output_mask) != 3 + len(operands):
+        raise ValueError(f"output_mask needs {3 + len(operands)} entries, got {len(output_mask)}")
+    if saved_stats.dim() == 1:
+        raise RuntimeError("fusion::conv_channel_reduce_bwd: the forward ran with save_for_backward=False; call "
+                           "conv_channel_reduce() (which saves state when autograd needs it) instead of the raw op")
+    channels = weight.shape[1] * cfg.conv.groups if cfg.conv.transposed else weight.shape[0]
+    grads = None
+    if use_triton(config, cfg, x, channels):
+        try:
+            grads = backward_triton(grad_out, x, weight, bias, operands, saved_y, saved_index, saved_stats, cfg,
+                                    output_mask)  # fmt: skip
+        except Exception as e:  # any kernel failure takes the documented policy
+            on_kernel_failure("backward", config, cfg, x, weight, e)
+    if grads is None:
+        grads = reference.backward(grad_out, x, weight, bias, operands, saved_y, saved_index, saved_stats, cfg,
+                                   output_mask)  # fmt: skip
+    inputs = [x, weight, bias, *operands]
+    return [
+        strided_like(g, ref) if wanted and ref is not None and g is not None else empty_placeholder(x)
+        for g, ref, wanted in zip(grads, inputs, output_mask, strict=True)
+    ]
+
+
+conv_channel_reduce_bwd = torch.library.custom_op("fusion::conv_channel_reduce_bwd", mutates_args=())(_bwd_impl)
+
+
+@conv_channel_reduce_bwd.register_fake
+def _bwd_fake(grad_out, x, weight, bias, operands, saved_y, saved_index, saved_stats, config, output_mask):
+    inputs = [x, weight, bias, *operands]
+    return [
+        torch.empty_like(ref) if wanted and ref is not None else empty_placeholder(x)
+        for ref, wanted in zip(inputs, output_mask, strict=True)
+    ]
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    x, weight, bias, operands, config, save_for_backward = inputs
+    _, saved_y, saved_index, saved_stats = output
+    ctx.mark_non_differentiable(saved_y, saved_index, saved_stats)
+    ctx.config = config
+    ctx.num_operands = len(operands)
+    ctx.saved = save_for_backward
+    ctx.save_for_backward(x, weight, bias, *operands, saved_y, saved_index, saved_stats)
+
+
+def _backward(ctx: Any, grad_out: Tensor, *_unused: Tensor) -> tuple[Any, ...]:
+    if not ctx.saved:
+        raise RuntimeError("fusion::conv_channel_reduce_fwd ran with save_for_backward=False but a gradient was "
+                           "requested; call conv_channel_reduce(), which saves state whenever autograd needs it")
+    x, weight, bias, *rest = ctx.saved_tensors
+    operands = rest[: ctx.num_operands]
+    saved_y, saved_index, saved_stats = rest[ctx.num_operands :]
+    needs = ctx.needs_input_grad  # (x, weight, bias, [operands...], config, save_for_backward)
+    mask = [bool(needs[0]), bool(needs[1]), bias is not None and bool(needs[2])] + [bool(m) for m in needs[3]]
+    grads = torch.ops.fusion.conv_channel_reduce_bwd(grad_out, x, weight, bias, list(operands), saved_y, saved_index,
+                                                     saved_stats, ctx.config, mask)  # fmt: skip
+    picked = [g if wanted else None for g, wanted in zip(grads, mask, strict=True)]
+    return picked[0], picked[1], picked[2], picked[3:], None, None
+
+
+conv_channel_reduce_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd_free(conv_channel_reduce_fwd, _fwd_impl, _fwd_fake)
+register_autograd_free(conv_channel_reduce_bwd, _bwd_impl, _bwd_fake)
+
+
+def conv_channel_reduce(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                        config: str) -> Tensor:  # fmt: skip
+    """``post(reduce_over_dim_1(pre(conv(x, weight, bias)))).to(out_dtype)`` as one fused op.
+
+    Args:
+        x: ``(N, C_in, *spatial)``, 1-3 spatial dims, the conv's dtype; any layout.
+        weight: conv weight, ``(C_out, C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``.
+        bias: ``(C_out,)`` or ``None``.
+        operands: tensors referred to by the chains' ``TensorRef`` operands.
+        config: ``ConvChannelReduceConfig.to_json()``.
+
+    Returns:
+        softmax / log_softmax: the conv output's shape, in its memory format; else ``(N, *spatial)``
+        or with keepdim ``(N, 1, *spatial)``, contiguous.  Dtype ``out_dtype`` (default the conv's).
+        Differentiable in x, weight, bias and every operand.  State for the backward is kept only
+        when autograd will need it.
+    """
+    save = records_backward(x, weight, bias, operands)
+    return torch.ops.fusion.conv_channel_reduce_fwd(x, weight, bias, list(operands), config, save)[0]
+
+
+class _DirectConvChannelReduce(torch.autograd.Function):
+    """``conv_channel_reduce`` for graphs the backend runs without AOTAutograd (``ops/direct_impls.py``):
+    the custom ops' implementations called straight, saving the same state.  ``operands`` are spread
+    into separate arguments because autograd tracks only tensors passed one by one."""
+
+    @staticmethod
+    def forward(ctx, config, x, weight, bias, *operands):
+        out, saved_y, saved_index, saved_stats = _fwd_impl(x, weight, bias, list(operands), config, True)
+        ctx.save_for_backward(x, weight, bias, *operands)
+        ctx.state = (saved_y, saved_index, saved_stats)  # intermediates: attributes, as autograd advises
+        ctx.config = config
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    @profiled("fusion::conv_channel_reduce_bwd")
+    def backward(ctx, grad_out):
+        x, weight, bias, *operands = ctx.saved_tensors
+        needs = ctx.needs_input_grad  # (config, x, weight, bias, *operands)
+        mask = [bool(needs[1]), bool(needs[2]), bias is not None and bool(needs[3])] + [bool(m) for m in needs[4:]]
+        grads = _bwd_impl(grad_out, x, weight, bias, operands, *ctx.state, ctx.config, mask)
+        return (None, *(g if wanted else None for g, wanted in zip(grads, mask, strict=True)))
+
+
+@profiled("fusion::conv_channel_reduce_fwd")
+def _conv_channel_reduce_direct(x, weight, bias, operands, config):
+    """``conv_channel_reduce`` without the custom-op layers (the direct implementation; same contract)."""
+    if records_backward(x, weight, bias, operands):
+        return _DirectConvChannelReduce.apply(config, x, weight, bias, *operands)
+    return _fwd_impl(x, weight, bias, list(operands), config, False)[0]
+
+
+register_direct(conv_channel_reduce, _conv_channel_reduce_direct)
