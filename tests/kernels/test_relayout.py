@@ -61,3 +61,26 @@ def test_the_ops_relayout_falls_back_to_copy_for_other_layouts(relayout):
     dst = torch.empty(src.shape, device=DEVICE, memory_format=torch.channels_last)
     assert relayout.relayout_supported(src, dst) is not None
     assert torch.equal(ce.common.relayout(src, dst), src)
+
+
+def test_a_planned_relayout_copies_into_a_fresh_tensor_of_its_layout_on_every_call(relayout):
+    """``PlannedRelayout``: the planned source layout takes the kernel; a source laid out otherwise
+    (the plan cannot know what a library gives) and a layout the kernel does not serve take torch's
+    copy; every call returns a new tensor of the planned layout and dtype."""
+    src = torch.randn(2, 5, 3, 4, device=DEVICE)
+    cl = torch.empty(src.shape, dtype=torch.float16, device="meta", memory_format=torch.channels_last)
+    plan = relayout.PlannedRelayout(src, tuple(cl.shape), cl.stride(), cl.dtype)
+    assert plan.by_kernel and plan.launch is not None
+    first, second = plan(src), plan(src * 2)
+    for out, want in ((first, src), (second, src * 2)):
+        assert out.stride() == cl.stride() and out.dtype == torch.float16
+        assert torch.equal(out, want.half())
+    assert first.data_ptr() != second.data_ptr()
+    other = src.to(memory_format=torch.channels_last)  # same shape and dtype, other strides
+    assert torch.equal(plan(other), src.half()) and plan(other).stride() == cl.stride()
+    sliced = torch.randn(2, 5, 3, 6, device=DEVICE)[..., 1:5]  # spatial dims do not flatten
+    by_copy = relayout.PlannedRelayout(sliced, tuple(cl.shape), cl.stride(), torch.float32)
+    assert not by_copy.by_kernel and torch.equal(by_copy(sliced), sliced)
+    empty = torch.empty(0, 5, 3, 4, device=DEVICE)
+    nothing = relayout.PlannedRelayout(empty, (0, 5, 3, 4), empty.stride(), torch.float32)
+    assert nothing(empty).shape == (0, 5, 3, 4)

@@ -18,6 +18,7 @@ from ...ir.specs import ConvSpec, PoolSpec
 from ..chain_math import MAX_WINDOW_VOLUME, op_constexprs
 from ..conv_common import AutotunedLaunch, ForwardArgs, WeightMatrixLaunch, cached_forward_launch, run_forward
 from ..host import INTERPRETER, BoundedCache, best_first, cdiv, lift_5d, next_pow2
+from ..relayout import PlannedRelayout
 from ..tf32 import compute_code, dot_precision
 from .device import conv_fused_fwd_kernel, phase_aligned_weight_kernel
 
@@ -290,6 +291,8 @@ class _Launch(AutotunedLaunch):
         self.m_total, self.groups, self.cout_g = m_total, groups, cout_g
         #: None: the kernel reads the weight with its output channels innermost (``_output_channels_innermost``).
         self.weight_matrix = weight_matrix
+        #: that copy of the weight, planned on the first call that needs one (``_relaid_weight``)
+        self._weight_relayout: PlannedRelayout | None = None
         super().__init__(_conv_fused_fwd_tuned, conv_fused_fwd_kernel, constexprs, ints, cfg, first_tile)
 
     def grid(self, meta: dict) -> tuple[int, int]:
@@ -302,9 +305,23 @@ class _Launch(AutotunedLaunch):
         if self.weight_matrix is not None:
             w, wm = weight, self.weight_matrix(weight)
         else:
-            w = wm = _output_channels_innermost(weight, self.transposed)
+            w = wm = self._relaid_weight(weight)
         self(x, w, wm, params, out, saved_y0 if saved_y0 is not None else out,
              saved_winner if saved_winner is not None else out)  # fmt: skip
+
+
+    def _relaid_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """``_output_channels_innermost(weight)``, copied by a ``PlannedRelayout`` made on the first
+        copy (the plan's weight layout is fixed; a movedim + contiguous + movedim per call cost three
+        torch calls of host time)."""
+        co_dim = 1 if self.transposed else 0
+        if weight.stride(co_dim) == 1 or weight.shape[co_dim] == 1:
+            return weight
+        if self._weight_relayout is None:
+            meta = torch.empty_strided(weight.shape, weight.stride(), dtype=weight.dtype, device="meta")
+            relaid = _output_channels_innermost(meta, self.transposed)
+            self._weight_relayout = PlannedRelayout(weight, tuple(relaid.shape), relaid.stride(), relaid.dtype)
+        return self._weight_relayout(weight)
 
 
 def phase_aligned_weight_matrix(weight: torch.Tensor, plan: LaunchPlan, conv: ConvSpec, precision: str,

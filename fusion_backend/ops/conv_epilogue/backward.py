@@ -178,6 +178,12 @@ class LibraryBackward:
         )  # fmt: skip
         self.params = PlannedOperands(cfg, steps, bias, channels, x.device)
         self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
+        if self.x_format is not None:
+            #: x cast and relaid for the conv backward in one copy; the input gradient, which the
+            #: channels-last conv backward gives in x's relaid layout, relaid back into x's own
+            relaid = torch.empty(x.shape, dtype=self.dtype, device="meta", memory_format=self.x_format)
+            self.x_relayout = common.planned_relayout(x, relaid)
+            self.grad_x_relayout = common.planned_relayout(relaid, torch.empty_like(x, device="meta"))
 
     def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor) -> list[Tensor | None]:  # fmt: skip
@@ -189,13 +195,12 @@ class LibraryBackward:
             y0, winner, winner_y = saved_y0, None, None
         slot_grads, grad_bias = self.epilogue(grad_out, y0, winner, winner_y, self.params(bias, operands), grad_y)
         grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], grad_y.device)
-        x_in = x
         if self.x_format is not None:  # one copy casts and relays
-            x = common.relayout(x, torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=self.x_format))
+            x = self.x_relayout(x)
         x, weight, _ = common.cast_inputs(x, weight, None, self.dtype)  # grads: ``strided_like`` casts back
         grad_x, grad_w, _ = common.run_conv_backward(grad_y, x, weight, self.spec, self.mask[0], self.mask[1])
         if self.x_format is not None and grad_x is not None:  # back to x's layout and dtype (``strided_like``'s)
-            grad_x = common.relayout(grad_x, torch.empty_like(x_in))
+            grad_x = self.grad_x_relayout(grad_x)
         return [grad_x, grad_w, grad_bias.to(bias.dtype) if self.want_bias else None, *grad_operands]
 
 

@@ -8,7 +8,7 @@ import logging
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -334,6 +334,14 @@ def relayout(src: Tensor, dst: Tensor) -> Tensor:
     from ...kernels.relayout import relayout_or_copy  # lazily: TRITON_INTERPRET is read at import
 
     return relayout_or_copy(src, dst)
+
+
+def planned_relayout(src: Tensor, like: Tensor) -> Any:
+    """``kernels.relayout.PlannedRelayout`` from ``src``'s layout into ``like``'s (a meta tensor giving
+    the destination's shape, strides and dtype): a callable ``src -> dst``, ``dst`` fresh on every call."""
+    from ...kernels.relayout import PlannedRelayout  # lazily, as in ``relayout``
+
+    return PlannedRelayout(src, tuple(like.shape), like.stride(), like.dtype)
 
 
 def channels_last_format(ndim: int) -> torch.memory_format:

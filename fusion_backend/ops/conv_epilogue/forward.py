@@ -32,6 +32,7 @@ from .common import (
     kernel_steps,
     logger,
     output_memory_format,
+    planned_relayout,
     pooled_output_shape,
     relayout,
     run_conv,
@@ -456,17 +457,19 @@ class ChannelsLastLibraryForward(LibraryForward):
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
         self.conv_format = channels_last_format(x.dim())
         super().__init__(x, weight, bias, operands, cfg, save)
-        #: the weight is used as given (already channels-last in the compute dtype)
-        self.weight_ready = weight.dtype == self.dtype and weight.is_contiguous(memory_format=self.conv_format)
+        fmt = self.conv_format
+        self.x_relayout = planned_relayout(x, torch.empty(x.shape, dtype=self.dtype, device="meta", memory_format=fmt))
+        #: None: the weight is used as given (already channels-last in the compute dtype)
+        self.weight_relayout = (
+            None if weight.dtype == self.dtype and weight.is_contiguous(memory_format=fmt)
+            else planned_relayout(weight, torch.empty(weight.shape, dtype=self.dtype, device="meta", memory_format=fmt))
+        )  # fmt: skip
 
     def _conv_output(self, x: Tensor, weight: Tensor) -> Tensor:
         """y0 from the channels-last conv, in the layout the conv gives (channels-last as planned)."""
-        fmt = self.conv_format
-        xc = relayout(x, torch.empty(x.shape, dtype=self.dtype, device=x.device, memory_format=fmt))
-        if not self.weight_ready:
-            weight = relayout(weight, torch.empty(weight.shape, dtype=self.dtype, device=weight.device,
-                                                   memory_format=fmt))  # fmt: skip
-        return run_conv(xc, weight, None, self.spec)
+        if self.weight_relayout is not None:
+            weight = self.weight_relayout(weight)
+        return run_conv(self.x_relayout(x), weight, None, self.spec)
 
 
 def channels_last_forward_unsupported(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> str | None:
