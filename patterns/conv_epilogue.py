@@ -185,7 +185,7 @@ class ConvEpiloguePattern(Pattern):
 
 #: Normalizations with statistics per sample (or per group of channels), by function name.
 _SAMPLE_NORMS = {"group_norm": "GroupNorm", "instance_norm": "InstanceNorm", "layer_norm": "LayerNorm"}
-#: Reductions that, over the conv's channels, a channel-reduction epilogue would take.
+#: Reductions that, over the conv's channels, the ``conv_channel_reduce`` family takes.
 _REDUCTIONS = {"softmax", "log_softmax", "min", "max", "amin", "amax", "sum", "mean", "logsumexp"}
 
 
@@ -201,7 +201,8 @@ def _not_fused_yet(node: fx.Node, rank: int) -> Optional[str]:
     dims = dim if isinstance(dim, (tuple, list)) else (dim,)
     if all(isinstance(d, int) and not isinstance(d, bool) for d in dims) and 1 in {d % rank for d in dims}:
         article = "an" if name[0] in "aeiou" else "a"
-        return f"reduces over the conv's channels: {article} {name} over dim 1 is not fused yet"
+        return (f"reduces over the conv's channels: {article} {name} over dim 1 is the conv_channel_reduce family's "
+                "(its near miss says why it did not fuse)")
     return None
 
 

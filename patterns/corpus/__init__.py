@@ -29,7 +29,7 @@ class CorpusCase:
 
 
 #: Family name -> the module holding its ``CASES``.
-FAMILIES = ("conv_epilogue", "conv_global_mean")
+FAMILIES = ("conv_epilogue", "conv_global_mean", "conv_channel_reduce")
 
 
 def cases(family: str) -> list[CorpusCase]:

@@ -51,17 +51,6 @@ class _Swish(nn.Module):
         return (y * torch.sigmoid(y)) * self.scale
 
 
-class _ChannelMin(nn.Module):
-    """A reduction over channels after the conv."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(torch.amin(self.conv(x), dim=1, keepdim=True))
-
-
 class _LearnedClamp(nn.Module):
     """A learned floor (a 0-d parameter) clamps the conv output; its gradient is where it was taken."""
 
@@ -121,9 +110,11 @@ CASES = [
                near_misses=(("conv_epilogue", "unsupported_op", "batch statistics"),)),
     CorpusCase("group_norm", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.SiLU()), _x(2, 3, 12, 12)),
                near_misses=(("conv_epilogue", "unsupported_op", "group_norm) normalizes by statistics of the conv output"),)),
-    CorpusCase("softmax_over_channels", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.Softmax(dim=1)), _x(2, 3, 12, 12)),
-               near_misses=(("conv_epilogue", "unsupported_op", "a softmax over dim 1 is not fused yet"),)),
-    CorpusCase("min_over_channels", lambda: (_ChannelMin(), _x(2, 3, 12, 12)), near_misses=(("conv_epilogue", "unsupported_op", "an amin over dim 1"),)),
+    CorpusCase("channel_reduction_beyond_the_channel_family",
+               lambda: (_Then(nn.Conv2d(3, 1100, 1), lambda y: torch.relu(y).amax(dim=1)), _x(1, 3, 4, 4)),
+               regions=("conv2d -> relu",),
+               near_misses=(("conv_epilogue", "unsupported_op", "an amax over dim 1 is the conv_channel_reduce family's"),
+                            ("conv_channel_reduce", "dimension_mismatch", "at most 1024"))),
     CorpusCase("layer_norm_over_trailing_dims",
                lambda: (_Then(nn.Conv2d(3, 8, 3), lambda y: F.layer_norm(y, y.shape[-2:])), _x(2, 3, 12, 12)),
                near_misses=(("conv_epilogue", "unsupported_op", "(LayerNorm), which is not fused yet"),)),

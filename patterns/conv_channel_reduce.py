@@ -1,0 +1,276 @@
+"""Pattern family ``conv_channel_reduce``: conv / conv-transpose → pointwise chain → ONE reduction over
+the channels → pointwise chain.
+
+Anchor: any ``Conv`` (1-3 spatial dims, transposed or not, any hyper-parameters) whose output is
+batched and floating point, followed, through a pointwise chain (``ops/chain.py``'s catalogue, DAG
+chains included, as ``conv_epilogue`` grows them), by a reduction over dim 1 (negative dims
+normalised):
+
+* ``torch.min(y, 1[, keepdim])[0]`` / ``.values``, ``torch.max`` likewise (the indices unused),
+  ``y.min(1)``; ``amin`` / ``amax``; ``sum`` / ``mean``; ``torch.logsumexp``;
+* ``softmax`` / ``log_softmax`` over dim 1: ``torch.softmax``, ``F.softmax``, ``Tensor.softmax``,
+  ``nn.Softmax(dim=1)`` (and the same for log_softmax); their result keeps every element.
+
+After the reduction a pointwise chain may follow (numbers and one-element tensors as operands; for
+softmax / log_softmax also per-channel tensors).  The fused op (``ops/conv_channel_reduce/``) runs
+the conv once and everything after it in one Triton kernel per direction.
+
+Priority 150: above ``conv_epilogue`` (100), which would otherwise take the conv and the chain
+before the reduction and leave the reduction to Inductor; below ``conv_global_mean`` (200), whose
+global mean over the spatial dims stays its own.  Near misses (only where a reduction is in sight):
+a reduction over other dims (a mean / sum over spatial dims is ``conv_global_mean``'s and not
+reported here), the indices of ``torch.min`` / ``max`` used, a ``dtype=`` argument, a second
+reduction after the first, more than ``MAX_CHANNELS`` channels, an unsupported dtype, and the chain's
+own reasons (operands, shared intermediates, length).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from ..frontend.canonical import Conv, GlobalReduce, Pointwise, Reduce
+from ..frontend.normalize import describe_target
+from ..match.chain_walk import ChainValues, pointwise_step
+from ..match.engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
+from ..match.rewrite import dtype_name, rewrite_conv_region
+from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep
+from ..report import Match, NearMiss, ReasonKind
+
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Most channels the fused kernels reduce over (``kernels/channel_reduce.py``).
+MAX_CHANNELS = 1024
+_LOOKAHEAD = 8
+
+
+@dataclass
+class ChainPart:
+    """One of the region's two chains, in the layout ``match.chain_walk.ChainValues`` works on."""
+
+    operands: list[Any]
+    steps: list[ChainStep] = field(default_factory=list)
+    step_nodes: list[fx.Node] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ChannelReduceRegion:
+    conv: Conv
+    pre: ChainPart
+    reduction: Reduce | GlobalReduce
+    result: fx.Node
+    """The reduction's value: the reduction node, or for min / max its ``[0]``."""
+    keepdim: bool
+    post: ChainPart
+
+    @property
+    def kind(self) -> str:
+        return self.reduction.kind
+
+
+@register_pattern
+class ConvChannelReducePattern(Pattern):
+    name = "conv_channel_reduce"
+    priority = 150
+    description = ("conv/conv-transpose (1-3d) → pointwise chain → one reduction over the channels (min, max, "
+                   "amin, amax, sum, mean, logsumexp, softmax, log_softmax) → pointwise chain")
+
+    def find(self, ctx: MatchContext) -> Iterator[Union[Candidate, NearMiss]]:
+        for conv in ctx.convs():
+            found = self._match(ctx, conv)
+            if found is not None:
+                yield found
+
+    def _match(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
+        anchor = conv.node
+        y = fake_of(anchor)
+        if not isinstance(y, torch.Tensor) or y.dim() != conv.spec.spatial_dims + 2:
+            return None
+        if not _reduction_ahead(ctx, anchor, y.dim()):
+            return None  # no reduction in sight: not this family's conv
+
+        def miss(at: fx.Node, kind: ReasonKind, msg: str) -> NearMiss:
+            return ctx.near_miss(self.name, anchor, at, kind, msg)
+
+        if y.dtype not in FUSED_DTYPES:
+            return miss(anchor, ReasonKind.UNSUPPORTED_DTYPE, f"conv output dtype {y.dtype} is not a floating type the fused op supports")
+
+        # 1. the chain before the reduction
+        pre = ChainPart([])
+        chain = ChainValues(anchor)
+        current = anchor
+        while True:
+            user, why = chain.next_user(ctx, current, fusible=(Pointwise, Reduce, GlobalReduce))
+            if user is None:
+                return miss(current, ReasonKind.SHARED_INTERMEDIATE, why)
+            op = ctx.op(user)
+            if isinstance(op, (Reduce, GlobalReduce)):
+                break
+            if not isinstance(op, Pointwise):
+                return miss(user, ReasonKind.UNSUPPORTED_OP,
+                            f"`{user.name}` ({describe_target(user)}) before the reduction over the channels is not a fusible pointwise op")
+            if len(pre.steps) == MAX_CHAIN_LENGTH:
+                return miss(user, ReasonKind.CHAIN_TOO_LONG, f"the chain before the reduction holds at most {MAX_CHAIN_LENGTH} ops")
+            step = pointwise_step(ctx, self.name, anchor, op, current, pre.operands, y, chain, FUSED_DTYPES)
+            if isinstance(step, NearMiss):
+                return step
+            pre.steps.append(step)
+            pre.step_nodes.append(user)
+            pre.labels.append(chain.label(step))
+            current = chain.computed(user, len(pre.steps))
+
+        # 2. the reduction
+        reduction = op
+        why = _reduction_unsupported(reduction, current, y)
+        if why is not None:
+            return miss(user, *why)
+        if not chain.closed(pre, user):
+            read_outside = next(n for n in [anchor, *pre.step_nodes] if any(u not in {anchor, *pre.step_nodes, user} for u in n.users))
+            return miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, chain.outside_users(read_outside))
+        result, nodes_after = user, [user]
+        if reduction.kind in ("min", "max") and isinstance(reduction, Reduce):
+            users = list(user.users)
+            indices = [u for u in users if _is_getitem(u, 1)]
+            if indices:
+                return miss(indices[0], ReasonKind.UNSUPPORTED_OP,
+                            f"the indices of `{user.name}` ({reduction.kind} over the channels) are used by `{indices[0].name}`; only its values fuse")
+            if len(users) != 1 or not _is_getitem(users[0], 0):
+                return miss(user, ReasonKind.SHARED_INTERMEDIATE,
+                            f"`{user.name}` ({reduction.kind} over the channels) is read other than once through its values")
+            result = users[0]
+            nodes_after.append(result)
+        out = fake_of(result)
+        if not isinstance(out, torch.Tensor):
+            return miss(result, ReasonKind.MISSING_METADATA, f"no metadata for `{result.name}`")
+        if out.dtype not in FUSED_DTYPES:
+            return miss(result, ReasonKind.UNSUPPORTED_DTYPE, f"`{result.name}` yields {out.dtype}")
+        full_size = reduction.kind in ("softmax", "log_softmax")
+
+        # 3. the chain after it
+        post = ChainPart(pre.operands)
+        after = ChainValues(result)
+        notes: list[NearMiss] = []
+        current = result
+        while True:
+            after.prefix_ends_at(post)
+            user, _ = after.next_user(ctx, current, fusible=(Pointwise,))
+            if user is None:
+                break
+            op = ctx.op(user)
+            if isinstance(op, (Reduce, GlobalReduce)):
+                notes.append(miss(user, ReasonKind.UNSUPPORTED_OP,
+                                  f"`{user.name}` is a second reduction; a fused region holds one reduction (it ends at `{current.name}`)"))
+                break
+            if not isinstance(op, Pointwise):
+                break
+            if len(post.steps) == MAX_CHAIN_LENGTH:
+                notes.append(miss(user, ReasonKind.CHAIN_TOO_LONG, f"the chain after the reduction holds at most {MAX_CHAIN_LENGTH} ops"))
+                break
+            step = pointwise_step(ctx, self.name, anchor, op, current, post.operands, out, after, FUSED_DTYPES,
+                                  scalar_operands=not full_size)  # fmt: skip
+            if isinstance(step, NearMiss):
+                notes.append(step)
+                break
+            post.steps.append(step)
+            post.step_nodes.append(user)
+            post.labels.append(after.label(step))
+            current = after.computed(user, len(post.steps))
+        _, read_outside = after.longest_closed_prefix(post)
+        if read_outside is not None:
+            notes = [miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, after.outside_users(read_outside))]
+
+        region = ChannelReduceRegion(conv, pre, reduction, result, full_size or bool(reduction.keepdim), post)
+        nodes = [anchor, *pre.step_nodes, *nodes_after, *post.step_nodes]
+        return Candidate(self.name, anchor, nodes, region, _summary(region), notes)
+
+    def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:
+        from ..ops import conv_channel_reduce as op_module
+
+        region: ChannelReduceRegion = candidate.payload
+        conv = region.conv
+        conv_fake, final = fake_of(conv.node), fake_of(candidate.nodes[-1])
+        config = op_module.ConvChannelReduceConfig(
+            conv=conv.spec,
+            reduction=region.kind,
+            keepdim=region.keepdim,
+            pre=tuple(region.pre.steps),
+            post=tuple(region.post.steps),
+            out_dtype=dtype_name(final.dtype) if final.dtype != conv_fake.dtype else None,
+            strict=ctx.strict,
+        ).to_json()
+        return rewrite_conv_region(
+            ctx, candidate, conv, region.pre.operands, op_module.conv_channel_reduce, config,
+            "fusion::conv_channel_reduce_fwd", op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type),
+        )  # fmt: skip
+
+
+def _is_getitem(node: fx.Node, index: int) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem and node.args[1] == index
+
+
+def _channel_dims(op: Reduce | GlobalReduce, rank: int) -> Optional[set[int]]:
+    """The dims ``op`` reduces, normalised to ``0..rank-1`` (None: every dim, or one out of range)."""
+    if op.dims is None:
+        return None
+    if any(not -rank <= d < rank for d in op.dims):
+        return None
+    return {d % rank for d in op.dims}
+
+
+def _reduction_ahead(ctx: MatchContext, node: fx.Node, rank: int) -> bool:
+    """Whether a reduction this family would report on follows within a few single-user steps: any
+    ``Reduce``, or a mean / sum whose dims include the channels (a spatial one is ``conv_global_mean``'s)."""
+    current = node
+    for _ in range(_LOOKAHEAD):
+        users = [u for u in current.users if u.op != "output"]
+        if not users:
+            return False
+        for user in users:
+            op = ctx.op(user)
+            if isinstance(op, Reduce) and getattr(op, "input", None) is current:
+                return True
+            if isinstance(op, GlobalReduce) and op.input is current:
+                dims = _channel_dims(op, rank)
+                return dims is None or 1 in dims
+        pointwise = [u for u in users if isinstance(ctx.op(u), Pointwise)]
+        if len(pointwise) != 1:
+            return False
+        current = pointwise[0]
+    return False
+
+
+def _reduction_unsupported(op: Reduce | GlobalReduce, flowing: fx.Node, y: torch.Tensor) -> Optional[tuple[ReasonKind, str]]:
+    """Why the reduction ``op`` reading ``flowing`` (of rank ``y.dim()``) cannot end the fused
+    chain, as ``(reason, message)``, or None."""
+    name = op.node.name
+    if op.input is not flowing:
+        return ReasonKind.UNSUPPORTED_OPERAND, f"`{name}` does not reduce the chain's value"
+    rank = y.dim()
+    dims = _channel_dims(op, rank)
+    if dims != {1}:
+        what = "every dim" if op.dims is None else f"dims {sorted(dims) if dims is not None else list(op.dims)}"
+        return ReasonKind.DIMENSION_MISMATCH, (f"`{name}` ({op.kind}) reduces {what} of the conv output; only a "
+                                               "reduction over the channels (dim 1) fuses")
+    if isinstance(op, Reduce) and op.dtype is not None:
+        return ReasonKind.UNSUPPORTED_ARGUMENT, f"`{name}` ({op.kind}) has a dtype= argument ({op.dtype}), which is not fused"
+    channels = y.shape[1]
+    if isinstance(channels, torch.SymInt) and not channels.node.expr.is_number:
+        return ReasonKind.DIMENSION_MISMATCH, f"`{name}` reduces a dynamic number of channels ({channels})"
+    if int(channels) > MAX_CHANNELS:
+        return ReasonKind.DIMENSION_MISMATCH, (f"`{name}` reduces {int(channels)} channels; the fused kernels hold at most "
+                                               f"{MAX_CHANNELS}")
+    return None
+
+
+def _summary(region: ChannelReduceRegion) -> str:
+    spec = region.conv.spec
+    parts = [f"conv{'_transpose' if spec.transposed else ''}{spec.spatial_dims}d", *region.pre.labels]
+    full = region.kind in ("softmax", "log_softmax")
+    parts.append(f"{region.kind}(dim=1{', keepdim' if region.keepdim and not full else ''})")
+    parts += region.post.labels
+    return " -> ".join(parts)
