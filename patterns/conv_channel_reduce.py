@@ -223,24 +223,25 @@ def _channel_dims(op: Reduce | GlobalReduce, rank: int) -> Optional[set[int]]:
 
 
 def _reduction_ahead(ctx: MatchContext, node: fx.Node, rank: int) -> bool:
-    """Whether a reduction this family would report on follows within a few single-user steps: any
-    ``Reduce``, or a mean / sum whose dims include the channels (a spatial one is ``conv_global_mean``'s)."""
-    current = node
+    """Whether a reduction this family would report on follows within a few pointwise steps (DAG
+    chains included): any ``Reduce``, or a mean / sum whose dims include the channels (one over
+    spatial dims only is ``conv_global_mean``'s)."""
+    frontier, seen = [node], {node}
     for _ in range(_LOOKAHEAD):
-        users = [u for u in current.users if u.op != "output"]
-        if not users:
-            return False
-        for user in users:
-            op = ctx.op(user)
-            if isinstance(op, Reduce) and getattr(op, "input", None) is current:
-                return True
-            if isinstance(op, GlobalReduce) and op.input is current:
-                dims = _channel_dims(op, rank)
-                return dims is None or 1 in dims
-        pointwise = [u for u in users if isinstance(ctx.op(u), Pointwise)]
-        if len(pointwise) != 1:
-            return False
-        current = pointwise[0]
+        following = []
+        for current in frontier:
+            for user in current.users:
+                op = ctx.op(user)
+                if isinstance(op, Reduce) and op.input is current:
+                    return True
+                if isinstance(op, GlobalReduce) and op.input is current:
+                    dims = _channel_dims(op, rank)
+                    if dims is None or 1 in dims:
+                        return True
+                if isinstance(op, Pointwise) and user not in seen:
+                    seen.add(user)
+                    following.append(user)
+        frontier = following
     return False
 
 
