@@ -66,6 +66,34 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+def load_demo_module(suite: str, name: str):
+    """The module of ``demos/<suite>/<name>.py``, registered in ``sys.modules`` (Dynamo looks classes
+    up through their module)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "demos" / suite / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"fusion_test_{suite}.{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def demo_model():
+    """``demo_model(suite, name)`` → the model of ``demos/<suite>/<name>.py`` (seeded, on CPU), without
+    building its inputs (the ``families`` suite's are full size)."""
+
+    def build(suite: str, name: str):
+        module = load_demo_module(suite, name)
+        torch.manual_seed(0)
+        return module.Model(*module.get_init_inputs())
+
+    return build
+
+
 @pytest.fixture
 def seed_models():
     """``seed_models(name, shrink=False)`` → (model, inputs) of ``demos/seeds/<name>.py``.
@@ -73,16 +101,8 @@ def seed_models():
     ``shrink=True`` cuts batch and spatial sizes so the model traces and runs quickly on CPU while
     keeping every hyper-parameter (channels, kernel, stride...) as written.
     """
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     def load(name: str, shrink: bool = False):
-        path = Path(__file__).resolve().parents[1] / "demos" / "seeds" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(f"fusion_test_seeds.{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # Dynamo looks classes up through their module
-        spec.loader.exec_module(module)
+        module = load_demo_module("seeds", name)
         torch.manual_seed(0)
         model = module.Model(*module.get_init_inputs())
         inputs = module.get_inputs()

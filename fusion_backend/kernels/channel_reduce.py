@@ -172,6 +172,33 @@ def _softmax_value(v, m, s, KIND: tl.constexpr):
 
 
 @triton.jit
+def _program_positions(pid, num_s_blocks, S, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program ``pid``'s sample and positions over a grid of ``N * num_s_blocks``: ``(n64, s1,
+    smask1, s, s64, cb)``: the sample (int64), its positions as a [BLOCK_S] row and their mask, the
+    positions as a [1, BLOCK_S] row (and int64), the channel offsets of a block as a [BLOCK_C, 1]
+    column."""
+    n64 = (pid // num_s_blocks).to(tl.int64)
+    s1 = (pid % num_s_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s = s1[None, :]
+    return n64, s1, s1 < S, s, s.to(tl.int64), tl.arange(0, BLOCK_C)[:, None]
+
+
+@triton.jit
+def _softmax_block_grad(y_ptr, p_ptr, q_ptr, gout_ptr, y_base, n64, c, s, s64, m, sm, C, S, CQ, y_sc, y_ss,
+                        g_sn, g_sc, g_ss, PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        KIND: tl.constexpr):  # fmt: skip
+    """For channels ``c`` of a softmax / log_softmax: ``(valid, yb, sv, gp, q0..q7)``: the lanes, the
+    conv output plus bias, the softmax (log_softmax) value, the post-chain walked back from grad_out
+    there and its operand gradients."""
+    valid = (c < C) & (s < S)
+    yb, v = _load_pre(y_ptr, p_ptr, y_base, c, s64, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
+    sv = _softmax_value(v, m, sm, KIND)
+    g = tl.load(gout_ptr + n64 * g_sn + c.to(tl.int64) * g_sc + s64 * g_ss, mask=valid, other=0.0)
+    gp, q0, q1, q2, q3, q4, q5, q6, q7 = _chain_grad(g.to(tl.float32), sv, q_ptr, c, CQ, c < CQ, POST)
+    return valid, yb, sv, gp, q0, q1, q2, q3, q4, q5, q6, q7
+
+
+@triton.jit
 def _winner_block(v, yb, c, valid, r, nan, BIG: tl.constexpr):
     """For one block: the first channel holding ``r`` (the first NaN where the column has one; ``BIG``
     if none in the block), ``y + bias`` there, and the number of lanes equal to ``r``."""
@@ -246,12 +273,7 @@ def _channel_reduce_fwd_kernel(
     Grid: ``(N * num_s_blocks,)``; each program covers ``BLOCK_S`` positions and every channel.
     """
     pid = tl.program_id(0)
-    n64 = (pid // num_s_blocks).to(tl.int64)
-    s1 = (pid % num_s_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
-    smask1 = s1 < S
-    s = s1[None, :]
-    s64 = s.to(tl.int64)
-    cb = tl.arange(0, BLOCK_C)[:, None]
+    n64, s1, smask1, s, s64, cb = _program_positions(pid, num_s_blocks, S, BLOCK_C, BLOCK_S)
     y_base = y_ptr + n64 * y_sn
     BIG: tl.constexpr = 1 << 30
 
@@ -371,12 +393,7 @@ def _channel_reduce_bwd_kernel(
     0 * chain'(y) there, which differs only where that derivative is not finite).
     """
     pid = tl.program_id(0)
-    n64 = (pid // num_s_blocks).to(tl.int64)
-    s1 = (pid % num_s_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
-    smask1 = s1 < S
-    s = s1[None, :]
-    s64 = s.to(tl.int64)
-    cb = tl.arange(0, BLOCK_C)[:, None]
+    n64, s1, smask1, s, s64, cb = _program_positions(pid, num_s_blocks, S, BLOCK_C, BLOCK_S)
     y_base = y_ptr + n64 * y_sn
     st_off = n64 * st_sn + s1.to(tl.int64)
     part = part_ptr + pid.to(tl.int64) * C
@@ -429,11 +446,9 @@ def _channel_reduce_bwd_kernel(
         sm = tl.load(st_ptr + st_row + st_off, mask=smask1, other=1.0)
         # pass 1: the post-chain's gradient at each output and its sum over the channels
         if ONE_BLOCK:
-            valid = (cb < C) & (s < S)
-            yb, v = _load_pre(y_ptr, p_ptr, y_base, cb, s64, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
-            sv = _softmax_value(v, m, sm, KIND)
-            g = tl.load(gout_ptr + n64 * g_sn + cb.to(tl.int64) * g_sc + s64 * g_ss, mask=valid, other=0.0)
-            gp, q0, q1, q2, q3, q4, q5, q6, q7 = _chain_grad(g.to(tl.float32), sv, q_ptr, cb, CQ, cb < CQ, POST)
+            valid, yb, sv, gp, q0, q1, q2, q3, q4, q5, q6, q7 = _softmax_block_grad(
+                y_ptr, p_ptr, q_ptr, gout_ptr, y_base, n64, cb, s, s64, m, sm, C, S, CQ, y_sc, y_ss, g_sn, g_sc, g_ss,
+                PRE, POST, HAS_BIAS, KIND)  # fmt: skip
             if KIND == 8:
                 dot = tl.sum(tl.where(valid, gp * sv, 0.0), axis=0)
             else:
@@ -441,12 +456,9 @@ def _channel_reduce_bwd_kernel(
         else:
             dot = tl.zeros([BLOCK_S], tl.float32)
             for c0 in range(0, C, BLOCK_C):
-                c = c0 + cb
-                valid = (c < C) & (s < S)
-                yb, v = _load_pre(y_ptr, p_ptr, y_base, c, s64, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
-                sv = _softmax_value(v, m, sm, KIND)
-                g = tl.load(gout_ptr + n64 * g_sn + c.to(tl.int64) * g_sc + s64 * g_ss, mask=valid, other=0.0)
-                gp, q0, q1, q2, q3, q4, q5, q6, q7 = _chain_grad(g.to(tl.float32), sv, q_ptr, c, CQ, c < CQ, POST)
+                valid, yb, sv, gp, q0, q1, q2, q3, q4, q5, q6, q7 = _softmax_block_grad(
+                    y_ptr, p_ptr, q_ptr, gout_ptr, y_base, n64, c0 + cb, s, s64, m, sm, C, S, CQ, y_sc, y_ss, g_sn,
+                    g_sc, g_ss, PRE, POST, HAS_BIAS, KIND)  # fmt: skip
                 if KIND == 8:
                     dot += tl.sum(tl.where(valid, gp * sv, 0.0), axis=0)
                 else:
@@ -457,10 +469,9 @@ def _channel_reduce_bwd_kernel(
             cmask = c < C
             valid = cmask & (s < S)
             if not ONE_BLOCK:
-                yb, v = _load_pre(y_ptr, p_ptr, y_base, c, s64, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
-                sv = _softmax_value(v, m, sm, KIND)
-                g = tl.load(gout_ptr + n64 * g_sn + c.to(tl.int64) * g_sc + s64 * g_ss, mask=valid, other=0.0)
-                gp, q0, q1, q2, q3, q4, q5, q6, q7 = _chain_grad(g.to(tl.float32), sv, q_ptr, c, CQ, c < CQ, POST)
+                valid, yb, sv, gp, q0, q1, q2, q3, q4, q5, q6, q7 = _softmax_block_grad(
+                    y_ptr, p_ptr, q_ptr, gout_ptr, y_base, n64, c, s, s64, m, sm, C, S, CQ, y_sc, y_ss, g_sn, g_sc,
+                    g_ss, PRE, POST, HAS_BIAS, KIND)  # fmt: skip
             if KIND == 8:  # torch: out * (grad - sum(grad * out))
                 gv = sv * (gp - dot[None, :])
             else:  # torch: grad - exp(out) * sum(grad)

@@ -28,6 +28,23 @@ class CorpusCase:
     near_misses: tuple[tuple[str, str, str], ...] = ()
 
 
+def x_of(*shape: int) -> list[torch.Tensor]:
+    """A case's inputs: one seeded standard-normal tensor of ``shape``."""
+    torch.manual_seed(0)
+    return [torch.randn(*shape)]
+
+
+class Then(torch.nn.Module):
+    """``conv`` followed by ``after``, a function of its output (a one-line example model)."""
+
+    def __init__(self, conv: torch.nn.Module, after: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.conv, self.after = conv, after
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.after(self.conv(x))
+
+
 #: Family name -> the module holding its ``CASES``.
 FAMILIES = ("conv_epilogue", "conv_global_mean", "conv_channel_reduce")
 

@@ -6,12 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import CorpusCase
-
-
-def _x(*shape: int) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    return [torch.randn(*shape)]
+from . import CorpusCase, Then, x_of
 
 
 class _ReadsConvTwice(nn.Module):
@@ -25,17 +20,6 @@ class _ReadsConvTwice(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.join(self.conv(x))
-
-
-class _Then(nn.Module):
-    """``conv`` followed by ``after``, a function of its output."""
-
-    def __init__(self, conv: nn.Module, after) -> None:
-        super().__init__()
-        self.conv, self.after = conv, after
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.after(self.conv(x))
 
 
 class _Swish(nn.Module):
@@ -78,53 +62,53 @@ class _LearnedBand(nn.Module):
 
 CASES = [
     CorpusCase("vgg_block", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True),
-                                                   nn.MaxPool2d(2)), _x(2, 3, 16, 16)),  # fmt: skip
+                                                   nn.MaxPool2d(2)), x_of(2, 3, 16, 16)),  # fmt: skip
                regions=("conv2d -> relu -> max_pool2d",)),
     CorpusCase("resnet_stem_eval", lambda: (nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8),
                                                           nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)).eval(),
-                                            _x(2, 3, 32, 32)),  # fmt: skip
+                                            x_of(2, 3, 32, 32)),  # fmt: skip
                regions=("conv2d -> batch_norm (folded) -> relu -> max_pool2d",)),
     CorpusCase("mobilenet_depthwise", lambda: (nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU6()),
-                                               _x(2, 8, 16, 16)),  # fmt: skip
+                                               x_of(2, 8, 16, 16)),  # fmt: skip
                regions=("conv2d -> hardtanh",)),
-    CorpusCase("efficientnet_swish_spelled_out", lambda: (_Swish(), _x(2, 8, 12, 12)),
+    CorpusCase("efficientnet_swish_spelled_out", lambda: (_Swish(), x_of(2, 8, 12, 12)),
                regions=("conv2d -> silu -> mul",)),
     CorpusCase("unet_decoder_up", lambda: (nn.Sequential(nn.ConvTranspose2d(16, 8, 2, 2), nn.ReLU()),
-                                           _x(2, 16, 8, 8)),  # fmt: skip
+                                           x_of(2, 16, 8, 8)),  # fmt: skip
                regions=("conv_transpose2d -> relu",)),
-    CorpusCase("dcgan_output", lambda: (nn.Sequential(nn.ConvTranspose2d(16, 3, 4, 2, 1), nn.Tanh()), _x(2, 16, 8, 8)),
+    CorpusCase("dcgan_output", lambda: (nn.Sequential(nn.ConvTranspose2d(16, 3, 4, 2, 1), nn.Tanh()), x_of(2, 16, 8, 8)),
                regions=("conv_transpose2d -> tanh",)),
     CorpusCase("conv3d_leaky_maxpool", lambda: (nn.Sequential(nn.Conv3d(4, 8, 3, padding=1), nn.LeakyReLU(0.01),
-                                                              nn.MaxPool3d(2)), _x(1, 4, 8, 8, 8)),  # fmt: skip
+                                                              nn.MaxPool3d(2)), x_of(1, 4, 8, 8, 8)),  # fmt: skip
                regions=("conv3d -> leaky_relu -> max_pool3d",)),
-    CorpusCase("wav2vec_conv1d_gelu", lambda: (nn.Sequential(nn.Conv1d(8, 16, 5, padding=2), nn.GELU()), _x(2, 8, 40)),
+    CorpusCase("wav2vec_conv1d_gelu", lambda: (nn.Sequential(nn.Conv1d(8, 16, 5, padding=2), nn.GELU()), x_of(2, 8, 40)),
                regions=("conv1d -> gelu",)),
     CorpusCase("residual_reads_conv_twice",
-               lambda: (_ReadsConvTwice(lambda y: y + torch.relu(y)), _x(2, 8, 12, 12)),
+               lambda: (_ReadsConvTwice(lambda y: y + torch.relu(y)), x_of(2, 8, 12, 12)),
                regions=("conv2d -> relu -> add(conv2d)",)),
-    CorpusCase("learned_clamp_floor", lambda: (_LearnedClamp(), _x(2, 3, 12, 12)),
+    CorpusCase("learned_clamp_floor", lambda: (_LearnedClamp(), x_of(2, 3, 12, 12)),
                regions=("conv2d -> clamp_min -> relu",)),
     # near misses
     CorpusCase("batch_norm_training", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).train(),
-                                               _x(2, 3, 12, 12)),  # fmt: skip
+                                               x_of(2, 3, 12, 12)),  # fmt: skip
                near_misses=(("conv_epilogue", "unsupported_op", "batch statistics"),)),
-    CorpusCase("group_norm", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.SiLU()), _x(2, 3, 12, 12)),
+    CorpusCase("group_norm", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.SiLU()), x_of(2, 3, 12, 12)),
                near_misses=(("conv_epilogue", "unsupported_op", "group_norm) normalizes by statistics of the conv output"),)),
     CorpusCase("channel_reduction_beyond_the_channel_family",
-               lambda: (_Then(nn.Conv2d(3, 1100, 1), lambda y: torch.relu(y).amax(dim=1)), _x(1, 3, 4, 4)),
+               lambda: (Then(nn.Conv2d(3, 1100, 1), lambda y: torch.relu(y).amax(dim=1)), x_of(1, 3, 4, 4)),
                regions=("conv2d -> relu",),
                near_misses=(("conv_epilogue", "unsupported_op", "an amax over dim 1 is the conv_channel_reduce family's"),
                             ("conv_channel_reduce", "dimension_mismatch", "at most 1024"))),
     CorpusCase("layer_norm_over_trailing_dims",
-               lambda: (_Then(nn.Conv2d(3, 8, 3), lambda y: F.layer_norm(y, y.shape[-2:])), _x(2, 3, 12, 12)),
+               lambda: (Then(nn.Conv2d(3, 8, 3), lambda y: F.layer_norm(y, y.shape[-2:])), x_of(2, 3, 12, 12)),
                near_misses=(("conv_epilogue", "unsupported_op", "(LayerNorm), which is not fused yet"),)),
     CorpusCase("sum_over_space_is_not_a_channel_reduction",
-               lambda: (_Then(nn.Conv2d(3, 8, 3), lambda y: y.sum(dim=-1)), _x(2, 3, 12, 12)),
+               lambda: (Then(nn.Conv2d(3, 8, 3), lambda y: y.sum(dim=-1)), x_of(2, 3, 12, 12)),
                near_misses=(("conv_epilogue", "unsupported_op", "is not a fusible pointwise op or pool"),
                             ("conv_global_mean", "dimension_mismatch", "not every spatial dim"))),
-    CorpusCase("learned_clamp_band", lambda: (_LearnedBand(), _x(2, 3, 12, 12)),
+    CorpusCase("learned_clamp_band", lambda: (_LearnedBand(), x_of(2, 3, 12, 12)),
                near_misses=(("conv_epilogue", "unsupported_operand", "requires grad"),)),
     CorpusCase("two_branches_of_the_conv_output",
-               lambda: (_ReadsConvTwice(lambda y: torch.relu(y) + torch.tanh(y)), _x(2, 8, 12, 12)),
+               lambda: (_ReadsConvTwice(lambda y: torch.relu(y) + torch.tanh(y)), x_of(2, 8, 12, 12)),
                near_misses=(("conv_epilogue", "shared_intermediate", "the chain would branch"),)),
 ]

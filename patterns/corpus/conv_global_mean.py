@@ -6,12 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import CorpusCase
-
-
-def _x(*shape: int) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    return [torch.randn(*shape)]
+from . import CorpusCase, x_of
 
 
 class _GapHead(nn.Module):
@@ -50,10 +45,10 @@ class _MeanOverChannels(nn.Module):
 
 
 CASES = [
-    CorpusCase("classifier_head", lambda: (_GapHead(), _x(2, 8, 10, 10)), regions=("conv2d -> global_mean",)),
-    CorpusCase("convt_mean_bias_logsumexp", lambda: (_MeanBiasLogsumexp(), _x(2, 4, 9, 9)),
+    CorpusCase("classifier_head", lambda: (_GapHead(), x_of(2, 8, 10, 10)), regions=("conv2d -> global_mean",)),
+    CorpusCase("convt_mean_bias_logsumexp", lambda: (_MeanBiasLogsumexp(), x_of(2, 4, 9, 9)),
                regions=("conv_transpose2d -> global_mean",)),
-    CorpusCase("mean_over_channels", lambda: (_MeanOverChannels(), _x(2, 3, 10, 10)),
+    CorpusCase("mean_over_channels", lambda: (_MeanOverChannels(), x_of(2, 3, 10, 10)),
                regions=("conv2d -> mean(dim=1)",),
                near_misses=(("conv_global_mean", "dimension_mismatch", "only spatial dims"),)),
 ]

@@ -3,10 +3,6 @@ demos at small sizes and a few heads, one fused op each, output and every gradie
 to a float64 reference (``fusion_backend.testing.assert_fused``, which forces ``decide="fuse"``), on
 the CPU reference and on the Triton kernels under the interpreter (with CUDA: on the GPU)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn as nn
@@ -21,27 +17,17 @@ pytestmark = [pytest.mark.usefixtures("exact_fp32"),
               pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")]  # fmt: skip
 
 
-def load_demo(name: str):
-    path = Path(__file__).resolve().parents[2] / "demos" / "families" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"fusion_test_families.{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # Dynamo looks classes up through their module
-    spec.loader.exec_module(module)
-    torch.manual_seed(0)
-    return module.Model(*module.get_init_inputs())
-
-
-def test_min_tanh_demo(kernels):
-    model = load_demo("conv2d_64_128_k3_min_tanh")
+def test_min_tanh_demo(kernels, demo_model):
+    model = demo_model("families", "conv2d_64_128_k3_min_tanh")
     x = torch.randn(2, 64, 7, 6)
     reports = assert_fused(model.to(DEVICE), [x.to(DEVICE)], expect={"conv_channel_reduce": 1})
     assert reports[0].near_misses == () and "runs direct" in str(reports[0])
 
 
-def test_softmax_mul_demo(kernels):
+def test_softmax_mul_demo(kernels, demo_model):
     """The Triton kernels also through Inductor (``direct=False``: the compiled graphs call the
     autograd-free ops); the reference directly."""
-    model = load_demo("conv3d_16_32_k3_softmax_mul")
+    model = demo_model("families", "conv3d_16_32_k3_softmax_mul")
     x = torch.randn(2, 16, 5, 6, 5)
     direct = kernels == "reference"
     reports = assert_fused(model.to(DEVICE), [x.to(DEVICE)], expect={"conv_channel_reduce": 1},

@@ -1,10 +1,6 @@
 """Matching of the conv_channel_reduce family: every spelling of each reduction over the channels, the
 chains around it, its priority against the other families, and every near-miss reason."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn as nn
@@ -93,15 +89,10 @@ def test_softmax_takes_per_channel_operands_after_it_a_reduction_does_not():
     assert [r for r, _ in misses_of(result)] == ["unsupported_operand"]
 
 
-def test_the_demos_match_exactly():
-    root = Path(__file__).resolve().parents[2] / "demos" / "families"
+def test_the_demos_match_exactly(demo_model):
     for name, summary in (("conv2d_64_128_k3_min_tanh", "conv2d -> min(dim=1, keepdim) -> tanh"),
                           ("conv3d_16_32_k3_softmax_mul", "conv3d -> softmax(dim=1) -> mul")):  # fmt: skip
-        spec = importlib.util.spec_from_file_location(f"fusion_test_families.{name}", root / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        model = module.Model(*module.get_init_inputs())
+        model = demo_model("families", name)
         x = torch.randn(1, model.conv.in_channels, *([5] * (model.conv.weight.dim() - 2)))
         regions, result = found(model, (x,))
         assert regions == [summary]
