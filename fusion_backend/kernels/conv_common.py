@@ -135,10 +135,11 @@ def cached_forward_launch(args: ForwardArgs, plans: BoundedCache, prepare: Calla
 
 def run_forward(plan: Any, args: ForwardArgs) -> None:
     """One fused conv forward: ``plan`` (``cached_forward_launch``'s result for ``args``; None:
-    nothing to launch) launched for ``args``' tensors, with its steps' and bias's operand matrix."""
+    nothing to launch) launched for ``args``' tensors, with its steps' operand matrix and the bias."""
     if plan is not None:
-        params = build_params(args.steps, args.bias, plan.cout, args.x.device)
-        plan.run(args.x, args.weight, params, args.out, args.saved_y0, args.saved_winner)
+        params = build_params(args.steps, None, plan.cout, args.x.device)
+        bias = None if args.bias is None else args.bias.reshape(-1).contiguous()
+        plan.run(args.x, args.weight, params, bias, args.out, args.saved_y0, args.saved_winner)
 
 
 # --------------------------------------------------------------------------------------------------

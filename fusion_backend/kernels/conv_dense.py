@@ -204,7 +204,7 @@ def _k_step(acc0, acc1, acc2, acc3, kk, x_n, wm_rows, t, j, ck, C_IN, W, R, P_EN
 
 
 @triton.jit
-def _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, y0_ptr, C_OUT, W, R, OH, OW,
+def _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, b_ptr, out_ptr, y0_ptr, C_OUT, W, R, OH, OW,
               o_sn, o_sc, o_sh, o_sw, y_sn, y_sc, y_sh, y_sw,
               OP0: tl.constexpr, OP1: tl.constexpr, OP2: tl.constexpr, OP3: tl.constexpr,
               OP4: tl.constexpr, OP5: tl.constexpr, OP6: tl.constexpr, OP7: tl.constexpr,
@@ -232,8 +232,8 @@ def _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, y0_pt
     compute = wm_ptr.dtype.element_ty
     y_raw = y.to(compute).to(tl.float32)  # the conv output in its storage (compute) dtype
     val = y_raw
-    if HAS_BIAS:  # the bias as the conv sees it: rounded to the compute dtype (P holds it in fp32)
-        val = val + tl.load(p_ptr + c, mask=cmask, other=0.0).to(compute).to(tl.float32)
+    if HAS_BIAS:  # the bias as the conv sees it: rounded to the compute dtype
+        val = val + tl.load(b_ptr + c, mask=cmask, other=0.0).to(compute).to(tl.float32)
     operands = load_chain_operands(p_ptr, c, C_OUT, cmask, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)
     val = chain_forward(val, *operands, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)
     ok2 = o_ok[:, None] & cmask
@@ -250,7 +250,7 @@ def _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, y0_pt
 
 @triton.jit
 def _conv_dense_fwd_kernel(
-    x_ptr, wm_ptr, p_ptr, out_ptr, y0_ptr,
+    x_ptr, wm_ptr, p_ptr, b_ptr, out_ptr, y0_ptr,
     C_IN, C_OUT, W, R, OH, OW, P_END,
     x_sn, x_sc, x_sp,
     o_sn, o_sc, o_sh, o_sw,
@@ -272,7 +272,9 @@ def _conv_dense_fwd_kernel(
               dropped terms).  ``P_END = (H - 1) * R + W``: positions ``>= P_END`` (and ``< 0``) read 0.
       wm_ptr  ``Wm`` of ``_dense_weight_kernel`` (COUT_PAD, KH, KW, CIN_PAD), the compute dtype
               (the dot's operand dtype: ``x`` is converted to it after the load).
-      p_ptr   operand matrix P of ``epilogue.build_params``, (NUM_PARAM_ROWS, C_OUT) fp32 contiguous.
+      p_ptr   operand matrix P of ``epilogue.build_params``, (NUM_PARAM_ROWS, C_OUT) fp32 contiguous
+              (its bias row is not read).
+      b_ptr   (HAS_BIAS) the bias, C_OUT contiguous values, any float dtype.
       out_ptr result (N, C_OUT, OH, OW), any float dtype, strides ``o_s*``.
       y0_ptr  SAVE: the conv output without bias (N, C_OUT, OH, OW), any float dtype (the values are
               rounded to the compute dtype), strides ``y_s*``; else unused.
@@ -303,7 +305,7 @@ def _conv_dense_fwd_kernel(
             acc0, acc1, acc2, acc3, kk, x_n, wm_rows, t, j, ck, C_IN, W, R, P_END, x_sc, x_sp,
             KW, KWG, PH, PW, C_PW, CIN_PAD, STEP, PRECISION, BIG, BLOCK_K,
         )  # fmt: skip
-    _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, out_ptr, y0_ptr, C_OUT, W, R, OH, OW,
+    _epilogue(acc0, acc1, acc2, acc3, n, t, co, j, wm_ptr, p_ptr, b_ptr, out_ptr, y0_ptr, C_OUT, W, R, OH, OW,
               o_sn, o_sc, o_sh, o_sw, y_sn, y_sc, y_sh, y_sw, OP0, OP1, OP2, OP3, OP4, OP5, OP6,
               OP7, HAS_BIAS, SAVE, KWG, PW, C_SHIFT, STEP, BIG, BLOCK_M)  # fmt: skip
 
@@ -422,12 +424,14 @@ class _Launch(AutotunedLaunch):
         buf[..., : x.shape[-1]].copy_(x if dims == 2 else x.unsqueeze(2))
         return buf
 
-    def run(self, x: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
-            saved_y0: torch.Tensor | None, saved_winner: torch.Tensor | None) -> None:  # fmt: skip
+    def run(self, x: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, bias: torch.Tensor | None,
+            out: torch.Tensor, saved_y0: torch.Tensor | None, saved_winner: torch.Tensor | None) -> None:  # fmt: skip
         """Launch for tensors like the ones this plan was made for (``conv_dense_forward``'s
-        arguments; ``params``: ``build_params`` of its steps and bias; ``saved_winner`` is always None)."""
+        arguments; ``params``: ``build_params`` of its steps; ``bias``: None or its C values,
+        contiguous; ``saved_winner`` is always None)."""
         del saved_winner
-        self(self.relaid(x), self.weight_launch(weight), params, out, saved_y0 if saved_y0 is not None else out)
+        self(self.relaid(x), self.weight_launch(weight), params, params if bias is None else bias, out,
+             saved_y0 if saved_y0 is not None else out)  # fmt: skip
 
 
 def _spatial(t: torch.Tensor) -> tuple[list[int], list[int]]:

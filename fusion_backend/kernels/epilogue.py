@@ -8,10 +8,15 @@ One template per direction serves every chain, every pool and 1d/2d/3d:
 * The chain is up to ``MAX_SLOTS`` op-code slots (the constexpr tuple ``OPS``, one code per slot,
   0 = empty slot), using the stable codes of ``fusion_backend.ops.chain.PointwiseKind`` (kept as
   plain integers here).
-* Every operand value (conv bias, constants, per-channel or scalar tensors) lives in one small fp32
-  matrix ``P`` of shape ``(NUM_PARAM_ROWS, C)`` built by the launchers: row ``BIAS_ROW`` holds the
-  bias, rows ``1 + 2*k`` and ``2 + 2*k`` hold the first and second operand of slot ``k``, each
-  expanded over the ``C`` output channels.  The kernels load ``P[row, c]``.
+* Every chain operand value (constants, per-channel or scalar tensors) lives in one small fp32
+  matrix ``P`` of shape ``(NUM_PARAM_ROWS, C)`` built by the launchers: rows ``1 + 2*k`` and
+  ``2 + 2*k`` hold the first and second operand of slot ``k``, each expanded over the ``C`` output
+  channels.  The kernels load ``P[row, c]``.  The conv bias is read through its own pointer, as the
+  caller holds it (C contiguous values, any float dtype); ``P``'s row ``BIAS_ROW`` is for kernels
+  that read the bias from ``P`` (``build_params`` with a bias fills it).  WHY: with the bias out of
+  ``P``, a chain without tensor operands (the usual conv + bias + activation) launches with the
+  cached constant ``P`` and builds nothing per call; the ``torch.cat`` that built it cost 11-26 us
+  of host time per call (H100 host), as much as a launch.
 * Tensors are seen as ``(N, C, D, H, W)``: 1d/2d are lifted with leading size-1 spatial dims (and the
   pool with kernel 1 / stride 1 / padding 0 there), so one kernel serves all ranks.  The pool is the
   constexpr tuple ``POOL_GEOM`` (``_pool_geometry``): ``(window, stride, padding)``, each per
@@ -136,7 +141,7 @@ def store_pooled(out_ptr, win_ptr, win_y_ptr, off, mask, best, win, win_y, total
 
 @triton.jit
 def _epilogue_fwd_kernel(
-    y_ptr, p_ptr, out_ptr, win_ptr, win_y_ptr,
+    y_ptr, p_ptr, b_ptr, out_ptr, win_ptr, win_y_ptr,
     C, D, H, W, OD, OH, OW, num_s_blocks,
     y_sn, y_sc, y_sd, y_sh, y_sw,
     o_sn, o_sc, o_sd, o_sh, o_sw,
@@ -150,7 +155,8 @@ def _epilogue_fwd_kernel(
       y_ptr     conv output without bias, (N, C, D, H, W), fp32/fp16/bf16, strides ``y_s*``
                 (independent of out's: the channels-last library forward reads a channels-last y
                 and writes an NCHW out).
-      p_ptr     operand matrix P, (NUM_PARAM_ROWS, C) fp32, contiguous.
+      p_ptr     operand matrix P, (NUM_PARAM_ROWS, C) fp32, contiguous (its bias row is not read).
+      b_ptr     (HAS_BIAS) the bias, C contiguous values, any float dtype.
       out_ptr   result, (N, C, OD, OH, OW), any float dtype, strides ``o_s*``.  Without a pool
                 OD, OH, OW == D, H, W.
       win_ptr   (max pool and SAVE only) winner index within the window, row-major over
@@ -173,7 +179,7 @@ def _epilogue_fwd_kernel(
 
     bias = 0.0
     if HAS_BIAS:  # in the conv's dtype, as the conv adds it (an fp32 bias under autocast is cast)
-        bias = tl.load(p_ptr + c, mask=cmask, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
+        bias = tl.load(b_ptr + c, mask=cmask, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
     a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = load_chain_operands(
         p_ptr, c, C, cmask, OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
 
@@ -239,7 +245,7 @@ def _epilogue_fwd_kernel(
 
 @triton.jit
 def _epilogue_bwd_kernel(
-    gout_ptr, y_ptr, win_ptr, win_y_ptr, p_ptr, gy_ptr, part_ptr,
+    gout_ptr, y_ptr, win_ptr, win_y_ptr, p_ptr, b_ptr, gy_ptr, part_ptr,
     C, D, H, W, OD, OH, OW, num_s_blocks, part_row_stride,
     g_sn, g_sc, g_sd, g_sh, g_sw,
     y_sn, y_sc, y_sd, y_sh, y_sw,
@@ -262,7 +268,8 @@ def _epilogue_bwd_kernel(
       y_ptr     (no pool / avg) conv output without bias, (N, C, D, H, W), strides ``y_s*``.
       win_ptr   (max) winner index per window, int8/int32, (N, C, OD, OH, OW), strides ``w_s*``.
       win_y_ptr (max) y (without bias) at the winner, same shape and strides as win.
-      p_ptr     operand matrix P, (NUM_PARAM_ROWS, C) fp32 contiguous.
+      p_ptr     operand matrix P, (NUM_PARAM_ROWS, C) fp32 contiguous (its bias row is not read).
+      b_ptr     (HAS_BIAS) the bias, C contiguous values, any float dtype.
       gy_ptr    output: gradient of the conv output, (N, C, D, H, W), strides ``gy_s*`` (may differ
                 from y's: the library backward asks for a channels-last gradient of an NCHW y, the
                 tile then transposes through shared memory), dtype of the conv output.
@@ -277,9 +284,6 @@ def _epilogue_bwd_kernel(
     """
     n64, c, c64, s, s64, cmask, mask = _program_tile(C, D * H * W, num_s_blocks, BLOCK_C, BLOCK_S)
 
-    bias = 0.0
-    if HAS_BIAS:  # in the conv's dtype (gy's), as the forward added it
-        bias = tl.load(p_ptr + c, mask=cmask, other=0.0).to(gy_ptr.dtype.element_ty).to(tl.float32)
     a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = load_chain_operands(
         p_ptr, c, C, cmask, OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
 
@@ -336,8 +340,10 @@ def _epilogue_bwd_kernel(
                         g += tl.where(ok, go / div, 0.0)  # windows out of range have div 0
         if POOL == 1:
             active = won
-    if HAS_BIAS:
-        y = y + bias
+    if HAS_BIAS:  # in the conv's dtype (gy's), as the forward added it; loaded here, where it is used,
+        # so that no register holds it through the window loops (NOTE: loaded first, the max-pool
+        # bf16 specialisation spilled: ``python tools/compile_check.py epilogue --cases max-bf16``)
+        y = y + tl.load(b_ptr + c, mask=cmask, other=0.0).to(gy_ptr.dtype.element_ty).to(tl.float32)
 
     # Recompute the chain's intermediates (the input and first operand of each slot), then walk back.
     v0, v1, v2, v3, v4, v5, v6, v7, a0, a1, a2, a3, a4, a5, a6, a7 = chain_slot_inputs(
@@ -527,6 +533,11 @@ def build_params(
     return OperandMatrix(steps, bias, channels, device).build(tensor_rows(steps, bias))
 
 
+def _flat_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias as the kernels read it: its C values, contiguous."""
+    return None if bias is None else bias.reshape(-1).contiguous()
+
+
 def tensor_rows(steps: Sequence[KernelStep], bias: torch.Tensor | None) -> list[torch.Tensor]:
     """The tensors of ``P``'s rows in row order (what ``OperandMatrix.build`` takes)."""
     rows = [] if bias is None else [bias]
@@ -570,7 +581,8 @@ def epilogue_forward(
     launch = _FORWARD_LAUNCHES.get(
         key, lambda: ForwardLaunch(y, bias, steps, pool, out, winner, winner_y, y_copy=y_copy)
     )
-    launch(y, build_params(steps, bias, launch.channels, y.device), out, winner, winner_y, y_copy=y_copy)
+    launch(y, build_params(steps, None, launch.channels, y.device), _flat_bias(bias), out, winner, winner_y,
+           y_copy=y_copy)  # fmt: skip
 
 
 #: ``epilogue_forward``'s launch plans by what they depend on (layouts, op codes, pool).
@@ -582,9 +594,9 @@ class ForwardLaunch:
     pool, which saved outputs): the arguments are checked and the launch worked out once (the
     tensors may be meta tensors); a call only launches (``FastLaunch``).
 
-    ``__call__(y, params, out, winner, winner_y, y_copy=None)`` takes tensors laid out like the
-    constructor's (``params``: ``P`` as ``build_params`` gives it for the constructor's ``steps``
-    and ``bias``).
+    ``__call__(y, params, bias, out, winner, winner_y, y_copy=None)`` takes tensors laid out like
+    the constructor's (``params``: ``P`` as ``build_params`` gives it for the constructor's
+    ``steps``; ``bias``: None without one, else its C values, contiguous).
 
     The tile follows the layouts: long along the contiguous axis when y and out share it, square
     (``_tile``'s transposing tile) when y's contiguous axis is the channels and out's the positions
@@ -643,18 +655,20 @@ class ForwardLaunch:
                 BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
             ), fixed=ints)  # fmt: skip
 
-    def __call__(self, y: torch.Tensor, params: torch.Tensor, out: torch.Tensor, winner: torch.Tensor | None = None,
-                 winner_y: torch.Tensor | None = None, y_copy: torch.Tensor | None = None) -> None:  # fmt: skip
+    def __call__(self, y: torch.Tensor, params: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                 winner: torch.Tensor | None = None, winner_y: torch.Tensor | None = None,
+                 y_copy: torch.Tensor | None = None) -> None:  # fmt: skip
         if self.launch is None:
             return
         if self.copy_y:
             y = torch.empty_like(out, dtype=y.dtype).copy_(y)
+        b = params if bias is None else bias  # (the bias pointer is not read without a bias)
         if not self.save:
-            self.launch(y, params, out, out, out)
+            self.launch(y, params, b, out, out, out)
         elif y_copy is not None:  # (the winner pointer is not read without a pool)
-            self.launch(y, params, out, out, y_copy)
+            self.launch(y, params, b, out, out, y_copy)
         else:
-            self.launch(y, params, out, winner, winner_y)
+            self.launch(y, params, b, out, winner, winner_y)
 
 
 def epilogue_backward(
@@ -697,7 +711,8 @@ def epilogue_backward(
     launch = _BACKWARD_LAUNCHES.get(
         key, lambda: BackwardLaunch(grad_out, y, winner, winner_y, bias, steps, pool, grad_y, operand_grad_slots, bias_grad)
     )
-    return launch(grad_out, y, winner, winner_y, build_params(steps, bias, launch.channels, grad_y.device), grad_y)
+    params = build_params(steps, None, launch.channels, grad_y.device)
+    return launch(grad_out, y, winner, winner_y, params, _flat_bias(bias), grad_y)
 
 
 #: ``epilogue_backward``'s launch plans by what they depend on (layouts, op codes, pool, wanted
@@ -710,9 +725,10 @@ class BackwardLaunch:
     grads): the arguments are checked and the launch worked out once; a call only allocates the
     partial sums, launches (``FastLaunch``) and reduces them.
 
-    ``__call__(grad_out, y, winner, winner_y, params, grad_y)`` takes tensors like the constructor's
-    (``params``: ``P`` as ``build_params`` gives it for the constructor's ``steps`` and ``bias``) and
-    returns what ``epilogue_backward`` returns.
+    ``__call__(grad_out, y, winner, winner_y, params, bias, grad_y)`` takes tensors like the
+    constructor's (``params``: ``P`` as ``build_params`` gives it for the constructor's ``steps``;
+    ``bias``: None without one, else its C values, contiguous) and returns what
+    ``epilogue_backward`` returns.
     """
 
     def __init__(self, grad_out: torch.Tensor, y: torch.Tensor | None, winner: torch.Tensor | None,
@@ -776,7 +792,7 @@ class BackwardLaunch:
         self.bias_grad = bias_grad
 
     def __call__(self, grad_out: torch.Tensor, y: torch.Tensor | None, winner: torch.Tensor | None,
-                 winner_y: torch.Tensor | None, params: torch.Tensor,
+                 winner_y: torch.Tensor | None, params: torch.Tensor, bias: torch.Tensor | None,
                  grad_y: torch.Tensor) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:  # fmt: skip
         if self.copy_grad_out:
             grad_out = torch.empty_like(grad_y, dtype=grad_out.dtype).copy_(grad_out)
@@ -784,7 +800,8 @@ class BackwardLaunch:
         if self.launch is not None:
             self.launch(
                 grad_out, y if y is not None else grad_y, winner if winner is not None else grad_y,
-                winner_y if winner_y is not None else grad_y, params, grad_y, partials,
+                winner_y if winner_y is not None else grad_y, params, params if bias is None else bias, grad_y,
+                partials,
             )  # fmt: skip
         else:
             partials.zero_()

@@ -207,7 +207,7 @@ def test_int64_index_path_matches(monkeypatch):
 
 def test_launch_plan_contract_and_cache():
     """``forward_launch`` has ``conv_fused.forward_launch``'s contract: a cached plan with ``cout``,
-    ``transposed`` and ``run(x, weight, params, out, saved_y0, saved_winner)``; None for an empty output."""
+    ``transposed`` and ``run(x, weight, params, bias, out, saved_y0, saved_winner)``; None for an empty output."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 3, 5, 6, generator=g).to(DEVICE)
     w = torch.randn(4, 3, 3, 3, generator=g).to(DEVICE)
@@ -217,7 +217,7 @@ def test_launch_plan_contract_and_cache():
     plan = conv_dense.forward_launch(x, w, None, steps, geo, None, out)
     assert plan.cout == 4 and plan.transposed is False
     assert conv_dense.forward_launch(x, w, None, steps, geo, None, out) is plan
-    plan.run(x, w, build_params(steps, None, 4, x.device), out, None, None)
+    plan.run(x, w, build_params(steps, None, 4, x.device), None, out, None, None)
     torch.testing.assert_close(out.cpu(), torch.relu(F.conv2d(x, w, padding=1)).cpu(), rtol=1e-5, atol=1e-5)
     empty = torch.empty(0, 4, 5, 6, device=DEVICE)
     assert conv_dense.forward_launch(x[:0], w, None, steps, geo, None, empty) is None
@@ -303,6 +303,6 @@ def test_the_probe_binds_the_first_fitting_tile_and_matches_the_plan(monkeypatch
                                     plan.constexprs["CIN_PAD"], plan.constexprs["ALIGN"], 4, 4)[0]
         assert probe.first_tile == dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
     params = build_params(steps, None, 8, x.device)
-    plan.run(x, w, params, out, None, None)
-    probe.run(x, w, params, probed, None, None)
+    plan.run(x, w, params, None, out, None, None)
+    probe.run(x, w, params, None, probed, None, None)
     torch.testing.assert_close(probed.cpu(), out.cpu(), rtol=1e-5, atol=1e-5)

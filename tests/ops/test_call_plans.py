@@ -156,3 +156,27 @@ def test_operand_matrix_is_build_params(dtype):
     assert got[1 + 2 * 2].eq(-0.5).all() and got[2 + 2 * 2].eq(0.7).all()
     constants_only = kernels.OperandMatrix(steps[:1], None, c, torch.device(DEVICE))
     assert constants_only.build([]) is constants_only.base, "no tensor rows: the cached matrix itself"
+
+
+def test_a_bias_and_constant_operands_build_nothing_per_call():
+    """The kernels read the bias through its own pointer, so a chain without tensor operands gets
+    the cached constant matrix and the caller's bias tensor itself: nothing is built per call.  A
+    bias view that is not one contiguous run is copied; tensor operands still go into ``P``."""
+    spec = ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1)
+    device = torch.device(DEVICE)
+    bias = torch.randn(5, device=DEVICE)
+
+    def plan(chain, operands, b):
+        cfg = ConvEpilogueConfig(conv=spec, chain=tuple(chain), pool=None, strict=True)
+        return ce.forward.PlannedOperands(cfg, ce.common.kernel_steps(cfg, operands, 4, 5), b, 5, device)
+
+    constants = plan([ChainStep(PK.LEAKY_RELU, (Const(0.1),)), ChainStep(PK.GELU, ())], [], bias)
+    params, got_bias = constants(bias, [])
+    assert got_bias is bias and params is constants.matrix.base
+    assert params[kernels.BIAS_ROW].eq(0).all() and params[1].eq(0.1).all()
+    strided = torch.randn(10, device=DEVICE)[::2]
+    copied = plan([ChainStep(PK.GELU, ())], [], strided)(strided, [])[1]
+    assert copied.is_contiguous() and torch.equal(copied, strided)
+    m = torch.randn(5, 1, 1, device=DEVICE)
+    params, got_bias = plan([ChainStep(PK.MUL, (TensorRef(0),))], [m], bias)(bias, [m])
+    assert got_bias is bias and torch.equal(params[1], m.reshape(5)) and params[kernels.BIAS_ROW].eq(0).all()

@@ -354,7 +354,7 @@ def _phase_aligned_offsets(a_all, SHARED_X: tl.constexpr, x_in, w_in, wm_base, w
 
 @triton.jit
 def conv_fused_fwd_kernel(
-    x_ptr, w_ptr, wm_ptr, p_ptr, out_ptr, y0_ptr, win_ptr,
+    x_ptr, w_ptr, wm_ptr, p_ptr, b_ptr, out_ptr, y0_ptr, win_ptr,
     C_OUT, CIN_G, COUT_G, M_TOTAL,
     ID, IH, IW, OD, OH, OW, UD, UH, UW,
     x_sn, x_sc, x_sd, x_sh, x_sw,
@@ -390,7 +390,9 @@ def conv_fused_fwd_kernel(
               nothing: the kernel adds the group offset itself.  Taps ``TD x TH x TW``.
       wm_ptr  PHASE_ALIGNED with ONE_CBLOCK: the prearranged weight matrix of ``phase_aligned_weight_matrix``
               ((groups, KD*KH*KW, COUT_G, KS*BLOCK_K), the compute dtype, contiguous); else unused.
-      p_ptr   operand matrix P of ``epilogue.build_params``, (NUM_PARAM_ROWS, C_OUT) fp32 contiguous.
+      p_ptr   operand matrix P of ``epilogue.build_params``, (NUM_PARAM_ROWS, C_OUT) fp32 contiguous
+              (its bias row is not read).
+      b_ptr   (HAS_BIAS) the bias, C_OUT contiguous values, any float dtype.
       out_ptr result (N, C_OUT, pooled or conv-output spatial), any float dtype, strides ``o_s*``.
       y0_ptr  SAVE: the conv output without bias, the compute dtype.  Max pool: its value at each
               window's winner, out's shape and strides; otherwise the whole of it,
@@ -428,7 +430,7 @@ def conv_fused_fwd_kernel(
 
     bias = 0.0
     if HAS_BIAS:  # in the compute dtype, as the conv adds it (an fp32 bias under autocast is cast)
-        bias = to_compute(tl.load(p_ptr + c, mask=cmask, other=0.0), CDT).to(tl.float32)
+        bias = to_compute(tl.load(b_ptr + c, mask=cmask, other=0.0), CDT).to(tl.float32)
     operands = load_chain_operands(p_ptr, c, C_OUT, cmask, OP0, OP1, OP2, OP3, OP4, OP5, OP6, OP7)
 
     ci0 = grp * CIN_G

@@ -298,15 +298,15 @@ class _Launch(AutotunedLaunch):
     def grid(self, meta: dict) -> tuple[int, int]:
         return (cdiv(self.m_total, meta["BLOCK_M"]), self.groups * cdiv(self.cout_g, meta["BLOCK_N"]))
 
-    def run(self, x: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
-            saved_y0: torch.Tensor | None, saved_winner: torch.Tensor | None) -> None:  # fmt: skip
+    def run(self, x: torch.Tensor, weight: torch.Tensor, params: torch.Tensor, bias: torch.Tensor | None,
+            out: torch.Tensor, saved_y0: torch.Tensor | None, saved_winner: torch.Tensor | None) -> None:  # fmt: skip
         """Launch for tensors like the ones this plan was made for (``conv_fused_forward``'s
-        arguments; ``params``: ``build_params`` of its steps and bias)."""
+        arguments; ``params``: ``build_params`` of its steps; ``bias``: None or its C values, contiguous)."""
         if self.weight_matrix is not None:
             w, wm = weight, self.weight_matrix(weight)
         else:
             w = wm = self._relaid_weight(weight)
-        self(x, w, wm, params, out, saved_y0 if saved_y0 is not None else out,
+        self(x, w, wm, params, params if bias is None else bias, out, saved_y0 if saved_y0 is not None else out,
              saved_winner if saved_winner is not None else out)  # fmt: skip
 
 

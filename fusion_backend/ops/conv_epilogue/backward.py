@@ -193,7 +193,7 @@ class LibraryBackward:
             y0, winner, winner_y = None, saved_winner, saved_y0
         else:
             y0, winner, winner_y = saved_y0, None, None
-        slot_grads, grad_bias = self.epilogue(grad_out, y0, winner, winner_y, self.params(bias, operands), grad_y)
+        slot_grads, grad_bias = self.epilogue(grad_out, y0, winner, winner_y, *self.params(bias, operands), grad_y)
         grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], grad_y.device)
         if self.x_format is not None:  # one copy casts and relays
             x = self.x_relayout(x)
@@ -314,7 +314,7 @@ class TritonBackward:
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor) -> list[Tensor | None]:  # fmt: skip
         shape, stride, dtype = self.g_layout
         g = torch.empty_strided(shape, stride, dtype=dtype, device=saved_y0.device)
-        slot_grads, grad_bias = self.epilogue(grad_out, saved_y0, None, None, self.params(bias, operands), g)
+        slot_grads, grad_bias = self.epilogue(grad_out, saved_y0, None, None, *self.params(bias, operands), g)
         grad = _pooled_grad(g, saved_winner, self.pool) if self.pool is not None else g
         if self.cast_to is not None:  # the results' dtype is then cast back by ``strided_like``
             x, weight = x.to(self.cast_to), weight.to(self.cast_to)

@@ -182,7 +182,7 @@ class FusedForward:
             torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype in self.layouts
         )
         if self.launch is not None:
-            self.launch.run(x, weight, self.params(bias, operands), out, saved_y0 if self.save_y0 else None,
+            self.launch.run(x, weight, *self.params(bias, operands), out, saved_y0 if self.save_y0 else None,
                             saved_winner if self.save_winner else None)  # fmt: skip
         return out, saved_y0, saved_winner
 
@@ -203,21 +203,26 @@ def _forward_layouts(
 
 
 class PlannedOperands:
-    """``(bias, operands) -> P`` for one call signature: the kernels' ``OperandMatrix`` layout and,
-    per tensor row (``tensor_rows`` order: the bias first, then each slot's tensor operands), its
-    index into ``(bias, *operands)``."""
+    """``(bias, operands) -> (P, bias)`` for one call signature: the kernels' operand matrix ``P``
+    (``OperandMatrix``; per tensor row, in ``tensor_rows`` order, its index into ``operands``) and
+    the bias as the kernels read it through its own pointer (its C values, contiguous; None without).
+
+    The bias stays out of ``P`` (``kernels.epilogue``'s module docstring says why): a chain without
+    tensor operands gets the cached constant ``P`` and nothing is built per call."""
 
     def __init__(self, cfg: ConvEpilogueConfig, steps: Sequence[Any], bias: Tensor | None, channels: int,
                  device: torch.device) -> None:  # fmt: skip
-        self.matrix = epilogue_kernels().OperandMatrix(steps, bias, channels, device)
-        sources = [0] if bias is not None else []
-        for step in cfg.chain:
-            sources += [1 + operand.index for operand in step.operands if isinstance(operand, TensorRef)]
-        self.sources = tuple(sources)
+        self.matrix = epilogue_kernels().OperandMatrix(steps, None, channels, device)
+        self.sources = tuple(
+            operand.index for step in cfg.chain for operand in step.operands if isinstance(operand, TensorRef)
+        )  # fmt: skip
+        #: the signature's bias is not one contiguous run of C values (a view): copied per call
+        self.copy_bias = bias is not None and not (bias.dim() == 1 and bias.is_contiguous())
 
-    def __call__(self, bias: Tensor | None, operands: Sequence[Tensor]) -> Tensor:
-        inputs = (bias, *operands)
-        return self.matrix.build([inputs[i] for i in self.sources])
+    def __call__(self, bias: Tensor | None, operands: Sequence[Tensor]) -> tuple[Tensor, Tensor | None]:
+        if self.copy_bias:
+            bias = bias.reshape(-1).contiguous()
+        return self.matrix.build([operands[i] for i in self.sources]), bias
 
 
 def _fused_conv_forward(
@@ -414,15 +419,15 @@ class LibraryForward:
             y0 if i == 1 and self.saved_is_y0 else torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
             for i, (shape, stride, dtype) in enumerate(self.layouts)
         )  # (the saved conv output is y0 itself where it can be: nothing allocated for it)
-        params = self.params(bias, operands)
+        params, bias = self.params(bias, operands)
         if self.max_save:
-            launch(y0, params, out, saved_winner, saved_y0)
+            launch(y0, params, bias, out, saved_winner, saved_y0)
         elif self.kernel_saves_y0:
-            launch(y0, params, out, y_copy=saved_y0)
+            launch(y0, params, bias, out, y_copy=saved_y0)
         else:
             if self.relays_y0:
                 relayout(y0, saved_y0)
-            launch(y0, params, out)
+            launch(y0, params, bias, out)
         return out, saved_y0, saved_winner
 
 
