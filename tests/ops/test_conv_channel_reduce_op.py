@@ -87,9 +87,9 @@ def check(cfg: ConvChannelReduceConfig, tensors, device: str, grad_mask=None, to
     out = conv_channel_reduce(mine[0], mine[1], mine[2], mine[3:], config)
     theirs = leaves(dtype, device)
     want = eager(theirs[0], theirs[1], theirs[2], theirs[3:], cfg)
-    exact = leaves(torch.float64, "cpu")
+    exact = leaves(torch.float64, device)  # on the GPU there: a full-size float64 conv on the host is slow
     truth = eager(exact[0], exact[1], exact[2], exact[3:], cfg)
-    problems = [compare("output", out.cpu(), want.cpu(), tol, reference=truth)]
+    problems = [compare("output", out.cpu(), want.cpu(), tol, reference=truth.cpu())]
     assert out.shape == want.shape and out.dtype == want.dtype
     if want_grads:
         gen = torch.Generator().manual_seed(7)
@@ -98,14 +98,14 @@ def check(cfg: ConvChannelReduceConfig, tensors, device: str, grad_mask=None, to
         wanted = [i for i, m in enumerate(grad_mask) if m]
         got = torch.autograd.grad(out, [mine[i] for i in wanted], g.to(device=device, dtype=out.dtype), allow_unused=True)
         ref = torch.autograd.grad(want, [theirs[i] for i in wanted], g.to(device=device, dtype=want.dtype), allow_unused=True)
-        tru = torch.autograd.grad(truth, [exact[i] for i in wanted], g, allow_unused=True)
+        tru = torch.autograd.grad(truth, [exact[i] for i in wanted], g.to(device), allow_unused=True)
         for i, a, e, t in zip(wanted, got, ref, tru, strict=True):
             if e is None:
                 assert a is None or not a.any(), names[i]
                 continue
             assert a is not None, f"grad of {names[i]} missing"
             assert a.dtype == e.dtype and a.shape == e.shape and a.stride() == torch.empty_like(theirs[i]).stride(), names[i]
-            problems.append(compare(f"grad of {names[i]}", a.cpu(), e.cpu(), tol, reference=t))
+            problems.append(compare(f"grad of {names[i]}", a.cpu(), e.cpu(), tol, reference=t.cpu()))
     problems = [p for p in problems if p]
     assert not problems, "\n".join(problems)
     return out
@@ -324,24 +324,12 @@ def test_more_channels_than_the_kernels_hold_run_the_reference(monkeypatch) -> N
 
 def _demo_parity(spec: ConvSpec, reduction: str, keep: bool, post, c_in: int, c_out: int, size, batch: int,
                  dtype: torch.dtype) -> None:  # fmt: skip
-    cfg = ConvChannelReduceConfig(spec, reduction, keep, (), post, strict=True)
-    x, w, b = make(spec, c_in, c_out, size, seed=0, batch=batch)
-    tol = None if dtype == torch.float32 else 3e-2
-    if dtype == torch.float32:
-        check(cfg, [x, w, b], "cuda", tol=tol)
-        return
-    # bf16: compared with float64 directly (eager's bf16 chain rounds every step; the kernel does not)
-    config = cfg.to_json()
-    mine = [t.to("cuda", dtype).requires_grad_() for t in (x, w, b)]
-    out = conv_channel_reduce(*mine, [], config)
-    exact = [t.double().requires_grad_() for t in (x, w, b)]
-    truth = eager(*exact, [], cfg)
-    g = torch.randn(truth.shape, dtype=torch.float64)
-    got = torch.autograd.grad(out, mine, g.to("cuda", dtype))
-    tru = torch.autograd.grad(truth, exact, g)
-    for name, a, t in zip(["output", "x", "weight", "bias"], [out, *got], [truth, *tru], strict=True):
-        err = (a.double().cpu() - t).norm() / t.norm()
-        assert err < tol, f"bf16 {name}: relative error {err:.3g}"
+    """The op on the GPU against eager in ``dtype``, both measured against float64: in bf16 a min over
+    128 channels picks another channel than float64 at near-ties as often as eager does, so eager's
+    own error is the yardstick (``compare``), with 3e-2 at least."""
+    cfg = ConvChannelReduceConfig(spec, reduction, keep, (), post)
+    x, w, b = make(spec, c_in, c_out, size, seed=0, batch=batch, dtype=dtype)
+    check(cfg, [x, w, b], "cuda", tol=None if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.gpu
