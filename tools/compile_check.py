@@ -5,7 +5,7 @@
         [--tiles T;...] [--dgrad-tiles T;...] [--wgrad-tiles T;...]
 
 KERNEL (a job; none: all): ``conv_fused``, ``conv_dense``, ``conv_fused_bwd``, ``conv_phase_aligned_bwd``,
-``epilogue``, ``global_mean``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
+``epilogue``, ``global_mean``, ``channel_reduce``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
 compile for the GPU; on ``conv_global_mean``'s default path such a kernel makes the op fall back to
 the slow torch reference (with one warning).  Run this after every change to a kernel.
 
@@ -61,6 +61,12 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
   under autocast), and for a padded grouped Conv2d without bias, off that pipeline's path
   (``conv2d_padded``, fp32: 3 index sets per dim, the other constexpr branches); ``-cl``:
   channels-last x.  Default: all six cases.  In this job a spill fails the compile.
+* ``channel_reduce``: ``kernels/channel_reduce.py``'s forward (saving the backward's state) and
+  backward on the ``families`` demos' conv outputs (``min_tanh``: Conv2d 64->128 over (64, 64, 128,
+  128) -> min over the channels -> tanh; ``softmax_mul``: Conv3d 16->32 over (8, 16, 32, 64, 64) ->
+  softmax -> x2) and on 512 channels with both chains (``wide_min``, ``wide_softmax``: the two-pass
+  channel loop); ``fp32``, ``bf16``.  Cases ``{min_tanh,softmax_mul,wide_min,wide_softmax}-{fp32,bf16}``,
+  all by default.
 
 Options for some jobs only (given for another job: an error): ``--tiles 'M,N,K,warps,stages;...'``
 (``conv_fused``) or ``'M,K,warps,stages;...'`` (``conv_dense``; N is the conv's); ``--dgrad-tiles``
@@ -118,6 +124,7 @@ import triton  # noqa: E402
 from seed_convs import seed_conv  # noqa: E402
 
 from fusion_backend.ir.specs import ConvSpec, PoolSpec  # noqa: E402
+from fusion_backend.kernels import channel_reduce as CR  # noqa: E402
 from fusion_backend.kernels import conv_dense as CD  # noqa: E402
 from fusion_backend.kernels import conv_fused as CF  # noqa: E402
 from fusion_backend.kernels import conv_fused_bwd as FB  # noqa: E402
@@ -169,6 +176,42 @@ def epilogue_pass(pool: str, dtype: str) -> None:
     EP.epilogue_forward(y, bias, steps, spec, out, winner, winner_y, torch.empty_like(y) if spec is None else None)
     EP.epilogue_backward(torch.empty(out_shape, dtype=dt), None if pool == "max" else y, winner, winner_y, bias,
                          steps, spec, torch.empty_like(y), [True] + [False] * (len(steps) - 1), True)
+
+
+#: The channel_reduce job's workloads: conv output shape, reduction, pre-chain, post-chain (the
+#: ``families`` demos, and 512 channels with both chains: the two-pass channel loop).
+CHANNEL_REDUCE_WORKLOADS = {
+    "min_tanh": ((64, 128, 126, 126), "min", (), (ChainStep(PointwiseKind.TANH),)),
+    "softmax_mul": ((8, 32, 30, 62, 62), "softmax", (), (ChainStep(PointwiseKind.MUL, (Const(2.0),)),)),
+    "wide_min": ((16, 512, 62, 62), "min", EPILOGUE_CHAIN, (ChainStep(PointwiseKind.MUL, (TensorRef(1),)),)),
+    "wide_softmax": ((16, 512, 62, 62), "softmax", EPILOGUE_CHAIN, (ChainStep(PointwiseKind.MUL, (TensorRef(1),)),)),
+}
+
+
+def channel_reduce_pass(workload: str, dtype: str) -> None:
+    """``kernels/channel_reduce.py``'s forward (saving the backward's state) and backward as
+    ``fusion::conv_channel_reduce`` calls them, on ``CHANNEL_REDUCE_WORKLOADS[workload]``; every
+    operand gradient wanted."""
+    shape, kind, pre, post = CHANNEL_REDUCE_WORKLOADS[workload]
+    dt = BACKWARD_DTYPES[dtype]
+    n, c, *spatial = shape
+    y = torch.empty(shape, dtype=dt)
+    full = kind in ("softmax", "log_softmax")
+    columns = c if full else 1
+    operands = [torch.ones(c, 1, 1), torch.ones(columns, 1, 1)]
+    pre_steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=ConvSpec(False, (1,), (0,), (1,), (0,), 1), chain=pre),
+                                       operands, y.dim(), c)  # fmt: skip
+    post_steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=ConvSpec(False, (1,), (0,), (1,), (0,), 1), chain=post),
+                                        operands, y.dim(), columns)  # fmt: skip
+    bias = torch.zeros(c, dtype=dt)
+    params, post_params = EP.build_params(pre_steps, bias, c, y.device), EP.build_params(post_steps, None, columns, y.device)
+    out = torch.empty_like(y) if full else torch.empty([n, 1, *spatial], dtype=dt)
+    index = torch.empty([n, *spatial], dtype=torch.int16)
+    stats = torch.empty([2, n, *spatial], dtype=torch.float32)
+    CR.channel_reduce_forward(y, True, pre_steps, post_steps, kind, params, post_params, out,
+                              index if kind in ("min", "max") else None, stats)  # fmt: skip
+    CR.channel_reduce_backward(torch.empty_like(out), y, index, stats, True, pre_steps, post_steps, kind, params,
+                               post_params, torch.empty_like(y), [True] * len(pre_steps), [True] * len(post_steps))  # fmt: skip
 
 
 def conv_epilogue_forward(workload: str, dtype: str, save: bool) -> None:
@@ -378,6 +421,10 @@ JOBS = {job.name: job for job in (
         {f"{w}-{d}{cl}": partial(global_mean_pipeline, d, bool(cl), w == "conv2d_padded")
          for w, d in (("convt2d", "fp32"), ("convt2d", "bf16"), ("conv2d_padded", "fp32")) for cl in ("", "-cl")},
         spills_fail=True,
+    ),
+    Job(
+        "channel_reduce", "kernels/channel_reduce.py: conv_channel_reduce's kernels (the families demos, 512 channels)",
+        {f"{w}-{d}": partial(channel_reduce_pass, w, d) for w in CHANNEL_REDUCE_WORKLOADS for d in ("fp32", "bf16")},
     ),
 )}  # fmt: skip
 TILE_OPTIONS = ("tiles", "dgrad_tiles", "wgrad_tiles")
