@@ -224,19 +224,18 @@ def _channel_dims(op: Reduce | GlobalReduce, rank: int) -> Optional[set[int]]:
 
 def _reduction_ahead(ctx: MatchContext, node: fx.Node, rank: int) -> bool:
     """Whether a reduction this family would report on follows within a few pointwise steps (DAG
-    chains included): any ``Reduce``, or a mean / sum whose dims include the channels (one over
-    spatial dims only is ``conv_global_mean``'s)."""
+    chains included): a ``Reduce`` over some dims, or a mean / sum whose dims include the channels
+    (one over spatial dims only is ``conv_global_mean``'s).  A reduction over every dim (a loss, a
+    ``y.mean()``) is nobody's near miss."""
     frontier, seen = [node], {node}
     for _ in range(_LOOKAHEAD):
         following = []
         for current in frontier:
             for user in current.users:
                 op = ctx.op(user)
-                if isinstance(op, Reduce) and op.input is current:
-                    return True
-                if isinstance(op, GlobalReduce) and op.input is current:
+                if isinstance(op, (Reduce, GlobalReduce)) and op.input is current and op.dims is not None:
                     dims = _channel_dims(op, rank)
-                    if dims is None or 1 in dims:
+                    if isinstance(op, Reduce) or dims is None or 1 in dims:  # (None here: a dim out of range)
                         return True
                 if isinstance(op, Pointwise) and user not in seen:
                     seen.add(user)
