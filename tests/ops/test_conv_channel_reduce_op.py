@@ -31,8 +31,12 @@ from fusion_backend.testing import compare
 
 K = PointwiseKind
 CUDA = torch.cuda.is_available()
-# numpy's warnings for the inf / NaN lanes the kernels compute on purpose under the interpreter
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+pytestmark = [
+    # numpy's warnings for the inf / NaN lanes the kernels compute on purpose under the interpreter
+    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
+    # on a GPU: no TF32 in the convs, so that a min / max picks its winner from the same values as eager
+    pytest.mark.usefixtures("exact_fp32"),
+]
 
 CONV2D = ConvSpec(False, (1, 2), (1, 0), (1, 1), (0, 0), 1)
 CONVT1D = ConvSpec(True, (2,), (1,), (1,), (1,), 1)
@@ -287,7 +291,7 @@ def test_bad_input_is_a_one_line_error() -> None:
         conv_channel_reduce(x, w, b, [], cfg.to_json())
 
 
-def test_a_kernel_failure_warns_and_runs_the_reference_or_raises_under_strict(monkeypatch, fresh_plans) -> None:
+def test_a_kernel_failure_warns_and_runs_the_reference_or_raises_under_strict(monkeypatch, kernel_device) -> None:
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     from fusion_backend.kernels import channel_reduce
 
@@ -295,7 +299,7 @@ def test_a_kernel_failure_warns_and_runs_the_reference_or_raises_under_strict(mo
         raise RuntimeError("injected launch failure")
 
     monkeypatch.setattr(channel_reduce, "channel_reduce_forward", broken)
-    x, w, b = make(CONV2D, 3, 5, (5, 6), 0)
+    x, w, b = (t.to(kernel_device) for t in make(CONV2D, 3, 5, (5, 6), 0))
     cfg = ConvChannelReduceConfig(CONV2D, "logsumexp")
     want = eager(x, w, b, [], cfg)
     with warnings.catch_warnings(record=True) as caught:
@@ -308,10 +312,10 @@ def test_a_kernel_failure_warns_and_runs_the_reference_or_raises_under_strict(mo
         conv_channel_reduce(x, w, b, [], strict.to_json())
 
 
-def test_more_channels_than_the_kernels_hold_run_the_reference(monkeypatch) -> None:
+def test_more_channels_than_the_kernels_hold_run_the_reference(monkeypatch, kernel_device) -> None:
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
-    x, w, b = make(ConvSpec(False, (1,), (0,), (1,), (0,), 1), 2, 1030, (3,), 0)
-    w = w[..., :1]
+    x, w, b = (t.to(kernel_device) for t in make(ConvSpec(False, (1,), (0,), (1,), (0,), 1), 2, 1030, (3,), 0))
+    w = w[..., :1].contiguous()
     cfg = ConvChannelReduceConfig(ConvSpec(False, (1,), (0,), (1,), (0,), 1), "amax")
     got = conv_channel_reduce(x, w, b, [], cfg.to_json())
     torch.testing.assert_close(got, torch.amax(F.conv1d(x, w, b), 1))
