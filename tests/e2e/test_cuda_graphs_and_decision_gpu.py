@@ -1,6 +1,8 @@
 """On CUDA: CUDA-graph training parity (``mode="reduce-overhead"``), and regions left to Inductor by
 the measured decision.  Skipped without a GPU."""
 
+import statistics
+
 import pytest
 import torch
 import torch.nn as nn
@@ -148,4 +150,7 @@ def test_region_timing_tells_the_gpu_time_of_a_host_bound_step_from_its_time_per
     # per call adds the host's synchronisation to the device time (and the test workers' contention)
     assert all(1.8 < t < 2.4 for t in device.gpu_ms) and all(1.8 < t < 4.0 for t in device.per_call_ms), device
     assert all(1.9 < t <= p for t, p in zip(host.host_ms, host.per_call_ms, strict=True)), host
-    assert max(device.host_ms) < 0.5, device
+    # the decision keeps the median over rounds: one round's enqueue may stall while the test workers
+    # share the host (1.0 ms in one of five rounds with twelve workers)
+    assert all(0 < t <= p for t, p in zip(device.host_ms, device.per_call_ms, strict=True)), device
+    assert statistics.median(device.host_ms) < 0.5, device

@@ -213,7 +213,11 @@ def test_every_reduction_with_chains_matches_float64(reduction, kernels, kernel_
     p = p.reshape(1, c_out, *([1] * nd))
     q = q.reshape(c_out, *([1] * nd))
     s = s.reshape([1] * (nd + 2)) if reduction == "sum" else s  # a one-element operand of full rank
-    check(cfg, [x, w, b, p, q, s], kernel_device if kernels != "reference" else "cpu")
+    device = kernel_device if kernels != "reference" else "cpu"
+    # The one-value operand's gradient sums every position's term, with cancellation; the kernel's
+    # fixed-order block sums and eager's CUDA reduction round differently (NOTE: 1.06e-5 from float64
+    # on the H100 for ``max``, eager closer by chance: ``pytest -m gpu`` on this file).
+    check(cfg, [x, w, b, p, q, s], device, tol=3e-5 if device == "cuda" else None)
 
 
 @pytest.mark.parametrize("reduction", ["amin", "max", "logsumexp", "log_softmax"])
