@@ -96,8 +96,9 @@ class Decision:
     time over the fused op's (the median of the rounds' ratios; ``inductor_ms / fused_ms`` when not
     given).  ``fused_gpu_ms`` / ``inductor_gpu_ms`` / ``gpu_speedup``: the same on the GPU, with the
     host ahead of the device (``runtime/region_timing.py``); ``None`` where not measured.
-    ``fused_host_ms`` / ``inductor_host_ms``: the host time per call of each.  ``cached``: the times
-    came from the cache."""
+    ``fused_host_ms`` / ``inductor_host_ms``: the host time per call of each; ``in_step_speedup``:
+    Inductor's time over the fused op's in a host-bound step (``decision.in_step_speedup``, the median
+    of the rounds').  ``cached``: the times came from the cache."""
 
     pattern: str
     summary: str
@@ -113,6 +114,7 @@ class Decision:
     gpu_speedup: Optional[float] = None
     fused_host_ms: Optional[float] = None
     inductor_host_ms: Optional[float] = None
+    in_step_speedup: Optional[float] = None
 
     def __str__(self) -> str:
         verdict = "fused" if self.fused else "left to Inductor"
