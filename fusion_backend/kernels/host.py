@@ -36,6 +36,27 @@ def cpu_kernels_unavailable() -> str | None:
     return None
 
 
+#: The dtypes the fused ops' Triton kernels compute in on CUDA, and under the interpreter on CPU.
+#: NOTE: Triton's interpreter has no bf16 (numpy has no such type).
+CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPRETER_KERNEL_DTYPES = (torch.float32, torch.float16)
+
+
+def kernels_unavailable(dtype: torch.dtype, device_type: str) -> str | None:
+    """Why no Triton kernel runs on ``device_type`` tensors of ``dtype`` (``None`` when one can):
+    what every fused op checks before its own limits."""
+    if device_type == "cuda":
+        if dtype not in CUDA_KERNEL_DTYPES:
+            return f"no Triton kernel for {dtype} (kernels cover float32, float16, bfloat16)"
+        return None
+    if device_type == "cpu":
+        why = cpu_kernels_unavailable()
+        if why is None and dtype not in INTERPRETER_KERNEL_DTYPES:
+            why = f"the Triton interpreter has no {dtype} kernels (float32, float16 only)"
+        return why
+    return f"no Triton kernels for device type {device_type!r}"
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for non-negative ``a`` and positive ``b``."""
     return -(-a // b)

@@ -17,6 +17,7 @@ from fusion_backend.errors import KernelError, UnsupportedInputError
 from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.kernels import host
 from fusion_backend.ops import conv_global_mean as cgm
+from fusion_backend.ops import failure
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef, apply_step
 from fusion_backend.ops.conv_global_mean import (
     ConvGlobalMeanConfig,
@@ -557,7 +558,7 @@ def test_kernel_failure_raises_when_strict_else_warns_and_falls_back(monkeypatch
     monkeypatch.setenv(cgm.CPU_KERNELS_ENV, "triton")
     monkeypatch.setattr(host, "INTERPRETER", True)  # the CPU routing only: the launch itself is replaced
     monkeypatch.setattr(kernels, "set_sums_partial", broken)
-    monkeypatch.setattr(cgm.common, "_warned", set())
+    monkeypatch.setattr(failure, "_warned", set())
     spec = spec2d(False)
     x, w, b = make_inputs(spec, 2, 3, (5, 6), (2, 2), dtype=torch.float32)
 
@@ -568,7 +569,7 @@ def test_kernel_failure_raises_when_strict_else_warns_and_falls_back(monkeypatch
         conv_global_mean(x, w, b, [], strict)
 
     lenient = ConvGlobalMeanConfig(spec).to_json()
-    with pytest.warns(RuntimeWarning, match="falling back to the torch reference"):
+    with pytest.warns(RuntimeWarning, match="Falling back to the plain-torch reference"):
         got = conv_global_mean(x, w, b, [], lenient)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once only
@@ -580,7 +581,7 @@ def test_too_many_index_sets_use_the_reference(monkeypatch: pytest.MonkeyPatch) 
     # A 1-d kernel of width 40 with padding 20 gives 40 distinct index sets: more than an int32 table.
     monkeypatch.setenv(cgm.CPU_KERNELS_ENV, "triton")
     monkeypatch.setattr(host, "INTERPRETER", True)  # the table is refused before any kernel runs
-    monkeypatch.setattr(cgm.common, "_warned", set())
+    monkeypatch.setattr(failure, "_warned", set())
     spec = ConvSpec(False, (1,), (20,), (1,), (0,), 1)
     x, w, b = make_inputs(spec, 1, 2, (45,), (40,), dtype=torch.float32)
     config = ConvGlobalMeanConfig(spec, strict=True).to_json()

@@ -9,47 +9,29 @@ The conv itself, its backward, the chain semantics and the outputs' memory forma
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from ...errors import KernelError, UnsupportedInputError
-from ...kernels.host import cpu_kernels_unavailable
+from ...errors import UnsupportedInputError
+from ...kernels.host import kernels_unavailable
 from ..config import ConvEpilogueConfig
 from ..conv_epilogue.common import empty_placeholder, in_format, kernel_steps, output_memory_format
+from ..failure import kernel_failed
 from .config import ConvChannelReduceConfig
 
-logger = logging.getLogger("fusion_backend")
-
-_CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# NOTE: Triton's interpreter has no bf16 (numpy has no such type).
-_INTERPRETER_KERNEL_DTYPES = (torch.float32, torch.float16)
 #: Most channels the Triton kernels reduce over (``kernels.channel_reduce.MAX_CHANNELS``; the pattern
 #: leaves wider convs as a near miss, and a direct call with more runs the reference).
 MAX_CHANNELS = 1024
-
-_warned: set[tuple[str, str]] = set()
 
 
 def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str, str | None]:
     """``("triton", None)`` when the Triton kernels serve this case, else ``("reference", why)``.
     The channel count is checked at run time (``use_triton``)."""
     ConvChannelReduceConfig.from_json(config)  # a valid config
-    if device_type == "cuda":
-        if dtype not in _CUDA_KERNEL_DTYPES:
-            return "reference", f"no Triton kernel for {dtype} (kernels cover float32, float16, bfloat16)"
-    elif device_type == "cpu":
-        why = cpu_kernels_unavailable()
-        if why is not None:
-            return "reference", why
-        if dtype not in _INTERPRETER_KERNEL_DTYPES:
-            return "reference", f"the Triton interpreter has no {dtype} kernels (float32, float16 only)"
-    else:
-        return "reference", f"no Triton kernels for device type {device_type!r}"
-    return "triton", None
+    why = kernels_unavailable(dtype, device_type)
+    return ("reference", why) if why is not None else ("triton", None)
 
 
 def use_triton(config: str, cfg: ConvChannelReduceConfig, x: Tensor, channels: int) -> bool:
@@ -67,22 +49,13 @@ def use_triton(config: str, cfg: ConvChannelReduceConfig, x: Tensor, channels: i
 
 def on_kernel_failure(direction: str, config: str, cfg: ConvChannelReduceConfig, x: Tensor, weight: Tensor,
                       error: Exception) -> None:  # fmt: skip
-    """Under ``strict`` raise (``UnsupportedInputError`` as is, anything else as ``KernelError``),
-    else warn once per (direction, config); the caller then runs the reference."""
+    """The fused ops' failure policy (``ops/failure.py``): under ``strict`` raise, else warn once
+    per (direction, config); the caller then runs the reference."""
     what = (
         f"fusion::conv_channel_reduce {direction} Triton kernel failed for {describe(cfg)}, x {tuple(x.shape)} "
         f"weight {tuple(weight.shape)} {x.dtype} on {x.device}: {type(error).__name__}: {error}"
     )
-    if cfg.strict:
-        if isinstance(error, UnsupportedInputError):
-            raise error
-        raise KernelError(f"{what}. Unset strict to fall back to the plain-torch reference.") from error
-    key = (direction, config)
-    if key not in _warned:
-        _warned.add(key)
-        message = f"{what}. Falling back to the plain-torch reference (warned once per config)."
-        logger.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    kernel_failed(what, error, cfg.strict, ("conv_channel_reduce", direction, config))
 
 
 def describe(cfg: ConvChannelReduceConfig) -> str:

@@ -24,7 +24,7 @@ from ..conv_epilogue.common import (
     run_conv,
     run_conv_backward,
 )
-from ..conv_epilogue.reference import _chain_backward, _chain_with_tape
+from ..conv_epilogue.reference import chain_backward, chain_with_tape
 from .common import allocate_forward_outputs, needs_y, output_dtype
 from .config import ConvChannelReduceConfig
 
@@ -99,8 +99,8 @@ def backward(
         if cfg.keepdim:
             r = r.unsqueeze(1)
     post_ops = post_operands(operands, cfg)
-    out, tape = _chain_with_tape(r, cfg.post, post_ops)
-    grad_r, post_grads = _chain_backward(tape, grad_out.to(out.dtype), post_ops, operand_mask)
+    out, tape = chain_with_tape(r, cfg.post, post_ops)
+    grad_r, post_grads = chain_backward(tape, grad_out.to(out.dtype), post_ops, operand_mask)
     post_grads = [None if g is None else g.reshape(t.shape) for g, t in zip(post_grads, operands, strict=True)]
     if not cfg.full_size and cfg.keepdim:
         grad_r = grad_r.squeeze(1)
@@ -127,8 +127,8 @@ def backward(
         if yb is None:  # sum / mean without a pre-chain: the pre-chain is the identity
             grad_y, pre_grads = grad_v, [None] * len(operands)
         else:
-            _, pre_tape = _chain_with_tape(yb, cfg.pre, operands)
-            grad_y, pre_grads = _chain_backward(pre_tape, grad_v.to(yb.dtype), operands, operand_mask)
+            _, pre_tape = chain_with_tape(yb, cfg.pre, operands)
+            grad_y, pre_grads = chain_backward(pre_tape, grad_v.to(yb.dtype), operands, operand_mask)
     grad_x, grad_w, grad_b = run_conv_backward(grad_y.to(dtype).contiguous(), x, weight, cfg.conv, mask[0], mask[1],
                                                bool(mask[2]))  # fmt: skip
     grad_operands = [_add(a, b) for a, b in zip(pre_grads, post_grads, strict=True)]
@@ -155,8 +155,8 @@ def _winner_backward(grad_r: Tensor, index: Tensor, y_win: Tensor, operands: Seq
     idx = index.to(torch.int64).unsqueeze(1)  # (N, 1, *spatial): a channel dim of one, the winner's
     per_channel = [t.numel() == channels and channels != 1 for t in operands]
     gathered = [t.reshape(-1)[idx] if spread else t for t, spread in zip(operands, per_channel, strict=True)]
-    _, tape = _chain_with_tape(y_win.unsqueeze(1), cfg.pre, gathered)
-    grad_w, grads = _chain_backward(tape, grad_r.unsqueeze(1).to(y_win.dtype), gathered, operand_mask)
+    _, tape = chain_with_tape(y_win.unsqueeze(1), cfg.pre, gathered)
+    grad_w, grads = chain_backward(tape, grad_r.unsqueeze(1).to(y_win.dtype), gathered, operand_mask)
     shape = [idx.shape[0], channels, *idx.shape[2:]]
     grad_y = torch.zeros(shape, dtype=grad_w.dtype, device=grad_w.device)
     grad_y.scatter_(1, idx, grad_w)

@@ -5,7 +5,6 @@ eager semantics, input checks and casts, shape arithmetic, per-shape cached answ
 """
 
 import logging
-import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Union
@@ -15,10 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ... import environment
-from ...errors import KernelError, UnsupportedInputError
+from ...errors import UnsupportedInputError
 from ...ir.shapes import conv_output_length, pool_output_length
 from ...ir.specs import ConvSpec, PoolSpec
-from ...kernels.host import BoundedCache, cpu_kernels_unavailable, tensor_key
+from ...kernels.host import BoundedCache, kernels_unavailable, tensor_key
 from ..chain import (
     MAX_CHAIN_LENGTH,
     ChainStep,
@@ -30,6 +29,7 @@ from ..chain import (
     operand_values,
 )
 from ..config import ConvEpilogueConfig
+from ..failure import kernel_failed
 
 logger = logging.getLogger("fusion_backend")
 
@@ -38,13 +38,8 @@ logger = logging.getLogger("fusion_backend")
 CPU_KERNELS_ENV = environment.CPU_KERNELS
 CONV_IMPL_ENV = environment.CONV_IMPL
 DEFAULT_CONV_IMPL = environment.DEFAULT_CONV_IMPL
-_CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# NOTE: Triton's interpreter has no bf16 (numpy has no such type).
-_INTERPRETER_KERNEL_DTYPES = (torch.float32, torch.float16)
 #: Largest window whose winner index is saved as int8.
 _INT8_WINDOW_LIMIT = 127
-
-_warned: set[tuple[str, str]] = set()
 
 
 def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str, str | None]:
@@ -54,17 +49,9 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
     time (with a warning, or ``UnsupportedInputError`` under ``strict``).
     """
     cfg = ConvEpilogueConfig.from_json(config)
-    if device_type == "cuda":
-        if dtype not in _CUDA_KERNEL_DTYPES:
-            return "reference", f"no Triton kernel for {dtype} (kernels cover float32, float16, bfloat16)"
-    elif device_type == "cpu":
-        why = cpu_kernels_unavailable()
-        if why is not None:
-            return "reference", why
-        if dtype not in _INTERPRETER_KERNEL_DTYPES:
-            return "reference", f"the Triton interpreter has no {dtype} kernels (float32, float16 only)"
-    else:
-        return "reference", f"no Triton kernels for device type {device_type!r}"
+    why = kernels_unavailable(dtype, device_type)
+    if why is not None:
+        return "reference", why
     if len(cfg.chain) > MAX_CHAIN_LENGTH:
         return "reference", f"chain of {len(cfg.chain)} steps exceeds the kernel's {MAX_CHAIN_LENGTH} slots"
     try:
@@ -120,23 +107,14 @@ def use_triton(config: str, cfg: ConvEpilogueConfig, x: Tensor) -> bool:
 def on_kernel_failure(
     direction: str, config: str, cfg: ConvEpilogueConfig, x: Tensor, weight: Tensor, error: Exception
 ) -> None:
-    """Under ``strict`` raise (``UnsupportedInputError`` as is, anything else as ``KernelError``),
-    else warn once per (direction, config)."""
+    """The fused ops' failure policy (``ops/failure.py``): under ``strict`` raise, else warn once
+    per (direction, config); the caller then runs the reference."""
     what = (
         f"fusion::conv_epilogue {direction} Triton kernel failed for chain [{_describe_chain(cfg)}], "
         f"pool {_describe_pool(cfg.pool)}, x {tuple(x.shape)} weight {tuple(weight.shape)} "
         f"{x.dtype} on {x.device}: {type(error).__name__}: {error}"
     )
-    if cfg.strict:
-        if isinstance(error, UnsupportedInputError):
-            raise error
-        raise KernelError(f"{what}. Unset strict to fall back to the plain-torch reference.") from error
-    key = (direction, config)
-    if key not in _warned:
-        _warned.add(key)
-        message = f"{what}. Falling back to the plain-torch reference (warned once per config)."
-        logger.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    kernel_failed(what, error, cfg.strict, ("conv_epilogue", direction, config))
 
 
 def _describe_chain(cfg: ConvEpilogueConfig) -> str:

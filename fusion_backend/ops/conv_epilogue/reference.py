@@ -1,6 +1,8 @@
 """The plain-torch reference of ``fusion::conv_epilogue`` (CPU, float64, anything the kernels do not
 cover): ``forward`` writes the same outputs and saved state as the kernels; ``backward`` applies
-torch's own derivative formulas to the chain recomputed from the saved state.
+torch's own derivative formulas to the chain recomputed from the saved state.  ``chain_with_tape``
+and ``chain_backward`` (a chain's forward with what its backward needs, and that backward) are
+shared with ``ops/conv_channel_reduce``'s reference, whose chains run before and after a reduction.
 """
 
 import math
@@ -106,11 +108,11 @@ def backward(
     is_max = pool is not None and pool.kind == "max"
     x, weight, bias_c = cast_inputs(x, weight, bias, conv_compute_dtype(cfg, x))  # grads: ``strided_like`` casts back
     y = saved_y0 if bias_c is None else saved_y0 + channel_view(bias_c, saved_y0.dim())
-    v, tape = _chain_with_tape(y, cfg.chain, operands)
+    v, tape = chain_with_tape(y, cfg.chain, operands)
     grad_v = grad_out.to(v.dtype)
     if pool is not None and not is_max:
         grad_v = _avg_pool_backward(grad_v, v, pool)
-    grad_y, grad_operands = _chain_backward(tape, grad_v, operands, mask[3:])
+    grad_y, grad_operands = chain_backward(tape, grad_v, operands, mask[3:])
     if is_max:
         grad_y = _scatter_to_windows(grad_y, saved_winner, conv_output_shape(x, weight, cfg.conv), pool)
     # The bias gradient comes from the same aten call as eager's: on these heavily cancelling sums
@@ -124,7 +126,7 @@ def backward(
 _Tape = list[tuple[ChainStep, Tensor, list[Union[Tensor, float]]]]
 
 
-def _chain_with_tape(
+def chain_with_tape(
     y: Tensor, chain: Sequence[ChainStep], operands: Sequence[Tensor]
 ) -> tuple[Tensor, _Tape]:
     """``apply_chain`` that also records each step's input and operand values."""
@@ -139,7 +141,7 @@ def _chain_with_tape(
     return y, tape
 
 
-def _chain_backward(
+def chain_backward(
     tape: _Tape, grad: Tensor, operands: Sequence[Tensor], operand_mask: Sequence[bool]
 ) -> tuple[Tensor, list[Tensor | None]]:
     """Walk ``tape`` backwards: the gradient of the chain's input and of the masked operands.  The

@@ -6,42 +6,22 @@ kernels cover, which implementation serves a case (``kernel_path``), and the fai
 from __future__ import annotations
 
 import functools
-import logging
-import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 
 from ... import environment
-from ...errors import KernelError
+from ...kernels.host import kernels_unavailable
+from ..failure import kernel_failed, warn_once
 from .config import ConvGlobalMeanConfig
 from .geometry import MAX_TABLE_BITS, Geometry
 
-logger = logging.getLogger("fusion_backend")
-
-
 #: The environment switch that makes CPU tensors run the Triton launchers (``fusion_backend.environment``).
 CPU_KERNELS_ENV = environment.CPU_KERNELS
-_CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-# NOTE: the Triton interpreter has no bf16, so on CPU only fp32/fp16 can take the kernel path.
-_INTERPRETER_KERNEL_DTYPES = (torch.float32, torch.float16)
 
 
 _R = TypeVar("_R")
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key in _warned:
-        return
-    _warned.add(key)
-    logger.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str, str | None]:
@@ -54,25 +34,16 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
     if device_type == "cuda":
         return _cuda_kernel_path(config, dtype)
     ConvGlobalMeanConfig.from_json(config)  # validates
-    if device_type == "cpu":
-        from ...kernels.host import cpu_kernels_unavailable
-
-        why = cpu_kernels_unavailable()
-        if why is not None:
-            return ("reference", why)
-        if dtype in _INTERPRETER_KERNEL_DTYPES:
-            return ("triton", None)
-        return ("reference", f"the Triton interpreter has no kernel for dtype {dtype} (fp32, fp16 only)")
-    return ("reference", f"no Triton kernels for device type {device_type!r}")
+    why = kernels_unavailable(dtype, device_type)
+    return ("reference", why) if why is not None else ("triton", None)
 
 
 @functools.lru_cache(maxsize=256)
 def _cuda_kernel_path(config: str, dtype: torch.dtype) -> tuple[str, str | None]:
     """``kernel_path`` on CUDA (no environment to read, so cached: it runs on every call)."""
     ConvGlobalMeanConfig.from_json(config)  # validates
-    if dtype in _CUDA_KERNEL_DTYPES:
-        return ("triton", None)
-    return ("reference", f"no Triton kernel for dtype {dtype} (kernels: fp32, fp16, bf16)")
+    why = kernels_unavailable(dtype, "cuda")
+    return ("reference", why) if why is not None else ("triton", None)
 
 
 def _kernel_fits(geo: Geometry) -> str | None:
@@ -102,18 +73,13 @@ def run_with_fallback(
     if path == "triton":
         why_not = _kernel_fits(geo)
         if why_not is not None:
-            _warn_once(f"{op}:fit:{why_not}", f"fusion_backend: {op} uses the torch reference: {why_not}")
+            warn_once(("conv_global_mean", op, "fit", why_not), f"fusion_backend: {op} uses the torch reference: {why_not}")
             return reference()
         try:
             return kernel()
-        except Exception as err:
-            detail = f"{op} Triton kernel failed on shape {tuple(t.shape)} dtype {t.dtype} ({t.device}): {type(err).__name__}: {err}"
-            if cfg.strict:
-                raise KernelError(detail + "; set strict=False to fall back to the torch reference") from err
-            _warn_once(
-                f"{op}:fail:{type(err).__name__}",
-                f"fusion_backend: {detail}; falling back to the torch reference",
-            )
+        except Exception as err:  # the fused ops' failure policy (``ops/failure.py``)
+            what = f"{op} Triton kernel failed on shape {tuple(t.shape)} dtype {t.dtype} ({t.device}): {type(err).__name__}: {err}"
+            kernel_failed(what, err, cfg.strict, ("conv_global_mean", op, config))
     return reference()
 
 
