@@ -27,7 +27,6 @@ own reasons (operands, shared intermediates, length).
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -37,7 +36,7 @@ import torch.fx as fx
 from ..frontend.canonical import Conv, GlobalReduce, Pointwise, Reduce
 from ..frontend.normalize import describe_target
 from ..match.chain_walk import ChainValues, pointwise_step
-from ..match.engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
+from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
 from ..match.rewrite import dtype_name, rewrite_conv_region
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep
 from ..report import Match, NearMiss, ReasonKind
@@ -74,19 +73,13 @@ class ChannelReduceRegion:
 
 
 @register_pattern
-class ConvChannelReducePattern(Pattern):
+class ConvChannelReducePattern(ConvAnchoredPattern):
     name = "conv_channel_reduce"
     priority = 150
     description = ("conv/conv-transpose (1-3d) → pointwise chain → one reduction over the channels (min, max, "
                    "amin, amax, sum, mean, logsumexp, softmax, log_softmax) → pointwise chain")
 
-    def find(self, ctx: MatchContext) -> Iterator[Union[Candidate, NearMiss]]:
-        for conv in ctx.convs():
-            found = self._match(ctx, conv)
-            if found is not None:
-                yield found
-
-    def _match(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
+    def match_conv(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
         anchor = conv.node
         y = fake_of(anchor)
         if not isinstance(y, torch.Tensor) or y.dim() != conv.spec.spatial_dims + 2:

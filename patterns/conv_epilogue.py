@@ -24,7 +24,6 @@ one pointwise op or a pool.  Every stop is recorded as a ``NearMiss`` with its r
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -34,7 +33,7 @@ import torch.fx as fx
 from ..frontend.canonical import BatchNorm, Conv, Opaque, ParamRef, Pointwise, Pool
 from ..frontend.normalize import describe_target, target_name
 from ..match.chain_walk import ChainValues, pointwise_step
-from ..match.engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
+from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, PointwiseKind, TensorRef
 from ..ops.config import ConvEpilogueConfig
@@ -56,18 +55,14 @@ class EpilogueRegion:
 
 
 @register_pattern
-class ConvEpiloguePattern(Pattern):
+class ConvEpiloguePattern(ConvAnchoredPattern):
     name = "conv_epilogue"
     priority = 100
     description = ("conv/conv-transpose (1-3d) → chain of pointwise ops with scalar, per-channel or earlier "
                    "chain values as operands, and eval-mode batch norms (folded into per-channel scale and shift) "
                    "→ optional max/avg pool")
 
-    def find(self, ctx: MatchContext) -> Iterator[Union[Candidate, NearMiss]]:
-        for conv in ctx.convs():
-            yield self._grow(ctx, conv)
-
-    def _grow(self, ctx: MatchContext, conv: Conv) -> Union[Candidate, NearMiss]:
+    def match_conv(self, ctx: MatchContext, conv: Conv) -> Union[Candidate, NearMiss]:
         anchor = conv.node
         y = fake_of(anchor)
         miss = lambda at, kind, msg: ctx.near_miss(self.name, anchor, at, kind, msg)  # noqa: E731

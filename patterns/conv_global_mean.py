@@ -19,7 +19,6 @@ the algebraic rewrite removes the conv output altogether.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -27,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from ..frontend.canonical import Conv, GlobalReduce, Pointwise
-from ..match.engine import Candidate, MatchContext, Pattern, fake_of, register_pattern
+from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
 from ..match.rewrite import dtype_name, rewrite_conv_region
 from ..ops.chain import ChainStep, PointwiseKind
 from ..report import Match, NearMiss, ReasonKind
@@ -47,18 +46,12 @@ class MeanRegion:
 
 
 @register_pattern
-class ConvGlobalMeanPattern(Pattern):
+class ConvGlobalMeanPattern(ConvAnchoredPattern):
     name = "conv_global_mean"
     priority = 200
     description = "conv/conv-transpose (1-3d) → per-channel affine ops → mean over all spatial dims (computed algebraically)"
 
-    def find(self, ctx: MatchContext) -> Iterator[Union[Candidate, NearMiss]]:
-        for conv in ctx.convs():
-            found = self._match(ctx, conv)
-            if found is not None:
-                yield found
-
-    def _match(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
+    def match_conv(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
         anchor = conv.node
         y = fake_of(anchor)
         if not isinstance(y, torch.Tensor) or y.dim() != conv.spec.spatial_dims + 2:

@@ -70,6 +70,21 @@ class Pattern:
         raise NotImplementedError
 
 
+class ConvAnchoredPattern(Pattern):
+    """A family whose regions start at a conv: ``find`` offers each conv of the graph, in graph
+    order, to ``match_conv``, which returns a ``Candidate``, a ``NearMiss`` (a conv of this family's
+    kind that it cannot take, with the reason) or ``None`` (a conv that is not this family's)."""
+
+    def find(self, ctx: MatchContext) -> Iterator[Union[Candidate, NearMiss]]:
+        for conv in ctx.convs():
+            found = self.match_conv(ctx, conv)
+            if found is not None:
+                yield found
+
+    def match_conv(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
+        raise NotImplementedError
+
+
 _REGISTRY: dict[str, Pattern] = {}
 
 
