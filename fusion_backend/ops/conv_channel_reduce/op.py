@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..autograd_free import register_autograd_free
-from ..conv_epilogue.common import empty_placeholder, run_conv, strided_like
+from ..conv_epilogue.common import backward_outputs, fake_backward_outputs, run_conv
 from ..direct_impls import profiled, records_backward, register_direct
 from . import reference
 from .backward import backward_triton
@@ -68,11 +68,7 @@ def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, 
     if grads is None:
         grads = reference.backward(grad_out, x, weight, bias, operands, saved_y, saved_index, saved_stats, cfg,
                                    output_mask)  # fmt: skip
-    inputs = [x, weight, bias, *operands]
-    return [
-        strided_like(g, ref) if wanted and ref is not None and g is not None else empty_placeholder(x)
-        for g, ref, wanted in zip(grads, inputs, output_mask, strict=True)
-    ]
+    return backward_outputs(grads, [x, weight, bias, *operands], output_mask, x)
 
 
 conv_channel_reduce_bwd = torch.library.custom_op("fusion::conv_channel_reduce_bwd", mutates_args=())(_bwd_impl)
@@ -80,11 +76,7 @@ conv_channel_reduce_bwd = torch.library.custom_op("fusion::conv_channel_reduce_b
 
 @conv_channel_reduce_bwd.register_fake
 def _bwd_fake(grad_out, x, weight, bias, operands, saved_y, saved_index, saved_stats, config, output_mask):
-    inputs = [x, weight, bias, *operands]
-    return [
-        torch.empty_like(ref) if wanted and ref is not None else empty_placeholder(x)
-        for ref, wanted in zip(inputs, output_mask, strict=True)
-    ]
+    return fake_backward_outputs([x, weight, bias, *operands], output_mask, x)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:

@@ -264,6 +264,23 @@ def strided_like(g: Tensor, ref: Tensor) -> Tensor:
     return torch.empty_like(ref).copy_(g)
 
 
+def backward_outputs(grads: Sequence[Tensor | None], inputs: Sequence[Tensor | None], mask: Sequence[bool],
+                     x: Tensor) -> list[Tensor]:  # fmt: skip
+    """A fused op's backward outputs, one per input: each requested gradient with its input's dtype
+    and ``torch.empty_like`` strides (``strided_like``), an empty placeholder where the mask is off
+    or the input is absent (the custom op's schema returns tensors only)."""
+    return [
+        strided_like(g, ref) if wanted and ref is not None and g is not None else empty_placeholder(x)
+        for g, ref, wanted in zip(grads, inputs, mask, strict=True)
+    ]
+
+
+def fake_backward_outputs(inputs: Sequence[Tensor | None], mask: Sequence[bool], x: Tensor) -> list[Tensor]:
+    """``backward_outputs``' metadata, for the backward custom op's fake."""
+    return [torch.empty_like(ref) if wanted and ref is not None else empty_placeholder(x)
+            for ref, wanted in zip(inputs, mask, strict=True)]  # fmt: skip
+
+
 def channel_view(t: Tensor, ndim: int) -> Tensor:
     return t.reshape([1, -1] + [1] * (ndim - 2))
 

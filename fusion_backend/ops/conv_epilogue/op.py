@@ -17,15 +17,15 @@ from . import backward, forward, reference
 from .common import (
     allocate_forward_outputs,
     apply_chain,
+    backward_outputs,
     cast_inputs,
     check_inputs,
     conv_compute_dtype,
-    empty_placeholder,
+    fake_backward_outputs,
     on_kernel_failure,
     output_dtype,
     run_conv,
     run_pool,
-    strided_like,
     use_triton,
 )
 
@@ -159,11 +159,7 @@ def _conv_epilogue_bwd_impl(
     if grads is None:
         cfg = cfg or ConvEpilogueConfig.from_json(config)
         grads = reference.backward(grad_out, x, weight, bias, operands, saved_y0, saved_winner, cfg, output_mask)
-    inputs = [x, weight, bias, *operands]
-    return [
-        strided_like(g, ref) if wanted and ref is not None and g is not None else empty_placeholder(x)
-        for g, ref, wanted in zip(grads, inputs, output_mask, strict=True)
-    ]
+    return backward_outputs(grads, [x, weight, bias, *operands], output_mask, x)
 
 
 conv_epilogue_bwd = torch.library.custom_op("fusion::conv_epilogue_bwd", mutates_args=())(_conv_epilogue_bwd_impl)
@@ -172,11 +168,7 @@ conv_epilogue_bwd = torch.library.custom_op("fusion::conv_epilogue_bwd", mutates
 @conv_epilogue_bwd.register_fake
 def _conv_epilogue_bwd_fake(grad_out, x, weight, bias, operands, saved_y0, saved_winner, config, output_mask):
     """The gradients' metadata (types as in ``_conv_epilogue_bwd_impl``, which gives the op its schema)."""
-    inputs = [x, weight, bias, *operands]
-    return [
-        torch.empty_like(ref) if wanted and ref is not None else empty_placeholder(x)
-        for ref, wanted in zip(inputs, output_mask, strict=True)
-    ]
+    return fake_backward_outputs([x, weight, bias, *operands], output_mask, x)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
