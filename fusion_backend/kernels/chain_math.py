@@ -343,6 +343,30 @@ def chain_forward(v, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7,
 
 
 @triton.jit
+def apply_chain_at(x, p_ptr, c, C, cmask, OPS: tl.constexpr):
+    """The chain with op codes ``OPS`` (a tuple of ``MAX_SLOTS`` codes) applied to ``x``, its operands
+    read from the matrix ``p_ptr`` (``(NUM_PARAM_ROWS, C)`` fp32) at channels ``c`` (``c``'s shape
+    broadcasts against ``x``'s; lanes outside ``cmask`` read ``load_operands``' fill)."""
+    a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = load_chain_operands(
+        p_ptr, c, C, cmask, OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
+    return chain_forward(x, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+                         OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
+
+
+@triton.jit
+def chain_grad_at(g, x, p_ptr, c, C, cmask, OPS: tl.constexpr):
+    """The chain with op codes ``OPS`` (operands as ``apply_chain_at`` reads them) walked back from
+    ``g`` at input ``x``: ``(d/dx, d/da0, ..., d/da7)``."""
+    a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = load_chain_operands(
+        p_ptr, c, C, cmask, OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
+    v0, v1, v2, v3, v4, v5, v6, v7, a0, a1, a2, a3, a4, a5, a6, a7 = chain_slot_inputs(
+        x, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+        OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
+    return chain_backward(g, v0, v1, v2, v3, v4, v5, v6, v7, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5,
+                          a6, b6, a7, b7, OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
+
+
+@triton.jit
 def avg_divisor(od, oh, ow, D, H, W,
                  KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                  SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,

@@ -56,9 +56,9 @@ import triton.language as tl
 from .chain_math import (
     MAX_SLOTS,
     KernelStep,
-    chain_backward,
+    apply_chain_at,
     chain_forward,
-    chain_slot_inputs,
+    chain_grad_at,
     load_chain_operands,
     op_constexprs,
 )
@@ -194,7 +194,7 @@ def _softmax_block_grad(y_ptr, p_ptr, q_ptr, gout_ptr, y_base, n64, c, s, s64, m
     yb, v = _load_pre(y_ptr, p_ptr, y_base, c, s64, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
     sv = _softmax_value(v, m, sm, KIND)
     g = tl.load(gout_ptr + n64 * g_sn + c.to(tl.int64) * g_sc + s64 * g_ss, mask=valid, other=0.0)
-    gp, q0, q1, q2, q3, q4, q5, q6, q7 = _chain_grad(g.to(tl.float32), sv, q_ptr, c, CQ, c < CQ, POST)
+    gp, q0, q1, q2, q3, q4, q5, q6, q7 = chain_grad_at(g.to(tl.float32), sv, q_ptr, c, CQ, c < CQ, POST)
     return valid, yb, sv, gp, q0, q1, q2, q3, q4, q5, q6, q7
 
 
@@ -207,32 +207,6 @@ def _winner_block(v, yb, c, valid, r, nan, BIG: tl.constexpr):
     yw = tl.sum(tl.where(c == idx[None, :], yb, 0.0), axis=0)
     ties = tl.sum(tl.where(valid & (v == r[None, :]), 1.0, 0.0), axis=0)
     return idx, yw, ties
-
-
-@triton.jit
-def _post_operands(q_ptr, cq, CQ, qmask, POST: tl.constexpr):
-    return load_chain_operands(q_ptr, cq, CQ, qmask, POST[0], POST[1], POST[2], POST[3], POST[4], POST[5],
-                               POST[6], POST[7])  # fmt: skip
-
-
-@triton.jit
-def _apply_post(x, q_ptr, cq, CQ, qmask, POST: tl.constexpr):
-    a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = _post_operands(q_ptr, cq, CQ, qmask, POST)
-    return chain_forward(x, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
-                         POST[0], POST[1], POST[2], POST[3], POST[4], POST[5], POST[6], POST[7])  # fmt: skip
-
-
-@triton.jit
-def _chain_grad(g, x, p_ptr, c, C, cmask, OPS: tl.constexpr):
-    """The chain with op codes ``OPS`` (operands from matrix ``p_ptr`` at channels ``c``) walked back
-    from ``g`` at input ``x``: ``(d/dx, d/da0, ..., d/da7)``."""
-    a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = load_chain_operands(
-        p_ptr, c, C, cmask, OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
-    v0, v1, v2, v3, v4, v5, v6, v7, a0, a1, a2, a3, a4, a5, a6, a7 = chain_slot_inputs(
-        x, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
-        OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
-    return chain_backward(g, v0, v1, v2, v3, v4, v5, v6, v7, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5,
-                          a6, b6, a7, b7, OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
 
 
 @triton.jit
@@ -299,7 +273,7 @@ def _channel_reduce_fwd_kernel(
     if KIND >= 8:
         qmask_all = cb < CQ
         if ONE_BLOCK:
-            out = _apply_post(_softmax_value(v, m, sm, KIND), q_ptr, cb, CQ, qmask_all, POST)
+            out = apply_chain_at(_softmax_value(v, m, sm, KIND), q_ptr, cb, CQ, qmask_all, POST)
             o = out_ptr + n64 * o_sn + cb.to(tl.int64) * o_sc + s64 * o_ss
             tl.store(o, out.to(out_ptr.dtype.element_ty), mask=(cb < C) & (s < S))
         else:
@@ -307,7 +281,7 @@ def _channel_reduce_fwd_kernel(
                 c = c0 + cb
                 valid = (c < C) & (s < S)
                 yb, v = _load_pre(y_ptr, p_ptr, y_base, c, s64, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
-                out = _apply_post(_softmax_value(v, m, sm, KIND), q_ptr, c, CQ, c < CQ, POST)
+                out = apply_chain_at(_softmax_value(v, m, sm, KIND), q_ptr, c, CQ, c < CQ, POST)
                 o = out_ptr + n64 * o_sn + c.to(tl.int64) * o_sc + s64 * o_ss
                 tl.store(o, out.to(out_ptr.dtype.element_ty), mask=valid)
         if SAVE:
@@ -315,7 +289,7 @@ def _channel_reduce_fwd_kernel(
             tl.store(st_ptr + st_row + st_off, sm, mask=smask1)
     else:
         cz = tl.zeros([BLOCK_S], tl.int32)
-        out = _apply_post(r, q_ptr, cz, CQ, cz < CQ, POST)
+        out = apply_chain_at(r, q_ptr, cz, CQ, cz < CQ, POST)
         tl.store(out_ptr + n64 * o_sn + s1.to(tl.int64) * o_ss, out.to(out_ptr.dtype.element_ty), mask=smask1)
         if SAVE:
             tl.store(st_ptr + st_off, r, mask=smask1)
@@ -404,7 +378,7 @@ def _channel_reduce_bwd_kernel(
         g = tl.load(gout_ptr + n64 * g_sn + s1.to(tl.int64) * g_ss, mask=smask1, other=0.0).to(tl.float32)
         r = tl.load(st_ptr + st_off, mask=smask1, other=1.0)
         cz = tl.zeros([BLOCK_S], tl.int32)
-        gr, q0, q1, q2, q3, q4, q5, q6, q7 = _chain_grad(g, r, q_ptr, cz, CQ, cz < CQ, POST)
+        gr, q0, q1, q2, q3, q4, q5, q6, q7 = chain_grad_at(g, r, q_ptr, cz, CQ, cz < CQ, POST)
         if POST_MASK != 0:
             z = tl.arange(0, 1)
             _store_partials(qpart, qpart_row, z, z < 1, q0, q1, q2, q3, q4, q5, q6, q7, smask1[None, :], POST_MASK, 1)
@@ -435,7 +409,7 @@ def _channel_reduce_bwd_kernel(
                     yb = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
                     v = yb
                 gv = _grad_v(v, gr, r, extra, c, C, KIND)
-                gy, a0, a1, a2, a3, a4, a5, a6, a7 = _chain_grad(gv, yb, p_ptr, c, C, cmask, PRE)
+                gy, a0, a1, a2, a3, a4, a5, a6, a7 = chain_grad_at(gv, yb, p_ptr, c, C, cmask, PRE)
                 tl.store(gy_ptr + n64 * gy_sn + c.to(tl.int64) * gy_sc + s64 * gy_ss,
                          gy.to(gy_ptr.dtype.element_ty), mask=valid)  # fmt: skip
                 if PRE_MASK != 0:
@@ -476,7 +450,7 @@ def _channel_reduce_bwd_kernel(
                 gv = sv * (gp - dot[None, :])
             else:  # torch: grad - exp(out) * sum(grad)
                 gv = gp - tl.exp(sv) * dot[None, :]
-            gy, a0, a1, a2, a3, a4, a5, a6, a7 = _chain_grad(gv, yb, p_ptr, c, C, cmask, PRE)
+            gy, a0, a1, a2, a3, a4, a5, a6, a7 = chain_grad_at(gv, yb, p_ptr, c, C, cmask, PRE)
             tl.store(gy_ptr + n64 * gy_sn + c.to(tl.int64) * gy_sc + s64 * gy_ss,
                      gy.to(gy_ptr.dtype.element_ty), mask=valid)  # fmt: skip
             c1 = c0 + tl.arange(0, BLOCK_C)
@@ -490,7 +464,7 @@ def _channel_reduce_bwd_kernel(
 def _chain_grad_at_winner(g, yw, p_ptr, idx, C, smask, PRE: tl.constexpr):
     """The pre-chain walked back from ``g`` at ``yw`` (y + bias at the winner), with each position's
     operands read at its winning channel ``idx`` ([BLOCK_S])."""
-    return _chain_grad(g, yw, p_ptr, idx, C, smask & (idx < C), PRE)
+    return chain_grad_at(g, yw, p_ptr, idx, C, smask & (idx < C), PRE)
 
 
 # --------------------------------------------------------------------------------------------------

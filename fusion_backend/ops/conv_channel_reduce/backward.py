@@ -19,7 +19,7 @@ from .config import ConvChannelReduceConfig
 from .forward import KernelChains
 
 
-def _wanted_slots(chain: Sequence[ChainStep], operand_mask: Sequence[bool]) -> list[bool]:
+def wanted_slots(chain: Sequence[ChainStep], operand_mask: Sequence[bool]) -> list[bool]:
     """Per slot: whether the gradient of its (tensor) first operand is wanted."""
     return [
         step.kind.differentiable_operands == (0,) and isinstance(step.operands[0], TensorRef)
@@ -28,7 +28,7 @@ def _wanted_slots(chain: Sequence[ChainStep], operand_mask: Sequence[bool]) -> l
     ]  # fmt: skip
 
 
-def _operand_grads(cfg: ConvChannelReduceConfig, operands: Sequence[Tensor], operand_mask: Sequence[bool],
+def operand_grads(cfg: ConvChannelReduceConfig, operands: Sequence[Tensor], operand_mask: Sequence[bool],
                    pre_sums: Sequence[Tensor | None], post_sums: Sequence[Tensor | None]) -> list[Tensor | None]:  # fmt: skip
     """Each wanted operand's gradient: the sums of the slots that read it (a one-value operand takes
     the total over the channels), in its shape and dtype."""
@@ -60,8 +60,8 @@ def backward_triton(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | 
     pre_sums, post_sums = channel_reduce_backward(
         grad_out, saved_y if needs_y(cfg) else None, saved_index if cfg.reduction in ("min", "max") else None,
         saved_stats, bias is not None, chains.pre, chains.post, cfg.reduction, chains.params, chains.post_params,
-        grad_y, _wanted_slots(cfg.pre, operand_mask), _wanted_slots(cfg.post, operand_mask),
+        grad_y, wanted_slots(cfg.pre, operand_mask), wanted_slots(cfg.post, operand_mask),
     )  # fmt: skip
     grad_x, grad_w, grad_b = run_conv_backward(grad_y, x, weight, cfg.conv, mask[0], mask[1], bool(mask[2]))
-    grads = _operand_grads(cfg, operands, operand_mask, pre_sums, post_sums)
+    grads = operand_grads(cfg, operands, operand_mask, pre_sums, post_sums)
     return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]
