@@ -1,0 +1,105 @@
+"""``ConvGroupNormConfig``: the static part of a ``fusion::conv_group_norm`` call (conv parameters,
+the chain before the norm, the number of groups, eps, where the norm's weight and bias sit among the
+operands, the chain after the norm, dtypes, strict) and its JSON codec.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...ir.specs import ConvSpec
+from ..chain import MAX_CHAIN_LENGTH, ChainStep, check_chain
+from ..config import chain_from_list, chain_to_list
+
+
+@dataclass(frozen=True)
+class ConvGroupNormConfig:
+    """Everything static about one ``conv -> pre-chain -> group norm -> post-chain`` region.
+
+    * ``groups``: the norm's number of groups; an instance norm is ``groups == C`` (one channel per
+      group).  The conv's output channels must be divisible by it (checked at run time).
+    * ``eps``: added to the biased variance of each group before the reciprocal square root.
+    * ``weight`` / ``bias``: indices into the op's ``operands`` of the norm's per-channel scale and
+      shift (C values each, any float dtype), or ``None`` (``affine=False``).
+    * ``pre`` / ``post``: steps applied before / after the norm (``ops/chain.py``); ``TensorRef``
+      operands index the same ``operands`` list (numbers, one-element or per-channel tensors);
+      ``ChainValue(i)`` is the chain's own value before its step ``i``.
+    * ``norm_dtype``: dtype name the norm's result has in eager (autocast runs group_norm in fp32 on a
+      bf16 conv output), ``None`` = the conv's.  The post-chain runs in it.
+    * ``out_dtype``: dtype name of the region's result, ``None`` = the conv's.
+    * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
+
+    Nothing here depends on tensor sizes but ``groups``, which the conv's weight fixes.
+    """
+
+    conv: ConvSpec
+    groups: int
+    eps: float = 1e-5
+    weight: int | None = None
+    bias: int | None = None
+    pre: tuple[ChainStep, ...] = ()
+    post: tuple[ChainStep, ...] = ()
+    norm_dtype: str | None = None
+    out_dtype: str | None = None
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.groups, int) or self.groups < 1:
+            raise ValueError(f"groups must be a positive int, got {self.groups!r}")
+        if not self.eps >= 0.0:
+            raise ValueError(f"eps must be a non-negative number, got {self.eps!r}")
+        for name in ("weight", "bias"):
+            index = getattr(self, name)
+            if index is not None and (not isinstance(index, int) or index < 0):
+                raise ValueError(f"{name} must be an operand index or None, got {index!r}")
+        for name, chain in (("pre", self.pre), ("post", self.post)):
+            if len(chain) > MAX_CHAIN_LENGTH:
+                raise ValueError(f"the {name}-chain has {len(chain)} steps; at most {MAX_CHAIN_LENGTH} fit the kernels")
+            check_chain(chain)
+        for name in ("norm_dtype", "out_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
+                raise ValueError(f"{name} {value!r} is not a torch dtype name")
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys, no spaces): equal configs give equal strings."""
+        d: dict[str, Any] = {
+            "conv": self.conv.to_dict(),
+            "groups": self.groups,
+            "eps": self.eps,
+            "weight": self.weight,
+            "bias": self.bias,
+            "pre": chain_to_list(self.pre),
+            "post": chain_to_list(self.post),
+            "norm_dtype": self.norm_dtype,
+            "out_dtype": self.out_dtype,
+            "strict": self.strict,
+        }
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> ConvGroupNormConfig:
+        """Parse ``to_json``'s output (cached: the op implementations parse on every call)."""
+        return _parse_config(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_config(text: str) -> ConvGroupNormConfig:
+    d = json.loads(text)
+    return ConvGroupNormConfig(
+        conv=ConvSpec.from_dict(d["conv"]),
+        groups=int(d["groups"]),
+        eps=float(d.get("eps", 1e-5)),
+        weight=d.get("weight"),
+        bias=d.get("bias"),
+        pre=chain_from_list(d.get("pre", [])),
+        post=chain_from_list(d.get("post", [])),
+        norm_dtype=d.get("norm_dtype"),
+        out_dtype=d.get("out_dtype"),
+        strict=bool(d.get("strict", False)),
+    )
