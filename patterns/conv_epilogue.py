@@ -178,8 +178,10 @@ class ConvEpiloguePattern(ConvAnchoredPattern):
         )
 
 
-#: Normalizations with statistics per sample (or per group of channels), by function name.
-_SAMPLE_NORMS = {"group_norm": "GroupNorm", "instance_norm": "InstanceNorm", "layer_norm": "LayerNorm"}
+#: Normalizations with statistics per sample (or per group of channels), by function name, and the
+#: family that takes each (None: none yet).
+_SAMPLE_NORMS = {"group_norm": ("GroupNorm", "conv_group_norm"), "instance_norm": ("InstanceNorm", "conv_group_norm"),
+                 "layer_norm": ("LayerNorm", None)}
 #: Reductions that, over the conv's channels, the ``conv_channel_reduce`` family takes.
 _REDUCTIONS = {"softmax", "log_softmax", "min", "max", "amin", "amax", "sum", "mean", "logsumexp"}
 
@@ -189,7 +191,11 @@ def _not_fused_yet(node: fx.Node, rank: int) -> Optional[str]:
     the conv epilogue does not take), or None for any other op.  ``rank``: the conv output's rank."""
     name = target_name(node)
     if name in _SAMPLE_NORMS:
-        return f"normalizes by statistics of the conv output ({_SAMPLE_NORMS[name]}), which is not fused yet"
+        label, family = _SAMPLE_NORMS[name]
+        if family is None:
+            return f"normalizes by statistics of the conv output ({label}), which is not fused yet"
+        return (f"normalizes by statistics of the conv output ({label}): the {family} family's (its near miss says "
+                "why it did not fuse)")
     if name not in _REDUCTIONS:
         return None
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)

@@ -139,6 +139,23 @@ class BatchNorm:
 
 
 @dataclass(frozen=True)
+class GroupNorm:
+    """``F.group_norm`` / ``F.instance_norm`` over dim 1: the channels split into ``groups`` equal
+    groups (``None``: one group per channel, instance norm), each normalised by its own mean and
+    biased variance over the group's channels and every spatial position, per sample; then
+    ``* weight + bias`` per channel (either may be ``None``).  ``running_stats`` is True for an
+    instance norm given running statistics (it reads or updates them; group norm has none)."""
+
+    node: fx.Node
+    input: fx.Node
+    groups: Optional[int]
+    weight: ValueRef
+    bias: ValueRef
+    eps: float
+    running_stats: bool = False
+
+
+@dataclass(frozen=True)
 class Opaque:
     """Anything else.  ``description`` names the op for reports (e.g. ``torch.softmax``)."""
 
@@ -146,4 +163,4 @@ class Opaque:
     description: str
 
 
-CanonicalOp = Union[Conv, Pointwise, Pool, GlobalReduce, Reduce, BatchNorm, Opaque]
+CanonicalOp = Union[Conv, Pointwise, Pool, GlobalReduce, Reduce, BatchNorm, GroupNorm, Opaque]

@@ -25,7 +25,18 @@ import torch.nn.functional as F
 
 from ..ir.specs import ConvSpec, PoolSpec
 from ..ops.chain import PointwiseKind as K
-from .canonical import BatchNorm, CanonicalOp, Conv, GlobalReduce, Opaque, ParamRef, Pointwise, Pool, Reduce
+from .canonical import (
+    BatchNorm,
+    CanonicalOp,
+    Conv,
+    GlobalReduce,
+    GroupNorm,
+    Opaque,
+    ParamRef,
+    Pointwise,
+    Pool,
+    Reduce,
+)
 
 # --------------------------------------------------------------------------------------------
 # Signatures the spellings are bound against (argument names as in torch's own docs).
@@ -55,6 +66,11 @@ def _sig_logsumexp(input, dim, keepdim=False): ...
 def _sig_softmax(input, dim=None, _stacklevel=3, dtype=None): ...
 def _sig_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
                     eps=1e-05): ...
+def _sig_group_norm(input, num_groups, weight=None, bias=None, eps=1e-05, cudnn_enabled=True): ...
+def _sig_instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
+                       momentum=0.1, eps=1e-05, cudnn_enabled=True): ...
+def _sig_torch_instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
+                             cudnn_enabled): ...
 
 
 def _bind(sig_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[dict[str, Any]]:
@@ -398,7 +414,28 @@ def _normalize_function(node: fx.Node, target: Any, args: tuple, kwargs: dict) -
             return None  # a traced training flag or eps: nothing to fold at compile time
         return BatchNorm(node, b["input"], b["running_mean"], b["running_var"], b["weight"], b["bias"],
                          b["training"] or b["running_mean"] is None or b["running_var"] is None, float(b["eps"]))
+    if target in (F.group_norm, torch.group_norm):
+        return _group_norm(node, _bind(_sig_group_norm, args, kwargs))
+    if target is F.instance_norm:
+        return _instance_norm(node, _bind(_sig_instance_norm, args, kwargs))
+    if target is torch.instance_norm:
+        return _instance_norm(node, _bind(_sig_torch_instance_norm, args, kwargs))
     return None
+
+
+def _group_norm(node: fx.Node, b: Optional[dict[str, Any]]) -> Optional[GroupNorm]:
+    if not b or not isinstance(b["num_groups"], int) or isinstance(b["num_groups"], bool):
+        return None
+    if not isinstance(b["eps"], (int, float)) or isinstance(b["eps"], bool):
+        return None  # a traced eps: nothing to fuse at compile time
+    return GroupNorm(node, b["input"], b["num_groups"], b["weight"], b["bias"], float(b["eps"]))
+
+
+def _instance_norm(node: fx.Node, b: Optional[dict[str, Any]]) -> Optional[GroupNorm]:
+    if not b or not isinstance(b["use_input_stats"], bool) or not isinstance(b["eps"], (int, float)):
+        return None
+    running = b["running_mean"] is not None or b["running_var"] is not None or not b["use_input_stats"]
+    return GroupNorm(node, b["input"], None, b["weight"], b["bias"], float(b["eps"]), running)
 
 
 def _clamp(node: fx.Node, b: Optional[dict[str, Any]], inplace: bool) -> Optional[Pointwise]:
@@ -530,6 +567,13 @@ def _normalize_module(node: fx.Node, root: torch.nn.Module) -> Optional[Canonica
         batch_statistics = mod.training or mod.running_mean is None or mod.running_var is None
         return BatchNorm(node, x, ref("running_mean"), ref("running_var"), ref("weight"), ref("bias"),
                          batch_statistics, float(mod.eps))
+    if isinstance(mod, nn.GroupNorm):
+        return GroupNorm(node, x, int(mod.num_groups), ParamRef(f"{qual}.weight") if mod.affine else None,
+                         ParamRef(f"{qual}.bias") if mod.affine else None, float(mod.eps))
+    if isinstance(mod, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
+        running = mod.track_running_stats
+        return GroupNorm(node, x, None, ParamRef(f"{qual}.weight") if mod.affine else None,
+                         ParamRef(f"{qual}.bias") if mod.affine else None, float(mod.eps), running)
     if isinstance(mod, (nn.Softmax, nn.LogSoftmax)):
         kind = "softmax" if isinstance(mod, nn.Softmax) else "log_softmax"
         return _softmax(node, kind, {"input": x, "dim": mod.dim, "dtype": None})

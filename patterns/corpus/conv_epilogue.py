@@ -92,8 +92,6 @@ CASES = [
     CorpusCase("batch_norm_training", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).train(),
                                                x_of(2, 3, 12, 12)),  # fmt: skip
                near_misses=(("conv_epilogue", "unsupported_op", "batch statistics"),)),
-    CorpusCase("group_norm", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.SiLU()), x_of(2, 3, 12, 12)),
-               near_misses=(("conv_epilogue", "unsupported_op", "group_norm) normalizes by statistics of the conv output"),)),
     CorpusCase("channel_reduction_beyond_the_channel_family",
                lambda: (Then(nn.Conv2d(3, 1100, 1), lambda y: torch.relu(y).amax(dim=1)), x_of(1, 3, 4, 4)),
                regions=("conv2d -> relu",),
