@@ -21,7 +21,8 @@ result is bitwise reproducible.
 
 Forward: pass 1 reads the group once for its statistics: each tile's own mean and sum of squared
 deviations (exact two-pass inside the tile, which is in registers), merged into the running ones
-with Chan's parallel formula (no ``E[x^2] - E[x]^2`` cancellation); pass 2 reads it again,
+with Chan's parallel formula (no ``E[x^2] - E[x]^2`` cancellation), all of the values less the first
+tile's mean (values far from zero keep the digits of their spread); pass 2 reads it again,
 normalises, applies gamma / beta and the post-chain, and writes ``out`` in its own layout and dtype.
 With ``SAVE`` it writes ``mu`` and ``rstd`` (fp32 ``(2, N, G)``).
 
@@ -134,7 +135,11 @@ def _group_norm_fwd_kernel(
     cb = tl.arange(0, BLOCK_C)[:, None]
     sb = tl.arange(0, BLOCK_S)[None, :]
 
-    # 1. mean and variance of the group (Chan's merge of exact per-tile statistics)
+    # 1. mean and variance of the group (Chan's merge of exact per-tile statistics), of the values
+    #    less the first tile's mean: far from zero, the deviations then keep their digits
+    first = (cb < CG) & (sb < S)
+    _, v = _tile_values(y_ptr, p_ptr, y_base, c_first + cb, sb, first, C, y_sc, y_ss, PRE, HAS_BIAS)
+    shift = tl.sum(tl.sum(tl.where(first, v, 0.0), axis=1), axis=0) / tl.sum(tl.sum(first.to(tl.float32), axis=1), axis=0)
     count = 0.0
     mean = 0.0
     m2 = 0.0
@@ -144,6 +149,7 @@ def _group_norm_fwd_kernel(
             s = s0 + sb
             valid = (c0 + cb < CG) & (s < S)
             _, v = _tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
+            v = v - shift
             n_t = tl.sum(tl.sum(valid.to(tl.float32), axis=1), axis=0)
             mean_t = tl.sum(tl.sum(tl.where(valid, v, 0.0), axis=1), axis=0) / n_t
             d = tl.where(valid, v - mean_t, 0.0)
@@ -154,6 +160,7 @@ def _group_norm_fwd_kernel(
             m2 = m2 + m2_t + delta * delta * (count * n_t / total)
             count = total
     rstd = 1.0 / tl.sqrt(m2 / count + eps)
+    mean = mean + shift
     if SAVE:
         tl.store(st_ptr + pid, mean)
         tl.store(st_ptr + st_row + pid, rstd)

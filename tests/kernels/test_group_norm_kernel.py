@@ -1,0 +1,128 @@
+"""The group-norm kernels (``kernels/group_norm.py``) called through their launchers, on CPU under
+Triton's interpreter (on CUDA when present): the statistics they save (numerically sound on a group
+far from zero), groups walked in several channel blocks and position tiles, bitwise reproducible
+partial sums, the per-channel gradient sums against autograd, and argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion_backend.kernels import group_norm as gn
+from fusion_backend.kernels.chain_math import OP_CODES
+from fusion_backend.kernels.epilogue import build_params
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+def inputs(y, bias, groups, pre=(), post=(), gamma=None, beta=None):
+    c = y.shape[1]
+    affine = torch.stack([torch.ones(c) if gamma is None else gamma.cpu(), torch.zeros(c) if beta is None else beta.cpu()])
+    return (build_params(list(pre), bias, c, y.device), build_params(list(post), None, c, y.device),
+            affine.float().contiguous().to(y.device))  # fmt: skip
+
+
+def forward(y, bias, groups, eps=1e-5, pre=(), post=(), gamma=None, beta=None, out_dtype=None):
+    params, post_params, affine = inputs(y, bias, groups, pre, post, gamma, beta)
+    out = torch.empty_like(y, dtype=out_dtype or y.dtype)
+    stats = torch.empty(2, y.shape[0], groups, device=y.device)
+    gn.group_norm_forward(y, bias is not None, list(pre), list(post), groups, eps, params, post_params, affine, out, stats)
+    return out, stats
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 2 channels x 4 positions: a group spans several channel blocks and position tiles."""
+    monkeypatch.setattr(gn, "MAX_BLOCK_C", 2)
+    monkeypatch.setattr(gn, "TILE_ELEMENTS", 8)
+    gn._FORWARD_LAUNCHES.clear()
+    gn._BACKWARD_LAUNCHES.clear()
+    yield
+    gn._FORWARD_LAUNCHES.clear()
+    gn._BACKWARD_LAUNCHES.clear()
+
+
+@pytest.mark.parametrize("tiling", ["one tile", "many tiles"])
+def test_statistics_and_output_match_torch(tiling, kernel_device, request):
+    if tiling == "many tiles":
+        request.getfixturevalue("small_tiles")
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randn(2, 10, 3, 5, generator=gen).to(kernel_device)
+    bias = torch.randn(10, generator=gen).to(kernel_device)
+    gamma, beta = torch.randn(10, generator=gen).to(kernel_device), torch.randn(10, generator=gen).to(kernel_device)
+    pre = [(OP_CODES["leaky_relu"], [0.1])]
+    post = [(OP_CODES["silu"], [])]
+    out, stats = forward(y, bias, 2, 1e-4, pre, post, gamma, beta)
+    v = F.leaky_relu(y + bias[:, None, None], 0.1)
+    torch.testing.assert_close(out, F.silu(F.group_norm(v, 2, gamma, beta, 1e-4)), rtol=1e-5, atol=1e-5)
+    grouped = v.reshape(2, 2, -1)
+    torch.testing.assert_close(stats[0], grouped.mean(-1))
+    torch.testing.assert_close(stats[1], (grouped.var(-1, unbiased=False) + 1e-4).rsqrt())
+
+
+def test_variance_far_from_zero_is_sound_in_fp32(small_tiles, kernel_device):
+    """Values around 3000 with spread 0.01: E[x^2] - E[x]^2 in fp32 loses every digit of the variance;
+    the shifted per-tile two-pass statistics merged with Chan's formula keep it."""
+    gen = torch.Generator().manual_seed(2)
+    y64 = 3000.0 + 0.01 * torch.randn(2, 4, 6, 7, generator=gen, dtype=torch.float64)
+    y = y64.float().to(kernel_device)
+    _, stats = forward(y, None, 2, eps=0.0)
+    var = y.double().reshape(2, 2, -1).var(-1, unbiased=False)
+    torch.testing.assert_close(stats[1].double().cpu(), var.rsqrt().cpu(), rtol=1e-4, atol=0)
+
+
+def test_backward_gradients_match_autograd_and_are_bitwise_reproducible(small_tiles, kernel_device):
+    gen = torch.Generator().manual_seed(3)
+    y = torch.randn(3, 6, 5, 3, generator=gen).to(kernel_device)
+    bias, gamma, beta, p, q = (torch.randn(6, generator=gen).to(kernel_device) for _ in range(5))
+    pre = [(OP_CODES["mul"], [p]), (OP_CODES["tanh"], [])]
+    post = [(OP_CODES["add"], [q]), (OP_CODES["gelu"], [])]
+    _, stats = forward(y, bias, 3, 1e-5, pre, post, gamma, beta)
+    g = torch.randn(y.shape, generator=gen).to(kernel_device)
+    params, post_params, affine = inputs(y, bias, 3, pre, post, gamma, beta)
+
+    def backward():
+        grad_y = torch.empty_like(y)
+        sums = gn.group_norm_backward(g, y, stats, True, pre, post, 3, params, post_params, affine, grad_y,
+                                      [True, False], [True, False], (True, True))  # fmt: skip
+        return grad_y, sums
+
+    grad_y, (pre_sums, post_sums, affine_sums) = backward()
+    leaves = [t.detach().clone().requires_grad_() for t in (y, p, q, gamma, beta)]
+    yl, pl, ql, gl, bl = leaves
+    v = torch.tanh((yl + bias[:, None, None]) * pl[:, None, None])
+    out = F.gelu(F.group_norm(v, 3, gl, bl, 1e-5) + ql[:, None, None])
+    want = torch.autograd.grad(out, leaves, g)
+    for name, got, w in zip(("grad_y", "p", "q", "gamma", "beta"),
+                            (grad_y, pre_sums[0], post_sums[0], affine_sums[0], affine_sums[1]), want, strict=True):  # fmt: skip
+        torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-5, msg=name)
+    assert pre_sums[1] is None and post_sums[1] is None
+    again_y, (again_pre, again_post, again_affine) = backward()
+    assert torch.equal(again_y, grad_y) and torch.equal(again_pre[0], pre_sums[0])
+    assert torch.equal(again_affine[0], affine_sums[0]) and torch.equal(again_post[0], post_sums[0])
+
+
+def test_channels_last_y_and_out_in_their_own_layouts(kernel_device):
+    gen = torch.Generator().manual_seed(4)
+    y = torch.randn(2, 6, 4, 5, generator=gen).to(kernel_device).to(memory_format=torch.channels_last)
+    params, post_params, affine = inputs(y, None, 3)
+    out = torch.empty(y.shape, device=kernel_device)  # contiguous while y is channels-last
+    gn.group_norm_forward(y, False, [], [], 3, 1e-5, params, post_params, affine, out)
+    torch.testing.assert_close(out, F.group_norm(y, 3), rtol=1e-5, atol=1e-5)
+
+
+def test_arguments_are_checked_with_one_line_messages(kernel_device):
+    y = torch.randn(2, 6, 4, 5, device=kernel_device)
+    params, post_params, affine = inputs(y, None, 3)
+    out = torch.empty_like(y)
+    with pytest.raises(ValueError, match="6 channels do not split into 4 groups"):
+        gn.group_norm_forward(y, False, [], [], 4, 1e-5, params, post_params, affine, out)
+    with pytest.raises(ValueError, match="out must have y's shape"):
+        gn.group_norm_forward(y, False, [], [], 3, 1e-5, params, post_params, affine, out[:, :3])
+    with pytest.raises(ValueError, match="stats must be contiguous fp32"):
+        gn.group_norm_forward(y, False, [], [], 3, 1e-5, params, post_params, affine, out, torch.empty(2, 2, 2))
+    with pytest.raises(ValueError, match="the affine rows must be contiguous fp32 with 6 columns"):
+        gn.group_norm_forward(y, False, [], [], 3, 1e-5, params, post_params, affine[:, :4], out)
+    with pytest.raises(ValueError, match="spatial dims must flatten"):
+        gn.group_norm_forward(y[..., ::2], False, [], [], 3, 1e-5, params, post_params, affine, out[..., ::2])
