@@ -294,8 +294,9 @@ def test_a_kernel_failure_falls_back_to_the_reference_or_raises_under_strict(mon
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_decoder_block_sizes(dtype) -> None:
     """ConvTranspose2d 64->32 k4 s2 -> GroupNorm(8) -> SiLU on 4x64x32x32, and a wide instance norm."""
     cfg = ConvGroupNormConfig(CONVT2D, 8, 1e-5, 0, 1, (), (ChainStep(K.SILU),))

@@ -1,0 +1,82 @@
+"""torch.compile(backend="fusion") end to end for the conv_group_norm family: the ``families`` suite's
+GroupNorm decoder layer at a small size and a few blocks (instance norm, 3d, channels-last, chains on
+both sides, autocast), one fused op each, output and every gradient equal to eager and to a float64
+reference (``fusion_backend.testing.assert_fused``, which forces ``decide="fuse"`` and ``strict``), on
+the CPU reference and on the Triton kernels under the interpreter (with CUDA: on the GPU); on CUDA also
+the bench workload at full size."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fusion_backend.testing import Autocast, assert_fused
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DEMO = "convt2d_64_32_k4_s2_groupnorm_silu"
+
+pytestmark = [pytest.mark.usefixtures("exact_fp32"),
+              pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")]  # fmt: skip
+
+
+def test_groupnorm_silu_demo(kernels, demo_model):
+    model = demo_model("families", DEMO)
+    x = torch.randn(2, 64, 5, 6)
+    reports = assert_fused(model.to(DEVICE), [x.to(DEVICE)], expect={"conv_group_norm": 1})
+    assert reports[0].near_misses == () and "runs direct" in str(reports[0])
+
+
+class Block(nn.Module):
+    def __init__(self, conv, norm, body):
+        super().__init__()
+        torch.manual_seed(3)
+        self.conv, self.norm = conv, norm
+        self.p = nn.Parameter(torch.randn(1, conv.out_channels, *([1] * len(conv.kernel_size))))
+        self.s = nn.Parameter(torch.tensor(-1.3))
+        self.body = body
+
+    def forward(self, x):
+        return self.body(self, self.conv(x))
+
+
+CASES = {
+    "conv1d instance norm affine, leaky": (nn.Conv1d(3, 4, 3, padding=1), nn.InstanceNorm1d(4, affine=True), (2, 3, 9),
+                                           lambda s, y: F.leaky_relu(s.norm(y), 0.2)),
+    "conv3d pre-chain, group norm, dag post-chain": (nn.Conv3d(2, 6, 3), nn.GroupNorm(3, 6), (1, 2, 4, 5, 5),
+                                                     lambda s, y: (lambda z: z * torch.sigmoid(z) * s.s)(s.norm(y * s.p))),
+    "conv2d channels-last group norm no affine, gelu": (nn.Conv2d(4, 6, 3), nn.GroupNorm(2, 6, affine=False), (2, 4, 7, 6),
+                                                        lambda s, y: F.gelu(s.norm(y)) + s.p),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_blocks(kernels, name):
+    conv, norm, shape, body = CASES[name]
+    torch.manual_seed(4)
+    x = torch.randn(shape)
+    if "channels-last" in name:
+        x = x.to(memory_format=torch.channels_last)
+    direct = "3d" not in name  # the 3d block through Inductor (the compiled graphs call the autograd-free ops)
+    reports = assert_fused(Block(conv, norm, body).to(DEVICE), [x.to(DEVICE)], expect={"conv_group_norm": 1},
+                           options={"direct": direct})  # fmt: skip
+    assert ("runs direct" if direct else "runs inductor") in str(reports[0])
+
+
+def test_autocast_bf16_norm_in_fp32(kernels, demo_model):
+    """Under autocast the conv runs in bf16 and the norm (and the chain after it) in fp32, as eager does."""
+    model = Autocast(demo_model("families", DEMO), DEVICE)
+    x = torch.randn(2, 64, 4, 5)
+    assert_fused(model.to(DEVICE), [x.to(DEVICE)], expect={"conv_group_norm": 1}, tol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_bench_workload_at_full_size_on_gpu(autocast, demo_model):
+    model = demo_model("families", DEMO).cuda()
+    if autocast:
+        model = Autocast(model, "cuda")
+    x = torch.randn(16, 64, 64, 64)  # the demo's get_inputs()
+    reports = assert_fused(model, [x.cuda()], expect={"conv_group_norm": 1}, tol=3e-2 if autocast else None)
+    assert "triton" in str(reports[0])
