@@ -5,7 +5,7 @@
         [--tiles T;...] [--dgrad-tiles T;...] [--wgrad-tiles T;...]
 
 KERNEL (a job; none: all): ``conv_fused``, ``conv_dense``, ``conv_fused_bwd``, ``conv_phase_aligned_bwd``,
-``epilogue``, ``global_mean``, ``channel_reduce``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
+``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
 compile for the GPU; on ``conv_global_mean``'s default path such a kernel makes the op fall back to
 the slow torch reference (with one warning).  Run this after every change to a kernel.
 
@@ -66,6 +66,12 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
   128) -> min over the channels -> tanh; ``softmax_mul``: Conv3d 16->32 over (8, 16, 32, 64, 64) ->
   softmax -> x2) and on 512 channels with both chains (``wide_min``, ``wide_softmax``: the two-pass
   channel loop); ``fp32``, ``bf16``.  Cases ``{min_tanh,softmax_mul,wide_min,wide_softmax}-{fp32,bf16}``,
+  all by default.
+* ``group_norm``: ``kernels/group_norm.py``'s forward (saving the statistics) and backward (every
+  gradient wanted) on the ``families`` GroupNorm demo's conv output (``decoder``: ConvTranspose2d
+  64->32 over (16, 64, 64, 64) -> GroupNorm(8) -> SiLU), on an instance norm with both chains over a
+  channels-last (8, 96, 80, 80) (``instance_cl``), and on 64 channels per group (``wide_groups``:
+  the channel-block loop); ``fp32``, ``bf16``.  Cases ``{decoder,instance_cl,wide_groups}-{fp32,bf16}``,
   all by default.
 
 Options for some jobs only (given for another job: an error): ``--tiles 'M,N,K,warps,stages;...'``
@@ -131,6 +137,7 @@ from fusion_backend.kernels import conv_fused_bwd as FB  # noqa: E402
 from fusion_backend.kernels import conv_phase_aligned_bwd as S  # noqa: E402
 from fusion_backend.kernels import epilogue as EP  # noqa: E402
 from fusion_backend.kernels import global_mean as GM  # noqa: E402
+from fusion_backend.kernels import group_norm as GN  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
 from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef  # noqa: E402
@@ -212,6 +219,35 @@ def channel_reduce_pass(workload: str, dtype: str) -> None:
                               index if kind in ("min", "max") else None, stats)  # fmt: skip
     CR.channel_reduce_backward(torch.empty_like(out), y, index, stats, True, pre_steps, post_steps, kind, params,
                                post_params, torch.empty_like(y), [True] * len(pre_steps), [True] * len(post_steps))  # fmt: skip
+
+
+#: The group_norm job's workloads: conv output shape, groups, channels-last, pre-chain, post-chain.
+GROUP_NORM_WORKLOADS = {
+    "decoder": ((16, 32, 128, 128), 8, False, (), (ChainStep(PointwiseKind.SILU),)),
+    "instance_cl": ((8, 96, 80, 80), 96, True, EPILOGUE_CHAIN, (ChainStep(PointwiseKind.MUL, (TensorRef(1),)),)),
+    "wide_groups": ((4, 256, 40, 40), 4, False, (), (ChainStep(PointwiseKind.SILU),)),
+}
+
+
+def group_norm_pass(workload: str, dtype: str) -> None:
+    """``kernels/group_norm.py``'s forward (saving the statistics) and backward as
+    ``fusion::conv_group_norm`` calls them, on ``GROUP_NORM_WORKLOADS[workload]``; every gradient wanted."""
+    shape, groups, channels_last, pre, post = GROUP_NORM_WORKLOADS[workload]
+    dt = BACKWARD_DTYPES[dtype]
+    n, c = shape[:2]
+    y = torch.empty(shape, dtype=dt, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    operands = [torch.ones(c, 1, 1), torch.ones(c, 1, 1)]
+    spec = ConvSpec(False, (1,), (0,), (1,), (0,), 1)
+    pre_steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=spec, chain=pre), operands, y.dim(), c)
+    post_steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=spec, chain=post), operands, y.dim(), c)
+    params = EP.build_params(pre_steps, torch.zeros(c, dtype=dt), c, y.device)
+    post_params = EP.build_params(post_steps, None, c, y.device)
+    affine = torch.empty(2, c, dtype=torch.float32)
+    out, stats = torch.empty_like(y), torch.empty(2, n, groups, dtype=torch.float32)
+    GN.group_norm_forward(y, True, pre_steps, post_steps, groups, 1e-5, params, post_params, affine, out, stats)
+    GN.group_norm_backward(torch.empty_like(out), y, stats, True, pre_steps, post_steps, groups, params, post_params,
+                           affine, torch.empty_like(y), [True] * len(pre_steps), [True] * len(post_steps),
+                           (True, True))  # fmt: skip
 
 
 def conv_epilogue_forward(workload: str, dtype: str, save: bool) -> None:
@@ -425,6 +461,10 @@ JOBS = {job.name: job for job in (
     Job(
         "channel_reduce", "kernels/channel_reduce.py: conv_channel_reduce's kernels (the families demos, 512 channels)",
         {f"{w}-{d}": partial(channel_reduce_pass, w, d) for w in CHANNEL_REDUCE_WORKLOADS for d in ("fp32", "bf16")},
+    ),
+    Job(
+        "group_norm", "kernels/group_norm.py: conv_group_norm's kernels (the families GroupNorm demo, instance norm, wide groups)",
+        {f"{w}-{d}": partial(group_norm_pass, w, d) for w in GROUP_NORM_WORKLOADS for d in ("fp32", "bf16")},
     ),
 )}  # fmt: skip
 TILE_OPTIONS = ("tiles", "dgrad_tiles", "wgrad_tiles")
