@@ -104,7 +104,11 @@ def check(cfg: ConvGroupNormConfig, tensors, device: str, grad_mask=None, tol=No
     exact = leaves(torch.float64, device)
     truth = eager(exact[0], exact[1], exact[2], exact[3:], cfg)
     problems = [compare("output", out.cpu(), want.cpu(), tol, reference=truth.cpu())]
-    assert out.shape == want.shape and out.dtype == want.dtype and out.stride() == want.stride()
+    assert out.shape == want.shape and out.dtype == want.dtype
+    # The op keeps the conv output's layout.  Eager's group_norm does too on the CPU; its CUDA kernel
+    # returns a contiguous tensor for a channels-last input (same values, another layout).
+    if want.device.type == "cpu":
+        assert out.stride() == want.stride()
     gen = torch.Generator().manual_seed(7)
     g = torch.randn(want.shape, generator=gen, dtype=torch.float64)
     names = ["x", "weight", "bias", "gamma", "beta"] + [f"operand {i}" for i in range(2, len(tensors) - 3)]
