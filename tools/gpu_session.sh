@@ -27,7 +27,7 @@ has() { [[ ",$stages," == *",$1,"* ]]; }
 BACKENDS=${BACKENDS:-eager,inductor,fusion,inductor:default}
 rc=0
 if has tests; then
-  timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -v -rf -n "${TEST_WORKERS:-4}" --dist loadgroup -p no:cacheprovider tests >"$out/pytest.log" 2>&1 || rc=1
+  timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -v -rf -n "${TEST_WORKERS:-4}" --dist loadgroup -p no:cacheprovider tests >"$out/pytest.log" 2>&1 || rc=1
   grep -E " (FAILED|ERROR)|^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -40  # -v: names even if timed out
   TORCH_LOGS=recompiles timeout 60 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_e2e_conv_epilogue.py \
     -k dynamic_true 2>&1 | grep -i -E -A4 "recompil|passed|failed" | grep -v DEBUG | head -20
