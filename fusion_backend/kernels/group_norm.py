@@ -15,41 +15,60 @@ Operand matrices are ``kernels/chain_math.py``'s: ``P`` ``(NUM_PARAM_ROWS, C)`` 
 (row ``BIAS_ROW``: the conv bias) and ``Q`` ``(NUM_PARAM_ROWS, C)`` for the post-chain; ``A`` is the
 norm's scale and shift, fp32 ``(2, C)`` contiguous (row 0 gamma, row 1 beta).
 
-Tiling.  One program per (sample, group), grid ``(N * G,)``; a program walks its group in tiles of
-``[BLOCK_C, BLOCK_S]`` (channel blocks outer, positions inner), always in the same order, so every
-result is bitwise reproducible.
+Chunks.  A group is cut along its positions into ``SPLIT`` chunks of ``CHUNK`` positions (the last
+one shorter when ``CHUNK`` does not divide ``S``), each holding all ``CG`` channels of the group;
+``chunk_positions`` is the one place that chooses them.  Grid ``(N * G, SPLIT)``: program ``(pid,
+k)`` owns sample ``pid // G``, channels ``(pid % G) * CG + [0, CG)`` and positions ``k * CHUNK +
+[0, CHUNK)``, and walks them in tiles of ``[BLOCK_C, BLOCK_S]`` (channel blocks outer, positions
+inner), always in the same order.  With ``SPLIT = 1`` a group is one program that walks it twice in
+one launch; with ``SPLIT > 1`` a first kernel writes per-chunk partials to a small fp32 workspace and
+a second kernel, over the same grid, combines its group's ``SPLIT`` partials (a fixed-shape
+reduction, the same in every program of the group) before its own chunk's pass.  Every result is
+bitwise reproducible run to run (no atomics); it depends on ``SPLIT``, which depends on the shape only.
 
-Forward: pass 1 reads the group once for its statistics: each tile's own mean and sum of squared
-deviations (exact two-pass inside the tile, which is in registers), merged into the running ones
-with Chan's parallel formula (no ``E[x^2] - E[x]^2`` cancellation), all of the values less the first
-tile's mean (values far from zero keep the digits of their spread); pass 2 reads it again,
-normalises, applies gamma / beta and the post-chain, and writes ``out`` in its own layout and dtype.
-With ``SAVE`` it writes ``mu`` and ``rstd`` (fp32 ``(2, N, G)``).
+Forward statistics: a chunk's tiles are read once: each tile's own mean and sum of squared
+deviations (exact two-pass inside the tile, which is in registers) are merged into the chunk's
+running ones with Chan's parallel formula (no ``E[x^2] - E[x]^2`` cancellation), all of the values
+less the mean of the chunk's first tile (``shift``: values far from zero keep the digits of their
+spread).  The chunks combine with the same decomposition, ``M2 = sum_k M2_k + sum_k n_k (m_k -
+mean)^2`` with each chunk's mean taken relative to chunk 0's shift as ``(shift_k - shift_0) + m_k``
+(the shifts of one group are close, so their difference is exact).  The second pass normalises,
+applies gamma / beta and the post-chain, and writes ``out`` in its own layout and dtype.  With
+``SAVE`` chunk 0's program writes ``mu`` and ``rstd`` (fp32 ``(2, N, G)``).
 
-Backward: pass 1 recomputes ``x_hat`` and the post-chain, walks the post-chain back from
-``grad_out`` (``dz``) and sums over the group ``dz * gamma`` and ``dz * gamma * x_hat``; pass 2
-recomputes them and writes ``grad_y = pre'(rstd * (dz*gamma - mean(dz*gamma) - x_hat *
-mean(dz*gamma*x_hat)))``.  Per-(sample, channel) partial sums of gamma's and beta's gradients and of
-the chains' operand gradients are written to ``(rows, N, C)`` fp32 buffers, one row per wanted
-slot, which the launcher reduces over ``N`` in a fixed order (no atomics).
+Backward: the first pass recomputes ``x_hat`` and the post-chain, walks the post-chain back from
+``grad_out`` (``dz``) and sums over the chunk ``dz * gamma`` and ``dz * gamma * x_hat``; the group's
+sums are the chunks' summed in a fixed order.  The second pass recomputes them and writes ``grad_y =
+pre'(rstd * (dz*gamma - mean(dz*gamma) - x_hat * mean(dz*gamma*x_hat)))``.  Per-(sample, chunk,
+channel) partial sums of gamma's and beta's gradients and of the chains' operand gradients are written
+to ``(rows, N * SPLIT, C)`` fp32 buffers, one row per wanted slot, which the launcher reduces over
+``N * SPLIT`` in a fixed order (no atomics).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from .chain_math import MAX_SLOTS, KernelStep, apply_chain_at, chain_grad_at, op_constexprs
-from .host import BoundedCache, next_pow2, tensor_key
+from .host import BoundedCache, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
 
 #: Elements of a program's tile (``BLOCK_C * BLOCK_S``).
 TILE_ELEMENTS = 2048
 #: Most channels of a group held in one tile; wider groups are walked in channel blocks.
 MAX_BLOCK_C = 64
+#: Programs a split aims at per multiprocessor (``chunk_positions``): enough resident programs per
+#: SM to keep loads in flight on a memory-bound walk; a few waves' tail is cheap at this count.
+PROGRAMS_PER_SM = 8
+#: Fewest elements a chunk of a split group holds (``chunk_positions``): below this a chunk's
+#: program spends more on its start (the combine, the first tile's shift) than on its walk.
+MIN_CHUNK_ELEMENTS = 4096
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,50 +123,26 @@ def _norm_backward_tile(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, c,
     return yb, xh, dz, dxh, q0, q1, q2, q3, q4, q5, q6, q7
 
 
-# --------------------------------------------------------------------------------------------------
-# Forward
-# --------------------------------------------------------------------------------------------------
-
-
 @triton.jit
-def _group_norm_fwd_kernel(
-    y_ptr, p_ptr, q_ptr, a_ptr, out_ptr, st_ptr,
-    eps, C, S, G, CG, st_row,
-    y_sn, y_sc, y_ss, o_sn, o_sc, o_ss,
-    PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    """out = post(group_norm(pre(y + bias)) * gamma + beta).
-
-    Pointers (element strides; ``S`` flattened positions):
-      y_ptr    conv output without bias, (N, C, S), fp32/fp16/bf16, strides ``y_s*``.
-      p_ptr    pre-chain operand matrix P, (NUM_PARAM_ROWS, C) fp32 contiguous (row 0: bias).
-      q_ptr    post-chain operand matrix Q, (NUM_PARAM_ROWS, C) fp32 contiguous.
-      a_ptr    gamma and beta, (2, C) fp32 contiguous.
-      out_ptr  result, (N, C, S), any float dtype, strides ``o_s*``.
-      st_ptr   (SAVE) fp32 (2, N, G) contiguous: row 0 mean, row 1 rstd; row stride ``st_row``.
-    Grid: ``(N * G,)``; program ``pid`` owns sample ``pid // G``, channels ``(pid % G) * CG + [0, CG)``.
-    """
-    pid = tl.program_id(0)
-    n64 = (pid // G).to(tl.int64)
-    c_first = (pid % G) * CG
-    y_base = y_ptr + n64 * y_sn
+def _chunk_moments(y_ptr, p_ptr, y_base, c_first, s_lo, s_hi, C, CG, y_sc, y_ss, PRE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """``(shift, mean, m2, count)`` of ``v`` over channels ``c_first + [0, CG)`` and positions
+    ``[s_lo, s_hi)`` (not empty): ``shift`` the mean of the chunk's first tile, ``mean`` the mean of
+    ``v - shift``, ``m2`` the sum of squared deviations from it, ``count`` the number of values.
+    Tiles' exact two-pass statistics merged with Chan's formula, in a fixed order."""
     cb = tl.arange(0, BLOCK_C)[:, None]
     sb = tl.arange(0, BLOCK_S)[None, :]
-
-    # 1. mean and variance of the group (Chan's merge of exact per-tile statistics), of the values
-    #    less the first tile's mean: far from zero, the deviations then keep their digits
-    first = (cb < CG) & (sb < S)
-    _, v = _tile_values(y_ptr, p_ptr, y_base, c_first + cb, sb, first, C, y_sc, y_ss, PRE, HAS_BIAS)
+    first = (cb < CG) & (s_lo + sb < s_hi)
+    _, v = _tile_values(y_ptr, p_ptr, y_base, c_first + cb, s_lo + sb, first, C, y_sc, y_ss, PRE, HAS_BIAS)
     shift = tl.sum(tl.sum(tl.where(first, v, 0.0), axis=1), axis=0) / tl.sum(tl.sum(first.to(tl.float32), axis=1), axis=0)
     count = 0.0
     mean = 0.0
     m2 = 0.0
     for c0 in range(0, CG, BLOCK_C):
         c = c_first + c0 + cb
-        for s0 in range(0, S, BLOCK_S):
+        for s0 in range(s_lo, s_hi, BLOCK_S):
             s = s0 + sb
-            valid = (c0 + cb < CG) & (s < S)
+            valid = (c0 + cb < CG) & (s < s_hi)
             _, v = _tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
             v = v - shift
             n_t = tl.sum(tl.sum(valid.to(tl.float32), axis=1), axis=0)
@@ -159,69 +154,38 @@ def _group_norm_fwd_kernel(
             mean = mean + delta * (n_t / total)
             m2 = m2 + m2_t + delta * delta * (count * n_t / total)
             count = total
-    rstd = 1.0 / tl.sqrt(m2 / count + eps)
-    mean = mean + shift
-    if SAVE:
-        tl.store(st_ptr + pid, mean)
-        tl.store(st_ptr + st_row + pid, rstd)
-
-    # 2. normalise, scale and shift, post-chain, write
-    o_base = out_ptr + n64 * o_sn
-    for c0 in range(0, CG, BLOCK_C):
-        c = c_first + c0 + cb
-        cmask = c < C
-        gamma = tl.load(a_ptr + c, mask=cmask, other=0.0)
-        beta = tl.load(a_ptr + C + c, mask=cmask, other=0.0)
-        for s0 in range(0, S, BLOCK_S):
-            s = s0 + sb
-            valid = (c0 + cb < CG) & (s < S)
-            _, v = _tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
-            z = (v - mean) * rstd * gamma + beta
-            out = apply_chain_at(z, q_ptr, c, C, cmask, POST)
-            tl.store(o_base + c.to(tl.int64) * o_sc + s.to(tl.int64) * o_ss, out.to(out_ptr.dtype.element_ty),
-                     mask=valid)  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------------
-# Backward
-# --------------------------------------------------------------------------------------------------
+    return shift, mean, m2, count
 
 
 @triton.jit
-def _group_norm_bwd_kernel(
-    gout_ptr, y_ptr, st_ptr, p_ptr, q_ptr, a_ptr, gy_ptr, part_ptr, qpart_ptr, apart_ptr,
-    C, S, G, CG, st_row, part_row,
-    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, gy_sn, gy_sc, gy_ss,
-    PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, PRE_MASK: tl.constexpr,
-    POST_MASK: tl.constexpr, AFFINE_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    """grad_y of ``out = post(group_norm(pre(y + bias)) * gamma + beta)`` and per-(n, c) partial sums.
+def _combined_moments(ws_ptr, pid, split, CG, S, CHUNK, SPLIT_P2: tl.constexpr):
+    """``(mean, var)`` of group ``pid`` from its ``split`` chunks' ``(shift, mean, m2)`` in the
+    forward workspace: ``M2 = sum M2_k + sum n_k (r_k - mean)^2`` with ``r_k = (shift_k - shift_0) +
+    mean_k``, every sum a fixed-shape reduction over ``SPLIT_P2`` lanes."""
+    k = tl.arange(0, SPLIT_P2)
+    live = k < split
+    w = ws_ptr + (pid * split + k) * 3
+    shift = tl.load(w, mask=live, other=0.0)
+    shift0 = tl.load(ws_ptr + pid * split * 3)
+    r = tl.where(live, (shift - shift0) + tl.load(w + 1, mask=live, other=0.0), 0.0)
+    n_k = tl.where(live, (CG * (tl.minimum(S, (k + 1) * CHUNK) - k * CHUNK)).to(tl.float32), 0.0)
+    count = tl.sum(n_k, axis=0)
+    mean = tl.sum(n_k * r, axis=0) / count
+    d = r - mean
+    m2 = tl.sum(tl.load(w + 2, mask=live, other=0.0), axis=0) + tl.sum(n_k * d * d, axis=0)
+    return mean + shift0, m2 / count
 
-    Pointers (element strides; ``S`` flattened positions):
-      gout_ptr   gradient of out, (N, C, S), any float dtype, strides ``g_s*``.
-      y_ptr      the conv output without bias as the forward read it, strides ``y_s*``.
-      st_ptr     the forward's fp32 (2, N, G) statistics (row 0 mean, row 1 rstd), row stride ``st_row``.
-      p_ptr, q_ptr, a_ptr   as in the forward.
-      gy_ptr     grad_y, (N, C, S), the conv output's dtype, strides ``gy_s*``.
-      part_ptr   (PRE_MASK) fp32 (MAX_SLOTS, N, C) contiguous: row k, the per-(n, c) sum over positions of
-                 the pre-chain slot k's first-operand gradient; ``part_row`` = N * C.
-      qpart_ptr  (POST_MASK) the same for the post-chain.
-      apart_ptr  (AFFINE_MASK: bit 0 gamma, bit 1 beta) fp32 (2, N, C) contiguous: per-(n, c) sums of
-                 ``dz * x_hat`` (gamma's gradient) and ``dz`` (beta's).
-    Grid: ``(N * G,)`` as the forward's.
-    """
-    pid = tl.program_id(0)
-    n64 = (pid // G).to(tl.int64)
-    c_first = (pid % G) * CG
-    y_base = y_ptr + n64 * y_sn
-    g_base = gout_ptr + n64 * g_sn
+
+@triton.jit
+def _backward_chunk_sums(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, qpart_ptr, apart_ptr, y_base, g_base, c_first,
+                         s_lo, s_hi, mu, rstd, row_base, part_row, C, CG, y_sc, y_ss, g_sc, g_ss,
+                         PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POST_MASK: tl.constexpr,
+                         AFFINE_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """The backward's first pass over channels ``c_first + [0, CG)`` and positions ``[s_lo, s_hi)``:
+    returns the sums of ``dz * gamma`` and ``dz * gamma * x_hat``; stores the per-channel sums of
+    gamma's, beta's and the post-chain's operand gradients at ``row_base + c`` of their rows."""
     cb = tl.arange(0, BLOCK_C)[:, None]
     sb = tl.arange(0, BLOCK_S)[None, :]
-    mu = tl.load(st_ptr + pid)
-    rstd = tl.load(st_ptr + st_row + pid)
-    row_base = n64 * C
-
-    # pass 1: the group's sums of dz * gamma and dz * gamma * x_hat; gamma / beta and post-chain partials
     sum_dxh = 0.0
     sum_dxh_xh = 0.0
     for c0 in range(0, CG, BLOCK_C):
@@ -231,9 +195,9 @@ def _group_norm_bwd_kernel(
         dbeta = tl.zeros([BLOCK_C], tl.float32)
         p0 = tl.zeros([BLOCK_C], tl.float32)
         p1, p2, p3, p4, p5, p6, p7 = p0, p0, p0, p0, p0, p0, p0
-        for s0 in range(0, S, BLOCK_S):
+        for s0 in range(s_lo, s_hi, BLOCK_S):
             s = s0 + sb
-            valid = (c0 + cb < CG) & (s < S)
+            valid = (c0 + cb < CG) & (s < s_hi)
             yb, xh, dz, dxh, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_backward_tile(
                 gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, c, s, valid, mu, rstd, C, y_sc, y_ss, g_sc,
                 g_ss, PRE, POST, HAS_BIAS)  # fmt: skip
@@ -255,6 +219,202 @@ def _group_norm_bwd_kernel(
                         AFFINE_MASK)  # fmt: skip
         if POST_MASK != 0:
             _store_rows(qpart_ptr, part_row, c1, cmask1, p0, p1, p2, p3, p4, p5, p6, p7, POST_MASK)
+    return sum_dxh, sum_dxh_xh
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _group_norm_fwd_partial_kernel(
+    y_ptr, p_ptr, ws_ptr,
+    C, S, G, CG, CHUNK,
+    y_sn, y_sc, y_ss,
+    PRE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Per-chunk statistics of ``v = pre(y + bias)``, the first of the forward's two kernels when
+    ``SPLIT > 1``.
+
+    Pointers (element strides; ``S`` flattened positions):
+      y_ptr    conv output without bias, (N, C, S), fp32/fp16/bf16, strides ``y_s*``.
+      p_ptr    pre-chain operand matrix P, (NUM_PARAM_ROWS, C) fp32 contiguous (row 0: bias).
+      ws_ptr   fp32 (N * G, SPLIT, 3) contiguous: per chunk its ``shift`` (the mean of its first tile),
+               the mean of its values less ``shift`` and their sum of squared deviations from that mean.
+    Grid: ``(N * G, SPLIT)``; program ``(pid, k)`` owns the chunk of positions ``k * CHUNK + [0, CHUNK)``
+    (clipped to ``S``) of sample ``pid // G``'s channels ``(pid % G) * CG + [0, CG)``.
+    """
+    pid = tl.program_id(0)
+    k = tl.program_id(1)
+    s_lo = k * CHUNK
+    shift, mean, m2, _ = _chunk_moments(y_ptr, p_ptr, y_ptr + (pid // G).to(tl.int64) * y_sn, (pid % G) * CG, s_lo,
+                                        tl.minimum(s_lo + CHUNK, S), C, CG, y_sc, y_ss, PRE, HAS_BIAS, BLOCK_C,
+                                        BLOCK_S)  # fmt: skip
+    w = ws_ptr + (pid * tl.num_programs(1) + k) * 3
+    tl.store(w, shift)
+    tl.store(w + 1, mean)
+    tl.store(w + 2, m2)
+
+
+@triton.jit
+def _group_norm_fwd_kernel(
+    y_ptr, p_ptr, q_ptr, a_ptr, out_ptr, st_ptr, ws_ptr,
+    eps, C, S, G, CG, CHUNK, st_row,
+    y_sn, y_sc, y_ss, o_sn, o_sc, o_ss,
+    PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE: tl.constexpr, SPLIT_P2: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """out = post(group_norm(pre(y + bias)) * gamma + beta) on one chunk per program.
+
+    Pointers (element strides; ``S`` flattened positions):
+      y_ptr    conv output without bias, (N, C, S), fp32/fp16/bf16, strides ``y_s*``.
+      p_ptr    pre-chain operand matrix P, (NUM_PARAM_ROWS, C) fp32 contiguous (row 0: bias).
+      q_ptr    post-chain operand matrix Q, (NUM_PARAM_ROWS, C) fp32 contiguous.
+      a_ptr    gamma and beta, (2, C) fp32 contiguous.
+      out_ptr  result, (N, C, S), any float dtype, strides ``o_s*``.
+      st_ptr   (SAVE) fp32 (2, N, G) contiguous: row 0 mean, row 1 rstd; row stride ``st_row``; written
+               by the programs of chunk 0.
+      ws_ptr   (SPLIT_P2 > 1) ``_group_norm_fwd_partial_kernel``'s fp32 (N * G, SPLIT, 3) workspace.
+    Grid: ``(N * G, SPLIT)`` as the partial kernel's.  ``SPLIT_P2``: 1 when ``SPLIT`` is 1 (the program
+    computes its group's statistics itself, no workspace, one launch), else ``SPLIT`` rounded up to
+    a power of two (the lanes of the combine).
+    """
+    pid = tl.program_id(0)
+    k = tl.program_id(1)
+    n64 = (pid // G).to(tl.int64)
+    c_first = (pid % G) * CG
+    y_base = y_ptr + n64 * y_sn
+    cb = tl.arange(0, BLOCK_C)[:, None]
+    sb = tl.arange(0, BLOCK_S)[None, :]
+    s_lo = k * CHUNK
+    s_hi = tl.minimum(s_lo + CHUNK, S)
+
+    # 1. the group's mean and variance: the whole group's walk, or its chunks' partials combined
+    if SPLIT_P2 == 1:
+        shift, mean, m2, count = _chunk_moments(y_ptr, p_ptr, y_base, c_first, 0, S, C, CG, y_sc, y_ss, PRE,
+                                                HAS_BIAS, BLOCK_C, BLOCK_S)  # fmt: skip
+        mean = mean + shift
+        var = m2 / count
+    else:
+        mean, var = _combined_moments(ws_ptr, pid, tl.num_programs(1), CG, S, CHUNK, SPLIT_P2)
+    rstd = 1.0 / tl.sqrt(var + eps)
+    if SAVE:
+        if k == 0:
+            tl.store(st_ptr + pid, mean)
+            tl.store(st_ptr + st_row + pid, rstd)
+
+    # 2. normalise, scale and shift, post-chain, write
+    o_base = out_ptr + n64 * o_sn
+    for c0 in range(0, CG, BLOCK_C):
+        c = c_first + c0 + cb
+        cmask = c < C
+        gamma = tl.load(a_ptr + c, mask=cmask, other=0.0)
+        beta = tl.load(a_ptr + C + c, mask=cmask, other=0.0)
+        for s0 in range(s_lo, s_hi, BLOCK_S):
+            s = s0 + sb
+            valid = (c0 + cb < CG) & (s < s_hi)
+            _, v = _tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
+            z = (v - mean) * rstd * gamma + beta
+            out = apply_chain_at(z, q_ptr, c, C, cmask, POST)
+            tl.store(o_base + c.to(tl.int64) * o_sc + s.to(tl.int64) * o_ss, out.to(out_ptr.dtype.element_ty),
+                     mask=valid)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _group_norm_bwd_partial_kernel(
+    gout_ptr, y_ptr, st_ptr, p_ptr, q_ptr, a_ptr, ws_ptr, qpart_ptr, apart_ptr,
+    C, S, G, CG, CHUNK, st_row, part_row,
+    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss,
+    PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POST_MASK: tl.constexpr,
+    AFFINE_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """The backward's first pass per chunk, the first of its two kernels when ``SPLIT > 1``.
+
+    Pointers (element strides; ``S`` flattened positions):
+      gout_ptr   gradient of out, (N, C, S), any float dtype, strides ``g_s*``.
+      y_ptr      the conv output without bias as the forward read it, strides ``y_s*``.
+      st_ptr     the forward's fp32 (2, N, G) statistics (row 0 mean, row 1 rstd), row stride ``st_row``.
+      p_ptr, q_ptr, a_ptr   as in the forward.
+      ws_ptr     fp32 (N * G, SPLIT, 2) contiguous: per chunk the sums of ``dz * gamma`` and
+                 ``dz * gamma * x_hat``.
+      qpart_ptr  (POST_MASK) fp32 (MAX_SLOTS, N * SPLIT, C) contiguous: row k, the per-(n, chunk, c) sum
+                 over the chunk's positions of the post-chain slot k's first-operand gradient;
+                 ``part_row`` = N * SPLIT * C.
+      apart_ptr  (AFFINE_MASK: bit 0 gamma, bit 1 beta) fp32 (2, N * SPLIT, C) contiguous: the same sums
+                 of ``dz * x_hat`` (gamma's gradient) and ``dz`` (beta's).
+    Grid: ``(N * G, SPLIT)`` as the forward's.
+    """
+    pid = tl.program_id(0)
+    k = tl.program_id(1)
+    split = tl.num_programs(1)
+    n64 = (pid // G).to(tl.int64)
+    s_lo = k * CHUNK
+    sum_dxh, sum_dxh_xh = _backward_chunk_sums(
+        gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, qpart_ptr, apart_ptr, y_ptr + n64 * y_sn, gout_ptr + n64 * g_sn,
+        (pid % G) * CG, s_lo, tl.minimum(s_lo + CHUNK, S), tl.load(st_ptr + pid), tl.load(st_ptr + st_row + pid),
+        (n64 * split + k) * C, part_row, C, CG, y_sc, y_ss, g_sc, g_ss, PRE, POST, HAS_BIAS, POST_MASK, AFFINE_MASK,
+        BLOCK_C, BLOCK_S)  # fmt: skip
+    w = ws_ptr + (pid * split + k) * 2
+    tl.store(w, sum_dxh)
+    tl.store(w + 1, sum_dxh_xh)
+
+
+@triton.jit
+def _group_norm_bwd_kernel(
+    gout_ptr, y_ptr, st_ptr, p_ptr, q_ptr, a_ptr, gy_ptr, ws_ptr, part_ptr, qpart_ptr, apart_ptr,
+    C, S, G, CG, CHUNK, st_row, part_row,
+    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, gy_sn, gy_sc, gy_ss,
+    PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, PRE_MASK: tl.constexpr,
+    POST_MASK: tl.constexpr, AFFINE_MASK: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """grad_y of ``out = post(group_norm(pre(y + bias)) * gamma + beta)`` on one chunk per program,
+    and per-(n, chunk, c) partial sums.
+
+    Pointers (element strides; ``S`` flattened positions):
+      gout_ptr, y_ptr, st_ptr, p_ptr, q_ptr, a_ptr   as in ``_group_norm_bwd_partial_kernel``.
+      gy_ptr     grad_y, (N, C, S), the conv output's dtype, strides ``gy_s*``.
+      ws_ptr     (SPLIT_P2 > 1) ``_group_norm_bwd_partial_kernel``'s fp32 (N * G, SPLIT, 2) workspace.
+      part_ptr   (PRE_MASK) fp32 (MAX_SLOTS, N * SPLIT, C) contiguous: row k, the per-(n, chunk, c) sum
+                 over the chunk's positions of the pre-chain slot k's first-operand gradient;
+                 ``part_row`` = N * SPLIT * C.
+      qpart_ptr, apart_ptr   (SPLIT_P2 == 1 only; else the partial kernel writes them) as in
+                 ``_group_norm_bwd_partial_kernel`` with SPLIT = 1.
+    Grid: ``(N * G, SPLIT)``.  ``SPLIT_P2``: 1 when ``SPLIT`` is 1 (the program walks its group for the
+    sums itself, one launch), else ``SPLIT`` rounded up to a power of two (the lanes of the combine).
+    """
+    pid = tl.program_id(0)
+    k = tl.program_id(1)
+    split = tl.num_programs(1)
+    n64 = (pid // G).to(tl.int64)
+    c_first = (pid % G) * CG
+    y_base = y_ptr + n64 * y_sn
+    g_base = gout_ptr + n64 * g_sn
+    cb = tl.arange(0, BLOCK_C)[:, None]
+    sb = tl.arange(0, BLOCK_S)[None, :]
+    mu = tl.load(st_ptr + pid)
+    rstd = tl.load(st_ptr + st_row + pid)
+    row_base = (n64 * split + k) * C
+    s_lo = k * CHUNK
+    s_hi = tl.minimum(s_lo + CHUNK, S)
+
+    # pass 1: the group's sums of dz * gamma and dz * gamma * x_hat: its own walk, or the chunks' sums
+    if SPLIT_P2 == 1:
+        sum_dxh, sum_dxh_xh = _backward_chunk_sums(
+            gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, qpart_ptr, apart_ptr, y_base, g_base, c_first, 0, S, mu, rstd,
+            row_base, part_row, C, CG, y_sc, y_ss, g_sc, g_ss, PRE, POST, HAS_BIAS, POST_MASK, AFFINE_MASK, BLOCK_C,
+            BLOCK_S)  # fmt: skip
+    else:
+        kk = tl.arange(0, SPLIT_P2)
+        w = ws_ptr + (pid * split + kk) * 2
+        sum_dxh = tl.sum(tl.load(w, mask=kk < split, other=0.0), axis=0)
+        sum_dxh_xh = tl.sum(tl.load(w + 1, mask=kk < split, other=0.0), axis=0)
     count = CG * 1.0 * S
     mean_dxh = sum_dxh / count
     mean_dxh_xh = sum_dxh_xh / count
@@ -267,9 +427,9 @@ def _group_norm_bwd_kernel(
         cmask1 = c0 + tl.arange(0, BLOCK_C) < CG
         p0 = tl.zeros([BLOCK_C], tl.float32)
         p1, p2, p3, p4, p5, p6, p7 = p0, p0, p0, p0, p0, p0, p0
-        for s0 in range(0, S, BLOCK_S):
+        for s0 in range(s_lo, s_hi, BLOCK_S):
             s = s0 + sb
-            valid = (c0 + cb < CG) & (s < S)
+            valid = (c0 + cb < CG) & (s < s_hi)
             yb, xh, dz, dxh, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_backward_tile(
                 gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, c, s, valid, mu, rstd, C, y_sc, y_ss, g_sc,
                 g_ss, PRE, POST, HAS_BIAS)  # fmt: skip
@@ -318,6 +478,64 @@ def _tile(group_channels: int, positions: int) -> tuple[int, int]:
     return block_c, block_s
 
 
+def chunk_positions(groups_total: int, group_channels: int, positions: int, block_s: int, sms: int) -> int:
+    """Positions per chunk of a group (the kernels' ``CHUNK``; ``SPLIT = cdiv(positions, CHUNK)``).
+
+    ``positions`` (one chunk: the one-launch path) when ``sms`` is 0 (no GPU: the interpreter runs
+    programs one after another, so a split buys nothing), when the ``groups_total`` groups alone give
+    ``PROGRAMS_PER_SM * sms`` programs, or when no split leaves each chunk ``MIN_CHUNK_ELEMENTS``.
+    Otherwise about ``PROGRAMS_PER_SM * sms`` programs (or as many as keep ``MIN_CHUNK_ELEMENTS``
+    each): chunks of whole tiles (a multiple of ``block_s`` positions), so the count rounds to what
+    whole tiles give.  E.g. the
+    GroupNorm(8) of a (16, 32, 128, 128) conv output on 132 SMs: 128 groups of 4 x 16384, tiles of
+    4 x 512, 8 chunks of 2048 positions (1024 programs of 8192 elements).
+    """
+    tiles = cdiv(positions, block_s)
+    wanted = cdiv(PROGRAMS_PER_SM * sms, max(groups_total, 1)) if sms > 0 else 1
+    most = tiles // cdiv(MIN_CHUNK_ELEMENTS, group_channels * block_s)
+    split = max(1, min(wanted, most))
+    return positions if split == 1 else cdiv(tiles, split) * block_s
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA ``device``; 0 for any other (``chunk_positions``)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """How one launch cuts its groups: ``(BLOCK_C, BLOCK_S)`` tiles, ``chunk`` positions per chunk,
+    ``split`` chunks per group, ``split_p2`` the kernels' ``SPLIT_P2`` (see their docstrings)."""
+
+    block_c: int
+    block_s: int
+    chunk: int
+    split: int
+    split_p2: int
+
+    @staticmethod
+    def plan(n: int, groups: int, group_channels: int, positions: int, device: torch.device,
+             chunk: int | None) -> _Chunks:  # fmt: skip
+        """``chunk`` given (tests force a split with it): that many positions per chunk, tiles no
+        longer than a chunk; else ``chunk_positions``' choice."""
+        block_c, block_s = _tile(group_channels, positions)
+        if chunk is None:
+            chunk = chunk_positions(n * groups, group_channels, positions, block_s, _sm_count(device))
+        else:
+            if chunk < 1:
+                raise ValueError(f"chunk_positions must be positive, got {chunk}")
+            chunk = min(int(chunk), max(positions, 1))
+            block_s = min(block_s, next_pow2(chunk))
+        chunk = max(chunk, 1)  # no positions: nothing launches
+        split = cdiv(max(positions, 1), chunk)
+        return _Chunks(block_c, block_s, chunk, split, 1 if split == 1 else next_pow2(split))
+
+    @property
+    def num_warps(self) -> int:
+        return 8 if self.block_c * self.block_s >= 2048 else 4
+
+
 def _ops(steps: Sequence[KernelStep]) -> tuple[int, ...]:
     return tuple(op_constexprs(steps).values())
 
@@ -344,10 +562,10 @@ _BACKWARD_LAUNCHES = BoundedCache(256)
 def group_norm_forward(
     y: torch.Tensor, has_bias: bool, pre: Sequence[KernelStep], post: Sequence[KernelStep], groups: int, eps: float,
     params: torch.Tensor, post_params: torch.Tensor, affine: torch.Tensor, out: torch.Tensor,
-    stats: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None, chunk: int | None = None,
 ) -> None:  # fmt: skip
     """Write ``out = post(group_norm(pre(y + bias)) * gamma + beta)`` (and with ``stats`` the group
-    statistics) in one launch.
+    statistics): one launch when each group is one chunk, else two (partials, then combine and write).
 
     Args:
       y: conv output without bias, (N, C, *spatial) with 1-3 spatial dims that flatten (contiguous or
@@ -361,19 +579,20 @@ def group_norm_forward(
       affine: fp32 (2, C) contiguous: gamma, beta (ones / zeros without an affine norm).
       out: preallocated, y's shape (spatial dims flatten), any float dtype.
       stats: None, or preallocated fp32 (2, N, G) contiguous: mean, rstd.
+      chunk: positions per chunk of a group instead of ``chunk_positions``' choice (tests).
     """
     key = (tensor_key(y), has_bias, tuple(int(c) for c, _ in pre), tuple(int(c) for c, _ in post), groups,
            float(eps), tensor_key(params), tensor_key(post_params), tensor_key(affine), tensor_key(out),
-           tensor_key(stats))  # fmt: skip
+           tensor_key(stats), chunk)  # fmt: skip
     launch = _FORWARD_LAUNCHES.get(key, lambda: _ForwardLaunch(y, has_bias, pre, post, groups, eps, params,
-                                                               post_params, affine, out, stats))  # fmt: skip
+                                                               post_params, affine, out, stats, chunk))  # fmt: skip
     launch(y, params, post_params, affine, out, stats)
 
 
 class _ForwardLaunch:
-    """``group_norm_forward`` for one signature: arguments checked and the launch worked out once."""
+    """``group_norm_forward`` for one signature: arguments checked and the launches worked out once."""
 
-    def __init__(self, y, has_bias, pre, post, groups, eps, params, post_params, affine, out, stats) -> None:
+    def __init__(self, y, has_bias, pre, post, groups, eps, params, post_params, affine, out, stats, chunk) -> None:
         n, channels, positions = _check_common(y, groups, params, post_params, affine)
         if out.shape != y.shape:
             raise ValueError(f"out must have y's shape {tuple(y.shape)}, got {tuple(out.shape)}")
@@ -381,29 +600,42 @@ class _ForwardLaunch:
                                   or stats.dtype != torch.float32):  # fmt: skip
             raise ValueError(f"stats must be contiguous fp32 (2, {n}, {groups}), got {tuple(stats.shape)} {stats.dtype}")
         group_channels = channels // groups
-        block_c, block_s = _tile(group_channels, positions)
+        plan = _Chunks.plan(n, groups, group_channels, positions, y.device, chunk)
         self.save = stats is not None
-        self.launch = None
+        self.workspace = (n * groups, plan.split, 3) if plan.split > 1 else None
+        self.launch = self.partial = None
         if out.numel() > 0:
-            ints = (float(eps), channels, positions, groups, group_channels, n * groups, *_flat("y", y),
+            grid = (n * groups, plan.split)
+            y_flat = _flat("y", y)
+            tiles = dict(BLOCK_C=plan.block_c, BLOCK_S=plan.block_s, num_warps=plan.num_warps)
+            if self.workspace is not None:
+                self.partial = FastLaunch(_group_norm_fwd_partial_kernel, grid, dict(
+                    PRE=_ops(pre), HAS_BIAS=has_bias, **tiles), fixed=(channels, positions, groups, group_channels,
+                                                                       plan.chunk, *y_flat))  # fmt: skip
+            ints = (float(eps), channels, positions, groups, group_channels, plan.chunk, n * groups, *y_flat,
                     *_flat("out", out))  # fmt: skip
-            self.launch = FastLaunch(_group_norm_fwd_kernel, (n * groups,), dict(
-                PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, SAVE=self.save, BLOCK_C=block_c, BLOCK_S=block_s,
-                num_warps=8 if block_c * block_s >= 2048 else 4,
+            self.launch = FastLaunch(_group_norm_fwd_kernel, grid, dict(
+                PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, SAVE=self.save, SPLIT_P2=plan.split_p2, **tiles,
             ), fixed=ints)  # fmt: skip
 
     def __call__(self, y, params, post_params, affine, out, stats) -> None:
-        if self.launch is not None:
-            self.launch(y, params, post_params, affine, out, stats if self.save else params)
+        if self.launch is None:
+            return
+        ws = params
+        if self.partial is not None:
+            ws = torch.empty(self.workspace, dtype=torch.float32, device=y.device)
+            self.partial(y, params, ws)
+        self.launch(y, params, post_params, affine, out, stats if self.save else params, ws)
 
 
 def group_norm_backward(
     grad_out: torch.Tensor, y: torch.Tensor, stats: torch.Tensor, has_bias: bool, pre: Sequence[KernelStep],
     post: Sequence[KernelStep], groups: int, params: torch.Tensor, post_params: torch.Tensor, affine: torch.Tensor,
     grad_y: torch.Tensor, pre_grad_slots: Sequence[bool] = (), post_grad_slots: Sequence[bool] = (),
-    affine_grads: tuple[bool, bool] = (False, False),
+    affine_grads: tuple[bool, bool] = (False, False), chunk: int | None = None,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[torch.Tensor | None]]:  # fmt: skip
     """Write the conv-output gradient into ``grad_y``; return the per-channel parameter gradients.
+    One launch when each group is one chunk, else two (per-chunk sums, then combine and write).
 
     Args:
       grad_out: gradient of ``out`` (y's shape, any strides, any float dtype).
@@ -413,25 +645,26 @@ def group_norm_backward(
       grad_y: preallocated (N, C, *spatial), spatial dims flattening, the conv output's dtype.
       pre_grad_slots / post_grad_slots: per slot of each chain, whether its first operand's gradient
         is wanted; affine_grads: whether gamma's / beta's are.
+      chunk: positions per chunk of a group instead of ``chunk_positions``' choice (tests).
     Returns:
       ``(pre_sums, post_sums, affine_sums)``: per slot (per gamma, beta), None or the fp32 (C,) sum over
-      samples and positions of its gradient, the samples' partials summed in a fixed order.
+      samples and positions of its gradient, the (sample, chunk) partials summed in a fixed order.
     """
     key = (tensor_key(grad_out), tensor_key(y), tensor_key(stats), has_bias, tuple(int(c) for c, _ in pre),
            tuple(int(c) for c, _ in post), groups, tensor_key(params), tensor_key(post_params), tensor_key(affine),
            tensor_key(grad_y), tuple(map(bool, pre_grad_slots)), tuple(map(bool, post_grad_slots)),
-           tuple(map(bool, affine_grads)))  # fmt: skip
+           tuple(map(bool, affine_grads)), chunk)  # fmt: skip
     launch = _BACKWARD_LAUNCHES.get(key, lambda: _BackwardLaunch(
         grad_out, y, stats, has_bias, pre, post, groups, params, post_params, affine, grad_y, pre_grad_slots,
-        post_grad_slots, affine_grads))  # fmt: skip
+        post_grad_slots, affine_grads, chunk))  # fmt: skip
     return launch(grad_out, y, stats, params, post_params, affine, grad_y)
 
 
 class _BackwardLaunch:
-    """``group_norm_backward`` for one signature: arguments checked and the launch worked out once."""
+    """``group_norm_backward`` for one signature: arguments checked and the launches worked out once."""
 
     def __init__(self, grad_out, y, stats, has_bias, pre, post, groups, params, post_params, affine, grad_y,
-                 pre_grad_slots, post_grad_slots, affine_grads) -> None:  # fmt: skip
+                 pre_grad_slots, post_grad_slots, affine_grads, chunk) -> None:  # fmt: skip
         n, channels, positions = _check_common(y, groups, params, post_params, affine)
         for name, t in (("grad_out", grad_out), ("grad_y", grad_y)):
             if t.shape != y.shape:
@@ -444,33 +677,44 @@ class _BackwardLaunch:
         except ValueError:
             self.copy_grad_out, g_flat = True, _flat("grad_out", torch.empty(grad_out.shape, device="meta"))
         group_channels = channels // groups
-        block_c, block_s = _tile(group_channels, positions)
+        plan = _Chunks.plan(n, groups, group_channels, positions, y.device, chunk)
         self.pre_slots = [k < len(pre_grad_slots) and bool(pre_grad_slots[k]) for k in range(len(pre))]
         self.post_slots = [k < len(post_grad_slots) and bool(post_grad_slots[k]) for k in range(len(post))]
         self.affine_slots = [bool(a) for a in affine_grads]
         masks = [sum(1 << k for k, w in enumerate(slots) if w) for slots in (self.pre_slots, self.post_slots,
                                                                               self.affine_slots)]  # fmt: skip
-        self.shape = (n, channels)
-        self.launch = None
+        self.rows = (n * plan.split, channels)
+        self.workspace = (n * groups, plan.split, 2) if plan.split > 1 else None
+        self.launch = self.partial = None
         if grad_y.numel() > 0:
-            ints = (channels, positions, groups, group_channels, n * groups, n * channels, *g_flat, *_flat("y", y),
-                    *_flat("grad_y", grad_y))  # fmt: skip
-            self.launch = FastLaunch(_group_norm_bwd_kernel, (n * groups,), dict(
-                PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, PRE_MASK=masks[0], POST_MASK=masks[1],
-                AFFINE_MASK=masks[2], BLOCK_C=block_c, BLOCK_S=block_s, num_warps=8 if block_c * block_s >= 2048 else 4,
-            ), fixed=ints)  # fmt: skip
+            grid = (n * groups, plan.split)
+            y_flat = _flat("y", y)
+            common = dict(PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, POST_MASK=masks[1], AFFINE_MASK=masks[2],
+                          BLOCK_C=plan.block_c, BLOCK_S=plan.block_s, num_warps=plan.num_warps)  # fmt: skip
+            head = (channels, positions, groups, group_channels, plan.chunk, n * groups, n * plan.split * channels)
+            if self.workspace is not None:
+                self.partial = FastLaunch(_group_norm_bwd_partial_kernel, grid, common, fixed=(*head, *g_flat, *y_flat))
+            self.launch = FastLaunch(_group_norm_bwd_kernel, grid, dict(
+                common, PRE_MASK=masks[0], SPLIT_P2=plan.split_p2), fixed=(*head, *g_flat, *y_flat,
+                                                                            *_flat("grad_y", grad_y)))  # fmt: skip
 
     def __call__(self, grad_out, y, stats, params, post_params, affine, grad_y):
         if self.copy_grad_out:
             grad_out = grad_out.contiguous()
         device = grad_y.device
+        # every (sample, chunk, channel) of a wanted row is written when the kernels run
+        alloc = torch.zeros if self.launch is None else torch.empty
 
         def buffer(slots: list[bool], rows: int) -> torch.Tensor:
-            return torch.zeros((rows, *self.shape) if any(slots) else (1,), dtype=torch.float32, device=device)
+            return alloc((rows, *self.rows) if any(slots) else (1,), dtype=torch.float32, device=device)
 
         part, qpart, apart = buffer(self.pre_slots, MAX_SLOTS), buffer(self.post_slots, MAX_SLOTS), buffer(self.affine_slots, 2)
         if self.launch is not None:
-            self.launch(grad_out, y, stats, params, post_params, affine, grad_y, part, qpart, apart)
+            ws = params
+            if self.partial is not None:
+                ws = torch.empty(self.workspace, dtype=torch.float32, device=device)
+                self.partial(grad_out, y, stats, params, post_params, affine, ws, qpart, apart)
+            self.launch(grad_out, y, stats, params, post_params, affine, grad_y, ws, part, qpart, apart)
         # NOTE: torch's reduction over a fixed shape runs in a fixed order: bitwise reproducible sums.
         return tuple([buf[k].sum(0) if w else None for k, w in enumerate(slots)]
                      for buf, slots in ((part, self.pre_slots), (qpart, self.post_slots), (apart, self.affine_slots)))  # fmt: skip

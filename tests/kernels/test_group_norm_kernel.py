@@ -126,3 +126,111 @@ def test_arguments_are_checked_with_one_line_messages(kernel_device):
         gn.group_norm_forward(y, False, [], [], 3, 1e-5, params, post_params, affine[:, :4], out)
     with pytest.raises(ValueError, match="spatial dims must flatten"):
         gn.group_norm_forward(y[..., ::2], False, [], [], 3, 1e-5, params, post_params, affine, out[..., ::2])
+
+
+# --------------------------------------------------------------------------------------------------
+# Groups split into chunks (forced with ``chunk``: the interpreter's own choice is one chunk)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_chunk_positions_fill_the_gpu_in_whole_tiles_and_leave_small_groups_whole():
+    # the families GroupNorm demo: 128 groups of 4 channels x 16384 positions, tiles of 4 x 512
+    block_c, block_s = gn._tile(4, 16384)
+    chunk = gn.chunk_positions(128, 4, 16384, block_s, 132)
+    assert (block_c, block_s, chunk) == (4, 512, 2048)
+    assert 128 * (16384 // chunk) >= 4 * 132 and 4 * chunk >= gn.MIN_CHUNK_ELEMENTS
+    assert gn.chunk_positions(128, 4, 16384, block_s, 0) == 16384  # no GPU: one chunk
+    assert gn.chunk_positions(2048, 4, 16384, block_s, 132) == 16384  # the groups alone fill the GPU
+    assert gn.chunk_positions(128, 2, 1024, 1024, 132) == 1024  # groups too small to split
+    # 64 channels per group over 1600 positions: chunks of whole 64 x 32 tiles, at least 4096 elements
+    block_c, block_s = gn._tile(64, 1600)
+    chunk = gn.chunk_positions(16, 64, 1600, block_s, 132)
+    assert chunk % block_s == 0 and 64 * chunk >= gn.MIN_CHUNK_ELEMENTS and 1600 // chunk > 1
+
+
+def split_case(layout, seed):
+    """A (2, 6, *spatial) conv output in ``layout``, 2 groups of 3 channels: with ``small_tiles`` two
+    channel blocks per group; ``CHUNK`` = 6 positions, so chunks of two tiles (4 + 2 positions) and a
+    shorter last chunk (the position count is not a multiple of the chunk)."""
+    gen = torch.Generator().manual_seed(seed)
+    spatial, fmt = {"contiguous": ((5, 3), torch.contiguous_format),
+                    "channels_last": ((5, 3), torch.channels_last),
+                    "channels_last_3d": ((2, 2, 4), torch.channels_last_3d)}[layout]  # fmt: skip
+    y = torch.randn(2, 6, *spatial, generator=gen)
+    return y.to(memory_format=fmt), gen
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
+def test_split_groups_match_torch_and_are_bitwise_reproducible(layout, small_tiles, kernel_device):
+    y, gen = split_case(layout, 5)
+    y = y.to(kernel_device)
+    bias, gamma, beta = (torch.randn(6, generator=gen).to(kernel_device) for _ in range(3))
+    pre, post = [(OP_CODES["leaky_relu"], [0.1])], [(OP_CODES["silu"], [])]
+    params, post_params, affine = inputs(y, bias, 2, pre, post, gamma, beta)
+
+    def run(chunk):
+        out = torch.empty_like(y)  # y's layout
+        stats = torch.empty(2, 2, 2, device=kernel_device)
+        gn.group_norm_forward(y, True, pre, post, 2, 1e-4, params, post_params, affine, out, stats, chunk=chunk)
+        return out, stats
+
+    out, stats = run(6)
+    shape = (1, -1) + (1,) * (y.dim() - 2)
+    v = F.leaky_relu(y + bias.reshape(shape), 0.1)
+    torch.testing.assert_close(out, F.silu(F.group_norm(v, 2, gamma, beta, 1e-4)), rtol=1e-5, atol=1e-5)
+    assert out.stride() == y.stride()
+    grouped = v.reshape(2, 2, -1)
+    torch.testing.assert_close(stats[0], grouped.mean(-1))
+    torch.testing.assert_close(stats[1], (grouped.var(-1, unbiased=False) + 1e-4).rsqrt())
+    again, again_stats = run(6)
+    assert torch.equal(again, out) and torch.equal(again_stats, stats)
+    whole, whole_stats = run(None)
+    torch.testing.assert_close(whole, out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(whole_stats, stats, rtol=1e-6, atol=1e-6)
+
+
+def test_split_variance_far_from_zero_is_sound_in_fp32(small_tiles, kernel_device):
+    """Chunks with their own shifts: combined through the shifts' exact differences, the chunks'
+    means keep the digits of a spread of 0.01 around 3000."""
+    gen = torch.Generator().manual_seed(6)
+    y64 = 3000.0 + 0.01 * torch.randn(2, 4, 6, 7, generator=gen, dtype=torch.float64)
+    y = y64.float().to(kernel_device)
+    params, post_params, affine = inputs(y, None, 2)
+    stats = torch.empty(2, 2, 2, device=kernel_device)
+    gn.group_norm_forward(y, False, [], [], 2, 0.0, params, post_params, affine, torch.empty_like(y), stats, chunk=5)
+    grouped = y.double().reshape(2, 2, -1)
+    torch.testing.assert_close(stats[1].double().cpu(), grouped.var(-1, unbiased=False).rsqrt().cpu(), rtol=1e-4, atol=0)
+    torch.testing.assert_close(stats[0].double().cpu(), grouped.mean(-1).cpu(), rtol=0, atol=1e-3)
+
+
+def test_split_backward_gradients_match_autograd_and_are_bitwise_reproducible(small_tiles, kernel_device):
+    """A channels-last conv output and grad_y, a contiguous grad_out."""
+    y, gen = split_case("channels_last", 7)
+    y = y.to(kernel_device)
+    bias, gamma, beta, p, q = (torch.randn(6, generator=gen).to(kernel_device) for _ in range(5))
+    pre = [(OP_CODES["mul"], [p]), (OP_CODES["tanh"], [])]
+    post = [(OP_CODES["add"], [q]), (OP_CODES["gelu"], [])]
+    _, stats = forward(y, bias, 2, 1e-5, pre, post, gamma, beta)
+    g = torch.randn(y.shape, generator=gen).to(kernel_device)
+    params, post_params, affine = inputs(y, bias, 2, pre, post, gamma, beta)
+
+    def backward(chunk):
+        grad_y = torch.empty_like(y)
+        sums = gn.group_norm_backward(g, y, stats, True, pre, post, 2, params, post_params, affine, grad_y,
+                                      [True, False], [True, False], (True, True), chunk=chunk)  # fmt: skip
+        return grad_y, sums
+
+    grad_y, (pre_sums, post_sums, affine_sums) = backward(6)
+    leaves = [t.detach().clone().requires_grad_() for t in (y, p, q, gamma, beta)]
+    yl, pl, ql, gl, bl = leaves
+    v = torch.tanh((yl + bias[:, None, None]) * pl[:, None, None])
+    out = F.gelu(F.group_norm(v, 2, gl, bl, 1e-5) + ql[:, None, None])
+    want = torch.autograd.grad(out, leaves, g)
+    got = (grad_y, pre_sums[0], post_sums[0], affine_sums[0], affine_sums[1])
+    for name, got_t, w in zip(("grad_y", "p", "q", "gamma", "beta"), got, want, strict=True):
+        torch.testing.assert_close(got_t, w, rtol=1e-4, atol=1e-5, msg=name)
+    assert grad_y.stride() == y.stride()
+    assert pre_sums[1] is None and post_sums[1] is None
+    again_y, (again_pre, again_post, again_affine) = backward(6)
+    again = (again_y, again_pre[0], again_post[0], again_affine[0], again_affine[1])
+    assert all(torch.equal(a, b) for a, b in zip(again, got, strict=True))
