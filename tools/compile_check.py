@@ -70,9 +70,11 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
 * ``group_norm``: ``kernels/group_norm.py``'s forward (saving the statistics) and backward (every
   gradient wanted) on the ``families`` GroupNorm demo's conv output (``decoder``: ConvTranspose2d
   64->32 over (16, 64, 64, 64) -> GroupNorm(8) -> SiLU), on an instance norm with both chains over a
-  channels-last (8, 96, 80, 80) (``instance_cl``), and on 64 channels per group (``wide_groups``:
-  the channel-block loop); ``fp32``, ``bf16``.  Cases ``{decoder,instance_cl,wide_groups}-{fp32,bf16}``,
-  all by default.
+  channels-last (8, 96, 80, 80) (``instance_cl``), on 64 channels per group (``wide_groups``: the
+  channel-block loop), all three with their groups split into chunks (the partial kernels and the
+  combining ones), and on groups of 2 x 256 elements with both chains (``small_groups``: one chunk
+  per group, the one-launch kernels); ``fp32``, ``bf16``.  Cases
+  ``{decoder,instance_cl,wide_groups,small_groups}-{fp32,bf16}``, all by default.
 
 Options for some jobs only (given for another job: an error): ``--tiles 'M,N,K,warps,stages;...'``
 (``conv_fused``) or ``'M,K,warps,stages;...'`` (``conv_dense``; N is the conv's); ``--dgrad-tiles``
@@ -226,6 +228,7 @@ GROUP_NORM_WORKLOADS = {
     "decoder": ((16, 32, 128, 128), 8, False, (), (ChainStep(PointwiseKind.SILU),)),
     "instance_cl": ((8, 96, 80, 80), 96, True, EPILOGUE_CHAIN, (ChainStep(PointwiseKind.MUL, (TensorRef(1),)),)),
     "wide_groups": ((4, 256, 40, 40), 4, False, (), (ChainStep(PointwiseKind.SILU),)),
+    "small_groups": ((8, 64, 16, 16), 32, False, EPILOGUE_CHAIN, (ChainStep(PointwiseKind.SILU),)),
 }
 
 
@@ -244,10 +247,11 @@ def group_norm_pass(workload: str, dtype: str) -> None:
     post_params = EP.build_params(post_steps, None, c, y.device)
     affine = torch.empty(2, c, dtype=torch.float32)
     out, stats = torch.empty_like(y), torch.empty(2, n, groups, dtype=torch.float32)
-    GN.group_norm_forward(y, True, pre_steps, post_steps, groups, 1e-5, params, post_params, affine, out, stats)
-    GN.group_norm_backward(torch.empty_like(out), y, stats, True, pre_steps, post_steps, groups, params, post_params,
-                           affine, torch.empty_like(y), [True] * len(pre_steps), [True] * len(post_steps),
-                           (True, True))  # fmt: skip
+    with mock.patch.object(GN, "_sm_count", lambda device: H100_SMS):
+        GN.group_norm_forward(y, True, pre_steps, post_steps, groups, 1e-5, params, post_params, affine, out, stats)
+        GN.group_norm_backward(torch.empty_like(out), y, stats, True, pre_steps, post_steps, groups, params,
+                               post_params, affine, torch.empty_like(y), [True] * len(pre_steps),
+                               [True] * len(post_steps), (True, True))  # fmt: skip
 
 
 def conv_epilogue_forward(workload: str, dtype: str, save: bool) -> None:
@@ -463,7 +467,7 @@ JOBS = {job.name: job for job in (
         {f"{w}-{d}": partial(channel_reduce_pass, w, d) for w in CHANNEL_REDUCE_WORKLOADS for d in ("fp32", "bf16")},
     ),
     Job(
-        "group_norm", "kernels/group_norm.py: conv_group_norm's kernels (the families GroupNorm demo, instance norm, wide groups)",
+        "group_norm", "kernels/group_norm.py: conv_group_norm's kernels (the families GroupNorm demo, instance norm, wide groups, small groups)",
         {f"{w}-{d}": partial(group_norm_pass, w, d) for w in GROUP_NORM_WORKLOADS for d in ("fp32", "bf16")},
     ),
 )}  # fmt: skip
