@@ -20,9 +20,10 @@ Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, 
 Implementations:
 
 * Triton (CUDA fp32/fp16/bf16; CPU under ``FUSION_CPU_KERNELS=triton`` with ``TRITON_INTERPRET=1``):
-  forward = the library conv without bias, then one kernel (``kernels/group_norm.py``: bias,
-  pre-chain, group statistics, normalisation, gamma / beta, post-chain, one program per (sample,
-  group)); backward = one kernel for the conv output's gradient and the per-channel partial sums of
+  forward = the library conv without bias, then ``kernels/group_norm.py``'s kernels (bias,
+  pre-chain, group statistics, normalisation, gamma / beta, post-chain; a large group is cut into
+  chunks of positions, one program each, whose partial statistics a second kernel combines);
+  backward = the same split for the conv output's gradient and the per-channel partial sums of
   gamma's, beta's and the operands' gradients, then ``aten.convolution_backward``.
 * Reference (``reference.py``; CPU, float64): eager's ops (``aten.native_group_norm`` and its
   backward).  It is the tests' definition of the op.

@@ -1,9 +1,9 @@
-"""The Triton backward of ``fusion::conv_group_norm``: ONE kernel (``kernels/group_norm.py``) writes
-the conv output's gradient from the output gradient, the saved conv output and the group statistics
-(the post-chain, the norm and the pre-chain differentiated in registers) plus fixed-order partial sums
-of the norm's weight and bias gradients and of the chains' operand gradients; then the library conv
-backward (``conv_epilogue``'s ``run_conv_backward``: aten / cuDNN) gives the gradients of x, the
-weight and the bias.
+"""The Triton backward of ``fusion::conv_group_norm``: ``kernels/group_norm.py``'s backward (one
+launch, or two where large groups are split into chunks) writes the conv output's gradient from the
+output gradient, the saved conv output and the group statistics (the post-chain, the norm and the
+pre-chain differentiated in registers) plus fixed-order partial sums of the norm's weight and bias
+gradients and of the chains' operand gradients; then the library conv backward (``conv_epilogue``'s
+``run_conv_backward``: aten / cuDNN) gives the gradients of x, the weight and the bias.
 """
 
 from __future__ import annotations

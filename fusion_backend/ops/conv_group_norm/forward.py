@@ -1,8 +1,9 @@
 """The Triton forward of ``fusion::conv_group_norm``: the library conv (cuDNN, through
-``conv_epilogue``'s ``run_conv``) without bias, then ONE kernel (``kernels/group_norm.py``) that adds
-the bias, applies the pre-chain, normalises each (sample, group), scales and shifts per channel,
-applies the post-chain and writes the result and the group statistics.  Also the chains and operand
-matrices as both directions' kernels take them (``KernelChains``).
+``conv_epilogue``'s ``run_conv``) without bias, then ``kernels/group_norm.py``'s forward (one
+launch, or two where large groups are split into chunks) that adds the bias, applies the pre-chain,
+normalises each (sample, group), scales and shifts per channel, applies the post-chain and writes the
+result and the group statistics.  Also the chains and operand matrices as both directions' kernels
+take them (``KernelChains``).
 """
 
 from __future__ import annotations
