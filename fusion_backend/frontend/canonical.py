@@ -126,7 +126,9 @@ class Reduce:
 class BatchNorm:
     """``F.batch_norm`` over dim 1: ``(input - mean) / sqrt(var + eps) * weight + bias``, with the
     running statistics when ``training`` is False, with the batch's otherwise (or when a running
-    statistic is ``None``).  ``weight`` and ``bias`` may be ``None`` (``affine=False``)."""
+    statistic is ``None``).  ``weight`` and ``bias`` may be ``None`` (``affine=False``).  ``momentum``:
+    the factor of the running statistics' update in training mode, as written (a number, ``None``
+    for a cumulative average, or a traced value)."""
 
     node: fx.Node
     input: fx.Node
@@ -136,6 +138,7 @@ class BatchNorm:
     bias: ValueRef
     training: bool
     eps: float
+    momentum: ValueRef = 0.1
 
 
 @dataclass(frozen=True)

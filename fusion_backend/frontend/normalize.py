@@ -413,7 +413,8 @@ def _normalize_function(node: fx.Node, target: Any, args: tuple, kwargs: dict) -
         if not b or not isinstance(b["training"], bool) or not isinstance(b["eps"], (int, float)):
             return None  # a traced training flag or eps: nothing to fold at compile time
         return BatchNorm(node, b["input"], b["running_mean"], b["running_var"], b["weight"], b["bias"],
-                         b["training"] or b["running_mean"] is None or b["running_var"] is None, float(b["eps"]))
+                         b["training"] or b["running_mean"] is None or b["running_var"] is None, float(b["eps"]),
+                         b["momentum"])
     if target in (F.group_norm, torch.group_norm):
         return _group_norm(node, _bind(_sig_group_norm, args, kwargs))
     if target is F.instance_norm:
@@ -566,7 +567,7 @@ def _normalize_module(node: fx.Node, root: torch.nn.Module) -> Optional[Canonica
 
         batch_statistics = mod.training or mod.running_mean is None or mod.running_var is None
         return BatchNorm(node, x, ref("running_mean"), ref("running_var"), ref("weight"), ref("bias"),
-                         batch_statistics, float(mod.eps))
+                         batch_statistics, float(mod.eps), mod.momentum)
     if isinstance(mod, nn.GroupNorm):
         return GroupNorm(node, x, int(mod.num_groups), ParamRef(f"{qual}.weight") if mod.affine else None,
                          ParamRef(f"{qual}.bias") if mod.affine else None, float(mod.eps))
