@@ -210,7 +210,8 @@ def _not_fused_yet(node: fx.Node, rank: int) -> Optional[str]:
 def _unfoldable(bn: BatchNorm, flowing: fx.Node, y: torch.Tensor) -> Optional[str]:
     """Why batch norm ``bn``, reading the chain's ``flowing`` value, cannot join the chain, or None."""
     if bn.training:
-        return "a batch norm with batch statistics (training mode) is not fused yet; in eval mode it is folded"
+        return ("a batch norm with batch statistics (training mode) is the conv_batch_norm family's (its near miss "
+                "says why it did not fuse); in eval mode it is folded")
     if bn.input is not flowing:
         return "the chain's value is not the batch norm's input"
     for name in ("running_mean", "running_var", "weight", "bias"):

@@ -1,0 +1,458 @@
+"""Triton kernels for ``conv output -> batch norm with batch statistics -> pointwise post-chain``,
+forward and backward.
+
+These kernels know only tensors, op codes and eps; the fused op that calls them
+(``fusion_backend.ops.conv_batch_norm``) owns the configuration, the running statistics, the autograd
+wiring and the fallback.
+
+Semantics (torch's ``batch_norm`` in training mode): per channel ``c``, ``v = y + bias[c]`` over every
+sample and spatial position (``R = N * S`` values) has mean ``mu`` and biased variance ``var``;
+``x_hat = (v - mu) * rstd`` with ``rstd = 1 / sqrt(var + eps)``; ``out = post(x_hat * gamma[c] +
+beta[c])``.  All arithmetic is fp32.
+
+Data layout.  Tensors are seen as ``(N, C, S)`` with ``S`` the flattened spatial positions (every
+conv output flattens: contiguous or channels-last); the kernels take element strides ``(sn, sc, ss)``
+and walk a channel's values by the flat index ``r = n * S + s`` in ``[0, R)``.  ``bias_ptr`` is the conv
+bias itself, ``(C,)`` in its own dtype (rounded to y's dtype as the conv adds it); ``Q`` is
+``kernels/chain_math.py``'s ``(NUM_PARAM_ROWS, C)`` fp32 operand matrix of the post-chain; ``A`` the
+norm's scale and shift, fp32 ``(2, C)`` contiguous (row 0 gamma, row 1 beta); ``ST`` the statistics,
+fp32 ``(2, C)`` contiguous (row 0 mean, row 1 rstd).
+
+Tiling.  Grid ``(channel blocks, chunks)``: a program owns ``BLOCK_C`` channels and one chunk of
+``CHUNK`` consecutive flat indices (a multiple of ``BLOCK_R``), walked in ``[BLOCK_C, BLOCK_R]``
+tiles in a fixed order.  A channel's ``R`` values split over many chunks so that the grid fills the
+GPU whatever C is (``_plan``); every cross-chunk combination runs on the host side in torch over the
+small ``(C, chunks)`` partials, over a fixed shape, so every result is bitwise reproducible.
+
+Forward: ``batch_norm_stats`` (kernel A) writes per (channel, chunk) the chunk's mean and sum of
+squared deviations (each tile exact two-pass in registers, merged with Chan's parallel formula: no
+``E[x^2] - E[x]^2`` cancellation); the combine merges the chunks (the same formula, all at once) into
+``mu``, ``var`` and ``rstd``; ``batch_norm_apply`` (kernel B) normalises, applies gamma / beta and the
+post-chain and writes ``out`` in its own layout and dtype.
+
+Backward: kernel A recomputes ``x_hat`` and the post-chain from the saved conv output, walks the chain
+back from ``grad_out`` to ``dz`` (the gradient at the norm's output) and writes per (channel, chunk)
+the sums of ``dz``, ``dz * x_hat`` and the post-chain's operand gradients; the combine sums the chunks
+(``dbeta = sum dz``, ``dgamma = sum dz * x_hat``); kernel B writes
+``grad_y = gamma * rstd * (dz - mean(dz) - x_hat * mean(dz * x_hat))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .chain_math import MAX_SLOTS, KernelStep, apply_chain_at, chain_grad_at, op_constexprs
+from .host import BoundedCache, cdiv, next_pow2, tensor_key
+
+#: Elements of a program's tile (``BLOCK_C * BLOCK_R``).
+TILE_ELEMENTS = 2048
+#: Channels of a tile when the channels are the innermost dim (channels-last), else.
+CHANNELS_INNER_BLOCK_C = 64
+CHANNELS_OUTER_BLOCK_C = 8
+#: Programs a launch aims at: about 8 per SM of a 132-SM H100, so that a channel's values split
+#: over many chunks even when C is small (64 channels of 524,288 values: 1024 programs).
+TARGET_PROGRAMS = 1024
+#: Rows of the backward's partial sums: sum dz, sum dz * x_hat, then one per post-chain slot.
+SUM_ROWS = 2 + MAX_SLOTS
+
+
+# --------------------------------------------------------------------------------------------------
+# Device functions
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _offsets(c, r, S, sn, sc, ss):
+    """Element offsets of channels ``c`` and flat indices ``r`` in a tensor of strides ``(sn, sc, ss)``."""
+    return (r // S).to(tl.int64) * sn + c.to(tl.int64) * sc + (r % S).to(tl.int64) * ss
+
+
+@triton.jit
+def _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS: tl.constexpr):
+    """``v = y + bias`` (fp32) at channels ``c`` ([BLOCK_C, 1]) and flat indices ``r`` ([1, BLOCK_R]);
+    lanes outside ``valid`` hold 0."""
+    v = tl.load(y_ptr + _offsets(c, r, S, y_sn, y_sc, y_ss), mask=valid, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + c, mask=c < C, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
+        v = tl.where(valid, v + b, 0.0)
+    return v
+
+
+@triton.jit
+def _norm_grad_tile(gout_ptr, y_ptr, bias_ptr, q_ptr, c, r, valid, mu, rstd, gamma, beta, C, S,
+                    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, POST: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """One tile of the backward: ``(x_hat, dz, q0..q7)``: the normalised value, the gradient at the
+    norm's output (the post-chain walked back from grad_out; 0 outside ``valid``) and the post-chain's
+    operand gradients."""
+    v = _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS)
+    xh = (v - mu) * rstd
+    g = tl.load(gout_ptr + _offsets(c, r, S, g_sn, g_sc, g_ss), mask=valid, other=0.0).to(tl.float32)
+    dz, q0, q1, q2, q3, q4, q5, q6, q7 = chain_grad_at(g, xh * gamma + beta, q_ptr, c, C, c < C, POST)
+    return xh, tl.where(valid, dz, 0.0), q0, q1, q2, q3, q4, q5, q6, q7
+
+
+@triton.jit
+def _row_sum(q, valid):
+    return tl.sum(tl.where(valid, q, 0.0), axis=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _batch_norm_stats_kernel(
+    y_ptr, bias_ptr, ws_ptr, C, S, R, CHUNK, K,
+    y_sn, y_sc, y_ss,
+    HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """Per (channel, chunk): the chunk's mean and sum of squared deviations of ``v = y + bias``.
+
+    Pointers (element strides; ``S`` flattened positions, ``R = N * S``):
+      y_ptr     conv output without bias, (N, C, S), fp32/fp16/bf16, strides ``y_s*``.
+      bias_ptr  (HAS_BIAS) the conv bias, (C,) contiguous, any float dtype.
+      ws_ptr    fp32 (2, C, K) contiguous: row 0 the chunk means, row 1 the chunk sums of squared
+                deviations (``K`` chunks).
+    Grid: ``(cdiv(C, BLOCK_C), K)``; program ``(i, k)`` owns channels ``i * BLOCK_C + [0, BLOCK_C)`` and
+    flat indices ``[k * CHUNK, min((k + 1) * CHUNK, R))``.
+    """
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    k = tl.program_id(1)
+    rb = tl.arange(0, BLOCK_R)[None, :]
+    start = k * CHUNK
+    count = 0.0
+    mean = tl.zeros([BLOCK_C], tl.float32)
+    m2 = tl.zeros([BLOCK_C], tl.float32)
+    for r0 in range(start, tl.minimum(start + CHUNK, R), BLOCK_R):
+        r = r0 + rb
+        valid = (c < C) & (r < R)
+        v = _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS)
+        n_t = tl.sum((r < R).to(tl.float32), axis=1)  # the same for every channel: [1]
+        mean_t = tl.sum(v, axis=1) / n_t
+        d = tl.where(valid, v - mean_t[:, None], 0.0)
+        m2_t = tl.sum(d * d, axis=1)
+        total = count + n_t
+        delta = mean_t - mean
+        mean = mean + delta * (n_t / total)
+        m2 = m2 + m2_t + delta * delta * (count * n_t / total)
+        count = total
+    c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask1 = c1 < C
+    tl.store(ws_ptr + c1 * K + k, mean, mask=cmask1)
+    tl.store(ws_ptr + C * K + c1 * K + k, m2, mask=cmask1)
+
+
+@triton.jit
+def _batch_norm_apply_kernel(
+    y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, out_ptr, C, S, R, CHUNK,
+    y_sn, y_sc, y_ss, o_sn, o_sc, o_ss,
+    POST: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """out = post((y + bias - mean) * rstd * gamma + beta).
+
+    Pointers (element strides):
+      y_ptr, bias_ptr  as in the statistics kernel.
+      q_ptr     post-chain operand matrix Q, (NUM_PARAM_ROWS, C) fp32 contiguous.
+      a_ptr     gamma and beta, (2, C) fp32 contiguous.
+      st_ptr    mean and rstd, (2, C) fp32 contiguous.
+      out_ptr   result, (N, C, S), any float dtype, strides ``o_s*``.
+    Grid: as the statistics kernel's.
+    """
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    cmask = c < C
+    rb = tl.arange(0, BLOCK_R)[None, :]
+    start = tl.program_id(1) * CHUNK
+    mu = tl.load(st_ptr + c, mask=cmask, other=0.0)
+    rstd = tl.load(st_ptr + C + c, mask=cmask, other=0.0)
+    gamma = tl.load(a_ptr + c, mask=cmask, other=0.0)
+    beta = tl.load(a_ptr + C + c, mask=cmask, other=0.0)
+    for r0 in range(start, tl.minimum(start + CHUNK, R), BLOCK_R):
+        r = r0 + rb
+        valid = cmask & (r < R)
+        v = _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS)
+        out = apply_chain_at((v - mu) * rstd * gamma + beta, q_ptr, c, C, cmask, POST)
+        tl.store(out_ptr + _offsets(c, r, S, o_sn, o_sc, o_ss), out.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _batch_norm_bwd_sums_kernel(
+    gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, part_ptr, C, S, R, CHUNK, K,
+    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss,
+    POST: tl.constexpr, HAS_BIAS: tl.constexpr, POST_MASK: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """Per (channel, chunk) sums of ``dz``, ``dz * x_hat`` and the post-chain's operand gradients.
+
+    Pointers (element strides):
+      gout_ptr  gradient of out, (N, C, S), any float dtype, strides ``g_s*``.
+      y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr   as in the forward (``st_ptr``: the forward's statistics).
+      part_ptr  fp32 (SUM_ROWS, C, K) contiguous: row 0 the sums of dz, row 1 of dz * x_hat, row 2 + k
+                (POST_MASK bit k) of the post-chain slot k's first-operand gradient.
+    Grid: as the forward's.
+    """
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    cmask = c < C
+    k = tl.program_id(1)
+    rb = tl.arange(0, BLOCK_R)[None, :]
+    start = k * CHUNK
+    mu = tl.load(st_ptr + c, mask=cmask, other=0.0)
+    rstd = tl.load(st_ptr + C + c, mask=cmask, other=0.0)
+    gamma = tl.load(a_ptr + c, mask=cmask, other=0.0)
+    beta = tl.load(a_ptr + C + c, mask=cmask, other=0.0)
+    s_dz = tl.zeros([BLOCK_C], tl.float32)
+    s_dzxh = tl.zeros([BLOCK_C], tl.float32)
+    p0, p1, p2, p3, p4, p5, p6, p7 = s_dz, s_dz, s_dz, s_dz, s_dz, s_dz, s_dz, s_dz
+    for r0 in range(start, tl.minimum(start + CHUNK, R), BLOCK_R):
+        r = r0 + rb
+        valid = cmask & (r < R)
+        xh, dz, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_grad_tile(
+            gout_ptr, y_ptr, bias_ptr, q_ptr, c, r, valid, mu, rstd, gamma, beta, C, S, g_sn, g_sc, g_ss, y_sn,
+            y_sc, y_ss, POST, HAS_BIAS)  # fmt: skip
+        s_dz += tl.sum(dz, axis=1)
+        s_dzxh += _row_sum(dz * xh, valid)
+        if (POST_MASK & 1) != 0:
+            p0 += _row_sum(q0, valid)
+        if (POST_MASK & 2) != 0:
+            p1 += _row_sum(q1, valid)
+        if (POST_MASK & 4) != 0:
+            p2 += _row_sum(q2, valid)
+        if (POST_MASK & 8) != 0:
+            p3 += _row_sum(q3, valid)
+        if (POST_MASK & 16) != 0:
+            p4 += _row_sum(q4, valid)
+        if (POST_MASK & 32) != 0:
+            p5 += _row_sum(q5, valid)
+        if (POST_MASK & 64) != 0:
+            p6 += _row_sum(q6, valid)
+        if (POST_MASK & 128) != 0:
+            p7 += _row_sum(q7, valid)
+    c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask1 = c1 < C
+    at = part_ptr + c1 * K + k
+    row = C * K
+    tl.store(at, s_dz, mask=cmask1)
+    tl.store(at + row, s_dzxh, mask=cmask1)
+    rows = (p0, p1, p2, p3, p4, p5, p6, p7)
+    for j in tl.static_range(8):
+        if ((POST_MASK >> j) & 1) != 0:
+            tl.store(at + (2 + j) * row, rows[j], mask=cmask1)
+
+
+@triton.jit
+def _batch_norm_bwd_dx_kernel(
+    gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, gm_ptr, gy_ptr, C, S, R, CHUNK,
+    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, gy_sn, gy_sc, gy_ss,
+    POST: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """grad_y = gamma * rstd * (dz - mean(dz) - x_hat * mean(dz * x_hat)).
+
+    Pointers (element strides):
+      gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr   as in the sums kernel.
+      gm_ptr    fp32 (2, C) contiguous: per channel mean(dz) and mean(dz * x_hat) over its R values.
+      gy_ptr    grad_y, (N, C, S), the conv output's dtype, strides ``gy_s*``.
+    Grid: as the forward's.
+    """
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    cmask = c < C
+    rb = tl.arange(0, BLOCK_R)[None, :]
+    start = tl.program_id(1) * CHUNK
+    mu = tl.load(st_ptr + c, mask=cmask, other=0.0)
+    rstd = tl.load(st_ptr + C + c, mask=cmask, other=0.0)
+    gamma = tl.load(a_ptr + c, mask=cmask, other=0.0)
+    beta = tl.load(a_ptr + C + c, mask=cmask, other=0.0)
+    mean_dz = tl.load(gm_ptr + c, mask=cmask, other=0.0)
+    mean_dzxh = tl.load(gm_ptr + C + c, mask=cmask, other=0.0)
+    for r0 in range(start, tl.minimum(start + CHUNK, R), BLOCK_R):
+        r = r0 + rb
+        valid = cmask & (r < R)
+        xh, dz, _q0, _q1, _q2, _q3, _q4, _q5, _q6, _q7 = _norm_grad_tile(
+            gout_ptr, y_ptr, bias_ptr, q_ptr, c, r, valid, mu, rstd, gamma, beta, C, S, g_sn, g_sc, g_ss, y_sn,
+            y_sc, y_ss, POST, HAS_BIAS)  # fmt: skip
+        gy = gamma * rstd * (dz - mean_dz - xh * mean_dzxh)
+        tl.store(gy_ptr + _offsets(c, r, S, gy_sn, gy_sc, gy_ss), gy.to(gy_ptr.dtype.element_ty), mask=valid)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def flat_strides(name: str, t: torch.Tensor) -> tuple[int, int, int]:
+    """``(sn, sc, ss)`` of ``t`` (N, C, *spatial) seen as (N, C, S); ``ValueError`` when its spatial
+    dims do not flatten to one stride."""
+    inner, ss = 1, None
+    for size, stride in reversed(list(zip(t.shape[2:], t.stride()[2:], strict=True))):
+        if size == 1:
+            continue
+        if ss is not None and stride != inner:
+            raise ValueError(f"{name}'s spatial dims must flatten to one stride, got strides {t.stride()}")
+        if ss is None:
+            ss = stride
+        inner = stride * size
+    return t.stride(0), t.stride(1), 1 if ss is None else ss
+
+
+class Plan:
+    """How a ``(N, C, S)`` tensor is tiled: ``block_c`` x ``block_r`` tiles, ``chunks`` chunks of
+    ``chunk`` flat indices per channel block (see the module docstring)."""
+
+    def __init__(self, y: torch.Tensor, target_programs: int = TARGET_PROGRAMS) -> None:
+        if not 3 <= y.dim() <= 5:
+            raise ValueError(f"y must be (N, C, *spatial) with 1-3 spatial dims, got {tuple(y.shape)}")
+        n, channels = y.shape[:2]
+        self.channels = channels
+        self.positions = y[0, 0].numel() if y.numel() else int(torch.Size(y.shape[2:]).numel())
+        self.values = n * self.positions
+        channels_inner = y.stride(1) == 1 and channels > 1
+        cap = CHANNELS_INNER_BLOCK_C if channels_inner else CHANNELS_OUTER_BLOCK_C
+        self.block_c = min(next_pow2(channels), cap)
+        self.block_r = max(1, min(next_pow2(max(self.values, 1)), TILE_ELEMENTS // self.block_c))
+        channel_blocks = cdiv(channels, self.block_c)
+        wanted = max(1, min(cdiv(self.values, self.block_r), cdiv(target_programs, channel_blocks)))
+        self.chunk = cdiv(cdiv(max(self.values, 1), wanted), self.block_r) * self.block_r
+        self.chunks = cdiv(max(self.values, 1), self.chunk)
+        self.grid = (channel_blocks, self.chunks)
+        self.num_warps = 8 if self.block_c * self.block_r >= 2048 else 4
+
+    def chunk_counts(self, device: torch.device) -> torch.Tensor:
+        """fp32 ``(chunks,)``: how many values of a channel each chunk holds."""
+        counts = torch.full((self.chunks,), float(self.chunk), dtype=torch.float32)
+        counts[-1] = self.values - self.chunk * (self.chunks - 1)
+        return counts.to(device)
+
+
+def _ops(steps: Sequence[KernelStep]) -> tuple[int, ...]:
+    return tuple(op_constexprs(steps).values())
+
+
+def _check_rows(name: str, t: torch.Tensor, rows: int | None, channels: int) -> None:
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[-1] != channels or (rows and t.shape[0] != rows):
+        raise ValueError(f"{name} must be contiguous fp32 with {channels} columns, got {tuple(t.shape)} {t.dtype}")
+
+
+def _check_bias(bias: torch.Tensor | None, channels: int) -> None:
+    if bias is not None and (bias.numel() != channels or not bias.is_contiguous()):
+        raise ValueError(f"the bias must be contiguous with {channels} values, got {tuple(bias.shape)}")
+
+
+#: Plans and their chunk counts by the tensor's shape, strides, dtype and device.
+_PLANS = BoundedCache(256)
+
+
+def plan_for(y: torch.Tensor) -> tuple[Plan, torch.Tensor]:
+    """The cached ``(Plan, chunk_counts)`` of ``y``'s signature."""
+    return _PLANS.get(tensor_key(y), lambda: (lambda p: (p, p.chunk_counts(y.device)))(Plan(y)))
+
+
+def batch_norm_stats(y: torch.Tensor, bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel batch statistics of ``v = y + bias``: ``(stats, var)`` with ``stats`` fp32 (2, C)
+    contiguous (row 0 the mean, row 1 ``rstd = 1 / sqrt(var + eps)``) and ``var`` the fp32 (C,)
+    biased variance.
+
+    Args:
+      y: conv output without bias, (N, C, *spatial) with 1-3 spatial dims that flatten (contiguous or
+        channels-last), fp32/fp16/bf16, more than one value per channel.
+      bias: None or the conv bias, C values, contiguous.
+    """
+    plan, counts = plan_for(y)
+    _check_bias(bias, plan.channels)
+    if plan.values < 2:
+        raise ValueError(f"batch statistics need more than one value per channel, got y {tuple(y.shape)}")
+    ws = torch.empty((2, plan.channels, plan.chunks), dtype=torch.float32, device=y.device)
+    _batch_norm_stats_kernel[plan.grid](
+        y, y if bias is None else bias, ws, plan.channels, plan.positions, plan.values, plan.chunk, plan.chunks,
+        *flat_strides("y", y), HAS_BIAS=bias is not None, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r,
+        num_warps=plan.num_warps,
+    )  # fmt: skip
+    # Chan's merge of all chunks at once, over a fixed shape: a fixed order, bitwise reproducible.
+    means, m2s = ws[0], ws[1]
+    mean = (means * counts).sum(1) / plan.values
+    m2 = m2s.sum(1) + (counts * (means - mean[:, None]).square()).sum(1)
+    var = m2 / plan.values
+    stats = torch.stack([mean, torch.rsqrt(var + eps)])
+    return stats, var
+
+
+def batch_norm_apply(y: torch.Tensor, bias: torch.Tensor | None, post: Sequence[KernelStep],
+                     post_params: torch.Tensor, affine: torch.Tensor, stats: torch.Tensor,
+                     out: torch.Tensor) -> None:  # fmt: skip
+    """Write ``out = post((y + bias - mean) * rstd * gamma + beta)``.
+
+    Args:
+      y, bias: as given to ``batch_norm_stats``.
+      post: the chain as ``(op code, operand values)`` (values only decide the op codes here).
+      post_params: Q, fp32 (NUM_PARAM_ROWS, C) contiguous (``kernels.epilogue.build_params``).
+      affine: fp32 (2, C) contiguous: gamma, beta (ones / zeros without an affine norm).
+      stats: ``batch_norm_stats``' fp32 (2, C).
+      out: preallocated, y's shape (spatial dims flatten), any float dtype.
+    """
+    plan, _ = plan_for(y)
+    _check_bias(bias, plan.channels)
+    for name, t, rows in (("Q", post_params, None), ("the affine rows", affine, 2), ("stats", stats, 2)):
+        _check_rows(name, t, rows, plan.channels)
+    if out.shape != y.shape:
+        raise ValueError(f"out must have y's shape {tuple(y.shape)}, got {tuple(out.shape)}")
+    if out.numel() == 0:
+        return
+    _batch_norm_apply_kernel[plan.grid](
+        y, y if bias is None else bias, post_params, affine, stats, out, plan.channels, plan.positions, plan.values,
+        plan.chunk, *flat_strides("y", y), *flat_strides("out", out), POST=_ops(post), HAS_BIAS=bias is not None,
+        BLOCK_C=plan.block_c, BLOCK_R=plan.block_r, num_warps=plan.num_warps,
+    )  # fmt: skip
+
+
+def batch_norm_backward(
+    grad_out: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, post: Sequence[KernelStep],
+    post_params: torch.Tensor, affine: torch.Tensor, stats: torch.Tensor, grad_y: torch.Tensor,
+    post_grad_slots: Sequence[bool] = (),
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:  # fmt: skip
+    """Write the conv-output gradient into ``grad_y``; return ``(dgamma, dbeta, post_sums)``.
+
+    Args:
+      grad_out: gradient of ``out`` (y's shape, any strides, any float dtype).
+      y, bias, post, post_params, affine, stats: as given to the forward.
+      grad_y: preallocated (N, C, *spatial), spatial dims flattening, the conv output's dtype.
+      post_grad_slots: per slot of the chain, whether its first operand's gradient is wanted.
+    Returns:
+      fp32 (C,) ``sum dz * x_hat`` (gamma's gradient) and ``sum dz`` (beta's), and per slot None or
+      the fp32 (C,) sum of its operand gradient; the chunks' partials summed in a fixed order.
+    """
+    plan, _ = plan_for(y)
+    _check_bias(bias, plan.channels)
+    for name, t, rows in (("Q", post_params, None), ("the affine rows", affine, 2), ("stats", stats, 2)):
+        _check_rows(name, t, rows, plan.channels)
+    for name, t in (("grad_out", grad_out), ("grad_y", grad_y)):
+        if t.shape != y.shape:
+            raise ValueError(f"{name} must have y's shape {tuple(y.shape)}, got {tuple(t.shape)}")
+    try:
+        g_flat = flat_strides("grad_out", grad_out)
+    except ValueError:
+        grad_out = grad_out.contiguous()
+        g_flat = flat_strides("grad_out", grad_out)
+    slots = [k < len(post_grad_slots) and bool(post_grad_slots[k]) for k in range(len(post))]
+    mask = sum(1 << k for k, w in enumerate(slots) if w)
+    rows = 2 + (max(k for k, w in enumerate(slots) if w) + 1 if mask else 0)
+    part = torch.zeros((rows, plan.channels, plan.chunks), dtype=torch.float32, device=y.device)
+    common = (y, y if bias is None else bias, post_params, affine, stats)
+    sizes = (plan.channels, plan.positions, plan.values, plan.chunk)
+    y_flat = flat_strides("y", y)
+    if y.numel() > 0:
+        _batch_norm_bwd_sums_kernel[plan.grid](
+            grad_out, *common, part, *sizes, plan.chunks, *g_flat, *y_flat, POST=_ops(post), HAS_BIAS=bias is not None,
+            POST_MASK=mask, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r, num_warps=plan.num_warps,
+        )  # fmt: skip
+    # NOTE: torch's reduction over a fixed shape runs in a fixed order: bitwise reproducible sums.
+    sums = part.sum(2)
+    means = (sums[:2] / plan.values).contiguous()
+    if y.numel() > 0:
+        _batch_norm_bwd_dx_kernel[plan.grid](
+            grad_out, *common, means, grad_y, *sizes, *g_flat, *y_flat, *flat_strides("grad_y", grad_y),
+            POST=_ops(post), HAS_BIAS=bias is not None, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r,
+            num_warps=plan.num_warps,
+        )  # fmt: skip
+    return sums[1], sums[0], [sums[2 + k] if w else None for k, w in enumerate(slots)]

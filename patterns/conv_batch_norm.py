@@ -1,0 +1,213 @@
+"""Pattern family ``conv_batch_norm``: conv / conv-transpose → batch norm with batch statistics
+(training mode) → pointwise chain.
+
+Anchor: any ``Conv`` (1-3 spatial dims, transposed or not, any hyper-parameters) whose output is
+batched and floating point and read only by a ``BatchNorm`` canonical op with batch statistics:
+``nn.BatchNorm{1,2,3}d`` in train mode (or without running statistics), ``F.batch_norm(...,
+training=True)``; affine or not, with or without running statistics, momentum a number.  A pointwise
+chain may follow the norm (per-channel operands included).  The fused op (``ops/conv_batch_norm/``)
+runs the conv once, the statistics and the normalisation in Triton kernels, and updates the running
+statistics in place as eager does.  ``nn.BatchNorm``'s ``num_batches_tracked += 1`` is a node of its
+own in Dynamo's graph, outside the region: it stays there and runs once per step, as in eager.
+
+Priority 160: above ``conv_epilogue`` (100), which would otherwise take the conv alone and leave the
+norm to Inductor; no other family takes a conv followed by a training-mode batch norm
+(``conv_channel_reduce``, 150, ``conv_group_norm``, 170, and ``conv_global_mean``, 200, stop at it), so
+the order between them only fixes which near miss a conv gets.  Near misses (only where a training
+batch norm reads the conv output): ``nn.SyncBatchNorm`` (its statistics span every process), a conv
+output read outside the norm, a pointwise op between the conv and the norm, a momentum that is not a
+number (``momentum=None`` makes Dynamo break the graph at ``float(num_batches_tracked)``, so that norm
+never reaches a backend), a batch norm module call (it would hide ``num_batches_tracked``'s
+increment), a norm weight or bias that is not one value per channel, an unsupported dtype, a dynamic
+channel count, a pool after the chain, and the chain's own reasons.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from ..frontend.canonical import BatchNorm, Conv, ParamRef, Pointwise, Pool
+from ..match.chain_walk import ChainValues, pointwise_step
+from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
+from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
+from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep
+from ..report import Match, NearMiss, ReasonKind
+from .conv_group_norm import _operand_index, _per_channel
+
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class PostChain:
+    """The chain after the norm, in the layout ``match.chain_walk.ChainValues`` works on."""
+
+    operands: list[Any]
+    steps: list[ChainStep] = field(default_factory=list)
+    step_nodes: list[fx.Node] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BatchNormRegion:
+    conv: Conv
+    norm: BatchNorm
+    momentum: float
+    weight: Optional[int]
+    bias: Optional[int]
+    post: PostChain
+
+
+@register_pattern
+class ConvBatchNormPattern(ConvAnchoredPattern):
+    name = "conv_batch_norm"
+    priority = 160
+    description = "conv/conv-transpose (1-3d) → batch norm with batch statistics (training mode) → pointwise chain"
+
+    def match_conv(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
+        anchor = conv.node
+        y = fake_of(anchor)
+        if not isinstance(y, torch.Tensor) or y.dim() != conv.spec.spatial_dims + 2:
+            return None
+        norm = _training_norm_ahead(ctx, anchor)
+        if norm is None:
+            return None  # no training-mode batch norm in sight: not this family's conv
+
+        def miss(at: fx.Node, kind: ReasonKind, msg: str) -> NearMiss:
+            return ctx.near_miss(self.name, anchor, at, kind, msg)
+
+        user = norm.node
+        if y.dtype not in FUSED_DTYPES:
+            return miss(anchor, ReasonKind.UNSUPPORTED_DTYPE, f"conv output dtype {y.dtype} is not a floating type the fused op supports")
+        channels = y.shape[1]
+        if isinstance(channels, torch.SymInt) and not channels.node.expr.is_number:
+            return miss(anchor, ReasonKind.DIMENSION_MISMATCH, f"the conv has a dynamic number of channels ({channels})")
+        channels = int(channels)
+        if _is_sync_batch_norm(user):
+            return miss(user, ReasonKind.UNSUPPORTED_OP,
+                        f"`{user.name}` is a SyncBatchNorm: its statistics span every process, which one process's "
+                        "fused op cannot compute")  # fmt: skip
+        if norm.input is not anchor:
+            return miss(user, ReasonKind.UNSUPPORTED_OP,
+                        "a pointwise op between the conv and the batch norm is not fused yet (the batch norm must "
+                        "read the conv output)")  # fmt: skip
+        if len(anchor.users) != 1:
+            return miss(anchor, ReasonKind.SHARED_INTERMEDIATE, ctx.sole_user(anchor)[1])
+        if user.op == "call_module":
+            return miss(user, ReasonKind.UNSUPPORTED_OP,
+                        f"`{user.name}` calls a batch norm module, which also counts num_batches_tracked; only its "
+                        "inlined F.batch_norm (what Dynamo records) fuses")  # fmt: skip
+        momentum = norm.momentum
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+            return miss(user, ReasonKind.UNSUPPORTED_ARGUMENT,
+                        f"the batch norm's momentum {_describe(momentum)} is not a number")  # fmt: skip
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            why = _per_channel(getattr(norm, name), channels)
+            if why is not None:
+                return miss(user, ReasonKind.UNSUPPORTED_OPERAND, f"the batch norm's {name} {why}")
+        if (norm.running_mean is None) != (norm.running_var is None):
+            return None  # torch takes batch statistics and updates nothing: rare enough to leave alone
+        normed = fake_of(user)
+        if not isinstance(normed, torch.Tensor):
+            return miss(user, ReasonKind.MISSING_METADATA, f"no metadata for `{user.name}`")
+        if normed.dtype not in FUSED_DTYPES:
+            return miss(user, ReasonKind.UNSUPPORTED_DTYPE, f"`{user.name}` yields {normed.dtype}")
+        post = PostChain([])
+        weight = _operand_index(norm.weight, post.operands)
+        bias = _operand_index(norm.bias, post.operands)
+
+        # the chain after the norm
+        after = ChainValues(user)
+        notes: list[NearMiss] = []
+        current = user
+        while True:
+            after.prefix_ends_at(post)
+            nxt, _ = after.next_user(ctx, current, fusible=(Pointwise,))
+            if nxt is not None and isinstance(ctx.op(nxt), Pool):
+                notes.append(miss(nxt, ReasonKind.UNSUPPORTED_OP, f"`{nxt.name}`: pooling after a batch norm is not fused yet"))
+                break
+            if nxt is None or not isinstance(ctx.op(nxt), Pointwise):
+                break
+            if len(post.steps) == MAX_CHAIN_LENGTH:
+                notes.append(miss(nxt, ReasonKind.CHAIN_TOO_LONG, f"the chain after the batch norm holds at most {MAX_CHAIN_LENGTH} ops"))
+                break
+            step = pointwise_step(ctx, self.name, anchor, ctx.op(nxt), current, post.operands, y, after, FUSED_DTYPES)
+            if isinstance(step, NearMiss):
+                notes.append(step)
+                break
+            post.steps.append(step)
+            post.step_nodes.append(nxt)
+            post.labels.append(after.label(step))
+            current = after.computed(nxt, len(post.steps))
+        _, read_outside = after.longest_closed_prefix(post)
+        if read_outside is not None:
+            notes = [miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, after.outside_users(read_outside))]
+        if any(v in (norm.running_mean, norm.running_var) for v in post.operands):
+            return miss(user, ReasonKind.UNSUPPORTED_OPERAND, "the chain reads the running statistics the batch norm updates")
+
+        region = BatchNormRegion(conv, norm, float(momentum), weight, bias, post)
+        nodes = [anchor, user, *post.step_nodes]
+        return Candidate(self.name, anchor, nodes, region, _summary(region), notes)
+
+    def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:
+        from ..ops import conv_batch_norm as op_module
+
+        region: BatchNormRegion = candidate.payload
+        conv, norm = region.conv, region.norm
+        conv_fake, normed, final = fake_of(conv.node), fake_of(norm.node), fake_of(candidate.nodes[-1])
+        running = norm.running_mean is not None
+        config = op_module.ConvBatchNormConfig(
+            conv=conv.spec,
+            eps=norm.eps,
+            momentum=region.momentum,
+            weight=region.weight,
+            bias=region.bias,
+            running_stats=running,
+            post=tuple(region.post.steps),
+            norm_dtype=dtype_name(normed.dtype) if normed.dtype != conv_fake.dtype else None,
+            out_dtype=dtype_name(final.dtype) if final.dtype != conv_fake.dtype else None,
+            strict=ctx.strict,
+        ).to_json()
+        values = [*region.post.operands, *((norm.running_mean, norm.running_var) if running else ())]
+        operands = [Deferred(lambda graph, ref=v: materialize(graph, ref)) if isinstance(v, ParamRef) else v
+                    for v in values]  # fmt: skip
+        return rewrite_conv_region(
+            ctx, candidate, conv, operands, op_module.conv_batch_norm, config, "fusion::conv_batch_norm_fwd",
+            op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type),
+        )  # fmt: skip
+
+
+def _training_norm_ahead(ctx: MatchContext, node: fx.Node) -> Optional[BatchNorm]:
+    """The batch norm with batch statistics that reads ``node`` directly or through one pointwise op
+    (the latter only to say why it is not fused), or None."""
+    for user in node.users:
+        op = ctx.op(user)
+        if isinstance(op, BatchNorm) and op.training and op.input is node:
+            return op
+    for user in node.users:
+        if isinstance(ctx.op(user), Pointwise):
+            for second in user.users:
+                op = ctx.op(second)
+                if isinstance(op, BatchNorm) and op.training and op.input is user:
+                    return op
+    return None
+
+
+def _is_sync_batch_norm(node: fx.Node) -> bool:
+    """Whether Dynamo recorded ``node`` inside an ``nn.SyncBatchNorm``'s forward."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return any(isinstance(t, type) and issubclass(t, torch.nn.SyncBatchNorm) for _, t in stack.values())
+
+
+def _describe(value: Any) -> str:
+    return f"`{value.name}` (a traced value)" if isinstance(value, fx.Node) else repr(value)
+
+
+def _summary(region: BatchNormRegion) -> str:
+    spec = region.conv.spec
+    parts = [f"conv{'_transpose' if spec.transposed else ''}{spec.spatial_dims}d", "batch_norm(train)"]
+    parts += region.post.labels
+    return " -> ".join(parts)
