@@ -1,0 +1,359 @@
+"""The ``conv_batch_norm`` fused op: config, custom-op contract, output and every gradient against
+float64 (x, conv weight and bias, the norm's weight and bias, chain operands), the running statistics
+over several steps (momentum, with and without them, affine or not), eps, layouts, NaN / inf, fp16,
+bitwise reproducibility, bad input, the failure policy; GPU parity at the bench workload's size.
+
+The oracle is the literal eager composite (conv, ``F.batch_norm(training=True)``, the chain with
+``apply_step``) run in float64; the op in fp32 / fp16 may be off from it by ``max(tol, 2 x eager's own
+error)`` (``fusion_backend.testing.compare``), the yardstick the other op tests use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion_backend.errors import KernelError, UnsupportedInputError
+from fusion_backend.ir.specs import ConvSpec
+from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef
+from fusion_backend.ops.conv_batch_norm import (
+    ConvBatchNormConfig,
+    batch_norm_running_update,
+    conv_batch_norm,
+    conv_batch_norm_bwd,
+    conv_batch_norm_fwd,
+    kernel_path,
+)
+from fusion_backend.ops.conv_epilogue.common import apply_chain
+from fusion_backend.testing import compare
+
+K = PointwiseKind
+CUDA = torch.cuda.is_available()
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
+    pytest.mark.usefixtures("exact_fp32"),
+]
+
+CONV2D = ConvSpec(False, (1, 2), (1, 0), (1, 1), (0, 0), 1)
+CONVT1D = ConvSpec(True, (2,), (1,), (1,), (1,), 1)
+CONV3D = ConvSpec(False, (1, 1, 1), (1, 1, 1), (1, 1, 1), (0, 0, 0), 2)
+
+#: silu, x * s (scalar tensor), + p (per channel), a DAG step reading the silu's input again.
+POST = (ChainStep(K.SILU), ChainStep(K.MUL, (TensorRef(3),)), ChainStep(K.ADD, (TensorRef(2),)),
+        ChainStep(K.ADD, (ChainValue(0),)))  # fmt: skip
+
+
+def weight_shape(spec: ConvSpec, c_in: int, c_out: int, k: int) -> tuple[int, ...]:
+    kernel = (k,) * spec.spatial_dims
+    return (c_in, c_out // spec.groups, *kernel) if spec.transposed else (c_out, c_in // spec.groups, *kernel)
+
+
+def eager(x, w, b, operands, cfg: ConvBatchNormConfig, running=(None, None)):
+    """The composite the op stands for, with torch's own ops (autograd differentiates it)."""
+    y = torch.ops.aten.convolution(x, w, b, list(cfg.conv.stride), list(cfg.conv.padding), list(cfg.conv.dilation),
+                                   cfg.conv.transposed, list(cfg.conv.output_padding), cfg.conv.groups)  # fmt: skip
+    gamma = None if cfg.weight is None else operands[cfg.weight]
+    beta = None if cfg.bias is None else operands[cfg.bias]
+    z = F.batch_norm(y, running[0], running[1], gamma, beta, True, cfg.momentum, cfg.eps)
+    return apply_chain(z, cfg.post, operands)
+
+
+def make(spec: ConvSpec, c_in: int, c_out: int, size: tuple[int, ...], seed: int, dtype=torch.float32, batch: int = 2):
+    """x, w, b, then the operands: gamma, beta (C,), a per-channel p (1, C, 1, ...), a scalar s."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((batch, c_in, *size), generator=gen, dtype=torch.float64)
+    w = torch.randn(weight_shape(spec, c_in, c_out, 3), generator=gen, dtype=torch.float64) * 0.5
+    b = torch.randn((c_out,), generator=gen, dtype=torch.float64) + 3.0  # far from zero: the mean matters
+    gamma = torch.randn(c_out, generator=gen, dtype=torch.float64)
+    beta = torch.randn(c_out, generator=gen, dtype=torch.float64)
+    p = torch.randn(1, c_out, *([1] * spec.spatial_dims), generator=gen, dtype=torch.float64)
+    s = torch.tensor(-0.7, dtype=torch.float64)
+    return [t.to(dtype) for t in (x, w, b, gamma, beta, p, s)]
+
+
+def device_of(kernels: str, kernel_device: str) -> str:
+    return kernel_device if kernels != "reference" else "cpu"
+
+
+def check(cfg: ConvBatchNormConfig, tensors, device: str, tol=None, layout=None):
+    """Run the op on ``tensors`` (x, w, b, *operands) on ``device`` and compare output and every
+    gradient with eager in the same dtype, measured against eager in float64.  ``layout(t)`` makes x
+    (e.g. channels-last, or a slice).  Strict: a Triton path that fails raises."""
+    config = dataclasses.replace(cfg, strict=True).to_json()
+    layout = layout or (lambda t: t)
+
+    def leaves(dtype):
+        made = [t.detach().to(device=device, dtype=dtype) for t in tensors]
+        made[0] = layout(made[0])
+        return [t.requires_grad_() if t.is_leaf else t for t in made]
+
+    mine, theirs, exact = leaves(tensors[0].dtype), leaves(tensors[0].dtype), leaves(torch.float64)
+    out = conv_batch_norm(mine[0], mine[1], mine[2], mine[3:], config)
+    want = eager(theirs[0], theirs[1], theirs[2], theirs[3:], cfg)
+    truth = eager(exact[0], exact[1], exact[2], exact[3:], cfg)
+    assert out.shape == want.shape and out.dtype == want.dtype
+    problems = [compare("output", out.cpu(), want.cpu(), tol, reference=truth.cpu())]
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(device)
+    names = ["x", "weight", "bias", "gamma", "beta", "p", "s"]
+    got = torch.autograd.grad(out, mine, g.to(out.dtype), allow_unused=True)
+    ref = torch.autograd.grad(want, theirs, g.to(want.dtype), allow_unused=True)
+    tru = torch.autograd.grad(truth, exact, g, allow_unused=True)
+    for name, a, e, t in zip(names, got, ref, tru, strict=False):
+        if e is None:
+            assert a is None or not a.any(), name
+            continue
+        assert a is not None and a.dtype == e.dtype and a.shape == e.shape, name
+        if name == "bias":  # the norm removes any per-channel shift: zero up to each side's rounding
+            bound = 100 * max(e.abs().max().item(), torch.finfo(e.dtype).eps * want.numel() / want.shape[1])
+            assert t.abs().max() < 1e-9 and a.abs().max() <= bound, (a, e)
+            continue
+        problems.append(compare(f"grad of {name}", a.cpu(), e.cpu(), tol, reference=t.cpu()))
+    problems = [p for p in problems if p]
+    assert not problems, "\n".join(problems)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Config and contract
+# ------------------------------------------------------------------------------------------------
+
+
+def test_config_round_trips_and_rejects_what_it_cannot_mean() -> None:
+    cfg = ConvBatchNormConfig(CONV2D, 1e-3, 0.3, 0, 1, True, POST, "float32", "float32", True)
+    assert ConvBatchNormConfig.from_json(cfg.to_json()) == cfg
+    assert cfg.pre == ()
+    with pytest.raises(ValueError, match="eps"):
+        ConvBatchNormConfig(CONV2D, eps=-1.0)
+    with pytest.raises(ValueError, match="momentum must be a number"):
+        ConvBatchNormConfig(CONV2D, momentum=None)
+    with pytest.raises(ValueError, match="operand index"):
+        ConvBatchNormConfig(CONV2D, weight=-1)
+    with pytest.raises(ValueError, match="has not computed"):
+        ConvBatchNormConfig(CONV2D, post=(ChainStep(K.ADD, (ChainValue(3),)),))
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        ConvBatchNormConfig(CONV2D, out_dtype="float77")
+
+
+def test_kernel_path_names_the_reason_for_the_reference() -> None:
+    config = ConvBatchNormConfig(CONV2D).to_json()
+    assert kernel_path(config, torch.bfloat16, "cuda") == ("triton", None)
+    path, why = kernel_path(config, torch.float64, "cuda")
+    assert path == "reference" and "float64" in why
+
+
+def test_opcheck_forward_backward_and_running_update(kernels, kernel_device) -> None:
+    dev = device_of(kernels, kernel_device)
+    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, False, POST)
+    x, w, b, *ops = [t.to(dev).requires_grad_() for t in make(CONV2D, 3, 4, (5, 6), 0)]
+    torch.library.opcheck(conv_batch_norm_fwd, (x, w, b, ops, cfg.to_json(), True),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))  # fmt: skip
+    detached = [t.detach() for t in (x, w, b)]
+    out, saved_y, stats = conv_batch_norm_fwd(*detached, [o.detach() for o in ops], cfg.to_json(), True)
+    torch.library.opcheck(conv_batch_norm_bwd, (torch.randn_like(out), *detached, [o.detach() for o in ops], saved_y,
+                                                stats, cfg.to_json(), [True] * 7),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+    running = (torch.zeros(4, device=dev), torch.ones(4, device=dev))
+    torch.library.opcheck(batch_norm_running_update, (*running, stats, 0.1), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_saved_state_is_the_conv_output_and_the_channel_statistics(kernels, kernel_device) -> None:
+    dev = device_of(kernels, kernel_device)
+    x, w, b, *ops = [t.to(dev) for t in make(CONV2D, 3, 6, (5, 6), 1)]
+    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1)
+    out, saved_y, stats = conv_batch_norm_fwd(x, w, b, ops, cfg.to_json(), True)
+    y0 = F.conv2d(x, w, None, (1, 2), (1, 0))
+    assert saved_y.shape == y0.shape and torch.equal(saved_y, y0)  # without the bias
+    v = (y0 + b.view(1, -1, 1, 1)).transpose(0, 1).reshape(6, -1)
+    assert stats.shape == (3, 6) and stats.dtype == torch.float32
+    torch.testing.assert_close(stats[0], v.mean(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats[1], (v.var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(stats[2], v.var(-1, unbiased=True), rtol=1e-4, atol=1e-5)
+    _, saved_y, stats = conv_batch_norm_fwd(x, w, b, ops, cfg.to_json(), False)
+    assert saved_y.numel() == 0 and stats.shape == (3, 6)  # the statistics feed the running update
+
+
+# ------------------------------------------------------------------------------------------------
+# Parity against float64
+# ------------------------------------------------------------------------------------------------
+
+#: name -> (conv, C_in, C_out, spatial size, weight / bias operand indices, post, batch)
+CASES = {
+    "conv2d affine, chain with operands": (CONV2D, 3, 6, (6, 7), 0, 1, POST, 2),
+    "conv_transpose1d no affine, gelu": (CONVT1D, 3, 5, (5,), None, None, (ChainStep(K.GELU),), 3),
+    "conv3d groups, weight only, odd sizes": (CONV3D, 4, 6, (3, 4, 5), 0, None, (ChainStep(K.RELU),), 1),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_output_and_every_gradient_match_float64(name, kernels, kernel_device) -> None:
+    spec, c_in, c_out, size, wi, bi, post, batch = CASES[name]
+    cfg = ConvBatchNormConfig(spec, 1e-5, 0.1, wi, bi, False, post)
+    check(cfg, make(spec, c_in, c_out, size, len(name), batch=batch), device_of(kernels, kernel_device))
+
+
+def test_channels_last_and_sliced_inputs(kernels, kernel_device) -> None:
+    dev = device_of(kernels, kernel_device)
+    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, False, POST)
+    tensors = make(CONV2D, 3, 4, (6, 9), 11)
+    out = check(cfg, tensors, dev, layout=lambda t: t.to(memory_format=torch.channels_last))
+    assert out.is_contiguous(memory_format=torch.channels_last)  # the conv's layout, kept
+    wide = [t.clone() for t in tensors]
+    wide[0] = torch.cat([tensors[0], tensors[0]], dim=-1)
+    check(cfg, wide, dev, layout=lambda t: t[..., ::2])  # a strided slice of x
+
+
+def test_fp16_output_and_gradients(kernels, kernel_device) -> None:
+    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, False, POST)
+    check(cfg, make(CONV2D, 3, 4, (5, 6), 5, dtype=torch.float16), device_of(kernels, kernel_device))
+
+
+@pytest.mark.parametrize("momentum,affine,tracked", [(0.1, True, True), (0.5, False, True), (0.1, True, False)],
+                         ids=["momentum 0.1 affine", "momentum 0.5 no affine", "no running statistics"])  # fmt: skip
+def test_running_statistics_follow_eager_over_steps(momentum, affine, tracked, kernels, kernel_device) -> None:
+    """Three steps on fresh batches: the running mean and the (unbiased) running variance match eager's
+    ``F.batch_norm(training=True)`` after each; without running statistics nothing is updated."""
+    dev = device_of(kernels, kernel_device)
+    cfg = ConvBatchNormConfig(CONV2D, 1e-3, momentum, 0 if affine else None, 1 if affine else None, tracked,
+                              (ChainStep(K.RELU),), strict=True)  # fmt: skip
+    mine = [torch.zeros(4, device=dev), torch.ones(4, device=dev)]
+    theirs = [t.clone() for t in mine]
+    for step in range(3):
+        x, w, b, gamma, beta, *_ = [t.to(dev) for t in make(CONV2D, 3, 4, (5, 6), 20 + step)]
+        ops = [gamma, beta] if affine else []
+        out = conv_batch_norm(x, w, b, ops + (mine if tracked else []), cfg.to_json())
+        want = eager(x, w, b, ops, cfg, theirs if tracked else (None, None))
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine[0], theirs[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(mine[1], theirs[1], rtol=1e-6, atol=1e-6)
+    if tracked:
+        assert not torch.equal(mine[0], torch.zeros(4, device=dev))
+    else:
+        assert torch.equal(mine[0], torch.zeros(4, device=dev)) and torch.equal(mine[1], torch.ones(4, device=dev))
+
+
+def test_fp16_running_statistics_are_updated_in_their_own_dtype(kernels, kernel_device) -> None:
+    dev = device_of(kernels, kernel_device)
+    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, True, strict=True)
+    x, w, b, gamma, beta, *_ = [t.to(dev) for t in make(CONV2D, 3, 4, (5, 6), 3, dtype=torch.float16)]
+    mine = [torch.zeros(4, device=dev, dtype=torch.float16), torch.ones(4, device=dev, dtype=torch.float16)]
+    theirs = [t.clone() for t in mine]
+    conv_batch_norm(x, w, b, [gamma, beta, *mine], cfg.to_json())
+    eager(x, w, b, [gamma, beta], cfg, theirs)
+    assert mine[0].dtype == torch.float16
+    torch.testing.assert_close(mine[0], theirs[0], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(mine[1], theirs[1], rtol=2e-3, atol=2e-3)
+
+
+def test_eps_is_honoured_on_nearly_constant_channels(kernels, kernel_device) -> None:
+    """Channels whose variance is far below eps: the result is ``(v - mean) / sqrt(eps)``, so a wrong
+    eps (or none) shows at once."""
+    dev = device_of(kernels, kernel_device)
+    x, w, b, *_ = make(CONV2D, 3, 4, (5, 6), 2)
+    x = x * 1e-3
+    cfg = ConvBatchNormConfig(CONV2D, 0.5, strict=True)
+    out = conv_batch_norm(x.to(dev), w.to(dev), b.to(dev), [], cfg.to_json())
+    want = F.batch_norm(F.conv2d(x, w, b, (1, 2), (1, 0)), None, None, training=True, eps=0.5)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-4, atol=1e-6)
+    assert want.abs().max() < 0.1  # eps dominates (eps 1e-5 would give values around 1)
+
+
+def test_nan_and_inf_spread_over_their_channel_as_eager(kernels, kernel_device) -> None:
+    dev = device_of(kernels, kernel_device)
+    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, False, (ChainStep(K.SILU),), strict=True)
+    x, w, b, *ops = make(CONV2D, 3, 4, (5, 6), 9)
+    b = b.clone()
+    b[0] = float("nan")  # channel 0 is NaN
+    x = x.clone()
+    x[1, :, 2, 3] = float("inf")  # an infinity reaches every channel
+    out = conv_batch_norm(x.to(dev), w.to(dev), b.to(dev), [o.to(dev) for o in ops], cfg.to_json())
+    want = eager(x, w, b, ops, cfg)
+    assert torch.equal(out.cpu().isnan(), want.isnan())
+    assert out.cpu().isnan()[:, 0].all()
+
+
+def test_statistics_and_gradients_are_bitwise_reproducible(kernels, kernel_device) -> None:
+    dev = device_of(kernels, kernel_device)
+    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, True, POST, strict=True).to_json()
+    tensors = [t.to(dev) for t in make(CONV2D, 3, 4, (7, 9), 4, batch=3)]
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        running = [torch.zeros(4, device=dev), torch.ones(4, device=dev)]
+        out = conv_batch_norm(leaves[0], leaves[1], leaves[2], leaves[3:] + running, cfg)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out) * 0.3 + out.detach())
+        return [out, *running, *grads]
+
+    first, second = run(), run()
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_bad_inputs_get_one_line_errors() -> None:
+    x, w, b, *ops = make(CONV2D, 3, 6, (5, 6), 1)
+    with pytest.raises(UnsupportedInputError, match="needs x and weight with 4 dims"):
+        conv_batch_norm(x[0], w, b, ops, ConvBatchNormConfig(CONV2D).to_json())
+    with pytest.raises(UnsupportedInputError, match="norm's weight must hold 6 floating values"):
+        conv_batch_norm(x, w, b, [ops[0][:3], *ops[1:]], ConvBatchNormConfig(CONV2D, weight=0, bias=1).to_json())
+    with pytest.raises(UnsupportedInputError, match="operands\\[7\\]"):
+        conv_batch_norm(x, w, b, ops, ConvBatchNormConfig(CONV2D, post=(ChainStep(K.MUL, (TensorRef(7),)),)).to_json())
+    with pytest.raises(UnsupportedInputError, match="running_mean must hold 6"):
+        conv_batch_norm(x, w, b, [torch.zeros(5), torch.ones(6)], ConvBatchNormConfig(CONV2D, running_stats=True).to_json())
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        conv_batch_norm(x[:1, :, :1, :3], w, b, [], ConvBatchNormConfig(CONV2D).to_json())
+
+
+# ------------------------------------------------------------------------------------------------
+# Failure policy
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_kernel_failure_falls_back_to_the_reference_or_raises_under_strict(monkeypatch, kernel_device) -> None:
+    if kernel_device == "cpu":
+        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    from fusion_backend.kernels import batch_norm as kernels_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated launch failure")
+
+    monkeypatch.setattr(kernels_module, "batch_norm_stats", broken)
+    monkeypatch.setattr(kernels_module, "batch_norm_backward", broken)
+    x, w, b, *ops = [t.to(kernel_device) for t in make(CONV2D, 3, 4, (5, 6), 4)]
+    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, True, (ChainStep(K.SILU),))
+    running = [torch.zeros(4, device=kernel_device), torch.ones(4, device=kernel_device)]
+    theirs = [t.clone() for t in running]
+    x.requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = conv_batch_norm(x, w, b, [*ops[:2], *running], cfg.to_json())
+        out.sum().backward()
+    assert any("Falling back to the plain-torch reference" in str(c.message) for c in caught)
+    torch.testing.assert_close(out, eager(x, w, b, ops, cfg, theirs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(running, theirs)  # updated once, by the reference
+    with pytest.raises(KernelError, match="simulated launch failure"):
+        conv_batch_norm(x, w, b, ops[:2], dataclasses.replace(cfg, strict=True, running_stats=False).to_json())
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the Triton path at the bench workload's size
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_gpu_bench_workload_size(dtype, channels_last) -> None:
+    """Conv2d 64->64 k3 p1 -> BatchNorm2d(64) -> ReLU on 32x64x128x128 (524,288 values per channel)."""
+    spec = ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 1)
+    cfg = ConvBatchNormConfig(spec, 1e-5, 0.1, 0, 1, False, (ChainStep(K.RELU),))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, 128, 128, generator=gen, dtype=torch.float64)
+    w = torch.randn(64, 64, 3, 3, generator=gen, dtype=torch.float64) * 0.05
+    b = torch.randn(64, generator=gen, dtype=torch.float64)
+    gamma, beta = torch.rand(64, generator=gen, dtype=torch.float64) + 0.5, torch.randn(64, generator=gen, dtype=torch.float64)
+    layout = (lambda t: t.to(memory_format=torch.channels_last)) if channels_last else None
+    check(cfg, [t.to(dtype) for t in (x, w, b, gamma, beta)], "cuda", tol=2e-2 if dtype == torch.bfloat16 else None,
+          layout=layout)  # fmt: skip
