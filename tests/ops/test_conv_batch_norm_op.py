@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from fusion_backend.errors import KernelError, UnsupportedInputError
 from fusion_backend.ir.specs import ConvSpec
-from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef
+from fusion_backend.ops.chain import ChainStep, ChainValue, PointwiseKind, TensorRef
 from fusion_backend.ops.conv_batch_norm import (
     ConvBatchNormConfig,
     batch_norm_running_update,
