@@ -14,7 +14,11 @@ or their ``:MODE`` variants under ``--compile-mode``).  The rules:
 - a row where fusion was timed but Inductor was not (Inductor failed or raised) also counts as not
   >=, since nothing shows fusion is at least as fast there, but it is never the worst row;
 - the geometric mean is over the rows with both timings, and the line says over how many when that is
-  not every row.
+  not every row;
+- where the run has a second copy of the baseline (another Inductor backend of the same mode, e.g.
+  ``inductor`` next to ``inductor:default``), the line ends with how far apart the two copies of the
+  same compiled code read over the rows (lowest and highest ratio): the run's own measure of its noise,
+  next to which a row's ratio can be read.  It changes no count.
 
 The verdict is the last line the command prints, and is stored in ``bench.json`` (``"verdict"``),
 ``bench.txt`` and ``bench.md``.
@@ -26,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .backends import pick_contenders
+from .backends import BASELINE_COMPILER, pick_contenders, split_backend_name
 
 if TYPE_CHECKING:  # results imports this module to write the verdict into the JSON report
     from .results import BenchReport, ItemResult
@@ -78,6 +82,10 @@ class Verdict:
     tie_ratio: float = TIE_RATIO
     statistic: str = STATISTIC
     note: str = ""
+    #: the other copy of the baseline and the lowest and highest ratio between the two copies (the
+    #: baseline's time over the copy's, over the rows where both were timed); ``None`` without one
+    copy: str | None = None
+    copies_spread: tuple[float, float] | None = None
 
     @property
     def at_least_baseline(self) -> int:
@@ -120,9 +128,13 @@ class Verdict:
         mean = "-: no row has both timings" if geomean is None else _fmt_ratio(geomean)
         if geomean is not None and compared < total:
             mean += f" over {_rows(compared)}"
+        spread = ""
+        if self.copies_spread is not None:
+            low, high = self.copies_spread
+            spread = f"; {self.copy} and {self.baseline} (the same code) read {low:.2f}-{high:.2f}x apart"
         return (f"{self.subject} >= {self.baseline} on {self.at_least_baseline}/{total} rows ({tie}); "
                 f"worst: {f'{worst.label} {worst.outcome()}' if worst else '-'}; "
-                f"geomean vs {self.baseline} {mean}")
+                f"geomean vs {self.baseline} {mean}{spread}")
 
     def json_extras(self) -> dict[str, object]:
         """Derived values written to the JSON report next to the fields."""
@@ -132,6 +144,7 @@ class Verdict:
                 "worst": None if worst is None else {"workload": worst.workload, "dtype": worst.dtype,
                                                      "mode": worst.mode, "ratio": worst.ratio,
                                                      "problem": worst.problem},
+                "copies_spread": None if self.copies_spread is None else list(self.copies_spread),
                 "line": self.line()}
 
 
@@ -175,7 +188,28 @@ def verdict_of(report: BenchReport) -> Verdict:
             else:
                 problem = f"{baseline} {_why_untimed(theirs)}"
         rows.append(RowRatio(case.workload, case.dtype, case.mode, ratio, problem, subject_failed))
-    return Verdict(subject, baseline, rows=tuple(rows))
+    copy = _second_copy(backends, baseline)
+    spread = None
+    if copy is not None:
+        ratios = [r for r in (case.speedup(copy, baseline) for case in report.cases) if r is not None]
+        spread = (min(ratios), max(ratios)) if ratios else None
+    return Verdict(subject, baseline, rows=tuple(rows), copy=copy if spread else None, copies_spread=spread)
+
+
+def _second_copy(backends: list[str], baseline: str) -> str | None:
+    """Another backend compiling the same code as ``baseline``: Inductor in the same mode, no options.
+
+    >>> _second_copy(["eager", "inductor", "fusion", "inductor:default"], "inductor:default")
+    'inductor'
+    >>> _second_copy(["eager", "inductor", "fusion"], "inductor") is None
+    True
+    """
+    compiler, mode = split_backend_name(baseline)
+    for name in backends:
+        other, other_mode = split_backend_name(name)
+        if name != baseline and other == compiler == BASELINE_COMPILER and (other_mode or "default") == (mode or "default"):
+            return name
+    return None
 
 
 def _why_untimed(item: ItemResult | None) -> str:

@@ -928,6 +928,21 @@ def test_a_failed_fusion_row_never_counts_and_is_the_worst_row_ahead_of_any_slow
         "worst: conv_a fp32 infer fusion ERROR; geomean vs inductor -: no row has both timings")
 
 
+def test_verdict_reports_how_far_apart_two_copies_of_inductor_read_without_changing_any_count() -> None:
+    backends = ("eager", "inductor", "fusion", "inductor:default")
+    report = synthetic_report([
+        ("conv_a", "fp32", "infer", {"inductor": 1.1, "fusion": 1.0, "inductor:default": 1.0}),
+        ("conv_b", "fp32", "train", {"inductor": 1.8, "fusion": 2.0, "inductor:default": 1.9}),
+    ], backends=backends)
+    verdict = verdict_of(report)
+    assert (verdict.copy, verdict.at_least_baseline) == ("inductor", 1)
+    assert verdict.copies_spread == pytest.approx((1.0 / 1.1, 1.9 / 1.8))
+    assert verdict.line() == (
+        "fusion >= inductor:default on 1/2 rows (0.97x counts as a tie); worst: conv_b fp32 train 0.95x; "
+        "geomean vs inductor:default 0.97x; inductor and inductor:default (the same code) read 0.91-1.06x apart")
+    assert "apart" not in verdict_of(synthetic_report([("conv_a", "fp32", "infer", {"inductor": 2.0, "fusion": 1.0})])).line()
+
+
 def test_verdict_without_timings_or_without_both_contenders_says_why() -> None:
     timed = [("conv_a", "fp32", "infer", {"inductor": 2.0, "fusion": 1.0})]
     no_inductor = synthetic_report(timed, backends=("eager", "fusion"))
