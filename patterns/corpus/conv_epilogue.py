@@ -89,9 +89,11 @@ CASES = [
     CorpusCase("learned_clamp_floor", lambda: (_LearnedClamp(), x_of(2, 3, 12, 12)),
                regions=("conv2d -> clamp_min -> relu",)),
     # near misses
-    CorpusCase("batch_norm_training", lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).train(),
-                                               x_of(2, 3, 12, 12)),  # fmt: skip
-               near_misses=(("conv_epilogue", "unsupported_op", "batch statistics"),)),
+    CorpusCase("batch_norm_training_after_an_activation",
+               lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.BatchNorm2d(8)).train(), x_of(2, 3, 12, 12)),
+               regions=("conv2d -> relu",),
+               near_misses=(("conv_batch_norm", "unsupported_op", "between the conv and the batch norm"),
+                            ("conv_epilogue", "unsupported_op", "the conv_batch_norm family's"))),
     CorpusCase("channel_reduction_beyond_the_channel_family",
                lambda: (Then(nn.Conv2d(3, 1100, 1), lambda y: torch.relu(y).amax(dim=1)), x_of(1, 3, 4, 4)),
                regions=("conv2d -> relu",),
