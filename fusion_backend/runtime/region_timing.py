@@ -218,18 +218,35 @@ def region_inputs(region: ExtractedRegion, gm: fx.GraphModule, example_inputs: S
     reads a graph input that is a real tensor (detached, so that timing a backward never touches the
     user's ``.grad``), else fresh random tensors with the recorded shape, strides, dtype, device and
     ``requires_grad`` (symbolic sizes take their hints).  Example inputs may be fake: DDPOptimizer
-    compiles each bucket's piece of the graph with fake activations and real parameters."""
+    compiles each bucket's piece of the graph with fake activations and real parameters.  The
+    running statistics a training-mode batch norm of the region updates are copies: timing the
+    region many times must not move the model's own."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     given = dict(zip(placeholders, example_inputs, strict=False))
+    updated = _updated_inputs(region)
     out = []
     for node in region.inputs:
         fake = fake_of(node)
         value = given.get(node)
         if isinstance(value, torch.Tensor) and not is_fake(value):
-            out.append(value.detach().requires_grad_(value.requires_grad))
+            out.append(value.detach().clone() if node in updated else value.detach().requires_grad_(value.requires_grad))
             continue
         out.append(random_like(fake))
     return out
+
+
+def _updated_inputs(region: ExtractedRegion) -> set[fx.Node]:
+    """The region's inputs that it updates in place: running statistics of a training-mode batch norm."""
+    from ..frontend.canonical import BatchNorm
+    from ..frontend.normalize import normalize_graph
+
+    placeholders = [n for n in region.gm.graph.nodes if n.op == "placeholder"]
+    original = dict(zip(placeholders, region.inputs, strict=False))
+    updated = set()
+    for op in normalize_graph(region.gm).values():
+        if isinstance(op, BatchNorm) and op.training:
+            updated |= {original[v] for v in (op.running_mean, op.running_var) if v in original}
+    return updated
 
 
 def random_like(fake: torch.Tensor) -> torch.Tensor:
