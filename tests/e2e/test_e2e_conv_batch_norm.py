@@ -1,0 +1,126 @@
+"""conv_batch_norm end to end: torch.compile(backend="fusion") over three training steps against eager
+(output, every gradient, running statistics, num_batches_tracked), through Inductor (nn.BatchNorm's
+``num_batches_tracked += 1`` keeps the graph there) and the direct runner (F.batch_norm alone), with
+the reference and the interpreted kernels; a train -> eval -> train switch; ``momentum=None``; the
+region timing's copies of the running statistics."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fusion_backend.report import collect_reports
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
+    pytest.mark.usefixtures("exact_fp32"),
+]
+OPTIONS = {"decide": "fuse", "strict": True}
+
+
+class ConvBnRelu(nn.Module):
+    def __init__(self, **bn) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4, **bn)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x))) * 2.0
+
+
+class FunctionalBn(nn.Module):
+    """F.batch_norm with the module's own buffers: no num_batches_tracked, so the graph runs directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 4, 3)
+        self.register_buffer("rm", torch.zeros(4))
+        self.register_buffer("rv", torch.ones(4))
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        return F.silu(F.batch_norm(self.conv(x), self.rm, self.rv, self.gamma, None, True, 0.3, 1e-3))
+
+
+def train_steps(model, shape, steps=3, seed=0):
+    """Run ``steps`` training steps of the compiled model and of an eager copy; compare everything."""
+    torch.manual_seed(seed)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="fusion", options=OPTIONS)
+    with collect_reports() as reports:
+        for _ in range(steps):
+            x = torch.randn(shape)
+            out, want = compiled(x), eager(x)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+            g = torch.randn_like(want)
+            out.backward(g)
+            want.backward(g)
+            for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+                # the conv bias's gradient is zero up to rounding (the norm removes any shift)
+                atol = 1e-4 if name == "conv.bias" else 1e-5
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=atol, msg=name)
+            for (name, b), c in zip(model.named_buffers(), eager.buffers(), strict=True):
+                torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
+    return compiled, eager, reports
+
+
+@pytest.mark.parametrize("bn", [{}, {"affine": False, "momentum": 0.5}, {"track_running_stats": False}],
+                         ids=["default", "no affine, momentum 0.5", "no running statistics"])  # fmt: skip
+def test_three_training_steps_match_eager_through_inductor(bn, kernels) -> None:
+    model = ConvBnRelu(**bn).train()
+    _, eager, reports = train_steps(model, (2, 3, 5, 6))
+    assert [r.counts().get("conv_batch_norm") for r in reports][:1] == [1]
+    if "track_running_stats" not in bn:
+        assert model.bn.num_batches_tracked.item() == eager.bn.num_batches_tracked.item() == 3
+        assert reports[0].runner == "inductor"
+
+
+def test_three_training_steps_match_eager_run_directly(kernels) -> None:
+    model = FunctionalBn()
+    _, _, reports = train_steps(model, (2, 3, 9))
+    assert reports[0].counts() == {"conv_batch_norm": 1} and reports[0].runner == "direct"
+    assert reports[0].matches[0].kernel.startswith("triton" if kernels == "triton" else "reference")
+
+
+def test_train_eval_train_switch(kernels) -> None:
+    model = ConvBnRelu().train()
+    compiled, eager, _ = train_steps(model, (2, 3, 5, 6), steps=2)
+    model.eval(), eager.eval()
+    x = torch.randn(2, 3, 5, 6)
+    with collect_reports() as reports:
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-6)  # the running statistics
+    assert reports[0].counts() == {"conv_epilogue": 1}  # eval mode: folded
+    model.train(), eager.train()
+    torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.bn.running_mean, eager.bn.running_mean, rtol=1e-5, atol=1e-6)
+    assert model.bn.num_batches_tracked.item() == eager.bn.num_batches_tracked.item() == 3
+
+
+def test_momentum_none_follows_eager_across_its_graph_break() -> None:
+    """Dynamo breaks the graph at ``float(num_batches_tracked)``: the norm runs eagerly, the running
+    averages stay cumulative and exact."""
+    model = ConvBnRelu(momentum=None).train()
+    _, eager, _ = train_steps(model, (2, 3, 5, 6))
+    assert model.bn.num_batches_tracked.item() == 3
+
+
+def test_region_timing_updates_copies_of_the_running_statistics() -> None:
+    from fusion_backend.match.engine import find_regions
+    from fusion_backend.runtime.region_timing import extract_region, region_inputs
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        (pattern, candidate), = find_regions(gm, ["conv_batch_norm"]).accepted
+        region = extract_region(gm, candidate.nodes)
+        inputs = region_inputs(region, gm, example_inputs)
+        seen["copies"] = [n.name for n, t in zip(region.inputs, inputs, strict=True) if t.data_ptr() not in
+                          {e.data_ptr() for e in example_inputs}]  # fmt: skip
+        return gm.forward
+
+    torch.compile(ConvBnRelu().train(), backend=backend)(torch.randn(2, 3, 5, 6))
+    assert sorted(seen["copies"]) == ["l_self_modules_bn_buffers_running_mean_", "l_self_modules_bn_buffers_running_var_"]
