@@ -132,7 +132,7 @@ def _batch_norm_stats_kernel(
         r = r0 + rb
         valid = (c < C) & (r < R)
         v = _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS)
-        n_t = tl.sum((r < R).to(tl.float32), axis=1)  # the same for every channel: [1]
+        n_t = tl.sum(tl.sum((r < R).to(tl.float32), axis=1), axis=0)  # the same for every channel
         mean_t = tl.sum(v, axis=1) / n_t
         d = tl.where(valid, v - mean_t[:, None], 0.0)
         m2_t = tl.sum(d * d, axis=1)
