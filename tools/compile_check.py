@@ -5,7 +5,7 @@
         [--tiles T;...] [--dgrad-tiles T;...] [--wgrad-tiles T;...]
 
 KERNEL (a job; none: all): ``conv_fused``, ``conv_dense``, ``conv_fused_bwd``, ``conv_phase_aligned_bwd``,
-``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
+``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``, ``batch_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
 compile for the GPU; on ``conv_global_mean``'s default path such a kernel makes the op fall back to
 the slow torch reference (with one warning).  Run this after every change to a kernel.
 
@@ -75,6 +75,11 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
   combining ones), and on groups of 2 x 256 elements with both chains (``small_groups``: one chunk
   per group, the one-launch kernels); ``fp32``, ``bf16``.  Cases
   ``{decoder,instance_cl,wide_groups,small_groups}-{fp32,bf16}``, all by default.
+* ``batch_norm``: ``kernels/batch_norm.py``'s statistics and normalisation kernels and both backward
+  kernels (every gradient wanted) on the ``families`` BatchNorm-training demo's conv output
+  (``bench``: Conv2d 64->64 over (32, 64, 128, 128) -> BatchNorm2d -> ReLU), the same channels-last
+  (``bench_cl``) and a Conv3d output with a chain of operands (``conv3d_chain``: (4, 48, 16, 32, 32));
+  ``fp32``, ``bf16``.  Cases ``{bench,bench_cl,conv3d_chain}-{fp32,bf16}``, all by default.
 
 Options for some jobs only (given for another job: an error): ``--tiles 'M,N,K,warps,stages;...'``
 (``conv_fused``) or ``'M,K,warps,stages;...'`` (``conv_dense``; N is the conv's); ``--dgrad-tiles``
@@ -132,6 +137,7 @@ import triton  # noqa: E402
 from seed_convs import seed_conv  # noqa: E402
 
 from fusion_backend.ir.specs import ConvSpec, PoolSpec  # noqa: E402
+from fusion_backend.kernels import batch_norm as BN  # noqa: E402
 from fusion_backend.kernels import channel_reduce as CR  # noqa: E402
 from fusion_backend.kernels import conv_dense as CD  # noqa: E402
 from fusion_backend.kernels import conv_fused as CF  # noqa: E402
@@ -252,6 +258,32 @@ def group_norm_pass(workload: str, dtype: str) -> None:
         GN.group_norm_backward(torch.empty_like(out), y, stats, True, pre_steps, post_steps, groups, params,
                                post_params, affine, torch.empty_like(y), [True] * len(pre_steps),
                                [True] * len(post_steps), (True, True))  # fmt: skip
+
+
+#: The batch_norm job's workloads: conv output shape, channels-last, post-chain.
+BATCH_NORM_WORKLOADS = {
+    "bench": ((32, 64, 128, 128), False, (ChainStep(PointwiseKind.RELU),)),
+    "bench_cl": ((32, 64, 128, 128), True, (ChainStep(PointwiseKind.RELU),)),
+    "conv3d_chain": ((4, 48, 16, 32, 32), False, EPILOGUE_CHAIN),
+}
+
+
+def batch_norm_pass(workload: str, dtype: str) -> None:
+    """``kernels/batch_norm.py``'s forward and backward as ``fusion::conv_batch_norm`` calls them, on
+    ``BATCH_NORM_WORKLOADS[workload]``; every gradient wanted."""
+    shape, channels_last, post = BATCH_NORM_WORKLOADS[workload]
+    dt = BACKWARD_DTYPES[dtype]
+    c = shape[1]
+    fmt = (torch.channels_last if len(shape) == 4 else torch.channels_last_3d) if channels_last else torch.contiguous_format
+    y = torch.empty(shape, dtype=dt, memory_format=fmt)
+    spec = ConvSpec(False, (1,), (0,), (1,), (0,), 1)
+    steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=spec, chain=post), [torch.ones(c, *[1] * (y.dim() - 2))], y.dim(), c)
+    post_params = EP.build_params(steps, None, c, y.device)
+    bias, affine, stats = torch.zeros(c, dtype=dt), torch.empty(2, c, dtype=torch.float32), torch.empty(2, c)
+    BN.batch_norm_stats(y, bias, 1e-5)
+    BN.batch_norm_apply(y, bias, steps, post_params, affine, stats, torch.empty_like(y))
+    BN.batch_norm_backward(torch.empty_like(y), y, bias, steps, post_params, affine, stats, torch.empty_like(y),
+                           [True] * len(steps))
 
 
 def conv_epilogue_forward(workload: str, dtype: str, save: bool) -> None:
@@ -469,6 +501,10 @@ JOBS = {job.name: job for job in (
     Job(
         "group_norm", "kernels/group_norm.py: conv_group_norm's kernels (the families GroupNorm demo, instance norm, wide groups, small groups)",
         {f"{w}-{d}": partial(group_norm_pass, w, d) for w in GROUP_NORM_WORKLOADS for d in ("fp32", "bf16")},
+    ),
+    Job(
+        "batch_norm", "kernels/batch_norm.py: conv_batch_norm's kernels (the families BatchNorm-training demo, channels-last, a Conv3d chain)",
+        {f"{w}-{d}": partial(batch_norm_pass, w, d) for w in BATCH_NORM_WORKLOADS for d in ("fp32", "bf16")},
     ),
 )}  # fmt: skip
 TILE_OPTIONS = ("tiles", "dgrad_tiles", "wgrad_tiles")
