@@ -357,3 +357,15 @@ def test_gpu_bench_workload_size(dtype, channels_last) -> None:
     layout = (lambda t: t.to(memory_format=torch.channels_last)) if channels_last else None
     check(cfg, [t.to(dtype) for t in (x, w, b, gamma, beta)], "cuda", tol=2e-2 if dtype == torch.bfloat16 else None,
           layout=layout)  # fmt: skip
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_the_bench_workload_splits_each_channel_over_enough_programs_to_fill_an_h100(channels_last) -> None:
+    """64 channels of 524,288 values: the grid holds several programs per SM of a 132-SM GPU."""
+    from fusion_backend.kernels.batch_norm import Plan
+
+    y = torch.empty(32, 64, 128, 128, device="meta")
+    plan = Plan(y.to(memory_format=torch.channels_last) if channels_last else y)
+    programs = plan.grid[0] * plan.grid[1]
+    assert programs >= 4 * 132 and plan.chunk % plan.block_r == 0
+    assert (plan.chunks - 1) * plan.chunk < plan.values <= plan.chunks * plan.chunk
