@@ -63,11 +63,12 @@ from .launch import FastLaunch
 TILE_ELEMENTS = 2048
 #: Most channels of a group held in one tile; wider groups are walked in channel blocks.
 MAX_BLOCK_C = 64
-#: Programs a split aims at per multiprocessor (``chunk_positions``): enough resident programs per
-#: SM to keep loads in flight on a memory-bound walk; a few waves' tail is cheap at this count.
+#: Programs a split aims at per multiprocessor (``chunk_positions``): several resident programs per
+#: SM keep loads in flight on these memory-bound walks.  NOTE: chosen by reasoning, not yet timed.
 PROGRAMS_PER_SM = 8
-#: Fewest elements a chunk of a split group holds (``chunk_positions``): below this a chunk's
-#: program spends more on its start (the combine, the first tile's shift) than on its walk.
+#: Fewest elements a chunk of a split group holds (``chunk_positions``): a chunk's program also pays
+#: for its start (the combine of its group's partials, its first tile read twice), which a walk of
+#: two or more tiles amortises.  NOTE: chosen by reasoning, not yet timed.
 MIN_CHUNK_ELEMENTS = 4096
 
 
