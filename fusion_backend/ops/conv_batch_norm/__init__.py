@@ -8,13 +8,16 @@ pointwise chain after it.
     out = post(z).to(out_dtype)
 
 with the running statistics (when the norm tracks them: the last two operands) updated in place as
-eager updates them.  Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor,
+eager updates them.  Three custom ops carry the work (``torch.library.custom_op``, opaque to Inductor,
 with fakes):
 
-* ``fusion::conv_batch_norm_fwd(x, weight, bias, operands, running_mean, running_var, config,
-  save_for_backward) -> (out, saved_y, saved_stats)``, mutating ``running_mean`` and ``running_var``:
-  the saved state (``common.allocate_forward_outputs``) is the conv output without bias and each
-  channel's mean and ``1 / sqrt(var + eps)`` (fp32 ``(2, C)``), nothing else full-size.
+* ``fusion::conv_batch_norm_fwd(x, weight, bias, operands, config, save_for_backward) -> (out,
+  saved_y, stats)``, functional: the saved state (``common.allocate_forward_outputs``) is the conv
+  output without bias (only with ``save_for_backward``) and fp32 ``(3, C)`` statistics (each
+  channel's mean, ``1 / sqrt(var + eps)`` and unbiased variance), nothing else full-size.
+* ``fusion::batch_norm_running_update(running_mean, running_var, stats, momentum)``, which mutates
+  the running statistics and declares it (``mutates_args``; torch.library takes no autograd formula
+  for a mutating op, hence an op of its own).
 * ``fusion::conv_batch_norm_bwd(grad_out, x, weight, bias, operands, saved_y, saved_stats, config,
   output_mask) -> [grad_x, grad_weight, grad_bias, *grad_operands]``.
 
