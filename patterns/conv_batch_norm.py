@@ -31,12 +31,11 @@ import torch
 import torch.fx as fx
 
 from ..frontend.canonical import BatchNorm, Conv, ParamRef, Pointwise, Pool
-from ..match.chain_walk import ChainValues, pointwise_step
+from ..match.chain_walk import ChainValues, operand_index, per_channel_problem, pointwise_step
 from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep
 from ..report import Match, NearMiss, ReasonKind
-from .conv_group_norm import _operand_index, _per_channel
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -105,7 +104,7 @@ class ConvBatchNormPattern(ConvAnchoredPattern):
             return miss(user, ReasonKind.UNSUPPORTED_ARGUMENT,
                         f"the batch norm's momentum {_describe(momentum)} is not a number")  # fmt: skip
         for name in ("weight", "bias", "running_mean", "running_var"):
-            why = _per_channel(getattr(norm, name), channels)
+            why = per_channel_problem(getattr(norm, name), channels)
             if why is not None:
                 return miss(user, ReasonKind.UNSUPPORTED_OPERAND, f"the batch norm's {name} {why}")
         if (norm.running_mean is None) != (norm.running_var is None):
@@ -116,8 +115,8 @@ class ConvBatchNormPattern(ConvAnchoredPattern):
         if normed.dtype not in FUSED_DTYPES:
             return miss(user, ReasonKind.UNSUPPORTED_DTYPE, f"`{user.name}` yields {normed.dtype}")
         post = PostChain([])
-        weight = _operand_index(norm.weight, post.operands)
-        bias = _operand_index(norm.bias, post.operands)
+        weight = operand_index(norm.weight, post.operands)
+        bias = operand_index(norm.bias, post.operands)
 
         # the chain after the norm
         after = ChainValues(user)

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from ..frontend.canonical import Conv, GroupNorm, ParamRef, Pointwise
 from ..frontend.normalize import describe_target
-from ..match.chain_walk import ChainValues, pointwise_step
+from ..match.chain_walk import ChainValues, operand_index, per_channel_problem, pointwise_step
 from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep
@@ -123,7 +123,7 @@ class ConvGroupNormPattern(ConvAnchoredPattern):
         if groups < 1 or channels % groups != 0:
             return None  # torch rejects it: nothing to report
         for name in ("weight", "bias"):
-            why = _per_channel(getattr(norm, name), channels)
+            why = per_channel_problem(getattr(norm, name), channels)
             if why is not None:
                 return miss(user, ReasonKind.UNSUPPORTED_OPERAND, f"the norm's {name} {why}")
         if not chain.closed(pre, user):
@@ -135,8 +135,8 @@ class ConvGroupNormPattern(ConvAnchoredPattern):
         if normed.dtype not in FUSED_DTYPES:
             return miss(user, ReasonKind.UNSUPPORTED_DTYPE, f"`{user.name}` yields {normed.dtype}")
         post = ChainPart(pre.operands)
-        weight = _operand_index(norm.weight, post.operands)
-        bias = _operand_index(norm.bias, post.operands)
+        weight = operand_index(norm.weight, post.operands)
+        bias = operand_index(norm.bias, post.operands)
 
         # 3. the chain after it
         after = ChainValues(user)
@@ -207,30 +207,6 @@ def _norm_ahead(ctx: MatchContext, node: fx.Node) -> bool:
                     following.append(user)
         frontier = following
     return False
-
-
-def _per_channel(value: Any, channels: int) -> Optional[str]:
-    """Why the norm's weight or bias ``value`` cannot be read as one value per channel, or None."""
-    if value is None or isinstance(value, ParamRef):
-        return None
-    if not isinstance(value, fx.Node):
-        return f"{value!r} is not a tensor"
-    fake = fake_of(value)
-    if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != (channels,):
-        shape = list(fake.shape) if isinstance(fake, torch.Tensor) else "unknown"
-        return f"`{value.name}` has shape {shape}, not one value per conv output channel ({channels})"
-    if not fake.is_floating_point():
-        return f"`{value.name}` is {fake.dtype}, not floating point"
-    return None
-
-
-def _operand_index(value: Any, operands: list[Any]) -> Optional[int]:
-    """``value``'s index among the region's operands (appended when new), None for no value."""
-    if value is None:
-        return None
-    if value not in operands:
-        operands.append(value)
-    return operands.index(value)
 
 
 def _summary(region: GroupNormRegion) -> str:

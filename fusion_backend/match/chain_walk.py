@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-from ..frontend.canonical import BatchNorm, Pointwise, Pool
+from ..frontend.canonical import BatchNorm, ParamRef, Pointwise, Pool
 from ..ops.chain import ChainStep, ChainValue, PointwiseKind, TensorRef
 from ..report import NearMiss, ReasonKind
 from .engine import MatchContext, fake_of
@@ -169,3 +169,26 @@ def pointwise_step(
     return ChainStep(kind, tuple(found))
 
 
+def per_channel_problem(value: Any, channels: int) -> Optional[str]:
+    """Why a normalization's weight, bias or statistic ``value`` cannot be read as one floating-point
+    value per conv output channel, or None (``None`` and parameters of the module are fine)."""
+    if value is None or isinstance(value, ParamRef):
+        return None
+    if not isinstance(value, fx.Node):
+        return f"{value!r} is not a tensor"
+    fake = fake_of(value)
+    if not isinstance(fake, torch.Tensor) or tuple(fake.shape) != (channels,):
+        shape = list(fake.shape) if isinstance(fake, torch.Tensor) else "unknown"
+        return f"`{value.name}` has shape {shape}, not one value per conv output channel ({channels})"
+    if not fake.is_floating_point():
+        return f"`{value.name}` is {fake.dtype}, not floating point"
+    return None
+
+
+def operand_index(value: Any, operands: list[Any]) -> Optional[int]:
+    """``value``'s index among a region's operands (appended when new), None for no value."""
+    if value is None:
+        return None
+    if value not in operands:
+        operands.append(value)
+    return operands.index(value)
