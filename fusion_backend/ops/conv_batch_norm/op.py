@@ -12,7 +12,6 @@ an op that mutates its arguments, and the forward needs one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,6 +20,7 @@ from ...errors import UnsupportedInputError
 from ..autograd_free import register_autograd_free
 from ..conv_epilogue.common import backward_outputs, conv_output_shape, fake_backward_outputs, run_conv
 from ..direct_impls import profiled, records_backward, register_direct
+from ..saved_state import direct_function, register_saved_state_autograd
 from . import reference
 from .backward import backward_triton
 from .common import (
@@ -89,32 +89,7 @@ def _bwd_fake(grad_out, x, weight, bias, operands, saved_y, saved_stats, config,
     return fake_backward_outputs([x, weight, bias, *operands], output_mask, x)
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
-    x, weight, bias, operands, config, save_for_backward = inputs
-    _, saved_y, saved_stats = output
-    ctx.mark_non_differentiable(saved_y, saved_stats)
-    ctx.config = config
-    ctx.num_operands = len(operands)
-    ctx.saved = save_for_backward
-    ctx.save_for_backward(x, weight, bias, *operands, saved_y, saved_stats)
-
-
-def _backward(ctx: Any, grad_out: Tensor, *_unused: Tensor) -> tuple[Any, ...]:
-    if not ctx.saved:
-        raise RuntimeError("fusion::conv_batch_norm_fwd ran with save_for_backward=False but a gradient was "
-                           "requested; call conv_batch_norm(), which saves state whenever autograd needs it")
-    x, weight, bias, *rest = ctx.saved_tensors
-    operands = rest[: ctx.num_operands]
-    saved_y, saved_stats = rest[ctx.num_operands :]
-    needs = ctx.needs_input_grad  # (x, weight, bias, [operands...], config, save_for_backward)
-    mask = [bool(needs[0]), bool(needs[1]), bias is not None and bool(needs[2])] + [bool(m) for m in needs[3]]
-    grads = torch.ops.fusion.conv_batch_norm_bwd(grad_out, x, weight, bias, list(operands), saved_y, saved_stats,
-                                                 ctx.config, mask)  # fmt: skip
-    picked = [g if wanted else None for g, wanted in zip(grads, mask, strict=True)]
-    return picked[0], picked[1], picked[2], picked[3:], None, None
-
-
-conv_batch_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_saved_state_autograd(conv_batch_norm_fwd, "conv_batch_norm")
 register_autograd_free(conv_batch_norm_fwd, _fwd_impl, _fwd_fake)
 register_autograd_free(conv_batch_norm_bwd, _bwd_impl, _bwd_fake)
 
@@ -179,30 +154,7 @@ def conv_batch_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
     return out
 
 
-class _DirectConvBatchNorm(torch.autograd.Function):
-    """``conv_batch_norm``'s differentiable part for graphs the backend runs without AOTAutograd
-    (``ops/direct_impls.py``): the custom ops' implementations called straight, saving the same
-    state.  ``operands`` are spread into separate arguments because autograd tracks only tensors
-    passed one by one."""
-
-    @staticmethod
-    def forward(ctx, config, x, weight, bias, *operands):
-        out, saved_y, stats = _fwd_impl(x, weight, bias, list(operands), config, True)
-        ctx.save_for_backward(x, weight, bias, *operands)
-        ctx.state = (saved_y, stats)  # intermediates: attributes, as autograd advises
-        ctx.config = config
-        ctx.mark_non_differentiable(stats)
-        return out, stats
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    @profiled("fusion::conv_batch_norm_bwd")
-    def backward(ctx, grad_out, _grad_stats):
-        x, weight, bias, *operands = ctx.saved_tensors
-        needs = ctx.needs_input_grad  # (config, x, weight, bias, *operands)
-        mask = [bool(needs[1]), bool(needs[2]), bias is not None and bool(needs[3])] + [bool(m) for m in needs[4:]]
-        grads = _bwd_impl(grad_out, x, weight, bias, operands, *ctx.state, ctx.config, mask)
-        return (None, *(g if wanted else None for g, wanted in zip(grads, mask, strict=True)))
+_DirectConvBatchNorm = direct_function("conv_batch_norm", _fwd_impl, _bwd_impl, outputs=2)
 
 
 @profiled("fusion::conv_batch_norm_fwd")

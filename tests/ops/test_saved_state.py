@@ -1,0 +1,60 @@
+"""``ops/saved_state.py``: the autograd formula and the direct ``autograd.Function`` that the
+conv_channel_reduce, conv_group_norm and conv_batch_norm ops share, exercised through conv_group_norm
+(CPU reference): the direct implementation gives the custom ops' output and gradients, a gradient
+asked of a forward that saved nothing is a clear error, and a direct op returning its state keeps
+that state out of autograd.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusion_backend.ir.specs import ConvSpec
+from fusion_backend.ops.conv_group_norm import ConvGroupNormConfig, conv_group_norm
+from fusion_backend.ops.direct_impls import direct_impl
+from fusion_backend.ops.saved_state import direct_function
+
+CONV2D = ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 1)
+
+
+def _inputs(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 5, 6, generator=gen)
+    w = torch.randn(4, 3, 3, 3, generator=gen) * 0.5
+    b = torch.randn(4, generator=gen)
+    gamma, beta = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
+    return [t.requires_grad_() for t in (x, w, b, gamma, beta)]
+
+
+CONFIG = ConvGroupNormConfig(CONV2D, 2, 1e-5, 0, 1).to_json()
+
+
+def test_the_direct_implementation_gives_the_custom_ops_output_and_every_gradient() -> None:
+    via_ops, direct = _inputs(), _inputs()
+    out = conv_group_norm(*via_ops[:3], via_ops[3:], CONFIG)
+    out_direct = direct_impl(conv_group_norm)(*direct[:3], direct[3:], CONFIG)
+    assert type(out_direct.grad_fn).__name__ == "Direct_conv_group_normBackward"
+    torch.testing.assert_close(out_direct, out, rtol=0, atol=0)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, via_ops, g), torch.autograd.grad(out_direct, direct, g), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_a_gradient_of_a_forward_that_saved_nothing_names_the_entry_point() -> None:
+    x, w, b, gamma, beta = _inputs()
+    out = torch.ops.fusion.conv_group_norm_fwd(x, w, b, [gamma, beta], CONFIG, False)[0]
+    with pytest.raises(RuntimeError, match=r"conv_group_norm_fwd ran with save_for_backward=False.*call conv_group_norm\(\)"):
+        out.sum().backward()
+
+
+def test_a_direct_function_returning_its_state_keeps_it_out_of_autograd() -> None:
+    from fusion_backend.ops.conv_group_norm.op import _bwd_impl, _fwd_impl
+
+    Direct = direct_function("conv_group_norm", _fwd_impl, _bwd_impl, outputs=2)
+    x, w, b, gamma, beta = _inputs()
+    out, stats = Direct.apply(CONFIG, x, w, b, gamma, beta)
+    assert not stats.requires_grad and out.requires_grad
+    assert tuple(stats.shape) == (2, 2, 2)  # the (2, N, groups) mean and rstd
+    (gx,) = torch.autograd.grad(out.sum(), [x])
+    assert gx.shape == x.shape
