@@ -13,6 +13,8 @@ import logging
 import warnings
 from collections.abc import Hashable
 
+from torch import Tensor
+
 from ..errors import KernelError, UnsupportedInputError
 
 logger = logging.getLogger("fusion_backend.ops")
@@ -40,3 +42,25 @@ def kernel_failed(what: str, error: Exception, strict: bool, key: Hashable) -> N
             raise error
         raise KernelError(f"{what}. Unset strict to fall back to the plain-torch reference.") from error
     warn_once(key, f"{what}. Falling back to the plain-torch reference (warned once per config).")
+
+
+def triton_serves(op: str, why_not: str | None, strict: bool, device_type: str) -> bool:
+    """Whether a call of ``fusion::{op}`` runs its Triton kernels: ``why_not`` is ``None`` when they
+    serve the case, else why they do not.  Under ``strict`` on CUDA such a case raises
+    ``UnsupportedInputError`` instead of running the reference (on the CPU the reference is the
+    expected path)."""
+    if why_not is None:
+        return True
+    if strict and device_type == "cuda":
+        raise UnsupportedInputError(f"fusion::{op} has no Triton kernel here: {why_not}")
+    return False
+
+
+def op_kernel_failed(op: str, direction: str, described: str, config: str, x: Tensor, weight: Tensor,
+                     error: Exception, strict: bool) -> None:  # fmt: skip
+    """``kernel_failed`` for the ``direction`` ("forward", "backward") kernel of ``fusion::{op}``:
+    the message names the op's configuration (``described``) and the call's inputs; the warning is
+    given once per (op, direction, config)."""
+    what = (f"fusion::{op} {direction} Triton kernel failed for {described}, x {tuple(x.shape)} weight "
+            f"{tuple(weight.shape)} {x.dtype} on {x.device}: {type(error).__name__}: {error}")
+    kernel_failed(what, error, strict, (op, direction, config))

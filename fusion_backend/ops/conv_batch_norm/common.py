@@ -19,7 +19,7 @@ from ...errors import UnsupportedInputError
 from ...kernels.host import kernels_unavailable
 from ..conv_epilogue.common import empty_placeholder, in_format, output_memory_format
 from ..conv_group_norm.common import affine_rows, norm_dtype, output_dtype, stats_dtype
-from ..failure import kernel_failed
+from ..failure import op_kernel_failed, triton_serves
 from .config import ConvBatchNormConfig
 
 __all__ = ["affine_rows", "norm_dtype", "output_dtype", "stats_dtype"]
@@ -37,12 +37,8 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
 def use_triton(config: str, cfg: ConvBatchNormConfig, x: Tensor) -> bool:
     """Whether this call runs the Triton kernels; under ``strict`` on CUDA a case they cannot serve
     raises ``UnsupportedInputError`` instead of running the reference."""
-    path, why = kernel_path(config, x.dtype, x.device.type)
-    if path == "triton":
-        return True
-    if cfg.strict and x.device.type == "cuda":
-        raise UnsupportedInputError(f"{_OP} has no Triton kernel here: {why}")
-    return False
+    _, why = kernel_path(config, x.dtype, x.device.type)
+    return triton_serves("conv_batch_norm", why, cfg.strict, x.device.type)
 
 
 def describe(cfg: ConvBatchNormConfig) -> str:
@@ -56,11 +52,7 @@ def on_kernel_failure(direction: str, config: str, cfg: ConvBatchNormConfig, x: 
                       error: Exception) -> None:  # fmt: skip
     """The fused ops' failure policy (``ops/failure.py``): under ``strict`` raise, else warn once
     per (direction, config); the caller then runs the reference."""
-    what = (
-        f"{_OP} {direction} Triton kernel failed for {describe(cfg)}, x {tuple(x.shape)} "
-        f"weight {tuple(weight.shape)} {x.dtype} on {x.device}: {type(error).__name__}: {error}"
-    )
-    kernel_failed(what, error, cfg.strict, ("conv_batch_norm", direction, config))
+    op_kernel_failed("conv_batch_norm", direction, describe(cfg), config, x, weight, error, cfg.strict)
 
 
 def conv_channels(weight: Tensor, cfg: ConvBatchNormConfig) -> int:

@@ -18,7 +18,7 @@ from ...errors import UnsupportedInputError
 from ...kernels.host import kernels_unavailable
 from ..config import ConvEpilogueConfig
 from ..conv_epilogue.common import empty_placeholder, in_format, kernel_steps, output_memory_format
-from ..failure import kernel_failed
+from ..failure import op_kernel_failed, triton_serves
 from .config import ConvChannelReduceConfig
 
 #: Most channels the Triton kernels reduce over (``kernels.channel_reduce.MAX_CHANNELS``; the pattern
@@ -37,25 +37,17 @@ def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str,
 def use_triton(config: str, cfg: ConvChannelReduceConfig, x: Tensor, channels: int) -> bool:
     """Whether this call runs the Triton kernels; under ``strict`` on CUDA a case they cannot serve
     raises ``UnsupportedInputError`` instead of running the reference."""
-    path, why = kernel_path(config, x.dtype, x.device.type)
-    if path == "triton" and channels > MAX_CHANNELS:
-        path, why = "reference", f"{channels} channels exceed the kernels' {MAX_CHANNELS}"
-    if path == "triton":
-        return True
-    if cfg.strict and x.device.type == "cuda":
-        raise UnsupportedInputError(f"fusion::conv_channel_reduce has no Triton kernel here: {why}")
-    return False
+    _, why = kernel_path(config, x.dtype, x.device.type)
+    if why is None and channels > MAX_CHANNELS:
+        why = f"{channels} channels exceed the kernels' {MAX_CHANNELS}"
+    return triton_serves("conv_channel_reduce", why, cfg.strict, x.device.type)
 
 
 def on_kernel_failure(direction: str, config: str, cfg: ConvChannelReduceConfig, x: Tensor, weight: Tensor,
                       error: Exception) -> None:  # fmt: skip
     """The fused ops' failure policy (``ops/failure.py``): under ``strict`` raise, else warn once
     per (direction, config); the caller then runs the reference."""
-    what = (
-        f"fusion::conv_channel_reduce {direction} Triton kernel failed for {describe(cfg)}, x {tuple(x.shape)} "
-        f"weight {tuple(weight.shape)} {x.dtype} on {x.device}: {type(error).__name__}: {error}"
-    )
-    kernel_failed(what, error, cfg.strict, ("conv_channel_reduce", direction, config))
+    op_kernel_failed("conv_channel_reduce", direction, describe(cfg), config, x, weight, error, cfg.strict)
 
 
 def describe(cfg: ConvChannelReduceConfig) -> str:

@@ -29,7 +29,7 @@ from ..chain import (
     operand_values,
 )
 from ..config import ConvEpilogueConfig
-from ..failure import kernel_failed
+from ..failure import op_kernel_failed, triton_serves
 
 logger = logging.getLogger("fusion_backend")
 
@@ -96,12 +96,8 @@ def epilogue_kernels() -> ModuleType:
 
 
 def use_triton(config: str, cfg: ConvEpilogueConfig, x: Tensor) -> bool:
-    path, why = kernel_path(config, conv_compute_dtype(cfg, x), x.device.type)
-    if path == "triton":
-        return True
-    if cfg.strict and x.device.type == "cuda":
-        raise UnsupportedInputError(f"fusion::conv_epilogue has no Triton kernel here: {why}")
-    return False
+    _, why = kernel_path(config, conv_compute_dtype(cfg, x), x.device.type)
+    return triton_serves("conv_epilogue", why, cfg.strict, x.device.type)
 
 
 def on_kernel_failure(
@@ -109,12 +105,8 @@ def on_kernel_failure(
 ) -> None:
     """The fused ops' failure policy (``ops/failure.py``): under ``strict`` raise, else warn once
     per (direction, config); the caller then runs the reference."""
-    what = (
-        f"fusion::conv_epilogue {direction} Triton kernel failed for chain [{_describe_chain(cfg)}], "
-        f"pool {_describe_pool(cfg.pool)}, x {tuple(x.shape)} weight {tuple(weight.shape)} "
-        f"{x.dtype} on {x.device}: {type(error).__name__}: {error}"
-    )
-    kernel_failed(what, error, cfg.strict, ("conv_epilogue", direction, config))
+    described = f"chain [{_describe_chain(cfg)}], pool {_describe_pool(cfg.pool)}"
+    op_kernel_failed("conv_epilogue", direction, described, config, x, weight, error, cfg.strict)
 
 
 def _describe_chain(cfg: ConvEpilogueConfig) -> str:
