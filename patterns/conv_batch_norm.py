@@ -24,30 +24,24 @@ channel count, a pool after the chain, and the chain's own reasons.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 import torch.fx as fx
 
 from ..frontend.canonical import BatchNorm, Conv, ParamRef, Pointwise, Pool
-from ..match.chain_walk import ChainValues, operand_index, per_channel_problem, pointwise_step
+from ..match.chain_walk import (
+    ChainPart,
+    grow_chain_after,
+    operand_index,
+    per_channel_problem,
+)
 from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
-from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep
 from ..report import Match, NearMiss, ReasonKind
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@dataclass
-class PostChain:
-    """The chain after the norm, in the layout ``match.chain_walk.ChainValues`` works on."""
-
-    operands: list[Any]
-    steps: list[ChainStep] = field(default_factory=list)
-    step_nodes: list[fx.Node] = field(default_factory=list)
-    labels: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -57,7 +51,7 @@ class BatchNormRegion:
     momentum: float
     weight: Optional[int]
     bias: Optional[int]
-    post: PostChain
+    post: ChainPart
 
 
 @register_pattern
@@ -114,36 +108,15 @@ class ConvBatchNormPattern(ConvAnchoredPattern):
             return miss(user, ReasonKind.MISSING_METADATA, f"no metadata for `{user.name}`")
         if normed.dtype not in FUSED_DTYPES:
             return miss(user, ReasonKind.UNSUPPORTED_DTYPE, f"`{user.name}` yields {normed.dtype}")
-        post = PostChain([])
+        post = ChainPart([])
         weight = operand_index(norm.weight, post.operands)
         bias = operand_index(norm.bias, post.operands)
 
         # the chain after the norm
-        after = ChainValues(user)
-        notes: list[NearMiss] = []
-        current = user
-        while True:
-            after.prefix_ends_at(post)
-            nxt, _ = after.next_user(ctx, current, fusible=(Pointwise,))
-            if nxt is not None and isinstance(ctx.op(nxt), Pool):
-                notes.append(miss(nxt, ReasonKind.UNSUPPORTED_OP, f"`{nxt.name}`: pooling after a batch norm is not fused yet"))
-                break
-            if nxt is None or not isinstance(ctx.op(nxt), Pointwise):
-                break
-            if len(post.steps) == MAX_CHAIN_LENGTH:
-                notes.append(miss(nxt, ReasonKind.CHAIN_TOO_LONG, f"the chain after the batch norm holds at most {MAX_CHAIN_LENGTH} ops"))
-                break
-            step = pointwise_step(ctx, self.name, anchor, ctx.op(nxt), current, post.operands, y, after, FUSED_DTYPES)
-            if isinstance(step, NearMiss):
-                notes.append(step)
-                break
-            post.steps.append(step)
-            post.step_nodes.append(nxt)
-            post.labels.append(after.label(step))
-            current = after.computed(nxt, len(post.steps))
-        _, read_outside = after.longest_closed_prefix(post)
-        if read_outside is not None:
-            notes = [miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, after.outside_users(read_outside))]
+        def pool_ahead(node: fx.Node, op: Any, last: fx.Node) -> Optional[str]:
+            return f"`{node.name}`: pooling after a batch norm is not fused yet" if isinstance(op, Pool) else None
+
+        notes = grow_chain_after(ctx, self.name, anchor, user, post, y, FUSED_DTYPES, "the batch norm", refuse=pool_ahead)
         if any(v in (norm.running_mean, norm.running_var) for v in post.operands):
             return miss(user, ReasonKind.UNSUPPORTED_OPERAND, "the chain reads the running statistics the batch norm updates")
 

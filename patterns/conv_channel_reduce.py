@@ -27,7 +27,7 @@ own reasons (operands, shared intermediates, length).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -35,26 +35,16 @@ import torch.fx as fx
 
 from ..frontend.canonical import Conv, GlobalReduce, Pointwise, Reduce
 from ..frontend.normalize import describe_target
-from ..match.chain_walk import ChainValues, pointwise_step
+from ..match.chain_walk import ChainPart, ChainValues, grow_chain_after, pointwise_step
 from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
 from ..match.rewrite import dtype_name, rewrite_conv_region
-from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep
+from ..ops.chain import MAX_CHAIN_LENGTH
 from ..report import Match, NearMiss, ReasonKind
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Most channels the fused kernels reduce over (``kernels/channel_reduce.py``).
 MAX_CHANNELS = 1024
 _LOOKAHEAD = 8
-
-
-@dataclass
-class ChainPart:
-    """One of the region's two chains, in the layout ``match.chain_walk.ChainValues`` works on."""
-
-    operands: list[Any]
-    steps: list[ChainStep] = field(default_factory=list)
-    step_nodes: list[fx.Node] = field(default_factory=list)
-    labels: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -146,36 +136,13 @@ class ConvChannelReducePattern(ConvAnchoredPattern):
 
         # 3. the chain after it
         post = ChainPart(pre.operands)
-        after = ChainValues(result)
-        notes: list[NearMiss] = []
-        current = result
-        while True:
-            after.prefix_ends_at(post)
-            user, _ = after.next_user(ctx, current, fusible=(Pointwise,))
-            if user is None:
-                break
-            op = ctx.op(user)
-            if isinstance(op, (Reduce, GlobalReduce)):
-                notes.append(miss(user, ReasonKind.UNSUPPORTED_OP,
-                                  f"`{user.name}` is a second reduction; a fused region holds one reduction (it ends at `{current.name}`)"))
-                break
-            if not isinstance(op, Pointwise):
-                break
-            if len(post.steps) == MAX_CHAIN_LENGTH:
-                notes.append(miss(user, ReasonKind.CHAIN_TOO_LONG, f"the chain after the reduction holds at most {MAX_CHAIN_LENGTH} ops"))
-                break
-            step = pointwise_step(ctx, self.name, anchor, op, current, post.operands, out, after, FUSED_DTYPES,
-                                  scalar_operands=not full_size)  # fmt: skip
-            if isinstance(step, NearMiss):
-                notes.append(step)
-                break
-            post.steps.append(step)
-            post.step_nodes.append(user)
-            post.labels.append(after.label(step))
-            current = after.computed(user, len(post.steps))
-        _, read_outside = after.longest_closed_prefix(post)
-        if read_outside is not None:
-            notes = [miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, after.outside_users(read_outside))]
+        def second_reduction(node: fx.Node, op: Any, last: fx.Node) -> Optional[str]:
+            if not isinstance(op, (Reduce, GlobalReduce)):
+                return None
+            return f"`{node.name}` is a second reduction; a fused region holds one reduction (it ends at `{last.name}`)"
+
+        notes = grow_chain_after(ctx, self.name, anchor, result, post, out, FUSED_DTYPES, "the reduction",
+                                 refuse=second_reduction, scalar_operands=not full_size)
 
         region = ChannelReduceRegion(conv, pre, reduction, result, full_size or bool(reduction.keepdim), post)
         nodes = [anchor, *pre.step_nodes, *nodes_after, *post.step_nodes]

@@ -23,32 +23,29 @@ dims, not channel groups: not this family (``conv_epilogue`` names it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.fx as fx
 
 from ..frontend.canonical import Conv, GroupNorm, ParamRef, Pointwise
 from ..frontend.normalize import describe_target
-from ..match.chain_walk import ChainValues, operand_index, per_channel_problem, pointwise_step
+from ..match.chain_walk import (
+    ChainPart,
+    ChainValues,
+    grow_chain_after,
+    operand_index,
+    per_channel_problem,
+    pointwise_step,
+)
 from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
-from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep
+from ..ops.chain import MAX_CHAIN_LENGTH
 from ..report import Match, NearMiss, ReasonKind
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LOOKAHEAD = 8
-
-
-@dataclass
-class ChainPart:
-    """One of the region's two chains, in the layout ``match.chain_walk.ChainValues`` works on."""
-
-    operands: list[Any]
-    steps: list[ChainStep] = field(default_factory=list)
-    step_nodes: list[fx.Node] = field(default_factory=list)
-    labels: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -139,28 +136,7 @@ class ConvGroupNormPattern(ConvAnchoredPattern):
         bias = operand_index(norm.bias, post.operands)
 
         # 3. the chain after it
-        after = ChainValues(user)
-        notes: list[NearMiss] = []
-        current = user
-        while True:
-            after.prefix_ends_at(post)
-            nxt, _ = after.next_user(ctx, current, fusible=(Pointwise,))
-            if nxt is None or not isinstance(ctx.op(nxt), Pointwise):
-                break
-            if len(post.steps) == MAX_CHAIN_LENGTH:
-                notes.append(miss(nxt, ReasonKind.CHAIN_TOO_LONG, f"the chain after the group norm holds at most {MAX_CHAIN_LENGTH} ops"))
-                break
-            step = pointwise_step(ctx, self.name, anchor, ctx.op(nxt), current, post.operands, y, after, FUSED_DTYPES)
-            if isinstance(step, NearMiss):
-                notes.append(step)
-                break
-            post.steps.append(step)
-            post.step_nodes.append(nxt)
-            post.labels.append(after.label(step))
-            current = after.computed(nxt, len(post.steps))
-        _, read_outside = after.longest_closed_prefix(post)
-        if read_outside is not None:
-            notes = [miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, after.outside_users(read_outside))]
+        notes = grow_chain_after(ctx, self.name, anchor, user, post, y, FUSED_DTYPES, "the group norm")
 
         region = GroupNormRegion(conv, pre, norm, groups, weight, bias, post)
         nodes = [anchor, *pre.step_nodes, user, *post.step_nodes]

@@ -8,19 +8,21 @@ inside the region).  ``pointwise_step`` turns one canonical ``Pointwise`` op int
 
 The region object a ``ChainValues`` works on is duck-typed: it has the lists ``steps``
 (``ChainStep``s), ``step_nodes`` (the graph nodes after the start, one per op), ``operands`` (the fused
-op's tensor operands) and ``labels`` (one per step node, for the summary).
+op's tensor operands) and ``labels`` (one per step node, for the summary); ``ChainPart`` is the plain
+one.  ``grow_chain_after`` grows the chain that ends a region (after a norm or a reduction).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 import torch.fx as fx
 
 from ..frontend.canonical import BatchNorm, ParamRef, Pointwise, Pool
-from ..ops.chain import ChainStep, ChainValue, PointwiseKind, TensorRef
+from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, ChainValue, PointwiseKind, TensorRef
 from ..report import NearMiss, ReasonKind
 from .engine import MatchContext, fake_of
 
@@ -192,3 +194,65 @@ def operand_index(value: Any, operands: list[Any]) -> Optional[int]:
     if value not in operands:
         operands.append(value)
     return operands.index(value)
+
+
+@dataclass
+class ChainPart:
+    """One chain of a region (before or after its norm or reduction), in the layout ``ChainValues``
+    works on; ``operands`` may be shared by a region's two chains."""
+
+    operands: list[Any]
+    steps: list[ChainStep] = field(default_factory=list)
+    step_nodes: list[fx.Node] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+
+
+def grow_chain_after(
+    ctx: MatchContext, pattern: str, anchor: fx.Node, start: fx.Node, part: ChainPart, y: Any,
+    dtypes: Sequence[torch.dtype], after_what: str,
+    refuse: Optional[Callable[[fx.Node, Any, fx.Node], Optional[str]]] = None, scalar_operands: bool = False,
+) -> list[NearMiss]:  # fmt: skip
+    """Grow ``part`` with the pointwise ops that follow ``start`` (the value a region's last chain
+    starts from: a norm's or a reduction's result) and return the near misses (of ``pattern``,
+    anchored at ``anchor``) of where it stopped; the region is fine without them.
+
+    The chain ends at the first user that is not pointwise, at ``MAX_CHAIN_LENGTH`` steps, or at a
+    step ``pointwise_step`` refuses (``y``, ``dtypes`` and ``scalar_operands`` as there);
+    ``refuse(node, op, last)`` (``last``: the chain's value so far) may name why an op there ends the
+    region with a near miss of its own (a pool, a second reduction).  Where a value of the grown chain is read outside it, the chain keeps
+    its longest prefix whose values are not, and the one near miss says which value.
+    ``after_what`` names the start in messages ("the batch norm").
+    """
+    after = ChainValues(start)
+    notes: list[NearMiss] = []
+    current = start
+    while True:
+        after.prefix_ends_at(part)
+        user, _ = after.next_user(ctx, current, fusible=(Pointwise,))
+        if user is None:
+            break
+        op = ctx.op(user)
+        why = refuse(user, op, current) if refuse is not None else None
+        if why is not None:
+            notes.append(ctx.near_miss(pattern, anchor, user, ReasonKind.UNSUPPORTED_OP, why))
+            break
+        if not isinstance(op, Pointwise):
+            break
+        if len(part.steps) == MAX_CHAIN_LENGTH:
+            notes.append(ctx.near_miss(pattern, anchor, user, ReasonKind.CHAIN_TOO_LONG,
+                                       f"the chain after {after_what} holds at most {MAX_CHAIN_LENGTH} ops"))
+            break
+        step = pointwise_step(ctx, pattern, anchor, op, current, part.operands, y, after, dtypes,
+                              scalar_operands=scalar_operands)  # fmt: skip
+        if isinstance(step, NearMiss):
+            notes.append(step)
+            break
+        part.steps.append(step)
+        part.step_nodes.append(user)
+        part.labels.append(after.label(step))
+        current = after.computed(user, len(part.steps))
+    _, read_outside = after.longest_closed_prefix(part)
+    if read_outside is not None:
+        notes = [ctx.near_miss(pattern, anchor, read_outside, ReasonKind.SHARED_INTERMEDIATE,
+                               after.outside_users(read_outside))]
+    return notes
