@@ -58,6 +58,7 @@ import triton.language as tl
 from .chain_math import MAX_SLOTS, KernelStep, apply_chain_at, chain_grad_at, op_constexprs
 from .host import BoundedCache, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
+from .norm_common import accumulate, chunk_moments, combined_moments, flat_strides, store_rows, tile_values
 
 #: Elements of a program's tile (``BLOCK_C * BLOCK_S``).
 TILE_ELEMENTS = 2048
@@ -78,35 +79,6 @@ MIN_CHUNK_ELEMENTS = 4096
 
 
 @triton.jit
-def _tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """``(yb, v)`` at channels ``c`` ([BLOCK_C, 1]) and positions ``s`` ([1, BLOCK_S]): the conv
-    output plus bias (the bias rounded to y's dtype first, as the conv adds it) and the pre-chain's
-    result, fp32.  Lanes outside ``valid`` hold values the callers mask."""
-    cmask = c < C
-    yb = tl.load(y_base + c.to(tl.int64) * y_sc + s.to(tl.int64) * y_ss, mask=valid, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        yb = yb + tl.load(p_ptr + c, mask=cmask, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
-    return yb, apply_chain_at(yb, p_ptr, c, C, cmask, PRE)
-
-
-@triton.jit
-def _accumulate(acc, ga, keep, WANT: tl.constexpr):
-    """``acc`` ([BLOCK_C]) plus the per-channel sum of ``ga`` over the tile's positions where ``keep``."""
-    if WANT:
-        acc += tl.sum(tl.where(keep, ga, 0.0), axis=1)
-    return acc
-
-
-@triton.jit
-def _store_rows(ptr, row_stride, c1, cmask, r0, r1, r2, r3, r4, r5, r6, r7, MASK: tl.constexpr):
-    """Row ``k`` of a partial-sum buffer at channels ``c1`` for every wanted slot ``k`` (``MASK`` bit k)."""
-    rows = (r0, r1, r2, r3, r4, r5, r6, r7)
-    for k in tl.static_range(8):
-        if ((MASK >> k) & 1) != 0:
-            tl.store(ptr + k * row_stride + c1, rows[k], mask=cmask)
-
-
-@triton.jit
 def _norm_backward_tile(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, c, s, valid, mu, rstd, C,
                         y_sc, y_ss, g_sc, g_ss, PRE: tl.constexpr, POST: tl.constexpr,
                         HAS_BIAS: tl.constexpr):  # fmt: skip
@@ -114,7 +86,7 @@ def _norm_backward_tile(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, c,
     normalised value, the gradient of the norm's output (the post-chain walked back from grad_out),
     ``dz * gamma`` (0 outside ``valid``), and the post-chain's operand gradients."""
     cmask = c < C
-    yb, v = _tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
+    yb, v = tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
     xh = (v - mu) * rstd
     gamma = tl.load(a_ptr + c, mask=cmask, other=0.0)
     beta = tl.load(a_ptr + C + c, mask=cmask, other=0.0)
@@ -122,59 +94,6 @@ def _norm_backward_tile(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, c,
     dz, q0, q1, q2, q3, q4, q5, q6, q7 = chain_grad_at(g, xh * gamma + beta, q_ptr, c, C, cmask, POST)
     dxh = tl.where(valid, dz * gamma, 0.0)
     return yb, xh, dz, dxh, q0, q1, q2, q3, q4, q5, q6, q7
-
-
-@triton.jit
-def _chunk_moments(y_ptr, p_ptr, y_base, c_first, s_lo, s_hi, C, CG, y_sc, y_ss, PRE: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
-    """``(shift, mean, m2, count)`` of ``v`` over channels ``c_first + [0, CG)`` and positions
-    ``[s_lo, s_hi)`` (not empty): ``shift`` the mean of the chunk's first tile, ``mean`` the mean of
-    ``v - shift``, ``m2`` the sum of squared deviations from it, ``count`` the number of values.
-    Tiles' exact two-pass statistics merged with Chan's formula, in a fixed order."""
-    cb = tl.arange(0, BLOCK_C)[:, None]
-    sb = tl.arange(0, BLOCK_S)[None, :]
-    first = (cb < CG) & (s_lo + sb < s_hi)
-    _, v = _tile_values(y_ptr, p_ptr, y_base, c_first + cb, s_lo + sb, first, C, y_sc, y_ss, PRE, HAS_BIAS)
-    shift = tl.sum(tl.sum(tl.where(first, v, 0.0), axis=1), axis=0) / tl.sum(tl.sum(first.to(tl.float32), axis=1), axis=0)
-    count = 0.0
-    mean = 0.0
-    m2 = 0.0
-    for c0 in range(0, CG, BLOCK_C):
-        c = c_first + c0 + cb
-        for s0 in range(s_lo, s_hi, BLOCK_S):
-            s = s0 + sb
-            valid = (c0 + cb < CG) & (s < s_hi)
-            _, v = _tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
-            v = v - shift
-            n_t = tl.sum(tl.sum(valid.to(tl.float32), axis=1), axis=0)
-            mean_t = tl.sum(tl.sum(tl.where(valid, v, 0.0), axis=1), axis=0) / n_t
-            d = tl.where(valid, v - mean_t, 0.0)
-            m2_t = tl.sum(tl.sum(d * d, axis=1), axis=0)
-            total = count + n_t
-            delta = mean_t - mean
-            mean = mean + delta * (n_t / total)
-            m2 = m2 + m2_t + delta * delta * (count * n_t / total)
-            count = total
-    return shift, mean, m2, count
-
-
-@triton.jit
-def _combined_moments(ws_ptr, pid, split, CG, S, CHUNK, SPLIT_P2: tl.constexpr):
-    """``(mean, var)`` of group ``pid`` from its ``split`` chunks' ``(shift, mean, m2)`` in the
-    forward workspace: ``M2 = sum M2_k + sum n_k (r_k - mean)^2`` with ``r_k = (shift_k - shift_0) +
-    mean_k``, every sum a fixed-shape reduction over ``SPLIT_P2`` lanes."""
-    k = tl.arange(0, SPLIT_P2)
-    live = k < split
-    w = ws_ptr + (pid * split + k) * 3
-    shift = tl.load(w, mask=live, other=0.0)
-    shift0 = tl.load(ws_ptr + pid * split * 3)
-    r = tl.where(live, (shift - shift0) + tl.load(w + 1, mask=live, other=0.0), 0.0)
-    n_k = tl.where(live, (CG * (tl.minimum(S, (k + 1) * CHUNK) - k * CHUNK)).to(tl.float32), 0.0)
-    count = tl.sum(n_k, axis=0)
-    mean = tl.sum(n_k * r, axis=0) / count
-    d = r - mean
-    m2 = tl.sum(tl.load(w + 2, mask=live, other=0.0), axis=0) + tl.sum(n_k * d * d, axis=0)
-    return mean + shift0, m2 / count
 
 
 @triton.jit
@@ -204,22 +123,22 @@ def _backward_chunk_sums(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, qpart_ptr, apart_
                 g_ss, PRE, POST, HAS_BIAS)  # fmt: skip
             sum_dxh += tl.sum(tl.sum(dxh, axis=1), axis=0)
             sum_dxh_xh += tl.sum(tl.sum(tl.where(valid, dxh * xh, 0.0), axis=1), axis=0)
-            dgamma = _accumulate(dgamma, dz * xh, valid, (AFFINE_MASK & 1) != 0)
-            dbeta = _accumulate(dbeta, dz, valid, (AFFINE_MASK & 2) != 0)
-            p0 = _accumulate(p0, q0, valid, (POST_MASK & 1) != 0)
-            p1 = _accumulate(p1, q1, valid, (POST_MASK & 2) != 0)
-            p2 = _accumulate(p2, q2, valid, (POST_MASK & 4) != 0)
-            p3 = _accumulate(p3, q3, valid, (POST_MASK & 8) != 0)
-            p4 = _accumulate(p4, q4, valid, (POST_MASK & 16) != 0)
-            p5 = _accumulate(p5, q5, valid, (POST_MASK & 32) != 0)
-            p6 = _accumulate(p6, q6, valid, (POST_MASK & 64) != 0)
-            p7 = _accumulate(p7, q7, valid, (POST_MASK & 128) != 0)
+            dgamma = accumulate(dgamma, dz * xh, valid, (AFFINE_MASK & 1) != 0)
+            dbeta = accumulate(dbeta, dz, valid, (AFFINE_MASK & 2) != 0)
+            p0 = accumulate(p0, q0, valid, (POST_MASK & 1) != 0)
+            p1 = accumulate(p1, q1, valid, (POST_MASK & 2) != 0)
+            p2 = accumulate(p2, q2, valid, (POST_MASK & 4) != 0)
+            p3 = accumulate(p3, q3, valid, (POST_MASK & 8) != 0)
+            p4 = accumulate(p4, q4, valid, (POST_MASK & 16) != 0)
+            p5 = accumulate(p5, q5, valid, (POST_MASK & 32) != 0)
+            p6 = accumulate(p6, q6, valid, (POST_MASK & 64) != 0)
+            p7 = accumulate(p7, q7, valid, (POST_MASK & 128) != 0)
         c1 = row_base + c_first + c0 + tl.arange(0, BLOCK_C)
         if AFFINE_MASK != 0:
-            _store_rows(apart_ptr, part_row, c1, cmask1, dgamma, dbeta, dbeta, dbeta, dbeta, dbeta, dbeta, dbeta,
+            store_rows(apart_ptr, part_row, c1, cmask1, dgamma, dbeta, dbeta, dbeta, dbeta, dbeta, dbeta, dbeta,
                         AFFINE_MASK)  # fmt: skip
         if POST_MASK != 0:
-            _store_rows(qpart_ptr, part_row, c1, cmask1, p0, p1, p2, p3, p4, p5, p6, p7, POST_MASK)
+            store_rows(qpart_ptr, part_row, c1, cmask1, p0, p1, p2, p3, p4, p5, p6, p7, POST_MASK)
     return sum_dxh, sum_dxh_xh
 
 
@@ -249,7 +168,7 @@ def _group_norm_fwd_partial_kernel(
     pid = tl.program_id(0)
     k = tl.program_id(1)
     s_lo = k * CHUNK
-    shift, mean, m2, _ = _chunk_moments(y_ptr, p_ptr, y_ptr + (pid // G).to(tl.int64) * y_sn, (pid % G) * CG, s_lo,
+    shift, mean, m2, _ = chunk_moments(y_ptr, p_ptr, y_ptr + (pid // G).to(tl.int64) * y_sn, (pid % G) * CG, s_lo,
                                         tl.minimum(s_lo + CHUNK, S), C, CG, y_sc, y_ss, PRE, HAS_BIAS, BLOCK_C,
                                         BLOCK_S)  # fmt: skip
     w = ws_ptr + (pid * tl.num_programs(1) + k) * 3
@@ -293,12 +212,12 @@ def _group_norm_fwd_kernel(
 
     # 1. the group's mean and variance: the whole group's walk, or its chunks' partials combined
     if SPLIT_P2 == 1:
-        shift, mean, m2, count = _chunk_moments(y_ptr, p_ptr, y_base, c_first, 0, S, C, CG, y_sc, y_ss, PRE,
+        shift, mean, m2, count = chunk_moments(y_ptr, p_ptr, y_base, c_first, 0, S, C, CG, y_sc, y_ss, PRE,
                                                 HAS_BIAS, BLOCK_C, BLOCK_S)  # fmt: skip
         mean = mean + shift
         var = m2 / count
     else:
-        mean, var = _combined_moments(ws_ptr, pid, tl.num_programs(1), CG, S, CHUNK, SPLIT_P2)
+        mean, var = combined_moments(ws_ptr, pid, tl.num_programs(1), CG, S, CHUNK, SPLIT_P2)
     rstd = 1.0 / tl.sqrt(var + eps)
     if SAVE:
         if k == 0:
@@ -315,7 +234,7 @@ def _group_norm_fwd_kernel(
         for s0 in range(s_lo, s_hi, BLOCK_S):
             s = s0 + sb
             valid = (c0 + cb < CG) & (s < s_hi)
-            _, v = _tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
+            _, v = tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
             z = (v - mean) * rstd * gamma + beta
             out = apply_chain_at(z, q_ptr, c, C, cmask, POST)
             tl.store(o_base + c.to(tl.int64) * o_sc + s.to(tl.int64) * o_ss, out.to(out_ptr.dtype.element_ty),
@@ -438,37 +357,22 @@ def _group_norm_bwd_kernel(
             gy, a0, a1, a2, a3, a4, a5, a6, a7 = chain_grad_at(dv, yb, p_ptr, c, C, cmask, PRE)
             tl.store(gy_base + c.to(tl.int64) * gy_sc + s.to(tl.int64) * gy_ss, gy.to(gy_ptr.dtype.element_ty),
                      mask=valid)  # fmt: skip
-            p0 = _accumulate(p0, a0, valid, (PRE_MASK & 1) != 0)
-            p1 = _accumulate(p1, a1, valid, (PRE_MASK & 2) != 0)
-            p2 = _accumulate(p2, a2, valid, (PRE_MASK & 4) != 0)
-            p3 = _accumulate(p3, a3, valid, (PRE_MASK & 8) != 0)
-            p4 = _accumulate(p4, a4, valid, (PRE_MASK & 16) != 0)
-            p5 = _accumulate(p5, a5, valid, (PRE_MASK & 32) != 0)
-            p6 = _accumulate(p6, a6, valid, (PRE_MASK & 64) != 0)
-            p7 = _accumulate(p7, a7, valid, (PRE_MASK & 128) != 0)
+            p0 = accumulate(p0, a0, valid, (PRE_MASK & 1) != 0)
+            p1 = accumulate(p1, a1, valid, (PRE_MASK & 2) != 0)
+            p2 = accumulate(p2, a2, valid, (PRE_MASK & 4) != 0)
+            p3 = accumulate(p3, a3, valid, (PRE_MASK & 8) != 0)
+            p4 = accumulate(p4, a4, valid, (PRE_MASK & 16) != 0)
+            p5 = accumulate(p5, a5, valid, (PRE_MASK & 32) != 0)
+            p6 = accumulate(p6, a6, valid, (PRE_MASK & 64) != 0)
+            p7 = accumulate(p7, a7, valid, (PRE_MASK & 128) != 0)
         if PRE_MASK != 0:
             c1 = row_base + c_first + c0 + tl.arange(0, BLOCK_C)
-            _store_rows(part_ptr, part_row, c1, cmask1, p0, p1, p2, p3, p4, p5, p6, p7, PRE_MASK)
+            store_rows(part_ptr, part_row, c1, cmask1, p0, p1, p2, p3, p4, p5, p6, p7, PRE_MASK)
 
 
 # --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
-
-
-def _flat(name: str, t: torch.Tensor) -> tuple[int, int, int]:
-    """``(sn, sc, ss)`` of ``t`` (N, C, *spatial) seen as (N, C, S); ``ValueError`` when its spatial
-    dims do not flatten to one stride."""
-    inner, ss = 1, None
-    for size, stride in reversed(list(zip(t.shape[2:], t.stride()[2:], strict=True))):
-        if size == 1:
-            continue
-        if ss is not None and stride != inner:
-            raise ValueError(f"{name}'s spatial dims must flatten to one stride, got strides {t.stride()}")
-        if ss is None:
-            ss = stride
-        inner = stride * size
-    return t.stride(0), t.stride(1), 1 if ss is None else ss
 
 
 def _tile(group_channels: int, positions: int) -> tuple[int, int]:
@@ -607,14 +511,14 @@ class _ForwardLaunch:
         self.launch = self.partial = None
         if out.numel() > 0:
             grid = (n * groups, plan.split)
-            y_flat = _flat("y", y)
+            y_flat = flat_strides("y", y)
             tiles = dict(BLOCK_C=plan.block_c, BLOCK_S=plan.block_s, num_warps=plan.num_warps)
             if self.workspace is not None:
                 self.partial = FastLaunch(_group_norm_fwd_partial_kernel, grid, dict(
                     PRE=_ops(pre), HAS_BIAS=has_bias, **tiles), fixed=(channels, positions, groups, group_channels,
                                                                        plan.chunk, *y_flat))  # fmt: skip
             ints = (float(eps), channels, positions, groups, group_channels, plan.chunk, n * groups, *y_flat,
-                    *_flat("out", out))  # fmt: skip
+                    *flat_strides("out", out))  # fmt: skip
             self.launch = FastLaunch(_group_norm_fwd_kernel, grid, dict(
                 PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, SAVE=self.save, SPLIT_P2=plan.split_p2, **tiles,
             ), fixed=ints)  # fmt: skip
@@ -674,9 +578,9 @@ class _BackwardLaunch:
             raise ValueError(f"stats must be contiguous fp32 (2, {n}, {groups}), got {tuple(stats.shape)} {stats.dtype}")
         self.copy_grad_out = False
         try:
-            g_flat = _flat("grad_out", grad_out)
+            g_flat = flat_strides("grad_out", grad_out)
         except ValueError:
-            self.copy_grad_out, g_flat = True, _flat("grad_out", torch.empty(grad_out.shape, device="meta"))
+            self.copy_grad_out, g_flat = True, flat_strides("grad_out", torch.empty(grad_out.shape, device="meta"))
         group_channels = channels // groups
         plan = _Chunks.plan(n, groups, group_channels, positions, y.device, chunk)
         self.pre_slots = [k < len(pre_grad_slots) and bool(pre_grad_slots[k]) for k in range(len(pre))]
@@ -689,7 +593,7 @@ class _BackwardLaunch:
         self.launch = self.partial = None
         if grad_y.numel() > 0:
             grid = (n * groups, plan.split)
-            y_flat = _flat("y", y)
+            y_flat = flat_strides("y", y)
             common = dict(PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, POST_MASK=masks[1], AFFINE_MASK=masks[2],
                           BLOCK_C=plan.block_c, BLOCK_S=plan.block_s, num_warps=plan.num_warps)  # fmt: skip
             head = (channels, positions, groups, group_channels, plan.chunk, n * groups, n * plan.split * channels)
@@ -697,7 +601,7 @@ class _BackwardLaunch:
                 self.partial = FastLaunch(_group_norm_bwd_partial_kernel, grid, common, fixed=(*head, *g_flat, *y_flat))
             self.launch = FastLaunch(_group_norm_bwd_kernel, grid, dict(
                 common, PRE_MASK=masks[0], SPLIT_P2=plan.split_p2), fixed=(*head, *g_flat, *y_flat,
-                                                                            *_flat("grad_y", grad_y)))  # fmt: skip
+                                                                            *flat_strides("grad_y", grad_y)))  # fmt: skip
 
     def __call__(self, grad_out, y, stats, params, post_params, affine, grad_y):
         if self.copy_grad_out:

@@ -1,0 +1,139 @@
+"""What the normalization kernels share (``group_norm``, ``layer_norm``): reading a tile of the conv
+output through the pre-chain, the numerically sound statistics of a chunk of a row (per-tile exact
+two-pass statistics merged with Chan's formula) and the fixed-order combine of several chunks'
+statistics, the per-channel partial sums of operand gradients, and the (N, C, S) view of a conv
+output.
+
+Data layout.  A conv output is seen as ``(N, C, S)`` with ``S`` the flattened spatial positions
+(every conv output flattens: contiguous or channels-last), addressed by element strides ``(sn, sc,
+ss)`` (``flat_strides``).  A *row* (a group of a group norm, a row of a layer norm) is a block of
+``RC`` consecutive channels by a range of positions of one sample; the device functions take the
+sample's base pointer ``y_base``, the channels ``c`` ([BLOCK_C, 1] or any shape broadcasting against
+the positions) and positions ``s``.  Operand matrices are ``kernels/chain_math.py``'s: ``P``
+``(NUM_PARAM_ROWS, C)`` fp32 for the pre-chain (row ``BIAS_ROW``: the conv bias).  All arithmetic is
+fp32.
+
+Chunk statistics.  ``chunk_moments`` returns a chunk's ``(shift, mean, m2, count)``: all values less
+``shift`` (the mean of the chunk's first tile: values far from zero keep the digits of their
+spread), each tile's exact two-pass mean and sum of squared deviations merged into the running ones
+with Chan's parallel formula (no ``E[x^2] - E[x]^2`` cancellation).  ``combined_moments`` merges the
+``split`` chunks of one row kept in a fp32 ``(rows, split, 3)`` workspace with the same
+decomposition, ``M2 = sum_k M2_k + sum_k n_k (r_k - mean)^2``, each chunk's mean taken relative to
+chunk 0's shift as ``r_k = (shift_k - shift_0) + mean_k`` (the shifts of one row are close, so
+their difference is exact).  Every sum has a fixed order: results are bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .chain_math import apply_chain_at
+
+
+@triton.jit
+def tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``(yb, v)`` at channels ``c`` and positions ``s`` (shapes broadcasting to the tile's): the conv
+    output plus bias (the bias rounded to y's dtype first, as the conv adds it) and the pre-chain's
+    result, fp32.  Lanes outside ``valid`` hold values the callers mask."""
+    cmask = c < C
+    yb = tl.load(y_base + c.to(tl.int64) * y_sc + s.to(tl.int64) * y_ss, mask=valid, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        yb = yb + tl.load(p_ptr + c, mask=cmask, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
+    return yb, apply_chain_at(yb, p_ptr, c, C, cmask, PRE)
+
+
+@triton.jit
+def accumulate(acc, ga, keep, WANT: tl.constexpr):
+    """``acc`` ([BLOCK_C]) plus the per-channel sum of ``ga`` over the tile's positions where ``keep``."""
+    if WANT:
+        acc += tl.sum(tl.where(keep, ga, 0.0), axis=1)
+    return acc
+
+
+@triton.jit
+def store_rows(ptr, row_stride, c1, cmask, r0, r1, r2, r3, r4, r5, r6, r7, MASK: tl.constexpr):
+    """Row ``k`` of a partial-sum buffer at offsets ``c1`` for every wanted slot ``k`` (``MASK`` bit k)."""
+    rows = (r0, r1, r2, r3, r4, r5, r6, r7)
+    for k in tl.static_range(8):
+        if ((MASK >> k) & 1) != 0:
+            tl.store(ptr + k * row_stride + c1, rows[k], mask=cmask)
+
+
+@triton.jit
+def chunk_moments(y_ptr, p_ptr, y_base, c_first, s_lo, s_hi, C, CG, y_sc, y_ss, PRE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """``(shift, mean, m2, count)`` of ``v`` over channels ``c_first + [0, CG)`` and positions
+    ``[s_lo, s_hi)`` (not empty): ``shift`` the mean of the chunk's first tile, ``mean`` the mean of
+    ``v - shift``, ``m2`` the sum of squared deviations from it, ``count`` the number of values.
+    Tiles' exact two-pass statistics merged with Chan's formula, in a fixed order."""
+    cb = tl.arange(0, BLOCK_C)[:, None]
+    sb = tl.arange(0, BLOCK_S)[None, :]
+    first = (cb < CG) & (s_lo + sb < s_hi)
+    _, v = tile_values(y_ptr, p_ptr, y_base, c_first + cb, s_lo + sb, first, C, y_sc, y_ss, PRE, HAS_BIAS)
+    shift = tl.sum(tl.sum(tl.where(first, v, 0.0), axis=1), axis=0) / tl.sum(tl.sum(first.to(tl.float32), axis=1), axis=0)
+    count = 0.0
+    mean = 0.0
+    m2 = 0.0
+    for c0 in range(0, CG, BLOCK_C):
+        c = c_first + c0 + cb
+        for s0 in range(s_lo, s_hi, BLOCK_S):
+            s = s0 + sb
+            valid = (c0 + cb < CG) & (s < s_hi)
+            _, v = tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
+            v = v - shift
+            n_t = tl.sum(tl.sum(valid.to(tl.float32), axis=1), axis=0)
+            mean_t = tl.sum(tl.sum(tl.where(valid, v, 0.0), axis=1), axis=0) / n_t
+            d = tl.where(valid, v - mean_t, 0.0)
+            m2_t = tl.sum(tl.sum(d * d, axis=1), axis=0)
+            total = count + n_t
+            delta = mean_t - mean
+            mean = mean + delta * (n_t / total)
+            m2 = m2 + m2_t + delta * delta * (count * n_t / total)
+            count = total
+    return shift, mean, m2, count
+
+
+@triton.jit
+def combined_moments(ws_ptr, pid, split, CG, S, CHUNK, SPLIT_P2: tl.constexpr):
+    """``(mean, var)`` of row ``pid`` (``CG`` channels by ``S`` positions) from its ``split`` chunks'
+    ``(shift, mean, m2)`` in the forward workspace (chunk ``k``: positions ``k * CHUNK + [0, CHUNK)``
+    of the row, clipped to ``S``): ``M2 = sum M2_k + sum n_k (r_k - mean)^2`` with ``r_k = (shift_k -
+    shift_0) + mean_k``, every sum a fixed-shape reduction over ``SPLIT_P2`` lanes."""
+    k = tl.arange(0, SPLIT_P2)
+    live = k < split
+    w = ws_ptr + (pid * split + k) * 3
+    shift = tl.load(w, mask=live, other=0.0)
+    shift0 = tl.load(ws_ptr + pid * split * 3)
+    r = tl.where(live, (shift - shift0) + tl.load(w + 1, mask=live, other=0.0), 0.0)
+    n_k = tl.where(live, (CG * (tl.minimum(S, (k + 1) * CHUNK) - k * CHUNK)).to(tl.float32), 0.0)
+    count = tl.sum(n_k, axis=0)
+    mean = tl.sum(n_k * r, axis=0) / count
+    d = r - mean
+    m2 = tl.sum(tl.load(w + 2, mask=live, other=0.0), axis=0) + tl.sum(n_k * d * d, axis=0)
+    return mean + shift0, m2 / count
+
+
+def flat_strides(name: str, t: torch.Tensor) -> tuple[int, int, int]:
+    """``(sn, sc, ss)`` of ``t`` (N, C, *spatial) seen as (N, C, S); ``ValueError`` when its spatial
+    dims do not flatten to one stride."""
+    inner, ss = 1, None
+    for size, stride in reversed(list(zip(t.shape[2:], t.stride()[2:], strict=True))):
+        if size == 1:
+            continue
+        if ss is not None and stride != inner:
+            raise ValueError(f"{name}'s spatial dims must flatten to one stride, got strides {t.stride()}")
+        if ss is None:
+            ss = stride
+        inner = stride * size
+    return t.stride(0), t.stride(1), 1 if ss is None else ss
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA ``device``; 0 for any other (no GPU: the interpreter runs programs
+    one after another, so a split buys nothing)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
