@@ -159,6 +159,21 @@ class GroupNorm:
 
 
 @dataclass(frozen=True)
+class LayerNorm:
+    """``F.layer_norm`` over the trailing ``len(normalized_shape)`` dims: each slice over those dims
+    normalised by its own mean and biased variance, then ``* weight + bias`` elementwise (each of the
+    normalized shape, either may be ``None``).  ``normalized_shape`` holds Python ints, or is ``None``
+    when it is not known at compile time (traced sizes, ``dynamic=True``)."""
+
+    node: fx.Node
+    input: fx.Node
+    normalized_shape: Optional[tuple[int, ...]]
+    weight: ValueRef
+    bias: ValueRef
+    eps: float
+
+
+@dataclass(frozen=True)
 class Opaque:
     """Anything else.  ``description`` names the op for reports (e.g. ``torch.softmax``)."""
 
@@ -166,4 +181,4 @@ class Opaque:
     description: str
 
 
-CanonicalOp = Union[Conv, Pointwise, Pool, GlobalReduce, Reduce, BatchNorm, GroupNorm, Opaque]
+CanonicalOp = Union[Conv, Pointwise, Pool, GlobalReduce, Reduce, BatchNorm, GroupNorm, LayerNorm, Opaque]

@@ -31,6 +31,7 @@ from .canonical import (
     Conv,
     GlobalReduce,
     GroupNorm,
+    LayerNorm,
     Opaque,
     ParamRef,
     Pointwise,
@@ -67,6 +68,7 @@ def _sig_softmax(input, dim=None, _stacklevel=3, dtype=None): ...
 def _sig_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
                     eps=1e-05): ...
 def _sig_group_norm(input, num_groups, weight=None, bias=None, eps=1e-05, cudnn_enabled=True): ...
+def _sig_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-05, cudnn_enable=True): ...
 def _sig_instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
                        momentum=0.1, eps=1e-05, cudnn_enabled=True): ...
 def _sig_torch_instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
@@ -417,6 +419,8 @@ def _normalize_function(node: fx.Node, target: Any, args: tuple, kwargs: dict) -
                          b["momentum"])
     if target in (F.group_norm, torch.group_norm):
         return _group_norm(node, _bind(_sig_group_norm, args, kwargs))
+    if target in (F.layer_norm, torch.layer_norm):
+        return _layer_norm(node, _bind(_sig_layer_norm, args, kwargs))
     if target is F.instance_norm:
         return _instance_norm(node, _bind(_sig_instance_norm, args, kwargs))
     if target is torch.instance_norm:
@@ -430,6 +434,20 @@ def _group_norm(node: fx.Node, b: Optional[dict[str, Any]]) -> Optional[GroupNor
     if not isinstance(b["eps"], (int, float)) or isinstance(b["eps"], bool):
         return None  # a traced eps: nothing to fuse at compile time
     return GroupNorm(node, b["input"], b["num_groups"], b["weight"], b["bias"], float(b["eps"]))
+
+
+def _layer_norm(node: fx.Node, b: Optional[dict[str, Any]]) -> Optional[LayerNorm]:
+    if not b or not isinstance(b["eps"], (int, float)) or isinstance(b["eps"], bool):
+        return None  # a traced eps: nothing to fuse at compile time
+    return LayerNorm(node, b["input"], _static_shape(b["normalized_shape"]), b["weight"], b["bias"], float(b["eps"]))
+
+
+def _static_shape(shape: Any) -> Optional[tuple[int, ...]]:
+    """``shape`` (a tuple, list or ``torch.Size`` of ints) as a tuple of ints; ``None`` when any size
+    is traced (a graph value or a symbolic int)."""
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
 
 
 def _instance_norm(node: fx.Node, b: Optional[dict[str, Any]]) -> Optional[GroupNorm]:
@@ -571,6 +589,9 @@ def _normalize_module(node: fx.Node, root: torch.nn.Module) -> Optional[Canonica
     if isinstance(mod, nn.GroupNorm):
         return GroupNorm(node, x, int(mod.num_groups), ParamRef(f"{qual}.weight") if mod.affine else None,
                          ParamRef(f"{qual}.bias") if mod.affine else None, float(mod.eps))
+    if isinstance(mod, nn.LayerNorm):
+        return LayerNorm(node, x, tuple(mod.normalized_shape), ParamRef(f"{qual}.weight") if mod.weight is not None else None,
+                         ParamRef(f"{qual}.bias") if mod.bias is not None else None, float(mod.eps))
     if isinstance(mod, (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
         running = mod.track_running_stats
         return GroupNorm(node, x, None, ParamRef(f"{qual}.weight") if mod.affine else None,
