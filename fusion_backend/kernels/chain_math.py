@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ir.specs import PoolSpec
+
 #: Number of op-code slots of the kernel templates (== chain.MAX_CHAIN_LENGTH).
 MAX_SLOTS = 8
 #: Row of ``P`` holding the conv bias.
@@ -393,6 +395,124 @@ def avg_divisor(od, oh, ow, D, H, W,
     return div
 
 
+# --------------------------------------------------------------------------------------------------
+# Pool windows (every pooling kernel: ``epilogue``, ``norm_pool``, the norms' backward kernels)
+#
+# Tensors are seen as (N, C, D, H, W), 1d/2d lifted with leading size-1 spatial dims; the pool is the
+# constexpr tuple ``POOL_GEOM`` (``pool_geometry``) and the constexpr ``POOL`` (``pool_code``: 0 none,
+# 1 max, 2 avg).  A max pool's winner is its row-major tap index within the window (``kd * KH * KW +
+# kh * KW + kw``).
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def spatial_coords(s, H, W):
+    """The spatial position ``(d, h, w)`` of flat position ``s`` over spatial sizes ``(*, H, W)``
+    (row-major)."""
+    w = s % W
+    t = s // W
+    h = t % H
+    return t // H, h, w
+
+
+@triton.jit
+def add_spatial_offset(offset, d, h, w, s_d, s_h, s_w):
+    """``offset`` (int64) plus the element offset of spatial position ``(d, h, w)`` under strides
+    ``(s_d, s_h, s_w)``, computed in int64."""
+    return offset + d.to(tl.int64) * s_d + h.to(tl.int64) * s_h + w.to(tl.int64) * s_w
+
+
+@triton.jit
+def pool_divisor(od, oh, ow, D, H, W, POOL_GEOM: tl.constexpr):
+    """PyTorch's avg-pool divisor (fp32, ``avg_divisor``) of window ``(od, oh, ow)`` over an input of
+    spatial sizes ``(D, H, W)``; ``POOL_GEOM``: ``(window, stride, padding)``, each per (d, h, w), then
+    ``count_include_pad`` and the divisor override (0: none)."""
+    KD: tl.constexpr = POOL_GEOM[0][0]
+    KH: tl.constexpr = POOL_GEOM[0][1]
+    KW: tl.constexpr = POOL_GEOM[0][2]
+    SD: tl.constexpr = POOL_GEOM[1][0]
+    SH: tl.constexpr = POOL_GEOM[1][1]
+    SW: tl.constexpr = POOL_GEOM[1][2]
+    PD: tl.constexpr = POOL_GEOM[2][0]
+    PH: tl.constexpr = POOL_GEOM[2][1]
+    PW: tl.constexpr = POOL_GEOM[2][2]
+    COUNT_INCLUDE_PAD: tl.constexpr = POOL_GEOM[3]
+    DIVISOR: tl.constexpr = POOL_GEOM[4]
+    return avg_divisor(od, oh, ow, D, H, W, KD, KH, KW, SD, SH, SW, PD, PH, PW, COUNT_INCLUDE_PAD, DIVISOR)
+
+
+@triton.jit
+def pool_accumulate(best, win, acc, v, ok, tap, POOL: tl.constexpr):
+    """One tap of a window scan: ``(best, win, acc, take)`` after tap ``tap`` (its row-major index in
+    the window) with value ``v``, valid where ``ok``.  Max pool (POOL 1): PyTorch's rule: the first
+    valid tap wins initially (``win < 0``: none yet), a later one replaces the winner only when
+    ``v > best`` or ``v`` is NaN, so ties go to the first maximum in window order and padding never
+    wins; ``take`` says where this tap became the winner.  Avg pool (POOL 2): ``acc`` sums the valid
+    taps (``best`` and ``win`` unchanged)."""
+    take = ok & ((v > best) | (v != v) | (win < 0))
+    if POOL == 1:
+        best = tl.where(take, v, best)
+        win = tl.where(take, tap, win)
+    else:
+        acc += tl.where(ok, v, 0.0)
+    return best, win, acc, take
+
+
+@triton.jit
+def pool_gather(gout_ptr, win_ptr, win_y_ptr, g_nc, w_nc, d, h, w, mask, y, won, D, H, W, OD, OH, OW,
+                g_sd, g_sh, g_sw, w_sd, w_sh, w_sw,
+                POOL: tl.constexpr, POOL_GEOM: tl.constexpr, WIN_Y: tl.constexpr):  # fmt: skip
+    """The gradient at the pool's input position ``(d, h, w)`` (where ``mask``), gathered from the
+    windows that contain it (no scatter, no atomics): ``(g, y, won)``.
+
+    Candidate windows along each dim: ``o = (i + P) // S - j`` for ``j < ceil(K / S)``, valid when
+    ``0 <= o < O`` and the tap ``k = i + P - o * S`` is ``< K`` (``i + P >= 0``: no negative floor).
+    Max pool (POOL 1): the gradient of every window this position won (``win_ptr``'s winner index ==
+    its tap), summed (overlapping windows); ``won`` or-ed with where it won one; with ``WIN_Y``, ``y``
+    replaced by the window's saved value at its winner (``win_y_ptr``).  Avg pool (POOL 2): every
+    window's gradient over its ``pool_divisor``.  ``y`` and ``won`` come back unchanged otherwise.
+
+    Offsets: ``gout_ptr + g_nc + spatial offset`` under ``g_s*`` (the pooled gradient, any float
+    dtype) and ``win_ptr`` / ``win_y_ptr + w_nc + ...`` under ``w_s*`` (int8 / int32 winners and, with
+    WIN_Y, the values at them); ``g_nc`` / ``w_nc``: the (sample, channel) offsets, int64,
+    broadcasting against ``mask``.  ``(D, H, W)`` the input's spatial sizes, ``(OD, OH, OW)`` the
+    pooled ones.
+    """
+    WINDOW: tl.constexpr = POOL_GEOM[0]
+    STRIDE: tl.constexpr = POOL_GEOM[1]
+    PAD: tl.constexpr = POOL_GEOM[2]
+    g = tl.zeros_like(y)
+    NJD: tl.constexpr = (WINDOW[0] + STRIDE[0] - 1) // STRIDE[0]
+    NJH: tl.constexpr = (WINDOW[1] + STRIDE[1] - 1) // STRIDE[1]
+    NJW: tl.constexpr = (WINDOW[2] + STRIDE[2] - 1) // STRIDE[2]
+    for jd in tl.static_range(NJD):
+        od = (d + PAD[0]) // STRIDE[0] - jd
+        kd = d + PAD[0] - od * STRIDE[0]
+        ok_d = (od >= 0) & (od < OD) & (kd < WINDOW[0])
+        for jh in tl.static_range(NJH):
+            oh = (h + PAD[1]) // STRIDE[1] - jh
+            kh = h + PAD[1] - oh * STRIDE[1]
+            ok_h = ok_d & (oh >= 0) & (oh < OH) & (kh < WINDOW[1])
+            for jw in tl.static_range(NJW):
+                ow = (w + PAD[2]) // STRIDE[2] - jw
+                kw = w + PAD[2] - ow * STRIDE[2]
+                ok = mask & ok_h & (ow >= 0) & (ow < OW) & (kw < WINDOW[2])
+                g_off = add_spatial_offset(g_nc, od, oh, ow, g_sd, g_sh, g_sw)
+                if POOL == 1:
+                    w_off = add_spatial_offset(w_nc, od, oh, ow, w_sd, w_sh, w_sw)
+                    widx = tl.load(win_ptr + w_off, mask=ok, other=-1).to(tl.int32)
+                    hit = ok & (widx == kd * (WINDOW[1] * WINDOW[2]) + kh * WINDOW[2] + kw)
+                    g += tl.load(gout_ptr + g_off, mask=hit, other=0.0).to(tl.float32)
+                    if WIN_Y:
+                        y = tl.where(hit, tl.load(win_y_ptr + w_off, mask=hit, other=0.0).to(tl.float32), y)
+                    won = won | hit
+                else:
+                    div = pool_divisor(od, oh, ow, D, H, W, POOL_GEOM)
+                    go = tl.load(gout_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
+                    g += tl.where(ok, go / div, 0.0)  # windows out of range have div 0
+    return g, y, won
+
+
 _KNOWN_CODES = frozenset(OP_CODES.values())
 
 
@@ -402,3 +522,26 @@ def op_constexprs(steps: Sequence[KernelStep]) -> dict[str, int]:
         if code != 0 and (code % SOURCE_STRIDE not in _KNOWN_CODES or code // SOURCE_STRIDE > MAX_SLOTS):
             raise ValueError(f"unknown op code {code}")
     return {f"OP{k}": code for k, code in enumerate(codes)}
+
+
+def pool_geometry(pool: PoolSpec | None, spatial_dims: int) -> tuple:
+    """The kernels' ``POOL_GEOM`` constexpr: ``(window, stride, padding, count_include_pad, divisor)``,
+    the first three lifted to 3 spatial dims (kernel 1, stride 1, no padding on the added dims), the
+    divisor override 0 where there is none; the identity pool without a pool.  ValueError for a
+    window the kernels do not unroll (above ``MAX_WINDOW_VOLUME`` taps)."""
+    if pool is None:
+        return ((1, 1, 1), (1, 1, 1), (0, 0, 0), True, 0)
+    if pool.window_volume > MAX_WINDOW_VOLUME:
+        raise ValueError(f"pool windows above {MAX_WINDOW_VOLUME} taps are not unrolled, got {pool}")
+    if not (len(pool.kernel_size) == len(pool.stride) == len(pool.padding) == spatial_dims):
+        raise ValueError(f"pool geometry {pool} does not have {spatial_dims} spatial dims")
+    pad = 3 - spatial_dims
+    window = (1,) * pad + tuple(int(v) for v in pool.kernel_size)
+    stride = (1,) * pad + tuple(int(v) for v in pool.stride)
+    padding = (0,) * pad + tuple(int(v) for v in pool.padding)
+    return window, stride, padding, bool(pool.count_include_pad), int(pool.divisor_override or 0)
+
+
+def pool_code(pool: PoolSpec | None) -> int:
+    """The kernels' ``POOL`` constexpr: 0 none, 1 max, 2 avg."""
+    return 0 if pool is None else (1 if pool.kind == "max" else 2)

@@ -19,7 +19,7 @@ One template per direction serves every chain, every pool and 1d/2d/3d:
   of host time per call (H100 host), as much as a launch.
 * Tensors are seen as ``(N, C, D, H, W)``: 1d/2d are lifted with leading size-1 spatial dims (and the
   pool with kernel 1 / stride 1 / padding 0 there), so one kernel serves all ranks.  The pool is the
-  constexpr tuple ``POOL_GEOM`` (``_pool_geometry``): ``(window, stride, padding)``, each per
+  constexpr tuple ``POOL_GEOM`` (``pool_geometry``): ``(window, stride, padding)``, each per
   (d, h, w), then ``count_include_pad`` and the divisor override (0: none).
 * The chain is computed in fp32 whatever the storage dtype (fp32, fp16 or bf16).
 
@@ -46,18 +46,24 @@ from ..ir.specs import PoolSpec
 from .chain_math import (
     BIAS_ROW,
     MAX_SLOTS,
-    MAX_WINDOW_VOLUME,
+    MAX_WINDOW_VOLUME,  # noqa: F401 (the op reads the unroll limit here: ops/conv_epilogue/common.py)
     NUM_GRAD_ROWS,
     NUM_PARAM_ROWS,
     OPERAND_GRAD_CODES,
     KernelStep,
     OperandValue,
-    avg_divisor,
+    add_spatial_offset,
     chain_backward,
     chain_forward,
     chain_slot_inputs,
     load_chain_operands,
     op_constexprs,
+    pool_accumulate,
+    pool_code,
+    pool_divisor,
+    pool_gather,
+    pool_geometry,
+    spatial_coords,
 )
 from .host import BoundedCache, cdiv, lift_5d, next_pow2, persistent_device_copies, tensor_key
 from .launch import FastLaunch
@@ -85,49 +91,13 @@ def _program_tile(C, S, num_s_blocks, BLOCK_C: tl.constexpr, BLOCK_S: tl.constex
 
 
 @triton.jit
-def _spatial_coords(s, H, W):
-    """The spatial position ``(d, h, w)`` of flat position ``s`` over spatial sizes ``(*, H, W)``
-    (row-major)."""
-    w = s % W
-    t = s // W
-    h = t % H
-    return t // H, h, w
-
-
-@triton.jit
-def _add_spatial_offset(offset, d, h, w, s_d, s_h, s_w):
-    """``offset`` (int64) plus the element offset of spatial position ``(d, h, w)`` under strides
-    ``(s_d, s_h, s_w)``, computed in int64."""
-    return offset + d.to(tl.int64) * s_d + h.to(tl.int64) * s_h + w.to(tl.int64) * s_w
-
-
-@triton.jit
-def _pool_divisor(od, oh, ow, D, H, W, POOL_GEOM: tl.constexpr):
-    """PyTorch's avg-pool divisor (fp32, ``avg_divisor``) of window ``(od, oh, ow)`` over an input of
-    spatial sizes ``(D, H, W)``; ``POOL_GEOM``: ``(window, stride, padding)``, each per (d, h, w), then
-    ``count_include_pad`` and the divisor override (0: none)."""
-    KD: tl.constexpr = POOL_GEOM[0][0]
-    KH: tl.constexpr = POOL_GEOM[0][1]
-    KW: tl.constexpr = POOL_GEOM[0][2]
-    SD: tl.constexpr = POOL_GEOM[1][0]
-    SH: tl.constexpr = POOL_GEOM[1][1]
-    SW: tl.constexpr = POOL_GEOM[1][2]
-    PD: tl.constexpr = POOL_GEOM[2][0]
-    PH: tl.constexpr = POOL_GEOM[2][1]
-    PW: tl.constexpr = POOL_GEOM[2][2]
-    COUNT_INCLUDE_PAD: tl.constexpr = POOL_GEOM[3]
-    DIVISOR: tl.constexpr = POOL_GEOM[4]
-    return avg_divisor(od, oh, ow, D, H, W, KD, KH, KW, SD, SH, SW, PD, PH, PW, COUNT_INCLUDE_PAD, DIVISOR)
-
-
-@triton.jit
 def store_pooled(out_ptr, win_ptr, win_y_ptr, off, mask, best, win, win_y, total, od, oh, ow, D, H, W,
                  POOL: tl.constexpr, SAVE: tl.constexpr, POOL_GEOM: tl.constexpr):  # fmt: skip
     """Store a pool's result at element offsets ``off`` (where ``mask``) of out and, with SAVE, of the
     winner tensors (out's shape and strides).  Max pool (POOL 1): the maximum ``best``, with SAVE the
     winner's row-major index ``win`` in its window (``win_ptr``, int8/int32) and the conv output
     (without bias) there ``win_y`` (``win_y_ptr``).  Avg pool (POOL 2): the window sum ``total``
-    over ``_pool_divisor`` of window ``(od, oh, ow)`` over an input of spatial sizes ``(D, H, W)``
+    over ``pool_divisor`` of window ``(od, oh, ow)`` over an input of spatial sizes ``(D, H, W)``
     with geometry ``POOL_GEOM``.  Every value is converted to its pointer's dtype."""
     if POOL == 1:
         tl.store(out_ptr + off, best.to(out_ptr.dtype.element_ty), mask=mask)
@@ -135,7 +105,7 @@ def store_pooled(out_ptr, win_ptr, win_y_ptr, off, mask, best, win, win_y, total
             tl.store(win_ptr + off, win.to(win_ptr.dtype.element_ty), mask=mask)
             tl.store(win_y_ptr + off, win_y.to(win_y_ptr.dtype.element_ty), mask=mask)
     else:
-        div = _pool_divisor(od, oh, ow, D, H, W, POOL_GEOM)
+        div = pool_divisor(od, oh, ow, D, H, W, POOL_GEOM)
         tl.store(out_ptr + off, (total / div).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -196,7 +166,7 @@ def _epilogue_fwd_kernel(
         if SAVE:  # the conv output itself, relaid into out's layout (the saved state)
             tl.store(win_y_ptr + o_off + s64 * o_sw, y_raw.to(win_y_ptr.dtype.element_ty), mask=mask)
     else:
-        od, oh, ow = _spatial_coords(s, OH, OW)
+        od, oh, ow = spatial_coords(s, OH, OW)
         KD: tl.constexpr = POOL_GEOM[0][0]
         KH: tl.constexpr = POOL_GEOM[0][1]
         KW: tl.constexpr = POOL_GEOM[0][2]
@@ -218,22 +188,18 @@ def _epilogue_fwd_kernel(
                 for kw in tl.static_range(KW):
                     iw = w0 + kw
                     ok = mask & ok_h & (iw >= 0) & (iw < W)
-                    off = _add_spatial_offset(0, idd, ih, iw, y_sd, y_sh, y_sw)
+                    off = add_spatial_offset(0, idd, ih, iw, y_sd, y_sh, y_sw)
                     y_raw = tl.load(y_base + off, mask=ok, other=1.0).to(tl.float32)
                     y = y_raw
                     if HAS_BIAS:
                         y = y + bias
                     v = chain_forward(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
                                    OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
+                    best, win, acc, take = pool_accumulate(best, win, acc, v, ok, kd * KH * KW + kh * KW + kw, POOL)
                     if POOL == 1:
-                        take = ok & ((v > best) | (v != v) | (win < 0))
-                        best = tl.where(take, v, best)
-                        win = tl.where(take, kd * KH * KW + kh * KW + kw, win)
                         if SAVE:
                             win_y = tl.where(take, y_raw, win_y)
-                    else:
-                        acc += tl.where(ok, v, 0.0)
-        o_off = _add_spatial_offset(o_off, od, oh, ow, o_sd, o_sh, o_sw)
+        o_off = add_spatial_offset(o_off, od, oh, ow, o_sd, o_sh, o_sw)
         store_pooled(out_ptr, win_ptr, win_y_ptr, o_off, mask, best, win, win_y, acc, od, oh, ow, D, H, W,
                      POOL, SAVE, POOL_GEOM)  # fmt: skip
 
@@ -296,48 +262,18 @@ def _epilogue_bwd_kernel(
         y = tl.load(y_ptr + y_off, mask=mask, other=1.0).to(tl.float32)
         g = tl.load(gout_ptr + n64 * g_sn + c64 * g_sc + s64 * g_sw, mask=mask, other=0.0).to(tl.float32)
     else:
-        WINDOW: tl.constexpr = POOL_GEOM[0]
-        STRIDE: tl.constexpr = POOL_GEOM[1]
-        PAD: tl.constexpr = POOL_GEOM[2]
-        d, h, w = _spatial_coords(s, H, W)
-        y_off = _add_spatial_offset(y_off, d, h, w, y_sd, y_sh, y_sw)
-        gy_off = _add_spatial_offset(gy_off, d, h, w, gy_sd, gy_sh, gy_sw)
-        g = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
+        d, h, w = spatial_coords(s, H, W)
+        y_off = add_spatial_offset(y_off, d, h, w, y_sd, y_sh, y_sw)
+        gy_off = add_spatial_offset(gy_off, d, h, w, gy_sd, gy_sh, gy_sw)
         # NOTE: lanes that are masked off or win nothing hold y = 1.0 (not 0.0), so that their
         # discarded chain derivatives stay finite (rdiv/div would give inf/NaN at 0).
         y = tl.full([BLOCK_C, BLOCK_S], 1.0, tl.float32)
         won = mask & (s < 0)
         if POOL == 2:
             y = tl.load(y_ptr + y_off, mask=mask, other=1.0).to(tl.float32)
-        # Candidate windows along each dim: o = (i + P) // S - j for j < ceil(K / S), valid when
-        # 0 <= o < O and the tap index k = i + P - o * S is < K.  (i + P >= 0: no negative floor.)
-        NJD: tl.constexpr = (WINDOW[0] + STRIDE[0] - 1) // STRIDE[0]
-        NJH: tl.constexpr = (WINDOW[1] + STRIDE[1] - 1) // STRIDE[1]
-        NJW: tl.constexpr = (WINDOW[2] + STRIDE[2] - 1) // STRIDE[2]
-        for jd in tl.static_range(NJD):
-            od = (d + PAD[0]) // STRIDE[0] - jd
-            kd = d + PAD[0] - od * STRIDE[0]
-            ok_d = (od >= 0) & (od < OD) & (kd < WINDOW[0])
-            for jh in tl.static_range(NJH):
-                oh = (h + PAD[1]) // STRIDE[1] - jh
-                kh = h + PAD[1] - oh * STRIDE[1]
-                ok_h = ok_d & (oh >= 0) & (oh < OH) & (kh < WINDOW[1])
-                for jw in tl.static_range(NJW):
-                    ow = (w + PAD[2]) // STRIDE[2] - jw
-                    kw = w + PAD[2] - ow * STRIDE[2]
-                    ok = mask & ok_h & (ow >= 0) & (ow < OW) & (kw < WINDOW[2])
-                    g_off = _add_spatial_offset(n64 * g_sn + c64 * g_sc, od, oh, ow, g_sd, g_sh, g_sw)
-                    if POOL == 1:
-                        w_off = _add_spatial_offset(n64 * w_sn + c64 * w_sc, od, oh, ow, w_sd, w_sh, w_sw)
-                        widx = tl.load(win_ptr + w_off, mask=ok, other=-1).to(tl.int32)
-                        hit = ok & (widx == kd * (WINDOW[1] * WINDOW[2]) + kh * WINDOW[2] + kw)
-                        g += tl.load(gout_ptr + g_off, mask=hit, other=0.0).to(tl.float32)
-                        y = tl.where(hit, tl.load(win_y_ptr + w_off, mask=hit, other=0.0).to(tl.float32), y)
-                        won = won | hit
-                    else:
-                        div = _pool_divisor(od, oh, ow, D, H, W, POOL_GEOM)
-                        go = tl.load(gout_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
-                        g += tl.where(ok, go / div, 0.0)  # windows out of range have div 0
+        g, y, won = pool_gather(gout_ptr, win_ptr, win_y_ptr, n64 * g_sn + c64 * g_sc, n64 * w_sn + c64 * w_sc,
+                                d, h, w, mask, y, won, D, H, W, OD, OH, OW, g_sd, g_sh, g_sw, w_sd, w_sh, w_sw,
+                                POOL, POOL_GEOM, True)  # fmt: skip
         if POOL == 1:
             active = won
     if HAS_BIAS:  # in the conv's dtype (gy's), as the forward added it; loaded here, where it is used,
@@ -380,29 +316,6 @@ def _spatial_flattens(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     _, _, d, h, w = sizes
     sd, sh, sw = strides[2:]
     return (h == 1 or sh == w * sw) and (d == 1 or sd == h * w * sw)
-
-
-def _pool_geometry(pool: PoolSpec | None, spatial_dims: int) -> tuple:
-    """The kernels' ``POOL_GEOM`` constexpr: ``(window, stride, padding, count_include_pad, divisor)``,
-    the first three lifted to 3 spatial dims (kernel 1, stride 1, no padding on the added dims), the
-    divisor override 0 where there is none; the identity pool without a pool.  ValueError for a
-    window the kernels do not unroll (above ``MAX_WINDOW_VOLUME`` taps)."""
-    if pool is None:
-        return ((1, 1, 1), (1, 1, 1), (0, 0, 0), True, 0)
-    if pool.window_volume > MAX_WINDOW_VOLUME:
-        raise ValueError(f"pool windows above {MAX_WINDOW_VOLUME} taps are not unrolled, got {pool}")
-    if not (len(pool.kernel_size) == len(pool.stride) == len(pool.padding) == spatial_dims):
-        raise ValueError(f"pool geometry {pool} does not have {spatial_dims} spatial dims")
-    pad = 3 - spatial_dims
-    window = (1,) * pad + tuple(int(v) for v in pool.kernel_size)
-    stride = (1,) * pad + tuple(int(v) for v in pool.stride)
-    padding = (0,) * pad + tuple(int(v) for v in pool.padding)
-    return window, stride, padding, bool(pool.count_include_pad), int(pool.divisor_override or 0)
-
-
-def _pool_code(pool: PoolSpec | None) -> int:
-    """The kernels' ``POOL`` constexpr: 0 none, 1 max, 2 avg."""
-    return 0 if pool is None else (1 if pool.kind == "max" else 2)
 
 
 def _op_codes(steps: Sequence[KernelStep]) -> tuple[int, ...]:
@@ -637,7 +550,7 @@ class ForwardLaunch:
             if not _spatial_flattens(y_sizes, y_strides):
                 self.copy_y = True
                 y_strides = lift_5d(torch.empty_like(out, dtype=y.dtype, device="meta"))[1]
-        pool_geom = _pool_geometry(pool, y.dim() - 2)
+        pool_geom = pool_geometry(pool, y.dim() - 2)
         ops = _op_codes(steps)  # checks the op codes before anything is kept
         s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
         write_inner = _channels_inner(o_strides, o_sizes)
@@ -651,7 +564,7 @@ class ForwardLaunch:
         if out.numel() > 0:
             ints = (channels, *y_sizes[2:], *o_sizes[2:], num_s_blocks, *y_strides, *o_strides)
             self.launch = FastLaunch(_epilogue_fwd_kernel, grid, dict(
-                OPS=ops, HAS_BIAS=bias is not None, POOL=_pool_code(pool), POOL_GEOM=pool_geom, SAVE=save,
+                OPS=ops, HAS_BIAS=bias is not None, POOL=pool_code(pool), POOL_GEOM=pool_geom, SAVE=save,
                 BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
             ), fixed=ints)  # fmt: skip
 
@@ -765,7 +678,7 @@ class BackwardLaunch:
             if not _spatial_flattens(g_sizes, g_strides):
                 self.copy_grad_out = True
                 g_sizes, g_strides = gy_sizes, gy_strides
-        pool_geom = _pool_geometry(pool, grad_y.dim() - 2)
+        pool_geom = pool_geometry(pool, grad_y.dim() - 2)
         w_strides = lift_5d(winner)[1] if winner is not None else [0] * 5
         grad_mask = sum(1 << k for k, wanted in enumerate(operand_grad_slots) if wanted)
         if bias_grad:
@@ -785,7 +698,7 @@ class BackwardLaunch:
         self.launch = None
         if grad_y.numel() > 0:
             self.launch = FastLaunch(_epilogue_bwd_kernel, grid, dict(
-                OPS=_op_codes(steps), HAS_BIAS=bias is not None, POOL=_pool_code(pool), POOL_GEOM=pool_geom,
+                OPS=_op_codes(steps), HAS_BIAS=bias is not None, POOL=pool_code(pool), POOL_GEOM=pool_geom,
                 GRAD_MASK=grad_mask, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
             ), fixed=ints)  # fmt: skip
         self.slots = [k < len(operand_grad_slots) and bool(operand_grad_slots[k]) for k in range(len(steps))]
