@@ -58,19 +58,24 @@ import triton.language as tl
 from .chain_math import MAX_SLOTS, KernelStep, apply_chain_at, chain_grad_at, op_constexprs
 from .host import BoundedCache, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
-from .norm_common import accumulate, chunk_moments, combined_moments, flat_strides, store_rows, tile_values
+from .norm_common import (
+    MIN_CHUNK_ELEMENTS,
+    PROGRAMS_PER_SM,
+    accumulate,
+    chunk_moments,
+    chunk_positions,
+    combined_moments,
+    flat_strides,
+    store_rows,
+    tile_values,
+)
+
+__all__ = ["MIN_CHUNK_ELEMENTS", "PROGRAMS_PER_SM", "chunk_positions"]
 
 #: Elements of a program's tile (``BLOCK_C * BLOCK_S``).
 TILE_ELEMENTS = 2048
 #: Most channels of a group held in one tile; wider groups are walked in channel blocks.
 MAX_BLOCK_C = 64
-#: Programs a split aims at per multiprocessor (``chunk_positions``): several resident programs per
-#: SM keep loads in flight on these memory-bound walks.  NOTE: chosen by reasoning, not yet timed.
-PROGRAMS_PER_SM = 8
-#: Fewest elements a chunk of a split group holds (``chunk_positions``): a chunk's program also pays
-#: for its start (the combine of its group's partials, its first tile read twice), which a walk of
-#: two or more tiles amortises.  NOTE: chosen by reasoning, not yet timed.
-MIN_CHUNK_ELEMENTS = 4096
 
 
 # --------------------------------------------------------------------------------------------------
@@ -381,25 +386,6 @@ def _tile(group_channels: int, positions: int) -> tuple[int, int]:
     block_c = min(next_pow2(group_channels), MAX_BLOCK_C)
     block_s = max(1, min(next_pow2(max(positions, 1)), TILE_ELEMENTS // block_c))
     return block_c, block_s
-
-
-def chunk_positions(groups_total: int, group_channels: int, positions: int, block_s: int, sms: int) -> int:
-    """Positions per chunk of a group (the kernels' ``CHUNK``; ``SPLIT = cdiv(positions, CHUNK)``).
-
-    ``positions`` (one chunk: the one-launch path) when ``sms`` is 0 (no GPU: the interpreter runs
-    programs one after another, so a split buys nothing), when the ``groups_total`` groups alone give
-    ``PROGRAMS_PER_SM * sms`` programs, or when no split leaves each chunk ``MIN_CHUNK_ELEMENTS``.
-    Otherwise about ``PROGRAMS_PER_SM * sms`` programs (or as many as keep ``MIN_CHUNK_ELEMENTS``
-    each): chunks of whole tiles (a multiple of ``block_s`` positions), so the count rounds to what
-    whole tiles give.  E.g. the
-    GroupNorm(8) of a (16, 32, 128, 128) conv output on 132 SMs: 128 groups of 4 x 16384, tiles of
-    4 x 512, 8 chunks of 2048 positions (1024 programs of 8192 elements).
-    """
-    tiles = cdiv(positions, block_s)
-    wanted = cdiv(PROGRAMS_PER_SM * sms, max(groups_total, 1)) if sms > 0 else 1
-    most = tiles // cdiv(MIN_CHUNK_ELEMENTS, group_channels * block_s)
-    split = max(1, min(wanted, most))
-    return positions if split == 1 else cdiv(tiles, split) * block_s
 
 
 @functools.cache

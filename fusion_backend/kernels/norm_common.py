@@ -32,6 +32,15 @@ import triton
 import triton.language as tl
 
 from .chain_math import apply_chain_at
+from .host import cdiv
+
+#: Programs a split aims at per multiprocessor (``chunk_positions``): several resident programs per
+#: SM keep loads in flight on these memory-bound walks.  NOTE: chosen by reasoning, not yet timed.
+PROGRAMS_PER_SM = 8
+#: Fewest elements a chunk of a split row holds (``chunk_positions``): a chunk's program also pays
+#: for its start (the combine of its row's partials, its first tile read twice), which a walk of
+#: two or more tiles amortises.  NOTE: chosen by reasoning, not yet timed.
+MIN_CHUNK_ELEMENTS = 4096
 
 
 @triton.jit
@@ -137,3 +146,22 @@ def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA ``device``; 0 for any other (no GPU: the interpreter runs programs
     one after another, so a split buys nothing)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+def chunk_positions(rows_total: int, row_channels: int, positions: int, block_s: int, sms: int) -> int:
+    """Positions per chunk of a row of ``row_channels`` channels by ``positions`` positions (the
+    kernels' ``CHUNK``; ``SPLIT = cdiv(positions, CHUNK)``).
+
+    ``positions`` (one chunk: the one-launch path) when ``sms`` is 0 (no GPU: the interpreter runs
+    programs one after another, so a split buys nothing), when the ``rows_total`` rows alone give
+    ``PROGRAMS_PER_SM * sms`` programs, or when no split leaves each chunk ``MIN_CHUNK_ELEMENTS``.
+    Otherwise about ``PROGRAMS_PER_SM * sms`` programs (or as many as keep ``MIN_CHUNK_ELEMENTS``
+    each): chunks of whole tiles (a multiple of ``block_s`` positions), so the count rounds to what
+    whole tiles give.  E.g. the GroupNorm(8) of a (16, 32, 128, 128) conv output on 132 SMs: 128
+    groups of 4 x 16384, tiles of 4 x 512, 8 chunks of 2048 positions (1024 programs of 8192 elements).
+    """
+    tiles = cdiv(positions, block_s)
+    wanted = cdiv(PROGRAMS_PER_SM * sms, max(rows_total, 1)) if sms > 0 else 1
+    most = tiles // cdiv(MIN_CHUNK_ELEMENTS, row_channels * block_s)
+    split = max(1, min(wanted, most))
+    return positions if split == 1 else cdiv(tiles, split) * block_s
