@@ -45,8 +45,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .chain_math import MAX_SLOTS, KernelStep, apply_chain_at, chain_grad_at, op_constexprs
+from ..ir.specs import PoolSpec
+from .chain_math import (
+    MAX_SLOTS,
+    KernelStep,
+    apply_chain_at,
+    chain_grad_at,
+    op_constexprs,
+)
 from .host import BoundedCache, cdiv, next_pow2, tensor_key
+from .norm_pool import pool_arguments, pool_input_grad, pooled_grad_strides
 
 #: Elements of a program's tile (``BLOCK_C * BLOCK_R``).
 TILE_ELEMENTS = 2048
@@ -83,14 +91,24 @@ def _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS: tl.c
 
 
 @triton.jit
-def _norm_grad_tile(gout_ptr, y_ptr, bias_ptr, q_ptr, c, r, valid, mu, rstd, gamma, beta, C, S,
-                    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, POST: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+def _norm_grad_tile(gout_ptr, y_ptr, bias_ptr, q_ptr, win_ptr, c, r, valid, mu, rstd, gamma, beta, C, S,
+                    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh, w_sw,
+                    POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr,
+                    POOL_GEOM: tl.constexpr):  # fmt: skip
     """One tile of the backward: ``(x_hat, dz, q0..q7)``: the normalised value, the gradient at the
     norm's output (the post-chain walked back from grad_out; 0 outside ``valid``) and the post-chain's
-    operand gradients."""
+    operand gradients.  With a pool (POOL 1 max, 2 avg) grad_out is the pooled gradient and each
+    position's gradient is gathered from the windows that hold it (``norm_pool.pool_input_grad``: a
+    max pool's only at its winners), so nothing full-size is read but y."""
     v = _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS)
     xh = (v - mu) * rstd
-    g = tl.load(gout_ptr + _offsets(c, r, S, g_sn, g_sc, g_ss), mask=valid, other=0.0).to(tl.float32)
+    if POOL == 0:
+        g = tl.load(gout_ptr + _offsets(c, r, S, g_sn, g_sc, g_ss), mask=valid, other=0.0).to(tl.float32)
+    else:
+        n64 = (r // S).to(tl.int64)
+        c64 = c.to(tl.int64)
+        g = pool_input_grad(gout_ptr, win_ptr, n64 * g_sn + c64 * g_sc, n64 * w_sn + c64 * w_sc, r % S, valid, D, H, W,
+                            OD, OH, OW, g_sd, g_sh, g_ss, w_sd, w_sh, w_sw, POOL, POOL_GEOM)  # fmt: skip
     dz, q0, q1, q2, q3, q4, q5, q6, q7 = chain_grad_at(g, xh * gamma + beta, q_ptr, c, C, c < C, POST)
     return xh, tl.where(valid, dz, 0.0), q0, q1, q2, q3, q4, q5, q6, q7
 
@@ -181,18 +199,22 @@ def _batch_norm_apply_kernel(
 
 @triton.jit
 def _batch_norm_bwd_sums_kernel(
-    gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, part_ptr, C, S, R, CHUNK, K,
-    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss,
-    POST: tl.constexpr, HAS_BIAS: tl.constexpr, POST_MASK: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, part_ptr, win_ptr, C, S, R, CHUNK, K,
+    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh, w_sw,
+    POST: tl.constexpr, HAS_BIAS: tl.constexpr, POST_MASK: tl.constexpr, POOL: tl.constexpr, POOL_GEOM: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Per (channel, chunk) sums of ``dz``, ``dz * x_hat`` and the post-chain's operand gradients.
 
     Pointers (element strides):
-      gout_ptr  gradient of out, (N, C, S), any float dtype, strides ``g_s*``.
+      gout_ptr  gradient of out, (N, C, S), any float dtype, strides ``g_s*``; with a pool the pooled
+                gradient, (N, C, OD, OH, OW), strides ``(g_sn, g_sc, g_sd, g_sh, g_ss)``.
       y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr   as in the forward (``st_ptr``: the forward's statistics).
       part_ptr  fp32 (SUM_ROWS, C, K) contiguous: row 0 the sums of dz, row 1 of dz * x_hat, row 2 + k
                 (POST_MASK bit k) of the post-chain slot k's first-operand gradient.
+      win_ptr   (max pool) the forward's winners, int8/int32, (N, C, OD, OH, OW), strides ``w_s*``.
+    ``(D, H, W)``: y's spatial sizes (``S = D * H * W``), read with a pool only.  POOL: 0 none, 1 max,
+    2 avg; POOL_GEOM: ``chain_math.pool_geometry``'s.
     Grid: as the forward's.
     """
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
@@ -211,8 +233,9 @@ def _batch_norm_bwd_sums_kernel(
         r = r0 + rb
         valid = cmask & (r < R)
         xh, dz, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_grad_tile(
-            gout_ptr, y_ptr, bias_ptr, q_ptr, c, r, valid, mu, rstd, gamma, beta, C, S, g_sn, g_sc, g_ss, y_sn,
-            y_sc, y_ss, POST, HAS_BIAS)  # fmt: skip
+            gout_ptr, y_ptr, bias_ptr, q_ptr, win_ptr, c, r, valid, mu, rstd, gamma, beta, C, S, g_sn, g_sc, g_ss,
+            y_sn, y_sc, y_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh, w_sw, POST, HAS_BIAS, POOL,
+            POOL_GEOM)  # fmt: skip
         s_dz += tl.sum(dz, axis=1)
         s_dzxh += _row_sum(dz * xh, valid)
         if (POST_MASK & 1) != 0:
@@ -245,14 +268,16 @@ def _batch_norm_bwd_sums_kernel(
 
 @triton.jit
 def _batch_norm_bwd_dx_kernel(
-    gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, gm_ptr, gy_ptr, C, S, R, CHUNK,
-    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, gy_sn, gy_sc, gy_ss,
-    POST: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, gm_ptr, gy_ptr, win_ptr, C, S, R, CHUNK,
+    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, gy_sn, gy_sc, gy_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh,
+    w_sw, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr, POOL_GEOM: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """grad_y = gamma * rstd * (dz - mean(dz) - x_hat * mean(dz * x_hat)).
 
     Pointers (element strides):
-      gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr   as in the sums kernel.
+      gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, win_ptr   as in the sums kernel (the pool
+                arguments too).
       gm_ptr    fp32 (2, C) contiguous: per channel mean(dz) and mean(dz * x_hat) over its R values.
       gy_ptr    grad_y, (N, C, S), the conv output's dtype, strides ``gy_s*``.
     Grid: as the forward's.
@@ -271,8 +296,9 @@ def _batch_norm_bwd_dx_kernel(
         r = r0 + rb
         valid = cmask & (r < R)
         xh, dz, _q0, _q1, _q2, _q3, _q4, _q5, _q6, _q7 = _norm_grad_tile(
-            gout_ptr, y_ptr, bias_ptr, q_ptr, c, r, valid, mu, rstd, gamma, beta, C, S, g_sn, g_sc, g_ss, y_sn,
-            y_sc, y_ss, POST, HAS_BIAS)  # fmt: skip
+            gout_ptr, y_ptr, bias_ptr, q_ptr, win_ptr, c, r, valid, mu, rstd, gamma, beta, C, S, g_sn, g_sc, g_ss,
+            y_sn, y_sc, y_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh, w_sw, POST, HAS_BIAS, POOL,
+            POOL_GEOM)  # fmt: skip
         gy = gamma * rstd * (dz - mean_dz - xh * mean_dzxh)
         tl.store(gy_ptr + _offsets(c, r, S, gy_sn, gy_sc, gy_ss), gy.to(gy_ptr.dtype.element_ty), mask=valid)
 
@@ -409,15 +435,19 @@ def batch_norm_apply(y: torch.Tensor, bias: torch.Tensor | None, post: Sequence[
 def batch_norm_backward(
     grad_out: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, post: Sequence[KernelStep],
     post_params: torch.Tensor, affine: torch.Tensor, stats: torch.Tensor, grad_y: torch.Tensor,
-    post_grad_slots: Sequence[bool] = (),
+    post_grad_slots: Sequence[bool] = (), pool: PoolSpec | None = None, winner: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:  # fmt: skip
     """Write the conv-output gradient into ``grad_y``; return ``(dgamma, dbeta, post_sums)``.
 
     Args:
-      grad_out: gradient of ``out`` (y's shape, any strides, any float dtype).
+      grad_out: gradient of ``out`` (y's shape, any strides, any float dtype); with ``pool``, of the
+        pooled output (N, C, *pooled spatial), any strides.
       y, bias, post, post_params, affine, stats: as given to the forward.
       grad_y: preallocated (N, C, *spatial), spatial dims flattening, the conv output's dtype.
       post_grad_slots: per slot of the chain, whether its first operand's gradient is wanted.
+      pool: None, or the max / avg pool the forward applied after the chain
+        (``norm_pool.norm_pool_forward``).
+      winner: a max pool's winners as that forward saved them (int8 / int32, grad_out's shape).
     Returns:
       fp32 (C,) ``sum dz * x_hat`` (gamma's gradient) and ``sum dz`` (beta's), and per slot None or
       the fp32 (C,) sum of its operand gradient; the chunks' partials summed in a fixed order.
@@ -426,14 +456,19 @@ def batch_norm_backward(
     _check_bias(bias, plan.channels)
     for name, t, rows in (("Q", post_params, None), ("the affine rows", affine, 2), ("stats", stats, 2)):
         _check_rows(name, t, rows, plan.channels)
-    for name, t in (("grad_out", grad_out), ("grad_y", grad_y)):
+    for name, t in (("grad_out", grad_out), ("grad_y", grad_y))[1 if pool is not None else 0:]:
         if t.shape != y.shape:
             raise ValueError(f"{name} must have y's shape {tuple(y.shape)}, got {tuple(t.shape)}")
-    try:
-        g_flat = flat_strides("grad_out", grad_out)
-    except ValueError:
-        grad_out = grad_out.contiguous()
-        g_flat = flat_strides("grad_out", grad_out)
+    if pool is None:
+        try:
+            g_flat = flat_strides("grad_out", grad_out)
+        except ValueError:
+            grad_out = grad_out.contiguous()
+            g_flat = flat_strides("grad_out", grad_out)
+    else:
+        g_flat = pooled_grad_strides(grad_out, y, pool, winner)
+    pool_ints, pool_consts = pool_arguments(grad_out, y, pool, winner)
+    win = winner if winner is not None else y
     slots = [k < len(post_grad_slots) and bool(post_grad_slots[k]) for k in range(len(post))]
     mask = sum(1 << k for k, w in enumerate(slots) if w)
     rows = 2 + (max(k for k, w in enumerate(slots) if w) + 1 if mask else 0)
@@ -443,16 +478,17 @@ def batch_norm_backward(
     y_flat = flat_strides("y", y)
     if y.numel() > 0:
         _batch_norm_bwd_sums_kernel[plan.grid](
-            grad_out, *common, part, *sizes, plan.chunks, *g_flat, *y_flat, POST=_ops(post), HAS_BIAS=bias is not None,
-            POST_MASK=mask, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r, num_warps=plan.num_warps,
+            grad_out, *common, part, win, *sizes, plan.chunks, *g_flat, *y_flat, *pool_ints, POST=_ops(post),
+            HAS_BIAS=bias is not None, POST_MASK=mask, **pool_consts, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r,
+            num_warps=plan.num_warps,
         )  # fmt: skip
     # NOTE: torch's reduction over a fixed shape runs in a fixed order: bitwise reproducible sums.
     sums = part.sum(2)
     means = (sums[:2] / plan.values).contiguous()
     if y.numel() > 0:
         _batch_norm_bwd_dx_kernel[plan.grid](
-            grad_out, *common, means, grad_y, *sizes, *g_flat, *y_flat, *flat_strides("grad_y", grad_y),
-            POST=_ops(post), HAS_BIAS=bias is not None, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r,
-            num_warps=plan.num_warps,
+            grad_out, *common, means, grad_y, win, *sizes, *g_flat, *y_flat, *flat_strides("grad_y", grad_y),
+            *pool_ints, POST=_ops(post), HAS_BIAS=bias is not None, **pool_consts, BLOCK_C=plan.block_c,
+            BLOCK_R=plan.block_r, num_warps=plan.num_warps,
         )  # fmt: skip
     return sums[1], sums[0], [sums[2 + k] if w else None for k, w in enumerate(slots)]

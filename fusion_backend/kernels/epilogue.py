@@ -141,7 +141,7 @@ def _epilogue_fwd_kernel(
     give vectorised accesses.  Where y and out have different contiguous axes (channels vs
     positions) each access is coalesced along its own tensor's contiguous axis: Triton lays out the
     load and the store by their pointers' contiguity and converts between the two register layouts
-    through shared memory, which is the transposing tile (``_tile`` gives it a square shape).
+    through shared memory, which is the transposing tile (``tile_shape`` gives it a square shape).
     Max-pool parity with PyTorch: taps are scanned in row-major order, the first valid tap wins
     initially and a later one replaces it when ``v > best or isnan(v)``; padding never wins.
     """
@@ -323,7 +323,7 @@ def _op_codes(steps: Sequence[KernelStep]) -> tuple[int, ...]:
     return tuple(op_constexprs(steps).values())
 
 
-def _tile(channels: int, spatial: int, channels_inner: bool, transposing: bool = False) -> tuple[int, int]:
+def tile_shape(channels: int, spatial: int, channels_inner: bool, transposing: bool = False) -> tuple[int, int]:
     """``(BLOCK_C, BLOCK_S)`` of about 1024 elements, long along the contiguous axis.
 
     Channels-last tiles take up to 64 channels so that each spatial position reads a contiguous run of
@@ -354,7 +354,9 @@ def _tile(channels: int, spatial: int, channels_inner: bool, transposing: bool =
     return block_c, block_s
 
 
-def _channels_inner(strides: Sequence[int], sizes: Sequence[int]) -> bool:
+def channels_innermost(strides: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Whether the channels are the contiguous axis of a tensor of (N, C, D, H, W) ``sizes`` and
+    ``strides`` (``lift_5d``): channels-last with more than one channel and position."""
     return strides[1] == 1 and sizes[1] > 1 and any(sz > 1 for sz in sizes[2:])
 
 
@@ -512,7 +514,7 @@ class ForwardLaunch:
     ``steps``; ``bias``: None without one, else its C values, contiguous).
 
     The tile follows the layouts: long along the contiguous axis when y and out share it, square
-    (``_tile``'s transposing tile) when y's contiguous axis is the channels and out's the positions
+    (``tile_shape``'s transposing tile) when y's contiguous axis is the channels and out's the positions
     or the other way round (the channels-last library forward: cuDNN's channels-last conv output
     read coalesced along channels, an NCHW out written coalesced along positions).
     """
@@ -553,9 +555,9 @@ class ForwardLaunch:
         pool_geom = pool_geometry(pool, y.dim() - 2)
         ops = _op_codes(steps)  # checks the op codes before anything is kept
         s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
-        write_inner = _channels_inner(o_strides, o_sizes)
-        read_inner = _channels_inner(y_strides, y_sizes)
-        block_c, block_s = _tile(channels, s_out, write_inner, transposing=read_inner != write_inner)
+        write_inner = channels_innermost(o_strides, o_sizes)
+        read_inner = channels_innermost(y_strides, y_sizes)
+        block_c, block_s = tile_shape(channels, s_out, write_inner, transposing=read_inner != write_inner)
         num_s_blocks = cdiv(s_out, block_s)
         grid = (y_sizes[0] * num_s_blocks, cdiv(channels, block_c))
         self.channels = channels
@@ -684,9 +686,9 @@ class BackwardLaunch:
         if bias_grad:
             grad_mask |= 1 << MAX_SLOTS
         s_full = gy_sizes[2] * gy_sizes[3] * gy_sizes[4]
-        read_inner = _channels_inner(y_strides, gy_sizes)  # grad_y's own where there is no y
-        write_inner = _channels_inner(gy_strides, gy_sizes)
-        block_c, block_s = _tile(channels, s_full, write_inner, transposing=read_inner != write_inner)
+        read_inner = channels_innermost(y_strides, gy_sizes)  # grad_y's own where there is no y
+        write_inner = channels_innermost(gy_strides, gy_sizes)
+        block_c, block_s = tile_shape(channels, s_full, write_inner, transposing=read_inner != write_inner)
         num_s_blocks = cdiv(s_full, block_s)
         grid = (n * num_s_blocks, cdiv(channels, block_c))
         self.channels = channels

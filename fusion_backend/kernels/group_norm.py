@@ -55,6 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ir.specs import PoolSpec
 from .chain_math import MAX_SLOTS, KernelStep, apply_chain_at, chain_grad_at, op_constexprs
 from .host import BoundedCache, cdiv, next_pow2, tensor_key
 from .launch import FastLaunch
@@ -69,6 +70,7 @@ from .norm_common import (
     store_rows,
     tile_values,
 )
+from .norm_pool import pool_arguments, pool_input_grad, pooled_grad_strides
 
 __all__ = ["MIN_CHUNK_ELEMENTS", "PROGRAMS_PER_SM", "chunk_positions"]
 
@@ -84,28 +86,38 @@ MAX_BLOCK_C = 64
 
 
 @triton.jit
-def _norm_backward_tile(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, c, s, valid, mu, rstd, C,
-                        y_sc, y_ss, g_sc, g_ss, PRE: tl.constexpr, POST: tl.constexpr,
-                        HAS_BIAS: tl.constexpr):  # fmt: skip
+def _norm_backward_tile(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, w_base, c, s, valid, mu, rstd, C,
+                        y_sc, y_ss, g_sc, g_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sc, w_sd, w_sh, w_sw,
+                        PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr,
+                        POOL_GEOM: tl.constexpr):  # fmt: skip
     """One tile of the backward: ``(yb, x_hat, dz, dxh, q0..q7)``: the conv output plus bias, the
     normalised value, the gradient of the norm's output (the post-chain walked back from grad_out),
-    ``dz * gamma`` (0 outside ``valid``), and the post-chain's operand gradients."""
+    ``dz * gamma`` (0 outside ``valid``), and the post-chain's operand gradients.  With a pool (POOL 1
+    max, 2 avg) ``g_base`` is the sample's pooled gradient and each position's gradient is gathered
+    from the windows that hold it (``norm_pool.pool_input_grad``; a max pool's only at its winners,
+    ``w_base``: the sample's winners)."""
     cmask = c < C
     yb, v = tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
     xh = (v - mu) * rstd
     gamma = tl.load(a_ptr + c, mask=cmask, other=0.0)
     beta = tl.load(a_ptr + C + c, mask=cmask, other=0.0)
-    g = tl.load(g_base + c.to(tl.int64) * g_sc + s.to(tl.int64) * g_ss, mask=valid, other=0.0).to(tl.float32)
+    if POOL == 0:
+        g = tl.load(g_base + c.to(tl.int64) * g_sc + s.to(tl.int64) * g_ss, mask=valid, other=0.0).to(tl.float32)
+    else:
+        g = pool_input_grad(g_base, w_base, c.to(tl.int64) * g_sc, c.to(tl.int64) * w_sc, s, valid, D, H, W, OD, OH,
+                            OW, g_sd, g_sh, g_ss, w_sd, w_sh, w_sw, POOL, POOL_GEOM)  # fmt: skip
     dz, q0, q1, q2, q3, q4, q5, q6, q7 = chain_grad_at(g, xh * gamma + beta, q_ptr, c, C, cmask, POST)
     dxh = tl.where(valid, dz * gamma, 0.0)
     return yb, xh, dz, dxh, q0, q1, q2, q3, q4, q5, q6, q7
 
 
 @triton.jit
-def _backward_chunk_sums(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, qpart_ptr, apart_ptr, y_base, g_base, c_first,
-                         s_lo, s_hi, mu, rstd, row_base, part_row, C, CG, y_sc, y_ss, g_sc, g_ss,
-                         PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POST_MASK: tl.constexpr,
-                         AFFINE_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+def _backward_chunk_sums(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, qpart_ptr, apart_ptr, y_base, g_base, w_base,
+                         c_first, s_lo, s_hi, mu, rstd, row_base, part_row, C, CG, y_sc, y_ss, g_sc, g_ss,
+                         D, H, W, OD, OH, OW, g_sd, g_sh, w_sc, w_sd, w_sh, w_sw,
+                         PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr,
+                         POOL_GEOM: tl.constexpr, POST_MASK: tl.constexpr, AFFINE_MASK: tl.constexpr,
+                         BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
     """The backward's first pass over channels ``c_first + [0, CG)`` and positions ``[s_lo, s_hi)``:
     returns the sums of ``dz * gamma`` and ``dz * gamma * x_hat``; stores the per-channel sums of
     gamma's, beta's and the post-chain's operand gradients at ``row_base + c`` of their rows."""
@@ -124,8 +136,9 @@ def _backward_chunk_sums(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, qpart_ptr, apart_
             s = s0 + sb
             valid = (c0 + cb < CG) & (s < s_hi)
             yb, xh, dz, dxh, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_backward_tile(
-                gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, c, s, valid, mu, rstd, C, y_sc, y_ss, g_sc,
-                g_ss, PRE, POST, HAS_BIAS)  # fmt: skip
+                gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, w_base, c, s, valid, mu, rstd, C, y_sc, y_ss,
+                g_sc, g_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sc, w_sd, w_sh, w_sw, PRE, POST, HAS_BIAS, POOL,
+                POOL_GEOM)  # fmt: skip
             sum_dxh += tl.sum(tl.sum(dxh, axis=1), axis=0)
             sum_dxh_xh += tl.sum(tl.sum(tl.where(valid, dxh * xh, 0.0), axis=1), axis=0)
             dgamma = accumulate(dgamma, dz * xh, valid, (AFFINE_MASK & 1) != 0)
@@ -253,11 +266,11 @@ def _group_norm_fwd_kernel(
 
 @triton.jit
 def _group_norm_bwd_partial_kernel(
-    gout_ptr, y_ptr, st_ptr, p_ptr, q_ptr, a_ptr, ws_ptr, qpart_ptr, apart_ptr,
+    gout_ptr, y_ptr, st_ptr, p_ptr, q_ptr, a_ptr, ws_ptr, qpart_ptr, apart_ptr, win_ptr,
     C, S, G, CG, CHUNK, st_row, part_row,
-    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss,
-    PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POST_MASK: tl.constexpr,
-    AFFINE_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh, w_sw,
+    PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr, POOL_GEOM: tl.constexpr,
+    POST_MASK: tl.constexpr, AFFINE_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """The backward's first pass per chunk, the first of its two kernels when ``SPLIT > 1``.
 
@@ -273,6 +286,10 @@ def _group_norm_bwd_partial_kernel(
                  ``part_row`` = N * SPLIT * C.
       apart_ptr  (AFFINE_MASK: bit 0 gamma, bit 1 beta) fp32 (2, N * SPLIT, C) contiguous: the same sums
                  of ``dz * x_hat`` (gamma's gradient) and ``dz`` (beta's).
+      win_ptr    (max pool) the forward's winners, int8/int32, (N, C, OD, OH, OW), strides ``w_s*``.
+    With a pool (POOL 1 max, 2 avg; POOL_GEOM ``chain_math.pool_geometry``'s) ``gout_ptr`` is the pooled
+    output's gradient, (N, C, OD, OH, OW), strides ``(g_sn, g_sc, g_sd, g_sh, g_ss)``, and ``(D, H,
+    W)`` are y's spatial sizes (``S = D * H * W``); these arguments are not read without one.
     Grid: ``(N * G, SPLIT)`` as the forward's.
     """
     pid = tl.program_id(0)
@@ -282,8 +299,9 @@ def _group_norm_bwd_partial_kernel(
     s_lo = k * CHUNK
     sum_dxh, sum_dxh_xh = _backward_chunk_sums(
         gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, qpart_ptr, apart_ptr, y_ptr + n64 * y_sn, gout_ptr + n64 * g_sn,
-        (pid % G) * CG, s_lo, tl.minimum(s_lo + CHUNK, S), tl.load(st_ptr + pid), tl.load(st_ptr + st_row + pid),
-        (n64 * split + k) * C, part_row, C, CG, y_sc, y_ss, g_sc, g_ss, PRE, POST, HAS_BIAS, POST_MASK, AFFINE_MASK,
+        win_ptr + n64 * w_sn, (pid % G) * CG, s_lo, tl.minimum(s_lo + CHUNK, S), tl.load(st_ptr + pid),
+        tl.load(st_ptr + st_row + pid), (n64 * split + k) * C, part_row, C, CG, y_sc, y_ss, g_sc, g_ss, D, H, W, OD,
+        OH, OW, g_sd, g_sh, w_sc, w_sd, w_sh, w_sw, PRE, POST, HAS_BIAS, POOL, POOL_GEOM, POST_MASK, AFFINE_MASK,
         BLOCK_C, BLOCK_S)  # fmt: skip
     w = ws_ptr + (pid * split + k) * 2
     tl.store(w, sum_dxh)
@@ -292,18 +310,19 @@ def _group_norm_bwd_partial_kernel(
 
 @triton.jit
 def _group_norm_bwd_kernel(
-    gout_ptr, y_ptr, st_ptr, p_ptr, q_ptr, a_ptr, gy_ptr, ws_ptr, part_ptr, qpart_ptr, apart_ptr,
+    gout_ptr, y_ptr, st_ptr, p_ptr, q_ptr, a_ptr, gy_ptr, ws_ptr, part_ptr, qpart_ptr, apart_ptr, win_ptr,
     C, S, G, CG, CHUNK, st_row, part_row,
-    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, gy_sn, gy_sc, gy_ss,
-    PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, PRE_MASK: tl.constexpr,
-    POST_MASK: tl.constexpr, AFFINE_MASK: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, gy_sn, gy_sc, gy_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh,
+    w_sw, PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr, POOL_GEOM: tl.constexpr,
+    PRE_MASK: tl.constexpr, POST_MASK: tl.constexpr, AFFINE_MASK: tl.constexpr, SPLIT_P2: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """grad_y of ``out = post(group_norm(pre(y + bias)) * gamma + beta)`` on one chunk per program,
     and per-(n, chunk, c) partial sums.
 
     Pointers (element strides; ``S`` flattened positions):
-      gout_ptr, y_ptr, st_ptr, p_ptr, q_ptr, a_ptr   as in ``_group_norm_bwd_partial_kernel``.
+      gout_ptr, y_ptr, st_ptr, p_ptr, q_ptr, a_ptr, win_ptr   as in ``_group_norm_bwd_partial_kernel`` (the
+                 pool arguments too).
       gy_ptr     grad_y, (N, C, S), the conv output's dtype, strides ``gy_s*``.
       ws_ptr     (SPLIT_P2 > 1) ``_group_norm_bwd_partial_kernel``'s fp32 (N * G, SPLIT, 2) workspace.
       part_ptr   (PRE_MASK) fp32 (MAX_SLOTS, N * SPLIT, C) contiguous: row k, the per-(n, chunk, c) sum
@@ -321,6 +340,7 @@ def _group_norm_bwd_kernel(
     c_first = (pid % G) * CG
     y_base = y_ptr + n64 * y_sn
     g_base = gout_ptr + n64 * g_sn
+    w_base = win_ptr + n64 * w_sn
     cb = tl.arange(0, BLOCK_C)[:, None]
     sb = tl.arange(0, BLOCK_S)[None, :]
     mu = tl.load(st_ptr + pid)
@@ -332,9 +352,9 @@ def _group_norm_bwd_kernel(
     # pass 1: the group's sums of dz * gamma and dz * gamma * x_hat: its own walk, or the chunks' sums
     if SPLIT_P2 == 1:
         sum_dxh, sum_dxh_xh = _backward_chunk_sums(
-            gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, qpart_ptr, apart_ptr, y_base, g_base, c_first, 0, S, mu, rstd,
-            row_base, part_row, C, CG, y_sc, y_ss, g_sc, g_ss, PRE, POST, HAS_BIAS, POST_MASK, AFFINE_MASK, BLOCK_C,
-            BLOCK_S)  # fmt: skip
+            gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, qpart_ptr, apart_ptr, y_base, g_base, w_base, c_first, 0, S, mu,
+            rstd, row_base, part_row, C, CG, y_sc, y_ss, g_sc, g_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sc, w_sd,
+            w_sh, w_sw, PRE, POST, HAS_BIAS, POOL, POOL_GEOM, POST_MASK, AFFINE_MASK, BLOCK_C, BLOCK_S)  # fmt: skip
     else:
         kk = tl.arange(0, SPLIT_P2)
         w = ws_ptr + (pid * split + kk) * 2
@@ -356,8 +376,9 @@ def _group_norm_bwd_kernel(
             s = s0 + sb
             valid = (c0 + cb < CG) & (s < s_hi)
             yb, xh, dz, dxh, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_backward_tile(
-                gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, c, s, valid, mu, rstd, C, y_sc, y_ss, g_sc,
-                g_ss, PRE, POST, HAS_BIAS)  # fmt: skip
+                gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, w_base, c, s, valid, mu, rstd, C, y_sc, y_ss,
+                g_sc, g_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sc, w_sd, w_sh, w_sw, PRE, POST, HAS_BIAS, POOL,
+                POOL_GEOM)  # fmt: skip
             dv = rstd * (dxh - mean_dxh - xh * mean_dxh_xh)
             gy, a0, a1, a2, a3, a4, a5, a6, a7 = chain_grad_at(dv, yb, p_ptr, c, C, cmask, PRE)
             tl.store(gy_base + c.to(tl.int64) * gy_sc + s.to(tl.int64) * gy_ss, gy.to(gy_ptr.dtype.element_ty),
@@ -519,17 +540,76 @@ class _ForwardLaunch:
         self.launch(y, params, post_params, affine, out, stats if self.save else params, ws)
 
 
+def group_norm_stats(y: torch.Tensor, has_bias: bool, pre: Sequence[KernelStep], groups: int, eps: float,
+                     params: torch.Tensor, stats: torch.Tensor, chunk: int | None = None) -> None:  # fmt: skip
+    """Write the group statistics of ``pre(y + bias)`` into ``stats`` and nothing else: the forward's
+    statistics pass alone, for a region whose normalise pass is another kernel's (a pool after the
+    post-chain: ``norm_pool.norm_pool_forward``).  The chunks are ``group_norm_forward``'s; the
+    per-chunk partial kernel runs over them (one chunk per group where the plan does not split),
+    then torch combines the partials with ``norm_common.combined_moments``' decomposition over the
+    fixed ``(N * G, SPLIT)`` shape: bitwise reproducible.
+
+    Args:
+      y, has_bias, pre, groups, eps, params, chunk: as ``group_norm_forward`` takes them.
+      stats: preallocated fp32 (2, N, G) contiguous: row 0 the means, row 1 ``1 / sqrt(var + eps)``.
+    """
+    key = (tensor_key(y), has_bias, tuple(int(c) for c, _ in pre), groups, tensor_key(params), tensor_key(stats),
+           chunk)  # fmt: skip
+    launch = _STATS_LAUNCHES.get(key, lambda: _StatsLaunch(y, has_bias, pre, groups, params, stats, chunk))
+    launch(y, params, stats, float(eps))
+
+
+_STATS_LAUNCHES = BoundedCache(256)
+
+
+class _StatsLaunch:
+    """``group_norm_stats`` for one signature: arguments checked and the launch worked out once."""
+
+    def __init__(self, y, has_bias, pre, groups, params, stats, chunk) -> None:
+        n, channels, positions = _check_common(y, groups, params, params, params[:2])  # (only P is read here)
+        if tuple(stats.shape) != (2, n, groups) or not stats.is_contiguous() or stats.dtype != torch.float32:
+            raise ValueError(f"stats must be contiguous fp32 (2, {n}, {groups}), got {tuple(stats.shape)} {stats.dtype}")
+        group_channels = channels // groups
+        plan = _Chunks.plan(n, groups, group_channels, positions, y.device, chunk)
+        self.workspace = (n * groups, plan.split, 3)
+        self.values = float(group_channels * positions)
+        ends = torch.minimum(torch.arange(1, plan.split + 1) * plan.chunk, torch.tensor(positions))
+        #: values per chunk of a group, fp32 (SPLIT,)
+        self.counts = (group_channels * (ends - torch.arange(plan.split) * plan.chunk)).to(torch.float32).to(y.device)
+        self.launch = None
+        if y.numel() > 0:
+            self.launch = FastLaunch(_group_norm_fwd_partial_kernel, (n * groups, plan.split), dict(
+                PRE=_ops(pre), HAS_BIAS=has_bias, BLOCK_C=plan.block_c, BLOCK_S=plan.block_s,
+                num_warps=plan.num_warps), fixed=(channels, positions, groups, group_channels, plan.chunk,
+                                                  *flat_strides("y", y)))  # fmt: skip
+
+    def __call__(self, y, params, stats, eps: float) -> None:
+        if self.launch is None:
+            stats.zero_()
+            return
+        ws = torch.empty(self.workspace, dtype=torch.float32, device=y.device)
+        self.launch(y, params, ws)
+        shift, means, m2s = ws.unbind(2)
+        r = (shift - shift[:, :1]) + means  # each chunk's mean relative to chunk 0's shift
+        mean = (r * self.counts).sum(1) / self.values
+        m2 = m2s.sum(1) + (self.counts * (r - mean[:, None]).square()).sum(1)
+        stats[0].copy_((mean + shift[:, 0]).view(stats.shape[1:]))
+        stats[1].copy_(torch.rsqrt(m2 / self.values + eps).view(stats.shape[1:]))
+
+
 def group_norm_backward(
     grad_out: torch.Tensor, y: torch.Tensor, stats: torch.Tensor, has_bias: bool, pre: Sequence[KernelStep],
     post: Sequence[KernelStep], groups: int, params: torch.Tensor, post_params: torch.Tensor, affine: torch.Tensor,
     grad_y: torch.Tensor, pre_grad_slots: Sequence[bool] = (), post_grad_slots: Sequence[bool] = (),
-    affine_grads: tuple[bool, bool] = (False, False), chunk: int | None = None,
+    affine_grads: tuple[bool, bool] = (False, False), chunk: int | None = None, pool: PoolSpec | None = None,
+    winner: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[torch.Tensor | None]]:  # fmt: skip
     """Write the conv-output gradient into ``grad_y``; return the per-channel parameter gradients.
     One launch when each group is one chunk, else two (per-chunk sums, then combine and write).
 
     Args:
-      grad_out: gradient of ``out`` (y's shape, any strides, any float dtype).
+      grad_out: gradient of ``out`` (y's shape, any strides, any float dtype); with ``pool``, of the
+        pooled output (N, C, *pooled spatial), any strides.
       y: the conv output without bias as given to the forward.
       stats: the forward's fp32 (2, N, G) statistics.
       has_bias, pre, post, groups, params, post_params, affine: as given to the forward.
@@ -537,6 +617,9 @@ def group_norm_backward(
       pre_grad_slots / post_grad_slots: per slot of each chain, whether its first operand's gradient
         is wanted; affine_grads: whether gamma's / beta's are.
       chunk: positions per chunk of a group instead of ``chunk_positions``' choice (tests).
+      pool: None, or the max / avg pool the forward applied after the post-chain
+        (``norm_pool.norm_pool_forward``).
+      winner: a max pool's winners as that forward saved them (int8 / int32, grad_out's shape).
     Returns:
       ``(pre_sums, post_sums, affine_sums)``: per slot (per gamma, beta), None or the fp32 (C,) sum over
       samples and positions of its gradient, the (sample, chunk) partials summed in a fixed order.
@@ -544,29 +627,33 @@ def group_norm_backward(
     key = (tensor_key(grad_out), tensor_key(y), tensor_key(stats), has_bias, tuple(int(c) for c, _ in pre),
            tuple(int(c) for c, _ in post), groups, tensor_key(params), tensor_key(post_params), tensor_key(affine),
            tensor_key(grad_y), tuple(map(bool, pre_grad_slots)), tuple(map(bool, post_grad_slots)),
-           tuple(map(bool, affine_grads)), chunk)  # fmt: skip
+           tuple(map(bool, affine_grads)), chunk, pool, tensor_key(winner))  # fmt: skip
     launch = _BACKWARD_LAUNCHES.get(key, lambda: _BackwardLaunch(
         grad_out, y, stats, has_bias, pre, post, groups, params, post_params, affine, grad_y, pre_grad_slots,
-        post_grad_slots, affine_grads, chunk))  # fmt: skip
-    return launch(grad_out, y, stats, params, post_params, affine, grad_y)
+        post_grad_slots, affine_grads, chunk, pool, winner))  # fmt: skip
+    return launch(grad_out, y, stats, params, post_params, affine, grad_y, winner)
 
 
 class _BackwardLaunch:
     """``group_norm_backward`` for one signature: arguments checked and the launches worked out once."""
 
     def __init__(self, grad_out, y, stats, has_bias, pre, post, groups, params, post_params, affine, grad_y,
-                 pre_grad_slots, post_grad_slots, affine_grads, chunk) -> None:  # fmt: skip
+                 pre_grad_slots, post_grad_slots, affine_grads, chunk, pool=None, winner=None) -> None:  # fmt: skip
         n, channels, positions = _check_common(y, groups, params, post_params, affine)
-        for name, t in (("grad_out", grad_out), ("grad_y", grad_y)):
+        for name, t in (("grad_out", grad_out), ("grad_y", grad_y))[1 if pool is not None else 0:]:
             if t.shape != y.shape:
                 raise ValueError(f"{name} must have y's shape {tuple(y.shape)}, got {tuple(t.shape)}")
         if tuple(stats.shape) != (2, n, groups) or not stats.is_contiguous() or stats.dtype != torch.float32:
             raise ValueError(f"stats must be contiguous fp32 (2, {n}, {groups}), got {tuple(stats.shape)} {stats.dtype}")
         self.copy_grad_out = False
-        try:
-            g_flat = flat_strides("grad_out", grad_out)
-        except ValueError:
-            self.copy_grad_out, g_flat = True, flat_strides("grad_out", torch.empty(grad_out.shape, device="meta"))
+        if pool is not None:
+            g_flat = pooled_grad_strides(grad_out, y, pool, winner)
+        else:
+            try:
+                g_flat = flat_strides("grad_out", grad_out)
+            except ValueError:
+                self.copy_grad_out, g_flat = True, flat_strides("grad_out", torch.empty(grad_out.shape, device="meta"))
+        pool_ints, pool_consts = pool_arguments(grad_out, y, pool, winner)
         group_channels = channels // groups
         plan = _Chunks.plan(n, groups, group_channels, positions, y.device, chunk)
         self.pre_slots = [k < len(pre_grad_slots) and bool(pre_grad_slots[k]) for k in range(len(pre))]
@@ -580,16 +667,19 @@ class _BackwardLaunch:
         if grad_y.numel() > 0:
             grid = (n * groups, plan.split)
             y_flat = flat_strides("y", y)
-            common = dict(PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, POST_MASK=masks[1], AFFINE_MASK=masks[2],
-                          BLOCK_C=plan.block_c, BLOCK_S=plan.block_s, num_warps=plan.num_warps)  # fmt: skip
+            common = dict(PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, **pool_consts, POST_MASK=masks[1],
+                          AFFINE_MASK=masks[2], BLOCK_C=plan.block_c, BLOCK_S=plan.block_s,
+                          num_warps=plan.num_warps)  # fmt: skip
             head = (channels, positions, groups, group_channels, plan.chunk, n * groups, n * plan.split * channels)
             if self.workspace is not None:
-                self.partial = FastLaunch(_group_norm_bwd_partial_kernel, grid, common, fixed=(*head, *g_flat, *y_flat))
+                self.partial = FastLaunch(_group_norm_bwd_partial_kernel, grid, common,
+                                          fixed=(*head, *g_flat, *y_flat, *pool_ints))  # fmt: skip
             self.launch = FastLaunch(_group_norm_bwd_kernel, grid, dict(
                 common, PRE_MASK=masks[0], SPLIT_P2=plan.split_p2), fixed=(*head, *g_flat, *y_flat,
-                                                                            *flat_strides("grad_y", grad_y)))  # fmt: skip
+                                                                            *flat_strides("grad_y", grad_y),
+                                                                            *pool_ints))  # fmt: skip
 
-    def __call__(self, grad_out, y, stats, params, post_params, affine, grad_y):
+    def __call__(self, grad_out, y, stats, params, post_params, affine, grad_y, winner=None):
         if self.copy_grad_out:
             grad_out = grad_out.contiguous()
         device = grad_y.device
@@ -602,10 +692,11 @@ class _BackwardLaunch:
         part, qpart, apart = buffer(self.pre_slots, MAX_SLOTS), buffer(self.post_slots, MAX_SLOTS), buffer(self.affine_slots, 2)
         if self.launch is not None:
             ws = params
+            win = y if winner is None else winner  # (not read without a max pool)
             if self.partial is not None:
                 ws = torch.empty(self.workspace, dtype=torch.float32, device=device)
-                self.partial(grad_out, y, stats, params, post_params, affine, ws, qpart, apart)
-            self.launch(grad_out, y, stats, params, post_params, affine, grad_y, ws, part, qpart, apart)
+                self.partial(grad_out, y, stats, params, post_params, affine, ws, qpart, apart, win)
+            self.launch(grad_out, y, stats, params, post_params, affine, grad_y, ws, part, qpart, apart, win)
         # NOTE: torch's reduction over a fixed shape runs in a fixed order: bitwise reproducible sums.
         return tuple([buf[k].sum(0) if w else None for k, w in enumerate(slots)]
                      for buf, slots in ((part, self.pre_slots), (qpart, self.post_slots), (apart, self.affine_slots)))  # fmt: skip
