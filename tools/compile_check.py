@@ -5,7 +5,7 @@
         [--tiles T;...] [--dgrad-tiles T;...] [--wgrad-tiles T;...]
 
 KERNEL (a job; none: all): ``conv_fused``, ``conv_dense``, ``conv_fused_bwd``, ``conv_phase_aligned_bwd``,
-``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``, ``batch_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
+``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``, ``batch_norm``, ``layer_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
 compile for the GPU; on ``conv_global_mean``'s default path such a kernel makes the op fall back to
 the slow torch reference (with one warning).  Run this after every change to a kernel.
 
@@ -80,6 +80,14 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
   (``bench``: Conv2d 64->64 over (32, 64, 128, 128) -> BatchNorm2d -> ReLU), the same channels-last
   (``bench_cl``) and a Conv3d output with a chain of operands (``conv3d_chain``: (4, 48, 16, 32, 32));
   ``fp32``, ``bf16``.  Cases ``{bench,bench_cl,conv3d_chain}-{fp32,bf16}``, all by default.
+* ``layer_norm``: ``kernels/layer_norm.py``'s forward (saving the statistics) and backward (every
+  gradient wanted) on the ``families`` LayerNorm demo's conv output (``bench``: Conv2d 64->64 over (32,
+  64, 64, 64) -> LayerNorm([C, H, W]) -> ReLU: walking sample rows split into chunks), the same
+  channels-last (``bench_cl``), a ConvTranspose3d output normalised over W alone (``w_rows``: (16, 64,
+  32, 64, 64) -> LayerNorm(W) -> GELU -> x scale: the packed kernels), the same channels-last
+  (``w_rows_cl``: channels-fast, rows-last tiles), and rows of (H, W) too long to pack with both chains
+  (``hw_rows``: (8, 32, 96, 96), walking rows of one channel); ``fp32``, ``bf16``.  Cases
+  ``{bench,bench_cl,w_rows,w_rows_cl,hw_rows}-{fp32,bf16}``, all by default.
 
 Options for some jobs only (given for another job: an error): ``--tiles 'M,N,K,warps,stages;...'``
 (``conv_fused``) or ``'M,K,warps,stages;...'`` (``conv_dense``; N is the conv's); ``--dgrad-tiles``
@@ -146,6 +154,7 @@ from fusion_backend.kernels import conv_phase_aligned_bwd as S  # noqa: E402
 from fusion_backend.kernels import epilogue as EP  # noqa: E402
 from fusion_backend.kernels import global_mean as GM  # noqa: E402
 from fusion_backend.kernels import group_norm as GN  # noqa: E402
+from fusion_backend.kernels import layer_norm as LN  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
 from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef  # noqa: E402
@@ -284,6 +293,40 @@ def batch_norm_pass(workload: str, dtype: str) -> None:
     BN.batch_norm_apply(y, bias, steps, post_params, affine, stats, torch.empty_like(y))
     BN.batch_norm_backward(torch.empty_like(y), y, bias, steps, post_params, affine, stats, torch.empty_like(y),
                            [True] * len(steps))
+
+
+#: The layer_norm job's workloads: conv output shape, normalized dims, channels-last, pre-chain, post-chain.
+LAYER_NORM_WORKLOADS = {
+    "bench": ((32, 64, 64, 64), 3, False, (), (ChainStep(PointwiseKind.RELU),)),
+    "bench_cl": ((32, 64, 64, 64), 3, True, (), (ChainStep(PointwiseKind.RELU),)),
+    "w_rows": ((16, 64, 32, 64, 64), 1, False, (), (ChainStep(PointwiseKind.GELU), ChainStep(PointwiseKind.MUL, (TensorRef(1),)))),
+    "w_rows_cl": ((16, 64, 32, 64, 64), 1, True, (), (ChainStep(PointwiseKind.GELU), ChainStep(PointwiseKind.MUL, (TensorRef(1),)))),
+    "hw_rows": ((8, 32, 96, 96), 2, False, EPILOGUE_CHAIN, (ChainStep(PointwiseKind.MUL, (TensorRef(1),)),)),
+}
+
+
+def layer_norm_pass(workload: str, dtype: str) -> None:
+    """``kernels/layer_norm.py``'s forward (saving the statistics) and backward as
+    ``fusion::conv_layer_norm`` calls them, on ``LAYER_NORM_WORKLOADS[workload]``; every gradient wanted."""
+    shape, dims, channels_last, pre, post = LAYER_NORM_WORKLOADS[workload]
+    dt = BACKWARD_DTYPES[dtype]
+    c = shape[1]
+    fmt = (torch.channels_last if len(shape) == 4 else torch.channels_last_3d) if channels_last else torch.contiguous_format
+    y = torch.empty(shape, dtype=dt, memory_format=fmt)
+    ones = [torch.ones(c, *[1] * (len(shape) - 2))] * 2
+    spec = ConvSpec(False, (1,), (0,), (1,), (0,), 1)
+    pre_steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=spec, chain=pre), ones, y.dim(), c)
+    post_steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=spec, chain=post), ones, y.dim(), c)
+    params = EP.build_params(pre_steps, torch.zeros(c, dtype=dt), c, y.device)
+    post_params = EP.build_params(post_steps, None, c, y.device)
+    geo = LN.row_geometry(shape, dims)
+    affine = torch.empty(2, geo.elements, dtype=torch.float32)
+    out, stats = torch.empty(shape, dtype=dt), torch.empty(2, geo.rows, dtype=torch.float32)
+    with mock.patch.object(LN, "sm_count", lambda device: H100_SMS):
+        LN.layer_norm_forward(y, dims, True, pre_steps, post_steps, 1e-5, params, post_params, affine, out, stats)
+        LN.layer_norm_backward(torch.empty_like(out), y, stats, dims, True, pre_steps, post_steps, params, post_params,
+                               affine, torch.empty_like(y), [True] * len(pre_steps), [True] * len(post_steps),
+                               (True, True))  # fmt: skip
 
 
 def conv_epilogue_forward(workload: str, dtype: str, save: bool) -> None:
@@ -505,6 +548,10 @@ JOBS = {job.name: job for job in (
     Job(
         "batch_norm", "kernels/batch_norm.py: conv_batch_norm's kernels (the families BatchNorm-training demo, channels-last, a Conv3d chain)",
         {f"{w}-{d}": partial(batch_norm_pass, w, d) for w in BATCH_NORM_WORKLOADS for d in ("fp32", "bf16")},
+    ),
+    Job(
+        "layer_norm", "kernels/layer_norm.py: conv_layer_norm's kernels (the families LayerNorm demo, LayerNorm(W) packed rows, long (H, W) rows; channels-last)",
+        {f"{w}-{d}": partial(layer_norm_pass, w, d) for w in LAYER_NORM_WORKLOADS for d in ("fp32", "bf16")},
     ),
 )}  # fmt: skip
 TILE_OPTIONS = ("tiles", "dgrad_tiles", "wgrad_tiles")
