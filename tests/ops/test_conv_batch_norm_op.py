@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fusion_backend.errors import KernelError, UnsupportedInputError
-from fusion_backend.ir.specs import ConvSpec
+from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.ops.chain import ChainStep, ChainValue, PointwiseKind, TensorRef
 from fusion_backend.ops.conv_batch_norm import (
     ConvBatchNormConfig,
@@ -162,16 +162,18 @@ def test_kernel_path_names_the_reason_for_the_reference() -> None:
     assert path == "reference" and "float64" in why
 
 
-def test_opcheck_forward_backward_and_running_update(kernels, kernel_device) -> None:
+@pytest.mark.parametrize("pool", [None, PoolSpec("max", (3, 3), (2, 2), (1, 1))], ids=["no pool", "max pool"])
+def test_opcheck_forward_backward_and_running_update(pool, kernels, kernel_device) -> None:
     dev = device_of(kernels, kernel_device)
-    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, False, POST)
+    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, False, POST, pool=pool)
     x, w, b, *ops = [t.to(dev).requires_grad_() for t in make(CONV2D, 3, 4, (5, 6), 0)]
     torch.library.opcheck(conv_batch_norm_fwd, (x, w, b, ops, cfg.to_json(), True),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))  # fmt: skip
     detached = [t.detach() for t in (x, w, b)]
-    out, saved_y, stats = conv_batch_norm_fwd(*detached, [o.detach() for o in ops], cfg.to_json(), True)
+    out, saved_y, winner, stats = conv_batch_norm_fwd(*detached, [o.detach() for o in ops], cfg.to_json(), True)
+    assert winner.dtype == torch.int8 and winner.shape == out.shape if pool else winner.numel() == 0
     torch.library.opcheck(conv_batch_norm_bwd, (torch.randn_like(out), *detached, [o.detach() for o in ops], saved_y,
-                                                stats, cfg.to_json(), [True] * 7),
+                                                winner, stats, cfg.to_json(), [True] * 7),
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
     running = (torch.zeros(4, device=dev), torch.ones(4, device=dev))
     torch.library.opcheck(batch_norm_running_update, (*running, stats, 0.1), test_utils=("test_schema", "test_faketensor"))
@@ -181,7 +183,8 @@ def test_saved_state_is_the_conv_output_and_the_channel_statistics(kernels, kern
     dev = device_of(kernels, kernel_device)
     x, w, b, *ops = [t.to(dev) for t in make(CONV2D, 3, 6, (5, 6), 1)]
     cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1)
-    out, saved_y, stats = conv_batch_norm_fwd(x, w, b, ops, cfg.to_json(), True)
+    out, saved_y, winner, stats = conv_batch_norm_fwd(x, w, b, ops, cfg.to_json(), True)
+    assert winner.numel() == 0  # no pool
     y0 = F.conv2d(x, w, None, (1, 2), (1, 0))
     assert saved_y.shape == y0.shape and torch.equal(saved_y, y0)  # without the bias
     v = (y0 + b.view(1, -1, 1, 1)).transpose(0, 1).reshape(6, -1)
@@ -189,7 +192,7 @@ def test_saved_state_is_the_conv_output_and_the_channel_statistics(kernels, kern
     torch.testing.assert_close(stats[0], v.mean(-1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stats[1], (v.var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(stats[2], v.var(-1, unbiased=True), rtol=1e-4, atol=1e-5)
-    _, saved_y, stats = conv_batch_norm_fwd(x, w, b, ops, cfg.to_json(), False)
+    _, saved_y, _, stats = conv_batch_norm_fwd(x, w, b, ops, cfg.to_json(), False)
     assert saved_y.numel() == 0 and stats.shape == (3, 6)  # the statistics feed the running update
 
 

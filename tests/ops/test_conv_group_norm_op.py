@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fusion_backend.errors import KernelError, UnsupportedInputError
-from fusion_backend.ir.specs import ConvSpec
+from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef
 from fusion_backend.ops.conv_epilogue.common import apply_chain
 from fusion_backend.ops.conv_group_norm import (
@@ -156,16 +156,19 @@ def test_kernel_path_names_the_reason_for_the_reference() -> None:
     assert kernel_path(config, torch.float32, "meta")[0] == "reference"
 
 
-def test_opcheck_forward_and_backward(kernels, kernel_device) -> None:
-    cfg = ConvGroupNormConfig(CONV2D, 2, 1e-5, 0, 1, PRE, POST)
+@pytest.mark.parametrize("pool", [None, PoolSpec("max", (3, 3), (2, 2), (1, 1))], ids=["no pool", "max pool"])
+def test_opcheck_forward_and_backward(pool, kernels, kernel_device) -> None:
+    cfg = ConvGroupNormConfig(CONV2D, 2, 1e-5, 0, 1, PRE, POST, pool=pool)
     x, w, b, *ops = make(CONV2D, 3, 4, (5, 6), 0, operands(4, 0))
     dev = kernel_device if kernels != "reference" else "cpu"
     args = [t.to(dev).requires_grad_() for t in (x, w, b)]
     ops = [t.to(dev).requires_grad_() for t in ops]
     torch.library.opcheck(conv_group_norm_fwd, (*args, ops, cfg.to_json(), True),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))  # fmt: skip
-    out, saved_y, stats = conv_group_norm_fwd(*[a.detach() for a in args], [o.detach() for o in ops], cfg.to_json(), True)
-    bwd_args = (torch.randn_like(out), *[a.detach() for a in args], [o.detach() for o in ops], saved_y, stats,
+    out, saved_y, winner, stats = conv_group_norm_fwd(*[a.detach() for a in args], [o.detach() for o in ops],
+                                                      cfg.to_json(), True)  # fmt: skip
+    assert winner.dtype == torch.int8 and winner.shape == out.shape if pool else winner.numel() == 0
+    bwd_args = (torch.randn_like(out), *[a.detach() for a in args], [o.detach() for o in ops], saved_y, winner, stats,
                 cfg.to_json(), [True] * 7)  # fmt: skip
     torch.library.opcheck(conv_group_norm_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
 
@@ -174,15 +177,16 @@ def test_saved_state_is_the_conv_output_and_the_group_statistics(kernels, kernel
     dev = kernel_device if kernels != "reference" else "cpu"
     x, w, b, *ops = [t.to(dev) for t in make(CONV2D, 3, 6, (5, 6), 1, operands(6, 1))]
     cfg = ConvGroupNormConfig(CONV2D, 3, 1e-5, 0, 1, PRE, ())
-    out, saved_y, stats = conv_group_norm_fwd(x, w, b, ops, cfg.to_json(), True)
+    out, saved_y, winner, stats = conv_group_norm_fwd(x, w, b, ops, cfg.to_json(), True)
+    assert winner.numel() == 0  # no pool
     y0 = F.conv2d(x, w, None, (1, 2), (1, 0))
     assert saved_y.shape == y0.shape and torch.equal(saved_y, y0)  # without the bias
     v = apply_chain(y0 + b.view(1, -1, 1, 1), PRE, ops).reshape(2, 3, -1)
     assert stats.shape == (2, 2, 3) and stats.dtype == torch.float32
     torch.testing.assert_close(stats[0], v.mean(-1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stats[1], (v.var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-4, atol=1e-5)
-    _, saved_y, stats = conv_group_norm_fwd(x, w, b, ops, cfg.to_json(), False)
-    assert saved_y.numel() == stats.numel() == 0
+    _, saved_y, winner, stats = conv_group_norm_fwd(x, w, b, ops, cfg.to_json(), False)
+    assert saved_y.numel() == winner.numel() == stats.numel() == 0
 
 
 # ------------------------------------------------------------------------------------------------

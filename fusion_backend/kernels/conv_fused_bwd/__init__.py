@@ -10,7 +10,7 @@ through a loader that computes it on the fly from one of two implicit forms:
   the gradient at each window's winner (``grad_out * chain'(y0_winner)``), ``winner`` the winner's
   row-major index inside its window (int8/int32, the format ``epilogue_forward`` saves).  Then
   ``g[n, c, o] = sum over windows j containing o with winner[n, c, j] == offset of o in j of
-  g_win[n, c, j]`` (overlapping windows are summed, exactly like ``_scatter_to_windows``).
+  g_win[n, c, j]`` (overlapping windows are summed, exactly like ``ops/conv_epilogue/reference.scatter_to_windows``).
 * An avg pool (form c) is NOT offered: ``g`` at ``o`` is ``sum_j grad[j] / div_j * chain'(y0[o])``,
   so the loader would need the full-size saved ``y0`` and the whole pointwise-chain derivative
   template (op codes, operand matrix) of ``kernels/epilogue.py`` inside the GEMM loops.  Use the

@@ -2,8 +2,10 @@
 conv output's gradient from the output gradient, the saved conv output and the per-channel
 statistics (the post-chain and the norm differentiated in registers; the per-channel sums the norm's
 gradient needs combined in a fixed order between them), which also give the norm's weight and bias
-gradients and the chain's operand gradients; then the library conv backward (``conv_epilogue``'s
-``run_conv_backward``: aten / cuDNN) gives the gradients of x, the weight and the bias.
+gradients and the chain's operand gradients (behind a pool, each position's gradient gathered from
+the pooled gradient inside both kernels: a max pool's only at the saved winners); then the library
+conv backward (``conv_epilogue``'s ``run_conv_backward``: aten / cuDNN) gives the gradients of x, the
+weight and the bias.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from .forward import KernelChain
 
 
 def backward_triton(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
-                    saved_y: Tensor, saved_stats: Tensor, cfg: ConvBatchNormConfig,
+                    saved_y: Tensor, saved_winner: Tensor, saved_stats: Tensor, cfg: ConvBatchNormConfig,
                     mask: Sequence[bool]) -> list[Tensor | None]:  # fmt: skip
-    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False)."""
+    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False).  With a
+    pool ``grad_out`` is the pooled result's gradient; the kernels gather each position's share (a max
+    pool's at its winners, ``saved_winner``) where they read it."""
     from ...kernels.batch_norm import batch_norm_backward
 
     grad_y = torch.empty(saved_y.shape, dtype=saved_y.dtype, device=x.device,
@@ -31,7 +35,7 @@ def backward_triton(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | 
     operand_mask = list(mask[3:])
     dgamma, dbeta, post_sums = batch_norm_backward(
         grad_out, saved_y, chain.bias, chain.post, chain.post_params, chain.affine, saved_stats[:2], grad_y,
-        wanted_slots(cfg.post, operand_mask),
+        wanted_slots(cfg.post, operand_mask), cfg.pool, saved_winner if saved_winner.numel() else None,
     )  # fmt: skip
     grad_x, grad_w, grad_b = run_conv_backward(grad_y, x, weight, cfg.conv, mask[0], mask[1], bool(mask[2]))
     grads = operand_grads(cfg, operands, operand_mask, [], post_sums)

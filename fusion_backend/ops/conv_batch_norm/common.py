@@ -18,7 +18,15 @@ from torch import Tensor
 from ...errors import UnsupportedInputError
 from ...kernels.host import kernels_unavailable
 from ..conv_epilogue.common import empty_placeholder, in_format, output_memory_format
-from ..conv_group_norm.common import affine_rows, norm_dtype, output_dtype, stats_dtype
+from ..conv_group_norm.common import (
+    affine_rows,
+    allocate_result,
+    describe_pool,
+    norm_dtype,
+    output_dtype,
+    pool_unroll_problem,
+    stats_dtype,
+)
 from ..failure import op_kernel_failed, triton_serves
 from .config import ConvBatchNormConfig
 
@@ -29,8 +37,8 @@ _OP = "fusion::conv_batch_norm"
 
 def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str, str | None]:
     """``("triton", None)`` when the Triton kernels serve this case, else ``("reference", why)``."""
-    ConvBatchNormConfig.from_json(config)  # a valid config
-    why = kernels_unavailable(dtype, device_type)
+    cfg = ConvBatchNormConfig.from_json(config)
+    why = kernels_unavailable(dtype, device_type) or pool_unroll_problem(cfg.pool)
     return ("reference", why) if why is not None else ("triton", None)
 
 
@@ -45,7 +53,7 @@ def describe(cfg: ConvBatchNormConfig) -> str:
     """``batch_norm(eps=1e-05, momentum=0.1, weight, bias) -> post [relu]`` for messages."""
     affine = "".join([", weight" if cfg.weight is not None else "", ", bias" if cfg.bias is not None else ""])
     post = ", ".join(s.kind.name.lower() for s in cfg.post)
-    return f"batch_norm(eps={cfg.eps:g}, momentum={cfg.momentum:g}{affine}) -> post [{post}]"
+    return f"batch_norm(eps={cfg.eps:g}, momentum={cfg.momentum:g}{affine}) -> post [{post}]{describe_pool(cfg.pool)}"
 
 
 def on_kernel_failure(direction: str, config: str, cfg: ConvBatchNormConfig, x: Tensor, weight: Tensor,
@@ -99,11 +107,13 @@ def values_per_channel(y_shape: Sequence[int]) -> int:
 
 
 def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvBatchNormConfig,
-                             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Empty ``(out, saved_y, stats)`` with the exact shapes, dtypes and strides of the real op
-    (``y0``: the conv output without bias, real or fake).
+                             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Empty ``(out, saved_y, saved_winner, stats)`` with the exact shapes, dtypes and strides of the
+    real op (``y0``: the conv output without bias, real or fake).
 
-    * ``out``: y0's shape in ``output_memory_format(y0)``, dtype ``out_dtype`` (default the conv's).
+    * ``out`` and ``saved_winner``: ``conv_group_norm.common.allocate_result``'s (y0's shape, or with a
+      pool the pooled one, in ``output_memory_format(y0)``, dtype ``out_dtype``; the winners, int8 per
+      window, only with ``save`` and a max pool, else ``empty_placeholder(x)``).
     * ``saved_y`` (with ``save``, else ``empty_placeholder(x)``): the conv output without bias, y0
       itself where it is in ``output_memory_format(y0)`` already (a conv's output always is), else a
       copy in it.
@@ -111,10 +121,9 @@ def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvBatchNormConfig,
       0 the batch mean, row 1 ``1 / sqrt(var + eps)`` (``var`` biased; rows 0-1 are what the backward
       reads), row 2 the unbiased variance (what the running variance is updated with).
     """
-    fmt = output_memory_format(y0)
-    out = torch.empty(y0.shape, dtype=output_dtype(cfg, y0.dtype), device=x.device, memory_format=fmt)
+    out, winner = allocate_result(x, y0, cfg, save)
     stats = torch.empty([3, y0.shape[1]], dtype=stats_dtype(y0.dtype), device=x.device)
-    return out, (in_format(y0, fmt) if save else empty_placeholder(x)), stats
+    return out, (in_format(y0, output_memory_format(y0)) if save else empty_placeholder(x)), winner, stats
 
 
 def unbiased(var: Tensor, count: int) -> Tensor:

@@ -1,6 +1,6 @@
 """``ConvBatchNormConfig``: the static part of a ``fusion::conv_batch_norm`` call (conv parameters, eps,
 the running statistics' momentum, where the norm's weight and bias sit among the operands, the chain
-after the norm, dtypes, strict) and its JSON codec.
+after the norm, dtypes, strict, the pool that may end the region) and its JSON codec.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ...ir.specs import ConvSpec
+from ...ir.specs import ConvSpec, PoolSpec
 from ..chain import MAX_CHAIN_LENGTH, ChainStep, check_chain
 from ..config import chain_from_list, chain_to_list
 
@@ -35,6 +35,8 @@ class ConvBatchNormConfig:
       runs in it.
     * ``out_dtype``: dtype name of the region's result, ``None`` = the conv's.
     * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
+    * ``pool``: a max or avg pool of the conv's spatial dims over the post-chain's result (the
+      region's result is then the pooled value), or ``None``.
     """
 
     conv: ConvSpec
@@ -47,6 +49,7 @@ class ConvBatchNormConfig:
     norm_dtype: str | None = None
     out_dtype: str | None = None
     strict: bool = False
+    pool: PoolSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.eps >= 0.0:
@@ -64,6 +67,8 @@ class ConvBatchNormConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
                 raise ValueError(f"{name} {value!r} is not a torch dtype name")
+        if self.pool is not None and len(self.pool.kernel_size) != self.conv.spatial_dims:
+            raise ValueError(f"the pool {self.pool} does not have the conv's {self.conv.spatial_dims} spatial dims")
 
     @property
     def pre(self) -> tuple[ChainStep, ...]:
@@ -84,6 +89,7 @@ class ConvBatchNormConfig:
             "norm_dtype": self.norm_dtype,
             "out_dtype": self.out_dtype,
             "strict": self.strict,
+            "pool": None if self.pool is None else self.pool.to_dict(),
         }
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
@@ -107,4 +113,5 @@ def _parse_config(text: str) -> ConvBatchNormConfig:
         norm_dtype=d.get("norm_dtype"),
         out_dtype=d.get("out_dtype"),
         strict=bool(d.get("strict", False)),
+        pool=None if d.get("pool") is None else PoolSpec.from_dict(d["pool"]),
     )

@@ -2,7 +2,9 @@
 ``conv_epilogue``'s ``run_conv``) without bias, then the statistics kernel (per channel and chunk),
 their fixed-order combine, and the kernel that adds the bias, normalises, scales and shifts per
 channel, applies the post-chain and writes the result (``kernels/batch_norm.py``); the running
-statistics' update is a separate op (``op.py``).  Also the chain and operand rows as both
+statistics' update is a separate op (``op.py``).  Where the region ends in a max or avg pool, the
+normalise pass is ``kernels/norm_pool.py``'s, which writes only the pooled result (and the max pool's
+winners when the backward will need them).  Also the chain and operand rows as both
 directions' kernels take them (``KernelChain``).
 """
 
@@ -43,15 +45,25 @@ class KernelChain:
 
 
 def forward_triton(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvBatchNormConfig,
-                   save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(out, saved_y, stats)`` as ``common.allocate_forward_outputs`` lays them out."""
+                   save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(out, saved_y, saved_winner, stats)`` as ``common.allocate_forward_outputs`` lays them out.
+    With a pool the normalise pass is ``kernels/norm_pool.py``'s, which writes only the pooled result
+    (and, saving for a max pool's backward, each window's winner)."""
     from ...kernels.batch_norm import batch_norm_apply, batch_norm_stats, plan_for
 
     y0 = run_conv(x, weight, None, cfg.conv)
-    out, saved_y, stats = allocate_forward_outputs(x, y0, cfg, save)
+    out, saved_y, winner, stats = allocate_forward_outputs(x, y0, cfg, save)
     chain = KernelChain.build(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
     norm_stats, var = batch_norm_stats(y0, chain.bias, cfg.eps)
-    batch_norm_apply(y0, chain.bias, chain.post, chain.post_params, chain.affine, norm_stats, out)
+    if cfg.pool is None:
+        batch_norm_apply(y0, chain.bias, chain.post, chain.post_params, chain.affine, norm_stats, out)
+    else:
+        from ...kernels.epilogue import build_params
+        from ...kernels.norm_pool import norm_pool_forward
+
+        params = build_params([], bias, y0.shape[1], y0.device)  # the bias in its row, no pre-chain
+        norm_pool_forward(y0, bias is not None, [], chain.post, params, chain.post_params, chain.affine, norm_stats,
+                          cfg.pool, out, winner if winner.numel() else None)  # fmt: skip
     stats[:2].copy_(norm_stats)
     stats[2].copy_(unbiased(var, plan_for(y0)[0].values))
-    return out, saved_y, stats
+    return out, saved_y, winner, stats

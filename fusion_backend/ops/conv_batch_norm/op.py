@@ -36,9 +36,9 @@ from .forward import forward_triton
 
 
 def _fwd_impl(x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Tensor], config: str,
-              save_for_backward: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(out, saved_y, stats)`` (``common.allocate_forward_outputs``): the Triton path where it serves
-    the call, else (or when a kernel fails, per the failure policy) the reference."""
+              save_for_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(out, saved_y, saved_winner, stats)`` (``common.allocate_forward_outputs``): the Triton path
+    where it serves the call, else (or when a kernel fails, per the failure policy) the reference."""
     cfg = ConvBatchNormConfig.from_json(config)
     check_inputs(x, weight, operands, cfg)
     values_per_channel(conv_output_shape(x, weight, cfg.conv))
@@ -61,7 +61,8 @@ def _fwd_fake(x, weight, bias, operands, config, save_for_backward):
 
 
 def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Tensor],
-              saved_y: Tensor, saved_stats: Tensor, config: str, output_mask: list[bool]) -> list[Tensor]:  # fmt: skip
+              saved_y: Tensor, saved_winner: Tensor, saved_stats: Tensor, config: str,
+              output_mask: list[bool]) -> list[Tensor]:  # fmt: skip
     """``[grad_x, grad_weight, grad_bias, *grad_operands]``; entries whose mask is False are empty
     placeholders; the others have their input's shape, dtype and ``empty_like`` strides."""
     cfg = ConvBatchNormConfig.from_json(config)
@@ -73,11 +74,13 @@ def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, 
     grads = None
     if use_triton(config, cfg, x):
         try:
-            grads = backward_triton(grad_out, x, weight, bias, operands, saved_y, saved_stats, cfg, output_mask)
+            grads = backward_triton(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats, cfg,
+                                    output_mask)  # fmt: skip
         except Exception as e:  # any kernel failure takes the documented policy
             on_kernel_failure("backward", config, cfg, x, weight, e)
     if grads is None:
-        grads = reference.backward(grad_out, x, weight, bias, operands, saved_y, saved_stats, cfg, output_mask)
+        grads = reference.backward(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats, cfg,
+                                   output_mask)  # fmt: skip
     return backward_outputs(grads, [x, weight, bias, *operands], output_mask, x)
 
 
@@ -85,7 +88,7 @@ conv_batch_norm_bwd = torch.library.custom_op("fusion::conv_batch_norm_bwd", mut
 
 
 @conv_batch_norm_bwd.register_fake
-def _bwd_fake(grad_out, x, weight, bias, operands, saved_y, saved_stats, config, output_mask):
+def _bwd_fake(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats, config, output_mask):
     return fake_backward_outputs([x, weight, bias, *operands], output_mask, x)
 
 
@@ -127,8 +130,9 @@ def split_operands(operands: Sequence[Tensor], config: str) -> tuple[list[Tensor
 
 def conv_batch_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                     config: str) -> Tensor:  # fmt: skip
-    """``post(batch_norm(conv(x, weight, bias), training=True) * gamma + beta).to(out_dtype)`` as one
-    fused op, updating the running statistics as eager's batch norm does.
+    """``pool(post(batch_norm(conv(x, weight, bias), training=True) * gamma + beta)).to(out_dtype)`` as
+    one fused op (the pool only with ``config.pool``), updating the running statistics as eager's
+    batch norm does.
 
     Args:
         x: ``(N, C_in, *spatial)``, 1-3 spatial dims, the conv's dtype; any layout.
@@ -141,13 +145,15 @@ def conv_batch_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
         config: ``ConvBatchNormConfig.to_json()``.
 
     Returns:
-        The conv output's shape, in its memory format; dtype ``out_dtype`` (default the conv's).
+        The conv output's shape (with ``config.pool``, the pooled shape), in its memory format; dtype
+        ``out_dtype`` (default the conv's).
         Differentiable in x, weight, bias and every chain or affine operand.  State for the backward
-        (the conv output and the (3, C) statistics) is kept only when autograd will need it.
+        (the conv output, the (3, C) statistics and a max pool's int8 winners) is kept only when
+        autograd will need it.
     """
     ops, running_mean, running_var = split_operands(operands, config)
     save = records_backward(x, weight, bias, ops)
-    out, _, stats = torch.ops.fusion.conv_batch_norm_fwd(x, weight, bias, ops, config, save)
+    out, _, _, stats = torch.ops.fusion.conv_batch_norm_fwd(x, weight, bias, ops, config, save)
     if running_mean is not None:
         momentum = ConvBatchNormConfig.from_json(config).momentum
         torch.ops.fusion.batch_norm_running_update(running_mean, running_var, stats, momentum)
@@ -164,7 +170,7 @@ def _conv_batch_norm_direct(x, weight, bias, operands, config):
     if records_backward(x, weight, bias, ops):
         out, stats = _DirectConvBatchNorm.apply(config, x, weight, bias, *ops)
     else:
-        out, _, stats = _fwd_impl(x, weight, bias, ops, config, False)
+        out, _, _, stats = _fwd_impl(x, weight, bias, ops, config, False)
     if running_mean is not None:
         with torch.no_grad():
             _running_update_impl(running_mean, running_var, stats, ConvBatchNormConfig.from_json(config).momentum)

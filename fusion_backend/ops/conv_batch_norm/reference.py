@@ -3,7 +3,8 @@ cover, and the tests' definition of the op): ``forward`` runs eager's ops (``ate
 in training mode) and writes the same output and saved
 state as the kernels; ``backward`` applies ``aten.native_batch_norm_backward`` and the chain's
 derivative (``conv_epilogue``'s tape helpers) to the values recomputed from the saved conv output and
-statistics.
+statistics; a pool after the chain is eager's pool (``run_pool``), its gradient ``conv_epilogue``'s
+reference's.
 
 NOTE: the norm runs on the conv output cast to the statistics' dtype (fp32; fp64 for an fp64 conv),
 the dtype eager's batch norm accumulates in for every input dtype it takes.
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..conv_epilogue.common import apply_chain, channel_view, run_conv, run_conv_backward
-from ..conv_epilogue.reference import chain_backward, chain_with_tape
+from ..conv_epilogue.reference import chain_backward, chain_with_tape, pool_input_grad, pool_saving_winners
 from .common import allocate_forward_outputs, norm_dtype, output_dtype, values_per_channel
 from .config import ConvBatchNormConfig
 
@@ -27,14 +28,15 @@ def _affine(operands: Sequence[Tensor], index: int | None, dtype: torch.dtype) -
 
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvBatchNormConfig,
-            save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do).
+            save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do); a
+    max pool's winners from ``return_indices``, as the kernels save them (``window_winners``).
 
     NOTE: ``native_batch_norm`` runs with running statistics of zeros and momentum 1, so that they
     come back as eager's own batch mean and unbiased variance (the update's operands)."""
     y0 = run_conv(x, weight, None, cfg.conv)
     values_per_channel(y0.shape)
-    out, saved_y, stats = allocate_forward_outputs(x, y0, cfg, save)
+    out, saved_y, winner, stats = allocate_forward_outputs(x, y0, cfg, save)
     yb = y0 if bias is None else y0 + channel_view(bias.to(y0.dtype), y0.dim())
     sdt = stats.dtype
     batch_mean, batch_var = (torch.zeros(y0.shape[1], dtype=sdt, device=y0.device) for _ in range(2))
@@ -43,18 +45,21 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
         1.0, cfg.eps,
     )  # fmt: skip
     result = apply_chain(z.to(norm_dtype(cfg, y0.dtype)), cfg.post, operands)
-    out.copy_(result.to(output_dtype(cfg, y0.dtype)))
+    out.copy_(pool_saving_winners(result, cfg.pool, winner).to(output_dtype(cfg, y0.dtype)))
     stats[0].copy_(mean)
     stats[1].copy_(rstd)
     stats[2].copy_(batch_var)
-    return out, saved_y, stats
+    return out, saved_y, winner, stats
+
 
 
 def backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], saved_y: Tensor,
-    saved_stats: Tensor, cfg: ConvBatchNormConfig, mask: Sequence[bool],
+    saved_winner: Tensor, saved_stats: Tensor, cfg: ConvBatchNormConfig, mask: Sequence[bool],
 ) -> list[Tensor | None]:  # fmt: skip
-    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False)."""
+    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False).  Behind a
+    pool the gradient of the chain's full-size result comes from ``pool_input_grad`` (a max pool's
+    summed into each window's saved winner)."""
     operand_mask = list(mask[3:])
     sdt = saved_stats.dtype
     yb = saved_y if bias is None else saved_y + channel_view(bias.to(saved_y.dtype), saved_y.dim())
@@ -68,7 +73,10 @@ def backward(
         z = z + channel_view(beta, z.dim())
     z = z.to(norm_dtype(cfg, saved_y.dtype))
     out, post_tape = chain_with_tape(z, cfg.post, operands)
-    grad_z, post_grads = chain_backward(post_tape, grad_out.to(out.dtype), operands, operand_mask)
+    grad = grad_out.to(out.dtype)
+    if cfg.pool is not None:
+        grad = pool_input_grad(grad, out, saved_winner, cfg.pool)
+    grad_z, post_grads = chain_backward(post_tape, grad, operands, operand_mask)
     want_w = cfg.weight is not None and operand_mask[cfg.weight]
     want_b = cfg.bias is not None and operand_mask[cfg.bias]
     grad_v, grad_gamma, grad_beta = torch.ops.aten.native_batch_norm_backward(

@@ -2,7 +2,10 @@
 cover): ``forward`` writes the same outputs and saved state as the kernels; ``backward`` applies
 torch's own derivative formulas to the chain recomputed from the saved state.  ``chain_with_tape``
 and ``chain_backward`` (a chain's forward with what its backward needs, and that backward) are
-shared with ``ops/conv_channel_reduce``'s reference, whose chains run before and after a reduction.
+shared with ``ops/conv_channel_reduce``'s reference, whose chains run before and after a reduction;
+``pool_saving_winners``, ``window_winners`` and ``pool_input_grad`` (a pool with its max pool's winners
+as the kernels save them, a pool's input gradient) with the references of the other families whose
+region ends in a pool.
 """
 
 import math
@@ -64,16 +67,7 @@ def forward(
     pool = cfg.pool
     if pool is not None and pool.kind == "max" and save:
         v, flat = run_pool(v, pool, return_indices=True)
-        # Flat in-plane index -> row-major index within the window.
-        spatial = list(y0.shape[2:])
-        win = torch.zeros_like(flat)
-        for j, (origin, stride, k_stride) in enumerate(
-            zip(_window_origins(flat.shape, pool, flat.device), _window_strides(spatial),
-                _window_strides(pool.kernel_size), strict=True)
-        ):  # fmt: skip
-            coord = (flat // stride) % spatial[j]
-            win = win + (coord - origin) * k_stride
-        saved_winner = in_format(win.to(winner_dtype(pool)), fmt)
+        saved_winner = in_format(window_winners(flat, y0.shape[2:], pool), fmt)
         gathered = y0.reshape(y0.shape[0], y0.shape[1], -1).gather(
             2, flat.reshape(flat.shape[0], flat.shape[1], -1)
         )
@@ -111,10 +105,10 @@ def backward(
     v, tape = chain_with_tape(y, cfg.chain, operands)
     grad_v = grad_out.to(v.dtype)
     if pool is not None and not is_max:
-        grad_v = _avg_pool_backward(grad_v, v, pool)
+        grad_v = avg_pool_backward(grad_v, v, pool)
     grad_y, grad_operands = chain_backward(tape, grad_v, operands, mask[3:])
     if is_max:
-        grad_y = _scatter_to_windows(grad_y, saved_winner, conv_output_shape(x, weight, cfg.conv), pool)
+        grad_y = scatter_to_windows(grad_y, saved_winner, conv_output_shape(x, weight, cfg.conv), pool)
     # The bias gradient comes from the same aten call as eager's: on these heavily cancelling sums
     # any other summation order differs from eager by ~1e-4 (from float64 by as much), this one by 0.
     grad_x, grad_w, grad_bias = run_conv_backward(
@@ -227,7 +221,43 @@ def _step_vjp(
     raise AssertionError(f"unhandled pointwise kind {kind}")
 
 
-def _avg_pool_backward(grad: Tensor, v: Tensor, pool: PoolSpec) -> Tensor:
+def window_winners(flat: Tensor, spatial: Sequence[int], pool: PoolSpec) -> Tensor:
+    """A max pool's winners as the kernels save them (``winner_dtype``: each window's row-major tap
+    index) from ``return_indices``' ``flat`` (each window's winner as a flat index into its
+    (sample, channel) plane of ``spatial`` sizes)."""
+    spatial = list(spatial)
+    win = torch.zeros_like(flat)
+    for j, (origin, stride, k_stride) in enumerate(
+        zip(_window_origins(flat.shape, pool, flat.device), _window_strides(spatial),
+            _window_strides(pool.kernel_size), strict=True)
+    ):  # fmt: skip
+        coord = (flat // stride) % spatial[j]
+        win = win + (coord - origin) * k_stride
+    return win.to(winner_dtype(pool))
+
+
+def pool_saving_winners(v: Tensor, pool: PoolSpec | None, winner: Tensor) -> Tensor:
+    """``run_pool(v, pool)`` (``v`` itself without a pool); a max pool's winners written into
+    ``winner`` (``window_winners``' layout) unless it is a placeholder (no element)."""
+    if pool is None:
+        return v
+    if pool.kind != "max" or winner.numel() == 0:
+        return run_pool(v, pool)
+    result, flat = run_pool(v, pool, return_indices=True)
+    winner.copy_(window_winners(flat, v.shape[2:], pool))
+    return result
+
+
+def pool_input_grad(grad: Tensor, v: Tensor, winner: Tensor | None, pool: PoolSpec) -> Tensor:
+    """The gradient at the input ``v`` (full size) of ``run_pool(v, pool)`` from the pooled gradient
+    ``grad``: an avg pool's with torch's backward, a max pool's summed into each window's winner
+    (``winner``: ``window_winners``' int8 / int32, grad's shape)."""
+    if pool.kind == "max":
+        return scatter_to_windows(grad, winner, v.shape, pool)
+    return avg_pool_backward(grad, v, pool)
+
+
+def avg_pool_backward(grad: Tensor, v: Tensor, pool: PoolSpec) -> Tensor:
     """Gradient of ``run_pool(v, pool)`` (an avg pool) w.r.t. ``v``."""
     k, s, p = list(pool.kernel_size), list(pool.stride), list(pool.padding)
     args = (pool.ceil_mode, pool.count_include_pad, pool.divisor_override)
@@ -239,7 +269,7 @@ def _avg_pool_backward(grad: Tensor, v: Tensor, pool: PoolSpec) -> Tensor:
     return fn(grad, v, k, s, p, *args)
 
 
-def _scatter_to_windows(grad_w: Tensor, winner: Tensor, y_shape: Sequence[int], pool: PoolSpec) -> Tensor:
+def scatter_to_windows(grad_w: Tensor, winner: Tensor, y_shape: Sequence[int], pool: PoolSpec) -> Tensor:
     """Full-size (N, C, *spatial) gradient from per-window gradients at the winners (summing)."""
     spatial = list(y_shape[2:])
     rem = winner.to(torch.int64)

@@ -1,9 +1,11 @@
 """The Triton backward of ``fusion::conv_group_norm``: ``kernels/group_norm.py``'s backward (one
 launch, or two where large groups are split into chunks) writes the conv output's gradient from the
 output gradient, the saved conv output and the group statistics (the post-chain, the norm and the
-pre-chain differentiated in registers) plus fixed-order partial sums of the norm's weight and bias
-gradients and of the chains' operand gradients; then the library conv backward (``conv_epilogue``'s
-``run_conv_backward``: aten / cuDNN) gives the gradients of x, the weight and the bias.
+pre-chain differentiated in registers; behind a pool, each position's gradient gathered from the
+pooled gradient where the kernels read it, a max pool's only at the saved winners) plus fixed-order
+partial sums of the norm's weight and bias gradients and of the chains' operand gradients; then the
+library conv backward (``conv_epilogue``'s ``run_conv_backward``: aten / cuDNN) gives the gradients
+of x, the weight and the bias.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from .forward import KernelChains
 
 
 def backward_triton(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
-                    saved_y: Tensor, saved_stats: Tensor, cfg: ConvGroupNormConfig,
+                    saved_y: Tensor, saved_winner: Tensor, saved_stats: Tensor, cfg: ConvGroupNormConfig,
                     mask: Sequence[bool]) -> list[Tensor | None]:  # fmt: skip
-    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False)."""
+    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False).  With a
+    pool ``grad_out`` is the pooled result's gradient; the kernels gather each position's share (a max
+    pool's at its winners, ``saved_winner``) where they read it."""
     from ...kernels.group_norm import group_norm_backward
 
     grad_y = torch.empty(saved_y.shape, dtype=saved_y.dtype, device=x.device,
@@ -33,7 +37,8 @@ def backward_triton(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | 
     pre_sums, post_sums, affine_sums = group_norm_backward(
         grad_out, saved_y, saved_stats, bias is not None, chains.pre, chains.post, cfg.groups, chains.params,
         chains.post_params, chains.affine, grad_y, wanted_slots(cfg.pre, operand_mask),
-        wanted_slots(cfg.post, operand_mask), affine_wanted,
+        wanted_slots(cfg.post, operand_mask), affine_wanted, pool=cfg.pool,
+        winner=saved_winner if saved_winner.numel() else None,
     )  # fmt: skip
     grad_x, grad_w, grad_b = run_conv_backward(grad_y, x, weight, cfg.conv, mask[0], mask[1], bool(mask[2]))
     grads = operand_grads(cfg, operands, operand_mask, pre_sums, post_sums)

@@ -10,24 +10,45 @@ The conv itself, its backward, the chain semantics and the outputs' memory forma
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ...errors import UnsupportedInputError
+from ...ir.specs import PoolSpec
 from ...kernels.host import kernels_unavailable
-from ..conv_epilogue.common import empty_placeholder, in_format, output_memory_format
+from ..conv_epilogue.common import (
+    empty_placeholder,
+    in_format,
+    output_memory_format,
+    pooled_output_shape,
+    winner_dtype,
+)
 from ..failure import op_kernel_failed, triton_serves
 from .config import ConvGroupNormConfig
+
+if TYPE_CHECKING:
+    from ..conv_batch_norm.config import ConvBatchNormConfig
 
 _OP = "fusion::conv_group_norm"
 
 
 def kernel_path(config: str, dtype: torch.dtype, device_type: str) -> tuple[str, str | None]:
     """``("triton", None)`` when the Triton kernels serve this case, else ``("reference", why)``."""
-    ConvGroupNormConfig.from_json(config)  # a valid config
-    why = kernels_unavailable(dtype, device_type)
+    cfg = ConvGroupNormConfig.from_json(config)
+    why = kernels_unavailable(dtype, device_type) or pool_unroll_problem(cfg.pool)
     return ("reference", why) if why is not None else ("triton", None)
+
+
+def pool_unroll_problem(pool: PoolSpec | None) -> str | None:
+    """Why the pooled normalise kernel (``kernels/norm_pool.py``) cannot take ``pool``, or None: its
+    windows are unrolled, at most ``MAX_WINDOW_VOLUME`` taps."""
+    from ...kernels.chain_math import MAX_WINDOW_VOLUME  # lazily: TRITON_INTERPRET is read at import
+
+    if pool is not None and pool.window_volume > MAX_WINDOW_VOLUME:
+        return f"pool window of {pool.window_volume} taps exceeds the kernel's unroll limit {MAX_WINDOW_VOLUME}"
+    return None
 
 
 def use_triton(config: str, cfg: ConvGroupNormConfig, x: Tensor) -> bool:
@@ -50,7 +71,16 @@ def describe(cfg: ConvGroupNormConfig) -> str:
         return ", ".join(s.kind.name.lower() for s in steps)
 
     affine = "".join([", weight" if cfg.weight is not None else "", ", bias" if cfg.bias is not None else ""])
-    return f"pre [{chain(cfg.pre)}] -> group_norm({cfg.groups} groups, eps={cfg.eps:g}{affine}) -> post [{chain(cfg.post)}]"
+    return (f"pre [{chain(cfg.pre)}] -> group_norm({cfg.groups} groups, eps={cfg.eps:g}{affine}) -> post "
+            f"[{chain(cfg.post)}]{describe_pool(cfg.pool)}")
+
+
+def describe_pool(pool: PoolSpec | None) -> str:
+    """`` -> max_pool(k=(3, 3), s=(2, 2), p=(1, 1), ceil_mode=False)`` for messages ('' without a pool)."""
+    if pool is None:
+        return ""
+    return (f" -> {pool.kind}_pool(k={pool.kernel_size}, s={pool.stride}, p={pool.padding}, "
+            f"ceil_mode={pool.ceil_mode})")
 
 
 def conv_channels(weight: Tensor, cfg: ConvGroupNormConfig) -> int:
@@ -111,24 +141,42 @@ def stats_dtype(conv_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if conv_dtype == torch.float64 else torch.float32
 
 
-def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvGroupNormConfig,
-                             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Empty ``(out, saved_y, saved_stats)`` with the exact shapes, dtypes and strides of the real op
-    (``y0``: the conv output without bias, real or fake).
+def allocate_result(x: Tensor, y0: Tensor, cfg: ConvGroupNormConfig | ConvBatchNormConfig,
+                    save: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Empty ``(out, saved_winner)`` of a norm family's op (``y0``: the conv output without bias, real
+    or fake), shared with ``conv_batch_norm``.
 
-    * ``out``: y0's shape in ``output_memory_format(y0)``, dtype ``out_dtype`` (default the conv's).
+    * ``out``: y0's shape, or with ``cfg.pool`` the pooled shape (``pooled_output_shape``), in
+      ``output_memory_format(y0)``, dtype ``out_dtype`` (default the conv's).
+    * ``saved_winner`` (with ``save`` and a max pool, else ``empty_placeholder(x)``): each window's
+      winner as its row-major tap index, ``winner_dtype`` (int8 up to 127 taps), out's shape and strides.
+    """
+    fmt = output_memory_format(y0)
+    shape = y0.shape if cfg.pool is None else pooled_output_shape(y0.shape, cfg.pool)
+    out = torch.empty(shape, dtype=output_dtype(cfg, y0.dtype), device=x.device, memory_format=fmt)
+    if not save or cfg.pool is None or cfg.pool.kind != "max":
+        return out, empty_placeholder(x)
+    return out, torch.empty(shape, dtype=winner_dtype(cfg.pool), device=x.device, memory_format=fmt)
+
+
+def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvGroupNormConfig,
+                             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Empty ``(out, saved_y, saved_winner, saved_stats)`` with the exact shapes, dtypes and strides of
+    the real op (``y0``: the conv output without bias, real or fake).
+
+    * ``out`` and ``saved_winner``: ``allocate_result``'s (the pooled shape with a pool; the winners
+      only with ``save`` and a max pool).
     * ``saved_y`` (with ``save``): the conv output without bias, y0 itself where it is in
       ``output_memory_format(y0)`` already (a conv's output always is), else a copy in it.
     * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, N, groups)`` contiguous: row 0 each
       group's mean, row 1 its ``1 / sqrt(var + eps)`` (of the pre-chain's result, bias included).
     Absent entries are ``empty_placeholder(x)``.
     """
-    fmt = output_memory_format(y0)
-    out = torch.empty(y0.shape, dtype=output_dtype(cfg, y0.dtype), device=x.device, memory_format=fmt)
+    out, winner = allocate_result(x, y0, cfg, save)
     if not save:
-        return out, empty_placeholder(x), empty_placeholder(x)
+        return out, empty_placeholder(x), winner, empty_placeholder(x)
     stats = torch.empty([2, y0.shape[0], cfg.groups], dtype=stats_dtype(y0.dtype), device=x.device)
-    return out, in_format(y0, fmt), stats
+    return out, in_format(y0, output_memory_format(y0)), winner, stats
 
 
 def affine_rows(operands: Sequence[Tensor], cfg: ConvGroupNormConfig, channels: int, device) -> Tensor:

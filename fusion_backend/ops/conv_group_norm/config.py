@@ -1,6 +1,6 @@
 """``ConvGroupNormConfig``: the static part of a ``fusion::conv_group_norm`` call (conv parameters,
 the chain before the norm, the number of groups, eps, where the norm's weight and bias sit among the
-operands, the chain after the norm, dtypes, strict) and its JSON codec.
+operands, the chain after the norm, dtypes, strict, the pool that may end the region) and its JSON codec.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ...ir.specs import ConvSpec
+from ...ir.specs import ConvSpec, PoolSpec
 from ..chain import MAX_CHAIN_LENGTH, ChainStep, check_chain
 from ..config import chain_from_list, chain_to_list
 
@@ -33,6 +33,8 @@ class ConvGroupNormConfig:
       bf16 conv output), ``None`` = the conv's.  The post-chain runs in it.
     * ``out_dtype``: dtype name of the region's result, ``None`` = the conv's.
     * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
+    * ``pool``: a max or avg pool of the conv's spatial dims over the post-chain's result (the
+      region's result is then the pooled value), or ``None``.
 
     Nothing here depends on tensor sizes but ``groups``, which the conv's weight fixes.
     """
@@ -47,6 +49,7 @@ class ConvGroupNormConfig:
     norm_dtype: str | None = None
     out_dtype: str | None = None
     strict: bool = False
+    pool: PoolSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.groups, int) or self.groups < 1:
@@ -65,6 +68,8 @@ class ConvGroupNormConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
                 raise ValueError(f"{name} {value!r} is not a torch dtype name")
+        if self.pool is not None and len(self.pool.kernel_size) != self.conv.spatial_dims:
+            raise ValueError(f"the pool {self.pool} does not have the conv's {self.conv.spatial_dims} spatial dims")
 
     def to_json(self) -> str:
         """Canonical JSON (sorted keys, no spaces): equal configs give equal strings."""
@@ -79,6 +84,7 @@ class ConvGroupNormConfig:
             "norm_dtype": self.norm_dtype,
             "out_dtype": self.out_dtype,
             "strict": self.strict,
+            "pool": None if self.pool is None else self.pool.to_dict(),
         }
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
@@ -102,4 +108,5 @@ def _parse_config(text: str) -> ConvGroupNormConfig:
         norm_dtype=d.get("norm_dtype"),
         out_dtype=d.get("out_dtype"),
         strict=bool(d.get("strict", False)),
+        pool=None if d.get("pool") is None else PoolSpec.from_dict(d["pool"]),
     )

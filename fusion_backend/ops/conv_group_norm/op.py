@@ -22,9 +22,9 @@ from .forward import forward_triton
 
 
 def _fwd_impl(x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Tensor], config: str,
-              save_for_backward: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(out, saved_y, saved_stats)`` (``common.allocate_forward_outputs``): the Triton path where it
-    serves the call, else (or when a kernel fails, per the failure policy) the reference."""
+              save_for_backward: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(out, saved_y, saved_winner, saved_stats)`` (``common.allocate_forward_outputs``): the Triton
+    path where it serves the call, else (or when a kernel fails, per the failure policy) the reference."""
     cfg = ConvGroupNormConfig.from_json(config)
     check_inputs(x, weight, operands, cfg)
     if use_triton(config, cfg, x):
@@ -46,7 +46,8 @@ def _fwd_fake(x, weight, bias, operands, config, save_for_backward):
 
 
 def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Tensor],
-              saved_y: Tensor, saved_stats: Tensor, config: str, output_mask: list[bool]) -> list[Tensor]:  # fmt: skip
+              saved_y: Tensor, saved_winner: Tensor, saved_stats: Tensor, config: str,
+              output_mask: list[bool]) -> list[Tensor]:  # fmt: skip
     """``[grad_x, grad_weight, grad_bias, *grad_operands]``; entries whose mask is False are empty
     placeholders; the others have their input's shape, dtype and ``empty_like`` strides."""
     cfg = ConvGroupNormConfig.from_json(config)
@@ -58,11 +59,13 @@ def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, 
     grads = None
     if use_triton(config, cfg, x):
         try:
-            grads = backward_triton(grad_out, x, weight, bias, operands, saved_y, saved_stats, cfg, output_mask)
+            grads = backward_triton(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats, cfg,
+                                    output_mask)  # fmt: skip
         except Exception as e:  # any kernel failure takes the documented policy
             on_kernel_failure("backward", config, cfg, x, weight, e)
     if grads is None:
-        grads = reference.backward(grad_out, x, weight, bias, operands, saved_y, saved_stats, cfg, output_mask)
+        grads = reference.backward(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats, cfg,
+                                   output_mask)  # fmt: skip
     return backward_outputs(grads, [x, weight, bias, *operands], output_mask, x)
 
 
@@ -70,7 +73,7 @@ conv_group_norm_bwd = torch.library.custom_op("fusion::conv_group_norm_bwd", mut
 
 
 @conv_group_norm_bwd.register_fake
-def _bwd_fake(grad_out, x, weight, bias, operands, saved_y, saved_stats, config, output_mask):
+def _bwd_fake(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats, config, output_mask):
     return fake_backward_outputs([x, weight, bias, *operands], output_mask, x)
 
 
@@ -92,9 +95,10 @@ def conv_group_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
         config: ``ConvGroupNormConfig.to_json()``.
 
     Returns:
-        The conv output's shape, in its memory format; dtype ``out_dtype`` (default the conv's).
-        Differentiable in x, weight, bias and every operand.  State for the backward (the conv output
-        and the (2, N, groups) statistics) is kept only when autograd will need it.
+        The conv output's shape (with ``config.pool``, the pooled shape), in its memory format; dtype
+        ``out_dtype`` (default the conv's).  Differentiable in x, weight, bias and every operand.
+        State for the backward (the conv output, the (2, N, groups) statistics and a max pool's int8
+        winners) is kept only when autograd will need it.
     """
     save = records_backward(x, weight, bias, operands)
     return torch.ops.fusion.conv_group_norm_fwd(x, weight, bias, list(operands), config, save)[0]

@@ -2,7 +2,8 @@
 cover, and the tests' definition of the op): ``forward`` runs eager's ops and writes the same output
 and saved state as the kernels; ``backward`` applies torch's derivative formulas (the chains' with
 ``conv_epilogue``'s tape helpers, the norm's with ``aten.native_group_norm_backward``) to the values
-recomputed from the saved conv output and statistics.
+recomputed from the saved conv output and statistics; a pool after the chain is eager's pool, its
+gradient ``conv_epilogue``'s reference's.
 
 NOTE: the norm runs as ``aten.native_group_norm`` on the pre-chain's result cast to the statistics'
 dtype (fp32; fp64 for an fp64 conv), which is what eager's group norm computes in for every dtype it
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..conv_epilogue.common import apply_chain, channel_view, run_conv, run_conv_backward
-from ..conv_epilogue.reference import chain_backward, chain_with_tape
+from ..conv_epilogue.reference import chain_backward, chain_with_tape, pool_input_grad, pool_saving_winners
 from .common import allocate_forward_outputs, norm_dtype, output_dtype, stats_dtype
 from .config import ConvGroupNormConfig
 
@@ -32,10 +33,11 @@ def _sizes(v: Tensor) -> tuple[int, int, int]:
 
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvGroupNormConfig,
-            save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do)."""
+            save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do); a
+    max pool's winners from ``return_indices``, as the kernels save them (``window_winners``)."""
     y0 = run_conv(x, weight, None, cfg.conv)
-    out, saved_y, stats = allocate_forward_outputs(x, y0, cfg, save)
+    out, saved_y, winner, stats = allocate_forward_outputs(x, y0, cfg, save)
     yb = y0 if bias is None else y0 + channel_view(bias.to(y0.dtype), y0.dim())
     v = apply_chain(yb, cfg.pre, operands)
     sdt = stats_dtype(y0.dtype)
@@ -45,11 +47,11 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
         cfg.groups, cfg.eps,
     )  # fmt: skip
     result = apply_chain(z.to(norm_dtype(cfg, y0.dtype)), cfg.post, operands)
-    out.copy_(result.to(output_dtype(cfg, y0.dtype)))
+    out.copy_(pool_saving_winners(result, cfg.pool, winner).to(output_dtype(cfg, y0.dtype)))
     if save:
         stats[0].copy_(mean.reshape(n, cfg.groups))
         stats[1].copy_(rstd.reshape(n, cfg.groups))
-    return out, saved_y, stats
+    return out, saved_y, winner, stats
 
 
 def normalized(v: Tensor, stats: Tensor, groups: int) -> Tensor:
@@ -61,9 +63,11 @@ def normalized(v: Tensor, stats: Tensor, groups: int) -> Tensor:
 
 def backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], saved_y: Tensor,
-    saved_stats: Tensor, cfg: ConvGroupNormConfig, mask: Sequence[bool],
+    saved_winner: Tensor, saved_stats: Tensor, cfg: ConvGroupNormConfig, mask: Sequence[bool],
 ) -> list[Tensor | None]:  # fmt: skip
-    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False)."""
+    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False).  Behind a
+    pool the gradient of the post-chain's full-size result comes from ``pool_input_grad`` (a max
+    pool's summed into each window's saved winner)."""
     operand_mask = list(mask[3:])
     sdt = saved_stats.dtype
     yb = saved_y if bias is None else saved_y + channel_view(bias.to(saved_y.dtype), saved_y.dim())
@@ -76,7 +80,10 @@ def backward(
         z = z + channel_view(beta, z.dim())
     z = z.to(norm_dtype(cfg, saved_y.dtype))
     out, post_tape = chain_with_tape(z, cfg.post, operands)
-    grad_z, post_grads = chain_backward(post_tape, grad_out.to(out.dtype), operands, operand_mask)
+    grad = grad_out.to(out.dtype)
+    if cfg.pool is not None:
+        grad = pool_input_grad(grad, out, saved_winner, cfg.pool)
+    grad_z, post_grads = chain_backward(post_tape, grad, operands, operand_mask)
     n, c, hw = _sizes(v)
     want_w = cfg.weight is not None and operand_mask[cfg.weight]
     want_b = cfg.bias is not None and operand_mask[cfg.bias]
