@@ -181,7 +181,7 @@ class ConvEpiloguePattern(ConvAnchoredPattern):
 #: Normalizations with statistics per sample (or per group of channels), by function name, and the
 #: family that takes each (None: none yet).
 _SAMPLE_NORMS = {"group_norm": ("GroupNorm", "conv_group_norm"), "instance_norm": ("InstanceNorm", "conv_group_norm"),
-                 "layer_norm": ("LayerNorm", None)}
+                 "layer_norm": ("LayerNorm", "conv_layer_norm")}
 #: Reductions that, over the conv's channels, the ``conv_channel_reduce`` family takes.
 _REDUCTIONS = {"softmax", "log_softmax", "min", "max", "amin", "amax", "sum", "mean", "logsumexp"}
 

@@ -162,15 +162,16 @@ class GroupNorm:
 class LayerNorm:
     """``F.layer_norm`` over the trailing ``len(normalized_shape)`` dims: each slice over those dims
     normalised by its own mean and biased variance, then ``* weight + bias`` elementwise (each of the
-    normalized shape, either may be ``None``).  ``normalized_shape`` holds Python ints, or is ``None``
-    when it is not known at compile time (traced sizes, ``dynamic=True``)."""
+    normalized shape, either may be ``None``).  ``normalized_shape`` holds Python ints and ``eps`` is a
+    number, or each is ``None`` when it is not known at compile time (traced sizes; ``dynamic=True``
+    lifts a module's float attributes such as ``eps`` to graph inputs)."""
 
     node: fx.Node
     input: fx.Node
     normalized_shape: Optional[tuple[int, ...]]
     weight: ValueRef
     bias: ValueRef
-    eps: float
+    eps: Optional[float]
 
 
 @dataclass(frozen=True)

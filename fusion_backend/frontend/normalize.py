@@ -437,9 +437,11 @@ def _group_norm(node: fx.Node, b: Optional[dict[str, Any]]) -> Optional[GroupNor
 
 
 def _layer_norm(node: fx.Node, b: Optional[dict[str, Any]]) -> Optional[LayerNorm]:
-    if not b or not isinstance(b["eps"], (int, float)) or isinstance(b["eps"], bool):
-        return None  # a traced eps: nothing to fuse at compile time
-    return LayerNorm(node, b["input"], _static_shape(b["normalized_shape"]), b["weight"], b["bias"], float(b["eps"]))
+    if not b:
+        return None
+    eps = b["eps"]
+    eps = float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None  # None: traced
+    return LayerNorm(node, b["input"], _static_shape(b["normalized_shape"]), b["weight"], b["bias"], eps)
 
 
 def _static_shape(shape: Any) -> Optional[tuple[int, ...]]:

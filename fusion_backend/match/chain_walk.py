@@ -9,7 +9,9 @@ inside the region).  ``pointwise_step`` turns one canonical ``Pointwise`` op int
 The region object a ``ChainValues`` works on is duck-typed: it has the lists ``steps``
 (``ChainStep``s), ``step_nodes`` (the graph nodes after the start, one per op), ``operands`` (the fused
 op's tensor operands) and ``labels`` (one per step node, for the summary); ``ChainPart`` is the plain
-one.  ``grow_chain_after`` grows the chain that ends a region (after a norm or a reduction).
+one.  ``grow_chain_after`` grows the chain that ends a region (after a norm or a reduction);
+``grow_chain_before`` the one from a conv output up to a norm, and ``op_ahead`` tells whether such a
+norm is in sight at all.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from ..frontend.canonical import BatchNorm, ParamRef, Pointwise, Pool
+from ..frontend.normalize import describe_target
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, ChainValue, PointwiseKind, TensorRef
 from ..report import NearMiss, ReasonKind
 from .engine import MatchContext, fake_of
@@ -256,3 +259,67 @@ def grow_chain_after(
         notes = [ctx.near_miss(pattern, anchor, read_outside, ReasonKind.SHARED_INTERMEDIATE,
                                after.outside_users(read_outside))]
     return notes
+
+
+def op_ahead(ctx: MatchContext, node: fx.Node, kind: type, lookahead: int = 8) -> bool:
+    """Whether an op of canonical type ``kind`` (a norm) reading the chain follows ``node`` within
+    ``lookahead`` pointwise steps (DAG chains included): a family anchored at that norm reports near
+    misses only for the convs it could have taken."""
+    frontier, seen = [node], {node}
+    for _ in range(lookahead):
+        following = []
+        for current in frontier:
+            for user in current.users:
+                op = ctx.op(user)
+                if isinstance(op, kind) and getattr(op, "input", None) is current:
+                    return True
+                if isinstance(op, Pointwise) and user not in seen:
+                    seen.add(user)
+                    following.append(user)
+        frontier = following
+    return False
+
+
+@dataclass
+class ChainBefore:
+    """The pointwise chain from a conv output to the first op of a kind (``grow_chain_before``):
+    ``part`` its steps, ``values`` what it computed, ``stop`` the op's node and ``last`` the chain's
+    value there."""
+
+    part: ChainPart
+    values: ChainValues
+    stop: fx.Node
+    last: fx.Node
+
+
+def grow_chain_before(
+    ctx: MatchContext, pattern: str, anchor: fx.Node, y: Any, dtypes: Sequence[torch.dtype], kind: type, what: str,
+) -> Union[ChainBefore, NearMiss]:  # fmt: skip
+    """Grow the pointwise chain from the conv output ``anchor`` up to the first op of canonical type
+    ``kind`` (a norm) and return it, or the near miss (of ``pattern``) where it stopped: a value read
+    outside the chain, an op that is not pointwise, ``MAX_CHAIN_LENGTH`` steps, or a step
+    ``pointwise_step`` refuses (``y`` and ``dtypes`` as there).  ``what`` names the op in messages
+    ("the layer norm")."""
+    part = ChainPart([])
+    values = ChainValues(anchor)
+    current = anchor
+    while True:
+        user, why = values.next_user(ctx, current, fusible=(Pointwise, kind))
+        if user is None:
+            return ctx.near_miss(pattern, anchor, current, ReasonKind.SHARED_INTERMEDIATE, why)
+        op = ctx.op(user)
+        if isinstance(op, kind):
+            return ChainBefore(part, values, user, current)
+        if not isinstance(op, Pointwise):
+            return ctx.near_miss(pattern, anchor, user, ReasonKind.UNSUPPORTED_OP,
+                                 f"`{user.name}` ({describe_target(user)}) before {what} is not a fusible pointwise op")
+        if len(part.steps) == MAX_CHAIN_LENGTH:
+            return ctx.near_miss(pattern, anchor, user, ReasonKind.CHAIN_TOO_LONG,
+                                 f"the chain before {what} holds at most {MAX_CHAIN_LENGTH} ops")
+        step = pointwise_step(ctx, pattern, anchor, op, current, part.operands, y, values, dtypes)
+        if isinstance(step, NearMiss):
+            return step
+        part.steps.append(step)
+        part.step_nodes.append(user)
+        part.labels.append(values.label(step))
+        current = values.computed(user, len(part.steps))

@@ -117,10 +117,9 @@ def test_near_misses_name_their_reason():
             assert words in misses[0][1], (name, misses)
 
 
-def test_layer_norm_is_not_this_family_and_conv_epilogue_says_so():
+def test_layer_norm_is_not_this_family_but_conv_layer_norms():
     regions, result = found(Block(lambda s, y: F.layer_norm(y, y.shape[1:])))
-    assert regions == [] and misses_of(result) == []
-    assert any("(LayerNorm), which is not fused yet" in m for _, m in misses_of(result, "conv_epilogue"))
+    assert regions == ["conv2d -> layer_norm[C, H, W]"] and misses_of(result) == []
 
 
 def test_channels_the_groups_do_not_divide_are_not_matched():

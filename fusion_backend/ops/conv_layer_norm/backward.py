@@ -1,0 +1,46 @@
+"""The Triton backward of ``fusion::conv_layer_norm``: ``kernels/layer_norm.py``'s backward (one
+launch for rows packed in tiles, two for rows walked in chunks) writes the conv output's gradient
+from the output gradient, the saved conv output and the row statistics (the post-chain, the norm and
+the pre-chain differentiated in registers) plus fixed-order partial sums of the norm's elementwise
+weight and bias gradients and of the chains' per-channel operand gradients; then the library conv
+backward (``conv_epilogue``'s ``run_conv_backward``: aten / cuDNN) gives the gradients of x, the
+weight and the bias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..conv_channel_reduce.backward import operand_grads, wanted_slots
+from ..conv_epilogue.common import output_memory_format, run_conv_backward
+from .common import kernel_chains
+from .config import ConvLayerNormConfig
+
+
+def backward_triton(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                    saved_y: Tensor, saved_stats: Tensor, cfg: ConvLayerNormConfig,
+                    mask: Sequence[bool]) -> list[Tensor | None]:  # fmt: skip
+    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False)."""
+    from ...kernels.layer_norm import layer_norm_backward
+
+    grad_y = torch.empty(saved_y.shape, dtype=saved_y.dtype, device=x.device,
+                         memory_format=output_memory_format(saved_y))  # fmt: skip
+    chains = kernel_chains(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device)
+    operand_mask = list(mask[3:])
+    affine_wanted = tuple(index is not None and bool(operand_mask[index]) for index in (cfg.weight, cfg.bias))
+    pre_sums, post_sums, affine_sums = layer_norm_backward(
+        grad_out, saved_y, saved_stats, cfg.normalized_dims, bias is not None, chains.pre, chains.post, chains.params,
+        chains.post_params, chains.affine, grad_y, wanted_slots(cfg.pre, operand_mask),
+        wanted_slots(cfg.post, operand_mask), affine_wanted,
+    )  # fmt: skip
+    grad_x, grad_w, grad_b = run_conv_backward(grad_y, x, weight, cfg.conv, mask[0], mask[1], bool(mask[2]))
+    grads = operand_grads(cfg, operands, operand_mask, pre_sums, post_sums)
+    for index, total in zip((cfg.weight, cfg.bias), affine_sums, strict=True):
+        if total is not None:
+            t = operands[index]
+            g = total.reshape(t.shape).to(t.dtype)
+            grads[index] = g if grads[index] is None else grads[index] + g
+    return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]

@@ -1,0 +1,116 @@
+"""``fusion::conv_layer_norm``'s entry points and registrations: ``conv_layer_norm`` (what rewritten
+graphs call), the two custom ops with their fakes, the autograd formula, and the autograd-free and
+direct implementations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..autograd_free import register_autograd_free
+from ..conv_epilogue.common import backward_outputs, fake_backward_outputs, run_conv
+from ..direct_impls import profiled, records_backward, register_direct
+from ..saved_state import direct_function, register_saved_state_autograd
+from . import reference
+from .backward import backward_triton
+from .common import allocate_forward_outputs, check_inputs, on_kernel_failure, use_triton
+from .config import ConvLayerNormConfig
+from .forward import forward_triton
+
+
+def _fwd_impl(x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Tensor], config: str,
+              save_for_backward: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(out, saved_y, saved_stats)`` (``common.allocate_forward_outputs``): the Triton path where it
+    serves the call, else (or when a kernel fails, per the failure policy) the reference."""
+    cfg = ConvLayerNormConfig.from_json(config)
+    check_inputs(x, weight, operands, cfg)
+    if use_triton(config, cfg, x):
+        try:
+            return forward_triton(x, weight, bias, operands, cfg, save_for_backward)
+        except Exception as e:  # any kernel failure takes the documented policy
+            on_kernel_failure("forward", config, cfg, x, weight, e)
+    return reference.forward(x, weight, bias, operands, cfg, save_for_backward)
+
+
+conv_layer_norm_fwd = torch.library.custom_op("fusion::conv_layer_norm_fwd", mutates_args=())(_fwd_impl)
+
+
+@conv_layer_norm_fwd.register_fake
+def _fwd_fake(x, weight, bias, operands, config, save_for_backward):
+    cfg = ConvLayerNormConfig.from_json(config)
+    y0 = run_conv(x, weight, None, cfg.conv)
+    return allocate_forward_outputs(x, y0, cfg, save_for_backward)
+
+
+def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Tensor],
+              saved_y: Tensor, saved_stats: Tensor, config: str, output_mask: list[bool]) -> list[Tensor]:  # fmt: skip
+    """``[grad_x, grad_weight, grad_bias, *grad_operands]``; entries whose mask is False are empty
+    placeholders; the others have their input's shape, dtype and ``empty_like`` strides."""
+    cfg = ConvLayerNormConfig.from_json(config)
+    if len(output_mask) != 3 + len(operands):
+        raise ValueError(f"output_mask needs {3 + len(operands)} entries, got {len(output_mask)}")
+    if saved_stats.dim() == 1:
+        raise RuntimeError("fusion::conv_layer_norm_bwd: the forward ran with save_for_backward=False; call "
+                           "conv_layer_norm() (which saves state when autograd needs it) instead of the raw op")
+    grads = None
+    if use_triton(config, cfg, x):
+        try:
+            grads = backward_triton(grad_out, x, weight, bias, operands, saved_y, saved_stats, cfg, output_mask)
+        except Exception as e:  # any kernel failure takes the documented policy
+            on_kernel_failure("backward", config, cfg, x, weight, e)
+    if grads is None:
+        grads = reference.backward(grad_out, x, weight, bias, operands, saved_y, saved_stats, cfg, output_mask)
+    return backward_outputs(grads, [x, weight, bias, *operands], output_mask, x)
+
+
+conv_layer_norm_bwd = torch.library.custom_op("fusion::conv_layer_norm_bwd", mutates_args=())(_bwd_impl)
+
+
+@conv_layer_norm_bwd.register_fake
+def _bwd_fake(grad_out, x, weight, bias, operands, saved_y, saved_stats, config, output_mask):
+    return fake_backward_outputs([x, weight, bias, *operands], output_mask, x)
+
+
+register_saved_state_autograd(conv_layer_norm_fwd, "conv_layer_norm")
+register_autograd_free(conv_layer_norm_fwd, _fwd_impl, _fwd_fake)
+register_autograd_free(conv_layer_norm_bwd, _bwd_impl, _bwd_fake)
+
+
+def conv_layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                    config: str) -> Tensor:  # fmt: skip
+    """``post(layer_norm(pre(conv(x, weight, bias))) * gamma + beta).to(out_dtype)`` as one fused op.
+
+    Args:
+        x: ``(N, C_in, *spatial)``, 1-3 spatial dims, the conv's dtype; any layout.
+        weight: conv weight, ``(C_out, C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``.
+        bias: ``(C_out,)`` or ``None``.
+        operands: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
+            (``prod(normalized_shape)`` values each), and the tensors the chains' ``TensorRef``
+            operands refer to.
+        config: ``ConvLayerNormConfig.to_json()``; the conv output's trailing sizes must be its
+            ``normalized_shape``.
+
+    Returns:
+        The conv output's shape, contiguous (as eager's layer norm returns it); dtype ``out_dtype``
+        (default the conv's).  Differentiable in x, weight, bias and every operand.  State for the
+        backward (the conv output and the (2, rows) statistics) is kept only when autograd will need it.
+    """
+    save = records_backward(x, weight, bias, operands)
+    return torch.ops.fusion.conv_layer_norm_fwd(x, weight, bias, list(operands), config, save)[0]
+
+
+_DirectConvLayerNorm = direct_function("conv_layer_norm", _fwd_impl, _bwd_impl)
+
+
+@profiled("fusion::conv_layer_norm_fwd")
+def _conv_layer_norm_direct(x, weight, bias, operands, config):
+    """``conv_layer_norm`` without the custom-op layers (the direct implementation; same contract)."""
+    if records_backward(x, weight, bias, operands):
+        return _DirectConvLayerNorm.apply(config, x, weight, bias, *operands)
+    return _fwd_impl(x, weight, bias, list(operands), config, False)[0]
+
+
+register_direct(conv_layer_norm, _conv_layer_norm_direct)
