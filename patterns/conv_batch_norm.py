@@ -1,11 +1,12 @@
 """Pattern family ``conv_batch_norm``: conv / conv-transpose → batch norm with batch statistics
-(training mode) → pointwise chain.
+(training mode) → pointwise chain → optional max / avg pool.
 
 Anchor: any ``Conv`` (1-3 spatial dims, transposed or not, any hyper-parameters) whose output is
 batched and floating point and read only by a ``BatchNorm`` canonical op with batch statistics:
 ``nn.BatchNorm{1,2,3}d`` in train mode (or without running statistics), ``F.batch_norm(...,
 training=True)``; affine or not, with or without running statistics, momentum a number.  A pointwise
-chain may follow the norm (per-channel operands included).  The fused op (``ops/conv_batch_norm/``)
+chain may follow the norm (per-channel operands included), then a max or avg pool of the conv's
+dimensionality (``match/pool_end.py``: the ResNet stem's ``MaxPool2d(3, 2, 1)``).  The fused op (``ops/conv_batch_norm/``)
 runs the conv once, the statistics and the normalisation in Triton kernels, and updates the running
 statistics in place as eager does.  ``nn.BatchNorm``'s ``num_batches_tracked += 1`` is a node of its
 own in Dynamo's graph, outside the region: it stays there and runs once per step, as in eager.
@@ -19,7 +20,8 @@ output read outside the norm, a pointwise op between the conv and the norm, a mo
 number (``momentum=None`` makes Dynamo break the graph at ``float(num_batches_tracked)``, so that norm
 never reaches a backend), a batch norm module call (it would hide ``num_batches_tracked``'s
 increment), a norm weight or bias that is not one value per channel, an unsupported dtype, a dynamic
-channel count, a pool after the chain, and the chain's own reasons.
+channel count, the chain's own reasons, and a pool after it that does not fuse (its input read
+elsewhere, another dimensionality, dilation or ``return_indices``, an adaptive pool).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ..match.chain_walk import (
     per_channel_problem,
 )
 from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
+from ..match.pool_end import pool_after
 from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
 from ..report import Match, NearMiss, ReasonKind
 
@@ -52,13 +55,15 @@ class BatchNormRegion:
     weight: Optional[int]
     bias: Optional[int]
     post: ChainPart
+    pool: Optional[Pool] = None
 
 
 @register_pattern
 class ConvBatchNormPattern(ConvAnchoredPattern):
     name = "conv_batch_norm"
     priority = 160
-    description = "conv/conv-transpose (1-3d) → batch norm with batch statistics (training mode) → pointwise chain"
+    description = ("conv/conv-transpose (1-3d) → batch norm with batch statistics (training mode) → pointwise chain "
+                   "→ optional max/avg pool")
 
     def match_conv(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
         anchor = conv.node
@@ -112,17 +117,16 @@ class ConvBatchNormPattern(ConvAnchoredPattern):
         weight = operand_index(norm.weight, post.operands)
         bias = operand_index(norm.bias, post.operands)
 
-        # the chain after the norm
-        def pool_ahead(node: fx.Node, op: Any, last: fx.Node) -> Optional[str]:
-            return f"`{node.name}`: pooling after a batch norm is not fused yet" if isinstance(op, Pool) else None
-
-        notes = grow_chain_after(ctx, self.name, anchor, user, post, y, FUSED_DTYPES, "the batch norm", refuse=pool_ahead)
+        # the chain after the norm, then an optional pool
+        notes = grow_chain_after(ctx, self.name, anchor, user, post, y, FUSED_DTYPES, "the batch norm")
         if any(v in (norm.running_mean, norm.running_var) for v in post.operands):
             return miss(user, ReasonKind.UNSUPPORTED_OPERAND, "the chain reads the running statistics the batch norm updates")
+        pool, pool_notes = pool_after(ctx, self.name, anchor, post.step_nodes[-1] if post.step_nodes else user,
+                                      conv.spec.spatial_dims)  # fmt: skip
 
-        region = BatchNormRegion(conv, norm, float(momentum), weight, bias, post)
-        nodes = [anchor, user, *post.step_nodes]
-        return Candidate(self.name, anchor, nodes, region, _summary(region), notes)
+        region = BatchNormRegion(conv, norm, float(momentum), weight, bias, post, pool)
+        nodes = [anchor, user, *post.step_nodes] + ([pool.node] if pool else [])
+        return Candidate(self.name, anchor, nodes, region, _summary(region), notes + pool_notes)
 
     def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:
         from ..ops import conv_batch_norm as op_module
@@ -142,6 +146,7 @@ class ConvBatchNormPattern(ConvAnchoredPattern):
             norm_dtype=dtype_name(normed.dtype) if normed.dtype != conv_fake.dtype else None,
             out_dtype=dtype_name(final.dtype) if final.dtype != conv_fake.dtype else None,
             strict=ctx.strict,
+            pool=region.pool.spec if region.pool else None,
         ).to_json()
         values = [*region.post.operands, *((norm.running_mean, norm.running_var) if running else ())]
         operands = [Deferred(lambda graph, ref=v: materialize(graph, ref)) if isinstance(v, ParamRef) else v
@@ -182,4 +187,6 @@ def _summary(region: BatchNormRegion) -> str:
     spec = region.conv.spec
     parts = [f"conv{'_transpose' if spec.transposed else ''}{spec.spatial_dims}d", "batch_norm(train)"]
     parts += region.post.labels
+    if region.pool:
+        parts.append(f"{region.pool.spec.kind}_pool{spec.spatial_dims}d")
     return " -> ".join(parts)

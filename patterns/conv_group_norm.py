@@ -1,14 +1,14 @@
 """Pattern family ``conv_group_norm``: conv / conv-transpose → pointwise chain → group norm or instance
-norm (batch statistics) → pointwise chain.
+norm (batch statistics) → pointwise chain → optional max / avg pool.
 
 Anchor: any ``Conv`` (1-3 spatial dims, transposed or not, any hyper-parameters) whose output is
 batched and floating point, followed, through an optional pointwise chain (``ops/chain.py``'s
 catalogue, DAG chains included, as ``conv_epilogue`` grows them), by a ``GroupNorm`` canonical op:
 ``nn.GroupNorm`` / ``F.group_norm`` / ``torch.group_norm``, or ``nn.InstanceNorm{1,2,3}d`` /
 ``F.instance_norm`` with batch statistics and no running statistics (one channel per group); affine or
-not.  A pointwise chain may follow the norm (per-channel operands included).  The fused op
-(``ops/conv_group_norm/``) runs the conv once and everything after it in one Triton kernel per
-direction.
+not.  A pointwise chain may follow the norm (per-channel operands included), then a max or avg pool
+of the conv's dimensionality (``match/pool_end.py``).  The fused op (``ops/conv_group_norm/``) runs
+the conv once and everything after it in one Triton kernel per direction.
 
 Priority 170: above ``conv_epilogue`` (100), which would otherwise take the conv and the chain before
 the norm and leave the norm to Inductor; above ``conv_channel_reduce`` (150), which never takes a
@@ -16,9 +16,11 @@ norm's conv (a region of each never shares a conv, so the order between them onl
 miss a conv gets); below ``conv_global_mean`` (200), whose algebraic route never writes the conv
 output.  Near misses (only where a group norm is in sight): an instance norm with running statistics,
 a norm weight or bias that is not one value per channel, a norm whose input is read outside the
-region, an unsupported dtype, a dynamic channel count, and the chains' own reasons.  A channel count
-that the groups do not divide is not matched (torch rejects it).  LayerNorm normalises over trailing
-dims, not channel groups: not this family (``conv_epilogue`` names it).
+region, an unsupported dtype, a dynamic channel count, the chains' own reasons, and a pool after the
+chain that does not fuse (its input read elsewhere, another dimensionality, dilation or
+``return_indices``, an adaptive pool).  A channel count that the groups do not divide is not matched
+(torch rejects it).  LayerNorm normalises over trailing dims, not channel groups: not this family
+(``conv_epilogue`` names it).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from ..frontend.canonical import Conv, GroupNorm, ParamRef, Pointwise
+from ..frontend.canonical import Conv, GroupNorm, ParamRef, Pointwise, Pool
 from ..frontend.normalize import describe_target
 from ..match.chain_walk import (
     ChainPart,
@@ -40,6 +42,7 @@ from ..match.chain_walk import (
     pointwise_step,
 )
 from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
+from ..match.pool_end import pool_after
 from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
 from ..ops.chain import MAX_CHAIN_LENGTH
 from ..report import Match, NearMiss, ReasonKind
@@ -57,6 +60,7 @@ class GroupNormRegion:
     weight: Optional[int]
     bias: Optional[int]
     post: ChainPart
+    pool: Optional[Pool] = None
 
 
 @register_pattern
@@ -64,7 +68,7 @@ class ConvGroupNormPattern(ConvAnchoredPattern):
     name = "conv_group_norm"
     priority = 170
     description = ("conv/conv-transpose (1-3d) → pointwise chain → group norm / instance norm (batch statistics) "
-                   "→ pointwise chain")
+                   "→ pointwise chain → optional max/avg pool")
 
     def match_conv(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
         anchor = conv.node
@@ -135,12 +139,14 @@ class ConvGroupNormPattern(ConvAnchoredPattern):
         weight = operand_index(norm.weight, post.operands)
         bias = operand_index(norm.bias, post.operands)
 
-        # 3. the chain after it
+        # 3. the chain after it, then an optional pool
         notes = grow_chain_after(ctx, self.name, anchor, user, post, y, FUSED_DTYPES, "the group norm")
+        pool, pool_notes = pool_after(ctx, self.name, anchor, post.step_nodes[-1] if post.step_nodes else user,
+                                      conv.spec.spatial_dims)  # fmt: skip
 
-        region = GroupNormRegion(conv, pre, norm, groups, weight, bias, post)
-        nodes = [anchor, *pre.step_nodes, user, *post.step_nodes]
-        return Candidate(self.name, anchor, nodes, region, _summary(region), notes)
+        region = GroupNormRegion(conv, pre, norm, groups, weight, bias, post, pool)
+        nodes = [anchor, *pre.step_nodes, user, *post.step_nodes] + ([pool.node] if pool else [])
+        return Candidate(self.name, anchor, nodes, region, _summary(region), notes + pool_notes)
 
     def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:
         from ..ops import conv_group_norm as op_module
@@ -159,6 +165,7 @@ class ConvGroupNormPattern(ConvAnchoredPattern):
             norm_dtype=dtype_name(normed.dtype) if normed.dtype != conv_fake.dtype else None,
             out_dtype=dtype_name(final.dtype) if final.dtype != conv_fake.dtype else None,
             strict=ctx.strict,
+            pool=region.pool.spec if region.pool else None,
         ).to_json()
         operands = [Deferred(lambda graph, ref=v: materialize(graph, ref)) if isinstance(v, ParamRef) else v
                     for v in region.post.operands]  # fmt: skip
@@ -191,4 +198,6 @@ def _summary(region: GroupNormRegion) -> str:
     name = "instance_norm" if region.norm.groups is None else f"group_norm({region.groups})"
     parts.append(name)
     parts += region.post.labels
+    if region.pool:
+        parts.append(f"{region.pool.spec.kind}_pool{spec.spatial_dims}d")
     return " -> ".join(parts)

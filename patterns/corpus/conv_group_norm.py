@@ -22,6 +22,10 @@ CASES = [
     CorpusCase("volumetric_instance_norm_leaky",
                lambda: (nn.Sequential(nn.Conv3d(2, 4, 3), nn.InstanceNorm3d(4), nn.LeakyReLU(0.2)), x_of(1, 2, 5, 6, 6)),
                regions=("conv3d -> instance_norm -> leaky_relu",)),
+    CorpusCase("encoder_block_group_norm_silu_max_pool",
+               lambda: (nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.MaxPool2d(2)),
+                        x_of(2, 3, 10, 10)),  # fmt: skip
+               regions=("conv2d -> group_norm(2) -> silu -> max_pool2d",)),
     # near misses
     CorpusCase("instance_norm_with_running_statistics",
                lambda: (nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8, track_running_stats=True)), x_of(2, 3, 9, 9)),
@@ -31,4 +35,9 @@ CASES = [
                lambda: (Then(nn.Conv2d(3, 8, 3), lambda y: (F.group_norm(y, 4), y)), x_of(2, 3, 9, 9)),
                near_misses=(("conv_group_norm", "shared_intermediate", "read again outside the chain (by `group_norm`, the graph output)"),
                             ("conv_epilogue", "shared_intermediate", "is used by `group_norm`"))),
+    CorpusCase("pooled_value_also_returned",
+               lambda: (Then(nn.Conv2d(3, 8, 3), lambda y: (lambda z: (F.avg_pool2d(z, 2), z))(F.silu(F.group_norm(y, 2)))),
+                        x_of(2, 3, 9, 9)),  # fmt: skip
+               regions=("conv2d -> group_norm(2) -> silu",),
+               near_misses=(("conv_group_norm", "shared_intermediate", "a pool whose input is read elsewhere"),)),
 ]

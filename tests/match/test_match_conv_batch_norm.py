@@ -106,10 +106,46 @@ def test_near_misses_say_why(name):
     assert any(r == reason and words in m for r, m in misses), misses
 
 
-def test_a_pool_after_the_chain_is_left_out_with_a_note():
-    regions, result = found(Block(lambda s, y: F.max_pool2d(F.relu(s.norm(y)), 2), norm=nn.BatchNorm2d(6)))
-    assert regions == ["conv2d -> batch_norm(train) -> relu"]
-    assert any("pooling after a batch norm is not fused yet" in m for _, m in misses_of(result))
+POOLS = {
+    "nn.MaxPool2d(3, 2, 1) after ReLU (the ResNet stem)": (None, lambda s, y: nn.MaxPool2d(3, 2, 1)(F.relu(s.norm(y))),
+                                                           X, "relu -> max_pool2d"),
+    "F.avg_pool2d ceil_mode, count_include_pad=False": (None, lambda s, y: F.avg_pool2d(
+        s.norm(y), 3, 2, 1, ceil_mode=True, count_include_pad=False), X, "batch_norm(train) -> avg_pool2d"),
+    "F.max_pool1d after Conv1d": (nn.Conv1d(3, 6, 3), lambda s, y: F.max_pool1d(F.gelu(s.norm(y)), 2), (torch.rand(2, 3, 9),),
+                                  "gelu -> max_pool1d"),
+    "nn.AvgPool3d divisor_override after ConvTranspose3d": (nn.ConvTranspose3d(3, 6, 2, stride=2), lambda s, y: nn.AvgPool3d(
+        2, divisor_override=3)(F.silu(s.norm(y))), (torch.rand(2, 3, 3, 3, 3),), "silu -> avg_pool3d"),
+}
+
+
+@pytest.mark.parametrize("name", list(POOLS))
+def test_a_max_or_avg_pool_of_the_convs_dimensionality_ends_the_region(name):
+    conv, body, inputs, ending = POOLS[name]
+    regions, result = found(Block(body, conv=conv, norm=nn.BatchNorm2d(6) if conv is None else
+                                  (nn.BatchNorm1d(6) if isinstance(conv, nn.Conv1d) else nn.BatchNorm3d(6))), inputs)  # fmt: skip
+    assert len(regions) == 1 and regions[0].endswith(ending) and "batch_norm(train)" in regions[0], regions
+    assert not misses_of(result) and result.counts() == {FAMILY: 1}
+
+
+POOL_NEAR_MISSES = {
+    "the pooled value read again": (lambda s, y: (lambda z: F.max_pool2d(z, 2) + z.mean())(F.relu(s.norm(y))),
+                                    "shared_intermediate", "a pool whose input is read elsewhere"),
+    "an adaptive pool": (lambda s, y: F.adaptive_avg_pool2d(F.relu(s.norm(y)), 2), "unsupported_op", "is an adaptive pool"),
+    "a global average pool": (lambda s, y: F.adaptive_avg_pool2d(F.relu(s.norm(y)), 1), "unsupported_op",
+                              "is an adaptive pool"),
+    "a dilated max pool": (lambda s, y: F.max_pool2d(F.relu(s.norm(y)), 2, dilation=2), "unsupported_argument",
+                           "dilation=2"),
+    "a 3-d pool after a 2-d conv": (lambda s, y: F.max_pool3d(F.relu(s.norm(y)), 2), "dimension_mismatch",
+                                    "a 3-d pool after a 2-d conv"),
+}
+
+
+@pytest.mark.parametrize("name", list(POOL_NEAR_MISSES))
+def test_a_pool_that_cannot_end_the_region_is_left_out_with_its_reason(name):
+    body, reason, words = POOL_NEAR_MISSES[name]
+    regions, result = found(Block(body, norm=nn.BatchNorm2d(6)))
+    assert regions == ["conv2d -> batch_norm(train) -> relu"], regions
+    assert any(r == reason and words in m for r, m in misses_of(result)), misses_of(result)
 
 
 def test_a_chain_value_read_outside_cuts_the_chain_there():

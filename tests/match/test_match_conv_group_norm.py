@@ -117,6 +117,31 @@ def test_near_misses_name_their_reason():
             assert words in misses[0][1], (name, misses)
 
 
+@pytest.mark.parametrize("conv, x, pool, label", [
+    (None, (2, 3, 9, 9), lambda z: F.max_pool2d(z, 3, 2, 1, ceil_mode=True), "conv2d -> group_norm(2) -> silu -> max_pool2d"),
+    (nn.Conv1d(3, 6, 3), (2, 3, 11), lambda z: F.avg_pool1d(z, 2), "conv1d -> group_norm(2) -> silu -> avg_pool1d"),
+    (nn.Conv3d(3, 6, 3), (1, 3, 5, 6, 6), lambda z: nn.MaxPool3d(2)(z), "conv3d -> group_norm(2) -> silu -> max_pool3d"),
+])  # fmt: skip
+def test_a_max_or_avg_pool_after_the_chain_ends_the_region(conv, x, pool, label):
+    regions, result = found(Block(lambda s, y: pool(F.silu(F.group_norm(y, 2, s.w, s.b))), conv=conv), (torch.rand(*x),))
+    assert regions == [label] and misses_of(result) == []
+
+
+def test_a_pool_that_cannot_end_the_region_is_left_out_with_its_reason():
+    cases = {
+        "the pooled value returned too": (lambda s, y: (lambda z: (F.avg_pool2d(z, 2), z))(F.silu(s.norm(y))),
+                                          "shared_intermediate", "a pool whose input is read elsewhere"),
+        "return_indices": (lambda s, y: F.max_pool2d(F.silu(s.norm(y)), 2, return_indices=True)[0],
+                           "unsupported_argument", "return_indices=True"),
+        "an adaptive max pool": (lambda s, y: F.adaptive_max_pool2d(F.silu(s.norm(y)), 3), "unsupported_op",
+                                 "is an adaptive pool"),
+    }
+    for name, (body, reason, words) in cases.items():
+        regions, result = found(Block(body, norm=nn.GroupNorm(3, 6)))
+        assert regions == ["conv2d -> group_norm(3) -> silu"], (name, regions)
+        assert any(r == reason and words in m for r, m in misses_of(result)), (name, misses_of(result))
+
+
 def test_layer_norm_is_not_this_family_but_conv_layer_norms():
     regions, result = found(Block(lambda s, y: F.layer_norm(y, y.shape[1:])))
     assert regions == ["conv2d -> layer_norm[C, H, W]"] and misses_of(result) == []
