@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from fusion_backend.errors import KernelError, UnsupportedInputError
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
-from fusion_backend.ops.chain import ChainStep, ChainValue, PointwiseKind, TensorRef
+from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef
 from fusion_backend.ops.conv_batch_norm import (
     ConvBatchNormConfig,
     batch_norm_running_update,
@@ -28,7 +28,7 @@ from fusion_backend.ops.conv_batch_norm import (
     conv_batch_norm_fwd,
     kernel_path,
 )
-from fusion_backend.ops.conv_epilogue.common import apply_chain
+from fusion_backend.ops.conv_epilogue.common import apply_chain, run_pool
 from fusion_backend.testing import TOLERANCES, compare, relative_error
 
 K = PointwiseKind
@@ -42,6 +42,8 @@ CONV2D = ConvSpec(False, (1, 2), (1, 0), (1, 1), (0, 0), 1)
 CONVT1D = ConvSpec(True, (2,), (1,), (1,), (1,), 1)
 CONV3D = ConvSpec(False, (1, 1, 1), (1, 1, 1), (1, 1, 1), (0, 0, 0), 2)
 
+#: A 3x3 max pool with stride 2 and padding 1 (the ResNet stem's): windows overlap.
+MAX_3_2_1 = PoolSpec("max", (3, 3), (2, 2), (1, 1))
 #: silu, x * s (scalar tensor), + p (per channel), a DAG step reading the silu's input again.
 POST = (ChainStep(K.SILU), ChainStep(K.MUL, (TensorRef(3),)), ChainStep(K.ADD, (TensorRef(2),)),
         ChainStep(K.ADD, (ChainValue(0),)))  # fmt: skip
@@ -59,7 +61,8 @@ def eager(x, w, b, operands, cfg: ConvBatchNormConfig, running=(None, None)):
     gamma = None if cfg.weight is None else operands[cfg.weight]
     beta = None if cfg.bias is None else operands[cfg.bias]
     z = F.batch_norm(y, running[0], running[1], gamma, beta, True, cfg.momentum, cfg.eps)
-    return apply_chain(z, cfg.post, operands)
+    out = apply_chain(z, cfg.post, operands)
+    return out if cfg.pool is None else run_pool(out, cfg.pool)
 
 
 def make(spec: ConvSpec, c_in: int, c_out: int, size: tuple[int, ...], seed: int, dtype=torch.float32, batch: int = 2):
@@ -231,14 +234,16 @@ def test_fp16_output_and_gradients(kernels, kernel_device) -> None:
     check(cfg, make(CONV2D, 3, 4, (5, 6), 5, dtype=torch.float16), device_of(kernels, kernel_device))
 
 
-@pytest.mark.parametrize("momentum,affine,tracked", [(0.1, True, True), (0.5, False, True), (0.1, True, False)],
-                         ids=["momentum 0.1 affine", "momentum 0.5 no affine", "no running statistics"])  # fmt: skip
-def test_running_statistics_follow_eager_over_steps(momentum, affine, tracked, kernels, kernel_device) -> None:
+@pytest.mark.parametrize("momentum,affine,tracked,pool", [
+    (0.1, True, True, None), (0.5, False, True, None), (0.1, True, False, None), (0.1, True, True, MAX_3_2_1)],
+    ids=["momentum 0.1 affine", "momentum 0.5 no affine", "no running statistics", "max pool after the chain"])  # fmt: skip
+def test_running_statistics_follow_eager_over_steps(momentum, affine, tracked, pool, kernels, kernel_device) -> None:
     """Three steps on fresh batches: the running mean and the (unbiased) running variance match eager's
-    ``F.batch_norm(training=True)`` after each; without running statistics nothing is updated."""
+    ``F.batch_norm(training=True)`` after each (a pool after the chain changes nothing there); without
+    running statistics nothing is updated."""
     dev = device_of(kernels, kernel_device)
     cfg = ConvBatchNormConfig(CONV2D, 1e-3, momentum, 0 if affine else None, 1 if affine else None, tracked,
-                              (ChainStep(K.RELU),), strict=True)  # fmt: skip
+                              (ChainStep(K.RELU),), strict=True, pool=pool)  # fmt: skip
     mine = [torch.zeros(4, device=dev), torch.ones(4, device=dev)]
     theirs = [t.clone() for t in mine]
     for step in range(3):
@@ -253,6 +258,78 @@ def test_running_statistics_follow_eager_over_steps(momentum, affine, tracked, k
         assert not torch.equal(mine[0], torch.zeros(4, device=dev))
     else:
         assert torch.equal(mine[0], torch.zeros(4, device=dev)) and torch.equal(mine[1], torch.ones(4, device=dev))
+
+
+# ------------------------------------------------------------------------------------------------
+# A pool after the chain
+# ------------------------------------------------------------------------------------------------
+
+LEAKY = ChainStep(K.LEAKY_RELU, (Const(0.1),))
+#: name -> (conv, C_in, C_out, spatial size, post, pool, batch, how x is made (or None))
+POOLED_CASES = {
+    # x is zero over its top rows: there the conv output is the bias exactly, so whole windows tie and
+    # the gradient (leaky_relu passes it) must go to the first maximum in window order, as eager's
+    "conv2d, leaky, max 3/2/1 (overlapping windows), tied windows": (
+        CONV2D, 3, 4, (9, 13), (LEAKY, ChainStep(K.ADD, (TensorRef(2),))), MAX_3_2_1, 2, "zero top"),
+    # beta -50 on channel 0: the ReLU zeroes the whole channel, every window ties at 0
+    "conv2d, relu zeroing a channel, max 2 ceil_mode, odd sizes": (
+        CONV2D, 3, 4, (7, 11), (ChainStep(K.RELU),), PoolSpec("max", (2, 2), ceil_mode=True), 2, "dead channel"),
+    "conv_transpose1d, gelu, avg 3/2/1 ceil_mode without the padding": (
+        CONVT1D, 3, 5, (6,), (ChainStep(K.GELU),), PoolSpec("avg", (3,), (2,), (1,), True, False), 3, None),
+    "conv2d, avg 2 with a divisor override": (
+        CONV2D, 3, 4, (6, 9), POST, PoolSpec("avg", (2, 2), padding=(1, 0), divisor_override=3), 2, None),
+    "conv3d groups, relu, max 2 ceil_mode, odd sizes": (
+        CONV3D, 4, 6, (3, 4, 5), (ChainStep(K.RELU),), PoolSpec("max", (2, 2, 2), ceil_mode=True), 1, None),
+}
+
+
+def pooled_tensors(name: str, dtype=torch.float32):
+    spec, c_in, c_out, size, _, _, batch, how = POOLED_CASES[name]
+    tensors = make(spec, c_in, c_out, size, len(name), batch=batch)
+    if how == "zero top":
+        tensors[0][..., : size[0] // 2 + 1, :] = 0.0
+    if how == "dead channel":
+        tensors[4][0] = -50.0
+    return [t.to(dtype) for t in tensors]
+
+
+@pytest.mark.parametrize("name", list(POOLED_CASES))
+def test_pooled_output_and_every_gradient_match_float64(name, kernels, kernel_device) -> None:
+    spec, _, _, _, post, pool, _, _ = POOLED_CASES[name]
+    cfg = ConvBatchNormConfig(spec, 1e-5, 0.1, 0, 1, False, post, pool=pool)
+    check(cfg, pooled_tensors(name), device_of(kernels, kernel_device))
+
+
+def test_pooled_channels_last_and_sliced_inputs(kernels, kernel_device) -> None:
+    dev = device_of(kernels, kernel_device)
+    name = "conv2d, leaky, max 3/2/1 (overlapping windows), tied windows"
+    spec, _, _, _, post, pool, _, _ = POOLED_CASES[name]
+    cfg = ConvBatchNormConfig(spec, 1e-5, 0.1, 0, 1, False, post, pool=pool)
+    tensors = pooled_tensors(name)
+    out = check(cfg, tensors, dev, layout=lambda t: t.to(memory_format=torch.channels_last))
+    assert out.is_contiguous(memory_format=torch.channels_last)  # the conv's layout, kept
+    wide = [t.clone() for t in tensors]
+    wide[0] = torch.cat([tensors[0], tensors[0]], dim=-1)
+    check(cfg, wide, dev, layout=lambda t: t[..., ::2])  # a strided slice of x
+
+
+def test_pooled_nan_spreads_over_its_channel_as_eager(kernels, kernel_device) -> None:
+    """A NaN conv bias poisons its channel's statistics: every window of that channel is NaN, in the
+    output and in the gradients, as in eager."""
+    dev = device_of(kernels, kernel_device)
+    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, False, (ChainStep(K.SILU),), strict=True, pool=MAX_3_2_1)
+    x, w, b, *ops = make(CONV2D, 3, 4, (5, 6), 9)
+    b = b.clone()
+    b[0] = float("nan")
+    leaves = [t.to(dev).requires_grad_() for t in (x, w, b)]
+    out = conv_batch_norm(*leaves, [o.to(dev) for o in ops], cfg.to_json())
+    theirs = [t.clone().requires_grad_() for t in (x, w, b)]
+    want = eager(*theirs, ops, cfg)
+    assert torch.equal(out.detach().cpu().isnan(), want.isnan()) and out.detach().cpu().isnan()[:, 0].all()
+    got = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    expected = torch.autograd.grad(want, theirs, torch.ones_like(want))
+    for name, a, e in zip(("x", "weight", "bias"), got, expected, strict=True):
+        assert torch.equal(a.cpu().isnan(), e.isnan()) and e.isnan().any(), name
 
 
 def test_fp16_running_statistics_are_updated_in_their_own_dtype(kernels, kernel_device) -> None:
