@@ -25,7 +25,7 @@ Two ways through the rows (``plan``):
 
 * *Packed* (``RC = 1``, ``L <= MAX_PACKED_ROW``: many short rows, e.g. ``nn.LayerNorm(W)``): a tile
   holds ``BLOCK_R`` whole rows of ``BLOCK_L = next_pow2(L)`` lanes; statistics are the exact two-pass
-  ones in registers.  Each program walks a contiguous range of row blocks.  On a channels-last conv
+  ones in registers, of the values less the row's first value.  Each program walks a contiguous range of row blocks.  On a channels-last conv
   output (``CHANNELS_FAST``) the rows of a tile are consecutive *channels* of one position block
   (stride 1 in memory) and the tile is laid out rows-last (``EL = 0``: a row's elements along axis 0),
   so that loads along a warp are coalesced; otherwise rows follow ``m`` and the tile is rows-first
@@ -182,10 +182,15 @@ def _layer_norm_packed_fwd_kernel(
         valid = (q < M) & jmask
         s = outer * L + j
         _, v = tile_values(y_ptr, p_ptr, y_ptr + n.to(tl.int64) * y_sn, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
-        mean = tl.sum(tl.where(valid, v, 0.0), axis=EL) / L
+        # each row less its first value first: the sum of values far from zero would lose the
+        # digits of their spread (the mean of 7 values around 3000 in fp32 is off by 3e-4)
+        shift = tl.expand_dims(tl.sum(tl.where(valid & (j == 0), v, 0.0), axis=EL), EL)
+        v = tl.where(valid, v - shift, 0.0)
+        mean = tl.sum(v, axis=EL) / L
         d = tl.where(valid, v - tl.expand_dims(mean, EL), 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=EL) / L + eps)
         z = d * tl.expand_dims(rstd, EL) * gamma + beta
+        mean = mean + tl.sum(shift, axis=EL)
         out = apply_chain_at(z, q_ptr, c, C, c < C, POST)
         o = out_ptr + n.to(tl.int64) * o_sn + c.to(tl.int64) * o_sc + s.to(tl.int64) * o_ss
         tl.store(o, out.to(out_ptr.dtype.element_ty), mask=valid)
