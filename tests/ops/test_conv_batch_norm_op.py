@@ -456,6 +456,70 @@ def test_gpu_bench_workload_size(dtype, channels_last) -> None:
           layout=layout, relu_mask_of_each_side=True)  # fmt: skip
 
 
+def _flat_winners(winner: torch.Tensor, pool: PoolSpec, width: int) -> torch.Tensor:
+    """The saved winners of a 2d max pool (each window's row-major tap) as flat indices into their
+    (sample, channel) plane of ``width`` columns, as ``return_indices`` gives them."""
+    oh = torch.arange(winner.shape[2], device=winner.device).view(-1, 1)
+    ow = torch.arange(winner.shape[3], device=winner.device).view(1, -1)
+    tap = winner.long()
+    row = oh * pool.stride[0] - pool.padding[0] + tap // pool.kernel_size[1]
+    col = ow * pool.stride[1] - pool.padding[1] + tap % pool.kernel_size[1]
+    return row * width + col
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_resnet_stem_in_training(dtype) -> None:
+    """Conv2d 3->64 k7 s2 p3 (no bias) -> BatchNorm2d(64) -> ReLU -> MaxPool2d(3, 2, 1) on 32x3x224x224.
+
+    Gradients are measured, for each side (the op and eager in ``dtype``), against a float64 truth
+    that keeps that side's own decisions: its max-pool winners and its ReLU mask.  Over 6.4M
+    overlapping windows some hold two values within rounding of each other, or a value within rounding
+    of zero, where the two precisions may decide differently; one such decision moves a gradient by a
+    whole ``grad_out`` value, so without this the verdict would depend on how many each side happens
+    to draw.  A backward that does not follow its own forward's winners still fails."""
+    spec = ConvSpec(False, (2, 2), (3, 3), (1, 1), (0, 0), 1)
+    cfg = ConvBatchNormConfig(spec, 1e-5, 0.1, 0, 1, False, (ChainStep(K.RELU),), strict=True, pool=MAX_3_2_1)
+    config = cfg.to_json()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 3, 224, 224, generator=gen, dtype=torch.float64)
+    w = torch.randn(64, 3, 7, 7, generator=gen, dtype=torch.float64) * 0.1
+    gamma, beta = torch.rand(64, generator=gen, dtype=torch.float64) + 0.5, torch.randn(64, generator=gen, dtype=torch.float64)
+    tol = 2e-2 if dtype == torch.bfloat16 else None
+
+    def leaves(t_dtype):
+        return [t.to(device="cuda", dtype=t_dtype).requires_grad_() for t in (x, w, gamma, beta)]
+
+    def pre_pool(xx, ww, gg, bb):  # conv -> batch norm, full size
+        return F.batch_norm(F.conv2d(xx, ww, None, 2, 3), None, None, gg, bb, True, 0.1, 1e-5)
+
+    mine, theirs, exact = leaves(dtype), leaves(dtype), leaves(torch.float64)
+    out = conv_batch_norm(mine[0], mine[1], None, mine[2:], config)
+    _, _, winner, _ = conv_batch_norm_fwd(*[t.detach() for t in (mine[0], mine[1])], None,
+                                          [t.detach() for t in mine[2:]], config, True)  # fmt: skip
+    want, want_idx = F.max_pool2d(F.relu(pre_pool(*theirs)), 3, 2, 1, return_indices=True)
+    truth_pre = pre_pool(*exact)
+    truth = F.max_pool2d(F.relu(truth_pre), 3, 2, 1)
+    problems = [compare("output", out.float().cpu(), want.float().cpu(), tol, reference=truth.cpu())]
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).cuda()
+    got = torch.autograd.grad(out, mine, g.to(dtype))
+    ref = torch.autograd.grad(want, theirs, g.to(dtype))
+    flat_pre = truth_pre.flatten(2)
+
+    def truth_grads(side_out, idx):  # the float64 truth with this side's winners and ReLU mask
+        pooled = flat_pre.gather(2, idx.flatten(2)).view(side_out.shape) * (side_out.detach() > 0)
+        return torch.autograd.grad(pooled, exact, g, retain_graph=True)
+
+    mine_truth = truth_grads(out, _flat_winners(winner, MAX_3_2_1, 112))
+    their_truth = truth_grads(want, want_idx)
+    for name, a, e, t, t_eager in zip(("x", "weight", "gamma", "beta"), got, ref, mine_truth, their_truth, strict=True):
+        bound = max(tol or TOLERANCES[e.dtype], 2 * relative_error(e.cpu(), t_eager.cpu()))
+        problems.append(compare(f"grad of {name}", a.cpu(), t.to(a.dtype).cpu(), bound))
+    problems = [p for p in problems if p]
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 def test_the_bench_workload_splits_each_channel_over_enough_programs_to_fill_an_h100(channels_last) -> None:
     """64 channels of 524,288 values: the grid holds several programs per SM of a 132-SM GPU."""

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fusion_backend.errors import KernelError, UnsupportedInputError
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef
-from fusion_backend.ops.conv_epilogue.common import apply_chain
+from fusion_backend.ops.conv_epilogue.common import apply_chain, run_pool
 from fusion_backend.ops.conv_group_norm import (
     ConvGroupNormConfig,
     conv_group_norm,
@@ -28,7 +28,7 @@ from fusion_backend.ops.conv_group_norm import (
     conv_group_norm_fwd,
     kernel_path,
 )
-from fusion_backend.testing import compare
+from fusion_backend.testing import TOLERANCES, compare, relative_error
 
 K = PointwiseKind
 CUDA = torch.cuda.is_available()
@@ -55,7 +55,8 @@ def eager(x, w, b, operands, cfg: ConvGroupNormConfig):
     v = apply_chain(y, cfg.pre, operands)
     gamma = None if cfg.weight is None else operands[cfg.weight]
     beta = None if cfg.bias is None else operands[cfg.bias]
-    return apply_chain(F.group_norm(v, cfg.groups, gamma, beta, cfg.eps), cfg.post, operands)
+    out = apply_chain(F.group_norm(v, cfg.groups, gamma, beta, cfg.eps), cfg.post, operands)
+    return out if cfg.pool is None else run_pool(out, cfg.pool)
 
 
 def make(spec: ConvSpec, c_in: int, c_out: int, size: tuple[int, ...], seed: int, operands=(), dtype=torch.float32,
@@ -257,6 +258,70 @@ def test_nan_and_inf_spread_over_their_group_as_eager(kernels, kernel_device) ->
     assert out.cpu().isnan()[:, :2].all() and not out.cpu()[0, 2:].isnan().any()
 
 
+# ------------------------------------------------------------------------------------------------
+# A pool after the post-chain
+# ------------------------------------------------------------------------------------------------
+
+#: name -> (conv, C_in, C_out, spatial size, groups, pre, post, pool, how x is made (or None))
+POOLED_CASES = {
+    # x zero over its top rows: the conv output is the bias there, whole windows tie, and leaky_relu
+    # passes the gradient, which must go to the first maximum in window order as eager's
+    "conv2d 2 groups, both chains, max 3/2/1 (overlapping windows), tied windows": (
+        CONV2D, 3, 4, (9, 13), 2, PRE, (ChainStep(K.LEAKY_RELU, (Const(0.1),)), ChainStep(K.MUL, (TensorRef(3),))),
+        PoolSpec("max", (3, 3), (2, 2), (1, 1)), "zero top"),
+    "conv_transpose1d instance norm, avg 3/2/1 ceil_mode without the padding": (
+        CONVT1D, 3, 5, (6,), 5, (), (ChainStep(K.GELU),), PoolSpec("avg", (3,), (2,), (1,), True, False), None),
+    "conv3d groups, relu, max 2 ceil_mode, odd sizes": (
+        CONV3D, 4, 6, (3, 4, 5), 3, (ChainStep(K.TANH),), (ChainStep(K.RELU),),
+        PoolSpec("max", (2, 2, 2), ceil_mode=True), None),
+    "conv2d one group, silu, avg 2 with a divisor override": (
+        CONV2D, 3, 4, (6, 9), 1, (), POST, PoolSpec("avg", (2, 2), padding=(1, 0), divisor_override=3), None),
+}
+
+
+def pooled_case(name: str):
+    spec, c_in, c_out, size, groups, pre, post, pool, how = POOLED_CASES[name]
+    tensors = make(spec, c_in, c_out, size, len(name), operands(c_out, len(name), spec.spatial_dims))
+    if how == "zero top":
+        tensors[0][..., : size[0] // 2 + 1, :] = 0.0
+    return ConvGroupNormConfig(spec, groups, 1e-5, 0, 1, pre, post, pool=pool), tensors
+
+
+@pytest.mark.parametrize("name", list(POOLED_CASES))
+def test_pooled_output_and_every_gradient_match_float64(name, kernels, kernel_device) -> None:
+    cfg, tensors = pooled_case(name)
+    # an instance norm without a pre-chain removes the conv bias: its gradient is zero up to rounding,
+    # which no relative comparison judges
+    skip_bias = cfg.groups == tensors[2].numel() and not cfg.pre
+    check(cfg, tensors, kernel_device if kernels != "reference" else "cpu",
+          grad_mask=[i != 2 or not skip_bias for i in range(len(tensors))])  # fmt: skip
+
+
+def test_pooled_channels_last_input(kernels, kernel_device) -> None:
+    cfg, tensors = pooled_case("conv2d 2 groups, both chains, max 3/2/1 (overlapping windows), tied windows")
+    out = check(cfg, tensors, kernel_device if kernels != "reference" else "cpu",
+                layout=lambda t: t.to(memory_format=torch.channels_last))  # fmt: skip
+    assert out.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_pooled_nan_spreads_over_its_group_as_eager(kernels, kernel_device) -> None:
+    dev = kernel_device if kernels != "reference" else "cpu"
+    cfg = ConvGroupNormConfig(CONV2D, 2, 1e-5, 0, 1, (), (ChainStep(K.SILU),), strict=True,
+                              pool=PoolSpec("max", (3, 3), (2, 2), (1, 1)))  # fmt: skip
+    x, w, b, *ops = make(CONV2D, 3, 4, (5, 6), 9, operands(4, 9))
+    b = b.clone()
+    b[0] = float("nan")  # group 0 of every sample is NaN
+    leaves = [t.to(dev).requires_grad_() for t in (x, w, b)]
+    out = conv_group_norm(*leaves, [o.to(dev) for o in ops], cfg.to_json())
+    theirs = [t.clone().requires_grad_() for t in (x, w, b)]
+    want = eager(*theirs, ops, cfg)
+    assert torch.equal(out.detach().cpu().isnan(), want.isnan()) and out.detach().cpu().isnan()[:, :2].all()
+    got = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    expected = torch.autograd.grad(want, theirs, torch.ones_like(want))
+    for name, a, e in zip(("x", "weight", "bias"), got, expected, strict=True):
+        assert torch.equal(a.cpu().isnan(), e.isnan()) and e.isnan().any(), name
+
+
 def test_bad_inputs_get_one_line_errors() -> None:
     x, w, b, *ops = make(CONV2D, 3, 6, (5, 6), 1, operands(6, 1))
     with pytest.raises(UnsupportedInputError, match="do not split into 4 groups"):
@@ -319,3 +384,61 @@ def test_gpu_decoder_block_sizes(dtype) -> None:
     cfg = ConvGroupNormConfig(CONV2D, 96, 1e-5, 0, 1, PRE, POST)
     check(cfg, make(CONV2D, 32, 96, (40, 50), 3, operands(96, 3), dtype=dtype),
           "cuda", tol=1e-2 if dtype == torch.bfloat16 else None)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["avg", "max"])
+def test_gpu_decoder_block_with_a_pool(kind, dtype) -> None:
+    """ConvTranspose2d 64->32 k4 s2 p1 -> GroupNorm(8) -> SiLU -> 3x3 pool, stride 2, padding 1, on
+    8x64x64x64: 64 groups of 4 x 16384 values, split into chunks on an H100 (the pooled backward's
+    two-kernel path).  A max pool's gradients are measured, for each side (the op and eager in
+    ``dtype``), against a float64 truth that keeps that side's own winners: over 0.5M overlapping
+    windows some hold two values within rounding of each other, where the precisions may pick
+    different winners and move a gradient by a whole ``grad_out`` value."""
+    spec = ConvSpec(True, (2, 2), (1, 1), (1, 1), (0, 0), 1)
+    pool = PoolSpec(kind, (3, 3), (2, 2), (1, 1))
+    cfg = ConvGroupNormConfig(spec, 8, 1e-5, 0, 1, (), (ChainStep(K.SILU),), strict=True, pool=pool)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, 64, 64, generator=gen, dtype=torch.float64)
+    w = torch.randn(64, 32, 4, 4, generator=gen, dtype=torch.float64) * 0.05
+    b = torch.randn(32, generator=gen, dtype=torch.float64)
+    ops = operands(32, 0)[:2]
+    tol = 1e-2 if dtype == torch.bfloat16 else None
+    if kind == "avg":
+        check(cfg, [t.to(dtype) for t in (x, w, b, *ops)], "cuda", tol=tol)
+        return
+    config = cfg.to_json()
+
+    def leaves(t_dtype):
+        return [t.to(device="cuda", dtype=t_dtype).requires_grad_() for t in (x, w, b, *ops)]
+
+    def pre_pool(xx, ww, bb, gg, be):  # conv -> group norm -> silu, full size
+        return F.silu(F.group_norm(F.conv_transpose2d(xx, ww, bb, 2, 1), 8, gg, be, 1e-5))
+
+    mine, theirs, exact = leaves(dtype), leaves(dtype), leaves(torch.float64)
+    out = conv_group_norm(mine[0], mine[1], mine[2], mine[3:], config)
+    _, _, winner, _ = conv_group_norm_fwd(*[t.detach() for t in mine[:3]], [t.detach() for t in mine[3:]], config, True)
+    want, want_idx = F.max_pool2d(pre_pool(*theirs), 3, 2, 1, return_indices=True)
+    truth_pre = pre_pool(*exact)
+    problems = [compare("output", out.float().cpu(), want.float().cpu(), tol,
+                        reference=F.max_pool2d(truth_pre, 3, 2, 1).cpu())]  # fmt: skip
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).cuda()
+    got = torch.autograd.grad(out, mine, g.to(dtype))
+    ref = torch.autograd.grad(want, theirs, g.to(dtype))
+    oh = torch.arange(out.shape[2], device="cuda").view(-1, 1)
+    ow = torch.arange(out.shape[3], device="cuda").view(1, -1)
+    tap = winner.long()  # each window's row-major tap -> a flat index into its plane, as return_indices
+    mine_idx = (oh * 2 - 1 + tap // 3) * truth_pre.shape[3] + (ow * 2 - 1 + tap % 3)
+
+    def truth_grads(idx):
+        pooled = truth_pre.flatten(2).gather(2, idx.flatten(2)).view(out.shape)
+        return torch.autograd.grad(pooled, exact, g, retain_graph=True)
+
+    names = ["x", "weight", "bias", "gamma", "beta"]
+    for name, a, e, t, t_eager in zip(names, got, ref, truth_grads(mine_idx), truth_grads(want_idx), strict=True):
+        bound = max(tol or TOLERANCES[e.dtype], 2 * relative_error(e.cpu(), t_eager.cpu()))
+        problems.append(compare(f"grad of {name}", a.cpu(), t.to(a.dtype).cpu(), bound))
+    problems = [p for p in problems if p]
+    assert not problems, "\n".join(problems)
