@@ -19,8 +19,8 @@ a norm weight or bias that is not one value per channel, a norm whose input is r
 region, an unsupported dtype, a dynamic channel count, the chains' own reasons, and a pool after the
 chain that does not fuse (its input read elsewhere, another dimensionality, dilation or
 ``return_indices``, an adaptive pool).  A channel count that the groups do not divide is not matched
-(torch rejects it).  LayerNorm normalises over trailing dims, not channel groups: not this family
-(``conv_epilogue`` names it).
+(torch rejects it).  LayerNorm normalises over trailing dims, not channel groups: ``conv_layer_norm``'s,
+not this family's.
 """
 
 from __future__ import annotations
