@@ -1,7 +1,7 @@
 """conv_batch_norm end to end: torch.compile(backend="fusion") over three training steps against eager
 (output, every gradient, running statistics, num_batches_tracked), through Inductor (nn.BatchNorm's
 ``num_batches_tracked += 1`` keeps the graph there) and the direct runner (F.batch_norm alone), with
-the reference and the interpreted kernels; a train -> eval -> train switch; ``momentum=None``; the
+the reference and the interpreted kernels, with and without a pool ending the region (the ResNet stem); a train -> eval -> train switch; ``momentum=None``; the
 region timing's copies of the running statistics."""
 
 from __future__ import annotations
@@ -46,6 +46,27 @@ class FunctionalBn(nn.Module):
         return F.silu(F.batch_norm(self.conv(x), self.rm, self.rv, self.gamma, None, True, 0.3, 1e-3))
 
 
+class ResNetStem(nn.Module):
+    """ResNet's stem in training at a small size: Conv2d k7 s2 p3 (no bias), BatchNorm2d, ReLU,
+    MaxPool2d(3, 2, 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 7, stride=2, padding=3, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(3, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.pool(F.relu(self.bn(self.conv(x))))
+
+
+class FunctionalBnAvgPool(FunctionalBn):
+    """``FunctionalBn`` followed by an avg pool (ceil_mode, padding not counted): runs directly."""
+
+    def forward(self, x):
+        return F.avg_pool1d(super().forward(x), 3, 2, 1, ceil_mode=True, count_include_pad=False)
+
+
 def train_steps(model, shape, steps=3, seed=0):
     """Run ``steps`` training steps of the compiled model and of an eager copy; compare everything."""
     torch.manual_seed(seed)
@@ -84,6 +105,22 @@ def test_three_training_steps_match_eager_run_directly(kernels) -> None:
     _, _, reports = train_steps(model, (2, 3, 9))
     assert reports[0].counts() == {"conv_batch_norm": 1} and reports[0].runner == "direct"
     assert reports[0].matches[0].kernel.startswith("triton" if kernels == "triton" else "reference")
+
+
+def test_resnet_stem_three_training_steps_match_eager(kernels) -> None:
+    """The pooled region through Inductor: output, gradients, running statistics and
+    num_batches_tracked after each step, odd input sizes (partial windows at the edges)."""
+    model = ResNetStem().train()
+    _, eager, reports = train_steps(model, (2, 3, 19, 21))
+    assert reports[0].counts() == {"conv_batch_norm": 1} and reports[0].runner == "inductor"
+    assert reports[0].matches[0].summary == "conv2d -> batch_norm(train) -> relu -> max_pool2d"
+    assert model.bn.num_batches_tracked.item() == eager.bn.num_batches_tracked.item() == 3
+
+
+def test_avg_pool_three_training_steps_run_directly(kernels) -> None:
+    _, _, reports = train_steps(FunctionalBnAvgPool(), (2, 3, 12))
+    assert reports[0].counts() == {"conv_batch_norm": 1} and reports[0].runner == "direct"
+    assert reports[0].matches[0].summary.endswith("silu -> avg_pool1d")
 
 
 def test_train_eval_train_switch(kernels) -> None:

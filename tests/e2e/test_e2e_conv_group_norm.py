@@ -1,6 +1,6 @@
 """torch.compile(backend="fusion") end to end for the conv_group_norm family: the ``families`` suite's
 GroupNorm decoder layer at a small size and a few blocks (instance norm, 3d, channels-last, chains on
-both sides, autocast), one fused op each, output and every gradient equal to eager and to a float64
+both sides, a max or avg pool ending the region, autocast), one fused op each, output and every gradient equal to eager and to a float64
 reference (``fusion_backend.testing.assert_fused``, which forces ``decide="fuse"`` and ``strict``), on
 the CPU reference and on the Triton kernels under the interpreter (with CUDA: on the GPU); on CUDA also
 the bench workload at full size."""
@@ -51,6 +51,12 @@ CASES = {
                                                      lambda s, y: (lambda z: z * torch.sigmoid(z) * s.s)(s.norm(y * s.p))),
     "conv2d channels-last group norm no affine, gelu": (lambda: (nn.Conv2d(4, 6, 3), nn.GroupNorm(2, 6, affine=False)),
                                                         (2, 4, 7, 6), lambda s, y: F.gelu(s.norm(y)) + s.p),
+    "conv2d channels-last group norm, silu, max pool 3/2/1": (
+        lambda: (nn.Conv2d(3, 6, 3, padding=1), nn.GroupNorm(3, 6)), (2, 3, 9, 11),
+        lambda s, y: F.max_pool2d(F.silu(s.norm(y)), 3, 2, 1)),
+    "conv1d instance norm affine, relu, avg pool ceil_mode": (
+        lambda: (nn.Conv1d(3, 4, 3, bias=False), nn.InstanceNorm1d(4, affine=True)), (2, 3, 12),
+        lambda s, y: F.avg_pool1d(F.relu(s.norm(y)), 3, 2, ceil_mode=True)),
 }
 
 
