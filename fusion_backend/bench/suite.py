@@ -86,6 +86,7 @@ SUITES: dict[str, NamedSuite] = {
         "conv3d_16_32_k3_softmax_mul.py",
         "conv2d_64_128_k3_min_tanh.py",
         "conv2d_3_64_k7_s2_batchnorm_eval_relu_maxpool.py",
+        "conv2d_3_64_k7_s2_batchnorm_train_relu_maxpool.py",
         "conv2d_64_k3_layernorm_chw_relu.py",
     ), "one conv + normalization or channel reduction workload per pattern family"),
 }

@@ -435,6 +435,7 @@ FAMILIES = {
     "conv3d_16_32_k3_softmax_mul": ({"conv_channel_reduce": 1}, None),
     "conv2d_64_128_k3_min_tanh": ({"conv_channel_reduce": 1}, None),
     "conv2d_3_64_k7_s2_batchnorm_eval_relu_maxpool": ({"conv_epilogue": 1}, None),
+    "conv2d_3_64_k7_s2_batchnorm_train_relu_maxpool": ({"conv_batch_norm": 1}, None),
     "conv2d_64_k3_layernorm_chw_relu": ({"conv_layer_norm": 1}, None),
 }
 #: Workloads whose model fixes its spatial size (a layer norm over (C, H, W)): run at full spatial size, batch 2.
