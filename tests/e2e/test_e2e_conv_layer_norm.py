@@ -12,6 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import load_demo_module
 
+from fusion_backend.report import collect_reports
+from fusion_backend.runtime import decision
 from fusion_backend.testing import Autocast, assert_fused
 
 CUDA = torch.cuda.is_available()
@@ -89,6 +91,26 @@ def test_autocast_bf16():
     on the CPU): the fused op follows (the reference on the CPU: the interpreter has no bf16)."""
     model = Autocast(small_demo(), DEVICE)
     assert_fused(model.to(DEVICE), [torch.randn(2, 8, 6, 5).to(DEVICE)], expect={"conv_layer_norm": 1}, tol=3e-2)
+
+
+def test_the_region_goes_through_the_decision_against_inductor(tmp_path, monkeypatch):
+    """Measured like every family's (a fake timer here; the decision's own tests cover the timing and
+    a region left to Inductor, whose CPU compile is slow): kept where the fused op wins."""
+    fused_ms, inductor_ms, kept = 1.0, 1.5, True
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FUSION_DECIDE", raising=False)
+    decision.forget_in_memory()
+    model, x = small_demo(), torch.randn(2, 8, 6, 5)
+    want = model(x)
+    with decision.timing_override(lambda steps: {"fused": fused_ms, "inductor": inductor_ms}), \
+            collect_reports() as reports:  # fmt: skip
+        out = torch.compile(model, backend="fusion")(x)
+    decision.forget_in_memory()
+    (report,) = reports
+    (d,) = report.decisions
+    assert d.fused is kept and d.rule == "fused is faster" and report.counts() == {"conv_layer_norm": 1}
+    assert "fused is faster (fused 1.000 ms vs Inductor 1.500 ms" in str(report)
+    torch.testing.assert_close(out, want)
 
 
 @pytest.mark.gpu
