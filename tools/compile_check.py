@@ -73,13 +73,21 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
   channels-last (8, 96, 80, 80) (``instance_cl``), on 64 channels per group (``wide_groups``: the
   channel-block loop), all three with their groups split into chunks (the partial kernels and the
   combining ones), and on groups of 2 x 256 elements with both chains (``small_groups``: one chunk
-  per group, the one-launch kernels); ``fp32``, ``bf16``.  Cases
-  ``{decoder,instance_cl,wide_groups,small_groups}-{fp32,bf16}``, all by default.
+  per group, the one-launch kernels); with a pool after the post-chain, the statistics pass alone,
+  ``kernels/norm_pool.py``'s pooled normalise pass and the pooled backward: the demo with a 3x3 max
+  pool of stride 2 and padding 1 (``decoder_max_pool``), the instance norm with a 2x2 avg pool in
+  ceil_mode without the padding (``instance_cl_avg_pool``); ``fp32``, ``bf16``.  Cases
+  ``{decoder,instance_cl,wide_groups,small_groups,decoder_max_pool,instance_cl_avg_pool}-{fp32,bf16}``,
+  all by default.
 * ``batch_norm``: ``kernels/batch_norm.py``'s statistics and normalisation kernels and both backward
   kernels (every gradient wanted) on the ``families`` BatchNorm-training demo's conv output
   (``bench``: Conv2d 64->64 over (32, 64, 128, 128) -> BatchNorm2d -> ReLU), the same channels-last
   (``bench_cl``) and a Conv3d output with a chain of operands (``conv3d_chain``: (4, 48, 16, 32, 32));
-  ``fp32``, ``bf16``.  Cases ``{bench,bench_cl,conv3d_chain}-{fp32,bf16}``, all by default.
+  with a pool after the chain, ``kernels/norm_pool.py``'s pooled normalise pass and the pooled
+  backward: the ``families`` ResNet-stem-in-training demo's conv output, (32, 64, 112, 112) -> ReLU ->
+  MaxPool2d(3, 2, 1) (``stem``), the same channels-last (``stem_cl``), and the Conv3d chain with a
+  2x2x2 avg pool in ceil_mode (``conv3d_avg_pool``); ``fp32``, ``bf16``.  Cases
+  ``{bench,bench_cl,conv3d_chain,stem,stem_cl,conv3d_avg_pool}-{fp32,bf16}``, all by default.
 * ``layer_norm``: ``kernels/layer_norm.py``'s forward (saving the statistics) and backward (every
   gradient wanted) on the ``families`` LayerNorm demo's conv output (``bench``: Conv2d 64->64 over (32,
   64, 64, 64) -> LayerNorm([C, H, W]) -> ReLU: walking sample rows split into chunks), the same
@@ -155,6 +163,7 @@ from fusion_backend.kernels import epilogue as EP  # noqa: E402
 from fusion_backend.kernels import global_mean as GM  # noqa: E402
 from fusion_backend.kernels import group_norm as GN  # noqa: E402
 from fusion_backend.kernels import layer_norm as LN  # noqa: E402
+from fusion_backend.kernels import norm_pool as NP  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
 from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef  # noqa: E402
@@ -238,19 +247,24 @@ def channel_reduce_pass(workload: str, dtype: str) -> None:
                                post_params, torch.empty_like(y), [True] * len(pre_steps), [True] * len(post_steps))  # fmt: skip
 
 
-#: The group_norm job's workloads: conv output shape, groups, channels-last, pre-chain, post-chain.
+#: The ResNet stem's max pool (3x3, stride 2, padding 1: overlapping windows).
+MAX_3_2_1 = PoolSpec("max", (3, 3), (2, 2), (1, 1))
+#: The group_norm job's workloads: conv output shape, groups, channels-last, pre-chain, post-chain, pool.
 GROUP_NORM_WORKLOADS = {
-    "decoder": ((16, 32, 128, 128), 8, False, (), (ChainStep(PointwiseKind.SILU),)),
-    "instance_cl": ((8, 96, 80, 80), 96, True, EPILOGUE_CHAIN, (ChainStep(PointwiseKind.MUL, (TensorRef(1),)),)),
-    "wide_groups": ((4, 256, 40, 40), 4, False, (), (ChainStep(PointwiseKind.SILU),)),
-    "small_groups": ((8, 64, 16, 16), 32, False, EPILOGUE_CHAIN, (ChainStep(PointwiseKind.SILU),)),
+    "decoder": ((16, 32, 128, 128), 8, False, (), (ChainStep(PointwiseKind.SILU),), None),
+    "instance_cl": ((8, 96, 80, 80), 96, True, EPILOGUE_CHAIN, (ChainStep(PointwiseKind.MUL, (TensorRef(1),)),), None),
+    "wide_groups": ((4, 256, 40, 40), 4, False, (), (ChainStep(PointwiseKind.SILU),), None),
+    "small_groups": ((8, 64, 16, 16), 32, False, EPILOGUE_CHAIN, (ChainStep(PointwiseKind.SILU),), None),
+    "decoder_max_pool": ((16, 32, 128, 128), 8, False, (), (ChainStep(PointwiseKind.SILU),), MAX_3_2_1),
+    "instance_cl_avg_pool": ((8, 96, 80, 80), 96, True, EPILOGUE_CHAIN, (ChainStep(PointwiseKind.MUL, (TensorRef(1),)),),
+                             PoolSpec("avg", (2, 2), ceil_mode=True, count_include_pad=False)),
 }
 
 
 def group_norm_pass(workload: str, dtype: str) -> None:
     """``kernels/group_norm.py``'s forward (saving the statistics) and backward as
     ``fusion::conv_group_norm`` calls them, on ``GROUP_NORM_WORKLOADS[workload]``; every gradient wanted."""
-    shape, groups, channels_last, pre, post = GROUP_NORM_WORKLOADS[workload]
+    shape, groups, channels_last, pre, post, pool = GROUP_NORM_WORKLOADS[workload]
     dt = BACKWARD_DTYPES[dtype]
     n, c = shape[:2]
     y = torch.empty(shape, dtype=dt, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
@@ -262,25 +276,43 @@ def group_norm_pass(workload: str, dtype: str) -> None:
     post_params = EP.build_params(post_steps, None, c, y.device)
     affine = torch.empty(2, c, dtype=torch.float32)
     out, stats = torch.empty_like(y), torch.empty(2, n, groups, dtype=torch.float32)
+    winner = None
+    if pool is not None:  # the statistics pass alone, the pooled normalise pass, the pooled backward
+        out, winner = pooled_outputs(y, pool)
     with mock.patch.object(GN, "_sm_count", lambda device: H100_SMS):
-        GN.group_norm_forward(y, True, pre_steps, post_steps, groups, 1e-5, params, post_params, affine, out, stats)
+        if pool is None:
+            GN.group_norm_forward(y, True, pre_steps, post_steps, groups, 1e-5, params, post_params, affine, out, stats)
+        else:
+            GN.group_norm_stats(y, True, pre_steps, groups, 1e-5, params, stats)
+            NP.norm_pool_forward(y, True, pre_steps, post_steps, params, post_params, affine, stats, pool, out, winner)
         GN.group_norm_backward(torch.empty_like(out), y, stats, True, pre_steps, post_steps, groups, params,
                                post_params, affine, torch.empty_like(y), [True] * len(pre_steps),
-                               [True] * len(post_steps), (True, True))  # fmt: skip
+                               [True] * len(post_steps), (True, True), pool=pool, winner=winner)  # fmt: skip
 
 
-#: The batch_norm job's workloads: conv output shape, channels-last, post-chain.
+def pooled_outputs(y: torch.Tensor, pool: PoolSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pooled result and (max pool) its int8 winners, in y's layout, as the norm families allocate them."""
+    shape = ce.common.pooled_output_shape(y.shape, pool)
+    fmt = ce.common.output_memory_format(y)
+    out = torch.empty(shape, dtype=y.dtype, memory_format=fmt)
+    return out, torch.empty(shape, dtype=torch.int8, memory_format=fmt) if pool.kind == "max" else None
+
+
+#: The batch_norm job's workloads: conv output shape, channels-last, post-chain, pool.
 BATCH_NORM_WORKLOADS = {
-    "bench": ((32, 64, 128, 128), False, (ChainStep(PointwiseKind.RELU),)),
-    "bench_cl": ((32, 64, 128, 128), True, (ChainStep(PointwiseKind.RELU),)),
-    "conv3d_chain": ((4, 48, 16, 32, 32), False, EPILOGUE_CHAIN),
+    "bench": ((32, 64, 128, 128), False, (ChainStep(PointwiseKind.RELU),), None),
+    "bench_cl": ((32, 64, 128, 128), True, (ChainStep(PointwiseKind.RELU),), None),
+    "conv3d_chain": ((4, 48, 16, 32, 32), False, EPILOGUE_CHAIN, None),
+    "stem": ((32, 64, 112, 112), False, (ChainStep(PointwiseKind.RELU),), MAX_3_2_1),
+    "stem_cl": ((32, 64, 112, 112), True, (ChainStep(PointwiseKind.RELU),), MAX_3_2_1),
+    "conv3d_avg_pool": ((4, 48, 16, 32, 32), False, EPILOGUE_CHAIN, PoolSpec("avg", (2, 2, 2), ceil_mode=True)),
 }
 
 
 def batch_norm_pass(workload: str, dtype: str) -> None:
     """``kernels/batch_norm.py``'s forward and backward as ``fusion::conv_batch_norm`` calls them, on
     ``BATCH_NORM_WORKLOADS[workload]``; every gradient wanted."""
-    shape, channels_last, post = BATCH_NORM_WORKLOADS[workload]
+    shape, channels_last, post, pool = BATCH_NORM_WORKLOADS[workload]
     dt = BACKWARD_DTYPES[dtype]
     c = shape[1]
     fmt = (torch.channels_last if len(shape) == 4 else torch.channels_last_3d) if channels_last else torch.contiguous_format
@@ -290,9 +322,15 @@ def batch_norm_pass(workload: str, dtype: str) -> None:
     post_params = EP.build_params(steps, None, c, y.device)
     bias, affine, stats = torch.zeros(c, dtype=dt), torch.empty(2, c, dtype=torch.float32), torch.empty(2, c)
     BN.batch_norm_stats(y, bias, 1e-5)
-    BN.batch_norm_apply(y, bias, steps, post_params, affine, stats, torch.empty_like(y))
-    BN.batch_norm_backward(torch.empty_like(y), y, bias, steps, post_params, affine, stats, torch.empty_like(y),
-                           [True] * len(steps))
+    out, winner = torch.empty_like(y), None
+    if pool is None:
+        BN.batch_norm_apply(y, bias, steps, post_params, affine, stats, out)
+    else:  # the pooled normalise pass (the bias in P's row, no pre-chain)
+        out, winner = pooled_outputs(y, pool)
+        NP.norm_pool_forward(y, True, [], steps, EP.build_params([], bias, c, y.device), post_params, affine, stats,
+                             pool, out, winner)  # fmt: skip
+    BN.batch_norm_backward(torch.empty_like(out), y, bias, steps, post_params, affine, stats, torch.empty_like(y),
+                           [True] * len(steps), pool, winner)
 
 
 #: The layer_norm job's workloads: conv output shape, normalized dims, channels-last, pre-chain, post-chain.
@@ -542,11 +580,13 @@ JOBS = {job.name: job for job in (
         {f"{w}-{d}": partial(channel_reduce_pass, w, d) for w in CHANNEL_REDUCE_WORKLOADS for d in ("fp32", "bf16")},
     ),
     Job(
-        "group_norm", "kernels/group_norm.py: conv_group_norm's kernels (the families GroupNorm demo, instance norm, wide groups, small groups)",
+        "group_norm", "kernels/group_norm.py: conv_group_norm's kernels (the families GroupNorm demo, instance norm, wide groups, "
+        "small groups; the demo with a max pool, the instance norm with an avg pool: kernels/norm_pool.py)",
         {f"{w}-{d}": partial(group_norm_pass, w, d) for w in GROUP_NORM_WORKLOADS for d in ("fp32", "bf16")},
     ),
     Job(
-        "batch_norm", "kernels/batch_norm.py: conv_batch_norm's kernels (the families BatchNorm-training demo, channels-last, a Conv3d chain)",
+        "batch_norm", "kernels/batch_norm.py: conv_batch_norm's kernels (the families BatchNorm-training demo, channels-last, a Conv3d "
+        "chain; the ResNet stem with its max pool, channels-last, the Conv3d chain with an avg pool: kernels/norm_pool.py)",
         {f"{w}-{d}": partial(batch_norm_pass, w, d) for w in BATCH_NORM_WORKLOADS for d in ("fp32", "bf16")},
     ),
     Job(
