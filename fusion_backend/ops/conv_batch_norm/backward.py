@@ -4,7 +4,8 @@ statistics (the post-chain and the norm differentiated in registers; the per-cha
 gradient needs combined in a fixed order between them), which also give the norm's weight and bias
 gradients and the chain's operand gradients (behind a pool, each position's gradient gathered from
 the pooled gradient inside both kernels: a max pool's only at the saved winners); then the library
-conv backward (``conv_epilogue``'s ``run_conv_backward``: aten / cuDNN) gives the gradients of x, the
+conv backward (``ops/library_conv.py``: aten / cuDNN, on
+channels-last tensors for 2-d and 3-d convs) gives the gradients of x, the
 weight and the bias.
 """
 
@@ -12,11 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from ..conv_channel_reduce.backward import operand_grads, wanted_slots
-from ..conv_epilogue.common import output_memory_format, run_conv_backward
+from ..library_conv import conv_backward_plan
 from .config import ConvBatchNormConfig
 from .forward import KernelChain
 
@@ -29,15 +29,15 @@ def backward_triton(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | 
     pool's at its winners, ``saved_winner``) where they read it."""
     from ...kernels.batch_norm import batch_norm_backward
 
-    grad_y = torch.empty(saved_y.shape, dtype=saved_y.dtype, device=x.device,
-                         memory_format=output_memory_format(saved_y))  # fmt: skip
+    conv_backward = conv_backward_plan(x, weight, cfg.conv, saved_y)
+    grad_y = conv_backward.new_grad_y(x.device)
     chain = KernelChain.build(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device)
     operand_mask = list(mask[3:])
     dgamma, dbeta, post_sums = batch_norm_backward(
         grad_out, saved_y, chain.bias, chain.post, chain.post_params, chain.affine, saved_stats[:2], grad_y,
         wanted_slots(cfg.post, operand_mask), cfg.pool, saved_winner if saved_winner.numel() else None,
     )  # fmt: skip
-    grad_x, grad_w, grad_b = run_conv_backward(grad_y, x, weight, cfg.conv, mask[0], mask[1], bool(mask[2]))
+    grad_x, grad_w, grad_b = conv_backward(grad_y, x, weight, mask[0], mask[1], bool(mask[2]))
     grads = operand_grads(cfg, operands, operand_mask, [], post_sums)
     for index, total in ((cfg.weight, dgamma), (cfg.bias, dbeta)):
         if index is not None and operand_mask[index]:

@@ -1,8 +1,8 @@
 """The Triton backward of ``fusion::conv_channel_reduce``: ONE kernel (``kernels/channel_reduce.py``)
 writes the conv output's gradient from the output gradient and the saved state (the post-chain,
 the reduction and the pre-chain differentiated in registers) plus fixed-order partial sums of the
-chains' operand gradients; then the library conv backward (``conv_epilogue``'s
-``run_conv_backward``: aten / cuDNN) gives the gradients of x, the weight and the bias.
+chains' operand gradients; then the library conv backward (``ops/library_conv.py``: aten / cuDNN, on
+channels-last tensors for 2-d and 3-d convs) gives the gradients of x, the weight and the bias.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..chain import ChainStep, TensorRef
-from ..conv_epilogue.common import conv_output_shape, output_memory_format, run_conv_backward
+from ..library_conv import conv_backward_plan
 from .common import needs_y
 from .config import ConvChannelReduceConfig
 from .forward import KernelChains
@@ -52,9 +52,9 @@ def backward_triton(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | 
     """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False)."""
     from ...kernels.channel_reduce import channel_reduce_backward
 
-    shape = conv_output_shape(x, weight, cfg.conv)
-    layout_of = saved_y if needs_y(cfg) else x
-    grad_y = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=output_memory_format(layout_of))
+    conv_backward = conv_backward_plan(x, weight, cfg.conv, saved_y if needs_y(cfg) else x)
+    grad_y = conv_backward.new_grad_y(x.device)
+    shape = grad_y.shape
     chains = KernelChains.build(cfg, bias, operands, len(shape), shape[1], x.device)
     operand_mask = list(mask[3:])
     pre_sums, post_sums = channel_reduce_backward(
@@ -62,6 +62,6 @@ def backward_triton(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | 
         saved_stats, bias is not None, chains.pre, chains.post, cfg.reduction, chains.params, chains.post_params,
         grad_y, wanted_slots(cfg.pre, operand_mask), wanted_slots(cfg.post, operand_mask),
     )  # fmt: skip
-    grad_x, grad_w, grad_b = run_conv_backward(grad_y, x, weight, cfg.conv, mask[0], mask[1], bool(mask[2]))
+    grad_x, grad_w, grad_b = conv_backward(grad_y, x, weight, mask[0], mask[1], bool(mask[2]))
     grads = operand_grads(cfg, operands, operand_mask, pre_sums, post_sums)
     return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]

@@ -4,7 +4,8 @@ output gradient, the saved conv output and the group statistics (the post-chain,
 pre-chain differentiated in registers; behind a pool, each position's gradient gathered from the
 pooled gradient where the kernels read it, a max pool's only at the saved winners) plus fixed-order
 partial sums of the norm's weight and bias gradients and of the chains' operand gradients; then the
-library conv backward (``conv_epilogue``'s ``run_conv_backward``: aten / cuDNN) gives the gradients
+library conv backward (``ops/library_conv.py``: aten / cuDNN, on
+channels-last tensors for 2-d and 3-d convs) gives the gradients
 of x, the weight and the bias.
 """
 
@@ -12,11 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
 from ..conv_channel_reduce.backward import operand_grads, wanted_slots
-from ..conv_epilogue.common import output_memory_format, run_conv_backward
+from ..library_conv import conv_backward_plan
 from .config import ConvGroupNormConfig
 from .forward import KernelChains
 
@@ -29,8 +29,8 @@ def backward_triton(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | 
     pool's at its winners, ``saved_winner``) where they read it."""
     from ...kernels.group_norm import group_norm_backward
 
-    grad_y = torch.empty(saved_y.shape, dtype=saved_y.dtype, device=x.device,
-                         memory_format=output_memory_format(saved_y))  # fmt: skip
+    conv_backward = conv_backward_plan(x, weight, cfg.conv, saved_y)
+    grad_y = conv_backward.new_grad_y(x.device)
     chains = KernelChains.build(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device)
     operand_mask = list(mask[3:])
     affine_wanted = tuple(index is not None and bool(operand_mask[index]) for index in (cfg.weight, cfg.bias))
@@ -40,7 +40,7 @@ def backward_triton(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | 
         wanted_slots(cfg.post, operand_mask), affine_wanted, pool=cfg.pool,
         winner=saved_winner if saved_winner.numel() else None,
     )  # fmt: skip
-    grad_x, grad_w, grad_b = run_conv_backward(grad_y, x, weight, cfg.conv, mask[0], mask[1], bool(mask[2]))
+    grad_x, grad_w, grad_b = conv_backward(grad_y, x, weight, mask[0], mask[1], bool(mask[2]))
     grads = operand_grads(cfg, operands, operand_mask, pre_sums, post_sums)
     for index, total in zip((cfg.weight, cfg.bias), affine_sums, strict=True):
         if total is not None:
