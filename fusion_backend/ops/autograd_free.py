@@ -23,8 +23,10 @@ without an autograd formula).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,7 +85,15 @@ class SwapInAutogradFreeOps(CustomGraphPass):
             self.previous(graph)
 
     def uuid(self) -> bytes | None:
-        """Inductor's cache key of this pass: a constant (and the previous pass's key).
+        """Inductor's cache key of this pass: a digest of the fused ops' source (``ops_source_digest``)
+        and the previous pass's key.
+
+        WHY the source: Inductor's graph cache keys a custom op by its name, not by what its fake
+        says, and the compiled code asserts the strides the fake gave at compile time.  An upgrade
+        that changes a fake's output layout would otherwise reload code compiled for the old one and
+        fail on its stride assertions (seen when the batch-norm and channel-reduction ops' saved conv
+        output became channels-last).  The digest is the same in every process of one installed
+        version, so a second process still hits the caches.
 
         NOT the registered autograd-free ops: ops register theirs when their module is first imported, so a key
         built from the registry differed between a process that had run a fused op and one that had
@@ -99,4 +109,15 @@ class SwapInAutogradFreeOps(CustomGraphPass):
             if previous is None:  # an uncacheable user pass keeps the graph uncacheable
                 return None
             previous = previous if isinstance(previous, bytes) else str(previous).encode()
-        return hashlib.sha256(b"fusion-autograd-free-ops-v1:" + previous).digest()
+        return hashlib.sha256(b"fusion-autograd-free-ops-v1:" + ops_source_digest() + previous).digest()
+
+
+@functools.cache
+def ops_source_digest() -> bytes:
+    """SHA-256 over the source of ``fusion_backend/ops`` (every ``.py`` file, by relative path): the
+    fused ops, their fakes and the graph pass that calls them.  Read once per process."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.digest()

@@ -1,9 +1,22 @@
-"""The library conv's backward (``aten.convolution_backward``: cuDNN) for the families whose own kernel
-writes the conv output's gradient (``conv_channel_reduce``, ``conv_group_norm``, ``conv_batch_norm``,
-``conv_layer_norm``): the layout that kernel writes the gradient in, and the conv backward on
-channels-last tensors, whatever x's layout, where cuDNN has channels-last kernels.
+"""The library conv (``aten.convolution``: cuDNN) and its backward for the families that run it and then
+their own kernels (``conv_channel_reduce``, ``conv_group_norm``, ``conv_batch_norm``,
+``conv_layer_norm``): on channels-last tensors, whatever x's layout, where cuDNN has channels-last
+kernels (2-d and 3-d convs in fp16 / bf16 / fp32: :func:`channels_last_conv`).
 
-Contract (:class:`ConvBackwardPlan`, one per call signature, from :func:`conv_backward_plan`):
+Forward (:func:`conv_forward`, for the families whose kernels read a channels-last conv output at
+full speed: ``conv_channel_reduce`` reads all channels of a position, ``conv_batch_norm`` tiles 64
+channels; a group of a few channels would read it in short runs):
+
+* ``conv_forward(x, weight, spec, channels_last)``: the conv output without bias; with
+  ``channels_last`` and :func:`channels_last_conv`, x and the weight are relaid into channels-last
+  (``kernels.relayout``, one pass each; on fake, meta and CPU tensors torch's ``contiguous``) and cuDNN
+  writes a channels-last output.  Real and fake calls give the same layout, so an op's fake may
+  call it as its implementations do.
+* ``nominal_format(x, weight, spec)``: the memory format aten's conv gives for x and the weight as
+  they are: what the op's result takes, so that the caller sees eager's layout whatever the conv
+  ran in.
+
+Backward (:class:`ConvBackwardPlan`, one per call signature, from :func:`conv_backward_plan`):
 
 * ``plan.new_grad_y(device)``: an empty conv-output gradient of the conv output's shape and dtype,
   channels-last for 2-d and 3-d convs in fp16 / bf16 / fp32, else in the saved conv output's memory
@@ -16,9 +29,23 @@ Contract (:class:`ConvBackwardPlan`, one per call signature, from :func:`conv_ba
   into channels-last for the call and the input gradient relaid back, each in one pass of
   ``kernels.relayout`` (a tensor whose spatial dims do not flatten, e.g. a slice, takes torch's copy).
 
-WHY channels-last: cuDNN's NCHW backward converts x and the gradient to channels-last itself, once for
-the data gradient and again for the weight gradient.  NOTE: measured on the H100 (torch 2.11, cuDNN
-9.19; ``aten.convolution_backward`` alone on NCHW vs channels-last tensors, ms, fp32 with TF32 / bf16):
+WHY channels-last: cuDNN's NCHW kernels on Hopper are its slow ones, and its NCHW backward converts x
+and the gradient to channels-last itself, once for the data gradient and again for the weight
+gradient.  NOTE: measured on the H100 (torch 2.11, cuDNN 9.19; ``python tools/conv_layout_timing.py``:
+the aten ops alone, ms, fp32 with TF32 / bf16).  Forward, NCHW vs x relaid by torch's copy
+and then the channels-last conv (``kernels.relayout`` moves x at memory speed, 2-3x faster than that
+copy in bf16):
+
+=============================================  ===============  ===============
+conv, input                                    fp32             bf16
+=============================================  ===============  ===============
+Conv2d 64->64 k3 p1, 32x64x128x128             0.379 / 0.325    0.236 / 0.246
+ConvTranspose2d 64->32 k4 s2 p1, 16x64x64x64   0.115 / 0.094    0.065 / 0.054
+Conv2d 64->64 k3 p1, 32x64x64x64               0.121 / 0.096    0.072 / 0.072
+Conv2d 64->128 k3, 64x64x128x128               1.072 / 0.838    0.646 / 0.543
+=============================================  ===============  ===============
+
+Backward, ``aten.convolution_backward`` on NCHW vs channels-last tensors:
 
 =============================================  ===============  ===============
 conv, input                                    fp32             bf16
@@ -27,14 +54,17 @@ Conv2d 64->64 k3 p1, 32x64x128x128             0.988 / 0.592    0.475 / 0.219
 ConvTranspose2d 64->32 k4 s2 p1, 16x64x64x64   0.331 / 0.298    0.134 / 0.098
 Conv2d 64->64 k3 p1, 32x64x64x64               0.284 / 0.179    0.141 / 0.076
 Conv2d 64->128 k3, 64x64x128x128               2.962 / 1.853    1.344 / 0.709
-depthwise Conv2d 144 k3 p1, 32x144x56x56       0.502 / 0.256    (not measured)
+depthwise Conv2d 144 k3 p1, 32x144x56x56 (*)   0.502 / 0.256    (not measured)
 =============================================  ===============  ===============
 
-Relaying x in and the input gradient back costs two passes at memory speed (0.01-0.18 ms for these
-inputs), less than the difference in every row.  ``conv_epilogue`` measures the same choice per shape
-(its ``LibraryBackward``), as its NCHW path reads a saved state in the caller's layout; here the
-family's kernel writes the gradient in whichever layout is asked for at no extra cost, so the rule
-needs no timing.
+(*) wall time of the call inside a training step (``python tools/conv_backward_host.py
+demos/convnets/conv2d_depthwise_144_k3_relu6.py``).
+
+Relaying x in (and in the backward the input gradient back) costs a pass at memory speed each
+(0.01-0.18 ms for these inputs), less than the difference in every row.  ``conv_epilogue`` measures
+the same choice per shape (its ``LibraryBackward``), as its NCHW path reads a saved state in the
+caller's layout; here the family's kernel reads the conv output and writes its gradient in
+whichever layout it is given at no extra cost, so the rule needs no timing.
 """
 
 from __future__ import annotations
@@ -43,14 +73,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 from ..ir.specs import ConvSpec
 from ..kernels.host import BoundedCache, tensor_key
 from .conv_epilogue.common import (
     channels_last_format,
     conv_output_shape,
+    in_format,
     output_memory_format,
     planned_relayout,
+    run_conv,
     run_conv_backward,
 )
 
@@ -59,10 +92,54 @@ from .conv_epilogue.common import (
 CHANNELS_LAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def channels_last_backward(x: Tensor) -> bool:
-    """Whether the conv backward of a conv on ``x`` runs on channels-last tensors (see the module
+def channels_last_conv(x: Tensor) -> bool:
+    """Whether a conv on ``x`` (and its backward) runs on channels-last tensors (see the module
     docstring): 2-d and 3-d convs in fp16 / bf16 / fp32."""
     return x.dim() in (4, 5) and x.dtype in CHANNELS_LAST_DTYPES
+
+
+_FORWARD_RELAYOUTS = BoundedCache(256)
+_NOMINAL_FORMATS = BoundedCache(256)
+
+
+def conv_forward(x: Tensor, weight: Tensor, spec: ConvSpec, channels_last: bool) -> Tensor:
+    """The conv output without bias; channels-last where ``channels_last`` and
+    :func:`channels_last_conv` (see the module docstring)."""
+    if not (channels_last and channels_last_conv(x)):
+        return run_conv(x, weight, None, spec)
+    fmt = channels_last_format(x.dim())
+    if x.device.type != "cuda" or is_fake(x):  # fakes, meta and CPU tensors: torch's copy
+        y0 = run_conv(x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt), None, spec)
+    else:
+        x_relayout, weight_relayout = _FORWARD_RELAYOUTS.get(
+            (tensor_key(x), tensor_key(weight)), lambda: (_relayout_into(x, fmt), _relayout_into(weight, fmt)))
+        y0 = run_conv(x if x_relayout is None else x_relayout(x),
+                      weight if weight_relayout is None else weight_relayout(weight), None, spec)  # fmt: skip
+    # The conv gives channels-last for channels-last inputs, but a fake conv need not say so (a
+    # 3-d conv's fake on CPU gave NCHW where the real one gave channels-last): one layout for both.
+    return in_format(y0, fmt)
+
+
+def nominal_format(x: Tensor, weight: Tensor, spec: ConvSpec) -> torch.memory_format:
+    """The memory format aten's conv gives for ``x`` and ``weight`` as they are (see the module
+    docstring): the conv run on fakes of them, as an op's fake runs it (a conv on meta tensors does
+    not pick the backend's layout: channels-last x gave an NCHW output), once per signature."""
+    if x.device.type == "meta" or is_fake(x):
+        return output_memory_format(run_conv(x, weight, None, spec))
+
+    def on_fakes() -> torch.memory_format:
+        mode = FakeTensorMode()
+        fake_x, fake_weight = mode.from_tensor(x), mode.from_tensor(weight)
+        with mode:
+            return output_memory_format(run_conv(fake_x, fake_weight, None, spec))
+
+    return _NOMINAL_FORMATS.get((tensor_key(x), tensor_key(weight), spec), on_fakes)
+
+
+def _relayout_into(t: Tensor, fmt: torch.memory_format) -> object | None:
+    """A planned relayout of ``t`` into ``fmt`` (None: ``t`` has that layout already)."""
+    like = torch.empty(t.shape, dtype=t.dtype, device="meta", memory_format=fmt)
+    return None if t.stride() == like.stride() else planned_relayout(t, like)
 
 
 @dataclass
@@ -112,18 +189,17 @@ def conv_backward_plan(x: Tensor, weight: Tensor, spec: ConvSpec, layout_of: Ten
 
 def _plan(x: Tensor, weight: Tensor, spec: ConvSpec, layout_of: Tensor) -> ConvBackwardPlan:
     shape = conv_output_shape(x, weight, spec)
-    if not channels_last_backward(x):
+    if not channels_last_conv(x):
         grad_y = torch.empty(shape, dtype=x.dtype, device="meta", memory_format=output_memory_format(layout_of))
         return ConvBackwardPlan(spec, (tuple(grad_y.shape), grad_y.stride(), grad_y.dtype), None, None, None)
     fmt = channels_last_format(x.dim())
     grad_y = torch.empty(shape, dtype=x.dtype, device="meta", memory_format=fmt)
+    x_relayout = _relayout_into(x, fmt)
     x_cl = torch.empty(x.shape, dtype=x.dtype, device="meta", memory_format=fmt)
-    w_cl = torch.empty(weight.shape, dtype=weight.dtype, device="meta", memory_format=fmt)
-    x_is_cl = x.stride() == x_cl.stride()
     return ConvBackwardPlan(
         spec,
         (tuple(grad_y.shape), grad_y.stride(), grad_y.dtype),
-        None if x_is_cl else planned_relayout(x, x_cl),
-        None if weight.stride() == w_cl.stride() else planned_relayout(weight, w_cl),
-        None if x_is_cl else planned_relayout(x_cl, torch.empty_like(x, device="meta")),
+        x_relayout,
+        _relayout_into(weight, fmt),
+        None if x_relayout is None else planned_relayout(x_cl, torch.empty_like(x, device="meta")),
     )  # fmt: skip

@@ -138,3 +138,13 @@ def test_the_swap_pass_has_one_cache_key_whatever_ops_a_process_has_imported():
     assert fresh[0] == "0"  # that process registered no autograd-free op
     assert fresh[1] == here.hex()
     assert SwapInAutogradFreeOps(CountingPass()).uuid() != here
+
+
+def test_the_swap_pass_cache_key_changes_with_the_fused_ops_source(monkeypatch):
+    """Inductor's compiled code asserts the strides a fused op's fake gave: a new version of the ops
+    (a fake with another layout) must not reload code compiled against the old one."""
+    from fusion_backend.ops import autograd_free
+
+    here = autograd_free.SwapInAutogradFreeOps().uuid()
+    monkeypatch.setattr(autograd_free, "ops_source_digest", lambda: b"another version of the ops")
+    assert autograd_free.SwapInAutogradFreeOps().uuid() != here

@@ -82,3 +82,32 @@ def test_only_the_wanted_gradients_are_computed(kernel_device) -> None:
     gx, gw, gb = plan(grad_y, x, w, False, True, False)
     assert gx is None and gb is None and gw.shape == w.shape
     assert plan(grad_y, x, w, False, False, False) == (None, None, None)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("spec", [CONV2D, CONVT3D, GROUPED2D], ids=["conv2d", "convt3d", "grouped2d"])
+def test_the_forward_runs_channels_last_with_eager_s_values_and_its_fake_s_layout(spec, layout, kernel_device) -> None:
+    """``conv_forward`` gives aten's values, channels-last, with the same strides on real and fake
+    tensors (an op's fake calls it); ``nominal_format`` is the layout of aten's own conv output."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusion_backend.ops.conv_epilogue.common import output_memory_format
+    from fusion_backend.ops.library_conv import conv_forward, nominal_format
+
+    gen = torch.Generator().manual_seed(5)
+    size = (5, 6) if spec.spatial_dims == 2 else (3, 4, 5)
+    x = LAYOUTS[layout](torch.randn((2, 4, *size[:-1], size[-1] + 1), generator=gen).to(kernel_device))
+    w = _weight(spec, 4, 6, gen).float().to(kernel_device)
+    want = run_conv(x, w, None, spec)
+    got = conv_forward(x, w, spec, channels_last=True)
+    fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    assert got.is_contiguous(memory_format=fmt)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert nominal_format(x, w, spec) == output_memory_format(want)
+    mode = FakeTensorMode()
+    fake_x, fake_w = mode.from_tensor(x), mode.from_tensor(w)
+    with mode:
+        assert conv_forward(fake_x, fake_w, spec, channels_last=True).stride() == got.stride()
+        assert nominal_format(fake_x, fake_w, spec) == output_memory_format(want)
+    kept = conv_forward(x, w, spec, channels_last=False)
+    assert kept.stride() == want.stride()

@@ -106,13 +106,14 @@ def values_per_channel(y_shape: Sequence[int]) -> int:
     return count
 
 
-def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvBatchNormConfig,
-                             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvBatchNormConfig, save: bool,
+                             out_format: torch.memory_format) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Empty ``(out, saved_y, saved_winner, stats)`` with the exact shapes, dtypes and strides of the
-    real op (``y0``: the conv output without bias, real or fake).
+    real op (``y0``: the conv output without bias, real or fake, as ``library_conv.conv_forward``
+    gives it: channels-last for 2-d and 3-d convs in fp16 / bf16 / fp32).
 
     * ``out`` and ``saved_winner``: ``conv_group_norm.common.allocate_result``'s (y0's shape, or with a
-      pool the pooled one, in ``output_memory_format(y0)``, dtype ``out_dtype``; the winners, int8 per
+      pool the pooled one, in ``out_format`` (``library_conv.nominal_format``: eager's layout), dtype ``out_dtype``; the winners, int8 per
       window, only with ``save`` and a max pool, else ``empty_placeholder(x)``).
     * ``saved_y`` (with ``save``, else ``empty_placeholder(x)``): the conv output without bias, y0
       itself where it is in ``output_memory_format(y0)`` already (a conv's output always is), else a
@@ -121,7 +122,7 @@ def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvBatchNormConfig,
       0 the batch mean, row 1 ``1 / sqrt(var + eps)`` (``var`` biased; rows 0-1 are what the backward
       reads), row 2 the unbiased variance (what the running variance is updated with).
     """
-    out, winner = allocate_result(x, y0, cfg, save)
+    out, winner = allocate_result(x, y0, cfg, save, out_format)
     stats = torch.empty([3, y0.shape[1]], dtype=stats_dtype(y0.dtype), device=x.device)
     return out, (in_format(y0, output_memory_format(y0)) if save else empty_placeholder(x)), winner, stats
 

@@ -1,6 +1,6 @@
 """The Triton forward of ``fusion::conv_batch_norm``: the library conv (cuDNN, through
-``conv_epilogue``'s ``run_conv``) without bias, then the statistics kernel (per channel and chunk),
-their fixed-order combine, and the kernel that adds the bias, normalises, scales and shifts per
+``library_conv.conv_forward``: channels-last for 2-d and 3-d convs) without bias, then the
+statistics kernel (per channel and chunk), their fixed-order combine, and the kernel that adds the bias, normalises, scales and shifts per
 channel, applies the post-chain and writes the result (``kernels/batch_norm.py``); the running
 statistics' update is a separate op (``op.py``).  Where the region ends in a max or avg pool, the
 normalise pass is ``kernels/norm_pool.py``'s, which writes only the pooled result (and the max pool's
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ...kernels.chain_math import KernelStep
 from ..conv_channel_reduce.common import chain_kernel_steps
-from ..conv_epilogue.common import run_conv
+from ..library_conv import conv_forward, nominal_format
 from .common import affine_rows, allocate_forward_outputs, unbiased
 from .config import ConvBatchNormConfig
 
@@ -51,8 +51,8 @@ def forward_triton(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Seq
     (and, saving for a max pool's backward, each window's winner)."""
     from ...kernels.batch_norm import batch_norm_apply, batch_norm_stats, plan_for
 
-    y0 = run_conv(x, weight, None, cfg.conv)
-    out, saved_y, winner, stats = allocate_forward_outputs(x, y0, cfg, save)
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+    out, saved_y, winner, stats = allocate_forward_outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
     chain = KernelChain.build(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
     norm_stats, var = batch_norm_stats(y0, chain.bias, cfg.eps)
     if cfg.pool is None:

@@ -18,8 +18,9 @@ from torch import Tensor
 
 from ...errors import UnsupportedInputError
 from ..autograd_free import register_autograd_free
-from ..conv_epilogue.common import backward_outputs, conv_output_shape, fake_backward_outputs, run_conv
+from ..conv_epilogue.common import backward_outputs, conv_output_shape, fake_backward_outputs
 from ..direct_impls import profiled, records_backward, register_direct
+from ..library_conv import conv_forward, nominal_format
 from ..saved_state import direct_function, register_saved_state_autograd
 from . import reference
 from .backward import backward_triton
@@ -56,8 +57,8 @@ conv_batch_norm_fwd = torch.library.custom_op("fusion::conv_batch_norm_fwd", mut
 @conv_batch_norm_fwd.register_fake
 def _fwd_fake(x, weight, bias, operands, config, save_for_backward):
     cfg = ConvBatchNormConfig.from_json(config)
-    y0 = run_conv(x, weight, None, cfg.conv)
-    return allocate_forward_outputs(x, y0, cfg, save_for_backward)
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+    return allocate_forward_outputs(x, y0, cfg, save_for_backward, nominal_format(x, weight, cfg.conv))
 
 
 def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Tensor],

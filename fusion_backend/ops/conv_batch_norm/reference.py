@@ -17,8 +17,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..conv_epilogue.common import apply_chain, channel_view, run_conv, run_conv_backward
+from ..conv_epilogue.common import apply_chain, channel_view, run_conv_backward
 from ..conv_epilogue.reference import chain_backward, chain_with_tape, pool_input_grad, pool_saving_winners
+from ..library_conv import conv_forward, nominal_format
 from .common import allocate_forward_outputs, norm_dtype, output_dtype, values_per_channel
 from .config import ConvBatchNormConfig
 
@@ -34,9 +35,9 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
 
     NOTE: ``native_batch_norm`` runs with running statistics of zeros and momentum 1, so that they
     come back as eager's own batch mean and unbiased variance (the update's operands)."""
-    y0 = run_conv(x, weight, None, cfg.conv)
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     values_per_channel(y0.shape)
-    out, saved_y, winner, stats = allocate_forward_outputs(x, y0, cfg, save)
+    out, saved_y, winner, stats = allocate_forward_outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
     yb = y0 if bias is None else y0 + channel_view(bias.to(y0.dtype), y0.dim())
     sdt = stats.dtype
     batch_mean, batch_var = (torch.zeros(y0.shape[1], dtype=sdt, device=y0.device) for _ in range(2))

@@ -1,5 +1,5 @@
 """The Triton forward of ``fusion::conv_channel_reduce``: the library conv (cuDNN, through
-``conv_epilogue``'s ``run_conv``) without bias, then ONE kernel (``kernels/channel_reduce.py``) that
+``library_conv.conv_forward``: channels-last for 2-d and 3-d convs) without bias, then ONE kernel (``kernels/channel_reduce.py``) that
 adds the bias, applies the pre-chain, reduces over the channels, applies the post-chain and writes
 the result and the saved state.  Also the chains and operand matrices as both directions' kernels
 take them (``KernelChains``).
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ...kernels.chain_math import KernelStep
-from ..conv_epilogue.common import run_conv
+from ..library_conv import conv_forward, nominal_format
 from .common import allocate_forward_outputs, chain_kernel_steps
 from .config import ConvChannelReduceConfig
 
@@ -46,8 +46,8 @@ def forward_triton(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Seq
     """``(out, saved_y, saved_index, saved_stats)`` as ``common.allocate_forward_outputs`` lays them out."""
     from ...kernels.channel_reduce import channel_reduce_forward
 
-    y0 = run_conv(x, weight, None, cfg.conv)
-    out, saved_y, index, stats = allocate_forward_outputs(x, y0, cfg, save)
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+    out, saved_y, index, stats = allocate_forward_outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
     chains = KernelChains.build(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
     channel_reduce_forward(
         y0, bias is not None, chains.pre, chains.post, cfg.reduction, chains.params, chains.post_params, out,

@@ -11,8 +11,9 @@ import torch
 from torch import Tensor
 
 from ..autograd_free import register_autograd_free
-from ..conv_epilogue.common import backward_outputs, fake_backward_outputs, run_conv
+from ..conv_epilogue.common import backward_outputs, fake_backward_outputs
 from ..direct_impls import profiled, records_backward, register_direct
+from ..library_conv import conv_forward, nominal_format
 from ..saved_state import direct_function, register_saved_state_autograd
 from . import reference
 from .backward import backward_triton
@@ -42,8 +43,8 @@ conv_channel_reduce_fwd = torch.library.custom_op("fusion::conv_channel_reduce_f
 @conv_channel_reduce_fwd.register_fake
 def _fwd_fake(x, weight, bias, operands, config, save_for_backward):
     cfg = ConvChannelReduceConfig.from_json(config)
-    y0 = run_conv(x, weight, None, cfg.conv)
-    return allocate_forward_outputs(x, y0, cfg, save_for_backward)
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+    return allocate_forward_outputs(x, y0, cfg, save_for_backward, nominal_format(x, weight, cfg.conv))
 
 
 def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Tensor],

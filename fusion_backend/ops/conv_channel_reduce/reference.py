@@ -21,10 +21,10 @@ from ..conv_epilogue.common import (
     conv_output_shape,
     in_format,
     output_memory_format,
-    run_conv,
     run_conv_backward,
 )
 from ..conv_epilogue.reference import chain_backward, chain_with_tape
+from ..library_conv import conv_forward, nominal_format
 from .common import allocate_forward_outputs, needs_y, output_dtype
 from .config import ConvChannelReduceConfig
 
@@ -44,8 +44,8 @@ def _safe(m: Tensor) -> Tensor:
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvChannelReduceConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do)."""
-    y0 = run_conv(x, weight, None, cfg.conv)
-    out, saved_y, index, stats = allocate_forward_outputs(x, y0, cfg, save)
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+    out, saved_y, index, stats = allocate_forward_outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
     yb = y0 if bias is None else y0 + channel_view(bias, y0.dim())
     v = apply_chain(yb, cfg.pre, operands)
     kind, keep = cfg.reduction, cfg.keepdim

@@ -141,17 +141,17 @@ def stats_dtype(conv_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if conv_dtype == torch.float64 else torch.float32
 
 
-def allocate_result(x: Tensor, y0: Tensor, cfg: ConvGroupNormConfig | ConvBatchNormConfig,
-                    save: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+def allocate_result(x: Tensor, y0: Tensor, cfg: ConvGroupNormConfig | ConvBatchNormConfig, save: bool,
+                    out_format: torch.memory_format | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Empty ``(out, saved_winner)`` of a norm family's op (``y0``: the conv output without bias, real
     or fake), shared with ``conv_batch_norm``.
 
     * ``out``: y0's shape, or with ``cfg.pool`` the pooled shape (``pooled_output_shape``), in
-      ``output_memory_format(y0)``, dtype ``out_dtype`` (default the conv's).
+      ``out_format`` (default ``output_memory_format(y0)``), dtype ``out_dtype`` (default the conv's).
     * ``saved_winner`` (with ``save`` and a max pool, else ``empty_placeholder(x)``): each window's
       winner as its row-major tap index, ``winner_dtype`` (int8 up to 127 taps), out's shape and strides.
     """
-    fmt = output_memory_format(y0)
+    fmt = output_memory_format(y0) if out_format is None else out_format
     shape = y0.shape if cfg.pool is None else pooled_output_shape(y0.shape, cfg.pool)
     out = torch.empty(shape, dtype=output_dtype(cfg, y0.dtype), device=x.device, memory_format=fmt)
     if not save or cfg.pool is None or cfg.pool.kind != "max":
