@@ -1,6 +1,7 @@
 """The autograd wiring shared by the fused ops that save state for their backward op.
 
-``conv_channel_reduce``, ``conv_group_norm`` and ``conv_batch_norm`` have one shape:
+``conv_channel_reduce``, ``conv_group_norm``, ``conv_batch_norm`` and ``conv_layer_norm`` have one
+shape:
 
 - a forward custom op ``fusion::NAME_fwd(x, weight, bias, operands, config, save_for_backward)``
   returning ``(out, *state)``: ``state`` is what the backward reads (the conv output, statistics...),
