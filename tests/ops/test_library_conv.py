@@ -11,6 +11,8 @@ from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.ops.conv_epilogue.common import run_conv
 from fusion_backend.ops.library_conv import conv_backward_plan
 
+pytestmark = pytest.mark.usefixtures("exact_fp32")
+
 CONV2D = ConvSpec(False, (1, 2), (1, 0), (1, 1), (0, 0), 1)
 CONVT3D = ConvSpec(True, (2, 1, 2), (1, 0, 1), (1, 1, 1), (1, 0, 0), 1)
 GROUPED2D = ConvSpec(False, (1, 1), (1, 1), (2, 1), (0, 0), 2)
