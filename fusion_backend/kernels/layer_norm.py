@@ -833,7 +833,7 @@ class _BackwardLaunch:
         self.apart = (2, 1, geo.elements)
         if grad_y.numel() == 0:
             return
-        p = self.plan = plan(geo, y, programs, chunk)
+        p = plan(geo, y, programs, chunk)
         y_flat, gy_flat = flat_strides("y", y), flat_strides("grad_y", grad_y)
         consts = dict(PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, num_warps=p.num_warps)
         shape = (geo.channels, geo.channel_blocks, geo.rows_per_channel, geo.row_channels, geo.row_positions)
