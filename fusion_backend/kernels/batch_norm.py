@@ -35,6 +35,11 @@ back from ``grad_out`` to ``dz`` (the gradient at the norm's output) and writes 
 the sums of ``dz``, ``dz * x_hat`` and the post-chain's operand gradients; the combine sums the chunks
 (``dbeta = sum dz``, ``dgamma = sum dz * x_hat``); kernel B writes
 ``grad_y = gamma * rstd * (dz - mean(dz) - x_hat * mean(dz * x_hat))``.
+
+A max or avg pool after the post-chain: the forward's normalise pass is ``kernels/norm_pool.py``'s
+(kernel B is not used), which writes only the pooled result; in the backward ``grad_out`` is the
+pooled result's gradient, and both kernels gather each position's gradient from the windows that hold
+it (``norm_pool.pool_input_grad``: a max pool's only at the saved winners).
 """
 
 from __future__ import annotations

@@ -43,6 +43,12 @@ pre'(rstd * (dz*gamma - mean(dz*gamma) - x_hat * mean(dz*gamma*x_hat)))``.  Per-
 channel) partial sums of gamma's and beta's gradients and of the chains' operand gradients are written
 to ``(rows, N * SPLIT, C)`` fp32 buffers, one row per wanted slot, which the launcher reduces over
 ``N * SPLIT`` in a fixed order (no atomics).
+
+A max or avg pool after the post-chain: the forward's statistics pass runs alone
+(``group_norm_stats``: the partial kernel, then the chunks combined in torch) and
+``kernels/norm_pool.py`` normalises, pools and writes the pooled result; in the backward
+``grad_out`` is the pooled result's gradient, and both passes gather each position's gradient from
+the windows that hold it (``norm_pool.pool_input_grad``: a max pool's only at the saved winners).
 """
 
 from __future__ import annotations
