@@ -70,7 +70,8 @@ if has families; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 tests/ops/test_conv_group_norm_op.py \
     tests/ops/test_conv_batch_norm_op.py tests/kernels/test_group_norm_kernel.py tests/e2e/test_e2e_conv_group_norm.py \
     tests/e2e/test_e2e_conv_batch_norm.py tests/e2e/test_e2e_conv_channel_reduce.py tests/ops/test_conv_layer_norm_op.py \
-    tests/kernels/test_layer_norm_kernel.py tests/e2e/test_e2e_conv_layer_norm.py >"$out/families_tests.log" 2>&1 || rc=1
+    tests/kernels/test_layer_norm_kernel.py tests/e2e/test_e2e_conv_layer_norm.py tests/kernels/test_norm_pool_kernel.py \
+    >"$out/families_tests.log" 2>&1 || rc=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/families_tests.log" | tail -20
   timeout "${BENCH_TIMEOUT:-330}" python3 -m fusion_backend bench --suite families --dtype fp32,bf16 --mode infer,train \
     --no-memory --no-chart --out "$out/families" ${BENCH_ARGS:-} >"$out/families.log" 2>&1
