@@ -500,15 +500,17 @@ def test_gpu_resnet_stem_in_training(dtype) -> None:
         return F.batch_norm(F.conv2d(xx, ww, None, 2, 3), None, None, gg, bb, True, 0.1, 1e-5)
 
     mine, theirs, exact = leaves(dtype), leaves(dtype), leaves(torch.float64)
-    out = conv_batch_norm(mine[0], mine[1], None, mine[2:], config)
-    _, _, winner, _ = conv_batch_norm_fwd(*[t.detach() for t in (mine[0], mine[1])], None,
-                                          [t.detach() for t in mine[2:]], config, True)  # fmt: skip
+    # the op's forward and backward called directly: the winners its gradients follow are at hand
+    mine = [t.detach() for t in mine]
+    out, saved_y, winner, stats = conv_batch_norm_fwd(mine[0], mine[1], None, mine[2:], config, True)
     want, want_idx = F.max_pool2d(F.relu(pre_pool(*theirs)), 3, 2, 1, return_indices=True)
     truth_pre = pre_pool(*exact)
     truth = F.max_pool2d(F.relu(truth_pre), 3, 2, 1)
     problems = [compare("output", out.float().cpu(), want.float().cpu(), tol, reference=truth.cpu())]
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).cuda()
-    got = torch.autograd.grad(out, mine, g.to(dtype))
+    grads = conv_batch_norm_bwd(g.to(dtype), mine[0], mine[1], None, mine[2:], saved_y, winner, stats, config,
+                                [True, True, False, True, True])  # fmt: skip
+    got = [grads[0], grads[1], *grads[3:]]
     ref = torch.autograd.grad(want, theirs, g.to(dtype))
     flat_pre = truth_pre.flatten(2)
 
