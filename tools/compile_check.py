@@ -84,9 +84,11 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
   (``bench``: Conv2d 64->64 over (32, 64, 128, 128) -> BatchNorm2d -> ReLU), the same channels-last
   (``bench_cl``) and a Conv3d output with a chain of operands (``conv3d_chain``: (4, 48, 16, 32, 32));
   with a pool after the chain, ``kernels/norm_pool.py``'s pooled normalise pass and the pooled
-  backward: the ``families`` ResNet-stem-in-training demo's conv output, (32, 64, 112, 112) -> ReLU ->
-  MaxPool2d(3, 2, 1) (``stem``), the same channels-last (``stem_cl``), and the Conv3d chain with a
-  2x2x2 avg pool in ceil_mode (``conv3d_avg_pool``); ``fp32``, ``bf16``.  Cases
+  backward on a channels-last conv output (the op's library conv runs channels-last), the result in
+  the workload's layout: the ``families`` ResNet-stem-in-training demo's conv output, (32, 64, 112,
+  112) -> ReLU -> MaxPool2d(3, 2, 1), an NCHW result (``stem``: the transposing tile) or a
+  channels-last one (``stem_cl``), and the Conv3d chain with a 2x2x2 avg pool in ceil_mode
+  (``conv3d_avg_pool``); ``fp32``, ``bf16``.  Cases
   ``{bench,bench_cl,conv3d_chain,stem,stem_cl,conv3d_avg_pool}-{fp32,bf16}``, all by default.
 * ``layer_norm``: ``kernels/layer_norm.py``'s forward (saving the statistics) and backward (every
   gradient wanted) on the ``families`` LayerNorm demo's conv output (``bench``: Conv2d 64->64 over (32,
@@ -290,12 +292,14 @@ def group_norm_pass(workload: str, dtype: str) -> None:
                                [True] * len(post_steps), (True, True), pool=pool, winner=winner)  # fmt: skip
 
 
-def pooled_outputs(y: torch.Tensor, pool: PoolSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The pooled result and (max pool) its int8 winners, in y's layout, as the norm families allocate them."""
+def pooled_outputs(y: torch.Tensor, pool: PoolSpec,
+                   fmt: torch.memory_format | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The pooled result in ``fmt`` (default y's layout) and (max pool) its int8 winners in y's layout,
+    as the norm families allocate them (``conv_group_norm.common.allocate_result``)."""
     shape = ce.common.pooled_output_shape(y.shape, pool)
-    fmt = ce.common.output_memory_format(y)
-    out = torch.empty(shape, dtype=y.dtype, memory_format=fmt)
-    return out, torch.empty(shape, dtype=torch.int8, memory_format=fmt) if pool.kind == "max" else None
+    out = torch.empty(shape, dtype=y.dtype, memory_format=fmt or ce.common.output_memory_format(y))
+    winner = torch.empty(shape, dtype=torch.int8, memory_format=ce.common.output_memory_format(y))
+    return out, winner if pool.kind == "max" else None
 
 
 #: The batch_norm job's workloads: conv output shape, channels-last, post-chain, pool.
@@ -325,8 +329,10 @@ def batch_norm_pass(workload: str, dtype: str) -> None:
     out, winner = torch.empty_like(y), None
     if pool is None:
         BN.batch_norm_apply(y, bias, steps, post_params, affine, stats, out)
-    else:  # the pooled normalise pass (the bias in P's row, no pre-chain)
-        out, winner = pooled_outputs(y, pool)
+    else:  # the pooled normalise pass (the bias in P's row, no pre-chain) on the conv output as the op has it,
+        # channels-last (``library_conv.conv_forward``), writing the result in eager's layout (``fmt``)
+        y = y.contiguous(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
+        out, winner = pooled_outputs(y, pool, fmt)
         NP.norm_pool_forward(y, True, [], steps, EP.build_params([], bias, c, y.device), post_params, affine, stats,
                              pool, out, winner)  # fmt: skip
     BN.batch_norm_backward(torch.empty_like(out), y, bias, steps, post_params, affine, stats, torch.empty_like(y),

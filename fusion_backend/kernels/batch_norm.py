@@ -437,6 +437,13 @@ def batch_norm_apply(y: torch.Tensor, bias: torch.Tensor | None, post: Sequence[
     )  # fmt: skip
 
 
+def _layout_of(t: torch.Tensor) -> torch.memory_format:
+    """channels-last(-3d) where ``t``'s channels are its contiguous axis, else contiguous."""
+    if t.dim() >= 4 and t.stride(1) == 1 and t.shape[1] > 1 and t[0, 0].numel() > 1:
+        return torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+    return torch.contiguous_format
+
+
 def batch_norm_backward(
     grad_out: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, post: Sequence[KernelStep],
     post_params: torch.Tensor, affine: torch.Tensor, stats: torch.Tensor, grad_y: torch.Tensor,
@@ -471,6 +478,11 @@ def batch_norm_backward(
             grad_out = grad_out.contiguous()
             g_flat = flat_strides("grad_out", grad_out)
     else:
+        if _layout_of(grad_out) != _layout_of(y):
+            # NOTE: the kernels gather each position's pooled gradient over the tile's channels and
+            # positions; in y's layout those loads run along its contiguous axis.  The pooled gradient
+            # is a fraction of y's size (1/4 behind a stride-2 pool).
+            grad_out = grad_out.contiguous(memory_format=_layout_of(y))
         g_flat = pooled_grad_strides(grad_out, y, pool, winner)
     pool_ints, pool_consts = pool_arguments(grad_out, y, pool, winner)
     win = winner if winner is not None else y

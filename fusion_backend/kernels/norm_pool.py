@@ -16,8 +16,10 @@ CG`` of rows 0 / 1 (``st_sn`` 0 and ``CG`` 1 for a batch norm).  All arithmetic 
 
 Layout and tiling as ``kernels/epilogue.py``'s pooled forward: tensors seen as ``(N, C, D, H, W)``
 (``lift_5d``), a program owns ``BLOCK_C`` channels of one sample by ``BLOCK_S`` flat pooled
-positions (``epilogue.tile_shape``, long along the output's contiguous axis), and walks each window's
-taps unrolled (``POOL_GEOM``).  Only the pooled output is written (and, with ``SAVE`` and a max pool,
+positions (``epilogue.tile_shape``: long along the output's contiguous axis, or the square
+transposing tile where y's contiguous axis is not the output's, e.g. ``conv_batch_norm``'s
+channels-last conv output under an NCHW result), and walks each window's taps unrolled
+(``POOL_GEOM``).  Only the pooled output is written (and, with ``SAVE`` and a max pool,
 each window's winner: its row-major tap index, int8 or int32).
 """
 
@@ -54,6 +56,7 @@ def _norm_pool_fwd_kernel(
     C, D, H, W, OD, OH, OW, num_s_blocks, CG, st_sn, st_row,
     y_sn, y_sc, y_sd, y_sh, y_sw,
     o_sn, o_sc, o_sd, o_sh, o_sw,
+    w_sn, w_sc, w_sd, w_sh, w_sw,
     PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr, POOL_GEOM: tl.constexpr,
     SAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
@@ -68,7 +71,8 @@ def _norm_pool_fwd_kernel(
       st_ptr   fp32 statistics: row 0 the means, row 1 the rstds, row stride ``st_row``; the entry of
                (sample n, channel c) at ``n * st_sn + c // CG``.
       out_ptr  result, (N, C, OD, OH, OW), any float dtype, strides ``o_s*``.
-      win_ptr  (SAVE, max pool) winner index per window, int8/int32, out's shape and strides.
+      win_ptr  (SAVE, max pool) winner index per window, int8/int32, out's shape, strides ``w_s*``
+               (the saved state's layout: y's, where out has eager's).
     Grid: ``(N * num_s_blocks, cdiv(C, BLOCK_C))``: program ``(i, j)`` owns sample ``i // num_s_blocks``,
     pooled positions ``(i % num_s_blocks) * BLOCK_S + [0, BLOCK_S)`` and channels ``j * BLOCK_C + [0,
     BLOCK_C)``.  POOL: 1 max, 2 avg; POOL_GEOM: ``chain_math.pool_geometry``'s.
@@ -130,7 +134,8 @@ def _norm_pool_fwd_kernel(
     if POOL == 1:
         tl.store(out_ptr + o_off, best.to(out_ptr.dtype.element_ty), mask=mask)
         if SAVE:
-            tl.store(win_ptr + o_off, win.to(win_ptr.dtype.element_ty), mask=mask)
+            w_off = add_spatial_offset(n64 * w_sn + c64 * w_sc, od, oh, ow, w_sd, w_sh, w_sw)
+            tl.store(win_ptr + w_off, win.to(win_ptr.dtype.element_ty), mask=mask)
     else:
         div = pool_divisor(od, oh, ow, D, H, W, POOL_GEOM)
         tl.store(out_ptr + o_off, (acc / div).to(out_ptr.dtype.element_ty), mask=mask)
@@ -212,8 +217,8 @@ def norm_pool_forward(
         group), G dividing C (a group norm); row 0 the means, row 1 the rstds.
       pool: the max or avg pool (its spatial dims are y's; at most ``MAX_WINDOW_VOLUME`` taps).
       out: preallocated (N, C, *pooled spatial) (``pooled_output_shape``), any float dtype, any strides.
-      winner: None, or preallocated like ``out`` (same shape and strides), int8 (windows up to 127
-        taps) or int32: the winner's row-major index in its window.
+      winner: None, or preallocated with out's shape (any strides: the backward reads it best in y's
+        layout), int8 (windows up to 127 taps) or int32: the winner's row-major index in its window.
     """
     key = (tensor_key(y), has_bias, tuple(int(c) for c, _ in pre), tuple(int(c) for c, _ in post),
            tensor_key(params), tensor_key(post_params), tensor_key(affine), tensor_key(stats), pool,
@@ -247,21 +252,23 @@ class _Launch:
                              f"{tuple(stats.shape)}")  # fmt: skip
         if pool.kind == "avg" and winner is not None:
             raise ValueError("winners are only saved for a max pool")
-        if winner is not None and (winner.shape != out.shape or winner.stride() != out.stride()
-                                   or winner.dtype not in (torch.int8, torch.int32)):  # fmt: skip
-            raise ValueError(f"winner must be int8/int32 with out's shape and strides {tuple(out.shape)}/{out.stride()}, "
-                             f"got {tuple(winner.shape)}/{winner.stride()} {winner.dtype}")  # fmt: skip
+        if winner is not None and (winner.shape != out.shape or winner.dtype not in (torch.int8, torch.int32)):
+            raise ValueError(f"winner must be int8/int32 with out's shape {tuple(out.shape)}, got {tuple(winner.shape)} "
+                             f"{winner.dtype}")  # fmt: skip
         if winner is not None and winner.dtype == torch.int8 and pool.window_volume > 127:
             raise ValueError(f"a window of {pool.window_volume} taps needs int32 winners")
         pool_geom = pool_geometry(pool, y.dim() - 2)
         s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
-        block_c, block_s = tile_shape(channels, s_out, channels_innermost(o_strides, o_sizes))
+        write_inner = channels_innermost(o_strides, o_sizes)
+        transposing = channels_innermost(y_strides, y_sizes) != write_inner
+        block_c, block_s = tile_shape(channels, s_out, write_inner, transposing=transposing)
         num_s_blocks = cdiv(s_out, block_s)
         self.save = winner is not None
         self.launch = None
         if out.numel() > 0:
+            w_strides = lift_5d(winner)[1] if winner is not None else [0] * 5
             ints = (channels, *y_sizes[2:], *o_sizes[2:], num_s_blocks, group_channels, st_sn, st_row, *y_strides,
-                    *o_strides)  # fmt: skip
+                    *o_strides, *w_strides)  # fmt: skip
             self.launch = FastLaunch(_norm_pool_fwd_kernel, (n * num_s_blocks, cdiv(channels, block_c)), dict(
                 PRE=_ops(pre), POST=_ops(post), HAS_BIAS=bool(has_bias), POOL=pool_code(pool), POOL_GEOM=pool_geom,
                 SAVE=self.save, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,

@@ -149,14 +149,17 @@ def allocate_result(x: Tensor, y0: Tensor, cfg: ConvGroupNormConfig | ConvBatchN
     * ``out``: y0's shape, or with ``cfg.pool`` the pooled shape (``pooled_output_shape``), in
       ``out_format`` (default ``output_memory_format(y0)``), dtype ``out_dtype`` (default the conv's).
     * ``saved_winner`` (with ``save`` and a max pool, else ``empty_placeholder(x)``): each window's
-      winner as its row-major tap index, ``winner_dtype`` (int8 up to 127 taps), out's shape and strides.
+      winner as its row-major tap index, ``winner_dtype`` (int8 up to 127 taps), out's shape in y0's
+      layout (``output_memory_format(y0)``): the backward kernels walk y0 and read the winners along
+      with it, coalesced where both share the contiguous axis.
     """
     fmt = output_memory_format(y0) if out_format is None else out_format
     shape = y0.shape if cfg.pool is None else pooled_output_shape(y0.shape, cfg.pool)
     out = torch.empty(shape, dtype=output_dtype(cfg, y0.dtype), device=x.device, memory_format=fmt)
     if not save or cfg.pool is None or cfg.pool.kind != "max":
         return out, empty_placeholder(x)
-    return out, torch.empty(shape, dtype=winner_dtype(cfg.pool), device=x.device, memory_format=fmt)
+    return out, torch.empty(shape, dtype=winner_dtype(cfg.pool), device=x.device,
+                            memory_format=output_memory_format(y0))  # fmt: skip
 
 
 def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvGroupNormConfig,
