@@ -49,7 +49,7 @@ def pooled(y, pool, dtype=torch.float32, save=True):
                          ids=["max 3/2/1", "max 2 ceil_mode", "avg 3/2/1 ceil_mode without the padding"])  # fmt: skip
 def test_batch_norm_pooled_forward_and_backward_match_torch(pool, kernel_device):
     y, bias, gamma, beta, affine = tensors((2, 5, 7, 9), 0, kernel_device, tie_rows=3)
-    stats, _ = bn.batch_norm_stats(y, bias, 1e-5)
+    stats = bn.batch_norm_stats(y, bias, 1e-5)[:2]
     params, q = build_params([], bias, 5, y.device), build_params(POST, None, 5, y.device)
     out, winner = pooled(y, pool)
     norm_pool_forward(y, True, [], POST, params, q, affine, stats, pool, out, winner)
@@ -109,7 +109,7 @@ def test_channels_last_y_a_strided_gradient_and_no_winners_without_saving(kernel
     tensor as ``out.sum()``'s backward gives it; an inference call writes no winners."""
     y, bias, gamma, beta, affine = tensors((2, 4, 6, 7), 5, kernel_device, tie_rows=2)
     y = y.to(memory_format=torch.channels_last)
-    stats, _ = bn.batch_norm_stats(y, bias, 1e-5)
+    stats = bn.batch_norm_stats(y, bias, 1e-5)[:2]
     params, q = build_params([], bias, 4, y.device), build_params(POST, None, 4, y.device)
     shape = pooled_output_shape(y.shape, MAX_3_2_1)
     out = torch.empty(shape, device=kernel_device).to(memory_format=torch.channels_last)
@@ -129,7 +129,7 @@ def test_channels_last_y_a_strided_gradient_and_no_winners_without_saving(kernel
 
 def test_arguments_are_checked_with_one_line_messages(kernel_device):
     y, bias, _, _, affine = tensors((2, 4, 6, 7), 6, kernel_device)
-    stats, _ = bn.batch_norm_stats(y, bias, 1e-5)
+    stats = bn.batch_norm_stats(y, bias, 1e-5)[:2]
     params = build_params([], bias, 4, y.device)
     out, winner = pooled(y, MAX_3_2_1)
     with pytest.raises(ValueError, match=r"stats must be \(2, 4\) or \(2, 2, G\)"):

@@ -127,11 +127,6 @@ def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvBatchNormConfig, sa
     return out, (in_format(y0, output_memory_format(y0)) if save else empty_placeholder(x)), winner, stats
 
 
-def unbiased(var: Tensor, count: int) -> Tensor:
-    """The unbiased variance of ``count`` values whose biased variance is ``var``."""
-    return var * (count / (count - 1))
-
-
 def update_running_stats(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:
     """Eager's in-place update ``running = (1 - m) * running + m * batch`` with the batch mean and
     unbiased variance (``stats`` rows 0 and 2), computed in the statistics' dtype and stored in the

@@ -18,7 +18,7 @@ from torch import Tensor
 from ...kernels.chain_math import KernelStep
 from ..conv_channel_reduce.common import chain_kernel_steps
 from ..library_conv import conv_forward, nominal_format
-from .common import affine_rows, allocate_forward_outputs, unbiased
+from .common import affine_rows, allocate_forward_outputs
 from .config import ConvBatchNormConfig
 
 
@@ -49,12 +49,13 @@ def forward_triton(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Seq
     """``(out, saved_y, saved_winner, stats)`` as ``common.allocate_forward_outputs`` lays them out.
     With a pool the normalise pass is ``kernels/norm_pool.py``'s, which writes only the pooled result
     (and, saving for a max pool's backward, each window's winner)."""
-    from ...kernels.batch_norm import batch_norm_apply, batch_norm_stats, plan_for
+    from ...kernels.batch_norm import batch_norm_apply, batch_norm_stats
 
     y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     out, saved_y, winner, stats = allocate_forward_outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
     chain = KernelChain.build(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
-    norm_stats, var = batch_norm_stats(y0, chain.bias, cfg.eps)
+    batch_norm_stats(y0, chain.bias, cfg.eps, stats)  # mean, rstd, unbiased variance
+    norm_stats = stats[:2]
     if cfg.pool is None:
         batch_norm_apply(y0, chain.bias, chain.post, chain.post_params, chain.affine, norm_stats, out)
     else:
@@ -64,6 +65,4 @@ def forward_triton(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Seq
         params = build_params([], bias, y0.shape[1], y0.device)  # the bias in its row, no pre-chain
         norm_pool_forward(y0, bias is not None, [], chain.post, params, chain.post_params, chain.affine, norm_stats,
                           cfg.pool, out, winner if winner.numel() else None)  # fmt: skip
-    stats[:2].copy_(norm_stats)
-    stats[2].copy_(unbiased(var, plan_for(y0)[0].values))
     return out, saved_y, winner, stats
