@@ -120,11 +120,6 @@ def _norm_grad_tile(gout_ptr, y_ptr, bias_ptr, q_ptr, win_ptr, c, r, valid, mu, 
     return xh, tl.where(valid, dz, 0.0), q0, q1, q2, q3, q4, q5, q6, q7
 
 
-@triton.jit
-def _row_sum(q, valid):
-    return tl.sum(tl.where(valid, q, 0.0), axis=1)
-
-
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
@@ -262,8 +257,10 @@ def _batch_norm_bwd_sums_kernel(
     rstd = tl.load(st_ptr + C + c, mask=cmask, other=0.0)
     gamma = tl.load(a_ptr + c, mask=cmask, other=0.0)
     beta = tl.load(a_ptr + C + c, mask=cmask, other=0.0)
-    s_dz = tl.zeros([BLOCK_C], tl.float32)
-    s_dzxh = tl.zeros([BLOCK_C], tl.float32)
+    # Per-lane sums, reduced across the lanes once at the end (as the statistics kernel, whose NOTE
+    # says why): the loop stays elementwise.
+    s_dz = tl.zeros([BLOCK_C, BLOCK_R], tl.float32)
+    s_dzxh = tl.zeros([BLOCK_C, BLOCK_R], tl.float32)
     p0, p1, p2, p3, p4, p5, p6, p7 = s_dz, s_dz, s_dz, s_dz, s_dz, s_dz, s_dz, s_dz
     for r0 in range(start, tl.minimum(start + CHUNK, R), BLOCK_R):
         r = r0 + rb
@@ -272,34 +269,34 @@ def _batch_norm_bwd_sums_kernel(
             gout_ptr, y_ptr, bias_ptr, q_ptr, win_ptr, c, r, valid, mu, rstd, gamma, beta, C, S, g_sn, g_sc, g_ss,
             y_sn, y_sc, y_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh, w_sw, POST, HAS_BIAS, POOL,
             POOL_GEOM)  # fmt: skip
-        s_dz += tl.sum(dz, axis=1)
-        s_dzxh += _row_sum(dz * xh, valid)
+        s_dz += dz  # 0 outside valid
+        s_dzxh += tl.where(valid, dz * xh, 0.0)
         if (POST_MASK & 1) != 0:
-            p0 += _row_sum(q0, valid)
+            p0 += tl.where(valid, q0, 0.0)
         if (POST_MASK & 2) != 0:
-            p1 += _row_sum(q1, valid)
+            p1 += tl.where(valid, q1, 0.0)
         if (POST_MASK & 4) != 0:
-            p2 += _row_sum(q2, valid)
+            p2 += tl.where(valid, q2, 0.0)
         if (POST_MASK & 8) != 0:
-            p3 += _row_sum(q3, valid)
+            p3 += tl.where(valid, q3, 0.0)
         if (POST_MASK & 16) != 0:
-            p4 += _row_sum(q4, valid)
+            p4 += tl.where(valid, q4, 0.0)
         if (POST_MASK & 32) != 0:
-            p5 += _row_sum(q5, valid)
+            p5 += tl.where(valid, q5, 0.0)
         if (POST_MASK & 64) != 0:
-            p6 += _row_sum(q6, valid)
+            p6 += tl.where(valid, q6, 0.0)
         if (POST_MASK & 128) != 0:
-            p7 += _row_sum(q7, valid)
+            p7 += tl.where(valid, q7, 0.0)
     c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask1 = c1 < C
     at = part_ptr + c1 * K + k
     row = C * K
-    tl.store(at, s_dz, mask=cmask1)
-    tl.store(at + row, s_dzxh, mask=cmask1)
+    tl.store(at, tl.sum(s_dz, axis=1), mask=cmask1)
+    tl.store(at + row, tl.sum(s_dzxh, axis=1), mask=cmask1)
     rows = (p0, p1, p2, p3, p4, p5, p6, p7)
     for j in tl.static_range(8):
         if ((POST_MASK >> j) & 1) != 0:
-            tl.store(at + (2 + j) * row, rows[j], mask=cmask1)
+            tl.store(at + (2 + j) * row, tl.sum(rows[j], axis=1), mask=cmask1)
 
 
 @triton.jit
@@ -538,28 +535,43 @@ def batch_norm_backward(
             # is a fraction of y's size (1/4 behind a stride-2 pool).
             grad_out = grad_out.contiguous(memory_format=_layout_of(y))
         g_flat = pooled_grad_strides(grad_out, y, pool, winner)
-    pool_ints, pool_consts = pool_arguments(grad_out, y, pool, winner)
     win = winner if winner is not None else y
-    slots = [k < len(post_grad_slots) and bool(post_grad_slots[k]) for k in range(len(post))]
-    mask = sum(1 << k for k, w in enumerate(slots) if w)
-    rows = 2 + (max(k for k, w in enumerate(slots) if w) + 1 if mask else 0)
-    part = torch.zeros((rows, plan.channels, plan.chunks), dtype=torch.float32, device=y.device)
+    slots = tuple(k < len(post_grad_slots) and bool(post_grad_slots[k]) for k in range(len(post)))
+    ops = _ops(post)
+    key = (tensor_key(grad_out), tensor_key(y), tensor_key(grad_y), tensor_key(win), bias is None, ops, slots, pool)
+    launch = _BACKWARD_LAUNCHES.get(key, lambda: _BackwardLaunch(grad_out, y, grad_y, win, winner, bias is not None,
+                                                                 ops, slots, pool, g_flat, plan))  # fmt: skip
+    part = torch.zeros((launch.rows, plan.channels, plan.chunks), dtype=torch.float32, device=y.device)
     common = (y, y if bias is None else bias, post_params, affine, stats)
-    sizes = (plan.channels, plan.positions, plan.values, plan.chunk)
-    y_flat = flat_strides("y", y)
     if y.numel() > 0:
-        _batch_norm_bwd_sums_kernel[plan.grid](
-            grad_out, *common, part, win, *sizes, plan.chunks, *g_flat, *y_flat, *pool_ints, POST=_ops(post),
-            HAS_BIAS=bias is not None, POST_MASK=mask, **pool_consts, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r,
-            num_warps=plan.num_warps,
-        )  # fmt: skip
+        launch.sums(grad_out, *common, part, win)
     # NOTE: torch's reduction over a fixed shape runs in a fixed order: bitwise reproducible sums.
     sums = part.sum(2)
     means = (sums[:2] / plan.values).contiguous()
     if y.numel() > 0:
-        _batch_norm_bwd_dx_kernel[plan.grid](
-            grad_out, *common, means, grad_y, win, *sizes, *g_flat, *y_flat, *flat_strides("grad_y", grad_y),
-            *pool_ints, POST=_ops(post), HAS_BIAS=bias is not None, **pool_consts, BLOCK_C=plan.block_c,
-            BLOCK_R=plan.block_r, num_warps=plan.num_warps,
-        )  # fmt: skip
+        launch.dx(grad_out, *common, means, grad_y, win)
     return sums[1], sums[0], [sums[2 + k] if w else None for k, w in enumerate(slots)]
+
+
+_BACKWARD_LAUNCHES = BoundedCache(256)
+
+
+class _BackwardLaunch:
+    """``batch_norm_backward``'s two kernel launches for one call signature, worked out once
+    (``FastLaunch``): the partial sums' row count, the pool's arguments, the strides."""
+
+    def __init__(self, grad_out: torch.Tensor, y: torch.Tensor, grad_y: torch.Tensor, win: torch.Tensor,
+                 winner: torch.Tensor | None, has_bias: bool, ops: tuple[int, ...], slots: tuple[bool, ...],
+                 pool: PoolSpec | None, g_flat: tuple[int, int, int], plan: Plan) -> None:  # fmt: skip
+        pool_ints, pool_consts = pool_arguments(grad_out, y, pool, winner)
+        mask = sum(1 << k for k, w in enumerate(slots) if w)
+        #: rows of the partial sums: sum dz, sum dz * x_hat, then the post-chain slots up to the last wanted
+        self.rows = 2 + (max(k for k, w in enumerate(slots) if w) + 1 if mask else 0)
+        sizes = (plan.channels, plan.positions, plan.values, plan.chunk)
+        y_flat = flat_strides("y", y)
+        tiles = dict(POST=ops, HAS_BIAS=has_bias, **pool_consts, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r,
+                     num_warps=plan.num_warps)  # fmt: skip
+        self.sums = FastLaunch(_batch_norm_bwd_sums_kernel, plan.grid, dict(tiles, POST_MASK=mask),
+                               fixed=(*sizes, plan.chunks, *g_flat, *y_flat, *pool_ints))  # fmt: skip
+        self.dx = FastLaunch(_batch_norm_bwd_dx_kernel, plan.grid, tiles,
+                             fixed=(*sizes, *g_flat, *y_flat, *flat_strides("grad_y", grad_y), *pool_ints))  # fmt: skip
