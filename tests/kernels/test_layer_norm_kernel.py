@@ -44,13 +44,17 @@ def test_rows_and_plans_follow_the_normalized_dims_and_fill_an_h100(monkeypatch)
 def case(shape, dims, layout=None, seed=0):
     """A conv output of ``shape`` (in ``layout``), a bias, a pre-chain ``tanh(y * p)`` and a post-chain
     ``gelu(z + q)`` with per-channel p and q, and gamma / beta of the normalized shape."""
-    gen = torch.Generator().manual_seed(seed)
-    y = torch.randn(*shape, generator=gen)
+    gen, dev = torch.Generator().manual_seed(seed), torch.empty(0).device  # drawn on the CPU, then moved
+
+    def draw(*size):
+        return torch.randn(*size, generator=gen, device="cpu").to(dev)
+
+    y = draw(*shape)
     if layout is not None:
         y = y.to(memory_format=layout)
     c, normalized = shape[1], shape[len(shape) - dims:]
-    bias, p, q = (torch.randn(c, generator=gen) for _ in range(3))
-    gamma, beta = (torch.randn(normalized, generator=gen) for _ in range(2))
+    bias, p, q = (draw(c) for _ in range(3))
+    gamma, beta = (draw(*normalized) for _ in range(2))
     return y, bias, p, q, gamma, beta
 
 
@@ -74,7 +78,7 @@ def run(y, dims, bias, p, q, gamma, beta, grad, programs=None, chunk=None, eps=1
 
 def check_against_torch(shape, dims, layout=None, programs=None, chunk=None, seed=0, again=True):
     y, bias, p, q, gamma, beta = case(shape, dims, layout, seed)
-    grad = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1))
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1), device="cpu").to(y.device)
     got = run(y, dims, bias, p, q, gamma, beta, grad, programs, chunk)
     view = (1, -1) + (1,) * (len(shape) - 2)
     leaves = [t.detach().clone().requires_grad_() for t in (y, p, q, gamma, beta)]
