@@ -5,7 +5,8 @@ kernels (2-d and 3-d convs in fp16 / bf16 / fp32: :func:`channels_last_conv`).
 
 Forward (:func:`conv_forward`, for the families whose kernels read a channels-last conv output at
 full speed: ``conv_channel_reduce`` reads all channels of a position, ``conv_batch_norm`` tiles 64
-channels; a group of a few channels would read it in short runs):
+channels, ``conv_layer_norm`` packs consecutive channels' rows into a tile; ``conv_group_norm``'s
+groups of a few channels would read it in short runs):
 
 * ``conv_forward(x, weight, spec, channels_last)``: the conv output without bias; with
   ``channels_last`` and :func:`channels_last_conv`, x and the weight are relaid into channels-last

@@ -11,8 +11,9 @@ import torch
 from torch import Tensor
 
 from ..autograd_free import register_autograd_free
-from ..conv_epilogue.common import backward_outputs, fake_backward_outputs, run_conv
+from ..conv_epilogue.common import backward_outputs, fake_backward_outputs
 from ..direct_impls import profiled, records_backward, register_direct
+from ..library_conv import conv_forward
 from ..saved_state import direct_function, register_saved_state_autograd
 from . import reference
 from .backward import backward_triton
@@ -41,7 +42,7 @@ conv_layer_norm_fwd = torch.library.custom_op("fusion::conv_layer_norm_fwd", mut
 @conv_layer_norm_fwd.register_fake
 def _fwd_fake(x, weight, bias, operands, config, save_for_backward):
     cfg = ConvLayerNormConfig.from_json(config)
-    y0 = run_conv(x, weight, None, cfg.conv)
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     return allocate_forward_outputs(x, y0, cfg, save_for_backward)
 
 

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..conv_epilogue.common import apply_chain, channel_view, run_conv, run_conv_backward
+from ..conv_epilogue.common import apply_chain, channel_view, run_conv_backward
 from ..conv_epilogue.reference import chain_backward, chain_with_tape
+from ..library_conv import conv_forward
 from .common import allocate_forward_outputs, norm_dtype, output_dtype, stats_dtype
 from .config import ConvLayerNormConfig
 
@@ -34,7 +35,7 @@ def _stat_shape(v: Tensor, cfg: ConvLayerNormConfig) -> list[int]:
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvLayerNormConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do)."""
-    y0 = run_conv(x, weight, None, cfg.conv)
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     out, saved_y, stats = allocate_forward_outputs(x, y0, cfg, save)
     yb = y0 if bias is None else y0 + channel_view(bias.to(y0.dtype), y0.dim())
     v = apply_chain(yb, cfg.pre, operands)
