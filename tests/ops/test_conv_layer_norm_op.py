@@ -185,7 +185,10 @@ def test_saved_state_is_the_conv_output_and_the_row_statistics(kernels, kernel_d
     cfg = ConvLayerNormConfig(CONV2D, (5,), 1e-5, 0, 1, PRE, ())
     out, saved_y, stats = conv_layer_norm_fwd(x, w, b, ops, cfg.to_json(), True)
     y0 = F.conv2d(x, w, None, (1, 2), (1, 0))
-    assert saved_y.shape == y0.shape and torch.equal(saved_y, y0)  # without the bias
+    # without the bias; the op's conv runs channels-last (``ops/library_conv.py``), another cuDNN
+    # kernel than this NCHW one: equal up to the summation order
+    assert saved_y.shape == y0.shape
+    torch.testing.assert_close(saved_y, y0, rtol=1e-5, atol=1e-5)
     v = apply_chain(y0 + b.view(1, -1, 1, 1), PRE, ops)
     assert stats.shape == (2, 2 * 6 * 5) and stats.dtype == torch.float32  # rows: (N, C, H) in order
     torch.testing.assert_close(stats[0], v.mean(-1).reshape(-1), rtol=1e-5, atol=1e-5)
