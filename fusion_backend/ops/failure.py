@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 from torch import Tensor
 
 from ..errors import KernelError, UnsupportedInputError
 
 logger = logging.getLogger("fusion_backend.ops")
+
+T = TypeVar("T")
 
 #: The keys already warned about in this process.
 _warned: set[Hashable] = set()
@@ -64,3 +67,27 @@ def op_kernel_failed(op: str, direction: str, described: str, config: str, x: Te
     what = (f"fusion::{op} {direction} Triton kernel failed for {described}, x {tuple(x.shape)} weight "
             f"{tuple(weight.shape)} {x.dtype} on {x.device}: {type(error).__name__}: {error}")
     kernel_failed(what, error, strict, (op, direction, config))
+
+
+def triton_or_reference(serves: bool, triton: Callable[[], T], reference: Callable[[], T],
+                        on_failure: Callable[[Exception], None]) -> T:  # fmt: skip
+    """One direction of a fused op under the policy: ``triton()`` where the Triton path ``serves``
+    the call; when it raises, ``on_failure(error)`` (the op's ``op_kernel_failed``: raise under
+    ``strict``, else warn once) and then ``reference()``; ``reference()`` where it does not serve."""
+    if serves:
+        try:
+            return triton()
+        except Exception as e:  # any kernel failure takes the documented policy
+            on_failure(e)
+    return reference()
+
+
+def check_backward_call(op: str, output_mask: Sequence[bool], num_operands: int, saved_stats: Tensor) -> None:
+    """One-line errors for a backward op called outside its autograd formula: an ``output_mask`` of
+    the wrong length, or saved state from a forward that ran with ``save_for_backward=False`` (its
+    statistics are then an empty placeholder)."""
+    if len(output_mask) != 3 + num_operands:
+        raise ValueError(f"output_mask needs {3 + num_operands} entries, got {len(output_mask)}")
+    if saved_stats.dim() == 1:
+        raise RuntimeError(f"fusion::{op}_bwd: the forward ran with save_for_backward=False; call {op}() (which "
+                           "saves state when autograd needs it) instead of the raw op")  # fmt: skip

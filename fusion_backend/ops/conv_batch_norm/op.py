@@ -20,6 +20,7 @@ from ...errors import UnsupportedInputError
 from ..autograd_free import register_autograd_free
 from ..conv_epilogue.common import backward_outputs, conv_output_shape, fake_backward_outputs
 from ..direct_impls import profiled, records_backward, register_direct
+from ..failure import check_backward_call, triton_or_reference
 from ..library_conv import conv_forward, nominal_format
 from ..saved_state import direct_function, register_saved_state_autograd
 from . import reference
@@ -43,12 +44,10 @@ def _fwd_impl(x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Ten
     cfg = ConvBatchNormConfig.from_json(config)
     check_inputs(x, weight, operands, cfg)
     values_per_channel(conv_output_shape(x, weight, cfg.conv))
-    if use_triton(config, cfg, x):
-        try:
-            return forward_triton(x, weight, bias, operands, cfg, save_for_backward)
-        except Exception as e:  # any kernel failure takes the documented policy
-            on_kernel_failure("forward", config, cfg, x, weight, e)
-    return reference.forward(x, weight, bias, operands, cfg, save_for_backward)
+    args = (x, weight, bias, operands, cfg, save_for_backward)
+    return triton_or_reference(use_triton(config, cfg, x), lambda: forward_triton(*args),
+                               lambda: reference.forward(*args),
+                               lambda e: on_kernel_failure("forward", config, cfg, x, weight, e))  # fmt: skip
 
 
 conv_batch_norm_fwd = torch.library.custom_op("fusion::conv_batch_norm_fwd", mutates_args=())(_fwd_impl)
@@ -67,21 +66,11 @@ def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, 
     """``[grad_x, grad_weight, grad_bias, *grad_operands]``; entries whose mask is False are empty
     placeholders; the others have their input's shape, dtype and ``empty_like`` strides."""
     cfg = ConvBatchNormConfig.from_json(config)
-    if len(output_mask) != 3 + len(operands):
-        raise ValueError(f"output_mask needs {3 + len(operands)} entries, got {len(output_mask)}")
-    if saved_stats.dim() == 1:
-        raise RuntimeError("fusion::conv_batch_norm_bwd: the forward ran with save_for_backward=False; call "
-                           "conv_batch_norm() (which saves state when autograd needs it) instead of the raw op")
-    grads = None
-    if use_triton(config, cfg, x):
-        try:
-            grads = backward_triton(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats, cfg,
-                                    output_mask)  # fmt: skip
-        except Exception as e:  # any kernel failure takes the documented policy
-            on_kernel_failure("backward", config, cfg, x, weight, e)
-    if grads is None:
-        grads = reference.backward(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats, cfg,
-                                   output_mask)  # fmt: skip
+    check_backward_call("conv_batch_norm", output_mask, len(operands), saved_stats)
+    args = (grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats, cfg, output_mask)
+    grads = triton_or_reference(use_triton(config, cfg, x), lambda: backward_triton(*args),
+                                lambda: reference.backward(*args),
+                                lambda e: on_kernel_failure("backward", config, cfg, x, weight, e))  # fmt: skip
     return backward_outputs(grads, [x, weight, bias, *operands], output_mask, x)
 
 

@@ -13,6 +13,7 @@ from torch import Tensor
 from ..autograd_free import register_autograd_free
 from ..conv_epilogue.common import backward_outputs, fake_backward_outputs
 from ..direct_impls import profiled, records_backward, register_direct
+from ..failure import check_backward_call, triton_or_reference
 from ..library_conv import conv_forward, nominal_format
 from ..saved_state import direct_function, register_saved_state_autograd
 from . import reference
@@ -29,12 +30,10 @@ def _fwd_impl(x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Ten
     cfg = ConvChannelReduceConfig.from_json(config)
     check_inputs(x, weight, operands, cfg)
     channels = weight.shape[1] * cfg.conv.groups if cfg.conv.transposed else weight.shape[0]
-    if use_triton(config, cfg, x, channels):
-        try:
-            return forward_triton(x, weight, bias, operands, cfg, save_for_backward)
-        except Exception as e:  # any kernel failure takes the documented policy
-            on_kernel_failure("forward", config, cfg, x, weight, e)
-    return reference.forward(x, weight, bias, operands, cfg, save_for_backward)
+    args = (x, weight, bias, operands, cfg, save_for_backward)
+    return triton_or_reference(use_triton(config, cfg, x, channels), lambda: forward_triton(*args),
+                               lambda: reference.forward(*args),
+                               lambda e: on_kernel_failure("forward", config, cfg, x, weight, e))  # fmt: skip
 
 
 conv_channel_reduce_fwd = torch.library.custom_op("fusion::conv_channel_reduce_fwd", mutates_args=())(_fwd_impl)
@@ -53,22 +52,12 @@ def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, 
     """``[grad_x, grad_weight, grad_bias, *grad_operands]``; entries whose mask is False are empty
     placeholders; the others have their input's shape, dtype and ``empty_like`` strides."""
     cfg = ConvChannelReduceConfig.from_json(config)
-    if len(output_mask) != 3 + len(operands):
-        raise ValueError(f"output_mask needs {3 + len(operands)} entries, got {len(output_mask)}")
-    if saved_stats.dim() == 1:
-        raise RuntimeError("fusion::conv_channel_reduce_bwd: the forward ran with save_for_backward=False; call "
-                           "conv_channel_reduce() (which saves state when autograd needs it) instead of the raw op")
+    check_backward_call("conv_channel_reduce", output_mask, len(operands), saved_stats)
     channels = weight.shape[1] * cfg.conv.groups if cfg.conv.transposed else weight.shape[0]
-    grads = None
-    if use_triton(config, cfg, x, channels):
-        try:
-            grads = backward_triton(grad_out, x, weight, bias, operands, saved_y, saved_index, saved_stats, cfg,
-                                    output_mask)  # fmt: skip
-        except Exception as e:  # any kernel failure takes the documented policy
-            on_kernel_failure("backward", config, cfg, x, weight, e)
-    if grads is None:
-        grads = reference.backward(grad_out, x, weight, bias, operands, saved_y, saved_index, saved_stats, cfg,
-                                   output_mask)  # fmt: skip
+    args = (grad_out, x, weight, bias, operands, saved_y, saved_index, saved_stats, cfg, output_mask)
+    grads = triton_or_reference(use_triton(config, cfg, x, channels), lambda: backward_triton(*args),
+                                lambda: reference.backward(*args),
+                                lambda e: on_kernel_failure("backward", config, cfg, x, weight, e))  # fmt: skip
     return backward_outputs(grads, [x, weight, bias, *operands], output_mask, x)
 
 
