@@ -16,8 +16,19 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
 from ..ir.specs import ConvSpec, PoolSpec
-from .chain import ChainStep, ChainValue, Const, Operand, PointwiseKind, TensorRef, check_chain
+from .chain import (
+    MAX_CHAIN_LENGTH,
+    ChainStep,
+    ChainValue,
+    Const,
+    Operand,
+    PointwiseKind,
+    TensorRef,
+    check_chain,
+)
 
 
 @dataclass(frozen=True)
@@ -108,3 +119,36 @@ def _parse_conv_epilogue(text: str) -> ConvEpilogueConfig:
     return ConvEpilogueConfig(conv=ConvSpec.from_dict(d["conv"]), chain=chain_from_list(d["chain"]),
                               pool=None if pool is None else PoolSpec.from_dict(pool), out_dtype=d.get("out_dtype"),
                               strict=bool(d.get("strict", False)), compute_dtype=d.get("compute_dtype"))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks the families' configs share (each config's ``__post_init__`` calls the ones it needs)
+# ------------------------------------------------------------------------------------------------
+
+
+def check_kernel_chains(**chains: tuple[ChainStep, ...]) -> None:
+    """Each named chain (``pre=...``, ``post=...``) fits the kernels' operand slots and holds valid
+    steps (``check_chain``); ``ValueError`` naming the chain otherwise."""
+    for name, chain in chains.items():
+        if len(chain) > MAX_CHAIN_LENGTH:
+            raise ValueError(f"the {name}-chain has {len(chain)} steps; at most {MAX_CHAIN_LENGTH} fit the kernels")
+        check_chain(chain)
+
+
+def check_dtype_names(config: Any, *fields: str) -> None:
+    """Each named field of ``config`` is None or the name of a torch dtype."""
+    for name in fields:
+        value = getattr(config, name)
+        if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
+            raise ValueError(f"{name} {value!r} is not a torch dtype name")
+
+
+def check_norm_affine(config: Any) -> None:
+    """A norm config's ``eps`` (non-negative) and its ``weight`` / ``bias`` operand indices (None or
+    a non-negative int)."""
+    if not config.eps >= 0.0:
+        raise ValueError(f"eps must be a non-negative number, got {config.eps!r}")
+    for name in ("weight", "bias"):
+        index = getattr(config, name)
+        if index is not None and (not isinstance(index, int) or index < 0):
+            raise ValueError(f"{name} must be an operand index or None, got {index!r}")

@@ -10,11 +10,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ...ir.specs import ConvSpec, PoolSpec
-from ..chain import MAX_CHAIN_LENGTH, ChainStep, check_chain
-from ..config import chain_from_list, chain_to_list
+from ..chain import ChainStep
+from ..config import chain_from_list, chain_to_list, check_dtype_names, check_kernel_chains, check_norm_affine
 
 
 @dataclass(frozen=True)
@@ -52,21 +50,11 @@ class ConvBatchNormConfig:
     pool: PoolSpec | None = None
 
     def __post_init__(self) -> None:
-        if not self.eps >= 0.0:
-            raise ValueError(f"eps must be a non-negative number, got {self.eps!r}")
+        check_norm_affine(self)
         if not isinstance(self.momentum, (int, float)) or isinstance(self.momentum, bool):
             raise ValueError(f"momentum must be a number, got {self.momentum!r}")
-        for name in ("weight", "bias"):
-            index = getattr(self, name)
-            if index is not None and (not isinstance(index, int) or index < 0):
-                raise ValueError(f"{name} must be an operand index or None, got {index!r}")
-        if len(self.post) > MAX_CHAIN_LENGTH:
-            raise ValueError(f"the post-chain has {len(self.post)} steps; at most {MAX_CHAIN_LENGTH} fit the kernels")
-        check_chain(self.post)
-        for name in ("norm_dtype", "out_dtype"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
-                raise ValueError(f"{name} {value!r} is not a torch dtype name")
+        check_kernel_chains(post=self.post)
+        check_dtype_names(self, "norm_dtype", "out_dtype")
         if self.pool is not None and len(self.pool.kernel_size) != self.conv.spatial_dims:
             raise ValueError(f"the pool {self.pool} does not have the conv's {self.conv.spatial_dims} spatial dims")
 

@@ -10,11 +10,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ...ir.specs import ConvSpec
-from ..chain import MAX_CHAIN_LENGTH, ChainStep, check_chain
-from ..config import chain_from_list, chain_to_list
+from ..chain import ChainStep
+from ..config import chain_from_list, chain_to_list, check_dtype_names, check_kernel_chains
 
 #: The reductions over the channels, by the name the config carries.  ``min`` / ``max`` are
 #: ``torch.min(y, 1)[0]`` (the values of the (values, indices) pair); softmax and log_softmax keep
@@ -55,12 +53,8 @@ class ConvChannelReduceConfig:
             raise ValueError(f"reduction {self.reduction!r} is not one of {', '.join(REDUCTIONS)}")
         if self.reduction in FULL_SIZE and not self.keepdim:
             raise ValueError(f"{self.reduction} keeps every dim: keepdim must be True")
-        for name, chain in (("pre", self.pre), ("post", self.post)):
-            if len(chain) > MAX_CHAIN_LENGTH:
-                raise ValueError(f"the {name}-chain has {len(chain)} steps; at most {MAX_CHAIN_LENGTH} fit the kernels")
-            check_chain(chain)
-        if self.out_dtype is not None and not isinstance(getattr(torch, self.out_dtype, None), torch.dtype):
-            raise ValueError(f"out_dtype {self.out_dtype!r} is not a torch dtype name")
+        check_kernel_chains(pre=self.pre, post=self.post)
+        check_dtype_names(self, "out_dtype")
 
     @property
     def full_size(self) -> bool:

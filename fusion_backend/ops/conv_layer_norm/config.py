@@ -11,11 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ...ir.specs import ConvSpec
-from ..chain import MAX_CHAIN_LENGTH, ChainStep, check_chain
-from ..config import chain_from_list, chain_to_list
+from ..chain import ChainStep
+from ..config import chain_from_list, chain_to_list, check_dtype_names, check_kernel_chains, check_norm_affine
 
 
 @dataclass(frozen=True)
@@ -55,20 +53,9 @@ class ConvLayerNormConfig:
                 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):  # fmt: skip
             raise ValueError(f"normalized_shape must be 1 to {self.conv.spatial_dims + 1} positive ints (trailing dims "
                              f"of a {self.conv.spatial_dims}d conv output, not the batch), got {shape!r}")  # fmt: skip
-        if not self.eps >= 0.0:
-            raise ValueError(f"eps must be a non-negative number, got {self.eps!r}")
-        for name in ("weight", "bias"):
-            index = getattr(self, name)
-            if index is not None and (not isinstance(index, int) or index < 0):
-                raise ValueError(f"{name} must be an operand index or None, got {index!r}")
-        for name, chain in (("pre", self.pre), ("post", self.post)):
-            if len(chain) > MAX_CHAIN_LENGTH:
-                raise ValueError(f"the {name}-chain has {len(chain)} steps; at most {MAX_CHAIN_LENGTH} fit the kernels")
-            check_chain(chain)
-        for name in ("norm_dtype", "out_dtype"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
-                raise ValueError(f"{name} {value!r} is not a torch dtype name")
+        check_norm_affine(self)
+        check_kernel_chains(pre=self.pre, post=self.post)
+        check_dtype_names(self, "norm_dtype", "out_dtype")
 
     @property
     def normalized_dims(self) -> int:
