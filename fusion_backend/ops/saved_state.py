@@ -12,9 +12,10 @@ shape:
 - for graphs run without AOTAutograd (``ops/direct_impls.py``), an ``autograd.Function`` that calls
   the two implementations straight.
 
-:func:`register_saved_state_autograd` gives the forward op its autograd formula (which calls the
-backward op), and :func:`direct_function` builds the direct ``autograd.Function``; each family keeps
-its kernels, its reference and its public entry point.
+:func:`register_saved_state_ops` defines both custom ops from a family's implementations and fakes,
+with the forward's autograd formula (:func:`register_saved_state_autograd`, which calls the backward
+op) and both autograd-free ops (``ops/autograd_free.py``); :func:`direct_function` builds the direct
+``autograd.Function``; each family keeps its kernels, its reference and its public entry point.
 """
 
 from __future__ import annotations
@@ -25,12 +26,28 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .autograd_free import register_autograd_free
 from .direct_impls import profiled
 
 
 def _mask(bias: Tensor | None, needs: tuple[bool, ...], operands: int) -> list[bool]:
     """``output_mask`` from autograd's ``needs_input_grad`` of ``(x, weight, bias, *operands)``."""
     return [bool(needs[0]), bool(needs[1]), bias is not None and bool(needs[2])] + [bool(m) for m in needs[3:3 + operands]]
+
+
+def register_saved_state_ops(op: str, fwd_impl: Callable[..., Any], fwd_fake: Callable[..., Any],
+                             bwd_impl: Callable[..., Any], bwd_fake: Callable[..., Any]) -> tuple[Any, Any]:  # fmt: skip
+    """``(fusion::{op}_fwd, fusion::{op}_bwd)``: the two custom ops (schemas from the
+    implementations' annotations) with their fakes, the forward's autograd formula and both
+    autograd-free ops."""
+    fwd = torch.library.custom_op(f"fusion::{op}_fwd", mutates_args=())(fwd_impl)
+    fwd.register_fake(fwd_fake)
+    bwd = torch.library.custom_op(f"fusion::{op}_bwd", mutates_args=())(bwd_impl)
+    bwd.register_fake(bwd_fake)
+    register_saved_state_autograd(fwd, op)
+    register_autograd_free(fwd, fwd_impl, fwd_fake)
+    register_autograd_free(bwd, bwd_impl, bwd_fake)
+    return fwd, bwd
 
 
 def register_saved_state_autograd(fwd: Any, op: str) -> None:

@@ -17,12 +17,11 @@ import torch
 from torch import Tensor
 
 from ...errors import UnsupportedInputError
-from ..autograd_free import register_autograd_free
 from ..conv_epilogue.common import backward_outputs, conv_output_shape, fake_backward_outputs
 from ..direct_impls import profiled, records_backward, register_direct
 from ..failure import check_backward_call, triton_or_reference
 from ..library_conv import conv_forward, nominal_format
-from ..saved_state import direct_function, register_saved_state_autograd
+from ..saved_state import direct_function, register_saved_state_ops
 from . import reference
 from .backward import backward_triton
 from .common import (
@@ -50,10 +49,6 @@ def _fwd_impl(x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Ten
                                lambda e: on_kernel_failure("forward", config, cfg, x, weight, e))  # fmt: skip
 
 
-conv_batch_norm_fwd = torch.library.custom_op("fusion::conv_batch_norm_fwd", mutates_args=())(_fwd_impl)
-
-
-@conv_batch_norm_fwd.register_fake
 def _fwd_fake(x, weight, bias, operands, config, save_for_backward):
     cfg = ConvBatchNormConfig.from_json(config)
     y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
@@ -74,17 +69,11 @@ def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, 
     return backward_outputs(grads, [x, weight, bias, *operands], output_mask, x)
 
 
-conv_batch_norm_bwd = torch.library.custom_op("fusion::conv_batch_norm_bwd", mutates_args=())(_bwd_impl)
-
-
-@conv_batch_norm_bwd.register_fake
 def _bwd_fake(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats, config, output_mask):
     return fake_backward_outputs([x, weight, bias, *operands], output_mask, x)
 
 
-register_saved_state_autograd(conv_batch_norm_fwd, "conv_batch_norm")
-register_autograd_free(conv_batch_norm_fwd, _fwd_impl, _fwd_fake)
-register_autograd_free(conv_batch_norm_bwd, _bwd_impl, _bwd_fake)
+conv_batch_norm_fwd, conv_batch_norm_bwd = register_saved_state_ops("conv_batch_norm", _fwd_impl, _fwd_fake, _bwd_impl, _bwd_fake)
 
 
 def _running_update_impl(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:

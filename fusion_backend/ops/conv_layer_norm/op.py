@@ -10,12 +10,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..autograd_free import register_autograd_free
 from ..conv_epilogue.common import backward_outputs, fake_backward_outputs
 from ..direct_impls import profiled, records_backward, register_direct
 from ..failure import check_backward_call, triton_or_reference
 from ..library_conv import conv_forward
-from ..saved_state import direct_function, register_saved_state_autograd
+from ..saved_state import direct_function, register_saved_state_ops
 from . import reference
 from .backward import backward_triton
 from .common import allocate_forward_outputs, check_inputs, on_kernel_failure, use_triton
@@ -35,10 +34,6 @@ def _fwd_impl(x: Tensor, weight: Tensor, bias: Tensor | None, operands: list[Ten
                                lambda e: on_kernel_failure("forward", config, cfg, x, weight, e))  # fmt: skip
 
 
-conv_layer_norm_fwd = torch.library.custom_op("fusion::conv_layer_norm_fwd", mutates_args=())(_fwd_impl)
-
-
-@conv_layer_norm_fwd.register_fake
 def _fwd_fake(x, weight, bias, operands, config, save_for_backward):
     cfg = ConvLayerNormConfig.from_json(config)
     y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
@@ -58,17 +53,11 @@ def _bwd_impl(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, 
     return backward_outputs(grads, [x, weight, bias, *operands], output_mask, x)
 
 
-conv_layer_norm_bwd = torch.library.custom_op("fusion::conv_layer_norm_bwd", mutates_args=())(_bwd_impl)
-
-
-@conv_layer_norm_bwd.register_fake
 def _bwd_fake(grad_out, x, weight, bias, operands, saved_y, saved_stats, config, output_mask):
     return fake_backward_outputs([x, weight, bias, *operands], output_mask, x)
 
 
-register_saved_state_autograd(conv_layer_norm_fwd, "conv_layer_norm")
-register_autograd_free(conv_layer_norm_fwd, _fwd_impl, _fwd_fake)
-register_autograd_free(conv_layer_norm_bwd, _bwd_impl, _bwd_fake)
+conv_layer_norm_fwd, conv_layer_norm_bwd = register_saved_state_ops("conv_layer_norm", _fwd_impl, _fwd_fake, _bwd_impl, _bwd_fake)
 
 
 def conv_layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
