@@ -110,9 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-ms", type=float, default=300.0,
                    help="adaptive repetitions aim for this much timed time per measurement, all rounds "
                    "together (default: 300)")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=6,
                    help="each backend of a row is timed this many times, interleaved with the row's other "
-                   "backends; its time is the median of its quietest round (default: 3)")
+                   "backends; its time is the median of its quietest round (default: 6)")
     p.add_argument("--extra-rounds", type=int, default=6,
                    help="while a backend's two quietest rounds of a row differ by more than 3%%, the row's "
                    "backends are timed once more, at most this many more times (default: 6)")

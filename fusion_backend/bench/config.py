@@ -73,6 +73,15 @@ class MeasureConfig:
     take about ``target_ms``, clamped to ``[min_reps, max_reps]``: enough samples for a stable median
     on fast workloads without spending minutes on slow ones.  ``cold`` adds a second measurement per
     round with L2 flushed before every repetition.
+
+    WHY six rounds: a row's fusion / Inductor ratio is the median of its paired round ratios
+    (``results.CaseResult.speedup``), and on host-bound rows a single round's ratio drifts by
+    several percent whatever its length.  NOTE: ``python tools/copies_noise.py FILE --mode M
+    --rounds 8`` on the H100 (three Inductor copies of one model; ``conv2d_128_k3_silu`` bf16
+    forward and ``conv2d_64_k3_relu`` fp32 training, three cache settings each): single rounds
+    read 0.85-1.07x between copies of the same code, the medians of eight 0.979-1.000x.  Six
+    rounds of half the repetitions take as long as three of all of them (``target_ms`` covers
+    every round).
     """
 
     warmup: int = 3
@@ -81,7 +90,7 @@ class MeasureConfig:
     min_reps: int = 10
     max_reps: int = 1000
     cold: bool = True
-    rounds: int = 3
+    rounds: int = 6
     extra_rounds: int = 6
     agreement: float = 0.03
 

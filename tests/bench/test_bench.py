@@ -1080,7 +1080,7 @@ def test_backends_of_a_row_are_timed_in_interleaved_rounds_so_drift_hits_them_al
     report = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=timer,
                  measure=MeasureConfig(extra_rounds=0))
     names = ["eager", "inductor", "fusion"]
-    rotated = [names[r:] + names[:r] for r in range(MeasureConfig().rounds)]
+    rotated = [names[r % len(names):] + names[:r % len(names)] for r in range(MeasureConfig().rounds)]
     assert [b for b, cold in timer.timed if not cold] == [b for order in rotated for b in order]
     assert [b for b, cold in timer.timed if cold] == [b for order in rotated for b in order]
     case = report.cases[0]
@@ -1108,8 +1108,8 @@ class DisturbedTimer(FakeTimer):
 
 
 def test_an_item_s_time_is_its_quietest_round_so_disturbed_windows_do_not_rank_backends(tiny: Workload) -> None:
-    assert MeasureConfig().rounds == 3
-    report = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=DisturbedTimer())
+    report = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=DisturbedTimer(),
+                 measure=MeasureConfig(rounds=3))
     case = report.cases[0]
     # the median of the rounds would put fusion at 2 ms and Inductor at 1 ms: 0.5x for equal code
     assert case.item("fusion").warm.median_ms == case.item("inductor").warm.median_ms == 1.0  # type: ignore[union-attr]
@@ -1140,14 +1140,15 @@ def test_a_row_whose_quietest_rounds_disagree_gets_more_rounds(tiny: Workload) -
     work): its quietest round would make equal code read 2x slower than fusion's.  The row gets more
     rounds (every backend, still interleaved) until each backend's two quietest rounds agree."""
     timer = WindowTimer({"inductor": [3.0, 2.0, 3.0]})
-    report = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=timer)
+    report = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=timer,
+                 measure=MeasureConfig(rounds=3))
     case = report.cases[0]
     assert case.item("fusion").warm.median_ms == case.item("inductor").warm.median_ms == 1.0  # type: ignore[union-attr]
     # rounds 4 and 5 are quiet; after them Inductor's two quietest agree
     assert {b: timer.warm_rounds(b) for b in ("eager", "inductor", "fusion")} == {"eager": 5, "inductor": 5, "fusion": 5}
     without = WindowTimer({"inductor": [3.0, 2.0, 3.0]})
     case = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=without,
-               measure=MeasureConfig(extra_rounds=0)).cases[0]
+               measure=MeasureConfig(rounds=3, extra_rounds=0)).cases[0]
     assert case.item("inductor").warm.median_ms == 2.0  # type: ignore[union-attr]
 
 
