@@ -54,7 +54,10 @@ class ItemResult:
     where ``torch.compile`` compiles; for eager it is just a first call.  ``warm``/``cold`` are the
     timings with L2 warm / flushed; ``memory`` the step's memory; ``graph_breaks`` Dynamo's count for
     compiled backends.  ``error`` holds the failed checks (FAIL) or the exception (ERROR); ``notes``
-    says why a number is missing (e.g. memory under CUDA graphs).
+    says why a number is missing (e.g. memory under CUDA graphs) and what the fusion backend decided.
+    ``fused_regions`` is how many regions the fusion backend rewrote when it compiled the item
+    (``None`` for other backends): with 0 the item runs Inductor's code for the whole graph, so its
+    time differs from Inductor's only by the measurement's noise.
     """
 
     workload: str
@@ -70,6 +73,7 @@ class ItemResult:
     memory: MemoryStats | None = None
     graph_breaks: int | None = None
     notes: tuple[str, ...] = ()
+    fused_regions: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -453,6 +453,8 @@ class Runner:
             result = dataclasses.replace(result, compile_s=tools.clock() - start)
             self._graphs_alive = self._graphs_alive or backend.cudagraphs
             result = _with_notes(result, *(f"{d.pattern} {d.summary}: {d}" for r in reports for d in r.decisions))
+            if reports:  # the fusion backend compiled (other backends publish no report)
+                result = dataclasses.replace(result, fused_regions=sum(len(r.matches) for r in reports))
             if backend.uses_dynamo:
                 after = _graph_breaks()
                 breaks = None if after is None or breaks_before is None else after - breaks_before

@@ -15,6 +15,9 @@ or their ``:MODE`` variants under ``--compile-mode``).  The rules:
   >=, since nothing shows fusion is at least as fast there, but it is never the worst row;
 - the geometric mean is over the rows with both timings, and the line says over how many when that is
   not every row;
+- a row whose fusion item rewrote no region (``ItemResult.fused_regions == 0``) runs Inductor's code
+  in both columns; the line says how many of the rows below the tie are such rows, and marks the
+  worst row if it is one: their ratio is the measurement's noise, not a choice of the backend;
 - where the run has a second copy of the baseline (another Inductor backend of the same mode, e.g.
   ``inductor`` next to ``inductor:default``), the line ends with how far apart the two copies of the
   same compiled code read over the rows (lowest and highest ratio): the run's own measure of its noise,
@@ -48,7 +51,8 @@ class RowRatio:
 
     ``ratio`` is the baseline's warm median over the subject's, ``None`` unless both were timed;
     ``problem`` then says why (``"fusion FAIL"``, ``"inductor ERROR"``, ``"fusion not timed"``), and
-    ``subject_failed`` whether it was the subject's fault.
+    ``subject_failed`` whether it was the subject's fault.  ``same_code``: the subject rewrote no
+    region, so both columns ran Inductor's code for the whole graph.
     """
 
     workload: str
@@ -57,6 +61,7 @@ class RowRatio:
     ratio: float | None
     problem: str = ""
     subject_failed: bool = False
+    same_code: bool = False
 
     @property
     def label(self) -> str:
@@ -64,8 +69,10 @@ class RowRatio:
         return f"{self.workload} {self.dtype} {self.mode}"
 
     def outcome(self) -> str:
-        """The ratio as ``"0.91x"``, or the problem."""
-        return _fmt_ratio(self.ratio) if self.ratio is not None else self.problem
+        """The ratio as ``"0.91x"`` (marked where both columns ran Inductor's code), or the problem."""
+        if self.ratio is None:
+            return self.problem
+        return _fmt_ratio(self.ratio) + (" (Inductor's code in both columns)" if self.same_code else "")
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,10 @@ class Verdict:
         mean = "-: no row has both timings" if geomean is None else _fmt_ratio(geomean)
         if geomean is not None and compared < total:
             mean += f" over {_rows(compared)}"
+        below = [r for r in self.rows if r.ratio is not None and r.ratio < self.tie_ratio]
+        same = sum(1 for r in below if r.same_code)
+        if same:
+            tie += f"; of the {_rows(len(below))} below, {same} ran Inductor's code in both columns"
         spread = ""
         if self.copies_spread is not None:
             low, high = self.copies_spread
@@ -143,7 +154,7 @@ class Verdict:
                 "total_rows": len(self.rows), "geomean": self.geomean,
                 "worst": None if worst is None else {"workload": worst.workload, "dtype": worst.dtype,
                                                      "mode": worst.mode, "ratio": worst.ratio,
-                                                     "problem": worst.problem},
+                                                     "problem": worst.problem, "same_code": worst.same_code},
                 "copies_spread": None if self.copies_spread is None else list(self.copies_spread),
                 "line": self.line()}
 
@@ -187,7 +198,9 @@ def verdict_of(report: BenchReport) -> Verdict:
                     problem += " (the eager reference failed)"
             else:
                 problem = f"{baseline} {_why_untimed(theirs)}"
-        rows.append(RowRatio(case.workload, case.dtype, case.mode, ratio, problem, subject_failed))
+        mine = case.item(subject)
+        same_code = mine is not None and mine.fused_regions == 0
+        rows.append(RowRatio(case.workload, case.dtype, case.mode, ratio, problem, subject_failed, same_code))
     copy = _second_copy(backends, baseline)
     spread = None
     if copy is not None:

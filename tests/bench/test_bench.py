@@ -25,6 +25,7 @@ from fusion_backend.bench.backends import (
     pick_contenders,
     resolve_backend,
     resolve_backends,
+    torch_compile_backend,
     with_compile_mode,
 )
 from fusion_backend.bench.config import BenchConfig, MeasureConfig
@@ -910,6 +911,43 @@ def test_verdict_counts_ties_at_0_97_names_the_slowest_row_and_takes_the_geomean
                               "0.90x; geomean vs inductor 1.11x")
 
 
+def test_verdict_says_which_rows_below_the_tie_ran_inductor_s_code_in_both_columns() -> None:
+    """A fusion item that rewrote no region runs Inductor's code: the line counts such rows among
+    those below the tie and marks the worst row if it is one; the counts themselves do not change."""
+    def with_regions(report: BenchReport, fused: dict[str, int]) -> BenchReport:
+        cases = tuple(dataclasses.replace(case, items=tuple(
+            dataclasses.replace(item, fused_regions=fused[case.workload]) if item.backend == "fusion" else item
+            for item in case.items)) for case in report.cases)
+        return dataclasses.replace(report, cases=cases)
+
+    report = with_regions(synthetic_report([
+        ("conv_a", "fp32", "infer", {"inductor": 2.0, "fusion": 1.0}),   # fused, 2x
+        ("conv_b", "fp32", "train", {"inductor": 0.95, "fusion": 1.0}),  # Inductor's code, 0.95x
+        ("conv_c", "bf16", "infer", {"inductor": 0.96, "fusion": 1.0}),  # fused, 0.96x
+    ]), {"conv_a": 1, "conv_b": 0, "conv_c": 2})
+    verdict = verdict_of(report)
+    assert [r.same_code for r in verdict.rows] == [False, True, False]
+    assert verdict.at_least_baseline == 1
+    assert verdict.line() == (
+        "fusion >= inductor on 1/3 rows (0.97x counts as a tie; of the 2 rows below, 1 ran Inductor's code in "
+        "both columns); worst: conv_b fp32 train 0.95x (Inductor's code in both columns); geomean vs inductor 1.22x")
+    assert verdict.json_extras()["worst"]["same_code"] is True  # type: ignore[index]
+    unknown = verdict_of(synthetic_report([("conv_b", "fp32", "train", {"inductor": 0.95, "fusion": 1.0})]))
+    assert "Inductor's code" not in unknown.line(), "a report without the count claims nothing"
+
+
+def test_the_fusion_item_records_how_many_regions_it_rewrote(tiny: Workload) -> None:
+    """The real backend on the tiny conv -> relu: forced to fuse it rewrites the one region; told to
+    leave every region to Inductor it rewrites none; the other backends' items record nothing."""
+    fused = torch_compile_backend("fusion-fused", "fusion", options={"decide": "fuse"})
+    backends = [BUILTIN_EAGER, resolve_backend("inductor"), fused, resolve_backend("fusion-unfused")]
+    report = run([tiny], backends, modes=("infer",), timer=FakeTimer({}))
+    items = {item.backend: item for item in report.cases[0].items}
+    assert all(item.ok for item in items.values()), {b: i.error for b, i in items.items()}
+    assert (items["fusion-fused"].fused_regions, items["fusion-unfused"].fused_regions) == (1, 0)
+    assert items["inductor"].fused_regions is None and items["eager"].fused_regions is None
+
+
 def test_a_failed_fusion_row_never_counts_and_is_the_worst_row_ahead_of_any_slow_one() -> None:
     report = synthetic_report([
         ("conv_a", "fp32", "infer", {"inductor": 1.0, "fusion": 2.0}),           # 0.5x, slow but correct
@@ -983,7 +1021,7 @@ def test_verdict_and_first_call_times_are_in_bench_json_md_and_txt(tmp_path: Pat
     assert (verdict["at_least_baseline"], verdict["compared"], verdict["total_rows"]) == (1, 1, 2)
     assert verdict["geomean"] == 2.0 and verdict["tie_ratio"] == 0.97 and verdict["line"] == line
     assert verdict["worst"] == {"workload": "conv_b", "dtype": "fp32", "mode": "train", "ratio": None,
-                                "problem": "fusion FAIL"}
+                                "problem": "fusion FAIL", "same_code": False}
     assert read_json(files.json) == report  # the derived verdict does not disturb the round trip
     assert all(r["compile_s"] == 2.5 for r in data["rows"] if r["status"] == "ok")
     markdown = files.markdown.read_text()
