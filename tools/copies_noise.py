@@ -25,32 +25,28 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_step import _step_fn  # noqa: E402
 
 from fusion_backend.bench.config import MeasureConfig  # noqa: E402
 from fusion_backend.bench.measure import CudaEventTimer, TimedStep  # noqa: E402
 from fusion_backend.bench.suite import load_workload  # noqa: E402
 
 
-def make_step(model: torch.nn.Module, inputs: list[torch.Tensor], backend: str, train: bool, bf16: bool):
-    """A compiled copy of ``model`` and its zero-argument step (forward, plus backward in training)."""
+def make_step(model: torch.nn.Module, inputs: list[torch.Tensor], backend: str, train: bool, dtype: str):
+    """A compiled copy of ``model`` and its zero-argument step: ``profile_step``'s (forward, plus the
+    backward in training), the forward under ``torch.no_grad()`` in inference as the bench runs it."""
     mine = copy.deepcopy(model)
-    compiled = torch.compile(mine, backend=backend)
-    grad: list[torch.Tensor] = []
+    step = _step_fn(torch.compile(mine, backend=backend), mine, inputs, train, dtype)
+    if train:
+        return step
 
-    def step() -> None:
-        if not train:
-            with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=bf16):
-                compiled(*inputs)
-            return
-        for t in [*mine.parameters(), *inputs]:
-            t.grad = None
-        with torch.autocast("cuda", torch.bfloat16, enabled=bf16):
-            out = compiled(*inputs)
-        if not grad:
-            grad.append(torch.randn_like(out))
-        out.backward(grad[0])
+    def infer() -> None:
+        with torch.no_grad():
+            step()
 
-    return step
+    return infer
 
 
 def main() -> None:
@@ -72,7 +68,7 @@ def main() -> None:
     inputs = [x.cuda().requires_grad_(train and x.is_floating_point()) for x in inputs]
     steps = []
     for i in range(args.copies):
-        step = make_step(model, inputs, args.backend, train, args.dtype == "bf16")
+        step = make_step(model, inputs, args.backend, train, args.dtype)
         began = time.perf_counter()
         step()
         torch.cuda.synchronize()
