@@ -140,7 +140,7 @@ def run_case(case: str, save: bool, small: bool, tile: tuple[int, ...] | None, d
         params = build_params(steps, b, cout, x.device)
 
         def dense():
-            launch.run(x, w, params, out, saved_y0, None)
+            launch.run(x, w, params, b, out, saved_y0, None)
 
         _try("dense first call", dense, errors)  # autotunes (the tile is bound after it)
         tune_s = time.time() - start

@@ -317,13 +317,17 @@ def _conv_dense_fwd_kernel(
 #: Tiles (BLOCK_M, BLOCK_K, num_warps, num_stages) the autotuner tries (``BLOCK_N`` is the plan's);
 #: ``_prune`` drops those whose accumulators (``KWG`` of ``[BLOCK_M, BLOCK_N]`` fp32) exceed
 #: ``_MAX_ACC_REGS`` registers per thread and ``BLOCK_K`` not dividing the padded channels.
-#: NOTE (H100, Triton 3.6, Conv2d 64->64 k3 on 64x64x256x256, ``tools/bench_conv_dense.py --tiles``):
-#: 64x32, 4 warps, 3 stages won for fp32 (TF32), bf16 and fp32 x -> bf16 (2.56 / 1.84 / 2.00 ms);
-#: 128x32 8 warps 3 stages next (2.73 / 2.07 / 2.43).  Measured worse, so left out: 8 or 16 warps per
-#: 64/128 rows (the warpgroups split N: +15-45 %), BLOCK_K 16 (+3-40 %), a persistent grid walking the
-#: tiles in one flattened (tile, K step) loop with the epilogue inside (+30 %), weight tiles through
-#: L1 (``cache_modifier=".ca"``: unchanged, L1 hit rate 3 %).
-_TILES = ((64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (64, 16, 4, 4))
+#: NOTE (H100, Triton 3.6, Conv2d 64->64 k3 on 64x64x256x256, ``python tools/bench_conv_dense.py
+#: --cases fp32,bf16 --save off --dense-only --tiles "64,32,4,3;64,32,4,2;64,64,4,2;128,32,8,3"``):
+#: fp32 (TF32) 2.45 ms with 64x32, 4 warps, 2 stages (2.53 with 3 stages, 2.73 with 128x32 8 warps);
+#: bf16 1.80 ms with 64x64 4 warps 2 stages (1.91 with 64x32 3 stages, 2.14 with 128x32).  Two
+#: stages of 32 KB let three programs share a multiprocessor.  Measured worse, so left out: 8 or 16
+#: warps per 64/128 rows (the warpgroups split N: +15-45 %), BLOCK_K 16 (+3-40 %), 128-row tiles with
+#: two stages (+20-27 %), a persistent grid walking the tiles in one flattened (tile, K step) loop
+#: with the epilogue inside (+30 %), weight tiles through L1 (``cache_modifier=".ca"``: unchanged,
+#: L1 hit rate 3 %).
+_TILES = ((64, 32, 4, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4),
+          (64, 16, 4, 4))
 
 
 def _configs() -> list[triton.Config]:
@@ -588,7 +592,7 @@ def _prepare(args: ForwardArgs) -> _Launch:
 def forward_launch(*args: Any, **kwargs: Any) -> _Launch | None:
     """The checked launch plan of ``conv_dense_forward`` for these arguments (``ForwardArgs``; cached
     per shapes, strides, dtypes, geometry, op codes, precision and compute dtype), or None when
-    ``out`` is empty (the arguments are still checked).  Its ``run(x, weight, params, out, saved_y0,
+    ``out`` is empty (the arguments are still checked).  Its ``run(x, weight, params, bias, out, saved_y0,
     saved_winner)`` launches for tensors laid out like these.  Raises ValueError as
     ``conv_dense_forward`` does."""
     return cached_forward_launch(ForwardArgs(*args, **kwargs), _LAUNCHES, _prepare, _BIG_INDEX_THRESHOLD,
