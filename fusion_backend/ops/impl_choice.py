@@ -54,8 +54,8 @@ MEASURE_ENV = environment.CONV_AUTOTUNE
 MIN_GAIN = 1.03
 #: A probed candidate is tuned only if its probe is at most this many times the best unprobed time.
 #: The probe runs the autotuner's first tile, which the tuned kernel beats by at most the spread
-#: between its few tiles; 1.5x leaves room for that (``kernels/conv_dense.py``'s tile NOTE: the
-#: runner-up within 7 % of the best, the others 15-45 % behind) while dropping what loses by far, as
+#: between its few tiles; 1.5x leaves room for that (``kernels/conv_dense.py``'s tiles: the first
+#: within 20 % of the best in every case of its sweep) while dropping what loses by far, as
 #: the fused conv's 2.06 ms against the library's 0.42 ms on Conv3d 32->64 k3 + leaky + max_pool3d
 #: (fp32, 2x32x64^3, H100; ``python tools/first_call.py demos/convnets/conv3d_32_64_k3_leaky_maxpool.py --log``).
 SCREEN = 1.5
