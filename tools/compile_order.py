@@ -1,0 +1,87 @@
+"""Host time per call of identical models compiled one after the other: does the compile order show?
+
+Compiles ``--copies`` copies of a small Conv2d + ReLU model (each a ``copy.deepcopy`` on its own
+``forward`` code object, as the bench's copies are) with ``--backend``, then calls them in rounds,
+one call of each in turn, the order rotating from round to round, and times every call on the host
+clock (no device synchronisation: the calls are host-bound by design).  Prints each copy's median
+time per call and the median over the rounds of the last copy's round median over its own: a copy
+compiled earlier reading below 1.00x runs slower than a later one with the same code.
+
+Usage (repository root; runs on the CPU, or on CUDA with ``--device cuda``)::
+
+    python tools/compile_order.py --backend inductor --copies 4
+    python tools/compile_order.py --backend aot_eager --copies 4 --no-compile-caches
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fusion_backend.bench.backends import with_private_forward  # noqa: E402
+
+
+class ConvReLU(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x)) * 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--copies", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--calls", type=int, default=500, help="calls of each copy per round")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-compile-caches", action="store_true",
+                        help="turn off Inductor's FX graph cache and AOTAutograd's cache")
+    args = parser.parse_args()
+    if args.backend == "fusion":
+        import fusion_backend  # noqa: F401  (registers the backend)
+    if args.no_compile_caches:
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
+    torch.set_num_threads(1)
+    model = ConvReLU().to(args.device)
+    x = torch.randn(1, 4, 4, 4, device=args.device)
+    copies = []
+    with torch.no_grad():
+        for _ in range(args.copies):
+            compiled = torch.compile(with_private_forward(copy.deepcopy(model)), backend=args.backend)
+            compiled(x)
+            copies.append(compiled)
+        medians = [[0.0] * args.copies for _ in range(args.rounds)]
+        for r in range(args.rounds):
+            order = list(range(args.copies))
+            order = order[r % args.copies:] + order[:r % args.copies]
+            samples: list[list[float]] = [[] for _ in copies]
+            for _ in range(args.calls):
+                for i in order:
+                    began = time.perf_counter()
+                    copies[i](x)
+                    samples[i].append((time.perf_counter() - began) * 1e6)
+            for i in range(args.copies):
+                medians[r][i] = statistics.median(samples[i])
+    last = args.copies - 1
+    print(f"{args.backend} on {args.device}, {args.copies} copies in compile order, {args.rounds} rounds of "
+          f"{args.calls} calls each")
+    for i in range(args.copies):
+        ratios = [medians[r][last] / medians[r][i] for r in range(args.rounds)]
+        print(f"  copy {i}: {statistics.median(m[i] for m in medians):.1f} us per call; last copy / this: "
+              f"median {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+
+
+if __name__ == "__main__":
+    main()
