@@ -1,7 +1,8 @@
 """Host time per call of identical models compiled one after the other: does the compile order show?
 
-Compiles ``--copies`` copies of a small Conv2d + ReLU model (each a ``copy.deepcopy`` on its own
-``forward`` code object, as the bench's copies are) with ``--backend``, then calls them in rounds,
+Compiles ``--copies`` copies of a small Conv2d + ReLU model (each a ``copy.deepcopy``, all running the
+class's one ``forward`` code object as the bench's copies do, or with ``--private-code`` each its own
+copy of it, so that each has a Dynamo cache of its own) with ``--backend``, then calls them in rounds,
 one call of each in turn, the order rotating from round to round, and times every call on the host
 clock (no device synchronisation: the calls are host-bound by design).  Prints each copy's median
 time per call and the median over the rounds of the last copy's round median over its own: a copy
@@ -10,7 +11,7 @@ compiled earlier reading below 1.00x runs slower than a later one with the same 
 Usage (repository root; runs on the CPU, or on CUDA with ``--device cuda``)::
 
     python tools/compile_order.py --backend inductor --copies 4
-    python tools/compile_order.py --backend aot_eager --copies 4 --no-compile-caches
+    python tools/compile_order.py --backend inductor --copies 4 --private-code --no-compile-caches
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ import copy
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fusion_backend.bench.backends import with_private_forward  # noqa: E402
 
 
 class ConvReLU(torch.nn.Module):
@@ -38,6 +38,16 @@ class ConvReLU(torch.nn.Module):
         return torch.relu(self.conv(x)) * 2
 
 
+def with_private_forward(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with its class swapped for a subclass whose ``forward`` runs a copy of the code object
+    (same code, globals, defaults and closure): Dynamo keeps its compiled entries per code object."""
+    cls, shared = type(module), type(module).forward
+    private = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__,
+                                 shared.__defaults__, shared.__closure__)
+    module.__class__ = type(cls.__name__, (cls,), {"forward": private})
+    return module
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="inductor")
@@ -45,6 +55,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--calls", type=int, default=500, help="calls of each copy per round")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--private-code", action="store_true",
+                        help="give every copy its own copy of the forward code object (a Dynamo cache each)")
     parser.add_argument("--no-compile-caches", action="store_true",
                         help="turn off Inductor's FX graph cache and AOTAutograd's cache")
     args = parser.parse_args()
@@ -59,7 +71,8 @@ def main() -> None:
     copies = []
     with torch.no_grad():
         for _ in range(args.copies):
-            compiled = torch.compile(with_private_forward(copy.deepcopy(model)), backend=args.backend)
+            mine = copy.deepcopy(model)
+            compiled = torch.compile(with_private_forward(mine) if args.private_code else mine, backend=args.backend)
             compiled(x)
             copies.append(compiled)
         medians = [[0.0] * args.copies for _ in range(args.rounds)]
@@ -75,8 +88,9 @@ def main() -> None:
             for i in range(args.copies):
                 medians[r][i] = statistics.median(samples[i])
     last = args.copies - 1
-    print(f"{args.backend} on {args.device}, {args.copies} copies in compile order, {args.rounds} rounds of "
-          f"{args.calls} calls each")
+    code = "a forward code object per copy" if args.private_code else "one shared forward code object"
+    print(f"{args.backend} on {args.device}, {args.copies} copies in compile order ({code}), {args.rounds} "
+          f"rounds of {args.calls} calls each")
     for i in range(args.copies):
         ratios = [medians[r][last] / medians[r][i] for r in range(args.rounds)]
         print(f"  copy {i}: {statistics.median(m[i] for m in medians):.1f} us per call; last copy / this: "

@@ -29,21 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from profile_step import _step_fn  # noqa: E402
 
-from fusion_backend.bench.backends import with_private_forward  # noqa: E402
 from fusion_backend.bench.config import MeasureConfig  # noqa: E402
 from fusion_backend.bench.measure import CudaEventTimer, TimedStep  # noqa: E402
 from fusion_backend.bench.suite import load_workload  # noqa: E402
 
 
-def make_step(model: torch.nn.Module, inputs: list[torch.Tensor], backend: str, train: bool, dtype: str,
-              shared_code: bool = False):
+def make_step(model: torch.nn.Module, inputs: list[torch.Tensor], backend: str, train: bool, dtype: str):
     """A compiled copy of ``model`` and its zero-argument step: ``profile_step``'s (forward, plus the
-    backward in training), the forward under ``torch.no_grad()`` in inference as the bench runs it.
-    Each copy gets its own ``forward`` code object, as the bench's copies do, unless ``shared_code``
-    (then every copy's compiled entry sits in one Dynamo cache and each call walks the others')."""
+    backward in training), the forward under ``torch.no_grad()`` in inference as the bench runs it."""
     mine = copy.deepcopy(model)
-    if not shared_code:
-        mine = with_private_forward(mine)
     step = _step_fn(torch.compile(mine, backend=backend), mine, inputs, train, dtype)
     if train:
         return step
@@ -63,8 +57,6 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--copies", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--shared-code", action="store_true",
-                        help="compile every copy from the class's one forward code object (one Dynamo cache)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("copies_noise.py needs CUDA")
@@ -76,7 +68,7 @@ def main() -> None:
     inputs = [x.cuda().requires_grad_(train and x.is_floating_point()) for x in inputs]
     steps = []
     for i in range(args.copies):
-        step = make_step(model, inputs, args.backend, train, args.dtype, args.shared_code)
+        step = make_step(model, inputs, args.backend, train, args.dtype)
         began = time.perf_counter()
         step()
         torch.cuda.synchronize()
@@ -92,8 +84,7 @@ def main() -> None:
                 raise stats
             medians[i].append(stats.median_ms)
     last = medians[-1]
-    code = "one shared forward code object" if args.shared_code else "a forward code object per copy"
-    print(f"{Path(args.file).stem} {args.mode} {args.dtype} {args.backend}, {args.rounds} rounds, {code}")
+    print(f"{Path(args.file).stem} {args.mode} {args.dtype} {args.backend}, {args.rounds} rounds")
     for i, mine in enumerate(medians):
         ratios = [b / a for a, b in zip(mine, last, strict=True)]
         print(f"  copy {i}: median {statistics.median(mine):.4f} ms; last copy / this: median {statistics.median(ratios):.3f}, "

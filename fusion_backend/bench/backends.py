@@ -27,7 +27,6 @@ chooses them from the run's backend names (``fusion`` and ``inductor``, or their
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,37 +81,6 @@ def _identity(module: torch.nn.Module) -> Callable[..., Any]:
     return module
 
 
-def with_private_forward(module: torch.nn.Module) -> torch.nn.Module:
-    """``module``, its class swapped in place for a subclass whose ``forward`` runs its own copy of the
-    code object: what ``torch.compile`` makes of it has a Dynamo cache of its own.
-
-    WHY: Dynamo keeps its compiled entries on the code object of the frame it compiles (here the
-    model class's ``forward``), and every call walks that list, newest-used first, evaluating the
-    guards of each entry whose backend compares equal until one passes.  A bench row compiles one
-    private copy per backend from the same class, so without this each call of one copy first
-    evaluated (and failed) the guards of the others, as no user program with one compiled model
-    does, and the copies' host times depended on which others shared the list.  A user's program
-    compiles its model once; with this every compiled copy is in that position.
-
-    The subclass keeps the class's name, module and every attribute (``forward`` differs only in
-    identity: same code, globals, defaults and closure, so zero-argument ``super()`` still works).
-
-    >>> m = torch.nn.Linear(2, 2)
-    >>> p = with_private_forward(m)
-    >>> p is m, type(p).__name__, type(p).forward.__code__ is torch.nn.Linear.forward.__code__
-    (True, 'Linear', False)
-    """
-    cls = type(module)
-    shared = cls.forward
-    private = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__,
-                                 shared.__defaults__, shared.__closure__)
-    private.__kwdefaults__ = shared.__kwdefaults__
-    private.__qualname__ = shared.__qualname__
-    module.__class__ = type(cls.__name__, (cls,), {"forward": private, "__module__": cls.__module__,
-                                                   "__qualname__": cls.__qualname__})
-    return module
-
-
 def torch_compile_backend(name: str, backend: str, mode: str | None = None,
                           options: dict[str, Any] | None = None) -> BenchBackend:
     """A :class:`BenchBackend` calling ``torch.compile(module, backend=backend, mode=mode, options=options)``."""
@@ -123,7 +91,7 @@ def torch_compile_backend(name: str, backend: str, mode: str | None = None,
             kwargs["mode"] = mode
         if options:
             kwargs["options"] = dict(options)
-        return torch.compile(with_private_forward(module), backend=backend, **kwargs)
+        return torch.compile(module, backend=backend, **kwargs)
 
     suffix = (f", mode={mode!r}" if mode else "") + (f", options={options!r}" if options else "")
     return BenchBackend(name, compile_fn, f"torch.compile(m, backend={backend!r}{suffix})",

@@ -27,7 +27,6 @@ from fusion_backend.bench.backends import (
     resolve_backends,
     torch_compile_backend,
     with_compile_mode,
-    with_private_forward,
 )
 from fusion_backend.bench.config import BenchConfig, MeasureConfig
 from fusion_backend.bench.correctness import compare_tensor
@@ -479,34 +478,6 @@ def test_backend_names_resolve_to_torch_compile_settings() -> None:
     assert [b.name for b in resolve_backends(["eager", "broken"], {"broken": BROKEN})] == ["eager", "broken"]
     with pytest.raises(BackendSpecError, match="unknown backend 'nonsense'.*eager"):
         resolve_backend("nonsense")
-
-
-class _ConvSiLU(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.silu(super().__getattr__("conv")(x))  # zero-argument super() too
-
-
-def test_each_compiled_copy_has_a_dynamo_cache_of_its_own() -> None:
-    """Copies of one model compiled for a row's backends share no Dynamo cache list, so a call of one
-    copy never evaluates another copy's guards, as in a user's program that compiles its model once."""
-    import copy
-
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
-
-    torch._dynamo.reset()
-    model, x = _ConvSiLU(), torch.randn(2, 3, 8, 8)
-    copies = [torch_compile_backend(f"copy{i}", "eager").compile(copy.deepcopy(model)) for i in range(3)]
-    for compiled in copies:
-        torch.testing.assert_close(compiled(x), model(x))
-    assert [len(cache_entries(type(c._orig_mod).forward.__code__)) for c in copies] == [1, 1, 1]
-    assert cache_entries(_ConvSiLU.forward.__code__) == []
-    mine = with_private_forward(copy.deepcopy(model))
-    assert isinstance(mine, _ConvSiLU) and type(mine).__qualname__ == _ConvSiLU.__qualname__
-    assert type(mine).forward.__code__ is not _ConvSiLU.forward.__code__
 
 
 def test_fusion_unfused_matches_but_leaves_every_region_to_inductor() -> None:
