@@ -171,12 +171,13 @@ def pick_contenders(names: Sequence[str]) -> tuple[str | None, str | None]:
     rows by 1-11% (NOTE: ``python -m fusion_backend bench --suite SMALL_ROWS --backends
     eager,inductor,inductor:default,fusion,fusion-unfused --no-memory --no-cold`` and the same with the
     backend order reversed, on the H100: whichever Inductor-code backend came first was the slowest,
-    ``docs/perf/RESULTS.md``).  A baseline compiled after the subject cannot gain from that.  Pairing it
-    with the copy compiled before the subject (their geometric mean per round) would cancel a smooth
-    order trend, but NOTE: recomputed from the recorded rounds of the H100 runs in ``docs/perf/h100``,
-    the pair left the convnets at 70/72 rows at or above the tie (two other rows below, one where the
-    first copy read 1.08x) and took the families from 27/28 to 25/28 (its first copy read up to 2.22x
-    away): the first copy's own outliers outweigh the 1-2% trend it would cancel.
+    ``docs/perf/RESULTS.md``).  A baseline compiled after the subject cannot gain from that.
+    Pairing it with the copy compiled before the subject (their geometric mean per round) would
+    cancel a smooth order trend, but NOTE: recomputed from the H100 runs' recorded rounds
+    (``round_medians_ms`` in ``docs/perf/h100/*/bench.json``), the pair left the convnets at 70/72
+    rows at or above the tie (two other rows below, one where the first copy read 1.08x) and took
+    the families from 27/28 to 25/28 (its first copy read up to 2.22x away): the first copy's own
+    outliers outweigh the 1-2% trend it would cancel.
 
     >>> pick_contenders(["eager", "inductor", "fusion"])
     ('fusion', 'inductor')

@@ -35,10 +35,10 @@ eager,inductor,fusion,inductor:default``, H100; ``docs/perf/RESULTS.md``).  Forw
 same: the small Conv2d seed's bf16 forward, kept at 1.03x per call (GPU 0.019 of 0.111 ms), ran
 0.965x in the benchmark's step (seven rounds, 0.95-0.98x), and ConvTranspose2d 64->3 + tanh's fp32
 forward, kept at 1.03x (GPU 0.057 of 0.147 ms), ran 1.006x, while every host-bound forward kept at
-1.41-1.76x per call ran 1.18-1.34x (``python -m fusion_backend bench --suite seeds`` and the convnets suite, both with
-``--backends eager,inductor,fusion,inductor:default``, H100).  Applied to those runs' decisions, the
-rule leaves exactly those two forwards to Inductor.  Where the extra host time comes from is not
-known yet.
+1.41-1.76x per call ran 1.18-1.34x (``python -m fusion_backend bench --suite seeds`` and the
+convnets suite, both with ``--backends eager,inductor,fusion,inductor:default``, H100).  Applied to
+those runs' decisions, the rule leaves exactly those two forwards to Inductor.  Where the extra
+host time comes from is not known yet.
 Under CUDA graphs (``mode="reduce-overhead"``), where a replay does the host's work for all the
 kernels at once, the GPU time alone decides: fused where it wins on the GPU by the margin.
 
