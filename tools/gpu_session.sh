@@ -13,7 +13,8 @@
 #   convnets one part of the convnets suite (CONVNETS_PART=1..3: six workloads each, as one call allows),
 #            fp32 + bf16, infer + train, no memory or cold-L2 readings; join the parts with
 #            python -m fusion_backend bench --merge OUT1/convnets OUT2/convnets OUT3/convnets --out DIR
-#   families the families suite, fp32 + bf16, infer + train, after the norm and channel-reduction families' GPU tests
+#   families the families suite, fp32 + bf16, infer + train (BACKENDS), after the norm and channel-reduction
+#            families' GPU tests (FAMILIES_TESTS=0 skips them)
 #   hostbwd  tools/conv_backward_host.py: the conv backward's host time inside fused training steps vs eager's
 #   firstcall tools/first_call.py, cold and warm, on Conv2d 64->64 (infer, train), Conv3d (infer), ConvT3d (train)
 set -uo pipefail
@@ -67,14 +68,16 @@ if has convnets; then
   tail -40 "$out/convnets.log"
 fi
 if has families; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 tests/ops/test_conv_group_norm_op.py \
-    tests/ops/test_conv_batch_norm_op.py tests/kernels/test_group_norm_kernel.py tests/e2e/test_e2e_conv_group_norm.py \
-    tests/e2e/test_e2e_conv_batch_norm.py tests/e2e/test_e2e_conv_channel_reduce.py tests/ops/test_conv_layer_norm_op.py \
-    tests/kernels/test_layer_norm_kernel.py tests/e2e/test_e2e_conv_layer_norm.py tests/kernels/test_norm_pool_kernel.py \
-    >"$out/families_tests.log" 2>&1 || rc=1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$out/families_tests.log" | tail -20
+  if [[ ${FAMILIES_TESTS:-1} == 1 ]]; then
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 tests/ops/test_conv_group_norm_op.py \
+      tests/ops/test_conv_batch_norm_op.py tests/kernels/test_group_norm_kernel.py tests/e2e/test_e2e_conv_group_norm.py \
+      tests/e2e/test_e2e_conv_batch_norm.py tests/e2e/test_e2e_conv_channel_reduce.py tests/ops/test_conv_layer_norm_op.py \
+      tests/kernels/test_layer_norm_kernel.py tests/e2e/test_e2e_conv_layer_norm.py tests/kernels/test_norm_pool_kernel.py \
+      >"$out/families_tests.log" 2>&1 || rc=1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$out/families_tests.log" | tail -20
+  fi
   timeout "${BENCH_TIMEOUT:-330}" python3 -m fusion_backend bench --suite families --dtype fp32,bf16 --mode infer,train \
-    --no-memory --no-chart --out "$out/families" ${BENCH_ARGS:-} >"$out/families.log" 2>&1
+    --no-memory --no-chart --backends "$BACKENDS" --out "$out/families" ${BENCH_ARGS:-} >"$out/families.log" 2>&1
   tail -32 "$out/families.log"
 fi
 if has hostbwd; then
