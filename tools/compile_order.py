@@ -6,12 +6,15 @@ copy of it, so that each has a Dynamo cache of its own) with ``--backend``, then
 one call of each in turn, the order rotating from round to round, and times every call on the host
 clock (no device synchronisation: the calls are host-bound by design).  Prints each copy's median
 time per call and the median over the rounds of the last copy's round median over its own: a copy
-compiled earlier reading below 1.00x runs slower than a later one with the same code.
+compiled earlier reading below 1.00x runs slower than a later one with the same code.  ``--mode train``
+times forward + backward of the output's sum, the gradients set to ``None`` before each call, as the
+bench's training step does.
 
 Usage (repository root; runs on the CPU, or on CUDA with ``--device cuda``)::
 
     python tools/compile_order.py --backend inductor --copies 4
     python tools/compile_order.py --backend inductor --copies 4 --private-code --no-compile-caches
+    python tools/compile_order.py --device cuda --mode train --copies 4
 """
 
 from __future__ import annotations
@@ -48,6 +51,15 @@ def with_private_forward(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def step(compiled: torch.nn.Module, x: torch.Tensor, train: bool) -> None:
+    """One call: the forward, and in training the backward of its sum (gradients set to None first)."""
+    if not train:
+        compiled(x)
+        return
+    compiled.zero_grad(set_to_none=True)
+    compiled(x).sum().backward()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="inductor")
@@ -57,6 +69,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--private-code", action="store_true",
                         help="give every copy its own copy of the forward code object (a Dynamo cache each)")
+    parser.add_argument("--mode", choices=("infer", "train"), default="infer",
+                        help="train: forward + backward, gradients set to None before each call")
     parser.add_argument("--no-compile-caches", action="store_true",
                         help="turn off Inductor's FX graph cache and AOTAutograd's cache")
     args = parser.parse_args()
@@ -69,11 +83,12 @@ def main() -> None:
     model = ConvReLU().to(args.device)
     x = torch.randn(1, 4, 4, 4, device=args.device)
     copies = []
-    with torch.no_grad():
+    train = args.mode == "train"
+    with torch.set_grad_enabled(train):
         for _ in range(args.copies):
             mine = copy.deepcopy(model)
             compiled = torch.compile(with_private_forward(mine) if args.private_code else mine, backend=args.backend)
-            compiled(x)
+            step(compiled, x, train)
             copies.append(compiled)
         medians = [[0.0] * args.copies for _ in range(args.rounds)]
         for r in range(args.rounds):
@@ -83,14 +98,14 @@ def main() -> None:
             for _ in range(args.calls):
                 for i in order:
                     began = time.perf_counter()
-                    copies[i](x)
+                    step(copies[i], x, train)
                     samples[i].append((time.perf_counter() - began) * 1e6)
             for i in range(args.copies):
                 medians[r][i] = statistics.median(samples[i])
     last = args.copies - 1
     code = "a forward code object per copy" if args.private_code else "one shared forward code object"
-    print(f"{args.backend} on {args.device}, {args.copies} copies in compile order ({code}), {args.rounds} "
-          f"rounds of {args.calls} calls each")
+    print(f"{args.backend} on {args.device}, {args.mode}, {args.copies} copies in compile order ({code}), "
+          f"{args.rounds} rounds of {args.calls} calls each")
     for i in range(args.copies):
         ratios = [medians[r][last] / medians[r][i] for r in range(args.rounds)]
         print(f"  copy {i}: {statistics.median(m[i] for m in medians):.1f} us per call; last copy / this: "
