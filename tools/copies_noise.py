@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ from fusion_backend.bench.measure import CudaEventTimer, TimedStep  # noqa: E402
 from fusion_backend.bench.suite import load_workload  # noqa: E402
 
 
-def make_step(model: torch.nn.Module, inputs: list[torch.Tensor], backend: str, train: bool, dtype: str):
+def make_step(model: torch.nn.Module, inputs: list[torch.Tensor], backend: Any, train: bool, dtype: str):
     """A compiled copy of ``model`` and its zero-argument step: ``profile_step``'s (forward, plus the
     backward in training), the forward under ``torch.no_grad()`` in inference as the bench runs it."""
     mine = copy.deepcopy(model)
@@ -60,15 +61,16 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("copies_noise.py needs CUDA")
-    if args.backend == "fusion":
-        import fusion_backend  # noqa: F401  (registers the backend)
+    backend = args.backend
+    if backend == "fusion":  # the callable: without the installed entry point the name is unknown to Dynamo
+        from fusion_backend import fusion as backend
     train = args.mode == "train"
     model, inputs = load_workload(args.file).build(seed=0)
     model = model.cuda().train(train)
     inputs = [x.cuda().requires_grad_(train and x.is_floating_point()) for x in inputs]
     steps = []
     for i in range(args.copies):
-        step = make_step(model, inputs, args.backend, train, args.dtype)
+        step = make_step(model, inputs, backend, train, args.dtype)
         began = time.perf_counter()
         step()
         torch.cuda.synchronize()
