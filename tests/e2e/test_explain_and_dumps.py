@@ -185,6 +185,23 @@ def test_compare_judges_against_an_all_zero_truth_in_absolute_terms():
     assert problem == "input[0]: largest magnitude 0.001 where the truth is zero everywhere > 1e-05"
 
 
+def test_compare_judges_a_float64_residue_truth_in_absolute_terms():
+    """A gradient that is mathematically zero (the conv bias's through a normalization without
+    affine) is float64 rounding residue in the reference (1e-16) and fp32 residue in eager and in
+    the kernel (1e-7): relative to the residue every fp32 result reads as an error of 1e8 or more."""
+    from fusion_backend.testing import compare
+
+    gen = torch.Generator().manual_seed(0)
+    truth = torch.randn(5, generator=gen, dtype=torch.float64) * 1e-16
+    eager = torch.randn(5, generator=gen) * 2e-7
+    assert compare("grad of bias", torch.randn(5, generator=gen) * 3e-7, eager, reference=truth) is None
+    problem = compare("grad of bias", torch.full((5,), 1e-3), eager, reference=truth)
+    assert problem.startswith("grad of bias: largest magnitude 0.001 where the truth is zero everywhere > 1e-05")
+    # a truth with digits keeps the relative measure, however small its scale
+    small = torch.randn(5, generator=gen, dtype=torch.float64) * 1e-12
+    assert compare("g", small.float() * 1.5, small.float(), reference=small).startswith("g: relative error")
+
+
 def test_compare_accepts_equal_infinities_and_names_differing_ones():
     from fusion_backend.testing import compare
 
