@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from .errors import RewriteError
 from .match.engine import Candidate, registered_patterns, run_patterns
+from .ops.autograd_free import with_autograd_free_pass
 from .options import FusionOptions
 from .report import Decision, Fallback, GraphReport, publish
 from .runtime.decision import decide
@@ -112,7 +113,7 @@ def fusion(
             notes.append(f"runs through Inductor, not directly: {why_not}")
     if compiled is None and rewritten is not None and matches:
         try:
-            compiled = _compile_inductor(rewritten, example_inputs, config_patches)
+            compiled = _compile_inductor(rewritten, example_inputs, with_autograd_free_pass(config_patches))
         except _CONTROL_FLOW:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -188,12 +189,32 @@ def _fall_back(opts: FusionOptions, stage: str, pattern: Optional[str], exc: Bas
     return Fallback(stage, pattern, f"{type(exc).__name__}: {exc}")
 
 
+# What Dynamo puts on its graph module and placeholders outside ``meta`` (torch/_dynamo/output_graph.py).
+_DYNAMO_MODULE_ATTRS = ("_param_name_to_source", "_source_to_user_stacks")
+
+
 def _clone(gm: fx.GraphModule) -> fx.GraphModule:
     """A structural copy: Inductor may mutate the graph it compiles, and the fallback needs the
-    original.  Node metadata (fake values) is shared, parameters are not copied."""
+    original.  Node metadata (fake values) is shared, parameters are not copied.
+
+    WHY Dynamo's attributes too (the module's ``meta``, ``_param_name_to_source``, each
+    placeholder's ``_dynamo_source``): AOTAutograd reads them to tell a Dynamo graph's parameters,
+    which it marks static inputs.  A copy without them compiled with no static inputs: under CUDA
+    graphs the parameters were copied into the graph's pool at every replay, and a graph left whole
+    to Inductor missed the cache entries ``backend="inductor"`` stored for it (its key holds the
+    static inputs)."""
     import copy
 
-    return fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    clone = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    clone.meta = dict(gm.meta)
+    for attr in _DYNAMO_MODULE_ATTRS:
+        if hasattr(gm, attr):
+            setattr(clone, attr, getattr(gm, attr))
+    sources = {n.name: n._dynamo_source for n in gm.graph.find_nodes(op="placeholder") if hasattr(n, "_dynamo_source")}
+    for node in clone.graph.find_nodes(op="placeholder"):
+        if node.name in sources:
+            node._dynamo_source = sources[node.name]
+    return clone
 
 
 def _ensure_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
@@ -208,18 +229,13 @@ def _ensure_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
 
 
 def _inductor_patches(mode: Optional[str], opts: FusionOptions) -> dict[str, Any]:
-    """Inductor config patches: ``mode``'s, the user's Inductor options, and the post-grad pass that
-    runs our fused ops through their autograd-free ops (``ops/autograd_free.py``), chained before any
-    post-grad pass the user configured."""
-    from .ops.autograd_free import SwapInAutogradFreeOps
-
+    """Inductor config patches: ``mode``'s and the user's Inductor options.  A graph that keeps fused
+    ops compiles with the autograd-free pass added (``ops/autograd_free.py``); one that keeps none
+    compiles under these alone, as ``backend="inductor"`` would (same code, same cache entries)."""
     patches: dict[str, Any] = {}
     if mode and mode != "default":
         patches.update(torch._inductor.list_mode_options(mode, None))
     patches.update(opts.inductor)
-    key = "post_grad_custom_post_pass"
-    previous = patches.get(key, getattr(torch._inductor.config, key))
-    patches[key] = SwapInAutogradFreeOps(previous)
     return patches
 
 

@@ -12,7 +12,8 @@ run with grad mode off).
 So every fused op registers an *autograd-free op*: ``fusion::<name>_noautograd``, the same schema and fake, its CPU and CUDA
 kernels registered straight with ``torch.library.Library`` (one Python crossing) and no autograd kernel
 (PyTorch's C++ autograd fallback passes it through).  :class:`SwapInAutogradFreeOps`, an Inductor
-post-grad pass the backend installs, retargets the graph nodes from op to autograd-free op.  Eager calls, graph
+post-grad pass the backend installs (:func:`with_autograd_free_pass`) where a graph it compiles holds
+fused ops, retargets the graph nodes from op to autograd-free op.  Eager calls, graph
 breaks and the explain report keep using the custom op itself.
 
 Contract of :func:`register_autograd_free`: ``impl`` is the custom op's undecorated function (same arguments,
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,18 @@ class SwapInAutogradFreeOps(CustomGraphPass):
                 return None
             previous = previous if isinstance(previous, bytes) else str(previous).encode()
         return hashlib.sha256(b"fusion-autograd-free-ops-v1:" + ops_source_digest() + previous).digest()
+
+
+_PASS_KEY = "post_grad_custom_post_pass"
+
+
+def with_autograd_free_pass(patches: Mapping[str, Any]) -> dict[str, Any]:
+    """``patches`` (Inductor config patches) plus :class:`SwapInAutogradFreeOps` as the post-grad pass,
+    chained before the pass that ``patches`` or Inductor's config already name, so nothing the user
+    set is dropped.  For graphs that hold fused ops only: one without them compiles under exactly the
+    caller's patches, so its code and Inductor's cache keys are those of ``backend="inductor"``."""
+    previous = patches.get(_PASS_KEY, getattr(torch._inductor.config, _PASS_KEY))
+    return {**patches, _PASS_KEY: SwapInAutogradFreeOps(previous)}
 
 
 @functools.cache

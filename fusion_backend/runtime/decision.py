@@ -318,16 +318,14 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
     try:
         region = region_timing.extract_region(gm, region_timing.with_consumers(gm, nodes))
         train = _gradients_flow(region)
-        patches = {k: v for k, v in inductor_patches.items() if k != "post_grad_custom_post_pass"}
-        patches["triton.cudagraphs"] = False
+        patches = {**inductor_patches, "triton.cudagraphs": False}
         key = _key(pattern, region, train, patches)
         with _lock:
             entry = _memory.get(key) or _load(cache_dir).get(key)
         if entry is not None:
             _memory[key] = entry
             return _entry_verdict(pattern, summary, anchor, entry, margin, True, cuda_graphs), False
-        fused_patches = {**inductor_patches, "triton.cudagraphs": False}
-        times = _measure(gm, pattern, region, example_inputs, train, patches, fused_patches, strict, _timer)
+        times = _measure(gm, pattern, region, example_inputs, train, patches, strict, _timer)
         measured = summarise_rounds(times["fused"], times["inductor"])
     except Exception as exc:  # noqa: BLE001 - an unmeasurable region stays with Inductor
         why = str(exc) if isinstance(exc, region_timing.NotMeasurable) else f"{type(exc).__name__}: {exc}"
@@ -352,8 +350,7 @@ def _entry_verdict(pattern: str, summary: str, anchor: str, entry: Mapping[str, 
 
 
 def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequence[Any], train: bool,
-             patches: Mapping[str, Any], fused_patches: Mapping[str, Any], strict: bool,
-             timer: Timer | None) -> Mapping[str, float | Sequence[float] | RoundTimes]:
+             patches: Mapping[str, Any], strict: bool, timer: Timer | None) -> Mapping[str, float | Sequence[float] | RoundTimes]:
     """Time the fused op and Inductor's code on the region: ms per call per round, side by side (see
     ``Timer``).  A fake timer gets steps that build their candidate at their first call; the real
     one gets both candidates built and run once, their first calls overlapped where they can be
@@ -365,7 +362,7 @@ def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequ
              ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs))
     began = time.perf_counter()
     builders: dict[str, Callable[[], tuple[Callable[..., Any], bool]]] = {
-        "fused": lambda: _fused_callable(region, pattern, inputs, fused_patches, strict),
+        "fused": lambda: _fused_callable(region, pattern, inputs, patches, strict),
         "inductor": lambda: (region_timing.compile_with_inductor(region, inputs, patches), False),
     }
     if timer is not None:
@@ -454,6 +451,7 @@ def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
     import copy
 
     from ..match.engine import run_patterns
+    from ..ops.autograd_free import with_autograd_free_pass
     from . import region_timing
     from .direct import direct_module, why_not_direct
 
@@ -463,7 +461,7 @@ def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
         raise region_timing.NotMeasurable(f"the region alone gives {len(result.matches)} {pattern} matches, not 1")
     if why_not_direct(gm) is None:
         return direct_module(gm).forward, True
-    return region_timing.compile_apart(gm, inputs, patches), False
+    return region_timing.compile_apart(gm, inputs, with_autograd_free_pass(patches)), False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -488,10 +486,21 @@ def _key(pattern: str, region: Any, train: bool, patches: Mapping[str, Any]) -> 
         "autocast": autocast,
         "tf32": (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32),
         "conv_impl": environment.conv_impl(),
-        "inductor": sorted((k, repr(v)) for k, v in patches.items()),
+        "inductor": sorted((k, _stable_repr(v)) for k, v in patches.items()),
     }
     text = json.dumps(parts, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _stable_repr(value: Any) -> str:
+    """``repr(value)`` for the cache key, the same in every process: a graph pass (the user's
+    ``post_grad_custom_post_pass``) is named by its ``uuid()`` where it has one, else by its type,
+    never by the address a default ``repr`` shows."""
+    if callable(value):
+        uuid = getattr(value, "uuid", None)
+        ident = uuid() if callable(uuid) else None
+        return f"{type(value).__module__}.{type(value).__qualname__}:{ident!r}"
+    return repr(value)
 
 
 @functools.cache

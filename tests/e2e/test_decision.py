@@ -578,3 +578,23 @@ def test_ddp_pieces_are_timed_on_real_tensors_and_run_after(cache):
     torch.testing.assert_close(out, want)
     for got, expected in zip((x.grad, *(p.grad for p in model.parameters())), want_grads, strict=True):
         torch.testing.assert_close(got, expected)
+
+
+def test_the_decision_key_names_a_graph_pass_by_its_uuid_not_its_address():
+    """A user's ``post_grad_custom_post_pass`` enters the cache key; a second process (another
+    instance of the pass) must compute the same key."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from fusion_backend.runtime.decision import _stable_repr
+
+    class UserPass(CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return b"user-pass-v1"
+
+    assert _stable_repr(UserPass()) == _stable_repr(UserPass())
+    assert "user-pass-v1" in _stable_repr(UserPass()) and " at 0x" not in _stable_repr(UserPass())
+    assert _stable_repr(lambda graph: None) == _stable_repr(lambda graph: None)
+    assert _stable_repr(0.5) == "0.5"

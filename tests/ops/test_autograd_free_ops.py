@@ -148,3 +148,21 @@ def test_the_swap_pass_cache_key_changes_with_the_fused_ops_source(monkeypatch):
     here = autograd_free.SwapInAutogradFreeOps().uuid()
     monkeypatch.setattr(autograd_free, "ops_source_digest", lambda: b"another version of the ops")
     assert autograd_free.SwapInAutogradFreeOps().uuid() != here
+
+
+def test_a_graph_with_nothing_fused_compiles_as_backend_inductor_does():
+    """Without a fused op the graph gets no autograd-free pass: the same Inductor config, so the same
+    code and the cache entries ``backend="inductor"`` stored (a first call that costs no more)."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    model, x = EpilogueHead(), torch.rand(2, 3, 9, 8)
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=True):
+        torch._dynamo.reset()
+        torch.compile(copy.deepcopy(model), backend="inductor")(x)
+        torch._dynamo.reset()
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        out = torch.compile(model, backend="fusion", options={"decide": "inductor"})(x)
+        assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1
+    torch.testing.assert_close(out, model(x))
