@@ -499,7 +499,9 @@ def _stable_repr(value: Any) -> str:
     if callable(value):
         uuid = getattr(value, "uuid", None)
         ident = uuid() if callable(uuid) else None
-        return f"{type(value).__module__}.{type(value).__qualname__}:{ident!r}"
+        module = getattr(value, "__module__", None) or type(value).__module__
+        name = getattr(value, "__qualname__", None) or type(value).__qualname__  # a function's own, else its class's
+        return f"{module}.{name}:{ident!r}"
     return repr(value)
 
 

@@ -273,3 +273,30 @@ def test_compiling_under_set_stance_and_at_the_recompile_limit():
         for size in (6, 7, 8):  # the second and third shapes are past the limit: eager runs them
             x = torch.randn(1, 3, size, size)
             torch.testing.assert_close(compiled(x), model(x))
+
+
+@pytest.mark.parametrize("decide", ["fuse", "inductor"])
+def test_the_graphs_inductor_compiles_keep_dynamo_s_marks_of_the_parameters(monkeypatch, decide):
+    """AOTAutograd marks a Dynamo graph's parameters static inputs only where the graph module keeps
+    Dynamo's attributes (its ``meta``, ``_param_name_to_source``, the placeholders' ``_dynamo_source``):
+    without them CUDA graphs copy every parameter at each replay.  Both the rewritten graph (a fused op
+    kept) and the untouched one (nothing fused) must keep them."""
+    import fusion_backend.backend as backend
+
+    real, seen = backend._compile_inductor, []
+
+    def recording(gm, example_inputs, patches):
+        seen.append(gm)
+        return real(gm, example_inputs, patches)
+
+    monkeypatch.setattr(backend, "_compile_inductor", recording)
+    torch._dynamo.reset()
+    model = small_model()
+    with torch.no_grad():
+        out = torch.compile(model, backend="fusion", options={"direct": False, "decide": decide})(X)
+    torch.testing.assert_close(out, model(X))
+    (gm,) = seen
+    assert ("conv_epilogue" in gm.code) == (decide == "fuse")
+    assert "dynamo_compile_id" in gm.meta and gm._param_name_to_source
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    assert placeholders and all(getattr(n, "_dynamo_source", None) is not None for n in placeholders)

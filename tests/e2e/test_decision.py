@@ -597,4 +597,9 @@ def test_the_decision_key_names_a_graph_pass_by_its_uuid_not_its_address():
     assert _stable_repr(UserPass()) == _stable_repr(UserPass())
     assert "user-pass-v1" in _stable_repr(UserPass()) and " at 0x" not in _stable_repr(UserPass())
     assert _stable_repr(lambda graph: None) == _stable_repr(lambda graph: None)
+
+    def another_pass(graph):
+        pass
+
+    assert _stable_repr(another_pass) != _stable_repr(lambda graph: None)
     assert _stable_repr(0.5) == "0.5"
