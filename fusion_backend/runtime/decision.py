@@ -494,8 +494,8 @@ def _key(pattern: str, region: Any, train: bool, patches: Mapping[str, Any]) -> 
 
 def _stable_repr(value: Any) -> str:
     """``repr(value)`` for the cache key, the same in every process: a graph pass (the user's
-    ``post_grad_custom_post_pass``) is named by its ``uuid()`` where it has one, else by its type,
-    never by the address a default ``repr`` shows."""
+    ``post_grad_custom_post_pass``) is named by its qualified name (a function's own, an object's
+    class's) and its ``uuid()`` where it has one, never by the address a default ``repr`` shows."""
     if callable(value):
         uuid = getattr(value, "uuid", None)
         ident = uuid() if callable(uuid) else None
