@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each backend of a row is timed this many times, interleaved with the row's other "
                    "backends; its time is the median of its quietest round (default: 6)")
     p.add_argument("--extra-rounds", type=int, default=6,
-                   help="while a backend's two quietest rounds of a row differ by more than 3%%, the row's "
+                   help="while a backend's two quietest rounds of a row differ by more than 3%%, or the "
+                   "middle half of the row's paired fusion / Inductor round ratios holds the tie, the row's "
                    "backends are timed once more, at most this many more times (default: 6)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed repetitions before each measurement (default: 3)")

@@ -67,8 +67,9 @@ class MeasureConfig:
 
     ``warmup`` calls run untimed before every measurement.  Each item is measured in ``rounds``
     rounds, interleaved with the other backends of its case (``runner.py``); while some item's two
-    quietest warm rounds differ by more than ``agreement`` (relative), every item of the case gets
-    another round, at most ``extra_rounds`` more.  Without a fixed ``reps``
+    quietest warm rounds differ by more than ``agreement`` (relative), or the verdict's paired round
+    ratios have not put the row on one side of the tie (``runner._decided``), every item of the case
+    gets another round, at most ``extra_rounds`` more.  Without a fixed ``reps``
     the number of timed repetitions per round is picked from an estimate so that all rounds together
     take about ``target_ms``, clamped to ``[min_reps, max_reps]``: enough samples for a stable median
     on fast workloads without spending minutes on slow ones.  ``cold`` adds a second measurement per

@@ -19,9 +19,10 @@ another's gradients.  Per workload x dtype x mode:
    an item's time is the median of its quietest round (``TimingStats.of_rounds``).  WHY: the host of a GPU machine drifts by tens of percent over
    seconds (the same eager step measured 0.17 ms and 0.27 ms in two runs), and host-bound rows timed
    one backend after the other compared windows, not backends.  Until every item's two quietest
-   rounds agree (``MeasureConfig.agreement``), the case gets more rounds (at most
-   ``extra_rounds``): one quiet round alone may be luck, and a row whose rounds were all disturbed
-   for one backend has not been measured yet.
+   rounds agree (``MeasureConfig.agreement``) and the verdict's paired round ratios lie on one side
+   of its tie (``_decided``), the case gets more rounds (at most ``extra_rounds``): one quiet round
+   alone may be luck, a row whose rounds were all disturbed for one backend has not been measured
+   yet, and neither has one whose paired ratios straddle the tie.
    NOTE: ``python -m fusion_backend bench --suite families --no-memory`` on the H100, three rounds,
    put fusion at 0.81x Inductor on convt2d_64_32_k4_s2_groupnorm_silu bf16 infer, where both ran
    Inductor's same kernels (76 us of GPU time per step, by the profiler); in one process that
@@ -55,6 +56,7 @@ import copy
 import dataclasses
 import datetime as _dt
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -64,7 +66,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..report import collect_reports
-from .backends import BenchBackend
+from .backends import BenchBackend, pick_contenders
 from .config import PRECISIONS, BenchConfig, Precision
 from .correctness import Fp64Reference, check_against_reference, fp64_reference
 from .env import collect_environment, conv_tf32_enabled
@@ -73,6 +75,7 @@ from .measure import Instruments, MemoryStats, TimedStep, TimingStats
 from .results import BenchReport, CaseResult, ItemResult, Status
 from .roofline import DeviceRates, FlopCount, Roofline, compute_unit, count_traffic, roofline
 from .suite import Workload
+from .verdict import TIE_RATIO
 
 log = logging.getLogger("fusion_backend.bench")
 
@@ -496,8 +499,7 @@ class Runner:
         cfg = self.config
         kinds = (False, True) if cfg.measure.cold else (False,)
         for r in range(cfg.measure.rounds + cfg.measure.extra_rounds if live else 0):
-            if r >= cfg.measure.rounds and all(item.error or _settled(item.warm_rounds, cfg.measure.agreement)
-                                               for item in live):
+            if r >= cfg.measure.rounds and self._measured(live):
                 break
             order = live[r % len(live):] + live[:r % len(live)]
             for cold in kinds:
@@ -522,6 +524,18 @@ class Runner:
             timed = dataclasses.replace(item.result, warm=TimingStats.of_rounds(item.warm_rounds), cold=cold)
             results.append(_finished(timed, Status.OK))
         return results
+
+    def _measured(self, live: list[_Live]) -> bool:
+        """Whether a case's rounds so far suffice: every item's two quietest rounds agree, and the
+        verdict's paired round ratios have decided on which side of the tie the row lies."""
+        if not all(item.error or _settled(item.warm_rounds, self.config.measure.agreement) for item in live):
+            return False
+        by_name = {item.backend: item for item in live if not item.error}
+        subject, baseline = (by_name.get(name) for name in pick_contenders([b.name for b in self.backends]))
+        if subject is None or baseline is None:
+            return True
+        return _decided([b.median_ms / s.median_ms for s, b in zip(subject.warm_rounds, baseline.warm_rounds,
+                                                                  strict=True)])
 
     def _emit(self, workload: str, dtype: str, mode: str, backend: str, phase: str,
               result: ItemResult | None = None, index: int | None = None) -> None:
@@ -589,3 +603,24 @@ def _settled(rounds: list[TimingStats], agreement: float) -> bool:
         return False
     first, second = sorted(r.median_ms for r in rounds)[:2]
     return second <= first * (1 + agreement)
+
+
+def _decided(ratios: list[float], tie: float = TIE_RATIO) -> bool:
+    """Whether a row's paired round ratios (Inductor's round median over fusion's) put it on one side
+    of the verdict's tie: the tie lies outside the middle half of the ratios.
+
+    WHY: the row's ratio is the median of these (``results.CaseResult.speedup``), and six of them
+    on a host-bound row can straddle the tie by ten percent either way; a median that falls on
+    either side of the tie by chance decides nothing, so such a row gets more rounds (at most
+    ``MeasureConfig.extra_rounds``), whichever side its median is on.  A row whose ratios sit
+    together, below the tie or above it, is decided.  NOTE: the H100's convnets rows where fusion
+    ran Inductor's own code read 0.96-1.01x (``conv2d_depthwise_144_k3_relu6`` fp32 train: six
+    paired ratios 0.80-1.24, median 0.964, middle half 0.905-1.066); recomputed from the
+    ``round_medians_ms`` of the 142 rows of ``docs/perf/h100/*/bench.json`` before this rule, 27
+    straddled the tie after six rounds, 26 of which took more rounds anyway, so the rule costs
+    little time.
+    """
+    if len(ratios) < 2:
+        return False
+    first_quartile, _, third_quartile = statistics.quantiles(ratios, n=4)
+    return not first_quartile < tie < third_quartile

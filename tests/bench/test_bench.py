@@ -49,7 +49,7 @@ from fusion_backend.bench.roofline import (
     count_traffic,
     roofline,
 )
-from fusion_backend.bench.runner import ProgressEvent, Runner
+from fusion_backend.bench.runner import ProgressEvent, Runner, _decided
 from fusion_backend.bench.suite import SUITES, Workload, filter_workloads, load_workload, resolve_suite
 from fusion_backend.bench.verdict import verdict_of
 
@@ -1271,3 +1271,30 @@ def test_the_cuda_timer_interleaves_steps_repetition_by_repetition_and_survives_
     assert ran[-4:] == ["a", "a", "b", "b"], "once broken, a step is left out and the others go on"
     cold = timer.time([TimedStep("a", step("a"), reset=lambda: ran.append("reset a"))], cold=True)
     assert cold[0].reps == 5 and ran[-2:] == ["reset a", "a"]  # type: ignore[union-attr]
+
+
+def test_a_row_whose_paired_ratios_straddle_the_tie_gets_more_rounds_whichever_side_its_median_is_on(
+        tiny: Workload) -> None:
+    """Equal code, but Inductor's first four windows alternate 0.8 and 1.2 ms against fusion's 1 ms:
+    every backend's two quietest rounds agree, yet the paired ratios (0.8, 1.2, 0.8, 1.2) leave the
+    row on no side of the 0.97x tie.  The row gets rounds until they do, and reads 1.0x."""
+    timer = WindowTimer({"inductor": [0.8, 1.2, 0.8, 1.2]})
+    case = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=timer,
+               measure=MeasureConfig(rounds=4, extra_rounds=20)).cases[0]
+    assert 4 < timer.warm_rounds("fusion") < 24
+    assert case.speedup("fusion", "inductor") == 1.0
+    below = WindowTimer({"fusion": [1.2] * 30})  # a steady loss is decided at once: no extra rounds
+    case = run([tiny], [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION], modes=("infer",), timer=below,
+               measure=MeasureConfig(rounds=4, extra_rounds=20)).cases[0]
+    assert below.warm_rounds("fusion") == 4
+    assert case.speedup("fusion", "inductor") == pytest.approx(1 / 1.2)
+
+
+@pytest.mark.parametrize("ratios, decided", [
+    ([1.0], False),                      # one round says nothing about its spread
+    ([0.99, 1.01, 1.0, 1.02], True),     # together, above the tie
+    ([0.90, 0.92, 0.91, 0.93], True),    # together, below the tie: a loss, not noise
+    ([0.80, 1.24, 0.95, 0.94, 1.01, 1.0], False),  # the middle half holds the tie
+])
+def test_a_row_is_decided_when_the_tie_lies_outside_its_paired_ratios_middle_half(ratios, decided) -> None:
+    assert _decided(ratios) is decided
