@@ -14,7 +14,8 @@ of a case (one per backend) together:
    the runner measures every case ``rounds`` times), like ``triton.testing.do_bench`` does;
 3. the repetitions are interleaved: each repetition runs every step once, in the runner's order, each
    bracketed by its own pair of CUDA events; per step the median is reported with its spread.  A step's
-   ``reset`` (e.g. setting gradients to ``None``) runs before its start event, untimed.
+   ``reset`` (e.g. setting gradients to ``None``) runs before its start event, untimed;
+4. Python's garbage collector is off for all of it, after one collection (``_garbage_collector_paused``).
 
 WHY interleave repetition by repetition: a host-bound step's time follows the host's state (other
 processes, clocks, page cache), which drifts within seconds; timed one backend after the other, two
@@ -260,7 +261,7 @@ class CudaEventTimer:
 
     def time(self, steps: Sequence[TimedStep], *, cold: bool = False) -> list[TimingStats | Exception]:
         failed: list[Exception | None] = [None] * len(steps)
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device), _garbage_collector_paused():
             for _ in range(self.config.warmup):
                 for i, step in enumerate(steps):
                     if failed[i] is None:
@@ -284,6 +285,30 @@ class CudaEventTimer:
     def release(self) -> None:
         """Drop the flush buffer."""
         self._flush = None
+
+
+@contextlib.contextmanager
+def _garbage_collector_paused() -> Iterator[None]:
+    """Collect now, then keep Python's cyclic garbage collector off until the block ends (as
+    ``timeit`` does).
+
+    WHY: a collection runs when enough objects were allocated since the last one, which in an
+    interleaved measurement falls at a fixed place of the repetition cycle: every repetition, the
+    same backend's timed run absorbs the pause.  On a host-bound step that pause is a large share
+    of the time, so identical code read tens of percent apart for a whole round.  NOTE: in the H100
+    convnets runs, the first Inductor copy of ``conv2d_128_k3_silu`` bf16 forward read 0.133 ms in
+    each of seven rounds while the fusion and second Inductor copies (the same compiled code) read
+    0.18-0.23 ms (``docs/perf/RESULTS.md``, noise section).  The steps' objects are freed by
+    reference counting; a timing call holds at most ``max_reps`` repetitions of garbage cycles.
+    """
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _drop_library_workspaces() -> None:

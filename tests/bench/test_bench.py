@@ -9,6 +9,7 @@ FAIL, never a speedup), the roofline arithmetic, report writing and the command 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import textwrap
@@ -1250,11 +1251,13 @@ def test_the_cuda_timer_interleaves_steps_repetition_by_repetition_and_survives_
     from fusion_backend.bench.measure import CudaEventTimer
 
     ran: list[str] = []
+    collector_on: set[bool] = set()
     x = torch.randn(1 << 20, device="cuda")
 
     def step(name: str) -> Callable[[], object]:
         def run() -> object:
             ran.append(name)
+            collector_on.add(gc.isenabled())
             if name == "broken" and len(ran) > 12:
                 raise RuntimeError("step broke while being timed")
             return x * 2
@@ -1269,6 +1272,7 @@ def test_the_cuda_timer_interleaves_steps_repetition_by_repetition_and_survives_
     # warmup a, broken, b; then per repetition each step twice (untimed + timed), in order
     assert ran[:9] == ["a", "broken", "b", "a", "a", "broken", "broken", "b", "b"]
     assert ran[-4:] == ["a", "a", "b", "b"], "once broken, a step is left out and the others go on"
+    assert collector_on == {False} and gc.isenabled(), "no garbage collection while timing, and on again after"
     cold = timer.time([TimedStep("a", step("a"), reset=lambda: ran.append("reset a"))], cold=True)
     assert cold[0].reps == 5 and ran[-2:] == ["reset a", "a"]  # type: ignore[union-attr]
 
