@@ -5,8 +5,9 @@ matched, and for the input signature the graph was compiled for, this module com
 with Inductor's compiled code for the original nodes (``region_timing.py``), by three times: per
 call (host and device, what a small model waits for), on the GPU (what the region costs in a network
 that keeps the device busy) and on the host. The rewrite is kept only where the fused op wins per
-call by the margin (``decide_margin``, default 3%) and loses by no more than the margin on the GPU
-and in a host-bound step (below); a tie goes to Inductor. WHY not also a GPU win with a tie per
+call by the margin (``decide_margin``, default 3%), that win shows on the GPU or in the host time
+(``verdict``), and it loses by no more than the margin on the GPU and in a host-bound step (below);
+a tie goes to Inductor. WHY not also a GPU win with a tie per
 call: NOTE the benchmark's ``conv2d_256_k3_relu_maxpool`` fp32 training row, kept that way (1.00x
 per call, 1.06x on the GPU), ran 0.99 ms against Inductor's 1.04 ms in quiet rounds and 1.4-1.9 ms
 against 1.2-1.5 ms in rounds where the host was slow, 0.85x over the run (``python -m fusion_backend
@@ -150,9 +151,19 @@ def verdict(pattern: str, summary: str, anchor: str, times: Mapping[str, float],
     """The decision from the measured ``times`` (every key of ``_TIMES``, as ``summarise_rounds``
     gives them; see the module docstring).  Per call, ``speedup`` must reach ``1 + margin``; on the
     GPU (``gpu_speedup``) and in a host-bound step (``in_step_speedup``) the fused op must not fall
-    below ``1 / (1 + margin)``; a fused op whose step waits on the host must reach
+    below ``1 / (1 + margin)``; the win per call must show on the GPU or in the host time, by
+    ``1 + margin`` (WHY below); a fused op whose step waits on the host must reach
     ``HOST_BOUND_SPEEDUP`` per call.  With ``cuda_graphs``, fused when
-    ``gpu_speedup`` is at least ``1 + margin``."""
+    ``gpu_speedup`` is at least ``1 + margin``.
+
+    WHY the win must show on the GPU or in the host time: the time per call, the GPU time and the
+    host time are measured in separate stretches of each round (``runtime/region_timing.py``), and
+    on a busy host a win per call that neither of the others shows is the host's drift between
+    those stretches.  NOTE: the benchmark's ``conv2d_256_k3_relu_maxpool_channels_last`` fp32
+    training row was kept once at 1.11x per call with the GPU at 1.02x and the host at 0.95x, and
+    ran 0.93x in the bench's step (``CONVNETS_PART=1 bash tools/gpu_session.sh convnets``, H100);
+    in three other runs it was left to Inductor.  Of the 110 regions kept in the committed H100
+    runs and in the convnets runs around them, that was the only one this rule leaves to Inductor."""
     speedup, gpu_speedup = times["speedup"], times["gpu_speedup"]
     tie, tied = 1 / (1 + margin), f"a tie (within {margin:.0%}) goes to Inductor"
     if cuda_graphs:  # a replay does the host's work for every kernel at once: the GPU time decides
@@ -166,6 +177,8 @@ def verdict(pattern: str, summary: str, anchor: str, times: Mapping[str, float],
         rule = "Inductor is faster in a host-bound step"
     elif speedup < 1 + margin:
         rule = tied
+    elif gpu_speedup < 1 + margin and times["inductor_host_ms"] < (1 + margin) * times["fused_host_ms"]:
+        rule = "neither the GPU nor the host time shows the win per call"
     elif times["fused_gpu_ms"] < HOST_BOUND_GPU_SHARE * times["fused_ms"] and speedup < HOST_BOUND_SPEEDUP:
         rule = f"a host-bound step needs a {HOST_BOUND_SPEEDUP:.2f}x win per call"
     else:
