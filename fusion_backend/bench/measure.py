@@ -294,11 +294,12 @@ def _garbage_collector_paused() -> Iterator[None]:
 
     WHY: a collection runs when enough objects were allocated since the last one, which in an
     interleaved measurement falls at a fixed place of the repetition cycle: every repetition, the
-    same backend's timed run absorbs the pause.  On a host-bound step that pause is a large share
-    of the time, so identical code read tens of percent apart for a whole round.  NOTE: in the H100
-    convnets runs, the first Inductor copy of ``conv2d_128_k3_silu`` bf16 forward read 0.133 ms in
-    each of seven rounds while the fusion and second Inductor copies (the same compiled code) read
-    0.18-0.23 ms (``docs/perf/RESULTS.md``, noise section).  The steps' objects are freed by
+    same backend's timed run can absorb the pause, round after round.  NOTE: part 1 of the convnets
+    suite on the H100 (``CONVNETS_PART=1 bash tools/gpu_session.sh convnets``, 24 rows), three runs
+    with the collector on and two with it off: on the rows where fusion ran Inductor's code, its
+    ratio to the second Inductor copy strayed from 1 by 1.1-1.2% on average (at most 4.3-6.8%) with
+    the collector on, by 0.6-0.7% (at most 2.5-2.8%) with it off; the two Inductor copies by
+    3.4-4.8% (at most 23-34%) and 2.6-3.2% (at most 13-21%).  The steps' objects are freed by
     reference counting; a timing call holds at most ``max_reps`` repetitions of garbage cycles.
     """
     enabled = gc.isenabled()
