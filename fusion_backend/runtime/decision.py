@@ -111,6 +111,9 @@ CALLER_HOST_MS = 0.1
 #: win per call by ``HOST_BOUND_SPEEDUP`` (see the module docstring).
 HOST_BOUND_GPU_SHARE = 0.6
 HOST_BOUND_SPEEDUP = 1.25
+#: A training step whose fused op spends at least its GPU time on the host must win on the GPU by
+#: this much (or per call by ``HOST_BOUND_SPEEDUP``); see ``verdict``.
+HOST_WAITING_TRAIN_GPU_SPEEDUP = 1.15
 #: Version of the cache file's layout and of what a key means; another version is ignored.
 SCHEMA = 4
 CACHE_FILE = "decisions.json"
@@ -146,15 +149,17 @@ def timing_override(timer: Timer | None, measure_on: Sequence[str] = ("cuda", "c
         _timer, _measured_devices = saved
 
 
-def verdict(pattern: str, summary: str, anchor: str, times: Mapping[str, float], margin: float,
-            cached: bool = False, cuda_graphs: bool = False) -> Decision:
+def verdict(pattern: str, summary: str, anchor: str, times: Mapping[str, float], margin: float, *,
+            train: bool, cached: bool = False, cuda_graphs: bool = False) -> Decision:
     """The decision from the measured ``times`` (every key of ``_TIMES``, as ``summarise_rounds``
-    gives them; see the module docstring).  Per call, ``speedup`` must reach ``1 + margin``; on the
-    GPU (``gpu_speedup``) and in a host-bound step (``in_step_speedup``) the fused op must not fall
-    below ``1 / (1 + margin)``; the win per call must show on the GPU or in the host time, by
-    ``1 + margin`` (WHY below); a fused op whose step waits on the host must reach
-    ``HOST_BOUND_SPEEDUP`` per call.  With ``cuda_graphs``, fused when
-    ``gpu_speedup`` is at least ``1 + margin``.
+    gives them; see the module docstring) of a forward (``train=False``) or forward + backward.  Per
+    call, ``speedup`` must reach ``1 + margin``; on the GPU (``gpu_speedup``) and in a host-bound
+    step (``in_step_speedup``) the fused op must not fall below ``1 / (1 + margin)``; the win per
+    call must show on the GPU or in the host time, by ``1 + margin`` (WHY below); in training, a
+    fused op whose host time reaches its GPU time must win on the GPU by
+    ``HOST_WAITING_TRAIN_GPU_SPEEDUP`` or per call by ``HOST_BOUND_SPEEDUP`` (WHY below); a fused op
+    whose step waits on the host must reach ``HOST_BOUND_SPEEDUP`` per call.  With ``cuda_graphs``,
+    fused when ``gpu_speedup`` is at least ``1 + margin``.
 
     WHY the win must show on the GPU or in the host time: the time per call, the GPU time and the
     host time are measured in separate stretches of each round (``runtime/region_timing.py``), and
@@ -163,7 +168,19 @@ def verdict(pattern: str, summary: str, anchor: str, times: Mapping[str, float],
     training row was kept once at 1.11x per call with the GPU at 1.02x and the host at 0.95x, and
     ran 0.93x in the bench's step (``CONVNETS_PART=1 bash tools/gpu_session.sh convnets``, H100);
     in three other runs it was left to Inductor.  Of the 110 regions kept in the committed H100
-    runs and in the convnets runs around them, that was the only one this rule leaves to Inductor."""
+    runs and in the convnets runs around them, that was the only one this rule leaves to Inductor.
+
+    WHY a training step whose fused op spends its GPU time on the host needs a GPU win: there the
+    step's speed is the host's, and the compiled model adds host time to the fused backward that the
+    region timed alone does not show (module docstring), so a host-time win does not carry over and a
+    GPU win of a few percent is hidden behind the host.  NOTE: the benchmark's
+    ``conv2d_256_k3_relu_maxpool`` training rows (plain and channels-last, fp32), kept at 1.08-1.20x
+    per call with the GPU at 1.02-1.09x and a fused host time 1.07-1.48x its GPU time, ran
+    0.90-0.98x in four of the bench's steps (and 1.08x in one); every other training region kept
+    with such host time wins on the GPU by 1.25x or more and ran 1.05x or faster, or wins per call by
+    1.25x or more (``conv1d_80_256_k5_gelu``, ``conv2d_64_k3_relu_channels_last``: 1.02x, 1.06x)
+    (``CONVNETS_PART=1 bash tools/gpu_session.sh convnets`` and the committed H100 runs under
+    ``docs/perf/h100``)."""
     speedup, gpu_speedup = times["speedup"], times["gpu_speedup"]
     tie, tied = 1 / (1 + margin), f"a tie (within {margin:.0%}) goes to Inductor"
     if cuda_graphs:  # a replay does the host's work for every kernel at once: the GPU time decides
@@ -179,6 +196,10 @@ def verdict(pattern: str, summary: str, anchor: str, times: Mapping[str, float],
         rule = tied
     elif gpu_speedup < 1 + margin and times["inductor_host_ms"] < (1 + margin) * times["fused_host_ms"]:
         rule = "neither the GPU nor the host time shows the win per call"
+    elif (train and times["fused_host_ms"] >= times["fused_gpu_ms"]
+          and gpu_speedup < HOST_WAITING_TRAIN_GPU_SPEEDUP and speedup < HOST_BOUND_SPEEDUP):
+        rule = (f"a training step that waits on the host needs a {HOST_WAITING_TRAIN_GPU_SPEEDUP:.2f}x win on the "
+                f"GPU or {HOST_BOUND_SPEEDUP:.2f}x per call")
     elif times["fused_gpu_ms"] < HOST_BOUND_GPU_SHARE * times["fused_ms"] and speedup < HOST_BOUND_SPEEDUP:
         rule = f"a host-bound step needs a {HOST_BOUND_SPEEDUP:.2f}x win per call"
     else:
@@ -337,7 +358,7 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
             entry = _memory.get(key) or _load(cache_dir).get(key)
         if entry is not None:
             _memory[key] = entry
-            return _entry_verdict(pattern, summary, anchor, entry, margin, True, cuda_graphs), False
+            return _entry_verdict(pattern, summary, anchor, entry, margin, train, True, cuda_graphs), False
         times = _measure(gm, pattern, region, example_inputs, train, patches, strict, _timer)
         measured = summarise_rounds(times["fused"], times["inductor"])
     except Exception as exc:  # noqa: BLE001 - an unmeasurable region stays with Inductor
@@ -354,12 +375,13 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
         _memory[key] = entry
         _store(cache_dir, key, entry)
     ran_here = _timer is None  # a fake timer runs neither candidate
-    return _entry_verdict(pattern, summary, anchor, entry, margin, False, cuda_graphs), ran_here
+    return _entry_verdict(pattern, summary, anchor, entry, margin, train, False, cuda_graphs), ran_here
 
 
-def _entry_verdict(pattern: str, summary: str, anchor: str, entry: Mapping[str, Any], margin: float,
+def _entry_verdict(pattern: str, summary: str, anchor: str, entry: Mapping[str, Any], margin: float, train: bool,
                    cached: bool, cuda_graphs: bool) -> Decision:
-    return verdict(pattern, summary, anchor, {k: entry[k] for k in _TIMES}, margin, cached, cuda_graphs)
+    return verdict(pattern, summary, anchor, {k: entry[k] for k in _TIMES}, margin, train=train, cached=cached,
+                   cuda_graphs=cuda_graphs)
 
 
 def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequence[Any], train: bool,

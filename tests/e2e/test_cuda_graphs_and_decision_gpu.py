@@ -120,7 +120,8 @@ def test_the_real_decision_follows_its_times_and_keeps_parity(tmp_path, monkeypa
              "fused_gpu_ms": d.fused_gpu_ms, "inductor_gpu_ms": d.inductor_gpu_ms, "gpu_speedup": d.gpu_speedup,
              "fused_host_ms": d.fused_host_ms, "inductor_host_ms": d.inductor_host_ms,
              "in_step_speedup": d.in_step_speedup}
-    again = decision.verdict(d.pattern, d.summary, d.anchor, times, decision.DEFAULT_MARGIN, d.cached)
+    again = decision.verdict(d.pattern, d.summary, d.anchor, times, decision.DEFAULT_MARGIN, train=train,
+                             cached=d.cached)
     assert d.fused == again.fused and d.fused == (d.rule == "fused is faster")
     assert report.counts() == ({"conv_epilogue": 1} if d.fused else {})
     torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-5)
