@@ -102,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output folder (default: bench-results/<UTC date-time>)")
     p.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
                    help="merge these runs (folders holding bench.json, or the files) into one report in --out, "
-                   "with one verdict; nothing is run.  They must share every setting and the device")
+                   "with one verdict; nothing is run.  They must share every setting, the device and the "
+                   "git commit")
+    p.add_argument("--merge-across-commits", action="store_true",
+                   help="with --merge: let the parts come from different commits (a part rerun after a change "
+                   "that cannot touch the others' rows); the report lists each part's commit")
     p.add_argument("--filter", default=None,
                    help="keep workloads whose name contains any comma-separated pattern (globs allowed)")
     p.add_argument("--reps", type=int, default=None,
@@ -315,7 +319,7 @@ def _merge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         err.write(f"{PROG}: error: --merge needs --out\n")
         return 2
     try:
-        report = merge_reports([read_report(path) for path in args.merge])
+        report = merge_reports([read_report(path) for path in args.merge], args.merge_across_commits)
     except BenchError as exc:
         err.write(f"{PROG}: error: {exc}\n")
         return 2

@@ -7,7 +7,10 @@ model files), merged into the one ``bench.json`` the suite is read from, with on
 Contract of :func:`merge_reports`: the reports must come from the same configuration (precisions,
 modes, backends, seed, tolerances, measurement settings), the same GPU, software, TF32 flags and git
 commit, and no (workload, dtype, mode) row may appear twice; otherwise :class:`ConfigError` names
-the difference.  Rows keep their order (the reports' order, then each report's); the merged run
+the difference.  With ``across_commits`` (``--merge-across-commits``) the parts may come from
+different commits, for a part rerun after a change that cannot touch the other parts' rows: the
+merged report's ``git_commit`` is then ``None`` and ``part_git_commits`` lists each part's, in the
+order of ``merged_from``.  Rows keep their order (the reports' order, then each report's); the merged run
 started when the first began and finished when the last ended, its wall time is the sum, and it is
 complete only if every part is.
 Each row was timed within its own run, with all of its backends: merging never compares numbers
@@ -42,7 +45,7 @@ def read_report(path: str | Path) -> BenchReport:
     return read_json(file)
 
 
-def merge_reports(reports: Sequence[BenchReport]) -> BenchReport:
+def merge_reports(reports: Sequence[BenchReport], across_commits: bool = False) -> BenchReport:
     """The reports as one run (see the module docstring)."""
     if len(reports) < 2:
         raise ConfigError(f"--merge needs at least two reports, got {len(reports)}")
@@ -54,6 +57,8 @@ def merge_reports(reports: Sequence[BenchReport]) -> BenchReport:
                       if getattr(report.config, f.name) != getattr(first.config, f.name)]  # fmt: skip
             raise ConfigError(f"report {i + 1} was run with other settings than report 1 ({', '.join(differ)})")
         for key in _SAME_ENVIRONMENT:
+            if key == "git_commit" and across_commits:
+                continue
             if _environment_value(report, key) != _environment_value(first, key):
                 raise ConfigError(f"report {i + 1} has {key} {_environment_value(report, key)!r}, "
                                   f"report 1 {_environment_value(first, key)!r}")  # fmt: skip
@@ -67,6 +72,9 @@ def merge_reports(reports: Sequence[BenchReport]) -> BenchReport:
         workloads.update(report.workloads)
     environment = dict(first.environment)
     environment["merged_from"] = [r.environment.get("command", "") for r in reports]
+    commits = [r.environment.get("git_commit") for r in reports]
+    if len(set(commits)) > 1:
+        environment["git_commit"], environment["part_git_commits"] = None, commits
     return BenchReport(
         config=first.config,
         environment=environment,

@@ -1243,7 +1243,27 @@ def test_merging_refuses_other_settings_a_repeated_row_or_a_single_report(tmp_pa
         merge_reports([fp32, other_gpu])
     with pytest.raises(ConfigError, match="at least two"):
         merge_reports([fp32])
+    later = dataclasses.replace(bf16, config=fp32.config, environment={**fp32.environment, "git_commit": "b" * 40})
+    with pytest.raises(ConfigError, match="report 2 has git_commit 'bbbb"):
+        merge_reports([fp32, later])
     assert cli.main(["--merge", str(tmp_path / "nowhere"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "m")]) == 2
+
+
+def test_parts_from_different_commits_merge_only_when_asked_and_name_each_commit(tmp_path: Path) -> None:
+    a = load_workload(write_model(tmp_path / "models", "part_a"))
+    b = load_workload(write_model(tmp_path / "models", "part_b", TINY_CONVT))
+    backends = [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION]
+    for name, workload, commit in (("a", a, "a" * 40), ("b", b, "b" * 40)):
+        report = run([workload], backends)
+        write_reports(dataclasses.replace(report, environment={**report.environment, "git_commit": commit}),
+                      tmp_path / name, chart=False)
+    parts = [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert cli.main(["--merge", *parts, "--out", str(tmp_path / "refused"), "--no-chart"]) == 2
+    assert cli.main(["--merge", *parts, "--merge-across-commits", "--out", str(tmp_path / "m"), "--no-chart"]) == 0
+    merged = read_json(tmp_path / "m" / "bench.json")
+    assert merged.environment["git_commit"] is None
+    assert merged.environment["part_git_commits"] == ["a" * 40, "b" * 40]
+    assert len(merged.environment["merged_from"]) == 2 and len(merged.cases) == 2 * len(run([a], backends).cases)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events time GPU steps")
