@@ -46,8 +46,9 @@ def _device_calls_reuse_the_launchs_language_patch() -> None:
         return
     patching_call = function.__call__
 
-    def patched(lang) -> bool:
-        return not tl.core.is_builtin(getattr(lang, "load", None))
+    def patched(lang) -> bool:  # a launch's patch replaces every builtin, ``load`` among them
+        load = getattr(lang, "load", None)
+        return load is not None and not tl.core.is_builtin(load)
 
     langs_of: dict = {}  # the function -> the language modules its globals see (what the patch covers)
 

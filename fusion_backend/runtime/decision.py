@@ -6,8 +6,9 @@ with Inductor's compiled code for the original nodes (``region_timing.py``), by 
 call (host and device, what a small model waits for), on the GPU (what the region costs in a network
 that keeps the device busy) and on the host. The rewrite is kept only where the fused op wins per
 call by the margin (``decide_margin``, default 3%), that win shows on the GPU or in the host time
-(``verdict``), and it loses by no more than the margin on the GPU and in a host-bound step (below);
-a tie goes to Inductor. WHY not also a GPU win with a tie per
+(``verdict``; in a training step that waits on the host, on the GPU by 15% unless it wins 25% per
+call), and it loses by no more than the margin on the GPU and in a host-bound step (below); a tie
+goes to Inductor. WHY not also a GPU win with a tie per
 call: NOTE the benchmark's ``conv2d_256_k3_relu_maxpool`` fp32 training row, kept that way (1.00x
 per call, 1.06x on the GPU), ran 0.99 ms against Inductor's 1.04 ms in quiet rounds and 1.4-1.9 ms
 against 1.2-1.5 ms in rounds where the host was slow, 0.85x over the run (``python -m fusion_backend
