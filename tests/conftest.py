@@ -24,14 +24,15 @@ import pytest  # noqa: E402
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _device_calls_reuse_the_launchs_language_patch() -> None:
-    """Under Triton's interpreter, a ``@triton.jit`` helper called from a kernel runs without
-    patching ``triton.language`` again when the kernel's launch already patched it.
+def _language_patched_once_per_launch() -> None:
+    """Under Triton's interpreter, ``triton.language`` is patched once per kernel launch, not again at
+    every ``@triton.jit`` helper the kernel calls.
 
     The interpreter swaps ``triton.language``'s builtins for its own at each launch and restores them
     after; a device-function call patches them again (``inspect.getmembers`` over the language
     modules) and never restores that patch.  Where the launch's patch is in place the second one
-    changes nothing.  NOTE: it was half of the interpreter's time in
+    changes nothing, so ``_patch_lang`` then returns a scope with nothing to restore.  NOTE: it was
+    half of the interpreter's time in
     ``tests/e2e/test_direct.py::test_convt3d_pipeline_runs_directly_and_matches_eager`` (26.4 of
     53.3 s: ``python -m cProfile -m pytest ...``, Triton 3.9).  A Triton whose interpreter is laid
     out otherwise keeps its own behaviour."""
@@ -40,35 +41,33 @@ def _device_calls_reuse_the_launchs_language_patch() -> None:
         from triton.runtime import interpreter
     except ImportError:
         return
-    function = getattr(interpreter, "InterpretedFunction", None)
-    error = getattr(interpreter, "InterpreterError", None)
-    if function is None or error is None or not hasattr(function, "rewrite") or not hasattr(interpreter, "_patch_lang"):
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    if patch_lang is None:
         return
-    patching_call = function.__call__
 
     def patched(lang) -> bool:  # a launch's patch replaces every builtin, ``load`` among them
         load = getattr(lang, "load", None)
         return load is not None and not tl.core.is_builtin(load)
 
+    class Unchanged:
+        def restore(self) -> None:
+            pass
+
     langs_of: dict = {}  # the function -> the language modules its globals see (what the patch covers)
 
-    def device_call(self, *args, **kwargs):
-        langs = langs_of.get(self.fn)
+    def patch_unless_patched(fn):
+        langs = langs_of.get(fn)
         if langs is None:
-            langs = langs_of[self.fn] = [v for v in self.fn.__globals__.values() if v is tl or v is tl.core]
-        if not langs or not all(patched(lang) for lang in langs):
-            return patching_call(self, *args, **kwargs)
-        fn = self.rewrite()
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:
-            raise error(repr(exc)) from exc
+            langs = langs_of[fn] = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        if langs and all(patched(lang) for lang in langs):
+            return Unchanged()
+        return patch_lang(fn)
 
-    function.__call__ = device_call
+    interpreter._patch_lang = patch_unless_patched
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _device_calls_reuse_the_launchs_language_patch()
+    _language_patched_once_per_launch()
 
 
 @pytest.fixture
