@@ -11,7 +11,8 @@ Each measurement is its own process (``--child``): the model file is loaded as t
 built on CUDA, compiled with the backend, and its first step (forward; ``--mode train`` adds the
 backward) is timed from the ``torch.compile`` call to the end of its GPU work, compilation included.  Process start-up and
 imports are not counted.  ``--log`` prints the children's ``fusion_backend.runtime.decision`` and
-``fusion_backend.impl_choice`` and ``fusion_backend.launch`` INFO lines: what each first call compiled and timed, and how long that took.  The last lines compare every backend with Inductor against the budgets
+``fusion_backend.impl_choice`` and ``fusion_backend.launch`` INFO lines, each with the milliseconds since the
+child started (``torch.compile`` is its own line): what each first call compiled and timed, and when.  The last lines compare every backend with Inductor against the budgets
 ``--cold-budget`` (3x) and ``--warm-budget`` (1.2x).
 
 Usage (repository root; ``--device cpu`` measures CPU compiles, where fused regions stay with Inductor
@@ -42,7 +43,7 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
     import torch
 
     if log:
-        logging.basicConfig(level=logging.WARNING, format="    %(name)s: %(message)s")
+        logging.basicConfig(level=logging.WARNING, format="    %(relativeCreated)7.0f ms %(name)s: %(message)s")
         for name in ("fusion_backend.decision", "fusion_backend.impl_choice", "fusion_backend.launch"):
             logging.getLogger(name).setLevel(logging.INFO)
 
@@ -60,6 +61,8 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
     # from torch.compile on, as the benchmark's compile_s: torch.compile(backend="inductor") imports
     # Inductor's compile_fx there (about 1 s), which the fusion backend imports at its first call
     began = time.perf_counter()
+    if log:
+        logging.getLogger("fusion_backend.first_call").warning("torch.compile")
     compiled = torch.compile(model, backend=backend)
     with torch.set_grad_enabled(train), torch.autocast(device, torch.bfloat16, enabled=dtype == "bf16"):
         out = compiled(*inputs)
@@ -78,7 +81,7 @@ def measure(path: str, backend: str, mode: str, dtype: str, caches: str, timeout
     cmd += ["--device", device] + (["--log"] if log else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     for line in proc.stderr.splitlines() if log else ():
-        if line.startswith("    fusion_backend"):
+        if line.startswith("    ") and " fusion_backend" in line:
             print(line)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:

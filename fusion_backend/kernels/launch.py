@@ -35,8 +35,9 @@ tiles; compiled one after another they were most of a cold first call (NOTE: 6.9
 Conv2d 64->64 k3 + ReLU, fp32, on the H100 host, Inductor's whole cold first call 3.3 s; 9.97-10.5 s
 with compile_ahead: ``python tools/first_call.py demos/convnets/conv2d_64_k3_relu.py --log``).  ``compile_ahead``
 runs the candidates once with every launch (:func:`launch`, ``FastLaunch``) replaced by the compile
-of that launch, submitted to a thread pool (Triton's ``AsyncCompileMode``; its compiler releases the
-GIL), and returns when all have compiled, so the timing that follows finds every kernel compiled.
+of that launch, all compiled at once, and returns when all have compiled, so the timing that follows
+finds every kernel compiled: in Inductor's compile worker processes where they are up
+(``kernels/compile_pool.py``), else on a thread pool (Triton's ``AsyncCompileMode``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Any
 
 import torch
 
+from . import compile_pool
 from .host import INTERPRETER
 
 log = logging.getLogger("fusion_backend.launch")
@@ -252,7 +254,7 @@ def _async_compile_mode() -> Any:
     return None if active_mode.get() is not None else AsyncCompileMode
 
 
-def compile_ahead(calls: Iterable[Callable[[], object]]) -> bool:
+def compile_ahead(calls: Iterable[Callable[[], object]], speculative: Iterable[Callable[[], object]] = ()) -> bool:
     """Compile every Triton kernel that ``calls`` would launch, in parallel, before they run for real.
 
     Each call runs once with its launches replaced by compile submissions (see the module
@@ -260,36 +262,63 @@ def compile_ahead(calls: Iterable[Callable[[], object]]) -> bool:
     a call must not index memory by values a Triton kernel computed (none of the op paths does).
     Returns after every compile has finished or failed.  A call that raises, or a kernel that fails
     to compile, is skipped: it raises again when it runs for real, where its caller handles it.
-    The pool has ``torch._inductor.config.compile_threads`` threads (Inductor's own setting for
-    parallel compiles; ``TORCHINDUCTOR_COMPILE_THREADS``).  Returns False, having done nothing, where
-    Triton has no ``AsyncCompileMode``, under the interpreter, or inside another async compile."""
+
+    Where Inductor's compile worker processes are up (``kernels.compile_pool``), the compiles run
+    there, and so do those of ``speculative``: calls that may run later (a candidate's other tiles),
+    whose compiles cost little wall time among the others' on a pool of processes.  Otherwise they
+    run on a pool of ``torch._inductor.config.compile_threads`` threads (Inductor's own setting for
+    parallel compiles; ``TORCHINDUCTOR_COMPILE_THREADS``) through Triton's ``AsyncCompileMode``, and
+    ``speculative`` is left out.  Returns False, having done nothing, under the interpreter, inside
+    another compile ahead, or where Triton has no ``AsyncCompileMode`` and no worker pool is up."""
     mode_class = _async_compile_mode()
+    if INTERPRETER or _compiling_ahead.get():
+        return False
+    pool = compile_pool.ready_pool()
+    if pool is not None:
+        _compile_in_workers(pool, [*calls, *speculative])
+        return True
     if mode_class is None:
         return False
+    _compile_on_threads(mode_class, calls)
+    return True
+
+
+def _run_without_launching(calls: Iterable[Callable[[], object]]) -> None:
+    """Run ``calls`` with every launch replaced by the compile of that launch (see ``launch``)."""
+    token = _compiling_ahead.set(True)
+    try:
+        for call in calls:
+            try:
+                call()
+            except Exception as err:  # noqa: BLE001 - it raises again when it runs for real
+                log.debug("compile ahead: %s raised %s: %s", call, type(err).__name__, err)
+    finally:
+        _compiling_ahead.reset(token)
+
+
+def _compile_in_workers(pool: Any, calls: Iterable[Callable[[], object]]) -> None:
+    with compile_pool.capturing() as jobs:
+        _run_without_launching(calls)
+    if jobs:
+        compile_pool.compile_all(pool, list(jobs.values()))
+
+
+def _compile_on_threads(mode_class: Any, calls: Iterable[Callable[[], object]]) -> None:
     from torch._inductor import config as inductor_config
 
     threads = max(1, int(inductor_config.compile_threads or 1))
-    token = _compiling_ahead.set(True)
-    try:
-        with ThreadPoolExecutor(threads, thread_name_prefix="fusion-compile") as pool:
-            try:
-                mode = mode_class(pool, ignore_errors=True)
-            except TypeError:  # an older AsyncCompileMode: a failed compile raises when it finishes
-                mode = mode_class(pool)
-            began, submitted = time.perf_counter(), 0
-            try:
-                with mode:
-                    for call in calls:
-                        try:
-                            call()
-                        except Exception as err:  # noqa: BLE001 - it raises again when it runs for real
-                            log.debug("compile ahead: %s raised %s: %s", call, type(err).__name__, err)
-                    submitted = len(getattr(mode, "raw_futures", ()))
-                if submitted:
-                    log.info("compiled %d Triton kernels ahead in %.1f s (%d threads)", submitted,
-                             time.perf_counter() - began, threads)  # fmt: skip
-            except Exception as err:  # noqa: BLE001 - a failed compile: its launch compiles (and fails) again
-                log.debug("compile ahead: a compile failed: %s: %s", type(err).__name__, err)
-    finally:
-        _compiling_ahead.reset(token)
-    return True
+    with ThreadPoolExecutor(threads, thread_name_prefix="fusion-compile") as pool:
+        try:
+            mode = mode_class(pool, ignore_errors=True)
+        except TypeError:  # an older AsyncCompileMode: a failed compile raises when it finishes
+            mode = mode_class(pool)
+        began, submitted = time.perf_counter(), 0
+        try:
+            with mode:
+                _run_without_launching(calls)
+                submitted = len(getattr(mode, "raw_futures", ()))
+            if submitted:
+                log.info("compiled %d Triton kernels ahead in %.1f s (%d threads)", submitted,
+                         time.perf_counter() - began, threads)  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - a failed compile: its launch compiles (and fails) again
+            log.debug("compile ahead: a compile failed: %s: %s", type(err).__name__, err)

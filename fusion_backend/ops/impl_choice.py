@@ -19,9 +19,10 @@ Contract of ``choose``:
     one tile its autotuner would time first.  The probe is timed after the unprobed candidates; a
     candidate whose probe is more than ``SCREEN`` times slower than the best of them is dropped
     untuned, so its autotuner never benchmarks its tiles (Triton's ``do_bench``: about 0.1 s each).
-Before timing, the kernels of every unprobed candidate and every probe compile at once on a thread
-pool (``kernels.launch.compile_ahead``), and so do a probed candidate's tiles once its probe passed:
-compiled one after another as each was timed, they were most of a cold first call.
+Before timing, the kernels of every unprobed candidate and every probe compile at once
+(``kernels.launch.compile_ahead``), and so do a probed candidate's tiles once its probe passed, or with
+the others where the compiles run in worker processes: compiled one after another as each was timed,
+they were most of a cold first call.
 Timings are not run-to-run stable to the microsecond; a candidate must beat the default by
 ``MIN_GAIN`` to be picked, so near-ties keep the default (the library path).
 
@@ -193,9 +194,11 @@ def choose(
     if cached in candidates:
         return _remember(full_key, cached, fast_key)
     # with the real timer, kernels compile at once before they are timed: the unprobed candidates' and
-    # the probes' first, a probed candidate's other tiles once its probe passed
-    compile_ahead = launch.compile_ahead if timer is None else (lambda calls: False)
-    compile_ahead([fn for name, fn in candidates.items() if name not in probes] + list(probes.values()))
+    # the probes' first (with a probed candidate's other tiles where compiles run in worker processes),
+    # a probed candidate's other tiles once its probe passed
+    compile_ahead = launch.compile_ahead if timer is None else (lambda calls, speculative=(): False)
+    compile_ahead([fn for name, fn in candidates.items() if name not in probes] + list(probes.values()),
+                  [candidates[name] for name in probes])
     timer = timer or gpu_ms_per_call
     screened: dict[str, float] = {}
     try:

@@ -8,6 +8,7 @@ by 16, beyond int32) and checks every result.
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_backend.kernels import launch
+from fusion_backend.kernels import compile_pool, launch
 from fusion_backend.kernels.launch import MAX_REMEMBERED, FastLaunch, call_key
 
 
@@ -240,6 +241,7 @@ def compiled_kernels(monkeypatch):
     """``compile_ahead`` as on a GPU machine (it does nothing under the interpreter)."""
     pytest.importorskip("triton.runtime._async_compile", reason="this Triton has no AsyncCompileMode")
     monkeypatch.setattr(launch, "INTERPRETER", False)
+    monkeypatch.setattr(compile_pool, "ready_pool", lambda: None)  # the thread pool's path
 
 
 def test_compile_ahead_compiles_every_launch_and_launches_none(fake_driver, compiled_kernels):
@@ -298,12 +300,24 @@ def _axpb_tuned(x_ptr, out_ptr, n, a, b, BLOCK: tl.constexpr):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles for and launches on a CUDA GPU")
-def test_after_compile_ahead_the_real_calls_compile_nothing(monkeypatch):
+@pytest.mark.parametrize("where", ["threads", "workers"])
+def test_after_compile_ahead_the_real_calls_compile_nothing(where, monkeypatch, tmp_path):
     """Kernels compiled ahead (a plain launch through ``FastLaunch``, and every tile of an autotuned
-    kernel) are found compiled by the calls that follow, which compute the right values."""
+    kernel), on threads or in Inductor's worker processes, are found compiled by the calls that
+    follow, which compute the right values: on threads in Triton's memory, from workers in its disk
+    cache (a fresh folder here, which the real calls must not add to)."""
     pytest.importorskip("triton.runtime._async_compile", reason="this Triton has no AsyncCompileMode")
+    from triton import knobs
     from triton.runtime.jit import JITFunction
 
+    if where == "workers":
+        from torch._inductor.async_compile import AsyncCompile
+
+        if not AsyncCompile.use_process_pool():
+            AsyncCompile.wait_pool_ready()
+        assert compile_pool.ready_pool() is not None
+    else:
+        monkeypatch.setattr(compile_pool, "ready_pool", lambda: None)
     compiles = []
     original = JITFunction._do_compile
 
@@ -321,12 +335,18 @@ def test_after_compile_ahead_the_real_calls_compile_nothing(monkeypatch):
         fl(x, out1, n, 3, 16)
         launch.launch(_axpb_tuned, lambda meta: (triton.cdiv(n, meta["BLOCK"]),), x, out2, n, 3, 16)
 
-    assert launch.compile_ahead([call])
-    assert sorted(compiles) == ["_axpb_kernel", "_axpb_tuned", "_axpb_tuned"]
-    assert not out1.any() and not out2.any()  # nothing ran
-    compiles.clear()
-    call()
-    assert compiles == []
+    with knobs.cache.scope():
+        knobs.cache.dir = str(tmp_path)
+        assert launch.compile_ahead([call])
+        assert sorted(compiles) == ["_axpb_kernel", "_axpb_tuned", "_axpb_tuned"]
+        assert not out1.any() and not out2.any()  # nothing ran
+        cached = sorted(os.listdir(tmp_path))
+        assert len(cached) == 3
+        compiles.clear()
+        call()
+        assert sorted(os.listdir(tmp_path)) == cached
+    if where == "threads":
+        assert compiles == []
     expected = torch.zeros_like(x)
     expected[:n] = x[:n] * 3 + 16
     torch.testing.assert_close(out1, expected)

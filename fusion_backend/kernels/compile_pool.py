@@ -1,0 +1,196 @@
+"""Compile Triton kernels in Inductor's compile worker processes: :func:`capturing` and :func:`compile_all`.
+
+WHY processes: Triton's compiler holds the GIL for much of a compile (its Python front end, and
+more), so compiles on a thread pool barely overlap.  NOTE: fourteen of the project's kernels (the
+ConvTranspose3d forward's tiles and the Conv2d backward's) took 13.2 s one after another on the H100
+host, 3.65 s on 16 threads and 1.69 s on 16 processes (each compile 1.5 s at most):
+``python tools/compile_parallel.py serial,16,proc16 conv_fused:convt3d-fp32-save,conv_fused_bwd:conv2d-fp32``.  Inductor keeps a pool of worker processes for its own Triton
+compiles (``torch._inductor.config.compile_threads`` of them); a first call with a new shape uses it too.
+
+How:
+
+* :func:`capturing`: within it, on this thread (a ``ContextVar``), a Triton launch that would compile
+  a ``JITFunction`` compiles nothing: Triton's ``jit_cache_hook`` records a :class:`Job` (the kernel's
+  module and qualified name, the signature, constexprs, attributes and options Triton was about to
+  compile, and the target) and tells Triton to skip the compile.  Launches on other threads (an
+  Inductor compile running at the same time) go on as before.
+* :func:`compile_all`: every job runs :func:`compile_job` in a worker process, which compiles the
+  kernel into Triton's on-disk cache (this process's cache folder, passed with the job).  The launch
+  that then runs for real computes the same cache key and loads the compiled kernel from disk.
+
+A job can only make a later launch cheaper, never change it: a worker whose Triton environment
+variables differ from this process's compiles nothing (the cache key would differ), a kernel that is
+not importable by its module and name (defined in a function) is not sent, and a job that fails, or
+a worker that does not answer, leaves the kernel to the launch, which compiles it here as before
+(and raises there if it really does not compile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("fusion_backend.launch")
+
+#: Seconds to wait for a batch of worker compiles before leaving the rest to their launches.
+WAIT_S = 300.0
+
+#: The jobs of the :func:`capturing` block running on this thread, or None outside of one.
+_captured: contextvars.ContextVar[dict[str, Job] | None] = contextvars.ContextVar("fusion_captured_compiles", default=None)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One compile, as Triton was about to run it (``ASTSource(kernel, signature, constexprs, attrs)``
+    compiled for ``target`` with ``options``), and the process state its cache key depends on.
+    Picklable: the kernel travels as its module and qualified name."""
+
+    module: str
+    qualname: str
+    signature: dict[str, Any]
+    constexprs: dict[Any, Any]
+    attrs: dict[Any, Any]
+    options: str  #: the options' fields, as Triton serializes them (JSON)
+    target: tuple[str, int, int]  #: ``(backend, arch, warp_size)``
+    cache_dir: str
+    env_vars: dict[str, str]
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+def _jit_function(module: str, qualname: str) -> Any:
+    """The ``JITFunction`` that module ``module`` names ``qualname`` (unwrapping an autotuner)."""
+    from triton.runtime.jit import JITFunction
+
+    value: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    while not isinstance(value, JITFunction) and hasattr(value, "fn"):
+        value = value.fn
+    return value
+
+
+def compile_job(job: Job) -> str | None:
+    """Compile ``job`` into Triton's on-disk cache (runs in a worker process); None, or why not."""
+    import triton
+    from triton import knobs
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if dict(get_cache_invalidating_env_vars()) != job.env_vars:
+        return "the worker's Triton environment variables differ"
+    kernel = _jit_function(job.module, job.qualname)
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(job.options).items()}
+    with knobs.cache.scope():
+        knobs.cache.dir = job.cache_dir
+        triton.compile(ASTSource(kernel, job.signature, job.constexprs, job.attrs), target=GPUTarget(*job.target),
+                       options=options)  # fmt: skip
+    return None
+
+
+def _importable(kernel: Any) -> bool:
+    """Whether a worker can find ``kernel`` by its module and qualified name."""
+    try:
+        return _jit_function(kernel.fn.__module__, kernel.fn.__qualname__) is kernel
+    except Exception:  # noqa: BLE001 - a kernel defined in a function, or a module that does not import
+        return False
+
+
+def _process_state() -> tuple[str, dict[str, str], tuple[str, int, int]]:
+    """What a worker's compile must share with this process for the same cache key: Triton's cache
+    folder, its cache-invalidating environment variables, and the current device's target."""
+    from triton import knobs
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    return (str(knobs.cache.dir), dict(get_cache_invalidating_env_vars()),
+            (target.backend, int(target.arch), int(target.warp_size)))  # fmt: skip
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[dict[str, Job]]:
+    """Within: this thread's Triton compiles are recorded into the yielded dict (by kernel and
+    specialization) instead of running (see the module docstring)."""
+    from triton import knobs
+
+    state = _process_state()
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(*, key: Any, fn: Any, compile: dict[str, Any], **kwargs: Any) -> bool | None:
+        jobs = _captured.get()
+        if jobs is None:
+            return previous(key=key, fn=fn, compile=compile, **kwargs) if previous is not None else None
+        kernel = fn.jit_function
+        if not _importable(kernel):
+            return None  # Triton compiles it here, now
+        cache_dir, env_vars, target_fields = state
+        options = json.dumps(json.loads(compile["specialization_data"])["options"])
+        job = Job(kernel.fn.__module__, kernel.fn.__qualname__, dict(compile["signature"]), dict(compile["constants"]),
+                  dict(compile["configs"][0]), options, target_fields, cache_dir, env_vars)  # fmt: skip
+        jobs.setdefault(f"{job.name}|{key!r}", job)
+        return True  # skip the compile here
+
+    jobs: dict[str, Job] = {}
+    token = _captured.set(jobs)
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield jobs
+    finally:
+        _captured.reset(token)
+        if knobs.runtime.jit_cache_hook is hook:
+            knobs.runtime.jit_cache_hook = previous
+
+
+def ready_pool() -> Any:
+    """Inductor's compile worker pool when its workers are up, else None (and None without CUDA,
+    where no Triton kernel compiles).  Asking starts them (Inductor's ``use_process_pool``), so a
+    later first call may find them ready."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+
+        return AsyncCompile.process_pool() if AsyncCompile.use_process_pool() else None
+    except Exception as err:  # noqa: BLE001 - a torch without the pool, or one not allowed here: threads then
+        log.debug("no compile worker pool: %s: %s", type(err).__name__, err)
+        return None
+
+
+def compile_all(pool: Any, jobs: list[Job]) -> int:
+    """Run every job on ``pool`` (``submit(fn, *args) -> Future``); returns how many compiled.
+    Waits at most :data:`WAIT_S`; what has not compiled by then is left to its launch."""
+    began = time.perf_counter()
+    futures: dict[Future[str | None], Job] = {}
+    for job in jobs:
+        try:
+            futures[pool.submit(compile_job, job)] = job
+        except Exception as err:  # noqa: BLE001 - a job that does not pickle: its launch compiles it
+            log.debug("compile of %s not sent to a worker: %s: %s", job.name, type(err).__name__, err)
+    done, pending = wait(futures, timeout=WAIT_S)
+    compiled = 0
+    for future in done:
+        try:
+            why = future.result()
+        except Exception as err:  # noqa: BLE001 - it compiles (or fails) again at its launch
+            why = f"{type(err).__name__}: {err}"
+        if why is None:
+            compiled += 1
+        else:
+            log.debug("worker compile of %s: %s", futures[future].name, why)
+    log.info("compiled %d of %d Triton kernels in worker processes in %.1f s%s", compiled, len(jobs),
+             time.perf_counter() - began, f" ({len(pending)} still running)" if pending else "")  # fmt: skip
+    return compiled

@@ -1,0 +1,192 @@
+"""``kernels/compile_pool.py``: a compile captured from Triton's launch path, run by a worker, is the
+launch's cache hit; and ``compile_ahead`` sends its calls (and the speculative ones) there.
+
+The CPU tests compile for sm_90 with Triton's real compiler (no GPU needed): the hook is called as
+Triton's ``JITFunction._do_compile`` calls it, the job goes through pickling as it does to a worker
+process, and the test then compiles the same specialization here, which must find it in the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import threading
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+from triton.runtime.jit import JITFunction, JitFunctionInfo
+
+from fusion_backend.kernels import compile_pool, launch
+
+pytest.importorskip("triton.backends.nvidia", reason="compiles for sm_90 with Triton's NVIDIA backend")
+from triton._C.libtriton import get_cache_invalidating_env_vars  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def add_offset(x_ptr, n, offset, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + offset, mask=i < n)
+
+
+# A compiled-GPU kernel even under the interpreter (which the CPU suite runs with): ``@triton.jit``
+# would make an interpreted function.
+add_offset = JITFunction(add_offset)
+
+
+def _specialization(block: int) -> dict:
+    """What Triton's launch path hands ``jit_cache_hook`` for ``add_offset`` (``compile=...``)."""
+    options = make_backend(TARGET).parse_options({})
+    signature = {"x_ptr": "*fp32", "n": "i32", "offset": "fp32", "BLOCK": "constexpr"}
+    constants, attrs = {(3,): block}, {(0,): [["tt.divisibility", 16]]}
+    data = json.dumps({"name": "add_offset", "signature": signature, "options": options.__dict__})
+    return {"key": ("add_offset", block), "signature": signature, "constants": constants, "configs": [attrs],
+            "specialization_data": data, "options": options}  # fmt: skip
+
+
+def _call_hook(kernel: JITFunction, block: int):
+    """Call the installed ``jit_cache_hook`` as ``JITFunction._do_compile`` does."""
+    spec = _specialization(block)
+    return knobs.runtime.jit_cache_hook(
+        key=spec["key"], repr="add_offset", fn=JitFunctionInfo(kernel.fn.__module__, kernel.fn.__qualname__, kernel),
+        compile={k: spec[k] for k in ("key", "signature", "constants", "configs", "specialization_data")},
+        is_manual_warmup=True, already_compiled=False,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh Triton cache folder, and the state ``capturing`` would read from a CUDA device; the
+    runtime knobs (the hooks) are restored afterwards."""
+    with knobs.cache.scope(), knobs.runtime.scope():
+        knobs.cache.dir = str(tmp_path)
+        monkeypatch.setattr(compile_pool, "_process_state", lambda: (
+            str(tmp_path), dict(get_cache_invalidating_env_vars()), (TARGET.backend, TARGET.arch, TARGET.warp_size)))
+        yield tmp_path
+
+
+def _compile_here(block: int):
+    spec = _specialization(block)
+    return triton.compile(ASTSource(add_offset, spec["signature"], spec["constants"], spec["configs"][0]),
+                          target=TARGET, options=spec["options"].__dict__)  # fmt: skip
+
+
+def test_a_captured_compile_run_by_a_worker_is_the_launchs_cache_hit(cache_dir):
+    with compile_pool.capturing() as jobs:
+        assert _call_hook(add_offset, 64) is True  # Triton skips its own compile
+        assert _call_hook(add_offset, 64) is True  # the same specialization again: one job
+        assert _call_hook(add_offset, 128) is True
+    assert len(jobs) == 2
+    assert {job.name for job in jobs.values()} == {f"{__name__}.add_offset"}
+    for job in jobs.values():
+        assert compile_pool.compile_job(pickle.loads(pickle.dumps(job))) is None
+    compiled = sorted(os.listdir(cache_dir))
+    assert len(compiled) == 2
+    _compile_here(64), _compile_here(128)
+    assert sorted(os.listdir(cache_dir)) == compiled, "the launch compiled again instead of loading the worker's"
+    _compile_here(32)  # the check above can fail: an uncached specialization adds an entry
+    assert len(os.listdir(cache_dir)) == 3
+
+
+def test_outside_the_capture_the_hook_defers_to_the_previous_one(cache_dir):
+    seen = []
+
+    def previous(**kwargs):
+        seen.append(kwargs["key"])
+        return None
+
+    knobs.runtime.jit_cache_hook = previous
+    with compile_pool.capturing() as jobs:
+        other: list = []
+        thread = threading.Thread(target=lambda: other.append(_call_hook(add_offset, 64)))
+        thread.start()
+        thread.join()
+        assert other == [None] and seen == [("add_offset", 64)]  # another thread compiles as before
+        assert _call_hook(add_offset, 128) is True
+    assert len(jobs) == 1 and seen == [("add_offset", 64)]
+    assert knobs.runtime.jit_cache_hook is previous
+
+
+def test_a_kernel_a_worker_cannot_import_is_compiled_here(cache_dir):
+    def local_kernel(x_ptr, n, offset, BLOCK: tl.constexpr):
+        pass
+
+    with compile_pool.capturing() as jobs:
+        assert _call_hook(JITFunction(local_kernel), 64) is None  # Triton compiles it itself
+    assert jobs == {}
+
+
+def test_a_worker_with_other_triton_environment_variables_compiles_nothing(cache_dir):
+    with compile_pool.capturing() as jobs:
+        _call_hook(add_offset, 64)
+    (job,) = jobs.values()
+    other = pickle.loads(pickle.dumps(job))
+    object.__setattr__(other, "env_vars", {**job.env_vars, "TRITON_NOT_A_REAL_SETTING": "1"})
+    assert "environment" in compile_pool.compile_job(other)
+    assert os.listdir(cache_dir) == []
+
+
+class _InlinePool:
+    """A worker pool that runs each job at once, after a pickling round trip, as a process would."""
+
+    def __init__(self) -> None:
+        self.jobs: list = []
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        fn, args = pickle.loads(pickle.dumps((fn, args)))
+        self.jobs.extend(args)
+        try:
+            future.set_result(fn(*args))
+        except Exception as err:  # noqa: BLE001 - as a process pool reports it
+            future.set_exception(err)
+        return future
+
+
+def test_compile_all_counts_what_compiled_and_survives_a_failing_job(cache_dir):
+    with compile_pool.capturing() as jobs:
+        _call_hook(add_offset, 64)
+    (job,) = jobs.values()
+    broken = compile_pool.Job(**{**vars(job), "qualname": "no_such_kernel"})
+    assert compile_pool.compile_all(_InlinePool(), [job, broken]) == 1
+    assert len(os.listdir(cache_dir)) == 1
+
+
+def test_compile_ahead_sends_calls_and_speculative_calls_to_the_workers(cache_dir, monkeypatch):
+    pool = _InlinePool()
+    monkeypatch.setattr(launch, "INTERPRETER", False)
+    monkeypatch.setattr(compile_pool, "ready_pool", lambda: pool)
+    ran = []
+
+    def call(block):
+        def run():
+            ran.append((block, launch.compiling_ahead()))
+            _call_hook(add_offset, block)  # what a launch inside compile_ahead reaches
+        return run
+
+    assert launch.compile_ahead([call(64)], [call(128)])
+    assert ran == [(64, True), (128, True)]
+    assert sorted(job.constexprs[(3,)] for job in pool.jobs) == [64, 128]
+    assert len(os.listdir(cache_dir)) == 2
+
+
+def test_without_workers_compile_ahead_leaves_the_speculative_calls_out(monkeypatch):
+    pytest.importorskip("triton.runtime._async_compile", reason="this Triton has no AsyncCompileMode")
+    monkeypatch.setattr(launch, "INTERPRETER", False)
+    monkeypatch.setattr(compile_pool, "ready_pool", lambda: None)
+    ran = []
+    assert launch.compile_ahead([lambda: ran.append("call")], [lambda: ran.append("speculative")])
+    assert ran == ["call"]
+
+
+def test_no_worker_pool_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert compile_pool.ready_pool() is None
