@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import importlib
 import json
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
@@ -42,6 +44,9 @@ log = logging.getLogger("fusion_backend.launch")
 
 #: Seconds to wait for a batch of worker compiles before leaving the rest to their launches.
 WAIT_S = 300.0
+
+#: Why the workers' compiles are not used in this process (set by :func:`compile_all`), or None.
+_workers_off: str | None = None
 
 #: The jobs of the :func:`capturing` block running on this thread, or None outside of one.
 _captured: contextvars.ContextVar[dict[str, Job] | None] = contextvars.ContextVar("fusion_captured_compiles", default=None)
@@ -58,7 +63,7 @@ class Job:
     signature: dict[str, Any]
     constexprs: dict[Any, Any]
     attrs: dict[Any, Any]
-    options: str  #: the options' fields, as Triton serializes them (JSON)
+    options: dict[str, Any]  #: the fields of Triton's options object (``CUDAOptions``)
     target: tuple[str, int, int]  #: ``(backend, arch, warp_size)``
     cache_dir: str
     env_vars: dict[str, str]
@@ -80,8 +85,30 @@ def _jit_function(module: str, qualname: str) -> Any:
     return value
 
 
-def compile_job(job: Job) -> str | None:
-    """Compile ``job`` into Triton's on-disk cache (runs in a worker process); None, or why not."""
+def key_parts(job: Job, kernel: Any = None) -> dict[str, str]:
+    """The parts of the cache key ``triton.compile`` files ``job`` under, in this process (Triton's
+    own ``get_cache_key``: Triton's build, the kernel's source with what it depends on, the target's
+    compiler, the options, the environment)."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # where older Triton versions keep it
+        from triton.compiler.compiler import triton_key
+
+    kernel = kernel if kernel is not None else _jit_function(job.module, job.qualname)
+    src = ASTSource(kernel, job.signature, job.constexprs, job.attrs)
+    backend = make_backend(GPUTarget(*job.target))
+    options = backend.parse_options(dict(job.options, **src.parse_options()))
+    return {"Triton": triton_key(), "kernel source": src.hash(), "compiler": backend.hash(), "options": options.hash(),
+            "environment": str(sorted(dict(get_cache_invalidating_env_vars()).items()))}  # fmt: skip
+
+
+def compile_job(job: Job) -> dict[str, str] | str:
+    """Compile ``job`` into Triton's on-disk cache (runs in a worker process): the parts of the key it
+    was filed under (:func:`key_parts`), or why it was not compiled."""
     import triton
     from triton import knobs
     from triton._C.libtriton import get_cache_invalidating_env_vars
@@ -91,12 +118,11 @@ def compile_job(job: Job) -> str | None:
     if dict(get_cache_invalidating_env_vars()) != job.env_vars:
         return "the worker's Triton environment variables differ"
     kernel = _jit_function(job.module, job.qualname)
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(job.options).items()}
     with knobs.cache.scope():
         knobs.cache.dir = job.cache_dir
         triton.compile(ASTSource(kernel, job.signature, job.constexprs, job.attrs), target=GPUTarget(*job.target),
-                       options=options)  # fmt: skip
-    return None
+                       options=dict(job.options))  # fmt: skip
+    return key_parts(job, kernel)
 
 
 def _importable(kernel: Any) -> bool:
@@ -105,6 +131,17 @@ def _importable(kernel: Any) -> bool:
         return _jit_function(kernel.fn.__module__, kernel.fn.__qualname__) is kernel
     except Exception:  # noqa: BLE001 - a kernel defined in a function, or a module that does not import
         return False
+
+
+def _options(compile: dict[str, Any], caller: Any) -> dict[str, Any]:
+    """The fields of the options object Triton compiles with: its ``_call_hook``'s ``options``
+    (tuples kept as tuples, so that the worker's options hash the same), else the fields Triton
+    serialized for the hook (JSON: a tuple comes back as a list at the top level only)."""
+    options = caller.f_locals.get("options") if caller is not None else None
+    if dataclasses.is_dataclass(options) and not isinstance(options, type):
+        return dict(vars(options))
+    fields = json.loads(compile["specialization_data"])["options"]
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
 
 
 def _process_state() -> tuple[str, dict[str, str], tuple[str, int, int]]:
@@ -136,7 +173,7 @@ def capturing() -> Iterator[dict[str, Job]]:
         if not _importable(kernel):
             return None  # Triton compiles it here, now
         cache_dir, env_vars, target_fields = state
-        options = json.dumps(json.loads(compile["specialization_data"])["options"])
+        options = _options(compile, sys._getframe(1))
         job = Job(kernel.fn.__module__, kernel.fn.__qualname__, dict(compile["signature"]), dict(compile["constants"]),
                   dict(compile["configs"][0]), options, target_fields, cache_dir, env_vars)  # fmt: skip
         jobs.setdefault(f"{job.name}|{key!r}", job)
@@ -159,7 +196,7 @@ def ready_pool() -> Any:
     later first call may find them ready."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or _workers_off is not None:
         return None
     try:
         from torch._inductor.async_compile import AsyncCompile
@@ -171,10 +208,14 @@ def ready_pool() -> Any:
 
 
 def compile_all(pool: Any, jobs: list[Job]) -> int:
-    """Run every job on ``pool`` (``submit(fn, *args) -> Future``); returns how many compiled.
-    Waits at most :data:`WAIT_S`; what has not compiled by then is left to its launch."""
+    """Run every job on ``pool`` (``submit(fn, *args) -> Future``); returns how many compiled under
+    the key this process's launch will look up.  Waits at most :data:`WAIT_S`; what has not compiled
+    by then is left to its launch.  A worker whose key differs from this process's (see
+    :func:`key_parts`) turns the workers off for the process (:func:`ready_pool`), with one log line
+    naming the parts that differ: its compiles would never be found."""
+    global _workers_off
     began = time.perf_counter()
-    futures: dict[Future[str | None], Job] = {}
+    futures: dict[Future[dict[str, str] | str], Job] = {}
     for job in jobs:
         try:
             futures[pool.submit(compile_job, job)] = job
@@ -183,14 +224,25 @@ def compile_all(pool: Any, jobs: list[Job]) -> int:
     done, pending = wait(futures, timeout=WAIT_S)
     compiled = 0
     for future in done:
+        job = futures[future]
         try:
-            why = future.result()
+            result = future.result()
         except Exception as err:  # noqa: BLE001 - it compiles (or fails) again at its launch
-            why = f"{type(err).__name__}: {err}"
-        if why is None:
-            compiled += 1
-        else:
-            log.debug("worker compile of %s: %s", futures[future].name, why)
+            result = f"{type(err).__name__}: {err}"
+        if isinstance(result, str):
+            log.debug("worker compile of %s: %s", job.name, result)
+            continue
+        try:
+            here = key_parts(job)
+        except Exception as err:  # noqa: BLE001 - a Triton whose key this module cannot take apart
+            here = {"key": f"{type(err).__name__}: {err}"}
+        differ = sorted(part for part in here if here[part] != result.get(part))
+        if differ:
+            _workers_off = f"a worker's cache key for {job.name} differs from this process's in: {', '.join(differ)}"
+            log.info("compiling in this process from now on: %s (%s)", _workers_off,
+                     "; ".join(f"{p}: {result.get(p)!r} there, {here[p]!r} here" for p in differ)[:2000])  # fmt: skip
+            continue
+        compiled += 1
     log.info("compiled %d of %d Triton kernels in worker processes in %.1f s%s", compiled, len(jobs),
              time.perf_counter() - began, f" ({len(pending)} still running)" if pending else "")  # fmt: skip
     return compiled

@@ -85,7 +85,7 @@ def test_a_captured_compile_run_by_a_worker_is_the_launchs_cache_hit(cache_dir):
     assert len(jobs) == 2
     assert {job.name for job in jobs.values()} == {f"{__name__}.add_offset"}
     for job in jobs.values():
-        assert compile_pool.compile_job(pickle.loads(pickle.dumps(job))) is None
+        assert compile_pool.compile_job(pickle.loads(pickle.dumps(job))) == compile_pool.key_parts(job)
     compiled = sorted(os.listdir(cache_dir))
     assert len(compiled) == 2
     _compile_here(64), _compile_here(128)
@@ -158,6 +158,25 @@ def test_compile_all_counts_what_compiled_and_survives_a_failing_job(cache_dir):
     broken = compile_pool.Job(**{**vars(job), "qualname": "no_such_kernel"})
     assert compile_pool.compile_all(_InlinePool(), [job, broken]) == 1
     assert len(os.listdir(cache_dir)) == 1
+
+
+def test_a_worker_filing_under_another_key_turns_the_workers_off(cache_dir, monkeypatch):
+    monkeypatch.setattr(compile_pool, "_workers_off", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    class OtherKeyPool:
+        def submit(self, fn, job):
+            from concurrent.futures import Future
+
+            future: Future = Future()
+            future.set_result({**compile_pool.key_parts(job), "options": "other"})
+            return future
+
+    with compile_pool.capturing() as jobs:
+        _call_hook(add_offset, 64)
+    assert compile_pool.compile_all(OtherKeyPool(), list(jobs.values())) == 0
+    assert "options" in compile_pool._workers_off
+    assert compile_pool.ready_pool() is None
 
 
 def test_compile_ahead_sends_calls_and_speculative_calls_to_the_workers(cache_dir, monkeypatch):
