@@ -67,6 +67,7 @@ class Job:
     target: tuple[str, int, int]  #: ``(backend, arch, warp_size)``
     cache_dir: str
     env_vars: dict[str, str]
+    ptxas: str | None  #: the assembler this process compiles the target with (None: the worker's own)
 
     @property
     def name(self) -> str:
@@ -118,11 +119,38 @@ def compile_job(job: Job) -> dict[str, str] | str:
     if dict(get_cache_invalidating_env_vars()) != job.env_vars:
         return "the worker's Triton environment variables differ"
     kernel = _jit_function(job.module, job.qualname)
-    with knobs.cache.scope():
+    with knobs.cache.scope(), _assembler(job.ptxas):
         knobs.cache.dir = job.cache_dir
         triton.compile(ASTSource(kernel, job.signature, job.constexprs, job.attrs), target=GPUTarget(*job.target),
                        options=dict(job.options))  # fmt: skip
-    return key_parts(job, kernel)
+        return key_parts(job, kernel)
+
+
+@contextlib.contextmanager
+def _assembler(path: str | None) -> Iterator[None]:
+    """Within: Triton's NVIDIA backend assembles with ``path`` (its ``ptxas`` knobs) and hashes that
+    assembler's version.  WHY: the assembler's version is part of the cache key, and Inductor points
+    its workers at another ``ptxas`` than this process's Triton uses (NOTE: CUDA 13.0's against
+    Triton's bundled 12.8 on the H100 host with torch 2.11, which made every worker compile a cache
+    miss here; the key check in :func:`compile_all` found it).  Triton remembers the version per
+    process, so that memo is cleared on the way in and out."""
+    if path is None:
+        yield
+        return
+    from triton import knobs
+    from triton.backends.nvidia import compiler as nvidia
+
+    forget = getattr(getattr(nvidia, "get_ptxas_version", None), "cache_clear", lambda: None)
+    with knobs.nvidia.scope():
+        for name in ("ptxas", "ptxas_blackwell"):
+            if name in vars(type(knobs.nvidia)):  # the knob (a descriptor on the class)
+                setattr(knobs.nvidia, name, path)
+        forget()
+        try:
+            yield
+        finally:
+            forget()
+    forget()
 
 
 def _importable(kernel: Any) -> bool:
@@ -144,16 +172,31 @@ def _options(compile: dict[str, Any], caller: Any) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
 
 
-def _process_state() -> tuple[str, dict[str, str], tuple[str, int, int]]:
+def _process_state() -> tuple[str, dict[str, str], tuple[str, int, int], str | None]:
     """What a worker's compile must share with this process for the same cache key: Triton's cache
-    folder, its cache-invalidating environment variables, and the current device's target."""
+    folder, its cache-invalidating environment variables, the current device's target, and the
+    assembler for it."""
     from triton import knobs
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.runtime import driver
 
     target = driver.active.get_current_target()
     return (str(knobs.cache.dir), dict(get_cache_invalidating_env_vars()),
-            (target.backend, int(target.arch), int(target.warp_size)))  # fmt: skip
+            (target.backend, int(target.arch), int(target.warp_size)), _ptxas(int(target.arch)))  # fmt: skip
+
+
+def _ptxas(arch: int) -> str | None:
+    """The path of the ``ptxas`` Triton's NVIDIA backend assembles ``arch`` with here, or None."""
+    try:
+        from triton.backends.nvidia import compiler as nvidia
+
+        try:
+            tool = nvidia.get_ptxas(arch)
+        except TypeError:  # a Triton with one ptxas for every arch
+            tool = nvidia.get_ptxas()
+        return str(tool.path)
+    except Exception:  # noqa: BLE001 - another backend, or a Triton that finds it elsewhere
+        return None
 
 
 @contextlib.contextmanager
@@ -172,10 +215,10 @@ def capturing() -> Iterator[dict[str, Job]]:
         kernel = fn.jit_function
         if not _importable(kernel):
             return None  # Triton compiles it here, now
-        cache_dir, env_vars, target_fields = state
+        cache_dir, env_vars, target_fields, ptxas = state
         options = _options(compile, sys._getframe(1))
         job = Job(kernel.fn.__module__, kernel.fn.__qualname__, dict(compile["signature"]), dict(compile["constants"]),
-                  dict(compile["configs"][0]), options, target_fields, cache_dir, env_vars)  # fmt: skip
+                  dict(compile["configs"][0]), options, target_fields, cache_dir, env_vars, ptxas)  # fmt: skip
         jobs.setdefault(f"{job.name}|{key!r}", job)
         return True  # skip the compile here
 

@@ -67,7 +67,8 @@ def cache_dir(tmp_path, monkeypatch):
     with knobs.cache.scope(), knobs.runtime.scope():
         knobs.cache.dir = str(tmp_path)
         monkeypatch.setattr(compile_pool, "_process_state", lambda: (
-            str(tmp_path), dict(get_cache_invalidating_env_vars()), (TARGET.backend, TARGET.arch, TARGET.warp_size)))
+            str(tmp_path), dict(get_cache_invalidating_env_vars()), (TARGET.backend, TARGET.arch, TARGET.warp_size),
+            compile_pool._ptxas(TARGET.arch)))
         yield tmp_path
 
 
@@ -92,6 +93,25 @@ def test_a_captured_compile_run_by_a_worker_is_the_launchs_cache_hit(cache_dir):
     assert sorted(os.listdir(cache_dir)) == compiled, "the launch compiled again instead of loading the worker's"
     _compile_here(32)  # the check above can fail: an uncached specialization adds an entry
     assert len(os.listdir(cache_dir)) == 3
+
+
+def test_the_worker_assembles_with_this_processs_ptxas(cache_dir, monkeypatch):
+    """Inductor's workers may be pointed at another ``ptxas`` (whose version is part of the key)."""
+    from triton.backends.nvidia import compiler as nvidia
+
+    with compile_pool.capturing() as jobs:
+        _call_hook(add_offset, 64)
+    (job,) = jobs.values()
+    assert job.ptxas == compile_pool._ptxas(TARGET.arch) and os.path.exists(job.ptxas)
+    used = []
+    monkeypatch.setattr(triton, "compile", lambda *args, **kwargs: used.append(compile_pool._ptxas(TARGET.arch)))
+    (cache_dir / "bin").mkdir()
+    elsewhere = str(cache_dir / "bin" / os.path.basename(job.ptxas))  # the same name: it prints its name
+    os.symlink(job.ptxas, elsewhere)
+    assert compile_pool.compile_job(compile_pool.Job(**{**vars(job), "ptxas": elsewhere})) == compile_pool.key_parts(job)
+    assert used == [elsewhere]
+    assert compile_pool._ptxas(TARGET.arch) == job.ptxas  # restored
+    assert nvidia.get_ptxas_version(TARGET.arch)
 
 
 def test_outside_the_capture_the_hook_defers_to_the_previous_one(cache_dir):

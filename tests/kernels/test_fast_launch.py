@@ -333,7 +333,8 @@ def test_after_compile_ahead_the_real_calls_compile_nothing(where, monkeypatch, 
     monkeypatch.setattr(JITFunction, "_do_compile", counting_do_compile)
     monkeypatch.setattr(ASTSource, "make_ir", counting_make_ir)
     n = 37 + torch.randint(0, 1000, ()).item() * 16
-    x = torch.randn(n + 64, device="cuda")
+    # a dtype per case, so that neither finds the other's kernels compiled in Triton's memory
+    x = torch.randn(n + 64, device="cuda", dtype=torch.float16 if where == "workers" else torch.float32)
     out1, out2 = torch.zeros_like(x), torch.zeros_like(x)
     fl = FastLaunch(_axpb_kernel, (triton.cdiv(n, 64),), {"BLOCK": 64})
 
@@ -351,6 +352,6 @@ def test_after_compile_ahead_the_real_calls_compile_nothing(where, monkeypatch, 
         call()
         assert compiled_here == []
     expected = torch.zeros_like(x)
-    expected[:n] = x[:n] * 3 + 16
+    expected[:n] = (x[:n].float() * 3 + 16).to(x.dtype)
     torch.testing.assert_close(out1, expected)
     torch.testing.assert_close(out2, expected)
