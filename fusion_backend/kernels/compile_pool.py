@@ -67,7 +67,9 @@ class Job:
     target: tuple[str, int, int]  #: ``(backend, arch, warp_size)``
     cache_dir: str
     env_vars: dict[str, str]
-    ptxas: str | None  #: the assembler this process compiles the target with (None: the worker's own)
+    #: ``(path, version)`` of the assembler this process's compiles run and the version its cache keys
+    #: name (see :func:`_assembler`); None: the worker's own
+    assembler: tuple[str, str] | None
 
     @property
     def name(self) -> str:
@@ -119,7 +121,7 @@ def compile_job(job: Job) -> dict[str, str] | str:
     if dict(get_cache_invalidating_env_vars()) != job.env_vars:
         return "the worker's Triton environment variables differ"
     kernel = _jit_function(job.module, job.qualname)
-    with knobs.cache.scope(), _assembler(job.ptxas):
+    with knobs.cache.scope(), _assembler(job.assembler):
         knobs.cache.dir = job.cache_dir
         triton.compile(ASTSource(kernel, job.signature, job.constexprs, job.attrs), target=GPUTarget(*job.target),
                        options=dict(job.options))  # fmt: skip
@@ -127,30 +129,31 @@ def compile_job(job: Job) -> dict[str, str] | str:
 
 
 @contextlib.contextmanager
-def _assembler(path: str | None) -> Iterator[None]:
-    """Within: Triton's NVIDIA backend assembles with ``path`` (its ``ptxas`` knobs) and hashes that
-    assembler's version.  WHY: the assembler's version is part of the cache key, and Inductor points
-    its workers at another ``ptxas`` than this process's Triton uses (NOTE: CUDA 13.0's against
-    Triton's bundled 12.8 on the H100 host with torch 2.11, which made every worker compile a cache
-    miss here; the key check in :func:`compile_all` found it).  Triton remembers the version per
-    process, so that memo is cleared on the way in and out."""
-    if path is None:
+def _assembler(assembler: tuple[str, str] | None) -> Iterator[None]:
+    """Within: Triton's NVIDIA backend assembles with this process's ``ptxas`` and puts the version
+    this process's keys name into the key.  WHY: the version is part of the cache key, Inductor points
+    its workers (and, once it compiled, this process) at another ``ptxas`` than Triton's bundled one,
+    and Triton remembers the version per process from its first compile, so this process may
+    assemble with one and name another.  NOTE: on the H100 host (torch 2.11, Triton 3.6) the workers
+    named CUDA 13.0's assembler and this process Triton's 12.8, which made every worker's compile a
+    miss here (the key check in :func:`compile_all` found it).  The worker's own state is restored."""
+    if assembler is None:
         yield
         return
     from triton import knobs
     from triton.backends.nvidia import compiler as nvidia
 
-    forget = getattr(getattr(nvidia, "get_ptxas_version", None), "cache_clear", lambda: None)
+    path, version = assembler
+    remembered = nvidia.get_ptxas_version
     with knobs.nvidia.scope():
         for name in ("ptxas", "ptxas_blackwell"):
             if name in vars(type(knobs.nvidia)):  # the knob (a descriptor on the class)
                 setattr(knobs.nvidia, name, path)
-        forget()
+        nvidia.get_ptxas_version = lambda *args, **kwargs: version
         try:
             yield
         finally:
-            forget()
-    forget()
+            nvidia.get_ptxas_version = remembered
 
 
 def _importable(kernel: Any) -> bool:
@@ -172,7 +175,7 @@ def _options(compile: dict[str, Any], caller: Any) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
 
 
-def _process_state() -> tuple[str, dict[str, str], tuple[str, int, int], str | None]:
+def _process_state() -> tuple[str, dict[str, str], tuple[str, int, int], tuple[str, str] | None]:
     """What a worker's compile must share with this process for the same cache key: Triton's cache
     folder, its cache-invalidating environment variables, the current device's target, and the
     assembler for it."""
@@ -185,8 +188,9 @@ def _process_state() -> tuple[str, dict[str, str], tuple[str, int, int], str | N
             (target.backend, int(target.arch), int(target.warp_size)), _ptxas(int(target.arch)))  # fmt: skip
 
 
-def _ptxas(arch: int) -> str | None:
-    """The path of the ``ptxas`` Triton's NVIDIA backend assembles ``arch`` with here, or None."""
+def _ptxas(arch: int) -> tuple[str, str] | None:
+    """``(path, version)``: the ``ptxas`` Triton's NVIDIA backend assembles ``arch`` with here, and
+    the version it puts into cache keys here; None for another backend."""
     try:
         from triton.backends.nvidia import compiler as nvidia
 
@@ -194,7 +198,7 @@ def _ptxas(arch: int) -> str | None:
             tool = nvidia.get_ptxas(arch)
         except TypeError:  # a Triton with one ptxas for every arch
             tool = nvidia.get_ptxas()
-        return str(tool.path)
+        return str(tool.path), nvidia.get_ptxas_version(arch)
     except Exception:  # noqa: BLE001 - another backend, or a Triton that finds it elsewhere
         return None
 
@@ -215,10 +219,10 @@ def capturing() -> Iterator[dict[str, Job]]:
         kernel = fn.jit_function
         if not _importable(kernel):
             return None  # Triton compiles it here, now
-        cache_dir, env_vars, target_fields, ptxas = state
+        cache_dir, env_vars, target_fields, assembler = state
         options = _options(compile, sys._getframe(1))
         job = Job(kernel.fn.__module__, kernel.fn.__qualname__, dict(compile["signature"]), dict(compile["constants"]),
-                  dict(compile["configs"][0]), options, target_fields, cache_dir, env_vars, ptxas)  # fmt: skip
+                  dict(compile["configs"][0]), options, target_fields, cache_dir, env_vars, assembler)  # fmt: skip
         jobs.setdefault(f"{job.name}|{key!r}", job)
         return True  # skip the compile here
 

@@ -95,23 +95,26 @@ def test_a_captured_compile_run_by_a_worker_is_the_launchs_cache_hit(cache_dir):
     assert len(os.listdir(cache_dir)) == 3
 
 
-def test_the_worker_assembles_with_this_processs_ptxas(cache_dir, monkeypatch):
-    """Inductor's workers may be pointed at another ``ptxas`` (whose version is part of the key)."""
+def test_the_worker_assembles_with_this_processs_ptxas_and_names_its_version(cache_dir, monkeypatch):
+    """Inductor's workers may be pointed at another ``ptxas``, and a process may name in its keys the
+    version of the one it found first: the job carries both, and the worker compiles and keys with them."""
     from triton.backends.nvidia import compiler as nvidia
 
     with compile_pool.capturing() as jobs:
         _call_hook(add_offset, 64)
     (job,) = jobs.values()
-    assert job.ptxas == compile_pool._ptxas(TARGET.arch) and os.path.exists(job.ptxas)
+    path, version = job.assembler
+    assert (path, version) == compile_pool._ptxas(TARGET.arch) and os.path.exists(path)
     used = []
     monkeypatch.setattr(triton, "compile", lambda *args, **kwargs: used.append(compile_pool._ptxas(TARGET.arch)))
     (cache_dir / "bin").mkdir()
-    elsewhere = str(cache_dir / "bin" / os.path.basename(job.ptxas))  # the same name: it prints its name
-    os.symlink(job.ptxas, elsewhere)
-    assert compile_pool.compile_job(compile_pool.Job(**{**vars(job), "ptxas": elsewhere})) == compile_pool.key_parts(job)
-    assert used == [elsewhere]
-    assert compile_pool._ptxas(TARGET.arch) == job.ptxas  # restored
-    assert nvidia.get_ptxas_version(TARGET.arch)
+    elsewhere = str(cache_dir / "bin" / os.path.basename(path))
+    os.symlink(path, elsewhere)
+    parts = compile_pool.compile_job(compile_pool.Job(**{**vars(job), "assembler": (elsewhere, "named version")}))
+    assert used == [(elsewhere, "named version")]
+    assert parts == {**compile_pool.key_parts(job), "compiler": make_backend(TARGET).hash().replace(version, "named version")}
+    assert compile_pool._ptxas(TARGET.arch) == (path, version)  # the worker's own, restored
+    assert nvidia.get_ptxas_version(TARGET.arch) == version
 
 
 def test_outside_the_capture_the_hook_defers_to_the_previous_one(cache_dir):

@@ -333,8 +333,8 @@ def test_after_compile_ahead_the_real_calls_compile_nothing(where, monkeypatch, 
     monkeypatch.setattr(JITFunction, "_do_compile", counting_do_compile)
     monkeypatch.setattr(ASTSource, "make_ir", counting_make_ir)
     n = 37 + torch.randint(0, 1000, ()).item() * 16
-    # a dtype per case, so that neither finds the other's kernels compiled in Triton's memory
-    x = torch.randn(n + 64, device="cuda", dtype=torch.float16 if where == "workers" else torch.float32)
+    # a dtype per case that no other test launches these kernels with: nothing is in Triton's memory yet
+    x = torch.randn(n + 64, device="cuda", dtype=torch.float16 if where == "workers" else torch.float64)
     out1, out2 = torch.zeros_like(x), torch.zeros_like(x)
     fl = FastLaunch(_axpb_kernel, (triton.cdiv(n, 64),), {"BLOCK": 64})
 
