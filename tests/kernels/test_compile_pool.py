@@ -1,22 +1,27 @@
 """``kernels/compile_pool.py``: a compile captured from Triton's launch path, run by a worker, is the
 launch's cache hit; and ``compile_ahead`` sends its calls (and the speculative ones) there.
 
-The CPU tests compile for sm_90 with Triton's real compiler (no GPU needed): the hook is called as
-Triton's ``JITFunction._do_compile`` calls it, the job goes through pickling as it does to a worker
-process, and the test then compiles the same specialization here, which must find it in the cache.
+The tests compile for sm_90 with Triton's real compiler (no GPU needed): the hook is called as
+Triton's ``JITFunction._do_compile`` calls it, the job runs in a worker process, and another process
+then compiles the same specialization as its launch would, which must find it in the cache.  Every
+compile runs in a spawned process (``compile_pool_kernel.py`` says why).
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import pickle
 import threading
+from concurrent.futures import Future, ProcessPoolExecutor
 
+import compile_pool_kernel
 import pytest
 import torch
 import triton
 import triton.language as tl
+from compile_pool_kernel import add_offset
 from triton import knobs
 from triton.runtime.jit import JITFunction, JitFunctionInfo
 
@@ -25,19 +30,23 @@ from fusion_backend.kernels import compile_pool, launch
 pytest.importorskip("triton.backends.nvidia", reason="compiles for sm_90 with Triton's NVIDIA backend")
 from triton._C.libtriton import get_cache_invalidating_env_vars  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def add_offset(x_ptr, n, offset, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + offset, mask=i < n)
+@pytest.fixture(scope="module")
+def worker():
+    """A worker process, as Inductor's pool would run our jobs (a fresh interpreter: spawned)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
 
 
-# A compiled-GPU kernel even under the interpreter (which the CPU suite runs with): ``@triton.jit``
-# would make an interpreted function.
-add_offset = JITFunction(add_offset)
+@pytest.fixture(scope="module")
+def launcher():
+    """Another process, standing in for the one whose launch looks the compile up."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
 
 
 def _specialization(block: int) -> dict:
@@ -72,27 +81,22 @@ def cache_dir(tmp_path, monkeypatch):
         yield tmp_path
 
 
-def _compile_here(block: int):
-    spec = _specialization(block)
-    return triton.compile(ASTSource(add_offset, spec["signature"], spec["constants"], spec["configs"][0]),
-                          target=TARGET, options=spec["options"].__dict__)  # fmt: skip
-
-
-def test_a_captured_compile_run_by_a_worker_is_the_launchs_cache_hit(cache_dir):
+def test_a_captured_compile_run_by_a_worker_is_the_launchs_cache_hit(cache_dir, worker, launcher):
     with compile_pool.capturing() as jobs:
         assert _call_hook(add_offset, 64) is True  # Triton skips its own compile
         assert _call_hook(add_offset, 64) is True  # the same specialization again: one job
         assert _call_hook(add_offset, 128) is True
     assert len(jobs) == 2
-    assert {job.name for job in jobs.values()} == {f"{__name__}.add_offset"}
+    assert {job.name for job in jobs.values()} == {"compile_pool_kernel.add_offset"}
     for job in jobs.values():
-        assert compile_pool.compile_job(pickle.loads(pickle.dumps(job))) == compile_pool.key_parts(job)
-    compiled = sorted(os.listdir(cache_dir))
-    assert len(compiled) == 2
-    _compile_here(64), _compile_here(128)
-    assert sorted(os.listdir(cache_dir)) == compiled, "the launch compiled again instead of loading the worker's"
-    _compile_here(32)  # the check above can fail: an uncached specialization adds an entry
-    assert len(os.listdir(cache_dir)) == 3
+        assert worker.submit(compile_pool.compile_job, job).result() == compile_pool.key_parts(job)
+    assert len(os.listdir(cache_dir)) == 2
+    for job in jobs.values():
+        assert launcher.submit(compile_pool_kernel.compile_as_the_launch_would, job).result()
+    assert len(os.listdir(cache_dir)) == 2
+    (job,) = [j for j in jobs.values() if j.constexprs[(3,)] == 64]
+    other = compile_pool.Job(**{**vars(job), "constexprs": {(3,): 32}})  # never compiled: the check can fail
+    assert not launcher.submit(compile_pool_kernel.compile_as_the_launch_would, other).result()
 
 
 def test_the_worker_assembles_with_this_processs_ptxas_and_names_its_version(cache_dir, monkeypatch):
@@ -155,31 +159,12 @@ def test_a_worker_with_other_triton_environment_variables_compiles_nothing(cache
     assert os.listdir(cache_dir) == []
 
 
-class _InlinePool:
-    """A worker pool that runs each job at once, after a pickling round trip, as a process would."""
-
-    def __init__(self) -> None:
-        self.jobs: list = []
-
-    def submit(self, fn, *args):
-        from concurrent.futures import Future
-
-        future: Future = Future()
-        fn, args = pickle.loads(pickle.dumps((fn, args)))
-        self.jobs.extend(args)
-        try:
-            future.set_result(fn(*args))
-        except Exception as err:  # noqa: BLE001 - as a process pool reports it
-            future.set_exception(err)
-        return future
-
-
-def test_compile_all_counts_what_compiled_and_survives_a_failing_job(cache_dir):
+def test_compile_all_counts_what_compiled_and_survives_a_failing_job(cache_dir, worker):
     with compile_pool.capturing() as jobs:
-        _call_hook(add_offset, 64)
+        _call_hook(add_offset, 16)
     (job,) = jobs.values()
     broken = compile_pool.Job(**{**vars(job), "qualname": "no_such_kernel"})
-    assert compile_pool.compile_all(_InlinePool(), [job, broken]) == 1
+    assert compile_pool.compile_all(worker, [job, broken]) == 1
     assert len(os.listdir(cache_dir)) == 1
 
 
@@ -189,8 +174,6 @@ def test_a_worker_filing_under_another_key_turns_the_workers_off(cache_dir, monk
 
     class OtherKeyPool:
         def submit(self, fn, job):
-            from concurrent.futures import Future
-
             future: Future = Future()
             future.set_result({**compile_pool.key_parts(job), "options": "other"})
             return future
@@ -202,10 +185,16 @@ def test_a_worker_filing_under_another_key_turns_the_workers_off(cache_dir, monk
     assert compile_pool.ready_pool() is None
 
 
-def test_compile_ahead_sends_calls_and_speculative_calls_to_the_workers(cache_dir, monkeypatch):
-    pool = _InlinePool()
+def test_compile_ahead_sends_calls_and_speculative_calls_to_the_workers(cache_dir, monkeypatch, worker):
+    sent = []
+
+    class RecordingPool:
+        def submit(self, fn, job):
+            sent.append(job)
+            return worker.submit(fn, job)
+
     monkeypatch.setattr(launch, "INTERPRETER", False)
-    monkeypatch.setattr(compile_pool, "ready_pool", lambda: pool)
+    monkeypatch.setattr(compile_pool, "ready_pool", lambda: RecordingPool())
     ran = []
 
     def call(block):
@@ -216,7 +205,7 @@ def test_compile_ahead_sends_calls_and_speculative_calls_to_the_workers(cache_di
 
     assert launch.compile_ahead([call(64)], [call(128)])
     assert ran == [(64, True), (128, True)]
-    assert sorted(job.constexprs[(3,)] for job in pool.jobs) == [64, 128]
+    assert sorted(job.constexprs[(3,)] for job in sent) == [64, 128]
     assert len(os.listdir(cache_dir)) == 2
 
 
