@@ -42,8 +42,9 @@ from typing import Any
 
 log = logging.getLogger("fusion_backend.launch")
 
-#: Seconds to wait for a batch of worker compiles before leaving the rest to their launches.
-WAIT_S = 300.0
+#: Seconds to wait for a batch of worker compiles before leaving the rest to their launches (a batch
+#: is at most a few kernels per worker, each compiled in seconds).
+WAIT_S = 60.0
 
 #: Why the workers' compiles are not used in this process (set by :func:`compile_all`), or None.
 _workers_off: str | None = None
@@ -257,10 +258,13 @@ def ready_pool() -> Any:
 def compile_all(pool: Any, jobs: list[Job]) -> int:
     """Run every job on ``pool`` (``submit(fn, *args) -> Future``); returns how many compiled under
     the key this process's launch will look up.  Waits at most :data:`WAIT_S`; what has not compiled
-    by then is left to its launch.  A worker whose key differs from this process's (see
-    :func:`key_parts`) turns the workers off for the process (:func:`ready_pool`), with one log line
-    naming the parts that differ: its compiles would never be found."""
-    global _workers_off
+    by then is left to its launch.
+
+    Any job that does not come back compiled under this process's key turns the workers off for the
+    process (:func:`ready_pool`), with one log line saying why: a worker whose key differs (the
+    parts that differ, :func:`key_parts`) would never be found, and a worker that fails, answers
+    late or compiles nothing (it cannot import this package, its environment differs) would cost
+    every later first call the same wait for nothing.  The kernels compile here then, as before."""
     began = time.perf_counter()
     futures: dict[Future[dict[str, str] | str], Job] = {}
     for job in jobs:
@@ -269,6 +273,8 @@ def compile_all(pool: Any, jobs: list[Job]) -> int:
         except Exception as err:  # noqa: BLE001 - a job that does not pickle: its launch compiles it
             log.debug("compile of %s not sent to a worker: %s: %s", job.name, type(err).__name__, err)
     done, pending = wait(futures, timeout=WAIT_S)
+    if pending:
+        _turn_workers_off(f"{len(pending)} of {len(futures)} worker compiles took longer than {WAIT_S:.0f} s")
     compiled = 0
     for future in done:
         job = futures[future]
@@ -277,7 +283,7 @@ def compile_all(pool: Any, jobs: list[Job]) -> int:
         except Exception as err:  # noqa: BLE001 - it compiles (or fails) again at its launch
             result = f"{type(err).__name__}: {err}"
         if isinstance(result, str):
-            log.debug("worker compile of %s: %s", job.name, result)
+            _turn_workers_off(f"a worker did not compile {job.name}: {result}")
             continue
         try:
             here = key_parts(job)
@@ -285,11 +291,18 @@ def compile_all(pool: Any, jobs: list[Job]) -> int:
             here = {"key": f"{type(err).__name__}: {err}"}
         differ = sorted(part for part in here if here[part] != result.get(part))
         if differ:
-            _workers_off = f"a worker's cache key for {job.name} differs from this process's in: {', '.join(differ)}"
-            log.info("compiling in this process from now on: %s (%s)", _workers_off,
-                     "; ".join(f"{p}: {result.get(p)!r} there, {here[p]!r} here" for p in differ)[:2000])  # fmt: skip
+            _turn_workers_off(f"a worker's cache key for {job.name} differs from this process's in: {', '.join(differ)}",
+                              "; ".join(f"{p}: {result.get(p)!r} there, {here[p]!r} here" for p in differ))  # fmt: skip
             continue
         compiled += 1
-    log.info("compiled %d of %d Triton kernels in worker processes in %.1f s%s", compiled, len(jobs),
-             time.perf_counter() - began, f" ({len(pending)} still running)" if pending else "")  # fmt: skip
+    log.info("compiled %d of %d Triton kernels in worker processes in %.1f s", compiled, len(jobs),
+             time.perf_counter() - began)  # fmt: skip
     return compiled
+
+
+def _turn_workers_off(why: str, detail: str = "") -> None:
+    """Compile in this process from now on (see :func:`compile_all`); logged once, at INFO."""
+    global _workers_off
+    if _workers_off is None:
+        _workers_off = why
+        log.info("compiling Triton kernels in this process from now on: %s%s", why, f" ({detail[:2000]})" if detail else "")

@@ -159,13 +159,17 @@ def test_a_worker_with_other_triton_environment_variables_compiles_nothing(cache
     assert os.listdir(cache_dir) == []
 
 
-def test_compile_all_counts_what_compiled_and_survives_a_failing_job(cache_dir, worker):
+def test_compile_all_counts_what_compiled_and_a_failing_job_turns_the_workers_off(cache_dir, worker, monkeypatch):
+    monkeypatch.setattr(compile_pool, "_workers_off", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with compile_pool.capturing() as jobs:
         _call_hook(add_offset, 16)
     (job,) = jobs.values()
     broken = compile_pool.Job(**{**vars(job), "qualname": "no_such_kernel"})
     assert compile_pool.compile_all(worker, [job, broken]) == 1
     assert len(os.listdir(cache_dir)) == 1
+    assert "no_such_kernel" in compile_pool._workers_off
+    assert compile_pool.ready_pool() is None
 
 
 def test_a_worker_filing_under_another_key_turns_the_workers_off(cache_dir, monkeypatch):
