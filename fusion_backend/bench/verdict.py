@@ -25,6 +25,11 @@ or their ``:MODE`` variants under ``--compile-mode``).  The rules:
 
 The verdict is the last line the command prints, and is stored in ``bench.json`` (``"verdict"``),
 ``bench.txt`` and ``bench.md``.
+
+First calls (:meth:`Verdict.first_call_line`, the line before the verdict): per row, fusion's first
+call (``compile_s``: compiling included) over Inductor's, where Inductor's is the copy of the baseline
+compiled first in the row (the later copy finds the row's graph in Inductor's caches), against the
+budget :data:`FIRST_CALL_BUDGET`.  It changes no count of the verdict.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ TIE_RATIO = 0.97
 #: The timing statistic the ratios are taken from (the one the summary table shows).
 STATISTIC = "warm median"
 
+#: The most a fusion first call may take, as a multiple of Inductor's in the same row.
+FIRST_CALL_BUDGET = 3.0
+
 
 @dataclass(frozen=True)
 class RowRatio:
@@ -52,7 +60,8 @@ class RowRatio:
     ``ratio`` is the baseline's warm median over the subject's, ``None`` unless both were timed;
     ``problem`` then says why (``"fusion FAIL"``, ``"inductor ERROR"``, ``"fusion not timed"``), and
     ``subject_failed`` whether it was the subject's fault.  ``same_code``: the subject rewrote no
-    region, so both columns ran Inductor's code for the whole graph.
+    region, so both columns ran Inductor's code for the whole graph.  ``first_call_ratio``: the
+    subject's ``compile_s`` over Inductor's (``None`` unless both first calls were measured).
     """
 
     workload: str
@@ -62,6 +71,8 @@ class RowRatio:
     problem: str = ""
     subject_failed: bool = False
     same_code: bool = False
+    #: the subject's first call over the baseline's first-compiled copy's (see the module docstring)
+    first_call_ratio: float | None = None
 
     @property
     def label(self) -> str:
@@ -93,6 +104,8 @@ class Verdict:
     #: baseline's time over the copy's, over the rows where both were timed); ``None`` without one
     copy: str | None = None
     copies_spread: tuple[float, float] | None = None
+    #: the Inductor backend whose first calls the subject's are compared with
+    first_call_reference: str | None = None
 
     @property
     def at_least_baseline(self) -> int:
@@ -147,6 +160,19 @@ class Verdict:
                 f"worst: {f'{worst.label} {worst.outcome()}' if worst else '-'}; "
                 f"geomean vs {self.baseline} {mean}{spread}")
 
+    def first_call_line(self) -> str:
+        """One line on the rows' first calls, e.g. ``first call fusion / inductor 0.9-5.1x; 2/20 rows
+        above the 3x budget, the highest conv_a fp32 train`` (empty without a measured pair)."""
+        rows = [r for r in self.rows if r.first_call_ratio is not None]
+        if self.note or not rows:
+            return ""
+        ratios = [r.first_call_ratio for r in rows]
+        over = [r for r in rows if r.first_call_ratio > FIRST_CALL_BUDGET]  # type: ignore[operator]
+        highest = max(rows, key=lambda r: r.first_call_ratio)  # type: ignore[arg-type, return-value]
+        where = f", the highest {highest.label}" if over else ""
+        return (f"first call {self.subject} / {self.first_call_reference} {min(ratios):.1f}-{max(ratios):.1f}x; "  # type: ignore[type-var]
+                f"{len(over)}/{len(rows)} rows above the {FIRST_CALL_BUDGET:g}x budget{where}")
+
     def json_extras(self) -> dict[str, object]:
         """Derived values written to the JSON report next to the fields."""
         worst = self.worst
@@ -156,7 +182,7 @@ class Verdict:
                                                      "mode": worst.mode, "ratio": worst.ratio,
                                                      "problem": worst.problem, "same_code": worst.same_code},
                 "copies_spread": None if self.copies_spread is None else list(self.copies_spread),
-                "line": self.line()}
+                "line": self.line(), "first_call_line": self.first_call_line()}
 
 
 def _fmt_ratio(x: float) -> str:
@@ -185,6 +211,8 @@ def verdict_of(report: BenchReport) -> Verdict:
                        f"backend (backends: {', '.join(backends)})")
     if not report.cases:
         return Verdict(subject, baseline, note="no fusion-vs-inductor verdict: no row finished")
+    copy = _second_copy(backends, baseline)
+    reference = _compiled_first(backends, baseline, copy)
     rows = []
     for case in report.cases:
         ratio = case.speedup(subject, baseline)
@@ -200,13 +228,30 @@ def verdict_of(report: BenchReport) -> Verdict:
                 problem = f"{baseline} {_why_untimed(theirs)}"
         mine = case.item(subject)
         same_code = mine is not None and mine.fused_regions == 0
-        rows.append(RowRatio(case.workload, case.dtype, case.mode, ratio, problem, subject_failed, same_code))
-    copy = _second_copy(backends, baseline)
+        rows.append(RowRatio(case.workload, case.dtype, case.mode, ratio, problem, subject_failed, same_code,
+                             _first_call_ratio(mine, case.item(reference))))
     spread = None
     if copy is not None:
         ratios = [r for r in (case.speedup(copy, baseline) for case in report.cases) if r is not None]
         spread = (min(ratios), max(ratios)) if ratios else None
-    return Verdict(subject, baseline, rows=tuple(rows), copy=copy if spread else None, copies_spread=spread)
+    return Verdict(subject, baseline, rows=tuple(rows), copy=copy if spread else None, copies_spread=spread,
+                   first_call_reference=reference)
+
+
+def _compiled_first(backends: list[str], baseline: str, copy: str | None) -> str:
+    """Of the baseline and its second copy, the one compiled first in each row (run order)."""
+    if copy is None:
+        return baseline
+    return min((baseline, copy), key=backends.index)
+
+
+def _first_call_ratio(mine: ItemResult | None, theirs: ItemResult | None) -> float | None:
+    """The subject's first call over the reference's, where both were measured and passed."""
+    if mine is None or theirs is None or not (mine.ok and theirs.ok):
+        return None
+    if not mine.compile_s or not theirs.compile_s:
+        return None
+    return mine.compile_s / theirs.compile_s
 
 
 def _second_copy(backends: list[str], baseline: str) -> str | None:

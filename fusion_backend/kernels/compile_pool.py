@@ -1,28 +1,29 @@
 """Compile Triton kernels in Inductor's compile worker processes: :func:`capturing` and :func:`compile_all`.
 
 WHY processes: Triton's compiler holds the GIL for much of a compile (its Python front end, and
-more), so compiles on a thread pool barely overlap.  NOTE: fourteen of the project's kernels (the
+more), so compiles on a thread pool overlap little.  NOTE: fourteen of the project's kernels (the
 ConvTranspose3d forward's tiles and the Conv2d backward's) took 13.2 s one after another on the H100
-host, 3.65 s on 16 threads and 1.69 s on 16 processes (each compile 1.5 s at most):
-``python tools/compile_parallel.py serial,16,proc16 conv_fused:convt3d-fp32-save,conv_fused_bwd:conv2d-fp32``.  Inductor keeps a pool of worker processes for its own Triton
-compiles (``torch._inductor.config.compile_threads`` of them); a first call with a new shape uses it too.
+host, 3.65 s on 16 threads and 1.69 s on 16 processes (each compile 1.5 s at most): ``python
+tools/compile_parallel.py serial,16,proc16 conv_fused:convt3d-fp32-save,conv_fused_bwd:conv2d-fp32``.
+Inductor keeps a pool of worker processes for its own Triton compiles
+(``torch._inductor.config.compile_threads`` of them); a first call with a new shape uses it too.
 
 How:
 
 * :func:`capturing`: within it, on this thread (a ``ContextVar``), a Triton launch that would compile
   a ``JITFunction`` compiles nothing: Triton's ``jit_cache_hook`` records a :class:`Job` (the kernel's
   module and qualified name, the signature, constexprs, attributes and options Triton was about to
-  compile, and the target) and tells Triton to skip the compile.  Launches on other threads (an
-  Inductor compile running at the same time) go on as before.
+  compile, the target, and this process's cache folder and assembler) and tells Triton to skip the
+  compile.  Launches on other threads (an Inductor compile running at the same time) go on as before.
 * :func:`compile_all`: every job runs :func:`compile_job` in a worker process, which compiles the
-  kernel into Triton's on-disk cache (this process's cache folder, passed with the job).  The launch
-  that then runs for real computes the same cache key and loads the compiled kernel from disk.
+  kernel into Triton's on-disk cache and reports the parts of the key it filed it under.  The launch
+  that then runs for real computes the same key and loads the compiled kernel from disk.
 
-A job can only make a later launch cheaper, never change it: a worker whose Triton environment
-variables differ from this process's compiles nothing (the cache key would differ), a kernel that is
-not importable by its module and name (defined in a function) is not sent, and a job that fails, or
-a worker that does not answer, leaves the kernel to the launch, which compiles it here as before
-(and raises there if it really does not compile).
+A job can only make a later launch cheaper, never change it: a kernel that is not importable by its
+module and name (defined in a function) is not sent; a worker whose Triton environment variables
+differ compiles nothing; and any job that does not come back compiled under this process's key
+turns the workers off for the process.  What the workers did not compile, the launch compiles here
+as before (and raises there if it really does not compile).
 """
 
 from __future__ import annotations
@@ -132,10 +133,10 @@ def compile_job(job: Job) -> dict[str, str] | str:
 @contextlib.contextmanager
 def _assembler(assembler: tuple[str, str] | None) -> Iterator[None]:
     """Within: Triton's NVIDIA backend assembles with this process's ``ptxas`` and puts the version
-    this process's keys name into the key.  WHY: the version is part of the cache key, Inductor points
-    its workers (and, once it compiled, this process) at another ``ptxas`` than Triton's bundled one,
-    and Triton remembers the version per process from its first compile, so this process may
-    assemble with one and name another.  NOTE: on the H100 host (torch 2.11, Triton 3.6) the workers
+    this process's keys name into the key.  WHY: the version is part of the cache key, Inductor may
+    point its workers (and this process) at another ``ptxas`` than Triton's bundled one, and Triton
+    remembers the version per process from its first compile, so a process may assemble with one and
+    name another.  NOTE: on the H100 host (torch 2.11, Triton 3.6) the workers
     named CUDA 13.0's assembler and this process Triton's 12.8, which made every worker's compile a
     miss here (the key check in :func:`compile_all` found it).  The worker's own state is restored."""
     if assembler is None:

@@ -270,13 +270,13 @@ def compile_ahead(calls: Iterable[Callable[[], object]], speculative: Iterable[C
     parallel compiles; ``TORCHINDUCTOR_COMPILE_THREADS``) through Triton's ``AsyncCompileMode``, and
     ``speculative`` is left out.  Returns False, having done nothing, under the interpreter, inside
     another compile ahead, or where Triton has no ``AsyncCompileMode`` and no worker pool is up."""
-    mode_class = _async_compile_mode()
     if INTERPRETER or _compiling_ahead.get():
         return False
     pool = compile_pool.ready_pool()
     if pool is not None:
         _compile_in_workers(pool, [*calls, *speculative])
         return True
+    mode_class = _async_compile_mode()
     if mode_class is None:
         return False
     _compile_on_threads(mode_class, calls)

@@ -986,6 +986,34 @@ def test_verdict_reports_how_far_apart_two_copies_of_inductor_read_without_chang
     assert "apart" not in verdict_of(synthetic_report([("conv_a", "fp32", "infer", {"inductor": 2.0, "fusion": 1.0})])).line()
 
 
+def test_first_calls_are_compared_with_the_inductor_copy_compiled_first_against_the_budget(tmp_path: Path) -> None:
+    """Inductor's copy compiled after fusion finds the row's graph in its caches: the first calls are
+    compared with the copy compiled first.  A failed row has no ratio; the verdict's counts do not move."""
+    backends = ("eager", "inductor", "fusion", "inductor:default")
+    report = synthetic_report([
+        ("conv_a", "fp32", "infer", {"inductor": 1.0, "fusion": 0.5, "inductor:default": 1.0}),
+        ("conv_b", "fp32", "train", {"inductor": 1.0, "fusion": 0.5, "inductor:default": 1.0}),
+        ("conv_c", "bf16", "infer", {"fusion": Status.FAIL}),
+    ], backends=backends)
+    first_calls = {("conv_a", "fusion"): 5.0, ("conv_a", "inductor"): 1.0, ("conv_b", "fusion"): 3.0,
+                   ("conv_b", "inductor"): 1.5, ("conv_a", "inductor:default"): 0.01, ("conv_b", "inductor:default"): 0.01}
+    report = dataclasses.replace(report, cases=tuple(dataclasses.replace(case, items=tuple(
+        dataclasses.replace(item, compile_s=first_calls.get((case.workload, item.backend), item.compile_s))
+        for item in case.items)) for case in report.cases))
+    verdict = verdict_of(report)
+    assert [r.first_call_ratio for r in verdict.rows] == [pytest.approx(5.0), pytest.approx(2.0), None]
+    line = verdict.first_call_line()
+    assert line == "first call fusion / inductor 2.0-5.0x; 1/2 rows above the 3x budget, the highest conv_a fp32 infer"
+    assert verdict.at_least_baseline == 2  # the verdict itself is unchanged
+    files = write_reports(report, tmp_path, chart=False)
+    assert json.loads(files.json.read_text())["verdict"]["first_call_line"] == line
+    assert f"**First calls:** {line}" in files.markdown.read_text()
+    assert line in files.text.read_text()
+    within = synthetic_report([("conv_a", "fp32", "infer", {"inductor": 1.0, "fusion": 0.5})])
+    assert verdict_of(within).first_call_line() == "first call fusion / inductor 1.0-1.0x; 0/1 rows above the 3x budget"
+    assert verdict_of(synthetic_report([("conv_a", "fp32", "infer", {"fusion": Status.FAIL})])).first_call_line() == ""
+
+
 def test_verdict_without_timings_or_without_both_contenders_says_why() -> None:
     timed = [("conv_a", "fp32", "infer", {"inductor": 2.0, "fusion": 1.0})]
     no_inductor = synthetic_report(timed, backends=("eager", "fusion"))
