@@ -55,14 +55,14 @@ if has demo; then
   done
 fi
 if has bench; then
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m fusion_backend bench --suite seeds --dtype fp32,bf16 --mode infer,train \
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m fusion_backend bench --log --suite seeds --dtype fp32,bf16 --mode infer,train \
     --backends "$BACKENDS" --out "$out/bench" ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
   tail -32 "$out/bench.log"
 fi
 if has convnets; then
   part=${CONVNETS_PART:-1}
   files=$(ls demos/convnets/*.py | sed -n "$(( (part - 1) * 6 + 1 )),$(( part * 6 ))p" | paste -sd,)
-  timeout "${BENCH_TIMEOUT:-520}" python3 -m fusion_backend bench --suite "$files" --dtype fp32,bf16 \
+  timeout "${BENCH_TIMEOUT:-520}" python3 -m fusion_backend bench --log --suite "$files" --dtype fp32,bf16 \
     --mode infer,train --no-memory --no-cold --no-chart --backends "$BACKENDS" --out "$out/convnets" ${BENCH_ARGS:-} \
     >"$out/convnets.log" 2>&1
   tail -40 "$out/convnets.log"
@@ -76,7 +76,7 @@ if has families; then
       >"$out/families_tests.log" 2>&1 || rc=1
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/families_tests.log" | tail -20
   fi
-  timeout "${BENCH_TIMEOUT:-330}" python3 -m fusion_backend bench --suite families --dtype fp32,bf16 --mode infer,train \
+  timeout "${BENCH_TIMEOUT:-330}" python3 -m fusion_backend bench --log --suite families --dtype fp32,bf16 --mode infer,train \
     --no-memory --no-chart --backends "$BACKENDS" --out "$out/families" ${BENCH_ARGS:-} >"$out/families.log" 2>&1
   tail -32 "$out/families.log"
 fi

@@ -17,6 +17,7 @@ import contextlib
 import datetime as _dt
 import logging
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -138,7 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="load the suite, resolve backends, print the plan, run nothing")
     p.add_argument("-v", "--verbose", action="store_true", help="log tracebacks of failed items to stderr")
+    p.add_argument("--log", action="store_true",
+                   help="log to stderr what the fusion backend's first calls compile and time (its decisions, "
+                        "per-shape choices and kernel compiles), each line with the seconds since the run started")
     return p
+
+
+#: The loggers ``--log`` turns on at INFO: what makes a fusion first call long.
+FIRST_CALL_LOGGERS = ("fusion_backend.decision", "fusion_backend.impl_choice", "fusion_backend.launch")
 
 
 class _LineProgress:
@@ -224,6 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    first_call = logging.StreamHandler(err)
+    began = time.perf_counter()
+    first_call.addFilter(lambda record: setattr(record, "run_s", time.perf_counter() - began) or True)
+    first_call.setFormatter(logging.Formatter("%(run_s)8.1f s %(name)s: %(message)s"))
+    levels = {name: logging.getLogger(name).level for name in FIRST_CALL_LOGGERS}
+    if args.log:
+        for name in FIRST_CALL_LOGGERS:
+            logging.getLogger(name).addHandler(first_call)
+            logging.getLogger(name).setLevel(logging.INFO)
     try:
         return _run(args, argv, out, err)
     except KeyboardInterrupt:
@@ -231,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         logger.removeHandler(handler)
+        for name, level in levels.items():
+            logging.getLogger(name).removeHandler(first_call)
+            logging.getLogger(name).setLevel(level)
 
 
 def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) -> int:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import logging
 import math
+import re
 import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -1106,6 +1108,24 @@ def test_compile_mode_option_renames_compiled_backends_and_conflicts_are_usage_e
     assert "conflicts with backend 'inductor:max-autotune'" in capsys.readouterr().err
     assert cli.main(["--compile-mode", "fastest", "--dry-run"]) == 2
     assert "unknown --compile-mode 'fastest'" in capsys.readouterr().err
+
+
+def test_log_prints_what_the_fusion_backend_compiles_and_times_with_the_run_s_seconds(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def run(*args: object) -> int:
+        logging.getLogger("fusion_backend.decision").info("timing conv_epilogue fused vs Inductor")
+        logging.getLogger("fusion_backend.launch").debug("a detail --log leaves out")
+        return 0
+
+    monkeypatch.setattr(cli, "_run", run)
+    levels = {name: logging.getLogger(name).level for name in cli.FIRST_CALL_LOGGERS}
+    assert cli.main(["--dry-run", "--log"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        r" +\d+\.\d s fusion_backend\.decision: timing conv_epilogue fused vs Inductor", lines[0]), lines
+    assert {name: logging.getLogger(name).level for name in cli.FIRST_CALL_LOGGERS} == levels
+    assert cli.main(["--dry-run"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_check_only_on_cpu_runs_the_gate_and_writes_reports(
