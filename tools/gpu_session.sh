@@ -9,7 +9,8 @@
 #   parity   tools/parity_check.py: the ConvT3d and Conv2d models, fp32 (TF32 off) and bf16, no package import
 #   demo     demos/run_demo.py in fp32 and bf16
 #   bench    the benchmark's seeds suite, fp32 + bf16, infer + train, with a first, sacrificial Inductor copy
-#            and the verdict's baseline compiled after fusion (BACKENDS; BENCH_ARGS adds options)
+#            and the verdict's baseline compiled after fusion (BACKENDS; BENCH_ARGS adds options); --log: the
+#            first lines say whether fusion's kernels compiled in Inductor's worker processes
 #   convnets one part of the convnets suite (CONVNETS_PART=1..3: six workloads each, as one call allows),
 #            fp32 + bf16, infer + train, no memory or cold-L2 readings; join the parts with
 #            python -m fusion_backend bench --merge OUT1/convnets OUT2/convnets OUT3/convnets --out DIR
@@ -57,7 +58,8 @@ fi
 if has bench; then
   timeout "${BENCH_TIMEOUT:-300}" python3 -m fusion_backend bench --log --suite seeds --dtype fp32,bf16 --mode infer,train \
     --backends "$BACKENDS" --out "$out/bench" ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
-  tail -32 "$out/bench.log"
+  grep -E "in worker processes|in this process from now on" "$out/bench.log" | cut -c1-400 | head -6
+  tail -33 "$out/bench.log"
 fi
 if has convnets; then
   part=${CONVNETS_PART:-1}
