@@ -319,9 +319,8 @@ def _write_and_summarise(report: BenchReport, out_dir: Path, args: argparse.Name
     files = write_reports(report, out_dir, chart=not args.no_chart)
     out.write("\n" + summary_table(report) + "\n")
     judged = verdict_of(report)
-    verdict = judged.line()
-    if judged.first_call_line():
-        verdict = f"{judged.first_call_line()}\n{verdict}"
+    first_calls = judged.first_call_line()
+    verdict = f"{first_calls}\n{judged.line()}" if first_calls else judged.line()
     if not report.complete:
         out.write(f"\ninterrupted: partial report of the {len(report.cases)} finished case(s) in {out_dir}\n")
         out.write(f"\n{verdict} (finished rows only)\n")

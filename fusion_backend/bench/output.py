@@ -262,8 +262,9 @@ def _any_below_floor(report: BenchReport) -> bool:
 def format_report(report: BenchReport) -> str:
     """The full plain-text report: environment, summary, roofline, details, failures."""
     judged = verdict_of(report)
+    first_calls = judged.first_call_line()
     parts = ["\n".join(environment_lines(report)), "", summary_table(report), "",
-             *([judged.first_call_line()] if judged.first_call_line() else []), judged.line()]
+             *([first_calls] if first_calls else []), judged.line()]
     if not report.config.check_only:
         parts += ["", NOTE_FLOOR]
         if _any_below_floor(report):
@@ -283,8 +284,9 @@ def format_markdown(report: BenchReport) -> str:
     """The report as Markdown, ready to paste into the README's performance section."""
     env_lines = "\n".join(f"- {line}" for line in environment_lines(report))
     judged = verdict_of(report)
+    first_calls = judged.first_call_line()
     parts = [env_lines, "", summary_table(report, markdown=True), "",
-             *([f"**First calls:** {judged.first_call_line()}", ""] if judged.first_call_line() else []),
+             *([f"**First calls:** {first_calls}", ""] if first_calls else []),
              f"**Verdict:** {judged.line()}"]
     if any(c.roofline for c in report.cases):
         parts += ["", NOTE_FLOOR]
