@@ -47,13 +47,12 @@ def _triton_ptxas() -> Path:
     emits for it (that version follows this ptxas: the bundled Blackwell one on Triton 3.9, whatever
     ``knobs.nvidia.ptxas`` resolves to on Triton 3.6, which can be a newer CUDA's than the bundled
     Blackwell one's 12.8)."""
-    from triton.backends.nvidia import compiler as nvidia
+    from fusion_backend.kernels.compile_pool import assembler
 
-    try:
-        tool = nvidia.get_ptxas(TARGET.arch)
-    except TypeError:  # a Triton with one ptxas for every arch
-        tool = nvidia.get_ptxas()
-    return Path(tool.path)
+    found = assembler(TARGET.arch)
+    if found is None:
+        raise RuntimeError("this Triton's NVIDIA backend names no ptxas")
+    return Path(found[0])
 
 
 PTXAS = _triton_ptxas()

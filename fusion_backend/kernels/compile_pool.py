@@ -131,7 +131,7 @@ def compile_job(job: Job) -> dict[str, str] | str:
 
 
 @contextlib.contextmanager
-def _assembler(assembler: tuple[str, str] | None) -> Iterator[None]:
+def _assembler(named: tuple[str, str] | None) -> Iterator[None]:
     """Within: Triton's NVIDIA backend assembles with this process's ``ptxas`` and puts the version
     this process's keys name into the key.  WHY: the version is part of the cache key, Inductor may
     point its workers (and this process) at another ``ptxas`` than Triton's bundled one, and Triton
@@ -139,13 +139,13 @@ def _assembler(assembler: tuple[str, str] | None) -> Iterator[None]:
     name another.  NOTE: on the H100 host (torch 2.11, Triton 3.6) the workers
     named CUDA 13.0's assembler and this process Triton's 12.8, which made every worker's compile a
     miss here (the key check in :func:`compile_all` found it).  The worker's own state is restored."""
-    if assembler is None:
+    if named is None:
         yield
         return
     from triton import knobs
     from triton.backends.nvidia import compiler as nvidia
 
-    path, version = assembler
+    path, version = named
     remembered = nvidia.get_ptxas_version
     with knobs.nvidia.scope():
         for name in ("ptxas", "ptxas_blackwell"):
@@ -187,12 +187,13 @@ def _process_state() -> tuple[str, dict[str, str], tuple[str, int, int], tuple[s
 
     target = driver.active.get_current_target()
     return (str(knobs.cache.dir), dict(get_cache_invalidating_env_vars()),
-            (target.backend, int(target.arch), int(target.warp_size)), _ptxas(int(target.arch)))  # fmt: skip
+            (target.backend, int(target.arch), int(target.warp_size)), assembler(int(target.arch)))  # fmt: skip
 
 
-def _ptxas(arch: int) -> tuple[str, str] | None:
+def assembler(arch: int) -> tuple[str, str] | None:
     """``(path, version)``: the ``ptxas`` Triton's NVIDIA backend assembles ``arch`` with here, and
-    the version it puts into cache keys here; None for another backend."""
+    the version it puts into cache keys here; None for another backend (``tools/kernel_compile.py``
+    assembles with the same one)."""
     try:
         from triton.backends.nvidia import compiler as nvidia
 
@@ -221,10 +222,10 @@ def capturing() -> Iterator[dict[str, Job]]:
         kernel = fn.jit_function
         if not _importable(kernel):
             return None  # Triton compiles it here, now
-        cache_dir, env_vars, target_fields, assembler = state
+        cache_dir, env_vars, target_fields, named_assembler = state
         options = _options(compile, sys._getframe(1))
         job = Job(kernel.fn.__module__, kernel.fn.__qualname__, dict(compile["signature"]), dict(compile["constants"]),
-                  dict(compile["configs"][0]), options, target_fields, cache_dir, env_vars, assembler)  # fmt: skip
+                  dict(compile["configs"][0]), options, target_fields, cache_dir, env_vars, named_assembler)  # fmt: skip
         jobs.setdefault(f"{job.name}|{key!r}", job)
         return True  # skip the compile here
 

@@ -77,7 +77,7 @@ def cache_dir(tmp_path, monkeypatch):
         knobs.cache.dir = str(tmp_path)
         monkeypatch.setattr(compile_pool, "_process_state", lambda: (
             str(tmp_path), dict(get_cache_invalidating_env_vars()), (TARGET.backend, TARGET.arch, TARGET.warp_size),
-            compile_pool._ptxas(TARGET.arch)))
+            compile_pool.assembler(TARGET.arch)))
         yield tmp_path
 
 
@@ -108,16 +108,16 @@ def test_the_worker_assembles_with_this_processs_ptxas_and_names_its_version(cac
         _call_hook(add_offset, 64)
     (job,) = jobs.values()
     path, version = job.assembler
-    assert (path, version) == compile_pool._ptxas(TARGET.arch) and os.path.exists(path)
+    assert (path, version) == compile_pool.assembler(TARGET.arch) and os.path.exists(path)
     used = []
-    monkeypatch.setattr(triton, "compile", lambda *args, **kwargs: used.append(compile_pool._ptxas(TARGET.arch)))
+    monkeypatch.setattr(triton, "compile", lambda *args, **kwargs: used.append(compile_pool.assembler(TARGET.arch)))
     (cache_dir / "bin").mkdir()
     elsewhere = str(cache_dir / "bin" / os.path.basename(path))
     os.symlink(path, elsewhere)
     parts = compile_pool.compile_job(compile_pool.Job(**{**vars(job), "assembler": (elsewhere, "named version")}))
     assert used == [(elsewhere, "named version")]
     assert parts == {**compile_pool.key_parts(job), "compiler": make_backend(TARGET).hash().replace(version, "named version")}
-    assert compile_pool._ptxas(TARGET.arch) == (path, version)  # the worker's own, restored
+    assert compile_pool.assembler(TARGET.arch) == (path, version)  # the worker's own, restored
     assert nvidia.get_ptxas_version(TARGET.arch) == version
 
 
