@@ -78,7 +78,7 @@ from ..ir.specs import ConvSpec, PoolSpec
 from .chain_math import chain_forward, load_chain_operands, op_constexprs
 from .conv_common import AutotunedLaunch, ForwardArgs, WeightMatrixLaunch, cached_forward_launch, run_forward
 from .conv_fused import conv_output_size
-from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2
+from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2, tile_bench
 from .tf32 import dot_precision, round_tf32
 
 _INT32_LIMIT = 2**31 - 1
@@ -379,6 +379,7 @@ _conv_dense_fwd_tuned = triton.autotune(
     # for both; the dtypes of the tensors are part of Triton's key).
     key=["C_IN", "C_OUT", "W", "R", "OH", "OW", "KH", "KW", "KWG", "BLOCK_N", "PRECISION"],
     prune_configs_by={"early_config_prune": _prune},
+    do_bench=tile_bench,
     cache_results=True,
 )(_conv_dense_fwd_kernel)
 

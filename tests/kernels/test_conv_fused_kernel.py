@@ -330,6 +330,34 @@ def test_forced_triton_on_an_unsupported_case_raises_under_strict(monkeypatch):
     assert ce.forward.conv_impl(x, w, ConvEpilogueConfig.from_json(config), True)[0] == "library"
 
 
+@pytest.mark.parametrize(
+    "name, x_shape, w_shape, spec, pool, timed",
+    [
+        ("conv2d-s2", (2, 8, 9, 9), (16, 8, 3, 3), _spec(2, stride=2, padding=1), None, False),
+        ("conv2d-depthwise", (2, 8, 9, 9), (8, 1, 3, 3), _spec(2, padding=1, groups=8), None, False),
+        ("conv2d-maxpool", (2, 8, 10, 10), (8, 8, 3, 3), _spec(2, padding=1), _pool("max", 2), False),
+        ("conv3d-maxpool", (1, 4, 6, 6, 6), (8, 4, 3, 3, 3), _spec(3, padding=1), _pool("max", 3), False),
+        ("convT2d-k4s2-overlapping", (2, 8, 6, 6), (8, 4, 4, 4), _spec(2, True, 2, 1), None, False),
+        ("convT2d-k2s2-phase-aligned", (2, 8, 6, 6), (8, 4, 2, 2), _spec(2, True, 2), None, True),
+        ("convT2d-k4s2-maxpool", (2, 8, 6, 6), (8, 4, 4, 4), _spec(2, True, 2, 1), _pool("max", 2), True),
+        ("convT3d-k3s2-maxpool", (1, 4, 5, 5, 5), (4, 8, 3, 3, 3), _spec(3, True, 2, 1), _pool("max", 3), True),
+        ("convT1d-k4s2", (2, 8, 9), (8, 4, 4), _spec(1, True, 2, 1), None, True),
+    ],
+)
+def test_auto_times_the_general_fused_kernel_only_where_it_has_won(monkeypatch, name, x_shape, w_shape, spec, pool,
+                                                                   timed):  # fmt: skip
+    """``auto`` leaves the general kernel out of the timing where it lost to the library conv in every
+    bench row (direct convs off the dense kernel's cases, 2-d transposed convs with overlapping taps
+    and no pool); ``FUSION_CONV_IMPL=triton`` still runs it there."""
+    x, w = torch.randn(x_shape), torch.randn(w_shape)
+    cfg = ConvEpilogueConfig.from_json(_config(spec, (), pool))
+    assert ce.forward.forward_kernels(x, w, cfg) is conv_fused, name  # the cases are the general kernel's
+    why = ce.forward.general_kernel_never_wins(x, w, cfg)
+    assert (why is None) == timed, why
+    assert ce.forward._fused_conv_answer(x, w, cfg, True, "auto") == (("triton", None) if timed else ("library", why))
+    assert ce.forward._fused_conv_answer(x, w, cfg, True, "triton") == ("triton", None)
+
+
 class _ConvT3dPipeline(nn.Module):
     def __init__(self, transposed: bool):
         super().__init__()

@@ -205,3 +205,28 @@ def test_a_choice_asked_while_compiling_ahead_is_the_default_and_not_remembered(
     launch.compile_ahead([ask])
     assert answers == ["a"]
     assert not impl_choice.is_final(("compile-ahead",))
+
+
+def test_every_autotuned_kernel_times_its_tiles_with_the_short_bench(monkeypatch):
+    """The tiles of a new key are timed by ``host.tile_bench`` (``TILE_BENCH_MS``), not Triton's
+    default 25 + 100 ms per tile: every ``triton.autotune`` of the package passes it."""
+    import importlib
+    import pkgutil
+
+    import triton.testing
+    from triton.runtime.autotuner import Autotuner
+
+    from fusion_backend import kernels
+    from fusion_backend.kernels import host
+
+    tuned = {}
+    for info in pkgutil.walk_packages(kernels.__path__, kernels.__name__ + "."):
+        module = importlib.import_module(info.name)
+        tuned.update({f"{info.name}.{n}": v for n, v in vars(module).items() if isinstance(v, Autotuner)})
+    assert len(tuned) >= 6, sorted(tuned)
+    assert {name for name, kernel in tuned.items() if kernel.do_bench is not host.tile_bench} == set()
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: calls.append(kw) or [1.0, 1.0, 1.0])
+    assert host.tile_bench(lambda: None, quantiles=(0.5, 0.2, 0.8)) == [1.0, 1.0, 1.0]
+    warmup, rep = host.TILE_BENCH_MS
+    assert calls == [dict(warmup=warmup, rep=rep, quantiles=(0.5, 0.2, 0.8))]

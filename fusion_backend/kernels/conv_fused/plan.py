@@ -17,7 +17,7 @@ from ...ir.shapes import conv_output_length
 from ...ir.specs import ConvSpec, PoolSpec
 from ..chain_math import MAX_WINDOW_VOLUME, op_constexprs
 from ..conv_common import AutotunedLaunch, ForwardArgs, WeightMatrixLaunch, cached_forward_launch, run_forward
-from ..host import INTERPRETER, BoundedCache, best_first, cdiv, lift_5d, next_pow2
+from ..host import INTERPRETER, BoundedCache, best_first, cdiv, lift_5d, next_pow2, tile_bench
 from ..relayout import PlannedRelayout
 from ..tf32 import compute_code, dot_precision
 from .device import conv_fused_fwd_kernel, phase_aligned_weight_kernel
@@ -259,6 +259,7 @@ _conv_fused_fwd_tuned = triton.autotune(
     # the path constexprs are in the key: two geometries with equal sizes must not share a tile
     key=["CIN_G", "COUT_G", "M_TOTAL", "C_OUT", "TRANSPOSED", "FLAT_K", "PHASE_ALIGNED", "KS", "KD", "KH", "KW", "CDT"],
     prune_configs_by={"early_config_prune": _prune},
+    do_bench=tile_bench,
     cache_results=True,  # the best tile per key is kept in Triton's cache dir across processes
 )(conv_fused_fwd_kernel)
 

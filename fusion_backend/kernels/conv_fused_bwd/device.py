@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..conv_common import peel_coords
-from ..host import INTERPRETER, best_first
+from ..host import INTERPRETER, best_first, tile_bench
 from ..tf32 import round_tf32
 
 _INTERPRET = INTERPRETER  # kernels/host.py: whether Triton's interpreter is on
@@ -244,6 +244,7 @@ def dgrad_kernel(
 dgrad_tuned = triton.autotune(
     configs=best_first(dgrad_configs()),
     key=["CI_G", "CO_G", "MAXT", "NTAP_MAX", "BLOCK_N", "BLOCK_K", "POOLED", "G_CL", "X_CL", "PREC", "I64"],
+    do_bench=tile_bench,
     cache_results=True,  # tile choices kept in Triton's cache dir across processes
 )(dgrad_kernel)
 
@@ -370,5 +371,6 @@ wgrad_tuned = triton.autotune(
     configs=best_first(wgrad_configs()),
     key=["A_G", "B_G", "KVOL", "LINES", "TW", "SPLIT", "BLOCK_A", "BLOCK_R", "LINE_MODE", "BLOCK_G", "A_POOLED",
          "B_POOLED", "A_CL", "B_CL", "PREC", "I64"],
+    do_bench=tile_bench,
     cache_results=True,
 )(wgrad_kernel)

@@ -33,6 +33,7 @@ from ..host import (
     next_pow2,
     persistent_device_copies,
     tensor_key,
+    tile_bench,
 )
 from ..launch import FastLaunch
 from ..tf32 import backward_dot_precision, compute_code
@@ -114,12 +115,14 @@ _dgrad_tuned = triton.autotune(
     configs=[_tile_config(t) for t in DGRAD_TILES],
     key=["M_TOTAL", "CI_G", "CO_G", "KD", "KH", "KW", "STRIDE", "TAPS", "G_CL", "X_CL", "CDT", "PREC"],
     prune_configs_by={"early_config_prune": _pruner(DGRAD_TILES)},
+    do_bench=tile_bench,
     cache_results=True,  # the best tile per key is kept in Triton's cache dir across processes
 )(phase_aligned_dgrad_kernel)
 _wgrad_tuned = triton.autotune(
     configs=[_tile_config(t) for t in WGRAD_TILES],
     key=["M_TOTAL", "CI_G", "CO_G", "ROWS_PER_SPLIT", "KD", "KH", "KW", "KS", "X_CL", "G_CL", "CDT", "PREC"],
     prune_configs_by={"early_config_prune": _pruner(WGRAD_TILES)},
+    do_bench=tile_bench,
     cache_results=True,
 )(phase_aligned_wgrad_kernel)
 

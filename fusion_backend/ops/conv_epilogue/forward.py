@@ -56,9 +56,10 @@ def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) ->
 
     ``FUSION_CONV_IMPL`` (read at call time; ``auto`` by default): ``library`` always takes the
     library conv; ``auto`` answers ``triton`` on CUDA whenever one of the fused kernels serves the
-    case (``conv_dense``, else ``conv_fused.unsupported_reason`` is None; ``plan_for`` then
-    measures which of the candidates is fastest) and the library conv on CPU (the interpreter is slow;
-    tests force the fused kernel there); ``triton`` always takes the fused
+    case (``conv_dense``, else ``conv_fused.unsupported_reason`` is None) and could win
+    (``general_kernel_never_wins``), ``plan_for`` then measures which of the candidates is fastest,
+    and the library conv on CPU (the interpreter is slow; tests force the fused kernel there);
+    ``triton`` always takes the fused
     kernel and raises ``UnsupportedInputError`` (handled by the failure policy: strict raises, else
     warn and run the reference) when it cannot serve the case.
     """
@@ -90,11 +91,37 @@ def _fused_conv_answer(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save:
         save,
         conv_compute_dtype(cfg, x),
     )
+    if why is None and mode == "auto":
+        why = general_kernel_never_wins(x, weight, cfg)
     if why is None:
         return "triton", None
     if mode == "triton":
         raise UnsupportedInputError(f"{CONV_IMPL_ENV}=triton but the fused conv kernel cannot run: {why}")
     return "library", why
+
+
+def general_kernel_never_wins(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> str | None:
+    """Why ``auto`` leaves the general fused kernel (``kernels.conv_fused``) out of its candidates
+    although it serves the case, or None where it is timed: the cases where it lost to the library
+    conv in every bench row.  ``FUSION_CONV_IMPL=triton`` still runs it there.
+
+    NOTE: measured on the H100 (``python -m fusion_backend bench --log --suite convnets`` and the
+    families suite, fp32 and bf16, infer and train; the ``impl choice`` lines): on a direct (not
+    transposed) conv it lost by 2-14x on its first tile in every row (Conv2d 128->256 k3 s2,
+    depthwise Conv2d 144 k3, Conv2d 256 k3 + MaxPool2d, Conv3d 32->64 k3 + MaxPool3d, Conv2d 3->64 k7
+    s2 + MaxPool2d); on a 2-d transposed conv without a pool off its phase-aligned path
+    (ConvTranspose2d 256->128 and 64->3 k4 s2) by 1.2-5x.  Compiling it was 2-6 s of those rows'
+    first calls.  It wins on transposed convs with a fused pool (the ConvTranspose3d pipeline) and on
+    phase-aligned ones (ConvTranspose2d/3d k2 s2); plain stride-1 convs go to ``kernels.conv_dense``.
+    """
+    from ...kernels.conv_fused.plan import launch_plan
+
+    if not cfg.conv.transposed:
+        return "a direct conv off the dense kernel's cases: the general fused kernel never beat the library conv there"
+    if x.dim() == 4 and cfg.pool is None and not launch_plan(x, weight, cfg.conv, None, None).phase_aligned:
+        return ("a 2-d transposed conv with overlapping taps and no pool: the general fused kernel never beat "
+                "the library conv there")  # fmt: skip
+    return None
 
 
 def forward_kernels(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> ModuleType:
