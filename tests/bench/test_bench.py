@@ -1370,3 +1370,25 @@ def test_a_row_whose_paired_ratios_straddle_the_tie_gets_more_rounds_whichever_s
 ])
 def test_a_row_is_decided_when_the_tie_lies_outside_its_paired_ratios_middle_half(ratios, decided) -> None:
     assert _decided(ratios) is decided
+
+
+def test_results_table_prints_a_committed_report_row_by_row_with_its_lines():
+    """``tools/results_table.py`` (the tables of ``docs/perf/RESULTS.md``) on the committed seeds report:
+    one row per case, the verdict's ratio, both first calls and the decision read from fusion's notes."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("results_table", root / "tools" / "results_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report_path = root / "docs" / "perf" / "h100" / "seeds" / "bench.json"
+    text = module.table(report_path)
+    report = read_json(report_path)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| workload")]
+    assert len(rows) == len(report.cases)
+    verdict = verdict_of(report)
+    first = rows[0].split(" | ")
+    ratio = next(r for r in verdict.rows if (r.workload, r.dtype, r.mode) == tuple(first[i].strip("| ") for i in range(3)))
+    assert first[6] == f"{ratio.ratio:.2f}x"
+    assert all(row.split(" | ")[-1].startswith(("fused: ", "Inductor: ")) for row in rows)
+    assert f"`{verdict.line()}`" in text and f"`{verdict.first_call_line()}`" in text
