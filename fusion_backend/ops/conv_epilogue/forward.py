@@ -105,13 +105,13 @@ def general_kernel_never_wins(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig
     although it serves the case, or None where it is timed: the cases where it lost to the library
     conv in every bench row.  ``FUSION_CONV_IMPL=triton`` still runs it there.
 
-    NOTE: measured on the H100 (``python -m fusion_backend bench --log --suite convnets`` and the
-    families suite, fp32 and bf16, infer and train; the ``impl choice`` lines): on a direct (not
-    transposed) conv it lost by 2-14x on its first tile in every row (Conv2d 128->256 k3 s2,
-    depthwise Conv2d 144 k3, Conv2d 256 k3 + MaxPool2d, Conv3d 32->64 k3 + MaxPool3d, Conv2d 3->64 k7
-    s2 + MaxPool2d); on a 2-d transposed conv without a pool off its phase-aligned path
-    (ConvTranspose2d 256->128 and 64->3 k4 s2) by 1.2-5x.  Compiling it was 2-6 s of those rows'
-    first calls.  It wins on transposed convs with a fused pool (the ConvTranspose3d pipeline) and on
+    NOTE: measured on the H100 (``python -m fusion_backend bench --log --suite convnets``, fp32 and
+    bf16, infer and train; the ``impl choice`` lines): on a direct (not transposed) conv it lost to
+    the best library path by 2.4-14x on its first tile in every row (Conv2d 128->256 k3 s2,
+    depthwise Conv2d 144 k3, Conv2d 256 k3 + MaxPool2d, Conv3d 32->64 k3 + MaxPool3d); on a 2-d
+    transposed conv without a pool off its phase-aligned path (ConvTranspose2d 256->128 and 64->3 k4
+    s2) by 1.2-7.6x, or its results were not close enough to be a candidate.  Its first batch of
+    compiles took 2-6.5 s of those rows' first calls.  It wins on transposed convs with a fused pool (the ConvTranspose3d pipeline) and on
     phase-aligned ones (ConvTranspose2d/3d k2 s2); plain stride-1 convs go to ``kernels.conv_dense``.
     """
     from ...kernels.conv_fused.plan import launch_plan
