@@ -12,8 +12,10 @@ built on CUDA, compiled with the backend, and its first step (forward; ``--mode 
 backward) is timed from the ``torch.compile`` call to the end of its GPU work, compilation included.  Process start-up and
 imports are not counted.  ``--log`` prints the children's ``fusion_backend.runtime.decision`` and
 ``fusion_backend.impl_choice`` and ``fusion_backend.launch`` INFO lines, each with the milliseconds since the
-child started (``torch.compile`` is its own line): what each first call compiled and timed, and when.  The last lines compare every backend with Inductor against the budgets
-``--cold-budget`` (3x) and ``--warm-budget`` (1.2x).
+child started (``torch.compile`` is its own line): what each first call compiled and timed, and when.  ``--profile N``
+prints the N entries of the first call's ``cProfile`` with the most cumulative time, among the backend's, Triton's and
+Inductor's functions: where a first call that logs nothing (a warm one) spends its time.  The last lines compare
+every backend with Inductor against the budgets ``--cold-budget`` (3x) and ``--warm-budget`` (1.2x).
 
 Usage (repository root; ``--device cpu`` measures CPU compiles, where fused regions stay with Inductor
 unless ``FUSION_DECIDE=fuse``)::
@@ -36,9 +38,18 @@ import time
 CACHE_ENVS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSION_CACHE_DIR")
 
 
-def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str) -> None:
-    """Build, compile and run one first step; print ``{"first_call_s": ...}`` as the last line."""
+#: The functions ``--profile`` ranks: the backend's, Triton's runtime and compiler, Inductor's compile
+#: and its caches (module imports left out: a first call imports most of Dynamo and Inductor).
+PROFILED = r"fusion_backend|triton/(runtime|compiler|backends)|torch/_inductor/(compile_fx|codecache)"
+
+
+def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str, profile: int = 0) -> None:
+    """Build, compile and run one first step; print ``{"first_call_s": ...}`` as the last line (and,
+    with ``profile``, that many ``cProfile`` entries to stderr, each line starting ``    profile``)."""
+    import cProfile
+    import io
     import logging
+    import pstats
 
     import torch
 
@@ -63,6 +74,9 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
     began = time.perf_counter()
     if log:
         logging.getLogger("fusion_backend.first_call").warning("torch.compile")
+    profiler = cProfile.Profile() if profile else None
+    if profiler is not None:
+        profiler.enable()
     compiled = torch.compile(model, backend=backend)
     with torch.set_grad_enabled(train), torch.autocast(device, torch.bfloat16, enabled=dtype == "bf16"):
         out = compiled(*inputs)
@@ -70,18 +84,29 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
         outs = out if isinstance(out, (tuple, list)) else [out]
         torch.autograd.backward([o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad])
     sync()
-    print(json.dumps({"first_call_s": time.perf_counter() - began}))
+    first_call_s = time.perf_counter() - began
+    if profiler is not None:
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
+        stats.print_stats(PROFILED, r"^(?!.*\(<module>\)).*$", profile)
+        rows = [line for line in text.getvalue().splitlines() if line.strip() and not line.endswith("(<module>)")]
+        start = next((i for i, line in enumerate(rows) if line.lstrip().startswith("ncalls")), 0)
+        print("\n".join(f"    profile {line}" for line in rows[start:]), file=sys.stderr)
+    print(json.dumps({"first_call_s": first_call_s}))
 
 
 def measure(path: str, backend: str, mode: str, dtype: str, caches: str, timeout: float, log: bool,
-            device: str) -> float:
+            device: str, profile: int = 0) -> float:
     """One child process's first-call seconds with the cache folders under ``caches``."""
     env = dict(os.environ, **{name: os.path.join(caches, name.lower()) for name in CACHE_ENVS})
     cmd = [sys.executable, __file__, path, "--child", "--backends", backend, "--mode", mode, "--dtype", dtype]
-    cmd += ["--device", device] + (["--log"] if log else [])
+    cmd += ["--device", device, "--profile", str(profile)] + (["--log"] if log else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    for line in proc.stderr.splitlines() if log else ():
-        if line.startswith("    ") and " fusion_backend" in line:
+    if profile:
+        print(f"  {backend}: the first call's {profile} functions with the most cumulative time")
+    for line in proc.stderr.splitlines():
+        if (log and line.startswith("    ") and " fusion_backend" in line) or line.startswith("    profile "):
             print(line)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -102,16 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per child process")
     parser.add_argument("--log", action="store_true", help="print what the backend's first calls timed")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="print the first call's N costliest functions (cProfile, cumulative)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     if args.child:
-        child(args.model, backends[0], args.mode, args.dtype, args.log, args.device)
+        child(args.model, backends[0], args.mode, args.dtype, args.log, args.device, args.profile)
         return 0
     times: dict[str, tuple[float, float]] = {}
     with contextlib.ExitStack() as stack:
         caches = {b: stack.enter_context(tempfile.TemporaryDirectory(prefix=f"first_call_{b}_")) for b in backends}
-        run = lambda b: measure(args.model, b, args.mode, args.dtype, caches[b], args.timeout, args.log, args.device)  # noqa: E731
+        run = lambda b: measure(args.model, b, args.mode, args.dtype, caches[b], args.timeout, args.log,  # noqa: E731
+                                args.device, args.profile)
         cold = {b: run(b) for b in backends}
         # The warm runs alternate between the backends: a warm first call is mostly cache reads and
         # imports, whose time follows the host's state (NOTE: Inductor's own warm first call of the

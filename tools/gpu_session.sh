@@ -18,6 +18,7 @@
 #            families' GPU tests (FAMILIES_TESTS=0 skips them)
 #   hostbwd  tools/conv_backward_host.py: the conv backward's host time inside fused training steps vs eager's
 #   firstcall tools/first_call.py, cold and warm, on Conv2d 64->64 (infer, train), Conv3d (infer), ConvT3d (train)
+#            (FIRSTCALL_ARGS adds options, e.g. "--warm-runs 1 --profile 25": where each first call's time goes)
 set -uo pipefail
 stages=${1:-tests,kernels,explain,parity,bench}
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -90,8 +91,8 @@ if has firstcall; then
   for spec in "demos/convnets/conv2d_64_k3_relu.py infer" "demos/convnets/conv2d_64_k3_relu.py train" \
               "demos/convnets/conv3d_32_64_k3_leaky_maxpool.py infer" "demos/seeds/convt3d_leaky_mul_leaky_maxpool.py train"; do
     read -r model mode <<<"$spec"
-    timeout 150 python3 tools/first_call.py "$model" --mode "$mode" --dtype fp32 --log 2>&1 \
-      | tee -a "$out/first_call.log" | grep -E "cold|budget|launch:"
+    timeout 150 python3 tools/first_call.py "$model" --mode "$mode" --dtype fp32 --log ${FIRSTCALL_ARGS:-} 2>&1 \
+      | tee -a "$out/first_call.log" | grep -E "cold|budget|launch:|profile"
   done
 fi
 exit $rc
