@@ -90,7 +90,7 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
         stats.print_stats(PROFILED, r"^(?!.*\(<module>\)).*$", profile)
-        rows = [line for line in text.getvalue().splitlines() if line.strip() and not line.endswith("(<module>)")]
+        rows = [line for line in text.getvalue().splitlines() if line.strip()]
         start = next((i for i, line in enumerate(rows) if line.lstrip().startswith("ncalls")), 0)
         print("\n".join(f"    profile {line}" for line in rows[start:]), file=sys.stderr)
     print(json.dumps({"first_call_s": first_call_s}))
