@@ -1390,5 +1390,8 @@ def test_results_table_prints_a_committed_report_row_by_row_with_its_lines():
     first = rows[0].split(" | ")
     ratio = next(r for r in verdict.rows if (r.workload, r.dtype, r.mode) == tuple(first[i].strip("| ") for i in range(3)))
     assert first[6] == f"{ratio.ratio:.2f}x"
+    case = report.cases[0]
+    reference, fusion = case.item(verdict.first_call_reference), case.item(verdict.subject)
+    assert first[8] == f"{reference.compile_s:.1f} / {fusion.compile_s:.1f}"
     assert all(row.split(" | ")[-1].startswith(("fused: ", "Inductor: ")) for row in rows)
     assert f"`{verdict.line()}`" in text and f"`{verdict.first_call_line()}`" in text
