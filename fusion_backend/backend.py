@@ -9,6 +9,10 @@ A rewritten graph that holds only fused ops and glue (casts, views) skips AOTAut
 which would fuse nothing there: it runs as plain FX code with eager autograd (``runtime/direct.py``; the
 report's ``runner`` says which; ``options={"direct": False}`` turns it off).
 
+A region whose decision must be measured is decided a few calls later, once the fused op's kernels
+have compiled in the background; until then Inductor's code runs it (``runtime/deferred.py``, option
+``defer``).
+
 Nothing the user gave is lost: if normalising, matching, rewriting or compiling the rewritten graph
 fails, the untouched graph is compiled by Inductor, one warning names the pattern and the error, and
 the report records the fallback.  ``options={"strict": True}`` raises ``RewriteError`` instead.
@@ -32,7 +36,8 @@ from .match.engine import Candidate, registered_patterns, run_patterns
 from .ops.autograd_free import with_autograd_free_pass
 from .options import FusionOptions
 from .report import Decision, Fallback, GraphReport, publish
-from .runtime.decision import decide
+from .runtime import deferred
+from .runtime.decision import PENDING_RULE, decide, needs_timing
 from .runtime.direct import direct_module, why_not_direct
 
 log = logging.getLogger("fusion_backend")
@@ -79,7 +84,17 @@ def fusion(
     rewritten: Optional[fx.GraphModule] = None
     decisions: list[Decision] = []
 
+    preparations: list[Any] = []
+
     def keep(graph: fx.GraphModule, candidate: Candidate) -> bool:
+        if opts.defer and needs_timing(graph, candidate.pattern, candidate.nodes, policy=opts.decide,
+                                       cache_dir=opts.cache_dir, inductor_patches=config_patches):
+            preparation = deferred.prepare(graph, candidate.pattern, candidate.nodes, example_inputs)
+            if preparation is not None:
+                preparations.append(preparation)
+                decisions.append(Decision(candidate.pattern, candidate.summary, candidate.nodes[0].name, False,
+                                          PENDING_RULE, pending=True))
+                return False
         decisions.append(decide(
             graph, candidate.pattern, candidate.summary, candidate.nodes, example_inputs, policy=opts.decide,
             margin=opts.decide_margin, cache_dir=opts.cache_dir, inductor_patches=config_patches,
@@ -97,6 +112,7 @@ def fusion(
     except Exception as exc:  # noqa: BLE001 - any failure must fall back, never lose the graph
         fallbacks.append(_fall_back(opts, current["stage"], current["pattern"], exc))
         decisions.clear()  # nothing was rewritten
+        preparations.clear()
     times["match+decide+rewrite"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -123,6 +139,11 @@ def fusion(
     if compiled is None:
         compiled = _compile_inductor(original, example_inputs, config_patches)
     times["inductor" if runner == "inductor" else "direct"] = time.perf_counter() - t0
+    if preparations:  # the pending regions are decided later, on the graph as Dynamo gave it
+        untouched = _clone(gm)
+        settled_options = {**(options or {}), "defer": False}
+        decide_later = deferred.in_compile_state(lambda: fusion(untouched, example_inputs, mode, settled_options))
+        compiled = deferred.DeferredGraph(compiled, preparations, decide_later, opts.strict)
 
     report = GraphReport(
         graph_index=index,
@@ -138,7 +159,9 @@ def fusion(
     )
     kernels = {(m.pattern, m.nodes[0]): m.kernel for m in report.matches}
     for d in report.decisions:  # one line per decision
-        if (d.pattern, d.anchor) in kernels:
+        if d.pending:
+            log.info("pending %s: %s: %s", d.pattern, d.summary, d)
+        elif (d.pattern, d.anchor) in kernels:
             log.info("fused %s: %s (%s): %s", d.pattern, d.summary, kernels[d.pattern, d.anchor], d)
         else:
             log.info("left %s to Inductor: %s: %s", d.pattern, d.summary, d)

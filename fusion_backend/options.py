@@ -26,6 +26,11 @@ key                     meaning
                         never rewrite (matches are still reported)
 ``decide_margin``       float >= 0, default 0.03: how much faster the fused op must be to be kept
                         (ties go to Inductor)
+``defer``               bool, default True: a region whose decision must be measured runs Inductor's
+                        code while the fused op's kernels compile in Inductor's worker processes,
+                        and is decided at the first call after they have compiled (or at
+                        ``fusion_backend.settle()``), so that the first call costs what Inductor's
+                        does (``runtime/deferred.py``); False decides during the first call
 ======================  ===========================================================================
 
 Environment variables that set defaults here (``fusion_backend.environment`` lists them all):
@@ -45,7 +50,7 @@ from . import environment
 from .errors import InvalidOptionError, UnknownOptionError
 from .runtime.decision import DEFAULT_MARGIN, POLICIES
 
-OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir", "direct", "decide", "decide_margin")
+OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir", "direct", "decide", "decide_margin", "defer")
 DECIDE_ENV = environment.DECIDE
 CACHE_DIR_ENV = environment.CACHE_DIR
 cache_dir = environment.cache_dir
@@ -63,6 +68,7 @@ class FusionOptions:
     decide: str = "measure"
     decide_margin: float = DEFAULT_MARGIN
     cache_dir: Path = field(default_factory=cache_dir)
+    defer: bool = True
 
     @staticmethod
     def parse(options: Optional[Mapping[str, Any]], registered: tuple[str, ...]) -> FusionOptions:
@@ -115,7 +121,11 @@ class FusionOptions:
         margin = ours.get("decide_margin", DEFAULT_MARGIN)
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
             raise InvalidOptionError(f"option 'decide_margin' must be a number >= 0, got {margin!r}")
-        return FusionOptions(names, strict, Path(dump) if dump else None, inductor, direct, decide, float(margin))
+        defer = ours.get("defer", True)
+        if not isinstance(defer, bool):
+            raise InvalidOptionError(f"option 'defer' must be a bool, got {defer!r}")
+        return FusionOptions(names, strict, Path(dump) if dump else None, inductor, direct, decide, float(margin),
+                             defer=defer)
 
 
 def _inductor_keys() -> dict[str, Any]:

@@ -115,9 +115,12 @@ class Decision:
     fused_host_ms: Optional[float] = None
     inductor_host_ms: Optional[float] = None
     in_step_speedup: Optional[float] = None
+    pending: bool = False
+    """Not decided yet: Inductor's code runs the region until the fused op's kernels have compiled
+    in the background (``runtime/deferred.py``); the graph's next report has the decision."""
 
     def __str__(self) -> str:
-        verdict = "fused" if self.fused else "left to Inductor"
+        verdict = "pending" if self.pending else "fused" if self.fused else "left to Inductor"
         if self.fused_ms is None or self.inductor_ms is None:
             return f"{verdict}: {self.rule}"
         source = ", cached" if self.cached else ""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import statistics
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 CACHE_ENVS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSION_CACHE_DIR")
 
@@ -43,9 +45,14 @@ CACHE_ENVS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSION_CACHE_DIR")
 PROFILED = r"fusion_backend|triton/(runtime|compiler|backends)|torch/_inductor/(compile_fx|codecache)"
 
 
-def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str, profile: int = 0) -> None:
+def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str, profile: int = 0,
+          warm_process: bool = False) -> None:
     """Build, compile and run one first step; print ``{"first_call_s": ...}`` as the last line (and,
-    with ``profile``, that many ``cProfile`` entries to stderr, each line starting ``    profile``)."""
+    with ``profile``, that many ``cProfile`` entries to stderr, each line starting ``    profile``).
+    ``warm_process``: first run the step eagerly and compile a small unrelated function with Inductor,
+    then reset Dynamo: the process is warm (imports, CUDA context, Inductor's worker processes, Triton's
+    source hash) as the benchmark's is at a backend's first call, and no backend has this graph in its
+    in-process caches; not counted."""
     import cProfile
     import io
     import logging
@@ -68,6 +75,11 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
     if train:
         inputs = [t.requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                   for t in inputs]
+    if warm_process:
+        with torch.set_grad_enabled(train), torch.autocast(device, torch.bfloat16, enabled=dtype == "bf16"):
+            _step(copy.deepcopy(model), "eager", inputs, train)
+        torch.compile(lambda t: torch.nn.functional.gelu(t) * 2, backend="inductor")(torch.randn(5, 7, device=device))
+        torch._dynamo.reset()
     sync()
     # from torch.compile on, as the benchmark's compile_s: torch.compile(backend="inductor") imports
     # Inductor's compile_fx there (about 1 s), which the fusion backend imports at its first call
@@ -77,12 +89,11 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
     profiler = cProfile.Profile() if profile else None
     if profiler is not None:
         profiler.enable()
-    compiled = torch.compile(model, backend=backend)
-    with torch.set_grad_enabled(train), torch.autocast(device, torch.bfloat16, enabled=dtype == "bf16"):
-        out = compiled(*inputs)
-    if train:
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        torch.autograd.backward([o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad])
+    from fusion_backend.report import collect_reports
+
+    with torch.set_grad_enabled(train), torch.autocast(device, torch.bfloat16, enabled=dtype == "bf16"), \
+            collect_reports() as reports:
+        _step(model, backend, inputs, train)
     sync()
     first_call_s = time.perf_counter() - began
     if profiler is not None:
@@ -93,20 +104,35 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
         rows = [line for line in text.getvalue().splitlines() if line.strip()]
         start = next((i for i, line in enumerate(rows) if line.lstrip().startswith("ncalls")), 0)
         print("\n".join(f"    profile {line}" for line in rows[start:]), file=sys.stderr)
+    for report in reports:  # where the backend's own share of the first call went
+        stages = ", ".join(f"{k} {v:.2f} s" for k, v in report.stage_seconds.items())
+        print(f"    {report.graph_name}: {stages}", file=sys.stderr)
     print(json.dumps({"first_call_s": first_call_s}))
 
 
+def _step(model: Any, backend: str, inputs: list, train: bool) -> None:
+    """Compile ``model`` with ``backend`` and run one step (forward; with ``train``, the backward of
+    its outputs' sums)."""
+    import torch
+
+    out = torch.compile(model, backend=backend)(*inputs)
+    if train:
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        torch.autograd.backward([o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad])
+
+
 def measure(path: str, backend: str, mode: str, dtype: str, caches: str, timeout: float, log: bool,
-            device: str, profile: int = 0) -> float:
+            device: str, profile: int = 0, warm_process: bool = False) -> float:
     """One child process's first-call seconds with the cache folders under ``caches``."""
     env = dict(os.environ, **{name: os.path.join(caches, name.lower()) for name in CACHE_ENVS})
     cmd = [sys.executable, __file__, path, "--child", "--backends", backend, "--mode", mode, "--dtype", dtype]
     cmd += ["--device", device, "--profile", str(profile)] + (["--log"] if log else [])
+    cmd += ["--warm-process"] if warm_process else []
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     if profile:
         print(f"  {backend}: the first call's {profile} functions with the most cumulative time")
     for line in proc.stderr.splitlines():
-        if (log and line.startswith("    ") and " fusion_backend" in line) or line.startswith("    profile "):
+        if (log and line.startswith("    ") and " fusion_backend" in line) or line.startswith(("    profile ", "    graph_")):
             print(line)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -129,17 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="print the first call's N costliest functions (cProfile, cumulative)")
+    parser.add_argument("--warm-process", action="store_true",
+                        help="time each first call in a process that compiled and ran the step with Inductor "
+                             "just before, as the benchmark's compile_s is")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     if args.child:
-        child(args.model, backends[0], args.mode, args.dtype, args.log, args.device, args.profile)
+        child(args.model, backends[0], args.mode, args.dtype, args.log, args.device, args.profile, args.warm_process)
         return 0
     times: dict[str, tuple[float, float]] = {}
     with contextlib.ExitStack() as stack:
         caches = {b: stack.enter_context(tempfile.TemporaryDirectory(prefix=f"first_call_{b}_")) for b in backends}
         run = lambda b: measure(args.model, b, args.mode, args.dtype, caches[b], args.timeout, args.log,  # noqa: E731
-                                args.device, args.profile)
+                                args.device, args.profile, args.warm_process)
         cold = {b: run(b) for b in backends}
         # The warm runs alternate between the backends: a warm first call is mostly cache reads and
         # imports, whose time follows the host's state (NOTE: Inductor's own warm first call of the

@@ -197,6 +197,8 @@ def describe_item(item: Any) -> str:
     parts = ["ok"]
     if item.compile_s is not None:
         parts.append(f"first call {item.compile_s:.1f} s")
+    if item.settle_s is not None:
+        parts.append(f"settled {item.settle_s:.1f} s later")
     if item.median_ms is not None:
         parts.append(f"{fmt_ms(item.median_ms)} ms")
     if item.cold_median_ms is not None:

@@ -55,6 +55,9 @@ class ItemResult:
     timings with L2 warm / flushed; ``memory`` the step's memory; ``graph_breaks`` Dynamo's count for
     compiled backends.  ``error`` holds the failed checks (FAIL) or the exception (ERROR); ``notes``
     says why a number is missing (e.g. memory under CUDA graphs) and what the fusion backend decided.
+    ``settle_s``: where the fusion backend deferred decisions past the first call (its option ``defer``),
+    the seconds from the first call's end until a step had run on the settled code (background compiles
+    waited for, decisions measured, graph recompiled, one step; ``runner._settled_step``); None otherwise.
     ``fused_regions`` is how many regions the fusion backend rewrote when it compiled the item
     (``None`` for other backends): with 0 the item runs Inductor's code for the whole graph, so its
     time differs from Inductor's only by the measurement's noise.
@@ -68,6 +71,7 @@ class ItemResult:
     error: str = ""
     check: CheckResult | None = None
     compile_s: float | None = None
+    settle_s: float | None = None
     warm: TimingStats | None = None
     cold: TimingStats | None = None
     memory: MemoryStats | None = None
@@ -175,7 +179,7 @@ class BenchReport:
                 out.append({
                     "workload": item.workload, "dtype": item.dtype, "mode": item.mode,
                     "backend": item.backend, "status": item.status.value, "error": item.error,
-                    "compile_s": item.compile_s,
+                    "compile_s": item.compile_s, "settle_s": item.settle_s,
                     "median_ms": item.median_ms, "cold_median_ms": item.cold_median_ms,
                     "reps": item.warm.reps if item.warm else None,
                     "floor_ms": case.roofline.floor_ms if case.roofline else None,

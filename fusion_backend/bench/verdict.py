@@ -29,7 +29,8 @@ The verdict is the last line the command prints, and is stored in ``bench.json``
 First calls (:meth:`Verdict.first_call_line`, the line before the verdict): per row, fusion's first
 call (``compile_s``: compiling included) over Inductor's, where Inductor's is the copy of the baseline
 compiled first in the row (the later copy finds the row's graph in Inductor's caches), against the
-budget :data:`FIRST_CALL_BUDGET`.  It changes no count of the verdict.
+budget :data:`FIRST_CALL_BUDGET`, and, where fusion decided regions after its first call (its option
+``defer``), how long after it the rows settled (``settle_s``).  It changes no count of the verdict.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class RowRatio:
     same_code: bool = False
     #: the subject's first call over the baseline's first-compiled copy's (see the module docstring)
     first_call_ratio: float | None = None
+    #: seconds from the subject's first call to its first step on settled code (``ItemResult.settle_s``)
+    settle_s: float | None = None
 
     @property
     def label(self) -> str:
@@ -170,8 +173,11 @@ class Verdict:
         over = [r for r in rows if r.first_call_ratio > FIRST_CALL_BUDGET]  # type: ignore[operator]
         highest = max(rows, key=lambda r: r.first_call_ratio)  # type: ignore[arg-type, return-value]
         where = f", the highest {highest.label}" if over else ""
+        settles = [r.settle_s for r in rows if r.settle_s is not None]
+        settled = (f"; {len(settles)} rows decided after their first call, settled {min(settles):.1f}-"
+                   f"{max(settles):.1f} s later" if settles else "")
         return (f"first call {self.subject} / {self.first_call_reference} {min(ratios):.1f}-{max(ratios):.1f}x; "  # type: ignore[type-var]
-                f"{len(over)}/{len(rows)} rows above the {FIRST_CALL_BUDGET:g}x budget{where}")
+                f"{len(over)}/{len(rows)} rows above the {FIRST_CALL_BUDGET:g}x budget{where}{settled}")
 
     def json_extras(self) -> dict[str, object]:
         """Derived values written to the JSON report next to the fields."""
@@ -229,7 +235,7 @@ def verdict_of(report: BenchReport) -> Verdict:
         mine = case.item(subject)
         same_code = mine is not None and mine.fused_regions == 0
         rows.append(RowRatio(case.workload, case.dtype, case.mode, ratio, problem, subject_failed, same_code,
-                             _first_call_ratio(mine, case.item(reference))))
+                             _first_call_ratio(mine, case.item(reference)), mine.settle_s if mine else None))
     spread = None
     if copy is not None:
         ratios = [r for r in (case.speedup(copy, baseline) for case in report.cases) if r is not None]

@@ -18,6 +18,8 @@ How:
 * :func:`compile_all`: every job runs :func:`compile_job` in a worker process, which compiles the
   kernel into Triton's on-disk cache and reports the parts of the key it filed it under.  The launch
   that then runs for real computes the same key and loads the compiled kernel from disk.
+  :func:`submit_all` sends the jobs and returns at once (a :class:`Batch`), for compiles that run
+  while the caller goes on (``kernels.launch.compile_in_background``).
 
 A job can only make a later launch cheaper, never change it: a kernel that is not importable by its
 module and name (defined in a function) is not sent; a worker whose Triton environment variables
@@ -260,46 +262,69 @@ def ready_pool() -> Any:
 def compile_all(pool: Any, jobs: list[Job]) -> int:
     """Run every job on ``pool`` (``submit(fn, *args) -> Future``); returns how many compiled under
     the key this process's launch will look up.  Waits at most :data:`WAIT_S`; what has not compiled
-    by then is left to its launch.
+    by then is left to its launch (``submit_all(pool, jobs).collect(WAIT_S)``)."""
+    return submit_all(pool, jobs).collect(WAIT_S)
 
-    Any job that does not come back compiled under this process's key turns the workers off for the
-    process (:func:`ready_pool`), with one log line saying why: a worker whose key differs (the
-    parts that differ, :func:`key_parts`) would never be found, and a worker that fails, answers
-    late or compiles nothing (it cannot import this package, its environment differs) would cost
-    every later first call the same wait for nothing.  The kernels compile here then, as before."""
-    began = time.perf_counter()
+
+def submit_all(pool: Any, jobs: list[Job]) -> Batch:
+    """Send every job to ``pool`` (``submit(fn, *args) -> Future``) and return at once: the
+    :class:`Batch` says when they are done and checks what they compiled."""
     futures: dict[Future[dict[str, str] | str], Job] = {}
     for job in jobs:
         try:
             futures[pool.submit(compile_job, job)] = job
         except Exception as err:  # noqa: BLE001 - a job that does not pickle: its launch compiles it
             log.debug("compile of %s not sent to a worker: %s: %s", job.name, type(err).__name__, err)
-    done, pending = wait(futures, timeout=WAIT_S)
-    if pending:
-        _turn_workers_off(f"{len(pending)} of {len(futures)} worker compiles took longer than {WAIT_S:.0f} s")
-    compiled = 0
-    for future in done:
-        job = futures[future]
-        try:
-            result = future.result()
-        except Exception as err:  # noqa: BLE001 - it compiles (or fails) again at its launch
-            result = f"{type(err).__name__}: {err}"
-        if isinstance(result, str):
-            _turn_workers_off(f"a worker did not compile {job.name}: {result}")
-            continue
-        try:
-            here = key_parts(job)
-        except Exception as err:  # noqa: BLE001 - a Triton whose key this module cannot take apart
-            here = {"key": f"{type(err).__name__}: {err}"}
-        differ = sorted(part for part in here if here[part] != result.get(part))
-        if differ:
-            _turn_workers_off(f"a worker's cache key for {job.name} differs from this process's in: {', '.join(differ)}",
-                              "; ".join(f"{p}: {result.get(p)!r} there, {here[p]!r} here" for p in differ))  # fmt: skip
-            continue
-        compiled += 1
-    log.info("compiled %d of %d Triton kernels in worker processes in %.1f s", compiled, len(jobs),
-             time.perf_counter() - began)  # fmt: skip
-    return compiled
+    return Batch(futures, time.perf_counter())
+
+
+class Batch:
+    """Compile jobs running in worker processes (:func:`submit_all`)."""
+
+    def __init__(self, futures: dict[Future[dict[str, str] | str], Job], began: float) -> None:
+        self.futures, self.began = futures, began
+
+    def ready(self) -> bool:
+        """Whether every job has finished (compiled or failed); never waits."""
+        return all(future.done() for future in self.futures)
+
+    def collect(self, timeout: float) -> int:
+        """Wait at most ``timeout`` seconds for the jobs; how many compiled under the key this
+        process's launch will look up.
+
+        Any job that does not come back compiled under this process's key turns the workers off for
+        the process (:func:`ready_pool`), with one log line saying why: a worker whose key differs
+        (the parts that differ, :func:`key_parts`) would never be found, and a worker that fails,
+        answers late or compiles nothing (it cannot import this package, its environment differs)
+        would cost every later first call the same wait for nothing.  The kernels compile here
+        then, as before."""
+        futures = self.futures
+        done, pending = wait(futures, timeout=timeout)
+        if pending:
+            _turn_workers_off(f"{len(pending)} of {len(futures)} worker compiles took longer than {timeout:.0f} s")
+        compiled = 0
+        for future in done:
+            job = futures[future]
+            try:
+                result = future.result()
+            except Exception as err:  # noqa: BLE001 - it compiles (or fails) again at its launch
+                result = f"{type(err).__name__}: {err}"
+            if isinstance(result, str):
+                _turn_workers_off(f"a worker did not compile {job.name}: {result}")
+                continue
+            try:
+                here = key_parts(job)
+            except Exception as err:  # noqa: BLE001 - a Triton whose key this module cannot take apart
+                here = {"key": f"{type(err).__name__}: {err}"}
+            differ = sorted(part for part in here if here[part] != result.get(part))
+            if differ:
+                _turn_workers_off(f"a worker's cache key for {job.name} differs from this process's in: {', '.join(differ)}",
+                                  "; ".join(f"{p}: {result.get(p)!r} there, {here[p]!r} here" for p in differ))  # fmt: skip
+                continue
+            compiled += 1
+        log.info("compiled %d of %d Triton kernels in worker processes in %.1f s", compiled, len(futures),
+                 time.perf_counter() - self.began)  # fmt: skip
+        return compiled
 
 
 def _turn_workers_off(why: str, detail: str = "") -> None:

@@ -223,6 +223,8 @@ def _driver_functions() -> tuple[Callable[[], int], Callable[[int], int]] | None
 _compiling_ahead: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fusion_compiling_ahead", default=False
 )
+#: True while ``compile_in_background`` runs its calls: every candidate of a choice is wanted.
+_every_candidate: contextvars.ContextVar[bool] = contextvars.ContextVar("fusion_every_candidate", default=False)
 
 
 def compiling_ahead() -> bool:
@@ -281,6 +283,33 @@ def compile_ahead(calls: Iterable[Callable[[], object]], speculative: Iterable[C
         return False
     _compile_on_threads(mode_class, calls)
     return True
+
+
+def compile_in_background(calls: Iterable[Callable[[], object]]) -> compile_pool.Batch | None:
+    """Send the compiles of every Triton kernel that ``calls`` would launch, with every candidate of
+    each implementation choice (``ops.impl_choice.choose`` runs them all, and answers its default
+    without timing or remembering), to Inductor's worker processes, and return at once: the batch
+    says when they have compiled.  None, having compiled nothing, where no worker pool is up, under
+    the interpreter, or inside a compile ahead.  As in :func:`compile_ahead`, the calls run with
+    their launches replaced by compile submissions; a call that raises is skipped."""
+    if INTERPRETER or _compiling_ahead.get():
+        return None
+    pool = compile_pool.ready_pool()
+    if pool is None:
+        return None
+    token = _every_candidate.set(True)
+    try:
+        with compile_pool.capturing() as jobs:
+            _run_without_launching(calls)
+    finally:
+        _every_candidate.reset(token)
+    return compile_pool.submit_all(pool, list(jobs.values()))
+
+
+def compiling_every_candidate() -> bool:
+    """Whether the caller runs inside :func:`compile_in_background`, which wants the kernels of
+    every candidate of an implementation choice, not only of the one a choice would answer."""
+    return _every_candidate.get()
 
 
 def _run_without_launching(calls: Iterable[Callable[[], object]]) -> None:

@@ -14,7 +14,8 @@ Contract of ``choose``:
     discarded).  Candidates must be interchangeable: they pass the same parity tests.
   * ``default``: returned without timing when measuring is off (``FUSION_CONV_AUTOTUNE=0``, for
     deterministic compile times), during CUDA-graph capture, inside ``kernels.launch.compile_ahead``,
-    or when a candidate raises.
+    or when a candidate raises.  Inside ``kernels.launch.compile_in_background`` every candidate
+    and probe runs first (their kernels compile in the background), and nothing is remembered.
   * ``probes``: for candidates that autotune on their first call, name -> the same candidate on the
     one tile its autotuner would time first.  The probe is timed after the unprobed candidates; a
     candidate whose probe is more than ``SCREEN`` times slower than the best of them is dropped
@@ -179,6 +180,9 @@ def choose(
         raise ValueError(f"probes {sorted(probes)} must name candidates other than the default {default!r}")
     if fast_key is not None and (settled := _fast.peek(fast_key)) is not None:
         return settled
+    if launch.compiling_every_candidate():
+        _run_every_candidate([*candidates.values(), *probes.values()])
+        return default
     if (
         not environment.measuring()
         or launch.compiling_ahead()
@@ -230,6 +234,17 @@ def choose(
         + [f"{n} {t:.3f} ms on its first tile, not tuned" for n, t in screened.items()]))
     _store(full_key, best)
     return _remember(full_key, best, fast_key)
+
+
+def _run_every_candidate(calls: list[Callable[[], object]]) -> None:
+    """Inside ``launch.compile_in_background``: run each candidate once (its launches only submit
+    their compiles), so that a later ``choose`` finds every candidate's kernels compiled; a candidate
+    that raises is skipped (it raises again when it runs for real)."""
+    for call in calls:
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001 - see the docstring
+            log.debug("compile in background: a candidate raised %s: %s", type(err).__name__, err)
 
 
 def forget_in_memory() -> None:

@@ -298,6 +298,32 @@ def decide(
     return decision
 
 
+def needs_timing(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], *, policy: str, cache_dir: Path,
+                 inductor_patches: Mapping[str, Any]) -> bool:
+    """Whether ``decide`` would time the region ``nodes`` now: the ``measure`` policy, a result on a
+    measured device, no CUDA graphs (a kept region must be primed before they record) and no answer
+    cached for its key, in memory or on disk.  False where the key cannot be built (``decide``
+    then says why)."""
+    from ..match.engine import fake_of
+    from . import region_timing
+
+    result = fake_of(nodes[-1])
+    if (policy != "measure" or inductor_patches.get("triton.cudagraphs") or not isinstance(result, torch.Tensor)
+            or result.device.type not in _measured_devices):
+        return False
+    try:
+        region = region_timing.extract_region(gm, region_timing.with_consumers(gm, nodes))
+        key = _key(pattern, region, _gradients_flow(region), {**inductor_patches, "triton.cudagraphs": False})
+    except Exception:  # noqa: BLE001 - see the docstring
+        return False
+    with _lock:
+        return key not in _memory and key not in _load(cache_dir)
+
+
+PENDING_RULE = ("measured once the fused op's kernels have compiled in the background; Inductor's code runs the "
+                "region until then")
+
+
 def _gradients_flow(region: Any) -> bool:
     """Whether the graph's call runs a backward through the region: grad mode is on (Dynamo guards
     on it) and one of the region's inputs requires grad."""

@@ -951,6 +951,29 @@ def test_the_fusion_item_records_how_many_regions_it_rewrote(tiny: Workload) -> 
     assert items["inductor"].fused_regions is None and items["eager"].fused_regions is None
 
 
+def test_a_row_whose_decisions_were_deferred_is_checked_and_timed_on_its_settled_code(tiny: Workload) -> None:
+    """With a decision left pending by the first call (a fake background compile that is done at
+    once, a fake region timer that makes the fused op win), the row settles before the check: its
+    notes and region count are the settled graph's, and it records how long settling took."""
+    from fusion_backend.runtime import decision, deferred
+
+    class DoneAtOnce:
+        def ready(self) -> bool:
+            return True
+
+        def collect(self, timeout: float) -> int:
+            return 0
+
+    fusion = torch_compile_backend("fusion-measured", "fusion", options={"decide": "measure"})
+    with deferred.preparing_with(lambda *args: DoneAtOnce()), \
+            decision.timing_override(lambda steps: {"fused": 1.0, "inductor": 2.0}, measure_on=("cpu",)):
+        report = run([tiny], [BUILTIN_EAGER, fusion], modes=("infer",), timer=FakeTimer({}))
+    item = report.cases[0].item("fusion-measured")
+    assert item.ok, item.error
+    assert item.fused_regions == 1 and item.settle_s is not None and item.settle_s >= 0
+    assert len(item.notes) == 1 and "fused: fused is faster" in item.notes[0]
+
+
 def test_a_failed_fusion_row_never_counts_and_is_the_worst_row_ahead_of_any_slow_one() -> None:
     report = synthetic_report([
         ("conv_a", "fp32", "infer", {"inductor": 1.0, "fusion": 2.0}),           # 0.5x, slow but correct
@@ -1014,6 +1037,17 @@ def test_first_calls_are_compared_with_the_inductor_copy_compiled_first_against_
     within = synthetic_report([("conv_a", "fp32", "infer", {"inductor": 1.0, "fusion": 0.5})])
     assert verdict_of(within).first_call_line() == "first call fusion / inductor 1.0-1.0x; 0/1 rows above the 3x budget"
     assert verdict_of(synthetic_report([("conv_a", "fp32", "infer", {"fusion": Status.FAIL})])).first_call_line() == ""
+
+
+def test_the_first_call_line_says_how_long_after_their_first_call_deferred_rows_settled() -> None:
+    report = synthetic_report([(w, "fp32", "infer", {"inductor": 1.0, "fusion": 0.5}) for w in ("conv_a", "conv_b", "conv_c")])
+    settles = {"conv_a": 2.25, "conv_b": 0.75}
+    report = dataclasses.replace(report, cases=tuple(dataclasses.replace(case, items=tuple(
+        dataclasses.replace(item, settle_s=settles.get(case.workload)) if item.backend == "fusion" else item
+        for item in case.items)) for case in report.cases))
+    assert verdict_of(report).first_call_line() == (
+        "first call fusion / inductor 1.0-1.0x; 0/3 rows above the 3x budget; 2 rows decided after their first call, "
+        "settled 0.8-2.2 s later")
 
 
 def test_verdict_without_timings_or_without_both_contenders_says_why() -> None:

@@ -2,6 +2,7 @@
 the measured decision.  Skipped without a GPU."""
 
 import statistics
+import time
 
 import pytest
 import torch
@@ -156,3 +157,57 @@ def test_region_timing_tells_the_gpu_time_of_a_host_bound_step_from_its_time_per
     # share the host (1.0 ms in one of five rounds with twelve workers)
     assert all(0 < t <= p for t, p in zip(device.host_ms, device.per_call_ms, strict=True)), device
     assert statistics.median(device.host_ms) < 0.5, device
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_a_deferred_decision_compiles_in_the_workers_then_settles_with_eager_s_results(tmp_path, monkeypatch, train):
+    """The real deferral: Inductor's worker pool up, the first call leaves the region pending and sends
+    the fused op's kernels to the workers; the call after they have compiled measures, swaps in the
+    decided graph, and every call matches eager (outputs and gradients)."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    from fusion_backend.kernels import compile_pool
+    from fusion_backend.runtime import deferred
+
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # the fused kernels compile cold
+    monkeypatch.delenv("FUSION_DECIDE", raising=False)
+    decision.forget_in_memory()
+    if not AsyncCompile.use_process_pool():
+        pytest.skip("Inductor's compile worker pool is off here")
+    AsyncCompile.process_pool()
+    torch.compile(lambda t: t * 2, backend="inductor")(torch.randn(8, device="cuda"))  # pool up and warm
+    if compile_pool.ready_pool() is None:
+        pytest.skip("Inductor's compile worker pool is not up")
+    torch.manual_seed(0)
+    model = Conv2dRelu().cuda()
+    x = torch.randn(4, 8, 12, 10, device="cuda", requires_grad=train)
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(train):
+            out = fn(x)
+            if train:
+                out.sum().backward()
+        return out.detach().clone(), [p.grad.clone() for p in model.parameters()] if train else []
+
+    want, want_grads = step(model)
+    compiled = torch.compile(model, backend="fusion")
+    with collect_reports() as first:
+        got, grads = step(compiled)
+    ((pending,),) = [r.decisions for r in first]
+    assert pending.pending, pending
+    (graph,) = list(deferred._pending)
+    began = time.perf_counter()
+    while not all(p.ready() for p in graph._preparations):
+        assert time.perf_counter() - began < 120, "the background compiles did not finish"
+        time.sleep(0.05)
+    with collect_reports() as settled:
+        results = [(got, grads)] + [step(compiled) for _ in range(2)]
+    ((decided,),) = [r.decisions for r in settled]
+    assert not decided.pending and decided.fused_ms is not None and graph.settled
+    for out, out_grads in results:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        for g, w in zip(out_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()

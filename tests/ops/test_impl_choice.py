@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -205,6 +206,44 @@ def test_a_choice_asked_while_compiling_ahead_is_the_default_and_not_remembered(
     launch.compile_ahead([ask])
     assert answers == ["a"]
     assert not impl_choice.is_final(("compile-ahead",))
+
+
+class Pool:
+    """A worker pool that runs nothing: ``compile_in_background`` only needs it to be up."""
+
+    def submit(self, fn, *args):
+        raise AssertionError("no kernel was captured, so nothing is sent")
+
+
+def test_a_background_compile_runs_every_candidate_and_probe_and_remembers_nothing(monkeypatch):
+    from fusion_backend.kernels import compile_pool, launch
+
+    monkeypatch.setattr(launch, "INTERPRETER", False)
+    monkeypatch.setattr(compile_pool, "ready_pool", lambda: Pool())
+    monkeypatch.setattr(compile_pool, "capturing", contextlib.contextmanager(lambda: (yield {})))  # no Triton driver on CPU
+    ran, answers = [], []
+    candidates = {name: (lambda name=name: ran.append(name)) for name in ("library", "fast", "tuned")}
+
+    def broken():
+        raise RuntimeError("a candidate that cannot run is skipped")
+
+    def ask():
+        answers.append(impl_choice.choose("background-test", {**candidates, "broken": broken}, default="library",
+                                          timer=lambda fn: 1.0, fast_key=("background",),
+                                          probes={"tuned": lambda: ran.append("tuned probe")}))  # fmt: skip
+
+    batch = launch.compile_in_background([ask])
+    assert answers == ["library"] and sorted(ran) == ["fast", "library", "tuned", "tuned probe"]
+    assert batch is not None and batch.ready() and batch.futures == {}
+    assert not impl_choice.is_final(("background",)) and not impl_choice._memory
+
+
+def test_nothing_compiles_in_the_background_without_a_worker_pool(monkeypatch):
+    from fusion_backend.kernels import compile_pool, launch
+
+    monkeypatch.setattr(compile_pool, "ready_pool", lambda: None)
+    ran = []
+    assert launch.compile_in_background([lambda: ran.append(1)]) is None and ran == []
 
 
 def test_every_autotuned_kernel_times_its_tiles_with_the_short_bench(monkeypatch):

@@ -1,0 +1,196 @@
+"""Deferred decisions: a first call as cheap as Inductor's, the measured rewrite a few calls later.
+
+A region whose decision must be measured (``decision.needs_timing``: the ``measure`` policy on CUDA,
+no answer cached, no CUDA graphs) costs its first call the compiles of the fused op's Triton kernels
+(seconds each for a conv kernel) before anything can be timed.  With the option ``defer`` (default
+True) the backend does not wait for them:
+
+1. the region is left to Inductor for now (its decision reads "pending"), and the graph compiles as
+   it would with every pending region left to Inductor, so the first call costs what
+   ``backend="inductor"``'s does;
+2. the fused op's kernels, those of every candidate its implementation choices would time, go to
+   Inductor's compile worker processes (``prepare_fused``: the rewritten region runs once with its
+   launches replaced by compile submissions, ``kernels.launch.compile_in_background``), which compile
+   them into Triton's disk cache while the model runs;
+3. the first call after they have all compiled (a non-blocking check per call), or ``settle()``,
+   compiles the graph again with ``defer=False``: the decision is measured as before, now loading
+   the kernels instead of compiling them, and the compiled graph (the rewrite where it won) replaces
+   Inductor's from then on.  That call also publishes the graph's new report.
+
+WHY: a first call that compiles conv kernels took 3-8x Inductor's in the benchmark's process, where
+Inductor compiled the same small graph in 0.4-0.9 s, while the kernels' compiles took 2.2-2.9 s in
+the workers (``python -m fusion_backend bench --log --suite convnets``, H100); in a training loop,
+Inductor's code runs the steps meanwhile.
+
+Nothing is deferred where no worker pool is up (``compile_in_background`` returns None): the
+compiles would run in this process, on the same interpreter as the model, and the decision is made
+at once as before.  Only the forward's kernels are prepared: a backward runs on autograd's own
+threads, out of reach of the capture; its kernels compile when the decision runs it.
+
+The graph keeps its example inputs (the first call's tensors) and a copy of the graph until it
+settles: the decision times the region on them.  Settling runs in the compile-time grad mode and
+autocast state (Dynamo guards on them, and the decision's cache key holds them), whichever thread
+calls.  A settle that fails keeps Inductor's code (one warning); with ``strict=True`` it raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("fusion_backend.decision")
+
+
+class Preparation(Protocol):
+    """Background work a pending decision waits for (``kernels.compile_pool.Batch``)."""
+
+    def ready(self) -> bool: ...
+
+    def collect(self, timeout: float) -> int: ...
+
+
+#: ``(gm, pattern, nodes, example_inputs) -> Preparation | None``; ``prepare_fused`` unless a test
+#: replaces it (``preparing_with``).
+Preparer = Callable[[fx.GraphModule, str, Sequence[fx.Node], Sequence[Any]], "Preparation | None"]
+
+#: Seconds ``settle`` waits for a preparation before deciding anyway (the decision then compiles
+#: what is missing itself).
+SETTLE_WAIT_S = 120.0
+
+_preparer: Preparer | None = None
+_pending: weakref.WeakSet[DeferredGraph] = weakref.WeakSet()
+
+
+def prepare_fused(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node],
+                  example_inputs: Sequence[Any]) -> Preparation | None:
+    """Send the compiles of the kernels the fused op would run on the region ``nodes`` of ``gm``
+    (rewritten by ``pattern``, with the consumers the decision times it with) to the worker
+    processes; None where nothing was sent (no worker pool, or the region does not rewrite alone)."""
+    import copy
+
+    from ..kernels import launch
+    from ..match.engine import run_patterns
+    from . import region_timing
+
+    region = region_timing.extract_region(gm, region_timing.with_consumers(gm, nodes))
+    inputs = region_timing.region_inputs(region, gm, example_inputs)
+    fused = fx.GraphModule(region.gm, copy.deepcopy(region.gm.graph), class_name="Region")
+    if len(run_patterns(fused, [pattern]).matches) != 1:
+        return None
+    return launch.compile_in_background([lambda: fused(*inputs)])
+
+
+def prepare(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node],
+            example_inputs: Sequence[Any]) -> Preparation | None:
+    """``prepare_fused`` (or the test's preparer); None also where preparing failed (logged): the
+    decision is then made at once."""
+    try:
+        return (_preparer or prepare_fused)(gm, pattern, nodes, example_inputs)
+    except Exception as exc:  # noqa: BLE001 - deciding at once is always possible
+        log.info("decision %s at %s: not deferred (%s: %s)", pattern, nodes[0].name, type(exc).__name__, exc)
+        return None
+
+
+@contextlib.contextmanager
+def preparing_with(preparer: Preparer | None) -> Iterator[None]:
+    """Within the block, pending decisions wait for ``preparer``'s work (``None``: the real one).
+    For tests: on CPU no worker pool compiles anything, so nothing would be deferred."""
+    global _preparer
+    saved, _preparer = _preparer, preparer
+    try:
+        yield
+    finally:
+        _preparer = saved
+
+
+class DeferredGraph:
+    """The compiled graph while decisions are pending: calls run ``first`` (Inductor's code for the
+    pending regions) until every preparation is ready, then ``settle`` swaps in ``decide()``'s
+    compile for good.  ``decide``: compiles the graph with the decisions measured (the backend with
+    ``defer=False``); it runs once."""
+
+    def __init__(self, first: Callable[..., Any], preparations: Sequence[Preparation],
+                 decide: Callable[[], Callable[..., Any]], strict: bool) -> None:
+        self._current = first
+        self._preparations: tuple[Preparation, ...] | None = tuple(preparations)
+        self._decide: Callable[[], Callable[..., Any]] | None = decide
+        self._strict = strict
+        self._lock = threading.Lock()
+        _pending.add(self)
+
+    @property
+    def settled(self) -> bool:
+        return self._preparations is None
+
+    def __call__(self, *args: Any) -> Any:
+        preparations = self._preparations
+        if preparations is not None and all(p.ready() for p in preparations):
+            self.settle()
+        return self._current(*args)
+
+    def settle(self) -> None:
+        """Wait for the preparations (at most ``SETTLE_WAIT_S``), measure the decisions and swap in
+        their compile; nothing when already settled (or settling on another thread)."""
+        if self._preparations is None or not self._lock.acquire(blocking=False):
+            return
+        try:
+            preparations, decide = self._preparations, self._decide
+            if preparations is None or decide is None:
+                return
+            began = time.perf_counter()
+            for preparation in preparations:
+                preparation.collect(SETTLE_WAIT_S)
+            try:
+                self._current = decide()
+            except Exception as exc:
+                if self._strict:
+                    from ..errors import RewriteError
+
+                    raise RewriteError(f"the deferred decision failed: {type(exc).__name__}: {exc} (strict=True)") from exc
+                warnings.warn(f"fusion: the deferred decision failed ({type(exc).__name__}: {exc}); "
+                              "Inductor's code keeps running the graph", stacklevel=2)
+            log.info("settled a deferred graph in %.1f s", time.perf_counter() - began)
+            self._preparations = self._decide = None
+            _pending.discard(self)
+        finally:
+            self._lock.release()
+
+
+def settle() -> int:
+    """Settle every graph of this process whose decisions are pending (see the module docstring):
+    wait for their kernels' compiles, measure, and swap in the result.  Returns how many graphs it
+    settled.  A benchmark calls it after the first call so that what it times is the settled code;
+    a training loop need not: each graph settles at its first call after its compiles are done."""
+    graphs = list(_pending)
+    for graph in graphs:
+        graph.settle()
+    return sum(graph.settled for graph in graphs)
+
+
+def in_compile_state(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` to be run later in this moment's grad mode and autocast state (the state a Dynamo graph
+    was compiled in, which its guards and the decision's cache key hold)."""
+    grad = torch.is_grad_enabled()
+    autocast = {device: torch.get_autocast_dtype(device) for device in ("cuda", "cpu")
+                if torch.is_autocast_enabled(device)}
+
+    def run() -> Any:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(grad))
+            for device in ("cuda", "cpu"):
+                if device in autocast:
+                    stack.enter_context(torch.autocast(device, dtype=autocast[device]))
+                elif torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, enabled=False))
+            return fn()
+
+    return run

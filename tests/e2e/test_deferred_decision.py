@@ -1,0 +1,244 @@
+"""Deferred decisions: Inductor's code runs a region until the fused op's kernels have compiled in the
+background, then the decision is measured and the graph swapped.
+
+On CPU no worker pool compiles anything, so a fake preparation stands in for the background compiles
+(``deferred.preparing_with``) and a fake timer for the GPU (``decision.timing_override``)."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fusion_backend
+from fusion_backend.errors import RewriteError
+from fusion_backend.report import collect_reports
+from fusion_backend.runtime import decision, deferred
+
+
+class ConvLeakyPool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.scale = nn.Parameter(torch.randn(8, 1, 1))
+
+    def forward(self, x):
+        return F.max_pool2d(F.leaky_relu(self.conv(x), 0.1) * self.scale, 2)
+
+
+class Compiles:
+    """A fake background compile per pending region: ready once ``finish()`` is called."""
+
+    def __init__(self):
+        self.done = False
+        self.prepared: list[str] = []
+        self.collected = 0
+
+    def __call__(self, gm, pattern, nodes, example_inputs):
+        self.prepared.append(pattern)
+        return self
+
+    def ready(self):
+        return self.done
+
+    def collect(self, timeout):
+        self.collected += 1
+        return 1
+
+    def finish(self):
+        self.done = True
+
+
+class Timer:
+    def __init__(self, fused, inductor):
+        self.times, self.calls = {"fused": fused, "inductor": inductor}, 0
+
+    def __call__(self, steps):
+        self.calls += 1
+        return dict(self.times)
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FUSION_DECIDE", raising=False)
+    decision.forget_in_memory()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    decision.forget_in_memory()
+
+
+@pytest.fixture
+def faked(request):
+    """(compiles, timer) in force for the test; the timer's times from ``request.param`` (fused,
+    inductor), the fused op faster by default."""
+    compiles, timer = Compiles(), Timer(*getattr(request, "param", (1.0, 2.0)))
+    with deferred.preparing_with(compiles), decision.timing_override(timer, measure_on=("cpu",)):
+        yield compiles, timer
+
+
+def run(compiled, x, train):
+    with collect_reports() as reports:
+        if train:
+            out = compiled(x)
+            out.sum().backward()
+        else:
+            with torch.no_grad():
+                out = compiled(x)
+    return out, reports
+
+
+def grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "through-inductor"])
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_the_first_calls_run_inductors_code_and_the_first_call_after_the_compiles_swaps_in_the_rewrite(
+        faked, train, direct):
+    compiles, timer = faked
+    torch.manual_seed(0)
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12, requires_grad=train)
+    want = run(model, x, train)[0]
+    want_grads = grads(model) if train else []
+    compiled = torch.compile(model, backend="fusion", options={"direct": direct})
+    for call in range(3):
+        model.zero_grad(set_to_none=True)
+        out, reports = run(compiled, x, train)
+        torch.testing.assert_close(out, want)
+        if train:
+            for got, expected in zip(grads(model), want_grads, strict=True):
+                torch.testing.assert_close(got, expected)
+        if call == 0:
+            ((pending,),) = [r.decisions for r in reports]
+            assert pending.pending and not pending.fused and str(pending).startswith("pending: measured once")
+            assert reports[0].matches == () and compiles.prepared == ["conv_epilogue"]
+        else:
+            assert reports == [] and timer.calls == 0  # not ready yet: nothing measured, nothing recompiled
+    compiles.finish()
+    model.zero_grad(set_to_none=True)
+    out, reports = run(compiled, x, train)
+    torch.testing.assert_close(out, want)
+    ((settled,),) = [r.decisions for r in reports]
+    assert settled.fused and not settled.pending and timer.calls == 1 and compiles.collected == 1
+    assert len(reports[0].matches) == 1 and reports[0].runner == ("direct" if direct else "inductor")
+    if train:
+        for got, expected in zip(grads(model), want_grads, strict=True):
+            torch.testing.assert_close(got, expected)
+    run(compiled, x, train)
+    assert timer.calls == 1  # settled for good
+
+
+@pytest.mark.parametrize("faked", [(2.0, 1.0)], indirect=True)
+def test_settle_decides_every_pending_graph_without_a_call_and_a_slower_rewrite_stays_with_inductor(faked):
+    compiles, timer = faked
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    compiled = torch.compile(model, backend="fusion")
+    with torch.no_grad():
+        want = compiled(x)
+    with collect_reports() as reports:
+        assert fusion_backend.settle() == 1
+    ((settled,),) = [r.decisions for r in reports]
+    assert not settled.fused and not settled.pending and settled.rule == "Inductor is faster"
+    assert compiles.collected == 1 and timer.calls == 1
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), want)
+    assert fusion_backend.settle() == 0
+
+
+def test_settle_decides_in_the_grad_mode_the_graph_was_compiled_in(faked):
+    compiles, timer = faked
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12, requires_grad=True)
+    compiled = torch.compile(model, backend="fusion")
+    with torch.no_grad():
+        compiled(x)
+    seen = []
+
+    def timer_seeing_grad_mode(steps):
+        seen.append(torch.is_grad_enabled())
+        return {"fused": 1.0, "inductor": 2.0}
+
+    with decision.timing_override(timer_seeing_grad_mode, measure_on=("cpu",)):
+        assert torch.is_grad_enabled()
+        fusion_backend.settle()
+    assert seen == [False]
+
+
+def test_a_cached_decision_is_not_deferred(faked):
+    compiles, timer = faked
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    compiled = torch.compile(model, backend="fusion")
+    with torch.no_grad():
+        compiled(x)
+    fusion_backend.settle()
+    torch._dynamo.reset()
+    decision.forget_in_memory()  # as a second process: the answer is on disk
+    with collect_reports() as reports, torch.no_grad():
+        torch.compile(model, backend="fusion")(x)
+    ((d,),) = [r.decisions for r in reports]
+    assert d.fused and d.cached and not d.pending and compiles.prepared == ["conv_epilogue"]
+
+
+def test_defer_false_decides_during_the_first_call(faked):
+    compiles, timer = faked
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    with collect_reports() as reports, torch.no_grad():
+        torch.compile(model, backend="fusion", options={"defer": False})(x)
+    ((d,),) = [r.decisions for r in reports]
+    assert d.fused and not d.pending and timer.calls == 1 and compiles.prepared == []
+
+
+def test_nothing_is_deferred_where_nothing_compiles_in_the_background(faked):
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    with deferred.preparing_with(lambda *args: None), collect_reports() as reports, torch.no_grad():
+        torch.compile(model, backend="fusion")(x)
+    ((d,),) = [r.decisions for r in reports]
+    assert d.fused and not d.pending
+
+
+def test_the_real_preparer_sends_nothing_without_a_worker_pool(faked):
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    with deferred.preparing_with(None), collect_reports() as reports, torch.no_grad():
+        torch.compile(model, backend="fusion")(x)  # CPU: no worker pool, decided at once
+    ((d,),) = [r.decisions for r in reports]
+    assert not d.pending and d.fused
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_failing_deferred_decision_keeps_inductors_code_or_raises_when_strict(faked, strict, monkeypatch):
+    compiles, timer = faked
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        want = model(x)
+        compiled = torch.compile(model, backend="fusion", options={"strict": strict})
+        compiled(x)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the GPU fell off the bus")
+
+    monkeypatch.setattr("fusion_backend.backend.decide", broken)  # the settling compile's decision fails
+    compiles.finish()
+    with torch.no_grad():
+        if strict:
+            with pytest.raises(RewriteError, match="fell off the bus"):
+                compiled(x)
+        else:
+            with pytest.warns(UserWarning, match="fell off the bus.*with Inductor unchanged"):
+                out = compiled(x)
+            torch.testing.assert_close(out, want)
+            torch.testing.assert_close(compiled(x), want)
+    assert timer.calls == 0
+
+
+def test_the_defer_option_must_be_a_bool():
+    from fusion_backend.match.engine import registered_patterns
+    from fusion_backend.options import FusionOptions
+
+    with pytest.raises(fusion_backend.InvalidOptionError) as info:
+        FusionOptions.parse({"defer": "yes"}, tuple(registered_patterns()))
+    assert str(info.value) == "option 'defer' must be a bool, got 'yes'"
+
+
+def test_every_public_name_of_the_package_resolves():
+    for name in fusion_backend.__all__:
+        assert getattr(fusion_backend, name) is not None, name
