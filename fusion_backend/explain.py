@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .report import GraphReport, collect_reports
+from .runtime.deferred import settled_reports
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class ExplainResult:
 
 def explain(model: Any, *inputs: Any, **compile_kwargs: Any) -> ExplainResult:
     """Compile ``model`` with ``backend="fusion"`` (plus ``compile_kwargs``), run it once on
-    ``inputs``, and return the reports of every graph compiled for that call.
+    ``inputs``, and return the reports of every graph compiled for that call.  Decisions the call
+    left pending (``runtime/deferred.py``) are settled first: the reports say what was decided.
 
     Dynamo's caches are reset first, so a model compiled earlier is explained afresh.
     """
@@ -57,4 +59,4 @@ def explain(model: Any, *inputs: Any, **compile_kwargs: Any) -> ExplainResult:
     compiled = torch.compile(model, **compile_kwargs)
     with collect_reports() as reports:
         output = compiled(*inputs)
-    return ExplainResult(tuple(reports), output)
+    return ExplainResult(tuple(settled_reports(reports)), output)

@@ -127,19 +127,16 @@ class _Reference:
 
 def _settled_step(step: _Step, reports: list[Any], tools: Any) -> tuple[Any, list[Any], float]:
     """After a first call that left decisions pending (the fusion backend's ``defer``): settle them
-    (``fusion_backend.settle``: wait for the background compiles, measure, recompile) and run the
-    step once more on the settled code, which the check and the timing then see.  Returns that
-    step's outputs, the reports that now stand (those of graphs that were not pending, and the
-    settled graphs' new ones) and the seconds from settling to the end of that step."""
-    from ..runtime.deferred import settle
+    (wait for the background compiles, measure, recompile) and run the step once more on the settled
+    code, which the check and the timing then see.  Returns that step's outputs, the reports that now
+    stand (``deferred.settled_reports``) and the seconds from settling to the end of that step."""
+    from ..runtime.deferred import settled_reports
 
     began = tools.clock()
-    with collect_reports() as settled:
-        settle()
+    standing = settled_reports(reports)
     step.reset()
     out = step.run()
     tools.synchronize()
-    standing = [r for r in reports if not any(d.pending for d in r.decisions)] + settled
     return out, standing, tools.clock() - began
 
 

@@ -289,8 +289,8 @@ def compile_in_background(calls: Iterable[Callable[[], object]]) -> compile_pool
     """Send the compiles of every Triton kernel that ``calls`` would launch, with every candidate of
     each implementation choice (``ops.impl_choice.choose`` runs them all, and answers its default
     without timing or remembering), to Inductor's worker processes, and return at once: the batch
-    says when they have compiled.  None, having compiled nothing, where no worker pool is up, under
-    the interpreter, or inside a compile ahead.  As in :func:`compile_ahead`, the calls run with
+    says when they have compiled.  None where nothing was sent: no worker pool is up, the calls
+    launch no kernel that is not compiled yet, under the interpreter, or inside a compile ahead.  As in :func:`compile_ahead`, the calls run with
     their launches replaced by compile submissions; a call that raises is skipped."""
     if INTERPRETER or _compiling_ahead.get():
         return None
@@ -303,7 +303,7 @@ def compile_in_background(calls: Iterable[Callable[[], object]]) -> compile_pool
             _run_without_launching(calls)
     finally:
         _every_candidate.reset(token)
-    return compile_pool.submit_all(pool, list(jobs.values()))
+    return compile_pool.submit_all(pool, list(jobs.values())) if jobs else None
 
 
 def compiling_every_candidate() -> bool:

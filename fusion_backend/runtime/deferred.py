@@ -74,13 +74,17 @@ def prepare_fused(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node],
                   example_inputs: Sequence[Any]) -> Preparation | None:
     """Send the compiles of the kernels the fused op would run on the region ``nodes`` of ``gm``
     (rewritten by ``pattern``, with the consumers the decision times it with) to the worker
-    processes; None where nothing was sent (no worker pool, or the region does not rewrite alone)."""
+    processes; None where nothing was sent (a region off the GPU, no worker pool, nothing left to
+    compile, or the region does not rewrite alone)."""
     import copy
 
     from ..kernels import launch
-    from ..match.engine import run_patterns
+    from ..match.engine import fake_of, run_patterns
     from . import region_timing
 
+    result = fake_of(nodes[-1])
+    if not isinstance(result, torch.Tensor) or result.device.type != "cuda":
+        return None  # no Triton kernel compiles for a region off the GPU
     region = region_timing.extract_region(gm, region_timing.with_consumers(gm, nodes))
     inputs = region_timing.region_inputs(region, gm, example_inputs)
     fused = fx.GraphModule(region.gm, copy.deepcopy(region.gm.graph), class_name="Region")
@@ -174,6 +178,19 @@ def settle() -> int:
     for graph in graphs:
         graph.settle()
     return sum(graph.settled for graph in graphs)
+
+
+def settled_reports(reports: Sequence[Any]) -> list[Any]:
+    """Settle every pending graph (``settle``) and return the ``GraphReport``s that now stand: those
+    of ``reports`` without a pending decision, then the settled graphs' new ones.  For tools that
+    report on a first call (``explain``, the benchmark)."""
+    from ..report import collect_reports
+
+    if not any(d.pending for r in reports for d in r.decisions):
+        return list(reports)
+    with collect_reports() as settled:
+        settle()
+    return [r for r in reports if not any(d.pending for d in r.decisions)] + settled
 
 
 def in_compile_state(fn: Callable[[], Any]) -> Callable[[], Any]:

@@ -88,7 +88,7 @@ def test_a_region_left_to_inductor_runs_inductor_s_code_with_eager_s_results(tmp
     want_grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
     x.grad = None
     model.zero_grad()
-    compiled = torch.compile(model, backend="fusion")
+    compiled = torch.compile(model, backend="fusion", options={"defer": False})
     with decision.timing_override(lambda steps: {"fused": 3.0, "inductor": 1.0}), collect_reports() as reports:
         out = compiled(x)
         out.sum().backward()
@@ -110,7 +110,7 @@ def test_the_real_decision_follows_its_times_and_keeps_parity(tmp_path, monkeypa
     x = torch.randn(4, 4, 8, 16, 16, device="cuda")
     with torch.no_grad():
         want = model(x)
-    compiled = torch.compile(model, backend="fusion")
+    compiled = torch.compile(model, backend="fusion", options={"defer": False})  # decided in the first call
     with collect_reports() as reports, torch.set_grad_enabled(train):
         out = compiled(x)
     (report,) = reports

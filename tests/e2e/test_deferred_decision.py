@@ -242,3 +242,13 @@ def test_the_defer_option_must_be_a_bool():
 def test_every_public_name_of_the_package_resolves():
     for name in fusion_backend.__all__:
         assert getattr(fusion_backend, name) is not None, name
+
+
+def test_explain_reports_the_settled_decisions(faked):
+    from fusion_backend.explain import explain
+
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        result = explain(model, x)
+    ((d,),) = [r.decisions for r in result.reports]
+    assert d.fused and not d.pending and "fused is faster" in str(result)
