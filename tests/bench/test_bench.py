@@ -951,11 +951,15 @@ def test_the_fusion_item_records_how_many_regions_it_rewrote(tiny: Workload) -> 
     assert items["inductor"].fused_regions is None and items["eager"].fused_regions is None
 
 
-def test_a_row_whose_decisions_were_deferred_is_checked_and_timed_on_its_settled_code(tiny: Workload) -> None:
+def test_a_row_whose_decisions_were_deferred_is_checked_and_timed_on_its_settled_code(
+        tiny: Workload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With a decision left pending by the first call (a fake background compile that is done at
     once, a fake region timer that makes the fused op win), the row settles before the check: its
     notes and region count are the settled graph's, and it records how long settling took."""
     from fusion_backend.runtime import decision, deferred
+
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path / "fusion"))  # no decision cached yet
+    decision.forget_in_memory()
 
     class DoneAtOnce:
         def ready(self) -> bool:
