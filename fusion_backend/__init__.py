@@ -19,8 +19,8 @@ from typing import Any
 
 _EXPORTS = {
     "fusion": "backend",
-    "explain": "explain",
-    "ExplainResult": "explain",
+    "explain": "explainer",
+    "ExplainResult": "explainer",
     "collect_reports": "report",
     "settle": "runtime.deferred",
     "GraphReport": "report",

@@ -239,16 +239,23 @@ def test_the_defer_option_must_be_a_bool():
     assert str(info.value) == "option 'defer' must be a bool, got 'yes'"
 
 
-def test_every_public_name_of_the_package_resolves():
+def test_every_public_name_of_the_package_resolves_to_what_it_names():
+    """Also after the modules behind them were imported directly: a submodule named like the
+    function it defines would take the function's place on the package."""
+    import importlib
+    import inspect
+
+    for module in ("explainer", "explain_cli", "report", "errors", "backend", "match.engine", "runtime.deferred"):
+        importlib.import_module(f"fusion_backend.{module}")
     for name in fusion_backend.__all__:
-        assert getattr(fusion_backend, name) is not None, name
+        value = getattr(fusion_backend, name)
+        assert not inspect.ismodule(value), f"fusion_backend.{name} is a module"
+    assert callable(fusion_backend.explain) and callable(fusion_backend.settle)
 
 
 def test_explain_reports_the_settled_decisions(faked):
-    from fusion_backend.explain import explain
-
     model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
     with torch.no_grad():
-        result = explain(model, x)
+        result = fusion_backend.explain(model, x)
     ((d,),) = [r.decisions for r in result.reports]
     assert d.fused and not d.pending and "fused is faster" in str(result)
