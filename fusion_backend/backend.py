@@ -85,9 +85,10 @@ def fusion(
     decisions: list[Decision] = []
 
     preparations: list[Any] = []
+    may_defer = opts.defer and deferred.deferrable(gm, example_inputs)
 
     def keep(graph: fx.GraphModule, candidate: Candidate) -> bool:
-        if opts.defer and needs_timing(graph, candidate.pattern, candidate.nodes, policy=opts.decide,
+        if may_defer and needs_timing(graph, candidate.pattern, candidate.nodes, policy=opts.decide,
                                        cache_dir=opts.cache_dir, inductor_patches=config_patches):
             preparation = deferred.prepare(graph, candidate.pattern, candidate.nodes, example_inputs)
             if preparation is not None:

@@ -290,8 +290,9 @@ def compile_in_background(calls: Iterable[Callable[[], object]]) -> compile_pool
     each implementation choice (``ops.impl_choice.choose`` runs them all, and answers its default
     without timing or remembering), to Inductor's worker processes, and return at once: the batch
     says when they have compiled.  None where nothing was sent: no worker pool is up, the calls
-    launch no kernel that is not compiled yet, under the interpreter, or inside a compile ahead.  As in :func:`compile_ahead`, the calls run with
-    their launches replaced by compile submissions; a call that raises is skipped."""
+    launch no kernel that is not compiled yet, under the interpreter, or inside a compile ahead.  As
+    in :func:`compile_ahead`, the calls run with their launches replaced by compile submissions; a
+    call that raises is skipped."""
     if INTERPRETER or _compiling_ahead.get():
         return None
     pool = compile_pool.ready_pool()

@@ -304,20 +304,34 @@ def needs_timing(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], *, 
     measured device, no CUDA graphs (a kept region must be primed before they record) and no answer
     cached for its key, in memory or on disk.  False where the key cannot be built (``decide``
     then says why)."""
-    from ..match.engine import fake_of
-    from . import region_timing
-
-    result = fake_of(nodes[-1])
-    if (policy != "measure" or inductor_patches.get("triton.cudagraphs") or not isinstance(result, torch.Tensor)
-            or result.device.type not in _measured_devices):
+    if policy != "measure" or inductor_patches.get("triton.cudagraphs") or not _on_measured_device(nodes):
         return False
     try:
-        region = region_timing.extract_region(gm, region_timing.with_consumers(gm, nodes))
-        key = _key(pattern, region, _gradients_flow(region), {**inductor_patches, "triton.cudagraphs": False})
+        return _lookup(gm, pattern, nodes, cache_dir, inductor_patches)[-1] is None
     except Exception:  # noqa: BLE001 - see the docstring
         return False
+
+
+def _on_measured_device(nodes: Sequence[fx.Node]) -> bool:
+    from ..match.engine import fake_of
+
+    result = fake_of(nodes[-1])
+    return isinstance(result, torch.Tensor) and result.device.type in _measured_devices
+
+
+def _lookup(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], cache_dir: Path,
+            inductor_patches: Mapping[str, Any]) -> tuple[Any, bool, dict[str, Any], str, dict[str, Any] | None]:
+    """The region as it is timed (with its consumers), whether gradients flow through it, the Inductor
+    config it is timed under (no CUDA graphs), its cache key, and the cached entry (None if none)."""
+    from . import region_timing
+
+    region = region_timing.extract_region(gm, region_timing.with_consumers(gm, nodes))
+    train = _gradients_flow(region)
+    patches = {**inductor_patches, "triton.cudagraphs": False}
+    key = _key(pattern, region, train, patches)
     with _lock:
-        return key not in _memory and key not in _load(cache_dir)
+        entry = _memory.get(key) or _load(cache_dir).get(key)
+    return region, train, patches, key, entry
 
 
 PENDING_RULE = ("measured once the fused op's kernels have compiled in the background; Inductor's code runs the "
@@ -367,22 +381,15 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
     """The ``measure`` policy's decision, and whether the fused op ran on the region's inputs in
     this process (its caches are then filled)."""
     anchor = nodes[0].name
-    from ..match.engine import fake_of
     from . import region_timing
 
-    result = fake_of(nodes[-1])
     cuda_graphs = bool(inductor_patches.get("triton.cudagraphs"))
-    if not isinstance(result, torch.Tensor) or result.device.type not in _measured_devices:
+    if not _on_measured_device(nodes):
         return Decision(pattern, summary, anchor, False,
                         "not measured on CPU: the fused op would run its plain-torch reference there, "
                         "which Inductor's CPU code matches or beats (decide='fuse' rewrites anyway)"), False
     try:
-        region = region_timing.extract_region(gm, region_timing.with_consumers(gm, nodes))
-        train = _gradients_flow(region)
-        patches = {**inductor_patches, "triton.cudagraphs": False}
-        key = _key(pattern, region, train, patches)
-        with _lock:
-            entry = _memory.get(key) or _load(cache_dir).get(key)
+        region, train, patches, key, entry = _lookup(gm, pattern, nodes, cache_dir, inductor_patches)
         if entry is not None:
             _memory[key] = entry
             return _entry_verdict(pattern, summary, anchor, entry, margin, train, True, cuda_graphs), False

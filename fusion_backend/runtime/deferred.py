@@ -24,7 +24,8 @@ Inductor's code runs the steps meanwhile.
 
 Nothing is deferred where no worker pool is up (``compile_in_background`` returns None): the
 compiles would run in this process, on the same interpreter as the model, and the decision is made
-at once as before.  Only the forward's kernels are prepared: a backward runs on autograd's own
+at once as before.  Nor for graphs with symbolic shapes or fake example inputs (``deferrable``): their
+compile needs the context Dynamo (or DDPOptimizer) compiles them in, which a later call does not have.  Only the forward's kernels are prepared: a backward runs on autograd's own
 threads, out of reach of the capture; its kernels compile when the decision runs it.
 
 The graph keeps its example inputs (the first call's tensors) and a copy of the graph until it
@@ -62,12 +63,28 @@ class Preparation(Protocol):
 #: replaces it (``preparing_with``).
 Preparer = Callable[[fx.GraphModule, str, Sequence[fx.Node], Sequence[Any]], "Preparation | None"]
 
-#: Seconds ``settle`` waits for a preparation before deciding anyway (the decision then compiles
-#: what is missing itself).
+#: Seconds ``settle`` waits for a preparation, and a graph stays pending at most, before deciding
+#: anyway (the decision then compiles what is missing itself).
 SETTLE_WAIT_S = 120.0
 
 _preparer: Preparer | None = None
 _pending: weakref.WeakSet[DeferredGraph] = weakref.WeakSet()
+
+
+def deferrable(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether the graph can be compiled again later, outside Dynamo's compile: static shapes (no
+    symbolic input, no symbolic size among the placeholders' fake values) and real example tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    if any(isinstance(x, (FakeTensor, *symbolic)) for x in example_inputs):
+        return False
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, symbolic) or (isinstance(value, torch.Tensor) and free_symbols(value)):
+            return False
+    return True
 
 
 def prepare_fused(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node],
@@ -118,8 +135,9 @@ def preparing_with(preparer: Preparer | None) -> Iterator[None]:
 
 class DeferredGraph:
     """The compiled graph while decisions are pending: calls run ``first`` (Inductor's code for the
-    pending regions) until every preparation is ready, then ``settle`` swaps in ``decide()``'s
-    compile for good.  ``decide``: compiles the graph with the decisions measured (the backend with
+    pending regions) until every preparation is ready (or ``SETTLE_WAIT_S`` have passed: a worker
+    that never answers must not keep the graph and its example inputs pending), then ``settle``
+    swaps in ``decide()``'s compile for good.  ``decide``: compiles the graph with the decisions measured (the backend with
     ``defer=False``); it runs once."""
 
     def __init__(self, first: Callable[..., Any], preparations: Sequence[Preparation],
@@ -129,6 +147,7 @@ class DeferredGraph:
         self._decide: Callable[[], Callable[..., Any]] | None = decide
         self._strict = strict
         self._lock = threading.Lock()
+        self._since = time.perf_counter()
         _pending.add(self)
 
     @property
@@ -137,7 +156,8 @@ class DeferredGraph:
 
     def __call__(self, *args: Any) -> Any:
         preparations = self._preparations
-        if preparations is not None and all(p.ready() for p in preparations):
+        if preparations is not None and (all(p.ready() for p in preparations)
+                                         or time.perf_counter() - self._since > SETTLE_WAIT_S):
             self.settle()
         return self._current(*args)
 

@@ -259,3 +259,41 @@ def test_explain_reports_the_settled_decisions(faked):
         result = fusion_backend.explain(model, x)
     ((d,),) = [r.decisions for r in result.reports]
     assert d.fused and not d.pending and "fused is faster" in str(result)
+
+
+def test_graphs_with_symbolic_shapes_are_decided_at_once(faked):
+    compiles, timer = faked
+    model = ConvLeakyPool()
+    compiled = torch.compile(model, backend="fusion", dynamic=True)
+    with collect_reports() as reports, torch.no_grad():
+        for size in (12, 14):
+            compiled(torch.randn(2, 3, size, size))
+    assert reports and not any(d.pending for r in reports for d in r.decisions)
+    assert compiles.prepared == []
+
+
+def test_a_graph_with_fake_example_inputs_is_not_deferrable():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gm = torch.fx.symbolic_trace(ConvLeakyPool())
+    assert deferred.deferrable(gm, [torch.randn(2, 3, 12, 12)])
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.randn(2, 3, 12, 12))
+    assert not deferred.deferrable(gm, [fake])
+
+
+def test_a_preparation_that_never_finishes_is_given_up_after_the_wait(monkeypatch):
+    class Never:
+        collected = 0
+
+        def ready(self):
+            return False
+
+        def collect(self, timeout):
+            Never.collected += 1
+            return 0
+
+    graph = deferred.DeferredGraph(lambda x: ("first", x), [Never()], lambda: (lambda x: ("decided", x)), strict=False)
+    assert graph(1) == ("first", 1) and not graph.settled
+    monkeypatch.setattr(deferred, "SETTLE_WAIT_S", 0.0)
+    assert graph(2) == ("decided", 2) and graph.settled and Never.collected == 1
