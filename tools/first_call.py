@@ -14,7 +14,8 @@ imports are not counted.  ``--log`` prints the children's ``fusion_backend.runti
 ``fusion_backend.impl_choice`` and ``fusion_backend.launch`` INFO lines, each with the milliseconds since the
 child started (``torch.compile`` is its own line): what each first call compiled and timed, and when.  ``--profile N``
 prints the N entries of the first call's ``cProfile`` with the most cumulative time, among the backend's, Triton's and
-Inductor's functions: where a first call that logs nothing (a warm one) spends its time.  The last lines compare
+Inductor's functions: where a first call that logs nothing (a warm one) spends its time.  Where the fusion backend
+deferred decisions past the first call, a line says how long settling them took after it (not counted).  The last lines compare
 every backend with Inductor against the budgets ``--cold-budget`` (3x) and ``--warm-budget`` (1.2x).
 
 Usage (repository root; ``--device cpu`` measures CPU compiles, where fused regions stay with Inductor
@@ -107,6 +108,13 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
     for report in reports:  # where the backend's own share of the first call went
         stages = ", ".join(f"{k} {v:.2f} s" for k, v in report.stage_seconds.items())
         print(f"    {report.graph_name}: {stages}", file=sys.stderr)
+    if any(d.pending for r in reports for d in r.decisions):  # fusion deferred decisions: when they settle
+        from fusion_backend.runtime.deferred import settle
+
+        settle_began = time.perf_counter()
+        settle()
+        sync()
+        print(f"    graphs settled {time.perf_counter() - settle_began:.2f} s after the first call", file=sys.stderr)
     print(json.dumps({"first_call_s": first_call_s}))
 
 
@@ -132,7 +140,7 @@ def measure(path: str, backend: str, mode: str, dtype: str, caches: str, timeout
     if profile:
         print(f"  {backend}: the first call's {profile} functions with the most cumulative time")
     for line in proc.stderr.splitlines():
-        if (log and line.startswith("    ") and " fusion_backend" in line) or line.startswith(("    profile ", "    graph_")):
+        if (log and line.startswith("    ") and " fusion_backend" in line) or line.startswith(("    profile ", "    graph_", "    graphs settled")):
             print(line)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
