@@ -6,7 +6,9 @@ Fixture ``fusion_rewrites``: the list of ``GraphReport``s produced while the tes
         torch.compile(model, backend="fusion")(x)
         assert sum(r.counts().get("conv_epilogue", 0) for r in fusion_rewrites) == 1
 
-On a failing test that used the fixture, the reports are added to the failure output.
+On a failing test that used the fixture, the reports are added to the failure output.  A decision the
+backend deferred past the first call (option ``defer``; its report's decision reads "pending") comes in
+a later report of the same graph, published when it settles (``fusion_backend.settle()`` settles at once).
 
 NOTE: pytest imports this module before any conftest runs, so it imports nothing of the package at
 module level: importing the backend pulls in Dynamo and Triton, and Triton must not be imported
