@@ -242,10 +242,12 @@ def capturing() -> Iterator[dict[str, Job]]:
             knobs.runtime.jit_cache_hook = previous
 
 
-def ready_pool() -> Any:
+def ready_pool(starting: bool = False) -> Any:
     """Inductor's compile worker pool when its workers are up, else None (and None without CUDA,
     where no Triton kernel compiles).  Asking starts them (Inductor's ``use_process_pool``), so a
-    later first call may find them ready."""
+    later first call may find them ready.  With ``starting``, also the pool while its workers are
+    still starting: jobs sent to it wait for them, which suits compiles nobody waits on
+    (``kernels.launch.compile_in_background``)."""
     import torch
 
     if not torch.cuda.is_available() or _workers_off is not None:
@@ -253,7 +255,11 @@ def ready_pool() -> Any:
     try:
         from torch._inductor.async_compile import AsyncCompile
 
-        return AsyncCompile.process_pool() if AsyncCompile.use_process_pool() else None
+        if AsyncCompile.use_process_pool():
+            return AsyncCompile.process_pool()
+        # use_process_pool sent the pool a first job to tell when it is up, where a pool is allowed
+        up_soon = starting and getattr(AsyncCompile, "_ready_future", None) is not None
+        return AsyncCompile.process_pool() if up_soon else None
     except Exception as err:  # noqa: BLE001 - a torch without the pool, or one not allowed here: threads then
         log.debug("no compile worker pool: %s: %s", type(err).__name__, err)
         return None
@@ -301,7 +307,8 @@ class Batch:
         futures = self.futures
         done, pending = wait(futures, timeout=timeout)
         if pending:
-            _turn_workers_off(f"{len(pending)} of {len(futures)} worker compiles took longer than {timeout:.0f} s")
+            _turn_workers_off(f"{len(pending)} of {len(futures)} worker compiles had not finished after "
+                              f"{time.perf_counter() - self.began:.0f} s")
         compiled = 0
         for future in done:
             job = futures[future]

@@ -289,13 +289,14 @@ def compile_in_background(calls: Iterable[Callable[[], object]]) -> compile_pool
     """Send the compiles of every Triton kernel that ``calls`` would launch, with every candidate of
     each implementation choice (``ops.impl_choice.choose`` runs them all, and answers its default
     without timing or remembering), to Inductor's worker processes, and return at once: the batch
-    says when they have compiled.  None where nothing was sent: no worker pool is up, the calls
+    says when they have compiled (a pool whose workers are still starting takes them: they wait for
+    the workers).  None where nothing was sent: no worker pool is allowed, the calls
     launch no kernel that is not compiled yet, under the interpreter, or inside a compile ahead.  As
     in :func:`compile_ahead`, the calls run with their launches replaced by compile submissions; a
     call that raises is skipped."""
     if INTERPRETER or _compiling_ahead.get():
         return None
-    pool = compile_pool.ready_pool()
+    pool = compile_pool.ready_pool(starting=True)
     if pool is None:
         return None
     token = _every_candidate.set(True)

@@ -22,9 +22,10 @@ Inductor compiled the same small graph in 0.4-0.9 s, while the kernels' compiles
 the workers (``python -m fusion_backend bench --log --suite convnets``, H100); in a training loop,
 Inductor's code runs the steps meanwhile.
 
-Nothing is deferred where no worker pool is up (``compile_in_background`` returns None): the
+Nothing is deferred where Inductor runs no worker pool (``compile_in_background`` returns None): the
 compiles would run in this process, on the same interpreter as the model, and the decision is made
-at once as before.  Nor for graphs with symbolic shapes or fake example inputs (``deferrable``): their
+at once as before.  A pool whose workers are still starting (a fresh process's first graph) takes
+the compiles: they run once the workers are up.  Nor for graphs with symbolic shapes or fake example inputs (``deferrable``): their
 compile needs the context Dynamo (or DDPOptimizer) compiles them in, which a later call does not have.  Only the forward's kernels are prepared: a backward runs on autograd's own
 threads, out of reach of the capture; its kernels compile when the decision runs it.
 
@@ -158,11 +159,11 @@ class DeferredGraph:
         preparations = self._preparations
         if preparations is not None and (all(p.ready() for p in preparations)
                                          or time.perf_counter() - self._since > SETTLE_WAIT_S):
-            self.settle()
+            self.settle(wait_s=0.0)  # ready, or waited for long enough already
         return self._current(*args)
 
-    def settle(self) -> None:
-        """Wait for the preparations (at most ``SETTLE_WAIT_S``), measure the decisions and swap in
+    def settle(self, wait_s: float = SETTLE_WAIT_S) -> None:
+        """Wait for the preparations (at most ``wait_s`` seconds), measure the decisions and swap in
         their compile; nothing when already settled (or settling on another thread)."""
         if self._preparations is None or not self._lock.acquire(blocking=False):
             return
@@ -172,7 +173,7 @@ class DeferredGraph:
                 return
             began = time.perf_counter()
             for preparation in preparations:
-                preparation.collect(SETTLE_WAIT_S)
+                preparation.collect(max(0.0, wait_s - (time.perf_counter() - began)))
             try:
                 self._current = decide()
             except Exception as exc:

@@ -225,3 +225,36 @@ def test_without_workers_compile_ahead_leaves_the_speculative_calls_out(monkeypa
 def test_no_worker_pool_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert compile_pool.ready_pool() is None
+
+
+def test_a_background_compile_returns_at_once_and_its_batch_checks_what_compiled(cache_dir, monkeypatch, worker):
+    monkeypatch.setattr(launch, "INTERPRETER", False)
+    monkeypatch.setattr(compile_pool, "_workers_off", None)
+    monkeypatch.setattr(compile_pool, "ready_pool", lambda starting=False: worker if starting else None)
+    ran = []
+
+    def call():
+        ran.append((launch.compiling_ahead(), launch.compiling_every_candidate()))
+        _call_hook(add_offset, 32)  # what a launch inside the background compile reaches
+
+    batch = launch.compile_in_background([call])
+    assert ran == [(True, True)] and not launch.compiling_every_candidate()
+    assert batch is not None and batch.collect(60) == 1 and batch.ready()
+    assert len(os.listdir(cache_dir)) == 1 and compile_pool._workers_off is None
+    assert launch.compile_in_background([lambda: None]) is None  # nothing to compile: nothing to wait for
+
+
+def test_a_pool_whose_workers_are_still_starting_takes_only_background_compiles(monkeypatch):
+    from torch._inductor.async_compile import AsyncCompile
+
+    monkeypatch.setattr(compile_pool, "_workers_off", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    pool = object()
+    monkeypatch.setattr(AsyncCompile, "process_pool", staticmethod(lambda: pool))
+    monkeypatch.setattr(AsyncCompile, "use_process_pool", classmethod(lambda cls: False))
+    monkeypatch.setattr(AsyncCompile, "_ready_future", Future(), raising=False)  # its first job not back yet
+    assert compile_pool.ready_pool() is None and compile_pool.ready_pool(starting=True) is pool
+    monkeypatch.setattr(AsyncCompile, "_ready_future", None)  # no pool allowed: none was started
+    assert compile_pool.ready_pool(starting=True) is None
+    monkeypatch.setattr(AsyncCompile, "use_process_pool", classmethod(lambda cls: True))
+    assert compile_pool.ready_pool() is pool

@@ -219,7 +219,7 @@ def test_a_background_compile_runs_every_candidate_and_probe_and_remembers_nothi
     from fusion_backend.kernels import compile_pool, launch
 
     monkeypatch.setattr(launch, "INTERPRETER", False)
-    monkeypatch.setattr(compile_pool, "ready_pool", lambda: Pool())
+    monkeypatch.setattr(compile_pool, "ready_pool", lambda starting=False: Pool())
     monkeypatch.setattr(compile_pool, "capturing", contextlib.contextmanager(lambda: (yield {})))  # no Triton driver on CPU
     ran, answers = [], []
     candidates = {name: (lambda name=name: ran.append(name)) for name in ("library", "fast", "tuned")}
@@ -240,7 +240,7 @@ def test_a_background_compile_runs_every_candidate_and_probe_and_remembers_nothi
 def test_nothing_compiles_in_the_background_without_a_worker_pool(monkeypatch):
     from fusion_backend.kernels import compile_pool, launch
 
-    monkeypatch.setattr(compile_pool, "ready_pool", lambda: None)
+    monkeypatch.setattr(compile_pool, "ready_pool", lambda starting=False: None)
     ran = []
     assert launch.compile_in_background([lambda: ran.append(1)]) is None and ran == []
 
