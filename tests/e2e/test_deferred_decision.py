@@ -196,10 +196,10 @@ def test_nothing_is_deferred_where_nothing_compiles_in_the_background(faked):
     assert d.fused and not d.pending
 
 
-def test_the_real_preparer_sends_nothing_without_a_worker_pool(faked):
+def test_the_real_preparer_defers_nothing_off_the_gpu(faked):
     model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
     with deferred.preparing_with(None), collect_reports() as reports, torch.no_grad():
-        torch.compile(model, backend="fusion")(x)  # CPU: no worker pool, decided at once
+        torch.compile(model, backend="fusion")(x)  # a CPU region: no Triton kernel to wait for, decided at once
     ((d,),) = [r.decisions for r in reports]
     assert not d.pending and d.fused
 
@@ -297,3 +297,25 @@ def test_a_preparation_that_never_finishes_is_given_up_after_the_wait(monkeypatc
     assert graph(1) == ("first", 1) and not graph.settled
     monkeypatch.setattr(deferred, "SETTLE_WAIT_S", 0.0)
     assert graph(2) == ("decided", 2) and graph.settled and Never.collected == 1
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_settle_whose_compile_raises_keeps_the_first_code_or_raises_when_strict(strict):
+    class Ready:
+        def ready(self):
+            return True
+
+        def collect(self, timeout):
+            return 0
+
+    def decide():
+        raise RuntimeError("out of compile workers")
+
+    graph = deferred.DeferredGraph(lambda x: ("first", x), [Ready()], decide, strict=strict)
+    if strict:
+        with pytest.raises(RewriteError, match="deferred decision failed: RuntimeError: out of compile workers"):
+            graph(1)
+        return
+    with pytest.warns(UserWarning, match="deferred decision failed.*Inductor's code keeps running"):
+        assert graph(1) == ("first", 1)
+    assert graph.settled and graph(2) == ("first", 2)
