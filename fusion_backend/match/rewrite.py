@@ -62,8 +62,10 @@ def splice_fused_call(
     """
     graph = ctx.gm.graph
     last = region[-1]
+    existing = set(graph.nodes)
     with graph.inserting_before(last):
         fused = build(graph)
+    mark_cacheable([node for node in graph.nodes if node not in existing])
     fused.meta.update({k: v for k, v in last.meta.items() if k in ("example_value", "val", "stack_trace", "tensor_meta")})
     last.replace_all_uses_with(fused)
     ctx.replaced[last] = fused
@@ -73,6 +75,29 @@ def splice_fused_call(
         if not node.users and node.graph is graph:
             graph.erase_node(node)
     return fused
+
+
+def mark_cacheable(nodes: Sequence[fx.Node]) -> None:
+    """Let AOTAutograd's cache keep graphs that call fused ops: each fused-op call among ``nodes`` is
+    marked as a wrapped function with a cache hash, the digest of the fused ops' sources
+    (``ops.autograd_free.ops_source_digest``), which joins the cache key.
+
+    WHY: a fused op is called through a Python function (``ops.conv_epilogue.op.conv_epilogue``...)
+    that picks at trace time whether the forward saves state for a backward, from grad mode and the
+    inputs' ``requires_grad`` (both in AOTAutograd's cache key).  AOTAutograd refuses to cache a
+    graph that calls a Python function it cannot vouch for ("Unsupported call_function target"),
+    unless the node carries ``is_wrapped`` and a ``user_cache_hash``; a torch without that escape
+    ignores the marks.  NOTE: without them a second process traced every rewritten graph compiled
+    through Inductor again (``counters["aot_autograd"]["autograd_cache_bypass"]``; Inductor's own
+    graph cache still hit); with them it is an ``autograd_cache_hit``
+    (``tests/e2e/test_backend.py::test_a_rewritten_graph_is_kept_by_aotautograds_cache``)."""
+    from ..ops.autograd_free import ops_source_digest
+    from ..ops.direct_impls import direct_impl
+
+    for node in nodes:
+        if node.op == "call_function" and direct_impl(node.target) is not None:
+            node.meta["is_wrapped"] = True
+            node.meta["user_cache_hash"] = ops_source_digest().hex()
 
 
 def item_nodes_feeding(region: Sequence[fx.Node]) -> list[fx.Node]:

@@ -300,3 +300,40 @@ def test_the_graphs_inductor_compiles_keep_dynamo_s_marks_of_the_parameters(monk
     assert "dynamo_compile_id" in gm.meta and gm._param_name_to_source
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     assert placeholders and all(getattr(n, "_dynamo_source", None) is not None for n in placeholders)
+
+
+def test_a_rewritten_graph_is_kept_by_aotautograds_cache(tmp_path):
+    """A graph with a fused op compiled through Inductor (``direct=False``), with a backward: the
+    second process finds it in AOTAutograd's cache (the fused-op calls carry a cache hash,
+    ``match.rewrite.mark_cacheable``) and in Inductor's, and its gradients are eager's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import json, torch, torch.nn.functional as F\n"
+        "from torch._dynamo.utils import counters\n"
+        "torch.manual_seed(0)\n"
+        "conv = torch.nn.Conv2d(3, 4, 3)\n"
+        "m = lambda x: F.relu(conv(x)) * 2 + 1\n"
+        "x = torch.randn(2, 3, 8, 8, requires_grad=True)\n"
+        "out = torch.compile(m, backend='fusion', options={'decide': 'fuse', 'direct': False})(x)\n"
+        "out.sum().backward()\n"
+        "got = [x.grad.clone(), conv.weight.grad.clone()]\n"
+        "x.grad = conv.weight.grad = conv.bias.grad = None\n"
+        "m(x).sum().backward()\n"
+        "ok = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got, [x.grad, conv.weight.grad]))\n"
+        "print(json.dumps({'aot': dict(counters['aot_autograd']), 'inductor': dict(counters['inductor']), 'ok': ok}))\n"
+    )
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), FUSION_CACHE_DIR=str(tmp_path / "fusion"))
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["ok"] and second["ok"]
+    assert first["aot"].get("autograd_cache_saved") == 1 and "autograd_cache_bypass" not in first["aot"], first
+    assert second["aot"].get("autograd_cache_hit") == 1, second
