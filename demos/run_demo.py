@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from fusion_backend import collect_reports
-from fusion_backend.testing import float64_reference, relative_error, run_and_backward
+from fusion_backend import settle
+from fusion_backend.testing import float64_reference, relative_error, run_and_backward, run_settled
 
 SEEDS = Path(__file__).resolve().parent / "seeds"
 
@@ -64,7 +64,9 @@ def step(fn, x, train: bool, autocast):
 
 
 def time_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
+    fn()
+    settle()  # decisions the fusion backend deferred past the first call: time the settled code
+    for _ in range(2):
         fn()
     torch.cuda.synchronize()
     times = []
@@ -114,8 +116,7 @@ def main() -> None:
 
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="fusion")
-        with collect_reports() as reports:
-            got, got_grads = run_and_backward(compiled, [x.clone().requires_grad_()], True, model, autocast)
+        got, got_grads, reports = run_settled(compiled, [x.clone().requires_grad_()], True, model, autocast)
         want, want_grads = run_and_backward(eager, [x.clone().requires_grad_()], True, eager, autocast)
         ref, ref_grads = float64_reference(eager, [x.clone().requires_grad_()], True)
         for r in reports:

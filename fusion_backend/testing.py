@@ -113,6 +113,28 @@ def run_and_backward(
     return out, grads
 
 
+def run_settled(fn: Any, inputs: Sequence[Any], train: bool, model: Any, autocast: Any = None
+                ) -> tuple[Any, dict[str, Optional[torch.Tensor]], list[GraphReport]]:
+    """``run_and_backward`` of a model compiled with ``backend="fusion"``, on the code it settles on:
+    where the first call left decisions pending (the option ``defer``), they are settled
+    (``fusion_backend.settle``), ``model``'s gradients cleared and the step run again.  Returns the
+    output, the gradients and the reports that stand (``runtime.deferred.settled_reports``)."""
+    from .runtime.deferred import settled_reports
+
+    with collect_reports() as first:
+        out, grads = run_and_backward(fn, inputs, train, model, autocast)
+    if not any(d.pending for r in first for d in r.decisions):
+        return out, grads, list(first)
+    reports = settled_reports(first)
+    if isinstance(model, torch.nn.Module):
+        model.zero_grad(set_to_none=True)
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.grad = None
+    out, grads = run_and_backward(fn, inputs, train, model, autocast)
+    return out, grads, reports
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """``||got - want|| / ||want||`` in float64; NaNs and equal infinities ignored (``compare`` checks
     their positions first)."""

@@ -319,3 +319,22 @@ def test_a_settle_whose_compile_raises_keeps_the_first_code_or_raises_when_stric
     with pytest.warns(UserWarning, match="deferred decision failed.*Inductor's code keeps running"):
         assert graph(1) == ("first", 1)
     assert graph.settled and graph(2) == ("first", 2)
+
+
+def test_run_settled_checks_the_settled_code_with_gradients_of_one_step(faked):
+    """``testing.run_settled``, as ``python -m fusion_backend explain`` and the demo use it: the
+    reports are the settled graph's, and the gradients are one step's (not the first call's added)."""
+    from fusion_backend.testing import run_and_backward, run_settled
+
+    torch.manual_seed(0)
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    want, want_grads = run_and_backward(model, [x.clone().requires_grad_()], True, model)
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, backend="fusion")
+    got, got_grads, reports = run_settled(compiled, [x.clone().requires_grad_()], True, model)
+    ((d,),) = [r.decisions for r in reports]
+    assert d.fused and not d.pending and len(reports[0].matches) == 1
+    torch.testing.assert_close(got, want)
+    assert set(got_grads) == set(want_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad)
