@@ -50,10 +50,10 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
           warm_process: bool = False) -> None:
     """Build, compile and run one first step; print ``{"first_call_s": ...}`` as the last line (and,
     with ``profile``, that many ``cProfile`` entries to stderr, each line starting ``    profile``).
-    ``warm_process``: first run the step eagerly and compile a small unrelated function with Inductor,
-    then reset Dynamo: the process is warm (imports, CUDA context, Inductor's worker processes, Triton's
-    source hash) as the benchmark's is at a backend's first call, and no backend has this graph in its
-    in-process caches; not counted."""
+    ``warm_process``: first run the step through Dynamo's ``eager`` backend and compile a small
+    unrelated function with Inductor, then reset Dynamo: the process is warm (imports, CUDA context,
+    Inductor's worker processes, Triton's source hash) as the benchmark's is at a backend's first
+    call, and no backend has this graph in its in-process caches; not counted."""
     import cProfile
     import io
     import logging
