@@ -13,6 +13,7 @@ import fusion_backend
 from fusion_backend.errors import RewriteError
 from fusion_backend.report import collect_reports
 from fusion_backend.runtime import decision, deferred
+from fusion_backend.testing import run_and_backward
 
 
 class ConvLeakyPool(nn.Module):
@@ -77,14 +78,11 @@ def faked(request):
         yield compiles, timer
 
 
-def run(compiled, x, train):
-    with collect_reports() as reports:
-        if train:
-            out = compiled(x)
-            out.sum().backward()
-        else:
-            with torch.no_grad():
-                out = compiled(x)
+def run(fn, x, train):
+    """One step of ``fn`` (forward; with ``train``, a backward; else under ``torch.no_grad()``) and
+    the reports it published."""
+    with collect_reports() as reports, torch.set_grad_enabled(train):
+        out, _ = run_and_backward(fn, [x], train, None)
     return out, reports
 
 
@@ -324,7 +322,7 @@ def test_a_settle_whose_compile_raises_keeps_the_first_code_or_raises_when_stric
 def test_run_settled_checks_the_settled_code_with_gradients_of_one_step(faked):
     """``testing.run_settled``, as ``python -m fusion_backend explain`` and the demo use it: the
     reports are the settled graph's, and the gradients are one step's (not the first call's added)."""
-    from fusion_backend.testing import run_and_backward, run_settled
+    from fusion_backend.testing import run_settled
 
     torch.manual_seed(0)
     model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
