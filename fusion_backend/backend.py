@@ -90,7 +90,7 @@ def fusion(
     def keep(graph: fx.GraphModule, candidate: Candidate) -> bool:
         if may_defer and needs_timing(graph, candidate.pattern, candidate.nodes, policy=opts.decide,
                                        cache_dir=opts.cache_dir, inductor_patches=config_patches):
-            preparation = deferred.prepare(graph, candidate.pattern, candidate.nodes, example_inputs)
+            preparation = deferred.prepare(graph, candidate.pattern, candidate.nodes, example_inputs, opts.strict)
             if preparation is not None:
                 preparations.append(preparation)
                 decisions.append(Decision(candidate.pattern, candidate.summary, candidate.nodes[0].name, False,

@@ -517,20 +517,29 @@ def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
     and whether it runs directly.
     ``strict`` as the graph's own rewrite gets it: it is part of the op's config, so the op's
     per-shape choices measured here are the ones the compiled graph finds in its caches."""
-    import copy
-
-    from ..match.engine import run_patterns
     from ..ops.autograd_free import with_autograd_free_pass
     from . import region_timing
     from .direct import direct_module, why_not_direct
+
+    gm = rewritten_region(region, pattern, strict)
+    if why_not_direct(gm) is None:
+        return direct_module(gm).forward, True
+    return region_timing.compile_apart(gm, inputs, with_autograd_free_pass(patches)), False
+
+
+def rewritten_region(region: Any, pattern: str, strict: bool) -> fx.GraphModule:
+    """A copy of the extracted ``region`` with ``pattern``'s one match rewritten into its fused op
+    (``region_timing.NotMeasurable`` when the region alone does not give exactly one match)."""
+    import copy
+
+    from ..match.engine import run_patterns
+    from . import region_timing
 
     gm = fx.GraphModule(region.gm, copy.deepcopy(region.gm.graph), class_name="Region")
     result = run_patterns(gm, [pattern], strict=strict)
     if len(result.matches) != 1:
         raise region_timing.NotMeasurable(f"the region alone gives {len(result.matches)} {pattern} matches, not 1")
-    if why_not_direct(gm) is None:
-        return direct_module(gm).forward, True
-    return region_timing.compile_apart(gm, inputs, with_autograd_free_pass(patches)), False
+    return gm
 
 
 # ------------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ class Compiles:
         self.prepared: list[str] = []
         self.collected = 0
 
-    def __call__(self, gm, pattern, nodes, example_inputs):
+    def __call__(self, gm, pattern, nodes, example_inputs, strict):
         self.prepared.append(pattern)
         return self
 
