@@ -119,11 +119,11 @@ def run_settled(fn: Any, inputs: Sequence[Any], train: bool, model: Any, autocas
     where the first call left decisions pending (the option ``defer``), they are settled
     (``fusion_backend.settle``), ``model``'s gradients cleared and the step run again.  Returns the
     output, the gradients and the reports that stand (``runtime.deferred.settled_reports``)."""
-    from .runtime.deferred import settled_reports
+    from .runtime.deferred import any_pending, settled_reports
 
     with collect_reports() as first:
         out, grads = run_and_backward(fn, inputs, train, model, autocast)
-    if not any(d.pending for r in first for d in r.decisions):
+    if not any_pending(first):
         return out, grads, list(first)
     reports = settled_reports(first)
     if isinstance(model, torch.nn.Module):

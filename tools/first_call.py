@@ -108,9 +108,9 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
     for report in reports:  # where the backend's own share of the first call went
         stages = ", ".join(f"{k} {v:.2f} s" for k, v in report.stage_seconds.items())
         print(f"    {report.graph_name}: {stages}", file=sys.stderr)
-    if any(d.pending for r in reports for d in r.decisions):  # fusion deferred decisions: when they settle
-        from fusion_backend.runtime.deferred import settle
+    from fusion_backend.runtime.deferred import any_pending, settle
 
+    if any_pending(reports):  # fusion deferred decisions: when they settle
         settle_began = time.perf_counter()
         settle()
         sync()

@@ -66,6 +66,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..report import collect_reports
+from ..runtime.deferred import any_pending, settled_reports
 from .backends import BenchBackend, pick_contenders
 from .config import PRECISIONS, BenchConfig, Precision
 from .correctness import Fp64Reference, check_against_reference, fp64_reference
@@ -130,8 +131,6 @@ def _settled_step(step: _Step, reports: list[Any], tools: Any) -> tuple[Any, lis
     (wait for the background compiles, measure, recompile) and run the step once more on the settled
     code, which the check and the timing then see.  Returns that step's outputs, the reports that now
     stand (``deferred.settled_reports``) and the seconds from settling to the end of that step."""
-    from ..runtime.deferred import settled_reports
-
     began = tools.clock()
     standing = settled_reports(reports)
     step.reset()
@@ -469,7 +468,7 @@ class Runner:
                 out = step.run()
             tools.synchronize()
             result = dataclasses.replace(result, compile_s=tools.clock() - start)
-            if any(d.pending for r in reports for d in r.decisions):
+            if any_pending(reports):
                 out, reports, settle_s = _settled_step(step, reports, tools)
                 result = dataclasses.replace(result, settle_s=settle_s)
             self._graphs_alive = self._graphs_alive or backend.cudagraphs

@@ -198,17 +198,22 @@ def settle() -> int:
     return sum(graph.settled for graph in graphs)
 
 
+def any_pending(reports: Sequence[Any]) -> bool:
+    """Whether one of these ``GraphReport``s has a decision left pending."""
+    return any(d.pending for r in reports for d in r.decisions)
+
+
 def settled_reports(reports: Sequence[Any]) -> list[Any]:
     """Settle every pending graph (``settle``) and return the ``GraphReport``s that now stand: those
     of ``reports`` without a pending decision, then the settled graphs' new ones.  For tools that
     report on a first call (``explain``, the benchmark)."""
     from ..report import collect_reports
 
-    if not any(d.pending for r in reports for d in r.decisions):
+    if not any_pending(reports):
         return list(reports)
     with collect_reports() as settled:
         settle()
-    return [r for r in reports if not any(d.pending for d in r.decisions)] + settled
+    return [r for r in reports if not any_pending([r])] + settled
 
 
 def in_compile_state(fn: Callable[[], Any]) -> Callable[[], Any]:
