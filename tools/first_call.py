@@ -13,8 +13,9 @@ backward) is timed from the ``torch.compile`` call to the end of its GPU work, c
 imports are not counted.  ``--log`` prints the children's ``fusion_backend.runtime.decision`` and
 ``fusion_backend.impl_choice`` and ``fusion_backend.launch`` INFO lines, each with the milliseconds since the
 child started (``torch.compile`` is its own line): what each first call compiled and timed, and when.  ``--profile N``
-prints the N entries of the first call's ``cProfile`` with the most cumulative time, among the backend's, Triton's and
-Inductor's functions: where a first call that logs nothing (a warm one) spends its time.  Where the fusion backend
+prints the N entries of each warm first call's ``cProfile`` with the most cumulative time, among the backend's, Triton's,
+Dynamo's and Inductor's functions: where a first call that logs nothing spends its time (the cold runs are not
+profiled: the profiler's overhead would skew the decisions they measure and cache for the warm runs).  Where the fusion backend
 deferred decisions past the first call, a line says how long settling them took after it (not counted).  The last lines compare
 every backend with Inductor against the budgets ``--cold-budget`` (3x) and ``--warm-budget`` (1.2x).
 
@@ -43,7 +44,8 @@ CACHE_ENVS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSION_CACHE_DIR")
 
 #: The functions ``--profile`` ranks: the backend's, Triton's runtime and compiler, Inductor's compile
 #: and its caches (module imports left out: a first call imports most of Dynamo and Inductor).
-PROFILED = r"fusion_backend|triton/(runtime|compiler|backends)|torch/_inductor/(compile_fx|codecache)"
+PROFILED = (r"fusion_backend|triton/(runtime|compiler|backends)|torch/_inductor/(compile_fx|codecache|async_compile)"
+            r"|torch/_functorch/_aot_autograd/(autograd_cache|runtime_wrappers)|torch/_dynamo/(output_graph|convert_frame)")
 
 
 def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str, profile: int = 0,
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", action="store_true", help="print what the backend's first calls timed")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="print the first call's N costliest functions (cProfile, cumulative)")
+                        help="print each warm first call's N costliest functions (cProfile, cumulative)")
     parser.add_argument("--warm-process", action="store_true",
                         help="time each first call in a process that compiled and ran the step with Inductor "
                              "just before, as the benchmark's compile_s is")
@@ -175,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, tuple[float, float]] = {}
     with contextlib.ExitStack() as stack:
         caches = {b: stack.enter_context(tempfile.TemporaryDirectory(prefix=f"first_call_{b}_")) for b in backends}
-        run = lambda b: measure(args.model, b, args.mode, args.dtype, caches[b], args.timeout, args.log,  # noqa: E731
-                                args.device, args.profile, args.warm_process)
-        cold = {b: run(b) for b in backends}
+        run = lambda b, profile=args.profile: measure(args.model, b, args.mode, args.dtype, caches[b],  # noqa: E731
+                                                      args.timeout, args.log, args.device, profile, args.warm_process)
+        cold = {b: run(b, 0) for b in backends}
         # The warm runs alternate between the backends: a warm first call is mostly cache reads and
         # imports, whose time follows the host's state (NOTE: Inductor's own warm first call of the
         # Conv2d 64->64 training step measured 7.7 to 12.6 s in separate runs on the H100 host).
