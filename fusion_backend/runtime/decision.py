@@ -553,7 +553,9 @@ def _key(pattern: str, region: Any, train: bool, patches: Mapping[str, Any]) -> 
     signature = [(tuple(int(s) for s in f.shape), tuple(int(s) for s in f.stride()), str(f.dtype),
                   f.device.type, bool(f.requires_grad))
                  for f in (fake_of(n) for n in region.inputs)]  # fmt: skip
-    autocast = [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cuda", "cpu")]
+    # a disabled autocast's dtype is not part of the state: ``torch.autocast(..., enabled=False)`` sets it,
+    # so a graph compiled inside one and decided after it (a deferred decision) would key one region twice
+    autocast = [(d, torch.is_autocast_enabled(d) and str(torch.get_autocast_dtype(d))) for d in ("cuda", "cpu")]
     parts = {
         "environment": _environment(),
         "pattern": pattern,

@@ -146,6 +146,9 @@ class DeferredGraph:
         self._strict = strict
         self._lock = threading.Lock()
         self._since = time.perf_counter()
+        #: the first call (the one Dynamo compiled for) never settles, even where the compiles finished
+        #: while Inductor compiled: its caller waits for the compile already and must not wait for timing too
+        self._called = False
         _pending.add(self)
 
     @property
@@ -154,9 +157,10 @@ class DeferredGraph:
 
     def __call__(self, *args: Any) -> Any:
         preparations = self._preparations
-        if preparations is not None and (all(p.ready() for p in preparations)
-                                         or time.perf_counter() - self._since > SETTLE_WAIT_S):
+        if preparations is not None and self._called and (all(p.ready() for p in preparations)
+                                                          or time.perf_counter() - self._since > SETTLE_WAIT_S):
             self.settle(wait_s=0.0)  # ready, or waited for long enough already
+        self._called = True
         return self._current(*args)
 
     def settle(self, wait_s: float = SETTLE_WAIT_S) -> None:

@@ -127,6 +127,17 @@ def test_the_first_calls_run_inductors_code_and_the_first_call_after_the_compile
     assert timer.calls == 1  # settled for good
 
 
+def test_the_first_call_never_settles_even_where_the_compiles_finished_during_the_compile(faked):
+    compiles, timer = faked
+    compiles.finish()  # ready before the first call runs
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    compiled = torch.compile(model, backend="fusion")
+    _, first = run(compiled, x, False)
+    assert [d.pending for r in first for d in r.decisions] == [True] and timer.calls == 0
+    _, second = run(compiled, x, False)
+    assert [d.fused for r in second for d in r.decisions] == [True] and timer.calls == 1
+
+
 @pytest.mark.parametrize("faked", [(2.0, 1.0)], indirect=True)
 def test_settle_decides_every_pending_graph_without_a_call_and_a_slower_rewrite_stays_with_inductor(faked):
     compiles, timer = faked
@@ -175,6 +186,23 @@ def test_a_cached_decision_is_not_deferred(faked):
         torch.compile(model, backend="fusion")(x)
     ((d,),) = [r.decisions for r in reports]
     assert d.fused and d.cached and not d.pending and compiles.prepared == ["conv_epilogue"]
+
+
+def test_a_decision_settled_outside_a_disabled_autocast_is_found_by_the_next_process_inside_it(faked):
+    """``torch.autocast(device, dtype, enabled=False)``, as a benchmark wraps an fp32 step, still sets the
+    autocast dtype; the decision settled after the block must be the one the next process looks up."""
+    compiles, timer = faked
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    off = torch.float16 if torch.get_autocast_dtype("cpu") != torch.float16 else torch.bfloat16
+    for process in range(2):
+        torch._dynamo.reset()
+        decision.forget_in_memory()
+        with torch.autocast("cpu", off, enabled=False), collect_reports() as reports, torch.no_grad():
+            torch.compile(model, backend="fusion")(x)
+        fusion_backend.settle()
+        ((d,),) = [r.decisions for r in reports]
+        assert d.pending == (process == 0) and d.fused == (process == 1)
+    assert compiles.prepared == ["conv_epilogue"] and timer.calls == 1
 
 
 def test_defer_false_decides_during_the_first_call(faked):
@@ -310,6 +338,7 @@ def test_a_settle_whose_compile_raises_keeps_the_first_code_or_raises_when_stric
         raise RuntimeError("out of compile workers")
 
     graph = deferred.DeferredGraph(lambda x: ("first", x), [Ready()], decide, strict=strict)
+    assert graph(0) == ("first", 0) and not graph.settled  # the first call never settles
     if strict:
         with pytest.raises(RewriteError, match="deferred decision failed: RuntimeError: out of compile workers"):
             graph(1)
