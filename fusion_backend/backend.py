@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from .errors import RewriteError
+from .kernels import compile_pool
 from .match.engine import Candidate, registered_patterns, run_patterns
 from .ops.autograd_free import with_autograd_free_pass
 from .options import FusionOptions
@@ -66,6 +67,9 @@ def fusion(
     (2, 8, 6, 6)
     """
     opts = FusionOptions.parse(options, tuple(registered_patterns()))
+    cuda = next((t.get_device() for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
+    if cuda is not None:  # before any kernel of this graph compiles, here or in a worker
+        compile_pool.use_inductors_triton_setup(cuda)
     config_patches = _inductor_patches(mode, opts)
     index = next(_graph_counter)
     times: dict[str, float] = {}

@@ -39,7 +39,10 @@ import tempfile
 import time
 from typing import Any
 
-CACHE_ENVS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FUSION_CACHE_DIR")
+#: The cache folders each backend's children get their own of.  ``TRITON_CACHE_DIR`` is left unset, as a
+#: user's is (where Triton files kernels then follows what the process set up, Inductor's folder or
+#: Triton's default), and ``HOME`` is the backend's folder, so that Triton's default is fresh too.
+CACHE_ENVS = ("TORCHINDUCTOR_CACHE_DIR", "FUSION_CACHE_DIR", "HOME")
 
 
 #: The functions ``--profile`` ranks: the backend's, Triton's runtime and compiler, Inductor's compile
@@ -135,6 +138,7 @@ def measure(path: str, backend: str, mode: str, dtype: str, caches: str, timeout
             device: str, profile: int = 0, warm_process: bool = False) -> float:
     """One child process's first-call seconds with the cache folders under ``caches``."""
     env = dict(os.environ, **{name: os.path.join(caches, name.lower()) for name in CACHE_ENVS})
+    env.pop("TRITON_CACHE_DIR", None)
     cmd = [sys.executable, __file__, path, "--child", "--backends", backend, "--mode", mode, "--dtype", dtype]
     cmd += ["--device", device, "--profile", str(profile)] + (["--log"] if log else [])
     cmd += ["--warm-process"] if warm_process else []

@@ -33,9 +33,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import importlib
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -190,6 +192,34 @@ def _process_state() -> tuple[str, dict[str, str], tuple[str, int, int], tuple[s
     target = driver.active.get_current_target()
     return (str(knobs.cache.dir), dict(get_cache_invalidating_env_vars()),
             (target.backend, int(target.arch), int(target.warp_size)), assembler(int(target.arch)))  # fmt: skip
+
+
+@functools.cache
+def use_inductors_triton_setup(device: int) -> None:
+    """Set Triton up in this process as Inductor does before its own Triton work on CUDA device
+    ``device``, each only where it is not set already: the cache folder (``TRITON_CACHE_DIR``:
+    Inductor's ``<its cache folder>/triton/<device>``) and the assembler (``TRITON_PTXAS_PATH``: the
+    ``ptxas`` bundled with torch).  The backend calls it before anything of a CUDA graph compiles.
+
+    WHY: where Triton files a compiled kernel, and the assembler version in its key, then no longer
+    depend on whether Inductor built a Triton kernel in this process before the fused ops' first
+    compile: Inductor sets both only where it does (its ``CachingAutotuner``; its compile path).  A
+    process whose Inductor graphs all came from its caches looked for the fused ops' kernels under
+    Triton's own defaults, missed every one an earlier process had filed, and compiled them again, one
+    after another, in its first calls.  NOTE: H100, torch 2.11, Triton 3.6: a benchmark rerun on warm
+    caches compiled 27 kernels in-process (``make_cubin`` 7.3 s) and rebuilt 9 launcher modules (keyed
+    by their source alone: another folder), and its fused rows' first calls took 1.8-7.6 s against
+    Inductor's 0.13-0.24 s (``python -m cProfile -o warm.prof -m fusion_backend bench --suite
+    demos/seeds/conv2d_mul_leaky_gelu.py --no-memory --no-cold``, run twice on the same caches;
+    ``pstats`` on ``make_cubin`` and ``_build``)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:  # a torch that keeps them elsewhere: Triton's own defaults
+        return
+    if os.getenv("TRITON_CACHE_DIR") is None:
+        os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device)
+    _set_triton_ptxas_path()
 
 
 def assembler(arch: int) -> tuple[str, str] | None:

@@ -233,3 +233,43 @@ def test_a_deferred_decision_compiles_in_the_workers_then_settles_with_eager_s_r
     assert result["pending"] == [True] and result["graphs"] == 1 and result["settled"], result
     assert result["decided"] == [[False, True]], result  # JSON: a list per decision
     assert result["max_error"] < 1e-4, result
+
+
+SECOND_PROCESS_SCRIPT = r"""
+import sys
+import torch
+import torch.nn as nn
+
+if sys.argv[1] == "inductor-first":  # as in a cold process: Inductor builds a Triton kernel before the fused op
+    torch.compile(lambda t: t * 2 + 1, backend="inductor")(torch.randn(8, device="cuda"))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU()).cuda()
+x = torch.randn(4, 8, 12, 10, device="cuda")
+with torch.no_grad():
+    torch.compile(model, backend="fusion", options={"decide": "fuse", "defer": False})(x)
+torch.cuda.synchronize()
+"""
+
+
+def test_a_second_process_finds_every_fused_kernel_the_first_compiled(tmp_path):
+    """A process where Inductor built a Triton kernel first (setting Triton's cache folder and assembler
+    its way) files the fused op's kernels; a second process on the same caches, where Inductor built
+    nothing, must find every one of them: no new cubin anywhere under the test's folders (Triton's
+    default folder included: ``HOME`` is the test's).  Before the backend set Triton up as Inductor
+    does, the second process looked under Triton's defaults and compiled them all again."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FUSION_CACHE_DIR=str(tmp_path / "fusion"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               HOME=str(tmp_path / "home"))
+    for name in ("TRITON_CACHE_DIR", "TRITON_PTXAS_PATH"):
+        env.pop(name, None)
+    cubins = []
+    for process in ("inductor-first", "fusion-alone"):
+        proc = subprocess.run([sys.executable, "-c", SECOND_PROCESS_SCRIPT, process], env=env, capture_output=True,
+                              text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        cubins.append(sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.cubin")))
+    assert any(not os.path.basename(name).startswith("triton_") for name in cubins[0]), cubins[0]  # a fused op's
+    assert cubins[1] == cubins[0]

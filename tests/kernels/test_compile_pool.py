@@ -258,3 +258,30 @@ def test_a_pool_whose_workers_are_still_starting_takes_only_background_compiles(
     assert compile_pool.ready_pool(starting=True) is None
     monkeypatch.setattr(AsyncCompile, "use_process_pool", classmethod(lambda cls: True))
     assert compile_pool.ready_pool() is pool
+
+
+
+@pytest.mark.parametrize("set_by_user", [False, True], ids=["unset", "set-by-the-user"])
+def test_triton_is_set_up_as_inductor_sets_it_up_before_its_own_triton_work(monkeypatch, tmp_path, set_by_user):
+    """Inductor points ``TRITON_CACHE_DIR`` at its own folder and ``TRITON_PTXAS_PATH`` at torch's
+    ``ptxas`` only where it builds Triton kernels itself; the backend does the same before a CUDA graph
+    compiles (what the user set stays), so a process whose Inductor graphs all came from its caches
+    files and keys the fused ops' kernels as one that compiled them (the GPU test
+    ``test_a_second_process_finds_every_fused_kernel_the_first_compiled`` checks the cache hits)."""
+    from torch._inductor.runtime import compile_tasks
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    if set_by_user:
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    else:
+        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    calls = []
+    monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", lambda: calls.append("ptxas"))
+    compile_pool.use_inductors_triton_setup.cache_clear()
+    try:
+        compile_pool.use_inductors_triton_setup(1)
+    finally:
+        compile_pool.use_inductors_triton_setup.cache_clear()
+    want = str(tmp_path / "mine") if set_by_user else str(tmp_path / "inductor" / "triton" / "1")
+    assert os.environ["TRITON_CACHE_DIR"] == want == triton_cache_dir(1) and calls == ["ptxas"]
