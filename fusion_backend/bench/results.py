@@ -58,6 +58,9 @@ class ItemResult:
     ``settle_s``: where the fusion backend deferred decisions past the first call (its option ``defer``),
     the seconds from the first call's end until a step had run on the settled code (background compiles
     waited for, decisions measured, graph recompiled, one step; ``runner._settled_step``); None otherwise.
+    ``from_inductor_caches``: whether every graph Inductor compiled during the first call came from its
+    disk caches (True: a warm first call), or at least one was compiled (False); None where Inductor
+    compiled nothing there (eager, the fusion backend's direct runner).
     ``fused_regions`` is how many regions the fusion backend rewrote when it compiled the item
     (``None`` for other backends): with 0 the item runs Inductor's code for the whole graph, so its
     time differs from Inductor's only by the measurement's noise.
@@ -72,6 +75,7 @@ class ItemResult:
     check: CheckResult | None = None
     compile_s: float | None = None
     settle_s: float | None = None
+    from_inductor_caches: bool | None = None
     warm: TimingStats | None = None
     cold: TimingStats | None = None
     memory: MemoryStats | None = None
@@ -180,6 +184,7 @@ class BenchReport:
                     "workload": item.workload, "dtype": item.dtype, "mode": item.mode,
                     "backend": item.backend, "status": item.status.value, "error": item.error,
                     "compile_s": item.compile_s, "settle_s": item.settle_s,
+                    "from_inductor_caches": item.from_inductor_caches,
                     "median_ms": item.median_ms, "cold_median_ms": item.cold_median_ms,
                     "reps": item.warm.reps if item.warm else None,
                     "floor_ms": case.roofline.floor_ms if case.roofline else None,

@@ -247,6 +247,25 @@ def _graph_breaks() -> int | None:
         return None
 
 
+def _inductor_cache_counts() -> tuple[int, int]:
+    """Inductor's graph-cache lookups so far in this process: (hits, compiles), where an AOTAutograd
+    cache hit counts as a hit and a graph compiled past the cache (a miss or a bypass) as a compile."""
+    try:
+        from torch._dynamo.utils import counters
+
+        inductor = counters["inductor"]
+        hits = inductor["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+        return int(hits), int(inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"])
+    except Exception:  # private API drift: the reading is a nicety
+        return 0, 0
+
+
+def _from_caches(before: tuple[int, int], after: tuple[int, int]) -> bool | None:
+    """``ItemResult.from_inductor_caches`` from the counts before and after the first call."""
+    hits, compiles = after[0] - before[0], after[1] - before[1]
+    return None if hits == compiles == 0 else compiles == 0
+
+
 def _clear_dynamo() -> None:
     torch._dynamo.reset()
     try:
@@ -459,6 +478,7 @@ class Runner:
             measuring_memory = cfg.memory and not cfg.check_only
             item_start = tools.memory.allocated(drop_workspaces=not self._graphs_alive) if measuring_memory else 0
             breaks_before = _graph_breaks() if backend.uses_dynamo else None
+            caches_before = _inductor_cache_counts()
             start = tools.clock()
             fn = backend.compile(module)
             step = _Step(fn, module, inputs, device=self.device, precision=precision, train=train,
@@ -467,7 +487,8 @@ class Runner:
             with collect_reports() as reports:  # the fusion backend's decisions, for the item's notes
                 out = step.run()
             tools.synchronize()
-            result = dataclasses.replace(result, compile_s=tools.clock() - start)
+            result = dataclasses.replace(result, compile_s=tools.clock() - start,
+                                         from_inductor_caches=_from_caches(caches_before, _inductor_cache_counts()))
             if any_pending(reports):
                 out, reports, settle_s = _settled_step(step, reports, tools)
                 result = dataclasses.replace(result, settle_s=settle_s)

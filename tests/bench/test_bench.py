@@ -52,7 +52,7 @@ from fusion_backend.bench.roofline import (
     count_traffic,
     roofline,
 )
-from fusion_backend.bench.runner import ProgressEvent, Runner, _decided
+from fusion_backend.bench.runner import ProgressEvent, Runner, _decided, _from_caches
 from fusion_backend.bench.suite import SUITES, Workload, filter_workloads, load_workload, resolve_suite
 from fusion_backend.bench.verdict import verdict_of
 
@@ -1052,6 +1052,47 @@ def test_the_first_call_line_says_how_long_after_their_first_call_deferred_rows_
     assert verdict_of(report).first_call_line() == (
         "first call fusion / inductor 1.0-1.0x; 0/3 rows above the 3x budget; 2 rows decided after their first call, "
         "settled 0.8-2.2 s later")
+
+
+def test_rows_whose_inductor_first_call_came_from_its_caches_are_held_to_the_warm_budget() -> None:
+    """1.2x where Inductor's first call found its graphs in its disk caches (a rerun on warm caches),
+    3x elsewhere; the highest row is the one furthest over its own budget."""
+    report = synthetic_report([(w, "fp32", "infer", {"inductor": 1.0, "fusion": 0.5})
+                               for w in ("conv_a", "conv_b", "conv_c", "conv_d")])
+    first_calls = {"conv_a": (1.5, True), "conv_b": (2.5, False), "conv_c": (1.1, True), "conv_d": (3.3, False)}
+
+    def item(item: ItemResult) -> ItemResult:
+        ratio, warm = first_calls[item.workload]
+        if item.backend == "fusion":
+            return dataclasses.replace(item, compile_s=ratio)
+        return dataclasses.replace(item, compile_s=1.0, from_inductor_caches=warm if item.backend == "inductor" else None)
+
+    report = dataclasses.replace(report, cases=tuple(
+        dataclasses.replace(case, items=tuple(item(i) for i in case.items)) for case in report.cases))
+    assert verdict_of(report).first_call_line() == (
+        "first call fusion / inductor 1.1-3.3x; 2/4 rows above the budget (3x, 1.2x where Inductor's graphs came "
+        "from its caches: 2 rows), the highest conv_a fp32 infer")
+
+
+def test_inductors_first_call_counts_as_warm_only_where_it_compiled_no_graph() -> None:
+    assert _from_caches((4, 1), (4, 1)) is None  # no Inductor graph in this first call
+    assert _from_caches((4, 1), (6, 1)) is True
+    assert _from_caches((4, 1), (6, 2)) is False
+
+
+def test_an_item_records_whether_inductors_first_call_came_from_its_caches(
+        tiny: Workload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On empty Inductor caches its first call compiles; a second run of the row (as a second process
+    would, Dynamo reset) finds the graph in them; eager compiles nothing."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    reports = [run([tiny], [BUILTIN_EAGER, resolve_backend("inductor")], modes=("infer",), timer=FakeTimer({}))
+               for _ in range(2)]
+    items = [{item.backend: item for item in report.cases[0].items} for report in reports]
+    assert all(item.ok for run_items in items for item in run_items.values())
+    assert [i["inductor"].from_inductor_caches for i in items] == [False, True]
+    assert all(i["eager"].from_inductor_caches is None for i in items)
+    assert reports[1].rows()[1]["from_inductor_caches"] is True
+    assert BenchReport.from_dict(json.loads(json.dumps(reports[1].to_dict()))).cases[0].items[1].from_inductor_caches
 
 
 def test_verdict_without_timings_or_without_both_contenders_says_why() -> None:
