@@ -28,7 +28,7 @@ The verdict is the last line the command prints, and is stored in ``bench.json``
 
 First calls (:meth:`Verdict.first_call_line`, the line before the verdict): per row, fusion's first
 call (``compile_s``: compiling included) over Inductor's, where Inductor's is the copy of the baseline
-compiled first in the row (the later copy finds the row's graph in Inductor's caches), against the
+compiled first in the row (the later copy reuses the code Dynamo compiled for the first), against the
 budget :data:`FIRST_CALL_BUDGET`, or :data:`WARM_FIRST_CALL_BUDGET` where that copy's graphs all came from
 Inductor's disk caches (``ItemResult.from_inductor_caches``: a run on warm caches), and, where fusion
 decided regions after its first call (its option ``defer``), how long after it the rows settled
