@@ -28,9 +28,10 @@ key                     meaning
                         (ties go to Inductor)
 ``defer``               bool, default True: a region whose decision must be measured runs Inductor's
                         code while the fused op's kernels compile in Inductor's worker processes,
-                        and is decided at the first call after they have compiled (or at
-                        ``fusion_backend.settle()``), so that the first call costs what Inductor's
-                        does (``runtime/deferred.py``); False decides during the first call
+                        and is decided at the next call after they have compiled (never the
+                        first call itself) or at ``fusion_backend.settle()``, so that the first
+                        call costs what Inductor's does (``runtime/deferred.py``); False decides
+                        during the first call
 ======================  ===========================================================================
 
 Environment variables that set defaults here (``fusion_backend.environment`` lists them all):

@@ -12,7 +12,8 @@ True) the backend does not wait for them:
    Inductor's compile worker processes (``prepare_fused``: the rewritten region runs once with its
    launches replaced by compile submissions, ``kernels.launch.compile_in_background``), which compile
    them into Triton's disk cache while the model runs;
-3. the first call after they have all compiled (a non-blocking check per call), or ``settle()``,
+3. the next call after they have all compiled (a non-blocking check per call; never the first call
+   itself, whose caller already waits for the compile), or ``settle()``,
    compiles the graph again with ``defer=False``: the decision is measured as before, now loading
    the kernels instead of compiling them, and the compiled graph (the rewrite where it won) replaces
    Inductor's from then on.  That call also publishes the graph's new report.
@@ -195,7 +196,7 @@ def settle() -> int:
     """Settle every graph of this process whose decisions are pending (see the module docstring):
     wait for their kernels' compiles, measure, and swap in the result.  Returns how many graphs it
     settled.  A benchmark calls it after the first call so that what it times is the settled code;
-    a training loop need not: each graph settles at its first call after its compiles are done."""
+    a training loop need not: each graph settles at its next call after its compiles are done."""
     graphs = list(_pending)
     for graph in graphs:
         graph.settle()
