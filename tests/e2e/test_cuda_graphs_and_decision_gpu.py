@@ -158,6 +158,17 @@ def test_region_timing_tells_the_gpu_time_of_a_host_bound_step_from_its_time_per
     assert statistics.median(device.host_ms) < 0.5, device
 
 
+def _run_python(script, *args, env):
+    """Run ``script`` in a fresh interpreter with ``env``; its stdout (the test fails on a non-zero exit)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 DEFERRED_SCRIPT = r"""
 import json, sys, time
 import torch
@@ -218,16 +229,12 @@ def test_a_deferred_decision_compiles_in_the_workers_then_settles_with_eager_s_r
     measures and swaps in the decided graph; every call matches eager (outputs and gradients)."""
     import json
     import os
-    import subprocess
-    import sys
 
     env = dict(os.environ, FUSION_CACHE_DIR=str(tmp_path / "fusion"), TRITON_CACHE_DIR=str(tmp_path / "triton"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     env.pop("FUSION_DECIDE", None)
-    proc = subprocess.run([sys.executable, "-c", DEFERRED_SCRIPT, "train" if train else "infer"], env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    stdout = _run_python(DEFERRED_SCRIPT, "train" if train else "infer", env=env)
+    result = json.loads(stdout.strip().splitlines()[-1])
     if "skip" in result:
         pytest.skip(result["skip"])
     assert result["pending"] == [True] and result["graphs"] == 1 and result["settled"], result
@@ -258,8 +265,6 @@ def test_a_second_process_finds_every_fused_kernel_the_first_compiled(tmp_path):
     default folder included: ``HOME`` is the test's).  Before the backend set Triton up as Inductor
     does, the second process looked under Triton's defaults and compiled them all again."""
     import os
-    import subprocess
-    import sys
 
     # FUSION_CONV_AUTOTUNE=0: the op's default path alone (a few kernels), not every candidate's compile
     env = dict(os.environ, FUSION_CACHE_DIR=str(tmp_path / "fusion"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
@@ -268,9 +273,7 @@ def test_a_second_process_finds_every_fused_kernel_the_first_compiled(tmp_path):
         env.pop(name, None)
     cubins = []
     for process in ("inductor-first", "fusion-alone"):
-        proc = subprocess.run([sys.executable, "-c", SECOND_PROCESS_SCRIPT, process], env=env, capture_output=True,
-                              text=True, timeout=300, check=False)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        _run_python(SECOND_PROCESS_SCRIPT, process, env=env)
         cubins.append(sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.cubin")))
     assert any(not os.path.basename(name).startswith("triton_") for name in cubins[0]), cubins[0]  # a fused op's
     assert cubins[1] == cubins[0]
