@@ -199,7 +199,8 @@ def use_inductors_triton_setup(device: int) -> None:
     """Set Triton up in this process as Inductor does before its own Triton work on CUDA device
     ``device``, each only where it is not set already: the cache folder (``TRITON_CACHE_DIR``:
     Inductor's ``<its cache folder>/triton/<device>``) and the assembler (``TRITON_PTXAS_PATH``: the
-    ``ptxas`` bundled with torch).  The backend calls it before anything of a CUDA graph compiles.
+    ``ptxas`` bundled with torch, and the version Triton keys kernels with read from it).  The backend
+    calls it before anything of a CUDA graph compiles.
 
     WHY: where Triton files a compiled kernel, and the assembler version in its key, then no longer
     depend on whether Inductor built a Triton kernel in this process before the fused ops' first
@@ -220,6 +221,24 @@ def use_inductors_triton_setup(device: int) -> None:
     if os.getenv("TRITON_CACHE_DIR") is None:
         os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device)
     _set_triton_ptxas_path()
+    _forget_the_assembler_version()
+
+
+def _forget_the_assembler_version() -> None:
+    """Make Triton ask the assembler it now runs for its version again.  WHY: Triton remembers the
+    version it puts into every cache key from the first time it is asked in a process
+    (``get_ptxas_version`` is an ``lru_cache``), and in a process where Inductor builds kernels it is
+    asked before Inductor sets ``TRITON_PTXAS_PATH``: there the fused kernels were keyed with Triton's bundled
+    assembler's version though torch's assembled them, and a process where Inductor built nothing keyed
+    them with torch's, missed, and compiled them again.  NOTE: H100, torch 2.11, Triton 3.6: with the
+    same ``TRITON_PTXAS_PATH`` (torch's, CUDA 13.0) at the key, the first process's key named CUDA
+    12.8 (Triton's bundled) and the second's 13.0 (``pytest tests/e2e/test_cuda_graphs_and_decision_gpu.py
+    -k second_process``; the key's parts printed by wrapping ``triton.compiler.compiler.get_cache_key``)."""
+    try:
+        from triton.backends.nvidia import compiler as nvidia
+    except ImportError:  # a Triton without the NVIDIA backend: nothing remembered
+        return
+    getattr(nvidia.get_ptxas_version, "cache_clear", lambda: None)()
 
 
 def assembler(arch: int) -> tuple[str, str] | None:

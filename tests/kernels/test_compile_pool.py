@@ -9,6 +9,7 @@ compile runs in a spawned process (``compile_pool_kernel.py`` says why).
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -266,10 +267,12 @@ def test_triton_is_set_up_as_inductor_sets_it_up_before_its_own_triton_work(monk
     """Inductor points ``TRITON_CACHE_DIR`` at its own folder and ``TRITON_PTXAS_PATH`` at torch's
     ``ptxas`` only where it builds Triton kernels itself; the backend does the same before a CUDA graph
     compiles (what the user set stays), so a process whose Inductor graphs all came from its caches
-    files and keys the fused ops' kernels as one that compiled them (the GPU test
+    files and keys the fused ops' kernels as one that compiled them: the assembler version Triton
+    remembered from before is forgotten (the GPU test
     ``test_a_second_process_finds_every_fused_kernel_the_first_compiled`` checks the cache hits)."""
     from torch._inductor.runtime import compile_tasks
     from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    from triton.backends.nvidia import compiler as nvidia
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     if set_by_user:
@@ -278,10 +281,19 @@ def test_triton_is_set_up_as_inductor_sets_it_up_before_its_own_triton_work(monk
         monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     calls = []
     monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", lambda: calls.append("ptxas"))
+
+    @functools.lru_cache
+    def ptxas_version(arch: int = 80) -> str:  # Triton's: remembered from the first question
+        calls.append("version")
+        return f"version {calls.count('version')}"
+
+    monkeypatch.setattr(nvidia, "get_ptxas_version", ptxas_version)
+    assert ptxas_version(90) == "version 1"  # asked before the assembler was set
     compile_pool.use_inductors_triton_setup.cache_clear()
     try:
         compile_pool.use_inductors_triton_setup(1)
     finally:
         compile_pool.use_inductors_triton_setup.cache_clear()
     want = str(tmp_path / "mine") if set_by_user else str(tmp_path / "inductor" / "triton" / "1")
-    assert os.environ["TRITON_CACHE_DIR"] == want == triton_cache_dir(1) and calls == ["ptxas"]
+    assert os.environ["TRITON_CACHE_DIR"] == want == triton_cache_dir(1)
+    assert ptxas_version(90) == "version 2" and calls == ["version", "ptxas", "version"]  # asked again, after
