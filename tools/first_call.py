@@ -16,8 +16,9 @@ child started (``torch.compile`` is its own line): what each first call compiled
 prints the N entries of each warm first call's ``cProfile`` with the most cumulative time, among the backend's, Triton's,
 Dynamo's and Inductor's functions: where a first call that logs nothing spends its time (the cold runs are not
 profiled: the profiler's overhead would skew the decisions they measure and cache for the warm runs).  Where the fusion backend
-deferred decisions past the first call, a line says how long settling them took after it (not counted).  The last lines compare
-every backend with Inductor against the budgets ``--cold-budget`` (3x) and ``--warm-budget`` (1.2x).
+deferred decisions past the first call, a line says how long settling them took after it (not counted).  Each child's time is printed as
+it is measured (a run cut short keeps what it measured); the last lines compare every backend with Inductor
+against the budgets ``--cold-budget`` (3x) and ``--warm-budget`` (1.2x).
 
 Usage (repository root; ``--device cpu`` measures CPU compiles, where fused regions stay with Inductor
 unless ``FUSION_DECIDE=fuse``)::
@@ -178,19 +179,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.model, backends[0], args.mode, args.dtype, args.log, args.device, args.profile, args.warm_process)
         return 0
+    # Line by line even into a pipe or a file: a time limit's SIGTERM ends the process without flushing.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
     times: dict[str, tuple[float, float]] = {}
     with contextlib.ExitStack() as stack:
         caches = {b: stack.enter_context(tempfile.TemporaryDirectory(prefix=f"first_call_{b}_")) for b in backends}
-        run = lambda b, profile=args.profile: measure(args.model, b, args.mode, args.dtype, caches[b],  # noqa: E731
-                                                      args.timeout, args.log, args.device, profile, args.warm_process)
-        cold = {b: run(b, 0) for b in backends}
+
+        def run(backend: str, which: str, profile: int = args.profile) -> float:
+            """One child's first call, printed at once: a run cut short by a time limit still says
+            what it measured."""
+            seconds = measure(args.model, backend, args.mode, args.dtype, caches[backend], args.timeout, args.log,
+                              args.device, profile, args.warm_process)
+            print(f"  {backend} {which}: {seconds:.2f} s")
+            return seconds
+
+        cold = {b: run(b, "cold", 0) for b in backends}
         # The warm runs alternate between the backends: a warm first call is mostly cache reads and
         # imports, whose time follows the host's state (NOTE: Inductor's own warm first call of the
         # Conv2d 64->64 training step measured 7.7 to 12.6 s in separate runs on the H100 host).
         warm_runs: dict[str, list[float]] = {b: [] for b in backends}
-        for _ in range(args.warm_runs):
+        for i in range(args.warm_runs):
             for b in backends:
-                warm_runs[b].append(run(b))
+                warm_runs[b].append(run(b, f"warm {i + 1}"))
     for backend in backends:
         warm = statistics.median(warm_runs[backend])
         times[backend] = cold[backend], warm

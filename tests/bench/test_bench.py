@@ -1451,6 +1451,30 @@ def test_a_row_is_decided_when_the_tie_lies_outside_its_paired_ratios_middle_hal
     assert _decided(ratios) is decided
 
 
+def test_first_call_tool_prints_each_child_s_time_as_it_is_measured(capsys):
+    """``tools/first_call.py`` runs one child process per first call, minutes in all on a GPU host: a
+    run cut short (a device call's time limit) must still have printed what it measured so far."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("first_call", root / "tools" / "first_call.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    times = iter([2.0, 3.0, 0.5])  # inductor cold, fusion cold, inductor warm 1; then the limit
+
+    def measure(path, backend, *args, **kwargs):
+        try:
+            return next(times)
+        except StopIteration:
+            raise KeyboardInterrupt from None  # what the time limit leaves of the run
+
+    module.measure = measure
+    with pytest.raises(KeyboardInterrupt):
+        module.main([str(root / "demos" / "convnets" / "conv2d_64_k3_relu.py"), "--warm-runs", "2"])
+    assert capsys.readouterr().out.splitlines() == ["  inductor cold: 2.00 s", "  fusion cold: 3.00 s",
+                                                    "  inductor warm 1: 0.50 s"]
+
+
 def test_results_table_prints_a_committed_report_row_by_row_with_its_lines():
     """``tools/results_table.py`` (the tables of ``docs/perf/RESULTS.md``) on the committed seeds report:
     one row per case, the verdict's ratio, both first calls and the decision read from fusion's notes."""
