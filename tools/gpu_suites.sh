@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The committed H100 reports of docs/perf/h100 in one device call, one job per GPU at the same time:
+#   bash tools/gpu_suites.sh            (on nvidia-h100-x4: about 8-9 minutes; logs and reports under $OUT/suites)
+# GPU 0: seeds | GPU 1: convnets 1-5, seeds-small, seeds-small again on its caches (warm/seeds-small)
+# GPU 2: convnets 6-10, CUDA graphs | GPU 3: convnets 11-14, 15-18 | then the convnets parts merged.
+# With fewer GPUs the jobs share them round-robin (slower; one GPU: run the stages of gpu_session.sh instead).
+# Each job has cache folders of its own (cold first calls, as on a fresh machine) and Inductor compile
+# threads of the host's cores / 4: four processes compiling at once on one host read their cold first
+# calls slower otherwise (both backends alike). The reports land in $OUT/suites/<name>/; copy them into
+# docs/perf/h100/ (convnets from convnets-merged/). NOTE: on the 4-GPU H100 host each part of 5 convnets
+# workloads took 190-310 s beside the others, the seeds suite 433 s (the runs of docs/perf/h100).
+set -uo pipefail
+out=${OUT:-gpu_out}/suites; mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+[[ $gpus -ge 1 ]] || { echo "no CUDA device"; exit 1; }
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$(( $(nproc) / 4 > 1 ? $(nproc) / 4 : 1 ))}
+backends=eager,inductor,fusion,inductor:default
+convnets="--no-memory --no-cold --no-chart"
+part() { ls demos/convnets/*.py | sed -n "$1p" | paste -sd,; }
+
+bench() {  # bench GPU TIMEOUT NAME ARGS...: one report in $out/NAME, its last two lines echoed
+  local gpu=$1 limit=$2 name=$3; shift 3
+  CUDA_VISIBLE_DEVICES=$(( gpu % gpus )) FUSION_CACHE_DIR=/tmp/gpu_suites/$gpu/fusion \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/gpu_suites/$gpu/inductor timeout "$limit" \
+    python3 -m fusion_backend bench --log --out "$out/$name" "$@" >"$out/$name.log" 2>&1
+  echo "[$name rc $?] $(tail -2 "$out/$name.log" | tr '\n' ' ' | cut -c1-600)"
+}
+grid="--dtype fp32,bf16 --mode infer,train --backends $backends"
+( bench 0 560 seeds --suite seeds $grid ) &
+( bench 1 260 convnets-1 --suite "$(part 1,5)" $grid $convnets
+  bench 1 180 seeds-small --suite seeds-small $grid
+  bench 1 110 warm-seeds-small --suite seeds-small $grid ) &
+( bench 2 340 convnets-2 --suite "$(part 6,10)" $grid $convnets
+  bench 2 150 cudagraphs --suite demos/seeds/convt3d_leaky_mul_leaky_maxpool.py,demos/convnets/conv2d_64_k3_relu.py,demos/convnets/convt2d_128_64_k2_s2_relu.py \
+    --dtype fp32 --mode infer,train --compile-mode reduce-overhead --no-memory ) &
+( bench 3 270 convnets-3 --suite "$(part 11,14)" $grid $convnets
+  bench 3 270 convnets-4 --suite "$(part 15,18)" $grid $convnets ) &
+wait
+python3 -m fusion_backend bench --merge "$out"/convnets-{1,2,3,4} --no-chart --out "$out/convnets-merged" 2>&1 | tail -2
+rm -f "$out"/*/bench.png
