@@ -1451,15 +1451,23 @@ def test_a_row_is_decided_when_the_tie_lies_outside_its_paired_ratios_middle_hal
     assert _decided(ratios) is decided
 
 
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tool(name: str):
+    """The module of ``tools/<name>.py`` (the tools are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, _ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_first_call_tool_prints_each_child_s_time_as_it_is_measured(capsys):
     """``tools/first_call.py`` runs one child process per first call, minutes in all on a GPU host: a
     run cut short (a device call's time limit) must still have printed what it measured so far."""
-    import importlib.util
-
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("first_call", root / "tools" / "first_call.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _tool("first_call")
     times = iter([2.0, 3.0, 0.5])  # inductor cold, fusion cold, inductor warm 1; then the limit
 
     class Stopped(Exception):
@@ -1473,7 +1481,7 @@ def test_first_call_tool_prints_each_child_s_time_as_it_is_measured(capsys):
 
     module.measure = measure
     with pytest.raises(Stopped):
-        module.main([str(root / "demos" / "convnets" / "conv2d_64_k3_relu.py"), "--warm-runs", "2"])
+        module.main([str(_ROOT / "demos" / "convnets" / "conv2d_64_k3_relu.py"), "--warm-runs", "2"])
     assert capsys.readouterr().out.splitlines() == ["  inductor cold: 2.00 s", "  fusion cold: 3.00 s",
                                                     "  inductor warm 1: 0.50 s"]
 
@@ -1481,13 +1489,8 @@ def test_first_call_tool_prints_each_child_s_time_as_it_is_measured(capsys):
 def test_results_table_prints_a_committed_report_row_by_row_with_its_lines():
     """``tools/results_table.py`` (the tables of ``docs/perf/RESULTS.md``) on the committed seeds report:
     one row per case, the verdict's ratio, both first calls and the decision read from fusion's notes."""
-    import importlib.util
-
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("results_table", root / "tools" / "results_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    report_path = root / "docs" / "perf" / "h100" / "seeds" / "bench.json"
+    module = _tool("results_table")
+    report_path = _ROOT / "docs" / "perf" / "h100" / "seeds" / "bench.json"
     text = module.table(report_path)
     report = read_json(report_path)
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| workload")]
