@@ -58,13 +58,15 @@ if has demo; then
   done
 fi
 if has bench; then
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m fusion_backend bench --log --suite seeds --dtype fp32,bf16 --mode infer,train \
-    --backends "$BACKENDS" --out "$out/bench" ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
+  seeds_bench() {  # seeds_bench NAME: the seeds run into $out/NAME, its log $out/NAME.log
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m fusion_backend bench --log --suite seeds --dtype fp32,bf16 --mode infer,train \
+      --backends "$BACKENDS" --out "$out/$1" ${BENCH_ARGS:-} >"$out/$1.log" 2>&1
+  }
+  seeds_bench bench
   grep -E "in worker processes|in this process from now on" "$out/bench.log" | cut -c1-400 | head -6
   tail -33 "$out/bench.log"
   if [[ ${WARM_RERUN:-0} == 1 ]]; then  # the same run again on the caches the first left: the warm first calls
-    timeout "${BENCH_TIMEOUT:-300}" python3 -m fusion_backend bench --log --suite seeds --dtype fp32,bf16 \
-      --mode infer,train --backends "$BACKENDS" --out "$out/bench_warm" ${BENCH_ARGS:-} >"$out/bench_warm.log" 2>&1
+    seeds_bench bench_warm
     tail -3 "$out/bench_warm.log"
   fi
 fi
