@@ -73,7 +73,9 @@ def fusion(
     config_patches = _inductor_patches(mode, opts)
     index = next(_graph_counter)
     times: dict[str, float] = {}
-    original = _clone(gm)
+    # The rewrite works on a copy (``work``); where nothing is kept, Dynamo's graph itself goes to
+    # Inductor, which may mutate it: nothing reads it after that but a dump, which gets a copy.
+    original = _clone(gm) if opts.dump_dir else gm
     before_code = gm.code if opts.dump_dir else ""
 
     current = {"stage": "normalize", "pattern": None}
@@ -119,6 +121,9 @@ def fusion(
         decisions.clear()  # nothing was rewritten
         preparations.clear()
     times["match+decide+rewrite"] = time.perf_counter() - t0
+    # the pending regions are decided later, on the graph as Dynamo gave it: copied before Inductor
+    # compiles (and may mutate) that graph
+    untouched = _clone(gm) if preparations else None
 
     t0 = time.perf_counter()
     compiled = None
@@ -144,8 +149,7 @@ def fusion(
     if compiled is None:
         compiled = _compile_inductor(original, example_inputs, config_patches)
     times["inductor" if runner == "inductor" else "direct"] = time.perf_counter() - t0
-    if preparations:  # the pending regions are decided later, on the graph as Dynamo gave it
-        untouched = _clone(gm)
+    if untouched is not None:
         settled_options = {**(options or {}), "defer": False}
         decide_later = deferred.in_compile_state(lambda: fusion(untouched, example_inputs, mode, settled_options))
         compiled = deferred.DeferredGraph(compiled, preparations, decide_later, opts.strict)
@@ -222,8 +226,9 @@ _DYNAMO_MODULE_ATTRS = ("_param_name_to_source", "_source_to_user_stacks")
 
 
 def _clone(gm: fx.GraphModule) -> fx.GraphModule:
-    """A structural copy: Inductor may mutate the graph it compiles, and the fallback needs the
-    original.  Node metadata (fake values) is shared, parameters are not copied.
+    """A structural copy: Inductor may mutate the graph it compiles, and the rewrite, a deferred
+    decision and a dump need the graph as Dynamo gave it.  Node metadata (fake values) is shared,
+    parameters are not copied.
 
     WHY Dynamo's attributes too (the module's ``meta``, ``_param_name_to_source``, each
     placeholder's ``_dynamo_source``): AOTAutograd reads them to tell a Dynamo graph's parameters,

@@ -530,12 +530,10 @@ def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
 def rewritten_region(region: Any, pattern: str, strict: bool) -> fx.GraphModule:
     """A copy of the extracted ``region`` with ``pattern``'s one match rewritten into its fused op
     (``region_timing.NotMeasurable`` when the region alone does not give exactly one match)."""
-    import copy
-
     from ..match.engine import run_patterns
     from . import region_timing
 
-    gm = fx.GraphModule(region.gm, copy.deepcopy(region.gm.graph), class_name="Region")
+    gm = region.copy()
     result = run_patterns(gm, [pattern], strict=strict)
     if len(result.matches) != 1:
         raise region_timing.NotMeasurable(f"the region alone gives {len(result.matches)} {pattern} matches, not 1")

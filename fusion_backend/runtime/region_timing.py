@@ -43,6 +43,7 @@ For a region on the CPU the three are the same number.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import operator
 import time
@@ -75,11 +76,25 @@ class NotMeasurable(Exception):
 class ExtractedRegion:
     """A region copied into its own graph (see the module docstring)."""
 
-    gm: fx.GraphModule
+    graph: fx.Graph
+    root: fx.GraphModule
+    """The module the region was extracted from: what the graph's ``get_attr`` nodes read."""
     inputs: list[fx.Node]
     """The original graph's nodes that feed the region, in placeholder order."""
     result: fx.Node
     """The original graph's node whose value is the region's result."""
+
+    @functools.cached_property
+    def gm(self) -> fx.GraphModule:
+        """The region as a module, built at its first use.  WHY: building a module generates and
+        compiles its Python code, most of an extraction's time, and a decision found in the cache
+        needs only the graph (its key)."""
+        return fx.GraphModule(self.root, self.graph, class_name="Region")
+
+    def copy(self) -> fx.GraphModule:
+        """A module of its own over a copy of the graph, for what mutates what it is given
+        (Inductor's ``compile_fx``, a rewrite)."""
+        return fx.GraphModule(self.root, copy.deepcopy(self.graph), class_name="Region")
 
 
 def extract_region(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> ExtractedRegion:
@@ -126,7 +141,7 @@ def extract_region(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> ExtractedReg
         graph.call_function(_AUTOCAST_EXIT, (block,))
     graph.output((env[nodes[-1]],))
     inputs = [n for n in inputs if n.op != "get_attr"]
-    return ExtractedRegion(fx.GraphModule(gm, graph, class_name="Region"), inputs, nodes[-1])
+    return ExtractedRegion(graph, gm, inputs, nodes[-1])
 
 
 #: Ops a region's consumers may not be: the compute a later region would claim.  (Nor may they write
@@ -300,8 +315,7 @@ def make_step(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], train: boo
 def compile_with_inductor(region: ExtractedRegion, inputs: Sequence[torch.Tensor],
                           config_patches: Mapping[str, Any]) -> Callable[..., Any]:
     """Inductor's code for the region (on a copy: ``compile_fx`` may mutate what it compiles)."""
-    gm = fx.GraphModule(region.gm, copy.deepcopy(region.gm.graph), class_name="Region")
-    return compile_apart(gm, inputs, config_patches)
+    return compile_apart(region.copy(), inputs, config_patches)
 
 
 def compile_apart(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
@@ -390,7 +404,7 @@ def canonical_text(region: ExtractedRegion) -> str:
     one line per node with its op, target and arguments, nodes named by position."""
     index: dict[fx.Node, str] = {}
     lines = []
-    for i, node in enumerate(region.gm.graph.nodes):
+    for i, node in enumerate(region.graph.nodes):
         index[node] = f"%{i}"
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
         lines.append(f"{node.op} {_target_name(node.target)} {args!r}")

@@ -127,6 +127,33 @@ def test_the_first_calls_run_inductors_code_and_the_first_call_after_the_compile
     assert timer.calls == 1  # settled for good
 
 
+def test_the_deferred_decision_reads_dynamos_graph_as_it_was_though_inductor_mutated_it(faked, monkeypatch):
+    """Where nothing is rewritten, Dynamo's graph itself goes to Inductor, which may mutate it; the
+    decision made later must start from the graph as Dynamo gave it (copied before that compile)."""
+    import torch.fx as fx
+
+    from fusion_backend import backend
+
+    compiles, timer = faked
+    compile_inductor = backend._compile_inductor
+
+    def compile_then_mutate(gm, example_inputs, patches):
+        compiled = compile_inductor(gm, example_inputs, patches)
+        gm.graph = fx.Graph()  # nothing of the graph is left for anyone reading it after this compile
+        return compiled
+
+    monkeypatch.setattr(backend, "_compile_inductor", compile_then_mutate)
+    torch.manual_seed(0)
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    want = model(x)
+    compiled = torch.compile(model, backend="fusion")
+    run(compiled, x, False)
+    compiles.finish()
+    out, reports = run(compiled, x, False)
+    assert [d.fused for r in reports for d in r.decisions] == [True] and timer.calls == 1
+    torch.testing.assert_close(out, want)
+
+
 def test_the_first_call_never_settles_even_where_the_compiles_finished_during_the_compile(faked):
     compiles, timer = faked
     compiles.finish()  # ready before the first call runs
