@@ -24,7 +24,6 @@ without an autograd formula).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,6 +32,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .. import sources
 
 _LIB = torch.library.Library("fusion", "FRAGMENT")
 
@@ -125,12 +126,7 @@ def with_autograd_free_pass(patches: Mapping[str, Any]) -> dict[str, Any]:
     return {**patches, _PASS_KEY: SwapInAutogradFreeOps(previous)}
 
 
-@functools.cache
 def ops_source_digest() -> bytes:
-    """SHA-256 over the source of ``fusion_backend/ops`` (every ``.py`` file, by relative path): the
-    fused ops, their fakes and the graph pass that calls them.  Read once per process."""
-    root = Path(__file__).resolve().parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
-    return digest.digest()
+    """The fingerprint of ``fusion_backend/ops`` (``sources.fingerprint``): the fused ops, their fakes
+    and the graph pass that calls them."""
+    return sources.fingerprint(Path(__file__).resolve().parent).encode()

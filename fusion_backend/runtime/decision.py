@@ -589,16 +589,13 @@ def _environment() -> str:
     must not reuse old times)."""
     import triton
 
-    from .. import patterns
+    from .. import patterns, sources
 
-    digest = hashlib.sha256()
     # the pattern families live outside the package folder (top-level patterns/, see pyproject.toml)
-    for root in (Path(__file__).resolve().parents[1], Path(patterns.__file__).resolve().parent):
-        for path in sorted(root.rglob("*.py")):
-            digest.update(path.relative_to(root.parent).as_posix().encode())
-            digest.update(path.read_bytes())
+    roots = (Path(__file__).resolve().parents[1], Path(patterns.__file__).resolve().parent)
+    fingerprints = " ".join(sources.fingerprint(root)[:16] for root in roots)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return f"{device}|torch {torch.__version__}|triton {triton.__version__}|sources {digest.hexdigest()[:16]}"
+    return f"{device}|torch {torch.__version__}|triton {triton.__version__}|sources {fingerprints}"
 
 
 def _load(cache_dir: Path) -> dict[str, dict[str, Any]]:

@@ -287,6 +287,19 @@ def test_another_input_signature_is_timed_again(cache):
     assert timer.calls == 3 + 1
 
 
+def test_the_decision_key_fingerprints_the_package_and_the_pattern_families(monkeypatch):
+    from fusion_backend import sources
+
+    seen = []
+    monkeypatch.setattr(sources, "fingerprint", lambda root: seen.append(root.name) or "0" * 64)
+    decision._environment.cache_clear()
+    try:
+        decision._environment()
+    finally:
+        decision._environment.cache_clear()
+    assert seen == ["fusion_backend", "patterns"]
+
+
 @pytest.mark.parametrize("content", [
     "{ not json",
     json.dumps({"schema": decision.SCHEMA + 1, "entries": {}}),
