@@ -129,4 +129,4 @@ def with_autograd_free_pass(patches: Mapping[str, Any]) -> dict[str, Any]:
 def ops_source_digest() -> bytes:
     """The fingerprint of ``fusion_backend/ops`` (``sources.fingerprint``): the fused ops, their fakes
     and the graph pass that calls them."""
-    return sources.fingerprint(Path(__file__).resolve().parent).encode()
+    return bytes.fromhex(sources.fingerprint(Path(__file__).resolve().parent))
