@@ -3,6 +3,9 @@
 #   bash tools/gpu_suites.sh            (on nvidia-h100-x4: about 8-9 minutes; logs and reports under $OUT/suites)
 # GPU 0: seeds | GPU 1: convnets 1-5, seeds-small, seeds-small again on its caches (warm/seeds-small)
 # GPU 2: convnets 6-10, CUDA graphs | GPU 3: convnets 11-14, 15-18 | then the convnets parts merged.
+#   bash tools/gpu_suites.sh warm-first-calls   (at most 6 minutes) instead: on every GPU, with caches of its own,
+#   seeds-small and then seeds-small again on its caches; each row's warm first call over the GPUs' reruns
+#   (the median: tools/first_call_runs.py) in $OUT/suites/warm-first-calls.md.
 # With fewer GPUs the jobs share them round-robin (slower; one GPU: run the stages of gpu_session.sh instead).
 # Each job has cache folders of its own (cold first calls, as on a fresh machine) and Inductor compile
 # threads of the host's cores / 4: four processes compiling at once on one host read their cold first
@@ -28,6 +31,16 @@ bench() {  # bench GPU TIMEOUT NAME ARGS...: one report in $out/NAME, its last t
   echo "[$name rc $?] $(tail -2 "$out/$name.log" | tr '\n' ' ' | cut -c1-600)"
 }
 grid="--dtype fp32,bf16 --mode infer,train --backends $backends"
+if [[ ${1:-} == warm-first-calls ]]; then  # seeds-small cold, then again on its caches, on every GPU
+  for gpu in $(seq 0 $(( gpus - 1 ))); do
+    ( bench "$gpu" 240 "seeds-small-$gpu" --suite seeds-small $grid
+      bench "$gpu" 130 "warm-seeds-small-$gpu" --suite seeds-small $grid ) &
+  done
+  wait
+  python3 tools/first_call_runs.py "$out"/warm-seeds-small-*/bench.json | tee "$out/warm-first-calls.md"
+  rm -f "$out"/*/bench.png
+  exit 0
+fi
 ( bench 0 560 seeds --suite seeds $grid ) &
 ( bench 1 260 convnets-1 --suite "$(part 1,5)" $grid $convnets
   bench 1 180 seeds-small --suite seeds-small $grid
