@@ -24,6 +24,16 @@ import pytest  # noqa: E402
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+if not torch.cuda.is_available():
+    # Inductor's CPU code without SIMD vectorization: the suite checks what the backend hands Inductor
+    # and what comes back, not the speed of Inductor's CPU kernels, and scalar C++ compiles faster (the
+    # CPU suite compiles hundreds of graphs with cold caches on a fresh machine).  NOTE: 2-core CPU box,
+    # empty Inductor cache, ``pytest -n 2 tests/e2e/test_e2e_conv_epilogue.py
+    # tests/e2e/test_e2e_conv_global_mean.py``: 62 s with vectorization, 53 s without.
+    import torch._inductor.config as _inductor_config
+
+    _inductor_config.cpp.simdlen = 1
+
 
 def _language_patched_once_per_launch() -> None:
     """Under Triton's interpreter, ``triton.language`` is patched once per kernel launch, not again at
