@@ -95,9 +95,39 @@ def _integer_ops_unchecked() -> None:
         builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
+def _numpy_dtypes_looked_up_once() -> None:
+    """Under Triton's interpreter, the numpy dtype that stores a Triton type is worked out once per type.
+
+    ``interpreter._get_np_dtype`` builds its table of every Triton type at each call, and the
+    interpreter calls it for every value it creates (each load, splat, constant and cast of every
+    program instance).  The answer depends on the type alone, which its ``name`` spells out in full
+    (a block type's names its shape and element type, a pointer's its pointee).  NOTE: it was 6.9 of
+    104 s of ``python -m cProfile -m pytest tests/kernels/test_conv_phase_aligned_bwd.py`` (Triton 3.9)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    work_out = getattr(interpreter, "_get_np_dtype", None)
+    if work_out is None:
+        return
+    known: dict = {}
+
+    def looked_up(tt_dtype):
+        name = getattr(tt_dtype, "name", None)
+        if not isinstance(name, str):
+            return work_out(tt_dtype)
+        np_dtype = known.get(name)
+        if np_dtype is None:
+            np_dtype = known[name] = work_out(tt_dtype)
+        return np_dtype
+
+    interpreter._get_np_dtype = looked_up
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _language_patched_once_per_launch()
     _integer_ops_unchecked()
+    _numpy_dtypes_looked_up_once()
 
 
 @pytest.fixture
