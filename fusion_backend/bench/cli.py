@@ -17,6 +17,7 @@ import contextlib
 import datetime as _dt
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -304,9 +305,9 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
         Path("bench-results") / _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S"))
     progress = _make_progress(err)
     try:
-        runner = Runner(config, backends, device=device, instruments=instruments, rates=rates,
-                        progress=progress)
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt() as stop:
+            runner = Runner(config, backends, device=device, instruments=instruments, rates=rates,
+                            progress=progress, stop_requested=stop.is_set)
             report = runner.run(workloads, environment)
     finally:
         if isinstance(progress, _TqdmProgress):
@@ -351,23 +352,26 @@ def _merge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def _sigterm_as_interrupt() -> Iterator[threading.Event]:
     """SIGTERM (what ``timeout``, job schedulers and CI send) ends the run as Ctrl-C does: the runner
-    stops and the finished cases are written as a partial report.  Only in the main thread (the one
-    place Python lets a handler be installed); elsewhere SIGTERM keeps its default action."""
+    stops and the finished cases are written as a partial report.  Yields the event the signal sets,
+    for the runner to ask after each item: the handler's ``KeyboardInterrupt`` is lost where Python
+    runs the handler inside a finalizer.  Only in the main thread (the one place Python lets a handler
+    be installed); elsewhere SIGTERM keeps its default action."""
     import signal
-    import threading
 
+    stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield stop
         return
 
     def interrupt(signum: int, frame: Any) -> None:
+        stop.set()
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        yield
+        yield stop
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -280,12 +280,15 @@ class Runner:
     """Runs a benchmark matrix; see the module docstring.  One instance per run.
 
     ``instruments`` may be ``None`` only with ``config.check_only``.  ``rates`` ``None`` skips the
-    roofline (e.g. check-only, or tests that do not care).
+    roofline (e.g. check-only, or tests that do not care).  ``stop_requested``: asked after every
+    item; where it answers true the run stops as on Ctrl-C (``KeyboardInterrupt``), the unfinished case
+    left out of the report.  It backs up an interrupt raised by a signal handler, which Python drops
+    where the handler happens to run inside a finalizer (a ``__del__`` or a weakref callback).
     """
 
     def __init__(self, config: BenchConfig, backends: Sequence[BenchBackend], *, device: torch.device,
                  instruments: Instruments | None = None, rates: DeviceRates | None = None,
-                 progress: ProgressFn | None = None) -> None:
+                 progress: ProgressFn | None = None, stop_requested: Callable[[], bool] = lambda: False) -> None:
         if instruments is None and not config.check_only:
             raise BenchError("measuring needs instruments (timer, memory probe); pass cuda_instruments(...)")
         if [b.name for b in backends] != list(config.backends):
@@ -297,6 +300,7 @@ class Runner:
         self.instruments = instruments or Instruments(timer=_NoTimer(), memory=_NoMemory())
         self.rates = rates
         self.progress = progress
+        self.stop_requested = stop_requested
         #: Whether fp32 convolutions may run in TF32 here: picks the gate's fp32 tolerance and the
         #: roofline's compute unit.  Read once: the flag is global state that a model file could change.
         self.conv_tf32 = device.type == "cuda" and conv_tf32_enabled()
@@ -442,12 +446,15 @@ class Runner:
                 self._emit(workload, dtype, mode, backend.name, "start")
                 prepared = self._prepare_item(workload, model, inputs, dtype, mode, backend, ref)
                 self.instruments.release()
+                self._stop_if_requested()
                 if isinstance(prepared, ItemResult):
                     finished[backend.name] = prepared
                     self._emit(workload, dtype, mode, backend.name, "done", prepared)
                 else:
                     live.append(prepared)
-            for entry, item in zip(live, self._time_interleaved(live), strict=True):
+            timed = self._time_interleaved(live)
+            self._stop_if_requested()
+            for entry, item in zip(live, timed, strict=True):
                 finished[item.backend] = item
                 self._emit(workload, dtype, mode, item.backend, "done", item, index=entry.index)
         finally:
@@ -457,6 +464,10 @@ class Runner:
                 _clear_dynamo()
         items = tuple(finished[b.name] for b in self.backends)
         return CaseResult(workload, dtype, mode, roofline=ref.roofline, items=items)
+
+    def _stop_if_requested(self) -> None:
+        if self.stop_requested():
+            raise KeyboardInterrupt("stop requested")
 
     # -- per item ------------------------------------------------------------------------------------------
 

@@ -239,7 +239,7 @@ def run(workloads: list[Workload], backends: list[BenchBackend], *, dtypes: tupl
         rates: DeviceRates | None = FAKE_RATES, check_only: bool = False,
         events: list[ProgressEvent] | None = None, tolerances: dict[str, float] | None = None,
         fp64_check: bool = True, memory: FakeMemory | None = None,
-        measure: MeasureConfig | None = None) -> BenchReport:
+        measure: MeasureConfig | None = None, stop_requested: Callable[[], bool] = lambda: False) -> BenchReport:
     timer = timer or FakeTimer(FAKE_MS)
     config = BenchConfig(dtypes=dtypes, modes=modes, backends=tuple(b.name for b in backends),
                          check_only=check_only, tolerances=tolerances or {}, fp64_check=fp64_check,
@@ -251,7 +251,7 @@ def run(workloads: list[Workload], backends: list[BenchBackend], *, dtypes: tupl
 
     instruments = None if check_only else fake_instruments(timer, memory)
     runner = Runner(config, backends, device=CPU, instruments=instruments,
-                    rates=rates, progress=progress)
+                    rates=rates, progress=progress, stop_requested=stop_requested)
     return runner.run(workloads, environment={"device": "cpu", "torch": torch.__version__,
                                               "command": "test"})
 
@@ -656,6 +656,25 @@ def test_an_interrupted_run_keeps_the_cases_that_finished(tiny: Workload) -> Non
     report = run([tiny], [BUILTIN_EAGER, stopper])
     assert not report.complete and [c.mode for c in report.cases] == ["infer"]
     assert "PARTIAL REPORT" in format_report(report)
+
+
+def test_a_stop_request_whose_interrupt_was_lost_still_ends_the_run_after_the_item(tiny: Workload) -> None:
+    # A signal handler's KeyboardInterrupt raised inside a finalizer is dropped by Python: the request
+    # itself (the event the handler sets) stops the run after the item it arrived in.
+    requested, compiled = [], []
+
+    def request_stop_second_time(module: torch.nn.Module) -> Callable[..., Any]:
+        compiled.append(1)
+        if len(compiled) == 2:
+            requested.append(True)  # the handler ran; its exception went nowhere
+        return module
+
+    after: list[int] = []
+    quiet = BenchBackend("quiet", request_stop_second_time, "a stop request during the 2nd case", uses_dynamo=False)
+    later = BenchBackend("later", lambda module: after.append(1) or module, "the item after it", uses_dynamo=False)
+    report = run([tiny], [BUILTIN_EAGER, quiet, later], stop_requested=lambda: bool(requested))
+    assert not report.complete and [c.mode for c in report.cases] == ["infer"]
+    assert len(compiled) == 2 and len(after) == 1  # the 2nd case stopped before its next item
 
 
 def test_sigterm_ends_a_command_line_run_with_a_partial_report(tmp_path: Path) -> None:
