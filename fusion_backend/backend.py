@@ -20,12 +20,16 @@ the report records the fallback.  ``options={"strict": True}`` raises ``RewriteE
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
+import math
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -36,9 +40,17 @@ from .kernels import compile_pool
 from .match.engine import Candidate, registered_patterns, run_patterns
 from .ops.autograd_free import with_autograd_free_pass
 from .options import FusionOptions
-from .report import Decision, Fallback, GraphReport, publish
-from .runtime import deferred
-from .runtime.decision import PENDING_RULE, decide, needs_timing
+from .report import Decision, Fallback, GraphCheck, GraphReport, publish
+from .runtime import deferred, graph_timing
+from .runtime.decision import (
+    PENDING_RULE,
+    DecisionBudget,
+    cached_entry,
+    decide,
+    pending_timing,
+    state_digest,
+    store_entry,
+)
 from .runtime.direct import direct_module, why_not_direct
 
 log = logging.getLogger("fusion_backend")
@@ -66,18 +78,166 @@ def fusion(
     >>> tuple(out.shape)
     (2, 8, 6, 6)
     """
+    compiled_at = time.perf_counter()
     opts = FusionOptions.parse(options, tuple(registered_patterns()))
     cuda = next((t.get_device() for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
     if cuda is not None:  # before any kernel of this graph compiles, here or in a worker
         compile_pool.use_inductors_triton_setup(cuda)
     config_patches = _inductor_patches(mode, opts)
     index = next(_graph_counter)
-    times: dict[str, float] = {}
-    # The rewrite works on a copy (``work``); where nothing is kept, Dynamo's graph itself goes to
-    # Inductor, which may mutate it: nothing reads it after that but a dump, which gets a copy.
+    # The rewrite works on a copy; where nothing is kept, Dynamo's graph itself goes to Inductor,
+    # which may mutate it: nothing reads it after that but a dump, which gets a copy.
     original = _clone(gm) if opts.dump_dir else gm
     before_code = gm.code if opts.dump_dir else ""
 
+    may_defer = opts.defer and deferred.deferrable(gm, example_inputs)
+    real = deferred.real_inputs(example_inputs)
+    pending = _Pending()
+
+    def decide_first(graph: fx.GraphModule, candidate: Candidate, decisions: list[Decision]) -> bool:
+        timing = None
+        if may_defer:
+            timing = pending_timing(graph, candidate.pattern, candidate.nodes, policy=opts.decide,
+                                    cache_dir=opts.cache_dir, inductor_patches=config_patches)
+        if timing is not None and pending.admit(graph, candidate, timing, example_inputs if real else None, opts.strict):
+            decisions.append(Decision(candidate.pattern, candidate.summary, candidate.nodes[0].name, False,
+                                      PENDING_RULE, pending=True))
+            return False
+        decisions.append(decide(
+            graph, candidate.pattern, candidate.summary, candidate.nodes, example_inputs, policy=opts.decide,
+            margin=opts.decide_margin, cache_dir=opts.cache_dir, inductor_patches=config_patches,
+            strict=opts.strict,
+        ))  # fmt: skip
+        return False  # rewritten below, once the graph's own answer is known
+
+    found = _build(gm, example_inputs, opts, config_patches, decide_first, index)
+    decided = {d.anchor: d for d in found.report.decisions}
+    checks: list[GraphCheck] = []
+    in_context = may_defer and opts.decide == "measure" and not config_patches.get("triton.cudagraphs")
+    if in_context and any(d.fused for d in decided.values()):
+        # the regions kept alone: the whole graph's answer, where a process measured it before
+        decided, checks, outcome = _in_context(gm, example_inputs, decided, opts, config_patches, None, None)
+        if outcome is _UNKNOWN:  # compile Inductor's graph now, and time the graph with them at the settle
+            decided = {a: dataclasses.replace(d, fused=False, pending=True, rule=IN_CONTEXT_RULE) if d.fused else d
+                       for a, d in decided.items()}
+            pending.in_context = True
+    built = found
+    if any(d.fused for d in decided.values()):
+        built = _build(gm, example_inputs, opts, config_patches, functools.partial(_replay, decided), index)
+    report = dataclasses.replace(built.report, decisions=tuple(decided.values()) if built is found else
+                                 built.report.decisions, graph_checks=tuple(checks))
+    if pending.regions or pending.in_context:
+        # the pending regions are decided later, on the graph as Dynamo gave it: copied before
+        # Inductor compiles (and may mutate) that graph
+        untouched = _clone(gm)
+    compiled = built.compiled
+    if compiled is None:  # nothing rewritten: Dynamo's graph as Inductor compiles it
+        t0 = time.perf_counter()
+        compiled = _compile_inductor(original, example_inputs, config_patches)
+        report.stage_seconds["inductor"] = time.perf_counter() - t0
+    if pending.regions or pending.in_context:
+        distributed = _distributed()
+        settle = deferred.in_compile_state(
+            functools.partial(_settle, untouched, compiled, opts, config_patches, index, distributed))
+        compiled = deferred.DeferredGraph(
+            compiled, pending.preparations, settle, opts.strict, inputs=example_inputs if real else None,
+            prepare=None if real else pending.prepare_later(opts.strict), budget_fraction=opts.decide_budget,
+            settle_at_call=deferred.DISTRIBUTED_SETTLE_CALL if distributed else None, compiled_at=compiled_at)
+    _publish(report, opts, before_code, built.rewritten, original)
+    return compiled
+
+
+#: The rule of a region kept alone whose graph has not been timed with it yet (``_in_context``).
+IN_CONTEXT_RULE = ("faster alone; the whole graph is timed with it once Inductor's code for the graph has "
+                   "compiled, and Inductor's code runs the region until then")
+
+
+class _Pending:
+    """The regions of a first compile whose decisions wait (``runtime/deferred.py``), and the
+    background compiles they wait for.  One preparation per decision key (regions of one key share
+    one measurement), and at most ``PREPARE_PER_KIND`` keys per kind of region: a network repeats one
+    kind at many shapes, and where the first of them lose clearly the rest are predicted to lose
+    (``decision._predicted_loss``); the others are measured, compiling in this process, if the
+    settle's budget lasts.  Flooding Inductor's compile workers with every region's kernels slowed
+    Inductor's own compile of the graph."""
+
+    #: Decision keys of one kind of region whose kernels compile in the background at the first compile.
+    PREPARE_PER_KIND = 2
+
+    def __init__(self) -> None:
+        self.regions: list[tuple[fx.GraphModule, Candidate, Any]] = []
+        self.preparations: list[Any] = []
+        #: regions kept alone wait for the whole graph's check (``IN_CONTEXT_RULE``)
+        self.in_context = False
+        self._prepared_keys: set[str] = set()
+        self._prepared_kinds: dict[str, int] = {}
+
+    def admit(self, graph: fx.GraphModule, candidate: Candidate, timing: Any, example_inputs: Optional[Sequence[Any]],
+              strict: bool) -> bool:
+        """Whether the region waits for the settle: always where the example inputs are fake (None:
+        it is prepared at the first call), else where it has a preparation, or shares its key or
+        kind with one that does."""
+        if example_inputs is None:
+            self.regions.append((graph, candidate, timing))
+            return True
+        if self._wants_preparation(timing):
+            preparation = deferred.prepare(graph, candidate.pattern, candidate.nodes, example_inputs, strict)
+            if preparation is None:
+                return False
+            self._note_prepared(timing)
+            self.preparations.append(preparation)
+        elif not self.preparations:
+            return False
+        self.regions.append((graph, candidate, timing))
+        return True
+
+    def _wants_preparation(self, timing: Any) -> bool:
+        return (timing.key not in self._prepared_keys
+                and self._prepared_kinds.get(timing.region_class, 0) < self.PREPARE_PER_KIND)
+
+    def _note_prepared(self, timing: Any) -> None:
+        self._prepared_keys.add(timing.key)
+        self._prepared_kinds[timing.region_class] = self._prepared_kinds.get(timing.region_class, 0) + 1
+
+    def prepare_later(self, strict: bool) -> Callable[[Sequence[Any]], list[Any]]:
+        """The preparations of a graph compiled on fake inputs, made at its first call on ``args``.
+        The regions are read from a copy of the graph they were found in: Inductor may mutate that one."""
+        if not self.regions:
+            return lambda args: []
+        graph = self.regions[0][0]
+        copy = _clone(graph)
+        named = {n.name: n for n in copy.graph.nodes}
+        regions = [(c.pattern, [named[n.name] for n in c.nodes], t) for _, c, t in self.regions]
+
+        def prepare(args: Sequence[Any]) -> list[Any]:
+            for pattern, nodes, timing in regions:
+                if self._wants_preparation(timing):
+                    preparation = deferred.prepare(copy, pattern, nodes, args, strict)
+                    if preparation is not None:
+                        self._note_prepared(timing)
+                        self.preparations.append(preparation)
+            return self.preparations
+
+        return prepare
+
+
+@dataclass
+class _Built:
+    """A graph matched, decided and (where something was kept) rewritten and compiled."""
+
+    report: GraphReport
+    compiled: Optional[Callable[..., Any]]
+    """The rewritten graph's compile; None where nothing was rewritten (or the rewrite fell back)."""
+    rewritten: Optional[fx.GraphModule]
+
+
+def _build(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FusionOptions, config_patches: dict[str, Any],
+           keep: Callable[[fx.GraphModule, Candidate, list[Decision]], bool], index: int) -> _Built:
+    """Match ``gm`` (on a copy), ask ``keep(graph, candidate, decisions)`` for every candidate (it
+    appends the candidate's decision), rewrite the kept ones and compile the result (directly, or
+    through Inductor).  A failure at any stage is a fallback: nothing rewritten, noted in the report
+    (``strict`` raises)."""
+    times: dict[str, float] = {}
     current = {"stage": "normalize", "pattern": None}
 
     def on_stage(stage: str, pattern: Optional[str]) -> None:
@@ -90,28 +250,10 @@ def fusion(
     rewritten: Optional[fx.GraphModule] = None
     decisions: list[Decision] = []
 
-    preparations: list[Any] = []
-    may_defer = opts.defer and deferred.deferrable(gm, example_inputs)
-
-    def keep(graph: fx.GraphModule, candidate: Candidate) -> bool:
-        if may_defer and needs_timing(graph, candidate.pattern, candidate.nodes, policy=opts.decide,
-                                       cache_dir=opts.cache_dir, inductor_patches=config_patches):
-            preparation = deferred.prepare(graph, candidate.pattern, candidate.nodes, example_inputs, opts.strict)
-            if preparation is not None:
-                preparations.append(preparation)
-                decisions.append(Decision(candidate.pattern, candidate.summary, candidate.nodes[0].name, False,
-                                          PENDING_RULE, pending=True))
-                return False
-        decisions.append(decide(
-            graph, candidate.pattern, candidate.summary, candidate.nodes, example_inputs, policy=opts.decide,
-            margin=opts.decide_margin, cache_dir=opts.cache_dir, inductor_patches=config_patches,
-            strict=opts.strict,
-        ))  # fmt: skip
-        return decisions[-1].fused
-
     t0 = time.perf_counter()
     try:
-        result = run_patterns(work, opts.patterns, strict=opts.strict, on_stage=on_stage, keep=keep)
+        result = run_patterns(work, opts.patterns, strict=opts.strict, on_stage=on_stage,
+                              keep=lambda graph, candidate: keep(graph, candidate, decisions))
         matches, near_misses = result.matches, result.near_misses
         rewritten = work
     except _CONTROL_FLOW:
@@ -119,11 +261,7 @@ def fusion(
     except Exception as exc:  # noqa: BLE001 - any failure must fall back, never lose the graph
         fallbacks.append(_fall_back(opts, current["stage"], current["pattern"], exc))
         decisions.clear()  # nothing was rewritten
-        preparations.clear()
     times["match+decide+rewrite"] = time.perf_counter() - t0
-    # the pending regions are decided later, on the graph as Dynamo gave it: copied before Inductor
-    # compiles (and may mutate) that graph
-    untouched = _clone(gm) if preparations else None
 
     t0 = time.perf_counter()
     compiled = None
@@ -146,14 +284,8 @@ def fusion(
             patterns = sorted({m.pattern for m in matches})
             fallbacks.append(_fall_back(opts, "compile", ",".join(patterns), exc))
             matches = []
-    if compiled is None:
-        compiled = _compile_inductor(original, example_inputs, config_patches)
-    times["inductor" if runner == "inductor" else "direct"] = time.perf_counter() - t0
-    if untouched is not None:
-        settled_options = {**(options or {}), "defer": False}
-        decide_later = deferred.in_compile_state(lambda: fusion(untouched, example_inputs, mode, settled_options))
-        compiled = deferred.DeferredGraph(compiled, preparations, decide_later, opts.strict)
-
+    if compiled is not None:
+        times["inductor" if runner == "inductor" else "direct"] = time.perf_counter() - t0
     report = GraphReport(
         graph_index=index,
         graph_name=f"graph_{index}",
@@ -166,6 +298,12 @@ def fusion(
         decisions=tuple(decisions),
         runner=runner,
     )
+    return _Built(report, compiled, rewritten if matches else None)
+
+
+def _publish(report: GraphReport, opts: FusionOptions, before_code: str, rewritten: Optional[fx.GraphModule],
+             original: fx.GraphModule) -> None:
+    """Log one line per decision, write the dump (with ``dump_dir``), and hand the report to its sinks."""
     kernels = {(m.pattern, m.nodes[0]): m.kernel for m in report.matches}
     for d in report.decisions:  # one line per decision
         if d.pending:
@@ -174,15 +312,185 @@ def fusion(
             log.info("fused %s: %s (%s): %s", d.pattern, d.summary, kernels[d.pattern, d.anchor], d)
         else:
             log.info("left %s to Inductor: %s: %s", d.pattern, d.summary, d)
+    for check in report.graph_checks:
+        log.info("whole graph %s: %s", report.graph_name, check)
     for n in report.near_misses:
         log.debug("near miss %s at %s: %s: %s", n.pattern, n.node, n.reason.value, n.message)
     if opts.dump_dir is not None:
         from .dump import write_dump
 
-        write_dump(opts.dump_dir, report, before_code, rewritten if matches else None, original)
+        write_dump(opts.dump_dir, report, before_code, rewritten, original)
     _emit_trace_artifact(report)
     publish(report)
-    return compiled
+
+
+#: Seconds between two progress lines of a settle that decides many regions.
+PROGRESS_EVERY_S = 5.0
+
+
+def _settle(untouched: fx.GraphModule, first: Callable[..., Any], opts: FusionOptions, config_patches: dict[str, Any],
+            index: int, distributed: bool, inputs: Sequence[Any], budget: DecisionBudget) -> Optional[Callable[..., Any]]:
+    """A deferred graph's settled compile, or None where Inductor's first compile ``first`` stands.
+
+    1. Every region is decided now, on the graph's real ``inputs``, as far as ``budget`` allows
+       (``decision.decide``); under ``torch.distributed`` the ranks keep only what all of them keep.
+    2. Nothing kept: None, with nothing compiled (a graph with nothing fused is exactly Inductor's).
+    3. Else the graph is compiled with the kept regions and timed against ``first`` as a whole
+       (``_in_context``; not under CUDA graphs, where a replay leaves no host time to see and the
+       regions' GPU times decide), the ranks agreeing again on what stayed.  The report says which
+       rule decided."""
+    decided, decided_report = _decide_regions(untouched, inputs, opts, config_patches, index, budget)
+    if distributed:
+        decided = _agree_across_ranks(decided)
+    train = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+    before_code = untouched.code if opts.dump_dir else ""
+
+    def rewrite(decided: dict[str, Decision]) -> _Built:
+        return _build(untouched, inputs, opts, config_patches, functools.partial(_replay, decided), index)
+
+    def time_graph(decided: dict[str, Decision]) -> tuple[_Built, Optional[dict[str, float]]]:
+        built = rewrite(decided)
+        if built.compiled is None:
+            return built, None
+        return built, graph_timing.compare(built.compiled, first, inputs, train)
+
+    checks: list[GraphCheck] = []
+    built: Optional[_Built] = None
+    if opts.decide == "measure" and not config_patches.get("triton.cudagraphs"):
+        decided, checks, built = _in_context(untouched, inputs, decided, opts, config_patches, budget, time_graph)
+    if distributed:  # each rank timed its own graph: keep what every rank kept
+        agreed = _agree_across_ranks(decided)
+        if agreed != decided:
+            decided, built = agreed, None
+    if built is None and any(d.fused for d in decided.values()):
+        built = rewrite(decided)  # the whole graph's answer came from the cache
+    if built is None or built.compiled is None:
+        report = built.report if built is not None else dataclasses.replace(decided_report,
+                                                                            decisions=tuple(decided.values()))
+        _publish(dataclasses.replace(report, graph_checks=tuple(checks)), opts, before_code, None, untouched)
+        return None
+    _publish(dataclasses.replace(built.report, graph_checks=tuple(checks)), opts, before_code, built.rewritten,
+             untouched)
+    return built.compiled
+
+
+#: ``_in_context``'s outcome where the graph's answer for the regions kept is in no cache and may not be measured.
+_UNKNOWN: Any = object()
+
+
+def _in_context(graph: fx.GraphModule, inputs: Sequence[Any], decided: dict[str, Decision], opts: FusionOptions,
+                config_patches: dict[str, Any], budget: Optional[DecisionBudget],
+                time_graph: Optional[Callable[[dict[str, Decision]], tuple[_Built, Optional[dict[str, float]]]]],
+                ) -> tuple[dict[str, Decision], list[GraphCheck], Any]:
+    """Decide in context (``runtime/graph_timing.py``): the graph with the kept regions of ``decided``
+    against Inductor's code for the whole graph.  Where it is faster by the margin, they stay;
+    otherwise the weakest kept region (the lowest speedup alone) is dropped and the graph checked
+    again, and all are dropped once one is left or the ``budget`` is spent.  Each check's times come
+    from the cache or from ``time_graph(decided)`` (the rewritten graph's build and its times); with
+    ``time_graph`` None (a first compile, which has no Inductor graph to time against yet) a check not
+    cached ends the walk with the outcome ``_UNKNOWN``.
+
+    Returns the decisions (dropped ones say why), the checks made, and the outcome: the build of the
+    graph with the regions that stayed where ``time_graph`` built it last, None otherwise (nothing
+    kept, or an answer from the cache: the caller builds), or ``_UNKNOWN``.  A build whose rewrite
+    fell back is returned as it is (its report says why)."""
+    decided = dict(decided)
+    checks: list[GraphCheck] = []
+    state = state_digest(config_patches)
+    while True:
+        kept = [d for d in decided.values() if d.fused]
+        if not kept:
+            return decided, checks, None
+        key = graph_timing.graph_key(graph, inputs, [d.anchor for d in kept], state)
+        entry, built = cached_entry(key, opts.cache_dir), None
+        cached = entry is not None
+        if entry is None:
+            if time_graph is None:
+                return decided, checks, _UNKNOWN
+            built, times = time_graph(decided)
+            if times is None:
+                return decided, checks, built
+            entry = {"kind": "graph", **times}
+            store_entry(key, entry, opts.cache_dir)
+        speedup, anchors = entry["speedup"], tuple(d.anchor for d in kept)
+        if speedup >= 1 + opts.decide_margin:
+            checks.append(GraphCheck(anchors, entry["fused_ms"], entry["inductor_ms"], speedup, True,
+                                     "the whole graph is faster with them", cached))
+            return decided, checks, built
+        last_try = len(kept) == 1 or (budget is not None and budget.spent_all())
+        weakest = min(kept, key=lambda d: d.speedup if d.speedup is not None else math.inf)
+        dropped = kept if last_try else [weakest]
+        why = (f"the whole graph with {'it' if len(kept) == 1 else f'the {len(kept)} kept regions'} ran "
+               f"{speedup:.2f}x Inductor's graph (within {opts.decide_margin:.0%} goes to Inductor)")
+        checks.append(GraphCheck(anchors, entry["fused_ms"], entry["inductor_ms"], speedup, False,
+                                 f"{why}; dropped {'all' if last_try else f'`{weakest.anchor}`, the weakest'}", cached))
+        for d in dropped:
+            decided[d.anchor] = dataclasses.replace(d, fused=False, rule=f"dropped in context: {why}")
+
+
+def _decide_regions(untouched: fx.GraphModule, inputs: Sequence[Any], opts: FusionOptions,
+                    config_patches: dict[str, Any], index: int,
+                    budget: DecisionBudget) -> tuple[dict[str, Decision], GraphReport]:
+    """Every region of the graph decided on ``inputs`` within ``budget``, by anchor in match order,
+    and the report of the graph with none rewritten (its near misses); a long settle logs its
+    progress."""
+    decided: dict[str, Decision] = {}
+    began = last_log = time.perf_counter()
+
+    def decide_one(graph: fx.GraphModule, candidate: Candidate, decisions: list[Decision]) -> bool:
+        nonlocal last_log
+        d = decide(graph, candidate.pattern, candidate.summary, candidate.nodes, inputs, policy=opts.decide,
+                   margin=opts.decide_margin, cache_dir=opts.cache_dir, inductor_patches=config_patches,
+                   strict=opts.strict, budget=budget)
+        decided[d.anchor] = d
+        decisions.append(d)
+        if time.perf_counter() - last_log > PROGRESS_EVERY_S:
+            last_log = time.perf_counter()
+            log.info("settling graph_%d: %d regions decided in %.1f s (%s)", index, len(decided),
+                     last_log - began, budget.describe())
+        return False
+
+    built = _build(untouched, inputs, dataclasses.replace(opts, dump_dir=None), config_patches, decide_one, index)
+    return ({} if built.report.fallbacks else decided), built.report
+
+
+def _replay(decided: dict[str, Decision], graph: fx.GraphModule, candidate: Candidate,
+            decisions: list[Decision]) -> bool:
+    """``keep`` for a graph whose regions are decided already: the decision of the candidate's anchor."""
+    d = decided.get(candidate.nodes[0].name)
+    if d is None:
+        d = Decision(candidate.pattern, candidate.summary, candidate.nodes[0].name, False,
+                     "not found when the graph was decided; Inductor keeps it")
+    decisions.append(d)
+    return d.fused
+
+
+def _distributed() -> bool:
+    """Whether this process trains with others (``torch.distributed`` initialised, more than one rank)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _agree_across_ranks(decided: dict[str, Decision]) -> dict[str, Decision]:
+    """Keep a region only where every rank keeps it (one all-reduce of the kept flags, in match
+    order), so that every rank runs the same graph; regions differ between ranks only if their
+    graphs did, and then nothing is kept.  Every rank settles at the same call
+    (``deferred.DISTRIBUTED_SETTLE_CALL``), so the collective meets on all of them."""
+    dist = torch.distributed
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flags = [1 if d.fused else 0 for d in decided.values()]
+    counts = torch.tensor([len(flags), -len(flags)], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    if int(counts[0]) != len(flags) or int(-counts[1]) != len(flags):
+        return {a: dataclasses.replace(d, fused=False, rule="the ranks' graphs hold different regions: none is kept")
+                for a, d in decided.items()}
+    if not flags:
+        return decided
+    agreed = torch.tensor(flags, dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return {a: d if (not d.fused or int(k)) else dataclasses.replace(
+                d, fused=False, rule=f"kept on this rank ({d}) but not on every rank: Inductor keeps it")
+            for (a, d), k in zip(decided.items(), agreed.tolist(), strict=True)}
 
 
 def _why_not_direct(gm: fx.GraphModule, opts: FusionOptions, patches: dict[str, Any]) -> Optional[str]:

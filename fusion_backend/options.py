@@ -32,6 +32,11 @@ key                     meaning
                         first call itself) or at ``fusion_backend.settle()``, so that the first
                         call costs what Inductor's does (``runtime/deferred.py``); False decides
                         during the first call
+``decide_budget``       float >= 0 or None, default 0.2: settling a graph's deferred decisions (waiting
+                        for the fused ops' kernels, measuring regions, recompiling and timing the
+                        whole graph) may take this fraction of the graph's first call; a region not
+                        measured in time stays with Inductor (a later process measures it).  None:
+                        no limit.  The first region of a settle is always measured
 ======================  ===========================================================================
 
 Environment variables that set defaults here (``fusion_backend.environment`` lists them all):
@@ -41,6 +46,7 @@ default ``~/.cache/fusion_backend``).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,7 +57,10 @@ from . import environment
 from .errors import InvalidOptionError, UnknownOptionError
 from .runtime.decision import DEFAULT_MARGIN, POLICIES
 
-OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir", "direct", "decide", "decide_margin", "defer")
+OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir", "direct", "decide", "decide_margin", "defer",
+            "decide_budget")
+#: The default of ``decide_budget``: a fraction of the graph's first call.
+DEFAULT_DECIDE_BUDGET = 0.2
 DECIDE_ENV = environment.DECIDE
 CACHE_DIR_ENV = environment.CACHE_DIR
 cache_dir = environment.cache_dir
@@ -70,6 +79,8 @@ class FusionOptions:
     decide_margin: float = DEFAULT_MARGIN
     cache_dir: Path = field(default_factory=cache_dir)
     defer: bool = True
+    decide_budget: float = DEFAULT_DECIDE_BUDGET
+    """``math.inf`` where the option is None."""
 
     @staticmethod
     def parse(options: Optional[Mapping[str, Any]], registered: tuple[str, ...]) -> FusionOptions:
@@ -125,8 +136,14 @@ class FusionOptions:
         defer = ours.get("defer", True)
         if not isinstance(defer, bool):
             raise InvalidOptionError(f"option 'defer' must be a bool, got {defer!r}")
+        budget = ours.get("decide_budget", DEFAULT_DECIDE_BUDGET)
+        if budget is None:
+            budget = math.inf
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+            raise InvalidOptionError(f"option 'decide_budget' must be a number >= 0 (a fraction of the graph's first "
+                                     f"call) or None (no limit), got {budget!r}")
         return FusionOptions(names, strict, Path(dump) if dump else None, inductor, direct, decide, float(margin),
-                             defer=defer)
+                             defer=defer, decide_budget=float(budget))
 
 
 def _inductor_keys() -> dict[str, Any]:

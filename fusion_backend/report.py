@@ -135,6 +135,27 @@ class Decision:
 
 
 @dataclass(frozen=True)
+class GraphCheck:
+    """The graph compiled with the regions ``kept`` (their anchors), timed against Inductor's code for
+    the whole graph (``runtime/graph_timing.py``): milliseconds per call of each (forward, or forward +
+    backward), ``speedup`` (the median of the rounds' ratios, Inductor's time over the fused graph's),
+    whether that graph was kept, and the rule that decided.  ``cached``: the times came from the cache."""
+
+    kept: tuple[str, ...]
+    fused_ms: float
+    inductor_ms: float
+    speedup: float
+    fused: bool
+    rule: str
+    cached: bool = False
+
+    def __str__(self) -> str:
+        return (f"{'kept' if self.fused else 'dropped'}: {self.rule} (with {len(self.kept)} fused region(s): "
+                f"{self.fused_ms:.3f} ms vs Inductor's graph {self.inductor_ms:.3f} ms, {self.speedup:.2f}x"
+                f"{', cached' if self.cached else ''})")
+
+
+@dataclass(frozen=True)
 class Fallback:
     """The graph (or a region) was compiled without the rewrite because ``stage`` failed."""
 
@@ -160,6 +181,9 @@ class GraphReport:
     runner: str = "inductor"
     """What runs the compiled graph: ``"inductor"`` (AOTAutograd + Inductor) or ``"direct"`` (only
     fused ops and glue, run as plain FX code with eager autograd: ``fusion_backend/runtime/direct.py``)."""
+    graph_checks: tuple[GraphCheck, ...] = ()
+    """A settled graph's whole-graph comparisons with Inductor's code, in the order they were made
+    (``runtime/graph_timing.py``): each one dropped a region or kept the graph."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -189,6 +213,7 @@ class GraphReport:
             notes=tuple(d["notes"]),
             decisions=tuple(Decision(**x) for x in d.get("decisions", ())),
             runner=d.get("runner", "inductor"),
+            graph_checks=tuple(GraphCheck(**{**c, "kept": tuple(c["kept"])}) for c in d.get("graph_checks", ())),
         )
 
     def counts(self) -> dict[str, int]:
@@ -218,6 +243,8 @@ class GraphReport:
             lines.append(f"  [miss]  {n.pattern} from `{n.anchor}` stopped at `{n.node}`: {n.reason.value}: {n.message}{where}")
         for f in self.fallbacks:
             lines.append(f"  [fallback] {f.stage}" + (f" ({f.pattern})" if f.pattern else "") + f": {f.error}")
+        for check in self.graph_checks:
+            lines.append(f"  [graph] {check}")
         for note in self.notes:
             lines.append(f"  [note] {note}")
         if self.stage_seconds:

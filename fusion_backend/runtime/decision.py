@@ -91,6 +91,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +117,18 @@ HOST_BOUND_SPEEDUP = 1.25
 #: this much (or per call by ``HOST_BOUND_SPEEDUP``); see ``verdict``.
 HOST_WAITING_TRAIN_GPU_SPEEDUP = 1.15
 #: Version of the cache file's layout and of what a key means; another version is ignored.
-SCHEMA = 4
+SCHEMA = 5
 CACHE_FILE = "decisions.json"
+#: A kind of region (``_region_class``) with at least this many measured regions of a similar size,
+#: every one of them a clear loss, is predicted to lose: a new region of that kind is not timed.
+PREDICT_EVIDENCE = 2
+#: A clear loss: the fused op below this speedup per call (on the GPU under CUDA graphs), where it
+#: must win by the margin, and below ``PREDICT_GPU_BELOW`` on the GPU, where it must not lose by it.
+#: Far from the margin, so that no region that could win is predicted away.
+PREDICT_LOSS_BELOW = 0.8
+PREDICT_GPU_BELOW = 0.95
+#: Measured regions count as evidence for a new one when their results' sizes are within this factor.
+PREDICT_SIZE_FACTOR = 8.0
 
 #: ``timer(steps) -> {name: ms per round}`` for the steps ``"fused"`` and ``"inductor"`` (zero-argument
 #: calls that build their candidate on first use); the i-th entries of the two were timed side by side,
@@ -133,21 +144,34 @@ _measured_devices: tuple[str, ...] = ("cuda",)
 
 
 @contextlib.contextmanager
-def timing_override(timer: Timer | None, measure_on: Sequence[str] = ("cuda", "cpu")) -> Iterator[None]:
+def timing_override(timer: Timer | None, measure_on: Sequence[str] = ("cuda", "cpu"),
+                    graph_timer: Any = None) -> Iterator[None]:
     """Within the block, time regions with ``timer`` (``None``: the real timer) on the device types
     ``measure_on``.  For tests of the decision: a fake timer returns chosen times without running
-    (or building) either candidate, and CPU regions can be put through the measured path.
+    (or building) either candidate, and CPU regions can be put through the measured path.  Whole
+    graphs (``runtime/graph_timing.py``) are timed by ``graph_timer``; with a fake ``timer`` and no
+    ``graph_timer``, by one that finds every graph with its kept regions twice as fast (the whole
+    graph agrees with its regions).
 
     >>> with timing_override(lambda steps: {"fused": 2.0, "inductor": 1.0}):  # doctest: +SKIP
     ...     torch.compile(model, backend="fusion")(x)    # every region is left to Inductor
     """
+    from . import graph_timing
+
     global _timer, _measured_devices
     saved = _timer, _measured_devices
     _timer, _measured_devices = timer, tuple(measure_on)
+    if graph_timer is None and timer is not None:
+        graph_timer = _graph_agrees
     try:
-        yield
+        with graph_timing.timing_override(graph_timer):
+            yield
     finally:
         _timer, _measured_devices = saved
+
+
+def _graph_agrees(steps: Mapping[str, Callable[[], None]]) -> dict[str, list[float]]:
+    return {"fused": [1.0], "inductor": [2.0]}
 
 
 def verdict(pattern: str, summary: str, anchor: str, times: Mapping[str, float], margin: float, *,
@@ -266,6 +290,32 @@ def _rounds(times: float | Sequence[float] | RoundTimes, kind: str) -> list[floa
     return [float(t) for t in times]
 
 
+@dataclass
+class DecisionBudget:
+    """Seconds that measuring decisions may take from ``began`` on (``math.inf``: no limit).  A
+    region whose measurement would start after the budget is spent stays with Inductor, unmeasured
+    (the report says so; a later process measures it).  The first measurement of a settle always
+    runs (``measured`` counts them): a graph with one or two regions, whose first call is short, is
+    still decided."""
+
+    seconds: float
+    began: float = field(default_factory=time.perf_counter)
+    measured: int = 0
+
+    def spent(self) -> float:
+        return time.perf_counter() - self.began
+
+    def allows_another(self) -> bool:
+        """Whether another region may be measured: the first always, the others while time is left."""
+        return self.measured == 0 or not self.spent_all()
+
+    def spent_all(self) -> bool:
+        return self.spent() >= self.seconds
+
+    def describe(self) -> str:
+        return f"{self.spent():.1f} s of a {self.seconds:.1f} s budget"
+
+
 def decide(
     gm: fx.GraphModule,
     pattern: str,
@@ -278,11 +328,13 @@ def decide(
     cache_dir: Path,
     inductor_patches: Mapping[str, Any],
     strict: bool,
+    budget: DecisionBudget | None = None,
 ) -> Decision:
     """Whether to rewrite the region ``nodes`` of ``gm`` (matched by ``pattern``), per ``policy``
     (see the module docstring).  ``inductor_patches``: the Inductor config the graph will be
     compiled with; CUDA graphs are left out of the timing (both candidates would get them), and
-    when they are on, a kept region runs once here first (``_prime_for_cuda_graphs``)."""
+    when they are on, a kept region runs once here first (``_prime_for_cuda_graphs``).  ``budget``:
+    where given, a region not cached is measured only while it allows (``DecisionBudget``)."""
     anchor = nodes[0].name
     if policy == "inductor":
         return Decision(pattern, summary, anchor, False, "decide='inductor'")
@@ -290,7 +342,7 @@ def decide(
         decision, ran_here = Decision(pattern, summary, anchor, True, "decide='fuse'"), False
     else:
         decision, ran_here = _measured(gm, pattern, summary, nodes, example_inputs, margin, cache_dir,
-                                       inductor_patches, strict)
+                                       inductor_patches, strict, budget)
     if decision.fused and inductor_patches.get("triton.cudagraphs") and not ran_here:
         why = _prime_for_cuda_graphs(gm, pattern, nodes, example_inputs, inductor_patches, strict)
         if why is not None:
@@ -300,16 +352,35 @@ def decide(
 
 def needs_timing(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], *, policy: str, cache_dir: Path,
                  inductor_patches: Mapping[str, Any]) -> bool:
-    """Whether ``decide`` would time the region ``nodes`` now: the ``measure`` policy, a result on a
-    measured device, no CUDA graphs (a kept region must be primed before they record) and no answer
-    cached for its key, in memory or on disk.  False where the key cannot be built (``decide``
-    then says why)."""
+    """Whether ``decide`` would time the region ``nodes`` now (``pending_timing`` is not None)."""
+    return pending_timing(gm, pattern, nodes, policy=policy, cache_dir=cache_dir,
+                          inductor_patches=inductor_patches) is not None
+
+
+@dataclass(frozen=True)
+class PendingTiming:
+    """A region ``decide`` would time: its cache ``key`` (regions of one key share one measurement)
+    and its kind (``region_class``: pattern, gradients, dtypes, flags; what a prediction reads)."""
+
+    key: str
+    region_class: str
+
+
+def pending_timing(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], *, policy: str, cache_dir: Path,
+                   inductor_patches: Mapping[str, Any]) -> PendingTiming | None:
+    """The key and kind of the region ``nodes`` where ``decide`` would time it now: the ``measure``
+    policy, a result on a measured device, no CUDA graphs (a kept region must be primed before they
+    record), no answer cached for its key, in memory or on disk, and no prediction that it loses.
+    None otherwise, and where the key cannot be built (``decide`` then says why)."""
     if policy != "measure" or inductor_patches.get("triton.cudagraphs") or not _on_measured_device(nodes):
-        return False
+        return None
     try:
-        return _lookup(gm, pattern, nodes, cache_dir, inductor_patches)[-1] is None
+        looked_up = _lookup(gm, pattern, nodes, cache_dir, inductor_patches)
     except Exception:  # noqa: BLE001 - see the docstring
-        return False
+        return None
+    if looked_up.entry is not None or _predicted_loss(looked_up, cache_dir, cuda_graphs=False) is not None:
+        return None
+    return PendingTiming(looked_up.key, looked_up.region_class)
 
 
 def _on_measured_device(nodes: Sequence[fx.Node]) -> bool:
@@ -319,19 +390,65 @@ def _on_measured_device(nodes: Sequence[fx.Node]) -> bool:
     return isinstance(result, torch.Tensor) and result.device.type in _measured_devices
 
 
+@dataclass
+class _Lookup:
+    """A region as it is timed (with its consumers), whether gradients flow through it, the Inductor
+    config it is timed under (no CUDA graphs), its cache key and kind (``_region_class``), its
+    result's size (elements; what a prediction compares) and the cached entry (None if none)."""
+
+    region: Any
+    train: bool
+    patches: dict[str, Any]
+    key: str
+    region_class: str
+    size: int
+    entry: dict[str, Any] | None
+
+
 def _lookup(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], cache_dir: Path,
-            inductor_patches: Mapping[str, Any]) -> tuple[Any, bool, dict[str, Any], str, dict[str, Any] | None]:
-    """The region as it is timed (with its consumers), whether gradients flow through it, the Inductor
-    config it is timed under (no CUDA graphs), its cache key, and the cached entry (None if none)."""
+            inductor_patches: Mapping[str, Any]) -> _Lookup:
     from . import region_timing
 
     region = region_timing.extract_region(gm, region_timing.with_consumers(gm, nodes))
     train = _gradients_flow(region)
     patches = {**inductor_patches, "triton.cudagraphs": False}
-    key = _key(pattern, region, train, patches)
+    key, region_class = _key(pattern, region, train, patches)
     with _lock:
         entry = _memory.get(key) or _load(cache_dir).get(key)
-    return region, train, patches, key, entry
+    size = region_timing.numel_hint(region.result) or 0
+    return _Lookup(region, train, patches, key, region_class, size, entry)
+
+
+def _predicted_loss(looked_up: _Lookup, cache_dir: Path, *, cuda_graphs: bool) -> str | None:
+    """The rule that predicts the region loses, or None: the measured regions of its kind with a
+    result within ``PREDICT_SIZE_FACTOR`` of its size (this process's and the cache file's) number
+    at least ``PREDICT_EVIDENCE``, and every one of them lost clearly (below ``PREDICT_LOSS_BELOW``
+    per call and ``PREDICT_GPU_BELOW`` on the GPU; under CUDA graphs below ``PREDICT_LOSS_BELOW`` on
+    the GPU).
+
+    WHY: a network repeats one kind of region at many shapes (ResNet-50's 53 conv + batch-norm
+    regions are 16 shapes of 3 kinds), and where the fused op is structurally slower (the library
+    conv and then the same passes Inductor runs) every one of them loses; timing each costs seconds
+    of the user's warm-up for nothing.  The evidence is stated in the report, and a kind with one
+    region that won or came close is never predicted."""
+    with _lock:
+        entries = {**_load(cache_dir), **_memory}
+    low, high = looked_up.size / PREDICT_SIZE_FACTOR, looked_up.size * PREDICT_SIZE_FACTOR
+    evidence = [e for e in entries.values()
+                if e.get("class") == looked_up.region_class and low <= e.get("size", -1) <= high]
+    if len(evidence) < PREDICT_EVIDENCE:
+        return None
+    per_call, gpu = max(e["speedup"] for e in evidence), max(e["gpu_speedup"] for e in evidence)
+    if cuda_graphs:
+        if gpu >= PREDICT_LOSS_BELOW:
+            return None
+        where = f"on the GPU (best {gpu:.2f}x)"
+    else:
+        if per_call >= PREDICT_LOSS_BELOW or gpu >= PREDICT_GPU_BELOW:
+            return None
+        where = f"per call (best {per_call:.2f}x; on the GPU best {gpu:.2f}x)"
+    return (f"predicted to lose, not measured: the {len(evidence)} measured regions of this kind and a similar "
+            f"size all lost {where}")
 
 
 PENDING_RULE = ("measured once the fused op's kernels have compiled in the background; Inductor's code runs the "
@@ -377,9 +494,10 @@ def _prime_for_cuda_graphs(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.
 
 def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx.Node],
               example_inputs: Sequence[Any], margin: float, cache_dir: Path, inductor_patches: Mapping[str, Any],
-              strict: bool) -> tuple[Decision, bool]:
+              strict: bool, budget: DecisionBudget | None = None) -> tuple[Decision, bool]:
     """The ``measure`` policy's decision, and whether the fused op ran on the region's inputs in
-    this process (its caches are then filled)."""
+    this process (its caches are then filled).  Regions of one cache key share one measurement; a
+    region predicted to lose (``_predicted_loss``) or beyond the ``budget`` is not measured."""
     anchor = nodes[0].name
     from . import region_timing
 
@@ -389,11 +507,22 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
                         "not measured on CPU: the fused op would run its plain-torch reference there, "
                         "which Inductor's CPU code matches or beats (decide='fuse' rewrites anyway)"), False
     try:
-        region, train, patches, key, entry = _lookup(gm, pattern, nodes, cache_dir, inductor_patches)
-        if entry is not None:
-            _memory[key] = entry
-            return _entry_verdict(pattern, summary, anchor, entry, margin, train, True, cuda_graphs), False
-        times = _measure(gm, pattern, region, example_inputs, train, patches, strict, _timer)
+        looked_up = _lookup(gm, pattern, nodes, cache_dir, inductor_patches)
+        if looked_up.entry is not None:
+            _memory[looked_up.key] = looked_up.entry
+            return _entry_verdict(pattern, summary, anchor, looked_up.entry, margin, looked_up.train, True,
+                                  cuda_graphs), False
+        predicted = _predicted_loss(looked_up, cache_dir, cuda_graphs=cuda_graphs)
+        if predicted is not None:
+            return Decision(pattern, summary, anchor, False, predicted), False
+        if budget is not None and not budget.allows_another():
+            return Decision(pattern, summary, anchor, False,
+                            f"not measured: the decision budget is spent ({budget.describe()}; option "
+                            "decide_budget); Inductor keeps the region, a later process measures it"), False
+        if budget is not None:
+            budget.measured += 1
+        times = _measure(gm, pattern, looked_up.region, example_inputs, looked_up.train, looked_up.patches, strict,
+                         _timer)
         measured = summarise_rounds(times["fused"], times["inductor"])
     except Exception as exc:  # noqa: BLE001 - an unmeasurable region stays with Inductor
         why = str(exc) if isinstance(exc, region_timing.NotMeasurable) else f"{type(exc).__name__}: {exc}"
@@ -403,13 +532,13 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
             raise RewriteError(f"timing the {pattern} region at `{anchor}` failed: {why} (strict=True)") from exc
         log.info("decision %s at %s: not measured (%s); Inductor keeps the region", pattern, anchor, why)
         return Decision(pattern, summary, anchor, False, f"not measured ({why}); Inductor keeps the region"), False
-    entry = {**measured,
-             "what": f"{pattern}: {summary} ({'forward + backward' if train else 'forward'})"}
+    entry = {**measured, "class": looked_up.region_class, "size": looked_up.size,
+             "what": f"{pattern}: {summary} ({'forward + backward' if looked_up.train else 'forward'})"}
     with _lock:
-        _memory[key] = entry
-        _store(cache_dir, key, entry)
+        _memory[looked_up.key] = entry
+        _store(cache_dir, looked_up.key, entry)
     ran_here = _timer is None  # a fake timer runs neither candidate
-    return _entry_verdict(pattern, summary, anchor, entry, margin, train, False, cuda_graphs), ran_here
+    return _entry_verdict(pattern, summary, anchor, entry, margin, looked_up.train, False, cuda_graphs), ran_here
 
 
 def _entry_verdict(pattern: str, summary: str, anchor: str, entry: Mapping[str, Any], margin: float, train: bool,
@@ -544,30 +673,44 @@ def rewritten_region(region: Any, pattern: str, strict: bool) -> fx.GraphModule:
 # The cache
 
 
-def _key(pattern: str, region: Any, train: bool, patches: Mapping[str, Any]) -> str:
+def _key(pattern: str, region: Any, train: bool, patches: Mapping[str, Any]) -> tuple[str, str]:
+    """The region's cache key, and its kind: the key without the region's computation and shapes
+    (what ``_predicted_loss`` groups measured regions by)."""
     from ..match.engine import fake_of
     from . import region_timing
 
+    fakes = [fake_of(n) for n in region.inputs]
     signature = [(tuple(int(s) for s in f.shape), tuple(int(s) for s in f.stride()), str(f.dtype),
                   f.device.type, bool(f.requires_grad))
-                 for f in (fake_of(n) for n in region.inputs)]  # fmt: skip
+                 for f in fakes]  # fmt: skip
+    kind = {**_state(patches), "pattern": pattern, "dtypes": [str(f.dtype) for f in fakes], "train": train}
+    parts = {**kind, "region": region_timing.canonical_text(region), "inputs": signature}
+    return _digest(parts), _digest(kind)
+
+
+def _state(patches: Mapping[str, Any]) -> dict[str, Any]:
+    """What a measured time depends on besides the region: the environment, grad mode, autocast,
+    TF32 flags, the conv path setting and the Inductor options."""
     # a disabled autocast's dtype is not part of the state: ``torch.autocast(..., enabled=False)`` sets it,
     # so a graph compiled inside one and decided after it (a deferred decision) would key one region twice
     autocast = [(d, torch.is_autocast_enabled(d) and str(torch.get_autocast_dtype(d))) for d in ("cuda", "cpu")]
-    parts = {
+    return {
         "environment": _environment(),
-        "pattern": pattern,
-        "region": region_timing.canonical_text(region),
-        "inputs": signature,
-        "train": train,
         "grad_enabled": torch.is_grad_enabled(),
         "autocast": autocast,
         "tf32": (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32),
         "conv_impl": environment.conv_impl(),
         "inductor": sorted((k, _stable_repr(v)) for k, v in patches.items()),
     }
-    text = json.dumps(parts, sort_keys=True, default=repr)
-    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def state_digest(patches: Mapping[str, Any]) -> str:
+    """``_state`` as one digest, for keys of what is measured beside regions (whole graphs)."""
+    return _digest(_state({**patches, "triton.cudagraphs": False}))
+
+
+def _digest(parts: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
 
 
 def _stable_repr(value: Any) -> str:
@@ -599,31 +742,67 @@ def _environment() -> str:
 
 
 def _load(cache_dir: Path) -> dict[str, dict[str, Any]]:
-    """The well-formed entries of the cache file (none when it is missing, corrupt or of another schema)."""
+    """The well-formed entries of the cache file (none when it is missing, corrupt or of another
+    schema).  Parsed again only when the file changed (its size and modification time): a settle
+    looks up every region of a large graph."""
+    path = cache_dir / CACHE_FILE
     try:
-        data = json.loads((cache_dir / CACHE_FILE).read_text())
+        stat = path.stat()
+    except OSError:
+        return {}
+    identity = (str(path), stat.st_size, stat.st_mtime_ns)
+    parsed = _parsed.get(str(path))
+    if parsed is not None and parsed[0] == identity:
+        return parsed[1]
+    try:
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
         return {}
-    return {k: v for k, v in data["entries"].items() if _well_formed(v)}
+    entries = {k: v for k, v in data["entries"].items() if _well_formed(v)}
+    _parsed[str(path)] = (identity, entries)
+    return entries
+
+
+#: The cache file's path -> (its identity when parsed, its well-formed entries).
+_parsed: dict[str, tuple[tuple[str, int, int], dict[str, dict[str, Any]]]] = {}
 
 
 def _well_formed(entry: Any) -> bool:
-    return isinstance(entry, dict) and all(isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in _TIMES)
+    """A region's entry holds every number of ``_TIMES``; a whole graph's (``kind`` "graph",
+    ``runtime/graph_timing.py``) every number of ``GRAPH_TIMES``."""
+    if not isinstance(entry, dict):
+        return False
+    names = GRAPH_TIMES if entry.get("kind") == "graph" else _TIMES
+    return all(isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in names)
 
 
 #: The numbers of a cache entry (``summarise_rounds``).
 _TIMES = ("fused_ms", "inductor_ms", "speedup", "fused_gpu_ms", "inductor_gpu_ms", "gpu_speedup", "fused_host_ms",
           "inductor_host_ms", "in_step_speedup")
+#: The numbers of a whole graph's entry (``runtime/graph_timing.py``).
+GRAPH_TIMES = ("fused_ms", "inductor_ms", "speedup")
+
+
+def cached_entry(key: str, cache_dir: Path) -> dict[str, Any] | None:
+    """The entry stored under ``key``, in this process or in the cache file (None if none)."""
+    with _lock:
+        return _memory.get(key) or _load(cache_dir).get(key)
+
+
+def store_entry(key: str, entry: dict[str, Any], cache_dir: Path) -> None:
+    """Keep ``entry`` under ``key``, in this process and in the cache file."""
+    with _lock:
+        _memory[key] = entry
+        _store(cache_dir, key, entry)
 
 
 def _store(cache_dir: Path, key: str, entry: dict[str, Any]) -> None:
     """Add one entry, rewriting the file atomically (a concurrent reader never sees half a file)."""
     path = cache_dir / CACHE_FILE
     try:
-        entries = _load(cache_dir)
-        entries[key] = entry
+        entries = {**_load(cache_dir), key: entry}
         cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps({"schema": SCHEMA, "entries": entries}, indent=1, sort_keys=True))
@@ -636,3 +815,4 @@ def forget_in_memory() -> None:
     """Drop the in-process answers (tests use it to act as a second process would)."""
     with _lock:
         _memory.clear()
+        _parsed.clear()

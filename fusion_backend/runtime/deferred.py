@@ -40,15 +40,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.fx as fx
+
+if TYPE_CHECKING:
+    from .decision import DecisionBudget
 
 log = logging.getLogger("fusion_backend.decision")
 
@@ -75,18 +79,26 @@ _pending: weakref.WeakSet[DeferredGraph] = weakref.WeakSet()
 
 def deferrable(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
     """Whether the graph can be compiled again later, outside Dynamo's compile: static shapes (no
-    symbolic input, no symbolic size among the placeholders' fake values) and real example tensors."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    symbolic input, no symbolic size among the placeholders' fake values).  Fake example inputs
+    (DDPOptimizer's pieces) are fine: the graph is then decided on its first call's real tensors
+    (``DeferredGraph``'s ``inputs``)."""
     from torch.fx.experimental.symbolic_shapes import free_symbols
 
     symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
-    if any(isinstance(x, (FakeTensor, *symbolic)) for x in example_inputs):
+    if any(isinstance(x, symbolic) for x in example_inputs):
         return False
     for node in gm.graph.find_nodes(op="placeholder"):
         value = node.meta.get("example_value", node.meta.get("val"))
         if isinstance(value, symbolic) or (isinstance(value, torch.Tensor) and free_symbols(value)):
             return False
     return True
+
+
+def real_inputs(example_inputs: Sequence[Any]) -> bool:
+    """Whether no example input is a fake tensor (DDPOptimizer compiles its pieces on fake activations)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not any(isinstance(x, torch.Tensor) and is_fake(x) for x in example_inputs)
 
 
 def prepare_fused(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], example_inputs: Sequence[Any],
@@ -132,24 +144,52 @@ def preparing_with(preparer: Preparer | None) -> Iterator[None]:
         _preparer = saved
 
 
+#: ``(inputs, budget) -> compiled graph | None``: the settled compile (``backend._settle``), None where
+#: Inductor's first compile stands.
+Decide = Callable[[Sequence[Any], "DecisionBudget"], "Callable[..., Any] | None"]
+
+#: Where processes train together (``torch.distributed``), every graph settles at this call (the
+#: first is the compile's), waiting for its preparations: the same call on every rank, so that the
+#: ranks can agree on the decisions (``backend._agree_across_ranks``).
+DISTRIBUTED_SETTLE_CALL = 3
+
+
 class DeferredGraph:
     """The compiled graph while decisions are pending: calls run ``first`` (Inductor's code for the
     pending regions) until every preparation is ready (or ``SETTLE_WAIT_S`` have passed: a worker
-    that never answers must not keep the graph and its example inputs pending), then ``settle``
-    swaps in ``decide()``'s compile for good.  ``decide``: compiles the graph with the decisions measured (the backend with
-    ``defer=False``); it runs once."""
+    that never answers must not keep the graph and its example inputs pending), then ``settle`` asks
+    ``decide`` for the settled compile, which replaces ``first`` for good; where ``decide`` returns
+    None (no region kept), ``first`` itself runs on: a graph with nothing fused runs exactly the code
+    Inductor compiled for it, nothing compiled twice.
 
-    def __init__(self, first: Callable[..., Any], preparations: Sequence[Preparation],
-                 decide: Callable[[], Callable[..., Any]], strict: bool) -> None:
+    ``inputs``: the graph's real example inputs, or None where its compile saw fake ones (DDPOptimizer's
+    pieces): the first call's arguments are kept instead, and ``prepare(args)`` sends the
+    preparations then, outside the compile's fake mode (where it sends none, the graph settles at
+    that call, as a graph with nothing to wait for is decided at its compile).  ``budget_fraction``: the settle's decisions
+    may take this fraction of the graph's first call (from ``compiled_at`` to the second call, or to
+    ``settle()`` where that comes first); ``math.inf`` for no limit.  ``settle_at_call``: settle at
+    exactly that call, waiting for the preparations (``DISTRIBUTED_SETTLE_CALL``); None: at the first
+    call after they are ready."""
+
+    def __init__(self, first: Callable[..., Any], preparations: Sequence[Preparation], decide: Decide, strict: bool,
+                 *, inputs: Sequence[Any] | None = (), prepare: Callable[[Sequence[Any]], Sequence[Preparation]] | None = None,
+                 budget_fraction: float = math.inf, settle_at_call: int | None = None,
+                 compiled_at: float | None = None) -> None:
         self._current = first
         self._preparations: tuple[Preparation, ...] | None = tuple(preparations)
-        self._decide: Callable[[], Callable[..., Any]] | None = decide
+        self._decide: Decide | None = decide
         self._strict = strict
+        self._inputs: list[Any] | None = None if inputs is None else list(inputs)
+        self._prepare = prepare
+        self._budget_fraction = budget_fraction
+        self._settle_at_call = settle_at_call
+        self._compiled_at = time.perf_counter() if compiled_at is None else compiled_at
+        self._first_call_s: float | None = None
         self._lock = threading.Lock()
         self._since = time.perf_counter()
-        #: the first call (the one Dynamo compiled for) never settles, even where the compiles finished
-        #: while Inductor compiled: its caller waits for the compile already and must not wait for timing too
-        self._called = False
+        #: calls so far; the first call (the one Dynamo compiled for) never settles, even where the compiles
+        #: finished while Inductor compiled: its caller waits for the compile already and must not wait for timing too
+        self._calls = 0
         _pending.add(self)
 
     @property
@@ -157,27 +197,47 @@ class DeferredGraph:
         return self._preparations is None
 
     def __call__(self, *args: Any) -> Any:
-        preparations = self._preparations
-        if preparations is not None and self._called and (all(p.ready() for p in preparations)
-                                                          or time.perf_counter() - self._since > SETTLE_WAIT_S):
-            self.settle(wait_s=0.0)  # ready, or waited for long enough already
-        self._called = True
+        if self._preparations is not None and (self._inputs is not None or real_inputs(args)):
+            # (DDPOptimizer runs each compiled piece once on fake tensors, to trace the next piece:
+            # no call of the graph's own)
+            self._calls += 1
+            if self._inputs is None:  # the first call with real tensors
+                self._inputs = list(args)
+                self._preparations = tuple(self._prepare(args)) if self._prepare is not None else ()
+                if not self._preparations:  # nothing compiles in the background: decide now, as at a compile
+                    self.settle(wait_s=0.0)
+            elif self._first_call_s is None:
+                self._first_call_s = time.perf_counter() - self._compiled_at
+            if self._calls > 1:
+                if self._settle_at_call is not None:
+                    if self._calls >= self._settle_at_call:
+                        self.settle()
+                elif (all(p.ready() for p in self._preparations)
+                      or time.perf_counter() - self._since > SETTLE_WAIT_S):
+                    self.settle(wait_s=0.0)  # ready, or waited for long enough already
         return self._current(*args)
 
     def settle(self, wait_s: float = SETTLE_WAIT_S) -> None:
-        """Wait for the preparations (at most ``wait_s`` seconds), measure the decisions and swap in
-        their compile; nothing when already settled (or settling on another thread)."""
-        if self._preparations is None or not self._lock.acquire(blocking=False):
+        """Wait for the preparations (at most ``wait_s`` seconds, and at most the decision budget),
+        measure the decisions and swap in their compile; nothing when already settled (or settling
+        on another thread), or while no call has brought real inputs."""
+        if self._preparations is None or self._inputs is None or not self._lock.acquire(blocking=False):
             return
         try:
             preparations, decide = self._preparations, self._decide
             if preparations is None or decide is None:
                 return
-            began = time.perf_counter()
+            from .decision import DecisionBudget
+
+            first_call_s = self._first_call_s or time.perf_counter() - self._compiled_at
+            budget = DecisionBudget(self._budget_fraction * first_call_s)
+            wait_s = min(wait_s, budget.seconds)
             for preparation in preparations:
-                preparation.collect(max(0.0, wait_s - (time.perf_counter() - began)))
+                preparation.collect(max(0.0, wait_s - budget.spent()))
             try:
-                self._current = decide()
+                settled = decide(self._inputs, budget)
+                if settled is not None:
+                    self._current = settled
             except Exception as exc:
                 if self._strict:
                     from ..errors import RewriteError
@@ -185,8 +245,8 @@ class DeferredGraph:
                     raise RewriteError(f"the deferred decision failed: {type(exc).__name__}: {exc} (strict=True)") from exc
                 warnings.warn(f"fusion: the deferred decision failed ({type(exc).__name__}: {exc}); "
                               "Inductor's code keeps running the graph", stacklevel=2)
-            log.info("settled a deferred graph in %.1f s", time.perf_counter() - began)
-            self._preparations = self._decide = None
+            log.info("settled a deferred graph in %.1f s (first call %.1f s)", budget.spent(), first_call_s)
+            self._preparations = self._decide = self._inputs = None
             _pending.discard(self)
         finally:
             self._lock.release()
@@ -221,14 +281,15 @@ def settled_reports(reports: Sequence[Any]) -> list[Any]:
     return [r for r in reports if not any_pending([r])] + settled
 
 
-def in_compile_state(fn: Callable[[], Any]) -> Callable[[], Any]:
+def in_compile_state(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` to be run later in this moment's grad mode and autocast state (the state a Dynamo graph
-    was compiled in, which its guards and the decision's cache key hold)."""
+    was compiled in, which its guards and the decision's cache key hold), with the arguments it is
+    then given."""
     grad = torch.is_grad_enabled()
     autocast = {device: torch.get_autocast_dtype(device) for device in ("cuda", "cpu")
                 if torch.is_autocast_enabled(device)}
 
-    def run() -> Any:
+    def run(*args: Any) -> Any:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.set_grad_enabled(grad))
             for device in ("cuda", "cpu"):
@@ -236,6 +297,6 @@ def in_compile_state(fn: Callable[[], Any]) -> Callable[[], Any]:
                     stack.enter_context(torch.autocast(device, dtype=autocast[device]))
                 elif torch.is_autocast_enabled(device):
                     stack.enter_context(torch.autocast(device, enabled=False))
-            return fn()
+            return fn(*args)
 
     return run

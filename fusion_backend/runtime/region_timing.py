@@ -201,6 +201,11 @@ def _cheap_consumer(node: fx.Node, max_numel: int) -> bool:
     return numel is not None and numel <= max_numel
 
 
+def numel_hint(node: fx.Node) -> int | None:
+    """Elements of ``node``'s value at its sizes' example values, or None where it is no tensor."""
+    return _numel_hint(fake_of(node))
+
+
 def _numel_hint(value: Any) -> int | None:
     """Elements of a fake tensor at its sizes' example values (no guard on symbolic sizes), or None."""
     if not isinstance(value, torch.Tensor):
@@ -407,11 +412,12 @@ def canonical_text(region: ExtractedRegion) -> str:
     for i, node in enumerate(region.graph.nodes):
         index[node] = f"%{i}"
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
-        lines.append(f"{node.op} {_target_name(node.target)} {args!r}")
+        lines.append(f"{node.op} {target_text(node.target)} {args!r}")
     return "\n".join(lines)
 
 
-def _target_name(target: Any) -> str:
+def target_text(target: Any) -> str:
+    """A node's target as text that names the same function in every process (no address)."""
     if isinstance(target, str):
         return target
     if target in (operator.getitem,):

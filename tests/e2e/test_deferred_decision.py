@@ -241,20 +241,23 @@ def test_defer_false_decides_during_the_first_call(faked):
     assert d.fused and not d.pending and timer.calls == 1 and compiles.prepared == []
 
 
-def test_nothing_is_deferred_where_nothing_compiles_in_the_background(faked):
+@pytest.mark.parametrize("preparer", [lambda *args: None, None], ids=["no-worker-pool", "the-real-one-off-the-gpu"])
+def test_a_region_is_measured_at_once_where_nothing_compiles_in_the_background_and_the_graph_checked_later(
+        faked, preparer):
+    """Where no kernel compiles in the background (no worker pool; a CPU region), the region is
+    measured at the compile; kept alone, it waits only for the whole graph's check at the settle."""
+    compiles, timer = faked
     model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
-    with deferred.preparing_with(lambda *args: None), collect_reports() as reports, torch.no_grad():
-        torch.compile(model, backend="fusion")(x)
-    ((d,),) = [r.decisions for r in reports]
-    assert d.fused and not d.pending
-
-
-def test_the_real_preparer_defers_nothing_off_the_gpu(faked):
-    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
-    with deferred.preparing_with(None), collect_reports() as reports, torch.no_grad():
-        torch.compile(model, backend="fusion")(x)  # a CPU region: no Triton kernel to wait for, decided at once
-    ((d,),) = [r.decisions for r in reports]
-    assert not d.pending and d.fused
+    compiled = torch.compile(model, backend="fusion")
+    with deferred.preparing_with(preparer), torch.no_grad():
+        with collect_reports() as reports:
+            compiled(x)
+        ((d,),) = [r.decisions for r in reports]
+        assert d.pending and "faster alone" in d.rule and timer.calls == 1 and compiles.prepared == []
+        with collect_reports() as settled:
+            compiled(x)
+    ((d,),) = [r.decisions for r in settled]
+    assert d.fused and not d.pending and timer.calls == 1 and settled[0].graph_checks[0].fused
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -325,14 +328,41 @@ def test_graphs_with_symbolic_shapes_are_decided_at_once(faked):
     assert compiles.prepared == []
 
 
-def test_a_graph_with_fake_example_inputs_is_not_deferrable():
+def test_a_graph_with_fake_example_inputs_is_deferred_to_its_first_real_call():
+    """DDPOptimizer compiles its pieces on fake activations: such a graph waits for its first call's
+    real tensors, prepares then (outside the compile's fake mode) and is decided on those tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     gm = torch.fx.symbolic_trace(ConvLeakyPool())
-    assert deferred.deferrable(gm, [torch.randn(2, 3, 12, 12)])
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(torch.randn(2, 3, 12, 12))
-    assert not deferred.deferrable(gm, [fake])
+    assert deferred.deferrable(gm, [torch.randn(2, 3, 12, 12)]) and deferred.deferrable(gm, [fake])
+    assert deferred.real_inputs([torch.randn(1)]) and not deferred.real_inputs([fake])
+
+    seen = {}
+
+    def prepare(args):
+        seen["prepared"] = args
+        return [DoneAtOnce()]
+
+    def decide(inputs, budget):
+        seen["decided"] = inputs
+        return lambda x: ("settled", x)
+
+    graph = deferred.DeferredGraph(lambda x: ("first", x), [], decide, strict=False, inputs=None, prepare=prepare)
+    deferred.settle()  # no real call yet: nothing to decide on
+    assert not graph.settled and "decided" not in seen
+    real = torch.randn(2)
+    assert graph(real) == ("first", real) and seen["prepared"] == (real,) and not graph.settled
+    assert graph(1) == ("settled", 1) and seen["decided"] == [real]
+
+
+class DoneAtOnce:
+    def ready(self):
+        return True
+
+    def collect(self, timeout):
+        return 0
 
 
 def test_a_preparation_that_never_finishes_is_given_up_after_the_wait(monkeypatch):
@@ -346,7 +376,8 @@ def test_a_preparation_that_never_finishes_is_given_up_after_the_wait(monkeypatc
             Never.collected += 1
             return 0
 
-    graph = deferred.DeferredGraph(lambda x: ("first", x), [Never()], lambda: (lambda x: ("decided", x)), strict=False)
+    graph = deferred.DeferredGraph(lambda x: ("first", x), [Never()], lambda inputs, budget: (lambda x: ("decided", x)),
+                                   strict=False, inputs=[0])
     assert graph(1) == ("first", 1) and not graph.settled
     monkeypatch.setattr(deferred, "SETTLE_WAIT_S", 0.0)
     assert graph(2) == ("decided", 2) and graph.settled and Never.collected == 1
@@ -361,10 +392,10 @@ def test_a_settle_whose_compile_raises_keeps_the_first_code_or_raises_when_stric
         def collect(self, timeout):
             return 0
 
-    def decide():
+    def decide(inputs, budget):
         raise RuntimeError("out of compile workers")
 
-    graph = deferred.DeferredGraph(lambda x: ("first", x), [Ready()], decide, strict=strict)
+    graph = deferred.DeferredGraph(lambda x: ("first", x), [Ready()], decide, strict=strict, inputs=[0])
     assert graph(0) == ("first", 0) and not graph.settled  # the first call never settles
     if strict:
         with pytest.raises(RewriteError, match="deferred decision failed: RuntimeError: out of compile workers"):

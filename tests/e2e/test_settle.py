@@ -1,0 +1,314 @@
+"""Settling a deferred graph: nothing fused costs nothing, decisions in context, in seconds, and the
+same on every rank.
+
+On CPU no worker pool compiles anything, so a fake preparation stands in for the background compiles
+(``deferred.preparing_with``), a fake timer for the region timing (``decision.timing_override``) and
+a fake whole-graph timer for the context check (its ``graph_timer``)."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fusion_backend
+from fusion_backend import backend
+from fusion_backend.errors import InvalidOptionError
+from fusion_backend.report import collect_reports
+from fusion_backend.runtime import decision, deferred
+
+
+class Blocks(nn.Module):
+    """Three conv -> ReLU regions of one shape (one decision key), then a conv -> tanh of another."""
+
+    def __init__(self):
+        super().__init__()
+        self.same = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1) for _ in range(3))
+        self.last = nn.Conv2d(8, 4, 3)
+
+    def forward(self, x):
+        for conv in self.same:
+            x = F.relu(conv(x)) * 0.5
+        return torch.tanh(self.last(x))
+
+
+class Compiles:
+    """A fake background compile per prepared region, ready at once."""
+
+    def __init__(self):
+        self.prepared = 0
+
+    def __call__(self, gm, pattern, nodes, example_inputs, strict):
+        self.prepared += 1
+        return self
+
+    def ready(self):
+        return True
+
+    def collect(self, timeout):
+        return 0
+
+
+class RegionTimer:
+    """Region times by call: ``times[i]`` is the (fused, inductor) pair of the i-th measurement."""
+
+    def __init__(self, *times):
+        self.times, self.calls = list(times), 0
+
+    def __call__(self, steps):
+        fused, inductor = self.times[min(self.calls, len(self.times) - 1)]
+        self.calls += 1
+        return {"fused": fused, "inductor": inductor}
+
+
+class GraphTimer:
+    """Whole-graph times by call, as ``RegionTimer``; records how many candidates were timed."""
+
+    def __init__(self, *times):
+        self.times, self.calls = list(times), 0
+
+    def __call__(self, steps):
+        assert set(steps) == {"fused", "inductor"}
+        fused, inductor = self.times[min(self.calls, len(self.times) - 1)]
+        self.calls += 1
+        return {"fused": [fused], "inductor": [inductor]}
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FUSION_DECIDE", raising=False)
+    decision.forget_in_memory()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    decision.forget_in_memory()
+
+
+def settle_once(model, x, options=None, region=(1.0, 2.0), graph=(1.0, 2.0), compiles=None):
+    """Compile ``model``, call it, settle; the compiled function, the settled reports, the timers."""
+    compiles = compiles or Compiles()
+    region_timer = region if isinstance(region, RegionTimer) else RegionTimer(region)
+    graph_timer = graph if isinstance(graph, GraphTimer) else GraphTimer(graph)
+    compiled = torch.compile(model, backend="fusion", options={"decide_budget": None, **(options or {})})
+    with deferred.preparing_with(compiles), decision.timing_override(region_timer, ("cpu",), graph_timer), \
+            torch.no_grad():
+        with collect_reports() as first:
+            compiled(x)
+        assert any(d.pending for r in first for d in r.decisions)
+        with collect_reports() as settled:
+            fusion_backend.settle()
+        compiled(x)
+    return compiled, settled, region_timer, graph_timer, compiles
+
+
+def deferred_graphs():
+    return list(deferred._pending)
+
+
+def test_a_settled_graph_with_nothing_fused_runs_inductors_first_compile_and_compiles_nothing_again(monkeypatch):
+    compiles_of_graphs = []
+    real_compile = backend._compile_inductor
+
+    def counting(gm, example_inputs, patches):
+        compiled = real_compile(gm, example_inputs, patches)
+        compiles_of_graphs.append(compiled)
+        return compiled
+
+    monkeypatch.setattr(backend, "_compile_inductor", counting)
+    captured = []
+    real_init = deferred.DeferredGraph.__init__
+
+    def keep_instance(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        captured.append(self)
+
+    monkeypatch.setattr(deferred.DeferredGraph, "__init__", keep_instance)
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(2, 8, 10, 10)
+    _, settled, region_timer, graph_timer, _ = settle_once(model, x, region=(2.0, 1.0))
+    ((graph,),) = [captured]
+    assert graph.settled and graph._current is compiles_of_graphs[0] and len(compiles_of_graphs) == 1
+    ((report,),) = [settled]
+    assert report.matches == () and not any(d.fused for d in report.decisions) and report.graph_checks == ()
+    assert graph_timer.calls == 0 and region_timer.calls == 2  # one measurement per key: 2 keys
+
+
+def test_regions_of_one_signature_share_one_measurement_and_one_preparation():
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(2, 8, 10, 10)
+    _, settled, region_timer, _, compiles = settle_once(model, x)
+    ((report,),) = [settled]
+    assert len(report.decisions) == 4 and all(d.fused for d in report.decisions)
+    assert [d.cached for d in report.decisions] == [False, True, True, False]
+    assert region_timer.calls == 2 and compiles.prepared == 2
+
+
+def test_the_whole_graph_decides_a_kept_region_that_makes_it_slower_goes_back_to_inductor():
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(2, 8, 10, 10)
+    want = model(x)
+    # the 3 same-shaped regions win by 1.5x alone, the last by 2x; the graph with all four is slower,
+    # with the weakest (the first three) dropped faster
+    compiled, settled, _, graph_timer, _ = settle_once(
+        model, x, region=RegionTimer((1.0, 1.5), (1.0, 2.0)), graph=GraphTimer((1.1, 1.0), (1.0, 1.2)))
+    ((report,),) = [settled]
+    assert graph_timer.calls == 2
+    first, second = report.graph_checks
+    assert not first.fused and len(first.kept) == 4 and "0.91x" in first.rule and "dropped `conv2d`" in first.rule
+    assert second.fused and len(second.kept) == 3 and second.rule == "the whole graph is faster with them"
+    dropped = [d for d in report.decisions if not d.fused]
+    assert [d.anchor for d in dropped] == ["conv2d"] and dropped[0].rule.startswith("dropped in context")
+    assert len(report.matches) == 3 and "[graph] dropped" in str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), want)
+
+
+def test_a_graph_that_is_slower_with_its_only_region_keeps_inductors_code_and_the_answer_is_cached():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), torch.randn(2, 3, 8, 8)
+    _, settled, _, graph_timer, _ = settle_once(model, x, graph=(1.0, 1.01))
+    ((report,),) = [settled]
+    ((check,),) = [report.graph_checks]
+    assert not check.fused and not check.cached and "dropped all" in check.rule and report.matches == ()
+    assert "within 3% goes to Inductor" in report.decisions[0].rule
+    # a second process finds both answers in the cache: the region, faster alone, is decided at the
+    # first compile, and the whole graph's answer drops it there, with nothing timed or deferred
+    decision.forget_in_memory()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusion")
+    timer, graphs = RegionTimer((1.0, 2.0)), GraphTimer((1.0, 2.0))
+    with decision.timing_override(timer, ("cpu",), graphs), torch.no_grad(), collect_reports() as reports:
+        compiled(x)
+    ((report,),) = [reports]
+    ((check,),) = [report.graph_checks]
+    assert timer.calls == 0 and graphs.calls == 0 and check.cached and not check.fused
+    assert report.matches == () and report.decisions[0].rule.startswith("dropped in context")
+    assert not report.decisions[0].pending and not deferred_graphs()
+
+
+def test_a_region_kept_alone_in_the_cache_waits_for_the_whole_graphs_check_in_a_new_process():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), torch.randn(2, 3, 8, 8)
+    timer = RegionTimer((1.0, 2.0))
+    with decision.timing_override(timer, ("cpu",)), torch.no_grad():
+        torch.compile(model, backend="fusion", options={"defer": False})(x)  # measured; no graph check
+    torch._dynamo.reset()
+    graphs = GraphTimer((1.0, 1.5))
+    compiled = torch.compile(model, backend="fusion")
+    with decision.timing_override(timer, ("cpu",), graphs), torch.no_grad():
+        with collect_reports() as first:
+            compiled(x)
+        ((d,),) = [r.decisions for r in first]
+        assert d.pending and "timed with it once Inductor's code" in d.rule and first[0].matches == ()
+        with collect_reports() as settled:
+            compiled(x)  # the second call settles: nothing was left to compile in the background
+    ((report,),) = [settled]
+    assert timer.calls == 1 and graphs.calls == 1 and report.graph_checks[0].fused and len(report.matches) == 1
+
+
+def test_a_kind_of_region_that_lost_clearly_is_predicted_to_lose_and_not_measured():
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(2, 8, 10, 10)
+    # two measured keys of one kind (the 8->8 and 8->4 convs with a pointwise chain) lost clearly ...
+    timer = RegionTimer((3.0, 1.0))
+    settle_once(model, x, region=timer)
+    assert timer.calls == 2
+    # ... so a third shape of that kind is predicted to lose, with the evidence in the report
+    torch._dynamo.reset()
+    other = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+    compiled = torch.compile(other, backend="fusion")
+    with decision.timing_override(timer, ("cpu",)), torch.no_grad(), collect_reports() as reports:
+        compiled(torch.randn(2, 8, 12, 12))
+    ((d,),) = [r.decisions for r in reports]
+    assert not d.fused and not d.pending and timer.calls == 2
+    assert d.rule.startswith("predicted to lose, not measured: the 2 measured regions of this kind")
+
+
+@pytest.mark.parametrize("evidence", [((3.0, 1.0), (1.05, 1.0)), ((3.0, 1.0),)], ids=["one-came-close", "one-only"])
+def test_no_prediction_without_two_clear_losses(evidence):
+    torch.manual_seed(0)
+    timer = RegionTimer(*evidence)
+    model = nn.Sequential(*[m for i in range(len(evidence)) for m in (nn.Conv2d(8, 8, 3, padding=i + 1), nn.ReLU())])
+    settle_once(model, torch.randn(2, 8, 12, 12), region=timer)
+    torch._dynamo.reset()
+    compiled = torch.compile(nn.Sequential(nn.Conv2d(8, 8, 5, padding=2), nn.ReLU()), backend="fusion",
+                             options={"defer": False})
+    with decision.timing_override(timer, ("cpu",)), torch.no_grad(), collect_reports() as reports:
+        compiled(torch.randn(2, 8, 12, 12))
+    assert timer.calls == len(evidence) + 1 and not reports[0].decisions[0].rule.startswith("predicted")
+
+
+def test_the_decision_budget_leaves_the_regions_it_cannot_measure_to_inductor_unmeasured():
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(2, 8, 10, 10)
+    _, settled, timer, _, _ = settle_once(model, x, options={"decide_budget": 0.0})
+    ((report,),) = [settled]
+    measured, *same, last = report.decisions
+    assert measured.fused and all(d.fused and d.cached for d in same) and timer.calls == 1
+    assert not last.fused and "decision budget is spent" in last.rule
+    # nothing was cached for the unmeasured region: a later settle measures it
+    assert sum(1 for e in decision._memory.values() if "class" in e) == 1
+
+
+@pytest.mark.parametrize("value", [-0.1, "fast", True])
+def test_a_bad_decision_budget_is_named(value):
+    from fusion_backend.match.engine import registered_patterns
+    from fusion_backend.options import FusionOptions
+
+    with pytest.raises(InvalidOptionError, match=r"option 'decide_budget' must be a number >= 0 .* or None"):
+        FusionOptions.parse({"decide_budget": value}, tuple(registered_patterns()))
+    assert FusionOptions.parse({"decide_budget": None}, tuple(registered_patterns())).decide_budget == float("inf")
+
+
+def test_the_budget_is_a_fraction_of_the_first_call(monkeypatch):
+    seen = {}
+    def decide(inputs, budget):
+        seen["b"] = budget
+
+    graph = deferred.DeferredGraph(lambda x: x, [Compiles()], decide, strict=False, inputs=[1], budget_fraction=0.5,
+                                   compiled_at=0.0)
+    monkeypatch.setattr(deferred.time, "perf_counter", lambda: 10.0)
+    graph(1)  # the first call
+    graph(2)  # the second: the first call took 10 s since the compile began
+    assert seen["b"].seconds == pytest.approx(5.0)
+
+
+def test_under_torch_distributed_every_graph_settles_at_the_same_call_waiting_for_its_compiles():
+    class Slow:
+        collected = 0
+
+        def ready(self):
+            return False
+
+        def collect(self, timeout):
+            Slow.collected += 1
+            return 0
+
+    settled_at = []
+    graph = deferred.DeferredGraph(lambda x: x, [Slow()], lambda inputs, budget: settled_at.append(calls[-1]),
+                                   strict=False, inputs=[1], settle_at_call=deferred.DISTRIBUTED_SETTLE_CALL)
+    calls = []
+    for call in range(1, 6):
+        calls.append(call)
+        graph(call)
+    assert settled_at == [deferred.DISTRIBUTED_SETTLE_CALL] and Slow.collected == 1 and graph.settled
+
+
+def test_ranks_keep_only_the_regions_every_rank_keeps(monkeypatch):
+    from fusion_backend.report import Decision
+
+    def on_other_rank(flags):  # the other rank kept the first region only
+        def all_reduce(tensor, op):
+            if len(tensor) == 2 and int(tensor[0]) == -int(tensor[1]):
+                return  # the counts agree
+            tensor.copy_(torch.minimum(tensor, torch.tensor(flags, dtype=tensor.dtype)))
+        return all_reduce
+
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", on_other_rank([1, 0, 1]))
+    decided = {a: Decision("conv_epilogue", "conv2d -> relu", a, fused, "fused is faster" if fused else "slower")
+               for a, fused in (("a", True), ("b", True), ("c", False))}
+    agreed = backend._agree_across_ranks(decided)
+    assert [d.fused for d in agreed.values()] == [True, False, False]
+    assert "not on every rank" in agreed["b"].rule and agreed["c"].rule == "slower"
