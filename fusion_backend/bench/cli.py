@@ -7,7 +7,10 @@ alone and ``... bench | tail -1`` the verdict.
 
 Exit status: 0 when every item passed (or when there is no CUDA and nothing was timed); 1 when any item
 FAILed the correctness gate or raised; 2 for bad arguments (unknown suite/file/backend/dtype); 130 when
-interrupted.
+interrupted.  A workload skipped because a library it needs is not installed, or because the run asks
+for none of the rows its file declares, leaves no item and does not change the status; it is named in a
+``NAME: skipped (REASON)`` line on stderr as the run reaches it (before the no-CUDA note where nothing
+runs) and again on stdout after the table.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from .env import collect_environment
 from .errors import BenchError, ConfigError
 from .measure import CudaEventTimer, cuda_instruments, measure_device_rates
 from .merge import merge_reports, read_report
-from .output import fmt_ms, plan_lines, summary_table, write_reports
+from .output import fmt_ms, plan_lines, skip_line, skipped_text, summary_table, write_reports
 from .results import BenchReport
 from .roofline import describe_rates
 from .runner import ProgressEvent, Runner
@@ -52,8 +55,10 @@ Every backend is checked against eager (output, and every gradient in train mode
 a mismatch is reported as FAIL and never timed.  Writes bench.json, bench.txt, bench.md and bench.png
 (needs matplotlib) into --out.  The last line printed is the verdict: on how many rows (workload x
 dtype x mode) fusion's warm median is at least Inductor's ({TIE_RATIO:g}x counts as a tie; a row where
-fusion failed never counts and is named worst), the worst row, and the geometric mean of Inductor's
-time over fusion's.  Exit status 1 if any item failed.
+fusion failed never counts and is named worst; a row Inductor failed is left out and named), the worst
+row, and the geometric mean of Inductor's time over fusion's.  Exit status 1 if any item failed.
+A model file may declare DTYPES, MODES (its rows, intersected with --dtype/--mode) and REQUIRES (the
+packages it needs); a workload whose package is missing is skipped with a line saying so.
 
 examples:
   {PROG} --suite seeds --dtype fp32,bf16 --mode infer,train --out bench-results/h100
@@ -159,6 +164,10 @@ class _LineProgress:
         self.stream = stream
 
     def __call__(self, ev: ProgressEvent) -> None:
+        if ev.phase == "skipped":
+            self.stream.write(skip_line(ev.workload, ev.reason) + "\n")
+            self.stream.flush()
+            return
         if ev.phase not in ("start", "done") or ev.phase == "done" and ev.result is None:
             return
         width = len(str(ev.total))
@@ -178,7 +187,11 @@ class _TqdmProgress:
     def __call__(self, ev: ProgressEvent) -> None:
         if self.bar is None:
             self.bar = self.tqdm_cls(total=ev.total, file=self.stream, unit="item", dynamic_ncols=True)
-        if ev.phase == "start":
+        if ev.phase == "skipped":
+            self.bar.total = ev.total  # a workload skipped once built takes its items off the total
+            self.bar.refresh()
+            self.bar.write(skip_line(ev.workload, ev.reason), file=self.stream)
+        elif ev.phase == "start":
             self.bar.set_description(f"{ev.workload} {ev.dtype} {ev.mode} {ev.backend}")
         elif ev.result is not None:
             self.bar.write(f"{ev.workload} {ev.dtype} {ev.mode} {ev.backend}: {describe_item(ev.result)}",
@@ -281,6 +294,10 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
 
     cuda = cuda_available()
     if not cuda and not args.check_only:
+        for workload in workloads:
+            reason = workload.skip_reason(config.dtypes, config.modes)
+            if reason:
+                err.write(skip_line(workload.name, reason) + "\n")
         err.write(
             f"{PROG}: timing needs CUDA, and no CUDA device is visible (torch {torch.__version__}, "
             f"CUDA build: {torch.version.cuda or 'none'}). Nothing was timed and no report was written.\n"
@@ -321,6 +338,8 @@ def _write_and_summarise(report: BenchReport, out_dir: Path, args: argparse.Name
     partial report, 1 when an item failed, else 0)."""
     files = write_reports(report, out_dir, chart=not args.no_chart)
     out.write("\n" + summary_table(report) + "\n")
+    if report.skipped:
+        out.write("\n" + skipped_text(report) + "\n")
     judged = verdict_of(report)
     first_calls = judged.first_call_line()
     verdict = f"{first_calls}\n{judged.line()}" if first_calls else judged.line()

@@ -12,7 +12,7 @@ different commits, for a part rerun after a change that cannot touch the other p
 merged report's ``git_commit`` is then ``None`` and ``part_git_commits`` lists each part's, in the
 order of ``merged_from``.  Rows keep their order (the reports' order, then each report's); the merged run
 started when the first began and finished when the last ended, its wall time is the sum, and it is
-complete only if every part is.
+complete only if every part is.  A workload skipped in a part stays skipped unless another part ran it.
 Each row was timed within its own run, with all of its backends: merging never compares numbers
 across runs.
 """
@@ -75,6 +75,9 @@ def merge_reports(reports: Sequence[BenchReport], across_commits: bool = False) 
     commits = [r.environment.get("git_commit") for r in reports]
     if len(set(commits)) > 1:
         environment["git_commit"], environment["part_git_commits"] = None, commits
+    ran = {case.workload for report in reports for case in report.cases}
+    skipped = {name: reason for report in reports for name, reason in report.skipped.items()
+               if name not in ran}
     return BenchReport(
         config=first.config,
         environment=environment,
@@ -85,4 +88,5 @@ def merge_reports(reports: Sequence[BenchReport], across_commits: bool = False) 
         finished=max(r.finished for r in reports),
         wall_s=sum(r.wall_s for r in reports),
         complete=all(r.complete for r in reports),
+        skipped=skipped,
     )

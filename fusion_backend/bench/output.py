@@ -7,13 +7,15 @@ from the floor — so the summary has one row per workload x dtype x mode:
 ``floor ms``            roofline floor (see :mod:`fusion_backend.bench.roofline`)
 ``<backend> ms (x)``    warm-L2 median in ms, and in brackets that time as a multiple of the floor
 ``fusion vs eager``     eager's median over fusion's (>1: fusion is faster); ``fusion vs inductor`` too
-``status``              ``ok``, or which backends FAILed the correctness gate or raised an ERROR
+``status``              ``ok``, or which backends FAILed the correctness gate or raised an ERROR (a row
+                        Inductor failed adds ``not in the verdict``: :mod:`.verdict` leaves it out)
 
 Under ``--compile-mode`` the compared backends are ``fusion:MODE`` and ``inductor:MODE`` (chosen by
 :func:`fusion_backend.bench.backends.pick_contenders`).  A FAIL or ERROR cell shows the word instead of
 a time: a wrong result is never displayed as a speed.  The verdict line (:mod:`.verdict`) follows the
 table.  The details table has one row per item with cold-L2 times, the first call's time (``compile
-s``: compilation included), memory and the check's error.
+s``: compilation included), memory and the check's error.  Workloads that ran no row are listed with
+why (:func:`skip_line`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 from .backends import pick_contenders
 from .results import BenchReport, CaseResult, ItemResult, Status
 from .roofline import describe_rates
-from .verdict import verdict_of
+from .verdict import inductor_failed, verdict_of
 
 MB = 1024 * 1024
 
@@ -143,7 +145,9 @@ def summary_table(report: BenchReport, *, markdown: bool = False) -> str:
         row += [_backend_cell(case, case.item(b), check_only) for b in backends]
         if not check_only:
             row += [fmt_x(case.speedup(subject, b)) for b in speedup_cols]
-        row.append(case_status(case))
+        left_out = (not check_only and subject is not None and inductor is not None
+                    and inductor_failed(case, inductor))
+        row.append(case_status(case) + ("; not in the verdict" if left_out else ""))
         rows.append(row)
     return render_table(headers, rows, markdown=markdown, right=right)
 
@@ -227,6 +231,16 @@ def failures_text(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
+def skip_line(workload: str, reason: str) -> str:
+    """``resnet50: skipped (needs torchvision, not installed)``."""
+    return f"{workload}: skipped ({reason})"
+
+
+def skipped_text(report: BenchReport) -> str:
+    """One :func:`skip_line` per workload that ran no row (empty string if none)."""
+    return "\n".join(skip_line(name, reason) for name, reason in report.skipped.items())
+
+
 def environment_lines(report: BenchReport) -> list[str]:
     """Short human description of where and when the run happened."""
     env = report.environment
@@ -263,8 +277,9 @@ def format_report(report: BenchReport) -> str:
     """The full plain-text report: environment, summary, roofline, details, failures."""
     judged = verdict_of(report)
     first_calls = judged.first_call_line()
+    skipped = skipped_text(report)
     parts = ["\n".join(environment_lines(report)), "", summary_table(report), "",
-             *([first_calls] if first_calls else []), judged.line()]
+             *([skipped, ""] if skipped else []), *([first_calls] if first_calls else []), judged.line()]
     if not report.config.check_only:
         parts += ["", NOTE_FLOOR]
         if _any_below_floor(report):
@@ -285,7 +300,9 @@ def format_markdown(report: BenchReport) -> str:
     env_lines = "\n".join(f"- {line}" for line in environment_lines(report))
     judged = verdict_of(report)
     first_calls = judged.first_call_line()
+    skipped = "\n".join(f"- {line}" for line in skipped_text(report).splitlines())
     parts = [env_lines, "", summary_table(report, markdown=True), "",
+             *([f"**Skipped:**\n\n{skipped}", ""] if skipped else []),
              *([f"**First calls:** {first_calls}", ""] if first_calls else []),
              f"**Verdict:** {judged.line()}"]
     if any(c.roofline for c in report.cases):
@@ -448,11 +465,23 @@ def write_reports(report: BenchReport, out_dir: Path, *, chart: bool = True) -> 
 
 
 def plan_lines(workloads: Sequence[Any], config: Any, backends: Sequence[Any]) -> list[str]:
-    """What a run would do (for ``--dry-run``): one line per workload, then the matrix size."""
+    """What a run would do (for ``--dry-run``): one line per workload (with the rows its file declares,
+    or why it will be skipped), then the matrix size."""
     width = max((len(w.name) for w in workloads), default=0)
-    lines = [f"{w.name:<{width}}  {w.path}" for w in workloads]
-    n = len(workloads) * len(config.dtypes) * len(config.modes) * len(backends)
+    lines, n, skipped, declared = [], 0, 0, False
+    for w in workloads:
+        reason = w.skip_reason(config.dtypes, config.modes)
+        rows = [] if reason else w.rows(config.dtypes, config.modes)
+        own = w.dtypes is not None or w.modes is not None
+        declared = declared or own
+        n += len(rows) * len(backends)
+        skipped += bool(reason)
+        what = (f"  (skipped: {reason})" if reason else
+                f"  (rows {', '.join(f'{d} {m}' for d, m in rows)})" if own else "")
+        lines.append(f"{w.name:<{width}}  {w.path}{what}")
+    notes = (["rows as the files declare"] if declared else []) + ([f"{skipped} skipped"] if skipped else [])
     lines.append(f"{len(workloads)} workload(s) x dtypes {','.join(config.dtypes)} x modes "
-                 f"{','.join(config.modes)} x backends {','.join(b.name for b in backends)} = {n} item(s)")
+                 f"{','.join(config.modes)} x backends {','.join(b.name for b in backends)} = {n} item(s)"
+                 + (f" ({'; '.join(notes)})" if notes else ""))
     lines += [f"  {b.name:<24} {b.description}" for b in backends]
     return lines

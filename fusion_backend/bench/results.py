@@ -149,7 +149,9 @@ class CaseResult:
 class BenchReport:
     """A whole run: what was asked (``config``, ``workloads`` name -> file), where (``environment``,
     ``rates``), when (``started``/``finished`` ISO-8601 UTC, ``wall_s``) and what came out (``cases``).
-    ``complete`` is false when the run was interrupted: ``cases`` then holds the finished ones only."""
+    ``complete`` is false when the run was interrupted: ``cases`` then holds the finished ones only.
+    ``skipped``: the workloads that ran no row, each with why (a library not installed, no declared row
+    asked for; ``runner.py``); they have no case."""
 
     config: BenchConfig
     environment: dict[str, Any]
@@ -160,6 +162,7 @@ class BenchReport:
     finished: str = ""
     wall_s: float = 0.0
     complete: bool = True
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def items(self) -> tuple[ItemResult, ...]:

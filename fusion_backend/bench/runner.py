@@ -35,6 +35,12 @@ kernel to the timed region); gradients are set to ``None`` before every repetiti
 step allocates fresh ones as ``zero_grad(set_to_none=True)`` training does.  ``bf16`` autocasts the
 forward; the backward runs outside autocast as in a training loop.
 
+Rows: a workload runs the config's dtypes x modes kept to those its model file declares
+(``Workload.rows``).  A workload that runs no row is *skipped*, with a reason, in ``BenchReport.skipped``
+and a ``"skipped"`` progress event: where a package its file ``REQUIRES`` is not installed or the run asks
+for none of its declared rows (``Workload.skip_reason``, known before building), or where building it
+raises ``ImportError`` (``suite.import_skip_reason``).  A skip is no failure: it leaves no item.
+
 Inputs keep the memory format ``get_inputs()`` gave them (a channels-last input stays channels-last on
 the device and in every private copy), so a model file chooses the layout a backend is timed on.
 
@@ -75,7 +81,7 @@ from .errors import BenchError
 from .measure import Instruments, MemoryStats, TimedStep, TimingStats
 from .results import BenchReport, CaseResult, ItemResult, Status
 from .roofline import DeviceRates, FlopCount, Roofline, compute_unit, count_traffic, roofline
-from .suite import Workload
+from .suite import Workload, import_skip_reason
 from .verdict import TIE_RATIO
 
 log = logging.getLogger("fusion_backend.bench")
@@ -89,6 +95,8 @@ class ProgressEvent:
     """Sent to the progress callback when an item starts compiling (``phase="start"``), before each of
     its timed measurements (``"timing"``) and when it is finished (``"done"``).  Items of one case are
     timed in interleaved rounds, so a case's items start one after the other and finish together.
+    A workload that runs no row sends one ``"skipped"`` event, with ``reason`` set and ``dtype``,
+    ``mode`` and ``backend`` empty.
 
     ``index`` counts items from 1 to ``total``; ``result`` is set on ``"done"``.
     """
@@ -101,6 +109,7 @@ class ProgressEvent:
     backend: str
     phase: str
     result: ItemResult | None = None
+    reason: str = ""
 
 
 ProgressFn = Callable[[ProgressEvent], None]
@@ -318,12 +327,18 @@ class Runner:
         started = _dt.datetime.now(_dt.timezone.utc)
         t0 = time.perf_counter()
         self._index = 0
-        self._total = len(workloads) * len(cfg.dtypes) * len(cfg.modes) * len(self.backends)
+        reasons = {w.name: w.skip_reason(cfg.dtypes, cfg.modes) for w in workloads}
+        self._total = sum(len(w.rows(cfg.dtypes, cfg.modes)) for w in workloads if not reasons[w.name]) * len(
+            self.backends)
         cases: list[CaseResult] = []
+        skipped: dict[str, str] = {}
         complete = True
         try:
             for workload in workloads:
-                self._run_workload(workload, cases)
+                if reasons[workload.name]:
+                    self._skip(workload.name, reasons[workload.name], skipped)
+                else:
+                    self._run_workload(workload, cases, skipped)
         except KeyboardInterrupt:
             complete = False  # keep what finished: a long run interrupted still leaves a report
         if any(b.uses_dynamo for b in self.backends):
@@ -339,30 +354,45 @@ class Runner:
             finished=finished.isoformat(timespec="seconds"),
             wall_s=time.perf_counter() - t0,
             complete=complete,
+            skipped=skipped,
         )
 
     # -- per workload / case -----------------------------------------------------------------------------
 
-    def _run_workload(self, workload: Workload, cases: list[CaseResult]) -> None:
-        """Append the workload's cases to ``cases`` as each finishes."""
+    def _run_workload(self, workload: Workload, cases: list[CaseResult], skipped: dict[str, str]) -> None:
+        """Append the workload's cases to ``cases`` as each finishes, or its skip reason to ``skipped``
+        where building it raises ``ImportError``."""
         cfg = self.config
+        rows = workload.rows(cfg.dtypes, cfg.modes)
         try:
             model, inputs = workload.build(cfg.seed)
             model = model.to(self.device)
             inputs = [_to_device(v, self.device) for v in inputs]
+        except ImportError as exc:
+            log.debug("building %s needs what is not installed", workload.name, exc_info=True)
+            self._total -= len(rows) * len(self.backends)
+            self._skip(workload.name, import_skip_reason(exc), skipped)
+            return
         except Exception as exc:
             log.debug("building %s failed", workload.name, exc_info=True)
             msg = f"building the model failed: {_describe(exc)}"
-            cases.extend(self._failed_case(workload.name, d, m, msg) for d in cfg.dtypes for m in cfg.modes)
+            cases.extend(self._failed_case(workload.name, d, m, msg) for d, m in rows)
             return
         try:
-            for dtype in cfg.dtypes:
-                for mode in cfg.modes:
-                    cases.append(self._run_case(workload.name, model, inputs, dtype, mode))
-                    self.instruments.release()
+            for dtype, mode in rows:
+                if workload.infer_eval:
+                    model.train(mode != "infer")
+                cases.append(self._run_case(workload.name, model, inputs, dtype, mode))
+                self.instruments.release()
         finally:
             del model, inputs
             self.instruments.release()
+
+    def _skip(self, workload: str, reason: str, skipped: dict[str, str]) -> None:
+        skipped[workload] = reason
+        if self.progress is not None:
+            self.progress(ProgressEvent(self._index, self._total, workload, dtype="", mode="", backend="",
+                                        phase="skipped", reason=reason))
 
     def _failed_case(self, workload: str, dtype: str, mode: str, message: str) -> CaseResult:
         items = []

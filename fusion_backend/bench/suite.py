@@ -10,11 +10,30 @@ lets users benchmark their own models by pointing ``--suite`` at a file or folde
 
 A named suite (:data:`SUITES`) is a folder under the repository's ``demos/`` (``seeds``: three
 multi-op conv pipelines at full size, two of them also small; ``convnets``: single conv layers with
-what real networks put after them) and the files to run from it, in order.  ``demos/`` is *not*
+what real networks put after them; ``realnets``: whole networks built from torchvision, torchaudio,
+diffusers or written out) and the files to run from it, in order.  ``demos/`` is *not*
 inside the package, so it is looked up in ``$FUSION_DEMOS_DIR`` (the folder holding ``seeds/`` and
 ``convnets/``), then next to the package (a source checkout or editable install), then under the
 working directory; each suite takes the first of these that has its folder, and if none has it the
 error says where it looked.
+
+A model file may also declare, as module-level constants (each optional, checked when it loads):
+
+- ``DTYPES``: the precisions it is benchmarked in, names of :data:`fusion_backend.bench.config.PRECISIONS`
+  (``DTYPES = ("bf16",)``);
+- ``MODES``: the modes it is benchmarked in, names of :data:`fusion_backend.bench.config.MODES`;
+- ``REQUIRES``: the top-level packages its ``Model`` or ``get_inputs()`` import when called
+  (``REQUIRES = ("torchvision",)``).  Such a file imports them inside those functions, never at file
+  level, so that it loads where they are missing;
+- ``INFER_EVAL``: ``True`` runs its ``infer`` rows with the model in eval mode (``model.eval()``: batch
+  norms on their running statistics, no dropout), as users run a whole network for inference; its
+  ``train`` rows, and every row of a file without it, run the model in training mode.
+
+A run's rows of a file are the run's ``--dtype`` x ``--mode`` in the run's order, kept to those the file
+declares (:meth:`Workload.rows`); without ``DTYPES`` / ``MODES`` a file runs every precision / mode the run
+asks for.  A file runs no row, and is skipped with a reason (:meth:`Workload.skip_reason`), where a package
+of its ``REQUIRES`` is not installed or where the run asks for none of its declared rows; a file whose
+building raises :class:`ImportError` is skipped too (:func:`import_skip_reason`).  A skip is not a failure.
 """
 
 from __future__ import annotations
@@ -32,10 +51,16 @@ from typing import Any
 
 import torch
 
+from .config import MODES, PRECISIONS
 from .errors import SuiteError
 
 #: The parts every benchmark model file must define.
 LAYOUT: tuple[str, ...] = ("Model", "get_inputs", "get_init_inputs")
+
+#: The optional declarations of a model file (module docstring) and the names each may hold (``None``: any).
+DECLARATIONS: dict[str, tuple[str, ...] | None] = {
+    "DTYPES": tuple(PRECISIONS), "MODES": tuple(MODES), "REQUIRES": None,
+}
 
 
 @dataclass(frozen=True)
@@ -89,6 +114,14 @@ SUITES: dict[str, NamedSuite] = {
         "conv2d_3_64_k7_s2_batchnorm_train_relu_maxpool.py",
         "conv2d_64_k3_layernorm_chw_relu.py",
     ), "one conv + normalization or channel reduction workload per pattern family"),
+    "realnets": NamedSuite("realnets", (
+        "resnet50.py",
+        "efficientnet_b0.py",
+        "r3d_18.py",
+        "wav2vec2_base.py",
+        "sd_vae_decoder.py",
+        "dcgan_generator.py",
+    ), "whole networks (torchvision, torchaudio, diffusers, DCGAN); a missing library skips its files"),
 }
 
 #: Environment variable naming the folder that holds the named suites' folders (``seeds/``, ``convnets/``).
@@ -101,11 +134,43 @@ class Workload:
 
     ``name`` is the file's stem and is unique within a suite; ``module`` is the executed file.  Building
     the model and inputs is :meth:`build`'s job so that loading a suite stays cheap and side-effect free.
+    ``dtypes``, ``modes``, ``requires`` and ``infer_eval`` are the file's declarations (module
+    docstring; ``None`` / empty / False where it makes none).
     """
 
     name: str
     path: Path
     module: ModuleType
+    dtypes: tuple[str, ...] | None = None
+    modes: tuple[str, ...] | None = None
+    requires: tuple[str, ...] = ()
+    infer_eval: bool = False
+
+    def rows(self, dtypes: Sequence[str], modes: Sequence[str]) -> list[tuple[str, str]]:
+        """The (dtype, mode) rows of a run asking for ``dtypes`` x ``modes``: in that order, kept to the
+        file's declared ``DTYPES`` and ``MODES``."""
+        return [(d, m) for d in dtypes if self.dtypes is None or d in self.dtypes
+                for m in modes if self.modes is None or m in self.modes]
+
+    def missing(self) -> tuple[str, ...]:
+        """The packages of ``REQUIRES`` that are not installed (found by ``importlib.util.find_spec``)."""
+        return tuple(name for name in self.requires if not _installed(name))
+
+    def skip_reason(self, dtypes: Sequence[str], modes: Sequence[str]) -> str:
+        """Why a run asking for ``dtypes`` x ``modes`` runs no row of this file (``""`` where it runs some),
+        known without building it: ``"needs torchvision, not installed"``, or that the run asks for none
+        of the rows it declares."""
+        missing = self.missing()
+        if missing:
+            return f"needs {' and '.join(missing)}, not installed"
+        if self.rows(dtypes, modes):
+            return ""
+        declared = {"DTYPES": (self.dtypes, dtypes), "MODES": (self.modes, modes)}
+        disjoint = {name: (own, asked) for name, (own, asked) in declared.items()
+                    if own is not None and not set(own) & set(asked)}
+        files = " and ".join(f"{name} {','.join(own)}" for name, (own, _) in disjoint.items())
+        runs = " and ".join(",".join(asked) for _, asked in disjoint.values())
+        return f"its file declares {files}; the run asks for {runs}"
 
     def build(self, seed: int) -> tuple[torch.nn.Module, list[Any]]:
         """Construct ``Model(*get_init_inputs())`` and ``get_inputs()`` on CPU under ``torch.manual_seed(seed)``.
@@ -195,7 +260,50 @@ def load_workload(path: str | os.PathLike[str]) -> Workload:
             "defines Model, an nn.Module class; get_inputs(), the forward's arguments; and "
             "get_init_inputs(), Model's constructor arguments)"
         )
-    return Workload(name=path.stem, path=resolved, module=module)
+    try:
+        declared = {name: _declaration(module, name, allowed) for name, allowed in DECLARATIONS.items()}
+        infer_eval = getattr(module, "INFER_EVAL", False)
+        if not isinstance(infer_eval, bool):
+            raise SuiteError(f"INFER_EVAL must be True or False, got {infer_eval!r}")
+    except SuiteError as exc:
+        sys.modules.pop(module_name, None)
+        raise SuiteError(f"{path}: {exc}") from None
+    return Workload(name=path.stem, path=resolved, module=module, dtypes=declared["DTYPES"],
+                    modes=declared["MODES"], requires=declared["REQUIRES"] or (), infer_eval=infer_eval)
+
+
+def _declaration(module: ModuleType, name: str, allowed: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The module's ``name`` declaration as a tuple (``None`` if absent); :class:`SuiteError` unless it is
+    a non-empty tuple or list of distinct strings, each in ``allowed`` (where given)."""
+    if not hasattr(module, name):
+        return None
+    value = getattr(module, name)
+    if not isinstance(value, (tuple, list)) or not value or not all(isinstance(v, str) for v in value):
+        raise SuiteError(f"{name} must be a non-empty tuple of strings, got {value!r}")
+    if len(set(value)) != len(value):
+        raise SuiteError(f"{name} names an entry twice: {value!r}")
+    unknown = [v for v in value if allowed is not None and v not in allowed]
+    if unknown:
+        raise SuiteError(f"{name} names {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(allowed or ())}")
+    return tuple(value)
+
+
+def _installed(package: str) -> bool:
+    """Whether ``import package`` can find it (without importing it)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module entry of None
+        return False
+
+
+def import_skip_reason(exc: ImportError) -> str:
+    """The skip reason of a workload whose building raised ``exc``: ``"needs diffusers, not installed"``
+    for a missing module, else what failed (a library installed in a version that lacks a name)."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return f"needs {exc.name.partition('.')[0]}, not installed"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"importing a library failed: {first}"
 
 
 def _files_of(entry: str) -> list[Path]:

@@ -11,10 +11,16 @@ or their ``:MODE`` variants under ``--compile-mode``).  The rules:
 - a row where fusion FAILed the correctness gate, raised, or was not timed never counts as >=, and it
   is the worst row ahead of any slow one (the first such row in run order): a wrong or crashing
   fusion is worse than a slow one;
-- a row where fusion was timed but Inductor was not (Inductor failed or raised) also counts as not
-  >=, since nothing shows fusion is at least as fast there, but it is never the worst row;
-- the geometric mean is over the rows with both timings, and the line says over how many when that is
-  not every row;
+- a row where Inductor itself FAILed the correctness gate or raised (the eager reference having run) is
+  left out: it is not among the N/M rows counted, nor the worst row, nor in the geometric mean, whatever
+  fusion did there (fusion's own failure still shows in the table and the exit status); the line says how
+  many rows were left out so and names them (:func:`inductor_failed`).  A row compares fusion with
+  Inductor, and where Inductor has no correct result there is nothing to compare with (e.g. torch
+  2.11's Inductor on the DCGAN generator's channels-last training step);
+- a row where Inductor passed but was not timed counts as not >=, since nothing shows fusion is at
+  least as fast there, but it is never the worst row;
+- the geometric mean is over the counted rows with both timings, and the line says over how many when
+  that is not every counted row;
 - a row whose fusion item rewrote no region (``ItemResult.fused_regions == 0``) runs Inductor's code
   in both columns; the line says how many of the rows below the tie are such rows, and marks the
   worst row if it is one: their ratio is the measurement's noise, not a choice of the backend;
@@ -44,13 +50,16 @@ from typing import TYPE_CHECKING
 from .backends import BASELINE_COMPILER, pick_contenders, split_backend_name
 
 if TYPE_CHECKING:  # results imports this module to write the verdict into the JSON report
-    from .results import BenchReport, ItemResult
+    from .results import BenchReport, CaseResult, ItemResult
 
 #: A ratio (Inductor's time over fusion's) at or above this counts as fusion >= Inductor.
 TIE_RATIO = 0.97
 
 #: The timing statistic the ratios are taken from (the one the summary table shows).
 STATISTIC = "warm median"
+
+#: How many of the rows Inductor failed the verdict line names (it counts them all).
+NAMED_LEFT_OUT = 3
 
 #: The most a fusion first call may take, as a multiple of Inductor's in the same row.
 FIRST_CALL_BUDGET = 3.0
@@ -64,7 +73,8 @@ class RowRatio:
 
     ``ratio`` is the baseline's warm median over the subject's, ``None`` unless both were timed;
     ``problem`` then says why (``"fusion FAIL"``, ``"inductor ERROR"``, ``"fusion not timed"``), and
-    ``subject_failed`` whether it was the subject's fault.  ``same_code``: the subject rewrote no
+    ``subject_failed`` whether the subject failed.  ``baseline_failed``: Inductor FAILed or raised there,
+    so the row is left out of the verdict's counts (module docstring).  ``same_code``: the subject rewrote no
     region, so both columns ran Inductor's code for the whole graph.  ``first_call_ratio``: the
     subject's ``compile_s`` over Inductor's (``None`` unless both first calls were measured).
     """
@@ -82,6 +92,8 @@ class RowRatio:
     settle_s: float | None = None
     #: the reference's first call found every graph in Inductor's disk caches: the warm budget applies
     warm_first_call: bool = False
+    #: Inductor FAILed or raised in this row: it is left out of the counts
+    baseline_failed: bool = False
 
     @property
     def first_call_budget(self) -> float:
@@ -121,30 +133,41 @@ class Verdict:
     first_call_reference: str | None = None
 
     @property
+    def counted(self) -> tuple[RowRatio, ...]:
+        """The rows the verdict counts: every row but those Inductor failed."""
+        return tuple(r for r in self.rows if not r.baseline_failed)
+
+    @property
+    def left_out(self) -> tuple[RowRatio, ...]:
+        """The rows Inductor failed, left out of every count."""
+        return tuple(r for r in self.rows if r.baseline_failed)
+
+    @property
     def at_least_baseline(self) -> int:
-        """Rows where the subject is at least as fast as the baseline (tie included)."""
-        return sum(1 for r in self.rows if r.ratio is not None and r.ratio >= self.tie_ratio)
+        """Counted rows where the subject is at least as fast as the baseline (tie included)."""
+        return sum(1 for r in self.counted if r.ratio is not None and r.ratio >= self.tie_ratio)
 
     @property
     def compared(self) -> int:
-        """Rows with both timings."""
-        return sum(1 for r in self.rows if r.ratio is not None)
+        """Counted rows with both timings."""
+        return sum(1 for r in self.counted if r.ratio is not None)
 
     @property
     def geomean(self) -> float | None:
-        """Geometric mean of the ratios of the rows with both timings (``None`` if there are none)."""
-        ratios = [r.ratio for r in self.rows if r.ratio is not None]
+        """Geometric mean of the ratios of the counted rows with both timings (``None`` if there are none)."""
+        ratios = [r.ratio for r in self.counted if r.ratio is not None]
         if not ratios:
             return None
         return math.exp(sum(math.log(x) for x in ratios) / len(ratios))
 
     @property
     def worst(self) -> RowRatio | None:
-        """The first row where the subject failed, else the row of the lowest ratio, else ``None``."""
-        failed = [r for r in self.rows if r.subject_failed]
+        """The first counted row where the subject failed, else the counted row of the lowest ratio, else
+        ``None``."""
+        failed = [r for r in self.counted if r.subject_failed]
         if failed:
             return failed[0]
-        timed = [r for r in self.rows if r.ratio is not None]
+        timed = [r for r in self.counted if r.ratio is not None]
         return min(timed, key=lambda r: r.ratio) if timed else None  # type: ignore[arg-type, return-value]
 
     def line(self) -> str:
@@ -152,16 +175,18 @@ class Verdict:
         conv1d_80_256_k5_gelu fp32 infer 0.91x; geomean vs inductor 1.34x``."""
         if self.note:
             return self.note
-        total, compared = len(self.rows), self.compared
+        total, compared = len(self.counted), self.compared
         tie = f"{self.tie_ratio:g}x counts as a tie"
         if compared < total:
             tie += f"; {_rows(total - compared)} without both timings counted as not >="
+        if self.left_out:
+            tie += f"; {self._left_out_text()}"
         worst = self.worst
         geomean = self.geomean
         mean = "-: no row has both timings" if geomean is None else _fmt_ratio(geomean)
         if geomean is not None and compared < total:
             mean += f" over {_rows(compared)}"
-        below = [r for r in self.rows if r.ratio is not None and r.ratio < self.tie_ratio]
+        below = [r for r in self.counted if r.ratio is not None and r.ratio < self.tie_ratio]
         same = sum(1 for r in below if r.same_code)
         if same:
             tie += f"; of the {_rows(len(below))} below, {same} ran Inductor's code in both columns"
@@ -172,6 +197,16 @@ class Verdict:
         return (f"{self.subject} >= {self.baseline} on {self.at_least_baseline}/{total} rows ({tie}); "
                 f"worst: {f'{worst.label} {worst.outcome()}' if worst else '-'}; "
                 f"geomean vs {self.baseline} {mean}{spread}")
+
+    def _left_out_text(self) -> str:
+        """``2 rows left out as inductor failed them: a bf16 train (FAIL), b bf16 train (ERROR; fusion
+        ERROR)``: at most :data:`NAMED_LEFT_OUT` rows named, then how many more."""
+        rows = self.left_out
+        named = ", ".join(f"{r.label} ({r.problem.removeprefix(f'{self.baseline} ')})"
+                          for r in rows[:NAMED_LEFT_OUT])
+        more = f", {len(rows) - NAMED_LEFT_OUT} more" if len(rows) > NAMED_LEFT_OUT else ""
+        them = "it" if len(rows) == 1 else "them"
+        return f"{_rows(len(rows))} left out as {self.baseline} failed {them}: {named}{more}"
 
     def first_call_line(self) -> str:
         """One line on the rows' first calls, e.g. ``first call fusion / inductor 0.9-5.1x; 2/20 rows
@@ -200,7 +235,9 @@ class Verdict:
         """Derived values written to the JSON report next to the fields."""
         worst = self.worst
         return {"at_least_baseline": self.at_least_baseline, "compared": self.compared,
-                "total_rows": len(self.rows), "geomean": self.geomean,
+                "total_rows": len(self.counted), "geomean": self.geomean,
+                "left_out": [{"workload": r.workload, "dtype": r.dtype, "mode": r.mode, "problem": r.problem}
+                             for r in self.left_out],
                 "worst": None if worst is None else {"workload": worst.workload, "dtype": worst.dtype,
                                                      "mode": worst.mode, "ratio": worst.ratio,
                                                      "problem": worst.problem, "same_code": worst.same_code},
@@ -239,28 +276,40 @@ def verdict_of(report: BenchReport) -> Verdict:
     rows = []
     for case in report.cases:
         ratio = case.speedup(subject, baseline)
+        mine, theirs = case.item(subject), case.item(baseline)
+        baseline_failed = inductor_failed(case, baseline)
         problem, subject_failed = "", False
         if ratio is None:
-            mine, theirs = case.item(subject), case.item(baseline)
-            if mine is None or not mine.ok or mine.median_ms is None:
-                subject_failed = True
+            subject_failed = mine is None or not mine.ok or mine.median_ms is None
+            if baseline_failed:
+                problem = f"{baseline} {_why_untimed(theirs)}"
+                if subject_failed:
+                    problem += f"; {subject} {_why_untimed(mine)}"
+            elif subject_failed:
                 problem = f"{subject} {_why_untimed(mine)}"
                 if case.error:
                     problem += " (the eager reference failed)"
             else:
                 problem = f"{baseline} {_why_untimed(theirs)}"
-        mine = case.item(subject)
         same_code = mine is not None and mine.fused_regions == 0
         first = case.item(reference)
         rows.append(RowRatio(case.workload, case.dtype, case.mode, ratio, problem, subject_failed, same_code,
                              _first_call_ratio(mine, first), mine.settle_s if mine else None,
-                             warm_first_call=bool(first and first.from_inductor_caches)))
+                             warm_first_call=bool(first and first.from_inductor_caches),
+                             baseline_failed=baseline_failed))
     spread = None
     if copy is not None:
         ratios = [r for r in (case.speedup(copy, baseline) for case in report.cases) if r is not None]
         spread = (min(ratios), max(ratios)) if ratios else None
     return Verdict(subject, baseline, rows=tuple(rows), copy=copy if spread else None, copies_spread=spread,
                    first_call_reference=reference)
+
+
+def inductor_failed(case: CaseResult, baseline: str) -> bool:
+    """Whether the baseline (the Inductor backend compared with) FAILed the correctness gate or raised in
+    ``case`` while the eager reference ran: such a row is left out of the verdict (module docstring)."""
+    theirs = case.item(baseline)
+    return not case.error and theirs is not None and not theirs.ok
 
 
 def _compiled_first(backends: list[str], baseline: str, copy: str | None) -> str:

@@ -1001,7 +1001,7 @@ def test_a_failed_fusion_row_never_counts_and_is_the_worst_row_ahead_of_any_slow
     report = synthetic_report([
         ("conv_a", "fp32", "infer", {"inductor": 1.0, "fusion": 2.0}),           # 0.5x, slow but correct
         ("conv_b", "fp32", "train", {"inductor": 1.0, "fusion": Status.FAIL}),   # wrong: worst
-        ("conv_c", "bf16", "infer", {"inductor": Status.ERROR, "fusion": 0.5}),  # no Inductor time
+        ("conv_c", "bf16", "infer", {"inductor": Status.ERROR, "fusion": 0.5}),  # Inductor failed: left out
         ("conv_d", "bf16", "train", {"inductor": 3.0, "fusion": 1.0}),           # 3x faster
         ("conv_e", "bf16", "train", {"inductor": 1.0, "fusion": Status.ERROR}),  # also failed, named second
     ])
@@ -1010,7 +1010,8 @@ def test_a_failed_fusion_row_never_counts_and_is_the_worst_row_ahead_of_any_slow
     assert [r.problem for r in verdict.rows] == ["", "fusion FAIL", "inductor ERROR", "", "fusion ERROR"]
     assert [r.subject_failed for r in verdict.rows] == [False, True, False, False, True]
     assert verdict.line() == (
-        "fusion >= inductor on 1/5 rows (0.97x counts as a tie; 3 rows without both timings counted as not >=); "
+        "fusion >= inductor on 1/4 rows (0.97x counts as a tie; 2 rows without both timings counted as not >=; "
+        "1 row left out as inductor failed it: conv_c bf16 infer (ERROR)); "
         "worst: conv_b fp32 train fusion FAIL; geomean vs inductor 1.22x over 2 rows")
 
     all_failed = synthetic_report([("conv_a", "fp32", "infer", {"fusion": Status.ERROR})])
