@@ -90,8 +90,8 @@ class ForwardArgs(NamedTuple):
       value at each window's winner (out's shape and strides), else all of it ((N, C_out,
       *conv-output spatial), any strides); ``saved_winner`` with a max pool the winner's index in its
       window (int8/int32, out's shape and strides), else None.
-    allow_tf32: fp32 operands use TF32 tensor cores (pass ``torch.backends.cudnn.allow_tf32``);
-      ignored under the interpreter.
+    allow_tf32: fp32 operands use TF32 tensor cores (the op layer passes whether eager's conv of the
+      same tensors runs TF32, ``ops/conv_precision.forward_tf32``); ignored under the interpreter.
     compute_dtype: the conv's dtype (None: x's): x and weight are cast to it as they are loaded
       (exactly ``conv(x.to(compute_dtype), weight.to(compute_dtype))``: autocast's casts without a
       pass of their own), and the conv output is rounded to it, as it is stored in the library path.

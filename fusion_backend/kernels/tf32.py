@@ -44,8 +44,9 @@ def compute_code(dtype: torch.dtype) -> int:
 
 def dot_precision(compute_dtype: torch.dtype, allow_tf32: bool, interpret: bool) -> str:
     """The ``input_precision`` of the forward conv kernels' dots: "ieee" under the interpreter (it has
-    no TF32); for fp32 operands "tf32" iff ``allow_tf32`` (the user's cuDNN flag); "tf32" for 16-bit
-    operands, where ``tl.dot`` ignores it."""
+    no TF32); for fp32 operands "tf32" iff ``allow_tf32`` (the caller's answer for this conv: the op
+    layer passes whether eager's conv of the same tensors runs TF32, ``ops/conv_precision.py``);
+    "tf32" for 16-bit operands, where ``tl.dot`` ignores it."""
     if interpret:
         return "ieee"
     if compute_dtype != torch.float32:
@@ -53,13 +54,16 @@ def dot_precision(compute_dtype: torch.dtype, allow_tf32: bool, interpret: bool)
     return "tf32" if allow_tf32 else "ieee"
 
 
-def backward_dot_precision(dtype: torch.dtype) -> str:
+def backward_dot_precision(dtype: torch.dtype, allow_tf32: bool | None = None) -> str:
     """The ``input_precision`` of the conv-backward kernels' dots: "tf32" for fp32 data iff
-    ``torch.backends.cudnn.allow_tf32`` (as cuDNN's backward), "ieee" for 16-bit data and always
-    under the interpreter (it has no TF32)."""
+    ``allow_tf32`` (the caller's answer for this gradient, as ``dot_precision``'s; None: the cuDNN
+    flag ``torch.backends.cudnn.allow_tf32``, for callers that have no answer), "ieee" for 16-bit
+    data and always under the interpreter (it has no TF32)."""
     from .host import INTERPRETER
 
-    if dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and not INTERPRETER:
+    if allow_tf32 is None:
+        allow_tf32 = bool(torch.backends.cudnn.allow_tf32)
+    if dtype == torch.float32 and allow_tf32 and not INTERPRETER:
         return "tf32"
     return "ieee"
 

@@ -66,6 +66,13 @@ Relaying x in (and in the backward the input gradient back) costs a pass at memo
 the same choice per shape (its ``LibraryBackward``), as its NCHW path reads a saved state in the
 caller's layout; here the family's kernel reads the conv output and writes its gradient in
 whichever layout it is given at no extra cost, so the rule needs no timing.
+
+Precision: cuDNN picks a TF32 or a full-fp32 kernel per layout, and on channels-last copies it picked
+TF32 kernels for convs with 3 input channels that eager's NCHW call ran in full fp32 (H200, TF32
+allowed: Conv2d(3, C, k) + min over the channels or + BatchNorm in training 30-3000x further from
+float64 than eager).  So every channels-last call of both directions runs with cuDNN's TF32 off where
+eager's conv (backward: each gradient) of x and the weight as the caller gave them runs in full fp32
+(``ops/conv_precision.py``); a call in the caller's own layouts is eager's call and needs nothing.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 from ..ir.specs import ConvSpec
 from ..kernels.host import BoundedCache, tensor_key
+from . import conv_precision
 from .conv_epilogue.common import (
     channels_last_format,
     conv_output_shape,
@@ -85,7 +93,6 @@ from .conv_epilogue.common import (
     output_memory_format,
     planned_relayout,
     run_conv,
-    run_conv_backward,
 )
 
 #: Conv dtypes whose channels-last backward cuDNN runs with its channels-last kernels (float64 runs
@@ -99,23 +106,44 @@ def channels_last_conv(x: Tensor) -> bool:
     return x.dim() in (4, 5) and x.dtype in CHANNELS_LAST_DTYPES
 
 
-_FORWARD_RELAYOUTS = BoundedCache(256)
+@dataclass
+class _ForwardPlan:
+    """``conv_forward``'s per-signature work on CUDA: the relayouts of x and the weight into
+    channels-last (None: used as they are) and whether cuDNN may use TF32 (``conv_precision``)."""
+
+    x_relayout: object | None
+    weight_relayout: object | None
+    tf32: bool
+
+
+_FORWARD_PLANS = BoundedCache(256)
 _NOMINAL_FORMATS = BoundedCache(256)
 
 
 def conv_forward(x: Tensor, weight: Tensor, spec: ConvSpec, channels_last: bool) -> Tensor:
     """The conv output without bias; channels-last where ``channels_last`` and
-    :func:`channels_last_conv` (see the module docstring)."""
+    :func:`channels_last_conv` (see the module docstring), then with cuDNN's TF32 off where eager's
+    conv of x and the weight as given runs in full fp32 (``conv_precision``: on channels-last copies
+    cuDNN may pick a TF32 kernel where eager's layout got a full-fp32 one)."""
     if not (channels_last and channels_last_conv(x)):
-        return run_conv(x, weight, None, spec)
+        return run_conv(x, weight, None, spec)  # eager's own call: eager's kernel and precision
     fmt = channels_last_format(x.dim())
     if x.device.type != "cuda" or is_fake(x):  # fakes, meta and CPU tensors: torch's copy
-        y0 = run_conv(x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt), None, spec)
+        tf32 = conv_precision.forward_tf32(x, weight, spec).tf32
+        x_in, weight_in = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
     else:
-        x_relayout, weight_relayout = _FORWARD_RELAYOUTS.get(
-            (tensor_key(x), tensor_key(weight)), lambda: (_relayout_into(x, fmt), _relayout_into(weight, fmt)))
-        y0 = run_conv(x if x_relayout is None else x_relayout(x),
-                      weight if weight_relayout is None else weight_relayout(weight), None, spec)  # fmt: skip
+        key = (tensor_key(x), tensor_key(weight), *conv_precision.plan_key(x, spec))
+        plan = _FORWARD_PLANS.peek(key)
+        if plan is None:
+            answer = conv_precision.forward_tf32(x, weight, spec)
+            plan = _ForwardPlan(_relayout_into(x, fmt), _relayout_into(weight, fmt), answer.tf32)
+            if answer.settled:
+                _FORWARD_PLANS.put(key, plan)
+        tf32 = plan.tf32
+        x_in = x if plan.x_relayout is None else plan.x_relayout(x)
+        weight_in = weight if plan.weight_relayout is None else plan.weight_relayout(weight)
+    with conv_precision.cudnn_tf32(tf32):
+        y0 = run_conv(x_in, weight_in, None, spec)
     # The conv gives channels-last for channels-last inputs, but a fake conv need not say so (a
     # 3-d conv's fake on CPU gave NCHW where the real one gave channels-last): one layout for both.
     return in_format(y0, fmt)
@@ -145,9 +173,10 @@ def _relayout_into(t: Tensor, fmt: torch.memory_format) -> object | None:
 
 @dataclass
 class ConvBackwardPlan:
-    """``aten.convolution_backward`` for one call signature (see the module docstring).  Keeps no
-    tensor: a plan outlives the calls, and a tensor made during a CUDA-graph capture would live in
-    the graph's pool."""
+    """``aten.convolution_backward`` for one call signature (see the module docstring), each gradient
+    with cuDNN's TF32 off where eager's conv backward computes it in full fp32 (``conv_precision``).
+    Keeps no tensor: a plan outlives the calls, and a tensor made during a CUDA-graph capture would
+    live in the graph's pool."""
 
     spec: ConvSpec
     #: shape, strides and dtype of the conv output's gradient the family's kernel writes
@@ -158,6 +187,11 @@ class ConvBackwardPlan:
     weight_relayout: object | None
     #: the input gradient, channels-last from the conv backward, relaid into x's layout (None: kept)
     grad_x_relayout: object | None
+    #: whether the input gradient and the weight gradient may use TF32 (``conv_precision.backward_tf32``)
+    tf32: tuple[bool, bool] = (True, True)
+    #: whether the same signature always gets this plan (False: planned during a CUDA-graph capture
+    #: without a precision answer; not kept)
+    settled: bool = True
 
     def new_grad_y(self, device: torch.device) -> Tensor:
         shape, stride, dtype = self.grad_y_layout
@@ -171,7 +205,8 @@ class ConvBackwardPlan:
             x = self.x_relayout(x)
         if self.weight_relayout is not None:
             weight = self.weight_relayout(weight)
-        grad_x, grad_w, grad_b = run_conv_backward(grad_y, x, weight, self.spec, need_x, need_w, need_b)
+        grad_x, grad_w, grad_b = conv_precision.conv_backward(grad_y, x, weight, self.spec, need_x, need_w, need_b,
+                                                               self.tf32)  # fmt: skip
         if grad_x is not None and self.grad_x_relayout is not None:
             grad_x = self.grad_x_relayout(grad_x)
         return grad_x, grad_w, grad_b
@@ -184,23 +219,31 @@ def conv_backward_plan(x: Tensor, weight: Tensor, spec: ConvSpec, layout_of: Ten
     """The cached plan for a conv of ``x`` and ``weight`` (its output: ``conv_output_shape``, x's
     dtype).  ``layout_of``: the tensor whose memory format an NCHW-kept gradient takes (the saved conv
     output, or x where the forward saved none)."""
-    key = (tensor_key(x), tensor_key(weight), output_memory_format(layout_of), spec)
-    return _PLANS.get(key, lambda: _plan(x, weight, spec, layout_of))
+    key = (tensor_key(x), tensor_key(weight), output_memory_format(layout_of), spec, *conv_precision.plan_key(x, spec))
+    plan = _PLANS.peek(key)
+    if plan is None:
+        plan = _plan(x, weight, spec, layout_of)
+        if plan.settled:
+            _PLANS.put(key, plan)
+    return plan
 
 
 def _plan(x: Tensor, weight: Tensor, spec: ConvSpec, layout_of: Tensor) -> ConvBackwardPlan:
     shape = conv_output_shape(x, weight, spec)
-    if not channels_last_conv(x):
+    if not channels_last_conv(x):  # eager's layouts (a 1-d conv, float64): eager's kernels and precision
         grad_y = torch.empty(shape, dtype=x.dtype, device="meta", memory_format=output_memory_format(layout_of))
         return ConvBackwardPlan(spec, (tuple(grad_y.shape), grad_y.stride(), grad_y.dtype), None, None, None)
     fmt = channels_last_format(x.dim())
     grad_y = torch.empty(shape, dtype=x.dtype, device="meta", memory_format=fmt)
     x_relayout = _relayout_into(x, fmt)
     x_cl = torch.empty(x.shape, dtype=x.dtype, device="meta", memory_format=fmt)
+    precision = conv_precision.backward_tf32(x, weight, spec)
     return ConvBackwardPlan(
         spec,
         (tuple(grad_y.shape), grad_y.stride(), grad_y.dtype),
         x_relayout,
         _relayout_into(weight, fmt),
         None if x_relayout is None else planned_relayout(x_cl, torch.empty_like(x, device="meta")),
+        (precision.grad_input, precision.grad_weight),
+        precision.settled,
     )  # fmt: skip

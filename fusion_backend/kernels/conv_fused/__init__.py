@@ -37,8 +37,8 @@ Mapping (every rank lifted to 3d with leading singleton spatial dims):
 
 Numerics: the accumulator is rounded to the storage dtype of the conv before the bias and chain, as
 the library conv + epilogue kernel path does (the conv output is materialised in that dtype there).
-fp32 operands use TF32 iff the launcher is told so (``torch.backends.cudnn.allow_tf32`` on CUDA),
-``ieee`` otherwise and always under the interpreter; TF32 operands are rounded to nearest first, as
+fp32 operands use TF32 iff the launcher is told so (on CUDA the op layer's answer: where eager's conv
+of the same tensors runs TF32, ``ops/conv_precision.py``), ``ieee`` otherwise and always under the interpreter; TF32 operands are rounded to nearest first, as
 cuDNN does (``kernels.tf32``: the tensor cores would truncate them).  inf/NaN in ``x`` reach exactly
 the outputs they reach in aten's conv; a non-finite *weight* also reaches the outputs whose taps fall
 on the zero padding (masked loads read 0, and 0 * NaN = NaN), as in implicit-GEMM convs generally.  No atomics; results are deterministic.

@@ -50,7 +50,9 @@ padding, ``dl`` dilation; conv: ``x[i]`` feeds ``y0[o]`` when ``i = o*s - p + k*
 
 Tensor cores: ``tl.dot`` with fp32 accumulation; both operands in x's dtype (the gradient is
 rounded to it, as aten's conv backward would see a ``grad_y`` of the conv's dtype); fp32 in TF32
-iff ``torch.backends.cudnn.allow_tf32`` (like cuDNN, rounded to nearest: ``kernels.tf32``), IEEE fp32
+iff the caller allows it per gradient (``allow_tf32``: the op layer's answer, where eager's conv
+backward computes that gradient in TF32, ``ops/conv_precision.py``; without one,
+``torch.backends.cudnn.allow_tf32``), rounded to nearest like cuDNN (``kernels.tf32``), IEEE fp32
 under the interpreter.  Any strides
 (contiguous or channels-last); grads come back in the layout of ``torch.empty_like`` of their
 forward tensor.  Offsets are int32 unless a tensor spans 2**31 elements or more (then int64).

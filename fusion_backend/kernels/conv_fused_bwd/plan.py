@@ -301,6 +301,7 @@ def _wgrad_table(
 def conv_input_grad(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+    allow_tf32: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Gradient of ``aten.convolution(x, weight, ...)`` w.r.t. ``x``, from a implicit output gradient.
 
@@ -312,13 +313,17 @@ def conv_input_grad(
       weight: (C_out, C_in/groups, *k) for a conv, (C_in, C_out/groups, *k) for a transposed conv,
         x's dtype, any strides.
       stride, padding, dilation, transposed, output_padding, groups: as ``aten.convolution``.
+      allow_tf32: whether fp32 dots may use TF32 (``kernels.tf32.backward_dot_precision``; None: the
+        cuDNN flag).
     Returns:
       grad_x: ``torch.empty_like(x)`` layout and dtype (fp32 accumulation inside).
     """
-    return _input_grad(*_checked(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups))
+    checked = _checked(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups)
+    return _input_grad(*checked, allow_tf32=allow_tf32)
 
 
-def _input_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: Any) -> torch.Tensor:
+def _input_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: Any,
+                allow_tf32: bool | None = None) -> torch.Tensor:  # fmt: skip
     """``conv_input_grad`` without the argument check (done once by the caller).  ``conv_args``:
     stride, padding, dilation, transposed, output_padding, groups."""
     geo = _geometry(x, weight, *conv_args)
@@ -359,7 +364,8 @@ def _input_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: A
         *x_strides, *g_strides, *v_strides, w_s_grp, w_s_out, w_s_red,
         XSD=xs[0], XSH=xs[1], XSW=xs[2], GSD=gs[0], GSH=gs[1], GSW=gs[2],
         POOLED=isinstance(grad, PooledGrad), G_CL=channels_inner(values),
-        X_CL=channels_inner(dx), POOL_GEOM=_pool_geometry(grad, geo.dims), PREC=backward_dot_precision(x.dtype),
+        X_CL=channels_inner(dx), POOL_GEOM=_pool_geometry(grad, geo.dims),
+        PREC=backward_dot_precision(x.dtype, allow_tf32),
         I64=_needs_int64(values, winners, dx, weight),
         BLOCK_N=block_n, BLOCK_K=block_k, **tile,
     )  # fmt: skip
@@ -369,6 +375,7 @@ def _input_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: A
 def conv_weight_grad(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+    allow_tf32: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Gradient of ``aten.convolution(x, weight, ...)`` w.r.t. ``weight``, from a implicit output gradient.
 
@@ -378,10 +385,12 @@ def conv_weight_grad(
     Returns:
       grad_w: ``torch.empty_like(weight)`` layout and dtype.
     """
-    return _weight_grad(*_checked(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups))
+    checked = _checked(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups)
+    return _weight_grad(*checked, allow_tf32=allow_tf32)
 
 
-def _weight_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: Any) -> torch.Tensor:
+def _weight_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: Any,
+                 allow_tf32: bool | None = None) -> torch.Tensor:  # fmt: skip
     """``conv_weight_grad`` without the argument check (done once by the caller); ``conv_args`` as
     ``_input_grad``'s."""
     geo = _geometry(x, weight, *conv_args)
@@ -440,7 +449,8 @@ def _weight_grad(grad: Grad, x: torch.Tensor, weight: torch.Tensor, *conv_args: 
         SD=s[0], SH=s[1], SW=s[2], G_IS_A=not transposed,
         A_POOLED=pooled_form and not transposed, B_POOLED=pooled_form and transposed,
         A_CL=channels_inner(a_t), B_CL=channels_inner(b_t),
-        POOL_GEOM=_pool_geometry(grad, geo.dims), PREC=backward_dot_precision(x.dtype), BLOCK_A=block_a, BLOCK_G=block_g,
+        POOL_GEOM=_pool_geometry(grad, geo.dims), PREC=backward_dot_precision(x.dtype, allow_tf32),
+        BLOCK_A=block_a, BLOCK_G=block_g,
         BLOCK_R=block_r, LINE_MODE=line_mode,
         I64=_needs_int64(values, winners, x, partials), **tile,
     )  # fmt: skip
@@ -462,17 +472,20 @@ def conv_bias_grad(grad: Grad) -> torch.Tensor:
 def backward_plan(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
-    output_mask: Sequence[bool] = (True, True),
+    output_mask: Sequence[bool] = (True, True), allow_tf32: tuple[bool, bool] | None = None,
 ) -> Callable[[Grad, torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]]:
     """``(grad, x, weight) -> (grad_x, grad_w)`` for tensors laid out like these (the same API as
     ``conv_phase_aligned_bwd.backward_plan``): ``convolution_backward`` without the bias.  The arguments
-    are checked here; each call runs ``convolution_backward``'s launchers."""
+    are checked here; each call runs ``convolution_backward``'s launchers.  ``allow_tf32``: whether the
+    input gradient's and the weight gradient's fp32 dots may use TF32 (None: the cuDNN flag, read at
+    each launch)."""
     conv_args = _checked(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups)[3:]
     need_x, need_w = bool(output_mask[0]), bool(output_mask[1])
+    tf32_x, tf32_w = (None, None) if allow_tf32 is None else allow_tf32
 
     def run(grad: Grad, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return (_input_grad(grad, x, weight, *conv_args) if need_x else None,
-                _weight_grad(grad, x, weight, *conv_args) if need_w else None)  # fmt: skip
+        return (_input_grad(grad, x, weight, *conv_args, allow_tf32=tf32_x) if need_x else None,
+                _weight_grad(grad, x, weight, *conv_args, allow_tf32=tf32_w) if need_w else None)  # fmt: skip
 
     return run
 
@@ -480,15 +493,17 @@ def backward_plan(
 def convolution_backward(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
-    output_mask: Sequence[bool] = (True, True, True),
+    output_mask: Sequence[bool] = (True, True, True), allow_tf32: tuple[bool, bool] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """Drop-in for ``aten.convolution_backward`` (without ``bias_sizes``) taking a implicit gradient.
+    """Drop-in for ``aten.convolution_backward`` (without ``bias_sizes``) taking a implicit gradient;
+    ``allow_tf32`` as ``backward_plan``'s.
 
     Returns ``(grad_x, grad_w, grad_b)``, None where ``output_mask`` is False: grad_x like
     ``empty_like(x)``, grad_w like ``empty_like(weight)``, grad_b (C_out,) in weight's dtype.
     Raises ``UnsupportedInputError`` when ``unsupported_reason(...)`` is not None.
     """
-    run = backward_plan(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups, output_mask[:2])
+    run = backward_plan(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups, output_mask[:2],
+                        allow_tf32)
     gx, gw = run(grad, x, weight)
     gb = conv_bias_grad(grad).to(weight.dtype) if output_mask[2] else None
     return gx, gw, gb

@@ -44,8 +44,8 @@ Kernels (weights of a transposed conv are ``w[ci, co, t]`` per group):
 
 Numerics: ``tl.dot`` with fp32 accumulation; operands in x's dtype (``Gexp`` is rounded to it, as
 ``conv_fused_bwd`` does: aten's backward would see a gradient of the conv's dtype); fp32 uses TF32
-iff ``torch.backends.cudnn.allow_tf32`` (never under the interpreter), operands rounded to nearest
-first (``kernels.tf32``).
+iff the caller allows it per gradient (``allow_tf32``, as ``conv_fused_bwd``'s; never under the
+interpreter), operands rounded to nearest first (``kernels.tf32``).
 
 Non-finite values reach the outputs the float64 aten reference puts them in (tested): in the input
 grad, dead (offset, shift) pairs are zero on BOTH sides, so an inf in ``g_win`` or ``w`` never

@@ -419,7 +419,7 @@ class _KernelLaunch(AutotunedLaunch):
 
 
 def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry,
-                        compute_dtype: torch.dtype):  # noqa: ANN202  # fmt: skip
+                        compute_dtype: torch.dtype, allow_tf32: bool | None):  # noqa: ANN202  # fmt: skip
     """``(grad, x, weight) -> dx`` for tensors with these shapes, strides and dtypes (a plan)."""
     if x.numel() == 0:
         return lambda grad, x, weight: torch.empty_like(x)
@@ -445,7 +445,8 @@ def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor,
         TAPS=geo.taps, STRIDE=geo.stride, PAD=geo.padding, DIL=geo.dilation, UORIGIN=geo.pool_padding,
         KD=geo.window[0], KH=geo.window[1], KW=geo.window[2],
         G_CL=channels_inner(g), X_CL=channels_inner(dx), WIN_INSIDE=geo.windows_inside,
-        V_SAME=g.stride() == v.stride(), CDT=compute_code(compute_dtype), PREC=backward_dot_precision(compute_dtype),
+        V_SAME=g.stride() == v.stride(), CDT=compute_code(compute_dtype),
+        PREC=backward_dot_precision(compute_dtype, allow_tf32),
     ), fixed=ints)  # fmt: skip
 
     def run(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -457,7 +458,7 @@ def _prepare_input_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor,
 
 
 def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor, geo: _Geometry,
-                         compute_dtype: torch.dtype):  # noqa: ANN202  # fmt: skip
+                         compute_dtype: torch.dtype, allow_tf32: bool | None):  # noqa: ANN202  # fmt: skip
     """``(grad, x, weight) -> dw`` for tensors with these shapes, strides and dtypes (a plan)."""
     if weight.numel() == 0:
         return lambda grad, x, weight: torch.empty_like(weight)
@@ -500,7 +501,7 @@ def _prepare_weight_grad(grad: PooledGrad, x: torch.Tensor, weight: torch.Tensor
         X_CL=channels_inner(x), G_CL=channels_inner(g), WIN_INSIDE=geo.windows_inside,
         V_SAME=g.stride() == v.stride(), CARRY=max_bm <= geo.units[2],
         LINE_DIV=math.gcd(geo.units[2], rows_per_split) & -math.gcd(geo.units[2], rows_per_split),
-        CDT=compute_code(compute_dtype), PREC=backward_dot_precision(compute_dtype),
+        CDT=compute_code(compute_dtype), PREC=backward_dot_precision(compute_dtype, allow_tf32),
     )  # fmt: skip
 
     def grid(meta):
@@ -536,6 +537,7 @@ def convolution_backward(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
     output_mask: Sequence[bool] = (True, True, True), compute_dtype: torch.dtype | None = None,
+    allow_tf32: tuple[bool, bool] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """Drop-in for ``conv_fused_bwd.convolution_backward`` on the cases ``unsupported_reason`` accepts.
 
@@ -548,6 +550,8 @@ def convolution_backward(
       compute_dtype: the dtype the forward conv ran in (None: x's); x, weight and the gradient are
         cast to it as they are loaded (the backward of ``conv(x.to(dtype), weight.to(dtype))`` under
         autocast, without a cast pass over x), and the fp32 sums are written in x's / weight's dtype.
+      allow_tf32: whether the input gradient's and the weight gradient's fp32 dots may use TF32
+        (``kernels.tf32.backward_dot_precision``; None: the cuDNN flag).
     Returns ``(grad_x, grad_w, grad_b)``, None where ``output_mask`` is False: grad_x like
     ``empty_like(x)``, grad_w like ``empty_like(weight)``, grad_b (C_out,) in weight's dtype.
     Raises ``UnsupportedInputError`` when ``unsupported_reason(...)`` is not None.
@@ -557,9 +561,10 @@ def convolution_backward(
         tensor_key(grad.g_win) if isinstance(grad, PooledGrad) else None, None if not isinstance(grad, PooledGrad)
         else (tensor_key(grad.winner), grad.kernel_size, grad.stride, grad.padding, grad.dilation, grad.ceil_mode),
         tensor_key(x), tensor_key(weight), conv_args, tuple(bool(m) for m in output_mask[:2]),
-        compute_dtype, backward_dot_precision(compute_dtype or x.dtype), environment.measuring(),
+        compute_dtype, *_precisions(compute_dtype or x.dtype, allow_tf32), environment.measuring(),
     )  # fmt: skip
-    run = _PLANS.get(key, lambda: backward_plan(grad, x, weight, *conv_args, output_mask[:2], compute_dtype))
+    run = _PLANS.get(key, lambda: backward_plan(grad, x, weight, *conv_args, output_mask[:2], compute_dtype,
+                                                allow_tf32))  # fmt: skip
     gx, gw = run(grad, x, weight)
     gb = conv_bias_grad(grad).to(weight.dtype) if output_mask[2] else None
     return gx, gw, gb
@@ -569,13 +574,14 @@ def backward_plan(
     grad: Grad, x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
     output_mask: Sequence[bool] = (True, True), compute_dtype: torch.dtype | None = None,
+    allow_tf32: tuple[bool, bool] | None = None,
 ) -> Callable[[Grad, torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]]:
     """``(grad, x, weight) -> (grad_x, grad_w)`` for tensors laid out like these (a per-signature
     call plan keeps it): ``convolution_backward`` without the bias, the per-call checks and the
     cache lookup (``convolution_backward`` keeps these per shape).  Raises ``UnsupportedInputError``
     as ``convolution_backward`` does."""
     conv_args = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(output_padding), int(groups))
-    input_grad, weight_grad = _plan(grad, x, weight, conv_args, output_mask, compute_dtype or x.dtype)
+    input_grad, weight_grad = _plan(grad, x, weight, conv_args, output_mask, compute_dtype or x.dtype, allow_tf32)
 
     def run(grad: Grad, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (None if input_grad is None else input_grad(grad, x, weight),
@@ -590,13 +596,20 @@ def backward_plan(
 _PLANS = BoundedCache(256)
 
 
+def _precisions(dtype: torch.dtype, allow_tf32: tuple[bool, bool] | None) -> tuple[str, str]:
+    """The input and weight gradients' dot precisions (``kernels.tf32.backward_dot_precision``)."""
+    tf32_x, tf32_w = (None, None) if allow_tf32 is None else allow_tf32
+    return backward_dot_precision(dtype, tf32_x), backward_dot_precision(dtype, tf32_w)
+
+
 def _plan(grad: Grad, x: torch.Tensor, weight: torch.Tensor, conv_args: tuple, output_mask: Sequence[bool],
-          compute_dtype: torch.dtype):  # noqa: ANN202  # fmt: skip
+          compute_dtype: torch.dtype, allow_tf32: tuple[bool, bool] | None):  # noqa: ANN202  # fmt: skip
     """``(input_grad, weight_grad)`` runners for these arguments (None where the mask is off);
     raises ``UnsupportedInputError`` when ``unsupported_reason`` names a reason."""
     _check(grad, x, weight, *conv_args, compute_dtype=compute_dtype)
     stride, padding, dilation, _, output_padding, groups = conv_args
     geo = _geometry(grad, x, weight, stride, padding, dilation, output_padding, groups)
-    input_grad = _prepare_input_grad(grad, x, weight, geo, compute_dtype) if output_mask[0] else None
-    weight_grad = _prepare_weight_grad(grad, x, weight, geo, compute_dtype) if output_mask[1] else None
+    tf32_x, tf32_w = (None, None) if allow_tf32 is None else allow_tf32
+    input_grad = _prepare_input_grad(grad, x, weight, geo, compute_dtype, tf32_x) if output_mask[0] else None
+    weight_grad = _prepare_weight_grad(grad, x, weight, geo, compute_dtype, tf32_w) if output_mask[1] else None
     return input_grad, weight_grad

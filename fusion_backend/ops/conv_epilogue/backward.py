@@ -15,7 +15,7 @@ from torch import Tensor
 from ... import environment
 from ...ir.specs import PoolSpec
 from ...kernels.host import BoundedCache, tensor_key
-from .. import impl_choice
+from .. import conv_precision, impl_choice
 from ..chain import TensorRef
 from ..config import ConvEpilogueConfig
 from . import common
@@ -40,16 +40,19 @@ def plan_for(
     args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
     mode = conv_impl_mode()
     if mode == "library" or (mode == "auto" and x.device.type != "cuda"):
-        return LibraryBackward(*args, cfg, mask), True  # auto on CPU: the interpreter is slow (tests force "triton")
+        plan = LibraryBackward(*args, cfg, mask)  # auto on CPU: the interpreter is slow (tests force "triton")
+        return plan, plan.settled
     if mode != "auto":
         why = triton_backward_unsupported(x, weight, saved_y0, saved_winner, cfg)
         if why is not None:
             common.logger.debug("conv_epilogue backward: library path (%s)", why)
-            return LibraryBackward(*args, cfg, mask), True
-        return TritonBackward(*args, cfg, mask), True
+            plan = LibraryBackward(*args, cfg, mask)
+        else:
+            plan = TritonBackward(*args, cfg, mask)
+        return plan, plan.settled
     plans = backward_candidates(*args, cfg, mask)
     if len(plans) == 1:
-        return plans["library"], True
+        return plans["library"], plans["library"].settled
     fast_key = ("backward", tensor_key(x), tensor_key(weight), bias is None, cfg, tuple(mask),
                 tensor_key(grad_out), torch.backends.cudnn.allow_tf32)  # fmt: skip
     impl = impl_choice.choose(
@@ -60,7 +63,7 @@ def plan_for(
         agree=results_agree,
         fast_key=fast_key,
     )
-    return plans[impl], impl_choice.is_final(fast_key)
+    return plans[impl], impl_choice.is_final(fast_key) and plans[impl].settled
 
 
 def backward_candidates(
@@ -148,7 +151,10 @@ class LibraryBackward:
     WHY: cuDNN's NCHW backward converts x and the conv-output gradient to channels-last itself, once
     for the dgrad and again for the wgrad (Conv2d 64->64 k3 on 64x64x256x256, H100: 7.30 ms fp32 /
     3.34 ms bf16 against 4.22 / 1.30 for its channels-last kernels alone); ``plan_for``
-    measures whether the variant wins per shape.
+    measures whether the variant wins per shape.  Its conv backward computes each gradient with cuDNN's
+    TF32 off where eager's conv backward computes it in full fp32 (``conv_precision.backward_tf32``);
+    in the tensors' own layouts the call is eager's, with eager's kernels and precision.
+    ``settled``: False for a channels-last plan made during a CUDA-graph capture without that answer.
     """
 
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
@@ -178,12 +184,16 @@ class LibraryBackward:
         )  # fmt: skip
         self.params = PlannedOperands(cfg, steps, bias, channels, x.device)
         self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
+        #: whether the input and weight gradients may use TF32, and whether the plan may be kept
+        self.tf32, self.settled = (True, True), True
         if self.x_format is not None:
             #: x cast and relaid for the conv backward in one copy; the input gradient, which the
             #: channels-last conv backward gives in x's relaid layout, relaid back into x's own
             relaid = torch.empty(x.shape, dtype=self.dtype, device="meta", memory_format=self.x_format)
             self.x_relayout = common.planned_relayout(x, relaid)
             self.grad_x_relayout = common.planned_relayout(relaid, torch.empty_like(x, device="meta"))
+            precision = conv_precision.backward_tf32(x, weight, cfg.conv, self.dtype)
+            self.tf32, self.settled = (precision.grad_input, precision.grad_weight), precision.settled
 
     def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor) -> list[Tensor | None]:  # fmt: skip
@@ -198,7 +208,8 @@ class LibraryBackward:
         if self.x_format is not None:  # one copy casts and relays
             x = self.x_relayout(x)
         x, weight, _ = common.cast_inputs(x, weight, None, self.dtype)  # grads: ``strided_like`` casts back
-        grad_x, grad_w, _ = common.run_conv_backward(grad_y, x, weight, self.spec, self.mask[0], self.mask[1])
+        grad_x, grad_w, _ = conv_precision.conv_backward(grad_y, x, weight, self.spec, self.mask[0], self.mask[1],
+                                                          False, self.tf32)  # fmt: skip
         if self.x_format is not None and grad_x is not None:  # back to x's layout and dtype (``strided_like``'s)
             grad_x = self.grad_x_relayout(grad_x)
         return [grad_x, grad_w, grad_bias.to(bias.dtype) if self.want_bias else None, *grad_operands]
@@ -268,7 +279,8 @@ class TritonBackward:
     bias sums in the same pass; then ``_triton_kernels`` (phase-aligned or general) compute grad x and
     weight with loaders that expand ``(g_win, winner)`` on the fly.  Without a pool the dense
     conv-output gradient is written as in the library path and the same Triton conv backward
-    consumes it.
+    consumes it.  The conv-backward kernels' fp32 dots use TF32 only for the gradients eager's conv
+    backward computes in TF32 (``conv_precision.backward_tf32``); ``settled`` as ``LibraryBackward``'s.
 
     A plan for one call signature (see ``FusedForward``): built from a call's arguments, called
     as ``(grad_out, x, weight, bias, operands, saved_y0, saved_winner) -> [gx, gw, gb, *g_operands]``
@@ -298,17 +310,20 @@ class TritonBackward:
         from ...kernels import conv_phase_aligned_bwd
 
         dtype = common.conv_compute_dtype(cfg, x)
+        precision = conv_precision.backward_tf32(x, weight, spec, dtype)
+        self.settled = precision.settled
+        tf32 = (precision.grad_input, precision.grad_weight)
         kernels_module = _triton_kernels(conv_args, cfg, dtype)
         #: None, or the compute dtype x and weight are cast to before the general conv-backward
         #: kernels (``conv_fused_bwd`` computes in x's dtype; ``conv_phase_aligned_bwd`` casts as it loads)
         self.cast_to = None
         if kernels_module is conv_phase_aligned_bwd:
-            self.conv_backward = kernels_module.backward_plan(*conv_args, [mask[0], mask[1]], dtype)
+            self.conv_backward = kernels_module.backward_plan(*conv_args, [mask[0], mask[1]], dtype, allow_tf32=tf32)
         else:
             if (x.dtype, weight.dtype) != (dtype, dtype):
                 self.cast_to = dtype
                 conv_args = (grad, x.to(dtype), weight.to(dtype), *conv_args[3:])
-            self.conv_backward = kernels_module.backward_plan(*conv_args, [mask[0], mask[1]])
+            self.conv_backward = kernels_module.backward_plan(*conv_args, [mask[0], mask[1]], allow_tf32=tf32)
 
     def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor) -> list[Tensor | None]:  # fmt: skip

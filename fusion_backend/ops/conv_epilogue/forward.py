@@ -17,7 +17,7 @@ from ... import environment
 from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
-from .. import impl_choice
+from .. import conv_precision, impl_choice
 from ..chain import TensorRef
 from ..config import ConvEpilogueConfig
 from .common import (
@@ -178,11 +178,17 @@ class FusedForward:
     WHY a plan object: the ConvT3d pipeline's step (16x16x16x32x32) waits on the host; the per-call
     checks, decisions and cache lookups this skips cost more than the launches (146 us per forward on
     the H100 host before).
+
+    Precision: the kernel's fp32 dots use TF32 only where eager's conv of x and the weight does
+    (``conv_precision.forward_tf32``; cuDNN runs some fp32 convs in full fp32 with TF32 allowed).
+    ``settled``: False for a plan made during a CUDA-graph capture without that answer (full fp32).
     """
 
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
         dtype = conv_compute_dtype(cfg, x)
+        precision = conv_precision.forward_tf32(x, weight, cfg.conv, dtype)
+        self.settled = precision.settled
         y0, steps, outputs = _forward_layouts(x, weight, operands, cfg, save, dtype)
         self.layouts = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs]
         self.save_y0 = save
@@ -191,7 +197,7 @@ class FusedForward:
         self.launch = forward_kernels(x, weight, cfg).forward_launch(
             x, weight, bias, steps, cfg.conv, cfg.pool,
             out, saved_y0 if self.save_y0 else None, saved_winner if self.save_winner else None,
-            allow_tf32=bool(torch.backends.cudnn.allow_tf32), compute_dtype=dtype,
+            allow_tf32=precision.tf32, compute_dtype=dtype,
         )  # fmt: skip
         self.params = PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
 
@@ -285,16 +291,15 @@ def plan_for(
     library path in x's layout when measuring is off, and without measuring where only the library
     conv serves and the timer has no CUDA device: ``_times_library_layouts``).  ``settled``: the
     same signature always gets this answer (not while the choice is unmeasured), so the caller may
-    keep the plan."""
+    keep the plan (nor while the plan's precision is unsettled: ``FusedForward``'s)."""
     mode = conv_impl_mode()
     impl = conv_impl(x, weight, cfg, save)[0]
     if mode != "auto" or (impl == "library" and not _times_library_layouts(x)):
-        if impl == "triton":
-            return FusedForward(x, weight, bias, operands, cfg, save), True
-        return LibraryForward(x, weight, bias, operands, cfg, save), True
+        plan = (FusedForward if impl == "triton" else LibraryForward)(x, weight, bias, operands, cfg, save)
+        return plan, plan.settled
     plans = forward_candidates(x, weight, bias, operands, cfg, save, fused=impl == "triton")
     if len(plans) == 1:
-        return plans["library"], True
+        return plans["library"], plans["library"].settled
     fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
     probes = {"triton": functools.partial(plans["triton"].probe(), x, weight, bias, operands)} if "triton" in plans else {}
@@ -307,7 +312,7 @@ def plan_for(
         fast_key=fast_key,
         probes=probes,
     )
-    return plans[impl], impl_choice.is_final(fast_key)
+    return plans[impl], impl_choice.is_final(fast_key) and plans[impl].settled
 
 
 def _times_library_layouts(x: Tensor) -> bool:
@@ -341,7 +346,8 @@ def forward_candidates(
 #: for ``auto`` to consider the fused one, by the results' dtype.  Measured on the H100: both in TF32
 #: (the ConvT3d pipeline) they differ by 1e-6..1e-5; a TF32 kernel against cuDNN's full-fp32 kernel
 #: for a 3-channel conv (``conv2d_mul_leaky_gelu_small``) by 2.7e-4 in the output and 1e-2 in the
-#: gradients (leaky-ReLU kinks flip).
+#: gradients (leaky-ReLU kinks flip).  Every path follows eager's precision (``conv_precision``);
+#: this screen checks that a candidate computes the same thing as the library path.
 _AGREEMENT = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 
@@ -389,6 +395,9 @@ class LibraryForward:
 
     #: the memory format x and the weight are relaid into for the conv (None: as they are given)
     conv_format: torch.memory_format | None = None
+    #: whether the same signature always gets this plan: the conv in x's own layout is eager's call,
+    #: with eager's kernel and precision (``ChannelsLastLibraryForward`` answers for its own)
+    settled: bool = True
 
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
@@ -462,6 +471,10 @@ class ChannelsLastLibraryForward(LibraryForward):
     """``LibraryForward`` with the conv on channels-last tensors whatever x's layout, for 2-d and
     3-d convs of an x that is not channels-last (``channels_last_forward_unsupported``).
 
+    Precision: the conv runs with cuDNN's TF32 off where eager's conv of x and the weight as given runs
+    in full fp32 (``conv_precision.forward_tf32``): on channels-last copies cuDNN may pick a TF32
+    kernel where eager's layout got a full-fp32 one.
+
     Per call: x is cast to the compute dtype and relaid into channels-last in one copy, and so is
     the weight where it is not channels-last in the compute dtype already (``kernels.relayout``;
     torch's copy where a tensor's spatial dims do not flatten, e.g. a slice).  The weight's copy is
@@ -489,6 +502,8 @@ class ChannelsLastLibraryForward(LibraryForward):
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
         self.conv_format = channels_last_format(x.dim())
         super().__init__(x, weight, bias, operands, cfg, save)
+        precision = conv_precision.forward_tf32(x, weight, cfg.conv, self.dtype)
+        self.tf32, self.settled = precision.tf32, precision.settled
         fmt = self.conv_format
         self.x_relayout = planned_relayout(x, torch.empty(x.shape, dtype=self.dtype, device="meta", memory_format=fmt))
         #: None: the weight is used as given (already channels-last in the compute dtype)
@@ -501,7 +516,8 @@ class ChannelsLastLibraryForward(LibraryForward):
         """y0 from the channels-last conv, in the layout the conv gives (channels-last as planned)."""
         if self.weight_relayout is not None:
             weight = self.weight_relayout(weight)
-        return run_conv(self.x_relayout(x), weight, None, self.spec)
+        with conv_precision.cudnn_tf32(self.tf32):
+            return run_conv(self.x_relayout(x), weight, None, self.spec)
 
 
 def channels_last_forward_unsupported(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> str | None:
