@@ -93,6 +93,15 @@ def fusion(
     may_defer = opts.defer and deferred.deferrable(gm, example_inputs)
     real = deferred.real_inputs(example_inputs)
     pending = _Pending()
+    # Under CUDA graphs nothing is deferred (a kept region runs once before they record): the graph's
+    # regions are decided during this compile, within a budget taken from Inductor's compile of the
+    # graph, which therefore compiles first (and runs where nothing is kept).
+    budget, inductors = None, None
+    if may_defer and real and opts.decide == "measure" and config_patches.get("triton.cudagraphs"):
+        t0 = time.perf_counter()
+        inductors = _compile_inductor(_clone(gm), example_inputs, config_patches)
+        inductor_s = time.perf_counter() - t0
+        budget = DecisionBudget(opts.decide_budget * (time.perf_counter() - compiled_at))
 
     def decide_first(graph: fx.GraphModule, candidate: Candidate, decisions: list[Decision]) -> bool:
         timing = None
@@ -106,7 +115,7 @@ def fusion(
         decisions.append(decide(
             graph, candidate.pattern, candidate.summary, candidate.nodes, example_inputs, policy=opts.decide,
             margin=opts.decide_margin, cache_dir=opts.cache_dir, inductor_patches=config_patches,
-            strict=opts.strict,
+            strict=opts.strict, budget=budget,
         ))  # fmt: skip
         return False  # rewritten below, once the graph's own answer is known
 
@@ -130,7 +139,9 @@ def fusion(
         # the pending regions are decided later, on the graph as Dynamo gave it: copied before
         # Inductor compiles (and may mutate) that graph
         untouched = _clone(gm)
-    compiled = built.compiled
+    compiled = built.compiled or inductors
+    if built.compiled is None and inductors is not None:
+        report.stage_seconds["inductor"] = inductor_s
     if compiled is None:  # nothing rewritten: Dynamo's graph as Inductor compiles it
         t0 = time.perf_counter()
         compiled = _compile_inductor(original, example_inputs, config_patches)

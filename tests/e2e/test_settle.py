@@ -312,3 +312,27 @@ def test_ranks_keep_only_the_regions_every_rank_keeps(monkeypatch):
     agreed = backend._agree_across_ranks(decided)
     assert [d.fused for d in agreed.values()] == [True, False, False]
     assert "not on every rank" in agreed["b"].rule and agreed["c"].rule == "slower"
+
+
+def test_under_cuda_graphs_regions_are_decided_during_the_compile_within_a_budget_and_inductors_code_runs(
+        monkeypatch):
+    """Nothing is deferred under CUDA graphs: Inductor's graph compiles first, its compile time sets
+    the budget, and where nothing is kept that compile is what runs (nothing compiled twice)."""
+    compiles_of_graphs = []
+    real_compile = backend._compile_inductor
+
+    def counting(gm, example_inputs, patches):
+        compiles_of_graphs.append(patches.get("triton.cudagraphs"))
+        return real_compile(gm, example_inputs, patches)
+
+    monkeypatch.setattr(backend, "_compile_inductor", counting)
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(2, 8, 10, 10)
+    timer = RegionTimer((2.0, 1.0))
+    compiled = torch.compile(model, backend="fusion", options={"triton.cudagraphs": True, "decide_budget": 0.0})
+    with decision.timing_override(timer, ("cpu",)), torch.no_grad(), collect_reports() as reports:
+        torch.testing.assert_close(compiled(x), model(x))
+    ((report,),) = [reports]
+    first, *same, last = report.decisions
+    assert not first.fused and all(d.cached for d in same) and "budget is spent" in last.rule
+    assert timer.calls == 1 and compiles_of_graphs == [True] and not deferred_graphs()
