@@ -108,7 +108,8 @@ def fusion(
         if may_defer:
             timing = pending_timing(graph, candidate.pattern, candidate.nodes, policy=opts.decide,
                                     cache_dir=opts.cache_dir, inductor_patches=config_patches)
-        if timing is not None and pending.admit(graph, candidate, timing, example_inputs if real else None, opts.strict):
+        if timing is not None:
+            pending.admit(graph, candidate, timing, example_inputs if real else None, opts.strict)
             decisions.append(Decision(candidate.pattern, candidate.summary, candidate.nodes[0].name, False,
                                       PENDING_RULE, pending=True))
             return False
@@ -169,8 +170,9 @@ class _Pending:
     one measurement), and at most ``PREPARE_PER_KIND`` keys per kind of region: a network repeats one
     kind at many shapes, and where the first of them lose clearly the rest are predicted to lose
     (``decision._predicted_loss``); the others are measured, compiling in this process, if the
-    settle's budget lasts.  Flooding Inductor's compile workers with every region's kernels slowed
-    Inductor's own compile of the graph."""
+    settle's budget lasts.  NOTE: flooding Inductor's compile workers with every region's kernels
+    slowed Inductor's own compile of the graph: ResNet-50 inference (bf16, batch 64, H200), fusion's
+    first call 21.3 s against Inductor's 16.4 s with all 53 regions' kernels sent."""
 
     #: Decision keys of one kind of region whose kernels compile in the background at the first compile.
     PREPARE_PER_KIND = 2
@@ -184,23 +186,17 @@ class _Pending:
         self._prepared_kinds: dict[str, int] = {}
 
     def admit(self, graph: fx.GraphModule, candidate: Candidate, timing: Any, example_inputs: Optional[Sequence[Any]],
-              strict: bool) -> bool:
-        """Whether the region waits for the settle: always where the example inputs are fake (None:
-        it is prepared at the first call), else where it has a preparation, or shares its key or
-        kind with one that does."""
-        if example_inputs is None:
-            self.regions.append((graph, candidate, timing))
-            return True
-        if self._wants_preparation(timing):
-            preparation = deferred.prepare(graph, candidate.pattern, candidate.nodes, example_inputs, strict)
-            if preparation is None:
-                return False
-            self._note_prepared(timing)
-            self.preparations.append(preparation)
-        elif not self.preparations:
-            return False
+              strict: bool) -> None:
+        """Let the region wait for the settle, sending its kernels' compiles to the background where
+        it is the first of its key and among the first keys of its kind (``example_inputs`` None:
+        fake, and the compiles are sent at the first call).  A region whose kernels need no compile
+        (or with no worker pool to compile them) waits too: the settle measures it within the budget."""
         self.regions.append((graph, candidate, timing))
-        return True
+        if example_inputs is not None and self._wants_preparation(timing):
+            self._note_prepared(timing)
+            preparation = deferred.prepare(graph, candidate.pattern, candidate.nodes, example_inputs, strict)
+            if preparation is not None:
+                self.preparations.append(preparation)
 
     def _wants_preparation(self, timing: Any) -> bool:
         return (timing.key not in self._prepared_keys

@@ -3,6 +3,9 @@
 #   bash tools/gpu_suites.sh            (on nvidia-h100-x4: about 8-9 minutes; logs and reports under $OUT/suites)
 # GPU 0: seeds | GPU 1: convnets 1-5, seeds-small, seeds-small again on its caches (warm/seeds-small)
 # GPU 2: convnets 6-10, CUDA graphs | GPU 3: convnets 11-14, 15-18 | then the convnets parts merged.
+#   bash tools/gpu_suites.sh realnets   (at most 9 minutes) instead: the realnets suite, ResNet-50 | the VAE
+#   decoder | the other four networks | fp32 precision GPU tests, then ResNet-50 and EfficientNet-B0 bf16 under
+#   reduce-overhead.
 #   bash tools/gpu_suites.sh warm-first-calls   (at most 6 minutes) instead: on every GPU, with caches of its own,
 #   seeds-small and then seeds-small again on its caches; each row's warm first call over the GPUs' reruns
 #   (the median: tools/first_call_runs.py) in $OUT/suites/warm-first-calls.md.
@@ -31,6 +34,24 @@ bench() {  # bench GPU TIMEOUT NAME ARGS...: one report in $out/NAME, its last t
   echo "[$name rc $?] $(tail -2 "$out/$name.log" | tr '\n' ' ' | cut -c1-600)"
 }
 grid="--dtype fp32,bf16 --mode infer,train --backends $backends"
+if [[ ${1:-} == realnets ]]; then  # the realnets suite, default mode and reduce-overhead, one job per GPU
+  # diffusers (the VAE decoder's library) travels as wheels in .whl/ (see the device notes in RESULTS.md)
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site
+  fi
+  nets="--dtype fp32,bf16 --mode infer,train --backends eager,inductor,fusion --no-memory --no-cold --no-chart"
+  r=demos/realnets
+  ( bench 0 ${REALNETS_LIMIT:-540} realnets-resnet50 --suite $r/resnet50.py $nets ) &
+  ( bench 1 ${REALNETS_LIMIT:-540} realnets-vae --suite $r/sd_vae_decoder.py $nets ) &
+  ( bench 2 ${REALNETS_LIMIT:-540} realnets-rest --suite $r/efficientnet_b0.py,$r/r3d_18.py,$r/wav2vec2_base.py,$r/dcgan_generator.py $nets ) &
+  ( CUDA_VISIBLE_DEVICES=$(( 3 % gpus )) timeout 120 python3 -m pytest -q -n 0 -rs tests/e2e/test_fp32_precision_gpu.py \
+      tests/ops/test_conv_precision.py >"$out/precision-tests.log" 2>&1; echo "[precision tests rc $?] $(tail -1 "$out/precision-tests.log")"
+    bench 3 ${REALNETS_CG_LIMIT:-400} realnets-cudagraphs --suite $r/resnet50.py,$r/efficientnet_b0.py $nets --dtype bf16 \
+      --compile-mode reduce-overhead ) &
+  wait
+  exit 0
+fi
 if [[ ${1:-} == warm-first-calls ]]; then  # seeds-small cold, then again on its caches, on every GPU
   for gpu in $(seq 0 $(( gpus - 1 ))); do
     ( bench "$gpu" 240 "seeds-small-$gpu" --suite seeds-small $grid

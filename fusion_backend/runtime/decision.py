@@ -123,10 +123,9 @@ CACHE_FILE = "decisions.json"
 #: every one of them a clear loss, is predicted to lose: a new region of that kind is not timed.
 PREDICT_EVIDENCE = 2
 #: A clear loss: the fused op below this speedup per call (on the GPU under CUDA graphs), where it
-#: must win by the margin, and below ``PREDICT_GPU_BELOW`` on the GPU, where it must not lose by it.
-#: Far from the margin, so that no region that could win is predicted away.
+#: must win by the margin (``verdict``).  Far from the margin, so that no region that could win is
+#: predicted away.
 PREDICT_LOSS_BELOW = 0.8
-PREDICT_GPU_BELOW = 0.95
 #: Measured regions count as evidence for a new one when their results' sizes are within this factor.
 PREDICT_SIZE_FACTOR = 8.0
 
@@ -423,8 +422,7 @@ def _predicted_loss(looked_up: _Lookup, cache_dir: Path, *, cuda_graphs: bool) -
     """The rule that predicts the region loses, or None: the measured regions of its kind with a
     result within ``PREDICT_SIZE_FACTOR`` of its size (this process's and the cache file's) number
     at least ``PREDICT_EVIDENCE``, and every one of them lost clearly (below ``PREDICT_LOSS_BELOW``
-    per call and ``PREDICT_GPU_BELOW`` on the GPU; under CUDA graphs below ``PREDICT_LOSS_BELOW`` on
-    the GPU).
+    per call; under CUDA graphs on the GPU).
 
     WHY: a network repeats one kind of region at many shapes (ResNet-50's 53 conv + batch-norm
     regions are 16 shapes of 3 kinds), and where the fused op is structurally slower (the library
@@ -438,15 +436,12 @@ def _predicted_loss(looked_up: _Lookup, cache_dir: Path, *, cuda_graphs: bool) -
                 if e.get("class") == looked_up.region_class and low <= e.get("size", -1) <= high]
     if len(evidence) < PREDICT_EVIDENCE:
         return None
-    per_call, gpu = max(e["speedup"] for e in evidence), max(e["gpu_speedup"] for e in evidence)
-    if cuda_graphs:
-        if gpu >= PREDICT_LOSS_BELOW:
-            return None
-        where = f"on the GPU (best {gpu:.2f}x)"
-    else:
-        if per_call >= PREDICT_LOSS_BELOW or gpu >= PREDICT_GPU_BELOW:
-            return None
-        where = f"per call (best {per_call:.2f}x; on the GPU best {gpu:.2f}x)"
+    # the time a region must win by: per call (``verdict``), on the GPU under CUDA graphs
+    name, times = ("on the GPU", "gpu_speedup") if cuda_graphs else ("per call", "speedup")
+    best = max(e[times] for e in evidence)
+    if best >= PREDICT_LOSS_BELOW:
+        return None
+    where = f"{name} (best {best:.2f}x)"
     return (f"predicted to lose, not measured: the {len(evidence)} measured regions of this kind and a similar "
             f"size all lost {where}")
 

@@ -219,8 +219,8 @@ class DeferredGraph:
 
     def settle(self, wait_s: float = SETTLE_WAIT_S) -> None:
         """Wait for the preparations (at most ``wait_s`` seconds, and at most the decision budget),
-        measure the decisions and swap in their compile; nothing when already settled (or settling
-        on another thread), or while no call has brought real inputs."""
+        collect those that are ready, measure the decisions and swap in their compile; nothing when
+        already settled (or settling on another thread), or while no call has brought real inputs."""
         if self._preparations is None or self._inputs is None or not self._lock.acquire(blocking=False):
             return
         try:
@@ -231,9 +231,10 @@ class DeferredGraph:
 
             first_call_s = self._first_call_s or time.perf_counter() - self._compiled_at
             budget = DecisionBudget(self._budget_fraction * first_call_s)
-            wait_s = min(wait_s, budget.seconds)
+            _wait_until_ready(preparations, min(wait_s, budget.seconds))
             for preparation in preparations:
-                preparation.collect(max(0.0, wait_s - budget.spent()))
+                if preparation.ready():  # one not ready compiles on; the launch that needs it finds it, or compiles
+                    preparation.collect(0.0)
             try:
                 settled = decide(self._inputs, budget)
                 if settled is not None:
@@ -250,6 +251,17 @@ class DeferredGraph:
             _pending.discard(self)
         finally:
             self._lock.release()
+
+
+def _wait_until_ready(preparations: Sequence[Preparation], wait_s: float) -> None:
+    """Wait until every preparation is ready, at most ``wait_s`` seconds.
+
+    WHY not ``collect(wait_s)``: a batch's collect takes compiles still running after its timeout
+    for a worker pool that does not answer, and turns the workers off for the process; a settle
+    whose budget is shorter than a compile is no such sign."""
+    deadline = time.perf_counter() + wait_s
+    while not all(p.ready() for p in preparations) and time.perf_counter() < deadline:
+        time.sleep(min(0.02, max(0.0, deadline - time.perf_counter())))
 
 
 def settle() -> int:

@@ -427,7 +427,7 @@ def test_the_real_timer_runs_both_candidates_on_cpu(cache, model_cls):
     want_grad, want_wgrad = x.grad.clone(), model.get_submodule("conv" if model_cls is ConvLeakyPool else "inner.conv").weight.grad.clone()
     x.grad = None
     model.zero_grad()
-    compiled = torch.compile(model, backend="fusion")
+    compiled = torch.compile(model, backend="fusion", options={"defer": False})
     with decision.timing_override(None, measure_on=("cpu",)), collect_reports() as reports:
         out = compiled(x)
         out.sum().backward()
@@ -449,7 +449,7 @@ def test_the_fused_first_call_overlaps_inductors_compile_in_the_callers_grad_mod
     says "at once"), under the grad mode of the thread that compiles: in inference the fused op then
     saves nothing for a backward, so what it built and chose there is what the timed calls use."""
     model, x = ConvLeakyPool(), torch.randn(2, 3, 10, 10)
-    compiled = torch.compile(model, backend="fusion")
+    compiled = torch.compile(model, backend="fusion", options={"defer": False})
     with torch.set_grad_enabled(grad), caplog.at_level(logging.INFO, logger="fusion_backend.decision"), \
             decision.timing_override(None, measure_on=("cpu",)), collect_reports() as reports:
         out = compiled(x)
@@ -468,7 +468,7 @@ def test_under_cuda_graphs_the_gpu_time_alone_decides(cache):
     model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
     timer = FakeTimer(decision.RoundTimes([1.5], [1.0]), decision.RoundTimes([1.0], [2.0]))
     with decision.timing_override(timer, measure_on=("cpu",)), collect_reports() as reports:
-        torch.compile(model, backend="fusion")(x)
+        torch.compile(model, backend="fusion", options={"defer": False})(x)
         torch._dynamo.reset()
         out = torch.compile(model, backend="fusion", mode="reduce-overhead")(x)
     torch._dynamo.reset()
@@ -587,7 +587,7 @@ def test_the_real_timer_runs_a_region_with_its_consumers_on_cpu(cache, monkeypat
     with torch.no_grad():
         want = model(x)
         with decision.timing_override(None, measure_on=("cpu",)), collect_reports() as reports:
-            out = torch.compile(model, backend="fusion")(x)
+            out = torch.compile(model, backend="fusion", options={"defer": False})(x)
     _, d = only_decision(reports)
     assert d.pattern == "conv_global_mean" and d.fused_ms > 0 and d.inductor_ms > 0
     # (extracted once to ask whether a decision is cached, once to time it)

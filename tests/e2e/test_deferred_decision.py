@@ -176,7 +176,7 @@ def test_settle_decides_every_pending_graph_without_a_call_and_a_slower_rewrite_
         assert fusion_backend.settle() == 1
     ((settled,),) = [r.decisions for r in reports]
     assert not settled.fused and not settled.pending and settled.rule == "Inductor is faster"
-    assert compiles.collected == 1 and timer.calls == 1
+    assert compiles.collected == 0 and timer.calls == 1  # never finished: waited for within the budget, not collected
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), want)
     assert fusion_backend.settle() == 0
@@ -242,10 +242,10 @@ def test_defer_false_decides_during_the_first_call(faked):
 
 
 @pytest.mark.parametrize("preparer", [lambda *args: None, None], ids=["no-worker-pool", "the-real-one-off-the-gpu"])
-def test_a_region_is_measured_at_once_where_nothing_compiles_in_the_background_and_the_graph_checked_later(
-        faked, preparer):
-    """Where no kernel compiles in the background (no worker pool; a CPU region), the region is
-    measured at the compile; kept alone, it waits only for the whole graph's check at the settle."""
+def test_a_region_with_nothing_to_compile_in_the_background_waits_for_the_next_call(faked, preparer):
+    """Where no kernel compiles in the background (no worker pool; a CPU region), the region still
+    waits: the first call costs what Inductor's does, and the next call settles it, measuring it
+    within the budget."""
     compiles, timer = faked
     model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
     compiled = torch.compile(model, backend="fusion")
@@ -253,7 +253,7 @@ def test_a_region_is_measured_at_once_where_nothing_compiles_in_the_background_a
         with collect_reports() as reports:
             compiled(x)
         ((d,),) = [r.decisions for r in reports]
-        assert d.pending and "faster alone" in d.rule and timer.calls == 1 and compiles.prepared == []
+        assert d.pending and timer.calls == 0 and compiles.prepared == []
         with collect_reports() as settled:
             compiled(x)
     ((d,),) = [r.decisions for r in settled]
@@ -380,7 +380,8 @@ def test_a_preparation_that_never_finishes_is_given_up_after_the_wait(monkeypatc
                                    strict=False, inputs=[0])
     assert graph(1) == ("first", 1) and not graph.settled
     monkeypatch.setattr(deferred, "SETTLE_WAIT_S", 0.0)
-    assert graph(2) == ("decided", 2) and graph.settled and Never.collected == 1
+    # decided without it; it is not collected (a collect would take it for a dead worker pool)
+    assert graph(2) == ("decided", 2) and graph.settled and Never.collected == 0
 
 
 @pytest.mark.parametrize("strict", [False, True])

@@ -1,9 +1,12 @@
 """DDP and FSDP2 with ``backend="fusion"`` on CPU (gloo, 2 processes), through
-``demos/distributed_train.py``: after several SGD steps the losses and the parameter updates equal one
-process training eagerly on the whole batch (checked against float64 on rank 0, which raises
-otherwise).  Under DDP, tiny gradient buckets make DDPOptimizer split the graph between the model's
-two conv pipelines and inside the first; under FSDP2 the compiled model is sharded whole.  Both run
-in the same two processes (one spawn: each costs seconds of start-up and compilation on a CPU)."""
+``demos/distributed_train.py``: after several steps the losses and the parameter updates equal the
+same data-parallel training computed serially by one eager process (checked against float64 on rank
+0, which raises otherwise).  Under DDP, tiny gradient buckets make DDPOptimizer split the graph
+between the model's two conv pipelines and inside the first; under FSDP2 the compiled model is
+sharded whole; a classifier with a BatchNorm in training mode trains under DDP with AdamW, each rank
+normalising with its own shard's statistics.  All run in the same two processes (one spawn: each
+costs seconds of start-up and compilation on a CPU).  The training settings (optimizer, learning
+rate, loss) are checked without spawning."""
 
 import json
 import os
@@ -14,11 +17,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "demos"))
+DEMOS = Path(__file__).resolve().parents[2] / "demos"
+sys.path.insert(0, str(DEMOS))
 import distributed_train  # noqa: E402
+from distributed_train import Training  # noqa: E402
 
 WRAPPERS = ("ddp", "fsdp2")
+BATCHNORM_TRAINING = Training(optimizer="adamw", lr=0.01, weight_decay=0.01)
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -33,6 +40,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                                                      bucket_cap_mb=0.0001, options={"decide": "fuse"})
             summary[how] = {"graphs": len(reports), "fused": [m.pattern for r in reports for m in r.matches],
                             "reports": [str(r) for r in reports]}
+        torch._dynamo.reset()
+        # BatchNorm in training mode: the reference must follow DDP's per-shard statistics (a
+        # whole-batch reference differs at the first step's loss already); check_parity raises if not.
+        # DDP's default buckets keep conv -> BatchNorm -> ReLU in one graph, fused.
+        batchnorm = distributed_train.Workload("conv-batchnorm", world)
+        reports = distributed_train.check_parity(batchnorm, "ddp", rank, world, "cpu", steps=3,
+                                                 bucket_cap_mb=25.0, options={"decide": "fuse"},
+                                                 training=BATCHNORM_TRAINING)
+        summary["batchnorm"] = {"graphs": len(reports), "fused": [m.pattern for r in reports for m in r.matches]}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(summary))
     finally:
         dist.destroy_process_group()
@@ -60,3 +76,99 @@ def test_ddp_and_fsdp2_training_match_single_process_eager(tmp_path):
         assert summary["ddp"]["graphs"] == 3 and summary["ddp"]["fused"] == ["conv_epilogue"], summary["ddp"]
         # FSDP2: one graph, both pipelines fused
         assert summary["fsdp2"]["graphs"] == 1 and summary["fsdp2"]["fused"] == ["conv_epilogue"] * 2, summary["fsdp2"]
+        # BatchNorm under DDP: one graph, its conv -> batch_norm(train) -> relu fused
+        assert summary["batchnorm"] == {"graphs": 1, "fused": ["conv_batch_norm"]}, summary["batchnorm"]
+
+
+def _settings(argv: list[str], declared: dict) -> Training:
+    return distributed_train.training_settings(distributed_train.parse_args(argv), declared)
+
+
+def test_training_defaults_and_overrides(tmp_path):
+    """Two-pipelines keeps SGD lr 0.1, momentum 0.9; a benchmark file gets SGD lr 0.01, momentum 0.9,
+    or the TRAIN_* defaults it declares (for its own optimizer only); the command line wins."""
+    builtin = distributed_train.Workload("two-pipelines", 2).declared
+    assert _settings([], builtin) == Training("sgd", 0.1, 0.9, 0.0, "auto")
+    assert _settings(["--optimizer", "adamw"], builtin) == Training("adamw", 1e-3, 0.9, 0.01, "auto")
+    plain = tmp_path / "plain.py"
+    plain.write_text("import torch\nModel = torch.nn.Identity\n"
+                     "def get_inputs():\n    return [torch.randn(4, 3)]\n"
+                     "def get_init_inputs():\n    return []\n")
+    assert distributed_train.Workload(str(plain), 2).declared == {}
+    assert _settings([], {}) == Training("sgd", 0.01, 0.9, 0.0, "auto")
+    assert (_settings(["--lr", "0.05", "--momentum", "0.5", "--weight-decay", "1e-4", "--loss", "mse"], {})
+            == Training("sgd", 0.05, 0.5, 1e-4, "mse"))
+    declaring = tmp_path / "declaring.py"
+    declaring.write_text(plain.read_text() + 'TRAIN_OPTIMIZER = "adamw"\nTRAIN_LR = 3e-4\n'
+                         'TRAIN_LOSS = "mse"\nTRAIN_STEPS = 5\n')
+    declared = distributed_train.Workload(str(declaring), 2).declared
+    assert _settings([], declared) == Training("adamw", 3e-4, 0.9, 0.01, "mse")
+    assert _settings(["--weight-decay", "0"], declared) == Training("adamw", 3e-4, 0.9, 0.0, "mse")
+    assert _settings(["--optimizer", "sgd"], declared) == Training("sgd", 0.01, 0.9, 0.0, "mse")
+    with pytest.raises(SystemExit, match="momentum"):
+        _settings(["--momentum", "0.9"], declared)
+    with pytest.raises(SystemExit, match="TRAIN_OPTIMIZER"):
+        _settings([], {"TRAIN_OPTIMIZER": "lamb"})
+    assert str(Training("adamw", 1e-3, 0.9, 0.01, "mse")) == "AdamW lr 0.001, weight decay 0.01, mse loss"
+    assert str(Training("sgd", 0.1, 0.9, 0.0, "cross-entropy")) == ("SGD lr 0.1, momentum 0.9, "
+                                                                  "cross-entropy loss")
+    parse, steps = distributed_train.parse_args, distributed_train.parity_steps
+    assert steps(parse([]), {}) == 20 and steps(parse([]), declared) == 5
+    assert steps(parse(["--steps", "2"]), declared) == 2
+
+
+def test_resnet18_file_declares_a_short_small_step_check():
+    """The ResNet-18 file loads without torchvision and trains the demo with SGD lr 0.001 and
+    cross-entropy for 3 steps (its docstring says why)."""
+    declared = distributed_train.Workload(str(DEMOS / "realnets" / "resnet18.py"), 2).declared
+    assert _settings([], declared) == Training("sgd", 0.001, 0.9, 1e-4, "cross-entropy")
+    assert distributed_train.parity_steps(distributed_train.parse_args([]), declared) == 3
+
+
+def _first_update(training: Training) -> tuple[dict, dict]:
+    """The conv-batchnorm model's parameters before one step of ``training`` on one process, and the
+    step's update (in float64: the update is not lost in the parameter's rounding)."""
+    workload = distributed_train.Workload("conv-batchnorm", 1)
+    model = workload.model().double()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    distributed_train.train(model, model.parameters(), workload, training, 1, [0], 1, "cpu", torch.float64)
+    return start, {n: p.detach() - start[n] for n, p in model.named_parameters()}
+
+
+def test_train_honours_optimizer_and_learning_rate():
+    """SGD's first step is -lr (gradient + weight decay x parameter); AdamW's is -lr g / (|g| + eps),
+    less lr x weight decay x parameter (decoupled), with torch's default eps."""
+    _, sgd = _first_update(Training("sgd", 1.0, 0.9))
+    _, small = _first_update(Training("sgd", 0.01, 0.9))
+    start, decayed = _first_update(Training("sgd", 0.01, 0.9, weight_decay=0.1))
+    for name, update in sgd.items():
+        assert update.abs().max() > 0, name
+        torch.testing.assert_close(small[name], 0.01 * update, rtol=1e-9, atol=1e-15)
+        torch.testing.assert_close(decayed[name], 0.01 * (update - 0.1 * start[name]), rtol=1e-9, atol=1e-15)
+    start, adamw = _first_update(Training("adamw", 0.003, weight_decay=0.5))
+    for name, update in adamw.items():
+        gradient = -sgd[name]  # SGD's first step with lr 1: -gradient
+        torch.testing.assert_close(update, -0.003 * (0.5 * start[name] + gradient / (gradient.abs() + 1e-8)),
+                                   rtol=1e-7, atol=1e-12)
+
+
+def test_loss_follows_the_output():
+    """Cross-entropy for a classifier's (batch, classes) logits, the squared error otherwise; its
+    targets are drawn whole per step and split by rank like the inputs."""
+    assert distributed_train.loss_kind("auto", torch.zeros(4, 10)) == "cross-entropy"
+    for shape in [(4,), (4, 1), (4, 3, 5, 5)]:
+        assert distributed_train.loss_kind("auto", torch.zeros(shape)) == "mse"
+    assert distributed_train.loss_kind("mse", torch.zeros(4, 10)) == "mse"
+    labels = [distributed_train.shard_target(torch.zeros(4, 10), 3, r, 2, "cross-entropy") for r in range(2)]
+    whole = distributed_train.shard_target(torch.zeros(8, 10), 3, 0, 1, "cross-entropy")
+    assert whole.dtype == torch.int64 and int(whole.max()) < 10 and torch.equal(torch.cat(labels), whole)
+
+
+def test_batchnorm_with_batch_statistics_is_named():
+    note = distributed_train.batch_statistics_note(distributed_train.ConvBatchNorm())
+    assert note and "each process's shard" in note
+    assert distributed_train.batch_statistics_note(distributed_train.TwoPipelines()) is None
+    assert distributed_train.batch_statistics_note(distributed_train.ConvBatchNorm().eval()) is None
+    with pytest.raises(SystemExit, match="SyncBatchNorm"):
+        synced = nn.SyncBatchNorm.convert_sync_batchnorm(distributed_train.ConvBatchNorm())
+        distributed_train.batch_statistics_note(synced)

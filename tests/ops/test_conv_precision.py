@@ -314,6 +314,7 @@ def test_the_library_forward_asks_nothing_in_eager_s_own_layout(monkeypatch, tf3
     assert seen == [True] and runs == []
 
 
+@interpreted  # the channels-last relayout is a Triton kernel, here on CPU tensors
 @pytest.mark.parametrize("answer", [(False, False), (True, False), (False, True), (True, True)])
 def test_the_library_backward_follows_eager_s_precision_per_gradient(answer, monkeypatch, tf32_allowed) -> None:
     """Each gradient with TF32 off where eager's computes it in full fp32: one call where both
