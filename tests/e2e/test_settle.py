@@ -75,6 +75,7 @@ class GraphTimer:
 
 @pytest.fixture(autouse=True)
 def fresh_caches(tmp_path, monkeypatch):
+    monkeypatch.setattr(deferred, "SETTLE_WAIT_S", 0.2)  # a fake compile that never finishes is not waited for
     monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("FUSION_DECIDE", raising=False)
     decision.forget_in_memory()
