@@ -104,7 +104,7 @@ def test_the_region_goes_through_the_decision_against_inductor(tmp_path, monkeyp
     want = model(x)
     with decision.timing_override(lambda steps: {"fused": fused_ms, "inductor": inductor_ms}), \
             collect_reports() as reports:  # fmt: skip
-        out = torch.compile(model, backend="fusion")(x)
+        out = torch.compile(model, backend="fusion", options={"defer": False})(x)
     decision.forget_in_memory()
     (report,) = reports
     (d,) = report.decisions
