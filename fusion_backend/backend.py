@@ -118,12 +118,14 @@ def fusion(
             margin=opts.decide_margin, cache_dir=opts.cache_dir, inductor_patches=config_patches,
             strict=opts.strict, budget=budget,
         ))  # fmt: skip
-        return False  # rewritten below, once the graph's own answer is known
+        # where the whole graph may still veto it, rewritten below, once the graph's own answer is known
+        return decisions[-1].fused and not in_context
 
+    # a region kept alone is checked in the whole graph where the graph can be compiled again later
+    in_context = may_defer and opts.decide == "measure" and not config_patches.get("triton.cudagraphs")
     found = _build(gm, example_inputs, opts, config_patches, decide_first, index)
     decided = {d.anchor: d for d in found.report.decisions}
     checks: list[GraphCheck] = []
-    in_context = may_defer and opts.decide == "measure" and not config_patches.get("triton.cudagraphs")
     if in_context and any(d.fused for d in decided.values()):
         # the regions kept alone: the whole graph's answer, where a process measured it before
         decided, checks, outcome = _in_context(gm, example_inputs, decided, opts, config_patches, None, None)
@@ -132,7 +134,7 @@ def fusion(
                        for a, d in decided.items()}
             pending.in_context = True
     built = found
-    if any(d.fused for d in decided.values()):
+    if in_context and any(d.fused for d in decided.values()):
         built = _build(gm, example_inputs, opts, config_patches, functools.partial(_replay, decided), index)
     report = dataclasses.replace(built.report, decisions=tuple(decided.values()) if built is found else
                                  built.report.decisions, graph_checks=tuple(checks))
