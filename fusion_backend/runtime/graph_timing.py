@@ -29,9 +29,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import statistics
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -116,24 +114,12 @@ def graph_step(fn: Callable[..., Any], inputs: Sequence[Any], train: bool) -> Ca
 def time_rounds(steps: Mapping[str, Callable[[], None]]) -> dict[str, list[float]]:
     """Milliseconds per call of each step, one number per round, the steps taking turns (see the
     module docstring); two warm-up calls each first."""
-    on_cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
-    calls: dict[str, int] = {}
-    for name, step in steps.items():
-        step()
-        sync()
-        began = time.perf_counter()
-        step()
-        sync()
-        once_ms = (time.perf_counter() - began) * 1e3
-        calls[name] = max(MIN_CALLS, min(MAX_CALLS, math.ceil(ROUND_MS / max(once_ms, 1e-3))))
+    from .region_timing import calls_per_round, time_per_call
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    calls = calls_per_round(steps, sync, ROUND_MS, MIN_CALLS, MAX_CALLS)
     rounds: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(ROUNDS):
         for name, step in steps.items():
-            sync()
-            began = time.perf_counter()
-            for _ in range(calls[name]):
-                step()
-            sync()
-            rounds[name].append((time.perf_counter() - began) * 1e3 / calls[name])
+            rounds[name].append(time_per_call(step, calls[name], sync))
     return rounds

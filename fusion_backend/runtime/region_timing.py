@@ -364,30 +364,40 @@ def time_steps(steps: Mapping[str, Callable[[], None]], *, on_cuda: bool) -> dic
     docstring); ``on_cuda``: the steps run on a CUDA device (else the GPU time is the time per call,
     even where a GPU is present)."""
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
-    calls: dict[str, int] = {}
-    for name, step in steps.items():
-        step()
-        step()
-        sync()
-        began = time.perf_counter()
-        step()
-        sync()
-        once_ms = (time.perf_counter() - began) * 1e3
-        calls[name] = max(1, min(MAX_CALLS, math.ceil(ROUND_MS / max(once_ms, 1e-3))))
+    calls = calls_per_round(steps, sync, ROUND_MS)
     rounds = {name: RoundTimes([], [], []) for name in steps}
     for _ in range(ROUNDS):
         for name, step in steps.items():
-            sync()
-            began = time.perf_counter()
-            for _ in range(calls[name]):
-                step()
-            sync()
-            per_call_ms = (time.perf_counter() - began) * 1e3 / calls[name]
+            per_call_ms = time_per_call(step, calls[name], sync)
             gpu_ms, host_ms = _gpu_and_host_ms(step, calls[name], per_call_ms) if on_cuda else (per_call_ms,) * 2
             rounds[name].per_call_ms.append(per_call_ms)
             rounds[name].gpu_ms.append(gpu_ms)
             rounds[name].host_ms.append(host_ms)
     return rounds
+
+
+def calls_per_round(steps: Mapping[str, Callable[[], None]], sync: Callable[[], None], round_ms: float,
+                    min_calls: int = 1, max_calls: int = MAX_CALLS) -> dict[str, int]:
+    """Per step, after two warm-up calls (compiles, autotuning, caches), the number of calls (from
+    ``min_calls`` to ``max_calls``) that makes a round of about ``round_ms``, from one timed call."""
+    calls: dict[str, int] = {}
+    for name, step in steps.items():
+        step()
+        step()
+        sync()
+        once_ms = time_per_call(step, 1, sync)
+        calls[name] = max(min_calls, min(max_calls, math.ceil(round_ms / max(once_ms, 1e-3))))
+    return calls
+
+
+def time_per_call(step: Callable[[], None], calls: int, sync: Callable[[], None]) -> float:
+    """Milliseconds per call of ``calls`` back-to-back calls of ``step``, ended by ``sync()``."""
+    sync()
+    began = time.perf_counter()
+    for _ in range(calls):
+        step()
+    sync()
+    return (time.perf_counter() - began) * 1e3 / calls
 
 
 def _gpu_and_host_ms(step: Callable[[], None], calls: int, per_call_ms: float) -> tuple[float, float]:
