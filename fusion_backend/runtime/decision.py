@@ -119,7 +119,7 @@ HOST_WAITING_TRAIN_GPU_SPEEDUP = 1.15
 #: Version of the cache file's layout and of what a key means; another version is ignored.
 SCHEMA = 5
 CACHE_FILE = "decisions.json"
-#: A kind of region (``_region_class``) with at least this many measured regions of a similar size,
+#: A kind of region (the second part of ``_key``) with at least this many measured regions of a similar size,
 #: every one of them a clear loss, is predicted to lose: a new region of that kind is not timed.
 PREDICT_EVIDENCE = 2
 #: A clear loss: the fused op below this speedup per call (on the GPU under CUDA graphs), where it
@@ -349,13 +349,6 @@ def decide(
     return decision
 
 
-def needs_timing(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], *, policy: str, cache_dir: Path,
-                 inductor_patches: Mapping[str, Any]) -> bool:
-    """Whether ``decide`` would time the region ``nodes`` now (``pending_timing`` is not None)."""
-    return pending_timing(gm, pattern, nodes, policy=policy, cache_dir=cache_dir,
-                          inductor_patches=inductor_patches) is not None
-
-
 @dataclass(frozen=True)
 class PendingTiming:
     """A region ``decide`` would time: its cache ``key`` (regions of one key share one measurement)
@@ -392,7 +385,7 @@ def _on_measured_device(nodes: Sequence[fx.Node]) -> bool:
 @dataclass
 class _Lookup:
     """A region as it is timed (with its consumers), whether gradients flow through it, the Inductor
-    config it is timed under (no CUDA graphs), its cache key and kind (``_region_class``), its
+    config it is timed under (no CUDA graphs), its cache key and kind (``_key``), its
     result's size (elements; what a prediction compares) and the cached entry (None if none)."""
 
     region: Any
@@ -412,8 +405,7 @@ def _lookup(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], cache_di
     train = _gradients_flow(region)
     patches = {**inductor_patches, "triton.cudagraphs": False}
     key, region_class = _key(pattern, region, train, patches)
-    with _lock:
-        entry = _memory.get(key) or _load(cache_dir).get(key)
+    entry = cached_entry(key, cache_dir)
     size = region_timing.numel_hint(region.result) or 0
     return _Lookup(region, train, patches, key, region_class, size, entry)
 
@@ -529,9 +521,7 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
         return Decision(pattern, summary, anchor, False, f"not measured ({why}); Inductor keeps the region"), False
     entry = {**measured, "class": looked_up.region_class, "size": looked_up.size,
              "what": f"{pattern}: {summary} ({'forward + backward' if looked_up.train else 'forward'})"}
-    with _lock:
-        _memory[looked_up.key] = entry
-        _store(cache_dir, looked_up.key, entry)
+    store_entry(looked_up.key, entry, cache_dir)
     ran_here = _timer is None  # a fake timer runs neither candidate
     return _entry_verdict(pattern, summary, anchor, entry, margin, looked_up.train, False, cuda_graphs), ran_here
 

@@ -1,34 +1,36 @@
 """Deferred decisions: a first call as cheap as Inductor's, the measured rewrite a few calls later.
 
-A region whose decision must be measured (``decision.needs_timing``: the ``measure`` policy on CUDA,
-no answer cached, no CUDA graphs) costs its first call the compiles of the fused op's Triton kernels
-(seconds each for a conv kernel) before anything can be timed.  With the option ``defer`` (default
-True) the backend does not wait for them:
+A region whose decision must be measured (``decision.pending_timing``: the ``measure`` policy on a
+measured device, no answer cached, no prediction that it loses, no CUDA graphs) costs its first call
+the compiles of the fused op's Triton kernels (seconds each for a conv kernel) and the timing.  With
+the option ``defer`` (default True) the backend does not wait for them:
 
 1. the region is left to Inductor for now (its decision reads "pending"), and the graph compiles as
    it would with every pending region left to Inductor, so the first call costs what
    ``backend="inductor"``'s does;
-2. the fused op's kernels, those of every candidate its implementation choices would time, go to
+2. the fused op's kernels of the first regions of each decision key (``backend._Pending``) go to
    Inductor's compile worker processes (``prepare_fused``: the rewritten region runs once with its
    launches replaced by compile submissions, ``kernels.launch.compile_in_background``), which compile
    them into Triton's disk cache while the model runs;
 3. the next call after they have all compiled (a non-blocking check per call; never the first call
-   itself, whose caller already waits for the compile), or ``settle()``,
-   compiles the graph again with ``defer=False``: the decision is measured as before, now loading
-   the kernels instead of compiling them, and the compiled graph (the rewrite where it won) replaces
-   Inductor's from then on.  That call also publishes the graph's new report.
+   itself, whose caller already waits for the compile), or ``settle()``, settles the graph
+   (``backend._settle``): the regions are measured within the decision budget, and where some are
+   kept the graph compiled with them replaces Inductor's only where the whole graph is faster; where
+   none is kept, Inductor's first compile runs on.  That call also publishes the graph's new report.
 
 WHY: a first call that compiles conv kernels took 3-8x Inductor's in the benchmark's process, where
 Inductor compiled the same small graph in 0.4-0.9 s, while the kernels' compiles took 2.2-2.9 s in
 the workers (``python -m fusion_backend bench --log --suite convnets``, H100); in a training loop,
 Inductor's code runs the steps meanwhile.
 
-Nothing is deferred where Inductor runs no worker pool (``compile_in_background`` returns None): the
-compiles would run in this process, on the same interpreter as the model, and the decision is made
-at once as before.  A pool whose workers are still starting (a fresh process's first graph) takes
-the compiles: they run once the workers are up.  Nor for graphs with symbolic shapes or fake example inputs (``deferrable``): their
-compile needs the context Dynamo (or DDPOptimizer) compiles them in, which a later call does not have.  Only the forward's kernels are prepared: a backward runs on autograd's own
-threads, out of reach of the capture; its kernels compile when the decision runs it.
+A region with nothing to compile in the background (no worker pool, kernels compiled already) waits
+too: the settle measures it within the budget.  A pool whose workers are still starting (a fresh
+process's first graph) takes the compiles: they run once the workers are up.  Graphs with symbolic
+shapes are not deferred (``deferrable``): their compile needs the context Dynamo compiles them in,
+which a later call does not have.  A graph compiled on fake inputs (DDPOptimizer's pieces) is prepared
+and decided on its first call's real tensors.  Only the forward's kernels are prepared: a backward
+runs on autograd's own threads, out of reach of the capture; its kernels compile when the decision
+runs it.
 
 The graph keeps its example inputs (the first call's tensors) and a copy of the graph until it
 settles: the decision times the region on them.  Settling runs in the compile-time grad mode and
@@ -218,18 +220,15 @@ class DeferredGraph:
         return self._current(*args)
 
     def settle(self, wait_s: float | None = None) -> None:
-        """Wait for the preparations (at most ``wait_s`` seconds, default ``SETTLE_WAIT_S``, and at most
-        the decision budget),
-        collect those that are ready, measure the decisions and swap in their compile, then wait for
-        the preparations still compiling (at most ``wait_s``, and at most as long as the graph's first
-        call took, in which they were sent); nothing when already settled (or
-        settling on another thread), or while no call has brought real inputs.
+        """Wait for the preparations (at most ``wait_s`` seconds, default ``SETTLE_WAIT_S``, and at
+        most the decision budget), collect those that are ready, measure the decisions and swap in
+        their compile, then wait for the preparations still compiling (at most ``wait_s``, and at most
+        as long as the graph's first call took, in which they were sent); nothing when already
+        settled (or settling on another thread), or while no call has brought real inputs.
 
-        NOTE: without the last wait, ResNet-50's bf16 inference settled in 1.8 s with two kinds'
-        kernels still compiling in Inductor's workers, and the bench timed the settled graph, which
-        runs Inductor's own code, at 0.76x Inductor's (4.73 vs 3.69 ms, host-bound) while in a quiet
-        process the two ran 3.30 and 3.49 ms (``python -m fusion_backend bench --suite
-        demos/realnets/resnet50.py --dtype bf16 --mode infer``, H200)."""
+        WHY the last wait: compiles still running in Inductor's workers take the host's cores from
+        the steps that follow, and an explicit settle (a benchmark's, before it times) should return
+        with the process quiet."""
         if self._preparations is None or self._inputs is None or not self._lock.acquire(blocking=False):
             return
         try:
