@@ -28,6 +28,7 @@ from typing import Any, TextIO
 
 import torch
 
+from .affinity import pin_to_device_node
 from .backends import BUILTIN_BACKENDS, resolve_backends, with_compile_mode
 from .config import DEFAULT_BACKENDS, MODES, PRECISIONS, BenchConfig, MeasureConfig
 from .env import collect_environment
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cold", action="store_true", help="skip the cold-L2 measurement")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     p.add_argument("--no-chart", action="store_true", help="do not draw bench.png")
+    p.add_argument("--no-pin", action="store_true",
+                   help="leave the process on every CPU it may use (by default it is pinned to the CPUs of the "
+                        "GPU's NUMA node, where those span several nodes; the report's environment says which)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and upstream gradients")
     p.add_argument("--tol", type=_tolerances, default=None,
                    help="override the gate's tolerances vs eager, e.g. fp32=1e-4,bf16=2e-2 (norm-wise relative "
@@ -309,6 +313,8 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not cuda:
         err.write("no CUDA: running the correctness gate only, on CPU\n")
+    cpu_affinity = ("not pinned: no CUDA device" if not cuda else "not pinned: --no-pin" if args.no_pin
+                    else pin_to_device_node(device))
     instruments = cuda_instruments(device, config.measure) if cuda else None
     rates = None
     if cuda and not config.check_only:
@@ -317,7 +323,7 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
         rates = measure_device_rates(device, rates_timer)
         err.write(f"  {torch.cuda.get_device_name(device)}: {describe_rates(rates)}\n")
 
-    environment = collect_environment(device, argv)
+    environment = {**collect_environment(device, argv), "cpu_affinity": cpu_affinity}
     out_dir = Path(args.out) if args.out else (
         Path("bench-results") / _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S"))
     progress = _make_progress(err)

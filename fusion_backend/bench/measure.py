@@ -61,9 +61,14 @@ class TimingStats:
     #: each round's median, in the order the rounds ran (one entry for a single measurement): how far
     #: apart the windows of one step were, next to the same rounds of the row's other backends
     round_medians_ms: tuple[float, ...] = ()
+    #: the median host time of a repetition (from before its start event was recorded to after its
+    #: end event was, no synchronisation inside) in the round the other fields come from, or ``None``
+    #: where the timer does not read it.  Close to ``median_ms``, the step is host-bound: its GPU
+    #: waited for Python and the launches, and the reading measures the host as much as the code
+    host_median_ms: float | None = None
 
     @classmethod
-    def from_samples(cls, samples_ms: Sequence[float]) -> TimingStats:
+    def from_samples(cls, samples_ms: Sequence[float], host_ms: Sequence[float] = ()) -> TimingStats:
         """Summarise at least one sample.
 
         >>> TimingStats.from_samples([3.0, 1.0, 2.0]).median_ms
@@ -78,7 +83,8 @@ class TimingStats:
         else:
             p20 = p80 = xs[0]
         median = statistics.median(xs)
-        return cls(median, p20, p80, xs[0], xs[-1], statistics.fmean(xs), len(xs), (median,))
+        host = statistics.median(host_ms) if host_ms else None
+        return cls(median, p20, p80, xs[0], xs[-1], statistics.fmean(xs), len(xs), (median,), host)
 
     @classmethod
     def of_rounds(cls, rounds: Sequence[TimingStats]) -> TimingStats:
@@ -106,7 +112,7 @@ class TimingStats:
         quiet = min(rounds, key=lambda r: r.median_ms)
         return cls(quiet.median_ms, quiet.p20_ms, quiet.p80_ms, min(r.min_ms for r in rounds),
                    max(r.max_ms for r in rounds), sum(r.mean_ms * r.reps for r in rounds) / reps, reps,
-                   tuple(r.median_ms for r in rounds))
+                   tuple(r.median_ms for r in rounds), quiet.host_median_ms)
 
 
 @dataclass(frozen=True)
@@ -231,14 +237,16 @@ class CudaEventTimer:
         return self._flush
 
     def _run(self, steps: Sequence[TimedStep], failed: list[Exception | None], cold: bool,
-             n: int) -> list[list[float]]:
+             n: int) -> tuple[list[list[float]], list[list[float]]]:
         """``n`` timed repetitions of every step that has not failed, interleaved: per repetition each
         step once, in order.  Warm, each timed run follows an untimed run of the same step, so that
         it finds L2 as its own previous run left it (not as the step before it, another backend's,
-        did); cold, the flush replaces that run."""
+        did); cold, the flush replaces that run.  Returns per step the event times and the host times
+        (ms) of its repetitions."""
         flush = self._flush_buffer() if cold else None
         events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                    for _ in range(n)] for _ in steps]  # fmt: skip
+        host: list[list[float]] = [[] for _ in steps]
         for rep in range(n):
             for i, step in enumerate(steps):
                 if failed[i] is not None:
@@ -251,13 +259,16 @@ class CudaEventTimer:
                     if flush is not None:
                         flush.zero_()
                     start, end = events[i][rep]
+                    began = time.perf_counter()
                     start.record()
                     step.run()
                     end.record()
+                    host[i].append((time.perf_counter() - began) * 1e3)
                 except Exception as exc:  # this backend's step broke: the others are still measured
                     failed[i] = exc
         torch.cuda.synchronize(self.device)
-        return [[] if failed[i] is not None else [s.elapsed_time(e) for s, e in events[i]] for i in range(len(steps))]
+        return ([[] if failed[i] is not None else [s.elapsed_time(e) for s, e in events[i]] for i in range(len(steps))],
+                host)
 
     def time(self, steps: Sequence[TimedStep], *, cold: bool = False) -> list[TimingStats | Exception]:
         failed: list[Exception | None] = [None] * len(steps)
@@ -273,13 +284,13 @@ class CudaEventTimer:
             if self.config.reps is not None:
                 n = self.config.reps
             else:
-                estimates = self._run(steps, failed, cold, 3)
+                estimates, _ = self._run(steps, failed, cold, 3)
                 # One count for all: the slowest step's share of the round's time bounds everyone's
                 # (warm, each timed run costs two runs).
                 cost = 1 if cold else 2
                 n = min((self.config.choose_reps(cost * statistics.median(e)) for e in estimates if e), default=1)
-            samples = self._run(steps, failed, cold, n)
-        return [failed[i] if failed[i] is not None else TimingStats.from_samples(samples[i])
+            samples, host = self._run(steps, failed, cold, n)
+        return [failed[i] if failed[i] is not None else TimingStats.from_samples(samples[i], host[i])
                 for i in range(len(steps))]  # type: ignore[misc]
 
     def release(self) -> None:

@@ -155,14 +155,17 @@ def summary_table(report: BenchReport, *, markdown: bool = False) -> str:
 def details_table(report: BenchReport, *, markdown: bool = False) -> str:
     """One row per item: status, compile time, warm and cold medians, multiples, memory, check error.
 
+    ``host ms`` is the median host time of a timed repetition (``TimingStats.host_median_ms``): where it
+    is close to ``warm ms`` the step is host-bound and its reading follows the host's speed.
+
     Memory columns (MiB): ``peak`` is the step's peak beyond the model and inputs, including what the
     backend keeps ``resident`` between steps; ``held`` is what the forward leaves allocated for the
     backward (saved activations and outputs).
     """
     headers = ["workload", "dtype", "mode", "backend", "status", "compile s", "warm ms", "p20-p80 ms",
-               "cold ms", "x floor", "x floor cold", "reps", "peak MB", "held MB", "resident MB",
+               "host ms", "cold ms", "x floor", "x floor cold", "reps", "peak MB", "held MB", "resident MB",
                "max rel err", "breaks"]
-    right = [False] * 5 + [True] * 12
+    right = [False] * 5 + [True] * 13
     rows = []
     for case in report.cases:
         for item in case.items:
@@ -171,7 +174,7 @@ def details_table(report: BenchReport, *, markdown: bool = False) -> str:
                 item.workload, item.dtype, item.mode, item.backend, item.status.value,
                 fmt_s(item.compile_s), fmt_ms(item.median_ms),
                 f"{fmt_ms(w.p20_ms)}-{fmt_ms(w.p80_ms)}" if w else "-",
-                fmt_ms(item.cold_median_ms), fmt_x(case.floor_multiple(item.backend)),
+                fmt_ms(w.host_median_ms if w else None), fmt_ms(item.cold_median_ms), fmt_x(case.floor_multiple(item.backend)),
                 fmt_x(case.floor_multiple(item.backend, cold=True)), str(w.reps) if w else "-",
                 fmt_mb(mem.total_peak_bytes if mem else None), fmt_mb(mem.held_bytes if mem else None),
                 fmt_mb(mem.resident_bytes if mem else None),

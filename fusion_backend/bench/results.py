@@ -190,6 +190,7 @@ class BenchReport:
                     "from_inductor_caches": item.from_inductor_caches,
                     "median_ms": item.median_ms, "cold_median_ms": item.cold_median_ms,
                     "reps": item.warm.reps if item.warm else None,
+                    "host_median_ms": item.warm.host_median_ms if item.warm else None,
                     "floor_ms": case.roofline.floor_ms if case.roofline else None,
                     "x_floor": case.floor_multiple(item.backend),
                     "x_floor_cold": case.floor_multiple(item.backend, cold=True),

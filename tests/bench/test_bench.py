@@ -514,6 +514,14 @@ def test_adaptive_repetitions_aim_at_the_target_time_within_bounds() -> None:
     assert MeasureConfig(reps=7).choose_reps(1.0) == 7
     stats = TimingStats.from_samples([5.0, 1.0, 2.0, 4.0, 3.0])
     assert (stats.median_ms, stats.min_ms, stats.max_ms, stats.reps) == (3.0, 1.0, 5.0, 5)
+    assert stats.host_median_ms is None  # a timer that does not read the host
+
+
+def test_the_host_time_comes_from_the_round_the_reading_comes_from() -> None:
+    quiet = TimingStats.from_samples([2.0, 2.2], host_ms=[1.9, 2.1])
+    noisy = TimingStats.from_samples([5.0, 5.2], host_ms=[4.9, 5.1])
+    both = TimingStats.of_rounds([noisy, quiet])
+    assert (both.median_ms, both.host_median_ms) == (2.1, 2.0)
 
 
 def test_compile_mode_applies_to_every_compiled_backend_and_rejects_a_conflicting_one() -> None:
@@ -1242,6 +1250,7 @@ def test_check_only_on_cpu_runs_the_gate_and_writes_reports(
     assert report.config.tolerances["fp32"] == 1e-5 and report.config.check_only
     assert len(report.items) == 2 and report.all_ok
     assert "--check-only" in report.environment["command"]
+    assert report.environment["cpu_affinity"] == "not pinned: no CUDA device"
 
 
 BUILTIN_EAGER = resolve_backend("eager")
