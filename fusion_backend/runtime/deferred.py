@@ -18,10 +18,9 @@ the option ``defer`` (default True) the backend does not wait for them:
    kept the graph compiled with them replaces Inductor's only where the whole graph is faster; where
    none is kept, Inductor's first compile runs on.  That call also publishes the graph's new report.
 
-WHY: a first call that compiles conv kernels took 3-8x Inductor's in the benchmark's process, where
-Inductor compiled the same small graph in 0.4-0.9 s, while the kernels' compiles took 2.2-2.9 s in
-the workers (``python -m fusion_backend bench --log --suite convnets``, H100); in a training loop,
-Inductor's code runs the steps meanwhile.
+WHY: a conv kernel's compile takes seconds where Inductor compiles a small graph in under one, so a
+first call that waited for them would cost several times Inductor's (measured: ``DeferredGraph``); in
+a training loop, Inductor's code runs the steps meanwhile.
 
 A region with nothing to compile in the background (no worker pool, kernels compiled already) waits
 too: the settle measures it within the budget.  A pool whose workers are still starting (a fresh
@@ -156,6 +155,9 @@ Decide = Callable[[Sequence[Any], "DecisionBudget"], "Callable[..., Any] | None"
 DISTRIBUTED_SETTLE_CALL = 3
 
 
+# NOTE: a first call that compiled conv kernels took 3-8x Inductor's in the benchmark's process, where
+# Inductor compiled the same small graph in 0.4-0.9 s, while the kernels' compiles took 2.2-2.9 s in the
+# workers (``python -m fusion_backend bench --log --suite convnets``, H100).
 class DeferredGraph:
     """The compiled graph while decisions are pending: calls run ``first`` (Inductor's code for the
     pending regions) until every preparation is ready (or ``SETTLE_WAIT_S`` have passed: a worker

@@ -3,8 +3,8 @@
 WHY: AOTAutograd and Inductor earn their host time by fusing what is left around our fused ops.  When
 nothing is left (the ConvTranspose3d -> leaky -> x m -> leaky -> MaxPool3d pipeline: the whole graph
 is one ``conv_epilogue`` call, which absorbs the dtype casts of autocast) they fuse nothing, yet each
-step still pays their runtime wrappers, and that pipeline's training step at 16x16x16x32x32 is
-host-bound on the H100 (see ``ops/direct_impls.py``).  Such a graph is run as its own
+step still pays their runtime wrappers, which matters where such a step is host-bound (measured:
+``ops/direct_impls.py``).  Such a graph is run as its own
 ``GraphModule.forward`` with every fused call retargeted to its direct implementation, an
 ``autograd.Function`` that calls the kernels with no dispatcher layers.  Eager autograd then records
 the backward, exactly as for a module the user wrote by hand.

@@ -2,9 +2,7 @@
 
 WHY: a region measured alone can win and still make the model slower.  The code around it (the rest
 of Inductor's graph, Dynamo's guards, the caller) adds host time the region's timing does not see,
-and an opaque fused op splits Inductor's fusions around it.  NOTE: two regions of a RegNet-style
-network measured 1.27x and 1.28x faster alone made the whole model's inference 0.73x Inductor's
-(H200, torch 2.11, bf16).  So after a deferred graph's regions are decided, the graph compiled with
+and an opaque fused op splits Inductor's fusions around it (measured: ``compare``).  So after a deferred graph's regions are decided, the graph compiled with
 the kept ones is timed against the graph Inductor compiled first (``runtime/deferred.py``), on the
 graph's own inputs, forward or forward + backward as the graph runs; it replaces Inductor's code
 only where the whole graph is faster by the margin, else the weakest region is dropped and the graph
@@ -76,6 +74,9 @@ def graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], kept: Sequence[
     return "graph:" + hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
 
 
+# NOTE: two regions of a RegNet-style network measured 1.27x and 1.28x faster alone made the whole
+# model's inference 0.73x Inductor's (H200, torch 2.11, bf16, a held-out network timed with the
+# benchmark's whole-model step): the reason the whole graph is timed before kept regions stay.
 def compare(fused: Callable[..., Any], inductor: Callable[..., Any], inputs: Sequence[Any],
             train: bool) -> dict[str, float]:
     """``fused_ms``, ``inductor_ms`` (each one's median round per call) and ``speedup`` (the median

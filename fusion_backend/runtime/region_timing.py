@@ -30,14 +30,8 @@ take turns, round after round, so the i-th numbers of two steps were measured si
   the calls while the device was busy with the sleep (at most the time per call).  What the region
   adds to a step whose host is the bottleneck.
 
-WHY per call and on the GPU: a host-bound region can win per call and lose on the GPU.  NOTE: the
-fused global-mean op on Conv2d 512->512 3x3 at 32x512x7x7
-(``demos/convnets/conv2d_512_k3_global_mean.py``), training,
-fp32, measured 0.93 ms per call against Inductor's 1.13 ms while its kernels ran 744 us per step
-against Inductor's 178 us (``torch.profiler`` on the H100); kept on the per-call time alone, the
-benchmark's step measured 0.90-0.96x Inductor's (``python -m fusion_backend bench --suite
-demos/convnets/conv2d_512_k3_global_mean.py --mode train --backends eager,inductor,fusion,inductor:default``).
-For a region on the CPU the three are the same number.
+WHY per call and on the GPU: a host-bound region can win per call and lose on the GPU (measured:
+``time_steps``).  For a region on the CPU the three are the same number.
 """
 
 from __future__ import annotations
@@ -359,6 +353,12 @@ class RoundTimes:
     host_ms: list[float] = field(default_factory=list)
 
 
+# NOTE: the fused global-mean op on Conv2d 512->512 3x3 at 32x512x7x7
+# (``demos/convnets/conv2d_512_k3_global_mean.py``), training, fp32, measured 0.93 ms per call against
+# Inductor's 1.13 ms while its kernels ran 744 us per step against Inductor's 178 us (``torch.profiler``
+# on the H100); kept on the per-call time alone, the benchmark's step measured 0.90-0.96x Inductor's
+# (``python -m fusion_backend bench --suite demos/convnets/conv2d_512_k3_global_mean.py --mode train
+# --backends eager,inductor,fusion,inductor:default``): hence the GPU time beside the time per call.
 def time_steps(steps: Mapping[str, Callable[[], None]], *, on_cuda: bool) -> dict[str, RoundTimes]:
     """Milliseconds per call of each step, per round, per call and on the GPU (see the module
     docstring); ``on_cuda``: the steps run on a CUDA device (else the GPU time is the time per call,
