@@ -1,8 +1,7 @@
 """Keep the benchmark on the CPUs next to its GPU: one NUMA node, chosen before anything is allocated.
 
-WHY: a whole network's step is often host-bound (ResNet-50 inference at batch 64 in bf16 on an H200:
-host time per step 3.3 ms against 3.0 ms of kernels), so its reading measures the host as much as the
-code.  On a host whose allowed CPUs span several NUMA nodes, the scheduler moves the process between
+WHY: a whole network's step is often host-bound (its host time per step above its kernels' time), so
+its reading measures the host as much as the code.  On a host whose allowed CPUs span several NUMA nodes, the scheduler moves the process between
 them; Python objects (a compiled graph's wrapper code, its kernel launchers) live in the memory of the
 node that was current when they were created, so two callables compiled at different moments can run at
 different speeds for a whole run although they are the same code.  Pinning the process (and the compile

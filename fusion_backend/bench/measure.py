@@ -18,12 +18,9 @@ of a case (one per backend) together:
 4. Python's garbage collector is off for all of it, after one collection (``_garbage_collector_paused``).
 
 WHY interleave repetition by repetition: a host-bound step's time follows the host's state (other
-processes, clocks, page cache), which drifts within seconds; timed one backend after the other, two
-copies of the same compiled Inductor code measured 0.91-1.25x apart in one run (``docs/perf/RESULTS.md``,
-noise section).  Interleaved, every backend samples the same stretch of time: NOTE the same rows then
-measured 1.01-1.11x apart, the copy compiled first the slower in every row (``python -m fusion_backend
-bench --suite <the noise run's workloads> --backends eager,inductor,inductor:default,fusion,fusion-unfused
---no-memory --no-cold`` on the H100; ``pick_contenders`` says how the verdict deals with that).
+processes, clocks, page cache), which drifts within seconds; interleaved, every backend samples the
+same stretch of time (measured: ``CudaEventTimer``; ``pick_contenders`` says how the verdict deals
+with what interleaving does not cancel).
 
 The *cold* variant zeroes a buffer twice the size of L2 before each repetition, outside the events, so
 every repetition starts with nothing of its working set in L2, as in a real network where the previous
@@ -214,6 +211,13 @@ def l2_cache_bytes(device: torch.device) -> int | None:
     return int(size) if size else None
 
 
+# NOTE: timed one backend after the other, two copies of the same compiled Inductor code measured
+# 0.91-1.25x apart in one run (``docs/perf/RESULTS.md``, noise section); interleaved, the same rows
+# measured 1.01-1.11x apart, the copy compiled first the slower in every row (``python -m fusion_backend
+# bench --suite <the noise run's workloads> --backends eager,inductor,inductor:default,fusion,fusion-unfused
+# --no-memory --no-cold`` on the H100).  Whole networks whose step is host-bound stray further: ResNet-50
+# bf16 inference on one H200 read 0.69-1.13x with the same code in both columns (``docs/perf/RESULTS.md``,
+# realnets section).
 class CudaEventTimer:
     """:class:`Timer` with CUDA events on the current stream of ``device`` (see the module docstring)."""
 

@@ -17,16 +17,12 @@ another's gradients.  Per workload x dtype x mode:
    case stays compiled, and ``MeasureConfig.rounds`` rounds each time all backends together, one
    repetition of each in turn (``measure.CudaEventTimer``), the order rotating from round to round;
    an item's time is the median of its quietest round (``TimingStats.of_rounds``).  WHY: the host of a GPU machine drifts by tens of percent over
-   seconds (the same eager step measured 0.17 ms and 0.27 ms in two runs), and host-bound rows timed
-   one backend after the other compared windows, not backends.  Until every item's two quietest
+   seconds, and host-bound rows timed one backend after the other compared windows, not backends
+   (measured: ``Runner._time_interleaved``).  Until every item's two quietest
    rounds agree (``MeasureConfig.agreement``) and the verdict's paired round ratios lie on one side
    of its tie (``_decided``), the case gets more rounds (at most ``extra_rounds``): one quiet round
    alone may be luck, a row whose rounds were all disturbed for one backend has not been measured
    yet, and neither has one whose paired ratios straddle the tie.
-   NOTE: ``python -m fusion_backend bench --suite families --no-memory`` on the H100, three rounds,
-   put fusion at 0.81x Inductor on convt2d_64_32_k4_s2_groupnorm_silu bf16 infer, where both ran
-   Inductor's same kernels (76 us of GPU time per step, by the profiler); in one process that
-   compiled step measured 0.17 ms and then 0.73 ms per call in two consecutive windows.
 
 The step: ``infer`` is the forward under ``torch.no_grad()``; ``train`` is forward plus
 ``torch.autograd.backward(outputs, grad_outputs)`` with *fixed random* upstream gradients (a plain
@@ -573,6 +569,12 @@ class Runner:
             return _finished(result, Status.ERROR, f"measuring failed: {_describe(exc)}")
         return _Live(backend.name, self._index, result, step)
 
+    # NOTE: the same eager step measured 0.17 ms and 0.27 ms in two runs; ``python -m fusion_backend bench
+    # --suite families --no-memory`` on the H100, three rounds, put fusion at 0.81x Inductor on
+    # convt2d_64_32_k4_s2_groupnorm_silu bf16 infer, where both ran Inductor's same kernels (76 us of GPU
+    # time per step, by the profiler); in one process that compiled step measured 0.17 ms and then
+    # 0.73 ms per call in two consecutive windows.  Hence interleaved rounds and more of them until
+    # they agree (module docstring, step 3).
     def _time_interleaved(self, live: list[_Live]) -> list[ItemResult]:
         """Time every live item in rounds (module docstring, step 3); the items' results."""
         cfg = self.config
