@@ -166,6 +166,7 @@ from fusion_backend.kernels import global_mean as GM  # noqa: E402
 from fusion_backend.kernels import group_norm as GN  # noqa: E402
 from fusion_backend.kernels import layer_norm as LN  # noqa: E402
 from fusion_backend.kernels import norm_pool as NP  # noqa: E402
+from fusion_backend.ops import chain_lowering, conv_io  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
 from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef  # noqa: E402
@@ -204,7 +205,7 @@ def epilogue_pass(pool: str, dtype: str) -> None:
     spec = {"none": None, "max": PoolSpec("max", (2, 2)), "avg": PoolSpec("avg", (3, 3), (2, 2), (1, 1))}[pool]
     out_shape = y.shape if spec is None else (64, 64, 127, 127)
     cfg = ConvEpilogueConfig(conv=ConvSpec(False, (1, 1), (0, 0), (1, 1), (0, 0), 1), chain=EPILOGUE_CHAIN, pool=spec)
-    steps = ce.common.kernel_steps(cfg, [torch.ones(64, 1, 1)], y.dim(), 64)
+    steps = chain_lowering.kernel_steps(cfg.chain, [torch.ones(64, 1, 1)], y.dim(), 64)
     bias, out = torch.zeros(64, dtype=dt), torch.empty(out_shape, dtype=dt)
     winner = torch.empty(out_shape, dtype=torch.int8) if pool == "max" else None
     winner_y = torch.empty(out_shape, dtype=dt) if pool == "max" else None
@@ -234,10 +235,8 @@ def channel_reduce_pass(workload: str, dtype: str) -> None:
     full = kind in ("softmax", "log_softmax")
     columns = c if full else 1
     operands = [torch.ones(c, 1, 1), torch.ones(columns, 1, 1)]
-    pre_steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=ConvSpec(False, (1,), (0,), (1,), (0,), 1), chain=pre),
-                                       operands, y.dim(), c)  # fmt: skip
-    post_steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=ConvSpec(False, (1,), (0,), (1,), (0,), 1), chain=post),
-                                        operands, y.dim(), columns)  # fmt: skip
+    pre_steps = chain_lowering.kernel_steps(pre, operands, y.dim(), c)
+    post_steps = chain_lowering.kernel_steps(post, operands, y.dim(), columns)
     bias = torch.zeros(c, dtype=dt)
     params, post_params = EP.build_params(pre_steps, bias, c, y.device), EP.build_params(post_steps, None, columns, y.device)
     out = torch.empty_like(y) if full else torch.empty([n, 1, *spatial], dtype=dt)
@@ -271,9 +270,8 @@ def group_norm_pass(workload: str, dtype: str) -> None:
     n, c = shape[:2]
     y = torch.empty(shape, dtype=dt, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     operands = [torch.ones(c, 1, 1), torch.ones(c, 1, 1)]
-    spec = ConvSpec(False, (1,), (0,), (1,), (0,), 1)
-    pre_steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=spec, chain=pre), operands, y.dim(), c)
-    post_steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=spec, chain=post), operands, y.dim(), c)
+    pre_steps = chain_lowering.kernel_steps(pre, operands, y.dim(), c)
+    post_steps = chain_lowering.kernel_steps(post, operands, y.dim(), c)
     params = EP.build_params(pre_steps, torch.zeros(c, dtype=dt), c, y.device)
     post_params = EP.build_params(post_steps, None, c, y.device)
     affine = torch.empty(2, c, dtype=torch.float32)
@@ -296,9 +294,9 @@ def pooled_outputs(y: torch.Tensor, pool: PoolSpec,
                    fmt: torch.memory_format | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """The pooled result in ``fmt`` (default y's layout) and (max pool) its int8 winners in y's layout,
     as the norm families allocate them (``conv_group_norm.common.allocate_result``)."""
-    shape = ce.common.pooled_output_shape(y.shape, pool)
-    out = torch.empty(shape, dtype=y.dtype, memory_format=fmt or ce.common.output_memory_format(y))
-    winner = torch.empty(shape, dtype=torch.int8, memory_format=ce.common.output_memory_format(y))
+    shape = conv_io.pooled_output_shape(y.shape, pool)
+    out = torch.empty(shape, dtype=y.dtype, memory_format=fmt or conv_io.output_memory_format(y))
+    winner = torch.empty(shape, dtype=torch.int8, memory_format=conv_io.output_memory_format(y))
     return out, winner if pool.kind == "max" else None
 
 
@@ -321,8 +319,7 @@ def batch_norm_pass(workload: str, dtype: str) -> None:
     c = shape[1]
     fmt = (torch.channels_last if len(shape) == 4 else torch.channels_last_3d) if channels_last else torch.contiguous_format
     y = torch.empty(shape, dtype=dt, memory_format=fmt)
-    spec = ConvSpec(False, (1,), (0,), (1,), (0,), 1)
-    steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=spec, chain=post), [torch.ones(c, *[1] * (y.dim() - 2))], y.dim(), c)
+    steps = chain_lowering.kernel_steps(post, [torch.ones(c, *[1] * (y.dim() - 2))], y.dim(), c)
     post_params = EP.build_params(steps, None, c, y.device)
     bias, affine, stats = torch.zeros(c, dtype=dt), torch.empty(2, c, dtype=torch.float32), torch.empty(2, c)
     BN.batch_norm_stats(y, bias, 1e-5)
@@ -358,9 +355,8 @@ def layer_norm_pass(workload: str, dtype: str) -> None:
     fmt = (torch.channels_last if len(shape) == 4 else torch.channels_last_3d) if channels_last else torch.contiguous_format
     y = torch.empty(shape, dtype=dt, memory_format=fmt)
     ones = [torch.ones(c, *[1] * (len(shape) - 2))] * 2
-    spec = ConvSpec(False, (1,), (0,), (1,), (0,), 1)
-    pre_steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=spec, chain=pre), ones, y.dim(), c)
-    post_steps = ce.common.kernel_steps(ConvEpilogueConfig(conv=spec, chain=post), ones, y.dim(), c)
+    pre_steps = chain_lowering.kernel_steps(pre, ones, y.dim(), c)
+    post_steps = chain_lowering.kernel_steps(post, ones, y.dim(), c)
     params = EP.build_params(pre_steps, torch.zeros(c, dtype=dt), c, y.device)
     post_params = EP.build_params(post_steps, None, c, y.device)
     geo = LN.row_geometry(shape, dims)

@@ -1,20 +1,27 @@
-"""Static configuration of the fused ops, serialised into the op call as a string.
+"""Static configuration of the fused ops, serialised into the op call as a string, and its codec.
 
 ``torch.library.custom_op`` schemas carry tensors and a few scalar types, not arbitrary objects, so the
-configuration of a fused region (conv hyper-parameters, the pointwise chain, the pool) travels as one
-canonical JSON string.  It must not contain anything shape-dependent: the same string serves every
+configuration of a fused region (conv hyper-parameters, the pointwise chains, the pool...) travels as
+one canonical JSON string.  It must not contain anything shape-dependent: the same string serves every
 input shape (dynamic shapes), and everything size-dependent is read off the tensors at run time.
 
-``ConvEpilogueConfig.to_json()`` / ``from_json()`` round-trip exactly; ``from_json`` is cached because
-the op implementations parse the string on every call.
+Every family's config is a frozen dataclass deriving from ``JsonConfig``, which is the one codec:
+``to_json()`` writes every field (sorted keys, no spaces: equal configs give equal strings) and
+``from_json()`` parses it back, cached because the op implementations parse the string on every call.
+A field's JSON form follows its annotation (``_CODECS``); a config with a field of another type fails
+at class definition.  ``ConvEpilogueConfig`` (the epilogue family's) lives here because the patterns
+build it too; the checks at the end are the ones the families' ``__post_init__`` share.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -31,46 +38,58 @@ from .chain import (
 )
 
 
-@dataclass(frozen=True)
-class ConvEpilogueConfig:
-    """Everything static about one ``conv -> chain -> optional pool`` region.
+def _same(value: Any) -> Any:
+    return value
 
-    * ``chain`` runs on the conv output; when the op receives a bias, the implementation adds it
-      first (the bias is not a step of ``chain``).
-    * ``out_dtype``: dtype name of the region's result as eager produces it (type promotion with
-      fp32 operands under autocast makes it differ from the conv's dtype); ``None`` = conv dtype.
-    * ``compute_dtype``: dtype name the conv runs in; ``x``, ``weight`` and ``bias`` stored in another
-      dtype are cast to it by the op (autocast: the op receives the fp32 tensors and its kernels cast
-      them as they load them, instead of three cast kernels before it and three after its backward);
-      gradients come back in each input's own dtype.  ``None`` = x's dtype.
-    * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
-    """
 
-    conv: ConvSpec
-    chain: tuple[ChainStep, ...] = ()
-    pool: Optional[PoolSpec] = None
-    out_dtype: Optional[str] = None
-    strict: bool = False
-    compute_dtype: Optional[str] = None
+def _optional(decode: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda value: None if value is None else decode(value)
 
-    def __post_init__(self) -> None:
-        check_chain(self.chain)
 
-    def __hash__(self) -> int:
-        # Cached: configs key the op's per-call host caches, and hashing the nested fields costs
-        # ~10 us per call (measured with cProfile).  Equal configs still hash equal.
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash((self.conv, self.chain, self.pool, self.out_dtype, self.strict, self.compute_dtype))
-            object.__setattr__(self, "_hash", cached)
-        return cached
+def _encode_spec(value: Any) -> Any:
+    return None if value is None else value.to_dict()
+
+
+#: Per field annotation: ``(to JSON, from JSON)``.
+_CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
+    "ConvSpec": (_encode_spec, ConvSpec.from_dict),
+    "PoolSpec | None": (_encode_spec, _optional(PoolSpec.from_dict)),
+    "tuple[ChainStep, ...]": (lambda chain: chain_to_list(chain), lambda items: chain_from_list(items)),
+    "tuple[int, ...]": (list, lambda items: tuple(int(v) for v in items)),
+    "float": (_same, float),
+    "int": (_same, int),
+    "bool": (_same, bool),
+    "str": (_same, str),
+    "int | None": (_same, _same),
+    "str | None": (_same, _same),
+}
+
+
+class JsonConfig:
+    """The JSON codec of a fused op's config (a frozen dataclass deriving from it; see the module
+    docstring).  A key missing from the JSON takes the field's default."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, annotation in inspect.get_annotations(cls).items():
+            if str(annotation) not in _CODECS:
+                raise TypeError(f"{cls.__name__}.{name}: no JSON codec for {annotation!r} (ops/config.py's _CODECS)")
 
     def to_json(self) -> str:
-        return json.dumps(_config_to_dict(self), sort_keys=True, separators=(",", ":"))
+        """Canonical JSON (sorted keys, no spaces): equal configs give equal strings."""
+        d = {f.name: _CODECS[str(f.type)][0](getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
-    @staticmethod
-    def from_json(text: str) -> ConvEpilogueConfig:
-        return _parse_conv_epilogue(text)
+    @classmethod
+    def from_json(cls, text: str) -> Any:
+        """Parse ``to_json``'s output (cached)."""
+        return _parse(cls, text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(cls: type, text: str) -> Any:
+    d = json.loads(text)
+    return cls(**{f.name: _CODECS[str(f.type)][1](d[f.name]) for f in dataclasses.fields(cls) if f.name in d})
 
 
 def _operand_to_dict(op: Operand) -> dict[str, Any]:
@@ -101,24 +120,39 @@ def chain_from_list(items: list[dict[str, Any]]) -> tuple[ChainStep, ...]:
     )
 
 
-def _config_to_dict(cfg: ConvEpilogueConfig) -> dict[str, Any]:
-    return {
-        "conv": cfg.conv.to_dict(),
-        "chain": chain_to_list(cfg.chain),
-        "pool": None if cfg.pool is None else cfg.pool.to_dict(),
-        "out_dtype": cfg.out_dtype,
-        "strict": cfg.strict,
-        "compute_dtype": cfg.compute_dtype,
-    }
+@dataclass(frozen=True)
+class ConvEpilogueConfig(JsonConfig):
+    """Everything static about one ``conv -> chain -> optional pool`` region.
 
+    * ``chain`` runs on the conv output; when the op receives a bias, the implementation adds it
+      first (the bias is not a step of ``chain``).
+    * ``out_dtype``: dtype name of the region's result as eager produces it (type promotion with
+      fp32 operands under autocast makes it differ from the conv's dtype); ``None`` = conv dtype.
+    * ``compute_dtype``: dtype name the conv runs in; ``x``, ``weight`` and ``bias`` stored in another
+      dtype are cast to it by the op (autocast: the op receives the fp32 tensors and its kernels cast
+      them as they load them, instead of three cast kernels before it and three after its backward);
+      gradients come back in each input's own dtype.  ``None`` = x's dtype.
+    * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
+    """
 
-@functools.lru_cache(maxsize=256)
-def _parse_conv_epilogue(text: str) -> ConvEpilogueConfig:
-    d = json.loads(text)
-    pool = d.get("pool")
-    return ConvEpilogueConfig(conv=ConvSpec.from_dict(d["conv"]), chain=chain_from_list(d["chain"]),
-                              pool=None if pool is None else PoolSpec.from_dict(pool), out_dtype=d.get("out_dtype"),
-                              strict=bool(d.get("strict", False)), compute_dtype=d.get("compute_dtype"))  # fmt: skip
+    conv: ConvSpec
+    chain: tuple[ChainStep, ...] = ()
+    pool: PoolSpec | None = None
+    out_dtype: str | None = None
+    strict: bool = False
+    compute_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        check_chain(self.chain)
+
+    def __hash__(self) -> int:
+        # Cached: configs key the op's per-call host caches, and hashing the nested fields costs
+        # ~10 us per call (measured with cProfile).  Equal configs still hash equal.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.conv, self.chain, self.pool, self.out_dtype, self.strict, self.compute_dtype))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,3 +186,25 @@ def check_norm_affine(config: Any) -> None:
         index = getattr(config, name)
         if index is not None and (not isinstance(index, int) or index < 0):
             raise ValueError(f"{name} must be an operand index or None, got {index!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The configs in a few words, for messages (each family's ``describe``)
+# ------------------------------------------------------------------------------------------------
+
+
+def describe_chain(steps: tuple[ChainStep, ...]) -> str:
+    """``relu, mul`` for messages."""
+    return ", ".join(s.kind.name.lower() for s in steps)
+
+
+def describe_affine(cfg: Any) -> str:
+    """``, weight, bias`` for a norm with both (for messages)."""
+    return "".join([", weight" if cfg.weight is not None else "", ", bias" if cfg.bias is not None else ""])
+
+
+def describe_pool(pool: PoolSpec | None) -> str:
+    """`` -> max_pool(k=(3, 3), s=(2, 2), p=(1, 1), ceil_mode=False)`` for messages ('' without a pool)."""
+    if pool is None:
+        return ""
+    return f" -> {pool.kind}_pool(k={pool.kernel_size}, s={pool.stride}, p={pool.padding}, ceil_mode={pool.ceil_mode})"

@@ -73,7 +73,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..ir.specs import ConvSpec
 from ..kernels.host import BoundedCache, tensor_key
-from .conv_epilogue.common import run_conv, run_conv_backward
+from .conv_io import run_conv, run_conv_backward
 
 logger = logging.getLogger("fusion_backend")
 

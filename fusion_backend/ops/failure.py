@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Hashable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torch import Tensor
 
@@ -59,13 +59,15 @@ def triton_serves(op: str, why_not: str | None, strict: bool, device_type: str) 
     return False
 
 
-def op_kernel_failed(op: str, direction: str, described: str, config: str, x: Tensor, weight: Tensor,
+def op_kernel_failed(op: str, direction: str, described: str, config: str, x: Any, weight: Tensor,
                      error: Exception, strict: bool) -> None:  # fmt: skip
-    """``kernel_failed`` for the ``direction`` ("forward", "backward") kernel of ``fusion::{op}``:
-    the message names the op's configuration (``described``) and the call's inputs; the warning is
-    given once per (op, direction, config)."""
-    what = (f"fusion::{op} {direction} Triton kernel failed for {described}, x {tuple(x.shape)} weight "
-            f"{tuple(weight.shape)} {x.dtype} on {x.device}: {type(error).__name__}: {error}")
+    """``kernel_failed`` for the ``direction`` ("forward", "backward") Triton path of ``fusion::{op}``:
+    the message names the custom op (``fusion::{op}_fwd`` / ``_bwd``), the op's configuration
+    (``described``) and the call's inputs (``x``: a tensor, or anything with its ``shape``, ``dtype``
+    and ``device``); the warning is given once per (op, direction, config)."""
+    custom_op = f"fusion::{op}_{'fwd' if direction == 'forward' else 'bwd'}"
+    what = (f"fusion::{op} {direction} Triton kernel failed in {custom_op} for {described}, x {tuple(x.shape)} "
+            f"weight {tuple(weight.shape)} {x.dtype} on {x.device}: {type(error).__name__}: {error}")
     kernel_failed(what, error, strict, (op, direction, config))
 
 
@@ -82,12 +84,12 @@ def triton_or_reference(serves: bool, triton: Callable[[], T], reference: Callab
     return reference()
 
 
-def check_backward_call(op: str, output_mask: Sequence[bool], num_operands: int, saved_stats: Tensor) -> None:
+def check_backward_call(op: str, output_mask: Sequence[bool], num_operands: int, state: Sequence[Tensor]) -> None:
     """One-line errors for a backward op called outside its autograd formula: an ``output_mask`` of
-    the wrong length, or saved state from a forward that ran with ``save_for_backward=False`` (its
-    statistics are then an empty placeholder)."""
+    the wrong length, or the state of a forward that ran with ``save_for_backward=False`` (every state
+    tensor an empty ``(0,)`` placeholder)."""
     if len(output_mask) != 3 + num_operands:
         raise ValueError(f"output_mask needs {3 + num_operands} entries, got {len(output_mask)}")
-    if saved_stats.dim() == 1:
+    if all(t.dim() == 1 and t.numel() == 0 for t in state):
         raise RuntimeError(f"fusion::{op}_bwd: the forward ran with save_for_backward=False; call {op}() (which "
                            "saves state when autograd needs it) instead of the raw op")  # fmt: skip

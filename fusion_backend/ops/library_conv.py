@@ -21,7 +21,7 @@ Backward (:class:`ConvBackwardPlan`, one per call signature, from :func:`conv_ba
 
 * ``plan.new_grad_y(device)``: an empty conv-output gradient of the conv output's shape and dtype,
   channels-last for 2-d and 3-d convs in fp16 / bf16 / fp32, else in the saved conv output's memory
-  format (``conv_epilogue.common.output_memory_format``).  The family's kernel writes it through
+  format (``conv_io.output_memory_format``).  The family's kernel writes it through
   its strides, whatever they are.
 * ``plan(grad_y, x, weight, need_x, need_w, need_b) -> (grad_x, grad_w, grad_b)``: None where not
   needed; ``grad_x`` in x's own layout (``torch.empty_like(x)`` strides) and the conv's dtype, the
@@ -86,7 +86,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from ..ir.specs import ConvSpec
 from ..kernels.host import BoundedCache, tensor_key
 from . import conv_precision
-from .conv_epilogue.common import (
+from .conv_io import (
     channels_last_format,
     conv_output_shape,
     in_format,

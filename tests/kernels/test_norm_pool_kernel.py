@@ -17,8 +17,8 @@ from fusion_backend.kernels import group_norm as gn
 from fusion_backend.kernels.chain_math import OP_CODES
 from fusion_backend.kernels.epilogue import build_params
 from fusion_backend.kernels.norm_pool import norm_pool_forward
-from fusion_backend.ops.conv_epilogue.common import pooled_output_shape, run_pool
-from fusion_backend.ops.conv_epilogue.reference import window_winners
+from fusion_backend.ops.chain_reference import window_winners
+from fusion_backend.ops.conv_io import pooled_output_shape, run_pool
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 

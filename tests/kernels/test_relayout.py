@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from fusion_backend.ops import conv_epilogue as ce
+from fusion_backend.ops import conv_io
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CL = {4: torch.channels_last, 5: torch.channels_last_3d}
@@ -60,7 +60,7 @@ def test_the_ops_relayout_falls_back_to_copy_for_other_layouts(relayout):
     src = base[..., 1:]  # sliced: H stride 6, W 5 wide
     dst = torch.empty(src.shape, device=DEVICE, memory_format=torch.channels_last)
     assert relayout.relayout_supported(src, dst) is not None
-    assert torch.equal(ce.common.relayout(src, dst), src)
+    assert torch.equal(conv_io.relayout(src, dst), src)
 
 
 def test_a_planned_relayout_copies_into_a_fresh_tensor_of_its_layout_on_every_call(relayout):

@@ -17,6 +17,7 @@ import torch
 
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.kernels import epilogue as kernels
+from fusion_backend.ops import chain_lowering
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
 from fusion_backend.ops.config import ConvEpilogueConfig
@@ -168,7 +169,7 @@ def test_a_bias_and_constant_operands_build_nothing_per_call():
 
     def plan(chain, operands, b):
         cfg = ConvEpilogueConfig(conv=spec, chain=tuple(chain), pool=None, strict=True)
-        return ce.forward.PlannedOperands(cfg, ce.common.kernel_steps(cfg, operands, 4, 5), b, 5, device)
+        return ce.forward.PlannedOperands(cfg, chain_lowering.kernel_steps(cfg.chain, operands, 4, 5), b, 5, device)
 
     constants = plan([ChainStep(PK.LEAKY_RELU, (Const(0.1),)), ChainStep(PK.GELU, ())], [], bias)
     params, got_bias = constants(bias, [])

@@ -18,6 +18,7 @@ from conv_cases import GELU, LEAKY, MUL0, conv_spec
 
 from fusion_backend.ir.specs import PoolSpec
 from fusion_backend.kernels import epilogue as kernels
+from fusion_backend.ops import chain_lowering, conv_io
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops.config import ConvEpilogueConfig
 from fusion_backend.testing import compare
@@ -96,7 +97,7 @@ def test_channels_last_backward_matches_float64(case, channels_last_backward):
     ref = torch.autograd.grad(_call(ce.conv_epilogue_eager, leaves64, has_bias, config), leaves64, grad.double())
     assert len(channels_last_backward) == 1, "the forced plan was not used"
     plan = channels_last_backward[0]
-    fmt = ce.common.channels_last_format(leaves[0].dim())
+    fmt = conv_io.channels_last_format(leaves[0].dim())
     shape, stride, _ = plan.g_layout
     assert stride == torch.empty(shape, device="meta", memory_format=fmt).stride(), "grad_y is not channels-last"
     for name, leaf, g, w_, r in zip("x weight bias multiplier".split(), leaves, got, want, ref, strict=False):
@@ -167,7 +168,7 @@ def test_transposing_epilogue_kernel_writes_the_same_values(exact_fp32, monkeypa
     bias = torch.randn(70, generator=g).to(DEVICE)
     mult = torch.randn(70, 1, 1, generator=g).to(DEVICE)
     grad_out = torch.randn(y.shape, generator=g).to(DEVICE)
-    steps = ce.common.kernel_steps(cfg, [mult], 4, 70)
+    steps = chain_lowering.kernel_steps(cfg.chain, [mult], 4, 70)
     results = {}
     for fmt in (torch.contiguous_format, torch.channels_last):
         grad_y = torch.empty(y.shape, device=DEVICE, memory_format=fmt)

@@ -24,7 +24,7 @@ from conv_cases import GELU, LEAKY, MUL0, conv_spec
 from fusion_backend.ir.specs import PoolSpec
 from fusion_backend.kernels import epilogue as kernels
 from fusion_backend.ops import conv_epilogue as ce
-from fusion_backend.ops import impl_choice
+from fusion_backend.ops import conv_io, impl_choice
 from fusion_backend.ops.chain import PointwiseKind
 from fusion_backend.ops.config import ConvEpilogueConfig
 from fusion_backend.testing import compare
@@ -78,7 +78,7 @@ def same_conv(monkeypatch, interpreted):
 
     def conv(x, weight, bias, spec):
         y = real(x.contiguous(), weight.contiguous(), bias, spec)
-        fmt = ce.common.channels_last_format(x.dim())
+        fmt = conv_io.channels_last_format(x.dim())
         return y.contiguous(memory_format=fmt) if x.is_contiguous(memory_format=fmt) else y
 
     monkeypatch.setattr(ce.forward, "run_conv", conv)
@@ -129,7 +129,7 @@ def test_channels_last_forward_equals_library_forward_bitwise(case, save, same_c
     x, w, b, ops, cfg = _inputs(case)
     library, got, plan = _both(x, w, b, ops, cfg, save)
     _assert_identical(got, library)
-    fmt = ce.common.channels_last_format(x.dim())
+    fmt = conv_io.channels_last_format(x.dim())
     assert list(plan.launches) == [torch.empty(plan.y0_layout[0], device="meta", memory_format=fmt).stride()]
 
 

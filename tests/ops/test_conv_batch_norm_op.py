@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from fusion_backend.errors import KernelError, UnsupportedInputError
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef
+from fusion_backend.ops.chain_reference import apply_chain
 from fusion_backend.ops.conv_batch_norm import (
     ConvBatchNormConfig,
     batch_norm_running_update,
@@ -28,7 +29,7 @@ from fusion_backend.ops.conv_batch_norm import (
     conv_batch_norm_fwd,
     kernel_path,
 )
-from fusion_backend.ops.conv_epilogue.common import apply_chain, run_pool
+from fusion_backend.ops.conv_io import run_pool
 from fusion_backend.testing import TOLERANCES, compare, relative_error
 
 K = PointwiseKind

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from fusion_backend.errors import KernelError, UnsupportedInputError
 from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef
+from fusion_backend.ops.chain_reference import apply_chain
 from fusion_backend.ops.conv_channel_reduce import (
     REDUCTIONS,
     ConvChannelReduceConfig,
@@ -26,7 +27,6 @@ from fusion_backend.ops.conv_channel_reduce import (
     conv_channel_reduce_fwd,
     kernel_path,
 )
-from fusion_backend.ops.conv_epilogue.common import apply_chain
 from fusion_backend.testing import compare
 
 K = PointwiseKind

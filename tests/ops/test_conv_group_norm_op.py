@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fusion_backend.errors import KernelError, UnsupportedInputError
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef
-from fusion_backend.ops.conv_epilogue.common import apply_chain, run_pool
+from fusion_backend.ops.chain_reference import apply_chain
 from fusion_backend.ops.conv_group_norm import (
     ConvGroupNormConfig,
     conv_group_norm,
@@ -28,6 +28,7 @@ from fusion_backend.ops.conv_group_norm import (
     conv_group_norm_fwd,
     kernel_path,
 )
+from fusion_backend.ops.conv_io import run_pool
 from fusion_backend.testing import TOLERANCES, compare, relative_error, stable_seed
 
 K = PointwiseKind

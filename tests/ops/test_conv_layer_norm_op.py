@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from fusion_backend.errors import KernelError, UnsupportedInputError
 from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef
-from fusion_backend.ops.conv_epilogue.common import apply_chain
+from fusion_backend.ops.chain_reference import apply_chain
 from fusion_backend.ops.conv_layer_norm import (
     ConvLayerNormConfig,
     conv_layer_norm,

@@ -27,7 +27,7 @@ from fusion_backend.ops.chain import ChainStep, PointwiseKind
 from fusion_backend.ops.config import ConvEpilogueConfig
 from fusion_backend.ops.conv_batch_norm import ConvBatchNormConfig, conv_batch_norm
 from fusion_backend.ops.conv_channel_reduce import ConvChannelReduceConfig, conv_channel_reduce
-from fusion_backend.ops.conv_epilogue.common import run_conv, run_conv_backward
+from fusion_backend.ops.conv_io import run_conv, run_conv_backward
 from fusion_backend.testing import stable_seed
 
 CONV2D = conv_spec(2)

@@ -51,8 +51,8 @@ def test_unserved_cases_raise_only_under_strict_on_cuda() -> None:
 
 def test_backward_calls_outside_the_autograd_formula_get_one_line_errors() -> None:
     stats = torch.empty(2, 3)
-    check_backward_call("conv_x", [True] * 5, 2, stats)
+    check_backward_call("conv_x", [True] * 5, 2, [stats])
     with pytest.raises(ValueError, match="output_mask needs 5 entries, got 4"):
-        check_backward_call("conv_x", [True] * 4, 2, stats)
+        check_backward_call("conv_x", [True] * 4, 2, [stats])
     with pytest.raises(RuntimeError, match=r"fusion::conv_x_bwd: the forward ran with save_for_backward=False"):
-        check_backward_call("conv_x", [True] * 5, 2, torch.empty(0))
+        check_backward_call("conv_x", [True] * 5, 2, [torch.empty(0)])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fusion_backend.ir.specs import ConvSpec
-from fusion_backend.ops.conv_epilogue.common import run_conv
+from fusion_backend.ops.conv_io import run_conv
 from fusion_backend.ops.library_conv import conv_backward_plan
 
 pytestmark = pytest.mark.usefixtures("exact_fp32")
@@ -93,7 +93,7 @@ def test_the_forward_runs_channels_last_with_eager_s_values_and_its_fake_s_layou
     tensors (an op's fake calls it); ``nominal_format`` is the layout of aten's own conv output."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fusion_backend.ops.conv_epilogue.common import output_memory_format
+    from fusion_backend.ops.conv_io import output_memory_format
     from fusion_backend.ops.library_conv import conv_forward, nominal_format
 
     gen = torch.Generator().manual_seed(5)

@@ -12,7 +12,7 @@ eager updates them.  Three custom ops carry the work (``torch.library.custom_op`
 with fakes):
 
 * ``fusion::conv_batch_norm_fwd(x, weight, bias, operands, config, save_for_backward) -> (out,
-  saved_y, saved_winner, stats)``, functional: the saved state (``common.allocate_forward_outputs``)
+  saved_y, saved_winner, stats)``, functional: the saved state (``config.outputs``)
   is the conv output without bias and, behind a max pool, each window's winner (int8), both only with
   ``save_for_backward``, and fp32 ``(3, C)`` statistics (each channel's mean, ``1 / sqrt(var + eps)``
   and unbiased variance), nothing else full-size.
@@ -36,19 +36,140 @@ Implementations:
 
 Failure policy as the other families' (``ops/failure.py``): a Triton failure raises ``KernelError``
 under ``config.strict``, else warns once and runs the reference.
+
+The running statistics' update is an op of its own, ``fusion::batch_norm_running_update``, which
+mutates them and says so (``mutates_args``), so that AOTAutograd functionalizes the call (the buffers
+are graph inputs it copies the new values back into) and Inductor keeps the update; the direct runner
+calls it eagerly, which updates them in place.  WHY apart: torch.library takes no autograd formula for
+an op that mutates its arguments, and the forward needs one.
+
+Modules: this one (the declaration, the entry point and the running update), ``config`` (the static
+config, the outputs' layouts, the input checks), ``triton_path`` and ``reference``.
 """
 
-from .common import kernel_path
-from .config import ConvBatchNormConfig
-from .op import (
-    batch_norm_running_update,
-    conv_batch_norm,
-    conv_batch_norm_bwd,
-    conv_batch_norm_fwd,
-    split_operands,
-)
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ...errors import UnsupportedInputError
+from ..chain_lowering import pool_unroll_problem
+from ..declare import FusedOpDeclaration, declare
+from ..direct_impls import profiled, records_backward, register_direct
+from ..library_conv import conv_forward, nominal_format
+from . import reference, triton_path
+from .config import OP, ConvBatchNormConfig, check_inputs, describe, outputs, update_running_stats
+
+
+def _outputs(x, weight, bias, operands, cfg, save):
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+    return outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
+
+
+CONV_BATCH_NORM = declare(FusedOpDeclaration(
+    name=OP,
+    config=ConvBatchNormConfig,
+    state=("saved_y", "saved_winner", "saved_stats"),
+    outputs=_outputs,
+    reference_forward=reference.forward,
+    triton_forward=triton_path.forward,
+    reference_backward=reference.backward,
+    triton_backward=triton_path.backward,
+    check_inputs=check_inputs,
+    describe=describe,
+    kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool),
+))
+conv_batch_norm_fwd, conv_batch_norm_bwd = CONV_BATCH_NORM.fwd, CONV_BATCH_NORM.bwd
+kernel_path = CONV_BATCH_NORM.kernel_path
+
+
+def _running_update_impl(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:
+    """``running = (1 - momentum) * running + momentum * batch`` in place (``config.update_running_stats``;
+    ``stats``: the forward's ``(3, C)``)."""
+    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
+        if t.numel() != stats.shape[1] or not t.is_floating_point():
+            raise UnsupportedInputError(f"fusion::batch_norm_running_update: {name} must hold {stats.shape[1]} "
+                                        f"floating values, got {tuple(t.shape)} {t.dtype}")  # fmt: skip
+    update_running_stats(running_mean.view(-1), running_var.view(-1), stats, momentum)
+
+
+batch_norm_running_update = torch.library.custom_op(
+    "fusion::batch_norm_running_update", mutates_args=("running_mean", "running_var"))(_running_update_impl)
+
+
+@batch_norm_running_update.register_fake
+def _running_update_fake(running_mean, running_var, stats, momentum):
+    return None
+
+
+def split_operands(operands: Sequence[Tensor], config: str) -> tuple[list[Tensor], Tensor | None, Tensor | None]:
+    """``(chain and affine operands, running_mean, running_var)`` from the operand list a rewritten
+    graph passes: with ``config.running_stats`` the running statistics are its last two entries (one
+    list keeps the graph call's shape ``(x, weight, bias, operands, config)`` every family shares)."""
+    if not ConvBatchNormConfig.from_json(config).running_stats:
+        return list(operands), None, None
+    if len(operands) < 2:
+        raise UnsupportedInputError(f"fusion::conv_batch_norm: the config says the running statistics are the last "
+                                    f"two operands, but {len(operands)} were given")  # fmt: skip
+    return list(operands[:-2]), operands[-2], operands[-1]
+
+
+def conv_batch_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                    config: str) -> Tensor:  # fmt: skip
+    """``pool(post(batch_norm(conv(x, weight, bias), training=True) * gamma + beta)).to(out_dtype)`` as
+    one fused op (the pool only with ``config.pool``), updating the running statistics as eager's
+    batch norm does.
+
+    Args:
+        x: ``(N, C_in, *spatial)``, 1-3 spatial dims, the conv's dtype; any layout.
+        weight: conv weight, ``(C_out, C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``.
+        bias: ``(C_out,)`` or ``None``.
+        operands: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
+            (C values each), the tensors the chain's ``TensorRef`` operands refer to, then, with
+            ``config.running_stats``, ``running_mean`` and ``running_var`` (C values each, updated in
+            place with ``config.momentum``).
+        config: ``ConvBatchNormConfig.to_json()``.
+
+    Returns:
+        The conv output's shape (with ``config.pool``, the pooled shape), in its memory format; dtype
+        ``out_dtype`` (default the conv's).
+        Differentiable in x, weight, bias and every chain or affine operand.  State for the backward
+        (the conv output, the (3, C) statistics and a max pool's int8 winners) is kept only when
+        autograd will need it.
+    """
+    ops, running_mean, running_var = split_operands(operands, config)
+    save = records_backward(x, weight, bias, ops)
+    out, _, _, stats = torch.ops.fusion.conv_batch_norm_fwd(x, weight, bias, ops, config, save)
+    if running_mean is not None:
+        momentum = ConvBatchNormConfig.from_json(config).momentum
+        torch.ops.fusion.batch_norm_running_update(running_mean, running_var, stats, momentum)
+    return out
+
+
+_DirectConvBatchNorm = CONV_BATCH_NORM.direct_function(outputs=2)
+
+
+@profiled("fusion::conv_batch_norm_fwd")
+def _conv_batch_norm_direct(x, weight, bias, operands, config):
+    """``conv_batch_norm`` without the custom-op layers (the direct implementation; same contract)."""
+    ops, running_mean, running_var = split_operands(operands, config)
+    if records_backward(x, weight, bias, ops):
+        out, stats = _DirectConvBatchNorm.apply(config, x, weight, bias, *ops)
+    else:
+        out, _, _, stats = CONV_BATCH_NORM.forward_impl(x, weight, bias, ops, config, False)
+    if running_mean is not None:
+        with torch.no_grad():
+            _running_update_impl(running_mean, running_var, stats, ConvBatchNormConfig.from_json(config).momentum)
+    return out
+
+
+register_direct(conv_batch_norm, _conv_batch_norm_direct)
+
 
 __all__ = [
+    "CONV_BATCH_NORM",
     "ConvBatchNormConfig",
     "batch_norm_running_update",
     "conv_batch_norm",

@@ -1,22 +1,47 @@
 """``ConvBatchNormConfig``: the static part of a ``fusion::conv_batch_norm`` call (conv parameters, eps,
 the running statistics' momentum, where the norm's weight and bias sit among the operands, the chain
-after the norm, dtypes, strict, the pool that may end the region) and its JSON codec.
+after the norm, dtypes, strict, the pool that may end the region), and what the declaration reads of
+it: the outputs with their exact layouts, the input checks, the description.
 """
 
 from __future__ import annotations
 
-import functools
-import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+import torch
+from torch import Tensor
 
 from ...ir.specs import ConvSpec, PoolSpec
 from ..chain import ChainStep
-from ..config import chain_from_list, chain_to_list, check_dtype_names, check_kernel_chains, check_norm_affine
+from ..chain_lowering import check_affine_operands, check_operand_refs
+from ..config import (
+    JsonConfig,
+    check_dtype_names,
+    check_kernel_chains,
+    check_norm_affine,
+    describe_affine,
+    describe_chain,
+    describe_pool,
+)
+from ..conv_io import (
+    allocate_result,
+    check_conv_inputs,
+    conv_channels,
+    conv_output_shape,
+    dtype_named,
+    empty_placeholder,
+    in_format,
+    output_memory_format,
+    stats_dtype,
+)
+
+OP = "conv_batch_norm"
 
 
 @dataclass(frozen=True)
-class ConvBatchNormConfig:
+class ConvBatchNormConfig(JsonConfig):
     """Everything static about one ``conv -> batch norm (batch statistics) -> post-chain`` region.
 
     * ``eps``: added to each channel's biased batch variance before the reciprocal square root.
@@ -60,46 +85,63 @@ class ConvBatchNormConfig:
 
     @property
     def pre(self) -> tuple[ChainStep, ...]:
-        """The chain before the norm: none (the norm reads the conv output); the shared chain helpers
-        (``conv_channel_reduce``'s operand gradients) read a ``pre`` and a ``post`` chain."""
+        """The chain before the norm: none (the norm reads the conv output plus bias), so that the
+        lowering reads a ``pre`` and a ``post`` chain of every norm family alike."""
         return ()
 
-    def to_json(self) -> str:
-        """Canonical JSON (sorted keys, no spaces): equal configs give equal strings."""
-        d: dict[str, Any] = {
-            "conv": self.conv.to_dict(),
-            "eps": self.eps,
-            "momentum": self.momentum,
-            "weight": self.weight,
-            "bias": self.bias,
-            "running_stats": self.running_stats,
-            "post": chain_to_list(self.post),
-            "norm_dtype": self.norm_dtype,
-            "out_dtype": self.out_dtype,
-            "strict": self.strict,
-            "pool": None if self.pool is None else self.pool.to_dict(),
-        }
-        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
-    @staticmethod
-    def from_json(text: str) -> ConvBatchNormConfig:
-        """Parse ``to_json``'s output (cached: the op implementations parse on every call)."""
-        return _parse_config(text)
+def norm_dtype(cfg: ConvBatchNormConfig, conv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the norm's result (and of the post-chain) in eager."""
+    return dtype_named(OP, cfg.norm_dtype, conv_dtype, "norm_dtype")
 
 
-@functools.lru_cache(maxsize=256)
-def _parse_config(text: str) -> ConvBatchNormConfig:
-    d = json.loads(text)
-    return ConvBatchNormConfig(
-        conv=ConvSpec.from_dict(d["conv"]),
-        eps=float(d.get("eps", 1e-5)),
-        momentum=float(d.get("momentum", 0.1)),
-        weight=d.get("weight"),
-        bias=d.get("bias"),
-        running_stats=bool(d.get("running_stats", False)),
-        post=chain_from_list(d.get("post", [])),
-        norm_dtype=d.get("norm_dtype"),
-        out_dtype=d.get("out_dtype"),
-        strict=bool(d.get("strict", False)),
-        pool=None if d.get("pool") is None else PoolSpec.from_dict(d["pool"]),
-    )
+def values_per_channel(y_shape: Sequence[int]) -> int:
+    """How many values each channel's batch statistics cover: ``N * prod(spatial)``; like eager, a
+    batch norm with batch statistics needs more than one (``ValueError`` otherwise)."""
+    count = y_shape[0] * math.prod(y_shape[2:])
+    if count <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(y_shape)}")
+    return count
+
+
+def outputs(x: Tensor, y0: Tensor, cfg: ConvBatchNormConfig, save: bool,
+                             out_format: torch.memory_format) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Empty ``(out, saved_y, saved_winner, stats)`` with the exact shapes, dtypes and strides of the
+    real op (``y0``: the conv output without bias, real or fake, as ``library_conv.conv_forward``
+    gives it: channels-last for 2-d and 3-d convs in fp16 / bf16 / fp32).
+
+    * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s (y0's shape, or with a
+      pool the pooled one, in ``out_format`` (``library_conv.nominal_format``: eager's layout), dtype ``out_dtype``; the winners, int8 per
+      window, only with ``save`` and a max pool, else ``empty_placeholder(x)``).
+    * ``saved_y`` (with ``save``, else ``empty_placeholder(x)``): the conv output without bias, y0
+      itself where it is in ``output_memory_format(y0)`` already (a conv's output always is), else a
+      copy in it.
+    * ``stats``: ``stats_dtype`` ``(3, C)`` contiguous, of the conv output plus bias per channel: row
+      0 the batch mean, row 1 ``1 / sqrt(var + eps)`` (``var`` biased; rows 0-1 are what the backward
+      reads), row 2 the unbiased variance (what the running variance is updated with).
+    """
+    out, winner = allocate_result(x, y0, cfg.pool, dtype_named(OP, cfg.out_dtype, y0.dtype), save, out_format)
+    stats = torch.empty([3, y0.shape[1]], dtype=stats_dtype(y0.dtype), device=x.device)
+    return out, (in_format(y0, output_memory_format(y0)) if save else empty_placeholder(x)), winner, stats
+
+
+def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvBatchNormConfig) -> None:
+    """One-line ``UnsupportedInputError`` for inputs that do not fit the config."""
+    check_conv_inputs(OP, x, weight, cfg.conv)
+    check_affine_operands(OP, operands, cfg.weight, cfg.bias, conv_channels(weight, cfg.conv), "one per channel")
+    check_operand_refs(OP, {"post-chain": cfg.post}, operands)
+    values_per_channel(conv_output_shape(x, weight, cfg.conv))
+
+
+def describe(cfg: ConvBatchNormConfig) -> str:
+    """``batch_norm(eps=1e-05, momentum=0.1, weight, bias) -> post [relu]`` for messages."""
+    return (f"batch_norm(eps={cfg.eps:g}, momentum={cfg.momentum:g}{describe_affine(cfg)}) -> post "
+            f"[{describe_chain(cfg.post)}]{describe_pool(cfg.pool)}")
+
+
+def update_running_stats(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:
+    """Eager's in-place update ``running = (1 - m) * running + m * batch`` with the batch mean and
+    unbiased variance (``stats`` rows 0 and 2), computed in the statistics' dtype and stored in the
+    running statistics' own dtype."""
+    running_mean.copy_(stats[0] * momentum + running_mean.to(stats.dtype) * (1.0 - momentum))
+    running_var.copy_(stats[2] * momentum + running_var.to(stats.dtype) * (1.0 - momentum))

@@ -2,9 +2,8 @@
 cover, and the tests' definition of the op): ``forward`` runs eager's ops (``aten.native_batch_norm``
 in training mode) and writes the same output and saved
 state as the kernels; ``backward`` applies ``aten.native_batch_norm_backward`` and the chain's
-derivative (``conv_epilogue``'s tape helpers) to the values recomputed from the saved conv output and
-statistics; a pool after the chain is eager's pool (``run_pool``), its gradient ``conv_epilogue``'s
-reference's.
+derivative (``chain_reference``'s tape) to the values recomputed from the saved conv output and
+statistics; a pool after the chain is eager's pool, its gradient ``chain_reference``'s.
 
 NOTE: the norm runs on the conv output cast to the statistics' dtype (fp32; fp64 for an fp64 conv),
 the dtype eager's batch norm accumulates in for every input dtype it takes.
@@ -17,11 +16,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..conv_epilogue.common import apply_chain, channel_view, run_conv_backward
-from ..conv_epilogue.reference import chain_backward, chain_with_tape, pool_input_grad, pool_saving_winners
+from ..chain_reference import (
+    apply_chain,
+    chain_backward,
+    chain_with_tape,
+    pool_input_grad,
+    pool_saving_winners,
+)
+from ..conv_io import channel_view, dtype_named, run_conv_backward
 from ..library_conv import conv_forward, nominal_format
-from .common import allocate_forward_outputs, norm_dtype, output_dtype, values_per_channel
-from .config import ConvBatchNormConfig
+from .config import OP, ConvBatchNormConfig, norm_dtype, outputs, values_per_channel
 
 
 def _affine(operands: Sequence[Tensor], index: int | None, dtype: torch.dtype) -> Tensor | None:
@@ -37,7 +41,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     come back as eager's own batch mean and unbiased variance (the update's operands)."""
     y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     values_per_channel(y0.shape)
-    out, saved_y, winner, stats = allocate_forward_outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
+    out, saved_y, winner, stats = outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
     yb = y0 if bias is None else y0 + channel_view(bias.to(y0.dtype), y0.dim())
     sdt = stats.dtype
     batch_mean, batch_var = (torch.zeros(y0.shape[1], dtype=sdt, device=y0.device) for _ in range(2))
@@ -46,12 +50,11 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
         1.0, cfg.eps,
     )  # fmt: skip
     result = apply_chain(z.to(norm_dtype(cfg, y0.dtype)), cfg.post, operands)
-    out.copy_(pool_saving_winners(result, cfg.pool, winner).to(output_dtype(cfg, y0.dtype)))
+    out.copy_(pool_saving_winners(result, cfg.pool, winner).to(dtype_named(OP, cfg.out_dtype, y0.dtype)))
     stats[0].copy_(mean)
     stats[1].copy_(rstd)
     stats[2].copy_(batch_var)
     return out, saved_y, winner, stats
-
 
 
 def backward(

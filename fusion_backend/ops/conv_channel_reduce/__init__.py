@@ -12,7 +12,7 @@ channels (dim 1), a pointwise chain after it.
 Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
 
 * ``fusion::conv_channel_reduce_fwd(x, weight, bias, operands, config, save_for_backward)
-  -> (out, saved_y, saved_index, saved_stats)``; the saved state (``common.allocate_forward_outputs``)
+  -> (out, saved_y, saved_index, saved_stats)``; the saved state (``config.outputs``)
   is what the backward needs and nothing it can recompute: the conv output only where the reduction
   or the pre-chain's derivative reads it (never for min / max), the winning channel (int16) and
   the pre-chain's input there for min / max, and fp32 per-position statistics (the reduced value;
@@ -36,16 +36,83 @@ gradients, as torch's formula), logsumexp of an all ``-inf`` column is ``-inf``,
 with an infinite max or a NaN is NaN throughout.  Failure policy as ``conv_epilogue``'s: a Triton
 failure raises ``KernelError`` under ``config.strict``, else warns once and runs the reference.
 
-Modules: ``op`` (entry points, custom ops, autograd, autograd-free and direct implementations),
-``forward`` / ``backward`` (the Triton paths), ``reference`` (plain torch), ``common`` (what they
-share), ``config`` (the static config).
+Modules: this one (the declaration and the entry point), ``config`` (the static config, the outputs'
+layouts, the input checks), ``triton_path`` and ``reference``.
 """
 
-from .common import kernel_path
-from .config import FULL_SIZE, REDUCTIONS, ConvChannelReduceConfig
-from .op import conv_channel_reduce, conv_channel_reduce_bwd, conv_channel_reduce_fwd
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..conv_io import conv_channels
+from ..declare import FusedOpDeclaration, declare
+from ..library_conv import conv_forward, nominal_format
+from . import reference, triton_path
+from .config import (
+    FULL_SIZE,
+    MAX_CHANNELS,
+    OP,
+    REDUCTIONS,
+    ConvChannelReduceConfig,
+    check_inputs,
+    describe,
+    outputs,
+)
+
+
+def _outputs(x, weight, bias, operands, cfg, save):
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+    return outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
+
+
+def _channel_problem(cfg: ConvChannelReduceConfig, x: Tensor, weight: Tensor) -> str | None:
+    """The kernels hold every channel of a position tile in registers: at most ``MAX_CHANNELS``."""
+    channels = conv_channels(weight, cfg.conv)
+    return f"{channels} channels exceed the kernels' {MAX_CHANNELS}" if channels > MAX_CHANNELS else None
+
+
+CONV_CHANNEL_REDUCE = declare(FusedOpDeclaration(
+    name=OP,
+    config=ConvChannelReduceConfig,
+    state=("saved_y", "saved_index", "saved_stats"),
+    outputs=_outputs,
+    reference_forward=reference.forward,
+    triton_forward=triton_path.forward,
+    reference_backward=reference.backward,
+    triton_backward=triton_path.backward,
+    check_inputs=check_inputs,
+    describe=describe,
+    call_problem=_channel_problem,
+))
+conv_channel_reduce_fwd, conv_channel_reduce_bwd = CONV_CHANNEL_REDUCE.fwd, CONV_CHANNEL_REDUCE.bwd
+kernel_path = CONV_CHANNEL_REDUCE.kernel_path
+
+
+@CONV_CHANNEL_REDUCE.entry
+def conv_channel_reduce(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                        config: str) -> Tensor:  # fmt: skip
+    """``post(reduce_over_dim_1(pre(conv(x, weight, bias)))).to(out_dtype)`` as one fused op.
+
+    Args:
+        x: ``(N, C_in, *spatial)``, 1-3 spatial dims, the conv's dtype; any layout.
+        weight: conv weight, ``(C_out, C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``.
+        bias: ``(C_out,)`` or ``None``.
+        operands: tensors referred to by the chains' ``TensorRef`` operands.
+        config: ``ConvChannelReduceConfig.to_json()``.
+
+    Returns:
+        softmax / log_softmax: the conv output's shape, in its memory format; else ``(N, *spatial)``
+        or with keepdim ``(N, 1, *spatial)``, contiguous.  Dtype ``out_dtype`` (default the conv's).
+        Differentiable in x, weight, bias and every operand.  State for the backward is kept only
+        when autograd will need it.
+    """
+    return CONV_CHANNEL_REDUCE(x, weight, bias, operands, config)
+
 
 __all__ = [
+    "CONV_CHANNEL_REDUCE",
     "FULL_SIZE",
     "REDUCTIONS",
     "ConvChannelReduceConfig",

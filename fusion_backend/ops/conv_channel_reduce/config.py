@@ -1,18 +1,31 @@
 """``ConvChannelReduceConfig``: the static part of a ``fusion::conv_channel_reduce`` call (conv
-parameters, the chains before and after the reduction, the reduction, keepdim, output dtype, strict)
-and its JSON codec.
+parameters, the chains before and after the reduction, the reduction, keepdim, output dtype, strict),
+and what the declaration reads of it: the outputs with their exact layouts, the input checks, the
+description.
 """
 
 from __future__ import annotations
 
-import functools
-import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+import torch
+from torch import Tensor
 
 from ...ir.specs import ConvSpec
 from ..chain import ChainStep
-from ..config import chain_from_list, chain_to_list, check_dtype_names, check_kernel_chains
+from ..chain_lowering import check_operand_refs
+from ..config import JsonConfig, check_dtype_names, check_kernel_chains, describe_chain
+from ..conv_io import (
+    check_conv_inputs,
+    dtype_named,
+    empty_placeholder,
+    in_format,
+    output_memory_format,
+    stats_dtype,
+)
+
+OP = "conv_channel_reduce"
 
 #: The reductions over the channels, by the name the config carries.  ``min`` / ``max`` are
 #: ``torch.min(y, 1)[0]`` (the values of the (values, indices) pair); softmax and log_softmax keep
@@ -23,7 +36,7 @@ FULL_SIZE = frozenset({"softmax", "log_softmax"})
 
 
 @dataclass(frozen=True)
-class ConvChannelReduceConfig:
+class ConvChannelReduceConfig(JsonConfig):
     """Everything static about one ``conv -> pre-chain -> reduction over dim 1 -> post-chain`` region.
 
     * ``pre``: steps applied to the conv output (bias included) before the reduction; operands are
@@ -61,34 +74,78 @@ class ConvChannelReduceConfig:
         """Whether the result has the conv output's shape (softmax / log_softmax)."""
         return self.reduction in FULL_SIZE
 
-    def to_json(self) -> str:
-        """Canonical JSON (sorted keys, no spaces): equal configs give equal strings."""
-        d: dict[str, Any] = {
-            "conv": self.conv.to_dict(),
-            "reduction": self.reduction,
-            "keepdim": self.keepdim,
-            "pre": chain_to_list(self.pre),
-            "post": chain_to_list(self.post),
-            "out_dtype": self.out_dtype,
-            "strict": self.strict,
-        }
-        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
-    @staticmethod
-    def from_json(text: str) -> ConvChannelReduceConfig:
-        """Parse ``to_json``'s output (cached: the op implementations parse on every call)."""
-        return _parse_config(text)
+#: Most channels the Triton kernels reduce over (``kernels.channel_reduce.MAX_CHANNELS``; the pattern
+#: leaves wider convs as a near miss, and a direct call with more runs the reference).
+MAX_CHANNELS = 1024
 
 
-@functools.lru_cache(maxsize=256)
-def _parse_config(text: str) -> ConvChannelReduceConfig:
-    d = json.loads(text)
-    return ConvChannelReduceConfig(
-        conv=ConvSpec.from_dict(d["conv"]),
-        reduction=d["reduction"],
-        keepdim=bool(d.get("keepdim", False)),
-        pre=chain_from_list(d.get("pre", [])),
-        post=chain_from_list(d.get("post", [])),
-        out_dtype=d.get("out_dtype"),
-        strict=bool(d.get("strict", False)),
-    )
+def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvChannelReduceConfig) -> None:
+    """One-line ``UnsupportedInputError`` for inputs that do not fit the config."""
+    check_conv_inputs(OP, x, weight, cfg.conv)
+    check_operand_refs(OP, {"pre-chain": cfg.pre, "post-chain": cfg.post}, operands)
+
+
+def describe(cfg: ConvChannelReduceConfig) -> str:
+    """``pre [relu] -> amax(dim=1, keepdim) -> post [tanh]`` for messages."""
+    keep = ", keepdim" if cfg.keepdim and not cfg.full_size else ""
+    return f"pre [{describe_chain(cfg.pre)}] -> {cfg.reduction}(dim=1{keep}) -> post [{describe_chain(cfg.post)}]"
+
+
+def output_dtype(cfg: ConvChannelReduceConfig, conv_dtype: torch.dtype) -> torch.dtype:
+    """The result's dtype: ``out_dtype``, else the conv's."""
+    return dtype_named(OP, cfg.out_dtype, conv_dtype)
+
+
+def needs_y(cfg: ConvChannelReduceConfig) -> bool:
+    """Whether the backward reads the conv output: every reduction but min / max (those keep the
+    winner's value), and sum / mean only through a pre-chain."""
+    if cfg.reduction in ("min", "max"):
+        return False
+    return cfg.reduction not in ("sum", "mean") or len(cfg.pre) > 0
+
+
+def index_dtype(channels: int) -> torch.dtype:
+    """The winner index's dtype: int16 while the channels fit, else int32."""
+    return torch.int16 if channels <= torch.iinfo(torch.int16).max else torch.int32
+
+
+def reduced_shape(y_shape: Sequence[int], cfg: ConvChannelReduceConfig) -> list[int]:
+    """The result's shape for a conv output of ``y_shape``."""
+    if cfg.full_size:
+        return list(y_shape)
+    return [y_shape[0], *([1] if cfg.keepdim else []), *y_shape[2:]]
+
+
+def outputs(x: Tensor, y0: Tensor, cfg: ConvChannelReduceConfig, save: bool,
+                             out_format: torch.memory_format) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Empty ``(out, saved_y, saved_index, saved_stats)`` with the exact shapes, dtypes and strides of
+    the real op (``y0``: the conv output without bias, real or fake, as ``library_conv.conv_forward``
+    gives it: channels-last for 2-d and 3-d convs in fp16 / bf16 / fp32).
+
+    * ``out``: softmax / log_softmax: y's shape in ``out_format`` (``library_conv.nominal_format``:
+      eager's layout); else
+      ``(N, [1,] *spatial)`` contiguous; dtype ``out_dtype`` (the conv's by default).
+    * ``saved_y`` (with ``save`` and ``needs_y``): the conv output without bias, y0 itself where it
+      is in ``output_memory_format(y0)`` already (a conv's output always is), else a copy in it.
+    * ``saved_index`` (with ``save``, min / max): the winning channel, ``(N, *spatial)`` contiguous,
+      ``index_dtype(C)``.
+    * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, N, *spatial)`` contiguous
+      (``kernels/channel_reduce.py``'s table).
+    Absent entries are ``empty_placeholder(x)``.
+    """
+    shape = reduced_shape(y0.shape, cfg)
+    dtype = output_dtype(cfg, y0.dtype)
+    if cfg.full_size:
+        out = torch.empty(shape, dtype=dtype, device=x.device, memory_format=out_format)
+    else:
+        out = torch.empty(shape, dtype=dtype, device=x.device)
+    placeholder = empty_placeholder(x)
+    if not save:
+        return out, placeholder, empty_placeholder(x), empty_placeholder(x)
+    n, channels, spatial = y0.shape[0], y0.shape[1], list(y0.shape[2:])
+    saved_y = in_format(y0, output_memory_format(y0)) if needs_y(cfg) else placeholder
+    index = (torch.empty([n, *spatial], dtype=index_dtype(channels), device=x.device)
+             if cfg.reduction in ("min", "max") else empty_placeholder(x))  # fmt: skip
+    stats = torch.empty([2, n, *spatial], dtype=stats_dtype(y0.dtype), device=x.device)
+    return out, saved_y, index, stats

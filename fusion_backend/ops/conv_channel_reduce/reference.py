@@ -3,9 +3,8 @@ not cover, and the tests' definition of the op): ``forward`` runs eager's own op
 same outputs and saved state as the kernels; ``backward`` applies torch's derivative formulas to the
 chains recomputed from the saved state.
 
-NOTE: the chains are differentiated with ``conv_epilogue``'s tape helpers (torch's backward formulas,
-not ``torch.autograd``: custom-op implementations run below the autograd dispatch key, see
-``conv_epilogue/reference.py``).
+NOTE: the chains are differentiated with ``chain_reference``'s tape (torch's backward formulas, not
+``torch.autograd``: custom-op implementations run below the autograd dispatch key, see there).
 """
 
 from __future__ import annotations
@@ -15,18 +14,17 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..conv_epilogue.common import (
-    apply_chain,
+from ..chain_reference import add_grads, apply_chain, chain_backward, chain_with_tape
+from ..conv_io import (
     channel_view,
+    conv_channels,
     conv_output_shape,
     in_format,
     output_memory_format,
     run_conv_backward,
 )
-from ..conv_epilogue.reference import chain_backward, chain_with_tape
 from ..library_conv import conv_forward, nominal_format
-from .common import allocate_forward_outputs, needs_y, output_dtype
-from .config import ConvChannelReduceConfig
+from .config import ConvChannelReduceConfig, needs_y, output_dtype, outputs
 
 
 def post_operands(operands: Sequence[Tensor], cfg: ConvChannelReduceConfig) -> list[Tensor]:
@@ -45,7 +43,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do)."""
     y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
-    out, saved_y, index, stats = allocate_forward_outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
+    out, saved_y, index, stats = outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
     yb = y0 if bias is None else y0 + channel_view(bias, y0.dim())
     v = apply_chain(yb, cfg.pre, operands)
     kind, keep = cfg.reduction, cfg.keepdim
@@ -108,7 +106,7 @@ def backward(
     # 2. the reduction (torch's derivative formulas), 3. the pre-chain
     if kind in ("min", "max"):
         grad_y, pre_grads = _winner_backward(grad_r, saved_index, saved_stats[1].to(dtype), operands, cfg,
-                                             operand_mask, weight_channels(x, weight, cfg))  # fmt: skip
+                                             operand_mask, conv_channels(weight, cfg.conv))  # fmt: skip
     else:
         if kind in ("amin", "amax"):
             hit = v == saved_stats[0].to(dtype).unsqueeze(1)
@@ -131,19 +129,8 @@ def backward(
             grad_y, pre_grads = chain_backward(pre_tape, grad_v.to(yb.dtype), operands, operand_mask)
     grad_x, grad_w, grad_b = run_conv_backward(grad_y.to(dtype).contiguous(), x, weight, cfg.conv, mask[0], mask[1],
                                                bool(mask[2]))  # fmt: skip
-    grad_operands = [_add(a, b) for a, b in zip(pre_grads, post_grads, strict=True)]
+    grad_operands = [add_grads(a, b) for a, b in zip(pre_grads, post_grads, strict=True)]
     return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grad_operands]
-
-
-def weight_channels(x: Tensor, weight: Tensor, cfg: ConvChannelReduceConfig) -> int:
-    """The conv's output channels."""
-    return weight.shape[1] * cfg.conv.groups if cfg.conv.transposed else weight.shape[0]
-
-
-def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    if a is None:
-        return b
-    return a if b is None else a + b
 
 
 def _winner_backward(grad_r: Tensor, index: Tensor, y_win: Tensor, operands: Sequence[Tensor],

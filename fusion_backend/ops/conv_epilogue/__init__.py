@@ -77,14 +77,9 @@ Modules: ``op`` (entry points, custom ops, autograd, autograd-free and direct im
 paths, their measured choices and call plans), ``reference`` (plain torch), ``common`` (what they share).
 """
 
-from .common import (
-    CONV_IMPL_ENV,
-    CPU_KERNELS_ENV,
-    DEFAULT_CONV_IMPL,
-    apply_chain,
-    kernel_path,
-    output_memory_format,
-)
+from ..chain_reference import apply_chain
+from ..conv_io import output_memory_format
+from .common import CONV_IMPL_ENV, CPU_KERNELS_ENV, DEFAULT_CONV_IMPL, kernel_path
 from .forward import conv_impl
 from .op import conv_epilogue, conv_epilogue_bwd, conv_epilogue_eager, conv_epilogue_fwd
 

@@ -15,8 +15,9 @@ from torch import Tensor
 from ... import environment
 from ...ir.specs import PoolSpec
 from ...kernels.host import BoundedCache, tensor_key
-from .. import conv_precision, impl_choice
+from .. import conv_io, conv_precision, impl_choice
 from ..chain import TensorRef
+from ..chain_lowering import kernel_steps, wanted_slots
 from ..config import ConvEpilogueConfig
 from . import common
 from .forward import PlannedOperands, choice_key, conv_impl_mode, results_agree
@@ -88,16 +89,6 @@ def backward_candidates(
     return plans
 
 
-def _slot_wanted(cfg: ConvEpilogueConfig, operand_mask: Sequence[bool]) -> list[bool]:
-    """Per chain slot: whether the gradient of its (tensor) operand is wanted."""
-    return [
-        step.kind.differentiable_operands == (0,)
-        and isinstance(step.operands[0], TensorRef)
-        and operand_mask[step.operands[0].index]
-        for step in cfg.chain
-    ]
-
-
 def _operand_grad_recipe(
     cfg: ConvEpilogueConfig, operands: Sequence[Tensor], operand_mask: Sequence[bool],
     slot_has_sum: Sequence[bool],
@@ -165,17 +156,17 @@ class LibraryBackward:
         self.dtype = common.conv_compute_dtype(cfg, x)
         self.is_max = cfg.pool is not None and cfg.pool.kind == "max"
         #: the memory format x is relaid into for the conv backward (None: as it is)
-        self.x_format = common.channels_last_format(x.dim()) if channels_last else None
+        self.x_format = conv_io.channels_last_format(x.dim()) if channels_last else None
         if self.is_max or channels_last:
-            y_shape = common.conv_output_shape(x, weight, cfg.conv)
-            fmt = self.x_format if channels_last else common.output_memory_format(saved_y0)
+            y_shape = conv_io.conv_output_shape(x, weight, cfg.conv)
+            fmt = self.x_format if channels_last else conv_io.output_memory_format(saved_y0)
             grad_y = torch.empty(y_shape, dtype=saved_y0.dtype, device="meta", memory_format=fmt)
         else:
             grad_y = torch.empty_strided(saved_y0.shape, saved_y0.stride(), dtype=saved_y0.dtype, device="meta")
         self.g_layout = (tuple(grad_y.shape), grad_y.stride(), grad_y.dtype)
         channels = grad_y.shape[1]
-        steps = common.kernel_steps(cfg, operands, grad_y.dim(), channels)
-        slots = _slot_wanted(cfg, mask[3:])
+        steps = kernel_steps(cfg.chain, operands, grad_y.dim(), channels)
+        slots = wanted_slots(cfg.chain, mask[3:])
         self.want_bias = bool(mask[2]) and bias is not None
         self.epilogue = kernels.BackwardLaunch(
             grad_out, None if self.is_max else saved_y0, saved_winner if self.is_max else None,
@@ -190,8 +181,8 @@ class LibraryBackward:
             #: x cast and relaid for the conv backward in one copy; the input gradient, which the
             #: channels-last conv backward gives in x's relaid layout, relaid back into x's own
             relaid = torch.empty(x.shape, dtype=self.dtype, device="meta", memory_format=self.x_format)
-            self.x_relayout = common.planned_relayout(x, relaid)
-            self.grad_x_relayout = common.planned_relayout(relaid, torch.empty_like(x, device="meta"))
+            self.x_relayout = conv_io.planned_relayout(x, relaid)
+            self.grad_x_relayout = conv_io.planned_relayout(relaid, torch.empty_like(x, device="meta"))
             precision = conv_precision.backward_tf32(x, weight, cfg.conv, self.dtype)
             self.tf32, self.settled = (precision.grad_input, precision.grad_weight), precision.settled
 
@@ -221,8 +212,8 @@ def channels_last_backward_unsupported(x: Tensor, saved_y0: Tensor) -> str | Non
         return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
     if x.dtype == torch.float64:
         return "float64 (cuDNN runs it in NCHW whatever the layout)"
-    channels_last = x.is_contiguous(memory_format=common.channels_last_format(x.dim()))
-    if common.output_memory_format(saved_y0) != torch.contiguous_format or channels_last:
+    channels_last = x.is_contiguous(memory_format=conv_io.channels_last_format(x.dim()))
+    if conv_io.output_memory_format(saved_y0) != torch.contiguous_format or channels_last:
         return "the tensors are channels-last already"
     return None
 
@@ -295,8 +286,8 @@ class TritonBackward:
         #: the gradient at the winners (or the dense conv-output gradient) is laid out like saved_y0
         self.g_layout = (tuple(saved_y0.shape), saved_y0.stride(), saved_y0.dtype)
         channels = saved_y0.shape[1]
-        steps = common.kernel_steps(cfg, operands, saved_y0.dim(), channels)
-        slots = _slot_wanted(cfg, mask[3:])
+        steps = kernel_steps(cfg.chain, operands, saved_y0.dim(), channels)
+        slots = wanted_slots(cfg.chain, mask[3:])
         self.want_bias = bool(mask[2]) and bias is not None
         self.epilogue = kernels.BackwardLaunch(grad_out, saved_y0, None, None, bias, steps, None, saved_y0, slots,
                                                self.want_bias)  # fmt: skip
@@ -350,5 +341,5 @@ def _triton_kernels(conv_args: tuple, cfg: ConvEpilogueConfig, dtype: torch.dtyp
     if not isinstance(grad, conv_fused_bwd.PooledGrad):
         return conv_fused_bwd
     key = ("triton_kernels", tensor_key(grad.g_win), tensor_key(grad.winner), tensor_key(x), tensor_key(weight), cfg)
-    why = common.DECISIONS.get(key, lambda: conv_phase_aligned_bwd.unsupported_reason(*conv_args, compute_dtype=dtype))
+    why = conv_io.DECISIONS.get(key, lambda: conv_phase_aligned_bwd.unsupported_reason(*conv_args, compute_dtype=dtype))
     return conv_fused_bwd if why is not None else conv_phase_aligned_bwd

@@ -19,23 +19,25 @@ from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
 from .. import conv_precision, impl_choice
 from ..chain import TensorRef
+from ..chain_lowering import kernel_steps
 from ..config import ConvEpilogueConfig
-from .common import (
-    CONV_IMPL_ENV,
+from ..conv_io import (
     DECISIONS,
-    allocate_forward_outputs,
-    cast_inputs,
     channels_last_format,
-    conv_compute_dtype,
     conv_output_shape,
-    epilogue_kernels,
-    kernel_steps,
-    logger,
     output_memory_format,
     planned_relayout,
     pooled_output_shape,
     relayout,
     run_conv,
+)
+from .common import (
+    CONV_IMPL_ENV,
+    allocate_forward_outputs,
+    cast_inputs,
+    conv_compute_dtype,
+    epilogue_kernels,
+    logger,
 )
 
 
@@ -229,7 +231,7 @@ def _forward_layouts(
     saved_winner)`` as ``allocate_forward_outputs`` gives them."""
     y0 = _library_conv_meta(x, weight, cfg.conv, dtype)
     y0 = torch.empty(y0.shape, dtype=dtype, device="meta", memory_format=output_memory_format(y0))
-    steps = kernel_steps(cfg, operands, y0.dim(), y0.shape[1])
+    steps = kernel_steps(cfg.chain, operands, y0.dim(), y0.shape[1])
     out_shape = list(y0.shape) if cfg.pool is None else pooled_output_shape(y0.shape, cfg.pool)
     like_x = torch.empty(0, dtype=x.dtype, device="meta")
     return y0, steps, allocate_forward_outputs(like_x, y0, out_shape, cfg, save)

@@ -11,21 +11,18 @@ from torch import Tensor
 
 from ...kernels.host import tensor_key
 from ..autograd_free import register_autograd_free
+from ..chain_reference import apply_chain
 from ..config import ConvEpilogueConfig
+from ..conv_io import backward_outputs, fake_backward_outputs, run_conv, run_pool
 from ..direct_impls import profiled, records_backward, register_direct
 from . import backward, forward, reference
 from .common import (
     allocate_forward_outputs,
-    apply_chain,
-    backward_outputs,
     cast_inputs,
     check_inputs,
     conv_compute_dtype,
-    fake_backward_outputs,
     on_kernel_failure,
     output_dtype,
-    run_conv,
-    run_pool,
     use_triton,
 )
 

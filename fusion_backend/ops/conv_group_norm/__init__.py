@@ -11,7 +11,7 @@ one channel per group), a pointwise chain after it, optionally a max or avg pool
 Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
 
 * ``fusion::conv_group_norm_fwd(x, weight, bias, operands, config, save_for_backward)
-  -> (out, saved_y, saved_winner, saved_stats)``: the saved state (``common.allocate_forward_outputs``)
+  -> (out, saved_y, saved_winner, saved_stats)``: the saved state (``config.outputs``)
   is the conv output without bias, behind a max pool each window's winner (int8), and each (sample,
   group)'s mean and ``1 / sqrt(var + eps)`` (fp32 ``(2, N, G)``), nothing else full-size.
 * ``fusion::conv_group_norm_bwd(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats,
@@ -32,13 +32,65 @@ Implementations:
 
 Failure policy as the other families' (``ops/failure.py``): a Triton failure raises ``KernelError``
 under ``config.strict``, else warns once and runs the reference.
+
+Modules: this one (the declaration and the entry point), ``config`` (the static config, the outputs'
+layouts, the input checks), ``triton_path`` and ``reference``.
 """
 
-from .common import kernel_path
-from .config import ConvGroupNormConfig
-from .op import conv_group_norm, conv_group_norm_bwd, conv_group_norm_fwd
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..chain_lowering import pool_unroll_problem
+from ..conv_io import run_conv
+from ..declare import FusedOpDeclaration, declare
+from . import reference, triton_path
+from .config import OP, ConvGroupNormConfig, check_inputs, describe, outputs
+
+CONV_GROUP_NORM = declare(FusedOpDeclaration(
+    name=OP,
+    config=ConvGroupNormConfig,
+    state=("saved_y", "saved_winner", "saved_stats"),
+    outputs=lambda x, weight, bias, operands, cfg, save: outputs(x, run_conv(x, weight, None, cfg.conv), cfg, save),
+    reference_forward=reference.forward,
+    triton_forward=triton_path.forward,
+    reference_backward=reference.backward,
+    triton_backward=triton_path.backward,
+    check_inputs=check_inputs,
+    describe=describe,
+    kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool),
+))
+conv_group_norm_fwd, conv_group_norm_bwd = CONV_GROUP_NORM.fwd, CONV_GROUP_NORM.bwd
+kernel_path = CONV_GROUP_NORM.kernel_path
+
+
+@CONV_GROUP_NORM.entry
+def conv_group_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                    config: str) -> Tensor:  # fmt: skip
+    """``pool(post(group_norm(pre(conv(x, weight, bias))) * gamma + beta)).to(out_dtype)`` as one fused op
+    (the pool only with ``config.pool``).
+
+    Args:
+        x: ``(N, C_in, *spatial)``, 1-3 spatial dims, the conv's dtype; any layout.
+        weight: conv weight, ``(C_out, C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``.
+        bias: ``(C_out,)`` or ``None``.
+        operands: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
+            (C values each), and the tensors the chains' ``TensorRef`` operands refer to.
+        config: ``ConvGroupNormConfig.to_json()``.
+
+    Returns:
+        The conv output's shape (with ``config.pool``, the pooled shape), in its memory format; dtype
+        ``out_dtype`` (default the conv's).  Differentiable in x, weight, bias and every operand.
+        State for the backward (the conv output, the (2, N, groups) statistics and a max pool's int8
+        winners) is kept only when autograd will need it.
+    """
+    return CONV_GROUP_NORM(x, weight, bias, operands, config)
+
 
 __all__ = [
+    "CONV_GROUP_NORM",
     "ConvGroupNormConfig",
     "conv_group_norm",
     "conv_group_norm_bwd",

@@ -1,22 +1,46 @@
-"""``ConvGroupNormConfig``: the static part of a ``fusion::conv_group_norm`` call (conv parameters,
-the chain before the norm, the number of groups, eps, where the norm's weight and bias sit among the
-operands, the chain after the norm, dtypes, strict, the pool that may end the region) and its JSON codec.
+"""``ConvGroupNormConfig``, the static part of a ``fusion::conv_group_norm`` call (conv parameters, the
+chain before the norm, the number of groups, eps, where the norm's weight and bias sit among the
+operands, the chain after the norm, dtypes, strict, the pool that may end the region), and what the
+declaration reads of it: the outputs with their exact layouts, the input checks, the description.
 """
 
 from __future__ import annotations
 
-import functools
-import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+import torch
+from torch import Tensor
+
+from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec, PoolSpec
 from ..chain import ChainStep
-from ..config import chain_from_list, chain_to_list, check_dtype_names, check_kernel_chains, check_norm_affine
+from ..chain_lowering import check_affine_operands, check_operand_refs
+from ..config import (
+    JsonConfig,
+    check_dtype_names,
+    check_kernel_chains,
+    check_norm_affine,
+    describe_affine,
+    describe_chain,
+    describe_pool,
+)
+from ..conv_io import (
+    allocate_result,
+    check_conv_inputs,
+    conv_channels,
+    dtype_named,
+    empty_placeholder,
+    in_format,
+    output_memory_format,
+    stats_dtype,
+)
+
+OP = "conv_group_norm"
 
 
 @dataclass(frozen=True)
-class ConvGroupNormConfig:
+class ConvGroupNormConfig(JsonConfig):
     """Everything static about one ``conv -> pre-chain -> group norm -> post-chain`` region.
 
     * ``groups``: the norm's number of groups; an instance norm is ``groups == C`` (one channel per
@@ -58,42 +82,42 @@ class ConvGroupNormConfig:
         if self.pool is not None and len(self.pool.kernel_size) != self.conv.spatial_dims:
             raise ValueError(f"the pool {self.pool} does not have the conv's {self.conv.spatial_dims} spatial dims")
 
-    def to_json(self) -> str:
-        """Canonical JSON (sorted keys, no spaces): equal configs give equal strings."""
-        d: dict[str, Any] = {
-            "conv": self.conv.to_dict(),
-            "groups": self.groups,
-            "eps": self.eps,
-            "weight": self.weight,
-            "bias": self.bias,
-            "pre": chain_to_list(self.pre),
-            "post": chain_to_list(self.post),
-            "norm_dtype": self.norm_dtype,
-            "out_dtype": self.out_dtype,
-            "strict": self.strict,
-            "pool": None if self.pool is None else self.pool.to_dict(),
-        }
-        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
-    @staticmethod
-    def from_json(text: str) -> ConvGroupNormConfig:
-        """Parse ``to_json``'s output (cached: the op implementations parse on every call)."""
-        return _parse_config(text)
+def norm_dtype(cfg: ConvGroupNormConfig, conv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the norm's result (and of the post-chain) in eager."""
+    return dtype_named(OP, cfg.norm_dtype, conv_dtype, "norm_dtype")
 
 
-@functools.lru_cache(maxsize=256)
-def _parse_config(text: str) -> ConvGroupNormConfig:
-    d = json.loads(text)
-    return ConvGroupNormConfig(
-        conv=ConvSpec.from_dict(d["conv"]),
-        groups=int(d["groups"]),
-        eps=float(d.get("eps", 1e-5)),
-        weight=d.get("weight"),
-        bias=d.get("bias"),
-        pre=chain_from_list(d.get("pre", [])),
-        post=chain_from_list(d.get("post", [])),
-        norm_dtype=d.get("norm_dtype"),
-        out_dtype=d.get("out_dtype"),
-        strict=bool(d.get("strict", False)),
-        pool=None if d.get("pool") is None else PoolSpec.from_dict(d["pool"]),
-    )
+def outputs(x: Tensor, y0: Tensor, cfg: ConvGroupNormConfig, save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Empty ``(out, saved_y, saved_winner, saved_stats)`` with the exact shapes, dtypes and strides of
+    the real op (``y0``: the conv output without bias, real or fake).
+
+    * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s (the pooled shape with a pool, dtype
+      ``out_dtype``; the winners only with ``save`` and a max pool).
+    * ``saved_y`` (with ``save``): the conv output without bias, y0 itself where it is in
+      ``output_memory_format(y0)`` already (a conv's output always is), else a copy in it.
+    * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, N, groups)`` contiguous: row 0 each
+      group's mean, row 1 its ``1 / sqrt(var + eps)`` (of the pre-chain's result, bias included).
+    Absent entries are ``empty_placeholder(x)``.
+    """
+    out, winner = allocate_result(x, y0, cfg.pool, dtype_named(OP, cfg.out_dtype, y0.dtype), save)
+    if not save:
+        return out, empty_placeholder(x), winner, empty_placeholder(x)
+    stats = torch.empty([2, y0.shape[0], cfg.groups], dtype=stats_dtype(y0.dtype), device=x.device)
+    return out, in_format(y0, output_memory_format(y0)), winner, stats
+
+
+def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvGroupNormConfig) -> None:
+    """One-line ``UnsupportedInputError`` for inputs that do not fit the config."""
+    check_conv_inputs(OP, x, weight, cfg.conv)
+    channels = conv_channels(weight, cfg.conv)
+    if channels % cfg.groups != 0:
+        raise UnsupportedInputError(f"fusion::{OP}: {channels} conv output channels do not split into {cfg.groups} groups")
+    check_affine_operands(OP, operands, cfg.weight, cfg.bias, channels, "one per channel")
+    check_operand_refs(OP, {"pre-chain": cfg.pre, "post-chain": cfg.post}, operands)
+
+
+def describe(cfg: ConvGroupNormConfig) -> str:
+    """``pre [relu] -> group_norm(8 groups, eps=1e-05, weight, bias) -> post [silu]`` for messages."""
+    return (f"pre [{describe_chain(cfg.pre)}] -> group_norm({cfg.groups} groups, eps={cfg.eps:g}{describe_affine(cfg)}) "
+            f"-> post [{describe_chain(cfg.post)}]{describe_pool(cfg.pool)}")

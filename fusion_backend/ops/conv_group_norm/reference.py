@@ -1,9 +1,9 @@
 """The plain-torch reference of ``fusion::conv_group_norm`` (CPU, float64, anything the kernels do not
 cover, and the tests' definition of the op): ``forward`` runs eager's ops and writes the same output
 and saved state as the kernels; ``backward`` applies torch's derivative formulas (the chains' with
-``conv_epilogue``'s tape helpers, the norm's with ``aten.native_group_norm_backward``) to the values
-recomputed from the saved conv output and statistics; a pool after the chain is eager's pool, its
-gradient ``conv_epilogue``'s reference's.
+``chain_reference``'s tape, the norm's with ``aten.native_group_norm_backward``) to the values
+recomputed from the saved conv output and statistics; a pool after the chain is eager's pool
+(``chain_reference``'s helpers for both).
 
 NOTE: the norm runs as ``aten.native_group_norm`` on the pre-chain's result cast to the statistics'
 dtype (fp32; fp64 for an fp64 conv), which is what eager's group norm computes in for every dtype it
@@ -18,10 +18,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..conv_epilogue.common import apply_chain, channel_view, run_conv, run_conv_backward
-from ..conv_epilogue.reference import chain_backward, chain_with_tape, pool_input_grad, pool_saving_winners
-from .common import allocate_forward_outputs, norm_dtype, output_dtype, stats_dtype
-from .config import ConvGroupNormConfig
+from ..chain_reference import (
+    add_grads,
+    apply_chain,
+    chain_backward,
+    chain_with_tape,
+    pool_input_grad,
+    pool_saving_winners,
+)
+from ..conv_io import channel_view, dtype_named, run_conv, run_conv_backward, stats_dtype
+from .config import OP, ConvGroupNormConfig, norm_dtype, outputs
 
 
 def _affine(operands: Sequence[Tensor], index: int | None, dtype: torch.dtype) -> Tensor | None:
@@ -37,7 +43,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do); a
     max pool's winners from ``return_indices``, as the kernels save them (``window_winners``)."""
     y0 = run_conv(x, weight, None, cfg.conv)
-    out, saved_y, winner, stats = allocate_forward_outputs(x, y0, cfg, save)
+    out, saved_y, winner, stats = outputs(x, y0, cfg, save)
     yb = y0 if bias is None else y0 + channel_view(bias.to(y0.dtype), y0.dim())
     v = apply_chain(yb, cfg.pre, operands)
     sdt = stats_dtype(y0.dtype)
@@ -47,7 +53,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
         cfg.groups, cfg.eps,
     )  # fmt: skip
     result = apply_chain(z.to(norm_dtype(cfg, y0.dtype)), cfg.post, operands)
-    out.copy_(pool_saving_winners(result, cfg.pool, winner).to(output_dtype(cfg, y0.dtype)))
+    out.copy_(pool_saving_winners(result, cfg.pool, winner).to(dtype_named(OP, cfg.out_dtype, y0.dtype)))
     if save:
         stats[0].copy_(mean.reshape(n, cfg.groups))
         stats[1].copy_(rstd.reshape(n, cfg.groups))
@@ -94,15 +100,10 @@ def backward(
     grad_y, pre_grads = chain_backward(pre_tape, grad_v.to(yb.dtype), operands, operand_mask)
     grad_x, grad_w, grad_b = run_conv_backward(grad_y.to(x.dtype).contiguous(), x, weight, cfg.conv, mask[0],
                                                mask[1], bool(mask[2]))  # fmt: skip
-    grads = [_add(a, b) for a, b in zip(pre_grads, post_grads, strict=True)]
+    grads = [add_grads(a, b) for a, b in zip(pre_grads, post_grads, strict=True)]
     for index, g in ((cfg.weight, grad_gamma if want_w else None), (cfg.bias, grad_beta if want_b else None)):
         if g is not None:
             t = operands[index]
-            grads[index] = _add(grads[index], g.reshape(t.shape).to(t.dtype))
+            grads[index] = add_grads(grads[index], g.reshape(t.shape).to(t.dtype))
     return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]
 
-
-def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    if a is None:
-        return b
-    return a if b is None else a + b

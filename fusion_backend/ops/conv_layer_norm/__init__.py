@@ -16,7 +16,7 @@ Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, 
 
 * ``fusion::conv_layer_norm_fwd(x, weight, bias, operands, config, save_for_backward)
   -> (out, saved_y, saved_stats)``: ``out`` contiguous (eager's layer norm returns a contiguous
-  tensor whatever its input's layout); the saved state (``common.allocate_forward_outputs``) is the
+  tensor whatever its input's layout); the saved state (``config.outputs``) is the
   conv output without bias in its own layout and each row's mean and ``1 / sqrt(var + eps)`` (fp32
   ``(2, rows)``), nothing else full-size.
 * ``fusion::conv_layer_norm_bwd(grad_out, x, weight, bias, operands, saved_y, saved_stats, config,
@@ -35,13 +35,64 @@ Implementations:
 
 Failure policy as the other families' (``ops/failure.py``): a Triton failure raises ``KernelError``
 under ``config.strict``, else warns once and runs the reference.
+
+Modules: this one (the declaration and the entry point), ``config`` (the static config, the outputs'
+layouts, the input checks), ``triton_path`` and ``reference``.
 """
 
-from .common import kernel_path
-from .config import ConvLayerNormConfig
-from .op import conv_layer_norm, conv_layer_norm_bwd, conv_layer_norm_fwd
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..declare import FusedOpDeclaration, declare
+from ..library_conv import conv_forward
+from . import reference, triton_path
+from .config import OP, ConvLayerNormConfig, check_inputs, describe, outputs
+
+CONV_LAYER_NORM = declare(FusedOpDeclaration(
+    name=OP,
+    config=ConvLayerNormConfig,
+    state=("saved_y", "saved_stats"),
+    outputs=lambda x, weight, bias, operands, cfg, save: outputs(
+        x, conv_forward(x, weight, cfg.conv, channels_last=True), cfg, save),
+    reference_forward=reference.forward,
+    triton_forward=triton_path.forward,
+    reference_backward=reference.backward,
+    triton_backward=triton_path.backward,
+    check_inputs=check_inputs,
+    describe=describe,
+))
+conv_layer_norm_fwd, conv_layer_norm_bwd = CONV_LAYER_NORM.fwd, CONV_LAYER_NORM.bwd
+kernel_path = CONV_LAYER_NORM.kernel_path
+
+
+@CONV_LAYER_NORM.entry
+def conv_layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                    config: str) -> Tensor:  # fmt: skip
+    """``post(layer_norm(pre(conv(x, weight, bias))) * gamma + beta).to(out_dtype)`` as one fused op.
+
+    Args:
+        x: ``(N, C_in, *spatial)``, 1-3 spatial dims, the conv's dtype; any layout.
+        weight: conv weight, ``(C_out, C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``.
+        bias: ``(C_out,)`` or ``None``.
+        operands: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
+            (``prod(normalized_shape)`` values each), and the tensors the chains' ``TensorRef``
+            operands refer to.
+        config: ``ConvLayerNormConfig.to_json()``; the conv output's trailing sizes must be its
+            ``normalized_shape``.
+
+    Returns:
+        The conv output's shape, contiguous (as eager's layer norm returns it); dtype ``out_dtype``
+        (default the conv's).  Differentiable in x, weight, bias and every operand.  State for the
+        backward (the conv output and the (2, rows) statistics) is kept only when autograd will need it.
+    """
+    return CONV_LAYER_NORM(x, weight, bias, operands, config)
+
 
 __all__ = [
+    "CONV_LAYER_NORM",
     "ConvLayerNormConfig",
     "conv_layer_norm",
     "conv_layer_norm_bwd",

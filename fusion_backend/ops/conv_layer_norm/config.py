@@ -1,23 +1,45 @@
 """``ConvLayerNormConfig``: the static part of a ``fusion::conv_layer_norm`` call (conv parameters,
 the chain before the norm, the normalized shape, eps, where the norm's weight and bias sit among the
-operands, the chain after the norm, dtypes, strict) and its JSON codec.
+operands, the chain after the norm, dtypes, strict), and what the declaration reads of it: the outputs
+with their exact layouts, the input checks, the description.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+import torch
+from torch import Tensor
+
+from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ..chain import ChainStep
-from ..config import chain_from_list, chain_to_list, check_dtype_names, check_kernel_chains, check_norm_affine
+from ..chain_lowering import check_affine_operands, check_operand_refs
+from ..config import (
+    JsonConfig,
+    check_dtype_names,
+    check_kernel_chains,
+    check_norm_affine,
+    describe_affine,
+    describe_chain,
+)
+from ..conv_io import (
+    check_conv_inputs,
+    conv_output_shape,
+    dtype_named,
+    empty_placeholder,
+    in_format,
+    output_memory_format,
+    stats_dtype,
+)
+
+OP = "conv_layer_norm"
 
 
 @dataclass(frozen=True)
-class ConvLayerNormConfig:
+class ConvLayerNormConfig(JsonConfig):
     """Everything static about one ``conv -> pre-chain -> layer norm -> post-chain`` region.
 
     * ``normalized_shape``: the trailing dims of the conv output the norm normalizes over, 1 to
@@ -67,40 +89,51 @@ class ConvLayerNormConfig:
         """Values per row: ``prod(normalized_shape)``, the size of the norm's weight and bias."""
         return math.prod(self.normalized_shape)
 
-    def to_json(self) -> str:
-        """Canonical JSON (sorted keys, no spaces): equal configs give equal strings."""
-        d: dict[str, Any] = {
-            "conv": self.conv.to_dict(),
-            "normalized_shape": list(self.normalized_shape),
-            "eps": self.eps,
-            "weight": self.weight,
-            "bias": self.bias,
-            "pre": chain_to_list(self.pre),
-            "post": chain_to_list(self.post),
-            "norm_dtype": self.norm_dtype,
-            "out_dtype": self.out_dtype,
-            "strict": self.strict,
-        }
-        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
-    @staticmethod
-    def from_json(text: str) -> ConvLayerNormConfig:
-        """Parse ``to_json``'s output (cached: the op implementations parse on every call)."""
-        return _parse_config(text)
+def norm_dtype(cfg: ConvLayerNormConfig, conv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the norm's result (and of the post-chain) in eager."""
+    return dtype_named(OP, cfg.norm_dtype, conv_dtype, "norm_dtype")
 
 
-@functools.lru_cache(maxsize=256)
-def _parse_config(text: str) -> ConvLayerNormConfig:
-    d = json.loads(text)
-    return ConvLayerNormConfig(
-        conv=ConvSpec.from_dict(d["conv"]),
-        normalized_shape=tuple(int(s) for s in d["normalized_shape"]),
-        eps=float(d.get("eps", 1e-5)),
-        weight=d.get("weight"),
-        bias=d.get("bias"),
-        pre=chain_from_list(d.get("pre", [])),
-        post=chain_from_list(d.get("post", [])),
-        norm_dtype=d.get("norm_dtype"),
-        out_dtype=d.get("out_dtype"),
-        strict=bool(d.get("strict", False)),
-    )
+def rows(y_shape: Sequence[int], cfg: ConvLayerNormConfig) -> int:
+    """How many rows (normalized slices) a conv output of ``y_shape`` holds (sizes may be symbolic)."""
+    return math.prod(y_shape[: len(y_shape) - cfg.normalized_dims])
+
+
+def outputs(x: Tensor, y0: Tensor, cfg: ConvLayerNormConfig,
+                             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Empty ``(out, saved_y, saved_stats)`` with the exact shapes, dtypes and strides of the real op
+    (``y0``: the conv output without bias, real or fake).
+
+    * ``out``: y0's shape, contiguous (what eager's layer norm returns whatever its input's layout),
+      dtype ``out_dtype`` (default the conv's).
+    * ``saved_y`` (with ``save``): the conv output without bias, y0 itself where it is in
+      ``output_memory_format(y0)`` already (a conv's output always is), else a copy in it.
+    * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, M)`` contiguous, ``M`` the rows in
+      ``native_layer_norm``'s order (the dims before the normalized ones, row-major): row 0 each
+      row's mean, row 1 its ``1 / sqrt(var + eps)`` (of the pre-chain's result, bias included).
+    Absent entries are ``empty_placeholder(x)``.
+    """
+    out = torch.empty(y0.shape, dtype=dtype_named(OP, cfg.out_dtype, y0.dtype), device=x.device)
+    if not save:
+        return out, empty_placeholder(x), empty_placeholder(x)
+    stats = torch.empty([2, rows(y0.shape, cfg)], dtype=stats_dtype(y0.dtype), device=x.device)
+    return out, in_format(y0, output_memory_format(y0)), stats
+
+
+def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvLayerNormConfig) -> None:
+    """One-line ``UnsupportedInputError`` for inputs that do not fit the config."""
+    check_conv_inputs(OP, x, weight, cfg.conv)
+    y_shape = conv_output_shape(x, weight, cfg.conv)
+    trailing = tuple(y_shape[len(y_shape) - cfg.normalized_dims:])
+    if trailing != cfg.normalized_shape:
+        raise UnsupportedInputError(f"fusion::{OP}: the conv output {tuple(y_shape)} does not end in the normalized "
+                                    f"shape {cfg.normalized_shape}")  # fmt: skip
+    check_affine_operands(OP, operands, cfg.weight, cfg.bias, cfg.elements, f"the normalized shape {cfg.normalized_shape}")
+    check_operand_refs(OP, {"pre-chain": cfg.pre, "post-chain": cfg.post}, operands)
+
+
+def describe(cfg: ConvLayerNormConfig) -> str:
+    """``pre [relu] -> layer_norm((64,), eps=1e-05, weight, bias) -> post [gelu, mul]`` for messages."""
+    return (f"pre [{describe_chain(cfg.pre)}] -> layer_norm({tuple(cfg.normalized_shape)}, eps={cfg.eps:g}"
+            f"{describe_affine(cfg)}) -> post [{describe_chain(cfg.post)}]")

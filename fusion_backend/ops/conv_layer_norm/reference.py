@@ -1,7 +1,7 @@
 """The plain-torch reference of ``fusion::conv_layer_norm`` (CPU, float64, anything the kernels do
 not cover, and the tests' definition of the op): ``forward`` runs eager's ops and writes the same
 output and saved state as the kernels; ``backward`` applies torch's derivative formulas (the chains'
-with ``conv_epilogue``'s tape helpers, the norm's with ``aten.native_layer_norm_backward``) to the
+with ``chain_reference``'s tape, the norm's with ``aten.native_layer_norm_backward``) to the
 values recomputed from the saved conv output and statistics.
 
 NOTE: the norm runs as ``aten.native_layer_norm`` on the pre-chain's result cast to the statistics'
@@ -16,11 +16,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..conv_epilogue.common import apply_chain, channel_view, run_conv_backward
-from ..conv_epilogue.reference import chain_backward, chain_with_tape
+from ..chain_reference import add_grads, apply_chain, chain_backward, chain_with_tape
+from ..conv_io import channel_view, dtype_named, run_conv_backward, stats_dtype
 from ..library_conv import conv_forward
-from .common import allocate_forward_outputs, norm_dtype, output_dtype, stats_dtype
-from .config import ConvLayerNormConfig
+from .config import OP, ConvLayerNormConfig, norm_dtype, outputs
 
 
 def _affine(operands: Sequence[Tensor], index: int | None, cfg: ConvLayerNormConfig, dtype: torch.dtype) -> Tensor | None:
@@ -36,7 +35,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do)."""
     y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
-    out, saved_y, stats = allocate_forward_outputs(x, y0, cfg, save)
+    out, saved_y, stats = outputs(x, y0, cfg, save)
     yb = y0 if bias is None else y0 + channel_view(bias.to(y0.dtype), y0.dim())
     v = apply_chain(yb, cfg.pre, operands)
     sdt = stats_dtype(y0.dtype)
@@ -45,7 +44,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
         _affine(operands, cfg.bias, cfg, sdt), cfg.eps,
     )  # fmt: skip
     result = apply_chain(z.to(norm_dtype(cfg, y0.dtype)), cfg.post, operands)
-    out.copy_(result.to(output_dtype(cfg, y0.dtype)))
+    out.copy_(result.to(dtype_named(OP, cfg.out_dtype, y0.dtype)))
     if save:
         stats[0].copy_(mean.reshape(-1))
         stats[1].copy_(rstd.reshape(-1))
@@ -82,15 +81,10 @@ def backward(
     grad_y, pre_grads = chain_backward(pre_tape, grad_v.to(yb.dtype), operands, operand_mask)
     grad_x, grad_w, grad_b = run_conv_backward(grad_y.to(x.dtype).contiguous(), x, weight, cfg.conv, mask[0],
                                                mask[1], bool(mask[2]))  # fmt: skip
-    grads = [_add(a, b) for a, b in zip(pre_grads, post_grads, strict=True)]
+    grads = [add_grads(a, b) for a, b in zip(pre_grads, post_grads, strict=True)]
     for index, g in ((cfg.weight, grad_gamma if want_w else None), (cfg.bias, grad_beta if want_b else None)):
         if g is not None:
             t = operands[index]
-            grads[index] = _add(grads[index], g.reshape(t.shape).to(t.dtype))
+            grads[index] = add_grads(grads[index], g.reshape(t.shape).to(t.dtype))
     return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]
 
-
-def _add(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    if a is None:
-        return b
-    return a if b is None else a + b

@@ -1,5 +1,5 @@
-"""``ops/saved_state.py``: the autograd formula and the direct ``autograd.Function`` that the
-conv_channel_reduce, conv_group_norm and conv_batch_norm ops share, exercised through conv_group_norm
+"""``ops/declare.py``: the autograd formula and the direct ``autograd.Function`` that every declared
+fused op gets, exercised through conv_group_norm
 (CPU reference): the direct implementation gives the custom ops' output and gradients, a gradient
 asked of a forward that saved nothing is a clear error, and a direct op returning its state keeps
 that state out of autograd.
@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from fusion_backend.ir.specs import ConvSpec
-from fusion_backend.ops.conv_group_norm import ConvGroupNormConfig, conv_group_norm
+from fusion_backend.ops.conv_group_norm import CONV_GROUP_NORM, ConvGroupNormConfig, conv_group_norm
 from fusion_backend.ops.direct_impls import direct_impl
-from fusion_backend.ops.saved_state import direct_function
 
 CONV2D = ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 1)
 
@@ -49,9 +48,7 @@ def test_a_gradient_of_a_forward_that_saved_nothing_names_the_entry_point() -> N
 
 
 def test_a_direct_function_returning_its_state_keeps_it_out_of_autograd() -> None:
-    from fusion_backend.ops.conv_group_norm.op import _bwd_impl, _fwd_impl
-
-    Direct = direct_function("conv_group_norm", _fwd_impl, _bwd_impl, outputs=2)
+    Direct = CONV_GROUP_NORM.direct_function(outputs=2)
     x, w, b, gamma, beta = _inputs()
     out, stats = Direct.apply(CONFIG, x, w, b, gamma, beta)
     assert not stats.requires_grad and out.requires_grad

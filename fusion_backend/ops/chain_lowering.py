@@ -1,0 +1,175 @@
+"""A region's pointwise chains (``ops/chain.py``) lowered to what the Triton launchers take, and their
+operand gradients gathered back, for every family whose kernels run a chain.
+
+* ``kernel_steps``: a chain as ``(op code, [float | tensor of 1 or C values])`` per step, the form of
+  ``kernels.chain_math.KernelStep``; ``KernelChains`` the chains of one call with their operand
+  matrices (``kernels.epilogue.build_params``: the bias row and a chain's per-channel operands, fp32
+  ``(NUM_PARAM_ROWS, C)``) and a norm's scale and shift rows (``affine_rows``);
+* ``wanted_slots``: which chain slots' operand-gradient sums a backward kernel computes;
+  ``operand_grads`` adds the slots' sums up into each operand's gradient, ``add_operand_grad`` adds
+  one more (a norm's weight or bias) in;
+* ``pool_unroll_problem``: why the kernels cannot take a pool window;
+* ``check_operand_refs``: the one-line error for a chain referring to an operand a call lacks.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from ..errors import UnsupportedInputError
+from ..ir.specs import PoolSpec
+from .chain import ChainStep, ChainValue, Const, TensorRef, kernel_code
+
+
+def _is_per_channel(t: Tensor, y_ndim: int, channels: int) -> bool:
+    """True when ``t`` broadcasts against (N, C, ...) as one value, or one value per channel."""
+    if t.dim() > y_ndim:
+        return False
+    if t.numel() == 1:
+        return True
+    offset = y_ndim - t.dim()
+    return all(size == (channels if i + offset == 1 else 1) for i, size in enumerate(t.shape))
+
+
+def kernel_steps(chain: Sequence[ChainStep], operands: Sequence[Tensor], y_ndim: int, channels: int) -> list:
+    """``chain`` as the launchers take it: ``(op code, [float | tensor])`` per step, a ``Const`` as its
+    number, a ``TensorRef`` as its tensor (one value, or one per channel of the ``y_ndim``-dim conv
+    output: ``UnsupportedInputError`` otherwise), a ``ChainValue`` as 0.0 (the kernels read it from the
+    chain's own slots, no operand row)."""
+    steps = []
+    for step in chain:
+        values: list[Union[float, Tensor]] = []
+        for operand in step.operands:
+            if isinstance(operand, Const):
+                values.append(operand.value)
+                continue
+            if isinstance(operand, ChainValue):
+                values.append(0.0)
+                continue
+            t = operands[operand.index]
+            if not _is_per_channel(t, y_ndim, channels):
+                raise UnsupportedInputError(
+                    f"operands[{operand.index}] of shape {tuple(t.shape)} is neither a scalar nor per-channel "
+                    f"for a conv output with {channels} channels and {y_ndim} dims"
+                )
+            values.append(t)
+        steps.append((kernel_code(step), values))
+    return steps
+
+
+def affine_rows(operands: Sequence[Tensor], weight: int | None, bias: int | None, count: int, device) -> Tensor:
+    """A norm's scale and shift as the kernels read them: fp32 ``(2, count)`` contiguous, row 0
+    ``operands[weight]`` (ones without one), row 1 ``operands[bias]`` (zeros without one)."""
+    rows = torch.empty((2, count), dtype=torch.float32, device=device)
+    for row, index, fill in ((0, weight, 1.0), (1, bias, 0.0)):
+        if index is None:
+            rows[row].fill_(fill)
+        else:
+            rows[row].copy_(operands[index].reshape(-1))
+    return rows
+
+
+class KernelChains:
+    """One call's chains as the launchers take them: ``pre`` (before the family's reduction or norm)
+    and ``post`` (after it) as ``kernel_steps``, their operand matrices ``params`` (the bias row and
+    the pre-chain's operands over the C channels) and ``post_params`` (the post-chain's, over
+    ``post_columns``: C, or 1 after a reduction over the channels), a norm's ``affine`` rows
+    (``affine_rows``, None for a family without one) and the conv bias as C contiguous values (or None).
+    ``params`` is built on first use: a family without a pre-chain reads it only behind a pool."""
+
+    def __init__(self, pre: Sequence[ChainStep], post: Sequence[ChainStep], bias: Tensor | None,
+                 operands: Sequence[Tensor], ndim: int, channels: int, device: torch.device,
+                 post_columns: int | None = None, affine: Tensor | None = None) -> None:  # fmt: skip
+        from ..kernels.epilogue import build_params  # lazily: TRITON_INTERPRET is read at import
+
+        self._build, self._bias, self._channels, self._device = build_params, bias, channels, device
+        columns = channels if post_columns is None else post_columns
+        self.pre = kernel_steps(pre, operands, ndim, channels)
+        self.post = kernel_steps(post, operands, ndim, columns)
+        self.post_params = build_params(self.post, None, columns, device)
+        self.affine = affine
+        self.bias = None if bias is None else bias.reshape(-1).contiguous()
+
+    @functools.cached_property
+    def params(self) -> Tensor:
+        return self._build(self.pre, self._bias, self._channels, self._device)
+
+
+def wanted_slots(chain: Sequence[ChainStep], operand_mask: Sequence[bool]) -> list[bool]:
+    """Per slot: whether the gradient of its (tensor) first operand is wanted."""
+    return [
+        step.kind.differentiable_operands == (0,) and isinstance(step.operands[0], TensorRef)
+        and bool(operand_mask[step.operands[0].index])
+        for step in chain
+    ]  # fmt: skip
+
+
+def operand_grads(operands: Sequence[Tensor], operand_mask: Sequence[bool],
+                  chain_sums: Sequence[tuple[Sequence[ChainStep], Sequence[Tensor | None]]]) -> list[Tensor | None]:  # fmt: skip
+    """Each wanted operand's gradient from ``(chain, per-slot sums)`` pairs: the sums of the slots that
+    read it (a one-value operand takes the total over the channels), in its shape and dtype."""
+    grads: list[Tensor | None] = []
+    for i, t in enumerate(operands):
+        if not operand_mask[i]:
+            grads.append(None)
+            continue
+        total = torch.zeros((), dtype=torch.float32, device=t.device)
+        for chain, sums in chain_sums:
+            for step, s in zip(chain, sums, strict=True):
+                if s is not None and step.operands[0] == TensorRef(i):
+                    total = total + (s.sum() if t.numel() == 1 else s)
+        grads.append(total.reshape(t.shape).to(t.dtype) if total.numel() == t.numel() else total.expand(t.shape).to(t.dtype))
+    return grads
+
+
+def add_operand_grad(grads: list[Tensor | None], operands: Sequence[Tensor], index: int | None,
+                     total: Tensor | None) -> None:  # fmt: skip
+    """Add ``total`` (None: nothing) into ``grads[index]``, in ``operands[index]``'s shape and dtype."""
+    if index is None or total is None:
+        return
+    t = operands[index]
+    g = total.reshape(t.shape).to(t.dtype)
+    grads[index] = g if grads[index] is None else grads[index] + g
+
+
+def pool_unroll_problem(pool: PoolSpec | None) -> str | None:
+    """Why the kernels cannot take ``pool``, or None: their windows are unrolled, at most
+    ``MAX_WINDOW_VOLUME`` taps."""
+    from ..kernels.chain_math import MAX_WINDOW_VOLUME  # lazily: TRITON_INTERPRET is read at import
+
+    if pool is not None and pool.window_volume > MAX_WINDOW_VOLUME:
+        return f"pool window of {pool.window_volume} taps exceeds the kernel's unroll limit {MAX_WINDOW_VOLUME}"
+    return None
+
+
+def check_operand_refs(op: str, chains: dict[str, Sequence[ChainStep]], operands: Sequence[Tensor]) -> None:
+    """One-line ``UnsupportedInputError`` (naming ``fusion::{op}``) for a chain whose ``TensorRef``
+    points past ``operands``."""
+    for name, chain in chains.items():
+        for step in chain:
+            for operand in step.operands:
+                if isinstance(operand, TensorRef) and not 0 <= operand.index < len(operands):
+                    raise UnsupportedInputError(f"fusion::{op}: the {name} references operands[{operand.index}] but "
+                                                f"{len(operands)} operand tensors were given")  # fmt: skip
+
+
+def check_affine_operands(op: str, operands: Sequence[Tensor], weight: int | None, bias: int | None, count: int,
+                          what: str) -> None:  # fmt: skip
+    """One-line ``UnsupportedInputError`` (naming ``fusion::{op}``) for a norm's weight or bias that the
+    call lacks or that does not hold ``count`` floating values (``what`` says what they are, e.g.
+    "one per channel")."""
+    for name, index in (("weight", weight), ("bias", bias)):
+        if index is None:
+            continue
+        if index >= len(operands):
+            raise UnsupportedInputError(f"fusion::{op}: the norm's {name} is operands[{index}] but {len(operands)} "
+                                        "operand tensors were given")  # fmt: skip
+        t = operands[index]
+        if t.numel() != count or not t.is_floating_point():
+            raise UnsupportedInputError(f"fusion::{op}: the norm's {name} must hold {count} floating values ({what}), "
+                                        f"got {tuple(t.shape)} {t.dtype}")  # fmt: skip

@@ -1,0 +1,232 @@
+"""The plain-torch reference of a pointwise chain and of the pool that may end it, shared by every
+family's reference (each family's ``reference.py`` is the tests' definition of its op).
+
+* ``apply_chain``: a chain with eager semantics; ``chain_with_tape`` the same, recording what its
+  backward needs, and ``chain_backward`` that backward (the gradient of the chain's input and of each
+  wanted operand, a value read twice, ``ChainValue``, getting the sum of its gradients as autograd
+  gives it);
+* ``pool_saving_winners``: a pool with its max pool's winners as the kernels save them
+  (``window_winners``: each window's row-major tap index), ``pool_input_grad`` a pool's input gradient
+  from its output gradient (a max pool's summed into each window's saved winner,
+  ``scatter_to_windows``; an avg pool's with torch's backward, ``avg_pool_backward``);
+* ``add_grads``: the sum of two optional gradients.
+
+NOTE: the chain is differentiated with torch's own backward formulas (``_step_vjp``), not with
+``torch.autograd``: custom-op implementations run below the autograd dispatch key, where
+``enable_grad()`` records nothing, and functorch transforms there clash with dispatch modes
+(opcheck's schema check, flop counters).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from ..ir.specs import PoolSpec
+from .chain import ChainStep, ChainValue, PointwiseKind, TensorRef, apply_step, operand_values
+from .conv_io import run_pool, winner_dtype
+
+
+def apply_chain(y: Tensor, chain: Sequence[ChainStep], operands: Sequence[Tensor]) -> Tensor:
+    """Apply ``chain`` to ``y`` with eager semantics; non-differentiable operands are detached."""
+    inputs: list[Tensor] = []
+    for step in chain:
+        inputs.append(y)
+        y = apply_step(step.kind, y, operand_values(step, operands, inputs))
+    return y
+
+
+def add_grads(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """``a + b`` where both are gradients, the one present otherwise (None when neither is)."""
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+def _window_strides(sizes: Sequence[int]) -> list[int]:
+    """Row-major strides of a box of ``sizes``."""
+    return [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
+
+
+def _window_origins(pooled_shape: Sequence[int], pool: PoolSpec, device: torch.device) -> list[Tensor]:
+    """Per spatial dim, the (broadcastable) input coordinate where each pooled window starts."""
+    dims = len(pooled_shape) - 2
+    origins = []
+    for j, (size, s, p) in enumerate(zip(pooled_shape[2:], pool.stride, pool.padding, strict=True)):
+        shape = [1] * (dims + 2)
+        shape[2 + j] = size
+        origins.append((torch.arange(size, device=device) * s - p).reshape(shape))
+    return origins
+
+
+_Tape = list[tuple[ChainStep, Tensor, list[Union[Tensor, float]]]]
+
+
+def chain_with_tape(
+    y: Tensor, chain: Sequence[ChainStep], operands: Sequence[Tensor]
+) -> tuple[Tensor, _Tape]:
+    """``apply_chain`` that also records each step's input and operand values."""
+    tape: _Tape = []
+    detached = [t.detach() for t in operands]
+    inputs: list[Tensor] = []
+    for step in chain:
+        inputs.append(y)
+        values = operand_values(step, detached, inputs, detach_fixed=False)
+        tape.append((step, y, values))
+        y = apply_step(step.kind, y, values)
+    return y, tape
+
+
+def chain_backward(
+    tape: _Tape, grad: Tensor, operands: Sequence[Tensor], operand_mask: Sequence[bool]
+) -> tuple[Tensor, list[Tensor | None]]:
+    """Walk ``tape`` backwards: the gradient of the chain's input and of the masked operands.  The
+    gradient of a ``ChainValue`` operand joins the gradient of that step's input when the walk gets
+    there, as autograd sums the gradients of a value read twice."""
+    grad_operands: list[Tensor | None] = [
+        torch.zeros_like(t) if m else None for t, m in zip(operands, operand_mask, strict=True)
+    ]
+    reread: list[Tensor | None] = [None] * len(tape)  # per step: the gradient its input got as an operand
+    for k in reversed(range(len(tape))):
+        step, v, values = tape[k]
+        grad_v, grad_a = _step_vjp(step.kind, v, values, grad)
+        operand = step.operands[0] if step.operands else None
+        if grad_a is not None and isinstance(operand, ChainValue):
+            j = operand.position
+            reread[j] = grad_a if reread[j] is None else reread[j] + grad_a
+        elif grad_a is not None and isinstance(operand, TensorRef) and operand_mask[operand.index]:
+            t = operands[operand.index]
+            reduced = grad_a.sum() if t.dim() == 0 else grad_a.sum_to_size(t.shape)
+            grad_operands[operand.index] = grad_operands[operand.index] + reduced.to(t.dtype)
+        grad = grad_v.to(v.dtype)  # as autograd does across a type-promoting op
+        if reread[k] is not None:
+            grad = grad + reread[k].to(v.dtype)
+    return grad, grad_operands
+
+
+def _step_vjp(
+    kind: PointwiseKind, v: Tensor, values: Sequence[Union[Tensor, float]], g: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """``(d/dv, d/d first operand)`` of one step at input ``v``, with torch's backward formulas.
+
+    The operand gradient is full-size (not reduced); it is None for kinds whose operands get none.
+    """
+    aten = torch.ops.aten
+    a = values[0] if values else None
+    if kind is PointwiseKind.RELU:
+        return aten.threshold_backward(g, torch.relu(v), 0), None
+    if kind is PointwiseKind.LEAKY_RELU:
+        return torch.where(v > 0, g, g * a), None
+    if kind is PointwiseKind.GELU:
+        return aten.gelu_backward(g, v), None
+    if kind is PointwiseKind.GELU_TANH:
+        return aten.gelu_backward(g, v, approximate="tanh"), None
+    if kind is PointwiseKind.SILU:
+        return aten.silu_backward(g, v), None
+    if kind is PointwiseKind.SIGMOID:
+        return aten.sigmoid_backward(g, torch.sigmoid(v)), None
+    if kind is PointwiseKind.TANH:
+        return aten.tanh_backward(g, torch.tanh(v)), None
+    if kind is PointwiseKind.HARDSWISH:
+        return aten.hardswish_backward(g, v), None
+    if kind is PointwiseKind.MISH:
+        return aten.mish_backward(g, v), None
+    zero = torch.zeros((), dtype=g.dtype, device=g.device)
+    if kind is PointwiseKind.CLAMP:
+        return torch.where((v >= a) & (v <= values[1]), g, zero), None
+    if kind is PointwiseKind.CLAMP_MIN:
+        return torch.where(v >= a, g, zero), torch.where(v < a, g, zero)
+    if kind is PointwiseKind.CLAMP_MAX:
+        return torch.where(v <= a, g, zero), torch.where(v > a, g, zero)
+    if kind is PointwiseKind.HARDTANH:
+        return torch.where(((v > a) & (v < values[1])) | torch.isnan(v), g, zero), None
+    if kind in (PointwiseKind.MINIMUM, PointwiseKind.MAXIMUM):
+        # torch: where(v == a, g / 2, g), zero where the other side was taken (NaN: neither is)
+        half = torch.where(v == a, g / 2, g)
+        v_lost, a_lost = (v > a, v < a) if kind is PointwiseKind.MINIMUM else (v < a, v > a)
+        return torch.where(v_lost, zero, half), torch.where(a_lost, zero, half)
+    if kind is PointwiseKind.MUL:
+        return g * a, g * v
+    if kind is PointwiseKind.ADD:
+        return g, g
+    if kind is PointwiseKind.SUB:
+        return g, -g
+    if kind is PointwiseKind.RSUB:
+        return -g, g
+    if kind is PointwiseKind.DIV:
+        return g / a, -g * v / (a * a)
+    if kind is PointwiseKind.RDIV:
+        if not isinstance(a, Tensor):  # float / tensor is reciprocal(v) * a in torch
+            r = torch.reciprocal(v)
+            return -(g * a) * (r * r), None
+        return -g * a / (v * v), g / v
+    raise AssertionError(f"unhandled pointwise kind {kind}")
+
+
+def window_winners(flat: Tensor, spatial: Sequence[int], pool: PoolSpec) -> Tensor:
+    """A max pool's winners as the kernels save them (``winner_dtype``: each window's row-major tap
+    index) from ``return_indices``' ``flat`` (each window's winner as a flat index into its
+    (sample, channel) plane of ``spatial`` sizes)."""
+    spatial = list(spatial)
+    win = torch.zeros_like(flat)
+    for j, (origin, stride, k_stride) in enumerate(
+        zip(_window_origins(flat.shape, pool, flat.device), _window_strides(spatial),
+            _window_strides(pool.kernel_size), strict=True)
+    ):  # fmt: skip
+        coord = (flat // stride) % spatial[j]
+        win = win + (coord - origin) * k_stride
+    return win.to(winner_dtype(pool))
+
+
+def pool_saving_winners(v: Tensor, pool: PoolSpec | None, winner: Tensor) -> Tensor:
+    """``run_pool(v, pool)`` (``v`` itself without a pool); a max pool's winners written into
+    ``winner`` (``window_winners``' layout) unless it is a placeholder (no element)."""
+    if pool is None:
+        return v
+    if pool.kind != "max" or winner.numel() == 0:
+        return run_pool(v, pool)
+    result, flat = run_pool(v, pool, return_indices=True)
+    winner.copy_(window_winners(flat, v.shape[2:], pool))
+    return result
+
+
+def pool_input_grad(grad: Tensor, v: Tensor, winner: Tensor | None, pool: PoolSpec) -> Tensor:
+    """The gradient at the input ``v`` (full size) of ``run_pool(v, pool)`` from the pooled gradient
+    ``grad``: an avg pool's with torch's backward, a max pool's summed into each window's winner
+    (``winner``: ``window_winners``' int8 / int32, grad's shape)."""
+    if pool.kind == "max":
+        return scatter_to_windows(grad, winner, v.shape, pool)
+    return avg_pool_backward(grad, v, pool)
+
+
+def avg_pool_backward(grad: Tensor, v: Tensor, pool: PoolSpec) -> Tensor:
+    """Gradient of ``run_pool(v, pool)`` (an avg pool) w.r.t. ``v``."""
+    k, s, p = list(pool.kernel_size), list(pool.stride), list(pool.padding)
+    args = (pool.ceil_mode, pool.count_include_pad, pool.divisor_override)
+    if v.dim() == 3:  # pooled as a (1, L) plane, see run_pool
+        return torch.ops.aten.avg_pool2d_backward(
+            grad.unsqueeze(-2), v.unsqueeze(-2), [1, k[0]], [1, s[0]], [0, p[0]], *args
+        ).squeeze(-2)
+    fn = torch.ops.aten.avg_pool2d_backward if v.dim() == 4 else torch.ops.aten.avg_pool3d_backward
+    return fn(grad, v, k, s, p, *args)
+
+
+def scatter_to_windows(grad_w: Tensor, winner: Tensor, y_shape: Sequence[int], pool: PoolSpec) -> Tensor:
+    """Full-size (N, C, *spatial) gradient from per-window gradients at the winners (summing)."""
+    spatial = list(y_shape[2:])
+    rem = winner.to(torch.int64)
+    flat = torch.zeros_like(rem)
+    for j, (origin, k_stride, plane_stride) in enumerate(
+        zip(_window_origins(winner.shape, pool, winner.device), _window_strides(pool.kernel_size),
+            _window_strides(spatial), strict=True)
+    ):  # fmt: skip
+        k = (rem // k_stride) % pool.kernel_size[j]
+        flat = flat + (origin + k) * plane_stride
+    n, c = y_shape[:2]
+    full = torch.zeros(n, c, math.prod(spatial), dtype=grad_w.dtype, device=grad_w.device)
+    full.scatter_add_(2, flat.reshape(n, c, -1), grad_w.reshape(n, c, -1))
+    return full.reshape(y_shape)

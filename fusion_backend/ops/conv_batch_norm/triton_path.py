@@ -1,0 +1,77 @@
+"""The Triton path of ``fusion::conv_batch_norm``.
+
+Forward: the library conv (cuDNN, through ``library_conv.conv_forward``: channels-last for 2-d and 3-d
+convs) without bias, then the statistics kernel (per channel and chunk), their fixed-order combine, and
+the kernel that adds the bias, normalises, scales and shifts per channel, applies the post-chain and
+writes the result (``kernels/batch_norm.py``); where the region ends in a max or avg pool, the
+normalise pass is ``kernels/norm_pool.py``'s, which writes only the pooled result (and the max pool's
+winners when the backward will need them).  The running statistics' update is an op of its own.
+
+Backward: two kernels (``kernels/batch_norm.py``) write the conv output's gradient from the output
+gradient, the saved conv output and the per-channel statistics (the post-chain and the norm
+differentiated in registers; the per-channel sums the norm's gradient needs combined in a fixed order
+between them), which also give the norm's weight and bias gradients and the chain's operand gradients
+(behind a pool, each position's gradient gathered from the pooled one: a max pool's only at the saved
+winners); then the library conv backward (``ops/library_conv.py``) gives the gradients of x, the weight
+and the bias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..chain_lowering import KernelChains, add_operand_grad, affine_rows, operand_grads, wanted_slots
+from ..library_conv import conv_backward_plan, conv_forward, nominal_format
+from .config import ConvBatchNormConfig, outputs
+
+
+def _chains(cfg: ConvBatchNormConfig, bias: Tensor | None, operands: Sequence[Tensor], ndim: int, channels: int,
+            device: torch.device) -> KernelChains:  # fmt: skip
+    affine = affine_rows(operands, cfg.weight, cfg.bias, channels, device)
+    return KernelChains(cfg.pre, cfg.post, bias, operands, ndim, channels, device, affine=affine)
+
+
+def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvBatchNormConfig,
+            save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(out, saved_y, saved_winner, stats)`` as ``config.outputs`` lays them out."""
+    from ...kernels.batch_norm import batch_norm_apply, batch_norm_stats
+
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+    out, saved_y, winner, stats = outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
+    chains = _chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
+    batch_norm_stats(y0, chains.bias, cfg.eps, stats)  # mean, rstd, unbiased variance
+    norm_stats = stats[:2]
+    if cfg.pool is None:
+        batch_norm_apply(y0, chains.bias, chains.post, chains.post_params, chains.affine, norm_stats, out)
+    else:
+        from ...kernels.norm_pool import norm_pool_forward
+
+        # the bias in its row of ``params``, no pre-chain
+        norm_pool_forward(y0, bias is not None, [], chains.post, chains.params, chains.post_params, chains.affine,
+                          norm_stats, cfg.pool, out, winner if winner.numel() else None)  # fmt: skip
+    return out, saved_y, winner, stats
+
+
+def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+             saved_y: Tensor, saved_winner: Tensor, saved_stats: Tensor, cfg: ConvBatchNormConfig,
+             mask: Sequence[bool]) -> list[Tensor | None]:  # fmt: skip
+    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False).  With a
+    pool ``grad_out`` is the pooled result's gradient."""
+    from ...kernels.batch_norm import batch_norm_backward
+
+    conv_backward = conv_backward_plan(x, weight, cfg.conv, saved_y)
+    grad_y = conv_backward.new_grad_y(x.device)
+    chains = _chains(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device)
+    operand_mask = list(mask[3:])
+    dgamma, dbeta, post_sums = batch_norm_backward(
+        grad_out, saved_y, chains.bias, chains.post, chains.post_params, chains.affine, saved_stats[:2], grad_y,
+        wanted_slots(cfg.post, operand_mask), cfg.pool, saved_winner if saved_winner.numel() else None,
+    )  # fmt: skip
+    grad_x, grad_w, grad_b = conv_backward(grad_y, x, weight, mask[0], mask[1], bool(mask[2]))
+    grads = operand_grads(operands, operand_mask, [(cfg.post, post_sums)])
+    for index, total in ((cfg.weight, dgamma), (cfg.bias, dbeta)):
+        add_operand_grad(grads, operands, index, total if index is not None and operand_mask[index] else None)
+    return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]

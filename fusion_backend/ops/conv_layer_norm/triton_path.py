@@ -1,0 +1,69 @@
+"""The Triton path of ``fusion::conv_layer_norm``.
+
+Forward: the library conv (cuDNN, through ``library_conv.conv_forward``: channels-last for 2-d and 3-d
+convs) without bias, then ``kernels/layer_norm.py``'s forward (one launch, or two where long rows are
+split into chunks) that adds the bias, applies the pre-chain, normalises each row, scales and shifts
+elementwise, applies the post-chain and writes the result (contiguous, as eager's layer norm) and the
+row statistics.
+
+Backward: ``kernels/layer_norm.py``'s backward (one launch for rows packed in tiles, two for rows
+walked in chunks) writes the conv output's gradient from the output gradient, the saved conv output
+and the row statistics (the post-chain, the norm and the pre-chain differentiated in registers) plus
+fixed-order partial sums of the norm's elementwise weight and bias gradients and of the chains'
+per-channel operand gradients; then the library conv backward (``ops/library_conv.py``) gives the
+gradients of x, the weight and the bias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..chain_lowering import KernelChains, add_operand_grad, affine_rows, operand_grads, wanted_slots
+from ..library_conv import conv_backward_plan, conv_forward
+from .config import ConvLayerNormConfig, outputs
+
+
+def _chains(cfg: ConvLayerNormConfig, bias: Tensor | None, operands: Sequence[Tensor], ndim: int, channels: int,
+            device: torch.device) -> KernelChains:  # fmt: skip
+    """The chains over the C channels; the norm's scale and shift ``affine`` fp32 ``(2, prod(normalized_shape))``."""
+    affine = affine_rows(operands, cfg.weight, cfg.bias, cfg.elements, device)
+    return KernelChains(cfg.pre, cfg.post, bias, operands, ndim, channels, device, affine=affine)
+
+
+def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvLayerNormConfig,
+            save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(out, saved_y, saved_stats)`` as ``config.outputs`` lays them out."""
+    from ...kernels.layer_norm import layer_norm_forward
+
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+    out, saved_y, stats = outputs(x, y0, cfg, save)
+    chains = _chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
+    layer_norm_forward(y0, cfg.normalized_dims, bias is not None, chains.pre, chains.post, cfg.eps, chains.params,
+                       chains.post_params, chains.affine, out, stats if save else None)  # fmt: skip
+    return out, saved_y, stats
+
+
+def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+             saved_y: Tensor, saved_stats: Tensor, cfg: ConvLayerNormConfig,
+             mask: Sequence[bool]) -> list[Tensor | None]:  # fmt: skip
+    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False)."""
+    from ...kernels.layer_norm import layer_norm_backward
+
+    conv_backward = conv_backward_plan(x, weight, cfg.conv, saved_y)
+    grad_y = conv_backward.new_grad_y(x.device)
+    chains = _chains(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device)
+    operand_mask = list(mask[3:])
+    affine_wanted = tuple(index is not None and bool(operand_mask[index]) for index in (cfg.weight, cfg.bias))
+    pre_sums, post_sums, affine_sums = layer_norm_backward(
+        grad_out, saved_y, saved_stats, cfg.normalized_dims, bias is not None, chains.pre, chains.post, chains.params,
+        chains.post_params, chains.affine, grad_y, wanted_slots(cfg.pre, operand_mask),
+        wanted_slots(cfg.post, operand_mask), affine_wanted,
+    )  # fmt: skip
+    grad_x, grad_w, grad_b = conv_backward(grad_y, x, weight, mask[0], mask[1], bool(mask[2]))
+    grads = operand_grads(operands, operand_mask, [(cfg.pre, pre_sums), (cfg.post, post_sums)])
+    for index, total in zip((cfg.weight, cfg.bias), affine_sums, strict=True):
+        add_operand_grad(grads, operands, index, total)
+    return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]
