@@ -18,8 +18,8 @@ The walk from a conv whose output is batched and floating point (``FUSED_DTYPES`
    op of the centre's type; any other stop is the region's near miss.  A centre that takes no chain
    before it (``Centre.chain_before``) is the op in sight itself, and its checks say why it does not
    read the conv output.
-3. The centre's checks (``Centre.refusal``); then the chain before it must be read only inside the
-   region; then the centre's value (``Centre.value_nodes``: its node, or for ``torch.min`` its
+3. The centre's checks (``Centre.refusal``); then the centre must read the chain's value and the
+   chain before it must be read only inside the region; then the centre's value (``Centre.value_nodes``: its node, or for ``torch.min`` its
    ``[0]``) must have metadata and a fused dtype.  ``Centre.facts`` then takes what the config needs
    (appending the centre's own operands, e.g. a norm's weight, after the chain's).
 4. The chain after the centre grows from its value and ends quietly at the first op that is not
@@ -291,6 +291,8 @@ class ConvWalkPattern(ConvAnchoredPattern):
         refused = centre.refusal(site)
         if refused is not None:
             return self._refused(ctx, conv, user, refused)
+        if site.op.input is not site.flowing:  # (a centre's checks usually say so first, in their own words)
+            return miss(user, ReasonKind.UNSUPPORTED_OPERAND, f"`{user.name}` does not read the chain's value")
         if not values.closed(pre, user):
             held = {anchor, *pre.step_nodes, user}
             read_outside = next(n for n in [anchor, *pre.step_nodes] if any(u not in held for u in n.users))
