@@ -19,9 +19,10 @@ The walk from a conv whose output is batched and floating point (``FUSED_DTYPES`
    before it (``Centre.chain_before``) is the op in sight itself, and its checks say why it does not
    read the conv output.
 3. The centre's checks (``Centre.refusal``); then the centre must read the chain's value and the
-   chain before it must be read only inside the region; then the centre's value (``Centre.value_nodes``: its node, or for ``torch.min`` its
-   ``[0]``) must have metadata and a fused dtype.  ``Centre.facts`` then takes what the config needs
-   (appending the centre's own operands, e.g. a norm's weight, after the chain's).
+   chain before it must be read only inside the region; then the centre's value
+   (``Centre.value_nodes``: its node, or for ``torch.min`` its ``[0]``) must have metadata and a
+   fused dtype.  ``Centre.facts`` then takes what the config needs (appending the centre's own
+   operands, e.g. a norm's weight, after the chain's).
 4. The chain after the centre grows from its value and ends quietly at the first op that is not
    pointwise (``Centre.refuse_after`` may name one that ends it with a near miss, e.g. a second
    reduction); where one of its values is read outside, it is cut to its longest prefix that is not.
@@ -32,7 +33,8 @@ Without a centre the one chain grows from the conv output through pointwise ops 
 family folds into its chain (``ConvWalkPattern.folds`` / ``fold``), up to a pool that may end it.
 There the chain is the region, so where it stopped is reported (unless at the graph output or the
 next conv), an op another family claims is named as that family's (``claimed_elsewhere``), and a
-pool whose input is read elsewhere ends the region before it.  A conv with neither a chain nor a
+pool whose input is read elsewhere quietly ends the region before it (the chain's value is needed
+full-size anyway).  A conv with neither a chain nor a
 pool after it is a ``NO_EPILOGUE`` near miss.
 """
 
