@@ -39,7 +39,7 @@ class ReasonKind(str, enum.Enum):
     CHAIN_TOO_LONG = "chain_too_long"
     """The chain reached the fused op's maximum length; the rest stays outside."""
     CLAIMED = "claimed"
-    """The nodes were already taken by a higher-priority pattern."""
+    """The nodes were already taken by a pattern that precedes this one (``match.engine.Precedence``)."""
     NO_EPILOGUE = "no_epilogue"
     """A conv with nothing fusible after it."""
     MISSING_METADATA = "missing_metadata"

@@ -2,13 +2,19 @@
 
 One module per family; a family is a ``fusion_backend.match.engine.Pattern`` subclass decorated with
 ``register_pattern``.  Third-party families register the same way from their own modules.
+
+The families are imported, and so registered, in the order they take a conv within one precedence
+tier (``match.engine.Precedence``): ``conv_global_mean`` first, whose algebraic route never writes the
+conv output; then the norm families and the reduction over the channels, which claim different ops
+(their regions never share a conv, so their order only fixes the order of the regions and which near
+miss of a conv is reported); ``conv_epilogue``, the plain chain, is a tier of its own below them all.
 """
 
-from . import (  # noqa: F401
-    conv_batch_norm,
-    conv_channel_reduce,
-    conv_epilogue,
-    conv_global_mean,
-    conv_group_norm,
-    conv_layer_norm,
-)
+# isort: off
+from . import conv_global_mean  # noqa: F401
+from . import conv_group_norm  # noqa: F401
+from . import conv_layer_norm  # noqa: F401
+from . import conv_batch_norm  # noqa: F401
+from . import conv_channel_reduce  # noqa: F401
+from . import conv_epilogue  # noqa: F401
+# isort: on

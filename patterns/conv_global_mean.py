@@ -11,9 +11,11 @@ dims" with or without kept dims:
 * ``x.sum(dims) / n`` (or ``* (1/n)``) where ``n`` is the number of elements the sums reduced.
 
 Before the reduction, ``mul/add/sub/div`` by numbers or per-channel tensors are folded in (they
-commute with the mean).  Anything nonlinear stops the match; ``conv_epilogue`` (lower priority) may
-then fuse the conv with that op instead.  This family has a higher priority than ``conv_epilogue``:
-the algebraic rewrite removes the conv output altogether.
+commute with the mean).  Anything nonlinear stops the match; ``conv_epilogue`` may then fuse the conv
+with that op instead.  The family claims the mean (``Precedence.CLAIMS_AN_OP``), so it takes a conv
+before the plain chain of ``conv_epilogue`` would: the algebraic rewrite removes the conv output
+altogether.  It keeps a walker of its own: its steps must commute with the mean, and its reduction
+may be spelled in several steps.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ import torch
 import torch.fx as fx
 
 from ..frontend.canonical import Conv, GlobalReduce, Pointwise
+from ..match.conv_walk import FUSED_DTYPES
 from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
 from ..match.rewrite import dtype_name, rewrite_conv_region
 from ..ops.chain import ChainStep, PointwiseKind
 from ..report import Match, NearMiss, ReasonKind
 
 AFFINE_KINDS = (PointwiseKind.MUL, PointwiseKind.ADD, PointwiseKind.SUB, PointwiseKind.RSUB, PointwiseKind.DIV)
-FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LOOKAHEAD = 8
 
 
@@ -48,7 +50,6 @@ class MeanRegion:
 @register_pattern
 class ConvGlobalMeanPattern(ConvAnchoredPattern):
     name = "conv_global_mean"
-    priority = 200
     description = "conv/conv-transpose (1-3d) → per-channel affine ops → mean over all spatial dims (computed algebraically)"
 
     def match_conv(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:

@@ -11,12 +11,8 @@ C, D, H, W) output whose W is C), (H, W), ..., or (C, *spatial).  A pointwise ch
 norm (per-channel operands included).  The fused op (``ops/conv_layer_norm/``) runs the conv once and
 everything after it in Triton kernels, forward and backward.
 
-Priority 165: above ``conv_epilogue`` (100), which would otherwise take the conv and the chain before
-the norm and leave the norm to Inductor; between ``conv_group_norm`` (170) and ``conv_batch_norm``
-(160), the other norm families, and above ``conv_channel_reduce`` (150): a region of each of those
-ends at its own norm or reduction and this one at a layer norm, so two of them never share a conv
-and the order between them only fixes which near miss a conv gets; below ``conv_global_mean`` (200),
-whose algebraic route never writes the conv output.
+A conv walk centred on the norm (``match/conv_walk.py``): it takes a conv before the plain chain of
+``conv_epilogue`` would, which would leave the norm to Inductor.
 
 Near misses (only where a layer norm reads the chain within a few pointwise steps): a normalized
 shape that is not known at compile time (traced sizes under ``dynamic=True``) or whose conv-output
@@ -30,131 +26,120 @@ conv output's trailing sizes is not matched (torch rejects it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 
-from ..frontend.canonical import Conv, LayerNorm, ParamRef
-from ..match.chain_walk import ChainPart, grow_chain_after, grow_chain_before, op_ahead, operand_index
-from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
-from ..match.rewrite import Deferred, dtype_name, materialize, rewrite_conv_region
-from ..report import Match, NearMiss, ReasonKind
+from ..frontend.canonical import CanonicalOp, LayerNorm, ParamRef
+from ..frontend.normalize import target_name
+from ..match.chain_walk import operand_index
+from ..match.conv_walk import (
+    NOT_MATCHED,
+    Centre,
+    CentreSite,
+    ConvRegion,
+    ConvWalkPattern,
+    Refusal,
+    claim_wording,
+)
+from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
+from ..match.rewrite import dtype_if_changed, rewrite_conv_region
+from ..report import Match, ReasonKind
 
-FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Names of a conv output's dims after the batch, by spatial rank (for summaries).
 _DIM_NAMES = {1: ("C", "L"), 2: ("C", "H", "W"), 3: ("C", "D", "H", "W")}
 
 
-@dataclass
-class LayerNormRegion:
-    conv: Conv
-    pre: ChainPart
-    norm: LayerNorm
+@dataclass(frozen=True)
+class LayerNormFacts:
+    """What the config needs from the norm: its normalized shape and its weight's and bias's indices
+    among the region's operands (None: not affine)."""
+
     normalized_shape: tuple[int, ...]
     weight: Optional[int]
     bias: Optional[int]
-    post: ChainPart
+
+
+def _refusal(site: CentreSite) -> Optional[Refusal]:
+    norm: LayerNorm = site.op
+    name, y = site.node.name, site.y
+    if norm.input is not site.flowing:
+        return Refusal(ReasonKind.UNSUPPORTED_OPERAND, f"`{name}` does not normalise the chain's value")
+    shape = norm.normalized_shape
+    if shape is None:
+        return Refusal(ReasonKind.DIMENSION_MISMATCH,
+                       f"`{name}`'s normalized shape is not known at compile time (traced sizes, as under "
+                       "dynamic shapes); the fused op takes it as constants")  # fmt: skip
+    if len(shape) >= y.dim():
+        return Refusal(ReasonKind.DIMENSION_MISMATCH,
+                       f"`{name}` normalizes over {len(shape)} dims of a {y.dim()}-d conv output, the batch dim "
+                       "included; the fused op normalizes over the channels and spatial dims at most")  # fmt: skip
+    trailing = y.shape[y.dim() - len(shape):]
+    if not all(_static(d) for d in trailing):
+        return Refusal(ReasonKind.DIMENSION_MISMATCH,
+                       f"the conv output's normalized dims {list(trailing)} are dynamic; the fused op takes them as "
+                       "constants")  # fmt: skip
+    if tuple(int(d) for d in trailing) != shape:
+        return NOT_MATCHED  # torch rejects it: nothing to report
+    if norm.eps is None:
+        return Refusal(ReasonKind.UNSUPPORTED_ARGUMENT,
+                       f"`{name}`'s eps is a traced value (dynamic=True lifts a module's float attributes to "
+                       "graph inputs); the fused op takes it as a constant")  # fmt: skip
+    for what in ("weight", "bias"):
+        why = _elementwise_problem(getattr(norm, what), shape)
+        if why is not None:
+            return Refusal(ReasonKind.UNSUPPORTED_OPERAND, f"the norm's {what} {why}")
+    return None
+
+
+def _facts(site: CentreSite) -> LayerNormFacts:
+    norm: LayerNorm = site.op
+    return LayerNormFacts(norm.normalized_shape, operand_index(norm.weight, site.operands),
+                          operand_index(norm.bias, site.operands))  # fmt: skip
+
+
+def _label(region: ConvRegion) -> str:
+    shape = region.facts.normalized_shape
+    names = _DIM_NAMES[region.conv.spec.spatial_dims][-len(shape):]
+    return f"layer_norm[{', '.join(names)}]"
+
+
+LAYER_NORM = Centre(LayerNorm, "the layer norm", _label, _refusal, _facts)
 
 
 @register_pattern
-class ConvLayerNormPattern(ConvAnchoredPattern):
+class ConvLayerNormPattern(ConvWalkPattern):
     name = "conv_layer_norm"
-    priority = 165
     description = ("conv/conv-transpose (1-3d) → pointwise chain → layer norm over trailing dims of the conv output "
                    "→ pointwise chain")
+    centre = LAYER_NORM
 
-    def match_conv(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
-        anchor = conv.node
-        y = fake_of(anchor)
-        if not isinstance(y, torch.Tensor) or y.dim() != conv.spec.spatial_dims + 2:
+    def claim(self, node: fx.Node, op: CanonicalOp, rank: int) -> Optional[str]:
+        if target_name(node) != "layer_norm":
             return None
-        if not op_ahead(ctx, anchor, LayerNorm):
-            return None  # no layer norm in sight: not this family's conv
-
-        def miss(at: fx.Node, kind: ReasonKind, msg: str) -> NearMiss:
-            return ctx.near_miss(self.name, anchor, at, kind, msg)
-
-        if y.dtype not in FUSED_DTYPES:
-            return miss(anchor, ReasonKind.UNSUPPORTED_DTYPE, f"conv output dtype {y.dtype} is not a floating type the fused op supports")
-        if not _static(y.shape[1]):
-            return miss(anchor, ReasonKind.DIMENSION_MISMATCH, f"the conv has a dynamic number of channels ({y.shape[1]})")
-
-        # 1. the chain before the norm
-        before = grow_chain_before(ctx, self.name, anchor, y, FUSED_DTYPES, LayerNorm, "the layer norm")
-        if isinstance(before, NearMiss):
-            return before
-        pre, user = before.part, before.stop
-
-        # 2. the norm
-        norm: LayerNorm = ctx.op(user)
-        if norm.input is not before.last:
-            return miss(user, ReasonKind.UNSUPPORTED_OPERAND, f"`{user.name}` does not normalise the chain's value")
-        shape = norm.normalized_shape
-        if shape is None:
-            return miss(user, ReasonKind.DIMENSION_MISMATCH,
-                        f"`{user.name}`'s normalized shape is not known at compile time (traced sizes, as under "
-                        "dynamic shapes); the fused op takes it as constants")  # fmt: skip
-        if len(shape) >= y.dim():
-            return miss(user, ReasonKind.DIMENSION_MISMATCH,
-                        f"`{user.name}` normalizes over {len(shape)} dims of a {y.dim()}-d conv output, the batch dim "
-                        "included; the fused op normalizes over the channels and spatial dims at most")  # fmt: skip
-        trailing = y.shape[y.dim() - len(shape):]
-        if not all(_static(d) for d in trailing):
-            return miss(user, ReasonKind.DIMENSION_MISMATCH,
-                        f"the conv output's normalized dims {list(trailing)} are dynamic; the fused op takes them as "
-                        "constants")  # fmt: skip
-        if tuple(int(d) for d in trailing) != shape:
-            return None  # torch rejects it: nothing to report
-        if norm.eps is None:
-            return miss(user, ReasonKind.UNSUPPORTED_ARGUMENT,
-                        f"`{user.name}`'s eps is a traced value (dynamic=True lifts a module's float attributes to "
-                        "graph inputs); the fused op takes it as a constant")  # fmt: skip
-        for name in ("weight", "bias"):
-            why = _elementwise_problem(getattr(norm, name), shape)
-            if why is not None:
-                return miss(user, ReasonKind.UNSUPPORTED_OPERAND, f"the norm's {name} {why}")
-        if not before.values.closed(pre, user):
-            read_outside = next(n for n in [anchor, *pre.step_nodes] if any(u not in {anchor, *pre.step_nodes, user} for u in n.users))
-            return miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, before.values.outside_users(read_outside))
-        normed = fake_of(user)
-        if not isinstance(normed, torch.Tensor):
-            return miss(user, ReasonKind.MISSING_METADATA, f"no metadata for `{user.name}`")
-        if normed.dtype not in FUSED_DTYPES:
-            return miss(user, ReasonKind.UNSUPPORTED_DTYPE, f"`{user.name}` yields {normed.dtype}")
-        post = ChainPart(pre.operands)
-        weight = operand_index(norm.weight, post.operands)
-        bias = operand_index(norm.bias, post.operands)
-
-        # 3. the chain after it
-        notes = grow_chain_after(ctx, self.name, anchor, user, post, y, FUSED_DTYPES, "the layer norm")
-
-        region = LayerNormRegion(conv, pre, norm, shape, weight, bias, post)
-        nodes = [anchor, *pre.step_nodes, user, *post.step_nodes]
-        return Candidate(self.name, anchor, nodes, region, _summary(region), notes)
+        return claim_wording("normalizes by statistics of the conv output (LayerNorm):", self.name)
 
     def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:
         from ..ops import conv_layer_norm as op_module
 
-        region: LayerNormRegion = candidate.payload
-        conv = region.conv
-        conv_fake, normed, final = fake_of(conv.node), fake_of(region.norm.node), fake_of(candidate.nodes[-1])
+        region: ConvRegion = candidate.payload
+        conv, norm, facts = region.conv, region.centre, region.facts
+        conv_fake = fake_of(conv.node)
         config = op_module.ConvLayerNormConfig(
             conv=conv.spec,
-            normalized_shape=region.normalized_shape,
-            eps=region.norm.eps,
-            weight=region.weight,
-            bias=region.bias,
+            normalized_shape=facts.normalized_shape,
+            eps=norm.eps,
+            weight=facts.weight,
+            bias=facts.bias,
             pre=tuple(region.pre.steps),
             post=tuple(region.post.steps),
-            norm_dtype=dtype_name(normed.dtype) if normed.dtype != conv_fake.dtype else None,
-            out_dtype=dtype_name(final.dtype) if final.dtype != conv_fake.dtype else None,
+            norm_dtype=dtype_if_changed(fake_of(norm.node), conv_fake),
+            out_dtype=dtype_if_changed(fake_of(candidate.nodes[-1]), conv_fake),
             strict=ctx.strict,
         ).to_json()
-        operands = [Deferred(lambda graph, ref=v: materialize(graph, ref)) if isinstance(v, ParamRef) else v
-                    for v in region.post.operands]  # fmt: skip
         return rewrite_conv_region(
-            ctx, candidate, conv, operands, op_module.conv_layer_norm, config, "fusion::conv_layer_norm_fwd",
+            ctx, candidate, conv, region.post.operands, op_module.conv_layer_norm, config, "fusion::conv_layer_norm_fwd",
             op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type),
         )  # fmt: skip
 
@@ -178,11 +163,3 @@ def _elementwise_problem(value: Any, shape: tuple[int, ...]) -> Optional[str]:
     if not fake.is_floating_point():
         return f"`{value.name}` is {fake.dtype}, not floating point"
     return None
-
-
-def _summary(region: LayerNormRegion) -> str:
-    spec = region.conv.spec
-    names = _DIM_NAMES[spec.spatial_dims][-len(region.normalized_shape):]
-    parts = [f"conv{'_transpose' if spec.transposed else ''}{spec.spatial_dims}d", *region.pre.labels,
-             f"layer_norm[{', '.join(names)}]", *region.post.labels]  # fmt: skip
-    return " -> ".join(parts)

@@ -9,22 +9,20 @@ inside the region).  ``pointwise_step`` turns one canonical ``Pointwise`` op int
 The region object a ``ChainValues`` works on is duck-typed: it has the lists ``steps``
 (``ChainStep``s), ``step_nodes`` (the graph nodes after the start, one per op), ``operands`` (the fused
 op's tensor operands) and ``labels`` (one per step node, for the summary); ``ChainPart`` is the plain
-one.  ``grow_chain_after`` grows the chain that ends a region (after a norm or a reduction);
-``grow_chain_before`` the one from a conv output up to a norm, and ``op_ahead`` tells whether such a
-norm is in sight at all.
+one.  ``grow_chain`` is the loop that grows every chain of a conv walk (``match/conv_walk.py``:
+before a centre, after it, or the whole chain of a walk with none).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 import torch.fx as fx
 
-from ..frontend.canonical import BatchNorm, ParamRef, Pointwise, Pool
-from ..frontend.normalize import describe_target
+from ..frontend.canonical import ParamRef, Pointwise
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, ChainValue, PointwiseKind, TensorRef
 from ..report import NearMiss, ReasonKind
 from .engine import MatchContext, fake_of
@@ -76,8 +74,7 @@ class ChainValues:
             return f"{kind.name.lower()} cannot read the chain's own value `{value.name}` as operand {index}"
         return ChainValue(self.position[value])
 
-    def next_user(self, ctx: MatchContext, current: fx.Node,
-                  fusible: tuple[type, ...] = (Pointwise, BatchNorm, Pool)) -> tuple[Optional[fx.Node], str]:  # fmt: skip
+    def next_user(self, ctx: MatchContext, current: fx.Node, fusible: tuple[type, ...]) -> tuple[Optional[fx.Node], str]:
         """The op the chain continues with: ``current``'s only user, or of several users the only
         ``fusible`` one (by canonical op type) whose other inputs the chain holds (the others must
         join later); else ``(None, why)``."""
@@ -210,115 +207,48 @@ class ChainPart:
     labels: list[str] = field(default_factory=list)
 
 
-def grow_chain_after(
-    ctx: MatchContext, pattern: str, anchor: fx.Node, start: fx.Node, part: ChainPart, y: Any,
-    dtypes: Sequence[torch.dtype], after_what: str,
-    refuse: Optional[Callable[[fx.Node, Any, fx.Node], Optional[str]]] = None, scalar_operands: bool = False,
-) -> list[NearMiss]:  # fmt: skip
-    """Grow ``part`` with the pointwise ops that follow ``start`` (the value a region's last chain
-    starts from: a norm's or a reduction's result) and return the near misses (of ``pattern``,
-    anchored at ``anchor``) of where it stopped; the region is fine without them.
+@dataclass
+class ChainEnd:
+    """Where ``grow_chain`` stopped: ``last`` the chain's value there; ``user`` the op that did not
+    join (None where ``last`` has no single next op, ``why`` then says why); ``miss`` the near miss
+    of a pointwise op that could not join (too long a chain, an operand, a dtype), else None."""
 
-    The chain ends at the first user that is not pointwise, at ``MAX_CHAIN_LENGTH`` steps, or at a
-    step ``pointwise_step`` refuses (``y``, ``dtypes`` and ``scalar_operands`` as there);
-    ``refuse(node, op, last)`` (``last``: the chain's value so far) may name why an op there ends the
-    region with a near miss of its own (a pool, a second reduction).  Where a value of the grown chain is read outside it, the chain keeps
-    its longest prefix whose values are not, and the one near miss says which value.
-    ``after_what`` names the start in messages ("the batch norm").
+    last: fx.Node
+    user: Optional[fx.Node]
+    why: str = ""
+    miss: Optional[NearMiss] = None
+
+
+def grow_chain(
+    ctx: MatchContext, pattern: str, anchor: fx.Node, start: fx.Node, part: ChainPart, values: ChainValues,
+    y: Any, dtypes: Sequence[torch.dtype], fusible: tuple[type, ...], where: str, scalar_operands: bool = False,
+) -> ChainEnd:  # fmt: skip
+    """Grow ``part`` with the pointwise ops that follow ``start`` (one user at a time,
+    ``ChainValues.next_user`` with ``fusible`` as there) until the first op that is not pointwise,
+    ``MAX_CHAIN_LENGTH`` steps, or a step ``pointwise_step`` refuses (``y``, ``dtypes`` and
+    ``scalar_operands`` as there); near misses are of ``pattern``, anchored at ``anchor``.
+
+    The one loop every chain of a conv walk grows by (``match/conv_walk.py``): before a centre,
+    after it, and the whole chain of a walk with none; the caller decides what the end means.
+    Before each step it records the prefix the region could end at (``ChainValues.prefix_ends_at``).
+    ``where`` names the chain in the length near miss ("the chain after the batch norm").
     """
-    after = ChainValues(start)
-    notes: list[NearMiss] = []
     current = start
     while True:
-        after.prefix_ends_at(part)
-        user, _ = after.next_user(ctx, current, fusible=(Pointwise,))
+        values.prefix_ends_at(part)
+        user, why = values.next_user(ctx, current, fusible=fusible)
         if user is None:
-            break
+            return ChainEnd(current, None, why)
         op = ctx.op(user)
-        why = refuse(user, op, current) if refuse is not None else None
-        if why is not None:
-            notes.append(ctx.near_miss(pattern, anchor, user, ReasonKind.UNSUPPORTED_OP, why))
-            break
         if not isinstance(op, Pointwise):
-            break
+            return ChainEnd(current, user)
         if len(part.steps) == MAX_CHAIN_LENGTH:
-            notes.append(ctx.near_miss(pattern, anchor, user, ReasonKind.CHAIN_TOO_LONG,
-                                       f"the chain after {after_what} holds at most {MAX_CHAIN_LENGTH} ops"))
-            break
-        step = pointwise_step(ctx, pattern, anchor, op, current, part.operands, y, after, dtypes,
+            return ChainEnd(current, user, miss=ctx.near_miss(pattern, anchor, user, ReasonKind.CHAIN_TOO_LONG,
+                                                              f"{where} holds at most {MAX_CHAIN_LENGTH} ops"))
+        step = pointwise_step(ctx, pattern, anchor, op, current, part.operands, y, values, dtypes,
                               scalar_operands=scalar_operands)  # fmt: skip
         if isinstance(step, NearMiss):
-            notes.append(step)
-            break
-        part.steps.append(step)
-        part.step_nodes.append(user)
-        part.labels.append(after.label(step))
-        current = after.computed(user, len(part.steps))
-    _, read_outside = after.longest_closed_prefix(part)
-    if read_outside is not None:
-        notes = [ctx.near_miss(pattern, anchor, read_outside, ReasonKind.SHARED_INTERMEDIATE,
-                               after.outside_users(read_outside))]
-    return notes
-
-
-def op_ahead(ctx: MatchContext, node: fx.Node, kind: type, lookahead: int = 8) -> bool:
-    """Whether an op of canonical type ``kind`` (a norm) reading the chain follows ``node`` within
-    ``lookahead`` pointwise steps (DAG chains included): a family anchored at that norm reports near
-    misses only for the convs it could have taken."""
-    frontier, seen = [node], {node}
-    for _ in range(lookahead):
-        following = []
-        for current in frontier:
-            for user in current.users:
-                op = ctx.op(user)
-                if isinstance(op, kind) and getattr(op, "input", None) is current:
-                    return True
-                if isinstance(op, Pointwise) and user not in seen:
-                    seen.add(user)
-                    following.append(user)
-        frontier = following
-    return False
-
-
-@dataclass
-class ChainBefore:
-    """The pointwise chain from a conv output to the first op of a kind (``grow_chain_before``):
-    ``part`` its steps, ``values`` what it computed, ``stop`` the op's node and ``last`` the chain's
-    value there."""
-
-    part: ChainPart
-    values: ChainValues
-    stop: fx.Node
-    last: fx.Node
-
-
-def grow_chain_before(
-    ctx: MatchContext, pattern: str, anchor: fx.Node, y: Any, dtypes: Sequence[torch.dtype], kind: type, what: str,
-) -> Union[ChainBefore, NearMiss]:  # fmt: skip
-    """Grow the pointwise chain from the conv output ``anchor`` up to the first op of canonical type
-    ``kind`` (a norm) and return it, or the near miss (of ``pattern``) where it stopped: a value read
-    outside the chain, an op that is not pointwise, ``MAX_CHAIN_LENGTH`` steps, or a step
-    ``pointwise_step`` refuses (``y`` and ``dtypes`` as there).  ``what`` names the op in messages
-    ("the layer norm")."""
-    part = ChainPart([])
-    values = ChainValues(anchor)
-    current = anchor
-    while True:
-        user, why = values.next_user(ctx, current, fusible=(Pointwise, kind))
-        if user is None:
-            return ctx.near_miss(pattern, anchor, current, ReasonKind.SHARED_INTERMEDIATE, why)
-        op = ctx.op(user)
-        if isinstance(op, kind):
-            return ChainBefore(part, values, user, current)
-        if not isinstance(op, Pointwise):
-            return ctx.near_miss(pattern, anchor, user, ReasonKind.UNSUPPORTED_OP,
-                                 f"`{user.name}` ({describe_target(user)}) before {what} is not a fusible pointwise op")
-        if len(part.steps) == MAX_CHAIN_LENGTH:
-            return ctx.near_miss(pattern, anchor, user, ReasonKind.CHAIN_TOO_LONG,
-                                 f"the chain before {what} holds at most {MAX_CHAIN_LENGTH} ops")
-        step = pointwise_step(ctx, pattern, anchor, op, current, part.operands, y, values, dtypes)
-        if isinstance(step, NearMiss):
-            return step
+            return ChainEnd(current, user, miss=step)
         part.steps.append(step)
         part.step_nodes.append(user)
         part.labels.append(values.label(step))

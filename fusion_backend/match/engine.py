@@ -5,7 +5,7 @@ installed as ``fusion_backend.patterns``), registered with ``register_pattern``;
 
 1. normalises every node (``frontend/normalize.py``) after rewiring in-place aliases and folding
    multi-node spellings of one op (``frontend/idioms.py``: ``y * sigmoid(y)`` is a SiLU);
-2. asks each enabled pattern, highest ``priority`` first, for candidates and near misses; a candidate
+2. asks each enabled pattern, in ``precedence_order``, for candidates and near misses; a candidate
    overlapping nodes already claimed becomes a ``CLAIMED`` near miss, so regions stay disjoint;
 3. rewrites every accepted candidate through its pattern, then lints and recompiles the graph.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any, Optional, Union
 
 import torch
@@ -52,15 +53,32 @@ class Candidate:
     """Near misses to report even though the candidate matched (e.g. "chain stopped at X")."""
 
 
+class Precedence(IntEnum):
+    """Which family takes a conv that several could take: the higher tier first.  Within a tier,
+    families are tried in the order they were registered (the built-in ones in the order
+    ``patterns/__init__.py`` imports them); families of one tier claim different ops, so their
+    regions never share a conv and that order only fixes the order of the regions (the order they
+    are decided and rewritten in) and which of two near misses of one conv is reported."""
+
+    CHAIN_ONLY = 0
+    """The conv, the pointwise chain after it and an optional pool, and nothing else: what is left
+    once no family claimed an op after the conv."""
+    CLAIMS_AN_OP = 1
+    """A family that claims an op after the conv (a norm, a reduction, a global mean): it takes the
+    conv before the plain chain could, which would leave that op, and the conv output it reads, to
+    Inductor."""
+
+
 class Pattern:
     """Base class of a pattern family.  Subclasses set the class attributes and implement two methods.
 
     ``find`` yields ``Candidate``s and ``NearMiss``es, reading only ``ctx.canonical`` and fake values;
     ``rewrite`` replaces one candidate's region with a fused op call and returns the ``Match`` record.
+    ``claim`` is how another family's near miss names this one (``match/conv_walk.py``).
     """
 
     name: str = ""
-    priority: int = 0
+    precedence: Precedence = Precedence.CLAIMS_AN_OP
     description: str = ""
 
     def find(self, ctx: MatchContext) -> Iterable[Union[Candidate, NearMiss]]:
@@ -68,6 +86,13 @@ class Pattern:
 
     def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:
         raise NotImplementedError
+
+    def claim(self, node: fx.Node, op: CanonicalOp, rank: int) -> Optional[str]:
+        """What this family would say of ``node`` (canonical ``op``) reading a conv output of ``rank``
+        dims when it is an op this family claims, e.g. "normalizes by statistics of the conv output
+        (LayerNorm)"; None for any other op (the default).  A conv chain that stops at the op says
+        whose it is (``conv_walk.claimed_elsewhere``) instead of only that it is not pointwise."""
+        return None
 
 
 class ConvAnchoredPattern(Pattern):
@@ -99,10 +124,19 @@ def register_pattern(cls: type[Pattern]) -> type[Pattern]:
 
 
 def registered_patterns() -> dict[str, Pattern]:
-    """Name → pattern, for every registered pattern (the built-in ones are loaded on first use)."""
+    """Name → pattern, for every registered pattern, in registration order (the built-in ones are
+    loaded on first use)."""
     from .. import patterns  # noqa: F401  (registers the built-in families)
 
     return dict(_REGISTRY)
+
+
+def precedence_order() -> list[str]:
+    """Every registered family's name, the one that takes a conv first first: by ``Precedence``
+    tier, then in registration order."""
+    registry = registered_patterns()
+    rank = {name: i for i, name in enumerate(registry)}
+    return sorted(registry, key=lambda name: (-registry[name].precedence, rank[name]))
 
 
 class MatchContext:
@@ -234,7 +268,7 @@ class Regions:
 
 def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = False,
                  on_stage: Optional[Callable[[str, Optional[str]], None]] = None) -> Regions:
-    """Normalise ``gm`` and run the ``enabled`` patterns' ``find``, highest priority first.
+    """Normalise ``gm`` and run the ``enabled`` patterns' ``find``, in ``precedence_order``.
 
     Changes the graph only by rewiring in-place aliases (``functionalize_inplace``) and folding
     multi-node spellings of one op into that op (``frontend/idioms.py``), both exact.
@@ -243,7 +277,8 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
     stage("normalize", None)
     ctx = MatchContext(gm, strict=strict)
     registry = registered_patterns()
-    patterns = sorted((registry[name] for name in enabled), key=lambda p: -p.priority)
+    order = {name: i for i, name in enumerate(precedence_order())}
+    patterns = sorted((registry[name] for name in enabled), key=lambda p: order[p.name])
 
     accepted: list[tuple[Pattern, Candidate]] = []
     near_misses: list[NearMiss] = []
@@ -261,13 +296,12 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
             ctx.claimed.update(item.nodes)
             accepted.append((pattern, item))
 
-    # A conv fused by a family of equal or higher priority is no near miss of another family (the conv
-    # of ConvTranspose2d -> global mean is no conv_epilogue near miss); a near miss of a
-    # higher-priority family stays, since it says why the better rewrite did not happen.  The accepted
+    # A conv fused by a family that precedes (or is) another is no near miss of that other family (the
+    # conv of ConvTranspose2d -> global mean is no conv_epilogue near miss); a near miss of a
+    # preceding family stays, since it says why the better rewrite did not happen.  The accepted
     # candidates' own notes (e.g. "the chain stopped at X") are kept.
-    fused_by = {n.name: p.priority for p, c in accepted for n in c.nodes}
-    near_misses = [m for m in near_misses
-                   if m.anchor not in fused_by or fused_by[m.anchor] < registry[m.pattern].priority]
+    fused_by = {n.name: order[p.name] for p, c in accepted for n in c.nodes}
+    near_misses = [m for m in near_misses if m.anchor not in fused_by or fused_by[m.anchor] > order[m.pattern]]
     near_misses += [note for _, c in accepted for note in c.notes]
     return Regions(ctx, accepted, near_misses)
 

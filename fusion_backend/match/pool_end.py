@@ -1,11 +1,11 @@
-"""The optional max / avg pool that ends a region after its last pointwise chain, shared by the
-families whose region ends in a chain after a norm (``conv_batch_norm``, ``conv_group_norm``).
+"""The optional max / avg pool that ends a conv walk's region (``match/conv_walk.py``).
 
-Such a pool joins the region when it pools the chain's last value (the norm's result when the chain
-is empty), is that value's only reader, and has the conv's number of spatial dims and arguments the
-pooled kernels implement (``Pool.unsupported`` names the others: dilation, ``return_indices``).  Every
-other pool in that place is a ``NearMiss`` saying why, and so is an adaptive pool, whose windows
-depend on the input's size; the region then ends before it.
+A pool may join when it has the conv's number of spatial dims, arguments the pooled kernels implement
+(``Pool.unsupported`` names the others: dilation, ``return_indices``) and metadata
+(``pool_refusal``).  After a centre (``pool_after``) it must pool the chain's last value (the
+centre's result when the chain is empty) and be that value's only reader; every other pool in that
+place is a ``NearMiss`` saying why, and so is an adaptive pool, whose windows depend on the input's
+size; the region then ends before it.
 """
 
 from __future__ import annotations
@@ -46,14 +46,25 @@ def pool_after(ctx: MatchContext, pattern: str, anchor: fx.Node, last: fx.Node,
                     f"the pool `{node.name}` reads `{last.name}`, which is also read by {others}: a pool whose input "
                     "is read elsewhere is not fused (that input would have to be written full-size)")  # fmt: skip
     op: Pool = ctx.op(node)
-    if op.spatial_dims != spatial_dims:
-        return miss(ReasonKind.DIMENSION_MISMATCH, f"`{node.name}` is a {op.spatial_dims}-d pool after a {spatial_dims}-d "
-                                                   "conv; only a pool of the conv's dimensionality is fused")  # fmt: skip
-    if op.unsupported:
-        return miss(ReasonKind.UNSUPPORTED_ARGUMENT, f"`{node.name}`: {op.spec.kind} pool with {op.unsupported}")
-    if not isinstance(fake_of(node), torch.Tensor):
-        return miss(ReasonKind.MISSING_METADATA, f"no metadata for `{node.name}`")
+    refused = pool_refusal(op, spatial_dims)
+    if refused is not None:
+        return miss(*refused)
     return op, []
+
+
+def pool_refusal(op: Pool, spatial_dims: int) -> Optional[tuple[ReasonKind, str]]:
+    """Why the pool ``op`` cannot end a region after a conv of ``spatial_dims`` dims, as ``(reason,
+    message)``, or None: another number of dims, arguments the pooled kernels do not implement, no
+    metadata."""
+    node = op.node
+    if op.spatial_dims != spatial_dims:
+        return ReasonKind.DIMENSION_MISMATCH, (f"`{node.name}` is a {op.spatial_dims}-d pool after a {spatial_dims}-d "
+                                               "conv; only a pool of the conv's dimensionality is fused")  # fmt: skip
+    if op.unsupported:
+        return ReasonKind.UNSUPPORTED_ARGUMENT, f"`{node.name}`: {op.spec.kind} pool with {op.unsupported}"
+    if not isinstance(fake_of(node), torch.Tensor):
+        return ReasonKind.MISSING_METADATA, f"no metadata for `{node.name}`"
+    return None
 
 
 def _adaptive(ctx: MatchContext, node: fx.Node) -> bool:

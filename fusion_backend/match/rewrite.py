@@ -115,11 +115,17 @@ def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
     return None if dtype is None else str(dtype).replace("torch.", "")
 
 
+def dtype_if_changed(value: torch.Tensor, conv_output: torch.Tensor) -> Optional[str]:
+    """The dtype name of a region's ``value`` (a fake tensor) where it differs from the conv output's
+    (autocast runs a norm in fp32 after a bf16 conv), else None: what a config's ``*_dtype`` holds."""
+    return dtype_name(value.dtype) if value.dtype != conv_output.dtype else None
+
+
 def rewrite_conv_region(
     ctx: MatchContext,
     candidate: Candidate,
     conv: Conv,
-    operands: Sequence[fx.Node | Deferred],
+    operands: Sequence[fx.Node | ParamRef | Deferred],
     fused: Callable[..., Any],
     config: str,
     op_name: str,
@@ -132,7 +138,8 @@ def rewrite_conv_region(
     With ``cast_inputs`` the conv's input, weight and bias are cast to the dtype the conv computed in
     (see ``cast_if_needed``); without, they are passed as they are and the fused op casts them itself
     (its config names the compute dtype).  Every input is resolved through earlier rewrites; a
-    ``Deferred`` operand is made here.
+    ``Deferred`` operand is made here, and a module parameter (``ParamRef``, e.g. a norm module's
+    weight) becomes a ``get_attr`` node.
     ``finish(graph, node)`` may append nodes after the fused call (e.g. unsqueezes) and returns the
     region's new result.  ``kernel`` is the fused op's ``kernel_path`` answer, for the report.
     """
@@ -145,7 +152,7 @@ def rewrite_conv_region(
         x = cast(graph, ctx.resolve(conv.input))
         w = cast(graph, materialize(graph, ctx.resolve(conv.weight)))
         b = cast(graph, materialize(graph, ctx.resolve(conv.bias)))
-        ops = [v.make(graph) if isinstance(v, Deferred) else ctx.resolve(v) for v in operands]
+        ops = [v.make(graph) if isinstance(v, Deferred) else materialize(graph, ctx.resolve(v)) for v in operands]
         out = graph.call_function(fused, (x, w, b, ops, config))
         return finish(graph, out) if finish is not None else out
 

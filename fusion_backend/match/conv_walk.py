@@ -1,0 +1,456 @@
+"""The conv walk: conv → pointwise chain → centre → pointwise chain → optional pool, written once.
+
+A family of this shape subclasses ``ConvWalkPattern`` and declares its ``Centre``: the canonical op
+type it is built around (a norm, a reduction), the checks that say why one cannot join (a typed
+``Refusal``), what the config needs from it (``facts``), whether a pool may end the region, and its
+summary label; it writes its ``rewrite`` (the config and the fused op call) and ``claim`` (how the
+other families' near misses name an op it takes).  A family with no centre (``conv_epilogue``) is the
+chain alone.
+
+The walk from a conv whose output is batched and floating point (``FUSED_DTYPES``):
+
+1. With a centre, the conv is the family's only where an op of the centre's type that the centre
+   accepts (``Centre.in_sight``) reads its chain within ``Centre.lookahead`` pointwise steps; every
+   other conv is silently not its own, so that a family reports near misses only for the convs it
+   could have taken.  Without a centre every conv is its own, and one without metadata, with an
+   unbatched output or another dtype is a near miss.
+2. The chain before the centre grows from the conv output (``chain_walk.grow_chain``) up to the first
+   op of the centre's type; any other stop is the region's near miss.  A centre that takes no chain
+   before it (``Centre.chain_before``) is the op in sight itself, and its checks say why it does not
+   read the conv output.
+3. The centre's checks (``Centre.refusal``); then the centre must read the chain's value and the
+   chain before it must be read only inside the region; then the centre's value
+   (``Centre.value_nodes``: its node, or for ``torch.min`` its ``[0]``) must have metadata and a
+   fused dtype.  ``Centre.facts`` then takes what the config needs (appending the centre's own
+   operands, e.g. a norm's weight, after the chain's).
+4. The chain after the centre grows from its value and ends quietly at the first op that is not
+   pointwise (``Centre.refuse_after`` may name one that ends it with a near miss, e.g. a second
+   reduction); where one of its values is read outside, it is cut to its longest prefix that is not.
+   ``Centre.region_refusal`` may then refuse the whole region.
+5. A max / avg pool may end the region where the centre allows one (``match/pool_end.py``).
+
+Without a centre the one chain grows from the conv output through pointwise ops and the ops the
+family folds into its chain (``ConvWalkPattern.folds`` / ``fold``), up to a pool that may end it.
+There the chain is the region, so where it stopped is reported (unless at the graph output or the
+next conv), an op another family claims is named as that family's (``claimed_elsewhere``), and a
+pool whose input is read elsewhere quietly ends the region before it (the chain's value is needed
+full-size anyway).  A conv with neither a chain nor a
+pool after it is a ``NO_EPILOGUE`` near miss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from ..frontend.canonical import CanonicalOp, Conv, Opaque, Pointwise, Pool
+from ..frontend.normalize import describe_target
+from ..ops.chain import ChainStep
+from ..report import NearMiss, ReasonKind
+from .chain_walk import ChainPart, ChainValues, grow_chain
+from .engine import (
+    Candidate,
+    ConvAnchoredPattern,
+    MatchContext,
+    Precedence,
+    fake_of,
+    precedence_order,
+    registered_patterns,
+)
+from .pool_end import pool_after, pool_refusal
+
+#: The conv-output dtypes (and the chain's value dtypes) the fused conv ops take.
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a centre (or an op folded into a chain) cannot join: the near miss's typed ``reason``, its
+    ``message``, and the node it names (``at``; the centre's own node when None).  A ``reason`` of
+    None (``NOT_MATCHED``) is no near miss: the region is not this family's and there is nothing to
+    report (torch itself rejects the op, e.g. groups that do not divide the channels)."""
+
+    reason: Optional[ReasonKind]
+    message: str = ""
+    at: Optional[fx.Node] = None
+
+
+NOT_MATCHED = Refusal(None)
+
+
+@dataclass
+class CentreSite:
+    """What a centre's checks see: the conv, its output's fake value ``y``, the centre's canonical
+    ``op``, the chain's value ``flowing`` it should read (the conv output where no chain may come
+    before it), and the region's tensor ``operands`` so far (``Centre.facts`` appends the centre's)."""
+
+    ctx: MatchContext
+    conv: Conv
+    y: torch.Tensor
+    op: Any
+    flowing: fx.Node
+    operands: list[Any]
+
+    @property
+    def anchor(self) -> fx.Node:
+        return self.conv.node
+
+    @property
+    def node(self) -> fx.Node:
+        return self.op.node
+
+
+@dataclass
+class ConvRegion:
+    """A region the walk found: the conv, the chain before the centre (``pre``), the centre's
+    canonical op and what its config needs (``facts``, ``Centre.facts``' answer), the chain after it
+    (``post``; the whole chain of a walk with no centre) and the pool that ends it.  ``pre`` and
+    ``post`` share one operand list: the fused op's tensor operands in order."""
+
+    conv: Conv
+    pre: ChainPart
+    post: ChainPart
+    centre: Any = None
+    facts: Any = None
+    pool: Optional[Pool] = None
+
+
+def _accept_any(op: Any, rank: int) -> bool:
+    return True
+
+
+def _no_facts(site: CentreSite) -> None:
+    return None
+
+
+def _no_refusal(site: CentreSite) -> None:
+    return None
+
+
+def _own_node(site: CentreSite) -> list[fx.Node]:
+    return [site.node]
+
+
+def _keeps_channels(op: Any) -> bool:
+    return True
+
+
+def _nothing_refused_after(node: fx.Node, op: CanonicalOp, last: fx.Node) -> None:
+    return None
+
+
+def _region_accepted(region: ConvRegion) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Centre:
+    """The op a family's region is built around, declared as data (one per family).
+
+    * ``op_type``: the canonical op type(s) (``frontend/canonical.py``) the centre is;
+    * ``what``: how near misses name it ("the group norm");
+    * ``label(region)``: its part of the region's summary ("group_norm(4)");
+    * ``in_sight(op, rank)``: whether an op of that type, reading the chain of a conv output of
+      ``rank`` dims, makes the conv this family's (by default every one does);
+    * ``lookahead``: how many pointwise steps after the conv the walk looks for it;
+    * ``chain_before``: whether a pointwise chain may come before it (else it reads the conv output);
+    * ``static_channels``: whether the conv's channel count must be known at compile time, checked
+      before anything else (a dynamic count is a ``DIMENSION_MISMATCH`` of the conv);
+    * ``trailing_pool``: whether a max / avg pool may end the region;
+    * ``refusal(site)``: the centre's checks, in order: a ``Refusal`` or None (it joins);
+    * ``value_nodes(site)``: the nodes that compute the centre's value, the value last (by default
+      the centre's node), or a ``Refusal``;
+    * ``facts(site)``: what the config needs from the centre, appending its tensor operands to
+      ``site.operands``;
+    * ``keeps_channels(op)``: whether the centre's value still has the conv's channels (else the
+      chain after it takes only numbers and one-element tensors as operands);
+    * ``refuse_after(node, op, last)``: why ``node``, an op after the chain that follows the centre
+      (``last`` its value so far), ends the region with a near miss, or None (it ends it quietly);
+    * ``region_refusal(region)``: a last check of the whole region, after the chain that follows.
+    """
+
+    op_type: Union[type, tuple[type, ...]]
+    what: str
+    label: Callable[[ConvRegion], str]
+    refusal: Callable[[CentreSite], Optional[Refusal]] = _no_refusal
+    facts: Callable[[CentreSite], Any] = _no_facts
+    in_sight: Callable[[Any, int], bool] = _accept_any
+    lookahead: int = 8
+    chain_before: bool = True
+    static_channels: bool = True
+    trailing_pool: bool = False
+    value_nodes: Callable[[CentreSite], Union[list[fx.Node], Refusal]] = _own_node
+    keeps_channels: Callable[[Any], bool] = _keeps_channels
+    refuse_after: Callable[[fx.Node, CanonicalOp, fx.Node], Optional[str]] = _nothing_refused_after
+    region_refusal: Callable[[ConvRegion], Optional[Refusal]] = _region_accepted
+
+    @property
+    def op_types(self) -> tuple[type, ...]:
+        return self.op_type if isinstance(self.op_type, tuple) else (self.op_type,)
+
+
+@dataclass(frozen=True)
+class Folded:
+    """An op folded into a chain (``ConvWalkPattern.fold``): the chain ``steps`` it becomes (their
+    ``TensorRef``s index the region's operands with ``operands`` appended), and its summary label."""
+
+    steps: tuple[ChainStep, ...]
+    operands: tuple[Any, ...]
+    label: str
+
+
+def claim_wording(subject: str, family: str) -> str:
+    """A near miss's words for an op ``family`` takes: ``subject`` (what the op is or does, in the
+    claiming family's words), then whose it is."""
+    return f"{subject} the {family} family's (its near miss says why it did not fuse)"
+
+
+def claimed_elsewhere(node: fx.Node, op: CanonicalOp, rank: int, asking: str) -> Optional[str]:
+    """What the first family other than ``asking`` (in precedence order) that claims ``node`` says of
+    it (``Pattern.claim``), or None where no family claims it."""
+    registry = registered_patterns()
+    for name in precedence_order():
+        if name != asking:
+            said = registry[name].claim(node, op, rank)
+            if said is not None:
+                return said
+    return None
+
+
+def conv_label(conv: Conv) -> str:
+    """The conv's part of a region's summary: ``conv2d``, ``conv_transpose3d``."""
+    spec = conv.spec
+    return f"conv{'_transpose' if spec.transposed else ''}{spec.spatial_dims}d"
+
+
+class ConvWalkPattern(ConvAnchoredPattern):
+    """A family of the conv walk (module docstring): it sets ``centre`` (None: the chain alone) and,
+    for a walk with no centre, may fold ops of the types ``folds`` into its chain (``fold``)."""
+
+    centre: Optional[Centre] = None
+    folds: tuple[type, ...] = ()
+    trailing_pool: bool = False
+    """Whether a pool may end a walk with no centre (a centred walk asks its ``Centre``)."""
+
+    @property
+    def precedence(self) -> Precedence:  # type: ignore[override]
+        return Precedence.CHAIN_ONLY if self.centre is None else Precedence.CLAIMS_AN_OP
+
+    def fold(self, ctx: MatchContext, op: Any, flowing: fx.Node, part: ChainPart, y: torch.Tensor) -> Union[Folded, Refusal]:
+        """``op`` (of a type in ``folds``, reading the chain's value ``flowing``) as chain steps, or
+        why it cannot be (the chain then ends before it, with that near miss)."""
+        raise NotImplementedError(f"{type(self).__name__} folds {self.folds} but does not define fold()")
+
+    def match_conv(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
+        if self.centre is None:
+            return self._walk_chain(ctx, conv)
+        return self._walk_to_centre(ctx, conv, self.centre)
+
+    def _miss(self, ctx: MatchContext, conv: Conv) -> Callable[[fx.Node, ReasonKind, str], NearMiss]:
+        return lambda at, reason, message: ctx.near_miss(self.name, conv.node, at, reason, message)
+
+    # -- a walk with a centre -------------------------------------------------------------------
+
+    def _walk_to_centre(self, ctx: MatchContext, conv: Conv, centre: Centre) -> Optional[Union[Candidate, NearMiss]]:
+        anchor = conv.node
+        y = fake_of(anchor)
+        if not isinstance(y, torch.Tensor) or y.dim() != conv.spec.spatial_dims + 2:
+            return None
+        in_sight = centre_in_sight(ctx, anchor, centre, y.dim())
+        if in_sight is None:
+            return None  # no centre in sight: not this family's conv
+        miss = self._miss(ctx, conv)
+        if y.dtype not in FUSED_DTYPES:
+            return miss(anchor, ReasonKind.UNSUPPORTED_DTYPE, f"conv output dtype {y.dtype} is not a floating type the fused op supports")
+        channels = y.shape[1]
+        if centre.static_channels and isinstance(channels, torch.SymInt) and not channels.node.expr.is_number:
+            return miss(anchor, ReasonKind.DIMENSION_MISMATCH, f"the conv has a dynamic number of channels ({channels})")
+
+        # 1. the chain before the centre
+        pre = ChainPart([])
+        values = ChainValues(anchor)
+        if centre.chain_before:
+            end = grow_chain(ctx, self.name, anchor, anchor, pre, values, y, FUSED_DTYPES, (Pointwise, *centre.op_types),
+                             f"the chain before {centre.what}")  # fmt: skip
+            if end.miss is not None:
+                return end.miss
+            if end.user is None:
+                return miss(end.last, ReasonKind.SHARED_INTERMEDIATE, end.why)
+            if not isinstance(ctx.op(end.user), centre.op_types):
+                return miss(end.user, ReasonKind.UNSUPPORTED_OP,
+                            f"`{end.user.name}` ({describe_target(end.user)}) before {centre.what} is not a fusible "
+                            "pointwise op")  # fmt: skip
+            site = CentreSite(ctx, conv, y, ctx.op(end.user), end.last, pre.operands)
+        else:
+            site = CentreSite(ctx, conv, y, in_sight, anchor, pre.operands)
+
+        # 2. the centre
+        user = site.node
+        refused = centre.refusal(site)
+        if refused is not None:
+            return self._refused(ctx, conv, user, refused)
+        if site.op.input is not site.flowing:  # (a centre's checks usually say so first, in their own words)
+            return miss(user, ReasonKind.UNSUPPORTED_OPERAND, f"`{user.name}` does not read the chain's value")
+        if not values.closed(pre, user):
+            held = {anchor, *pre.step_nodes, user}
+            read_outside = next(n for n in [anchor, *pre.step_nodes] if any(u not in held for u in n.users))
+            return miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, values.outside_users(read_outside))
+        value_nodes = centre.value_nodes(site)
+        if isinstance(value_nodes, Refusal):
+            return self._refused(ctx, conv, user, value_nodes)
+        value = value_nodes[-1]
+        out = fake_of(value)
+        if not isinstance(out, torch.Tensor):
+            return miss(value, ReasonKind.MISSING_METADATA, f"no metadata for `{value.name}`")
+        if out.dtype not in FUSED_DTYPES:
+            return miss(value, ReasonKind.UNSUPPORTED_DTYPE, f"`{value.name}` yields {out.dtype}")
+        region = ConvRegion(conv, pre, ChainPart(pre.operands), site.op, centre.facts(site))
+
+        # 3. the chain after it, then an optional pool
+        notes = self._chain_after(ctx, conv, centre, site.op, value, region.post, out)
+        refused = centre.region_refusal(region)
+        if refused is not None:
+            return self._refused(ctx, conv, user, refused)
+        if centre.trailing_pool:
+            last = region.post.step_nodes[-1] if region.post.step_nodes else value
+            region.pool, pool_notes = pool_after(ctx, self.name, anchor, last, conv.spec.spatial_dims)
+            notes += pool_notes
+        nodes = [anchor, *pre.step_nodes, *value_nodes, *region.post.step_nodes] + ([region.pool.node] if region.pool else [])
+        return Candidate(self.name, anchor, nodes, region, self._summary(region), notes)
+
+    def _chain_after(self, ctx: MatchContext, conv: Conv, centre: Centre, op: Any, value: fx.Node, post: ChainPart,
+                     out: torch.Tensor) -> list[NearMiss]:  # fmt: skip
+        """Grow ``post`` from the centre's ``value`` (fake ``out``); the near misses of where it
+        stopped (the region is fine without them)."""
+        values = ChainValues(value)
+        end = grow_chain(ctx, self.name, conv.node, value, post, values, out, FUSED_DTYPES, (Pointwise,),
+                         f"the chain after {centre.what}", scalar_operands=not centre.keeps_channels(op))  # fmt: skip
+        notes = []
+        if end.miss is not None:
+            notes.append(end.miss)
+        elif end.user is not None:
+            why = centre.refuse_after(end.user, ctx.op(end.user), end.last)
+            if why is not None:
+                notes.append(ctx.near_miss(self.name, conv.node, end.user, ReasonKind.UNSUPPORTED_OP, why))
+        _, read_outside = values.longest_closed_prefix(post)
+        if read_outside is not None:
+            notes = [ctx.near_miss(self.name, conv.node, read_outside, ReasonKind.SHARED_INTERMEDIATE,
+                                   values.outside_users(read_outside))]
+        return notes
+
+    def _refused(self, ctx: MatchContext, conv: Conv, at: fx.Node, refused: Refusal) -> Optional[NearMiss]:
+        if refused.reason is None:
+            return None
+        return ctx.near_miss(self.name, conv.node, refused.at or at, refused.reason, refused.message)
+
+    # -- a walk with no centre: the chain alone ----------------------------------------------------
+
+    def _walk_chain(self, ctx: MatchContext, conv: Conv) -> Union[Candidate, NearMiss]:
+        anchor = conv.node
+        y = fake_of(anchor)
+        miss = self._miss(ctx, conv)
+        if not isinstance(y, torch.Tensor):
+            return miss(anchor, ReasonKind.MISSING_METADATA, f"no shape/dtype metadata for `{anchor.name}`")
+        if y.dtype not in FUSED_DTYPES:
+            return miss(anchor, ReasonKind.UNSUPPORTED_DTYPE, f"conv output dtype {y.dtype} is not a floating type the fused op supports")
+        if y.dim() != conv.spec.spatial_dims + 2:
+            return miss(anchor, ReasonKind.DIMENSION_MISMATCH, f"unbatched conv input (output rank {y.dim()})")
+
+        part = ChainPart([])
+        region = ConvRegion(conv, ChainPart(part.operands), part)
+        values = ChainValues(anchor)
+        fusible = (Pointwise, Pool, *self.folds)
+        stop: Optional[NearMiss] = None
+        current = anchor
+        while True:
+            end = grow_chain(ctx, self.name, anchor, current, part, values, y, FUSED_DTYPES, fusible, "the fused chain")
+            current = end.last
+            if end.miss is not None:
+                stop = end.miss
+                break
+            if end.user is None:
+                stop = miss(current, ReasonKind.SHARED_INTERMEDIATE, end.why)
+                break
+            user, op = end.user, ctx.op(end.user)
+            if isinstance(op, self.folds):
+                folded = self.fold(ctx, op, current, part, y)
+                if isinstance(folded, Refusal):
+                    stop = miss(folded.at or user, folded.reason, folded.message)
+                    break
+                part.steps += folded.steps
+                part.operands += folded.operands
+                part.step_nodes.append(user)
+                part.labels.append(folded.label)
+                current = values.computed(user, len(part.steps))
+                continue
+            if isinstance(op, Pool) and self.trailing_pool:
+                refused = pool_refusal(op, conv.spec.spatial_dims)
+                if refused is not None:
+                    stop = miss(user, *refused)
+                else:
+                    region.pool = op
+                break
+            description = op.description if isinstance(op, Opaque) else describe_target(user)
+            why = claimed_elsewhere(user, op, y.dim(), self.name) or "is not a fusible pointwise op or pool"
+            stop = miss(user, ReasonKind.UNSUPPORTED_OP, f"`{user.name}` ({description}) {why}")
+            break
+        if region.pool is None or not values.closed(part, region.pool.node):
+            region.pool = None
+            current, read_outside = values.longest_closed_prefix(part)
+            if read_outside is not None:
+                stop = miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, values.outside_users(read_outside))
+
+        if not part.steps and region.pool is None:
+            if stop is None or [u.op for u in anchor.users] == ["output"]:
+                return miss(anchor, ReasonKind.NO_EPILOGUE, "the conv output goes straight to the graph output")
+            return stop
+        nodes = [anchor, *part.step_nodes] + ([region.pool.node] if region.pool else [])
+        # A chain that simply ends at the graph output or at the next conv is no near miss; any other
+        # stop is reported.
+        natural_end = [u.op for u in current.users] == ["output"] or (
+            len(current.users) == 1 and isinstance(ctx.op(next(iter(current.users))), Conv))
+        notes = [stop] if stop is not None and region.pool is None and not natural_end else []
+        return Candidate(self.name, anchor, nodes, region, self._summary(region), notes)
+
+    def _summary(self, region: ConvRegion) -> str:
+        """``conv2d -> relu -> group_norm(4) -> silu -> max_pool2d``: the conv, the chain before the
+        centre, the centre's label, the chain after it, the pool."""
+        parts = [conv_label(region.conv), *region.pre.labels]
+        if self.centre is not None:
+            parts.append(self.centre.label(region))
+        parts += region.post.labels
+        if region.pool is not None:
+            parts.append(f"{region.pool.spec.kind}_pool{region.conv.spec.spatial_dims}d")
+        return " -> ".join(parts)
+
+
+def centre_in_sight(ctx: MatchContext, anchor: fx.Node, centre: Centre, rank: int) -> Optional[Any]:
+    """The first op (breadth first, DAG chains included) of the centre's type that the centre
+    accepts (``Centre.in_sight``) and that reads ``anchor`` or a pointwise op computed from it within
+    ``centre.lookahead`` steps, or None."""
+    for op in _ops_within(ctx, anchor, centre.lookahead):
+        if isinstance(op, centre.op_types) and centre.in_sight(op, rank):
+            return op
+    return None
+
+
+def _ops_within(ctx: MatchContext, anchor: fx.Node, steps: int) -> Iterator[Any]:
+    """The canonical ops whose ``input`` is ``anchor`` or a pointwise op computed from it (through
+    any of its arguments), breadth first, at most ``steps`` ops away."""
+    frontier, seen = [anchor], {anchor}
+    for _ in range(steps):
+        following = []
+        for current in frontier:
+            for user in current.users:
+                op = ctx.op(user)
+                if getattr(op, "input", None) is current:
+                    yield op
+                if isinstance(op, Pointwise) and user not in seen:
+                    seen.add(user)
+                    following.append(user)
+        frontier = following
+
