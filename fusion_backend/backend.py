@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from .errors import RewriteError
 from .kernels import compile_pool
-from .match.engine import Candidate, registered_patterns, run_patterns
+from .match.engine import Candidate, find_regions, registered_patterns, rewrite_regions
 from .ops.autograd_free import with_autograd_free_pass
 from .options import FusionOptions
 from .report import Decision, Fallback, GraphCheck, GraphReport, publish
@@ -106,7 +106,7 @@ def fusion(
     def decide_first(graph: fx.GraphModule, candidate: Candidate, decisions: list[Decision]) -> bool:
         timing = None
         if may_defer:
-            timing = pending_timing(graph, candidate.pattern, candidate.nodes, policy=opts.decide,
+            timing = pending_timing(graph, candidate, policy=opts.decide,
                                     cache_dir=opts.cache_dir, inductor_patches=config_patches)
         if timing is not None:
             pending.admit(graph, candidate, timing, example_inputs if real else None, opts.strict)
@@ -114,7 +114,7 @@ def fusion(
                                       PENDING_RULE, pending=True))
             return False
         decisions.append(decide(
-            graph, candidate.pattern, candidate.summary, candidate.nodes, example_inputs, policy=opts.decide,
+            graph, candidate, example_inputs, policy=opts.decide,
             margin=opts.decide_margin, cache_dir=opts.cache_dir, inductor_patches=config_patches,
             strict=opts.strict, budget=budget,
         ))  # fmt: skip
@@ -196,7 +196,7 @@ class _Pending:
         self.regions.append((graph, candidate, timing))
         if example_inputs is not None and self._wants_preparation(timing):
             self._note_prepared(timing)
-            preparation = deferred.prepare(graph, candidate.pattern, candidate.nodes, example_inputs, strict)
+            preparation = deferred.prepare(graph, candidate, example_inputs, strict)
             if preparation is not None:
                 self.preparations.append(preparation)
 
@@ -216,12 +216,13 @@ class _Pending:
         graph = self.regions[0][0]
         copy = _clone(graph)
         named = {n.name: n for n in copy.graph.nodes}
-        regions = [(c.pattern, [named[n.name] for n in c.nodes], t) for _, c, t in self.regions]
+        into_copy = {n: named[n.name] for n in graph.graph.nodes}
+        regions = [(c.moved(into_copy), t) for _, c, t in self.regions]
 
         def prepare(args: Sequence[Any]) -> list[Any]:
-            for pattern, nodes, timing in regions:
+            for candidate, timing in regions:
                 if self._wants_preparation(timing):
-                    preparation = deferred.prepare(copy, pattern, nodes, args, strict)
+                    preparation = deferred.prepare(copy, candidate, args, strict)
                     if preparation is not None:
                         self._note_prepared(timing)
                         self.preparations.append(preparation)
@@ -242,10 +243,10 @@ class _Built:
 
 def _build(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FusionOptions, config_patches: dict[str, Any],
            keep: Callable[[fx.GraphModule, Candidate, list[Decision]], bool], index: int) -> _Built:
-    """Match ``gm`` (on a copy), ask ``keep(graph, candidate, decisions)`` for every candidate (it
-    appends the candidate's decision), rewrite the kept ones and compile the result (directly, or
-    through Inductor).  A failure at any stage is a fallback: nothing rewritten, noted in the report
-    (``strict`` raises)."""
+    """Find the regions of ``gm`` (on a copy), decide each with ``keep(graph, candidate, decisions)``
+    (it appends the candidate's decision; the graph is whole while it decides), rewrite the kept
+    ones and compile the result (directly, or through Inductor).  A failure at any stage is a
+    fallback: nothing rewritten, noted in the report (``strict`` raises)."""
     times: dict[str, float] = {}
     current = {"stage": "normalize", "pattern": None}
 
@@ -261,9 +262,10 @@ def _build(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FusionOption
 
     t0 = time.perf_counter()
     try:
-        result = run_patterns(work, opts.patterns, strict=opts.strict, on_stage=on_stage,
-                              keep=lambda graph, candidate: keep(graph, candidate, decisions))
-        matches, near_misses = result.matches, result.near_misses
+        regions = find_regions(work, opts.patterns, strict=opts.strict, on_stage=on_stage)
+        on_stage("decide", None)
+        kept = [candidate for _, candidate in regions.accepted if keep(work, candidate, decisions)]
+        matches, near_misses = rewrite_regions(regions, kept, on_stage), regions.near_misses
         rewritten = work
     except _CONTROL_FLOW:
         raise
@@ -448,7 +450,7 @@ def _decide_regions(untouched: fx.GraphModule, inputs: Sequence[Any], opts: Fusi
 
     def decide_one(graph: fx.GraphModule, candidate: Candidate, decisions: list[Decision]) -> bool:
         nonlocal last_log
-        d = decide(graph, candidate.pattern, candidate.summary, candidate.nodes, inputs, policy=opts.decide,
+        d = decide(graph, candidate, inputs, policy=opts.decide,
                    margin=opts.decide_margin, cache_dir=opts.cache_dir, inductor_patches=config_patches,
                    strict=opts.strict, budget=budget)
         decided[d.anchor] = d

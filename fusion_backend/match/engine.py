@@ -14,7 +14,9 @@ It raises on any internal failure; the backend turns that into a whole-graph fal
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import copy
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Optional, Union
@@ -25,18 +27,9 @@ import torch.fx as fx
 from ..frontend.canonical import CanonicalOp, Conv, Opaque, ParamRef
 from ..frontend.idioms import fold_idioms
 from ..frontend.normalize import functionalize_inplace, normalize_graph
+from ..ir.fakes import fake_of
 from ..ops.chain import Const, Operand, TensorRef
 from ..report import Match, NearMiss, ReasonKind, source_line_of
-
-
-def fake_of(node: Any) -> Any:
-    """The fake value Dynamo (``example_value``) or a fake-tensor pass (``val``) recorded for a node."""
-    if not isinstance(node, fx.Node):
-        return None
-    meta = node.meta
-    if "example_value" in meta:
-        return meta["example_value"]
-    return meta.get("val")
 
 
 @dataclass
@@ -51,6 +44,73 @@ class Candidate:
     summary: str
     notes: list[NearMiss] = field(default_factory=list)
     """Near misses to report even though the candidate matched (e.g. "chain stopped at X")."""
+    family: Optional[Pattern] = field(default=None, repr=False, compare=False)
+    """The pattern that found it (set by ``find_regions``): what rewrites it."""
+
+    def moved(self, node_map: Mapping[fx.Node, fx.Node]) -> Candidate:
+        """This candidate with every node it names (in ``nodes``, ``anchor`` and its ``payload``)
+        replaced by its image in ``node_map``, e.g. the same region in a copy of the graph."""
+        return _remap(self, node_map)
+
+    def rewrite_copy(self, gm: fx.GraphModule, node_map: Mapping[fx.Node, fx.Node], strict: bool = False) -> Match:
+        """Rewrite this candidate's region in ``gm``, another graph that holds a copy of each of the
+        region's nodes (``node_map``: a node of the graph the candidate was found in -> its copy in
+        ``gm``; e.g. the region extracted for timing), exactly as the family rewrites it in the whole
+        graph: no pattern runs again.  Lints and recompiles ``gm``; returns the ``Match``.
+
+        ``gm`` must hold the region as it was found, normalised (its nodes copied from the graph
+        ``find_regions`` normalised); every node the candidate names must be in ``node_map``."""
+        if self.family is None:
+            raise ValueError(f"the {self.pattern} candidate at `{self.anchor.name}` was not found by find_regions")
+        missing = [n.name for n in self.nodes if n not in node_map]
+        if missing:
+            raise ValueError(f"the copy lacks the region's nodes {missing}")
+        ctx = MatchContext(gm, strict=strict)
+        match = self.family.rewrite(ctx, self.moved(node_map))
+        gm.graph.lint()
+        gm.recompile()
+        return match
+
+
+def _remap(value: Any, node_map: Mapping[fx.Node, fx.Node], memo: Optional[dict[int, Any]] = None) -> Any:
+    """``value`` with every ``fx.Node`` inside it (through dataclasses, lists, tuples, dicts) replaced
+    by its image in ``node_map`` (nodes outside it kept).  Objects without nodes are shared, not
+    copied; an object reached twice (two chains sharing one operand list) is remapped once, so what
+    was shared stays shared."""
+    memo = {} if memo is None else memo
+    if isinstance(value, fx.Node):
+        return node_map.get(value, value)
+    if isinstance(value, (str, int, float, bool, type(None), torch.dtype, Pattern)) or isinstance(value, type):
+        return value
+    if id(value) in memo:
+        return memo[id(value)]
+    if dataclasses.is_dataclass(value):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        clone = copy.copy(value)
+        memo[id(value)] = clone
+        moved = {name: _remap(v, node_map, memo) for name, v in fields.items()}
+        if all(moved[name] is fields[name] for name in fields):
+            memo[id(value)] = value
+            return value
+        for name, v in moved.items():
+            object.__setattr__(clone, name, v)  # frozen dataclasses too: the copy is ours
+        return clone
+    if isinstance(value, list):
+        moved_list: list[Any] = []
+        memo[id(value)] = moved_list
+        moved_list.extend(_remap(v, node_map, memo) for v in value)
+        return moved_list
+    if isinstance(value, tuple):
+        items = [_remap(v, node_map, memo) for v in value]
+        moved_tuple = type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+        memo[id(value)] = moved_tuple
+        return moved_tuple
+    if isinstance(value, dict):
+        moved_dict: dict[Any, Any] = {}
+        memo[id(value)] = moved_dict
+        moved_dict.update({_remap(k, node_map, memo): _remap(v, node_map, memo) for k, v in value.items()})
+        return moved_dict
+    return value
 
 
 class Precedence(IntEnum):
@@ -294,6 +354,7 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
                                                  f"`{taken[0].name}` is already part of another fused region"))
                 continue
             ctx.claimed.update(item.nodes)
+            item.family = pattern
             accepted.append((pattern, item))
 
     # A conv fused by a family that precedes (or is) another is no near miss of that other family (the
@@ -306,31 +367,32 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
     return Regions(ctx, accepted, near_misses)
 
 
+def rewrite_regions(regions: Regions, chosen: Iterable[Candidate],
+                    on_stage: Optional[Callable[[str, Optional[str]], None]] = None) -> list[Match]:
+    """Rewrite the ``chosen`` candidates of ``regions`` (some or all of ``regions.accepted``, as the
+    caller decided) in the graph they were found in; lints and recompiles it once.  Raises on failure."""
+    stage = on_stage or (lambda s, p: None)
+    matches = []
+    for candidate in chosen:
+        stage("rewrite", candidate.pattern)
+        assert candidate.family is not None  # find_regions sets it
+        matches.append(candidate.family.rewrite(regions.ctx, candidate))
+    if matches:
+        regions.ctx.gm.graph.lint()
+        regions.ctx.gm.recompile()
+    return matches
+
+
 def run_patterns(
     gm: fx.GraphModule,
     enabled: Iterable[str],
     strict: bool = False,
     on_stage: Optional[Callable[[str, Optional[str]], None]] = None,
-    keep: Optional[Callable[[fx.GraphModule, Candidate], bool]] = None,
 ) -> EngineResult:
-    """Find and rewrite ``gm`` in place with the ``enabled`` patterns (names).  Raises on failure.
-
-    ``on_stage(stage, pattern)`` is called before each stage so the caller can name the failing
-    stage and pattern in its fallback report.  ``keep(gm, candidate)``, when given, is asked for
-    every accepted candidate before any rewrite (the graph is still whole then); a candidate it
-    declines is left as it is, nodes and all.
-    """
-    stage = on_stage or (lambda s, p: None)
-    regions = find_regions(gm, enabled, strict, stage)
-    chosen = regions.accepted
-    if keep is not None:
-        stage("decide", None)
-        chosen = [(p, c) for p, c in regions.accepted if keep(gm, c)]
-    matches = []
-    for pattern, candidate in chosen:
-        stage("rewrite", pattern.name)
-        matches.append(pattern.rewrite(regions.ctx, candidate))
-    if chosen:
-        gm.graph.lint()
-        gm.recompile()
+    """Find and rewrite every region of ``gm`` in place with the ``enabled`` patterns (names); raises
+    on failure.  ``on_stage(stage, pattern)`` is called before each stage so the caller can name the
+    failing stage and pattern in its fallback report.  (The backend finds, decides and then rewrites
+    only what it keeps: ``find_regions``, ``rewrite_regions``.)"""
+    regions = find_regions(gm, enabled, strict, on_stage)
+    matches = rewrite_regions(regions, [c for _, c in regions.accepted], on_stage)
     return EngineResult(matches, regions.near_misses)

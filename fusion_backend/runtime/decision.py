@@ -68,12 +68,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
 
 from .. import environment
+from ..ir.fakes import fake_of
 from ..report import Decision
 from .region_timing import RoundTimes
 
@@ -311,11 +312,21 @@ class DecisionBudget:
         return f"{self.spent():.1f} s of a {self.seconds:.1f} s budget"
 
 
+class Region(Protocol):
+    """What the decision gets from the match engine for one region (``match.engine.Candidate``): the
+    family's name, the summary the report shows, the region's nodes in graph order (the last one its
+    result) and the family's own rewrite of it, applied to a copy (``rewrite_copy``)."""
+
+    pattern: str
+    summary: str
+    nodes: list[fx.Node]
+
+    def rewrite_copy(self, gm: fx.GraphModule, node_map: Mapping[fx.Node, fx.Node], strict: bool = False) -> Any: ...
+
+
 def decide(
     gm: fx.GraphModule,
-    pattern: str,
-    summary: str,
-    nodes: Sequence[fx.Node],
+    candidate: Region,
     example_inputs: Sequence[Any],
     *,
     policy: str,
@@ -325,21 +336,21 @@ def decide(
     strict: bool,
     budget: DecisionBudget | None = None,
 ) -> Decision:
-    """Whether to rewrite the region ``nodes`` of ``gm`` (matched by ``pattern``), per ``policy``
+    """Whether to rewrite the region ``candidate`` of ``gm`` found, per ``policy``
     (see the module docstring).  ``inductor_patches``: the Inductor config the graph will be
     compiled with; CUDA graphs are left out of the timing (both candidates would get them), and
     when they are on, a kept region runs once here first (``_prime_for_cuda_graphs``).  ``budget``:
     where given, a region not cached is measured only while it allows (``DecisionBudget``)."""
-    anchor = nodes[0].name
+    pattern, summary, anchor = candidate.pattern, candidate.summary, candidate.nodes[0].name
     if policy == "inductor":
         return Decision(pattern, summary, anchor, False, "decide='inductor'")
     if policy == "fuse":
         decision, ran_here = Decision(pattern, summary, anchor, True, "decide='fuse'"), False
     else:
-        decision, ran_here = _measured(gm, pattern, summary, nodes, example_inputs, margin, cache_dir,
-                                       inductor_patches, strict, budget)
+        decision, ran_here = _measured(gm, candidate, example_inputs, margin, cache_dir, inductor_patches, strict,
+                                       budget)
     if decision.fused and inductor_patches.get("triton.cudagraphs") and not ran_here:
-        why = _prime_for_cuda_graphs(gm, pattern, nodes, example_inputs, inductor_patches, strict)
+        why = _prime_for_cuda_graphs(gm, candidate, example_inputs, inductor_patches, strict)
         if why is not None:
             return Decision(pattern, summary, anchor, False, why)
     return decision
@@ -354,16 +365,16 @@ class PendingTiming:
     region_class: str
 
 
-def pending_timing(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], *, policy: str, cache_dir: Path,
+def pending_timing(gm: fx.GraphModule, candidate: Region, *, policy: str, cache_dir: Path,
                    inductor_patches: Mapping[str, Any]) -> PendingTiming | None:
-    """The key and kind of the region ``nodes`` where ``decide`` would time it now: the ``measure``
+    """The key and kind of the region ``candidate`` where ``decide`` would time it now: the ``measure``
     policy, a result on a measured device, no CUDA graphs (a kept region must be primed before they
     record), no answer cached for its key, in memory or on disk, and no prediction that it loses.
     None otherwise, and where the key cannot be built (``decide`` then says why)."""
-    if policy != "measure" or inductor_patches.get("triton.cudagraphs") or not _on_measured_device(nodes):
+    if policy != "measure" or inductor_patches.get("triton.cudagraphs") or not _on_measured_device(candidate.nodes):
         return None
     try:
-        looked_up = _lookup(gm, pattern, nodes, cache_dir, inductor_patches)
+        looked_up = _lookup(gm, candidate, cache_dir, inductor_patches)
     except Exception:  # noqa: BLE001 - see the docstring
         return None
     if looked_up.entry is not None or _predicted_loss(looked_up, cache_dir, cuda_graphs=False) is not None:
@@ -372,8 +383,6 @@ def pending_timing(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], *
 
 
 def _on_measured_device(nodes: Sequence[fx.Node]) -> bool:
-    from ..match.engine import fake_of
-
     result = fake_of(nodes[-1])
     return isinstance(result, torch.Tensor) and result.device.type in _measured_devices
 
@@ -384,6 +393,7 @@ class _Lookup:
     config it is timed under (no CUDA graphs), its cache key and kind (``_key``), its
     result's size (elements; what a prediction compares) and the cached entry (None if none)."""
 
+    candidate: Region
     region: Any
     train: bool
     patches: dict[str, Any]
@@ -393,17 +403,16 @@ class _Lookup:
     entry: dict[str, Any] | None
 
 
-def _lookup(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], cache_dir: Path,
-            inductor_patches: Mapping[str, Any]) -> _Lookup:
+def _lookup(gm: fx.GraphModule, candidate: Region, cache_dir: Path, inductor_patches: Mapping[str, Any]) -> _Lookup:
     from . import region_timing
 
-    region = region_timing.extract_region(gm, region_timing.with_consumers(gm, nodes))
+    region = region_timing.extract_region(gm, region_timing.with_consumers(gm, candidate.nodes))
     train = _gradients_flow(region)
     patches = {**inductor_patches, "triton.cudagraphs": False}
-    key, region_class = _key(pattern, region, train, patches)
+    key, region_class = _key(candidate.pattern, region, train, patches)
     entry = cached_entry(key, cache_dir)
     size = region_timing.numel_hint(region.result) or 0
-    return _Lookup(region, train, patches, key, region_class, size, entry)
+    return _Lookup(candidate, region, train, patches, key, region_class, size, entry)
 
 
 def _predicted_loss(looked_up: _Lookup, cache_dir: Path, *, cuda_graphs: bool) -> str | None:
@@ -441,13 +450,11 @@ PENDING_RULE = ("measured once the fused op's kernels have compiled in the backg
 def _gradients_flow(region: Any) -> bool:
     """Whether the graph's call runs a backward through the region: grad mode is on (Dynamo guards
     on it) and one of the region's inputs requires grad."""
-    from ..match.engine import fake_of
-
     return torch.is_grad_enabled() and any(getattr(fake_of(n), "requires_grad", False) for n in region.inputs)
 
 
-def _prime_for_cuda_graphs(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node],
-                           example_inputs: Sequence[Any], patches: Mapping[str, Any], strict: bool) -> str | None:
+def _prime_for_cuda_graphs(gm: fx.GraphModule, candidate: Region, example_inputs: Sequence[Any],
+                           patches: Mapping[str, Any], strict: bool) -> str | None:
     """Run the fused region once (forward, and backward where gradients flow) before CUDA graphs
     record it; None when that worked, else why not.
 
@@ -458,10 +465,10 @@ def _prime_for_cuda_graphs(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.
     from . import region_timing
 
     try:
-        region = region_timing.extract_region(gm, nodes)
+        region = region_timing.extract_region(gm, candidate.nodes)
         inputs = region_timing.region_inputs(region, gm, example_inputs)
         train = _gradients_flow(region)
-        fused, _ = _fused_callable(region, pattern, inputs, {**patches, "triton.cudagraphs": False}, strict)
+        fused, _ = _fused_callable(region, candidate, inputs, {**patches, "triton.cudagraphs": False}, strict)
         region_timing.make_step(fused, inputs, train)()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -470,27 +477,27 @@ def _prime_for_cuda_graphs(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.
         if strict:
             from ..errors import RewriteError
 
-            raise RewriteError(f"preparing the {pattern} region at `{nodes[0].name}` for CUDA graphs failed: "
+            raise RewriteError(f"preparing the {candidate.pattern} region at `{candidate.nodes[0].name}` for CUDA graphs failed: "
                                f"{type(exc).__name__}: {exc} (strict=True)") from exc
         return f"preparing it for CUDA graphs failed ({type(exc).__name__}: {exc})"
 
 
-def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx.Node],
-              example_inputs: Sequence[Any], margin: float, cache_dir: Path, inductor_patches: Mapping[str, Any],
-              strict: bool, budget: DecisionBudget | None = None) -> tuple[Decision, bool]:
+def _measured(gm: fx.GraphModule, candidate: Region, example_inputs: Sequence[Any], margin: float, cache_dir: Path,
+              inductor_patches: Mapping[str, Any], strict: bool,
+              budget: DecisionBudget | None = None) -> tuple[Decision, bool]:
     """The ``measure`` policy's decision, and whether the fused op ran on the region's inputs in
     this process (its caches are then filled).  Regions of one cache key share one measurement; a
     region predicted to lose (``_predicted_loss``) or beyond the ``budget`` is not measured."""
-    anchor = nodes[0].name
+    pattern, summary, anchor = candidate.pattern, candidate.summary, candidate.nodes[0].name
     from . import region_timing
 
     cuda_graphs = bool(inductor_patches.get("triton.cudagraphs"))
-    if not _on_measured_device(nodes):
+    if not _on_measured_device(candidate.nodes):
         return Decision(pattern, summary, anchor, False,
                         "not measured on CPU: the fused op would run its plain-torch reference there, "
                         "which Inductor's CPU code matches or beats (decide='fuse' rewrites anyway)"), False
     try:
-        looked_up = _lookup(gm, pattern, nodes, cache_dir, inductor_patches)
+        looked_up = _lookup(gm, candidate, cache_dir, inductor_patches)
         if looked_up.entry is not None:
             _memory[looked_up.key] = looked_up.entry
             return _entry_verdict(pattern, summary, anchor, looked_up.entry, margin, looked_up.train, True,
@@ -504,7 +511,7 @@ def _measured(gm: fx.GraphModule, pattern: str, summary: str, nodes: Sequence[fx
                             "decide_budget); Inductor keeps the region, a later process measures it"), False
         if budget is not None:
             budget.measured += 1
-        times = _measure(gm, pattern, looked_up.region, example_inputs, looked_up.train, looked_up.patches, strict,
+        times = _measure(gm, candidate, looked_up.region, example_inputs, looked_up.train, looked_up.patches, strict,
                          _timer)
         measured = summarise_rounds(times["fused"], times["inductor"])
     except Exception as exc:  # noqa: BLE001 - an unmeasurable region stays with Inductor
@@ -528,7 +535,7 @@ def _entry_verdict(pattern: str, summary: str, anchor: str, entry: Mapping[str, 
                    cuda_graphs=cuda_graphs)
 
 
-def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequence[Any], train: bool,
+def _measure(gm: fx.GraphModule, candidate: Region, region: Any, example_inputs: Sequence[Any], train: bool,
              patches: Mapping[str, Any], strict: bool, timer: Timer | None) -> Mapping[str, float | Sequence[float] | RoundTimes]:
     """Time the fused op and Inductor's code on the region: ms per call per round, side by side (see
     ``Timer``).  A fake timer gets steps that build their candidate at their first call; the real
@@ -536,12 +543,13 @@ def _measure(gm: fx.GraphModule, pattern: str, region: Any, example_inputs: Sequ
     (``_first_calls``)."""
     from . import region_timing
 
+    pattern = candidate.pattern
     inputs = region_timing.region_inputs(region, gm, example_inputs)
     log.info("timing %s (%s) fused vs Inductor on its inputs %s", pattern, "forward + backward" if train else "forward",
              ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs))
     began = time.perf_counter()
     builders: dict[str, Callable[[], tuple[Callable[..., Any], bool]]] = {
-        "fused": lambda: _fused_callable(region, pattern, inputs, patches, strict),
+        "fused": lambda: _fused_callable(region, candidate, inputs, patches, strict),
         "inductor": lambda: (region_timing.compile_with_inductor(region, inputs, patches), False),
     }
     if timer is not None:
@@ -620,9 +628,9 @@ def _on_device(device: torch.device | None) -> Any:
     return contextlib.nullcontext()
 
 
-def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
+def _fused_callable(region: Any, candidate: Region, inputs: Sequence[torch.Tensor],
                     patches: Mapping[str, Any], strict: bool) -> tuple[Callable[..., Any], bool]:
-    """The region rewritten by ``pattern`` alone, run the way the backend would run it (directly when
+    """The region with ``candidate`` rewritten (``rewritten_region``), run the way the backend would run it (directly when
     only fused ops and glue are left, else through Inductor with the fused ops' autograd-free ops),
     and whether it runs directly.
     ``strict`` as the graph's own rewrite gets it: it is part of the op's config, so the op's
@@ -631,22 +639,18 @@ def _fused_callable(region: Any, pattern: str, inputs: Sequence[torch.Tensor],
     from . import region_timing
     from .direct import direct_module, why_not_direct
 
-    gm = rewritten_region(region, pattern, strict)
+    gm = rewritten_region(region, candidate, strict)
     if why_not_direct(gm) is None:
         return direct_module(gm).forward, True
     return region_timing.compile_apart(gm, inputs, with_autograd_free_pass(patches)), False
 
 
-def rewritten_region(region: Any, pattern: str, strict: bool) -> fx.GraphModule:
-    """A copy of the extracted ``region`` with ``pattern``'s one match rewritten into its fused op
-    (``region_timing.NotMeasurable`` when the region alone does not give exactly one match)."""
-    from ..match.engine import run_patterns
-    from . import region_timing
-
-    gm = region.copy()
-    result = run_patterns(gm, [pattern], strict=strict)
-    if len(result.matches) != 1:
-        raise region_timing.NotMeasurable(f"the region alone gives {len(result.matches)} {pattern} matches, not 1")
+def rewritten_region(region: Any, candidate: Region, strict: bool) -> fx.GraphModule:
+    """A copy of the extracted ``region`` (``region_timing.ExtractedRegion``) with ``candidate``
+    rewritten into its fused op by its family's own rewrite, exactly as in the whole graph: nothing
+    is matched again, so what is timed is what the graph would run."""
+    gm, node_map = region.copy_mapped()
+    candidate.rewrite_copy(gm, node_map, strict)
     return gm
 
 
@@ -657,7 +661,6 @@ def rewritten_region(region: Any, pattern: str, strict: bool) -> fx.GraphModule:
 def _key(pattern: str, region: Any, train: bool, patches: Mapping[str, Any]) -> tuple[str, str]:
     """The region's cache key, and its kind: the key without the region's computation and shapes
     (what ``_predicted_loss`` groups measured regions by)."""
-    from ..match.engine import fake_of
     from . import region_timing
 
     fakes = [fake_of(n) for n in region.inputs]
@@ -711,12 +714,16 @@ def _stable_repr(value: Any) -> str:
 def _environment() -> str:
     """GPU, torch, Triton and a fingerprint of this package's sources (a changed kernel or pattern
     must not reuse old times)."""
+    import importlib.util
+
     import triton
 
-    from .. import patterns, sources
+    from .. import sources
 
-    # the pattern families live outside the package folder (top-level patterns/, see pyproject.toml)
-    roots = (Path(__file__).resolve().parents[1], Path(patterns.__file__).resolve().parent)
+    # the pattern families live outside the package folder (top-level patterns/, see pyproject.toml);
+    # found, not imported: the runtime does not load the families
+    families = importlib.util.find_spec(f"{__package__.rsplit('.', 1)[0]}.patterns")
+    roots = (Path(__file__).resolve().parents[1], Path(families.origin).resolve().parent)
     fingerprints = " ".join(sources.fingerprint(root)[:16] for root in roots)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return f"{device}|torch {torch.__version__}|triton {triton.__version__}|sources {fingerprints}"

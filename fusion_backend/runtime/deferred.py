@@ -52,6 +52,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.fx as fx
 
+from ..ir.fakes import fake_of
+
 if TYPE_CHECKING:
     from .decision import DecisionBudget
 
@@ -66,9 +68,9 @@ class Preparation(Protocol):
     def collect(self, timeout: float) -> int: ...
 
 
-#: ``(gm, pattern, nodes, example_inputs, strict) -> Preparation | None``; ``prepare_fused`` unless a
-#: test replaces it (``preparing_with``).
-Preparer = Callable[[fx.GraphModule, str, Sequence[fx.Node], Sequence[Any], bool], "Preparation | None"]
+#: ``(gm, candidate, example_inputs, strict) -> Preparation | None`` (``candidate``: a region of ``gm``,
+#: ``decision.Region``); ``prepare_fused`` unless a test replaces it (``preparing_with``).
+Preparer = Callable[[fx.GraphModule, Any, Sequence[Any], bool], "Preparation | None"]
 
 #: Seconds ``settle`` waits for a preparation, and a graph stays pending at most, before deciding
 #: anyway (the decision then compiles what is missing itself).
@@ -102,34 +104,34 @@ def real_inputs(example_inputs: Sequence[Any]) -> bool:
     return not any(isinstance(x, torch.Tensor) and is_fake(x) for x in example_inputs)
 
 
-def prepare_fused(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], example_inputs: Sequence[Any],
+def prepare_fused(gm: fx.GraphModule, candidate: Any, example_inputs: Sequence[Any],
                   strict: bool) -> Preparation | None:
-    """Send the compiles of the kernels the fused op would run on the region ``nodes`` of ``gm``
-    (rewritten by ``pattern`` as the decision rewrites it, with the consumers it times it with) to
+    """Send the compiles of the kernels the fused op would run on the region ``candidate`` of ``gm``
+    (rewritten as the decision rewrites it, with the consumers it times it with) to
     the worker processes; None where nothing was sent (a region off the GPU, no worker pool, nothing
     left to compile).  Raises where the region does not rewrite alone (``prepare`` logs it)."""
     from ..kernels import launch
-    from ..match.engine import fake_of
     from . import region_timing
     from .decision import rewritten_region
 
+    nodes = candidate.nodes
     result = fake_of(nodes[-1])
     if not isinstance(result, torch.Tensor) or result.device.type != "cuda":
         return None  # no Triton kernel compiles for a region off the GPU
     region = region_timing.extract_region(gm, region_timing.with_consumers(gm, nodes))
     inputs = region_timing.region_inputs(region, gm, example_inputs)
-    fused = rewritten_region(region, pattern, strict)
+    fused = rewritten_region(region, candidate, strict)
     return launch.compile_in_background([lambda: fused(*inputs)])
 
 
-def prepare(gm: fx.GraphModule, pattern: str, nodes: Sequence[fx.Node], example_inputs: Sequence[Any],
-            strict: bool) -> Preparation | None:
+def prepare(gm: fx.GraphModule, candidate: Any, example_inputs: Sequence[Any], strict: bool) -> Preparation | None:
     """``prepare_fused`` (or the test's preparer); None also where preparing failed (logged): the
     decision is then made at once."""
     try:
-        return (_preparer or prepare_fused)(gm, pattern, nodes, example_inputs, strict)
+        return (_preparer or prepare_fused)(gm, candidate, example_inputs, strict)
     except Exception as exc:  # noqa: BLE001 - deciding at once is always possible
-        log.info("decision %s at %s: not deferred (%s: %s)", pattern, nodes[0].name, type(exc).__name__, exc)
+        log.info("decision %s at %s: not deferred (%s: %s)", candidate.pattern, candidate.nodes[0].name,
+                 type(exc).__name__, exc)
         return None
 
 

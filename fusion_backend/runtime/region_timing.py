@@ -51,7 +51,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .. import gpu_timing
 from ..frontend.normalize import target_name
-from ..match.engine import fake_of
+from ..ir.fakes import fake_of
 
 #: Timing: rounds per candidate (interleaved), the length one round aims at, the most calls in one.
 ROUNDS = 5
@@ -77,6 +77,9 @@ class ExtractedRegion:
     """The original graph's nodes that feed the region, in placeholder order."""
     result: fx.Node
     """The original graph's node whose value is the region's result."""
+    copies: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    """Each node of the original graph the region holds or reads -> its copy in ``graph`` (a
+    placeholder or ``get_attr`` for what it reads)."""
 
     @functools.cached_property
     def gm(self) -> fx.GraphModule:
@@ -89,6 +92,16 @@ class ExtractedRegion:
         """A module of its own over a copy of the graph, for what mutates what it is given
         (Inductor's ``compile_fx``, a rewrite)."""
         return fx.GraphModule(self.root, copy.deepcopy(self.graph), class_name="Region")
+
+    def copy_mapped(self) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+        """``copy()``, and each node of the original graph in ``copies`` -> its node in that copy (what
+        a candidate found in the original graph is rewritten through: ``Candidate.rewrite_copy``)."""
+        graph = fx.Graph()
+        into: dict[fx.Node, fx.Node] = {}
+        out = graph.graph_copy(self.graph, into)
+        graph.output(out)
+        gm = fx.GraphModule(self.root, graph, class_name="Region")
+        return gm, {original: into[mine] for original, mine in self.copies.items()}
 
 
 def extract_region(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> ExtractedRegion:
@@ -135,7 +148,7 @@ def extract_region(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> ExtractedReg
         graph.call_function(_AUTOCAST_EXIT, (block,))
     graph.output((env[nodes[-1]],))
     inputs = [n for n in inputs if n.op != "get_attr"]
-    return ExtractedRegion(graph, gm, inputs, nodes[-1])
+    return ExtractedRegion(graph, gm, inputs, nodes[-1], dict(env))
 
 
 #: Ops a region's consumers may not be: the compute a later region would claim.  (Nor may they write

@@ -486,7 +486,7 @@ def test_under_cuda_graphs_a_kept_region_runs_once_at_compile_time(cache, monkey
     monkeypatch.setenv("FUSION_DECIDE", "fuse")
     ran = []
     real = decision._prime_for_cuda_graphs
-    monkeypatch.setattr(decision, "_prime_for_cuda_graphs", lambda *a: ran.append(a[1]) or real(*a))
+    monkeypatch.setattr(decision, "_prime_for_cuda_graphs", lambda *a: ran.append(a[1].pattern) or real(*a))
     model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
     compiled = torch.compile(model, backend="fusion", mode="reduce-overhead")
     with collect_reports() as reports:
@@ -669,3 +669,30 @@ def test_the_decision_key_names_a_graph_pass_by_its_uuid_not_its_address():
 
     assert _stable_repr(another_pass) != _stable_repr(lambda graph: None)
     assert _stable_repr(0.5) == "0.5"
+
+
+def test_the_decision_times_the_region_the_graph_found_without_matching_it_again(cache, monkeypatch):
+    """The fused candidate that is timed is the graph's own candidate, rewritten in the extracted
+    region by its family (``Candidate.rewrite_copy``): the family's ``find`` runs once, on the whole
+    graph, and the timed fused region computes what the graph's region computes."""
+    from fusion_backend.match.engine import registered_patterns
+
+    family = type(registered_patterns()["conv_epilogue"])
+    searched = []
+    real_find = family.find
+    monkeypatch.setattr(family, "find", lambda self, ctx: searched.append(ctx.gm) or real_find(self, ctx))
+    results = {}
+
+    def run_both(steps):
+        for name, step in steps.items():  # builds each candidate and runs it once
+            results[name] = step()
+        return {"fused": 1.0, "inductor": 2.0}
+
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)
+    compiled = torch.compile(model, backend="fusion", options={"defer": False})
+    with decision.timing_override(run_both, measure_on=("cpu",)), collect_reports() as reports, torch.no_grad():
+        out = compiled(x)
+    torch._dynamo.reset()
+    assert only_decision(reports)[1].fused and set(results) == {"fused", "inductor"}
+    assert len(searched) == 1 and "Region" not in type(searched[0]).__name__
+    torch.testing.assert_close(out, model(x))

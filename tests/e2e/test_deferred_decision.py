@@ -34,8 +34,8 @@ class Compiles:
         self.prepared: list[str] = []
         self.collected = 0
 
-    def __call__(self, gm, pattern, nodes, example_inputs, strict):
-        self.prepared.append(pattern)
+    def __call__(self, gm, candidate, example_inputs, strict):
+        self.prepared.append(candidate.pattern)
         return self
 
     def ready(self):

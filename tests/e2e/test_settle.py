@@ -37,7 +37,7 @@ class Compiles:
     def __init__(self):
         self.prepared = 0
 
-    def __call__(self, gm, pattern, nodes, example_inputs, strict):
+    def __call__(self, gm, candidate, example_inputs, strict):
         self.prepared += 1
         return self
 
