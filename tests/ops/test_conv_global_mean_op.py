@@ -275,13 +275,15 @@ def test_opcheck_forward_and_backward_ops() -> None:
     operands = make_operands(shapes, 6)
     config = ConvGlobalMeanConfig(spec, affine, keepdim=True).to_json()
     leaves = [t.requires_grad_() for t in (x, w, b, *operands)]
-    torch.library.opcheck(conv_global_mean_fwd, (x, w, b, operands, config))
+    torch.library.opcheck(conv_global_mean_fwd, (x, w, b, operands, config, True))
+    detached = [t.detach() for t in (x, w, b, *operands)]
+    torch.library.opcheck(conv_global_mean_fwd, (*detached[:3], detached[3:], config, False))  # no autograd: no save
     for keepdim in (False, True):
         plain = ConvGlobalMeanConfig(spec, keepdim=keepdim).to_json()
-        torch.library.opcheck(conv_global_mean_fwd, (x, w, None, [], plain))
+        torch.library.opcheck(conv_global_mean_fwd, (x, w, None, [], plain, True))
 
     _, tap_sums, conv_mean = conv_global_mean_fwd(
-        *[t.detach() for t in leaves[:3]], [t.detach() for t in operands], config
+        *[t.detach() for t in leaves[:3]], [t.detach() for t in operands], config, True
     )
     assert tap_sums.shape == (2, 4, 3, 2) and conv_mean.shape == (2, 6)
     grad = torch.randn(2, 6, 1, 1, dtype=torch.float64)
@@ -295,9 +297,11 @@ def test_opcheck_forward_and_backward_ops() -> None:
         list(x.shape),
         list(x.stride()),
         x.dtype,
+        config,
     )
-    torch.library.opcheck(conv_global_mean_bwd, (*args, True, config))
-    torch.library.opcheck(conv_global_mean_bwd, (*args, False, config))
+    torch.library.opcheck(conv_global_mean_bwd, (*args, [True] * 5))  # every gradient
+    torch.library.opcheck(conv_global_mean_bwd, (*args, [False, True, True, True, True]))  # no grad_x
+    torch.library.opcheck(conv_global_mean_bwd, (*args, [True, False, False, True, False]))  # some of each
 
 
 def test_compiles_with_dynamic_shapes_without_recompiling() -> None:
@@ -478,15 +482,14 @@ def test_contraction_sums_every_split_and_chunk_deterministically(
     xd = x.to(kernel_device, torch.float32).contiguous(memory_format=fmt)
     args = [t.to(kernel_device, torch.float32) for t in (w, b)]
     ops = [t.to(kernel_device, torch.float32) for t in operands]
-    geo = cgm.geometry.geometry_for(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), xd.device)
+    geo = cgm.config.geometry_for(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), xd.device)
     assert geo.set_counts != (1, 1, 1), "the test needs several index sets (a tapset gather)"
-    first = cgm.forward.forward_kernels(cfg, xd, *args, ops, geo)
-    second = cgm.forward.forward_kernels(cfg, xd, *args, ops, geo)
+    first = cgm.triton_path.forward(xd, *args, ops, cfg, True)
+    second = cgm.triton_path.forward(xd, *args, ops, cfg, True)
     assert nsplits == [split, split], f"expected {split} splits of the pass over x, got {nsplits}"
     for name, a, c in zip(("out", "tap_sums", "mean"), first, second, strict=True):
         assert torch.equal(a, c), f"{name} differs between two identical runs"
-    geo64 = cgm.geometry.geometry_for(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), torch.device("cpu"))
-    expected = cgm.forward.forward_reference(cfg, x, w, b, operands, geo64)
+    expected = cgm.reference.forward(x, w, b, operands, cfg, True)
     for name, got, exp in zip(("out", "tap_sums", "mean"), first, expected, strict=True):
         assert_close_scaled(got, exp, 1e-5, name)
 
