@@ -720,3 +720,45 @@ def test_every_cuda_kernel_compiles_for_sm90_without_spills() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "_contract_fwd_kernel" in proc.stdout and "all kernels compiled without spills" in proc.stdout
+
+
+def test_the_backward_keeps_no_reference_to_x() -> None:
+    """Declared ``keeps_x=False``: autograd saves x's size, strides and dtype, never x itself, on the
+    custom-op path and on the direct one, and grad_x still comes back in x's layout."""
+    from fusion_backend.ops.direct_impls import direct_impl
+
+    spec = spec2d(True)
+    x, w, b = make_inputs(spec, 2, 3, (5, 6), (3, 2))
+    x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+    w.requires_grad_()
+    config = ConvGlobalMeanConfig(spec).to_json()
+    for fn in (conv_global_mean, direct_impl(conv_global_mean)):
+        saved: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor, seen: list[torch.Tensor] = saved) -> torch.Tensor:
+            seen.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(x, w, b, [], config)
+        assert saved and all(t.data_ptr() != x.data_ptr() for t in saved)
+        gx, gw = torch.autograd.grad(out.sum(), [x, w])
+        assert gx.stride() == x.stride() and gw.shape == w.shape
+
+
+def test_a_call_the_kernels_cannot_serve_raises_under_strict_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernels cannot serve a call's shapes (more index sets than a table holds), the call
+    runs the reference with a warning, except under strict on CUDA: it raises, as every declared op does."""
+    spec = ConvSpec(False, (1,), (20,), (1,), (0,), 1)
+    x, w, _ = make_inputs(spec, 1, 2, (45,), (40,), dtype=torch.float32)
+    monkeypatch.setattr(failure, "_warned", set())
+    for strict in (True, False):
+        config = ConvGlobalMeanConfig(spec, strict=strict).to_json()
+        cfg = ConvGlobalMeanConfig.from_json(config)
+        cuda = torch.device("cuda")  # only the device type is read: no CUDA tensor is made
+        if strict:
+            with pytest.raises(UnsupportedInputError, match="distinct tap index sets"):
+                cgm.CONV_GLOBAL_MEAN._serves(config, cfg, x, w, cuda)
+        else:
+            with pytest.warns(RuntimeWarning, match="distinct tap index sets"):
+                assert not cgm.CONV_GLOBAL_MEAN._serves(config, cfg, x, w, cuda)

@@ -123,6 +123,23 @@ def _check_shapes(spec: ConvSpec, x_shape: torch.Size, w_shape: torch.Size) -> N
                                     f"groups={g} (transposed={spec.transposed})")  # fmt: skip
 
 
+def channel_stride_meta(shape: tuple[int, ...], stride: tuple[int, ...], c_out: int, out_rank: int) -> int:
+    """Element stride between the channels of an affine operand (0 for a one-element operand);
+    ``UnsupportedInputError`` for a shape that is neither."""
+    if math.prod(shape) == 1 and len(shape) <= out_rank:
+        return 0
+    shape = tuple(shape)
+    ones = (1,) * (out_rank - 2)
+    if shape == (c_out, *ones):
+        return stride[0]
+    if shape == (1, c_out, *ones):
+        return stride[1]
+    raise UnsupportedInputError(
+        f"{OP}: affine operand of shape {shape} is neither a single element nor per-channel "
+        f"({(c_out, *ones)} or {(1, c_out, *ones)})"
+    )
+
+
 def describe(cfg: ConvGlobalMeanConfig) -> str:
     """``affine [mul, add], keepdim`` for messages."""
     return f"affine [{describe_chain(cfg.affine)}]{', keepdim' if cfg.keepdim else ''}"

@@ -17,7 +17,16 @@ from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ..chain import Const, PointwiseKind, TensorRef
 from ..conv_io import conv_channels
-from .config import OP, ConvGlobalMeanConfig, Geometry, as_5d, check_bias, geometry_for, out_dtype
+from .config import (
+    OP,
+    ConvGlobalMeanConfig,
+    Geometry,
+    as_5d,
+    channel_stride_meta,
+    check_bias,
+    geometry_for,
+    out_dtype,
+)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -26,16 +35,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _channel_vector(t: Tensor, c_out: int, out_rank: int, device: torch.device) -> Tensor:
     """An affine operand as fp64 on ``device``: 0-d when it has one element, else ``(c_out,)``."""
-    if t.numel() == 1 and t.dim() <= out_rank:
-        return t.detach().reshape(()).to(device=device, dtype=torch.float64)
-    shape = tuple(t.shape)
-    ones = (1,) * (out_rank - 2)
-    if shape in ((c_out, *ones), (1, c_out, *ones)):
-        return t.detach().reshape(c_out).to(device=device, dtype=torch.float64)
-    raise UnsupportedInputError(
-        f"{OP}: affine operand of shape {shape} is neither a single element nor per-channel "
-        f"({(c_out, *ones)} or {(1, c_out, *ones)})"
-    )
+    one = channel_stride_meta(tuple(t.shape), t.stride(), c_out, out_rank) == 0 and t.numel() == 1
+    return t.detach().reshape(() if one else c_out).to(device=device, dtype=torch.float64)
 
 
 def operand_values(

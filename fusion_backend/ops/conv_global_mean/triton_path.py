@@ -7,7 +7,6 @@ cached: a call only binds its tensors.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,22 +18,7 @@ from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ..chain import Const, TensorRef
 from ..conv_io import conv_channels
-from .config import OP, ConvGlobalMeanConfig, as_5d, check_bias, geometry_for, out_dtype
-
-
-def channel_stride_meta(shape: tuple[int, ...], stride: tuple[int, ...], c_out: int, out_rank: int) -> int:
-    if math.prod(shape) == 1 and len(shape) <= out_rank:
-        return 0
-    shape = tuple(shape)
-    ones = (1,) * (out_rank - 2)
-    if shape == (c_out, *ones):
-        return stride[0]
-    if shape == (1, c_out, *ones):
-        return stride[1]
-    raise UnsupportedInputError(
-        f"{OP}: affine operand of shape {shape} is neither a single element nor per-channel "
-        f"({(c_out, *ones)} or {(1, c_out, *ones)})"
-    )
+from .config import OP, ConvGlobalMeanConfig, as_5d, channel_stride_meta, check_bias, geometry_for, out_dtype
 
 
 @dataclass(frozen=True)
