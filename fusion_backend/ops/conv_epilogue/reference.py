@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ...errors import UnsupportedInputError
+from ..chain import Const, Operand, TensorRef
 from ..chain_lowering import check_operand_refs
 from ..chain_reference import (
     apply_chain,
@@ -20,7 +21,7 @@ from ..chain_reference import (
     scatter_to_windows,
     window_winners,
 )
-from ..config import ConvEpilogueConfig, describe_chain, describe_pool
+from ..config import ConvEpilogueConfig, describe_pool
 from ..conv_io import (
     channel_view,
     check_conv_inputs,
@@ -66,8 +67,15 @@ def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: Con
 
 
 def describe(cfg: ConvEpilogueConfig) -> str:
-    """``chain [leaky_relu, mul] -> max_pool(k=...)`` for messages."""
-    return f"chain [{describe_chain(cfg.chain)}]{describe_pool(cfg.pool)}"
+    """``chain [leaky_relu(0.2), mul(operands[0])] -> max_pool(k=...)`` for messages."""
+    steps = ", ".join(f"{step.kind.name.lower()}({', '.join(map(_describe_operand, step.operands))})" for step in cfg.chain)
+    return f"chain [{steps}]{describe_pool(cfg.pool)}"
+
+
+def _describe_operand(o: Operand) -> str:
+    if isinstance(o, Const):
+        return f"{o.value:g}"
+    return f"operands[{o.index}]" if isinstance(o, TensorRef) else f"value before step {o.position}"
 
 
 def allocate_forward_outputs(
