@@ -94,15 +94,15 @@ def build_cases(
     xg = x.detach().requires_grad_()
 
     def forward() -> torch.Tensor:
-        return cgm.conv_global_mean_fwd(x, weight, bias, [extra], config)[0]
+        return cgm.conv_global_mean_fwd(x, weight, bias, [extra], config, False)[0]
 
-    out, taps, mean = cgm.conv_global_mean_fwd(x, weight, bias, [extra], config)
+    out, taps, mean = cgm.conv_global_mean_fwd(x, weight, bias, [extra], config, True)
     grad = torch.randn_like(out)
 
     def backward() -> list[torch.Tensor]:
         return cgm.conv_global_mean_bwd(
-            grad, weight, bias, [extra], taps, mean, list(x.shape), list(cgm.backward.grad_input_strides(x)),
-            x.dtype, True, config,
+            grad, weight, bias, [extra], taps, mean, list(x.shape), list(cgm.config.grad_input_strides(x)),
+            x.dtype, config, [True, True, True, True],
         )  # fmt: skip
 
     def step() -> None:
@@ -110,11 +110,11 @@ def build_cases(
         torch.autograd.grad(y, [xg, weight, bias, extra], grad)
 
     # the kernels alone, with the op's own arguments
-    geo = cgm.geometry.geometry_for(spec, tuple(x.shape[2:]), tuple(weight.shape[2:]), dev)
-    x5 = cgm.common.as_5d(x)
+    geo = cgm.config.geometry_for(spec, tuple(x.shape[2:]), tuple(weight.shape[2:]), dev)
+    x5 = cgm.config.as_5d(x)
     partial = kernels.set_sums_partial(x5, geo.bits, geo.set_counts)
-    layout = cgm.forward.weight_layout(weight.detach(), spec)
-    chain = cgm.forward.chain_args(cfg, [extra], c_out, dev, mean)
+    layout = cgm.triton_path.weight_layout(weight.detach(), spec)
+    chain = cgm.triton_path.chain_args(cfg, [extra], c_out, dev, mean)
     n = x.shape[0]
     out_buf = torch.empty((n, c_out), dtype=torch.float32, device=dev)
     mean_buf = torch.empty((n, c_out), dtype=torch.float64, device=dev)
@@ -125,7 +125,7 @@ def build_cases(
     gb = torch.empty_like(bias)
     gextra = torch.empty_like(extra)
     targets = ((kernels.GRAD_DIRECT, gextra, 1),)
-    grad_x = torch.empty_strided(x.shape, cgm.backward.grad_input_strides(x), dtype=x.dtype, device=dev)
+    grad_x = torch.empty_strided(x.shape, cgm.config.grad_input_strides(x), dtype=x.dtype, device=dev)
     per_kernel = {
         "pass over x (set_sums_partial)": lambda: kernels.set_sums_partial(x5, geo.bits, geo.set_counts),
         "contraction + chain (contract_forward)": lambda: kernels.contract_forward(
@@ -136,7 +136,7 @@ def build_cases(
             geo.n_outputs, coef, coef,
         ),
         "grad_x pass (grad_broadcast)": lambda: kernels.grad_broadcast(
-            coef, layout, geo.tapset, geo.bits, geo.set_counts, cgm.common.as_5d(grad_x)
+            coef, layout, geo.tapset, geo.bits, geo.set_counts, cgm.config.as_5d(grad_x)
         ),
     }  # fmt: skip
     return x, per_kernel, {"op forward": forward, "op backward": backward, "op forward + backward (autograd)": step}

@@ -449,8 +449,8 @@ def global_mean_pipeline(dtype: str, channels_last: bool, padded: bool) -> None:
         spec = ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 2)
         step = ChainStep(PointwiseKind.MUL, (Const(0.5),))
     cfg = cgm.ConvGlobalMeanConfig(spec, (step,), keepdim=True, out_dtype="float32")
-    geo = cgm.geometry.geometry_for(spec, size, (3, 3), x.device)
-    x5 = cgm.common.as_5d(x)
+    geo = cgm.config.geometry_for(spec, size, (3, 3), x.device)
+    x5 = cgm.config.as_5d(x)
     # the split an H100 picks (the launchers only ask the device on CUDA)
     if GM.passes._channels_innermost(x5):
         _, block_c = GM.passes._cl_tiles(size[0] * size[1], c_in)
@@ -461,8 +461,8 @@ def global_mean_pipeline(dtype: str, channels_last: bool, padded: bool) -> None:
     mean = torch.empty((n, c_out), dtype=torch.float64)
     taps = torch.empty((n, c_in, 9), dtype=torch.float64)
     out = torch.empty((n, c_out), dtype=torch.float32)
-    layout = cgm.forward.weight_layout(weight, spec)
-    chain = cgm.forward.chain_args(cfg, [extra], c_out, x.device, mean)
+    layout = cgm.triton_path.weight_layout(weight, spec)
+    chain = cgm.triton_path.chain_args(cfg, [extra], c_out, x.device, mean)
     GM.contract_forward(partial_sums, geo.tapset, layout, bias, chain, geo.n_outputs, out, mean, taps)
     grad = torch.empty((n, c_out, 1, 1), dtype=torch.float32)
     coef = torch.empty((n, c_out), dtype=torch.float32)
@@ -471,9 +471,9 @@ def global_mean_pipeline(dtype: str, channels_last: bool, padded: bool) -> None:
     GM.params_backward(grad.reshape(n, c_out), mean, taps, chain, targets,
                        GM.WeightLayout.of(gw, spec.transposed, spec.groups),
                        None if bias is None else torch.empty_like(bias), geo.n_outputs, coef, coef)  # fmt: skip
-    grad_x = torch.empty_strided(x.shape, cgm.backward.grad_input_strides(x), dtype=dt)
+    grad_x = torch.empty_strided(x.shape, cgm.config.grad_input_strides(x), dtype=dt)
     GM.grad_broadcast(
-        coef, layout, geo.tapset, geo.bits, geo.set_counts, cgm.common.as_5d(grad_x), split=split
+        coef, layout, geo.tapset, geo.bits, geo.set_counts, cgm.config.as_5d(grad_x), split=split
     )
 
 

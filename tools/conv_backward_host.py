@@ -7,7 +7,7 @@ whether the layouts the fused op hands that call are the reason.  For each bench
 
 * compiles the model with ``backend="fusion"`` and ``decide="fuse"``, runs 200 training steps with
   autograd's work on the calling thread, and prints the host time per step, the host time per call of
-  ``ops.conv_epilogue.common.run_conv_backward`` and the shapes and strides of its last call;
+  ``ops.conv_io.run_conv_backward`` and the shapes and strides of its last call;
 * does the same for the eager model (whose conv backward does not go through that function);
 * times ``aten.convolution_backward`` alone on the layer's shapes with the gradient and input NCHW,
   with a channels-last gradient, and with both channels-last.
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_step import _step_fn, time_calls  # noqa: E402
 
 from fusion_backend.bench.suite import load_workload  # noqa: E402
-from fusion_backend.ops.conv_epilogue import common  # noqa: E402
+from fusion_backend.ops import conv_io  # noqa: E402
 
 _CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d,
           torch.nn.ConvTranspose3d)
@@ -41,7 +41,7 @@ _CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTransp
 def _spy_on_conv_backward(calls: list[tuple]) -> None:
     """Replace ``run_conv_backward`` wherever it was imported with a version that records its host
     time, shapes and strides in ``calls``."""
-    original = common.run_conv_backward
+    original = conv_io.run_conv_backward
 
     def spy(grad_y, x, weight, spec, need_x, need_w, need_b=False):
         start = time.perf_counter()

@@ -57,7 +57,7 @@ def main() -> None:
     model = convt3d_pipeline.Model(*convt3d_pipeline.get_init_inputs()).cuda()
     x = torch.rand(2, 16, 4, 8, 8, device="cuda")
     info = {}
-    original = ce.op._conv_epilogue_direct
+    original = dt.direct_impl(ce.conv_epilogue)
 
     def probe(*args):
         if "empty_inside" not in info:
@@ -94,7 +94,7 @@ def main() -> None:
             results[f"direct{rnd}"] = compiled({})
             results[f"direct-disable{rnd}"] = compiled({}, wrap=True)
         a = info.pop("args")
-        results["op forward alone"] = t_us(lambda: ce.op._conv_epilogue_fwd_impl(a[0], a[1], a[2], list(a[3]), a[4], False))
+        results["op forward alone"] = t_us(lambda: ce.CONV_EPILOGUE.forward_impl(a[0], a[1], a[2], list(a[3]), a[4], False))
     dt.register_direct(ce.conv_epilogue, original)
     print(info)
     for name, us in results.items():

@@ -6,12 +6,8 @@ full-fp32 kernel for some convs: it chooses per shape, layout and alignment, and
 (3 input channels) in NCHW in full fp32 on the H100 and H200.  The fused ops run their convs elsewhere:
 the norm and channel-reduction families on channels-last copies (``ops/library_conv.py``), where cuDNN
 picks its TF32 kernels, and ``conv_epilogue`` in its own Triton kernels, whose dots run TF32 when
-told to.  Run in TF32 where eager's conv was full fp32 (H200, torch 2.11, fp32, TF32 allowed,
-training, ``decide="fuse"``), Conv2d(3, C, k) followed by a min, softmax or logsumexp over the
-channels, or by a BatchNorm in training mode, landed 30-3000x further from float64 than eager (argmin /
-argmax winners moved), and a Conv2d 64->64 k3 -> x m -> leaky -> gelu under ``dynamic=True`` 2.1e-4
-off eager where Inductor (which calls eager's cuDNN conv) matched it.  A fused op must not be less exact than eager's conv: a shape
-threshold would only guess cuDNN's heuristics, so the question is put to cuDNN itself, once per
+told to, and TF32 where eager's conv was full fp32 moved results far from eager's (NOTE at
+``forward_tf32``).  A fused op must not be less exact than eager's conv: a shape threshold would only guess cuDNN's heuristics, so the question is put to cuDNN itself, once per
 signature.
 
 Contract:
@@ -108,6 +104,11 @@ class BackwardAnswer(NamedTuple):
 _ANSWERS = BoundedCache(512)
 
 
+# NOTE: measured on the H200 (torch 2.11, fp32, TF32 allowed, training, ``decide="fuse"``): run in TF32
+# where eager's conv was full fp32, Conv2d(3, C, k) followed by a min, softmax or logsumexp over the
+# channels, or by a BatchNorm in training mode, landed 30-3000x further from float64 than eager (argmin /
+# argmax winners moved), and a Conv2d 64->64 k3 -> x m -> leaky -> gelu under ``dynamic=True`` 2.1e-4
+# off eager where Inductor (which calls eager's cuDNN conv) matched it.
 def forward_tf32(x: Tensor, weight: Tensor, spec: ConvSpec, dtype: torch.dtype | None = None) -> Answer:
     """Whether the fused op's forward conv of ``x`` and ``weight`` may use TF32: as eager's conv of
     them does (``dtype``: the dtype that conv runs in, x's when None).  See the module docstring."""

@@ -20,7 +20,8 @@ checks, the description) and ``declare`` builds:
 
 Every call follows one policy (``ops/failure.py``): the Triton path where it serves the call, else the
 reference; a Triton failure raises under the config's ``strict``, else warns once and runs the
-reference.  The config travels as JSON (``ops/config.py``'s ``JsonConfig``).
+reference.  A call that its own tensors keep off the Triton path (``call_problem``, which the report's
+``kernel_path`` cannot see) warns once, and raises under ``strict`` on CUDA.  The config travels as JSON (``ops/config.py``'s ``JsonConfig``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ..kernels.host import kernels_unavailable
 from .autograd_free import register_autograd_free
 from .conv_io import backward_outputs, empty_placeholder, fake_backward_outputs
 from .direct_impls import profiled, records_backward, register_direct
-from .failure import check_backward_call, op_kernel_failed, triton_or_reference, triton_serves
+from .failure import check_backward_call, op_kernel_failed, triton_or_reference, triton_serves, warn_once
 
 
 class XMeta(NamedTuple):
@@ -112,11 +113,6 @@ def _schemas(d: FusedOpDeclaration) -> tuple[str, str]:
     return fwd, bwd
 
 
-def _mask(bias: Tensor | None, needs: Sequence[bool], operands: int) -> list[bool]:
-    """``output_mask`` from autograd's ``needs_input_grad`` of ``(x, weight, bias, *operands)``."""
-    return [bool(needs[0]), bool(needs[1]), bias is not None and bool(needs[2])] + [bool(m) for m in needs[3:3 + operands]]
-
-
 class FusedOp:
     """A declared fused op (``declare``): its custom ops ``fwd`` / ``bwd``, their implementations
     ``forward_impl`` / ``backward_impl`` (the custom ops' functions: what the autograd-free ops and the
@@ -155,7 +151,10 @@ class FusedOp:
 
     def _serves(self, config: str, cfg: Any, x: Any, weight: Tensor, device: torch.device) -> bool:
         dtype = x.dtype if isinstance(x, XMeta) else self.d.compute_dtype(cfg, x)
-        why = self.kernel_path(config, dtype, device.type)[1] or self.d.call_problem(cfg, x, weight)
+        why = self.kernel_path(config, dtype, device.type)[1]
+        if why is None and (why := self.d.call_problem(cfg, x, weight)) is not None and not (
+                cfg.strict and device.type == "cuda"):  # the report cannot tell: say it once
+            warn_once((self.name, "call", why), f"fusion::{self.name} runs the plain-torch reference: {why}")
         return triton_serves(self.name, why, cfg.strict, device.type)
 
     def _failed(self, direction: str, config: str, cfg: Any, x: Any, weight: Tensor, error: Exception) -> None:
@@ -204,7 +203,10 @@ class FusedOp:
         placeholders; the others have their input's shape, dtype and ``empty_like`` strides (x's
         gradient, for an op that does not keep x, the strides its backward was given)."""
         d, op = self.d, "backward"
-        grad_out, x, weight, bias, operands, state, config, mask = self._split_backward_args(args)
+        if d.keeps_x:  # unpacked here, not by ``_split_backward_args``: a settled call makes no other call
+            grad_out, x, weight, bias, operands, *state, config, mask = args
+        else:
+            grad_out, x, weight, bias, operands, state, config, mask = self._split_backward_args(args)
         plan = None if d.settled_backward is None else d.settled_backward(config, grad_out, x, weight, bias, operands,
                                                                             *state, mask)  # fmt: skip
         cfg, grads = None, None
@@ -222,10 +224,7 @@ class FusedOp:
             serves = plan is None and self._serves(config, cfg, x, weight, grad_out.device)
             grads = triton_or_reference(serves, lambda: d.triton_backward(*args), lambda: d.reference_backward(*args),
                                         lambda e: self._failed(op, config, cfg, x, weight, e))  # fmt: skip
-        return self._gradients(grads, grad_out, x, weight, bias, operands, mask)
-
-    def _gradients(self, grads, grad_out, x, weight, bias, operands, mask) -> list[Tensor]:
-        if self.d.keeps_x:
+        if d.keeps_x:
             return backward_outputs(grads, [x, weight, bias, *operands], mask, x)
         grad_x = grads[0] if mask[0] and grads[0] is not None else empty_placeholder(grad_out)
         return [grad_x, *backward_outputs(grads[1:], [weight, bias, *operands], mask[1:], grad_out)]
@@ -262,7 +261,7 @@ class FusedOp:
         weight, bias, *rest = saved
         operands, state = rest[: ctx.num_operands], rest[ctx.num_operands :]
         needs = ctx.needs_input_grad  # (x, weight, bias, [operands...], config, save_for_backward)
-        mask = _mask(bias, (needs[0], needs[1], needs[2], *needs[3]), ctx.num_operands)
+        mask = [bool(needs[0]), bool(needs[1]), bias is not None and bool(needs[2])] + [bool(m) for m in needs[3]]
         grads = self.bwd(grad_out, *x, weight, bias, list(operands), *state, *ctx.x_meta, ctx.config, mask)
         picked = [g if wanted else None for g, wanted in zip(grads, mask, strict=True)]
         return picked[0], picked[1], picked[2], picked[3:], None, None
@@ -279,7 +278,7 @@ class FusedOp:
             out, *state = op.forward_impl(x, weight, bias, list(operands), config, True)
             ctx.save_for_backward(*((x,) if op.d.keeps_x else ()), weight, bias, *operands)
             ctx.state = tuple(state)  # intermediates: attributes, as autograd advises
-            ctx.config, ctx.x_meta = config, op._kept_x(x)
+            ctx.config, ctx.x_meta = config, (() if op.d.keeps_x else op._kept_x(x))
             if outputs == 1:
                 return out
             ctx.mark_non_differentiable(state[-1])
@@ -291,7 +290,8 @@ class FusedOp:
             saved = ctx.saved_tensors
             x, saved = (saved[:1], saved[1:]) if op.d.keeps_x else ((), saved)
             weight, bias, *operands = saved
-            mask = _mask(bias, ctx.needs_input_grad[1:], len(operands))  # needs: (config, x, weight, bias, *operands)
+            needs = ctx.needs_input_grad  # (config, x, weight, bias, *operands)
+            mask = [bool(needs[1]), bool(needs[2]), bias is not None and bool(needs[3])] + [bool(m) for m in needs[4:]]
             grads = op.backward_impl(grad_out, *x, weight, bias, operands, *ctx.state, *ctx.x_meta, ctx.config, mask)
             return (None, *(g if wanted else None for g, wanted in zip(grads, mask, strict=True)))
 

@@ -3,9 +3,8 @@
 WHY: a graph that holds nothing but fused ops (plus casts and views) gains nothing from AOTAutograd
 and Inductor: there is nothing left for Inductor to fuse.  Yet it still pays their per-call host time:
 AOTAutograd's runtime wrappers around the forward and the backward, Inductor's compiled-module call,
-and the dispatcher crossings of the custom ops.  The training step of the ConvT3d pipeline
-(``convt3d_leaky_mul_leaky_maxpool``, 16x16x16x32x32) on the H100 is host-bound (GPU work 0.93 ms,
-step 2.07 ms; ``tools/profile_step.py`` shows both).  So the backend runs such a graph as plain FX
+and the dispatcher crossings of the custom ops, and small steps are host-bound (NOTE at
+``register_direct``).  So the backend runs such a graph as plain FX
 code (see ``fusion_backend/runtime/direct.py``), where each fused call goes to its direct implementation: a
 ``torch.autograd.Function`` whose forward and backward call the op's undecorated implementations (the
 same functions the custom ops and their autograd-free ops wrap), with no dispatcher layer in between.
@@ -28,6 +27,8 @@ import torch
 _DIRECT: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
+# NOTE: measured on the H100: the training step of the ConvT3d pipeline (``convt3d_leaky_mul_leaky_maxpool``,
+# 16x16x16x32x32) is host-bound, GPU work 0.93 ms, step 2.07 ms (``python tools/profile_step.py`` shows both).
 def register_direct(fused: Callable[..., Any], direct: Callable[..., Any]) -> None:
     """Make ``direct`` the direct implementation of ``fused`` (see the module docstring for the contract)."""
     _DIRECT[fused] = direct

@@ -1,8 +1,7 @@
 """Pick the fastest of several implementations of one op call by timing them once per key.
 
 WHY: the fused implicit-GEMM conv kernel beats cuDNN + the epilogue kernel on some shapes and loses on
-others (measured on an H100: on the ``seeds`` suite's ConvT3d and Conv2d pipelines the library conv
-still wins), so ``auto`` must not guess.  The first call with a new key times every candidate's GPU
+others (NOTE at ``choose``), so ``auto`` must not guess.  The first call with a new key times every candidate's GPU
 work (CUDA events around back-to-back calls queued behind a GPU spin, after one warm-up call that also
 compiles/autotunes it; ``gpu_ms_per_call``) and remembers the winner: in memory for the process and in a JSON
 file for later processes, so the measurement is paid once per shape per machine.
@@ -19,11 +18,10 @@ Contract of ``choose``:
   * ``probes``: for candidates that autotune on their first call, name -> the same candidate on the
     one tile its autotuner would time first.  The probe is timed after the unprobed candidates; a
     candidate whose probe is more than ``SCREEN`` times slower than the best of them is dropped
-    untuned, so its autotuner never benchmarks its tiles (Triton's ``do_bench``: about 0.1 s each).
+    untuned, so its autotuner never benchmarks its tiles (Triton's ``do_bench`` of each).
 Before timing, the kernels of every unprobed candidate and every probe compile at once
 (``kernels.launch.compile_ahead``), and so do a probed candidate's tiles once its probe passed, or with
-the others where the compiles run in worker processes: compiled one after another as each was timed,
-they were most of a cold first call.
+the others where the compiles run in worker processes, rather than one after another as each is timed.
 Timings are not run-to-run stable to the microsecond; a candidate must beat the default by
 ``MIN_GAIN`` to be picked, so near-ties keep the default (the library path).
 
@@ -152,6 +150,9 @@ def gpu_ms_per_call(fn: Callable[[], object]) -> float:
     return best if rounds else fallback
 
 
+# NOTE: measured on the H100: the fused conv won on some shapes and lost on others (on the ``seeds``
+# suite's ConvT3d and Conv2d pipelines the library conv won); a tile's ``do_bench`` took about 0.1 s,
+# and compiling the candidates one after another as each was timed was most of a cold first call.
 def choose(
     key: str | Callable[[], str],
     candidates: Mapping[str, Callable[[], object]],

@@ -32,45 +32,16 @@ Backward (:class:`ConvBackwardPlan`, one per call signature, from :func:`conv_ba
 
 WHY channels-last: cuDNN's NCHW kernels on Hopper are its slow ones, and its NCHW backward converts x
 and the gradient to channels-last itself, once for the data gradient and again for the weight
-gradient.  NOTE: measured on the H100 (torch 2.11, cuDNN 9.19; ``python tools/conv_layout_timing.py``:
-the aten ops alone, ms, fp32 with TF32 / bf16).  Forward, NCHW vs x relaid by torch's copy
-and then the channels-last conv (``kernels.relayout`` moves x at memory speed, 2-3x faster than that
-copy in bf16):
+gradient.  Relaying x in (and in the backward the input gradient back) costs a pass at memory speed
+each, less than what the channels-last kernels save on the shapes measured (NOTE at
+:func:`channels_last_conv`).  ``conv_epilogue`` measures the same choice per shape (its
+``LibraryBackward``), as its NCHW path reads a saved state in the caller's layout; here the family's
+kernel reads the conv output and writes its gradient in whichever layout it is given at no extra
+cost, so the rule needs no timing.
 
-=============================================  ===============  ===============
-conv, input                                    fp32             bf16
-=============================================  ===============  ===============
-Conv2d 64->64 k3 p1, 32x64x128x128             0.379 / 0.325    0.236 / 0.246
-ConvTranspose2d 64->32 k4 s2 p1, 16x64x64x64   0.115 / 0.094    0.065 / 0.054
-Conv2d 64->64 k3 p1, 32x64x64x64               0.121 / 0.096    0.072 / 0.072
-Conv2d 64->128 k3, 64x64x128x128               1.072 / 0.838    0.646 / 0.543
-=============================================  ===============  ===============
-
-Backward, ``aten.convolution_backward`` on NCHW vs channels-last tensors:
-
-=============================================  ===============  ===============
-conv, input                                    fp32             bf16
-=============================================  ===============  ===============
-Conv2d 64->64 k3 p1, 32x64x128x128             0.988 / 0.592    0.475 / 0.219
-ConvTranspose2d 64->32 k4 s2 p1, 16x64x64x64   0.331 / 0.298    0.134 / 0.098
-Conv2d 64->64 k3 p1, 32x64x64x64               0.284 / 0.179    0.141 / 0.076
-Conv2d 64->128 k3, 64x64x128x128               2.962 / 1.853    1.344 / 0.709
-depthwise Conv2d 144 k3 p1, 32x144x56x56 (*)   0.502 / 0.256    (not measured)
-=============================================  ===============  ===============
-
-(*) wall time of the call inside a training step (``python tools/conv_backward_host.py
-demos/convnets/conv2d_depthwise_144_k3_relu6.py``).
-
-Relaying x in (and in the backward the input gradient back) costs a pass at memory speed each
-(0.01-0.18 ms for these inputs), less than the difference in every row.  ``conv_epilogue`` measures
-the same choice per shape (its ``LibraryBackward``), as its NCHW path reads a saved state in the
-caller's layout; here the family's kernel reads the conv output and writes its gradient in
-whichever layout it is given at no extra cost, so the rule needs no timing.
-
-Precision: cuDNN picks a TF32 or a full-fp32 kernel per layout, and on channels-last copies it picked
-TF32 kernels for convs with 3 input channels that eager's NCHW call ran in full fp32 (H200, TF32
-allowed: Conv2d(3, C, k) + min over the channels or + BatchNorm in training 30-3000x further from
-float64 than eager).  So every channels-last call of both directions runs with cuDNN's TF32 off where
+Precision: cuDNN picks a TF32 or a full-fp32 kernel per layout, and on channels-last copies it may pick
+TF32 kernels for convs that eager's NCHW call runs in full fp32 (``ops/conv_precision.py`` says what
+that cost).  So every channels-last call of both directions runs with cuDNN's TF32 off where
 eager's conv (backward: each gradient) of x and the weight as the caller gave them runs in full fp32
 (``ops/conv_precision.py``); a call in the caller's own layouts is eager's call and needs nothing.
 """
@@ -100,6 +71,17 @@ from .conv_io import (
 CHANNELS_LAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# NOTE: measured on the H100 (torch 2.11, cuDNN 9.19; ``python tools/conv_layout_timing.py``: the aten
+# ops alone, ms, NCHW / channels-last, fp32 with TF32 | bf16).  Forward, x relaid by torch's copy and
+# then the channels-last conv (``kernels.relayout`` moves x at memory speed, 2-3x faster than that copy
+# in bf16): Conv2d 64->64 k3 p1 on 32x64x128x128 0.379 / 0.325 | 0.236 / 0.246; ConvTranspose2d 64->32
+# k4 s2 p1 on 16x64x64x64 0.115 / 0.094 | 0.065 / 0.054; Conv2d 64->64 k3 p1 on 32x64x64x64 0.121 /
+# 0.096 | 0.072 / 0.072; Conv2d 64->128 k3 on 64x64x128x128 1.072 / 0.838 | 0.646 / 0.543.  Backward
+# (``aten.convolution_backward``): 0.988 / 0.592 | 0.475 / 0.219; 0.331 / 0.298 | 0.134 / 0.098;
+# 0.284 / 0.179 | 0.141 / 0.076; 2.962 / 1.853 | 1.344 / 0.709; depthwise Conv2d 144 k3 p1 on
+# 32x144x56x56 0.502 / 0.256 fp32 (wall time of the call inside a training step, ``python
+# tools/conv_backward_host.py demos/convnets/conv2d_depthwise_144_k3_relu6.py``).  Relaying x in (and
+# the input gradient back) cost 0.01-0.18 ms for these inputs, less than the difference in every row.
 def channels_last_conv(x: Tensor) -> bool:
     """Whether a conv on ``x`` (and its backward) runs on channels-last tensors (see the module
     docstring): 2-d and 3-d convs in fp16 / bf16 / fp32."""

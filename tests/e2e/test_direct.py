@@ -113,7 +113,7 @@ def test_expanded_output_gradient(kernels, seed_models):
     compiled = torch.compile(model, backend="fusion", options={"strict": True})
     xc, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     out = compiled(xc)
-    assert type(out.grad_fn).__name__ == "_DirectConvEpilogueBackward"  # the direct implementation ran
+    assert type(out.grad_fn).__name__ == "Direct_conv_epilogueBackward"  # the direct implementation ran
     out.sum().backward()
     got = [xc.grad, *(p.grad.clone() for p in model.parameters())]
     model.zero_grad()
@@ -127,13 +127,13 @@ def test_no_grad_saves_no_backward_state(kernels, seed_models, monkeypatch):
     model, (x,) = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     model, (x,) = on_device(model, x)
     saves = []
-    real = ce.op._conv_epilogue_fwd_impl
+    real = ce.CONV_EPILOGUE.forward_impl
 
     def spy(*args):
         saves.append(args[-1])
         return real(*args)
 
-    monkeypatch.setattr(ce.op, "_conv_epilogue_fwd_impl", spy)
+    monkeypatch.setattr(ce.CONV_EPILOGUE, "forward_impl", spy)
     compiled = torch.compile(model, backend="fusion", options={"strict": True})
     with torch.no_grad():
         out = compiled(x)

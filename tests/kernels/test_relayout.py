@@ -54,7 +54,7 @@ def test_relayout_refuses_what_it_does_not_serve(relayout):
 
 
 def test_the_ops_relayout_falls_back_to_copy_for_other_layouts(relayout):
-    """``ops/conv_epilogue/common._relayout`` serves every layout: a source whose spatial dims do not
+    """``ops/conv_io.py``'s ``relayout`` serves every layout: a source whose spatial dims do not
     flatten takes torch's copy."""
     base = torch.randn(2, 3, 5, 6, device=DEVICE)
     src = base[..., 1:]  # sliced: H stride 6, W 5 wide

@@ -57,8 +57,8 @@ def test_the_autograd_free_op_returns_what_the_op_returns():
     x, w, b = torch.rand(2, 3, 6, 7), torch.randn(3, 5, 3, 3), torch.randn(5)
     spec = ConvSpec(transposed=True, stride=(2, 2), padding=(1, 0), dilation=(1, 1), output_padding=(1, 0), groups=1)
     config = cgm.ConvGlobalMeanConfig(conv=spec).to_json()
-    expected = cgm.conv_global_mean_fwd(x, w, b, [], config)
-    got = autograd_free_of(cgm.conv_global_mean_fwd._opoverload)(x, w, b, [], config)
+    expected = cgm.conv_global_mean_fwd(x, w, b, [], config, False)
+    got = autograd_free_of(cgm.conv_global_mean_fwd._opoverload)(x, w, b, [], config, False)
     for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 

@@ -10,6 +10,7 @@ at full size.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -469,7 +470,8 @@ def test_saved_state_layout(monkeypatch):
 def test_state_is_saved_only_when_autograd_needs_it(monkeypatch):
     seen = []
     ref = ce.reference.forward
-    monkeypatch.setattr(ce.reference, "forward", lambda *a: seen.append(a[-1]) or ref(*a))
+    spy = dataclasses.replace(ce.CONV_EPILOGUE.d, reference_forward=lambda *a: seen.append(a[-1]) or ref(*a))
+    monkeypatch.setattr(ce.CONV_EPILOGUE, "d", spy)
     case = CONVS[0]
     chain, pool = _variants(1)["leaky-mul-leaky-maxpool"]
     x, w, b, ops = make_inputs(case, torch.float32)

@@ -275,13 +275,15 @@ def test_opcheck_forward_and_backward_ops() -> None:
     operands = make_operands(shapes, 6)
     config = ConvGlobalMeanConfig(spec, affine, keepdim=True).to_json()
     leaves = [t.requires_grad_() for t in (x, w, b, *operands)]
-    torch.library.opcheck(conv_global_mean_fwd, (x, w, b, operands, config))
+    torch.library.opcheck(conv_global_mean_fwd, (x, w, b, operands, config, True))
+    detached = [t.detach() for t in (x, w, b, *operands)]
+    torch.library.opcheck(conv_global_mean_fwd, (*detached[:3], detached[3:], config, False))  # no autograd: no save
     for keepdim in (False, True):
         plain = ConvGlobalMeanConfig(spec, keepdim=keepdim).to_json()
-        torch.library.opcheck(conv_global_mean_fwd, (x, w, None, [], plain))
+        torch.library.opcheck(conv_global_mean_fwd, (x, w, None, [], plain, True))
 
     _, tap_sums, conv_mean = conv_global_mean_fwd(
-        *[t.detach() for t in leaves[:3]], [t.detach() for t in operands], config
+        *[t.detach() for t in leaves[:3]], [t.detach() for t in operands], config, True
     )
     assert tap_sums.shape == (2, 4, 3, 2) and conv_mean.shape == (2, 6)
     grad = torch.randn(2, 6, 1, 1, dtype=torch.float64)
@@ -295,9 +297,11 @@ def test_opcheck_forward_and_backward_ops() -> None:
         list(x.shape),
         list(x.stride()),
         x.dtype,
+        config,
     )
-    torch.library.opcheck(conv_global_mean_bwd, (*args, True, config))
-    torch.library.opcheck(conv_global_mean_bwd, (*args, False, config))
+    torch.library.opcheck(conv_global_mean_bwd, (*args, [True] * 5))  # every gradient
+    torch.library.opcheck(conv_global_mean_bwd, (*args, [False, True, True, True, True]))  # no grad_x
+    torch.library.opcheck(conv_global_mean_bwd, (*args, [True, False, False, True, False]))  # some of each
 
 
 def test_compiles_with_dynamic_shapes_without_recompiling() -> None:
@@ -478,15 +482,14 @@ def test_contraction_sums_every_split_and_chunk_deterministically(
     xd = x.to(kernel_device, torch.float32).contiguous(memory_format=fmt)
     args = [t.to(kernel_device, torch.float32) for t in (w, b)]
     ops = [t.to(kernel_device, torch.float32) for t in operands]
-    geo = cgm.geometry.geometry_for(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), xd.device)
+    geo = cgm.config.geometry_for(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), xd.device)
     assert geo.set_counts != (1, 1, 1), "the test needs several index sets (a tapset gather)"
-    first = cgm.forward.forward_kernels(cfg, xd, *args, ops, geo)
-    second = cgm.forward.forward_kernels(cfg, xd, *args, ops, geo)
+    first = cgm.triton_path.forward(xd, *args, ops, cfg, True)
+    second = cgm.triton_path.forward(xd, *args, ops, cfg, True)
     assert nsplits == [split, split], f"expected {split} splits of the pass over x, got {nsplits}"
     for name, a, c in zip(("out", "tap_sums", "mean"), first, second, strict=True):
         assert torch.equal(a, c), f"{name} differs between two identical runs"
-    geo64 = cgm.geometry.geometry_for(spec, tuple(x.shape[2:]), tuple(w.shape[2:]), torch.device("cpu"))
-    expected = cgm.forward.forward_reference(cfg, x, w, b, operands, geo64)
+    expected = cgm.reference.forward(x, w, b, operands, cfg, True)
     for name, got, exp in zip(("out", "tap_sums", "mean"), first, expected, strict=True):
         assert_close_scaled(got, exp, 1e-5, name)
 
@@ -717,3 +720,45 @@ def test_every_cuda_kernel_compiles_for_sm90_without_spills() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "_contract_fwd_kernel" in proc.stdout and "all kernels compiled without spills" in proc.stdout
+
+
+def test_the_backward_keeps_no_reference_to_x() -> None:
+    """Declared ``keeps_x=False``: autograd saves x's size, strides and dtype, never x itself, on the
+    custom-op path and on the direct one, and grad_x still comes back in x's layout."""
+    from fusion_backend.ops.direct_impls import direct_impl
+
+    spec = spec2d(True)
+    x, w, b = make_inputs(spec, 2, 3, (5, 6), (3, 2))
+    x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+    w.requires_grad_()
+    config = ConvGlobalMeanConfig(spec).to_json()
+    for fn in (conv_global_mean, direct_impl(conv_global_mean)):
+        saved: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor, seen: list[torch.Tensor] = saved) -> torch.Tensor:
+            seen.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(x, w, b, [], config)
+        assert saved and all(t.data_ptr() != x.data_ptr() for t in saved)
+        gx, gw = torch.autograd.grad(out.sum(), [x, w])
+        assert gx.stride() == x.stride() and gw.shape == w.shape
+
+
+def test_a_call_the_kernels_cannot_serve_raises_under_strict_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernels cannot serve a call's shapes (more index sets than a table holds), the call
+    runs the reference with a warning, except under strict on CUDA: it raises, as every declared op does."""
+    spec = ConvSpec(False, (1,), (20,), (1,), (0,), 1)
+    x, w, _ = make_inputs(spec, 1, 2, (45,), (40,), dtype=torch.float32)
+    monkeypatch.setattr(failure, "_warned", set())
+    for strict in (True, False):
+        config = ConvGlobalMeanConfig(spec, strict=strict).to_json()
+        cfg = ConvGlobalMeanConfig.from_json(config)
+        cuda = torch.device("cuda")  # only the device type is read: no CUDA tensor is made
+        if strict:
+            with pytest.raises(UnsupportedInputError, match="distinct tap index sets"):
+                cgm.CONV_GLOBAL_MEAN._serves(config, cfg, x, w, cuda)
+        else:
+            with pytest.warns(RuntimeWarning, match="distinct tap index sets"):
+                assert not cgm.CONV_GLOBAL_MEAN._serves(config, cfg, x, w, cuda)

@@ -190,14 +190,14 @@ def test_triton_kernels_match_reference_fp32(nd: int, transposed: bool, kernel_d
     for i in range(TRITON_CASES):
         case = random_case(rng, nd, transposed)
         x, w, b = case_tensors(case, torch.float64, seed=100 + i)
-        geo = cgm.geometry.geometry_for(case.spec, case.size, case.kernel, torch.device(kernel_device))
+        geo = cgm.config.geometry_for(case.spec, case.size, case.kernel, torch.device(kernel_device))
         assert geo.bits is not None
         x32 = x.to(device=kernel_device, dtype=torch.float32)
         # x (N, C, *size) -> x5 (N, C, D, H, W), sums over sets (reference in float64).
         masks = [m.to(torch.float64).cpu() for m in geo.masks]
-        x5 = cgm.common.as_5d(x)
+        x5 = cgm.config.as_5d(x)
         expected = torch.einsum("ncdhw,ad,bh,ew->ncabe", x5, *masks).reshape(2, case.c_in, -1)
-        got = set_sums(cgm.common.as_5d(x32), geo.bits, geo.set_counts, split=1 + i % 3)
+        got = set_sums(cgm.config.as_5d(x32), geo.bits, geo.set_counts, split=1 + i % 3)
         torch.testing.assert_close(got.double().cpu(), expected, rtol=1e-5, atol=1e-5)
 
         q = torch.randn(expected.shape, dtype=torch.float64)

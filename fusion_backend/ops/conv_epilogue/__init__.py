@@ -64,26 +64,75 @@ Implementations:
     transposed conv whose pool stride is its stride, e.g. ConvTranspose3d k3 s2 + MaxPool3d(2);
     ``kernels.conv_fused_bwd`` otherwise), so no full-size gradient exists.
 * Reference (CPU, float64, anything the kernels don't cover): plain torch; the backward applies
-  torch's own derivative formulas to the chain recomputed from the saved state.  ``FUSION_CPU_KERNELS=triton`` (read at call time) runs the Triton path on CPU
-  tensors instead, which is only meaningful under ``TRITON_INTERPRET=1`` (CPU CI).
+  torch's own derivative formulas to the chain recomputed from the saved state.
+  ``FUSION_CPU_KERNELS=triton`` (read at call time) runs the Triton path on CPU tensors instead, which is only meaningful under ``TRITON_INTERPRET=1`` (CPU CI).
 
-Failure policy: when a Triton launch or compile fails, ``config.strict`` raises ``KernelError``;
-otherwise a warning is logged (``logging.getLogger("fusion_backend")``) and issued
-(``warnings.warn``) once per config and direction, and the reference runs.  ``kernel_path`` tells
-which implementation a config/dtype/device gets, for the backend's report.
+Failure policy as the other families' (``ops/declare.py``, ``ops/failure.py``): a Triton failure
+raises ``KernelError`` under ``config.strict``, else warns once per config and direction and runs the
+reference.  ``kernel_path`` tells which implementation a config/dtype/device gets, for the report.
+A call whose signature has a settled plan (``forward.settled`` / ``backward.settled``) runs it
+straight: the checks and the choice were made when it was settled.
 
-
-Modules: ``op`` (entry points, custom ops, autograd, autograd-free and direct implementations), ``forward`` and ``backward`` (the Triton
-paths, their measured choices and call plans), ``reference`` (plain torch), ``common`` (what they share).
+Modules: this one (the declaration and the entry point), ``forward`` and ``backward`` (the Triton
+paths, their measured choices and call plans), ``reference`` (plain torch and the op's semantics).
 """
 
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..chain import MAX_CHAIN_LENGTH
+from ..chain_lowering import pool_unroll_problem
 from ..chain_reference import apply_chain
+from ..config import ConvEpilogueConfig
 from ..conv_io import output_memory_format
-from .common import CONV_IMPL_ENV, CPU_KERNELS_ENV, DEFAULT_CONV_IMPL, kernel_path
-from .forward import conv_impl
-from .op import conv_epilogue, conv_epilogue_bwd, conv_epilogue_eager, conv_epilogue_fwd
+from ..declare import FusedOpDeclaration, declare
+from . import backward, forward, reference
+from .forward import CONV_IMPL_ENV, CPU_KERNELS_ENV, DEFAULT_CONV_IMPL, conv_impl
+from .reference import OP, conv_epilogue_eager
+
+
+def _kernel_problem(cfg: ConvEpilogueConfig) -> str | None:
+    """Why no call of ``cfg`` can take the Triton path (None: it may).  Operand shapes are not known
+    here: a non-per-channel operand tensor still falls back at run time."""
+    if len(cfg.chain) > MAX_CHAIN_LENGTH:
+        return f"chain of {len(cfg.chain)} steps exceeds the kernel's {MAX_CHAIN_LENGTH} slots"
+    return pool_unroll_problem(cfg.pool)
+
+
+CONV_EPILOGUE = declare(FusedOpDeclaration(
+    name=OP,
+    config=ConvEpilogueConfig,
+    state=("saved_y0", "saved_winner"),
+    outputs=reference.outputs,
+    reference_forward=reference.forward,
+    triton_forward=forward.forward,
+    reference_backward=reference.backward,
+    triton_backward=backward.backward,
+    check_inputs=reference.check_inputs,
+    describe=reference.describe,
+    kernel_problem=_kernel_problem,
+    compute_dtype=reference.conv_compute_dtype,
+    settled_forward=forward.settled,
+    settled_backward=backward.settled,
+))
+conv_epilogue_fwd, conv_epilogue_bwd = CONV_EPILOGUE.fwd, CONV_EPILOGUE.bwd
+kernel_path = CONV_EPILOGUE.kernel_path
+
+
+@CONV_EPILOGUE.entry
+def conv_epilogue(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                  config: str) -> Tensor:  # fmt: skip
+    """``pool(chain(conv(x, weight, bias))).to(out_dtype)`` as one fused op (see the module docstring).
+
+    Backward state is computed only when autograd will need it: under AOTAutograd the grad mode
+    seen at trace time is the runtime one, so inference graphs never save anything.
+    """
+    return CONV_EPILOGUE(x, weight, bias, operands, config)
+
 
 __all__ = [
+    "CONV_EPILOGUE",
     "CONV_IMPL_ENV",
     "CPU_KERNELS_ENV",
     "DEFAULT_CONV_IMPL",

@@ -19,12 +19,43 @@ from .. import conv_io, conv_precision, impl_choice
 from ..chain import TensorRef
 from ..chain_lowering import kernel_steps, wanted_slots
 from ..config import ConvEpilogueConfig
-from . import common
-from .forward import PlannedOperands, choice_key, conv_impl_mode, results_agree
+from .forward import (
+    PlannedOperands,
+    call_signature,
+    choice_key,
+    conv_impl_mode,
+    epilogue_kernels,
+    logger,
+    results_agree,
+)
+from .reference import cast_inputs, conv_compute_dtype
 
 #: Settled per-signature backward call plans, keyed by ``forward.call_signature`` plus the output
-#: mask and the grad / saved-state layouts (``op.py``).
+#: mask and the grad / saved-state layouts (``settled``).
 PLANS = BoundedCache(256)
+
+
+def settled(config: str, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+            saved_y0: Tensor, saved_winner: Tensor, mask: Sequence[bool]) -> Any:  # fmt: skip
+    """The declaration's ``settled_backward``: the plan settled for this call's signature, or None."""
+    return PLANS.peek((
+        (config, True, tensor_key(x), tensor_key(weight), tensor_key(bias), tuple(map(tensor_key, operands)),
+         torch.backends.cudnn.allow_tf32, *environment.plan_switches()),
+        tuple(mask), tensor_key(grad_out), tensor_key(saved_y0), tensor_key(saved_winner),
+    ))  # fmt: skip
+
+
+def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+             saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig,
+             mask: Sequence[bool]) -> list[Tensor | None]:  # fmt: skip
+    """The declaration's Triton backward for a call without a settled plan: ``plan_for``, kept when
+    settled (as ``forward.forward`` keeps its plans), then run."""
+    plan, is_settled = plan_for(grad_out, x, weight, bias, operands, saved_y0, saved_winner, cfg, mask)
+    if is_settled:
+        key = (call_signature(cfg.to_json(), True, x, weight, bias, operands), tuple(mask), tensor_key(grad_out),
+               tensor_key(saved_y0), tensor_key(saved_winner))  # fmt: skip
+        PLANS.put(key, plan)
+    return plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner)
 
 
 def plan_for(
@@ -46,7 +77,7 @@ def plan_for(
     if mode != "auto":
         why = triton_backward_unsupported(x, weight, saved_y0, saved_winner, cfg)
         if why is not None:
-            common.logger.debug("conv_epilogue backward: library path (%s)", why)
+            logger.debug("conv_epilogue backward: library path (%s)", why)
             plan = LibraryBackward(*args, cfg, mask)
         else:
             plan = TritonBackward(*args, cfg, mask)
@@ -80,12 +111,12 @@ def backward_candidates(
     if why is None:
         plans["triton"] = TritonBackward(*args, cfg, mask)
     else:
-        common.logger.debug("conv_epilogue backward: no Triton backward (%s)", why)
+        logger.debug("conv_epilogue backward: no Triton backward (%s)", why)
     why = channels_last_backward_unsupported(x, saved_y0)
     if why is None:
         plans["library-channels-last"] = LibraryBackward(*args, cfg, mask, channels_last=True)
     else:
-        common.logger.debug("conv_epilogue backward: no channels-last library backward (%s)", why)
+        logger.debug("conv_epilogue backward: no channels-last library backward (%s)", why)
     return plans
 
 
@@ -151,9 +182,9 @@ class LibraryBackward:
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig,
                  mask: Sequence[bool], channels_last: bool = False) -> None:  # fmt: skip
-        kernels = common.epilogue_kernels()
+        kernels = epilogue_kernels()
         self.spec, self.mask = cfg.conv, tuple(mask)
-        self.dtype = common.conv_compute_dtype(cfg, x)
+        self.dtype = conv_compute_dtype(cfg, x)
         self.is_max = cfg.pool is not None and cfg.pool.kind == "max"
         #: the memory format x is relaid into for the conv backward (None: as it is)
         self.x_format = conv_io.channels_last_format(x.dim()) if channels_last else None
@@ -198,7 +229,7 @@ class LibraryBackward:
         grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], grad_y.device)
         if self.x_format is not None:  # one copy casts and relays
             x = self.x_relayout(x)
-        x, weight, _ = common.cast_inputs(x, weight, None, self.dtype)  # grads: ``strided_like`` casts back
+        x, weight, _ = cast_inputs(x, weight, None, self.dtype)  # grads: ``strided_like`` casts back
         grad_x, grad_w, _ = conv_precision.conv_backward(grad_y, x, weight, self.spec, self.mask[0], self.mask[1],
                                                           False, self.tf32)  # fmt: skip
         if self.x_format is not None and grad_x is not None:  # back to x's layout and dtype (``strided_like``'s)
@@ -281,7 +312,7 @@ class TritonBackward:
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig,
                  mask: Sequence[bool]) -> None:  # fmt: skip
-        kernels = common.epilogue_kernels()
+        kernels = epilogue_kernels()
         self.pool = cfg.pool  # not None: a max pool (``triton_backward_unsupported``)
         #: the gradient at the winners (or the dense conv-output gradient) is laid out like saved_y0
         self.g_layout = (tuple(saved_y0.shape), saved_y0.stride(), saved_y0.dtype)
@@ -300,7 +331,7 @@ class TritonBackward:
                      spec.groups)  # fmt: skip
         from ...kernels import conv_phase_aligned_bwd
 
-        dtype = common.conv_compute_dtype(cfg, x)
+        dtype = conv_compute_dtype(cfg, x)
         precision = conv_precision.backward_tf32(x, weight, spec, dtype)
         self.settled = precision.settled
         tf32 = (precision.grad_input, precision.grad_weight)

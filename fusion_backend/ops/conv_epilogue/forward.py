@@ -1,11 +1,13 @@
 """The Triton forward of ``fusion::conv_epilogue``: which implementation a call gets (``conv_impl``:
 the fused implicit-GEMM conv, or the library conv then the epilogue kernel, and its channels-last
 variant), the measured choice among them (``impl_choice``), and the per-signature call plans that
-run it (``plan_for``, kept in ``PLANS`` under ``call_signature``).
+run it (``plan_for``, kept in ``PLANS`` under ``call_signature``; ``forward`` and ``settled`` are
+the declaration's Triton forward and settled-plan lookup).
 """
 
 import copy
 import functools
+import logging
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -31,14 +33,21 @@ from ..conv_io import (
     relayout,
     run_conv,
 )
-from .common import (
-    CONV_IMPL_ENV,
-    allocate_forward_outputs,
-    cast_inputs,
-    conv_compute_dtype,
-    epilogue_kernels,
-    logger,
-)
+from .reference import allocate_forward_outputs, cast_inputs, conv_compute_dtype
+
+logger = logging.getLogger("fusion_backend")
+
+#: The environment switches this op reads (``fusion_backend.environment`` says what they do).
+CPU_KERNELS_ENV = environment.CPU_KERNELS
+CONV_IMPL_ENV = environment.CONV_IMPL
+DEFAULT_CONV_IMPL = environment.DEFAULT_CONV_IMPL
+
+
+def epilogue_kernels() -> ModuleType:
+    # Imported lazily: TRITON_INTERPRET is read when @triton.jit runs, i.e. at this import.
+    from ...kernels import epilogue
+
+    return epilogue
 
 
 def conv_impl_mode() -> str:
@@ -280,6 +289,27 @@ def call_signature(config: str, save: bool, x: Tensor, weight: Tensor, bias: Ten
         config, save, tensor_key(x), tensor_key(weight), tensor_key(bias), tuple(map(tensor_key, operands)),
         torch.backends.cudnn.allow_tf32, *environment.plan_switches(),
     )  # fmt: skip
+
+
+def settled(config: str, save: bool, x: Tensor, weight: Tensor, bias: Tensor | None,
+            operands: Sequence[Tensor]) -> Any:  # fmt: skip
+    """The declaration's ``settled_forward``: the plan settled for this call's signature, or None.
+    ``call_signature`` written out: this runs on every call, one Python call before the plan's."""
+    return PLANS.peek((
+        config, save, tensor_key(x), tensor_key(weight), tensor_key(bias), tuple(map(tensor_key, operands)),
+        torch.backends.cudnn.allow_tf32, *environment.plan_switches(),
+    ))  # fmt: skip
+
+
+def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+            save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The declaration's Triton forward for a call without a settled plan: picks the plan
+    (``plan_for``), keeps it when settled (under the canonical config string, the one the rewriter
+    puts into graphs) and runs it."""
+    plan, is_settled = plan_for(x, weight, bias, operands, cfg, save)
+    if is_settled:
+        PLANS.put(call_signature(cfg.to_json(), save, x, weight, bias, operands), plan)
+    return plan(x, weight, bias, operands)
 
 
 def plan_for(

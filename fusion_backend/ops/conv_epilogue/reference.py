@@ -1,7 +1,8 @@
 """The plain-torch reference of ``fusion::conv_epilogue`` (CPU, float64, anything the kernels do not
-cover): ``forward`` writes the same outputs and saved state as the kernels; ``backward`` applies
-torch's own derivative formulas (``ops/chain_reference.py``) to the chain recomputed from the saved
-state.
+cover) and the op's semantics every path shares: the dtypes, casts and outputs with their layouts,
+the input checks, the description for messages and the eager composite.  ``forward`` writes the same
+outputs and saved state as the kernels; ``backward`` applies torch's own derivative formulas
+(``ops/chain_reference.py``) to the chain recomputed from the saved state.
 """
 
 from collections.abc import Sequence
@@ -9,6 +10,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ...errors import UnsupportedInputError
+from ..chain import Const, Operand, TensorRef
+from ..chain_lowering import check_operand_refs
 from ..chain_reference import (
     apply_chain,
     avg_pool_backward,
@@ -17,18 +21,105 @@ from ..chain_reference import (
     scatter_to_windows,
     window_winners,
 )
-from ..config import ConvEpilogueConfig
+from ..config import ConvEpilogueConfig, describe_pool
 from ..conv_io import (
     channel_view,
+    check_conv_inputs,
     conv_output_shape,
+    dtype_named,
     empty_placeholder,
     in_format,
     output_memory_format,
     run_conv,
     run_conv_backward,
     run_pool,
+    winner_dtype,
 )
-from .common import cast_inputs, conv_compute_dtype, output_dtype
+
+OP = "conv_epilogue"
+
+
+def output_dtype(cfg: ConvEpilogueConfig, conv_dtype: torch.dtype) -> torch.dtype:
+    """The result's dtype: ``config.out_dtype``, else the conv's (compute) dtype."""
+    return dtype_named(OP, cfg.out_dtype, conv_dtype)
+
+
+def conv_compute_dtype(cfg: ConvEpilogueConfig, x: Tensor) -> torch.dtype:
+    """The dtype the conv runs in: ``config.compute_dtype``, else x's."""
+    return dtype_named(OP, cfg.compute_dtype, x.dtype, "compute_dtype")
+
+
+def cast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None,
+                dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """``x``, ``weight`` and ``bias`` in the compute dtype (the same tensors where they already are):
+    what the library and reference paths run on; the Triton conv kernels cast as they load instead."""
+    return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> None:
+    """One-line ``UnsupportedInputError`` for inputs that do not fit the config."""
+    output_dtype(cfg, conv_compute_dtype(cfg, x))  # both dtype names are valid
+    check_conv_inputs(OP, x, weight, cfg.conv)
+    if cfg.pool is not None and len(cfg.pool.kernel_size) != cfg.conv.spatial_dims:
+        raise UnsupportedInputError(f"fusion::{OP}: pool {cfg.pool} does not have {cfg.conv.spatial_dims} "
+                                    "spatial dims")  # fmt: skip
+    check_operand_refs(OP, {"chain": cfg.chain}, operands)
+
+
+def describe(cfg: ConvEpilogueConfig) -> str:
+    """``chain [leaky_relu(0.2), mul(operands[0])] -> max_pool(k=...)`` for messages."""
+    steps = ", ".join(f"{step.kind.name.lower()}({', '.join(map(_describe_operand, step.operands))})" for step in cfg.chain)
+    return f"chain [{steps}]{describe_pool(cfg.pool)}"
+
+
+def _describe_operand(o: Operand) -> str:
+    if isinstance(o, Const):
+        return f"{o.value:g}"
+    return f"operands[{o.index}]" if isinstance(o, TensorRef) else f"value before step {o.position}"
+
+
+def allocate_forward_outputs(
+    x: Tensor, y0: Tensor, out_shape: Sequence[int], cfg: ConvEpilogueConfig, save: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Empty ``(out, saved_y0, saved_winner)`` with the exact shapes, dtypes and strides of the real op
+    (``x``: the op's input as given, for the device and the placeholders' dtype; ``y0``: the conv
+    output in the compute dtype)."""
+    fmt = output_memory_format(y0)
+    out = torch.empty(out_shape, dtype=output_dtype(cfg, y0.dtype), device=x.device, memory_format=fmt)
+    if not save:
+        return out, empty_placeholder(x), empty_placeholder(x)
+    if cfg.pool is not None and cfg.pool.kind == "max":
+        win = torch.empty(out_shape, dtype=winner_dtype(cfg.pool), device=x.device, memory_format=fmt)
+        win_y = torch.empty(out_shape, dtype=y0.dtype, device=x.device, memory_format=fmt)
+        return out, win_y, win
+    return out, torch.empty(y0.shape, dtype=y0.dtype, device=x.device, memory_format=fmt), empty_placeholder(x)
+
+
+def outputs(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+            save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The declaration's shape function (the op's fake): ``allocate_forward_outputs`` for the conv's
+    output as aten lays it out."""
+    dtype = conv_compute_dtype(cfg, x)
+    y0 = run_conv(x.to(dtype), weight.to(dtype), None, cfg.conv)
+    out_shape = y0.shape if cfg.pool is None else run_pool(y0, cfg.pool).shape
+    return allocate_forward_outputs(x, y0, out_shape, cfg, save)
+
+
+def conv_epilogue_eager(
+    x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], config: str
+) -> Tensor:
+    """The eager composite the fused op stands for (differentiable by autograd; tests' oracle).
+
+    Operands in non-differentiable positions (leaky_relu slope, clamp bounds) are detached, as in
+    the fused op.
+    """
+    cfg = ConvEpilogueConfig.from_json(config)
+    dtype = conv_compute_dtype(cfg, x)
+    x, weight, bias = cast_inputs(x, weight, bias, dtype)
+    v = apply_chain(run_conv(x, weight, bias, cfg.conv), cfg.chain, operands)
+    if cfg.pool is not None:
+        v = run_pool(v, cfg.pool)
+    return v.to(output_dtype(cfg, dtype))
 
 
 def forward(

@@ -42,6 +42,13 @@ x once and produces the sum of every plane over every product of distinct sets, 
 maps sets back to taps.  Groups: ``ci`` runs over the group of ``co``.  Weight layouts:
 ``(C_out, C_in/g, *k)`` regular, ``(C_in, C_out/g, *k)`` transposed.
 
+Two custom ops carry the work (``ops/declare.py``): ``fusion::conv_global_mean_fwd(x, weight, bias,
+operands, config, save_for_backward) -> (out, tap_sums, conv_mean)`` (``config.outputs``: the state
+is the saved sums below, a few numbers per sample and channel) and ``fusion::conv_global_mean_bwd(
+grad_out, weight, bias, operands, tap_sums, conv_mean, x_size, x_stride, x_dtype, config,
+output_mask) -> [grad_x, grad_weight, grad_bias, *grad_operands]``, which never sees x: its backward
+reads only the sums.
+
 Backward.  With ``G[n, co] = g[n, co] * A[co] / P``:
 ``dx[n, ci, i] = sum_t [i in V_t] sum_co G[n, co] W[co, ci, t]`` (piecewise constant: one Triton pass
 writes it from per-set coefficients), ``dW[co, ci, t] = sum_n G[n, co] S[n, ci, t]`` (needs only the
@@ -65,23 +72,82 @@ path); the contraction with W, the chain and the parameter gradients run in fp64
 kernels (they cancel; they are tiny), which also keeps them off TF32.  grad_x coefficients are fp32.
 Results are cast to ``out_dtype``.  No float atomics anywhere: every reduction has a fixed order.
 
-Cost (H100, ConvTranspose2d 64->128 k3 on x (16, 64, 512, 512) fp32), measured before this pipeline:
-the pass over x 0.36 ms (1.07 GB, ~3 TB/s), the grad_x pass 0.34 ms; the ~15 small torch ops around
-them made it 0.65 ms per forward and 2.8 ms per step.  ``tools/bench_conv_global_mean.py`` times the
-pipeline.
+``tools/bench_conv_global_mean.py`` times the pipeline.
 
-Modules: ``op`` (entry points, custom ops, autograd, autograd-free and direct implementations), ``forward`` and ``backward`` (Triton
-launches and plain-torch references), ``geometry`` (the per-dim index sets), ``fold`` (validation and
-the affine fold), ``config`` (the static config), ``common`` (what they share).
+Failure policy as the other families' (``ops/failure.py``): a Triton failure raises ``KernelError``
+under ``config.strict``, else warns once and runs the reference.  A call whose shapes the kernels
+cannot serve (a spatial dim with more than 31 distinct tap index sets: ``config.call_problem``) runs
+the reference with a one-time warning, and raises ``UnsupportedInputError`` under ``strict`` on CUDA.
+
+Modules: this one (the declaration and the entry point), ``config`` (the static config, the outputs,
+the input checks, the per-dim index sets), ``triton_path`` and ``reference`` (the affine fold).
 """
 
-from .common import CPU_KERNELS_ENV, kernel_path
-from .config import AFFINE_KINDS, ConvGlobalMeanConfig
-from .geometry import dim_sets
-from .op import conv_global_mean, conv_global_mean_bwd, conv_global_mean_fwd
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ... import environment
+from ..declare import FusedOpDeclaration, declare
+from . import reference, triton_path
+from .config import (
+    AFFINE_KINDS,
+    OP,
+    ConvGlobalMeanConfig,
+    call_problem,
+    check_inputs,
+    describe,
+    dim_sets,
+    grad_input_strides,
+    outputs,
+)
+
+#: The environment switch that makes CPU tensors run the Triton launchers (``fusion_backend.environment``).
+CPU_KERNELS_ENV = environment.CPU_KERNELS
+
+CONV_GLOBAL_MEAN = declare(FusedOpDeclaration(
+    name=OP,
+    config=ConvGlobalMeanConfig,
+    state=("tap_sums", "conv_mean"),
+    outputs=outputs,
+    reference_forward=reference.forward,
+    triton_forward=triton_path.forward,
+    reference_backward=reference.backward,
+    triton_backward=triton_path.backward,
+    check_inputs=check_inputs,
+    describe=describe,
+    call_problem=call_problem,
+    keeps_x=False,
+    grad_input_strides=grad_input_strides,
+))
+conv_global_mean_fwd, conv_global_mean_bwd = CONV_GLOBAL_MEAN.fwd, CONV_GLOBAL_MEAN.bwd
+kernel_path = CONV_GLOBAL_MEAN.kernel_path
+
+
+@CONV_GLOBAL_MEAN.entry
+def conv_global_mean(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                     config: str) -> Tensor:  # fmt: skip
+    """``mean over all spatial dims of affine(conv(x, weight, bias))`` without producing the conv output.
+
+    Args:
+        x: ``(N, C_in, *spatial)``; any dtype conv accepts, any layout (channels_last included).
+        weight: conv weight, ``(C_out, C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``.
+        bias: ``(C_out,)`` or ``None``.
+        operands: tensors referred to by the config's ``TensorRef`` operands.
+        config: ``ConvGlobalMeanConfig.to_json()``.
+
+    Returns:
+        ``(N, C_out)`` or, with ``keepdim``, ``(N, C_out, 1, ..., 1)``, dtype ``out_dtype`` (default x's).
+        Differentiable in x, weight, bias and every operand.
+    """
+    return CONV_GLOBAL_MEAN(x, weight, bias, operands, config)
+
 
 __all__ = [
     "AFFINE_KINDS",
+    "CONV_GLOBAL_MEAN",
     "CPU_KERNELS_ENV",
     "ConvGlobalMeanConfig",
     "conv_global_mean",
