@@ -82,7 +82,7 @@ def mark_cacheable(nodes: Sequence[fx.Node]) -> None:
     marked as a wrapped function with a cache hash, the digest of the fused ops' sources
     (``ops.autograd_free.ops_source_digest``), which joins the cache key.
 
-    WHY: a fused op is called through a Python function (``ops.conv_epilogue.op.conv_epilogue``...)
+    WHY: a fused op is called through a Python function (``ops.conv_epilogue.conv_epilogue``...)
     that picks at trace time whether the forward saves state for a backward, from grad mode and the
     inputs' ``requires_grad`` (both in AOTAutograd's cache key).  AOTAutograd refuses to cache a
     graph that calls a Python function it cannot vouch for ("Unsupported call_function target"),
