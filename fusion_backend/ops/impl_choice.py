@@ -25,24 +25,22 @@ the others where the compiles run in worker processes, rather than one after ano
 Timings are not run-to-run stable to the microsecond; a candidate must beat the default by
 ``MIN_GAIN`` to be picked, so near-ties keep the default (the library path).
 
-The cache file is ``$FUSION_CACHE_DIR/impl_choice.json`` (default ``~/.cache/fusion_backend``);
-an unreadable or unwritable file only costs a re-measurement, never an error.
+Answers are kept in the one measurement cache (``fusion_backend.measurements``: in memory and in
+``$FUSION_CACHE_DIR/measurements.json``, default ``~/.cache/fusion_backend``), as ``{"kind": "impl",
+"choice": name}`` under ``measurements.key("impl", {"op": key})``; an unreadable or unwritable file only
+costs a re-measurement, never an error.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Hashable, Mapping
-from pathlib import Path
 
 import torch
 
-from .. import environment, gpu_timing
+from .. import environment, gpu_timing, measurements
 from ..kernels import launch
 from ..kernels.host import BoundedCache
 
@@ -70,43 +68,13 @@ _memory: dict[str, str] = {}
 _fast = BoundedCache(512)
 
 
-def cache_file() -> Path:
-    return environment.cache_dir() / "impl_choice.json"
-
-
-@functools.cache
-def _environment() -> str:
-    """The part of every key that is fixed for the process (asked once: ``choose`` is on the hot path)."""
-    import triton
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    # "gpu-time": answers measured by the wall-time timer of earlier versions are not reused
-    return f"{device}|torch {torch.__version__}|triton {triton.__version__}|gpu-time"
-
-
 def _full_key(key: str) -> str:
-    return f"{_environment()}|{key}"
+    """``key``'s key in the one measurement cache (``fusion_backend.measurements``)."""
+    return measurements.key("impl", {"op": key})
 
 
-def _load() -> dict[str, str]:
-    try:
-        data = json.loads(cache_file().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _store(full_key: str, name: str) -> None:
-    path = cache_file()
-    try:
-        data = _load()
-        data[full_key] = name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)  # atomic: concurrent processes never read half a file
-    except OSError as e:
-        log.debug("impl choice cache %s not written: %s", path, e)
+def _is_choice(entry: measurements.Entry) -> bool:
+    return entry.get("kind") == "impl" and isinstance(entry.get("choice"), str)
 
 
 def gpu_ms_per_call(fn: Callable[[], object]) -> float:
@@ -195,9 +163,9 @@ def choose(
     full_key = _full_key(key)
     if full_key in _memory:
         return _remember(full_key, _memory[full_key], fast_key)
-    cached = _load().get(full_key)
-    if cached in candidates:
-        return _remember(full_key, cached, fast_key)
+    cached = measurements.lookup(full_key, environment.cache_dir(), _is_choice)
+    if cached is not None and cached["choice"] in candidates:
+        return _remember(full_key, cached["choice"], fast_key)
     # with the real timer, kernels compile at once before they are timed: the unprobed candidates' and
     # the probes' first (with a probed candidate's other tiles where compiles run in worker processes),
     # a probed candidate's other tiles once its probe passed
@@ -233,7 +201,7 @@ def choose(
     log.info("impl choice %s: %s (%s)", key, best, ", ".join(
         [f"{n} {t:.3f} ms" for n, t in times.items()]
         + [f"{n} {t:.3f} ms on its first tile, not tuned" for n, t in screened.items()]))
-    _store(full_key, best)
+    measurements.store(full_key, {"kind": "impl", "choice": best, "what": key}, environment.cache_dir())
     return _remember(full_key, best, fast_key)
 
 
@@ -253,6 +221,7 @@ def forget_in_memory() -> None:
     the file or measures, as a new process would."""
     _memory.clear()
     _fast.clear()
+    measurements.forget_in_memory()
 
 
 def is_final(fast_key: Hashable) -> bool:

@@ -39,16 +39,16 @@ Policies (option ``decide``, environment ``FUSION_DECIDE``; parsed in ``options.
 ``inductor``    never rewrite; the report still lists what matched.
 ==============  ===============================================================================
 
-Answers are cached in memory and on disk (``$FUSION_CACHE_DIR/decisions.json``, one JSON object
-``{"schema": SCHEMA, "entries": {key: {"fused_ms": .., "inductor_ms": .., "speedup": .., "fused_gpu_ms": ..,
-"inductor_gpu_ms": .., "gpu_speedup": .., "fused_host_ms": .., "inductor_host_ms": .., "in_step_speedup": ..,
-"what": ..}}}``; the times are the medians of the rounds, the speedups the medians of the rounds'
-ratios), keyed by the GPU, the torch / Triton versions, a fingerprint of this package's sources, the pattern, the
-region's computation and its inputs' shapes, strides, dtypes and ``requires_grad``, grad mode,
+Answers are kept in the one measurement cache (``fusion_backend.measurements``: in memory and in
+``$FUSION_CACHE_DIR/measurements.json``), one entry per region key: ``{"kind": "region", "fused_ms": ..,
+"inductor_ms": .., "speedup": .., "fused_gpu_ms": .., "inductor_gpu_ms": .., "gpu_speedup": ..,
+"fused_host_ms": .., "inductor_host_ms": .., "in_step_speedup": .., "class": .., "size": .., "what": ..}``
+(the times are the medians of the rounds, the speedups the medians of the rounds' ratios), keyed
+(``_key``) by the environment (GPU, torch / Triton versions, the sources' fingerprint), the pattern,
+the region's computation and its inputs' shapes, strides, dtypes and ``requires_grad``, grad mode,
 autocast state, TF32 flags and Inductor options: a second process reuses the times and compiles
 nothing for the decision.  The margin is applied when reading, so changing it needs no new timing.
-A file that does not parse, has another schema or holds a malformed entry is ignored entry by entry
-and rewritten on the next store.
+A malformed entry is ignored (``_well_formed``) and replaced by the next measurement.
 
 A region that cannot be timed (symbolic scalar inputs, a failure while building or timing either
 candidate) stays with Inductor and the report says why; with ``strict=True`` a failure raises.
@@ -57,13 +57,8 @@ candidate) stays with Inductor and the report says why; with ``strict=True`` a f
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
-import json
 import logging
-import os
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,7 +68,7 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 
-from .. import environment
+from .. import environment, measurements
 from ..ir.fakes import fake_of
 from ..report import Decision
 from .region_timing import RoundTimes
@@ -109,9 +104,8 @@ HOST_BOUND_SPEEDUP = 1.25
 #: A training step whose fused op spends at least its GPU time on the host must win on the GPU by
 #: this much (or per call by ``HOST_BOUND_SPEEDUP``); see ``verdict``.
 HOST_WAITING_TRAIN_GPU_SPEEDUP = 1.15
-#: Version of the cache file's layout and of what a key means; another version is ignored.
-SCHEMA = 5
-CACHE_FILE = "decisions.json"
+#: Where the answers are kept (the one measurement cache, ``fusion_backend.measurements``).
+CACHE_FILE = measurements.FILE
 #: A kind of region (the second part of ``_key``) with at least this many measured regions of a similar size,
 #: every one of them a clear loss, is predicted to lose: a new region of that kind is not timed.
 PREDICT_EVIDENCE = 2
@@ -128,8 +122,6 @@ PREDICT_SIZE_FACTOR = 8.0
 #: plain numbers stand for all three.  ``region_timing.time_steps`` unless a test replaces it.
 Timer = Callable[[Mapping[str, Callable[[], None]]], Mapping[str, "float | Sequence[float] | RoundTimes"]]
 
-_lock = threading.Lock()
-_memory: dict[str, dict[str, Any]] = {}
 #: What ``timing_override`` replaced: the timer, and the device types on which regions are measured.
 _timer: Timer | None = None
 _measured_devices: tuple[str, ...] = ("cuda",)
@@ -426,8 +418,7 @@ def _predicted_loss(looked_up: _Lookup, cache_dir: Path, *, cuda_graphs: bool) -
     conv and then the same passes Inductor runs) every one of them loses; timing each costs seconds
     of the user's warm-up for nothing.  The evidence is stated in the report, and a kind with one
     region that won or came close is never predicted."""
-    with _lock:
-        entries = {**_load(cache_dir), **_memory}
+    entries = {k: e for k, e in measurements.entries(cache_dir).items() if _well_formed(e)}
     low, high = looked_up.size / PREDICT_SIZE_FACTOR, looked_up.size * PREDICT_SIZE_FACTOR
     evidence = [e for e in entries.values()
                 if e.get("class") == looked_up.region_class and low <= e.get("size", -1) <= high]
@@ -499,7 +490,7 @@ def _measured(gm: fx.GraphModule, candidate: Region, example_inputs: Sequence[An
     try:
         looked_up = _lookup(gm, candidate, cache_dir, inductor_patches)
         if looked_up.entry is not None:
-            _memory[looked_up.key] = looked_up.entry
+            measurements.remember(looked_up.key, looked_up.entry)
             return _entry_verdict(pattern, summary, anchor, looked_up.entry, margin, looked_up.train, True,
                                   cuda_graphs), False
         predicted = _predicted_loss(looked_up, cache_dir, cuda_graphs=cuda_graphs)
@@ -522,7 +513,7 @@ def _measured(gm: fx.GraphModule, candidate: Region, example_inputs: Sequence[An
             raise RewriteError(f"timing the {pattern} region at `{anchor}` failed: {why} (strict=True)") from exc
         log.info("decision %s at %s: not measured (%s); Inductor keeps the region", pattern, anchor, why)
         return Decision(pattern, summary, anchor, False, f"not measured ({why}); Inductor keeps the region"), False
-    entry = {**measured, "class": looked_up.region_class, "size": looked_up.size,
+    entry = {**measured, "kind": "region", "class": looked_up.region_class, "size": looked_up.size,
              "what": f"{pattern}: {summary} ({'forward + backward' if looked_up.train else 'forward'})"}
     store_entry(looked_up.key, entry, cache_dir)
     ran_here = _timer is None  # a fake timer runs neither candidate
@@ -669,17 +660,17 @@ def _key(pattern: str, region: Any, train: bool, patches: Mapping[str, Any]) -> 
                  for f in fakes]  # fmt: skip
     kind = {**_state(patches), "pattern": pattern, "dtypes": [str(f.dtype) for f in fakes], "train": train}
     parts = {**kind, "region": region_timing.canonical_text(region), "inputs": signature}
-    return _digest(parts), _digest(kind)
+    return measurements.key("region", parts), measurements.key("region kind", kind)
 
 
 def _state(patches: Mapping[str, Any]) -> dict[str, Any]:
-    """What a measured time depends on besides the region: the environment, grad mode, autocast,
-    TF32 flags, the conv path setting and the Inductor options."""
+    """What a measured time depends on besides the region and the environment (which every key of
+    ``measurements.key`` holds): grad mode, autocast, TF32 flags, the conv path setting and the
+    Inductor options."""
     # a disabled autocast's dtype is not part of the state: ``torch.autocast(..., enabled=False)`` sets it,
     # so a graph compiled inside one and decided after it (a deferred decision) would key one region twice
     autocast = [(d, torch.is_autocast_enabled(d) and str(torch.get_autocast_dtype(d))) for d in ("cuda", "cpu")]
     return {
-        "environment": _environment(),
         "grad_enabled": torch.is_grad_enabled(),
         "autocast": autocast,
         "tf32": (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32),
@@ -690,11 +681,10 @@ def _state(patches: Mapping[str, Any]) -> dict[str, Any]:
 
 def state_digest(patches: Mapping[str, Any]) -> str:
     """``_state`` as one digest, for keys of what is measured beside regions (whole graphs)."""
-    return _digest(_state({**patches, "triton.cudagraphs": False}))
+    return measurements.digest(_state({**patches, "triton.cudagraphs": False}))
 
 
-def _digest(parts: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
+
 
 
 def _stable_repr(value: Any) -> str:
@@ -708,53 +698,6 @@ def _stable_repr(value: Any) -> str:
         name = getattr(value, "__qualname__", None) or type(value).__qualname__  # a function's own, else its class's
         return f"{module}.{name}:{ident!r}"
     return repr(value)
-
-
-@functools.cache
-def _environment() -> str:
-    """GPU, torch, Triton and a fingerprint of this package's sources (a changed kernel or pattern
-    must not reuse old times)."""
-    import importlib.util
-
-    import triton
-
-    from .. import sources
-
-    # the pattern families live outside the package folder (top-level patterns/, see pyproject.toml);
-    # found, not imported: the runtime does not load the families
-    families = importlib.util.find_spec(f"{__package__.rsplit('.', 1)[0]}.patterns")
-    roots = (Path(__file__).resolve().parents[1], Path(families.origin).resolve().parent)
-    fingerprints = " ".join(sources.fingerprint(root)[:16] for root in roots)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return f"{device}|torch {torch.__version__}|triton {triton.__version__}|sources {fingerprints}"
-
-
-def _load(cache_dir: Path) -> dict[str, dict[str, Any]]:
-    """The well-formed entries of the cache file (none when it is missing, corrupt or of another
-    schema).  Parsed again only when the file changed (its size and modification time): a settle
-    looks up every region of a large graph."""
-    path = cache_dir / CACHE_FILE
-    try:
-        stat = path.stat()
-    except OSError:
-        return {}
-    identity = (str(path), stat.st_size, stat.st_mtime_ns)
-    parsed = _parsed.get(str(path))
-    if parsed is not None and parsed[0] == identity:
-        return parsed[1]
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
-        return {}
-    entries = {k: v for k, v in data["entries"].items() if _well_formed(v)}
-    _parsed[str(path)] = (identity, entries)
-    return entries
-
-
-#: The cache file's path -> (its identity when parsed, its well-formed entries).
-_parsed: dict[str, tuple[tuple[str, int, int], dict[str, dict[str, Any]]]] = {}
 
 
 def _well_formed(entry: Any) -> bool:
@@ -774,33 +717,15 @@ GRAPH_TIMES = ("fused_ms", "inductor_ms", "speedup")
 
 
 def cached_entry(key: str, cache_dir: Path) -> dict[str, Any] | None:
-    """The entry stored under ``key``, in this process or in the cache file (None if none)."""
-    with _lock:
-        return _memory.get(key) or _load(cache_dir).get(key)
+    """The well-formed entry stored under ``key``, in this process or in the cache file (None if none)."""
+    return measurements.lookup(key, cache_dir, _well_formed)
 
 
 def store_entry(key: str, entry: dict[str, Any], cache_dir: Path) -> None:
     """Keep ``entry`` under ``key``, in this process and in the cache file."""
-    with _lock:
-        _memory[key] = entry
-        _store(cache_dir, key, entry)
-
-
-def _store(cache_dir: Path, key: str, entry: dict[str, Any]) -> None:
-    """Add one entry, rewriting the file atomically (a concurrent reader never sees half a file)."""
-    path = cache_dir / CACHE_FILE
-    try:
-        entries = {**_load(cache_dir), key: entry}
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps({"schema": SCHEMA, "entries": entries}, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError as exc:
-        log.debug("decision cache %s not written: %s", path, exc)
+    measurements.store(key, entry, cache_dir)
 
 
 def forget_in_memory() -> None:
     """Drop the in-process answers (tests use it to act as a second process would)."""
-    with _lock:
-        _memory.clear()
-        _parsed.clear()
+    measurements.forget_in_memory()

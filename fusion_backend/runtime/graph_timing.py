@@ -17,7 +17,8 @@ candidates, each round's time per call being back-to-back calls ended by a synch
 host-bound step waits for, and a GPU-bound one too); the speedup is the median of the rounds'
 ratios (Inductor's time over the fused graph's), as for regions (``decision.summarise_rounds``).
 
-Results are cached beside the region decisions (``decision.cached_entry``), keyed by the whole
+Results are kept in the one measurement cache beside the region decisions (``fusion_backend.measurements``,
+through ``decision.cached_entry``), keyed by the whole
 graph's computation, its inputs, the regions kept and the state a region's key holds: a later
 process that finds the answer does not time again.
 """
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+
+from .. import measurements
 
 #: Rounds per candidate (interleaved), the length one round aims at, the fewest and most calls in one.
 ROUNDS = 7
@@ -71,7 +73,7 @@ def graph_key(gm: fx.GraphModule, example_inputs: Sequence[Any], kept: Sequence[
     lines = [f"{n.name} {n.op} {region_timing.target_text(n.target)} {n.args!r} {n.kwargs!r}" for n in gm.graph.nodes]
     parts = {"graph": hashlib.sha256("\n".join(lines).encode()).hexdigest(), "inputs": signature,
              "kept": sorted(kept), "state": region_state}
-    return "graph:" + hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
+    return measurements.key("graph", parts)
 
 
 # NOTE: two regions of a RegNet-style network measured 1.27x and 1.28x faster alone made the whole

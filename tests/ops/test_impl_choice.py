@@ -9,8 +9,13 @@ import time
 import pytest
 import torch
 
+from fusion_backend import environment, measurements
 from fusion_backend.kernels.host import BoundedCache
 from fusion_backend.ops import impl_choice
+
+
+def cache_file():
+    return environment.cache_dir() / measurements.FILE
 
 
 @pytest.fixture(autouse=True)
@@ -19,6 +24,9 @@ def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.delenv(impl_choice.MEASURE_ENV, raising=False)
     monkeypatch.setattr(impl_choice, "_memory", {})
     monkeypatch.setattr(impl_choice, "_fast", BoundedCache(8))
+    measurements.forget_in_memory()
+    yield
+    measurements.forget_in_memory()
 
 
 def fake_timer(times):
@@ -40,8 +48,9 @@ def test_faster_candidate_wins_and_is_cached_in_memory_and_on_disk(monkeypatch):
     assert impl_choice.choose("k", CANDIDATES, "library", timer=timer) == "fast"
     assert impl_choice.choose("k", CANDIDATES, "library", timer=timer) == "fast"
     assert calls == ["fast", "library"], "measured once"
-    stored = json.loads(impl_choice.cache_file().read_text())
-    assert list(stored.values()) == ["fast"] and next(iter(stored)).endswith("|k")
+    stored = json.loads(cache_file().read_text())["entries"]
+    assert list(stored.values()) == [{"kind": "impl", "choice": "fast", "what": "k"}]
+    assert next(iter(stored)) == impl_choice._full_key("k")
     # A new process (empty memory) reads the file instead of measuring.
     impl_choice.forget_in_memory()
     timer2, calls2 = fake_timer({"fast": 9.0, "library": 1.0})
@@ -70,7 +79,7 @@ def test_a_failing_candidate_falls_back_to_the_default():
 
 
 def test_unreadable_cache_file_only_costs_a_measurement():
-    impl_choice.cache_file().write_text("{not json")
+    cache_file().write_text("{not json")
     timer, calls = fake_timer({"fast": 1.0, "library": 2.0})
     assert impl_choice.choose("k2", CANDIDATES, "library", timer=timer) == "fast"
     assert calls == ["fast", "library"]
