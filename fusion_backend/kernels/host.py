@@ -1,10 +1,9 @@
 """Host-side helpers shared by the kernel launchers: plain-int arithmetic, persistent device tables.
 
 ``triton.cdiv`` and ``triton.next_power_of_2`` are ``constexpr_function``s in recent Triton: called
-from host code they unwrap their arguments through Triton's machinery and cost ~2-3 us each.  The
-launchers call them several times per launch, and at the ``seeds`` suite's sizes host time is what a
-training step waits on (``convt3d_leaky_mul_leaky_maxpool`` on an H100: 0.93 ms of GPU work in a
-2.07 ms step), so the launchers use these plain-int versions.
+from host code they unwrap their arguments through Triton's machinery, a few microseconds each.
+The launchers call them several times per launch, and at the ``seeds`` suite's sizes host time is
+what a training step waits on (``docs/perf/RESULTS.md``, *Kernel design measurements*), so the launchers use these plain-int versions.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ on it per call, as Triton does, and no kernel assumes more than the dtype's alig
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -101,6 +102,21 @@ class PlanCache:
     def values(self) -> list[Any]:
         """The kept values, oldest first."""
         return list(self._values.values())
+
+
+def cached_plans(build: Callable[..., P]) -> Callable[..., P]:
+    """``build`` (a plan builder taking hashable positional arguments: shapes, strides, devices,
+    constexpr tuples) with its plans kept in a :class:`PlanCache` keyed by those arguments; the
+    cache is ``.plans`` and ``.cache_clear()`` empties it, as for ``functools.lru_cache``."""
+    plans = PlanCache()
+
+    @functools.wraps(build)
+    def planned(*args: Any) -> P:
+        return plans.plan(args, lambda: build(*args))
+
+    planned.plans = plans  # type: ignore[attr-defined]
+    planned.cache_clear = plans.clear  # type: ignore[attr-defined]
+    return planned
 
 
 #: Every :class:`PlanCache` of the process, for :func:`forget_call_plans`.

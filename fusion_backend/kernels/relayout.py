@@ -1,10 +1,9 @@
 """Copy a tensor into another memory format (and dtype) at memory speed: ``relayout(src, dst)``.
 
 WHY: the channels-last library backward (``ops/conv_epilogue.LibraryBackward``) relays x into
-channels-last and the input gradient back.  torch's strided copy moves the 1 GB tensors of Conv2d
-64->64 on 64x64x256x256 at about 0.65 TB/s on an H100 (1.66 ms per copy, measured with the
-profiler), a fifth of the memory's bandwidth: it walks the destination in order and gathers the
-source with a stride.  A tile of channels x positions read along one layout's contiguous axis and
+channels-last and the input gradient back.  torch's strided copy moves such tensors at about a
+fifth of the memory's bandwidth (``docs/perf/RESULTS.md``, *Kernel design measurements*): it walks the destination in order and gathers the source
+with a stride.  A tile of channels x positions read along one layout's contiguous axis and
 written along the other's (Triton converts the register layout between the two through shared
 memory) does not.
 
@@ -22,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import BoundedCache, cdiv, next_pow2, tensor_key
+from .host import cdiv, next_pow2
 from .launch import FastLaunch
+from .plan_cache import PlanCache
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def relayout_supported(src: torch.Tensor, dst: torch.Tensor) -> str | None:
 #: up to 1.2x and of 16 channels up to 1.9x slower.
 TILE = (64, 64, 8)
 
-_LAUNCHES = BoundedCache(256)
+_LAUNCHES = PlanCache()
 
 
 def relayout(src: torch.Tensor, dst: torch.Tensor, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -97,7 +97,7 @@ def relayout_or_copy(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, tile: tuple[int, int, int] | None) -> torch.Tensor:
-    launch = _LAUNCHES.get((tensor_key(src), tensor_key(dst), tile), lambda: _plan(src, dst, tile or TILE))
+    launch = _LAUNCHES.plan((src, dst, tile), lambda: _plan(src, dst, tile or TILE))
     if launch is not None:
         launch(src, dst)
     return dst
