@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..host import cdiv, next_pow2
 from ..launch import launch
-from ..plan_cache import cached_plans
+from ..plan_cache import ContractError, cached_plans
 from .common import NUM_WARPS, Launch, WeightLayout
 
 #: Largest number of distinct index sets per spatial dim (bits of an int32 table entry).
@@ -277,9 +277,9 @@ def _check_launch(
     """Validate a pass launch; the bit tables only the first time they are seen with these sizes (the
     launch runs on every step of a host-bound training loop)."""
     if t.dim() != 5:
-        raise ValueError(f"{name}: expected a 5-D (N, C, D, H, W) tensor, got shape {tuple(t.shape)}")
+        raise ContractError(f"{name}: expected a 5-D (N, C, D, H, W) tensor, got shape {tuple(t.shape)}")
     if t.dtype not in _KERNEL_DTYPES:
-        raise ValueError(f"{name}: dtype {t.dtype} has no kernel (supported: {_KERNEL_DTYPES})")
+        raise ContractError(f"{name}: dtype {t.dtype} has no kernel (supported: {_KERNEL_DTYPES})")
     key = (*map(id, bits), *sets, *t.shape[2:], t.device)
     if key in _CHECKED_TABLES:
         return
