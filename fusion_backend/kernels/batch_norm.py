@@ -57,11 +57,12 @@ from .chain_math import (
     KernelStep,
     apply_chain_at,
     chain_grad_at,
-    op_constexprs,
+    op_codes,
 )
-from .host import BoundedCache, cdiv, next_pow2, tensor_key
+from .host import cdiv, next_pow2
 from .launch import FastLaunch
 from .norm_pool import pool_arguments, pool_input_grad, pooled_grad_strides
+from .plan_cache import PlanCache, flat_strides, require_rows
 
 #: Elements of a program's tile (``BLOCK_C * BLOCK_R``).
 TILE_ELEMENTS = 2048
@@ -341,21 +342,6 @@ def _batch_norm_bwd_dx_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
-def flat_strides(name: str, t: torch.Tensor) -> tuple[int, int, int]:
-    """``(sn, sc, ss)`` of ``t`` (N, C, *spatial) seen as (N, C, S); ``ValueError`` when its spatial
-    dims do not flatten to one stride."""
-    inner, ss = 1, None
-    for size, stride in reversed(list(zip(t.shape[2:], t.stride()[2:], strict=True))):
-        if size == 1:
-            continue
-        if ss is not None and stride != inner:
-            raise ValueError(f"{name}'s spatial dims must flatten to one stride, got strides {t.stride()}")
-        if ss is None:
-            ss = stride
-        inner = stride * size
-    return t.stride(0), t.stride(1), 1 if ss is None else ss
-
-
 class Plan:
     """How a ``(N, C, S)`` tensor is tiled: ``block_c`` x ``block_r`` tiles, ``chunks`` chunks of
     ``chunk`` flat indices per channel block (see the module docstring)."""
@@ -385,14 +371,6 @@ class Plan:
         return counts.to(device)
 
 
-def _ops(steps: Sequence[KernelStep]) -> tuple[int, ...]:
-    return tuple(op_constexprs(steps).values())
-
-
-def _check_rows(name: str, t: torch.Tensor, rows: int | None, channels: int) -> None:
-    if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[-1] != channels or (rows and t.shape[0] != rows):
-        raise ValueError(f"{name} must be contiguous fp32 with {channels} columns, got {tuple(t.shape)} {t.dtype}")
-
 
 def _check_bias(bias: torch.Tensor | None, channels: int) -> None:
     if bias is not None and (bias.numel() != channels or not bias.is_contiguous()):
@@ -400,12 +378,12 @@ def _check_bias(bias: torch.Tensor | None, channels: int) -> None:
 
 
 #: Plans and their chunk counts by the tensor's shape, strides, dtype and device.
-_PLANS = BoundedCache(256)
+_PLANS = PlanCache()
 
 
 def plan_for(y: torch.Tensor) -> tuple[Plan, torch.Tensor]:
     """The cached ``(Plan, chunk_counts)`` of ``y``'s signature."""
-    return _PLANS.get(tensor_key(y), lambda: (lambda p: (p, p.chunk_counts(y.device)))(Plan(y)))
+    return _PLANS.plan((y,), lambda: (lambda p: (p, p.chunk_counts(y.device)))(Plan(y)))
 
 
 def batch_norm_stats(y: torch.Tensor, bias: torch.Tensor | None, eps: float,
@@ -428,7 +406,7 @@ def batch_norm_stats(y: torch.Tensor, bias: torch.Tensor | None, eps: float,
         out = torch.empty((3, plan.channels), dtype=torch.float32, device=y.device)
     elif out.shape != (3, plan.channels) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be contiguous fp32 (3, {plan.channels}), got {tuple(out.shape)} {out.dtype}")
-    launch = _STATS_LAUNCHES.get((tensor_key(y), bias is None), lambda: _StatsLaunch(y, bias is not None, plan))
+    launch = _STATS_LAUNCHES.plan((y, bias is None), lambda: _StatsLaunch(y, bias is not None, plan))
     launch(y, y if bias is None else bias, counts, out, float(eps))
     return out
 
@@ -454,8 +432,8 @@ class _StatsLaunch:
         self.combine(ws, counts, out, plan.channels, plan.chunks, float(plan.values), eps)
 
 
-_STATS_LAUNCHES = BoundedCache(256)
-_APPLY_LAUNCHES = BoundedCache(256)
+_STATS_LAUNCHES = PlanCache()
+_APPLY_LAUNCHES = PlanCache()
 
 
 def batch_norm_apply(y: torch.Tensor, bias: torch.Tensor | None, post: Sequence[KernelStep],
@@ -474,13 +452,13 @@ def batch_norm_apply(y: torch.Tensor, bias: torch.Tensor | None, post: Sequence[
     plan, _ = plan_for(y)
     _check_bias(bias, plan.channels)
     for name, t, rows in (("Q", post_params, None), ("the affine rows", affine, 2), ("stats", stats, None)):
-        _check_rows(name, t, rows, plan.channels)
+        require_rows(name, t, plan.channels, rows)
     if out.shape != y.shape:
         raise ValueError(f"out must have y's shape {tuple(y.shape)}, got {tuple(out.shape)}")
     if out.numel() == 0:
         return
-    ops = _ops(post)
-    launch = _APPLY_LAUNCHES.get((tensor_key(y), tensor_key(out), bias is None, ops), lambda: FastLaunch(
+    ops = op_codes(post)
+    launch = _APPLY_LAUNCHES.plan((y, out, bias is None, ops), lambda: FastLaunch(
         _batch_norm_apply_kernel, plan.grid, dict(POST=ops, HAS_BIAS=bias is not None, BLOCK_C=plan.block_c,
                                                   BLOCK_R=plan.block_r, num_warps=plan.num_warps),
         fixed=(plan.channels, plan.positions, plan.values, plan.chunk, *flat_strides("y", y),
@@ -518,7 +496,7 @@ def batch_norm_backward(
     plan, _ = plan_for(y)
     _check_bias(bias, plan.channels)
     for name, t, rows in (("Q", post_params, None), ("the affine rows", affine, 2), ("stats", stats, 2)):
-        _check_rows(name, t, rows, plan.channels)
+        require_rows(name, t, plan.channels, rows)
     for name, t in (("grad_out", grad_out), ("grad_y", grad_y))[1 if pool is not None else 0:]:
         if t.shape != y.shape:
             raise ValueError(f"{name} must have y's shape {tuple(y.shape)}, got {tuple(t.shape)}")
@@ -537,9 +515,9 @@ def batch_norm_backward(
         g_flat = pooled_grad_strides(grad_out, y, pool, winner)
     win = winner if winner is not None else y
     slots = tuple(k < len(post_grad_slots) and bool(post_grad_slots[k]) for k in range(len(post)))
-    ops = _ops(post)
-    key = (tensor_key(grad_out), tensor_key(y), tensor_key(grad_y), tensor_key(win), bias is None, ops, slots, pool)
-    launch = _BACKWARD_LAUNCHES.get(key, lambda: _BackwardLaunch(grad_out, y, grad_y, win, winner, bias is not None,
+    ops = op_codes(post)
+    parts = (grad_out, y, grad_y, win, bias is None, ops, slots, pool)
+    launch = _BACKWARD_LAUNCHES.plan(parts, lambda: _BackwardLaunch(grad_out, y, grad_y, win, winner, bias is not None,
                                                                  ops, slots, pool, g_flat, plan))  # fmt: skip
     part = torch.zeros((launch.rows, plan.channels, plan.chunks), dtype=torch.float32, device=y.device)
     common = (y, y if bias is None else bias, post_params, affine, stats)
@@ -553,7 +531,7 @@ def batch_norm_backward(
     return sums[1], sums[0], [sums[2 + k] if w else None for k, w in enumerate(slots)]
 
 
-_BACKWARD_LAUNCHES = BoundedCache(256)
+_BACKWARD_LAUNCHES = PlanCache()
 
 
 class _BackwardLaunch:

@@ -517,11 +517,25 @@ _KNOWN_CODES = frozenset(OP_CODES.values())
 
 
 def op_constexprs(steps: Sequence[KernelStep]) -> dict[str, int]:
+    """The chain as the kernels' per-slot constexprs ``OP0 .. OP{MAX_SLOTS-1}`` (0 = empty slot);
+    ValueError for an unknown op code."""
     codes = [int(code) for code, _ in steps] + [0] * (MAX_SLOTS - len(steps))
     for code in codes:
         if code != 0 and (code % SOURCE_STRIDE not in _KNOWN_CODES or code // SOURCE_STRIDE > MAX_SLOTS):
             raise ValueError(f"unknown op code {code}")
     return {f"OP{k}": code for k, code in enumerate(codes)}
+
+
+def op_codes(steps: Sequence[KernelStep]) -> tuple[int, ...]:
+    """The kernels' chain constexpr (``OPS`` / ``PRE`` / ``POST``): one op code per slot, padded with
+    0 to ``MAX_SLOTS``; ValueError for an unknown op code."""
+    return tuple(op_constexprs(steps).values())
+
+
+def step_codes(steps: Sequence[KernelStep]) -> tuple[int, ...]:
+    """The steps' op codes, unpadded: what a launch plan of the chain depends on (its key part;
+    the operand values are bound per call)."""
+    return tuple([int(code) for code, _ in steps])
 
 
 def pool_geometry(pool: PoolSpec | None, spatial_dims: int) -> tuple:

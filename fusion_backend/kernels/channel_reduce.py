@@ -5,7 +5,7 @@ These kernels know only tensors, op codes and a reduction code; the fused op tha
 (``fusion_backend.ops.conv_channel_reduce``) owns the configuration, the autograd wiring and the
 fallback.
 
-Reductions (``KIND``, the ``REDUCTION_CODES`` below), each over dim 1 with torch's semantics:
+Reductions (``KIND``: ``reduction_kind.ReductionKind``), each over dim 1 with torch's semantics:
 
 * ``min`` / ``max`` (``torch.min(y, 1)``): the value and the FIRST index holding it; a NaN in the
   column wins (the first NaN), as torch's kernels do.  ``amin`` / ``amax``: the same value; their
@@ -60,16 +60,34 @@ from .chain_math import (
     chain_forward,
     chain_grad_at,
     load_chain_operands,
-    op_constexprs,
+    op_codes,
+    step_codes,
 )
-from .host import BoundedCache, cdiv, next_pow2, tensor_key
+from .host import cdiv, next_pow2
 from .launch import FastLaunch
+from .plan_cache import (
+    ContractError,
+    PlanCache,
+    flat_strides,
+    require_rows,
+    require_same_device,
+    spatial_flat_strides,
+)
+from .reduction_kind import (
+    ReductionKind,
+    backward_reads_y,
+    is_extremum,
+    is_full_size,
+    is_kind,
+    keeps_winner_index,
+    splits_ties,
+    sums_exponentials,
+    sums_values,
+    takes_minimum,
+)
 
-#: The kernels' ``KIND`` codes.
-REDUCTION_CODES = {
-    "min": 1, "max": 2, "amin": 3, "amax": 4, "sum": 5, "mean": 6, "logsumexp": 7, "softmax": 8,
-    "log_softmax": 9,
-}  # fmt: skip
+#: The reductions the launchers take, by torch's name, with the kernels' ``KIND`` codes.
+REDUCTION_CODES = {kind.name.lower(): kind for kind in ReductionKind}
 #: Largest ``next_pow2(C)`` held in registers at once (one read of the conv output); above it the
 #: channels are walked in blocks of ``LOOP_BLOCK_C``, twice.
 ONE_BLOCK_LIMIT = 256
@@ -119,13 +137,13 @@ def _block_stats(v, valid, KIND: tl.constexpr):
     log_softmax: ``sum(exp(v - _safe(m)))`` (NaN lanes make it NaN); 0 otherwise."""
     nan = tl.max(tl.where(valid & (v != v), 1, 0), axis=0)
     w = v
-    if KIND == 1 or KIND == 3:
+    if takes_minimum(KIND):
         w = -v
     m = tl.max(tl.where(valid & (w == w), w, float("-inf")), axis=0)
     s = tl.zeros_like(m)
-    if KIND == 5 or KIND == 6:
+    if sums_values(KIND):
         s = tl.sum(tl.where(valid, v, 0.0), axis=0)
-    elif KIND >= 7:
+    elif sums_exponentials(KIND):
         s = tl.sum(tl.where(valid, tl.exp(v - _safe(m)[None, :]), 0.0), axis=0)
     return m, s, nan
 
@@ -134,9 +152,9 @@ def _block_stats(v, valid, KIND: tl.constexpr):
 def _combine_stats(m, s, nan, m2, s2, nan2, KIND: tl.constexpr):
     """Two blocks' ``_block_stats`` as one (the online max; the sum rescaled to the new reference)."""
     big = tl.maximum(m, m2)
-    if KIND == 5 or KIND == 6:
+    if sums_values(KIND):
         s = s + s2
-    elif KIND >= 7:
+    elif sums_exponentials(KIND):
         s = s * tl.exp(_safe(m) - _safe(big)) + s2 * tl.exp(_safe(m2) - _safe(big))
     return big, s, tl.maximum(nan, nan2)
 
@@ -146,25 +164,25 @@ def _reduced(m, s, nan, C, KIND: tl.constexpr):
     """The reduction's value per position from the statistics (extremum, sum, mean, logsumexp); for
     softmax / log_softmax ``m`` itself (unused)."""
     r = m
-    if KIND <= 4:
+    if is_extremum(KIND):
         r = tl.where(nan > 0, float("nan"), m)
-        if KIND == 1 or KIND == 3:
+        if takes_minimum(KIND):
             r = -r
-    elif KIND == 5:
+    elif is_kind(KIND, "SUM"):
         r = s
-    elif KIND == 6:
+    elif is_kind(KIND, "MEAN"):
         r = s / C
-    elif KIND == 7:
+    elif is_kind(KIND, "LOGSUMEXP"):
         r = tl.log(s) + _safe(m)
     return r
 
 
 @triton.jit
 def _softmax_value(v, m, s, KIND: tl.constexpr):
-    """softmax (8) or log_softmax (9) of ``v`` given the column statistics; NaN throughout a column
-    whose max is infinite (eager computes ``inf - inf`` there)."""
+    """softmax or log_softmax of ``v`` given the column statistics; NaN throughout a column whose
+    max is infinite (eager computes ``inf - inf`` there)."""
     inf_col = (tl.abs(m) == float("inf"))[None, :]
-    if KIND == 8:
+    if is_kind(KIND, "SOFTMAX"):
         out = tl.exp(v - m[None, :]) / s[None, :]
     else:
         out = v - m[None, :] - tl.log(s)[None, :]
@@ -270,7 +288,7 @@ def _channel_reduce_fwd_kernel(
     st_off = n64 * st_sn + s1.to(tl.int64)
 
     # 2. the result (and what the backward needs)
-    if KIND >= 8:
+    if is_full_size(KIND):
         qmask_all = cb < CQ
         if ONE_BLOCK:
             out = apply_chain_at(_softmax_value(v, m, sm, KIND), q_ptr, cb, CQ, qmask_all, POST)
@@ -293,7 +311,7 @@ def _channel_reduce_fwd_kernel(
         tl.store(out_ptr + n64 * o_sn + s1.to(tl.int64) * o_ss, out.to(out_ptr.dtype.element_ty), mask=smask1)
         if SAVE:
             tl.store(st_ptr + st_off, r, mask=smask1)
-            if KIND <= 4:
+            if is_extremum(KIND):
                 if ONE_BLOCK:
                     idx, yw, ties = _winner_block(v, yb, cb, valid, r, nan, BIG)
                 else:
@@ -309,7 +327,7 @@ def _channel_reduce_fwd_kernel(
                         idx = tl.where(take, idx2, idx)
                         yw = tl.where(take, yw2, yw)
                         ties += ties2
-                if KIND <= 2:
+                if keeps_winner_index(KIND):
                     tl.store(idx_ptr + st_off, idx.to(idx_ptr.dtype.element_ty), mask=smask1)
                     tl.store(st_ptr + st_row + st_off, yw, mask=smask1)
                 else:
@@ -326,11 +344,11 @@ def _grad_v(v, g, r, extra, c, C, KIND: tl.constexpr):
     """d out / d v for the extremum-free reductions and amin / amax, per element: ``g`` is the
     reduced value's gradient ([BLOCK_S]), ``r`` the reduced value, ``extra`` the ties (amin / amax)."""
     gb = g[None, :]
-    if KIND == 3 or KIND == 4:  # torch: grad / count * (v == r)
+    if splits_ties(KIND):  # torch: grad / count * (v == r)
         gv = (gb / extra[None, :]) * tl.where(v == r[None, :], 1.0, 0.0)
-    elif KIND == 5:
+    elif is_kind(KIND, "SUM"):
         gv = gb + tl.zeros_like(v)
-    elif KIND == 6:
+    elif is_kind(KIND, "MEAN"):
         gv = gb / C + tl.zeros_like(v)
     else:  # logsumexp: grad * exp(v - r)
         gv = gb * tl.exp(v - r[None, :])
@@ -373,7 +391,7 @@ def _channel_reduce_bwd_kernel(
     part = part_ptr + pid.to(tl.int64) * C
     qpart = qpart_ptr + pid.to(tl.int64) * CQ
 
-    if KIND <= 7:
+    if not is_full_size(KIND):
         # d out / d r through the post-chain, and the post operands' grads (one value each)
         g = tl.load(gout_ptr + n64 * g_sn + s1.to(tl.int64) * g_ss, mask=smask1, other=0.0).to(tl.float32)
         r = tl.load(st_ptr + st_off, mask=smask1, other=1.0)
@@ -383,7 +401,7 @@ def _channel_reduce_bwd_kernel(
             z = tl.arange(0, 1)
             _store_partials(qpart, qpart_row, z, z < 1, q0, q1, q2, q3, q4, q5, q6, q7, smask1[None, :], POST_MASK, 1)
         extra = tl.load(st_ptr + st_row + st_off, mask=smask1, other=1.0)
-        if KIND <= 2:
+        if keeps_winner_index(KIND):
             idx = tl.load(idx_ptr + st_off, mask=smask1, other=0).to(tl.int32)
             cz = tl.zeros([BLOCK_S], tl.int32)
             # the pre-chain differentiated at the winner (y + bias there is ``extra``), per position
@@ -423,7 +441,7 @@ def _channel_reduce_bwd_kernel(
             valid, yb, sv, gp, q0, q1, q2, q3, q4, q5, q6, q7 = _softmax_block_grad(
                 y_ptr, p_ptr, q_ptr, gout_ptr, y_base, n64, cb, s, s64, m, sm, C, S, CQ, y_sc, y_ss, g_sn, g_sc, g_ss,
                 PRE, POST, HAS_BIAS, KIND)  # fmt: skip
-            if KIND == 8:
+            if is_kind(KIND, "SOFTMAX"):
                 dot = tl.sum(tl.where(valid, gp * sv, 0.0), axis=0)
             else:
                 dot = tl.sum(tl.where(valid, gp, 0.0), axis=0)
@@ -433,7 +451,7 @@ def _channel_reduce_bwd_kernel(
                 valid, yb, sv, gp, q0, q1, q2, q3, q4, q5, q6, q7 = _softmax_block_grad(
                     y_ptr, p_ptr, q_ptr, gout_ptr, y_base, n64, c0 + cb, s, s64, m, sm, C, S, CQ, y_sc, y_ss, g_sn,
                     g_sc, g_ss, PRE, POST, HAS_BIAS, KIND)  # fmt: skip
-                if KIND == 8:
+                if is_kind(KIND, "SOFTMAX"):
                     dot += tl.sum(tl.where(valid, gp * sv, 0.0), axis=0)
                 else:
                     dot += tl.sum(tl.where(valid, gp, 0.0), axis=0)
@@ -446,7 +464,7 @@ def _channel_reduce_bwd_kernel(
                 valid, yb, sv, gp, q0, q1, q2, q3, q4, q5, q6, q7 = _softmax_block_grad(
                     y_ptr, p_ptr, q_ptr, gout_ptr, y_base, n64, c, s, s64, m, sm, C, S, CQ, y_sc, y_ss, g_sn, g_sc,
                     g_ss, PRE, POST, HAS_BIAS, KIND)  # fmt: skip
-            if KIND == 8:  # torch: out * (grad - sum(grad * out))
+            if is_kind(KIND, "SOFTMAX"):  # torch: out * (grad - sum(grad * out))
                 gv = sv * (gp - dot[None, :])
             else:  # torch: grad - exp(out) * sum(grad)
                 gv = gp - tl.exp(sv) * dot[None, :]
@@ -472,24 +490,6 @@ def _chain_grad_at_winner(g, yw, p_ptr, idx, C, smask, PRE: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 
 
-def _flat(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """``(sn, sc, ss)`` of ``t`` (N, C, *spatial) seen as (N, C, S), or None when its spatial dims
-    do not flatten to one stride."""
-    sizes, strides = list(t.shape[2:]), list(t.stride()[2:])
-    inner = 1
-    ss = None
-    for size, stride in reversed(list(zip(sizes, strides, strict=True))):
-        if size == 1:
-            continue
-        if ss is None:
-            ss, inner = stride, stride * size
-        elif stride != inner:
-            return None
-        else:
-            inner = stride * size
-    return t.stride(0), t.stride(1), 1 if ss is None else ss
-
-
 def _tile(channels: int, positions: int) -> tuple[bool, int, int]:
     """``(ONE_BLOCK, BLOCK_C, BLOCK_S)``: every channel in registers while ``next_pow2(C)`` is at most
     ``ONE_BLOCK_LIMIT``, else blocks of ``LOOP_BLOCK_C``; ``BLOCK_S`` fills ``TILE_ELEMENTS``."""
@@ -500,27 +500,23 @@ def _tile(channels: int, positions: int) -> tuple[bool, int, int]:
     return one, block_c, block_s
 
 
-def _ops(steps: Sequence[KernelStep]) -> tuple[int, ...]:
-    return tuple(op_constexprs(steps).values())
-
-
-def _checked_flat(name: str, t: torch.Tensor) -> tuple[int, int, int]:
-    flat = _flat(t)
-    if flat is None:
-        raise ValueError(f"{name}'s spatial dims must flatten to one stride, got strides {t.stride()}")
-    return flat
-
-
 def _reduced_flat(t: torch.Tensor) -> tuple[int, int, int]:
     """``(sn, 0, ss)`` of a reduced tensor, (N, *spatial) or (N, 1, *spatial), seen as (N, S)."""
     lifted = t if t.dim() >= 3 and t.shape[1] == 1 else t.unsqueeze(1)
-    sn, _, ss = _checked_flat("the reduced tensor", lifted)
+    sn, _, ss = flat_strides("the reduced tensor", lifted)
     return sn, 0, ss
 
 
+def _check_stats(stats: torch.Tensor, n: int) -> None:
+    """The saved statistics' contract: contiguous fp32 (2, N, *spatial) (the kernels address a row
+    and a sample by stride, the positions as one contiguous axis)."""
+    if tuple(stats.shape[:2]) != (2, n) or not stats.is_contiguous() or stats.dtype != torch.float32:
+        raise ContractError(f"stats must be contiguous fp32 (2, N, *spatial), got {tuple(stats.shape)} {stats.dtype}")
+
+
 #: Launch plans by what they depend on (shapes, strides, dtypes, op codes, kind, wanted outputs).
-_FORWARD_LAUNCHES = BoundedCache(256)
-_BACKWARD_LAUNCHES = BoundedCache(256)
+_FORWARD_LAUNCHES = PlanCache()
+_BACKWARD_LAUNCHES = PlanCache()
 
 
 def channel_reduce_forward(
@@ -543,9 +539,9 @@ def channel_reduce_forward(
       index: (min / max, with stats) preallocated (N, *spatial) contiguous int16 / int32.
       stats: None, or preallocated fp32 (2, N, *spatial) contiguous (module docstring's table).
     """
-    key = (tensor_key(y), has_bias, tuple(int(c) for c, _ in pre), tuple(int(c) for c, _ in post), kind,
-           tensor_key(params), tensor_key(post_params), tensor_key(out), tensor_key(index), tensor_key(stats))  # fmt: skip
-    launch = _FORWARD_LAUNCHES.get(key, lambda: _ForwardLaunch(y, has_bias, pre, post, kind, post_params, out, index, stats))
+    launch = _FORWARD_LAUNCHES.plan(
+        (y, has_bias, step_codes(pre), step_codes(post), kind, params, post_params, out, index, stats),
+        lambda: _ForwardLaunch(y, has_bias, pre, post, kind, params, post_params, out, index, stats))
     launch(y, params, post_params, out, index, stats)
 
 
@@ -553,34 +549,36 @@ class _ForwardLaunch:
     """``channel_reduce_forward`` for one signature: arguments checked and the launch worked out once."""
 
     def __init__(self, y: torch.Tensor, has_bias: bool, pre: Sequence[KernelStep], post: Sequence[KernelStep],
-                 kind: str, post_params: torch.Tensor, out: torch.Tensor, index: torch.Tensor | None,
-                 stats: torch.Tensor | None) -> None:  # fmt: skip
-        if kind not in REDUCTION_CODES:
-            raise ValueError(f"unknown reduction {kind!r}; known: {sorted(REDUCTION_CODES)}")
+                 kind: str, params: torch.Tensor, post_params: torch.Tensor, out: torch.Tensor,
+                 index: torch.Tensor | None, stats: torch.Tensor | None) -> None:  # fmt: skip
+        code = ReductionKind.named(kind)
         if not 3 <= y.dim() <= 5:
             raise ValueError(f"y must be (N, C, *spatial) with 1-3 spatial dims, got {tuple(y.shape)}")
         n, channels = y.shape[:2]
         if channels > MAX_CHANNELS:
             raise ValueError(f"at most {MAX_CHANNELS} channels, got {channels}")
+        require_same_device(y.device, params=params, post_params=post_params, out=out, index=index, stats=stats)
         positions = y[0, 0].numel()
-        y_flat = _checked_flat("y", y)
-        softmax = REDUCTION_CODES[kind] >= 8
-        if softmax:
+        y_flat = flat_strides("y", y)
+        full_size = is_full_size(code)
+        if full_size:
             if out.shape != y.shape:
-                raise ValueError(f"out must have y's shape {tuple(y.shape)}, got {tuple(out.shape)}")
-            o_flat = _checked_flat("out", out)
+                raise ContractError(f"out must have y's shape {tuple(y.shape)}, got {tuple(out.shape)}")
+            o_flat = flat_strides("out", out)
         else:
             if out.numel() != n * positions:
-                raise ValueError(f"out must hold N x spatial = {n * positions} values, got {tuple(out.shape)}")
+                raise ContractError(f"out must hold N x spatial = {n * positions} values, got {tuple(out.shape)}")
             o_flat = _reduced_flat(out)
+        require_rows("P", params, channels)
         cq = post_params.shape[1]
-        if cq != (channels if softmax else 1):
-            raise ValueError(f"Q must have {channels if softmax else 1} columns, got {cq}")
-        needs_index = stats is not None and kind in ("min", "max")
+        if cq != (channels if full_size else 1):
+            raise ContractError(f"Q must have {channels if full_size else 1} columns, got {cq}")
+        require_rows("Q", post_params, cq)
+        needs_index = stats is not None and keeps_winner_index(code)
         if needs_index and (index is None or index.dtype not in (torch.int16, torch.int32) or not index.is_contiguous()):
-            raise ValueError("min / max with stats need a contiguous int16 / int32 index")
-        if stats is not None and (tuple(stats.shape[:2]) != (2, n) or not stats.is_contiguous() or stats.dtype != torch.float32):
-            raise ValueError(f"stats must be contiguous fp32 (2, N, *spatial), got {tuple(stats.shape)} {stats.dtype}")
+            raise ContractError("min / max with stats need a contiguous int16 / int32 index")
+        if stats is not None:
+            _check_stats(stats, n)
         one, block_c, block_s = _tile(channels, positions)
         num_s_blocks = cdiv(positions, block_s)
         self.needs_index = needs_index
@@ -590,7 +588,7 @@ class _ForwardLaunch:
             st_row, st_sn = (stats.stride(0), stats.stride(1)) if stats is not None else (0, 0)
             ints = (channels, positions, cq, num_s_blocks, *y_flat, *o_flat, st_row, st_sn)
             self.launch = FastLaunch(_channel_reduce_fwd_kernel, (n * num_s_blocks,), dict(
-                PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, KIND=REDUCTION_CODES[kind], SAVE=self.save,
+                PRE=op_codes(pre), POST=op_codes(post), HAS_BIAS=has_bias, KIND=int(code), SAVE=self.save,
                 ONE_BLOCK=one, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=8 if block_c * block_s >= 2048 else 4,
             ), fixed=ints)  # fmt: skip
 
@@ -622,11 +620,11 @@ def channel_reduce_backward(
       ``(pre_sums, post_sums)``: per slot, None or the fp32 per-channel sum (C,) (pre-chain; CQ values
       for the post-chain) of d out / d operand weighted by grad_out, summed over fixed-order partials.
     """
-    key = (tensor_key(grad_out), tensor_key(y), tensor_key(index), tensor_key(stats), has_bias,
-           tuple(int(c) for c, _ in pre), tuple(int(c) for c, _ in post), kind, tensor_key(post_params),
-           tensor_key(grad_y), tuple(map(bool, pre_grad_slots)), tuple(map(bool, post_grad_slots)))  # fmt: skip
-    launch = _BACKWARD_LAUNCHES.get(key, lambda: _BackwardLaunch(
-        grad_out, y, index, stats, has_bias, pre, post, kind, post_params, grad_y, pre_grad_slots, post_grad_slots))
+    launch = _BACKWARD_LAUNCHES.plan(
+        (grad_out, y, index, stats, has_bias, step_codes(pre), step_codes(post), kind, post_params, grad_y,
+         tuple(map(bool, pre_grad_slots)), tuple(map(bool, post_grad_slots))),
+        lambda: _BackwardLaunch(grad_out, y, index, stats, has_bias, pre, post, kind, post_params, grad_y,
+                                pre_grad_slots, post_grad_slots))  # fmt: skip
     return launch(grad_out, y, index, stats, params, post_params, grad_y)
 
 
@@ -635,24 +633,26 @@ class _BackwardLaunch:
 
     def __init__(self, grad_out, y, index, stats, has_bias, pre, post, kind, post_params, grad_y,
                  pre_grad_slots, post_grad_slots) -> None:  # fmt: skip
-        code = REDUCTION_CODES[kind]
+        code = ReductionKind.named(kind)
         n, channels = grad_y.shape[:2]
         positions = grad_y[0, 0].numel()
-        needs_y = code in (3, 4, 7, 8, 9) or (code in (5, 6) and len(pre) > 0)
+        needs_y = backward_reads_y(code, len(pre) > 0)
         if needs_y and y is None:
             raise ValueError(f"the {kind} backward needs y")
-        if code <= 2 and index is None:
+        if keeps_winner_index(code) and index is None:
             raise ValueError(f"the {kind} backward needs the winner index")
-        gy_flat = _checked_flat("grad_y", grad_y)
-        y_flat = _checked_flat("y", y) if needs_y else gy_flat
+        require_same_device(grad_y.device, grad_out=grad_out, y=y, index=index, stats=stats, post_params=post_params)
+        _check_stats(stats, n)
+        gy_flat = flat_strides("grad_y", grad_y)
+        y_flat = flat_strides("y", y) if needs_y else gy_flat
         self.copy_grad_out = False
-        if code >= 8:
-            g_flat = _flat(grad_out)
+        if is_full_size(code):
+            g_flat = spatial_flat_strides(grad_out)
             if g_flat is None:
                 self.copy_grad_out, g_flat = True, gy_flat
         else:
             lifted = grad_out if grad_out.dim() == grad_y.dim() else grad_out.unsqueeze(1)
-            g_flat = _flat(lifted)
+            g_flat = spatial_flat_strides(lifted)
             if g_flat is None:
                 self.copy_grad_out, g_flat = True, (positions, 0, 1)
             g_flat = (g_flat[0], 0, g_flat[2])
@@ -666,13 +666,13 @@ class _BackwardLaunch:
         post_mask = sum(1 << k for k, w in enumerate(self.post_slots) if w)
         self.part_shape = (PRE_GRAD_ROWS, programs, channels)
         self.qpart_shape = (POST_GRAD_ROWS, programs, cq)
-        self.needs_y, self.has_index = needs_y, code <= 2
+        self.needs_y, self.has_index = needs_y, keeps_winner_index(code)
         self.launch = None
         if grad_y.numel() > 0:
             ints = (channels, positions, cq, num_s_blocks, programs * channels, programs * cq, *g_flat, *y_flat,
                     *gy_flat, stats.stride(0), stats.stride(1))  # fmt: skip
             self.launch = FastLaunch(_channel_reduce_bwd_kernel, (programs,), dict(
-                PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, KIND=code, PRE_MASK=pre_mask,
+                PRE=op_codes(pre), POST=op_codes(post), HAS_BIAS=has_bias, KIND=int(code), PRE_MASK=pre_mask,
                 POST_MASK=post_mask, NEEDS_Y=needs_y, ONE_BLOCK=one, BLOCK_C=block_c, BLOCK_S=block_s,
                 num_warps=8 if block_c * block_s >= 2048 else 4,
             ), fixed=ints)  # fmt: skip

@@ -1,11 +1,8 @@
 """Compile Triton kernels in Inductor's compile worker processes: :func:`capturing` and :func:`compile_all`.
 
 WHY processes: Triton's compiler holds the GIL for much of a compile (its Python front end, and
-more), so compiles on a thread pool overlap little.  NOTE: fourteen of the project's kernels (the
-ConvTranspose3d forward's tiles and the Conv2d backward's) took 13.2 s one after another on the H100
-host, 3.65 s on 16 threads and 1.69 s on 16 processes (each compile 1.5 s at most): ``python
-tools/compile_parallel.py serial,16,proc16 conv_fused:convt3d-fp32-save,conv_fused_bwd:conv2d-fp32``.
-Inductor keeps a pool of worker processes for its own Triton compiles
+more), so compiles on a thread pool overlap little, and a pool of processes compiles the same kernels
+about twice as fast as one of threads (``docs/perf/RESULTS.md``, *Kernel design measurements*).  Inductor keeps a pool of worker processes for its own Triton compiles
 (``torch._inductor.config.compile_threads`` of them); a first call with a new shape uses it too.
 
 How:

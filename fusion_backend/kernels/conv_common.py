@@ -22,8 +22,8 @@ from .. import environment
 from ..ir.specs import ConvSpec, PoolSpec
 from .chain_math import KernelStep
 from .epilogue import build_params
-from .host import BoundedCache, tensor_key
 from .launch import FastLaunch, launch
+from .plan_cache import PlanCache, plan_key
 
 # --------------------------------------------------------------------------------------------------
 # Device helpers
@@ -114,15 +114,15 @@ class ForwardArgs(NamedTuple):
         """What a launch plan of these arguments depends on, but for the launcher module's own
         switches: shapes, strides, dtypes, devices, the geometry, the steps' op codes and operand
         counts, bias or not, precision, compute dtype, and whether launches may be timed."""
-        return (
-            tensor_key(self.x), tensor_key(self.weight), self.bias is None,
+        return plan_key(
+            self.x, self.weight, self.bias is None,
             tuple((int(code), len(values)) for code, values in self.steps), self.conv, self.pool,
-            tensor_key(self.out), tensor_key(self.saved_y0), tensor_key(self.saved_winner), bool(self.allow_tf32),
+            self.out, self.saved_y0, self.saved_winner, bool(self.allow_tf32),
             self.compute_dtype, environment.measuring(),
         )  # fmt: skip
 
 
-def cached_forward_launch(args: ForwardArgs, plans: BoundedCache, prepare: Callable[[ForwardArgs], Any],
+def cached_forward_launch(args: ForwardArgs, plans: PlanCache, prepare: Callable[[ForwardArgs], Any],
                           *switches: Any) -> Any:  # fmt: skip
     """``prepare(args)`` (a forward launcher's checked launch plan), kept in ``plans`` under
     ``args.plan_key()`` and the module ``switches`` the plan also depends on; None when ``out`` is

@@ -3,15 +3,13 @@
 ``out = chain(conv(x, w) + bias)`` (and optionally the conv output without bias, ``saved_y0``) for
 the sub-case ``conv_fused`` serves slowly: not transposed, groups 1, stride 1, dilation 1, any
 padding, no pool (e.g. Conv2d(64, 64, 3) over (64, 64, 256, 256), the ``conv2d_mul_leaky_gelu``
-workload: 7 ms in ``conv_fused``'s general gather kernel vs 1.45-3 ms in cuDNN).  Same launch-plan
+workload, where the general gather kernel is several times slower than cuDNN).  Same launch-plan
 contract as ``conv_fused.forward_launch`` for that sub-case, plus ``compute_dtype`` (the operands are
 rounded to it in registers, so autocast's casts of ``x`` and ``w`` cost no pass of their own).
 
 Status: ``fusion::conv_epilogue``'s fused forward for the cases it serves (``ops.conv_epilogue.
-forward.forward_kernels``; ``auto`` still measures it against the library path per shape).  That Conv2d
-64->64 case on the H100 (Triton 3.6): the whole fused op 2.56 ms fp32 (TF32) / 1.87 ms bf16, against
-the library op's 3.81 / 2.20 and ``conv_fused``'s 5.86 / 3.55.  cuDNN runs that conv in TF32 too:
-the two outputs are 5e-6 apart (2.5e-4 each from float64).
+forward.forward_kernels``; ``auto`` still measures it against the library path per shape).  Its times
+against the library op and ``conv_fused`` are in ``docs/perf/RESULTS.md``, *Kernel design measurements*.
 
 Mapping.  The spatial dims of one (sample, channel) plane are walked as ONE axis ``p = h * R + w``
 (``R``: the row pitch of ``x`` in units of its W stride; ``R == W`` for NCHW and channels-last
@@ -52,10 +50,7 @@ non-finite *weight* reaches the outputs whose taps fall on padded rows (masked l
 0 * NaN = NaN, as in ``conv_fused``) but, with ``KWG > 1``, not those whose taps fall on padded
 columns (those terms are dropped).  No atomics; results are deterministic.
 
-Performance (H100, Triton 3.6, Conv2d 64->64 k3 on 64x64x256x256, ``tools/bench_conv_dense.py``; the
-whole op, weight prearrangement included): fp32/TF32 2.56 ms (cuDNN's conv alone 2.97, the library
-op 3.81, ``conv_fused`` 5.86); bf16 1.87 (1.65 / 2.20 / 3.55); fp32 x with bf16 compute 2.01 (- /
-2.85 / 4.42).
+Performance: ``docs/perf/RESULTS.md``, *Kernel design measurements* (``tools/bench_conv_dense.py``).
 NOTE: ncu (fp32, 64x32 tile): issue slots 45 % busy with ~2 warps per scheduler, DRAM traffic at the
 floor (x read once, out written once), L2 51 %: instruction- and latency-bound, not memory-bound.
 ~130 (fp32) / ~105 (bf16) thread instructions per output element, about half of them in the
@@ -78,7 +73,8 @@ from ..ir.specs import ConvSpec, PoolSpec
 from .chain_math import chain_forward, load_chain_operands, op_constexprs
 from .conv_common import AutotunedLaunch, ForwardArgs, WeightMatrixLaunch, cached_forward_launch, run_forward
 from .conv_fused import conv_output_size
-from .host import INTERPRETER, BoundedCache, best_first, cdiv, next_pow2, tile_bench
+from .host import INTERPRETER, best_first, cdiv, next_pow2, tile_bench
+from .plan_cache import PlanCache
 from .tf32 import dot_precision, round_tf32
 
 _INT32_LIMIT = 2**31 - 1
@@ -506,7 +502,7 @@ def unsupported_reason(
 
 
 #: Launch plans by ``_launch_key``.
-_LAUNCHES = BoundedCache(256)
+_LAUNCHES = PlanCache()
 
 
 def _prepare(args: ForwardArgs) -> _Launch:

@@ -15,8 +15,8 @@ One template per direction serves every chain, every pool and 1d/2d/3d:
   caller holds it (C contiguous values, any float dtype); ``P``'s row ``BIAS_ROW`` is for kernels
   that read the bias from ``P`` (``build_params`` with a bias fills it).  WHY: with the bias out of
   ``P``, a chain without tensor operands (the usual conv + bias + activation) launches with the
-  cached constant ``P`` and builds nothing per call; the ``torch.cat`` that built it cost 11-26 us
-  of host time per call (H100 host), as much as a launch.
+  cached constant ``P`` and builds nothing per call; the ``torch.cat`` that built it cost as much
+  host time per call as a launch (``docs/perf/RESULTS.md``, *Kernel design measurements*).
 * Tensors are seen as ``(N, C, D, H, W)``: 1d/2d are lifted with leading size-1 spatial dims (and the
   pool with kernel 1 / stride 1 / padding 0 there), so one kernel serves all ranks.  The pool is the
   constexpr tuple ``POOL_GEOM`` (``pool_geometry``): ``(window, stride, padding)``, each per
@@ -57,16 +57,18 @@ from .chain_math import (
     chain_forward,
     chain_slot_inputs,
     load_chain_operands,
-    op_constexprs,
+    op_codes,
     pool_accumulate,
     pool_code,
     pool_divisor,
     pool_gather,
     pool_geometry,
     spatial_coords,
+    step_codes,
 )
-from .host import BoundedCache, cdiv, lift_5d, next_pow2, persistent_device_copies, tensor_key
+from .host import cdiv, lift_5d, next_pow2, persistent_device_copies
 from .launch import FastLaunch
+from .plan_cache import PlanCache
 
 # --------------------------------------------------------------------------------------------------
 # Forward
@@ -318,11 +320,6 @@ def _spatial_flattens(sizes: Sequence[int], strides: Sequence[int]) -> bool:
     return (h == 1 or sh == w * sw) and (d == 1 or sd == h * w * sw)
 
 
-def _op_codes(steps: Sequence[KernelStep]) -> tuple[int, ...]:
-    """The kernels' ``OPS`` constexpr: one op code per slot (0 = empty); ValueError for an unknown code."""
-    return tuple(op_constexprs(steps).values())
-
-
 def tile_shape(channels: int, spatial: int, channels_inner: bool, transposing: bool = False) -> tuple[int, int]:
     """``(BLOCK_C, BLOCK_S)`` of about 1024 elements, long along the contiguous axis.
 
@@ -489,19 +486,18 @@ def epilogue_forward(
         dtype (y's for a saved conv output); receives y (without bias), i.e. y relaid into out's
         layout in the same pass.
     """
-    key = (
-        tensor_key(y), bias is None, tuple(int(code) for code, _ in steps), pool, tensor_key(out),
-        tensor_key(winner), tensor_key(winner_y), tensor_key(y_copy),
+    parts = (
+        y, bias is None, step_codes(steps), pool, out,
+        winner, winner_y, y_copy,
     )  # fmt: skip
-    launch = _FORWARD_LAUNCHES.get(
-        key, lambda: ForwardLaunch(y, bias, steps, pool, out, winner, winner_y, y_copy=y_copy)
+    launch = _FORWARD_LAUNCHES.plan(parts, lambda: ForwardLaunch(y, bias, steps, pool, out, winner, winner_y, y_copy=y_copy)
     )
     launch(y, build_params(steps, None, launch.channels, y.device), _flat_bias(bias), out, winner, winner_y,
            y_copy=y_copy)  # fmt: skip
 
 
 #: ``epilogue_forward``'s launch plans by what they depend on (layouts, op codes, pool).
-_FORWARD_LAUNCHES = BoundedCache(256)
+_FORWARD_LAUNCHES = PlanCache()
 
 
 class ForwardLaunch:
@@ -553,7 +549,7 @@ class ForwardLaunch:
                 self.copy_y = True
                 y_strides = lift_5d(torch.empty_like(out, dtype=y.dtype, device="meta"))[1]
         pool_geom = pool_geometry(pool, y.dim() - 2)
-        ops = _op_codes(steps)  # checks the op codes before anything is kept
+        ops = op_codes(steps)  # checks the op codes before anything is kept
         s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
         write_inner = channels_innermost(o_strides, o_sizes)
         read_inner = channels_innermost(y_strides, y_sizes)
@@ -618,13 +614,12 @@ def epilogue_backward(
       weighted by grad_out (the caller sums channels for scalar operands); the fp32 (C,) bias grad or
       None.  Sums are over fixed-order per-block partials, so they are bitwise reproducible.
     """
-    key = (
-        tensor_key(grad_out), tensor_key(y), tensor_key(winner), tensor_key(winner_y), bias is None,
-        tuple(int(code) for code, _ in steps), pool, tensor_key(grad_y), tuple(map(bool, operand_grad_slots)),
+    parts = (
+        grad_out, y, winner, winner_y, bias is None,
+        step_codes(steps), pool, grad_y, tuple(map(bool, operand_grad_slots)),
         bool(bias_grad),
     )  # fmt: skip
-    launch = _BACKWARD_LAUNCHES.get(
-        key, lambda: BackwardLaunch(grad_out, y, winner, winner_y, bias, steps, pool, grad_y, operand_grad_slots, bias_grad)
+    launch = _BACKWARD_LAUNCHES.plan(parts, lambda: BackwardLaunch(grad_out, y, winner, winner_y, bias, steps, pool, grad_y, operand_grad_slots, bias_grad)
     )
     params = build_params(steps, None, launch.channels, grad_y.device)
     return launch(grad_out, y, winner, winner_y, params, _flat_bias(bias), grad_y)
@@ -632,7 +627,7 @@ def epilogue_backward(
 
 #: ``epilogue_backward``'s launch plans by what they depend on (layouts, op codes, pool, wanted
 #: sums): a kept plan's ``FastLaunch`` skips Triton's generic launch path on later calls.
-_BACKWARD_LAUNCHES = BoundedCache(256)
+_BACKWARD_LAUNCHES = PlanCache()
 
 
 class BackwardLaunch:
@@ -700,7 +695,7 @@ class BackwardLaunch:
         self.launch = None
         if grad_y.numel() > 0:
             self.launch = FastLaunch(_epilogue_bwd_kernel, grid, dict(
-                OPS=_op_codes(steps), HAS_BIAS=bias is not None, POOL=pool_code(pool), POOL_GEOM=pool_geom,
+                OPS=op_codes(steps), HAS_BIAS=bias is not None, POOL=pool_code(pool), POOL_GEOM=pool_geom,
                 GRAD_MASK=grad_mask, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
             ), fixed=ints)  # fmt: skip
         self.slots = [k < len(operand_grad_slots) and bool(operand_grad_slots[k]) for k in range(len(steps))]

@@ -62,8 +62,8 @@ import triton
 import triton.language as tl
 
 from ..ir.specs import PoolSpec
-from .chain_math import MAX_SLOTS, KernelStep, apply_chain_at, chain_grad_at, op_constexprs
-from .host import BoundedCache, cdiv, next_pow2, tensor_key
+from .chain_math import MAX_SLOTS, KernelStep, apply_chain_at, chain_grad_at, op_codes, step_codes
+from .host import cdiv, next_pow2
 from .launch import FastLaunch
 from .norm_common import (
     MIN_CHUNK_ELEMENTS,
@@ -72,11 +72,11 @@ from .norm_common import (
     chunk_moments,
     chunk_positions,
     combined_moments,
-    flat_strides,
     store_rows,
     tile_values,
 )
 from .norm_pool import pool_arguments, pool_input_grad, pooled_grad_strides
+from .plan_cache import PlanCache, flat_strides, require_rows, require_same_device
 
 __all__ = ["MIN_CHUNK_ELEMENTS", "PROGRAMS_PER_SM", "chunk_positions"]
 
@@ -454,9 +454,6 @@ class _Chunks:
         return 8 if self.block_c * self.block_s >= 2048 else 4
 
 
-def _ops(steps: Sequence[KernelStep]) -> tuple[int, ...]:
-    return tuple(op_constexprs(steps).values())
-
 
 def _check_common(y: torch.Tensor, groups: int, params: torch.Tensor, post_params: torch.Tensor,
                   affine: torch.Tensor) -> tuple[int, int, int]:  # fmt: skip
@@ -467,14 +464,14 @@ def _check_common(y: torch.Tensor, groups: int, params: torch.Tensor, post_param
     if groups < 1 or channels % groups != 0:
         raise ValueError(f"{channels} channels do not split into {groups} groups")
     for name, t, rows in (("P", params, None), ("Q", post_params, None), ("the affine rows", affine, 2)):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[-1] != channels or (rows and t.shape[0] != rows):
-            raise ValueError(f"{name} must be contiguous fp32 with {channels} columns, got {tuple(t.shape)} {t.dtype}")
+        require_rows(name, t, channels, rows)
+        require_same_device(y.device, **{name: t})
     return n, channels, y[0, 0].numel()
 
 
 #: Launch plans by what they depend on (shapes, strides, dtypes, op codes, groups, wanted outputs).
-_FORWARD_LAUNCHES = BoundedCache(256)
-_BACKWARD_LAUNCHES = BoundedCache(256)
+_FORWARD_LAUNCHES = PlanCache()
+_BACKWARD_LAUNCHES = PlanCache()
 
 
 def group_norm_forward(
@@ -499,10 +496,10 @@ def group_norm_forward(
       stats: None, or preallocated fp32 (2, N, G) contiguous: mean, rstd.
       chunk: positions per chunk of a group instead of ``chunk_positions``' choice (tests).
     """
-    key = (tensor_key(y), has_bias, tuple(int(c) for c, _ in pre), tuple(int(c) for c, _ in post), groups,
-           float(eps), tensor_key(params), tensor_key(post_params), tensor_key(affine), tensor_key(out),
-           tensor_key(stats), chunk)  # fmt: skip
-    launch = _FORWARD_LAUNCHES.get(key, lambda: _ForwardLaunch(y, has_bias, pre, post, groups, eps, params,
+    parts = (y, has_bias, step_codes(pre), step_codes(post), groups,
+           float(eps), params, post_params, affine, out,
+           stats, chunk)  # fmt: skip
+    launch = _FORWARD_LAUNCHES.plan(parts, lambda: _ForwardLaunch(y, has_bias, pre, post, groups, eps, params,
                                                                post_params, affine, out, stats, chunk))  # fmt: skip
     launch(y, params, post_params, affine, out, stats)
 
@@ -528,12 +525,12 @@ class _ForwardLaunch:
             tiles = dict(BLOCK_C=plan.block_c, BLOCK_S=plan.block_s, num_warps=plan.num_warps)
             if self.workspace is not None:
                 self.partial = FastLaunch(_group_norm_fwd_partial_kernel, grid, dict(
-                    PRE=_ops(pre), HAS_BIAS=has_bias, **tiles), fixed=(channels, positions, groups, group_channels,
+                    PRE=op_codes(pre), HAS_BIAS=has_bias, **tiles), fixed=(channels, positions, groups, group_channels,
                                                                        plan.chunk, *y_flat))  # fmt: skip
             ints = (float(eps), channels, positions, groups, group_channels, plan.chunk, n * groups, *y_flat,
                     *flat_strides("out", out))  # fmt: skip
             self.launch = FastLaunch(_group_norm_fwd_kernel, grid, dict(
-                PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, SAVE=self.save, SPLIT_P2=plan.split_p2, **tiles,
+                PRE=op_codes(pre), POST=op_codes(post), HAS_BIAS=has_bias, SAVE=self.save, SPLIT_P2=plan.split_p2, **tiles,
             ), fixed=ints)  # fmt: skip
 
     def __call__(self, y, params, post_params, affine, out, stats) -> None:
@@ -559,13 +556,13 @@ def group_norm_stats(y: torch.Tensor, has_bias: bool, pre: Sequence[KernelStep],
       y, has_bias, pre, groups, eps, params, chunk: as ``group_norm_forward`` takes them.
       stats: preallocated fp32 (2, N, G) contiguous: row 0 the means, row 1 ``1 / sqrt(var + eps)``.
     """
-    key = (tensor_key(y), has_bias, tuple(int(c) for c, _ in pre), groups, tensor_key(params), tensor_key(stats),
+    parts = (y, has_bias, step_codes(pre), groups, params, stats,
            chunk)  # fmt: skip
-    launch = _STATS_LAUNCHES.get(key, lambda: _StatsLaunch(y, has_bias, pre, groups, params, stats, chunk))
+    launch = _STATS_LAUNCHES.plan(parts, lambda: _StatsLaunch(y, has_bias, pre, groups, params, stats, chunk))
     launch(y, params, stats, float(eps))
 
 
-_STATS_LAUNCHES = BoundedCache(256)
+_STATS_LAUNCHES = PlanCache()
 
 
 class _StatsLaunch:
@@ -585,7 +582,7 @@ class _StatsLaunch:
         self.launch = None
         if y.numel() > 0:
             self.launch = FastLaunch(_group_norm_fwd_partial_kernel, (n * groups, plan.split), dict(
-                PRE=_ops(pre), HAS_BIAS=has_bias, BLOCK_C=plan.block_c, BLOCK_S=plan.block_s,
+                PRE=op_codes(pre), HAS_BIAS=has_bias, BLOCK_C=plan.block_c, BLOCK_S=plan.block_s,
                 num_warps=plan.num_warps), fixed=(channels, positions, groups, group_channels, plan.chunk,
                                                   *flat_strides("y", y)))  # fmt: skip
 
@@ -630,11 +627,11 @@ def group_norm_backward(
       ``(pre_sums, post_sums, affine_sums)``: per slot (per gamma, beta), None or the fp32 (C,) sum over
       samples and positions of its gradient, the (sample, chunk) partials summed in a fixed order.
     """
-    key = (tensor_key(grad_out), tensor_key(y), tensor_key(stats), has_bias, tuple(int(c) for c, _ in pre),
-           tuple(int(c) for c, _ in post), groups, tensor_key(params), tensor_key(post_params), tensor_key(affine),
-           tensor_key(grad_y), tuple(map(bool, pre_grad_slots)), tuple(map(bool, post_grad_slots)),
-           tuple(map(bool, affine_grads)), chunk, pool, tensor_key(winner))  # fmt: skip
-    launch = _BACKWARD_LAUNCHES.get(key, lambda: _BackwardLaunch(
+    parts = (grad_out, y, stats, has_bias, step_codes(pre),
+           step_codes(post), groups, params, post_params, affine,
+           grad_y, tuple(map(bool, pre_grad_slots)), tuple(map(bool, post_grad_slots)),
+           tuple(map(bool, affine_grads)), chunk, pool, winner)  # fmt: skip
+    launch = _BACKWARD_LAUNCHES.plan(parts, lambda: _BackwardLaunch(
         grad_out, y, stats, has_bias, pre, post, groups, params, post_params, affine, grad_y, pre_grad_slots,
         post_grad_slots, affine_grads, chunk, pool, winner))  # fmt: skip
     return launch(grad_out, y, stats, params, post_params, affine, grad_y, winner)
@@ -673,7 +670,7 @@ class _BackwardLaunch:
         if grad_y.numel() > 0:
             grid = (n * groups, plan.split)
             y_flat = flat_strides("y", y)
-            common = dict(PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, **pool_consts, POST_MASK=masks[1],
+            common = dict(PRE=op_codes(pre), POST=op_codes(post), HAS_BIAS=has_bias, **pool_consts, POST_MASK=masks[1],
                           AFFINE_MASK=masks[2], BLOCK_C=plan.block_c, BLOCK_S=plan.block_s,
                           num_warps=plan.num_warps)  # fmt: skip
             head = (channels, positions, groups, group_channels, plan.chunk, n * groups, n * plan.split * channels)

@@ -1,21 +1,24 @@
 """Host-side helpers shared by the kernel launchers: plain-int arithmetic, persistent device tables.
 
 ``triton.cdiv`` and ``triton.next_power_of_2`` are ``constexpr_function``s in recent Triton: called
-from host code they unwrap their arguments through Triton's machinery and cost ~2-3 us each.  The
-launchers call them several times per launch, and at the ``seeds`` suite's sizes host time is what a
-training step waits on (``convt3d_leaky_mul_leaky_maxpool`` on an H100: 0.93 ms of GPU work in a
-2.07 ms step), so the launchers use these plain-int versions.
+from host code they unwrap their arguments through Triton's machinery, a few microseconds each.
+The launchers call them several times per launch, and at the ``seeds`` suite's sizes host time is
+what a training step waits on (``docs/perf/RESULTS.md``, *Kernel design measurements*), so the launchers use these plain-int versions.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .. import environment
+
+# Re-exported where the op layer imports them from (the same objects as ``plan_cache``'s).
+from .plan_cache import PlanCache as BoundedCache  # noqa: F401
+from .plan_cache import forget_call_plans as forget_call_plans
+from .plan_cache import tensor_key as tensor_key
 
 #: Whether Triton's interpreter was on when the kernels were defined (``TRITON_INTERPRET`` is read
 #: as ``@triton.jit`` decorates a kernel, and this module is imported before any kernel module).  The
@@ -92,59 +95,6 @@ def tile_bench(kernel_call: Callable[[], object], quantiles: Sequence[float] | N
 
     warmup, rep = TILE_BENCH_MS
     return do_bench(kernel_call, warmup=warmup, rep=rep, quantiles=quantiles)
-
-
-def tensor_key(t: torch.Tensor | None) -> tuple | None:
-    """What a per-shape cache of a launch or decision keys a tensor by: shape, strides, dtype,
-    device (None for an absent tensor)."""
-    return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
-
-
-class BoundedCache:
-    """``key -> value`` computed once per key, at most ``limit`` entries (the oldest goes first).
-
-    For the per-shape host decisions of the op calls (launch plans, layout decisions): the keys
-    are shapes and strides, so a model needs few, and the bound only guards against a key that
-    varies per call.  A ``compute`` that raises caches nothing.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._values: dict[Hashable, Any] = {}
-        _EVERY_CACHE.add(self)
-
-    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
-        try:
-            return self._values[key]
-        except KeyError:
-            pass
-        value = compute()
-        self.put(key, value)
-        return value
-
-    def peek(self, key: Hashable) -> Any:
-        """The value kept for ``key``, or None."""
-        return self._values.get(key)
-
-    def put(self, key: Hashable, value: Any) -> None:
-        if key not in self._values and len(self._values) >= self.limit:
-            del self._values[next(iter(self._values))]
-        self._values[key] = value
-
-    def clear(self) -> None:
-        self._values.clear()
-
-
-#: Every :class:`BoundedCache` of the process, for :func:`forget_call_plans`.
-_EVERY_CACHE: weakref.WeakSet[BoundedCache] = weakref.WeakSet()
-
-
-def forget_call_plans() -> None:
-    """Empty every per-signature cache of the fused ops (call plans, launches, layout decisions,
-    measured implementation choices): the next call of each signature plans, compiles and measures
-    again, as a first call does.  Compiled Triton kernels and the region decisions' disk cache stay."""
-    for cache in list(_EVERY_CACHE):
-        cache.clear()
 
 
 def persistent_device_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

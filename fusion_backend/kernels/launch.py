@@ -4,8 +4,7 @@ Why: at the ``seeds`` suite's sizes a training step is host-bound (``python tool
 --mode train`` shows the GPU time against the host time per step).  Triton's generic launch path,
 ``kernel[grid](*args, **constexprs)``, binds the arguments, computes a specialization key from every
 argument, reads several runtime knobs and builds launch metadata before it calls the compiled kernel's
-launcher: 20-90 us per launch measured on the GPU hosts, against a few us for the launcher itself.
-``FastLaunch`` remembers the compiled kernel each specialization produced and
+launcher, many times the launcher's own host time (``docs/perf/RESULTS.md``, *Kernel design measurements*).  ``FastLaunch`` remembers the compiled kernel each specialization produced and
 calls its launcher directly afterwards.
 
 Contract:
@@ -31,9 +30,7 @@ Contract:
 
 Compiling ahead (:func:`compile_ahead`): a first call with a new shape times several candidate
 implementations (``ops/impl_choice.py``), each a few Triton kernels, an autotuned one with up to three
-tiles; compiled one after another they were most of a cold first call (NOTE: 6.9 of 11.4-12.9 s for
-Conv2d 64->64 k3 + ReLU, fp32, on the H100 host, Inductor's whole cold first call 3.3 s; 9.97-10.5 s
-with compile_ahead: ``python tools/first_call.py demos/convnets/conv2d_64_k3_relu.py --log``).  ``compile_ahead``
+tiles; compiled one after another they were most of a cold first call (``docs/perf/RESULTS.md``, *Kernel design measurements*).  ``compile_ahead``
 runs the candidates once with every launch (:func:`launch`, ``FastLaunch``) replaced by the compile
 of that launch, all compiled at once, and returns when all have compiled, so the timing that follows
 finds every kernel compiled: in Inductor's compile worker processes where they are up

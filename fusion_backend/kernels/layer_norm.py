@@ -58,8 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chain_math import MAX_SLOTS, KernelStep, apply_chain_at, chain_grad_at, op_constexprs
-from .host import BoundedCache, cdiv, next_pow2, tensor_key
+from .chain_math import MAX_SLOTS, KernelStep, apply_chain_at, chain_grad_at, op_codes, step_codes
+from .host import cdiv, next_pow2
 from .launch import FastLaunch
 from .norm_common import (
     PROGRAMS_PER_SM,
@@ -67,11 +67,11 @@ from .norm_common import (
     chunk_moments,
     chunk_positions,
     combined_moments,
-    flat_strides,
     sm_count,
     store_rows,
     tile_values,
 )
+from .plan_cache import PlanCache, flat_strides
 
 #: Elements of a program's tile (``BLOCK_R * BLOCK_L`` packed, ``BLOCK_C * BLOCK_S`` walking).
 TILE_ELEMENTS = 2048
@@ -570,9 +570,6 @@ def channel_sums(partials: torch.Tensor, geo: RowGeometry) -> torch.Tensor:
     return parts.sum(dim=(0, 2, 3)).reshape(geo.channels)
 
 
-def _ops(steps: Sequence[KernelStep]) -> tuple[int, ...]:
-    return tuple(op_constexprs(steps).values())
-
 
 def _walk_tile(geo: RowGeometry) -> tuple[int, int]:
     """``(BLOCK_C, BLOCK_S)`` of the walking kernels: the row's channels (at most ``MAX_BLOCK_C`` at
@@ -687,8 +684,8 @@ def _check_stats(stats: torch.Tensor, rows: int) -> None:
 
 
 #: Launch plans by what they depend on (shapes, strides, dtypes, op codes, normalized dims, wanted outputs).
-_FORWARD_LAUNCHES = BoundedCache(256)
-_BACKWARD_LAUNCHES = BoundedCache(256)
+_FORWARD_LAUNCHES = PlanCache()
+_BACKWARD_LAUNCHES = PlanCache()
 
 
 def layer_norm_forward(
@@ -715,10 +712,10 @@ def layer_norm_forward(
         ``native_layer_norm``'s order.
       programs, chunk: ``plan``'s (tests).
     """
-    key = (tensor_key(y), normalized_dims, has_bias, tuple(int(c) for c, _ in pre), tuple(int(c) for c, _ in post),
-           float(eps), tensor_key(params), tensor_key(post_params), tensor_key(affine), tensor_key(out),
-           tensor_key(stats), programs, chunk)  # fmt: skip
-    launch = _FORWARD_LAUNCHES.get(key, lambda: _ForwardLaunch(y, normalized_dims, has_bias, pre, post, eps, params,
+    parts = (y, normalized_dims, has_bias, step_codes(pre), step_codes(post),
+           float(eps), params, post_params, affine, out,
+           stats, programs, chunk)  # fmt: skip
+    launch = _FORWARD_LAUNCHES.plan(parts, lambda: _ForwardLaunch(y, normalized_dims, has_bias, pre, post, eps, params,
                                                                post_params, affine, out, stats, programs, chunk))  # fmt: skip
     launch(y, params, post_params, affine, out, stats)
 
@@ -741,7 +738,7 @@ class _ForwardLaunch:
             return
         p = plan(geo, y, programs, chunk)
         strides = (*flat_strides("y", y), *flat_strides("out", out))
-        consts = dict(PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, SAVE=self.save, num_warps=p.num_warps)
+        consts = dict(PRE=op_codes(pre), POST=op_codes(post), HAS_BIAS=has_bias, SAVE=self.save, num_warps=p.num_warps)
         if p.packed:
             self.launch = FastLaunch(_layer_norm_packed_fwd_kernel, (p.programs,), dict(
                 consts, CHANNELS_FAST=p.channels_fast, EL=0 if p.channels_fast else 1, BLOCK_R=p.block_r,
@@ -754,7 +751,7 @@ class _ForwardLaunch:
         if p.split > 1:
             self.workspace = (geo.rows, p.split, 3)
             self.partial = FastLaunch(_layer_norm_walk_fwd_partial_kernel, grid, dict(
-                PRE=_ops(pre), HAS_BIAS=has_bias, num_warps=p.num_warps, **tiles),
+                PRE=op_codes(pre), HAS_BIAS=has_bias, num_warps=p.num_warps, **tiles),
                 fixed=(*shape, p.chunk, *strides[:3]))  # fmt: skip
         self.launch = FastLaunch(_layer_norm_walk_fwd_kernel, grid, dict(consts, SPLIT_P2=p.split_p2, **tiles),
                                  fixed=(float(eps), geo.rows, *shape, geo.elements, p.chunk, *strides))  # fmt: skip
@@ -796,11 +793,11 @@ def layer_norm_backward(
       of its gradient; per gamma, beta, None or the fp32 (E,) sum over rows; each the kernels'
       partials summed in a fixed order.
     """
-    key = (tensor_key(grad_out), tensor_key(y), tensor_key(stats), normalized_dims, has_bias,
-           tuple(int(c) for c, _ in pre), tuple(int(c) for c, _ in post), tensor_key(params), tensor_key(post_params),
-           tensor_key(affine), tensor_key(grad_y), tuple(map(bool, pre_grad_slots)), tuple(map(bool, post_grad_slots)),
+    parts = (grad_out, y, stats, normalized_dims, has_bias,
+           step_codes(pre), step_codes(post), params, post_params,
+           affine, grad_y, tuple(map(bool, pre_grad_slots)), tuple(map(bool, post_grad_slots)),
            tuple(map(bool, affine_grads)), programs, chunk)  # fmt: skip
-    launch = _BACKWARD_LAUNCHES.get(key, lambda: _BackwardLaunch(
+    launch = _BACKWARD_LAUNCHES.plan(parts, lambda: _BackwardLaunch(
         grad_out, y, stats, normalized_dims, has_bias, pre, post, params, post_params, affine, grad_y, pre_grad_slots,
         post_grad_slots, affine_grads, programs, chunk))  # fmt: skip
     return launch(grad_out, y, stats, params, post_params, affine, grad_y)
@@ -835,7 +832,7 @@ class _BackwardLaunch:
             return
         p = plan(geo, y, programs, chunk)
         y_flat, gy_flat = flat_strides("y", y), flat_strides("grad_y", grad_y)
-        consts = dict(PRE=_ops(pre), POST=_ops(post), HAS_BIAS=has_bias, num_warps=p.num_warps)
+        consts = dict(PRE=op_codes(pre), POST=op_codes(post), HAS_BIAS=has_bias, num_warps=p.num_warps)
         shape = (geo.channels, geo.channel_blocks, geo.rows_per_channel, geo.row_channels, geo.row_positions)
         if p.packed:
             self.apart = (2, p.programs, geo.elements)

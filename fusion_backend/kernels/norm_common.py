@@ -126,21 +126,6 @@ def combined_moments(ws_ptr, pid, split, CG, S, CHUNK, SPLIT_P2: tl.constexpr):
     return mean + shift0, m2 / count
 
 
-def flat_strides(name: str, t: torch.Tensor) -> tuple[int, int, int]:
-    """``(sn, sc, ss)`` of ``t`` (N, C, *spatial) seen as (N, C, S); ``ValueError`` when its spatial
-    dims do not flatten to one stride."""
-    inner, ss = 1, None
-    for size, stride in reversed(list(zip(t.shape[2:], t.stride()[2:], strict=True))):
-        if size == 1:
-            continue
-        if ss is not None and stride != inner:
-            raise ValueError(f"{name}'s spatial dims must flatten to one stride, got strides {t.stride()}")
-        if ss is None:
-            ss = stride
-        inner = stride * size
-    return t.stride(0), t.stride(1), 1 if ss is None else ss
-
-
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA ``device``; 0 for any other (no GPU: the interpreter runs programs

@@ -37,17 +37,19 @@ from .chain_math import (
     add_spatial_offset,
     chain_forward,
     load_chain_operands,
-    op_constexprs,
+    op_codes,
     pool_accumulate,
     pool_code,
     pool_divisor,
     pool_gather,
     pool_geometry,
     spatial_coords,
+    step_codes,
 )
 from .epilogue import channels_innermost, tile_shape
-from .host import BoundedCache, cdiv, lift_5d, tensor_key
+from .host import cdiv, lift_5d
 from .launch import FastLaunch
+from .plan_cache import PlanCache, require_rows, require_same_device
 
 
 @triton.jit
@@ -190,12 +192,9 @@ def pool_arguments(grad_out: torch.Tensor, y: torch.Tensor, pool: PoolSpec | Non
     return ints, {"POOL": pool_code(pool), "POOL_GEOM": pool_geometry(pool, y.dim() - 2)}
 
 
-def _ops(steps: Sequence[KernelStep]) -> tuple[int, ...]:
-    return tuple(op_constexprs(steps).values())
-
 
 #: Launch plans by what they depend on (shapes, strides, dtypes, op codes, pool, statistics layout).
-_LAUNCHES = BoundedCache(256)
+_LAUNCHES = PlanCache()
 
 
 def norm_pool_forward(
@@ -220,10 +219,10 @@ def norm_pool_forward(
       winner: None, or preallocated with out's shape (any strides: the backward reads it best in y's
         layout), int8 (windows up to 127 taps) or int32: the winner's row-major index in its window.
     """
-    key = (tensor_key(y), has_bias, tuple(int(c) for c, _ in pre), tuple(int(c) for c, _ in post),
-           tensor_key(params), tensor_key(post_params), tensor_key(affine), tensor_key(stats), pool,
-           tensor_key(out), tensor_key(winner))  # fmt: skip
-    launch = _LAUNCHES.get(key, lambda: _Launch(y, has_bias, pre, post, params, post_params, affine, stats, pool, out,
+    parts = (y, has_bias, step_codes(pre), step_codes(post),
+           params, post_params, affine, stats, pool,
+           out, winner)  # fmt: skip
+    launch = _LAUNCHES.plan(parts, lambda: _Launch(y, has_bias, pre, post, params, post_params, affine, stats, pool, out,
                                                 winner))  # fmt: skip
     launch(y, params, post_params, affine, stats, out, winner)
 
@@ -236,8 +235,9 @@ class _Launch:
         o_sizes, o_strides = lift_5d(out)
         n, channels = y_sizes[:2]
         for name, t, rows in (("P", params, None), ("Q", post_params, None), ("the affine rows", affine, 2)):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[-1] != channels or (rows and t.shape[0] != rows):
-                raise ValueError(f"{name} must be contiguous fp32 with {channels} columns, got {tuple(t.shape)} {t.dtype}")
+            require_rows(name, t, channels, rows)
+        require_same_device(y.device, params=params, post_params=post_params, affine=affine, stats=stats, out=out,
+                            winner=winner)
         if list(out.shape[:2]) != [n, channels] or out.dim() != y.dim():
             raise ValueError(f"out must be (N, C, *pooled) for y {tuple(y.shape)}, got {tuple(out.shape)}")
         if stats.dtype != torch.float32 or not stats.is_contiguous() or stats.shape[0] != 2:
@@ -270,7 +270,7 @@ class _Launch:
             ints = (channels, *y_sizes[2:], *o_sizes[2:], num_s_blocks, group_channels, st_sn, st_row, *y_strides,
                     *o_strides, *w_strides)  # fmt: skip
             self.launch = FastLaunch(_norm_pool_fwd_kernel, (n * num_s_blocks, cdiv(channels, block_c)), dict(
-                PRE=_ops(pre), POST=_ops(post), HAS_BIAS=bool(has_bias), POOL=pool_code(pool), POOL_GEOM=pool_geom,
+                PRE=op_codes(pre), POST=op_codes(post), HAS_BIAS=bool(has_bias), POOL=pool_code(pool), POOL_GEOM=pool_geom,
                 SAVE=self.save, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
             ), fixed=ints)  # fmt: skip
 

@@ -1,10 +1,9 @@
 """Copy a tensor into another memory format (and dtype) at memory speed: ``relayout(src, dst)``.
 
 WHY: the channels-last library backward (``ops/conv_epilogue.LibraryBackward``) relays x into
-channels-last and the input gradient back.  torch's strided copy moves the 1 GB tensors of Conv2d
-64->64 on 64x64x256x256 at about 0.65 TB/s on an H100 (1.66 ms per copy, measured with the
-profiler), a fifth of the memory's bandwidth: it walks the destination in order and gathers the
-source with a stride.  A tile of channels x positions read along one layout's contiguous axis and
+channels-last and the input gradient back.  torch's strided copy moves such tensors at about a
+fifth of the memory's bandwidth (``docs/perf/RESULTS.md``, *Kernel design measurements*): it walks the destination in order and gathers the source
+with a stride.  A tile of channels x positions read along one layout's contiguous axis and
 written along the other's (Triton converts the register layout between the two through shared
 memory) does not.
 
@@ -22,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import BoundedCache, cdiv, next_pow2, tensor_key
+from .host import cdiv, next_pow2
 from .launch import FastLaunch
+from .plan_cache import PlanCache, spatial_flat_strides
 
 
 @triton.jit
@@ -45,16 +45,6 @@ def _relayout_kernel(
     tl.store(dst_ptr + n * dst_sn + c64 * dst_sc + s64 * dst_ss, v.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-def _flat_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """``(sn, sc, ss)`` when ``t``'s spatial dims walk as one axis of stride ``ss``, else None."""
-    sizes, strides = t.shape[2:], t.stride()[2:]
-    ss = strides[-1] if strides else 1
-    for i in range(len(sizes) - 1):
-        if sizes[i] != 1 and strides[i] != ss * math.prod(sizes[i + 1 :]):
-            return None
-    return t.stride(0), t.stride(1), ss
-
-
 def relayout_supported(src: torch.Tensor, dst: torch.Tensor) -> str | None:
     """None when ``relayout(src, dst)`` serves the pair, else why not."""
     if src.shape != dst.shape:
@@ -64,7 +54,7 @@ def relayout_supported(src: torch.Tensor, dst: torch.Tensor) -> str | None:
     if not (src.is_floating_point() and dst.is_floating_point()):
         return f"non-float dtypes {src.dtype} -> {dst.dtype}"
     for name, t in (("source", src), ("destination", dst)):
-        if _flat_strides(t) is None:
+        if spatial_flat_strides(t) is None:
             return f"the {name}'s spatial dims do not flatten (strides {t.stride()})"
     return None
 
@@ -76,7 +66,7 @@ def relayout_supported(src: torch.Tensor, dst: torch.Tensor) -> str | None:
 #: up to 1.2x and of 16 channels up to 1.9x slower.
 TILE = (64, 64, 8)
 
-_LAUNCHES = BoundedCache(256)
+_LAUNCHES = PlanCache()
 
 
 def relayout(src: torch.Tensor, dst: torch.Tensor, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -97,7 +87,7 @@ def relayout_or_copy(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(src: torch.Tensor, dst: torch.Tensor, tile: tuple[int, int, int] | None) -> torch.Tensor:
-    launch = _LAUNCHES.get((tensor_key(src), tensor_key(dst), tile), lambda: _plan(src, dst, tile or TILE))
+    launch = _LAUNCHES.plan((src, dst, tile), lambda: _plan(src, dst, tile or TILE))
     if launch is not None:
         launch(src, dst)
     return dst
@@ -112,7 +102,7 @@ def _plan(src: torch.Tensor, dst: torch.Tensor, tile: tuple[int, int, int]) -> F
     block_s = min(tile[1], next_pow2(s))
     num_s_blocks = cdiv(s, block_s)
     grid = (n * num_s_blocks, cdiv(c, block_c))
-    ints = (c, s, num_s_blocks, *_flat_strides(src), *_flat_strides(dst))
+    ints = (c, s, num_s_blocks, *spatial_flat_strides(src), *spatial_flat_strides(dst))
     return FastLaunch(_relayout_kernel, grid, dict(BLOCK_C=block_c, BLOCK_S=block_s, num_warps=tile[2]), fixed=ints)
 
 

@@ -17,7 +17,8 @@ from ...ir.shapes import conv_output_length
 from ...ir.specs import ConvSpec, PoolSpec
 from ..chain_math import MAX_WINDOW_VOLUME, op_constexprs
 from ..conv_common import AutotunedLaunch, ForwardArgs, WeightMatrixLaunch, cached_forward_launch, run_forward
-from ..host import INTERPRETER, BoundedCache, best_first, cdiv, lift_5d, next_pow2, tile_bench
+from ..host import INTERPRETER, best_first, cdiv, lift_5d, next_pow2, tile_bench
+from ..plan_cache import PlanCache
 from ..relayout import PlannedRelayout
 from ..tf32 import compute_code, dot_precision
 from .device import conv_fused_fwd_kernel, phase_aligned_weight_kernel
@@ -361,7 +362,7 @@ def phase_aligned_weight_matrix(weight: torch.Tensor, plan: LaunchPlan, conv: Co
 
 
 #: Launch plans by ``_launch_key``.
-_LAUNCHES = BoundedCache(256)
+_LAUNCHES = PlanCache()
 
 
 def _prepare(args: ForwardArgs) -> _Launch:

@@ -2,8 +2,7 @@
 
 WHY: the ConvT3d pipeline (ConvTranspose3d(16->32, k3, s2, p1, op1) then MaxPool3d(2) on
 16x16x16x32x32, ``demos/seeds/convt3d_leaky_mul_leaky_maxpool.py``) trains through
-``conv_fused_bwd``'s generic kernels: 1.7 ms (input grad) + 2.6 ms (weight grad) in fp32 on an
-H100.  They treat the pooled gradient as a sparse full-size gradient and walk taps.  When the pool
+``conv_fused_bwd``'s generic kernels, which are slow there (``docs/perf/RESULTS.md``, *Kernel design measurements*).  They treat the pooled gradient as a sparse full-size gradient and walk taps.  When the pool
 stride equals the conv stride on every dim, a pooled unit ``u`` and a window offset ``kp`` address
 the conv output ``o = u*US - UP + kp``, and every live (offset, tap) pair reads the input at
 ``i = u + j`` with a COMPILE-TIME shift ``j``: the same structure as the forward's phase-aligned path

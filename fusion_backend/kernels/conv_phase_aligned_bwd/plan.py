@@ -24,7 +24,6 @@ from ..conv_fused_bwd.plan import (
 )
 from ..host import (
     INTERPRETER,
-    BoundedCache,
     best_first,
     cdiv,
     element_extent,
@@ -32,10 +31,10 @@ from ..host import (
     lift_5d,
     next_pow2,
     persistent_device_copies,
-    tensor_key,
     tile_bench,
 )
 from ..launch import FastLaunch
+from ..plan_cache import PlanCache
 from ..tf32 import backward_dot_precision, compute_code
 from .device import (
     MAX_WINDOW_VOLUME,
@@ -557,13 +556,13 @@ def convolution_backward(
     Raises ``UnsupportedInputError`` when ``unsupported_reason(...)`` is not None.
     """
     conv_args = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(output_padding), int(groups))
-    key = (
-        tensor_key(grad.g_win) if isinstance(grad, PooledGrad) else None, None if not isinstance(grad, PooledGrad)
-        else (tensor_key(grad.winner), grad.kernel_size, grad.stride, grad.padding, grad.dilation, grad.ceil_mode),
-        tensor_key(x), tensor_key(weight), conv_args, tuple(bool(m) for m in output_mask[:2]),
+    parts = (
+        grad.g_win if isinstance(grad, PooledGrad) else None, None if not isinstance(grad, PooledGrad)
+        else (grad.winner, grad.kernel_size, grad.stride, grad.padding, grad.dilation, grad.ceil_mode),
+        x, weight, conv_args, tuple(bool(m) for m in output_mask[:2]),
         compute_dtype, *_precisions(compute_dtype or x.dtype, allow_tf32), environment.measuring(),
     )  # fmt: skip
-    run = _PLANS.get(key, lambda: backward_plan(grad, x, weight, *conv_args, output_mask[:2], compute_dtype,
+    run = _PLANS.plan(parts, lambda: backward_plan(grad, x, weight, *conv_args, output_mask[:2], compute_dtype,
                                                 allow_tf32))  # fmt: skip
     gx, gw = run(grad, x, weight)
     gb = conv_bias_grad(grad).to(weight.dtype) if output_mask[2] else None
@@ -593,7 +592,7 @@ def backward_plan(
 #: ``convolution_backward``'s plans by shapes, strides, dtypes, geometry and mask: the checks,
 #: the geometry and the launch arguments are worked out once (host time is what the ConvT3d
 #: pipeline's training step waits on).
-_PLANS = BoundedCache(256)
+_PLANS = PlanCache()
 
 
 def _precisions(dtype: torch.dtype, allow_tf32: tuple[bool, bool] | None) -> tuple[str, str]:

@@ -24,12 +24,10 @@ Determinism: no atomics.  A plane may be split into ``SPLIT`` row ranges (for pa
 are few planes); each split writes its own partial row of the output and the launcher sums the splits
 in a fixed order.
 
-Measured on an H100 (torch 2.11, triton 3.6) at the size of the ``seeds`` suite's ConvTranspose2d
-64->128 k3 pipeline, x (16, 64, 512, 512) fp32 with one set per dim: ``_set_sums_kernel`` 0.36 ms
-(~3 TB/s of x), ``_set_broadcast_kernel`` 0.34 ms; with three sets per dim (a padded "same" conv)
-0.59 / 0.46 ms.  channels_last x read by the plane kernel (strided loads along W) took 2.7 ms:
-``_set_sums_cl_kernel`` / ``_grad_broadcast_cl_kernel`` now tile ``positions x channels`` so each tile
-row is a contiguous run of channels (not yet timed on a GPU).
+The plane kernels read x at about the memory's bandwidth in its NCDHW layout (``docs/perf/RESULTS.md``, *Kernel design measurements*); read by them,
+a channels_last x (strided loads along W) was several times slower, so ``_set_sums_cl_kernel`` /
+``_grad_broadcast_cl_kernel`` tile ``positions x channels`` and each tile row is a contiguous run of
+channels.
 
 The fused op's pipeline (``set_sums_partial`` -> ``contract_forward`` forward, ``params_backward`` ->
 ``grad_broadcast`` backward) is one launch per launcher: the split partials are reduced inside

@@ -54,8 +54,8 @@ class Launch:
     NOTE: at the ``seeds`` suite's sizes a training step is host-bound (``python tools/profile_step.py
     demos/seeds/convt2d_global_mean_bias_logsumexp.py --mode train`` shows the GPU time against the
     host time per step): recomputing tiles, splits and grids on every call cost more host time than
-    the kernels' GPU time, so the launchers look these up in an ``lru_cache`` keyed by shapes and
-    strides and only bind tensors per call.
+    the kernels' GPU time, so the launchers look these up in a plan cache (``plan_cache.cached_plans``)
+    keyed by shapes and strides and only bind tensors per call.
     """
 
     kernel: Any

@@ -5,7 +5,6 @@ folded affine chain (forward, ``contract_forward``), and every parameter gradien
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ..host import cdiv, next_pow2
+from ..plan_cache import cached_plans
 from .common import NUM_WARPS, Launch, WeightLayout
 
 # ``KINDS`` entries are the op codes of ``chain_math.OP_CODES`` (``PointwiseKind.code``): mul 13, add 14,
@@ -322,7 +322,7 @@ def contract_tiles(k: int, cout_g: int, nsplit: int) -> ContractTiles:
     return ContractTiles(block_co, block_k, block_s)
 
 
-@functools.lru_cache(maxsize=256)
+@cached_plans
 def _plan_contract(
     n: int, groups: int, cout_g: int, k: int, nsplit: int, chain_static: tuple[Any, ...], has_bias: bool
 ) -> Launch:
@@ -369,7 +369,7 @@ def contract_forward(
     )  # fmt: skip
 
 
-@functools.lru_cache(maxsize=256)
+@cached_plans
 def _plan_params(
     groups: int, cout_g: int, cin_g: int, t: int, chain_static: tuple[Any, ...], modes: tuple[int, ...],
     has_bias: bool,

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ..host import cdiv, next_pow2
 from ..launch import launch
+from ..plan_cache import ContractError, cached_plans
 from .common import NUM_WARPS, Launch, WeightLayout
 
 #: Largest number of distinct index sets per spatial dim (bits of an int32 table entry).
@@ -276,9 +277,9 @@ def _check_launch(
     """Validate a pass launch; the bit tables only the first time they are seen with these sizes (the
     launch runs on every step of a host-bound training loop)."""
     if t.dim() != 5:
-        raise ValueError(f"{name}: expected a 5-D (N, C, D, H, W) tensor, got shape {tuple(t.shape)}")
+        raise ContractError(f"{name}: expected a 5-D (N, C, D, H, W) tensor, got shape {tuple(t.shape)}")
     if t.dtype not in _KERNEL_DTYPES:
-        raise ValueError(f"{name}: dtype {t.dtype} has no kernel (supported: {_KERNEL_DTYPES})")
+        raise ContractError(f"{name}: dtype {t.dtype} has no kernel (supported: {_KERNEL_DTYPES})")
     key = (*map(id, bits), *sets, *t.shape[2:], t.device)
     if key in _CHECKED_TABLES:
         return
@@ -571,7 +572,7 @@ def _pass_plan(
     return _plane_plan(shape, stride, device, sets, split, plane_kernel, **extra)
 
 
-@functools.lru_cache(maxsize=256)
+@cached_plans
 def plan_set_sums(
     shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
     split: int | None,
@@ -600,7 +601,7 @@ def set_sums_partial(
     return partial, plan.buffer_strides, plan.nsplit
 
 
-@functools.lru_cache(maxsize=256)
+@cached_plans
 def plan_broadcast(
     shape: tuple[int, ...], stride: tuple[int, ...], device: torch.device, sets: tuple[int, int, int],
     cout_g: int, split: int | None,
