@@ -46,7 +46,6 @@ from ..ir.specs import PoolSpec
 from .chain_math import (
     BIAS_ROW,
     MAX_SLOTS,
-    MAX_WINDOW_VOLUME,  # noqa: F401 (the op reads the unroll limit here: ops/conv_epilogue/common.py)
     NUM_GRAD_ROWS,
     NUM_PARAM_ROWS,
     OPERAND_GRAD_CODES,
