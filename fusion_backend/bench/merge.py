@@ -1,7 +1,7 @@
 """One report from several runs of one suite: ``python -m fusion_backend bench --merge DIR DIR ... --out DIR``.
 
-WHY: a suite can take longer than one sitting allows (the ``convnets`` suite's 18 workloads, fp32 and
-bf16, inference and training: 10-13 minutes on an H100), so it runs in parts (``--filter`` or a list of
+WHY: a suite's whole matrix (every workload in fp32 and bf16, inference and training) can take longer
+than one sitting allows, so it runs in parts (``--filter`` or a list of
 model files), merged into the one ``bench.json`` the suite is read from, with one verdict over all rows.
 
 Contract of :func:`merge_reports`: the reports must come from the same configuration (precisions,
