@@ -7,8 +7,9 @@ Contract:
     machine's ``environment()`` (GPU, torch and Triton versions, a fingerprint of this package's
     sources and of the pattern families'), so an answer measured elsewhere, or by other code, is
     never reused.  Callers put in ``parts`` everything else the time depends on.
-  * An entry is a JSON object; ``kind`` says whose it is (``"region"``, ``"graph"``, ``"impl"``).  A
-    reader passes ``valid`` to ignore entries it cannot use (malformed, another kind).
+  * An entry is a JSON object; ``kind`` says whose it is (``"region"``, ``"graph"``, ``"impl"``); one
+    without a ``kind`` is dropped when the file is read.  A reader passes ``valid`` to ignore entries
+    it cannot use (malformed, another kind); the next measurement under the key replaces them.
   * The file is one JSON object ``{"schema": SCHEMA, "entries": {key: entry}}``, rewritten atomically
     on every store (a concurrent reader never sees half a file; the last writer of two processes may
     drop the other's newest entry, which only costs a measurement).  A file that does not parse or has
@@ -135,6 +136,6 @@ def _load(cache_dir: Path) -> dict[str, Entry]:
         return {}
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("entries"), dict):
         return {}
-    found = {k: v for k, v in data["entries"].items() if isinstance(v, dict)}
+    found = {k: v for k, v in data["entries"].items() if isinstance(v, dict) and isinstance(v.get("kind"), str)}
     _parsed[str(path)] = (identity, found)
     return found

@@ -703,9 +703,9 @@ def _stable_repr(value: Any) -> str:
 def _well_formed(entry: Any) -> bool:
     """A region's entry holds every number of ``_TIMES``; a whole graph's (``kind`` "graph",
     ``runtime/graph_timing.py``) every number of ``GRAPH_TIMES``."""
-    if not isinstance(entry, dict):
+    if not isinstance(entry, dict) or entry.get("kind") not in ("region", "graph"):
         return False
-    names = GRAPH_TIMES if entry.get("kind") == "graph" else _TIMES
+    names = GRAPH_TIMES if entry["kind"] == "graph" else _TIMES
     return all(isinstance(entry.get(k), (int, float)) and entry[k] > 0 for k in names)
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fusion_backend import measurements
 from fusion_backend.errors import InvalidOptionError
 from fusion_backend.report import GraphReport, collect_reports
 from fusion_backend.runtime import decision
@@ -266,7 +267,7 @@ def test_a_second_process_reuses_the_cache_without_timing(cache):
     compile_and_run(model, x, first)
     assert first.calls == 1 and cache.is_file()
     stored = json.loads(cache.read_text())
-    assert stored["schema"] == decision.SCHEMA and len(stored["entries"]) == 1
+    assert stored["schema"] == measurements.SCHEMA and len(stored["entries"]) == 1
     (entry,) = stored["entries"].values()
     assert (entry["fused_gpu_ms"], entry["inductor_gpu_ms"], entry["gpu_speedup"]) == (1.0, 3.0, 3.0)
 
@@ -294,18 +295,18 @@ def test_the_decision_key_fingerprints_the_package_and_the_pattern_families(monk
 
     seen = []
     monkeypatch.setattr(sources, "fingerprint", lambda root: seen.append(root.name) or "0" * 64)
-    decision._environment.cache_clear()
+    measurements.environment.cache_clear()
     try:
-        decision._environment()
+        measurements.environment()
     finally:
-        decision._environment.cache_clear()
+        measurements.environment.cache_clear()
     assert seen == ["fusion_backend", "patterns"]
 
 
 @pytest.mark.parametrize("content", [
     "{ not json",
-    json.dumps({"schema": decision.SCHEMA + 1, "entries": {}}),
-    json.dumps({"schema": decision.SCHEMA - 1, "entries": {}}),
+    json.dumps({"schema": measurements.SCHEMA + 1, "entries": {}}),
+    json.dumps({"schema": measurements.SCHEMA - 1, "entries": {}}),
     json.dumps([1, 2, 3]),
 ])
 def test_a_corrupt_or_stale_cache_file_is_ignored_and_rebuilt(cache, content):
@@ -314,7 +315,7 @@ def test_a_corrupt_or_stale_cache_file_is_ignored_and_rebuilt(cache, content):
     timer = FakeTimer(1.0, 2.0)
     _, reports = compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), timer)
     assert timer.calls == 1 and only_decision(reports)[1].fused
-    assert json.loads(cache.read_text())["schema"] == decision.SCHEMA
+    assert json.loads(cache.read_text())["schema"] == measurements.SCHEMA
 
 
 def test_a_malformed_entry_is_ignored_and_remeasured(cache):
@@ -322,8 +323,8 @@ def test_a_malformed_entry_is_ignored_and_remeasured(cache):
     compile_and_run(model, x, FakeTimer(1.0, 2.0))
     data = json.loads(cache.read_text())
     (key,) = data["entries"]
-    data["entries"][key] = {"fused_ms": "fast", "inductor_ms": -1}
-    data["entries"]["an entry without GPU times"] = {"fused_ms": 1.0, "inductor_ms": 2.0, "speedup": 2.0}
+    data["entries"][key] = {"kind": "region", "fused_ms": "fast", "inductor_ms": -1}
+    data["entries"]["an entry without a kind"] = {"fused_ms": 1.0, "inductor_ms": 2.0, "speedup": 2.0}
     cache.write_text(json.dumps(data))
     decision.forget_in_memory()
     timer = FakeTimer(5.0, 1.0)
@@ -696,3 +697,23 @@ def test_the_decision_times_the_region_the_graph_found_without_matching_it_again
     assert only_decision(reports)[1].fused and set(results) == {"fused", "inductor"}
     assert len(searched) == 1 and "Region" not in type(searched[0]).__name__
     torch.testing.assert_close(out, model(x))
+
+
+def test_decisions_and_per_call_path_choices_share_one_file_and_keep_each_others_entries(cache, monkeypatch):
+    """One measurement cache: a region's decision and an op's per-call path choice land in the same
+    file under keys of one scheme, and neither store drops the other's entry."""
+    from fusion_backend.ops import impl_choice
+
+    monkeypatch.setattr(impl_choice, "_memory", {})
+    monkeypatch.delenv(impl_choice.MEASURE_ENV, raising=False)
+    compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), FakeTimer(1.0, 2.0))
+    candidates = {"fast": lambda: "fast", "library": lambda: "library"}
+    assert impl_choice.choose("op", candidates, "library", timer=lambda fn: 1.0 if fn() == "fast" else 2.0) == "fast"
+    kinds = sorted(e["kind"] for e in json.loads(cache.read_text())["entries"].values())
+    assert kinds == ["impl", "region"]
+    measurements.forget_in_memory()
+    impl_choice.forget_in_memory()
+    assert impl_choice.choose("op", candidates, "library", timer=lambda fn: pytest.fail("measured again")) == "fast"
+    timer = FakeTimer(1.0, 2.0)
+    compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), timer)
+    assert timer.calls == 0  # the region's answer survived the choice's store

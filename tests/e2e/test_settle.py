@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fusion_backend
-from fusion_backend import backend
+from fusion_backend import backend, measurements
 from fusion_backend.errors import InvalidOptionError
 from fusion_backend.report import collect_reports
 from fusion_backend.runtime import decision, deferred
@@ -248,7 +248,7 @@ def test_the_decision_budget_leaves_the_regions_it_cannot_measure_to_inductor_un
     assert measured.fused and all(d.fused and d.cached for d in same) and timer.calls == 1
     assert not last.fused and "decision budget is spent" in last.rule
     # nothing was cached for the unmeasured region: a later settle measures it
-    assert sum(1 for e in decision._memory.values() if "class" in e) == 1
+    assert sum(1 for e in measurements._memory.values() if "class" in e) == 1
 
 
 @pytest.mark.parametrize("value", [-0.1, "fast", True])
