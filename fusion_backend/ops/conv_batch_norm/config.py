@@ -90,11 +90,6 @@ class ConvBatchNormConfig(JsonConfig):
         return ()
 
 
-def norm_dtype(cfg: ConvBatchNormConfig, conv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the norm's result (and of the post-chain) in eager."""
-    return dtype_named(OP, cfg.norm_dtype, conv_dtype, "norm_dtype")
-
-
 def values_per_channel(y_shape: Sequence[int]) -> int:
     """How many values each channel's batch statistics cover: ``N * prod(spatial)``; like eager, a
     batch norm with batch statistics needs more than one (``ValueError`` otherwise)."""

@@ -83,11 +83,6 @@ class ConvGroupNormConfig(JsonConfig):
             raise ValueError(f"the pool {self.pool} does not have the conv's {self.conv.spatial_dims} spatial dims")
 
 
-def norm_dtype(cfg: ConvGroupNormConfig, conv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the norm's result (and of the post-chain) in eager."""
-    return dtype_named(OP, cfg.norm_dtype, conv_dtype, "norm_dtype")
-
-
 def outputs(x: Tensor, y0: Tensor, cfg: ConvGroupNormConfig, save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Empty ``(out, saved_y, saved_winner, saved_stats)`` with the exact shapes, dtypes and strides of
     the real op (``y0``: the conv output without bias, real or fake).

@@ -80,6 +80,11 @@ class ConvLayerNormConfig(JsonConfig):
         check_dtype_names(self, "norm_dtype", "out_dtype")
 
     @property
+    def pool(self) -> None:
+        """No pool ends the region (the norm families' shared reference reads every one's ``pool``)."""
+        return None
+
+    @property
     def normalized_dims(self) -> int:
         """How many trailing dims of the conv output a row covers."""
         return len(self.normalized_shape)
@@ -88,11 +93,6 @@ class ConvLayerNormConfig(JsonConfig):
     def elements(self) -> int:
         """Values per row: ``prod(normalized_shape)``, the size of the norm's weight and bias."""
         return math.prod(self.normalized_shape)
-
-
-def norm_dtype(cfg: ConvLayerNormConfig, conv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the norm's result (and of the post-chain) in eager."""
-    return dtype_named(OP, cfg.norm_dtype, conv_dtype, "norm_dtype")
 
 
 def rows(y_shape: Sequence[int], cfg: ConvLayerNormConfig) -> int:
