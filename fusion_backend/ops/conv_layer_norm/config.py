@@ -46,16 +46,10 @@ class ConvLayerNormConfig(JsonConfig):
       ``spatial_dims + 1`` of them (the channels and every spatial dim at most; never the batch).  The
       conv output's trailing sizes must equal it (checked at run time).
     * ``eps``: added to the biased variance of each row before the reciprocal square root.
-    * ``weight`` / ``bias``: indices into the op's ``operands`` of the norm's elementwise scale and
-      shift (``prod(normalized_shape)`` values each, any float dtype, in the normalized shape's
-      row-major order), or ``None`` (``elementwise_affine=False``, or ``bias=False``).
-    * ``pre`` / ``post``: steps applied before / after the norm (``ops/chain.py``); ``TensorRef``
-      operands index the same ``operands`` list (numbers, one-element or per-channel tensors);
-      ``ChainValue(i)`` is the chain's own value before its step ``i``.
-    * ``norm_dtype``: dtype name the norm's result has in eager (autocast runs layer_norm in fp32 on a
-      bf16 conv output), ``None`` = the conv's.  The post-chain runs in it.
-    * ``out_dtype``: dtype name of the region's result, ``None`` = the conv's.
-    * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
+    * ``weight`` / ``bias``: elementwise, ``prod(normalized_shape)`` values each in the normalized
+      shape's row-major order.
+    * ``pre``, ``post``, ``norm_dtype``, ``out_dtype``, ``strict``: as every norm family's
+      (``ops/config.py``); no pool.
     """
 
     conv: ConvSpec
