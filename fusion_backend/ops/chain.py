@@ -21,7 +21,6 @@ Op codes (``PointwiseKind.code``) are stable small integers: the Triton kernels 
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -240,7 +239,3 @@ def _hardtanh(v: torch.Tensor, lo: torch.Tensor | float, hi: torch.Tensor | floa
     clamped = torch.clamp(v, min=lo_t, max=hi_t).detach()
     return torch.where(inside | torch.isnan(v), v, clamped)
 
-
-def gelu_tanh_constant() -> float:
-    """sqrt(2/pi), the constant of the tanh approximation of gelu (shared with the kernels)."""
-    return math.sqrt(2.0 / math.pi)

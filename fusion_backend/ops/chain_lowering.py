@@ -7,7 +7,8 @@ operand gradients gathered back, for every family whose kernels run a chain.
   ``(NUM_PARAM_ROWS, C)``) and a norm's scale and shift rows (``affine_rows``);
 * ``wanted_slots``: which chain slots' operand-gradient sums a backward kernel computes;
   ``operand_grads`` adds the slots' sums up into each operand's gradient, ``add_operand_grad`` adds
-  one more (a norm's weight or bias) in;
+  one more (a norm's weight or bias) in; ``norm_chains`` and ``norm_operand_grads`` do both for a norm
+  family;
 * ``pool_unroll_problem``: why the kernels cannot take a pool window;
 * ``check_operand_refs``: the one-line error for a chain referring to an operand a call lacks.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -98,6 +99,25 @@ class KernelChains:
     @functools.cached_property
     def params(self) -> Tensor:
         return self._build(self.pre, self._bias, self._channels, self._device)
+
+
+def norm_chains(cfg: Any, bias: Tensor | None, operands: Sequence[Tensor], ndim: int, channels: int,
+                device: torch.device, count: int | None = None) -> KernelChains:  # fmt: skip
+    """A norm family's ``KernelChains`` over the C channels, with its scale and shift ``affine_rows``
+    over ``count`` values (default one per channel)."""
+    affine = affine_rows(operands, cfg.weight, cfg.bias, channels if count is None else count, device)
+    return KernelChains(cfg.pre, cfg.post, bias, operands, ndim, channels, device, affine=affine)
+
+
+def norm_operand_grads(operands: Sequence[Tensor], operand_mask: Sequence[bool], cfg: Any,
+                       chain_sums: Sequence[tuple[Sequence[ChainStep], Sequence[Tensor | None]]],
+                       affine_sums: Sequence[Tensor | None]) -> list[Tensor | None]:  # fmt: skip
+    """``operand_grads`` plus the norm's weight and bias gradients (``affine_sums``, None where not
+    computed) added in at ``cfg.weight`` / ``cfg.bias``."""
+    grads = operand_grads(operands, operand_mask, chain_sums)
+    for index, total in zip((cfg.weight, cfg.bias), affine_sums, strict=True):
+        add_operand_grad(grads, operands, index, total)
+    return grads
 
 
 def wanted_slots(chain: Sequence[ChainStep], operand_mask: Sequence[bool]) -> list[bool]:

@@ -9,7 +9,9 @@ family's reference (each family's ``reference.py`` is the tests' definition of i
   (``window_winners``: each window's row-major tap index), ``pool_input_grad`` a pool's input gradient
   from its output gradient (a max pool's summed into each window's saved winner,
   ``scatter_to_windows``; an avg pool's with torch's backward, ``avg_pool_backward``);
-* ``add_grads``: the sum of two optional gradients.
+* ``add_grads``: the sum of two optional gradients, ``with_bias`` the conv output plus its bias;
+* ``norm_forward`` / ``norm_backward``: what the norm families' references share around their norm
+  (the bias, the chains, the pool, the conv's and the operands' gradients).
 
 NOTE: the chain is differentiated with torch's own backward formulas (``_step_vjp``), not with
 ``torch.autograd``: custom-op implementations run below the autograd dispatch key, where
@@ -20,15 +22,15 @@ NOTE: the chain is differentiated with torch's own backward formulas (``_step_vj
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Union
+from collections.abc import Callable, Sequence
+from typing import Any, Union
 
 import torch
 from torch import Tensor
 
 from ..ir.specs import PoolSpec
 from .chain import ChainStep, ChainValue, PointwiseKind, TensorRef, apply_step, operand_values
-from .conv_io import run_pool, winner_dtype
+from .conv_io import channel_view, dtype_named, run_conv_backward, run_pool, stats_dtype, winner_dtype
 
 
 def apply_chain(y: Tensor, chain: Sequence[ChainStep], operands: Sequence[Tensor]) -> Tensor:
@@ -45,6 +47,11 @@ def add_grads(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     if a is None:
         return b
     return a if b is None else a + b
+
+
+def with_bias(y: Tensor, bias: Tensor | None) -> Tensor:
+    """``y`` plus the conv ``bias`` (cast to y's dtype) per channel; ``y`` itself without one."""
+    return y if bias is None else y + channel_view(bias.to(y.dtype), y.dim())
 
 
 def _window_strides(sizes: Sequence[int]) -> list[int]:
@@ -230,3 +237,53 @@ def scatter_to_windows(grad_w: Tensor, winner: Tensor, y_shape: Sequence[int], p
     full = torch.zeros(n, c, math.prod(spatial), dtype=grad_w.dtype, device=grad_w.device)
     full.scatter_add_(2, flat.reshape(n, c, -1), grad_w.reshape(n, c, -1))
     return full.reshape(y_shape)
+
+
+def norm_forward(op: str, y0: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: Any, out: Tensor,
+                 norm: Callable[[Tensor], tuple[Tensor, ...]], winner: Tensor | None = None) -> tuple[Tensor, ...]:  # fmt: skip
+    """A norm family's reference forward after the conv (``y0``: its output without bias): the bias
+    added after the conv (as the kernels add it), ``cfg.pre``, then ``norm(v)`` on the pre-chain's
+    result in the statistics' dtype (``stats_dtype``: what eager's norms compute in), which returns
+    the norm's result (scale and shift included) and its statistics; that result is cast to the
+    norm's dtype (``cfg.norm_dtype``), ``cfg.post`` and ``cfg.pool`` (a max pool's winners into
+    ``winner``) follow, cast to ``cfg.out_dtype`` into ``out``.  Returns the statistics."""
+    v = apply_chain(with_bias(y0, bias), cfg.pre, operands)
+    z, *stats = norm(v.to(stats_dtype(y0.dtype)))
+    result = apply_chain(z.to(dtype_named(op, cfg.norm_dtype, y0.dtype, "norm_dtype")), cfg.post, operands)
+    out.copy_(pool_saving_winners(result, cfg.pool, winner).to(dtype_named(op, cfg.out_dtype, y0.dtype)))
+    return tuple(stats)
+
+
+def norm_backward(
+    op: str, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+    saved_y: Tensor, cfg: Any, mask: Sequence[bool], normalize: Callable[[Tensor], Tensor],
+    norm_grads: Callable[[Tensor, Tensor, list[bool]], tuple[Tensor, Tensor | None, Tensor | None]],
+    saved_winner: Tensor | None = None,
+) -> list[Tensor | None]:  # fmt: skip
+    """A norm family's reference backward, ``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None
+    where ``mask`` is False), from the saved conv output: the chains' derivatives with the tape, the
+    norm's from ``norm_grads(grad_z, v, output_mask)`` (torch's backward op: the gradient of ``v``,
+    the pre-chain's result, and of the norm's weight and bias), the conv's from
+    ``aten.convolution_backward``.  ``normalize(v)``: the norm's result recomputed from the saved
+    statistics (scale and shift included).  Behind a pool the post-chain's gradient comes from
+    ``pool_input_grad`` (a max pool's summed into each window's saved winner)."""
+    operand_mask = list(mask[3:])
+    yb = with_bias(saved_y, bias)
+    v, pre_tape = chain_with_tape(yb, cfg.pre, operands)
+    out, post_tape = chain_with_tape(normalize(v).to(dtype_named(op, cfg.norm_dtype, saved_y.dtype, "norm_dtype")),
+                                     cfg.post, operands)  # fmt: skip
+    grad = grad_out.to(out.dtype)
+    if cfg.pool is not None:
+        grad = pool_input_grad(grad, out, saved_winner, cfg.pool)
+    grad_z, post_grads = chain_backward(post_tape, grad, operands, operand_mask)
+    wanted = [index is not None and bool(operand_mask[index]) for index in (cfg.weight, cfg.bias)]
+    grad_v, *affine_grads = norm_grads(grad_z, v, [True, *wanted])
+    grad_y, pre_grads = chain_backward(pre_tape, grad_v.to(yb.dtype), operands, operand_mask)
+    grad_x, grad_w, grad_b = run_conv_backward(grad_y.to(x.dtype).contiguous(), x, weight, cfg.conv, mask[0],
+                                               mask[1], bool(mask[2]))  # fmt: skip
+    grads = [add_grads(a, b) for a, b in zip(pre_grads, post_grads, strict=True)]
+    for index, g, want in zip((cfg.weight, cfg.bias), affine_grads, wanted, strict=True):
+        if want:
+            t = operands[index]
+            grads[index] = add_grads(grads[index], g.reshape(t.shape).to(t.dtype))
+    return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]

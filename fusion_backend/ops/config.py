@@ -11,6 +11,20 @@ Every family's config is a frozen dataclass deriving from ``JsonConfig``, which 
 A field's JSON form follows its annotation (``_CODECS``); a config with a field of another type fails
 at class definition.  ``ConvEpilogueConfig`` (the epilogue family's) lives here because the patterns
 build it too; the checks at the end are the ones the families' ``__post_init__`` share.
+
+The fields the norm families' configs share mean the same in each:
+
+* ``pre`` / ``post``: steps applied before / after the norm (``ops/chain.py``); ``TensorRef``
+  operands index the op's ``operands`` list (numbers, one-element or per-channel tensors);
+  ``ChainValue(i)`` is the chain's own value before its step ``i``.
+* ``weight`` / ``bias``: indices into ``operands`` of the norm's scale and shift (any float dtype),
+  or ``None`` (no affine, or no bias).
+* ``norm_dtype``: dtype name the norm's result has in eager (autocast runs the norm in fp32 on a
+  bf16 conv output), ``None`` = the conv's.  The post-chain runs in it.
+* ``out_dtype``: dtype name of the region's result, ``None`` = the conv's.
+* ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
+* ``pool``: a max or avg pool of the conv's spatial dims over the post-chain's result (the
+  region's result is then the pooled value), or ``None``.
 """
 
 from __future__ import annotations

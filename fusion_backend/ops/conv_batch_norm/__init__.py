@@ -24,18 +24,11 @@ with fakes):
 
 Implementations:
 
-* Triton (CUDA fp32/fp16/bf16; CPU under ``FUSION_CPU_KERNELS=triton`` with ``TRITON_INTERPRET=1``):
-  forward = the library conv without bias, then a statistics kernel over (channel block, chunk of
-  the batch and positions), a fixed-order combine, and a kernel for the bias, normalisation, gamma /
-  beta and post-chain (``kernels/batch_norm.py``; with a pool ``kernels/norm_pool.py``'s, which also
-  pools and writes only the pooled result); backward = a kernel for the per-channel sums, a kernel
-  for the conv output's gradient (behind a pool both gather each position's gradient from the pooled
-  one), then ``aten.convolution_backward``.
+* Triton (CUDA fp32/fp16/bf16; CPU under ``FUSION_CPU_KERNELS=triton`` with
+  ``TRITON_INTERPRET=1``): the library conv without bias, then the family's kernels
+  (``triton_path``'s docstring says which, and what each direction writes).
 * Reference (``reference.py``; CPU, float64): eager's ops (``aten.native_batch_norm`` and its
   backward).  It is the tests' definition of the op.
-
-Failure policy as the other families' (``ops/failure.py``): a Triton failure raises ``KernelError``
-under ``config.strict``, else warns once and runs the reference.
 
 The running statistics' update is an op of its own, ``fusion::batch_norm_running_update``, which
 mutates them and says so (``mutates_args``), so that AOTAutograd functionalizes the call (the buffers
@@ -43,8 +36,8 @@ are graph inputs it copies the new values back into) and Inductor keeps the upda
 calls it eagerly, which updates them in place.  WHY apart: torch.library takes no autograd formula for
 an op that mutates its arguments, and the forward needs one.
 
-Modules: this one (the declaration, the entry point and the running update), ``config`` (the static
-config, the outputs' layouts, the input checks), ``triton_path`` and ``reference``.
+Failure policy and modules as every family's (``ops/declare.py``; ``config``, ``triton_path``,
+``reference``); the running update is here.
 """
 
 from __future__ import annotations

@@ -47,19 +47,11 @@ class ConvBatchNormConfig(JsonConfig):
     * ``eps``: added to each channel's biased batch variance before the reciprocal square root.
     * ``momentum``: the running statistics' update factor ``m`` (``running = (1 - m) * running + m *
       batch``, the variance unbiased); used only when the call is given running statistics.
-    * ``weight`` / ``bias``: indices into the op's ``operands`` of the norm's per-channel scale and
-      shift (C values each, any float dtype), or ``None`` (``affine=False``).
+    * ``weight`` / ``bias``: C values each (one per channel).
     * ``running_stats``: whether the graph's call passes the running statistics (the last two entries
       of its operand list: ``op.split_operands``).
-    * ``post``: steps applied after the norm (``ops/chain.py``); ``TensorRef`` operands index the
-      same ``operands`` list (numbers, one-element or per-channel tensors); ``ChainValue(i)`` is the
-      chain's own value before its step ``i``.
-    * ``norm_dtype``: dtype name of the norm's result in eager, ``None`` = the conv's.  The post-chain
-      runs in it.
-    * ``out_dtype``: dtype name of the region's result, ``None`` = the conv's.
-    * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
-    * ``pool``: a max or avg pool of the conv's spatial dims over the post-chain's result (the
-      region's result is then the pooled value), or ``None``.
+    * ``post``, ``norm_dtype``, ``out_dtype``, ``strict``, ``pool``: as every norm family's
+      (``ops/config.py``); no pre-chain.
     """
 
     conv: ConvSpec
@@ -88,11 +80,6 @@ class ConvBatchNormConfig(JsonConfig):
         """The chain before the norm: none (the norm reads the conv output plus bias), so that the
         lowering reads a ``pre`` and a ``post`` chain of every norm family alike."""
         return ()
-
-
-def norm_dtype(cfg: ConvBatchNormConfig, conv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the norm's result (and of the post-chain) in eager."""
-    return dtype_named(OP, cfg.norm_dtype, conv_dtype, "norm_dtype")
 
 
 def values_per_channel(y_shape: Sequence[int]) -> int:

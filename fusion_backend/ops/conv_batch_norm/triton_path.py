@@ -20,18 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
-from ..chain_lowering import KernelChains, add_operand_grad, affine_rows, operand_grads, wanted_slots
+from ..chain_lowering import norm_chains, norm_operand_grads, wanted_slots
 from ..library_conv import conv_backward_plan, conv_forward, nominal_format
 from .config import ConvBatchNormConfig, outputs
-
-
-def _chains(cfg: ConvBatchNormConfig, bias: Tensor | None, operands: Sequence[Tensor], ndim: int, channels: int,
-            device: torch.device) -> KernelChains:  # fmt: skip
-    affine = affine_rows(operands, cfg.weight, cfg.bias, channels, device)
-    return KernelChains(cfg.pre, cfg.post, bias, operands, ndim, channels, device, affine=affine)
 
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvBatchNormConfig,
@@ -41,7 +34,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
 
     y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     out, saved_y, winner, stats = outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
-    chains = _chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
+    chains = norm_chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
     batch_norm_stats(y0, chains.bias, cfg.eps, stats)  # mean, rstd, unbiased variance
     norm_stats = stats[:2]
     if cfg.pool is None:
@@ -64,14 +57,14 @@ def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, o
 
     conv_backward = conv_backward_plan(x, weight, cfg.conv, saved_y)
     grad_y = conv_backward.new_grad_y(x.device)
-    chains = _chains(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device)
+    chains = norm_chains(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device)
     operand_mask = list(mask[3:])
     dgamma, dbeta, post_sums = batch_norm_backward(
         grad_out, saved_y, chains.bias, chains.post, chains.post_params, chains.affine, saved_stats[:2], grad_y,
         wanted_slots(cfg.post, operand_mask), cfg.pool, saved_winner if saved_winner.numel() else None,
     )  # fmt: skip
     grad_x, grad_w, grad_b = conv_backward(grad_y, x, weight, mask[0], mask[1], bool(mask[2]))
-    grads = operand_grads(operands, operand_mask, [(cfg.post, post_sums)])
-    for index, total in ((cfg.weight, dgamma), (cfg.bias, dbeta)):
-        add_operand_grad(grads, operands, index, total if index is not None and operand_mask[index] else None)
+    wanted = [total if index is not None and operand_mask[index] else None
+              for index, total in ((cfg.weight, dgamma), (cfg.bias, dbeta))]  # fmt: skip
+    grads = norm_operand_grads(operands, operand_mask, cfg, [(cfg.post, post_sums)], wanted)
     return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]

@@ -23,21 +23,18 @@ Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, 
 Implementations:
 
 * Triton (CUDA fp32/fp16/bf16, at most 1024 channels; CPU under ``FUSION_CPU_KERNELS=triton`` with
-  ``TRITON_INTERPRET=1``): forward = the library conv without bias, then one kernel
-  (``kernels/channel_reduce.py``: bias, pre-chain, reduction, post-chain, saved state, with every
-  channel of a position tile in registers); backward = one kernel for the conv output's gradient and
-  the operands' partial sums, then ``aten.convolution_backward``.
+  ``TRITON_INTERPRET=1``): the library conv without bias, then the family's kernels
+  (``triton_path``'s docstring says which, and what each direction writes).
 * Reference (``reference.py``; CPU, float64, more channels): eager's ops; the backward applies
   torch's derivative formulas.  It is the tests' definition of the op.
 
 Semantics reproduced on purpose: ``torch.min/max(dim)`` send the gradient to the one index torch
 returns (the first; a NaN wins), ``amin/amax`` split it evenly among ties (NaN columns get NaN
 gradients, as torch's formula), logsumexp of an all ``-inf`` column is ``-inf``, softmax of a column
-with an infinite max or a NaN is NaN throughout.  Failure policy as ``conv_epilogue``'s: a Triton
-failure raises ``KernelError`` under ``config.strict``, else warns once and runs the reference.
+with an infinite max or a NaN is NaN throughout.
 
-Modules: this one (the declaration and the entry point), ``config`` (the static config, the outputs'
-layouts, the input checks), ``triton_path`` and ``reference``.
+Failure policy and modules as every family's (``ops/declare.py``; ``config``, ``triton_path``,
+``reference``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..chain_reference import add_grads, apply_chain, chain_backward, chain_with_tape
+from ..chain_reference import add_grads, apply_chain, chain_backward, chain_with_tape, with_bias
 from ..conv_io import (
     channel_view,
     conv_channels,
@@ -88,7 +88,7 @@ def backward(
     # 1. the post-chain, from the reduction's result (recomputed for softmax / log_softmax)
     v = yb = None
     if needs_y(cfg):
-        yb = saved_y if bias is None else saved_y + channel_view(bias.to(saved_y.dtype), saved_y.dim())
+        yb = with_bias(saved_y, bias)
         v = apply_chain(yb, cfg.pre, operands)
     if cfg.full_size:
         r = torch.softmax(v, 1) if kind == "softmax" else torch.log_softmax(v, 1)

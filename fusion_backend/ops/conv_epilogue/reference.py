@@ -20,6 +20,7 @@ from ..chain_reference import (
     chain_with_tape,
     scatter_to_windows,
     window_winners,
+    with_bias,
 )
 from ..config import ConvEpilogueConfig, describe_pool
 from ..conv_io import (
@@ -167,7 +168,7 @@ def backward(
     pool = cfg.pool
     is_max = pool is not None and pool.kind == "max"
     x, weight, bias_c = cast_inputs(x, weight, bias, conv_compute_dtype(cfg, x))  # grads: ``strided_like`` casts back
-    y = saved_y0 if bias_c is None else saved_y0 + channel_view(bias_c, saved_y0.dim())
+    y = with_bias(saved_y0, bias_c)
     v, tape = chain_with_tape(y, cfg.chain, operands)
     grad_v = grad_out.to(v.dtype)
     if pool is not None and not is_max:

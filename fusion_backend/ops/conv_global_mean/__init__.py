@@ -74,13 +74,11 @@ Results are cast to ``out_dtype``.  No float atomics anywhere: every reduction h
 
 ``tools/bench_conv_global_mean.py`` times the pipeline.
 
-Failure policy as the other families' (``ops/failure.py``): a Triton failure raises ``KernelError``
-under ``config.strict``, else warns once and runs the reference.  A call whose shapes the kernels
+Failure policy as every family's (``ops/declare.py``).  A call whose shapes the kernels
 cannot serve (a spatial dim with more than 31 distinct tap index sets: ``config.call_problem``) runs
 the reference with a one-time warning, and raises ``UnsupportedInputError`` under ``strict`` on CUDA.
 
-Modules: this one (the declaration and the entry point), ``config`` (the static config, the outputs,
-the input checks, the per-dim index sets), ``triton_path`` and ``reference`` (the affine fold).
+Modules as every family's; ``config`` also holds the per-dim index sets, ``reference`` the affine fold.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from torch import Tensor
 from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ..chain import Const, PointwiseKind, TensorRef
-from ..conv_io import conv_channels
+from ..conv_io import conv_channels, stats_dtype
 from .config import (
     OP,
     ConvGlobalMeanConfig,
@@ -27,10 +27,6 @@ from .config import (
     geometry_for,
     out_dtype,
 )
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _channel_vector(t: Tensor, c_out: int, out_rank: int, device: torch.device) -> Tensor:
@@ -171,7 +167,7 @@ def grouped_weight(spec: ConvSpec, weight: Tensor) -> tuple[Tensor, str]:
 def _set_sums_reference(x: Tensor, geo: Geometry) -> Tensor:
     """``(N, C_in, J)`` sums of x over the product sets, in x's accumulation dtype (torch reference)."""
     n, c = x.shape[:2]
-    acc = accumulation_dtype(x.dtype)
+    acc = stats_dtype(x.dtype)
     m1, m2, m3 = (mask.to(acc) for mask in geo.masks)
     j1, j2, j3 = geo.set_counts
     # NOTE: three matmuls, innermost dim first, rather than one 4-operand einsum: same result,
@@ -268,7 +264,7 @@ def backward(grad_out: Tensor, x: Any, weight: Tensor, bias: Tensor | None, oper
 def _set_broadcast_reference(q: Tensor, geo: Geometry, grad_x: Tensor) -> None:
     """Write ``grad_x[n, ci, i] = sum_j q[n, ci, j] * [i in set j]`` (computed in ``grad_x``'s
     accumulation dtype)."""
-    acc = accumulation_dtype(grad_x.dtype)
+    acc = stats_dtype(grad_x.dtype)
     m1, m2, m3 = (mask.to(acc) for mask in geo.masks)
     j1, j2, j3 = geo.set_counts
     n, c = grad_x.shape[0], grad_x.shape[1]

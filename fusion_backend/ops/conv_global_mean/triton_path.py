@@ -18,7 +18,7 @@ from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ..chain import Const, TensorRef
 from ..conv_io import conv_channels
-from .config import OP, ConvGlobalMeanConfig, as_5d, channel_stride_meta, check_bias, geometry_for, out_dtype
+from .config import OP, ConvGlobalMeanConfig, as_5d, channel_stride_meta, check_bias, geometry_for, outputs
 
 
 @dataclass(frozen=True)
@@ -123,13 +123,9 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     check_bias(cfg, weight, bias)
     geo = geometry_for(cfg.conv, tuple(x.shape[2:]), tuple(weight.shape[2:]), x.device)
     partial = kernels.set_sums_partial(as_5d(x), geo.bits, geo.set_counts)
+    out, taps, mean = outputs(x, weight, bias, operands, cfg, save)
     n, c_in = x.shape[:2]
-    c_out = conv_channels(weight, cfg.conv)
-    out_shape = (n, c_out, *([1] * cfg.conv.spatial_dims)) if cfg.keepdim else (n, c_out)
-    out = torch.empty(out_shape, dtype=out_dtype(cfg, x), device=x.device)
-    mean = torch.empty((n, c_out), dtype=torch.float64, device=x.device)
-    chain = chain_args(cfg, operands, c_out, x.device, mean)
-    taps = torch.empty((n, c_in, *weight.shape[2:]), dtype=torch.float64, device=x.device)
+    chain = chain_args(cfg, operands, mean.shape[1], x.device, mean)
     kernels.contract_forward(partial, geo.tapset, weight_layout(weight, cfg.conv), bias, chain, geo.n_outputs, out,
                              mean, taps.view(n, c_in, -1))  # fmt: skip
     return out, taps, mean

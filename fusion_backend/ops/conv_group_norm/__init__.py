@@ -19,22 +19,14 @@ Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, 
 
 Implementations:
 
-* Triton (CUDA fp32/fp16/bf16; CPU under ``FUSION_CPU_KERNELS=triton`` with ``TRITON_INTERPRET=1``):
-  forward = the library conv without bias, then ``kernels/group_norm.py``'s kernels (bias,
-  pre-chain, group statistics, normalisation, gamma / beta, post-chain; a large group is cut into
-  chunks of positions, one program each, whose partial statistics a second kernel combines; with a
-  pool the statistics alone, then ``kernels/norm_pool.py`` normalises, pools and writes only the
-  pooled result); backward = the same split for the conv output's gradient and the per-channel
-  partial sums of gamma's, beta's and the operands' gradients (behind a pool each position's gradient
-  gathered from the pooled one), then ``aten.convolution_backward``.
+* Triton (CUDA fp32/fp16/bf16; CPU under ``FUSION_CPU_KERNELS=triton`` with
+  ``TRITON_INTERPRET=1``): the library conv without bias, then the family's kernels
+  (``triton_path``'s docstring says which, and what each direction writes).
 * Reference (``reference.py``; CPU, float64): eager's ops (``aten.native_group_norm`` and its
   backward).  It is the tests' definition of the op.
 
-Failure policy as the other families' (``ops/failure.py``): a Triton failure raises ``KernelError``
-under ``config.strict``, else warns once and runs the reference.
-
-Modules: this one (the declaration and the entry point), ``config`` (the static config, the outputs'
-layouts, the input checks), ``triton_path`` and ``reference``.
+Failure policy and modules as every family's (``ops/declare.py``; ``config``, ``triton_path``,
+``reference``).
 """
 
 from __future__ import annotations

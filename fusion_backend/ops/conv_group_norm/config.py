@@ -46,17 +46,9 @@ class ConvGroupNormConfig(JsonConfig):
     * ``groups``: the norm's number of groups; an instance norm is ``groups == C`` (one channel per
       group).  The conv's output channels must be divisible by it (checked at run time).
     * ``eps``: added to the biased variance of each group before the reciprocal square root.
-    * ``weight`` / ``bias``: indices into the op's ``operands`` of the norm's per-channel scale and
-      shift (C values each, any float dtype), or ``None`` (``affine=False``).
-    * ``pre`` / ``post``: steps applied before / after the norm (``ops/chain.py``); ``TensorRef``
-      operands index the same ``operands`` list (numbers, one-element or per-channel tensors);
-      ``ChainValue(i)`` is the chain's own value before its step ``i``.
-    * ``norm_dtype``: dtype name the norm's result has in eager (autocast runs group_norm in fp32 on a
-      bf16 conv output), ``None`` = the conv's.  The post-chain runs in it.
-    * ``out_dtype``: dtype name of the region's result, ``None`` = the conv's.
-    * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
-    * ``pool``: a max or avg pool of the conv's spatial dims over the post-chain's result (the
-      region's result is then the pooled value), or ``None``.
+    * ``weight`` / ``bias``: C values each (one per channel).
+    * ``pre``, ``post``, ``norm_dtype``, ``out_dtype``, ``strict``, ``pool``: as every norm family's
+      (``ops/config.py``).
 
     Nothing here depends on tensor sizes but ``groups``, which the conv's weight fixes.
     """
@@ -81,11 +73,6 @@ class ConvGroupNormConfig(JsonConfig):
         check_dtype_names(self, "norm_dtype", "out_dtype")
         if self.pool is not None and len(self.pool.kernel_size) != self.conv.spatial_dims:
             raise ValueError(f"the pool {self.pool} does not have the conv's {self.conv.spatial_dims} spatial dims")
-
-
-def norm_dtype(cfg: ConvGroupNormConfig, conv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the norm's result (and of the post-chain) in eager."""
-    return dtype_named(OP, cfg.norm_dtype, conv_dtype, "norm_dtype")
 
 
 def outputs(x: Tensor, y0: Tensor, cfg: ConvGroupNormConfig, save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:

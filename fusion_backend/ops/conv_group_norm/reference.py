@@ -18,16 +18,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..chain_reference import (
-    add_grads,
-    apply_chain,
-    chain_backward,
-    chain_with_tape,
-    pool_input_grad,
-    pool_saving_winners,
-)
-from ..conv_io import channel_view, dtype_named, run_conv, run_conv_backward, stats_dtype
-from .config import OP, ConvGroupNormConfig, norm_dtype, outputs
+from ..chain_reference import norm_backward, norm_forward
+from ..conv_io import channel_view, run_conv
+from .config import OP, ConvGroupNormConfig, outputs
 
 
 def _affine(operands: Sequence[Tensor], index: int | None, dtype: torch.dtype) -> Tensor | None:
@@ -40,23 +33,19 @@ def _sizes(v: Tensor) -> tuple[int, int, int]:
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvGroupNormConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do); a
-    max pool's winners from ``return_indices``, as the kernels save them (``window_winners``)."""
+    """Eager's ops on the conv output (``chain_reference.norm_forward``); a max pool's winners from
+    ``return_indices``, as the kernels save them (``window_winners``)."""
     y0 = run_conv(x, weight, None, cfg.conv)
     out, saved_y, winner, stats = outputs(x, y0, cfg, save)
-    yb = y0 if bias is None else y0 + channel_view(bias.to(y0.dtype), y0.dim())
-    v = apply_chain(yb, cfg.pre, operands)
-    sdt = stats_dtype(y0.dtype)
-    n, c, hw = _sizes(v)
-    z, mean, rstd = torch.ops.aten.native_group_norm(
-        v.to(sdt).contiguous(), _affine(operands, cfg.weight, sdt), _affine(operands, cfg.bias, sdt), n, c, hw,
-        cfg.groups, cfg.eps,
-    )  # fmt: skip
-    result = apply_chain(z.to(norm_dtype(cfg, y0.dtype)), cfg.post, operands)
-    out.copy_(pool_saving_winners(result, cfg.pool, winner).to(dtype_named(OP, cfg.out_dtype, y0.dtype)))
+
+    def norm(v: Tensor) -> tuple[Tensor, ...]:
+        gamma, beta = _affine(operands, cfg.weight, v.dtype), _affine(operands, cfg.bias, v.dtype)
+        return torch.ops.aten.native_group_norm(v.contiguous(), gamma, beta, *_sizes(v), cfg.groups, cfg.eps)
+
+    mean, rstd = norm_forward(OP, y0, bias, operands, cfg, out, norm, winner)
     if save:
-        stats[0].copy_(mean.reshape(n, cfg.groups))
-        stats[1].copy_(rstd.reshape(n, cfg.groups))
+        stats[0].copy_(mean.reshape(y0.shape[0], cfg.groups))
+        stats[1].copy_(rstd.reshape(y0.shape[0], cfg.groups))
     return out, saved_y, winner, stats
 
 
@@ -71,39 +60,20 @@ def backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], saved_y: Tensor,
     saved_winner: Tensor, saved_stats: Tensor, cfg: ConvGroupNormConfig, mask: Sequence[bool],
 ) -> list[Tensor | None]:  # fmt: skip
-    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False).  Behind a
-    pool the gradient of the post-chain's full-size result comes from ``pool_input_grad`` (a max
-    pool's summed into each window's saved winner)."""
-    operand_mask = list(mask[3:])
+    """``chain_reference.norm_backward`` with ``aten.native_group_norm_backward``."""
     sdt = saved_stats.dtype
-    yb = saved_y if bias is None else saved_y + channel_view(bias.to(saved_y.dtype), saved_y.dim())
-    v, pre_tape = chain_with_tape(yb, cfg.pre, operands)
     gamma, beta = _affine(operands, cfg.weight, sdt), _affine(operands, cfg.bias, sdt)
-    z = normalized(v, saved_stats, cfg.groups)
-    if gamma is not None:
-        z = z * channel_view(gamma, z.dim())
-    if beta is not None:
-        z = z + channel_view(beta, z.dim())
-    z = z.to(norm_dtype(cfg, saved_y.dtype))
-    out, post_tape = chain_with_tape(z, cfg.post, operands)
-    grad = grad_out.to(out.dtype)
-    if cfg.pool is not None:
-        grad = pool_input_grad(grad, out, saved_winner, cfg.pool)
-    grad_z, post_grads = chain_backward(post_tape, grad, operands, operand_mask)
-    n, c, hw = _sizes(v)
-    want_w = cfg.weight is not None and operand_mask[cfg.weight]
-    want_b = cfg.bias is not None and operand_mask[cfg.bias]
-    grad_v, grad_gamma, grad_beta = torch.ops.aten.native_group_norm_backward(
-        grad_z.to(sdt).contiguous(), v.to(sdt).contiguous(), saved_stats[0].contiguous(),
-        saved_stats[1].contiguous(), gamma, n, c, hw, cfg.groups, [True, want_w, want_b],
-    )  # fmt: skip
-    grad_y, pre_grads = chain_backward(pre_tape, grad_v.to(yb.dtype), operands, operand_mask)
-    grad_x, grad_w, grad_b = run_conv_backward(grad_y.to(x.dtype).contiguous(), x, weight, cfg.conv, mask[0],
-                                               mask[1], bool(mask[2]))  # fmt: skip
-    grads = [add_grads(a, b) for a, b in zip(pre_grads, post_grads, strict=True)]
-    for index, g in ((cfg.weight, grad_gamma if want_w else None), (cfg.bias, grad_beta if want_b else None)):
-        if g is not None:
-            t = operands[index]
-            grads[index] = add_grads(grads[index], g.reshape(t.shape).to(t.dtype))
-    return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]
 
+    def normalize(v: Tensor) -> Tensor:
+        z = normalized(v, saved_stats, cfg.groups)
+        z = z if gamma is None else z * channel_view(gamma, z.dim())
+        return z if beta is None else z + channel_view(beta, z.dim())
+
+    def norm_grads(grad_z: Tensor, v: Tensor, want: list[bool]) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        return torch.ops.aten.native_group_norm_backward(
+            grad_z.to(sdt).contiguous(), v.to(sdt).contiguous(), saved_stats[0].contiguous(),
+            saved_stats[1].contiguous(), gamma, *_sizes(v), cfg.groups, want,
+        )  # fmt: skip
+
+    return norm_backward(OP, grad_out, x, weight, bias, operands, saved_y, cfg, mask, normalize, norm_grads,
+                         saved_winner)  # fmt: skip

@@ -23,16 +23,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..chain_lowering import KernelChains, add_operand_grad, affine_rows, operand_grads, wanted_slots
+from ..chain_lowering import norm_chains, norm_operand_grads, wanted_slots
 from ..conv_io import run_conv
 from ..library_conv import conv_backward_plan
 from .config import ConvGroupNormConfig, outputs
-
-
-def _chains(cfg: ConvGroupNormConfig, bias: Tensor | None, operands: Sequence[Tensor], ndim: int, channels: int,
-            device: torch.device) -> KernelChains:  # fmt: skip
-    affine = affine_rows(operands, cfg.weight, cfg.bias, channels, device)
-    return KernelChains(cfg.pre, cfg.post, bias, operands, ndim, channels, device, affine=affine)
 
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvGroupNormConfig,
@@ -42,7 +36,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
 
     y0 = run_conv(x, weight, None, cfg.conv)
     out, saved_y, winner, stats = outputs(x, y0, cfg, save)
-    chains = _chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
+    chains = norm_chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
     if cfg.pool is None:
         group_norm_forward(y0, bias is not None, chains.pre, chains.post, cfg.groups, cfg.eps, chains.params,
                            chains.post_params, chains.affine, out, stats if save else None)  # fmt: skip
@@ -66,7 +60,7 @@ def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, o
 
     conv_backward = conv_backward_plan(x, weight, cfg.conv, saved_y)
     grad_y = conv_backward.new_grad_y(x.device)
-    chains = _chains(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device)
+    chains = norm_chains(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device)
     operand_mask = list(mask[3:])
     affine_wanted = tuple(index is not None and bool(operand_mask[index]) for index in (cfg.weight, cfg.bias))
     pre_sums, post_sums, affine_sums = group_norm_backward(
@@ -76,7 +70,5 @@ def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, o
         winner=saved_winner if saved_winner.numel() else None,
     )  # fmt: skip
     grad_x, grad_w, grad_b = conv_backward(grad_y, x, weight, mask[0], mask[1], bool(mask[2]))
-    grads = operand_grads(operands, operand_mask, [(cfg.pre, pre_sums), (cfg.post, post_sums)])
-    for index, total in zip((cfg.weight, cfg.bias), affine_sums, strict=True):
-        add_operand_grad(grads, operands, index, total)
+    grads = norm_operand_grads(operands, operand_mask, cfg, [(cfg.pre, pre_sums), (cfg.post, post_sums)], affine_sums)
     return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]

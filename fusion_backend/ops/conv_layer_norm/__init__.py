@@ -24,20 +24,14 @@ Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, 
 
 Implementations:
 
-* Triton (CUDA fp32/fp16/bf16; CPU under ``FUSION_CPU_KERNELS=triton`` with ``TRITON_INTERPRET=1``):
-  forward = the library conv without bias, then ``kernels/layer_norm.py``'s kernels (bias,
-  pre-chain, row statistics, normalisation, gamma / beta, post-chain; short rows packed many to a
-  tile, long rows split into chunks whose partial statistics a second kernel combines); backward =
-  the conv output's gradient and fixed-order partial sums of gamma's, beta's and the operands'
-  gradients from the saved state, then ``aten.convolution_backward``.
+* Triton (CUDA fp32/fp16/bf16; CPU under ``FUSION_CPU_KERNELS=triton`` with
+  ``TRITON_INTERPRET=1``): the library conv without bias, then the family's kernels
+  (``triton_path``'s docstring says which, and what each direction writes).
 * Reference (``reference.py``; CPU, float64): eager's ops (``aten.native_layer_norm`` and its
   backward).  It is the tests' definition of the op.
 
-Failure policy as the other families' (``ops/failure.py``): a Triton failure raises ``KernelError``
-under ``config.strict``, else warns once and runs the reference.
-
-Modules: this one (the declaration and the entry point), ``config`` (the static config, the outputs'
-layouts, the input checks), ``triton_path`` and ``reference``.
+Failure policy and modules as every family's (``ops/declare.py``; ``config``, ``triton_path``,
+``reference``).
 """
 
 from __future__ import annotations

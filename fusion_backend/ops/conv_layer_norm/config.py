@@ -46,16 +46,10 @@ class ConvLayerNormConfig(JsonConfig):
       ``spatial_dims + 1`` of them (the channels and every spatial dim at most; never the batch).  The
       conv output's trailing sizes must equal it (checked at run time).
     * ``eps``: added to the biased variance of each row before the reciprocal square root.
-    * ``weight`` / ``bias``: indices into the op's ``operands`` of the norm's elementwise scale and
-      shift (``prod(normalized_shape)`` values each, any float dtype, in the normalized shape's
-      row-major order), or ``None`` (``elementwise_affine=False``, or ``bias=False``).
-    * ``pre`` / ``post``: steps applied before / after the norm (``ops/chain.py``); ``TensorRef``
-      operands index the same ``operands`` list (numbers, one-element or per-channel tensors);
-      ``ChainValue(i)`` is the chain's own value before its step ``i``.
-    * ``norm_dtype``: dtype name the norm's result has in eager (autocast runs layer_norm in fp32 on a
-      bf16 conv output), ``None`` = the conv's.  The post-chain runs in it.
-    * ``out_dtype``: dtype name of the region's result, ``None`` = the conv's.
-    * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
+    * ``weight`` / ``bias``: elementwise, ``prod(normalized_shape)`` values each in the normalized
+      shape's row-major order.
+    * ``pre``, ``post``, ``norm_dtype``, ``out_dtype``, ``strict``: as every norm family's
+      (``ops/config.py``); no pool.
     """
 
     conv: ConvSpec
@@ -80,6 +74,11 @@ class ConvLayerNormConfig(JsonConfig):
         check_dtype_names(self, "norm_dtype", "out_dtype")
 
     @property
+    def pool(self) -> None:
+        """No pool ends the region (the norm families' shared reference reads every one's ``pool``)."""
+        return None
+
+    @property
     def normalized_dims(self) -> int:
         """How many trailing dims of the conv output a row covers."""
         return len(self.normalized_shape)
@@ -88,11 +87,6 @@ class ConvLayerNormConfig(JsonConfig):
     def elements(self) -> int:
         """Values per row: ``prod(normalized_shape)``, the size of the norm's weight and bias."""
         return math.prod(self.normalized_shape)
-
-
-def norm_dtype(cfg: ConvLayerNormConfig, conv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the norm's result (and of the post-chain) in eager."""
-    return dtype_named(OP, cfg.norm_dtype, conv_dtype, "norm_dtype")
 
 
 def rows(y_shape: Sequence[int], cfg: ConvLayerNormConfig) -> int:

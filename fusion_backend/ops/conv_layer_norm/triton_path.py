@@ -18,19 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
-from ..chain_lowering import KernelChains, add_operand_grad, affine_rows, operand_grads, wanted_slots
+from ..chain_lowering import norm_chains, norm_operand_grads, wanted_slots
 from ..library_conv import conv_backward_plan, conv_forward
 from .config import ConvLayerNormConfig, outputs
-
-
-def _chains(cfg: ConvLayerNormConfig, bias: Tensor | None, operands: Sequence[Tensor], ndim: int, channels: int,
-            device: torch.device) -> KernelChains:  # fmt: skip
-    """The chains over the C channels; the norm's scale and shift ``affine`` fp32 ``(2, prod(normalized_shape))``."""
-    affine = affine_rows(operands, cfg.weight, cfg.bias, cfg.elements, device)
-    return KernelChains(cfg.pre, cfg.post, bias, operands, ndim, channels, device, affine=affine)
 
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvLayerNormConfig,
@@ -40,7 +32,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
 
     y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     out, saved_y, stats = outputs(x, y0, cfg, save)
-    chains = _chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
+    chains = norm_chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device, cfg.elements)
     layer_norm_forward(y0, cfg.normalized_dims, bias is not None, chains.pre, chains.post, cfg.eps, chains.params,
                        chains.post_params, chains.affine, out, stats if save else None)  # fmt: skip
     return out, saved_y, stats
@@ -54,7 +46,7 @@ def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, o
 
     conv_backward = conv_backward_plan(x, weight, cfg.conv, saved_y)
     grad_y = conv_backward.new_grad_y(x.device)
-    chains = _chains(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device)
+    chains = norm_chains(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device, cfg.elements)
     operand_mask = list(mask[3:])
     affine_wanted = tuple(index is not None and bool(operand_mask[index]) for index in (cfg.weight, cfg.bias))
     pre_sums, post_sums, affine_sums = layer_norm_backward(
@@ -63,7 +55,5 @@ def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, o
         wanted_slots(cfg.post, operand_mask), affine_wanted,
     )  # fmt: skip
     grad_x, grad_w, grad_b = conv_backward(grad_y, x, weight, mask[0], mask[1], bool(mask[2]))
-    grads = operand_grads(operands, operand_mask, [(cfg.pre, pre_sums), (cfg.post, post_sums)])
-    for index, total in zip((cfg.weight, cfg.bias), affine_sums, strict=True):
-        add_operand_grad(grads, operands, index, total)
+    grads = norm_operand_grads(operands, operand_mask, cfg, [(cfg.pre, pre_sums), (cfg.post, post_sums)], affine_sums)
     return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]
