@@ -51,21 +51,14 @@ from ...errors import UnsupportedInputError
 from ..chain_lowering import pool_unroll_problem
 from ..declare import FusedOpDeclaration, declare
 from ..direct_impls import profiled, records_backward, register_direct
-from ..library_conv import conv_forward, nominal_format
 from . import reference, triton_path
-from .config import OP, ConvBatchNormConfig, check_inputs, describe, outputs, update_running_stats
-
-
-def _outputs(x, weight, bias, operands, cfg, save):
-    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
-    return outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
-
+from .config import OP, ConvBatchNormConfig, check_inputs, conv_outputs, describe, update_running_stats
 
 CONV_BATCH_NORM = declare(FusedOpDeclaration(
     name=OP,
     config=ConvBatchNormConfig,
     state=("saved_y", "saved_winner", "saved_stats"),
-    outputs=_outputs,
+    outputs=lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:],
     reference_forward=reference.forward,
     triton_forward=triton_path.forward,
     reference_backward=reference.backward,

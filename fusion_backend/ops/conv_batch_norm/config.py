@@ -36,6 +36,7 @@ from ..conv_io import (
     output_memory_format,
     stats_dtype,
 )
+from ..library_conv import conv_forward, nominal_format
 
 OP = "conv_batch_norm"
 
@@ -91,11 +92,11 @@ def values_per_channel(y_shape: Sequence[int]) -> int:
     return count
 
 
-def outputs(x: Tensor, y0: Tensor, cfg: ConvBatchNormConfig, save: bool,
-                             out_format: torch.memory_format) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """Empty ``(out, saved_y, saved_winner, stats)`` with the exact shapes, dtypes and strides of the
-    real op (``y0``: the conv output without bias, real or fake, as ``library_conv.conv_forward``
-    gives it: channels-last for 2-d and 3-d convs in fp16 / bf16 / fp32).
+def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvBatchNormConfig,
+                 save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(y0, out, saved_y, saved_winner, stats)``: the conv output without bias (``y0``,
+    ``library_conv.conv_forward``'s, real or fake) and the op's empty outputs with the exact shapes,
+    dtypes and strides of the real op; the declaration's shape function is this without ``y0``.
 
     * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s (y0's shape, or with a
       pool the pooled one, in ``out_format`` (``library_conv.nominal_format``: eager's layout), dtype ``out_dtype``; the winners, int8 per
@@ -107,9 +108,11 @@ def outputs(x: Tensor, y0: Tensor, cfg: ConvBatchNormConfig, save: bool,
       0 the batch mean, row 1 ``1 / sqrt(var + eps)`` (``var`` biased; rows 0-1 are what the backward
       reads), row 2 the unbiased variance (what the running variance is updated with).
     """
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+    out_format = nominal_format(x, weight, cfg.conv)
     out, winner = allocate_result(x, y0, cfg.pool, dtype_named(OP, cfg.out_dtype, y0.dtype), save, out_format)
     stats = torch.empty([3, y0.shape[1]], dtype=stats_dtype(y0.dtype), device=x.device)
-    return out, (in_format(y0, output_memory_format(y0)) if save else empty_placeholder(x)), winner, stats
+    return y0, out, (in_format(y0, output_memory_format(y0)) if save else empty_placeholder(x)), winner, stats
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvBatchNormConfig) -> None:

@@ -18,8 +18,7 @@ from torch import Tensor
 
 from ..chain_reference import norm_backward, norm_forward
 from ..conv_io import channel_view
-from ..library_conv import conv_forward, nominal_format
-from .config import OP, ConvBatchNormConfig, outputs, values_per_channel
+from .config import OP, ConvBatchNormConfig, conv_outputs, values_per_channel
 
 
 def _affine(operands: Sequence[Tensor], index: int | None, dtype: torch.dtype) -> Tensor | None:
@@ -33,9 +32,8 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
 
     NOTE: ``native_batch_norm`` runs with running statistics of zeros and momentum 1, so that they
     come back as eager's own batch mean and unbiased variance (the update's operands)."""
-    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+    y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save)
     values_per_channel(y0.shape)
-    out, saved_y, winner, stats = outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
     sdt = stats.dtype
     batch_mean, batch_var = (torch.zeros(y0.shape[1], dtype=sdt, device=y0.device) for _ in range(2))
 

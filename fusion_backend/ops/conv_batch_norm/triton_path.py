@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..chain_lowering import norm_chains, norm_operand_grads, wanted_slots
-from ..library_conv import conv_backward_plan, conv_forward, nominal_format
-from .config import ConvBatchNormConfig, outputs
+from ..library_conv import conv_backward_plan
+from .config import ConvBatchNormConfig, conv_outputs
 
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvBatchNormConfig,
@@ -32,8 +32,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     """``(out, saved_y, saved_winner, stats)`` as ``config.outputs`` lays them out."""
     from ...kernels.batch_norm import batch_norm_apply, batch_norm_stats
 
-    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
-    out, saved_y, winner, stats = outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
+    y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save)
     chains = norm_chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
     batch_norm_stats(y0, chains.bias, cfg.eps, stats)  # mean, rstd, unbiased variance
     norm_stats = stats[:2]

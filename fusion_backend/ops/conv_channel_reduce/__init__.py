@@ -45,7 +45,6 @@ from torch import Tensor
 
 from ..conv_io import conv_channels
 from ..declare import FusedOpDeclaration, declare
-from ..library_conv import conv_forward, nominal_format
 from . import reference, triton_path
 from .config import (
     FULL_SIZE,
@@ -54,14 +53,9 @@ from .config import (
     REDUCTIONS,
     ConvChannelReduceConfig,
     check_inputs,
+    conv_outputs,
     describe,
-    outputs,
 )
-
-
-def _outputs(x, weight, bias, operands, cfg, save):
-    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
-    return outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
 
 
 def _channel_problem(cfg: ConvChannelReduceConfig, x: Tensor, weight: Tensor) -> str | None:
@@ -74,7 +68,7 @@ CONV_CHANNEL_REDUCE = declare(FusedOpDeclaration(
     name=OP,
     config=ConvChannelReduceConfig,
     state=("saved_y", "saved_index", "saved_stats"),
-    outputs=_outputs,
+    outputs=lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:],
     reference_forward=reference.forward,
     triton_forward=triton_path.forward,
     reference_backward=reference.backward,

@@ -24,6 +24,7 @@ from ..conv_io import (
     output_memory_format,
     stats_dtype,
 )
+from ..library_conv import conv_forward, nominal_format
 
 OP = "conv_channel_reduce"
 
@@ -117,15 +118,14 @@ def reduced_shape(y_shape: Sequence[int], cfg: ConvChannelReduceConfig) -> list[
     return [y_shape[0], *([1] if cfg.keepdim else []), *y_shape[2:]]
 
 
-def outputs(x: Tensor, y0: Tensor, cfg: ConvChannelReduceConfig, save: bool,
-                             out_format: torch.memory_format) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """Empty ``(out, saved_y, saved_index, saved_stats)`` with the exact shapes, dtypes and strides of
-    the real op (``y0``: the conv output without bias, real or fake, as ``library_conv.conv_forward``
-    gives it: channels-last for 2-d and 3-d convs in fp16 / bf16 / fp32).
+def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvChannelReduceConfig,
+                 save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(y0, out, saved_y, saved_index, saved_stats)``: the conv output without bias (``y0``,
+    ``library_conv.conv_forward``'s, real or fake) and the op's empty outputs with the exact shapes,
+    dtypes and strides of the real op; the declaration's shape function is this without ``y0``.
 
-    * ``out``: softmax / log_softmax: y's shape in ``out_format`` (``library_conv.nominal_format``:
-      eager's layout); else
-      ``(N, [1,] *spatial)`` contiguous; dtype ``out_dtype`` (the conv's by default).
+    * ``out``: softmax / log_softmax: y's shape in ``library_conv.nominal_format`` (eager's layout);
+      else ``(N, [1,] *spatial)`` contiguous; dtype ``out_dtype`` (the conv's by default).
     * ``saved_y`` (with ``save`` and ``needs_y``): the conv output without bias, y0 itself where it
       is in ``output_memory_format(y0)`` already (a conv's output always is), else a copy in it.
     * ``saved_index`` (with ``save``, min / max): the winning channel, ``(N, *spatial)`` contiguous,
@@ -134,18 +134,19 @@ def outputs(x: Tensor, y0: Tensor, cfg: ConvChannelReduceConfig, save: bool,
       (``kernels/channel_reduce.py``'s table).
     Absent entries are ``empty_placeholder(x)``.
     """
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     shape = reduced_shape(y0.shape, cfg)
     dtype = output_dtype(cfg, y0.dtype)
     if cfg.full_size:
-        out = torch.empty(shape, dtype=dtype, device=x.device, memory_format=out_format)
+        out = torch.empty(shape, dtype=dtype, device=x.device, memory_format=nominal_format(x, weight, cfg.conv))
     else:
         out = torch.empty(shape, dtype=dtype, device=x.device)
     placeholder = empty_placeholder(x)
     if not save:
-        return out, placeholder, empty_placeholder(x), empty_placeholder(x)
+        return y0, out, placeholder, empty_placeholder(x), empty_placeholder(x)
     n, channels, spatial = y0.shape[0], y0.shape[1], list(y0.shape[2:])
     saved_y = in_format(y0, output_memory_format(y0)) if needs_y(cfg) else placeholder
     index = (torch.empty([n, *spatial], dtype=index_dtype(channels), device=x.device)
              if cfg.reduction in ("min", "max") else empty_placeholder(x))  # fmt: skip
     stats = torch.empty([2, n, *spatial], dtype=stats_dtype(y0.dtype), device=x.device)
-    return out, saved_y, index, stats
+    return y0, out, saved_y, index, stats

@@ -23,8 +23,7 @@ from ..conv_io import (
     output_memory_format,
     run_conv_backward,
 )
-from ..library_conv import conv_forward, nominal_format
-from .config import ConvChannelReduceConfig, needs_y, output_dtype, outputs
+from .config import ConvChannelReduceConfig, conv_outputs, needs_y, output_dtype
 
 
 def post_operands(operands: Sequence[Tensor], cfg: ConvChannelReduceConfig) -> list[Tensor]:
@@ -42,8 +41,7 @@ def _safe(m: Tensor) -> Tensor:
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvChannelReduceConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do)."""
-    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
-    out, saved_y, index, stats = outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
+    y0, out, saved_y, index, stats = conv_outputs(x, weight, cfg, save)
     yb = y0 if bias is None else y0 + channel_view(bias, y0.dim())
     v = apply_chain(yb, cfg.pre, operands)
     kind, keep = cfg.reduction, cfg.keepdim

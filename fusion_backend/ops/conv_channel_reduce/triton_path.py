@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from ..chain_lowering import KernelChains, operand_grads, wanted_slots
-from ..library_conv import conv_backward_plan, conv_forward, nominal_format
-from .config import ConvChannelReduceConfig, needs_y, outputs
+from ..library_conv import conv_backward_plan
+from .config import ConvChannelReduceConfig, conv_outputs, needs_y
 
 
 def _chains(cfg: ConvChannelReduceConfig, bias: Tensor | None, operands: Sequence[Tensor], ndim: int, channels: int,
@@ -35,8 +35,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     """``(out, saved_y, saved_index, saved_stats)`` as ``config.outputs`` lays them out."""
     from ...kernels.channel_reduce import channel_reduce_forward
 
-    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
-    out, saved_y, index, stats = outputs(x, y0, cfg, save, nominal_format(x, weight, cfg.conv))
+    y0, out, saved_y, index, stats = conv_outputs(x, weight, cfg, save)
     chains = _chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
     channel_reduce_forward(
         y0, bias is not None, chains.pre, chains.post, cfg.reduction, chains.params, chains.post_params, out,

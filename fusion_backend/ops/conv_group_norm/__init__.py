@@ -36,16 +36,15 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..chain_lowering import pool_unroll_problem
-from ..conv_io import run_conv
 from ..declare import FusedOpDeclaration, declare
 from . import reference, triton_path
-from .config import OP, ConvGroupNormConfig, check_inputs, describe, outputs
+from .config import OP, ConvGroupNormConfig, check_inputs, conv_outputs, describe
 
 CONV_GROUP_NORM = declare(FusedOpDeclaration(
     name=OP,
     config=ConvGroupNormConfig,
     state=("saved_y", "saved_winner", "saved_stats"),
-    outputs=lambda x, weight, bias, operands, cfg, save: outputs(x, run_conv(x, weight, None, cfg.conv), cfg, save),
+    outputs=lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:],
     reference_forward=reference.forward,
     triton_forward=triton_path.forward,
     reference_backward=reference.backward,

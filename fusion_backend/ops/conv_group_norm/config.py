@@ -33,6 +33,7 @@ from ..conv_io import (
     empty_placeholder,
     in_format,
     output_memory_format,
+    run_conv,
     stats_dtype,
 )
 
@@ -75,9 +76,11 @@ class ConvGroupNormConfig(JsonConfig):
             raise ValueError(f"the pool {self.pool} does not have the conv's {self.conv.spatial_dims} spatial dims")
 
 
-def outputs(x: Tensor, y0: Tensor, cfg: ConvGroupNormConfig, save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Empty ``(out, saved_y, saved_winner, saved_stats)`` with the exact shapes, dtypes and strides of
-    the real op (``y0``: the conv output without bias, real or fake).
+def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvGroupNormConfig,
+                 save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(y0, out, saved_y, saved_winner, saved_stats)``: the conv output without bias (``y0``,
+    ``conv_io.run_conv``'s, real or fake) and the op's empty outputs with the exact shapes, dtypes and
+    strides of the real op; the declaration's shape function is this without ``y0``.
 
     * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s (the pooled shape with a pool, dtype
       ``out_dtype``; the winners only with ``save`` and a max pool).
@@ -87,11 +90,12 @@ def outputs(x: Tensor, y0: Tensor, cfg: ConvGroupNormConfig, save: bool) -> tupl
       group's mean, row 1 its ``1 / sqrt(var + eps)`` (of the pre-chain's result, bias included).
     Absent entries are ``empty_placeholder(x)``.
     """
+    y0 = run_conv(x, weight, None, cfg.conv)
     out, winner = allocate_result(x, y0, cfg.pool, dtype_named(OP, cfg.out_dtype, y0.dtype), save)
     if not save:
-        return out, empty_placeholder(x), winner, empty_placeholder(x)
+        return y0, out, empty_placeholder(x), winner, empty_placeholder(x)
     stats = torch.empty([2, y0.shape[0], cfg.groups], dtype=stats_dtype(y0.dtype), device=x.device)
-    return out, in_format(y0, output_memory_format(y0)), winner, stats
+    return y0, out, in_format(y0, output_memory_format(y0)), winner, stats
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvGroupNormConfig) -> None:

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from ..chain_reference import norm_backward, norm_forward
-from ..conv_io import channel_view, run_conv
-from .config import OP, ConvGroupNormConfig, outputs
+from ..conv_io import channel_view
+from .config import OP, ConvGroupNormConfig, conv_outputs
 
 
 def _affine(operands: Sequence[Tensor], index: int | None, dtype: torch.dtype) -> Tensor | None:
@@ -35,8 +35,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Eager's ops on the conv output (``chain_reference.norm_forward``); a max pool's winners from
     ``return_indices``, as the kernels save them (``window_winners``)."""
-    y0 = run_conv(x, weight, None, cfg.conv)
-    out, saved_y, winner, stats = outputs(x, y0, cfg, save)
+    y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save)
 
     def norm(v: Tensor) -> tuple[Tensor, ...]:
         gamma, beta = _affine(operands, cfg.weight, v.dtype), _affine(operands, cfg.bias, v.dtype)

@@ -24,9 +24,8 @@ import torch
 from torch import Tensor
 
 from ..chain_lowering import norm_chains, norm_operand_grads, wanted_slots
-from ..conv_io import run_conv
 from ..library_conv import conv_backward_plan
-from .config import ConvGroupNormConfig, outputs
+from .config import ConvGroupNormConfig, conv_outputs
 
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvGroupNormConfig,
@@ -34,8 +33,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     """``(out, saved_y, saved_winner, saved_stats)`` as ``config.outputs`` lays them out."""
     from ...kernels.group_norm import group_norm_forward
 
-    y0 = run_conv(x, weight, None, cfg.conv)
-    out, saved_y, winner, stats = outputs(x, y0, cfg, save)
+    y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save)
     chains = norm_chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
     if cfg.pool is None:
         group_norm_forward(y0, bias is not None, chains.pre, chains.post, cfg.groups, cfg.eps, chains.params,

@@ -41,16 +41,14 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..declare import FusedOpDeclaration, declare
-from ..library_conv import conv_forward
 from . import reference, triton_path
-from .config import OP, ConvLayerNormConfig, check_inputs, describe, outputs
+from .config import OP, ConvLayerNormConfig, check_inputs, conv_outputs, describe
 
 CONV_LAYER_NORM = declare(FusedOpDeclaration(
     name=OP,
     config=ConvLayerNormConfig,
     state=("saved_y", "saved_stats"),
-    outputs=lambda x, weight, bias, operands, cfg, save: outputs(
-        x, conv_forward(x, weight, cfg.conv, channels_last=True), cfg, save),
+    outputs=lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:],
     reference_forward=reference.forward,
     triton_forward=triton_path.forward,
     reference_backward=reference.backward,

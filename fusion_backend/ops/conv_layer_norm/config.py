@@ -34,6 +34,7 @@ from ..conv_io import (
     output_memory_format,
     stats_dtype,
 )
+from ..library_conv import conv_forward
 
 OP = "conv_layer_norm"
 
@@ -94,10 +95,11 @@ def rows(y_shape: Sequence[int], cfg: ConvLayerNormConfig) -> int:
     return math.prod(y_shape[: len(y_shape) - cfg.normalized_dims])
 
 
-def outputs(x: Tensor, y0: Tensor, cfg: ConvLayerNormConfig,
-                             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Empty ``(out, saved_y, saved_stats)`` with the exact shapes, dtypes and strides of the real op
-    (``y0``: the conv output without bias, real or fake).
+def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvLayerNormConfig,
+                 save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(y0, out, saved_y, saved_stats)``: the conv output without bias (``y0``,
+    ``library_conv.conv_forward``'s, real or fake) and the op's empty outputs with the exact shapes,
+    dtypes and strides of the real op; the declaration's shape function is this without ``y0``.
 
     * ``out``: y0's shape, contiguous (what eager's layer norm returns whatever its input's layout),
       dtype ``out_dtype`` (default the conv's).
@@ -108,11 +110,12 @@ def outputs(x: Tensor, y0: Tensor, cfg: ConvLayerNormConfig,
       row's mean, row 1 its ``1 / sqrt(var + eps)`` (of the pre-chain's result, bias included).
     Absent entries are ``empty_placeholder(x)``.
     """
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     out = torch.empty(y0.shape, dtype=dtype_named(OP, cfg.out_dtype, y0.dtype), device=x.device)
     if not save:
-        return out, empty_placeholder(x), empty_placeholder(x)
+        return y0, out, empty_placeholder(x), empty_placeholder(x)
     stats = torch.empty([2, rows(y0.shape, cfg)], dtype=stats_dtype(y0.dtype), device=x.device)
-    return out, in_format(y0, output_memory_format(y0)), stats
+    return y0, out, in_format(y0, output_memory_format(y0)), stats
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvLayerNormConfig) -> None:

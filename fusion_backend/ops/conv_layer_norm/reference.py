@@ -17,8 +17,7 @@ import torch
 from torch import Tensor
 
 from ..chain_reference import norm_backward, norm_forward
-from ..library_conv import conv_forward
-from .config import OP, ConvLayerNormConfig, outputs
+from .config import OP, ConvLayerNormConfig, conv_outputs
 
 
 def _affine(operands: Sequence[Tensor], index: int | None, cfg: ConvLayerNormConfig, dtype: torch.dtype) -> Tensor | None:
@@ -33,8 +32,7 @@ def _stat_shape(v: Tensor, cfg: ConvLayerNormConfig) -> list[int]:
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvLayerNormConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Eager's ops on the conv output (``chain_reference.norm_forward``)."""
-    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
-    out, saved_y, stats = outputs(x, y0, cfg, save)
+    y0, out, saved_y, stats = conv_outputs(x, weight, cfg, save)
 
     def norm(v: Tensor) -> tuple[Tensor, ...]:
         gamma, beta = _affine(operands, cfg.weight, cfg, v.dtype), _affine(operands, cfg.bias, cfg, v.dtype)
