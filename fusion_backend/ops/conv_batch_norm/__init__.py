@@ -12,7 +12,7 @@ eager updates them.  Three custom ops carry the work (``torch.library.custom_op`
 with fakes):
 
 * ``fusion::conv_batch_norm_fwd(x, weight, bias, operands, config, save_for_backward) -> (out,
-  saved_y, saved_winner, stats)``, functional: the saved state (``config.outputs``)
+  saved_y, saved_winner, stats)``, functional: the saved state (``config.conv_outputs``)
   is the conv output without bias and, behind a max pool, each window's winner (int8), both only with
   ``save_for_backward``, and fp32 ``(3, C)`` statistics (each channel's mean, ``1 / sqrt(var + eps)``
   and unbiased variance), nothing else full-size.

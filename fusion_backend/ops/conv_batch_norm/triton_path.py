@@ -29,7 +29,7 @@ from .config import ConvBatchNormConfig, conv_outputs
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvBatchNormConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(out, saved_y, saved_winner, stats)`` as ``config.outputs`` lays them out."""
+    """``(out, saved_y, saved_winner, stats)`` as ``config.conv_outputs`` lays them out."""
     from ...kernels.batch_norm import batch_norm_apply, batch_norm_stats
 
     y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save)

@@ -12,7 +12,7 @@ channels (dim 1), a pointwise chain after it.
 Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
 
 * ``fusion::conv_channel_reduce_fwd(x, weight, bias, operands, config, save_for_backward)
-  -> (out, saved_y, saved_index, saved_stats)``; the saved state (``config.outputs``)
+  -> (out, saved_y, saved_index, saved_stats)``; the saved state (``config.conv_outputs``)
   is what the backward needs and nothing it can recompute: the conv output only where the reduction
   or the pre-chain's derivative reads it (never for min / max), the winning channel (int16) and
   the pre-chain's input there for min / max, and fp32 per-position statistics (the reduced value;

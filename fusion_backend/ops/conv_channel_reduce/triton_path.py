@@ -32,7 +32,7 @@ def _chains(cfg: ConvChannelReduceConfig, bias: Tensor | None, operands: Sequenc
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
             cfg: ConvChannelReduceConfig, save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(out, saved_y, saved_index, saved_stats)`` as ``config.outputs`` lays them out."""
+    """``(out, saved_y, saved_index, saved_stats)`` as ``config.conv_outputs`` lays them out."""
     from ...kernels.channel_reduce import channel_reduce_forward
 
     y0, out, saved_y, index, stats = conv_outputs(x, weight, cfg, save)

@@ -11,7 +11,7 @@ one channel per group), a pointwise chain after it, optionally a max or avg pool
 Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
 
 * ``fusion::conv_group_norm_fwd(x, weight, bias, operands, config, save_for_backward)
-  -> (out, saved_y, saved_winner, saved_stats)``: the saved state (``config.outputs``)
+  -> (out, saved_y, saved_winner, saved_stats)``: the saved state (``config.conv_outputs``)
   is the conv output without bias, behind a max pool each window's winner (int8), and each (sample,
   group)'s mean and ``1 / sqrt(var + eps)`` (fp32 ``(2, N, G)``), nothing else full-size.
 * ``fusion::conv_group_norm_bwd(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats,

@@ -30,7 +30,7 @@ from .config import ConvGroupNormConfig, conv_outputs
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvGroupNormConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(out, saved_y, saved_winner, saved_stats)`` as ``config.outputs`` lays them out."""
+    """``(out, saved_y, saved_winner, saved_stats)`` as ``config.conv_outputs`` lays them out."""
     from ...kernels.group_norm import group_norm_forward
 
     y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save)

@@ -16,7 +16,7 @@ Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, 
 
 * ``fusion::conv_layer_norm_fwd(x, weight, bias, operands, config, save_for_backward)
   -> (out, saved_y, saved_stats)``: ``out`` contiguous (eager's layer norm returns a contiguous
-  tensor whatever its input's layout); the saved state (``config.outputs``) is the
+  tensor whatever its input's layout); the saved state (``config.conv_outputs``) is the
   conv output without bias in its own layout and each row's mean and ``1 / sqrt(var + eps)`` (fp32
   ``(2, rows)``), nothing else full-size.
 * ``fusion::conv_layer_norm_bwd(grad_out, x, weight, bias, operands, saved_y, saved_stats, config,

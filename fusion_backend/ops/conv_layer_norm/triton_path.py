@@ -27,7 +27,7 @@ from .config import ConvLayerNormConfig, conv_outputs
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvLayerNormConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(out, saved_y, saved_stats)`` as ``config.outputs`` lays them out."""
+    """``(out, saved_y, saved_stats)`` as ``config.conv_outputs`` lays them out."""
     from ...kernels.layer_norm import layer_norm_forward
 
     y0, out, saved_y, stats = conv_outputs(x, weight, cfg, save)
