@@ -101,6 +101,14 @@ def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: Con
     _check_shapes(cfg.conv, x.shape, weight.shape)
 
 
+def operand_index(ref: Any, count: int) -> int:
+    """The index of a ``TensorRef`` step operand into ``operands``; ``UnsupportedInputError`` when the
+    call gave only ``count`` operands."""
+    if not 0 <= ref.index < count:
+        raise UnsupportedInputError(f"{OP}: affine step refers to operand {ref.index}, but {count} were given")
+    return ref.index
+
+
 def check_bias(cfg: ConvGlobalMeanConfig, weight: Tensor, bias: Tensor | None) -> None:
     """``UnsupportedInputError`` unless ``bias`` is None or has ``(C_out,)`` values."""
     if bias is not None and tuple(bias.shape) != (conv_channels(weight, cfg.conv),):
@@ -148,7 +156,7 @@ def describe(cfg: ConvGlobalMeanConfig) -> str:
 def call_problem(cfg: ConvGlobalMeanConfig, x: Any, weight: Tensor) -> str | None:
     """Why the kernels cannot serve this call's shapes (x: a tensor or ``XMeta``), or None: a spatial
     dim with more distinct tap index sets than an int32 table holds bits (a kernel wider than 31)."""
-    geo = geometry_for(cfg.conv, tuple(x.shape[2:]), tuple(weight.shape[2:]), x.device)
+    geo = call_geometry(cfg, x, weight, x.device)
     if geo.bits is None:
         return f"a spatial dim has {max(geo.set_counts)} distinct tap index sets (the kernels support {MAX_TABLE_BITS})"
     return None
@@ -305,6 +313,11 @@ def geometry_for(
     m1, m2, m3, *on_device = persistent_device_copies([*masks, *bits, onehot, table], device)
     *bits_d, onehot_d, table_d = on_device
     return Geometry(dims, n_out, (m1, m2, m3), tuple(bits_d) if bits else None, onehot_d, table_d)  # type: ignore[arg-type]
+
+
+def call_geometry(cfg: ConvGlobalMeanConfig, x: Any, weight: Tensor, device: torch.device) -> Geometry:
+    """``geometry_for`` a call: x's spatial sizes (x: a tensor or ``XMeta``), the weight's kernel size."""
+    return geometry_for(cfg.conv, tuple(x.shape[2:]), tuple(weight.shape[2:]), device)
 
 
 def _taps(kernel3: tuple[int, int, int]) -> list[tuple[int, int, int]]:

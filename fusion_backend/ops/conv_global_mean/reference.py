@@ -13,18 +13,17 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ..chain import Const, PointwiseKind, TensorRef
 from ..conv_io import conv_channels, stats_dtype
 from .config import (
-    OP,
     ConvGlobalMeanConfig,
     Geometry,
     as_5d,
+    call_geometry,
     channel_stride_meta,
     check_bias,
-    geometry_for,
+    operand_index,
     out_dtype,
 )
 
@@ -47,11 +46,7 @@ def operand_values(
             # NOTE: kept a Python float: a device tensor built from it would cost a host->device copy.
             values.append(float(op.value))
         else:
-            if not 0 <= op.index < len(operands):
-                raise UnsupportedInputError(
-                    f"{OP}: affine step refers to operand {op.index}, but {len(operands)} were given"
-                )
-            values.append(_channel_vector(operands[op.index], c_out, out_rank, device))
+            values.append(_channel_vector(operands[operand_index(op, len(operands))], c_out, out_rank, device))
     return values
 
 
@@ -183,7 +178,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     """``(out, tap_sums, conv_mean)`` (``config.outputs``) in plain torch: fp64 contraction and affine fold."""
     check_bias(cfg, weight, bias)
     spec = cfg.conv
-    geo = geometry_for(spec, tuple(x.shape[2:]), tuple(weight.shape[2:]), x.device)
+    geo = call_geometry(cfg, x, weight, x.device)
     n, c_in = x.shape[:2]
     c_out = conv_channels(weight, spec)
     r = _set_sums_reference(x, geo)  # (N, C_in, J)
@@ -198,8 +193,9 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     a, b = fold_chain(cfg, operand_values(cfg, operands, c_out, x.device))[-1]
     out = add_values(mul_values(mean, a), b)
     assert isinstance(out, Tensor)
-    if out.dtype != out_dtype(cfg, x):
-        out = out.to(out_dtype(cfg, x))
+    dtype = out_dtype(cfg, x)
+    if out.dtype != dtype:
+        out = out.to(dtype)
     elif out.data_ptr() == mean.data_ptr():
         # NOTE: without affine steps and with an fp64 result, ``out`` would be ``conv_mean`` itself;
         # custom ops must not return aliased outputs.
@@ -216,7 +212,7 @@ def backward(grad_out: Tensor, x: Any, weight: Tensor, bias: Tensor | None, oper
     saved sums only (``x``: the ``XMeta`` of the input; grad_x with its shape, dtype and strides)."""
     spec = cfg.conv
     device = grad_out.device
-    geo = geometry_for(spec, tuple(x.shape[2:]), tuple(weight.shape[2:]), device)
+    geo = call_geometry(cfg, x, weight, device)
     n, c_in = tap_sums.shape[:2]
     c_out = conv_channels(weight, spec)
     g = spec.groups

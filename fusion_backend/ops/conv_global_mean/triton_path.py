@@ -14,11 +14,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ..chain import Const, TensorRef
 from ..conv_io import conv_channels
-from .config import OP, ConvGlobalMeanConfig, as_5d, channel_stride_meta, check_bias, geometry_for, outputs
+from .config import (
+    ConvGlobalMeanConfig,
+    as_5d,
+    call_geometry,
+    channel_stride_meta,
+    check_bias,
+    operand_index,
+    outputs,
+)
 
 
 @dataclass(frozen=True)
@@ -52,13 +59,9 @@ def _chain_static(
             index.append(-1)
             strides.append(0)
         else:
-            if not 0 <= op.index < len(operand_meta):
-                raise UnsupportedInputError(
-                    f"{OP}: affine step refers to operand {op.index}, but {len(operand_meta)} were given"
-                )
             tensor.append(True)
             consts.append(0.0)
-            index.append(op.index)
+            index.append(operand_index(op, len(operand_meta)))
             strides.append(channel_stride_meta(*operand_meta[op.index][:2], c_out, out_rank))
     return _ChainStatic(tuple(kinds), tuple(tensor), tuple(consts), tuple(index), tuple(strides))
 
@@ -121,7 +124,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     from ...kernels import global_mean as kernels
 
     check_bias(cfg, weight, bias)
-    geo = geometry_for(cfg.conv, tuple(x.shape[2:]), tuple(weight.shape[2:]), x.device)
+    geo = call_geometry(cfg, x, weight, x.device)
     partial = kernels.set_sums_partial(as_5d(x), geo.bits, geo.set_counts)
     out, taps, mean = outputs(x, weight, bias, operands, cfg, save)
     n, c_in = x.shape[:2]
@@ -184,7 +187,7 @@ def backward(grad_out: Tensor, x: Any, weight: Tensor, bias: Tensor | None, oper
 
     spec = cfg.conv
     device = grad_out.device
-    geo = geometry_for(spec, tuple(x.shape[2:]), tuple(weight.shape[2:]), device)
+    geo = call_geometry(cfg, x, weight, device)
     grad_x = torch.empty_strided(x.shape, x.stride, dtype=x.dtype, device=device) if mask[0] else None
     n, c_in = tap_sums.shape[:2]
     c_out = conv_channels(weight, spec)
