@@ -6,7 +6,9 @@
 * the outputs' layouts: ``output_memory_format`` picks the memory format of an op's outputs from its
   conv output, ``in_format`` lays a tensor out in it, ``channels_last_format`` names the
   channels-last format of a rank; ``relayout`` / ``planned_relayout`` move data between layouts
-  (``kernels.relayout``);
+  (``kernels.relayout``); a family's saved conv output (``saved_y``: with ``save``, else an
+  ``empty_placeholder``) is the conv output without bias, itself where it is in
+  ``output_memory_format`` already (a conv's output always is), else a copy in it;
 * the dtypes: ``dtype_named`` (a config's dtype name), ``stats_dtype`` (what saved statistics are
   kept in), ``winner_dtype`` (a max pool's saved winners);
 * the results of a backward custom op: every requested gradient in its input's dtype and

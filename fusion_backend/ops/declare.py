@@ -22,6 +22,29 @@ Every call follows one policy (``ops/failure.py``): the Triton path where it ser
 reference; a Triton failure raises under the config's ``strict``, else warns once and runs the
 reference.  A call that its own tensors keep off the Triton path (``call_problem``, which the report's
 ``kernel_path`` cannot see) warns once, and raises under ``strict`` on CUDA.  The config travels as JSON (``ops/config.py``'s ``JsonConfig``).
+
+What every family shares (a family's docstrings say only what differs):
+
+- a family is a package: ``__init__`` (semantics, declaration, entry point), ``config``,
+  ``triton_path``, ``reference``;
+- implementations: Triton (CUDA fp32/fp16/bf16; CPU under ``FUSION_CPU_KERNELS=triton`` with
+  ``TRITON_INTERPRET=1``), where the conv families run the library conv without bias
+  (``library_conv.conv_forward``: channels-last for 2-d and 3-d convs) and then their kernels, whose
+  backward writes the conv output's gradient (chains and norm differentiated in registers, operand
+  gradients as fixed-order partial sums) for the library conv backward (``library_conv``) to give
+  the gradients of x, the weight and the bias (``triton_path``'s docstring says which kernels, and
+  what each direction writes); the plain-torch
+  reference (``reference.py``: CPU, float64 and anything the kernels do not cover; eager's own ops
+  forward, torch's derivative formulas on the saved state backward, the chains' through
+  ``chain_reference``'s tape), which writes the same outputs and state as the kernels and is the
+  tests' definition of the op;
+- the public entry point ``NAME(x, weight, bias, operands, config)``: ``x`` ``(N, C_in, *spatial)``,
+  1-3 spatial dims, floating (the conv's dtype), any layout; ``weight`` the conv weight, ``(C_out,
+  C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``; ``bias`` ``(C_out,)`` or None;
+  ``operands`` the tensors the config's ``TensorRef`` operands (and a norm's weight and bias indices)
+  refer to; ``config`` the family config's ``to_json()``.  The result's dtype is ``out_dtype``
+  (default the conv's); it is differentiable in x, weight, bias and every operand, and state for the
+  backward is kept only when autograd will need it.
 """
 
 from __future__ import annotations

@@ -19,25 +19,13 @@ with fakes):
 * ``fusion::batch_norm_running_update(running_mean, running_var, stats, momentum)``, which mutates
   the running statistics and declares it (``mutates_args``; torch.library takes no autograd formula
   for a mutating op, hence an op of its own).
-* ``fusion::conv_batch_norm_bwd(grad_out, x, weight, bias, operands, saved_y, saved_winner,
-  saved_stats, config, output_mask) -> [grad_x, grad_weight, grad_bias, *grad_operands]``.
 
-Implementations:
-
-* Triton (CUDA fp32/fp16/bf16; CPU under ``FUSION_CPU_KERNELS=triton`` with
-  ``TRITON_INTERPRET=1``): the library conv without bias, then the family's kernels
-  (``triton_path``'s docstring says which, and what each direction writes).
-* Reference (``reference.py``; CPU, float64): eager's ops (``aten.native_batch_norm`` and its
-  backward).  It is the tests' definition of the op.
-
-The running statistics' update is an op of its own, ``fusion::batch_norm_running_update``, which
+Implementations, failure policy and modules as every family's (``ops/declare.py``); the reference
+runs ``aten.native_batch_norm`` and its backward.  The running statistics' update is an op of its own, ``fusion::batch_norm_running_update``, which
 mutates them and says so (``mutates_args``), so that AOTAutograd functionalizes the call (the buffers
 are graph inputs it copies the new values back into) and Inductor keeps the update; the direct runner
 calls it eagerly, which updates them in place.  WHY apart: torch.library takes no autograd formula for
-an op that mutates its arguments, and the forward needs one.
-
-Failure policy and modules as every family's (``ops/declare.py``; ``config``, ``triton_path``,
-``reference``); the running update is here.
+an op that mutates its arguments, and the forward needs one.  The running update is here.
 """
 
 from __future__ import annotations
@@ -108,22 +96,13 @@ def conv_batch_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
     one fused op (the pool only with ``config.pool``), updating the running statistics as eager's
     batch norm does.
 
-    Args:
-        x: ``(N, C_in, *spatial)``, 1-3 spatial dims, the conv's dtype; any layout.
-        weight: conv weight, ``(C_out, C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``.
-        bias: ``(C_out,)`` or ``None``.
-        operands: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
-            (C values each), the tensors the chain's ``TensorRef`` operands refer to, then, with
-            ``config.running_stats``, ``running_mean`` and ``running_var`` (C values each, updated in
-            place with ``config.momentum``).
-        config: ``ConvBatchNormConfig.to_json()``.
+    Arguments and result as every entry point's (``ops/declare.py``), and:
 
-    Returns:
-        The conv output's shape (with ``config.pool``, the pooled shape), in its memory format; dtype
-        ``out_dtype`` (default the conv's).
-        Differentiable in x, weight, bias and every chain or affine operand.  State for the backward
-        (the conv output, the (3, C) statistics and a max pool's int8 winners) is kept only when
-        autograd will need it.
+    * ``operands``: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias`` (C
+      values each), the chain's tensors, then, with ``config.running_stats``, ``running_mean`` and
+      ``running_var`` (C values each, updated in place with ``config.momentum``).
+    * result: the conv output's shape (with ``config.pool``, the pooled shape), in its memory format;
+      the backward's state: the conv output, the (3, C) statistics and a max pool's int8 winners.
     """
     ops, running_mean, running_var = split_operands(operands, config)
     save = records_backward(x, weight, bias, ops)

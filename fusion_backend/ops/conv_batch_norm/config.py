@@ -98,12 +98,9 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvBatchNormConfig,
     ``library_conv.conv_forward``'s, real or fake) and the op's empty outputs with the exact shapes,
     dtypes and strides of the real op; the declaration's shape function is this without ``y0``.
 
-    * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s (y0's shape, or with a
-      pool the pooled one, in ``out_format`` (``library_conv.nominal_format``: eager's layout), dtype ``out_dtype``; the winners, int8 per
-      window, only with ``save`` and a max pool, else ``empty_placeholder(x)``).
-    * ``saved_y`` (with ``save``, else ``empty_placeholder(x)``): the conv output without bias, y0
-      itself where it is in ``output_memory_format(y0)`` already (a conv's output always is), else a
-      copy in it.
+    * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s, ``out`` in
+      ``library_conv.nominal_format`` (eager's layout), dtype ``out_dtype``.
+    * ``saved_y``: the saved conv output (``conv_io``'s docstring).
     * ``stats``: ``stats_dtype`` ``(3, C)`` contiguous, of the conv output plus bias per channel: row
       0 the batch mean, row 1 ``1 / sqrt(var + eps)`` (``var`` biased; rows 0-1 are what the backward
       reads), row 2 the unbiased variance (what the running variance is updated with).

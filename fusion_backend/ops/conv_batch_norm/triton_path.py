@@ -1,19 +1,15 @@
-"""The Triton path of ``fusion::conv_batch_norm``.
+"""The Triton path of ``fusion::conv_batch_norm`` (the frame every family's: ``ops/declare.py``).
 
-Forward: the library conv (cuDNN, through ``library_conv.conv_forward``: channels-last for 2-d and 3-d
-convs) without bias, then the statistics kernel (per channel and chunk), their fixed-order combine, and
-the kernel that adds the bias, normalises, scales and shifts per channel, applies the post-chain and
-writes the result (``kernels/batch_norm.py``); where the region ends in a max or avg pool, the
-normalise pass is ``kernels/norm_pool.py``'s, which writes only the pooled result (and the max pool's
-winners when the backward will need them).  The running statistics' update is an op of its own.
+Forward: ``kernels/batch_norm.py``'s statistics kernel (per channel and chunk), their fixed-order
+combine, and the kernel that adds the bias, normalises, scales and shifts per channel, applies the
+post-chain and writes the result; where the region ends in a max or avg pool, the normalise pass is
+``kernels/norm_pool.py``'s, which writes only the pooled result (and the max pool's winners when the
+backward will need them).  The running statistics' update is an op of its own.
 
-Backward: two kernels (``kernels/batch_norm.py``) write the conv output's gradient from the output
-gradient, the saved conv output and the per-channel statistics (the post-chain and the norm
-differentiated in registers; the per-channel sums the norm's gradient needs combined in a fixed order
-between them), which also give the norm's weight and bias gradients and the chain's operand gradients
-(behind a pool, each position's gradient gathered from the pooled one: a max pool's only at the saved
-winners); then the library conv backward (``ops/library_conv.py``) gives the gradients of x, the weight
-and the bias.
+Backward: two kernels (``kernels/batch_norm.py``) from the output gradient, the saved conv output and
+the per-channel statistics (the sums the norm's gradient needs combined in a fixed order between
+them), which also give the norm's weight and bias gradients (behind a pool, each position's gradient
+gathered from the pooled one: a max pool's only at the saved winners).
 """
 
 from __future__ import annotations

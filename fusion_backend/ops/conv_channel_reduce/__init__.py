@@ -17,24 +17,14 @@ Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, 
   or the pre-chain's derivative reads it (never for min / max), the winning channel (int16) and
   the pre-chain's input there for min / max, and fp32 per-position statistics (the reduced value;
   the number of ties for amin / amax; the column max and exp-sum for softmax / log_softmax).
-* ``fusion::conv_channel_reduce_bwd(grad_out, x, weight, bias, operands, saved_y, saved_index,
-  saved_stats, config, output_mask) -> [grad_x, grad_weight, grad_bias, *grad_operands]``.
 
-Implementations:
-
-* Triton (CUDA fp32/fp16/bf16, at most 1024 channels; CPU under ``FUSION_CPU_KERNELS=triton`` with
-  ``TRITON_INTERPRET=1``): the library conv without bias, then the family's kernels
-  (``triton_path``'s docstring says which, and what each direction writes).
-* Reference (``reference.py``; CPU, float64, more channels): eager's ops; the backward applies
-  torch's derivative formulas.  It is the tests' definition of the op.
+Implementations, failure policy and modules as every family's (``ops/declare.py``); the Triton path
+takes at most 1024 channels, the reference any number.
 
 Semantics reproduced on purpose: ``torch.min/max(dim)`` send the gradient to the one index torch
 returns (the first; a NaN wins), ``amin/amax`` split it evenly among ties (NaN columns get NaN
 gradients, as torch's formula), logsumexp of an all ``-inf`` column is ``-inf``, softmax of a column
 with an infinite max or a NaN is NaN throughout.
-
-Failure policy and modules as every family's (``ops/declare.py``; ``config``, ``triton_path``,
-``reference``).
 """
 
 from __future__ import annotations
@@ -86,18 +76,10 @@ def conv_channel_reduce(x: Tensor, weight: Tensor, bias: Tensor | None, operands
                         config: str) -> Tensor:  # fmt: skip
     """``post(reduce_over_dim_1(pre(conv(x, weight, bias)))).to(out_dtype)`` as one fused op.
 
-    Args:
-        x: ``(N, C_in, *spatial)``, 1-3 spatial dims, the conv's dtype; any layout.
-        weight: conv weight, ``(C_out, C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``.
-        bias: ``(C_out,)`` or ``None``.
-        operands: tensors referred to by the chains' ``TensorRef`` operands.
-        config: ``ConvChannelReduceConfig.to_json()``.
+    Arguments and result as every entry point's (``ops/declare.py``), and:
 
-    Returns:
-        softmax / log_softmax: the conv output's shape, in its memory format; else ``(N, *spatial)``
-        or with keepdim ``(N, 1, *spatial)``, contiguous.  Dtype ``out_dtype`` (default the conv's).
-        Differentiable in x, weight, bias and every operand.  State for the backward is kept only
-        when autograd will need it.
+    * result: softmax / log_softmax: the conv output's shape, in its memory format; else
+      ``(N, *spatial)`` or with keepdim ``(N, 1, *spatial)``, contiguous.
     """
     return CONV_CHANNEL_REDUCE(x, weight, bias, operands, config)
 

@@ -126,8 +126,7 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvChannelReduceConfig,
 
     * ``out``: softmax / log_softmax: y's shape in ``library_conv.nominal_format`` (eager's layout);
       else ``(N, [1,] *spatial)`` contiguous; dtype ``out_dtype`` (the conv's by default).
-    * ``saved_y`` (with ``save`` and ``needs_y``): the conv output without bias, y0 itself where it
-      is in ``output_memory_format(y0)`` already (a conv's output always is), else a copy in it.
+    * ``saved_y``: the saved conv output (``conv_io``'s docstring), only where ``needs_y``.
     * ``saved_index`` (with ``save``, min / max): the winning channel, ``(N, *spatial)`` contiguous,
       ``index_dtype(C)``.
     * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, N, *spatial)`` contiguous

@@ -1,13 +1,8 @@
-"""The Triton path of ``fusion::conv_channel_reduce``.
+"""The Triton path of ``fusion::conv_channel_reduce`` (the frame every family's: ``ops/declare.py``).
 
-Forward: the library conv (cuDNN, through ``library_conv.conv_forward``: channels-last for 2-d and 3-d
-convs) without bias, then ONE kernel (``kernels/channel_reduce.py``) that adds the bias, applies the
-pre-chain, reduces over the channels, applies the post-chain and writes the result and the saved state.
-
-Backward: ONE kernel (``kernels/channel_reduce.py``) writes the conv output's gradient from the output
-gradient and the saved state (the post-chain, the reduction and the pre-chain differentiated in
-registers) plus fixed-order partial sums of the chains' operand gradients; then the library conv
-backward (``ops/library_conv.py``) gives the gradients of x, the weight and the bias.
+Forward: ONE kernel (``kernels/channel_reduce.py``) adds the bias, applies the pre-chain, reduces over
+the channels, applies the post-chain and writes the result and the saved state.  Backward: ONE kernel
+(``kernels/channel_reduce.py``) from the output gradient and the saved state.
 """
 
 from __future__ import annotations

@@ -129,16 +129,9 @@ def conv_global_mean(x: Tensor, weight: Tensor, bias: Tensor | None, operands: S
                      config: str) -> Tensor:  # fmt: skip
     """``mean over all spatial dims of affine(conv(x, weight, bias))`` without producing the conv output.
 
-    Args:
-        x: ``(N, C_in, *spatial)``; any dtype conv accepts, any layout (channels_last included).
-        weight: conv weight, ``(C_out, C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``.
-        bias: ``(C_out,)`` or ``None``.
-        operands: tensors referred to by the config's ``TensorRef`` operands.
-        config: ``ConvGlobalMeanConfig.to_json()``.
+    Arguments and result as every entry point's (``ops/declare.py``), and:
 
-    Returns:
-        ``(N, C_out)`` or, with ``keepdim``, ``(N, C_out, 1, ..., 1)``, dtype ``out_dtype`` (default x's).
-        Differentiable in x, weight, bias and every operand.
+    * result: ``(N, C_out)`` or, with ``keepdim``, ``(N, C_out, 1, ..., 1)``.
     """
     return CONV_GLOBAL_MEAN(x, weight, bias, operands, config)
 

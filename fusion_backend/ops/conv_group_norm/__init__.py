@@ -14,19 +14,9 @@ Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, 
   -> (out, saved_y, saved_winner, saved_stats)``: the saved state (``config.conv_outputs``)
   is the conv output without bias, behind a max pool each window's winner (int8), and each (sample,
   group)'s mean and ``1 / sqrt(var + eps)`` (fp32 ``(2, N, G)``), nothing else full-size.
-* ``fusion::conv_group_norm_bwd(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats,
-  config, output_mask) -> [grad_x, grad_weight, grad_bias, *grad_operands]``.
 
-Implementations:
-
-* Triton (CUDA fp32/fp16/bf16; CPU under ``FUSION_CPU_KERNELS=triton`` with
-  ``TRITON_INTERPRET=1``): the library conv without bias, then the family's kernels
-  (``triton_path``'s docstring says which, and what each direction writes).
-* Reference (``reference.py``; CPU, float64): eager's ops (``aten.native_group_norm`` and its
-  backward).  It is the tests' definition of the op.
-
-Failure policy and modules as every family's (``ops/declare.py``; ``config``, ``triton_path``,
-``reference``).
+Implementations, failure policy and modules as every family's (``ops/declare.py``); the reference runs
+``aten.native_group_norm`` and its backward.
 """
 
 from __future__ import annotations
@@ -63,19 +53,12 @@ def conv_group_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
     """``pool(post(group_norm(pre(conv(x, weight, bias))) * gamma + beta)).to(out_dtype)`` as one fused op
     (the pool only with ``config.pool``).
 
-    Args:
-        x: ``(N, C_in, *spatial)``, 1-3 spatial dims, the conv's dtype; any layout.
-        weight: conv weight, ``(C_out, C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``.
-        bias: ``(C_out,)`` or ``None``.
-        operands: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
-            (C values each), and the tensors the chains' ``TensorRef`` operands refer to.
-        config: ``ConvGroupNormConfig.to_json()``.
+    Arguments and result as every entry point's (``ops/declare.py``), and:
 
-    Returns:
-        The conv output's shape (with ``config.pool``, the pooled shape), in its memory format; dtype
-        ``out_dtype`` (default the conv's).  Differentiable in x, weight, bias and every operand.
-        State for the backward (the conv output, the (2, N, groups) statistics and a max pool's int8
-        winners) is kept only when autograd will need it.
+    * ``operands``: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
+      (C values each), and the chains' tensors.
+    * result: the conv output's shape (with ``config.pool``, the pooled shape), in its memory format;
+      the backward's state: the conv output, the (2, N, groups) statistics, a max pool's int8 winners.
     """
     return CONV_GROUP_NORM(x, weight, bias, operands, config)
 

@@ -84,8 +84,7 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvGroupNormConfig,
 
     * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s (the pooled shape with a pool, dtype
       ``out_dtype``; the winners only with ``save`` and a max pool).
-    * ``saved_y`` (with ``save``): the conv output without bias, y0 itself where it is in
-      ``output_memory_format(y0)`` already (a conv's output always is), else a copy in it.
+    * ``saved_y``: the saved conv output (``conv_io``'s docstring).
     * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, N, groups)`` contiguous: row 0 each
       group's mean, row 1 its ``1 / sqrt(var + eps)`` (of the pre-chain's result, bias included).
     Absent entries are ``empty_placeholder(x)``.

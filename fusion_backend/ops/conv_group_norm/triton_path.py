@@ -1,19 +1,15 @@
-"""The Triton path of ``fusion::conv_group_norm``.
+"""The Triton path of ``fusion::conv_group_norm`` (the frame every family's: ``ops/declare.py``; the
+conv here is eager's, ``run_conv``).
 
-Forward: the library conv (cuDNN, ``run_conv``) without bias, then ``kernels/group_norm.py``'s forward
-(one launch, or two where large groups are split into chunks) that adds the bias, applies the
-pre-chain, normalises each (sample, group), scales and shifts per channel, applies the post-chain and
-writes the result and the group statistics; where the region ends in a max or avg pool, the statistics
-pass runs alone and ``kernels/norm_pool.py`` normalises, pools and writes only the pooled result (and,
-saving for a max pool's backward, each window's winner).
+Forward: ``kernels/group_norm.py``'s forward (one launch, or two where large groups are split into
+chunks) adds the bias, applies the pre-chain, normalises each (sample, group), scales and shifts per
+channel, applies the post-chain and writes the result and the group statistics; where the region ends
+in a max or avg pool, the statistics pass runs alone and ``kernels/norm_pool.py`` normalises, pools
+and writes only the pooled result (and, saving for a max pool's backward, each window's winner).
 
-Backward: ``kernels/group_norm.py``'s backward writes the conv output's gradient from the output
-gradient, the saved conv output and the group statistics (the post-chain, the norm and the pre-chain
-differentiated in registers; behind a pool each position's gradient gathered from the pooled one, a max
-pool's only at the saved winners) plus fixed-order partial sums of the norm's weight and bias
-gradients and of the chains' operand gradients; then the library conv backward
-(``ops/library_conv.py``: on channels-last tensors for 2-d and 3-d convs) gives the gradients of x,
-the weight and the bias.
+Backward: ``kernels/group_norm.py``'s backward from the output gradient, the saved conv output and the
+group statistics (behind a pool each position's gradient gathered from the pooled one, a max pool's
+only at the saved winners), with the norm's weight and bias gradients as partial sums too.
 """
 
 from __future__ import annotations

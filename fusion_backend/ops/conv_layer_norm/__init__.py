@@ -19,19 +19,9 @@ Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, 
   tensor whatever its input's layout); the saved state (``config.conv_outputs``) is the
   conv output without bias in its own layout and each row's mean and ``1 / sqrt(var + eps)`` (fp32
   ``(2, rows)``), nothing else full-size.
-* ``fusion::conv_layer_norm_bwd(grad_out, x, weight, bias, operands, saved_y, saved_stats, config,
-  output_mask) -> [grad_x, grad_weight, grad_bias, *grad_operands]``.
 
-Implementations:
-
-* Triton (CUDA fp32/fp16/bf16; CPU under ``FUSION_CPU_KERNELS=triton`` with
-  ``TRITON_INTERPRET=1``): the library conv without bias, then the family's kernels
-  (``triton_path``'s docstring says which, and what each direction writes).
-* Reference (``reference.py``; CPU, float64): eager's ops (``aten.native_layer_norm`` and its
-  backward).  It is the tests' definition of the op.
-
-Failure policy and modules as every family's (``ops/declare.py``; ``config``, ``triton_path``,
-``reference``).
+Implementations, failure policy and modules as every family's (``ops/declare.py``); the reference runs
+``aten.native_layer_norm`` and its backward.
 """
 
 from __future__ import annotations
@@ -65,20 +55,13 @@ def conv_layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
                     config: str) -> Tensor:  # fmt: skip
     """``post(layer_norm(pre(conv(x, weight, bias))) * gamma + beta).to(out_dtype)`` as one fused op.
 
-    Args:
-        x: ``(N, C_in, *spatial)``, 1-3 spatial dims, the conv's dtype; any layout.
-        weight: conv weight, ``(C_out, C_in/groups, *k)`` or, transposed, ``(C_in, C_out/groups, *k)``.
-        bias: ``(C_out,)`` or ``None``.
-        operands: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
-            (``prod(normalized_shape)`` values each), and the tensors the chains' ``TensorRef``
-            operands refer to.
-        config: ``ConvLayerNormConfig.to_json()``; the conv output's trailing sizes must be its
-            ``normalized_shape``.
+    Arguments and result as every entry point's (``ops/declare.py``), and:
 
-    Returns:
-        The conv output's shape, contiguous (as eager's layer norm returns it); dtype ``out_dtype``
-        (default the conv's).  Differentiable in x, weight, bias and every operand.  State for the
-        backward (the conv output and the (2, rows) statistics) is kept only when autograd will need it.
+    * ``operands``: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
+      (``prod(normalized_shape)`` values each), and the chains' tensors.
+    * ``config``: the conv output's trailing sizes must be its ``normalized_shape``.
+    * result: the conv output's shape, contiguous (as eager's layer norm returns it); the backward's
+      state: the conv output and the (2, rows) statistics.
     """
     return CONV_LAYER_NORM(x, weight, bias, operands, config)
 

@@ -103,8 +103,7 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvLayerNormConfig,
 
     * ``out``: y0's shape, contiguous (what eager's layer norm returns whatever its input's layout),
       dtype ``out_dtype`` (default the conv's).
-    * ``saved_y`` (with ``save``): the conv output without bias, y0 itself where it is in
-      ``output_memory_format(y0)`` already (a conv's output always is), else a copy in it.
+    * ``saved_y``: the saved conv output (``conv_io``'s docstring).
     * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, M)`` contiguous, ``M`` the rows in
       ``native_layer_norm``'s order (the dims before the normalized ones, row-major): row 0 each
       row's mean, row 1 its ``1 / sqrt(var + eps)`` (of the pre-chain's result, bias included).

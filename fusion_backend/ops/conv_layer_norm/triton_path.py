@@ -1,17 +1,11 @@
-"""The Triton path of ``fusion::conv_layer_norm``.
+"""The Triton path of ``fusion::conv_layer_norm`` (the frame every family's: ``ops/declare.py``).
 
-Forward: the library conv (cuDNN, through ``library_conv.conv_forward``: channels-last for 2-d and 3-d
-convs) without bias, then ``kernels/layer_norm.py``'s forward (one launch, or two where long rows are
-split into chunks) that adds the bias, applies the pre-chain, normalises each row, scales and shifts
-elementwise, applies the post-chain and writes the result (contiguous, as eager's layer norm) and the
-row statistics.
-
-Backward: ``kernels/layer_norm.py``'s backward (one launch for rows packed in tiles, two for rows
-walked in chunks) writes the conv output's gradient from the output gradient, the saved conv output
-and the row statistics (the post-chain, the norm and the pre-chain differentiated in registers) plus
-fixed-order partial sums of the norm's elementwise weight and bias gradients and of the chains'
-per-channel operand gradients; then the library conv backward (``ops/library_conv.py``) gives the
-gradients of x, the weight and the bias.
+Forward: ``kernels/layer_norm.py``'s forward (one launch, or two where long rows are split into
+chunks) adds the bias, applies the pre-chain, normalises each row, scales and shifts elementwise,
+applies the post-chain and writes the result (contiguous, as eager's layer norm) and the row
+statistics.  Backward: ``kernels/layer_norm.py``'s backward (one launch for rows packed in tiles, two
+for rows walked in chunks) from the output gradient, the saved conv output and the row statistics,
+with the norm's elementwise weight and bias gradients as partial sums too.
 """
 
 from __future__ import annotations
