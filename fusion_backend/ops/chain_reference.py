@@ -239,6 +239,14 @@ def scatter_to_windows(grad_w: Tensor, winner: Tensor, y_shape: Sequence[int], p
     return full.reshape(y_shape)
 
 
+def norm_affine(operands: Sequence[Tensor], cfg: Any, dtype: torch.dtype,
+                shape: Sequence[int] = (-1,)) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
+    """A norm's ``(weight, bias)``: the operands at ``cfg.weight`` / ``cfg.bias`` (None where absent),
+    detached, in ``shape`` and ``dtype``."""
+    return tuple(None if i is None else operands[i].detach().reshape(shape).to(dtype)  # type: ignore[return-value]
+                 for i in (cfg.weight, cfg.bias))  # fmt: skip
+
+
 def norm_forward(op: str, y0: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: Any, out: Tensor,
                  norm: Callable[[Tensor], tuple[Tensor, ...]], winner: Tensor | None = None) -> tuple[Tensor, ...]:  # fmt: skip
     """A norm family's reference forward after the conv (``y0``: its output without bias): the bias

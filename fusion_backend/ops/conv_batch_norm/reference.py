@@ -1,9 +1,6 @@
-"""The plain-torch reference of ``fusion::conv_batch_norm`` (CPU, float64, anything the kernels do not
-cover, and the tests' definition of the op): ``forward`` runs eager's ops (``aten.native_batch_norm``
-in training mode) and writes the same output and saved
-state as the kernels; ``backward`` applies ``aten.native_batch_norm_backward`` and the chain's
-derivative (``chain_reference``'s tape) to the values recomputed from the saved conv output and
-statistics; a pool after the chain is eager's pool, its gradient ``chain_reference``'s.
+"""The plain-torch reference of ``fusion::conv_batch_norm`` (what every reference is: ``ops/declare.py``):
+``aten.native_batch_norm`` in training mode and its backward, on the values recomputed from the saved
+conv output and statistics; a pool after the chain is eager's pool, its gradient ``chain_reference``'s.
 
 NOTE: the norm runs on the conv output cast to the statistics' dtype (fp32; fp64 for an fp64 conv),
 the dtype eager's batch norm accumulates in for every input dtype it takes.
@@ -16,13 +13,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..chain_reference import norm_backward, norm_forward
+from ..chain_reference import norm_affine, norm_backward, norm_forward
 from ..conv_io import channel_view
 from .config import OP, ConvBatchNormConfig, conv_outputs, values_per_channel
-
-
-def _affine(operands: Sequence[Tensor], index: int | None, dtype: torch.dtype) -> Tensor | None:
-    return None if index is None else operands[index].detach().reshape(-1).to(dtype)
 
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvBatchNormConfig,
@@ -38,7 +31,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     batch_mean, batch_var = (torch.zeros(y0.shape[1], dtype=sdt, device=y0.device) for _ in range(2))
 
     def norm(v: Tensor) -> tuple[Tensor, ...]:
-        gamma, beta = _affine(operands, cfg.weight, sdt), _affine(operands, cfg.bias, sdt)
+        gamma, beta = norm_affine(operands, cfg, sdt)
         return torch.ops.aten.native_batch_norm(v, gamma, beta, batch_mean, batch_var, True, 1.0, cfg.eps)
 
     mean, rstd = norm_forward(OP, y0, bias, operands, cfg, out, norm, winner)
@@ -54,7 +47,7 @@ def backward(
 ) -> list[Tensor | None]:  # fmt: skip
     """``chain_reference.norm_backward`` with ``aten.native_batch_norm_backward``."""
     sdt = saved_stats.dtype
-    gamma, beta = _affine(operands, cfg.weight, sdt), _affine(operands, cfg.bias, sdt)
+    gamma, beta = norm_affine(operands, cfg, sdt)
 
     def normalize(v: Tensor) -> Tensor:
         z = (v.to(sdt) - channel_view(saved_stats[0], v.dim())) * channel_view(saved_stats[1], v.dim())

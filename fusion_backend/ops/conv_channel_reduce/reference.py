@@ -1,7 +1,5 @@
-"""The plain-torch reference of ``fusion::conv_channel_reduce`` (CPU, float64, anything the kernels do
-not cover, and the tests' definition of the op): ``forward`` runs eager's own ops and writes the
-same outputs and saved state as the kernels; ``backward`` applies torch's derivative formulas to the
-chains recomputed from the saved state.
+"""The plain-torch reference of ``fusion::conv_channel_reduce`` (what every reference is:
+``ops/declare.py``); the backward recomputes the chains from the saved state.
 
 NOTE: the chains are differentiated with ``chain_reference``'s tape (torch's backward formulas, not
 ``torch.autograd``: custom-op implementations run below the autograd dispatch key, see there).

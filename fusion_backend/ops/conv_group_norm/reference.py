@@ -1,9 +1,6 @@
-"""The plain-torch reference of ``fusion::conv_group_norm`` (CPU, float64, anything the kernels do not
-cover, and the tests' definition of the op): ``forward`` runs eager's ops and writes the same output
-and saved state as the kernels; ``backward`` applies torch's derivative formulas (the chains' with
-``chain_reference``'s tape, the norm's with ``aten.native_group_norm_backward``) to the values
-recomputed from the saved conv output and statistics; a pool after the chain is eager's pool
-(``chain_reference``'s helpers for both).
+"""The plain-torch reference of ``fusion::conv_group_norm`` (what every reference is: ``ops/declare.py``):
+the norm's derivative is ``aten.native_group_norm_backward``, on the values recomputed from the saved
+conv output and statistics; a pool after the chain is eager's pool (``chain_reference``'s helpers).
 
 NOTE: the norm runs as ``aten.native_group_norm`` on the pre-chain's result cast to the statistics'
 dtype (fp32; fp64 for an fp64 conv), which is what eager's group norm computes in for every dtype it
@@ -18,13 +15,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..chain_reference import norm_backward, norm_forward
+from ..chain_reference import norm_affine, norm_backward, norm_forward
 from ..conv_io import channel_view
 from .config import OP, ConvGroupNormConfig, conv_outputs
-
-
-def _affine(operands: Sequence[Tensor], index: int | None, dtype: torch.dtype) -> Tensor | None:
-    return None if index is None else operands[index].detach().reshape(-1).to(dtype)
 
 
 def _sizes(v: Tensor) -> tuple[int, int, int]:
@@ -38,7 +31,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save)
 
     def norm(v: Tensor) -> tuple[Tensor, ...]:
-        gamma, beta = _affine(operands, cfg.weight, v.dtype), _affine(operands, cfg.bias, v.dtype)
+        gamma, beta = norm_affine(operands, cfg, v.dtype)
         return torch.ops.aten.native_group_norm(v.contiguous(), gamma, beta, *_sizes(v), cfg.groups, cfg.eps)
 
     mean, rstd = norm_forward(OP, y0, bias, operands, cfg, out, norm, winner)
@@ -61,7 +54,7 @@ def backward(
 ) -> list[Tensor | None]:  # fmt: skip
     """``chain_reference.norm_backward`` with ``aten.native_group_norm_backward``."""
     sdt = saved_stats.dtype
-    gamma, beta = _affine(operands, cfg.weight, sdt), _affine(operands, cfg.bias, sdt)
+    gamma, beta = norm_affine(operands, cfg, sdt)
 
     def normalize(v: Tensor) -> Tensor:
         z = normalized(v, saved_stats, cfg.groups)

@@ -1,8 +1,6 @@
-"""The plain-torch reference of ``fusion::conv_layer_norm`` (CPU, float64, anything the kernels do
-not cover, and the tests' definition of the op): ``forward`` runs eager's ops and writes the same
-output and saved state as the kernels; ``backward`` applies torch's derivative formulas (the chains'
-with ``chain_reference``'s tape, the norm's with ``aten.native_layer_norm_backward``) to the
-values recomputed from the saved conv output and statistics.
+"""The plain-torch reference of ``fusion::conv_layer_norm`` (what every reference is: ``ops/declare.py``):
+the norm's derivative is ``aten.native_layer_norm_backward``, on the values recomputed from the saved
+conv output and statistics.
 
 NOTE: the norm runs as ``aten.native_layer_norm`` on the pre-chain's result cast to the statistics'
 dtype (fp32; fp64 for an fp64 conv), which is what eager's layer norm computes in for every dtype it
@@ -16,12 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..chain_reference import norm_backward, norm_forward
+from ..chain_reference import norm_affine, norm_backward, norm_forward
 from .config import OP, ConvLayerNormConfig, conv_outputs
-
-
-def _affine(operands: Sequence[Tensor], index: int | None, cfg: ConvLayerNormConfig, dtype: torch.dtype) -> Tensor | None:
-    return None if index is None else operands[index].detach().reshape(cfg.normalized_shape).to(dtype)
 
 
 def _stat_shape(v: Tensor, cfg: ConvLayerNormConfig) -> list[int]:
@@ -35,7 +29,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     y0, out, saved_y, stats = conv_outputs(x, weight, cfg, save)
 
     def norm(v: Tensor) -> tuple[Tensor, ...]:
-        gamma, beta = _affine(operands, cfg.weight, cfg, v.dtype), _affine(operands, cfg.bias, cfg, v.dtype)
+        gamma, beta = norm_affine(operands, cfg, v.dtype, cfg.normalized_shape)
         return torch.ops.aten.native_layer_norm(v, list(cfg.normalized_shape), gamma, beta, cfg.eps)
 
     mean, rstd = norm_forward(OP, y0, bias, operands, cfg, out, norm)
@@ -51,7 +45,7 @@ def backward(
 ) -> list[Tensor | None]:  # fmt: skip
     """``chain_reference.norm_backward`` with ``aten.native_layer_norm_backward``."""
     sdt = saved_stats.dtype
-    gamma, beta = _affine(operands, cfg.weight, cfg, sdt), _affine(operands, cfg.bias, cfg, sdt)
+    gamma, beta = norm_affine(operands, cfg, sdt, cfg.normalized_shape)
 
     def normalize(v: Tensor) -> Tensor:
         shape = _stat_shape(v, cfg)
