@@ -292,15 +292,16 @@ def _sinks() -> list[list[GraphReport]]:
 
 
 @contextlib.contextmanager
-def collect_reports() -> Iterator[list[GraphReport]]:
-    """Collect every ``GraphReport`` produced (in this thread) while the block runs.
+def collect_reports(into: Optional[list[GraphReport]] = None) -> Iterator[list[GraphReport]]:
+    """Collect every ``GraphReport`` produced (in this thread) while the block runs, into ``into``
+    (a new list where not given).
 
     >>> with collect_reports() as reports:  # doctest: +SKIP
     ...     torch.compile(model, backend="fusion")(x)
     >>> reports[0].counts()  # doctest: +SKIP
     {'conv_epilogue': 1}
     """
-    bucket: list[GraphReport] = []
+    bucket: list[GraphReport] = [] if into is None else into
     _sinks().append(bucket)
     try:
         yield bucket
