@@ -255,3 +255,31 @@ def test_explain_cli_a_model_that_fails_in_eager_is_bad_input_in_one_line(tmp_pa
 def test_explain_cli_parity_exits_zero(tmp_path, capsys):
     code, err = _explain(tmp_path, capsys, "--device", "cpu")
     assert code == 0 and err == ""
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--options", '{"stict": true}'], "unknown option 'stict' for backend 'fusion' (did you mean 'strict'?)"),
+    (["--options", '{"patterns": ["conv_epilog"]}'], "unknown pattern 'conv_epilog' (did you mean 'conv_epilogue'?)"),
+    (["--options", '{"decide": "always"}'], "option 'decide' must be one of ['measure', 'fuse', 'inductor'], got 'always'"),
+    (["--options", "decide=fuse"], "--options is not JSON"),
+    (["--options", '["decide"]'], "--options must be a JSON object"),
+    (["--decide", "always"], "--decide must be one of measure, fuse, inductor, got 'always'"),
+])
+def test_explain_cli_bad_options_are_a_usage_error_in_one_line(tmp_path, capsys, args, fragment):
+    code, err = _explain(tmp_path, capsys, "--device", "cpu", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: ") and fragment in err
+
+
+def test_explain_cli_decide_fuse_shows_the_fusion_on_cpu(tmp_path, capsys, monkeypatch):
+    """Without ``FUSION_DECIDE`` (a user's machine), CPU leaves the region to Inductor; ``--decide fuse``
+    (or ``--options``) shows it fused."""
+    from fusion_backend import explain_cli
+
+    monkeypatch.delenv("FUSION_DECIDE", raising=False)
+    model_file = tmp_path / "m.py"
+    model_file.write_text(SMALL_MODEL.format(extra=""))
+    for args, fused in ([], False), (["--decide", "fuse"], True), (["--options", '{"decide": "fuse"}'], True):
+        out = io.StringIO()
+        assert explain_cli.main([str(model_file), "--device", "cpu", *args], out=out) == 0
+        assert ("[fused] conv_epilogue" in out.getvalue()) is fused, out.getvalue()
