@@ -283,3 +283,25 @@ def test_explain_cli_decide_fuse_shows_the_fusion_on_cpu(tmp_path, capsys, monke
         out = io.StringIO()
         assert explain_cli.main([str(model_file), "--device", "cpu", *args], out=out) == 0
         assert ("[fused] conv_epilogue" in out.getvalue()) is fused, out.getvalue()
+
+
+class _InSequential(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1),
+                                       torch.nn.Softmax(dim=2))
+
+    def forward(self, z):
+        return self.net(z)
+
+
+def test_source_lines_inside_a_sequential_name_the_module_path():
+    """Every layer of a ``Sequential`` has the source line ``return self.net(z)``: the module path
+    (from Dynamo's ``nn_module_stack``) says which layer a region or a near miss is."""
+    result = fusion_backend.explain(_InSequential(), torch.rand(1, 3, 6, 6), options={"decide": "fuse"})
+    (match,) = [m for r in result.reports for m in r.matches]
+    assert [s.module for s in match.source_lines] == ["net.0", "net.1"]
+    assert all(s.code == "return self.net(z)" for s in match.source_lines)
+    assert any(n.source_line and n.source_line.module == "net.3" for n in result.near_misses), result
+    text = str(result)
+    assert "(net.0)  `return self.net(z)`" in text and "(net.3)  `return self.net(z)`" in text
