@@ -25,6 +25,7 @@ import functools
 import itertools
 import logging
 import math
+import sys
 import time
 import traceback
 import warnings
@@ -35,7 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .errors import RewriteError
+from .errors import ConfigurationError, RewriteError
 from .kernels import compile_pool
 from .match.engine import Candidate, find_regions, registered_patterns, rewrite_regions
 from .ops.autograd_free import with_autograd_free_pass
@@ -79,7 +80,10 @@ def fusion(
     (2, 8, 6, 6)
     """
     compiled_at = time.perf_counter()
-    opts = FusionOptions.parse(options, tuple(registered_patterns()))
+    try:
+        opts = FusionOptions.parse(options, tuple(registered_patterns()))
+    except ConfigurationError as error:
+        raise _as_users_error(error) from None
     cuda = next((t.get_device() for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
     if cuda is not None:  # before any kernel of this graph compiles, here or in a worker
         compile_pool.use_inductors_triton_setup(cuda)
@@ -578,6 +582,27 @@ def _ensure_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> No
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     FakeTensorProp(gm, mode).propagate(*example_inputs)
+
+
+@functools.cache
+def _passing_through_dynamo(kind: type) -> type:
+    """``kind`` made a ``ShortenTraceback`` too: Dynamo lets that through as itself instead of wrapping
+    it in ``BackendCompilerFailed``, and cuts its traceback to the backend's frame.  Its text stays the
+    one line it was raised with (Dynamo appends hints to an exception's ``args`` on its way out)."""
+
+    def __str__(self: Any) -> str:
+        return self.message
+
+    return type(kind.__name__, (kind, torch._dynamo.exc.ShortenTraceback),
+                {"__module__": kind.__module__, "__qualname__": kind.__qualname__, "__str__": __str__})
+
+
+def _as_users_error(error: ConfigurationError) -> ConfigurationError:
+    """WHY: a bad option or switch is the user's to fix; Dynamo's wrapper would bury its one-line
+    message under a traceback through Dynamo's and our internals."""
+    surfaced = _passing_through_dynamo(type(error))(*error.args, first_useful_frame=sys._getframe(1))
+    surfaced.message = str(error)
+    return surfaced.with_traceback(None)
 
 
 def _inductor_patches(mode: Optional[str], opts: FusionOptions) -> dict[str, Any]:

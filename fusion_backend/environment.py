@@ -7,14 +7,20 @@ variable                    meaning
                             ``library`` (cuDNN + the Triton epilogue) or ``triton`` (the fused kernels)
 ``FUSION_CONV_AUTOTUNE``    ``0`` turns measuring off: no timed choice between paths (the library path
                             runs) and no tile tuning (each kernel takes its heuristic tile);
-                            deterministic first calls.  Anything else, or unset: on
+                            deterministic first calls.  ``1``, or unset: on
 ``FUSION_CPU_KERNELS``      ``triton``: CPU tensors run the Triton kernels (needs ``TRITON_INTERPRET=1``
-                            before the process starts); unset: they run the plain-torch reference
+                            before the process starts); ``reference``, or unset: they run the
+                            plain-torch reference
 ``FUSION_CACHE_DIR``        where measured choices (region decisions, path choices) are kept across
                             processes; default ``~/.cache/fusion_backend``
 ``FUSION_DECIDE``           the default of the ``decide`` option (``measure``, ``fuse`` or ``inductor``)
 ``FUSION_DUMP_DIR``         the default of the ``dump_dir`` option (per-graph dumps)
 ==========================  ===========================================================================
+
+Each reader validates what it reads: a value outside the accepted set raises
+``InvalidEnvironmentError`` naming the variable, the value and the accepted values (empty counts as
+unset).  :func:`check` reads them all; the backend calls it when it parses its options, so a bad
+switch fails the first compile rather than a fused op's call.
 
 (The benchmark's ``FUSION_DEMOS_DIR`` and the fuzzer's ``FUSION_FUZZ_*`` belong to those tools.)
 
@@ -28,7 +34,10 @@ once, when ``kernels/host.py`` is imported, as Triton reads it when it decorates
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
+
+from .errors import InvalidEnvironmentError
 
 CONV_IMPL = "FUSION_CONV_IMPL"
 CONV_AUTOTUNE = "FUSION_CONV_AUTOTUNE"
@@ -39,22 +48,39 @@ DUMP_DIR = "FUSION_DUMP_DIR"
 
 DEFAULT_CONV_IMPL = "auto"
 CONV_IMPLS = ("auto", "library", "triton")
+CONV_AUTOTUNE_VALUES = ("1", "0")
+CPU_KERNELS_VALUES = ("reference", "triton")
+#: The policies of the ``decide`` option (``runtime.decision.POLICIES`` is this tuple).
+DECIDE_VALUES = ("measure", "fuse", "inductor")
+
+
+def _read(variable: str, accepted: Sequence[str], default: str, fold_case: bool = False) -> str:
+    """``variable``'s value (unset or empty: ``default``), which must be one of ``accepted``."""
+    raw = os.environ.get(variable) or ""
+    value = raw.lower() if fold_case else raw
+    if not value:
+        return default
+    if value not in accepted:
+        raise InvalidEnvironmentError(
+            f"{variable}={raw!r} is not accepted: use one of {', '.join(accepted)}, or leave it unset "
+            f"(the default: {default})")
+    return value
 
 
 def conv_impl() -> str:
-    """``FUSION_CONV_IMPL`` as given (empty or unset: ``auto``); the caller validates it against
-    :data:`CONV_IMPLS`, naming the variable in its error."""
-    return os.environ.get(CONV_IMPL) or DEFAULT_CONV_IMPL
+    """``FUSION_CONV_IMPL``, one of :data:`CONV_IMPLS` (empty or unset: ``auto``)."""
+    return _read(CONV_IMPL, CONV_IMPLS, DEFAULT_CONV_IMPL)
 
 
 def measuring() -> bool:
-    """Whether choices are measured and tiles tuned (``FUSION_CONV_AUTOTUNE`` is not ``0``)."""
-    return os.environ.get(CONV_AUTOTUNE, "1") != "0"
+    """Whether choices are measured and tiles tuned (``FUSION_CONV_AUTOTUNE``: ``1`` or unset; ``0``: no)."""
+    return _read(CONV_AUTOTUNE, CONV_AUTOTUNE_VALUES, "1") == "1"
 
 
 def cpu_kernels_triton() -> bool:
-    """Whether CPU tensors were asked to run the Triton kernels (``FUSION_CPU_KERNELS=triton``)."""
-    return os.environ.get(CPU_KERNELS, "").lower() == "triton"
+    """Whether CPU tensors were asked to run the Triton kernels (``FUSION_CPU_KERNELS=triton``, any
+    case; ``reference`` or unset: the plain-torch reference)."""
+    return _read(CPU_KERNELS, CPU_KERNELS_VALUES, "reference", fold_case=True) == "triton"
 
 
 def cache_dir() -> Path:
@@ -63,13 +89,24 @@ def cache_dir() -> Path:
 
 
 def decide() -> str | None:
-    """``FUSION_DECIDE``, or None when unset or empty (the option's own default applies)."""
-    return os.environ.get(DECIDE) or None
+    """``FUSION_DECIDE``, one of :data:`DECIDE_VALUES`, or None when unset or empty (the option's own
+    default applies)."""
+    value = _read(DECIDE, DECIDE_VALUES, "measure")
+    return value if os.environ.get(DECIDE) else None
 
 
 def dump_dir() -> str | None:
     """``FUSION_DUMP_DIR``, or None when unset or empty."""
     return os.environ.get(DUMP_DIR) or None
+
+
+def check() -> None:
+    """Read every switch that has an accepted set of values, raising ``InvalidEnvironmentError`` on
+    the first bad one."""
+    conv_impl()
+    measuring()
+    cpu_kernels_triton()
+    decide()
 
 
 def plan_switches() -> tuple[str | None, str | None, str | None]:

@@ -12,12 +12,30 @@ class FusionError(RuntimeError):
     """Base class of every error raised on purpose by ``fusion_backend``."""
 
 
-class UnknownOptionError(FusionError, ValueError):
+class ConfigurationError(FusionError, ValueError):
+    """Something the user configured is wrong: an option, a pattern name or an environment switch.
+    Its message is one line naming the setting, the bad value and what is accepted.  Raised during
+    ``torch.compile``'s first call, it reaches the caller as itself, not wrapped in Dynamo's
+    ``BackendCompilerFailed`` (``backend.fusion`` sees to that)."""
+
+
+class UnknownOptionError(ConfigurationError):
     """An option key passed to ``torch.compile(..., options=...)`` is neither ours nor Inductor's."""
 
 
-class InvalidOptionError(FusionError, ValueError):
-    """An option of ours has a value of the wrong type or outside its allowed set."""
+class InvalidOptionError(ConfigurationError):
+    """An option of ours has a value of the wrong type or outside its allowed set (an unknown pattern
+    name included)."""
+
+
+class UnknownPatternError(InvalidOptionError):
+    """A pattern family's name that no registered family has (the ``patterns`` options, the test
+    helpers, the explain command)."""
+
+
+class InvalidEnvironmentError(ConfigurationError):
+    """A ``FUSION_*`` environment variable holds a value outside its accepted set
+    (``fusion_backend.environment``)."""
 
 
 class RewriteError(FusionError):

@@ -3,7 +3,7 @@ and check the compiled result against eager.
 
 The file uses the benchmark layout (``Model``, ``get_inputs()``, ``get_init_inputs()``).  Exit status:
 0 when everything matches eager; 1 on a mismatch (or when the compiled model raises); 2 on a usage
-error or bad input: a bad file, an unknown or unavailable device, a model that fails to build or to
+error or bad input: bad ``--options`` / ``--decide`` (checked as the backend checks its options), a bad file, an unknown or unavailable device, a model that fails to build or to
 run in eager.  Every error is one line on stderr.
 """
 
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 from typing import Optional, TextIO
 
 import torch
 
 from .errors import FusionError
+from .runtime.decision import POLICIES
 from .testing import TOLERANCES, compare, float64_reference, run_and_backward, run_settled
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -32,7 +34,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", action="store_true", help="also run backward and check every gradient")
     p.add_argument("--dynamic", action="store_true", help="compile with dynamic=True")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--options", metavar="JSON", default=None,
+                   help="the backend's options as a JSON object, e.g. '{\"decide\": \"fuse\", \"patterns\": [\"conv_epilogue\"]}'")
+    p.add_argument("--decide", metavar="{" + ",".join(POLICIES) + "}", default=None,
+                   help="the decide option (overrides --options'); on CPU, where the default leaves every region "
+                        "to Inductor, 'fuse' shows what would be fused")
     return p
+
+
+def backend_options(args: argparse.Namespace) -> dict:
+    """``--options``, ``--decide`` and ``--dump`` as the backend's options, validated as the backend
+    validates them (``FusionOptions.parse``); a bad one is a ``FusionError`` with a one-line message."""
+    options: dict = {}
+    if args.options is not None:
+        try:
+            options = json.loads(args.options)
+        except json.JSONDecodeError as exc:
+            raise FusionError(f"--options is not JSON: {exc}") from None
+        if not isinstance(options, dict):
+            raise FusionError(f"--options must be a JSON object of option keys and values, got {args.options!r}")
+    if args.decide is not None:
+        if args.decide not in POLICIES:
+            raise FusionError(f"--decide must be one of {', '.join(POLICIES)}, got {args.decide!r}")
+        options["decide"] = args.decide
+    if args.dump:
+        options["dump_dir"] = args.dump
+    from .match.engine import registered_patterns
+    from .options import FusionOptions
+
+    FusionOptions.parse(options, tuple(registered_patterns()))
+    return options
 
 
 def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
@@ -40,6 +71,7 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
     from .bench.suite import load_workload
 
     try:
+        options = backend_options(args)
         workload = load_workload(args.file)
         device = _device(args.device)
     except (FusionError, ValueError, OSError) as exc:
@@ -59,7 +91,6 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
     autocast = (torch.autocast(device.type, dtype=DTYPES[args.autocast])
                 if args.autocast else contextlib.nullcontext())
     tol = TOLERANCES[DTYPES[args.autocast]] if args.autocast else None
-    options = {"dump_dir": args.dump} if args.dump else {}
 
     def leaves():
         return [t.detach().clone().requires_grad_(args.train and t.is_floating_point()) if isinstance(t, torch.Tensor) else t

@@ -2,7 +2,8 @@
 
 Our keys are stripped; every other key must be an Inductor config key and is forwarded to Inductor
 (as Inductor itself accepts ``options``).  An unknown key raises ``UnknownOptionError`` (a
-``ValueError``) listing ours and pointing at Inductor's.
+``ValueError``) naming the closest valid key.  A pattern name is checked by
+:func:`check_pattern_names` wherever one is accepted (here, the test helpers, the explain command).
 
 ======================  ===========================================================================
 key                     meaning
@@ -46,6 +47,7 @@ default ``~/.cache/fusion_backend``).
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -54,7 +56,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import environment
-from .errors import InvalidOptionError, UnknownOptionError
+from .errors import InvalidOptionError, UnknownOptionError, UnknownPatternError
 from .runtime.decision import DEFAULT_MARGIN, POLICIES
 
 OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir", "direct", "decide", "decide_margin", "defer",
@@ -92,10 +94,7 @@ class FusionOptions:
         inductor_keys = _inductor_keys()
         unknown = sorted(k for k in options if k.replace("-", "_") not in inductor_keys)
         if unknown:
-            raise UnknownOptionError(
-                f"unknown option(s) {unknown} for backend 'fusion'. Valid keys: our own {list(OUR_KEYS)}, "
-                f"or any Inductor config key (torch._inductor.list_options())."
-            )
+            raise UnknownOptionError(_unknown_keys_message(unknown, inductor_keys))
         inductor = {k.replace("-", "_"): v for k, v in options.items()}
         for key, value in inductor.items():
             _check_inductor_value(key, value, inductor_keys[key])
@@ -112,9 +111,7 @@ class FusionOptions:
                 raise InvalidOptionError(f"option 'patterns' must be 'all' or names of patterns, got {wanted!r}") from None
         disabled = ours.get("disable_patterns") or ()
         disabled = (disabled,) if isinstance(disabled, str) else tuple(disabled)
-        bad = sorted(n for n in (*names, *disabled) if n not in registered)
-        if bad:
-            raise InvalidOptionError(f"unknown pattern(s) {bad}; registered patterns: {sorted(registered)}")
+        check_pattern_names((*names, *disabled), registered)
         names = tuple(n for n in names if n not in disabled)
 
         strict = ours.get("strict", False)
@@ -126,6 +123,7 @@ class FusionOptions:
         direct = ours.get("direct", True)
         if not isinstance(direct, bool):
             raise InvalidOptionError(f"option 'direct' must be a bool, got {direct!r}")
+        environment.check()  # a bad switch fails here, not inside a fused op's first call
         decide = ours.get("decide") or environment.decide() or "measure"
         if decide not in POLICIES:
             where = "option 'decide'" if "decide" in ours else f"{DECIDE_ENV}"
@@ -144,6 +142,32 @@ class FusionOptions:
                                      f"call) or None (no limit), got {budget!r}")
         return FusionOptions(names, strict, Path(dump) if dump else None, inductor, direct, decide, float(margin),
                              defer=defer, decide_budget=float(budget))
+
+
+def check_pattern_names(names: Any, registered: Any, what: str = "pattern") -> None:
+    """Raise ``UnknownPatternError`` where one of ``names`` is not a registered pattern family,
+    naming it, the closest registered name and every registered one.  ``what`` says where the name
+    was given (e.g. ``"assert_not_fused's pattern"``)."""
+    registered = sorted(registered)
+    bad = [n for n in names if n not in registered]
+    if not bad:
+        return
+    first = bad[0]
+    guess = difflib.get_close_matches(first, registered, n=1) if isinstance(first, str) else []
+    hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+    listing = f"unknown {what}s {bad}" if len(bad) > 1 else f"unknown {what} {first!r}"
+    raise UnknownPatternError(f"{listing}{hint}; registered patterns: {registered}")
+
+
+def _unknown_keys_message(unknown: list[str], inductor_keys: Mapping[str, Any]) -> str:
+    """One line: the unknown keys, the closest valid key to the first, where the valid keys are."""
+    first = unknown[0]
+    guess = (difflib.get_close_matches(first, OUR_KEYS, n=1)
+             or difflib.get_close_matches(first.replace("-", "_"), list(inductor_keys), n=1))
+    hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+    keys = f"options {unknown}" if len(unknown) > 1 else f"option {first!r}"
+    return (f"unknown {keys} for backend 'fusion'{hint}; valid keys: ours {list(OUR_KEYS)}, "
+            f"or any Inductor config key (torch._inductor.list_options())")
 
 
 def _inductor_keys() -> dict[str, Any]:

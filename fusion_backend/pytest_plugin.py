@@ -1,10 +1,12 @@
 """pytest plugin (entry point ``pytest11``): active in any test session once the package is installed.
 
-Fixture ``fusion_rewrites``: the list of ``GraphReport``s produced while the test runs, e.g.
+Fixture ``fusion_rewrites``: the list of ``GraphReport``s produced while the test runs
+(``testing.FusionRewrites``: ``counts()`` totals the fused regions per pattern over the graphs,
+``fused(pattern)`` one pattern's, refusing a pattern name no family has), e.g.
 
     def test_my_model_fuses(fusion_rewrites):
-        torch.compile(model, backend="fusion")(x)
-        assert sum(r.counts().get("conv_epilogue", 0) for r in fusion_rewrites) == 1
+        torch.compile(model, backend="fusion", options={"decide": "fuse"})(x)
+        assert fusion_rewrites.fused("conv_epilogue") == 1
 
 On a failing test that used the fixture, the reports are added to the failure output.  A decision the
 backend deferred past the first call (option ``defer``; its report's decision reads "pending") comes in
@@ -27,8 +29,9 @@ import pytest
 def fusion_rewrites(request: pytest.FixtureRequest) -> Iterator[list[Any]]:
     """Every ``GraphReport`` produced during the test (in the test's thread)."""
     from .report import collect_reports
+    from .testing import FusionRewrites
 
-    with collect_reports() as reports:
+    with collect_reports(FusionRewrites()) as reports:
         request.node._fusion_reports = reports
         yield reports
 

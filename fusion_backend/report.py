@@ -48,15 +48,23 @@ class ReasonKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SourceLine:
-    """Where in the user's code a node came from (the innermost frame of its stack trace)."""
+    """Where in the user's code a node came from (the innermost frame of its stack trace), and the
+    path of the innermost module that ran it (``net.3`` inside ``self.net = nn.Sequential(...)``),
+    where Dynamo recorded one: every layer of a ``Sequential`` has the same source line."""
 
     file: str
     line: int
     code: str = ""
+    module: str = ""
+
+    @property
+    def location(self) -> str:
+        """``model.py:10``, or ``model.py:10 (net.3)`` with the module path."""
+        short = self.file.rsplit("/", 1)[-1]
+        return f"{short}:{self.line}" + (f" ({self.module})" if self.module else "")
 
     def __str__(self) -> str:
-        short = self.file.rsplit("/", 1)[-1]
-        return f"{short}:{self.line}" + (f"  `{self.code}`" if self.code else "")
+        return self.location + (f"  `{self.code}`" if self.code else "")
 
 
 @dataclass(frozen=True)
@@ -255,8 +263,24 @@ class GraphReport:
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
+_ROOT = re.compile(r"^L\['self'\]\.?")
+
+
+def module_path_of(node: fx.Node) -> str:
+    """The innermost module's path under the compiled module (``net.3``) from the node's
+    ``nn_module_stack`` (Dynamo records it, keys like ``L['self'].net.3``); ``""`` where none is
+    recorded or the node ran in the compiled module's own ``forward``."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    innermost = list(stack.values())[-1]
+    path = innermost[0] if isinstance(innermost, tuple) else str(innermost)
+    return _ROOT.sub("", str(path))
+
+
 def source_line_of(node: fx.Node) -> Optional[SourceLine]:
-    """The innermost user frame recorded in ``node.meta["stack_trace"]`` (Dynamo sets it)."""
+    """The innermost user frame recorded in ``node.meta["stack_trace"]`` (Dynamo sets it), with the
+    node's module path (:func:`module_path_of`)."""
     trace = node.meta.get("stack_trace")
     if not trace:
         return None
@@ -265,18 +289,21 @@ def source_line_of(node: fx.Node) -> Optional[SourceLine]:
         m = _FRAME.search(lines[i])
         if m:
             code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.search(lines[i + 1]) else ""
-            return SourceLine(m.group("file"), int(m.group("line")), code)
+            return SourceLine(m.group("file"), int(m.group("line")), code, module_path_of(node))
     return None
 
 
 def source_lines_of(nodes: list[fx.Node]) -> tuple[SourceLine, ...]:
-    """The distinct user source lines of ``nodes``, in order of first appearance."""
+    """The distinct user source lines of ``nodes``, in order of first appearance; a line without a
+    module path is left out where the same line is listed with one (``F.gelu(self.conv(x))``: the
+    conv ran in ``conv``, the gelu in the model's own forward)."""
     seen: dict[SourceLine, None] = {}
     for node in nodes:
         line = source_line_of(node)
         if line is not None:
             seen.setdefault(line, None)
-    return tuple(seen)
+    with_module = {(s.file, s.line) for s in seen if s.module}
+    return tuple(s for s in seen if s.module or (s.file, s.line) not in with_module)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,15 +319,16 @@ def _sinks() -> list[list[GraphReport]]:
 
 
 @contextlib.contextmanager
-def collect_reports() -> Iterator[list[GraphReport]]:
-    """Collect every ``GraphReport`` produced (in this thread) while the block runs.
+def collect_reports(into: Optional[list[GraphReport]] = None) -> Iterator[list[GraphReport]]:
+    """Collect every ``GraphReport`` produced (in this thread) while the block runs, into ``into``
+    (a new list where not given).
 
     >>> with collect_reports() as reports:  # doctest: +SKIP
     ...     torch.compile(model, backend="fusion")(x)
     >>> reports[0].counts()  # doctest: +SKIP
     {'conv_epilogue': 1}
     """
-    bucket: list[GraphReport] = []
+    bucket: list[GraphReport] = [] if into is None else into
     _sinks().append(bucket)
     try:
         yield bucket

@@ -7,6 +7,9 @@
 * ``assert_not_fused(model, inputs, pattern, reason=...)`` for negative tests.
 * ``dry_run(model, inputs)`` runs only the find phase (no rewrite, no fused op) and returns what
   would be fused and the near misses.
+* ``FusionRewrites``: the ``fusion_rewrites`` fixture's list of reports, with totals over them.
+* Every pattern name these take is checked against the registered families (``UnknownPatternError``,
+  naming the closest one): a misspelled name would otherwise make a negative test pass.
 * ``forget_call_plans()`` makes the next call of every fused op plan, compile and measure again, as a
   first call does (a test of first-call behaviour, or one that changes an environment switch).
 """
@@ -46,6 +49,33 @@ class Autocast(torch.nn.Module):
             return self.inner(*args)
 
 
+def _check_patterns(names: Any, what: str) -> None:
+    from .match.engine import registered_patterns
+    from .options import check_pattern_names
+
+    check_pattern_names(tuple(names), tuple(registered_patterns()), what)
+
+
+class FusionRewrites(list):
+    """Every ``GraphReport`` produced while a test runs (the ``fusion_rewrites`` fixture's value), in
+    order; a graph whose decision was deferred appears again when it settles."""
+
+    def counts(self) -> dict[str, int]:
+        """Fused regions per pattern in the latest report of each graph (a settled graph's report
+        replaces its first one)."""
+        latest = {r.graph_name: r for r in self}
+        out: dict[str, int] = {}
+        for r in latest.values():
+            for k, v in r.counts().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def fused(self, pattern: str) -> int:
+        """How many regions of ``pattern`` were fused (see ``counts``); an unknown name raises."""
+        _check_patterns([pattern], "pattern")
+        return self.counts().get(pattern, 0)
+
+
 @dataclass(frozen=True)
 class DryRun:
     regions: tuple[tuple[str, str, tuple[str, ...]], ...]
@@ -71,6 +101,9 @@ def dry_run(model: Any, inputs: Sequence[Any], patterns: Optional[Sequence[str]]
     """What ``fusion`` would fuse in ``model(*inputs)``, without rewriting or running fused ops."""
     from .match.engine import find_regions, registered_patterns
 
+    if patterns is not None:
+        _check_patterns([patterns] if isinstance(patterns, str) else patterns, "pattern")
+        patterns = [patterns] if isinstance(patterns, str) else patterns
     enabled = tuple(patterns) if patterns is not None else tuple(registered_patterns())
     regions: list[tuple[str, str, tuple[str, ...]]] = []
     misses: list[NearMiss] = []
@@ -241,6 +274,7 @@ def assert_fused(
     also runs backward with a fixed random output gradient and compares every gradient of inputs
     that require grad and of parameters.  Returns the reports.
     """
+    _check_patterns(expect, "pattern in expect")
     if isinstance(model, torch.nn.Module):
         model.zero_grad(set_to_none=True)  # gradients left by an earlier run would be added to ours
     if dtype is not None:
@@ -299,7 +333,8 @@ def assert_not_fused(
 ) -> tuple[NearMiss, ...]:
     """Assert ``pattern`` fuses nothing in ``model(*inputs)``; with ``reason``, also that a near miss
     of that pattern carries that ``ReasonKind`` (or a ``ReasonKind`` value string).  Returns the
-    pattern's near misses."""
+    pattern's near misses.  An unknown ``pattern`` name raises ``UnknownPatternError``."""
+    _check_patterns([pattern], "pattern")
     result = dry_run(model, inputs, **compile_kwargs)
     fused = [r for r in result.regions if r[0] == pattern]
     misses = tuple(n for n in result.near_misses if n.pattern == pattern)

@@ -242,7 +242,7 @@ class MatchContext:
         for u in users:
             where = source_line_of(u)
             label = "the graph output" if u.op == "output" else f"`{u.name}`"
-            described.append(label + (f" at {where.file.rsplit('/', 1)[-1]}:{where.line}" if where else ""))
+            described.append(label + (f" at {where.location}" if where else ""))
         return None, f"`{node.name}` is used by " + " and ".join(described)
 
     def near_miss(self, pattern: str, anchor: fx.Node, at: fx.Node, reason: ReasonKind, message: str) -> NearMiss:

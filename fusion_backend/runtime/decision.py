@@ -75,7 +75,7 @@ from .region_timing import RoundTimes
 
 log = logging.getLogger("fusion_backend.decision")
 
-POLICIES = ("measure", "fuse", "inductor")
+POLICIES = environment.DECIDE_VALUES
 DEFAULT_MARGIN = 0.03
 #: Host milliseconds per call that the code around a region adds in the compiled model (Dynamo's
 #: guards, the rest of the graph, the caller's Python); see the module docstring.

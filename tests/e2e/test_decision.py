@@ -375,10 +375,11 @@ def test_bad_decision_options_are_named(options, message):
 
 
 def test_a_bad_policy_in_the_environment_is_named(monkeypatch):
+    from fusion_backend.errors import InvalidEnvironmentError
     from fusion_backend.options import FusionOptions
 
     monkeypatch.setenv("FUSION_DECIDE", "always")
-    with pytest.raises(InvalidOptionError, match="FUSION_DECIDE must be one of"):
+    with pytest.raises(InvalidEnvironmentError, match="FUSION_DECIDE='always' is not accepted"):
         FusionOptions.parse({}, ("conv_epilogue",))
 
 

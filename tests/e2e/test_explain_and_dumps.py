@@ -255,3 +255,53 @@ def test_explain_cli_a_model_that_fails_in_eager_is_bad_input_in_one_line(tmp_pa
 def test_explain_cli_parity_exits_zero(tmp_path, capsys):
     code, err = _explain(tmp_path, capsys, "--device", "cpu")
     assert code == 0 and err == ""
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--options", '{"stict": true}'], "unknown option 'stict' for backend 'fusion' (did you mean 'strict'?)"),
+    (["--options", '{"patterns": ["conv_epilog"]}'], "unknown pattern 'conv_epilog' (did you mean 'conv_epilogue'?)"),
+    (["--options", '{"decide": "always"}'], "option 'decide' must be one of ['measure', 'fuse', 'inductor'], got 'always'"),
+    (["--options", "decide=fuse"], "--options is not JSON"),
+    (["--options", '["decide"]'], "--options must be a JSON object"),
+    (["--decide", "always"], "--decide must be one of measure, fuse, inductor, got 'always'"),
+])
+def test_explain_cli_bad_options_are_a_usage_error_in_one_line(tmp_path, capsys, args, fragment):
+    code, err = _explain(tmp_path, capsys, "--device", "cpu", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: ") and fragment in err
+
+
+def test_explain_cli_decide_fuse_shows_the_fusion_on_cpu(tmp_path, capsys, monkeypatch):
+    """Without ``FUSION_DECIDE`` (a user's machine), CPU leaves the region to Inductor; ``--decide fuse``
+    (or ``--options``) shows it fused."""
+    from fusion_backend import explain_cli
+
+    monkeypatch.delenv("FUSION_DECIDE", raising=False)
+    model_file = tmp_path / "m.py"
+    model_file.write_text(SMALL_MODEL.format(extra=""))
+    for args, fused in ([], False), (["--decide", "fuse"], True), (["--options", '{"decide": "fuse"}'], True):
+        out = io.StringIO()
+        assert explain_cli.main([str(model_file), "--device", "cpu", *args], out=out) == 0
+        assert ("[fused] conv_epilogue" in out.getvalue()) is fused, out.getvalue()
+
+
+class _InSequential(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1),
+                                       torch.nn.Softmax(dim=2))
+
+    def forward(self, z):
+        return self.net(z)
+
+
+def test_source_lines_inside_a_sequential_name_the_module_path():
+    """Every layer of a ``Sequential`` has the source line ``return self.net(z)``: the module path
+    (from Dynamo's ``nn_module_stack``) says which layer a region or a near miss is."""
+    result = fusion_backend.explain(_InSequential(), torch.rand(1, 3, 6, 6), options={"decide": "fuse"})
+    (match,) = [m for r in result.reports for m in r.matches]
+    assert [s.module for s in match.source_lines] == ["net.0", "net.1"]
+    assert all(s.code == "return self.net(z)" for s in match.source_lines)
+    assert any(n.source_line and n.source_line.module == "net.3" for n in result.near_misses), result
+    text = str(result)
+    assert "(net.0)  `return self.net(z)`" in text and "(net.3)  `return self.net(z)`" in text
