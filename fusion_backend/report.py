@@ -44,6 +44,9 @@ class ReasonKind(str, enum.Enum):
     """A conv with nothing fusible after it."""
     MISSING_METADATA = "missing_metadata"
     """The graph carries no shape/dtype metadata for a node the decision depends on."""
+    EMPTY_TENSOR = "empty_tensor"
+    """A tensor of the region has no elements (e.g. a batch of 0): nothing to fuse, Inductor's code
+    runs it as eager does."""
 
 
 @dataclass(frozen=True)

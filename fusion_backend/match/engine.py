@@ -348,6 +348,12 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
             if isinstance(item, NearMiss):
                 near_misses.append(item)
                 continue
+            empty = _empty_value(item)
+            if empty is not None:
+                near_misses.append(ctx.near_miss(pattern.name, item.anchor, empty, ReasonKind.EMPTY_TENSOR,
+                                                 f"`{empty.name}` has no elements ({list(fake_of(empty).shape)}): "
+                                                 "nothing to fuse; Inductor's code runs the region as eager does"))
+                continue
             taken = [n for n in item.nodes if n in ctx.claimed]
             if taken:
                 near_misses.append(ctx.near_miss(pattern.name, item.anchor, taken[0], ReasonKind.CLAIMED,
@@ -365,6 +371,27 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
     near_misses = [m for m in near_misses if m.anchor not in fused_by or fused_by[m.anchor] > order[m.pattern]]
     near_misses += [note for _, c in accepted for note in c.notes]
     return Regions(ctx, accepted, near_misses)
+
+
+def _empty_value(candidate: Candidate) -> Optional[fx.Node]:
+    """The first node of the candidate (or one it reads) whose tensor has no elements, statically (a
+    size-0 dim is always static: Dynamo specialises sizes 0 and 1), or None.
+
+    WHY: a region over an empty tensor (a batch of 0) has nothing to compute, and the fused ops'
+    kernels and references are written for at least one element; Inductor's code gives eager's
+    result (an empty output, zero gradients, running statistics left as they were)."""
+    for node in [*candidate.nodes, *(n for member in candidate.nodes for n in member.all_input_nodes)]:
+        fake = fake_of(node)
+        if isinstance(fake, torch.Tensor) and any(_statically_zero(s) for s in fake.shape):
+            return node
+    return None
+
+
+def _statically_zero(x: Any) -> bool:
+    try:
+        return int(x) == 0 if not isinstance(x, torch.SymInt) else x.node.expr == 0
+    except Exception:
+        return False
 
 
 def rewrite_regions(regions: Regions, chosen: Iterable[Candidate],
