@@ -19,7 +19,7 @@ import torch
 
 from .errors import FusionError
 from .runtime.decision import POLICIES
-from .testing import TOLERANCES, compare, float64_reference, run_and_backward, run_settled
+from .testing import TOLERANCES, compare, reference_run, run_and_backward, run_settled
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -101,35 +101,37 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
     except Exception as exc:  # noqa: BLE001 - a model that fails in eager is bad input, not a mismatch
         return _usage_error(f"{args.file}: the model fails in eager on {device}: {type(exc).__name__}: {exc}")
     model.zero_grad(set_to_none=True)
-    ref, ref_grads = float64_reference(model, leaves(), args.train)
+    reference = reference_run(model, leaves(), args.train)  # eager where the model cannot run in float64
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fusion", options=options, dynamic=args.dynamic or None)
     try:  # on the code the backend settles on (decisions deferred past the first call included)
         got, got_grads, reports = run_settled(compiled, leaves(), args.train, model, autocast)
     except Exception as exc:  # noqa: BLE001 - eager ran, the compiled model did not: a mismatch
+        print(f"reference: {reference.describe()}", file=out)
         print(f"MISMATCH vs eager: the compiled model raised {type(exc).__name__}: "
               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}", file=out)
         return 1
     result = "\n".join(str(r) for r in reports) or "fusion: no graph was compiled"
 
     print(result, file=out)
+    print(f"\nreference: {reference.describe()}", file=out)
     problems = []
     outs_got = got if isinstance(got, (tuple, list)) else (got,)
     outs_want = want if isinstance(want, (tuple, list)) else (want,)
-    outs_ref = ref if isinstance(ref, (tuple, list)) else (ref,)
+    outs_ref = reference.outputs(len(outs_want))
     for i, (g, w, r) in enumerate(zip(outs_got, outs_want, outs_ref, strict=False)):
         problems.append(compare(f"output[{i}]", g, w, tol, reference=r))
     for name, w in want_grads.items():
         if w is not None:
-            problems.append(compare(f"grad of {name}", got_grads[name], w, tol, reference=ref_grads.get(name))
+            problems.append(compare(f"grad of {name}", got_grads[name], w, tol, reference=reference.grads.get(name))
                             if got_grads.get(name) is not None else f"grad of {name}: missing")
     problems = [p for p in problems if p]
     checked = 1 + len(want_grads)
     if problems:
-        print("\nMISMATCH vs eager:\n  " + "\n  ".join(problems), file=out)
+        print("MISMATCH vs eager:\n  " + "\n  ".join(problems), file=out)
         return 1
-    print(f"\nOK: output{' and ' + str(len(want_grads)) + ' gradients' if args.train else ''} match eager "
+    print(f"OK: output{' and ' + str(len(want_grads)) + ' gradients' if args.train else ''} match eager "
           f"({checked} tensors, device {args.device}, dtype {args.dtype}{', autocast ' + args.autocast if args.autocast else ''})", file=out)
     return 0
 

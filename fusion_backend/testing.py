@@ -3,7 +3,9 @@
 * ``assert_fused(model, inputs, expect={"conv_epilogue": 1}, train=True)`` compiles with ``fusion``
   (strict), asserts the exact rewrite counts, and compares the output and every gradient (inputs and
   parameters) with eager and with a float64 reference under per-dtype tolerances (see ``compare``).  On failure the message holds the report (what
-  matched, what was rejected and why) and the largest mismatches with their indices.
+  matched, what was rejected and why), the largest mismatches with their indices and the reference used:
+  a model that cannot run in float64 (its own casts to float32 meet float64 parameters) is compared
+  with eager alone (``reference_run``).
 * ``assert_not_fused(model, inputs, pattern, reason=...)`` for negative tests.
 * ``dry_run(model, inputs)`` runs only the find phase (no rewrite, no fused op) and returns what
   would be fused and the near misses.
@@ -250,12 +252,53 @@ def compare(
 
 
 def float64_reference(model: Any, inputs: Sequence[Any], train: bool) -> tuple[Any, dict[str, Optional[torch.Tensor]]]:
-    """Output and gradients of ``model`` run in float64 on float64 copies of the inputs (no autocast)."""
+    """Output and gradients of ``model`` run in float64 (no autocast): a copy of ``model`` with its
+    floating parameters and buffers promoted to float64, on float64 copies of the floating inputs;
+    other inputs (integer images, indices, masks) are passed as they are, so the model's own casts
+    (``x.float()`` of a uint8 input) run as written.  Raises whatever the model raises in float64."""
     ref_model = copy.deepcopy(model).double() if isinstance(model, torch.nn.Module) else model
     ref_inputs = [t.detach().double().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and t.is_floating_point()
                   else t for t in inputs]
     with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
         return run_and_backward(ref_model, ref_inputs, train, ref_model)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What a parity check measures the compiled result against: the float64 run's output and
+    gradients (``output``, ``grads``), or, where the model cannot run in float64, eager alone
+    (``output`` ``None``, ``grads`` empty, ``why`` the float64 run's error in one line)."""
+
+    output: Any
+    grads: dict[str, Optional[torch.Tensor]]
+    why: Optional[str] = None
+
+    @property
+    def is_float64(self) -> bool:
+        return self.why is None
+
+    def outputs(self, count: int) -> list[Any]:
+        """``count`` per-output references (``None`` each where eager is the reference)."""
+        if not self.is_float64:
+            return [None] * count
+        return list(self.output) if isinstance(self.output, (tuple, list)) else [self.output]
+
+    def describe(self) -> str:
+        if self.is_float64:
+            return "float64 (parameters, buffers and floating inputs promoted to float64)"
+        return f"eager (the model does not run in float64: {self.why})"
+
+
+def reference_run(model: Any, inputs: Sequence[Any], train: bool) -> Reference:
+    """``float64_reference`` where the model runs in float64; else (its own casts to float32 meet
+    float64 parameters, or it refuses float64) a ``Reference`` that says eager is the reference, with
+    the reason: the model's float64 failure is never raised from here."""
+    try:
+        output, grads = float64_reference(model, inputs, train)
+    except Exception as exc:  # noqa: BLE001 - whatever the model raises in float64 means: compare with eager
+        text = str(exc).strip()
+        return Reference(None, {}, f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": "))
+    return Reference(output, grads)
 
 
 def assert_fused(
@@ -272,7 +315,8 @@ def assert_fused(
 
     ``dtype`` converts the model's floating parameters and the floating inputs first.  ``train``
     also runs backward with a fixed random output gradient and compares every gradient of inputs
-    that require grad and of parameters.  Returns the reports.
+    that require grad and of parameters, against the float64 reference where the model runs in
+    float64, else against eager (``reference_run``; a failure's message says which).  Returns the reports.
     """
     _check_patterns(expect, "pattern in expect")
     if isinstance(model, torch.nn.Module):
@@ -288,7 +332,7 @@ def assert_fused(
 
     eager_inputs, compiled_inputs = fresh(inputs), fresh(inputs)
     want, want_grads = run_and_backward(eager_model, eager_inputs, train, eager_model)
-    ref, ref_grads = float64_reference(eager_model, fresh(inputs), train)
+    reference = reference_run(eager_model, fresh(inputs), train)
 
     torch._dynamo.reset()
     opts = {"strict": True, "decide": "fuse", **(options or {})}
@@ -305,7 +349,7 @@ def assert_fused(
         problems.append(f"rewrites: expected {dict(expect)}, got {counts}")
     outs_got = list(got) if isinstance(got, (tuple, list)) else [got]
     outs_want = list(want) if isinstance(want, (tuple, list)) else [want]
-    outs_ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+    outs_ref = reference.outputs(len(outs_want))
     if len(outs_got) != len(outs_want):
         problems.append(f"outputs: {len(outs_got)} values, eager returns {len(outs_want)}")
     for i, (g, w, r) in enumerate(zip(outs_got, outs_want, outs_ref, strict=False)):
@@ -316,11 +360,12 @@ def assert_fused(
         if (g is None) != (w is None):
             problems.append(f"grad of {name}: {'missing' if g is None else 'unexpected'} (eager has {'none' if w is None else 'one'})")
         elif w is not None:
-            problems.append(compare(f"grad of {name}", g, w, tol, reference=ref_grads.get(name)))
+            problems.append(compare(f"grad of {name}", g, w, tol, reference=reference.grads.get(name)))
     problems = [p for p in problems if p]
     if problems:
         text = "\n".join(str(r) for r in reports) or "(no graph was compiled)"
-        raise AssertionError("fusion parity check failed:\n  " + "\n  ".join(problems) + "\n\nReport:\n" + text)
+        raise AssertionError("fusion parity check failed:\n  " + "\n  ".join(problems)
+                             + f"\n\nReference: {reference.describe()}\n\nReport:\n" + text)
     return list(reports)
 
 
