@@ -37,26 +37,15 @@ from torch import Tensor
 
 from ...errors import UnsupportedInputError
 from ..chain_lowering import pool_unroll_problem
-from ..declare import FusedOpDeclaration, declare
+from ..declare import declare, family_declaration, family_names
 from ..direct_impls import profiled, records_backward, register_direct
-from . import reference, triton_path
-from .config import OP, ConvBatchNormConfig, check_inputs, conv_outputs, describe, update_running_stats
+from . import config, reference, triton_path
+from .config import OP, ConvBatchNormConfig, update_running_stats
 
-CONV_BATCH_NORM = declare(FusedOpDeclaration(
-    name=OP,
-    config=ConvBatchNormConfig,
-    state=("saved_y", "saved_winner", "saved_stats"),
-    outputs=lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:],
-    reference_forward=reference.forward,
-    triton_forward=triton_path.forward,
-    reference_backward=reference.backward,
-    triton_backward=triton_path.backward,
-    check_inputs=check_inputs,
-    describe=describe,
-    kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool),
-))
-conv_batch_norm_fwd, conv_batch_norm_bwd = CONV_BATCH_NORM.fwd, CONV_BATCH_NORM.bwd
-kernel_path = CONV_BATCH_NORM.kernel_path
+CONV_BATCH_NORM = declare(family_declaration(
+    OP, ConvBatchNormConfig, ("saved_y", "saved_winner", "saved_stats"), config, reference, triton_path,
+    kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool)))
+conv_batch_norm_fwd, conv_batch_norm_bwd, kernel_path = CONV_BATCH_NORM.fwd, CONV_BATCH_NORM.bwd, CONV_BATCH_NORM.kernel_path
 
 
 def _running_update_impl(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:
@@ -133,13 +122,4 @@ def _conv_batch_norm_direct(x, weight, bias, operands, config):
 register_direct(conv_batch_norm, _conv_batch_norm_direct)
 
 
-__all__ = [
-    "CONV_BATCH_NORM",
-    "ConvBatchNormConfig",
-    "batch_norm_running_update",
-    "conv_batch_norm",
-    "conv_batch_norm_bwd",
-    "conv_batch_norm_fwd",
-    "kernel_path",
-    "split_operands",
-]
+__all__ = ["CONV_BATCH_NORM", "ConvBatchNormConfig", "batch_norm_running_update", "split_operands", *family_names(OP)]

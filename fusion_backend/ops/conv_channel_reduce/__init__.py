@@ -34,18 +34,9 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..conv_io import conv_channels
-from ..declare import FusedOpDeclaration, declare
-from . import reference, triton_path
-from .config import (
-    FULL_SIZE,
-    MAX_CHANNELS,
-    OP,
-    REDUCTIONS,
-    ConvChannelReduceConfig,
-    check_inputs,
-    conv_outputs,
-    describe,
-)
+from ..declare import declare, family_declaration, family_names
+from . import config, reference, triton_path
+from .config import FULL_SIZE, MAX_CHANNELS, OP, REDUCTIONS, ConvChannelReduceConfig
 
 
 def _channel_problem(cfg: ConvChannelReduceConfig, x: Tensor, weight: Tensor) -> str | None:
@@ -54,19 +45,9 @@ def _channel_problem(cfg: ConvChannelReduceConfig, x: Tensor, weight: Tensor) ->
     return f"{channels} channels exceed the kernels' {MAX_CHANNELS}" if channels > MAX_CHANNELS else None
 
 
-CONV_CHANNEL_REDUCE = declare(FusedOpDeclaration(
-    name=OP,
-    config=ConvChannelReduceConfig,
-    state=("saved_y", "saved_index", "saved_stats"),
-    outputs=lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:],
-    reference_forward=reference.forward,
-    triton_forward=triton_path.forward,
-    reference_backward=reference.backward,
-    triton_backward=triton_path.backward,
-    check_inputs=check_inputs,
-    describe=describe,
-    call_problem=_channel_problem,
-))
+CONV_CHANNEL_REDUCE = declare(family_declaration(
+    OP, ConvChannelReduceConfig, ("saved_y", "saved_index", "saved_stats"), config, reference, triton_path,
+    call_problem=_channel_problem))
 conv_channel_reduce_fwd, conv_channel_reduce_bwd = CONV_CHANNEL_REDUCE.fwd, CONV_CHANNEL_REDUCE.bwd
 kernel_path = CONV_CHANNEL_REDUCE.kernel_path
 
@@ -84,13 +65,4 @@ def conv_channel_reduce(x: Tensor, weight: Tensor, bias: Tensor | None, operands
     return CONV_CHANNEL_REDUCE(x, weight, bias, operands, config)
 
 
-__all__ = [
-    "CONV_CHANNEL_REDUCE",
-    "FULL_SIZE",
-    "REDUCTIONS",
-    "ConvChannelReduceConfig",
-    "conv_channel_reduce",
-    "conv_channel_reduce_bwd",
-    "conv_channel_reduce_fwd",
-    "kernel_path",
-]
+__all__ = ["CONV_CHANNEL_REDUCE", "FULL_SIZE", "REDUCTIONS", "ConvChannelReduceConfig", *family_names(OP)]

@@ -86,7 +86,7 @@ from ..chain_lowering import pool_unroll_problem
 from ..chain_reference import apply_chain
 from ..config import ConvEpilogueConfig
 from ..conv_io import output_memory_format
-from ..declare import FusedOpDeclaration, declare
+from ..declare import FusedOpDeclaration, declare, family_names
 from . import backward, forward, reference
 from .forward import CONV_IMPL_ENV, CPU_KERNELS_ENV, DEFAULT_CONV_IMPL, conv_impl
 from .reference import OP, conv_epilogue_eager
@@ -100,24 +100,13 @@ def _kernel_problem(cfg: ConvEpilogueConfig) -> str | None:
     return pool_unroll_problem(cfg.pool)
 
 
-CONV_EPILOGUE = declare(FusedOpDeclaration(
-    name=OP,
-    config=ConvEpilogueConfig,
-    state=("saved_y0", "saved_winner"),
-    outputs=reference.outputs,
-    reference_forward=reference.forward,
-    triton_forward=forward.forward,
-    reference_backward=reference.backward,
-    triton_backward=backward.backward,
-    check_inputs=reference.check_inputs,
-    describe=reference.describe,
-    kernel_problem=_kernel_problem,
-    compute_dtype=reference.conv_compute_dtype,
-    settled_forward=forward.settled,
-    settled_backward=backward.settled,
-))
-conv_epilogue_fwd, conv_epilogue_bwd = CONV_EPILOGUE.fwd, CONV_EPILOGUE.bwd
-kernel_path = CONV_EPILOGUE.kernel_path
+CONV_EPILOGUE = declare(FusedOpDeclaration(  # the Triton path is two modules: its own declaration
+    name=OP, config=ConvEpilogueConfig, state=("saved_y0", "saved_winner"), outputs=reference.outputs,
+    reference_forward=reference.forward, triton_forward=forward.forward, reference_backward=reference.backward,
+    triton_backward=backward.backward, check_inputs=reference.check_inputs, describe=reference.describe,
+    kernel_problem=_kernel_problem, compute_dtype=reference.conv_compute_dtype, settled_forward=forward.settled,
+    settled_backward=backward.settled))
+conv_epilogue_fwd, conv_epilogue_bwd, kernel_path = CONV_EPILOGUE.fwd, CONV_EPILOGUE.bwd, CONV_EPILOGUE.kernel_path
 
 
 @CONV_EPILOGUE.entry
@@ -131,17 +120,5 @@ def conv_epilogue(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequ
     return CONV_EPILOGUE(x, weight, bias, operands, config)
 
 
-__all__ = [
-    "CONV_EPILOGUE",
-    "CONV_IMPL_ENV",
-    "CPU_KERNELS_ENV",
-    "DEFAULT_CONV_IMPL",
-    "apply_chain",
-    "conv_epilogue",
-    "conv_epilogue_bwd",
-    "conv_epilogue_eager",
-    "conv_epilogue_fwd",
-    "conv_impl",
-    "kernel_path",
-    "output_memory_format",
-]
+__all__ = ["CONV_EPILOGUE", "CONV_IMPL_ENV", "CPU_KERNELS_ENV", "DEFAULT_CONV_IMPL", "apply_chain", "conv_epilogue_eager",
+           "conv_impl", "output_memory_format", *family_names(OP)]

@@ -88,38 +88,16 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ... import environment
-from ..declare import FusedOpDeclaration, declare
-from . import reference, triton_path
-from .config import (
-    AFFINE_KINDS,
-    OP,
-    ConvGlobalMeanConfig,
-    call_problem,
-    check_inputs,
-    describe,
-    dim_sets,
-    grad_input_strides,
-    outputs,
-)
+from ..declare import declare, family_declaration, family_names
+from . import config, reference, triton_path
+from .config import AFFINE_KINDS, OP, ConvGlobalMeanConfig, dim_sets
 
 #: The environment switch that makes CPU tensors run the Triton launchers (``fusion_backend.environment``).
 CPU_KERNELS_ENV = environment.CPU_KERNELS
 
-CONV_GLOBAL_MEAN = declare(FusedOpDeclaration(
-    name=OP,
-    config=ConvGlobalMeanConfig,
-    state=("tap_sums", "conv_mean"),
-    outputs=outputs,
-    reference_forward=reference.forward,
-    triton_forward=triton_path.forward,
-    reference_backward=reference.backward,
-    triton_backward=triton_path.backward,
-    check_inputs=check_inputs,
-    describe=describe,
-    call_problem=call_problem,
-    keeps_x=False,
-    grad_input_strides=grad_input_strides,
-))
+CONV_GLOBAL_MEAN = declare(family_declaration(
+    OP, ConvGlobalMeanConfig, ("tap_sums", "conv_mean"), config, reference, triton_path, outputs=config.outputs,
+    call_problem=config.call_problem, keeps_x=False, grad_input_strides=config.grad_input_strides))
 conv_global_mean_fwd, conv_global_mean_bwd = CONV_GLOBAL_MEAN.fwd, CONV_GLOBAL_MEAN.bwd
 kernel_path = CONV_GLOBAL_MEAN.kernel_path
 
@@ -136,14 +114,4 @@ def conv_global_mean(x: Tensor, weight: Tensor, bias: Tensor | None, operands: S
     return CONV_GLOBAL_MEAN(x, weight, bias, operands, config)
 
 
-__all__ = [
-    "AFFINE_KINDS",
-    "CONV_GLOBAL_MEAN",
-    "CPU_KERNELS_ENV",
-    "ConvGlobalMeanConfig",
-    "conv_global_mean",
-    "conv_global_mean_bwd",
-    "conv_global_mean_fwd",
-    "dim_sets",
-    "kernel_path",
-]
+__all__ = ["AFFINE_KINDS", "CONV_GLOBAL_MEAN", "CPU_KERNELS_ENV", "ConvGlobalMeanConfig", "dim_sets", *family_names(OP)]

@@ -26,25 +26,14 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..chain_lowering import pool_unroll_problem
-from ..declare import FusedOpDeclaration, declare
-from . import reference, triton_path
-from .config import OP, ConvGroupNormConfig, check_inputs, conv_outputs, describe
+from ..declare import declare, family_declaration, family_names
+from . import config, reference, triton_path
+from .config import OP, ConvGroupNormConfig
 
-CONV_GROUP_NORM = declare(FusedOpDeclaration(
-    name=OP,
-    config=ConvGroupNormConfig,
-    state=("saved_y", "saved_winner", "saved_stats"),
-    outputs=lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:],
-    reference_forward=reference.forward,
-    triton_forward=triton_path.forward,
-    reference_backward=reference.backward,
-    triton_backward=triton_path.backward,
-    check_inputs=check_inputs,
-    describe=describe,
-    kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool),
-))
-conv_group_norm_fwd, conv_group_norm_bwd = CONV_GROUP_NORM.fwd, CONV_GROUP_NORM.bwd
-kernel_path = CONV_GROUP_NORM.kernel_path
+CONV_GROUP_NORM = declare(family_declaration(
+    OP, ConvGroupNormConfig, ("saved_y", "saved_winner", "saved_stats"), config, reference, triton_path,
+    kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool)))
+conv_group_norm_fwd, conv_group_norm_bwd, kernel_path = CONV_GROUP_NORM.fwd, CONV_GROUP_NORM.bwd, CONV_GROUP_NORM.kernel_path
 
 
 @CONV_GROUP_NORM.entry
@@ -63,11 +52,4 @@ def conv_group_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
     return CONV_GROUP_NORM(x, weight, bias, operands, config)
 
 
-__all__ = [
-    "CONV_GROUP_NORM",
-    "ConvGroupNormConfig",
-    "conv_group_norm",
-    "conv_group_norm_bwd",
-    "conv_group_norm_fwd",
-    "kernel_path",
-]
+__all__ = ["CONV_GROUP_NORM", "ConvGroupNormConfig", *family_names(OP)]

@@ -30,24 +30,13 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from ..declare import FusedOpDeclaration, declare
-from . import reference, triton_path
-from .config import OP, ConvLayerNormConfig, check_inputs, conv_outputs, describe
+from ..declare import declare, family_declaration, family_names
+from . import config, reference, triton_path
+from .config import OP, ConvLayerNormConfig
 
-CONV_LAYER_NORM = declare(FusedOpDeclaration(
-    name=OP,
-    config=ConvLayerNormConfig,
-    state=("saved_y", "saved_stats"),
-    outputs=lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:],
-    reference_forward=reference.forward,
-    triton_forward=triton_path.forward,
-    reference_backward=reference.backward,
-    triton_backward=triton_path.backward,
-    check_inputs=check_inputs,
-    describe=describe,
-))
-conv_layer_norm_fwd, conv_layer_norm_bwd = CONV_LAYER_NORM.fwd, CONV_LAYER_NORM.bwd
-kernel_path = CONV_LAYER_NORM.kernel_path
+CONV_LAYER_NORM = declare(family_declaration(
+    OP, ConvLayerNormConfig, ("saved_y", "saved_stats"), config, reference, triton_path))
+conv_layer_norm_fwd, conv_layer_norm_bwd, kernel_path = CONV_LAYER_NORM.fwd, CONV_LAYER_NORM.bwd, CONV_LAYER_NORM.kernel_path
 
 
 @CONV_LAYER_NORM.entry
@@ -66,11 +55,4 @@ def conv_layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
     return CONV_LAYER_NORM(x, weight, bias, operands, config)
 
 
-__all__ = [
-    "CONV_LAYER_NORM",
-    "ConvLayerNormConfig",
-    "conv_layer_norm",
-    "conv_layer_norm_bwd",
-    "conv_layer_norm_fwd",
-    "kernel_path",
-]
+__all__ = ["CONV_LAYER_NORM", "ConvLayerNormConfig", *family_names(OP)]
