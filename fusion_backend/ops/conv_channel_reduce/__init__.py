@@ -9,17 +9,12 @@ channels (dim 1), a pointwise chain after it.
                                               # softmax, log_softmax (full size)
     out = post(r).to(out_dtype)
 
-Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
-
-* ``fusion::conv_channel_reduce_fwd(x, weight, bias, operands, config, save_for_backward)
-  -> (out, saved_y, saved_index, saved_stats)``; the saved state (``config.conv_outputs``)
-  is what the backward needs and nothing it can recompute: the conv output only where the reduction
-  or the pre-chain's derivative reads it (never for min / max), the winning channel (int16) and
-  the pre-chain's input there for min / max, and fp32 per-position statistics (the reduced value;
-  the number of ties for amin / amax; the column max and exp-sum for softmax / log_softmax).
-
-Implementations, failure policy and modules as every family's (``ops/declare.py``); the Triton path
-takes at most 1024 channels, the reference any number.
+Saved state ``(saved_y, saved_index, saved_stats)`` (``config.conv_outputs``): what the backward needs
+and nothing it can recompute: the conv output only where the reduction or the pre-chain's derivative
+reads it (never for min / max), the winning channel (int16) and the pre-chain's input there for min /
+max, and fp32 per-position statistics (the reduced value; the number of ties for amin / amax; the
+column max and exp-sum for softmax / log_softmax).  Everything else as every family's
+(``ops/declare.py``); the Triton path takes at most 1024 channels, the reference any number.
 
 Semantics reproduced on purpose: ``torch.min/max(dim)`` send the gradient to the one index torch
 returns (the first; a NaN wins), ``amin/amax`` split it evenly among ties (NaN columns get NaN

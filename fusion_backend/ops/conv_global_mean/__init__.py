@@ -42,12 +42,9 @@ x once and produces the sum of every plane over every product of distinct sets, 
 maps sets back to taps.  Groups: ``ci`` runs over the group of ``co``.  Weight layouts:
 ``(C_out, C_in/g, *k)`` regular, ``(C_in, C_out/g, *k)`` transposed.
 
-Two custom ops carry the work (``ops/declare.py``): ``fusion::conv_global_mean_fwd(x, weight, bias,
-operands, config, save_for_backward) -> (out, tap_sums, conv_mean)`` (``config.outputs``: the state
-is the saved sums below, a few numbers per sample and channel) and ``fusion::conv_global_mean_bwd(
-grad_out, weight, bias, operands, tap_sums, conv_mean, x_size, x_stride, x_dtype, config,
-output_mask) -> [grad_x, grad_weight, grad_bias, *grad_operands]``, which never sees x: its backward
-reads only the sums.
+Saved state ``(tap_sums, conv_mean)`` (``config.outputs``): the sums below, a few numbers per sample
+and channel; the backward reads only them, so it takes x's size, strides and dtype instead of x
+(``keeps_x=False``, ``ops/declare.py``).
 
 Backward.  With ``G[n, co] = g[n, co] * A[co] / P``:
 ``dx[n, ci, i] = sum_t [i in V_t] sum_co G[n, co] W[co, ci, t]`` (piecewise constant: one Triton pass
@@ -74,11 +71,9 @@ Results are cast to ``out_dtype``.  No float atomics anywhere: every reduction h
 
 ``tools/bench_conv_global_mean.py`` times the pipeline.
 
-Failure policy as every family's (``ops/declare.py``).  A call whose shapes the kernels
-cannot serve (a spatial dim with more than 31 distinct tap index sets: ``config.call_problem``) runs
-the reference with a one-time warning, and raises ``UnsupportedInputError`` under ``strict`` on CUDA.
-
-Modules as every family's; ``config`` also holds the per-dim index sets, ``reference`` the affine fold.
+A call whose shapes the kernels cannot serve (a spatial dim with more than 31 distinct tap index sets:
+``config.call_problem``) takes the reference as ``ops/declare.py`` says.  ``config`` also holds the
+per-dim index sets, ``reference`` the affine fold.
 """
 
 from __future__ import annotations

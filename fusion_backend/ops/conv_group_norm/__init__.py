@@ -8,15 +8,10 @@ one channel per group), a pointwise chain after it, optionally a max or avg pool
     z = group_norm(v, groups, gamma, beta, eps)   # batch statistics per (sample, group)
     out = pool(post(z)).to(out_dtype)         # pool: config.pool, if any (1-3d max / avg)
 
-Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
-
-* ``fusion::conv_group_norm_fwd(x, weight, bias, operands, config, save_for_backward)
-  -> (out, saved_y, saved_winner, saved_stats)``: the saved state (``config.conv_outputs``)
-  is the conv output without bias, behind a max pool each window's winner (int8), and each (sample,
-  group)'s mean and ``1 / sqrt(var + eps)`` (fp32 ``(2, N, G)``), nothing else full-size.
-
-Implementations, failure policy and modules as every family's (``ops/declare.py``); the reference runs
-``aten.native_group_norm`` and its backward.
+Saved state ``(saved_y, saved_winner, saved_stats)`` (``config.conv_outputs``): the conv output without
+bias, behind a max pool each window's winner (int8), and each (sample, group)'s mean and
+``1 / sqrt(var + eps)`` (fp32 ``(2, N, G)``), nothing else full-size.  Everything else as every
+family's (``ops/declare.py``); the reference runs ``aten.native_group_norm`` and its backward.
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ def conv_group_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
 
     * ``operands``: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
       (C values each), and the chains' tensors.
-    * result: the conv output's shape (with ``config.pool``, the pooled shape), in its memory format;
-      the backward's state: the conv output, the (2, N, groups) statistics, a max pool's int8 winners.
+    * result: the conv output's shape (with ``config.pool``, the pooled shape), in its memory format.
     """
     return CONV_GROUP_NORM(x, weight, bias, operands, config)
 

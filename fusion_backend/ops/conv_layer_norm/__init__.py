@@ -12,15 +12,9 @@ the conv output, a pointwise chain after it.
 ``nn.LayerNorm(C)`` applied to an (N, C, D, H, W) output whose W is C), (H, W), ..., or (C, *spatial)
 (a row per sample).  gamma and beta are elementwise over it.
 
-Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
-
-* ``fusion::conv_layer_norm_fwd(x, weight, bias, operands, config, save_for_backward)
-  -> (out, saved_y, saved_stats)``: ``out`` contiguous (eager's layer norm returns a contiguous
-  tensor whatever its input's layout); the saved state (``config.conv_outputs``) is the
-  conv output without bias in its own layout and each row's mean and ``1 / sqrt(var + eps)`` (fp32
-  ``(2, rows)``), nothing else full-size.
-
-Implementations, failure policy and modules as every family's (``ops/declare.py``); the reference runs
+Saved state ``(saved_y, saved_stats)`` (``config.conv_outputs``): the conv output without bias in its
+own layout and each row's mean and ``1 / sqrt(var + eps)`` (fp32 ``(2, rows)``), nothing else
+full-size.  Everything else as every family's (``ops/declare.py``); the reference runs
 ``aten.native_layer_norm`` and its backward.
 """
 
@@ -49,8 +43,8 @@ def conv_layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
     * ``operands``: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
       (``prod(normalized_shape)`` values each), and the chains' tensors.
     * ``config``: the conv output's trailing sizes must be its ``normalized_shape``.
-    * result: the conv output's shape, contiguous (as eager's layer norm returns it); the backward's
-      state: the conv output and the (2, rows) statistics.
+    * result: the conv output's shape, contiguous (eager's layer norm returns a contiguous tensor
+      whatever its input's layout).
     """
     return CONV_LAYER_NORM(x, weight, bias, operands, config)
 
