@@ -1,7 +1,6 @@
 """``ConvBatchNormConfig``: the static part of a ``fusion::conv_batch_norm`` call (conv parameters, eps,
 the running statistics' momentum, where the norm's weight and bias sit among the operands, the chain
-after the norm, dtypes, strict, the pool that may end the region), and what the declaration reads of
-it: the outputs with their exact layouts, the input checks, the description.
+after the norm, dtypes, strict, the pool that may end the region).
 """
 
 from __future__ import annotations
@@ -94,13 +93,12 @@ def values_per_channel(y_shape: Sequence[int]) -> int:
 
 def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvBatchNormConfig,
                  save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(y0, out, saved_y, saved_winner, stats)``: the conv output without bias (``y0``,
-    ``library_conv.conv_forward``'s, real or fake) and the op's empty outputs with the exact shapes,
-    dtypes and strides of the real op; the declaration's shape function is this without ``y0``.
+    """``(y0, out, saved_y, saved_winner, stats)``:
+    ``y0`` the conv output without bias (``library_conv.conv_forward``'s), then the shape function's outputs
+    (``ops/declare.py``; ``saved_y`` as ``conv_io`` says, absent entries ``empty_placeholder(x)``).
 
     * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s, ``out`` in
       ``library_conv.nominal_format`` (eager's layout), dtype ``out_dtype``.
-    * ``saved_y``: the saved conv output (``conv_io``'s docstring).
     * ``stats``: ``stats_dtype`` ``(3, C)`` contiguous, of the conv output plus bias per channel: row
       0 the batch mean, row 1 ``1 / sqrt(var + eps)`` (``var`` biased; rows 0-1 are what the backward
       reads), row 2 the unbiased variance (what the running variance is updated with).
@@ -113,7 +111,6 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvBatchNormConfig,
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvBatchNormConfig) -> None:
-    """One-line ``UnsupportedInputError`` for inputs that do not fit the config."""
     check_conv_inputs(OP, x, weight, cfg.conv)
     check_affine_operands(OP, operands, cfg.weight, cfg.bias, conv_channels(weight, cfg.conv), "one per channel")
     check_operand_refs(OP, {"post-chain": cfg.post}, operands)
