@@ -15,15 +15,7 @@ from torch import Tensor
 from ...ir.specs import ConvSpec, PoolSpec
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, check_operand_refs
-from ..config import (
-    JsonConfig,
-    check_dtype_names,
-    check_kernel_chains,
-    check_norm_affine,
-    describe_affine,
-    describe_chain,
-    describe_pool,
-)
+from ..config import JsonConfig, check_norm_config, describe_affine, describe_chain, describe_pool
 from ..conv_io import (
     allocate_result,
     check_conv_inputs,
@@ -67,13 +59,9 @@ class ConvBatchNormConfig(JsonConfig):
     pool: PoolSpec | None = None
 
     def __post_init__(self) -> None:
-        check_norm_affine(self)
         if not isinstance(self.momentum, (int, float)) or isinstance(self.momentum, bool):
             raise ValueError(f"momentum must be a number, got {self.momentum!r}")
-        check_kernel_chains(post=self.post)
-        check_dtype_names(self, "norm_dtype", "out_dtype")
-        if self.pool is not None and len(self.pool.kernel_size) != self.conv.spatial_dims:
-            raise ValueError(f"the pool {self.pool} does not have the conv's {self.conv.spatial_dims} spatial dims")
+        check_norm_config(self, post=self.post)
 
     @property
     def pre(self) -> tuple[ChainStep, ...]:

@@ -15,15 +15,7 @@ from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec, PoolSpec
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, check_operand_refs
-from ..config import (
-    JsonConfig,
-    check_dtype_names,
-    check_kernel_chains,
-    check_norm_affine,
-    describe_affine,
-    describe_chain,
-    describe_pool,
-)
+from ..config import JsonConfig, check_norm_config, describe_affine, describe_chain, describe_pool
 from ..conv_io import (
     allocate_result,
     check_conv_inputs,
@@ -68,11 +60,7 @@ class ConvGroupNormConfig(JsonConfig):
     def __post_init__(self) -> None:
         if not isinstance(self.groups, int) or self.groups < 1:
             raise ValueError(f"groups must be a positive int, got {self.groups!r}")
-        check_norm_affine(self)
-        check_kernel_chains(pre=self.pre, post=self.post)
-        check_dtype_names(self, "norm_dtype", "out_dtype")
-        if self.pool is not None and len(self.pool.kernel_size) != self.conv.spatial_dims:
-            raise ValueError(f"the pool {self.pool} does not have the conv's {self.conv.spatial_dims} spatial dims")
+        check_norm_config(self, pre=self.pre, post=self.post)
 
 
 def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvGroupNormConfig,

@@ -16,14 +16,7 @@ from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, check_operand_refs
-from ..config import (
-    JsonConfig,
-    check_dtype_names,
-    check_kernel_chains,
-    check_norm_affine,
-    describe_affine,
-    describe_chain,
-)
+from ..config import JsonConfig, check_norm_config, describe_affine, describe_chain
 from ..conv_io import (
     check_conv_inputs,
     conv_output_shape,
@@ -69,9 +62,7 @@ class ConvLayerNormConfig(JsonConfig):
                 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):  # fmt: skip
             raise ValueError(f"normalized_shape must be 1 to {self.conv.spatial_dims + 1} positive ints (trailing dims "
                              f"of a {self.conv.spatial_dims}d conv output, not the batch), got {shape!r}")  # fmt: skip
-        check_norm_affine(self)
-        check_kernel_chains(pre=self.pre, post=self.post)
-        check_dtype_names(self, "norm_dtype", "out_dtype")
+        check_norm_config(self, pre=self.pre, post=self.post)
 
     @property
     def pool(self) -> None:
