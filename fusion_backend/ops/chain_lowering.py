@@ -1,16 +1,7 @@
-"""A region's pointwise chains (``ops/chain.py``) lowered to what the Triton launchers take, and their
-operand gradients gathered back, for every family whose kernels run a chain.
-
-* ``kernel_steps``: a chain as ``(op code, [float | tensor of 1 or C values])`` per step, the form of
-  ``kernels.chain_math.KernelStep``; ``KernelChains`` the chains of one call with their operand
-  matrices (``kernels.epilogue.build_params``: the bias row and a chain's per-channel operands, fp32
-  ``(NUM_PARAM_ROWS, C)``) and a norm's scale and shift rows (``affine_rows``);
-* ``wanted_slots``: which chain slots' operand-gradient sums a backward kernel computes;
-  ``operand_grads`` adds the slots' sums up into each operand's gradient, ``add_operand_grad`` adds
-  one more (a norm's weight or bias) in; ``norm_chains`` and ``norm_operand_grads`` do both for a norm
-  family;
-* ``pool_unroll_problem``: why the kernels cannot take a pool window;
-* ``check_operand_refs``: the one-line error for a chain referring to an operand a call lacks.
+"""A region's pointwise chains (``ops/chain.py``) lowered to what the Triton launchers take
+(``kernel_steps``, ``KernelChains``: operand matrices as ``kernels.epilogue.build_params`` builds them,
+fp32 ``(NUM_PARAM_ROWS, C)``), their operand gradients gathered back (``operand_grads``), and the
+checks of chains, operands and pools that every family whose kernels run a chain shares.
 """
 
 from __future__ import annotations

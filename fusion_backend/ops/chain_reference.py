@@ -1,17 +1,7 @@
-"""The plain-torch reference of a pointwise chain and of the pool that may end it, shared by every
-family's reference (each family's ``reference.py`` is the tests' definition of its op).
-
-* ``apply_chain``: a chain with eager semantics; ``chain_with_tape`` the same, recording what its
-  backward needs, and ``chain_backward`` that backward (the gradient of the chain's input and of each
-  wanted operand, a value read twice, ``ChainValue``, getting the sum of its gradients as autograd
-  gives it);
-* ``pool_saving_winners``: a pool with its max pool's winners as the kernels save them
-  (``window_winners``: each window's row-major tap index), ``pool_input_grad`` a pool's input gradient
-  from its output gradient (a max pool's summed into each window's saved winner,
-  ``scatter_to_windows``; an avg pool's with torch's backward, ``avg_pool_backward``);
-* ``add_grads``: the sum of two optional gradients, ``with_bias`` the conv output plus its bias;
-* ``norm_forward`` / ``norm_backward``: what the norm families' references share around their norm
-  (the bias, the chains, the pool, the conv's and the operands' gradients).
+"""The plain-torch reference of a pointwise chain (``apply_chain``; ``chain_with_tape`` and
+``chain_backward`` its derivative) and of the pool that may end it (max-pool winners as the kernels
+save them), and what the norm families' references share around their norm (``norm_forward`` /
+``norm_backward``), for every family's reference.
 
 NOTE: the chain is differentiated with torch's own backward formulas (``_step_vjp``), not with
 ``torch.autograd``: custom-op implementations run below the autograd dispatch key, where
@@ -268,8 +258,8 @@ def norm_backward(
     norm_grads: Callable[[Tensor, Tensor, list[bool]], tuple[Tensor, Tensor | None, Tensor | None]],
     saved_winner: Tensor | None = None,
 ) -> list[Tensor | None]:  # fmt: skip
-    """A norm family's reference backward, ``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None
-    where ``mask`` is False), from the saved conv output: the chains' derivatives with the tape, the
+    """A norm family's reference backward (``ops/declare.py``'s contract) from the saved conv output:
+    the chains' derivatives with the tape, the
     norm's from ``norm_grads(grad_z, v, output_mask)`` (torch's backward op: the gradient of ``v``,
     the pre-chain's result, and of the norm's weight and bias), the conv's from
     ``aten.convolution_backward``.  ``normalize(v)``: the norm's result recomputed from the saved

@@ -349,6 +349,26 @@ class FusedOp:
         return fn
 
 
+def family_declaration(name: str, config: type, state: tuple[str, ...], semantics: Any, reference: Any, triton: Any,
+                       **options: Any) -> FusedOpDeclaration:  # fmt: skip
+    """The declaration of a family laid out as every family is: ``reference`` and ``triton`` are modules with
+    ``forward`` and ``backward``, ``semantics`` one with ``check_inputs``, ``describe`` and, unless
+    ``outputs`` is among ``options``, ``conv_outputs(x, weight, cfg, save)`` whose ``[1:]`` is the shape
+    function.  ``options``: the declaration's other fields."""
+    if "outputs" not in options:
+        conv_outputs = semantics.conv_outputs
+        options["outputs"] = lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:]
+    return FusedOpDeclaration(
+        name=name, config=config, state=state, reference_forward=reference.forward, triton_forward=triton.forward,
+        reference_backward=reference.backward, triton_backward=triton.backward, check_inputs=semantics.check_inputs,
+        describe=semantics.describe, **options)  # fmt: skip
+
+
+def family_names(name: str) -> list[str]:
+    """The public names every family module exports: the entry point, its custom ops and ``kernel_path``."""
+    return [name, f"{name}_bwd", f"{name}_fwd", "kernel_path"]
+
+
 def declare(declaration: FusedOpDeclaration) -> FusedOp:
     """Define the custom ops of ``declaration`` with every face described in the module docstring."""
     return FusedOp(declaration)

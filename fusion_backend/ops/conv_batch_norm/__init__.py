@@ -8,24 +8,21 @@ pointwise chain after it, optionally a max or avg pool.
     out = pool(post(z)).to(out_dtype)         # pool: config.pool, if any (1-3d max / avg)
 
 with the running statistics (when the norm tracks them: the last two operands) updated in place as
-eager updates them.  Three custom ops carry the work (``torch.library.custom_op``, opaque to Inductor,
-with fakes):
+eager updates them.
 
-* ``fusion::conv_batch_norm_fwd(x, weight, bias, operands, config, save_for_backward) -> (out,
-  saved_y, saved_winner, stats)``, functional: the saved state (``config.conv_outputs``)
-  is the conv output without bias and, behind a max pool, each window's winner (int8), both only with
-  ``save_for_backward``, and fp32 ``(3, C)`` statistics (each channel's mean, ``1 / sqrt(var + eps)``
-  and unbiased variance), nothing else full-size.
-* ``fusion::batch_norm_running_update(running_mean, running_var, stats, momentum)``, which mutates
-  the running statistics and declares it (``mutates_args``; torch.library takes no autograd formula
-  for a mutating op, hence an op of its own).
+Saved state ``(saved_y, saved_winner, saved_stats)`` (``config.conv_outputs``): the conv output
+without bias and, behind a max pool, each window's winner (int8), both only with
+``save_for_backward``, and fp32 ``(3, C)`` statistics (each channel's mean, ``1 / sqrt(var + eps)``
+and unbiased variance, always: the running update reads them), nothing else full-size.  Everything
+else as every family's (``ops/declare.py``); the reference runs ``aten.native_batch_norm`` and its
+backward.
 
-Implementations, failure policy and modules as every family's (``ops/declare.py``); the reference
-runs ``aten.native_batch_norm`` and its backward.  The running statistics' update is an op of its own, ``fusion::batch_norm_running_update``, which
-mutates them and says so (``mutates_args``), so that AOTAutograd functionalizes the call (the buffers
-are graph inputs it copies the new values back into) and Inductor keeps the update; the direct runner
-calls it eagerly, which updates them in place.  WHY apart: torch.library takes no autograd formula for
-an op that mutates its arguments, and the forward needs one.  The running update is here.
+The running statistics' update is an op of its own, ``fusion::batch_norm_running_update(running_mean,
+running_var, stats, momentum)``, which mutates them and says so (``mutates_args``), so that AOTAutograd
+functionalizes the call (the buffers are graph inputs it copies the new values back into) and
+Inductor keeps the update; the direct runner calls it eagerly, which updates them in place.  Why
+apart: torch.library takes no autograd formula for an op that mutates its arguments, and the forward
+needs one.
 """
 
 from __future__ import annotations
@@ -37,26 +34,15 @@ from torch import Tensor
 
 from ...errors import UnsupportedInputError
 from ..chain_lowering import pool_unroll_problem
-from ..declare import FusedOpDeclaration, declare
+from ..declare import declare, family_declaration, family_names
 from ..direct_impls import profiled, records_backward, register_direct
-from . import reference, triton_path
-from .config import OP, ConvBatchNormConfig, check_inputs, conv_outputs, describe, update_running_stats
+from . import config, reference, triton_path
+from .config import OP, ConvBatchNormConfig, update_running_stats
 
-CONV_BATCH_NORM = declare(FusedOpDeclaration(
-    name=OP,
-    config=ConvBatchNormConfig,
-    state=("saved_y", "saved_winner", "saved_stats"),
-    outputs=lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:],
-    reference_forward=reference.forward,
-    triton_forward=triton_path.forward,
-    reference_backward=reference.backward,
-    triton_backward=triton_path.backward,
-    check_inputs=check_inputs,
-    describe=describe,
-    kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool),
-))
-conv_batch_norm_fwd, conv_batch_norm_bwd = CONV_BATCH_NORM.fwd, CONV_BATCH_NORM.bwd
-kernel_path = CONV_BATCH_NORM.kernel_path
+CONV_BATCH_NORM = declare(family_declaration(
+    OP, ConvBatchNormConfig, ("saved_y", "saved_winner", "saved_stats"), config, reference, triton_path,
+    kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool)))
+conv_batch_norm_fwd, conv_batch_norm_bwd, kernel_path = CONV_BATCH_NORM.fwd, CONV_BATCH_NORM.bwd, CONV_BATCH_NORM.kernel_path
 
 
 def _running_update_impl(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:
@@ -101,8 +87,7 @@ def conv_batch_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
     * ``operands``: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias`` (C
       values each), the chain's tensors, then, with ``config.running_stats``, ``running_mean`` and
       ``running_var`` (C values each, updated in place with ``config.momentum``).
-    * result: the conv output's shape (with ``config.pool``, the pooled shape), in its memory format;
-      the backward's state: the conv output, the (3, C) statistics and a max pool's int8 winners.
+    * result: the conv output's shape (with ``config.pool``, the pooled shape), in its memory format.
     """
     ops, running_mean, running_var = split_operands(operands, config)
     save = records_backward(x, weight, bias, ops)
@@ -133,13 +118,4 @@ def _conv_batch_norm_direct(x, weight, bias, operands, config):
 register_direct(conv_batch_norm, _conv_batch_norm_direct)
 
 
-__all__ = [
-    "CONV_BATCH_NORM",
-    "ConvBatchNormConfig",
-    "batch_norm_running_update",
-    "conv_batch_norm",
-    "conv_batch_norm_bwd",
-    "conv_batch_norm_fwd",
-    "kernel_path",
-    "split_operands",
-]
+__all__ = ["CONV_BATCH_NORM", "ConvBatchNormConfig", "batch_norm_running_update", "split_operands", *family_names(OP)]

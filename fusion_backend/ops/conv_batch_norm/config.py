@@ -1,7 +1,6 @@
 """``ConvBatchNormConfig``: the static part of a ``fusion::conv_batch_norm`` call (conv parameters, eps,
 the running statistics' momentum, where the norm's weight and bias sit among the operands, the chain
-after the norm, dtypes, strict, the pool that may end the region), and what the declaration reads of
-it: the outputs with their exact layouts, the input checks, the description.
+after the norm, dtypes, strict, the pool that may end the region).
 """
 
 from __future__ import annotations
@@ -16,15 +15,7 @@ from torch import Tensor
 from ...ir.specs import ConvSpec, PoolSpec
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, check_operand_refs
-from ..config import (
-    JsonConfig,
-    check_dtype_names,
-    check_kernel_chains,
-    check_norm_affine,
-    describe_affine,
-    describe_chain,
-    describe_pool,
-)
+from ..config import JsonConfig, check_norm_config, describe_affine, describe_chain, describe_pool
 from ..conv_io import (
     allocate_result,
     check_conv_inputs,
@@ -68,13 +59,9 @@ class ConvBatchNormConfig(JsonConfig):
     pool: PoolSpec | None = None
 
     def __post_init__(self) -> None:
-        check_norm_affine(self)
         if not isinstance(self.momentum, (int, float)) or isinstance(self.momentum, bool):
             raise ValueError(f"momentum must be a number, got {self.momentum!r}")
-        check_kernel_chains(post=self.post)
-        check_dtype_names(self, "norm_dtype", "out_dtype")
-        if self.pool is not None and len(self.pool.kernel_size) != self.conv.spatial_dims:
-            raise ValueError(f"the pool {self.pool} does not have the conv's {self.conv.spatial_dims} spatial dims")
+        check_norm_config(self, post=self.post)
 
     @property
     def pre(self) -> tuple[ChainStep, ...]:
@@ -94,13 +81,12 @@ def values_per_channel(y_shape: Sequence[int]) -> int:
 
 def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvBatchNormConfig,
                  save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(y0, out, saved_y, saved_winner, stats)``: the conv output without bias (``y0``,
-    ``library_conv.conv_forward``'s, real or fake) and the op's empty outputs with the exact shapes,
-    dtypes and strides of the real op; the declaration's shape function is this without ``y0``.
+    """``(y0, out, saved_y, saved_winner, stats)``:
+    ``y0`` the conv output without bias (``library_conv.conv_forward``'s), then the shape function's outputs
+    (``ops/declare.py``; ``saved_y`` as ``conv_io`` says, absent entries ``empty_placeholder(x)``).
 
     * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s, ``out`` in
       ``library_conv.nominal_format`` (eager's layout), dtype ``out_dtype``.
-    * ``saved_y``: the saved conv output (``conv_io``'s docstring).
     * ``stats``: ``stats_dtype`` ``(3, C)`` contiguous, of the conv output plus bias per channel: row
       0 the batch mean, row 1 ``1 / sqrt(var + eps)`` (``var`` biased; rows 0-1 are what the backward
       reads), row 2 the unbiased variance (what the running variance is updated with).
@@ -113,7 +99,6 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvBatchNormConfig,
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvBatchNormConfig) -> None:
-    """One-line ``UnsupportedInputError`` for inputs that do not fit the config."""
     check_conv_inputs(OP, x, weight, cfg.conv)
     check_affine_operands(OP, operands, cfg.weight, cfg.bias, conv_channels(weight, cfg.conv), "one per channel")
     check_operand_refs(OP, {"post-chain": cfg.post}, operands)

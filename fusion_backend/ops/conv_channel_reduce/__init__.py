@@ -9,17 +9,12 @@ channels (dim 1), a pointwise chain after it.
                                               # softmax, log_softmax (full size)
     out = post(r).to(out_dtype)
 
-Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
-
-* ``fusion::conv_channel_reduce_fwd(x, weight, bias, operands, config, save_for_backward)
-  -> (out, saved_y, saved_index, saved_stats)``; the saved state (``config.conv_outputs``)
-  is what the backward needs and nothing it can recompute: the conv output only where the reduction
-  or the pre-chain's derivative reads it (never for min / max), the winning channel (int16) and
-  the pre-chain's input there for min / max, and fp32 per-position statistics (the reduced value;
-  the number of ties for amin / amax; the column max and exp-sum for softmax / log_softmax).
-
-Implementations, failure policy and modules as every family's (``ops/declare.py``); the Triton path
-takes at most 1024 channels, the reference any number.
+Saved state ``(saved_y, saved_index, saved_stats)`` (``config.conv_outputs``): what the backward needs
+and nothing it can recompute: the conv output only where the reduction or the pre-chain's derivative
+reads it (never for min / max), the winning channel (int16) and the pre-chain's input there for min /
+max, and fp32 per-position statistics (the reduced value; the number of ties for amin / amax; the
+column max and exp-sum for softmax / log_softmax).  Everything else as every family's
+(``ops/declare.py``); the Triton path takes at most 1024 channels, the reference any number.
 
 Semantics reproduced on purpose: ``torch.min/max(dim)`` send the gradient to the one index torch
 returns (the first; a NaN wins), ``amin/amax`` split it evenly among ties (NaN columns get NaN
@@ -34,18 +29,9 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..conv_io import conv_channels
-from ..declare import FusedOpDeclaration, declare
-from . import reference, triton_path
-from .config import (
-    FULL_SIZE,
-    MAX_CHANNELS,
-    OP,
-    REDUCTIONS,
-    ConvChannelReduceConfig,
-    check_inputs,
-    conv_outputs,
-    describe,
-)
+from ..declare import declare, family_declaration, family_names
+from . import config, reference, triton_path
+from .config import FULL_SIZE, MAX_CHANNELS, OP, REDUCTIONS, ConvChannelReduceConfig
 
 
 def _channel_problem(cfg: ConvChannelReduceConfig, x: Tensor, weight: Tensor) -> str | None:
@@ -54,19 +40,9 @@ def _channel_problem(cfg: ConvChannelReduceConfig, x: Tensor, weight: Tensor) ->
     return f"{channels} channels exceed the kernels' {MAX_CHANNELS}" if channels > MAX_CHANNELS else None
 
 
-CONV_CHANNEL_REDUCE = declare(FusedOpDeclaration(
-    name=OP,
-    config=ConvChannelReduceConfig,
-    state=("saved_y", "saved_index", "saved_stats"),
-    outputs=lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:],
-    reference_forward=reference.forward,
-    triton_forward=triton_path.forward,
-    reference_backward=reference.backward,
-    triton_backward=triton_path.backward,
-    check_inputs=check_inputs,
-    describe=describe,
-    call_problem=_channel_problem,
-))
+CONV_CHANNEL_REDUCE = declare(family_declaration(
+    OP, ConvChannelReduceConfig, ("saved_y", "saved_index", "saved_stats"), config, reference, triton_path,
+    call_problem=_channel_problem))
 conv_channel_reduce_fwd, conv_channel_reduce_bwd = CONV_CHANNEL_REDUCE.fwd, CONV_CHANNEL_REDUCE.bwd
 kernel_path = CONV_CHANNEL_REDUCE.kernel_path
 
@@ -84,13 +60,4 @@ def conv_channel_reduce(x: Tensor, weight: Tensor, bias: Tensor | None, operands
     return CONV_CHANNEL_REDUCE(x, weight, bias, operands, config)
 
 
-__all__ = [
-    "CONV_CHANNEL_REDUCE",
-    "FULL_SIZE",
-    "REDUCTIONS",
-    "ConvChannelReduceConfig",
-    "conv_channel_reduce",
-    "conv_channel_reduce_bwd",
-    "conv_channel_reduce_fwd",
-    "kernel_path",
-]
+__all__ = ["CONV_CHANNEL_REDUCE", "FULL_SIZE", "REDUCTIONS", "ConvChannelReduceConfig", *family_names(OP)]

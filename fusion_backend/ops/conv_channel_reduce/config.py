@@ -1,7 +1,5 @@
 """``ConvChannelReduceConfig``: the static part of a ``fusion::conv_channel_reduce`` call (conv
-parameters, the chains before and after the reduction, the reduction, keepdim, output dtype, strict),
-and what the declaration reads of it: the outputs with their exact layouts, the input checks, the
-description.
+parameters, the chains before and after the reduction, the reduction, keepdim, output dtype, strict).
 """
 
 from __future__ import annotations
@@ -82,7 +80,6 @@ MAX_CHANNELS = 1024
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvChannelReduceConfig) -> None:
-    """One-line ``UnsupportedInputError`` for inputs that do not fit the config."""
     check_conv_inputs(OP, x, weight, cfg.conv)
     check_operand_refs(OP, {"pre-chain": cfg.pre, "post-chain": cfg.post}, operands)
 
@@ -120,18 +117,17 @@ def reduced_shape(y_shape: Sequence[int], cfg: ConvChannelReduceConfig) -> list[
 
 def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvChannelReduceConfig,
                  save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(y0, out, saved_y, saved_index, saved_stats)``: the conv output without bias (``y0``,
-    ``library_conv.conv_forward``'s, real or fake) and the op's empty outputs with the exact shapes,
-    dtypes and strides of the real op; the declaration's shape function is this without ``y0``.
+    """``(y0, out, saved_y, saved_index, saved_stats)``:
+    ``y0`` the conv output without bias (``library_conv.conv_forward``'s), then the shape function's outputs
+    (``ops/declare.py``; ``saved_y`` as ``conv_io`` says, absent entries ``empty_placeholder(x)``).
 
     * ``out``: softmax / log_softmax: y's shape in ``library_conv.nominal_format`` (eager's layout);
       else ``(N, [1,] *spatial)`` contiguous; dtype ``out_dtype`` (the conv's by default).
-    * ``saved_y``: the saved conv output (``conv_io``'s docstring), only where ``needs_y``.
+    * ``saved_y`` (``conv_io``'s docstring) only where ``needs_y``.
     * ``saved_index`` (with ``save``, min / max): the winning channel, ``(N, *spatial)`` contiguous,
       ``index_dtype(C)``.
     * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, N, *spatial)`` contiguous
       (``kernels/channel_reduce.py``'s table).
-    Absent entries are ``empty_placeholder(x)``.
     """
     y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     shape = reduced_shape(y0.shape, cfg)

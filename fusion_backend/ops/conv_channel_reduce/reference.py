@@ -77,7 +77,6 @@ def backward(
     grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], saved_y: Tensor,
     saved_index: Tensor, saved_stats: Tensor, cfg: ConvChannelReduceConfig, mask: Sequence[bool],
 ) -> list[Tensor | None]:  # fmt: skip
-    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False)."""
     dtype = x.dtype
     kind = cfg.reduction
     operand_mask = list(mask[3:])

@@ -14,64 +14,48 @@ autocast would (the Triton kernels cast as they load; gradients come back in eac
 operands may be fp32 under a bf16/fp16 conv.  1d/2d/3d, transposed or not, any conv
 hyper-parameters, chains of 0..MAX_CHAIN_LENGTH steps.
 
-Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
+Saved state ``(saved_y0, saved_winner)``, with ``C``/spatial of the conv output ``y0`` (the conv output
+WITHOUT bias; every backward adds the bias back itself):
 
-* ``fusion::conv_epilogue_fwd(x, weight, bias, operands, config, save_for_backward)
-  -> (out, saved_y0, saved_winner)``.  Saved state, with ``C``/spatial of the conv output ``y0``
-  (the conv output WITHOUT bias; every backward adds the bias back itself):
+=================  ====================================  =====================================
+case               saved_y0                              saved_winner
+=================  ====================================  =====================================
+max pool           y0 at each window's winner, pooled    winner index in its window, pooled
+                   shape, conv dtype                     shape, row-major over (kd, kh, kw),
+                                                         int8 (window <= 127 taps) else int32
+avg pool / none    y0, full size, conv dtype             empty
+no save            empty                                 empty
+=================  ====================================  =====================================
 
-  =================  ====================================  =====================================
-  case               saved_y0                              saved_winner
-  =================  ====================================  =====================================
-  max pool           y0 at each window's winner, pooled    winner index in its window, pooled
-                     shape, conv dtype                     shape, row-major over (kd, kh, kw),
-                                                           int8 (window <= 127 taps) else int32
-  avg pool / none    y0, full size, conv dtype             empty
-  no save            empty                                 empty
-  =================  ====================================  =====================================
+"empty" is ``torch.empty(0, dtype=x.dtype)``.  The chain's full-size intermediates are never saved:
+with a max pool the backward needs only 1/window of the elements.  ``out``, the pooled saved tensors
+and a full-size ``saved_y0`` use the memory format that ``output_memory_format`` picks from ``y0``
+(channels-last when ``y0`` is channels-last and not also contiguous).
 
-  "empty" is ``torch.empty(0, dtype=x.dtype)``.  The chain's full-size intermediates are never
-  saved: with a max pool the backward needs only 1/window of the elements.
-  ``out`` and the pooled saved tensors use the memory format that ``output_memory_format`` picks
-  from ``y0`` (channels-last when ``y0`` is channels-last and not also contiguous); so does
-  a full-size ``saved_y0``.
-* ``fusion::conv_epilogue_bwd(grad_out, x, weight, bias, operands, saved_y0, saved_winner, config,
-  output_mask) -> [grad_x, grad_weight, grad_bias, *grad_operands]``; entries whose mask is False
-  are empty placeholders (mapped to None by the autograd glue).
+The Triton path (CUDA fp32/fp16/bf16) has two interchangeable implementations chosen by
+``FUSION_CONV_IMPL`` (``conv_impl``; both write the same saved state and pass the same parity tests).
+By default (``auto``) the first call of a shape times both (and the library path's channels-last
+variant) on the GPU and keeps the fastest, per direction (``impl_choice``; cached on disk; the library
+path when measuring is off or on CPU):
 
-Implementations:
+- library: the conv through aten/cuDNN WITHOUT bias, then one Triton kernel adds the bias, applies the
+  chain and the pool and writes only ``out`` and the saved state (``kernels.epilogue``).  Backward:
+  one Triton kernel writes the full-size conv-output gradient plus fixed-order per-channel partial
+  sums of the operand and bias gradients (bitwise reproducible), then ``aten.convolution_backward``.
+  Each direction has a channels-last variant among ``auto``'s measured candidates for 2-d/3-d convs
+  of NCHW-style tensors: the conv (or conv backward) runs on channels-last copies, where cuDNN's fast
+  Hopper kernels are, and the epilogue kernels transpose between the layouts in their tiles
+  (``ChannelsLastLibraryForward``, ``LibraryBackward(channels_last=True)``).
+- fused (``triton``, or ``auto`` where measured faster): one implicit-GEMM Triton kernel computes the
+  conv and applies bias, chain and pool in registers (``kernels.conv_dense`` for the plain stride-1
+  1d/2d convs it serves, e.g. Conv2d 64->64 k3; ``kernels.conv_fused`` otherwise); the backward
+  differentiates the chain at the max-pool winners only and hands the implicit gradient to Triton
+  conv-backward kernels that expand it on the fly (``kernels.conv_phase_aligned_bwd`` for a
+  transposed conv whose pool stride is its stride, e.g. ConvTranspose3d k3 s2 + MaxPool3d(2);
+  ``kernels.conv_fused_bwd`` otherwise), so no full-size gradient exists.
 
-* Triton (CUDA, fp32/fp16/bf16), two interchangeable paths chosen by ``FUSION_CONV_IMPL``
-  (``conv_impl``; both write the same saved state and pass the same parity tests).  By default
-  (``auto``) the first call of a shape times both (and the library path's channels-last variant)
-  on the GPU and keeps the fastest, per direction (``impl_choice``; cached on disk; the library
-  path when measuring is off or on CPU):
-
-  - library: the conv through aten/cuDNN WITHOUT bias, then one Triton kernel adds
-    the bias, applies the chain and the pool and writes only ``out`` and the saved state
-    (``kernels.epilogue``).  Backward: one Triton kernel writes the full-size conv-output gradient
-    plus fixed-order per-channel partial sums of the operand and bias gradients (bitwise
-    reproducible), then ``aten.convolution_backward``.  Each direction has a channels-last
-    variant among ``auto``'s measured candidates for 2-d/3-d convs of NCHW-style tensors: the
-    conv (or conv backward) runs on channels-last copies, where cuDNN's fast Hopper kernels are,
-    and the epilogue kernels transpose between the layouts in their tiles
-    (``ChannelsLastLibraryForward``, ``LibraryBackward(channels_last=True)``).
-  - fused (``triton``, or ``auto`` where measured faster): one implicit-GEMM Triton kernel computes
-    the conv and applies bias, chain and pool in registers (``kernels.conv_dense`` for the plain
-    stride-1 1d/2d convs it serves, e.g. Conv2d 64->64 k3; ``kernels.conv_fused`` otherwise); the
-    backward differentiates the chain at the max-pool winners only and hands the implicit gradient to
-    Triton conv-backward kernels that expand it on the fly (``kernels.conv_phase_aligned_bwd`` for a
-    transposed conv whose pool stride is its stride, e.g. ConvTranspose3d k3 s2 + MaxPool3d(2);
-    ``kernels.conv_fused_bwd`` otherwise), so no full-size gradient exists.
-* Reference (CPU, float64, anything the kernels don't cover): plain torch; the backward applies
-  torch's own derivative formulas to the chain recomputed from the saved state.
-  ``FUSION_CPU_KERNELS=triton`` (read at call time) runs the Triton path on CPU tensors instead, which is only meaningful under ``TRITON_INTERPRET=1`` (CPU CI).
-
-Failure policy as the other families' (``ops/declare.py``, ``ops/failure.py``): a Triton failure
-raises ``KernelError`` under ``config.strict``, else warns once per config and direction and runs the
-reference.  ``kernel_path`` tells which implementation a config/dtype/device gets, for the report.
-A call whose signature has a settled plan (``forward.settled`` / ``backward.settled``) runs it
-straight: the checks and the choice were made when it was settled.
+The reference, the failure policy and ``kernel_path`` are every family's (``ops/declare.py``); a call
+whose signature has a settled plan (``forward.settled`` / ``backward.settled``) runs it straight.
 
 Modules: this one (the declaration and the entry point), ``forward`` and ``backward`` (the Triton
 paths, their measured choices and call plans), ``reference`` (plain torch and the op's semantics).
@@ -86,7 +70,7 @@ from ..chain_lowering import pool_unroll_problem
 from ..chain_reference import apply_chain
 from ..config import ConvEpilogueConfig
 from ..conv_io import output_memory_format
-from ..declare import FusedOpDeclaration, declare
+from ..declare import FusedOpDeclaration, declare, family_names
 from . import backward, forward, reference
 from .forward import CONV_IMPL_ENV, CPU_KERNELS_ENV, DEFAULT_CONV_IMPL, conv_impl
 from .reference import OP, conv_epilogue_eager
@@ -100,48 +84,21 @@ def _kernel_problem(cfg: ConvEpilogueConfig) -> str | None:
     return pool_unroll_problem(cfg.pool)
 
 
-CONV_EPILOGUE = declare(FusedOpDeclaration(
-    name=OP,
-    config=ConvEpilogueConfig,
-    state=("saved_y0", "saved_winner"),
-    outputs=reference.outputs,
-    reference_forward=reference.forward,
-    triton_forward=forward.forward,
-    reference_backward=reference.backward,
-    triton_backward=backward.backward,
-    check_inputs=reference.check_inputs,
-    describe=reference.describe,
-    kernel_problem=_kernel_problem,
-    compute_dtype=reference.conv_compute_dtype,
-    settled_forward=forward.settled,
-    settled_backward=backward.settled,
-))
-conv_epilogue_fwd, conv_epilogue_bwd = CONV_EPILOGUE.fwd, CONV_EPILOGUE.bwd
-kernel_path = CONV_EPILOGUE.kernel_path
+CONV_EPILOGUE = declare(FusedOpDeclaration(  # the Triton path is two modules: its own declaration
+    name=OP, config=ConvEpilogueConfig, state=("saved_y0", "saved_winner"), outputs=reference.outputs,
+    reference_forward=reference.forward, triton_forward=forward.forward, reference_backward=reference.backward,
+    triton_backward=backward.backward, check_inputs=reference.check_inputs, describe=reference.describe,
+    kernel_problem=_kernel_problem, compute_dtype=reference.conv_compute_dtype, settled_forward=forward.settled,
+    settled_backward=backward.settled))
+conv_epilogue_fwd, conv_epilogue_bwd, kernel_path = CONV_EPILOGUE.fwd, CONV_EPILOGUE.bwd, CONV_EPILOGUE.kernel_path
 
 
 @CONV_EPILOGUE.entry
 def conv_epilogue(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                   config: str) -> Tensor:  # fmt: skip
-    """``pool(chain(conv(x, weight, bias))).to(out_dtype)`` as one fused op (see the module docstring).
-
-    Backward state is computed only when autograd will need it: under AOTAutograd the grad mode
-    seen at trace time is the runtime one, so inference graphs never save anything.
-    """
+    """``pool(chain(conv(x, weight, bias))).to(out_dtype)`` as one fused op (see the module docstring)."""
     return CONV_EPILOGUE(x, weight, bias, operands, config)
 
 
-__all__ = [
-    "CONV_EPILOGUE",
-    "CONV_IMPL_ENV",
-    "CPU_KERNELS_ENV",
-    "DEFAULT_CONV_IMPL",
-    "apply_chain",
-    "conv_epilogue",
-    "conv_epilogue_bwd",
-    "conv_epilogue_eager",
-    "conv_epilogue_fwd",
-    "conv_impl",
-    "kernel_path",
-    "output_memory_format",
-]
+__all__ = ["CONV_EPILOGUE", "CONV_IMPL_ENV", "CPU_KERNELS_ENV", "DEFAULT_CONV_IMPL", "apply_chain", "conv_epilogue_eager",
+           "conv_impl", "output_memory_format", *family_names(OP)]

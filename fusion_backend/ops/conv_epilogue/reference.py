@@ -1,9 +1,6 @@
-"""The plain-torch reference of ``fusion::conv_epilogue`` (CPU, float64, anything the kernels do not
-cover) and the op's semantics every path shares: the dtypes, casts and outputs with their layouts,
-the input checks, the description for messages and the eager composite.  ``forward`` writes the same
-outputs and saved state as the kernels; ``backward`` applies torch's own derivative formulas
-(``ops/chain_reference.py``) to the chain recomputed from the saved state.
-"""
+"""The plain-torch reference of ``fusion::conv_epilogue`` (what every reference is: ``ops/declare.py``)
+and the op's semantics every path shares: the dtypes, casts, outputs, input checks, description and
+the eager composite."""
 
 from collections.abc import Sequence
 
@@ -58,7 +55,6 @@ def cast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None,
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> None:
-    """One-line ``UnsupportedInputError`` for inputs that do not fit the config."""
     output_dtype(cfg, conv_compute_dtype(cfg, x))  # both dtype names are valid
     check_conv_inputs(OP, x, weight, cfg.conv)
     if cfg.pool is not None and len(cfg.pool.kernel_size) != cfg.conv.spatial_dims:
@@ -82,9 +78,8 @@ def _describe_operand(o: Operand) -> str:
 def allocate_forward_outputs(
     x: Tensor, y0: Tensor, out_shape: Sequence[int], cfg: ConvEpilogueConfig, save: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Empty ``(out, saved_y0, saved_winner)`` with the exact shapes, dtypes and strides of the real op
-    (``x``: the op's input as given, for the device and the placeholders' dtype; ``y0``: the conv
-    output in the compute dtype)."""
+    """Empty ``(out, saved_y0, saved_winner)`` as the package docstring lays them out (``x``: the op's
+    input as given; ``y0``: the conv output in the compute dtype)."""
     fmt = output_memory_format(y0)
     out = torch.empty(out_shape, dtype=output_dtype(cfg, y0.dtype), device=x.device, memory_format=fmt)
     if not save:
@@ -98,8 +93,7 @@ def allocate_forward_outputs(
 
 def outputs(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The declaration's shape function (the op's fake): ``allocate_forward_outputs`` for the conv's
-    output as aten lays it out."""
+    """The shape function: ``allocate_forward_outputs`` for the conv's output as aten lays it out."""
     dtype = conv_compute_dtype(cfg, x)
     y0 = run_conv(x.to(dtype), weight.to(dtype), None, cfg.conv)
     out_shape = y0.shape if cfg.pool is None else run_pool(y0, cfg.pool).shape
@@ -109,11 +103,8 @@ def outputs(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
 def conv_epilogue_eager(
     x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], config: str
 ) -> Tensor:
-    """The eager composite the fused op stands for (differentiable by autograd; tests' oracle).
-
-    Operands in non-differentiable positions (leaky_relu slope, clamp bounds) are detached, as in
-    the fused op.
-    """
+    """The eager composite the fused op stands for (differentiable by autograd; tests' oracle);
+    operands in non-differentiable positions (leaky_relu slope, clamp bounds) detached, as in the op."""
     cfg = ConvEpilogueConfig.from_json(config)
     dtype = conv_compute_dtype(cfg, x)
     x, weight, bias = cast_inputs(x, weight, bias, dtype)
@@ -160,11 +151,8 @@ def backward(
     saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig, mask: Sequence[bool],
 ) -> list[Tensor | None]:  # fmt: skip
     """The chain recomputed on the saved state and differentiated step by step, then
-    ``convolution_backward``.
-
-    With a max pool the chain is recomputed on the winners only (pooled shape) and the resulting
-    gradient is scattered (accumulating: windows may overlap) to the full-size conv output.
-    """
+    ``convolution_backward``; with a max pool the chain is recomputed on the winners only and its
+    gradient scattered (accumulating: windows may overlap) to the full-size conv output."""
     pool = cfg.pool
     is_max = pool is not None and pool.kind == "max"
     x, weight, bias_c = cast_inputs(x, weight, bias, conv_compute_dtype(cfg, x))  # grads: ``strided_like`` casts back

@@ -42,12 +42,9 @@ x once and produces the sum of every plane over every product of distinct sets, 
 maps sets back to taps.  Groups: ``ci`` runs over the group of ``co``.  Weight layouts:
 ``(C_out, C_in/g, *k)`` regular, ``(C_in, C_out/g, *k)`` transposed.
 
-Two custom ops carry the work (``ops/declare.py``): ``fusion::conv_global_mean_fwd(x, weight, bias,
-operands, config, save_for_backward) -> (out, tap_sums, conv_mean)`` (``config.outputs``: the state
-is the saved sums below, a few numbers per sample and channel) and ``fusion::conv_global_mean_bwd(
-grad_out, weight, bias, operands, tap_sums, conv_mean, x_size, x_stride, x_dtype, config,
-output_mask) -> [grad_x, grad_weight, grad_bias, *grad_operands]``, which never sees x: its backward
-reads only the sums.
+Saved state ``(tap_sums, conv_mean)`` (``config.outputs``): the sums below, a few numbers per sample
+and channel; the backward reads only them, so it takes x's size, strides and dtype instead of x
+(``keeps_x=False``, ``ops/declare.py``).
 
 Backward.  With ``G[n, co] = g[n, co] * A[co] / P``:
 ``dx[n, ci, i] = sum_t [i in V_t] sum_co G[n, co] W[co, ci, t]`` (piecewise constant: one Triton pass
@@ -74,11 +71,9 @@ Results are cast to ``out_dtype``.  No float atomics anywhere: every reduction h
 
 ``tools/bench_conv_global_mean.py`` times the pipeline.
 
-Failure policy as every family's (``ops/declare.py``).  A call whose shapes the kernels
-cannot serve (a spatial dim with more than 31 distinct tap index sets: ``config.call_problem``) runs
-the reference with a one-time warning, and raises ``UnsupportedInputError`` under ``strict`` on CUDA.
-
-Modules as every family's; ``config`` also holds the per-dim index sets, ``reference`` the affine fold.
+A call whose shapes the kernels cannot serve (a spatial dim with more than 31 distinct tap index sets:
+``config.call_problem``) takes the reference as ``ops/declare.py`` says.  ``config`` also holds the
+per-dim index sets, ``reference`` the affine fold.
 """
 
 from __future__ import annotations
@@ -88,38 +83,16 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ... import environment
-from ..declare import FusedOpDeclaration, declare
-from . import reference, triton_path
-from .config import (
-    AFFINE_KINDS,
-    OP,
-    ConvGlobalMeanConfig,
-    call_problem,
-    check_inputs,
-    describe,
-    dim_sets,
-    grad_input_strides,
-    outputs,
-)
+from ..declare import declare, family_declaration, family_names
+from . import config, reference, triton_path
+from .config import AFFINE_KINDS, OP, ConvGlobalMeanConfig, dim_sets
 
 #: The environment switch that makes CPU tensors run the Triton launchers (``fusion_backend.environment``).
 CPU_KERNELS_ENV = environment.CPU_KERNELS
 
-CONV_GLOBAL_MEAN = declare(FusedOpDeclaration(
-    name=OP,
-    config=ConvGlobalMeanConfig,
-    state=("tap_sums", "conv_mean"),
-    outputs=outputs,
-    reference_forward=reference.forward,
-    triton_forward=triton_path.forward,
-    reference_backward=reference.backward,
-    triton_backward=triton_path.backward,
-    check_inputs=check_inputs,
-    describe=describe,
-    call_problem=call_problem,
-    keeps_x=False,
-    grad_input_strides=grad_input_strides,
-))
+CONV_GLOBAL_MEAN = declare(family_declaration(
+    OP, ConvGlobalMeanConfig, ("tap_sums", "conv_mean"), config, reference, triton_path, outputs=config.outputs,
+    call_problem=config.call_problem, keeps_x=False, grad_input_strides=config.grad_input_strides))
 conv_global_mean_fwd, conv_global_mean_bwd = CONV_GLOBAL_MEAN.fwd, CONV_GLOBAL_MEAN.bwd
 kernel_path = CONV_GLOBAL_MEAN.kernel_path
 
@@ -136,14 +109,4 @@ def conv_global_mean(x: Tensor, weight: Tensor, bias: Tensor | None, operands: S
     return CONV_GLOBAL_MEAN(x, weight, bias, operands, config)
 
 
-__all__ = [
-    "AFFINE_KINDS",
-    "CONV_GLOBAL_MEAN",
-    "CPU_KERNELS_ENV",
-    "ConvGlobalMeanConfig",
-    "conv_global_mean",
-    "conv_global_mean_bwd",
-    "conv_global_mean_fwd",
-    "dim_sets",
-    "kernel_path",
-]
+__all__ = ["AFFINE_KINDS", "CONV_GLOBAL_MEAN", "CPU_KERNELS_ENV", "ConvGlobalMeanConfig", "dim_sets", *family_names(OP)]

@@ -1,6 +1,5 @@
 """``ConvGlobalMeanConfig``, the static part of a ``fusion::conv_global_mean`` call (conv parameters,
-per-channel affine steps, keepdim, output dtype, strict), and what the declaration reads of it: the
-outputs with their shapes, the input checks, the description; and the shape-dependent geometry every
+per-channel affine steps, keepdim, output dtype, strict), and the shape-dependent geometry every
 path shares: the per-dim index sets of the taps (host side, cached per shape) and the device tables
 the kernels read (the package docstring's derivation).
 """

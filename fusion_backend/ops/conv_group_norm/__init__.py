@@ -8,15 +8,10 @@ one channel per group), a pointwise chain after it, optionally a max or avg pool
     z = group_norm(v, groups, gamma, beta, eps)   # batch statistics per (sample, group)
     out = pool(post(z)).to(out_dtype)         # pool: config.pool, if any (1-3d max / avg)
 
-Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
-
-* ``fusion::conv_group_norm_fwd(x, weight, bias, operands, config, save_for_backward)
-  -> (out, saved_y, saved_winner, saved_stats)``: the saved state (``config.conv_outputs``)
-  is the conv output without bias, behind a max pool each window's winner (int8), and each (sample,
-  group)'s mean and ``1 / sqrt(var + eps)`` (fp32 ``(2, N, G)``), nothing else full-size.
-
-Implementations, failure policy and modules as every family's (``ops/declare.py``); the reference runs
-``aten.native_group_norm`` and its backward.
+Saved state ``(saved_y, saved_winner, saved_stats)`` (``config.conv_outputs``): the conv output without
+bias, behind a max pool each window's winner (int8), and each (sample, group)'s mean and
+``1 / sqrt(var + eps)`` (fp32 ``(2, N, G)``), nothing else full-size.  Everything else as every
+family's (``ops/declare.py``); the reference runs ``aten.native_group_norm`` and its backward.
 """
 
 from __future__ import annotations
@@ -26,25 +21,14 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..chain_lowering import pool_unroll_problem
-from ..declare import FusedOpDeclaration, declare
-from . import reference, triton_path
-from .config import OP, ConvGroupNormConfig, check_inputs, conv_outputs, describe
+from ..declare import declare, family_declaration, family_names
+from . import config, reference, triton_path
+from .config import OP, ConvGroupNormConfig
 
-CONV_GROUP_NORM = declare(FusedOpDeclaration(
-    name=OP,
-    config=ConvGroupNormConfig,
-    state=("saved_y", "saved_winner", "saved_stats"),
-    outputs=lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:],
-    reference_forward=reference.forward,
-    triton_forward=triton_path.forward,
-    reference_backward=reference.backward,
-    triton_backward=triton_path.backward,
-    check_inputs=check_inputs,
-    describe=describe,
-    kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool),
-))
-conv_group_norm_fwd, conv_group_norm_bwd = CONV_GROUP_NORM.fwd, CONV_GROUP_NORM.bwd
-kernel_path = CONV_GROUP_NORM.kernel_path
+CONV_GROUP_NORM = declare(family_declaration(
+    OP, ConvGroupNormConfig, ("saved_y", "saved_winner", "saved_stats"), config, reference, triton_path,
+    kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool)))
+conv_group_norm_fwd, conv_group_norm_bwd, kernel_path = CONV_GROUP_NORM.fwd, CONV_GROUP_NORM.bwd, CONV_GROUP_NORM.kernel_path
 
 
 @CONV_GROUP_NORM.entry
@@ -57,17 +41,9 @@ def conv_group_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
 
     * ``operands``: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
       (C values each), and the chains' tensors.
-    * result: the conv output's shape (with ``config.pool``, the pooled shape), in its memory format;
-      the backward's state: the conv output, the (2, N, groups) statistics, a max pool's int8 winners.
+    * result: the conv output's shape (with ``config.pool``, the pooled shape), in its memory format.
     """
     return CONV_GROUP_NORM(x, weight, bias, operands, config)
 
 
-__all__ = [
-    "CONV_GROUP_NORM",
-    "ConvGroupNormConfig",
-    "conv_group_norm",
-    "conv_group_norm_bwd",
-    "conv_group_norm_fwd",
-    "kernel_path",
-]
+__all__ = ["CONV_GROUP_NORM", "ConvGroupNormConfig", *family_names(OP)]

@@ -1,7 +1,6 @@
 """``ConvGroupNormConfig``, the static part of a ``fusion::conv_group_norm`` call (conv parameters, the
 chain before the norm, the number of groups, eps, where the norm's weight and bias sit among the
-operands, the chain after the norm, dtypes, strict, the pool that may end the region), and what the
-declaration reads of it: the outputs with their exact layouts, the input checks, the description.
+operands, the chain after the norm, dtypes, strict, the pool that may end the region).
 """
 
 from __future__ import annotations
@@ -16,15 +15,7 @@ from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec, PoolSpec
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, check_operand_refs
-from ..config import (
-    JsonConfig,
-    check_dtype_names,
-    check_kernel_chains,
-    check_norm_affine,
-    describe_affine,
-    describe_chain,
-    describe_pool,
-)
+from ..config import JsonConfig, check_norm_config, describe_affine, describe_chain, describe_pool
 from ..conv_io import (
     allocate_result,
     check_conv_inputs,
@@ -69,25 +60,19 @@ class ConvGroupNormConfig(JsonConfig):
     def __post_init__(self) -> None:
         if not isinstance(self.groups, int) or self.groups < 1:
             raise ValueError(f"groups must be a positive int, got {self.groups!r}")
-        check_norm_affine(self)
-        check_kernel_chains(pre=self.pre, post=self.post)
-        check_dtype_names(self, "norm_dtype", "out_dtype")
-        if self.pool is not None and len(self.pool.kernel_size) != self.conv.spatial_dims:
-            raise ValueError(f"the pool {self.pool} does not have the conv's {self.conv.spatial_dims} spatial dims")
+        check_norm_config(self, pre=self.pre, post=self.post)
 
 
 def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvGroupNormConfig,
                  save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(y0, out, saved_y, saved_winner, saved_stats)``: the conv output without bias (``y0``,
-    ``conv_io.run_conv``'s, real or fake) and the op's empty outputs with the exact shapes, dtypes and
-    strides of the real op; the declaration's shape function is this without ``y0``.
+    """``(y0, out, saved_y, saved_winner, saved_stats)``:
+    ``y0`` the conv output without bias (``conv_io.run_conv``'s), then the shape function's outputs
+    (``ops/declare.py``; ``saved_y`` as ``conv_io`` says, absent entries ``empty_placeholder(x)``).
 
     * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s (the pooled shape with a pool, dtype
       ``out_dtype``; the winners only with ``save`` and a max pool).
-    * ``saved_y``: the saved conv output (``conv_io``'s docstring).
     * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, N, groups)`` contiguous: row 0 each
       group's mean, row 1 its ``1 / sqrt(var + eps)`` (of the pre-chain's result, bias included).
-    Absent entries are ``empty_placeholder(x)``.
     """
     y0 = run_conv(x, weight, None, cfg.conv)
     out, winner = allocate_result(x, y0, cfg.pool, dtype_named(OP, cfg.out_dtype, y0.dtype), save)
@@ -98,7 +83,6 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvGroupNormConfig,
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvGroupNormConfig) -> None:
-    """One-line ``UnsupportedInputError`` for inputs that do not fit the config."""
     check_conv_inputs(OP, x, weight, cfg.conv)
     channels = conv_channels(weight, cfg.conv)
     if channels % cfg.groups != 0:

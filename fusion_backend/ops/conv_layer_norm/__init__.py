@@ -12,15 +12,9 @@ the conv output, a pointwise chain after it.
 ``nn.LayerNorm(C)`` applied to an (N, C, D, H, W) output whose W is C), (H, W), ..., or (C, *spatial)
 (a row per sample).  gamma and beta are elementwise over it.
 
-Two custom ops carry the work (``torch.library.custom_op``, opaque to Inductor, with fakes):
-
-* ``fusion::conv_layer_norm_fwd(x, weight, bias, operands, config, save_for_backward)
-  -> (out, saved_y, saved_stats)``: ``out`` contiguous (eager's layer norm returns a contiguous
-  tensor whatever its input's layout); the saved state (``config.conv_outputs``) is the
-  conv output without bias in its own layout and each row's mean and ``1 / sqrt(var + eps)`` (fp32
-  ``(2, rows)``), nothing else full-size.
-
-Implementations, failure policy and modules as every family's (``ops/declare.py``); the reference runs
+Saved state ``(saved_y, saved_stats)`` (``config.conv_outputs``): the conv output without bias in its
+own layout and each row's mean and ``1 / sqrt(var + eps)`` (fp32 ``(2, rows)``), nothing else
+full-size.  Everything else as every family's (``ops/declare.py``); the reference runs
 ``aten.native_layer_norm`` and its backward.
 """
 
@@ -30,24 +24,13 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from ..declare import FusedOpDeclaration, declare
-from . import reference, triton_path
-from .config import OP, ConvLayerNormConfig, check_inputs, conv_outputs, describe
+from ..declare import declare, family_declaration, family_names
+from . import config, reference, triton_path
+from .config import OP, ConvLayerNormConfig
 
-CONV_LAYER_NORM = declare(FusedOpDeclaration(
-    name=OP,
-    config=ConvLayerNormConfig,
-    state=("saved_y", "saved_stats"),
-    outputs=lambda x, weight, bias, operands, cfg, save: conv_outputs(x, weight, cfg, save)[1:],
-    reference_forward=reference.forward,
-    triton_forward=triton_path.forward,
-    reference_backward=reference.backward,
-    triton_backward=triton_path.backward,
-    check_inputs=check_inputs,
-    describe=describe,
-))
-conv_layer_norm_fwd, conv_layer_norm_bwd = CONV_LAYER_NORM.fwd, CONV_LAYER_NORM.bwd
-kernel_path = CONV_LAYER_NORM.kernel_path
+CONV_LAYER_NORM = declare(family_declaration(
+    OP, ConvLayerNormConfig, ("saved_y", "saved_stats"), config, reference, triton_path))
+conv_layer_norm_fwd, conv_layer_norm_bwd, kernel_path = CONV_LAYER_NORM.fwd, CONV_LAYER_NORM.bwd, CONV_LAYER_NORM.kernel_path
 
 
 @CONV_LAYER_NORM.entry
@@ -60,17 +43,10 @@ def conv_layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
     * ``operands``: the norm's weight (gamma) and bias (beta) at ``config.weight`` / ``config.bias``
       (``prod(normalized_shape)`` values each), and the chains' tensors.
     * ``config``: the conv output's trailing sizes must be its ``normalized_shape``.
-    * result: the conv output's shape, contiguous (as eager's layer norm returns it); the backward's
-      state: the conv output and the (2, rows) statistics.
+    * result: the conv output's shape, contiguous (eager's layer norm returns a contiguous tensor
+      whatever its input's layout).
     """
     return CONV_LAYER_NORM(x, weight, bias, operands, config)
 
 
-__all__ = [
-    "CONV_LAYER_NORM",
-    "ConvLayerNormConfig",
-    "conv_layer_norm",
-    "conv_layer_norm_bwd",
-    "conv_layer_norm_fwd",
-    "kernel_path",
-]
+__all__ = ["CONV_LAYER_NORM", "ConvLayerNormConfig", *family_names(OP)]

@@ -1,7 +1,6 @@
-"""``ConvLayerNormConfig``: the static part of a ``fusion::conv_layer_norm`` call (conv parameters,
-the chain before the norm, the normalized shape, eps, where the norm's weight and bias sit among the
-operands, the chain after the norm, dtypes, strict), and what the declaration reads of it: the outputs
-with their exact layouts, the input checks, the description.
+"""``ConvLayerNormConfig``: the static part of a ``fusion::conv_layer_norm`` call (conv parameters, the
+chain before the norm, the normalized shape, eps, where the norm's weight and bias sit among the
+operands, the chain after the norm, dtypes, strict).
 """
 
 from __future__ import annotations
@@ -17,14 +16,7 @@ from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, check_operand_refs
-from ..config import (
-    JsonConfig,
-    check_dtype_names,
-    check_kernel_chains,
-    check_norm_affine,
-    describe_affine,
-    describe_chain,
-)
+from ..config import JsonConfig, check_norm_config, describe_affine, describe_chain
 from ..conv_io import (
     check_conv_inputs,
     conv_output_shape,
@@ -70,9 +62,7 @@ class ConvLayerNormConfig(JsonConfig):
                 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):  # fmt: skip
             raise ValueError(f"normalized_shape must be 1 to {self.conv.spatial_dims + 1} positive ints (trailing dims "
                              f"of a {self.conv.spatial_dims}d conv output, not the batch), got {shape!r}")  # fmt: skip
-        check_norm_affine(self)
-        check_kernel_chains(pre=self.pre, post=self.post)
-        check_dtype_names(self, "norm_dtype", "out_dtype")
+        check_norm_config(self, pre=self.pre, post=self.post)
 
     @property
     def pool(self) -> None:
@@ -97,17 +87,15 @@ def rows(y_shape: Sequence[int], cfg: ConvLayerNormConfig) -> int:
 
 def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvLayerNormConfig,
                  save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """``(y0, out, saved_y, saved_stats)``: the conv output without bias (``y0``,
-    ``library_conv.conv_forward``'s, real or fake) and the op's empty outputs with the exact shapes,
-    dtypes and strides of the real op; the declaration's shape function is this without ``y0``.
+    """``(y0, out, saved_y, saved_stats)``:
+    ``y0`` the conv output without bias (``library_conv.conv_forward``'s), then the shape function's outputs
+    (``ops/declare.py``; ``saved_y`` as ``conv_io`` says, absent entries ``empty_placeholder(x)``).
 
     * ``out``: y0's shape, contiguous (what eager's layer norm returns whatever its input's layout),
       dtype ``out_dtype`` (default the conv's).
-    * ``saved_y``: the saved conv output (``conv_io``'s docstring).
     * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, M)`` contiguous, ``M`` the rows in
       ``native_layer_norm``'s order (the dims before the normalized ones, row-major): row 0 each
       row's mean, row 1 its ``1 / sqrt(var + eps)`` (of the pre-chain's result, bias included).
-    Absent entries are ``empty_placeholder(x)``.
     """
     y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     out = torch.empty(y0.shape, dtype=dtype_named(OP, cfg.out_dtype, y0.dtype), device=x.device)
@@ -118,7 +106,6 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvLayerNormConfig,
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvLayerNormConfig) -> None:
-    """One-line ``UnsupportedInputError`` for inputs that do not fit the config."""
     check_conv_inputs(OP, x, weight, cfg.conv)
     y_shape = conv_output_shape(x, weight, cfg.conv)
     trailing = tuple(y_shape[len(y_shape) - cfg.normalized_dims:])
