@@ -297,11 +297,16 @@ class MatchContext:
         return TensorRef(operands.index(value))
 
 
-def _statically_one(x: Any) -> bool:
+def _statically(x: Any, value: int) -> bool:
+    """Whether the size ``x`` (an int or a SymInt) is ``value`` for every input the graph accepts."""
     try:
-        return int(x) == 1 if not isinstance(x, torch.SymInt) else x.node.expr == 1
+        return int(x) == value if not isinstance(x, torch.SymInt) else x.node.expr == value
     except Exception:
         return False
+
+
+def _statically_one(x: Any) -> bool:
+    return _statically(x, 1)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -382,16 +387,9 @@ def _empty_value(candidate: Candidate) -> Optional[fx.Node]:
     result (an empty output, zero gradients, running statistics left as they were)."""
     for node in [*candidate.nodes, *(n for member in candidate.nodes for n in member.all_input_nodes)]:
         fake = fake_of(node)
-        if isinstance(fake, torch.Tensor) and any(_statically_zero(s) for s in fake.shape):
+        if isinstance(fake, torch.Tensor) and any(_statically(s, 0) for s in fake.shape):
             return node
     return None
-
-
-def _statically_zero(x: Any) -> bool:
-    try:
-        return int(x) == 0 if not isinstance(x, torch.SymInt) else x.node.expr == 0
-    except Exception:
-        return False
 
 
 def rewrite_regions(regions: Regions, chosen: Iterable[Candidate],
