@@ -225,7 +225,7 @@ def scatter_to_windows(grad_w: Tensor, winner: Tensor, y_shape: Sequence[int], p
         flat = flat + (origin + k) * plane_stride
     n, c = y_shape[:2]
     full = torch.zeros(n, c, math.prod(spatial), dtype=grad_w.dtype, device=grad_w.device)
-    full.scatter_add_(2, flat.reshape(n, c, -1), grad_w.reshape(n, c, -1))
+    full.scatter_add_(2, flat.flatten(2), grad_w.flatten(2))
     return full.reshape(y_shape)
 
 

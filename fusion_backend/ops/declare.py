@@ -20,7 +20,9 @@ checks, the description) and ``declare`` builds:
 
 Every call follows one policy (``ops/failure.py``): the Triton path where it serves the call, else the
 reference; a Triton failure raises under the config's ``strict``, else warns once and runs the
-reference.  A call that its own tensors keep off the Triton path (``call_problem``, which the report's
+reference, which later calls of the same signature (shapes, strides, dtypes, devices) then take at once.
+A call with a batch of 0 computes nothing: the forward returns the shape function's empty result (its
+state zeros), the backward zero gradients, as eager's ops do on an empty batch.  A call that its own tensors keep off the Triton path (``call_problem``, which the report's
 ``kernel_path`` cannot see) warns once, and raises under ``strict`` on CUDA.  The config travels as JSON (``ops/config.py``'s ``JsonConfig``).
 
 What every family shares (a family's docstrings say only what differs):
@@ -76,6 +78,21 @@ class XMeta(NamedTuple):
 
 def _none(*_args: Any) -> None:
     return None
+
+
+def _zeros_like(t: Any, like: Tensor) -> Tensor:
+    """Zeros with ``t``'s shape, dtype and strides (``t`` a tensor, or an ``XMeta`` on ``like``'s device)."""
+    if isinstance(t, XMeta):
+        return like.new_empty_strided(t.shape, t.stride, dtype=t.dtype).zero_()
+    return torch.zeros_like(t)
+
+
+def _signature(direction: str, config: str, tensors: Sequence[Any]) -> tuple[Any, ...]:
+    """What makes two calls of an op the same case for its kernels: the direction, the config, and each
+    tensor's (or ``XMeta``'s) shape, strides, dtype and device."""
+    return (direction, config, *(None if t is None else
+                                 (tuple(t.shape), tuple(t.stride if isinstance(t, XMeta) else t.stride()), t.dtype,
+                                  t.device) for t in tensors))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -156,6 +173,8 @@ class FusedOp:
         register_autograd_free(self.fwd, self.forward_impl, self._forward_fake)
         register_autograd_free(self.bwd, self.backward_impl, self._backward_fake)
         self._cuda_paths: dict[tuple[str, torch.dtype], tuple[str, str | None]] = {}
+        #: Signatures (``_signature``) whose Triton path failed: later calls take the reference at once.
+        self._reference_only: set[tuple[Any, ...]] = set()
 
     # -- which path a call takes, and the failure policy ---------------------------------------
 
@@ -180,8 +199,18 @@ class FusedOp:
             warn_once((self.name, "call", why), f"fusion::{self.name} runs the plain-torch reference: {why}")
         return triton_serves(self.name, why, cfg.strict, device.type)
 
-    def _failed(self, direction: str, config: str, cfg: Any, x: Any, weight: Tensor, error: Exception) -> None:
+    def _failed(self, direction: str, config: str, cfg: Any, tensors: Sequence[Any], error: Exception) -> None:
+        """The Triton path of a call failed: raise under ``strict``; else warn (once per config) and remember
+        the call's signature, whose later calls take the reference at once (``_failed_before``).  ``tensors``:
+        the call's tensors, forward ``(x, weight, bias, *operands)``, backward ``(grad_out, x, ...)``."""
+        x, weight = (tensors[0], tensors[1]) if direction == "forward" else (tensors[1], tensors[2])
         op_kernel_failed(self.name, direction, self.d.describe(cfg), config, x, weight, error, cfg.strict)
+        self._reference_only.add(_signature(direction, config, tensors))
+
+    def _failed_before(self, direction: str, config: str, tensors: Sequence[Any]) -> bool:
+        """Whether the Triton path already failed on a call of this signature (nothing to compute while
+        none has failed)."""
+        return bool(self._reference_only) and _signature(direction, config, tensors) in self._reference_only
 
     # -- the custom ops' implementations and fakes ----------------------------------------------
 
@@ -190,6 +219,16 @@ class FusedOp:
         """``(out, *state)``: a settled plan's, else the Triton path's where it serves the call, else
         (or when a kernel fails, per the failure policy) the reference's."""
         d, op = self.d, "forward"
+        if x.shape[0] == 0:  # nothing to compute: the shape function's empty result, zero state
+            cfg = d.config.from_json(config)
+            d.check_inputs(x, weight, operands, cfg)
+            out, *state = d.outputs(x, weight, bias, operands, cfg, save_for_backward)
+            return (out, *(t.zero_() for t in state))
+        tensors = (x, weight, bias, *operands)
+        if self._failed_before(op, config, tensors):  # the reference, no plan, no kernel
+            cfg = d.config.from_json(config)
+            d.check_inputs(x, weight, operands, cfg)
+            return d.reference_forward(x, weight, bias, operands, cfg, save_for_backward)
         plan = None if d.settled_forward is None else d.settled_forward(config, save_for_backward, x, weight, bias,
                                                                           operands)  # fmt: skip
         if plan is not None:
@@ -197,14 +236,14 @@ class FusedOp:
                 return plan(x, weight, bias, operands)
             except Exception as e:  # any kernel failure takes the documented policy
                 cfg = d.config.from_json(config)
-                self._failed(op, config, cfg, x, weight, e)
+                self._failed(op, config, cfg, tensors, e)
                 return d.reference_forward(x, weight, bias, operands, cfg, save_for_backward)
         cfg = d.config.from_json(config)
         d.check_inputs(x, weight, operands, cfg)
         args = (x, weight, bias, operands, cfg, save_for_backward)
         return triton_or_reference(self._serves(config, cfg, x, weight, x.device), lambda: d.triton_forward(*args),
                                    lambda: d.reference_forward(*args),
-                                   lambda e: self._failed(op, config, cfg, x, weight, e))  # fmt: skip
+                                   lambda e: self._failed(op, config, cfg, tensors, e))  # fmt: skip
 
     def _forward_fake(self, x, weight, bias, operands, config, save_for_backward):
         return self.d.outputs(x, weight, bias, operands, self.d.config.from_json(config), save_for_backward)
@@ -230,6 +269,16 @@ class FusedOp:
             grad_out, x, weight, bias, operands, *state, config, mask = args
         else:
             grad_out, x, weight, bias, operands, state, config, mask = self._split_backward_args(args)
+        if grad_out.shape[0] == 0:  # an empty batch: every gradient is zero
+            check_backward_call(self.name, mask, len(operands), state)
+            grads = [_zeros_like(t, grad_out) if wanted and t is not None else None
+                     for t, wanted in zip([x, weight, bias, *operands], mask, strict=True)]  # fmt: skip
+            return self._backward_outputs(grads, grad_out, x, weight, bias, operands, mask)
+        tensors = (grad_out, x, weight, bias, *operands, *state)
+        if self._failed_before(op, config, tensors):  # the reference, no plan, no kernel
+            check_backward_call(self.name, mask, len(operands), state)
+            grads = d.reference_backward(grad_out, x, weight, bias, operands, *state, d.config.from_json(config), mask)
+            return self._backward_outputs(grads, grad_out, x, weight, bias, operands, mask)
         plan = None if d.settled_backward is None else d.settled_backward(config, grad_out, x, weight, bias, operands,
                                                                             *state, mask)  # fmt: skip
         cfg, grads = None, None
@@ -238,7 +287,7 @@ class FusedOp:
                 grads = plan(grad_out, x, weight, bias, operands, *state)
             except Exception as e:  # any kernel failure takes the documented policy
                 cfg = d.config.from_json(config)
-                self._failed(op, config, cfg, x, weight, e)
+                self._failed(op, config, cfg, tensors, e)
         if grads is None:
             cfg = cfg or d.config.from_json(config)
             if plan is None:
@@ -246,8 +295,12 @@ class FusedOp:
             args = (grad_out, x, weight, bias, operands, *state, cfg, mask)
             serves = plan is None and self._serves(config, cfg, x, weight, grad_out.device)
             grads = triton_or_reference(serves, lambda: d.triton_backward(*args), lambda: d.reference_backward(*args),
-                                        lambda e: self._failed(op, config, cfg, x, weight, e))  # fmt: skip
-        if d.keeps_x:
+                                        lambda e: self._failed(op, config, cfg, tensors, e))  # fmt: skip
+        return self._backward_outputs(grads, grad_out, x, weight, bias, operands, mask)
+
+    def _backward_outputs(self, grads: Sequence[Tensor | None], grad_out: Tensor, x: Any, weight: Tensor,
+                          bias: Tensor | None, operands: Sequence[Tensor], mask: Sequence[bool]) -> list[Tensor]:  # fmt: skip
+        if self.d.keeps_x:
             return backward_outputs(grads, [x, weight, bias, *operands], mask, x)
         grad_x = grads[0] if mask[0] and grads[0] is not None else empty_placeholder(grad_out)
         return [grad_x, *backward_outputs(grads[1:], [weight, bias, *operands], mask[1:], grad_out)]

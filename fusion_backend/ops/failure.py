@@ -44,7 +44,8 @@ def kernel_failed(what: str, error: Exception, strict: bool, key: Hashable) -> N
         if isinstance(error, UnsupportedInputError):
             raise error
         raise KernelError(f"{what}. Unset strict to fall back to the plain-torch reference.") from error
-    warn_once(key, f"{what}. Falling back to the plain-torch reference (warned once per config).")
+    warn_once(key, f"{what}. Falling back to the plain-torch reference, for this call and every later call of the "
+                   "same shapes, strides and dtypes (warned once per config).")
 
 
 def triton_serves(op: str, why_not: str | None, strict: bool, device_type: str) -> bool:

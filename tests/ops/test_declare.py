@@ -55,3 +55,48 @@ def test_a_direct_function_returning_its_state_keeps_it_out_of_autograd() -> Non
     assert tuple(stats.shape) == (2, 2, 2)  # the (2, N, groups) mean and rstd
     (gx,) = torch.autograd.grad(out.sum(), [x])
     assert gx.shape == x.shape
+
+
+def test_a_signature_whose_kernel_failed_takes_the_reference_from_then_on(monkeypatch) -> None:
+    """A Triton failure warns once and runs the reference; later calls of that signature skip the kernel
+    (no second failure to pay for), a call of another signature tries it again."""
+    import dataclasses
+
+    import fusion_backend.ops.failure as failure
+
+    attempts = []
+
+    def broken(direction):
+        def run(*args):
+            attempts.append((direction, tuple(args[0 if direction == "forward" else 1].shape)))
+            raise RuntimeError(f"{direction} kernel exploded")
+        return run
+
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    monkeypatch.setattr(failure, "_warned", set())
+    op = CONV_GROUP_NORM
+    monkeypatch.setattr(op, "d", dataclasses.replace(op.d, triton_forward=broken("forward"),
+                                                     triton_backward=broken("backward"), settled_forward=None,
+                                                     settled_backward=None))  # fmt: skip
+    monkeypatch.setattr(op, "_reference_only", set())
+
+    def step(x_shape):
+        _, w, b, gamma, beta = _inputs()
+        x = torch.randn(x_shape, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        out = conv_group_norm(x, w, b, [gamma, beta], CONFIG)
+        out.sum().backward()
+        return out.detach(), x.grad
+
+    with pytest.warns(RuntimeWarning) as warned:
+        fallen_back = step((2, 3, 5, 6))
+    messages = [str(w.message) for w in warned]
+    assert any("forward Triton kernel failed" in m and "forward kernel exploded" in m for m in messages), messages
+    assert any("backward Triton kernel failed" in m and "backward kernel exploded" in m for m in messages), messages
+    assert attempts == [("forward", (2, 3, 5, 6)), ("backward", (2, 3, 5, 6))]
+    step((2, 3, 5, 6))
+    assert len(attempts) == 2  # the same signature: straight to the reference
+    step((1, 3, 5, 7))  # another signature tries the kernels again
+    assert attempts[2:] == [("forward", (1, 3, 5, 7)), ("backward", (1, 3, 5, 7))]
+    monkeypatch.delenv("FUSION_CPU_KERNELS")
+    for got, want in zip(fallen_back, step((2, 3, 5, 6)), strict=True):  # the reference's result
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -80,7 +80,7 @@ def conv_batch_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
                     config: str) -> Tensor:  # fmt: skip
     """``pool(post(batch_norm(conv(x, weight, bias), training=True) * gamma + beta)).to(out_dtype)`` as
     one fused op (the pool only with ``config.pool``), updating the running statistics as eager's
-    batch norm does.
+    batch norm does (an empty batch leaves them unchanged).
 
     Arguments and result as every entry point's (``ops/declare.py``), and:
 
@@ -92,7 +92,7 @@ def conv_batch_norm(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Se
     ops, running_mean, running_var = split_operands(operands, config)
     save = records_backward(x, weight, bias, ops)
     out, _, _, stats = torch.ops.fusion.conv_batch_norm_fwd(x, weight, bias, ops, config, save)
-    if running_mean is not None:
+    if running_mean is not None and out.numel() > 0:  # an empty batch leaves them as they are, as in eager
         momentum = ConvBatchNormConfig.from_json(config).momentum
         torch.ops.fusion.batch_norm_running_update(running_mean, running_var, stats, momentum)
     return out
@@ -109,7 +109,7 @@ def _conv_batch_norm_direct(x, weight, bias, operands, config):
         out, stats = _DirectConvBatchNorm.apply(config, x, weight, bias, *ops)
     else:
         out, _, _, stats = CONV_BATCH_NORM.forward_impl(x, weight, bias, ops, config, False)
-    if running_mean is not None:
+    if running_mean is not None and out.numel() > 0:
         with torch.no_grad():
             _running_update_impl(running_mean, running_var, stats, ConvBatchNormConfig.from_json(config).momentum)
     return out

@@ -71,11 +71,11 @@ class ConvBatchNormConfig(JsonConfig):
 
 
 def values_per_channel(y_shape: Sequence[int]) -> int:
-    """How many values each channel's batch statistics cover: ``N * prod(spatial)``; like eager, a
-    batch norm with batch statistics needs more than one (``ValueError`` otherwise)."""
+    """How many values each channel's batch statistics cover: ``N * prod(spatial)``; exactly one is
+    eager's ``ValueError`` (zero is an empty batch: an empty result, the running statistics unchanged)."""
     count = y_shape[0] * math.prod(y_shape[2:])
-    if count <= 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(y_shape)}")
+    if count == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {torch.Size(y_shape)}")
     return count
 
 

@@ -131,9 +131,7 @@ def forward(
     if pool is not None and pool.kind == "max" and save:
         v, flat = run_pool(v, pool, return_indices=True)
         saved_winner = in_format(window_winners(flat, y0.shape[2:], pool), fmt)
-        gathered = y0.reshape(y0.shape[0], y0.shape[1], -1).gather(
-            2, flat.reshape(flat.shape[0], flat.shape[1], -1)
-        )
+        gathered = y0.flatten(2).gather(2, flat.flatten(2))  # (flatten: a batch of 0 has no -1 to infer)
         saved_y0 = in_format(gathered.reshape(flat.shape), fmt)
     else:
         if pool is not None:

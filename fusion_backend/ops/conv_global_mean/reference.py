@@ -185,7 +185,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     tap_sums = r.to(torch.float64) @ geo.tap_onehot.T  # (N, C_in, T)
     w, letters = grouped_weight(spec, weight)
     g = spec.groups
-    total = torch.einsum(f"ngit,{letters}->ngo", tap_sums.reshape(n, g, c_in // g, -1), w).reshape(n, c_out)
+    total = torch.einsum(f"ngit,{letters}->ngo", tap_sums.unflatten(1, (g, -1)).flatten(3), w).reshape(n, c_out)
     if bias is not None:
         mean = torch.add(bias.detach().to(torch.float64), total, alpha=1.0 / geo.n_outputs)
     else:
@@ -225,7 +225,7 @@ def backward(grad_out: Tensor, x: Any, weight: Tensor, bias: Tensor | None, oper
     coef = (gm * (1.0 / geo.n_outputs)).reshape(n, g, c_out // g)  # G of the derivation
 
     w, letters = grouped_weight(spec, weight)
-    s = tap_sums.to(torch.float64).reshape(n, g, c_in // g, -1)
+    s = tap_sums.to(torch.float64).unflatten(1, (g, -1)).flatten(3)
     grad_w = torch.einsum(f"ngo,ngit->{letters}", coef, s).reshape(weight.shape)
     grad_bias = None if bias is None else gm.sum(0).reshape(bias.shape)
 

@@ -43,8 +43,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
 
 def normalized(v: Tensor, stats: Tensor, groups: int) -> Tensor:
     """``(v - mean) * rstd`` per (sample, group), in ``stats``' dtype (``v``: the pre-chain's result)."""
-    n = v.shape[0]
-    grouped = v.to(stats.dtype).reshape(n, groups, -1)
+    grouped = v.to(stats.dtype).unflatten(1, (groups, -1)).flatten(2)  # (a batch of 0 has no -1 to infer)
     return ((grouped - stats[0].unsqueeze(-1)) * stats[1].unsqueeze(-1)).reshape(v.shape)
 
 
