@@ -57,7 +57,7 @@ def test_a_direct_function_returning_its_state_keeps_it_out_of_autograd() -> Non
     assert gx.shape == x.shape
 
 
-def test_a_signature_whose_kernel_failed_takes_the_reference_from_then_on(monkeypatch) -> None:
+def test_a_signature_whose_kernel_failed_takes_the_reference_from_then_on(monkeypatch, kernel_device) -> None:
     """A Triton failure warns once and runs the reference; later calls of that signature skip the kernel
     (no second failure to pay for), a call of another signature tries it again."""
     import dataclasses
@@ -72,17 +72,18 @@ def test_a_signature_whose_kernel_failed_takes_the_reference_from_then_on(monkey
             raise RuntimeError(f"{direction} kernel exploded")
         return run
 
-    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")  # (on the CPU: the Triton path under the interpreter)
     monkeypatch.setattr(failure, "_warned", set())
     op = CONV_GROUP_NORM
     monkeypatch.setattr(op, "d", dataclasses.replace(op.d, triton_forward=broken("forward"),
                                                      triton_backward=broken("backward"), settled_forward=None,
                                                      settled_backward=None))  # fmt: skip
     monkeypatch.setattr(op, "_reference_only", set())
+    monkeypatch.setattr(op, "_cuda_paths", {})
 
     def step(x_shape):
-        _, w, b, gamma, beta = _inputs()
-        x = torch.randn(x_shape, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        _, w, b, gamma, beta = (t.detach().to(kernel_device).requires_grad_() for t in _inputs())
+        x = torch.randn(x_shape, generator=torch.Generator().manual_seed(1)).to(kernel_device).requires_grad_()
         out = conv_group_norm(x, w, b, [gamma, beta], CONFIG)
         out.sum().backward()
         return out.detach(), x.grad
@@ -97,6 +98,7 @@ def test_a_signature_whose_kernel_failed_takes_the_reference_from_then_on(monkey
     assert len(attempts) == 2  # the same signature: straight to the reference
     step((1, 3, 5, 7))  # another signature tries the kernels again
     assert attempts[2:] == [("forward", (1, 3, 5, 7)), ("backward", (1, 3, 5, 7))]
-    monkeypatch.delenv("FUSION_CPU_KERNELS")
+    monkeypatch.setattr(op, "d", dataclasses.replace(op.d, kernel_problem=lambda cfg: "the reference, for comparison"))
+    monkeypatch.setattr(op, "_cuda_paths", {})
     for got, want in zip(fallen_back, step((2, 3, 5, 6)), strict=True):  # the reference's result
         torch.testing.assert_close(got, want, rtol=0, atol=0)
