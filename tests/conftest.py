@@ -33,6 +33,13 @@ if not torch.cuda.is_available():
     import torch._inductor.config as _inductor_config
 
     _inductor_config.cpp.simdlen = 1
+    # Nor a probe of the CPU's vector instruction sets: without vectorization it is not needed, and
+    # with cold caches each process pays it (a C++ test program compiled per instruction set).
+    # NOTE: 2-core CPU box, empty Inductor cache, ``pytest -n 2 tests/e2e/test_e2e_conv_epilogue.py
+    # tests/e2e/test_e2e_conv_batch_norm.py``: 52-55 s with the probe, 50 s without.  The environment
+    # variable reaches the suite's subprocesses too.
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+    _inductor_config.cpp.vec_isa_ok = os.environ["TORCHINDUCTOR_VEC_ISA_OK"] == "1"
 
 
 def _language_patched_once_per_launch() -> None:
