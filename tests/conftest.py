@@ -235,3 +235,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.xdist_group("gpu_full_size"))
+    # The ``heavy`` tests first (a stable sort: the rest keep their order): under xdist, a worker that
+    # draws one of them near the end would run it alone while the other waits.
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)

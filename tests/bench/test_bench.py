@@ -685,6 +685,7 @@ def test_a_stop_request_whose_interrupt_was_lost_still_ends_the_run_after_the_it
     assert len(compiled) == 2 and len(after) == 1  # the 2nd case stopped before its next item
 
 
+@pytest.mark.heavy
 def test_sigterm_ends_a_command_line_run_with_a_partial_report(tmp_path: Path) -> None:
     """``timeout``, job schedulers and CI stop a run with SIGTERM: like Ctrl-C, the finished cases are
     written (``complete: false``) and the command exits 130."""

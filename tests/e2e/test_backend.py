@@ -160,6 +160,7 @@ def test_dump_dir_from_the_environment(tmp_path, monkeypatch):
     assert (tmp_path / "graph_000" / "report.json").exists()
 
 
+@pytest.mark.heavy
 def test_backend_is_found_through_the_entry_point_without_importing_the_package():
     code = (
         "import sys, torch\n"
@@ -186,6 +187,7 @@ def test_an_unknown_option_surfaces_at_the_first_call_as_documented():
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.heavy
 def test_cpu_kernels_without_the_interpreter_run_the_reference_and_say_why_once(tmp_path):
     """``FUSION_CPU_KERNELS=triton`` without ``TRITON_INTERPRET=1``: no Triton driver traceback, the
     CPU reference runs, the report says what to set, and the output is eager's."""
@@ -302,6 +304,7 @@ def test_the_graphs_inductor_compiles_keep_dynamo_s_marks_of_the_parameters(monk
     assert placeholders and all(getattr(n, "_dynamo_source", None) is not None for n in placeholders)
 
 
+@pytest.mark.heavy
 def test_a_rewritten_graph_is_kept_by_aotautograds_cache(tmp_path):
     """A graph with a fused op compiled through Inductor (``direct=False``), with a backward: the
     second process finds it in AOTAutograd's cache (the fused-op calls carry a cache hash,

@@ -61,6 +61,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_ddp_and_fsdp2_training_match_single_process_eager(tmp_path):
     import socket

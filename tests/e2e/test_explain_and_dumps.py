@@ -122,6 +122,7 @@ def test_explain_cli_on_the_seeds_suite_files(name, tmp_path):
     assert (tmp_path / "dump" / "graph_000" / "report.json").exists()
 
 
+@pytest.mark.heavy
 def test_explain_cli_rejects_a_file_without_the_layout(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch\nclass Model(torch.nn.Module):\n    pass\n")

@@ -435,6 +435,7 @@ def test_strided_views_as_inputs(pool, kernel_device):
     assert rel_err(out, want) < 1e-6
 
 
+@pytest.mark.heavy
 def test_the_epilogue_kernels_compile_for_sm90_without_spills() -> None:
     """The interpreter runs code the GPU compiler refuses (a tuple element passed on as a constexpr
     argument compiled as a runtime value): the epilogue kernels with a chain that reads earlier values

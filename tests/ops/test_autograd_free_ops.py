@@ -1,6 +1,7 @@
 """autograd-free ops (``ops/autograd_free.py``): compiled graphs call every fused op through its autograd-free op,
 which computes exactly what the op does, and a post-grad pass the user configured still runs."""
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -121,6 +122,7 @@ def test_a_post_grad_pass_the_user_configured_still_runs():
     assert "conv_global_mean_fwd_noautograd" in "\n".join(codes)
 
 
+@pytest.mark.heavy
 def test_the_swap_pass_has_one_cache_key_whatever_ops_a_process_has_imported():
     """Inductor's caches key on the pass's ``uuid``: a second process that never imported a fused op
     (every region left to Inductor, decisions read from the cache) must find what the first stored."""

@@ -697,6 +697,7 @@ def test_gpu_kernels_are_deterministic_and_fp16_close() -> None:
     assert_close_scaled(half, expected, 5e-3, "fp16")
 
 
+@pytest.mark.heavy
 @pytest.mark.xdist_group("gpu_full_size")  # on a GPU it runs the full-size pipeline: with the other full-size tests
 def test_every_cuda_kernel_compiles_for_sm90_without_spills() -> None:
     """The kernels are on the global-mean pipeline's default path: one that runs under the interpreter
