@@ -124,3 +124,33 @@ def test_cuda_graphs_mode_reduce_overhead_matches_eager_over_steps(seed_models):
         want = [ref_out, *torch.autograd.grad(ref_out, [ref_x, *ref_model.parameters()], grad_out.double())]
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             torch.testing.assert_close(g.double(), w.detach(), rtol=1e-4, atol=1e-5, msg=f"step {step}, tensor {i}")
+
+
+class SquaredMeanBesideAnEpilogue(nn.Module):
+    """A 1-d conv whose output is read twice (``y * y``) before a mean over its length, beside a conv ->
+    leaky_relu -> max_pool2d region of the same graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.narrow = nn.Conv1d(2, 1, 2, stride=2)
+        self.conv = nn.Conv2d(2, 3, 3)
+
+    def forward(self, s, x):
+        y = self.narrow(s)
+        return (y * y).mean(2), F.max_pool2d(F.leaky_relu(self.conv(x), 0.1), 2)
+
+
+def test_a_conv_output_read_twice_before_the_mean_rewrites_beside_another_region():
+    """Both regions are rewritten (the one whose conv output is read twice once failed inside a global-mean
+    rewrite, which kept the graph correct but lost the other region's fusion), and the results are eager's."""
+    torch.manual_seed(0)
+    model = SquaredMeanBesideAnEpilogue()
+    inputs = (torch.randn(3, 2, 8), torch.randn(2, 2, 9, 9))
+    with collect_reports() as reports:
+        got = torch.compile(model, backend="fusion", options={"decide": "fuse", "strict": True})(*inputs)
+    want = model(*inputs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    assert not any(r.fallbacks for r in reports)
+    # a mean of squares is no linear map of the conv: the squared conv output is an epilogue region
+    assert sorted(m.pattern for r in reports for m in r.matches) == ["conv_epilogue", "conv_epilogue"]
