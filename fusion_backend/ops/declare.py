@@ -21,9 +21,11 @@ checks, the description) and ``declare`` builds:
 Every call follows one policy (``ops/failure.py``): the Triton path where it serves the call, else the
 reference; a Triton failure raises under the config's ``strict``, else warns once and runs the
 reference, which later calls of the same signature (shapes, strides, dtypes, devices) then take at once.
-A call with a batch of 0 computes nothing: the forward returns the shape function's empty result (its
-state zeros), the backward zero gradients, as eager's ops do on an empty batch.  A call that its own tensors keep off the Triton path (``call_problem``, which the report's
-``kernel_path`` cannot see) warns once, and raises under ``strict`` on CUDA.  The config travels as JSON (``ops/config.py``'s ``JsonConfig``).
+A call that its own tensors keep off the Triton path (``call_problem``, which the report's
+``kernel_path`` cannot see) warns once, and raises under ``strict`` on CUDA.  A call with a batch of 0
+computes nothing: the forward returns the shape function's empty result (its state zeros), the backward
+zero gradients, as eager's ops do on an empty batch.  The config travels as JSON (``ops/config.py``'s
+``JsonConfig``).
 
 What every family shares (a family's docstrings say only what differs):
 
