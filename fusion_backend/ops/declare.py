@@ -210,9 +210,9 @@ class FusedOp:
         self._reference_only.add(_signature(direction, config, tensors))
 
     def _failed_before(self, direction: str, config: str, tensors: Sequence[Any]) -> bool:
-        """Whether the Triton path already failed on a call of this signature (nothing to compute while
-        none has failed)."""
-        return bool(self._reference_only) and _signature(direction, config, tensors) in self._reference_only
+        """Whether the Triton path already failed on a call of this signature (callers ask only once one
+        has failed: the common call builds no signature)."""
+        return _signature(direction, config, tensors) in self._reference_only
 
     # -- the custom ops' implementations and fakes ----------------------------------------------
 
@@ -226,8 +226,7 @@ class FusedOp:
             d.check_inputs(x, weight, operands, cfg)
             out, *state = d.outputs(x, weight, bias, operands, cfg, save_for_backward)
             return (out, *(t.zero_() for t in state))
-        tensors = (x, weight, bias, *operands)
-        if self._failed_before(op, config, tensors):  # the reference, no plan, no kernel
+        if self._reference_only and self._failed_before(op, config, (x, weight, bias, *operands)):
             cfg = d.config.from_json(config)
             d.check_inputs(x, weight, operands, cfg)
             return d.reference_forward(x, weight, bias, operands, cfg, save_for_backward)
@@ -238,14 +237,14 @@ class FusedOp:
                 return plan(x, weight, bias, operands)
             except Exception as e:  # any kernel failure takes the documented policy
                 cfg = d.config.from_json(config)
-                self._failed(op, config, cfg, tensors, e)
+                self._failed(op, config, cfg, (x, weight, bias, *operands), e)
                 return d.reference_forward(x, weight, bias, operands, cfg, save_for_backward)
         cfg = d.config.from_json(config)
         d.check_inputs(x, weight, operands, cfg)
         args = (x, weight, bias, operands, cfg, save_for_backward)
         return triton_or_reference(self._serves(config, cfg, x, weight, x.device), lambda: d.triton_forward(*args),
                                    lambda: d.reference_forward(*args),
-                                   lambda e: self._failed(op, config, cfg, tensors, e))  # fmt: skip
+                                   lambda e: self._failed(op, config, cfg, (x, weight, bias, *operands), e))  # fmt: skip
 
     def _forward_fake(self, x, weight, bias, operands, config, save_for_backward):
         return self.d.outputs(x, weight, bias, operands, self.d.config.from_json(config), save_for_backward)
@@ -276,8 +275,7 @@ class FusedOp:
             grads = [_zeros_like(t, grad_out) if wanted and t is not None else None
                      for t, wanted in zip([x, weight, bias, *operands], mask, strict=True)]  # fmt: skip
             return self._backward_outputs(grads, grad_out, x, weight, bias, operands, mask)
-        tensors = (grad_out, x, weight, bias, *operands, *state)
-        if self._failed_before(op, config, tensors):  # the reference, no plan, no kernel
+        if self._reference_only and self._failed_before(op, config, (grad_out, x, weight, bias, *operands, *state)):
             check_backward_call(self.name, mask, len(operands), state)
             grads = d.reference_backward(grad_out, x, weight, bias, operands, *state, d.config.from_json(config), mask)
             return self._backward_outputs(grads, grad_out, x, weight, bias, operands, mask)
@@ -289,15 +287,16 @@ class FusedOp:
                 grads = plan(grad_out, x, weight, bias, operands, *state)
             except Exception as e:  # any kernel failure takes the documented policy
                 cfg = d.config.from_json(config)
-                self._failed(op, config, cfg, tensors, e)
+                self._failed(op, config, cfg, (grad_out, x, weight, bias, *operands, *state), e)
         if grads is None:
             cfg = cfg or d.config.from_json(config)
             if plan is None:
                 check_backward_call(self.name, mask, len(operands), state)
             args = (grad_out, x, weight, bias, operands, *state, cfg, mask)
             serves = plan is None and self._serves(config, cfg, x, weight, grad_out.device)
-            grads = triton_or_reference(serves, lambda: d.triton_backward(*args), lambda: d.reference_backward(*args),
-                                        lambda e: self._failed(op, config, cfg, tensors, e))  # fmt: skip
+            grads = triton_or_reference(
+                serves, lambda: d.triton_backward(*args), lambda: d.reference_backward(*args),
+                lambda e: self._failed(op, config, cfg, (grad_out, x, weight, bias, *operands, *state), e))
         return self._backward_outputs(grads, grad_out, x, weight, bias, operands, mask)
 
     def _backward_outputs(self, grads: Sequence[Tensor | None], grad_out: Tensor, x: Any, weight: Tensor,
