@@ -99,17 +99,26 @@ def fusion(
     pending = _Pending()
     # Under CUDA graphs nothing is deferred (a kept region runs once before they record): the graph's
     # regions are decided during this compile, within a budget taken from Inductor's compile of the
-    # graph, which therefore compiles first (and runs where nothing is kept).
-    budget, inductors = None, None
-    if may_defer and real and opts.decide == "measure" and config_patches.get("triton.cudagraphs"):
-        t0 = time.perf_counter()
-        inductors = _compile_inductor(_clone(gm), example_inputs, config_patches)
-        inductor_s = time.perf_counter() - t0
-        budget = DecisionBudget(opts.decide_budget * (time.perf_counter() - compiled_at))
+    # graph, which therefore compiles first, at the first region that must be measured (and runs where
+    # nothing is kept).  Where every region is decided from the cache or predicted, it is not compiled
+    # at all: the graph compiles once, as it will run.
+    cuda_graphs = bool(config_patches.get("triton.cudagraphs"))
+    timed_in_compile = may_defer and real and opts.decide == "measure" and cuda_graphs
+    first_compile: dict[str, Any] = {}
+
+    def budget_for(graph: fx.GraphModule, candidate: Candidate) -> Optional[DecisionBudget]:
+        if timed_in_compile and not first_compile and pending_timing(
+                graph, candidate, policy=opts.decide, cache_dir=opts.cache_dir,
+                inductor_patches=config_patches) is not None:
+            t0 = time.perf_counter()
+            first_compile["compiled"] = _compile_inductor(_clone(gm), example_inputs, config_patches)
+            first_compile["seconds"] = time.perf_counter() - t0
+            first_compile["budget"] = DecisionBudget(opts.decide_budget * (time.perf_counter() - compiled_at))
+        return first_compile.get("budget")
 
     def decide_first(graph: fx.GraphModule, candidate: Candidate, decisions: list[Decision]) -> bool:
         timing = None
-        if may_defer:
+        if may_defer and not cuda_graphs:
             timing = pending_timing(graph, candidate, policy=opts.decide,
                                     cache_dir=opts.cache_dir, inductor_patches=config_patches)
         if timing is not None:
@@ -120,13 +129,13 @@ def fusion(
         decisions.append(decide(
             graph, candidate, example_inputs, policy=opts.decide,
             margin=opts.decide_margin, cache_dir=opts.cache_dir, inductor_patches=config_patches,
-            strict=opts.strict, budget=budget,
+            strict=opts.strict, budget=budget_for(graph, candidate),
         ))  # fmt: skip
         # where the whole graph may still veto it, rewritten below, once the graph's own answer is known
         return decisions[-1].fused and not in_context
 
     # a region kept alone is checked in the whole graph where the graph can be compiled again later
-    in_context = may_defer and opts.decide == "measure" and not config_patches.get("triton.cudagraphs")
+    in_context = may_defer and opts.decide == "measure" and not cuda_graphs
     found = _build(gm, example_inputs, opts, config_patches, decide_first, index)
     decided = {d.anchor: d for d in found.report.decisions}
     checks: list[GraphCheck] = []
@@ -146,9 +155,9 @@ def fusion(
         # the pending regions are decided later, on the graph as Dynamo gave it: copied before
         # Inductor compiles (and may mutate) that graph
         untouched = _clone(gm)
-    compiled = built.compiled or inductors
-    if built.compiled is None and inductors is not None:
-        report.stage_seconds["inductor"] = inductor_s
+    compiled = built.compiled or first_compile.get("compiled")
+    if built.compiled is None and first_compile:
+        report.stage_seconds["inductor"] = first_compile["seconds"]
     if compiled is None:  # nothing rewritten: Dynamo's graph as Inductor compiles it
         t0 = time.perf_counter()
         compiled = _compile_inductor(original, example_inputs, config_patches)

@@ -360,16 +360,17 @@ class PendingTiming:
 def pending_timing(gm: fx.GraphModule, candidate: Region, *, policy: str, cache_dir: Path,
                    inductor_patches: Mapping[str, Any]) -> PendingTiming | None:
     """The key and kind of the region ``candidate`` where ``decide`` would time it now: the ``measure``
-    policy, a result on a measured device, no CUDA graphs (a kept region must be primed before they
-    record), no answer cached for its key, in memory or on disk, and no prediction that it loses.
-    None otherwise, and where the key cannot be built (``decide`` then says why)."""
-    if policy != "measure" or inductor_patches.get("triton.cudagraphs") or not _on_measured_device(candidate.nodes):
+    policy, a result on a measured device, no answer cached for its key, in memory or on disk, and no
+    prediction that it loses (on the GPU where ``inductor_patches`` turn CUDA graphs on).  None
+    otherwise, and where the key cannot be built (``decide`` then says why)."""
+    if policy != "measure" or not _on_measured_device(candidate.nodes):
         return None
     try:
         looked_up = _lookup(gm, candidate, cache_dir, inductor_patches)
     except Exception:  # noqa: BLE001 - see the docstring
         return None
-    if looked_up.entry is not None or _predicted_loss(looked_up, cache_dir, cuda_graphs=False) is not None:
+    cuda_graphs = bool(inductor_patches.get("triton.cudagraphs"))
+    if looked_up.entry is not None or _predicted_loss(looked_up, cache_dir, cuda_graphs=cuda_graphs) is not None:
         return None
     return PendingTiming(looked_up.key, looked_up.region_class)
 

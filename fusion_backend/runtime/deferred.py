@@ -1,7 +1,7 @@
 """Deferred decisions: a first call as cheap as Inductor's, the measured rewrite a few calls later.
 
 A region whose decision must be measured (``decision.pending_timing``: the ``measure`` policy on a
-measured device, no answer cached, no prediction that it loses, no CUDA graphs) costs its first call
+measured device, no answer cached, no prediction that it loses; without CUDA graphs) costs its first call
 the compiles of the fused op's Triton kernels (seconds each for a conv kernel) and the timing.  With
 the option ``defer`` (default True) the backend does not wait for them:
 

@@ -337,3 +337,31 @@ def test_under_cuda_graphs_regions_are_decided_during_the_compile_within_a_budge
     first, *same, last = report.decisions
     assert not first.fused and all(d.cached for d in same) and "budget is spent" in last.rule
     assert timer.calls == 1 and compiles_of_graphs == [True] and not deferred_graphs()
+
+
+def test_under_cuda_graphs_a_graph_whose_regions_are_all_cached_compiles_once(monkeypatch):
+    """Inductor's graph compiles before the decisions only where a region must be measured: the
+    second compile of a model whose regions were measured compiles the rewritten graph alone."""
+    compiles_of_graphs = []
+    real_compile = backend._compile_inductor
+
+    def counting(gm, example_inputs, patches):
+        compiles_of_graphs.append(patches.get("triton.cudagraphs"))
+        return real_compile(gm, example_inputs, patches)
+
+    monkeypatch.setattr(backend, "_compile_inductor", counting)
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(2, 8, 10, 10)
+    timer = RegionTimer((1.0, 2.0))  # the fused op wins
+    options = {"triton.cudagraphs": True, "decide_budget": None}
+    with decision.timing_override(timer, ("cpu",)), torch.no_grad():
+        with collect_reports() as reports:
+            torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
+        assert all(d.fused for d in reports[0].decisions) and timer.calls == 2
+        assert len(compiles_of_graphs) == 2  # Inductor's graph for the budget, then the rewritten one
+        torch._dynamo.reset()
+        compiles_of_graphs.clear()
+        with collect_reports() as reports:
+            torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
+    assert all(d.fused and d.cached for d in reports[0].decisions) and timer.calls == 2
+    assert len(compiles_of_graphs) == 1
