@@ -74,7 +74,8 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
 
     if log:
         logging.basicConfig(level=logging.WARNING, format="    %(relativeCreated)7.0f ms %(name)s: %(message)s")
-        for name in ("fusion_backend.decision", "fusion_backend.impl_choice", "fusion_backend.launch"):
+        for name in ("fusion_backend.decision", "fusion_backend.impl_choice", "fusion_backend.launch",
+                     "fusion_backend.first_call"):
             logging.getLogger(name).setLevel(logging.INFO)
 
     from fusion_backend.bench.suite import load_workload
@@ -134,12 +135,17 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
 def _step(model: Any, backend: str, inputs: list, train: bool, compile_mode: str | None = None) -> None:
     """Compile ``model`` with ``backend`` (and ``compile_mode``, e.g. ``reduce-overhead``) and run one
     step (forward; with ``train``, the backward of its outputs' sums)."""
+    import logging
+
     import torch
 
+    stamp = logging.getLogger("fusion_backend.first_call")
     out = torch.compile(model, backend=backend, mode=compile_mode)(*inputs)
+    stamp.info("forward returned")
     if train:
         outs = out if isinstance(out, (tuple, list)) else [out]
         torch.autograd.backward([o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad])
+        stamp.info("backward returned")
 
 
 def measure(path: str, backend: str, mode: str, dtype: str, caches: str, timeout: float, log: bool,

@@ -4,10 +4,11 @@ WHY: a suite's whole matrix (every workload in fp32 and bf16, inference and trai
 than one sitting allows, so it runs in parts (``--filter`` or a list of
 model files), merged into the one ``bench.json`` the suite is read from, with one verdict over all rows.
 
-Contract of :func:`merge_reports`: the reports must come from the same configuration (precisions,
-modes, backends, seed, tolerances, measurement settings), the same GPU, software, TF32 flags and git
-commit, and no (workload, dtype, mode) row may appear twice; otherwise :class:`ConfigError` names
-the difference.  With ``across_commits`` (``--merge-across-commits``) the parts may come from
+Contract of :func:`merge_reports`: the reports must come from the same configuration (backends,
+seed, tolerances, measurement settings), the same GPU, software, TF32 flags and git commit, and no
+(workload, dtype, mode) row may appear twice; otherwise :class:`ConfigError` names the difference.
+The parts may cover other precisions and modes (one part the fp32 rows, another the bf16 ones): the
+merged report's configuration lists the union, in the order the parts name them.  With ``across_commits`` (``--merge-across-commits``) the parts may come from
 different commits, for a part rerun after a change that cannot touch the other parts' rows: the
 merged report's ``git_commit`` is then ``None`` and ``part_git_commits`` lists each part's, in the
 order of ``merged_from``.  Rows keep their order (the reports' order, then each report's); the merged run
@@ -27,6 +28,8 @@ from .errors import ConfigError
 from .output import read_json
 from .results import BenchReport
 
+#: The configuration's fields a part may set apart from the others: which rows it ran.
+_PER_PART = ("dtypes", "modes")
 #: What the parts' environments must share: the GPU, the software, the TF32 flags and the code.
 _SAME_ENVIRONMENT = ("gpu", "device", "torch", "triton", "cuda", "cudnn", "tf32", "git_commit")
 
@@ -52,9 +55,9 @@ def merge_reports(reports: Sequence[BenchReport], across_commits: bool = False) 
     first = reports[0]
     seen: set[tuple[str, str, str]] = set()
     for i, report in enumerate(reports):
-        if report.config != first.config:
-            differ = [f.name for f in dataclasses.fields(first.config)
-                      if getattr(report.config, f.name) != getattr(first.config, f.name)]  # fmt: skip
+        differ = [f.name for f in dataclasses.fields(first.config) if f.name not in _PER_PART
+                  and getattr(report.config, f.name) != getattr(first.config, f.name)]  # fmt: skip
+        if differ:
             raise ConfigError(f"report {i + 1} was run with other settings than report 1 ({', '.join(differ)})")
         for key in _SAME_ENVIRONMENT:
             if key == "git_commit" and across_commits:
@@ -78,8 +81,9 @@ def merge_reports(reports: Sequence[BenchReport], across_commits: bool = False) 
     ran = {case.workload for report in reports for case in report.cases}
     skipped = {name: reason for report in reports for name, reason in report.skipped.items()
                if name not in ran}
+    union = {name: tuple(dict.fromkeys(v for r in reports for v in getattr(r.config, name))) for name in _PER_PART}
     return BenchReport(
-        config=first.config,
+        config=dataclasses.replace(first.config, **union),
         environment=environment,
         rates=first.rates,
         workloads=workloads,

@@ -1385,14 +1385,26 @@ def test_parts_of_a_suite_merge_into_one_report_with_one_verdict(tmp_path: Path,
     assert verdict_of(merged).line() in capsys.readouterr().out
 
 
+def test_parts_of_other_precisions_and_modes_merge_into_their_union(tmp_path: Path) -> None:
+    from fusion_backend.bench.merge import merge_reports
+
+    a = load_workload(write_model(tmp_path / "models", "part_a"))
+    backends = [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION]
+    parts = [run([a], backends, modes=("train",)), run([a], backends, dtypes=("bf16", "fp32"), modes=("infer",))]
+    merged = merge_reports(parts)
+    assert merged.config.dtypes == ("fp32", "bf16") and merged.config.modes == ("train", "infer")
+    assert [(c.dtype, c.mode) for c in merged.cases] == [("fp32", "train"), ("bf16", "infer"), ("fp32", "infer")]
+
+
 def test_merging_refuses_other_settings_a_repeated_row_or_a_single_report(tmp_path: Path) -> None:
     from fusion_backend.bench.merge import merge_reports
 
     a = load_workload(write_model(tmp_path / "models", "part_a"))
     backends = [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION]
     fp32, bf16 = run([a], backends), run([a], backends, dtypes=("bf16",))
-    with pytest.raises(ConfigError, match=r"report 2 was run with other settings than report 1 \(dtypes\)"):
-        merge_reports([fp32, bf16])
+    unchecked = run([a], backends, dtypes=("bf16",), fp64_check=False)
+    with pytest.raises(ConfigError, match=r"report 2 was run with other settings than report 1 \(fp64_check\)"):
+        merge_reports([fp32, unchecked])
     with pytest.raises(ConfigError, match="row part_a fp32 infer is in more than one report"):
         merge_reports([fp32, fp32])
     other_gpu = dataclasses.replace(fp32, environment={**fp32.environment, "torch": "0.0"})
