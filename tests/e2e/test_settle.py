@@ -359,9 +359,14 @@ def test_under_cuda_graphs_a_graph_whose_regions_are_all_cached_compiles_once(mo
             torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
         assert all(d.fused for d in reports[0].decisions) and timer.calls == 2
         assert len(compiles_of_graphs) == 2  # Inductor's graph for the budget, then the rewritten one
+        stages = reports[0].stage_seconds  # where the first compile's time went, the budget's compile apart
+        assert list(stages) == ["match", "decide", "rewrite", "inductor", "inductor (graph as given, for the budget)",
+                                "total"]
+        assert stages["total"] >= sum(v for k, v in stages.items() if k != "total") > 0
         torch._dynamo.reset()
         compiles_of_graphs.clear()
         with collect_reports() as reports:
             torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
     assert all(d.fused and d.cached for d in reports[0].decisions) and timer.calls == 2
     assert len(compiles_of_graphs) == 1
+    assert list(reports[0].stage_seconds) == ["match", "decide", "rewrite", "inductor", "total"]
