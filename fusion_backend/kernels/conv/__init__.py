@@ -14,12 +14,16 @@ Modules (one responsibility each):
 * ``hooks``     the host descriptions of the hooks (prologue kinds, activations, residual placement),
                 their constexpr codes and their contract checks;
 * ``tiles``     ``TileConfig`` (block sizes, warps, stages, K walk) and the heuristic picking one;
+* ``prologue``  device: the A tile of the implicit GEMM, gathered with the prologue applied;
+* ``epilogue``  device: bias, activation, residual, store, per-tile statistics;
 * ``stats``     the statistics' host reduction (deterministic) and ``ChannelStats``;
+* ``fprop``     the forward kernel and its launcher ``conv_fprop``;
 * ``reference`` the same computation in plain torch (the tests' truth and yardstick).
 
-Status: the host side only; the kernels follow.
+Status: forward only, correct on CPU under Triton's interpreter; not wired into any fused op.
 """
 
+from .fprop import conv_fprop
 from .hooks import Activation, ChannelAffine, GroupAffine, SampleChannelScale
 from .stats import ChannelStats
 from .tiles import TileConfig, pick_tile
@@ -31,5 +35,6 @@ __all__ = [
     "GroupAffine",
     "SampleChannelScale",
     "TileConfig",
+    "conv_fprop",
     "pick_tile",
 ]
