@@ -1,0 +1,70 @@
+"""Device side of the conv family's store: one ``[BLOCK_M, BLOCK_N]`` accumulator tile through the
+bias, the output activation and the residual, stored channels-last, and its per-channel statistics.
+
+Order (per element, all in fp32 from the fp32 accumulator; one rounding, at the store)::
+
+    v = acc + bias[c]                       (HAS_BIAS)
+    v = v + residual[m, c]                  (RESIDUAL == before the activation: ResNet's relu(conv + bias + r))
+    # <- the pre-activation: where a training forward will save it for the backward
+    v = act_out(v)
+    v = v + residual[m, c]                  (RESIDUAL == after the activation)
+    out[m, c] = round(v)
+    stats: sum and sum of squares over the tile's rows of round(v), in fp32
+
+The conv output is not rounded to the output dtype before the bias (the library path, conv then a
+pointwise kernel, rounds it there): one rounding is closer to the float64 truth, and the tests measure
+against that truth.
+
+Statistics are of the value *written*, as rounded to the output dtype: the next layer's BatchNorm
+normalises the stored tensor, so its mean and variance must be those of the stored values (eager's
+BatchNorm computes them from that tensor too).  Rows past ``M`` and channels past the group's count
+contribute nothing.  Each program writes its M tile's row of the partials; no two programs write the
+same element, and nothing is accumulated with atomics, so the host's fixed-order sum over the tiles
+(``stats.reduce_partials``) is bitwise reproducible run to run.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .prologue import activation
+
+
+@triton.jit
+def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, bias_ptr, res_ptr, part_ptr, slope_out, C_OUT, M_TILES,
+               HAS_BIAS: tl.constexpr, ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr,
+               STATS: tl.constexpr, BIG: tl.constexpr):  # fmt: skip
+    """Finish and store one tile (module docstring for the order).
+
+    acc       fp32 ``[BLOCK_M, BLOCK_N]``: rows ``m`` (output positions, ``m_ok``: ``< M``), columns ``c``
+              (output channels, ``c_ok``: real ones of this group).
+    out_ptr   the output, channels-last dense: element ``(m, c)`` at ``m * C_OUT + c``; its dtype is the
+              stored one.
+    bias_ptr  HAS_BIAS: ``(C_OUT,)`` contiguous, fp32 or the output dtype.
+    res_ptr   RESIDUAL (1 before ACT_OUT, 2 after): the residual, the output's dtype and strides.
+    part_ptr  STATS: fp32 ``(2, M_TILES, C_OUT)`` contiguous: ``[0, pid_m, c]`` the tile's sum over its
+              rows, ``[1, pid_m, c]`` its sum of squares (of the stored values).
+    BIG       int64 element offsets.
+    """
+    v = acc
+    if HAS_BIAS:
+        v = v + tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    if BIG:
+        m = m.to(tl.int64)
+        pid_m = pid_m.to(tl.int64)
+    offs = m[:, None] * C_OUT + c[None, :]
+    mask = m_ok[:, None] & c_ok[None, :]
+    if RESIDUAL == 1:
+        v = v + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # Hook point: a training forward stores the pre-activation ``v`` here (the backward of ACT_OUT
+    # needs it); not part of the forward-only kernel yet.
+    v = activation(v, ACT_OUT, slope_out)
+    if RESIDUAL == 2:
+        v = v + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = v.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, y, mask=mask)
+    if STATS:
+        s = tl.where(mask, y.to(tl.float32), 0.0)
+        tl.store(part_ptr + pid_m * C_OUT + c, tl.sum(s, axis=0), mask=c_ok)
+        tl.store(part_ptr + (M_TILES + pid_m) * C_OUT + c, tl.sum(s * s, axis=0), mask=c_ok)

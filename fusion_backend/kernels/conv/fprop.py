@@ -1,0 +1,442 @@
+"""The conv family's forward (fprop): one Triton implicit-GEMM kernel with the load and store hooks,
+and its host launcher :func:`conv_fprop`.
+
+``out = epilogue(conv(act_in(prologue(x)), weight))`` for a 1d/2d/3d convolution with any stride,
+padding, dilation and groups, in one launch (plus the weight prearrangement, and the relayout of an
+``x`` that is not channels-last).
+
+GEMM mapping (every rank lifted to 3d with leading size-1 spatial dims):
+
+* ``M`` = ``N * OD * OH * OW`` output positions, row-major over ``(n, od, oh, ow)``, which is exactly
+  the order of a channels-last output: the output is the row-major ``[M, C_out]`` matrix.
+* ``N_gemm`` = the group's ``C_out / groups`` output channels; ``K`` = ``C_in / groups * KD * KH *
+  KW``, taps outer and channels inner (``tiles`` explains the tap-major and flat K walks).
+* Grid ``(M tiles, N tiles, groups)``: program ``(pid_m, pid_n, g)`` owns ``BLOCK_M`` positions and
+  ``BLOCK_N`` channels of group ``g``.  It decomposes its rows into ``(n, od, oh, ow)`` once, then runs
+  ONE K loop of ``[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]`` ``tl.dot``s into an fp32 accumulator
+  (software-pipelined by Triton over ``num_stages``), then the epilogue.
+* The weight is prearranged once per call (:func:`prearrange_weight`) to ``[groups, COUT_PAD,
+  K_ROW]`` in the compute dtype, ``K_ROW`` the K axis of one output channel ((tap, channel) order,
+  padded with zeros to a multiple of ``BLOCK_K``; tap-major pads each tap's channels), ``COUT_PAD``
+  the group's channels padded to ``BLOCK_N``: every B tile is one unmasked, K-contiguous load.
+
+Hooks (``hooks``; device code in ``prologue`` and ``epilogue``): the A tile applies the prologue and
+the input activation, then zeroes the padded taps (the conv pads the activated tensor); the store
+applies the bias, the output activation, the residual (before or after that activation) and writes
+the per-channel partial statistics of the stored values.
+
+Numerics: fp16/bf16 operands with fp32 accumulation, output in the input dtype; fp32 operands dot
+in TF32 (each operand rounded to nearest first, ``kernels.tf32``) iff ``torch.backends.cudnn.
+allow_tf32`` (or the caller's ``allow_tf32``) and not under the interpreter, else in full fp32
+("ieee").  The prologue runs in fp32 and its result is rounded once to the compute dtype; the
+epilogue runs in fp32 and rounds once, at the store.  NaN/inf in ``x`` reach exactly the outputs
+whose windows read them (padded taps are zeros chosen by a mask, not products).  No atomics: results
+and statistics are deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ..conv_common import peel_coords
+from ..host import INTERPRETER, cdiv, element_extent, lift3
+from ..launch import FastLaunch
+from ..plan_cache import ContractError, PlanCache, plan_key
+from ..tf32 import dot_precision, round_tf32
+from . import hooks
+from .epilogue import store_tile
+from .hooks import ActivationLike, Prologue
+from .prologue import load_a_tile
+from .stats import ChannelStats, empty_stats, reduce_partials
+from .tiles import TileConfig, pick_tile
+
+_INT32_LIMIT = 2**31 - 1
+#: Tensors that span more elements than this get int64 offsets (``BIG``); a module constant so that
+#: the tests can take that path on small tensors.
+_BIG_INDEX_THRESHOLD = _INT32_LIMIT
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Triton's interpreter has no bf16 (numpy has no such type).
+_INTERPRETER_DTYPES = (torch.float32, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def conv_fprop_kernel(
+    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+    slope_in, slope_out,
+    M, D, H, W, OD, OH, OW, C_IN, C_OUT, C_OUT_G, M_TILES,
+    x_sn, x_sd, x_sh, x_sw,
+    C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, K_ROW: tl.constexpr, COUT_PAD: tl.constexpr,
+    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+    DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr, STATS: tl.constexpr,
+    PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One ``[BLOCK_M, BLOCK_N]`` output tile of group ``program_id(2)`` (module docstring).
+
+    Pointers (element offsets):
+      x_ptr    input (N, C_IN, D, H, W), fp32/fp16/bf16, channel stride 1: element ``(n, c, d, h, w)`` at
+               ``n * x_sn + d * x_sd + h * x_sh + w * x_sw + c``.
+      w_ptr    the prearranged weight (groups, COUT_PAD, K_ROW), the compute dtype, contiguous, zero
+               padded (``prearrange_weight``).
+      bias_ptr, res_ptr, out_ptr, part_ptr: ``epilogue.store_tile``'s (out: (M, C_OUT) row-major).
+      p0..p3   the prologue's vectors (``prologue._prologue``).
+    Unused pointers receive any tensor and are never dereferenced.
+    Runtime: ``slope_in`` / ``slope_out`` the leaky slopes; ``M = N * OD * OH * OW``; ``C_OUT_G`` the
+    group's output channels; ``M_TILES`` the grid's first dim.  Constexprs: ``C_IN_G`` input channels
+    per group, ``CIN_PAD`` (tap-major) those rounded up to ``BLOCK_K``, ``K_ROW`` one output channel's
+    K extent in ``w``; kernel size ``K*``, stride ``S*``, padding ``P*``, dilation ``D*`` per dim;
+    the hooks' codes (``hooks``); ``PRECISION`` the dot's input precision; ``BIG`` int64 offsets.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = tl.program_id(2)
+    K_ITERS: tl.constexpr = K_ROW // BLOCK_K  # tap-major: taps x CIN_PAD // BLOCK_K channel blocks
+    compute = w_ptr.dtype.element_ty
+
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    ow, oh, od, n = peel_coords(m, OW, OH, OD)
+    id0 = od * SD - PD
+    ih0 = oh * SH - PH
+    iw0 = ow * SW - PW
+    if BIG:
+        row_base = n.to(tl.int64) * x_sn + id0.to(tl.int64) * x_sd + ih0.to(tl.int64) * x_sh + iw0.to(tl.int64) * x_sw
+    else:
+        row_base = n * x_sn + id0 * x_sd + ih0 * x_sh + iw0 * x_sw
+    row_base += g * C_IN_G
+
+    co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_cols = w_ptr + g * (COUT_PAD * K_ROW) + co[None, :] * K_ROW  # [1, BLOCK_N]; padded rows: no mask
+    kb = tl.arange(0, BLOCK_K)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kk in range(0, K_ITERS):
+        a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
+                        p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                        C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                        FLAT_K, compute, BLOCK_K)  # fmt: skip
+        b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
+        acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
+
+    store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, bias_ptr, res_ptr, part_ptr,
+               slope_out, C_OUT, M_TILES, HAS_BIAS, ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Host: geometry, contracts, plan
+# --------------------------------------------------------------------------------------------------
+
+
+def _per_dim(name: str, value: int | Sequence[int], dims: int) -> tuple[int, ...]:
+    """A conv hyper-parameter as one int per spatial dim (an int applies to every dim)."""
+    if isinstance(value, int):
+        return (value,) * dims
+    values = tuple(value)
+    if len(values) != dims or not all(isinstance(v, int) for v in values):
+        raise ContractError(f"{name} must be an int or {dims} ints, got {value!r}")
+    return values
+
+
+def output_size(size: Sequence[int], kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+                dilation: Sequence[int]) -> tuple[int, ...]:  # fmt: skip
+    """The output's spatial sizes, as ``torch.nn.functional.conv{1,2,3}d``'s."""
+    return tuple((i + 2 * p - d * (k - 1) - 1) // s + 1
+                 for i, k, s, p, d in zip(size, kernel, stride, padding, dilation, strict=True))  # fmt: skip
+
+
+def channels_last(t: torch.Tensor) -> bool:
+    """Whether ``t`` (N, C, *spatial) has channel stride 1 (or a single channel): the layout the
+    kernel reads, whatever its other strides (a sliced channels-last tensor qualifies)."""
+    return t.shape[1] <= 1 or t.stride(1) == 1
+
+
+def to_channels_last(t: torch.Tensor) -> torch.Tensor:
+    """A channels-last dense copy of ``t`` (any rank)."""
+    return t.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+def dense_channels_last(t: torch.Tensor) -> bool:
+    """Whether element ``(m, c)`` of ``t`` (N, C, *spatial) seen as the row-major ``[M, C]`` matrix
+    lies at ``m * C + c``: its strides are a channels-last dense tensor's in every dim of size > 1
+    (the stride of a size-1 dim addresses nothing; torch sets it either way)."""
+    want = empty_channels_last(t.shape, t.dtype, torch.device("meta")).stride()
+    return all(size <= 1 or st == w for size, st, w in zip(t.shape, t.stride(), want, strict=True))
+
+
+def empty_channels_last(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised (N, C, *spatial) tensor, channels-last dense (the ``[M, C]`` matrix)."""
+    n, c, *spatial = shape
+    return torch.empty((n, *spatial, c), dtype=dtype, device=device).movedim(-1, 1)
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """A checked call's sizes, lifted to 3 spatial dims."""
+
+    n: int
+    c_in: int
+    c_out: int
+    groups: int
+    size: tuple[int, int, int]
+    kernel: tuple[int, int, int]
+    stride: tuple[int, int, int]
+    padding: tuple[int, int, int]
+    dilation: tuple[int, int, int]
+    out_size: tuple[int, int, int]
+    out_shape: tuple[int, ...]  # the logical output shape, of x's rank
+
+    @property
+    def c_in_g(self) -> int:
+        return self.c_in // self.groups
+
+    @property
+    def c_out_g(self) -> int:
+        return self.c_out // self.groups
+
+    @property
+    def taps(self) -> int:
+        return math.prod(self.kernel)
+
+    @property
+    def m(self) -> int:
+        return self.n * math.prod(self.out_size)
+
+
+def _check_call(x: Any, weight: Any, bias: Any, residual: Any, stride: Any, padding: Any, dilation: Any,
+                groups: Any) -> _Geometry:  # fmt: skip
+    """Every contract of the tensors and hyper-parameters but the hooks'; :class:`ContractError`
+    (one line) on the first broken one."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise ContractError("x and weight must be tensors")
+    if not 3 <= x.dim() <= 5:
+        raise ContractError(f"x must be (N, C, *spatial) with 1 to 3 spatial dims, got shape {tuple(x.shape)}")
+    if weight.dim() != x.dim():
+        raise ContractError(f"weight must have x's rank {x.dim()}, got shape {tuple(weight.shape)}")
+    device = x.device
+    if device.type == "cpu" and not INTERPRETER:
+        raise ContractError("x is on cpu: the Triton kernels run on CUDA tensors (on CPU only under TRITON_INTERPRET=1)")
+    if device.type not in ("cuda", "cpu"):
+        raise ContractError(f"x is on {device}: the Triton kernels run on CUDA tensors")
+    dtypes = _INTERPRETER_DTYPES if device.type == "cpu" else _CUDA_DTYPES
+    if x.dtype not in dtypes:
+        raise ContractError(f"x must be {' or '.join(str(d).removeprefix('torch.') for d in dtypes)}, got {x.dtype}")
+    for name, t in (("weight", weight), ("bias", bias), ("residual", residual)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.device != device):
+            where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ContractError(f"{name} must be a tensor on {device} with x, got {where}")
+    if weight.dtype != x.dtype:
+        raise ContractError(f"weight dtype {weight.dtype} must match x's {x.dtype}")
+    if not isinstance(groups, int) or groups < 1:
+        raise ContractError(f"groups must be a positive int, got {groups!r}")
+    dims = x.dim() - 2
+    n, c_in, c_out = x.shape[0], x.shape[1], weight.shape[0]
+    if c_in % groups or c_out % groups:
+        raise ContractError(f"groups={groups} must divide C_in={c_in} and C_out={c_out}")
+    if weight.shape[1] != c_in // groups:
+        raise ContractError(f"weight {tuple(weight.shape)} must have C_in/groups={c_in // groups} input channels")
+    kernel = tuple(weight.shape[2:])
+    if min(kernel) < 1:
+        raise ContractError(f"weight {tuple(weight.shape)} has an empty kernel")
+    stride_, padding_, dilation_ = (_per_dim(k, v, dims) for k, v in
+                                    (("stride", stride), ("padding", padding), ("dilation", dilation)))  # fmt: skip
+    if min(stride_) < 1 or min(dilation_) < 1 or min(padding_) < 0:
+        raise ContractError(f"stride {stride_} and dilation {dilation_} must be >= 1, padding {padding_} >= 0")
+    out_size = output_size(x.shape[2:], kernel, stride_, padding_, dilation_)
+    if min(out_size) < 1 or min(x.shape[2:]) < 1:
+        raise ContractError(f"x spatial {tuple(x.shape[2:])} is smaller than the dilated kernel "
+                            f"{tuple(d * (k - 1) + 1 for k, d in zip(kernel, dilation_, strict=True))} with padding "
+                            f"{padding_}: empty output")  # fmt: skip
+    out_shape = (n, c_out, *out_size)
+    if bias is not None:
+        if tuple(bias.shape) != (c_out,) or bias.dtype not in (x.dtype, torch.float32):
+            raise ContractError(f"bias must be ({c_out},) {x.dtype} or float32, got {tuple(bias.shape)} {bias.dtype}")
+    if residual is not None:
+        if tuple(residual.shape) != out_shape or residual.dtype != x.dtype:
+            raise ContractError(f"residual must be {out_shape} {x.dtype} like the output, got "
+                                f"{tuple(residual.shape)} {residual.dtype}")  # fmt: skip
+        if not dense_channels_last(residual):
+            want = empty_channels_last(out_shape, x.dtype, torch.device("meta")).stride()
+            raise ContractError(f"residual must be channels-last dense (strides {want}) like the output, "
+                                f"got strides {residual.stride()}")  # fmt: skip
+    m = n * math.prod(out_size)
+    if m > _INT32_LIMIT:
+        raise ContractError(f"{m} output positions exceed the kernel's int32 row index")
+    return _Geometry(n, c_in, c_out, groups, lift3(x.shape[2:], 1), lift3(kernel, 1), lift3(stride_, 1),
+                     lift3(padding_, 0), lift3(dilation_, 1), lift3(out_size, 1), out_shape)  # fmt: skip
+
+
+def prearrange_weight(weight: torch.Tensor, groups: int, tile: TileConfig, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` (C_out, C_in/groups, *k) as the kernel reads it: ``(groups, COUT_PAD, K_ROW)`` in
+    ``dtype``, contiguous, zeros in the padding.  Row ``co`` of group ``g`` holds output channel ``g *
+    C_out/groups + co`` over K in (kd, kh, kw, ci) order (ci contiguous): tap-major, each tap's channels
+    padded to ``CIN_PAD`` (a multiple of ``block_k``); flat, the whole K padded to a multiple of
+    ``block_k``.  ``COUT_PAD``: C_out/groups rounded up to ``block_n``."""
+    c_out, cin_g = weight.shape[0], weight.shape[1]
+    cout_g = c_out // groups
+    taps = math.prod(weight.shape[2:])
+    cout_pad = cdiv(cout_g, tile.block_n) * tile.block_n
+    w = weight.reshape(groups, cout_g, cin_g, taps).transpose(2, 3)  # (g, co, tap, ci)
+    if tile.flat_k:
+        k = taps * cin_g
+        buf = torch.zeros((groups, cout_pad, cdiv(k, tile.block_k) * tile.block_k), dtype=dtype, device=weight.device)
+        buf[:, :cout_g, :k] = w.reshape(groups, cout_g, k)
+        return buf
+    cin_pad = cdiv(cin_g, tile.block_k) * tile.block_k
+    buf = torch.zeros((groups, cout_pad, taps, cin_pad), dtype=dtype, device=weight.device)
+    buf[:, :cout_g, :, :cin_g] = w
+    return buf.view(groups, cout_pad, taps * cin_pad)
+
+
+class _Plan:
+    """One launch plan: everything :func:`conv_fprop` derives from a call's signature (shapes,
+    strides, dtypes, hook kinds, tile, precision), built once (``_PLANS``); ``run`` binds tensors."""
+
+    def __init__(self, geo: _Geometry, x: torch.Tensor, prologue: Prologue | None, act_in: int, act_out: int,
+                 has_bias: bool, residual_mode: int, stats: bool, tile: TileConfig, precision: str) -> None:  # fmt: skip
+        self.geo, self.tile, self.stats = geo, tile, stats
+        self.dtype, self.device = x.dtype, x.device
+        #: x is copied to channels-last dense first (its channel stride is not 1)
+        self.relayout = not channels_last(x)
+        x_sizes = (geo.n, geo.c_in, *geo.size)
+        xs = empty_channels_last(x_sizes, x.dtype, torch.device("meta")) if self.relayout else x
+        strides = list(xs.stride()[2:])
+        x_strides = [xs.stride(0), *([0] * (3 - len(strides))), *strides]  # (sn, sd, sh, sw)
+        big = max(element_extent(xs), geo.m * geo.c_out) > _BIG_INDEX_THRESHOLD
+        cin_pad = cdiv(geo.c_in_g, tile.block_k) * tile.block_k
+        k_row = cdiv(geo.taps * geo.c_in_g, tile.block_k) * tile.block_k if tile.flat_k else geo.taps * cin_pad
+        cout_pad = cdiv(geo.c_out_g, tile.block_n) * tile.block_n
+        self.m_tiles = cdiv(geo.m, tile.block_m)
+        grid = (self.m_tiles, cout_pad // tile.block_n, geo.groups)
+        g_norm, norm_affine = 1, False
+        if isinstance(prologue, hooks.GroupAffine):
+            g_norm, norm_affine = prologue.groups, prologue.weight is not None
+        constexprs = dict(
+            C_IN_G=geo.c_in_g, CIN_PAD=cin_pad, K_ROW=k_row, COUT_PAD=cout_pad,
+            KD=geo.kernel[0], KH=geo.kernel[1], KW=geo.kernel[2],
+            SD=geo.stride[0], SH=geo.stride[1], SW=geo.stride[2],
+            PD=geo.padding[0], PH=geo.padding[1], PW=geo.padding[2],
+            DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
+            PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
+            HAS_BIAS=has_bias, ACT_OUT=act_out, RESIDUAL=residual_mode, STATS=stats,
+            PRECISION=precision, BIG=big, FLAT_K=tile.flat_k,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+        )  # fmt: skip
+        fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, *x_strides)
+        self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+            prologue: Prologue | None, slopes: tuple[float, float]) -> tuple[torch.Tensor, ChannelStats | None]:  # fmt: skip
+        geo = self.geo
+        if geo.m == 0:  # N == 0: nothing to launch
+            out = empty_channels_last(geo.out_shape, self.dtype, self.device)
+            return out, (empty_stats(geo.c_out, self.device) if self.stats else None)
+        if self.relayout:
+            x = to_channels_last(x)
+        w = prearrange_weight(weight, geo.groups, self.tile, self.dtype)
+        out = empty_channels_last(geo.out_shape, self.dtype, self.device)
+        partials = None
+        if self.stats:
+            partials = torch.empty((2, self.m_tiles, geo.c_out), dtype=torch.float32, device=self.device)
+        p = [out if t is None else t for t in hooks.prologue_tensors(prologue)]
+        self.launch(x, w, out if bias is None else bias, out if residual is None else residual, out,
+                    out if partials is None else partials, *p, *slopes)  # fmt: skip
+        return out, None if partials is None else reduce_partials(partials, geo.m)
+
+
+#: Launch plans by ``plan_key`` of a call's signature.
+_PLANS = PlanCache()
+
+
+def conv_fprop(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    prologue: Prologue | None = None,
+    act_in: ActivationLike = None,
+    act_out: ActivationLike = None,
+    residual: torch.Tensor | None = None,
+    residual_after_act: bool = False,
+    stats: bool = False,
+    tile: TileConfig | None = None,
+    allow_tf32: bool | None = None,
+) -> tuple[torch.Tensor, ChannelStats | None]:
+    """``out = act_out(conv(act_in(prologue(x)), weight) + bias [+ residual]) [+ residual]`` and, with
+    ``stats``, the per-channel sums of ``out`` and ``out**2``, in one kernel launch.
+
+    x         (N, C_in, *spatial), 1 to 3 spatial dims, fp32/fp16/bf16 (no bf16 under the interpreter),
+              on CUDA (on CPU under ``TRITON_INTERPRET=1``).  Channels-last strides (channel stride 1;
+              any other strides, e.g. a slice) are read in place; any other layout (NCHW) is copied
+              once to channels-last first (one extra pass over ``x``).
+    weight    (C_out, C_in/groups, *k), x's dtype, any strides; prearranged per call.
+    bias      None or (C_out,), x's dtype or fp32.
+    stride, padding, dilation: an int or one int per spatial dim (symmetric padding, as ``F.conv*d``).
+    groups    divides C_in and C_out; depthwise (groups == C_in) runs, not fast (K per group is tiny).
+    prologue  None, ``hooks.ChannelAffine``, ``hooks.GroupAffine`` or ``hooks.SampleChannelScale``:
+              applied to every loaded element of ``x``, then ``act_in``; padded taps are 0 after both.
+    act_in, act_out: None, "relu", "leaky_relu" (slope 0.01), "gelu" (erf), "silu", or ``hooks.Activation``.
+    residual  None or a tensor of the output's shape and dtype, channels-last dense; added before
+              ``act_out`` (ResNet) or, with ``residual_after_act``, after it.
+    stats     also return ``stats.ChannelStats`` of the stored output (deterministic; ``epilogue``).
+    tile      a ``TileConfig`` (None: ``tiles.pick_tile``'s).
+    allow_tf32: fp32 dots in TF32 (never under the interpreter); None: ``torch.backends.cudnn.allow_tf32``,
+              eager's rule for a conv.  A caller that knows eager's conv of these tensors runs in full
+              fp32 anyway (cuDNN does for 3 input channels) passes False.
+
+    Returns ``(out, stats or None)``: out (N, C_out, *out_spatial) as ``F.conv*d`` shapes it, x's dtype,
+    channels-last dense.  N == 0 returns an empty output (and zero statistics) without a launch.
+    Raises ``plan_cache.ContractError`` (a ``ValueError``, one line) for any broken contract before
+    anything launches.
+    """
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise ContractError("x and weight must be tensors")
+    if tile is not None and not isinstance(tile, TileConfig):
+        raise ContractError(f"tile must be a TileConfig or None, got {type(tile).__name__}")
+    a_in = hooks.as_activation(act_in, "act_in")
+    a_out = hooks.as_activation(act_out, "act_out")
+    code_in, slope_in = hooks.activation_args(a_in)
+    code_out, slope_out = hooks.activation_args(a_out)
+    residual_mode = hooks.RESIDUAL_NONE if residual is None else (
+        hooks.RESIDUAL_AFTER_ACT if residual_after_act else hooks.RESIDUAL_BEFORE_ACT)  # fmt: skip
+    precision_flag = bool(torch.backends.cudnn.allow_tf32 if allow_tf32 is None else allow_tf32)
+    key = plan_key(x, weight, bias, residual, *hooks.prologue_tensors(prologue), hooks.plan_parts(prologue),
+                   _hashable(stride), _hashable(padding), _hashable(dilation), groups, code_in, code_out,
+                   residual_mode, bool(stats), tile, precision_flag)  # fmt: skip
+
+    def build() -> _Plan:
+        geo = _check_call(x, weight, bias, residual, stride, padding, dilation, groups)
+        hooks.check_prologue(prologue, geo.n, geo.c_in, x.device)
+        chosen = tile or pick_tile(geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
+        chosen.check()
+        precision = dot_precision(x.dtype, precision_flag, INTERPRETER)
+        return _Plan(geo, x, prologue, code_in, code_out, bias is not None, residual_mode, bool(stats),
+                     chosen, precision)  # fmt: skip
+
+    plan = _PLANS.get(key, build)
+    return plan.run(x, weight, bias, residual, prologue, (slope_in, slope_out))
+
+
+def _hashable(value: Any) -> Any:
+    """A hyper-parameter as a plan-key part (lists become tuples)."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value

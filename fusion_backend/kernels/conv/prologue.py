@@ -1,0 +1,129 @@
+"""Device side of the conv family's load: one ``[BLOCK_M, BLOCK_K]`` A tile of the implicit GEMM,
+gathered from channels-last ``x`` with the previous layer's normalisation and activation applied.
+
+Everything is ``@triton.jit`` and inlined into the kernel that calls it (``fprop``); the hooks are
+selected by constexprs, so a conv without a prologue compiles to a plain masked load.
+
+The A tile of K step ``kk`` (``tiles`` explains the two K walks):
+
+* row ``i`` is output position ``m`` (sample ``n``, ``(od, oh, ow)``); its window starts at input
+  ``(od * SD - PD, oh * SH - PH, ow * SW - PW)``, and the caller hoists that origin and the row's
+  element offset ``row_base`` (sample, origin, the group's first channel) out of the K loop;
+* column ``j`` is K index ``k = kk * BLOCK_K + j``: tap ``(kd, kh, kw)`` and channel ``ci`` of the
+  group, read at ``row_base + (kd * DD * x_sd + kh * DH * x_sh + kw * DW * x_sw) + ci`` (channel
+  stride 1).
+
+Order of the hook (what ``x'`` is, per element, in fp32): load ``x``; prologue (scale/shift, group
+scale/shift and affine, or gate); input activation; then the pad mask: taps outside the input, rows
+past ``M`` and channels past ``C_in/groups`` become exactly 0.  The conv pads the *activated* tensor
+(``conv(act(bn(x)))`` zero-pads ``act(bn(x))``), so the mask must come after the prologue: a shift
+would otherwise turn a padded 0 into ``shift[c]``.  Without a prologue the load's ``other=0`` is that
+0 already (every activation of the catalogue maps 0 to 0), and the ``where`` is left out.  ``x'`` is
+rounded once to the compute dtype (the weight matrix's; TF32-rounded for a "tf32" dot) for the dot.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..chain_math import step_forward
+
+
+@triton.jit
+def activation(v, ACT: tl.constexpr, slope):
+    """``v`` (fp32) through the activation with ``chain_math`` op code ``ACT`` (0: none); ``slope``:
+    leaky_relu's negative slope (ignored by the others)."""
+    return step_forward(v, slope, 0.0, ACT)
+
+
+@triton.jit
+def _tap_coords(tap, KH: tl.constexpr, KW: tl.constexpr):
+    """Tap index ``tap`` (row-major over ``(KD, KH, KW)``) -> ``(kd, kh, kw)``."""
+    kw = tap % KW
+    rest = tap // KW
+    return rest // KH, rest % KH, kw
+
+
+@triton.jit
+def _prologue(v, n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
+              PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr):  # fmt: skip
+    """The normalisation part of the hook on ``v`` (fp32 ``[BLOCK_M, BLOCK_K]``): ``n`` the rows'
+    samples ``[BLOCK_M]``, ``c`` the columns' input channels ``[BLOCK_K]`` (``c_ok``: which are real),
+    ``mask`` the tile's valid elements.  Pointers (fp32, contiguous; ``hooks.prologue_tensors``):
+      PROLOGUE 1 (channel affine): p0 scale (C_IN,), p1 shift (C_IN,).
+      PROLOGUE 2 (group affine):   p0 scale (N, G_NORM), p1 shift (N, G_NORM); NORM_AFFINE: p2 weight
+                                   (C_IN,), p3 bias (C_IN,).
+      PROLOGUE 3 (gate):           p0 gate (N, C_IN).
+    """
+    if PROLOGUE == 1:
+        scale = tl.load(p0_ptr + c, mask=c_ok, other=0.0)
+        shift = tl.load(p1_ptr + c, mask=c_ok, other=0.0)
+        v = v * scale[None, :] + shift[None, :]
+    elif PROLOGUE == 2:
+        ng = n[:, None] * G_NORM + (c // (C_IN // G_NORM))[None, :]
+        scale = tl.load(p0_ptr + ng, mask=mask, other=0.0)
+        shift = tl.load(p1_ptr + ng, mask=mask, other=0.0)
+        v = v * scale + shift
+        if NORM_AFFINE:
+            weight = tl.load(p2_ptr + c, mask=c_ok, other=0.0)
+            bias = tl.load(p3_ptr + c, mask=c_ok, other=0.0)
+            v = v * weight[None, :] + bias[None, :]
+    elif PROLOGUE == 3:
+        gate = tl.load(p0_ptr + n[:, None] * C_IN + c[None, :], mask=mask, other=0.0)
+        v = v * gate
+    return v
+
+
+@triton.jit
+def load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
+                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, KD: tl.constexpr, KH: tl.constexpr,
+                KW: tl.constexpr, DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr,
+                ACT_IN: tl.constexpr, FLAT_K: tl.constexpr, COMPUTE: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    """The A tile of K step ``kk`` in the compute dtype ``COMPUTE`` (module docstring).
+
+    ``row_base`` ``[BLOCK_M]``: each row's element offset of its window origin in its group's first
+    channel (int64 for BIG tensors); ``n``, ``id0``, ``ih0``, ``iw0``: its sample and origin;
+    ``m_ok``: rows that are real outputs.  ``D, H, W``: input sizes; ``x_s*``: element strides of the
+    spatial dims (channel stride 1).  Tap-major (``FLAT_K`` False): ``CIN_PAD`` is ``C_IN_G`` rounded up
+    to ``BLOCK_K``, so step ``kk`` is tap ``kk // (CIN_PAD // BLOCK_K)``; flat: ``k`` runs over
+    ``KD * KH * KW * C_IN_G`` (tap, channel) pairs.  ``g``: the conv group; ``C_IN``: all input
+    channels (the prologue vectors' length)."""
+    if FLAT_K:
+        k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+        tap = k // C_IN_G
+        ci = k % C_IN_G
+        c_ok = k < KD * KH * KW * C_IN_G
+        kd, kh, kw = _tap_coords(tap, KH, KW)
+        di = id0[:, None] + (kd * DD)[None, :]
+        hi = ih0[:, None] + (kh * DH)[None, :]
+        wi = iw0[:, None] + (kw * DW)[None, :]
+        inside = (di >= 0) & (di < D) & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+        mask = inside & (m_ok[:, None] & c_ok[None, :])
+        col = kd * (DD * x_sd) + kh * (DH * x_sh) + kw * (DW * x_sw) + ci
+        offs = row_base[:, None] + col[None, :]
+    else:
+        CB: tl.constexpr = CIN_PAD // BLOCK_K
+        tap = kk // CB
+        ci = (kk % CB) * BLOCK_K + tl.arange(0, BLOCK_K)
+        c_ok = ci < C_IN_G
+        kd, kh, kw = _tap_coords(tap, KH, KW)
+        di = id0 + kd * DD
+        hi = ih0 + kh * DH
+        wi = iw0 + kw * DW
+        r_ok = m_ok & (di >= 0) & (di < D) & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+        mask = r_ok[:, None] & c_ok[None, :]
+        offs = (row_base + (kd * (DD * x_sd) + kh * (DH * x_sh) + kw * (DW * x_sw)))[:, None] + ci[None, :]
+    a = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if PROLOGUE != 0 or ACT_IN != 0:
+        v = a.to(tl.float32)
+        v = _prologue(v, n, g * C_IN_G + ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
+                      PROLOGUE, G_NORM, NORM_AFFINE)  # fmt: skip
+        v = activation(v, ACT_IN, slope_in)
+        if PROLOGUE != 0:  # the pad (and tail) lanes: exactly 0 after the hook
+            v = tl.where(mask, v, 0.0)
+        a = v
+    return a.to(COMPUTE)

@@ -1,0 +1,417 @@
+"""The conv family's forward (``kernels/conv``) against float64, with eager's own error as the yardstick.
+
+Without CUDA the kernel runs on CPU under Triton's interpreter (``conftest``), so every shape is
+small, and odd on purpose: channel counts that fill no block (3, 5, 7), spatial sizes that fill no
+tile, tiles forced small so that a call spans several M and N tiles.  Each result is checked by
+``testing.compare`` against ``reference.conv_fprop_reference`` run in float64 (the truth), allowed
+``max(floor, 2 x eager's error)``, eager being the same reference run in the input dtype (a rounding
+after every op); NaN/inf positions must equal eager's exactly.  On CUDA the same tests run on the GPU
+(fp32 then dots in TF32 where eager's cuDNN conv does too, so eager's error grows with ours).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion_backend.kernels.conv import (
+    Activation,
+    ChannelAffine,
+    GroupAffine,
+    SampleChannelScale,
+    TileConfig,
+    conv_fprop,
+    fprop,
+    pick_tile,
+)
+from fusion_backend.kernels.conv.reference import conv_fprop_reference
+from fusion_backend.kernels.plan_cache import ContractError
+from fusion_backend.testing import compare, stable_seed
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+#: The least error bound, relative to the output's norm, whatever eager's own error: about 4 and 1
+#: roundings of the dtype (on these shapes eager's own error is 4e-8 to 2e-7 in fp32, 2e-4 to 3e-4 in
+#: fp16 on CPU; the kernel's is at most about the same).
+FLOOR = {torch.float32: 5e-7, torch.float16: 5e-4, torch.bfloat16: 4e-3}
+#: A tile of 16 x 16 x 16: a call spans several M and N tiles and K steps even on tiny shapes.
+SMALL = TileConfig(16, 16, 16, num_warps=1, num_stages=1)
+SMALL_FLAT = TileConfig(16, 16, 16, num_warps=1, num_stages=1, flat_k=True)
+
+
+def _randn(*shape, g, dtype=torch.float32, scale=1.0):  # noqa: ANN001, ANN002
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+def _check(name: str, x: torch.Tensor, weight: torch.Tensor, bias=None, **kw):  # noqa: ANN001, ANN003
+    """Run ``conv_fprop`` and compare it (and its statistics) with the float64 reference, eager's
+    error as the yardstick; returns ``(out, stats)``."""
+    out, stats = conv_fprop(x, weight, bias, **kw)
+    kw.pop("tile", None)
+    eager, eager_stats = conv_fprop_reference(x, weight, bias, **kw)
+    truth, truth_stats = conv_fprop_reference(x, weight, bias, dtype=torch.float64, **kw)
+    assert out.shape == truth.shape, f"{name}: shape {tuple(out.shape)} != {tuple(truth.shape)}"
+    assert out.dtype == x.dtype and out.stride(1) == 1 and out.movedim(1, -1).is_contiguous(), f"{name}: layout"
+    why = compare(name, out, eager, FLOOR[x.dtype], reference=truth)
+    assert why is None, why
+    if kw.get("stats"):
+        assert stats.count == truth_stats.count
+        # The reduction itself: the float64 sums of the stored output, up to the fp32 rounding of the
+        # tiles' partial sums (a relative 2**-24 per term of the tile).
+        mine = out.double().transpose(0, 1).reshape(out.shape[1], -1)
+        for what, got, terms in (("sum", stats.sum, mine), ("sum_sq", stats.sum_sq, mine * mine)):
+            slack = 1e-6 * terms.abs().sum(1)
+            assert ((got - terms.sum(1)).abs() <= slack).all(), f"{name}: {what} is not the sum of the output"
+        # And against the truth, eager's statistics as the yardstick.
+        for what in ("sum", "sum_sq"):
+            why = compare(f"{name} stats {what}", getattr(stats, what), getattr(eager_stats, what), FLOOR[x.dtype],
+                          reference=getattr(truth_stats, what))  # fmt: skip
+            assert why is None, why
+    return out, stats
+
+
+# --------------------------------------------------------------------------------------------------
+# Geometry
+# --------------------------------------------------------------------------------------------------
+
+# name, x shape, weight shape, conv kwargs, tile
+GEOMETRY = [
+    ("conv1d-pad1", (2, 5, 11), (7, 5, 3), dict(padding=1), None),
+    ("conv1d-stride2-dil2-pad2", (2, 3, 13), (4, 3, 3), dict(stride=2, padding=2, dilation=2), SMALL_FLAT),
+    ("conv2d-cin3-odd", (2, 3, 7, 9), (5, 3, 3, 3), dict(padding=1), SMALL_FLAT),
+    ("conv2d-stride2-odd-size-uses-right-pad", (1, 4, 7, 7), (6, 4, 3, 3), dict(stride=2, padding=1), None),
+    ("conv2d-stride2-even-size-no-right-pad", (1, 4, 8, 6), (6, 4, 3, 3), dict(stride=2, padding=1), SMALL_FLAT),
+    ("conv2d-dil2", (1, 3, 9, 8), (4, 3, 3, 3), dict(padding=2, dilation=2), None),
+    ("conv2d-kernel3x5-pad1x2-stride2x1", (2, 5, 6, 9), (3, 5, 3, 5), dict(padding=(1, 2), stride=(2, 1)), None),
+    ("conv2d-tap-major-cin20-partial-block", (2, 20, 5, 4), (24, 20, 3, 3), dict(padding=1), SMALL),
+    ("conv2d-1x1-tap-major", (2, 16, 5, 5), (9, 16, 1, 1), {}, SMALL),
+    ("groups2", (2, 6, 5, 6), (4, 3, 3, 3), dict(padding=1, groups=2), None),
+    ("groups2-tap-major-cout5-per-group", (1, 32, 4, 5), (10, 16, 3, 3), dict(padding=1, groups=2), SMALL),
+    ("depthwise", (2, 7, 6, 5), (7, 1, 3, 3), dict(padding=1, groups=7), None),
+    ("depthwise-multiplier2-stride2", (1, 5, 7, 6), (10, 1, 3, 3), dict(padding=1, stride=2, groups=5), SMALL_FLAT),
+    ("conv3d-pad1-stride121", (1, 3, 5, 6, 4), (5, 3, 3, 3, 3), dict(padding=1, stride=(1, 2, 1)), SMALL_FLAT),
+    ("conv3d-tap-major-stride2-dil112", (1, 16, 5, 4, 7), (6, 16, 3, 2, 3), dict(padding=(1, 0, 2), stride=2,
+                                                                                 dilation=(1, 1, 2)), SMALL),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", GEOMETRY, ids=[c[0] for c in GEOMETRY])
+def test_geometry_matches_float64_fp32(case):
+    name, xs, ws, conv, tile = case
+    g = torch.Generator().manual_seed(stable_seed(name))
+    x = _channels_last(_randn(*xs, g=g))
+    w, b = _randn(*ws, g=g, scale=0.3), _randn(ws[0], g=g)
+    _check(name, x, w, b, tile=tile, **conv)
+
+
+@pytest.mark.parametrize("name", ["conv2d-cin3-odd", "conv2d-tap-major-cin20-partial-block", "depthwise",
+                                  "conv3d-pad1-stride121"])  # fmt: skip
+def test_half_inputs_accumulate_in_fp32_and_store_half(name):
+    _, xs, ws, conv, tile = next(c for c in GEOMETRY if c[0] == name)
+    g = torch.Generator().manual_seed(stable_seed(name) + 1)
+    x = _channels_last(_randn(*xs, g=g, dtype=torch.float16))
+    w, b = _randn(*ws, g=g, scale=0.3, dtype=torch.float16), _randn(ws[0], g=g)  # an fp32 bias is allowed
+    out, _ = _check(name, x, w, b, tile=tile, **conv)
+    assert out.dtype == torch.float16
+
+
+@requires_cuda
+def test_bf16_on_cuda():
+    g = torch.Generator().manual_seed(3)
+    x = _channels_last(_randn(2, 16, 9, 9, g=g, dtype=torch.bfloat16))
+    w = _randn(24, 16, 3, 3, g=g, scale=0.3, dtype=torch.bfloat16)
+    _check("bf16", x, w, None, padding=1, act_out="relu", stats=True)
+
+
+def test_tiles_change_nothing_but_the_sum_order():
+    """The heuristic's tile and forced small tiles (both K walks) give the same result within fp32
+    rounding: the mapping does not depend on the tile."""
+    g = torch.Generator().manual_seed(5)
+    x = _channels_last(_randn(2, 16, 6, 7, g=g))
+    w = _randn(20, 16, 3, 3, g=g, scale=0.3)
+    outs = [conv_fprop(x, w, padding=1, stride=(1, 2), tile=t)[0] for t in (None, SMALL, SMALL_FLAT)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Hooks
+# --------------------------------------------------------------------------------------------------
+
+
+def _prologue(kind: str, n: int, c: int, g: torch.Generator, affine: bool = True):
+    if kind == "channel_affine":  # shifts far from 0: a padded tap that saw the shift would show
+        return ChannelAffine(_randn(c, g=g).abs() + 0.5, _randn(c, g=g) + 2.0)
+    if kind == "group_affine":  # groups of 2 channels (a group's channels share a tile's columns or not)
+        weight, bias = (_randn(c, g=g), _randn(c, g=g) + 1.0) if affine else (None, None)
+        return GroupAffine(_randn(n, c // 2, g=g).abs() + 0.5, _randn(n, c // 2, g=g) - 1.5, weight, bias)
+    return SampleChannelScale(torch.sigmoid(_randn(n, c, g=g)) + 0.5)
+
+
+PROLOGUES = [
+    ("channel_affine", "relu"),
+    ("channel_affine", None),
+    ("group_affine", "silu"),
+    ("group_affine-no-affine", "gelu"),
+    ("gate", Activation("leaky_relu", 0.2)),
+]
+
+
+@pytest.mark.parametrize("tile", [None, "small"])
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+def test_prologue_pads_the_activated_tensor(kind, act, tile):
+    """``conv(act(norm(x)))`` with zero padding of ``act(norm(x))``: padded taps contribute exactly 0
+    after the hook, which the shifts (and the GroupNorm bias) would break if the mask came first."""
+    g = torch.Generator().manual_seed(stable_seed((kind, str(act), tile)))
+    cin = 20 if tile == "small" else 6
+    x = _channels_last(_randn(2, cin, 5, 6, g=g))
+    w, b = _randn(7, cin, 3, 3, g=g, scale=0.3), _randn(7, g=g)
+    prologue = _prologue(kind.split("-")[0], 2, cin, g, affine=not kind.endswith("no-affine"))
+    conv = dict(padding=(1, 2), stride=(2, 1), prologue=prologue, act_in=act)
+    out, _ = _check(f"{kind} {act}", x, w, b, tile=SMALL if tile == "small" else None, **conv)
+    if kind != "gate":  # the mask before the hook would differ by far more than the tolerance
+        masked_first = F.conv2d(F.pad(x.double(), (2, 2, 1, 1)), w.double(), b.double(), stride=(2, 1))
+        hooked = conv_fprop_reference(x, w, b, dtype=torch.float64, **conv)[0]
+        assert (hooked - masked_first).abs().max() > 0.1  # (the reference itself is the pad-after rule)
+        assert (out.double() - masked_first).abs().max() > 0.1
+
+
+ACTIVATIONS = ["relu", Activation("leaky_relu", 0.3), "gelu", "silu"]
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: getattr(a, "kind", a))
+def test_each_activation_in_and_out(act):
+    g = torch.Generator().manual_seed(stable_seed(str(act)))
+    x = _channels_last(_randn(2, 5, 6, 5, g=g))
+    w, b = _randn(6, 5, 3, 3, g=g, scale=0.4), _randn(6, g=g)
+    _check(f"act_out {act}", x, w, b, padding=1, act_out=act)
+    _check(f"act_in {act}", x, w, b, padding=1, act_in=act, act_out=act)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("after", [False, True], ids=["before-act", "after-act"])
+def test_residual_before_or_after_the_output_activation(after, dtype):
+    g = torch.Generator().manual_seed(17 + after)
+    x = _channels_last(_randn(2, 6, 5, 7, g=g, dtype=dtype))
+    w, b = _randn(8, 6, 3, 3, g=g, scale=0.3, dtype=dtype), _randn(8, g=g, dtype=dtype)
+    r = _channels_last(_randn(2, 8, 5, 7, g=g, dtype=dtype))
+    out, _ = _check(f"residual after={after}", x, w, b, padding=1, act_out="relu", residual=r,
+                    residual_after_act=after, tile=SMALL_FLAT)  # fmt: skip
+    assert bool((out < 0).any()) == after  # relu last: nothing negative; relu before the add: some
+
+
+def test_residual_layout_is_judged_by_the_dims_that_have_extent():
+    """An (N, C, 1, W) output: a residual whose size-1 dim has another stride is still channels-last
+    dense (as torch's ``is_contiguous`` judges it), and is accepted; its values land where they belong."""
+    g = torch.Generator().manual_seed(19)
+    x = _channels_last(_randn(2, 5, 3, 6, g=g))
+    w = _randn(6, 5, 3, 3, g=g, scale=0.3)
+    base = _channels_last(_randn(2, 6, 1, 4, g=g))
+    r = base.as_strided(base.shape, (base.stride(0), 1, 7, 6))
+    assert r.stride() != base.stride() and r.is_contiguous(memory_format=torch.channels_last)
+    _check("residual (2, 6, 1, 4)", x, w, None, residual=r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_statistics_of_the_stored_output_match_float64_and_repeat_bitwise(dtype):
+    """Per-channel sums over several M tiles (the last one partial), two N tiles and two groups."""
+    g = torch.Generator().manual_seed(23)
+    x = _channels_last(_randn(3, 8, 5, 7, g=g, dtype=dtype))
+    w, b = _randn(36, 4, 3, 3, g=g, scale=0.3, dtype=dtype), _randn(36, g=g, dtype=dtype) + 1.0
+    kw = dict(padding=1, groups=2, act_out="silu", stats=True, tile=SMALL_FLAT)
+    out, stats = _check("stats", x, w, b, **kw)
+    assert stats.count == 3 * 5 * 7 and stats.sum.dtype == torch.float64
+    again, stats2 = conv_fprop(x, w, b, **kw)
+    assert torch.equal(out, again)
+    assert torch.equal(stats.sum, stats2.sum) and torch.equal(stats.sum_sq, stats2.sum_sq)
+    flat = out.double().transpose(0, 1).reshape(36, -1)
+    # (the fp32 partials' rounding, relative to E[y^2], carries into E[y^2] - E[y]^2)
+    torch.testing.assert_close(stats.mean(), flat.mean(1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stats.var(), flat.var(1, unbiased=False), rtol=0, atol=1e-6 * flat.square().mean().item())
+    torch.testing.assert_close(stats.var(unbiased=True), flat.var(1, unbiased=True), rtol=0,
+                               atol=1e-6 * flat.square().mean().item())
+
+
+# --------------------------------------------------------------------------------------------------
+# Layouts, empty batch, non-finite values
+# --------------------------------------------------------------------------------------------------
+
+
+def test_nchw_input_is_relaid_and_gives_the_same_result():
+    g = torch.Generator().manual_seed(29)
+    x = _randn(2, 5, 6, 7, g=g)  # contiguous NCHW: channel stride 42
+    w = _randn(4, 5, 3, 3, g=g, scale=0.3)
+    out, _ = _check("nchw", x, w, None, padding=1)
+    assert torch.equal(out, conv_fprop(_channels_last(x), w, padding=1)[0])
+    x1 = _randn(2, 3, 9, g=g)  # conv1d, NCL
+    _check("ncl", x1, _randn(4, 3, 3, g=g), None, padding=1)
+
+
+def test_sliced_channels_last_input_is_read_in_place():
+    """A window of a larger channels-last tensor (spatial and channel slices: channel stride 1, other
+    strides of the parent) whose outside holds NaN: nothing outside the window may be read."""
+    g = torch.Generator().manual_seed(31)
+    parent = _channels_last(_randn(3, 9, 8, 10, g=g))
+    parent[:, :, 0] = float("nan")
+    parent[:, :, :, -1] = float("nan")
+    parent[:, 0] = float("nan")
+    parent[:, -2:] = float("nan")
+    x = parent[1:, 1:7, 1:7, 2:9]
+    assert x.stride(1) == 1 and not x.is_contiguous(memory_format=torch.channels_last)
+    w, b = _randn(5, 6, 3, 3, g=g, scale=0.3), _randn(5, g=g)
+    out, _ = _check("sliced", x, w, b, padding=1, prologue=ChannelAffine(_randn(6, g=g), _randn(6, g=g)))
+    assert out.isfinite().all()
+    plan = fprop._PLANS.values()[-1]
+    assert not plan.relayout
+
+
+def test_empty_batch_returns_empty_output_without_launch(monkeypatch):
+    def no_launch(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("launched for an empty batch")
+
+    monkeypatch.setattr(fprop.FastLaunch, "__call__", no_launch)
+    x = _channels_last(torch.zeros(0, 5, 6, 7, device=DEVICE))
+    w = torch.zeros(4, 5, 3, 3, device=DEVICE)
+    out, stats = conv_fprop(x, w, padding=1, stride=2, stats=True)
+    assert out.shape == (0, 4, 3, 4) and out.stride(1) == 1
+    assert stats.count == 0 and stats.sum.shape == (4,) and not stats.sum.any()
+    with pytest.raises(ContractError, match="weight dtype"):  # an empty batch is still checked
+        conv_fprop(x, w.half())
+
+
+@pytest.mark.parametrize("with_prologue", [False, True])
+def test_nan_reaches_exactly_the_outputs_whose_taps_read_it(with_prologue):
+    """NaN/inf at borders and corners, stride 2 and padding: the outputs whose windows cover them,
+    and only those, are non-finite (as eager's), also through a prologue whose shift is non-zero."""
+    g = torch.Generator().manual_seed(37 + with_prologue)
+    x = _randn(2, 4, 7, 8, g=g)
+    x[0, 1, 0, 0] = float("nan")
+    x[0, 2, 6, 7] = float("inf")
+    x[1, 0, 3, 0] = float("-inf")
+    x[1, 3, 2, 5] = float("nan")
+    x = _channels_last(x)
+    w = _randn(5, 4, 3, 3, g=g).abs() + 0.1  # positive: an inf keeps its sign
+    prologue = ChannelAffine(torch.ones(4, device=DEVICE), torch.full((4,), 0.5, device=DEVICE)) if with_prologue else None
+    out, _ = _check("nan", x, w, None, padding=1, stride=(2, 1), prologue=prologue)
+    assert out.isnan().any() and out.isinf().any() and out.isfinite().any()
+
+
+def test_int64_offsets_give_the_same_result(monkeypatch):
+    monkeypatch.setattr(fprop, "_BIG_INDEX_THRESHOLD", 0)
+    g = torch.Generator().manual_seed(41)
+    x = _channels_last(_randn(2, 16, 5, 6, g=g))
+    w = _randn(6, 16, 3, 3, g=g, scale=0.3)
+    r = _channels_last(_randn(2, 6, 5, 6, g=g))
+    _check("big", x, w, None, padding=1, residual=r, stats=True, tile=SMALL)
+    assert fprop._PLANS.values()[-1].launch.constexprs["BIG"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Plans, precision, tiles
+# --------------------------------------------------------------------------------------------------
+
+
+def test_plan_is_cached_per_signature():
+    g = torch.Generator().manual_seed(43)
+    x = _channels_last(_randn(1, 3, 5, 5, g=g))
+    w = _randn(4, 3, 3, 3, g=g)
+    conv_fprop(x, w, padding=1, act_out="relu")
+    count = len(fprop._PLANS)
+    conv_fprop(x, w, padding=1, act_out="relu")
+    conv_fprop(x, w, padding=1, act_out=Activation("relu"))
+    assert len(fprop._PLANS) == count
+    conv_fprop(x, w, padding=1, act_out=Activation("leaky_relu", 0.5))  # another code: another plan
+    assert len(fprop._PLANS) == count + 1
+    conv_fprop(x, w, padding=1, act_out=Activation("leaky_relu", 0.25))  # the slope is a runtime argument
+    assert len(fprop._PLANS) == count + 1
+
+
+def test_fp32_dot_precision_follows_cudnn_allow_tf32(monkeypatch):
+    g = torch.Generator().manual_seed(47)
+    x = _channels_last(_randn(1, 3, 5, 5, g=g))
+    w = _randn(4, 3, 3, 3, g=g)
+    for allow in (True, False):
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow)
+        conv_fprop(x, w, padding=1)
+        want = "tf32" if allow and not fprop.INTERPRETER else "ieee"
+        assert fprop._PLANS.values()[-1].launch.constexprs["PRECISION"] == want
+        conv_fprop(x, w, padding=1, allow_tf32=False)  # the caller's answer overrides the flag
+        assert fprop._PLANS.values()[-1].launch.constexprs["PRECISION"] == "ieee"
+
+
+@pytest.mark.parametrize("cin_g,cout_g,taps,m,dtype", [
+    (3, 64, 49, 802816, torch.float16), (1, 1, 9, 1000, torch.float32), (64, 64, 9, 200704, torch.bfloat16),
+    (20, 24, 9, 40, torch.float32), (256, 512, 1, 3136, torch.float16), (48, 7, 27, 5, torch.float32),
+])  # fmt: skip
+def test_pick_tile_gives_valid_tiles(cin_g, cout_g, taps, m, dtype):
+    tile = pick_tile(cin_g, cout_g, taps, m, dtype)
+    tile.check()
+    assert tile.flat_k == (cin_g < 16)
+    if not tile.flat_k:
+        assert tile.block_k <= cin_g and (cin_g % 16 != 0 or cin_g % tile.block_k == 0)
+    assert tile.block_m <= max(16, 2 * m)
+
+
+# --------------------------------------------------------------------------------------------------
+# Contract errors: one line, before any launch
+# --------------------------------------------------------------------------------------------------
+
+
+def _bad_calls():
+    x = _channels_last(torch.randn(2, 4, 6, 6)).to(DEVICE)
+    w = torch.randn(6, 4, 3, 3).to(DEVICE)
+    cl = _channels_last(torch.randn(2, 6, 6, 6)).to(DEVICE)
+    ones4 = torch.ones(4, device=DEVICE)
+    return [
+        ("weight dtype", lambda: conv_fprop(x, w.half())),
+        ("x must be", lambda: conv_fprop(x.double(), w.double())),
+        ("x is on meta", lambda: conv_fprop(x.to("meta"), w.to("meta"))),
+        ("weight must be a tensor on", lambda: conv_fprop(x, w.to("meta"))),
+        ("input channels", lambda: conv_fprop(x, torch.randn(6, 3, 3, 3, device=DEVICE))),
+        ("groups=3 must divide", lambda: conv_fprop(x, w[:, :1], groups=3)),
+        ("weight must have x's rank", lambda: conv_fprop(x, w[..., 0])),
+        ("stride must be an int or 2 ints", lambda: conv_fprop(x, w, stride=(1, 1, 1))),
+        ("must be >= 1", lambda: conv_fprop(x, w, stride=0)),
+        ("empty output", lambda: conv_fprop(x, torch.randn(6, 4, 7, 7, device=DEVICE))),
+        ("bias must be", lambda: conv_fprop(x, w, torch.ones(5, device=DEVICE))),
+        ("residual must be channels-last dense", lambda: conv_fprop(x, w, padding=1, residual=cl.contiguous())),
+        ("residual must be", lambda: conv_fprop(x, w, residual=cl)),
+        ("prologue scale must be contiguous fp32 (4,)", lambda: conv_fprop(x, w, prologue=ChannelAffine(ones4[:3], ones4))),
+        ("prologue shift must be contiguous fp32", lambda: conv_fprop(x, w, prologue=ChannelAffine(ones4, ones4.half()))),
+        ("G dividing C_in=4", lambda: conv_fprop(x, w, prologue=GroupAffine(torch.ones(2, 3, device=DEVICE),
+                                                                           torch.ones(2, 3, device=DEVICE)))),
+        ("both be given", lambda: conv_fprop(x, w, prologue=GroupAffine(torch.ones(2, 2, device=DEVICE),
+                                                                       torch.ones(2, 2, device=DEVICE), ones4))),
+        ("prologue gate must be contiguous fp32 (2, 4)",
+         lambda: conv_fprop(x, w, prologue=SampleChannelScale(torch.ones(4, 2, device=DEVICE).t()))),
+        ("prologue must be None", lambda: conv_fprop(x, w, prologue="bn")),
+        ("act_in='tanh' is not one of", lambda: conv_fprop(x, w, act_in="tanh")),
+        ("tile block_k must be a power of two", lambda: conv_fprop(x, w, tile=TileConfig(block_k=24))),
+        ("tile must be a TileConfig", lambda: conv_fprop(x, w, tile={"block_m": 64})),
+        ("group prologue scale must be an", lambda: conv_fprop(x, w, prologue=GroupAffine([1.0], [1.0]))),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("match,call", _bad_calls(), ids=[c[0] for c in _bad_calls()])
+def test_bad_inputs_raise_one_line_contract_errors_before_launch(match, call, monkeypatch):
+    def no_launch(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("launched despite a broken contract")
+
+    monkeypatch.setattr(fprop.FastLaunch, "__call__", no_launch)
+    with pytest.raises(ContractError, match=match.replace("(", r"\(").replace(")", r"\)")) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's limit")
+def test_bf16_is_refused_under_the_interpreter():
+    x = torch.zeros(1, 4, 5, 5, dtype=torch.bfloat16)
+    with pytest.raises(ContractError, match="x must be float32 or float16, got torch.bfloat16"):
+        conv_fprop(x, torch.zeros(4, 4, 3, 3, dtype=torch.bfloat16))
