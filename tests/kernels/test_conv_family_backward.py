@@ -326,7 +326,7 @@ def test_dgrad_batch_norm_sums_match_float64_and_repeat_bitwise(dtype):
     torch.testing.assert_close(sums.sum_dz, flat.sum(1), rtol=1e-5, atol=1e-5 * flat.abs().sum(1).max().item())
 
 
-def test_dgrad_sums_without_activation_and_plain_dgrad_ignores_x_prev_layout():
+def test_dgrad_sums_without_activation_read_nchw_x_prev_and_sliced_grad_y():
     """Sums alone (no act: grad_z = grad_a), an NCHW x_prev and a sliced grad_y."""
     g = torch.Generator().manual_seed(67)
     xs, ws = (2, 5, 7, 6), (6, 5, 3, 3)
@@ -339,6 +339,22 @@ def test_dgrad_sums_without_activation_and_plain_dgrad_ignores_x_prev_layout():
     assert grad.isfinite().all()
     plan = dgrad._PLANS.values()[-1]
     assert plan.relayout_xp and not plan.relayout_dy
+
+
+def test_dgrad_int64_offsets_give_the_same_result(monkeypatch):
+    g = torch.Generator().manual_seed(73)
+    xs, ws, conv = (2, 6, 7, 5), (5, 6, 3, 3), dict(padding=1, stride=2)
+    x = _channels_last(_randn(*xs, g=g))
+    stats, prologue, _, _ = _bn(x, g)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    w = _randn(*ws, g=g)
+    kw = dict(x_prev=x, prologue=prologue, act_in="silu", norm_stats=stats, tile=SMALL_FLAT, **conv)
+    small = conv_dgrad(gy, w, xs, **kw)
+    monkeypatch.setattr(dgrad, "_BIG_INDEX_THRESHOLD", 0)
+    dgrad._PLANS.clear()
+    big = conv_dgrad(gy, w, xs, **kw)
+    assert dgrad._PLANS.values()[-1].launch.constexprs["BIG"]
+    assert torch.equal(small[0], big[0]) and torch.equal(small[1].sum_dz_xhat, big[1].sum_dz_xhat)
 
 
 def test_forward_then_full_backward_chain_matches_autograd_of_float64():
