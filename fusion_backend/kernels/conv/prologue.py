@@ -1,7 +1,8 @@
 """Device side of the conv family's load: one ``[BLOCK_M, BLOCK_K]`` A tile of the implicit GEMM,
 gathered from channels-last ``x`` with the previous layer's normalisation and activation applied.
 
-Everything is ``@triton.jit`` and inlined into the kernel that calls it (``fprop``); the hooks are
+Everything is ``@triton.jit`` and inlined into the kernels that call it (``fprop``, ``wgrad``; ``dgrad``
+recomputes ``normalise`` in its epilogue); the hooks are
 selected by constexprs, so a conv without a prologue compiles to a plain masked load.
 
 The A tile of K step ``kk`` (``tiles`` explains the two K walks):
