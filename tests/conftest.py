@@ -8,7 +8,30 @@ that is why this happens at the top of conftest, before the tests import ``fusio
 import dataclasses
 import os
 
-import torch
+
+def _threads_shared_among_workers() -> None:
+    """Under pytest-xdist, each worker runs its share of the CPUs' threads, not all of them: set in
+    ``OMP_NUM_THREADS`` before torch and numpy are imported, the share sizes ATen's OpenMP pool, MKL and
+    numpy's OpenBLAS (on which Triton's interpreter runs ``tl.dot``), and the suite's subprocesses (the
+    distributed spawn, the fresh-process and command-line tests) inherit it.  A thread count the caller
+    set in ``OMP_NUM_THREADS`` is kept; without xdist nothing changes.
+
+    Each worker otherwise starts one thread per CPU, so two workers on two cores run four: every
+    parallel region of one worker then waits for a thread the other worker's threads have pushed off
+    a core, and the suite is full of small ops.  NOTE: 2-core CPU box, empty Inductor and Triton
+    caches, ``time python -m pytest -q -n 2 -p no:cacheprovider``: 6:08-6:14 with two threads per
+    worker, 4:25 with one (``tests/ops/test_conv_global_mean_op.py::test_gradcheck_float64[3]`` once
+    took 31.6 s with two, under 0.8 s with one)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers < 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cpus // workers))
+
+
+_threads_shared_among_workers()
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
