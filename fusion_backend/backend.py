@@ -42,7 +42,7 @@ from .match.engine import Candidate, find_regions, registered_patterns, rewrite_
 from .ops.autograd_free import with_autograd_free_pass
 from .options import FusionOptions
 from .report import Decision, Fallback, GraphCheck, GraphReport, publish
-from .runtime import deferred, graph_timing
+from .runtime import compile_estimate, deferred, graph_timing
 from .runtime.decision import (
     PENDING_RULE,
     DecisionBudget,
@@ -98,23 +98,22 @@ def fusion(
     real = deferred.real_inputs(example_inputs)
     pending = _Pending()
     # Under CUDA graphs nothing is deferred (a kept region runs once before they record): the graph's
-    # regions are decided during this compile, within a budget taken from Inductor's compile of the
-    # graph, which therefore compiles first, at the first region that must be measured (and runs where
-    # nothing is kept).  Where every region is decided from the cache or predicted, it is not compiled
-    # at all: the graph compiles once, as it will run.
+    # regions are decided during this compile, within a budget that is a fraction of Inductor's compile
+    # of the graph, estimated from the graphs compiled before (``runtime/compile_estimate.py``): the
+    # graph compiles once, as it will run.
     cuda_graphs = bool(config_patches.get("triton.cudagraphs"))
+    training = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
     timed_in_compile = may_defer and real and opts.decide == "measure" and cuda_graphs
-    first_compile: dict[str, Any] = {}
+    size = compile_estimate.graph_size(gm)  # before Inductor may mutate ``gm``
+    budget: dict[str, DecisionBudget] = {}
 
     def budget_for(graph: fx.GraphModule, candidate: Candidate) -> Optional[DecisionBudget]:
-        if timed_in_compile and not first_compile and pending_timing(
-                graph, candidate, policy=opts.decide, cache_dir=opts.cache_dir,
-                inductor_patches=config_patches) is not None:
-            t0 = time.perf_counter()
-            first_compile["compiled"] = _compile_inductor(_clone(gm), example_inputs, config_patches)
-            first_compile["seconds"] = time.perf_counter() - t0
-            first_compile["budget"] = DecisionBudget(opts.decide_budget * (time.perf_counter() - compiled_at))
-        return first_compile.get("budget")
+        if timed_in_compile and not budget:
+            expected = compile_estimate.estimate(size, training=training, cuda_graphs=cuda_graphs,
+                                                 cache_dir=opts.cache_dir)
+            budget["budget"] = DecisionBudget(opts.decide_budget * expected)
+        return budget.get("budget")
 
     def decide_first(graph: fx.GraphModule, candidate: Candidate, decisions: list[Decision]) -> bool:
         timing = None
@@ -155,14 +154,14 @@ def fusion(
         # the pending regions are decided later, on the graph as Dynamo gave it: copied before
         # Inductor compiles (and may mutate) that graph
         untouched = _clone(gm)
-    compiled = built.compiled or first_compile.get("compiled")
-    if first_compile and "decide" in report.stage_seconds:  # that compile ran among the decisions
-        report.stage_seconds["decide"] -= first_compile["seconds"]
-        report.stage_seconds["inductor (graph as given, for the budget)"] = first_compile["seconds"]
+    compiled = built.compiled
     if compiled is None:  # nothing rewritten: Dynamo's graph as Inductor compiles it
         t0 = time.perf_counter()
         compiled = _compile_inductor(original, example_inputs, config_patches)
         report.stage_seconds["inductor"] = time.perf_counter() - t0
+    if "inductor" in report.stage_seconds:
+        compile_estimate.record(size, report.stage_seconds["inductor"], training=training, cuda_graphs=cuda_graphs,
+                                cache_dir=opts.cache_dir)
     if pending.regions or pending.in_context:
         distributed = _distributed()
         settle = deferred.in_compile_state(

@@ -37,7 +37,10 @@ key                     meaning
                         for the fused ops' kernels, measuring regions, recompiling and timing the
                         whole graph) may take this fraction of the graph's first call; a region not
                         measured in time stays with Inductor (a later process measures it).  None:
-                        no limit.  The first region of a settle is always measured
+                        no limit.  The first region of a settle is always measured.
+                        Under CUDA graphs, where the regions are decided during the
+                        compile, the fraction is of Inductor's compile time estimated
+                        from earlier graphs (``runtime/compile_estimate.py``)
 ======================  ===========================================================================
 
 Environment variables that set defaults here (``fusion_backend.environment`` lists them all):

@@ -317,8 +317,9 @@ def test_ranks_keep_only_the_regions_every_rank_keeps(monkeypatch):
 
 def test_under_cuda_graphs_regions_are_decided_during_the_compile_within_a_budget_and_inductors_code_runs(
         monkeypatch):
-    """Nothing is deferred under CUDA graphs: Inductor's graph compiles first, its compile time sets
-    the budget, and where nothing is kept that compile is what runs (nothing compiled twice)."""
+    """Nothing is deferred under CUDA graphs: the regions are decided during the compile, the first
+    measurement always runs, and where nothing is kept Inductor's compile of the graph as given is
+    what runs (compiled once)."""
     compiles_of_graphs = []
     real_compile = backend._compile_inductor
 
@@ -339,9 +340,9 @@ def test_under_cuda_graphs_regions_are_decided_during_the_compile_within_a_budge
     assert timer.calls == 1 and compiles_of_graphs == [True] and not deferred_graphs()
 
 
-def test_under_cuda_graphs_a_graph_whose_regions_are_all_cached_compiles_once(monkeypatch):
-    """Inductor's graph compiles before the decisions only where a region must be measured: the
-    second compile of a model whose regions were measured compiles the rewritten graph alone."""
+def test_under_cuda_graphs_a_graph_compiles_once_whether_its_regions_are_measured_or_cached(monkeypatch):
+    """The decision budget is estimated, not compiled for: the graph that measures its regions
+    compiles the rewritten graph alone, as does the next compile, whose regions are cached."""
     compiles_of_graphs = []
     real_compile = backend._compile_inductor
 
@@ -355,18 +356,41 @@ def test_under_cuda_graphs_a_graph_whose_regions_are_all_cached_compiles_once(mo
     timer = RegionTimer((1.0, 2.0))  # the fused op wins
     options = {"triton.cudagraphs": True, "decide_budget": None}
     with decision.timing_override(timer, ("cpu",)), torch.no_grad():
+        for cached in ([False, True, True, False], [True] * 4):  # regions of one key share a measurement
+            torch._dynamo.reset()
+            compiles_of_graphs.clear()
+            with collect_reports() as reports:
+                torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
+            assert all(d.fused for d in reports[0].decisions) and timer.calls == 2
+            assert [d.cached for d in reports[0].decisions] == cached
+            assert compiles_of_graphs == [True]
+            stages = reports[0].stage_seconds  # where the compile's time went
+            assert list(stages) == ["match", "decide", "rewrite", "inductor", "total"]
+            assert stages["total"] >= sum(v for k, v in stages.items() if k != "total") > 0
+
+
+def test_under_cuda_graphs_the_budget_is_the_compile_rate_of_earlier_graphs_times_the_graphs_size(tmp_path):
+    """Before any graph of its kind compiled, the budget allows the first measurement alone; each
+    compile keeps Inductor's seconds per node in the measurement cache, and a later process's budget
+    is that rate times its graph's size (here a rate so high that every region is measured)."""
+    from fusion_backend.runtime import compile_estimate
+
+    def rate():
+        return compile_estimate.estimate(1, training=False, cuda_graphs=True, cache_dir=tmp_path)
+
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(2, 8, 10, 10)
+    options = {"triton.cudagraphs": True, "decide_budget": 0.2}
+    timer = RegionTimer((2.0, 1.0))  # Inductor wins: nothing kept
+    assert rate() == 0.0
+    with decision.timing_override(timer, ("cpu",)), torch.no_grad():
         with collect_reports() as reports:
-            torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
-        assert all(d.fused for d in reports[0].decisions) and timer.calls == 2
-        assert len(compiles_of_graphs) == 2  # Inductor's graph for the budget, then the rewritten one
-        stages = reports[0].stage_seconds  # where the first compile's time went, the budget's compile apart
-        assert list(stages) == ["match", "decide", "rewrite", "inductor", "inductor (graph as given, for the budget)",
-                                "total"]
-        assert stages["total"] >= sum(v for k, v in stages.items() if k != "total") > 0
+            torch.compile(model, backend="fusion", options=options)(x)
+        assert timer.calls == 1 and "budget is spent" in reports[0].decisions[-1].rule
+        assert rate() > 0.0  # the graph's compile, per node
+        decision.forget_in_memory()  # a new process: the file alone remembers
         torch._dynamo.reset()
-        compiles_of_graphs.clear()
+        compile_estimate.record(1, 1e6, training=False, cuda_graphs=True, cache_dir=tmp_path)
         with collect_reports() as reports:
-            torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
-    assert all(d.fused and d.cached for d in reports[0].decisions) and timer.calls == 2
-    assert len(compiles_of_graphs) == 1
-    assert list(reports[0].stage_seconds) == ["match", "decide", "rewrite", "inductor", "total"]
+            torch.compile(model, backend="fusion", options=options)(x)
+    assert timer.calls == 2 and [d.cached for d in reports[0].decisions] == [True] * 3 + [False]

@@ -1,0 +1,50 @@
+"""Inductor's compile time of a graph, estimated before it compiles.
+
+Under CUDA graphs a graph's regions are decided during its compile, within a budget that is a
+fraction of Inductor's compile of the graph (option ``decide_budget``).  Compiling the graph as
+given only to learn that time would compile it twice wherever a region is kept, so the time is
+estimated instead: Inductor's seconds per node of the latest graph this machine compiled, of the
+same kind (training or inference, with or without CUDA graphs), times this graph's nodes.  The rate
+is kept in the measurement cache (``measurements.py``), so a later process starts with it.  Where no
+graph was compiled yet the estimate is zero: the budget then allows the one measurement every
+budget allows (``decision.DecisionBudget``) and no more.
+
+NOTE: compiling the graph as given for the budget doubled a ResNet-50 training graph's compile under
+CUDA graphs (H200, bf16, batch 64, cold caches: 28.8 s for the graph as given, then 20.7 s for the
+rewritten one; ``python3 tools/first_call.py demos/realnets/resnet50.py --backends fusion --mode train
+--dtype bf16 --compile-mode reduce-overhead --log``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.fx as fx
+
+from .. import measurements
+
+KIND = "inductor_compile"
+
+
+def graph_size(gm: fx.GraphModule) -> int:
+    """The number of operations in ``gm`` (its call nodes), the unit the rate is kept in."""
+    return sum(1 for node in gm.graph.nodes if node.op.startswith("call_"))
+
+
+def _key(training: bool, cuda_graphs: bool) -> str:
+    return measurements.key(KIND, {"training": training, "cuda_graphs": cuda_graphs})
+
+
+def record(size: int, seconds: float, *, training: bool, cuda_graphs: bool, cache_dir: Path) -> None:
+    """Keep Inductor's compile of a graph of ``size`` nodes (``seconds``) as the rate of its kind."""
+    if size and seconds > 0:
+        measurements.store(_key(training, cuda_graphs), {"kind": KIND, "seconds_per_node": seconds / size,
+                                                         "nodes": size, "seconds": seconds}, cache_dir)
+
+
+def estimate(size: int, *, training: bool, cuda_graphs: bool, cache_dir: Path) -> float:
+    """Seconds Inductor is expected to take compiling a graph of ``size`` nodes: 0.0 where no graph of
+    its kind was timed."""
+    entry = measurements.lookup(_key(training, cuda_graphs), cache_dir,
+                                lambda e: e.get("kind") == KIND and isinstance(e.get("seconds_per_node"), float))
+    return 0.0 if entry is None else entry["seconds_per_node"] * size
