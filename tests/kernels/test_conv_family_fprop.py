@@ -5,8 +5,8 @@ small, and odd on purpose: channel counts that fill no block (3, 5, 7), spatial 
 tile, tiles forced small so that a call spans several M and N tiles.  Each result is checked by
 ``testing.compare`` against ``reference.conv_fprop_reference`` run in float64 (the truth), allowed
 ``max(floor, 2 x eager's error)``, eager being the same reference run in the input dtype (a rounding
-after every op); NaN/inf positions must equal eager's exactly.  On CUDA the same tests run on the GPU
-(fp32 then dots in TF32 where eager's cuDNN conv does too, so eager's error grows with ours).
+after every op); NaN/inf positions must equal eager's exactly.  On CUDA the same tests run on the GPU,
+fp32 with TF32 off; ``test_fp32_on_cuda_follows_cudnns_own_precision`` checks the TF32 path.
 """
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ FLOOR = {torch.float32: 5e-7, torch.float16: 5e-4, torch.bfloat16: 4e-3}
 #: A tile of 16 x 16 x 16: a call spans several M and N tiles and K steps even on tiny shapes.
 SMALL = TileConfig(16, 16, 16, num_warps=1, num_stages=1)
 SMALL_FLAT = TileConfig(16, 16, 16, num_warps=1, num_stages=1, flat_k=True)
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32(monkeypatch):
+    """fp32 is checked exact here: the kernels' dots follow cuDNN's TF32 flag (True by default), which
+    is turned off so that on CUDA too the fp32 floor is full fp32's (the TF32 path has its own test)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
 def _randn(*shape, g, dtype=torch.float32, scale=1.0):  # noqa: ANN001, ANN002
@@ -128,6 +135,27 @@ def test_bf16_on_cuda():
     x = _channels_last(_randn(2, 16, 9, 9, g=g, dtype=torch.bfloat16))
     w = _randn(24, 16, 3, 3, g=g, scale=0.3, dtype=torch.bfloat16)
     _check("bf16", x, w, None, padding=1, act_out="relu", stats=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cin", [3, 64], ids=["cin3", "cin64"])
+def test_fp32_on_cuda_follows_cudnns_own_precision(cin, monkeypatch):
+    """With TF32 allowed, the kernel told what cuDNN itself does for the conv
+    (``ops.conv_precision.forward_tf32``: full fp32 for some narrow convs) is within the floor or 2x
+    eager's error against float64, eager being cuDNN's conv under the same flags."""
+    from fusion_backend.ir.specs import ConvSpec
+    from fusion_backend.ops.conv_precision import forward_tf32
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    g = torch.Generator().manual_seed(11 + cin)
+    x = _channels_last(_randn(4, cin, 20, 20, g=g))
+    w = _randn(32, cin, 3, 3, g=g, scale=(9 * cin) ** -0.5)
+    spec = ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 1)
+    out, _ = conv_fprop(x, w, padding=1, allow_tf32=forward_tf32(x, w, spec).tf32)
+    eager = F.conv2d(x, w, padding=1)
+    truth = F.conv2d(x.double(), w.double(), padding=1)
+    why = compare(f"fp32 cin{cin}", out, eager, FLOOR[torch.float32], reference=truth)
+    assert why is None, why
 
 
 def test_tiles_change_nothing_but_the_sum_order():
