@@ -361,6 +361,19 @@ def test_plan_is_cached_per_signature():
     assert len(fprop._PLANS) == count + 1
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_channels_last_weight_whose_channels_fill_the_tile_is_read_in_place(groups):
+    """No per-call copy of the weight where its memory is the kernel's matrix already; any other
+    weight (NCHW, channels the tile pads) is prearranged, with the same result."""
+    g = torch.Generator().manual_seed(53)
+    x = _channels_last(_randn(2, 32, 5, 6, g=g))
+    w = _randn(32, 32 // groups, 3, 3, g=g, scale=0.2)
+    for weight, tile, in_place in ((_channels_last(w), SMALL, True), (w, SMALL, False),
+                                   (_channels_last(w), TileConfig(16, 32, 32, 1, 1), groups == 1)):  # fmt: skip
+        out, _ = _check(f"weight-g{groups}-{in_place}", x, weight, None, padding=1, groups=groups, tile=tile)
+        assert fprop._PLANS.values()[-1].weight_in_place is in_place
+
+
 def test_fp32_dot_precision_follows_cudnn_allow_tf32(monkeypatch):
     g = torch.Generator().manual_seed(47)
     x = _channels_last(_randn(1, 3, 5, 5, g=g))

@@ -13,7 +13,8 @@ Modules (one responsibility each):
 
 * ``hooks``     the host descriptions of the hooks (prologue kinds, activations, residual placement),
                 their constexpr codes and their contract checks;
-* ``tiles``     ``TileConfig`` (block sizes, warps, stages, K walk) and the heuristic picking one;
+* ``tiles``     ``TileConfig`` (block sizes, warps, stages, K walk), the heuristic picking one, and
+                the timed choice among a few candidates per call signature (cached on disk);
 * ``prologue``  device: the A tile of the implicit GEMM, gathered with the prologue applied;
 * ``epilogue``  device: bias, activation, residual, store, per-tile statistics;
 * ``stats``     the statistics' host reduction (deterministic) and ``ChannelStats``;
@@ -23,8 +24,9 @@ Modules (one responsibility each):
 * ``wgrad``     the weight gradient, the forward's prologue recomputed on load, and ``conv_wgrad``;
 * ``reference`` the same computation in plain torch (the tests' truth and yardstick).
 
-Status: forward, input and weight gradients, correct on CPU under Triton's interpreter; not wired into any
-fused op.
+Status: forward, input and weight gradients, correct against float64 on CPU under Triton's interpreter
+and on the H200 (fp32, fp16, bf16); not yet as fast as cuDNN's plain convs (``docs/perf/h200/conv-kernels``);
+not wired into any fused op.
 """
 
 from .dgrad import conv_dgrad

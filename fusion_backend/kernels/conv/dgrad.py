@@ -32,6 +32,7 @@ Numerics: operands in grad_y's dtype (fp16: fp32 accumulation), fp32 dots in TF3
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -61,7 +62,7 @@ from .grad_epilogue import store_grad_tile
 from .hooks import ActivationLike, NormStats, Prologue
 from .prologue import _tap_coords
 from .stats import BatchNormGradSums, empty_grad_sums, reduce_grad_partials
-from .tiles import TileConfig, pick_tile
+from .tiles import TileConfig, candidates, tuned_tile
 from .wgrad import _layout_of, _spatial_strides, check_grad_y
 
 
@@ -293,7 +294,7 @@ def conv_dgrad(
     norm_stats ``hooks.NormStats`` (per-channel mean and rstd the forward's BatchNorm used): also return
               the ``stats.BatchNormGradSums`` of the result (``Σ grad_z``, ``Σ grad_z · x̂``), bitwise
               reproducible.  (GroupNorm's backward sums, per sample and group, are not produced.)
-    tile      a ``TileConfig`` (None: ``tiles.pick_tile``'s with C_in and C_out exchanged).
+    tile      a ``TileConfig`` (None: ``tiles.tuned_tile``'s, C_in and C_out exchanged).
     allow_tf32: fp32 dots in TF32 (never under the interpreter); None: ``torch.backends.cudnn.allow_tf32``.
 
     Returns ``(grad, sums or None)``: grad of ``input_size`` in grad_y's dtype, channels-last dense.
@@ -331,10 +332,18 @@ def conv_dgrad(
                 raise ContractError(f"x_prev must be {size} {grad_y.dtype}, got {tuple(x_prev.shape)} {x_prev.dtype}")
         hooks.check_prologue(prologue, geo.n, geo.c_in, grad_y.device)
         hooks.check_norm_stats(norm_stats, geo.c_in, grad_y.device)
-        chosen = tile or pick_tile(geo.c_out_g, geo.c_in_g, geo.taps, geo.n * math.prod(geo.size), grad_y.dtype)
-        chosen.check()
         precision = backward_dot_precision(grad_y.dtype, precision_flag)
-        return _DgradPlan(geo, grad_y, x_prev, prologue, code, norm_stats is not None, chosen, precision)
+
+        def plan_with(t: TileConfig) -> _DgradPlan:
+            t.check()
+            return _DgradPlan(geo, grad_y, x_prev, prologue, code, norm_stats is not None, t, precision)
+
+        if tile is not None:
+            return plan_with(tile)
+        m = geo.n * math.prod(geo.size)
+        tiles = candidates("dgrad", geo.c_out_g, geo.c_in_g, geo.taps, m, grad_y.dtype)
+        return plan_with(tuned_tile("dgrad", key, tiles if m else tiles[:1], lambda t: functools.partial(
+            plan_with(t).run, grad_y, weight, x_prev, prologue, norm_stats, slope), grad_y.device))
 
     plan = _PLANS.get(key, build)
     return plan.run(grad_y, weight, x_prev, prologue, norm_stats, slope)

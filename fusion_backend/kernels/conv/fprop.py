@@ -36,6 +36,7 @@ and statistics are deterministic.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile
 from .stats import ChannelStats, empty_stats, reduce_partials
-from .tiles import TileConfig, pick_tile
+from .tiles import TileConfig, candidates, tuned_tile
 
 _INT32_LIMIT = 2**31 - 1
 #: Tensors that span more elements than this get int64 offsets (``BIG``); a module constant so that
@@ -307,8 +308,9 @@ class _Plan:
     """One launch plan: everything :func:`conv_fprop` derives from a call's signature (shapes,
     strides, dtypes, hook kinds, tile, precision), built once (``_PLANS``); ``run`` binds tensors."""
 
-    def __init__(self, geo: _Geometry, x: torch.Tensor, prologue: Prologue | None, act_in: int, act_out: int,
-                 has_bias: bool, residual_mode: int, stats: bool, tile: TileConfig, precision: str) -> None:  # fmt: skip
+    def __init__(self, geo: _Geometry, x: torch.Tensor, weight: torch.Tensor, prologue: Prologue | None, act_in: int,
+                 act_out: int, has_bias: bool, residual_mode: int, stats: bool, tile: TileConfig,
+                 precision: str) -> None:  # fmt: skip
         self.geo, self.tile, self.stats = geo, tile, stats
         self.dtype, self.device = x.dtype, x.device
         #: x is copied to channels-last dense first (its channel stride is not 1)
@@ -321,6 +323,10 @@ class _Plan:
         cin_pad = cdiv(geo.c_in_g, tile.block_k) * tile.block_k
         k_row = cdiv(geo.taps * geo.c_in_g, tile.block_k) * tile.block_k if tile.flat_k else geo.taps * cin_pad
         cout_pad = cdiv(geo.c_out_g, tile.block_n) * tile.block_n
+        #: the weight is read as it is, not prearranged per call: a channels-last dense weight is the
+        #: ``(groups, COUT_PAD, K_ROW)`` matrix already where the tile needs no padding
+        self.weight_in_place = (dense_channels_last(weight) and not tile.flat_k and cin_pad == geo.c_in_g
+                                and cout_pad == geo.c_out_g)  # fmt: skip
         self.m_tiles = cdiv(geo.m, tile.block_m)
         grid = (self.m_tiles, cout_pad // tile.block_n, geo.groups)
         g_norm, norm_affine = 1, False
@@ -349,7 +355,7 @@ class _Plan:
             return out, (empty_stats(geo.c_out, self.device) if self.stats else None)
         if self.relayout:
             x = to_channels_last(x)
-        w = prearrange_weight(weight, geo.groups, self.tile, self.dtype)
+        w = weight if self.weight_in_place else prearrange_weight(weight, geo.groups, self.tile, self.dtype)
         out = empty_channels_last(geo.out_shape, self.dtype, self.device)
         partials = None
         if self.stats:
@@ -389,7 +395,8 @@ def conv_fprop(
               on CUDA (on CPU under ``TRITON_INTERPRET=1``).  Channels-last strides (channel stride 1;
               any other strides, e.g. a slice) are read in place; any other layout (NCHW) is copied
               once to channels-last first (one extra pass over ``x``).
-    weight    (C_out, C_in/groups, *k), x's dtype, any strides; prearranged per call.
+    weight    (C_out, C_in/groups, *k), x's dtype, any strides: read in place where it is channels-last
+              dense and the tile divides its channels per group, else prearranged per call.
     bias      None or (C_out,), x's dtype or fp32.
     stride, padding, dilation: an int or one int per spatial dim (symmetric padding, as ``F.conv*d``).
     groups    divides C_in and C_out; depthwise (groups == C_in) runs, not fast (K per group is tiny).
@@ -399,7 +406,7 @@ def conv_fprop(
     residual  None or a tensor of the output's shape and dtype, channels-last dense; added before
               ``act_out`` (ResNet) or, with ``residual_after_act``, after it.
     stats     also return ``stats.ChannelStats`` of the stored output (deterministic; ``epilogue``).
-    tile      a ``TileConfig`` (None: ``tiles.pick_tile``'s).
+    tile      a ``TileConfig`` (None: ``tiles.tuned_tile``'s: timed on CUDA once per signature).
     allow_tf32: fp32 dots in TF32 (never under the interpreter); None: ``torch.backends.cudnn.allow_tf32``,
               eager's rule for a conv.  A caller that knows eager's conv of these tensors runs in full
               fp32 anyway (cuDNN does for 3 input channels) passes False.
@@ -427,11 +434,18 @@ def conv_fprop(
     def build() -> _Plan:
         geo = _check_call(x, weight, bias, residual, stride, padding, dilation, groups)
         hooks.check_prologue(prologue, geo.n, geo.c_in, x.device)
-        chosen = tile or pick_tile(geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
-        chosen.check()
         precision = dot_precision(x.dtype, precision_flag, INTERPRETER)
-        return _Plan(geo, x, prologue, code_in, code_out, bias is not None, residual_mode, bool(stats),
-                     chosen, precision)  # fmt: skip
+
+        def plan_with(t: TileConfig) -> _Plan:
+            t.check()
+            return _Plan(geo, x, weight, prologue, code_in, code_out, bias is not None, residual_mode, bool(stats),
+                         t, precision)  # fmt: skip
+
+        if tile is not None:
+            return plan_with(tile)
+        tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
+        return plan_with(tuned_tile("fprop", key, tiles if geo.m else tiles[:1], lambda t: functools.partial(
+            plan_with(t).run, x, weight, bias, residual, prologue, (slope_in, slope_out)), x.device))
 
     plan = _PLANS.get(key, build)
     return plan.run(x, weight, bias, residual, prologue, (slope_in, slope_out))

@@ -3,9 +3,15 @@
 A :class:`TileConfig` is everything about a launch that changes speed but not the result (apart
 from the order of the fp32 sums, which the tile's ``BLOCK_K`` fixes): the three GEMM block sizes, the
 warps, the software-pipeline depth, and how the K axis is walked (``flat_k``, see below).  It is a
-plain frozen dataclass so that a per-shape cache (measured on the GPU) can store and return one;
-:func:`pick_tile` is the fallback that needs no measurement.  Nothing here is tuned yet: the numbers
-follow the usual shape of a Hopper GEMM (64/128-row tiles, 4-8 warps, 3-4 stages), not a measurement.
+plain frozen dataclass so that the measurement cache can store and return one.
+
+Which tile a launch uses (:func:`tuned_tile`): on CUDA, the fastest of a few candidates per pass
+(:func:`candidates`: the heuristic's tile and the pass's :data:`CANDIDATES` that fit the problem), timed
+once per call signature on the call's own tensors and kept in the measurement cache
+(``fusion_backend.measurements``, kind ``"conv_tile"``), so a later process times nothing.  Without
+measuring (the interpreter, ``FUSION_CONV_AUTOTUNE=0``, a CUDA graph being captured) it is
+:func:`pick_tile`'s.  Why timed: the best tile moves irregularly with the shape (NOTE at
+:data:`CANDIDATES`); three candidates come within 5% of the best of eleven on average.
 
 The K axis (``C_in/groups * KD * KH * KW``, the weight's order: taps outer, channels inner):
 
@@ -20,11 +26,14 @@ The K axis (``C_in/groups * KD * KH * KW``, the weight's order: taps outer, chan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..host import next_pow2
+from ... import environment, measurements
+from ..host import next_pow2, tile_bench
 from ..plan_cache import ContractError
 
 #: Channels per group below which K is walked flat (a tap-major step would be mostly padding).
@@ -79,3 +88,85 @@ def pick_tile(cin_g: int, cout_g: int, taps: int, m: int, dtype: torch.dtype) ->
     block_m = min(block_m, max(16, next_pow2(m)))
     num_warps = 8 if block_m * block_n >= 128 * 128 else 4
     return TileConfig(block_m, block_n, block_k, num_warps, num_stages=3 if wide else 2, flat_k=flat_k)
+
+
+def _tile(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> TileConfig:
+    return TileConfig(block_m, block_n, block_k, num_warps, num_stages)
+
+
+# NOTE: bf16, H200, the eight largest convs of ResNet-50 at batch 64, eleven tiles each
+# (``python tools/sweep_conv_tiles.py demos/realnets/resnet50.py --max-shapes 8``): the best tile
+# changed from shape to shape (fprop: 256x64 on 64 channels at 56x56, 64x128 on 256 at 14x14, where
+# 128x128 with 4 warps ran at 0.36 of it); no single tile came within 0.73 (fprop), 0.80 (dgrad),
+# 0.87 (wgrad) of the per-shape best on average; the three below each reach 0.95-1.0.
+#: Tiles timed per pass besides the heuristic's, best on average first (``M x N x K``, warps, stages).
+#: dgrad's N is the input channels, wgrad's M the reduction over output positions.
+CANDIDATES: dict[str, tuple[TileConfig, ...]] = {
+    "fprop": (_tile(128, 128, 64, 4, 3), _tile(256, 64, 64, 8, 3), _tile(64, 128, 64, 4, 3)),
+    "dgrad": (_tile(128, 128, 64, 4, 3), _tile(256, 128, 64, 8, 3), _tile(128, 128, 32, 4, 4)),
+    "wgrad": (_tile(128, 128, 128, 8, 3), _tile(64, 64, 64, 4, 3), _tile(128, 64, 64, 4, 3)),
+}
+
+#: Shared memory an sm_90 block may use (227 KiB), less room for the epilogue's scratch.
+_SHARED_BYTES = 200 * 1024
+
+
+def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: int,
+               dtype: torch.dtype) -> list[TileConfig]:  # fmt: skip
+    """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"): the heuristic's
+    (:func:`pick_tile` with ``k_channels`` the channels per group a K step walks and ``n_channels``
+    those of the N axis), then each of :data:`CANDIDATES` fitted to the problem: N no wider than the
+    channels need, K no wider than the channels of a tap (fp32: at most 32), M no taller than ``m``
+    needs, within shared memory; duplicates dropped.  A flat-K problem (few channels per group, whose
+    K walk the candidates are not for) tries the heuristic's tile with twice the warps and with half
+    the rows instead: its per-element tap arithmetic, with a prologue, spilled registers on 4 warps
+    (``python tools/compile_check.py conv_family``: the RGB stem's hooked fprop, 156 spilled)."""
+    first = pick_tile(k_channels, n_channels, taps, m, dtype)
+    if first.flat_k:
+        halved = replace(first, block_m=max(16, first.block_m // 2))
+        return list(dict.fromkeys([first, replace(first, num_warps=2 * first.num_warps), halved]))
+    size = dtype.itemsize
+    kept = [first]
+    for c in CANDIDATES[pass_name]:
+        block_n = min(c.block_n, max(16, next_pow2(n_channels)))
+        block_k = min(c.block_k, 32 if dtype == torch.float32 else 128, max(16, next_pow2(k_channels)))
+        block_m = min(c.block_m, max(16, next_pow2(m)))
+        tile = TileConfig(block_m, block_n, block_k, c.num_warps, c.num_stages)
+        if (block_m * block_k + block_k * block_n) * size * c.num_stages > _SHARED_BYTES:
+            continue
+        if tile not in kept:
+            kept.append(tile)
+    return kept
+
+
+def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
+               time_tile: Callable[[TileConfig], Callable[[], object]], device: torch.device) -> TileConfig:  # fmt: skip
+    """The tile of ``tiles`` a launch of ``pass_name`` with plan key ``signature`` uses (module
+    docstring): ``tiles[0]`` without measuring; else the one cached for the signature, or the fastest
+    by ``time_tile(tile)`` (a call that runs the pass with that tile on the caller's tensors), timed
+    with :func:`host.tile_bench` and cached.  A tile that fails to compile or run is skipped; if all
+    fail, ``tiles[0]``."""
+    if len(tiles) == 1 or not _measuring(device):  # nothing to choose, or no timing here
+        return tiles[0]
+    key = measurements.key("conv_tile", {"pass": pass_name, "signature": repr(signature),
+                                         "tiles": [asdict(t) for t in tiles]})
+    cache_dir = environment.cache_dir()
+    entry = measurements.lookup(key, cache_dir, lambda e: e.get("kind") == "conv_tile")
+    if entry is not None and 0 <= entry.get("index", -1) < len(tiles):
+        return tiles[entry["index"]]
+    times = []
+    for tile in tiles:
+        try:
+            times.append(float(tile_bench(time_tile(tile))))
+        except Exception:  # noqa: BLE001 - a tile that cannot run is not a candidate
+            times.append(math.inf)
+    index = min(range(len(tiles)), key=times.__getitem__)
+    if math.isfinite(times[index]):
+        measurements.store(key, {"kind": "conv_tile", "index": index, "ms": times}, cache_dir)
+    return tiles[index]
+
+
+def _measuring(device: torch.device) -> bool:
+    """Whether tiles are timed: on CUDA, with ``FUSION_CONV_AUTOTUNE`` on, outside CUDA-graph capture."""
+    return (device.type == "cuda" and environment.measuring()
+            and not torch.cuda.is_current_stream_capturing())

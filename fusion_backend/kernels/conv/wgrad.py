@@ -31,6 +31,7 @@ forward does, so the recomputed A is the forward's A bit for bit).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,7 +56,7 @@ from .fprop import (
 )
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile
-from .tiles import TileConfig, pick_tile
+from .tiles import TileConfig, candidates, tuned_tile
 
 #: Programs a split-K launch aims for (about two waves of a 132-SM GPU); each split keeps at least
 #: ``_MIN_TILES_PER_SPLIT`` M tiles so that the partial buffer stays small next to the reads.  Not
@@ -236,8 +237,9 @@ class _WgradPlan:
         bpart = torch.empty((self.split, geo.c_out), dtype=torch.float32, device=self.device) if self.bias_grad else part
         p = [part if t is None else t for t in hooks.prologue_tensors(prologue)]
         self.launch(x, grad_y, part, bpart, *p, slope_in)
-        grad_w.copy_(self._weight_layout(_reduce_splits(part)).view(weight.shape))
-        grad_b = _reduce_splits(bpart).to(self.dtype) if self.bias_grad else None
+        summed = part[0] if self.split == 1 else _reduce_splits(part)  # one split: nothing to add
+        grad_w.copy_(self._weight_layout(summed).view(weight.shape))
+        grad_b = (bpart[0] if self.split == 1 else _reduce_splits(bpart)).to(self.dtype) if self.bias_grad else None
         return grad_w, grad_b
 
 
@@ -273,7 +275,7 @@ def conv_wgrad(
               strides are read (the gradient takes them).
     stride, padding, dilation, groups, prologue, act_in: the forward's (``conv_fprop``).
     bias_grad also return ``grad_bias = grad_y.sum(all dims but C)``, (C_out,) in x's dtype.
-    tile      a ``TileConfig`` (None: ``tiles.pick_tile``'s): ``block_n`` output channels x ``block_k``
+    tile      a ``TileConfig`` (None: ``tiles.tuned_tile``'s): ``block_n`` output channels x ``block_k``
               K entries per program, ``block_m`` output positions per reduction step.
     split     how many programs share the M reduction (None: ``pick_split``'s).
     allow_tf32: fp32 dots in TF32 (never under the interpreter); None: ``torch.backends.cudnn.allow_tf32``.
@@ -299,10 +301,17 @@ def conv_wgrad(
         geo = _check_call(x, weight, None, None, stride, padding, dilation, groups)
         check_grad_y(grad_y, geo.out_shape, x)
         hooks.check_prologue(prologue, geo.n, geo.c_in, x.device)
-        chosen = tile or pick_tile(geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
-        chosen.check()
         precision = backward_dot_precision(x.dtype, precision_flag)
-        return _WgradPlan(geo, x, grad_y, prologue, code_in, bool(bias_grad), chosen, split, precision)
+
+        def plan_with(t: TileConfig) -> _WgradPlan:
+            t.check()
+            return _WgradPlan(geo, x, grad_y, prologue, code_in, bool(bias_grad), t, split, precision)
+
+        if tile is not None:
+            return plan_with(tile)
+        tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
+        return plan_with(tuned_tile("wgrad", key, tiles if geo.m else tiles[:1], lambda t: functools.partial(
+            plan_with(t).run, grad_y, x, weight, prologue, slope_in), x.device))
 
     plan = _PLANS.get(key, build)
     return plan.run(grad_y, x, weight, prologue, slope_in)

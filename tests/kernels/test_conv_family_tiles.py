@@ -1,0 +1,152 @@
+"""Which tile the conv family's launches use (``kernels/conv/tiles.py``): the candidates fitted to a
+problem, the timed choice among them and its cache.
+
+On CPU nothing is timed for real: ``tiles._measuring`` is forced on and ``tiles.tile_bench`` replaced
+by a fake that gives each tile a time, so the choice, its cache and its fallbacks are checked here; the
+kernels run under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion_backend import measurements
+from fusion_backend.kernels.conv import (
+    TileConfig,
+    conv_dgrad,
+    conv_fprop,
+    conv_wgrad,
+    dgrad,
+    fprop,
+    tiles,
+    wgrad,
+)
+from fusion_backend.kernels.conv.tiles import CANDIDATES, candidates, pick_tile, tuned_tile
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+class FakeBench:
+    """``tile_bench`` whose time for a tile is ``times[tile]`` (default 1.0); records what it timed.
+    ``failing``: tiles whose run raises, as a tile that does not compile would."""
+
+    def __init__(self, times=None, failing=()):
+        self.times, self.failing, self.timed, self.attempted = dict(times or {}), set(failing), [], []
+        self.current = None
+
+    def wrap(self, time_tile):
+        def for_tile(tile):
+            run = time_tile(tile)
+
+            def call():
+                self.attempted.append(tile)
+                if tile in self.failing:
+                    raise RuntimeError("out of resources")
+                self.current = tile
+                return run()
+
+            return call
+
+        return for_tile
+
+    def __call__(self, call):
+        call()
+        self.timed.append(self.current)
+        return self.times.get(self.current, 1.0)
+
+
+@pytest.fixture
+def timed(monkeypatch, tmp_path):
+    """Tiles are timed (by a ``FakeBench``) into a fresh measurement cache."""
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))
+    measurements.forget_in_memory()
+    bench = FakeBench()
+    monkeypatch.setattr(tiles, "_measuring", lambda device: True)
+    monkeypatch.setattr(tiles, "tile_bench", bench)
+    real = tiles.tuned_tile
+
+    def tuned(pass_name, signature, tried, time_tile, device):
+        return real(pass_name, signature, tried, bench.wrap(time_tile), device)
+
+    for module in (fprop, dgrad, wgrad):
+        monkeypatch.setattr(module, "tuned_tile", tuned)
+    for module in (fprop, dgrad, wgrad):
+        module._PLANS.clear()
+    yield bench
+    measurements.forget_in_memory()
+    for module in (fprop, dgrad, wgrad):
+        module._PLANS.clear()
+
+
+def test_candidates_start_with_the_heuristic_and_fit_the_problem():
+    wide = candidates("fprop", 256, 256, 9, 200704, torch.bfloat16)
+    assert wide[0] == pick_tile(256, 256, 9, 200704, torch.bfloat16)
+    assert set(CANDIDATES["fprop"]) <= set(wide) and len(set(wide)) == len(wide)
+    narrow = candidates("fprop", 16, 24, 9, 40, torch.float16)  # N at most 32, K at most 16, M at most 64
+    assert all(t.block_n <= 32 and t.block_k <= 16 and t.block_m <= 64 for t in narrow)
+    fp32 = candidates("wgrad", 256, 256, 9, 200704, torch.float32)
+    assert all(t.block_k <= 32 for t in fp32)
+    assert all((t.block_m * t.block_k + t.block_k * t.block_n) * 4 * t.num_stages <= tiles._SHARED_BYTES for t in fp32)
+    stem = candidates("fprop", 3, 64, 49, 802816, torch.bfloat16)  # flat K: the heuristic's, more warps, fewer rows
+    first = pick_tile(3, 64, 49, 802816, torch.bfloat16)
+    assert stem[0] == first and all(t.flat_k and t.block_k == first.block_k for t in stem) and len(stem) == 3
+
+
+def test_the_fastest_candidate_is_chosen_cached_and_not_timed_again(timed):
+    tried = candidates("fprop", 64, 64, 9, 4096, torch.float16)
+    timed.times = {tried[0]: 3.0, tried[1]: 2.0, tried[2]: 0.5}
+    picked = tuned_tile("fprop", ("signature", 1), tried, timed.wrap(lambda t: lambda: None), torch.device("cpu"))
+    assert picked == tried[2] and timed.timed == tried
+    measurements.forget_in_memory()  # a later process: the file answers
+    again = tuned_tile("fprop", ("signature", 1), tried, timed.wrap(lambda t: lambda: None), torch.device("cpu"))
+    assert again == tried[2] and timed.timed == tried
+    other = tuned_tile("fprop", ("signature", 2), tried, timed.wrap(lambda t: lambda: None), torch.device("cpu"))
+    assert other == tried[2] and len(timed.timed) == 2 * len(tried)
+
+
+def test_a_tile_that_fails_is_skipped_and_when_all_fail_the_first_is_used_uncached(timed):
+    tried = [TileConfig(16, 16, 16, 1, 1), TileConfig(32, 16, 16, 1, 1)]
+    timed.failing = {tried[1]}
+    timed.times = {tried[1]: 0.1}
+    assert tuned_tile("dgrad", "s", tried, timed.wrap(lambda t: lambda: None), torch.device("cpu")) == tried[0]
+    timed.failing = set(tried)
+    assert tuned_tile("dgrad", "t", tried, timed.wrap(lambda t: lambda: None), torch.device("cpu")) == tried[0]
+    assert tuned_tile("dgrad", "t", tried, timed.wrap(lambda t: lambda: None), torch.device("cpu")) == tried[0]
+    assert timed.timed == [tried[0]] and len(timed.attempted) == 2 + 2 * 2  # the all-failing key: not cached
+
+
+def test_without_measuring_the_heuristic_tile_runs_untimed(monkeypatch):
+    monkeypatch.setattr(tiles, "tile_bench", lambda call: pytest.fail("timed"))
+    tried = candidates("fprop", 64, 64, 9, 4096, torch.float16)
+    assert tuned_tile("fprop", "s", tried, lambda t: lambda: None, torch.device("cpu")) == tried[0]
+
+
+def _cl(t):
+    return t.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+def test_each_pass_runs_the_tile_its_timing_chose_and_gives_the_same_result(timed):
+    """fprop, dgrad and wgrad each time their candidates on the call's tensors, launch the fastest,
+    and their results match the untuned launch's."""
+    g = torch.Generator().manual_seed(5)
+    x = _cl(torch.randn(2, 32, 6, 6, generator=g)).to(DEVICE)
+    w = (torch.randn(32, 32, 3, 3, generator=g) * 0.1).to(DEVICE)
+    dy = _cl(torch.randn(2, 32, 6, 6, generator=g)).to(DEVICE)
+    for name, module, run, tried in (
+        ("fprop", fprop, lambda: conv_fprop(x, w, padding=1)[0], candidates("fprop", 32, 32, 9, 72, torch.float32)),
+        ("dgrad", dgrad, lambda: conv_dgrad(dy, w, x.shape, padding=1)[0], candidates("dgrad", 32, 32, 9, 72,
+                                                                                      torch.float32)),
+        ("wgrad", wgrad, lambda: conv_wgrad(dy, x, w, padding=1)[0], candidates("wgrad", 32, 32, 9, 72,
+                                                                                torch.float32)),
+    ):  # fmt: skip
+        assert len(tried) > 1, name
+        timed.times = {t: 1.0 for t in tried} | {tried[-1]: 0.25}
+        out = run()
+        assert module._PLANS.values()[-1].tile == tried[-1], name
+        want = {"fprop": lambda: F.conv2d(x, w, padding=1),
+                "dgrad": lambda: torch.nn.grad.conv2d_input(x.shape, w, dy, padding=1),
+                "wgrad": lambda: torch.nn.grad.conv2d_weight(x, w.shape, dy, padding=1)}[name]()
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)

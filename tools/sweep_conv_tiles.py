@@ -1,0 +1,120 @@
+"""Time the conv family's passes over a grid of tiles on every distinct conv of the given models, to
+choose ``kernels/conv/tiles.py``'s ``CANDIDATES`` (CUDA only).
+
+    python tools/sweep_conv_tiles.py demos/realnets/resnet50.py --passes fprop,dgrad,wgrad --max-shapes 8
+    python tools/sweep_conv_tiles.py --out /tmp/sweep.json --budget-s 300
+
+Per shape (``conv_shapes``, largest first) and pass: cuDNN's time, the tuned launch's (whatever
+``tiles.tuned_tile`` picks), and every tile of :data:`GRID` that fits the problem, each by
+``triton.testing.do_bench`` on channels-last bf16 (``--dtype``) tensors.  Prints one line per row
+and, at the end, per pass: each tile's time as a fraction of the row's best (geometric mean over
+rows) and the best set of ``--set-size`` tiles, what the candidates of a timed choice should be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_conv import DEFAULT_MODELS, _Inputs  # noqa: E402
+from conv_shapes import collect  # noqa: E402
+
+#: ``(block_m, block_n, block_k, num_warps, num_stages)`` tried per pass.
+GRID = [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 3),
+        (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 32, 4, 4), (256, 64, 64, 8, 3),
+        (64, 256, 64, 8, 3), (64, 64, 128, 4, 3), (128, 128, 128, 8, 3)]  # fmt: skip
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _steps(t: _Inputs, pass_name: str, tile: object) -> object:
+    from fusion_backend.kernels.conv import conv_dgrad, conv_fprop, conv_wgrad
+
+    s = t.shape
+    if pass_name == "fprop":
+        return lambda: conv_fprop(t.x, t.w, t.b, tile=tile, **t.geo)
+    if pass_name == "dgrad":
+        return lambda: conv_dgrad(t.dy, t.w, s.x_shape, tile=tile, **t.geo)
+    return lambda: conv_wgrad(t.dy, t.x, t.w, bias_grad=s.bias, tile=tile, **t.geo)
+
+
+def _cudnn(t: _Inputs, pass_name: str) -> object:
+    if pass_name == "fprop":
+        return lambda: torch.ops.aten.convolution(t.x, t.w, t.b, *t.conv_args)
+    return t.cudnn_dgrad if pass_name == "dgrad" else (lambda: t.cudnn_wgrad(t.x))
+
+
+def _score(rows: list[dict[str, float]], chosen: tuple[str, ...]) -> float:
+    """The geometric mean over ``rows`` of the best time / the best time among ``chosen`` tiles."""
+    return math.exp(sum(math.log(min(m[k] for k in m if k != "cudnn") / min(m[k] for k in chosen))
+                        for m in rows) / len(rows))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    import triton
+
+    from fusion_backend.kernels.conv import TileConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=[str(m) for m in DEFAULT_MODELS])
+    parser.add_argument("--passes", default="fprop,dgrad,wgrad")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--max-shapes", type=int, default=8)
+    parser.add_argument("--budget-s", type=float, default=math.inf, help="stop starting rows after this long")
+    parser.add_argument("--set-size", type=int, default=3)
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep_conv_tiles: needs CUDA")
+        return 2
+    began, dtype = time.time(), DTYPES[args.dtype]
+    shapes = sorted(collect(args.models, "cuda").shapes, key=lambda s: -s.macs)[: args.max_shapes]
+    rows = []
+    for shape, pass_name in itertools.product(shapes, args.passes.split(",")):
+        if time.time() - began > args.budget_s:
+            break
+        t = _Inputs.make(shape, dtype, torch.device("cuda"))
+        cin_g, cout_g = shape.w_shape[1], shape.w_shape[0] // shape.groups
+        n_extent, k_extent = (cin_g, cout_g) if pass_name == "dgrad" else (cout_g, cin_g)
+        times = {"cudnn": triton.testing.do_bench(_cudnn(t, pass_name)),
+                 "tuned": triton.testing.do_bench(_steps(t, pass_name, None))}  # fmt: skip
+        for bm, bn, bk, warps, stages in GRID:
+            if bn > 2 * max(16, 1 << (n_extent - 1).bit_length()) or bk > max(16, k_extent):
+                continue
+            tile = TileConfig(bm, bn, bk, warps, stages, flat_k=cin_g < 16)
+            try:
+                times[f"{bm}x{bn}x{bk} w{warps} s{stages}"] = triton.testing.do_bench(_steps(t, pass_name, tile))
+            except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
+                print(f"  {bm}x{bn}x{bk} w{warps} s{stages}: {type(exc).__name__}")
+        best = min((k for k in times if k != "cudnn"), key=times.get)
+        rows.append({"shape": shape.label(), "pass": pass_name, "ms": times})
+        print(f"{pass_name} {shape.label():48s} cudnn {times['cudnn']:.4f}  tuned {times['tuned']:.4f} "
+              f"({times['cudnn'] / times['tuned']:.2f}x)  best {best} {times[best]:.4f}", flush=True)  # fmt: skip
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+    for pass_name in args.passes.split(","):
+        mine = [r["ms"] for r in rows if r["pass"] == pass_name]
+        tiles = set.intersection(*(set(m) - {"cudnn", "tuned"} for m in mine)) if mine else set()
+        if not tiles:
+            continue
+
+        for tile in sorted(tiles, key=lambda k: -_score(mine, (k,))):
+            print(f"{pass_name} {tile:22s} {_score(mine, (tile,)):.2f} of the best on average")
+        sets = sorted(itertools.combinations(sorted(tiles), min(args.set_size, len(tiles))),
+                      key=lambda chosen: _score(mine, chosen), reverse=True)  # fmt: skip
+        print(f"{pass_name} best set of {args.set_size}: {', '.join(sets[0])} ({_score(mine, sets[0]):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
