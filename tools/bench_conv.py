@@ -27,8 +27,10 @@ Per shape, dtype (``--dtype``, default bf16) and pass (``--passes``): one interl
   the conv and the statistics reduction after it; dgrad: relu' and the two sums after cuDNN's dgrad;
   wgrad: the pass materialising the normalised input before cuDNN's wgrad.
 
-Timing (``fusion_backend.bench.measure.CudaEventTimer``, L2 warm): the four steps interleaved
-repetition by repetition, ``--rounds`` rounds; each step's time is the median of its round medians.
+Timing (:class:`GpuTimer`): GPU time per call, each step's calls queued behind a GPU spin so that the
+host's launch cost (tens of microseconds of Python and dispatch per call, more than many of these
+convs take on the GPU at batch 64) stays out of it, as under CUDA graphs; L2 warm.  The four steps
+interleaved, ``--rounds`` rounds; each step's time is the median of its rounds.
 Before timing, every step runs once (compiles) and its result is checked against cuDNN's (plain) or
 the unfused path's (hooked): the worst relative error over its outputs within the dtype's
 :data:`TOLERANCE`, else the row is a MISMATCH.  Output: a table on stdout; with ``--out DIR``,
@@ -447,12 +449,25 @@ def measure_case(case: Case, timer: Timer, rounds: int, verbose: bool = False) -
     return rows
 
 
-def cuda_timer(device: torch.device, target_ms: float) -> Timer:
-    """The real timer: CUDA events, 3 warmup runs, repetitions chosen for about ``target_ms`` a round."""
-    from fusion_backend.bench.config import MeasureConfig
-    from fusion_backend.bench.measure import CudaEventTimer
+@dataclass
+class _GpuStats:
+    median_ms: float
 
-    return CudaEventTimer(device, MeasureConfig(warmup=3, target_ms=target_ms, rounds=1, cold=False, max_reps=500))
+
+class GpuTimer:
+    """A ``Timer`` of GPU time per call (``impl_choice.gpu_ms_per_call``: the best of a few rounds of
+    back-to-back calls queued behind a GPU spin, so the host's speed is not measured)."""
+
+    def time(self, steps: Sequence[Any], cold: bool = False) -> list[Any]:
+        from fusion_backend.ops.impl_choice import gpu_ms_per_call
+
+        out: list[Any] = []
+        for step in steps:
+            try:
+                out.append(_GpuStats(gpu_ms_per_call(step.run)))
+            except Exception as exc:  # noqa: BLE001 - reported per step
+                out.append(exc)
+        return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -502,7 +517,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--shard", type=_shard, default=None, help="K/N: every N-th shape from the K-th")
     parser.add_argument("--no-hooks", action="store_true", help="time the plain passes only")
     parser.add_argument("--rounds", type=_positive, default=3, help="interleaved rounds per case (default 3)")
-    parser.add_argument("--target-ms", type=float, default=100.0, help="timed ms per step and round (default 100)")
     parser.add_argument("--out", type=Path, default=None, help="write bench.json and bench.md into this folder")
     parser.add_argument("--docs-out", action="store_true", help=f"write them into {DOCS_OUT.relative_to(ROOT)}/")
     parser.add_argument("--append", action="store_true", help="merge into the folder's existing bench.json")
@@ -514,8 +528,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.out = DOCS_OUT
     if args.append and args.out is None:
         parser.error("--append needs --out DIR or --docs-out")
-    if args.target_ms <= 0:
-        parser.error(f"--target-ms must be > 0, got {args.target_ms}")
     return args
 
 
@@ -554,7 +566,7 @@ def main(argv: Sequence[str] | None = None, timer: Timer | None = None) -> int:
         print("bench_conv.py: no CUDA device: nothing to time (--list works without one)", file=sys.stderr)
         return 1
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    timer = timer or cuda_timer(device, args.target_ms)
+    timer = timer or GpuTimer()
     _allow_many_recompiles()
     notes = [f"skipped {m}: {why}" for m, why in collection.skipped]
     notes += [f"{m}: {note}" for m, note in collection.notes]

@@ -128,9 +128,10 @@ def _cl(t):
     return t.movedim(1, -1).contiguous().movedim(-1, 1)
 
 
-def test_each_pass_runs_the_tile_its_timing_chose_and_gives_the_same_result(timed):
+def test_each_pass_runs_the_tile_its_timing_chose_and_gives_the_same_result(timed, monkeypatch):
     """fprop, dgrad and wgrad each time their candidates on the call's tensors, launch the fastest,
-    and their results match the untuned launch's."""
+    and their results match eager's (fp32, TF32 off on CUDA)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     g = torch.Generator().manual_seed(5)
     x = _cl(torch.randn(2, 32, 6, 6, generator=g)).to(DEVICE)
     w = (torch.randn(32, 32, 3, 3, generator=g) * 0.1).to(DEVICE)
