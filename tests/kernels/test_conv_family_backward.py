@@ -258,6 +258,41 @@ def test_dgrad_half_accumulates_in_fp32(name):
     assert grad.dtype == torch.float16
 
 
+# name, x shape, weight shape, conv kwargs: strided, dilation 1, 16+ output channels per group (tap-major)
+PHASED = [
+    ("3x3-s2-p1-odd", (2, 16, 7, 9), (16, 16, 3, 3), dict(stride=2, padding=1)),
+    ("1x1-s2-odd-rows-get-zero", (2, 16, 7, 6), (32, 16, 1, 1), dict(stride=2)),
+    ("2x2-s3-kernel-below-stride", (1, 16, 8, 10), (16, 16, 2, 2), dict(stride=3)),
+    ("5x3-s(3,2)-p(2,1)", (1, 16, 11, 8), (16, 16, 5, 3), dict(stride=(3, 2), padding=(2, 1))),
+    ("conv1d-k4-s2-p1", (2, 16, 13), (16, 16, 4), dict(stride=2, padding=1)),
+    ("conv3d-s(2,1,2)-groups2", (1, 32, 5, 4, 5), (32, 16, 3, 3, 3), dict(stride=(2, 1, 2), padding=1, groups=2)),
+    ("7x7-s2-p3-stem-like", (1, 16, 12, 11), (16, 16, 7, 7), dict(stride=2, padding=3)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", PHASED, ids=[c[0] for c in PHASED])
+def test_dgrad_strided_runs_phase_by_phase_over_the_taps_that_land(case):
+    """A strided tap-major dgrad walks one phase (residue class of the input position mod the stride)
+    per program over only its taps, kernels smaller than the stride included (phases no tap reaches
+    store zeros); the result and the BatchNorm-backward sums (a partial row per program of every
+    phase) match float64."""
+    name, xs, ws, conv = case
+    g = torch.Generator().manual_seed(stable_seed(("phased", name)))
+    x = _channels_last(_randn(*xs, g=g, scale=2.0) + 1.0)
+    stats, prologue, _, _ = _bn(x, g)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    w = _randn(*ws, g=g)
+    _check_dgrad(name, gy, w, xs, tile=SMALL, **conv)
+    assert dgrad._PLANS.values()[-1].phased
+    _check_dgrad(f"{name} hooked", gy, w, xs, x_prev=x, prologue=prologue, act_in="relu", norm_stats=stats,
+                 tile=SMALL, **conv)  # fmt: skip
+    dilated = dict(conv, dilation=2, padding=2)
+    if min(s for s in xs[2:]) > 8 and len(xs) == 4:  # dilation keeps the masked gather
+        _check_dgrad(f"{name} dilated", _channels_last(_randn(*_out_shape(xs, ws, dilated), g=g)), w, xs,
+                     tile=SMALL, **dilated)  # fmt: skip
+        assert not dgrad._PLANS.values()[-1].phased
+
+
 def test_dgrad_is_a_transposed_convs_forward():
     """``conv_transpose2d(y, w, stride 2, padding 1, output_padding 1)`` is the dgrad of ``y`` with the
     output padding carried by ``input_size``."""

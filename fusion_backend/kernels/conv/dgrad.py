@@ -17,14 +17,18 @@ GEMM mapping (ranks lifted to 3d as in ``fprop``):
   stride`` if that is a non-negative multiple of the stride with ``o < O``, else 0: a masked gather
   (:func:`load_dy_tile`), correct for every stride and for the tails a stride leaves (inputs no
   output window reached get 0).
-  NOTE: for stride > 1 most of these taps are masked (all but ``1 / stride`` per dim); the phase
-  (sub-pixel) decomposition, one dense GEMM per residue class of ``i mod stride`` over just its valid
-  taps, is the later optimisation that skips them.  It changes which program owns which rows, not this
-  kernel's epilogue.
+  For stride > 1 all but ``1 / stride`` of those taps (per dim) are masked for any one row.  The
+  *phased* walk (``PHASED``, tap-major K, dilation 1) skips them: the rows are split into the
+  ``SD * SH * SW`` residue classes of ``i mod stride`` (the *phases*), each program takes M tiles of
+  one phase, and its K loop runs over just the taps that land on that phase, ``kernel / stride`` per
+  dim, each a dense shifted window of ``grad_y`` (:func:`_phase_rows`, :func:`_phase_tap`); a phase no
+  tap lands on (a 1x1 conv's odd rows at stride 2) loops zero times and stores zeros.  The flat K walk
+  (few output channels per group) keeps the masked gather.
 * ``B[(tap, co), ci] = weight[g*Cog + co, ci, tap]``: the weight is prearranged once per call by
   ``fprop.prearrange_weight`` applied to the weight with its two channel axes swapped per group, so
   every B tile is one unmasked, K-contiguous load.
-* Grid ``(M tiles, N tiles, groups)``; one K loop of ``tl.dot``s into an fp32 accumulator; the epilogue.
+* Grid ``(M tiles, N tiles, groups)`` (phased: ``(M tiles of the largest phase, N tiles, groups x
+  phases)``); one K loop of ``tl.dot``s into an fp32 accumulator; the epilogue.
 
 Numerics: operands in grad_y's dtype (fp16: fp32 accumulation), fp32 dots in TF32 iff allowed
 (``tf32.backward_dot_precision``); the epilogue in fp32, one rounding at the store.  No atomics.
@@ -122,6 +126,57 @@ def load_dy_tile(dy_ptr, kk, row_base, d, h, w, m_ok, OD, OH, OW, dy_sd, dy_sh, 
 
 
 @triton.jit
+def _phase_dim(first, SIZE, S: tl.constexpr, P: tl.constexpr, K: tl.constexpr):
+    """One spatial dim of a phase whose rows are the inputs ``first, first + S, ...`` below ``SIZE``:
+    ``(rows, taps, residue, base)``: how many rows, how many kernel taps land on them (``tap =
+    residue + j * S``, ``j < taps``), and the output index of tap ``residue`` at the phase's row
+    ``q = 0`` (the row ``q``'s tap ``j`` reads output ``q + base - j``)."""
+    residue = (first + P) % S
+    return (SIZE - first + S - 1) // S, (K - residue + S - 1) // S, residue, (first + P - residue) // S
+
+
+@triton.jit
+def _phase_rows(pid_m, phase, M, D, H, W, SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, KD: tl.constexpr, KH: tl.constexpr,
+                KW: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """The rows of M tile ``pid_m`` of ``phase`` (row-major over the ``SD x SH x SW`` first inputs):
+    ``(m, m_ok, n, d, h, w, qd, qh, qw, geometry)``: the rows' global input position ``m`` (row-major
+    ``(n, d, h, w)``) and whether it is real, their coordinates and in-phase coordinates, and per dim
+    ``(taps, residue, base)`` of :func:`_phase_dim` as a 9-tuple."""
+    fw = phase % SW
+    fh = (phase // SW) % SH
+    fd = phase // (SW * SH)
+    rows_d, taps_d, res_d, base_d = _phase_dim(fd, D, SD, PD, KD)
+    rows_h, taps_h, res_h, base_h = _phase_dim(fh, H, SH, PH, KH)
+    rows_w, taps_w, res_w, base_w = _phase_dim(fw, W, SW, PW, KW)
+    q = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = q < (M // (D * H * W)) * rows_d * rows_h * rows_w
+    qw, qh, qd, n = peel_coords(q, tl.maximum(rows_w, 1), tl.maximum(rows_h, 1), tl.maximum(rows_d, 1))
+    d = fd + qd * SD
+    h = fh + qh * SH
+    w = fw + qw * SW
+    m = ((n * D + d) * H + h) * W + w
+    return m, m_ok, n, d, h, w, qd, qh, qw, (taps_d, taps_h, taps_w, res_d, res_h, res_w, base_d, base_h, base_w)
+
+
+@triton.jit
+def _phase_tap(j, qd, qh, qw, m_ok, OD, OH, OW, geometry, SD: tl.constexpr, SH: tl.constexpr,
+               SW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr):  # fmt: skip
+    """The phase's ``j``-th tap (row-major over its ``taps_d x taps_h x taps_w``): its index in the
+    weight's tap order, and per row the output position it reads and whether that exists."""
+    taps_d, taps_h, taps_w, res_d, res_h, res_w, base_d, base_h, base_w = geometry
+    jw = j % taps_w
+    jh = (j // taps_w) % taps_h
+    jd = j // (taps_w * taps_h)
+    od = qd + base_d - jd
+    oh = qh + base_h - jh
+    ow = qw + base_w - jw
+    ok = m_ok & (od >= 0) & (od < OD) & (oh >= 0) & (oh < OH) & (ow >= 0) & (ow < OW)
+    tap = ((res_d + jd * SD) * KH + res_h + jh * SH) * KW + res_w + jw * SW
+    return tap, od, oh, ow, ok
+
+
+@triton.jit
 def conv_dgrad_kernel(
     dy_ptr, w_ptr, out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
     slope,
@@ -134,10 +189,11 @@ def conv_dgrad_kernel(
     PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT: tl.constexpr,
-    SUMS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
+    SUMS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, PHASED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One ``[BLOCK_M, BLOCK_N]`` tile of the input gradient of group ``program_id(2)`` (module docstring).
+    """One ``[BLOCK_M, BLOCK_N]`` tile of the input gradient of group ``program_id(2)`` (phased: group
+    ``program_id(2) % groups`` of phase ``program_id(2) // groups``; module docstring).
 
     Pointers (element offsets):
       dy_ptr   grad_y (N, C_OUT, OD, OH, OW), channel stride 1, spatial strides ``dy_s*``.
@@ -145,38 +201,58 @@ def conv_dgrad_kernel(
                row ``ci`` of group ``g`` over K in (tap, co) order.
       out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr, p0..p3: ``grad_epilogue.store_grad_tile``'s.
     Unused pointers receive any tensor and are never dereferenced.
-    Runtime: ``M = N * D * H * W``; ``M_TILES`` the grid's first dim.  Constexprs: ``C_IN_G`` / ``C_OUT_G``
+    Runtime: ``M = N * D * H * W``; ``M_TILES`` the partial-sum rows, the grid's first dim (phased:
+    times the phases; phase ``p``'s tile ``i`` writes row ``p * grid0 + i``).  Constexprs: ``C_IN_G`` / ``C_OUT_G``
     channels per group, ``COUT_PAD`` (tap-major) ``C_OUT_G`` rounded up to ``BLOCK_K``, ``K_ROW`` one
     input channel's K extent in ``w``, ``CIN_PAD`` ``C_IN_G`` rounded up to ``BLOCK_N``; kernel size,
     stride, padding, dilation per dim; the hooks' codes; ``PRECISION`` the dot's input precision.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    g = tl.program_id(2)
-    K_ITERS: tl.constexpr = K_ROW // BLOCK_K
-
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < M
-    w, h, d, n = peel_coords(m, W, H, D)
+    ci = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kb = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if PHASED:
+        groups = C_IN // C_IN_G
+        g = tl.program_id(2) % groups
+        phase = tl.program_id(2) // groups
+        m, m_ok, n, d, h, w, qd, qh, qw, geometry = _phase_rows(pid_m, phase, M, D, H, W, SD, SH, SW, PD, PH, PW,
+                                                                KD, KH, KW, BLOCK_M)  # fmt: skip
+        part_row = phase * tl.num_programs(0) + pid_m
+    else:
+        g = tl.program_id(2)
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        w, h, d, n = peel_coords(m, W, H, D)
+        part_row = pid_m
     if BIG:
         row_base = n.to(tl.int64) * dy_sn
     else:
         row_base = n * dy_sn
     row_base += g * C_OUT_G
-
-    ci = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_cols = w_ptr + g * (CIN_PAD * K_ROW) + ci[None, :] * K_ROW  # padded rows: no mask
-    kb = tl.arange(0, BLOCK_K)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kk in range(0, K_ITERS):
-        a = load_dy_tile(dy_ptr, kk, row_base, d, h, w, m_ok, OD, OH, OW, dy_sd, dy_sh, dy_sw,
-                         C_OUT_G, COUT_PAD, KD, KH, KW, SD, SH, SW, PD, PH, PW, DD, DH, DW, FLAT_K, BIG,
-                         BLOCK_K)  # fmt: skip
-        b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
-        acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
+    if PHASED:
+        CB: tl.constexpr = COUT_PAD // BLOCK_K
+        taps_d, taps_h, taps_w = geometry[0], geometry[1], geometry[2]
+        for kk in range(0, taps_d * taps_h * taps_w * CB):
+            tap, od, oh, ow, r_ok = _phase_tap(kk // CB, qd, qh, qw, m_ok, OD, OH, OW, geometry, SD, SH, SW, KH, KW)
+            co = (kk % CB) * BLOCK_K + kb
+            if BIG:
+                od, oh, ow = od.to(tl.int64), oh.to(tl.int64), ow.to(tl.int64)
+            offs = (row_base + od * dy_sd + oh * dy_sh + ow * dy_sw)[:, None] + co[None, :]
+            a = tl.load(dy_ptr + offs, mask=r_ok[:, None] & (co < C_OUT_G)[None, :], other=0.0)
+            b = tl.load(w_cols + (tap * COUT_PAD + co)[:, None])
+            acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
+    else:
+        for kk in range(0, K_ROW // BLOCK_K):
+            a = load_dy_tile(dy_ptr, kk, row_base, d, h, w, m_ok, OD, OH, OW, dy_sd, dy_sh, dy_sw,
+                             C_OUT_G, COUT_PAD, KD, KH, KW, SD, SH, SW, PD, PH, PW, DD, DH, DW, FLAT_K, BIG,
+                             BLOCK_K)  # fmt: skip
+            b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
+            acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
 
-    store_grad_tile(acc, m, m_ok, n, d, h, w, g * C_IN_G + ci, ci < C_IN_G, pid_m, out_ptr, xp_ptr, part_ptr,
+    store_grad_tile(acc, m, m_ok, n, d, h, w, g * C_IN_G + ci, ci < C_IN_G, part_row, out_ptr, xp_ptr, part_ptr,
                     mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES,
                     xp_sn, xp_sd, xp_sh, xp_sw, PROLOGUE, G_NORM, NORM_AFFINE, ACT, SUMS, BIG)  # fmt: skip
 
@@ -214,8 +290,14 @@ class _DgradPlan:
         cout_pad = cdiv(geo.c_out_g, tile.block_k) * tile.block_k
         k_row = cdiv(geo.taps * geo.c_out_g, tile.block_k) * tile.block_k if tile.flat_k else geo.taps * cout_pad
         cin_pad = cdiv(geo.c_in_g, tile.block_n) * tile.block_n
-        self.m_tiles = cdiv(self.m, tile.block_m)
-        grid = (self.m_tiles, cin_pad // tile.block_n, geo.groups)
+        #: the phased walk (module docstring): tap-major, dilation 1, some stride > 1
+        self.phased = not tile.flat_k and geo.dilation == (1, 1, 1) and max(geo.stride) > 1
+        phases = math.prod(geo.stride) if self.phased else 1
+        largest = geo.n * math.prod(cdiv(i, s) for i, s in zip(geo.size, geo.stride, strict=True))  # phase 0's rows
+        m_tiles = cdiv(largest if self.phased else self.m, tile.block_m)
+        #: partial-sum rows: every program of every phase writes its own
+        self.m_tiles = m_tiles * phases
+        grid = (m_tiles, cin_pad // tile.block_n, geo.groups * phases)
         g_norm, norm_affine = 1, False
         if isinstance(prologue, hooks.GroupAffine):
             g_norm, norm_affine = prologue.groups, prologue.weight is not None
@@ -227,6 +309,7 @@ class _DgradPlan:
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue) if act else hooks.PROLOGUE_NONE, G_NORM=g_norm,
             NORM_AFFINE=norm_affine, ACT=act, SUMS=sums, PRECISION=precision, BIG=big, FLAT_K=tile.flat_k,
+            PHASED=self.phased,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
