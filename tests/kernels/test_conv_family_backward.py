@@ -293,6 +293,20 @@ def test_dgrad_strided_runs_phase_by_phase_over_the_taps_that_land(case):
         assert not dgrad._PLANS.values()[-1].phased
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+def test_dgrad_reads_a_channels_last_weight_in_place_where_the_tile_pads_nothing(stride):
+    """No per-call copy of the weight where its channels fill the tile; otherwise (NCHW weight, channels
+    the tile pads) it is prearranged; same results, phased or not."""
+    g = torch.Generator().manual_seed(stable_seed(("dgrad-weight", stride)))
+    xs, ws, conv = (2, 32, 7, 6), (32, 16, 3, 3), dict(stride=stride, padding=1, groups=2)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    w = _randn(*ws, g=g)
+    for weight, tile, in_place in ((_channels_last(w), SMALL, True), (w, SMALL, False),
+                                   (_channels_last(w), TileConfig(16, 32, 16, 1, 1), False)):  # fmt: skip
+        _check_dgrad(f"weight s{stride} {in_place}", gy, weight, xs, tile=tile, **conv)
+        assert dgrad._PLANS.values()[-1].weight_in_place is in_place
+
+
 def test_dgrad_is_a_transposed_convs_forward():
     """``conv_transpose2d(y, w, stride 2, padding 1, output_padding 1)`` is the dgrad of ``y`` with the
     output padding carried by ``input_size``."""

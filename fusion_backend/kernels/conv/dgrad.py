@@ -58,6 +58,7 @@ from .fprop import (
     _Geometry,
     _hashable,
     channels_last,
+    dense_channels_last,
     empty_channels_last,
     prearrange_weight,
     to_channels_last,
@@ -177,6 +178,17 @@ def _phase_tap(j, qd, qh, qw, m_ok, OD, OH, OW, geometry, SD: tl.constexpr, SH: 
 
 
 @triton.jit
+def _weight_rows(tap, co, C_IN_G: tl.constexpr, TAPS: tl.constexpr, COUT_PAD: tl.constexpr,
+                 W_IN_PLACE: tl.constexpr):  # fmt: skip
+    """The ``[BLOCK_K, 1]`` element offsets of the B rows ``(tap, co)`` from a group's first weight
+    column: in the weight itself, row ``co`` of tap ``tap`` is at ``(co * TAPS + tap) * C_IN_G``; in the
+    prearranged matrix at ``tap * COUT_PAD + co``."""
+    if W_IN_PLACE:
+        return ((co * TAPS + tap) * C_IN_G)[:, None]
+    return (tap * COUT_PAD + co)[:, None]
+
+
+@triton.jit
 def conv_dgrad_kernel(
     dy_ptr, w_ptr, out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
     slope,
@@ -190,6 +202,7 @@ def conv_dgrad_kernel(
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT: tl.constexpr,
     SUMS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, PHASED: tl.constexpr,
+    W_IN_PLACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` tile of the input gradient of group ``program_id(2)`` (phased: group
@@ -198,7 +211,8 @@ def conv_dgrad_kernel(
     Pointers (element offsets):
       dy_ptr   grad_y (N, C_OUT, OD, OH, OW), channel stride 1, spatial strides ``dy_s*``.
       w_ptr    the prearranged weight (groups, CIN_PAD, K_ROW), grad_y's dtype, contiguous, zero padded:
-               row ``ci`` of group ``g`` over K in (tap, co) order.
+               row ``ci`` of group ``g`` over K in (tap, co) order; with ``W_IN_PLACE`` the weight
+               itself, channels-last dense, whose channels need no padding.
       out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr, p0..p3: ``grad_epilogue.store_grad_tile``'s.
     Unused pointers receive any tensor and are never dereferenced.
     Runtime: ``M = N * D * H * W``; ``M_TILES`` the partial-sum rows, the grid's first dim (phased:
@@ -230,7 +244,11 @@ def conv_dgrad_kernel(
     else:
         row_base = n * dy_sn
     row_base += g * C_OUT_G
-    w_cols = w_ptr + g * (CIN_PAD * K_ROW) + ci[None, :] * K_ROW  # padded rows: no mask
+    if W_IN_PLACE:  # the weight itself, channels-last dense: (C_OUT, taps, C_IN_G), C_IN_G contiguous
+        TAPS: tl.constexpr = KD * KH * KW
+        w_cols = w_ptr + g * (C_OUT_G * TAPS * C_IN_G) + ci[None, :]
+    else:  # prearranged, zero padded: no mask
+        w_cols = w_ptr + g * (CIN_PAD * K_ROW) + ci[None, :] * K_ROW
 
     if PHASED:
         CB: tl.constexpr = COUT_PAD // BLOCK_K
@@ -242,14 +260,19 @@ def conv_dgrad_kernel(
                 od, oh, ow = od.to(tl.int64), oh.to(tl.int64), ow.to(tl.int64)
             offs = (row_base + od * dy_sd + oh * dy_sh + ow * dy_sw)[:, None] + co[None, :]
             a = tl.load(dy_ptr + offs, mask=r_ok[:, None] & (co < C_OUT_G)[None, :], other=0.0)
-            b = tl.load(w_cols + (tap * COUT_PAD + co)[:, None])
+            b = tl.load(w_cols + _weight_rows(tap, co, C_IN_G, KD * KH * KW, COUT_PAD, W_IN_PLACE))
             acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
     else:
         for kk in range(0, K_ROW // BLOCK_K):
             a = load_dy_tile(dy_ptr, kk, row_base, d, h, w, m_ok, OD, OH, OW, dy_sd, dy_sh, dy_sw,
                              C_OUT_G, COUT_PAD, KD, KH, KW, SD, SH, SW, PD, PH, PW, DD, DH, DW, FLAT_K, BIG,
                              BLOCK_K)  # fmt: skip
-            b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
+            if W_IN_PLACE:
+                CBLOCKS: tl.constexpr = COUT_PAD // BLOCK_K
+                b = tl.load(w_cols + _weight_rows(kk // CBLOCKS, (kk % CBLOCKS) * BLOCK_K + kb, C_IN_G,
+                                                  KD * KH * KW, COUT_PAD, W_IN_PLACE))  # fmt: skip
+            else:
+                b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
             acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
 
     store_grad_tile(acc, m, m_ok, n, d, h, w, g * C_IN_G + ci, ci < C_IN_G, part_row, out_ptr, xp_ptr, part_ptr,
@@ -275,7 +298,7 @@ def prearrange_dgrad_weight(weight: torch.Tensor, groups: int, tile: TileConfig,
 class _DgradPlan:
     """Everything :func:`conv_dgrad` derives from a call's signature, built once (``_PLANS``)."""
 
-    def __init__(self, geo: _Geometry, grad_y: torch.Tensor, x_prev: torch.Tensor | None,
+    def __init__(self, geo: _Geometry, grad_y: torch.Tensor, weight: torch.Tensor, x_prev: torch.Tensor | None,
                  prologue: Prologue | None, act: int, sums: bool, tile: TileConfig, precision: str) -> None:  # fmt: skip
         self.geo, self.tile, self.sums = geo, tile, sums
         self.dtype, self.device = grad_y.dtype, grad_y.device
@@ -292,6 +315,10 @@ class _DgradPlan:
         cin_pad = cdiv(geo.c_in_g, tile.block_n) * tile.block_n
         #: the phased walk (module docstring): tap-major, dilation 1, some stride > 1
         self.phased = not tile.flat_k and geo.dilation == (1, 1, 1) and max(geo.stride) > 1
+        #: the weight is read as it is, not prearranged per call (channels-last dense, tap-major, and
+        #: the tile pads neither channel axis)
+        self.weight_in_place = (dense_channels_last(weight) and not tile.flat_k and cout_pad == geo.c_out_g
+                                and cin_pad == geo.c_in_g)  # fmt: skip
         phases = math.prod(geo.stride) if self.phased else 1
         largest = geo.n * math.prod(cdiv(i, s) for i, s in zip(geo.size, geo.stride, strict=True))  # phase 0's rows
         m_tiles = cdiv(largest if self.phased else self.m, tile.block_m)
@@ -309,7 +336,7 @@ class _DgradPlan:
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue) if act else hooks.PROLOGUE_NONE, G_NORM=g_norm,
             NORM_AFFINE=norm_affine, ACT=act, SUMS=sums, PRECISION=precision, BIG=big, FLAT_K=tile.flat_k,
-            PHASED=self.phased,
+            PHASED=self.phased, W_IN_PLACE=self.weight_in_place,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
@@ -328,7 +355,7 @@ class _DgradPlan:
             grad_y = to_channels_last(grad_y)
         if self.relayout_xp:
             x_prev = to_channels_last(x_prev)
-        w = prearrange_dgrad_weight(weight, geo.groups, self.tile, self.dtype)
+        w = weight if self.weight_in_place else prearrange_dgrad_weight(weight, geo.groups, self.tile, self.dtype)
         part = None
         if self.sums:
             part = torch.empty((2, self.m_tiles, geo.c_in), dtype=torch.float32, device=self.device)
@@ -365,7 +392,8 @@ def conv_dgrad(
 
     grad_y    (N, C_out, *out_spatial), 1 to 3 spatial dims, fp32/fp16/bf16 (no bf16 under the
               interpreter); channels-last strides read in place, any other layout copied once.
-    weight    (C_out, C_in/groups, *k), grad_y's dtype, any strides; prearranged per call.
+    weight    (C_out, C_in/groups, *k), grad_y's dtype, any strides: read in place where it is
+              channels-last dense and the tile pads neither channel axis, else prearranged per call.
     input_size the forward input's shape (N, C_in, *spatial): it fixes the tails a stride leaves (a
               transposed conv's ``output_padding``); the conv of that size must give grad_y's shape.
     stride, padding, dilation, groups: the forward's.
@@ -419,7 +447,7 @@ def conv_dgrad(
 
         def plan_with(t: TileConfig) -> _DgradPlan:
             t.check()
-            return _DgradPlan(geo, grad_y, x_prev, prologue, code, norm_stats is not None, t, precision)
+            return _DgradPlan(geo, grad_y, weight, x_prev, prologue, code, norm_stats is not None, t, precision)
 
         if tile is not None:
             return plan_with(tile)
