@@ -19,10 +19,11 @@ Split-K over M: M is long (every output position) while the result is small, so 
 into ``split`` contiguous runs of ``tiles_per_split`` tiles, one run per program along the grid's third
 axis (``(K steps, N tiles, split * groups)``).  Each program writes its fp32 partial tile to its own
 slot of a ``(split, groups, COUT_PAD, K_ROW)`` buffer (and its bias partial to ``(split, C_out)``);
-nothing is accumulated with atomics.  The host sums the slots along the split axis in float64 with one
-torch reduction over a fixed shape (:func:`_reduce_splits`), then rounds once to the weight's dtype:
-for one plan (shapes, tile, split) the result is the same bits on every run.  A different ``split``
-or tile changes the order of the fp32 sums, not the mapping.
+nothing is accumulated with atomics.  One more launch (:func:`sum_splits_kernel`) sums each element's
+slots in split order in float64, rounds once to the weight's dtype and stores it straight into the
+gradient at the weight's strides (the padding dropped): for one plan (shapes, tile, split) the result
+is the same bits on every run.  A different ``split`` or tile changes the order of the fp32 sums, not
+the mapping.
 
 Numerics: operands in the input dtype (fp16: fp32 accumulation), fp32 dots in TF32 iff allowed
 (``tf32.backward_dot_precision``), the prologue in fp32 rounded once to the compute dtype (as the
@@ -142,6 +143,39 @@ def conv_wgrad_kernel(
             tl.store(bpart_ptr + split * C_OUT + g * C_OUT_G + co, bacc, mask=co_ok)
 
 
+@triton.jit
+def sum_splits_kernel(part_ptr, out_ptr, SPLIT, TOTAL, C_OUT_G, w_so, w_si, w_sd, w_sh, w_sw,
+                      C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, K_ROW: tl.constexpr, COUT_PAD: tl.constexpr,
+                      KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, FLAT_K: tl.constexpr,
+                      BLOCK: tl.constexpr):  # fmt: skip
+    """``BLOCK`` elements of the weight gradient: element ``e`` of the ``(GROUPS, COUT_PAD, K_ROW)``
+    partial layout (``TOTAL`` of them per split), summed over its ``SPLIT`` slots in split order in
+    float64, rounded once to ``out_ptr``'s dtype and stored at ``(g * C_OUT_G + co) * w_so + ci * w_si +
+    kd * w_sd + kh * w_sh + kw * w_sw``; padded output channels and K entries are not stored."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = e < TOTAL
+    k = e % K_ROW
+    row = e // K_ROW
+    co = row % COUT_PAD
+    g = row // COUT_PAD
+    if FLAT_K:
+        tap = k // C_IN_G
+        ci = k % C_IN_G
+        real = k < KD * KH * KW * C_IN_G
+    else:
+        tap = k // CIN_PAD
+        ci = k % CIN_PAD
+        real = ci < C_IN_G
+    kw = tap % KW
+    kh = (tap // KW) % KH
+    kd = tap // (KW * KH)
+    acc = tl.zeros([BLOCK], tl.float64)
+    for split in range(0, SPLIT):
+        acc += tl.load(part_ptr + split * TOTAL + e, mask=in_range, other=0.0).to(tl.float64)
+    dst = (g * C_OUT_G + co) * w_so + ci * w_si + kd * w_sd + kh * w_sh + kw * w_sw
+    tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=in_range & real & (co < C_OUT_G))
+
+
 # --------------------------------------------------------------------------------------------------
 # Host
 # --------------------------------------------------------------------------------------------------
@@ -171,6 +205,10 @@ def _reduce_splits(partials: torch.Tensor) -> torch.Tensor:
     """The sum over the split axis (dim 0) of fp32 partials, in float64, in one fixed-shape torch
     reduction: the same bits on every run for one shape (no atomics anywhere)."""
     return partials.sum(dim=0, dtype=torch.float64)
+
+
+#: Elements of the weight gradient per program of :func:`sum_splits_kernel`.
+_SUM_BLOCK = 1024
 
 
 class _WgradPlan:
@@ -211,16 +249,16 @@ class _WgradPlan:
                  *_spatial_strides(xs), *_spatial_strides(dys))  # fmt: skip
         grid = (k_steps, n_tiles, self.split * geo.groups)
         self.launch = FastLaunch(conv_wgrad_kernel, grid, constexprs, fixed=fixed)
+        total = geo.groups * self.cout_pad * self.k_row
+        self.sum_splits = FastLaunch(sum_splits_kernel, (cdiv(total, _SUM_BLOCK),), dict(
+            C_IN_G=geo.c_in_g, CIN_PAD=self.cin_pad, K_ROW=self.k_row, COUT_PAD=self.cout_pad, KD=geo.kernel[0],
+            KH=geo.kernel[1], KW=geo.kernel[2], FLAT_K=tile.flat_k, BLOCK=_SUM_BLOCK, num_warps=4))  # fmt: skip
 
-    def _weight_layout(self, grad: torch.Tensor) -> torch.Tensor:
-        """The reduced ``(groups, COUT_PAD, K_ROW)`` result as (C_out, C_in/g, taps): the inverse of
-        ``fprop.prearrange_weight``."""
-        geo, cout_g, cin_g = self.geo, self.geo.c_out_g, self.geo.c_in_g
-        if self.tile.flat_k:
-            w = grad[:, :cout_g, : geo.taps * cin_g].reshape(geo.groups, cout_g, geo.taps, cin_g)
-        else:
-            w = grad.view(geo.groups, self.cout_pad, geo.taps, self.cin_pad)[:, :cout_g, :, :cin_g]
-        return w.transpose(2, 3).reshape(geo.c_out, cin_g, geo.taps)
+    def _tap_strides(self, grad_w: torch.Tensor) -> tuple[int, ...]:
+        """``grad_w``'s element strides over (output channel, input channel, kd, kh, kw), the kernel
+        dims lifted to 3 (a missing dim: stride 0)."""
+        strides = grad_w.stride()
+        return (strides[0], strides[1], *([0] * (5 - grad_w.dim())), *strides[2:])
 
     def run(self, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, prologue: Prologue | None,
             slope_in: float) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
@@ -237,8 +275,7 @@ class _WgradPlan:
         bpart = torch.empty((self.split, geo.c_out), dtype=torch.float32, device=self.device) if self.bias_grad else part
         p = [part if t is None else t for t in hooks.prologue_tensors(prologue)]
         self.launch(x, grad_y, part, bpart, *p, slope_in)
-        summed = part[0] if self.split == 1 else _reduce_splits(part)  # one split: nothing to add
-        grad_w.copy_(self._weight_layout(summed).view(weight.shape))
+        self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
         grad_b = (bpart[0] if self.split == 1 else _reduce_splits(bpart)).to(self.dtype) if self.bias_grad else None
         return grad_w, grad_b
 
