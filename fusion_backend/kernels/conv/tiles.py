@@ -75,6 +75,8 @@ def pick_tile(cin_g: int, cout_g: int, taps: int, m: int, dtype: torch.dtype) ->
       channel step), else the widest that fits; flat when ``cin_g < FLAT_K_BELOW``.  fp32 caps it at 32.
     * M: 128 rows where the problem has several tiles of 128 and N is at most 64 (the accumulator stays
       within 64 fp32 registers per thread on 4 warps), else 64; never wider than ``m`` needs.
+    * 8 warps for a 128 x 128 accumulator, and for a flat-K tile of 128 x 32 or more: with a prologue
+      its per-element tap arithmetic spilled on 4 warps (NOTE at :func:`candidates`).
     """
     wide = dtype != torch.float32
     block_n = min(max(16, next_pow2(cout_g)), 128 if wide else 64)
@@ -86,7 +88,8 @@ def pick_tile(cin_g: int, cout_g: int, taps: int, m: int, dtype: torch.dtype) ->
         block_k = next((k for k in k_caps if cin_g % k == 0), None) or next(k for k in k_caps if k <= cin_g)
     block_m = 128 if (m >= 4 * 128 and block_n <= 64) else 64
     block_m = min(block_m, max(16, next_pow2(m)))
-    num_warps = 8 if block_m * block_n >= 128 * 128 else 4
+    # a flat K walk computes each A element's tap and bounds: 8 warps halve those registers per thread
+    num_warps = 8 if block_m * block_n >= 128 * 128 or (flat_k and block_m * block_k >= 128 * 32) else 4
     return TileConfig(block_m, block_n, block_k, num_warps, num_stages=3 if wide else 2, flat_k=flat_k)
 
 
@@ -118,13 +121,15 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     those of the N axis), then each of :data:`CANDIDATES` fitted to the problem: N no wider than the
     channels need, K no wider than the channels of a tap (fp32: at most 32), M no taller than ``m``
     needs, within shared memory; duplicates dropped.  A flat-K problem (few channels per group, whose
-    K walk the candidates are not for) tries the heuristic's tile with twice the warps and with half
-    the rows instead: its per-element tap arithmetic, with a prologue, spilled registers on 4 warps
-    (``python tools/compile_check.py conv_family``: the RGB stem's hooked fprop, 156 spilled)."""
+    K walk the candidates are not for) tries the heuristic's tile with the other warp count (4 or 8)
+    and with half the rows on 4 warps instead.  NOTE: the flat walk's per-element tap arithmetic, with
+    a prologue, spilled registers on 4 warps at 128 x 32 (H200, Triton 3.6: ``python
+    tools/compile_check.py conv_family``: the RGB stem's hooked fprop 156 spilled, its wgrad 24)."""
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
     if first.flat_k:
-        halved = replace(first, block_m=max(16, first.block_m // 2))
-        return list(dict.fromkeys([first, replace(first, num_warps=2 * first.num_warps), halved]))
+        other_warps = replace(first, num_warps=12 - first.num_warps)  # 4 <-> 8
+        halved = replace(first, block_m=max(16, first.block_m // 2), num_warps=4)
+        return list(dict.fromkeys([first, other_warps, halved]))
     size = dtype.itemsize
     kept = [first]
     for c in CANDIDATES[pass_name]:
