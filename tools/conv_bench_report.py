@@ -157,7 +157,8 @@ def format_markdown(rows: Sequence[Row], environment: dict[str, Any], notes: Seq
         f"cuDNN {environment.get('cudnn', '-')}, commit {environment.get('git_commit') or '-'}, "
         f"{environment.get('date_utc', '-')}.",
         "",
-        "Median ms over rounds, L2 warm, kernel and cuDNN interleaved repetition by repetition. "
+        "GPU ms per call (calls queued behind a GPU spin: the host's launch cost left out, as under CUDA "
+        "graphs), median over rounds, L2 warm. "
         "`cudnn/ms` and `unfused/ms` above 1: the family's kernel is faster. A hooked row's `unfused ms` is "
         "cuDNN plus the Inductor passes its hooks replace; its `cudnn ms` is the plain pass's.",
         "",

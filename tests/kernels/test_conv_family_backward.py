@@ -48,10 +48,13 @@ SMALL_FLAT = TileConfig(16, 16, 16, num_warps=1, num_stages=1, flat_k=True)
 
 
 @pytest.fixture(autouse=True)
-def exact_fp32(monkeypatch):
+def exact_fp32_heuristic_tiles(monkeypatch):
     """fp32 is checked exact here: the kernels' dots follow cuDNN's TF32 flag (True by default), which
-    is turned off so that on CUDA too the fp32 floor is full fp32's (the TF32 path has its own test)."""
+    is turned off so that on CUDA too the fp32 floor is full fp32's (the TF32 path has its own test).
+    Tiles are the heuristic's, untimed (``FUSION_CONV_AUTOTUNE=0``): on CUDA each new signature would
+    otherwise compile and time several (``test_conv_family_tiles`` covers that choice)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setenv("FUSION_CONV_AUTOTUNE", "0")
 
 
 def _randn(*shape, g, dtype=torch.float32, scale=1.0):  # noqa: ANN001, ANN002
