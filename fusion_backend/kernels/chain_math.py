@@ -139,8 +139,8 @@ def load_chain_operands(p_ptr, c, C, cmask,
 @triton.jit
 def step_forward(v, a, b, OP: tl.constexpr):
     """One chain step with torch semantics (NaN propagates wherever torch propagates it)."""
-    if OP == 1:  # relu
-        v = tl.where(v < 0.0, 0.0, v)
+    if OP == 1:  # relu: one NaN-propagating max (``max.NaN``), not a compare and a select
+        v = tl.maximum(v, 0.0, propagate_nan=tl.PropagateNan.ALL)
     elif OP == 2:  # leaky_relu
         v = tl.where(v > 0.0, v, v * a)
     elif OP == 3:  # gelu (exact erf)
