@@ -11,7 +11,7 @@ once per call signature on the call's own tensors and kept in the measurement ca
 (``fusion_backend.measurements``, kind ``"conv_tile"``), so a later process times nothing.  Without
 measuring (the interpreter, ``FUSION_CONV_AUTOTUNE=0``, a CUDA graph being captured) it is
 :func:`pick_tile`'s.  Why timed: the best tile moves irregularly with the shape (NOTE at
-:data:`CANDIDATES`); three candidates come within 5% of the best of eleven on average.
+:data:`CANDIDATES`).
 
 The K axis (``C_in/groups * KD * KH * KW``, the weight's order: taps outer, channels inner):
 
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from ... import environment, measurements
-from ..host import next_pow2, tile_bench
+from ..host import best_first, next_pow2, tile_bench
 from ..plan_cache import ContractError
 
 #: Channels per group below which K is walked flat (a tap-major step would be mostly padding).
@@ -101,12 +101,13 @@ def _tile(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: 
 # (``python tools/sweep_conv_tiles.py demos/realnets/resnet50.py --max-shapes 8``): the best tile
 # changed from shape to shape (fprop: 256x64 on 64 channels at 56x56, 64x128 on 256 at 14x14, where
 # 128x128 with 4 warps ran at 0.36 of it); no single tile came within 0.73 (fprop), 0.80 (dgrad),
-# 0.87 (wgrad) of the per-shape best on average; the three below each reach 0.95-1.0.
-#: Tiles timed per pass besides the heuristic's, best on average first (``M x N x K``, warps, stages).
-#: dgrad's N is the input channels, wgrad's M the reduction over output positions.
+# 0.87 (wgrad) of the per-shape best on average, the best three together 0.95-1.0.  Listed best alone
+# first; a choice times the heuristic's tile and the first two (``host.MAX_TUNED_CONFIGS``).
+#: Tiles timed per pass besides the heuristic's (``M x N x K``, warps, stages).  dgrad's N is the
+#: input channels, wgrad's M the reduction over output positions.
 CANDIDATES: dict[str, tuple[TileConfig, ...]] = {
-    "fprop": (_tile(128, 128, 64, 4, 3), _tile(256, 64, 64, 8, 3), _tile(64, 128, 64, 4, 3)),
-    "dgrad": (_tile(128, 128, 64, 4, 3), _tile(256, 128, 64, 8, 3), _tile(128, 128, 32, 4, 4)),
+    "fprop": (_tile(256, 64, 64, 8, 3), _tile(128, 128, 64, 4, 3), _tile(64, 128, 64, 4, 3)),
+    "dgrad": (_tile(256, 128, 64, 8, 3), _tile(128, 128, 64, 4, 3), _tile(128, 128, 32, 4, 4)),
     "wgrad": (_tile(128, 128, 128, 8, 3), _tile(64, 64, 64, 4, 3), _tile(128, 64, 64, 4, 3)),
 }
 
@@ -116,11 +117,12 @@ _SHARED_BYTES = 200 * 1024
 
 def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: int,
                dtype: torch.dtype) -> list[TileConfig]:  # fmt: skip
-    """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"): the heuristic's
-    (:func:`pick_tile` with ``k_channels`` the channels per group a K step walks and ``n_channels``
-    those of the N axis), then each of :data:`CANDIDATES` fitted to the problem: N no wider than the
-    channels need, K no wider than the channels of a tap (fp32: at most 32), M no taller than ``m``
-    needs, within shared memory; duplicates dropped.  A flat-K problem (few channels per group, whose
+    """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"), at most
+    ``host.MAX_TUNED_CONFIGS`` (each compiles before it is timed): the heuristic's (:func:`pick_tile`
+    with ``k_channels`` the channels per group a K step walks and ``n_channels`` those of the N axis),
+    then :data:`CANDIDATES` in order, fitted to the problem: N no wider than the channels need, K no
+    wider than the channels of a tap (fp32: at most 32), M no taller than ``m`` needs, within shared
+    memory; duplicates dropped.  A flat-K problem (few channels per group, whose
     K walk the candidates are not for) tries the heuristic's tile with the other warp count (4 or 8)
     and with half the rows on 4 warps instead.  NOTE: the flat walk's per-element tap arithmetic, with
     a prologue, spilled registers on 4 warps at 128 x 32 (H200, Triton 3.6: ``python
@@ -141,7 +143,7 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
             continue
         if tile not in kept:
             kept.append(tile)
-    return kept
+    return best_first(kept)
 
 
 def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
