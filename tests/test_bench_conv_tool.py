@@ -257,3 +257,17 @@ def test_the_default_models_exist_and_are_listed_without_their_missing_libraries
     assert bench_conv.main(["--list", "--filter", "conv2d_mul_leaky_gelu"]) == 0
     out = capsys.readouterr().out
     assert "conv2d 64x64x256x256 -> 64 k3x3 p0 g1 +bias" in out
+
+
+def test_tile_sweep_scores_a_set_by_its_best_member_per_row_and_needs_cuda(capsys):
+    """``tools/sweep_conv_tiles.py``: a set's score is the geometric mean over rows of the row's best
+    time over the set's best; without CUDA it says so and exits 2."""
+    import sweep_conv_tiles
+
+    rows = [{"cudnn": 1.0, "a": 2.0, "b": 1.0, "c": 4.0}, {"cudnn": 1.0, "a": 1.0, "b": 4.0, "c": 2.0}]
+    assert sweep_conv_tiles._score(rows, ("a", "b")) == pytest.approx(1.0)
+    assert sweep_conv_tiles._score(rows, ("b",)) == pytest.approx((1.0 * 0.25) ** 0.5)
+    assert sweep_conv_tiles._score(rows, ("c",)) == pytest.approx((0.25 * 0.5) ** 0.5)
+    if not torch.cuda.is_available():
+        assert sweep_conv_tiles.main([]) == 2
+        assert "needs CUDA" in capsys.readouterr().out
