@@ -31,7 +31,8 @@ from fusion_backend.testing import compare, stable_seed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
+              pytest.mark.usefixtures("exact_fp32_heuristic_tiles")]
 
 #: The least error bound, relative to the output's norm, whatever eager's own error: about 4 and 1
 #: roundings of the dtype (on these shapes eager's own error is 4e-8 to 2e-7 in fp32, 2e-4 to 3e-4 in
@@ -40,16 +41,6 @@ FLOOR = {torch.float32: 5e-7, torch.float16: 5e-4, torch.bfloat16: 4e-3}
 #: A tile of 16 x 16 x 16: a call spans several M and N tiles and K steps even on tiny shapes.
 SMALL = TileConfig(16, 16, 16, num_warps=1, num_stages=1)
 SMALL_FLAT = TileConfig(16, 16, 16, num_warps=1, num_stages=1, flat_k=True)
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32_heuristic_tiles(monkeypatch):
-    """fp32 is checked exact here: the kernels' dots follow cuDNN's TF32 flag (True by default), which
-    is turned off so that on CUDA too the fp32 floor is full fp32's (the TF32 path has its own test).
-    Tiles are the heuristic's, untimed (``FUSION_CONV_AUTOTUNE=0``): on CUDA each new signature would
-    otherwise compile and time several (``test_conv_family_tiles`` covers that choice)."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setenv("FUSION_CONV_AUTOTUNE", "0")
 
 
 def _randn(*shape, g, dtype=torch.float32, scale=1.0):  # noqa: ANN001, ANN002
