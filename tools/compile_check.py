@@ -176,6 +176,7 @@ from fusion_backend.kernels import group_norm as GN  # noqa: E402
 from fusion_backend.kernels import layer_norm as LN  # noqa: E402
 from fusion_backend.kernels import norm_pool as NP  # noqa: E402
 from fusion_backend.kernels import tf32 as TF32  # noqa: E402
+from fusion_backend.kernels.chain_math import OP_CODES  # noqa: E402
 from fusion_backend.kernels.conv import fprop as FAMILY_FPROP  # noqa: E402
 from fusion_backend.ops import chain_lowering, conv_io  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
@@ -524,8 +525,9 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool) -> None:
     """``kernels/conv/``'s three launchers (``conv_fprop``, ``conv_dgrad``, ``conv_wgrad``) on one of
     :data:`CONV_FAMILY_SHAPES`, channels-last, with the tile ``pick_tile`` picks; ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
-    statistics; dgrad: relu' of the recomputed prologue and the BatchNorm-backward sums; wgrad: the
-    prologue recomputed on load, and the bias gradient where the conv has a bias)."""
+    statistics, and where the conv has a bias a chain after it, an eval norm's scale and shift; dgrad:
+    relu' of the recomputed prologue and the BatchNorm-backward sums; wgrad: the prologue recomputed on
+    load, and the bias gradient where the conv has a bias)."""
     x_shape, w_shape, stride, padding, groups, has_bias = CONV_FAMILY_SHAPES[shape]
     dt = CONV_FAMILY_DTYPES[dtype]
     c_in, c_out = x_shape[1], w_shape[0]
@@ -539,8 +541,10 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool) -> None:
     dy = FAMILY_FPROP.empty_channels_last(out_shape, dt, cpu)
     vec = torch.empty(c_in, dtype=torch.float32)
     hooks = dict(prologue=FAMILY.ChannelAffine(vec, vec), act_in="relu") if hooked else {}
+    per_out = torch.empty(c_out, dtype=torch.float32)
+    chain = [(OP_CODES["mul"], [per_out]), (OP_CODES["add"], [per_out])] if hooked and has_bias else []
     with _launchable_on_cpu_tensors():
-        FAMILY.conv_fprop(x, w, bias, stats=hooked, **hooks, **geo)
+        FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, **hooks, **geo)
         FAMILY.conv_dgrad(dy, w, x_shape, x_prev=x if hooked else None,
                           norm_stats=FAMILY.NormStats(vec, vec) if hooked else None, **hooks, **geo)  # fmt: skip
         FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, **hooks, **geo)

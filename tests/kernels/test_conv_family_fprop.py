@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fusion_backend.kernels.chain_math import OP_CODES as OP
 from fusion_backend.kernels.conv import (
     Activation,
     ChannelAffine,
@@ -229,6 +230,40 @@ def test_residual_before_or_after_the_output_activation(after, dtype):
     assert bool((out < 0).any()) == after  # relu last: nothing negative; relu before the add: some
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chain_after_the_bias_as_a_per_channel_multiplier_and_activations(dtype):
+    """conv -> + bias -> x per-channel multiplier -> leaky_relu -> gelu (a seeds pipeline's epilogue) in
+    the store, against float64; and a folded eval BatchNorm (x scale + shift) before a residual and relu,
+    with the statistics of the stored result."""
+    g = torch.Generator().manual_seed(stable_seed(("chain", str(dtype))))
+    x = _channels_last(_randn(2, 12, 7, 6, g=g, dtype=dtype))
+    w, b = _randn(10, 12, 3, 3, g=g, scale=0.2, dtype=dtype), _randn(10, g=g)
+    m = _randn(10, g=g)
+    chain = [(OP["mul"], [m]), (OP["leaky_relu"], [0.2]), (OP["gelu"], [])]
+    _check("multiplier-leaky-gelu", x, w, b, padding=1, chain=chain, tile=SMALL)
+    scale, shift = _randn(10, g=g) * 0.5 + 1.0, _randn(10, g=g)
+    residual = _channels_last(_randn(2, 10, 7, 6, g=g, dtype=dtype))
+    _check("folded-bn-residual-relu", x, w, None, padding=1, chain=[(OP["mul"], [scale]), (OP["add"], [shift])],
+           residual=residual, act_out="relu", stats=True)  # fmt: skip
+
+
+def test_chain_constants_key_the_plan_and_tensor_operands_are_bound_per_call():
+    """A constant operand is baked into the plan (another value: another plan); a tensor operand's values
+    are read at every call; a one-value tensor broadcasts over the channels."""
+    g = torch.Generator().manual_seed(59)
+    x = _channels_last(_randn(1, 4, 5, 5, g=g))
+    w = _randn(6, 4, 3, 3, g=g)
+    conv_fprop(x, w, chain=[(OP["clamp"], [-0.5, 0.5])])
+    count = len(fprop._PLANS)
+    _check("clamp", x, w, None, chain=[(OP["clamp"], [-0.25, 0.75])])
+    assert len(fprop._PLANS) == count + 1
+    for value in (2.0, -3.0):
+        m = torch.full((1,), value, device=DEVICE)
+        out, _ = _check(f"x {value}", x, w, None, chain=[(OP["mul"], [m]), (OP["add"], [0.5])])
+    assert len(fprop._PLANS) == count + 2
+    torch.testing.assert_close(out, F.conv2d(x, w) * -3.0 + 0.5, rtol=1e-5, atol=1e-5)
+
+
 def test_residual_layout_is_judged_by_the_dims_that_have_extent():
     """An (N, C, 1, W) output: a residual whose size-1 dim has another stride is still channels-last
     dense (as torch's ``is_contiguous`` judges it), and is accepted; its values land where they belong."""
@@ -431,6 +466,11 @@ def _bad_calls():
         ("tile block_k must be a power of two", lambda: conv_fprop(x, w, tile=TileConfig(block_k=24))),
         ("tile must be a TileConfig", lambda: conv_fprop(x, w, tile={"block_m": 64})),
         ("group prologue scale must be an", lambda: conv_fprop(x, w, prologue=GroupAffine([1.0], [1.0]))),
+        ("at most 8 steps", lambda: conv_fprop(x, w, chain=[(OP["relu"], [])] * 9)),
+        ("unknown op code 30", lambda: conv_fprop(x, w, chain=[(30, [])])),
+        ("earlier chain value", lambda: conv_fprop(x, w, chain=[(OP["mul"] + 32, [])])),
+        ("1 or C_out=6 values", lambda: conv_fprop(x, w, chain=[(OP["mul"], [ones4])])),
+        ("sequence of (op code, operands)", lambda: conv_fprop(x, w, chain=["relu"])),
     ]  # fmt: skip
 
 

@@ -16,7 +16,7 @@ Modules (one responsibility each):
 * ``tiles``     ``TileConfig`` (block sizes, warps, stages, K walk), the heuristic picking one, and
                 the timed choice among a few candidates per call signature (cached on disk);
 * ``prologue``  device: the A tile of the implicit GEMM, gathered with the prologue applied;
-* ``epilogue``  device: bias, activation, residual, store, per-tile statistics;
+* ``epilogue``  device: bias, the pointwise chain, activation, residual, store, per-tile statistics;
 * ``stats``     the statistics' host reduction (deterministic) and ``ChannelStats``;
 * ``fprop``     the forward kernel and its launcher ``conv_fprop``;
 * ``dgrad``     the input gradient (also a transposed conv's forward) and ``conv_dgrad``;

@@ -1,9 +1,13 @@
 """Device side of the conv family's store: one ``[BLOCK_M, BLOCK_N]`` accumulator tile through the
-bias, the output activation and the residual, stored channels-last, and its per-channel statistics.
+bias, the pointwise chain, the output activation and the residual, stored channels-last, and its
+per-channel statistics.
 
 Order (per element, all in fp32 from the fp32 accumulator; one rounding, at the store)::
 
     v = acc + bias[c]                       (HAS_BIAS)
+    v = chain(v)                            (CHAIN: ``chain_math`` op codes, operands from the matrix
+                                             ``q``: a folded eval BatchNorm's scale and shift, a
+                                             per-channel multiplier, activations, clamps, ...)
     v = v + residual[m, c]                  (RESIDUAL == before the activation: ResNet's relu(conv + bias + r))
     # <- the pre-activation: where a training forward will save it for the backward
     v = act_out(v)
@@ -28,13 +32,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..chain_math import apply_chain_at
 from .prologue import activation
 
 
 @triton.jit
-def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, bias_ptr, res_ptr, part_ptr, slope_out, C_OUT, M_TILES,
-               HAS_BIAS: tl.constexpr, ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr,
-               STATS: tl.constexpr, BIG: tl.constexpr):  # fmt: skip
+def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, bias_ptr, res_ptr, part_ptr, q_ptr, slope_out, C_OUT,
+               M_TILES, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr, ACT_OUT: tl.constexpr,
+               RESIDUAL: tl.constexpr, STATS: tl.constexpr, BIG: tl.constexpr):  # fmt: skip
     """Finish and store one tile (module docstring for the order).
 
     acc       fp32 ``[BLOCK_M, BLOCK_N]``: rows ``m`` (output positions, ``m_ok``: ``< M``), columns ``c``
@@ -42,6 +47,8 @@ def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, bias_ptr, res_ptr, part_pt
     out_ptr   the output, channels-last dense: element ``(m, c)`` at ``m * C_OUT + c``; its dtype is the
               stored one.
     bias_ptr  HAS_BIAS: ``(C_OUT,)`` contiguous, fp32 or the output dtype.
+    q_ptr     CHAIN (a tuple of ``chain_math.MAX_SLOTS`` op codes, all 0: none): the chain's operand
+              matrix, fp32 ``(chain_math.NUM_PARAM_ROWS, C_OUT)`` contiguous (``epilogue.build_params``).
     res_ptr   RESIDUAL (1 before ACT_OUT, 2 after): the residual, the output's dtype and strides.
     part_ptr  STATS: fp32 ``(2, M_TILES, C_OUT)`` contiguous: ``[0, pid_m, c]`` the tile's sum over its
               rows, ``[1, pid_m, c]`` its sum of squares (of the stored values).
@@ -50,6 +57,8 @@ def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, bias_ptr, res_ptr, part_pt
     v = acc
     if HAS_BIAS:
         v = v + tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    if CHAIN[0] != 0:
+        v = apply_chain_at(v, q_ptr, c[None, :], C_OUT, c_ok[None, :], CHAIN)
     if BIG:
         m = m.to(tl.int64)
         pid_m = pid_m.to(tl.int64)

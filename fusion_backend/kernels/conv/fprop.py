@@ -46,7 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..chain_math import MAX_SLOTS, SOURCE_STRIDE, KernelStep, op_codes
 from ..conv_common import peel_coords
+from ..epilogue import OperandMatrix, tensor_rows
 from ..host import INTERPRETER, cdiv, element_extent, lift3
 from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
@@ -74,7 +76,7 @@ _INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
 @triton.jit
 def conv_fprop_kernel(
-    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
     slope_in, slope_out,
     M, D, H, W, OD, OH, OW, C_IN, C_OUT, C_OUT_G, M_TILES,
     x_sn, x_sd, x_sh, x_sw,
@@ -84,8 +86,8 @@ def conv_fprop_kernel(
     PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr, STATS: tl.constexpr,
-    PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr, ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr,
+    STATS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile of group ``program_id(2)`` (module docstring).
@@ -95,7 +97,7 @@ def conv_fprop_kernel(
                ``n * x_sn + d * x_sd + h * x_sh + w * x_sw + c``.
       w_ptr    the prearranged weight (groups, COUT_PAD, K_ROW), the compute dtype, contiguous, zero
                padded (``prearrange_weight``).
-      bias_ptr, res_ptr, out_ptr, part_ptr: ``epilogue.store_tile``'s (out: (M, C_OUT) row-major).
+      bias_ptr, res_ptr, out_ptr, part_ptr, q_ptr: ``epilogue.store_tile``'s (out: (M, C_OUT) row-major).
       p0..p3   the prologue's vectors (``prologue.normalise``).
     Unused pointers receive any tensor and are never dereferenced.
     Runtime: ``slope_in`` / ``slope_out`` the leaky slopes; ``M = N * OD * OH * OW``; ``C_OUT_G`` the
@@ -135,8 +137,8 @@ def conv_fprop_kernel(
         b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
         acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
 
-    store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, bias_ptr, res_ptr, part_ptr,
-               slope_out, C_OUT, M_TILES, HAS_BIAS, ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
+    store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, bias_ptr, res_ptr, part_ptr, q_ptr,
+               slope_out, C_OUT, M_TILES, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,9 +311,11 @@ class _Plan:
     strides, dtypes, hook kinds, tile, precision), built once (``_PLANS``); ``run`` binds tensors."""
 
     def __init__(self, geo: _Geometry, x: torch.Tensor, weight: torch.Tensor, prologue: Prologue | None, act_in: int,
-                 act_out: int, has_bias: bool, residual_mode: int, stats: bool, tile: TileConfig,
-                 precision: str) -> None:  # fmt: skip
+                 act_out: int, has_bias: bool, chain: Sequence[KernelStep], residual_mode: int, stats: bool,
+                 tile: TileConfig, precision: str) -> None:  # fmt: skip
         self.geo, self.tile, self.stats = geo, tile, stats
+        #: the chain's operand matrix, assembled per call from its tensor operands (None: no chain)
+        self.chain = OperandMatrix(chain, None, geo.c_out, x.device) if chain else None
         self.dtype, self.device = x.dtype, x.device
         #: x is copied to channels-last dense first (its channel stride is not 1)
         self.relayout = not channels_last(x)
@@ -339,7 +343,7 @@ class _Plan:
             PD=geo.padding[0], PH=geo.padding[1], PW=geo.padding[2],
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
-            HAS_BIAS=has_bias, ACT_OUT=act_out, RESIDUAL=residual_mode, STATS=stats,
+            HAS_BIAS=has_bias, CHAIN=op_codes(chain), ACT_OUT=act_out, RESIDUAL=residual_mode, STATS=stats,
             PRECISION=precision, BIG=big, FLAT_K=tile.flat_k,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
@@ -347,8 +351,9 @@ class _Plan:
         fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, *x_strides)
         self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
 
-    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-            prologue: Prologue | None, slopes: tuple[float, float]) -> tuple[torch.Tensor, ChannelStats | None]:  # fmt: skip
+    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chain: Sequence[KernelStep],
+            residual: torch.Tensor | None, prologue: Prologue | None,
+            slopes: tuple[float, float]) -> tuple[torch.Tensor, ChannelStats | None]:  # fmt: skip
         geo = self.geo
         if geo.m == 0:  # N == 0: nothing to launch
             out = empty_channels_last(geo.out_shape, self.dtype, self.device)
@@ -361,8 +366,9 @@ class _Plan:
         if self.stats:
             partials = torch.empty((2, self.m_tiles, geo.c_out), dtype=torch.float32, device=self.device)
         p = [out if t is None else t for t in hooks.prologue_tensors(prologue)]
+        q = out if self.chain is None else self.chain.build(tensor_rows(chain, None))
         self.launch(x, w, out if bias is None else bias, out if residual is None else residual, out,
-                    out if partials is None else partials, *p, *slopes)  # fmt: skip
+                    out if partials is None else partials, q, *p, *slopes)  # fmt: skip
         return out, None if partials is None else reduce_partials(partials, geo.m)
 
 
@@ -381,6 +387,7 @@ def conv_fprop(
     groups: int = 1,
     prologue: Prologue | None = None,
     act_in: ActivationLike = None,
+    chain: Sequence[KernelStep] = (),
     act_out: ActivationLike = None,
     residual: torch.Tensor | None = None,
     residual_after_act: bool = False,
@@ -388,8 +395,8 @@ def conv_fprop(
     tile: TileConfig | None = None,
     allow_tf32: bool | None = None,
 ) -> tuple[torch.Tensor, ChannelStats | None]:
-    """``out = act_out(conv(act_in(prologue(x)), weight) + bias [+ residual]) [+ residual]`` and, with
-    ``stats``, the per-channel sums of ``out`` and ``out**2``, in one kernel launch.
+    """``out = act_out(chain(conv(act_in(prologue(x)), weight) + bias) [+ residual]) [+ residual]`` and,
+    with ``stats``, the per-channel sums of ``out`` and ``out**2``, in one kernel launch.
 
     x         (N, C_in, *spatial), 1 to 3 spatial dims, fp32/fp16/bf16 (no bf16 under the interpreter),
               on CUDA (on CPU under ``TRITON_INTERPRET=1``).  Channels-last strides (channel stride 1;
@@ -403,6 +410,10 @@ def conv_fprop(
     prologue  None, ``hooks.ChannelAffine``, ``hooks.GroupAffine`` or ``hooks.SampleChannelScale``:
               applied to every loaded element of ``x``, then ``act_in``; padded taps are 0 after both.
     act_in, act_out: None, "relu", "leaky_relu" (slope 0.01), "gelu" (erf), "silu", or ``hooks.Activation``.
+    chain     up to ``chain_math.MAX_SLOTS`` pointwise steps ``(op code, operands)`` (``chain_math.KernelStep``)
+              applied after the bias: e.g. a folded eval BatchNorm ``[(MUL, [scale]), (ADD, [shift])]`` or
+              a per-channel multiplier and activations; an operand is a number or a tensor of 1 or
+              C_out values on x's device.
     residual  None or a tensor of the output's shape and dtype, channels-last dense; added before
               ``act_out`` (ResNet) or, with ``residual_after_act``, after it.
     stats     also return ``stats.ChannelStats`` of the stored output (deterministic; ``epilogue``).
@@ -429,26 +440,56 @@ def conv_fprop(
     precision_flag = bool(torch.backends.cudnn.allow_tf32 if allow_tf32 is None else allow_tf32)
     key = plan_key(x, weight, bias, residual, *hooks.prologue_tensors(prologue), hooks.plan_parts(prologue),
                    _hashable(stride), _hashable(padding), _hashable(dilation), groups, code_in, code_out,
-                   residual_mode, bool(stats), tile, precision_flag)  # fmt: skip
+                   _chain_key(chain), residual_mode, bool(stats), tile, precision_flag)  # fmt: skip
 
     def build() -> _Plan:
         geo = _check_call(x, weight, bias, residual, stride, padding, dilation, groups)
         hooks.check_prologue(prologue, geo.n, geo.c_in, x.device)
+        _check_chain(chain, geo.c_out, x.device)
         precision = dot_precision(x.dtype, precision_flag, INTERPRETER)
 
         def plan_with(t: TileConfig) -> _Plan:
             t.check()
-            return _Plan(geo, x, weight, prologue, code_in, code_out, bias is not None, residual_mode, bool(stats),
-                         t, precision)  # fmt: skip
+            return _Plan(geo, x, weight, prologue, code_in, code_out, bias is not None, chain, residual_mode,
+                         bool(stats), t, precision)  # fmt: skip
 
         if tile is not None:
             return plan_with(tile)
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
         return plan_with(tuned_tile("fprop", key, tiles if geo.m else tiles[:1], lambda t: functools.partial(
-            plan_with(t).run, x, weight, bias, residual, prologue, (slope_in, slope_out)), x.device))
+            plan_with(t).run, x, weight, bias, chain, residual, prologue, (slope_in, slope_out)), x.device))
 
     plan = _PLANS.get(key, build)
-    return plan.run(x, weight, bias, residual, prologue, (slope_in, slope_out))
+    return plan.run(x, weight, bias, chain, residual, prologue, (slope_in, slope_out))
+
+
+def _chain_key(chain: Sequence[KernelStep]) -> tuple:
+    """What a plan depends on in ``chain``: the op codes and the constant operands (a plan's operand
+    matrix bakes them in); a tensor operand by its size (its values are bound per call)."""
+    try:
+        return tuple((int(code), tuple(("tensor", v.numel()) if isinstance(v, torch.Tensor) else float(v)
+                                       for v in operands)) for code, operands in chain)  # fmt: skip
+    except (TypeError, ValueError):
+        raise ContractError(f"chain must be a sequence of (op code, operands) steps, got {chain!r}") from None
+
+
+def _check_chain(chain: Sequence[KernelStep], c_out: int, device: torch.device) -> None:
+    """Raise :class:`ContractError` unless ``chain`` fits the template: at most ``MAX_SLOTS`` steps of
+    known op codes, each reading the flowing value (no step reading an earlier chain value, which the
+    family does not take yet), each operand a number or a tensor of 1 or ``c_out`` values on ``device``."""
+    if len(chain) > MAX_SLOTS:
+        raise ContractError(f"chain: at most {MAX_SLOTS} steps fit the kernel, got {len(chain)}")
+    try:
+        codes = op_codes(chain)
+    except ValueError as exc:
+        raise ContractError(f"chain: {exc}") from None
+    if any(code >= SOURCE_STRIDE for code in codes):
+        raise ContractError("chain: a step whose operand is an earlier chain value is not supported here")
+    for slot, (_, operands) in enumerate(chain):
+        for value in operands:
+            if isinstance(value, torch.Tensor) and (value.numel() not in (1, c_out) or value.device != device):
+                raise ContractError(f"chain step {slot}: a tensor operand must hold 1 or C_out={c_out} values on "
+                                    f"{device}, got {tuple(value.shape)} on {value.device}")  # fmt: skip
 
 
 def _hashable(value: Any) -> Any:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..chain_math import KernelStep
 from . import hooks
 from .hooks import ActivationLike, Prologue
 from .stats import BatchNormGradSums, ChannelStats
@@ -32,6 +33,21 @@ def apply_activation(v: torch.Tensor, act: ActivationLike) -> torch.Tensor:
     if a.kind == "gelu":
         return F.gelu(v)
     return F.silu(v)
+
+
+def apply_chain(v: torch.Tensor, chain: Sequence[KernelStep], dtype: torch.dtype) -> torch.Tensor:
+    """``v`` (N, C, *spatial) through ``chain`` (``chain_math.KernelStep`` s of plain op codes), each step
+    with torch's semantics as the fused ops' references apply them (``ops.chain.apply_step``), tensor
+    operands cast to ``dtype`` and broadcast over the channels."""
+    from ...ops.chain import PointwiseKind, apply_step
+
+    kinds = {kind.code: kind for kind in PointwiseKind}
+    shape = (1, v.shape[1]) + (1,) * (v.dim() - 2)
+    for code, operands in chain:
+        values = [o.to(v.device, dtype).reshape(shape if o.numel() > 1 else ()) if isinstance(o, torch.Tensor)
+                  else o for o in operands]  # fmt: skip
+        v = apply_step(kinds[int(code)], v, values)
+    return v
 
 
 def apply_prologue(x: torch.Tensor, prologue: Prologue | None, dtype: torch.dtype) -> torch.Tensor:
@@ -72,6 +88,7 @@ def conv_fprop_reference(
     groups: int = 1,
     prologue: Prologue | None = None,
     act_in: ActivationLike = None,
+    chain: Sequence[KernelStep] = (),
     act_out: ActivationLike = None,
     residual: torch.Tensor | None = None,
     residual_after_act: bool = False,
@@ -85,6 +102,7 @@ def conv_fprop_reference(
     conv = _CONV[x.dim()]
     y = conv(v, weight.to(dtype), None if bias is None else bias.to(dtype), stride=stride, padding=padding,
              dilation=dilation, groups=groups)  # fmt: skip
+    y = apply_chain(y, chain, dtype)
     if residual is not None and not residual_after_act:
         y = y + residual.to(dtype)
     y = apply_activation(y, act_out)
