@@ -264,6 +264,31 @@ def test_chain_constants_key_the_plan_and_tensor_operands_are_bound_per_call():
     torch.testing.assert_close(out, F.conv2d(x, w) * -3.0 + 0.5, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", [
+    ("depthwise-bn-relu-prologue", (2, 24, 7, 6), (24, 1, 3, 3), dict(padding=1, groups=24)),
+    ("depthwise-x2-stride2-dilation2", (1, 8, 9, 8), (16, 1, 3, 3), dict(padding=2, stride=2, dilation=2, groups=8)),
+    ("single-input-channel-groups1", (2, 1, 6, 7), (12, 1, 5, 5), dict(padding=2)),
+    ("depthwise-conv1d-k5", (2, 20, 11), (20, 1, 5), dict(padding=2, groups=20)),
+    ("depthwise-conv3d", (1, 16, 4, 5, 4), (16, 1, 3, 3, 3), dict(padding=1, groups=16)),
+], ids=lambda c: c[0] if isinstance(c, tuple) else None)  # fmt: skip
+def test_one_input_channel_per_group_runs_the_direct_tile_with_every_hook(case, dtype):
+    """Depthwise convs (any multiplier, stride, dilation, 1d-3d) and a single-channel input run the direct
+    depthwise tile, not the GEMM; with a BatchNorm prologue and relu on load, a chain, a residual and
+    the statistics, against float64."""
+    name, xs, ws, conv = case
+    g = torch.Generator().manual_seed(stable_seed(("dw", name, str(dtype))))
+    x = _channels_last(_randn(*xs, g=g, dtype=dtype))
+    w, b = _randn(*ws, g=g, scale=0.3, dtype=dtype), _randn(ws[0], g=g)
+    out, _ = _check(name, x, w, b, **conv)
+    assert fprop._PLANS.values()[-1].depthwise
+    c = xs[1]
+    prologue = ChannelAffine(_randn(c, g=g) * 0.2 + 1.0, _randn(c, g=g))
+    residual = _channels_last(torch.randn(out.shape, generator=g).to(DEVICE, dtype))
+    _check(f"{name} hooked", x, w, b, prologue=prologue, act_in="relu", chain=[(OP["mul"], [_randn(ws[0], g=g)])],
+           residual=residual, act_out="silu", stats=True, tile=TileConfig(16, 16, 16, 1, 1), **conv)  # fmt: skip
+
+
 def test_residual_layout_is_judged_by_the_dims_that_have_extent():
     """An (N, C, 1, W) output: a residual whose size-1 dim has another stride is still channels-last
     dense (as torch's ``is_contiguous`` judges it), and is accepted; its values land where they belong."""

@@ -56,9 +56,9 @@ from ..tf32 import dot_precision, round_tf32
 from . import hooks
 from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
-from .prologue import load_a_tile
+from .prologue import activation, load_a_tile, normalise
 from .stats import ChannelStats, empty_stats, reduce_partials
-from .tiles import TileConfig, candidates, tuned_tile
+from .tiles import TileConfig, candidates, depthwise_candidates, tuned_tile
 
 _INT32_LIMIT = 2**31 - 1
 #: Tensors that span more elements than this get int64 offsets (``BIG``); a module constant so that
@@ -88,9 +88,11 @@ def conv_fprop_kernel(
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
     HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr, ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr,
     STATS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DEPTHWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One ``[BLOCK_M, BLOCK_N]`` output tile of group ``program_id(2)`` (module docstring).
+    """One ``[BLOCK_M, BLOCK_N]`` output tile of group ``program_id(2)`` (module docstring); with
+    ``DEPTHWISE`` (one input channel per group) ``BLOCK_N`` output channels of any groups, computed
+    directly (:func:`_depthwise_tile`).
 
     Pointers (element offsets):
       x_ptr    input (N, C_IN, D, H, W), fp32/fp16/bf16, channel stride 1: element ``(n, c, d, h, w)`` at
@@ -111,6 +113,14 @@ def conv_fprop_kernel(
     g = tl.program_id(2)
     K_ITERS: tl.constexpr = K_ROW // BLOCK_K  # tap-major: taps x CIN_PAD // BLOCK_K channel blocks
     compute = w_ptr.dtype.element_ty
+    if DEPTHWISE:
+        m, m_ok, c, c_ok, acc = _depthwise_tile(
+            x_ptr, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, pid_n, M, D, H, W, OD, OH, OW, C_IN,
+            C_OUT, C_OUT_G, x_sn, x_sd, x_sh, x_sw, KD, KH, KW, SD, SH, SW, PD, PH, PW, DD, DH, DW, PROLOGUE,
+            G_NORM, NORM_AFFINE, ACT_IN, BIG, BLOCK_M, BLOCK_N)  # fmt: skip
+        store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, bias_ptr, res_ptr, part_ptr, q_ptr, slope_out, C_OUT,
+                   M_TILES, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
+        return
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
@@ -139,6 +149,60 @@ def conv_fprop_kernel(
 
     store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, bias_ptr, res_ptr, part_ptr, q_ptr,
                slope_out, C_OUT, M_TILES, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
+
+
+@triton.jit
+def _depthwise_tile(x_ptr, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, pid_n, M, D, H, W, OD, OH, OW,
+                    C_IN, C_OUT, MULT, x_sn, x_sd, x_sh, x_sw,
+                    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                    DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                    PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
+                    BIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The fp32 ``[BLOCK_M, BLOCK_N]`` accumulator of a conv with one input channel per group (depthwise,
+    channel multiplier ``MULT``): output channel ``c`` reads input channel ``c // MULT``; per tap, one
+    load of the rows' ``BLOCK_N`` input channels (contiguous, channels-last) through the prologue, times
+    the channels' weights ``w[c * taps + tap]``, accumulated in fp32 (no dot: K is just the taps).  The
+    input is rounded to the weight's dtype before the product, as the GEMM form's operand is.  Returns
+    ``(m, m_ok, c, c_ok, acc)`` for the epilogue."""
+    TAPS: tl.constexpr = KD * KH * KW
+    compute = w_ptr.dtype.element_ty
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    ow, oh, od, n = peel_coords(m, OW, OH, OD)
+    id0 = od * SD - PD
+    ih0 = oh * SH - PH
+    iw0 = ow * SW - PW
+    if BIG:
+        row_base = n.to(tl.int64) * x_sn + id0.to(tl.int64) * x_sd + ih0.to(tl.int64) * x_sh + iw0.to(tl.int64) * x_sw
+    else:
+        row_base = n * x_sn + id0 * x_sd + ih0 * x_sh + iw0 * x_sw
+    c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = c < C_OUT
+    ci = c // MULT
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # NOTE: a loop, not unrolled: unrolled (tl.static_range) the taps' loads were all in flight at once
+    # and the hooked tile spilled 612 registers at 64 x 128, 28 at 32 x 128; as a loop 121 registers,
+    # no spill (sm_90: ``python tools/compile_check.py conv_family --cases depthwise-bf16-hooked``)
+    for tap in range(0, TAPS):
+        kd, kh, kw = tap // (KH * KW), (tap // KW) % KH, tap % KW
+        di = id0 + kd * DD
+        hi = ih0 + kh * DH
+        wi = iw0 + kw * DW
+        r_ok = m_ok & (di >= 0) & (di < D) & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+        mask = r_ok[:, None] & c_ok[None, :]
+        offs = (row_base + (kd * DD * x_sd + kh * DH * x_sh + kw * DW * x_sw))[:, None] + ci[None, :]
+        a = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if PROLOGUE != 0 or ACT_IN != 0:
+            v = normalise(a.to(tl.float32), n, ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE,
+                          G_NORM, NORM_AFFINE)  # fmt: skip
+            if PROLOGUE > 1:
+                v = tl.where(mask, v, 0.0)
+            a = activation(v, ACT_IN, slope_in).to(compute)
+        wv = tl.load(w_ptr + c * TAPS + tap, mask=c_ok, other=0.0).to(tl.float32)
+        acc += a.to(tl.float32) * wv[None, :]
+    return m, m_ok, c, c_ok, acc
 
 
 # --------------------------------------------------------------------------------------------------
@@ -332,7 +396,13 @@ class _Plan:
         self.weight_in_place = (dense_channels_last(weight) and not tile.flat_k and cin_pad == geo.c_in_g
                                 and cout_pad == geo.c_out_g)  # fmt: skip
         self.m_tiles = cdiv(geo.m, tile.block_m)
-        grid = (self.m_tiles, cout_pad // tile.block_n, geo.groups)
+        #: one input channel per group: the direct depthwise tile (``_depthwise_tile``), over all channels
+        self.depthwise = geo.c_in_g == 1
+        if self.depthwise:
+            self.weight_in_place = False
+            grid = (self.m_tiles, cdiv(geo.c_out, tile.block_n), 1)
+        else:
+            grid = (self.m_tiles, cout_pad // tile.block_n, geo.groups)
         g_norm, norm_affine = 1, False
         if isinstance(prologue, hooks.GroupAffine):
             g_norm, norm_affine = prologue.groups, prologue.weight is not None
@@ -344,7 +414,7 @@ class _Plan:
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
             HAS_BIAS=has_bias, CHAIN=op_codes(chain), ACT_OUT=act_out, RESIDUAL=residual_mode, STATS=stats,
-            PRECISION=precision, BIG=big, FLAT_K=tile.flat_k,
+            PRECISION=precision, BIG=big, FLAT_K=tile.flat_k, DEPTHWISE=self.depthwise,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
@@ -360,7 +430,12 @@ class _Plan:
             return out, (empty_stats(geo.c_out, self.device) if self.stats else None)
         if self.relayout:
             x = to_channels_last(x)
-        w = weight if self.weight_in_place else prearrange_weight(weight, geo.groups, self.tile, self.dtype)
+        if self.depthwise:  # (C_out, taps) rows, as the weight of one input channel per group is laid out
+            w = weight.reshape(geo.c_out, geo.taps).contiguous()
+        elif self.weight_in_place:
+            w = weight
+        else:
+            w = prearrange_weight(weight, geo.groups, self.tile, self.dtype)
         out = empty_channels_last(geo.out_shape, self.dtype, self.device)
         partials = None
         if self.stats:
@@ -406,7 +481,8 @@ def conv_fprop(
               dense and the tile divides its channels per group, else prearranged per call.
     bias      None or (C_out,), x's dtype or fp32.
     stride, padding, dilation: an int or one int per spatial dim (symmetric padding, as ``F.conv*d``).
-    groups    divides C_in and C_out; depthwise (groups == C_in) runs, not fast (K per group is tiny).
+    groups    divides C_in and C_out; one input channel per group (depthwise, any channel multiplier,
+              or a single-channel input) runs a direct tile of its own, not the GEMM.
     prologue  None, ``hooks.ChannelAffine``, ``hooks.GroupAffine`` or ``hooks.SampleChannelScale``:
               applied to every loaded element of ``x``, then ``act_in``; padded taps are 0 after both.
     act_in, act_out: None, "relu", "leaky_relu" (slope 0.01), "gelu" (erf), "silu", or ``hooks.Activation``.
@@ -455,7 +531,10 @@ def conv_fprop(
 
         if tile is not None:
             return plan_with(tile)
-        tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
+        if geo.c_in_g == 1:  # the direct depthwise path (``_Plan.depthwise``)
+            tiles = depthwise_candidates(geo.c_out, geo.m)
+        else:
+            tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
         return plan_with(tuned_tile("fprop", key, tiles if geo.m else tiles[:1], lambda t: functools.partial(
             plan_with(t).run, x, weight, bias, chain, residual, prologue, (slope_in, slope_out)), x.device))
 

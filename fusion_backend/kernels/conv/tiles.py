@@ -177,3 +177,16 @@ def _measuring(device: torch.device) -> bool:
     """Whether tiles are timed: on CUDA, with ``FUSION_CONV_AUTOTUNE`` on, outside CUDA-graph capture."""
     return (device.type == "cuda" and environment.measuring()
             and not torch.cuda.is_current_stream_capturing())
+
+
+def depthwise_candidates(c_out: int, m: int) -> list[TileConfig]:
+    """The tiles of the direct depthwise path (one input channel per group, ``fprop._depthwise_tile``),
+    heuristic's first: ``block_n`` output channels (contiguous in memory, so the long side) by
+    ``block_m`` output positions, no K blocking (``block_k`` unused).  Not measured yet: the shape of a
+    memory-bound elementwise tile, channels innermost, about 8K elements per program."""
+    channels = min(128, max(16, next_pow2(c_out)))
+    tiles = [TileConfig(min(max(16, 4096 // channels), max(16, next_pow2(m))), channels, 16, 4, 1)]
+    for block_m, block_n in ((128, 64), (32, 128)):
+        n = min(block_n, channels)
+        tiles.append(TileConfig(min(block_m, max(16, next_pow2(m))), n, 16, 4, 1))
+    return best_first(list(dict.fromkeys(tiles)))
