@@ -301,6 +301,28 @@ def test_dgrad_reads_a_channels_last_weight_in_place_where_the_tile_pads_nothing
         assert dgrad._PLANS.values()[-1].weight_in_place is in_place
 
 
+@pytest.mark.parametrize("case", [
+    ("depthwise-s2-p1-odd", (2, 24, 7, 9), (24, 1, 3, 3), dict(stride=2, padding=1, groups=24)),
+    ("depthwise-x2-dilation2", (1, 8, 9, 8), (16, 1, 3, 3), dict(padding=2, dilation=2, groups=8)),
+    ("single-input-channel", (2, 1, 6, 7), (12, 1, 5, 5), dict(padding=2, stride=(1, 2))),
+    ("depthwise-conv1d-k5-s3", (2, 20, 13), (20, 1, 5), dict(padding=2, stride=3, groups=20)),
+    ("depthwise-conv3d", (1, 16, 4, 5, 4), (16, 1, 3, 3, 3), dict(padding=1, groups=16)),
+], ids=lambda c: c[0])  # fmt: skip
+def test_dgrad_with_one_input_channel_per_group_runs_the_direct_tile(case):
+    """Depthwise (any multiplier, stride, dilation, 1d-3d) and single-channel-input dgrads gather their
+    output channels directly, plain and with relu' and the BatchNorm-backward sums, against float64."""
+    name, xs, ws, conv = case
+    g = torch.Generator().manual_seed(stable_seed(("dw-dgrad", name)))
+    x = _channels_last(_randn(*xs, g=g, scale=2.0) + 1.0)
+    stats, prologue, _, _ = _bn(x, g)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    w = _randn(*ws, g=g)
+    _check_dgrad(name, gy, w, xs, **conv)
+    assert dgrad._PLANS.values()[-1].depthwise
+    _check_dgrad(f"{name} hooked", gy, w, xs, x_prev=x, prologue=prologue, act_in="relu", norm_stats=stats,
+                 tile=TileConfig(16, 16, 16, 1, 1), **conv)  # fmt: skip
+
+
 def test_dgrad_is_a_transposed_convs_forward():
     """``conv_transpose2d(y, w, stride 2, padding 1, output_padding 1)`` is the dgrad of ``y`` with the
     output padding carried by ``input_size``."""

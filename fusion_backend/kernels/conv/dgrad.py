@@ -67,7 +67,7 @@ from .grad_epilogue import store_grad_tile
 from .hooks import ActivationLike, NormStats, Prologue
 from .prologue import _tap_coords
 from .stats import BatchNormGradSums, empty_grad_sums, reduce_grad_partials
-from .tiles import TileConfig, candidates, tuned_tile
+from .tiles import TileConfig, candidates, depthwise_candidates, tuned_tile
 from .wgrad import _layout_of, _spatial_strides, check_grad_y
 
 
@@ -189,6 +189,39 @@ def _weight_rows(tap, co, C_IN_G: tl.constexpr, TAPS: tl.constexpr, COUT_PAD: tl
 
 
 @triton.jit
+def _depthwise_grad_tile(dy_ptr, w_ptr, n, d, h, w, m_ok, ci, ci_ok, OD, OH, OW, MULT, dy_sn, dy_sd, dy_sh, dy_sw,
+                         KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                         SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                         PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                         DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                         BIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The fp32 ``[BLOCK_M, BLOCK_N]`` input gradient of a conv with one input channel per group
+    (``fprop._depthwise_tile``'s backward): input channel ``ci`` gathers its ``MULT`` output channels
+    ``ci * MULT + j`` over the taps, each tap's output position found as in the GEMM form
+    (:func:`_source`), times the weight ``w[(ci * MULT + j) * taps + tap]``."""
+    TAPS: tl.constexpr = KD * KH * KW
+    if BIG:
+        row_base = n.to(tl.int64) * dy_sn
+    else:
+        row_base = n * dy_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for tap in range(0, TAPS):  # a loop, as the forward's (NOTE at fprop._depthwise_tile)
+        od, d_ok = _source(d, tap // (KH * KW), OD, SD, PD, DD)
+        oh, h_ok = _source(h, (tap // KW) % KH, OH, SH, PH, DH)
+        ow, w_ok = _source(w, tap % KW, OW, SW, PW, DW)
+        if BIG:
+            od, oh, ow = od.to(tl.int64), oh.to(tl.int64), ow.to(tl.int64)
+        rows = row_base + od * dy_sd + oh * dy_sh + ow * dy_sw
+        mask = (m_ok & d_ok & h_ok & w_ok)[:, None] & ci_ok[None, :]
+        for j in range(0, MULT):
+            co = ci * MULT + j
+            g = tl.load(dy_ptr + rows[:, None] + co[None, :], mask=mask, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + co * TAPS + tap, mask=ci_ok, other=0.0).to(tl.float32)
+            acc += g * wv[None, :]
+    return acc
+
+
+@triton.jit
 def conv_dgrad_kernel(
     dy_ptr, w_ptr, out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
     slope,
@@ -202,7 +235,7 @@ def conv_dgrad_kernel(
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT: tl.constexpr,
     SUMS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, PHASED: tl.constexpr,
-    W_IN_PLACE: tl.constexpr,
+    W_IN_PLACE: tl.constexpr, DEPTHWISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` tile of the input gradient of group ``program_id(2)`` (phased: group
@@ -226,6 +259,17 @@ def conv_dgrad_kernel(
     ci = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kb = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if DEPTHWISE:  # one input channel per group: ``BLOCK_N`` input channels of any groups, directly
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        w, h, d, n = peel_coords(m, W, H, D)
+        acc = _depthwise_grad_tile(dy_ptr, w_ptr, n, d, h, w, m_ok, ci, ci < C_IN, OD, OH, OW, C_OUT_G,
+                                   dy_sn, dy_sd, dy_sh, dy_sw, KD, KH, KW, SD, SH, SW, PD, PH, PW, DD, DH, DW,
+                                   BIG, BLOCK_M, BLOCK_N)  # fmt: skip
+        store_grad_tile(acc, m, m_ok, n, d, h, w, ci, ci < C_IN, pid_m, out_ptr, xp_ptr, part_ptr, mean_ptr,
+                        rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES, xp_sn, xp_sd, xp_sh, xp_sw,
+                        PROLOGUE, G_NORM, NORM_AFFINE, ACT, SUMS, BIG)  # fmt: skip
+        return
     if PHASED:
         groups = C_IN // C_IN_G
         g = tl.program_id(2) % groups
@@ -314,17 +358,21 @@ class _DgradPlan:
         k_row = cdiv(geo.taps * geo.c_out_g, tile.block_k) * tile.block_k if tile.flat_k else geo.taps * cout_pad
         cin_pad = cdiv(geo.c_in_g, tile.block_n) * tile.block_n
         #: the phased walk (module docstring): tap-major, dilation 1, some stride > 1
-        self.phased = not tile.flat_k and geo.dilation == (1, 1, 1) and max(geo.stride) > 1
+        #: one input channel per group: the direct depthwise tile (``_depthwise_grad_tile``)
+        self.depthwise = geo.c_in_g == 1
+        self.phased = not self.depthwise and not tile.flat_k and geo.dilation == (1, 1, 1) and max(geo.stride) > 1
         #: the weight is read as it is, not prearranged per call (channels-last dense, tap-major, and
         #: the tile pads neither channel axis)
-        self.weight_in_place = (dense_channels_last(weight) and not tile.flat_k and cout_pad == geo.c_out_g
-                                and cin_pad == geo.c_in_g)  # fmt: skip
+        self.weight_in_place = (not self.depthwise and dense_channels_last(weight) and not tile.flat_k
+                                and cout_pad == geo.c_out_g and cin_pad == geo.c_in_g)  # fmt: skip
         phases = math.prod(geo.stride) if self.phased else 1
         largest = geo.n * math.prod(cdiv(i, s) for i, s in zip(geo.size, geo.stride, strict=True))  # phase 0's rows
         m_tiles = cdiv(largest if self.phased else self.m, tile.block_m)
         #: partial-sum rows: every program of every phase writes its own
         self.m_tiles = m_tiles * phases
         grid = (m_tiles, cin_pad // tile.block_n, geo.groups * phases)
+        if self.depthwise:
+            grid = (m_tiles, cdiv(geo.c_in, tile.block_n), 1)
         g_norm, norm_affine = 1, False
         if isinstance(prologue, hooks.GroupAffine):
             g_norm, norm_affine = prologue.groups, prologue.weight is not None
@@ -336,7 +384,7 @@ class _DgradPlan:
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue) if act else hooks.PROLOGUE_NONE, G_NORM=g_norm,
             NORM_AFFINE=norm_affine, ACT=act, SUMS=sums, PRECISION=precision, BIG=big, FLAT_K=tile.flat_k,
-            PHASED=self.phased, W_IN_PLACE=self.weight_in_place,
+            PHASED=self.phased, W_IN_PLACE=self.weight_in_place, DEPTHWISE=self.depthwise,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
@@ -355,7 +403,12 @@ class _DgradPlan:
             grad_y = to_channels_last(grad_y)
         if self.relayout_xp:
             x_prev = to_channels_last(x_prev)
-        w = weight if self.weight_in_place else prearrange_dgrad_weight(weight, geo.groups, self.tile, self.dtype)
+        if self.depthwise:  # (C_out, taps) rows
+            w = weight.reshape(geo.c_out, geo.taps).contiguous()
+        elif self.weight_in_place:
+            w = weight
+        else:
+            w = prearrange_dgrad_weight(weight, geo.groups, self.tile, self.dtype)
         part = None
         if self.sums:
             part = torch.empty((2, self.m_tiles, geo.c_in), dtype=torch.float32, device=self.device)
@@ -452,7 +505,10 @@ def conv_dgrad(
         if tile is not None:
             return plan_with(tile)
         m = geo.n * math.prod(geo.size)
-        tiles = candidates("dgrad", geo.c_out_g, geo.c_in_g, geo.taps, m, grad_y.dtype)
+        if geo.c_in_g == 1:  # the direct depthwise path (``_DgradPlan.depthwise``)
+            tiles = depthwise_candidates(geo.c_in, m)
+        else:
+            tiles = candidates("dgrad", geo.c_out_g, geo.c_in_g, geo.taps, m, grad_y.dtype)
         return plan_with(tuned_tile("dgrad", key, tiles if m else tiles[:1], lambda t: functools.partial(
             plan_with(t).run, grad_y, weight, x_prev, prologue, norm_stats, slope), grad_y.device))
 
