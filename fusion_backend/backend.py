@@ -159,7 +159,7 @@ def fusion(
         t0 = time.perf_counter()
         compiled = _compile_inductor(original, example_inputs, config_patches)
         report.stage_seconds["inductor"] = time.perf_counter() - t0
-    if "inductor" in report.stage_seconds:
+    if cuda_graphs and opts.decide == "measure" and "inductor" in report.stage_seconds:  # the budget's rate
         compile_estimate.record(size, report.stage_seconds["inductor"], training=training, cuda_graphs=cuda_graphs,
                                 cache_dir=opts.cache_dir)
     if pending.regions or pending.in_context:

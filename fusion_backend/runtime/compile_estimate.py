@@ -5,7 +5,8 @@ fraction of Inductor's compile of the graph (option ``decide_budget``).  Compili
 given only to learn that time would compile it twice wherever a region is kept, so the time is
 estimated instead: Inductor's seconds per node of the latest graph this machine compiled, of the
 same kind (training or inference, with or without CUDA graphs), times this graph's nodes.  The rate
-is kept in the measurement cache (``measurements.py``), so a later process starts with it.  Where no
+is kept in the measurement cache (``measurements.py``), so a later process starts with it; only the
+compiles that decide under CUDA graphs keep it (no other compile reads it).  Where no
 graph was compiled yet the estimate is zero: the budget then allows the one measurement every
 budget allows (``decision.DecisionBudget``) and no more.
 
