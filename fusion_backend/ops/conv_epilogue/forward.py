@@ -33,6 +33,7 @@ from ..conv_io import (
     relayout,
     run_conv,
 )
+from ..library_conv import nominal_format
 from .reference import allocate_forward_outputs, cast_inputs, conv_compute_dtype
 
 logger = logging.getLogger("fusion_backend")
@@ -150,30 +151,16 @@ def forward_kernels(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> Modul
 
 def _library_conv_meta(x: Tensor, weight: Tensor, spec: ConvSpec, dtype: torch.dtype) -> Tensor:
     """A meta tensor with the shape, strides and dtype (the compute dtype) the library conv (and the
-    op's fake) would give y0.
+    op's fake) would give y0: the layout of ``library_conv.nominal_format``, on x and the weight as
+    stored, not cast (the backend and its memory format depend on the layouts and on float64-or-not,
+    cuDNN's rule, not on fp32 vs bf16/fp16; only a weight whose dtype differs from x's, never under
+    autocast, is cast).  Cached per shapes, strides, dtypes and devices (asked on every call)."""
 
-    Mirrors FakeTensor's conv rule (``_select_conv_backend`` + ``_conv_determine_backend_memory_format``)
-    without running the conv; cached per shapes, strides, dtypes and devices (asked on every call).
-    """
-    return DECISIONS.get(("conv_meta", tensor_key(x), tensor_key(weight), spec, dtype),
-                          lambda: _library_conv_meta_uncached(x, weight, spec, dtype))  # fmt: skip
+    def meta() -> Tensor:
+        fmt = nominal_format(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), spec)
+        return torch.empty(conv_output_shape(x, weight, spec), dtype=dtype, device="meta", memory_format=fmt)
 
-
-def _library_conv_meta_uncached(x: Tensor, weight: Tensor, spec: ConvSpec, dtype: torch.dtype) -> Tensor:
-    shape = conv_output_shape(x, weight, spec)
-    fmt = torch.contiguous_format
-    if x.dim() in (4, 5):
-        # NOTE: x and weight as stored, not cast: the backend and its memory format depend on the
-        # layouts and on float64-or-not (cuDNN's rule), not on fp32 vs bf16/fp16; only a weight
-        # whose dtype differs from x's (never under autocast) is cast, once per signature.
-        weight = weight if weight.dtype == x.dtype else weight.to(x.dtype)
-        backend = torch._C._select_conv_backend(
-            x, weight, bias=None, stride=list(spec.stride), padding=list(spec.padding),
-            dilation=list(spec.dilation), transposed=spec.transposed,
-            output_padding=list(spec.output_padding), groups=spec.groups, bias_sizes=None,
-        )  # fmt: skip
-        fmt = torch._C._conv_determine_backend_memory_format(x, weight, backend)
-    return torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
+    return DECISIONS.get(("conv_meta", tensor_key(x), tensor_key(weight), spec, dtype), meta)
 
 
 class FusedForward:
