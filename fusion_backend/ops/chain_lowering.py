@@ -8,6 +8,7 @@ operands and pools that every family whose kernels run a chain shares.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -19,14 +20,18 @@ from ..ir.specs import PoolSpec
 from .chain import ChainStep, ChainValue, Const, TensorRef, kernel_code
 
 
-def _is_per_channel(t: Tensor, y_ndim: int, channels: int) -> bool:
-    """True when ``t`` broadcasts against (N, C, ...) as one value, or one value per channel."""
-    if t.dim() > y_ndim:
-        return False
-    if t.numel() == 1:
-        return True
-    offset = y_ndim - t.dim()
-    return all(size == (channels if i + offset == 1 else 1) for i, size in enumerate(t.shape))
+def channel_stride(shape: Sequence[int], stride: Sequence[int], channels: int, ndim: int) -> int | None:
+    """How an operand of ``shape`` and ``stride`` broadcasts against an ``ndim``-dim conv output of
+    ``channels`` channels: 0 for one value (at most ``ndim`` dims), the element stride between its
+    channels for one value per channel (``(C, 1, ..., 1)`` or ``(1, C, 1, ..., 1)``), else None."""
+    if math.prod(shape) == 1 and len(shape) <= ndim:
+        return 0
+    ones = (1,) * (ndim - 2)
+    if tuple(shape) == (channels, *ones):
+        return stride[0]
+    if tuple(shape) == (1, channels, *ones):
+        return stride[1]
+    return None
 
 
 def kernel_steps(chain: Sequence[ChainStep], operands: Sequence[Tensor], y_ndim: int, channels: int) -> list:
@@ -45,7 +50,7 @@ def kernel_steps(chain: Sequence[ChainStep], operands: Sequence[Tensor], y_ndim:
                 values.append(0.0)
                 continue
             t = operands[operand.index]
-            if not _is_per_channel(t, y_ndim, channels):
+            if channel_stride(t.shape, t.stride(), channels, y_ndim) is None:
                 raise UnsupportedInputError(
                     f"operands[{operand.index}] of shape {tuple(t.shape)} is neither a scalar nor per-channel "
                     f"for a conv output with {channels} channels and {y_ndim} dims"
