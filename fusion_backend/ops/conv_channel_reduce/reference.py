@@ -14,7 +14,6 @@ from torch import Tensor
 
 from ..chain_reference import add_grads, apply_chain, chain_backward, chain_with_tape, with_bias
 from ..conv_io import (
-    channel_view,
     conv_channels,
     conv_output_shape,
     in_format,
@@ -40,7 +39,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do)."""
     y0, out, saved_y, index, stats = conv_outputs(x, weight, cfg, save)
-    yb = y0 if bias is None else y0 + channel_view(bias, y0.dim())
+    yb = with_bias(y0, bias)
     v = apply_chain(yb, cfg.pre, operands)
     kind, keep = cfg.reduction, cfg.keepdim
     if kind in ("min", "max"):

@@ -225,9 +225,7 @@ def _forward_layouts(
     y0 = _library_conv_meta(x, weight, cfg.conv, dtype)
     y0 = torch.empty(y0.shape, dtype=dtype, device="meta", memory_format=output_memory_format(y0))
     steps = kernel_steps(cfg.chain, operands, y0.dim(), y0.shape[1])
-    out_shape = list(y0.shape) if cfg.pool is None else pooled_output_shape(y0.shape, cfg.pool)
-    like_x = torch.empty(0, dtype=x.dtype, device="meta")
-    return y0, steps, allocate_forward_outputs(like_x, y0, out_shape, cfg, save)
+    return y0, steps, allocate_forward_outputs(torch.empty(0, dtype=x.dtype, device="meta"), y0, cfg, save)
 
 
 class PlannedOperands:

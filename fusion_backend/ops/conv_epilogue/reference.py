@@ -21,7 +21,7 @@ from ..chain_reference import (
 )
 from ..config import ConvEpilogueConfig, describe_pool
 from ..conv_io import (
-    channel_view,
+    allocate_result,
     check_conv_inputs,
     conv_output_shape,
     dtype_named,
@@ -31,7 +31,6 @@ from ..conv_io import (
     run_conv,
     run_conv_backward,
     run_pool,
-    winner_dtype,
 )
 
 OP = "conv_epilogue"
@@ -75,29 +74,25 @@ def _describe_operand(o: Operand) -> str:
     return f"operands[{o.index}]" if isinstance(o, TensorRef) else f"value before step {o.position}"
 
 
-def allocate_forward_outputs(
-    x: Tensor, y0: Tensor, out_shape: Sequence[int], cfg: ConvEpilogueConfig, save: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvEpilogueConfig,
+                             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Empty ``(out, saved_y0, saved_winner)`` as the package docstring lays them out (``x``: the op's
-    input as given; ``y0``: the conv output in the compute dtype)."""
-    fmt = output_memory_format(y0)
-    out = torch.empty(out_shape, dtype=output_dtype(cfg, y0.dtype), device=x.device, memory_format=fmt)
+    input as given; ``y0``: the conv output in the compute dtype): ``out`` and the winners as
+    ``conv_io.allocate_result`` gives them, y0 saved at the winners or full-size."""
+    out, winner = allocate_result(x, y0, cfg.pool, output_dtype(cfg, y0.dtype), save)
     if not save:
-        return out, empty_placeholder(x), empty_placeholder(x)
-    if cfg.pool is not None and cfg.pool.kind == "max":
-        win = torch.empty(out_shape, dtype=winner_dtype(cfg.pool), device=x.device, memory_format=fmt)
-        win_y = torch.empty(out_shape, dtype=y0.dtype, device=x.device, memory_format=fmt)
-        return out, win_y, win
-    return out, torch.empty(y0.shape, dtype=y0.dtype, device=x.device, memory_format=fmt), empty_placeholder(x)
+        return out, empty_placeholder(x), winner
+    at_winners = cfg.pool is not None and cfg.pool.kind == "max"
+    saved_y0 = torch.empty(out.shape if at_winners else y0.shape, dtype=y0.dtype, device=x.device,
+                           memory_format=output_memory_format(y0))  # fmt: skip
+    return out, saved_y0, winner
 
 
 def outputs(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The shape function: ``allocate_forward_outputs`` for the conv's output as aten lays it out."""
     dtype = conv_compute_dtype(cfg, x)
-    y0 = run_conv(x.to(dtype), weight.to(dtype), None, cfg.conv)
-    out_shape = y0.shape if cfg.pool is None else run_pool(y0, cfg.pool).shape
-    return allocate_forward_outputs(x, y0, out_shape, cfg, save)
+    return allocate_forward_outputs(x, run_conv(x.to(dtype), weight.to(dtype), None, cfg.conv), cfg, save)
 
 
 def conv_epilogue_eager(
@@ -124,8 +119,7 @@ def forward(
     xc, weight, bias = cast_inputs(x, weight, bias, dtype)
     y0 = run_conv(xc, weight, None, cfg.conv)
     fmt = output_memory_format(y0)
-    y = y0 if bias is None else y0 + channel_view(bias, y0.dim())
-    v = apply_chain(y, cfg.chain, operands)
+    v = apply_chain(with_bias(y0, bias), cfg.chain, operands)
     saved_y0, saved_winner = empty_placeholder(x), empty_placeholder(x)
     pool = cfg.pool
     if pool is not None and pool.kind == "max" and save:
