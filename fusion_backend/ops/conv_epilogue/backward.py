@@ -4,7 +4,6 @@ at the max-pool winners only, expanded inside Triton conv-backward kernels), the
 among them, and the per-signature call plans (``plan_for``, kept in ``PLANS``).
 """
 
-import functools
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -15,9 +14,10 @@ from torch import Tensor
 from ... import environment
 from ...ir.specs import PoolSpec
 from ...kernels.host import BoundedCache, tensor_key
-from .. import conv_io, conv_precision, impl_choice
+from .. import conv_io, conv_precision
 from ..chain_lowering import kernel_steps, operand_grad_recipe, sum_operand_grads, wanted_slots
 from ..config import ConvEpilogueConfig
+from ..library_conv import channels_last_problem
 from .forward import (
     PlannedOperands,
     call_signature,
@@ -25,7 +25,7 @@ from .forward import (
     conv_impl_mode,
     epilogue_kernels,
     logger,
-    results_agree,
+    measured_plan,
 )
 from .reference import cast_inputs, conv_compute_dtype
 
@@ -81,20 +81,11 @@ def plan_for(
         else:
             plan = TritonBackward(*args, cfg, mask)
         return plan, plan.settled
-    plans = backward_candidates(*args, cfg, mask)
-    if len(plans) == 1:
-        return plans["library"], plans["library"].settled
     fast_key = ("backward", tensor_key(x), tensor_key(weight), bias is None, cfg, tuple(mask),
                 tensor_key(grad_out), torch.backends.cudnn.allow_tf32)  # fmt: skip
-    impl = impl_choice.choose(
-        # (v2: the channels-last library variant joined the candidates; older answers are re-measured)
-        lambda: choice_key(x, weight, bias, cfg, True) + f"|backward-v2 {tuple(mask)} {grad_out.stride()}",
-        {name: functools.partial(plan, *args) for name, plan in plans.items()},
-        default="library",
-        agree=results_agree,
-        fast_key=fast_key,
-    )
-    return plans[impl], impl_choice.is_final(fast_key) and plans[impl].settled
+    return measured_plan(backward_candidates(*args, cfg, mask), args,
+                         lambda: choice_key(x, weight, bias, cfg, True) + f"|backward-v2 {tuple(mask)} {grad_out.stride()}",
+                         fast_key)  # fmt: skip
 
 
 def backward_candidates(
@@ -214,10 +205,8 @@ class LibraryBackward(_ChainGradient):
 
 def channels_last_backward_unsupported(x: Tensor, saved_y0: Tensor) -> str | None:
     """Why the library backward has no channels-last variant worth measuring here, or None."""
-    if x.dim() not in (4, 5):
-        return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
-    if x.dtype == torch.float64:
-        return "float64 (cuDNN runs it in NCHW whatever the layout)"
+    if (why := channels_last_problem(x.dim(), x.dtype)) is not None:
+        return why
     channels_last = x.is_contiguous(memory_format=conv_io.channels_last_format(x.dim()))
     if conv_io.output_memory_format(saved_y0) != torch.contiguous_format or channels_last:
         return "the tensors are channels-last already"

@@ -8,7 +8,7 @@ the declaration's Triton forward and settled-plan lookup).
 import copy
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -33,7 +33,7 @@ from ..conv_io import (
     relayout,
     run_conv,
 )
-from ..library_conv import nominal_format
+from ..library_conv import channels_last_problem, nominal_format
 from .reference import allocate_forward_outputs, cast_inputs, conv_compute_dtype
 
 logger = logging.getLogger("fusion_backend")
@@ -311,21 +311,25 @@ def plan_for(
     if mode != "auto" or (impl == "library" and not _times_library_layouts(x)):
         plan = (FusedForward if impl == "triton" else LibraryForward)(x, weight, bias, operands, cfg, save)
         return plan, plan.settled
-    plans = forward_candidates(x, weight, bias, operands, cfg, save, fused=impl == "triton")
-    if len(plans) == 1:
-        return plans["library"], plans["library"].settled
+    args = (x, weight, bias, operands)
+    plans = forward_candidates(*args, cfg, save, fused=impl == "triton")
     fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
-    probes = {"triton": functools.partial(plans["triton"].probe(), x, weight, bias, operands)} if "triton" in plans else {}
-    impl = impl_choice.choose(
-        # (v2: the channels-last library variant joined the candidates; older answers are re-measured)
-        lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v2",
-        {name: functools.partial(plan, x, weight, bias, operands) for name, plan in plans.items()},
-        default="library",
-        agree=results_agree,
-        fast_key=fast_key,
-        probes=probes,
-    )
+    probes = {"triton": functools.partial(plans["triton"].probe(), *args)} if "triton" in plans else None
+    return measured_plan(plans, args, lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v2", fast_key, probes)
+
+
+def measured_plan(plans: dict[str, Any], args: tuple, key: Callable[[], str], fast_key: tuple,
+                  probes: dict[str, Any] | None = None) -> tuple[Any, bool]:  # fmt: skip
+    """``(plan, settled)`` of either direction's ``plan_for`` under ``auto``: the library plan where it
+    is the only candidate, else the fastest of ``plans`` (each called with ``args``), measured once
+    per shape against the library plan's results (``impl_choice``, ``results_agree``; ``key`` and
+    ``fast_key`` as ``impl_choice.choose`` takes them; the keys' "v2": the channels-last library
+    variant joined the candidates, older answers are re-measured)."""
+    if len(plans) == 1:
+        return plans["library"], plans["library"].settled
+    impl = impl_choice.choose(key, {name: functools.partial(plan, *args) for name, plan in plans.items()},
+                              default="library", agree=results_agree, fast_key=fast_key, probes=probes)  # fmt: skip
     return plans[impl], impl_choice.is_final(fast_key) and plans[impl].settled
 
 
@@ -536,11 +540,9 @@ class ChannelsLastLibraryForward(LibraryForward):
 
 def channels_last_forward_unsupported(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> str | None:
     """Why the library forward has no channels-last variant worth measuring here, or None."""
-    if x.dim() not in (4, 5):
-        return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
     dtype = conv_compute_dtype(cfg, x)
-    if dtype == torch.float64:
-        return "float64 (cuDNN runs it in NCHW whatever the layout)"
+    if (why := channels_last_problem(x.dim(), dtype)) is not None:
+        return why
     if x.is_contiguous(memory_format=channels_last_format(x.dim())):
         return "x is channels-last already"
     if output_memory_format(_library_conv_meta(x, weight, cfg.conv, dtype)) != torch.contiguous_format:
