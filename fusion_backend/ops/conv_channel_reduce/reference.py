@@ -16,11 +16,12 @@ from ..chain_reference import add_grads, apply_chain, chain_backward, chain_with
 from ..conv_io import (
     conv_channels,
     conv_output_shape,
+    dtype_named,
     in_format,
     output_memory_format,
     run_conv_backward,
 )
-from .config import ConvChannelReduceConfig, conv_outputs, needs_y, output_dtype
+from .config import OP, ConvChannelReduceConfig, conv_outputs, needs_y
 
 
 def post_operands(operands: Sequence[Tensor], cfg: ConvChannelReduceConfig) -> list[Tensor]:
@@ -67,7 +68,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
         stats[0].copy_(r)
     if keep and not cfg.full_size:
         r = r.unsqueeze(1)
-    result = apply_chain(r, cfg.post, post_operands(operands, cfg)).to(output_dtype(cfg, y0.dtype))
+    result = apply_chain(r, cfg.post, post_operands(operands, cfg)).to(dtype_named(OP, cfg.out_dtype, y0.dtype))
     out.copy_(in_format(result, output_memory_format(y0)) if cfg.full_size else result)
     return out, saved_y, index, stats
 

@@ -36,11 +36,6 @@ from ..conv_io import (
 OP = "conv_epilogue"
 
 
-def output_dtype(cfg: ConvEpilogueConfig, conv_dtype: torch.dtype) -> torch.dtype:
-    """The result's dtype: ``config.out_dtype``, else the conv's (compute) dtype."""
-    return dtype_named(OP, cfg.out_dtype, conv_dtype)
-
-
 def conv_compute_dtype(cfg: ConvEpilogueConfig, x: Tensor) -> torch.dtype:
     """The dtype the conv runs in: ``config.compute_dtype``, else x's."""
     return dtype_named(OP, cfg.compute_dtype, x.dtype, "compute_dtype")
@@ -54,7 +49,7 @@ def cast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None,
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> None:
-    output_dtype(cfg, conv_compute_dtype(cfg, x))  # both dtype names are valid
+    dtype_named(OP, cfg.out_dtype, conv_compute_dtype(cfg, x))  # both dtype names are valid
     check_conv_inputs(OP, x, weight, cfg.conv)
     if cfg.pool is not None and len(cfg.pool.kernel_size) != cfg.conv.spatial_dims:
         raise UnsupportedInputError(f"fusion::{OP}: pool {cfg.pool} does not have {cfg.conv.spatial_dims} "
@@ -79,7 +74,7 @@ def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvEpilogueConfig,
     """Empty ``(out, saved_y0, saved_winner)`` as the package docstring lays them out (``x``: the op's
     input as given; ``y0``: the conv output in the compute dtype): ``out`` and the winners as
     ``conv_io.allocate_result`` gives them, y0 saved at the winners or full-size."""
-    out, winner = allocate_result(x, y0, cfg.pool, output_dtype(cfg, y0.dtype), save)
+    out, winner = allocate_result(x, y0, cfg.pool, dtype_named(OP, cfg.out_dtype, y0.dtype), save)
     if not save:
         return out, empty_placeholder(x), winner
     at_winners = cfg.pool is not None and cfg.pool.kind == "max"
@@ -106,7 +101,7 @@ def conv_epilogue_eager(
     v = apply_chain(run_conv(x, weight, bias, cfg.conv), cfg.chain, operands)
     if cfg.pool is not None:
         v = run_pool(v, cfg.pool)
-    return v.to(output_dtype(cfg, dtype))
+    return v.to(dtype_named(OP, cfg.out_dtype, dtype))
 
 
 def forward(
@@ -132,7 +127,7 @@ def forward(
             v = run_pool(v, pool)
         if save:
             saved_y0 = in_format(y0, fmt)
-    out = in_format(v.to(output_dtype(cfg, dtype)), fmt)
+    out = in_format(v.to(dtype_named(OP, cfg.out_dtype, dtype)), fmt)
     if out.data_ptr() == y0.data_ptr():  # empty chain, no bias, no pool: outputs must not alias
         out = torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=fmt).copy_(out)
     return out, saved_y0, saved_winner

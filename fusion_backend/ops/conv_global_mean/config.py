@@ -73,11 +73,6 @@ class ConvGlobalMeanConfig(JsonConfig):
         check_dtype_names(self, "out_dtype")
 
 
-def out_dtype(cfg: ConvGlobalMeanConfig, x: Any) -> torch.dtype:
-    """The result's dtype: ``config.out_dtype``, else x's."""
-    return dtype_named(OP, cfg.out_dtype, x.dtype)
-
-
 def outputs(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvGlobalMeanConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Empty ``(out, tap_sums, conv_mean)`` as the real op gives them (real or fake tensors):
@@ -92,7 +87,7 @@ def outputs(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     n, c_in = x.shape[:2]
     c_out = conv_channels(weight, cfg.conv)
     out_shape = (n, c_out, *([1] * cfg.conv.spatial_dims)) if cfg.keepdim else (n, c_out)
-    return (x.new_empty(out_shape, dtype=out_dtype(cfg, x)),
+    return (x.new_empty(out_shape, dtype=dtype_named(OP, cfg.out_dtype, x.dtype)),
             x.new_empty((n, c_in, *weight.shape[2:]), dtype=torch.float64),
             x.new_empty((n, c_out), dtype=torch.float64))  # fmt: skip
 

@@ -16,8 +16,9 @@ from torch import Tensor
 from ...ir.specs import ConvSpec
 from ..chain import Const, PointwiseKind, TensorRef
 from ..chain_lowering import add_operand_grad
-from ..conv_io import conv_channels, stats_dtype
+from ..conv_io import conv_channels, dtype_named, stats_dtype
 from .config import (
+    OP,
     ConvGlobalMeanConfig,
     Geometry,
     as_5d,
@@ -25,7 +26,6 @@ from .config import (
     channel_stride_meta,
     check_bias,
     operand_index,
-    out_dtype,
 )
 
 
@@ -192,7 +192,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     a, b = fold_chain(cfg, operand_values(cfg, operands, c_out, x.device))[-1]
     out = add_values(mul_values(mean, a), b)
     assert isinstance(out, Tensor)
-    dtype = out_dtype(cfg, x)
+    dtype = dtype_named(OP, cfg.out_dtype, x.dtype)
     if out.dtype != dtype:
         out = out.to(dtype)
     elif out.data_ptr() == mean.data_ptr():
