@@ -1,12 +1,14 @@
 """A region's pointwise chains (``ops/chain.py``) lowered to what the Triton launchers take
 (``kernel_steps``, ``KernelChains``: operand matrices as ``kernels.epilogue.build_params`` builds them,
-fp32 ``(NUM_PARAM_ROWS, C)``), their operand gradients gathered back (``operand_grads``), and the
-checks of chains, operands and pools that every family whose kernels run a chain shares.
+fp32 ``(NUM_PARAM_ROWS, C)``), their operand gradients gathered back (``operand_grads``; planned once
+per call signature: ``operand_grad_recipe``, ``sum_operand_grads``), and the checks of chains,
+operands and pools that every family whose kernels run a chain shares.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -18,14 +20,18 @@ from ..ir.specs import PoolSpec
 from .chain import ChainStep, ChainValue, Const, TensorRef, kernel_code
 
 
-def _is_per_channel(t: Tensor, y_ndim: int, channels: int) -> bool:
-    """True when ``t`` broadcasts against (N, C, ...) as one value, or one value per channel."""
-    if t.dim() > y_ndim:
-        return False
-    if t.numel() == 1:
-        return True
-    offset = y_ndim - t.dim()
-    return all(size == (channels if i + offset == 1 else 1) for i, size in enumerate(t.shape))
+def channel_stride(shape: Sequence[int], stride: Sequence[int], channels: int, ndim: int) -> int | None:
+    """How an operand of ``shape`` and ``stride`` broadcasts against an ``ndim``-dim conv output of
+    ``channels`` channels: 0 for one value (at most ``ndim`` dims), the element stride between its
+    channels for one value per channel (``(C, 1, ..., 1)`` or ``(1, C, 1, ..., 1)``), else None."""
+    if math.prod(shape) == 1 and len(shape) <= ndim:
+        return 0
+    ones = (1,) * (ndim - 2)
+    if tuple(shape) == (channels, *ones):
+        return stride[0]
+    if tuple(shape) == (1, channels, *ones):
+        return stride[1]
+    return None
 
 
 def kernel_steps(chain: Sequence[ChainStep], operands: Sequence[Tensor], y_ndim: int, channels: int) -> list:
@@ -44,7 +50,7 @@ def kernel_steps(chain: Sequence[ChainStep], operands: Sequence[Tensor], y_ndim:
                 values.append(0.0)
                 continue
             t = operands[operand.index]
-            if not _is_per_channel(t, y_ndim, channels):
+            if channel_stride(t.shape, t.stride(), channels, y_ndim) is None:
                 raise UnsupportedInputError(
                     f"operands[{operand.index}] of shape {tuple(t.shape)} is neither a scalar nor per-channel "
                     f"for a conv output with {channels} channels and {y_ndim} dims"
@@ -120,22 +126,53 @@ def wanted_slots(chain: Sequence[ChainStep], operand_mask: Sequence[bool]) -> li
     ]  # fmt: skip
 
 
-def operand_grads(operands: Sequence[Tensor], operand_mask: Sequence[bool],
-                  chain_sums: Sequence[tuple[Sequence[ChainStep], Sequence[Tensor | None]]]) -> list[Tensor | None]:  # fmt: skip
-    """Each wanted operand's gradient from ``(chain, per-slot sums)`` pairs: the sums of the slots that
-    read it (a one-value operand takes the total over the channels), in its shape and dtype."""
+#: Per operand: None (no gradient wanted), or ``(sources, one_value, shape, dtype, device)``, the
+#: ``(chain, slot)`` pairs whose per-channel sums add up to its gradient (``operand_grad_recipe``).
+GradRecipe = list[Union[tuple[list[tuple[int, int]], bool, torch.Size, torch.dtype, torch.device], None]]
+
+
+def operand_grad_recipe(chains: Sequence[Sequence[ChainStep]], operands: Sequence[Tensor],
+                        operand_mask: Sequence[bool]) -> GradRecipe:  # fmt: skip
+    """Which slots of ``chains`` (the ``wanted_slots``: the kernels sum their first operand's gradient)
+    each wanted operand's gradient gathers, worked out once for a call signature."""
+    slots = [wanted_slots(chain, operand_mask) for chain in chains]
+    return [None if not wanted else (
+        [(c, k) for c, chain in enumerate(chains) for k, step in enumerate(chain)
+         if slots[c][k] and step.operands[0] == TensorRef(i)], t.numel() == 1, t.shape, t.dtype, t.device)
+        for i, (t, wanted) in enumerate(zip(operands, operand_mask, strict=True))]  # fmt: skip
+
+
+def sum_operand_grads(recipe: GradRecipe, sums: Sequence[Sequence[Tensor | None]]) -> list[Tensor | None]:
+    """The operand gradients of ``recipe`` from the kernels' per-slot fp32 sums (``sums[c][k]``: chain
+    c's slot k): the sums of the slots that read an operand, added in slot order (a one-value operand
+    then takes the total over the channels), in its shape and dtype, never a view of a kernel's
+    partial sums (the op's outputs must not share storage); zeros for an operand only read where no
+    gradient flows (e.g. a clamp bound)."""
     grads: list[Tensor | None] = []
-    for i, t in enumerate(operands):
-        if not operand_mask[i]:
+    for entry in recipe:
+        if entry is None:
             grads.append(None)
             continue
-        total = torch.zeros((), dtype=torch.float32, device=t.device)
-        for chain, sums in chain_sums:
-            for step, s in zip(chain, sums, strict=True):
-                if s is not None and step.operands[0] == TensorRef(i):
-                    total = total + (s.sum() if t.numel() == 1 else s)
-        grads.append(total.reshape(t.shape).to(t.dtype) if total.numel() == t.numel() else total.expand(t.shape).to(t.dtype))
+        sources, one_value, shape, dtype, device = entry
+        if not sources:
+            grads.append(torch.zeros(shape, dtype=dtype, device=device))
+            continue
+        total = sums[sources[0][0]][sources[0][1]]
+        for c, k in sources[1:]:
+            total = total + sums[c][k]
+        if one_value:
+            total = total.sum()
+        elif total.untyped_storage().nbytes() != total.numel() * total.element_size():  # a row of the partials
+            total = total.clone()
+        grads.append(total.reshape(shape).to(dtype))
     return grads
+
+
+def operand_grads(operands: Sequence[Tensor], operand_mask: Sequence[bool],
+                  chain_sums: Sequence[tuple[Sequence[ChainStep], Sequence[Tensor | None]]]) -> list[Tensor | None]:  # fmt: skip
+    """Each wanted operand's gradient from ``(chain, per-slot sums)`` pairs (``sum_operand_grads``)."""
+    recipe = operand_grad_recipe([chain for chain, _ in chain_sums], operands, operand_mask)
+    return sum_operand_grads(recipe, [sums for _, sums in chain_sums])
 
 
 def add_operand_grad(grads: list[Tensor | None], operands: Sequence[Tensor], index: int | None,

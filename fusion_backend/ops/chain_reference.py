@@ -238,44 +238,56 @@ def norm_affine(operands: Sequence[Tensor], cfg: Any, dtype: torch.dtype,
 
 
 def norm_forward(op: str, y0: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: Any, out: Tensor,
-                 norm: Callable[[Tensor], tuple[Tensor, ...]], winner: Tensor | None = None) -> tuple[Tensor, ...]:  # fmt: skip
+                 stats: Tensor, norm: Callable[..., tuple[Tensor, ...]], winner: Tensor | None = None,
+                 affine_shape: Sequence[int] = (-1,)) -> tuple[Tensor, ...]:  # fmt: skip
     """A norm family's reference forward after the conv (``y0``: its output without bias): the bias
-    added after the conv (as the kernels add it), ``cfg.pre``, then ``norm(v)`` on the pre-chain's
-    result in the statistics' dtype (``stats_dtype``: what eager's norms compute in), which returns
-    the norm's result (scale and shift included) and its statistics; that result is cast to the
-    norm's dtype (``cfg.norm_dtype``), ``cfg.post`` and ``cfg.pool`` (a max pool's winners into
-    ``winner``) follow, cast to ``cfg.out_dtype`` into ``out``.  Returns the statistics."""
-    v = apply_chain(with_bias(y0, bias), cfg.pre, operands)
-    z, *stats = norm(v.to(stats_dtype(y0.dtype)))
+    added after the conv (as the kernels add it), ``cfg.pre``, then ``norm(v, weight, bias)`` on the
+    pre-chain's result in the statistics' dtype (``stats_dtype``: what eager's norms compute in; the
+    norm's weight and bias ``norm_affine``'s in ``affine_shape``), which returns the norm's result
+    (scale and shift included) and its statistics; that result is cast to the norm's dtype
+    (``cfg.norm_dtype``), ``cfg.post`` and ``cfg.pool`` (a max pool's winners into ``winner``)
+    follow, cast to ``cfg.out_dtype`` into ``out``.  The statistics are copied into the rows of
+    ``stats`` (unless it is a placeholder) and returned."""
+    v = apply_chain(with_bias(y0, bias), cfg.pre, operands).to(stats_dtype(y0.dtype))
+    z, *results = norm(v, *norm_affine(operands, cfg, v.dtype, affine_shape))
     result = apply_chain(z.to(dtype_named(op, cfg.norm_dtype, y0.dtype, "norm_dtype")), cfg.post, operands)
     out.copy_(pool_saving_winners(result, cfg.pool, winner).to(dtype_named(op, cfg.out_dtype, y0.dtype)))
-    return tuple(stats)
+    for row, stat in zip(stats if stats.numel() else (), results, strict=False):
+        row.copy_(stat.reshape(row.shape))
+    return tuple(results)
 
 
 def norm_backward(
     op: str, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
-    saved_y: Tensor, cfg: Any, mask: Sequence[bool], normalize: Callable[[Tensor], Tensor],
-    norm_grads: Callable[[Tensor, Tensor, list[bool]], tuple[Tensor, Tensor | None, Tensor | None]],
-    saved_winner: Tensor | None = None,
+    saved_y: Tensor, saved_stats: Tensor, cfg: Any, mask: Sequence[bool], normalized: Callable[[Tensor], Tensor],
+    norm_grads: Callable[..., tuple[Tensor, Tensor | None, Tensor | None]], saved_winner: Tensor | None = None,
+    affine_shape: Sequence[int] = (-1,),
 ) -> list[Tensor | None]:  # fmt: skip
-    """A norm family's reference backward (``ops/declare.py``'s contract) from the saved conv output:
-    the chains' derivatives with the tape, the
-    norm's from ``norm_grads(grad_z, v, output_mask)`` (torch's backward op: the gradient of ``v``,
-    the pre-chain's result, and of the norm's weight and bias), the conv's from
-    ``aten.convolution_backward``.  ``normalize(v)``: the norm's result recomputed from the saved
-    statistics (scale and shift included).  Behind a pool the post-chain's gradient comes from
+    """A norm family's reference backward (``ops/declare.py``'s contract) from the saved conv output
+    and statistics: the chains' derivatives with the tape, the norm's from ``norm_grads(grad_z, v,
+    output_mask, weight, bias)`` (torch's backward op: the gradient of ``v``, the pre-chain's result,
+    and of the norm's weight and bias; ``grad_z`` and ``v`` in the statistics' dtype), the conv's
+    from ``aten.convolution_backward``.  ``normalized(v)``: ``(v - mean) * rstd`` recomputed from the
+    saved statistics, to which the norm's weight and bias (``norm_affine``'s in ``affine_shape``: one
+    per channel by default) are applied.  Behind a pool the post-chain's gradient comes from
     ``pool_input_grad`` (a max pool's summed into each window's saved winner)."""
     operand_mask = list(mask[3:])
+    sdt = saved_stats.dtype
+    gamma, beta = norm_affine(operands, cfg, sdt, affine_shape)
+    per_channel = tuple(affine_shape) == (-1,)
     yb = with_bias(saved_y, bias)
     v, pre_tape = chain_with_tape(yb, cfg.pre, operands)
-    out, post_tape = chain_with_tape(normalize(v).to(dtype_named(op, cfg.norm_dtype, saved_y.dtype, "norm_dtype")),
-                                     cfg.post, operands)  # fmt: skip
+    z = normalized(v)
+    for t, apply in ((gamma, torch.mul), (beta, torch.add)):
+        z = z if t is None else apply(z, channel_view(t, z.dim()) if per_channel else t)
+    out, post_tape = chain_with_tape(z.to(dtype_named(op, cfg.norm_dtype, saved_y.dtype, "norm_dtype")), cfg.post,
+                                     operands)  # fmt: skip
     grad = grad_out.to(out.dtype)
     if cfg.pool is not None:
         grad = pool_input_grad(grad, out, saved_winner, cfg.pool)
     grad_z, post_grads = chain_backward(post_tape, grad, operands, operand_mask)
     wanted = [index is not None and bool(operand_mask[index]) for index in (cfg.weight, cfg.bias)]
-    grad_v, *affine_grads = norm_grads(grad_z, v, [True, *wanted])
+    grad_v, *affine_grads = norm_grads(grad_z.to(sdt), v.to(sdt), [True, *wanted], gamma, beta)
     grad_y, pre_grads = chain_backward(pre_tape, grad_v.to(yb.dtype), operands, operand_mask)
     grad_x, grad_w, grad_b = run_conv_backward(grad_y.to(x.dtype).contiguous(), x, weight, cfg.conv, mask[0],
                                                mask[1], bool(mask[2]))  # fmt: skip

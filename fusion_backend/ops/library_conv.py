@@ -85,7 +85,16 @@ CHANNELS_LAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def channels_last_conv(x: Tensor) -> bool:
     """Whether a conv on ``x`` (and its backward) runs on channels-last tensors (see the module
     docstring): 2-d and 3-d convs in fp16 / bf16 / fp32."""
-    return x.dim() in (4, 5) and x.dtype in CHANNELS_LAST_DTYPES
+    return channels_last_problem(x.dim(), x.dtype) is None
+
+
+def channels_last_problem(ndim: int, dtype: torch.dtype) -> str | None:
+    """Why cuDNN has no channels-last kernels for a conv of an ``ndim``-dim x in ``dtype``, or None."""
+    if ndim not in (4, 5):
+        return f"a {ndim - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
+    if dtype not in CHANNELS_LAST_DTYPES:
+        return f"{dtype} (cuDNN runs it in NCHW whatever the layout)"
+    return None
 
 
 @dataclass

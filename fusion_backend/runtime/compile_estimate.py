@@ -9,11 +9,6 @@ is kept in the measurement cache (``measurements.py``), so a later process start
 compiles that decide under CUDA graphs keep it (no other compile reads it).  Where no
 graph was compiled yet the estimate is zero: the budget then allows the one measurement every
 budget allows (``decision.DecisionBudget``) and no more.
-
-NOTE: compiling the graph as given for the budget doubled a ResNet-50 training graph's compile under
-CUDA graphs (H200, bf16, batch 64, cold caches: 28.8 s for the graph as given, then 20.7 s for the
-rewritten one; ``python3 tools/first_call.py demos/realnets/resnet50.py --backends fusion --mode train
---dtype bf16 --compile-mode reduce-overhead --log``).
 """
 
 from __future__ import annotations
@@ -43,6 +38,10 @@ def record(size: int, seconds: float, *, training: bool, cuda_graphs: bool, cach
                                                          "nodes": size, "seconds": seconds}, cache_dir)
 
 
+# NOTE: compiling the graph as given for the budget doubled a ResNet-50 training graph's compile under
+# CUDA graphs (H200, bf16, batch 64, cold caches: 28.8 s for the graph as given, then 20.7 s for the
+# rewritten one; ``python3 tools/first_call.py demos/realnets/resnet50.py --backends fusion --mode train
+# --dtype bf16 --compile-mode reduce-overhead --log``).
 def estimate(size: int, *, training: bool, cuda_graphs: bool, cache_dir: Path) -> float:
     """Seconds Inductor is expected to take compiling a graph of ``size`` nodes: 0.0 where no graph of
     its kind was timed."""

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..chain_reference import norm_affine, norm_backward, norm_forward
+from ..chain_reference import norm_backward, norm_forward
 from ..conv_io import channel_view
 from .config import OP, ConvBatchNormConfig, conv_outputs, values_per_channel
 
@@ -27,16 +27,12 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     come back as eager's own batch mean and unbiased variance (the update's operands)."""
     y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save)
     values_per_channel(y0.shape)
-    sdt = stats.dtype
-    batch_mean, batch_var = (torch.zeros(y0.shape[1], dtype=sdt, device=y0.device) for _ in range(2))
+    batch_mean, batch_var = (torch.zeros(y0.shape[1], dtype=stats.dtype, device=y0.device) for _ in range(2))
 
-    def norm(v: Tensor) -> tuple[Tensor, ...]:
-        gamma, beta = norm_affine(operands, cfg, sdt)
+    def norm(v: Tensor, gamma: Tensor | None, beta: Tensor | None) -> tuple[Tensor, ...]:
         return torch.ops.aten.native_batch_norm(v, gamma, beta, batch_mean, batch_var, True, 1.0, cfg.eps)
 
-    mean, rstd = norm_forward(OP, y0, bias, operands, cfg, out, norm, winner)
-    stats[0].copy_(mean)
-    stats[1].copy_(rstd)
+    norm_forward(OP, y0, bias, operands, cfg, out, stats, norm, winner)  # rows 0-1: mean, rstd
     stats[2].copy_(batch_var)
     return out, saved_y, winner, stats
 
@@ -46,18 +42,14 @@ def backward(
     saved_winner: Tensor, saved_stats: Tensor, cfg: ConvBatchNormConfig, mask: Sequence[bool],
 ) -> list[Tensor | None]:  # fmt: skip
     """``chain_reference.norm_backward`` with ``aten.native_batch_norm_backward``."""
-    sdt = saved_stats.dtype
-    gamma, beta = norm_affine(operands, cfg, sdt)
 
-    def normalize(v: Tensor) -> Tensor:
-        z = (v.to(sdt) - channel_view(saved_stats[0], v.dim())) * channel_view(saved_stats[1], v.dim())
-        z = z if gamma is None else z * channel_view(gamma, z.dim())
-        return z if beta is None else z + channel_view(beta, z.dim())
+    def normalized(v: Tensor) -> Tensor:
+        return (v.to(saved_stats.dtype) - channel_view(saved_stats[0], v.dim())) * channel_view(saved_stats[1], v.dim())
 
-    def norm_grads(grad_z: Tensor, v: Tensor, want: list[bool]) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        return torch.ops.aten.native_batch_norm_backward(
-            grad_z.to(sdt), v.to(sdt), gamma, None, None, saved_stats[0], saved_stats[1], True, cfg.eps, want,
-        )  # fmt: skip
+    def norm_grads(grad_z: Tensor, v: Tensor, want: list[bool], gamma: Tensor | None,
+                   beta: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+        return torch.ops.aten.native_batch_norm_backward(grad_z, v, gamma, None, None, saved_stats[0], saved_stats[1],
+                                                         True, cfg.eps, want)  # fmt: skip
 
-    return norm_backward(OP, grad_out, x, weight, bias, operands, saved_y, cfg, mask, normalize, norm_grads,
-                         saved_winner)  # fmt: skip
+    return norm_backward(OP, grad_out, x, weight, bias, operands, saved_y, saved_stats, cfg, mask, normalized,
+                         norm_grads, saved_winner)  # fmt: skip

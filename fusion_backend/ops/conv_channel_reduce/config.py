@@ -90,11 +90,6 @@ def describe(cfg: ConvChannelReduceConfig) -> str:
     return f"pre [{describe_chain(cfg.pre)}] -> {cfg.reduction}(dim=1{keep}) -> post [{describe_chain(cfg.post)}]"
 
 
-def output_dtype(cfg: ConvChannelReduceConfig, conv_dtype: torch.dtype) -> torch.dtype:
-    """The result's dtype: ``out_dtype``, else the conv's."""
-    return dtype_named(OP, cfg.out_dtype, conv_dtype)
-
-
 def needs_y(cfg: ConvChannelReduceConfig) -> bool:
     """Whether the backward reads the conv output: every reduction but min / max (those keep the
     winner's value), and sum / mean only through a pre-chain."""
@@ -131,7 +126,7 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvChannelReduceConfig,
     """
     y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     shape = reduced_shape(y0.shape, cfg)
-    dtype = output_dtype(cfg, y0.dtype)
+    dtype = dtype_named(OP, cfg.out_dtype, y0.dtype)
     if cfg.full_size:
         out = torch.empty(shape, dtype=dtype, device=x.device, memory_format=nominal_format(x, weight, cfg.conv))
     else:

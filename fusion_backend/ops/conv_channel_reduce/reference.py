@@ -14,14 +14,14 @@ from torch import Tensor
 
 from ..chain_reference import add_grads, apply_chain, chain_backward, chain_with_tape, with_bias
 from ..conv_io import (
-    channel_view,
     conv_channels,
     conv_output_shape,
+    dtype_named,
     in_format,
     output_memory_format,
     run_conv_backward,
 )
-from .config import ConvChannelReduceConfig, conv_outputs, needs_y, output_dtype
+from .config import OP, ConvChannelReduceConfig, conv_outputs, needs_y
 
 
 def post_operands(operands: Sequence[Tensor], cfg: ConvChannelReduceConfig) -> list[Tensor]:
@@ -40,7 +40,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Eager's ops on the conv output (the bias added after a bias-free conv, as the kernels do)."""
     y0, out, saved_y, index, stats = conv_outputs(x, weight, cfg, save)
-    yb = y0 if bias is None else y0 + channel_view(bias, y0.dim())
+    yb = with_bias(y0, bias)
     v = apply_chain(yb, cfg.pre, operands)
     kind, keep = cfg.reduction, cfg.keepdim
     if kind in ("min", "max"):
@@ -68,7 +68,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
         stats[0].copy_(r)
     if keep and not cfg.full_size:
         r = r.unsqueeze(1)
-    result = apply_chain(r, cfg.post, post_operands(operands, cfg)).to(output_dtype(cfg, y0.dtype))
+    result = apply_chain(r, cfg.post, post_operands(operands, cfg)).to(dtype_named(OP, cfg.out_dtype, y0.dtype))
     out.copy_(in_format(result, output_memory_format(y0)) if cfg.full_size else result)
     return out, saved_y, index, stats
 

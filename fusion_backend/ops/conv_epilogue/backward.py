@@ -4,7 +4,6 @@ at the max-pool winners only, expanded inside Triton conv-backward kernels), the
 among them, and the per-signature call plans (``plan_for``, kept in ``PLANS``).
 """
 
-import functools
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -15,10 +14,10 @@ from torch import Tensor
 from ... import environment
 from ...ir.specs import PoolSpec
 from ...kernels.host import BoundedCache, tensor_key
-from .. import conv_io, conv_precision, impl_choice
-from ..chain import TensorRef
-from ..chain_lowering import kernel_steps, wanted_slots
+from .. import conv_io, conv_precision
+from ..chain_lowering import kernel_steps, operand_grad_recipe, sum_operand_grads, wanted_slots
 from ..config import ConvEpilogueConfig
+from ..library_conv import channels_last_problem
 from .forward import (
     PlannedOperands,
     call_signature,
@@ -26,7 +25,7 @@ from .forward import (
     conv_impl_mode,
     epilogue_kernels,
     logger,
-    results_agree,
+    measured_plan,
 )
 from .reference import cast_inputs, conv_compute_dtype
 
@@ -82,20 +81,11 @@ def plan_for(
         else:
             plan = TritonBackward(*args, cfg, mask)
         return plan, plan.settled
-    plans = backward_candidates(*args, cfg, mask)
-    if len(plans) == 1:
-        return plans["library"], plans["library"].settled
     fast_key = ("backward", tensor_key(x), tensor_key(weight), bias is None, cfg, tuple(mask),
                 tensor_key(grad_out), torch.backends.cudnn.allow_tf32)  # fmt: skip
-    impl = impl_choice.choose(
-        # (v2: the channels-last library variant joined the candidates; older answers are re-measured)
-        lambda: choice_key(x, weight, bias, cfg, True) + f"|backward-v2 {tuple(mask)} {grad_out.stride()}",
-        {name: functools.partial(plan, *args) for name, plan in plans.items()},
-        default="library",
-        agree=results_agree,
-        fast_key=fast_key,
-    )
-    return plans[impl], impl_choice.is_final(fast_key) and plans[impl].settled
+    return measured_plan(backward_candidates(*args, cfg, mask), args,
+                         lambda: choice_key(x, weight, bias, cfg, True) + f"|backward-v2 {tuple(mask)} {grad_out.stride()}",
+                         fast_key)  # fmt: skip
 
 
 def backward_candidates(
@@ -120,50 +110,38 @@ def backward_candidates(
     return plans
 
 
-def _operand_grad_recipe(
-    cfg: ConvEpilogueConfig, operands: Sequence[Tensor], operand_mask: Sequence[bool],
-    slot_has_sum: Sequence[bool],
-) -> list[tuple[list[int], bool, torch.Size, torch.dtype] | None]:  # fmt: skip
-    """Per operand, None (not wanted) or ``(slots whose sums add up to its gradient, is one value,
-    shape, dtype)``; ``slot_has_sum[k]``: slot k's gradient sum is computed (its step has a tensor
-    first operand)."""
-    recipe: list[tuple[list[int], bool, torch.Size, torch.dtype] | None] = []
-    for i, t in enumerate(operands):
-        if not operand_mask[i]:
-            recipe.append(None)
-            continue
-        slots = [k for k, step in enumerate(cfg.chain) if slot_has_sum[k] and step.operands[0] == TensorRef(i)]
-        recipe.append((slots, t.numel() == 1, t.shape, t.dtype))
-    return recipe
+class _ChainGradient:
+    """What both backward plans share: the epilogue-gradient kernel's launch
+    (``kernels.epilogue.BackwardLaunch``, worked out once with the operand matrix layout and the
+    operand-gradient recipe, ``chain_lowering.operand_grad_recipe``), which writes the chain's gradient
+    laid out as ``grad_y`` and the per-channel operand and bias sums."""
+
+    def _plan_chain_gradient(self, grad_out: Tensor, y0: Tensor | None, winner: Tensor | None,
+                             winner_y: Tensor | None, bias: Tensor | None, operands: Sequence[Tensor],
+                             cfg: ConvEpilogueConfig, pool: PoolSpec | None, grad_y: Tensor,
+                             mask: Sequence[bool]) -> None:  # fmt: skip
+        self.g_layout = (tuple(grad_y.shape), grad_y.stride(), grad_y.dtype)
+        steps = kernel_steps(cfg.chain, operands, grad_y.dim(), grad_y.shape[1])
+        self.want_bias = bool(mask[2]) and bias is not None
+        self.epilogue = epilogue_kernels().BackwardLaunch(grad_out, y0, winner, winner_y, bias, steps, pool, grad_y,
+                                                          wanted_slots(cfg.chain, mask[3:]), self.want_bias)  # fmt: skip
+        self.params = PlannedOperands(cfg, steps, bias, grad_y.shape[1], grad_out.device)
+        self.operand_recipe = operand_grad_recipe([cfg.chain], operands, mask[3:])
+
+    def _chain_gradient(self, grad_out: Tensor, y0: Tensor | None, winner: Tensor | None, winner_y: Tensor | None,
+                        bias: Tensor | None,
+                        operands: Sequence[Tensor]) -> tuple[Tensor, list[Tensor | None], Tensor | None]:  # fmt: skip
+        """``(grad_y, operand gradients, bias gradient sum)`` from one launch of the kernel."""
+        shape, stride, dtype = self.g_layout
+        grad_y = torch.empty_strided(shape, stride, dtype=dtype, device=grad_out.device)
+        slot_grads, grad_bias = self.epilogue(grad_out, y0, winner, winner_y, *self.params(bias, operands), grad_y)
+        return grad_y, sum_operand_grads(self.operand_recipe, [slot_grads]), grad_bias
 
 
-def _sum_operand_grads(
-    recipe: Sequence[tuple[list[int], bool, torch.Size, torch.dtype] | None],
-    slot_grads: Sequence[Tensor | None], channels: int, device: torch.device,
-) -> list[Tensor | None]:  # fmt: skip
-    """The operand gradients of ``_operand_grad_recipe`` from the slots' fp32 (C,) sums."""
-    grads: list[Tensor | None] = []
-    for entry in recipe:
-        if entry is None:
-            grads.append(None)
-            continue
-        slots, one_value, shape, dtype = entry
-        if not slots:  # feeds only operands without a gradient (e.g. a clamp bound)
-            grads.append(torch.zeros(shape, dtype=dtype, device=device))
-            continue
-        total = slot_grads[slots[0]]
-        for k in slots[1:]:
-            total = total + slot_grads[k]
-        total = total.sum() if one_value else total
-        grads.append(total.reshape(shape).to(dtype))
-    return grads
-
-
-class LibraryBackward:
+class LibraryBackward(_ChainGradient):
     """The library path's backward for one call signature (see ``TritonBackward`` for the plan
     contract): one Triton kernel writes the full-size conv-output gradient and the per-channel
-    operand/bias sums (``kernels.epilogue.BackwardLaunch``, worked out once with the operand matrix
-    layout and the operand-gradient recipe), then ``aten.convolution_backward`` for x and weight (on
+    operand/bias sums (``_ChainGradient``), then ``aten.convolution_backward`` for x and weight (on
     x and weight cast to the compute dtype; ``strided_like`` casts the gradients back).
 
     ``channels_last``: the conv backward runs on channels-last tensors whatever the layout of x and
@@ -182,7 +160,6 @@ class LibraryBackward:
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig,
                  mask: Sequence[bool], channels_last: bool = False) -> None:  # fmt: skip
-        kernels = epilogue_kernels()
         self.spec, self.mask = cfg.conv, tuple(mask)
         self.dtype = conv_compute_dtype(cfg, x)
         self.is_max = cfg.pool is not None and cfg.pool.kind == "max"
@@ -194,18 +171,8 @@ class LibraryBackward:
             grad_y = torch.empty(y_shape, dtype=saved_y0.dtype, device="meta", memory_format=fmt)
         else:
             grad_y = torch.empty_strided(saved_y0.shape, saved_y0.stride(), dtype=saved_y0.dtype, device="meta")
-        self.g_layout = (tuple(grad_y.shape), grad_y.stride(), grad_y.dtype)
-        channels = grad_y.shape[1]
-        steps = kernel_steps(cfg.chain, operands, grad_y.dim(), channels)
-        slots = wanted_slots(cfg.chain, mask[3:])
-        self.want_bias = bool(mask[2]) and bias is not None
-        self.epilogue = kernels.BackwardLaunch(
-            grad_out, None if self.is_max else saved_y0, saved_winner if self.is_max else None,
-            saved_y0 if self.is_max else None, bias, steps, cfg.pool,
-            grad_y, slots, self.want_bias,
-        )  # fmt: skip
-        self.params = PlannedOperands(cfg, steps, bias, channels, x.device)
-        self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
+        self._plan_chain_gradient(grad_out, *self._saved(saved_y0, saved_winner), bias, operands, cfg, cfg.pool, grad_y,
+                                  mask)  # fmt: skip
         #: whether the input and weight gradients may use TF32, and whether the plan may be kept
         self.tf32, self.settled = (True, True), True
         if self.x_format is not None:
@@ -219,14 +186,8 @@ class LibraryBackward:
 
     def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor) -> list[Tensor | None]:  # fmt: skip
-        shape, stride, dtype = self.g_layout
-        grad_y = torch.empty_strided(shape, stride, dtype=dtype, device=grad_out.device)
-        if self.is_max:
-            y0, winner, winner_y = None, saved_winner, saved_y0
-        else:
-            y0, winner, winner_y = saved_y0, None, None
-        slot_grads, grad_bias = self.epilogue(grad_out, y0, winner, winner_y, *self.params(bias, operands), grad_y)
-        grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], grad_y.device)
+        grad_y, grad_operands, grad_bias = self._chain_gradient(grad_out, *self._saved(saved_y0, saved_winner), bias,
+                                                                operands)  # fmt: skip
         if self.x_format is not None:  # one copy casts and relays
             x = self.x_relayout(x)
         x, weight, _ = cast_inputs(x, weight, None, self.dtype)  # grads: ``strided_like`` casts back
@@ -236,13 +197,16 @@ class LibraryBackward:
             grad_x = self.grad_x_relayout(grad_x)
         return [grad_x, grad_w, grad_bias.to(bias.dtype) if self.want_bias else None, *grad_operands]
 
+    def _saved(self, saved_y0: Tensor, saved_winner: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """The kernel's ``(y0, winner, winner_y)`` from the saved state: behind a max pool the winners
+        and y0 at them, else the full-size y0."""
+        return (None, saved_winner, saved_y0) if self.is_max else (saved_y0, None, None)
+
 
 def channels_last_backward_unsupported(x: Tensor, saved_y0: Tensor) -> str | None:
     """Why the library backward has no channels-last variant worth measuring here, or None."""
-    if x.dim() not in (4, 5):
-        return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
-    if x.dtype == torch.float64:
-        return "float64 (cuDNN runs it in NCHW whatever the layout)"
+    if (why := channels_last_problem(x.dim(), x.dtype)) is not None:
+        return why
     channels_last = x.is_contiguous(memory_format=conv_io.channels_last_format(x.dim()))
     if conv_io.output_memory_format(saved_y0) != torch.contiguous_format or channels_last:
         return "the tensors are channels-last already"
@@ -293,7 +257,7 @@ def _pooled_grad(g_win: Tensor, winner: Tensor, pool: PoolSpec) -> Any:  # conv_
     )
 
 
-class TritonBackward:
+class TritonBackward(_ChainGradient):
     """The conv backward never materializes the full-size gradient behind a max pool.
 
     The chain is differentiated at the winners only (the epilogue backward kernel without a pool,
@@ -312,18 +276,9 @@ class TritonBackward:
     def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor, cfg: ConvEpilogueConfig,
                  mask: Sequence[bool]) -> None:  # fmt: skip
-        kernels = epilogue_kernels()
         self.pool = cfg.pool  # not None: a max pool (``triton_backward_unsupported``)
-        #: the gradient at the winners (or the dense conv-output gradient) is laid out like saved_y0
-        self.g_layout = (tuple(saved_y0.shape), saved_y0.stride(), saved_y0.dtype)
-        channels = saved_y0.shape[1]
-        steps = kernel_steps(cfg.chain, operands, saved_y0.dim(), channels)
-        slots = wanted_slots(cfg.chain, mask[3:])
-        self.want_bias = bool(mask[2]) and bias is not None
-        self.epilogue = kernels.BackwardLaunch(grad_out, saved_y0, None, None, bias, steps, None, saved_y0, slots,
-                                               self.want_bias)  # fmt: skip
-        self.params = PlannedOperands(cfg, steps, bias, channels, x.device)
-        self.operand_recipe = _operand_grad_recipe(cfg, operands, mask[3:], slots)
+        # the gradient at the winners (or the dense conv-output gradient) is laid out like saved_y0
+        self._plan_chain_gradient(grad_out, saved_y0, None, None, bias, operands, cfg, None, saved_y0, mask)
         self.bias_dtype = None if bias is None else bias.dtype
         grad = _pooled_grad(saved_y0, saved_winner, self.pool) if self.pool is not None else saved_y0
         spec = cfg.conv
@@ -349,14 +304,11 @@ class TritonBackward:
 
     def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor], saved_y0: Tensor, saved_winner: Tensor) -> list[Tensor | None]:  # fmt: skip
-        shape, stride, dtype = self.g_layout
-        g = torch.empty_strided(shape, stride, dtype=dtype, device=saved_y0.device)
-        slot_grads, grad_bias = self.epilogue(grad_out, saved_y0, None, None, *self.params(bias, operands), g)
+        g, grad_operands, grad_bias = self._chain_gradient(grad_out, saved_y0, None, None, bias, operands)
         grad = _pooled_grad(g, saved_winner, self.pool) if self.pool is not None else g
         if self.cast_to is not None:  # the results' dtype is then cast back by ``strided_like``
             x, weight = x.to(self.cast_to), weight.to(self.cast_to)
         grad_x, grad_w = self.conv_backward(grad, x, weight)
-        grad_operands = _sum_operand_grads(self.operand_recipe, slot_grads, shape[1], g.device)
         return [grad_x, grad_w, None if grad_bias is None else grad_bias.to(self.bias_dtype), *grad_operands]
 
 

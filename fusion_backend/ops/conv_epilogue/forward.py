@@ -8,7 +8,7 @@ the declaration's Triton forward and settled-plan lookup).
 import copy
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -33,6 +33,7 @@ from ..conv_io import (
     relayout,
     run_conv,
 )
+from ..library_conv import channels_last_problem, nominal_format
 from .reference import allocate_forward_outputs, cast_inputs, conv_compute_dtype
 
 logger = logging.getLogger("fusion_backend")
@@ -150,30 +151,16 @@ def forward_kernels(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> Modul
 
 def _library_conv_meta(x: Tensor, weight: Tensor, spec: ConvSpec, dtype: torch.dtype) -> Tensor:
     """A meta tensor with the shape, strides and dtype (the compute dtype) the library conv (and the
-    op's fake) would give y0.
+    op's fake) would give y0: the layout of ``library_conv.nominal_format``, on x and the weight as
+    stored, not cast (the backend and its memory format depend on the layouts and on float64-or-not,
+    cuDNN's rule, not on fp32 vs bf16/fp16; only a weight whose dtype differs from x's, never under
+    autocast, is cast).  Cached per shapes, strides, dtypes and devices (asked on every call)."""
 
-    Mirrors FakeTensor's conv rule (``_select_conv_backend`` + ``_conv_determine_backend_memory_format``)
-    without running the conv; cached per shapes, strides, dtypes and devices (asked on every call).
-    """
-    return DECISIONS.get(("conv_meta", tensor_key(x), tensor_key(weight), spec, dtype),
-                          lambda: _library_conv_meta_uncached(x, weight, spec, dtype))  # fmt: skip
+    def meta() -> Tensor:
+        fmt = nominal_format(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), spec)
+        return torch.empty(conv_output_shape(x, weight, spec), dtype=dtype, device="meta", memory_format=fmt)
 
-
-def _library_conv_meta_uncached(x: Tensor, weight: Tensor, spec: ConvSpec, dtype: torch.dtype) -> Tensor:
-    shape = conv_output_shape(x, weight, spec)
-    fmt = torch.contiguous_format
-    if x.dim() in (4, 5):
-        # NOTE: x and weight as stored, not cast: the backend and its memory format depend on the
-        # layouts and on float64-or-not (cuDNN's rule), not on fp32 vs bf16/fp16; only a weight
-        # whose dtype differs from x's (never under autocast) is cast, once per signature.
-        weight = weight if weight.dtype == x.dtype else weight.to(x.dtype)
-        backend = torch._C._select_conv_backend(
-            x, weight, bias=None, stride=list(spec.stride), padding=list(spec.padding),
-            dilation=list(spec.dilation), transposed=spec.transposed,
-            output_padding=list(spec.output_padding), groups=spec.groups, bias_sizes=None,
-        )  # fmt: skip
-        fmt = torch._C._conv_determine_backend_memory_format(x, weight, backend)
-    return torch.empty(shape, dtype=dtype, device="meta", memory_format=fmt)
+    return DECISIONS.get(("conv_meta", tensor_key(x), tensor_key(weight), spec, dtype), meta)
 
 
 class FusedForward:
@@ -238,9 +225,7 @@ def _forward_layouts(
     y0 = _library_conv_meta(x, weight, cfg.conv, dtype)
     y0 = torch.empty(y0.shape, dtype=dtype, device="meta", memory_format=output_memory_format(y0))
     steps = kernel_steps(cfg.chain, operands, y0.dim(), y0.shape[1])
-    out_shape = list(y0.shape) if cfg.pool is None else pooled_output_shape(y0.shape, cfg.pool)
-    like_x = torch.empty(0, dtype=x.dtype, device="meta")
-    return y0, steps, allocate_forward_outputs(like_x, y0, out_shape, cfg, save)
+    return y0, steps, allocate_forward_outputs(torch.empty(0, dtype=x.dtype, device="meta"), y0, cfg, save)
 
 
 class PlannedOperands:
@@ -326,21 +311,25 @@ def plan_for(
     if mode != "auto" or (impl == "library" and not _times_library_layouts(x)):
         plan = (FusedForward if impl == "triton" else LibraryForward)(x, weight, bias, operands, cfg, save)
         return plan, plan.settled
-    plans = forward_candidates(x, weight, bias, operands, cfg, save, fused=impl == "triton")
-    if len(plans) == 1:
-        return plans["library"], plans["library"].settled
+    args = (x, weight, bias, operands)
+    plans = forward_candidates(*args, cfg, save, fused=impl == "triton")
     fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
-    probes = {"triton": functools.partial(plans["triton"].probe(), x, weight, bias, operands)} if "triton" in plans else {}
-    impl = impl_choice.choose(
-        # (v2: the channels-last library variant joined the candidates; older answers are re-measured)
-        lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v2",
-        {name: functools.partial(plan, x, weight, bias, operands) for name, plan in plans.items()},
-        default="library",
-        agree=results_agree,
-        fast_key=fast_key,
-        probes=probes,
-    )
+    probes = {"triton": functools.partial(plans["triton"].probe(), *args)} if "triton" in plans else None
+    return measured_plan(plans, args, lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v2", fast_key, probes)
+
+
+def measured_plan(plans: dict[str, Any], args: tuple, key: Callable[[], str], fast_key: tuple,
+                  probes: dict[str, Any] | None = None) -> tuple[Any, bool]:  # fmt: skip
+    """``(plan, settled)`` of either direction's ``plan_for`` under ``auto``: the library plan where it
+    is the only candidate, else the fastest of ``plans`` (each called with ``args``), measured once
+    per shape against the library plan's results (``impl_choice``, ``results_agree``; ``key`` and
+    ``fast_key`` as ``impl_choice.choose`` takes them; the keys' "v2": the channels-last library
+    variant joined the candidates, older answers are re-measured)."""
+    if len(plans) == 1:
+        return plans["library"], plans["library"].settled
+    impl = impl_choice.choose(key, {name: functools.partial(plan, *args) for name, plan in plans.items()},
+                              default="library", agree=results_agree, fast_key=fast_key, probes=probes)  # fmt: skip
     return plans[impl], impl_choice.is_final(fast_key) and plans[impl].settled
 
 
@@ -551,11 +540,9 @@ class ChannelsLastLibraryForward(LibraryForward):
 
 def channels_last_forward_unsupported(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> str | None:
     """Why the library forward has no channels-last variant worth measuring here, or None."""
-    if x.dim() not in (4, 5):
-        return f"a {x.dim() - 2}-d conv (cuDNN has channels-last kernels for 2-d and 3-d convs only)"
     dtype = conv_compute_dtype(cfg, x)
-    if dtype == torch.float64:
-        return "float64 (cuDNN runs it in NCHW whatever the layout)"
+    if (why := channels_last_problem(x.dim(), dtype)) is not None:
+        return why
     if x.is_contiguous(memory_format=channels_last_format(x.dim())):
         return "x is channels-last already"
     if output_memory_format(_library_conv_meta(x, weight, cfg.conv, dtype)) != torch.contiguous_format:

@@ -21,7 +21,7 @@ from ..chain_reference import (
 )
 from ..config import ConvEpilogueConfig, describe_pool
 from ..conv_io import (
-    channel_view,
+    allocate_result,
     check_conv_inputs,
     conv_output_shape,
     dtype_named,
@@ -31,15 +31,9 @@ from ..conv_io import (
     run_conv,
     run_conv_backward,
     run_pool,
-    winner_dtype,
 )
 
 OP = "conv_epilogue"
-
-
-def output_dtype(cfg: ConvEpilogueConfig, conv_dtype: torch.dtype) -> torch.dtype:
-    """The result's dtype: ``config.out_dtype``, else the conv's (compute) dtype."""
-    return dtype_named(OP, cfg.out_dtype, conv_dtype)
 
 
 def conv_compute_dtype(cfg: ConvEpilogueConfig, x: Tensor) -> torch.dtype:
@@ -55,7 +49,7 @@ def cast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None,
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> None:
-    output_dtype(cfg, conv_compute_dtype(cfg, x))  # both dtype names are valid
+    dtype_named(OP, cfg.out_dtype, conv_compute_dtype(cfg, x))  # both dtype names are valid
     check_conv_inputs(OP, x, weight, cfg.conv)
     if cfg.pool is not None and len(cfg.pool.kernel_size) != cfg.conv.spatial_dims:
         raise UnsupportedInputError(f"fusion::{OP}: pool {cfg.pool} does not have {cfg.conv.spatial_dims} "
@@ -75,29 +69,25 @@ def _describe_operand(o: Operand) -> str:
     return f"operands[{o.index}]" if isinstance(o, TensorRef) else f"value before step {o.position}"
 
 
-def allocate_forward_outputs(
-    x: Tensor, y0: Tensor, out_shape: Sequence[int], cfg: ConvEpilogueConfig, save: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+def allocate_forward_outputs(x: Tensor, y0: Tensor, cfg: ConvEpilogueConfig,
+                             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Empty ``(out, saved_y0, saved_winner)`` as the package docstring lays them out (``x``: the op's
-    input as given; ``y0``: the conv output in the compute dtype)."""
-    fmt = output_memory_format(y0)
-    out = torch.empty(out_shape, dtype=output_dtype(cfg, y0.dtype), device=x.device, memory_format=fmt)
+    input as given; ``y0``: the conv output in the compute dtype): ``out`` and the winners as
+    ``conv_io.allocate_result`` gives them, y0 saved at the winners or full-size."""
+    out, winner = allocate_result(x, y0, cfg.pool, dtype_named(OP, cfg.out_dtype, y0.dtype), save)
     if not save:
-        return out, empty_placeholder(x), empty_placeholder(x)
-    if cfg.pool is not None and cfg.pool.kind == "max":
-        win = torch.empty(out_shape, dtype=winner_dtype(cfg.pool), device=x.device, memory_format=fmt)
-        win_y = torch.empty(out_shape, dtype=y0.dtype, device=x.device, memory_format=fmt)
-        return out, win_y, win
-    return out, torch.empty(y0.shape, dtype=y0.dtype, device=x.device, memory_format=fmt), empty_placeholder(x)
+        return out, empty_placeholder(x), winner
+    at_winners = cfg.pool is not None and cfg.pool.kind == "max"
+    saved_y0 = torch.empty(out.shape if at_winners else y0.shape, dtype=y0.dtype, device=x.device,
+                           memory_format=output_memory_format(y0))  # fmt: skip
+    return out, saved_y0, winner
 
 
 def outputs(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The shape function: ``allocate_forward_outputs`` for the conv's output as aten lays it out."""
     dtype = conv_compute_dtype(cfg, x)
-    y0 = run_conv(x.to(dtype), weight.to(dtype), None, cfg.conv)
-    out_shape = y0.shape if cfg.pool is None else run_pool(y0, cfg.pool).shape
-    return allocate_forward_outputs(x, y0, out_shape, cfg, save)
+    return allocate_forward_outputs(x, run_conv(x.to(dtype), weight.to(dtype), None, cfg.conv), cfg, save)
 
 
 def conv_epilogue_eager(
@@ -111,7 +101,7 @@ def conv_epilogue_eager(
     v = apply_chain(run_conv(x, weight, bias, cfg.conv), cfg.chain, operands)
     if cfg.pool is not None:
         v = run_pool(v, cfg.pool)
-    return v.to(output_dtype(cfg, dtype))
+    return v.to(dtype_named(OP, cfg.out_dtype, dtype))
 
 
 def forward(
@@ -124,8 +114,7 @@ def forward(
     xc, weight, bias = cast_inputs(x, weight, bias, dtype)
     y0 = run_conv(xc, weight, None, cfg.conv)
     fmt = output_memory_format(y0)
-    y = y0 if bias is None else y0 + channel_view(bias, y0.dim())
-    v = apply_chain(y, cfg.chain, operands)
+    v = apply_chain(with_bias(y0, bias), cfg.chain, operands)
     saved_y0, saved_winner = empty_placeholder(x), empty_placeholder(x)
     pool = cfg.pool
     if pool is not None and pool.kind == "max" and save:
@@ -138,7 +127,7 @@ def forward(
             v = run_pool(v, pool)
         if save:
             saved_y0 = in_format(y0, fmt)
-    out = in_format(v.to(output_dtype(cfg, dtype)), fmt)
+    out = in_format(v.to(dtype_named(OP, cfg.out_dtype, dtype)), fmt)
     if out.data_ptr() == y0.data_ptr():  # empty chain, no bias, no pool: outputs must not alias
         out = torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=fmt).copy_(out)
     return out, saved_y0, saved_winner

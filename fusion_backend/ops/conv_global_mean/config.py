@@ -7,6 +7,7 @@ the kernels read (the package docstring's derivation).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ from torch import Tensor
 from ...errors import UnsupportedInputError
 from ...ir.shapes import conv_output_length
 from ...ir.specs import ConvSpec
+from ...kernels.host import cdiv
 from ..chain import ChainStep, PointwiseKind
+from ..chain_lowering import channel_stride
 from ..config import JsonConfig, check_dtype_names, describe_chain
-from ..conv_io import conv_channels, output_memory_format
+from ..conv_io import conv_channels, dtype_named, output_memory_format
 
 OP = "conv_global_mean"
 
@@ -70,11 +73,6 @@ class ConvGlobalMeanConfig(JsonConfig):
         check_dtype_names(self, "out_dtype")
 
 
-def out_dtype(cfg: ConvGlobalMeanConfig, x: Any) -> torch.dtype:
-    """The result's dtype: ``config.out_dtype``, else x's."""
-    return getattr(torch, cfg.out_dtype) if cfg.out_dtype else x.dtype
-
-
 def outputs(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvGlobalMeanConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Empty ``(out, tap_sums, conv_mean)`` as the real op gives them (real or fake tensors):
@@ -89,7 +87,7 @@ def outputs(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     n, c_in = x.shape[:2]
     c_out = conv_channels(weight, cfg.conv)
     out_shape = (n, c_out, *([1] * cfg.conv.spatial_dims)) if cfg.keepdim else (n, c_out)
-    return (x.new_empty(out_shape, dtype=out_dtype(cfg, x)),
+    return (x.new_empty(out_shape, dtype=dtype_named(OP, cfg.out_dtype, x.dtype)),
             x.new_empty((n, c_in, *weight.shape[2:]), dtype=torch.float64),
             x.new_empty((n, c_out), dtype=torch.float64))  # fmt: skip
 
@@ -131,20 +129,14 @@ def _check_shapes(spec: ConvSpec, x_shape: torch.Size, w_shape: torch.Size) -> N
 
 
 def channel_stride_meta(shape: tuple[int, ...], stride: tuple[int, ...], c_out: int, out_rank: int) -> int:
-    """Element stride between the channels of an affine operand (0 for a one-element operand);
-    ``UnsupportedInputError`` for a shape that is neither."""
-    if math.prod(shape) == 1 and len(shape) <= out_rank:
-        return 0
-    shape = tuple(shape)
-    ones = (1,) * (out_rank - 2)
-    if shape == (c_out, *ones):
-        return stride[0]
-    if shape == (1, c_out, *ones):
-        return stride[1]
-    raise UnsupportedInputError(
-        f"{OP}: affine operand of shape {shape} is neither a single element nor per-channel "
-        f"({(c_out, *ones)} or {(1, c_out, *ones)})"
-    )
+    """Element stride between the channels of an affine operand, 0 for a one-element operand
+    (``chain_lowering.channel_stride``); ``UnsupportedInputError`` for a shape that is neither."""
+    found = channel_stride(shape, stride, c_out, out_rank)
+    if found is None:
+        ones = (1,) * (out_rank - 2)
+        raise UnsupportedInputError(f"{OP}: affine operand of shape {tuple(shape)} is neither a single element nor "
+                                    f"per-channel ({(c_out, *ones)} or {(1, c_out, *ones)})")  # fmt: skip
+    return found
 
 
 def describe(cfg: ConvGlobalMeanConfig) -> str:
@@ -180,10 +172,6 @@ def as_5d(t: Tensor) -> Tensor:
     while t.dim() < 5:
         t = t.unsqueeze(2)
     return t
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -((-a) // b)
 
 
 @dataclass(frozen=True)
@@ -224,11 +212,11 @@ def dim_sets(
         off = t * dilation - padding
         if transposed:
             # o = i*s + off must satisfy 0 <= o < O; i itself in [0, L).
-            lo = max(0, _ceil_div(-off, stride))
+            lo = max(0, cdiv(-off, stride))
             hi = min(length - 1, (out_len - 1 - off) // stride)
         else:
             # i = o*s + off for o in [0, O), kept when 0 <= i < L.
-            o_lo = max(0, _ceil_div(-off, stride))
+            o_lo = max(0, cdiv(-off, stride))
             o_hi = min(out_len - 1, (length - 1 - off) // stride)
             lo, hi = o_lo * stride + off, o_hi * stride + off
         raw.append((lo, hi) if lo <= hi else (0, -1))
@@ -303,7 +291,7 @@ def geometry_for(
     taps = math.prod(kernel)
     onehot = torch.zeros((taps, math.prod(counts)), dtype=torch.float64)
     tapset = []
-    for t, tap in enumerate(_taps(tuple(len(ds.tap_to_set) for ds in dims))):
+    for t, tap in enumerate(itertools.product(*(range(len(ds.tap_to_set)) for ds in dims))):
         j1, j2, j3 = (ds.tap_to_set[k] for ds, k in zip(dims, tap, strict=True))
         onehot[t, (j1 * counts[1] + j2) * counts[2] + j3] = 1.0
         tapset.append((j1 * counts[1] + j2) * counts[2] + j3)
@@ -317,7 +305,3 @@ def geometry_for(
 def call_geometry(cfg: ConvGlobalMeanConfig, x: Any, weight: Tensor, device: torch.device) -> Geometry:
     """``geometry_for`` a call: x's spatial sizes (x: a tensor or ``XMeta``), the weight's kernel size."""
     return geometry_for(cfg.conv, tuple(x.shape[2:]), tuple(weight.shape[2:]), device)
-
-
-def _taps(kernel3: tuple[int, int, int]) -> list[tuple[int, int, int]]:
-    return [(a, b, c) for a in range(kernel3[0]) for b in range(kernel3[1]) for c in range(kernel3[2])]

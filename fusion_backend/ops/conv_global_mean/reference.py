@@ -15,8 +15,10 @@ from torch import Tensor
 
 from ...ir.specs import ConvSpec
 from ..chain import Const, PointwiseKind, TensorRef
-from ..conv_io import conv_channels, stats_dtype
+from ..chain_lowering import add_operand_grad
+from ..conv_io import conv_channels, dtype_named, stats_dtype
 from .config import (
+    OP,
     ConvGlobalMeanConfig,
     Geometry,
     as_5d,
@@ -24,7 +26,6 @@ from .config import (
     channel_stride_meta,
     check_bias,
     operand_index,
-    out_dtype,
 )
 
 
@@ -154,9 +155,7 @@ def grouped_weight(spec: ConvSpec, weight: Tensor) -> tuple[Tensor, str]:
     """Weight as fp64 ``(g, ., ., T)`` plus its einsum letters (``o`` = out channel, ``i`` = in channel)."""
     g = spec.groups
     w = weight.detach().to(torch.float64)
-    if spec.transposed:
-        return w.reshape(g, weight.shape[0] // g, weight.shape[1], -1), "giot"
-    return w.reshape(g, weight.shape[0] // g, weight.shape[1], -1), "goit"
+    return w.reshape(g, weight.shape[0] // g, weight.shape[1], -1), "giot" if spec.transposed else "goit"
 
 
 def _set_sums_reference(x: Tensor, geo: Geometry) -> Tensor:
@@ -193,7 +192,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     a, b = fold_chain(cfg, operand_values(cfg, operands, c_out, x.device))[-1]
     out = add_values(mul_values(mean, a), b)
     assert isinstance(out, Tensor)
-    dtype = out_dtype(cfg, x)
+    dtype = dtype_named(OP, cfg.out_dtype, x.dtype)
     if out.dtype != dtype:
         out = out.to(dtype)
     elif out.data_ptr() == mean.data_ptr():
@@ -242,11 +241,8 @@ def backward(grad_out: Tensor, x: Any, weight: Tensor, bias: Tensor | None, oper
             if grad is None or not isinstance(op, TensorRef):
                 continue
             t = operands[op.index]
-            red = torch.as_tensor(grad, dtype=torch.float64, device=device)
-            red = red.sum() if t.numel() == 1 else red
-            red = red.reshape(t.shape).to(device=t.device, dtype=t.dtype)
-            prev = grad_operands[op.index]
-            grad_operands[op.index] = red if prev is None else prev + red
+            red = torch.as_tensor(grad, dtype=torch.float64, device=t.device)
+            add_operand_grad(grad_operands, operands, op.index, red.sum() if t.numel() == 1 else red)
     grads_ops = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(operands, grad_operands, strict=True)]
 
     grad_x = None

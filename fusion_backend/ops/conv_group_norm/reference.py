@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..chain_reference import norm_affine, norm_backward, norm_forward
-from ..conv_io import channel_view
+from ..chain_reference import norm_backward, norm_forward
 from .config import OP, ConvGroupNormConfig, conv_outputs
 
 
@@ -30,14 +29,10 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     ``return_indices``, as the kernels save them (``window_winners``)."""
     y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save)
 
-    def norm(v: Tensor) -> tuple[Tensor, ...]:
-        gamma, beta = norm_affine(operands, cfg, v.dtype)
+    def norm(v: Tensor, gamma: Tensor | None, beta: Tensor | None) -> tuple[Tensor, ...]:
         return torch.ops.aten.native_group_norm(v.contiguous(), gamma, beta, *_sizes(v), cfg.groups, cfg.eps)
 
-    mean, rstd = norm_forward(OP, y0, bias, operands, cfg, out, norm, winner)
-    if save:
-        stats[0].copy_(mean.reshape(y0.shape[0], cfg.groups))
-        stats[1].copy_(rstd.reshape(y0.shape[0], cfg.groups))
+    norm_forward(OP, y0, bias, operands, cfg, out, stats, norm, winner)
     return out, saved_y, winner, stats
 
 
@@ -52,19 +47,12 @@ def backward(
     saved_winner: Tensor, saved_stats: Tensor, cfg: ConvGroupNormConfig, mask: Sequence[bool],
 ) -> list[Tensor | None]:  # fmt: skip
     """``chain_reference.norm_backward`` with ``aten.native_group_norm_backward``."""
-    sdt = saved_stats.dtype
-    gamma, beta = norm_affine(operands, cfg, sdt)
 
-    def normalize(v: Tensor) -> Tensor:
-        z = normalized(v, saved_stats, cfg.groups)
-        z = z if gamma is None else z * channel_view(gamma, z.dim())
-        return z if beta is None else z + channel_view(beta, z.dim())
+    def norm_grads(grad_z: Tensor, v: Tensor, want: list[bool], gamma: Tensor | None,
+                   beta: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+        return torch.ops.aten.native_group_norm_backward(grad_z.contiguous(), v.contiguous(), saved_stats[0].contiguous(),
+                                                         saved_stats[1].contiguous(), gamma, *_sizes(v), cfg.groups,
+                                                         want)  # fmt: skip
 
-    def norm_grads(grad_z: Tensor, v: Tensor, want: list[bool]) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        return torch.ops.aten.native_group_norm_backward(
-            grad_z.to(sdt).contiguous(), v.to(sdt).contiguous(), saved_stats[0].contiguous(),
-            saved_stats[1].contiguous(), gamma, *_sizes(v), cfg.groups, want,
-        )  # fmt: skip
-
-    return norm_backward(OP, grad_out, x, weight, bias, operands, saved_y, cfg, mask, normalize, norm_grads,
-                         saved_winner)  # fmt: skip
+    return norm_backward(OP, grad_out, x, weight, bias, operands, saved_y, saved_stats, cfg, mask,
+                         lambda v: normalized(v, saved_stats, cfg.groups), norm_grads, saved_winner)  # fmt: skip

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..chain_reference import norm_affine, norm_backward, norm_forward
+from ..chain_reference import norm_backward, norm_forward
 from .config import OP, ConvLayerNormConfig, conv_outputs
 
 
@@ -28,14 +28,10 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     """Eager's ops on the conv output (``chain_reference.norm_forward``)."""
     y0, out, saved_y, stats = conv_outputs(x, weight, cfg, save)
 
-    def norm(v: Tensor) -> tuple[Tensor, ...]:
-        gamma, beta = norm_affine(operands, cfg, v.dtype, cfg.normalized_shape)
+    def norm(v: Tensor, gamma: Tensor | None, beta: Tensor | None) -> tuple[Tensor, ...]:
         return torch.ops.aten.native_layer_norm(v, list(cfg.normalized_shape), gamma, beta, cfg.eps)
 
-    mean, rstd = norm_forward(OP, y0, bias, operands, cfg, out, norm)
-    if save:
-        stats[0].copy_(mean.reshape(-1))
-        stats[1].copy_(rstd.reshape(-1))
+    norm_forward(OP, y0, bias, operands, cfg, out, stats, norm, affine_shape=cfg.normalized_shape)
     return out, saved_y, stats
 
 
@@ -44,20 +40,16 @@ def backward(
     saved_stats: Tensor, cfg: ConvLayerNormConfig, mask: Sequence[bool],
 ) -> list[Tensor | None]:  # fmt: skip
     """``chain_reference.norm_backward`` with ``aten.native_layer_norm_backward``."""
-    sdt = saved_stats.dtype
-    gamma, beta = norm_affine(operands, cfg, sdt, cfg.normalized_shape)
 
-    def normalize(v: Tensor) -> Tensor:
-        shape = _stat_shape(v, cfg)
-        z = (v.to(sdt) - saved_stats[0].reshape(shape)) * saved_stats[1].reshape(shape)
-        z = z if gamma is None else z * gamma
-        return z if beta is None else z + beta
+    def stat(v: Tensor, row: int) -> Tensor:
+        return saved_stats[row].reshape(_stat_shape(v, cfg))
 
-    def norm_grads(grad_z: Tensor, v: Tensor, want: list[bool]) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        shape = _stat_shape(v, cfg)
-        return torch.ops.aten.native_layer_norm_backward(
-            grad_z.to(sdt).contiguous(), v.to(sdt).contiguous(), list(cfg.normalized_shape),
-            saved_stats[0].reshape(shape).contiguous(), saved_stats[1].reshape(shape).contiguous(), gamma, beta, want,
-        )  # fmt: skip
+    def norm_grads(grad_z: Tensor, v: Tensor, want: list[bool], gamma: Tensor | None,
+                   beta: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+        return torch.ops.aten.native_layer_norm_backward(grad_z.contiguous(), v.contiguous(), list(cfg.normalized_shape),
+                                                         stat(v, 0).contiguous(), stat(v, 1).contiguous(), gamma, beta,
+                                                         want)  # fmt: skip
 
-    return norm_backward(OP, grad_out, x, weight, bias, operands, saved_y, cfg, mask, normalize, norm_grads)  # fmt: skip
+    return norm_backward(OP, grad_out, x, weight, bias, operands, saved_y, saved_stats, cfg, mask,
+                         lambda v: (v.to(saved_stats.dtype) - stat(v, 0)) * stat(v, 1), norm_grads,
+                         affine_shape=cfg.normalized_shape)  # fmt: skip
