@@ -1,13 +1,13 @@
 """The conv kernel family: ONE Triton implicit-GEMM convolution, specialised by constexprs, whose load
 applies the previous layer's normalisation and activation (the *prologue*) and whose store applies the
-bias, activation and residual and produces the next normalisation's statistics (the *epilogue*).
+bias, the pointwise chain, activation and residual and produces the next normalisation's statistics
+(the *epilogue*).
 
 Why a family: in a conv network most of the time outside the convs is normalisation, activation and
-residual passes over the conv outputs (ResNet-50 training under CUDA graphs on the H200: 6.0 of 10.9 ms
-per step in Inductor's Triton kernels for BatchNorm, ReLU, residual adds and pooling, 4.7 ms in the
-convs).  A conv that reads
-``relu(y * scale + shift)`` while loading ``y``, and writes its own output's per-channel sums while
-storing it, removes those passes: the normalised activation never exists in memory.
+residual passes over the conv outputs (more than half of a ResNet-50 training step's GPU time,
+``docs/perf/RESULTS.md``).  A conv that reads ``relu(y * scale + shift)`` while loading ``y``, and writes
+its own output's per-channel sums while storing it, removes those passes: the normalised activation
+never exists in memory.
 
 Modules (one responsibility each):
 
