@@ -5,7 +5,7 @@
         [--tiles T;...] [--dgrad-tiles T;...] [--wgrad-tiles T;...]
 
 KERNEL (a job; none: all): ``conv_fused``, ``conv_dense``, ``conv_fused_bwd``, ``conv_phase_aligned_bwd``,
-``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``, ``batch_norm``, ``layer_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
+``conv_family``, ``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``, ``batch_norm``, ``layer_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
 compile for the GPU; on ``conv_global_mean``'s default path such a kernel makes the op fall back to
 the slow torch reference (with one warning).  Run this after every change to a kernel.
 
@@ -50,6 +50,14 @@ Jobs and cases (``--cases``: each listed case must belong to every named job):
   (weight-grad partials -> taps) for ``convt3d`` (as above, its MaxPool3d(2) gradient in implicit form
   with an fp32 ``g_win``); ``fp32`` (TF32), ``bf16``, ``fp16``; ``-cl``: channels-last.  Cases
   ``convt3d-{fp32,bf16,fp16}[-cl]``; default ``convt3d-fp32``, ``convt3d-bf16``.
+* ``conv_family``: ``kernels/conv/``'s ``conv_fprop_kernel``, ``conv_dgrad_kernel`` and ``conv_wgrad_kernel``
+  through their launchers, with the tile ``pick_tile`` picks (the launchers refuse CPU tensors, bf16 and
+  TF32 outside a GPU: ``_launchable_on_cpu_tensors`` lifts that for the recording), on ResNet-50's
+  bottleneck 1x1 and 3x3, layer2's strided 3x3 and the 7x7 stem (batch 64), an EfficientNet-B0 depthwise
+  3x3 and the SD VAE decoder's 512-channel 3x3 (``CONV_FAMILY_SHAPES``); ``bf16`` or ``fp32`` (TF32);
+  ``-hooked``: a BatchNorm + ReLU's hooks (prologue, relu, output statistics; relu' and the
+  BatchNorm-backward sums; the prologue recomputed in wgrad).  Cases ``{resnet_1x1,resnet_3x3,
+  resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-{bf16,fp32}[-hooked]``; default six of them.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
   the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
   pool, a max or an avg pool; ``fp32``, ``bf16``.  Cases ``{none,max,avg}-{fp32,bf16}``, all by default.
@@ -128,8 +136,8 @@ specialisation's SASS listing and cubin to DIR as ``<job>_<case>_<kernel>_<tile>
 the environment variables ``KEEP_PTX=DIR`` / ``KEEP_TTGIR=DIR`` do the same with its PTX / TTGIR
 (layouts).
 
-Exit status 1 when a case or a compile failed (ptxas included; in ``global_mean``, also a spill),
-else 0.
+Exit status 1 when a case or a compile failed (ptxas included; a kernel asking for more shared memory
+than an sm_90 block has, ``SM90_MAX_SHARED``; in ``global_mean``, also a spill), else 0.
 """
 
 from __future__ import annotations
@@ -157,6 +165,7 @@ from seed_convs import seed_conv  # noqa: E402
 from fusion_backend.ir.specs import ConvSpec, PoolSpec  # noqa: E402
 from fusion_backend.kernels import batch_norm as BN  # noqa: E402
 from fusion_backend.kernels import channel_reduce as CR  # noqa: E402
+from fusion_backend.kernels import conv as FAMILY  # noqa: E402
 from fusion_backend.kernels import conv_dense as CD  # noqa: E402
 from fusion_backend.kernels import conv_fused as CF  # noqa: E402
 from fusion_backend.kernels import conv_fused_bwd as FB  # noqa: E402
@@ -166,6 +175,8 @@ from fusion_backend.kernels import global_mean as GM  # noqa: E402
 from fusion_backend.kernels import group_norm as GN  # noqa: E402
 from fusion_backend.kernels import layer_norm as LN  # noqa: E402
 from fusion_backend.kernels import norm_pool as NP  # noqa: E402
+from fusion_backend.kernels import tf32 as TF32  # noqa: E402
+from fusion_backend.kernels.conv import fprop as FAMILY_FPROP  # noqa: E402
 from fusion_backend.ops import chain_lowering, conv_io  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
@@ -173,6 +184,8 @@ from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind
 from fusion_backend.ops.config import ConvEpilogueConfig  # noqa: E402
 
 H100_SMS = 132
+#: Shared memory one block may use on sm_90 (227 KiB); a kernel asking for more compiles but cannot launch.
+SM90_MAX_SHARED = 232448
 
 # --------------------------------------------------------------------------------------------------
 # Workloads: each runs the real launchers on empty CPU tensors (under ``kc.recording``)
@@ -477,6 +490,62 @@ def global_mean_pipeline(dtype: str, channels_last: bool, padded: bool) -> None:
     )
 
 
+#: The conv family job's problems: ``(x shape, weight shape, stride, padding, groups, bias)`` of
+#: torchvision ResNet-50 at batch 64 (a bottleneck's 1x1 reduce, its 3x3, layer2's strided 3x3, the 7x7
+#: RGB stem: flat K), an EfficientNet-B0 depthwise 3x3 (flat K, one channel per group) and the SD VAE
+#: decoder's 512-channel 3x3 with bias (batch 1, 64x64).
+CONV_FAMILY_SHAPES = {
+    "resnet_1x1": ((64, 256, 56, 56), (64, 256, 1, 1), 1, 0, 1, False),
+    "resnet_3x3": ((64, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1, False),
+    "resnet_3x3_s2": ((64, 128, 56, 56), (128, 128, 3, 3), 2, 1, 1, False),
+    "resnet_stem": ((64, 3, 224, 224), (64, 3, 7, 7), 2, 3, 1, False),
+    "depthwise": ((64, 96, 112, 112), (96, 1, 3, 3), 2, 1, 96, False),
+    "vae_3x3": ((1, 512, 64, 64), (512, 512, 3, 3), 1, 1, 1, True),
+}
+CONV_FAMILY_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _launchable_on_cpu_tensors():  # noqa: ANN202
+    """The conv family's launchers refuse CPU tensors outside the interpreter and, on CPU, bf16 and
+    TF32 (the interpreter has neither): within this context they take them as a CUDA launch would
+    (every dtype, TF32 for fp32 as ``torch.backends.cudnn.allow_tf32`` says), so that the recorded
+    launches are a GPU's."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(FAMILY_FPROP, "INTERPRETER", True))
+    stack.enter_context(mock.patch.object(FAMILY_FPROP, "_INTERPRETER_DTYPES", FAMILY_FPROP._CUDA_DTYPES))
+    stack.enter_context(mock.patch.object(FAMILY_FPROP, "dot_precision",
+                                          lambda dtype, allow, interpret: TF32.dot_precision(dtype, allow, False)))  # fmt: skip
+    return stack
+
+
+def conv_family_pass(shape: str, dtype: str, hooked: bool) -> None:
+    """``kernels/conv/``'s three launchers (``conv_fprop``, ``conv_dgrad``, ``conv_wgrad``) on one of
+    :data:`CONV_FAMILY_SHAPES`, channels-last, with the tile ``pick_tile`` picks; ``hooked``: the hooks
+    a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
+    statistics; dgrad: relu' of the recomputed prologue and the BatchNorm-backward sums; wgrad: the
+    prologue recomputed on load, and the bias gradient where the conv has a bias)."""
+    x_shape, w_shape, stride, padding, groups, has_bias = CONV_FAMILY_SHAPES[shape]
+    dt = CONV_FAMILY_DTYPES[dtype]
+    c_in, c_out = x_shape[1], w_shape[0]
+    cpu = torch.device("cpu")
+    x = FAMILY_FPROP.empty_channels_last(x_shape, dt, cpu)
+    w = torch.empty(w_shape, dtype=dt)
+    bias = torch.empty(c_out, dtype=dt) if has_bias else None
+    geo = dict(stride=stride, padding=padding, groups=groups)
+    out_shape = (x_shape[0], c_out, *FAMILY_FPROP.output_size(x_shape[2:], w_shape[2:], (stride,) * 2,
+                                                               (padding,) * 2, (1, 1)))  # fmt: skip
+    dy = FAMILY_FPROP.empty_channels_last(out_shape, dt, cpu)
+    vec = torch.empty(c_in, dtype=torch.float32)
+    hooks = dict(prologue=FAMILY.ChannelAffine(vec, vec), act_in="relu") if hooked else {}
+    with _launchable_on_cpu_tensors():
+        FAMILY.conv_fprop(x, w, bias, stats=hooked, **hooks, **geo)
+        FAMILY.conv_dgrad(dy, w, x_shape, x_prev=x if hooked else None,
+                          norm_stats=FAMILY.NormStats(vec, vec) if hooked else None, **hooks, **geo)  # fmt: skip
+        FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, **hooks, **geo)
+
+
 # --------------------------------------------------------------------------------------------------
 # Jobs
 # --------------------------------------------------------------------------------------------------
@@ -513,6 +582,13 @@ def phase_aligned_tiles(tiles: tuple[tuple[int, ...], ...]) -> Callable[[kc.Laun
     return fit
 
 
+def as_launched(fields: tuple[str, ...]) -> Callable[[kc.Launch], list[triton.Config]]:
+    """The launch's own tile (its ``fields`` constexprs, warps and stages): a kernel whose launcher picks
+    its tile, listed as tiled so that the report names the tile."""
+    return lambda launch: [triton.Config({f: launch.kwargs[f] for f in fields}, num_warps=launch.option("num_warps"),
+                                         num_stages=launch.option("num_stages"))]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TiledKernel:
     """A kernel compiled once per tile of its list instead of as launched."""
@@ -535,6 +611,7 @@ class Job:
 
 
 PHASE_ALIGNED_FIELDS = ("BLOCK_M", "BLOCK_CI", "BLOCK_CO", "KPB")
+FAMILY_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 JOBS = {job.name: job for job in (
     Job(
         "conv_fused", "conv_epilogue forward through kernels/conv_fused/ (ConvTranspose3d + chain + MaxPool3d)",
@@ -565,6 +642,15 @@ JOBS = {job.name: job for job in (
         ("convt3d-fp32", "convt3d-bf16"),
         (TiledKernel("phase_aligned_dgrad_kernel", PHASE_ALIGNED_FIELDS, "dgrad_tiles", phase_aligned_tiles(S.plan.DGRAD_TILES), phase_aligned_rates),
          TiledKernel("phase_aligned_wgrad_kernel", PHASE_ALIGNED_FIELDS, "wgrad_tiles", phase_aligned_tiles(S.plan.WGRAD_TILES), phase_aligned_rates)),
+    ),
+    Job(
+        "conv_family", "kernels/conv/: conv_fprop, conv_dgrad, conv_wgrad, plain and hooked (ResNet-50, EfficientNet, SD VAE shapes)",
+        {f"{w}-{d}{h}": partial(conv_family_pass, w, d, bool(h))
+         for w in CONV_FAMILY_SHAPES for d in CONV_FAMILY_DTYPES for h in ("", "-hooked")},
+        ("resnet_3x3-bf16", "resnet_3x3-bf16-hooked", "resnet_3x3-fp32-hooked", "resnet_stem-bf16-hooked",
+         "depthwise-bf16-hooked", "vae_3x3-bf16-hooked"),
+        tuple(TiledKernel(k, FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS))
+              for k in ("conv_fprop_kernel", "conv_dgrad_kernel", "conv_wgrad_kernel")),
     ),
     Job(
         "epilogue", "kernels/epilogue.py: the epilogue kernels' forward and backward (a DAG chain, each pool kind)",
@@ -711,11 +797,12 @@ class JobRun:
             return "FAIL", f"{type(err).__name__}: {str(err)[:1500]}"
         self.compiled += 1
         self.spilled += report.spills
-        failed = not report.ok or (self.job.spills_fail and report.spills)
+        too_much_shared = report.shared > SM90_MAX_SHARED
+        failed = not report.ok or too_much_shared or (self.job.spills_fail and report.spills)
         self.failed += failed
         status = "FAIL" if failed else "ok"
         self.first_case[key] = (case, status)
-        return status, report.line()
+        return status, report.line() + (f" (over sm_90's {SM90_MAX_SHARED} bytes)" if too_much_shared else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1510,7 +1510,8 @@ def test_first_call_tool_prints_each_child_s_time_as_it_is_measured(capsys):
     """``tools/first_call.py`` runs one child process per first call, minutes in all on a GPU host: a
     run cut short (a device call's time limit) must still have printed what it measured so far."""
     module = _tool("first_call")
-    times = iter([2.0, 3.0, 0.5])  # inductor cold, fusion cold, inductor warm 1; then the limit
+    # (first call, settle): inductor cold, fusion cold, inductor warm 1; then the limit
+    times = iter([(2.0, 0.0), (2.5, 0.5), (0.5, 0.0)])
 
     class Stopped(Exception):
         """The time limit, here: the run ends in the middle."""
@@ -1524,8 +1525,10 @@ def test_first_call_tool_prints_each_child_s_time_as_it_is_measured(capsys):
     module.measure = measure
     with pytest.raises(Stopped):
         module.main([str(_ROOT / "demos" / "convnets" / "conv2d_64_k3_relu.py"), "--warm-runs", "2"])
-    assert capsys.readouterr().out.splitlines() == ["  inductor cold: 2.00 s", "  fusion cold: 3.00 s",
-                                                    "  inductor warm 1: 0.50 s"]
+    assert capsys.readouterr().out.splitlines() == [
+        "  inductor cold: 2.00 s (first call 2.00 s + settle 0.00 s)",
+        "  fusion cold: 3.00 s (first call 2.50 s + settle 0.50 s)",
+        "  inductor warm 1: 0.50 s (first call 0.50 s + settle 0.00 s)"]
 
 
 def test_results_table_prints_a_committed_report_row_by_row_with_its_lines():

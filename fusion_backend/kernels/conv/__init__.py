@@ -18,23 +18,33 @@ Modules (one responsibility each):
 * ``epilogue``  device: bias, activation, residual, store, per-tile statistics;
 * ``stats``     the statistics' host reduction (deterministic) and ``ChannelStats``;
 * ``fprop``     the forward kernel and its launcher ``conv_fprop``;
+* ``dgrad``     the input gradient (also a transposed conv's forward) and ``conv_dgrad``;
+* ``grad_epilogue`` device: dgrad's store with the backward hooks (act', BatchNorm-backward sums);
+* ``wgrad``     the weight gradient, the forward's prologue recomputed on load, and ``conv_wgrad``;
 * ``reference`` the same computation in plain torch (the tests' truth and yardstick).
 
-Status: forward only, correct on CPU under Triton's interpreter; not wired into any fused op.
+Status: forward, input and weight gradients, correct on CPU under Triton's interpreter; not wired into any
+fused op.
 """
 
+from .dgrad import conv_dgrad
 from .fprop import conv_fprop
-from .hooks import Activation, ChannelAffine, GroupAffine, SampleChannelScale
-from .stats import ChannelStats
+from .hooks import Activation, ChannelAffine, GroupAffine, NormStats, SampleChannelScale
+from .stats import BatchNormGradSums, ChannelStats
 from .tiles import TileConfig, pick_tile
+from .wgrad import conv_wgrad
 
 __all__ = [
     "Activation",
+    "BatchNormGradSums",
     "ChannelAffine",
     "ChannelStats",
     "GroupAffine",
+    "NormStats",
     "SampleChannelScale",
     "TileConfig",
+    "conv_dgrad",
     "conv_fprop",
+    "conv_wgrad",
     "pick_tile",
 ]

@@ -95,7 +95,7 @@ def conv_fprop_kernel(
       w_ptr    the prearranged weight (groups, COUT_PAD, K_ROW), the compute dtype, contiguous, zero
                padded (``prearrange_weight``).
       bias_ptr, res_ptr, out_ptr, part_ptr: ``epilogue.store_tile``'s (out: (M, C_OUT) row-major).
-      p0..p3   the prologue's vectors (``prologue._prologue``).
+      p0..p3   the prologue's vectors (``prologue.normalise``).
     Unused pointers receive any tensor and are never dereferenced.
     Runtime: ``slope_in`` / ``slope_out`` the leaky slopes; ``M = N * OD * OH * OW``; ``C_OUT_G`` the
     group's output channels; ``M_TILES`` the grid's first dim.  Constexprs: ``C_IN_G`` input channels

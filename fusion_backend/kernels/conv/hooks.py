@@ -120,6 +120,16 @@ class SampleChannelScale:
 Prologue = Union[ChannelAffine, GroupAffine, SampleChannelScale]
 
 
+@dataclass(frozen=True)
+class NormStats:
+    """The statistics a BatchNorm normalised its input with, for its backward: ``mean`` and ``rstd``
+    (``1 / sqrt(var + eps)``), fp32 contiguous ``(C,)``.  ``dgrad``'s epilogue forms ``x̂ = (x_prev -
+    mean[c]) * rstd[c]`` from them for the sum ``Σ grad_z · x̂`` (``stats.BatchNormGradSums``)."""
+
+    mean: torch.Tensor
+    rstd: torch.Tensor
+
+
 def prologue_code(prologue: Prologue | None) -> int:
     """The ``PROLOGUE`` constexpr of a prologue (``PROLOGUE_NONE`` for None)."""
     if prologue is None:
@@ -175,6 +185,17 @@ def check_prologue(prologue: Prologue | None, n: int, c_in: int, device: torch.d
             _require_fp32("group prologue bias", prologue.bias, (c_in,), device)
     elif isinstance(prologue, SampleChannelScale):
         _require_fp32("prologue gate", prologue.gate, (n, c_in), device)
+
+
+def check_norm_stats(norm_stats: NormStats | None, c: int, device: torch.device) -> None:
+    """Raise :class:`ContractError` unless ``norm_stats`` is None or a :class:`NormStats` whose
+    vectors fit ``c`` channels on ``device``."""
+    if norm_stats is None:
+        return
+    if not isinstance(norm_stats, NormStats):
+        raise ContractError(f"norm_stats must be None or NormStats, got {type(norm_stats).__name__}")
+    _require_fp32("norm_stats mean", norm_stats.mean, (c,), device)
+    _require_fp32("norm_stats rstd", norm_stats.rstd, (c,), device)
 
 
 def plan_parts(prologue: Prologue | None) -> tuple:

@@ -1,7 +1,8 @@
 """Device side of the conv family's load: one ``[BLOCK_M, BLOCK_K]`` A tile of the implicit GEMM,
 gathered from channels-last ``x`` with the previous layer's normalisation and activation applied.
 
-Everything is ``@triton.jit`` and inlined into the kernel that calls it (``fprop``); the hooks are
+Everything is ``@triton.jit`` and inlined into the kernels that call it (``fprop``, ``wgrad``; ``dgrad``
+recomputes ``normalise`` in its epilogue); the hooks are
 selected by constexprs, so a conv without a prologue compiles to a plain masked load.
 
 The A tile of K step ``kk`` (``tiles`` explains the two K walks):
@@ -46,7 +47,7 @@ def _tap_coords(tap, KH: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
-def _prologue(v, n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
+def normalise(v, n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
               PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr):  # fmt: skip
     """The normalisation part of the hook on ``v`` (fp32 ``[BLOCK_M, BLOCK_K]``): ``n`` the rows'
     samples ``[BLOCK_M]``, ``c`` the columns' input channels ``[BLOCK_K]`` (``c_ok``: which are real),
@@ -120,7 +121,7 @@ def load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x
     a = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if PROLOGUE != 0 or ACT_IN != 0:
         v = a.to(tl.float32)
-        v = _prologue(v, n, g * C_IN_G + ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
+        v = normalise(v, n, g * C_IN_G + ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
                       PROLOGUE, G_NORM, NORM_AFFINE)  # fmt: skip
         v = activation(v, ACT_IN, slope_in)
         if PROLOGUE != 0:  # the pad (and tail) lanes: exactly 0 after the hook

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from . import hooks
 from .hooks import ActivationLike, Prologue
-from .stats import ChannelStats
+from .stats import BatchNormGradSums, ChannelStats
 
 _CONV = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
 
@@ -94,3 +94,68 @@ def conv_fprop_reference(
         return y, None
     flat = y.double().transpose(0, 1).reshape(y.shape[1], -1)
     return y, ChannelStats(flat.sum(1), (flat * flat).sum(1), flat.shape[1])
+
+
+_WEIGHT_GRAD = {3: torch.nn.grad.conv1d_weight, 4: torch.nn.grad.conv2d_weight, 5: torch.nn.grad.conv3d_weight}
+_INPUT_GRAD = {3: torch.nn.grad.conv1d_input, 4: torch.nn.grad.conv2d_input, 5: torch.nn.grad.conv3d_input}
+
+
+def conv_wgrad_reference(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    prologue: Prologue | None = None,
+    act_in: ActivationLike = None,
+    bias_grad: bool = False,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``conv_wgrad``'s result in ``dtype`` (None: x's): the hooked input ``act_in(prologue(x))`` op by
+    op, then ``torch.nn.grad.conv{1,2,3}d_weight`` (eager's convolution backward); ``grad_bias`` the sum
+    of ``grad_y`` over all dims but the channels."""
+    dtype = x.dtype if dtype is None else dtype
+    a = apply_activation(apply_prologue(x.to(dtype), prologue, dtype), act_in)
+    gy = grad_y.to(dtype)
+    grad_w = _WEIGHT_GRAD[x.dim()](a, weight.shape, gy, stride=stride, padding=padding, dilation=dilation,
+                                    groups=groups)  # fmt: skip
+    dims = [0, *range(2, gy.dim())]
+    return grad_w, (gy.sum(dims) if bias_grad else None)
+
+
+def conv_dgrad_reference(
+    grad_y: torch.Tensor,
+    weight: torch.Tensor,
+    input_size: Sequence[int],
+    *,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    x_prev: torch.Tensor | None = None,
+    prologue: Prologue | None = None,
+    act_in: ActivationLike = None,
+    norm_stats: hooks.NormStats | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, BatchNormGradSums | None]:
+    """``conv_dgrad``'s result in ``dtype`` (None: grad_y's): ``torch.nn.grad.conv{1,2,3}d_input``, then
+    with ``act_in`` the activation's backward by autograd at ``z = prologue(x_prev)`` (torch's own
+    derivative conventions, e.g. relu'(0) = 0); with ``norm_stats`` the float64 sums over all dims but
+    the channels of ``grad_z`` and ``grad_z * (x_prev - mean) * rstd`` (x̂ formed in ``dtype``)."""
+    dtype = grad_y.dtype if dtype is None else dtype
+    grad = _INPUT_GRAD[grad_y.dim()](tuple(input_size), weight.to(dtype), grad_y.to(dtype), stride=stride,
+                                     padding=padding, dilation=dilation, groups=groups)  # fmt: skip
+    if act_in is not None:
+        z = apply_prologue(x_prev.to(dtype), prologue, dtype).detach().requires_grad_(True)
+        with torch.enable_grad():
+            (grad,) = torch.autograd.grad(apply_activation(z, act_in), z, grad)
+    if norm_stats is None:
+        return grad, None
+    c, tail = grad.shape[1], [1] * (grad.dim() - 2)
+    xhat = (x_prev.to(dtype) - norm_stats.mean.to(dtype).view(1, c, *tail)) * norm_stats.rstd.to(dtype).view(1, c, *tail)
+    flat = grad.double().transpose(0, 1).reshape(c, -1)
+    flat_xhat = xhat.double().transpose(0, 1).reshape(c, -1)
+    return grad, BatchNormGradSums(flat.sum(1), (flat * flat_xhat).sum(1), flat.shape[1])

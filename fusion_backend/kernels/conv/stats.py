@@ -50,3 +50,30 @@ def empty_stats(c_out: int, device: torch.device) -> ChannelStats:
     """The statistics of an empty output (no position): zero sums, count 0."""
     zeros = torch.zeros(c_out, dtype=torch.float64, device=device)
     return ChannelStats(zeros, zeros.clone(), 0)
+
+
+@dataclass(frozen=True)
+class BatchNormGradSums:
+    """The two per-channel sums a BatchNorm backward needs from the gradient of its output ``grad_z``
+    (as ``dgrad``'s epilogue produces them): ``sum_dz = Σ grad_z`` (the gradient of its shift ``β``)
+    and ``sum_dz_xhat = Σ grad_z · x̂`` (that of its scale ``γ``), float64 ``(C,)`` over the ``count``
+    positions ``N * D * H * W``.  With them the input gradient is
+    ``γ · rstd · (grad_z - sum_dz / count - x̂ · sum_dz_xhat / count)`` (batch statistics)."""
+
+    sum_dz: torch.Tensor
+    sum_dz_xhat: torch.Tensor
+    count: int
+
+
+def reduce_grad_partials(partials: torch.Tensor, count: int) -> BatchNormGradSums:
+    """The sums from the dgrad epilogue's partials, fp32 ``(2, M_TILES, C)`` contiguous (row 0 the tiles'
+    ``Σ grad_z``, row 1 their ``Σ grad_z · x̂``), in float64 over the tiles in one fixed-shape reduction
+    (bitwise reproducible, as :func:`reduce_partials`)."""
+    total = partials.sum(dim=1, dtype=torch.float64)
+    return BatchNormGradSums(total[0], total[1], count)
+
+
+def empty_grad_sums(c: int, device: torch.device) -> BatchNormGradSums:
+    """The sums of an empty input (no position): zeros, count 0."""
+    zeros = torch.zeros(c, dtype=torch.float64, device=device)
+    return BatchNormGradSums(zeros, zeros.clone(), 0)

@@ -1,0 +1,351 @@
+"""The conv family's input gradient (dgrad): one Triton implicit-GEMM kernel with the backward hooks in
+its epilogue, and its host launcher :func:`conv_dgrad`.
+
+``grad_a = conv_input_grad(grad_y, weight)``, then (optionally) ``grad_z = grad_a * act_in'(z)`` with
+``z = prologue(x_prev)`` recomputed from the saved pre-prologue input, and the per-channel sums a
+BatchNorm backward needs (``grad_epilogue``).  The same GEMM is the forward of a transposed conv
+(``conv_transpose(y, weight, stride, padding, output_padding, groups, dilation)`` is the dgrad of
+``grad_y = y`` with ``input_size`` carrying the output padding): no separate entry point is needed.
+
+GEMM mapping (ranks lifted to 3d as in ``fprop``):
+
+* ``M`` = ``N * D * H * W`` *input* positions, row-major over ``(n, d, h, w)``: the result is the
+  row-major ``[M, C_in]`` matrix of a channels-last tensor.
+* ``N_gemm`` = the group's ``C_in / groups`` channels; ``K`` = ``taps * C_out / groups``, taps outer and
+  output channels inner (the ``tiles`` K walks, with ``C_out/g`` in the place of ``C_in/g``).
+* ``A[m, (tap, co)] = grad_y[n, o, g*Cog + co]`` where, per spatial dim, ``o = (i + pad - tap * dil) /
+  stride`` if that is a non-negative multiple of the stride with ``o < O``, else 0: a masked gather
+  (:func:`load_dy_tile`), correct for every stride and for the tails a stride leaves (inputs no
+  output window reached get 0).
+  NOTE: for stride > 1 most of these taps are masked (all but ``1 / stride`` per dim); the phase
+  (sub-pixel) decomposition, one dense GEMM per residue class of ``i mod stride`` over just its valid
+  taps, is the later optimisation that skips them.  It changes which program owns which rows, not this
+  kernel's epilogue.
+* ``B[(tap, co), ci] = weight[g*Cog + co, ci, tap]``: the weight is prearranged once per call by
+  ``fprop.prearrange_weight`` applied to the weight with its two channel axes swapped per group, so
+  every B tile is one unmasked, K-contiguous load.
+* Grid ``(M tiles, N tiles, groups)``; one K loop of ``tl.dot``s into an fp32 accumulator; the epilogue.
+
+Numerics: operands in grad_y's dtype (fp16: fp32 accumulation), fp32 dots in TF32 iff allowed
+(``tf32.backward_dot_precision``); the epilogue in fp32, one rounding at the store.  No atomics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ..conv_common import peel_coords
+from ..host import cdiv, element_extent
+from ..launch import FastLaunch
+from ..plan_cache import ContractError, PlanCache, plan_key
+from ..tf32 import backward_dot_precision, round_tf32
+from . import hooks
+from .fprop import (
+    _BIG_INDEX_THRESHOLD,
+    _INT32_LIMIT,
+    _check_call,
+    _Geometry,
+    _hashable,
+    channels_last,
+    empty_channels_last,
+    prearrange_weight,
+    to_channels_last,
+)
+from .grad_epilogue import store_grad_tile
+from .hooks import ActivationLike, NormStats, Prologue
+from .prologue import _tap_coords
+from .stats import BatchNormGradSums, empty_grad_sums, reduce_grad_partials
+from .tiles import TileConfig, pick_tile
+from .wgrad import _layout_of, _spatial_strides, check_grad_y
+
+
+@triton.jit
+def _source(i, tap, OUT, S: tl.constexpr, P: tl.constexpr, DIL: tl.constexpr):
+    """Per spatial dim: the output index ``o`` whose window puts tap ``tap`` on input index ``i``, and
+    whether there is one (``(i + P - tap * DIL)`` a non-negative multiple of ``S`` below ``S * OUT``)."""
+    t = i + P - tap * DIL
+    if S == 1:
+        return t, (t >= 0) & (t < OUT)
+    o = t // S
+    return o, (t >= 0) & (t - o * S == 0) & (o < OUT)
+
+
+@triton.jit
+def load_dy_tile(dy_ptr, kk, row_base, d, h, w, m_ok, OD, OH, OW, dy_sd, dy_sh, dy_sw,
+                 C_OUT_G: tl.constexpr, COUT_PAD: tl.constexpr, KD: tl.constexpr, KH: tl.constexpr,
+                 KW: tl.constexpr, SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                 PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DD: tl.constexpr, DH: tl.constexpr,
+                 DW: tl.constexpr, FLAT_K: tl.constexpr, BIG: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The ``[BLOCK_M, BLOCK_K]`` A tile of K step ``kk`` (module docstring), grad_y's dtype.
+
+    ``row_base`` ``[BLOCK_M]``: each row's element offset of its sample in its group's first output
+    channel; ``d, h, w``: the rows' input coordinates, ``m_ok`` the real rows; ``O*``: grad_y's sizes,
+    ``dy_s*`` its spatial element strides (channel stride 1).  Tap-major (``FLAT_K`` False): ``COUT_PAD``
+    is ``C_OUT_G`` rounded up to ``BLOCK_K`` and step ``kk`` is tap ``kk // (COUT_PAD // BLOCK_K)``;
+    flat: ``k`` runs over ``KD * KH * KW * C_OUT_G`` (tap, channel) pairs.  Invalid taps, tail rows and
+    padded channels load 0."""
+    if FLAT_K:
+        k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+        tap = k // C_OUT_G
+        co = k % C_OUT_G
+        c_ok = k < KD * KH * KW * C_OUT_G
+        kd, kh, kw = _tap_coords(tap, KH, KW)
+        od, d_ok = _source(d[:, None], kd[None, :], OD, SD, PD, DD)
+        oh, h_ok = _source(h[:, None], kh[None, :], OH, SH, PH, DH)
+        ow, w_ok = _source(w[:, None], kw[None, :], OW, SW, PW, DW)
+        mask = d_ok & h_ok & w_ok & (m_ok[:, None] & c_ok[None, :])
+        if BIG:
+            od, oh, ow = od.to(tl.int64), oh.to(tl.int64), ow.to(tl.int64)
+        offs = row_base[:, None] + (od * dy_sd + oh * dy_sh + ow * dy_sw + co[None, :])
+    else:
+        CB: tl.constexpr = COUT_PAD // BLOCK_K
+        tap = kk // CB
+        co = (kk % CB) * BLOCK_K + tl.arange(0, BLOCK_K)
+        c_ok = co < C_OUT_G
+        kd, kh, kw = _tap_coords(tap, KH, KW)
+        od, d_ok = _source(d, kd, OD, SD, PD, DD)
+        oh, h_ok = _source(h, kh, OH, SH, PH, DH)
+        ow, w_ok = _source(w, kw, OW, SW, PW, DW)
+        r_ok = m_ok & d_ok & h_ok & w_ok
+        mask = r_ok[:, None] & c_ok[None, :]
+        if BIG:
+            od, oh, ow = od.to(tl.int64), oh.to(tl.int64), ow.to(tl.int64)
+        offs = (row_base + od * dy_sd + oh * dy_sh + ow * dy_sw)[:, None] + co[None, :]
+    return tl.load(dy_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def conv_dgrad_kernel(
+    dy_ptr, w_ptr, out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+    slope,
+    M, D, H, W, OD, OH, OW, C_IN, C_OUT, M_TILES,
+    dy_sn, dy_sd, dy_sh, dy_sw, xp_sn, xp_sd, xp_sh, xp_sw,
+    C_IN_G: tl.constexpr, C_OUT_G: tl.constexpr, COUT_PAD: tl.constexpr, K_ROW: tl.constexpr,
+    CIN_PAD: tl.constexpr,
+    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+    DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT: tl.constexpr,
+    SUMS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One ``[BLOCK_M, BLOCK_N]`` tile of the input gradient of group ``program_id(2)`` (module docstring).
+
+    Pointers (element offsets):
+      dy_ptr   grad_y (N, C_OUT, OD, OH, OW), channel stride 1, spatial strides ``dy_s*``.
+      w_ptr    the prearranged weight (groups, CIN_PAD, K_ROW), grad_y's dtype, contiguous, zero padded:
+               row ``ci`` of group ``g`` over K in (tap, co) order.
+      out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr, p0..p3: ``grad_epilogue.store_grad_tile``'s.
+    Unused pointers receive any tensor and are never dereferenced.
+    Runtime: ``M = N * D * H * W``; ``M_TILES`` the grid's first dim.  Constexprs: ``C_IN_G`` / ``C_OUT_G``
+    channels per group, ``COUT_PAD`` (tap-major) ``C_OUT_G`` rounded up to ``BLOCK_K``, ``K_ROW`` one
+    input channel's K extent in ``w``, ``CIN_PAD`` ``C_IN_G`` rounded up to ``BLOCK_N``; kernel size,
+    stride, padding, dilation per dim; the hooks' codes; ``PRECISION`` the dot's input precision.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = tl.program_id(2)
+    K_ITERS: tl.constexpr = K_ROW // BLOCK_K
+
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    w, h, d, n = peel_coords(m, W, H, D)
+    if BIG:
+        row_base = n.to(tl.int64) * dy_sn
+    else:
+        row_base = n * dy_sn
+    row_base += g * C_OUT_G
+
+    ci = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_cols = w_ptr + g * (CIN_PAD * K_ROW) + ci[None, :] * K_ROW  # padded rows: no mask
+    kb = tl.arange(0, BLOCK_K)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kk in range(0, K_ITERS):
+        a = load_dy_tile(dy_ptr, kk, row_base, d, h, w, m_ok, OD, OH, OW, dy_sd, dy_sh, dy_sw,
+                         C_OUT_G, COUT_PAD, KD, KH, KW, SD, SH, SW, PD, PH, PW, DD, DH, DW, FLAT_K, BIG,
+                         BLOCK_K)  # fmt: skip
+        b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
+        acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
+
+    store_grad_tile(acc, m, m_ok, n, d, h, w, g * C_IN_G + ci, ci < C_IN_G, pid_m, out_ptr, xp_ptr, part_ptr,
+                    mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES,
+                    xp_sn, xp_sd, xp_sh, xp_sw, PROLOGUE, G_NORM, NORM_AFFINE, ACT, SUMS, BIG)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Host
+# --------------------------------------------------------------------------------------------------
+
+
+def prearrange_dgrad_weight(weight: torch.Tensor, groups: int, tile: TileConfig, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` (C_out, C_in/groups, *k) as the dgrad kernel reads it: ``(groups, CIN_PAD, K_ROW)``,
+    row ``ci`` of group ``g`` over K in (tap, co) order; ``fprop.prearrange_weight`` of the weight with
+    its channel axes swapped per group (the dgrad GEMM is a forward GEMM with C_in and C_out exchanged)."""
+    c_out, cin_g, *k = weight.shape
+    cout_g = c_out // groups
+    swapped = weight.reshape(groups, cout_g, cin_g, *k).transpose(1, 2).reshape(groups * cin_g, cout_g, *k)
+    return prearrange_weight(swapped, groups, tile, dtype)
+
+
+class _DgradPlan:
+    """Everything :func:`conv_dgrad` derives from a call's signature, built once (``_PLANS``)."""
+
+    def __init__(self, geo: _Geometry, grad_y: torch.Tensor, x_prev: torch.Tensor | None,
+                 prologue: Prologue | None, act: int, sums: bool, tile: TileConfig, precision: str) -> None:  # fmt: skip
+        self.geo, self.tile, self.sums = geo, tile, sums
+        self.dtype, self.device = grad_y.dtype, grad_y.device
+        self.in_shape = (geo.n, geo.c_in, *geo.size[3 - (len(geo.out_shape) - 2):])
+        self.m = geo.n * math.prod(geo.size)
+        self.relayout_dy = not channels_last(grad_y)
+        self.relayout_xp = x_prev is not None and not channels_last(x_prev)
+        dys = _layout_of(grad_y)
+        xps = _layout_of(x_prev) if x_prev is not None else None
+        extents = [element_extent(dys), self.m * geo.c_in] + ([element_extent(xps)] if xps is not None else [])
+        big = max(extents) > _BIG_INDEX_THRESHOLD
+        cout_pad = cdiv(geo.c_out_g, tile.block_k) * tile.block_k
+        k_row = cdiv(geo.taps * geo.c_out_g, tile.block_k) * tile.block_k if tile.flat_k else geo.taps * cout_pad
+        cin_pad = cdiv(geo.c_in_g, tile.block_n) * tile.block_n
+        self.m_tiles = cdiv(self.m, tile.block_m)
+        grid = (self.m_tiles, cin_pad // tile.block_n, geo.groups)
+        g_norm, norm_affine = 1, False
+        if isinstance(prologue, hooks.GroupAffine):
+            g_norm, norm_affine = prologue.groups, prologue.weight is not None
+        constexprs = dict(
+            C_IN_G=geo.c_in_g, C_OUT_G=geo.c_out_g, COUT_PAD=cout_pad, K_ROW=k_row, CIN_PAD=cin_pad,
+            KD=geo.kernel[0], KH=geo.kernel[1], KW=geo.kernel[2],
+            SD=geo.stride[0], SH=geo.stride[1], SW=geo.stride[2],
+            PD=geo.padding[0], PH=geo.padding[1], PW=geo.padding[2],
+            DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
+            PROLOGUE=hooks.prologue_code(prologue) if act else hooks.PROLOGUE_NONE, G_NORM=g_norm,
+            NORM_AFFINE=norm_affine, ACT=act, SUMS=sums, PRECISION=precision, BIG=big, FLAT_K=tile.flat_k,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+        )  # fmt: skip
+        xp_strides = _spatial_strides(xps) if xps is not None else [0, 0, 0, 0]
+        fixed = (self.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, self.m_tiles,
+                 *_spatial_strides(dys), *xp_strides)  # fmt: skip
+        self.launch = FastLaunch(conv_dgrad_kernel, grid, constexprs, fixed=fixed)
+
+    def run(self, grad_y: torch.Tensor, weight: torch.Tensor, x_prev: torch.Tensor | None, prologue: Prologue | None,
+            norm_stats: NormStats | None, slope: float) -> tuple[torch.Tensor, BatchNormGradSums | None]:  # fmt: skip
+        geo = self.geo
+        out = empty_channels_last(self.in_shape, self.dtype, self.device)
+        if self.m == 0:  # N == 0: nothing to launch
+            return out, (empty_grad_sums(geo.c_in, self.device) if self.sums else None)
+        if self.relayout_dy:
+            grad_y = to_channels_last(grad_y)
+        if self.relayout_xp:
+            x_prev = to_channels_last(x_prev)
+        w = prearrange_dgrad_weight(weight, geo.groups, self.tile, self.dtype)
+        part = None
+        if self.sums:
+            part = torch.empty((2, self.m_tiles, geo.c_in), dtype=torch.float32, device=self.device)
+        p = [out if t is None else t for t in hooks.prologue_tensors(prologue)]
+        mean, rstd = (norm_stats.mean, norm_stats.rstd) if norm_stats is not None else (out, out)
+        self.launch(grad_y, w, out, out if x_prev is None else x_prev, out if part is None else part, mean, rstd,
+                    *p, slope)  # fmt: skip
+        return out, None if part is None else reduce_grad_partials(part, self.m)
+
+
+#: Launch plans by ``plan_key`` of a call's signature.
+_PLANS = PlanCache()
+
+
+def conv_dgrad(
+    grad_y: torch.Tensor,
+    weight: torch.Tensor,
+    input_size: Sequence[int],
+    *,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    x_prev: torch.Tensor | None = None,
+    prologue: Prologue | None = None,
+    act_in: ActivationLike = None,
+    norm_stats: NormStats | None = None,
+    tile: TileConfig | None = None,
+    allow_tf32: bool | None = None,
+) -> tuple[torch.Tensor, BatchNormGradSums | None]:
+    """The input gradient of ``conv_fprop(x, weight, stride=..., padding=..., dilation=..., groups=...)``
+    for the output gradient ``grad_y``, through the forward's input activation when asked, in one launch
+    (plus the weight prearrangement and the relayout of inputs that are not channels-last).
+
+    grad_y    (N, C_out, *out_spatial), 1 to 3 spatial dims, fp32/fp16/bf16 (no bf16 under the
+              interpreter); channels-last strides read in place, any other layout copied once.
+    weight    (C_out, C_in/groups, *k), grad_y's dtype, any strides; prearranged per call.
+    input_size the forward input's shape (N, C_in, *spatial): it fixes the tails a stride leaves (a
+              transposed conv's ``output_padding``); the conv of that size must give grad_y's shape.
+    stride, padding, dilation, groups: the forward's.
+    x_prev    the forward's input before its prologue (input_size, grad_y's dtype, layouts as grad_y's):
+              needed by ``act_in`` and ``norm_stats``.
+    prologue, act_in: the forward's (``hooks``); with ``act_in`` the result is ``grad_z = grad_a *
+              act_in'(prologue(x_prev))``, else ``grad_a`` (the prologue alone is affine: its backward is
+              the caller's, from the sums).
+    norm_stats ``hooks.NormStats`` (per-channel mean and rstd the forward's BatchNorm used): also return
+              the ``stats.BatchNormGradSums`` of the result (``Σ grad_z``, ``Σ grad_z · x̂``), bitwise
+              reproducible.  (GroupNorm's backward sums, per sample and group, are not produced.)
+    tile      a ``TileConfig`` (None: ``tiles.pick_tile``'s with C_in and C_out exchanged).
+    allow_tf32: fp32 dots in TF32 (never under the interpreter); None: ``torch.backends.cudnn.allow_tf32``.
+
+    Returns ``(grad, sums or None)``: grad of ``input_size`` in grad_y's dtype, channels-last dense.
+    N == 0 returns an empty gradient (and zero sums) without a launch.  Raises
+    ``plan_cache.ContractError`` (one line) for any broken contract before anything launches.
+    """
+    if not isinstance(grad_y, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise ContractError("grad_y and weight must be tensors")
+    if tile is not None and not isinstance(tile, TileConfig):
+        raise ContractError(f"tile must be a TileConfig or None, got {type(tile).__name__}")
+    act = hooks.as_activation(act_in, "act_in")
+    code, slope = hooks.activation_args(act)
+    precision_flag = bool(torch.backends.cudnn.allow_tf32 if allow_tf32 is None else allow_tf32)
+    size = _input_size(input_size)
+    stats_parts = (norm_stats.mean, norm_stats.rstd) if isinstance(norm_stats, NormStats) else (None, None)
+    key = plan_key(grad_y, weight, size, x_prev, *hooks.prologue_tensors(prologue), hooks.plan_parts(prologue),
+                   _hashable(stride), _hashable(padding), _hashable(dilation), groups, code, type(norm_stats).__name__, *stats_parts, tile,
+                   precision_flag)  # fmt: skip
+
+    def build() -> _DgradPlan:
+        if len(size) != grad_y.dim():
+            raise ContractError(f"input_size must have grad_y's rank {grad_y.dim()}, got {size}")
+        # a stand-in for x with no memory: the forward's checks and geometry on the input's shape
+        x_like = torch.empty((), dtype=grad_y.dtype, device=grad_y.device).expand(size)
+        geo = _check_call(x_like, weight, None, None, stride, padding, dilation, groups)
+        check_grad_y(grad_y, geo.out_shape, x_like)
+        if geo.n * math.prod(geo.size) > _INT32_LIMIT:
+            raise ContractError(f"{geo.n * math.prod(geo.size)} input positions exceed the kernel's int32 row index")
+        if (code or norm_stats is not None) and x_prev is None:
+            raise ContractError("act_in and norm_stats need x_prev, the forward's input before its prologue")
+        if x_prev is not None:
+            if not isinstance(x_prev, torch.Tensor) or x_prev.device != grad_y.device:
+                raise ContractError(f"x_prev must be a tensor on {grad_y.device}")
+            if tuple(x_prev.shape) != size or x_prev.dtype != grad_y.dtype:
+                raise ContractError(f"x_prev must be {size} {grad_y.dtype}, got {tuple(x_prev.shape)} {x_prev.dtype}")
+        hooks.check_prologue(prologue, geo.n, geo.c_in, grad_y.device)
+        hooks.check_norm_stats(norm_stats, geo.c_in, grad_y.device)
+        chosen = tile or pick_tile(geo.c_out_g, geo.c_in_g, geo.taps, geo.n * math.prod(geo.size), grad_y.dtype)
+        chosen.check()
+        precision = backward_dot_precision(grad_y.dtype, precision_flag)
+        return _DgradPlan(geo, grad_y, x_prev, prologue, code, norm_stats is not None, chosen, precision)
+
+    plan = _PLANS.get(key, build)
+    return plan.run(grad_y, weight, x_prev, prologue, norm_stats, slope)
+
+
+def _input_size(input_size: Any) -> tuple[int, ...]:
+    """``input_size`` as a tuple of ints (a ``torch.Size`` or any sequence of ints)."""
+    try:
+        size = tuple(input_size)
+    except TypeError:
+        size = None
+    if size is None or not all(isinstance(s, int) and s >= 0 for s in size):
+        raise ContractError(f"input_size must be a sequence of non-negative ints, got {input_size!r}")
+    return size

@@ -1,0 +1,319 @@
+"""The conv family's weight gradient (wgrad): one Triton implicit-GEMM kernel that recomputes the
+forward's prologue while loading the input, split over M, and its host launcher :func:`conv_wgrad`.
+
+``grad_w[g*Cog + co, ci, tap] = sum_m grad_y[m, g*Cog + co] * A[m, (tap, ci)]`` with ``A`` the forward's
+implicit-GEMM input *after* its hooks: ``A = act_in(prologue(x))`` zero-padded, exactly the A tile
+``fprop`` feeds its dot (``prologue.load_a_tile`` is shared).  So the caller saves the pre-prologue
+tensor (the previous layer's output, which exists anyway) and never the normalised activation.
+Optionally ``grad_bias[c] = sum_m grad_y[m, c]``.
+
+GEMM mapping (ranks lifted to 3d as in ``fprop``):
+
+* the result is the ``[C_out/g, K]`` matrix of each group, ``K`` in the forward's order (taps outer,
+  channels inner; ``tiles`` explains the tap-major and flat K walks and their padding): a program owns
+  one ``[BLOCK_N, BLOCK_K]`` tile of it (``BLOCK_N`` output channels, K step ``kk``);
+* the reduction runs over ``M = N * OD * OH * OW`` output positions in ``BLOCK_M`` steps:
+  ``acc += grad_y_tile^T @ A_tile`` (``[BLOCK_N, BLOCK_M] x [BLOCK_M, BLOCK_K]``, fp32 accumulator).
+
+Split-K over M: M is long (every output position) while the result is small, so the M tiles are cut
+into ``split`` contiguous runs of ``tiles_per_split`` tiles, one run per program along the grid's third
+axis (``(K steps, N tiles, split * groups)``).  Each program writes its fp32 partial tile to its own
+slot of a ``(split, groups, COUT_PAD, K_ROW)`` buffer (and its bias partial to ``(split, C_out)``);
+nothing is accumulated with atomics.  The host sums the slots along the split axis in float64 with one
+torch reduction over a fixed shape (:func:`_reduce_splits`), then rounds once to the weight's dtype:
+for one plan (shapes, tile, split) the result is the same bits on every run.  A different ``split``
+or tile changes the order of the fp32 sums, not the mapping.
+
+Numerics: operands in the input dtype (fp16: fp32 accumulation), fp32 dots in TF32 iff allowed
+(``tf32.backward_dot_precision``), the prologue in fp32 rounded once to the compute dtype (as the
+forward does, so the recomputed A is the forward's A bit for bit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ..conv_common import peel_coords
+from ..host import cdiv, element_extent
+from ..launch import FastLaunch
+from ..plan_cache import ContractError, PlanCache, plan_key
+from ..tf32 import backward_dot_precision, round_tf32
+from . import hooks
+from .fprop import (
+    _BIG_INDEX_THRESHOLD,
+    _check_call,
+    _Geometry,
+    _hashable,
+    channels_last,
+    empty_channels_last,
+    to_channels_last,
+)
+from .hooks import ActivationLike, Prologue
+from .prologue import load_a_tile
+from .tiles import TileConfig, pick_tile
+
+#: Programs a split-K launch aims for (about two waves of a 132-SM GPU); each split keeps at least
+#: ``_MIN_TILES_PER_SPLIT`` M tiles so that the partial buffer stays small next to the reads.  Not
+#: measured: the shape of the heuristic, not its numbers, is what matters until a GPU tunes it.
+_TARGET_PROGRAMS = 264
+_MIN_TILES_PER_SPLIT = 4
+
+
+@triton.jit
+def conv_wgrad_kernel(
+    x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+    slope_in,
+    M, D, H, W, OD, OH, OW, C_IN, C_OUT, C_OUT_G, TILES_PER_SPLIT, GROUPS,
+    x_sn, x_sd, x_sh, x_sw, dy_sn, dy_sd, dy_sh, dy_sw,
+    C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, K_ROW: tl.constexpr, COUT_PAD: tl.constexpr,
+    KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+    SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+    PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+    DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
+    BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One ``[BLOCK_N, BLOCK_K]`` partial tile of group ``g`` over split ``s``'s M tiles, where
+    ``program_id(2) = s * GROUPS + g`` (module docstring).
+
+    Pointers (element offsets):
+      x_ptr     the forward's input before its prologue, (N, C_IN, D, H, W), channel stride 1: element
+                ``(n, c, d, h, w)`` at ``n * x_sn + d * x_sd + h * x_sh + w * x_sw + c``.
+      dy_ptr    grad_y (N, C_OUT, OD, OH, OW), x's dtype, channel stride 1, strides ``dy_s*``.
+      part_ptr  fp32 (splits, GROUPS, COUT_PAD, K_ROW) contiguous: every element written once (the
+                padding included: padded channels and K entries come out 0).
+      bpart_ptr BIAS_GRAD: fp32 (splits, C_OUT) contiguous, written by the ``kk == 0`` programs.
+      p0..p3    the forward's prologue vectors (``prologue.normalise``).
+    Runtime: ``slope_in`` the leaky slope of ``ACT_IN``; ``M = N * OD * OH * OW``; ``TILES_PER_SPLIT``
+    the M tiles of one split.  Constexprs as ``fprop.conv_fprop_kernel``'s (``K_ROW``: the K extent of
+    one output channel, a multiple of ``BLOCK_K``).
+    """
+    kk = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_z = tl.program_id(2)
+    g = pid_z % GROUPS
+    split = pid_z // GROUPS
+    compute = x_ptr.dtype.element_ty
+
+    co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    co_ok = co < C_OUT_G
+    mb = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    bacc = tl.zeros([BLOCK_N], tl.float32)
+    for t in range(0, TILES_PER_SPLIT):
+        m = (split * TILES_PER_SPLIT + t) * BLOCK_M + mb
+        m_ok = m < M
+        ow, oh, od, n = peel_coords(m, OW, OH, OD)
+        id0 = od * SD - PD
+        ih0 = oh * SH - PH
+        iw0 = ow * SW - PW
+        if BIG:
+            n64, od64, oh64, ow64 = n.to(tl.int64), od.to(tl.int64), oh.to(tl.int64), ow.to(tl.int64)
+            row_base = n64 * x_sn + id0.to(tl.int64) * x_sd + ih0.to(tl.int64) * x_sh + iw0.to(tl.int64) * x_sw
+            dy_row = n64 * dy_sn + od64 * dy_sd + oh64 * dy_sh + ow64 * dy_sw
+        else:
+            row_base = n * x_sn + id0 * x_sd + ih0 * x_sh + iw0 * x_sw
+            dy_row = n * dy_sn + od * dy_sd + oh * dy_sh + ow * dy_sw
+        row_base += g * C_IN_G
+        a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
+                        p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                        C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                        FLAT_K, compute, BLOCK_K)  # fmt: skip
+        dy_mask = m_ok[:, None] & co_ok[None, :]
+        dy = tl.load(dy_ptr + (dy_row + g * C_OUT_G)[:, None] + co[None, :], mask=dy_mask, other=0.0)
+        acc = tl.dot(round_tf32(tl.trans(dy), PRECISION), round_tf32(a, PRECISION), acc, input_precision=PRECISION)
+        if BIAS_GRAD:
+            bacc += tl.sum(dy.to(tl.float32), axis=0)
+
+    slot = split * GROUPS + g
+    if BIG:
+        slot = slot.to(tl.int64)
+    k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(part_ptr + (slot * COUT_PAD + co)[:, None] * K_ROW + k[None, :], acc)
+    if BIAS_GRAD:
+        if kk == 0:
+            tl.store(bpart_ptr + split * C_OUT + g * C_OUT_G + co, bacc, mask=co_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Host
+# --------------------------------------------------------------------------------------------------
+
+
+def pick_split(m_tiles: int, programs_per_split: int) -> int:
+    """How many splits of M a launch of ``programs_per_split`` programs (K steps x N tiles x groups)
+    over ``m_tiles`` M tiles uses (module docstring): enough to reach ``_TARGET_PROGRAMS`` programs,
+    never so many that a split holds fewer than ``_MIN_TILES_PER_SPLIT`` tiles; at least 1."""
+    want = cdiv(_TARGET_PROGRAMS, max(1, programs_per_split))
+    return max(1, min(want, m_tiles // _MIN_TILES_PER_SPLIT))
+
+
+def _spatial_strides(t: torch.Tensor) -> list[int]:
+    """``(sn, sd, sh, sw)`` element strides of an (N, C, *spatial) tensor, lifted to 3 spatial dims."""
+    strides = list(t.stride()[2:])
+    return [t.stride(0), *([0] * (3 - len(strides))), *strides]
+
+
+def _layout_of(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if channels-last (channel stride 1), else a meta channels-last tensor of its shape:
+    the strides the kernel will read after the relayout."""
+    return t if channels_last(t) else empty_channels_last(t.shape, t.dtype, torch.device("meta"))
+
+
+def _reduce_splits(partials: torch.Tensor) -> torch.Tensor:
+    """The sum over the split axis (dim 0) of fp32 partials, in float64, in one fixed-shape torch
+    reduction: the same bits on every run for one shape (no atomics anywhere)."""
+    return partials.sum(dim=0, dtype=torch.float64)
+
+
+class _WgradPlan:
+    """Everything :func:`conv_wgrad` derives from a call's signature, built once (``_PLANS``)."""
+
+    def __init__(self, geo: _Geometry, x: torch.Tensor, grad_y: torch.Tensor, prologue: Prologue | None,
+                 act_in: int, bias_grad: bool, tile: TileConfig, split: int | None, precision: str) -> None:  # fmt: skip
+        self.geo, self.tile, self.bias_grad = geo, tile, bias_grad
+        self.dtype, self.device = x.dtype, x.device
+        self.relayout_x, self.relayout_dy = not channels_last(x), not channels_last(grad_y)
+        xs, dys = _layout_of(x), _layout_of(grad_y)
+        big = max(element_extent(xs), element_extent(dys)) > _BIG_INDEX_THRESHOLD
+        self.cin_pad = cdiv(geo.c_in_g, tile.block_k) * tile.block_k
+        k = geo.taps * geo.c_in_g
+        self.k_row = cdiv(k, tile.block_k) * tile.block_k if tile.flat_k else geo.taps * self.cin_pad
+        self.cout_pad = cdiv(geo.c_out_g, tile.block_n) * tile.block_n
+        m_tiles = cdiv(geo.m, tile.block_m)
+        k_steps, n_tiles = self.k_row // tile.block_k, self.cout_pad // tile.block_n
+        split = pick_split(m_tiles, k_steps * n_tiles * geo.groups) if split is None else min(split, max(1, m_tiles))
+        tiles_per_split = cdiv(m_tiles, split)
+        self.split = cdiv(m_tiles, tiles_per_split) if m_tiles else 1  # no empty split
+        big = big or self.split * geo.groups * self.cout_pad * self.k_row > _BIG_INDEX_THRESHOLD
+        g_norm, norm_affine = 1, False
+        if isinstance(prologue, hooks.GroupAffine):
+            g_norm, norm_affine = prologue.groups, prologue.weight is not None
+        constexprs = dict(
+            C_IN_G=geo.c_in_g, CIN_PAD=self.cin_pad, K_ROW=self.k_row, COUT_PAD=self.cout_pad,
+            KD=geo.kernel[0], KH=geo.kernel[1], KW=geo.kernel[2],
+            SD=geo.stride[0], SH=geo.stride[1], SW=geo.stride[2],
+            PD=geo.padding[0], PH=geo.padding[1], PW=geo.padding[2],
+            DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
+            PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
+            BIAS_GRAD=bias_grad, PRECISION=precision, BIG=big, FLAT_K=tile.flat_k,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+        )  # fmt: skip
+        fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, tiles_per_split, geo.groups,
+                 *_spatial_strides(xs), *_spatial_strides(dys))  # fmt: skip
+        grid = (k_steps, n_tiles, self.split * geo.groups)
+        self.launch = FastLaunch(conv_wgrad_kernel, grid, constexprs, fixed=fixed)
+
+    def _weight_layout(self, grad: torch.Tensor) -> torch.Tensor:
+        """The reduced ``(groups, COUT_PAD, K_ROW)`` result as (C_out, C_in/g, taps): the inverse of
+        ``fprop.prearrange_weight``."""
+        geo, cout_g, cin_g = self.geo, self.geo.c_out_g, self.geo.c_in_g
+        if self.tile.flat_k:
+            w = grad[:, :cout_g, : geo.taps * cin_g].reshape(geo.groups, cout_g, geo.taps, cin_g)
+        else:
+            w = grad.view(geo.groups, self.cout_pad, geo.taps, self.cin_pad)[:, :cout_g, :, :cin_g]
+        return w.transpose(2, 3).reshape(geo.c_out, cin_g, geo.taps)
+
+    def run(self, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, prologue: Prologue | None,
+            slope_in: float) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        geo = self.geo
+        grad_w = torch.empty_like(weight)
+        if geo.m == 0:  # N == 0: empty sums, nothing to launch
+            grad_w.zero_()
+            return grad_w, (torch.zeros(geo.c_out, dtype=self.dtype, device=self.device) if self.bias_grad else None)
+        if self.relayout_x:
+            x = to_channels_last(x)
+        if self.relayout_dy:
+            grad_y = to_channels_last(grad_y)
+        part = torch.empty((self.split, geo.groups, self.cout_pad, self.k_row), dtype=torch.float32, device=self.device)
+        bpart = torch.empty((self.split, geo.c_out), dtype=torch.float32, device=self.device) if self.bias_grad else part
+        p = [part if t is None else t for t in hooks.prologue_tensors(prologue)]
+        self.launch(x, grad_y, part, bpart, *p, slope_in)
+        grad_w.copy_(self._weight_layout(_reduce_splits(part)).view(weight.shape))
+        grad_b = _reduce_splits(bpart).to(self.dtype) if self.bias_grad else None
+        return grad_w, grad_b
+
+
+#: Launch plans by ``plan_key`` of a call's signature.
+_PLANS = PlanCache()
+
+
+def conv_wgrad(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    prologue: Prologue | None = None,
+    act_in: ActivationLike = None,
+    bias_grad: bool = False,
+    tile: TileConfig | None = None,
+    split: int | None = None,
+    allow_tf32: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight (and bias) gradient of ``conv_fprop(x, weight, prologue=prologue, act_in=act_in,
+    stride=..., padding=..., dilation=..., groups=...)`` for the output gradient ``grad_y``, the
+    forward's prologue and input activation recomputed while loading ``x`` (module docstring).
+
+    grad_y    (N, C_out, *out_spatial) as the forward's output, x's dtype; channels-last strides are
+              read in place, any other layout (NCHW) is copied once to channels-last first.
+    x         the forward's input *before* its prologue: (N, C_in, *spatial), 1 to 3 spatial dims,
+              fp32/fp16/bf16 (no bf16 under the interpreter); layouts as grad_y's.
+    weight    the forward's weight (C_out, C_in/groups, *k), x's dtype: only its shape, dtype and
+              strides are read (the gradient takes them).
+    stride, padding, dilation, groups, prologue, act_in: the forward's (``conv_fprop``).
+    bias_grad also return ``grad_bias = grad_y.sum(all dims but C)``, (C_out,) in x's dtype.
+    tile      a ``TileConfig`` (None: ``tiles.pick_tile``'s): ``block_n`` output channels x ``block_k``
+              K entries per program, ``block_m`` output positions per reduction step.
+    split     how many programs share the M reduction (None: ``pick_split``'s).
+    allow_tf32: fp32 dots in TF32 (never under the interpreter); None: ``torch.backends.cudnn.allow_tf32``.
+
+    Returns ``(grad_w, grad_bias or None)``: grad_w of weight's shape, dtype and strides (``empty_like``),
+    summed in fp32 per split and in float64 over the splits, rounded once.  Bitwise reproducible run to
+    run.  N == 0 returns zeros without a launch.  Raises ``plan_cache.ContractError`` (one line) for any
+    broken contract before anything launches.
+    """
+    if not all(isinstance(t, torch.Tensor) for t in (grad_y, x, weight)):
+        raise ContractError("grad_y, x and weight must be tensors")
+    if tile is not None and not isinstance(tile, TileConfig):
+        raise ContractError(f"tile must be a TileConfig or None, got {type(tile).__name__}")
+    if split is not None and (not isinstance(split, int) or split < 1):
+        raise ContractError(f"split must be a positive int or None, got {split!r}")
+    code_in, slope_in = hooks.activation_args(hooks.as_activation(act_in, "act_in"))
+    precision_flag = bool(torch.backends.cudnn.allow_tf32 if allow_tf32 is None else allow_tf32)
+    key = plan_key(grad_y, x, weight, *hooks.prologue_tensors(prologue), hooks.plan_parts(prologue),
+                   _hashable(stride), _hashable(padding), _hashable(dilation), groups, code_in, bool(bias_grad),
+                   tile, split, precision_flag)  # fmt: skip
+
+    def build() -> _WgradPlan:
+        geo = _check_call(x, weight, None, None, stride, padding, dilation, groups)
+        check_grad_y(grad_y, geo.out_shape, x)
+        hooks.check_prologue(prologue, geo.n, geo.c_in, x.device)
+        chosen = tile or pick_tile(geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
+        chosen.check()
+        precision = backward_dot_precision(x.dtype, precision_flag)
+        return _WgradPlan(geo, x, grad_y, prologue, code_in, bool(bias_grad), chosen, split, precision)
+
+    plan = _PLANS.get(key, build)
+    return plan.run(grad_y, x, weight, prologue, slope_in)
+
+
+def check_grad_y(grad_y: Any, out_shape: tuple[int, ...], like: torch.Tensor) -> None:
+    """Raise :class:`ContractError` unless ``grad_y`` is a tensor of the forward output's shape
+    ``out_shape``, on ``like``'s device in its dtype."""
+    if not isinstance(grad_y, torch.Tensor) or grad_y.device != like.device:
+        where = grad_y.device if isinstance(grad_y, torch.Tensor) else type(grad_y).__name__
+        raise ContractError(f"grad_y must be a tensor on {like.device}, got {where}")
+    if tuple(grad_y.shape) != tuple(out_shape) or grad_y.dtype != like.dtype:
+        raise ContractError(f"grad_y must be {tuple(out_shape)} {like.dtype} like the forward's output, got "
+                            f"{tuple(grad_y.shape)} {grad_y.dtype}")  # fmt: skip

@@ -1,0 +1,447 @@
+"""The conv family's backward (``kernels/conv``: ``conv_wgrad``, ``conv_dgrad``) against float64, with
+eager's own error as the yardstick.
+
+As the forward's tests: tiny, odd shapes under Triton's interpreter, tiles forced small so that a call
+spans several tiles and K steps; each gradient is checked by ``testing.compare`` against
+``reference.conv_{w,d}grad_reference`` in float64 (the truth), allowed ``max(floor, 2 x eager's
+error)``, eager being the same reference in the input dtype (torch's own convolution backward).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion_backend.kernels.conv import (
+    Activation,
+    ChannelAffine,
+    GroupAffine,
+    NormStats,
+    SampleChannelScale,
+    TileConfig,
+    conv_dgrad,
+    conv_fprop,
+    conv_wgrad,
+    dgrad,
+    wgrad,
+)
+from fusion_backend.kernels.conv.reference import (
+    conv_dgrad_reference,
+    conv_fprop_reference,
+    conv_wgrad_reference,
+)
+from fusion_backend.kernels.plan_cache import ContractError
+from fusion_backend.testing import compare, stable_seed
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+#: The least error bound relative to the result's norm (as the forward's tests).
+FLOOR = {torch.float32: 5e-7, torch.float16: 5e-4, torch.bfloat16: 4e-3}
+#: The bias gradient is a plain sum of M terms of either sign (|Σ| far below Σ|terms|) that eager sums
+#: pairwise; ours adds fp32 tile sums per split: a few roundings of Σ|terms| more, relative to a small
+#: result (about 7e-7 seen on these shapes).
+BIAS_FLOOR = {torch.float32: 2e-6, torch.float16: 5e-4}
+SMALL = TileConfig(16, 16, 16, num_warps=1, num_stages=1)
+SMALL_FLAT = TileConfig(16, 16, 16, num_warps=1, num_stages=1, flat_k=True)
+
+
+def _randn(*shape, g, dtype=torch.float32, scale=1.0):  # noqa: ANN001, ANN002
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+def _out_shape(xs, ws, conv) -> tuple[int, ...]:  # noqa: ANN001
+    y = conv_fprop_reference(torch.zeros(xs, device="meta"), torch.zeros(ws, device="meta"), **conv)[0]
+    return tuple(y.shape)
+
+
+def _compare(name: str, got: torch.Tensor, eager: torch.Tensor, truth: torch.Tensor, floor: float | None = None) -> None:
+    why = compare(name, got, eager, floor or FLOOR[got.dtype], reference=truth)
+    assert why is None, why
+
+
+def _check_wgrad(name: str, grad_y, x, w, **kw):  # noqa: ANN001, ANN003
+    """``conv_wgrad`` against the float64 reference (eager's error as the yardstick)."""
+    gw, gb = conv_wgrad(grad_y, x, w, **kw)
+    for k in ("tile", "split"):
+        kw.pop(k, None)
+    eager_w, eager_b = conv_wgrad_reference(grad_y, x, w, **kw)
+    truth_w, truth_b = conv_wgrad_reference(grad_y, x, w, dtype=torch.float64, **kw)
+    assert gw.shape == w.shape and gw.dtype == w.dtype and gw.stride() == w.stride(), f"{name}: layout"
+    _compare(f"{name} grad_w", gw, eager_w, truth_w)
+    if kw.get("bias_grad"):
+        _compare(f"{name} grad_bias", gb, eager_b, truth_b, BIAS_FLOOR[gb.dtype])
+    return gw, gb
+
+
+# name, x shape, weight shape, conv kwargs, tile
+GEOMETRY = [
+    ("conv1d-pad1", (2, 5, 11), (7, 5, 3), dict(padding=1), None),
+    ("conv1d-stride2-dil2-pad2", (2, 3, 13), (4, 3, 3), dict(stride=2, padding=2, dilation=2), SMALL_FLAT),
+    ("conv2d-stride2-input7-tail", (2, 4, 7, 7), (6, 4, 3, 3), dict(stride=2, padding=1), None),
+    ("conv2d-stride2-no-pad-drops-last-row", (1, 3, 8, 7), (5, 3, 3, 3), dict(stride=2), SMALL_FLAT),
+    ("conv2d-dil2", (1, 3, 9, 8), (4, 3, 3, 3), dict(padding=2, dilation=2), None),
+    ("conv2d-tap-major-cin20-cout24", (2, 20, 5, 4), (24, 20, 3, 3), dict(padding=1), SMALL),
+    ("groups2", (2, 6, 5, 6), (4, 3, 3, 3), dict(padding=1, groups=2), None),
+    ("groups2-tap-major", (1, 32, 4, 5), (10, 16, 3, 3), dict(padding=1, groups=2, stride=(2, 1)), SMALL),
+    ("depthwise-stride2", (2, 7, 6, 5), (7, 1, 3, 3), dict(padding=1, groups=7, stride=2), None),
+    ("conv3d-pad1-stride121", (1, 3, 5, 6, 4), (5, 3, 3, 3, 3), dict(padding=1, stride=(1, 2, 1)), SMALL_FLAT),
+]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# wgrad
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", GEOMETRY, ids=[c[0] for c in GEOMETRY])
+def test_wgrad_geometry_matches_float64_fp32(case):
+    name, xs, ws, conv, tile = case
+    g = torch.Generator().manual_seed(stable_seed(("wgrad", name)))
+    x = _channels_last(_randn(*xs, g=g))
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    _check_wgrad(name, gy, x, _randn(*ws, g=g), bias_grad=True, tile=tile, split=2, **conv)
+
+
+@pytest.mark.parametrize("name", ["conv2d-stride2-input7-tail", "groups2-tap-major", "conv3d-pad1-stride121"])
+def test_wgrad_half_accumulates_in_fp32(name):
+    _, xs, ws, conv, tile = next(c for c in GEOMETRY if c[0] == name)
+    g = torch.Generator().manual_seed(stable_seed(("wgrad-half", name)))
+    x = _channels_last(_randn(*xs, g=g, dtype=torch.float16))
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g, dtype=torch.float16))
+    gw, gb = _check_wgrad(name, gy, x, _randn(*ws, g=g, dtype=torch.float16), bias_grad=True, tile=tile, **conv)
+    assert gw.dtype == gb.dtype == torch.float16
+
+
+def _prologue(kind: str, n: int, c: int, g: torch.Generator, affine: bool = True):
+    if kind == "channel_affine":  # shifts far from 0: a padded tap that saw the shift would show
+        return ChannelAffine(_randn(c, g=g).abs() + 0.5, _randn(c, g=g) + 2.0)
+    if kind == "group_affine":
+        weight, bias = (_randn(c, g=g), _randn(c, g=g) + 1.0) if affine else (None, None)
+        return GroupAffine(_randn(n, c // 2, g=g).abs() + 0.5, _randn(n, c // 2, g=g) - 1.5, weight, bias)
+    return SampleChannelScale(torch.sigmoid(_randn(n, c, g=g)) + 0.5)
+
+
+PROLOGUES = [
+    ("channel_affine", "relu"),
+    ("group_affine", "silu"),
+    ("group_affine-no-affine", "gelu"),
+    ("gate", Activation("leaky_relu", 0.2)),
+]
+
+
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+def test_wgrad_recomputes_each_prologue_on_load(kind, act):
+    """The gradient of ``conv(act(norm(x)))``'s weight from the pre-norm ``x``: the hooked input is
+    rebuilt while loading (padded taps 0 after the hook), compared to autograd through the forward
+    reference."""
+    g = torch.Generator().manual_seed(stable_seed(("wgrad", kind, str(act))))
+    xs, ws, conv = (2, 6, 5, 6), (7, 6, 3, 3), dict(padding=(1, 2), stride=(2, 1))
+    x = _channels_last(_randn(*xs, g=g))
+    w = _randn(*ws, g=g, scale=0.3)
+    prologue = _prologue(kind.split("-")[0], 2, 6, g, affine=not kind.endswith("no-affine"))
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    gw, _ = _check_wgrad(kind, gy, x, w, prologue=prologue, act_in=act, tile=SMALL_FLAT, split=3, **conv)
+    # the same as autograd through the forward reference
+    w64 = w.double().requires_grad_(True)
+    y = conv_fprop_reference(x, w64, prologue=prologue, act_in=act, dtype=torch.float64, **conv)[0]
+    (auto,) = torch.autograd.grad(y, w64, gy.double())
+    torch.testing.assert_close(gw.double(), auto, rtol=1e-5, atol=1e-5)
+
+
+def test_wgrad_is_bit_identical_across_runs_and_splits_only_reorder():
+    g = torch.Generator().manual_seed(51)
+    xs, ws, conv = (3, 8, 7, 6), (12, 8, 3, 3), dict(padding=1)
+    x = _channels_last(_randn(*xs, g=g))
+    w = _randn(*ws, g=g)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    kw = dict(bias_grad=True, tile=SMALL_FLAT, prologue=ChannelAffine(_randn(8, g=g), _randn(8, g=g)), act_in="relu",
+              **conv)
+    first = conv_wgrad(gy, x, w, split=4, **kw)
+    assert wgrad._PLANS.values()[-1].split == 4
+    again = conv_wgrad(gy, x, w, split=4, **kw)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    one = conv_wgrad(gy, x, w, split=1, **kw)
+    torch.testing.assert_close(one[0], first[0], rtol=1e-5, atol=1e-5)
+
+
+def test_wgrad_reads_sliced_and_nchw_grad_y():
+    """A window of a larger channels-last gradient (channel stride 1, the parent's other strides) is read
+    in place; an NCHW gradient is relaid once; both give the contiguous one's result."""
+    g = torch.Generator().manual_seed(53)
+    x = _channels_last(_randn(2, 5, 7, 6, g=g))
+    w = _randn(6, 5, 3, 3, g=g)
+    parent = _channels_last(_randn(3, 9, 6, 7, g=g))
+    parent[0], parent[:, 0], parent[:, :, 0] = float("nan"), float("nan"), float("nan")
+    gy = parent[1:, 2:8, 1:5, 3:6]  # (2, 6, 4, 3): stride 2, padding 1 over 7 x 6
+    assert gy.stride(1) == 1 and not gy.is_contiguous(memory_format=torch.channels_last)
+    sliced = _check_wgrad("sliced grad_y", gy, x, w, stride=2, padding=1, bias_grad=True)
+    assert not wgrad._PLANS.values()[-1].relayout_dy
+    nchw = conv_wgrad(gy.contiguous(), x, w, stride=2, padding=1, bias_grad=True)
+    assert wgrad._PLANS.values()[-1].relayout_dy
+    dense = conv_wgrad(_channels_last(gy), x, w, stride=2, padding=1, bias_grad=True)
+    for a, b in zip(sliced + nchw, dense + dense, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_wgrad_gives_grad_w_in_the_weights_layout():
+    g = torch.Generator().manual_seed(57)
+    x = _channels_last(_randn(1, 4, 5, 5, g=g))
+    w = _channels_last(_randn(6, 4, 3, 3, g=g))  # a channels-last weight keeps its strides
+    gy = _channels_last(_randn(1, 6, 5, 5, g=g))
+    _check_wgrad("channels-last weight", gy, x, w, padding=1)
+
+
+def test_wgrad_int64_offsets_give_the_same_result(monkeypatch):
+    g = torch.Generator().manual_seed(59)
+    x = _channels_last(_randn(2, 16, 5, 6, g=g))
+    w = _randn(6, 16, 3, 3, g=g)
+    gy = _channels_last(_randn(2, 6, 5, 6, g=g))
+    small = conv_wgrad(gy, x, w, padding=1, bias_grad=True, tile=SMALL, split=2)
+    monkeypatch.setattr(wgrad, "_BIG_INDEX_THRESHOLD", 0)
+    wgrad._PLANS.clear()
+    big = conv_wgrad(gy, x, w, padding=1, bias_grad=True, tile=SMALL, split=2)
+    assert wgrad._PLANS.values()[-1].launch.constexprs["BIG"]
+    assert torch.equal(small[0], big[0]) and torch.equal(small[1], big[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# dgrad
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_dgrad(name: str, grad_y, w, input_size, **kw):  # noqa: ANN001, ANN003
+    """``conv_dgrad`` against the float64 reference (eager's error as the yardstick); returns
+    ``(grad, sums)``."""
+    grad, sums = conv_dgrad(grad_y, w, input_size, **kw)
+    kw.pop("tile", None)
+    eager, eager_sums = conv_dgrad_reference(grad_y, w, input_size, **kw)
+    truth, truth_sums = conv_dgrad_reference(grad_y, w, input_size, dtype=torch.float64, **kw)
+    assert grad.dtype == grad_y.dtype and grad.stride(1) == 1 and grad.movedim(1, -1).is_contiguous(), f"{name}: layout"
+    _compare(f"{name} grad", grad, eager, truth)
+    if kw.get("norm_stats") is not None:
+        assert sums.count == truth_sums.count
+        for what in ("sum_dz", "sum_dz_xhat"):
+            _compare(f"{name} {what}", getattr(sums, what), getattr(eager_sums, what), getattr(truth_sums, what),
+                     BIAS_FLOOR[grad.dtype])  # fmt: skip
+    return grad, sums
+
+
+@pytest.mark.parametrize("case", GEOMETRY, ids=[c[0] for c in GEOMETRY])
+def test_dgrad_geometry_matches_float64_fp32(case):
+    """Every stride (the tails a stride leaves: inputs no window reached get 0), padding, dilation,
+    groups, depthwise, 1d-3d, both K walks."""
+    name, xs, ws, conv, tile = case
+    g = torch.Generator().manual_seed(stable_seed(("dgrad", name)))
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    _check_dgrad(name, gy, _randn(*ws, g=g), xs, tile=tile, **conv)
+
+
+@pytest.mark.parametrize("name", ["conv2d-stride2-input7-tail", "groups2-tap-major", "conv3d-pad1-stride121"])
+def test_dgrad_half_accumulates_in_fp32(name):
+    _, xs, ws, conv, tile = next(c for c in GEOMETRY if c[0] == name)
+    g = torch.Generator().manual_seed(stable_seed(("dgrad-half", name)))
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g, dtype=torch.float16))
+    grad, _ = _check_dgrad(name, gy, _randn(*ws, g=g, dtype=torch.float16), xs, tile=tile, **conv)
+    assert grad.dtype == torch.float16
+
+
+def test_dgrad_is_a_transposed_convs_forward():
+    """``conv_transpose2d(y, w, stride 2, padding 1, output_padding 1)`` is the dgrad of ``y`` with the
+    output padding carried by ``input_size``."""
+    g = torch.Generator().manual_seed(61)
+    y = _channels_last(_randn(2, 6, 4, 3, g=g))
+    w = _randn(6, 4, 3, 3, g=g)
+    got, _ = conv_dgrad(y, w, (2, 4, 8, 6), stride=2, padding=1)
+    want = F.conv_transpose2d(y.double(), w.double(), stride=2, padding=1, output_padding=1)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+ACTIVATIONS = ["relu", Activation("leaky_relu", 0.3), "gelu", "silu"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: getattr(a, "kind", a))
+def test_dgrad_applies_each_activations_derivative_at_the_recomputed_prologue(act, dtype):
+    """``grad_z = grad_a * act'(x_prev * scale + shift)``; x_prev is built so that z is exactly 0 at
+    some positions (torch's tie conventions: relu'(0) = 0, leaky'(0) = slope)."""
+    g = torch.Generator().manual_seed(stable_seed(("dgrad-act", str(act), str(dtype))))
+    xs, ws, conv = (2, 6, 5, 7), (5, 6, 3, 3), dict(padding=1, stride=(2, 1))
+    scale = torch.tensor([1.0, 2.0, 0.5, 4.0, 1.0, 0.25], device=DEVICE)
+    shift = torch.tensor([-1.0, 2.0, 0.0, -4.0, 0.5, 0.25], device=DEVICE)
+    x = _randn(*xs, g=g).to(dtype)
+    tie = (-shift / scale).to(dtype).view(1, 6, 1, 1).expand(2, 6, 5, 7)
+    x = _channels_last(torch.where(torch.rand(xs, generator=g).to(DEVICE) < 0.3, tie, x))
+    prologue = ChannelAffine(scale, shift)
+    assert ((x.float() * scale.view(1, 6, 1, 1) + shift.view(1, 6, 1, 1)) == 0).sum() > 50
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g, dtype=dtype))
+    w = _randn(*ws, g=g, dtype=dtype)
+    _check_dgrad(f"act' {act}", gy, w, xs, x_prev=x, prologue=prologue, act_in=act, tile=SMALL_FLAT, **conv)
+
+
+@pytest.mark.parametrize("kind,act", PROLOGUES[1:], ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES[1:]])
+def test_dgrad_recomputes_group_and_gate_prologues(kind, act):
+    g = torch.Generator().manual_seed(stable_seed(("dgrad-prologue", kind)))
+    xs, ws, conv = (2, 6, 5, 6), (7, 6, 3, 3), dict(padding=1)
+    x = _channels_last(_randn(*xs, g=g))
+    prologue = _prologue(kind.split("-")[0], 2, 6, g, affine=not kind.endswith("no-affine"))
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    _check_dgrad(kind, gy, _randn(*ws, g=g), xs, x_prev=x, prologue=prologue, act_in=act, **conv)
+
+
+def _bn(x: torch.Tensor, g: torch.Generator):
+    """Batch statistics of x (float64 from x's values) and a BatchNorm affine folded into a prologue."""
+    c = x.shape[1]
+    flat = x.double().transpose(0, 1).reshape(c, -1)
+    mean, var = flat.mean(1), flat.var(1, unbiased=False)
+    rstd = (var + 1e-5).rsqrt()
+    gamma, beta = _randn(c, g=g) + 1.0, _randn(c, g=g)
+    scale = gamma.double() * rstd
+    folded = ChannelAffine(scale.float(), (beta.double() - mean * scale).float())
+    return NormStats(mean.float(), rstd.float()), folded, gamma, beta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dgrad_batch_norm_sums_match_float64_and_repeat_bitwise(dtype):
+    """Σ grad_z and Σ grad_z · x̂ over several M tiles (the last partial), two N tiles and two groups."""
+    g = torch.Generator().manual_seed(stable_seed(("sums", str(dtype))))
+    xs, ws, conv = (3, 36, 5, 4), (8, 18, 3, 3), dict(padding=1, groups=2)
+    x = _channels_last(_randn(*xs, g=g, scale=2.0).to(dtype) + 1.0)
+    stats, prologue, _, _ = _bn(x, g)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g, dtype=dtype))
+    w = _randn(*ws, g=g, dtype=dtype)
+    kw = dict(x_prev=x, prologue=prologue, act_in="relu", norm_stats=stats, tile=SMALL, **conv)
+    grad, sums = _check_dgrad("bn sums", gy, w, xs, **kw)
+    assert sums.count == 3 * 5 * 4 and sums.sum_dz.dtype == torch.float64
+    again, sums2 = conv_dgrad(gy, w, xs, **kw)
+    assert torch.equal(grad, again)
+    assert torch.equal(sums.sum_dz, sums2.sum_dz) and torch.equal(sums.sum_dz_xhat, sums2.sum_dz_xhat)
+    # the sums are those of the stored grad_z
+    flat = grad.double().transpose(0, 1).reshape(36, -1)
+    torch.testing.assert_close(sums.sum_dz, flat.sum(1), rtol=1e-5, atol=1e-5 * flat.abs().sum(1).max().item())
+
+
+def test_dgrad_sums_without_activation_read_nchw_x_prev_and_sliced_grad_y():
+    """Sums alone (no act: grad_z = grad_a), an NCHW x_prev and a sliced grad_y."""
+    g = torch.Generator().manual_seed(67)
+    xs, ws = (2, 5, 7, 6), (6, 5, 3, 3)
+    x = _randn(*xs, g=g)  # NCHW: relaid once
+    stats, _, _, _ = _bn(x, g)
+    parent = _channels_last(_randn(3, 9, 6, 7, g=g))
+    parent[0], parent[:, 0], parent[:, :, 0] = float("nan"), float("nan"), float("nan")
+    gy = parent[1:, 2:8, 1:5, 3:6]  # (2, 6, 4, 3): stride 2, padding 1 over 7 x 6
+    grad, sums = _check_dgrad("sums only", gy, _randn(*ws, g=g), xs, stride=2, padding=1, x_prev=x, norm_stats=stats)
+    assert grad.isfinite().all()
+    plan = dgrad._PLANS.values()[-1]
+    assert plan.relayout_xp and not plan.relayout_dy
+
+
+def test_dgrad_int64_offsets_give_the_same_result(monkeypatch):
+    g = torch.Generator().manual_seed(73)
+    xs, ws, conv = (2, 6, 7, 5), (5, 6, 3, 3), dict(padding=1, stride=2)
+    x = _channels_last(_randn(*xs, g=g))
+    stats, prologue, _, _ = _bn(x, g)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    w = _randn(*ws, g=g)
+    kw = dict(x_prev=x, prologue=prologue, act_in="silu", norm_stats=stats, tile=SMALL_FLAT, **conv)
+    small = conv_dgrad(gy, w, xs, **kw)
+    monkeypatch.setattr(dgrad, "_BIG_INDEX_THRESHOLD", 0)
+    dgrad._PLANS.clear()
+    big = conv_dgrad(gy, w, xs, **kw)
+    assert dgrad._PLANS.values()[-1].launch.constexprs["BIG"]
+    assert torch.equal(small[0], big[0]) and torch.equal(small[1].sum_dz_xhat, big[1].sum_dz_xhat)
+
+
+def test_forward_then_full_backward_chain_matches_autograd_of_float64():
+    """The chain the fused op will run: ``y = conv(relu(bn(x_prev)))`` by ``conv_fprop`` with the BatchNorm
+    folded into the prologue; then ``conv_dgrad`` (relu' and the sums), the BatchNorm backward from the
+    sums, and ``conv_wgrad`` (the prologue recomputed) give every gradient of autograd in float64."""
+    g = torch.Generator().manual_seed(71)
+    xs, ws, conv = (2, 6, 7, 5), (8, 6, 3, 3), dict(padding=1, stride=2)
+    x_prev = _channels_last(_randn(*xs, g=g, scale=1.5) + 0.5)
+    w, b = _randn(*ws, g=g, scale=0.4), _randn(8, g=g)
+    stats, prologue, gamma, beta = _bn(x_prev, g)
+    y, _ = conv_fprop(x_prev, w, b, prologue=prologue, act_in="relu", **conv)
+    gy = _channels_last(_randn(*y.shape, g=g))
+
+    grad_z, sums = conv_dgrad(gy, w, xs, x_prev=x_prev, prologue=prologue, act_in="relu", norm_stats=stats, **conv)
+    grad_w, grad_b = conv_wgrad(gy, x_prev, w, prologue=prologue, act_in="relu", bias_grad=True, **conv)
+    view = (1, 6, 1, 1)
+    xhat = (x_prev.double() - stats.mean.double().view(view)) * stats.rstd.double().view(view)
+    grad_gamma, grad_beta = sums.sum_dz_xhat, sums.sum_dz
+    grad_x = (gamma.double() * stats.rstd.double()).view(view) * (
+        grad_z.double() - (sums.sum_dz / sums.count).view(view) - xhat * (sums.sum_dz_xhat / sums.count).view(view))
+
+    def model(dtype: torch.dtype):  # noqa: ANN202
+        leaves = [t.to(dtype).requires_grad_(True) for t in (x_prev, gamma, beta, w, b)]
+        xp, ga, be, ww, bb = leaves
+        a = torch.relu(F.batch_norm(xp, None, None, ga, be, training=True, eps=1e-5))
+        out = F.conv2d(a, ww, bb, **conv)
+        return torch.autograd.grad(out, leaves, gy.to(dtype))
+
+    truth, eager = model(torch.float64), model(torch.float32)
+    mine = (grad_x, grad_gamma, grad_beta, grad_w, grad_b)
+    for what, got, e, t in zip(("x_prev", "gamma", "beta", "weight", "bias"), mine, eager, truth, strict=True):
+        _compare(f"chain grad {what}", got.double(), e.double(), t, 4 * BIAS_FLOOR[torch.float32])
+
+
+def test_empty_batch_returns_without_launch(monkeypatch):
+    def no_launch(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("launched for an empty batch")
+
+    monkeypatch.setattr(dgrad.FastLaunch, "__call__", no_launch)
+    monkeypatch.setattr(wgrad.FastLaunch, "__call__", no_launch)
+    x = _channels_last(torch.zeros(0, 5, 7, 6, device=DEVICE))
+    w = torch.randn(4, 5, 3, 3, device=DEVICE)
+    gy = _channels_last(torch.zeros(0, 4, 4, 3, device=DEVICE))
+    stats = NormStats(torch.zeros(5, device=DEVICE), torch.ones(5, device=DEVICE))
+    grad, sums = conv_dgrad(gy, w, x.shape, stride=2, padding=1, x_prev=x, act_in="relu", norm_stats=stats)
+    assert grad.shape == x.shape and grad.stride(1) == 1 and sums.count == 0 and not sums.sum_dz.any()
+    gw, gb = conv_wgrad(gy, x, w, stride=2, padding=1, bias_grad=True)
+    assert gw.shape == w.shape and not gw.any() and gb.shape == (4,) and not gb.any()
+
+
+# --------------------------------------------------------------------------------------------------
+# Contract errors: one line, before any launch
+# --------------------------------------------------------------------------------------------------
+
+
+def _bad_calls():
+    x = _channels_last(torch.randn(2, 4, 6, 6)).to(DEVICE)
+    w = torch.randn(6, 4, 3, 3).to(DEVICE)
+    gy = _channels_last(torch.randn(2, 6, 4, 4)).to(DEVICE)
+    ones4 = torch.ones(4, device=DEVICE)
+    return [
+        ("grad_y must be (2, 6, 6, 6)", lambda: conv_wgrad(gy, x, w, padding=1)),
+        ("grad_y must be (2, 6, 4, 4) torch.float32", lambda: conv_wgrad(gy.half(), x, w)),
+        ("weight dtype", lambda: conv_wgrad(gy, x, w.half())),
+        ("split must be a positive int", lambda: conv_wgrad(gy, x, w, split=0)),
+        ("prologue scale must be contiguous fp32 (4,)", lambda: conv_wgrad(gy, x, w, prologue=ChannelAffine(ones4[:3], ones4))),
+        ("act_in='tanh' is not one of", lambda: conv_wgrad(gy, x, w, act_in="tanh")),
+        ("grad_y and weight must be tensors", lambda: conv_dgrad(gy, None, x.shape)),
+        ("input_size must be a sequence", lambda: conv_dgrad(gy, w, 5)),
+        ("input_size must have grad_y's rank", lambda: conv_dgrad(gy, w, (2, 4, 6))),
+        ("grad_y must be (2, 6, 3, 3)", lambda: conv_dgrad(gy, w, (2, 4, 5, 5))),
+        ("need x_prev", lambda: conv_dgrad(gy, w, x.shape, act_in="relu")),
+        ("x_prev must be (2, 4, 6, 6) torch.float32", lambda: conv_dgrad(gy, w, x.shape, x_prev=x[:1], act_in="relu")),
+        ("norm_stats rstd must be contiguous fp32 (4,)",
+         lambda: conv_dgrad(gy, w, x.shape, x_prev=x, norm_stats=NormStats(ones4, ones4.half()))),
+        ("norm_stats must be None or NormStats", lambda: conv_dgrad(gy, w, x.shape, x_prev=x, norm_stats=(ones4, ones4))),
+        ("tile must be a TileConfig", lambda: conv_dgrad(gy, w, x.shape, tile={"block_m": 64})),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("match,call", _bad_calls(), ids=[c[0] for c in _bad_calls()])
+def test_bad_inputs_raise_one_line_contract_errors_before_launch(match, call, monkeypatch):
+    def no_launch(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("launched despite a broken contract")
+
+    monkeypatch.setattr(dgrad.FastLaunch, "__call__", no_launch)
+    with pytest.raises(ContractError, match=match.replace("(", r"\(").replace(")", r"\)")) as info:
+        call()
+    assert "\n" not in str(info.value)
