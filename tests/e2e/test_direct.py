@@ -58,16 +58,26 @@ def _runners(reports):
     return [r.runner for r in reports]
 
 
-@pytest.mark.parametrize("runner", ["direct", "inductor"])
-def test_convt3d_pipeline_runs_directly_and_matches_eager(kernels, seed_models, runner):
+def _convt3d_pipeline(seed_models):
+    """The ``seeds`` suite's ConvT3d pipeline (shrunk), half its multipliers negative."""
     model, inputs = seed_models("convt3d_leaky_mul_leaky_maxpool", shrink=True)
     with torch.no_grad():
         model.multiplier[::2].neg_()  # negative multipliers flip which window element wins
-    reports = assert_fused(*on_device(model, *inputs), expect={"conv_epilogue": 1},
-                           options={"direct": runner == "direct"})
-    assert _runners(reports) == [runner]
-    if runner == "inductor":
-        assert any("direct=False" in note for note in reports[0].notes)
+    return on_device(model, *inputs)
+
+
+def test_convt3d_pipeline_runs_directly_and_matches_eager(kernels, seed_models):
+    reports = assert_fused(*_convt3d_pipeline(seed_models), expect={"conv_epilogue": 1}, options={"direct": True})
+    assert _runners(reports) == ["direct"]
+
+
+def test_convt3d_pipeline_with_direct_off_runs_through_inductor_and_matches_eager(seed_models):
+    """``direct=False``: the same graph through AOTAutograd and Inductor, on the CPU reference (with
+    CUDA: the GPU kernels).  The Triton kernels under the interpreter through Inductor, this pipeline's
+    chain and pool with a backward: ``test_a_graph_with_other_ops_goes_to_inductor_and_says_which``."""
+    reports = assert_fused(*_convt3d_pipeline(seed_models), expect={"conv_epilogue": 1}, options={"direct": False})
+    assert _runners(reports) == ["inductor"]
+    assert any("direct=False" in note for note in reports[0].notes)
 
 
 def test_convt3d_pipeline_channels_last_and_only_some_inputs_require_grad(kernels, seed_models):
