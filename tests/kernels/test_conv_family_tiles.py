@@ -89,6 +89,8 @@ def test_candidates_start_with_the_heuristic_and_fit_the_problem():
     assert wide[1:] == [c for c in CANDIDATES["fprop"] if c != wide[0]][: len(wide) - 1]  # best alone first
     narrow = candidates("fprop", 16, 24, 9, 40, torch.float16)  # N at most 32, K at most 16, M at most 64
     assert all(t.block_n <= 32 and t.block_k <= 16 and t.block_m <= 64 for t in narrow)
+    padded = candidates("fprop", 96, 96, 9, 4096, torch.bfloat16)  # K steps that divide 96 channels
+    assert all(96 % t.block_k == 0 for t in padded)
     fp32 = candidates("wgrad", 256, 256, 9, 200704, torch.float32)
     assert all(t.block_k <= 32 for t in fp32)
     assert all((t.block_m * t.block_k + t.block_k * t.block_n) * 4 * t.num_stages <= tiles._SHARED_BYTES for t in fp32)

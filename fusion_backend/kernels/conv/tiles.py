@@ -120,9 +120,9 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"), at most
     ``host.MAX_TUNED_CONFIGS`` (each compiles before it is timed): the heuristic's (:func:`pick_tile`
     with ``k_channels`` the channels per group a K step walks and ``n_channels`` those of the N axis),
-    then :data:`CANDIDATES` in order, fitted to the problem: N no wider than the channels need, K no
-    wider than the channels of a tap (fp32: at most 32), M no taller than ``m`` needs, within shared
-    memory; duplicates dropped.  A flat-K problem (few channels per group, whose
+    then :data:`CANDIDATES` in order, fitted to the problem: N no wider than the channels need, K the
+    widest up to the candidate's that divides the channels of a tap (none does: no wider than they
+    need; fp32: at most 32), M no taller than ``m`` needs, within shared memory; duplicates dropped.  A flat-K problem (few channels per group, whose
     K walk the candidates are not for) tries the heuristic's tile with the other warp count (4 or 8)
     and with half the rows on 4 warps instead.  NOTE: the flat walk's per-element tap arithmetic, with
     a prologue, spilled registers on 4 warps at 128 x 32 (H200, Triton 3.6: ``python
@@ -136,7 +136,9 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     kept = [first]
     for c in CANDIDATES[pass_name]:
         block_n = min(c.block_n, max(16, next_pow2(n_channels)))
-        block_k = min(c.block_k, 32 if dtype == torch.float32 else 128, max(16, next_pow2(k_channels)))
+        cap = min(c.block_k, 32 if dtype == torch.float32 else 128)  # the widest that divides the channels
+        block_k = next((k for k in (128, 64, 32, 16) if k <= cap and k_channels % k == 0),
+                       min(cap, max(16, next_pow2(k_channels))))  # fmt: skip
         block_m = min(c.block_m, max(16, next_pow2(m)))
         tile = TileConfig(block_m, block_n, block_k, c.num_warps, c.num_stages)
         if (block_m * block_k + block_k * block_n) * size * c.num_stages > _SHARED_BYTES:
@@ -183,7 +185,7 @@ def depthwise_candidates(c_out: int, m: int) -> list[TileConfig]:
     """The tiles of the direct depthwise path (one input channel per group, ``fprop._depthwise_tile``),
     heuristic's first: ``block_n`` output channels (contiguous in memory, so the long side) by
     ``block_m`` output positions, no K blocking (``block_k`` unused).  Not measured yet: the shape of a
-    memory-bound elementwise tile, channels innermost, about 8K elements per program."""
+    memory-bound elementwise tile, channels innermost, about 4K elements per program."""
     channels = min(128, max(16, next_pow2(c_out)))
     tiles = [TileConfig(min(max(16, 4096 // channels), max(16, next_pow2(m))), channels, 16, 4, 1)]
     for block_m, block_n in ((128, 64), (32, 128)):
