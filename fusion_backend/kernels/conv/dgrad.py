@@ -24,9 +24,13 @@ GEMM mapping (ranks lifted to 3d as in ``fprop``):
   dim, each a dense shifted window of ``grad_y`` (:func:`_phase_rows`, :func:`_phase_tap`); a phase no
   tap lands on (a 1x1 conv's odd rows at stride 2) loops zero times and stores zeros.  The flat K walk
   (few output channels per group) keeps the masked gather.
-* ``B[(tap, co), ci] = weight[g*Cog + co, ci, tap]``: the weight is prearranged once per call by
-  ``fprop.prearrange_weight`` applied to the weight with its two channel axes swapped per group, so
-  every B tile is one unmasked, K-contiguous load.
+* ``B[(tap, co), ci] = weight[g*Cog + co, ci, tap]``: read in place from a channels-last weight whose
+  channels the tile does not pad (row ``(tap, co)`` at ``(co * taps + tap) * C_in/g``), else
+  prearranged once per call by ``fprop.prearrange_weight`` applied to the weight with its two channel
+  axes swapped per group, so that every B tile is one unmasked, K-contiguous load.
+* One input channel per group (depthwise): no GEMM but a direct tile over ``BLOCK_N`` input channels
+  of any groups, each gathering its multiplier's output channels over the taps
+  (:func:`_depthwise_grad_tile`), grid ``(M tiles, C_in tiles, 1)``, with the same epilogue.
 * Grid ``(M tiles, N tiles, groups)`` (phased: ``(M tiles of the largest phase, N tiles, groups x
   phases)``); one K loop of ``tl.dot``s into an fp32 accumulator; the epilogue.
 
@@ -245,7 +249,8 @@ def conv_dgrad_kernel(
       dy_ptr   grad_y (N, C_OUT, OD, OH, OW), channel stride 1, spatial strides ``dy_s*``.
       w_ptr    the prearranged weight (groups, CIN_PAD, K_ROW), grad_y's dtype, contiguous, zero padded:
                row ``ci`` of group ``g`` over K in (tap, co) order; with ``W_IN_PLACE`` the weight
-               itself, channels-last dense, whose channels need no padding.
+               itself, channels-last dense, whose channels need no padding; ``DEPTHWISE``: (C_OUT, taps)
+               rows, contiguous (``_depthwise_grad_tile``).
       out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr, p0..p3: ``grad_epilogue.store_grad_tile``'s.
     Unused pointers receive any tensor and are never dereferenced.
     Runtime: ``M = N * D * H * W``; ``M_TILES`` the partial-sum rows, the grid's first dim (phased:

@@ -15,15 +15,20 @@ GEMM mapping (every rank lifted to 3d with leading size-1 spatial dims):
   ``BLOCK_N`` channels of group ``g``.  It decomposes its rows into ``(n, od, oh, ow)`` once, then runs
   ONE K loop of ``[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]`` ``tl.dot``s into an fp32 accumulator
   (software-pipelined by Triton over ``num_stages``), then the epilogue.
-* The weight is prearranged once per call (:func:`prearrange_weight`) to ``[groups, COUT_PAD,
-  K_ROW]`` in the compute dtype, ``K_ROW`` the K axis of one output channel ((tap, channel) order,
-  padded with zeros to a multiple of ``BLOCK_K``; tap-major pads each tap's channels), ``COUT_PAD``
-  the group's channels padded to ``BLOCK_N``: every B tile is one unmasked, K-contiguous load.
+* The weight is read as ``[groups, COUT_PAD, K_ROW]`` in the compute dtype, ``K_ROW`` the K axis of
+  one output channel ((tap, channel) order, padded with zeros to a multiple of ``BLOCK_K``; tap-major
+  pads each tap's channels), ``COUT_PAD`` the group's channels padded to ``BLOCK_N``: every B tile is
+  one unmasked, K-contiguous load.  A channels-last weight whose channels the tile does not pad is
+  that matrix already and is read in place; any other is prearranged once per call
+  (:func:`prearrange_weight`).
+* One input channel per group (depthwise, any channel multiplier, or a single-channel input): no GEMM
+  (its K would be the taps alone) but a direct tile over ``BLOCK_N`` output channels of any groups
+  (:func:`_depthwise_tile`), grid ``(M tiles, C_out tiles, 1)``, with the same hooks.
 
 Hooks (``hooks``; device code in ``prologue`` and ``epilogue``): the A tile applies the prologue and
 the input activation, then zeroes the padded taps (the conv pads the activated tensor); the store
-applies the bias, the output activation, the residual (before or after that activation) and writes
-the per-channel partial statistics of the stored values.
+applies the bias, the pointwise chain, the output activation, the residual (before or after that
+activation) and writes the per-channel partial statistics of the stored values.
 
 Numerics: fp16/bf16 operands with fp32 accumulation, output in the input dtype; fp32 operands dot
 in TF32 (each operand rounded to nearest first, ``kernels.tf32``) iff ``torch.backends.cudnn.
@@ -98,7 +103,8 @@ def conv_fprop_kernel(
       x_ptr    input (N, C_IN, D, H, W), fp32/fp16/bf16, channel stride 1: element ``(n, c, d, h, w)`` at
                ``n * x_sn + d * x_sd + h * x_sh + w * x_sw + c``.
       w_ptr    the prearranged weight (groups, COUT_PAD, K_ROW), the compute dtype, contiguous, zero
-               padded (``prearrange_weight``).
+               padded (``prearrange_weight``), or the weight itself where its channels-last memory is that
+               matrix; ``DEPTHWISE``: (C_OUT, taps) rows, contiguous.
       bias_ptr, res_ptr, out_ptr, part_ptr, q_ptr: ``epilogue.store_tile``'s (out: (M, C_OUT) row-major).
       p0..p3   the prologue's vectors (``prologue.normalise``).
     Unused pointers receive any tensor and are never dereferenced.
