@@ -323,6 +323,33 @@ def test_dgrad_with_one_input_channel_per_group_runs_the_direct_tile(case):
                  tile=TileConfig(16, 16, 16, 1, 1), **conv)  # fmt: skip
 
 
+@pytest.mark.parametrize("case", [
+    ("depthwise-s2-p1-odd-bias", (2, 24, 7, 9), (24, 1, 3, 3), dict(stride=2, padding=1, groups=24)),
+    ("depthwise-x2-dilation2", (1, 8, 9, 8), (16, 1, 3, 3), dict(padding=2, dilation=2, groups=8)),
+    ("single-input-channel", (2, 1, 6, 7), (12, 1, 5, 5), dict(padding=2, stride=(1, 2))),
+    ("depthwise-conv1d-k5-s3", (2, 20, 13), (20, 1, 5), dict(padding=2, stride=3, groups=20)),
+    ("depthwise-conv3d", (1, 16, 4, 5, 4), (16, 1, 3, 3, 3), dict(padding=1, groups=16)),
+], ids=lambda c: c[0])  # fmt: skip
+def test_wgrad_with_one_input_channel_per_group_sums_directly(case):
+    """Depthwise and single-channel-input weight gradients sum per (channel, tap) directly, the prologue
+    recomputed on load, over several splits (bitwise the same run to run), with the bias gradient,
+    against float64."""
+    name, xs, ws, conv = case
+    g = torch.Generator().manual_seed(stable_seed(("dw-wgrad", name)))
+    x = _channels_last(_randn(*xs, g=g, scale=2.0) + 1.0)
+    _, prologue, _, _ = _bn(x, g)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    w = _channels_last(_randn(*ws, g=g))
+    _check_wgrad(name, gy, x, w, bias_grad=True, **conv)
+    assert wgrad._PLANS.values()[-1].depthwise
+    tile = TileConfig(16, 16, 16, 1, 1)
+    gw, gb = _check_wgrad(f"{name} hooked", gy, x, w, prologue=prologue, act_in="relu", bias_grad=True, tile=tile,
+                          split=3, **conv)  # fmt: skip
+    again, again_b = conv_wgrad(gy, x, w, prologue=prologue, act_in="relu", bias_grad=True, tile=tile, split=3,
+                                **conv)  # fmt: skip
+    assert torch.equal(gw, again) and torch.equal(gb, again_b)
+
+
 def test_dgrad_is_a_transposed_convs_forward():
     """``conv_transpose2d(y, w, stride 2, padding 1, output_padding 1)`` is the dgrad of ``y`` with the
     output padding carried by ``input_size``."""

@@ -25,6 +25,10 @@ gradient at the weight's strides (the padding dropped): for one plan (shapes, ti
 is the same bits on every run.  A different ``split`` or tile changes the order of the fp32 sums, not
 the mapping.
 
+One input channel per group (depthwise): no GEMM (its K would be the taps alone) but one program per
+(tap, channel block, split) summing ``grad_y * a`` over its split's rows (``_depthwise_weight_grad``),
+into the same partial layout (no padding), summed by the same launch.
+
 Numerics: operands in the input dtype (fp16: fp32 accumulation), fp32 dots in TF32 iff allowed
 (``tf32.backward_dot_precision``), the prologue in fp32 rounded once to the compute dtype (as the
 forward does, so the recomputed A is the forward's A bit for bit).
@@ -56,14 +60,75 @@ from .fprop import (
     to_channels_last,
 )
 from .hooks import ActivationLike, Prologue
-from .prologue import load_a_tile
-from .tiles import TileConfig, candidates, tuned_tile
+from .prologue import activation, load_a_tile, normalise
+from .tiles import TileConfig, candidates, depthwise_candidates, tuned_tile
 
 #: Programs a split-K launch aims for (about two waves of a 132-SM GPU); each split keeps at least
 #: ``_MIN_TILES_PER_SPLIT`` M tiles so that the partial buffer stays small next to the reads.  Not
 #: measured: the shape of the heuristic, not its numbers, is what matters until a GPU tunes it.
 _TARGET_PROGRAMS = 264
 _MIN_TILES_PER_SPLIT = 4
+
+
+@triton.jit
+def _depthwise_weight_grad(x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, M, D, H, W,
+                           C_IN, C_OUT, MULT, TILES_PER_SPLIT, x_sn, x_sd, x_sh, x_sw, dy_sn, dy_sd, dy_sh, dy_sw,
+                           OD: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
+                           KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                           SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                           PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                           DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                           PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr,
+                           ACT_IN: tl.constexpr, BIAS_GRAD: tl.constexpr, BIG: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The weight gradient of a conv with one input channel per group (``fprop._depthwise_tile``'s):
+    program ``(tap, channel block, split)`` sums ``grad_y[m, c] * a[m, tap, c // MULT]`` over its
+    split's M tiles (``a`` the forward's prologue recomputed on load, rounded to the input dtype as the
+    forward's), in fp32, into ``part[split, c, tap]`` (``(splits, C_OUT, taps)``, the GEMM form's
+    ``(splits, groups, COUT_PAD, K_ROW)`` with one input channel per group); the tap-0 programs write
+    the bias partials ``bpart[split, c]``."""
+    TAPS: tl.constexpr = KD * KH * KW
+    tap = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    c_ok = c < C_OUT
+    ci = c // MULT
+    kd = tap // (KH * KW)
+    kh = (tap // KW) % KH
+    kw = tap % KW
+    compute = x_ptr.dtype.element_ty
+    mb = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    bacc = tl.zeros([BLOCK_N], tl.float32)
+    for t in range(0, TILES_PER_SPLIT):
+        m = (split * TILES_PER_SPLIT + t) * BLOCK_M + mb
+        m_ok = m < M
+        ow, oh, od, n = peel_coords(m, OW, OH, OD)
+        di = od * SD - PD + kd * DD
+        hi = oh * SH - PH + kh * DH
+        wi = ow * SW - PW + kw * DW
+        r_ok = m_ok & (di >= 0) & (di < D) & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+        if BIG:
+            n, di, hi, wi = n.to(tl.int64), di.to(tl.int64), hi.to(tl.int64), wi.to(tl.int64)
+            od, oh, ow = od.to(tl.int64), oh.to(tl.int64), ow.to(tl.int64)
+        mask = r_ok[:, None] & c_ok[None, :]
+        a = tl.load(x_ptr + (n * x_sn + di * x_sd + hi * x_sh + wi * x_sw)[:, None] + ci[None, :], mask=mask,
+                    other=0.0)  # fmt: skip
+        if PROLOGUE != 0 or ACT_IN != 0:
+            v = normalise(a.to(tl.float32), n, ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE,
+                          G_NORM, NORM_AFFINE)  # fmt: skip
+            if PROLOGUE > 1:
+                v = tl.where(mask, v, 0.0)
+            a = activation(v, ACT_IN, slope_in).to(compute)
+        dy = tl.load(dy_ptr + (n * dy_sn + od * dy_sd + oh * dy_sh + ow * dy_sw)[:, None] + c[None, :],
+                     mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        acc += tl.sum(dy * a.to(tl.float32), axis=0)
+        if BIAS_GRAD:
+            bacc += tl.sum(dy, axis=0)
+    tl.store(part_ptr + (split * C_OUT + c) * TAPS + tap, acc, mask=c_ok)
+    if BIAS_GRAD:
+        if tap == 0:
+            tl.store(bpart_ptr + split * C_OUT + c, bacc, mask=c_ok)
 
 
 # NOTE: every M step peels its rows' output coordinates (two divisions per row); by runtime sizes a
@@ -85,7 +150,7 @@ def conv_wgrad_kernel(
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
     BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DEPTHWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_N, BLOCK_K]`` partial tile of group ``g`` over split ``s``'s M tiles, where
     ``program_id(2) = s * GROUPS + g`` (module docstring).
@@ -102,6 +167,12 @@ def conv_wgrad_kernel(
     the M tiles of one split.  Constexprs: the output's sizes ``OD, OH, OW``, then as
     ``fprop.conv_fprop_kernel``'s (``K_ROW``: the K extent of one output channel, a multiple of ``BLOCK_K``).
     """
+    if DEPTHWISE:  # one input channel per group: program (tap, channel block, split), no GEMM
+        _depthwise_weight_grad(x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, M, D, H,
+                               W, C_IN, C_OUT, C_OUT_G, TILES_PER_SPLIT, x_sn, x_sd, x_sh, x_sw, dy_sn, dy_sd, dy_sh,
+                               dy_sw, OD, OH, OW, KD, KH, KW, SD, SH, SW, PD, PH, PW, DD, DH, DW, PROLOGUE, G_NORM,
+                               NORM_AFFINE, ACT_IN, BIAS_GRAD, BIG, BLOCK_M, BLOCK_N)  # fmt: skip
+        return
     kk = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_z = tl.program_id(2)
@@ -227,13 +298,21 @@ class _WgradPlan:
         self.relayout_x, self.relayout_dy = not channels_last(x), not channels_last(grad_y)
         xs, dys = _layout_of(x), _layout_of(grad_y)
         big = max(element_extent(xs), element_extent(dys)) > _BIG_INDEX_THRESHOLD
-        self.cin_pad = cdiv(geo.c_in_g, tile.block_k) * tile.block_k
+        #: one input channel per group: the direct depthwise sums (``_depthwise_weight_grad``), whose
+        #: partials are the GEMM form's with no padding (CIN_PAD 1, K_ROW the taps, COUT_PAD the multiplier)
+        self.depthwise = geo.c_in_g == 1
+        flat_k = tile.flat_k and not self.depthwise
+        self.cin_pad = 1 if self.depthwise else cdiv(geo.c_in_g, tile.block_k) * tile.block_k
         k = geo.taps * geo.c_in_g
-        self.k_row = cdiv(k, tile.block_k) * tile.block_k if tile.flat_k else geo.taps * self.cin_pad
-        self.cout_pad = cdiv(geo.c_out_g, tile.block_n) * tile.block_n
+        self.k_row = cdiv(k, tile.block_k) * tile.block_k if flat_k else geo.taps * self.cin_pad
+        self.cout_pad = geo.c_out_g if self.depthwise else cdiv(geo.c_out_g, tile.block_n) * tile.block_n
         m_tiles = cdiv(geo.m, tile.block_m)
-        k_steps, n_tiles = self.k_row // tile.block_k, self.cout_pad // tile.block_n
-        split = pick_split(m_tiles, k_steps * n_tiles * geo.groups) if split is None else min(split, max(1, m_tiles))
+        if self.depthwise:  # grid (taps, channel blocks, splits)
+            k_steps, n_tiles = geo.taps, cdiv(geo.c_out, tile.block_n)
+        else:
+            k_steps, n_tiles = self.k_row // tile.block_k, self.cout_pad // tile.block_n
+        programs = k_steps * n_tiles * (1 if self.depthwise else geo.groups)
+        split = pick_split(m_tiles, programs) if split is None else min(split, max(1, m_tiles))
         tiles_per_split = cdiv(m_tiles, split)
         self.split = cdiv(m_tiles, tiles_per_split) if m_tiles else 1  # no empty split
         big = big or self.split * geo.groups * self.cout_pad * self.k_row > _BIG_INDEX_THRESHOLD
@@ -247,7 +326,7 @@ class _WgradPlan:
             PD=geo.padding[0], PH=geo.padding[1], PW=geo.padding[2],
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
-            BIAS_GRAD=bias_grad, PRECISION=precision, BIG=big, FLAT_K=tile.flat_k,
+            BIAS_GRAD=bias_grad, PRECISION=precision, BIG=big, FLAT_K=flat_k, DEPTHWISE=self.depthwise,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
@@ -256,12 +335,12 @@ class _WgradPlan:
         constexprs.update(OD=geo.out_size[0], OH=geo.out_size[1], OW=geo.out_size[2])
         fixed = (geo.m, *geo.size, geo.c_in, geo.c_out, geo.c_out_g, tiles_per_split, geo.groups,
                  *_spatial_strides(xs), *_spatial_strides(dys))  # fmt: skip
-        grid = (k_steps, n_tiles, self.split * geo.groups)
+        grid = (k_steps, n_tiles, self.split * (1 if self.depthwise else geo.groups))
         self.launch = FastLaunch(conv_wgrad_kernel, grid, constexprs, fixed=fixed)
         total = geo.groups * self.cout_pad * self.k_row
         self.sum_splits = FastLaunch(sum_splits_kernel, (cdiv(total, _SUM_BLOCK),), dict(
             C_IN_G=geo.c_in_g, CIN_PAD=self.cin_pad, K_ROW=self.k_row, COUT_PAD=self.cout_pad, KD=geo.kernel[0],
-            KH=geo.kernel[1], KW=geo.kernel[2], FLAT_K=tile.flat_k, BLOCK=_SUM_BLOCK, num_warps=4))  # fmt: skip
+            KH=geo.kernel[1], KW=geo.kernel[2], FLAT_K=flat_k, BLOCK=_SUM_BLOCK, num_warps=4))  # fmt: skip
 
     def _tap_strides(self, grad_w: torch.Tensor) -> tuple[int, ...]:
         """``grad_w``'s element strides over (output channel, input channel, kd, kh, kw), the kernel
@@ -355,7 +434,10 @@ def conv_wgrad(
 
         if tile is not None:
             return plan_with(tile)
-        tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
+        if geo.c_in_g == 1:  # the direct depthwise sums (``_WgradPlan.depthwise``)
+            tiles = depthwise_candidates(geo.c_out, geo.m)
+        else:
+            tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
         return plan_with(tuned_tile("wgrad", key, tiles if geo.m else tiles[:1], lambda t: functools.partial(
             plan_with(t).run, grad_y, x, weight, prologue, slope_in), x.device))
 
