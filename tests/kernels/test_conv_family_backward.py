@@ -301,13 +301,17 @@ def test_dgrad_reads_a_channels_last_weight_in_place_where_the_tile_pads_nothing
         assert dgrad._PLANS.values()[-1].weight_in_place is in_place
 
 
-@pytest.mark.parametrize("case", [
+# name, x shape, weight shape, conv kwargs: one input channel per group (the direct depthwise path)
+ONE_INPUT_CHANNEL_PER_GROUP = [
     ("depthwise-s2-p1-odd", (2, 24, 7, 9), (24, 1, 3, 3), dict(stride=2, padding=1, groups=24)),
     ("depthwise-x2-dilation2", (1, 8, 9, 8), (16, 1, 3, 3), dict(padding=2, dilation=2, groups=8)),
     ("single-input-channel", (2, 1, 6, 7), (12, 1, 5, 5), dict(padding=2, stride=(1, 2))),
     ("depthwise-conv1d-k5-s3", (2, 20, 13), (20, 1, 5), dict(padding=2, stride=3, groups=20)),
     ("depthwise-conv3d", (1, 16, 4, 5, 4), (16, 1, 3, 3, 3), dict(padding=1, groups=16)),
-], ids=lambda c: c[0])  # fmt: skip
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ONE_INPUT_CHANNEL_PER_GROUP, ids=lambda c: c[0])
 def test_dgrad_with_one_input_channel_per_group_runs_the_direct_tile(case):
     """Depthwise (any multiplier, stride, dilation, 1d-3d) and single-channel-input dgrads gather their
     output channels directly, plain and with relu' and the BatchNorm-backward sums, against float64."""
@@ -323,13 +327,7 @@ def test_dgrad_with_one_input_channel_per_group_runs_the_direct_tile(case):
                  tile=TileConfig(16, 16, 16, 1, 1), **conv)  # fmt: skip
 
 
-@pytest.mark.parametrize("case", [
-    ("depthwise-s2-p1-odd-bias", (2, 24, 7, 9), (24, 1, 3, 3), dict(stride=2, padding=1, groups=24)),
-    ("depthwise-x2-dilation2", (1, 8, 9, 8), (16, 1, 3, 3), dict(padding=2, dilation=2, groups=8)),
-    ("single-input-channel", (2, 1, 6, 7), (12, 1, 5, 5), dict(padding=2, stride=(1, 2))),
-    ("depthwise-conv1d-k5-s3", (2, 20, 13), (20, 1, 5), dict(padding=2, stride=3, groups=20)),
-    ("depthwise-conv3d", (1, 16, 4, 5, 4), (16, 1, 3, 3, 3), dict(padding=1, groups=16)),
-], ids=lambda c: c[0])  # fmt: skip
+@pytest.mark.parametrize("case", ONE_INPUT_CHANNEL_PER_GROUP, ids=lambda c: c[0])
 def test_wgrad_with_one_input_channel_per_group_sums_directly(case):
     """Depthwise and single-channel-input weight gradients sum per (channel, tap) directly, the prologue
     recomputed on load, over several splits (bitwise the same run to run), with the bias gradient,

@@ -71,7 +71,7 @@ from .grad_epilogue import store_grad_tile
 from .hooks import ActivationLike, NormStats, Prologue
 from .prologue import _tap_coords
 from .stats import BatchNormGradSums, empty_grad_sums, reduce_grad_partials
-from .tiles import TileConfig, candidates, depthwise_candidates, tuned_tile
+from .tiles import TileConfig, candidates, tuned_tile
 from .wgrad import _layout_of, _spatial_strides, check_grad_y
 
 
@@ -510,11 +510,9 @@ def conv_dgrad(
         if tile is not None:
             return plan_with(tile)
         m = geo.n * math.prod(geo.size)
-        if geo.c_in_g == 1:  # the direct depthwise path (``_DgradPlan.depthwise``)
-            tiles = depthwise_candidates(geo.c_in, m)
-        else:
-            tiles = candidates("dgrad", geo.c_out_g, geo.c_in_g, geo.taps, m, grad_y.dtype)
-        return plan_with(tuned_tile("dgrad", key, tiles if m else tiles[:1], lambda t: functools.partial(
+        tiles = candidates("dgrad", geo.c_out_g, geo.c_in_g, geo.taps, m, grad_y.dtype,
+                           geo.c_in if geo.c_in_g == 1 else None)  # the direct depthwise path
+        return plan_with(tuned_tile("dgrad", key, tiles, lambda t: functools.partial(
             plan_with(t).run, grad_y, weight, x_prev, prologue, norm_stats, slope), grad_y.device))
 
     plan = _PLANS.get(key, build)

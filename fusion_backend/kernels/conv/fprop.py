@@ -52,7 +52,6 @@ import triton
 import triton.language as tl
 
 from ..chain_math import MAX_SLOTS, SOURCE_STRIDE, KernelStep, op_codes
-from ..conv_common import peel_coords
 from ..epilogue import OperandMatrix, tensor_rows
 from ..host import INTERPRETER, cdiv, element_extent, lift3
 from ..launch import FastLaunch
@@ -61,9 +60,9 @@ from ..tf32 import dot_precision, round_tf32
 from . import hooks
 from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
-from .prologue import activation, load_a_tile, normalise
+from .prologue import load_a_tile, load_depthwise_tile, window_rows
 from .stats import ChannelStats, empty_stats, reduce_partials
-from .tiles import TileConfig, candidates, depthwise_candidates, tuned_tile
+from .tiles import TileConfig, candidates, tuned_tile
 
 _INT32_LIMIT = 2**31 - 1
 #: Tensors that span more elements than this get int64 offsets (``BIG``); a module constant so that
@@ -130,14 +129,8 @@ def conv_fprop_kernel(
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
-    ow, oh, od, n = peel_coords(m, OW, OH, OD)
-    id0 = od * SD - PD
-    ih0 = oh * SH - PH
-    iw0 = ow * SW - PW
-    if BIG:
-        row_base = n.to(tl.int64) * x_sn + id0.to(tl.int64) * x_sd + ih0.to(tl.int64) * x_sh + iw0.to(tl.int64) * x_sw
-    else:
-        row_base = n * x_sn + id0 * x_sd + ih0 * x_sh + iw0 * x_sw
+    n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(m, OD, OH, OW, SD, SH, SW, PD, PH, PW, x_sn, x_sd, x_sh,
+                                                         x_sw, BIG)  # fmt: skip
     row_base += g * C_IN_G
 
     co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,17 +166,10 @@ def _depthwise_tile(x_ptr, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_
     input is rounded to the weight's dtype before the product, as the GEMM form's operand is.  Returns
     ``(m, m_ok, c, c_ok, acc)`` for the epilogue."""
     TAPS: tl.constexpr = KD * KH * KW
-    compute = w_ptr.dtype.element_ty
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
-    ow, oh, od, n = peel_coords(m, OW, OH, OD)
-    id0 = od * SD - PD
-    ih0 = oh * SH - PH
-    iw0 = ow * SW - PW
-    if BIG:
-        row_base = n.to(tl.int64) * x_sn + id0.to(tl.int64) * x_sd + ih0.to(tl.int64) * x_sh + iw0.to(tl.int64) * x_sw
-    else:
-        row_base = n * x_sn + id0 * x_sd + ih0 * x_sh + iw0 * x_sw
+    n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(m, OD, OH, OW, SD, SH, SW, PD, PH, PW, x_sn, x_sd, x_sh,
+                                                         x_sw, BIG)  # fmt: skip
     c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ok = c < C_OUT
     ci = c // MULT
@@ -192,20 +178,9 @@ def _depthwise_tile(x_ptr, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_
     # and the hooked tile spilled 612 registers at 64 x 128, 28 at 32 x 128; as a loop 121 registers,
     # no spill (sm_90: ``python tools/compile_check.py conv_family --cases depthwise-bf16-hooked``)
     for tap in range(0, TAPS):
-        kd, kh, kw = tap // (KH * KW), (tap // KW) % KH, tap % KW
-        di = id0 + kd * DD
-        hi = ih0 + kh * DH
-        wi = iw0 + kw * DW
-        r_ok = m_ok & (di >= 0) & (di < D) & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
-        mask = r_ok[:, None] & c_ok[None, :]
-        offs = (row_base + (kd * DD * x_sd + kh * DH * x_sh + kw * DW * x_sw))[:, None] + ci[None, :]
-        a = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        if PROLOGUE != 0 or ACT_IN != 0:
-            v = normalise(a.to(tl.float32), n, ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE,
-                          G_NORM, NORM_AFFINE)  # fmt: skip
-            if PROLOGUE > 1:
-                v = tl.where(mask, v, 0.0)
-            a = activation(v, ACT_IN, slope_in).to(compute)
+        a = load_depthwise_tile(x_ptr, tap, row_base, n, id0, ih0, iw0, m_ok, ci, c_ok, D, H, W, x_sd, x_sh, x_sw,
+                                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, KH, KW, DD, DH, DW, PROLOGUE,
+                                G_NORM, NORM_AFFINE, ACT_IN, w_ptr.dtype.element_ty)  # fmt: skip
         wv = tl.load(w_ptr + c * TAPS + tap, mask=c_ok, other=0.0).to(tl.float32)
         acc += a.to(tl.float32) * wv[None, :]
     return m, m_ok, c, c_ok, acc
@@ -537,11 +512,9 @@ def conv_fprop(
 
         if tile is not None:
             return plan_with(tile)
-        if geo.c_in_g == 1:  # the direct depthwise path (``_Plan.depthwise``)
-            tiles = depthwise_candidates(geo.c_out, geo.m)
-        else:
-            tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
-        return plan_with(tuned_tile("fprop", key, tiles if geo.m else tiles[:1], lambda t: functools.partial(
+        tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
+                           geo.c_out if geo.c_in_g == 1 else None)  # the direct depthwise path (``_Plan.depthwise``)
+        return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, bias, chain, residual, prologue, (slope_in, slope_out)), x.device))
 
     plan = _PLANS.get(key, build)

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..chain_math import step_forward
+from ..conv_common import peel_coords
 
 
 @triton.jit
@@ -132,6 +133,52 @@ def load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x
         v = normalise(v, n, g * C_IN_G + ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
                       PROLOGUE, G_NORM, NORM_AFFINE)  # fmt: skip
         if PROLOGUE > 1:  # the pad (and tail) lanes: 0, which the activation keeps (channel affine: above)
+            v = tl.where(mask, v, 0.0)
+        a = activation(v, ACT_IN, slope_in)
+    return a.to(COMPUTE)
+
+
+@triton.jit
+def window_rows(m, OD, OH, OW, SD, SH, SW, PD, PH, PW, x_sn, x_sd, x_sh, x_sw, BIG: tl.constexpr):
+    """Output rows ``m`` (flat over ``(n, od, oh, ow)``) -> ``(n, od, oh, ow, id0, ih0, iw0, row_base)``:
+    their coordinates, their windows' origin in the input (``o * S - P`` per dim) and that origin's
+    element offset in ``x`` (strides ``x_s*``; int64 for ``BIG``).  Sizes, strides and paddings may be
+    runtime values or constexprs (a constexpr size divides by a multiply)."""
+    ow, oh, od, n = peel_coords(m, OW, OH, OD)
+    id0 = od * SD - PD
+    ih0 = oh * SH - PH
+    iw0 = ow * SW - PW
+    if BIG:
+        row_base = n.to(tl.int64) * x_sn + id0.to(tl.int64) * x_sd + ih0.to(tl.int64) * x_sh + iw0.to(tl.int64) * x_sw
+    else:
+        row_base = n * x_sn + id0 * x_sd + ih0 * x_sh + iw0 * x_sw
+    return n, od, oh, ow, id0, ih0, iw0, row_base
+
+
+@triton.jit
+def load_depthwise_tile(x_ptr, tap, row_base, n, id0, ih0, iw0, m_ok, ci, c_ok, D, H, W, x_sd, x_sh, x_sw,
+                        p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                        KH: tl.constexpr, KW: tl.constexpr, DD: tl.constexpr, DH: tl.constexpr,
+                        DW: tl.constexpr, PROLOGUE: tl.constexpr, G_NORM: tl.constexpr,
+                        NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr, COMPUTE: tl.constexpr):  # fmt: skip
+    """The ``[BLOCK_M, BLOCK_N]`` input tile of tap ``tap`` for a conv with one input channel per group:
+    the rows' windows (``window_rows``) at that tap, input channels ``ci`` (``c_ok``: real ones), through
+    the prologue and input activation with the pad lanes 0 (the same order as :func:`load_a_tile`),
+    rounded to ``COMPUTE``."""
+    kd = tap // (KH * KW)
+    kh = (tap // KW) % KH
+    kw = tap % KW
+    di = id0 + kd * DD
+    hi = ih0 + kh * DH
+    wi = iw0 + kw * DW
+    r_ok = m_ok & (di >= 0) & (di < D) & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+    mask = r_ok[:, None] & c_ok[None, :]
+    offs = (row_base + (kd * DD * x_sd + kh * DH * x_sh + kw * DW * x_sw))[:, None] + ci[None, :]
+    a = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if PROLOGUE != 0 or ACT_IN != 0:
+        v = normalise(a.to(tl.float32), n, ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE,
+                      G_NORM, NORM_AFFINE)  # fmt: skip
+        if PROLOGUE > 1:
             v = tl.where(mask, v, 0.0)
         a = activation(v, ACT_IN, slope_in)
     return a.to(COMPUTE)

@@ -115,8 +115,8 @@ CANDIDATES: dict[str, tuple[TileConfig, ...]] = {
 _SHARED_BYTES = 200 * 1024
 
 
-def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: int,
-               dtype: torch.dtype) -> list[TileConfig]:  # fmt: skip
+def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: int, dtype: torch.dtype,
+               depthwise_channels: int | None = None) -> list[TileConfig]:  # fmt: skip
     """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"), at most
     ``host.MAX_TUNED_CONFIGS`` (each compiles before it is timed): the heuristic's (:func:`pick_tile`
     with ``k_channels`` the channels per group a K step walks and ``n_channels`` those of the N axis),
@@ -126,8 +126,14 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     K walk the candidates are not for) tries the heuristic's tile with the other warp count (4 or 8)
     and with half the rows on 4 warps instead.  NOTE: the flat walk's per-element tap arithmetic, with
     a prologue, spilled registers on 4 warps at 128 x 32 (H200, Triton 3.6: ``python
-    tools/compile_check.py conv_family``: the RGB stem's hooked fprop 156 spilled, its wgrad 24)."""
+    tools/compile_check.py conv_family``: the RGB stem's hooked fprop 156 spilled, its wgrad 24).
+    ``depthwise_channels``: the pass runs the direct depthwise path over that many channels
+    (:func:`depthwise_candidates`).  An empty problem (``m == 0``) gets its first tile alone."""
+    if depthwise_channels is not None:
+        return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
+    if m == 0:
+        return [first]
     if first.flat_k:
         other_warps = replace(first, num_warps=12 - first.num_warps)  # 4 <-> 8
         halved = replace(first, block_m=max(16, first.block_m // 2), num_warps=4)

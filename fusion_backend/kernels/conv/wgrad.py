@@ -44,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..conv_common import peel_coords
 from ..host import cdiv, element_extent
 from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
@@ -60,14 +59,22 @@ from .fprop import (
     to_channels_last,
 )
 from .hooks import ActivationLike, Prologue
-from .prologue import activation, load_a_tile, normalise
-from .tiles import TileConfig, candidates, depthwise_candidates, tuned_tile
+from .prologue import load_a_tile, load_depthwise_tile, window_rows
+from .tiles import TileConfig, candidates, tuned_tile
 
 #: Programs a split-K launch aims for (about two waves of a 132-SM GPU); each split keeps at least
 #: ``_MIN_TILES_PER_SPLIT`` M tiles so that the partial buffer stays small next to the reads.  Not
 #: measured: the shape of the heuristic, not its numbers, is what matters until a GPU tunes it.
 _TARGET_PROGRAMS = 264
 _MIN_TILES_PER_SPLIT = 4
+
+
+@triton.jit
+def _dy_rows(n, od, oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG: tl.constexpr):
+    """The element offsets of output rows ``(n, od, oh, ow)`` in ``grad_y`` (int64 for ``BIG``)."""
+    if BIG:
+        n, od, oh, ow = n.to(tl.int64), od.to(tl.int64), oh.to(tl.int64), ow.to(tl.int64)
+    return n * dy_sn + od * dy_sd + oh * dy_sh + ow * dy_sw
 
 
 @triton.jit
@@ -93,34 +100,18 @@ def _depthwise_weight_grad(x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p
     split = tl.program_id(2)
     c_ok = c < C_OUT
     ci = c // MULT
-    kd = tap // (KH * KW)
-    kh = (tap // KW) % KH
-    kw = tap % KW
-    compute = x_ptr.dtype.element_ty
     mb = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_N], tl.float32)
     bacc = tl.zeros([BLOCK_N], tl.float32)
     for t in range(0, TILES_PER_SPLIT):
         m = (split * TILES_PER_SPLIT + t) * BLOCK_M + mb
         m_ok = m < M
-        ow, oh, od, n = peel_coords(m, OW, OH, OD)
-        di = od * SD - PD + kd * DD
-        hi = oh * SH - PH + kh * DH
-        wi = ow * SW - PW + kw * DW
-        r_ok = m_ok & (di >= 0) & (di < D) & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
-        if BIG:
-            n, di, hi, wi = n.to(tl.int64), di.to(tl.int64), hi.to(tl.int64), wi.to(tl.int64)
-            od, oh, ow = od.to(tl.int64), oh.to(tl.int64), ow.to(tl.int64)
-        mask = r_ok[:, None] & c_ok[None, :]
-        a = tl.load(x_ptr + (n * x_sn + di * x_sd + hi * x_sh + wi * x_sw)[:, None] + ci[None, :], mask=mask,
-                    other=0.0)  # fmt: skip
-        if PROLOGUE != 0 or ACT_IN != 0:
-            v = normalise(a.to(tl.float32), n, ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE,
-                          G_NORM, NORM_AFFINE)  # fmt: skip
-            if PROLOGUE > 1:
-                v = tl.where(mask, v, 0.0)
-            a = activation(v, ACT_IN, slope_in).to(compute)
-        dy = tl.load(dy_ptr + (n * dy_sn + od * dy_sd + oh * dy_sh + ow * dy_sw)[:, None] + c[None, :],
+        n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(m, OD, OH, OW, SD, SH, SW, PD, PH, PW, x_sn, x_sd,
+                                                             x_sh, x_sw, BIG)  # fmt: skip
+        a = load_depthwise_tile(x_ptr, tap, row_base, n, id0, ih0, iw0, m_ok, ci, c_ok, D, H, W, x_sd, x_sh, x_sw,
+                                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, KH, KW, DD, DH, DW, PROLOGUE,
+                                G_NORM, NORM_AFFINE, ACT_IN, x_ptr.dtype.element_ty)  # fmt: skip
+        dy = tl.load(dy_ptr + _dy_rows(n, od, oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG)[:, None] + c[None, :],
                      mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
         acc += tl.sum(dy * a.to(tl.float32), axis=0)
         if BIAS_GRAD:
@@ -188,17 +179,9 @@ def conv_wgrad_kernel(
     for t in range(0, TILES_PER_SPLIT):
         m = (split * TILES_PER_SPLIT + t) * BLOCK_M + mb
         m_ok = m < M
-        ow, oh, od, n = peel_coords(m, OW, OH, OD)
-        id0 = od * SD - PD
-        ih0 = oh * SH - PH
-        iw0 = ow * SW - PW
-        if BIG:
-            n64, od64, oh64, ow64 = n.to(tl.int64), od.to(tl.int64), oh.to(tl.int64), ow.to(tl.int64)
-            row_base = n64 * x_sn + id0.to(tl.int64) * x_sd + ih0.to(tl.int64) * x_sh + iw0.to(tl.int64) * x_sw
-            dy_row = n64 * dy_sn + od64 * dy_sd + oh64 * dy_sh + ow64 * dy_sw
-        else:
-            row_base = n * x_sn + id0 * x_sd + ih0 * x_sh + iw0 * x_sw
-            dy_row = n * dy_sn + od * dy_sd + oh * dy_sh + ow * dy_sw
+        n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(m, OD, OH, OW, SD, SH, SW, PD, PH, PW, x_sn, x_sd,
+                                                             x_sh, x_sw, BIG)  # fmt: skip
+        dy_row = _dy_rows(n, od, oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG)
         row_base += g * C_IN_G
         a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
                         p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
@@ -434,11 +417,9 @@ def conv_wgrad(
 
         if tile is not None:
             return plan_with(tile)
-        if geo.c_in_g == 1:  # the direct depthwise sums (``_WgradPlan.depthwise``)
-            tiles = depthwise_candidates(geo.c_out, geo.m)
-        else:
-            tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype)
-        return plan_with(tuned_tile("wgrad", key, tiles if geo.m else tiles[:1], lambda t: functools.partial(
+        tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
+                           geo.c_out if geo.c_in_g == 1 else None)  # the direct depthwise sums
+        return plan_with(tuned_tile("wgrad", key, tiles, lambda t: functools.partial(
             plan_with(t).run, grad_y, x, weight, prologue, slope_in), x.device))
 
     plan = _PLANS.get(key, build)
