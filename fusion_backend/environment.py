@@ -4,7 +4,9 @@
 variable                    meaning
 ==========================  ===========================================================================
 ``FUSION_CONV_IMPL``        which conv path ``conv_epilogue`` runs: ``auto`` (default: measured on CUDA),
-                            ``library`` (cuDNN + the Triton epilogue) or ``triton`` (the fused kernels)
+                            ``library`` (cuDNN + the Triton epilogue), ``triton`` (the fused kernels)
+                            or ``family`` (the conv kernel family's forward, ``kernels.conv``, where
+                            it serves the call; the backward as ``library``)
 ``FUSION_CONV_AUTOTUNE``    ``0`` turns measuring off: no timed choice between paths (the library path
                             runs) and no tile tuning (each kernel takes its heuristic tile);
                             deterministic first calls.  ``1``, or unset: on
@@ -47,7 +49,7 @@ DECIDE = "FUSION_DECIDE"
 DUMP_DIR = "FUSION_DUMP_DIR"
 
 DEFAULT_CONV_IMPL = "auto"
-CONV_IMPLS = ("auto", "library", "triton")
+CONV_IMPLS = ("auto", "library", "triton", "family")
 CONV_AUTOTUNE_VALUES = ("1", "0")
 CPU_KERNELS_VALUES = ("reference", "triton")
 #: The policies of the ``decide`` option (``runtime.decision.POLICIES`` is this tuple).

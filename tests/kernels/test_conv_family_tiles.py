@@ -128,6 +128,25 @@ def test_without_measuring_the_heuristic_tile_runs_untimed(monkeypatch):
     assert tuned_tile("fprop", "s", tried, lambda t: lambda: None, torch.device("cpu")) == tried[0]
 
 
+def test_while_launches_only_compile_every_tile_runs_and_nothing_is_timed_kept_or_planned(timed, monkeypatch):
+    """Inside ``launch.compile_ahead`` every candidate's launch compiles in the batch; the answer is the
+    first tile, untimed and uncached, and the launcher keeps no plan made with it."""
+    from fusion_backend.kernels import launch
+
+    tried = candidates("fprop", 64, 64, 9, 4096, torch.float16)
+    ran = []
+    monkeypatch.setattr(launch, "compiling_ahead", lambda: True)
+    picked = tuned_tile("fprop", "s", tried, lambda t: lambda: ran.append(t), torch.device("cpu"))
+    assert picked == tried[0] and ran == tried and timed.timed == []
+    built = []
+    assert tiles.cached_plan(fprop._PLANS, "k", lambda: built.append(1) or "plan") == "plan"
+    assert len(fprop._PLANS) == 0 and built == [1]
+    monkeypatch.setattr(launch, "compiling_ahead", lambda: False)  # launches run again: timed and kept
+    assert tuned_tile("fprop", "s", tried, timed.wrap(lambda t: lambda: None), torch.device("cpu")) == tried[0]
+    assert timed.timed == tried
+    assert tiles.cached_plan(fprop._PLANS, "k", lambda: "plan") == "plan" and len(fprop._PLANS) == 1
+
+
 def _cl(t):
     return t.movedim(1, -1).contiguous().movedim(-1, 1)
 

@@ -25,8 +25,10 @@ Modules (one responsibility each):
 * ``reference`` the same computation in plain torch (the tests' truth and yardstick).
 
 Status: forward, input and weight gradients, correct against float64 on CPU under Triton's interpreter
-and on the H200 (fp32, fp16, bf16); not yet as fast as cuDNN's plain convs (``docs/perf/h200/conv-kernels``);
-not wired into any fused op.
+and on the H200 (fp32, fp16, bf16); the forward near cuDNN's speed, the gradients behind it
+(``docs/perf/h200/conv-kernels``).  Used by ``fusion::conv_epilogue``'s forward for calls that save
+nothing (inference), where it measures faster than its other paths (``ops/conv_epilogue/forward.py``,
+``FamilyForward``); the hooks are not used by a fused op yet.
 """
 
 from .dgrad import conv_dgrad

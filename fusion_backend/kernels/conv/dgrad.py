@@ -71,7 +71,7 @@ from .grad_epilogue import store_grad_tile
 from .hooks import ActivationLike, NormStats, Prologue
 from .prologue import _tap_coords
 from .stats import BatchNormGradSums, empty_grad_sums, reduce_grad_partials
-from .tiles import TileConfig, candidates, tuned_tile
+from .tiles import TileConfig, cached_plan, candidates, tuned_tile
 from .wgrad import _layout_of, _spatial_strides, check_grad_y
 
 
@@ -515,7 +515,7 @@ def conv_dgrad(
         return plan_with(tuned_tile("dgrad", key, tiles, lambda t: functools.partial(
             plan_with(t).run, grad_y, weight, x_prev, prologue, norm_stats, slope), grad_y.device))
 
-    plan = _PLANS.get(key, build)
+    plan = cached_plan(_PLANS, key, build)
     return plan.run(grad_y, weight, x_prev, prologue, norm_stats, slope)
 
 

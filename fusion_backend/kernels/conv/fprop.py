@@ -62,7 +62,7 @@ from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile, load_depthwise_tile, window_rows
 from .stats import ChannelStats, empty_stats, reduce_partials
-from .tiles import TileConfig, candidates, tuned_tile
+from .tiles import TileConfig, cached_plan, candidates, tuned_tile
 
 _INT32_LIMIT = 2**31 - 1
 #: Tensors that span more elements than this get int64 offsets (``BIG``); a module constant so that
@@ -517,7 +517,7 @@ def conv_fprop(
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, bias, chain, residual, prologue, (slope_in, slope_out)), x.device))
 
-    plan = _PLANS.get(key, build)
+    plan = cached_plan(_PLANS, key, build)
     return plan.run(x, weight, bias, chain, residual, prologue, (slope_in, slope_out))
 
 

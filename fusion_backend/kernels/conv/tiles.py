@@ -29,12 +29,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 
 from ... import environment, measurements
+from .. import launch
 from ..host import best_first, next_pow2, tile_bench
-from ..plan_cache import ContractError
+from ..plan_cache import ContractError, PlanCache
 
 #: Channels per group below which K is walked flat (a tap-major step would be mostly padding).
 FLAT_K_BELOW = 16
@@ -160,7 +162,8 @@ def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
     docstring): ``tiles[0]`` without measuring; else the one cached for the signature, or the fastest
     by ``time_tile(tile)`` (a call that runs the pass with that tile on the caller's tensors), timed
     with :func:`host.tile_bench` and cached.  A tile that fails to compile or run is skipped; if all
-    fail, ``tiles[0]``."""
+    fail, ``tiles[0]``.  Inside ``launch.compile_ahead`` (or ``compile_in_background``) every tile's
+    call runs once, so that all of them compile in that batch, and the answer is ``tiles[0]``, untimed."""
     if len(tiles) == 1 or not _measuring(device):  # nothing to choose, or no timing here
         return tiles[0]
     key = measurements.key("conv_tile", {"pass": pass_name, "signature": repr(signature),
@@ -169,6 +172,15 @@ def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
     entry = measurements.lookup(key, cache_dir, lambda e: e.get("kind") == "conv_tile")
     if entry is not None and 0 <= entry.get("index", -1) < len(tiles):
         return tiles[entry["index"]]
+    if _compiling_only():
+        # Launches only submit compiles here (``kernels.launch``): every tile's kernel compiles in the
+        # batch, and nothing is timed or remembered (a timing would read no GPU work).
+        for tile in tiles:
+            try:
+                time_tile(tile)()
+            except Exception:  # noqa: BLE001 - it fails again where it runs for real, and is skipped there
+                pass
+        return tiles[0]
     times = []
     for tile in tiles:
         try:
@@ -179,6 +191,17 @@ def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
     if math.isfinite(times[index]):
         measurements.store(key, {"kind": "conv_tile", "index": index, "ms": times}, cache_dir)
     return tiles[index]
+
+
+def _compiling_only() -> bool:
+    """Whether launches only submit compiles now (``launch.compile_ahead``, ``compile_in_background``)."""
+    return launch.compiling_ahead() or launch.compiling_every_candidate()
+
+
+def cached_plan(cache: PlanCache, key: Hashable, build: Callable[[], Any]) -> Any:
+    """A launcher's plan for ``key``: ``cache.get(key, build)``, except while launches only compile
+    (:func:`tuned_tile` answers an untimed tile there): then built and not kept."""
+    return build() if _compiling_only() else cache.get(key, build)
 
 
 def _measuring(device: torch.device) -> bool:

@@ -60,7 +60,7 @@ from .fprop import (
 )
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile, load_depthwise_tile, window_rows
-from .tiles import TileConfig, candidates, tuned_tile
+from .tiles import TileConfig, cached_plan, candidates, tuned_tile
 
 #: Programs a split-K launch aims for (about two waves of a 132-SM GPU); each split keeps at least
 #: ``_MIN_TILES_PER_SPLIT`` M tiles so that the partial buffer stays small next to the reads.  Not
@@ -422,7 +422,7 @@ def conv_wgrad(
         return plan_with(tuned_tile("wgrad", key, tiles, lambda t: functools.partial(
             plan_with(t).run, grad_y, x, weight, prologue, slope_in), x.device))
 
-    plan = _PLANS.get(key, build)
+    plan = cached_plan(_PLANS, key, build)
     return plan.run(grad_y, x, weight, prologue, slope_in)
 
 

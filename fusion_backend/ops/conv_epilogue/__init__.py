@@ -32,10 +32,10 @@ with a max pool the backward needs only 1/window of the elements.  ``out``, the 
 and a full-size ``saved_y0`` use the memory format that ``output_memory_format`` picks from ``y0``
 (channels-last when ``y0`` is channels-last and not also contiguous).
 
-The Triton path (CUDA fp32/fp16/bf16) has two interchangeable implementations chosen by
-``FUSION_CONV_IMPL`` (``conv_impl``; both write the same saved state and pass the same parity tests).
-By default (``auto``) the first call of a shape times both (and the library path's channels-last
-variant) on the GPU and keeps the fastest, per direction (``impl_choice``; cached on disk; the library
+The Triton path (CUDA fp32/fp16/bf16) has interchangeable implementations chosen by
+``FUSION_CONV_IMPL`` (``conv_impl``; they write the same saved state and pass the same parity tests).
+By default (``auto``) the first call of a shape times those that serve it (and the library path's
+channels-last variant) on the GPU and keeps the fastest, per direction (``impl_choice``; cached on disk; the library
 path when measuring is off or on CPU):
 
 - library: the conv through aten/cuDNN WITHOUT bias, then one Triton kernel adds the bias, applies the
@@ -53,6 +53,10 @@ path when measuring is off or on CPU):
   conv-backward kernels that expand it on the fly (``kernels.conv_phase_aligned_bwd`` for a
   transposed conv whose pool stride is its stride, e.g. ConvTranspose3d k3 s2 + MaxPool3d(2);
   ``kernels.conv_fused_bwd`` otherwise), so no full-size gradient exists.
+- family (``family``, or ``auto`` where measured faster): the conv kernel family's forward
+  (``kernels.conv.conv_fprop``) with the bias and the chain in its epilogue, for calls that save
+  nothing (inference) of a direct conv without a pool writing a channels-last output
+  (``forward.family_forward_unsupported``); the backward under ``family`` is the library one.
 
 The reference, the failure policy and ``kernel_path`` are every family's (``ops/declare.py``); a call
 whose signature has a settled plan (``forward.settled`` / ``backward.settled``) runs it straight.

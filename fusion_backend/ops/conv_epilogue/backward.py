@@ -65,12 +65,13 @@ def plan_for(
     library one (``LibraryBackward``), as ``FUSION_CONV_IMPL`` says; under ``auto`` the fastest of
     ``backward_candidates`` (the library one in the tensors' layout or in channels-last, the
     Triton one), measured once per shape (``impl_choice``; the library path when measuring is
-    off).  Cases the Triton backward cannot serve (an avg pool) take the library one under
-    ``triton``.  ``plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner)``."""
+    off; the library path under ``family``, whose forward serves only calls without a backward).
+    Cases the Triton backward cannot serve (an avg pool) take the library one under ``triton``.
+    ``plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner)``."""
 
     args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
     mode = conv_impl_mode()
-    if mode == "library" or (mode == "auto" and x.device.type != "cuda"):
+    if mode in ("library", "family") or (mode == "auto" and x.device.type != "cuda"):
         plan = LibraryBackward(*args, cfg, mask)  # auto on CPU: the interpreter is slow (tests force "triton")
         return plan, plan.settled
     if mode != "auto":

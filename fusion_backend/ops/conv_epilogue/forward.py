@@ -20,7 +20,7 @@ from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
 from .. import conv_precision, impl_choice
-from ..chain import TensorRef
+from ..chain import ChainValue, TensorRef
 from ..chain_lowering import kernel_steps
 from ..config import ConvEpilogueConfig
 from ..conv_io import (
@@ -299,7 +299,8 @@ def plan_for(
     save: bool,
 ) -> tuple[Any, bool]:  # fmt: skip
     """``(plan, settled)``: the fused conv kernel's plan (``FusedForward``) or the library conv +
-    epilogue kernel (``LibraryForward``), as ``conv_impl`` says; under ``FUSION_CONV_IMPL=auto``
+    epilogue kernel (``LibraryForward``), as ``conv_impl`` says, or the conv family's
+    (``FamilyForward``) under ``FUSION_CONV_IMPL=family``; under ``FUSION_CONV_IMPL=auto``
     the fastest of ``forward_candidates`` (the fused kernel where it serves the case, the library
     conv in x's layout and in channels-last), measured once per shape (``impl_choice``; the
     library path in x's layout when measuring is off, and without measuring where only the library
@@ -307,6 +308,12 @@ def plan_for(
     same signature always gets this answer (not while the choice is unmeasured), so the caller may
     keep the plan (nor while the plan's precision is unsettled: ``FusedForward``'s)."""
     mode = conv_impl_mode()
+    if mode == "family":
+        why = family_forward_unsupported(x, weight, operands, cfg, save)
+        if why is not None:
+            raise UnsupportedInputError(f"{CONV_IMPL_ENV}=family but the conv family's forward cannot run: {why}")
+        plan = FamilyForward(x, weight, bias, operands, cfg, save)
+        return plan, plan.settled
     impl = conv_impl(x, weight, cfg, save)[0]
     if mode != "auto" or (impl == "library" and not _times_library_layouts(x)):
         plan = (FusedForward if impl == "triton" else LibraryForward)(x, weight, bias, operands, cfg, save)
@@ -316,7 +323,7 @@ def plan_for(
     fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
     probes = {"triton": functools.partial(plans["triton"].probe(), *args)} if "triton" in plans else None
-    return measured_plan(plans, args, lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v2", fast_key, probes)
+    return measured_plan(plans, args, lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v3", fast_key, probes)
 
 
 def measured_plan(plans: dict[str, Any], args: tuple, key: Callable[[], str], fast_key: tuple,
@@ -324,8 +331,8 @@ def measured_plan(plans: dict[str, Any], args: tuple, key: Callable[[], str], fa
     """``(plan, settled)`` of either direction's ``plan_for`` under ``auto``: the library plan where it
     is the only candidate, else the fastest of ``plans`` (each called with ``args``), measured once
     per shape against the library plan's results (``impl_choice``, ``results_agree``; ``key`` and
-    ``fast_key`` as ``impl_choice.choose`` takes them; the keys' "v2": the channels-last library
-    variant joined the candidates, older answers are re-measured)."""
+    ``fast_key`` as ``impl_choice.choose`` takes them; a key's version, e.g. the forward's "v3",
+    changes where candidates join, so that answers measured without them are measured again)."""
     if len(plans) == 1:
         return plans["library"], plans["library"].settled
     impl = impl_choice.choose(key, {name: functools.partial(plan, *args) for name, plan in plans.items()},
@@ -345,13 +352,20 @@ def forward_candidates(
     save: bool, fused: bool,
 ) -> dict[str, Any]:  # fmt: skip
     """The forward plans that can serve this call, by name: ``triton`` (``FusedForward``) when
-    ``fused``; always ``library``; ``library-channels-last`` (``ChannelsLastLibraryForward``) for
-    2-d and 3-d convs of an x that is not channels-last (``channels_last_forward_unsupported``)."""
+    ``fused``; always ``library``; ``family`` (``FamilyForward``) where the conv family's forward
+    serves the call (``family_forward_unsupported``); ``library-channels-last``
+    (``ChannelsLastLibraryForward``) for 2-d and 3-d convs of an x that is not channels-last
+    (``channels_last_forward_unsupported``)."""
     args = (x, weight, bias, operands, cfg, save)
     plans: dict[str, Any] = {}
     if fused:
         plans["triton"] = FusedForward(*args)
     plans["library"] = LibraryForward(*args)
+    why = family_forward_unsupported(x, weight, operands, cfg, save)
+    if why is None:
+        plans["family"] = FamilyForward(*args)
+    else:
+        logger.debug("conv_epilogue forward: no conv-family forward (%s)", why)
     why = channels_last_forward_unsupported(x, weight, cfg)
     if why is None:
         plans["library-channels-last"] = ChannelsLastLibraryForward(*args)
@@ -548,3 +562,76 @@ def channels_last_forward_unsupported(x: Tensor, weight: Tensor, cfg: ConvEpilog
     if output_memory_format(_library_conv_meta(x, weight, cfg.conv, dtype)) != torch.contiguous_format:
         return "the library conv runs channels-last already (e.g. a channels-last weight)"
     return None
+
+
+def family_forward_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+                               save: bool) -> str | None:  # fmt: skip
+    """Why the conv family's forward (``FamilyForward``) cannot serve this call, or None.
+
+    It serves a direct conv whose bias and chain end the region (no pool), in a call that saves
+    nothing for a backward (inference, or no gradient wanted: the family's forward writes no
+    pre-chain conv output), whose chain steps read only constants and per-channel or one-value
+    operands (no earlier chain value), with the output in the conv's dtype and laid out as the
+    family writes it (channels-last dense: a channels-last x).  Cached per signature."""
+
+    def answer() -> str | None:
+        from ...kernels.chain_math import MAX_SLOTS
+
+        if save:
+            return "the call saves the conv output for a backward, which the family's forward does not write"
+        if cfg.conv.transposed:
+            return "a transposed conv"
+        if cfg.pool is not None:
+            return "a pool after the chain"
+        if len(cfg.chain) > MAX_SLOTS:
+            return f"a chain of {len(cfg.chain)} steps (the family's epilogue takes {MAX_SLOTS})"
+        if any(isinstance(o, ChainValue) for step in cfg.chain for o in step.operands):
+            return "a chain step reads an earlier chain value"
+        dtype = conv_compute_dtype(cfg, x)
+        y0, _, (out, _, _) = _forward_layouts(x, weight, operands, cfg, save, dtype)
+        if out.dtype != dtype:
+            return f"the output's dtype {out.dtype} is not the conv's {dtype}"
+        written = torch.empty(out.shape, dtype=dtype, device="meta", memory_format=channels_last_format(out.dim()))
+        if out.dim() not in (4, 5) or out.stride() != written.stride():
+            return "the output is not channels-last (the family writes channels-last outputs)"
+        return None
+
+    key = ("family_forward", tensor_key(x), tensor_key(weight), tuple(map(tensor_key, operands)), cfg, save)
+    return DECISIONS.get(key, answer)
+
+
+class FamilyForward:
+    """The conv kernel family's forward for one call signature (``kernels.conv.conv_fprop``): the conv,
+    the bias and the chain in one kernel that writes ``out`` channels-last, for the calls
+    ``family_forward_unsupported`` lets through (nothing saved, no pool).  A call casts x, the
+    weight and the bias to the compute dtype where they are in another (as the library path does),
+    lowers the chain with this call's operands (``kernel_steps``) and launches; the family keeps its
+    own launch plan per signature (its tile timed once: ``kernels.conv.tiles``).
+
+    Precision: fp32 dots in TF32 only where eager's conv of x and the weight is (``conv_precision``);
+    the chain runs on the fp32 accumulator and rounds once, at the store.
+    """
+
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                 cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
+        self.dtype = conv_compute_dtype(cfg, x)
+        precision = conv_precision.forward_tf32(x, weight, cfg.conv, self.dtype)
+        self.tf32, self.settled = precision.tf32, precision.settled
+        y0, _, outputs = _forward_layouts(x, weight, operands, cfg, save, self.dtype)
+        #: the unused saved-state outputs (empty placeholders: nothing is saved)
+        self.placeholders = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs[1:]]
+        self.chain, self.ndim, self.channels = cfg.chain, y0.dim(), y0.shape[1]
+        spec = cfg.conv
+        self.conv_args = dict(stride=spec.stride, padding=spec.padding, dilation=spec.dilation, groups=spec.groups)
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        from ...kernels.conv import conv_fprop  # lazily: TRITON_INTERPRET is read at import
+
+        xc, wc, bc = cast_inputs(x, weight, bias, self.dtype)
+        steps = kernel_steps(self.chain, operands, self.ndim, self.channels)
+        out, _ = conv_fprop(xc, wc, bc, chain=steps, allow_tf32=self.tf32, **self.conv_args)
+        saved_y0, saved_winner = (
+            torch.empty_strided(shape, stride, dtype=dtype, device=x.device) for shape, stride, dtype in self.placeholders
+        )  # fmt: skip
+        return out, saved_y0, saved_winner

@@ -1,0 +1,146 @@
+"""``fusion::conv_epilogue``'s forward on the conv kernel family (``kernels.conv.conv_fprop``).
+
+The family's forward serves the calls that save nothing for a backward (inference) of a direct conv
+without a pool whose output is channels-last: the conv, the bias and the chain (a folded eval
+BatchNorm, a multiplier, activations) run in one kernel.  ``FUSION_CONV_IMPL=family`` forces it (on
+CPU under the interpreter, ``FUSION_CPU_KERNELS=triton``); under ``auto`` it is one of the measured
+candidates.  Every case is checked against float64 with eager's own error as the yardstick
+(``assert_fused``), and the family must be what ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fusion_backend.kernels.conv as conv_family
+from fusion_backend.errors import UnsupportedInputError
+from fusion_backend.ir.specs import ConvSpec, PoolSpec
+from fusion_backend.ops import conv_epilogue as ce
+from fusion_backend.ops.config import ConvEpilogueConfig
+from fusion_backend.testing import assert_fused
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class ConvBnAct(nn.Module):
+    """conv -> BatchNorm (eval: folded into the chain) -> activation, as in ResNet's and EfficientNet's blocks."""
+
+    def __init__(self, conv: nn.Module, act: nn.Module | None) -> None:
+        super().__init__()
+        self.conv = conv
+        bn = (nn.BatchNorm3d if isinstance(conv, nn.Conv3d) else nn.BatchNorm2d)(conv.out_channels)
+        with torch.no_grad():  # running statistics and affine parameters away from their initial values
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5)
+        self.bn, self.act = bn, act or nn.Identity()
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(x)))
+
+
+class ConvMulLeakyGelu(nn.Module):
+    """conv (+ bias) -> x per-channel multiplier -> leaky -> GELU (the seeds' chain)."""
+
+    def __init__(self, conv: nn.Module) -> None:
+        super().__init__()
+        self.conv = conv
+        self.multiplier = nn.Parameter(torch.randn(conv.out_channels, 1, 1))
+
+    def forward(self, x):
+        return F.gelu(F.leaky_relu(self.conv(x) * self.multiplier, 0.2))
+
+
+#: name -> (model builder, input shape); every input channels-last
+CASES = {
+    "k3-bn-relu": (lambda: ConvBnAct(nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.ReLU()), (2, 8, 7, 6)),
+    "1x1-s2-bn": (lambda: ConvBnAct(nn.Conv2d(8, 12, 1, stride=2, bias=False), None), (2, 8, 9, 8)),
+    "stem-k7-s2-bn-relu": (lambda: ConvBnAct(nn.Conv2d(3, 16, 7, stride=2, padding=3, bias=False), nn.ReLU()),
+                           (2, 3, 13, 11)),
+    "depthwise-k3-bn-silu": (lambda: ConvBnAct(nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False), nn.SiLU()),
+                             (2, 16, 6, 5)),
+    "groups2-s2-bias-mul-leaky-gelu": (lambda: ConvMulLeakyGelu(nn.Conv2d(8, 12, 3, stride=2, groups=2)),
+                                       (2, 8, 9, 7)),
+}
+if DEVICE == "cuda":  # cuDNN writes channels-last-3d outputs for channels-last-3d inputs; aten's CPU conv3d does not
+    CASES["conv3d-bn-relu"] = (lambda: ConvBnAct(nn.Conv3d(4, 8, 3, padding=1, bias=False), nn.ReLU()),
+                               (1, 4, 4, 5, 3))
+
+
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    return x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+
+
+@pytest.fixture
+def family_forward(monkeypatch, exact_fp32, fresh_plans):
+    """Forces the family's forward and records every call of ``conv_fprop`` through it."""
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    monkeypatch.setenv(ce.CONV_IMPL_ENV, "family")
+    calls = []
+    real = conv_family.conv_fprop
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(conv_family, "conv_fprop", recording)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_inference_regions_run_on_the_family_forward(family_forward, name, dtype):
+    build, shape = CASES[name]
+    torch.manual_seed(3)
+    model = build().eval().requires_grad_(False).to(DEVICE)
+    model = model.to(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
+    x = _channels_last(torch.randn(shape, device=DEVICE))
+    assert_fused(model, [x], expect={"conv_epilogue": 1}, train=False, dtype=dtype)
+    assert family_forward, "the family's forward did not run"
+    assert all(call["chain"] for call in family_forward)  # the chain went into the kernel's epilogue
+
+
+def _call(x, weight, cfg: ConvEpilogueConfig, save=False):
+    return ce.forward.family_forward_unsupported(x, weight, [], cfg, save)
+
+
+def _config(transposed=False, pool=None) -> ConvEpilogueConfig:
+    conv = ConvSpec(transposed=transposed, stride=(1, 1), padding=(1, 1), dilation=(1, 1), output_padding=(0, 0),
+                    groups=1)  # fmt: skip
+    return ConvEpilogueConfig(conv=conv, pool=pool)
+
+
+def test_the_family_forward_says_why_it_cannot_serve_a_call():
+    x = _channels_last(torch.randn(2, 4, 6, 6))
+    w = torch.randn(5, 4, 3, 3)
+    assert _call(x, w, _config()) is None
+    assert "saves the conv output" in _call(x, w, _config(), save=True)
+    assert "not channels-last" in _call(torch.randn(2, 4, 6, 6), w, _config())
+    if DEVICE == "cpu":
+        x3 = torch.randn(1, 4, 4, 5, 3).to(memory_format=torch.channels_last_3d)
+        w3 = torch.randn(5, 4, 3, 3, 3).to(memory_format=torch.channels_last_3d)
+        conv3 = ConvSpec(transposed=False, stride=(1, 1, 1), padding=(1, 1, 1), dilation=(1, 1, 1),
+                         output_padding=(0, 0, 0), groups=1)  # fmt: skip
+        assert "not channels-last" in _call(x3, w3, ConvEpilogueConfig(conv=conv3))
+    assert "transposed" in _call(x, torch.randn(4, 5, 3, 3), _config(transposed=True))
+    assert "pool" in _call(x, w, _config(pool=PoolSpec(kind="max", kernel_size=(2, 2), stride=(2, 2),
+                                                       padding=(0, 0))))
+
+
+def test_forcing_the_family_where_it_cannot_serve_raises_one_clear_error(monkeypatch, fresh_plans):
+    monkeypatch.setenv(ce.CONV_IMPL_ENV, "family")
+    x, w = torch.randn(2, 4, 6, 6), torch.randn(5, 4, 3, 3)  # NCHW: the output would not be channels-last
+    with pytest.raises(UnsupportedInputError, match="FUSION_CONV_IMPL=family but .*not channels-last"):
+        ce.forward.plan_for(x, w, None, [], _config(), False)
+
+
+def test_auto_measures_the_family_among_the_candidates_where_it_serves(fresh_plans):
+    x = _channels_last(torch.randn(2, 4, 6, 6))
+    w = torch.randn(5, 4, 3, 3).to(memory_format=torch.channels_last)
+    cfg = _config()
+    assert "family" in ce.forward.forward_candidates(x, w, None, [], cfg, False, fused=False)
+    assert "family" not in ce.forward.forward_candidates(x, w, None, [], cfg, True, fused=False)
