@@ -65,7 +65,7 @@ class ConvEpiloguePattern(ConvWalkPattern):
             return Refusal(ReasonKind.CHAIN_TOO_LONG, f"the fused chain holds at most {MAX_CHAIN_LENGTH} ops (a batch norm takes two)")
         n = len(part.operands)
         steps = (ChainStep(PointwiseKind.MUL, (TensorRef(n),)), ChainStep(PointwiseKind.ADD, (TensorRef(n + 1),)))
-        return Folded(steps, tuple(_folded_operands(ctx, bn, y.dim() - 2)), "batch_norm (folded)")
+        return Folded(steps, tuple(_folded_operands(bn, y.dim() - 2)), "batch_norm (folded)")
 
     def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:
         from ..ops import conv_epilogue as op_module
@@ -112,16 +112,18 @@ def _unfoldable(bn: BatchNorm, flowing: fx.Node, y: torch.Tensor) -> Optional[st
     return None
 
 
-def _folded_operands(ctx: MatchContext, bn: BatchNorm, spatial_dims: int) -> list[Deferred]:
+def _folded_operands(bn: BatchNorm, spatial_dims: int) -> list[Deferred]:
     """Batch norm's per-channel scale and shift (``ops/bn_fold.py``), made when the region is rewritten."""
     from ..ops import bn_fold
 
     made: dict[fx.Graph, fx.Node] = {}
 
-    def both(graph: fx.Graph) -> fx.Node:  # one call makes both operands, once per rewritten graph
+    def both(graph: fx.Graph, stats: tuple) -> fx.Node:  # one call makes both operands, once per rewritten graph
         if graph not in made:
-            stats = (materialize(graph, ctx.resolve(v)) for v in (bn.running_mean, bn.running_var, bn.weight, bn.bias))
-            made[graph] = graph.call_function(bn_fold.scale_and_shift, (*stats, bn.eps, spatial_dims))
+            values = (materialize(graph, v) for v in stats)
+            made[graph] = graph.call_function(bn_fold.scale_and_shift, (*values, bn.eps, spatial_dims))
         return made[graph]
 
-    return [Deferred(lambda graph, i=i: graph.call_function(operator.getitem, (both(graph), i))) for i in (0, 1)]
+    stats = (bn.running_mean, bn.running_var, bn.weight, bn.bias)
+    return [Deferred(lambda graph, inputs, i=i: graph.call_function(operator.getitem, (both(graph, inputs), i)), stats)
+            for i in (0, 1)]

@@ -21,11 +21,17 @@ from .engine import Candidate, MatchContext, fake_of
 
 @dataclass(frozen=True)
 class Deferred:
-    """An operand of a fused op that does not exist in the graph yet: ``make(graph)`` inserts the
-    nodes computing it when the region is rewritten (matching never changes the graph), e.g. batch
-    norm's per-channel scale from its statistics."""
+    """An operand of a fused op that does not exist in the graph yet: ``make(graph, inputs)`` inserts
+    the nodes computing it when the region is rewritten (matching never changes the graph), e.g.
+    batch norm's per-channel scale from its statistics.
 
-    make: Callable[[fx.Graph], fx.Node]
+    ``inputs``: the graph values it reads (nodes, ``ParamRef``s, None), resolved through earlier
+    rewrites and handed to ``make``.  They are fields, never captured by ``make``: a candidate moved
+    onto a copy of its graph (``Candidate.rewrite_copy``, e.g. the region extracted for timing) has
+    its fields' nodes replaced by their copies, and a closure's would still name the original graph's."""
+
+    make: Callable[[fx.Graph, tuple[Any, ...]], fx.Node]
+    inputs: tuple[Any, ...] = ()
 
 
 def materialize(graph: fx.Graph, value: Any) -> Any:
@@ -152,7 +158,8 @@ def rewrite_conv_region(
         x = cast(graph, ctx.resolve(conv.input))
         w = cast(graph, materialize(graph, ctx.resolve(conv.weight)))
         b = cast(graph, materialize(graph, ctx.resolve(conv.bias)))
-        ops = [v.make(graph) if isinstance(v, Deferred) else materialize(graph, ctx.resolve(v)) for v in operands]
+        ops = [v.make(graph, tuple(ctx.resolve(i) for i in v.inputs)) if isinstance(v, Deferred)
+               else materialize(graph, ctx.resolve(v)) for v in operands]  # fmt: skip
         out = graph.call_function(fused, (x, w, b, ops, config))
         return finish(graph, out) if finish is not None else out
 

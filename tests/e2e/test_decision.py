@@ -497,6 +497,14 @@ def test_under_cuda_graphs_a_kept_region_runs_once_at_compile_time(cache, monkey
     torch.testing.assert_close(out, model(x))
 
     torch._dynamo.reset()
+    ran.clear()  # a folded eval batch norm: its scale and shift are made in the extracted region too
+    bn_model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    with collect_reports() as reports:
+        out = torch.compile(bn_model, backend="fusion", mode="reduce-overhead")(x)
+    assert ran == ["conv_epilogue"] and only_decision(reports)[1].fused, only_decision(reports)[1].rule
+    torch.testing.assert_close(out, bn_model(x))
+
+    torch._dynamo.reset()
     monkeypatch.setattr(decision, "_prime_for_cuda_graphs", lambda *a: "preparing it for CUDA graphs failed (boom)")
     with collect_reports() as reports:
         out = torch.compile(model, backend="fusion", mode="reduce-overhead")(x)
