@@ -40,9 +40,9 @@ from collections.abc import Callable, Hashable, Mapping
 
 import torch
 
-from .. import environment, gpu_timing, measurements
-from ..kernels import launch
-from ..kernels.host import BoundedCache
+from . import environment, gpu_timing, measurements
+from .kernels import launch
+from .kernels.host import BoundedCache
 
 log = logging.getLogger("fusion_backend.impl_choice")
 
