@@ -21,7 +21,6 @@ def cache_file():
 def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.delenv(impl_choice.MEASURE_ENV, raising=False)
-    monkeypatch.setattr(impl_choice, "_memory", {})
     monkeypatch.setattr(impl_choice, "_fast", BoundedCache(8))
     measurements.forget_in_memory()
     yield
@@ -129,7 +128,7 @@ def test_only_settled_answers_are_kept_under_the_fast_key(monkeypatch):
     assert impl_choice.choose(key, CANDIDATES, "library", fast_key=("k",)) == "library"
     assert impl_choice._fast.peek(("k",)) is None
     monkeypatch.delenv(impl_choice.MEASURE_ENV)
-    impl_choice._memory[impl_choice._full_key("op-key")] = "fast"  # as if measured earlier
+    measurements.remember(impl_choice._full_key("op-key"), {"kind": "impl", "choice": "fast"})  # as if measured earlier
     assert impl_choice.choose(key, CANDIDATES, "library", fast_key=("k",)) == "fast"
     assert impl_choice.choose(key, CANDIDATES, "library", fast_key=("k",)) == "fast"
     assert impl_choice._fast.peek(("k",)) == "fast"
@@ -142,7 +141,8 @@ def test_a_candidate_whose_results_disagree_is_never_picked():
     disagree = lambda got, want: None if got == want else f"{got} != {want}"  # noqa: E731
     assert impl_choice.choose("k", results, "library", timer=timer, agree=disagree) == "library"
     assert calls == ["library"], "the disagreeing candidate is not even timed"
-    assert impl_choice._full_key("k") in impl_choice._memory, "the answer is remembered"
+    remembered = measurements.lookup(impl_choice._full_key("k"), environment.cache_dir())
+    assert remembered["choice"] == "library", "the answer is remembered"
     agree = lambda got, want: None  # noqa: E731
     assert impl_choice.choose("k2", results, "library", timer=timer, agree=agree) == "fast"
 
@@ -222,7 +222,7 @@ def test_a_background_compile_runs_every_candidate_and_probe_and_remembers_nothi
 
     assert launch.compile_in_background([ask]) is None  # nothing was captured: nothing to wait for
     assert answers == ["library"] and sorted(ran) == ["fast", "library", "tuned", "tuned probe"]
-    assert not impl_choice.is_final(("background",)) and not impl_choice._memory
+    assert not impl_choice.is_final(("background",)) and not measurements.entries(environment.cache_dir())
 
 
 def test_nothing_compiles_in_the_background_without_a_worker_pool(monkeypatch):
