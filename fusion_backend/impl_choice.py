@@ -67,6 +67,18 @@ _MAX_CALLS = 50
 _fast = BoundedCache(512)
 
 
+def measuring_now() -> bool:
+    """Whether a measured choice (this module's, or a launcher's tile: ``kernels/conv/tiles.py``) may
+    be timed here and now: measuring is on (``MEASURE_ENV``), no ``kernels.launch.compile_ahead`` is
+    running (its launches only compile: a time would mean nothing) and no CUDA graph is being
+    captured (timing synchronizes)."""
+    return (
+        environment.measuring()
+        and not launch.compiling_ahead()
+        and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    )
+
+
 def _full_key(key: str) -> str:
     """``key``'s key in the one measurement cache (``fusion_backend.measurements``)."""
     return measurements.key("impl", {"op": key})
@@ -151,11 +163,7 @@ def choose(
     if launch.compiling_every_candidate():
         _run_every_candidate([*candidates.values(), *probes.values()])
         return default
-    if (
-        not environment.measuring()
-        or launch.compiling_ahead()
-        or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-    ):
+    if not measuring_now():
         return default
     if callable(key):
         key = key()

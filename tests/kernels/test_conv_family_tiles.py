@@ -128,6 +128,20 @@ def test_without_measuring_the_heuristic_tile_runs_untimed(monkeypatch):
     assert tuned_tile("fprop", "s", tried, lambda t: lambda: None, torch.device("cpu")) == tried[0]
 
 
+def test_no_tile_is_timed_while_launches_only_compile(monkeypatch):
+    """Inside ``launch.compile_ahead`` a launch only compiles, so a tile's time would mean nothing:
+    tiles are timed only where an implementation choice may be (``impl_choice.measuring_now``)."""
+    from fusion_backend.kernels import launch
+
+    monkeypatch.setenv("FUSION_CONV_AUTOTUNE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no CUDA graph can be capturing
+    cuda = torch.device("cuda")
+    seen = []
+    launch._run_without_launching([lambda: seen.append(tiles._measuring(cuda))])
+    assert seen == [False] and tiles._measuring(cuda)
+    assert not tiles._measuring(torch.device("cpu"))
+
+
 def _cl(t):
     return t.movedim(1, -1).contiguous().movedim(-1, 1)
 
