@@ -1,6 +1,6 @@
 """Device time of host-bound calls: queue them behind a GPU spin so that they run back to back.
 
-Used by the two measured choices: which of a fused op's paths runs (``ops/impl_choice.py``) and
+Used by the two measured choices: which of a fused op's paths runs (``impl_choice.py``) and
 whether a region is fused at all (``runtime/region_timing.py``).  The spin (``torch.cuda._sleep``)
 keeps the device busy while the host enqueues the calls, so the events around them see the calls'
 device work without the host's gaps, however slow the host is.  If the host took longer than the

@@ -459,7 +459,7 @@ class GpuTimer:
     back-to-back calls queued behind a GPU spin, so the host's speed is not measured)."""
 
     def time(self, steps: Sequence[Any], cold: bool = False) -> list[Any]:
-        from fusion_backend.ops.impl_choice import gpu_ms_per_call
+        from fusion_backend.impl_choice import gpu_ms_per_call
 
         out: list[Any] = []
         for step in steps:

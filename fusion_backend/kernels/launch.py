@@ -29,7 +29,7 @@ Contract:
   lacks the launcher attributes used here (checked when a specialization is remembered).
 
 Compiling ahead (:func:`compile_ahead`): a first call with a new shape times several candidate
-implementations (``ops/impl_choice.py``), each a few Triton kernels, an autotuned one with up to three
+implementations (``impl_choice.py``), each a few Triton kernels, an autotuned one with up to three
 tiles; compiled one after another they were most of a cold first call (``docs/perf/RESULTS.md``, *Kernel design measurements*).  ``compile_ahead``
 runs the candidates once with every launch (:func:`launch`, ``FastLaunch``) replaced by the compile
 of that launch, all compiled at once, and returns when all have compiled, so the timing that follows
@@ -284,7 +284,7 @@ def compile_ahead(calls: Iterable[Callable[[], object]], speculative: Iterable[C
 
 def compile_in_background(calls: Iterable[Callable[[], object]]) -> compile_pool.Batch | None:
     """Send the compiles of every Triton kernel that ``calls`` would launch, with every candidate of
-    each implementation choice (``ops.impl_choice.choose`` runs them all, and answers its default
+    each implementation choice (``impl_choice.choose`` runs them all, and answers its default
     without timing or remembering), to Inductor's worker processes, and return at once: the batch
     says when they have compiled (a pool whose workers are still starting takes them: they wait for
     the workers).  None where nothing was sent: no worker pool is allowed, the calls

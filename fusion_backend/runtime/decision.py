@@ -576,7 +576,7 @@ def _first_calls(builders: Mapping[str, Callable[[], tuple[Callable[..., Any], b
 
     WHY at once: on a cold cache a region's decision is most of a first call, and its two halves
     wait on different things: the fused op's first call on its Triton compiles (a thread pool,
-    ``kernels.launch.compile_ahead``) and on GPU-timed choices (``ops.impl_choice``, host speed does
+    ``kernels.launch.compile_ahead``) and on GPU-timed choices (``impl_choice``, host speed does
     not move them), Inductor's on its compile of the region, Python on this thread.  So the fused
     op's first call runs on a worker thread (with this thread's grad mode and CUDA device) while
     Inductor compiles; Inductor's first run waits until the worker is done, so that no kernel of its

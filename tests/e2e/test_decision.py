@@ -711,9 +711,8 @@ def test_the_decision_times_the_region_the_graph_found_without_matching_it_again
 def test_decisions_and_per_call_path_choices_share_one_file_and_keep_each_others_entries(cache, monkeypatch):
     """One measurement cache: a region's decision and an op's per-call path choice land in the same
     file under keys of one scheme, and neither store drops the other's entry."""
-    from fusion_backend.ops import impl_choice
+    from fusion_backend import impl_choice
 
-    monkeypatch.setattr(impl_choice, "_memory", {})
     monkeypatch.delenv(impl_choice.MEASURE_ENV, raising=False)
     compile_and_run(ConvLeakyPool(), torch.randn(2, 3, 12, 12), FakeTimer(1.0, 2.0))
     candidates = {"fast": lambda: "fast", "library": lambda: "library"}

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fusion_backend.ops import impl_choice
+from fusion_backend import impl_choice
 from fusion_backend.report import collect_reports
 from fusion_backend.testing import compare, float64_reference, relative_error, run_and_backward, stable_seed
 

@@ -405,7 +405,7 @@ def test_auto_default_measures_both_paths_and_matches_eager_in_training(monkeypa
     """The default ``auto`` with measuring on (the suite turns it off): the first call of each
     direction times both paths (real CUDA-event timer), and whatever it keeps trains like eager
     (TF32 on, as PyTorch's default; the fused forward rounds its operands as cuDNN does)."""
-    from fusion_backend.ops import impl_choice
+    from fusion_backend import impl_choice
 
     monkeypatch.delenv(ce.CONV_IMPL_ENV, raising=False)
     monkeypatch.setenv(impl_choice.MEASURE_ENV, "1")

@@ -120,7 +120,7 @@ def test_the_backward_reads_its_own_forwards_state(planned):
 def test_no_plan_is_kept_while_the_choice_is_unmeasured(monkeypatch, planned):
     """Under ``auto`` with measuring on but the choice not settled (e.g. during CUDA-graph capture),
     nothing is kept: the next call decides again."""
-    from fusion_backend.ops import impl_choice
+    from fusion_backend import impl_choice
 
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "auto")
     monkeypatch.setenv(impl_choice.MEASURE_ENV, "1")

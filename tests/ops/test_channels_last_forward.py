@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from conv_cases import GELU, LEAKY, MUL0, conv_spec
 
+from fusion_backend import impl_choice
 from fusion_backend.ir.specs import PoolSpec
 from fusion_backend.kernels import epilogue as kernels
 from fusion_backend.ops import conv_epilogue as ce
-from fusion_backend.ops import conv_io, impl_choice
+from fusion_backend.ops import conv_io
 from fusion_backend.ops.chain import PointwiseKind
 from fusion_backend.ops.config import ConvEpilogueConfig
 from fusion_backend.testing import compare

@@ -9,9 +9,9 @@ Which tile a launch uses (:func:`tuned_tile`): on CUDA, the fastest of a few can
 (:func:`candidates`: the heuristic's tile and the pass's :data:`CANDIDATES` that fit the problem), timed
 once per call signature on the call's own tensors and kept in the measurement cache
 (``fusion_backend.measurements``, kind ``"conv_tile"``), so a later process times nothing.  Without
-measuring (the interpreter, ``FUSION_CONV_AUTOTUNE=0``, a CUDA graph being captured) it is
-:func:`pick_tile`'s.  Why timed: the best tile moves irregularly with the shape (NOTE at
-:data:`CANDIDATES`).
+measuring (the interpreter, ``FUSION_CONV_AUTOTUNE=0``, a compile ahead, a CUDA graph being
+captured) it is :func:`pick_tile`'s.  Why timed: the best tile moves irregularly with the shape (NOTE
+at :data:`CANDIDATES`).
 
 The K axis (``C_in/groups * KD * KH * KW``, the weight's order: taps outer, channels inner):
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ... import environment, measurements
+from ... import environment, impl_choice, measurements
 from .. import launch
 from ..host import best_first, next_pow2, tile_bench
 from ..plan_cache import ContractError, PlanCache
@@ -205,9 +205,11 @@ def cached_plan(cache: PlanCache, key: Hashable, build: Callable[[], Any]) -> An
 
 
 def _measuring(device: torch.device) -> bool:
-    """Whether tiles are timed: on CUDA, with ``FUSION_CONV_AUTOTUNE`` on, outside CUDA-graph capture."""
-    return (device.type == "cuda" and environment.measuring()
-            and not torch.cuda.is_current_stream_capturing())
+    """Whether tiles are timed (or, while launches only compile, all compiled): on CUDA, where a
+    measured choice may be timed now (``impl_choice.measuring_now``: measuring on, no compile ahead,
+    no CUDA-graph capture) or would be but for a compile ahead (:func:`tuned_tile` compiles every
+    tile there)."""
+    return device.type == "cuda" and (impl_choice.measuring_now() or (_compiling_only() and environment.measuring()))
 
 
 def depthwise_candidates(c_out: int, m: int) -> list[TileConfig]:

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ... import environment
+from ... import environment, impl_choice
 from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
-from .. import conv_precision, impl_choice
+from .. import conv_precision
 from ..chain import ChainValue, TensorRef
 from ..chain_lowering import kernel_steps
 from ..config import ConvEpilogueConfig

@@ -40,9 +40,9 @@ from collections.abc import Callable, Hashable, Mapping
 
 import torch
 
-from .. import environment, gpu_timing, measurements
-from ..kernels import launch
-from ..kernels.host import BoundedCache
+from . import environment, gpu_timing, measurements
+from .kernels import launch
+from .kernels.host import BoundedCache
 
 log = logging.getLogger("fusion_backend.impl_choice")
 
@@ -62,10 +62,21 @@ _ROUNDS = 3
 _ROUND_MS = 5.0
 _MAX_CALLS = 50
 
-_memory: dict[str, str] = {}
 #: Settled answers by the callers' cheap ``fast_key`` (tuples of shapes, strides, dtypes, config):
 #: building the string key costs tens of microseconds, on the op's hot path.
 _fast = BoundedCache(512)
+
+
+def measuring_now() -> bool:
+    """Whether a measured choice (this module's, or a launcher's tile: ``kernels/conv/tiles.py``) may
+    be timed here and now: measuring is on (``MEASURE_ENV``), no ``kernels.launch.compile_ahead`` is
+    running (its launches only compile: a time would mean nothing) and no CUDA graph is being
+    captured (timing synchronizes)."""
+    return (
+        environment.measuring()
+        and not launch.compiling_ahead()
+        and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    )
 
 
 def _full_key(key: str) -> str:
@@ -152,20 +163,15 @@ def choose(
     if launch.compiling_every_candidate():
         _run_every_candidate([*candidates.values(), *probes.values()])
         return default
-    if (
-        not environment.measuring()
-        or launch.compiling_ahead()
-        or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-    ):
+    if not measuring_now():
         return default
     if callable(key):
         key = key()
     full_key = _full_key(key)
-    if full_key in _memory:
-        return _remember(full_key, _memory[full_key], fast_key)
     cached = measurements.lookup(full_key, environment.cache_dir(), _is_choice)
     if cached is not None and cached["choice"] in candidates:
-        return _remember(full_key, cached["choice"], fast_key)
+        measurements.remember(full_key, cached)  # an answer read from the file: kept for the process too
+        return _settle(cached["choice"], fast_key)
     # with the real timer, kernels compile at once before they are timed: the unprobed candidates' and
     # the probes' first (with a probed candidate's other tiles where compiles run in worker processes),
     # a probed candidate's other tiles once its probe passed
@@ -202,7 +208,7 @@ def choose(
         [f"{n} {t:.3f} ms" for n, t in times.items()]
         + [f"{n} {t:.3f} ms on its first tile, not tuned" for n, t in screened.items()]))
     measurements.store(full_key, {"kind": "impl", "choice": best, "what": key}, environment.cache_dir())
-    return _remember(full_key, best, fast_key)
+    return _settle(best, fast_key)
 
 
 def _run_every_candidate(calls: list[Callable[[], object]]) -> None:
@@ -219,7 +225,6 @@ def _run_every_candidate(calls: list[Callable[[], object]]) -> None:
 def forget_in_memory() -> None:
     """Drop the answers kept in this process (the file stays): the next ``choose`` of each key reads
     the file or measures, as a new process would."""
-    _memory.clear()
     _fast.clear()
     measurements.forget_in_memory()
 
@@ -232,8 +237,8 @@ def is_final(fast_key: Hashable) -> bool:
     return _fast.peek(fast_key) is not None or not environment.measuring()
 
 
-def _remember(full_key: str, name: str, fast_key: Hashable | None) -> str:
-    _memory[full_key] = name
+def _settle(name: str, fast_key: Hashable | None) -> str:
+    """``name``, also kept under ``fast_key`` (the full key's answer is in ``measurements``)."""
     if fast_key is not None:
         _fast.put(fast_key, name)
     return name

@@ -1,4 +1,4 @@
-"""``ops.impl_choice``: measured once per key, remembered in memory and on disk, default on ties."""
+"""``impl_choice``: measured once per key, remembered in memory and on disk, default on ties."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import time
 import pytest
 import torch
 
-from fusion_backend import environment, measurements
+from fusion_backend import environment, impl_choice, measurements
 from fusion_backend.kernels.host import BoundedCache
-from fusion_backend.ops import impl_choice
 
 
 def cache_file():
@@ -22,7 +21,6 @@ def cache_file():
 def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.delenv(impl_choice.MEASURE_ENV, raising=False)
-    monkeypatch.setattr(impl_choice, "_memory", {})
     monkeypatch.setattr(impl_choice, "_fast", BoundedCache(8))
     measurements.forget_in_memory()
     yield
@@ -130,7 +128,7 @@ def test_only_settled_answers_are_kept_under_the_fast_key(monkeypatch):
     assert impl_choice.choose(key, CANDIDATES, "library", fast_key=("k",)) == "library"
     assert impl_choice._fast.peek(("k",)) is None
     monkeypatch.delenv(impl_choice.MEASURE_ENV)
-    impl_choice._memory[impl_choice._full_key("op-key")] = "fast"  # as if measured earlier
+    measurements.remember(impl_choice._full_key("op-key"), {"kind": "impl", "choice": "fast"})  # as if measured earlier
     assert impl_choice.choose(key, CANDIDATES, "library", fast_key=("k",)) == "fast"
     assert impl_choice.choose(key, CANDIDATES, "library", fast_key=("k",)) == "fast"
     assert impl_choice._fast.peek(("k",)) == "fast"
@@ -143,29 +141,10 @@ def test_a_candidate_whose_results_disagree_is_never_picked():
     disagree = lambda got, want: None if got == want else f"{got} != {want}"  # noqa: E731
     assert impl_choice.choose("k", results, "library", timer=timer, agree=disagree) == "library"
     assert calls == ["library"], "the disagreeing candidate is not even timed"
-    assert impl_choice._full_key("k") in impl_choice._memory, "the answer is remembered"
+    remembered = measurements.lookup(impl_choice._full_key("k"), environment.cache_dir())
+    assert remembered["choice"] == "library", "the answer is remembered"
     agree = lambda got, want: None  # noqa: E731
     assert impl_choice.choose("k2", results, "library", timer=timer, agree=agree) == "fast"
-
-
-def test_op_results_agree_within_the_dtype_bound():
-    """``conv_epilogue._results_agree``: TF32-vs-TF32 differences pass, a TF32-vs-fp32 sized one
-    (conv2d_mul_leaky_gelu_small on the H100: 2.7e-4) does not; integer winners and None entries are
-    ignored."""
-    from fusion_backend.ops import conv_epilogue as ce
-
-    g = torch.Generator().manual_seed(0)
-    ref = torch.randn(1000, generator=g)
-    winners = torch.randint(0, 8, (10,), dtype=torch.int8)
-    close = ref + 1e-6 * torch.randn(1000, generator=g)
-    far = ref + 3e-4 * torch.randn(1000, generator=g)
-    assert ce.forward.results_agree((close, winners, None), (ref, winners.flip(0), None)) is None
-    assert "relative difference" in ce.forward.results_agree((far,), (ref,))
-    nan = ref.clone()
-    nan[3] = float("nan")
-    assert "non-finite" in ce.forward.results_agree((ref,), (nan,))
-    half = ref.to(torch.bfloat16)
-    assert ce.forward.results_agree((half + 1e-3 * half,), (half,)) is None
 
 
 def test_a_probe_far_behind_screens_its_candidate_out_untuned():
@@ -243,7 +222,7 @@ def test_a_background_compile_runs_every_candidate_and_probe_and_remembers_nothi
 
     assert launch.compile_in_background([ask]) is None  # nothing was captured: nothing to wait for
     assert answers == ["library"] and sorted(ran) == ["fast", "library", "tuned", "tuned probe"]
-    assert not impl_choice.is_final(("background",)) and not impl_choice._memory
+    assert not impl_choice.is_final(("background",)) and not measurements.entries(environment.cache_dir())
 
 
 def test_nothing_compiles_in_the_background_without_a_worker_pool(monkeypatch):
