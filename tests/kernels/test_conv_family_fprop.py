@@ -245,6 +245,11 @@ def test_chain_after_the_bias_as_a_per_channel_multiplier_and_activations(dtype)
     residual = _channels_last(_randn(2, 10, 7, 6, g=g, dtype=dtype))
     _check("folded-bn-residual-relu", x, w, None, padding=1, chain=[(OP["mul"], [scale]), (OP["add"], [shift])],
            residual=residual, act_out="relu", stats=True)  # fmt: skip
+    # the same BatchNorm through the kernel's own scale and bias vectors, a chain after them
+    _check("scale-shift-relu-gelu", x, w, shift, padding=1, scale=scale, chain=[(OP["relu"], []), (OP["gelu"], [])],
+           tile=SMALL)  # fmt: skip
+    _check("scale-shift-stride2-depthwise", x, _randn(12, 1, 3, 3, g=g, dtype=dtype), shift.new_ones(12) * 0.5,
+           stride=2, groups=12, scale=_randn(12, g=g).to(dtype), act_out="relu")  # fmt: skip
 
 
 def test_chain_constants_key_the_plan_and_tensor_operands_are_bound_per_call():
@@ -476,6 +481,7 @@ def _bad_calls():
         ("must be >= 1", lambda: conv_fprop(x, w, stride=0)),
         ("empty output", lambda: conv_fprop(x, torch.randn(6, 4, 7, 7, device=DEVICE))),
         ("bias must be", lambda: conv_fprop(x, w, torch.ones(5, device=DEVICE))),
+        ("scale must be .* contiguous", lambda: conv_fprop(x, w, scale=torch.ones(8, device=DEVICE)[::2])),
         ("residual must be channels-last dense", lambda: conv_fprop(x, w, padding=1, residual=cl.contiguous())),
         ("residual must be", lambda: conv_fprop(x, w, residual=cl)),
         ("prologue scale must be contiguous fp32 (4,)", lambda: conv_fprop(x, w, prologue=ChannelAffine(ones4[:3], ones4))),

@@ -488,7 +488,7 @@ def conv_dgrad(
             raise ContractError(f"input_size must have grad_y's rank {grad_y.dim()}, got {size}")
         # a stand-in for x with no memory: the forward's checks and geometry on the input's shape
         x_like = torch.empty((), dtype=grad_y.dtype, device=grad_y.device).expand(size)
-        geo = _check_call(x_like, weight, None, None, stride, padding, dilation, groups)
+        geo = _check_call(x_like, weight, None, None, None, stride, padding, dilation, groups)
         check_grad_y(grad_y, geo.out_shape, x_like)
         if geo.n * math.prod(geo.size) > _INT32_LIMIT:
             raise ContractError(f"{geo.n * math.prod(geo.size)} input positions exceed the kernel's int32 row index")

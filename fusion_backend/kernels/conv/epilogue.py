@@ -4,7 +4,8 @@ per-channel statistics.
 
 Order (per element, all in fp32 from the fp32 accumulator; one rounding, at the store)::
 
-    v = acc + bias[c]                       (HAS_BIAS)
+    v = acc * scale[c]                      (HAS_SCALE: a folded eval BatchNorm's scale, fp32)
+    v = v + bias[c]                         (HAS_BIAS)
     v = chain(v)                            (CHAIN: ``chain_math`` op codes, operands from the matrix
                                              ``q``: a folded eval BatchNorm's scale and shift, a
                                              per-channel multiplier, activations, clamps, ...)
@@ -37,15 +38,16 @@ from .prologue import activation
 
 
 @triton.jit
-def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, bias_ptr, res_ptr, part_ptr, q_ptr, slope_out, C_OUT,
-               M_TILES, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr, ACT_OUT: tl.constexpr,
-               RESIDUAL: tl.constexpr, STATS: tl.constexpr, BIG: tl.constexpr):  # fmt: skip
+def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, scale_ptr, bias_ptr, res_ptr, part_ptr, q_ptr, slope_out,
+               C_OUT, M_TILES, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr,
+               ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr, STATS: tl.constexpr, BIG: tl.constexpr):  # fmt: skip
     """Finish and store one tile (module docstring for the order).
 
     acc       fp32 ``[BLOCK_M, BLOCK_N]``: rows ``m`` (output positions, ``m_ok``: ``< M``), columns ``c``
               (output channels, ``c_ok``: real ones of this group).
     out_ptr   the output, channels-last dense: element ``(m, c)`` at ``m * C_OUT + c``; its dtype is the
               stored one.
+    scale_ptr HAS_SCALE: ``(C_OUT,)`` contiguous, fp32 or the output dtype: multiplies the accumulator.
     bias_ptr  HAS_BIAS: ``(C_OUT,)`` contiguous, fp32 or the output dtype.
     q_ptr     CHAIN (a tuple of ``chain_math.MAX_SLOTS`` op codes, all 0: none): the chain's operand
               matrix, fp32 ``(chain_math.NUM_PARAM_ROWS, C_OUT)`` contiguous (``epilogue.build_params``).
@@ -55,6 +57,8 @@ def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, bias_ptr, res_ptr, part_pt
     BIG       int64 element offsets.
     """
     v = acc
+    if HAS_SCALE:
+        v = v * tl.load(scale_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         v = v + tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     if CHAIN[0] != 0:

@@ -27,8 +27,8 @@ GEMM mapping (every rank lifted to 3d with leading size-1 spatial dims):
 
 Hooks (``hooks``; device code in ``prologue`` and ``epilogue``): the A tile applies the prologue and
 the input activation, then zeroes the padded taps (the conv pads the activated tensor); the store
-applies the bias, the pointwise chain, the output activation, the residual (before or after that
-activation) and writes the per-channel partial statistics of the stored values.
+applies the scale and the bias, the pointwise chain, the output activation, the residual (before or
+after that activation) and writes the per-channel partial statistics of the stored values.
 
 Numerics: fp16/bf16 operands with fp32 accumulation, output in the input dtype; fp32 operands dot
 in TF32 (each operand rounded to nearest first, ``kernels.tf32``) iff ``torch.backends.cudnn.
@@ -80,7 +80,7 @@ _INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
 @triton.jit
 def conv_fprop_kernel(
-    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
     slope_in, slope_out,
     M, D, H, W, OD, OH, OW, C_IN, C_OUT, C_OUT_G, M_TILES,
     x_sn, x_sd, x_sh, x_sw,
@@ -90,7 +90,8 @@ def conv_fprop_kernel(
     PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr, ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr, ACT_OUT: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     STATS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
     DEPTHWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -104,7 +105,8 @@ def conv_fprop_kernel(
       w_ptr    the prearranged weight (groups, COUT_PAD, K_ROW), the compute dtype, contiguous, zero
                padded (``prearrange_weight``), or the weight itself where its channels-last memory is that
                matrix; ``DEPTHWISE``: (C_OUT, taps) rows, contiguous.
-      bias_ptr, res_ptr, out_ptr, part_ptr, q_ptr: ``epilogue.store_tile``'s (out: (M, C_OUT) row-major).
+      scale_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, q_ptr: ``epilogue.store_tile``'s (out: (M, C_OUT)
+               row-major).
       p0..p3   the prologue's vectors (``prologue.normalise``).
     Unused pointers receive any tensor and are never dereferenced.
     Runtime: ``slope_in`` / ``slope_out`` the leaky slopes; ``M = N * OD * OH * OW``; ``C_OUT_G`` the
@@ -123,8 +125,8 @@ def conv_fprop_kernel(
             x_ptr, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, pid_n, M, D, H, W, OD, OH, OW, C_IN,
             C_OUT, C_OUT_G, x_sn, x_sd, x_sh, x_sw, KD, KH, KW, SD, SH, SW, PD, PH, PW, DD, DH, DW, PROLOGUE,
             G_NORM, NORM_AFFINE, ACT_IN, BIG, BLOCK_M, BLOCK_N)  # fmt: skip
-        store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, bias_ptr, res_ptr, part_ptr, q_ptr, slope_out, C_OUT,
-                   M_TILES, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
+        store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, scale_ptr, bias_ptr, res_ptr, part_ptr, q_ptr, slope_out,
+                   C_OUT, M_TILES, HAS_SCALE, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
         return
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -146,8 +148,8 @@ def conv_fprop_kernel(
         b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
         acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
 
-    store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, bias_ptr, res_ptr, part_ptr, q_ptr,
-               slope_out, C_OUT, M_TILES, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
+    store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, scale_ptr, bias_ptr, res_ptr, part_ptr,
+               q_ptr, slope_out, C_OUT, M_TILES, HAS_SCALE, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
 
 
 @triton.jit
@@ -266,7 +268,7 @@ class _Geometry:
         return self.n * math.prod(self.out_size)
 
 
-def _check_call(x: Any, weight: Any, bias: Any, residual: Any, stride: Any, padding: Any, dilation: Any,
+def _check_call(x: Any, weight: Any, scale: Any, bias: Any, residual: Any, stride: Any, padding: Any, dilation: Any,
                 groups: Any) -> _Geometry:  # fmt: skip
     """Every contract of the tensors and hyper-parameters but the hooks'; :class:`ContractError`
     (one line) on the first broken one."""
@@ -284,7 +286,7 @@ def _check_call(x: Any, weight: Any, bias: Any, residual: Any, stride: Any, padd
     dtypes = _INTERPRETER_DTYPES if device.type == "cpu" else _CUDA_DTYPES
     if x.dtype not in dtypes:
         raise ContractError(f"x must be {' or '.join(str(d).removeprefix('torch.') for d in dtypes)}, got {x.dtype}")
-    for name, t in (("weight", weight), ("bias", bias), ("residual", residual)):
+    for name, t in (("weight", weight), ("scale", scale), ("bias", bias), ("residual", residual)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.device != device):
             where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
             raise ContractError(f"{name} must be a tensor on {device} with x, got {where}")
@@ -311,9 +313,11 @@ def _check_call(x: Any, weight: Any, bias: Any, residual: Any, stride: Any, padd
                             f"{tuple(d * (k - 1) + 1 for k, d in zip(kernel, dilation_, strict=True))} with padding "
                             f"{padding_}: empty output")  # fmt: skip
     out_shape = (n, c_out, *out_size)
-    if bias is not None:
-        if tuple(bias.shape) != (c_out,) or bias.dtype not in (x.dtype, torch.float32):
-            raise ContractError(f"bias must be ({c_out},) {x.dtype} or float32, got {tuple(bias.shape)} {bias.dtype}")
+    for name, t in (("scale", scale), ("bias", bias)):
+        if t is not None and (tuple(t.shape) != (c_out,) or t.dtype not in (x.dtype, torch.float32)
+                              or t.stride() != (1,)):  # fmt: skip
+            raise ContractError(f"{name} must be ({c_out},) {x.dtype} or float32, contiguous, got {tuple(t.shape)} "
+                                f"{t.dtype} strides {t.stride()}")  # fmt: skip
     if residual is not None:
         if tuple(residual.shape) != out_shape or residual.dtype != x.dtype:
             raise ContractError(f"residual must be {out_shape} {x.dtype} like the output, got "
@@ -356,8 +360,8 @@ class _Plan:
     strides, dtypes, hook kinds, tile, precision), built once (``_PLANS``); ``run`` binds tensors."""
 
     def __init__(self, geo: _Geometry, x: torch.Tensor, weight: torch.Tensor, prologue: Prologue | None, act_in: int,
-                 act_out: int, has_bias: bool, chain: Sequence[KernelStep], residual_mode: int, stats: bool,
-                 tile: TileConfig, precision: str) -> None:  # fmt: skip
+                 act_out: int, has_scale: bool, has_bias: bool, chain: Sequence[KernelStep], residual_mode: int,
+                 stats: bool, tile: TileConfig, precision: str) -> None:  # fmt: skip
         self.geo, self.tile, self.stats = geo, tile, stats
         #: the chain's operand matrix, assembled per call from its tensor operands (None: no chain)
         self.chain = OperandMatrix(chain, None, geo.c_out, x.device) if chain else None
@@ -394,7 +398,7 @@ class _Plan:
             PD=geo.padding[0], PH=geo.padding[1], PW=geo.padding[2],
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
-            HAS_BIAS=has_bias, CHAIN=op_codes(chain), ACT_OUT=act_out, RESIDUAL=residual_mode, STATS=stats,
+            HAS_SCALE=has_scale, HAS_BIAS=has_bias, CHAIN=op_codes(chain), ACT_OUT=act_out, RESIDUAL=residual_mode, STATS=stats,
             PRECISION=precision, BIG=big, FLAT_K=tile.flat_k, DEPTHWISE=self.depthwise,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
@@ -402,8 +406,8 @@ class _Plan:
         fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, *x_strides)
         self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
 
-    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chain: Sequence[KernelStep],
-            residual: torch.Tensor | None, prologue: Prologue | None,
+    def run(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+            chain: Sequence[KernelStep], residual: torch.Tensor | None, prologue: Prologue | None,
             slopes: tuple[float, float]) -> tuple[torch.Tensor, ChannelStats | None]:  # fmt: skip
         geo = self.geo
         if geo.m == 0:  # N == 0: nothing to launch
@@ -423,7 +427,8 @@ class _Plan:
             partials = torch.empty((2, self.m_tiles, geo.c_out), dtype=torch.float32, device=self.device)
         p = [out if t is None else t for t in hooks.prologue_tensors(prologue)]
         q = out if self.chain is None else self.chain.build(tensor_rows(chain, None))
-        self.launch(x, w, out if bias is None else bias, out if residual is None else residual, out,
+        self.launch(x, w, out if scale is None else scale, out if bias is None else bias,
+                    out if residual is None else residual, out,
                     out if partials is None else partials, q, *p, *slopes)  # fmt: skip
         return out, None if partials is None else reduce_partials(partials, geo.m)
 
@@ -443,6 +448,7 @@ def conv_fprop(
     groups: int = 1,
     prologue: Prologue | None = None,
     act_in: ActivationLike = None,
+    scale: torch.Tensor | None = None,
     chain: Sequence[KernelStep] = (),
     act_out: ActivationLike = None,
     residual: torch.Tensor | None = None,
@@ -451,8 +457,8 @@ def conv_fprop(
     tile: TileConfig | None = None,
     allow_tf32: bool | None = None,
 ) -> tuple[torch.Tensor, ChannelStats | None]:
-    """``out = act_out(chain(conv(act_in(prologue(x)), weight) + bias) [+ residual]) [+ residual]`` and,
-    with ``stats``, the per-channel sums of ``out`` and ``out**2``, in one kernel launch.
+    """``out = act_out(chain(conv(act_in(prologue(x)), weight) * scale + bias) [+ residual]) [+ residual]``
+    and, with ``stats``, the per-channel sums of ``out`` and ``out**2``, in one kernel launch.
 
     x         (N, C_in, *spatial), 1 to 3 spatial dims, fp32/fp16/bf16 (no bf16 under the interpreter),
               on CUDA (on CPU under ``TRITON_INTERPRET=1``).  Channels-last strides (channel stride 1;
@@ -460,7 +466,10 @@ def conv_fprop(
               once to channels-last first (one extra pass over ``x``).
     weight    (C_out, C_in/groups, *k), x's dtype, any strides: read in place where it is channels-last
               dense and the tile divides its channels per group, else prearranged per call.
-    bias      None or (C_out,), x's dtype or fp32.
+    scale     None or (C_out,), x's dtype or fp32, contiguous: multiplies the conv's fp32 result before
+              the bias (a folded eval BatchNorm: ``scale`` its scale, ``bias`` its shift; no operand
+              matrix to build per call, unlike the same steps in ``chain``).
+    bias      None or (C_out,), x's dtype or fp32, contiguous.
     stride, padding, dilation: an int or one int per spatial dim (symmetric padding, as ``F.conv*d``).
     groups    divides C_in and C_out; one input channel per group (depthwise, any channel multiplier,
               or a single-channel input) runs a direct tile of its own, not the GEMM.
@@ -495,30 +504,30 @@ def conv_fprop(
     residual_mode = hooks.RESIDUAL_NONE if residual is None else (
         hooks.RESIDUAL_AFTER_ACT if residual_after_act else hooks.RESIDUAL_BEFORE_ACT)  # fmt: skip
     precision_flag = bool(torch.backends.cudnn.allow_tf32 if allow_tf32 is None else allow_tf32)
-    key = plan_key(x, weight, bias, residual, *hooks.prologue_tensors(prologue), hooks.plan_parts(prologue),
+    key = plan_key(x, weight, scale, bias, residual, *hooks.prologue_tensors(prologue), hooks.plan_parts(prologue),
                    _hashable(stride), _hashable(padding), _hashable(dilation), groups, code_in, code_out,
                    _chain_key(chain), residual_mode, bool(stats), tile, precision_flag)  # fmt: skip
 
     def build() -> _Plan:
-        geo = _check_call(x, weight, bias, residual, stride, padding, dilation, groups)
+        geo = _check_call(x, weight, scale, bias, residual, stride, padding, dilation, groups)
         hooks.check_prologue(prologue, geo.n, geo.c_in, x.device)
         _check_chain(chain, geo.c_out, x.device)
         precision = dot_precision(x.dtype, precision_flag, INTERPRETER)
 
         def plan_with(t: TileConfig) -> _Plan:
             t.check()
-            return _Plan(geo, x, weight, prologue, code_in, code_out, bias is not None, chain, residual_mode,
-                         bool(stats), t, precision)  # fmt: skip
+            return _Plan(geo, x, weight, prologue, code_in, code_out, scale is not None, bias is not None, chain,
+                         residual_mode, bool(stats), t, precision)  # fmt: skip
 
         if tile is not None:
             return plan_with(tile)
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None)  # the direct depthwise path (``_Plan.depthwise``)
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
-            plan_with(t).run, x, weight, bias, chain, residual, prologue, (slope_in, slope_out)), x.device))
+            plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out)), x.device))
 
     plan = cached_plan(_PLANS, key, build)
-    return plan.run(x, weight, bias, chain, residual, prologue, (slope_in, slope_out))
+    return plan.run(x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out))
 
 
 def _chain_key(chain: Sequence[KernelStep]) -> tuple:

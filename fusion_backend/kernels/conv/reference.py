@@ -88,6 +88,7 @@ def conv_fprop_reference(
     groups: int = 1,
     prologue: Prologue | None = None,
     act_in: ActivationLike = None,
+    scale: torch.Tensor | None = None,
     chain: Sequence[KernelStep] = (),
     act_out: ActivationLike = None,
     residual: torch.Tensor | None = None,
@@ -100,8 +101,13 @@ def conv_fprop_reference(
     dtype = x.dtype if dtype is None else dtype
     v = apply_activation(apply_prologue(x.to(dtype), prologue, dtype), act_in)
     conv = _CONV[x.dim()]
-    y = conv(v, weight.to(dtype), None if bias is None else bias.to(dtype), stride=stride, padding=padding,
-             dilation=dilation, groups=groups)  # fmt: skip
+    per_channel = (-1, *(1,) * (x.dim() - 2))
+    fused_bias = None if bias is None or scale is not None else bias.to(dtype)  # the conv adds it, as eager's
+    y = conv(v, weight.to(dtype), fused_bias, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    if scale is not None:
+        y = y * scale.to(dtype).view(per_channel)
+        if bias is not None:
+            y = y + bias.to(dtype).view(per_channel)
     y = apply_chain(y, chain, dtype)
     if residual is not None and not residual_after_act:
         y = y + residual.to(dtype)

@@ -406,7 +406,7 @@ def conv_wgrad(
                    tile, split, precision_flag)  # fmt: skip
 
     def build() -> _WgradPlan:
-        geo = _check_call(x, weight, None, None, stride, padding, dilation, groups)
+        geo = _check_call(x, weight, None, None, None, stride, padding, dilation, groups)
         check_grad_y(grad_y, geo.out_shape, x)
         hooks.check_prologue(prologue, geo.n, geo.c_in, x.device)
         precision = backward_dot_precision(x.dtype, precision_flag)

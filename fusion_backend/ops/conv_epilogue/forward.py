@@ -20,7 +20,7 @@ from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
 from .. import conv_precision
-from ..chain import ChainValue, TensorRef
+from ..chain import ChainValue, PointwiseKind, TensorRef
 from ..chain_lowering import kernel_steps
 from ..config import ConvEpilogueConfig
 from ..conv_io import (
@@ -608,6 +608,11 @@ class FamilyForward:
     lowers the chain with this call's operands (``kernel_steps``) and launches; the family keeps its
     own launch plan per signature (its tile timed once: ``kernels.conv.tiles``).
 
+    A chain that opens with a per-channel ``mul`` (and then a per-channel ``add``) on a conv without a
+    bias, as a folded eval BatchNorm does, hands those operands to the kernel's ``scale`` and ``bias``
+    (same arithmetic, in fp32: ``acc * scale + shift``): they are read through their own pointers, and
+    no operand matrix is built per call.
+
     Precision: fp32 dots in TF32 only where eager's conv of x and the weight is (``conv_precision``);
     the chain runs on the fp32 accumulator and rounds once, at the store.
     """
@@ -620,17 +625,39 @@ class FamilyForward:
         y0, _, outputs = _forward_layouts(x, weight, operands, cfg, save, self.dtype)
         #: the unused saved-state outputs (empty placeholders: nothing is saved)
         self.placeholders = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs[1:]]
-        self.chain, self.ndim, self.channels = cfg.chain, y0.dim(), y0.shape[1]
+        self.ndim, self.channels = y0.dim(), y0.shape[1]
+        steps = list(cfg.chain)
+        #: the operands the kernel reads as its per-channel scale and bias (None: not so)
+        self.scale_source = self.shift_source = None
+        if bias is None and self._leading(steps, PointwiseKind.MUL, operands):
+            self.scale_source = steps.pop(0).operands[0].index
+            if self._leading(steps, PointwiseKind.ADD, operands):
+                self.shift_source = steps.pop(0).operands[0].index
+        self.chain = tuple(steps)
         spec = cfg.conv
         self.conv_args = dict(stride=spec.stride, padding=spec.padding, dilation=spec.dilation, groups=spec.groups)
+
+    def _leading(self, steps: Sequence[Any], kind: PointwiseKind, operands: Sequence[Tensor]) -> bool:
+        """Whether ``steps`` opens with ``kind`` of one per-channel operand tensor the kernel reads as a
+        vector (``self.channels`` values, fp32 or the compute dtype)."""
+        if not steps or steps[0].kind != kind or len(steps[0].operands) != 1:
+            return False
+        ref = steps[0].operands[0]
+        if not isinstance(ref, TensorRef):
+            return False
+        t = operands[ref.index]
+        return t.numel() == self.channels > 1 and t.dtype in (torch.float32, self.dtype)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         from ...kernels.conv import conv_fprop  # lazily: TRITON_INTERPRET is read at import
 
         xc, wc, bc = cast_inputs(x, weight, bias, self.dtype)
+        scale = None if self.scale_source is None else operands[self.scale_source].reshape(-1).contiguous()
+        if self.shift_source is not None:
+            bc = operands[self.shift_source].reshape(-1).contiguous()
         steps = kernel_steps(self.chain, operands, self.ndim, self.channels)
-        out, _ = conv_fprop(xc, wc, bc, chain=steps, allow_tf32=self.tf32, **self.conv_args)
+        out, _ = conv_fprop(xc, wc, bc, scale=scale, chain=steps, allow_tf32=self.tf32, **self.conv_args)
         saved_y0, saved_winner = (
             torch.empty_strided(shape, stride, dtype=dtype, device=x.device) for shape, stride, dtype in self.placeholders
         )  # fmt: skip
