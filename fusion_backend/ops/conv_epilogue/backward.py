@@ -22,7 +22,6 @@ from .forward import (
     PlannedOperands,
     call_signature,
     choice_key,
-    conv_impl_mode,
     epilogue_kernels,
     logger,
     measured_plan,
@@ -70,7 +69,7 @@ def plan_for(
     ``plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner)``."""
 
     args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
-    mode = conv_impl_mode()
+    mode = environment.conv_impl()
     if mode in ("library", "family") or (mode == "auto" and x.device.type != "cuda"):
         plan = LibraryBackward(*args, cfg, mask)  # auto on CPU: the interpreter is slow (tests force "triton")
         return plan, plan.settled

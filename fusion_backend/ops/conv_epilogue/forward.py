@@ -27,6 +27,7 @@ from ..conv_io import (
     DECISIONS,
     channels_last_format,
     conv_output_shape,
+    empty_placeholder,
     output_memory_format,
     planned_relayout,
     pooled_output_shape,
@@ -51,13 +52,6 @@ def epilogue_kernels() -> ModuleType:
     return epilogue
 
 
-def conv_impl_mode() -> str:
-    # ``auto`` is the default: the faster path per shape, measured once (``impl_choice``).  On the
-    # H100 the fused forward wins on the ConvT3d pipeline of the ``seeds`` suite (0.25 vs 0.73 ms
-    # fp32) and cuDNN on its Conv2d 64->64 pipeline.
-    return environment.conv_impl()  # validated where it is read
-
-
 def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) -> tuple[str, str | None]:
     """Which conv the Triton forward runs: ``("triton", None)`` for the fused implicit-GEMM kernel
     (``forward_kernels``: ``kernels.conv_dense`` or ``kernels.conv_fused``), ``("library", why)``
@@ -72,7 +66,7 @@ def conv_impl(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig, save: bool) ->
     kernel and raises ``UnsupportedInputError`` (handled by the failure policy: strict raises, else
     warn and run the reference) when it cannot serve the case.
     """
-    mode = conv_impl_mode()
+    mode = environment.conv_impl()
     if mode == "library":
         return "library", f"{CONV_IMPL_ENV}=library"
     if mode == "auto" and x.device.type != "cuda":
@@ -307,7 +301,7 @@ def plan_for(
     conv serves and the timer has no CUDA device: ``_times_library_layouts``).  ``settled``: the
     same signature always gets this answer (not while the choice is unmeasured), so the caller may
     keep the plan (nor while the plan's precision is unsettled: ``FusedForward``'s)."""
-    mode = conv_impl_mode()
+    mode = environment.conv_impl()
     if mode == "family":
         why = family_forward_unsupported(x, weight, operands, cfg, save)
         if why is not None:
@@ -588,7 +582,7 @@ def family_forward_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Ten
         if any(isinstance(o, ChainValue) for step in cfg.chain for o in step.operands):
             return "a chain step reads an earlier chain value"
         dtype = conv_compute_dtype(cfg, x)
-        y0, _, (out, _, _) = _forward_layouts(x, weight, operands, cfg, save, dtype)
+        out = _forward_layouts(x, weight, operands, cfg, save, dtype)[2][0]
         if out.dtype != dtype:
             return f"the output's dtype {out.dtype} is not the conv's {dtype}"
         written = torch.empty(out.shape, dtype=dtype, device="meta", memory_format=channels_last_format(out.dim()))
@@ -622,9 +616,7 @@ class FamilyForward:
         self.dtype = conv_compute_dtype(cfg, x)
         precision = conv_precision.forward_tf32(x, weight, cfg.conv, self.dtype)
         self.tf32, self.settled = precision.tf32, precision.settled
-        y0, _, outputs = _forward_layouts(x, weight, operands, cfg, save, self.dtype)
-        #: the unused saved-state outputs (empty placeholders: nothing is saved)
-        self.placeholders = [(tuple(t.shape), t.stride(), t.dtype) for t in outputs[1:]]
+        y0 = _forward_layouts(x, weight, operands, cfg, save, self.dtype)[0]
         self.ndim, self.channels = y0.dim(), y0.shape[1]
         steps = list(cfg.chain)
         #: the operands the kernel reads as its per-channel scale and bias (None: not so)
@@ -640,12 +632,9 @@ class FamilyForward:
     def _leading(self, steps: Sequence[Any], kind: PointwiseKind, operands: Sequence[Tensor]) -> bool:
         """Whether ``steps`` opens with ``kind`` of one per-channel operand tensor the kernel reads as a
         vector (``self.channels`` values, fp32 or the compute dtype)."""
-        if not steps or steps[0].kind != kind or len(steps[0].operands) != 1:
+        if not steps or steps[0].kind != kind or not isinstance(steps[0].operands[0], TensorRef):
             return False
-        ref = steps[0].operands[0]
-        if not isinstance(ref, TensorRef):
-            return False
-        t = operands[ref.index]
+        t = operands[steps[0].operands[0].index]
         return t.numel() == self.channels > 1 and t.dtype in (torch.float32, self.dtype)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
@@ -658,7 +647,4 @@ class FamilyForward:
             bc = operands[self.shift_source].reshape(-1).contiguous()
         steps = kernel_steps(self.chain, operands, self.ndim, self.channels)
         out, _ = conv_fprop(xc, wc, bc, scale=scale, chain=steps, allow_tf32=self.tf32, **self.conv_args)
-        saved_y0, saved_winner = (
-            torch.empty_strided(shape, stride, dtype=dtype, device=x.device) for shape, stride, dtype in self.placeholders
-        )  # fmt: skip
-        return out, saved_y0, saved_winner
+        return out, empty_placeholder(x), empty_placeholder(x)  # nothing saved: the state's placeholders
