@@ -77,17 +77,17 @@ def _channels_last(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def family_forward(monkeypatch, exact_fp32, fresh_plans):
-    """Forces the family's forward and records every call of ``conv_fprop`` through it."""
+    """Forces the family's forward and records the arguments of every family launch plan it makes."""
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
     monkeypatch.setenv(ce.CONV_IMPL_ENV, "family")
     calls = []
-    real = conv_family.conv_fprop
+    real = conv_family.fprop_plan
 
     def recording(*args, **kwargs):
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(conv_family, "conv_fprop", recording)
+    monkeypatch.setattr(conv_family, "fprop_plan", recording)
     return calls
 
 
@@ -148,3 +148,23 @@ def test_auto_measures_the_family_among_the_candidates_where_it_serves(fresh_pla
     cfg = _config()
     assert "family" in ce.forward.forward_candidates(x, w, None, [], cfg, False, fused=False)
     assert "family" not in ce.forward.forward_candidates(x, w, None, [], cfg, True, fused=False)
+
+
+def test_the_family_launch_is_planned_once_per_signature_and_not_kept_while_launches_only_compile(
+        family_forward, monkeypatch):  # fmt: skip
+    """The plan keeps the family's launch from its first call on (no per-call plan key); a launch made
+    while launches only compile holds an untimed tile and is asked for again at the next call."""
+    from fusion_backend.kernels.conv import fprop
+
+    x = _channels_last(torch.randn(2, 4, 6, 6, device=DEVICE))
+    w = torch.randn(5, 4, 3, 3, device=DEVICE).to(memory_format=torch.channels_last)
+    plan = ce.forward.FamilyForward(x, w, None, [], _config(), False)
+    monkeypatch.setattr(fprop, "compiling_only", lambda: True)
+    plan(x, w, None, [])
+    assert plan.launch is None and len(family_forward) == 1
+    monkeypatch.setattr(fprop, "compiling_only", lambda: False)
+    first, _, _ = plan(x, w, None, [])
+    again, _, _ = plan(x, w, None, [])
+    assert plan.launch is not None and len(family_forward) == 2
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    torch.testing.assert_close(first, ce.reference.forward(x, w, None, [], _config(), False)[0])

@@ -18,7 +18,7 @@ Modules (one responsibility each):
 * ``prologue``  device: the A tile of the implicit GEMM, gathered with the prologue applied;
 * ``epilogue``  device: bias, the pointwise chain, activation, residual, store, per-tile statistics;
 * ``stats``     the statistics' host reduction (deterministic) and ``ChannelStats``;
-* ``fprop``     the forward kernel and its launcher ``conv_fprop``;
+* ``fprop``     the forward kernel, its launcher ``conv_fprop`` and its plan ``fprop_plan``;
 * ``dgrad``     the input gradient (also a transposed conv's forward) and ``conv_dgrad``;
 * ``grad_epilogue`` device: dgrad's store with the backward hooks (act', BatchNorm-backward sums);
 * ``wgrad``     the weight gradient, the forward's prologue recomputed on load, and ``conv_wgrad``;
@@ -32,7 +32,7 @@ nothing (inference), where it measures faster than its other paths (``ops/conv_e
 """
 
 from .dgrad import conv_dgrad
-from .fprop import conv_fprop
+from .fprop import FpropCall, conv_fprop, fprop_plan
 from .hooks import Activation, ChannelAffine, GroupAffine, NormStats, SampleChannelScale
 from .stats import BatchNormGradSums, ChannelStats
 from .tiles import TileConfig, pick_tile
@@ -43,6 +43,7 @@ __all__ = [
     "BatchNormGradSums",
     "ChannelAffine",
     "ChannelStats",
+    "FpropCall",
     "GroupAffine",
     "NormStats",
     "SampleChannelScale",
@@ -50,5 +51,6 @@ __all__ = [
     "conv_dgrad",
     "conv_fprop",
     "conv_wgrad",
+    "fprop_plan",
     "pick_tile",
 ]

@@ -62,7 +62,7 @@ from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile, load_depthwise_tile, window_rows
 from .stats import ChannelStats, empty_stats, reduce_partials
-from .tiles import TileConfig, cached_plan, candidates, tuned_tile
+from .tiles import TileConfig, cached_plan, candidates, compiling_only, tuned_tile
 
 _INT32_LIMIT = 2**31 - 1
 #: Tensors that span more elements than this get int64 offsets (``BIG``); a module constant so that
@@ -493,6 +493,53 @@ def conv_fprop(
     Raises ``plan_cache.ContractError`` (a ``ValueError``, one line) for any broken contract before
     anything launches.
     """
+    plan = fprop_plan(x, weight, bias, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                      prologue=prologue, act_in=act_in, scale=scale, chain=chain, act_out=act_out, residual=residual,
+                      residual_after_act=residual_after_act, stats=stats, tile=tile, allow_tf32=allow_tf32)  # fmt: skip
+    return plan(x, weight, scale, bias, chain, residual, prologue)
+
+
+@dataclass(frozen=True)
+class FpropCall:
+    """A :func:`conv_fprop` plan bound to its signature's activation slopes: ``call(x, weight, scale,
+    bias, chain, residual, prologue)`` launches it on a call of that signature (tensors of the same
+    shapes, strides, dtypes and devices; chain operands of the same sizes).  ``final``: False where it
+    was made while launches only compile (``tiles.cached_plan``: its tile untimed), so that a caller
+    keeping it asks :func:`fprop_plan` again at its next call."""
+
+    plan: _Plan
+    slopes: tuple[float, float]
+    final: bool
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                 chain: Sequence[KernelStep], residual: torch.Tensor | None,
+                 prologue: Prologue | None) -> tuple[torch.Tensor, ChannelStats | None]:  # fmt: skip
+        return self.plan.run(x, weight, scale, bias, chain, residual, prologue, self.slopes)
+
+
+def fprop_plan(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    stride: int | Sequence[int] = 1,
+    padding: int | Sequence[int] = 0,
+    dilation: int | Sequence[int] = 1,
+    groups: int = 1,
+    prologue: Prologue | None = None,
+    act_in: ActivationLike = None,
+    scale: torch.Tensor | None = None,
+    chain: Sequence[KernelStep] = (),
+    act_out: ActivationLike = None,
+    residual: torch.Tensor | None = None,
+    residual_after_act: bool = False,
+    stats: bool = False,
+    tile: TileConfig | None = None,
+    allow_tf32: bool | None = None,
+) -> FpropCall:
+    """The launch plan :func:`conv_fprop` runs for these arguments' signature (the same arguments, the
+    same contracts, checked here once), as an :class:`FpropCall` that a caller whose calls share one
+    signature may keep and call with each call's tensors, without building the plan key again."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise ContractError("x and weight must be tensors")
     if tile is not None and not isinstance(tile, TileConfig):
@@ -526,8 +573,7 @@ def conv_fprop(
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out)), x.device))
 
-    plan = cached_plan(_PLANS, key, build)
-    return plan.run(x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out))
+    return FpropCall(cached_plan(_PLANS, key, build), (slope_in, slope_out), not compiling_only())
 
 
 def _chain_key(chain: Sequence[KernelStep]) -> tuple:

@@ -172,7 +172,7 @@ def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
     entry = measurements.lookup(key, cache_dir, lambda e: e.get("kind") == "conv_tile")
     if entry is not None and 0 <= entry.get("index", -1) < len(tiles):
         return tiles[entry["index"]]
-    if _compiling_only():
+    if compiling_only():
         # Launches only submit compiles here (``kernels.launch``): every tile's kernel compiles in the
         # batch, and nothing is timed or remembered (a timing would read no GPU work).
         for tile in tiles:
@@ -193,7 +193,7 @@ def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
     return tiles[index]
 
 
-def _compiling_only() -> bool:
+def compiling_only() -> bool:
     """Whether launches only submit compiles now (``launch.compile_ahead``, ``compile_in_background``)."""
     return launch.compiling_ahead() or launch.compiling_every_candidate()
 
@@ -201,7 +201,7 @@ def _compiling_only() -> bool:
 def cached_plan(cache: PlanCache, key: Hashable, build: Callable[[], Any]) -> Any:
     """A launcher's plan for ``key``: ``cache.get(key, build)``, except while launches only compile
     (:func:`tuned_tile` answers an untimed tile there): then built and not kept."""
-    return build() if _compiling_only() else cache.get(key, build)
+    return build() if compiling_only() else cache.get(key, build)
 
 
 def _measuring(device: torch.device) -> bool:
@@ -209,7 +209,7 @@ def _measuring(device: torch.device) -> bool:
     measured choice may be timed now (``impl_choice.measuring_now``: measuring on, no compile ahead,
     no CUDA-graph capture) or would be but for a compile ahead (:func:`tuned_tile` compiles every
     tile there)."""
-    return device.type == "cuda" and (impl_choice.measuring_now() or (_compiling_only() and environment.measuring()))
+    return device.type == "cuda" and (impl_choice.measuring_now() or (compiling_only() and environment.measuring()))
 
 
 def depthwise_candidates(c_out: int, m: int) -> list[TileConfig]:

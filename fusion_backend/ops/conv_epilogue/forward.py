@@ -599,8 +599,8 @@ class FamilyForward:
     the bias and the chain in one kernel that writes ``out`` channels-last, for the calls
     ``family_forward_unsupported`` lets through (nothing saved, no pool).  A call casts x, the
     weight and the bias to the compute dtype where they are in another (as the library path does),
-    lowers the chain with this call's operands (``kernel_steps``) and launches; the family keeps its
-    own launch plan per signature (its tile timed once: ``kernels.conv.tiles``).
+    lowers the chain with this call's operands (``kernel_steps``) and launches the family's plan for
+    the signature, kept from the first call (``fprop_plan``; its tile timed once: ``kernels.conv.tiles``).
 
     A chain that opens with a per-channel ``mul`` (and then a per-channel ``add``) on a conv without a
     bias, as a folded eval BatchNorm does, hands those operands to the kernel's ``scale`` and ``bias``
@@ -626,6 +626,8 @@ class FamilyForward:
             if self._leading(steps, PointwiseKind.ADD, operands):
                 self.shift_source = steps.pop(0).operands[0].index
         self.chain = tuple(steps)
+        #: the family's launch for this signature (``fprop_plan``), kept from the first call on
+        self.launch = None
         spec = cfg.conv
         self.conv_args = dict(stride=spec.stride, padding=spec.padding, dilation=spec.dilation, groups=spec.groups)
 
@@ -639,12 +641,16 @@ class FamilyForward:
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        from ...kernels.conv import conv_fprop  # lazily: TRITON_INTERPRET is read at import
-
         xc, wc, bc = cast_inputs(x, weight, bias, self.dtype)
         scale = None if self.scale_source is None else operands[self.scale_source].reshape(-1).contiguous()
         if self.shift_source is not None:
             bc = operands[self.shift_source].reshape(-1).contiguous()
         steps = kernel_steps(self.chain, operands, self.ndim, self.channels)
-        out, _ = conv_fprop(xc, wc, bc, scale=scale, chain=steps, allow_tf32=self.tf32, **self.conv_args)
+        launch = self.launch
+        if launch is None:
+            from ...kernels.conv import fprop_plan  # lazily: TRITON_INTERPRET is read at import
+
+            launch = fprop_plan(xc, wc, bc, scale=scale, chain=steps, allow_tf32=self.tf32, **self.conv_args)
+            self.launch = launch if launch.final else None
+        out, _ = launch(xc, wc, scale, bc, steps, None, None)
         return out, empty_placeholder(x), empty_placeholder(x)  # nothing saved: the state's placeholders
