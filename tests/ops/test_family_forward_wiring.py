@@ -123,6 +123,7 @@ def test_the_family_forward_says_why_it_cannot_serve_a_call():
     w = torch.randn(5, 4, 3, 3)
     assert _call(x, w, _config()) is None
     assert "saves the conv output" in _call(x, w, _config(), save=True)
+    assert "float64 conv" in _call(x.double(), w.double(), _config())
     assert "not channels-last" in _call(torch.randn(2, 4, 6, 6), w, _config())
     if DEVICE == "cpu":
         x3 = torch.randn(1, 4, 4, 5, 3).to(memory_format=torch.channels_last_3d)

@@ -582,6 +582,8 @@ def family_forward_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Ten
         if any(isinstance(o, ChainValue) for step in cfg.chain for o in step.operands):
             return "a chain step reads an earlier chain value"
         dtype = conv_compute_dtype(cfg, x)
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return f"a {dtype} conv (the family computes in fp32, fp16 or bf16)"
         out = _forward_layouts(x, weight, operands, cfg, save, dtype)[2][0]
         if out.dtype != dtype:
             return f"the output's dtype {out.dtype} is not the conv's {dtype}"
@@ -616,8 +618,7 @@ class FamilyForward:
         self.dtype = conv_compute_dtype(cfg, x)
         precision = conv_precision.forward_tf32(x, weight, cfg.conv, self.dtype)
         self.tf32, self.settled = precision.tf32, precision.settled
-        y0 = _forward_layouts(x, weight, operands, cfg, save, self.dtype)[0]
-        self.ndim, self.channels = y0.dim(), y0.shape[1]
+        self.ndim, self.channels = x.dim(), weight.shape[0]  # the output's (a direct conv)
         steps = list(cfg.chain)
         #: the operands the kernel reads as its per-channel scale and bias (None: not so)
         self.scale_source = self.shift_source = None
@@ -632,8 +633,7 @@ class FamilyForward:
         self.conv_args = dict(stride=spec.stride, padding=spec.padding, dilation=spec.dilation, groups=spec.groups)
 
     def _leading(self, steps: Sequence[Any], kind: PointwiseKind, operands: Sequence[Tensor]) -> bool:
-        """Whether ``steps`` opens with ``kind`` of one per-channel operand tensor the kernel reads as a
-        vector (``self.channels`` values, fp32 or the compute dtype)."""
+        """Whether ``steps`` opens with ``kind`` of one per-channel tensor (fp32 or the compute dtype)."""
         if not steps or steps[0].kind != kind or not isinstance(steps[0].operands[0], TensorRef):
             return False
         t = operands[steps[0].operands[0].index]
