@@ -347,6 +347,66 @@ def _fresh_dynamo():
 
 
 
+#: The suite's sm_90 compile checks, ``tools/compile_check.py`` job -> its cases (each test that reads
+#: a job says why those cases): ``tests/kernels/test_conv_family_sm90.py``,
+#: ``tests/kernels/test_epilogue_kernels.py`` and ``tests/ops/test_conv_global_mean_op.py``.
+SM90_COMPILE_CASES = {
+    "conv_family": ("resnet_3x3-bf16-hooked", "resnet_stem-fp32-hooked"),
+    "epilogue": ("none-fp32", "max-bf16", "avg-fp32"),
+    "global_mean": ("convt2d-fp32", "convt2d-bf16-cl", "conv2d_padded-fp32-cl"),
+}
+
+
+@pytest.fixture(scope="session")
+def sm90_compile_check(tmp_path_factory):
+    """``sm90_compile_check(job)`` -> what ``tools/compile_check.py`` printed for that job of
+    ``SM90_COMPILE_CASES`` (its summary line says ``JOB: all kernels compiled without spills`` where
+    every compile of the job passed); where it does not say so, the process's stderr follows.
+
+    One process compiles every job's cases, once per session (the first test to ask runs it, under a
+    lock in the session's temporary folder, which every xdist worker shares; the others read its
+    output): each process costs seconds of start-up (torch, Triton's NVIDIA backend) before it compiles
+    anything.  ``TRITON_INTERPRET`` is left out of its environment.  NOTE: 2-core CPU box, cold Triton
+    cache: the three jobs as three processes 59 s of CPU, as one 40 s (``time python
+    tools/compile_check.py conv_family epilogue global_mean --cases conv_family:...``)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, not older ones'
+    output = shared / "sm90_compile_check.json"
+    with FileLock(str(output) + ".lock"):
+        if not output.exists():
+            root = Path(__file__).resolve().parents[1]
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            cases = ",".join(f"{job}:{case}" for job, job_cases in SM90_COMPILE_CASES.items() for case in job_cases)
+            proc = subprocess.run(
+                [sys.executable, str(root / "tools/compile_check.py"), *SM90_COMPILE_CASES, "--cases", cases],
+                capture_output=True, text=True, env=env, cwd=root, timeout=900,
+            )  # fmt: skip
+            output.write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
+                                          "stderr": proc.stderr}))
+    run = json.loads(output.read_text())
+
+    def job_output(job: str) -> str:
+        lines, inside = [], False
+        for line in run["stdout"].splitlines():
+            if line.startswith("== "):
+                inside = line.startswith(f"== {job}: ")
+            if inside:
+                lines.append(line)
+        text = "\n".join(lines)
+        if f"\n{job}: all kernels compiled without spills" not in text:
+            text += f"\n(exit status {run['returncode']}; stderr:)\n{run['stderr'][-4000:]}"
+        return text
+
+    return job_output
+
+
 def load_demo_module(suite: str, name: str):
     """The module of ``demos/<suite>/<name>.py``, registered in ``sys.modules`` (Dynamo looks classes
     up through their module)."""
