@@ -166,8 +166,10 @@ def _block_shapes_built_once() -> None:
     Triton's own checks.  NOTE: the two constructors were 38 of the interpreter's 100 s in ``python -m
     cProfile -m pytest tests/kernels/test_conv_fused_bwd.py -k max_pooled_gradient_matches_aten_fp32``
     (Triton 3.9); ``time python -m pytest -q -p no:cacheprovider`` over the same tests on the 2-core
-    CPU box: user 22.4 s before, 15.0-15.4 s after (the process's start-up included).  A Triton whose
-    types are laid out otherwise keeps its own constructors."""
+    CPU box: user 22.4 s before, 15.0-15.4 s after (the process's start-up included).  A shape made
+    here is found again by identity before its ints are read (``with_element_ty`` and every tensor of a
+    block type pass one on): see ``_matching_operands_taken_as_they_are`` for what the two save
+    together.  A Triton whose types are laid out otherwise keeps its own constructors."""
     try:
         import triton.language.core as core
     except ImportError:
@@ -183,6 +185,7 @@ def _block_shapes_built_once() -> None:
 
     block_init = block_type.__init__
     blocks: dict = {}  # shape (ints) -> the block type's shape, numel and the start of its name
+    made: dict = {}  # id of a shape made here -> the same entry (``with_element_ty`` passes one on)
 
     def int_shape(shape) -> tuple | None:
         values = shape.values if isinstance(shape, tl_tuple) else shape
@@ -191,19 +194,22 @@ def _block_shapes_built_once() -> None:
         return tuple(values)
 
     def init_block(self, element_ty, shape) -> None:
-        key = int_shape(shape)
-        if key is None:
-            block_init(self, element_ty, shape)
-            return
-        known = blocks.get(key)
-        if known is None:
-            block_init(self, element_ty, list(key))  # raises where Triton rejects the shape
-            known = blocks[key] = (self.shape, self.numel, f"<{self.shape}, ")
+        known = made.get(id(shape))
+        if known is None or known[0] is not shape:  # the shapes made here live as long as ``blocks``
+            key = int_shape(shape)
+            if key is None:
+                block_init(self, element_ty, shape)
+                return
+            known = blocks.get(key)
+            if known is None:
+                block_init(self, element_ty, list(key))  # raises where Triton rejects the shape
+                known = blocks[key] = made[id(self.shape)] = (self.shape, self.numel, f"<{self.shape}, ")
         self.element_ty = element_ty
         self.shape, self.numel, name = known
         self.name = f"{name}{element_ty}>"
 
     tensors: dict = {}  # shape (ints) -> a tensor's numel and shape (constexprs)
+    tensors_of: dict = {}  # id of a block type's shape made here -> (that shape, the tensor's entry)
     scalar = (core.constexpr(1), tl_tuple([]))
 
     def init_tensor(self, handle, type) -> None:  # noqa: A002 (Triton's name)
@@ -213,14 +219,81 @@ def _block_shapes_built_once() -> None:
         if not type.is_block():
             self.numel, self.shape = scalar
             return
-        key = tuple(type.shape)
+        shape = type.shape
+        of = tensors_of.get(id(shape))
+        if of is not None and of[0] is shape:
+            self.numel, self.shape = of[1]
+            return
+        key = tuple(shape)
         known = tensors.get(key)
         if known is None:
             known = tensors[key] = (core.constexpr(math.prod(key)), tl_tuple([core.constexpr(d) for d in key]))
+        if made.get(id(shape), (None,))[0] is shape:
+            tensors_of[id(shape)] = (shape, known)
         self.numel, self.shape = known
 
     block_type.__init__ = init_block
     tensor.__init__ = init_tensor
+
+
+
+def _matching_operands_taken_as_they_are() -> None:
+    """Under Triton's interpreter, a binary op whose operands already agree (one dtype that is its own
+    computation type, one block shape or none) takes them as they are without Triton's type checks,
+    and the computation type of two types is worked out once per pair.
+
+    ``binary_op_type_checking_impl`` works out the operands' computation type, casts each to it and
+    broadcasts them to one shape; where the dtypes already agree and the shapes are one (the block
+    shapes ``_block_shapes_built_once`` shares) each of those steps gives back its operand, and the
+    function returns them unchanged, at some 50 us an op for every op of every program instance.  Any
+    other pair (a Python number, a pointer, another dtype or shape) goes through Triton's checks.
+    NOTE: ``OMP_NUM_THREADS=1 time python -m pytest -q -p no:cacheprovider
+    tests/kernels/test_conv_fused_bwd.py tests/kernels/test_conv_family_backward.py`` on the 2-core CPU
+    box (Triton 3.9), 3-4 runs each: user 48-54 s before, 42-47 s with this alone, 36-38 s with this
+    and the identity lookups of ``_block_shapes_built_once``.  A Triton whose semantic layer is laid
+    out otherwise keeps its own."""
+    try:
+        from triton.language.semantic import TritonSemantic
+    except ImportError:
+        return
+    checked = getattr(TritonSemantic, "binary_op_type_checking_impl", None)
+    work_out = getattr(TritonSemantic, "computation_type_impl", None)
+    broadcast = getattr(TritonSemantic, "broadcast_impl_value", None)
+    if checked is None or work_out is None or broadcast is None:
+        return
+    if not {"computation_type_impl", "_cast_to_computation_type", "broadcast_impl_value"} <= set(
+            checked.__code__.co_names):
+        return
+    from triton.language.core import tensor
+
+    types: dict = {}  # (type names, which is a number, div or mod) -> the computation type
+
+    def computation_type(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod):
+        key = (a_ty.name, a_is_scalar, b_ty.name, b_is_scalar, div_or_mod)
+        found = types.get(key)
+        if found is None:  # raises where Triton refuses the pair
+            found = types[key] = work_out(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)
+        return found
+
+    def type_checked(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True,
+                     div_or_mod=False):
+        if isinstance(lhs, tensor) and isinstance(rhs, tensor):  # no Python number among them
+            if getattr(lhs.type, "shape", None) is getattr(rhs.type, "shape", None):
+                dtype = lhs.dtype
+                if dtype.name == rhs.dtype.name and not dtype.is_ptr() and (
+                        not arithmetic_check
+                        or computation_type(self, dtype, False, dtype, False, div_or_mod).name == dtype.name):
+                    return lhs, rhs
+        return checked(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+
+    def broadcast_value(self, lhs, rhs):
+        if getattr(lhs.type, "shape", None) is getattr(rhs.type, "shape", None):
+            return lhs, rhs  # one block shape, or two scalars
+        return broadcast(self, lhs, rhs)
+
+    TritonSemantic.computation_type_impl = computation_type
+    TritonSemantic.binary_op_type_checking_impl = type_checked
+    TritonSemantic.broadcast_impl_value = broadcast_value
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -228,6 +301,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _integer_ops_unchecked()
     _numpy_dtypes_looked_up_once()
     _block_shapes_built_once()
+    _matching_operands_taken_as_they_are()
 
 
 @pytest.fixture
@@ -270,6 +344,67 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+
+#: The suite's sm_90 compile checks, ``tools/compile_check.py`` job -> its cases (each test that reads
+#: a job says why those cases): ``tests/kernels/test_conv_family_sm90.py``,
+#: ``tests/kernels/test_epilogue_kernels.py`` and ``tests/ops/test_conv_global_mean_op.py``.
+SM90_COMPILE_CASES = {
+    "conv_family": ("resnet_3x3-bf16-hooked", "resnet_stem-fp32-hooked"),
+    "epilogue": ("none-fp32", "max-bf16", "avg-fp32"),
+    "global_mean": ("convt2d-fp32", "convt2d-bf16-cl", "conv2d_padded-fp32-cl"),
+}
+
+
+@pytest.fixture(scope="session")
+def sm90_compile_check(tmp_path_factory):
+    """``sm90_compile_check(job)`` -> what ``tools/compile_check.py`` printed for that job of
+    ``SM90_COMPILE_CASES`` (its summary line says ``JOB: all kernels compiled without spills`` where
+    every compile of the job passed); where it does not say so, the process's stderr follows.
+
+    One process compiles every job's cases, once per session (the first test to ask runs it, under a
+    lock in the session's temporary folder, which every xdist worker shares; the others read its
+    output): each process costs seconds of start-up (torch, Triton's NVIDIA backend) before it compiles
+    anything.  ``TRITON_INTERPRET`` is left out of its environment.  NOTE: 2-core CPU box, cold Triton
+    cache: the three jobs as three processes 59 s of CPU, as one 40 s (``time python
+    tools/compile_check.py conv_family epilogue global_mean --cases conv_family:...``)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, not older ones'
+    output = shared / "sm90_compile_check.json"
+    with FileLock(str(output) + ".lock"):
+        if not output.exists():
+            root = Path(__file__).resolve().parents[1]
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            cases = ",".join(f"{job}:{case}" for job, job_cases in SM90_COMPILE_CASES.items() for case in job_cases)
+            proc = subprocess.run(
+                [sys.executable, str(root / "tools/compile_check.py"), *SM90_COMPILE_CASES, "--cases", cases],
+                capture_output=True, text=True, env=env, cwd=root, timeout=900,
+            )  # fmt: skip
+            output.write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
+                                          "stderr": proc.stderr}))
+    run = json.loads(output.read_text())
+
+    def job_output(job: str) -> str:
+        lines, inside = [], False
+        for line in run["stdout"].splitlines():
+            if line.startswith("== "):
+                inside = line.startswith(f"== {job}: ")
+            if inside:
+                lines.append(line)
+        text = "\n".join(lines)
+        if f"\n{job}: all kernels compiled without spills" not in text:
+            text += f"\n(exit status {run['returncode']}; stderr:)\n{run['stderr'][-4000:]}"
+        return text
+
+    return job_output
 
 
 def load_demo_module(suite: str, name: str):

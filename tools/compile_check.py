@@ -1,6 +1,6 @@
 """Compile the project's Triton kernels for sm_90a (H100) without a GPU: catches GPU-only compile errors.
 
-    python tools/compile_check.py [KERNEL ...] [--quick] [--cases CASE,...] [--kernels NAME,...]
+    python tools/compile_check.py [KERNEL ...] [--quick] [--cases [KERNEL:]CASE,...] [--kernels NAME,...]
         [--sass] [--dump-sass DIR] [--verbose]
         [--tiles T;...] [--dgrad-tiles T;...] [--wgrad-tiles T;...]
 
@@ -26,7 +26,9 @@ tile at once), ``TRITON_DEFAULT_FP_FUSION=1`` unless set; split counts are an H1
 Compiles go through Triton's cache (``TRITON_CACHE_DIR``): a specialisation compiled by an earlier
 run prints a cache hit's seconds.
 
-Jobs and cases (``--cases``: each listed case must belong to every named job):
+Jobs and cases (``--cases``: each listed case must belong to every named job; ``KERNEL:CASE`` is a case of
+that job alone, e.g. ``conv_family epilogue --cases conv_family:resnet_3x3-bf16,epilogue:none-fp32``
+compiles both jobs in one process; a named job without a case of its own keeps its defaults):
 
 * ``conv_fused``: ``fusion::conv_epilogue``'s Triton forward (``ops.conv_epilogue.forward.
   _fused_conv_forward``) on the ``seeds`` suite's ConvTranspose3d 16->32 k3 s2 + leaky_relu -> mul
@@ -813,7 +815,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("jobs", nargs="*", metavar="KERNEL", help=f"{', '.join(JOBS)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="only the first tile of each tiled kernel")
-    parser.add_argument("--cases", default="", help="comma-separated cases instead of the jobs' defaults")
+    parser.add_argument(
+        "--cases", default="", help="comma-separated cases instead of the jobs' defaults (KERNEL:CASE: one job's)"
+    )
     parser.add_argument("--kernels", default="", help="only kernels whose name contains one of these words")
     parser.add_argument(
         "--sass", action="store_true", help="count SASS instructions by class (main loop, kernel)"
@@ -861,13 +865,20 @@ def main(argv: list[str] | None = None) -> int:
                         parser.error(f"{flag}: {err}")
     cases = {job.name: list(job.default_cases or job.cases) for job in jobs}
     if opts.cases:
+        listed = [(name, case) for name, _, case in (
+            c.partition(":") if ":" in c else ("", "", c) for c in opts.cases.split(","))]  # fmt: skip
+        unnamed = sorted({name for name, _ in listed if name and name not in {job.name for job in jobs}})
+        if unnamed:
+            parser.error(f"--cases names {', '.join(unnamed)}, not a KERNEL of this run")
         for job in jobs:
-            unknown = [c for c in opts.cases.split(",") if c not in job.cases]
+            mine = [case for name, case in listed if name in ("", job.name)]
+            unknown = [c for c in mine if c not in job.cases]
             if unknown:
                 parser.error(
                     f"{job.name} has no case {', '.join(unknown)} (its cases: {', '.join(job.cases)})"
                 )
-            cases[job.name] = opts.cases.split(",")
+            if mine:
+                cases[job.name] = mine
     keep = {ext: Path(folder) for ext, folder in
             (("ptx", os.environ.get("KEEP_PTX")), ("ttgir", os.environ.get("KEEP_TTGIR")),
              ("sass", opts.dump_sass), ("cubin", opts.dump_sass)) if folder}  # fmt: skip

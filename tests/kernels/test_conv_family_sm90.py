@@ -2,33 +2,24 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 
 @pytest.mark.heavy
-def test_hooked_kernels_compile_for_sm90_without_spills_within_shared_memory() -> None:
+def test_hooked_kernels_compile_for_sm90_without_spills_within_shared_memory(sm90_compile_check) -> None:
     """The interpreter runs the kernels on CPU but cannot say whether they compile for the GPU, spill or
     ask for more shared memory than an sm_90 block has.  Compiles fprop, dgrad and wgrad with every
     hook on two of the job's cases: a ResNet-50 3x3 in bf16 (tap-major K) and the RGB stem in fp32/TF32
-    (flat K).  NOTE: 6 specialisations, about 10 s of compiling on the 2-core CPU box with a cold Triton
-    cache (``time python tools/compile_check.py conv_family --cases ...``)."""
+    (flat K), in the suite's one compile-check process (``conftest.SM90_COMPILE_CASES``).  NOTE: 6
+    specialisations, about 10 s of compiling on the 2-core CPU box with a cold Triton cache (``time
+    python tools/compile_check.py conv_family --cases ...``)."""
     import triton
 
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell").exists():
         pytest.skip("Triton's bundled ptxas-blackwell is missing: nothing here compiles for sm_90")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, str(root / "tools/compile_check.py"), "conv_family",
-         "--cases", "resnet_3x3-bf16-hooked,resnet_stem-fp32-hooked"],
-        capture_output=True, text=True, env=env, cwd=root, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = sm90_compile_check("conv_family")
     for kernel in ("conv_fprop_kernel", "conv_dgrad_kernel", "conv_wgrad_kernel"):
-        assert kernel in proc.stdout
-    assert "all kernels compiled without spills" in proc.stdout
+        assert kernel in out, out
+    assert "conv_family: all kernels compiled without spills" in out, out

@@ -436,24 +436,16 @@ def test_strided_views_as_inputs(pool, kernel_device):
 
 
 @pytest.mark.heavy
-def test_the_epilogue_kernels_compile_for_sm90_without_spills() -> None:
+def test_the_epilogue_kernels_compile_for_sm90_without_spills(sm90_compile_check) -> None:
     """The interpreter runs code the GPU compiler refuses (a tuple element passed on as a constexpr
     argument compiled as a runtime value): the epilogue kernels with a chain that reads earlier values
-    again are compiled for sm_90 here, without a GPU (``tools/compile_check.py epilogue``)."""
-    import os
-    import subprocess
-    import sys
+    again are compiled for sm_90 here, without a GPU (``tools/compile_check.py epilogue``, in the
+    suite's one compile-check process: ``conftest.SM90_COMPILE_CASES``)."""
     from pathlib import Path
 
     import triton
 
     if not (Path(triton.__file__).parent / "backends/nvidia/bin").exists():
         pytest.skip("this Triton has no bundled NVIDIA tools")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, str(root / "tools/compile_check.py"), "epilogue", "--cases", "none-fp32,max-bf16,avg-fp32"],
-        capture_output=True, text=True, env=env, cwd=root, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "_epilogue_bwd_kernel" in proc.stdout and "all kernels compiled without spills" in proc.stdout
+    out = sm90_compile_check("epilogue")
+    assert "_epilogue_bwd_kernel" in out and "epilogue: all kernels compiled without spills" in out, out

@@ -699,32 +699,23 @@ def test_gpu_kernels_are_deterministic_and_fp16_close() -> None:
 
 @pytest.mark.heavy
 @pytest.mark.xdist_group("gpu_full_size")  # on a GPU it runs the full-size pipeline: with the other full-size tests
-def test_every_cuda_kernel_compiles_for_sm90_without_spills() -> None:
+def test_every_cuda_kernel_compiles_for_sm90_without_spills(sm90_compile_check) -> None:
     """The kernels are on the global-mean pipeline's default path: one that runs under the interpreter
     but fails to compile for the GPU would silently fall back to the torch reference.  Compiles each
     of them for sm_90 (ConvTranspose2d 64->128 on 16x64x512x512, and the padded grouped Conv2d) with
     ``tools/compile_check.py global_mean`` on three of its six cases, which take each dtype, each layout
-    and the padded branch at least once.  NOTE: 12 of the job's 21 specialisations, 19.6 s against 28.2
+    and the padded branch at least once (in the suite's one compile-check process:
+    ``conftest.SM90_COMPILE_CASES``).  NOTE: 12 of the job's 21 specialisations, 19.6 s against 28.2
     s for all six cases on the 2-core CPU box (``time python tools/compile_check.py global_mean [--cases
     ...]``, cold Triton cache)."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     import triton
 
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell").exists():
         pytest.skip("Triton's bundled ptxas-blackwell is missing")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, str(root / "tools/compile_check.py"), "global_mean",
-         "--cases", "convt2d-fp32,convt2d-bf16-cl,conv2d_padded-fp32-cl"],
-        capture_output=True, text=True, env=env, cwd=root, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "_contract_fwd_kernel" in proc.stdout and "all kernels compiled without spills" in proc.stdout
+    out = sm90_compile_check("global_mean")
+    assert "_contract_fwd_kernel" in out and "global_mean: all kernels compiled without spills" in out, out
 
 
 def test_the_backward_keeps_no_reference_to_x() -> None:
