@@ -64,10 +64,15 @@ Wrappers and models:
   path of a benchmark file (``Model``, ``get_inputs()``, ``get_init_inputs()``, e.g.
   ``demos/seeds/*.py``): ``get_inputs()`` gives one global batch, split along dim 0 between the
   processes.
+- ``--per-process-batch``: ``get_inputs()`` is each process's batch (the global batch is ``world``
+  draws of it), as one scales a one-GPU training run out with its batch per GPU kept; default:
+  ``get_inputs()`` is the global batch, split among the processes.
 - ``--time K``: then K timed steps each of eager, Inductor and fusion under the same wrapper, with the
   same optimizer and loss, PyTorch's default TF32 settings and DDP's default bucket size
   (``--time-bucket-cap-mb``; the tiny buckets of the parity check are a test of graph splitting, not a
-  setting anyone trains with); time per step = the slowest rank's, median over the K steps.
+  setting anyone trains with).  The steps run back to back, as a training loop runs them (the host
+  queues the next step while the GPU computes this one), in rounds of ``TIMED_ROUND`` steps between
+  two synchronisations; time per step = the slowest rank's round / its steps, median over the rounds.
 """
 
 from __future__ import annotations
@@ -104,6 +109,10 @@ DEFAULT_STEPS = 20
 # Eager float32's own error (vs float64) in a parameter update above which the output says how little
 # the check can then see.
 DRIFT_NOTE = 1e-2
+# Steps timed between two synchronisations: a synchronisation per step would add the host's launch
+# latency of every step to the GPU's time (what no training loop waits for), and on a small per-GPU
+# batch make every backend read the same host-bound time.
+TIMED_ROUND = 10
 
 
 class TwoPipelines(nn.Module):
@@ -145,7 +154,7 @@ class Workload:
     ``TRAIN_*`` training defaults the model declares: a benchmark file's module attributes, a built-in
     model's class attributes)."""
 
-    def __init__(self, spec: str, world: int) -> None:
+    def __init__(self, spec: str, world: int, per_process_batch: bool = False) -> None:
         source: Any
         if spec in BUILTIN_MODELS:
             self.name = spec
@@ -164,6 +173,9 @@ class Workload:
             self._inputs = source.get_inputs
         self.declared: dict[str, Any] = {k: getattr(source, k) for k in TRAIN_ATTRIBUTES
                                          if hasattr(source, k)}
+        if per_process_batch:
+            one = self._inputs
+            self._inputs = lambda: _concatenated([one() for _ in range(world)])
 
     def model(self) -> nn.Module:
         torch.manual_seed(0)
@@ -172,6 +184,14 @@ class Workload:
     def batch(self, step: int) -> list[Any]:
         torch.manual_seed(1000 + step)
         return self._inputs()
+
+
+def _concatenated(batches: Sequence[Sequence[Any]]) -> list[Any]:
+    """One global batch from one batch per process: tensors with a batch dimension concatenated along
+    dim 0, other inputs (which must agree) taken from the first."""
+    first = batches[0]
+    return [torch.cat([b[i] for b in batches]) if isinstance(t, torch.Tensor) and t.dim() else t
+            for i, t in enumerate(first)]
 
 
 @dataclass(frozen=True)
@@ -445,7 +465,8 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
                   bucket_cap_mb: float, backends: Sequence[str] = ("eager", "inductor", "fusion"),
                   training: Training | None = None) -> None:
     """Rank 0 prints, per backend, the first step's seconds (compilation) and the median ms per step
-    of ``training``'s step (default: the workload's declared settings) on two alternating batches."""
+    of ``training``'s step (default: the workload's declared settings) on two alternating batches, the
+    steps run back to back in rounds of ``TIMED_ROUND`` (at least one round)."""
     if training is None:
         training = training_settings(parse_args([]), workload.declared, workload.name)
     rows = []
@@ -458,28 +479,37 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
         return targets[step]
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def timed(steps: range) -> float:
+        """Seconds of the slowest rank for ``steps``, run back to back after a barrier."""
+        nonlocal kind
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        for step in steps:
+            _, kind = train_step(optimizer, step_fn, [(rank, batches[step % 2])],
+                                 lambda out, _, k, s=step % 2: target(s, out, k), training.loss)
+        sync()
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return elapsed.item()
+
     for backend in backends:
         model = workload.model().to(device)
         step_fn = wrap(model, how, device, backend, bucket_cap_mb, None)
         optimizer = training.make_optimizer(step_fn.parameters())
-        times, kind = [], training.loss
-        for step in range(timed_steps + 3):
-            dist.barrier()
-            sync()
-            start = time.perf_counter()
-            _, kind = train_step(optimizer, step_fn, [(rank, batches[step % 2])],
-                                 lambda out, _, k, s=step % 2: target(s, out, k), training.loss)
-            sync()
-            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times.append(elapsed.item())
-        rows.append((backend, times[0], statistics.median(times[3:]) * 1e3))
+        kind = training.loss
+        first = timed(range(1))
+        timed(range(1, 3))  # the steps a deferred decision settles in (DISTRIBUTED_SETTLE_CALL)
+        rounds = [timed(range(s, s + TIMED_ROUND)) / TIMED_ROUND
+                  for s in range(3, 3 + max(timed_steps // TIMED_ROUND, 1) * TIMED_ROUND, TIMED_ROUND)]
+        rows.append((backend, first, statistics.median(rounds) * 1e3))
         torch._dynamo.reset()
     if rank == 0:
         base = {b: ms for b, _, ms in rows}.get("inductor")
         buckets = f", {bucket_cap_mb:g} MB buckets" if how == "ddp" else ""
         print(f"{how} time per step on {world} processes ({device}), {workload.name}{buckets}, "
-              f"{replace(training, loss=kind)}, median of {timed_steps}:")
+              f"{replace(training, loss=kind)}, median of {len(rounds)} rounds of {TIMED_ROUND} steps:")
         for backend, first, ms in rows:
             ratio = f"   Inductor's time / this {base / ms:.2f}x" if base and backend != "inductor" else ""
             print(f"  {backend:<9} first step {first:6.2f} s   {ms:8.3f} ms/step{ratio}")
@@ -518,6 +548,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bucket-cap-mb", type=float, default=0.0001,
                         help="DDP bucket size; the default (about 100 bytes) splits the graph between layers")
     parser.add_argument("--time", type=int, default=0, metavar="K", help="then time K steps of eager, inductor, fusion")
+    parser.add_argument("--per-process-batch", action="store_true",
+                        help="get_inputs() is each process's batch, not the global batch split among them")
     parser.add_argument("--time-bucket-cap-mb", type=float, default=25.0, help="DDP bucket size while timing")
     return parser.parse_args(argv)
 
@@ -530,7 +562,7 @@ def main() -> None:
     if args.device == "cuda":
         torch.cuda.set_device(device)
     try:
-        workload = Workload(args.model, world)
+        workload = Workload(args.model, world, args.per_process_batch)
         training = training_settings(args, workload.declared, workload.name)
         steps = parity_steps(args, workload.declared)
         reports = check_parity(workload, args.wrap, rank, world, device, steps, args.bucket_cap_mb,

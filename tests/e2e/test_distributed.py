@@ -118,6 +118,22 @@ def test_training_defaults_and_overrides(tmp_path):
     assert steps(parse(["--steps", "2"]), declared) == 2
 
 
+def test_per_process_batch_is_world_draws_of_the_files_batch(tmp_path):
+    """With ``per_process_batch`` each process's shard is one ``get_inputs()`` batch (drawn afresh
+    per process, the same in every process), non-tensor inputs are kept; without it the file's
+    batch is the global one."""
+    spec = tmp_path / "batch.py"
+    spec.write_text("import torch\nModel = torch.nn.Identity\n"
+                    "def get_inputs():\n    return [torch.randn(4, 3), 0.5]\n"
+                    "def get_init_inputs():\n    return []\n")
+    split = distributed_train.Workload(str(spec), 3).batch(7)
+    scaled = distributed_train.Workload(str(spec), 3, per_process_batch=True).batch(7)
+    assert split[0].shape == (4, 3) and scaled[0].shape == (12, 3) and scaled[1] == 0.5
+    assert torch.equal(scaled[0][:4], split[0]) and not torch.equal(scaled[0][:4], scaled[0][4:8])
+    assert torch.equal(distributed_train.shard(scaled, 1, 3, "cpu")[0], scaled[0][4:8])
+    assert torch.equal(distributed_train.Workload(str(spec), 3, per_process_batch=True).batch(7)[0], scaled[0])
+
+
 def test_resnet18_file_declares_a_short_small_step_check():
     """The ResNet-18 file loads without torchvision and trains the demo with SGD lr 0.001 and
     cross-entropy for 3 steps (its docstring says why)."""
