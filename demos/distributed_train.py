@@ -81,6 +81,7 @@ import argparse
 import contextlib
 import copy
 import importlib.util
+import logging
 import math
 import os
 import statistics
@@ -346,9 +347,10 @@ def batch_statistics_note(model: nn.Module) -> str | None:
 
 
 def wrap(model: nn.Module, how: str, device: str, backend: str, bucket_cap_mb: float,
-         options: dict[str, Any] | None) -> Callable[..., torch.Tensor]:
-    """The step function of ``model`` under DDP or FSDP2, compiled with ``backend`` ('eager': not)."""
-    compile_kwargs: dict[str, Any] = {"backend": backend}
+         options: dict[str, Any] | None, mode: str | None = None) -> Callable[..., torch.Tensor]:
+    """The step function of ``model`` under DDP or FSDP2, compiled with ``backend`` ('eager': not)
+    in ``torch.compile``'s ``mode``."""
+    compile_kwargs: dict[str, Any] = {"backend": backend, "mode": mode}
     if backend == "fusion" and options:
         compile_kwargs["options"] = options
     if how == "ddp":
@@ -391,7 +393,7 @@ def tf32_off() -> Iterator[None]:
 
 def check_parity(workload: Workload, how: str, rank: int, world: int, device: str, steps: int,
                  bucket_cap_mb: float, options: dict[str, Any] | None = None,
-                 training: Training | None = None) -> list[Any]:
+                 training: Training | None = None, mode: str | None = None) -> list[Any]:
     """Train with ``backend="fusion"`` under ``how`` and compare with the same data-parallel training
     computed serially by one eager process on rank 0 (see the module's docstring; raises
     ``AssertionError`` with the figures on a mismatch, or if the float64 reference itself ends in
@@ -406,7 +408,7 @@ def check_parity(workload: Workload, how: str, rank: int, world: int, device: st
         initial = workload.model()
         note = batch_statistics_note(initial)
         model = copy.deepcopy(initial).to(device)
-        step_fn = wrap(model, how, device, "fusion", bucket_cap_mb, options)
+        step_fn = wrap(model, how, device, "fusion", bucket_cap_mb, options, mode)
         with collect_reports() as reports:
             losses, kind = train(step_fn, list(step_fn.parameters()), workload, training, steps, [rank],
                                  world, device)
@@ -463,10 +465,13 @@ def check_parity(workload: Workload, how: str, rank: int, world: int, device: st
 
 def time_backends(workload: Workload, how: str, rank: int, world: int, device: str, timed_steps: int,
                   bucket_cap_mb: float, backends: Sequence[str] = ("eager", "inductor", "fusion"),
-                  training: Training | None = None) -> None:
+                  training: Training | None = None, mode: str | None = None) -> None:
     """Rank 0 prints, per backend, the first step's seconds (compilation) and the median ms per step
     of ``training``'s step (default: the workload's declared settings) on two alternating batches, the
-    steps run back to back in rounds of ``TIMED_ROUND`` (at least one round)."""
+    steps run back to back in rounds of ``TIMED_ROUND`` (at least one round), and what fusion's timed
+    run decided."""
+    from fusion_backend.report import collect_reports
+
     if training is None:
         training = training_settings(parse_args([]), workload.declared, workload.name)
     rows = []
@@ -494,13 +499,17 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return elapsed.item()
 
+    decided = ""
     for backend in backends:
         model = workload.model().to(device)
-        step_fn = wrap(model, how, device, backend, bucket_cap_mb, None)
+        step_fn = wrap(model, how, device, backend, bucket_cap_mb, None, mode)
         optimizer = training.make_optimizer(step_fn.parameters())
         kind = training.loss
-        first = timed(range(1))
-        timed(range(1, 3))  # the steps a deferred decision settles in (DISTRIBUTED_SETTLE_CALL)
+        with collect_reports() as reports:
+            first = timed(range(1))
+            timed(range(1, 3))  # the steps a deferred decision settles in (DISTRIBUTED_SETTLE_CALL)
+        if backend == "fusion":
+            decided = describe(settled_reports(reports))
         rounds = [timed(range(s, s + TIMED_ROUND)) / TIMED_ROUND
                   for s in range(3, 3 + max(timed_steps // TIMED_ROUND, 1) * TIMED_ROUND, TIMED_ROUND)]
         rows.append((backend, first, statistics.median(rounds) * 1e3))
@@ -513,6 +522,17 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
         for backend, first, ms in rows:
             ratio = f"   Inductor's time / this {base / ms:.2f}x" if base and backend != "inductor" else ""
             print(f"  {backend:<9} first step {first:6.2f} s   {ms:8.3f} ms/step{ratio}")
+        if decided:
+            print(f"fusion's timed run:\n{decided}")
+
+
+def settled_reports(reports: Sequence[Any]) -> list[Any]:
+    """The reports that stand after the steps that made ``reports``: a graph's report with pending
+    decisions is left out where its settle published a later one (same graph name)."""
+    from fusion_backend.runtime.deferred import any_pending
+
+    return [r for i, r in enumerate(reports)
+            if not (any_pending([r]) and any(s.graph_name == r.graph_name for s in reports[i + 1:]))]
 
 
 def describe(reports: Sequence[Any]) -> str:
@@ -547,6 +567,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "else mse)")
     parser.add_argument("--bucket-cap-mb", type=float, default=0.0001,
                         help="DDP bucket size; the default (about 100 bytes) splits the graph between layers")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile's mode for both runs (e.g. reduce-overhead: CUDA graphs)")
+    parser.add_argument("--log-decisions", action="store_true",
+                        help="log the fusion backend's decisions (rank 0, to stderr)")
     parser.add_argument("--time", type=int, default=0, metavar="K", help="then time K steps of eager, inductor, fusion")
     parser.add_argument("--per-process-batch", action="store_true",
                         help="get_inputs() is each process's batch, not the global batch split among them")
@@ -561,17 +585,21 @@ def main() -> None:
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(device)
+    if args.log_decisions and rank == 0:
+        logging.basicConfig(format="%(name)s: %(message)s")
+        for name in ("fusion_backend.decision", "fusion_backend.impl_choice"):
+            logging.getLogger(name).setLevel(logging.INFO)
     try:
         workload = Workload(args.model, world, args.per_process_batch)
         training = training_settings(args, workload.declared, workload.name)
         steps = parity_steps(args, workload.declared)
         reports = check_parity(workload, args.wrap, rank, world, device, steps, args.bucket_cap_mb,
-                               training=training)
+                               training=training, mode=args.compile_mode)
         if rank == 0:
-            print(describe(reports))
+            print(describe(settled_reports(reports)))
         if args.time:
             time_backends(workload, args.wrap, rank, world, device, args.time, args.time_bucket_cap_mb,
-                          training=training)
+                          training=training, mode=args.compile_mode)
     finally:
         dist.destroy_process_group()
 
