@@ -64,9 +64,10 @@ Wrappers and models:
   path of a benchmark file (``Model``, ``get_inputs()``, ``get_init_inputs()``, e.g.
   ``demos/seeds/*.py``): ``get_inputs()`` gives one global batch, split along dim 0 between the
   processes.
-- ``--per-process-batch``: ``get_inputs()`` is each process's batch (the global batch is ``world``
-  draws of it), as one scales a one-GPU training run out with its batch per GPU kept; default:
-  ``get_inputs()`` is the global batch, split among the processes.
+- ``--per-process-batch [K]``: each process trains on K draws of ``get_inputs()`` (default K = 1;
+  the global batch is ``K x world`` draws), as one scales a one-GPU training run out with its batch
+  per GPU kept, or grows the batch per GPU until the GPU's work, not the host's, sets the step's
+  time; without it ``get_inputs()`` is the global batch, split among the processes.
 - ``--time K``: then K timed steps each of eager, Inductor and fusion under the same wrapper, with the
   same optimizer and loss, PyTorch's default TF32 settings and DDP's default bucket size
   (``--time-bucket-cap-mb``; the tiny buckets of the parity check are a test of graph splitting, not a
@@ -155,7 +156,7 @@ class Workload:
     ``TRAIN_*`` training defaults the model declares: a benchmark file's module attributes, a built-in
     model's class attributes)."""
 
-    def __init__(self, spec: str, world: int, per_process_batch: bool = False) -> None:
+    def __init__(self, spec: str, world: int, per_process_batch: int = 0) -> None:
         source: Any
         if spec in BUILTIN_MODELS:
             self.name = spec
@@ -176,7 +177,7 @@ class Workload:
                                          if hasattr(source, k)}
         if per_process_batch:
             one = self._inputs
-            self._inputs = lambda: _concatenated([one() for _ in range(world)])
+            self._inputs = lambda: _concatenated([one() for _ in range(per_process_batch * world)])
 
     def model(self) -> nn.Module:
         torch.manual_seed(0)
@@ -572,8 +573,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-decisions", action="store_true",
                         help="log the fusion backend's decisions (rank 0, to stderr)")
     parser.add_argument("--time", type=int, default=0, metavar="K", help="then time K steps of eager, inductor, fusion")
-    parser.add_argument("--per-process-batch", action="store_true",
-                        help="get_inputs() is each process's batch, not the global batch split among them")
+    parser.add_argument("--per-process-batch", type=int, nargs="?", const=1, default=0, metavar="K",
+                        help="each process trains on K draws of get_inputs() (default 1), not on its "
+                             "share of one draw")
     parser.add_argument("--time-bucket-cap-mb", type=float, default=25.0, help="DDP bucket size while timing")
     return parser.parse_args(argv)
 

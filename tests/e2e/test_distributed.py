@@ -119,7 +119,7 @@ def test_training_defaults_and_overrides(tmp_path):
 
 
 def test_per_process_batch_is_world_draws_of_the_files_batch(tmp_path):
-    """With ``per_process_batch`` each process's shard is one ``get_inputs()`` batch (drawn afresh
+    """With ``per_process_batch`` K each process's shard is K ``get_inputs()`` batches (drawn afresh
     per process, the same in every process), non-tensor inputs are kept; without it the file's
     batch is the global one."""
     spec = tmp_path / "batch.py"
@@ -127,11 +127,15 @@ def test_per_process_batch_is_world_draws_of_the_files_batch(tmp_path):
                     "def get_inputs():\n    return [torch.randn(4, 3), 0.5]\n"
                     "def get_init_inputs():\n    return []\n")
     split = distributed_train.Workload(str(spec), 3).batch(7)
-    scaled = distributed_train.Workload(str(spec), 3, per_process_batch=True).batch(7)
+    scaled = distributed_train.Workload(str(spec), 3, per_process_batch=1).batch(7)
     assert split[0].shape == (4, 3) and scaled[0].shape == (12, 3) and scaled[1] == 0.5
     assert torch.equal(scaled[0][:4], split[0]) and not torch.equal(scaled[0][:4], scaled[0][4:8])
     assert torch.equal(distributed_train.shard(scaled, 1, 3, "cpu")[0], scaled[0][4:8])
-    assert torch.equal(distributed_train.Workload(str(spec), 3, per_process_batch=True).batch(7)[0], scaled[0])
+    assert torch.equal(distributed_train.Workload(str(spec), 3, per_process_batch=1).batch(7)[0], scaled[0])
+    doubled = distributed_train.Workload(str(spec), 3, per_process_batch=2).batch(7)
+    assert doubled[0].shape == (24, 3) and torch.equal(doubled[0][:12], scaled[0])
+    parse = distributed_train.parse_args
+    assert [parse(a).per_process_batch for a in ([], ["--per-process-batch"], ["--per-process-batch", "4"])] == [0, 1, 4]
 
 
 def test_resnet18_file_declares_a_short_small_step_check():
