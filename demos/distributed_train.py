@@ -475,7 +475,6 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
 
     if training is None:
         training = training_settings(parse_args([]), workload.declared, workload.name)
-    rows = []
     batches = [shard(workload.batch(s), rank, world, device) for s in range(2)]
     targets: dict[int, torch.Tensor] = {}  # drawn once: a CPU draw per step would be timed too
 
@@ -485,8 +484,9 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
         return targets[step]
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    kind = training.loss
 
-    def timed(steps: range) -> float:
+    def timed(step_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer, steps: range) -> float:
         """Seconds of the slowest rank for ``steps``, run back to back after a barrier."""
         nonlocal kind
         dist.barrier()
@@ -501,25 +501,29 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
         return elapsed.item()
 
     decided = ""
+    rows = []
+    n_rounds = max(timed_steps // TIMED_ROUND, 1)
+    # NOTE: one backend after the other, Dynamo reset between them: with all three compiled at once, a
+    # DDP-wrapped model compiled for fusion after Inductor ran Inductor's compiled code and the fusion
+    # backend saw no graph (torch 2.13, CPU: ``torchrun --nproc-per-node 2 demos/distributed_train.py
+    # --device cpu --time 20`` with the backends' rounds interleaved printed "backend saw 0 graph(s)").
     for backend in backends:
-        model = workload.model().to(device)
-        step_fn = wrap(model, how, device, backend, bucket_cap_mb, None, mode)
+        step_fn = wrap(workload.model().to(device), how, device, backend, bucket_cap_mb, None, mode)
         optimizer = training.make_optimizer(step_fn.parameters())
-        kind = training.loss
         with collect_reports() as reports:
-            first = timed(range(1))
-            timed(range(1, 3))  # the steps a deferred decision settles in (DISTRIBUTED_SETTLE_CALL)
+            first = timed(step_fn, optimizer, range(1))
+            timed(step_fn, optimizer, range(1, 3))  # the steps a deferred decision settles in (DISTRIBUTED_SETTLE_CALL)
         if backend == "fusion":
             decided = describe(settled_reports(reports))
-        rounds = [timed(range(s, s + TIMED_ROUND)) / TIMED_ROUND
-                  for s in range(3, 3 + max(timed_steps // TIMED_ROUND, 1) * TIMED_ROUND, TIMED_ROUND)]
+        rounds = [timed(step_fn, optimizer, range(s, s + TIMED_ROUND)) / TIMED_ROUND
+                  for s in range(3, 3 + n_rounds * TIMED_ROUND, TIMED_ROUND)]
         rows.append((backend, first, statistics.median(rounds) * 1e3))
         torch._dynamo.reset()
     if rank == 0:
         base = {b: ms for b, _, ms in rows}.get("inductor")
         buckets = f", {bucket_cap_mb:g} MB buckets" if how == "ddp" else ""
         print(f"{how} time per step on {world} processes ({device}), {workload.name}{buckets}, "
-              f"{replace(training, loss=kind)}, median of {len(rounds)} rounds of {TIMED_ROUND} steps:")
+              f"{replace(training, loss=kind)}, median of {n_rounds} rounds of {TIMED_ROUND} steps:")
         for backend, first, ms in rows:
             ratio = f"   Inductor's time / this {base / ms:.2f}x" if base and backend != "inductor" else ""
             print(f"  {backend:<9} first step {first:6.2f} s   {ms:8.3f} ms/step{ratio}")
