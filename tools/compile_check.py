@@ -527,9 +527,9 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool) -> None:
     """``kernels/conv/``'s three launchers (``conv_fprop``, ``conv_dgrad``, ``conv_wgrad``) on one of
     :data:`CONV_FAMILY_SHAPES`, channels-last, with the tile ``pick_tile`` picks; ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
-    statistics, and where the conv has a bias a chain after it, an eval norm's scale and shift; dgrad:
-    relu' of the recomputed prologue and the BatchNorm-backward sums; wgrad: the prologue recomputed on
-    load, and the bias gradient where the conv has a bias)."""
+    statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
+    it, an eval norm's scale and shift; dgrad: relu' of the recomputed prologue and the BatchNorm-backward
+    sums; wgrad: the prologue recomputed on load, and the bias gradient where the conv has a bias)."""
     x_shape, w_shape, stride, padding, groups, has_bias = CONV_FAMILY_SHAPES[shape]
     dt = CONV_FAMILY_DTYPES[dtype]
     c_in, c_out = x_shape[1], w_shape[0]
@@ -546,7 +546,7 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool) -> None:
     per_out = torch.empty(c_out, dtype=torch.float32)
     chain = [(OP_CODES["mul"], [per_out]), (OP_CODES["add"], [per_out])] if hooked and has_bias else []
     with _launchable_on_cpu_tensors():
-        FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, **hooks, **geo)
+        FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, saved=dy if hooked else None, **hooks, **geo)
         FAMILY.conv_dgrad(dy, w, x_shape, x_prev=x if hooked else None,
                           norm_stats=FAMILY.NormStats(vec, vec) if hooked else None, **hooks, **geo)  # fmt: skip
         FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, **hooks, **geo)

@@ -521,3 +521,47 @@ def test_bf16_is_refused_under_the_interpreter():
     x = torch.zeros(1, 4, 5, 5, dtype=torch.bfloat16)
     with pytest.raises(ContractError, match="x must be float32 or float16, got torch.bfloat16"):
         conv_fprop(x, torch.zeros(4, 4, 3, 3, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", [
+    ("gemm-tap-major", (2, 20, 5, 6), (24, 20, 3, 3), dict(padding=1), SMALL),
+    ("gemm-flat-stride2", (1, 3, 7, 9), (5, 3, 3, 3), dict(padding=1, stride=2), SMALL_FLAT),
+    ("depthwise", (2, 7, 6, 5), (7, 1, 3, 3), dict(padding=1, groups=7), None),
+], ids=lambda c: c[0] if isinstance(c, tuple) else None)  # fmt: skip
+def test_saved_is_the_raw_conv_result_and_leaves_the_output_as_it_was(case, dtype):
+    """``saved`` receives the conv of the (prologue'd, activated) input before the scale, the bias, the
+    chain, the residual and the output activation, rounded to its own dtype (x's, or fp32), against
+    float64; the output and its statistics are bitwise those of the same call without it."""
+    name, xs, ws, conv, tile = case
+    g = torch.Generator().manual_seed(stable_seed(("saved", name, str(dtype))))
+    x = _channels_last(_randn(*xs, g=g, dtype=dtype))
+    w, b = _randn(*ws, g=g, scale=0.3, dtype=dtype), _randn(ws[0], g=g)
+    prologue = ChannelAffine(_randn(xs[1], g=g) * 0.2 + 1.0, _randn(xs[1], g=g))
+    hooks = dict(prologue=prologue, act_in="relu", scale=_randn(ws[0], g=g), chain=[(OP["leaky_relu"], [0.1])],
+                 act_out="silu", stats=True, tile=tile, **conv)  # fmt: skip
+    hooks["residual"] = _channels_last(torch.randn(conv_fprop(x, w, b, **hooks)[0].shape, generator=g)).to(DEVICE, dtype)
+    plain, plain_stats = conv_fprop(x, w, b, **hooks)
+    for saved_dtype in (dtype, torch.float32):
+        saved = _channels_last(torch.full(plain.shape, float("nan"), device=DEVICE, dtype=saved_dtype))
+        out, stats = conv_fprop(x, w, b, saved=saved, **hooks)
+        assert torch.equal(out, plain) and torch.equal(stats.sum, plain_stats.sum)
+        raw = dict(prologue=prologue, act_in="relu", **conv)
+        eager = conv_fprop_reference(x, w, None, **raw)[0].to(saved_dtype)
+        truth = conv_fprop_reference(x, w, None, dtype=torch.float64, **raw)[0]
+        why = compare(f"{name} saved {saved_dtype}", saved, eager, FLOOR[saved_dtype], reference=truth)
+        assert why is None, why
+
+
+def test_saved_contracts():
+    """A saved tensor of another shape, layout or dtype is refused before any launch; a plan made to
+    write it refuses a call without it."""
+    x = _channels_last(torch.randn(1, 4, 6, 6)).to(DEVICE)
+    w = torch.randn(6, 4, 3, 3, device=DEVICE)
+    out = _channels_last(torch.empty(1, 6, 4, 4, device=DEVICE))
+    for bad in (out[:, :5], out.contiguous(), out.double()):
+        with pytest.raises(ContractError, match="saved must be"):
+            conv_fprop(x, w, saved=bad)
+    plan = fprop.fprop_plan(x, w, saved=out)
+    with pytest.raises(ContractError, match="pass saved"):
+        plan(x, w, None, None, (), None, None)

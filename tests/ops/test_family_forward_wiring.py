@@ -1,8 +1,8 @@
 """``fusion::conv_epilogue``'s forward on the conv kernel family (``kernels.conv.conv_fprop``).
 
-The family's forward serves the calls that save nothing for a backward (inference) of a direct conv
-without a pool whose output is channels-last: the conv, the bias and the chain (a folded eval
-BatchNorm, a multiplier, activations) run in one kernel.  ``FUSION_CONV_IMPL=family`` forces it (on
+The family's forward serves the calls of a direct conv without a pool whose output is channels-last:
+the conv, the bias and the chain (a folded eval BatchNorm, a multiplier, activations) run in one
+kernel, which in training also writes the conv output the backward reads.  ``FUSION_CONV_IMPL=family`` forces it (on
 CPU under the interpreter, ``FUSION_CPU_KERNELS=triton``); under ``auto`` it is one of the measured
 candidates.  Every case is checked against float64 with eager's own error as the yardstick
 (``assert_fused``), and the family must be what ran.
@@ -108,6 +108,30 @@ def test_inference_regions_run_on_the_family_forward(family_forward, name, dtype
             assert call["scale"] is not None and len(call["chain"]) == (0 if name == "1x1-s2-bn" else 1)
 
 
+#: training regions: (model builder, input shape); the BatchNorm frozen in eval mode (fine-tuning), so
+#: that it folds into the region as in inference while every parameter and the input get gradients
+TRAINING = {
+    "k3-frozen-bn-relu": (lambda: ConvBnAct(nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.ReLU()), (2, 8, 7, 6)),
+    "groups2-s2-bias-mul-leaky-gelu": CASES["groups2-s2-bias-mul-leaky-gelu"],
+    "depthwise-k3-frozen-bn-silu": CASES["depthwise-k3-bn-silu"],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", sorted(TRAINING))
+def test_training_regions_run_on_the_family_forward_and_back(family_forward, name, dtype):
+    """In training the family's forward also writes the saved conv output, from which the backward
+    (the library one) computes every gradient: the input's and each parameter's, against float64."""
+    build, shape = TRAINING[name]
+    torch.manual_seed(5)
+    model = build().to(DEVICE).to(memory_format=torch.channels_last)
+    if hasattr(model, "bn"):
+        model.bn.eval()
+    x = _channels_last(torch.randn(shape, device=DEVICE))
+    assert_fused(model, [x], expect={"conv_epilogue": 1}, train=True, dtype=dtype)
+    assert family_forward and all(call["saved"] is not None for call in family_forward)
+
+
 def _call(x, weight, cfg: ConvEpilogueConfig, save=False):
     return ce.forward.family_forward_unsupported(x, weight, [], cfg, save)
 
@@ -121,8 +145,7 @@ def _config(transposed=False, pool=None) -> ConvEpilogueConfig:
 def test_the_family_forward_says_why_it_cannot_serve_a_call():
     x = _channels_last(torch.randn(2, 4, 6, 6))
     w = torch.randn(5, 4, 3, 3)
-    assert _call(x, w, _config()) is None
-    assert "saves the conv output" in _call(x, w, _config(), save=True)
+    assert _call(x, w, _config()) is None and _call(x, w, _config(), save=True) is None
     assert "float64 conv" in _call(x.double(), w.double(), _config())
     assert "not channels-last" in _call(torch.randn(2, 4, 6, 6), w, _config())
     if DEVICE == "cpu":
@@ -148,7 +171,8 @@ def test_auto_measures_the_family_among_the_candidates_where_it_serves(fresh_pla
     w = torch.randn(5, 4, 3, 3).to(memory_format=torch.channels_last)
     cfg = _config()
     assert "family" in ce.forward.forward_candidates(x, w, None, [], cfg, False, fused=False)
-    assert "family" not in ce.forward.forward_candidates(x, w, None, [], cfg, True, fused=False)
+    assert "family" in ce.forward.forward_candidates(x, w, None, [], cfg, True, fused=False)
+    assert "family" not in ce.forward.forward_candidates(x.contiguous(), w.contiguous(), None, [], cfg, True, fused=False)
 
 
 def test_the_family_launch_is_planned_once_per_signature_and_not_kept_while_launches_only_compile(

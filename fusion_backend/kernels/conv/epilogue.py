@@ -4,6 +4,7 @@ per-channel statistics.
 
 Order (per element, all in fp32 from the fp32 accumulator; one rounding, at the store)::
 
+    conv[m, c] = round(acc)                 (SAVE_CONV: the raw conv result, for a training forward)
     v = acc * scale[c]                      (HAS_SCALE: a folded eval BatchNorm's scale, fp32)
     v = v + bias[c]                         (HAS_BIAS)
     v = chain(v)                            (CHAIN: ``chain_math`` op codes, operands from the matrix
@@ -38,15 +39,18 @@ from .prologue import activation
 
 
 @triton.jit
-def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, scale_ptr, bias_ptr, res_ptr, part_ptr, q_ptr, slope_out,
-               C_OUT, M_TILES, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr,
-               ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr, STATS: tl.constexpr, BIG: tl.constexpr):  # fmt: skip
+def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr, part_ptr, q_ptr,
+               slope_out, C_OUT, M_TILES, SAVE_CONV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+               CHAIN: tl.constexpr, ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr, STATS: tl.constexpr,
+               BIG: tl.constexpr):  # fmt: skip
     """Finish and store one tile (module docstring for the order).
 
     acc       fp32 ``[BLOCK_M, BLOCK_N]``: rows ``m`` (output positions, ``m_ok``: ``< M``), columns ``c``
               (output channels, ``c_ok``: real ones of this group).
     out_ptr   the output, channels-last dense: element ``(m, c)`` at ``m * C_OUT + c``; its dtype is the
               stored one.
+    conv_ptr  SAVE_CONV: the conv's raw result (before the scale, the bias and the chain), laid out as
+              ``out``, in its own float dtype: what a backward recomputes the chain from.
     scale_ptr HAS_SCALE: ``(C_OUT,)`` contiguous, fp32 or the output dtype: multiplies the accumulator.
     bias_ptr  HAS_BIAS: ``(C_OUT,)`` contiguous, fp32 or the output dtype.
     q_ptr     CHAIN (a tuple of ``chain_math.MAX_SLOTS`` op codes, all 0: none): the chain's operand
@@ -56,6 +60,13 @@ def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, scale_ptr, bias_ptr, res_p
               rows, ``[1, pid_m, c]`` its sum of squares (of the stored values).
     BIG       int64 element offsets.
     """
+    if BIG:
+        m = m.to(tl.int64)
+        pid_m = pid_m.to(tl.int64)
+    offs = m[:, None] * C_OUT + c[None, :]
+    mask = m_ok[:, None] & c_ok[None, :]
+    if SAVE_CONV:
+        tl.store(conv_ptr + offs, acc.to(conv_ptr.dtype.element_ty), mask=mask)
     v = acc
     if HAS_SCALE:
         v = v * tl.load(scale_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
@@ -63,11 +74,6 @@ def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, scale_ptr, bias_ptr, res_p
         v = v + tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     if CHAIN[0] != 0:
         v = apply_chain_at(v, q_ptr, c[None, :], C_OUT, c_ok[None, :], CHAIN)
-    if BIG:
-        m = m.to(tl.int64)
-        pid_m = pid_m.to(tl.int64)
-    offs = m[:, None] * C_OUT + c[None, :]
-    mask = m_ok[:, None] & c_ok[None, :]
     if RESIDUAL == 1:
         v = v + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # Hook point: a training forward stores the pre-activation ``v`` here (the backward of ACT_OUT

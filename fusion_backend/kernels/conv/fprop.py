@@ -80,7 +80,7 @@ _INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
 @triton.jit
 def conv_fprop_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
     slope_in, slope_out,
     M, D, H, W, OD, OH, OW, C_IN, C_OUT, C_OUT_G, M_TILES,
     x_sn, x_sd, x_sh, x_sw,
@@ -90,8 +90,8 @@ def conv_fprop_kernel(
     PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr, ACT_OUT: tl.constexpr,
-    RESIDUAL: tl.constexpr,
+    SAVE_CONV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr,
+    ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr,
     STATS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
     DEPTHWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -105,8 +105,8 @@ def conv_fprop_kernel(
       w_ptr    the prearranged weight (groups, COUT_PAD, K_ROW), the compute dtype, contiguous, zero
                padded (``prearrange_weight``), or the weight itself where its channels-last memory is that
                matrix; ``DEPTHWISE``: (C_OUT, taps) rows, contiguous.
-      scale_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, q_ptr: ``epilogue.store_tile``'s (out: (M, C_OUT)
-               row-major).
+      scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr: ``epilogue.store_tile``'s (out:
+               (M, C_OUT) row-major).
       p0..p3   the prologue's vectors (``prologue.normalise``).
     Unused pointers receive any tensor and are never dereferenced.
     Runtime: ``slope_in`` / ``slope_out`` the leaky slopes; ``M = N * OD * OH * OW``; ``C_OUT_G`` the
@@ -125,8 +125,9 @@ def conv_fprop_kernel(
             x_ptr, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, pid_n, M, D, H, W, OD, OH, OW, C_IN,
             C_OUT, C_OUT_G, x_sn, x_sd, x_sh, x_sw, KD, KH, KW, SD, SH, SW, PD, PH, PW, DD, DH, DW, PROLOGUE,
             G_NORM, NORM_AFFINE, ACT_IN, BIG, BLOCK_M, BLOCK_N)  # fmt: skip
-        store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, scale_ptr, bias_ptr, res_ptr, part_ptr, q_ptr, slope_out,
-                   C_OUT, M_TILES, HAS_SCALE, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
+        store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr, part_ptr, q_ptr,
+                   slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS,
+                   BIG)  # fmt: skip
         return
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -148,8 +149,9 @@ def conv_fprop_kernel(
         b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
         acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
 
-    store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, scale_ptr, bias_ptr, res_ptr, part_ptr,
-               q_ptr, slope_out, C_OUT, M_TILES, HAS_SCALE, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
+    store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr,
+               part_ptr, q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL,
+               STATS, BIG)  # fmt: skip
 
 
 @triton.jit
@@ -269,7 +271,7 @@ class _Geometry:
 
 
 def _check_call(x: Any, weight: Any, scale: Any, bias: Any, residual: Any, stride: Any, padding: Any, dilation: Any,
-                groups: Any) -> _Geometry:  # fmt: skip
+                groups: Any, saved: Any = None) -> _Geometry:  # fmt: skip
     """Every contract of the tensors and hyper-parameters but the hooks'; :class:`ContractError`
     (one line) on the first broken one."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
@@ -286,7 +288,7 @@ def _check_call(x: Any, weight: Any, scale: Any, bias: Any, residual: Any, strid
     dtypes = _INTERPRETER_DTYPES if device.type == "cpu" else _CUDA_DTYPES
     if x.dtype not in dtypes:
         raise ContractError(f"x must be {' or '.join(str(d).removeprefix('torch.') for d in dtypes)}, got {x.dtype}")
-    for name, t in (("weight", weight), ("scale", scale), ("bias", bias), ("residual", residual)):
+    for name, t in (("weight", weight), ("scale", scale), ("bias", bias), ("residual", residual), ("saved", saved)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.device != device):
             where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
             raise ContractError(f"{name} must be a tensor on {device} with x, got {where}")
@@ -326,6 +328,10 @@ def _check_call(x: Any, weight: Any, scale: Any, bias: Any, residual: Any, strid
             want = empty_channels_last(out_shape, x.dtype, torch.device("meta")).stride()
             raise ContractError(f"residual must be channels-last dense (strides {want}) like the output, "
                                 f"got strides {residual.stride()}")  # fmt: skip
+    if saved is not None and (tuple(saved.shape) != out_shape or saved.dtype not in dtypes
+                              or not dense_channels_last(saved)):  # fmt: skip
+        raise ContractError(f"saved must be {out_shape}, channels-last dense like the output, of a float dtype "
+                            f"the kernels take, got {tuple(saved.shape)} {saved.dtype} strides {saved.stride()}")
     m = n * math.prod(out_size)
     if m > _INT32_LIMIT:
         raise ContractError(f"{m} output positions exceed the kernel's int32 row index")
@@ -361,8 +367,8 @@ class _Plan:
 
     def __init__(self, geo: _Geometry, x: torch.Tensor, weight: torch.Tensor, prologue: Prologue | None, act_in: int,
                  act_out: int, has_scale: bool, has_bias: bool, chain: Sequence[KernelStep], residual_mode: int,
-                 stats: bool, tile: TileConfig, precision: str) -> None:  # fmt: skip
-        self.geo, self.tile, self.stats = geo, tile, stats
+                 stats: bool, tile: TileConfig, precision: str, save_conv: bool = False) -> None:  # fmt: skip
+        self.geo, self.tile, self.stats, self.save_conv = geo, tile, stats, save_conv
         #: the chain's operand matrix, assembled per call from its tensor operands (None: no chain)
         self.chain = OperandMatrix(chain, None, geo.c_out, x.device) if chain else None
         self.dtype, self.device = x.dtype, x.device
@@ -398,7 +404,8 @@ class _Plan:
             PD=geo.padding[0], PH=geo.padding[1], PW=geo.padding[2],
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
-            HAS_SCALE=has_scale, HAS_BIAS=has_bias, CHAIN=op_codes(chain), ACT_OUT=act_out, RESIDUAL=residual_mode, STATS=stats,
+            SAVE_CONV=save_conv, HAS_SCALE=has_scale, HAS_BIAS=has_bias, CHAIN=op_codes(chain), ACT_OUT=act_out,
+            RESIDUAL=residual_mode, STATS=stats,
             PRECISION=precision, BIG=big, FLAT_K=tile.flat_k, DEPTHWISE=self.depthwise,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
@@ -408,8 +415,10 @@ class _Plan:
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
             chain: Sequence[KernelStep], residual: torch.Tensor | None, prologue: Prologue | None,
-            slopes: tuple[float, float]) -> tuple[torch.Tensor, ChannelStats | None]:  # fmt: skip
+            slopes: tuple[float, float], saved: torch.Tensor | None = None) -> tuple[torch.Tensor, ChannelStats | None]:  # fmt: skip
         geo = self.geo
+        if self.save_conv and saved is None:
+            raise ContractError("this plan writes the conv's raw result: pass saved")
         if geo.m == 0:  # N == 0: nothing to launch
             out = empty_channels_last(geo.out_shape, self.dtype, self.device)
             return out, (empty_stats(geo.c_out, self.device) if self.stats else None)
@@ -428,7 +437,7 @@ class _Plan:
         p = [out if t is None else t for t in hooks.prologue_tensors(prologue)]
         q = out if self.chain is None else self.chain.build(tensor_rows(chain, None))
         self.launch(x, w, out if scale is None else scale, out if bias is None else bias,
-                    out if residual is None else residual, out,
+                    out if residual is None else residual, out, saved if self.save_conv else out,
                     out if partials is None else partials, q, *p, *slopes)  # fmt: skip
         return out, None if partials is None else reduce_partials(partials, geo.m)
 
@@ -454,6 +463,7 @@ def conv_fprop(
     residual: torch.Tensor | None = None,
     residual_after_act: bool = False,
     stats: bool = False,
+    saved: torch.Tensor | None = None,
     tile: TileConfig | None = None,
     allow_tf32: bool | None = None,
 ) -> tuple[torch.Tensor, ChannelStats | None]:
@@ -483,6 +493,9 @@ def conv_fprop(
     residual  None or a tensor of the output's shape and dtype, channels-last dense; added before
               ``act_out`` (ResNet) or, with ``residual_after_act``, after it.
     stats     also return ``stats.ChannelStats`` of the stored output (deterministic; ``epilogue``).
+    saved     None or a tensor of the output's shape, channels-last dense, fp32/fp16/bf16: also written,
+              with the conv's raw result rounded to its dtype (before scale, bias, chain and residual),
+              which a training forward keeps for its backward.
     tile      a ``TileConfig`` (None: ``tiles.tuned_tile``'s: timed on CUDA once per signature).
     allow_tf32: fp32 dots in TF32 (never under the interpreter); None: ``torch.backends.cudnn.allow_tf32``,
               eager's rule for a conv.  A caller that knows eager's conv of these tensors runs in full
@@ -495,14 +508,15 @@ def conv_fprop(
     """
     plan = fprop_plan(x, weight, bias, stride=stride, padding=padding, dilation=dilation, groups=groups,
                       prologue=prologue, act_in=act_in, scale=scale, chain=chain, act_out=act_out, residual=residual,
-                      residual_after_act=residual_after_act, stats=stats, tile=tile, allow_tf32=allow_tf32)  # fmt: skip
-    return plan(x, weight, scale, bias, chain, residual, prologue)
+                      residual_after_act=residual_after_act, stats=stats, saved=saved, tile=tile,
+                      allow_tf32=allow_tf32)  # fmt: skip
+    return plan(x, weight, scale, bias, chain, residual, prologue, saved)
 
 
 @dataclass(frozen=True)
 class FpropCall:
     """A :func:`conv_fprop` plan bound to its signature's activation slopes: ``call(x, weight, scale,
-    bias, chain, residual, prologue)`` launches it on a call of that signature (tensors of the same
+    bias, chain, residual, prologue, saved)`` launches it on a call of that signature (tensors of the same
     shapes, strides, dtypes and devices; chain operands of the same sizes).  ``final``: False where it
     was made while launches only compile (``tiles.cached_plan``: its tile untimed), so that a caller
     keeping it asks :func:`fprop_plan` again at its next call."""
@@ -512,9 +526,9 @@ class FpropCall:
     final: bool
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 chain: Sequence[KernelStep], residual: torch.Tensor | None,
-                 prologue: Prologue | None) -> tuple[torch.Tensor, ChannelStats | None]:  # fmt: skip
-        return self.plan.run(x, weight, scale, bias, chain, residual, prologue, self.slopes)
+                 chain: Sequence[KernelStep], residual: torch.Tensor | None, prologue: Prologue | None,
+                 saved: torch.Tensor | None = None) -> tuple[torch.Tensor, ChannelStats | None]:  # fmt: skip
+        return self.plan.run(x, weight, scale, bias, chain, residual, prologue, self.slopes, saved)
 
 
 def fprop_plan(
@@ -534,6 +548,7 @@ def fprop_plan(
     residual: torch.Tensor | None = None,
     residual_after_act: bool = False,
     stats: bool = False,
+    saved: torch.Tensor | None = None,
     tile: TileConfig | None = None,
     allow_tf32: bool | None = None,
 ) -> FpropCall:
@@ -551,12 +566,12 @@ def fprop_plan(
     residual_mode = hooks.RESIDUAL_NONE if residual is None else (
         hooks.RESIDUAL_AFTER_ACT if residual_after_act else hooks.RESIDUAL_BEFORE_ACT)  # fmt: skip
     precision_flag = bool(torch.backends.cudnn.allow_tf32 if allow_tf32 is None else allow_tf32)
-    key = plan_key(x, weight, scale, bias, residual, *hooks.prologue_tensors(prologue), hooks.plan_parts(prologue),
+    key = plan_key(x, weight, scale, bias, residual, saved, *hooks.prologue_tensors(prologue), hooks.plan_parts(prologue),
                    _hashable(stride), _hashable(padding), _hashable(dilation), groups, code_in, code_out,
                    _chain_key(chain), residual_mode, bool(stats), tile, precision_flag)  # fmt: skip
 
     def build() -> _Plan:
-        geo = _check_call(x, weight, scale, bias, residual, stride, padding, dilation, groups)
+        geo = _check_call(x, weight, scale, bias, residual, stride, padding, dilation, groups, saved)
         hooks.check_prologue(prologue, geo.n, geo.c_in, x.device)
         _check_chain(chain, geo.c_out, x.device)
         precision = dot_precision(x.dtype, precision_flag, INTERPRETER)
@@ -564,14 +579,15 @@ def fprop_plan(
         def plan_with(t: TileConfig) -> _Plan:
             t.check()
             return _Plan(geo, x, weight, prologue, code_in, code_out, scale is not None, bias is not None, chain,
-                         residual_mode, bool(stats), t, precision)  # fmt: skip
+                         residual_mode, bool(stats), t, precision, saved is not None)  # fmt: skip
 
         if tile is not None:
             return plan_with(tile)
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None)  # the direct depthwise path (``_Plan.depthwise``)
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
-            plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out)), x.device))
+            plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out), saved),
+            x.device))  # fmt: skip
 
     return FpropCall(cached_plan(_PLANS, key, build), (slope_in, slope_out), not compiling_only())
 

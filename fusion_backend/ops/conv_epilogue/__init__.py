@@ -54,8 +54,8 @@ path when measuring is off or on CPU):
   transposed conv whose pool stride is its stride, e.g. ConvTranspose3d k3 s2 + MaxPool3d(2);
   ``kernels.conv_fused_bwd`` otherwise), so no full-size gradient exists.
 - family (``family``, or ``auto`` where measured faster): the conv kernel family's forward
-  (``kernels.conv.conv_fprop``) with the bias and the chain in its epilogue, for calls that save
-  nothing (inference) of a direct conv without a pool writing a channels-last output
+  (``kernels.conv.conv_fprop``) with the bias and the chain in its epilogue (and the saved conv
+  output written in the same pass), for a direct conv without a pool writing a channels-last output
   (``forward.family_forward_unsupported``); the backward under ``family`` is the library one.
 
 The reference, the failure policy and ``kernel_path`` are every family's (``ops/declare.py``); a call

@@ -317,7 +317,7 @@ def plan_for(
     fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
     probes = {"triton": functools.partial(plans["triton"].probe(), *args)} if "triton" in plans else None
-    return measured_plan(plans, args, lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v3", fast_key, probes)
+    return measured_plan(plans, args, lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v4", fast_key, probes)
 
 
 def measured_plan(plans: dict[str, Any], args: tuple, key: Callable[[], str], fast_key: tuple,
@@ -562,17 +562,14 @@ def family_forward_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Ten
                                save: bool) -> str | None:  # fmt: skip
     """Why the conv family's forward (``FamilyForward``) cannot serve this call, or None.
 
-    It serves a direct conv whose bias and chain end the region (no pool), in a call that saves
-    nothing for a backward (inference, or no gradient wanted: the family's forward writes no
-    pre-chain conv output), whose chain steps read only constants and per-channel or one-value
-    operands (no earlier chain value), with the output in the conv's dtype and laid out as the
-    family writes it (channels-last dense: a channels-last x).  Cached per signature."""
+    It serves a direct conv whose bias and chain end the region (no pool), whose chain steps read
+    only constants and per-channel or one-value operands (no earlier chain value), with the output
+    (and the saved conv output of a call that saves) in the conv's dtype and laid out as the family
+    writes it (channels-last dense: a channels-last x).  Cached per signature."""
 
     def answer() -> str | None:
         from ...kernels.chain_math import MAX_SLOTS
 
-        if save:
-            return "the call saves the conv output for a backward, which the family's forward does not write"
         if cfg.conv.transposed:
             return "a transposed conv"
         if cfg.pool is not None:
@@ -598,16 +595,14 @@ def family_forward_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Ten
 
 class FamilyForward:
     """The conv kernel family's forward for one call signature (``kernels.conv.conv_fprop``): the conv,
-    the bias and the chain in one kernel that writes ``out`` channels-last, for the calls
-    ``family_forward_unsupported`` lets through (nothing saved, no pool).  A call casts x, the
-    weight and the bias to the compute dtype where they are in another (as the library path does),
-    lowers the chain with this call's operands (``kernel_steps``) and launches the family's plan for
-    the signature, kept from the first call (``fprop_plan``; its tile timed once: ``kernels.conv.tiles``).
+    the bias and the chain in one kernel writing ``out`` channels-last (and the saved conv output in
+    a call that saves), for the calls ``family_forward_unsupported`` lets through.  A call casts as
+    the library path does, lowers the chain (``kernel_steps``) and launches the signature's plan,
+    kept from the first call (``fprop_plan``; its tile timed once: ``kernels.conv.tiles``).
 
-    A chain that opens with a per-channel ``mul`` (and then a per-channel ``add``) on a conv without a
-    bias, as a folded eval BatchNorm does, hands those operands to the kernel's ``scale`` and ``bias``
-    (same arithmetic, in fp32: ``acc * scale + shift``): they are read through their own pointers, and
-    no operand matrix is built per call.
+    A chain that opens with a per-channel ``mul`` (and then ``add``) on a conv without a bias, as a
+    folded eval BatchNorm does, hands those operands to the kernel's ``scale`` and ``bias`` (same
+    arithmetic, in fp32: ``acc * scale + shift``): no operand matrix is built per call.
 
     Precision: fp32 dots in TF32 only where eager's conv of x and the weight is (``conv_precision``);
     the chain runs on the fp32 accumulator and rounds once, at the store.
@@ -627,6 +622,9 @@ class FamilyForward:
             if self._leading(steps, PointwiseKind.ADD, operands):
                 self.shift_source = steps.pop(0).operands[0].index
         self.chain = tuple(steps)
+        y0 = _forward_layouts(x, weight, operands, cfg, save, self.dtype)[2][1] if save else None
+        #: the saved conv output's (shape, strides) in a call that saves (as the library path lays it out)
+        self.saved = None if y0 is None else (tuple(y0.shape), y0.stride())
         #: the family's launch for this signature (``fprop_plan``), kept from the first call on
         self.launch = None
         spec = cfg.conv
@@ -646,11 +644,13 @@ class FamilyForward:
         if self.shift_source is not None:
             bc = operands[self.shift_source].reshape(-1).contiguous()
         steps = kernel_steps(self.chain, operands, self.ndim, self.channels)
+        saved = None if self.saved is None else torch.empty_strided(*self.saved, dtype=self.dtype, device=x.device)
         launch = self.launch
         if launch is None:
             from ...kernels.conv import fprop_plan  # lazily: TRITON_INTERPRET is read at import
 
-            launch = fprop_plan(xc, wc, bc, scale=scale, chain=steps, allow_tf32=self.tf32, **self.conv_args)
+            launch = fprop_plan(xc, wc, bc, scale=scale, chain=steps, saved=saved, allow_tf32=self.tf32, **self.conv_args)
             self.launch = launch if launch.final else None
-        out, _ = launch(xc, wc, scale, bc, steps, None, None)
-        return out, empty_placeholder(x), empty_placeholder(x)  # nothing saved: the state's placeholders
+        out, _ = launch(xc, wc, scale, bc, steps, None, None, saved)
+        placeholder = empty_placeholder(x)  # no max pool: no winners
+        return out, placeholder if saved is None else saved, placeholder
