@@ -4,10 +4,6 @@ with the code (the decision cache's keys, Inductor's cache key of a graph holdin
 A file is fingerprinted by its path, size and modification time, as Python's own bytecode cache tells
 a changed source: an edit, a checkout and an install each give the files new times, and one installed
 version gives every process the same fingerprint, so a second process finds what the first cached.
-NOTE: a warm process pays the fingerprint in its first compile: reading and hashing the ~140 files
-(1.5 MB) of the package and its pattern families took 12 ms on the CPU box, their ``stat`` 3 ms
-(``python -c "import time, fusion_backend.patterns; from fusion_backend.runtime import decision as d;
-t = time.perf_counter(); d._environment(); print(time.perf_counter() - t)"``).
 """
 
 from __future__ import annotations
@@ -18,6 +14,10 @@ import os
 from pathlib import Path
 
 
+# NOTE: stat, not hash: a warm process pays the fingerprint in its first compile; reading and hashing
+# the ~140 files (1.5 MB) of the package and its pattern families took 12 ms on a 2-core CPU machine,
+# their ``stat`` 3 ms (``python -c "import time, fusion_backend.patterns; from fusion_backend.runtime
+# import decision as d; t = time.perf_counter(); d._environment(); print(time.perf_counter() - t)"``).
 @functools.cache
 def fingerprint(root: Path) -> str:
     """Hex SHA-256 over ``source_stats(root)`` (computed once per process and folder)."""
