@@ -73,7 +73,8 @@ Wrappers and models:
   (``--time-bucket-cap-mb``; the tiny buckets of the parity check are a test of graph splitting, not a
   setting anyone trains with).  The steps run back to back, as a training loop runs them (the host
   queues the next step while the GPU computes this one), in rounds of ``TIMED_ROUND`` steps between
-  two synchronisations; time per step = the slowest rank's round / its steps, median over the rounds.
+  two synchronisations, the backends' rounds interleaved; time per step = the slowest rank's round /
+  its steps, median over the rounds.
 """
 
 from __future__ import annotations
@@ -469,8 +470,8 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
                   training: Training | None = None, mode: str | None = None) -> None:
     """Rank 0 prints, per backend, the first step's seconds (compilation) and the median ms per step
     of ``training``'s step (default: the workload's declared settings) on two alternating batches, the
-    steps run back to back in rounds of ``TIMED_ROUND`` (at least one round), and what fusion's timed
-    run decided."""
+    steps run back to back in rounds of ``TIMED_ROUND`` (at least one round), the backends' rounds
+    interleaved, and what fusion's timed run decided."""
     from fusion_backend.report import collect_reports
 
     if training is None:
@@ -501,12 +502,11 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
         return elapsed.item()
 
     decided = ""
-    rows = []
     n_rounds = max(timed_steps // TIMED_ROUND, 1)
-    # NOTE: one backend after the other, Dynamo reset between them: with all three compiled at once, a
-    # DDP-wrapped model compiled for fusion after Inductor ran Inductor's compiled code and the fusion
-    # backend saw no graph (torch 2.13, CPU: ``torchrun --nproc-per-node 2 demos/distributed_train.py
-    # --device cpu --time 20`` with the backends' rounds interleaved printed "backend saw 0 graph(s)").
+    # Code compiled before (the parity check's, with its tiny buckets and TF32 off) must not be reused:
+    # Dynamo's guards do not see the bucket size, and a backend's cache entries outlive its wrapper.
+    torch._dynamo.reset()
+    runs = []  # (backend, step function, optimizer, first step's seconds)
     for backend in backends:
         step_fn = wrap(workload.model().to(device), how, device, backend, bucket_cap_mb, None, mode)
         optimizer = training.make_optimizer(step_fn.parameters())
@@ -515,10 +515,15 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
             timed(step_fn, optimizer, range(1, 3))  # the steps a deferred decision settles in (DISTRIBUTED_SETTLE_CALL)
         if backend == "fusion":
             decided = describe(settled_reports(reports))
-        rounds = [timed(step_fn, optimizer, range(s, s + TIMED_ROUND)) / TIMED_ROUND
-                  for s in range(3, 3 + n_rounds * TIMED_ROUND, TIMED_ROUND)]
-        rows.append((backend, first, statistics.median(rounds) * 1e3))
-        torch._dynamo.reset()
+        runs.append((backend, step_fn, optimizer, first))
+    # The backends' rounds alternate: the host's speed drifts over seconds on the GPU machines, which
+    # one backend's rounds after the other's would read as a difference between the backends.
+    rounds: dict[str, list[float]] = {backend: [] for backend in backends}
+    for start in range(3, 3 + n_rounds * TIMED_ROUND, TIMED_ROUND):
+        for backend, step_fn, optimizer, _ in runs:
+            rounds[backend].append(timed(step_fn, optimizer, range(start, start + TIMED_ROUND)) / TIMED_ROUND)
+    rows = [(backend, first, statistics.median(rounds[backend]) * 1e3) for backend, _, _, first in runs]
+    torch._dynamo.reset()
     if rank == 0:
         base = {b: ms for b, _, ms in rows}.get("inductor")
         buckets = f", {bucket_cap_mb:g} MB buckets" if how == "ddp" else ""
