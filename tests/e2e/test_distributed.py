@@ -4,10 +4,12 @@ same data-parallel training computed serially by one eager process (checked agai
 0, which raises otherwise).  Under DDP, tiny gradient buckets make DDPOptimizer split the graph
 between the model's two conv pipelines and inside the first; under FSDP2 the compiled model is
 sharded whole; a classifier with a BatchNorm in training mode trains under DDP with AdamW, each rank
-normalising with its own shard's statistics.  All run in the same two processes (one spawn: each
+normalising with its own shard's statistics; DDP's timed steps compile afresh.  All run in the same two processes (one spawn: each
 costs seconds of start-up and compilation on a CPU).  The training settings (optimizer, learning
 rate, loss) are checked without spawning."""
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -40,6 +42,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                                                      bucket_cap_mb=0.0001, options={"decide": "fuse"})
             summary[how] = {"graphs": len(reports), "fused": [m.pattern for r in reports for m in r.matches],
                             "reports": [str(r) for r in reports]}
+            if how == "ddp":
+                # The timed steps compile afresh, with DDP's default buckets: code compiled just before for
+                # the same model with tiny buckets and the same options (as the demo's parity run does) is
+                # not reused, and fusion's timed run reports one graph of its own.
+                earlier = distributed_train.wrap(workload.model(), how, "cpu", "fusion", 0.0001, None)
+                distributed_train.train(earlier, list(earlier.parameters()), workload, Training(), 1, [rank],
+                                        world, "cpu")  # fmt: skip
+                printed = io.StringIO()
+                with contextlib.redirect_stdout(printed):
+                    distributed_train.time_backends(workload, how, rank, world, "cpu", 10, 25.0, ("eager", "fusion"))
+                summary["timed"] = printed.getvalue()
         torch._dynamo.reset()
         # BatchNorm in training mode: the reference must follow DDP's per-shard statistics (a
         # whole-batch reference differs at the first step's loss already); check_parity raises if not.
@@ -79,6 +92,8 @@ def test_ddp_and_fsdp2_training_match_single_process_eager(tmp_path):
         assert summary["fsdp2"]["graphs"] == 1 and summary["fsdp2"]["fused"] == ["conv_epilogue"] * 2, summary["fsdp2"]
         # BatchNorm under DDP: one graph, its conv -> batch_norm(train) -> relu fused
         assert summary["batchnorm"] == {"graphs": 1, "fused": ["conv_batch_norm"]}, summary["batchnorm"]
+    timed = json.loads((tmp_path / "rank0.json").read_text())["timed"]
+    assert "ms/step" in timed and "fusion's timed run:\n  backend saw 1 graph(s)" in timed, timed
 
 
 def _settings(argv: list[str], declared: dict) -> Training:
