@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from fusion_backend import environment
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.kernels import epilogue as kernels
 from fusion_backend.ops import chain_lowering
@@ -100,6 +101,21 @@ def test_a_new_layout_gets_its_own_plan(planned):
     for got_g, want_g in zip(_grads(out_cl, (x_cl, w_nc, b, m), grad), _grads(out, (x, w, b, m), grad), strict=True):
         torch.testing.assert_close(got_g, want_g, rtol=1e-4, atol=1e-4)
     assert planned == {"forward": 2, "backward": 2}
+
+
+def test_a_switched_variable_gets_a_new_plan(planned, monkeypatch):
+    """A switch a plan depends on, set, changed or unset between calls (a notebook cell, a test's
+    ``setenv``), makes the next call plan again; switching back finds the first plan."""
+    (x, w, b, m), config = _convt3d_pipeline_op()
+    x, w, b, m = (t.detach() for t in (x, w, b, m))
+    monkeypatch.delenv(environment.CONV_AUTOTUNE, raising=False)
+    ce.conv_epilogue(x, w, b, [m], config)
+    for value in ("0", "1"):
+        monkeypatch.setenv(environment.CONV_AUTOTUNE, value)
+        ce.conv_epilogue(x, w, b, [m], config)
+    monkeypatch.delenv(environment.CONV_AUTOTUNE)
+    ce.conv_epilogue(x, w, b, [m], config)
+    assert planned["forward"] == 3
 
 
 def test_the_backward_reads_its_own_forwards_state(planned):

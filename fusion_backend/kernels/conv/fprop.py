@@ -369,6 +369,8 @@ class _Plan:
                  act_out: int, has_scale: bool, has_bias: bool, chain: Sequence[KernelStep], residual_mode: int,
                  stats: bool, tile: TileConfig, precision: str, save_conv: bool = False) -> None:  # fmt: skip
         self.geo, self.tile, self.stats, self.save_conv = geo, tile, stats, save_conv
+        #: the output's strides (channels-last dense), so that a call allocates it in one op
+        self.out_stride = empty_channels_last(geo.out_shape, x.dtype, torch.device("meta")).stride()
         #: the chain's operand matrix, assembled per call from its tensor operands (None: no chain)
         self.chain = OperandMatrix(chain, None, geo.c_out, x.device) if chain else None
         self.dtype, self.device = x.dtype, x.device
@@ -430,7 +432,7 @@ class _Plan:
             w = weight
         else:
             w = prearrange_weight(weight, geo.groups, self.tile, self.dtype)
-        out = empty_channels_last(geo.out_shape, self.dtype, self.device)
+        out = torch.empty_strided(geo.out_shape, self.out_stride, dtype=self.dtype, device=self.device)
         partials = None
         if self.stats:
             partials = torch.empty((2, self.m_tiles, geo.c_out), dtype=torch.float32, device=self.device)

@@ -652,5 +652,4 @@ class FamilyForward:
             launch = fprop_plan(xc, wc, bc, scale=scale, chain=steps, saved=saved, allow_tf32=self.tf32, **self.conv_args)
             self.launch = launch if launch.final else None
         out, _ = launch(xc, wc, scale, bc, steps, None, None, saved)
-        placeholder = empty_placeholder(x)  # no max pool: no winners
-        return out, placeholder if saved is None else saved, placeholder
+        return out, empty_placeholder(x) if saved is None else saved, empty_placeholder(x)  # no pool: no winners

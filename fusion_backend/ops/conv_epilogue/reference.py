@@ -45,7 +45,8 @@ def cast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None,
                 dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
     """``x``, ``weight`` and ``bias`` in the compute dtype (the same tensors where they already are):
     what the library and reference paths run on; the Triton conv kernels cast as they load instead."""
-    return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    return (x if x.dtype == dtype else x.to(dtype), weight if weight.dtype == dtype else weight.to(dtype),
+            bias if bias is None or bias.dtype == dtype else bias.to(dtype))
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> None:
