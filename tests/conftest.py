@@ -291,6 +291,10 @@ def _matching_operands_taken_as_they_are() -> None:
             return lhs, rhs  # one block shape, or two scalars
         return broadcast(self, lhs, rhs)
 
+    # Triton's own functions stay reachable: ``tests/kernels/test_interpreter_shortcuts.py`` compares them.
+    computation_type.__wrapped__ = work_out
+    type_checked.__wrapped__ = checked
+    broadcast_value.__wrapped__ = broadcast
     TritonSemantic.computation_type_impl = computation_type
     TritonSemantic.binary_op_type_checking_impl = type_checked
     TritonSemantic.broadcast_impl_value = broadcast_value
