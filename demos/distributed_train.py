@@ -176,6 +176,8 @@ class Workload:
             self._inputs = source.get_inputs
         self.declared: dict[str, Any] = {k: getattr(source, k) for k in TRAIN_ATTRIBUTES
                                          if hasattr(source, k)}
+        if per_process_batch < 0:
+            raise SystemExit(f"--per-process-batch takes a positive number of batches, not {per_process_batch}")
         if per_process_batch:
             one = self._inputs
             self._inputs = lambda: _concatenated([one() for _ in range(per_process_batch * world)])

@@ -151,6 +151,8 @@ def test_per_process_batch_is_world_draws_of_the_files_batch(tmp_path):
     assert doubled[0].shape == (24, 3) and torch.equal(doubled[0][:12], scaled[0])
     parse = distributed_train.parse_args
     assert [parse(a).per_process_batch for a in ([], ["--per-process-batch"], ["--per-process-batch", "4"])] == [0, 1, 4]
+    with pytest.raises(SystemExit, match="positive number"):
+        distributed_train.Workload(str(spec), 3, per_process_batch=-1)
 
 
 def test_resnet18_file_declares_a_short_small_step_check():
