@@ -85,6 +85,10 @@ class ConvGlobalMeanPattern(ConvAnchoredPattern):
             trial = list(region.operands)
             operands = []
             for value in values:
+                if isinstance(value, fx.Node) and value in region.nodes:  # ``y0 + y0`` of a one-element y0
+                    return miss(user, ReasonKind.UNSUPPORTED_OPERAND,
+                                f"`{user.name}` reads the region's own value `{value.name}` as an operand; the steps "
+                                "before the mean take numbers and per-channel tensors")
                 got = ctx.classify_operand(value, y, trial)
                 if isinstance(got, str):
                     return miss(user, ReasonKind.UNSUPPORTED_OPERAND, got)

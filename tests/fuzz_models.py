@@ -11,6 +11,7 @@ Inputs come contiguous, channels-last or as a strided slice; every parameter req
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -205,7 +206,8 @@ def make_input(spec: Pipeline, device: str) -> torch.Tensor:
 
 def check(spec: Pipeline, device: str, backend: str = "fusion") -> Optional[str]:
     """Compile the spec's model with ``backend`` and compare with eager: ``None`` when the output and
-    every gradient match (within the project's yardstick), else what differs.  (``backend="inductor"``
+    every gradient match (within the project's yardstick) and nothing fell back (a fusion warning that
+    a rewrite or a kernel failed), else what differs or fell back.  (``backend="inductor"``
     tells a failure of the fusion backend from one it inherits from the graph it hands to Inductor.)"""
     torch.manual_seed(0)
     model = FuzzModel(spec).to(device)
@@ -220,9 +222,14 @@ def check(spec: Pipeline, device: str, backend: str = "fusion") -> Optional[str]
     for leaf in [x, *model.parameters()]:
         leaf.grad = None
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend)
-    got, got_grads = run_and_backward(compiled, [x], True, model)
-    problems = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend=backend)
+        got, got_grads = run_and_backward(compiled, [x], True, model)
+    # A fallback keeps the result right but loses what the user asked for: a rewrite or a kernel that
+    # failed is a problem too, not only a wrong number.
+    problems = [f"fell back: {str(w.message).splitlines()[0]}" for w in caught
+                if str(w.message).startswith("fusion") and " failed" in str(w.message)]
     outs = lambda v: list(v) if isinstance(v, tuple) else [v]  # noqa: E731
     for i, (g, w, r) in enumerate(zip(outs(got), outs(want), outs(ref), strict=True)):
         problem = compare(f"output[{i}]", g, w, reference=r)

@@ -99,6 +99,17 @@ def test_rejections_carry_their_reason(body, reason):
     assert_not_fused(Head(body), X, "conv_global_mean", reason=reason)
 
 
+def test_a_step_reading_the_regions_own_one_element_value_is_refused_and_the_conv_epilogue_takes_it():
+    """A conv output of one element (1 channel, 1x1) passes the one-element operand rule: ``y + y``
+    before the mean must still not take ``y`` as an operand from outside (the rewrite would erase the
+    node the fused op reads); conv_epilogue fuses ``conv -> add(y)`` instead, reading the value again."""
+    head = Head(lambda s, y: (y + y).mean((2, 3)), conv=nn.Conv2d(3, 1, 3, stride=2))
+    fused, result = summary(head, (torch.rand(1, 3, 3, 3),))
+    assert fused == [] and [r[1] for r in result.regions] == ["conv2d -> add(conv2d)"], result.regions
+    (miss,) = [n for n in result.near_misses if n.pattern == "conv_global_mean"]
+    assert miss.reason.value == "unsupported_operand" and "the region's own value" in miss.message
+
+
 def test_convs_without_any_reduction_are_not_near_misses_of_this_family():
     _, result = summary(Head(lambda s, y: torch.softmax(y, 1)))
     assert [n for n in result.near_misses if n.pattern == "conv_global_mean"] == []
