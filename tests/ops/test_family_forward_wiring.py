@@ -154,6 +154,13 @@ def test_the_family_forward_says_why_it_cannot_serve_a_call():
         conv3 = ConvSpec(transposed=False, stride=(1, 1, 1), padding=(1, 1, 1), dilation=(1, 1, 1),
                          output_padding=(0, 0, 0), groups=1)  # fmt: skip
         assert "not channels-last" in _call(x3, w3, ConvEpilogueConfig(conv=conv3))
+    # a 1-d conv has no channels-last format: a reason, not an error (under ``auto`` on CUDA every
+    # Conv1d region's forward asks, and an error there sent the op to its reference)
+    conv1 = ConvSpec(transposed=False, stride=(1,), padding=(1,), dilation=(1,), output_padding=(0,), groups=1)
+    for save in (False, True):
+        assert "1-d conv" in _call(torch.randn(2, 4, 9), torch.randn(5, 4, 3), ConvEpilogueConfig(conv=conv1), save)
+    assert "family" not in ce.forward.forward_candidates(torch.randn(2, 4, 9), torch.randn(5, 4, 3), None, [],
+                                                          ConvEpilogueConfig(conv=conv1), True, fused=False)
     assert "transposed" in _call(x, torch.randn(4, 5, 3, 3), _config(transposed=True))
     assert "pool" in _call(x, w, _config(pool=PoolSpec(kind="max", kernel_size=(2, 2), stride=(2, 2),
                                                        padding=(0, 0))))

@@ -584,8 +584,10 @@ def family_forward_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Ten
         out = _forward_layouts(x, weight, operands, cfg, save, dtype)[2][0]
         if out.dtype != dtype:
             return f"the output's dtype {out.dtype} is not the conv's {dtype}"
+        if out.dim() not in (4, 5):
+            return "a 1-d conv (the family writes 2-d and 3-d channels-last outputs)"
         written = torch.empty(out.shape, dtype=dtype, device="meta", memory_format=channels_last_format(out.dim()))
-        if out.dim() not in (4, 5) or out.stride() != written.stride():
+        if out.stride() != written.stride():
             return "the output is not channels-last (the family writes channels-last outputs)"
         return None
 
@@ -602,11 +604,9 @@ class FamilyForward:
 
     A chain that opens with a per-channel ``mul`` (and then ``add``) on a conv without a bias, as a
     folded eval BatchNorm does, hands those operands to the kernel's ``scale`` and ``bias`` (same
-    arithmetic, in fp32: ``acc * scale + shift``): no operand matrix is built per call.
-
-    Precision: fp32 dots in TF32 only where eager's conv of x and the weight is (``conv_precision``);
-    the chain runs on the fp32 accumulator and rounds once, at the store.
-    """
+    arithmetic, in fp32: ``acc * scale + shift``): no operand matrix is built per call.  Precision:
+    fp32 dots in TF32 only where eager's conv of x and the weight is (``conv_precision``); the chain
+    runs on the fp32 accumulator and rounds once, at the store."""
 
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
