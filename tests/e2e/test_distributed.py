@@ -4,9 +4,9 @@ same data-parallel training computed serially by one eager process (checked agai
 0, which raises otherwise).  Under DDP, tiny gradient buckets make DDPOptimizer split the graph
 between the model's two conv pipelines and inside the first; under FSDP2 the compiled model is
 sharded whole; a classifier with a BatchNorm in training mode trains under DDP with AdamW, each rank
-normalising with its own shard's statistics; DDP's timed steps compile afresh.  All run in the same two processes (one spawn: each
-costs seconds of start-up and compilation on a CPU).  The training settings (optimizer, learning
-rate, loss) are checked without spawning."""
+normalising with its own shard's statistics; DDP's timed steps compile afresh.  All run in the same
+two processes (one spawn: each costs seconds of start-up and compilation on a CPU).  The training
+settings (optimizer, learning rate, loss) are checked without spawning."""
 
 import contextlib
 import io

@@ -2,8 +2,9 @@
 
 The family's forward serves the calls of a direct conv without a pool whose output is channels-last:
 the conv, the bias and the chain (a folded eval BatchNorm, a multiplier, activations) run in one
-kernel, which in training also writes the conv output the backward reads.  ``FUSION_CONV_IMPL=family`` forces it (on
-CPU under the interpreter, ``FUSION_CPU_KERNELS=triton``); under ``auto`` it is one of the measured
+kernel, which in training also writes the conv output the backward reads.
+``FUSION_CONV_IMPL=family`` forces it (on CPU under the interpreter,
+``FUSION_CPU_KERNELS=triton``); under ``auto`` it is one of the measured
 candidates.  Every case is checked against float64 with eager's own error as the yardstick
 (``assert_fused``), and the family must be what ran.
 """
