@@ -516,7 +516,7 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
             first = timed(step_fn, optimizer, range(1))
             timed(step_fn, optimizer, range(1, 3))  # the steps a deferred decision settles in (DISTRIBUTED_SETTLE_CALL)
         if backend == "fusion":
-            decided = describe(settled_reports(reports))
+            decided = describe(standing_reports(reports))
         runs.append((backend, step_fn, optimizer, first))
     # The backends' rounds alternate: the host's speed drifts over seconds on the GPU machines, which
     # one backend's rounds after the other's would read as a difference between the backends.
@@ -538,9 +538,11 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
             print(f"fusion's timed run:\n{decided}")
 
 
-def settled_reports(reports: Sequence[Any]) -> list[Any]:
+def standing_reports(reports: Sequence[Any]) -> list[Any]:
     """The reports that stand after the steps that made ``reports``: a graph's report with pending
-    decisions is left out where its settle published a later one (same graph name)."""
+    decisions is left out where its settle published a later one (same graph name).  Nothing is
+    settled here, unlike ``fusion_backend.runtime.deferred.settled_reports``: a settle agrees across
+    the ranks with a collective, and only rank 0 describes."""
     from fusion_backend.runtime.deferred import any_pending
 
     return [r for i, r in enumerate(reports)
@@ -609,7 +611,7 @@ def main() -> None:
         reports = check_parity(workload, args.wrap, rank, world, device, steps, args.bucket_cap_mb,
                                training=training, mode=args.compile_mode)
         if rank == 0:
-            print(describe(settled_reports(reports)))
+            print(describe(standing_reports(reports)))
         if args.time:
             time_backends(workload, args.wrap, rank, world, device, args.time, args.time_bucket_cap_mb,
                           training=training, mode=args.compile_mode)
