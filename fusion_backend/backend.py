@@ -112,7 +112,7 @@ def fusion(
         if timed_in_compile and not budget:
             expected = compile_estimate.estimate(size, training=training, cuda_graphs=cuda_graphs,
                                                  cache_dir=opts.cache_dir)
-            budget["budget"] = DecisionBudget(opts.decide_budget * expected)
+            budget["budget"] = DecisionBudget(opts.decide_budget * expected, warm_kernels_only=True)
         return budget.get("budget")
 
     def decide_first(graph: fx.GraphModule, candidate: Candidate, decisions: list[Decision]) -> bool:

@@ -19,7 +19,9 @@ GPU time is below ``HOST_BOUND_GPU_SHARE`` of its time per call, its win per cal
 ``HOST_BOUND_SPEEDUP``, with or without gradients.  The measurements behind each constant are
 ``NOTE:`` comments at the constant.
 Under CUDA graphs (``mode="reduce-overhead"``), where a replay does the host's work for all the
-kernels at once, the GPU time alone decides: fused where it wins on the GPU by the margin.
+kernels at once, the GPU time alone decides: fused where it wins on the GPU by the margin.  There the
+decisions run inside the graph's compile, and a region whose fused kernels are not compiled yet is
+not measured (``DecisionBudget.warm_kernels_only``).
 
 The two candidates are timed in alternating rounds, and what is compared with the margin is, for
 each time, the median over the rounds of each round's ratio (Inductor's time over the fused op's).
@@ -284,11 +286,24 @@ class DecisionBudget:
     region whose measurement would start after the budget is spent stays with Inductor, unmeasured
     (the report says so; a later process measures it).  The first measurement of a settle always
     runs (``measured`` counts them): a graph with one or two regions, whose first call is short, is
-    still decided."""
+    still decided.
+
+    ``warm_kernels_only``: measure only regions whose fused kernels are compiled already (in this
+    process or in Triton's disk cache); the kernels of the others are sent to the compile workers
+    (``deferred.prepare``; at most ``COLD_PER_KIND`` decision keys of one kind, as a deferred graph
+    sends them) and a later process measures them.  Set where the decisions run inside the graph's
+    compile (under CUDA graphs), which a cold measurement would lengthen by seconds."""
 
     seconds: float
     began: float = field(default_factory=time.perf_counter)
     measured: int = 0
+    warm_kernels_only: bool = False
+    #: decision keys of each kind whose kernels were sent to the workers (``warm_kernels_only``)
+    sent_cold: dict[str, set[str]] = field(default_factory=dict)
+
+    #: Decision keys of one kind of region whose kernels one compile sends to the workers: a network
+    #: repeats a kind at many shapes, and too many compiles at once slow Inductor's own (``_Pending``).
+    COLD_PER_KIND = 2
 
     def spent(self) -> float:
         return time.perf_counter() - self.began
@@ -501,6 +516,9 @@ def _measured(gm: fx.GraphModule, candidate: Region, example_inputs: Sequence[An
             return Decision(pattern, summary, anchor, False,
                             f"not measured: the decision budget is spent ({budget.describe()}; option "
                             "decide_budget); Inductor keeps the region, a later process measures it"), False
+        cold = _cold_kernels(gm, candidate, example_inputs, strict, looked_up, budget)
+        if cold is not None:
+            return Decision(pattern, summary, anchor, False, cold), False
         if budget is not None:
             budget.measured += 1
         times = _measure(gm, candidate, looked_up.region, example_inputs, looked_up.train, looked_up.patches, strict,
@@ -519,6 +537,36 @@ def _measured(gm: fx.GraphModule, candidate: Region, example_inputs: Sequence[An
     store_entry(looked_up.key, entry, cache_dir)
     ran_here = _timer is None  # a fake timer runs neither candidate
     return _entry_verdict(pattern, summary, anchor, entry, margin, looked_up.train, False, cuda_graphs), ran_here
+
+
+# NOTE: one measurement of a region whose kernels were cold took 7.5 s inside the compile of R3D-18's
+# training step under CUDA graphs, where Inductor's whole first call took 20.2 s: time to steady state
+# 1.30x Inductor's (H200, bf16, fresh caches: ``python tools/first_call.py demos/realnets/r3d_18.py
+# --dtype bf16 --mode train --compile-mode reduce-overhead --warm-runs 0 --log``).
+def _cold_kernels(gm: fx.GraphModule, candidate: Region, example_inputs: Sequence[Any], strict: bool,
+                  looked_up: _Lookup, budget: DecisionBudget | None) -> str | None:
+    """Why the region is not measured now because its fused kernels are not compiled yet (their
+    compiles sent to the workers, see ``DecisionBudget.warm_kernels_only``), or None: measure it."""
+    if budget is None or not budget.warm_kernels_only:
+        return None
+    from . import deferred
+
+    sent = budget.sent_cold.setdefault(looked_up.region_class, set())
+    if looked_up.key in sent:
+        return ("not measured: its fused kernels are not compiled on this machine yet (CUDA graphs: "
+                "they compile in the background for a region of the same key; a later process measures "
+                "it); Inductor keeps the region")
+    if len(sent) >= budget.COLD_PER_KIND:
+        return ("not measured: its fused kernels are not compiled on this machine yet, and measuring "
+                "would compile them inside the graph's compile (CUDA graphs); the kernels of "
+                f"{budget.COLD_PER_KIND} regions of its kind compile in the background now, a later "
+                "process measures them; Inductor keeps the region")
+    if deferred.prepare(gm, candidate, example_inputs, strict) is None:
+        return None  # nothing left to compile (or no worker pool: then it compiles as it is measured)
+    sent.add(looked_up.key)
+    return ("not measured: its fused kernels are not compiled on this machine yet, and measuring would "
+            "compile them inside the graph's compile (CUDA graphs); they compile in the background now, "
+            "a later process measures the region; Inductor keeps it")
 
 
 def _entry_verdict(pattern: str, summary: str, anchor: str, entry: Mapping[str, Any], margin: float, train: bool,

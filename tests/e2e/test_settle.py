@@ -394,3 +394,28 @@ def test_under_cuda_graphs_the_budget_is_the_compile_rate_of_earlier_graphs_time
         with collect_reports() as reports:
             torch.compile(model, backend="fusion", options=options)(x)
     assert timer.calls == 2 and [d.cached for d in reports[0].decisions] == [True] * 3 + [False]
+
+
+def test_under_cuda_graphs_a_region_whose_kernels_are_cold_is_not_measured_and_they_compile_in_the_background(
+        monkeypatch):
+    """A measurement inside the compile that first compiles the fused op's kernels costs seconds
+    beyond the budget: under CUDA graphs such a region stays with Inductor, unmeasured, and its
+    kernels go to the workers (once per decision key, at most ``COLD_PER_KIND`` keys of a kind);
+    a region whose kernels are compiled already is measured as before."""
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(2, 8, 10, 10)
+    options = {"triton.cudagraphs": True, "decide_budget": None}
+    monkeypatch.setattr(decision.DecisionBudget, "COLD_PER_KIND", 1)
+    compiles, timer = Compiles(), RegionTimer((1.0, 2.0))  # the fused op would win
+    with deferred.preparing_with(compiles), decision.timing_override(timer, ("cpu",)), torch.no_grad(), \
+            collect_reports() as reports:
+        torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
+    decisions = reports[0].decisions
+    assert timer.calls == 0 and compiles.prepared == 1 and not any(d.fused for d in decisions)
+    assert all("compile in the background" in d.rule for d in decisions[:3])
+    assert "regions of its kind" in decisions[3].rule
+    torch._dynamo.reset()
+    with deferred.preparing_with(lambda *args: None), decision.timing_override(timer, ("cpu",)), \
+            torch.no_grad(), collect_reports() as reports:  # the kernels compiled since: measured
+        torch.compile(model, backend="fusion", options=options)(x)
+    assert timer.calls == 2 and all(d.fused for d in reports[0].decisions)
