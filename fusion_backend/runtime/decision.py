@@ -557,10 +557,9 @@ def _cold_kernels(gm: fx.GraphModule, candidate: Region, example_inputs: Sequenc
                 "they compile in the background for a region of the same key; a later process measures "
                 "it); Inductor keeps the region")
     if len(sent) >= budget.COLD_PER_KIND:
-        return ("not measured: its fused kernels are not compiled on this machine yet, and measuring "
-                "would compile them inside the graph's compile (CUDA graphs); the kernels of "
-                f"{budget.COLD_PER_KIND} regions of its kind compile in the background now, a later "
-                "process measures them; Inductor keeps the region")
+        return (f"not measured: the fused kernels of {budget.COLD_PER_KIND} regions of its kind were not compiled "
+                "yet and compile in the background now; measuring this one could compile its own inside the "
+                "graph's compile (CUDA graphs), so a later process measures it; Inductor keeps the region")
     if deferred.prepare(gm, candidate, example_inputs, strict) is None:
         return None  # nothing left to compile (or no worker pool: then it compiles as it is measured)
     sent.add(looked_up.key)
