@@ -8,7 +8,9 @@ output is batched and floating point.  From there the chain grows one user at a 
 * that op is a supported pointwise op (``ops/chain.py``) whose other operands are numbers, 0-d or
   one-element tensors, per-channel tensors, or a value the chain computed before (a DAG epilogue: the
   first operand of an arithmetic op, ``minimum`` / ``maximum`` or a clamp bound, ``ChainValue``); an
-  operand computed from the conv output outside the chain stops it;
+  ``add`` may read one tensor of the conv output's full shape and dtype (a residual branch, ResNet's
+  ``relu(bn(conv(x)) + identity)``; no pool then); an operand computed from the conv output outside
+  the chain stops it;
 * the chain is shorter than ``MAX_CHAIN_LENGTH``.
 
 The region then ends at the last value of the longest prefix whose earlier values are read only
@@ -34,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from ..frontend.canonical import BatchNorm, ParamRef
-from ..match.chain_walk import ChainPart
+from ..match.chain_walk import ChainPart, full_size_operand
 from ..match.conv_walk import ConvRegion, ConvWalkPattern, Folded, Refusal, claimed_elsewhere
 from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_if_changed, dtype_name, materialize, rewrite_conv_region
@@ -51,6 +53,7 @@ class ConvEpiloguePattern(ConvWalkPattern):
                    "→ optional max/avg pool")
     folds = (BatchNorm,)
     trailing_pool = True
+    residual = True
 
     def fold(self, ctx: MatchContext, op: Any, flowing: fx.Node, part: ChainPart, y: torch.Tensor) -> Union[Folded, Refusal]:
         """An eval-mode batch norm as a per-channel ``mul`` and ``add`` (``ops/bn_fold.py``)."""
@@ -89,6 +92,7 @@ class ConvEpiloguePattern(ConvWalkPattern):
             out_dtype=dtype_if_changed(out_fake, conv_fake),
             strict=ctx.strict,
             compute_dtype=dtype_name(conv_fake.dtype) if absorb else None,
+            residual=full_size_operand(ctx, region.post.operands, conv_fake),
         ).to_json()
         return rewrite_conv_region(
             ctx, candidate, conv, region.post.operands, op_module.conv_epilogue, config, "fusion::conv_epilogue_fwd",

@@ -127,6 +127,7 @@ def computed_from(anchor: fx.Node) -> set[fx.Node]:
 def pointwise_step(
     ctx: MatchContext, pattern: str, anchor: fx.Node, op: Pointwise, flowing: fx.Node, operands: list[Any],
     y: Any, chain: ChainValues, dtypes: Sequence[torch.dtype], scalar_operands: bool = False,
+    residual: bool = False,
 ) -> Union[ChainStep, NearMiss]:  # fmt: skip
     """``op`` as the chain's next step, reading the chain's value ``flowing``, or the near miss (of
     ``pattern``, anchored at ``anchor``) saying why it cannot be.
@@ -135,7 +136,9 @@ def pointwise_step(
     accepted.  ``y``: the fake value whose dim 1 is "the channels" a per-channel operand must match
     (``MatchContext.classify_operand``).  ``dtypes``: the result dtypes a fused step may have.
     ``scalar_operands``: accept only numbers and one-element tensors (a chain after a reduction over
-    the channels has no channel dim).
+    the channels has no channel dim).  ``residual``: an ``add`` may also read one tensor of the flowing
+    value's full shape and dtype, computed outside the region (a residual branch; at most one per
+    region, ``full_size_operand``).
     """
     seen = op.with_flowing(flowing)
     if isinstance(seen, str):
@@ -158,6 +161,11 @@ def pointwise_step(
                        "only numbers and one-element tensors fuse")
         if got is None:
             got = ctx.classify_operand(value, y, trial)
+            if isinstance(got, str) and residual and kind is PointwiseKind.ADD and _full_size(value, out):
+                if full_size_operand(ctx, trial, y) is not None:
+                    got = "the region reads one full-size operand (a residual) already"
+                else:
+                    got = TensorRef(operand_index(value, trial))
         if isinstance(got, str):
             return ctx.near_miss(pattern, anchor, op.node, ReasonKind.UNSUPPORTED_OPERAND, got)
         found.append(got)
@@ -169,6 +177,25 @@ def pointwise_step(
                                      f"the {kind.name.lower()} parameter `{trial[got.index].name}` requires grad; only arithmetic operands and the bound of clamp_min / clamp_max get gradients")
     operands[:] = trial
     return ChainStep(kind, tuple(found))
+
+
+def _full_size(value: Any, like: torch.Tensor) -> bool:
+    fake = fake_of(value) if isinstance(value, fx.Node) else None
+    return (isinstance(fake, torch.Tensor) and tuple(fake.shape) == tuple(like.shape) and fake.dtype == like.dtype
+            and like.numel() > 0)
+
+
+def full_size_operand(ctx: MatchContext, operands: Sequence[Any], y: Any) -> Optional[int]:
+    """The index of the region's full-size operand (its residual), if it has one: the operand (graph
+    nodes) the generic classifier refuses (``MatchContext.classify_operand``; ``y`` as there).  A
+    tensor of the output's shape that is also one value per channel (an output of one position) is
+    read as per-channel: the same values either way."""
+    for i, node in enumerate(operands):
+        fake = fake_of(node) if isinstance(node, fx.Node) else None  # (folded operands are made later)
+        if (isinstance(fake, torch.Tensor) and tuple(fake.shape) == tuple(y.shape)
+                and isinstance(ctx.classify_operand(node, y, []), str)):
+            return i
+    return None
 
 
 def per_channel_problem(value: Any, channels: int) -> Optional[str]:
@@ -222,11 +249,12 @@ class ChainEnd:
 def grow_chain(
     ctx: MatchContext, pattern: str, anchor: fx.Node, start: fx.Node, part: ChainPart, values: ChainValues,
     y: Any, dtypes: Sequence[torch.dtype], fusible: tuple[type, ...], where: str, scalar_operands: bool = False,
+    residual: bool = False,
 ) -> ChainEnd:  # fmt: skip
     """Grow ``part`` with the pointwise ops that follow ``start`` (one user at a time,
     ``ChainValues.next_user`` with ``fusible`` as there) until the first op that is not pointwise,
     ``MAX_CHAIN_LENGTH`` steps, or a step ``pointwise_step`` refuses (``y``, ``dtypes`` and
-    ``scalar_operands`` as there); near misses are of ``pattern``, anchored at ``anchor``.
+    ``scalar_operands`` and ``residual`` as there); near misses are of ``pattern``, anchored at ``anchor``.
 
     The one loop every chain of a conv walk grows by (``match/conv_walk.py``): before a centre,
     after it, and the whole chain of a walk with none; the caller decides what the end means.
@@ -246,7 +274,7 @@ def grow_chain(
             return ChainEnd(current, user, miss=ctx.near_miss(pattern, anchor, user, ReasonKind.CHAIN_TOO_LONG,
                                                               f"{where} holds at most {MAX_CHAIN_LENGTH} ops"))
         step = pointwise_step(ctx, pattern, anchor, op, current, part.operands, y, values, dtypes,
-                              scalar_operands=scalar_operands)  # fmt: skip
+                              scalar_operands=scalar_operands, residual=residual)  # fmt: skip
         if isinstance(step, NearMiss):
             return ChainEnd(current, user, miss=step)
         part.steps.append(step)

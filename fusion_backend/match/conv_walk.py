@@ -51,7 +51,7 @@ from ..frontend.canonical import CanonicalOp, Conv, Opaque, Pointwise, Pool
 from ..frontend.normalize import describe_target
 from ..ops.chain import ChainStep
 from ..report import NearMiss, ReasonKind
-from .chain_walk import ChainPart, ChainValues, grow_chain
+from .chain_walk import ChainPart, ChainValues, full_size_operand, grow_chain
 from .engine import (
     Candidate,
     ConvAnchoredPattern,
@@ -235,6 +235,9 @@ class ConvWalkPattern(ConvAnchoredPattern):
     folds: tuple[type, ...] = ()
     trailing_pool: bool = False
     """Whether a pool may end a walk with no centre (a centred walk asks its ``Centre``)."""
+    residual: bool = False
+    """Whether a walk with no centre may add one full-size tensor (a residual branch) in its chain
+    (``chain_walk.pointwise_step``); a pool then does not join."""
 
     @property
     def precedence(self) -> Precedence:  # type: ignore[override]
@@ -367,7 +370,8 @@ class ConvWalkPattern(ConvAnchoredPattern):
         stop: Optional[NearMiss] = None
         current = anchor
         while True:
-            end = grow_chain(ctx, self.name, anchor, current, part, values, y, FUSED_DTYPES, fusible, "the fused chain")
+            end = grow_chain(ctx, self.name, anchor, current, part, values, y, FUSED_DTYPES, fusible, "the fused chain",
+                             residual=self.residual)
             current = end.last
             if end.miss is not None:
                 stop = end.miss
@@ -389,6 +393,9 @@ class ConvWalkPattern(ConvAnchoredPattern):
                 continue
             if isinstance(op, Pool) and self.trailing_pool:
                 refused = pool_refusal(op, conv.spec.spatial_dims)
+                if refused is None and full_size_operand(ctx, part.operands, y) is not None:
+                    refused = (ReasonKind.UNSUPPORTED_OP, "a pool after a residual add is not fused (the region "
+                               "ends before the pool)")
                 if refused is not None:
                     stop = miss(user, *refused)
                 else:

@@ -147,6 +147,10 @@ class ConvEpilogueConfig(JsonConfig):
       them as they load them, instead of three cast kernels before it and three after its backward);
       gradients come back in each input's own dtype.  ``None`` = x's dtype.
     * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference.
+    * ``residual``: index of the one operand of the conv output's full shape (a residual branch, as
+      ResNet's ``relu(bn(conv(x)) + identity)``), read by exactly one ``add`` step of ``chain``;
+      ``None``: every operand is a number, one element or one value per channel.  A region with a
+      residual has no pool.
     """
 
     conv: ConvSpec
@@ -155,16 +159,24 @@ class ConvEpilogueConfig(JsonConfig):
     out_dtype: str | None = None
     strict: bool = False
     compute_dtype: str | None = None
+    residual: int | None = None
 
     def __post_init__(self) -> None:
         check_chain(self.chain)
+        if self.residual is not None:
+            readers = [s for s in self.chain if TensorRef(self.residual) in s.operands]
+            if len(readers) != 1 or readers[0].kind is not PointwiseKind.ADD:
+                raise ValueError(f"the residual operands[{self.residual}] must be read by exactly one add step")
+            if self.pool is not None:
+                raise ValueError("a region with a residual has no pool")
 
     def __hash__(self) -> int:
         # Cached: configs key the op's per-call host caches, and hashing the nested fields costs
         # ~10 us per call (measured with cProfile).  Equal configs still hash equal.
         cached = self.__dict__.get("_hash")
         if cached is None:
-            cached = hash((self.conv, self.chain, self.pool, self.out_dtype, self.strict, self.compute_dtype))
+            cached = hash((self.conv, self.chain, self.pool, self.out_dtype, self.strict, self.compute_dtype,
+                           self.residual))
             object.__setattr__(self, "_hash", cached)
         return cached
 

@@ -69,6 +69,8 @@ def plan_for(
     ``plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner)``."""
 
     args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
+    if cfg.residual is not None:
+        return ReferenceBackward(cfg, mask), True
     mode = environment.conv_impl()
     if mode in ("library", "family") or (mode == "auto" and x.device.type != "cuda"):
         plan = LibraryBackward(*args, cfg, mask)  # auto on CPU: the interpreter is slow (tests force "triton")
@@ -136,6 +138,19 @@ class _ChainGradient:
         grad_y = torch.empty_strided(shape, stride, dtype=dtype, device=grad_out.device)
         slot_grads, grad_bias = self.epilogue(grad_out, y0, winner, winner_y, *self.params(bias, operands), grad_y)
         return grad_y, sum_operand_grads(self.operand_recipe, [slot_grads]), grad_bias
+
+
+class ReferenceBackward:
+    """``reference.backward`` on the call's device as a plan: a region with a residual (whose gradient,
+    the chain's at its add, is full-size: no epilogue kernel writes one)."""
+
+    def __init__(self, cfg: ConvEpilogueConfig, mask: Sequence[bool]) -> None:
+        self.cfg, self.mask = cfg, tuple(mask)
+
+    def __call__(self, *args: Any) -> list[Tensor | None]:  # (grad_out, x, weight, bias, operands, saved state)
+        from .reference import backward as reference_backward
+
+        return reference_backward(*args, self.cfg, self.mask)
 
 
 class LibraryBackward(_ChainGradient):

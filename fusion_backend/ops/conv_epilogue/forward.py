@@ -20,7 +20,7 @@ from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
 from .. import conv_precision
-from ..chain import ChainValue, PointwiseKind, TensorRef
+from ..chain import ChainValue, Const, PointwiseKind, TensorRef
 from ..chain_lowering import kernel_steps
 from ..config import ConvEpilogueConfig
 from ..conv_io import (
@@ -218,7 +218,7 @@ def _forward_layouts(
     saved_winner)`` as ``allocate_forward_outputs`` gives them."""
     y0 = _library_conv_meta(x, weight, cfg.conv, dtype)
     y0 = torch.empty(y0.shape, dtype=dtype, device="meta", memory_format=output_memory_format(y0))
-    steps = kernel_steps(cfg.chain, operands, y0.dim(), y0.shape[1])
+    steps = [] if cfg.residual is not None else kernel_steps(cfg.chain, operands, y0.dim(), y0.shape[1])
     return y0, steps, allocate_forward_outputs(torch.empty(0, dtype=x.dtype, device="meta"), y0, cfg, save)
 
 
@@ -302,6 +302,8 @@ def plan_for(
     same signature always gets this answer (not while the choice is unmeasured), so the caller may
     keep the plan (nor while the plan's precision is unsettled: ``FusedForward``'s)."""
     mode = environment.conv_impl()
+    if cfg.residual is not None:
+        return _residual_plan(x, weight, bias, operands, cfg, save, mode)
     if mode == "family":
         why = family_forward_unsupported(x, weight, operands, cfg, save)
         if why is not None:
@@ -318,6 +320,59 @@ def plan_for(
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
     probes = {"triton": functools.partial(plans["triton"].probe(), *args)} if "triton" in plans else None
     return measured_plan(plans, args, lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v4", fast_key, probes)
+
+
+class ReferenceForward:
+    """``reference.forward`` on the call's device as a plan: the baseline of a region with a residual,
+    whose full-size operand the epilogue kernels' operand matrix cannot hold."""
+
+    settled = True
+
+    def __init__(self, cfg: ConvEpilogueConfig, save: bool) -> None:
+        self.cfg, self.save = cfg, save
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor]) -> Any:
+        from .reference import forward as reference_forward
+
+        return reference_forward(x, weight, bias, operands, self.cfg, self.save)
+
+
+def _residual_plan(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                   cfg: ConvEpilogueConfig, save: bool, mode: str) -> tuple[Any, bool]:  # fmt: skip
+    """``plan_for`` of a region with a residual: the conv family's forward (which adds it in its
+    store) where it serves the call, else ``ReferenceForward``; under ``auto`` the faster, measured."""
+    why = family_forward_unsupported(x, weight, operands, cfg, save)
+    if mode == "family" and why is not None:
+        raise UnsupportedInputError(f"{CONV_IMPL_ENV}=family but the conv family's forward cannot run: {why}")
+    if why is not None or mode not in ("auto", "family"):
+        return ReferenceForward(cfg, save), True
+    family = FamilyForward(x, weight, bias, operands, cfg, save)
+    if mode == "family" or not _times_library_layouts(x):
+        return family, family.settled
+    fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save, torch.backends.cudnn.allow_tf32)
+    return measured_plan({"library": ReferenceForward(cfg, save), "family": family}, (x, weight, bias, operands),
+                         lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v4", fast_key)
+
+
+def residual_parts(cfg: ConvEpilogueConfig) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """A residual region's chain as ``(the steps before its add, the steps after it)``."""
+    at = next(i for i, step in enumerate(cfg.chain) if TensorRef(cfg.residual) in step.operands)
+    return cfg.chain[:at], cfg.chain[at + 1:]
+
+
+def _family_act_out(tail: Sequence[Any]) -> Any:
+    """The family store's ``act_out`` (an ``Activation``, None for none) for the steps after a
+    residual, or a str saying why they do not fit it."""
+    from ...kernels.conv.hooks import Activation
+
+    names = {PointwiseKind.RELU: "relu", PointwiseKind.GELU: "gelu", PointwiseKind.SILU: "silu"}
+    if not tail:
+        return None
+    if len(tail) == 1 and tail[0].kind in names:
+        return Activation(names[tail[0].kind])
+    if len(tail) == 1 and tail[0].kind is PointwiseKind.LEAKY_RELU and isinstance(tail[0].operands[0], Const):
+        return Activation("leaky_relu", tail[0].operands[0].value)
+    return "after the residual add the family applies one relu, leaky_relu, gelu or silu"
 
 
 def measured_plan(plans: dict[str, Any], args: tuple, key: Callable[[], str], fast_key: tuple,
@@ -578,6 +633,12 @@ def family_forward_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Ten
             return f"a chain of {len(cfg.chain)} steps (the family's epilogue takes {MAX_SLOTS})"
         if any(isinstance(o, ChainValue) for step in cfg.chain for o in step.operands):
             return "a chain step reads an earlier chain value"
+        if cfg.residual is not None:
+            if save:
+                return "a residual in a call that saves for the backward (the region's backward is the reference's)"
+            act = _family_act_out(residual_parts(cfg)[1])
+            if isinstance(act, str):
+                return act
         dtype = conv_compute_dtype(cfg, x)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return f"a {dtype} conv (the family computes in fp32, fp16 or bf16)"
@@ -614,7 +675,9 @@ class FamilyForward:
         precision = conv_precision.forward_tf32(x, weight, cfg.conv, self.dtype)
         self.tf32, self.settled = precision.tf32, precision.settled
         self.ndim, self.channels = x.dim(), weight.shape[0]  # the output's (a direct conv)
-        steps = list(cfg.chain)
+        steps, tail = (list(cfg.chain), ()) if cfg.residual is None else map(list, residual_parts(cfg))
+        #: the store's activation after the residual add (``act_out``), and the residual's operand index
+        self.act_out, self.residual = (None if cfg.residual is None else _family_act_out(tail)), cfg.residual
         #: the operands the kernel reads as its per-channel scale and bias (None: not so)
         self.scale_source = self.shift_source = None
         if bias is None and self._leading(steps, PointwiseKind.MUL, operands):
@@ -645,11 +708,15 @@ class FamilyForward:
             bc = operands[self.shift_source].reshape(-1).contiguous()
         steps = kernel_steps(self.chain, operands, self.ndim, self.channels)
         saved = None if self.saved is None else torch.empty_strided(*self.saved, dtype=self.dtype, device=x.device)
+        residual = None
+        if self.residual is not None:  # the output's dtype and channels-last layout (a copy where not so)
+            residual = operands[self.residual].to(self.dtype).contiguous(memory_format=channels_last_format(self.ndim))
         launch = self.launch
         if launch is None:
             from ...kernels.conv import fprop_plan  # lazily: TRITON_INTERPRET is read at import
 
-            launch = fprop_plan(xc, wc, bc, scale=scale, chain=steps, saved=saved, allow_tf32=self.tf32, **self.conv_args)
+            launch = fprop_plan(xc, wc, bc, scale=scale, chain=steps, saved=saved, allow_tf32=self.tf32,
+                                act_out=self.act_out, residual=residual, **self.conv_args)
             self.launch = launch if launch.final else None
-        out, _ = launch(xc, wc, scale, bc, steps, None, None, saved)
+        out, _ = launch(xc, wc, scale, bc, steps, residual, None, saved)
         return out, empty_placeholder(x) if saved is None else saved, empty_placeholder(x)  # no pool: no winners

@@ -1,0 +1,196 @@
+"""A residual branch in ``fusion::conv_epilogue``: ``act(bn(conv(x)) + identity)``, the tail of every
+ResNet block, and ``(conv(x) + r) / s``, the VAE's.
+
+The chain's ``add`` may read one tensor of the conv output's full shape (``ConvEpilogueConfig.residual``).
+Without gradients the conv family's forward adds it in its store, before the store's activation
+(``FUSION_CONV_IMPL=family`` forces it; on CPU under the interpreter, ``FUSION_CPU_KERNELS=triton``);
+where the family does not serve the call, and in training, the op runs plain torch on the device
+(``ReferenceForward`` / ``ReferenceBackward``), and the residual's gradient is the chain's gradient at
+its add.  Every case is checked against float64 with eager's own error as the yardstick
+(``assert_fused``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fusion_backend.kernels.conv as conv_family
+from fusion_backend.ir.specs import ConvSpec, PoolSpec
+from fusion_backend.ops import conv_epilogue as ce
+from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
+from fusion_backend.ops.config import ConvEpilogueConfig
+from fusion_backend.report import collect_reports
+from fusion_backend.testing import assert_fused
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class ResidualTail(nn.Module):
+    """``act(bn(conv(x)) + x)``: a ResNet block's last conv, its BatchNorm and the identity branch."""
+
+    def __init__(self, channels: int, act: nn.Module) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+            self.bn.weight.uniform_(0.5, 1.5)
+            self.bn.bias.uniform_(-0.5, 0.5)
+        self.act = act
+
+    def forward(self, x):
+        out = self.bn(self.conv(x))
+        out += x  # as torchvision's Bottleneck spells it
+        return self.act(out)
+
+
+class ScaledResidual(nn.Module):
+    """``(r + conv(x)) / 2``: the diffusers ResnetBlock's output, the residual first."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x, r):
+        return (r + self.conv(x)) / 2.0
+
+
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    return x.to(memory_format=torch.channels_last)
+
+
+@pytest.fixture
+def family_launches(monkeypatch, exact_fp32, fresh_plans):
+    """The Triton paths on CPU under the interpreter, the family forced; records each launch plan's arguments."""
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    monkeypatch.setenv(ce.CONV_IMPL_ENV, "family")
+    calls = []
+    real = conv_family.fprop_plan
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(conv_family, "fprop_plan", recording)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("act", ["relu", "silu"])
+def test_a_resnet_block_tail_runs_on_the_family_forward_with_the_residual_in_its_store(family_launches, act, dtype):
+    torch.manual_seed(11)
+    model = ResidualTail(8, nn.ReLU() if act == "relu" else nn.SiLU()).eval().requires_grad_(False).to(DEVICE)
+    model = model.to(memory_format=torch.channels_last)
+    x = _channels_last(torch.randn(2, 8, 7, 5, device=DEVICE))
+    reports = assert_fused(model, [x], expect={"conv_epilogue": 1}, train=False, dtype=dtype)
+    (match,) = [m for r in reports for m in r.matches]
+    assert ConvEpilogueConfig.from_json(match.config).residual is not None
+    assert family_launches, "the family's forward did not run"
+    for call in family_launches:  # the folded BatchNorm as scale and bias, the residual and the activation in the store
+        assert call["residual"] is not None and call["act_out"].kind == act and call["scale"] is not None
+        assert len(call["chain"]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_in_training_every_gradient_the_residual_s_included_matches_float64(monkeypatch, exact_fp32, fresh_plans,
+                                                                            dtype):  # fmt: skip
+    """Training (the BatchNorm frozen, so that it folds): the op's Triton-path plans run plain torch
+    on the device; x reaches the output through the conv and through the residual, and its gradient
+    sums both."""
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    torch.manual_seed(12)
+    model = ResidualTail(8, nn.ReLU()).to(DEVICE).to(memory_format=torch.channels_last)
+    model.bn.eval()
+    x = _channels_last(torch.randn(2, 8, 6, 6, device=DEVICE))
+    assert_fused(model, [x], expect={"conv_epilogue": 1}, train=True, dtype=dtype)
+
+
+def test_a_residual_read_first_with_a_division_after_it_is_fused_and_its_gradient_is_the_chain_s(
+        monkeypatch, exact_fp32, fresh_plans):  # fmt: skip
+    """The VAE's ``(r + conv(x)) / s``: the family's store applies no division after the residual, so
+    the op runs plain torch; r gets the chain's gradient at the add (grad / s), full-size."""
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    torch.manual_seed(13)
+    model = ScaledResidual(6).to(DEVICE)
+    x, r = torch.randn(2, 6, 5, 5, device=DEVICE), torch.randn(2, 6, 5, 5, device=DEVICE)
+    reports = assert_fused(model, [x, r], expect={"conv_epilogue": 1}, train=True)
+    (match,) = [m for rep in reports for m in rep.matches]
+    cfg = ConvEpilogueConfig.from_json(match.config)
+    assert cfg.residual is not None and "leaky" not in match.summary
+    why = ce.forward.family_forward_unsupported(x, model.conv.weight, [r], cfg, False)
+    assert why is not None and "after the residual add" in why
+
+
+def _region(model, *inputs):
+    with torch.no_grad(), collect_reports() as reports:
+        torch.compile(model, backend="fusion", options={"decide": "fuse"})(*inputs)
+    return [m for r in reports for m in r.matches], [n for r in reports for n in r.near_misses]
+
+
+def test_a_pool_after_the_residual_ends_the_region_before_it_and_says_why():
+    class ThenPool(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            return F.max_pool2d(F.relu(self.conv(x) + x), 2)
+
+    torch._dynamo.reset()
+    matches, misses = _region(ThenPool(), torch.randn(1, 4, 6, 6))
+    (match,) = matches
+    assert "pool" not in match.summary and ConvEpilogueConfig.from_json(match.config).residual is not None
+    assert any("a pool after a residual add" in n.message for n in misses)
+
+
+def test_a_second_full_size_operand_ends_the_chain_before_it():
+    class TwoBranches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x, a, b):
+            return torch.tanh(torch.relu(self.conv(x) + a) + b)
+
+    torch._dynamo.reset()
+    matches, misses = _region(TwoBranches(), *(torch.randn(1, 4, 5, 5) for _ in range(3)))
+    (match,) = matches
+    assert match.summary.endswith("add -> relu")
+    assert any("one full-size operand" in n.message for n in misses)
+
+
+def _conv() -> ConvSpec:
+    return ConvSpec(transposed=False, stride=(1, 1), padding=(1, 1), dilation=(1, 1), output_padding=(0, 0), groups=1)
+
+
+def test_the_config_holds_one_residual_read_by_one_add_and_no_pool():
+    add_r = ChainStep(PointwiseKind.ADD, (TensorRef(0),))
+    ConvEpilogueConfig(conv=_conv(), chain=(add_r, ChainStep(PointwiseKind.RELU)), residual=0)
+    with pytest.raises(ValueError, match="exactly one add"):
+        ConvEpilogueConfig(conv=_conv(), chain=(ChainStep(PointwiseKind.MUL, (TensorRef(0),)),), residual=0)
+    with pytest.raises(ValueError, match="exactly one add"):
+        ConvEpilogueConfig(conv=_conv(), chain=(add_r, add_r), residual=0)
+    with pytest.raises(ValueError, match="no pool"):
+        ConvEpilogueConfig(conv=_conv(), chain=(add_r,), residual=0,
+                           pool=PoolSpec(kind="max", kernel_size=(2, 2), stride=(2, 2), padding=(0, 0)))
+    cfg = ConvEpilogueConfig(conv=_conv(), chain=(add_r,), residual=0)
+    assert ConvEpilogueConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_the_family_forward_says_why_it_cannot_add_a_residual():
+    x = _channels_last(torch.randn(2, 4, 6, 6))
+    w, r = torch.randn(4, 4, 3, 3), _channels_last(torch.randn(2, 4, 6, 6))
+    add_r = ChainStep(PointwiseKind.ADD, (TensorRef(0),))
+
+    def why(*tail, save=False):
+        cfg = ConvEpilogueConfig(conv=_conv(), chain=(add_r, *tail), residual=0)
+        return ce.forward.family_forward_unsupported(x, w, [r], cfg, save)
+
+    assert why() is None and why(ChainStep(PointwiseKind.LEAKY_RELU, (Const(0.2),))) is None
+    assert "saves for the backward" in why(save=True)
+    assert "one relu, leaky_relu, gelu or silu" in why(ChainStep(PointwiseKind.TANH))
+    assert "one relu, leaky_relu, gelu or silu" in why(ChainStep(PointwiseKind.RELU), ChainStep(PointwiseKind.RELU))
