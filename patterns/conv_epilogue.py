@@ -9,8 +9,8 @@ output is batched and floating point.  From there the chain grows one user at a 
   one-element tensors, per-channel tensors, or a value the chain computed before (a DAG epilogue: the
   first operand of an arithmetic op, ``minimum`` / ``maximum`` or a clamp bound, ``ChainValue``); an
   ``add`` may read one tensor of the conv output's full shape and dtype (a residual branch, ResNet's
-  ``relu(bn(conv(x)) + identity)``; no pool then); an operand computed from the conv output outside
-  the chain stops it;
+  ``relu(bn(conv(x)) + identity)``; no pool then), kept where the conv family's store can add it
+  (``chain_limit``); an operand computed from the conv output outside the chain stops it;
 * the chain is shorter than ``MAX_CHAIN_LENGTH``.
 
 The region then ends at the last value of the longest prefix whose earlier values are read only
@@ -40,7 +40,7 @@ from ..match.chain_walk import ChainPart, full_size_operand
 from ..match.conv_walk import ConvRegion, ConvWalkPattern, Folded, Refusal, claimed_elsewhere
 from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_if_changed, dtype_name, materialize, rewrite_conv_region
-from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, PointwiseKind, TensorRef
+from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef
 from ..ops.config import ConvEpilogueConfig
 from ..report import Match, ReasonKind
 
@@ -70,6 +70,31 @@ class ConvEpiloguePattern(ConvWalkPattern):
         steps = (ChainStep(PointwiseKind.MUL, (TensorRef(n),)), ChainStep(PointwiseKind.ADD, (TensorRef(n + 1),)))
         return Folded(steps, tuple(_folded_operands(bn, y.dim() - 2)), "batch_norm (folded)")
 
+    def chain_limit(self, ctx: MatchContext, conv: Any, part: ChainPart, y: torch.Tensor) -> Optional[tuple[int, Refusal]]:
+        """A residual add stays in the region only where the conv family's forward can add it in its
+        store: a direct 2-d or 3-d conv, no gradient flowing (no kernel writes the residual's full-size
+        gradient), and after it at most one relu, leaky_relu (a constant slope), gelu or silu; else
+        the region ends before it (or after that activation).  Elsewhere the op would run plain torch,
+        which never beats Inductor's code for the same ops: measuring it would only cost warm-up."""
+        at = full_size_operand(ctx, part.operands, y)
+        if at is None:
+            return None
+        add = next(i for i, step in enumerate(part.steps) if TensorRef(at) in step.operands)
+        node = next(n for n in part.step_nodes if part.operands[at] in n.all_input_nodes)
+        grads = any(getattr(fake_of(n), "requires_grad", False) for n in (conv.node, *part.operands)
+                    if isinstance(n, fx.Node))
+        if conv.spec.transposed or conv.spec.spatial_dims == 1:
+            return add, Refusal(ReasonKind.UNSUPPORTED_OPERAND, "a residual add after a transposed or 1-d conv is not "
+                                "fused (the conv family's forward, which adds it in its store, serves direct 2-d and "
+                                "3-d convs)", node)
+        if grads:
+            return add, Refusal(ReasonKind.UNSUPPORTED_OPERAND, "a residual add with gradients flowing is not fused (no "
+                                "kernel writes the residual's full-size gradient yet)", node)
+        tail = part.steps[add + 1:add + 2]
+        keep = add + 1 + (1 if tail and _store_activation(tail[0]) else 0)
+        return keep, Refusal(ReasonKind.UNSUPPORTED_OP, "after a residual add the region holds at most one relu, "
+                             "leaky_relu (a constant slope), gelu or silu (what the conv family's store applies)", node)
+
     def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:
         from ..ops import conv_epilogue as op_module
 
@@ -98,6 +123,12 @@ class ConvEpiloguePattern(ConvWalkPattern):
             ctx, candidate, conv, region.post.operands, op_module.conv_epilogue, config, "fusion::conv_epilogue_fwd",
             op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type), cast_inputs=not absorb,
         )
+
+
+def _store_activation(step: ChainStep) -> bool:
+    """Whether the conv family's store applies ``step`` after a residual (``kernels.conv.hooks``' catalogue)."""
+    return step.kind in (PointwiseKind.RELU, PointwiseKind.GELU, PointwiseKind.SILU) or (
+        step.kind is PointwiseKind.LEAKY_RELU and isinstance(step.operands[0], Const))
 
 
 def _unfoldable(bn: BatchNorm, flowing: fx.Node, y: torch.Tensor) -> Optional[str]:

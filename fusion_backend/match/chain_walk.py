@@ -93,12 +93,15 @@ class ChainValues:
         inside = {self.anchor, *region.step_nodes[:step_nodes], result}
         return all(u in inside for n in inside if n is not result for u in n.users)
 
-    def longest_closed_prefix(self, region: Any) -> tuple[fx.Node, Optional[fx.Node]]:
-        """Cut ``region`` (no pool) back to its longest prefix that is ``closed``: ``(its result, the
-        first node of the whole region read outside it)`` (None when the whole chain was closed)."""
+    def longest_closed_prefix(self, region: Any, max_steps: Optional[int] = None) -> tuple[fx.Node, Optional[fx.Node]]:
+        """Cut ``region`` (no pool) back to its longest prefix that is ``closed`` (and holds at most
+        ``max_steps`` steps where given): ``(its result, the first node of the whole region read
+        outside it)`` (None when the whole chain was closed)."""
         held = [self.anchor, *region.step_nodes]
         read_outside = next((n for n in held[:-1] if any(u not in held for u in n.users)), None)
         for steps, step_nodes, operands in reversed(self._prefixes):
+            if max_steps is not None and steps > max_steps:
+                continue
             result = held[step_nodes]
             if self.closed(region, result, step_nodes):
                 del region.steps[steps:], region.step_nodes[step_nodes:], region.operands[operands:]

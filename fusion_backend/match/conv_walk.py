@@ -243,6 +243,11 @@ class ConvWalkPattern(ConvAnchoredPattern):
     def precedence(self) -> Precedence:  # type: ignore[override]
         return Precedence.CHAIN_ONLY if self.centre is None else Precedence.CLAIMS_AN_OP
 
+    def chain_limit(self, ctx: MatchContext, conv: Conv, part: ChainPart, y: torch.Tensor) -> Optional[tuple[int, Refusal]]:
+        """For a walk with no centre, once its chain has grown: the most steps the region may keep and
+        why, where the family keeps fewer than the chain holds; None to keep them all."""
+        return None
+
     def fold(self, ctx: MatchContext, op: Any, flowing: fx.Node, part: ChainPart, y: torch.Tensor) -> Union[Folded, Refusal]:
         """``op`` (of a type in ``folds``, reading the chain's value ``flowing``) as chain steps, or
         why it cannot be (the chain then ends before it, with that near miss)."""
@@ -405,10 +410,13 @@ class ConvWalkPattern(ConvAnchoredPattern):
             why = claimed_elsewhere(user, op, y.dim(), self.name) or "is not a fusible pointwise op or pool"
             stop = miss(user, ReasonKind.UNSUPPORTED_OP, f"`{user.name}` ({description}) {why}")
             break
-        if region.pool is None or not values.closed(part, region.pool.node):
-            region.pool = None
-            current, read_outside = values.longest_closed_prefix(part)
-            if read_outside is not None:
+        limit = self.chain_limit(ctx, conv, part, y)
+        if region.pool is None or limit is not None or not values.closed(part, region.pool.node):
+            region.pool, held = None, len(part.steps)
+            current, read_outside = values.longest_closed_prefix(part, None if limit is None else limit[0])
+            if limit is not None and len(part.steps) < held:
+                stop = miss(limit[1].at, limit[1].reason, limit[1].message)
+            elif read_outside is not None:
                 stop = miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, values.outside_users(read_outside))
 
         if not part.steps and region.pool is None:

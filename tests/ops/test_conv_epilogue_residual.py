@@ -4,9 +4,10 @@ ResNet block, and ``(conv(x) + r) / s``, the VAE's.
 The chain's ``add`` may read one tensor of the conv output's full shape (``ConvEpilogueConfig.residual``).
 Without gradients the conv family's forward adds it in its store, before the store's activation
 (``FUSION_CONV_IMPL=family`` forces it; on CPU under the interpreter, ``FUSION_CPU_KERNELS=triton``);
-where the family does not serve the call, and in training, the op runs plain torch on the device
-(``ReferenceForward`` / ``ReferenceBackward``), and the residual's gradient is the chain's gradient at
-its add.  Every case is checked against float64 with eager's own error as the yardstick
+the pattern keeps the add only where that can serve (a direct 2-d or 3-d conv, no gradient, at most
+one store activation after it).  The op itself also takes a residual elsewhere, running plain torch on
+the device (``ReferenceForward`` / ``ReferenceBackward``); the residual's gradient is then the chain's
+gradient at its add.  Every case is checked against float64 with eager's own error as the yardstick
 (``assert_fused``).
 """
 
@@ -95,34 +96,52 @@ def test_a_resnet_block_tail_runs_on_the_family_forward_with_the_residual_in_its
         assert len(call["chain"]) == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_in_training_every_gradient_the_residual_s_included_matches_float64(monkeypatch, exact_fp32, fresh_plans,
-                                                                            dtype):  # fmt: skip
-    """Training (the BatchNorm frozen, so that it folds): the op's Triton-path plans run plain torch
-    on the device; x reaches the output through the conv and through the residual, and its gradient
-    sums both."""
-    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+def test_with_gradients_flowing_the_region_ends_before_the_residual_add_and_says_why(exact_fp32):
+    """No kernel writes a residual's full-size gradient yet, and plain torch never beats Inductor's
+    code for the same ops: in training the region is the conv and its folded BatchNorm."""
     torch.manual_seed(12)
     model = ResidualTail(8, nn.ReLU()).to(DEVICE).to(memory_format=torch.channels_last)
-    model.bn.eval()
+    model.bn.eval()  # frozen: it folds, and its weight and bias still get gradients
     x = _channels_last(torch.randn(2, 8, 6, 6, device=DEVICE))
-    assert_fused(model, [x], expect={"conv_epilogue": 1}, train=True, dtype=dtype)
+    reports = assert_fused(model, [x], expect={"conv_epilogue": 1}, train=True)
+    (match,) = [m for r in reports for m in r.matches]
+    assert ConvEpilogueConfig.from_json(match.config).residual is None and "add" not in match.summary
+    assert any("gradients flowing" in n.message for r in reports for n in r.near_misses)
 
 
-def test_a_residual_read_first_with_a_division_after_it_is_fused_and_its_gradient_is_the_chain_s(
-        monkeypatch, exact_fp32, fresh_plans):  # fmt: skip
-    """The VAE's ``(r + conv(x)) / s``: the family's store applies no division after the residual, so
-    the op runs plain torch; r gets the chain's gradient at the add (grad / s), full-size."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_the_op_s_residual_gradient_is_the_chain_s_gradient_at_its_add(monkeypatch, exact_fp32, fresh_plans, dtype):
+    """The op itself takes a residual with gradients (its Triton-path plans run plain torch on the
+    device): every input's gradient, the residual's included, against autograd through the eager
+    composite."""
     monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    torch.manual_seed(14)
+    cfg = ConvEpilogueConfig(conv=_conv(), chain=(ChainStep(PointwiseKind.MUL, (TensorRef(0),)),
+                                                  ChainStep(PointwiseKind.ADD, (TensorRef(1),)),
+                                                  ChainStep(PointwiseKind.LEAKY_RELU, (Const(0.1),)),
+                                                  ChainStep(PointwiseKind.DIV, (Const(2.0),))), residual=1)
+    x, w, b = (torch.randn(s, device=DEVICE, dtype=dtype) for s in ((2, 4, 5, 6), (5, 4, 3, 3), (5,)))
+    m, r = torch.randn(5, 1, 1, device=DEVICE, dtype=dtype), torch.randn(2, 5, 5, 6, device=DEVICE, dtype=dtype)
+    leaves = [t.requires_grad_() for t in (x, w, b, m, r)]
+    grad = torch.randn(2, 5, 5, 6, device=DEVICE, dtype=dtype)
+    got = ce.conv_epilogue(x, w, b, [m, r], cfg.to_json())
+    want = ce.conv_epilogue_eager(x, w, b, [m, r], cfg.to_json())
+    torch.testing.assert_close(got, want)
+    for g, e in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad), strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_a_residual_read_first_with_a_division_after_it_ends_the_region_after_the_add(family_launches):
+    """The VAE's ``(r + conv(x)) / s`` without gradients: the region is the conv and the residual add,
+    which the family's store adds; the division, which its store does not apply, is Inductor's."""
     torch.manual_seed(13)
-    model = ScaledResidual(6).to(DEVICE)
-    x, r = torch.randn(2, 6, 5, 5, device=DEVICE), torch.randn(2, 6, 5, 5, device=DEVICE)
-    reports = assert_fused(model, [x, r], expect={"conv_epilogue": 1}, train=True)
+    model = ScaledResidual(6).eval().requires_grad_(False).to(DEVICE).to(memory_format=torch.channels_last)
+    x, r = (_channels_last(torch.randn(2, 6, 5, 5, device=DEVICE)) for _ in range(2))
+    reports = assert_fused(model, [x, r], expect={"conv_epilogue": 1}, train=False)
     (match,) = [m for rep in reports for m in rep.matches]
-    cfg = ConvEpilogueConfig.from_json(match.config)
-    assert cfg.residual is not None and "leaky" not in match.summary
-    why = ce.forward.family_forward_unsupported(x, model.conv.weight, [r], cfg, False)
-    assert why is not None and "after the residual add" in why
+    assert ConvEpilogueConfig.from_json(match.config).residual is not None and match.summary.endswith("add")
+    assert any("what the conv family's store applies" in n.message for rep in reports for n in rep.near_misses)
+    assert family_launches and family_launches[0]["residual"] is not None and family_launches[0]["act_out"] is None
 
 
 def _region(model, *inputs):
@@ -194,3 +213,22 @@ def test_the_family_forward_says_why_it_cannot_add_a_residual():
     assert "saves for the backward" in why(save=True)
     assert "one relu, leaky_relu, gelu or silu" in why(ChainStep(PointwiseKind.TANH))
     assert "one relu, leaky_relu, gelu or silu" in why(ChainStep(PointwiseKind.RELU), ChainStep(PointwiseKind.RELU))
+
+
+def test_after_a_1d_or_transposed_conv_the_region_ends_before_the_residual_add():
+    """The conv family's forward serves direct 2-d and 3-d convs: elsewhere the op would run plain torch."""
+    class Tail(nn.Module):
+        def __init__(self, conv):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x, r):
+            return F.relu(self.conv(x) * 2.0 + r)
+
+    for conv, x, r in ((nn.Conv1d(4, 4, 3, padding=1), torch.randn(2, 4, 7), torch.randn(2, 4, 7)),
+                       (nn.ConvTranspose2d(4, 4, 3, padding=1), torch.randn(1, 4, 5, 5), torch.randn(1, 4, 5, 5))):
+        torch._dynamo.reset()
+        matches, misses = _region(Tail(conv), x, r)
+        (match,) = matches
+        assert ConvEpilogueConfig.from_json(match.config).residual is None and match.summary.endswith("mul")
+        assert any("transposed or 1-d conv" in n.message for n in misses)
