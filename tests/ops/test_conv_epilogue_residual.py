@@ -232,3 +232,30 @@ def test_after_a_1d_or_transposed_conv_the_region_ends_before_the_residual_add()
         (match,) = matches
         assert ConvEpilogueConfig.from_json(match.config).residual is None and match.summary.endswith("mul")
         assert any("transposed or 1-d conv" in n.message for n in misses)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous", "sliced"])
+@pytest.mark.parametrize("conv", [dict(stride=2, padding=1), dict(groups=2, dilation=2, padding=2)],
+                         ids=["s2", "g2-d2"])
+def test_the_family_adds_a_residual_of_any_layout_on_strided_grouped_and_dilated_convs(family_launches, conv, layout):
+    """The residual the op is given in any layout is read as the store reads it (channels-last dense,
+    copied where it is not), on odd sizes; against the eager composite in float64."""
+    torch.manual_seed(15)
+    spec = ConvSpec(transposed=False, stride=(conv.get("stride", 1),) * 2, padding=(conv["padding"],) * 2,
+                    dilation=(conv.get("dilation", 1),) * 2, output_padding=(0, 0), groups=conv.get("groups", 1))
+    cfg = ConvEpilogueConfig(conv=spec, chain=(ChainStep(PointwiseKind.MUL, (TensorRef(0),)),
+                                               ChainStep(PointwiseKind.ADD, (TensorRef(1),)),
+                                               ChainStep(PointwiseKind.GELU)), residual=1)
+    x = _channels_last(torch.randn(2, 6, 9, 7, device=DEVICE))
+    w = torch.randn(8, 6 // spec.groups, 3, 3, device=DEVICE).to(memory_format=torch.channels_last)
+    m = torch.rand(8, 1, 1, device=DEVICE) + 0.5
+    shape = ce.reference.outputs(x, w, None, [m], ConvEpilogueConfig(conv=spec), False)[0].shape
+    r = torch.randn(*shape[:-1], 2 * shape[-1], device=DEVICE)
+    r = {"channels_last": _channels_last(r[..., : shape[-1]].contiguous()), "contiguous": r[..., : shape[-1]].contiguous(),
+         "sliced": r[..., ::2]}[layout]
+    got = ce.conv_epilogue(x, w, None, [m, r], cfg.to_json())
+    want = ce.conv_epilogue_eager(*(t.double() for t in (x, w)), None, [m.double(), r.double()], cfg.to_json())
+    eager = ce.conv_epilogue_eager(x, w, None, [m, r], cfg.to_json())
+    assert family_launches, "the family's forward did not run"
+    err, eager_err = (got.double() - want).norm() / want.norm(), (eager.double() - want).norm() / want.norm()
+    assert err <= max(4 * eager_err, 1e-6), (err, eager_err)
