@@ -13,6 +13,10 @@ output is batched and floating point.  From there the chain grows one user at a 
   (``chain_limit``); an operand computed from the conv output outside the chain stops it;
 * the chain is shorter than ``MAX_CHAIN_LENGTH``.
 
+A conv that reads ``source * gate``, the gate one value per sample and input channel (a
+squeeze-and-excitation gate), takes that product into the region, without gradients, where the conv
+family's forward can apply it as it loads (``input_gate``).
+
 The region then ends at the last value of the longest prefix whose earlier values are read only
 inside it (a value read outside, such as a graph output, can only be the region's result).
 
@@ -35,9 +39,9 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-from ..frontend.canonical import BatchNorm, ParamRef
+from ..frontend.canonical import BatchNorm, ParamRef, Pointwise
 from ..match.chain_walk import ChainPart, full_size_operand
-from ..match.conv_walk import ConvRegion, ConvWalkPattern, Folded, Refusal, claimed_elsewhere
+from ..match.conv_walk import ConvRegion, ConvWalkPattern, Folded, InputGate, Refusal, claimed_elsewhere
 from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_if_changed, dtype_name, materialize, rewrite_conv_region
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef
@@ -69,6 +73,28 @@ class ConvEpiloguePattern(ConvWalkPattern):
         n = len(part.operands)
         steps = (ChainStep(PointwiseKind.MUL, (TensorRef(n),)), ChainStep(PointwiseKind.ADD, (TensorRef(n + 1),)))
         return Folded(steps, tuple(_folded_operands(bn, y.dim() - 2)), "batch_norm (folded)")
+
+    def input_gate(self, ctx: MatchContext, conv: Any) -> Optional[InputGate]:
+        """The squeeze-and-excitation gate of a conv that reads ``source * gate`` (``gate`` one value per
+        sample and input channel, as EfficientNet's projection conv reads its block's gated features),
+        where the conv family's forward can apply it as it loads: a direct 2-d or 3-d conv, the
+        product read by the conv alone, the same dtype throughout, no gradient flowing."""
+        node = conv.input
+        op = ctx.op(node) if isinstance(node, fx.Node) else None
+        if (not isinstance(op, Pointwise) or op.kind is not PointwiseKind.MUL or op.inplace or len(node.users) != 1
+                or conv.spec.transposed or conv.spec.spatial_dims == 1 or len(op.args) != 2):
+            return None
+        product = fake_of(node)
+        fakes = [fake_of(a) if isinstance(a, fx.Node) else None for a in op.args]
+        if not isinstance(product, torch.Tensor) or not all(isinstance(f, torch.Tensor) for f in fakes):
+            return None
+        if any(f.requires_grad or f.dtype != product.dtype for f in (*fakes, product)) or fake_of(conv.node).requires_grad:
+            return None
+        gate_shape = (*product.shape[:2], *(1,) * (product.dim() - 2))
+        for source, gate, fs, fg in ((op.args[0], op.args[1], *fakes), (op.args[1], op.args[0], *fakes[::-1])):
+            if tuple(fs.shape) == tuple(product.shape) and tuple(fg.shape) == gate_shape and product.numel() > 0:
+                return InputGate(node, source, gate)
+        return None
 
     def chain_limit(self, ctx: MatchContext, conv: Any, part: ChainPart, y: torch.Tensor) -> Optional[tuple[int, Refusal]]:
         """A residual add stays in the region only where the conv family's forward can add it in its
@@ -118,10 +144,14 @@ class ConvEpiloguePattern(ConvWalkPattern):
             strict=ctx.strict,
             compute_dtype=dtype_name(conv_fake.dtype) if absorb else None,
             residual=full_size_operand(ctx, region.post.operands, conv_fake),
+            gate=None if region.gate is None else len(region.post.operands),
         ).to_json()
+        gate = region.gate
+        operands = [*region.post.operands, *([gate.gate] if gate else [])]
         return rewrite_conv_region(
-            ctx, candidate, conv, region.post.operands, op_module.conv_epilogue, config, "fusion::conv_epilogue_fwd",
+            ctx, candidate, conv, operands, op_module.conv_epilogue, config, "fusion::conv_epilogue_fwd",
             op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type), cast_inputs=not absorb,
+            x=gate.source if gate else None,
         )
 
 

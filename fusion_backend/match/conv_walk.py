@@ -104,12 +104,24 @@ class CentreSite:
         return self.op.node
 
 
+@dataclass(frozen=True)
+class InputGate:
+    """``conv(source * gate)``: the elementwise product (``node``) the conv reads as its input, of a
+    full-size ``source`` and a ``gate`` of one value per sample and input channel (a squeeze-and-
+    excitation gate), which the conv applies as it loads its input (``ConvWalkPattern.input_gate``)."""
+
+    node: fx.Node
+    source: fx.Node
+    gate: fx.Node
+
+
 @dataclass
 class ConvRegion:
     """A region the walk found: the conv, the chain before the centre (``pre``), the centre's
     canonical op and what its config needs (``facts``, ``Centre.facts``' answer), the chain after it
-    (``post``; the whole chain of a walk with no centre) and the pool that ends it.  ``pre`` and
-    ``post`` share one operand list: the fused op's tensor operands in order."""
+    (``post``; the whole chain of a walk with no centre), the pool that ends it and the gate its
+    input is multiplied by (``gate``; its node is the region's first).  ``pre`` and ``post`` share one
+    operand list: the fused op's tensor operands in order."""
 
     conv: Conv
     pre: ChainPart
@@ -117,6 +129,7 @@ class ConvRegion:
     centre: Any = None
     facts: Any = None
     pool: Optional[Pool] = None
+    gate: Optional[InputGate] = None
 
 
 def _accept_any(op: Any, rank: int) -> bool:
@@ -242,6 +255,11 @@ class ConvWalkPattern(ConvAnchoredPattern):
     @property
     def precedence(self) -> Precedence:  # type: ignore[override]
         return Precedence.CHAIN_ONLY if self.centre is None else Precedence.CLAIMS_AN_OP
+
+    def input_gate(self, ctx: MatchContext, conv: Conv) -> Optional[InputGate]:
+        """For a walk with no centre: the gate the conv's input is multiplied by, where the family
+        takes it into the region (its node then joins the region, before the conv); None otherwise."""
+        return None
 
     def chain_limit(self, ctx: MatchContext, conv: Conv, part: ChainPart, y: torch.Tensor) -> Optional[tuple[int, Refusal]]:
         """For a walk with no centre, once its chain has grown: the most steps the region may keep and
@@ -369,7 +387,7 @@ class ConvWalkPattern(ConvAnchoredPattern):
             return miss(anchor, ReasonKind.DIMENSION_MISMATCH, f"unbatched conv input (output rank {y.dim()})")
 
         part = ChainPart([])
-        region = ConvRegion(conv, ChainPart(part.operands), part)
+        region = ConvRegion(conv, ChainPart(part.operands), part, gate=self.input_gate(ctx, conv))
         values = ChainValues(anchor)
         fusible = (Pointwise, Pool, *self.folds)
         stop: Optional[NearMiss] = None
@@ -419,11 +437,12 @@ class ConvWalkPattern(ConvAnchoredPattern):
             elif read_outside is not None:
                 stop = miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, values.outside_users(read_outside))
 
-        if not part.steps and region.pool is None:
+        if not part.steps and region.pool is None and region.gate is None:
             if stop is None or [u.op for u in anchor.users] == ["output"]:
                 return miss(anchor, ReasonKind.NO_EPILOGUE, "the conv output goes straight to the graph output")
             return stop
-        nodes = [anchor, *part.step_nodes] + ([region.pool.node] if region.pool else [])
+        nodes = ([region.gate.node] if region.gate else []) + [anchor, *part.step_nodes] + (
+            [region.pool.node] if region.pool else [])
         # A chain that simply ends at the graph output or at the next conv is no near miss; any other
         # stop is reported.
         natural_end = [u.op for u in current.users] == ["output"] or (
@@ -434,7 +453,7 @@ class ConvWalkPattern(ConvAnchoredPattern):
     def _summary(self, region: ConvRegion) -> str:
         """``conv2d -> relu -> group_norm(4) -> silu -> max_pool2d``: the conv, the chain before the
         centre, the centre's label, the chain after it, the pool."""
-        parts = [conv_label(region.conv), *region.pre.labels]
+        parts = (["mul(gate)"] if region.gate else []) + [conv_label(region.conv), *region.pre.labels]
         if self.centre is not None:
             parts.append(self.centre.label(region))
         parts += region.post.labels

@@ -138,6 +138,7 @@ def rewrite_conv_region(
     kernel: tuple[str, Optional[str]],
     finish: Optional[Callable[[fx.Graph, fx.Node], fx.Node]] = None,
     cast_inputs: bool = True,
+    x: Optional[fx.Node] = None,
 ) -> Match:
     """Replace a conv-anchored region by ``fused(x, weight, bias, operands, config)`` and describe it.
 
@@ -147,7 +148,8 @@ def rewrite_conv_region(
     ``Deferred`` operand is made here, and a module parameter (``ParamRef``, e.g. a norm module's
     weight) becomes a ``get_attr`` node.
     ``finish(graph, node)`` may append nodes after the fused call (e.g. unsqueezes) and returns the
-    region's new result.  ``kernel`` is the fused op's ``kernel_path`` answer, for the report.
+    region's new result.  ``kernel`` is the fused op's ``kernel_path`` answer, for the report.  ``x``:
+    the fused op's input where it is not the conv's (a region that takes in the op computing it).
     """
     dtype = fake_of(conv.node).dtype
 
@@ -155,12 +157,12 @@ def rewrite_conv_region(
         return cast_if_needed(graph, value, dtype) if cast_inputs else value
 
     def build(graph: fx.Graph) -> fx.Node:
-        x = cast(graph, ctx.resolve(conv.input))
+        x_in = cast(graph, ctx.resolve(conv.input if x is None else x))
         w = cast(graph, materialize(graph, ctx.resolve(conv.weight)))
         b = cast(graph, materialize(graph, ctx.resolve(conv.bias)))
         ops = [v.make(graph, tuple(ctx.resolve(i) for i in v.inputs)) if isinstance(v, Deferred)
                else materialize(graph, ctx.resolve(v)) for v in operands]  # fmt: skip
-        out = graph.call_function(fused, (x, w, b, ops, config))
+        out = graph.call_function(fused, (x_in, w, b, ops, config))
         return finish(graph, out) if finish is not None else out
 
     splice_fused_call(ctx, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))

@@ -151,6 +151,8 @@ class ConvEpilogueConfig(JsonConfig):
       ResNet's ``relu(bn(conv(x)) + identity)``), read by exactly one ``add`` step of ``chain``;
       ``None``: every operand is a number, one element or one value per channel.  A region with a
       residual has no pool.
+    * ``gate``: index of an operand of one value per sample and input channel ``(N, C_in, 1, ...)``
+      that multiplies ``x`` before the conv (a squeeze-and-excitation gate); no chain step reads it.
     """
 
     conv: ConvSpec
@@ -160,9 +162,12 @@ class ConvEpilogueConfig(JsonConfig):
     strict: bool = False
     compute_dtype: str | None = None
     residual: int | None = None
+    gate: int | None = None
 
     def __post_init__(self) -> None:
         check_chain(self.chain)
+        if self.gate is not None and any(TensorRef(self.gate) in s.operands for s in self.chain):
+            raise ValueError(f"the gate operands[{self.gate}] multiplies x; no chain step reads it")
         if self.residual is not None:
             readers = [s for s in self.chain if TensorRef(self.residual) in s.operands]
             if len(readers) != 1 or readers[0].kind is not PointwiseKind.ADD:
@@ -176,7 +181,7 @@ class ConvEpilogueConfig(JsonConfig):
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = hash((self.conv, self.chain, self.pool, self.out_dtype, self.strict, self.compute_dtype,
-                           self.residual))
+                           self.residual, self.gate))
             object.__setattr__(self, "_hash", cached)
         return cached
 

@@ -8,7 +8,8 @@ with eager semantics: ``y = aten.convolution(x, weight, bias, *conv params)``, t
 ``ChainStep`` of the config in order (``chain.apply_step``; ``Const`` operands are numbers,
 ``TensorRef(i)`` is ``operands[i]``: 0-d, per-channel ``(C,1,..,1)`` / ``(1,C,1,..,1)``, any shape
 with one element and at most ``y.ndim`` dims, or, for ``config.residual``, ``y``'s full shape: a
-residual branch that one ``add`` reads, with no pool), then the optional max/avg pool, and finally a
+residual branch that one ``add`` reads, with no pool; for ``config.gate``, ``(N, C_in, 1, ..)``: it
+multiplies x before the conv and no step reads it), then the optional max/avg pool, and finally a
 cast to ``config.out_dtype`` (None = the conv's dtype).  The conv runs in ``config.compute_dtype``
 (None = x's dtype): ``x``, ``weight`` and ``bias`` stored in another dtype are cast to it first, as
 autocast would (the Triton kernels cast as they load; gradients come back in each input's dtype);
@@ -59,8 +60,9 @@ path when measuring is off or on CPU):
   output written in the same pass), for a direct conv without a pool writing a channels-last output
   (``forward.family_forward_unsupported``); the backward under ``family`` is the library one.
 
-A region with a residual takes the family's forward (which adds it in its store) where it serves a
-call without a backward, else plain torch on the device (``ReferenceForward``, ``ReferenceBackward``).
+A region with a residual or a gate takes the family's forward (which adds the residual in its store
+and applies the gate as it loads x) where it serves a call without a backward, else plain torch on the
+device (``ReferenceForward``, ``ReferenceBackward``).
 
 The reference, the failure policy and ``kernel_path`` are every family's (``ops/declare.py``); a call
 whose signature has a settled plan (``forward.settled`` / ``backward.settled``) runs it straight.

@@ -69,7 +69,7 @@ def plan_for(
     ``plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner)``."""
 
     args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
-    if cfg.residual is not None:
+    if cfg.residual is not None or cfg.gate is not None:
         return ReferenceBackward(cfg, mask), True
     mode = environment.conv_impl()
     if mode in ("library", "family") or (mode == "auto" and x.device.type != "cuda"):
@@ -142,7 +142,7 @@ class _ChainGradient:
 
 class ReferenceBackward:
     """``reference.backward`` on the call's device as a plan: a region with a residual (whose gradient,
-    the chain's at its add, is full-size: no epilogue kernel writes one)."""
+    the chain's at its add, is full-size: no epilogue kernel writes one) or an input gate."""
 
     def __init__(self, cfg: ConvEpilogueConfig, mask: Sequence[bool]) -> None:
         self.cfg, self.mask = cfg, tuple(mask)

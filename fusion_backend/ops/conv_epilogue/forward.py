@@ -302,8 +302,8 @@ def plan_for(
     same signature always gets this answer (not while the choice is unmeasured), so the caller may
     keep the plan (nor while the plan's precision is unsettled: ``FusedForward``'s)."""
     mode = environment.conv_impl()
-    if cfg.residual is not None:
-        return _residual_plan(x, weight, bias, operands, cfg, save, mode)
+    if cfg.residual is not None or cfg.gate is not None:
+        return _family_or_reference_plan(x, weight, bias, operands, cfg, save, mode)
     if mode == "family":
         why = family_forward_unsupported(x, weight, operands, cfg, save)
         if why is not None:
@@ -323,8 +323,9 @@ def plan_for(
 
 
 class ReferenceForward:
-    """``reference.forward`` on the call's device as a plan: the baseline of a region with a residual,
-    whose full-size operand the epilogue kernels' operand matrix cannot hold."""
+    """``reference.forward`` on the call's device as a plan: the baseline of a region with a residual
+    (a full-size operand the epilogue kernels' operand matrix cannot hold) or an input gate (which the
+    library and fused conv kernels do not apply)."""
 
     settled = True
 
@@ -337,10 +338,11 @@ class ReferenceForward:
         return reference_forward(x, weight, bias, operands, self.cfg, self.save)
 
 
-def _residual_plan(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
-                   cfg: ConvEpilogueConfig, save: bool, mode: str) -> tuple[Any, bool]:  # fmt: skip
-    """``plan_for`` of a region with a residual: the conv family's forward (which adds it in its
-    store) where it serves the call, else ``ReferenceForward``; under ``auto`` the faster, measured."""
+def _family_or_reference_plan(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                              cfg: ConvEpilogueConfig, save: bool, mode: str) -> tuple[Any, bool]:  # fmt: skip
+    """``plan_for`` of a region with a residual or an input gate: the conv family's forward (which adds
+    the residual in its store and applies the gate as it loads) where it serves the call, else
+    ``ReferenceForward``; under ``auto`` the faster, measured."""
     why = family_forward_unsupported(x, weight, operands, cfg, save)
     if mode == "family" and why is not None:
         raise UnsupportedInputError(f"{CONV_IMPL_ENV}=family but the conv family's forward cannot run: {why}")
@@ -633,9 +635,9 @@ def family_forward_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Ten
             return f"a chain of {len(cfg.chain)} steps (the family's epilogue takes {MAX_SLOTS})"
         if any(isinstance(o, ChainValue) for step in cfg.chain for o in step.operands):
             return "a chain step reads an earlier chain value"
+        if save and (cfg.residual is not None or cfg.gate is not None):
+            return "a residual or a gate in a call that saves for the backward (the region's backward is the reference's)"
         if cfg.residual is not None:
-            if save:
-                return "a residual in a call that saves for the backward (the region's backward is the reference's)"
             act = _family_act_out(residual_parts(cfg)[1])
             if isinstance(act, str):
                 return act
@@ -678,6 +680,7 @@ class FamilyForward:
         steps, tail = (list(cfg.chain), ()) if cfg.residual is None else map(list, residual_parts(cfg))
         #: the store's activation after the residual add (``act_out``), and the residual's operand index
         self.act_out, self.residual = (None if cfg.residual is None else _family_act_out(tail)), cfg.residual
+        self.gate = cfg.gate  #: the operand the prologue multiplies x by, per sample and channel
         #: the operands the kernel reads as its per-channel scale and bias (None: not so)
         self.scale_source = self.shift_source = None
         if bias is None and self._leading(steps, PointwiseKind.MUL, operands):
@@ -708,15 +711,20 @@ class FamilyForward:
             bc = operands[self.shift_source].reshape(-1).contiguous()
         steps = kernel_steps(self.chain, operands, self.ndim, self.channels)
         saved = None if self.saved is None else torch.empty_strided(*self.saved, dtype=self.dtype, device=x.device)
-        residual = None
+        residual = prologue = None
         if self.residual is not None:  # the output's dtype and channels-last layout (a copy where not so)
             residual = operands[self.residual].to(self.dtype).contiguous(memory_format=channels_last_format(self.ndim))
+        if self.gate is not None:  # fp32 (N, C_in), as the prologue reads it
+            from ...kernels.conv.hooks import SampleChannelScale
+
+            gate = operands[self.gate]
+            prologue = SampleChannelScale(gate.reshape(gate.shape[0], gate.shape[1]).float().contiguous())
         launch = self.launch
         if launch is None:
             from ...kernels.conv import fprop_plan  # lazily: TRITON_INTERPRET is read at import
 
             launch = fprop_plan(xc, wc, bc, scale=scale, chain=steps, saved=saved, allow_tf32=self.tf32,
-                                act_out=self.act_out, residual=residual, **self.conv_args)
+                                act_out=self.act_out, residual=residual, prologue=prologue, **self.conv_args)
             self.launch = launch if launch.final else None
-        out, _ = launch(xc, wc, scale, bc, steps, residual, None, saved)
+        out, _ = launch(xc, wc, scale, bc, steps, residual, prologue, saved)
         return out, empty_placeholder(x) if saved is None else saved, empty_placeholder(x)  # no pool: no winners

@@ -49,6 +49,12 @@ def cast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None,
             bias if bias is None or bias.dtype == dtype else bias.to(dtype))
 
 
+def gated(x: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> Tensor:
+    """The conv's input: ``x``, times the gate where the config has one (in x's dtype, as eager's
+    product of two tensors of that dtype)."""
+    return x if cfg.gate is None else x * operands[cfg.gate].to(x.dtype)
+
+
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> None:
     dtype_named(OP, cfg.out_dtype, conv_compute_dtype(cfg, x))  # both dtype names are valid
     check_conv_inputs(OP, x, weight, cfg.conv)
@@ -56,6 +62,13 @@ def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: Con
         raise UnsupportedInputError(f"fusion::{OP}: pool {cfg.pool} does not have {cfg.conv.spatial_dims} "
                                     "spatial dims")  # fmt: skip
     check_operand_refs(OP, {"chain": cfg.chain}, operands)
+    if cfg.gate is not None:
+        gate = operands[cfg.gate] if cfg.gate < len(operands) else None
+        want = (*x.shape[:2], *(1,) * (x.dim() - 2))
+        if gate is None or tuple(gate.shape) != want:
+            got = "missing" if gate is None else f"of shape {tuple(gate.shape)}"
+            raise UnsupportedInputError(f"fusion::{OP}: the gate operands[{cfg.gate}] must be {want} (one value per "
+                                        f"sample and input channel), got {got}")  # fmt: skip
 
 
 def describe(cfg: ConvEpilogueConfig) -> str:
@@ -99,7 +112,7 @@ def conv_epilogue_eager(
     cfg = ConvEpilogueConfig.from_json(config)
     dtype = conv_compute_dtype(cfg, x)
     x, weight, bias = cast_inputs(x, weight, bias, dtype)
-    v = apply_chain(run_conv(x, weight, bias, cfg.conv), cfg.chain, operands)
+    v = apply_chain(run_conv(gated(x, operands, cfg), weight, bias, cfg.conv), cfg.chain, operands)
     if cfg.pool is not None:
         v = run_pool(v, cfg.pool)
     return v.to(dtype_named(OP, cfg.out_dtype, dtype))
@@ -113,7 +126,7 @@ def forward(
     ``return_indices``, converted to row-major indices within each window."""
     dtype = conv_compute_dtype(cfg, x)
     xc, weight, bias = cast_inputs(x, weight, bias, dtype)
-    y0 = run_conv(xc, weight, None, cfg.conv)
+    y0 = run_conv(gated(xc, operands, cfg), weight, None, cfg.conv)
     fmt = output_memory_format(y0)
     v = apply_chain(with_bias(y0, bias), cfg.chain, operands)
     saved_y0, saved_winner = empty_placeholder(x), empty_placeholder(x)
@@ -154,7 +167,15 @@ def backward(
         grad_y = scatter_to_windows(grad_y, saved_winner, conv_output_shape(x, weight, cfg.conv), pool)
     # The bias gradient comes from the same aten call as eager's: on these heavily cancelling sums
     # any other summation order differs from eager by ~1e-4 (from float64 by as much), this one by 0.
+    gate = None if cfg.gate is None else operands[cfg.gate]
+    gate_grad = gate is not None and bool(mask[3 + cfg.gate])
     grad_x, grad_w, grad_bias = run_conv_backward(
-        grad_y.to(x.dtype), x, weight, cfg.conv, mask[0], mask[1], bool(mask[2])
+        grad_y.to(x.dtype), gated(x, operands, cfg), weight, cfg.conv, mask[0] or gate_grad, mask[1], bool(mask[2])
     )
+    if gate is not None:  # x * gate: the conv input's gradient times the gate, and summed with x for the gate
+        if gate_grad:
+            spatial = tuple(range(2, x.dim()))
+            acc = torch.promote_types(grad_x.dtype, torch.float32)  # fp32 sums for half types
+            grad_operands[cfg.gate] = (grad_x.to(acc) * x.to(acc)).sum(spatial, keepdim=True).to(gate.dtype)
+        grad_x = grad_x * gate.to(grad_x.dtype) if mask[0] else None
     return [grad_x, grad_w, None if grad_bias is None else grad_bias.to(bias.dtype), *grad_operands]
