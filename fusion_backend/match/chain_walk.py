@@ -273,6 +273,9 @@ def grow_chain(
         op = ctx.op(user)
         if not isinstance(op, Pointwise):
             return ChainEnd(current, user)
+        if user in ctx.claimed:  # a residual add another conv's region took (the two convs' outputs meet there)
+            return ChainEnd(current, user, miss=ctx.near_miss(pattern, anchor, user, ReasonKind.CLAIMED,
+                                                              f"`{user.name}` is already part of another fused region"))
         if len(part.steps) == MAX_CHAIN_LENGTH:
             return ChainEnd(current, user, miss=ctx.near_miss(pattern, anchor, user, ReasonKind.CHAIN_TOO_LONG,
                                                               f"{where} holds at most {MAX_CHAIN_LENGTH} ops"))

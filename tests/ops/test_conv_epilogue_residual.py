@@ -259,3 +259,25 @@ def test_the_family_adds_a_residual_of_any_layout_on_strided_grouped_and_dilated
     assert family_launches, "the family's forward did not run"
     err, eager_err = (got.double() - want).norm() / want.norm(), (eager.double() - want).norm() / want.norm()
     assert err <= max(4 * eager_err, 1e-6), (err, eager_err)
+
+
+def test_where_two_convs_outputs_meet_at_an_add_one_region_takes_it_and_the_other_ends_before_it():
+    """A ResNet block with a downsample branch: ``relu(bn3(conv3(h)) + bn_d(conv_d(x)))``.  The first
+    conv's region takes the add (the other branch as its residual); the downsample conv keeps its own
+    region, ending before the add, instead of losing it to the claim."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv3, self.bn3 = nn.Conv2d(4, 8, 1, bias=False), nn.BatchNorm2d(8)
+            self.down, self.bn_d = nn.Conv2d(4, 8, 1, stride=1, bias=False), nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            out = self.bn3(self.conv3(torch.relu(x)))
+            out += self.bn_d(self.down(x))
+            return torch.relu(out)
+
+    torch._dynamo.reset()
+    matches, misses = _region(Block().eval(), torch.randn(2, 4, 5, 5))
+    assert sorted(m.summary for m in matches) == ["conv2d -> batch_norm (folded)",
+                                                  "conv2d -> batch_norm (folded) -> add -> relu"]
+    assert any(n.reason.value == "claimed" and "already part of another fused region" in n.message for n in misses)
