@@ -256,7 +256,8 @@ def grow_chain(
 ) -> ChainEnd:  # fmt: skip
     """Grow ``part`` with the pointwise ops that follow ``start`` (one user at a time,
     ``ChainValues.next_user`` with ``fusible`` as there) until the first op that is not pointwise,
-    ``MAX_CHAIN_LENGTH`` steps, or a step ``pointwise_step`` refuses (``y``, ``dtypes`` and
+    an op another region claimed already (a ``CLAIMED`` near miss), ``MAX_CHAIN_LENGTH`` steps, or a
+    step ``pointwise_step`` refuses (``y``, ``dtypes`` and
     ``scalar_operands`` and ``residual`` as there); near misses are of ``pattern``, anchored at ``anchor``.
 
     The one loop every chain of a conv walk grows by (``match/conv_walk.py``): before a centre,
