@@ -44,7 +44,8 @@ from ..match.chain_walk import ChainPart, full_size_operand
 from ..match.conv_walk import ConvRegion, ConvWalkPattern, Folded, InputGate, Refusal, claimed_elsewhere
 from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_if_changed, dtype_name, materialize, rewrite_conv_region
-from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef
+from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, PointwiseKind, TensorRef
+from ..ops.chain_lowering import store_activation
 from ..ops.config import ConvEpilogueConfig
 from ..report import Match, ReasonKind
 
@@ -117,7 +118,7 @@ class ConvEpiloguePattern(ConvWalkPattern):
             return add, Refusal(ReasonKind.UNSUPPORTED_OPERAND, "a residual add with gradients flowing is not fused (no "
                                 "kernel writes the residual's full-size gradient yet)", node)
         tail = part.steps[add + 1:add + 2]
-        keep = add + 1 + (1 if tail and _store_activation(tail[0]) else 0)
+        keep = add + 1 + (1 if tail and store_activation(tail[0]) is not None else 0)
         return keep, Refusal(ReasonKind.UNSUPPORTED_OP, "after a residual add the region holds at most one relu, "
                              "leaky_relu (a constant slope), gelu or silu (what the conv family's store applies)", node)
 
@@ -153,12 +154,6 @@ class ConvEpiloguePattern(ConvWalkPattern):
             op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type), cast_inputs=not absorb,
             x=gate.source if gate else None,
         )
-
-
-def _store_activation(step: ChainStep) -> bool:
-    """Whether the conv family's store applies ``step`` after a residual (``kernels.conv.hooks``' catalogue)."""
-    return step.kind in (PointwiseKind.RELU, PointwiseKind.GELU, PointwiseKind.SILU) or (
-        step.kind is PointwiseKind.LEAKY_RELU and isinstance(step.operands[0], Const))
 
 
 def _unfoldable(bn: BatchNorm, flowing: fx.Node, y: torch.Tensor) -> Optional[str]:

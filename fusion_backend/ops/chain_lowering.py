@@ -34,6 +34,18 @@ def channel_stride(shape: Sequence[int], stride: Sequence[int], channels: int, n
     return None
 
 
+def store_activation(step: ChainStep) -> tuple[str, float] | None:
+    """``(name, slope)`` of the conv family's store activation (``kernels.conv.hooks.Activation``) that
+    computes ``step`` (relu, leaky_relu with a constant slope, gelu, silu), or None: what may follow a
+    residual in the family's store (the pattern keeps nothing else there)."""
+    name = step.kind.name.lower()
+    if name in ("relu", "gelu", "silu"):
+        return name, 0.01
+    if name == "leaky_relu" and isinstance(step.operands[0], Const):
+        return name, step.operands[0].value
+    return None
+
+
 def kernel_steps(chain: Sequence[ChainStep], operands: Sequence[Tensor], y_ndim: int, channels: int) -> list:
     """``chain`` as the launchers take it: ``(op code, [float | tensor])`` per step, a ``Const`` as its
     number, a ``TensorRef`` as its tensor (one value, or one per channel of the ``y_ndim``-dim conv

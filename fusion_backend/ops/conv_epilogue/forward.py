@@ -20,8 +20,8 @@ from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
 from .. import conv_precision
-from ..chain import ChainValue, Const, PointwiseKind, TensorRef
-from ..chain_lowering import kernel_steps
+from ..chain import ChainValue, PointwiseKind, TensorRef
+from ..chain_lowering import kernel_steps, store_activation
 from ..config import ConvEpilogueConfig
 from ..conv_io import (
     DECISIONS,
@@ -364,17 +364,15 @@ def residual_parts(cfg: ConvEpilogueConfig) -> tuple[tuple[Any, ...], tuple[Any,
 
 def _family_act_out(tail: Sequence[Any]) -> Any:
     """The family store's ``act_out`` (an ``Activation``, None for none) for the steps after a
-    residual, or a str saying why they do not fit it."""
+    residual, or a str saying why they do not fit it (``chain_lowering.store_activation``)."""
     from ...kernels.conv.hooks import Activation
 
-    names = {PointwiseKind.RELU: "relu", PointwiseKind.GELU: "gelu", PointwiseKind.SILU: "silu"}
     if not tail:
         return None
-    if len(tail) == 1 and tail[0].kind in names:
-        return Activation(names[tail[0].kind])
-    if len(tail) == 1 and tail[0].kind is PointwiseKind.LEAKY_RELU and isinstance(tail[0].operands[0], Const):
-        return Activation("leaky_relu", tail[0].operands[0].value)
-    return "after the residual add the family applies one relu, leaky_relu, gelu or silu"
+    act = store_activation(tail[0]) if len(tail) == 1 else None
+    if act is None:
+        return "after the residual add the family applies one relu, leaky_relu, gelu or silu"
+    return Activation(*act)
 
 
 def measured_plan(plans: dict[str, Any], args: tuple, key: Callable[[], str], fast_key: tuple,
