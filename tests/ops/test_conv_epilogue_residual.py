@@ -96,14 +96,16 @@ def test_a_resnet_block_tail_runs_on_the_family_forward_with_the_residual_in_its
         assert len(call["chain"]) == 0
 
 
-def test_with_gradients_flowing_the_region_ends_before_the_residual_add_and_says_why(exact_fp32):
+def test_with_gradients_flowing_the_region_ends_before_the_residual_add_and_says_why():
     """No kernel writes a residual's full-size gradient yet, and plain torch never beats Inductor's
-    code for the same ops: in training the region is the conv and its folded BatchNorm."""
+    code for the same ops: in training the region is the conv and its folded BatchNorm (the op's
+    gradients with a residual are checked on the op itself, below)."""
     torch.manual_seed(12)
-    model = ResidualTail(8, nn.ReLU()).to(DEVICE).to(memory_format=torch.channels_last)
+    model = ResidualTail(8, nn.ReLU())
     model.bn.eval()  # frozen: it folds, and its weight and bias still get gradients
-    x = _channels_last(torch.randn(2, 8, 6, 6, device=DEVICE))
-    reports = assert_fused(model, [x], expect={"conv_epilogue": 1}, train=True)
+    torch._dynamo.reset()
+    with collect_reports() as reports:
+        torch.compile(model, backend="fusion", options={"decide": "fuse"})(torch.randn(2, 8, 6, 6, requires_grad=True))
     (match,) = [m for r in reports for m in r.matches]
     assert ConvEpilogueConfig.from_json(match.config).residual is None and "add" not in match.summary
     assert any("gradients flowing" in n.message for r in reports for n in r.near_misses)
