@@ -333,6 +333,34 @@ def exact_fp32():
 
 
 @pytest.fixture
+def family_launches(monkeypatch, exact_fp32, fresh_plans):
+    """The Triton paths on CPU under the interpreter (``FUSION_CPU_KERNELS=triton``), TF32 off and no
+    call plan kept; the list of the keyword arguments of every conv-family launch plan made
+    (``kernels.conv.fprop_plan``): what a test asserts the family's forward ran with."""
+    import fusion_backend.kernels.conv as conv_family
+
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    calls = []
+    real = conv_family.fprop_plan
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(conv_family, "fprop_plan", recording)
+    return calls
+
+
+@pytest.fixture
+def family_forward(monkeypatch, family_launches):
+    """``family_launches`` with the conv family's forward forced (``FUSION_CONV_IMPL=family``)."""
+    from fusion_backend import environment
+
+    monkeypatch.setenv(environment.CONV_IMPL, "family")
+    return family_launches
+
+
+@pytest.fixture
 def fresh_plans():
     """No fused-op call plan kept from another test, and none left behind: a test that sets an
     environment switch makes its calls plan again (``fusion_backend.testing.forget_call_plans``)."""

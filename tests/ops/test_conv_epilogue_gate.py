@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fusion_backend.kernels.conv as conv_family
 from fusion_backend.errors import UnsupportedInputError
 from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.ops import conv_epilogue as ce
@@ -40,21 +39,6 @@ class SqueezeExciteProject(nn.Module):
     def forward(self, h):
         scale = torch.sigmoid(self.fc2(F.silu(self.fc1(F.adaptive_avg_pool2d(h, 1)))))
         return self.bn(self.project(scale * h))
-
-
-@pytest.fixture
-def family_launches(monkeypatch, exact_fp32, fresh_plans):
-    """The Triton paths on CPU under the interpreter; records each conv-family launch plan's arguments."""
-    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
-    calls = []
-    real = conv_family.fprop_plan
-
-    def recording(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(conv_family, "fprop_plan", recording)
-    return calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

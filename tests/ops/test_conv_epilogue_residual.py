@@ -18,7 +18,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fusion_backend.kernels.conv as conv_family
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
@@ -63,25 +62,9 @@ def _channels_last(x: torch.Tensor) -> torch.Tensor:
     return x.to(memory_format=torch.channels_last)
 
 
-@pytest.fixture
-def family_launches(monkeypatch, exact_fp32, fresh_plans):
-    """The Triton paths on CPU under the interpreter, the family forced; records each launch plan's arguments."""
-    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
-    monkeypatch.setenv(ce.CONV_IMPL_ENV, "family")
-    calls = []
-    real = conv_family.fprop_plan
-
-    def recording(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(conv_family, "fprop_plan", recording)
-    return calls
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("act", ["relu", "silu"])
-def test_a_resnet_block_tail_runs_on_the_family_forward_with_the_residual_in_its_store(family_launches, act, dtype):
+def test_a_resnet_block_tail_runs_on_the_family_forward_with_the_residual_in_its_store(family_forward, act, dtype):
     torch.manual_seed(11)
     model = ResidualTail(8, nn.ReLU() if act == "relu" else nn.SiLU()).eval().requires_grad_(False).to(DEVICE)
     model = model.to(memory_format=torch.channels_last)
@@ -89,8 +72,8 @@ def test_a_resnet_block_tail_runs_on_the_family_forward_with_the_residual_in_its
     reports = assert_fused(model, [x], expect={"conv_epilogue": 1}, train=False, dtype=dtype)
     (match,) = [m for r in reports for m in r.matches]
     assert ConvEpilogueConfig.from_json(match.config).residual is not None
-    assert family_launches, "the family's forward did not run"
-    for call in family_launches:  # the folded BatchNorm as scale and bias, the residual and the activation in the store
+    assert family_forward, "the family's forward did not run"
+    for call in family_forward:  # the folded BatchNorm as scale and bias, the residual and the activation in the store
         assert call["residual"] is not None and call["act_out"].kind == act and call["scale"] is not None
         assert len(call["chain"]) == 0
 
@@ -129,7 +112,7 @@ def test_the_op_s_residual_gradient_is_the_chain_s_gradient_at_its_add(monkeypat
         torch.testing.assert_close(g, e)
 
 
-def test_a_residual_read_first_with_a_division_after_it_ends_the_region_after_the_add(family_launches):
+def test_a_residual_read_first_with_a_division_after_it_ends_the_region_after_the_add(family_forward):
     """The VAE's ``(r + conv(x)) / s`` without gradients: the region is the conv and the residual add,
     which the family's store adds; the division, which its store does not apply, is Inductor's."""
     torch.manual_seed(13)
@@ -139,7 +122,7 @@ def test_a_residual_read_first_with_a_division_after_it_ends_the_region_after_th
     (match,) = [m for rep in reports for m in rep.matches]
     assert ConvEpilogueConfig.from_json(match.config).residual is not None and match.summary.endswith("add")
     assert any("what the conv family's store applies" in n.message for rep in reports for n in rep.near_misses)
-    assert family_launches and family_launches[0]["residual"] is not None and family_launches[0]["act_out"] is None
+    assert family_forward and family_forward[0]["residual"] is not None and family_forward[0]["act_out"] is None
 
 
 def _region(model, *inputs, grad=False):
@@ -230,7 +213,7 @@ def test_after_a_1d_or_transposed_conv_the_region_ends_before_the_residual_add()
 @pytest.mark.parametrize("layout", ["channels_last", "contiguous", "sliced"])
 @pytest.mark.parametrize("conv", [dict(stride=2, padding=1), dict(groups=2, dilation=2, padding=2)],
                          ids=["s2", "g2-d2"])
-def test_the_family_adds_a_residual_of_any_layout_on_strided_grouped_and_dilated_convs(family_launches, conv, layout):
+def test_the_family_adds_a_residual_of_any_layout_on_strided_grouped_and_dilated_convs(family_forward, conv, layout):
     """The residual the op is given in any layout is read as the store reads it (channels-last dense,
     copied where it is not), on odd sizes; against the eager composite in float64."""
     torch.manual_seed(15)
@@ -249,7 +232,7 @@ def test_the_family_adds_a_residual_of_any_layout_on_strided_grouped_and_dilated
     got = ce.conv_epilogue(x, w, None, [m, r], cfg.to_json())
     want = ce.conv_epilogue_eager(*(t.double() for t in (x, w)), None, [m.double(), r.double()], cfg.to_json())
     eager = ce.conv_epilogue_eager(x, w, None, [m, r], cfg.to_json())
-    assert family_launches, "the family's forward did not run"
+    assert family_forward, "the family's forward did not run"
     err, eager_err = (got.double() - want).norm() / want.norm(), (eager.double() - want).norm() / want.norm()
     assert err <= max(4 * eager_err, 1e-6), (err, eager_err)
 

@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fusion_backend.kernels.conv as conv_family
 from fusion_backend.errors import UnsupportedInputError
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.ops import conv_epilogue as ce
@@ -74,22 +73,6 @@ if DEVICE == "cuda":  # cuDNN writes channels-last-3d outputs for channels-last-
 
 def _channels_last(x: torch.Tensor) -> torch.Tensor:
     return x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
-
-
-@pytest.fixture
-def family_forward(monkeypatch, exact_fp32, fresh_plans):
-    """Forces the family's forward and records the arguments of every family launch plan it makes."""
-    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
-    monkeypatch.setenv(ce.CONV_IMPL_ENV, "family")
-    calls = []
-    real = conv_family.fprop_plan
-
-    def recording(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(conv_family, "fprop_plan", recording)
-    return calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
