@@ -63,6 +63,13 @@ if not torch.cuda.is_available():
     # variable reaches the suite's subprocesses too.
     os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
     _inductor_config.cpp.vec_isa_ok = os.environ["TORCHINDUCTOR_VEC_ISA_OK"] == "1"
+    # Nor a pool of compile worker processes per test process: the suite's two xdist workers keep both
+    # cores busy already, and each pool's workers import torch before compiling anything.  NOTE: 2-core
+    # CPU box, empty Inductor cache, ``pytest -n 2 tests/e2e/test_e2e_conv_epilogue.py
+    # tests/e2e/test_e2e_conv_batch_norm.py tests/e2e/test_decision.py``: 78.6 s with Inductor's
+    # default (two compile threads), 73.0 s with one.  Tests of the worker pool set up their own.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    _inductor_config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
 
 def _language_patched_once_per_launch() -> None:
