@@ -26,6 +26,7 @@ from .forward import (
     logger,
     measured_plan,
 )
+from .reference import backward as reference_backward
 from .reference import cast_inputs, conv_compute_dtype
 
 #: Settled per-signature backward call plans, keyed by ``forward.call_signature`` plus the output
@@ -68,9 +69,9 @@ def plan_for(
     Cases the Triton backward cannot serve (an avg pool) take the library one under ``triton``.
     ``plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner)``."""
 
-    args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
     if cfg.residual is not None or cfg.gate is not None:
         return ReferenceBackward(cfg, mask), True
+    args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
     mode = environment.conv_impl()
     if mode in ("library", "family") or (mode == "auto" and x.device.type != "cuda"):
         plan = LibraryBackward(*args, cfg, mask)  # auto on CPU: the interpreter is slow (tests force "triton")
@@ -148,8 +149,6 @@ class ReferenceBackward:
         self.cfg, self.mask = cfg, tuple(mask)
 
     def __call__(self, *args: Any) -> list[Tensor | None]:  # (grad_out, x, weight, bias, operands, saved state)
-        from .reference import backward as reference_backward
-
         return reference_backward(*args, self.cfg, self.mask)
 
 

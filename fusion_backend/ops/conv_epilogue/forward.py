@@ -36,6 +36,7 @@ from ..conv_io import (
 )
 from ..library_conv import channels_last_problem, nominal_format
 from .reference import allocate_forward_outputs, cast_inputs, conv_compute_dtype
+from .reference import forward as reference_forward
 
 logger = logging.getLogger("fusion_backend")
 
@@ -305,20 +306,33 @@ def plan_for(
     if cfg.residual is not None or cfg.gate is not None:
         return _family_or_reference_plan(x, weight, bias, operands, cfg, save, mode)
     if mode == "family":
-        why = family_forward_unsupported(x, weight, operands, cfg, save)
-        if why is not None:
-            raise UnsupportedInputError(f"{CONV_IMPL_ENV}=family but the conv family's forward cannot run: {why}")
-        plan = FamilyForward(x, weight, bias, operands, cfg, save)
-        return plan, plan.settled
+        return _forced_family(x, weight, bias, operands, cfg, save)
     impl = conv_impl(x, weight, cfg, save)[0]
     if mode != "auto" or (impl == "library" and not _times_library_layouts(x)):
         plan = (FusedForward if impl == "triton" else LibraryForward)(x, weight, bias, operands, cfg, save)
         return plan, plan.settled
     args = (x, weight, bias, operands)
     plans = forward_candidates(*args, cfg, save, fused=impl == "triton")
+    probes = {"triton": functools.partial(plans["triton"].probe(), *args)} if "triton" in plans else None
+    return _measured_forward(plans, args, cfg, save, probes)
+
+
+def _forced_family(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                   cfg: ConvEpilogueConfig, save: bool) -> tuple[Any, bool]:  # fmt: skip
+    """``FUSION_CONV_IMPL=family``: the family's forward, or one clear error where it cannot serve the call."""
+    why = family_forward_unsupported(x, weight, operands, cfg, save)
+    if why is not None:
+        raise UnsupportedInputError(f"{CONV_IMPL_ENV}=family but the conv family's forward cannot run: {why}")
+    plan = FamilyForward(x, weight, bias, operands, cfg, save)
+    return plan, plan.settled
+
+
+def _measured_forward(plans: dict[str, Any], args: tuple, cfg: ConvEpilogueConfig, save: bool,
+                      probes: dict[str, Any] | None = None) -> tuple[Any, bool]:  # fmt: skip
+    """``measured_plan`` with the forward's keys (``args``: ``(x, weight, bias, operands)``)."""
+    x, weight, bias, _ = args
     fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
-    probes = {"triton": functools.partial(plans["triton"].probe(), *args)} if "triton" in plans else None
     return measured_plan(plans, args, lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v4", fast_key, probes)
 
 
@@ -333,8 +347,6 @@ class ReferenceForward:
         self.cfg, self.save = cfg, save
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor]) -> Any:
-        from .reference import forward as reference_forward
-
         return reference_forward(x, weight, bias, operands, self.cfg, self.save)
 
 
@@ -343,17 +355,15 @@ def _family_or_reference_plan(x: Tensor, weight: Tensor, bias: Tensor | None, op
     """``plan_for`` of a region with a residual or an input gate: the conv family's forward (which adds
     the residual in its store and applies the gate as it loads) where it serves the call, else
     ``ReferenceForward``; under ``auto`` the faster, measured."""
-    why = family_forward_unsupported(x, weight, operands, cfg, save)
-    if mode == "family" and why is not None:
-        raise UnsupportedInputError(f"{CONV_IMPL_ENV}=family but the conv family's forward cannot run: {why}")
-    if why is not None or mode not in ("auto", "family"):
+    if mode == "family":
+        return _forced_family(x, weight, bias, operands, cfg, save)
+    if mode != "auto" or family_forward_unsupported(x, weight, operands, cfg, save) is not None:
         return ReferenceForward(cfg, save), True
     family = FamilyForward(x, weight, bias, operands, cfg, save)
-    if mode == "family" or not _times_library_layouts(x):
+    if not _times_library_layouts(x):
         return family, family.settled
-    fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save, torch.backends.cudnn.allow_tf32)
-    return measured_plan({"library": ReferenceForward(cfg, save), "family": family}, (x, weight, bias, operands),
-                         lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v4", fast_key)
+    return _measured_forward({"library": ReferenceForward(cfg, save), "family": family}, (x, weight, bias, operands),
+                             cfg, save)
 
 
 def residual_parts(cfg: ConvEpilogueConfig) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
