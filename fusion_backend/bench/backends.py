@@ -13,6 +13,9 @@ reference weights) to the callable that is run.  Built-ins:
 ``fusion-unfused``         ``torch.compile(m, backend="fusion", options={"decide": "inductor"})``: matches and
                            reports but rewrites nothing (measures what the backend costs where it leaves
                            every region to Inductor: it should time as ``inductor`` does)
+``fusion-fused``           ``torch.compile(m, backend="fusion", options={"decide": "fuse"})``: every matched
+                           region rewritten, nothing measured (what the fused ops give the whole model,
+                           next to what the decision keeps)
 
 Any other name registered with Dynamo (``torch._dynamo.list_backends()``, e.g. ``aot_eager``,
 ``cudagraphs``) works too, and ``NAME:MODE`` passes a ``torch.compile`` mode.  ``--compile-mode MODE``
@@ -107,6 +110,7 @@ BUILTIN_BACKENDS: dict[str, BenchBackend] = {
     "fusion-max-autotune": torch_compile_backend("fusion-max-autotune", "fusion", "max-autotune"),
     "fusion-via-inductor": torch_compile_backend("fusion-via-inductor", "fusion", options={"direct": False}),
     "fusion-unfused": torch_compile_backend("fusion-unfused", "fusion", options={"decide": "inductor"}),
+    "fusion-fused": torch_compile_backend("fusion-fused", "fusion", options={"decide": "fuse"}),
 }
 
 

@@ -970,8 +970,8 @@ def test_verdict_says_which_rows_below_the_tie_ran_inductor_s_code_in_both_colum
 def test_the_fusion_item_records_how_many_regions_it_rewrote(tiny: Workload) -> None:
     """The real backend on the tiny conv -> relu: forced to fuse it rewrites the one region; told to
     leave every region to Inductor it rewrites none; the other backends' items record nothing."""
-    fused = torch_compile_backend("fusion-fused", "fusion", options={"decide": "fuse"})
-    backends = [BUILTIN_EAGER, resolve_backend("inductor"), fused, resolve_backend("fusion-unfused")]
+    backends = [BUILTIN_EAGER, resolve_backend("inductor"), resolve_backend("fusion-fused"),
+                resolve_backend("fusion-unfused")]
     report = run([tiny], backends, modes=("infer",), timer=FakeTimer({}))
     items = {item.backend: item for item in report.cases[0].items}
     assert all(item.ok for item in items.values()), {b: i.error for b, i in items.items()}
