@@ -42,7 +42,7 @@ class SqueezeExciteProject(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_the_projection_conv_applies_the_gate_as_it_loads(family_launches, dtype):
+def test_the_projection_conv_applies_the_gate_as_it_loads(family_forward, dtype):
     torch.manual_seed(21)
     model = SqueezeExciteProject(8, 4, 6).eval().requires_grad_(False).to(DEVICE).to(memory_format=torch.channels_last)
     h = torch.randn(3, 8, 7, 5, device=DEVICE).to(memory_format=torch.channels_last)
@@ -50,7 +50,7 @@ def test_the_projection_conv_applies_the_gate_as_it_loads(family_launches, dtype
     gated = [m for r in reports for m in r.matches if m.summary.startswith("mul(gate)")]
     assert len(gated) == 1 and gated[0].summary == "mul(gate) -> conv2d -> batch_norm (folded)"
     assert ConvEpilogueConfig.from_json(gated[0].config).gate is not None
-    (launch,) = [c for c in family_launches if c.get("prologue") is not None]
+    (launch,) = [c for c in family_forward if c.get("prologue") is not None]
     assert tuple(launch["prologue"].gate.shape) == (3, 8) and launch["scale"] is not None
 
 
