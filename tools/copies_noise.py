@@ -66,8 +66,9 @@ def main() -> None:
     if backend == "fusion":  # the callable: without the installed entry point the name is unknown to Dynamo
         from fusion_backend import fusion as backend
     train = args.mode == "train"
-    model, inputs = load_workload(args.file).build(seed=0)
-    model = model.cuda().train(train)
+    workload = load_workload(args.file)
+    model, inputs = workload.build(seed=0)
+    model = workload.set_mode(model.cuda(), args.mode)
     inputs = [x.cuda().requires_grad_(train and x.is_floating_point()) for x in inputs]
     steps = []
     for i in range(args.copies):

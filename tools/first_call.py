@@ -80,8 +80,9 @@ def child(path: str, backend: str, mode: str, dtype: str, log: bool, device: str
 
     from fusion_backend.bench.suite import load_workload
 
-    model, inputs = load_workload(path).build(seed=0)
-    model = model.to(device)
+    workload = load_workload(path)
+    model, inputs = workload.build(seed=0)
+    model = workload.set_mode(model.to(device), mode)
     inputs = [t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     train = mode == "train"

@@ -77,7 +77,7 @@ def main() -> None:
     train = args.mode == "train"
     for backend in args.backends.split(","):
         model, inputs = workload.build(seed=0)
-        model = model.cuda()
+        model = workload.set_mode(model.cuda(), args.mode)
         inputs = [x.cuda().requires_grad_(train and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
                   for x in inputs]  # fmt: skip
         torch._dynamo.reset()

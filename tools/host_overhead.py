@@ -55,7 +55,7 @@ def compiled_steps(path: str, backend: str, calls: int) -> None:
     for mode in ("infer", "train"):
         model, inputs = workload.build(seed=0)
         train = mode == "train"
-        model = model.cuda()
+        model = workload.set_mode(model.cuda(), mode)
         inputs = [x.cuda().requires_grad_(train) if isinstance(x, torch.Tensor) else x for x in inputs]
         torch._dynamo.reset()
         fn = resolve_backend(backend).compile(model)

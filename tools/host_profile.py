@@ -53,7 +53,7 @@ def profile_one(path: str, backend_name: str, mode: str, steps: int, top: int, d
     if small:
         inputs = [_shrink(x) for x in inputs]
     train = mode == "train"
-    model = model.to(device)
+    model = workload.set_mode(model.to(device), mode)
     inputs = [x.to(device).requires_grad_(train and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
               for x in inputs]
     torch._dynamo.reset()

@@ -74,7 +74,7 @@ def profile_one(path: str, backend_name: str, mode: str, dtype: str, steps: int,
     workload = load_workload(path)
     model, inputs = workload.build(seed=0)
     train = mode == "train"
-    model = model.cuda()
+    model = workload.set_mode(model.cuda(), mode)
     inputs = [x.cuda().requires_grad_(train and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
               for x in inputs]
     torch._dynamo.reset()

@@ -376,8 +376,7 @@ class Runner:
             return
         try:
             for dtype, mode in rows:
-                if workload.infer_eval:
-                    model.train(mode != "infer")
+                workload.set_mode(model, mode)
                 cases.append(self._run_case(workload.name, model, inputs, dtype, mode))
                 self.instruments.release()
         finally:

@@ -172,6 +172,14 @@ class Workload:
         runs = " and ".join(",".join(asked) for _, asked in disjoint.values())
         return f"its file declares {files}; the run asks for {runs}"
 
+    def set_mode(self, model: torch.nn.Module, mode: str) -> torch.nn.Module:
+        """``model`` put in the state a ``mode`` row runs it in, and returned: with ``INFER_EVAL``, eval
+        mode for ``infer`` (running statistics, no dropout) and training mode for ``train``; otherwise
+        left as built.  The one place the benchmark and the tools that run a file's rows take it from."""
+        if self.infer_eval:
+            model.train(mode != "infer")
+        return model
+
     def build(self, seed: int) -> tuple[torch.nn.Module, list[Any]]:
         """Construct ``Model(*get_init_inputs())`` and ``get_inputs()`` on CPU under ``torch.manual_seed(seed)``.
 
