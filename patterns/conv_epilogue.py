@@ -14,8 +14,11 @@ output is batched and floating point.  From there the chain grows one user at a 
 * the chain is shorter than ``MAX_CHAIN_LENGTH``.
 
 A conv that reads ``source * gate``, the gate one value per sample and input channel (a
-squeeze-and-excitation gate), takes that product into the region, without gradients, where the conv
-family's forward can apply it as it loads (``input_gate``).
+squeeze-and-excitation gate), or ``act(group_norm(source))`` (the VAE's and UNet's norm -> SiLU -> conv;
+``act`` none or one relu, leaky_relu, gelu or silu), takes that product or that norm and activation
+into the region, without gradients, where the conv family's forward can apply it as it loads
+(``input_prologue``); a group norm another family claimed (``conv_group_norm``'s conv -> norm) stays
+there.
 
 The region then ends at the last value of the longest prefix whose earlier values are read only
 inside it (a value read outside, such as a graph output, can only be the region's result).
@@ -39,13 +42,22 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-from ..frontend.canonical import BatchNorm, ParamRef, Pointwise
+from ..frontend.canonical import BatchNorm, GroupNorm, ParamRef, Pointwise
 from ..match.chain_walk import ChainPart, full_size_operand
-from ..match.conv_walk import ConvRegion, ConvWalkPattern, Folded, InputGate, Refusal, claimed_elsewhere
+from ..match.conv_walk import (
+    ConvRegion,
+    ConvWalkPattern,
+    Folded,
+    InputGate,
+    InputNorm,
+    InputPrologue,
+    Refusal,
+    claimed_elsewhere,
+)
 from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_if_changed, dtype_name, materialize, rewrite_conv_region
-from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, PointwiseKind, TensorRef
-from ..ops.chain_lowering import store_activation
+from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef
+from ..ops.chain_lowering import family_activation
 from ..ops.config import ConvEpilogueConfig
 from ..report import Match, ReasonKind
 
@@ -75,27 +87,65 @@ class ConvEpiloguePattern(ConvWalkPattern):
         steps = (ChainStep(PointwiseKind.MUL, (TensorRef(n),)), ChainStep(PointwiseKind.ADD, (TensorRef(n + 1),)))
         return Folded(steps, tuple(_folded_operands(bn, y.dim() - 2)), "batch_norm (folded)")
 
-    def input_gate(self, ctx: MatchContext, conv: Any) -> Optional[InputGate]:
-        """The squeeze-and-excitation gate of a conv that reads ``source * gate`` (``gate`` one value per
-        sample and input channel, as EfficientNet's projection conv reads its block's gated features),
-        where the conv family's forward can apply it as it loads: a direct 2-d or 3-d conv, the
-        product read by the conv alone, the same dtype throughout, no gradient flowing."""
+    def input_prologue(self, ctx: MatchContext, conv: Any) -> Optional[InputPrologue]:
+        """What the conv family's forward can apply to the conv's input as it loads it, for a direct 2-d
+        or 3-d conv with no gradient flowing: a gate (``_input_gate``) or a group norm and its
+        activation (``_input_norm``), its nodes read only inside the region and claimed by no other."""
         node = conv.input
-        op = ctx.op(node) if isinstance(node, fx.Node) else None
-        if (not isinstance(op, Pointwise) or op.kind is not PointwiseKind.MUL or op.inplace or len(node.users) != 1
-                or conv.spec.transposed or conv.spec.spatial_dims == 1 or len(op.args) != 2):
+        if (not isinstance(node, fx.Node) or conv.spec.transposed or conv.spec.spatial_dims == 1
+                or getattr(fake_of(conv.node), "requires_grad", True)):
+            return None
+        prologue = self._input_gate(ctx, node) or self._input_norm(ctx, node)
+        if prologue is None or any(n in ctx.claimed for n in prologue.nodes):
+            return None
+        return prologue
+
+    def _input_gate(self, ctx: MatchContext, node: fx.Node) -> Optional[InputGate]:
+        """The squeeze-and-excitation gate of a conv that reads ``node = source * gate`` (``gate`` one
+        value per sample and input channel, as EfficientNet's projection conv reads its block's gated
+        features): the product read by the conv alone, the same dtype throughout, no gradient."""
+        op = ctx.op(node)
+        if not isinstance(op, Pointwise) or op.kind is not PointwiseKind.MUL or op.inplace or len(node.users) != 1 \
+                or len(op.args) != 2:
             return None
         product = fake_of(node)
         fakes = [fake_of(a) if isinstance(a, fx.Node) else None for a in op.args]
         if not isinstance(product, torch.Tensor) or not all(isinstance(f, torch.Tensor) for f in fakes):
             return None
-        if any(f.requires_grad or f.dtype != product.dtype for f in (*fakes, product)) or fake_of(conv.node).requires_grad:
+        if any(f.requires_grad or f.dtype != product.dtype for f in (*fakes, product)):
             return None
         gate_shape = (*product.shape[:2], *(1,) * (product.dim() - 2))
         for source, gate, fs, fg in ((op.args[0], op.args[1], *fakes), (op.args[1], op.args[0], *fakes[::-1])):
             if tuple(fs.shape) == tuple(product.shape) and tuple(fg.shape) == gate_shape and product.numel() > 0:
                 return InputGate(node, source, gate)
         return None
+
+    def _input_norm(self, ctx: MatchContext, node: fx.Node) -> Optional[InputNorm]:
+        """The group norm (and the activation after it) a conv reads as ``node``: the norm's input full
+        size, its weight and bias both one value per channel or both absent, each node read by the
+        next alone, no gradient."""
+        act = None
+        op = ctx.op(node)
+        if isinstance(op, Pointwise) and len(node.users) == 1 and op.args and isinstance(op.args[0], fx.Node):
+            seen = op.with_flowing(op.args[0])
+            step = None if isinstance(seen, str) else _constant_step(*seen)
+            if step is None or family_activation(step) is None:
+                return None
+            act, node = (node, step), op.args[0]
+            op = ctx.op(node)
+        if not isinstance(op, GroupNorm) or op.running_stats or len(node.users) != 1 or not isinstance(op.eps, float):
+            return None
+        x = fake_of(op.input) if isinstance(op.input, fx.Node) else None
+        if not isinstance(x, torch.Tensor) or x.requires_grad or x.dim() < 4 or x.numel() == 0:
+            return None
+        if x.shape[1] % (op.groups or x.shape[1]) or (op.weight is None) != (op.bias is None):
+            return None  # a weight without a bias (or the reverse): the family's prologue takes both or neither
+        for value in (op.weight, op.bias):
+            fake = fake_of(value) if isinstance(value, fx.Node) else None
+            if value is not None and not isinstance(value, ParamRef) and (
+                    not isinstance(fake, torch.Tensor) or fake.numel() != x.shape[1] or fake.requires_grad):
+                return None
+        return InputNorm(op, act)
 
     def chain_limit(self, ctx: MatchContext, conv: Any, part: ChainPart, y: torch.Tensor) -> Optional[tuple[int, Refusal]]:
         """A residual add stays in the region only where the conv family's forward can add it in its
@@ -118,7 +168,7 @@ class ConvEpiloguePattern(ConvWalkPattern):
             return add, Refusal(ReasonKind.UNSUPPORTED_OPERAND, "a residual add with gradients flowing is not fused (no "
                                 "kernel writes the residual's full-size gradient yet)", node)
         tail = part.steps[add + 1:add + 2]
-        keep = add + 1 + (1 if tail and store_activation(tail[0]) is not None else 0)
+        keep = add + 1 + (1 if tail and family_activation(tail[0]) is not None else 0)
         return keep, Refusal(ReasonKind.UNSUPPORTED_OP, "after a residual add the region holds at most one relu, "
                              "leaky_relu (a constant slope), gelu or silu (what the conv family's store applies)", node)
 
@@ -145,15 +195,43 @@ class ConvEpiloguePattern(ConvWalkPattern):
             strict=ctx.strict,
             compute_dtype=dtype_name(conv_fake.dtype) if absorb else None,
             residual=full_size_operand(ctx, region.post.operands, conv_fake),
-            gate=None if region.gate is None else len(region.post.operands),
+            **_prologue_fields(region.prologue, len(region.post.operands)),
         ).to_json()
-        gate = region.gate
-        operands = [*region.post.operands, *([gate.gate] if gate else [])]
+        prologue = region.prologue
+        operands = [*region.post.operands, *_prologue_operands(prologue)]
         return rewrite_conv_region(
             ctx, candidate, conv, operands, op_module.conv_epilogue, config, "fusion::conv_epilogue_fwd",
             op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type), cast_inputs=not absorb,
-            x=gate.source if gate else None,
+            x=prologue.source if prologue else None,
         )
+
+
+def _prologue_fields(prologue: Optional[InputPrologue], first: int) -> dict[str, Any]:
+    """The config fields of the region's input prologue, its operands numbered from ``first``."""
+    if isinstance(prologue, InputGate):
+        return {"gate": first}
+    if isinstance(prologue, InputNorm):
+        norm = prologue.norm
+        return {"norm_in": norm.groups or fake_of(norm.input).shape[1], "norm_in_eps": norm.eps,
+                "norm_in_affine": None if norm.weight is None else first,
+                "act_in": () if prologue.act is None else (prologue.act[1],)}
+    return {}
+
+
+def _prologue_operands(prologue: Optional[InputPrologue]) -> list[Any]:
+    """The fused op's operands the input prologue reads, after the chain's (``_prologue_fields``)."""
+    if isinstance(prologue, InputGate):
+        return [prologue.gate]
+    if isinstance(prologue, InputNorm) and prologue.norm.weight is not None:
+        return [prologue.norm.weight, prologue.norm.bias]
+    return []
+
+
+def _constant_step(kind: PointwiseKind, operands: tuple) -> Optional[ChainStep]:
+    """``kind`` with its operands as a chain step where they are all numbers, else None."""
+    if not all(isinstance(o, (int, float)) and not isinstance(o, bool) for o in operands):
+        return None
+    return ChainStep(kind, tuple(Const(float(o)) for o in operands))
 
 
 def _unfoldable(bn: BatchNorm, flowing: fx.Node, y: torch.Tensor) -> Optional[str]:

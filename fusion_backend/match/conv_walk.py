@@ -47,7 +47,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-from ..frontend.canonical import CanonicalOp, Conv, Opaque, Pointwise, Pool
+from ..frontend.canonical import CanonicalOp, Conv, GroupNorm, Opaque, Pointwise, Pool
 from ..frontend.normalize import describe_target
 from ..ops.chain import ChainStep
 from ..report import NearMiss, ReasonKind
@@ -108,19 +108,54 @@ class CentreSite:
 class InputGate:
     """``conv(source * gate)``: the elementwise product (``node``) the conv reads as its input, of a
     full-size ``source`` and a ``gate`` of one value per sample and input channel (a squeeze-and-
-    excitation gate), which the conv applies as it loads its input (``ConvWalkPattern.input_gate``)."""
+    excitation gate), which the conv applies as it loads its input (``ConvWalkPattern.input_prologue``)."""
 
     node: fx.Node
     source: fx.Node
     gate: fx.Node
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        return (self.node,)
+
+    @property
+    def labels(self) -> list[str]:
+        return ["mul(gate)"]
+
+
+@dataclass(frozen=True)
+class InputNorm:
+    """``conv(act(group_norm(source)))``: a group norm (``norm``, its canonical op) of the full-size
+    ``source`` and the optional activation after it (``act``: its node and its chain step), which the
+    conv applies as it loads its input (``ConvWalkPattern.input_prologue``)."""
+
+    norm: GroupNorm
+    act: Optional[tuple[fx.Node, ChainStep]] = None
+
+    @property
+    def source(self) -> fx.Node:
+        return self.norm.input
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        return (self.norm.node,) + ((self.act[0],) if self.act else ())
+
+    @property
+    def labels(self) -> list[str]:
+        groups = "instance" if self.norm.groups is None else self.norm.groups
+        return [f"group_norm({groups})"] + ([self.act[1].kind.name.lower()] if self.act else [])
+
+
+#: What a conv may apply to its input as it loads it, taken into its region (its nodes come first).
+InputPrologue = Union[InputGate, InputNorm]
 
 
 @dataclass
 class ConvRegion:
     """A region the walk found: the conv, the chain before the centre (``pre``), the centre's
     canonical op and what its config needs (``facts``, ``Centre.facts``' answer), the chain after it
-    (``post``; the whole chain of a walk with no centre), the pool that ends it and the gate its
-    input is multiplied by (``gate``; its node is the region's first).  ``pre`` and ``post`` share one
+    (``post``; the whole chain of a walk with no centre), the pool that ends it and what the conv
+    applies to its input as it loads it (``prologue``: a gate or a group norm; its nodes come first).  ``pre`` and ``post`` share one
     operand list: the fused op's tensor operands in order."""
 
     conv: Conv
@@ -129,7 +164,7 @@ class ConvRegion:
     centre: Any = None
     facts: Any = None
     pool: Optional[Pool] = None
-    gate: Optional[InputGate] = None
+    prologue: Optional[InputPrologue] = None
 
 
 def _accept_any(op: Any, rank: int) -> bool:
@@ -256,9 +291,10 @@ class ConvWalkPattern(ConvAnchoredPattern):
     def precedence(self) -> Precedence:  # type: ignore[override]
         return Precedence.CHAIN_ONLY if self.centre is None else Precedence.CLAIMS_AN_OP
 
-    def input_gate(self, ctx: MatchContext, conv: Conv) -> Optional[InputGate]:
-        """For a walk with no centre: the gate the conv's input is multiplied by, where the family
-        takes it into the region (its node then joins the region, before the conv); None otherwise."""
+    def input_prologue(self, ctx: MatchContext, conv: Conv) -> Optional[InputPrologue]:
+        """For a walk with no centre: what made the conv's input (a gate it is multiplied by, a group
+        norm and its activation), where the family takes it into the region (its nodes then join the
+        region, before the conv); None otherwise."""
         return None
 
     def chain_limit(self, ctx: MatchContext, conv: Conv, part: ChainPart, y: torch.Tensor) -> Optional[tuple[int, Refusal]]:
@@ -387,7 +423,7 @@ class ConvWalkPattern(ConvAnchoredPattern):
             return miss(anchor, ReasonKind.DIMENSION_MISMATCH, f"unbatched conv input (output rank {y.dim()})")
 
         part = ChainPart([])
-        region = ConvRegion(conv, ChainPart(part.operands), part, gate=self.input_gate(ctx, conv))
+        region = ConvRegion(conv, ChainPart(part.operands), part, prologue=self.input_prologue(ctx, conv))
         values = ChainValues(anchor)
         fusible = (Pointwise, Pool, *self.folds)
         stop: Optional[NearMiss] = None
@@ -437,11 +473,11 @@ class ConvWalkPattern(ConvAnchoredPattern):
             elif read_outside is not None:
                 stop = miss(read_outside, ReasonKind.SHARED_INTERMEDIATE, values.outside_users(read_outside))
 
-        if not part.steps and region.pool is None and region.gate is None:
+        if not part.steps and region.pool is None and region.prologue is None:
             if stop is None or [u.op for u in anchor.users] == ["output"]:
                 return miss(anchor, ReasonKind.NO_EPILOGUE, "the conv output goes straight to the graph output")
             return stop
-        nodes = ([region.gate.node] if region.gate else []) + [anchor, *part.step_nodes] + (
+        nodes = (list(region.prologue.nodes) if region.prologue else []) + [anchor, *part.step_nodes] + (
             [region.pool.node] if region.pool else [])
         # A chain that simply ends at the graph output or at the next conv is no near miss; any other
         # stop is reported.
@@ -453,7 +489,7 @@ class ConvWalkPattern(ConvAnchoredPattern):
     def _summary(self, region: ConvRegion) -> str:
         """``conv2d -> relu -> group_norm(4) -> silu -> max_pool2d``: the conv, the chain before the
         centre, the centre's label, the chain after it, the pool."""
-        parts = (["mul(gate)"] if region.gate else []) + [conv_label(region.conv), *region.pre.labels]
+        parts = (region.prologue.labels if region.prologue else []) + [conv_label(region.conv), *region.pre.labels]
         if self.centre is not None:
             parts.append(self.centre.label(region))
         parts += region.post.labels

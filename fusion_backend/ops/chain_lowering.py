@@ -34,10 +34,11 @@ def channel_stride(shape: Sequence[int], stride: Sequence[int], channels: int, n
     return None
 
 
-def store_activation(step: ChainStep) -> tuple[str, float] | None:
-    """``(name, slope)`` of the conv family's store activation (``kernels.conv.hooks.Activation``) that
+def family_activation(step: ChainStep) -> tuple[str, float] | None:
+    """``(name, slope)`` of the conv family's activation (``kernels.conv.hooks.Activation``) that
     computes ``step`` (relu, leaky_relu with a constant slope, gelu, silu), or None: what may follow a
-    residual in the family's store (the pattern keeps nothing else there)."""
+    residual in the family's store, or an input norm in its prologue (the patterns keep nothing else
+    there)."""
     name = step.kind.name.lower()
     if name in ("relu", "gelu", "silu"):
         return name, 0.01

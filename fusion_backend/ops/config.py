@@ -153,6 +153,13 @@ class ConvEpilogueConfig(JsonConfig):
       residual has no pool.
     * ``gate``: index of an operand of one value per sample and input channel ``(N, C_in, 1, ...)``
       that multiplies ``x`` before the conv (a squeeze-and-excitation gate); no chain step reads it.
+    * ``norm_in``: the group count ``G`` of a group norm applied to ``x`` before the conv (the VAE's
+      and UNet's ``conv(silu(group_norm(x)))``; ``G = C_in`` for an instance norm), with
+      ``norm_in_eps``; ``norm_in_affine``: index of its per-channel weight, its bias the next operand
+      (``None``: no affine); ``act_in``: the activation after it (none, or one ``relu``,
+      ``leaky_relu`` of a constant slope, ``gelu`` or ``silu`` step).  The norm and the activation
+      run in fp32 on x as given, and their result is cast to the conv's dtype (as autocast's fp32
+      group norm then its conv do).  No chain step reads the affine operands; not with ``gate``.
     """
 
     conv: ConvSpec
@@ -163,9 +170,14 @@ class ConvEpilogueConfig(JsonConfig):
     compute_dtype: str | None = None
     residual: int | None = None
     gate: int | None = None
+    norm_in: int | None = None
+    norm_in_eps: float = 1e-5
+    norm_in_affine: int | None = None
+    act_in: tuple[ChainStep, ...] = ()
 
     def __post_init__(self) -> None:
         check_chain(self.chain)
+        self._check_input_prologue()
         if self.gate is not None and any(TensorRef(self.gate) in s.operands for s in self.chain):
             raise ValueError(f"the gate operands[{self.gate}] multiplies x; no chain step reads it")
         if self.residual is not None:
@@ -181,9 +193,35 @@ class ConvEpilogueConfig(JsonConfig):
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = hash((self.conv, self.chain, self.pool, self.out_dtype, self.strict, self.compute_dtype,
-                           self.residual, self.gate))
+                           self.residual, self.gate, self.norm_in, self.norm_in_eps, self.norm_in_affine, self.act_in))
             object.__setattr__(self, "_hash", cached)
         return cached
+
+    @property
+    def family_only(self) -> bool:
+        """Whether the region holds a part only the conv family's forward applies (a residual add in
+        its store, a gate or an input norm as it loads x): its baseline is the plain-torch reference."""
+        return self.residual is not None or self.gate is not None or self.norm_in is not None
+
+    def _check_input_prologue(self) -> None:
+        if self.norm_in is None:
+            if self.norm_in_affine is not None or self.act_in:
+                raise ValueError("norm_in_affine and act_in need norm_in (an input group norm)")
+            return
+        if self.norm_in < 1 or self.gate is not None:
+            raise ValueError(f"norm_in must be a group count >= 1 and comes without a gate, got {self.norm_in}")
+        if len(self.act_in) > 1 or any(s.kind not in _INPUT_ACTIVATIONS for s in self.act_in):
+            raise ValueError(f"act_in holds at most one of {sorted(k.name.lower() for k in _INPUT_ACTIVATIONS)}")
+        if self.act_in and any(not isinstance(o, Const) for o in self.act_in[0].operands):
+            raise ValueError("act_in's leaky_relu takes a constant slope")
+        if self.norm_in_affine is not None:
+            affine = (TensorRef(self.norm_in_affine), TensorRef(self.norm_in_affine + 1))
+            if any(ref in s.operands for s in self.chain for ref in affine):
+                raise ValueError(f"the input norm's operands[{self.norm_in_affine}:+2] scale x; no chain step reads them")
+
+
+#: The activations an input group norm may be followed by (what the conv family's prologue applies).
+_INPUT_ACTIVATIONS = frozenset({PointwiseKind.RELU, PointwiseKind.LEAKY_RELU, PointwiseKind.GELU, PointwiseKind.SILU})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ with eager semantics: ``y = aten.convolution(x, weight, bias, *conv params)``, t
 ``TensorRef(i)`` is ``operands[i]``: 0-d, per-channel ``(C,1,..,1)`` / ``(1,C,1,..,1)``, any shape
 with one element and at most ``y.ndim`` dims, or, for ``config.residual``, ``y``'s full shape: a
 residual branch that one ``add`` reads, with no pool; for ``config.gate``, ``(N, C_in, 1, ..)``: it
-multiplies x before the conv and no step reads it), then the optional max/avg pool, and finally a
+multiplies x before the conv and no step reads it; for ``config.norm_in``'s affine, ``(C_in,)`` each:
+the conv reads ``act_in(group_norm(x))`` instead of x, in fp32 then cast), then the optional max/avg
+pool, and finally a
 cast to ``config.out_dtype`` (None = the conv's dtype).  The conv runs in ``config.compute_dtype``
 (None = x's dtype): ``x``, ``weight`` and ``bias`` stored in another dtype are cast to it first, as
 autocast would (the Triton kernels cast as they load; gradients come back in each input's dtype);

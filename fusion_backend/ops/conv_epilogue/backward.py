@@ -69,7 +69,7 @@ def plan_for(
     Cases the Triton backward cannot serve (an avg pool) take the library one under ``triton``.
     ``plan(grad_out, x, weight, bias, operands, saved_y0, saved_winner)``."""
 
-    if cfg.residual is not None or cfg.gate is not None:
+    if cfg.family_only:
         return ReferenceBackward(cfg, mask), True
     args = (grad_out, x, weight, bias, operands, saved_y0, saved_winner)
     mode = environment.conv_impl()

@@ -21,7 +21,7 @@ from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
 from .. import conv_precision
 from ..chain import ChainValue, PointwiseKind, TensorRef
-from ..chain_lowering import kernel_steps, store_activation
+from ..chain_lowering import family_activation, kernel_steps
 from ..config import ConvEpilogueConfig
 from ..conv_io import (
     DECISIONS,
@@ -303,7 +303,7 @@ def plan_for(
     same signature always gets this answer (not while the choice is unmeasured), so the caller may
     keep the plan (nor while the plan's precision is unsettled: ``FusedForward``'s)."""
     mode = environment.conv_impl()
-    if cfg.residual is not None or cfg.gate is not None:
+    if cfg.family_only:
         return _family_or_reference_plan(x, weight, bias, operands, cfg, save, mode)
     if mode == "family":
         return _forced_family(x, weight, bias, operands, cfg, save)
@@ -338,8 +338,8 @@ def _measured_forward(plans: dict[str, Any], args: tuple, cfg: ConvEpilogueConfi
 
 class ReferenceForward:
     """``reference.forward`` on the call's device as a plan: the baseline of a region with a residual
-    (a full-size operand the epilogue kernels' operand matrix cannot hold) or an input gate (which the
-    library and fused conv kernels do not apply)."""
+    (a full-size operand the epilogue kernels' operand matrix cannot hold), an input gate or an input
+    norm (which the library and fused conv kernels do not apply): ``ConvEpilogueConfig.family_only``."""
 
     settled = True
 
@@ -352,8 +352,8 @@ class ReferenceForward:
 
 def _family_or_reference_plan(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                               cfg: ConvEpilogueConfig, save: bool, mode: str) -> tuple[Any, bool]:  # fmt: skip
-    """``plan_for`` of a region with a residual or an input gate: the conv family's forward (which adds
-    the residual in its store and applies the gate as it loads) where it serves the call, else
+    """``plan_for`` of a ``family_only`` region: the conv family's forward (which adds the residual in
+    its store and applies the gate or the input norm as it loads) where it serves the call, else
     ``ReferenceForward``; under ``auto`` the faster, measured."""
     if mode == "family":
         return _forced_family(x, weight, bias, operands, cfg, save)
@@ -374,12 +374,12 @@ def residual_parts(cfg: ConvEpilogueConfig) -> tuple[tuple[Any, ...], tuple[Any,
 
 def _family_act_out(tail: Sequence[Any]) -> Any:
     """The family store's ``act_out`` (an ``Activation``, None for none) for the steps after a
-    residual, or a str saying why they do not fit it (``chain_lowering.store_activation``)."""
+    residual, or a str saying why they do not fit it (``chain_lowering.family_activation``)."""
     from ...kernels.conv.hooks import Activation
 
     if not tail:
         return None
-    act = store_activation(tail[0]) if len(tail) == 1 else None
+    act = family_activation(tail[0]) if len(tail) == 1 else None
     if act is None:
         return "after the residual add the family applies one relu, leaky_relu, gelu or silu"
     return Activation(*act)
@@ -643,8 +643,9 @@ def family_forward_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Ten
             return f"a chain of {len(cfg.chain)} steps (the family's epilogue takes {MAX_SLOTS})"
         if any(isinstance(o, ChainValue) for step in cfg.chain for o in step.operands):
             return "a chain step reads an earlier chain value"
-        if save and (cfg.residual is not None or cfg.gate is not None):
-            return "a residual or a gate in a call that saves for the backward (the region's backward is the reference's)"
+        if save and cfg.family_only:
+            return ("a residual, a gate or an input norm in a call that saves for the backward (the region's "
+                    "backward is the reference's)")
         if cfg.residual is not None:
             act = _family_act_out(residual_parts(cfg)[1])
             if isinstance(act, str):
@@ -652,6 +653,9 @@ def family_forward_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Ten
         dtype = conv_compute_dtype(cfg, x)
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return f"a {dtype} conv (the family computes in fp32, fp16 or bf16)"
+        if cfg.norm_in is not None and x.dtype != dtype:
+            return (f"an input norm on x in {x.dtype}, not the conv's {dtype} (the family loads x in the conv's "
+                    "dtype; rounding it before the norm would lose what the norm subtracts)")
         out = _forward_layouts(x, weight, operands, cfg, save, dtype)[2][0]
         if out.dtype != dtype:
             return f"the output's dtype {out.dtype} is not the conv's {dtype}"
@@ -688,6 +692,13 @@ class FamilyForward:
         #: the store's activation after the residual add (``act_out``), and the residual's operand index
         self.act_out, self.residual = (None if cfg.residual is None else _family_act_out(tail)), cfg.residual
         self.gate = cfg.gate  #: the operand the prologue multiplies x by, per sample and channel
+        #: the input norm's group count, eps, affine operand and activation (``Activation`` or None)
+        self.norm_in, self.norm_eps, self.norm_affine = cfg.norm_in, cfg.norm_in_eps, cfg.norm_in_affine
+        from ...kernels.conv.hooks import Activation
+
+        self.act_in = None if not cfg.act_in else Activation(*family_activation(cfg.act_in[0]))
+        #: the statistics pass's (unused) operand matrix: no bias or pre-chain before the input norm
+        self.no_params = None if cfg.norm_in is None else torch.zeros((2, x.shape[1]), device=x.device)
         #: the operands the kernel reads as its per-channel scale and bias (None: not so)
         self.scale_source = self.shift_source = None
         if bias is None and self._leading(steps, PointwiseKind.MUL, operands):
@@ -726,12 +737,30 @@ class FamilyForward:
 
             gate = operands[self.gate]
             prologue = SampleChannelScale(gate.reshape(gate.shape[0], gate.shape[1]).float().contiguous())
+        elif self.norm_in is not None:
+            prologue = self._input_norm(xc, operands)
         launch = self.launch
         if launch is None:
             from ...kernels.conv import fprop_plan  # lazily: TRITON_INTERPRET is read at import
 
             launch = fprop_plan(xc, wc, bc, scale=scale, chain=steps, saved=saved, allow_tf32=self.tf32,
-                                act_out=self.act_out, residual=residual, prologue=prologue, **self.conv_args)
+                                act_out=self.act_out, residual=residual, prologue=prologue, act_in=self.act_in,
+                                **self.conv_args)
             self.launch = launch if launch.final else None
         out, _ = launch(xc, wc, scale, bc, steps, residual, prologue, saved)
         return out, empty_placeholder(x) if saved is None else saved, empty_placeholder(x)  # no pool: no winners
+
+    def _input_norm(self, x: Tensor, operands: Sequence[Tensor]) -> Any:
+        """The input group norm as the prologue's ``GroupAffine``: x's statistics per sample and group
+        (``kernels.group_norm.group_norm_stats``, fp32, a fixed-order reduction), as ``scale = rstd``
+        and ``shift = -mean * rstd``, with the norm's affine in fp32."""
+        from ...kernels.conv.hooks import GroupAffine
+        from ...kernels.group_norm import group_norm_stats
+
+        stats = torch.empty((2, x.shape[0], self.norm_in), dtype=torch.float32, device=x.device)
+        group_norm_stats(x, False, (), self.norm_in, self.norm_eps, self.no_params, stats)
+        shift = stats[0].mul(stats[1]).neg_()
+        weight = bias = None
+        if self.norm_affine is not None:
+            weight, bias = (operands[i].reshape(-1).float().contiguous() for i in (self.norm_affine, self.norm_affine + 1))
+        return GroupAffine(stats[1], shift, weight, bias)

@@ -5,6 +5,7 @@ the eager composite."""
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ...errors import UnsupportedInputError
@@ -49,10 +50,24 @@ def cast_inputs(x: Tensor, weight: Tensor, bias: Tensor | None,
             bias if bias is None or bias.dtype == dtype else bias.to(dtype))
 
 
-def gated(x: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> Tensor:
-    """The conv's input: ``x``, times the gate where the config has one (in x's dtype, as eager's
-    product of two tensors of that dtype)."""
-    return x if cfg.gate is None else x * operands[cfg.gate].to(x.dtype)
+def conv_input(x: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig, dtype: torch.dtype) -> Tensor:
+    """What the conv reads, in ``dtype`` (the conv's): ``x`` (as given), times the gate where the config
+    has one (in x's dtype, as eager's product of two tensors of that dtype), or through the input
+    group norm and its activation (in fp32, then cast: autocast's fp32 group norm before its conv)."""
+    if cfg.gate is not None:
+        x = x * operands[cfg.gate].to(x.dtype)
+    elif cfg.norm_in is not None:
+        weight, bias = input_norm_affine(operands, cfg)
+        x = F.group_norm(x.float(), cfg.norm_in, weight, bias, cfg.norm_in_eps)
+        x = apply_chain(x, cfg.act_in, operands)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def input_norm_affine(operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> tuple[Tensor | None, Tensor | None]:
+    """The input group norm's per-channel weight and bias in fp32 (None, None without affine)."""
+    if cfg.norm_in_affine is None:
+        return None, None
+    return operands[cfg.norm_in_affine].float(), operands[cfg.norm_in_affine + 1].float()
 
 
 def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig) -> None:
@@ -69,6 +84,16 @@ def check_inputs(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: Con
             got = "missing" if gate is None else f"of shape {tuple(gate.shape)}"
             raise UnsupportedInputError(f"fusion::{OP}: the gate operands[{cfg.gate}] must be {want} (one value per "
                                         f"sample and input channel), got {got}")  # fmt: skip
+    if cfg.norm_in is not None:
+        channels = x.shape[1]
+        if channels % cfg.norm_in:
+            raise UnsupportedInputError(f"fusion::{OP}: the input group norm's {cfg.norm_in} groups do not divide "
+                                        f"x's {channels} channels")  # fmt: skip
+        for i in () if cfg.norm_in_affine is None else (cfg.norm_in_affine, cfg.norm_in_affine + 1):
+            if i >= len(operands) or operands[i].numel() != channels:
+                got = "missing" if i >= len(operands) else f"of shape {tuple(operands[i].shape)}"
+                raise UnsupportedInputError(f"fusion::{OP}: the input group norm's operands[{i}] must hold one value "
+                                            f"per input channel ({channels}), got {got}")  # fmt: skip
 
 
 def describe(cfg: ConvEpilogueConfig) -> str:
@@ -111,8 +136,8 @@ def conv_epilogue_eager(
     operands in non-differentiable positions (leaky_relu slope, clamp bounds) detached, as in the op."""
     cfg = ConvEpilogueConfig.from_json(config)
     dtype = conv_compute_dtype(cfg, x)
-    x, weight, bias = cast_inputs(x, weight, bias, dtype)
-    v = apply_chain(run_conv(gated(x, operands, cfg), weight, bias, cfg.conv), cfg.chain, operands)
+    x, weight, bias = conv_input(x, operands, cfg, dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    v = apply_chain(run_conv(x, weight, bias, cfg.conv), cfg.chain, operands)
     if cfg.pool is not None:
         v = run_pool(v, cfg.pool)
     return v.to(dtype_named(OP, cfg.out_dtype, dtype))
@@ -125,8 +150,8 @@ def forward(
     """Eager ops (the bias added after a bias-free conv, as the kernels do); max-pool winners from
     ``return_indices``, converted to row-major indices within each window."""
     dtype = conv_compute_dtype(cfg, x)
-    xc, weight, bias = cast_inputs(x, weight, bias, dtype)
-    y0 = run_conv(gated(xc, operands, cfg), weight, None, cfg.conv)
+    _, weight, bias = cast_inputs(x, weight, bias, dtype)
+    y0 = run_conv(conv_input(x, operands, cfg, dtype), weight, None, cfg.conv)
     fmt = output_memory_format(y0)
     v = apply_chain(with_bias(y0, bias), cfg.chain, operands)
     saved_y0, saved_winner = empty_placeholder(x), empty_placeholder(x)
@@ -156,6 +181,7 @@ def backward(
     gradient scattered (accumulating: windows may overlap) to the full-size conv output."""
     pool = cfg.pool
     is_max = pool is not None and pool.kind == "max"
+    x_given = x
     x, weight, bias_c = cast_inputs(x, weight, bias, conv_compute_dtype(cfg, x))  # grads: ``strided_like`` casts back
     y = with_bias(saved_y0, bias_c)
     v, tape = chain_with_tape(y, cfg.chain, operands)
@@ -167,15 +193,47 @@ def backward(
         grad_y = scatter_to_windows(grad_y, saved_winner, conv_output_shape(x, weight, cfg.conv), pool)
     # The bias gradient comes from the same aten call as eager's: on these heavily cancelling sums
     # any other summation order differs from eager by ~1e-4 (from float64 by as much), this one by 0.
-    gate = None if cfg.gate is None else operands[cfg.gate]
-    gate_grad = gate is not None and bool(mask[3 + cfg.gate])
+    prologue = [i for i in _prologue_operands(cfg) if mask[3 + i]]
     grad_x, grad_w, grad_bias = run_conv_backward(
-        grad_y.to(x.dtype), gated(x, operands, cfg), weight, cfg.conv, mask[0] or gate_grad, mask[1], bool(mask[2])
-    )
-    if gate is not None:  # x * gate: the conv input's gradient times the gate, and summed with x for the gate
-        if gate_grad:
-            spatial = tuple(range(2, x.dim()))
-            acc = torch.promote_types(grad_x.dtype, torch.float32)  # fp32 sums for half types
-            grad_operands[cfg.gate] = (grad_x.to(acc) * x.to(acc)).sum(spatial, keepdim=True).to(gate.dtype)
-        grad_x = grad_x * gate.to(grad_x.dtype) if mask[0] else None
+        grad_y.to(x.dtype), conv_input(x_given, operands, cfg, x.dtype), weight, cfg.conv, mask[0] or bool(prologue),
+        mask[1], bool(mask[2]))  # fmt: skip
+    if (cfg.gate is not None or cfg.norm_in is not None) and grad_x is not None:  # back to x through the prologue
+        grads = _prologue_backward(grad_x, x_given, operands, cfg, x.dtype, bool(mask[0]), prologue)
+        grad_x = grads.pop(0)
+        for i, g in zip(prologue, grads, strict=True):
+            grad_operands[i] = g
     return [grad_x, grad_w, None if grad_bias is None else grad_bias.to(bias.dtype), *grad_operands]
+
+
+def _prologue_operands(cfg: ConvEpilogueConfig) -> tuple[int, ...]:
+    """The operands the conv's input is made with (``conv_input``): the gate, the input norm's affine."""
+    if cfg.gate is not None:
+        return (cfg.gate,)
+    return () if cfg.norm_in_affine is None else (cfg.norm_in_affine, cfg.norm_in_affine + 1)
+
+
+def _prologue_backward(grad_in: Tensor, x: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+                       dtype: torch.dtype, want_x: bool, wanted: Sequence[int]) -> list[Tensor | None]:  # fmt: skip
+    """``[grad_x, *grads of operands[wanted]]`` from the conv input's gradient ``grad_in``, back through
+    ``conv_input`` (None for x where it is not wanted).  The gate's product by its formula; the input
+    norm's activation step by step (``chain_backward``) and the norm by aten's own group-norm
+    backward, in fp32 on the statistics aten's forward gives (what eager's backward runs)."""
+    grad_in = grad_in.to(dtype)
+    if cfg.gate is not None:  # x * gate: the gradient times the gate, and summed with x for the gate
+        gate = operands[cfg.gate]
+        acc = torch.promote_types(grad_in.dtype, torch.float32)  # fp32 sums for half types
+        spatial = tuple(range(2, x.dim()))
+        grad_gate = (grad_in.to(acc) * x.to(acc)).sum(spatial, keepdim=True).to(gate.dtype) if wanted else None
+        return [grad_in * gate.to(grad_in.dtype) if want_x else None, *([grad_gate] if wanted else [])]
+    weight, bias = input_norm_affine(operands, cfg)
+    xf, (n, c), groups = x.float().contiguous(), x.shape[:2], cfg.norm_in
+    hw = xf[0, 0].numel()
+    u, mean, rstd = torch.ops.aten.native_group_norm(xf, weight, bias, n, c, hw, groups, cfg.norm_in_eps)
+    _, tape = chain_with_tape(u, cfg.act_in, operands)
+    grad_u = chain_backward(tape, grad_in.float(), operands, [False] * len(operands))[0]
+    wants = [want_x, *(cfg.norm_in_affine is not None and i in wanted for i in _prologue_operands(cfg))]
+    grad_x, grad_w, grad_b = torch.ops.aten.native_group_norm_backward(
+        grad_u.contiguous(), xf, mean, rstd, weight, n, c, hw, groups, wants + [False] * (3 - len(wants)))
+    by_operand = dict(zip(_prologue_operands(cfg), (grad_w, grad_b), strict=False))
+    return [None if grad_x is None else grad_x.to(x.dtype),
+            *(by_operand[i].to(operands[i].dtype).reshape(operands[i].shape) for i in wanted)]

@@ -1,0 +1,163 @@
+"""A group norm and its activation on the conv's input in ``fusion::conv_epilogue``:
+``conv(silu(group_norm(x)))``, how the VAE's and UNet's residual blocks open.
+
+Without gradients the region takes the norm and the activation in (``ConvEpilogueConfig.norm_in``,
+``act_in``): the op computes x's statistics per sample and group (one fp32 reduction pass), and the
+conv family's forward normalises and activates x as it loads it (its ``GroupAffine`` prologue), so
+the normalised activation is never written (``FUSION_CONV_IMPL=family`` forces the family; on CPU
+under the interpreter, ``FUSION_CPU_KERNELS=triton``).  A group norm another family claimed (the
+previous conv's ``conv_group_norm``) stays there.  The op itself also takes the norm with gradients,
+running plain torch on the device (aten's group norm and its backward).  Checked against float64 with
+eager's own error as the yardstick.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fusion_backend.errors import UnsupportedInputError
+from fusion_backend.ir.specs import ConvSpec
+from fusion_backend.ops import conv_epilogue as ce
+from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
+from fusion_backend.ops.config import ConvEpilogueConfig
+from fusion_backend.testing import assert_fused, dry_run
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class NormActConv(nn.Module):
+    """``conv(act(group_norm(x)))``: a diffusers ResnetBlock's opening (``norm1 -> silu -> conv1``)."""
+
+    def __init__(self, channels: int, norm_groups: int, out: int, act: nn.Module, affine: bool = True,
+                 dims: int = 2, **conv: int) -> None:  # fmt: skip
+        super().__init__()
+        self.norm = nn.GroupNorm(norm_groups, channels, affine=affine)
+        self.act = act
+        self.conv = (nn.Conv2d if dims == 2 else nn.Conv3d)(channels, out, 3, **conv)
+        if affine:
+            with torch.no_grad():
+                self.norm.weight.uniform_(0.5, 1.5)
+                self.norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        return self.conv(self.act(self.norm(x)))
+
+
+def _eval(model: nn.Module) -> nn.Module:
+    fmt = torch.channels_last_3d if isinstance(model.conv, nn.Conv3d) else torch.channels_last
+    return model.eval().requires_grad_(False).to(DEVICE).to(memory_format=fmt)
+
+
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    return x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_resnet_block_s_norm_silu_conv_runs_on_the_family_forward_with_the_norm_in_its_prologue(family_forward, dtype):
+    torch.manual_seed(31)
+    model = _eval(NormActConv(8, 4, 6, nn.SiLU(), padding=1))
+    x = _channels_last(torch.randn(2, 8, 7, 5, device=DEVICE) * 3 + 2)  # a mean far from 0: the norm matters
+    reports = assert_fused(model, [x], expect={"conv_epilogue": 1}, train=False, dtype=dtype)
+    (match,) = [m for r in reports for m in r.matches]
+    assert match.summary == "group_norm(4) -> silu -> conv2d"
+    cfg = ConvEpilogueConfig.from_json(match.config)
+    assert (cfg.norm_in, cfg.norm_in_affine, [s.kind for s in cfg.act_in]) == (4, 0, [PointwiseKind.SILU])
+    (launch,) = family_forward
+    prologue = launch["prologue"]
+    assert type(prologue).__name__ == "GroupAffine" and tuple(prologue.scale.shape) == (2, 4)
+    assert launch["act_in"].kind == "silu"
+
+
+@pytest.mark.parametrize("case", ["instance-no-affine-leaky", "gelu-strided-grouped", "no-act-dilated", "conv3d-relu"])
+def test_the_input_norm_is_within_eager_s_error_of_float64_on_its_variants(family_forward, case):
+    """Instance norm without affine, one group per 4 channels, no activation, a Conv3d; strided, grouped
+    and dilated convs on odd sizes: the compiled model against float64, eager's error the yardstick."""
+    torch.manual_seed(32)
+    make = {
+        "instance-no-affine-leaky": lambda: NormActConv(6, 6, 4, nn.LeakyReLU(0.2), affine=False, padding=1),
+        "gelu-strided-grouped": lambda: NormActConv(8, 2, 6, nn.GELU(), stride=2, groups=2, padding=1),
+        "no-act-dilated": lambda: NormActConv(8, 4, 5, nn.Identity(), dilation=2, padding=2),
+        "conv3d-relu": lambda: NormActConv(4, 2, 3, nn.ReLU(), dims=3, padding=1),
+    }[case]
+    model = _eval(make())
+    shape = (2, model.norm.num_channels, *((5, 6, 4) if case == "conv3d-relu" else (9, 7)))
+    x = _channels_last(torch.randn(shape, device=DEVICE) * 2 - 1)
+    compiled = torch.compile(model, backend="fusion", options={"decide": "fuse", "strict": True})
+    got, eager = compiled(x), model(x)
+    want = model.double()(x.double())
+    assert family_forward and family_forward[0]["prologue"] is not None, "the family's prologue did not run"
+    err, eager_err = (got.double() - want).norm() / want.norm(), (eager.double() - want).norm() / want.norm()
+    assert err <= max(4 * eager_err, 1e-6), (err, eager_err)
+
+
+def test_with_gradients_flowing_the_norm_stays_outside_the_region():
+    torch.manual_seed(33)
+    found = dry_run(NormActConv(8, 4, 6, nn.SiLU(), padding=1), [torch.randn(2, 8, 5, 5)], patterns=["conv_epilogue"])
+    assert not any(summary.startswith("group_norm") for _, summary, _ in found.regions)
+
+
+def test_a_norm_the_previous_conv_s_conv_group_norm_claims_stays_there():
+    """``conv1 -> group_norm -> silu -> conv2``: ``conv_group_norm`` takes the norm with conv1 (it comes
+    first); conv2's region opens at conv2."""
+    torch.manual_seed(34)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), nn.Conv2d(8, 6, 3, padding=1),
+                          nn.ReLU()).eval().requires_grad_(False)
+    found = dry_run(model, [torch.randn(2, 4, 6, 6)], patterns=["conv_group_norm", "conv_epilogue"])
+    summaries = sorted(summary for _, summary, _ in found.regions)
+    assert summaries == ["conv2d -> group_norm(4) -> silu", "conv2d -> relu"], summaries
+
+
+def _spec(**kw) -> ConvSpec:
+    return ConvSpec(transposed=False, stride=kw.get("stride", (1, 1)), padding=(1, 1), dilation=(1, 1),
+                    output_padding=(0, 0), groups=kw.get("groups", 1))
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_the_op_s_gradients_through_the_input_norm_are_autograd_s_through_the_composite(monkeypatch, exact_fp32,
+                                                                                       fresh_plans, affine):
+    """The op with an input norm and gradients (its Triton-path plans run plain torch on the device):
+    x's, the weight's, the bias's, the chain operand's and the norm's weight and bias gradients, in
+    float64, against autograd through the eager composite."""
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    torch.manual_seed(35)
+    cfg = ConvEpilogueConfig(conv=_spec(stride=(2, 1), groups=2), chain=(ChainStep(PointwiseKind.MUL, (TensorRef(0),)),),
+                             norm_in=2, norm_in_eps=1e-5, norm_in_affine=1 if affine else None,
+                             act_in=(ChainStep(PointwiseKind.LEAKY_RELU, (Const(0.1),)),))
+    x, w, b = (torch.randn(s, device=DEVICE, dtype=torch.float64) for s in ((2, 4, 7, 6), (6, 2, 3, 3), (6,)))
+    m = torch.randn(6, 1, 1, device=DEVICE, dtype=torch.float64)
+    affine_ops = [torch.rand(4, device=DEVICE, dtype=torch.float64) + 0.5, torch.randn(4, device=DEVICE,
+                                                                                        dtype=torch.float64)]
+    operands = [m, *(affine_ops if affine else [])]
+    leaves = [t.requires_grad_() for t in (x, w, b, *operands)]
+    got = ce.conv_epilogue(x, w, b, operands, cfg.to_json())
+    want = ce.conv_epilogue_eager(x, w, b, operands, cfg.to_json())
+    torch.testing.assert_close(got, want)
+    grad = torch.randn_like(got)
+    for a, e in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad), strict=True):
+        torch.testing.assert_close(a, e)
+
+
+def test_the_family_says_why_it_cannot_normalise_x_of_another_dtype_than_the_conv_s():
+    cfg = ConvEpilogueConfig(conv=_spec(), norm_in=2, compute_dtype="float16")
+    x, w = _channels_last(torch.randn(2, 4, 5, 5)), torch.randn(6, 4, 3, 3)
+    why = ce.forward.family_forward_unsupported(x, w, [], cfg, False)
+    assert why is not None and "an input norm on x in torch.float32, not the conv's torch.float16" in why
+
+
+def test_bad_input_norms_are_one_clear_error():
+    x, w = torch.randn(2, 6, 5, 5), torch.randn(4, 6, 3, 3)
+    with pytest.raises(UnsupportedInputError, match="the input group norm's 4 groups do not divide x's 6 channels"):
+        ce.conv_epilogue(x, w, None, [], ConvEpilogueConfig(conv=_spec(), norm_in=4).to_json())
+    with pytest.raises(UnsupportedInputError, match=r"operands\[1\] must hold one value per input channel \(6\)"):
+        ce.conv_epilogue(x, w, None, [torch.ones(6), torch.ones(5)],
+                         ConvEpilogueConfig(conv=_spec(), norm_in=3, norm_in_affine=0).to_json())
+    with pytest.raises(ValueError, match="need norm_in"):
+        ConvEpilogueConfig(conv=_spec(), act_in=(ChainStep(PointwiseKind.SILU),))
+    with pytest.raises(ValueError, match="without a gate"):
+        ConvEpilogueConfig(conv=_spec(), norm_in=2, gate=0)
+    with pytest.raises(ValueError, match="act_in holds at most one of"):
+        ConvEpilogueConfig(conv=_spec(), norm_in=2, act_in=(ChainStep(PointwiseKind.SIGMOID),))
+    with pytest.raises(ValueError, match="no chain step reads them"):
+        ConvEpilogueConfig(conv=_spec(), norm_in=2, norm_in_affine=0, chain=(ChainStep(PointwiseKind.MUL, (TensorRef(1),)),))
