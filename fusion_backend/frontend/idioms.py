@@ -14,8 +14,8 @@ the chain runs through them.  Each fold is exact in value and in gradient, inclu
 boundaries: ``where(y > 0, ...)`` sends the gradient at ``y == 0`` to the ``a * y`` branch, as
 ``leaky_relu``'s backward does (``y >= 0`` would not, and is left alone), and NaN propagates the
 same way.  A fold needs the intermediate nodes (the ``sigmoid``; the comparison and the product) to
-have no other user, and ``y`` to be a conv's or a pointwise op's result: a fresh tensor inside a
-chain, never a graph input.
+have no other user, and ``y`` to be a conv's, a pointwise op's or a norm's result: a fresh tensor
+inside a chain, never a graph input.
 
 Contract of :func:`fold_idioms`: rewrites ``gm``'s graph in place (new node before the last node of
 the idiom, uses moved to it, the idiom's nodes erased) and returns how many idioms it folded; the
@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ops.chain import PointwiseKind as K
-from .canonical import CanonicalOp, Conv, Pointwise
+from .canonical import BatchNorm, CanonicalOp, Conv, GroupNorm, LayerNorm, Pointwise
 
 _SOFTPLUS = {F.softplus}
 _GREATER = {operator.gt, torch.gt, "gt"}
@@ -64,8 +64,9 @@ def _target_in(node: fx.Node, targets: set[Any]) -> bool:
 
 
 def _fresh(value: Any, canonical: dict[fx.Node, CanonicalOp]) -> bool:
-    """A conv's or a pointwise op's result (not a graph input, not a view of one)."""
-    return isinstance(value, fx.Node) and isinstance(canonical.get(value), (Conv, Pointwise))
+    """A conv's, a pointwise op's or a norm's result (not a graph input, not a view of one)."""
+    return isinstance(value, fx.Node) and isinstance(canonical.get(value), (Conv, Pointwise, BatchNorm, GroupNorm,
+                                                                            LayerNorm))
 
 
 def _only_user(node: fx.Node, user: fx.Node) -> bool:

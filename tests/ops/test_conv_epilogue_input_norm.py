@@ -161,3 +161,22 @@ def test_bad_input_norms_are_one_clear_error():
         ConvEpilogueConfig(conv=_spec(), norm_in=2, act_in=(ChainStep(PointwiseKind.SIGMOID),))
     with pytest.raises(ValueError, match="no chain step reads them"):
         ConvEpilogueConfig(conv=_spec(), norm_in=2, norm_in_affine=0, chain=(ChainStep(PointwiseKind.MUL, (TensorRef(1),)),))
+
+
+class SpelledOut(nn.Module):
+    """The same opening spelled with functionals: ``F.group_norm`` with the module's own parameters and
+    the SiLU written ``h * torch.sigmoid(h)`` (an idiom the frontend folds into one SiLU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma, self.beta = nn.Parameter(torch.rand(8) + 0.5), nn.Parameter(torch.randn(8))
+        self.conv = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.nn.functional.group_norm(x, 2, self.gamma, self.beta, eps=1e-6)
+        return self.conv(h * torch.sigmoid(h))
+
+
+def test_the_functional_spelling_matches_the_same_region():
+    found = dry_run(SpelledOut().eval().requires_grad_(False), [torch.randn(2, 8, 5, 5)], patterns=["conv_epilogue"])
+    assert [summary for _, summary, _ in found.regions] == ["group_norm(2) -> silu -> conv2d"]
