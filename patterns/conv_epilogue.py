@@ -95,7 +95,7 @@ class ConvEpiloguePattern(ConvWalkPattern):
         if (not isinstance(node, fx.Node) or conv.spec.transposed or conv.spec.spatial_dims == 1
                 or getattr(fake_of(conv.node), "requires_grad", True)):
             return None
-        prologue = self._input_gate(ctx, node) or self._input_norm(ctx, node)
+        prologue = self._input_gate(ctx, node) or self._input_norm(ctx, node, conv)
         if prologue is None or any(n in ctx.claimed for n in prologue.nodes):
             return None
         return prologue
@@ -120,10 +120,11 @@ class ConvEpiloguePattern(ConvWalkPattern):
                 return InputGate(node, source, gate)
         return None
 
-    def _input_norm(self, ctx: MatchContext, node: fx.Node) -> Optional[InputNorm]:
+    def _input_norm(self, ctx: MatchContext, node: fx.Node, conv: Any) -> Optional[InputNorm]:
         """The group norm (and the activation after it) a conv reads as ``node``: the norm's input full
-        size, its weight and bias both one value per channel or both absent, each node read by the
-        next alone, no gradient."""
+        size and in the conv's dtype (the family loads x in it: elsewhere the op would run plain torch,
+        which never beats Inductor's code), its weight and bias both one value per channel or both
+        absent, each node read by the next alone, no gradient."""
         act = None
         op = ctx.op(node)
         if isinstance(op, Pointwise) and len(node.users) == 1 and op.args and isinstance(op.args[0], fx.Node):
@@ -136,7 +137,7 @@ class ConvEpiloguePattern(ConvWalkPattern):
         if not isinstance(op, GroupNorm) or op.running_stats or len(node.users) != 1 or not isinstance(op.eps, float):
             return None
         x = fake_of(op.input) if isinstance(op.input, fx.Node) else None
-        if not isinstance(x, torch.Tensor) or x.requires_grad or x.dim() < 4 or x.numel() == 0:
+        if not isinstance(x, torch.Tensor) or x.requires_grad or x.numel() == 0 or x.dtype != fake_of(conv.node).dtype:
             return None
         if x.shape[1] % (op.groups or x.shape[1]) or (op.weight is None) != (op.bias is None):
             return None  # a weight without a bias (or the reverse): the family's prologue takes both or neither

@@ -180,3 +180,16 @@ class SpelledOut(nn.Module):
 def test_the_functional_spelling_matches_the_same_region():
     found = dry_run(SpelledOut().eval().requires_grad_(False), [torch.randn(2, 8, 5, 5)], patterns=["conv_epilogue"])
     assert [summary for _, summary, _ in found.regions] == ["group_norm(2) -> silu -> conv2d"]
+
+
+def test_a_norm_of_x_in_another_dtype_than_the_conv_s_stays_outside_the_region():
+    """Under autocast a graph input in fp32 normalised before a bf16 conv: the family would have to round
+    x before the norm, so the region opens at the conv."""
+    model = NormActConv(8, 4, 6, nn.SiLU(), padding=1).eval().requires_grad_(False)
+
+    def under_autocast(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    found = dry_run(under_autocast, [torch.randn(2, 8, 5, 5)], patterns=["conv_epilogue"])
+    assert not any(summary.startswith("group_norm") for _, summary, _ in found.regions), found.regions

@@ -136,8 +136,8 @@ def conv_epilogue_eager(
     operands in non-differentiable positions (leaky_relu slope, clamp bounds) detached, as in the op."""
     cfg = ConvEpilogueConfig.from_json(config)
     dtype = conv_compute_dtype(cfg, x)
-    x, weight, bias = conv_input(x, operands, cfg, dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
-    v = apply_chain(run_conv(x, weight, bias, cfg.conv), cfg.chain, operands)
+    _, weight, bias = cast_inputs(x, weight, bias, dtype)
+    v = apply_chain(run_conv(conv_input(x, operands, cfg, dtype), weight, bias, cfg.conv), cfg.chain, operands)
     if cfg.pool is not None:
         v = run_pool(v, cfg.pool)
     return v.to(dtype_named(OP, cfg.out_dtype, dtype))
