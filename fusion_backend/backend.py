@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from .errors import ConfigurationError, RewriteError
 from .kernels import compile_pool
-from .match.engine import Candidate, find_regions, registered_patterns, rewrite_regions
+from .match.engine import Candidate, Regions, find_regions, registered_patterns, rewrite_regions
 from .ops.autograd_free import with_autograd_free_pass
 from .options import FusionOptions
 from .report import Decision, Fallback, GraphCheck, GraphReport, publish
@@ -284,7 +284,7 @@ def _build(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FusionOption
         regions = find_regions(work, opts.patterns, strict=opts.strict, on_stage=on_stage)
         timed("match")
         on_stage("decide", None)
-        kept = [candidate for _, candidate in regions.accepted if keep(work, candidate, decisions)]
+        kept = _decide_candidates(work, regions, keep, decisions)
         timed("decide")
         matches, near_misses = rewrite_regions(regions, kept, on_stage), regions.near_misses
         timed("rewrite")
@@ -459,6 +459,25 @@ def _in_context(graph: fx.GraphModule, inputs: Sequence[Any], decided: dict[str,
                                  f"{why}; dropped {'all' if last_try else f'`{weakest.anchor}`, the weakest'}", cached))
         for d in dropped:
             decided[d.anchor] = dataclasses.replace(d, fused=False, rule=f"dropped in context: {why}")
+
+
+def _decide_candidates(graph: fx.GraphModule, regions: Regions,
+                       keep: Callable[[fx.GraphModule, Candidate, list[Decision]], bool],
+                       decisions: list[Decision]) -> list[Candidate]:
+    """The candidates to rewrite now: each accepted one ``keep`` keeps, then each alternate none of
+    whose nodes a region decided fused holds (``Regions.alternates``), decided the same way.
+    ``keep`` appends one decision per candidate; a fused decision holds its nodes even where the
+    rewrite waits (the whole graph's check, or a settle that replays its decisions)."""
+    kept: list[Candidate] = []
+    held: set[fx.Node] = set()
+    for candidate in [c for _, c in regions.accepted] + regions.alternates:  # the accepted ones first
+        if held.intersection(candidate.nodes):
+            continue
+        if keep(graph, candidate, decisions):
+            kept.append(candidate)
+        if decisions[-1].fused:
+            held.update(candidate.nodes)
+    return kept
 
 
 def _decide_regions(untouched: fx.GraphModule, inputs: Sequence[Any], opts: FusionOptions,

@@ -124,7 +124,8 @@ class ConvEpiloguePattern(ConvWalkPattern):
         """The group norm (and the activation after it) a conv reads as ``node``: the norm's input full
         size and in the conv's dtype (the family loads x in it: elsewhere the op would run plain torch,
         which never beats Inductor's code), its weight and bias both one value per channel or both
-        absent, each node read by the next alone, no gradient."""
+        absent, each node read by the next alone (no gradient flows: ``input_prologue`` checks the conv's
+        output)."""
         act = None
         op = ctx.op(node)
         if isinstance(op, Pointwise) and len(node.users) == 1 and op.args and isinstance(op.args[0], fx.Node):
@@ -137,14 +138,14 @@ class ConvEpiloguePattern(ConvWalkPattern):
         if not isinstance(op, GroupNorm) or op.running_stats or len(node.users) != 1 or not isinstance(op.eps, float):
             return None
         x = fake_of(op.input) if isinstance(op.input, fx.Node) else None
-        if not isinstance(x, torch.Tensor) or x.requires_grad or x.numel() == 0 or x.dtype != fake_of(conv.node).dtype:
+        if not isinstance(x, torch.Tensor) or x.numel() == 0 or x.dtype != fake_of(conv.node).dtype:
             return None
         if x.shape[1] % (op.groups or x.shape[1]) or (op.weight is None) != (op.bias is None):
             return None  # a weight without a bias (or the reverse): the family's prologue takes both or neither
-        for value in (op.weight, op.bias):
+        for value in (op.weight, op.bias):  # (parameters may require grad: under no_grad none flows)
             fake = fake_of(value) if isinstance(value, fx.Node) else None
             if value is not None and not isinstance(value, ParamRef) and (
-                    not isinstance(fake, torch.Tensor) or fake.numel() != x.shape[1] or fake.requires_grad):
+                    not isinstance(fake, torch.Tensor) or fake.numel() != x.shape[1]):
                 return None
         return InputNorm(op, act)
 

@@ -324,11 +324,18 @@ class EngineResult:
 
 @dataclass
 class Regions:
-    """Outcome of the find phase: accepted candidates (disjoint) with their patterns, near misses."""
+    """Outcome of the find phase: accepted candidates (disjoint) with their patterns, near misses,
+    and the alternates: candidates refused only because accepted ones held some of their nodes (a
+    ``CLAIMED`` near miss), in find order.  The decision may take an alternate where it keeps none of
+    the candidates holding its nodes (``backend._build``): e.g. a conv that applies the previous group
+    norm as it loads its input, where ``conv_group_norm``'s region of that conv and the next norm
+    loses.  An alternate's anchor (its first node, which keys its decision) is no accepted
+    candidate's nor an earlier alternate's."""
 
     ctx: MatchContext
     accepted: list[tuple[Pattern, Candidate]]
     near_misses: list[NearMiss]
+    alternates: list[Candidate] = field(default_factory=list)
 
 
 def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = False,
@@ -347,6 +354,8 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
 
     accepted: list[tuple[Pattern, Candidate]] = []
     near_misses: list[NearMiss] = []
+    alternates: list[Candidate] = []
+    anchors: set[fx.Node] = set()  # the first nodes of the accepted candidates and the alternates
     for pattern in patterns:
         stage("match", pattern.name)
         for item in pattern.find(ctx):
@@ -363,8 +372,13 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
             if taken:
                 near_misses.append(ctx.near_miss(pattern.name, item.anchor, taken[0], ReasonKind.CLAIMED,
                                                  f"`{taken[0].name}` is already part of another fused region"))
+                if item.nodes[0] not in anchors:
+                    anchors.add(item.nodes[0])
+                    item.family = pattern
+                    alternates.append(item)
                 continue
             ctx.claimed.update(item.nodes)
+            anchors.add(item.nodes[0])
             item.family = pattern
             accepted.append((pattern, item))
 
@@ -375,7 +389,7 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
     fused_by = {n.name: order[p.name] for p, c in accepted for n in c.nodes}
     near_misses = [m for m in near_misses if m.anchor not in fused_by or fused_by[m.anchor] > order[m.pattern]]
     near_misses += [note for _, c in accepted for note in c.notes]
-    return Regions(ctx, accepted, near_misses)
+    return Regions(ctx, accepted, near_misses, alternates)
 
 
 def _empty_value(candidate: Candidate) -> Optional[fx.Node]:

@@ -97,6 +97,55 @@ def test_a_faster_fused_op_is_kept(cache):
             "host 1.000 vs 1.500 ms)") in str(report)
 
 
+class NormSiluConvNormSilu(nn.Module):
+    """A VAE resnet block's first half: ``silu(norm2(conv(silu(norm1(x)))))``.  Two candidates share the
+    conv: ``conv_group_norm``'s ``conv -> norm2 -> silu`` (accepted, it comes first) and
+    ``conv_epilogue``'s ``norm1 -> silu -> conv`` (the conv family applying norm1 as it loads x), an
+    alternate."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm1, self.conv, self.norm2 = nn.GroupNorm(2, 4), nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8)
+
+    def forward(self, x):
+        return F.silu(self.norm2(self.conv(F.silu(self.norm1(x)))))
+
+
+class SequenceTimer:
+    """Times each region in turn from ``times`` (``(fused, inductor)`` per region, in decision order)."""
+
+    def __init__(self, *times: tuple[float, float]):
+        self.times, self.calls = list(times), 0
+
+    def __call__(self, steps):
+        fused, inductor = self.times[self.calls]
+        self.calls += 1
+        return {"fused": fused, "inductor": inductor}
+
+
+def test_where_the_region_holding_a_conv_loses_an_alternate_region_of_that_conv_is_decided_and_kept(cache):
+    model, x = NormSiluConvNormSilu().eval(), torch.randn(2, 4, 6, 6)
+    with torch.no_grad():
+        want = model(x)
+    timer = SequenceTimer((2.0, 1.0), (1.0, 1.5))  # conv -> norm2 -> silu loses; norm1 -> silu -> conv wins
+    out, reports = compile_and_run(model, x, timer, train=False)
+    (report,) = reports
+    assert [(d.summary, d.fused) for d in report.decisions] == [
+        ("conv2d -> group_norm(2) -> silu", False), ("group_norm(2) -> silu -> conv2d", True)]
+    assert report.counts() == {"conv_epilogue": 1} and timer.calls == 2
+    torch.testing.assert_close(out, want)
+
+
+def test_an_alternate_whose_conv_a_kept_region_holds_is_not_measured(cache):
+    model, x = NormSiluConvNormSilu().eval(), torch.randn(2, 4, 6, 6)
+    timer = SequenceTimer((1.0, 1.5))
+    _, reports = compile_and_run(model, x, timer, train=False)
+    (report,) = reports
+    assert [(d.summary, d.fused) for d in report.decisions] == [("conv2d -> group_norm(2) -> silu", True)]
+    assert report.counts() == {"conv_group_norm": 1} and timer.calls == 1
+
+
 @pytest.mark.parametrize("per_call, gpu, fused, rule", [
     ((1.0, 1.5), (2.0, 1.0), False, "Inductor is faster on the GPU"),  # host-bound win, GPU loss
     ((1.5, 1.0), (1.0, 2.0), False, "Inductor is faster per call"),  # GPU win, host-bound loss
