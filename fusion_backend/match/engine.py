@@ -327,7 +327,7 @@ class Regions:
     """Outcome of the find phase: accepted candidates (disjoint) with their patterns, near misses,
     and the alternates: candidates refused only because accepted ones held some of their nodes (a
     ``CLAIMED`` near miss), in find order.  The decision may take an alternate where it keeps none of
-    the candidates holding its nodes (``backend._build``): e.g. a conv that applies the previous group
+    the candidates holding its nodes (``backend._decide_candidates``): e.g. a conv that applies the previous group
     norm as it loads its input, where ``conv_group_norm``'s region of that conv and the next norm
     loses.  An alternate's anchor (its first node, which keys its decision) is no accepted
     candidate's nor an earlier alternate's."""
@@ -355,7 +355,7 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
     accepted: list[tuple[Pattern, Candidate]] = []
     near_misses: list[NearMiss] = []
     alternates: list[Candidate] = []
-    anchors: set[fx.Node] = set()  # the first nodes of the accepted candidates and the alternates
+    anchors: set[fx.Node] = set()  # the first nodes of the candidates accepted so far and of the alternates
     for pattern in patterns:
         stage("match", pattern.name)
         for item in pattern.find(ctx):
@@ -389,7 +389,8 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
     fused_by = {n.name: order[p.name] for p, c in accepted for n in c.nodes}
     near_misses = [m for m in near_misses if m.anchor not in fused_by or fused_by[m.anchor] > order[m.pattern]]
     near_misses += [note for _, c in accepted for note in c.notes]
-    return Regions(ctx, accepted, near_misses, alternates)
+    firsts = {c.nodes[0] for _, c in accepted}  # one decision per anchor: an accepted one found later keeps it
+    return Regions(ctx, accepted, near_misses, [a for a in alternates if a.nodes[0] not in firsts])
 
 
 def _empty_value(candidate: Candidate) -> Optional[fx.Node]:
