@@ -6,7 +6,9 @@ installed as ``fusion_backend.patterns``), registered with ``register_pattern``;
 1. normalises every node (``frontend/normalize.py``) after rewiring in-place aliases and folding
    multi-node spellings of one op (``frontend/idioms.py``: ``y * sigmoid(y)`` is a SiLU);
 2. asks each enabled pattern, in ``precedence_order``, for candidates and near misses; a candidate
-   overlapping nodes already claimed becomes a ``CLAIMED`` near miss, so regions stay disjoint;
+   overlapping nodes already claimed becomes a ``CLAIMED`` near miss, so regions stay disjoint, and
+   an alternate the decision may take where it keeps none of the regions holding those nodes
+   (``Regions.alternates``);
 3. rewrites every accepted candidate through its pattern, then lints and recompiles the graph.
 
 It raises on any internal failure; the backend turns that into a whole-graph fallback.
