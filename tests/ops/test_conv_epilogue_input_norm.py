@@ -6,7 +6,8 @@ Without gradients the region takes the norm and the activation in (``ConvEpilogu
 conv family's forward normalises and activates x as it loads it (its ``GroupAffine`` prologue), so
 the normalised activation is never written (``FUSION_CONV_IMPL=family`` forces the family; on CPU
 under the interpreter, ``FUSION_CPU_KERNELS=triton``).  A group norm another family claimed (the
-previous conv's ``conv_group_norm``) stays there.  The op itself also takes the norm with gradients,
+previous conv's ``conv_group_norm``) stays there; the region with it is an alternate the decision
+takes where that family's region loses (``tests/e2e/test_decision.py``).  The op itself also takes the norm with gradients,
 running plain torch on the device (aten's group norm and its backward).  Checked against float64 with
 eager's own error as the yardstick.
 """
