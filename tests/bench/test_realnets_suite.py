@@ -331,6 +331,33 @@ def test_infer_eval_runs_the_inference_rows_in_eval_mode_and_the_training_rows_i
     assert modes == (({False}, {True}) if infer_eval else ({True}, {True}))
 
 
+def test_set_mode_is_the_state_the_benchmark_runs_a_row_in(tmp_path: Path) -> None:
+    path = tmp_path / "spy_set_mode.py"
+    path.write_text(MODE_SPY.format(head="INFER_EVAL = True"))
+    workload = load_workload(path)
+    model, _ = workload.build(seed=0)
+    assert workload.set_mode(model, "infer") is model and not model.training
+    assert workload.set_mode(model, "train").training
+
+
+@pytest.mark.parametrize("infer_eval", [True, False])
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_tools_first_call_runs_the_row_in_the_mode_the_benchmark_runs_it(tmp_path: Path, capsys, infer_eval: bool,
+                                                                          mode: str) -> None:  # fmt: skip
+    """``tools/first_call.py`` (as the other tools that run one row) takes the row's model state from
+    ``Workload.set_mode``: with ``INFER_EVAL`` an inference row runs in eval mode.  Dynamo's ``eager``
+    backend: nothing compiled."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import first_call
+
+    path = tmp_path / f"spy_{infer_eval}_{mode}.py"
+    path.write_text(MODE_SPY.format(head="INFER_EVAL = True" if infer_eval else ""))
+    first_call.child(str(path), "eager", mode, "fp32", False, "cpu")
+    assert '"first_call_s"' in capsys.readouterr().out
+    (module,) = [m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == str(path)]
+    assert set(module.SEEN) == {not (infer_eval and mode == "infer")}
+
+
 def test_a_bad_infer_eval_is_an_error_naming_the_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.py"
     path.write_text(MODE_SPY.format(head='INFER_EVAL = "yes"'))
