@@ -357,7 +357,7 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
     accepted: list[tuple[Pattern, Candidate]] = []
     near_misses: list[NearMiss] = []
     alternates: list[Candidate] = []
-    anchors: set[fx.Node] = set()  # the first nodes of the candidates accepted so far and of the alternates
+    alternate_firsts: set[fx.Node] = set()
     for pattern in patterns:
         stage("match", pattern.name)
         for item in pattern.find(ctx):
@@ -374,13 +374,12 @@ def find_regions(gm: fx.GraphModule, enabled: Iterable[str], strict: bool = Fals
             if taken:
                 near_misses.append(ctx.near_miss(pattern.name, item.anchor, taken[0], ReasonKind.CLAIMED,
                                                  f"`{taken[0].name}` is already part of another fused region"))
-                if item.nodes[0] not in anchors:
-                    anchors.add(item.nodes[0])
+                if item.nodes[0] not in alternate_firsts:
+                    alternate_firsts.add(item.nodes[0])
                     item.family = pattern
                     alternates.append(item)
                 continue
             ctx.claimed.update(item.nodes)
-            anchors.add(item.nodes[0])
             item.family = pattern
             accepted.append((pattern, item))
 

@@ -35,7 +35,7 @@ from ..conv_io import (
     run_conv,
 )
 from ..library_conv import channels_last_problem, nominal_format
-from .reference import allocate_forward_outputs, cast_inputs, conv_compute_dtype
+from .reference import allocate_forward_outputs, cast_inputs, conv_compute_dtype, input_norm_affine
 from .reference import forward as reference_forward
 
 logger = logging.getLogger("fusion_backend")
@@ -692,8 +692,8 @@ class FamilyForward:
         #: the store's activation after the residual add (``act_out``), and the residual's operand index
         self.act_out, self.residual = (None if cfg.residual is None else _family_act_out(tail)), cfg.residual
         self.gate = cfg.gate  #: the operand the prologue multiplies x by, per sample and channel
-        #: the input norm's group count, eps, affine operand and activation (``Activation`` or None)
-        self.norm_in, self.norm_eps, self.norm_affine = cfg.norm_in, cfg.norm_in_eps, cfg.norm_in_affine
+        #: the input norm's group count and eps (its affine: ``reference.input_norm_affine``) and activation
+        self.cfg, self.norm_in, self.norm_eps = cfg, cfg.norm_in, cfg.norm_in_eps
         from ...kernels.conv.hooks import Activation
 
         self.act_in = None if not cfg.act_in else Activation(*family_activation(cfg.act_in[0]))
@@ -760,7 +760,5 @@ class FamilyForward:
         stats = torch.empty((2, x.shape[0], self.norm_in), dtype=torch.float32, device=x.device)
         group_norm_stats(x, False, (), self.norm_in, self.norm_eps, self.no_params, stats)
         shift = stats[0].mul(stats[1]).neg_()
-        weight = bias = None
-        if self.norm_affine is not None:
-            weight, bias = (operands[i].reshape(-1).float().contiguous() for i in (self.norm_affine, self.norm_affine + 1))
+        weight, bias = (None if t is None else t.reshape(-1).contiguous() for t in input_norm_affine(operands, self.cfg))
         return GroupAffine(stats[1], shift, weight, bias)

@@ -223,8 +223,8 @@ def _prologue_backward(grad_in: Tensor, x: Tensor, operands: Sequence[Tensor], c
         gate = operands[cfg.gate]
         acc = torch.promote_types(grad_in.dtype, torch.float32)  # fp32 sums for half types
         spatial = tuple(range(2, x.dim()))
-        grad_gate = (grad_in.to(acc) * x.to(acc)).sum(spatial, keepdim=True).to(gate.dtype) if wanted else None
-        return [grad_in * gate.to(grad_in.dtype) if want_x else None, *([grad_gate] if wanted else [])]
+        grad_gate = [(grad_in.to(acc) * x.to(acc)).sum(spatial, keepdim=True).to(gate.dtype)] if wanted else []
+        return [grad_in * gate.to(grad_in.dtype) if want_x else None, *grad_gate]
     weight, bias = input_norm_affine(operands, cfg)
     xf, (n, c), groups = x.float().contiguous(), x.shape[:2], cfg.norm_in
     hw = xf[0, 0].numel()
