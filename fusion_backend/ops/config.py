@@ -50,6 +50,7 @@ from .chain import (
     TensorRef,
     check_chain,
 )
+from .chain_lowering import family_activation
 
 
 def _same(value: Any) -> Any:
@@ -210,18 +211,14 @@ class ConvEpilogueConfig(JsonConfig):
             return
         if self.norm_in < 1 or self.gate is not None:
             raise ValueError(f"norm_in must be a group count >= 1 and comes without a gate, got {self.norm_in}")
-        if len(self.act_in) > 1 or any(s.kind not in _INPUT_ACTIVATIONS for s in self.act_in):
-            raise ValueError(f"act_in holds at most one of {sorted(k.name.lower() for k in _INPUT_ACTIVATIONS)}")
-        if self.act_in and any(not isinstance(o, Const) for o in self.act_in[0].operands):
-            raise ValueError("act_in's leaky_relu takes a constant slope")
+        if len(self.act_in) > 1 or any(family_activation(s) is None for s in self.act_in):
+            raise ValueError("act_in holds at most one of gelu, leaky_relu (a constant slope), relu, silu "
+                             "(what the conv family's prologue applies)")
         if self.norm_in_affine is not None:
             affine = (TensorRef(self.norm_in_affine), TensorRef(self.norm_in_affine + 1))
             if any(ref in s.operands for s in self.chain for ref in affine):
                 raise ValueError(f"the input norm's operands[{self.norm_in_affine}:+2] scale x; no chain step reads them")
 
-
-#: The activations an input group norm may be followed by (what the conv family's prologue applies).
-_INPUT_ACTIVATIONS = frozenset({PointwiseKind.RELU, PointwiseKind.LEAKY_RELU, PointwiseKind.GELU, PointwiseKind.SILU})
 
 
 # ------------------------------------------------------------------------------------------------
