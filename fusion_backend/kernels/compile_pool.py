@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
@@ -319,26 +320,45 @@ def compile_all(pool: Any, jobs: list[Job]) -> int:
 
 
 def submit_all(pool: Any, jobs: list[Job]) -> Batch:
-    """Send every job to ``pool`` (``submit(fn, *args) -> Future``) and return at once: the
-    :class:`Batch` says when they are done and checks what they compiled."""
-    futures: dict[Future[dict[str, str] | str], Job] = {}
-    for job in jobs:
-        try:
-            futures[pool.submit(compile_job, job)] = job
-        except Exception as err:  # noqa: BLE001 - a job that does not pickle: its launch compiles it
-            log.debug("compile of %s not sent to a worker: %s: %s", job.name, type(err).__name__, err)
-    return Batch(futures, time.perf_counter())
+    """Send every job to ``pool`` (``submit(fn, *args) -> Future``) and return at once, the sending
+    included: a thread of the batch's own sends them (:class:`Batch`).  The :class:`Batch` says when
+    they are done and checks what they compiled.
+
+    WHY a thread: a pool whose workers are still starting (a fresh process's first graph) reads no
+    job until they are up, and a job is a message on a pipe: once the pipe's buffer is full, the
+    send blocks until the workers read.  NOTE: ResNet-50 inference (bf16, H200, a fresh process and
+    caches: ``python tools/first_call.py demos/realnets/resnet50.py --dtype bf16 --warm-runs 0``) took
+    1.61x Inductor's time to steady state when the compiling thread sent them; a cProfile of its
+    deferred decisions' preparations showed one region's 9 kernels blocking that thread 8.4 s in the
+    pipe's ``flush``, inside the graph's compile."""
+    batch = Batch(time.perf_counter())
+    threading.Thread(target=batch.send, args=(pool, jobs), name="fusion-compile-send", daemon=True).start()
+    return batch
 
 
 class Batch:
-    """Compile jobs running in worker processes (:func:`submit_all`)."""
+    """Compile jobs sent to worker processes (:func:`submit_all`): ``futures`` (each job's, by
+    future) is complete once ``sent`` is set, and only read after it."""
 
-    def __init__(self, futures: dict[Future[dict[str, str] | str], Job], began: float) -> None:
-        self.futures, self.began = futures, began
+    def __init__(self, began: float) -> None:
+        self.began = began
+        self.futures: dict[Future[dict[str, str] | str], Job] = {}
+        self.sent = threading.Event()
+
+    def send(self, pool: Any, jobs: list[Job]) -> None:
+        """Send ``jobs`` to ``pool`` (the batch's thread; blocks while the pool reads nothing)."""
+        try:
+            for job in jobs:
+                try:
+                    self.futures[pool.submit(compile_job, job)] = job
+                except Exception as err:  # noqa: BLE001 - a job that does not pickle: its launch compiles it
+                    log.debug("compile of %s not sent to a worker: %s: %s", job.name, type(err).__name__, err)
+        finally:
+            self.sent.set()
 
     def ready(self) -> bool:
-        """Whether every job has finished (compiled or failed); never waits."""
-        return all(future.done() for future in self.futures)
+        """Whether every job was sent and has finished (compiled or failed); never waits."""
+        return self.sent.is_set() and all(future.done() for future in self.futures)
 
     def collect(self, timeout: float) -> int:
         """Wait at most ``timeout`` seconds for the jobs; how many compiled under the key this
@@ -346,12 +366,16 @@ class Batch:
 
         Any job that does not come back compiled under this process's key turns the workers off for
         the process (:func:`ready_pool`), with one log line saying why: a worker whose key differs
-        (the parts that differ, :func:`key_parts`) would never be found, and a worker that fails,
-        answers late or compiles nothing (it cannot import this package, its environment differs)
-        would cost every later first call the same wait for nothing.  The kernels compile here
-        then, as before."""
+        (the parts that differ, :func:`key_parts`) would never be found, and a pool that takes no
+        job, a worker that fails, answers late or compiles nothing (it cannot import this package,
+        its environment differs) would cost every later first call the same wait for nothing.  The
+        kernels compile here then, as before."""
+        deadline = time.perf_counter() + timeout
+        if not self.sent.wait(timeout):
+            _turn_workers_off(f"the worker pool had not taken the compiles after {time.perf_counter() - self.began:.0f} s")
+            return 0
         futures = self.futures
-        done, pending = wait(futures, timeout=timeout)
+        done, pending = wait(futures, timeout=max(0.0, deadline - time.perf_counter()))
         if pending:
             _turn_workers_off(f"{len(pending)} of {len(futures)} worker compiles had not finished after "
                               f"{time.perf_counter() - self.began:.0f} s")

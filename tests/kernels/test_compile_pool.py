@@ -190,6 +190,46 @@ def test_a_worker_filing_under_another_key_turns_the_workers_off(cache_dir, monk
     assert compile_pool.ready_pool() is None
 
 
+class StartingPool:
+    """A pool whose workers are still starting: ``submit`` blocks (a full pipe) until ``up`` is set,
+    then compiles nothing, reporting the key its caller computes."""
+
+    def __init__(self):
+        self.up = threading.Event()
+        self.sent = []
+
+    def submit(self, fn, job):
+        self.up.wait(30)
+        self.sent.append(job)
+        future: Future = Future()
+        future.set_result(compile_pool.key_parts(job))
+        return future
+
+
+def test_sending_to_a_pool_still_starting_never_blocks_the_caller(cache_dir, monkeypatch):
+    monkeypatch.setattr(compile_pool, "_workers_off", None)
+    with compile_pool.capturing() as jobs:
+        _call_hook(add_offset, 32)
+    pool = StartingPool()
+    batch = compile_pool.submit_all(pool, list(jobs.values()))  # returns although every send blocks
+    assert not batch.ready() and pool.sent == []
+    pool.up.set()
+    assert batch.collect(30) == 1 and batch.ready()
+    assert compile_pool._workers_off is None
+
+
+def test_a_pool_that_takes_no_compile_in_time_turns_the_workers_off(cache_dir, monkeypatch):
+    monkeypatch.setattr(compile_pool, "_workers_off", None)
+    with compile_pool.capturing() as jobs:
+        _call_hook(add_offset, 32)
+    pool = StartingPool()
+    try:
+        assert compile_pool.submit_all(pool, list(jobs.values())).collect(0.2) == 0
+        assert "had not taken the compiles" in compile_pool._workers_off
+    finally:
+        pool.up.set()
+
+
 def test_compile_ahead_sends_calls_and_speculative_calls_to_the_workers(cache_dir, monkeypatch, worker):
     sent = []
 
