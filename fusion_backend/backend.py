@@ -112,7 +112,8 @@ def fusion(
         if timed_in_compile and not budget:
             expected = compile_estimate.estimate(size, training=training, cuda_graphs=cuda_graphs,
                                                  cache_dir=opts.cache_dir)
-            budget["budget"] = DecisionBudget(opts.decide_budget * expected, warm_kernels_only=True)
+            seconds = math.inf if math.isinf(opts.decide_budget) else opts.decide_budget * expected  # (inf * 0: nan)
+            budget["budget"] = DecisionBudget(seconds, warm_kernels_only=True)
         return budget.get("budget")
 
     def decide_first(graph: fx.GraphModule, candidate: Candidate, decisions: list[Decision]) -> bool:
@@ -169,7 +170,8 @@ def fusion(
         compiled = deferred.DeferredGraph(
             compiled, pending.preparations, settle, opts.strict, inputs=example_inputs if real else None,
             prepare=None if real else pending.prepare_later(opts.strict), budget_fraction=opts.decide_budget,
-            settle_at_call=deferred.DISTRIBUTED_SETTLE_CALL if distributed else None, compiled_at=compiled_at)
+            settle_at_call=deferred.DISTRIBUTED_SETTLE_CALL if distributed else None, compiled_at=compiled_at,
+            decided_in_compile_s=found.report.stage_seconds.get("decide", 0.0))
     report.stage_seconds["total"] = time.perf_counter() - compiled_at
     _publish(report, opts, before_code, built.rewritten, original)
     return compiled

@@ -33,9 +33,10 @@ key                     meaning
                         first call itself) or at ``fusion_backend.settle()``, so that the first
                         call costs what Inductor's does (``runtime/deferred.py``); False decides
                         during the first call
-``decide_budget``       float >= 0 or None, default 0.2: settling a graph's deferred decisions (waiting
-                        for the fused ops' kernels, measuring regions, recompiling and timing the
-                        whole graph) may take this fraction of the graph's first call; a region not
+``decide_budget``       float >= 0 or None, default 0.2: a graph's deferred decisions (sending the fused
+                        ops' kernels to the compile workers during its first call, then at the settle
+                        waiting for them, measuring regions, recompiling and timing the whole graph)
+                        may take this fraction of the graph's first call; a region not
                         measured in time stays with Inductor (a later process measures it).  None:
                         no limit.  The first region of a settle is always measured.
                         Under CUDA graphs, where the regions are decided during the

@@ -283,8 +283,8 @@ def _rounds(times: float | Sequence[float] | RoundTimes, kind: str) -> list[floa
 @dataclass
 class DecisionBudget:
     """Seconds that measuring decisions may take from ``began`` on (``math.inf``: no limit).  A
-    region whose measurement would start after the budget is spent stays with Inductor, unmeasured
-    (the report says so; a later process measures it).  The first measurement of a settle always
+    region whose measurement would not end within the budget (``allows_another``) stays with
+    Inductor, unmeasured (the report says so; a later process measures it).  The first measurement of a settle always
     runs (``measured`` counts them): a graph with one or two regions, whose first call is short, is
     still decided.
 
@@ -309,8 +309,10 @@ class DecisionBudget:
         return time.perf_counter() - self.began
 
     def allows_another(self) -> bool:
-        """Whether another region may be measured: the first always, the others while time is left."""
-        return self.measured == 0 or not self.spent_all()
+        """Whether another region may be measured: the first always, the others while the time left
+        covers one more measurement as long as the budget's measurements took on average (a cold
+        one takes seconds: a settle ends within its budget, not one measurement past it)."""
+        return self.measured == 0 or self.spent() * (self.measured + 1) / self.measured <= self.seconds
 
     def spent_all(self) -> bool:
         return self.spent() >= self.seconds

@@ -171,16 +171,17 @@ class DeferredGraph:
     ``inputs``: the graph's real example inputs, or None where its compile saw fake ones (DDPOptimizer's
     pieces): the first call's arguments are kept instead, and ``prepare(args)`` sends the
     preparations then, outside the compile's fake mode (where it sends none, the graph settles at
-    that call, as a graph with nothing to wait for is decided at its compile).  ``budget_fraction``: the settle's decisions
-    may take this fraction of the graph's first call (from ``compiled_at`` to the second call, or to
-    ``settle()`` where that comes first); ``math.inf`` for no limit.  ``settle_at_call``: settle at
+    that call, as a graph with nothing to wait for is decided at its compile).  ``budget_fraction``: the graph's decisions
+    may take this fraction of its first call (from ``compiled_at`` to the second call, or to
+    ``settle()`` where that comes first), those its compile made included (``decided_in_compile_s``:
+    sending the kernels' compiles): the settle gets what is left; ``math.inf`` for no limit.  ``settle_at_call``: settle at
     exactly that call, waiting for the preparations (``DISTRIBUTED_SETTLE_CALL``); None: at the first
     call after they are ready."""
 
     def __init__(self, first: Callable[..., Any], preparations: Sequence[Preparation], decide: Decide, strict: bool,
                  *, inputs: Sequence[Any] | None = (), prepare: Callable[[Sequence[Any]], Sequence[Preparation]] | None = None,
                  budget_fraction: float = math.inf, settle_at_call: int | None = None,
-                 compiled_at: float | None = None) -> None:
+                 compiled_at: float | None = None, decided_in_compile_s: float = 0.0) -> None:
         self._current = first
         self._preparations: tuple[Preparation, ...] | None = tuple(preparations)
         self._decide: Decide | None = decide
@@ -190,6 +191,7 @@ class DeferredGraph:
         self._budget_fraction = budget_fraction
         self._settle_at_call = settle_at_call
         self._compiled_at = time.perf_counter() if compiled_at is None else compiled_at
+        self._decided_in_compile_s = decided_in_compile_s
         self._first_call_s: float | None = None
         self._lock = threading.Lock()
         self._since = time.perf_counter()
@@ -243,7 +245,7 @@ class DeferredGraph:
 
             wait_s = SETTLE_WAIT_S if wait_s is None else wait_s
             first_call_s = self._first_call_s or time.perf_counter() - self._compiled_at
-            budget = DecisionBudget(self._budget_fraction * first_call_s)
+            budget = DecisionBudget(max(0.0, self._budget_fraction * first_call_s - self._decided_in_compile_s))
             _wait_until_ready(preparations, min(wait_s, budget.seconds))
             for preparation in preparations:
                 if preparation.ready():  # one not ready compiles on; the launch that needs it finds it, or compiles

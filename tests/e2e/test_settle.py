@@ -274,6 +274,33 @@ def test_the_budget_is_a_fraction_of_the_first_call(monkeypatch):
     assert seen["b"].seconds == pytest.approx(5.0)
 
 
+def test_what_the_first_calls_decisions_took_comes_out_of_the_budget(monkeypatch):
+    seen = {}
+
+    def decide(inputs, budget):
+        seen["b"] = budget
+
+    graph = deferred.DeferredGraph(lambda x: x, [Compiles()], decide, strict=False, inputs=[1], budget_fraction=0.5,
+                                   compiled_at=0.0, decided_in_compile_s=2.0)
+    monkeypatch.setattr(deferred.time, "perf_counter", lambda: 10.0)
+    graph(1)
+    graph(2)
+    assert seen["b"].seconds == pytest.approx(3.0)  # half of the 10 s first call, less the 2 s its decisions took
+
+
+def test_a_budget_measures_another_region_only_where_one_more_fits_in_the_time_left(monkeypatch):
+    from fusion_backend.runtime import decision
+
+    now = [0.0]
+    monkeypatch.setattr(decision.time, "perf_counter", lambda: now[0])
+    budget = decision.DecisionBudget(5.0, began=0.0)
+    assert budget.allows_another()  # the first always
+    budget.measured, now[0] = 1, 2.0  # the first took 2 s: a second would end at 4 s
+    assert budget.allows_another()
+    budget.measured, now[0] = 2, 4.0  # two took 4 s: a third would end at 6 s, past the 5 s
+    assert not budget.allows_another() and not budget.spent_all()
+
+
 def test_under_torch_distributed_every_graph_settles_at_the_same_call_waiting_for_its_compiles():
     class Slow:
         collected = 0
