@@ -55,6 +55,9 @@ from .runtime.decision import (
 from .runtime.direct import direct_module, why_not_direct
 
 log = logging.getLogger("fusion_backend")
+#: Where a settle's progress goes: with the decisions' own lines (``bench --log`` and
+#: ``tools/first_call.py --log`` show that logger).
+decision_log = logging.getLogger("fusion_backend.decision")
 _graph_counter = itertools.count()
 
 # Dynamo/AOTAutograd signal "trace again" with these (e.g. to specialise float scalars lifted to
@@ -500,11 +503,13 @@ def _decide_regions(untouched: fx.GraphModule, inputs: Sequence[Any], opts: Fusi
         decisions.append(d)
         if time.perf_counter() - last_log > PROGRESS_EVERY_S:
             last_log = time.perf_counter()
-            log.info("settling graph_%d: %d regions decided in %.1f s (%s)", index, len(decided),
-                     last_log - began, budget.describe())
+            decision_log.info("settling graph_%d: %d regions decided in %.1f s (%s)", index, len(decided),
+                              last_log - began, budget.describe())
         return False
 
     built = _build(untouched, inputs, dataclasses.replace(opts, dump_dir=None), config_patches, decide_one, index)
+    decision_log.info("settling graph_%d: %d regions decided in %.1f s, %d of them measured (%s)", index,
+                      len(decided), time.perf_counter() - began, budget.measured, budget.describe())
     return ({} if built.report.fallbacks else decided), built.report
 
 

@@ -250,13 +250,16 @@ class DeferredGraph:
             for preparation in preparations:
                 if preparation.ready():  # one not ready compiles on; the launch that needs it finds it, or compiles
                     preparation.collect(0.0)
+            laps = {"waited": budget.spent()}
             try:
                 settled = decide(self._inputs, budget)
                 if settled is not None:
                     self._current = settled
+                laps["decided"] = budget.spent() - laps["waited"]
                 # an explicit settle returns in the steady state: compiles it sent to the background and
                 # did not wait for, still running, would take the host's cores from the first steps
                 _wait_until_ready(preparations, min(wait_s, first_call_s))
+                laps["waited after"] = budget.spent() - laps["waited"] - laps["decided"]
             except Exception as exc:
                 if self._strict:
                     from ..errors import RewriteError
@@ -264,7 +267,8 @@ class DeferredGraph:
                     raise RewriteError(f"the deferred decision failed: {type(exc).__name__}: {exc} (strict=True)") from exc
                 warnings.warn(f"fusion: the deferred decision failed ({type(exc).__name__}: {exc}); "
                               "Inductor's code keeps running the graph", stacklevel=2)
-            log.info("settled a deferred graph in %.1f s (first call %.1f s)", budget.spent(), first_call_s)
+            log.info("settled a deferred graph in %.1f s (%s; first call %.1f s)", budget.spent(),
+                     ", ".join(f"{name} {s:.1f} s" for name, s in laps.items()), first_call_s)
             self._preparations = self._decide = self._inputs = None
             _pending.discard(self)
         finally:

@@ -5,6 +5,9 @@ On CPU no worker pool compiles anything, so a fake preparation stands in for the
 (``deferred.preparing_with``), a fake timer for the region timing (``decision.timing_override``) and
 a fake whole-graph timer for the context check (its ``graph_timer``)."""
 
+import logging
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -249,6 +252,19 @@ def test_the_decision_budget_leaves_the_regions_it_cannot_measure_to_inductor_un
     assert not last.fused and "decision budget is spent" in last.rule
     # nothing was cached for the unmeasured region: a later settle measures it
     assert sum(1 for e in measurements._memory.values() if "class" in e) == 1
+
+
+def test_a_settle_logs_where_its_time_went(caplog):
+    """The settle's lines, on the decisions' logger (the one ``bench --log`` and ``first_call.py --log``
+    show): how many regions it decided and measured, then its waits and its decisions apart."""
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="fusion_backend.decision"):
+        settle_once(Blocks(), torch.randn(2, 8, 10, 10))
+    lines = [r.getMessage() for r in caplog.records if r.name == "fusion_backend.decision"]
+    assert any(re.fullmatch(r"settling graph_\d+: 4 regions decided in [\d.]+ s, 2 of them measured \(.*\)", m)
+               for m in lines), lines
+    assert any(re.fullmatch(r"settled a deferred graph in [\d.]+ s \(waited [\d.]+ s, decided [\d.]+ s, "
+                            r"waited after [\d.]+ s; first call [\d.]+ s\)", m) for m in lines), lines
 
 
 @pytest.mark.parametrize("value", [-0.1, "fast", True])
