@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import itertools
 import logging
 import math
@@ -379,7 +380,7 @@ def _settle(untouched: fx.GraphModule, first: Callable[..., Any], opts: FusionOp
        rule decided."""
     decided, decided_report = _decide_regions(untouched, inputs, opts, config_patches, index, budget)
     if distributed:
-        decided = _agree_across_ranks(decided)
+        decided = _agree_across_ranks(decided, untouched)
     train = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
     before_code = untouched.code if opts.dump_dir else ""
 
@@ -397,7 +398,7 @@ def _settle(untouched: fx.GraphModule, first: Callable[..., Any], opts: FusionOp
     if opts.decide == "measure" and not config_patches.get("triton.cudagraphs"):
         decided, checks, built = _in_context(untouched, inputs, decided, opts, config_patches, budget, time_graph)
     if distributed:  # each rank timed its own graph: keep what every rank kept
-        agreed = _agree_across_ranks(decided)
+        agreed = _agree_across_ranks(decided, untouched)
         if agreed != decided:
             decided, built = agreed, None
     if built is None and any(d.fused for d in decided.values()):
@@ -530,26 +531,27 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _agree_across_ranks(decided: dict[str, Decision]) -> dict[str, Decision]:
-    """Keep a region only where every rank keeps it (one all-reduce of the kept flags, in match
-    order), so that every rank runs the same graph; regions differ between ranks only if their
-    graphs did, and then nothing is kept.  Every rank settles at the same call
-    (``deferred.DISTRIBUTED_SETTLE_CALL``), so the collective meets on all of them."""
+def _agree_across_ranks(decided: dict[str, Decision], graph: fx.GraphModule) -> dict[str, Decision]:
+    """Keep a region only where every rank keeps it, so that every rank runs the same graph: the
+    ranks exchange their graph's digest and the anchors of the regions they keep (one
+    ``all_gather_object``), and a region stays where every rank's list names it.  A region a rank
+    did not decide counts as not kept there: which alternates a rank decides follows what it kept
+    (an alternate is decided only where no kept region holds its nodes), so the ranks' lists of
+    decisions may differ where their graphs do not.  Where the graphs differ, nothing is kept.
+    Every rank settles at the same call (``deferred.DISTRIBUTED_SETTLE_CALL``), so the collective
+    meets on all of them."""
     dist = torch.distributed
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flags = [1 if d.fused else 0 for d in decided.values()]
-    counts = torch.tensor([len(flags), -len(flags)], dtype=torch.int64, device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    if int(counts[0]) != len(flags) or int(-counts[1]) != len(flags):
-        return {a: dataclasses.replace(d, fused=False, rule="the ranks' graphs hold different regions: none is kept")
-                for a, d in decided.items()}
-    if not flags:
-        return decided
-    agreed = torch.tensor(flags, dtype=torch.int64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    return {a: d if (not d.fused or int(k)) else dataclasses.replace(
+    digest = hashlib.sha256(graph.code.encode()).hexdigest()
+    kept = sorted(a for a, d in decided.items() if d.fused)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (digest, kept))
+    if any(other_digest != digest for other_digest, _ in everyone):
+        return {a: dataclasses.replace(d, fused=False, rule="the ranks' graphs differ: none of their regions is kept")
+                if d.fused else d for a, d in decided.items()}
+    common = set(kept).intersection(*(set(other_kept) for _, other_kept in everyone))
+    return {a: d if (not d.fused or a in common) else dataclasses.replace(
                 d, fused=False, rule=f"kept on this rank ({d}) but not on every rank: Inductor keeps it")
-            for (a, d), k in zip(decided.items(), agreed.tolist(), strict=True)}
+            for a, d in decided.items()}
 
 
 def _why_not_direct(gm: fx.GraphModule, opts: FusionOptions, patches: dict[str, Any]) -> Optional[str]:

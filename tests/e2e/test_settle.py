@@ -338,24 +338,49 @@ def test_under_torch_distributed_every_graph_settles_at_the_same_call_waiting_fo
     assert settled_at == [deferred.DISTRIBUTED_SETTLE_CALL] and Slow.collected == 0 and graph.settled
 
 
-def test_ranks_keep_only_the_regions_every_rank_keeps(monkeypatch):
+def _ranks(monkeypatch, *others):
+    """Stand in for ``torch.distributed`` with this rank and ``others``: each other rank's
+    ``(graph digest or None for this rank's, kept anchors)``."""
+    dist = torch.distributed
+
+    def all_gather_object(out, mine):
+        out[:] = [mine] + [(mine[0] if digest is None else digest, kept) for digest, kept in others]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1 + len(others))
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+
+
+def _decided(*anchors_fused):
     from fusion_backend.report import Decision
 
-    def on_other_rank(flags):  # the other rank kept the first region only
-        def all_reduce(tensor, op):
-            if len(tensor) == 2 and int(tensor[0]) == -int(tensor[1]):
-                return  # the counts agree
-            tensor.copy_(torch.minimum(tensor, torch.tensor(flags, dtype=tensor.dtype)))
-        return all_reduce
+    return {a: Decision("conv_epilogue", "conv2d -> relu", a, fused, "fused is faster" if fused else "slower")
+            for a, fused in anchors_fused}
 
-    dist = torch.distributed
-    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
-    monkeypatch.setattr(dist, "all_reduce", on_other_rank([1, 0, 1]))
-    decided = {a: Decision("conv_epilogue", "conv2d -> relu", a, fused, "fused is faster" if fused else "slower")
-               for a, fused in (("a", True), ("b", True), ("c", False))}
-    agreed = backend._agree_across_ranks(decided)
+
+GRAPH = torch.fx.symbolic_trace(nn.Conv2d(2, 2, 1))
+
+
+def test_ranks_keep_only_the_regions_every_rank_keeps(monkeypatch):
+    _ranks(monkeypatch, (None, ["a", "c"]))  # the other rank kept the first and the third region
+    agreed = backend._agree_across_ranks(_decided(("a", True), ("b", True), ("c", False)), GRAPH)
     assert [d.fused for d in agreed.values()] == [True, False, False]
     assert "not on every rank" in agreed["b"].rule and agreed["c"].rule == "slower"
+
+
+def test_ranks_that_decided_different_alternates_keep_what_all_of_them_keep(monkeypatch):
+    # this rank kept "a" and so never decided "x", an alternate over the same nodes; the other rank
+    # did not keep "a" and kept "x" instead; both kept "b"
+    _ranks(monkeypatch, (None, ["b", "x"]))
+    agreed = backend._agree_across_ranks(_decided(("a", True), ("b", True)), GRAPH)
+    assert [d.fused for d in agreed.values()] == [False, True]
+    assert "not on every rank" in agreed["a"].rule
+
+
+def test_ranks_whose_graphs_differ_keep_nothing(monkeypatch):
+    _ranks(monkeypatch, ("another graph", ["a", "b"]))
+    agreed = backend._agree_across_ranks(_decided(("a", True), ("b", False)), GRAPH)
+    assert not any(d.fused for d in agreed.values())
+    assert "graphs differ" in agreed["a"].rule and agreed["b"].rule == "slower"
 
 
 def test_under_cuda_graphs_regions_are_decided_during_the_compile_within_a_budget_and_inductors_code_runs(
