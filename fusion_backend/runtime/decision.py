@@ -310,8 +310,8 @@ class DecisionBudget:
 
     def allows_another(self) -> bool:
         """Whether another region may be measured: the first always, the others while the time left
-        covers one more measurement as long as the budget's measurements took on average (a cold
-        one takes seconds: a settle ends within its budget, not one measurement past it)."""
+        covers one more of what the budget spent per measurement so far (its waits included; a cold
+        measurement takes seconds: a settle ends within its budget, not one measurement past it)."""
         return self.measured == 0 or self.spent() * (self.measured + 1) / self.measured <= self.seconds
 
     def spent_all(self) -> bool:
