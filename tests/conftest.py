@@ -396,40 +396,53 @@ SM90_COMPILE_CASES = {
 }
 
 
+def _once_per_session(tmp_path_factory, name: str, produce) -> dict:
+    """``produce()``'s JSON-able result, computed once per session: the first process to ask computes it
+    under a lock in the session's temporary folder, which every xdist worker shares; the others read
+    what it wrote."""
+    import json
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, not older ones'
+    output = shared / f"{name}.json"
+    with FileLock(str(output) + ".lock"):
+        if not output.exists():
+            output.write_text(json.dumps(produce()))
+    return json.loads(output.read_text())
+
+
+def _run_python(args: list[str], env: dict, timeout: float) -> dict:
+    """A fresh Python process in the repository's root: its exit status, stdout and stderr."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=timeout)  # fmt: skip
+    return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+
+
 @pytest.fixture(scope="session")
 def sm90_compile_check(tmp_path_factory):
     """``sm90_compile_check(job)`` -> what ``tools/compile_check.py`` printed for that job of
     ``SM90_COMPILE_CASES`` (its summary line says ``JOB: all kernels compiled without spills`` where
     every compile of the job passed); where it does not say so, the process's stderr follows.
 
-    One process compiles every job's cases, once per session (the first test to ask runs it, under a
-    lock in the session's temporary folder, which every xdist worker shares; the others read its
-    output): each process costs seconds of start-up (torch, Triton's NVIDIA backend) before it compiles
-    anything.  ``TRITON_INTERPRET`` is left out of its environment.  NOTE: 2-core CPU box, cold Triton
-    cache: the three jobs as three processes 59 s of CPU, as one 40 s (``time python
-    tools/compile_check.py conv_family epilogue global_mean --cases conv_family:...``)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+    One process compiles every job's cases, once per session (``_once_per_session``): each process
+    costs seconds of start-up (torch, Triton's NVIDIA backend) before it compiles anything.
+    ``TRITON_INTERPRET`` is left out of its environment.  NOTE: 2-core CPU box, cold Triton cache:
+    the three jobs as three processes 59 s of CPU, as one 40 s (``time python tools/compile_check.py
+    conv_family epilogue global_mean --cases conv_family:...``)."""
 
-    from filelock import FileLock
+    def compile_all() -> dict:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        cases = ",".join(f"{job}:{case}" for job, job_cases in SM90_COMPILE_CASES.items() for case in job_cases)
+        return _run_python(["tools/compile_check.py", *SM90_COMPILE_CASES, "--cases", cases], env, timeout=900)
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, not older ones'
-    output = shared / "sm90_compile_check.json"
-    with FileLock(str(output) + ".lock"):
-        if not output.exists():
-            root = Path(__file__).resolve().parents[1]
-            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-            cases = ",".join(f"{job}:{case}" for job, job_cases in SM90_COMPILE_CASES.items() for case in job_cases)
-            proc = subprocess.run(
-                [sys.executable, str(root / "tools/compile_check.py"), *SM90_COMPILE_CASES, "--cases", cases],
-                capture_output=True, text=True, env=env, cwd=root, timeout=900,
-            )  # fmt: skip
-            output.write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
-                                          "stderr": proc.stderr}))
-    run = json.loads(output.read_text())
+    run = _once_per_session(tmp_path_factory, "sm90_compile_check", compile_all)
 
     def job_output(job: str) -> str:
         lines, inside = [], False
@@ -444,6 +457,30 @@ def sm90_compile_check(tmp_path_factory):
         return text
 
     return job_output
+
+
+@pytest.fixture(scope="session")
+def fresh_process_checks(tmp_path_factory) -> dict:
+    """What ``tests/fresh_process_checks.py`` found, run once per session (``_once_per_session``) in a
+    fresh process started without ``TRITON_INTERPRET`` and with ``FUSION_CPU_KERNELS=triton``: its
+    exit status, stderr and, under ``results``, its JSON (each check's, or its ``error``).
+
+    One process for the checks that need one of their own: each costs seconds of start-up (Python,
+    torch, the package) before it checks anything."""
+    import json
+
+    def run() -> dict:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["FUSION_CPU_KERNELS"] = "triton"
+        proc = _run_python(["tests/fresh_process_checks.py"], env, timeout=300)
+        lines = proc["stdout"].strip().splitlines()
+        try:
+            proc["results"] = json.loads(lines[-1])
+        except (IndexError, ValueError):
+            proc["results"] = {}
+        return proc
+
+    return _once_per_session(tmp_path_factory, "fresh_process_checks", run)
 
 
 def load_demo_module(suite: str, name: str):

@@ -174,28 +174,18 @@ def test_an_unknown_option_surfaces_at_the_first_call_as_documented():
 
 
 @pytest.mark.heavy
-def test_cpu_kernels_without_the_interpreter_run_the_reference_and_say_why_once(tmp_path):
+def test_cpu_kernels_without_the_interpreter_run_the_reference_and_say_why_once(fresh_process_checks):
     """``FUSION_CPU_KERNELS=triton`` without ``TRITON_INTERPRET=1``: no Triton driver traceback, the
-    CPU reference runs, the report says what to set, and the output is eager's."""
-    import os
-
-    script = tmp_path / "run.py"
-    script.write_text(
-        "import torch, fusion_backend\n"
-        "m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())\n"
-        "x = torch.randn(2, 3, 8, 8)\n"
-        "r = fusion_backend.explain(m, x, options={'decide': 'fuse'})\n"
-        "torch.testing.assert_close(r.output, m(x))\n"
-        "print(r.reports[0].matches[0].kernel)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["FUSION_CPU_KERNELS"] = "triton"
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == (
+    CPU reference runs, the report says what to set, and the output is eager's (in the suite's fresh
+    process: ``tests/fresh_process_checks.py``, ``cpu_kernels``)."""
+    proc = fresh_process_checks
+    assert proc["returncode"] == 0, proc["stderr"][-3000:]
+    checked = proc["results"].get("cpu_kernels", {})
+    assert "error" not in checked and "kernel" in checked, (checked, proc["stderr"][-3000:])
+    assert checked["kernel"] == (
         "reference: ran the CPU reference: FUSION_CPU_KERNELS=triton needs TRITON_INTERPRET=1 in the environment "
         "before the process starts (Triton kernels run on CPU tensors only under its interpreter)")
-    assert "Traceback" not in proc.stderr and "active drivers" not in proc.stderr
+    assert "Traceback" not in proc["stderr"] and "active drivers" not in proc["stderr"]
 
 
 @pytest.mark.parametrize("options, message", [

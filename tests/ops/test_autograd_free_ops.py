@@ -123,22 +123,18 @@ def test_a_post_grad_pass_the_user_configured_still_runs():
 
 
 @pytest.mark.heavy
-def test_the_swap_pass_has_one_cache_key_whatever_ops_a_process_has_imported():
+def test_the_swap_pass_has_one_cache_key_whatever_ops_a_process_has_imported(fresh_process_checks):
     """Inductor's caches key on the pass's ``uuid``: a second process that never imported a fused op
-    (every region left to Inductor, decisions read from the cache) must find what the first stored."""
-    import subprocess
-    import sys
-
+    (every region left to Inductor, decisions read from the cache) must find what the first stored
+    (that process: the suite's fresh one, ``tests/fresh_process_checks.py``, ``swap_pass``, which
+    imports ``ops.autograd_free`` before anything else)."""
     from fusion_backend.ops.autograd_free import SwapInAutogradFreeOps
 
     here = SwapInAutogradFreeOps().uuid()
-    fresh = subprocess.run(
-        [sys.executable, "-c", "from fusion_backend.ops.autograd_free import SwapInAutogradFreeOps as S, _AUTOGRAD_FREE; "
-         "print(len(_AUTOGRAD_FREE), S().uuid().hex())"],
-        capture_output=True, text=True, check=True, timeout=120,
-    ).stdout.split()  # fmt: skip
-    assert fresh[0] == "0"  # that process registered no autograd-free op
-    assert fresh[1] == here.hex()
+    fresh = fresh_process_checks["results"].get("swap_pass", {})
+    assert "error" not in fresh and "uuid" in fresh, (fresh, fresh_process_checks["stderr"][-3000:])
+    assert fresh["registered"] == 0  # that process registered no autograd-free op
+    assert fresh["uuid"] == here.hex()
     assert SwapInAutogradFreeOps(CountingPass()).uuid() != here
 
 
