@@ -695,11 +695,15 @@ def test_sigterm_ends_a_command_line_run_with_a_partial_report(tmp_path: Path) -
     import sys
 
     # The train case is slow (3 s per forward) so that the signal lands in it even on a loaded machine
-    # (the infer case, run under no_grad, stays quick).
+    # (the infer case, run under no_grad, stays quick).  Its first forward, the eager reference the case
+    # computes before it says "compiling", is not: its 3 s were spent before the signal was sent.
     slow = TINY_CONV.replace(
-        "    def forward(self, x):\n", "    def forward(self, x):\n        time.sleep(3.0 if torch.is_grad_enabled() else 0.05)\n"
+        "    def forward(self, x):\n",
+        "    def forward(self, x):\n"
+        "        TRAIN_FORWARDS[0] += torch.is_grad_enabled()\n"
+        "        time.sleep((3.0 if TRAIN_FORWARDS[0] > 1 else 0.0) if torch.is_grad_enabled() else 0.05)\n",
     )
-    model = write_model(tmp_path / "models", "slow", "import time\n" + slow)
+    model = write_model(tmp_path / "models", "slow", "import time\nTRAIN_FORWARDS = [0]\n" + slow)
     out_dir = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "-m", "fusion_backend", "bench", "--suite", str(model), "--backends", "eager",
