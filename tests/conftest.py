@@ -47,9 +47,35 @@ def _fewer_full_collections() -> None:
 
 _fewer_full_collections()
 
-import torch  # noqa: E402
+def _kernel_device() -> str:
+    """``"cuda"`` where ``torch.cuda.is_available()``, else ``"cpu"``.  A torch built without CUDA or ROCm
+    says so in its ``version.py`` (``cuda`` and ``hip`` are ``None``), read here without importing torch
+    (the xdist controller need not: ``pytest_configure``); any other build is asked."""
+    import ast
+    import importlib.util
+    from pathlib import Path
 
-if not torch.cuda.is_available():
+    try:
+        version = Path(importlib.util.find_spec("torch").origin).with_name("version.py")
+        names = {}
+        for node in ast.parse(version.read_text()).body:
+            if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Constant):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(target, ast.Name):
+                        names[target.id] = node.value.value
+        if names.get("cuda", "") is None and names.get("hip", "") is None:
+            return "cpu"
+    except (AttributeError, OSError, SyntaxError, ValueError):
+        pass
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+#: Device on which Triton kernels run in this session: CUDA, or CPU under the interpreter.
+KERNEL_DEVICE = _kernel_device()
+
+if KERNEL_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # No tile search and no fused-vs-library timing in tests (each new shape would cost seconds of
 # autotuning on a GPU; the whole suite timed out on the H100 with it on).  Tests that exercise
@@ -61,9 +87,11 @@ os.environ.setdefault("FUSION_DECIDE", "fuse")
 
 import pytest  # noqa: E402
 
-KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+torch = None  # the module, imported by ``_set_up_torch`` (not in the xdist controller, which runs no test)
 
-if not torch.cuda.is_available():
+
+def _inductor_set_up_for_the_cpu() -> None:
+    """Inductor's configuration for a suite without CUDA."""
     # Inductor's CPU code without SIMD vectorization: the suite checks what the backend hands Inductor
     # and what comes back, not the speed of Inductor's CPU kernels, and scalar C++ compiles faster (the
     # CPU suite compiles hundreds of graphs with cold caches on a fresh machine).  NOTE: 2-core CPU box,
@@ -107,10 +135,6 @@ def _cpu_kernels_compiled_at_o1() -> None:
         return ["O1" if flag == "O3" else flag for flag in cflags], ldflags
 
     cpp_builder._get_optimization_cflags = at_o1
-
-
-if not torch.cuda.is_available():
-    _cpu_kernels_compiled_at_o1()
 
 
 def _language_patched_once_per_launch() -> None:
@@ -348,12 +372,30 @@ def _matching_operands_taken_as_they_are() -> None:
     TritonSemantic.broadcast_impl_value = broadcast_value
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _language_patched_once_per_launch()
-    _integer_ops_unchecked()
-    _numpy_dtypes_looked_up_once()
-    _block_shapes_built_once()
-    _matching_operands_taken_as_they_are()
+def _set_up_torch() -> None:
+    """Imports torch (the module's ``torch``) and sets up Inductor and Triton's interpreter for the tests."""
+    global torch
+    import torch
+
+    if KERNEL_DEVICE == "cpu":
+        _inductor_set_up_for_the_cpu()
+        _cpu_kernels_compiled_at_o1()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _language_patched_once_per_launch()
+        _integer_ops_unchecked()
+        _numpy_dtypes_looked_up_once()
+        _block_shapes_built_once()
+        _matching_operands_taken_as_they_are()
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's own hook has made this process its controller, or not
+def pytest_configure(config):
+    """Torch and what the tests need of it are set up in every process that collects tests: not in the
+    xdist controller (``dsession``), which only hands them out.  NOTE: it spent 6.1 s importing torch,
+    Dynamo and Inductor before it started the workers; it starts them 2.6 s after its own start without
+    (2-core CPU box, ``pytest -n 2``, the time to ``pytest_configure``)."""
+    if not config.pluginmanager.hasplugin("dsession"):
+        _set_up_torch()
 
 
 @pytest.fixture
