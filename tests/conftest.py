@@ -411,6 +411,19 @@ def _one_last_collection(config) -> None:
     config.stash[gc_collect_iterations_key] = 1
 
 
+def pytest_collection_finish(session) -> None:
+    """Once the tests are collected, the objects made so far (the modules of torch, Dynamo, Inductor,
+    Triton, the package and the tests: some 300 thousand) are moved out of the garbage collector's
+    sight (``gc.freeze``): they live as long as the process, and every full collection of the session
+    would otherwise go over them again.  Only what exists at this point is frozen, not what a test
+    makes.  NOTE: 2-core CPU box, full suite under xdist (``gc.callbacks`` timing every collection):
+    the full collections of the two workers (21 and 10) took 8.0 and 5.4 s before, 2.9 and 2.8 s after."""
+    import gc
+
+    if hasattr(gc, "freeze"):
+        gc.freeze()
+
+
 @pytest.fixture
 def kernel_device() -> str:
     """Device on which Triton kernels run in this session: CUDA, or CPU under the interpreter."""
