@@ -1,8 +1,6 @@
 """The backend entry: options, mode forwarding, fallback on failure, strict mode, dumps, entry point."""
 
 import json
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -176,9 +174,9 @@ def test_an_unknown_option_surfaces_at_the_first_call_as_documented():
 @pytest.mark.heavy
 def test_cpu_kernels_without_the_interpreter_run_the_reference_and_say_why_once(fresh_process_checks):
     """``FUSION_CPU_KERNELS=triton`` without ``TRITON_INTERPRET=1``: no Triton driver traceback, the
-    CPU reference runs, the report says what to set, and the output is eager's (in the suite's fresh
+    CPU reference runs, the report says what to set, and the output is eager's (in the suite's second fresh
     process: ``tests/fresh_process_checks.py``, ``cpu_kernels``)."""
-    proc = fresh_process_checks
+    proc = fresh_process_checks["second"]
     assert proc["returncode"] == 0, proc["stderr"][-3000:]
     checked = proc["results"].get("cpu_kernels", {})
     assert "error" not in checked and "kernel" in checked, (checked, proc["stderr"][-3000:])
@@ -279,40 +277,18 @@ def test_the_graphs_inductor_compiles_keep_dynamo_s_marks_of_the_parameters(monk
 
 
 @pytest.mark.heavy
-def test_fresh_processes_find_the_backend_by_its_entry_point_and_a_rewritten_graph_in_aotautograds_cache(tmp_path):
-    """Two fresh processes (one script, the same caches): ``backend="fusion"`` is found through the
-    package's entry point without importing it first; a graph with a fused op compiled through Inductor
-    (``direct=False``), with a backward, is saved to AOTAutograd's cache by the first process and found
-    there by the second (the fused-op calls carry a cache hash, ``match.rewrite.mark_cacheable``), and
-    its gradients are eager's."""
-    import json
-    import os
-
-    script = tmp_path / "run.py"
-    script.write_text(
-        "import json, sys, torch, torch.nn.functional as F\n"
-        "from torch._dynamo.utils import counters\n"
-        "assert 'fusion_backend' not in sys.modules\n"
-        "torch.manual_seed(0)\n"
-        "conv = torch.nn.Conv2d(3, 4, 3)\n"
-        "m = lambda x: F.relu(conv(x)) * 2 + 1\n"
-        "x = torch.randn(2, 3, 8, 8, requires_grad=True)\n"
-        "out = torch.compile(m, backend='fusion', options={'decide': 'fuse', 'direct': False})(x)\n"
-        "assert 'fusion_backend' in sys.modules\n"
-        "out.sum().backward()\n"
-        "got = [x.grad.clone(), conv.weight.grad.clone()]\n"
-        "x.grad = conv.weight.grad = conv.bias.grad = None\n"
-        "m(x).sum().backward()\n"
-        "ok = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got, [x.grad, conv.weight.grad]))\n"
-        "print(json.dumps({'aot': dict(counters['aot_autograd']), 'inductor': dict(counters['inductor']), 'ok': ok}))\n"
-    )
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), FUSION_CACHE_DIR=str(tmp_path / "fusion"))
-    runs = []
-    for _ in range(2):
-        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    first, second = runs
+def test_fresh_processes_find_the_backend_by_its_entry_point_and_a_rewritten_graph_in_aotautograds_cache(
+        fresh_process_checks):
+    """Two fresh processes with the same caches (the suite's: ``tests/fresh_process_checks.py``,
+    ``entry_point``): ``backend="fusion"`` is found through the package's entry point without
+    importing it first; a graph with a fused op compiled through Inductor (``direct=False``), with a
+    backward, is saved to AOTAutograd's cache by the first process and found there by the second (the
+    fused-op calls carry a cache hash, ``match.rewrite.mark_cacheable``), and its gradients are eager's."""
+    first, second = fresh_process_checks["first"], fresh_process_checks["second"]
+    assert first["returncode"] == 0 and second["returncode"] == 0, (first["stderr"][-3000:], second["stderr"][-3000:])
+    first, second = first["results"].get("entry_point", {}), second["results"].get("entry_point", {})
+    assert "error" not in first and "error" not in second, (first, second)
+    assert not first["imported_before"] and first["imported_after"], first
     assert first["ok"] and second["ok"]
     assert first["aot"].get("autograd_cache_saved") == 1 and "autograd_cache_bypass" not in first["aot"], first
     assert second["aot"].get("autograd_cache_hit") == 1, second
