@@ -155,6 +155,24 @@ def test_wgrad_recomputes_each_prologue_on_load(kind, act):
     torch.testing.assert_close(gw.double(), auto, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tile", [SMALL, SMALL_FLAT], ids=["tap-major", "flat"])
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+def test_wgrad_of_an_unpadded_conv_recomputes_the_prologue_and_rows_past_the_output_add_nothing(kind, act, tile):
+    """Without padding the loads take no pad mask and the rows past the output (M = 3 x 6 x 5 fills no
+    tile) read the last row's window: their grad_y rows are 0, so they must add exactly nothing."""
+    g = torch.Generator().manual_seed(stable_seed(("wgrad-unpadded", kind, str(act), tile.flat_k)))
+    xs, ws, conv = (3, 16, 7, 5), (9, 16, 2, 1), dict(stride=1)
+    x = _channels_last(_randn(*xs, g=g))
+    w = _randn(*ws, g=g, scale=0.3)
+    prologue = _prologue(kind.split("-")[0], 3, 16, g, affine=not kind.endswith("no-affine"))
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    gw, _ = _check_wgrad(kind, gy, x, w, prologue=prologue, act_in=act, tile=tile, split=2, **conv)
+    w64 = w.double().requires_grad_(True)
+    y = conv_fprop_reference(x, w64, prologue=prologue, act_in=act, dtype=torch.float64, **conv)[0]
+    (auto,) = torch.autograd.grad(y, w64, gy.double())
+    torch.testing.assert_close(gw.double(), auto, rtol=1e-5, atol=1e-5)
+
+
 def test_wgrad_is_bit_identical_across_runs_and_splits_only_reorder():
     g = torch.Generator().manual_seed(51)
     xs, ws, conv = (3, 8, 7, 6), (12, 8, 3, 3), dict(padding=1)

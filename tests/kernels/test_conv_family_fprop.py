@@ -206,6 +206,32 @@ def test_prologue_pads_the_activated_tensor(kind, act, tile):
         assert (out.double() - masked_first).abs().max() > 0.1
 
 
+#: Unpadded convs (every window inside the input: the loads and the prologue take no pad mask) whose
+#: rows fill no M tile: tap-major with a channel tail (20 channels, K blocks of 16), tap-major with
+#: none (16: the unmasked load), the flat K walk; stride 1 and 2 (ResNet's 1x1 downsample).
+UNPADDED = [
+    ("1x1-tap-major-channel-tail", 20, (1, 1), 1, SMALL),
+    ("1x1-tap-major-whole-blocks", 16, (1, 1), 1, SMALL),
+    ("1x1-stride2-whole-blocks", 16, (1, 1), 2, SMALL),
+    ("3x2-flat", 6, (3, 2), 1, SMALL_FLAT),
+    ("3x3-stride2-heuristic-tile", 6, (3, 3), 2, None),
+]
+
+
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+@pytest.mark.parametrize("name,cin,kernel,stride,tile", UNPADDED, ids=[c[0] for c in UNPADDED])
+def test_an_unpadded_conv_hooks_every_lane_and_its_statistics_leave_out_the_rows_past_the_output(
+        name, cin, kernel, stride, tile, kind, act):  # fmt: skip
+    """Without padding the A tile is loaded without the pad mask and the rows past the output read the
+    last row's window: the result, its statistics and the output's last rows must not show either."""
+    g = torch.Generator().manual_seed(stable_seed(("unpadded", name, kind, str(act))))
+    x = _channels_last(_randn(3, cin, 7, 5, g=g))  # M = 3 x 7 x 5 (or 3 x 4 x 3): no multiple of 16
+    w, b = _randn(9, cin, *kernel, g=g, scale=0.3), _randn(9, g=g)
+    prologue = _prologue(kind.split("-")[0], 3, cin, g, affine=not kind.endswith("no-affine"))
+    _check(f"unpadded {name} {kind} {act}", x, w, b, stride=stride, prologue=prologue, act_in=act, act_out="relu",
+           stats=True, tile=tile)
+
+
 ACTIVATIONS = ["relu", Activation("leaky_relu", 0.3), "gelu", "silu"]
 
 

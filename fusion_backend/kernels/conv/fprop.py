@@ -130,10 +130,12 @@ def conv_fprop_kernel(
                    BIG)  # fmt: skip
         return
 
+    PADDED: tl.constexpr = (PD > 0) or (PH > 0) or (PW > 0)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
-    n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(m, OD, OH, OW, SD, SH, SW, PD, PH, PW, x_sn, x_sd, x_sh,
-                                                         x_sw, BIG)  # fmt: skip
+    # rows past M read the last row's window (``load_a_tile`` loads them unmasked); never stored
+    n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(tl.minimum(m, M - 1), OD, OH, OW, SD, SH, SW, PD, PH, PW,
+                                                         x_sn, x_sd, x_sh, x_sw, BIG)  # fmt: skip
     row_base += g * C_IN_G
 
     co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -145,7 +147,7 @@ def conv_fprop_kernel(
         a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
                         p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
                         C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                        FLAT_K, compute, BLOCK_K)  # fmt: skip
+                        FLAT_K, PADDED, compute, BLOCK_K)  # fmt: skip
         b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
         acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
 
