@@ -59,7 +59,8 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   3x3 and the SD VAE decoder's 512-channel 3x3 (``CONV_FAMILY_SHAPES``); ``bf16`` or ``fp32`` (TF32);
   ``-hooked``: a BatchNorm + ReLU's hooks (prologue, relu, output statistics; relu' and the
   BatchNorm-backward sums; the prologue recomputed in wgrad).  Cases ``{resnet_1x1,resnet_3x3,
-  resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-{bf16,fp32}[-hooked]``; default six of them.
+  resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-{bf16,fp32}[-hooked][-box]`` (``-box``: the forward loads
+  its A tiles as boxes, the stride-1 shapes alone); default six of them.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
   the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
   pool, a max or an avg pool; ``fp32``, ``bf16``.  Cases ``{none,max,avg}-{fp32,bf16}``, all by default.
@@ -145,6 +146,7 @@ than an sm_90 block has, ``SM90_MAX_SHARED``; in ``global_mean``, also a spill),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -180,6 +182,7 @@ from fusion_backend.kernels import norm_pool as NP  # noqa: E402
 from fusion_backend.kernels import tf32 as TF32  # noqa: E402
 from fusion_backend.kernels.chain_math import OP_CODES  # noqa: E402
 from fusion_backend.kernels.conv import fprop as FAMILY_FPROP  # noqa: E402
+from fusion_backend.kernels.conv import tiles as FAMILY_TILES  # noqa: E402
 from fusion_backend.ops import chain_lowering, conv_io  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
@@ -523,9 +526,10 @@ def _launchable_on_cpu_tensors():  # noqa: ANN202
     return stack
 
 
-def conv_family_pass(shape: str, dtype: str, hooked: bool) -> None:
+def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False) -> None:
     """``kernels/conv/``'s three launchers (``conv_fprop``, ``conv_dgrad``, ``conv_wgrad``) on one of
-    :data:`CONV_FAMILY_SHAPES`, channels-last, with the tile ``pick_tile`` picks; ``hooked``: the hooks
+    :data:`CONV_FAMILY_SHAPES`, channels-last, with the tile ``pick_tile`` picks; ``box``: ``conv_fprop``
+    with that tile loading its A tiles as boxes (``tiles.box_width``; the gradients as without); ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
     it, an eval norm's scale and shift; dgrad: relu' of the recomputed prologue and the BatchNorm-backward
@@ -546,7 +550,12 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool) -> None:
     per_out = torch.empty(c_out, dtype=torch.float32)
     chain = [(OP_CODES["mul"], [per_out]), (OP_CODES["add"], [per_out])] if hooked and has_bias else []
     with _launchable_on_cpu_tensors():
-        FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, saved=dy if hooked else None, **hooks, **geo)
+        tile = None
+        if box:
+            first = FAMILY.pick_tile(c_in, c_out, w_shape[2] * w_shape[3], dy.shape[0] * dy.shape[2] * dy.shape[3], dt)
+            tile = dataclasses.replace(first, box_w=FAMILY_TILES.box_width(dy.shape[3], first.block_m))
+        FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, saved=dy if hooked else None, tile=tile, **hooks,
+                          **geo)  # fmt: skip
         FAMILY.conv_dgrad(dy, w, x_shape, x_prev=x if hooked else None,
                           norm_stats=FAMILY.NormStats(vec, vec) if hooked else None, **hooks, **geo)  # fmt: skip
         FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, **hooks, **geo)
@@ -651,8 +660,9 @@ JOBS = {job.name: job for job in (
     ),
     Job(
         "conv_family", "kernels/conv/: conv_fprop, conv_dgrad, conv_wgrad, plain and hooked (ResNet-50, EfficientNet, SD VAE shapes)",
-        {f"{w}-{d}{h}": partial(conv_family_pass, w, d, bool(h))
-         for w in CONV_FAMILY_SHAPES for d in CONV_FAMILY_DTYPES for h in ("", "-hooked")},
+        {f"{w}-{d}{h}{b}": partial(conv_family_pass, w, d, bool(h), bool(b))
+         for w in CONV_FAMILY_SHAPES for d in CONV_FAMILY_DTYPES for h in ("", "-hooked")
+         for b in ("", "-box") if not b or CONV_FAMILY_SHAPES[w][2] == 1 and CONV_FAMILY_SHAPES[w][4] == 1},
         ("resnet_3x3-bf16", "resnet_3x3-bf16-hooked", "resnet_3x3-fp32-hooked", "resnet_stem-bf16-hooked",
          "depthwise-bf16-hooked", "vae_3x3-bf16-hooked"),
         tuple(TiledKernel(k, FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS))

@@ -591,3 +591,73 @@ def test_saved_contracts():
     plan = fprop.fprop_plan(x, w, saved=out)
     with pytest.raises(ContractError, match="pass saved"):
         plan(x, w, None, None, (), None, None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Box loads (the A tile as one tensor copy per K step)
+# --------------------------------------------------------------------------------------------------
+
+#: A box tile of 4 x 4 output positions: a call spans several boxes per output plane, and output
+#: planes that no box divides (the boxes past the edge compute rows that are never stored).
+SMALL_BOX = TileConfig(16, 16, 16, num_warps=1, num_stages=1, box_w=4)
+
+BOX_GEOMETRY = [
+    ("conv2d-3x3-pad1-channel-tail", (2, 20, 7, 9), (9, 20, 3, 3), dict(padding=1)),
+    ("conv2d-3x5-pad1x2", (1, 16, 6, 5), (7, 16, 3, 5), dict(padding=(1, 2))),
+    ("conv2d-1x1", (2, 16, 5, 7), (24, 16, 1, 1), {}),
+    ("conv2d-3x3-unpadded", (1, 32, 6, 7), (5, 32, 3, 3), {}),
+    ("conv1d-pad1", (2, 16, 11), (6, 16, 3), dict(padding=1)),
+    ("conv3d-pad1", (1, 16, 4, 5, 6), (5, 16, 3, 3, 3), dict(padding=1)),
+    ("groups2-16-per-group", (1, 32, 5, 6), (10, 16, 3, 3), dict(padding=1, groups=2)),
+]
+
+
+@pytest.mark.parametrize("case", BOX_GEOMETRY, ids=[c[0] for c in BOX_GEOMETRY])
+def test_box_loads_match_float64_with_every_epilogue_hook(case):
+    name, xs, ws, conv = case
+    g = torch.Generator().manual_seed(stable_seed(("box", name)))
+    x = _channels_last(_randn(*xs, g=g))
+    w, b = _randn(*ws, g=g, scale=0.3), _randn(ws[0], g=g)
+    out_shape = conv_fprop_reference(x, w, b, **conv)[0].shape
+    r = _channels_last(_randn(*out_shape, g=g))
+    _check(f"box {name}", x, w, b, tile=SMALL_BOX, act_out="relu", residual=r, stats=True, **conv)
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+def test_box_loads_apply_the_prologue_and_pad_the_activated_tensor(kind, act, padded):
+    """The copy reads the padding as 0 before the hook; the hook's shift must not reach it."""
+    g = torch.Generator().manual_seed(stable_seed(("box-prologue", kind, str(act), padded)))
+    x = _channels_last(_randn(2, 20, 5, 6, g=g))
+    w, b = _randn(7, 20, 3, 3, g=g, scale=0.3), _randn(7, g=g)
+    prologue = _prologue(kind.split("-")[0], 2, 20, g, affine=not kind.endswith("no-affine"))
+    conv = dict(padding=(1, 2) if padded else 0, prologue=prologue, act_in=act)
+    _check(f"box {kind} {act}", x, w, b, tile=SMALL_BOX, stats=True, **conv)
+
+
+def test_box_loads_read_a_sliced_or_unaligned_input_and_an_nchw_one():
+    g = torch.Generator().manual_seed(stable_seed("box-layouts"))
+    w = _randn(6, 20, 3, 3, g=g, dtype=torch.float16, scale=0.3)
+    wide = _channels_last(_randn(2, 24, 7, 9, g=g, dtype=torch.float16))
+    _check("box sliced channels, unaligned", wide[:, 4:], w, None, tile=SMALL_BOX, padding=1)
+    _check("box sliced columns", wide[:, 4:, :, 1:8], w, None, tile=SMALL_BOX, padding=1)
+    w24 = _randn(6, 24, 3, 3, g=g, dtype=torch.float16, scale=0.3)
+    _check("box nchw", _randn(2, 24, 7, 9, g=g, dtype=torch.float16), w24, None, tile=SMALL_BOX, padding=1)
+
+
+@pytest.mark.parametrize("conv,words", [
+    (dict(stride=2, padding=1), "stride and dilation 1"),
+    (dict(dilation=2, padding=2), "stride and dilation 1"),
+], ids=["strided", "dilated"])  # fmt: skip
+def test_a_box_tile_where_a_box_cannot_load_is_refused_in_one_line(conv, words):
+    g = torch.Generator().manual_seed(0)
+    x = _channels_last(_randn(1, 16, 7, 7, g=g))
+    with pytest.raises(ContractError, match=words):
+        conv_fprop(x, _randn(4, 16, 3, 3, g=g), tile=SMALL_BOX, **conv)
+
+
+def test_a_box_tile_needs_strides_a_tensor_copy_can_take():
+    g = torch.Generator().manual_seed(0)
+    x = _channels_last(_randn(1, 5, 7, 7, g=g))  # 5 fp32 channels: a 20-byte pixel stride
+    with pytest.raises(ContractError, match="16-byte strides"):
+        conv_fprop(x, _randn(4, 5, 3, 3, g=g), tile=SMALL_BOX, padding=1)

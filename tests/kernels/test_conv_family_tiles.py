@@ -8,6 +8,8 @@ kernels run under Triton's interpreter.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,7 @@ from fusion_backend.kernels.conv import (
 )
 from fusion_backend.kernels.conv.tiles import CANDIDATES, candidates, pick_tile, tuned_tile
 from fusion_backend.kernels.host import MAX_TUNED_CONFIGS
+from fusion_backend.kernels.plan_cache import ContractError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
@@ -99,6 +102,26 @@ def test_candidates_start_with_the_heuristic_and_fit_the_problem():
     assert stem[0] == first and all(t.flat_k and t.block_k == first.block_k for t in stem) and len(stem) == 3
 
 
+@pytest.mark.parametrize("out_w,block_m", [(56, 128), (7, 128), (3, 16), (200, 64), (1, 256)])
+def test_a_call_that_may_load_boxes_times_the_heuristics_tile_as_a_box_second(out_w, block_m):
+    tile = tiles.box_width(out_w, block_m)
+    assert tile & (tile - 1) == 0 and tile <= block_m and block_m // tile <= 256
+    assert tile >= min(out_w, block_m)  # a box spans whole output rows where they fit
+    boxed = candidates("fprop", 64, 64, 9, 200704, torch.bfloat16, box_out_w=56)
+    assert boxed[0] == pick_tile(64, 64, 9, 200704, torch.bfloat16)
+    assert boxed[1] == dataclasses.replace(boxed[0], box_w=tiles.box_width(56, boxed[0].block_m))
+    boxed[1].check()
+    assert not any(t.box_w for t in candidates("fprop", 64, 64, 9, 200704, torch.bfloat16))
+
+
+def test_a_box_tile_is_checked():
+    TileConfig(128, 64, 64, box_w=64).check()
+    for bad in (TileConfig(128, 64, 64, box_w=48), TileConfig(64, 64, 64, box_w=128),
+                TileConfig(64, 64, 16, flat_k=True, box_w=8)):  # fmt: skip
+        with pytest.raises(ContractError, match="box_w"):
+            bad.check()
+
+
 def test_the_fastest_candidate_is_chosen_cached_and_not_timed_again(timed):
     tried = candidates("fprop", 64, 64, 9, 4096, torch.float16)
     timed.times = {tried[0]: 3.0, tried[1]: 2.0, tried[2]: 0.5}
@@ -160,7 +183,8 @@ def test_each_pass_runs_the_tile_its_timing_chose_and_gives_the_same_result(time
     w = (torch.randn(32, 32, 3, 3, generator=g) * 0.1).to(DEVICE)
     dy = _cl(torch.randn(2, 32, 6, 6, generator=g)).to(DEVICE)
     for name, module, run, tried in (
-        ("fprop", fprop, lambda: conv_fprop(x, w, padding=1)[0], candidates("fprop", 32, 32, 9, 72, torch.float32)),
+        ("fprop", fprop, lambda: conv_fprop(x, w, padding=1)[0],  # stride 1, 128-byte pixels: a box candidate too
+         candidates("fprop", 32, 32, 9, 72, torch.float32, box_out_w=6)),
         ("dgrad", dgrad, lambda: conv_dgrad(dy, w, x.shape, padding=1)[0], candidates("dgrad", 32, 32, 9, 72,
                                                                                       torch.float32)),
         ("wgrad", wgrad, lambda: conv_wgrad(dy, x, w, padding=1)[0], candidates("wgrad", 32, 32, 9, 72,

@@ -207,3 +207,49 @@ def load_depthwise_tile(x_ptr, tap, row_base, n, id0, ih0, iw0, m_ok, ci, c_ok, 
             v = tl.where(mask, v, 0.0)
         a = activation(v, ACT_IN, slope_in)
     return a.to(COMPUTE)
+
+
+@triton.jit
+def load_a_box(x_desc, kk, n, od, oh0, ow0, oh, ow, g, D, H, W, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+               C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+               PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+               PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
+               PADDED: tl.constexpr, COMPUTE: tl.constexpr, BOX_H: tl.constexpr, BOX_W: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
+    """The A tile of K step ``kk`` loaded as one box (``tiles`` module docstring), in ``COMPUTE``.
+
+    ``x_desc``: a tensor descriptor of the input as ``(N, D, H, W, C_IN)`` (channel stride 1), block
+    ``(1, 1, BOX_H, BOX_W, BLOCK_K)``, zero padding.  The tile's rows are the ``BOX_H x BOX_W`` output
+    positions from ``(oh0, ow0)`` of plane ``(n, od)`` (stride and dilation 1), row ``i`` at ``(oh, ow)``
+    ``[BLOCK_M]``; K step ``kk`` is tap ``kk // (CIN_PAD // BLOCK_K)`` and a block of the group ``g``'s
+    channels, tap-major as ``load_a_tile``.  The copy reads every element outside the input, and every
+    channel past ``C_IN``, as 0: the conv's zero padding where no prologue runs.  With one, the pad lanes
+    are masked after it, as ``load_a_tile`` does (``PADDED`` False: there are none).  A group's channel
+    tail would read the next group's channels: the caller takes a box only where ``groups == 1`` or
+    ``BLOCK_K`` divides ``C_IN_G``."""
+    CB: tl.constexpr = CIN_PAD // BLOCK_K
+    tap = kk // CB
+    c0 = (kk % CB) * BLOCK_K
+    kd, kh, kw = _tap_coords(tap, KH, KW)
+    box = x_desc.load([n, od + kd - PD, oh0 + kh - PH, ow0 + kw - PW, g * C_IN_G + c0])
+    a = tl.reshape(box, [BOX_H * BOX_W, BLOCK_K])
+    if PROLOGUE != 0 or ACT_IN != 0:
+        ci = c0 + tl.arange(0, BLOCK_K)
+        c_ok = ci < C_IN_G
+        if PADDED:
+            hi = oh + kh - PH
+            wi = ow + kw - PW
+            r_ok = (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+            if PD > 0:  # the plane's input depth, one for every row (as a row vector: a mask is a tensor)
+                di = tl.zeros_like(oh) + (od + kd - PD)
+                r_ok = r_ok & (di >= 0) & (di < D)
+            mask = r_ok[:, None] & c_ok[None, :]
+        else:
+            mask = (oh[:, None] >= 0) & c_ok[None, :]  # [BLOCK_M, BLOCK_K]: the channel tail alone
+        rows_n = tl.zeros([BOX_H * BOX_W], tl.int32) + n
+        v = normalise(a.to(tl.float32), rows_n, g * C_IN_G + ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
+                      PROLOGUE, G_NORM, NORM_AFFINE, PADDED)  # fmt: skip
+        if PROLOGUE > 1 and PADDED:
+            v = tl.where(mask, v, 0.0)
+        a = activation(v, ACT_IN, slope_in)
+    return a.to(COMPUTE)

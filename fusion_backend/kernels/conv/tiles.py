@@ -22,6 +22,12 @@ The K axis (``C_in/groups * KD * KH * KW``, the weight's order: taps outer, chan
 * ``flat_k=True``: a K step is ``BLOCK_K`` consecutive entries of the flattened (tap, channel) axis,
   which may span several taps.  For few channels per group (an RGB stem: 3 channels x 49 taps;
   depthwise: 1 x 9), where tap-major steps would be mostly padding.  The bounds test is per element.
+
+The A tile's load (forward only): a gather (``box_w == 0``: per element addresses and masks), or a
+*box* (``box_w > 0``, tap-major, stride and dilation 1): the tile's ``BLOCK_M`` output positions are a
+``(BLOCK_M // box_w) x box_w`` block of one output plane, and a K step's A tile is then one block of
+the input, shifted by the tap, that a tensor descriptor (TMA on sm_90) loads whole, the padding read
+as zeros by the copy itself: no address or mask arithmetic per element (``fprop`` module docstring).
 """
 
 from __future__ import annotations
@@ -54,10 +60,18 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     flat_k: bool = False
+    #: the box load's output columns per tile (0: the gather; module docstring)
+    box_w: int = 0
+
+    @property
+    def box_h(self) -> int:
+        """The box load's output rows per tile (``block_m // box_w``)."""
+        return self.block_m // self.box_w if self.box_w else 0
 
     def check(self) -> None:
-        """Raise :class:`ContractError` unless the blocks are powers of two >= 16 and the launch
-        options are positive."""
+        """Raise :class:`ContractError` unless the blocks are powers of two >= 16, the launch options
+        are positive, and a box (``box_w``) is a power of two dividing ``block_m``, tap-major, with
+        sides of at most 256 (a tensor copy's limit)."""
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -65,6 +79,18 @@ class TileConfig:
         if self.num_warps < 1 or self.num_warps & (self.num_warps - 1) or self.num_stages < 1:
             raise ContractError(f"tile num_warps must be a power of two and num_stages >= 1, got "
                                 f"{self.num_warps} / {self.num_stages}")  # fmt: skip
+        if self.box_w and (self.box_w & (self.box_w - 1) or self.box_w > min(self.block_m, 256)
+                           or self.block_m // self.box_w > 256 or self.flat_k):  # fmt: skip
+            raise ContractError(f"tile box_w must be a power of two dividing block_m={self.block_m}, at most 256 "
+                                f"with block_m / box_w at most 256, and the K walk tap-major; got box_w="
+                                f"{self.box_w}, flat_k={self.flat_k}")  # fmt: skip
+
+
+def box_width(out_w: int, block_m: int) -> int:
+    """The box tile's columns for an output of ``out_w`` columns and ``block_m`` rows per tile: the
+    narrowest power of two covering ``out_w`` (a tile spans whole output rows where they fit), at
+    most ``block_m``, and wide enough that the box's rows (``block_m // box_w``) stay within 256."""
+    return max(min(next_pow2(out_w), block_m), -(-block_m // 256))
 
 
 def pick_tile(cin_g: int, cout_g: int, taps: int, m: int, dtype: torch.dtype) -> TileConfig:
@@ -118,7 +144,7 @@ _SHARED_BYTES = 200 * 1024
 
 
 def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: int, dtype: torch.dtype,
-               depthwise_channels: int | None = None) -> list[TileConfig]:  # fmt: skip
+               depthwise_channels: int | None = None, box_out_w: int | None = None) -> list[TileConfig]:  # fmt: skip
     """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"), at most
     ``host.MAX_TUNED_CONFIGS`` (each compiles before it is timed): the heuristic's (:func:`pick_tile`
     with ``k_channels`` the channels per group a K step walks and ``n_channels`` those of the N axis),
@@ -130,7 +156,9 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     a prologue, spilled registers on 4 warps at 128 x 32 (H200, Triton 3.6: ``python
     tools/compile_check.py conv_family``: the RGB stem's hooked fprop 156 spilled, its wgrad 24).
     ``depthwise_channels``: the pass runs the direct depthwise path over that many channels
-    (:func:`depthwise_candidates`).  An empty problem (``m == 0``) gets its first tile alone."""
+    (:func:`depthwise_candidates`).  ``box_out_w``: the call may load its A tiles as boxes (``fprop``:
+    stride and dilation 1, aligned), whose output is that many columns wide: the heuristic's tile
+    as a box comes second.  An empty problem (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
@@ -142,6 +170,8 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
         return list(dict.fromkeys([first, other_warps, halved]))
     size = dtype.itemsize
     kept = [first]
+    if box_out_w is not None:
+        kept.append(replace(first, box_w=box_width(box_out_w, first.block_m)))
     for c in CANDIDATES[pass_name]:
         block_n = min(c.block_n, max(16, next_pow2(n_channels)))
         cap = min(c.block_k, 32 if dtype == torch.float32 else 128)  # the widest that divides the channels
