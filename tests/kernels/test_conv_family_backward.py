@@ -173,6 +173,19 @@ def test_wgrad_of_an_unpadded_conv_recomputes_the_prologue_and_rows_past_the_out
     torch.testing.assert_close(gw.double(), auto, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tile", [SMALL, SMALL_FLAT], ids=["tap-major", "flat"])
+def test_wgrad_rows_past_the_output_add_nothing_even_beside_an_infinite_input(tile):
+    """The rows past M (105 of a 16-row tile) address the last row's window: read as it is, times
+    their zero grad_y, an infinite input there would turn eager's +-inf into NaN."""
+    g = torch.Generator().manual_seed(stable_seed(("wgrad-inf-tail", tile.flat_k)))
+    x = _channels_last(_randn(3, 16, 7, 5, g=g))
+    x[-1, :4, -1, -1] = float("inf")  # the last output position's input (a 1x1 conv: M - 1)
+    w = _randn(9, 16, 1, 1, g=g, scale=0.3)
+    gy = _channels_last(_randn(3, 9, 7, 5, g=g))
+    gw, _ = _check_wgrad("inf beside the tail", gy, x, w, tile=tile, split=2)
+    assert gw[:, :4].isinf().all() and gw[:, 4:].isfinite().all()
+
+
 def test_wgrad_is_bit_identical_across_runs_and_splits_only_reorder():
     g = torch.Generator().manual_seed(51)
     xs, ws, conv = (3, 8, 7, 6), (12, 8, 3, 3), dict(padding=1)

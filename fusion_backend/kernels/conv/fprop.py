@@ -171,7 +171,7 @@ def conv_fprop_kernel(
         a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
                         p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
                         C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                        FLAT_K, PADDED, compute, BLOCK_K)  # fmt: skip
+                        FLAT_K, PADDED, False, compute, BLOCK_K)  # fmt: skip
         b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
         acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
 

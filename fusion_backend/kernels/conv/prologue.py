@@ -94,7 +94,8 @@ def normalise(v, n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
 # NOTE: the unpadded walk (no pad mask; rows past M clamped by the caller, channel tails masked only where
 # the K blocks have one) on ResNet-50's 1x1 bottleneck conv (bf16, 128 x 64 x 64, sm_90): fprop with the
 # BatchNorm + ReLU prologue 46 SASS instructions per MMA in its main loop against 67, 186 registers against
-# 224; its wgrad 72 against 91; the plain wgrad 45 against 59 (``python tools/compile_check.py conv_family
+# 224; its wgrad (rows past M still masked: ``ROWS_ZERO``) 74 against 91; the plain wgrad 46 against 59
+# (``python tools/compile_check.py conv_family
 # --cases resnet_1x1-bf16,resnet_1x1-bf16-hooked --kernels fprop,wgrad --sass``).  Not timed on a GPU yet.
 @triton.jit
 def load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
@@ -102,8 +103,8 @@ def load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x
                 C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, KD: tl.constexpr, KH: tl.constexpr,
                 KW: tl.constexpr, DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
                 PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr,
-                ACT_IN: tl.constexpr, FLAT_K: tl.constexpr, PADDED: tl.constexpr, COMPUTE: tl.constexpr,
-                BLOCK_K: tl.constexpr):  # fmt: skip
+                ACT_IN: tl.constexpr, FLAT_K: tl.constexpr, PADDED: tl.constexpr, ROWS_ZERO: tl.constexpr,
+                COMPUTE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """The A tile of K step ``kk`` in the compute dtype ``COMPUTE`` (module docstring).
 
     ``row_base`` ``[BLOCK_M]``: each row's element offset of its window origin in its group's first
@@ -114,10 +115,12 @@ def load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x
     ``KD * KH * KW * C_IN_G`` (tap, channel) pairs.  ``g``: the conv group; ``C_IN``: all input
     channels (the prologue vectors' length).
 
-    Rows past ``M`` must address real memory (the caller clamps them to the last row): their lanes
-    are read unmasked and their results never stored.  ``PADDED`` False (the conv has no padding):
-    every window lies inside the input, so only channel tails are masked (none where ``CIN_PAD`` is
-    ``C_IN_G``: a plain load), and the prologue needs no select on the pad lanes."""
+    Rows past ``M`` must address real memory (the caller clamps them to the last row).  ``PADDED``
+    False (the conv has no padding): every window lies inside the input, so only channel tails are
+    masked (none where ``CIN_PAD`` is ``C_IN_G``: a plain load), and the prologue needs no select on
+    the pad lanes; the rows past ``M`` are then read as they are (a forward never stores them), or as
+    0 with ``ROWS_ZERO`` (a weight gradient sums over them: times their zero ``grad_y``, the last row's
+    values would add 0, but an infinite one NaN)."""
     if FLAT_K:
         k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
         tap = k // C_IN_G
@@ -131,7 +134,7 @@ def load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x
             inside = (di >= 0) & (di < D) & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
             mask = inside & (m_ok[:, None] & c_ok[None, :])
         else:
-            mask = (m_ok[:, None] | True) & c_ok[None, :]  # [BLOCK_M, BLOCK_K]
+            mask = (m_ok[:, None] | (not ROWS_ZERO)) & c_ok[None, :]  # [BLOCK_M, BLOCK_K]
         col = kd * (DD * x_sd) + kh * (DH * x_sh) + kw * (DW * x_sw) + ci
         offs = row_base[:, None] + col[None, :]
     else:
@@ -148,8 +151,8 @@ def load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x
             r_ok = m_ok & (di >= 0) & (di < D) & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
             mask = r_ok[:, None] & c_ok[None, :]
         else:
-            mask = (m_ok[:, None] | True) & c_ok[None, :]  # [BLOCK_M, BLOCK_K]
-    if PADDED or FLAT_K or CIN_PAD != C_IN_G:
+            mask = (m_ok[:, None] | (not ROWS_ZERO)) & c_ok[None, :]  # [BLOCK_M, BLOCK_K]
+    if PADDED or FLAT_K or ROWS_ZERO or CIN_PAD != C_IN_G:
         a = tl.load(x_ptr + offs, mask=mask, other=0.0)
     else:  # every lane real: no predicate
         a = tl.load(x_ptr + offs)

@@ -180,7 +180,7 @@ def conv_wgrad_kernel(
     for t in range(0, TILES_PER_SPLIT):
         m = (split * TILES_PER_SPLIT + t) * BLOCK_M + mb
         m_ok = m < M
-        # rows past M read the last row's window (finite: times their dy, masked to 0, they add 0)
+        # rows past M address the last row's window, read as 0 (``load_a_tile``'s ROWS_ZERO)
         n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(tl.minimum(m, M - 1), OD, OH, OW, SD, SH, SW, PD, PH,
                                                              PW, x_sn, x_sd, x_sh, x_sw, BIG)  # fmt: skip
         dy_row = _dy_rows(n, od, oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG)
@@ -188,7 +188,7 @@ def conv_wgrad_kernel(
         a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
                         p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
                         C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                        FLAT_K, PADDED, compute, BLOCK_K)  # fmt: skip
+                        FLAT_K, PADDED, True, compute, BLOCK_K)  # fmt: skip
         dy_mask = m_ok[:, None] & co_ok[None, :]
         dy = tl.load(dy_ptr + (dy_row + g * C_OUT_G)[:, None] + co[None, :], mask=dy_mask, other=0.0)
         acc = tl.dot(round_tf32(tl.trans(dy), PRECISION), round_tf32(a, PRECISION), acc, input_precision=PRECISION)
