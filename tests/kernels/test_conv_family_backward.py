@@ -573,3 +573,70 @@ def test_bad_inputs_raise_one_line_contract_errors_before_launch(match, call, mo
     with pytest.raises(ContractError, match=match.replace("(", r"\(").replace(")", r"\)")) as info:
         call()
     assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# wgrad with box loads
+# --------------------------------------------------------------------------------------------------
+
+#: Boxes of 4 x 4 output positions: several per plane, and planes that no box divides.
+SMALL_BOX = TileConfig(16, 16, 16, num_warps=1, num_stages=1, box_w=4)
+
+BOX_GEOMETRY = [
+    ("conv2d-3x3-pad1-channel-tail", (2, 20, 7, 9), (12, 20, 3, 3), dict(padding=1)),
+    ("conv2d-1x1-whole-boxes", (2, 16, 8, 8), (24, 16, 1, 1), {}),
+    ("conv2d-3x2-unpadded", (1, 16, 7, 6), (8, 16, 3, 2), {}),
+    ("conv1d-pad2", (2, 16, 13), (8, 16, 5), dict(padding=2)),
+    ("conv3d-pad1", (1, 16, 4, 5, 6), (8, 16, 3, 3, 3), dict(padding=1)),
+    ("groups2-channel-tail-per-group", (2, 8, 5, 6), (8, 4, 3, 3), dict(padding=1, groups=2)),
+]
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("case", BOX_GEOMETRY, ids=[c[0] for c in BOX_GEOMETRY])
+def test_wgrad_with_box_loads_matches_float64(case, split):
+    name, xs, ws, conv = case
+    g = torch.Generator().manual_seed(stable_seed(("wgrad-box", name)))
+    x = _channels_last(_randn(*xs, g=g))
+    w = _randn(*ws, g=g, scale=0.3)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    _check_wgrad(f"box {name}", gy, x, w, tile=SMALL_BOX, split=split, bias_grad=True, **conv)
+
+
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+def test_wgrad_with_box_loads_recomputes_each_prologue(kind, act):
+    g = torch.Generator().manual_seed(stable_seed(("wgrad-box-prologue", kind, str(act))))
+    xs, ws, conv = (2, 16, 5, 6), (8, 16, 3, 3), dict(padding=(1, 2))
+    x = _channels_last(_randn(*xs, g=g))
+    w = _randn(*ws, g=g, scale=0.3)
+    prologue = _prologue(kind.split("-")[0], 2, 16, g, affine=not kind.endswith("no-affine"))
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    gw, _ = _check_wgrad(kind, gy, x, w, prologue=prologue, act_in=act, tile=SMALL_BOX, split=2, **conv)
+    w64 = w.double().requires_grad_(True)
+    y = conv_fprop_reference(x, w64, prologue=prologue, act_in=act, dtype=torch.float64, **conv)[0]
+    (auto,) = torch.autograd.grad(y, w64, gy.double())
+    torch.testing.assert_close(gw.double(), auto, rtol=1e-5, atol=1e-5)
+
+
+def test_wgrad_boxes_past_the_planes_edge_add_nothing_even_beside_an_infinite_input():
+    """A 3x3 unpadded conv's 5 x 4 output in 4 x 4 boxes: the positions past its edge read the
+    input's last rows (here an infinite element) with a zero grad_y: the taps only they reach with it
+    must stay finite, as eager's are, not NaN."""
+    g = torch.Generator().manual_seed(stable_seed("wgrad-box-inf"))
+    x = _channels_last(_randn(1, 16, 7, 6, g=g))
+    x[0, :4, -1, -1] = float("inf")
+    w = _randn(8, 16, 3, 3, g=g, scale=0.3)
+    gy = _channels_last(_randn(1, 8, 5, 4, g=g))
+    gw, _ = _check_wgrad("box inf beside the edge", gy, x, w, tile=SMALL_BOX, split=1)
+    assert gw[:, :4, 2, 2].isinf().all() and gw[:, :4, :2].isfinite().all()  # only the last tap reads it
+
+
+def test_a_wgrad_box_tile_where_a_box_cannot_load_is_refused_in_one_line():
+    g = torch.Generator().manual_seed(0)
+    x = _channels_last(_randn(1, 16, 7, 7, g=g))
+    gy = _channels_last(_randn(1, 4, 3, 3, g=g))
+    with pytest.raises(ContractError, match="stride and dilation 1"):
+        conv_wgrad(gy, x, _randn(4, 16, 3, 3, g=g), tile=SMALL_BOX, stride=2)
+    gy5 = _channels_last(_randn(1, 5, 5, 5, g=g))  # 5 fp32 output channels: a 20-byte grad_y pixel
+    with pytest.raises(ContractError, match="16-byte strides, grad_y has"):
+        conv_wgrad(gy5, x, _randn(5, 16, 3, 3, g=g), tile=SMALL_BOX)

@@ -102,14 +102,21 @@ def test_candidates_start_with_the_heuristic_and_fit_the_problem():
     assert stem[0] == first and all(t.flat_k and t.block_k == first.block_k for t in stem) and len(stem) == 3
 
 
-@pytest.mark.parametrize("out_w,block_m", [(56, 128), (7, 128), (3, 16), (200, 64), (1, 256)])
-def test_a_call_that_may_load_boxes_times_the_heuristics_tile_as_a_box_second(out_w, block_m):
-    tile = tiles.box_width(out_w, block_m)
-    assert tile & (tile - 1) == 0 and tile <= block_m and block_m // tile <= 256
-    assert tile >= min(out_w, block_m)  # a box spans whole output rows where they fit
-    boxed = candidates("fprop", 64, 64, 9, 200704, torch.bfloat16, box_out_w=56)
+@pytest.mark.parametrize("plane,block_m,want", [
+    ((56, 56), 64, 8),  # 8 x 8 boxes divide the plane
+    ((56, 56), 128, 16),  # none does; of the least wasteful, 8 x 16 hangs over in one column of 7 boxes
+    ((7, 7), 128, 16),  # a small plane: one box covers it, 8 x 16 the widest of those
+    ((1, 200), 64, 64),  # a 1-d output: one row
+    ((300, 300), 256, 16),  # 16 x 16 boxes waste the least (19 x 19 of them)
+])  # fmt: skip
+def test_a_box_covers_the_output_plane_with_the_fewest_positions_past_its_edge(plane, block_m, want):
+    assert tiles.box_width(*plane, block_m) == want
+
+
+def test_a_call_that_may_load_boxes_times_the_heuristics_tile_as_a_box_second():
+    boxed = candidates("fprop", 64, 64, 9, 200704, torch.bfloat16, box_plane=(56, 56))
     assert boxed[0] == pick_tile(64, 64, 9, 200704, torch.bfloat16)
-    assert boxed[1] == dataclasses.replace(boxed[0], box_w=tiles.box_width(56, boxed[0].block_m))
+    assert boxed[1] == dataclasses.replace(boxed[0], box_w=tiles.box_width(56, 56, boxed[0].block_m))
     boxed[1].check()
     assert not any(t.box_w for t in candidates("fprop", 64, 64, 9, 200704, torch.bfloat16))
 
@@ -184,11 +191,11 @@ def test_each_pass_runs_the_tile_its_timing_chose_and_gives_the_same_result(time
     dy = _cl(torch.randn(2, 32, 6, 6, generator=g)).to(DEVICE)
     for name, module, run, tried in (
         ("fprop", fprop, lambda: conv_fprop(x, w, padding=1)[0],  # stride 1, 128-byte pixels: a box candidate too
-         candidates("fprop", 32, 32, 9, 72, torch.float32, box_out_w=6)),
+         candidates("fprop", 32, 32, 9, 72, torch.float32, box_plane=(6, 6))),
         ("dgrad", dgrad, lambda: conv_dgrad(dy, w, x.shape, padding=1)[0], candidates("dgrad", 32, 32, 9, 72,
                                                                                       torch.float32)),
         ("wgrad", wgrad, lambda: conv_wgrad(dy, x, w, padding=1)[0], candidates("wgrad", 32, 32, 9, 72,
-                                                                                torch.float32)),
+                                                                                torch.float32, box_plane=(6, 6))),
     ):  # fmt: skip
         assert len(tried) > 1, name
         timed.times = {t: 1.0 for t in tried} | {tried[-1]: 0.25}

@@ -525,36 +525,42 @@ class _Plan:
         return out, None if partials is None else reduce_partials(partials, geo.m)
 
     def _box_descriptor(self, x: torch.Tensor) -> Any:
-        """``x`` (channels-last) as the ``(N, D, H, W, C_in)`` tensor descriptor the box loads read
-        (``prologue.load_a_box``); an ``x`` that is not 16-byte aligned (a slice) is copied first, to
-        a buffer of its own strides (the plan checked those)."""
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        if x.data_ptr() % 16:
-            x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
-        geo, tile = self.geo, self.tile
-        strides = list(x.stride()[2:])
-        sizes = list(x.shape[2:])
-        sizes, strides = [1] * (3 - len(sizes)) + sizes, [0] * (3 - len(strides)) + strides
-        return TensorDescriptor(x, [geo.n, *sizes, geo.c_in], [x.stride(0), *strides, 1],
-                                [1, 1, tile.box_h, tile.box_w, tile.block_k])
+        """``x`` as the tensor descriptor the box loads read (``prologue.load_a_box``)."""
+        tile = self.tile
+        return box_descriptor(x, self.geo.n, self.geo.c_in, [1, 1, tile.box_h, tile.box_w, tile.block_k])
 
 
-def box_refusal(geo: _Geometry, x: torch.Tensor, tile: TileConfig | None) -> str:
+def box_descriptor(t: torch.Tensor, n: int, channels: int, block: list[int]) -> Any:
+    """``t`` (channels-last, (N, C, *spatial), 1 to 3 spatial dims) as an ``(N, D, H, W, C)`` tensor
+    descriptor with block ``block``, zero padding.  A ``t`` that is not 16-byte aligned (a slice) is
+    copied first, to a buffer of its own strides (the plan checked those: ``box_refusal``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if t.data_ptr() % 16:
+        t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+    sizes, strides = list(t.shape[2:]), list(t.stride()[2:])
+    sizes, strides = [1] * (3 - len(sizes)) + sizes, [0] * (3 - len(strides)) + strides
+    return TensorDescriptor(t, [n, *sizes, channels], [t.stride(0), *strides, 1], block)
+
+
+def box_refusal(geo: _Geometry, x: torch.Tensor, tile: TileConfig | None, groups_fill: bool = True,
+                what: str = "x") -> str:
     """Why a call of geometry ``geo`` on ``x`` (channels-last, as the kernel reads it) cannot load its
-    A tiles as boxes with ``tile`` (``tiles`` module docstring); "" where it can.  ``tile`` None: of any
-    box tile (the group's channels then must fill the K blocks of the tile chosen later)."""
+    tiles as boxes with ``tile`` (``tiles`` module docstring); "" where it can.  ``tile`` None: of any
+    box tile.  ``groups_fill``: with groups, the channels of a group must fill the K blocks (a forward's
+    channel tail would read the next group's; a weight gradient drops those K entries).  ``what``: the
+    tensor's name in the answer."""
     if geo.stride != (1, 1, 1) or geo.dilation != (1, 1, 1):
         return f"a box needs stride and dilation 1, got stride {geo.stride} and dilation {geo.dilation}"
     if geo.c_in_g == 1:
         return "one input channel per group runs the direct depthwise tile"
     if tile is not None and tile.box_w and tile.flat_k:
         return "a box walks K tap-major"
-    if geo.groups > 1 and (tile is None or geo.c_in_g % tile.block_k):
+    if groups_fill and geo.groups > 1 and (tile is None or geo.c_in_g % tile.block_k):
         return f"with groups, the {geo.c_in_g} channels per group must fill the K blocks"
     size = x.element_size()
     if any(st * size % 16 for d, st in enumerate(x.stride()) if d != 1 and x.shape[d] > 1):
-        return f"the tensor copy needs 16-byte strides, x has {x.stride()} of {size}-byte elements"
+        return f"the tensor copy needs 16-byte strides, {what} has {x.stride()} of {size}-byte elements"
     return ""
 
 
@@ -703,7 +709,7 @@ def fprop_plan(
         boxed = not box_refusal(geo, xs, None)
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise path (``_Plan.depthwise``)
-                           geo.out_size[2] if boxed else None)  # fmt: skip
+                           geo.out_size[1:] if boxed else None)  # fmt: skip
         tiles = [t for t in tiles if not t.box_w or not box_refusal(geo, xs, t)]
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out), saved),

@@ -86,11 +86,20 @@ class TileConfig:
                                 f"{self.box_w}, flat_k={self.flat_k}")  # fmt: skip
 
 
-def box_width(out_w: int, block_m: int) -> int:
-    """The box tile's columns for an output of ``out_w`` columns and ``block_m`` rows per tile: the
-    narrowest power of two covering ``out_w`` (a tile spans whole output rows where they fit), at
-    most ``block_m``, and wide enough that the box's rows (``block_m // box_w``) stay within 256."""
-    return max(min(next_pow2(out_w), block_m), -(-block_m // 256))
+def box_width(out_h: int, out_w: int, block_m: int) -> int:
+    """The box tile's columns for an output plane of ``out_h x out_w`` and ``block_m`` positions per
+    tile: the power of two whose boxes cover the plane with the fewest positions past its edge (each
+    computed for nothing); of those, the one with the fewest boxes hanging over the edge (a weight
+    gradient masks their rows: ``wgrad._box_weight_grad``), then the widest; the box's sides within 256."""
+    widths = [1 << i for i in range(block_m.bit_length()) if (1 << i) <= 256 and block_m >> i <= 256]
+
+    def cost(w: int) -> tuple[int, float, int]:
+        h = block_m // w
+        rows, cols = -(-out_h // h), -(-out_w // w)
+        over = (out_h % h != 0) * cols + (out_w % w != 0) * rows - (out_h % h != 0) * (out_w % w != 0)
+        return rows * h * cols * w, over / (rows * cols), -w
+
+    return min(widths, key=cost)
 
 
 def pick_tile(cin_g: int, cout_g: int, taps: int, m: int, dtype: torch.dtype) -> TileConfig:
@@ -144,7 +153,7 @@ _SHARED_BYTES = 200 * 1024
 
 
 def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: int, dtype: torch.dtype,
-               depthwise_channels: int | None = None, box_out_w: int | None = None) -> list[TileConfig]:  # fmt: skip
+               depthwise_channels: int | None = None, box_plane: tuple[int, int] | None = None) -> list[TileConfig]:  # fmt: skip
     """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"), at most
     ``host.MAX_TUNED_CONFIGS`` (each compiles before it is timed): the heuristic's (:func:`pick_tile`
     with ``k_channels`` the channels per group a K step walks and ``n_channels`` those of the N axis),
@@ -156,9 +165,9 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     a prologue, spilled registers on 4 warps at 128 x 32 (H200, Triton 3.6: ``python
     tools/compile_check.py conv_family``: the RGB stem's hooked fprop 156 spilled, its wgrad 24).
     ``depthwise_channels``: the pass runs the direct depthwise path over that many channels
-    (:func:`depthwise_candidates`).  ``box_out_w``: the call may load its A tiles as boxes (``fprop``:
-    stride and dilation 1, aligned), whose output is that many columns wide: the heuristic's tile
-    as a box comes second.  An empty problem (``m == 0``) gets its first tile alone."""
+    (:func:`depthwise_candidates`).  ``box_plane``: the call may load its tiles as boxes (stride and
+    dilation 1, aligned strides), its output planes ``(rows, columns)``: the heuristic's tile as a box
+    (:func:`box_width`) comes second.  An empty problem (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
@@ -170,8 +179,8 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
         return list(dict.fromkeys([first, other_warps, halved]))
     size = dtype.itemsize
     kept = [first]
-    if box_out_w is not None:
-        kept.append(replace(first, box_w=box_width(box_out_w, first.block_m)))
+    if box_plane is not None:
+        kept.append(replace(first, box_w=box_width(*box_plane, first.block_m)))
     for c in CANDIDATES[pass_name]:
         block_n = min(c.block_n, max(16, next_pow2(n_channels)))
         cap = min(c.block_k, 32 if dtype == torch.float32 else 128)  # the widest that divides the channels

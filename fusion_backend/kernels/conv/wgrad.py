@@ -25,6 +25,15 @@ gradient at the weight's strides (the padding dropped): for one plan (shapes, ti
 is the same bits on every run.  A different ``split`` or tile changes the order of the fp32 sums, not
 the mapping.
 
+Box loads (``TileConfig.box_w``; stride and dilation 1, 16-byte strides): the M tiles are boxes of the
+output planes, as the forward's (``fprop`` module docstring), and both operands, the box of
+``grad_y`` and the input block under it shifted by the tap, are tensor-descriptor loads with no
+per-row index arithmetic (:func:`_box_weight_grad`).  NOTE: sm_90 SASS of ResNet-50's 3x3 (bf16, 128 x
+64 x 64; ``python tools/compile_check.py conv_family --cases resnet_3x3-bf16-box --kernels wgrad --sass``
+against ``resnet_3x3-bf16``): 57 instructions per MMA in the main loop against 64, of which the
+masking of the boxes that hang over the plane's edge (8 x 16 boxes on 56 x 56: one column of 7 in
+28) is about half and runs on those alone; not timed on a GPU yet.
+
 One input channel per group (depthwise): no GEMM (its K would be the taps alone) but one program per
 (tap, channel block, split) summing ``grad_y * a`` over its split's rows (``_depthwise_weight_grad``),
 into the same partial layout (no padding), summed by the same launch.
@@ -54,12 +63,14 @@ from .fprop import (
     _check_call,
     _Geometry,
     _hashable,
+    box_descriptor,
+    box_refusal,
     channels_last,
     empty_channels_last,
     to_channels_last,
 )
 from .hooks import ActivationLike, Prologue
-from .prologue import load_a_tile, load_depthwise_tile, window_rows
+from .prologue import load_a_box, load_a_tile, load_depthwise_tile, window_rows
 from .tiles import TileConfig, cached_plan, candidates, tuned_tile
 
 #: Programs a split-K launch aims for (about two waves of a 132-SM GPU); each split keeps at least
@@ -129,9 +140,9 @@ def _depthwise_weight_grad(x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p
 # resnet_3x3-bf16,resnet_3x3-bf16-hooked --kernels wgrad --sass``).  The price: one compile per output size.
 @triton.jit
 def conv_wgrad_kernel(
-    x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+    x_ptr, dy_ptr, x_desc, dy_desc, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
     slope_in,
-    M, D, H, W, C_IN, C_OUT, C_OUT_G, TILES_PER_SPLIT, GROUPS,
+    M, D, H, W, C_IN, C_OUT, C_OUT_G, TILES_PER_SPLIT, GROUPS, OH_TILES, OW_TILES,
     x_sn, x_sd, x_sh, x_sw, dy_sn, dy_sd, dy_sh, dy_sw,
     OD: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
     C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, K_ROW: tl.constexpr, COUT_PAD: tl.constexpr,
@@ -141,10 +152,12 @@ def conv_wgrad_kernel(
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
     BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
-    DEPTHWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_N, BLOCK_K]`` partial tile of group ``g`` over split ``s``'s M tiles, where
-    ``program_id(2) = s * GROUPS + g`` (module docstring).
+    ``program_id(2) = s * GROUPS + g`` (module docstring); with ``BOX_W`` the M tiles are boxes of the
+    output planes and both operands are loaded as boxes (:func:`_box_weight_grad`).
 
     Pointers (element offsets):
       x_ptr     the forward's input before its prologue, (N, C_IN, D, H, W), channel stride 1: element
@@ -153,9 +166,11 @@ def conv_wgrad_kernel(
       part_ptr  fp32 (splits, GROUPS, COUT_PAD, K_ROW) contiguous: every element written once (the
                 padding included: padded channels and K entries come out 0).
       bpart_ptr BIAS_GRAD: fp32 (splits, C_OUT) contiguous, written by the ``kk == 0`` programs.
+      x_desc, dy_desc ``BOX_W``: tensor descriptors of x and grad_y (``_box_weight_grad``); else any
+                tensors, unused.
       p0..p3    the forward's prologue vectors (``prologue.normalise``).
     Runtime: ``slope_in`` the leaky slope of ``ACT_IN``; ``M = N * OD * OH * OW``; ``TILES_PER_SPLIT``
-    the M tiles of one split.  Constexprs: the output's sizes ``OD, OH, OW``, then as
+    the M tiles of one split; ``OH_TILES`` / ``OW_TILES`` the boxes along an output plane (``BOX_W``).  Constexprs: the output's sizes ``OD, OH, OW``, then as
     ``fprop.conv_fprop_kernel``'s (``K_ROW``: the K extent of one output channel, a multiple of ``BLOCK_K``).
     """
     if DEPTHWISE:  # one input channel per group: program (tap, channel block, split), no GEMM
@@ -177,23 +192,30 @@ def conv_wgrad_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     bacc = tl.zeros([BLOCK_N], tl.float32)
     PADDED: tl.constexpr = (PD > 0) or (PH > 0) or (PW > 0)
-    for t in range(0, TILES_PER_SPLIT):
-        m = (split * TILES_PER_SPLIT + t) * BLOCK_M + mb
-        m_ok = m < M
-        # rows past M address the last row's window, read as 0 (``load_a_tile``'s ROWS_ZERO)
-        n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(tl.minimum(m, M - 1), OD, OH, OW, SD, SH, SW, PD, PH,
-                                                             PW, x_sn, x_sd, x_sh, x_sw, BIG)  # fmt: skip
-        dy_row = _dy_rows(n, od, oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG)
-        row_base += g * C_IN_G
-        a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
-                        p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                        C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                        FLAT_K, PADDED, True, compute, BLOCK_K)  # fmt: skip
-        dy_mask = m_ok[:, None] & co_ok[None, :]
-        dy = tl.load(dy_ptr + (dy_row + g * C_OUT_G)[:, None] + co[None, :], mask=dy_mask, other=0.0)
-        acc = tl.dot(round_tf32(tl.trans(dy), PRECISION), round_tf32(a, PRECISION), acc, input_precision=PRECISION)
-        if BIAS_GRAD:
-            bacc += tl.sum(dy.to(tl.float32), axis=0)
+    if BOX_W > 0:
+        acc, bacc = _box_weight_grad(x_desc, dy_desc, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, kk, pid_n, g, split,
+                                     acc, bacc, D, H, W, C_IN, C_OUT_G, TILES_PER_SPLIT, OH_TILES, OW_TILES, OD, OH,
+                                     OW, C_IN_G, CIN_PAD, KH, KW, PD, PH, PW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                                     PADDED, BIAS_GRAD, PRECISION, compute, BOX_W, BLOCK_M, BLOCK_N,
+                                     BLOCK_K)  # fmt: skip
+    else:
+        for t in range(0, TILES_PER_SPLIT):
+            m = (split * TILES_PER_SPLIT + t) * BLOCK_M + mb
+            m_ok = m < M
+            # rows past M address the last row's window, read as 0 (``load_a_tile``'s ROWS_ZERO)
+            n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(tl.minimum(m, M - 1), OD, OH, OW, SD, SH, SW, PD, PH,
+                                                                 PW, x_sn, x_sd, x_sh, x_sw, BIG)  # fmt: skip
+            dy_row = _dy_rows(n, od, oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG)
+            row_base += g * C_IN_G
+            a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
+                            p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                            C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                            FLAT_K, PADDED, True, compute, BLOCK_K)  # fmt: skip
+            dy_mask = m_ok[:, None] & co_ok[None, :]
+            dy = tl.load(dy_ptr + (dy_row + g * C_OUT_G)[:, None] + co[None, :], mask=dy_mask, other=0.0)
+            acc = tl.dot(round_tf32(tl.trans(dy), PRECISION), round_tf32(a, PRECISION), acc, input_precision=PRECISION)
+            if BIAS_GRAD:
+                bacc += tl.sum(dy.to(tl.float32), axis=0)
 
     slot = split * GROUPS + g
     if BIG:
@@ -203,6 +225,48 @@ def conv_wgrad_kernel(
     if BIAS_GRAD:
         if kk == 0:
             tl.store(bpart_ptr + split * C_OUT + g * C_OUT_G + co, bacc, mask=co_ok)
+
+
+@triton.jit
+def _box_weight_grad(x_desc, dy_desc, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, kk, pid_n, g, split, acc, bacc, D, H, W,
+                     C_IN, C_OUT_G, TILES_PER_SPLIT, OH_TILES, OW_TILES, OD: tl.constexpr, OH: tl.constexpr,
+                     OW: tl.constexpr, C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, KH: tl.constexpr,
+                     KW: tl.constexpr, PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, PROLOGUE: tl.constexpr,
+                     G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr, PADDED: tl.constexpr,
+                     BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr, COMPUTE: tl.constexpr, BOX_W: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``(acc, bacc)`` summed over split ``split``'s boxes (stride and dilation 1): box ``b`` is ``(n, od,
+    th, tw)`` of the output (``tw`` fastest, as ``fprop._box_tile``), its ``grad_y`` one box of
+    ``dy_desc`` ((N, OD, OH, OW, C_OUT) block ``(1, 1, BOX_H, BOX_W, BLOCK_N)``) and its A tile the
+    forward's (``prologue.load_a_box`` on ``x_desc``).  Boxes past the last (a split's tail) and the
+    positions past the plane's edge read ``grad_y`` as 0 (outside its descriptor); their A rows are
+    zeroed too where the box does not divide the plane, as the gather's rows past M are (an infinite
+    input times 0 would be NaN)."""
+    BOX_H: tl.constexpr = BLOCK_M // BOX_W
+    EDGE: tl.constexpr = (OH % BOX_H != 0) or (OW % BOX_W != 0)
+    i = tl.arange(0, BLOCK_M)
+    for t in range(0, TILES_PER_SPLIT):
+        b = split * TILES_PER_SPLIT + t
+        tw = b % OW_TILES
+        rest = b // OW_TILES
+        th = rest % OH_TILES
+        rest = rest // OH_TILES
+        od = rest % OD
+        n = rest // OD
+        oh = th * BOX_H + i // BOX_W
+        ow = tw * BOX_W + i % BOX_W
+        dy = tl.reshape(dy_desc.load([n, od, th * BOX_H, tw * BOX_W, g * C_OUT_G + pid_n * BLOCK_N]),
+                        [BLOCK_M, BLOCK_N])  # fmt: skip
+        a = load_a_box(x_desc, kk, n, od, th * BOX_H, tw * BOX_W, oh, ow, g, D, H, W, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+                       slope_in, C_IN, C_IN_G, CIN_PAD, KH, KW, PD, PH, PW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                       PADDED, COMPUTE, BOX_H, BOX_W, BLOCK_K)  # fmt: skip
+        if EDGE:  # a box that does not divide the plane: its last row and column of boxes hang over
+            if (th == OH_TILES - 1) | (tw == OW_TILES - 1):
+                a = tl.where(((oh < OH) & (ow < OW))[:, None], a, 0.0).to(COMPUTE)
+        acc = tl.dot(round_tf32(tl.trans(dy), PRECISION), round_tf32(a, PRECISION), acc, input_precision=PRECISION)
+        if BIAS_GRAD:
+            bacc += tl.sum(dy.to(tl.float32), axis=0)
+    return acc, bacc
 
 
 @triton.jit
@@ -292,6 +356,16 @@ class _WgradPlan:
         self.k_row = cdiv(k, tile.block_k) * tile.block_k if flat_k else geo.taps * self.cin_pad
         self.cout_pad = geo.c_out_g if self.depthwise else cdiv(geo.c_out_g, tile.block_n) * tile.block_n
         m_tiles = cdiv(geo.m, tile.block_m)
+        #: the M tiles are boxes of the output planes (``_box_weight_grad``): ``(OH_TILES, OW_TILES)`` per plane
+        self.box = bool(tile.box_w)
+        box_tiles = (0, 0)
+        if self.box:
+            why = (box_refusal(geo, xs, tile, groups_fill=False)
+                   or box_refusal(geo, dys, tile, groups_fill=False, what="grad_y"))
+            if why:
+                raise ContractError(f"tile box_w={tile.box_w}: {why}")
+            box_tiles = (cdiv(geo.out_size[1], tile.box_h), cdiv(geo.out_size[2], tile.box_w))
+            m_tiles = geo.n * geo.out_size[0] * box_tiles[0] * box_tiles[1]
         if self.depthwise:  # grid (taps, channel blocks, splits)
             k_steps, n_tiles = geo.taps, cdiv(geo.c_out, tile.block_n)
         else:
@@ -312,13 +386,13 @@ class _WgradPlan:
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
             BIAS_GRAD=bias_grad, PRECISION=precision, BIG=big, FLAT_K=flat_k, DEPTHWISE=self.depthwise,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            BOX_W=tile.box_w, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
         # the output's sizes are constexprs: every M step peels its rows' coordinates by them, and a
         # division by a constant is a multiply (NOTE at ``conv_wgrad_kernel``)
         constexprs.update(OD=geo.out_size[0], OH=geo.out_size[1], OW=geo.out_size[2])
-        fixed = (geo.m, *geo.size, geo.c_in, geo.c_out, geo.c_out_g, tiles_per_split, geo.groups,
+        fixed = (geo.m, *geo.size, geo.c_in, geo.c_out, geo.c_out_g, tiles_per_split, geo.groups, *box_tiles,
                  *_spatial_strides(xs), *_spatial_strides(dys))  # fmt: skip
         grid = (k_steps, n_tiles, self.split * (1 if self.depthwise else geo.groups))
         self.launch = FastLaunch(conv_wgrad_kernel, grid, constexprs, fixed=fixed)
@@ -347,7 +421,13 @@ class _WgradPlan:
         part = torch.empty((self.split, geo.groups, self.cout_pad, self.k_row), dtype=torch.float32, device=self.device)
         bpart = torch.empty((self.split, geo.c_out), dtype=torch.float32, device=self.device) if self.bias_grad else part
         p = [part if t is None else t for t in hooks.prologue_tensors(prologue)]
-        self.launch(x, grad_y, part, bpart, *p, slope_in)
+        x_desc: Any = x
+        dy_desc: Any = grad_y
+        if self.box:
+            tile = self.tile
+            x_desc = box_descriptor(x, geo.n, geo.c_in, [1, 1, tile.box_h, tile.box_w, tile.block_k])
+            dy_desc = box_descriptor(grad_y, geo.n, geo.c_out, [1, 1, tile.box_h, tile.box_w, tile.block_n])
+        self.launch(x, grad_y, x_desc, dy_desc, part, bpart, *p, slope_in)
         self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
         grad_b = (bpart[0] if self.split == 1 else _reduce_splits(bpart)).to(self.dtype) if self.bias_grad else None
         return grad_w, grad_b
@@ -419,8 +499,12 @@ def conv_wgrad(
 
         if tile is not None:
             return plan_with(tile)
+        xs, dys = _layout_of(x), _layout_of(grad_y)
+        boxed = not (box_refusal(geo, xs, None, groups_fill=False)
+                     or box_refusal(geo, dys, None, groups_fill=False, what="grad_y"))
         tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
-                           geo.c_out if geo.c_in_g == 1 else None)  # the direct depthwise sums
+                           geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise sums
+                           geo.out_size[1:] if boxed else None)  # fmt: skip
         return plan_with(tuned_tile("wgrad", key, tiles, lambda t: functools.partial(
             plan_with(t).run, grad_y, x, weight, prologue, slope_in), x.device))
 
