@@ -640,3 +640,53 @@ def test_a_wgrad_box_tile_where_a_box_cannot_load_is_refused_in_one_line():
     gy5 = _channels_last(_randn(1, 5, 5, 5, g=g))  # 5 fp32 output channels: a 20-byte grad_y pixel
     with pytest.raises(ContractError, match="16-byte strides, grad_y has"):
         conv_wgrad(gy5, x, _randn(5, 16, 3, 3, g=g), tile=SMALL_BOX)
+
+
+# --------------------------------------------------------------------------------------------------
+# dgrad with box loads
+# --------------------------------------------------------------------------------------------------
+
+DGRAD_BOX_GEOMETRY = [
+    ("conv2d-3x3-pad1-channel-tail", (2, 12, 7, 9), (20, 12, 3, 3), dict(padding=1)),
+    ("conv2d-3x5-pad1x2", (1, 16, 6, 5), (8, 16, 3, 5), dict(padding=(1, 2))),
+    ("conv2d-1x1", (2, 24, 5, 7), (16, 24, 1, 1), {}),
+    ("conv2d-3x3-unpadded", (1, 8, 7, 6), (16, 8, 3, 3), {}),
+    ("conv1d-pad2", (2, 8, 13), (16, 8, 5), dict(padding=2)),
+    ("conv3d-pad1", (1, 8, 4, 5, 6), (16, 8, 3, 3, 3), dict(padding=1)),
+    ("groups2-16-outputs-per-group", (1, 8, 5, 6), (32, 4, 3, 3), dict(padding=1, groups=2)),
+]
+
+
+@pytest.mark.parametrize("case", DGRAD_BOX_GEOMETRY, ids=[c[0] for c in DGRAD_BOX_GEOMETRY])
+def test_dgrad_with_box_loads_matches_float64(case):
+    name, xs, ws, conv = case
+    g = torch.Generator().manual_seed(stable_seed(("dgrad-box", name)))
+    w = _randn(*ws, g=g, scale=0.3)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    _check_dgrad(f"box {name}", gy, w, xs, tile=SMALL_BOX, **conv)
+
+
+def test_dgrad_with_box_loads_applies_the_backward_hooks():
+    """relu' of the recomputed prologue and the BatchNorm-backward sums over boxes that hang over the
+    plane's edge (7 x 9 in 4 x 4 boxes): their rows past it neither stored nor summed."""
+    g = torch.Generator().manual_seed(stable_seed("dgrad-box-hooks"))
+    xs, ws, conv = (2, 12, 7, 9), (16, 12, 3, 3), dict(padding=1)
+    x = _channels_last(_randn(*xs, g=g, scale=2.0) + 1.0)
+    stats, prologue, _, _ = _bn(x, g)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    w = _randn(*ws, g=g, scale=0.3)
+    kw = dict(x_prev=x, prologue=prologue, act_in="relu", norm_stats=stats, **conv)
+    boxed, sums = _check_dgrad("box hooked", gy, w, xs, tile=SMALL_BOX, **kw)
+    gathered, sums_gathered = conv_dgrad(gy, w, xs, tile=SMALL, **kw)
+    torch.testing.assert_close(boxed, gathered)
+    assert sums.count == sums_gathered.count == 2 * 7 * 9
+
+
+def test_a_dgrad_box_tile_where_a_box_cannot_load_is_refused_in_one_line():
+    g = torch.Generator().manual_seed(0)
+    gy = _channels_last(_randn(1, 16, 3, 3, g=g))
+    with pytest.raises(ContractError, match="stride and dilation 1"):
+        conv_dgrad(gy, _randn(16, 8, 3, 3, g=g), (1, 8, 7, 7), tile=SMALL_BOX, stride=2)
+    gy2 = _channels_last(_randn(1, 24, 5, 5, g=g))  # 12 output channels per group: no whole K block of 16
+    with pytest.raises(ContractError, match="output channels per group must fill"):
+        conv_dgrad(gy2, _randn(24, 4, 3, 3, g=g), (1, 8, 5, 5), tile=SMALL_BOX, padding=1, groups=2)

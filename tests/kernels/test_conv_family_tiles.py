@@ -193,7 +193,7 @@ def test_each_pass_runs_the_tile_its_timing_chose_and_gives_the_same_result(time
         ("fprop", fprop, lambda: conv_fprop(x, w, padding=1)[0],  # stride 1, 128-byte pixels: a box candidate too
          candidates("fprop", 32, 32, 9, 72, torch.float32, box_plane=(6, 6))),
         ("dgrad", dgrad, lambda: conv_dgrad(dy, w, x.shape, padding=1)[0], candidates("dgrad", 32, 32, 9, 72,
-                                                                                      torch.float32)),
+                                                                                      torch.float32, box_plane=(6, 6))),
         ("wgrad", wgrad, lambda: conv_wgrad(dy, x, w, padding=1)[0], candidates("wgrad", 32, 32, 9, 72,
                                                                                 torch.float32, box_plane=(6, 6))),
     ):  # fmt: skip

@@ -24,6 +24,14 @@ GEMM mapping (ranks lifted to 3d as in ``fprop``):
   dim, each a dense shifted window of ``grad_y`` (:func:`_phase_rows`, :func:`_phase_tap`); a phase no
   tap lands on (a 1x1 conv's odd rows at stride 2) loops zero times and stores zeros.  The flat K walk
   (few output channels per group) keeps the masked gather.
+* Box loads (``TileConfig.box_w``; stride and dilation 1, grad_y's strides 16-byte multiples, with groups
+  output channels that fill the K blocks): a program owns a box of an input plane (:func:`_box_rows`),
+  and each tap's A tile is the grad_y block under it shifted back by the tap, one tensor-descriptor
+  load whose reads outside grad_y are the zeros of the masked gather.  NOTE: sm_90 SASS of ResNet-50's
+  3x3 (bf16, 128 x 64 x 64; ``python tools/compile_check.py conv_family --cases
+  resnet_3x3-bf16-box,resnet_3x3-bf16-hooked-box --kernels dgrad --sass`` against the cases without
+  ``-box``): 18 instructions per MMA in the main loop against 38, hooked 19 against 39; not timed on a
+  GPU yet.
 * ``B[(tap, co), ci] = weight[g*Cog + co, ci, tap]``: read in place from a channels-last weight whose
   channels the tile does not pad (row ``(tap, co)`` at ``(co * taps + tap) * C_in/g``), else
   prearranged once per call by ``fprop.prearrange_weight`` applied to the weight with its two channel
@@ -61,6 +69,8 @@ from .fprop import (
     _check_call,
     _Geometry,
     _hashable,
+    box_descriptor,
+    box_refusal,
     channels_last,
     dense_channels_last,
     empty_channels_last,
@@ -182,6 +192,27 @@ def _phase_tap(j, qd, qh, qw, m_ok, OD, OH, OW, geometry, SD: tl.constexpr, SH: 
 
 
 @triton.jit
+def _box_rows(pid_m, D, H, W, H_TILES, W_TILES, BOX_W: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows of box ``pid_m`` of the input planes (``tw`` fastest, then ``th``, depth, sample; as
+    ``fprop._box_tile``'s over the output): ``(m, m_ok, n, d, h, w, th, tw)``, ``n`` and ``d`` one
+    per row (the epilogue's), the positions past the plane's edge not ``m_ok``."""
+    BOX_H: tl.constexpr = BLOCK_M // BOX_W
+    tw = pid_m % W_TILES
+    rest = pid_m // W_TILES
+    th = rest % H_TILES
+    rest = rest // H_TILES
+    i = tl.arange(0, BLOCK_M)
+    zero = tl.zeros([BLOCK_M], tl.int32)
+    d = zero + rest % D
+    n = zero + rest // D
+    h = th * BOX_H + i // BOX_W
+    w = tw * BOX_W + i % BOX_W
+    m_ok = (h < H) & (w < W)
+    m = ((n * D + d) * H + h) * W + w
+    return m, m_ok, n, d, h, w, th, tw
+
+
+@triton.jit
 def _weight_rows(tap, co, C_IN_G: tl.constexpr, TAPS: tl.constexpr, COUT_PAD: tl.constexpr,
                  W_IN_PLACE: tl.constexpr):  # fmt: skip
     """The ``[BLOCK_K, 1]`` element offsets of the B rows ``(tap, co)`` from a group's first weight
@@ -227,9 +258,9 @@ def _depthwise_grad_tile(dy_ptr, w_ptr, n, d, h, w, m_ok, ci, ci_ok, OD, OH, OW,
 
 @triton.jit
 def conv_dgrad_kernel(
-    dy_ptr, w_ptr, out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+    dy_ptr, dy_desc, w_ptr, out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
     slope,
-    M, D, H, W, OD, OH, OW, C_IN, C_OUT, M_TILES,
+    M, D, H, W, OD, OH, OW, C_IN, C_OUT, M_TILES, H_TILES, W_TILES,
     dy_sn, dy_sd, dy_sh, dy_sw, xp_sn, xp_sd, xp_sh, xp_sw,
     C_IN_G: tl.constexpr, C_OUT_G: tl.constexpr, COUT_PAD: tl.constexpr, K_ROW: tl.constexpr,
     CIN_PAD: tl.constexpr,
@@ -239,11 +270,12 @@ def conv_dgrad_kernel(
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT: tl.constexpr,
     SUMS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, PHASED: tl.constexpr,
-    W_IN_PLACE: tl.constexpr, DEPTHWISE: tl.constexpr,
+    W_IN_PLACE: tl.constexpr, DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` tile of the input gradient of group ``program_id(2)`` (phased: group
-    ``program_id(2) % groups`` of phase ``program_id(2) // groups``; module docstring).
+    ``program_id(2) % groups`` of phase ``program_id(2) // groups``; ``BOX_W``: a box of an input plane
+    whose A tiles are boxes of grad_y, :func:`_box_rows`; module docstring).
 
     Pointers (element offsets):
       dy_ptr   grad_y (N, C_OUT, OD, OH, OW), channel stride 1, spatial strides ``dy_s*``.
@@ -252,8 +284,11 @@ def conv_dgrad_kernel(
                itself, channels-last dense, whose channels need no padding; ``DEPTHWISE``: (C_OUT, taps)
                rows, contiguous (``_depthwise_grad_tile``).
       out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr, p0..p3: ``grad_epilogue.store_grad_tile``'s.
+      dy_desc  ``BOX_W``: grad_y as an (N, OD, OH, OW, C_OUT) tensor descriptor, block ``(1, 1, BLOCK_M //
+               BOX_W, BOX_W, BLOCK_K)``, zero padding; else any tensor, unused.
     Unused pointers receive any tensor and are never dereferenced.
-    Runtime: ``M = N * D * H * W``; ``M_TILES`` the partial-sum rows, the grid's first dim (phased:
+    Runtime: ``M = N * D * H * W``; ``H_TILES`` / ``W_TILES`` the boxes along an input plane (``BOX_W``);
+    ``M_TILES`` the partial-sum rows, the grid's first dim (phased:
     times the phases; phase ``p``'s tile ``i`` writes row ``p * grid0 + i``).  Constexprs: ``C_IN_G`` / ``C_OUT_G``
     channels per group, ``COUT_PAD`` (tap-major) ``C_OUT_G`` rounded up to ``BLOCK_K``, ``K_ROW`` one
     input channel's K extent in ``w``, ``CIN_PAD`` ``C_IN_G`` rounded up to ``BLOCK_N``; kernel size,
@@ -282,6 +317,10 @@ def conv_dgrad_kernel(
         m, m_ok, n, d, h, w, qd, qh, qw, geometry = _phase_rows(pid_m, phase, M, D, H, W, SD, SH, SW, PD, PH, PW,
                                                                 KD, KH, KW, BLOCK_M)  # fmt: skip
         part_row = phase * tl.num_programs(0) + pid_m
+    elif BOX_W > 0:
+        g = tl.program_id(2)
+        m, m_ok, n, d, h, w, th, tw = _box_rows(pid_m, D, H, W, H_TILES, W_TILES, BOX_W, BLOCK_M)
+        part_row = pid_m
     else:
         g = tl.program_id(2)
         m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -311,6 +350,22 @@ def conv_dgrad_kernel(
             a = tl.load(dy_ptr + offs, mask=r_ok[:, None] & (co < C_OUT_G)[None, :], other=0.0)
             b = tl.load(w_cols + _weight_rows(tap, co, C_IN_G, KD * KH * KW, COUT_PAD, W_IN_PLACE))
             acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
+    elif BOX_W > 0:  # stride and dilation 1: the tap's grad_y block is the input box shifted back by it
+        BOX_H: tl.constexpr = BLOCK_M // BOX_W
+        CBLOCKS_BOX: tl.constexpr = COUT_PAD // BLOCK_K
+        n0 = tl.max(n, 0)  # the box's sample and depth (every row's)
+        d0 = tl.max(d, 0)
+        for kk in range(0, K_ROW // BLOCK_K):
+            tap = kk // CBLOCKS_BOX
+            co0 = (kk % CBLOCKS_BOX) * BLOCK_K
+            kd, kh, kw = _tap_coords(tap, KH, KW)
+            box = dy_desc.load([n0, d0 + PD - kd, th * BOX_H + PH - kh, tw * BOX_W + PW - kw, g * C_OUT_G + co0])
+            a = tl.reshape(box, [BLOCK_M, BLOCK_K])
+            if W_IN_PLACE:
+                b = tl.load(w_cols + _weight_rows(tap, co0 + kb, C_IN_G, KD * KH * KW, COUT_PAD, W_IN_PLACE))
+            else:
+                b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
+            acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
     else:
         for kk in range(0, K_ROW // BLOCK_K):
             a = load_dy_tile(dy_ptr, kk, row_base, d, h, w, m_ok, OD, OH, OW, dy_sd, dy_sh, dy_sw,
@@ -332,6 +387,19 @@ def conv_dgrad_kernel(
 # --------------------------------------------------------------------------------------------------
 # Host
 # --------------------------------------------------------------------------------------------------
+
+
+def dgrad_box_refusal(geo: _Geometry, dy: torch.Tensor, tile: TileConfig | None) -> str:
+    """Why the input gradient of a call of geometry ``geo`` cannot load its A tiles as boxes of grad_y
+    ``dy`` (channels-last, as the kernel reads it) with ``tile`` (None: any box tile); "" where it can.
+    ``fprop.box_refusal``'s rules, the output channels in the K blocks' place: with groups they must
+    fill them (a group's channel tail would read the next group's grad_y)."""
+    why = box_refusal(geo, dy, tile, groups_fill=False, what="grad_y")
+    if why:
+        return why
+    if geo.groups > 1 and (tile is None or geo.c_out_g % tile.block_k):
+        return f"with groups, the {geo.c_out_g} output channels per group must fill the K blocks"
+    return ""
 
 
 def prearrange_dgrad_weight(weight: torch.Tensor, groups: int, tile: TileConfig, dtype: torch.dtype) -> torch.Tensor:
@@ -366,6 +434,12 @@ class _DgradPlan:
         #: one input channel per group: the direct depthwise tile (``_depthwise_grad_tile``)
         self.depthwise = geo.c_in_g == 1
         self.phased = not self.depthwise and not tile.flat_k and geo.dilation == (1, 1, 1) and max(geo.stride) > 1
+        #: the rows are boxes of the input planes, the A tiles boxes of grad_y (stride and dilation 1)
+        self.box = bool(tile.box_w)
+        if self.box:
+            why = dgrad_box_refusal(geo, dys, tile)
+            if why:
+                raise ContractError(f"tile box_w={tile.box_w}: {why}")
         #: the weight is read as it is, not prearranged per call (channels-last dense, tap-major, and
         #: the tile pads neither channel axis)
         self.weight_in_place = (not self.depthwise and dense_channels_last(weight) and not tile.flat_k
@@ -373,6 +447,10 @@ class _DgradPlan:
         phases = math.prod(geo.stride) if self.phased else 1
         largest = geo.n * math.prod(cdiv(i, s) for i, s in zip(geo.size, geo.stride, strict=True))  # phase 0's rows
         m_tiles = cdiv(largest if self.phased else self.m, tile.block_m)
+        box_tiles = (0, 0)
+        if self.box:
+            box_tiles = (cdiv(geo.size[1], tile.box_h), cdiv(geo.size[2], tile.box_w))
+            m_tiles = geo.n * geo.size[0] * box_tiles[0] * box_tiles[1]
         #: partial-sum rows: every program of every phase writes its own
         self.m_tiles = m_tiles * phases
         grid = (m_tiles, cin_pad // tile.block_n, geo.groups * phases)
@@ -389,12 +467,12 @@ class _DgradPlan:
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue) if act else hooks.PROLOGUE_NONE, G_NORM=g_norm,
             NORM_AFFINE=norm_affine, ACT=act, SUMS=sums, PRECISION=precision, BIG=big, FLAT_K=tile.flat_k,
-            PHASED=self.phased, W_IN_PLACE=self.weight_in_place, DEPTHWISE=self.depthwise,
+            PHASED=self.phased, W_IN_PLACE=self.weight_in_place, DEPTHWISE=self.depthwise, BOX_W=tile.box_w,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
         xp_strides = _spatial_strides(xps) if xps is not None else [0, 0, 0, 0]
-        fixed = (self.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, self.m_tiles,
+        fixed = (self.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, self.m_tiles, *box_tiles,
                  *_spatial_strides(dys), *xp_strides)  # fmt: skip
         self.launch = FastLaunch(conv_dgrad_kernel, grid, constexprs, fixed=fixed)
 
@@ -419,8 +497,12 @@ class _DgradPlan:
             part = torch.empty((2, self.m_tiles, geo.c_in), dtype=torch.float32, device=self.device)
         p = [out if t is None else t for t in hooks.prologue_tensors(prologue)]
         mean, rstd = (norm_stats.mean, norm_stats.rstd) if norm_stats is not None else (out, out)
-        self.launch(grad_y, w, out, out if x_prev is None else x_prev, out if part is None else part, mean, rstd,
-                    *p, slope)  # fmt: skip
+        dy_desc: Any = grad_y
+        if self.box:
+            tile = self.tile
+            dy_desc = box_descriptor(grad_y, geo.n, geo.c_out, [1, 1, tile.box_h, tile.box_w, tile.block_k])
+        self.launch(grad_y, dy_desc, w, out, out if x_prev is None else x_prev, out if part is None else part, mean,
+                    rstd, *p, slope)  # fmt: skip
         return out, None if part is None else reduce_grad_partials(part, self.m)
 
 
@@ -510,8 +592,11 @@ def conv_dgrad(
         if tile is not None:
             return plan_with(tile)
         m = geo.n * math.prod(geo.size)
+        boxed = not dgrad_box_refusal(geo, _layout_of(grad_y), None)
         tiles = candidates("dgrad", geo.c_out_g, geo.c_in_g, geo.taps, m, grad_y.dtype,
-                           geo.c_in if geo.c_in_g == 1 else None)  # the direct depthwise path
+                           geo.c_in if geo.c_in_g == 1 else None,  # the direct depthwise path
+                           geo.size[1:] if boxed else None)  # fmt: skip
+        tiles = [t for t in tiles if not t.box_w or not dgrad_box_refusal(geo, _layout_of(grad_y), t)]
         return plan_with(tuned_tile("dgrad", key, tiles, lambda t: functools.partial(
             plan_with(t).run, grad_y, weight, x_prev, prologue, norm_stats, slope), grad_y.device))
 
