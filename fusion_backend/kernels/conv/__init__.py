@@ -26,7 +26,9 @@ Modules (one responsibility each):
 
 Status: forward, input and weight gradients, correct against float64 on CPU under Triton's interpreter
 and on the H200 (fp32, fp16, bf16); the forward near cuDNN's speed, the gradients behind it
-(``docs/perf/h200/conv-kernels``).  Used by ``fusion::conv_epilogue``'s forward for calls that save
+(``docs/perf/h200/conv-kernels``).  Each pass may also load its tiles as boxes through tensor
+descriptors (``tiles`` module docstring), a candidate of the timed tile choice, checked on CPU and by
+the sm_90 compile, not yet timed on a GPU.  Used by ``fusion::conv_epilogue``'s forward for calls that save
 nothing (inference), where it measures faster than its other paths (``ops/conv_epilogue/forward.py``,
 ``FamilyForward``); the hooks are not used by a fused op yet.
 """
