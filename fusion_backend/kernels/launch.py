@@ -65,9 +65,20 @@ MAX_REMEMBERED = 64
 #: Placeholder for a runtime argument in ``FastLaunch``'s argument template.
 _RUNTIME = object()
 
+try:  # Triton >= 3.3: host-side tensor descriptors (a box load's arguments)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TENSOR_DESCRIPTOR
+except ImportError:  # pragma: no cover - old Triton: no such argument ever comes
+    _TENSOR_DESCRIPTOR = None
+
 
 def call_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """The key of a call with runtime arguments ``args`` (see the module docstring).
+
+    A tensor descriptor (``triton.tools.tensor_descriptor.TensorDescriptor``, a box load's argument) is
+    keyed by everything it holds but its tensor's data: base dtype and alignment, shape, strides, block
+    shape, padding and TF32 rounding; finer than Triton's key (its dtype and block shape), so the
+    remembered kernel is the generic path's, which the direct launch then receives the descriptor as
+    the generic path would.
 
     NOTE: one comprehension and one ``map`` rather than a function call per argument: this runs on
     every launch, and per-argument Python calls were most of the launch's host time.
@@ -80,11 +91,20 @@ def call_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
             if isinstance(a, torch.Tensor)
             else call_key(a)
             if type(a) is tuple
+            else _descriptor_key(a)
+            if type(a) is _TENSOR_DESCRIPTOR
             else a
             for a in args
         ]
     )
     return (tuple(map(type, args)), values)
+
+
+def _descriptor_key(desc: Any) -> tuple[Any, ...]:
+    """``call_key``'s part for a tensor descriptor (its docstring)."""
+    return (desc.base.dtype, desc.base.data_ptr() % 16 == 0, tuple(desc.shape), tuple(desc.strides),
+            tuple(desc.block_shape), desc.padding, getattr(desc, "round_f32_to_tf32", False))  # fmt: skip
+
 
 
 def _hooks_idle() -> bool:

@@ -357,3 +357,45 @@ def test_after_compile_ahead_the_real_calls_compile_nothing(where, monkeypatch, 
     expected[:n] = (x[:n].double() * 3 + 16).to(x.dtype)
     torch.testing.assert_close(out1, expected)
     torch.testing.assert_close(out2, expected)
+
+
+def test_tensor_descriptors_are_keyed_by_all_but_their_data(fake_driver):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kernel = _Kernel([_Param("desc")])
+    fl = FastLaunch(kernel, (1,), {})
+    x = torch.randn(4, 8, 16)
+
+    def desc(t=x, block=(1, 4, 16)):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+    fl(desc())
+    fl(desc(x.clone()))  # other data, the same description: the remembered kernel, given the descriptor
+    fl(desc(block=(1, 8, 16)))  # another block: Triton's key differs
+    fl(desc(x.half()))  # another dtype
+    fl(desc(x[:2]))  # another shape
+    assert _paths(kernel) == ["generic", "direct", "generic", "generic", "generic"]
+    direct_args = kernel.log[1][1]
+    assert isinstance(direct_args[-1], TensorDescriptor)
+
+
+requires_cuda_box = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (tensor-descriptor launches)")
+
+
+@requires_cuda_box
+@pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad"])
+def test_a_box_plans_direct_launch_gives_its_generic_launchs_result(pass_name):
+    """The first call of a plan whose tiles load boxes takes Triton's generic path, the next ones the
+    remembered kernel with the descriptors passed directly: the same results, bit for bit."""
+    from fusion_backend.kernels.conv import TileConfig, conv_dgrad, conv_fprop, conv_wgrad
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 64, 14, 14, device="cuda", generator=g).to(torch.bfloat16, memory_format=torch.channels_last)
+    w = (torch.randn(64, 64, 3, 3, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    dy = torch.randn(2, 64, 14, 14, device="cuda", generator=g).to(torch.bfloat16, memory_format=torch.channels_last)
+    tile = TileConfig(128, 64, 64, box_w=16)
+    run = {"fprop": lambda: conv_fprop(x, w, padding=1, tile=tile)[0],
+           "dgrad": lambda: conv_dgrad(dy, w, x.shape, padding=1, tile=tile)[0],
+           "wgrad": lambda: conv_wgrad(dy, x, w, padding=1, tile=tile)[0]}[pass_name]
+    first, second, third = run(), run(), run()
+    assert torch.equal(first, second) and torch.equal(first, third)
