@@ -47,6 +47,34 @@ def _fewer_full_collections() -> None:
 
 _fewer_full_collections()
 
+
+def _heap_top_kept_mapped() -> None:
+    """glibc's ``malloc`` keeps 256 MB of free memory at the top of each heap (``M_TOP_PAD``) instead of
+    128 KB: the compiles and kernel runs of a test allocate and free their temporaries by the megabyte,
+    and each time a heap shrank past its top and grew again the kernel zero-filled its pages anew (a
+    minor page fault per 4 KB page).  Pages never touched stay unmapped, so the process's resident
+    memory does not grow.  The suite's subprocesses inherit it through ``MALLOC_TOP_PAD_``; a pad the
+    caller set there is kept (glibc read it at start-up).  Without glibc's ``mallopt`` nothing changes.
+    NOTE: 2-core CPU box, ``/usr/bin/time python -m pytest -q -p no:cacheprovider
+    tests/frontend/test_spellings.py tests/match/test_corpus.py tests/e2e/test_empty_batch.py``: 1.57
+    million minor page faults, 4.4 s of system time before; 178 thousand, 1.3 s after; 561 and 564 MB
+    resident at most."""
+    if "MALLOC_TOP_PAD_" in os.environ:
+        return
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    pad = 256 << 20
+    m_top_pad = -2  # glibc's malloc.h
+    if mallopt(m_top_pad, pad) == 1:
+        os.environ["MALLOC_TOP_PAD_"] = str(pad)
+
+
+_heap_top_kept_mapped()
+
 def _kernel_device() -> str:
     """``"cuda"`` where ``torch.cuda.is_available()``, else ``"cpu"``.  A torch built without CUDA or ROCm
     says so in its ``version.py`` (``cuda`` and ``hip`` are ``None``), read here without importing torch
