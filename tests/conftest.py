@@ -345,13 +345,20 @@ def _matching_operands_taken_as_they_are() -> None:
     ``binary_op_type_checking_impl`` works out the operands' computation type, casts each to it and
     broadcasts them to one shape; where the dtypes already agree and the shapes are one (the block
     shapes ``_block_shapes_built_once`` shares) each of those steps gives back its operand, and the
-    function returns them unchanged, at some 50 us an op for every op of every program instance.  Any
-    other pair (a Python number, a pointer, another dtype or shape) goes through Triton's checks.
-    NOTE: ``OMP_NUM_THREADS=1 time python -m pytest -q -p no:cacheprovider
-    tests/kernels/test_conv_fused_bwd.py tests/kernels/test_conv_family_backward.py`` on the 2-core CPU
-    box (Triton 3.9), 3-4 runs each: user 48-54 s before, 42-47 s with this alone, 36-38 s with this
-    and the identity lookups of ``_block_shapes_built_once``.  A Triton whose semantic layer is laid
-    out otherwise keeps its own."""
+    function returns them unchanged, at some 50 us an op for every op of every program instance.  Two
+    such operands of two shapes (a block and a scalar, or blocks that broadcast) skip the casts, which would
+    give them back, and are only broadcast; a tensor and a Python int or float whose computation type
+    is the tensor's dtype skip the tensor's cast, and the number becomes a constant of that dtype
+    through Triton's own ``_cast_to_computation_type`` (its range checks included).  Any other pair (a
+    pointer, two dtypes, a bool) goes through Triton's checks; ``tests/kernels/test_interpreter_shortcuts.py``
+    compares every pair of a grid with them.  NOTE: ``OMP_NUM_THREADS=1 time python -m pytest -q -p
+    no:cacheprovider tests/kernels/test_conv_fused_bwd.py tests/kernels/test_conv_family_backward.py``
+    on the 2-core CPU box (Triton 3.9), 3-4 runs each: user 48-54 s before, 42-47 s with this alone,
+    36-38 s with this and the identity lookups of ``_block_shapes_built_once``.  The two-shape and
+    Python-number pairs: the six ``test_max_pooled_gradient_matches_aten_fp32`` cases of
+    ``tests/kernels/test_conv_fused_bwd.py`` called six times over in one process, each way in turn
+    (process time): best 1.54 s through Triton's checks, 1.44 s without.  A Triton whose semantic layer
+    is laid out otherwise keeps its own."""
     try:
         from triton.language.semantic import TritonSemantic
     except ImportError:
@@ -377,13 +384,25 @@ def _matching_operands_taken_as_they_are() -> None:
 
     def type_checked(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True,
                      div_or_mod=False):
-        if isinstance(lhs, tensor) and isinstance(rhs, tensor):  # no Python number among them
-            if getattr(lhs.type, "shape", None) is getattr(rhs.type, "shape", None):
-                dtype = lhs.dtype
-                if dtype.name == rhs.dtype.name and not dtype.is_ptr() and (
-                        not arithmetic_check
-                        or computation_type(self, dtype, False, dtype, False, div_or_mod).name == dtype.name):
+        lhs_tensor, rhs_tensor = isinstance(lhs, tensor), isinstance(rhs, tensor)
+        if lhs_tensor and rhs_tensor:  # no Python number among them
+            dtype = lhs.dtype
+            if dtype.name == rhs.dtype.name and not dtype.is_ptr() and (
+                    not arithmetic_check
+                    or computation_type(self, dtype, False, dtype, False, div_or_mod).name == dtype.name):
+                if getattr(lhs.type, "shape", None) is getattr(rhs.type, "shape", None):
                     return lhs, rhs
+                return self.broadcast_impl_value(lhs, rhs)  # Triton's casts would hand both back
+        elif arithmetic_check and (lhs_tensor or rhs_tensor):
+            value, number = (lhs, rhs) if lhs_tensor else (rhs, lhs)
+            dtype = value.dtype
+            if type(number) in (int, float) and not dtype.is_ptr():
+                number_ty = self.to_tensor_type(number)
+                ret = (computation_type(self, dtype, False, number_ty, True, div_or_mod) if lhs_tensor
+                       else computation_type(self, number_ty, True, dtype, False, div_or_mod))
+                if ret.name == dtype.name:  # the tensor's cast hands it back
+                    number = self._cast_to_computation_type(number, ret)
+                    return self.broadcast_impl_value(*((value, number) if lhs_tensor else (number, value)))
         return checked(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
 
     def broadcast_value(self, lhs, rhs):
