@@ -690,3 +690,11 @@ def test_a_dgrad_box_tile_where_a_box_cannot_load_is_refused_in_one_line():
     gy2 = _channels_last(_randn(1, 24, 5, 5, g=g))  # 12 output channels per group: no whole K block of 16
     with pytest.raises(ContractError, match="output channels per group must fill"):
         conv_dgrad(gy2, _randn(24, 4, 3, 3, g=g), (1, 8, 5, 5), tile=SMALL_BOX, padding=1, groups=2)
+
+
+def test_a_box_tile_whose_groups_do_not_start_on_16_bytes_is_refused_in_one_line():
+    g = torch.Generator().manual_seed(0)
+    x = _channels_last(_randn(2, 8, 9, 1, g=g, dtype=torch.float16))  # groups of 4 fp16 channels: 8 bytes
+    gy = _channels_last(_randn(2, 16, 9, 1, g=g, dtype=torch.float16))
+    with pytest.raises(ContractError, match="x's groups of 4 2-byte channels"):
+        conv_wgrad(gy, x, _randn(16, 4, 1, 1, g=g, dtype=torch.float16), tile=SMALL_BOX, groups=2)

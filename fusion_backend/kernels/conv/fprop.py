@@ -538,9 +538,20 @@ def box_descriptor(t: torch.Tensor, n: int, channels: int, block: list[int]) -> 
 
     if t.data_ptr() % 16:
         t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-    sizes, strides = list(t.shape[2:]), list(t.stride()[2:])
-    sizes, strides = [1] * (3 - len(sizes)) + sizes, [0] * (3 - len(strides)) + strides
-    return TensorDescriptor(t, [n, *sizes, channels], [t.stride(0), *strides, 1], block)
+    sizes, strides = _descriptor_dims(t)
+    return TensorDescriptor(t, [n, *sizes[1:4], channels], strides, block)
+
+
+def _descriptor_dims(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """``t``'s (N, C, *spatial) sizes and strides as ``(N, D, H, W, C)``, the spatial dims lifted to 3,
+    each dim of size 1 given the dense stride over the next inner one (its own addresses nothing, and
+    torch sets it to anything, often 1; a tensor copy wants every stride a 16-byte multiple)."""
+    sizes = [t.shape[0], *([1] * (5 - t.dim())), *t.shape[2:], t.shape[1]]
+    strides = [t.stride(0), *([0] * (5 - t.dim())), *t.stride()[2:], 1]
+    for d in range(3, -1, -1):
+        if sizes[d] == 1:
+            strides[d] = strides[d + 1] * sizes[d + 1]
+    return sizes, strides
 
 
 def box_refusal(geo: _Geometry, x: torch.Tensor, tile: TileConfig | None, groups_fill: bool = True,
@@ -548,8 +559,8 @@ def box_refusal(geo: _Geometry, x: torch.Tensor, tile: TileConfig | None, groups
     """Why a call of geometry ``geo`` on ``x`` (channels-last, as the kernel reads it) cannot load its
     tiles as boxes with ``tile`` (``tiles`` module docstring); "" where it can.  ``tile`` None: of any
     box tile.  ``groups_fill``: with groups, the channels of a group must fill the K blocks (a forward's
-    channel tail would read the next group's; a weight gradient drops those K entries).  ``what``: the
-    tensor's name in the answer."""
+    channel tail would read the next group's; a weight gradient drops those K entries).  A group's first
+    channel must lie on 16 bytes (where a copy starts).  ``what``: the tensor's name in the answer."""
     if geo.stride != (1, 1, 1) or geo.dilation != (1, 1, 1):
         return f"a box needs stride and dilation 1, got stride {geo.stride} and dilation {geo.dilation}"
     if geo.c_in_g == 1:
@@ -559,8 +570,12 @@ def box_refusal(geo: _Geometry, x: torch.Tensor, tile: TileConfig | None, groups
     if groups_fill and geo.groups > 1 and (tile is None or geo.c_in_g % tile.block_k):
         return f"with groups, the {geo.c_in_g} channels per group must fill the K blocks"
     size = x.element_size()
-    if any(st * size % 16 for d, st in enumerate(x.stride()) if d != 1 and x.shape[d] > 1):
+    if any(st * size % 16 for st in _descriptor_dims(x)[1][:-1]):
         return f"the tensor copy needs 16-byte strides, {what} has {x.stride()} of {size}-byte elements"
+    group_channels = x.shape[1] // geo.groups
+    if geo.groups > 1 and group_channels * size % 16:
+        return (f"a tensor copy starts on 16 bytes: {what}'s groups of {group_channels} {size}-byte channels "
+                f"do not")  # fmt: skip
     return ""
 
 
