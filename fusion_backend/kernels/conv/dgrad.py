@@ -500,7 +500,7 @@ class _DgradPlan:
         dy_desc: Any = grad_y
         if self.box:
             tile = self.tile
-            dy_desc = box_descriptor(grad_y, geo.n, geo.c_out, [1, 1, tile.box_h, tile.box_w, tile.block_k])
+            dy_desc = box_descriptor(grad_y, [1, 1, tile.box_h, tile.box_w, tile.block_k])
         self.launch(grad_y, dy_desc, w, out, out if x_prev is None else x_prev, out if part is None else part, mean,
                     rstd, *p, slope)  # fmt: skip
         return out, None if part is None else reduce_grad_partials(part, self.m)

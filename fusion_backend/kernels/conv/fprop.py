@@ -527,10 +527,10 @@ class _Plan:
     def _box_descriptor(self, x: torch.Tensor) -> Any:
         """``x`` as the tensor descriptor the box loads read (``prologue.load_a_box``)."""
         tile = self.tile
-        return box_descriptor(x, self.geo.n, self.geo.c_in, [1, 1, tile.box_h, tile.box_w, tile.block_k])
+        return box_descriptor(x, [1, 1, tile.box_h, tile.box_w, tile.block_k])
 
 
-def box_descriptor(t: torch.Tensor, n: int, channels: int, block: list[int]) -> Any:
+def box_descriptor(t: torch.Tensor, block: list[int]) -> Any:
     """``t`` (channels-last, (N, C, *spatial), 1 to 3 spatial dims) as an ``(N, D, H, W, C)`` tensor
     descriptor with block ``block``, zero padding.  A ``t`` that is not 16-byte aligned (a slice) is
     copied first, to a buffer of its own strides (the plan checked those: ``box_refusal``)."""
@@ -539,7 +539,7 @@ def box_descriptor(t: torch.Tensor, n: int, channels: int, block: list[int]) -> 
     if t.data_ptr() % 16:
         t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
     sizes, strides = _descriptor_dims(t)
-    return TensorDescriptor(t, [n, *sizes[1:4], channels], strides, block)
+    return TensorDescriptor(t, sizes, strides, block)
 
 
 def _descriptor_dims(t: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -425,8 +425,8 @@ class _WgradPlan:
         dy_desc: Any = grad_y
         if self.box:
             tile = self.tile
-            x_desc = box_descriptor(x, geo.n, geo.c_in, [1, 1, tile.box_h, tile.box_w, tile.block_k])
-            dy_desc = box_descriptor(grad_y, geo.n, geo.c_out, [1, 1, tile.box_h, tile.box_w, tile.block_n])
+            x_desc = box_descriptor(x, [1, 1, tile.box_h, tile.box_w, tile.block_k])
+            dy_desc = box_descriptor(grad_y, [1, 1, tile.box_h, tile.box_w, tile.block_n])
         self.launch(x, grad_y, x_desc, dy_desc, part, bpart, *p, slope_in)
         self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
         grad_b = (bpart[0] if self.split == 1 else _reduce_splits(bpart)).to(self.dtype) if self.bias_grad else None
