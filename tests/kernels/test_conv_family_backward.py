@@ -136,23 +136,27 @@ PROLOGUES = [
 ]
 
 
-@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
-def test_wgrad_recomputes_each_prologue_on_load(kind, act):
-    """The gradient of ``conv(act(norm(x)))``'s weight from the pre-norm ``x``: the hooked input is
-    rebuilt while loading (padded taps 0 after the hook), compared to autograd through the forward
-    reference."""
-    g = torch.Generator().manual_seed(stable_seed(("wgrad", kind, str(act))))
-    xs, ws, conv = (2, 6, 5, 6), (7, 6, 3, 3), dict(padding=(1, 2), stride=(2, 1))
+def _check_wgrad_prologue(name: str, kind: str, act, xs, ws, conv, tile: TileConfig, split: int) -> None:  # noqa: ANN001
+    """``conv_wgrad`` of ``conv(act(prologue(x)))`` with the prologue of ``kind`` recomputed on load:
+    against the float64 reference (``_check_wgrad``) and against autograd through the forward reference."""
+    g = torch.Generator().manual_seed(stable_seed((name, kind, str(act), repr(tile))))
     x = _channels_last(_randn(*xs, g=g))
     w = _randn(*ws, g=g, scale=0.3)
-    prologue = _prologue(kind.split("-")[0], 2, 6, g, affine=not kind.endswith("no-affine"))
+    prologue = _prologue(kind.split("-")[0], xs[0], xs[1], g, affine=not kind.endswith("no-affine"))
     gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
-    gw, _ = _check_wgrad(kind, gy, x, w, prologue=prologue, act_in=act, tile=SMALL_FLAT, split=3, **conv)
-    # the same as autograd through the forward reference
+    gw, _ = _check_wgrad(f"{name} {kind}", gy, x, w, prologue=prologue, act_in=act, tile=tile, split=split, **conv)
     w64 = w.double().requires_grad_(True)
     y = conv_fprop_reference(x, w64, prologue=prologue, act_in=act, dtype=torch.float64, **conv)[0]
     (auto,) = torch.autograd.grad(y, w64, gy.double())
     torch.testing.assert_close(gw.double(), auto, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+def test_wgrad_recomputes_each_prologue_on_load(kind, act):
+    """The gradient of ``conv(act(norm(x)))``'s weight from the pre-norm ``x``: the hooked input is
+    rebuilt while loading (padded taps 0 after the hook)."""
+    _check_wgrad_prologue("wgrad", kind, act, (2, 6, 5, 6), (7, 6, 3, 3), dict(padding=(1, 2), stride=(2, 1)),
+                          SMALL_FLAT, 3)  # fmt: skip
 
 
 @pytest.mark.parametrize("tile", [SMALL, SMALL_FLAT], ids=["tap-major", "flat"])
@@ -160,17 +164,7 @@ def test_wgrad_recomputes_each_prologue_on_load(kind, act):
 def test_wgrad_of_an_unpadded_conv_recomputes_the_prologue_and_rows_past_the_output_add_nothing(kind, act, tile):
     """Without padding the loads take no pad mask and the rows past the output (M = 3 x 6 x 5 fills no
     tile) read the last row's window: their grad_y rows are 0, so they must add exactly nothing."""
-    g = torch.Generator().manual_seed(stable_seed(("wgrad-unpadded", kind, str(act), tile.flat_k)))
-    xs, ws, conv = (3, 16, 7, 5), (9, 16, 2, 1), dict(stride=1)
-    x = _channels_last(_randn(*xs, g=g))
-    w = _randn(*ws, g=g, scale=0.3)
-    prologue = _prologue(kind.split("-")[0], 3, 16, g, affine=not kind.endswith("no-affine"))
-    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
-    gw, _ = _check_wgrad(kind, gy, x, w, prologue=prologue, act_in=act, tile=tile, split=2, **conv)
-    w64 = w.double().requires_grad_(True)
-    y = conv_fprop_reference(x, w64, prologue=prologue, act_in=act, dtype=torch.float64, **conv)[0]
-    (auto,) = torch.autograd.grad(y, w64, gy.double())
-    torch.testing.assert_close(gw.double(), auto, rtol=1e-5, atol=1e-5)
+    _check_wgrad_prologue("wgrad-unpadded", kind, act, (3, 16, 7, 5), (9, 16, 2, 1), dict(stride=1), tile, 2)
 
 
 @pytest.mark.parametrize("tile", [SMALL, SMALL_FLAT], ids=["tap-major", "flat"])
@@ -605,17 +599,7 @@ def test_wgrad_with_box_loads_matches_float64(case, split):
 
 @pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
 def test_wgrad_with_box_loads_recomputes_each_prologue(kind, act):
-    g = torch.Generator().manual_seed(stable_seed(("wgrad-box-prologue", kind, str(act))))
-    xs, ws, conv = (2, 16, 5, 6), (8, 16, 3, 3), dict(padding=(1, 2))
-    x = _channels_last(_randn(*xs, g=g))
-    w = _randn(*ws, g=g, scale=0.3)
-    prologue = _prologue(kind.split("-")[0], 2, 16, g, affine=not kind.endswith("no-affine"))
-    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
-    gw, _ = _check_wgrad(kind, gy, x, w, prologue=prologue, act_in=act, tile=SMALL_BOX, split=2, **conv)
-    w64 = w.double().requires_grad_(True)
-    y = conv_fprop_reference(x, w64, prologue=prologue, act_in=act, dtype=torch.float64, **conv)[0]
-    (auto,) = torch.autograd.grad(y, w64, gy.double())
-    torch.testing.assert_close(gw.double(), auto, rtol=1e-5, atol=1e-5)
+    _check_wgrad_prologue("wgrad-box", kind, act, (2, 16, 5, 6), (8, 16, 3, 3), dict(padding=(1, 2)), SMALL_BOX, 2)
 
 
 def test_wgrad_boxes_past_the_planes_edge_add_nothing_even_beside_an_infinite_input():

@@ -25,7 +25,7 @@ GEMM mapping (ranks lifted to 3d as in ``fprop``):
   tap lands on (a 1x1 conv's odd rows at stride 2) loops zero times and stores zeros.  The flat K walk
   (few output channels per group) keeps the masked gather.
 * Box loads (``TileConfig.box_w``; stride and dilation 1, grad_y's strides 16-byte multiples, with groups
-  output channels that fill the K blocks): a program owns a box of an input plane (:func:`_box_rows`),
+  output channels that fill the K blocks): a program owns a box of an input plane (``prologue.box_coords``),
   and each tap's A tile is the grad_y block under it shifted back by the tap, one tensor-descriptor
   load whose reads outside grad_y are the zeros of the masked gather.  NOTE: sm_90 SASS of ResNet-50's
   3x3 (bf16, 128 x 64 x 64; ``python tools/compile_check.py conv_family --cases
@@ -79,7 +79,7 @@ from .fprop import (
 )
 from .grad_epilogue import store_grad_tile
 from .hooks import ActivationLike, NormStats, Prologue
-from .prologue import _tap_coords
+from .prologue import _tap_coords, box_coords
 from .stats import BatchNormGradSums, empty_grad_sums, reduce_grad_partials
 from .tiles import TileConfig, cached_plan, candidates, tuned_tile
 from .wgrad import _layout_of, _spatial_strides, check_grad_y
@@ -192,27 +192,6 @@ def _phase_tap(j, qd, qh, qw, m_ok, OD, OH, OW, geometry, SD: tl.constexpr, SH: 
 
 
 @triton.jit
-def _box_rows(pid_m, D, H, W, H_TILES, W_TILES, BOX_W: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The rows of box ``pid_m`` of the input planes (``tw`` fastest, then ``th``, depth, sample; as
-    ``fprop._box_tile``'s over the output): ``(m, m_ok, n, d, h, w, th, tw)``, ``n`` and ``d`` one
-    per row (the epilogue's), the positions past the plane's edge not ``m_ok``."""
-    BOX_H: tl.constexpr = BLOCK_M // BOX_W
-    tw = pid_m % W_TILES
-    rest = pid_m // W_TILES
-    th = rest % H_TILES
-    rest = rest // H_TILES
-    i = tl.arange(0, BLOCK_M)
-    zero = tl.zeros([BLOCK_M], tl.int32)
-    d = zero + rest % D
-    n = zero + rest // D
-    h = th * BOX_H + i // BOX_W
-    w = tw * BOX_W + i % BOX_W
-    m_ok = (h < H) & (w < W)
-    m = ((n * D + d) * H + h) * W + w
-    return m, m_ok, n, d, h, w, th, tw
-
-
-@triton.jit
 def _weight_rows(tap, co, C_IN_G: tl.constexpr, TAPS: tl.constexpr, COUT_PAD: tl.constexpr,
                  W_IN_PLACE: tl.constexpr):  # fmt: skip
     """The ``[BLOCK_K, 1]`` element offsets of the B rows ``(tap, co)`` from a group's first weight
@@ -275,7 +254,7 @@ def conv_dgrad_kernel(
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` tile of the input gradient of group ``program_id(2)`` (phased: group
     ``program_id(2) % groups`` of phase ``program_id(2) // groups``; ``BOX_W``: a box of an input plane
-    whose A tiles are boxes of grad_y, :func:`_box_rows`; module docstring).
+    whose A tiles are boxes of grad_y; module docstring).
 
     Pointers (element offsets):
       dy_ptr   grad_y (N, C_OUT, OD, OH, OW), channel stride 1, spatial strides ``dy_s*``.
@@ -317,9 +296,13 @@ def conv_dgrad_kernel(
         m, m_ok, n, d, h, w, qd, qh, qw, geometry = _phase_rows(pid_m, phase, M, D, H, W, SD, SH, SW, PD, PH, PW,
                                                                 KD, KH, KW, BLOCK_M)  # fmt: skip
         part_row = phase * tl.num_programs(0) + pid_m
-    elif BOX_W > 0:
+    elif BOX_W > 0:  # a box of an input plane (``prologue.box_coords``): its sample and depth per row too
         g = tl.program_id(2)
-        m, m_ok, n, d, h, w, th, tw = _box_rows(pid_m, D, H, W, H_TILES, W_TILES, BOX_W, BLOCK_M)
+        n0, d0, th, tw, h, w = box_coords(pid_m, D, H_TILES, W_TILES, BOX_W, BLOCK_M)
+        n = tl.zeros([BLOCK_M], tl.int32) + n0
+        d = tl.zeros([BLOCK_M], tl.int32) + d0
+        m_ok = (h < H) & (w < W)
+        m = ((n * D + d) * H + h) * W + w
         part_row = pid_m
     else:
         g = tl.program_id(2)
@@ -353,8 +336,6 @@ def conv_dgrad_kernel(
     elif BOX_W > 0:  # stride and dilation 1: the tap's grad_y block is the input box shifted back by it
         BOX_H: tl.constexpr = BLOCK_M // BOX_W
         CBLOCKS_BOX: tl.constexpr = COUT_PAD // BLOCK_K
-        n0 = tl.max(n, 0)  # the box's sample and depth (every row's)
-        d0 = tl.max(d, 0)
         for kk in range(0, K_ROW // BLOCK_K):
             tap = kk // CBLOCKS_BOX
             co0 = (kk % CBLOCKS_BOX) * BLOCK_K

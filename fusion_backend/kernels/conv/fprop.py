@@ -71,7 +71,7 @@ from ..tf32 import dot_precision, round_tf32
 from . import hooks
 from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
-from .prologue import load_a_box, load_a_tile, load_depthwise_tile, window_rows
+from .prologue import box_coords, load_a_box, load_a_tile, load_depthwise_tile, window_rows
 from .stats import ChannelStats, empty_stats, reduce_partials
 from .tiles import TileConfig, cached_plan, candidates, compiling_only, tuned_tile
 
@@ -195,15 +195,7 @@ def _box_tile(x_desc, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, co
     output positions)."""
     BOX_H: tl.constexpr = BLOCK_M // BOX_W
     K_ITERS: tl.constexpr = K_ROW // BLOCK_K
-    tw = pid_m % OW_TILES
-    rest = pid_m // OW_TILES
-    th = rest % OH_TILES
-    rest = rest // OH_TILES
-    od = rest % OD
-    n = rest // OD
-    i = tl.arange(0, BLOCK_M)
-    oh = th * BOX_H + i // BOX_W
-    ow = tw * BOX_W + i % BOX_W
+    n, od, th, tw, oh, ow = box_coords(pid_m, OD, OH_TILES, OW_TILES, BOX_W, BLOCK_M)
     m_ok = (oh < OH) & (ow < OW)
     if BIG:
         m = ((n.to(tl.int64) * OD + od) * OH + oh) * OW + ow

@@ -213,6 +213,20 @@ def load_depthwise_tile(x_ptr, tap, row_base, n, id0, ih0, iw0, m_ok, ci, c_ok, 
 
 
 @triton.jit
+def box_coords(b, PLANES_D, H_TILES, W_TILES, BOX_W: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Box ``b`` of a walk over planes in boxes (``tiles`` module docstring): ``(n, d, th, tw, h, w)``,
+    its sample and plane depth (of ``PLANES_D`` per sample), its box row and column (``tw`` fastest, then
+    ``th``, depth, sample) and its ``BLOCK_M`` positions ``(h, w)`` in the plane, ``BOX_W`` per row."""
+    BOX_H: tl.constexpr = BLOCK_M // BOX_W
+    tw = b % W_TILES
+    rest = b // W_TILES
+    th = rest % H_TILES
+    rest = rest // H_TILES
+    i = tl.arange(0, BLOCK_M)
+    return rest // PLANES_D, rest % PLANES_D, th, tw, th * BOX_H + i // BOX_W, tw * BOX_W + i % BOX_W
+
+
+@triton.jit
 def load_a_box(x_desc, kk, n, od, oh0, ow0, oh, ow, g, D, H, W, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
                C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                PD: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,

@@ -70,7 +70,7 @@ from .fprop import (
     to_channels_last,
 )
 from .hooks import ActivationLike, Prologue
-from .prologue import load_a_box, load_a_tile, load_depthwise_tile, window_rows
+from .prologue import box_coords, load_a_box, load_a_tile, load_depthwise_tile, window_rows
 from .tiles import TileConfig, cached_plan, candidates, tuned_tile
 
 #: Programs a split-K launch aims for (about two waves of a 132-SM GPU); each split keeps at least
@@ -244,17 +244,8 @@ def _box_weight_grad(x_desc, dy_desc, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, 
     input times 0 would be NaN)."""
     BOX_H: tl.constexpr = BLOCK_M // BOX_W
     EDGE: tl.constexpr = (OH % BOX_H != 0) or (OW % BOX_W != 0)
-    i = tl.arange(0, BLOCK_M)
     for t in range(0, TILES_PER_SPLIT):
-        b = split * TILES_PER_SPLIT + t
-        tw = b % OW_TILES
-        rest = b // OW_TILES
-        th = rest % OH_TILES
-        rest = rest // OH_TILES
-        od = rest % OD
-        n = rest // OD
-        oh = th * BOX_H + i // BOX_W
-        ow = tw * BOX_W + i % BOX_W
+        n, od, th, tw, oh, ow = box_coords(split * TILES_PER_SPLIT + t, OD, OH_TILES, OW_TILES, BOX_W, BLOCK_M)
         dy = tl.reshape(dy_desc.load([n, od, th * BOX_H, tw * BOX_W, g * C_OUT_G + pid_n * BLOCK_N]),
                         [BLOCK_M, BLOCK_N])  # fmt: skip
         a = load_a_box(x_desc, kk, n, od, th * BOX_H, tw * BOX_W, oh, ow, g, D, H, W, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
