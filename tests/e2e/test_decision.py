@@ -472,7 +472,10 @@ def test_the_real_timer_runs_both_candidates_on_cpu(cache, model_cls):
     """End to end with real timing (on CPU: the mechanics, not the speed): the region is extracted,
     compiled by Inductor with its backward, rewritten alone, both are timed, and the times land in
     the report and the cache; whatever wins, the output and gradients are eager's."""
-    model, x = model_cls(), torch.randn(2, 3, 10, 10, requires_grad=True)
+    # NOTE: the other tests' input size, so that Inductor's C++ kernels for the region and the graph are
+    # the ones they compiled (``pytest tests/e2e/test_decision.py`` with an empty Inductor cache: 28
+    # kernels compiled with (2, 3, 10, 10) here and in the grad-mode test below, 24 with this size).
+    model, x = model_cls(), torch.randn(2, 3, 12, 12, requires_grad=True)
     want = model(x)
     want.sum().backward()
     want_grad, want_wgrad = x.grad.clone(), model.get_submodule("conv" if model_cls is ConvLeakyPool else "inner.conv").weight.grad.clone()
@@ -499,7 +502,7 @@ def test_the_fused_first_call_overlaps_inductors_compile_in_the_callers_grad_mod
     """The fused op's first call runs on a worker thread while Inductor compiles the region (the log
     says "at once"), under the grad mode of the thread that compiles: in inference the fused op then
     saves nothing for a backward, so what it built and chose there is what the timed calls use."""
-    model, x = ConvLeakyPool(), torch.randn(2, 3, 10, 10)
+    model, x = ConvLeakyPool(), torch.randn(2, 3, 12, 12)  # the other tests' size: see the real-timer test
     compiled = torch.compile(model, backend="fusion", options={"defer": False})
     with torch.set_grad_enabled(grad), caplog.at_level(logging.INFO, logger="fusion_backend.decision"), \
             decision.timing_override(None, measure_on=("cpu",)), collect_reports() as reports:
