@@ -23,11 +23,12 @@ The K axis (``C_in/groups * KD * KH * KW``, the weight's order: taps outer, chan
   which may span several taps.  For few channels per group (an RGB stem: 3 channels x 49 taps;
   depthwise: 1 x 9), where tap-major steps would be mostly padding.  The bounds test is per element.
 
-The A tile's load (forward only): a gather (``box_w == 0``: per element addresses and masks), or a
-*box* (``box_w > 0``, tap-major, stride and dilation 1): the tile's ``BLOCK_M`` output positions are a
-``(BLOCK_M // box_w) x box_w`` block of one output plane, and a K step's A tile is then one block of
-the input, shifted by the tap, that a tensor descriptor (TMA on sm_90) loads whole, the padding read
-as zeros by the copy itself: no address or mask arithmetic per element (``fprop`` module docstring).
+The A tile's load: a gather (``box_w == 0``: per element addresses and masks), or a *box* (``box_w >
+0``, tap-major, stride and dilation 1): the tile's ``BLOCK_M`` positions are a ``(BLOCK_M // box_w) x
+box_w`` block of one plane (the output's in the forward and the weight gradient, the input's in the
+input gradient), and a K step's operand is then one block of the other tensor, shifted by the tap,
+that a tensor descriptor (TMA on sm_90) loads whole, the padding read as zeros by the copy itself: no
+address or mask arithmetic per element (``fprop``, ``dgrad`` and ``wgrad`` module docstrings).
 """
 
 from __future__ import annotations
