@@ -37,6 +37,7 @@ from fusion_backend.kernels.conv.reference import (
     conv_fprop_reference,
     conv_wgrad_reference,
 )
+from fusion_backend.kernels.conv.wgrad import wgrad_box_refusal
 from fusion_backend.testing import compare
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,8 +144,7 @@ def _tile(name: str, p: Problem, pass_name: str, dtype: torch.dtype) -> TileConf
     geo = _check_call(x, w, None, None, None, p.stride, p.padding, p.dilation, p.groups)
     refusal = {"fprop": lambda: box_refusal(geo, x, tile),
                "dgrad": lambda: dgrad_box_refusal(geo, dy, tile),
-               "wgrad": lambda: box_refusal(geo, x, tile, groups_fill=False)
-               or box_refusal(geo, dy, tile, groups_fill=False)}[pass_name]()  # fmt: skip
+               "wgrad": lambda: wgrad_box_refusal(geo, x, dy, tile)}[pass_name]()  # fmt: skip
     return None if refusal else tile
 
 

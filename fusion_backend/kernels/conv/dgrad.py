@@ -417,10 +417,6 @@ class _DgradPlan:
         self.phased = not self.depthwise and not tile.flat_k and geo.dilation == (1, 1, 1) and max(geo.stride) > 1
         #: the rows are boxes of the input planes, the A tiles boxes of grad_y (stride and dilation 1)
         self.box = bool(tile.box_w)
-        if self.box:
-            why = dgrad_box_refusal(geo, dys, tile)
-            if why:
-                raise ContractError(f"tile box_w={tile.box_w}: {why}")
         #: the weight is read as it is, not prearranged per call (channels-last dense, tap-major, and
         #: the tile pads neither channel axis)
         self.weight_in_place = (not self.depthwise and dense_channels_last(weight) and not tile.flat_k
@@ -430,6 +426,9 @@ class _DgradPlan:
         m_tiles = cdiv(largest if self.phased else self.m, tile.block_m)
         box_tiles = (0, 0)
         if self.box:
+            why = dgrad_box_refusal(geo, dys, tile)
+            if why:
+                raise ContractError(f"tile box_w={tile.box_w}: {why}")
             box_tiles = (cdiv(geo.size[1], tile.box_h), cdiv(geo.size[2], tile.box_w))
             m_tiles = geo.n * geo.size[0] * box_tiles[0] * box_tiles[1]
         #: partial-sum rows: every program of every phase writes its own
@@ -573,11 +572,12 @@ def conv_dgrad(
         if tile is not None:
             return plan_with(tile)
         m = geo.n * math.prod(geo.size)
-        boxed = not dgrad_box_refusal(geo, _layout_of(grad_y), None)
+        dys = _layout_of(grad_y)
+        boxed = not dgrad_box_refusal(geo, dys, None)
         tiles = candidates("dgrad", geo.c_out_g, geo.c_in_g, geo.taps, m, grad_y.dtype,
                            geo.c_in if geo.c_in_g == 1 else None,  # the direct depthwise path
                            geo.size[1:] if boxed else None)  # fmt: skip
-        tiles = [t for t in tiles if not t.box_w or not dgrad_box_refusal(geo, _layout_of(grad_y), t)]
+        tiles = [t for t in tiles if not t.box_w or not dgrad_box_refusal(geo, dys, t)]
         return plan_with(tuned_tile("dgrad", key, tiles, lambda t: functools.partial(
             plan_with(t).run, grad_y, weight, x_prev, prologue, norm_stats, slope), grad_y.device))
 

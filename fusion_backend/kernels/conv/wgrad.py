@@ -298,6 +298,14 @@ def sum_splits_kernel(part_ptr, out_ptr, SPLIT, TOTAL, C_OUT_G, w_so, w_si, w_sd
 # --------------------------------------------------------------------------------------------------
 
 
+def wgrad_box_refusal(geo: _Geometry, x: torch.Tensor, dy: torch.Tensor, tile: TileConfig | None) -> str:
+    """Why the weight gradient of a call of geometry ``geo`` cannot load ``x`` and ``dy`` (channels-last,
+    as the kernel reads them) as boxes with ``tile`` (None: any box tile); "" where it can:
+    ``fprop.box_refusal``'s rules for both, a group's channel tail free (its K entries are dropped)."""
+    return (box_refusal(geo, x, tile, groups_fill=False)
+            or box_refusal(geo, dy, tile, groups_fill=False, what="grad_y"))  # fmt: skip
+
+
 def pick_split(m_tiles: int, programs_per_split: int) -> int:
     """How many splits of M a launch of ``programs_per_split`` programs (K steps x N tiles x groups)
     over ``m_tiles`` M tiles uses (module docstring): enough to reach ``_TARGET_PROGRAMS`` programs,
@@ -351,8 +359,7 @@ class _WgradPlan:
         self.box = bool(tile.box_w)
         box_tiles = (0, 0)
         if self.box:
-            why = (box_refusal(geo, xs, tile, groups_fill=False)
-                   or box_refusal(geo, dys, tile, groups_fill=False, what="grad_y"))
+            why = wgrad_box_refusal(geo, xs, dys, tile)
             if why:
                 raise ContractError(f"tile box_w={tile.box_w}: {why}")
             box_tiles = (cdiv(geo.out_size[1], tile.box_h), cdiv(geo.out_size[2], tile.box_w))
@@ -491,8 +498,7 @@ def conv_wgrad(
         if tile is not None:
             return plan_with(tile)
         xs, dys = _layout_of(x), _layout_of(grad_y)
-        boxed = not (box_refusal(geo, xs, None, groups_fill=False)
-                     or box_refusal(geo, dys, None, groups_fill=False, what="grad_y"))
+        boxed = not wgrad_box_refusal(geo, xs, dys, None)
         tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise sums
                            geo.out_size[1:] if boxed else None)  # fmt: skip
