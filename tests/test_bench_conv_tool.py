@@ -7,6 +7,7 @@ import json
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
 
 import bench_conv  # noqa: E402
-from conv_bench_report import HOOKS, Row, merge_rows, read_rows, summaries, write_reports  # noqa: E402
+from conv_bench_report import HOOKS, Row, merge_rows, read_rows, rows_table, summaries, write_reports  # noqa: E402
 from conv_shapes import ConvShape, collect  # noqa: E402
 
 from fusion_backend.bench.measure import TimedStep, TimingStats  # noqa: E402
@@ -163,6 +164,28 @@ def test_measure_case_times_the_steps_interleaved_and_checks_them() -> None:
     assert hooked.round_medians_ms == {"hooked": [1.5] * 3, "unfused": [3.0] * 3}
     _, wrong = bench_conv.measure_case(fake_case("dgrad", hooked_result=1.5), timer, rounds=1)
     assert wrong.ok is False and wrong.rel_err == pytest.approx(0.5)
+
+
+def test_a_row_names_the_tile_its_kernels_first_call_chose() -> None:
+    from fusion_backend.kernels.conv.tiles import TileConfig, tuned_tile
+
+    plain_tiles = [TileConfig(64, 64, 32, 4, 3), TileConfig(128, 64, 32, 4, 3)]
+    hooked_tiles = [TileConfig(128, 64, 64, 4, 3, box_w=16)]
+    case = fake_case("wgrad")
+    one = torch.ones(3)
+
+    def run_with(tiles: list[TileConfig]) -> Any:
+        def step() -> torch.Tensor:
+            tuned_tile("fprop", "other pass", [TileConfig()], lambda t: lambda: None, torch.device("cpu"))
+            tuned_tile("wgrad", "signature", tiles, lambda t: lambda: None, torch.device("cpu"))  # untimed on CPU
+            return one
+        return step
+
+    case.steps["kernel"], case.steps["hooked"] = run_with(plain_tiles), run_with(hooked_tiles)
+    plain, hooked = bench_conv.measure_case(case, FakeTimer({n: 1.0 for n in case.steps}), rounds=1)
+    assert (plain.tile, plain.tile_ms) == ("64x64x32 w4 s3", {})  # the pass's own choice, not fprop's
+    assert hooked.tile == "128x64x64 w4 s3 box 8x16"
+    assert "| 128x64x64 w4 s3 box 8x16 |" in rows_table([plain, hooked], markdown=True)
 
 
 def test_a_failing_step_becomes_the_rows_error_and_is_not_timed() -> None:

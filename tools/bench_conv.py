@@ -33,7 +33,8 @@ convs take on the GPU at batch 64) stays out of it, as under CUDA graphs; L2 war
 interleaved, ``--rounds`` rounds; each step's time is the median of its rounds.
 Before timing, every step runs once (compiles) and its result is checked against cuDNN's (plain) or
 the unfused path's (hooked): the worst relative error over its outputs within the dtype's
-:data:`TOLERANCE`, else the row is a MISMATCH.  Output: a table on stdout; with ``--out DIR``,
+:data:`TOLERANCE`, else the row is a MISMATCH; that first call's tile choice (``tiles.recording_choices``)
+is the row's ``tile`` and ``tile_ms``.  Output: a table on stdout; with ``--out DIR``,
 ``DIR/bench.json`` and ``DIR/bench.md`` (``conv_bench_report``); ``--append`` merges into an
 existing ``bench.json`` (a sharded run).  Needs CUDA except with ``--list``.
 """
@@ -73,6 +74,7 @@ from conv_shapes import Collection, ConvShape, collect  # noqa: E402
 
 from fusion_backend.bench.measure import TimedStep, Timer  # noqa: E402
 from fusion_backend.bench.suite import SuiteError  # noqa: E402
+from fusion_backend.kernels.conv.tiles import TileChoice, recording_choices  # noqa: E402
 
 DEFAULT_MODELS = (
     "demos/realnets/resnet50.py",
@@ -401,9 +403,14 @@ def measure_case(case: Case, timer: Timer, rounds: int, verbose: bool = False) -
     plain row and, where it has hooks, its hooked row."""
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
+    chosen: dict[str, TileChoice] = {}
     for name, fn in case.steps.items():
         try:
-            results[name] = fn()
+            with recording_choices() as choices:
+                results[name] = fn()
+            mine = [c for c in choices if c.pass_name == case.op]
+            if mine:  # the pass's own kernel's (a step may ask for other passes' tiles too)
+                chosen[name] = mine[-1]
         except Exception as exc:  # one failing step must not stop the table
             errors[name] = _one_line(exc)
             if verbose:
@@ -445,6 +452,9 @@ def measure_case(case: Case, timer: Timer, rounds: int, verbose: bool = False) -
             ok=None if rel is None else bool(rel <= tol), rel_err=rel, tolerance=tol,
             error="; ".join(dict.fromkeys(failures)) or None,
             round_medians_ms={n: samples[n] for n in (kernel, other) if n in samples},
+            tile=chosen[kernel].tile.label() if kernel in chosen else None,
+            tile_ms=dict(zip((t.label() for t in chosen[kernel].tiles), chosen[kernel].ms, strict=False))
+            if kernel in chosen else {},
         ))  # fmt: skip
     return rows
 

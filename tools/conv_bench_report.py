@@ -43,7 +43,9 @@ class Row:
     """One measurement (module docstring).  ``shape`` is ``ConvShape.label()``, ``params`` its
     ``params()``; ``hooks`` is ``"none"`` or a value of :data:`HOOKS`; times in ms (None: not
     measured or failed, ``error`` says why); ``ok``: the result matched the reference within
-    ``tolerance`` (``rel_err``: the worst relative error of its outputs), None when unchecked."""
+    ``tolerance`` (``rel_err``: the worst relative error of its outputs), None when unchecked.
+    ``tile``: the family kernel's tile (``TileConfig.label``; None: not known, e.g. its plan was built
+    before); ``tile_ms``: each candidate's ms where the choice timed them (this run or a cached one)."""
 
     op: str
     shape: str
@@ -59,6 +61,8 @@ class Row:
     tolerance: float | None = None
     error: str | None = None
     round_medians_ms: dict[str, list[float]] = field(default_factory=dict)
+    tile: str | None = None
+    tile_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str, str, str]:
@@ -121,16 +125,18 @@ def _status(row: Row) -> str:
 
 
 def rows_table(rows: Sequence[Row], *, markdown: bool = False) -> str:
-    """One line per row: pass, dtype, shape, hooks, the three times, cuDNN/ms, unfused/ms, the check."""
+    """One line per row: pass, dtype, shape, hooks, the three times, cuDNN/ms, unfused/ms, the check,
+    the models and the kernel's tile."""
     headers = ["pass", "dtype", "shape", "hooks", "ms", "cudnn ms", "unfused ms", "cudnn/ms", "unfused/ms",
-               "check", "models"]  # fmt: skip
+               "check", "models", "tile"]  # fmt: skip
     lines = []
     for r in rows:
         bad = r.ok is False or r.error is not None
         lines.append([r.op, r.dtype, r.shape, r.hooks, fmt_ms(r.ms), fmt_ms(r.cudnn_ms), fmt_ms(r.unfused_ms),
                       "-" if bad else fmt_x(_ratio(r.cudnn_ms, r.ms)), "-" if bad else fmt_x(_ratio(r.unfused_ms, r.ms)),
-                      _status(r) + (f" {r.rel_err:.1e}" if r.rel_err is not None else ""), ",".join(r.models)])  # fmt: skip
-    right = [False] * 4 + [True] * 5 + [False, False]
+                      _status(r) + (f" {r.rel_err:.1e}" if r.rel_err is not None else ""), ",".join(r.models),
+                      r.tile or "-"])  # fmt: skip
+    right = [False] * 4 + [True] * 5 + [False] * 3
     return render_table(headers, lines, markdown=markdown, right=right)
 
 
@@ -160,7 +166,9 @@ def format_markdown(rows: Sequence[Row], environment: dict[str, Any], notes: Seq
         "GPU ms per call (calls queued behind a GPU spin: the host's launch cost left out, as under CUDA "
         "graphs), median over rounds, L2 warm. "
         "`cudnn/ms` and `unfused/ms` above 1: the family's kernel is faster. A hooked row's `unfused ms` is "
-        "cuDNN plus the Inductor passes its hooks replace; its `cudnn ms` is the plain pass's.",
+        "cuDNN plus the Inductor passes its hooks replace; its `cudnn ms` is the plain pass's. `tile`: the "
+        "family kernel's tile (M x N x K, warps, pipeline stages, the box load's rows x columns), the fastest "
+        "of its candidates (their times in `bench.json`'s `tile_ms`).",
         "",
         "## Summary",
         "",

@@ -132,13 +132,23 @@ def test_a_box_tile_is_checked():
 def test_the_fastest_candidate_is_chosen_cached_and_not_timed_again(timed):
     tried = candidates("fprop", 64, 64, 9, 4096, torch.float16)
     timed.times = {tried[0]: 3.0, tried[1]: 2.0, tried[2]: 0.5}
-    picked = tuned_tile("fprop", ("signature", 1), tried, timed.wrap(lambda t: lambda: None), torch.device("cpu"))
-    assert picked == tried[2] and timed.timed == tried
-    measurements.forget_in_memory()  # a later process: the file answers
-    again = tuned_tile("fprop", ("signature", 1), tried, timed.wrap(lambda t: lambda: None), torch.device("cpu"))
-    assert again == tried[2] and timed.timed == tried
+    with tiles.recording_choices() as choices:
+        picked = tuned_tile("fprop", ("signature", 1), tried, timed.wrap(lambda t: lambda: None), torch.device("cpu"))
+        assert picked == tried[2] and timed.timed == tried
+        measurements.forget_in_memory()  # a later process: the file answers
+        again = tuned_tile("fprop", ("signature", 1), tried, timed.wrap(lambda t: lambda: None), torch.device("cpu"))
+        assert again == tried[2] and timed.timed == tried
     other = tuned_tile("fprop", ("signature", 2), tried, timed.wrap(lambda t: lambda: None), torch.device("cpu"))
     assert other == tried[2] and len(timed.timed) == 2 * len(tried)
+    # what a report of the choices reads: the timing, then the cache's answer with its times; none after the block
+    assert [(c.pass_name, c.tile, c.ms, c.how) for c in choices] == [("fprop", tried[2], (3.0, 2.0, 0.5), "timed"),
+                                                                     ("fprop", tried[2], (3.0, 2.0, 0.5), "cached")]
+
+
+def test_a_tile_is_labelled_by_its_blocks_launch_and_walk():
+    assert TileConfig(128, 64, 64, 4, 3).label() == "128x64x64 w4 s3"
+    assert TileConfig(64, 32, 32, 8, 2, flat_k=True).label() == "64x32x32 w8 s2 flat"
+    assert TileConfig(128, 64, 64, 4, 3, box_w=16).label() == "128x64x64 w4 s3 box 8x16"
 
 
 def test_a_tile_that_fails_is_skipped_and_when_all_fail_the_first_is_used_uncached(timed):
@@ -155,7 +165,9 @@ def test_a_tile_that_fails_is_skipped_and_when_all_fail_the_first_is_used_uncach
 def test_without_measuring_the_heuristic_tile_runs_untimed(monkeypatch):
     monkeypatch.setattr(tiles, "tile_bench", lambda call: pytest.fail("timed"))
     tried = candidates("fprop", 64, 64, 9, 4096, torch.float16)
-    assert tuned_tile("fprop", "s", tried, lambda t: lambda: None, torch.device("cpu")) == tried[0]
+    with tiles.recording_choices() as choices:
+        assert tuned_tile("fprop", "s", tried, lambda t: lambda: None, torch.device("cpu")) == tried[0]
+    assert [(c.tile, c.ms, c.how) for c in choices] == [(tried[0], (), "untimed")]
 
 
 def test_while_launches_only_compile_every_tile_runs_and_nothing_is_timed_kept_or_planned(timed, monkeypatch):

@@ -33,8 +33,9 @@ address or mask arithmetic per element (``fprop``, ``dgrad`` and ``wgrad`` modul
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -68,6 +69,11 @@ class TileConfig:
     def box_h(self) -> int:
         """The box load's output rows per tile (``block_m // box_w``)."""
         return self.block_m // self.box_w if self.box_w else 0
+
+    def label(self) -> str:
+        """``M x N x K``, warps, stages and the K walk and load, e.g. ``128x64x64 w4 s3 box 8x16``."""
+        walk = " flat" if self.flat_k else (f" box {self.box_h}x{self.box_w}" if self.box_w else "")
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{walk}"
 
     def check(self) -> None:
         """Raise :class:`ContractError` unless the blocks are powers of two >= 16, the launch options
@@ -196,6 +202,47 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     return best_first(kept)
 
 
+@dataclass(frozen=True)
+class TileChoice:
+    """One :func:`tuned_tile` answer, as :func:`recording_choices` keeps it: the pass, the candidates in
+    order, the chosen one's index, each candidate's milliseconds where they were timed (now or by an
+    earlier process: ``how`` "timed" or "cached"; else empty, ``how`` "untimed": one candidate, no
+    timing on this device, or a compile ahead)."""
+
+    pass_name: str
+    tiles: tuple[TileConfig, ...]
+    index: int
+    ms: tuple[float, ...]
+    how: str
+
+    @property
+    def tile(self) -> TileConfig:
+        return self.tiles[self.index]
+
+
+_recorders: list[list[TileChoice]] = []
+
+
+@contextlib.contextmanager
+def recording_choices() -> Iterator[list[TileChoice]]:
+    """Within the block, every :func:`tuned_tile` answer of this process is appended to the yielded
+    list (a benchmark's report says which tile each row ran; plans are cached, so only a signature's
+    first call asks)."""
+    choices: list[TileChoice] = []
+    _recorders.append(choices)
+    try:
+        yield choices
+    finally:
+        _recorders.remove(choices)
+
+
+def _chosen(pass_name: str, tiles: list[TileConfig], index: int, ms: list[float], how: str) -> TileConfig:
+    choice = TileChoice(pass_name, tuple(tiles), index, tuple(ms), how)
+    for choices in _recorders:
+        choices.append(choice)
+    return choice.tile
+
+
 def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
                time_tile: Callable[[TileConfig], Callable[[], object]], device: torch.device) -> TileConfig:  # fmt: skip
     """The tile of ``tiles`` a launch of ``pass_name`` with plan key ``signature`` uses (module
@@ -205,13 +252,13 @@ def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
     fail, ``tiles[0]``.  Inside ``launch.compile_ahead`` (or ``compile_in_background``) every tile's
     call runs once, so that all of them compile in that batch, and the answer is ``tiles[0]``, untimed."""
     if len(tiles) == 1 or not _measuring(device):  # nothing to choose, or no timing here
-        return tiles[0]
+        return _chosen(pass_name, tiles, 0, [], "untimed")
     key = measurements.key("conv_tile", {"pass": pass_name, "signature": repr(signature),
                                          "tiles": [asdict(t) for t in tiles]})
     cache_dir = environment.cache_dir()
     entry = measurements.lookup(key, cache_dir, lambda e: e.get("kind") == "conv_tile")
     if entry is not None and 0 <= entry.get("index", -1) < len(tiles):
-        return tiles[entry["index"]]
+        return _chosen(pass_name, tiles, entry["index"], list(entry.get("ms", [])), "cached")
     if compiling_only():
         # Launches only submit compiles here (``kernels.launch``): every tile's kernel compiles in the
         # batch, and nothing is timed or remembered (a timing would read no GPU work).
@@ -220,7 +267,7 @@ def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
                 time_tile(tile)()
             except Exception:  # noqa: BLE001 - it fails again where it runs for real, and is skipped there
                 pass
-        return tiles[0]
+        return _chosen(pass_name, tiles, 0, [], "untimed")
     times = []
     for tile in tiles:
         try:
@@ -230,7 +277,7 @@ def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
     index = min(range(len(tiles)), key=times.__getitem__)
     if math.isfinite(times[index]):
         measurements.store(key, {"kind": "conv_tile", "index": index, "ms": times}, cache_dir)
-    return tiles[index]
+    return _chosen(pass_name, tiles, index, times, "timed")
 
 
 def compiling_only() -> bool:
