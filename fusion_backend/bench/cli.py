@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "backends are timed once more, at most this many more times (default: 6)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed repetitions before each measurement (default: 3)")
+    p.add_argument("--consecutive", type=int, default=1, metavar="K",
+                   help="a round runs each backend's repetitions in blocks of K in a row, as a loop calls one "
+                   "model, before the next backend's (default: 1, one repetition each in turn)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold-L2 measurement")
     p.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     p.add_argument("--no-chart", action="store_true", help="do not draw bench.png")
@@ -279,7 +282,7 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
     try:
         measure = MeasureConfig(warmup=args.warmup, target_ms=args.target_ms, reps=args.reps,
                                 cold=not (args.no_cold or args.check_only), rounds=args.rounds,
-                                extra_rounds=args.extra_rounds)
+                                extra_rounds=args.extra_rounds, consecutive=args.consecutive)
         backend_names = tuple(with_compile_mode(args.backends, args.compile_mode))
         config = BenchConfig(dtypes=args.dtype, modes=args.mode, backends=backend_names, seed=args.seed,
                              check_only=args.check_only, memory=not args.no_memory, measure=measure,

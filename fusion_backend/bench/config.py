@@ -73,7 +73,15 @@ class MeasureConfig:
     the number of timed repetitions per round is picked from an estimate so that all rounds together
     take about ``target_ms``, clamped to ``[min_reps, max_reps]``: enough samples for a stable median
     on fast workloads without spending minutes on slow ones.  ``cold`` adds a second measurement per
-    round with L2 flushed before every repetition.
+    round with L2 flushed before every repetition.  ``consecutive``: a round's repetitions of one item
+    run in blocks of that many before the next item's (1: one repetition each in turn).
+
+    WHY blocks: a training or inference loop calls one compiled model again and again, and on a
+    host-bound row the host's cost of a call can depend on what ran just before it.  NOTE: ResNet-50
+    bf16 inference on an H200 (``python tools/bench_step_accounting.py`` and a probe before it,
+    ``docs/perf/RESULTS.md``, realnets section): Inductor's generated code took 24-100 minor page
+    faults per call when the backends alternated call by call, and none in 30 calls in a row;
+    which copy took more decided the row.  The default stays 1 until blocks are measured beside it.
 
     WHY six rounds: a row's fusion / Inductor ratio is the median of its paired round ratios
     (``results.CaseResult.speedup``), and on host-bound rows a single round's ratio drifts by
@@ -94,6 +102,7 @@ class MeasureConfig:
     rounds: int = 6
     extra_rounds: int = 6
     agreement: float = 0.03
+    consecutive: int = 1
 
     def __post_init__(self) -> None:
         if self.warmup < 0:
@@ -110,6 +119,8 @@ class MeasureConfig:
             raise ConfigError(f"extra_rounds must be >= 0, got {self.extra_rounds}")
         if self.agreement < 0:
             raise ConfigError(f"agreement must be >= 0, got {self.agreement}")
+        if self.consecutive < 1:
+            raise ConfigError(f"consecutive must be >= 1, got {self.consecutive}")
 
     def choose_reps(self, estimate_ms: float) -> int:
         """Repetitions for one round's measurement given one repetition's estimated time in milliseconds.

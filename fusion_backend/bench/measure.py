@@ -180,6 +180,21 @@ class MemoryProbe(Protocol):
         ...
 
 
+def repetition_order(steps: int, n: int, consecutive: int = 1) -> Iterator[tuple[int, int]]:
+    """``(repetition, step index)`` pairs in the order a timer runs ``n`` repetitions of ``steps``
+    steps: blocks of ``consecutive`` repetitions of one step, the steps in turn, block after block.
+
+    >>> list(repetition_order(2, 3))
+    [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    >>> list(repetition_order(2, 3, consecutive=2))
+    [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
+    """
+    for first in range(0, n, consecutive):
+        for i in range(steps):
+            for rep in range(first, min(first + consecutive, n)):
+                yield rep, i
+
+
 def _no_op() -> None:
     return None
 
@@ -242,34 +257,35 @@ class CudaEventTimer:
 
     def _run(self, steps: Sequence[TimedStep], failed: list[Exception | None], cold: bool,
              n: int) -> tuple[list[list[float]], list[list[float]]]:
-        """``n`` timed repetitions of every step that has not failed, interleaved: per repetition each
-        step once, in order.  Warm, each timed run follows an untimed run of the same step, so that
-        it finds L2 as its own previous run left it (not as the step before it, another backend's,
-        did); cold, the flush replaces that run.  Returns per step the event times and the host times
-        (ms) of its repetitions."""
+        """``n`` timed repetitions of every step that has not failed, interleaved in the order of
+        :func:`repetition_order` (blocks of ``config.consecutive`` repetitions of one step).  Warm,
+        each timed run follows an untimed run of the same step, so that it finds L2 as its own
+        previous run left it (not as the step before it, another backend's, did); cold, the flush
+        replaces that run.  Returns per step the event times and the host times (ms) of its
+        repetitions."""
         flush = self._flush_buffer() if cold else None
         events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                    for _ in range(n)] for _ in steps]  # fmt: skip
         host: list[list[float]] = [[] for _ in steps]
-        for rep in range(n):
-            for i, step in enumerate(steps):
-                if failed[i] is not None:
-                    continue
-                try:
-                    if flush is None:
-                        _reset_and_run(step)
-                    if step.reset is not None:
-                        step.reset()
-                    if flush is not None:
-                        flush.zero_()
-                    start, end = events[i][rep]
-                    began = time.perf_counter()
-                    start.record()
-                    step.run()
-                    end.record()
-                    host[i].append((time.perf_counter() - began) * 1e3)
-                except Exception as exc:  # this backend's step broke: the others are still measured
-                    failed[i] = exc
+        for rep, i in repetition_order(len(steps), n, self.config.consecutive):
+            step = steps[i]
+            if failed[i] is not None:
+                continue
+            try:
+                if flush is None:
+                    _reset_and_run(step)
+                if step.reset is not None:
+                    step.reset()
+                if flush is not None:
+                    flush.zero_()
+                start, end = events[i][rep]
+                began = time.perf_counter()
+                start.record()
+                step.run()
+                end.record()
+                host[i].append((time.perf_counter() - began) * 1e3)
+            except Exception as exc:  # this backend's step broke: the others are still measured
+                failed[i] = exc
         torch.cuda.synchronize(self.device)
         return ([[] if failed[i] is not None else [s.elapsed_time(e) for s, e in events[i]] for i in range(len(steps))],
                 host)

@@ -1362,7 +1362,7 @@ def test_quiet_rows_take_exactly_the_configured_rounds_and_noisy_ones_stop_at_th
     assert sum(1 for b, cold in noisy.timed if b == "fusion" and not cold) == 5
 
 
-@pytest.mark.parametrize("field, value", [("extra_rounds", -1), ("agreement", -0.1)])
+@pytest.mark.parametrize("field, value", [("extra_rounds", -1), ("agreement", -0.1), ("consecutive", 0)])
 def test_bad_round_settings_are_named(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=field):
         MeasureConfig(**{field: value})
@@ -1468,6 +1468,22 @@ def test_the_cuda_timer_interleaves_steps_repetition_by_repetition_and_survives_
     assert collector_on == {False} and gc.isenabled(), "no garbage collection while timing, and on again after"
     cold = timer.time([TimedStep("a", step("a"), reset=lambda: ran.append("reset a"))], cold=True)
     assert cold[0].reps == 5 and ran[-2:] == ["reset a", "a"]  # type: ignore[union-attr]
+    ran.clear()
+    blocks = CudaEventTimer(torch.device("cuda"), MeasureConfig(warmup=0, reps=3, consecutive=2))
+    assert [r.reps for r in blocks.time([TimedStep(n, step(n)) for n in ("a", "b")])] == [3, 3]  # type: ignore[union-attr]
+    assert ran == ["a"] * 4 + ["b"] * 4 + ["a", "a", "b", "b"], "two repetitions of a step in a row, then the next"
+
+
+def test_repetitions_run_one_at_a_time_in_turn_or_in_blocks_of_one_step() -> None:
+    from fusion_backend.bench.measure import repetition_order
+
+    assert list(repetition_order(2, 3)) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    blocks = list(repetition_order(3, 5, consecutive=2))
+    assert blocks == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2),
+                      (2, 0), (3, 0), (2, 1), (3, 1), (2, 2), (3, 2), (4, 0), (4, 1), (4, 2)]
+    assert sorted(blocks) == sorted(repetition_order(3, 5)), "every repetition of every step, once"
+    assert list(repetition_order(2, 2, consecutive=9)) == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert list(repetition_order(0, 3)) == [] and list(repetition_order(2, 0)) == []
 
 
 def test_a_row_whose_paired_ratios_straddle_the_tie_gets_more_rounds_whichever_side_its_median_is_on(
