@@ -18,6 +18,9 @@
 #   families the families suite, fp32 + bf16, infer + train (BACKENDS), after the norm and channel-reduction
 #            families' GPU tests (FAMILIES_TESTS=0 skips them)
 #   hostbwd  tools/conv_backward_host.py: the conv backward's host time inside fused training steps vs eager's
+#   hostrow  the host-bound row (ResNet-50 bf16 inference): tools/bench_step_accounting.py on fresh caches, then
+#            twice on the caches the first left (the run where Inductor's graph comes from its cache): once with
+#            one repetition per backend in turn, once with --consecutive 10 (HOSTROW_SUITE names another file)
 #   firstcall tools/first_call.py, cold and warm, on Conv2d 64->64 (infer, train), Conv3d (infer), ConvT3d (train)
 #            (FIRSTCALL_ARGS adds options, e.g. "--warm-runs 1 --profile 25": where each first call's time goes)
 set -uo pipefail
@@ -94,6 +97,18 @@ fi
 if has hostbwd; then
   timeout 120 python3 tools/conv_backward_host.py demos/convnets/conv2d_64_k3_relu_batch1.py \
     demos/convnets/conv2d_depthwise_144_k3_relu6.py 2>&1 | grep -v -i warn | tee "$out/hostbwd.log" | tail -12
+fi
+if has hostrow; then
+  caches=$(mktemp -d)
+  for run in "fresh" "warm" "warm-blocks --consecutive 10"; do
+    read -r name extra <<<"$run"
+    echo "== hostrow $name"
+    TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton FUSION_CACHE_DIR=$caches/fusion \
+      timeout 170 python3 tools/bench_step_accounting.py --in-a-row 30 -- \
+      --suite "${HOSTROW_SUITE:-demos/realnets/resnet50.py}" --dtype bf16 --mode infer --backends "$BACKENDS" \
+      --no-memory --no-cold --no-chart --out "$out/hostrow_$name" ${extra:-} >"$out/hostrow_$name.log" 2>&1
+    grep -E "^resnet|fusion >=|calls  wall|static|triton'|Bypassing|x " "$out/hostrow_$name.log" | cut -c1-220 | tail -24
+  done
 fi
 if has firstcall; then
   for spec in "demos/convnets/conv2d_64_k3_relu.py infer" "demos/convnets/conv2d_64_k3_relu.py train" \
