@@ -635,6 +635,29 @@ def test_box_loads_apply_the_prologue_and_pad_the_activated_tensor(kind, act, pa
     _check(f"box {kind} {act}", x, w, b, tile=SMALL_BOX, stats=True, **conv)
 
 
+#: Output planes of 12 x 13 in 4 x 4 boxes, 3x3 taps and padding 1: two boxes whose every tap reads
+#: inside the input (one of them up to its last column), and boxes whose taps reach the padding by one
+#: row or column; a 3D conv's planes in depth likewise.
+INSIDE_AND_EDGE = [
+    ("conv2d", (2, 20, 12, 13), (7, 20, 3, 3)),
+    ("conv3d", (1, 16, 5, 12, 13), (5, 16, 3, 3, 3)),
+]
+
+
+@pytest.mark.parametrize("geometry", INSIDE_AND_EDGE, ids=[c[0] for c in INSIDE_AND_EDGE])
+@pytest.mark.parametrize("kind,act", PROLOGUES[::2], ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES[::2]])
+def test_box_loads_leave_out_the_pad_mask_only_where_no_tap_of_the_box_reads_padding(geometry, kind, act):
+    """Boxes whose taps all read inside the input take the loop without the hook's pad mask; one
+    taken for them by mistake would add the hook's shift to the padding of the boxes at the edge."""
+    name, xs, ws = geometry
+    g = torch.Generator().manual_seed(stable_seed(("box-inside", name, kind, str(act))))
+    x = _channels_last(_randn(*xs, g=g))
+    w, b = _randn(*ws, g=g, scale=0.3), _randn(ws[0], g=g)
+    prologue = _prologue(kind.split("-")[0], xs[0], xs[1], g, affine=not kind.endswith("no-affine"))
+    _check(f"box inside {name} {kind}", x, w, b, tile=SMALL_BOX, stats=True, padding=1, prologue=prologue,
+           act_in=act)
+
+
 def test_box_loads_read_a_sliced_or_unaligned_input_and_an_nchw_one():
     g = torch.Generator().manual_seed(stable_seed("box-layouts"))
     w = _randn(6, 20, 3, 3, g=g, dtype=torch.float16, scale=0.3)

@@ -147,10 +147,18 @@ def conv_fprop_kernel(
     PADDED: tl.constexpr = (PD > 0) or (PH > 0) or (PW > 0)
     co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if BOX_W > 0:
-        m, m_ok, acc = _box_tile(x_desc, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, co, g, D, H, W, OD, OH,
-                                 OW, OH_TILES, OW_TILES, C_IN, C_IN_G, CIN_PAD, K_ROW, COUT_PAD, KH, KW, PD, PH, PW,
-                                 PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, PADDED, PRECISION, BIG, BOX_W, BLOCK_M,
-                                 BLOCK_N, BLOCK_K)  # fmt: skip
+        if PADDED and (PROLOGUE != 0 or ACT_IN != 0) and _box_inside(pid_m, D, H, W, OD, OH_TILES, OW_TILES, CIN_PAD, K_ROW, KH, KW, PD, PH, PW, BOX_W,
+                                                                      BLOCK_M):  # fmt: skip
+            # no tap of this box reads padding: the hook's pad mask is left out (the unpadded walk's)
+            m, m_ok, acc = _box_tile(x_desc, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, co, g, D, H, W,
+                                     OD, OH, OW, OH_TILES, OW_TILES, C_IN, C_IN_G, CIN_PAD, K_ROW, COUT_PAD, KH, KW,
+                                     PD, PH, PW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, False, PRECISION, BIG, BOX_W,
+                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        else:
+            m, m_ok, acc = _box_tile(x_desc, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, co, g, D, H, W,
+                                     OD, OH, OW, OH_TILES, OW_TILES, C_IN, C_IN_G, CIN_PAD, K_ROW, COUT_PAD, KH, KW,
+                                     PD, PH, PW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, PADDED, PRECISION, BIG, BOX_W,
+                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr,
                    res_ptr, part_ptr, q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN,
                    ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
@@ -178,6 +186,33 @@ def conv_fprop_kernel(
     store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr,
                part_ptr, q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL,
                STATS, BIG)  # fmt: skip
+
+
+# NOTE: ResNet-50's 3x3 fprop with BatchNorm + ReLU on load as boxes (bf16, 128 x 64 x 64, sm_90, Triton
+# 3.9): with the pad mask, each K step's A tile goes shared -> registers -> hook -> shared -> registers for
+# the dot (a per-row mask that changes with the tap keeps Triton from applying the hook in the dot's own
+# register layout; a bit mask or a 0/1 factor instead of the select did the same): 59.1 SASS instructions per
+# MMA. Without it (a box none of whose taps reads padding) the tile is loaded once into the dot's layout
+# and hooked there: 42.6, no shared-memory round trip. With 256 channels (64 x 128 x 64, four K steps per
+# tap: the hook's channel vectors change with the step, which keeps the round trip) 84.0 -> 69.2. Both
+# loops are compiled, so the kernel's shared memory grows (64 -> 112 KiB, 73 -> 130 KiB: the two loops'
+# buffers are not overlaid): ``python tools/compile_check.py conv_family --cases
+# resnet_3x3-bf16-hooked-box --kernels fprop --sass``.  Not timed on a GPU yet.
+@triton.jit
+def _box_inside(pid_m, D, H, W, OD, OH_TILES, OW_TILES, CIN_PAD: tl.constexpr,
+                K_ROW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, PD: tl.constexpr, PH: tl.constexpr,
+                PW: tl.constexpr, BOX_W: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Whether every tap's window of box ``pid_m`` (``_box_tile``'s; stride and dilation 1) lies inside
+    the input, the box's positions past the output's edge included: then no element its A tiles load
+    is padding."""
+    BOX_H: tl.constexpr = BLOCK_M // BOX_W
+    KD: tl.constexpr = K_ROW // (CIN_PAD * KH * KW)
+    n, od, th, tw, oh, ow = box_coords(pid_m, OD, OH_TILES, OW_TILES, BOX_W, BLOCK_M)
+    h0 = th * BOX_H - PH
+    w0 = tw * BOX_W - PW
+    d0 = od - PD
+    return ((h0 >= 0) & (h0 + BOX_H + KH - 2 < H) & (w0 >= 0) & (w0 + BOX_W + KW - 2 < W)
+            & (d0 >= 0) & (d0 + KD - 1 < D))  # fmt: skip
 
 
 @triton.jit
