@@ -658,6 +658,21 @@ def test_box_loads_leave_out_the_pad_mask_only_where_no_tap_of_the_box_reads_pad
            act_in=act)
 
 
+@pytest.mark.parametrize("plane,tile,padding,want", [
+    ((12, 13), SMALL_BOX, 1, True),  # the test above's planes: boxes (1, 1) and (1, 2) read no padding
+    ((5, 6), SMALL_BOX, 1, False),  # every 4 x 4 box of a 5 x 6 output touches the padding
+    ((56, 56), TileConfig(128, 64, 64, box_w=16), 1, True),  # ResNet-50's first stage: 8 x 16 boxes
+    ((28, 28), TileConfig(128, 64, 64, box_w=16), 1, False),  # its second: each box column reaches an edge
+    ((12, 13), SMALL_BOX, 0, False),  # no padding: the one loop has no mask
+])
+def test_the_loop_without_the_pad_mask_is_compiled_only_where_some_box_reads_no_padding(plane, tile, padding, want):
+    from fusion_backend.kernels.conv.fprop import _check_call, box_interior
+
+    x = torch.empty(1, 16, *plane)
+    geo = _check_call(x, torch.empty(8, 16, 3, 3), None, None, None, 1, padding, 1, 1)
+    assert box_interior(geo, tile) is want
+
+
 def test_box_loads_read_a_sliced_or_unaligned_input_and_an_nchw_one():
     g = torch.Generator().manual_seed(stable_seed("box-layouts"))
     w = _randn(6, 20, 3, 3, g=g, dtype=torch.float16, scale=0.3)

@@ -104,8 +104,8 @@ def conv_fprop_kernel(
     SAVE_CONV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr,
     ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr,
     STATS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
-    DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, INTERIOR: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile of group ``program_id(2)`` (module docstring); with
     ``DEPTHWISE`` (one input channel per group) ``BLOCK_N`` output channels of any groups, computed
@@ -127,7 +127,9 @@ def conv_fprop_kernel(
     along an output plane's rows and columns (``BOX_W``; else unused).  Constexprs: ``C_IN_G`` input channels
     per group, ``CIN_PAD`` (tap-major) those rounded up to ``BLOCK_K``, ``K_ROW`` one output channel's
     K extent in ``w``; kernel size ``K*``, stride ``S*``, padding ``P*``, dilation ``D*`` per dim;
-    the hooks' codes (``hooks``); ``PRECISION`` the dot's input precision; ``BIG`` int64 offsets.
+    the hooks' codes (``hooks``); ``PRECISION`` the dot's input precision; ``BIG`` int64 offsets;
+    ``INTERIOR`` (boxes with a prologue or input activation, padded): some box reads no padding
+    (:func:`box_interior`), and the K loop without the pad mask is compiled for such boxes too.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -147,9 +149,11 @@ def conv_fprop_kernel(
     PADDED: tl.constexpr = (PD > 0) or (PH > 0) or (PW > 0)
     co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if BOX_W > 0:
-        if PADDED and (PROLOGUE != 0 or ACT_IN != 0) and _box_inside(pid_m, D, H, W, OD, OH_TILES, OW_TILES, CIN_PAD, K_ROW, KH, KW, PD, PH, PW, BOX_W,
-                                                                      BLOCK_M):  # fmt: skip
-            # no tap of this box reads padding: the hook's pad mask is left out (the unpadded walk's)
+        inside = False
+        if INTERIOR:
+            inside = _box_inside(pid_m, D, H, W, OD, OH_TILES, OW_TILES, CIN_PAD, K_ROW, KH, KW, PD, PH, PW, BOX_W,
+                                 BLOCK_M)  # fmt: skip
+        if inside:  # no tap of this box reads padding: the hook's pad mask is left out (the unpadded walk's)
             m, m_ok, acc = _box_tile(x_desc, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, co, g, D, H, W,
                                      OD, OH, OW, OH_TILES, OW_TILES, C_IN, C_IN_G, CIN_PAD, K_ROW, COUT_PAD, KH, KW,
                                      PD, PH, PW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, False, PRECISION, BIG, BOX_W,
@@ -196,8 +200,9 @@ def conv_fprop_kernel(
 # and hooked there: 42.6, no shared-memory round trip. With 256 channels (64 x 128 x 64, four K steps per
 # tap: the hook's channel vectors change with the step, which keeps the round trip) 84.0 -> 69.2. Both
 # loops are compiled, so the kernel's shared memory grows (64 -> 112 KiB, 73 -> 130 KiB: the two loops'
-# buffers are not overlaid): ``python tools/compile_check.py conv_family --cases
-# resnet_3x3-bf16-hooked-box --kernels fprop --sass``.  Not timed on a GPU yet.
+# buffers are not overlaid), only where some box reads no padding (``box_interior``: at 8 x 16 boxes
+# ResNet-50's 56 x 56 planes, not its 28 x 28 or smaller): ``python tools/compile_check.py conv_family
+# --cases resnet_3x3-bf16-hooked-box --kernels fprop --sass``.  Not timed on a GPU yet.
 @triton.jit
 def _box_inside(pid_m, D, H, W, OD, OH_TILES, OW_TILES, CIN_PAD: tl.constexpr,
                 K_ROW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, PD: tl.constexpr, PH: tl.constexpr,
@@ -513,6 +518,7 @@ class _Plan:
             SAVE_CONV=save_conv, HAS_SCALE=has_scale, HAS_BIAS=has_bias, CHAIN=op_codes(chain), ACT_OUT=act_out,
             RESIDUAL=residual_mode, STATS=stats,
             PRECISION=precision, BIG=big, FLAT_K=tile.flat_k, DEPTHWISE=self.depthwise, BOX_W=tile.box_w,
+            INTERIOR=self.box and (prologue is not None or act_in != 0) and box_interior(geo, tile),
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
@@ -604,6 +610,21 @@ def box_refusal(geo: _Geometry, x: torch.Tensor, tile: TileConfig | None, groups
         return (f"a tensor copy starts on 16 bytes: {what}'s groups of {group_channels} {size}-byte channels "
                 f"do not")  # fmt: skip
     return ""
+
+
+def box_interior(geo: _Geometry, tile: TileConfig) -> bool:
+    """Whether some box of ``tile`` (``box_w``) over ``geo``'s output planes reads no padding at any tap
+    (the device's ``_box_inside``, positions past the output's edge included): only then is a padded
+    hooked forward's loop without the pad mask worth compiling (NOTE at ``_box_inside``: it costs shared
+    memory).  False without padding, where the one loop has no mask."""
+    if not any(geo.padding):
+        return False
+
+    def some(out: int, box: int, taps: int, pad: int, size: int) -> bool:
+        return any(0 <= t * box - pad and t * box - pad + box + taps - 2 < size for t in range(cdiv(out, box)))
+
+    (kd, kh, kw), (pd, ph, pw), (d, h, w), (od, oh, ow) = geo.kernel, geo.padding, geo.size, geo.out_size
+    return some(od, 1, kd, pd, d) and some(oh, tile.box_h, kh, ph, h) and some(ow, tile.box_w, kw, pw, w)
 
 
 #: Launch plans by ``plan_key`` of a call's signature.
