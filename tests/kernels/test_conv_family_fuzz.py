@@ -33,6 +33,8 @@ from fusion_backend.kernels.conv import (
 from fusion_backend.kernels.conv.dgrad import dgrad_box_refusal
 from fusion_backend.kernels.conv.fprop import _check_call, box_refusal, empty_channels_last, output_size
 from fusion_backend.kernels.conv.reference import (
+    apply_activation,
+    apply_prologue,
     conv_dgrad_reference,
     conv_fprop_reference,
     conv_wgrad_reference,
@@ -149,11 +151,34 @@ def _tile(name: str, p: Problem, pass_name: str, dtype: torch.dtype) -> TileConf
 
 
 def _check(name: str, got: torch.Tensor, eager: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype,
-           floors: dict = FLOOR) -> None:
+           floors: dict = FLOOR, magnitude: torch.Tensor | None = None) -> None:
     """``got`` within ``max(floor, 2 x eager's error)`` of the truth, the floor of the inputs' ``dtype``
-    (statistics come in float64 from values of that dtype)."""
-    why = compare(name, got, eager, floors[dtype], reference=truth)
+    (statistics come in float64 from values of that dtype).  ``magnitude``: the same sums of the terms'
+    absolute values (float64); the floor then grows by how much the truth's sums cancel (their norm over
+    the truth's, at least 1).
+
+    WHY: a float sum's rounding error is bounded relative to the magnitudes of its terms, not to the
+    sum: an output whose terms cancel is as exact in the terms' digits and less so in its own.  NOTE:
+    without it, one- and two-element outputs of a few channels failed by 1.01-1.13x the floor about once
+    in 300-1000 examples (fp32 and fp16, plain and hooked; ``FUSION_FUZZ_EXAMPLES=1000
+    FUSION_FUZZ_SEED=21`` and ``=22``, ``-k fprop``), and the BatchNorm-backward sum of ``dz * x̂`` (whose
+    ``x̂`` is centred) of a one-channel input by 1.5x (``FUSION_FUZZ_EXAMPLES=500 FUSION_FUZZ_SEED=41``)."""
+    floor = floors[dtype]
+    size = float(truth.double().norm())
+    if magnitude is not None and size > 0:
+        floor *= max(1.0, float(magnitude.double().norm()) / size)
+    why = compare(name, got, eager, floor, reference=truth)
     assert why is None, why
+
+
+def _magnitude_of_terms(x_hooked: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, conv: dict) -> torch.Tensor:
+    """The forward's sums on absolute values, float64: ``|conv|(|x'|, |w|) + |b|`` (``x'`` hooked)."""
+    return conv_fprop_reference(x_hooked.double().abs(), w.double().abs(), None if b is None else b.double().abs(),
+                                **conv)[0]  # fmt: skip
+
+
+def _hooked(x: torch.Tensor, prologue, act) -> torch.Tensor:  # noqa: ANN001
+    return apply_activation(apply_prologue(x.double(), prologue, torch.float64), act)
 
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -173,7 +198,8 @@ def test_fprop_on_random_problems_matches_float64(p, tile, hook, dtype, layout, 
     out, st_ = conv_fprop(x, w, b, stats=stats, tile=_tile(tile, p, "fprop", dtype), **hooks, **p.conv)
     eager, eager_st = conv_fprop_reference(x, w, b, stats=stats, **hooks, **p.conv)
     truth, truth_st = conv_fprop_reference(x, w, b, stats=stats, dtype=torch.float64, **hooks, **p.conv)
-    _check(f"fprop {p} {tile} {hook}", out, eager, truth, dtype)
+    terms = _magnitude_of_terms(_hooked(x, hooks["prologue"], hooks["act_in"]), w, b, p.conv)
+    _check(f"fprop {p} {tile} {hook}", out, eager, truth, dtype, magnitude=terms)
     if stats:
         for what in ("sum", "sum_sq"):
             _check(f"fprop {p} stats {what}", getattr(st_, what), getattr(eager_st, what), getattr(truth_st, what),
@@ -199,11 +225,16 @@ def test_dgrad_on_random_problems_matches_float64(p, tile, hook, dtype, sums, da
     grad, s = conv_dgrad(gy, w, size, tile=_tile(tile, p, "dgrad", dtype), **kw, **p.conv)
     eager, eager_s = conv_dgrad_reference(gy, w, size, **kw, **p.conv)
     truth, truth_s = conv_dgrad_reference(gy, w, size, dtype=torch.float64, **kw, **p.conv)
-    _check(f"dgrad {p} {tile} {hook}", grad, eager, truth, dtype)
+    terms = conv_dgrad_reference(gy.double().abs(), w.double().abs(), size, dtype=torch.float64, **p.conv)[0]
+    _check(f"dgrad {p} {tile} {hook}", grad, eager, truth, dtype, magnitude=terms)
     if sums:
-        for what in ("sum_dz", "sum_dz_xhat"):
+        stats = kw["norm_stats"]
+        tail = (1,) * len(p.size)
+        xhat = (x.double() - stats.mean.double().view(1, -1, *tail)) * stats.rstd.double().view(1, -1, *tail)
+        dz, xhat = truth.abs().transpose(0, 1).reshape(p.c_in, -1), xhat.abs().transpose(0, 1).reshape(p.c_in, -1)
+        for what, terms in (("sum_dz", dz.sum(1)), ("sum_dz_xhat", (dz * xhat).sum(1))):
             _check(f"dgrad {p} {what}", getattr(s, what), getattr(eager_s, what), getattr(truth_s, what), dtype,
-                   STATS_FLOOR)  # fmt: skip
+                   STATS_FLOOR, magnitude=terms)  # fmt: skip
 
 
 @_settings
@@ -218,5 +249,8 @@ def test_wgrad_on_random_problems_matches_float64(p, tile, hook, dtype, split, d
     gw, gb = conv_wgrad(gy, x, w, bias_grad=True, tile=_tile(tile, p, "wgrad", dtype), split=split, **kw, **p.conv)
     eager_w, eager_b = conv_wgrad_reference(gy, x, w, bias_grad=True, **kw, **p.conv)
     truth_w, truth_b = conv_wgrad_reference(gy, x, w, bias_grad=True, dtype=torch.float64, **kw, **p.conv)
-    _check(f"wgrad {p} {tile} {hook}", gw, eager_w, truth_w, dtype)
-    _check(f"wgrad {p} bias", gb, eager_b, truth_b, dtype, BIAS_FLOOR)
+    terms = conv_wgrad_reference(gy.double().abs(), _hooked(x, kw["prologue"], kw["act_in"]).abs(), w.double(),
+                                 dtype=torch.float64, **p.conv)[0]  # fmt: skip
+    _check(f"wgrad {p} {tile} {hook}", gw, eager_w, truth_w, dtype, magnitude=terms)
+    _check(f"wgrad {p} bias", gb, eager_b, truth_b, dtype, BIAS_FLOOR,
+           magnitude=gy.double().abs().sum([0, *range(2, gy.dim())]))
