@@ -127,8 +127,9 @@ def launcher_census() -> list[str]:
     from torch._inductor.codecache import PyCodeCache
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
+    loaded = PyCodeCache.modules
     lines = []
-    for module in PyCodeCache.modules:
+    for module in loaded.values() if isinstance(loaded, dict) else loaded:  # a dict in some torch versions
         kinds: collections.Counter[str] = collections.Counter()
         for value in vars(module).values():
             if isinstance(value, CachingAutotuner):
