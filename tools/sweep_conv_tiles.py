@@ -6,7 +6,9 @@ choose ``kernels/conv/tiles.py``'s ``CANDIDATES`` (CUDA only).
 
 Per shape (``conv_shapes``, largest first) and pass: cuDNN's time, the tuned launch's (whatever
 ``tiles.tuned_tile`` picks), and every tile of :data:`GRID` that fits the problem, each by
-``triton.testing.do_bench`` on channels-last bf16 (``--dtype``) tensors.  Prints one line per row
+``triton.testing.do_bench`` on channels-last bf16 (``--dtype``) tensors; with ``--box`` each tile also
+loading boxes (``tiles.box_width``'s shape; where the call refuses a box, the tile's gather time stands
+for it, as the timed choice would then run the gather).  Prints one line per row
 and, at the end, per pass: each tile's time as a fraction of the row's best (geometric mean over
 rows) and the best set of ``--set-size`` tiles, what the candidates of a timed choice should be.
 """
@@ -14,6 +16,7 @@ rows) and the best set of ``--set-size`` tiles, what the candidates of a timed c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -33,7 +36,7 @@ from conv_shapes import collect  # noqa: E402
 #: ``(block_m, block_n, block_k, num_warps, num_stages)`` tried per pass.
 GRID = [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 3),
         (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 32, 4, 4), (256, 64, 64, 8, 3),
-        (64, 256, 64, 8, 3), (64, 64, 128, 4, 3), (128, 128, 128, 8, 3)]  # fmt: skip
+        (64, 256, 64, 8, 3), (64, 64, 128, 4, 3), (128, 128, 128, 8, 3), (64, 256, 128, 8, 3)]  # fmt: skip
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from fusion_backend.kernels.conv import TileConfig
+    from fusion_backend.kernels.conv.tiles import box_width
+    from fusion_backend.kernels.plan_cache import ContractError
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=[str(m) for m in DEFAULT_MODELS])
@@ -73,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=math.inf, help="stop starting rows after this long")
     parser.add_argument("--set-size", type=int, default=3)
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--box", action="store_true", help="also time each tile loading boxes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_conv_tiles: needs CUDA")
@@ -92,10 +98,19 @@ def main(argv: list[str] | None = None) -> int:
             if bn > 2 * max(16, 1 << (n_extent - 1).bit_length()) or bk > max(16, k_extent):
                 continue
             tile = TileConfig(bm, bn, bk, warps, stages, flat_k=cin_g < 16)
-            try:
-                times[f"{bm}x{bn}x{bk} w{warps} s{stages}"] = triton.testing.do_bench(_steps(t, pass_name, tile))
-            except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
-                print(f"  {bm}x{bn}x{bk} w{warps} s{stages}: {type(exc).__name__}")
+            variants = [tile]
+            if args.box and not tile.flat_k:
+                spatial = (shape.x_shape if pass_name == "dgrad" else shape.out_shape)[2:]
+                plane = (1, *spatial)[-2:]  # a 1d conv's one row
+                variants.append(dataclasses.replace(tile, box_w=box_width(*plane, bm)))
+            for variant in variants:
+                try:
+                    times[variant.label()] = triton.testing.do_bench(_steps(t, pass_name, variant))
+                except ContractError:  # a box the call refuses: the choice would run the gather
+                    if tile.label() in times:
+                        times[variant.label()] = times[tile.label()]
+                except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
+                    print(f"  {variant.label()}: {type(exc).__name__}")
         best = min((k for k in times if k != "cudnn"), key=times.get)
         rows.append({"shape": shape.label(), "pass": pass_name, "ms": times})
         print(f"{pass_name} {shape.label():48s} cudnn {times['cudnn']:.4f}  tuned {times['tuned']:.4f} "
