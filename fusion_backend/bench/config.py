@@ -80,8 +80,8 @@ class MeasureConfig:
     host-bound row the host's cost of a call can depend on what ran just before it.  NOTE: ResNet-50
     bf16 inference on an H200 (``python tools/bench_step_accounting.py`` and a probe before it,
     ``docs/perf/RESULTS.md``, realnets section): Inductor's generated code took 24-100 minor page
-    faults per call when the backends alternated call by call, and none in 30 calls in a row;
-    which copy took more decided the row.  The default stays 1 until blocks are measured beside it.
+    faults per call when the backends alternated call by call, and the fusion copy's step none in
+    30 calls in a row; which copy took more decided the row.  The default stays 1 until blocks are measured beside it.
 
     WHY six rounds: a row's fusion / Inductor ratio is the median of its paired round ratios
     (``results.CaseResult.speedup``), and on host-bound rows a single round's ratio drifts by
