@@ -11,7 +11,7 @@ kept by backend name over the whole run: give the benchmark one workload, dtype 
 
 WHY: two callables that run the same compiled code can read different host times in one process
 (``docs/perf/RESULTS.md``, realnets section): the kernel time of minor page faults taken inside
-Inductor's generated code was the difference, in the interleaved rounds only, and their count changed
+Inductor's generated code was the difference in the interleaved rounds (none in a row, where measured), and their count changed
 with the launcher Inductor's kernels use.  This tool reads those counts where a benchmark row looks
 host-bound.
 
