@@ -18,6 +18,9 @@
 #   families the families suite, fp32 + bf16, infer + train (BACKENDS), after the norm and channel-reduction
 #            families' GPU tests (FAMILIES_TESTS=0 skips them)
 #   hostbwd  tools/conv_backward_host.py: the conv backward's host time inside fused training steps vs eager's
+#   convk    the conv family: its kernel tests, tools/bench_conv.py on a quarter of ResNet-50's convs and its
+#            56x56 3x3 (the hooked forward's loop without the pad mask is compiled there) into $out/convk,
+#            then the weight gradient's tile sweep with boxes (CONVK_SWEEP=0 skips it)
 #   hostrow  the host-bound row (ResNet-50 bf16 inference): tools/bench_step_accounting.py on fresh caches, then
 #            twice on the caches the first left (the run where Inductor's graph comes from its cache): once with
 #            one repetition per backend in turn, once with --consecutive 10 (HOSTROW_SUITE names another file)
@@ -97,6 +100,19 @@ fi
 if has hostbwd; then
   timeout 120 python3 tools/conv_backward_host.py demos/convnets/conv2d_64_k3_relu_batch1.py \
     demos/convnets/conv2d_depthwise_144_k3_relu6.py 2>&1 | grep -v -i warn | tee "$out/hostbwd.log" | tail -12
+fi
+if has convk; then
+  timeout 240 python3 -m pytest -q -n 4 -p no:cacheprovider tests/kernels >"$out/convk_tests.log" 2>&1 || rc=1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/convk_tests.log" | tail -12
+  timeout 200 python3 tools/bench_conv.py demos/realnets/resnet50.py --shard 1/4 --rounds 3 --out "$out/convk" \
+    >"$out/convk.log" 2>&1
+  timeout 90 python3 tools/bench_conv.py demos/realnets/resnet50.py --filter 64x64x56x56 --rounds 3 --out "$out/convk" \
+    --append >>"$out/convk.log" 2>&1
+  sed -n '/## Summary/,/## Rows/p' "$out/convk/bench.md" | head -12
+  if [[ ${CONVK_SWEEP:-1} == 1 ]]; then
+    timeout 150 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --passes wgrad --box --max-shapes 4 \
+      --out "$out/convk_sweep.json" 2>&1 | grep -v -i warn | tail -16
+  fi
 fi
 if has hostrow; then
   caches=$(mktemp -d)
