@@ -70,6 +70,7 @@ from .fprop import (
     _Geometry,
     _hashable,
     box_descriptor,
+    box_grid,
     box_refusal,
     channels_last,
     dense_channels_last,
@@ -442,11 +443,7 @@ class _DgradPlan:
         m_tiles = cdiv(largest if self.phased else self.m, tile.block_m)
         box_tiles = (0, 0)
         if self.box:
-            why = dgrad_box_refusal(geo, dys, tile)
-            if why:
-                raise ContractError(f"tile box_w={tile.box_w}: {why}")
-            box_tiles = (cdiv(geo.size[1], tile.box_h), cdiv(geo.size[2], tile.box_w))
-            m_tiles = geo.n * geo.size[0] * box_tiles[0] * box_tiles[1]
+            box_tiles, m_tiles = box_grid(geo.size, geo.n, tile, dgrad_box_refusal(geo, dys, tile))
         #: partial-sum rows: every program of every phase writes its own
         self.m_tiles = m_tiles * phases
         grid = (m_tiles, cin_pad // tile.block_n, geo.groups * phases)

@@ -496,11 +496,7 @@ class _Plan:
         self.box = bool(tile.box_w)
         box_tiles = (0, 0)
         if self.box:
-            why = box_refusal(geo, xs, tile)
-            if why:
-                raise ContractError(f"tile box_w={tile.box_w}: {why}")
-            box_tiles = (cdiv(geo.out_size[1], tile.box_h), cdiv(geo.out_size[2], tile.box_w))
-            self.m_tiles = geo.n * geo.out_size[0] * box_tiles[0] * box_tiles[1]
+            box_tiles, self.m_tiles = box_grid(geo.out_size, geo.n, tile, box_refusal(geo, xs, tile))
         if self.depthwise:
             self.weight_in_place = False
             grid = (self.m_tiles, cdiv(geo.c_out, tile.block_n), 1)
@@ -611,6 +607,17 @@ def box_refusal(geo: _Geometry, x: torch.Tensor, tile: TileConfig | None, groups
         return (f"a tensor copy starts on 16 bytes: {what}'s groups of {group_channels} {size}-byte channels "
                 f"do not")  # fmt: skip
     return ""
+
+
+def box_grid(planes: Sequence[int], n: int, tile: TileConfig, refusal: str) -> tuple[tuple[int, int], int]:
+    """A box tile's walk over ``n`` samples' planes of size ``planes`` ``(D, H, W)`` (the output's in the
+    forward and the weight gradient, the input's in the input gradient): ``((rows, columns) of boxes per
+    plane, boxes in all)``, the programs' first grid dim.  Raises :class:`ContractError` with ``refusal``
+    (the pass's ``*box_refusal``) where the call cannot load boxes."""
+    if refusal:
+        raise ContractError(f"tile box_w={tile.box_w}: {refusal}")
+    per_plane = (cdiv(planes[1], tile.box_h), cdiv(planes[2], tile.box_w))
+    return per_plane, n * planes[0] * per_plane[0] * per_plane[1]
 
 
 def box_interior(geo: _Geometry, tile: TileConfig) -> bool:

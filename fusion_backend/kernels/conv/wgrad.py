@@ -64,6 +64,7 @@ from .fprop import (
     _Geometry,
     _hashable,
     box_descriptor,
+    box_grid,
     box_refusal,
     channels_last,
     empty_channels_last,
@@ -359,11 +360,7 @@ class _WgradPlan:
         self.box = bool(tile.box_w)
         box_tiles = (0, 0)
         if self.box:
-            why = wgrad_box_refusal(geo, xs, dys, tile)
-            if why:
-                raise ContractError(f"tile box_w={tile.box_w}: {why}")
-            box_tiles = (cdiv(geo.out_size[1], tile.box_h), cdiv(geo.out_size[2], tile.box_w))
-            m_tiles = geo.n * geo.out_size[0] * box_tiles[0] * box_tiles[1]
+            box_tiles, m_tiles = box_grid(geo.out_size, geo.n, tile, wgrad_box_refusal(geo, xs, dys, tile))
         if self.depthwise:  # grid (taps, channel blocks, splits)
             k_steps, n_tiles = geo.taps, cdiv(geo.c_out, tile.block_n)
         else:
