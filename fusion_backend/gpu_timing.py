@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from .frame_room import call_with_frame_room
+
 
 @functools.cache
 def spin_cycles_per_ms(device: int) -> float:
@@ -32,14 +34,19 @@ def spin_cycles_per_ms(device: int) -> float:
 
 def queued_ms(fn: Callable[[], object], calls: int, cover_ms: float) -> tuple[float, float]:
     """``(device ms per call, host enqueue ms)`` of ``calls`` back-to-back calls of ``fn`` on the
-    current CUDA device, queued behind a spin of ``cover_ms``."""
+    current CUDA device, queued behind a spin of ``cover_ms`` (called with room on the frame stack:
+    ``frame_room.py``)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(int(cover_ms * spin_cycles_per_ms(torch.cuda.current_device())))
-    began = time.perf_counter()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    enqueue_ms = (time.perf_counter() - began) * 1e3
+
+    def timed() -> float:
+        torch.cuda._sleep(int(cover_ms * spin_cycles_per_ms(torch.cuda.current_device())))
+        began = time.perf_counter()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        return (time.perf_counter() - began) * 1e3
+
+    enqueue_ms = call_with_frame_room(timed)
     end.synchronize()
     return start.elapsed_time(end) / calls, enqueue_ms

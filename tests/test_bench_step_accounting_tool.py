@@ -50,3 +50,50 @@ def test_without_cuda_it_says_so_in_one_line(capsys: pytest.CaptureFixture[str])
 
 def test_the_launcher_census_reads_the_loaded_modules() -> None:
     assert all(": {" in line for line in tool.launcher_census())
+
+
+def test_faults_in_triton_launches_and_faulting_calls_are_counted() -> None:
+    """``count_launch_faults`` adds each launch's faults; the account keeps, per call, those taken in
+    launches, whether the call took any and the most one call took."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    original = CachingAutotuner.run
+    undo = tool.count_launch_faults()
+    try:
+        assert CachingAutotuner.run is not original
+        before = tool._launch_faults[0]
+        fake = type("Fake", (), {"fn": type("Fn", (), {"__name__": "triton_poi_fake"})()})()
+        with pytest.raises(Exception):  # noqa: B017 (the real run fails on the stand-in; the count still happens)
+            CachingAutotuner.run(fake, stream=0)
+        assert tool._launches_by_kernel["triton_poi_fake"] >= 1 and tool._launch_faults[0] >= before
+    finally:
+        undo()
+    assert CachingAutotuner.run is original
+
+    accounts = tool.Accounts()
+    touched = accounts.accounted(TimedStep("big", lambda: bytearray(8 << 20)), "in a row")
+    for _ in range(3):
+        touched.run()
+    account = accounts.by_step[("big", "in a row")]
+    assert account.faulting_calls >= 1 and account.most_faults >= 1 and account.launch_faults == 0
+    assert "calls took any" in accounts.table()
+
+
+def test_fault_sites_name_the_mapping_of_each_sampled_fault() -> None:
+    fault_sites = pytest.importorskip("fault_sites")
+    try:
+        sites = fault_sites.FaultSites()
+    except OSError as exc:  # perf_event_open refused (perf_event_paranoid > 2, a sandbox): nothing to read
+        pytest.skip(f"no perf events here: {exc}")
+    try:
+        import mmap
+
+        fresh = mmap.mmap(-1, 256 * mmap.PAGESIZE)
+        with sites:
+            for page in range(256):  # the first write to each fresh page faults once
+                fresh[page * mmap.PAGESIZE] = 1
+        assert sum(sites.sites.values()) >= 200, sites.table()
+        assert "instruction in" in sites.table()
+        fresh.close()
+    finally:
+        sites.close()

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..frame_room import call_with_frame_room
 from .config import MeasureConfig
 from .roofline import DeviceRates
 
@@ -230,8 +231,9 @@ def l2_cache_bytes(device: torch.device) -> int | None:
 # 0.91-1.25x apart in one run (``docs/perf/RESULTS.md``, noise section); interleaved, the same rows
 # measured 1.01-1.11x apart, the copy compiled first the slower in every row (``python -m fusion_backend
 # bench --suite <the noise run's workloads> --backends eager,inductor,inductor:default,fusion,fusion-unfused
-# --no-memory --no-cold`` on the H100).  Whole networks whose step is host-bound stray further: ResNet-50
-# bf16 inference on one H200 read 0.69-1.13x with the same code in both columns (``docs/perf/RESULTS.md``,
+# --no-memory --no-cold`` on the H100).  Whole networks whose step is host-bound strayed further (ResNet-50
+# bf16 inference on one H200: 0.66-1.13x with the same code in both columns) until the rounds ran with room
+# on the interpreter's frame stack (``time``; ``fusion_backend/frame_room.py``; ``docs/perf/RESULTS.md``,
 # realnets section).
 class CudaEventTimer:
     """:class:`Timer` with CUDA events on the current stream of ``device`` (see the module docstring)."""
@@ -291,6 +293,10 @@ class CudaEventTimer:
                 host)
 
     def time(self, steps: Sequence[TimedStep], *, cold: bool = False) -> list[TimingStats | Exception]:
+        # every repetition runs in one frame-stack chunk: no step pays for the interpreter's chunks
+        return call_with_frame_room(lambda: self._time(steps, cold))
+
+    def _time(self, steps: Sequence[TimedStep], cold: bool) -> list[TimingStats | Exception]:
         failed: list[Exception | None] = [None] * len(steps)
         with torch.cuda.device(self.device), _garbage_collector_paused():
             for _ in range(self.config.warmup):

@@ -50,6 +50,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import gpu_timing
+from ..frame_room import call_with_frame_room
 from ..frontend.normalize import target_name
 from ..ir.fakes import fake_of
 
@@ -404,13 +405,18 @@ def calls_per_round(steps: Mapping[str, Callable[[], None]], sync: Callable[[], 
 
 
 def time_per_call(step: Callable[[], None], calls: int, sync: Callable[[], None]) -> float:
-    """Milliseconds per call of ``calls`` back-to-back calls of ``step``, ended by ``sync()``."""
-    sync()
-    began = time.perf_counter()
-    for _ in range(calls):
-        step()
-    sync()
-    return (time.perf_counter() - began) * 1e3 / calls
+    """Milliseconds per call of ``calls`` back-to-back calls of ``step``, ended by ``sync()`` (called with
+    room on the frame stack: ``frame_room.py``)."""
+
+    def timed() -> float:
+        sync()
+        began = time.perf_counter()
+        for _ in range(calls):
+            step()
+        sync()
+        return (time.perf_counter() - began) * 1e3 / calls
+
+    return call_with_frame_room(timed)
 
 
 def _gpu_and_host_ms(step: Callable[[], None], calls: int, per_call_ms: float) -> tuple[float, float]:

@@ -668,8 +668,8 @@ def test_box_loads_leave_out_the_pad_mask_only_where_no_tap_of_the_box_reads_pad
 def test_the_loop_without_the_pad_mask_is_compiled_only_where_some_box_reads_no_padding(plane, tile, padding, want):
     from fusion_backend.kernels.conv.fprop import _check_call, box_interior
 
-    x = torch.empty(1, 16, *plane)
-    geo = _check_call(x, torch.empty(8, 16, 3, 3), None, None, None, 1, padding, 1, 1)
+    x = torch.empty(1, 16, *plane, device=DEVICE)
+    geo = _check_call(x, torch.empty(8, 16, 3, 3, device=DEVICE), None, None, None, 1, padding, 1, 1)
     assert box_interior(geo, tile) is want
 
 
