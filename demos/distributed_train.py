@@ -474,6 +474,7 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
     of ``training``'s step (default: the workload's declared settings) on two alternating batches, the
     steps run back to back in rounds of ``TIMED_ROUND`` (at least one round), the backends' rounds
     interleaved, and what fusion's timed run decided."""
+    from fusion_backend.frame_room import call_with_frame_room
     from fusion_backend.report import collect_reports
 
     if training is None:
@@ -491,15 +492,19 @@ def time_backends(workload: Workload, how: str, rank: int, world: int, device: s
 
     def timed(step_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer, steps: range) -> float:
         """Seconds of the slowest rank for ``steps``, run back to back after a barrier."""
-        nonlocal kind
         dist.barrier()
-        sync()
-        start = time.perf_counter()
-        for step in steps:
-            _, kind = train_step(optimizer, step_fn, [(rank, batches[step % 2])],
-                                 lambda out, _, k, s=step % 2: target(s, out, k), training.loss)
-        sync()
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
+
+        def run_steps() -> float:  # with room on the frame stack, as the benchmark's loops (frame_room.py)
+            nonlocal kind
+            sync()
+            start = time.perf_counter()
+            for step in steps:
+                _, kind = train_step(optimizer, step_fn, [(rank, batches[step % 2])],
+                                     lambda out, _, k, s=step % 2: target(s, out, k), training.loss)
+            sync()
+            return time.perf_counter() - start
+
+        elapsed = torch.tensor(call_with_frame_room(run_steps), dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return elapsed.item()
 
