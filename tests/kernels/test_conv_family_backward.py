@@ -448,35 +448,6 @@ def test_dgrad_batch_norm_sums_match_float64_and_repeat_bitwise(dtype):
     torch.testing.assert_close(sums.sum_dz, flat.sum(1), rtol=1e-5, atol=1e-5 * flat.abs().sum(1).max().item())
 
 
-#: A tile whose x_prev the kernel loads before its K loop, and one whose it loads after (``prefetches_x``:
-#: 32 registers per thread at most; the interpreter runs one warp).
-PREFETCHED, LOADED_AFTER = TileConfig(32, 16, 16, num_warps=1, num_stages=1), TileConfig(64, 32, 16, num_warps=1,
-                                                                                          num_stages=1)
-
-
-@pytest.mark.parametrize("tile", [PREFETCHED, LOADED_AFTER], ids=["before-the-loop", "after-the-loop"])
-def test_dgrad_hooks_read_x_prev_loaded_before_or_after_the_k_loop(tile):
-    from fusion_backend.kernels.conv.dgrad import prefetches_x
-
-    assert prefetches_x(tile, 4) is (tile is PREFETCHED)
-    g = torch.Generator().manual_seed(stable_seed(("prefetch", tile.block_m)))
-    xs, ws, conv = (2, 36, 7, 5), (8, 36, 3, 3), dict(padding=1)
-    x = _channels_last(_randn(*xs, g=g, scale=2.0) + 1.0)
-    stats, prologue, _, _ = _bn(x, g)
-    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
-    _check_dgrad(f"x_prev {tile.block_m}", gy, _randn(*ws, g=g), xs, x_prev=x, prologue=prologue, act_in="relu",
-                 norm_stats=stats, tile=tile, **conv)
-
-
-def test_only_a_small_x_prev_tile_is_held_across_the_k_loop():
-    from fusion_backend.kernels.conv.dgrad import prefetches_x
-
-    assert prefetches_x(TileConfig(128, 64, 64, num_warps=4), 2)  # bf16: 32 registers per thread
-    assert not prefetches_x(TileConfig(128, 64, 64, num_warps=4), 4)  # fp32: 64
-    assert not prefetches_x(TileConfig(128, 128, 64, num_warps=4), 2)
-    assert not prefetches_x(TileConfig(256, 128, 64, num_warps=8), 2)
-
-
 def test_dgrad_sums_without_activation_read_nchw_x_prev_and_sliced_grad_y():
     """Sums alone (no act: grad_z = grad_a), an NCHW x_prev and a sliced grad_y."""
     g = torch.Generator().manual_seed(67)

@@ -78,7 +78,7 @@ from .fprop import (
     prearrange_weight,
     to_channels_last,
 )
-from .grad_epilogue import load_saved_input, store_grad_tile
+from .grad_epilogue import store_grad_tile
 from .hooks import ActivationLike, NormStats, Prologue
 from .prologue import _tap_coords, box_coords
 from .stats import BatchNormGradSums, empty_grad_sums, reduce_grad_partials
@@ -250,7 +250,7 @@ def conv_dgrad_kernel(
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT: tl.constexpr,
     SUMS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr, PHASED: tl.constexpr,
-    W_IN_PLACE: tl.constexpr, DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, PREFETCH_X: tl.constexpr,
+    W_IN_PLACE: tl.constexpr, DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` tile of the input gradient of group ``program_id(2)`` (phased: group
@@ -283,14 +283,12 @@ def conv_dgrad_kernel(
         m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = m < M
         w, h, d, n = peel_coords(m, W, H, D)
-        x_saved = load_saved_input(m_ok, n, d, h, w, ci, ci < C_IN, xp_ptr, xp_sn, xp_sd, xp_sh, xp_sw, ACT, SUMS,
-                                   PREFETCH_X, BIG)  # fmt: skip
         acc = _depthwise_grad_tile(dy_ptr, w_ptr, n, d, h, w, m_ok, ci, ci < C_IN, OD, OH, OW, C_OUT_G,
                                    dy_sn, dy_sd, dy_sh, dy_sw, KD, KH, KW, SD, SH, SW, PD, PH, PW, DD, DH, DW,
                                    BIG, BLOCK_M, BLOCK_N)  # fmt: skip
-        store_grad_tile(acc, x_saved, m, m_ok, n, d, h, w, ci, ci < C_IN, pid_m, out_ptr, xp_ptr, part_ptr,
-                        mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES, xp_sn, xp_sd, xp_sh,
-                        xp_sw, PROLOGUE, G_NORM, NORM_AFFINE, ACT, SUMS, PREFETCH_X, BIG)  # fmt: skip
+        store_grad_tile(acc, m, m_ok, n, d, h, w, ci, ci < C_IN, pid_m, out_ptr, xp_ptr, part_ptr, mean_ptr,
+                        rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES, xp_sn, xp_sd, xp_sh, xp_sw,
+                        PROLOGUE, G_NORM, NORM_AFFINE, ACT, SUMS, BIG)  # fmt: skip
         return
     if PHASED:
         groups = C_IN // C_IN_G
@@ -313,8 +311,6 @@ def conv_dgrad_kernel(
         m_ok = m < M
         w, h, d, n = peel_coords(m, W, H, D)
         part_row = pid_m
-    x_saved = load_saved_input(m_ok, n, d, h, w, g * C_IN_G + ci, ci < C_IN_G, xp_ptr, xp_sn, xp_sd, xp_sh, xp_sw,
-                               ACT, SUMS, PREFETCH_X, BIG)  # fmt: skip
     if BIG:
         row_base = n.to(tl.int64) * dy_sn
     else:
@@ -365,9 +361,9 @@ def conv_dgrad_kernel(
                 b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
             acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
 
-    store_grad_tile(acc, x_saved, m, m_ok, n, d, h, w, g * C_IN_G + ci, ci < C_IN_G, part_row, out_ptr, xp_ptr,
-                    part_ptr, mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES,
-                    xp_sn, xp_sd, xp_sh, xp_sw, PROLOGUE, G_NORM, NORM_AFFINE, ACT, SUMS, PREFETCH_X, BIG)  # fmt: skip
+    store_grad_tile(acc, m, m_ok, n, d, h, w, g * C_IN_G + ci, ci < C_IN_G, part_row, out_ptr, xp_ptr, part_ptr,
+                    mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES,
+                    xp_sn, xp_sd, xp_sh, xp_sw, PROLOGUE, G_NORM, NORM_AFFINE, ACT, SUMS, BIG)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -396,18 +392,6 @@ def prearrange_dgrad_weight(weight: torch.Tensor, groups: int, tile: TileConfig,
     cout_g = c_out // groups
     swapped = weight.reshape(groups, cout_g, cin_g, *k).transpose(1, 2).reshape(groups * cin_g, cout_g, *k)
     return prearrange_weight(swapped, groups, tile, dtype)
-
-
-#: Bytes of the x_prev tile per thread the kernel may hold across its K loop (32 registers): NOTE at
-#: ``grad_epilogue.load_saved_input``.
-_PREFETCH_BYTES_PER_THREAD = 128
-
-
-def prefetches_x(tile: TileConfig, element_size: int) -> bool:
-    """Whether the hooked kernel loads its x_prev tile before the K loop (``PREFETCH_X``): where the tile
-    takes at most ``_PREFETCH_BYTES_PER_THREAD`` bytes per thread (bf16 128 x 64 on 4 warps does; a 128 x
-    128 tile or fp32 128 x 64 does not)."""
-    return tile.block_m * tile.block_n * element_size <= _PREFETCH_BYTES_PER_THREAD * 32 * tile.num_warps
 
 
 class _DgradPlan:
@@ -461,7 +445,6 @@ class _DgradPlan:
             PROLOGUE=hooks.prologue_code(prologue) if act else hooks.PROLOGUE_NONE, G_NORM=g_norm,
             NORM_AFFINE=norm_affine, ACT=act, SUMS=sums, PRECISION=precision, BIG=big, FLAT_K=tile.flat_k,
             PHASED=self.phased, W_IN_PLACE=self.weight_in_place, DEPTHWISE=self.depthwise, BOX_W=tile.box_w,
-            PREFETCH_X=prefetches_x(tile, grad_y.element_size()),
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip

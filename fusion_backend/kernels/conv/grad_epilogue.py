@@ -29,39 +29,15 @@ from ..chain_math import step_backward
 from .prologue import normalise
 
 
-# NOTE: the x_prev tile loaded before the K loop and held across it (ResNet-50's 3x3 input gradient with
-# relu' and the BatchNorm sums, sm_90, Triton 3.9): 179 -> 231 registers at 128 x 64 x 64 bf16 on 4 warps,
-# no spill; at 128 x 128 tiles the spills grow (bf16 136 -> 544 bytes, fp32 888 -> 1392), hence
-# ``PREFETCH_X`` only where the tile takes at most 32 registers per thread (``dgrad.prefetches_x``):
-# ``python tools/compile_check.py conv_family --kernels dgrad``.  Not timed on a GPU yet.
 @triton.jit
-def load_saved_input(m_ok, n, d, h, w, c, c_ok, xp_ptr, xp_sn, xp_sd, xp_sh, xp_sw, ACT: tl.constexpr,
-                     SUMS: tl.constexpr, PREFETCH_X: tl.constexpr, BIG: tl.constexpr):  # fmt: skip
-    """The tile's ``x_prev`` ``[BLOCK_M, BLOCK_N]`` in its own dtype (rows ``(n, d, h, w)``, columns ``c``;
-    0 where ``m_ok`` or ``c_ok`` is False), or 0.0 where neither ``ACT`` nor ``SUMS`` needs it or
-    ``PREFETCH_X`` is False.  A kernel calls it before its K loop (``PREFETCH_X``: the load's latency
-    passes under the loop instead of following it) and ``store_grad_tile`` after it (the others)."""
-    x = 0.0
-    if (ACT != 0 or SUMS) and PREFETCH_X:
-        if BIG:
-            xrow = n.to(tl.int64) * xp_sn + d.to(tl.int64) * xp_sd + h.to(tl.int64) * xp_sh + w.to(tl.int64) * xp_sw
-        else:
-            xrow = n * xp_sn + d * xp_sd + h * xp_sh + w * xp_sw
-        x = tl.load(xp_ptr + xrow[:, None] + c[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
-    return x
-
-
-@triton.jit
-def store_grad_tile(acc, x_saved, m, m_ok, n, d, h, w, c, c_ok, pid_m, out_ptr, xp_ptr, part_ptr, mean_ptr,
-                    rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES, xp_sn, xp_sd, xp_sh, xp_sw,
+def store_grad_tile(acc, m, m_ok, n, d, h, w, c, c_ok, pid_m, out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr,
+                    p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES, xp_sn, xp_sd, xp_sh, xp_sw,
                     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr,
-                    ACT: tl.constexpr, SUMS: tl.constexpr, PREFETCH_X: tl.constexpr,
-                    BIG: tl.constexpr):  # fmt: skip
+                    ACT: tl.constexpr, SUMS: tl.constexpr, BIG: tl.constexpr):  # fmt: skip
     """Finish and store one tile (module docstring for the order).
 
     acc       fp32 ``[BLOCK_M, BLOCK_N]`` grad_a: rows ``m`` (input positions, ``m_ok``: ``< M``; ``n, d, h,
               w`` their coordinates), columns ``c`` (input channels, ``c_ok``: real ones of this group).
-    x_saved   ``PREFETCH_X``: the tile's x_prev, ``load_saved_input``'s before the K loop; else loaded here.
     out_ptr   the result, channels-last dense: element ``(m, c)`` at ``m * C_IN + c``, its dtype stored.
     xp_ptr    ACT or SUMS: x_prev (N, C_IN, D, H, W), channel stride 1, element ``(n, c, d, h, w)`` at
               ``n * xp_sn + d * xp_sd + h * xp_sh + w * xp_sw + c``.
@@ -77,10 +53,11 @@ def store_grad_tile(acc, x_saved, m, m_ok, n, d, h, w, c, c_ok, pid_m, out_ptr, 
     mask = m_ok[:, None] & c_ok[None, :]
     v = acc
     if ACT != 0 or SUMS:
-        if not PREFETCH_X:
-            x_saved = load_saved_input(m_ok, n, d, h, w, c, c_ok, xp_ptr, xp_sn, xp_sd, xp_sh, xp_sw, ACT, SUMS, True,
-                                       BIG)  # fmt: skip
-        x = x_saved.to(tl.float32)
+        if BIG:
+            xrow = n.to(tl.int64) * xp_sn + d.to(tl.int64) * xp_sd + h.to(tl.int64) * xp_sh + w.to(tl.int64) * xp_sw
+        else:
+            xrow = n * xp_sn + d * xp_sd + h * xp_sh + w * xp_sw
+        x = tl.load(xp_ptr + xrow[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
     if ACT != 0:
         z = normalise(x, n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE, G_NORM, NORM_AFFINE)
         v, _ = step_backward(v, z, slope, 0.0, ACT)
