@@ -59,8 +59,8 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   3x3 and the SD VAE decoder's 512-channel 3x3 (``CONV_FAMILY_SHAPES``); ``bf16`` or ``fp32`` (TF32);
   ``-hooked``: a BatchNorm + ReLU's hooks (prologue, relu, output statistics; relu' and the
   BatchNorm-backward sums; the prologue recomputed in wgrad).  Cases ``{resnet_1x1,resnet_3x3,
-  resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-{bf16,fp32}[-hooked][-box]`` (``-box``: every pass loads
-  boxes, the stride-1 shapes alone); default six of them.
+  resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-{bf16,fp32}[-hooked][-box]`` (``-box``: the input and
+  weight gradients load boxes, the stride-1 shapes alone; the forward has no box path); default six of them.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
   the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
   pool, a max or an avg pool; ``fp32``, ``bf16``.  Cases ``{none,max,avg}-{fp32,bf16}``, all by default.
@@ -528,8 +528,8 @@ def _launchable_on_cpu_tensors():  # noqa: ANN202
 
 def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False) -> None:
     """``kernels/conv/``'s three launchers (``conv_fprop``, ``conv_dgrad``, ``conv_wgrad``) on one of
-    :data:`CONV_FAMILY_SHAPES`, channels-last, with the tile ``pick_tile`` picks; ``box``: ``conv_fprop``
-    ``conv_dgrad`` and ``conv_wgrad`` with their first tiles loading boxes (``tiles.box_width``); ``hooked``: the hooks
+    :data:`CONV_FAMILY_SHAPES`, channels-last, with the tile ``pick_tile`` picks; ``box``: ``conv_dgrad``
+    and ``conv_wgrad`` with their first tiles loading boxes (``tiles.box_width``); ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
     it, an eval norm's scale and shift; dgrad: relu' of the recomputed prologue and the BatchNorm-backward
@@ -550,16 +550,14 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False) ->
     per_out = torch.empty(c_out, dtype=torch.float32)
     chain = [(OP_CODES["mul"], [per_out]), (OP_CODES["add"], [per_out])] if hooked and has_bias else []
     with _launchable_on_cpu_tensors():
-        tile = wtile = dtile = None
+        wtile = dtile = None
         if box:
             m = dy.shape[0] * dy.shape[2] * dy.shape[3]
-            first = FAMILY.pick_tile(c_in, c_out, w_shape[2] * w_shape[3], m, dt)
-            tile = dataclasses.replace(first, box_w=FAMILY_TILES.box_width(*dy.shape[2:], first.block_m))
             wfirst = FAMILY_TILES.candidates("wgrad", c_in, c_out, w_shape[2] * w_shape[3], m, dt)[0]
             wtile = dataclasses.replace(wfirst, box_w=FAMILY_TILES.box_width(*dy.shape[2:], wfirst.block_m))
             dfirst = FAMILY_TILES.candidates("dgrad", c_out, c_in, w_shape[2] * w_shape[3], m, dt)[0]
             dtile = dataclasses.replace(dfirst, box_w=FAMILY_TILES.box_width(*x_shape[2:], dfirst.block_m))
-        FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, saved=dy if hooked else None, tile=tile, **hooks,
+        FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, saved=dy if hooked else None, **hooks,
                           **geo)  # fmt: skip
         FAMILY.conv_dgrad(dy, w, x_shape, x_prev=x if hooked else None,
                           norm_stats=FAMILY.NormStats(vec, vec) if hooked else None, tile=dtile, **hooks,

@@ -6,7 +6,7 @@ choose ``kernels/conv/tiles.py``'s ``CANDIDATES`` (CUDA only).
 
 Per shape (``conv_shapes``, largest first) and pass: cuDNN's time, the tuned launch's (whatever
 ``tiles.tuned_tile`` picks), and every tile of :data:`GRID` that fits the problem, each by
-``triton.testing.do_bench`` on channels-last bf16 (``--dtype``) tensors; with ``--box`` each tile also
+``triton.testing.do_bench`` on channels-last bf16 (``--dtype``) tensors; with ``--box`` each gradient tile also
 loading boxes (``tiles.box_width``'s shape; where the call refuses a box, the tile's gather time stands
 for it, as the timed choice would then run the gather).  Prints one line per row
 and, at the end, per pass: each tile's time as a fraction of the row's best (geometric mean over
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=math.inf, help="stop starting rows after this long")
     parser.add_argument("--set-size", type=int, default=3)
     parser.add_argument("--out", help="write the rows as JSON here")
-    parser.add_argument("--box", action="store_true", help="also time each tile loading boxes")
+    parser.add_argument("--box", action="store_true", help="also time each gradient tile loading boxes (the forward has none)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_conv_tiles: needs CUDA")

@@ -615,6 +615,21 @@ def test_wgrad_boxes_past_the_planes_edge_add_nothing_even_beside_an_infinite_in
     assert gw[:, :4, 2, 2].isinf().all() and gw[:, :4, :2].isfinite().all()  # only the last tap reads it
 
 
+def test_wgrad_box_loads_read_a_sliced_or_unaligned_input_and_an_nchw_one():
+    """A tensor copy needs a 16-byte aligned base: a slice that starts off it is copied first
+    (``boxes.box_descriptor``); an NCHW input is relaid out channels-last first."""
+    g = torch.Generator().manual_seed(stable_seed("wgrad-box-layouts"))
+    w = _randn(8, 20, 3, 3, g=g, dtype=torch.float16, scale=0.3)
+    wide = _channels_last(_randn(2, 24, 7, 9, g=g, dtype=torch.float16))
+    gy = _channels_last(_randn(2, 8, 7, 9, g=g, dtype=torch.float16))
+    _check_wgrad("box sliced channels, unaligned", gy, wide[:, 4:], w, tile=SMALL_BOX, split=1, padding=1)
+    gy8 = _channels_last(_randn(2, 8, 7, 8, g=g, dtype=torch.float16))
+    _check_wgrad("box sliced columns", gy8, wide[:, 4:, :, 1:9], w, tile=SMALL_BOX, split=1, padding=1)
+    w24 = _randn(8, 24, 3, 3, g=g, dtype=torch.float16, scale=0.3)
+    _check_wgrad("box nchw", gy, _randn(2, 24, 7, 9, g=g, dtype=torch.float16), w24, tile=SMALL_BOX, split=1,
+                 padding=1)
+
+
 def test_a_wgrad_box_tile_where_a_box_cannot_load_is_refused_in_one_line():
     g = torch.Generator().manual_seed(0)
     x = _channels_last(_randn(1, 16, 7, 7, g=g))

@@ -1,6 +1,6 @@
 """The conv family's three passes on random problems: geometry (1-3 spatial dims, odd sizes and channel
-counts, stride, padding, dilation, groups, tails), K walk and A-tile load (tap-major, flat, boxes where a
-call allows them), hooks (a prologue of each kind with an activation, output statistics, the backward's
+counts, stride, padding, dilation, groups, tails), K walk and A-tile load (tap-major, flat, and in the
+gradients boxes where a call allows them), hooks (a prologue of each kind with an activation, output statistics, the backward's
 relu' and BatchNorm sums) and layouts, against float64 with eager's own error as the yardstick
 (``testing.compare``; ``reference.py`` run in the inputs' dtype is eager, in float64 the truth).
 
@@ -31,7 +31,7 @@ from fusion_backend.kernels.conv import (
     conv_wgrad,
 )
 from fusion_backend.kernels.conv.dgrad import dgrad_box_refusal
-from fusion_backend.kernels.conv.fprop import _check_call, box_refusal, empty_channels_last, output_size
+from fusion_backend.kernels.conv.fprop import _check_call, empty_channels_last, output_size
 from fusion_backend.kernels.conv.reference import (
     apply_activation,
     apply_prologue,
@@ -134,18 +134,20 @@ def _prologue(kind: str, n: int, c: int, g: torch.Generator):
 
 
 def _tile(name: str, p: Problem, pass_name: str, dtype: torch.dtype) -> TileConfig | None:
-    """The named tile, or None (the heuristic's) where ``pass_name`` on ``p`` cannot take it: a box
-    needs stride and dilation 1 and 16-byte strides, and more per pass (``box_refusal``)."""
+    """The named tile, or None (the heuristic's) where ``pass_name`` on ``p`` cannot take it: the
+    forward loads no boxes; a gradient's box needs stride and dilation 1 and 16-byte strides, and more
+    per pass (``boxes.box_refusal``)."""
     tile = TILES[name]
     if not tile.box_w:
         return tile
+    if pass_name == "fprop":
+        return None
     device = torch.device(DEVICE)  # (small: the problems are)
     x = empty_channels_last((p.batch, p.c_in, *p.size), dtype, device)
     dy = empty_channels_last((p.batch, p.c_out, *p.out_size), dtype, device)
     w = torch.empty(p.c_out, p.c_in // p.groups, *p.kernel, dtype=dtype, device=device)
     geo = _check_call(x, w, None, None, None, p.stride, p.padding, p.dilation, p.groups)
-    refusal = {"fprop": lambda: box_refusal(geo, x, tile),
-               "dgrad": lambda: dgrad_box_refusal(geo, dy, tile),
+    refusal = {"dgrad": lambda: dgrad_box_refusal(geo, dy, tile),
                "wgrad": lambda: wgrad_box_refusal(geo, x, dy, tile)}[pass_name]()  # fmt: skip
     return None if refusal else tile
 

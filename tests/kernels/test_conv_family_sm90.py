@@ -11,9 +11,9 @@ import pytest
 def test_hooked_kernels_compile_for_sm90_without_spills_within_shared_memory(sm90_compile_check) -> None:
     """The interpreter runs the kernels on CPU but cannot say whether they compile for the GPU, spill or
     ask for more shared memory than an sm_90 block has.  Compiles fprop, dgrad and wgrad with every
-    hook on three of the job's cases: a ResNet-50 3x3 in bf16 (tap-major K; and every pass loading boxes
-    through tensor descriptors, which the interpreter emulates) and the RGB stem in fp32/TF32 (flat K),
-    in the suite's one compile-check process (``conftest.SM90_COMPILE_CASES``).  NOTE: 11
+    hook on three of the job's cases: a ResNet-50 3x3 in bf16 (tap-major K; and the gradients loading
+    boxes through tensor descriptors, which the interpreter emulates) and the RGB stem in fp32/TF32 (flat K),
+    in the suite's one compile-check process (``conftest.SM90_COMPILE_CASES``).  NOTE: 10
     specialisations, about 14 s of compiling on the 2-core CPU box with a cold Triton cache (``time
     python tools/compile_check.py conv_family --cases ...``)."""
     import triton

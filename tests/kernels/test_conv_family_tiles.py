@@ -202,12 +202,11 @@ def test_each_pass_runs_the_tile_its_timing_chose_and_gives_the_same_result(time
     w = (torch.randn(32, 32, 3, 3, generator=g) * 0.1).to(DEVICE)
     dy = _cl(torch.randn(2, 32, 6, 6, generator=g)).to(DEVICE)
     for name, module, run, tried in (
-        ("fprop", fprop, lambda: conv_fprop(x, w, padding=1)[0],  # stride 1, 128-byte pixels: a box candidate too
-         candidates("fprop", 32, 32, 9, 72, torch.float32, box_plane=(6, 6))),
+        ("fprop", fprop, lambda: conv_fprop(x, w, padding=1)[0], candidates("fprop", 32, 32, 9, 72, torch.float32)),
         ("dgrad", dgrad, lambda: conv_dgrad(dy, w, x.shape, padding=1)[0], candidates("dgrad", 32, 32, 9, 72,
-                                                                                      torch.float32, box_plane=(6, 6))),
+                                                                                      torch.float32)),
         ("wgrad", wgrad, lambda: conv_wgrad(dy, x, w, padding=1)[0], candidates("wgrad", 32, 32, 9, 72,
-                                                                                torch.float32, box_plane=(6, 6))),
+                                                                                torch.float32)),
     ):  # fmt: skip
         assert len(tried) > 1, name
         timed.times = {t: 1.0 for t in tried} | {tried[-1]: 0.25}
@@ -217,3 +216,31 @@ def test_each_pass_runs_the_tile_its_timing_chose_and_gives_the_same_result(time
                 "dgrad": lambda: torch.nn.grad.conv2d_input(x.shape, w, dy, padding=1),
                 "wgrad": lambda: torch.nn.grad.conv2d_weight(x, w.shape, dy, padding=1)}[name]()
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_only_a_hooked_gradient_times_a_box_candidate(timed, monkeypatch):
+    """Stride 1 and 128-byte pixels allow boxes everywhere; the forward never times one, a plain
+    gradient neither, a gradient with hooks does (``tiles.candidates``: where a box has won)."""
+    from fusion_backend.kernels.conv.hooks import ChannelAffine, NormStats
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    g = torch.Generator().manual_seed(6)
+    x = _cl(torch.randn(2, 32, 6, 6, generator=g)).to(DEVICE)
+    w = (torch.randn(32, 32, 3, 3, generator=g) * 0.1).to(DEVICE)
+    dy = _cl(torch.randn(2, 32, 6, 6, generator=g)).to(DEVICE)
+    affine = ChannelAffine(torch.rand(32, generator=g).to(DEVICE) + 0.5, torch.randn(32, generator=g).to(DEVICE))
+    stats = NormStats(torch.zeros(32, device=DEVICE), torch.ones(32, device=DEVICE))
+
+    def boxes_timed(run) -> bool:  # noqa: ANN001
+        timed.timed.clear()
+        run()
+        assert timed.timed, "nothing was timed"
+        return any(t.box_w for t in timed.timed)
+
+    assert not boxes_timed(lambda: conv_fprop(x, w, padding=1, prologue=affine, act_in="relu"))
+    assert not boxes_timed(lambda: conv_dgrad(dy, w, x.shape, padding=1))
+    assert not boxes_timed(lambda: conv_wgrad(dy, x, w, padding=1))
+    assert boxes_timed(lambda: conv_dgrad(dy, w, x.shape, padding=1, x_prev=x, prologue=affine, act_in="relu",
+                                          norm_stats=stats))
+    assert boxes_timed(lambda: conv_wgrad(dy, x, w, padding=1, prologue=affine, act_in="relu"))
+

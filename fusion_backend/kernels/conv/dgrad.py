@@ -63,15 +63,13 @@ from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import backward_dot_precision, round_tf32
 from . import hooks
+from .boxes import box_descriptor, box_grid, box_refusal
 from .fprop import (
     _BIG_INDEX_THRESHOLD,
     _INT32_LIMIT,
     _check_call,
     _Geometry,
     _hashable,
-    box_descriptor,
-    box_grid,
-    box_refusal,
     channels_last,
     dense_channels_last,
     empty_channels_last,
@@ -374,9 +372,9 @@ def conv_dgrad_kernel(
 def dgrad_box_refusal(geo: _Geometry, dy: torch.Tensor, tile: TileConfig | None) -> str:
     """Why the input gradient of a call of geometry ``geo`` cannot load its A tiles as boxes of grad_y
     ``dy`` (channels-last, as the kernel reads it) with ``tile`` (None: any box tile); "" where it can.
-    ``fprop.box_refusal``'s rules, the output channels in the K blocks' place: with groups they must
+    ``boxes.box_refusal``'s rules, the output channels in the K blocks' place: with groups they must
     fill them (a group's channel tail would read the next group's grad_y)."""
-    why = box_refusal(geo, dy, tile, groups_fill=False, what="grad_y")
+    why = box_refusal(geo, dy, tile, what="grad_y")
     if why:
         return why
     if geo.groups > 1 and (tile is None or geo.c_out_g % tile.block_k):
@@ -570,7 +568,8 @@ def conv_dgrad(
             return plan_with(tile)
         m = geo.n * math.prod(geo.size)
         dys = _layout_of(grad_y)
-        boxed = not dgrad_box_refusal(geo, dys, None)
+        # boxes only where the hooks take the tile through registers anyway (``tiles.candidates``)
+        boxed = (code != 0 or norm_stats is not None) and not dgrad_box_refusal(geo, dys, None)
         tiles = candidates("dgrad", geo.c_out_g, geo.c_in_g, geo.taps, m, grad_y.dtype,
                            geo.c_in if geo.c_in_g == 1 else None,  # the direct depthwise path
                            geo.size[1:] if boxed else None)  # fmt: skip

@@ -21,17 +21,15 @@ GEMM mapping (every rank lifted to 3d with leading size-1 spatial dims):
   one unmasked, K-contiguous load.  A channels-last weight whose channels the tile does not pad is
   that matrix already and is read in place; any other is prearranged once per call
   (:func:`prearrange_weight`).
-* Box loads (``TileConfig.box_w``; stride and dilation 1, tap-major K, 16-byte strides, one group or
-  groups whose channels fill the K blocks): program ``pid_m`` owns a ``BOX_H x BOX_W`` block of one
-  output plane instead of ``BLOCK_M`` consecutive rows, so that the A tile of each K step is the
-  input block under it shifted by the tap: one tensor-descriptor load (TMA on sm_90) that reads the
-  padding as zeros, with no per-element address or mask arithmetic (:func:`_box_tile`,
-  ``prologue.load_a_box``).  Outputs past the plane's edge are computed and never stored.  NOTE: sm_90
-  SASS of the main loop per MMA (bf16, 128 x 64 x 64, ``python tools/compile_check.py conv_family
-  --cases resnet_3x3-bf16-box,resnet_3x3-bf16-hooked-box --kernels fprop --sass`` against the same
-  cases without ``-box``): ResNet-50's 3x3 18 instructions against 29, with the BatchNorm + ReLU
-  prologue 58 against 74 (169 registers against 254); not timed on a GPU yet.  The tile is a
-  candidate the timed choice weighs (``tiles.candidates``), not a default.
+* The A tile is a gather (per-row addresses, a mask per tap), never a box: NOTE: a box load (one
+  tensor copy of the input block under a ``BOX_H x BOX_W`` block of the output, the dgrad's and
+  wgrad's ``box_w`` tiles) reshaped to ``[BLOCK_M, BLOCK_K]`` reaches the dot from registers: Triton
+  (3.6 and 3.9) reads the copied block into registers (LDSM) and issues ``wgmma`` with A from them,
+  where the gather's cp.async tile feeds ``wgmma`` from shared memory.  Timed as a candidate on the
+  H200 it lost to the gather on all seven ResNet-50 shapes it was offered, plain and with the
+  BatchNorm + ReLU prologue (0.046 against 0.061 ms on the 3x3 of 64 channels at 56 x 56, 0.037
+  against 0.094 at 14 x 14; ``CONVK_SWEEP=0 bash tools/gpu_session.sh convk``, the report's tile
+  timings), so the forward has no box path.
 * One input channel per group (depthwise, any channel multiplier, or a single-channel input): no GEMM
   (its K would be the taps alone) but a direct tile over ``BLOCK_N`` output channels of any groups
   (:func:`_depthwise_tile`), grid ``(M tiles, C_out tiles, 1)``, with the same hooks.
@@ -71,7 +69,7 @@ from ..tf32 import dot_precision, round_tf32
 from . import hooks
 from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
-from .prologue import box_coords, load_a_box, load_a_tile, load_depthwise_tile, window_rows
+from .prologue import load_a_tile, load_depthwise_tile, window_rows
 from .stats import ChannelStats, empty_stats, reduce_partials
 from .tiles import TileConfig, cached_plan, candidates, compiling_only, tuned_tile
 
@@ -91,9 +89,9 @@ _INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
 @triton.jit
 def conv_fprop_kernel(
-    x_ptr, x_desc, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr,
     p3_ptr, slope_in, slope_out,
-    M, D, H, W, OD, OH, OW, C_IN, C_OUT, C_OUT_G, M_TILES, OH_TILES, OW_TILES,
+    M, D, H, W, OD, OH, OW, C_IN, C_OUT, C_OUT_G, M_TILES,
     x_sn, x_sd, x_sh, x_sw,
     C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, K_ROW: tl.constexpr, COUT_PAD: tl.constexpr,
     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
@@ -104,12 +102,11 @@ def conv_fprop_kernel(
     SAVE_CONV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr,
     ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr,
     STATS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
-    DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, INTERIOR: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DEPTHWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile of group ``program_id(2)`` (module docstring); with
     ``DEPTHWISE`` (one input channel per group) ``BLOCK_N`` output channels of any groups, computed
-    directly (:func:`_depthwise_tile`); with ``BOX_W`` the A tiles loaded as boxes (:func:`_box_tile`).
+    directly (:func:`_depthwise_tile`).
 
     Pointers (element offsets):
       x_ptr    input (N, C_IN, D, H, W), fp32/fp16/bf16, channel stride 1: element ``(n, c, d, h, w)`` at
@@ -119,17 +116,13 @@ def conv_fprop_kernel(
                matrix; ``DEPTHWISE``: (C_OUT, taps) rows, contiguous.
       scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr: ``epilogue.store_tile``'s (out:
                (M, C_OUT) row-major).
-      x_desc   ``BOX_W``: a tensor descriptor of x (``prologue.load_a_box``); else any tensor, unused.
       p0..p3   the prologue's vectors (``prologue.normalise``).
     Unused pointers receive any tensor and are never dereferenced.
     Runtime: ``slope_in`` / ``slope_out`` the leaky slopes; ``M = N * OD * OH * OW``; ``C_OUT_G`` the
-    group's output channels; ``M_TILES`` the grid's first dim; ``OH_TILES`` / ``OW_TILES`` the boxes
-    along an output plane's rows and columns (``BOX_W``; else unused).  Constexprs: ``C_IN_G`` input channels
+    group's output channels; ``M_TILES`` the grid's first dim.  Constexprs: ``C_IN_G`` input channels
     per group, ``CIN_PAD`` (tap-major) those rounded up to ``BLOCK_K``, ``K_ROW`` one output channel's
     K extent in ``w``; kernel size ``K*``, stride ``S*``, padding ``P*``, dilation ``D*`` per dim;
-    the hooks' codes (``hooks``); ``PRECISION`` the dot's input precision; ``BIG`` int64 offsets;
-    ``INTERIOR`` (boxes with a prologue or input activation, padded): some box reads no padding
-    (:func:`box_interior`), and the K loop without the pad mask is compiled for such boxes too.
+    the hooks' codes (``hooks``); ``PRECISION`` the dot's input precision; ``BIG`` int64 offsets.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -148,26 +141,6 @@ def conv_fprop_kernel(
 
     PADDED: tl.constexpr = (PD > 0) or (PH > 0) or (PW > 0)
     co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if BOX_W > 0:
-        inside = False
-        if INTERIOR:
-            inside = _box_inside(pid_m, D, H, W, OD, OH_TILES, OW_TILES, CIN_PAD, K_ROW, KH, KW, PD, PH, PW, BOX_W,
-                                 BLOCK_M)  # fmt: skip
-        if inside:  # no tap of this box reads padding: the hook's pad mask is left out (the unpadded walk's)
-            m, m_ok, acc = _box_tile(x_desc, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, co, g, D, H, W,
-                                     OD, OH, OW, OH_TILES, OW_TILES, C_IN, C_IN_G, CIN_PAD, K_ROW, COUT_PAD, KH, KW,
-                                     PD, PH, PW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, False, PRECISION, BIG, BOX_W,
-                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        else:
-            m, m_ok, acc = _box_tile(x_desc, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, co, g, D, H, W,
-                                     OD, OH, OW, OH_TILES, OW_TILES, C_IN, C_IN_G, CIN_PAD, K_ROW, COUT_PAD, KH, KW,
-                                     PD, PH, PW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, PADDED, PRECISION, BIG, BOX_W,
-                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-        store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr,
-                   res_ptr, part_ptr, q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN,
-                   ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
-        return
-
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     # rows past M read the last row's window (``load_a_tile`` loads them unmasked); never stored
@@ -190,69 +163,6 @@ def conv_fprop_kernel(
     store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr,
                part_ptr, q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL,
                STATS, BIG)  # fmt: skip
-
-
-# NOTE: ResNet-50's 3x3 fprop with BatchNorm + ReLU on load as boxes (bf16, 128 x 64 x 64, sm_90, Triton
-# 3.9): with the pad mask, each K step's A tile goes shared -> registers -> hook -> shared -> registers for
-# the dot (a per-row mask that changes with the tap keeps Triton from applying the hook in the dot's own
-# register layout; a bit mask or a 0/1 factor instead of the select did the same): 59.1 SASS instructions per
-# MMA. Without it (a box none of whose taps reads padding) the tile is loaded once into the dot's layout
-# and hooked there: 42.6, no shared-memory round trip. With 256 channels (64 x 128 x 64, four K steps per
-# tap: the hook's channel vectors change with the step, which keeps the round trip; measured with the
-# second loop compiled on 28 x 28 planes, where ``box_interior`` now leaves it out) 84.0 -> 69.2. Both
-# loops are compiled, so the kernel's shared memory grows (64 -> 112 KiB, 73 -> 130 KiB: the two loops'
-# buffers are not overlaid), only where some box reads no padding (``box_interior``: at 8 x 16 boxes
-# ResNet-50's 56 x 56 planes, not its 28 x 28 or smaller): ``python tools/compile_check.py conv_family
-# --cases resnet_3x3-bf16-hooked-box --kernels fprop --sass``.  Not timed on a GPU yet.
-@triton.jit
-def _box_inside(pid_m, D, H, W, OD, OH_TILES, OW_TILES, CIN_PAD: tl.constexpr,
-                K_ROW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, PD: tl.constexpr, PH: tl.constexpr,
-                PW: tl.constexpr, BOX_W: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """Whether every tap's window of box ``pid_m`` (``_box_tile``'s; stride and dilation 1) lies inside
-    the input, the box's positions past the output's edge included: then no element its A tiles load
-    is padding."""
-    BOX_H: tl.constexpr = BLOCK_M // BOX_W
-    KD: tl.constexpr = K_ROW // (CIN_PAD * KH * KW)
-    n, od, th, tw, oh, ow = box_coords(pid_m, OD, OH_TILES, OW_TILES, BOX_W, BLOCK_M)
-    h0 = th * BOX_H - PH
-    w0 = tw * BOX_W - PW
-    d0 = od - PD
-    return ((h0 >= 0) & (h0 + BOX_H + KH - 2 < H) & (w0 >= 0) & (w0 + BOX_W + KW - 2 < W)
-            & (d0 >= 0) & (d0 + KD - 1 < D))  # fmt: skip
-
-
-@triton.jit
-def _box_tile(x_desc, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, co, g, D, H, W, OD, OH, OW, OH_TILES,
-              OW_TILES, C_IN, C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, K_ROW: tl.constexpr,
-              COUT_PAD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, PD: tl.constexpr, PH: tl.constexpr,
-              PW: tl.constexpr, PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr,
-              ACT_IN: tl.constexpr, PADDED: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr,
-              BOX_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):  # fmt: skip
-    """The fp32 accumulator of a tile whose A tiles are boxes (``prologue.load_a_box``; stride and
-    dilation 1): program ``pid_m`` is box ``(n, od, th, tw)`` (``tw`` fastest) of the output, its
-    ``BOX_H x BOX_W`` positions from ``(th * BOX_H, tw * BOX_W)``, the ones past ``OH`` or ``OW``
-    computed and never stored.  Returns ``(m, m_ok, acc)`` for the epilogue (``m`` the rows' flat
-    output positions)."""
-    BOX_H: tl.constexpr = BLOCK_M // BOX_W
-    K_ITERS: tl.constexpr = K_ROW // BLOCK_K
-    n, od, th, tw, oh, ow = box_coords(pid_m, OD, OH_TILES, OW_TILES, BOX_W, BLOCK_M)
-    m_ok = (oh < OH) & (ow < OW)
-    if BIG:
-        m = ((n.to(tl.int64) * OD + od) * OH + oh) * OW + ow
-    else:
-        m = ((n * OD + od) * OH + oh) * OW + ow
-    w_cols = w_ptr + g * (COUT_PAD * K_ROW) + co[None, :] * K_ROW
-    kb = tl.arange(0, BLOCK_K)
-    compute = w_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kk in range(0, K_ITERS):
-        a = load_a_box(x_desc, kk, n, od, th * BOX_H, tw * BOX_W, oh, ow, g, D, H, W, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
-                       slope_in, C_IN, C_IN_G, CIN_PAD, KH, KW, PD, PH, PW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                       PADDED, compute, BOX_H, BOX_W, BLOCK_K)  # fmt: skip
-        b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
-        acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
-    return m, m_ok, acc
 
 
 @triton.jit
@@ -492,11 +402,9 @@ class _Plan:
         self.m_tiles = cdiv(geo.m, tile.block_m)
         #: one input channel per group: the direct depthwise tile (``_depthwise_tile``), over all channels
         self.depthwise = geo.c_in_g == 1
-        #: the A tiles are loaded as boxes (``tiles``): ``(OH_TILES, OW_TILES)`` boxes per output plane
-        self.box = bool(tile.box_w)
-        box_tiles = (0, 0)
-        if self.box:
-            box_tiles, self.m_tiles = box_grid(geo.out_size, geo.n, tile, box_refusal(geo, xs, tile))
+        if tile.box_w:
+            raise ContractError(f"tile box_w={tile.box_w}: the forward loads its A tiles by gather, not as boxes "
+                                "(fprop module docstring)")
         if self.depthwise:
             self.weight_in_place = False
             grid = (self.m_tiles, cdiv(geo.c_out, tile.block_n), 1)
@@ -514,13 +422,10 @@ class _Plan:
             PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
             SAVE_CONV=save_conv, HAS_SCALE=has_scale, HAS_BIAS=has_bias, CHAIN=op_codes(chain), ACT_OUT=act_out,
             RESIDUAL=residual_mode, STATS=stats,
-            PRECISION=precision, BIG=big, FLAT_K=tile.flat_k, DEPTHWISE=self.depthwise, BOX_W=tile.box_w,
-            INTERIOR=self.box and (prologue is not None or act_in != 0) and box_interior(geo, tile),
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            PRECISION=precision, BIG=big, FLAT_K=tile.flat_k, DEPTHWISE=self.depthwise, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
-        fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, *box_tiles,
-                 *x_strides)
+        fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, *x_strides)
         self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
@@ -534,9 +439,6 @@ class _Plan:
             return out, (empty_stats(geo.c_out, self.device) if self.stats else None)
         if self.relayout:
             x = to_channels_last(x)
-        x_desc: Any = x
-        if self.box:
-            x_desc = self._box_descriptor(x)
         if self.depthwise:  # (C_out, taps) rows, as the weight of one input channel per group is laid out
             w = weight.reshape(geo.c_out, geo.taps).contiguous()
         elif self.weight_in_place:
@@ -549,90 +451,10 @@ class _Plan:
             partials = torch.empty((2, self.m_tiles, geo.c_out), dtype=torch.float32, device=self.device)
         p = [out if t is None else t for t in hooks.prologue_tensors(prologue)]
         q = out if self.chain is None else self.chain.build(tensor_rows(chain, None))
-        self.launch(x, x_desc, w, out if scale is None else scale, out if bias is None else bias,
+        self.launch(x, w, out if scale is None else scale, out if bias is None else bias,
                     out if residual is None else residual, out, saved if self.save_conv else out,
                     out if partials is None else partials, q, *p, *slopes)  # fmt: skip
         return out, None if partials is None else reduce_partials(partials, geo.m)
-
-    def _box_descriptor(self, x: torch.Tensor) -> Any:
-        """``x`` as the tensor descriptor the box loads read (``prologue.load_a_box``)."""
-        tile = self.tile
-        return box_descriptor(x, [1, 1, tile.box_h, tile.box_w, tile.block_k])
-
-
-def box_descriptor(t: torch.Tensor, block: list[int]) -> Any:
-    """``t`` (channels-last, (N, C, *spatial), 1 to 3 spatial dims) as an ``(N, D, H, W, C)`` tensor
-    descriptor with block ``block``, zero padding.  A ``t`` that is not 16-byte aligned (a slice) is
-    copied first, to a buffer of its own strides (the plan checked those: ``box_refusal``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if t.data_ptr() % 16:
-        t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-    sizes, strides = _descriptor_dims(t)
-    return TensorDescriptor(t, sizes, strides, block)
-
-
-def _descriptor_dims(t: torch.Tensor) -> tuple[list[int], list[int]]:
-    """``t``'s (N, C, *spatial) sizes and strides as ``(N, D, H, W, C)``, the spatial dims lifted to 3,
-    each dim of size 1 given the dense stride over the next inner one (its own addresses nothing, and
-    torch sets it to anything, often 1; a tensor copy wants every stride a 16-byte multiple)."""
-    sizes = [t.shape[0], *([1] * (5 - t.dim())), *t.shape[2:], t.shape[1]]
-    strides = [t.stride(0), *([0] * (5 - t.dim())), *t.stride()[2:], 1]
-    for d in range(3, -1, -1):
-        if sizes[d] == 1:
-            strides[d] = strides[d + 1] * sizes[d + 1]
-    return sizes, strides
-
-
-def box_refusal(geo: _Geometry, x: torch.Tensor, tile: TileConfig | None, groups_fill: bool = True,
-                what: str = "x") -> str:
-    """Why a call of geometry ``geo`` on ``x`` (channels-last, as the kernel reads it) cannot load its
-    tiles as boxes with ``tile`` (``tiles`` module docstring); "" where it can.  ``tile`` None: of any
-    box tile.  ``groups_fill``: with groups, the channels of a group must fill the K blocks (a forward's
-    channel tail would read the next group's; a weight gradient drops those K entries).  A group's first
-    channel must lie on 16 bytes (where a copy starts).  ``what``: the tensor's name in the answer."""
-    if geo.stride != (1, 1, 1) or geo.dilation != (1, 1, 1):
-        return f"a box needs stride and dilation 1, got stride {geo.stride} and dilation {geo.dilation}"
-    if geo.c_in_g == 1:
-        return "one input channel per group runs the direct depthwise tile"
-    if tile is not None and tile.box_w and tile.flat_k:
-        return "a box walks K tap-major"
-    if groups_fill and geo.groups > 1 and (tile is None or geo.c_in_g % tile.block_k):
-        return f"with groups, the {geo.c_in_g} channels per group must fill the K blocks"
-    size = x.element_size()
-    if any(st * size % 16 for st in _descriptor_dims(x)[1][:-1]):
-        return f"the tensor copy needs 16-byte strides, {what} has {x.stride()} of {size}-byte elements"
-    group_channels = x.shape[1] // geo.groups
-    if geo.groups > 1 and group_channels * size % 16:
-        return (f"a tensor copy starts on 16 bytes: {what}'s groups of {group_channels} {size}-byte channels "
-                f"do not")  # fmt: skip
-    return ""
-
-
-def box_grid(planes: Sequence[int], n: int, tile: TileConfig, refusal: str) -> tuple[tuple[int, int], int]:
-    """A box tile's walk over ``n`` samples' planes of size ``planes`` ``(D, H, W)`` (the output's in the
-    forward and the weight gradient, the input's in the input gradient): ``((rows, columns) of boxes per
-    plane, boxes in all)``, the programs' first grid dim.  Raises :class:`ContractError` with ``refusal``
-    (the pass's ``*box_refusal``) where the call cannot load boxes."""
-    if refusal:
-        raise ContractError(f"tile box_w={tile.box_w}: {refusal}")
-    per_plane = (cdiv(planes[1], tile.box_h), cdiv(planes[2], tile.box_w))
-    return per_plane, n * planes[0] * per_plane[0] * per_plane[1]
-
-
-def box_interior(geo: _Geometry, tile: TileConfig) -> bool:
-    """Whether some box of ``tile`` (``box_w``) over ``geo``'s output planes reads no padding at any tap
-    (the device's ``_box_inside``, positions past the output's edge included): only then is a padded
-    hooked forward's loop without the pad mask worth compiling (NOTE at ``_box_inside``: it costs shared
-    memory).  False without padding, where the one loop has no mask."""
-    if not any(geo.padding):
-        return False
-
-    def some(out: int, box: int, taps: int, pad: int, size: int) -> bool:
-        return any(0 <= t * box - pad and t * box - pad + box + taps - 2 < size for t in range(cdiv(out, box)))
-
-    (kd, kh, kw), (pd, ph, pw), (d, h, w), (od, oh, ow) = geo.kernel, geo.padding, geo.size, geo.out_size
-    return some(od, 1, kd, pd, d) and some(oh, tile.box_h, kh, ph, h) and some(ow, tile.box_w, kw, pw, w)
 
 
 #: Launch plans by ``plan_key`` of a call's signature.
@@ -776,12 +598,8 @@ def fprop_plan(
 
         if tile is not None:
             return plan_with(tile)
-        xs = x if channels_last(x) else empty_channels_last(x.shape, x.dtype, torch.device("meta"))
-        boxed = not box_refusal(geo, xs, None)
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
-                           geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise path (``_Plan.depthwise``)
-                           geo.out_size[1:] if boxed else None)  # fmt: skip
-        tiles = [t for t in tiles if not t.box_w or not box_refusal(geo, xs, t)]
+                           geo.c_out if geo.c_in_g == 1 else None)  # the direct depthwise path (``_Plan.depthwise``)
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out), saved),
             x.device))  # fmt: skip

@@ -242,8 +242,7 @@ def load_a_box(x_desc, kk, n, od, oh0, ow0, oh, ow, g, D, H, W, p0_ptr, p1_ptr, 
     channels, tap-major as ``load_a_tile``.  The copy reads every element outside the input, and every
     channel past ``C_IN``, as 0: the conv's zero padding where no prologue runs.  With one, the pad lanes
     are masked after it, as ``load_a_tile`` does (``PADDED`` False: there are none).  A group's channel
-    tail reads the next group's channels: a forward takes a box only where ``groups == 1`` or
-    ``BLOCK_K`` divides ``C_IN_G`` (``fprop.box_refusal``); a weight gradient drops those K entries."""
+    tail reads the next group's channels: the weight gradient, the one caller, drops those K entries."""
     CB: tl.constexpr = CIN_PAD // BLOCK_K
     tap = kk // CB
     c0 = (kk % CB) * BLOCK_K

@@ -23,12 +23,16 @@ The K axis (``C_in/groups * KD * KH * KW``, the weight's order: taps outer, chan
   which may span several taps.  For few channels per group (an RGB stem: 3 channels x 49 taps;
   depthwise: 1 x 9), where tap-major steps would be mostly padding.  The bounds test is per element.
 
-The A tile's load: a gather (``box_w == 0``: per element addresses and masks), or a *box* (``box_w >
-0``, tap-major, stride and dilation 1): the tile's ``BLOCK_M`` positions are a ``(BLOCK_M // box_w) x
-box_w`` block of one plane (the output's in the forward and the weight gradient, the input's in the
-input gradient), and a K step's operand is then one block of the other tensor, shifted by the tap,
+The A tile's load: a gather (``box_w == 0``: per element addresses and masks), or, in the gradients,
+a *box* (``box_w > 0``, tap-major, stride and dilation 1): the tile's ``BLOCK_M`` positions are a
+``(BLOCK_M // box_w) x box_w`` block of one plane (the output's in the weight gradient, the input's in
+the input gradient), and a K step's operand is then one block of the other tensor, shifted by the tap,
 that a tensor descriptor (TMA on sm_90) loads whole, the padding read as zeros by the copy itself: no
-address or mask arithmetic per element (``fprop``, ``dgrad`` and ``wgrad`` module docstrings).
+address or mask arithmetic per element (``boxes``, ``dgrad`` and ``wgrad`` module docstrings).  The
+copied block, reshaped to the tile, reaches the dot through registers (``fprop`` module docstring: why
+the forward has no box path), so a box is a candidate only where the hooks take the tile through
+registers anyway: the input gradient's epilogue hooks, the weight gradient's recomputed prologue
+(:func:`candidates`).
 """
 
 from __future__ import annotations
@@ -173,8 +177,13 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     tools/compile_check.py conv_family``: the RGB stem's hooked fprop 156 spilled, its wgrad 24).
     ``depthwise_channels``: the pass runs the direct depthwise path over that many channels
     (:func:`depthwise_candidates`).  ``box_plane``: the call may load its tiles as boxes (stride and
-    dilation 1, aligned strides), its output planes ``(rows, columns)``: the heuristic's tile as a box
-    (:func:`box_width`) comes second.  An empty problem (``m == 0``) gets its first tile alone."""
+    dilation 1, aligned strides, a hooked gradient), its planes ``(rows, columns)``: the heuristic's tile
+    as a box (:func:`box_width`) comes second.  NOTE: on the H200 (bf16, a quarter of ResNet-50's convs
+    and its 56 x 56 3x3, each pass's three candidates timed: ``CONVK_SWEEP=0 bash tools/gpu_session.sh
+    convk``) the box won none of the six plain gradients it was offered (within 3% on two) and four of the
+    six hooked ones (the input gradient with relu' and the BatchNorm sums 0.067 against 0.105 ms on 256
+    channels at 14 x 14; the weight gradient with the prologue 0.149 against 0.155 on 64 at 56 x 56).
+    An empty problem (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)

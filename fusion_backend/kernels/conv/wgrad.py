@@ -58,14 +58,12 @@ from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import backward_dot_precision, round_tf32
 from . import hooks
+from .boxes import box_descriptor, box_grid, box_refusal
 from .fprop import (
     _BIG_INDEX_THRESHOLD,
     _check_call,
     _Geometry,
     _hashable,
-    box_descriptor,
-    box_grid,
-    box_refusal,
     channels_last,
     empty_channels_last,
     to_channels_last,
@@ -237,7 +235,7 @@ def _box_weight_grad(x_desc, dy_desc, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, 
                      BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr, COMPUTE: tl.constexpr, BOX_W: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """``(acc, bacc)`` summed over split ``split``'s boxes (stride and dilation 1): box ``b`` is ``(n, od,
-    th, tw)`` of the output (``tw`` fastest, as ``fprop._box_tile``), its ``grad_y`` one box of
+    th, tw)`` of the output (``tw`` fastest: ``prologue.box_coords``), its ``grad_y`` one box of
     ``dy_desc`` ((N, OD, OH, OW, C_OUT) block ``(1, 1, BOX_H, BOX_W, BLOCK_N)``) and its A tile the
     forward's (``prologue.load_a_box`` on ``x_desc``).  Boxes past the last (a split's tail) and the
     positions past the plane's edge read ``grad_y`` as 0 (outside its descriptor); their A rows are
@@ -302,9 +300,9 @@ def sum_splits_kernel(part_ptr, out_ptr, SPLIT, TOTAL, C_OUT_G, w_so, w_si, w_sd
 def wgrad_box_refusal(geo: _Geometry, x: torch.Tensor, dy: torch.Tensor, tile: TileConfig | None) -> str:
     """Why the weight gradient of a call of geometry ``geo`` cannot load ``x`` and ``dy`` (channels-last,
     as the kernel reads them) as boxes with ``tile`` (None: any box tile); "" where it can:
-    ``fprop.box_refusal``'s rules for both, a group's channel tail free (its K entries are dropped)."""
-    return (box_refusal(geo, x, tile, groups_fill=False)
-            or box_refusal(geo, dy, tile, groups_fill=False, what="grad_y"))  # fmt: skip
+    ``boxes.box_refusal``'s rules for both, a group's channel tail free (its K entries are dropped)."""
+    return (box_refusal(geo, x, tile)
+            or box_refusal(geo, dy, tile, what="grad_y"))  # fmt: skip
 
 
 def pick_split(m_tiles: int, programs_per_split: int) -> int:
@@ -495,7 +493,8 @@ def conv_wgrad(
         if tile is not None:
             return plan_with(tile)
         xs, dys = _layout_of(x), _layout_of(grad_y)
-        boxed = not wgrad_box_refusal(geo, xs, dys, None)
+        # boxes only where the hooks take the tile through registers anyway (``tiles.candidates``)
+        boxed = (prologue is not None or code_in != 0) and not wgrad_box_refusal(geo, xs, dys, None)
         tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise sums
                            geo.out_size[1:] if boxed else None)  # fmt: skip
