@@ -19,7 +19,7 @@
 #            families' GPU tests (FAMILIES_TESTS=0 skips them)
 #   hostbwd  tools/conv_backward_host.py: the conv backward's host time inside fused training steps vs eager's
 #   convk    the conv family: its kernel tests, tools/bench_conv.py on a quarter of ResNet-50's convs and its
-#            56x56 3x3 (the hooked forward's loop without the pad mask is compiled there) into $out/convk,
+#            56x56 3x3 (the weight gradient's worst row) into $out/convk,
 #            then the weight gradient's tile sweep with boxes (CONVK_SWEEP=0 skips it)
 #   hostrow  the host-bound row (ResNet-50 bf16 inference): tools/bench_step_accounting.py on fresh caches, then
 #            twice on the caches the first left (the run where Inductor's graph comes from its cache): once with

@@ -55,3 +55,20 @@ def test_the_result_and_exceptions_pass_through() -> None:
 
     with pytest.raises(KeyError):
         call_with_frame_room(fails)
+
+
+def test_the_decision_timing_loop_runs_with_room():
+    """``region_timing.time_per_call`` (the decision's and the whole-graph check's timing loop) calls its
+    step from a caller depth where the same loop without room faults on every call."""
+    from fusion_backend.runtime.region_timing import time_per_call
+
+    thrashing = next(d for d in DEPTHS if _at_depth(d, _faults_per_call) >= 1)
+
+    def timed_loop() -> float:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        time_per_call(lambda: _nested(20), CALLS, lambda: None)
+        return (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before) / CALLS
+
+    # the depth's offset from the loop's own frames differs by a few frames: try the neighbourhood
+    faults = {d: _at_depth(d, timed_loop) for d in range(max(0, thrashing - 6), thrashing + 7)}
+    assert max(faults.values()) < 0.5, f"faults per call by caller depth: {faults}"
