@@ -294,3 +294,23 @@ def test_tile_sweep_scores_a_set_by_its_best_member_per_row_and_needs_cuda(capsy
     if not torch.cuda.is_available():
         assert sweep_conv_tiles.main([]) == 2
         assert "needs CUDA" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad"])
+def test_the_tile_sweeps_hooked_calls_are_the_benchmarks_hooked_rows(pass_name: str) -> None:
+    """``sweep_conv_tiles --hooked`` times the same hooked call ``bench_conv`` reports (same result bits),
+    with a tile of its own where it passes one."""
+    import sweep_conv_tiles
+
+    from fusion_backend.kernels.conv.tiles import TileConfig
+
+    shape = ConvShape((2, 16, 6, 6), (16, 16, 3, 3), (1, 1), (1, 1), (1, 1), 1, False)
+    t = bench_conv._Inputs.make(shape, torch.float32, torch.device("cpu"))
+    swept = sweep_conv_tiles._steps(t, pass_name, None, hooked=True)()
+    reported = sweep_conv_tiles.CASES[pass_name](t, True)[0]["hooked"]()
+    first = [v for v in (swept if isinstance(swept, tuple) else (swept,)) if isinstance(v, torch.Tensor)][0]
+    want = [v for v in (reported if isinstance(reported, tuple) else (reported,)) if isinstance(v, torch.Tensor)][0]
+    assert torch.equal(first, want)
+    tiled = sweep_conv_tiles._steps(t, pass_name, TileConfig(16, 16, 16, num_warps=1, num_stages=1), hooked=True)()
+    got = [v for v in (tiled if isinstance(tiled, tuple) else (tiled,)) if isinstance(v, torch.Tensor)][0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -8,7 +8,10 @@ Per shape (``conv_shapes``, largest first) and pass: cuDNN's time, the tuned lau
 ``tiles.tuned_tile`` picks), and every tile of :data:`GRID` that fits the problem, each by
 ``triton.testing.do_bench`` on channels-last bf16 (``--dtype``) tensors; with ``--box`` each gradient tile also
 loading boxes (``tiles.box_width``'s shape; where the call refuses a box, the tile's gather time stands
-for it, as the timed choice would then run the gather).  Prints one line per row
+for it, as the timed choice would then run the gather); with ``--hooked`` the passes with their hooks
+(``tools/bench_conv.py``'s: the forward with a BatchNorm + ReLU prologue and the output statistics, the
+input gradient with relu' and the BatchNorm sums, the weight gradient with the prologue recomputed),
+against cuDNN plus the Inductor passes the hooks replace (``unfused``).  Prints one line per row
 and, at the end, per pass: each tile's time as a fraction of the row's best (geometric mean over
 rows) and the best set of ``--set-size`` tiles, what the candidates of a timed choice should be.
 """
@@ -30,28 +33,40 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_conv import DEFAULT_MODELS, _Inputs  # noqa: E402
+from bench_conv import DEFAULT_MODELS, _Inputs, dgrad_case, fprop_case, wgrad_case  # noqa: E402
 from conv_shapes import collect  # noqa: E402
 
 #: ``(block_m, block_n, block_k, num_warps, num_stages)`` tried per pass.
 GRID = [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 3),
         (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 32, 4, 4), (256, 64, 64, 8, 3),
-        (64, 256, 64, 8, 3), (64, 64, 128, 4, 3), (128, 128, 128, 8, 3), (64, 256, 128, 8, 3)]  # fmt: skip
+        (64, 256, 64, 8, 3), (64, 64, 128, 4, 3), (128, 128, 128, 8, 3), (64, 256, 128, 8, 3),
+        (128, 64, 64, 8, 3), (64, 128, 64, 8, 3)]  # fmt: skip
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CASES = {"fprop": fprop_case, "dgrad": dgrad_case, "wgrad": wgrad_case}
+#: a row's baseline: cuDNN's pass, or with ``--hooked`` cuDNN's plus the passes the hooks replace
+BASELINES = ("cudnn", "unfused")
 
 
-def _steps(t: _Inputs, pass_name: str, tile: object) -> object:
-    from fusion_backend.kernels.conv import conv_dgrad, conv_fprop, conv_wgrad
+def _steps(t: _Inputs, pass_name: str, tile: object, hooked: bool = False) -> object:
+    """One call of ``pass_name`` with ``tile`` (None: the tuned choice's), with ``bench_conv``'s hooks
+    where ``hooked``."""
+    from fusion_backend.kernels.conv import NormStats, conv_dgrad, conv_fprop, conv_wgrad
 
     s = t.shape
+    hooks = dict(prologue=t.prologue(), act_in="relu") if hooked else {}
     if pass_name == "fprop":
-        return lambda: conv_fprop(t.x, t.w, t.b, tile=tile, **t.geo)
+        return lambda: conv_fprop(t.x, t.w, t.b, tile=tile, stats=hooked, **hooks, **t.geo)
     if pass_name == "dgrad":
-        return lambda: conv_dgrad(t.dy, t.w, s.x_shape, tile=tile, **t.geo)
-    return lambda: conv_wgrad(t.dy, t.x, t.w, bias_grad=s.bias, tile=tile, **t.geo)
+        saved = dict(x_prev=t.x, norm_stats=NormStats(t.mean, t.rstd)) if hooked else {}
+        return lambda: conv_dgrad(t.dy, t.w, s.x_shape, tile=tile, **saved, **hooks, **t.geo)
+    return lambda: conv_wgrad(t.dy, t.x, t.w, bias_grad=s.bias, tile=tile, **hooks, **t.geo)
 
 
-def _cudnn(t: _Inputs, pass_name: str) -> object:
+def _baseline(t: _Inputs, pass_name: str, hooked: bool) -> object:
+    """cuDNN's pass, or with ``hooked`` cuDNN's plus the Inductor passes the hooks replace (``bench_conv``'s
+    ``unfused`` step)."""
+    if hooked:
+        return CASES[pass_name](t, True)[0]["unfused"]
     if pass_name == "fprop":
         return lambda: torch.ops.aten.convolution(t.x, t.w, t.b, *t.conv_args)
     return t.cudnn_dgrad if pass_name == "dgrad" else (lambda: t.cudnn_wgrad(t.x))
@@ -59,7 +74,7 @@ def _cudnn(t: _Inputs, pass_name: str) -> object:
 
 def _score(rows: list[dict[str, float]], chosen: tuple[str, ...]) -> float:
     """The geometric mean over ``rows`` of the best time / the best time among ``chosen`` tiles."""
-    return math.exp(sum(math.log(min(m[k] for k in m if k != "cudnn") / min(m[k] for k in chosen))
+    return math.exp(sum(math.log(min(m[k] for k in m if k not in BASELINES) / min(m[k] for k in chosen))
                         for m in rows) / len(rows))  # fmt: skip
 
 
@@ -79,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set-size", type=int, default=3)
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--box", action="store_true", help="also time each gradient tile loading boxes (the forward has none)")
+    parser.add_argument("--hooked", action="store_true",
+                        help="time the passes with their hooks, against cuDNN plus the passes they replace")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_conv_tiles: needs CUDA")
@@ -92,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         t = _Inputs.make(shape, dtype, torch.device("cuda"))
         cin_g, cout_g = shape.w_shape[1], shape.w_shape[0] // shape.groups
         n_extent, k_extent = (cin_g, cout_g) if pass_name == "dgrad" else (cout_g, cin_g)
-        times = {"cudnn": triton.testing.do_bench(_cudnn(t, pass_name)),
-                 "tuned": triton.testing.do_bench(_steps(t, pass_name, None))}  # fmt: skip
+        base = BASELINES[args.hooked]
+        times = {base: triton.testing.do_bench(_baseline(t, pass_name, args.hooked)),
+                 "tuned": triton.testing.do_bench(_steps(t, pass_name, None, args.hooked))}  # fmt: skip
         for bm, bn, bk, warps, stages in GRID:
             if bn > 2 * max(16, 1 << (n_extent - 1).bit_length()) or bk > max(16, k_extent):
                 continue
@@ -105,21 +123,21 @@ def main(argv: list[str] | None = None) -> int:
                 variants.append(dataclasses.replace(tile, box_w=box_width(*plane, bm)))
             for variant in variants:
                 try:
-                    times[variant.label()] = triton.testing.do_bench(_steps(t, pass_name, variant))
+                    times[variant.label()] = triton.testing.do_bench(_steps(t, pass_name, variant, args.hooked))
                 except ContractError:  # a box the call refuses: the choice would run the gather
                     if tile.label() in times:
                         times[variant.label()] = times[tile.label()]
                 except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
                     print(f"  {variant.label()}: {type(exc).__name__}")
-        best = min((k for k in times if k != "cudnn"), key=times.get)
+        best = min((k for k in times if k != base), key=times.get)
         rows.append({"shape": shape.label(), "pass": pass_name, "ms": times})
-        print(f"{pass_name} {shape.label():48s} cudnn {times['cudnn']:.4f}  tuned {times['tuned']:.4f} "
-              f"({times['cudnn'] / times['tuned']:.2f}x)  best {best} {times[best]:.4f}", flush=True)  # fmt: skip
+        print(f"{pass_name} {shape.label():48s} {base} {times[base]:.4f}  tuned {times['tuned']:.4f} "
+              f"({times[base] / times['tuned']:.2f}x)  best {best} {times[best]:.4f}", flush=True)  # fmt: skip
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=1))
     for pass_name in args.passes.split(","):
         mine = [r["ms"] for r in rows if r["pass"] == pass_name]
-        tiles = set.intersection(*(set(m) - {"cudnn", "tuned"} for m in mine)) if mine else set()
+        tiles = set.intersection(*(set(m) - {*BASELINES, "tuned"} for m in mine)) if mine else set()
         if not tiles:
             continue
 
