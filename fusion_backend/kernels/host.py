@@ -90,11 +90,14 @@ TILE_BENCH_MS = (5, 20)
 
 
 def tile_bench(kernel_call: Callable[[], object], quantiles: Sequence[float] | None = None) -> Any:
-    """The ``do_bench`` every ``triton.autotune`` of the package passes (see ``TILE_BENCH_MS``)."""
+    """The ``do_bench`` every ``triton.autotune`` of the package passes (see ``TILE_BENCH_MS``), its loop
+    run with room on the frame stack (``frame_room.py``)."""
     from triton.testing import do_bench
 
+    from ..frame_room import call_with_frame_room
+
     warmup, rep = TILE_BENCH_MS
-    return do_bench(kernel_call, warmup=warmup, rep=rep, quantiles=quantiles)
+    return call_with_frame_room(lambda: do_bench(kernel_call, warmup=warmup, rep=rep, quantiles=quantiles))
 
 
 def persistent_device_copies(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
