@@ -10,7 +10,7 @@
 #   seeds-small and then seeds-small again on its caches; each row's warm first call over the GPUs' reruns
 #   (the median: tools/first_call_runs.py) in $OUT/suites/warm-first-calls.md.
 # With fewer GPUs the jobs share them round-robin (slower; one GPU: run the stages of gpu_session.sh instead);
-# the realnets jobs then run one after another (each still within its own limit).
+# the realnets jobs then wait for a free GPU (each still within its own limit; REALNETS_JOBS picks some).
 # Each job has cache folders of its own (cold first calls, as on a fresh machine) and Inductor compile
 # threads of the host's cores / 4: four processes compiling at once on one host read their cold first
 # calls slower otherwise (both backends alike). The reports land in $OUT/suites/<name>/; copy them into
@@ -43,20 +43,31 @@ if [[ ${1:-} == realnets ]]; then  # the realnets suite, default mode and reduce
   fi
   nets="--dtype fp32,bf16 --mode infer,train --backends eager,inductor,fusion --no-memory --no-cold --no-chart"
   r=demos/realnets
-  # with fewer than four GPUs the jobs run one after another (two jobs timing on one GPU disturb each other);
-  # on one GPU that outlasts one device call: run the jobs' bench commands in separate calls
-  one_at_a_time() { [[ $gpus -ge 4 ]] || wait; }
-  ( bench 0 ${REALNETS_LIMIT:-540} realnets-resnet50 --suite $r/resnet50.py $nets ) &
-  one_at_a_time
-  ( bench 1 ${REALNETS_LIMIT:-540} realnets-vae --suite $r/sd_vae_decoder.py $nets ) &
-  one_at_a_time
-  ( bench 2 ${REALNETS_LIMIT:-540} realnets-rest --suite $r/efficientnet_b0.py,$r/r3d_18.py,$r/wav2vec2_base.py,$r/dcgan_generator.py $nets ) &
-  one_at_a_time
-  ( CUDA_VISIBLE_DEVICES=$(( 3 % gpus )) timeout 120 python3 -m pytest -q -n 0 -rs tests/e2e/test_fp32_precision_gpu.py \
-      tests/ops/test_conv_precision.py >"$out/precision-tests.log" 2>&1; echo "[precision tests rc $?] $(tail -1 "$out/precision-tests.log")"
-    bench 3 ${REALNETS_CG_LIMIT:-400} realnets-cudagraphs --suite $r/resnet50.py,$r/efficientnet_b0.py $nets --dtype bf16 \
-      --compile-mode reduce-overhead ) &
-  one_at_a_time
+  # one job per GPU at a time (two jobs timing on one GPU disturb each other): with fewer GPUs than jobs the
+  # rest wait for a GPU; REALNETS_JOBS picks some (e.g. "resnet50,vae" in one device call, "rest,cudagraphs"
+  # in the next on a two-GPU host, as one call's limit does not hold all four there)
+  want=",${REALNETS_JOBS:-resnet50,vae,rest,cudagraphs},"
+  slot=0
+  job() {  # job NAME COMMAND...: run on the next GPU when NAME is wanted; wait for a free GPU first
+    [[ $want == *",$1,"* ]] || return 0
+    shift
+    if (( slot > 0 && slot % gpus == 0 )); then wait; fi
+    ( "$@" ) &
+    slot=$(( slot + 1 ))
+  }
+  gpu() { echo $(( slot % gpus )); }
+  job resnet50 bench "$(gpu)" ${REALNETS_LIMIT:-540} realnets-resnet50 --suite $r/resnet50.py $nets
+  job vae bench "$(gpu)" ${REALNETS_LIMIT:-540} realnets-vae --suite $r/sd_vae_decoder.py $nets
+  job rest bench "$(gpu)" ${REALNETS_LIMIT:-540} realnets-rest \
+    --suite $r/efficientnet_b0.py,$r/r3d_18.py,$r/wav2vec2_base.py,$r/dcgan_generator.py $nets
+  cudagraphs() {
+    CUDA_VISIBLE_DEVICES=$1 timeout 120 python3 -m pytest -q -n 0 -rs tests/e2e/test_fp32_precision_gpu.py \
+      tests/ops/test_conv_precision.py >"$out/precision-tests.log" 2>&1
+    echo "[precision tests rc $?] $(tail -1 "$out/precision-tests.log")"
+    bench "$1" ${REALNETS_CG_LIMIT:-400} realnets-cudagraphs --suite $r/resnet50.py,$r/efficientnet_b0.py $nets \
+      --dtype bf16 --compile-mode reduce-overhead
+  }
+  job cudagraphs cudagraphs "$(gpu)"
   wait
   exit 0
 fi
