@@ -70,12 +70,20 @@ def test_faults_in_triton_launches_and_faulting_calls_are_counted() -> None:
         undo()
     assert CachingAutotuner.run is original
 
+    def fresh_pages() -> None:  # maps 64 pages and writes one byte to each: one minor fault per page
+        import mmap
+
+        fresh = mmap.mmap(-1, 64 * mmap.PAGESIZE)
+        for page in range(64):
+            fresh[page * mmap.PAGESIZE] = 1
+        fresh.close()
+
     accounts = tool.Accounts()
-    touched = accounts.accounted(TimedStep("big", lambda: bytearray(8 << 20)), "in a row")
+    touched = accounts.accounted(TimedStep("big", fresh_pages), "in a row")
     for _ in range(3):
         touched.run()
     account = accounts.by_step[("big", "in a row")]
-    assert account.faulting_calls >= 1 and account.most_faults >= 1 and account.launch_faults == 0
+    assert account.faulting_calls == 3 and account.most_faults >= 64 and account.launch_faults == 0
     assert "calls took any" in accounts.table()
 
 
