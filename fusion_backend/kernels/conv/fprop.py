@@ -26,8 +26,8 @@ GEMM mapping (every rank lifted to 3d with leading size-1 spatial dims):
   wgrad's ``box_w`` tiles) reshaped to ``[BLOCK_M, BLOCK_K]`` reaches the dot from registers: Triton
   (3.6 and 3.9) reads the copied block into registers (LDSM) and issues ``wgmma`` with A from them,
   where the gather's cp.async tile feeds ``wgmma`` from shared memory.  Timed as a candidate on the
-  H200 it lost to the gather on all seven ResNet-50 shapes it was offered, plain and with the
-  BatchNorm + ReLU prologue (0.046 against 0.061 ms on the 3x3 of 64 channels at 56 x 56, 0.037
+  H200 it lost to the gather on all six ResNet-50 rows it was offered in (three shapes, plain and with the
+  BatchNorm + ReLU prologue: 0.046 against 0.061 ms on the 3x3 of 64 channels at 56 x 56, 0.037
   against 0.094 at 14 x 14; ``CONVK_SWEEP=0 bash tools/gpu_session.sh convk``, the report's tile
   timings), so the forward has no box path.
 * One input channel per group (depthwise, any channel multiplier, or a single-channel input): no GEMM
