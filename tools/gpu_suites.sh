@@ -3,9 +3,10 @@
 #   bash tools/gpu_suites.sh            (on nvidia-h100-x4: about 8-9 minutes; logs and reports under $OUT/suites)
 # GPU 0: seeds | GPU 1: convnets 1-5, seeds-small, seeds-small again on its caches (warm/seeds-small)
 # GPU 2: convnets 6-10, CUDA graphs | GPU 3: convnets 11-14, 15-18 | then the convnets parts merged.
-#   bash tools/gpu_suites.sh realnets   (at most 9 minutes) instead: the realnets suite, ResNet-50 | the VAE
-#   decoder | the other four networks | fp32 precision GPU tests, then ResNet-50 and EfficientNet-B0 bf16 under
-#   reduce-overhead.
+#   bash tools/gpu_suites.sh realnets   instead: the realnets suite, ResNet-50 | the VAE decoder | the other four
+#   networks | fp32 precision GPU tests, then ResNet-50 and EfficientNet-B0 bf16 under reduce-overhead | the
+#   other networks under reduce-overhead | ResNet-50 fp32 under reduce-overhead (each job at most 9 minutes;
+#   REALNETS_JOBS picks jobs: resnet50, vae, rest, cudagraphs, cudagraphs-rest, cudagraphs-fp32).
 #   bash tools/gpu_suites.sh warm-first-calls   (at most 6 minutes) instead: on every GPU, with caches of its own,
 #   seeds-small and then seeds-small again on its caches; each row's warm first call over the GPUs' reruns
 #   (the median: tools/first_call_runs.py) in $OUT/suites/warm-first-calls.md.
@@ -44,9 +45,9 @@ if [[ ${1:-} == realnets ]]; then  # the realnets suite, default mode and reduce
   nets="--dtype fp32,bf16 --mode infer,train --backends eager,inductor,fusion --no-memory --no-cold --no-chart"
   r=demos/realnets
   # one job per GPU at a time (two jobs timing on one GPU disturb each other): with fewer GPUs than jobs the
-  # rest wait for a GPU; REALNETS_JOBS picks some (e.g. "resnet50,vae" in one device call, "rest,cudagraphs"
-  # in the next on a two-GPU host, as one call's limit does not hold all four there)
-  want=",${REALNETS_JOBS:-resnet50,vae,rest,cudagraphs},"
+  # rest wait for a GPU; REALNETS_JOBS picks some (on a two-GPU host, as one call's limit holds two jobs:
+  # "resnet50,vae", then "rest,cudagraphs", then "cudagraphs-rest,cudagraphs-fp32")
+  want=",${REALNETS_JOBS:-resnet50,vae,rest,cudagraphs,cudagraphs-rest,cudagraphs-fp32},"
   slot=0
   job() {  # job NAME COMMAND...: run on the next GPU when NAME is wanted; wait for a free GPU first
     [[ $want == *",$1,"* ]] || return 0
@@ -68,6 +69,13 @@ if [[ ${1:-} == realnets ]]; then  # the realnets suite, default mode and reduce
       --dtype bf16 --compile-mode reduce-overhead
   }
   job cudagraphs cudagraphs "$(gpu)"
+  # the rest of the reduce-overhead rows, each its own report: join them with
+  # python -m fusion_backend bench --merge OUT/realnets-cudagraphs OUT/realnets-cudagraphs-rest OUT/realnets-cudagraphs-fp32
+  job cudagraphs-rest bench "$(gpu)" ${REALNETS_LIMIT:-540} realnets-cudagraphs-rest \
+    --suite $r/r3d_18.py,$r/wav2vec2_base.py,$r/dcgan_generator.py,$r/sd_vae_decoder.py $nets \
+    --compile-mode reduce-overhead
+  job cudagraphs-fp32 bench "$(gpu)" ${REALNETS_LIMIT:-540} realnets-cudagraphs-fp32 --suite $r/resnet50.py $nets \
+    --dtype fp32 --compile-mode reduce-overhead
   wait
   exit 0
 fi
