@@ -37,7 +37,9 @@ bench() {  # bench GPU TIMEOUT NAME ARGS...: one report in $out/NAME, its last t
 }
 grid="--dtype fp32,bf16 --mode infer,train --backends $backends"
 if [[ ${1:-} == realnets ]]; then  # the realnets suite, default mode and reduce-overhead, one job per GPU
-  # diffusers (the VAE decoder's library) travels as wheels in .whl/ (see the device notes in RESULTS.md)
+  # diffusers (the VAE decoder's library) travels as wheels in .whl/ (git-ignored; carried to the device), made
+  # here with: pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+  # --platform manylinux2014_x86_64 -d .whl diffusers importlib_metadata (the GPU image has its other needs)
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       && export PYTHONPATH=/tmp/site
