@@ -24,6 +24,7 @@ to 0.7x the other.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -34,10 +35,12 @@ T = TypeVar("T")
 ROOM_BYTES = 64 * 1024
 
 
+@functools.cache
 def _roomy_caller(room_bytes: int) -> Callable[[Callable[[], T]], T]:
     """A function whose frame holds ``room_bytes`` of local slots (never assigned), so that calling
     it needs a chunk of at least twice that (CPython doubles a chunk's size from 16 KiB until the
-    frame fits), leaving about ``room_bytes`` above it."""
+    frame fits), leaving about ``room_bytes`` above it.  Built at its first use (compiling its source
+    takes about 16 ms)."""
     slots = room_bytes // 8 + 1
     names = " = ".join(f"_{i}" for i in range(slots))
     source = f"def roomy(fn):\n    if fn is None:\n        {names} = None\n    return fn()\n"
@@ -46,10 +49,7 @@ def _roomy_caller(room_bytes: int) -> Callable[[Callable[[], T]], T]:
     return namespace["roomy"]  # type: ignore[return-value]
 
 
-_ROOMY = _roomy_caller(ROOM_BYTES)
-
-
 def call_with_frame_room(fn: Callable[[], T]) -> T:
     """``fn()``, called where the frames it pushes (up to ``ROOM_BYTES``) fit in one frame-stack chunk
     that stays mapped until it returns (see the module docstring).  Same result and exceptions."""
-    return _ROOMY(fn)
+    return _roomy_caller(ROOM_BYTES)(fn)
