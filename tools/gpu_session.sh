@@ -19,7 +19,7 @@
 #            families' GPU tests (FAMILIES_TESTS=0 skips them)
 #   hostbwd  tools/conv_backward_host.py: the conv backward's host time inside fused training steps vs eager's
 #   convk    the conv family: its kernel tests, tools/bench_conv.py on a quarter of ResNet-50's convs and its
-#            56x56 3x3 (the weight gradient's worst row) into $out/convk,
+#            56x56 3x3 (the weight gradient's worst row) into $out/convk (CONVK_BENCH=0 skips it),
 #            then the weight gradient's tile sweep with boxes (CONVK_SWEEP=0 skips it), and with
 #            CONVK_HOOKED_SWEEP=1 the tile sweep of the three passes with their hooks
 #   hostrow  the host-bound row (ResNet-50 bf16 inference): tools/bench_step_accounting.py on fresh caches, then
@@ -105,11 +105,13 @@ fi
 if has convk; then
   timeout 240 python3 -m pytest -q -n 4 -p no:cacheprovider tests/kernels >"$out/convk_tests.log" 2>&1 || rc=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/convk_tests.log" | tail -12
-  timeout 200 python3 tools/bench_conv.py demos/realnets/resnet50.py --shard 1/4 --rounds 3 --out "$out/convk" \
-    >"$out/convk.log" 2>&1
-  timeout 90 python3 tools/bench_conv.py demos/realnets/resnet50.py --filter "*64x64x56x56 -> 64 k3x3*" --rounds 3 --out "$out/convk" \
-    --append >>"$out/convk.log" 2>&1
-  sed -n '/## Summary/,/## Rows/p' "$out/convk/bench.md" | head -12
+  if [[ ${CONVK_BENCH:-1} == 1 ]]; then
+    timeout 200 python3 tools/bench_conv.py demos/realnets/resnet50.py --shard 1/4 --rounds 3 --out "$out/convk" \
+      >"$out/convk.log" 2>&1
+    timeout 90 python3 tools/bench_conv.py demos/realnets/resnet50.py --filter "*64x64x56x56 -> 64 k3x3*" --rounds 3 \
+      --out "$out/convk" --append >>"$out/convk.log" 2>&1
+    sed -n '/## Summary/,/## Rows/p' "$out/convk/bench.md" | head -12
+  fi
   if [[ ${CONVK_SWEEP:-1} == 1 ]]; then
     timeout 150 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --passes wgrad --box --max-shapes 4 \
       --out "$out/convk_sweep.json" 2>&1 | grep -v -i warn | tail -16
