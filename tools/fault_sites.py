@@ -20,6 +20,7 @@ import collections
 import ctypes
 import mmap
 import os
+import platform
 import struct
 from typing import Any
 
@@ -29,7 +30,8 @@ _PERF_SAMPLE_IP = 1 << 0
 _PERF_SAMPLE_ADDR = 1 << 3
 _PERF_RECORD_LOST = 2
 _PERF_RECORD_SAMPLE = 9
-_SYS_PERF_EVENT_OPEN = 298  # x86_64
+#: ``perf_event_open``'s system call number by machine
+_SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
 _PERF_EVENT_IOC_ENABLE = 0x2400
 _PERF_EVENT_IOC_DISABLE = 0x2401
 _DATA_PAGES = 256  # a power of two: 1 MiB of samples between two drains
@@ -74,8 +76,11 @@ class FaultSites:
         attr = _Attr(type=_PERF_TYPE_SOFTWARE, size=ctypes.sizeof(_Attr), config=_PERF_COUNT_SW_PAGE_FAULTS_MIN,
                      sample_period=1, sample_type=_PERF_SAMPLE_IP | _PERF_SAMPLE_ADDR,
                      flags=_DISABLED | _EXCLUDE_KERNEL | _EXCLUDE_HV, wakeup_events=0)  # fmt: skip
+        number = _SYS_PERF_EVENT_OPEN.get(platform.machine())
+        if number is None:
+            raise OSError(f"perf_event_open: no system call number known for {platform.machine()}")
         libc = ctypes.CDLL(None, use_errno=True)
-        fd = libc.syscall(_SYS_PERF_EVENT_OPEN, ctypes.byref(attr), 0, -1, -1, 0)
+        fd = libc.syscall(number, ctypes.byref(attr), 0, -1, -1, 0)
         if fd < 0:
             raise OSError(ctypes.get_errno(), f"perf_event_open: {os.strerror(ctypes.get_errno())}")
         self._fd = fd
