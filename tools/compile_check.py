@@ -59,8 +59,10 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   3x3 and the SD VAE decoder's 512-channel 3x3 (``CONV_FAMILY_SHAPES``); ``bf16`` or ``fp32`` (TF32);
   ``-hooked``: a BatchNorm + ReLU's hooks (prologue, relu, output statistics; relu' and the
   BatchNorm-backward sums; the prologue recomputed in wgrad).  Cases ``{resnet_1x1,resnet_3x3,
-  resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-{bf16,fp32}[-hooked][-box]`` (``-box``: the input and
-  weight gradients load boxes, the stride-1 shapes alone; the forward has no box path); default six of them.
+  resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-{bf16,fp32}[-hooked][-box|-taps]`` (``-box``: the input and
+  weight gradients load boxes, the stride-1 shapes alone; the forward has no box path; ``-taps``: the weight
+  gradient takes 3 taps per program, the 3-wide kernels with more than one channel per group); default six
+  of them.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
   the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
   pool, a max or an avg pool; ``fp32``, ``bf16``.  Cases ``{none,max,avg}-{fp32,bf16}``, all by default.
@@ -526,10 +528,11 @@ def _launchable_on_cpu_tensors():  # noqa: ANN202
     return stack
 
 
-def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False) -> None:
+def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, taps: bool = False) -> None:
     """``kernels/conv/``'s three launchers (``conv_fprop``, ``conv_dgrad``, ``conv_wgrad``) on one of
     :data:`CONV_FAMILY_SHAPES`, channels-last, with the tile ``pick_tile`` picks; ``box``: ``conv_dgrad``
-    and ``conv_wgrad`` with their first tiles loading boxes (``tiles.box_width``); ``hooked``: the hooks
+    and ``conv_wgrad`` with their first tiles loading boxes (``tiles.box_width``); ``taps``: ``conv_wgrad``
+    with its first tile taking a kernel row's 3 taps per program (``TileConfig.taps_per_program``); ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
     it, an eval norm's scale and shift; dgrad: relu' of the recomputed prologue and the BatchNorm-backward
@@ -562,6 +565,10 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False) ->
         FAMILY.conv_dgrad(dy, w, x_shape, x_prev=x if hooked else None,
                           norm_stats=FAMILY.NormStats(vec, vec) if hooked else None, tile=dtile, **hooks,
                           **geo)  # fmt: skip
+        if taps:
+            m = dy.shape[0] * dy.shape[2] * dy.shape[3]
+            wfirst = FAMILY_TILES.candidates("wgrad", c_in, c_out, w_shape[2] * w_shape[3], m, dt)[0]
+            wtile = dataclasses.replace(wfirst, taps_per_program=3)
         FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)
 
 
@@ -664,9 +671,11 @@ JOBS = {job.name: job for job in (
     ),
     Job(
         "conv_family", "kernels/conv/: conv_fprop, conv_dgrad, conv_wgrad, plain and hooked (ResNet-50, EfficientNet, SD VAE shapes)",
-        {f"{w}-{d}{h}{b}": partial(conv_family_pass, w, d, bool(h), bool(b))
+        {f"{w}-{d}{h}{b}": partial(conv_family_pass, w, d, bool(h), b == "-box", b == "-taps")
          for w in CONV_FAMILY_SHAPES for d in CONV_FAMILY_DTYPES for h in ("", "-hooked")
-         for b in ("", "-box") if not b or CONV_FAMILY_SHAPES[w][2] == 1 and CONV_FAMILY_SHAPES[w][4] == 1},
+         for b in ("", "-box", "-taps")
+         if not b or (b == "-box" and CONV_FAMILY_SHAPES[w][2] == 1 and CONV_FAMILY_SHAPES[w][4] == 1)
+         or (b == "-taps" and CONV_FAMILY_SHAPES[w][1][1] > 1 and CONV_FAMILY_SHAPES[w][1][-1] == 3)},
         ("resnet_3x3-bf16", "resnet_3x3-bf16-hooked", "resnet_3x3-fp32-hooked", "resnet_stem-bf16-hooked",
          "depthwise-bf16-hooked", "vae_3x3-bf16-hooked"),
         tuple(TiledKernel(k, FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS))

@@ -20,7 +20,7 @@
 #   hostbwd  tools/conv_backward_host.py: the conv backward's host time inside fused training steps vs eager's
 #   convk    the conv family: its kernel tests, tools/bench_conv.py on a quarter of ResNet-50's convs and its
 #            56x56 3x3 (the weight gradient's worst row) into $out/convk (CONVK_BENCH=0 skips it),
-#            then the weight gradient's tile sweep with boxes (CONVK_SWEEP=0 skips it), and with
+#            then the weight gradient's tile sweep with boxes and several taps per program (CONVK_SWEEP=0 skips it), and with
 #            CONVK_HOOKED_SWEEP=1 the tile sweep of the three passes with their hooks
 #   hostrow  the host-bound row (ResNet-50 bf16 inference): tools/bench_step_accounting.py on fresh caches, then
 #            twice on the caches the first left (the run where Inductor's graph comes from its cache): once with
@@ -113,11 +113,11 @@ if has convk; then
     sed -n '/## Summary/,/## Rows/p' "$out/convk/bench.md" | head -12
   fi
   if [[ ${CONVK_SWEEP:-1} == 1 ]]; then
-    timeout 150 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --passes wgrad --box --max-shapes 4 \
+    timeout 150 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --passes wgrad --box --taps --max-shapes 4 \
       --out "$out/convk_sweep.json" 2>&1 | grep -v -i warn | tail -16
   fi
   if [[ ${CONVK_HOOKED_SWEEP:-0} == 1 ]]; then  # the tile grid on the hooked passes (the candidates are the plain ones')
-    timeout 240 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --hooked --box --passes fprop,dgrad,wgrad \
+    timeout 240 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --hooked --box --taps --passes fprop,dgrad,wgrad \
       --max-shapes 4 --out "$out/convk_hooked_sweep.json" 2>&1 | grep -v -i warn | tail -24
   fi
 fi

@@ -8,7 +8,8 @@ Per shape (``conv_shapes``, largest first) and pass: cuDNN's time, the tuned lau
 ``tiles.tuned_tile`` picks), and every tile of :data:`GRID` that fits the problem, each by
 ``triton.testing.do_bench`` on channels-last bf16 (``--dtype``) tensors; with ``--box`` each gradient tile also
 loading boxes (``tiles.box_width``'s shape; where the call refuses a box, the tile's gather time stands
-for it, as the timed choice would then run the gather); with ``--hooked`` the passes with their hooks
+for it, as the timed choice would then run the gather); with ``--taps`` each tap-major weight-gradient
+tile also taking 3 (or 2) taps per program (``TileConfig.taps_per_program``); with ``--hooked`` the passes with their hooks
 (``tools/bench_conv.py``'s: the forward with a BatchNorm + ReLU prologue and the output statistics, the
 input gradient with relu' and the BatchNorm sums, the weight gradient with the prologue recomputed),
 against cuDNN plus the Inductor passes the hooks replace (``unfused``).  Prints one line per row
@@ -94,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set-size", type=int, default=3)
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--box", action="store_true", help="also time each gradient tile loading boxes (the forward has none)")
+    parser.add_argument("--taps", action="store_true",
+                        help="also time each tap-major weight-gradient tile with 3 (or 2) taps per program")
     parser.add_argument("--hooked", action="store_true",
                         help="time the passes with their hooks, against cuDNN plus the passes they replace")
     args = parser.parse_args(argv)
@@ -121,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
                 spatial = (shape.x_shape if pass_name == "dgrad" else shape.out_shape)[2:]
                 plane = (1, *spatial)[-2:]  # a 1d conv's one row
                 variants.append(dataclasses.replace(tile, box_w=box_width(*plane, bm)))
+            taps = math.prod(shape.w_shape[2:])
+            if args.taps and pass_name == "wgrad" and not tile.flat_k and cin_g > 1 and taps > 1:
+                per = 3 if taps % 3 == 0 else 2 if taps % 2 == 0 else 1
+                if per > 1:
+                    variants.append(dataclasses.replace(tile, taps_per_program=per))
             for variant in variants:
                 try:
                     times[variant.label()] = triton.testing.do_bench(_steps(t, pass_name, variant, args.hooked))

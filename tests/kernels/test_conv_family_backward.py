@@ -9,6 +9,8 @@ error)``, eager being the same reference in the input dtype (torch's own convolu
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -178,6 +180,56 @@ def test_wgrad_rows_past_the_output_add_nothing_even_beside_an_infinite_input(ti
     gy = _channels_last(_randn(3, 9, 7, 5, g=g))
     gw, _ = _check_wgrad("inf beside the tail", gy, x, w, tile=tile, split=2)
     assert gw[:, :4].isinf().all() and gw[:, 4:].isfinite().all()
+
+
+#: Several taps per program: tap-major tiles over kernels whose taps 2 or 3 divide, with channel blocks per
+#: tap (cin 20 in blocks of 16: two per tap, the second a tail), groups, strides, 1-d and 3-d.
+MULTI_TAP = [
+    ("conv2d-3x3-cin20-two-blocks-per-tap", (2, 20, 5, 4), (24, 20, 3, 3), dict(padding=1), 3),
+    ("conv2d-3x2-stride2", (2, 16, 7, 6), (8, 16, 3, 2), dict(stride=2, padding=1), 2),
+    ("conv1d-k3-dil2", (2, 16, 13), (8, 16, 3), dict(padding=2, dilation=2), 3),
+    ("conv3d-3x3x3", (1, 16, 4, 5, 4), (8, 16, 3, 3, 3), dict(padding=1), 3),
+    ("groups2-k3x1", (1, 32, 6, 5), (10, 16, 3, 1), dict(padding=(1, 0), groups=2), 3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", MULTI_TAP, ids=[c[0] for c in MULTI_TAP])
+def test_wgrad_with_several_taps_per_program_matches_float64(case):
+    """Each grad_y tile read once for 2 or 3 taps: the same partials as one tap per program (each
+    accumulator sums the same products in the same order), so the result is bit for bit the one-tap one's."""
+    name, xs, ws, conv, taps = case
+    g = torch.Generator().manual_seed(stable_seed(("wgrad-taps", name)))
+    x = _channels_last(_randn(*xs, g=g))
+    w = _randn(*ws, g=g, scale=0.3)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    several = dataclasses.replace(SMALL, taps_per_program=taps)
+    got = _check_wgrad(f"{taps} taps {name}", gy, x, w, tile=several, split=2, bias_grad=True, **conv)
+    one = conv_wgrad(gy, x, w, tile=SMALL, split=2, bias_grad=True, **conv)
+    assert torch.equal(got[0], one[0]) and torch.equal(got[1], one[1])
+    assert wgrad._PLANS.values()[-2].launch.grid[0] * taps == wgrad._PLANS.values()[-1].launch.grid[0]
+
+
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+def test_wgrad_with_several_taps_per_program_recomputes_each_prologue(kind, act):
+    _check_wgrad_prologue("wgrad-taps", kind, act, (2, 16, 5, 6), (8, 16, 3, 3), dict(padding=(1, 2)),
+                          dataclasses.replace(SMALL, taps_per_program=3), 2)  # fmt: skip
+
+
+@pytest.mark.parametrize("conv,taps,words", [
+    (dict(ws=(8, 16, 2, 2)), 3, "4 taps it divides"),
+    (dict(ws=(8, 3, 3, 3)), 3, "1 with a flat K walk"),  # 3 channels: a flat K walk
+], ids=["taps-not-divisible", "flat-walk"])  # fmt: skip
+def test_several_taps_per_program_where_they_cannot_apply_is_refused_in_one_line(conv, taps, words):
+    g = torch.Generator().manual_seed(0)
+    ws = conv["ws"]
+    x = _channels_last(_randn(1, ws[1], 5, 5, g=g))
+    gy = _channels_last(_randn(*_out_shape(x.shape, ws, {}), g=g))
+    tile = dataclasses.replace(SMALL, taps_per_program=taps, flat_k=ws[1] < 16)
+    with pytest.raises(ContractError, match=words) as info:
+        conv_wgrad(gy, x, _randn(*ws, g=g), tile=tile)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ContractError, match="weight gradient's"):
+        conv_dgrad(gy, _randn(*ws, g=g), x.shape, tile=dataclasses.replace(SMALL, taps_per_program=2))
 
 
 def test_wgrad_is_bit_identical_across_runs_and_splits_only_reorder():

@@ -121,6 +121,14 @@ def test_a_call_that_may_load_boxes_times_the_heuristics_tile_as_a_box_second():
     assert not any(t.box_w for t in candidates("fprop", 64, 64, 9, 200704, torch.bfloat16))
 
 
+def test_taps_per_program_is_checked_and_labelled():
+    assert TileConfig(128, 64, 64, 8, 3, taps_per_program=3).label() == "128x64x64 w8 s3 taps 3"
+    for bad in (TileConfig(64, 64, 64, taps_per_program=4), TileConfig(64, 64, 16, flat_k=True, taps_per_program=2),
+                TileConfig(64, 64, 64, box_w=8, taps_per_program=2)):  # fmt: skip
+        with pytest.raises(ContractError, match="taps_per_program"):
+            bad.check()
+
+
 def test_a_box_tile_is_checked():
     TileConfig(128, 64, 64, box_w=64).check()
     for bad in (TileConfig(128, 64, 64, box_w=48), TileConfig(64, 64, 64, box_w=128),

@@ -405,6 +405,9 @@ class _Plan:
         if tile.box_w:
             raise ContractError(f"tile box_w={tile.box_w}: the forward loads its A tiles by gather, not as boxes "
                                 "(fprop module docstring)")
+        if tile.taps_per_program != 1:
+            raise ContractError(f"tile taps_per_program={tile.taps_per_program}: several taps per program is the "
+                                "weight gradient's")
         if self.depthwise:
             self.weight_in_place = False
             grid = (self.m_tiles, cdiv(geo.c_out, tile.block_n), 1)

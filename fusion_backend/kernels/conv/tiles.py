@@ -68,6 +68,9 @@ class TileConfig:
     flat_k: bool = False
     #: the box load's output columns per tile (0: the gather; module docstring)
     box_w: int = 0
+    #: the weight gradient's taps per program (tap-major gather): 2 or 3 read each grad_y tile once for
+    #: that many taps, one accumulator each (``wgrad`` module docstring); 1 elsewhere
+    taps_per_program: int = 1
 
     @property
     def box_h(self) -> int:
@@ -77,12 +80,14 @@ class TileConfig:
     def label(self) -> str:
         """``M x N x K``, warps, stages and the K walk and load, e.g. ``128x64x64 w4 s3 box 8x16``."""
         walk = " flat" if self.flat_k else (f" box {self.box_h}x{self.box_w}" if self.box_w else "")
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{walk}"
+        taps = f" taps {self.taps_per_program}" if self.taps_per_program > 1 else ""
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{walk}{taps}"
 
     def check(self) -> None:
         """Raise :class:`ContractError` unless the blocks are powers of two >= 16, the launch options
-        are positive, and a box (``box_w``) is a power of two dividing ``block_m``, tap-major, with
-        sides of at most 256 (a tensor copy's limit)."""
+        are positive, a box (``box_w``) is a power of two dividing ``block_m``, tap-major, with sides of
+        at most 256 (a tensor copy's limit), and ``taps_per_program`` is 1, 2 or 3 (more than 1: a
+        tap-major gather)."""
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -95,6 +100,9 @@ class TileConfig:
             raise ContractError(f"tile box_w must be a power of two dividing block_m={self.block_m}, at most 256 "
                                 f"with block_m / box_w at most 256, and the K walk tap-major; got box_w="
                                 f"{self.box_w}, flat_k={self.flat_k}")  # fmt: skip
+        if self.taps_per_program not in (1, 2, 3) or (self.taps_per_program > 1 and (self.flat_k or self.box_w)):
+            raise ContractError(f"tile taps_per_program must be 1, 2 or 3, and 1 with a flat K walk or a box; got "
+                                f"{self.taps_per_program} (flat_k={self.flat_k}, box_w={self.box_w})")
 
 
 def box_width(out_h: int, out_w: int, block_m: int) -> int:

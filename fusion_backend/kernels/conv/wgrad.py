@@ -34,6 +34,13 @@ against ``resnet_3x3-bf16``): 57 instructions per MMA in the main loop against 6
 masking of the boxes that hang over the plane's edge (8 x 16 boxes on 56 x 56: one column of 7 in
 28) is about half and runs on those alone; not timed on a GPU yet.
 
+Several taps per program (``TileConfig.taps_per_program`` 2 or 3; tap-major gather, the kernel's taps a
+multiple): a program owns that many consecutive taps of one channel block, one accumulator each, and
+loads each ``grad_y`` tile once for all of them, where one tap per program reads it once per tap (the
+re-reads that bind this pass: ``docs/perf/RESULTS.md``, the conv kernels section).  The grid's first
+dim shrinks by that factor; the partials' layout and their sum are the same.  A tile option the tile
+sweep times (``tools/sweep_conv_tiles.py --taps``), not a candidate of the timed choice until it has won.
+
 One input channel per group (depthwise): no GEMM (its K would be the taps alone) but one program per
 (tap, channel block, split) summing ``grad_y * a`` over its split's rows (``_depthwise_weight_grad``),
 into the same partial layout (no padding), summed by the same launch.
@@ -151,12 +158,14 @@ def conv_wgrad_kernel(
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
     BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
-    DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, TAPS_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_N, BLOCK_K]`` partial tile of group ``g`` over split ``s``'s M tiles, where
     ``program_id(2) = s * GROUPS + g`` (module docstring); with ``BOX_W`` the M tiles are boxes of the
-    output planes and both operands are loaded as boxes (:func:`_box_weight_grad`).
+    output planes and both operands are loaded as boxes (:func:`_box_weight_grad`).  ``TAPS_PER_PROGRAM``
+    (2 or 3; tap-major, gather): the program owns that many consecutive taps of one channel block, one
+    accumulator each, and reads each ``grad_y`` tile once for all of them (``TileConfig.taps_per_program``).
 
     Pointers (element offsets):
       x_ptr     the forward's input before its prologue, (N, C_IN, D, H, W), channel stride 1: element
@@ -179,6 +188,9 @@ def conv_wgrad_kernel(
                                NORM_AFFINE, ACT_IN, BIAS_GRAD, BIG, BLOCK_M, BLOCK_N)  # fmt: skip
         return
     kk = tl.program_id(0)
+    CB: tl.constexpr = CIN_PAD // BLOCK_K  # channel blocks per tap (tap-major)
+    if TAPS_PER_PROGRAM > 1:  # program (tap group, channel block): its first K step
+        kk = (kk // CB) * (TAPS_PER_PROGRAM * CB) + kk % CB
     pid_n = tl.program_id(1)
     pid_z = tl.program_id(2)
     g = pid_z % GROUPS
@@ -189,6 +201,8 @@ def conv_wgrad_kernel(
     co_ok = co < C_OUT_G
     mb = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # TAPS_PER_PROGRAM > 1: the next taps' (else unused)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     bacc = tl.zeros([BLOCK_N], tl.float32)
     PADDED: tl.constexpr = (PD > 0) or (PH > 0) or (PW > 0)
     if BOX_W > 0:
@@ -212,7 +226,20 @@ def conv_wgrad_kernel(
                             FLAT_K, PADDED, True, compute, BLOCK_K)  # fmt: skip
             dy_mask = m_ok[:, None] & co_ok[None, :]
             dy = tl.load(dy_ptr + (dy_row + g * C_OUT_G)[:, None] + co[None, :], mask=dy_mask, other=0.0)
-            acc = tl.dot(round_tf32(tl.trans(dy), PRECISION), round_tf32(a, PRECISION), acc, input_precision=PRECISION)
+            dy_t = round_tf32(tl.trans(dy), PRECISION)
+            acc = tl.dot(dy_t, round_tf32(a, PRECISION), acc, input_precision=PRECISION)
+            if TAPS_PER_PROGRAM > 1:  # the same grad_y tile against the next taps' A tiles
+                a = load_a_tile(x_ptr, kk + CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
+                                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                                C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                                False, PADDED, True, compute, BLOCK_K)  # fmt: skip
+                acc1 = tl.dot(dy_t, round_tf32(a, PRECISION), acc1, input_precision=PRECISION)
+            if TAPS_PER_PROGRAM > 2:
+                a = load_a_tile(x_ptr, kk + 2 * CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
+                                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                                C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                                False, PADDED, True, compute, BLOCK_K)  # fmt: skip
+                acc2 = tl.dot(dy_t, round_tf32(a, PRECISION), acc2, input_precision=PRECISION)
             if BIAS_GRAD:
                 bacc += tl.sum(dy.to(tl.float32), axis=0)
 
@@ -220,7 +247,12 @@ def conv_wgrad_kernel(
     if BIG:
         slot = slot.to(tl.int64)
     k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(part_ptr + (slot * COUT_PAD + co)[:, None] * K_ROW + k[None, :], acc)
+    rows = part_ptr + (slot * COUT_PAD + co)[:, None] * K_ROW
+    tl.store(rows + k[None, :], acc)
+    if TAPS_PER_PROGRAM > 1:  # the next taps' K entries: one tap further is CB K steps further
+        tl.store(rows + (k + CB * BLOCK_K)[None, :], acc1)
+    if TAPS_PER_PROGRAM > 2:
+        tl.store(rows + (k + 2 * CB * BLOCK_K)[None, :], acc2)
     if BIAS_GRAD:
         if kk == 0:
             tl.store(bpart_ptr + split * C_OUT + g * C_OUT_G + co, bacc, mask=co_ok)
@@ -359,10 +391,14 @@ class _WgradPlan:
         box_tiles = (0, 0)
         if self.box:
             box_tiles, m_tiles = box_grid(geo.out_size, geo.n, tile, wgrad_box_refusal(geo, xs, dys, tile))
+        taps_per = tile.taps_per_program
+        if taps_per > 1 and (self.depthwise or tile.flat_k or tile.box_w or geo.taps % taps_per):
+            raise ContractError(f"tile taps_per_program={taps_per} needs a tap-major gather over a kernel whose "
+                                f"{geo.taps} taps it divides, with more than one input channel per group")
         if self.depthwise:  # grid (taps, channel blocks, splits)
             k_steps, n_tiles = geo.taps, cdiv(geo.c_out, tile.block_n)
-        else:
-            k_steps, n_tiles = self.k_row // tile.block_k, self.cout_pad // tile.block_n
+        else:  # programs: K steps, or (tap groups x channel blocks) with several taps per program
+            k_steps, n_tiles = self.k_row // tile.block_k // taps_per, self.cout_pad // tile.block_n
         programs = k_steps * n_tiles * (1 if self.depthwise else geo.groups)
         split = pick_split(m_tiles, programs) if split is None else min(split, max(1, m_tiles))
         tiles_per_split = cdiv(m_tiles, split)
@@ -379,7 +415,8 @@ class _WgradPlan:
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
             BIAS_GRAD=bias_grad, PRECISION=precision, BIG=big, FLAT_K=flat_k, DEPTHWISE=self.depthwise,
-            BOX_W=tile.box_w, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            BOX_W=tile.box_w, TAPS_PER_PROGRAM=tile.taps_per_program, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+            BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
         # the output's sizes are constexprs: every M step peels its rows' coordinates by them, and a
