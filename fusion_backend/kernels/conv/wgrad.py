@@ -40,6 +40,11 @@ loads each ``grad_y`` tile once for all of them, where one tap per program reads
 re-reads that bind this pass: ``docs/perf/RESULTS.md``, the conv kernels section).  The grid's first
 dim shrinks by that factor; the partials' layout and their sum are the same.  A tile option the tile
 sweep times (``tools/sweep_conv_tiles.py --taps``), not a candidate of the timed choice until it has won.
+NOTE: sm_90a SASS of ResNet-50's 3x3 (bf16, 128 x 64 x 64, 4 warps, 3 stages; ``python
+tools/compile_check.py conv_family --cases resnet_3x3-bf16,resnet_3x3-bf16-taps --kernels wgrad --sass``):
+63.6 -> 35.7 instructions per MMA in the main loop, registers 64 -> 177, shared memory 96 -> 192 KiB (three
+A pipelines); the SD VAE's 512-channel 3x3 at 64 x 128 on 4 warps spills 32 bytes (three 64 x 128
+accumulators): 8-warp tiles there.  Not timed yet.
 
 One input channel per group (depthwise): no GEMM (its K would be the taps alone) but one program per
 (tap, channel block, split) summing ``grad_y * a`` over its split's rows (``_depthwise_weight_grad``),
