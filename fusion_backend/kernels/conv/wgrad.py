@@ -41,11 +41,11 @@ re-reads that bind this pass: ``docs/perf/RESULTS.md``, the conv kernels section
 dim shrinks by that factor; the partials' layout and their sum are the same.  A tile option the tile
 sweep times (``tools/sweep_conv_tiles.py --taps``), not a candidate of the timed choice until it has won.
 NOTE: sm_90a SASS (bf16; ``python tools/compile_check.py conv_family --cases resnet_3x3-bf16,resnet_3x3-bf16-taps
---kernels wgrad --sass``, the ``-taps`` cases with 8 warps by a local patch of the tile): ResNet-50's 3x3 at
-128 x 64 x 64, one tap on 4 warps 63.6 instructions per MMA in the main loop, three taps on 4 warps 35.7
-(177 registers), on 8 warps 20.2 (116 registers; shared memory 192 KiB with 3 stages, 128 KiB with 2);
-with the BatchNorm + ReLU prologue 97.0 (one tap, 4 warps) -> 35.8 (three, 8 warps).  The SD VAE's 512-channel 3x3 at 64 x 128: three
-taps on 4 warps spill 32 bytes, on 8 warps 40.8 (hooked 55.5), no spill.  Not timed yet.
+--kernels wgrad --sass``, 8 warps by a local patch of the tile): ResNet-50's 3x3 at 128 x 64 x 64, one tap
+per program 36.3 instructions per MMA in the main loop (with the BatchNorm + ReLU prologue 52.6), three taps
+20.2 (35.8), 42 -> 116 registers, shared memory 96 -> 192 KiB with 3 stages (128 KiB with 2); on 4 warps
+63.6 -> 35.7 (177 registers).  The SD VAE's 512-channel 3x3 at 64 x 128: three taps on 4 warps spill 32
+bytes, on 8 warps 40.8 (hooked 55.5), no spill.  Not timed yet.
 
 One input channel per group (depthwise): no GEMM (its K would be the taps alone) but one program per
 (tap, channel block, split) summing ``grad_y * a`` over its split's rows (``_depthwise_weight_grad``),
