@@ -40,12 +40,12 @@ loads each ``grad_y`` tile once for all of them, where one tap per program reads
 re-reads that bind this pass: ``docs/perf/RESULTS.md``, the conv kernels section).  The grid's first
 dim shrinks by that factor; the partials' layout and their sum are the same.  A tile option the tile
 sweep times (``tools/sweep_conv_tiles.py --taps``), not a candidate of the timed choice until it has won.
-NOTE: sm_90a SASS (bf16; ``python tools/compile_check.py conv_family --cases resnet_3x3-bf16,resnet_3x3-bf16-taps
---kernels wgrad --sass``, 8 warps by a local patch of the tile): ResNet-50's 3x3 at 128 x 64 x 64, one tap
-per program 36.3 instructions per MMA in the main loop (with the BatchNorm + ReLU prologue 52.6), three taps
-20.2 (35.8), 42 -> 116 registers, shared memory 96 -> 192 KiB with 3 stages (128 KiB with 2); on 4 warps
-63.6 -> 35.7 (177 registers).  The SD VAE's 512-channel 3x3 at 64 x 128: three taps on 4 warps spill 32
-bytes, on 8 warps 40.8 (hooked 55.5), no spill.  Not timed yet.
+NOTE: sm_90a SASS, one tap against three per program on the same 8-warp, 3-stage tile (bf16; ``python
+tools/compile_check.py conv_family --cases resnet_3x3-bf16-taps,resnet_3x3-bf16-hooked-taps,vae_3x3-bf16-taps
+--kernels wgrad --sass``): ResNet-50's 3x3 at 128 x 64 x 64, 36.3 -> 20.2 instructions per MMA in the main
+loop (with the BatchNorm + ReLU prologue 52.6 -> 37.4), registers 42 -> 116, shared memory 96 -> 192 KiB;
+the SD VAE's 512-channel 3x3 at 64 x 128, 101.5 -> 42.9, no spill (on 4 warps three taps spill 32 bytes
+there).  Not timed yet.
 
 One input channel per group (depthwise): no GEMM (its K would be the taps alone) but one program per
 (tap, channel block, split) summing ``grad_y * a`` over its split's rows (``_depthwise_weight_grad``),
