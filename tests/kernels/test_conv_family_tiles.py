@@ -121,6 +121,21 @@ def test_a_call_that_may_load_boxes_times_the_heuristics_tile_as_a_box_second():
     assert not any(t.box_w for t in candidates("fprop", 64, 64, 9, 200704, torch.bfloat16))
 
 
+def test_a_weight_gradient_whose_taps_3_or_2_divide_times_several_taps_per_program_on_8_warps():
+    first = pick_tile(64, 64, 9, 200704, torch.bfloat16)
+    three = candidates("wgrad", 64, 64, 9, 200704, torch.bfloat16)
+    assert three[0] == first and three[1] == dataclasses.replace(first, num_warps=8, taps_per_program=3)
+    three[1].check()
+    assert candidates("wgrad", 64, 64, 4, 200704, torch.bfloat16)[1].taps_per_program == 2  # a 2x2 kernel
+    boxed = candidates("wgrad", 64, 64, 9, 200704, torch.bfloat16, box_plane=(56, 56))
+    assert boxed[1].box_w and boxed[2].taps_per_program == 3  # a hooked call's box first, then the taps
+    for other in (candidates("wgrad", 64, 64, 1, 200704, torch.bfloat16),  # a 1x1 conv: one tap
+                  candidates("wgrad", 3, 64, 49, 200704, torch.bfloat16),  # the RGB stem: a flat K walk
+                  candidates("fprop", 64, 64, 9, 200704, torch.bfloat16),
+                  candidates("dgrad", 64, 64, 9, 200704, torch.bfloat16)):  # fmt: skip
+        assert all(t.taps_per_program == 1 for t in other)
+
+
 def test_taps_per_program_is_checked_and_labelled():
     assert TileConfig(128, 64, 64, 8, 3, taps_per_program=3).label() == "128x64x64 w8 s3 taps 3"
     for bad in (TileConfig(64, 64, 64, taps_per_program=4), TileConfig(64, 64, 16, flat_k=True, taps_per_program=2),

@@ -191,7 +191,10 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     convk``) the box won none of the six plain gradients it was offered (within 3% on two) and four of the
     six hooked ones (the input gradient with relu' and the BatchNorm sums 0.067 against 0.105 ms on 256
     channels at 14 x 14; the weight gradient with the prologue 0.149 against 0.155 on 64 at 56 x 56).
-    An empty problem (``m == 0``) gets its first tile alone."""
+    A weight gradient whose taps 3 or 2 divide (tap-major, more than one channel per group) times the
+    heuristic's tile with that many taps per program on 8 warps next (the three accumulators' registers;
+    where its ``grad_y`` and A pipelines fit in shared memory): NOTE at ``wgrad``'s module docstring, its
+    SASS; not timed yet.  An empty problem (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
@@ -205,6 +208,11 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     kept = [first]
     if box_plane is not None:
         kept.append(replace(first, box_w=box_width(*box_plane, first.block_m)))
+    per = 3 if taps % 3 == 0 else 2 if taps % 2 == 0 else 1
+    if pass_name == "wgrad" and per > 1 and k_channels > 1:  # several taps per program (``wgrad``), 8 warps
+        staged = (first.block_m * first.block_n + per * first.block_m * first.block_k) * size * first.num_stages
+        if staged <= _SHARED_BYTES:  # a grad_y tile and ``per`` A tiles per pipeline stage
+            kept.append(replace(first, num_warps=8, taps_per_program=per))
     for c in CANDIDATES[pass_name]:
         block_n = min(c.block_n, max(16, next_pow2(n_channels)))
         cap = min(c.block_k, 32 if dtype == torch.float32 else 128)  # the widest that divides the channels

@@ -38,8 +38,9 @@ Several taps per program (``TileConfig.taps_per_program`` 2 or 3; tap-major gath
 multiple): a program owns that many consecutive taps of one channel block, one accumulator each, and
 loads each ``grad_y`` tile once for all of them, where one tap per program reads it once per tap (the
 re-reads that bind this pass: ``docs/perf/RESULTS.md``, the conv kernels section).  The grid's first
-dim shrinks by that factor; the partials' layout and their sum are the same.  A tile option the tile
-sweep times (``tools/sweep_conv_tiles.py --taps``), not a candidate of the timed choice until it has won.
+dim shrinks by that factor; the partials' layout and their sum are the same.  The timed tile choice
+weighs the heuristic's tile with several taps on 8 warps (``tiles.candidates``); ``tools/sweep_conv_tiles.py
+--taps`` times it on every tile of its grid.
 NOTE: sm_90a SASS, one tap against three per program on the same 8-warp, 3-stage tile (bf16; ``python
 tools/compile_check.py conv_family --cases resnet_3x3-bf16-taps,resnet_3x3-bf16-hooked-taps,vae_3x3-bf16-taps
 --kernels wgrad --sass``): ResNet-50's 3x3 at 128 x 64 x 64, 36.3 -> 20.2 instructions per MMA in the main
