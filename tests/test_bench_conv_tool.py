@@ -307,7 +307,7 @@ def test_the_tile_sweeps_hooked_calls_are_the_benchmarks_hooked_rows(pass_name: 
     shape = ConvShape((2, 16, 6, 6), (16, 16, 3, 3), (1, 1), (1, 1), (1, 1), 1, False)
     t = bench_conv._Inputs.make(shape, torch.float32, torch.device("cpu"))
     swept = sweep_conv_tiles._steps(t, pass_name, None, hooked=True)()
-    reported = sweep_conv_tiles.CASES[pass_name](t, True)[0]["hooked"]()
+    reported = bench_conv.CASE_BUILDERS[pass_name](t, True)[0]["hooked"]()
     first = [v for v in (swept if isinstance(swept, tuple) else (swept,)) if isinstance(v, torch.Tensor)][0]
     want = [v for v in (reported if isinstance(reported, tuple) else (reported,)) if isinstance(v, torch.Tensor)][0]
     assert torch.equal(first, want)

@@ -294,13 +294,14 @@ Steps = dict[str, Callable[[], Any]]
 Checks = dict[str, Callable[[dict[str, Any]], float]]
 
 
-def fprop_case(t: _Inputs, hooked: bool) -> tuple[Steps, Checks]:
+def fprop_case(t: _Inputs, hooked: bool, tile: Any = None) -> tuple[Steps, Checks]:
     """The forward: plain against ``aten.convolution``; hooked (prologue bn+relu, epilogue statistics)
-    against the prologue pass, the conv and the statistics pass."""
+    against the prologue pass, the conv and the statistics pass.  ``tile``: the kernel's (None: its
+    tuned choice), as for every case builder."""
     from fusion_backend.kernels.conv import conv_fprop
 
     aten = torch.ops.aten
-    steps: Steps = {"kernel": lambda: conv_fprop(t.x, t.w, t.b, **t.geo)[0],
+    steps: Steps = {"kernel": lambda: conv_fprop(t.x, t.w, t.b, tile=tile, **t.geo)[0],
                     "cudnn": lambda: aten.convolution(t.x, t.w, t.b, *t.conv_args)}  # fmt: skip
     checks: Checks = {"plain": lambda r: rel_err(r["kernel"], r["cudnn"])}
     if not hooked:
@@ -317,19 +318,20 @@ def fprop_case(t: _Inputs, hooked: bool) -> tuple[Steps, Checks]:
         magnitude = y_ref.float().abs().sum(_channel_dims(y_ref))
         return max(rel_err(y, y_ref), sums_err(st.sum, s_ref, magnitude), rel_err(st.sum_sq, sq_ref))
 
-    steps["hooked"] = lambda: conv_fprop(t.x, t.w, t.b, prologue=prologue, act_in="relu", stats=True, **t.geo)
+    steps["hooked"] = lambda: conv_fprop(t.x, t.w, t.b, prologue=prologue, act_in="relu", stats=True, tile=tile,
+                                         **t.geo)  # fmt: skip
     steps["unfused"] = unfused
     checks["hooked"] = check
     return steps, checks
 
 
-def dgrad_case(t: _Inputs, hooked: bool) -> tuple[Steps, Checks]:
+def dgrad_case(t: _Inputs, hooked: bool, tile: Any = None) -> tuple[Steps, Checks]:
     """The input gradient: plain against cuDNN's; hooked (relu' of the forward's normalised input and the
     BatchNorm-backward sums) against cuDNN's and the relu'/sums pass."""
     from fusion_backend.kernels.conv import NormStats, conv_dgrad
 
     size = t.shape.x_shape
-    steps: Steps = {"kernel": lambda: conv_dgrad(t.dy, t.w, size, **t.geo)[0], "cudnn": t.cudnn_dgrad}
+    steps: Steps = {"kernel": lambda: conv_dgrad(t.dy, t.w, size, tile=tile, **t.geo)[0], "cudnn": t.cudnn_dgrad}
     checks: Checks = {"plain": lambda r: rel_err(r["kernel"], r["cudnn"])}
     if not hooked:
         return steps, checks
@@ -345,7 +347,7 @@ def dgrad_case(t: _Inputs, hooked: bool) -> tuple[Steps, Checks]:
                    sums_err(sums.sum_dz_xhat, sx_ref, (g * xhat).sum(dims)))  # fmt: skip
 
     steps["hooked"] = lambda: conv_dgrad(t.dy, t.w, size, x_prev=t.x, prologue=prologue, act_in="relu",
-                                         norm_stats=norm_stats, **t.geo)  # fmt: skip
+                                         norm_stats=norm_stats, tile=tile, **t.geo)  # fmt: skip
     steps["unfused"] = lambda: bwd_pass(t.cudnn_dgrad(), t.x, t.scale, t.shift, t.mean, t.rstd)
     checks["hooked"] = check
     return steps, checks
@@ -355,19 +357,20 @@ def _grads_err(out: Sequence[Any], ref: Sequence[Any]) -> float:
     return max(rel_err(o, r) for o, r in zip(out, ref, strict=True) if r is not None)
 
 
-def wgrad_case(t: _Inputs, hooked: bool) -> tuple[Steps, Checks]:
+def wgrad_case(t: _Inputs, hooked: bool, tile: Any = None) -> tuple[Steps, Checks]:
     """The weight (and bias) gradient: plain against cuDNN's; hooked (the prologue recomputed on load)
     against the pass materialising the normalised input and cuDNN's wgrad on it."""
     from fusion_backend.kernels.conv import conv_wgrad
 
     bias = t.shape.bias
-    steps: Steps = {"kernel": lambda: conv_wgrad(t.dy, t.x, t.w, bias_grad=bias, **t.geo),
+    steps: Steps = {"kernel": lambda: conv_wgrad(t.dy, t.x, t.w, bias_grad=bias, tile=tile, **t.geo),
                     "cudnn": lambda: t.cudnn_wgrad(t.x)}  # fmt: skip
     checks: Checks = {"plain": lambda r: _grads_err(r["kernel"], r["cudnn"])}
     if not hooked:
         return steps, checks
     prologue = t.prologue()
-    steps["hooked"] = lambda: conv_wgrad(t.dy, t.x, t.w, prologue=prologue, act_in="relu", bias_grad=bias, **t.geo)
+    steps["hooked"] = lambda: conv_wgrad(t.dy, t.x, t.w, prologue=prologue, act_in="relu", bias_grad=bias, tile=tile,
+                                         **t.geo)  # fmt: skip
     steps["unfused"] = lambda: t.cudnn_wgrad(t.prologue_pass(t.x, t.scale, t.shift))
     checks["hooked"] = lambda r: _grads_err(r["hooked"], r["unfused"])
     return steps, checks

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_conv import DEFAULT_MODELS, _Inputs, dgrad_case, fprop_case, wgrad_case  # noqa: E402
+from bench_conv import CASE_BUILDERS, DEFAULT_MODELS, _Inputs  # noqa: E402
 from conv_shapes import collect  # noqa: E402
 
 #: ``(block_m, block_n, block_k, num_warps, num_stages)`` tried per pass.
@@ -43,34 +43,21 @@ GRID = [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128,
         (64, 256, 64, 8, 3), (64, 64, 128, 4, 3), (128, 128, 128, 8, 3), (64, 256, 128, 8, 3),
         (128, 64, 64, 8, 3), (64, 128, 64, 8, 3)]  # fmt: skip
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-CASES = {"fprop": fprop_case, "dgrad": dgrad_case, "wgrad": wgrad_case}
-#: a row's baseline: cuDNN's pass, or with ``--hooked`` cuDNN's plus the passes the hooks replace
+#: a row's baseline, ``bench_conv``'s step of that name: cuDNN's pass, or with ``--hooked`` cuDNN's plus the
+#: passes the hooks replace
 BASELINES = ("cudnn", "unfused")
 
 
 def _steps(t: _Inputs, pass_name: str, tile: object, hooked: bool = False) -> object:
-    """One call of ``pass_name`` with ``tile`` (None: the tuned choice's), with ``bench_conv``'s hooks
-    where ``hooked``."""
-    from fusion_backend.kernels.conv import NormStats, conv_dgrad, conv_fprop, conv_wgrad
-
-    s = t.shape
-    hooks = dict(prologue=t.prologue(), act_in="relu") if hooked else {}
-    if pass_name == "fprop":
-        return lambda: conv_fprop(t.x, t.w, t.b, tile=tile, stats=hooked, **hooks, **t.geo)
-    if pass_name == "dgrad":
-        saved = dict(x_prev=t.x, norm_stats=NormStats(t.mean, t.rstd)) if hooked else {}
-        return lambda: conv_dgrad(t.dy, t.w, s.x_shape, tile=tile, **saved, **hooks, **t.geo)
-    return lambda: conv_wgrad(t.dy, t.x, t.w, bias_grad=s.bias, tile=tile, **hooks, **t.geo)
+    """One call of ``pass_name`` with ``tile`` (None: the tuned choice's): ``bench_conv``'s plain or, where
+    ``hooked``, hooked step."""
+    return CASE_BUILDERS[pass_name](t, hooked, tile)[0]["hooked" if hooked else "kernel"]
 
 
 def _baseline(t: _Inputs, pass_name: str, hooked: bool) -> object:
     """cuDNN's pass, or with ``hooked`` cuDNN's plus the Inductor passes the hooks replace (``bench_conv``'s
-    ``unfused`` step)."""
-    if hooked:
-        return CASES[pass_name](t, True)[0]["unfused"]
-    if pass_name == "fprop":
-        return lambda: torch.ops.aten.convolution(t.x, t.w, t.b, *t.conv_args)
-    return t.cudnn_dgrad if pass_name == "dgrad" else (lambda: t.cudnn_wgrad(t.x))
+    ``cudnn`` or ``unfused`` step)."""
+    return CASE_BUILDERS[pass_name](t, hooked)[0][BASELINES[hooked]]
 
 
 def _score(rows: list[dict[str, float]], chosen: tuple[str, ...]) -> float:
@@ -83,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from fusion_backend.kernels.conv import TileConfig
-    from fusion_backend.kernels.conv.tiles import box_width
+    from fusion_backend.kernels.conv.tiles import box_width, several_taps
     from fusion_backend.kernels.plan_cache import ContractError
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -126,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 variants.append(dataclasses.replace(tile, box_w=box_width(*plane, bm)))
             taps = math.prod(shape.w_shape[2:])
             if args.taps and pass_name == "wgrad" and not tile.flat_k and cin_g > 1 and taps > 1:
-                per = 3 if taps % 3 == 0 else 2 if taps % 2 == 0 else 1
+                per = several_taps(taps)
                 if per > 1:
                     variants.append(dataclasses.replace(tile, taps_per_program=per))
             for variant in variants:

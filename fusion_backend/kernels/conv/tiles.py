@@ -105,6 +105,12 @@ class TileConfig:
                                 f"{self.taps_per_program} (flat_k={self.flat_k}, box_w={self.box_w})")
 
 
+def several_taps(taps: int) -> int:
+    """The taps per program (``TileConfig.taps_per_program``) a weight gradient over ``taps`` kernel taps
+    takes where it takes several: 3 where 3 divides them, else 2 where 2 does, else 1 (none)."""
+    return 3 if taps % 3 == 0 else 2 if taps % 2 == 0 else 1
+
+
 def box_width(out_h: int, out_w: int, block_m: int) -> int:
     """The box tile's columns for an output plane of ``out_h x out_w`` and ``block_m`` positions per
     tile: the power of two whose boxes cover the plane with the fewest positions past its edge (each
@@ -208,7 +214,7 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     kept = [first]
     if box_plane is not None:
         kept.append(replace(first, box_w=box_width(*box_plane, first.block_m)))
-    per = 3 if taps % 3 == 0 else 2 if taps % 2 == 0 else 1
+    per = several_taps(taps)
     if pass_name == "wgrad" and per > 1 and k_channels > 1:  # several taps per program (``wgrad``), 8 warps
         staged = (first.block_m * first.block_n + per * first.block_m * first.block_k) * size * first.num_stages
         if staged <= _SHARED_BYTES:  # a grad_y tile and ``per`` A tiles per pipeline stage
