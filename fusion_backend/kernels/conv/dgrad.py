@@ -397,9 +397,6 @@ class _DgradPlan:
 
     def __init__(self, geo: _Geometry, grad_y: torch.Tensor, weight: torch.Tensor, x_prev: torch.Tensor | None,
                  prologue: Prologue | None, act: int, sums: bool, tile: TileConfig, precision: str) -> None:  # fmt: skip
-        if tile.taps_per_program != 1:
-            raise ContractError(f"tile taps_per_program={tile.taps_per_program}: several taps per program is the "
-                                "weight gradient's")
         self.geo, self.tile, self.sums = geo, tile, sums
         self.dtype, self.device = grad_y.dtype, grad_y.device
         self.in_shape = (geo.n, geo.c_in, *geo.size[3 - (len(geo.out_shape) - 2):])
@@ -564,7 +561,7 @@ def conv_dgrad(
         precision = backward_dot_precision(grad_y.dtype, precision_flag)
 
         def plan_with(t: TileConfig) -> _DgradPlan:
-            t.check()
+            t.check_for("dgrad")
             return _DgradPlan(geo, grad_y, weight, x_prev, prologue, code, norm_stats is not None, t, precision)
 
         if tile is not None:

@@ -402,12 +402,6 @@ class _Plan:
         self.m_tiles = cdiv(geo.m, tile.block_m)
         #: one input channel per group: the direct depthwise tile (``_depthwise_tile``), over all channels
         self.depthwise = geo.c_in_g == 1
-        if tile.box_w:
-            raise ContractError(f"tile box_w={tile.box_w}: the forward loads its A tiles by gather, not as boxes "
-                                "(fprop module docstring)")
-        if tile.taps_per_program != 1:
-            raise ContractError(f"tile taps_per_program={tile.taps_per_program}: several taps per program is the "
-                                "weight gradient's")
         if self.depthwise:
             self.weight_in_place = False
             grid = (self.m_tiles, cdiv(geo.c_out, tile.block_n), 1)
@@ -595,7 +589,7 @@ def fprop_plan(
         precision = dot_precision(x.dtype, precision_flag, INTERPRETER)
 
         def plan_with(t: TileConfig) -> _Plan:
-            t.check()
+            t.check_for("fprop")
             return _Plan(geo, x, weight, prologue, code_in, code_out, scale is not None, bias is not None, chain,
                          residual_mode, bool(stats), t, precision, saved is not None)  # fmt: skip
 

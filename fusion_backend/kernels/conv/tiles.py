@@ -104,6 +104,17 @@ class TileConfig:
             raise ContractError(f"tile taps_per_program must be 1, 2 or 3, and 1 with a flat K walk or a box; got "
                                 f"{self.taps_per_program} (flat_k={self.flat_k}, box_w={self.box_w})")
 
+    def check_for(self, pass_name: str) -> None:
+        """:meth:`check`, and what ``pass_name``'s kernel takes: the forward loads no boxes (``fprop``
+        module docstring), and several taps per program are the weight gradient's alone."""
+        self.check()
+        if pass_name == "fprop" and self.box_w:
+            raise ContractError(f"tile box_w={self.box_w}: the forward loads its A tiles by gather, not as boxes "
+                                "(fprop module docstring)")
+        if pass_name != "wgrad" and self.taps_per_program != 1:
+            raise ContractError(f"tile taps_per_program={self.taps_per_program}: several taps per program is the "
+                                "weight gradient's")
+
 
 def several_taps(taps: int) -> int:
     """The taps per program (``TileConfig.taps_per_program``) a weight gradient over ``taps`` kernel taps

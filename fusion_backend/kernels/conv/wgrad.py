@@ -531,7 +531,7 @@ def conv_wgrad(
         precision = backward_dot_precision(x.dtype, precision_flag)
 
         def plan_with(t: TileConfig) -> _WgradPlan:
-            t.check()
+            t.check_for("wgrad")
             return _WgradPlan(geo, x, grad_y, prologue, code_in, bool(bias_grad), t, split, precision)
 
         if tile is not None:
