@@ -140,6 +140,7 @@ def fusion(
 
     # a region kept alone is checked in the whole graph where the graph can be compiled again later
     in_context = may_defer and opts.decide == "measure" and not cuda_graphs
+    caches_before = compile_estimate.inductor_cache_counts()  # whether the compile below is a rate
     found = _build(gm, example_inputs, opts, config_patches, decide_first, index)
     decided = {d.anchor: d for d in found.report.decisions}
     checks: list[GraphCheck] = []
@@ -164,13 +165,17 @@ def fusion(
         t0 = time.perf_counter()
         compiled = _compile_inductor(original, example_inputs, config_patches)
         report.stage_seconds["inductor"] = time.perf_counter() - t0
-    if cuda_graphs and opts.decide == "measure" and "inductor" in report.stage_seconds:  # the budget's rate
+    if (opts.decide == "measure" and "inductor" in report.stage_seconds  # the budgets' rate
+            and not compile_estimate.served_by_caches(caches_before, compile_estimate.inductor_cache_counts())):
         compile_estimate.record(size, report.stage_seconds["inductor"], training=training, cuda_graphs=cuda_graphs,
                                 cache_dir=opts.cache_dir)
     if pending.regions or pending.in_context:
         distributed = _distributed()
+        recompile = _RecompileCost(size, report.stage_seconds.get("inductor", 0.0),
+                                   compile_estimate.estimate(size, training=training, cuda_graphs=False,
+                                                             cache_dir=opts.cache_dir))
         settle = deferred.in_compile_state(
-            functools.partial(_settle, untouched, compiled, opts, config_patches, index, distributed))
+            functools.partial(_settle, untouched, compiled, opts, config_patches, index, distributed, recompile))
         compiled = deferred.DeferredGraph(
             compiled, pending.preparations, settle, opts.strict, inputs=example_inputs if real else None,
             prepare=None if real else pending.prepare_later(opts.strict), budget_fraction=opts.decide_budget,
@@ -262,11 +267,13 @@ class _Built:
 
 
 def _build(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FusionOptions, config_patches: dict[str, Any],
-           keep: Callable[[fx.GraphModule, Candidate, list[Decision]], bool], index: int) -> _Built:
+           keep: Callable[[fx.GraphModule, Candidate, list[Decision]], bool], index: int,
+           compile_graph: bool = True) -> _Built:
     """Find the regions of ``gm`` (on a copy), decide each with ``keep(graph, candidate, decisions)``
     (it appends the candidate's decision; the graph is whole while it decides), rewrite the kept
-    ones and compile the result (directly, or through Inductor).  A failure at any stage is a
-    fallback: nothing rewritten, noted in the report (``strict`` raises)."""
+    ones and compile the result (directly, or through Inductor; ``compile_graph=False``: the rewritten
+    graph alone).  A failure at any stage is a fallback: nothing rewritten, noted in the report
+    (``strict`` raises)."""
     times: dict[str, float] = {}
     current = {"stage": "normalize", "pattern": None}
 
@@ -305,7 +312,7 @@ def _build(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FusionOption
     t0 = time.perf_counter()
     compiled = None
     runner, notes = "inductor", []
-    if rewritten is not None and matches:
+    if rewritten is not None and matches and compile_graph:
         why_not = _why_not_direct(rewritten, opts, config_patches)
         if why_not is None:
             try:
@@ -314,7 +321,7 @@ def _build(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FusionOption
                 fallbacks.append(_fall_back(opts, "direct", None, exc))
         else:
             notes.append(f"runs through Inductor, not directly: {why_not}")
-    if compiled is None and rewritten is not None and matches:
+    if compiled is None and rewritten is not None and matches and compile_graph:
         try:
             compiled = _compile_inductor(rewritten, example_inputs, with_autograd_free_pass(config_patches))
         except _CONTROL_FLOW:
@@ -367,18 +374,44 @@ def _publish(report: GraphReport, opts: FusionOptions, before_code: str, rewritt
 PROGRESS_EVERY_S = 5.0
 
 
+@dataclass(frozen=True)
+class _RecompileCost:
+    """What a settle needs to estimate the compile of its graph with the regions it keeps: the
+    graph's size in nodes (``compile_estimate.graph_size``), the seconds its first compile took in
+    this process (low where Inductor's caches served it) and the estimate from this machine's
+    compile rate (``compile_estimate.estimate``; 0.0 where none is known)."""
+
+    graph_nodes: int
+    first_compile_s: float
+    estimated_s: float
+
+    def seconds(self, nodes: int) -> float:
+        """The compile of the graph rewritten to ``nodes`` nodes (a fused op is one): the larger of
+        the two readings, scaled to them."""
+        if self.graph_nodes <= 0:
+            return 0.0
+        return max(self.first_compile_s, self.estimated_s) * nodes / self.graph_nodes
+
+
 def _settle(untouched: fx.GraphModule, first: Callable[..., Any], opts: FusionOptions, config_patches: dict[str, Any],
-            index: int, distributed: bool, inputs: Sequence[Any], budget: DecisionBudget) -> Optional[Callable[..., Any]]:
+            index: int, distributed: bool, recompile: _RecompileCost, inputs: Sequence[Any],
+            budget: DecisionBudget) -> Optional[Callable[..., Any]]:
     """A deferred graph's settled compile, or None where Inductor's first compile ``first`` stands.
 
     1. Every region is decided now, on the graph's real ``inputs``, as far as ``budget`` allows
        (``decision.decide``); under ``torch.distributed`` the ranks keep only what all of them keep.
-    2. Nothing kept: None, with nothing compiled (a graph with nothing fused is exactly Inductor's).
-    3. Else the graph is compiled with the kept regions and timed against ``first`` as a whole
+    2. A settle that measured regions compiles the graph again with those it keeps only where that
+       compile (estimated by ``recompile``) fits what is left of ``budget``; otherwise they stay
+       with Inductor in this process and a later process, which finds them in the cache and
+       measures nothing, compiles the graph with them (``_within_budget``).
+    3. Nothing kept: None, with nothing compiled (a graph with nothing fused is exactly Inductor's).
+    4. Else the graph is compiled with the kept regions and timed against ``first`` as a whole
        (``_in_context``; not under CUDA graphs, where a replay leaves no host time to see and the
        regions' GPU times decide), the ranks agreeing again on what stayed.  The report says which
        rule decided."""
     decided, decided_report = _decide_regions(untouched, inputs, opts, config_patches, index, budget)
+    if opts.decide == "measure" and not config_patches.get("triton.cudagraphs"):
+        decided = _within_budget(untouched, inputs, opts, config_patches, index, decided, recompile, budget)
     if distributed:
         decided = _agree_across_ranks(decided, untouched)
     train = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
@@ -484,6 +517,45 @@ def _decide_candidates(graph: fx.GraphModule, regions: Regions,
         if decisions[-1].fused:
             held.update(candidate.nodes)
     return kept
+
+
+#: The rule of a region kept alone whose graph would compile again past the settle's budget (``_within_budget``).
+POSTPONED_RULE = ("faster alone ({speedup}), kept from a later process on: compiling the graph with "
+                  "{them} (about {seconds:.1f} s) does not fit this process's decision budget ({budget}; "
+                  "option decide_budget); a later process finds the decision in the cache and compiles "
+                  "the graph with {them}")
+
+
+def _within_budget(untouched: fx.GraphModule, inputs: Sequence[Any], opts: FusionOptions,
+                   config_patches: dict[str, Any], index: int, decided: dict[str, Decision],
+                   recompile: _RecompileCost, budget: DecisionBudget) -> dict[str, Decision]:
+    """``decided`` with the kept regions left to Inductor (``POSTPONED_RULE``) where this settle
+    measured regions and the compile of the graph with the kept ones would not end within
+    ``budget``: the graph rewritten with them (not compiled) is what that compile would take, by
+    its nodes (nothing where it runs directly, without Inductor).  A settle that measured nothing
+    (every decision from the cache) compiles: it is the later process the rule promises, and its
+    budget went to nothing else.
+
+    WHY: keeping a region means compiling the graph a second time, about as long as its first
+    compile; the settle that also measured would take the first call's time twice over, where the
+    decision budget allows a fraction of it."""
+    kept = [d for d in decided.values() if d.fused]
+    if not kept or budget.measured == 0:
+        return decided
+    rewritten = _build(untouched, inputs, dataclasses.replace(opts, dump_dir=None), config_patches,
+                       functools.partial(_replay, decided), index, compile_graph=False).rewritten
+    if rewritten is None or _why_not_direct(rewritten, opts, config_patches) is None:
+        return decided  # nothing to rewrite (the rebuild falls back and says why), or no compile to wait for
+    seconds = recompile.seconds(compile_estimate.graph_size(rewritten))
+    if seconds <= max(0.0, budget.seconds - budget.spent()):
+        return decided
+    them = "it" if len(kept) == 1 else f"the {len(kept)} regions kept"
+    postponed = dict(decided)
+    for d in kept:
+        speedup = f"{d.speedup:.2f}x" if d.speedup is not None else "by its rule"
+        postponed[d.anchor] = dataclasses.replace(d, fused=False, rule=POSTPONED_RULE.format(
+            speedup=speedup, them=them, seconds=seconds, budget=budget.describe()))
+    return postponed
 
 
 def _decide_regions(untouched: fx.GraphModule, inputs: Sequence[Any], opts: FusionOptions,

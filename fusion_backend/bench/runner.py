@@ -68,6 +68,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..report import collect_reports
+from ..runtime import compile_estimate
 from ..runtime.deferred import any_pending, settled_reports
 from .backends import BenchBackend, pick_contenders
 from .config import PRECISIONS, BenchConfig, Precision
@@ -252,23 +253,9 @@ def _graph_breaks() -> int | None:
         return None
 
 
-def _inductor_cache_counts() -> tuple[int, int]:
-    """Inductor's graph-cache lookups so far in this process: (hits, compiles), where an AOTAutograd
-    cache hit counts as a hit and a graph compiled past the cache (a miss or a bypass) as a compile."""
-    try:
-        from torch._dynamo.utils import counters
-
-        inductor = counters["inductor"]
-        hits = inductor["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-        return int(hits), int(inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"])
-    except Exception:  # private API drift: the reading is a nicety
-        return 0, 0
-
-
 def _from_caches(before: tuple[int, int], after: tuple[int, int]) -> bool | None:
     """``ItemResult.from_inductor_caches`` from the counts before and after the first call."""
-    hits, compiles = after[0] - before[0], after[1] - before[1]
-    return None if hits == compiles == 0 else compiles == 0
+    return None if after == before else compile_estimate.served_by_caches(before, after)
 
 
 def _clear_dynamo() -> None:
@@ -514,7 +501,7 @@ class Runner:
             measuring_memory = cfg.memory and not cfg.check_only
             item_start = tools.memory.allocated(drop_workspaces=not self._graphs_alive) if measuring_memory else 0
             breaks_before = _graph_breaks() if backend.uses_dynamo else None
-            caches_before = _inductor_cache_counts()
+            caches_before = compile_estimate.inductor_cache_counts()
             start = tools.clock()
             fn = backend.compile(module)
             step = _Step(fn, module, inputs, device=self.device, precision=precision, train=train,
@@ -524,7 +511,8 @@ class Runner:
                 out = step.run()
             tools.synchronize()
             result = dataclasses.replace(result, compile_s=tools.clock() - start,
-                                         from_inductor_caches=_from_caches(caches_before, _inductor_cache_counts()))
+                                         from_inductor_caches=_from_caches(
+                                             caches_before, compile_estimate.inductor_cache_counts()))
             if any_pending(reports):
                 out, reports, settle_s = _settled_step(step, reports, tools)
                 result = dataclasses.replace(result, settle_s=settle_s)

@@ -1,12 +1,17 @@
 """Inductor's compile time of a graph, estimated before it compiles.
 
-Under CUDA graphs a graph's regions are decided during its compile, within a budget that is a
-fraction of Inductor's compile of the graph (option ``decide_budget``).  Compiling the graph as
-given only to learn that time would compile it twice wherever a region is kept, so the time is
-estimated instead: Inductor's seconds per node of the latest graph this machine compiled, of the
-same kind (training or inference, with or without CUDA graphs), times this graph's nodes.  The rate
-is kept in the measurement cache (``measurements.py``), so a later process starts with it; only the
-compiles that decide under CUDA graphs keep it (no other compile reads it).  Where no
+Two decisions need it before the compile they are about:
+
+- under CUDA graphs a graph's regions are decided during its compile, within a budget that is a
+  fraction of Inductor's compile of the graph (option ``decide_budget``); compiling the graph as
+  given only to learn that time would compile it twice wherever a region is kept;
+- a deferred graph's settle compiles the graph again with the regions it keeps only where that
+  compile fits what is left of its decision budget (``backend._settle``).
+
+The estimate: Inductor's seconds per node of the latest graph this machine compiled past Inductor's
+caches, of the same kind (training or inference, with or without CUDA graphs), times this graph's
+nodes.  The rate is kept in the measurement cache (``measurements.py``), so a later process starts
+with it.  A compile served by Inductor's caches is not a rate (``served_by_caches``).  Where no
 graph was compiled yet the estimate is zero: the budget then allows the one measurement every
 budget allows (``decision.DecisionBudget``) and no more.
 """
@@ -25,6 +30,26 @@ KIND = "inductor_compile"
 def graph_size(gm: fx.GraphModule) -> int:
     """The number of operations in ``gm`` (its call nodes), the unit the rate is kept in."""
     return sum(1 for node in gm.graph.nodes if node.op.startswith("call_"))
+
+
+def inductor_cache_counts() -> tuple[int, int]:
+    """Inductor's graph-cache lookups so far in this process: (hits, compiles), where an AOTAutograd
+    cache hit counts as a hit and a graph compiled past the cache (a miss or a bypass) as a compile.
+    Read before and after a compile: it compiled past the caches where ``compiles`` grew."""
+    try:
+        from torch._dynamo.utils import counters
+
+        inductor = counters["inductor"]
+        hits = inductor["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+        return int(hits), int(inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"])
+    except Exception:  # private API drift: the reading is a nicety
+        return 0, 0
+
+
+def served_by_caches(before: tuple[int, int], after: tuple[int, int]) -> bool:
+    """Whether the compile between two ``inductor_cache_counts`` readings came from Inductor's
+    caches: some lookups hit and none compiled.  (A compile with the caches off counts neither.)"""
+    return after[0] > before[0] and after[1] == before[1]
 
 
 def _key(training: bool, cuda_graphs: bool) -> str:

@@ -245,13 +245,103 @@ def test_no_prediction_without_two_clear_losses(evidence):
 def test_the_decision_budget_leaves_the_regions_it_cannot_measure_to_inductor_unmeasured():
     torch.manual_seed(0)
     model, x = Blocks(), torch.randn(2, 8, 10, 10)
-    _, settled, timer, _, _ = settle_once(model, x, options={"decide_budget": 0.0})
+    _, settled, timer, graphs, _ = settle_once(model, x, options={"decide_budget": 0.0})
     ((report,),) = [settled]
     measured, *same, last = report.decisions
-    assert measured.fused and all(d.fused and d.cached for d in same) and timer.calls == 1
+    assert measured.speedup == 2.0 and all(d.cached for d in same) and timer.calls == 1
     assert not last.fused and "decision budget is spent" in last.rule
     # nothing was cached for the unmeasured region: a later settle measures it
     assert sum(1 for e in measurements._memory.values() if "class" in e) == 1
+    # and the three kept alone wait for a later process: the graph's second compile is past the budget
+    assert not any(d.fused for d in [measured, *same]) and graphs.calls == 0 and report.matches == ()
+    assert all("kept from a later process on" in d.rule for d in [measured, *same])
+
+
+class ConvThenCumsum(nn.Module):
+    """One conv -> ReLU region and an op for Inductor after it: the rewritten graph compiles again."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return torch.cumsum(F.relu(self.conv(x)), dim=1)
+
+
+def counting_graph_compiles(monkeypatch):
+    compiles = []
+    real_compile = backend._compile_inductor
+
+    def counting(gm, example_inputs, patches):
+        compiles.append(gm)
+        return real_compile(gm, example_inputs, patches)
+
+    monkeypatch.setattr(backend, "_compile_inductor", counting)
+    return compiles
+
+
+def test_a_settle_that_measured_compiles_the_graph_again_only_where_the_compile_fits_its_budget_and_a_later_process_does(
+        monkeypatch):
+    """The settle that measured the region keeps it alone but does not compile the graph again past
+    its budget (Inductor's first compile runs on, the report says why); the next process finds the
+    region in the cache, measures nothing, and compiles the graph with it at its settle, checked in
+    the whole graph."""
+    compiles = counting_graph_compiles(monkeypatch)
+    torch.manual_seed(0)
+    model, x = ConvThenCumsum(), torch.randn(2, 3, 8, 8)
+    want = model(x)
+    compiled, settled, timer, graphs, _ = settle_once(model, x, options={"decide_budget": 0.0})
+    ((report,),) = [settled]
+    ((d,),) = [report.decisions]
+    assert not d.fused and not d.pending and d.speedup == 2.0 and report.matches == ()
+    assert re.match(r"faster alone \(2\.00x\), kept from a later process on: compiling the graph with it "
+                    r"\(about [\d.]+ s\) does not fit this process's decision budget \([\d.]+ s of a 0\.0 s "
+                    r"budget; option decide_budget\)", d.rule), d.rule
+    assert timer.calls == 1 and graphs.calls == 0 and len(compiles) == 1  # Inductor's first compile only
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), want)
+
+    decision.forget_in_memory()  # a later process: the cache on disk alone remembers
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusion", options={"decide_budget": 0.0})
+    graphs = GraphTimer((1.0, 1.5))
+    with decision.timing_override(timer, ("cpu",), graphs), torch.no_grad():
+        with collect_reports() as first:
+            compiled(x)
+        assert first[0].decisions[0].pending
+        with collect_reports() as settled:
+            torch.testing.assert_close(compiled(x), want)  # the second call settles
+    ((report,),) = [settled]
+    assert timer.calls == 1 and graphs.calls == 1 and report.graph_checks[0].fused and len(report.matches) == 1
+    assert len(compiles) == 3  # this process: Inductor's graph, then the graph with the region
+
+
+def test_a_settle_compiles_the_graph_with_its_regions_where_the_compile_fits_what_is_left_of_its_budget(
+        monkeypatch):
+    """The same graph with room in the budget for the compile (its estimate set low): kept at once."""
+    monkeypatch.setattr(backend._RecompileCost, "seconds", lambda self, nodes: 0.0)
+    torch.manual_seed(0)
+    model, x = ConvThenCumsum(), torch.randn(2, 3, 8, 8)
+    _, settled, timer, graphs, _ = settle_once(model, x, options={"decide_budget": 1e6})
+    ((report,),) = [settled]
+    assert report.decisions[0].fused and graphs.calls == 1 and len(report.matches) == 1
+
+
+def test_a_graph_that_is_its_regions_runs_directly_and_has_no_compile_to_wait_for():
+    """A graph whose rewrite runs without Inductor (``runtime/direct.py``) compiles nothing again: the
+    settle keeps its region whatever the budget."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), torch.randn(2, 3, 8, 8)
+    _, settled, _, graphs, _ = settle_once(model, x, options={"decide_budget": 0.0})
+    ((report,),) = [settled]
+    assert report.decisions[0].fused and report.runner == "direct" and len(report.matches) == 1
+
+
+def test_the_recompile_estimate_scales_the_larger_reading_to_the_rewritten_graphs_nodes():
+    cost = backend._RecompileCost(graph_nodes=100, first_compile_s=2.0, estimated_s=5.0)
+    assert cost.seconds(100) == pytest.approx(5.0) and cost.seconds(20) == pytest.approx(1.0)
+    assert backend._RecompileCost(100, 3.0, 0.0).seconds(50) == pytest.approx(1.5)  # no rate known yet
+    assert backend._RecompileCost(0, 3.0, 0.0).seconds(5) == 0.0
 
 
 def test_a_settle_logs_where_its_time_went(caplog):
@@ -452,8 +542,8 @@ def test_under_cuda_graphs_the_budget_is_the_compile_rate_of_earlier_graphs_time
     timer = RegionTimer((2.0, 1.0))  # Inductor wins: nothing kept
     assert rate() == 0.0
     with decision.timing_override(timer, ("cpu",)), torch.no_grad():
-        with collect_reports() as reports:
-            torch.compile(model, backend="fusion", options=options)(x)
+        with collect_reports() as reports, torch._inductor.config.patch(fx_graph_cache=False):
+            torch.compile(model, backend="fusion", options=options)(x)  # a compile, not a cache hit
         assert timer.calls == 1 and "budget is spent" in reports[0].decisions[-1].rule
         assert rate() > 0.0  # the graph's compile, per node
         decision.forget_in_memory()  # a new process: the file alone remembers
