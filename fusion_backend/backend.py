@@ -400,10 +400,10 @@ def _settle(untouched: fx.GraphModule, first: Callable[..., Any], opts: FusionOp
 
     1. Every region is decided now, on the graph's real ``inputs``, as far as ``budget`` allows
        (``decision.decide``); under ``torch.distributed`` the ranks keep only what all of them keep.
-    2. A settle that measured regions compiles the graph again with those it keeps only where that
-       compile (estimated by ``recompile``) fits what is left of ``budget``; otherwise they stay
-       with Inductor in this process and a later process, which finds them in the cache and
-       measures nothing, compiles the graph with them (``_within_budget``).
+    2. A settle that measured the regions it keeps compiles the graph again with them only where
+       that compile (estimated by ``recompile``) fits what is left of ``budget``; otherwise they
+       stay with Inductor in this process and a later process, which finds them in the cache,
+       compiles the graph with them (``_within_budget``).
     3. Nothing kept: None, with nothing compiled (a graph with nothing fused is exactly Inductor's).
     4. Else the graph is compiled with the kept regions and timed against ``first`` as a whole
        (``_in_context``; not under CUDA graphs, where a replay leaves no host time to see and the
@@ -530,17 +530,18 @@ def _within_budget(untouched: fx.GraphModule, inputs: Sequence[Any], opts: Fusio
                    config_patches: dict[str, Any], index: int, decided: dict[str, Decision],
                    recompile: _RecompileCost, budget: DecisionBudget) -> dict[str, Decision]:
     """``decided`` with the kept regions left to Inductor (``POSTPONED_RULE``) where this settle
-    measured regions and the compile of the graph with the kept ones would not end within
-    ``budget``: the graph rewritten with them (not compiled) is what that compile would take, by
-    its nodes (nothing where it runs directly, without Inductor).  A settle that measured nothing
-    (every decision from the cache) compiles: it is the later process the rule promises, and its
-    budget went to nothing else.
+    measured every one of them (``DecisionBudget.measured_anchors``) and the compile of the graph
+    with them would not end within ``budget``: the graph rewritten with them (not compiled) is what
+    that compile would take, by its nodes (nothing where it runs directly, without Inductor).
+    Where an earlier process's measurement kept one of them, this process is the later one that
+    process's rule promised: it compiles, the regions this settle kept with it (the one compile
+    costs the same).
 
     WHY: keeping a region means compiling the graph a second time, about as long as its first
     compile; the settle that also measured would take the first call's time twice over, where the
     decision budget allows a fraction of it."""
     kept = [d for d in decided.values() if d.fused]
-    if not kept or budget.measured == 0:
+    if not kept or any(d.anchor not in budget.measured_anchors for d in kept):
         return decided
     rewritten = _build(untouched, inputs, dataclasses.replace(opts, dump_dir=None), config_patches,
                        functools.partial(_replay, decided), index, compile_graph=False).rewritten

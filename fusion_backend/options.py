@@ -39,9 +39,9 @@ key                     meaning
                         may take this fraction of the graph's first call; a region not
                         measured in time stays with Inductor (a later process measures it).  None:
                         no limit.  The first region of a settle is always measured.  A settle
-                        that measured compiles the graph again with the regions it keeps only
-                        where that compile fits the rest of the budget; else a later process,
-                        deciding from the cache, does (``backend._within_budget``)
+                        that measured the regions it keeps compiles the graph again with them
+                        only where that compile fits the rest of the budget; else a later
+                        process, finding them in the cache, does (``backend._within_budget``)
                         Under CUDA graphs, where the regions are decided during the
                         compile, the fraction is of Inductor's compile time estimated
                         from earlier graphs (``runtime/compile_estimate.py``)

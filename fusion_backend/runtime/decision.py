@@ -297,6 +297,10 @@ class DecisionBudget:
     seconds: float
     began: float = field(default_factory=time.perf_counter)
     measured: int = 0
+    #: the regions (by anchor) whose decisions rest on a measurement of this budget, theirs or one of
+    #: the same key; the others' came from an earlier process (``backend._within_budget``)
+    measured_anchors: set[str] = field(default_factory=set)
+    measured_keys: set[str] = field(default_factory=set)
     warm_kernels_only: bool = False
     #: decision keys of each kind whose kernels were sent to the workers (``warm_kernels_only``)
     sent_cold: dict[str, set[str]] = field(default_factory=dict)
@@ -508,6 +512,8 @@ def _measured(gm: fx.GraphModule, candidate: Region, example_inputs: Sequence[An
     try:
         looked_up = _lookup(gm, candidate, cache_dir, inductor_patches)
         if looked_up.entry is not None:
+            if budget is not None and looked_up.key in budget.measured_keys:
+                budget.measured_anchors.add(anchor)
             measurements.remember(looked_up.key, looked_up.entry)
             return _entry_verdict(pattern, summary, anchor, looked_up.entry, margin, looked_up.train, True,
                                   cuda_graphs), False
@@ -523,6 +529,8 @@ def _measured(gm: fx.GraphModule, candidate: Region, example_inputs: Sequence[An
             return Decision(pattern, summary, anchor, False, cold), False
         if budget is not None:
             budget.measured += 1
+            budget.measured_keys.add(looked_up.key)
+            budget.measured_anchors.add(anchor)
         times = _measure(gm, candidate, looked_up.region, example_inputs, looked_up.train, looked_up.patches, strict,
                          _timer)
         measured = summarise_rounds(times["fused"], times["inductor"])

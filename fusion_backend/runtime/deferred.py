@@ -16,9 +16,9 @@ the option ``defer`` (default True) the backend does not wait for them:
    itself, whose caller already waits for the compile), or ``settle()``, settles the graph
    (``backend._settle``): the regions are measured within the decision budget, and where some are
    kept the graph compiled with them replaces Inductor's only where the whole graph is faster; where
-   none is kept, Inductor's first compile runs on.  A settle that measured compiles the graph again
-   only where that compile fits the rest of the budget; else the next process, whose decisions come
-   from the cache, does.  That call also publishes the graph's new report.
+   none is kept, Inductor's first compile runs on.  A settle that measured the regions it keeps
+   compiles the graph again only where that compile fits the rest of the budget; else the next
+   process, finding them in the cache, does.  That call also publishes the graph's new report.
 
 WHY: a conv kernel's compile takes seconds where Inductor compiles a small graph in under one, so a
 first call that waited for them would cost several times Inductor's (measured: ``DeferredGraph``); in

@@ -316,6 +316,34 @@ def test_a_settle_that_measured_compiles_the_graph_again_only_where_the_compile_
     assert len(compiles) == 3  # this process: Inductor's graph, then the graph with the region
 
 
+def test_a_later_process_compiles_the_regions_an_earlier_one_kept_though_it_measures_others_itself():
+    """Blocks and an op for Inductor, with no budget: the first process measures the three
+    same-shaped regions' key (kept, postponed) and leaves the last region unmeasured; the second
+    measures that one and compiles the graph with all four, the three it owes the compile and the
+    one it kept itself."""
+    class BlocksThenCumsum(Blocks):
+        def forward(self, x):
+            return torch.cumsum(super().forward(x), dim=1)
+
+    torch.manual_seed(0)
+    model, x = BlocksThenCumsum(), torch.randn(2, 8, 10, 10)
+    _, settled, timer, _, _ = settle_once(model, x, options={"decide_budget": 0.0})
+    assert timer.calls == 1 and not any(d.fused for r in settled for d in r.decisions)
+    decision.forget_in_memory()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusion", options={"decide_budget": 0.0})
+    graphs = GraphTimer((1.0, 1.5))
+    with deferred.preparing_with(Compiles()), decision.timing_override(timer, ("cpu",), graphs), torch.no_grad():
+        compiled(x)
+        with collect_reports() as settled:
+            fusion_backend.settle()
+        torch.testing.assert_close(compiled(x), model(x))
+    ((report,),) = [settled]
+    assert timer.calls == 2 and graphs.calls == 1  # the last region measured here, then the graph checked
+    assert all(d.fused for d in report.decisions) and [d.cached for d in report.decisions] == [True] * 3 + [False]
+    assert len(report.matches) == 4
+
+
 def test_a_settle_compiles_the_graph_with_its_regions_where_the_compile_fits_what_is_left_of_its_budget(
         monkeypatch):
     """The same graph with room in the budget for the compile (its estimate set low): kept at once."""
