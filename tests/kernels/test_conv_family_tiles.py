@@ -121,14 +121,20 @@ def test_a_call_that_may_load_boxes_times_the_heuristics_tile_as_a_box_second():
     assert not any(t.box_w for t in candidates("fprop", 64, 64, 9, 200704, torch.bfloat16))
 
 
-def test_a_weight_gradient_whose_taps_3_or_2_divide_times_several_taps_per_program_on_8_warps():
+def test_a_weight_gradient_whose_taps_3_or_2_divide_times_several_taps_per_program_on_a_small_tile_and_its_own():
     first = pick_tile(64, 64, 9, 200704, torch.bfloat16)
+    assert (first.block_m, first.block_n, first.num_warps) == (128, 64, 4)
     three = candidates("wgrad", 64, 64, 9, 200704, torch.bfloat16)
-    assert three[0] == first and three[1] == dataclasses.replace(first, num_warps=8, taps_per_program=3)
-    three[1].check()
+    assert three == [first, dataclasses.replace(first, block_m=64, taps_per_program=3),
+                     dataclasses.replace(first, taps_per_program=3)]
+    for tile in three[1:]:
+        tile.check_for("wgrad")
+    wide = candidates("wgrad", 512, 512, 9, 65536, torch.bfloat16)  # the heuristic's 64 x 128: the small tile is 64 x 64
+    assert [(t.block_m, t.block_n, t.num_warps, t.taps_per_program) for t in wide[1:]] == [(64, 64, 4, 3), (64, 128, 4, 3)]
     assert candidates("wgrad", 64, 64, 4, 200704, torch.bfloat16)[1].taps_per_program == 2  # a 2x2 kernel
     boxed = candidates("wgrad", 64, 64, 9, 200704, torch.bfloat16, box_plane=(56, 56))
-    assert boxed[1].box_w and boxed[2].taps_per_program == 3  # a hooked call's box first, then the taps
+    assert boxed == three  # a hooked 3x3's taps before its box (the box lost to them on the H200)
+    assert candidates("wgrad", 64, 64, 1, 200704, torch.bfloat16, box_plane=(56, 56))[1].box_w  # a hooked 1x1's box
     for other in (candidates("wgrad", 64, 64, 1, 200704, torch.bfloat16),  # a 1x1 conv: one tap
                   candidates("wgrad", 3, 64, 49, 200704, torch.bfloat16),  # the RGB stem: a flat K walk
                   candidates("fprop", 64, 64, 9, 200704, torch.bfloat16),
@@ -243,7 +249,8 @@ def test_each_pass_runs_the_tile_its_timing_chose_and_gives_the_same_result(time
 
 def test_only_a_hooked_gradient_times_a_box_candidate(timed, monkeypatch):
     """Stride 1 and 128-byte pixels allow boxes everywhere; the forward never times one, a plain
-    gradient neither, a gradient with hooks does (``tiles.candidates``: where a box has won)."""
+    gradient neither, a gradient with hooks does (``tiles.candidates``: where a box has won), after a
+    3x3 weight gradient's several-taps tiles, which fill its timed slots."""
     from fusion_backend.kernels.conv.hooks import ChannelAffine, NormStats
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
@@ -265,5 +272,8 @@ def test_only_a_hooked_gradient_times_a_box_candidate(timed, monkeypatch):
     assert not boxes_timed(lambda: conv_wgrad(dy, x, w, padding=1))
     assert boxes_timed(lambda: conv_dgrad(dy, w, x.shape, padding=1, x_prev=x, prologue=affine, act_in="relu",
                                           norm_stats=stats))
-    assert boxes_timed(lambda: conv_wgrad(dy, x, w, padding=1, prologue=affine, act_in="relu"))
+    w1 = (torch.randn(32, 32, 1, 1, generator=g) * 0.1).to(DEVICE)  # one tap: no taps candidates before the box
+    assert boxes_timed(lambda: conv_wgrad(dy, x, w1, prologue=affine, act_in="relu"))
+    assert not boxes_timed(lambda: conv_wgrad(dy, x, w, padding=1, prologue=affine, act_in="relu"))  # taps instead
+    assert any(t.taps_per_program == 3 for t in timed.timed)
 

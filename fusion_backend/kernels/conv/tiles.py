@@ -208,10 +208,19 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     convk``) the box won none of the six plain gradients it was offered (within 3% on two) and four of the
     six hooked ones (the input gradient with relu' and the BatchNorm sums 0.067 against 0.105 ms on 256
     channels at 14 x 14; the weight gradient with the prologue 0.149 against 0.155 on 64 at 56 x 56).
-    A weight gradient whose taps 3 or 2 divide (tap-major, more than one channel per group) times the
-    heuristic's tile with that many taps per program on 8 warps next (the three accumulators' registers;
-    where its ``grad_y`` and A pipelines fit in shared memory): NOTE at ``wgrad``'s module docstring, its
-    SASS; not timed yet.  An empty problem (``m == 0``) gets its first tile alone."""
+    A weight gradient whose taps 3 or 2 divide (tap-major, more than one channel per group) times that
+    many taps per program next (where a ``grad_y`` tile and the taps' A tiles per pipeline stage fit in
+    shared memory), before the box: on a tile of at most 64 x 64 on 4 warps (three fp32 accumulators of
+    32 registers per thread), then on the heuristic's tile.  NOTE: the H200's tile sweep of ResNet-50's
+    3x3 weight gradients (bf16; ``CONVK_BENCH=0 CONVK_SWEEP=0 CONVK_HOOKED_SWEEP=1 bash
+    tools/gpu_session.sh convk`` and the plain sweep ``CONVK_TESTS=0 CONVK_BENCH=0``,
+    ``docs/perf/h200/conv-kernels/sweep-*.json``): three taps per program ran fastest of every tile on
+    four of the five 3x3 problems (on the fifth, 64 channels at 56 x 56 plain, the box 0.079 against
+    0.083 ms), 1.24-1.60x the one-tap tile the choice had taken plain and 1.05-1.13x with the prologue;
+    the 64 x 64 tile on 4 warps was the fastest taps tile on four of them (0.056 against cuDNN's 0.052 ms
+    on 128 channels at stride 2) and within 12% on the fifth, where the heuristic's tile with three taps
+    was within 2% of the best; the box won no hooked weight gradient over the taps.  An empty problem
+    (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
@@ -223,13 +232,15 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
         return list(dict.fromkeys([first, other_warps, halved]))
     size = dtype.itemsize
     kept = [first]
+    per = several_taps(taps)
+    if pass_name == "wgrad" and per > 1 and k_channels > 1:  # several taps per program (``wgrad``)
+        small = replace(first, block_m=min(first.block_m, 64), block_n=min(first.block_n, 64), num_warps=4)
+        for tile in (small, first):
+            staged = (tile.block_m * tile.block_n + per * tile.block_m * tile.block_k) * size * tile.num_stages
+            if staged <= _SHARED_BYTES:  # a grad_y tile and ``per`` A tiles per pipeline stage
+                kept.append(replace(tile, taps_per_program=per))
     if box_plane is not None:
         kept.append(replace(first, box_w=box_width(*box_plane, first.block_m)))
-    per = several_taps(taps)
-    if pass_name == "wgrad" and per > 1 and k_channels > 1:  # several taps per program (``wgrad``), 8 warps
-        staged = (first.block_m * first.block_n + per * first.block_m * first.block_k) * size * first.num_stages
-        if staged <= _SHARED_BYTES:  # a grad_y tile and ``per`` A tiles per pipeline stage
-            kept.append(replace(first, num_warps=8, taps_per_program=per))
     for c in CANDIDATES[pass_name]:
         block_n = min(c.block_n, max(16, next_pow2(n_channels)))
         cap = min(c.block_k, 32 if dtype == torch.float32 else 128)  # the widest that divides the channels

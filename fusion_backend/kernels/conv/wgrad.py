@@ -39,14 +39,15 @@ multiple): a program owns that many consecutive taps of one channel block, one a
 loads each ``grad_y`` tile once for all of them, where one tap per program reads it once per tap (the
 re-reads that bind this pass: ``docs/perf/RESULTS.md``, the conv kernels section).  The grid's first
 dim shrinks by that factor; the partials' layout and their sum are the same.  The timed tile choice
-weighs the heuristic's tile with several taps on 8 warps (``tiles.candidates``); ``tools/sweep_conv_tiles.py
---taps`` times it on every tile of its grid.
+weighs several taps on a 64 x 64 tile on 4 warps and on the heuristic's tile (``tiles.candidates``, NOTE
+there: on the H200 three taps ran fastest on ResNet-50's 3x3s); ``tools/sweep_conv_tiles.py --taps`` times it on
+every tile of its grid.
 NOTE: sm_90a SASS, one tap against three per program on the same 8-warp, 3-stage tile (bf16; ``python
 tools/compile_check.py conv_family --cases resnet_3x3-bf16-taps,resnet_3x3-bf16-hooked-taps,vae_3x3-bf16-taps
 --kernels wgrad --sass``): ResNet-50's 3x3 at 128 x 64 x 64, 36.3 -> 20.2 instructions per MMA in the main
 loop (with the BatchNorm + ReLU prologue 52.6 -> 37.4), registers 42 -> 116, shared memory 96 -> 192 KiB;
 the SD VAE's 512-channel 3x3 at 64 x 128, 101.5 -> 42.9, no spill (on 4 warps three taps spill 32 bytes
-there).  Not timed yet.
+there).
 
 One input channel per group (depthwise): no GEMM (its K would be the taps alone) but one program per
 (tap, channel block, split) summing ``grad_y * a`` over its split's rows (``_depthwise_weight_grad``),
