@@ -171,11 +171,12 @@ def fusion(
                                 cache_dir=opts.cache_dir)
     if pending.regions or pending.in_context:
         distributed = _distributed()
-        recompile = _RecompileCost(size, report.stage_seconds.get("inductor", 0.0),
-                                   compile_estimate.estimate(size, training=training, cuda_graphs=False,
-                                                             cache_dir=opts.cache_dir))
+        first_compile = _FirstCompile(size, report.stage_seconds.get("inductor", 0.0),
+                                      compile_estimate.estimate(size, training=training, cuda_graphs=False,
+                                                                cache_dir=opts.cache_dir),
+                                      frozenset(a for a, d in decided.items() if d.fused))
         settle = deferred.in_compile_state(
-            functools.partial(_settle, untouched, compiled, opts, config_patches, index, distributed, recompile))
+            functools.partial(_settle, untouched, compiled, opts, config_patches, index, distributed, first_compile))
         compiled = deferred.DeferredGraph(
             compiled, pending.preparations, settle, opts.strict, inputs=example_inputs if real else None,
             prepare=None if real else pending.prepare_later(opts.strict), budget_fraction=opts.decide_budget,
@@ -375,35 +376,37 @@ PROGRESS_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)
-class _RecompileCost:
-    """What a settle needs to estimate the compile of its graph with the regions it keeps: the
-    graph's size in nodes (``compile_estimate.graph_size``), the seconds its first compile took in
-    this process (low where Inductor's caches served it) and the estimate from this machine's
-    compile rate (``compile_estimate.estimate``; 0.0 where none is known)."""
+class _FirstCompile:
+    """What a settle knows of its graph's first compile: the graph's size in nodes
+    (``compile_estimate.graph_size``), the seconds Inductor took (low where its caches served it),
+    the estimate from this machine's compile rate (``compile_estimate.estimate``; 0.0 where none is
+    known) and the regions compiled in (by anchor: those an earlier process kept and checked in the
+    whole graph)."""
 
     graph_nodes: int
-    first_compile_s: float
+    seconds: float
     estimated_s: float
+    regions: frozenset[str]
 
-    def seconds(self, nodes: int) -> float:
-        """The compile of the graph rewritten to ``nodes`` nodes (a fused op is one): the larger of
-        the two readings, scaled to them."""
+    def recompile_seconds(self, nodes: int) -> float:
+        """A compile of the graph rewritten to ``nodes`` nodes (a fused op is one): the larger of the
+        two readings, scaled to them."""
         if self.graph_nodes <= 0:
             return 0.0
-        return max(self.first_compile_s, self.estimated_s) * nodes / self.graph_nodes
+        return max(self.seconds, self.estimated_s) * nodes / self.graph_nodes
 
 
 def _settle(untouched: fx.GraphModule, first: Callable[..., Any], opts: FusionOptions, config_patches: dict[str, Any],
-            index: int, distributed: bool, recompile: _RecompileCost, inputs: Sequence[Any],
+            index: int, distributed: bool, first_compile: _FirstCompile, inputs: Sequence[Any],
             budget: DecisionBudget) -> Optional[Callable[..., Any]]:
     """A deferred graph's settled compile, or None where Inductor's first compile ``first`` stands.
 
     1. Every region is decided now, on the graph's real ``inputs``, as far as ``budget`` allows
        (``decision.decide``); under ``torch.distributed`` the ranks keep only what all of them keep.
-    2. A settle that measured the regions it keeps compiles the graph again with them only where
-       that compile (estimated by ``recompile``) fits what is left of ``budget``; otherwise they
-       stay with Inductor in this process and a later process, which finds them in the cache,
-       compiles the graph with them (``_within_budget``).
+    2. A settle that measured the regions it keeps beyond those ``first`` holds compiles the graph
+       again with them only where that compile (estimated from ``first_compile``) fits what is left
+       of ``budget``; otherwise they stay with Inductor in this process and a later process, which
+       finds them in the cache, compiles the graph with them (``_within_budget``).
     3. Nothing kept: None, with nothing compiled (a graph with nothing fused is exactly Inductor's).
     4. Else the graph is compiled with the kept regions and timed against ``first`` as a whole
        (``_in_context``; not under CUDA graphs, where a replay leaves no host time to see and the
@@ -411,7 +414,7 @@ def _settle(untouched: fx.GraphModule, first: Callable[..., Any], opts: FusionOp
        rule decided."""
     decided, decided_report = _decide_regions(untouched, inputs, opts, config_patches, index, budget)
     if opts.decide == "measure" and not config_patches.get("triton.cudagraphs"):
-        decided = _within_budget(untouched, inputs, opts, config_patches, index, decided, recompile, budget)
+        decided = _within_budget(untouched, inputs, opts, config_patches, index, decided, first_compile, budget)
     if distributed:
         decided = _agree_across_ranks(decided, untouched)
     train = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
@@ -528,31 +531,32 @@ POSTPONED_RULE = ("faster alone ({speedup}), kept from a later process on: compi
 
 def _within_budget(untouched: fx.GraphModule, inputs: Sequence[Any], opts: FusionOptions,
                    config_patches: dict[str, Any], index: int, decided: dict[str, Decision],
-                   recompile: _RecompileCost, budget: DecisionBudget) -> dict[str, Decision]:
-    """``decided`` with the kept regions left to Inductor (``POSTPONED_RULE``) where this settle
-    measured every one of them (``DecisionBudget.measured_anchors``) and the compile of the graph
-    with them would not end within ``budget``: the graph rewritten with them (not compiled) is what
-    that compile would take, by its nodes (nothing where it runs directly, without Inductor).
-    Where an earlier process's measurement kept one of them, this process is the later one that
+                   first_compile: _FirstCompile, budget: DecisionBudget) -> dict[str, Decision]:
+    """``decided`` with the regions it keeps beyond those the first compile holds left to Inductor
+    (``POSTPONED_RULE``) where this settle measured every one of them
+    (``DecisionBudget.measured_anchors``) and the compile of the graph with the kept regions would
+    not end within ``budget``: the graph rewritten with them (not compiled) is what that compile
+    would take, by its nodes (nothing where it runs directly, without Inductor).  Where one of those
+    regions was kept by an earlier process's measurement, this process is the later one that
     process's rule promised: it compiles, the regions this settle kept with it (the one compile
     costs the same).
 
     WHY: keeping a region means compiling the graph a second time, about as long as its first
     compile; the settle that also measured would take the first call's time twice over, where the
     decision budget allows a fraction of it."""
-    kept = [d for d in decided.values() if d.fused]
-    if not kept or any(d.anchor not in budget.measured_anchors for d in kept):
+    new = [d for d in decided.values() if d.fused and d.anchor not in first_compile.regions]
+    if not new or any(d.anchor not in budget.measured_anchors for d in new):
         return decided
     rewritten = _build(untouched, inputs, dataclasses.replace(opts, dump_dir=None), config_patches,
                        functools.partial(_replay, decided), index, compile_graph=False).rewritten
     if rewritten is None or _why_not_direct(rewritten, opts, config_patches) is None:
         return decided  # nothing to rewrite (the rebuild falls back and says why), or no compile to wait for
-    seconds = recompile.seconds(compile_estimate.graph_size(rewritten))
+    seconds = first_compile.recompile_seconds(compile_estimate.graph_size(rewritten))
     if seconds <= max(0.0, budget.seconds - budget.spent()):
         return decided
-    them = "it" if len(kept) == 1 else f"the {len(kept)} regions kept"
+    them = "it" if len(new) == 1 else f"the {len(new)} regions kept"
     postponed = dict(decided)
-    for d in kept:
+    for d in new:
         speedup = f"{d.speedup:.2f}x" if d.speedup is not None else "by its rule"
         postponed[d.anchor] = dataclasses.replace(d, fused=False, rule=POSTPONED_RULE.format(
             speedup=speedup, them=them, seconds=seconds, budget=budget.describe()))

@@ -321,10 +321,6 @@ def test_a_later_process_compiles_the_regions_an_earlier_one_kept_though_it_meas
     same-shaped regions' key (kept, postponed) and leaves the last region unmeasured; the second
     measures that one and compiles the graph with all four, the three it owes the compile and the
     one it kept itself."""
-    class BlocksThenCumsum(Blocks):
-        def forward(self, x):
-            return torch.cumsum(super().forward(x), dim=1)
-
     torch.manual_seed(0)
     model, x = BlocksThenCumsum(), torch.randn(2, 8, 10, 10)
     _, settled, timer, _, _ = settle_once(model, x, options={"decide_budget": 0.0})
@@ -344,10 +340,48 @@ def test_a_later_process_compiles_the_regions_an_earlier_one_kept_though_it_meas
     assert len(report.matches) == 4
 
 
+class BlocksThenCumsum(Blocks):
+    """Blocks and an op for Inductor after them: the rewritten graph compiles again."""
+
+    def forward(self, x):
+        return torch.cumsum(super().forward(x), dim=1)
+
+
+def test_a_region_new_to_a_graph_whose_first_compile_holds_the_earlier_ones_waits_for_a_later_process(tmp_path):
+    """The first compile holds the regions an earlier process kept and checked; a settle that then
+    measures a new winner alone does not compile the graph again past its budget: the new region
+    waits (the first compile, with the others, runs on)."""
+    import json
+
+    torch.manual_seed(0)
+    model, x = BlocksThenCumsum(), torch.randn(2, 8, 10, 10)
+    # an earlier process: the three same-shaped regions win and are kept in the whole graph; the last loses
+    settle_once(model, x, region=RegionTimer((1.0, 2.0), (2.0, 1.0)), graph=GraphTimer((1.0, 1.5)))
+    cache = tmp_path / measurements.FILE
+    data = json.loads(cache.read_text())
+    data["entries"] = {k: e for k, e in data["entries"].items() if "tanh" not in e.get("what", "")}
+    cache.write_text(json.dumps(data))  # the last region never measured, as if past that process's budget
+    decision.forget_in_memory()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusion", options={"decide_budget": 0.0})
+    timer, graphs = RegionTimer((1.0, 2.0)), GraphTimer((1.0, 1.5))  # the last region wins now
+    with deferred.preparing_with(Compiles()), decision.timing_override(timer, ("cpu",), graphs), torch.no_grad():
+        with collect_reports() as first:
+            compiled(x)
+        assert len(first[0].matches) == 3  # the first compile holds the three, checked by the earlier process
+        with collect_reports() as settled:
+            fusion_backend.settle()
+        torch.testing.assert_close(compiled(x), model(x))
+    ((report,),) = [settled]
+    *same, last = report.decisions
+    assert timer.calls == 1 and all(d.fused for d in same) and not last.fused
+    assert "kept from a later process on" in last.rule and len(report.matches) == 3
+
+
 def test_a_settle_compiles_the_graph_with_its_regions_where_the_compile_fits_what_is_left_of_its_budget(
         monkeypatch):
     """The same graph with room in the budget for the compile (its estimate set low): kept at once."""
-    monkeypatch.setattr(backend._RecompileCost, "seconds", lambda self, nodes: 0.0)
+    monkeypatch.setattr(backend._FirstCompile, "recompile_seconds", lambda self, nodes: 0.0)
     torch.manual_seed(0)
     model, x = ConvThenCumsum(), torch.randn(2, 3, 8, 8)
     _, settled, timer, graphs, _ = settle_once(model, x, options={"decide_budget": 1e6})
@@ -366,10 +400,10 @@ def test_a_graph_that_is_its_regions_runs_directly_and_has_no_compile_to_wait_fo
 
 
 def test_the_recompile_estimate_scales_the_larger_reading_to_the_rewritten_graphs_nodes():
-    cost = backend._RecompileCost(graph_nodes=100, first_compile_s=2.0, estimated_s=5.0)
-    assert cost.seconds(100) == pytest.approx(5.0) and cost.seconds(20) == pytest.approx(1.0)
-    assert backend._RecompileCost(100, 3.0, 0.0).seconds(50) == pytest.approx(1.5)  # no rate known yet
-    assert backend._RecompileCost(0, 3.0, 0.0).seconds(5) == 0.0
+    first = backend._FirstCompile(graph_nodes=100, seconds=2.0, estimated_s=5.0, regions=frozenset())
+    assert first.recompile_seconds(100) == pytest.approx(5.0) and first.recompile_seconds(20) == pytest.approx(1.0)
+    assert backend._FirstCompile(100, 3.0, 0.0, frozenset()).recompile_seconds(50) == pytest.approx(1.5)  # no rate
+    assert backend._FirstCompile(0, 3.0, 0.0, frozenset()).recompile_seconds(5) == 0.0
 
 
 def test_a_settle_logs_where_its_time_went(caplog):
