@@ -6,7 +6,8 @@
 #   bash tools/gpu_suites.sh realnets   instead: the realnets suite, ResNet-50 | the VAE decoder | the other four
 #   networks | fp32 precision GPU tests, then ResNet-50 and EfficientNet-B0 bf16 under reduce-overhead | the
 #   other networks under reduce-overhead | ResNet-50 fp32 under reduce-overhead (each job at most 9 minutes;
-#   REALNETS_JOBS picks jobs: resnet50, vae, rest, cudagraphs, cudagraphs-rest, cudagraphs-fp32).
+#   REALNETS_JOBS picks jobs: resnet50, vae, rest, cudagraphs, cudagraphs-rest, cudagraphs-fp32; REALNETS_RUNS=2
+#   runs each report again in a second process on the first one's caches, into NAME-run2).
 #   bash tools/gpu_suites.sh warm-first-calls   (at most 6 minutes) instead: on every GPU, with caches of its own,
 #   seeds-small and then seeds-small again on its caches; each row's warm first call over the GPUs' reruns
 #   (the median: tools/first_call_runs.py) in $OUT/suites/warm-first-calls.md.
@@ -50,6 +51,14 @@ if [[ ${1:-} == realnets ]]; then  # the realnets suite, default mode and reduce
   # rest wait for a GPU; REALNETS_JOBS picks some (on a two-GPU host, as one call's limit holds two jobs:
   # "resnet50,vae", then "rest,cudagraphs", then "cudagraphs-rest,cudagraphs-fp32")
   want=",${REALNETS_JOBS:-resnet50,vae,rest,cudagraphs,cudagraphs-rest,cudagraphs-fp32},"
+  # REALNETS_RUNS=N: each report N times in a row, each a new process on the caches the one before left
+  # (NAME, NAME-run2, ...): what a user's next runs keep, where a settle that measured its regions leaves
+  # compiling the graph with them to the next process (README, decide_budget)
+  runs() {  # runs GPU LIMIT NAME ARGS...
+    local gpu=$1 limit=$2 name=$3; shift 3
+    bench "$gpu" "$limit" "$name" "$@"
+    for i in $(seq 2 "${REALNETS_RUNS:-1}"); do bench "$gpu" "$limit" "$name-run$i" "$@"; done
+  }
   slot=0
   job() {  # job NAME COMMAND...: run on the next GPU when NAME is wanted; wait for a free GPU first
     [[ $want == *",$1,"* ]] || return 0
@@ -59,24 +68,24 @@ if [[ ${1:-} == realnets ]]; then  # the realnets suite, default mode and reduce
     slot=$(( slot + 1 ))
   }
   gpu() { echo $(( slot % gpus )); }
-  job resnet50 bench "$(gpu)" ${REALNETS_LIMIT:-540} realnets-resnet50 --suite $r/resnet50.py $nets
-  job vae bench "$(gpu)" ${REALNETS_LIMIT:-540} realnets-vae --suite $r/sd_vae_decoder.py $nets
-  job rest bench "$(gpu)" ${REALNETS_LIMIT:-540} realnets-rest \
+  job resnet50 runs "$(gpu)" ${REALNETS_LIMIT:-540} realnets-resnet50 --suite $r/resnet50.py $nets
+  job vae runs "$(gpu)" ${REALNETS_LIMIT:-540} realnets-vae --suite $r/sd_vae_decoder.py $nets
+  job rest runs "$(gpu)" ${REALNETS_LIMIT:-540} realnets-rest \
     --suite $r/efficientnet_b0.py,$r/r3d_18.py,$r/wav2vec2_base.py,$r/dcgan_generator.py $nets
   cudagraphs() {
     CUDA_VISIBLE_DEVICES=$1 timeout 120 python3 -m pytest -q -n 0 -rs tests/e2e/test_fp32_precision_gpu.py \
       tests/ops/test_conv_precision.py >"$out/precision-tests.log" 2>&1
     echo "[precision tests rc $?] $(tail -1 "$out/precision-tests.log")"
-    bench "$1" ${REALNETS_CG_LIMIT:-400} realnets-cudagraphs --suite $r/resnet50.py,$r/efficientnet_b0.py $nets \
+    runs "$1" ${REALNETS_CG_LIMIT:-400} realnets-cudagraphs --suite $r/resnet50.py,$r/efficientnet_b0.py $nets \
       --dtype bf16 --compile-mode reduce-overhead
   }
   job cudagraphs cudagraphs "$(gpu)"
   # the rest of the reduce-overhead rows, each its own report: join them with
   # python -m fusion_backend bench --merge OUT/realnets-cudagraphs OUT/realnets-cudagraphs-rest OUT/realnets-cudagraphs-fp32
-  job cudagraphs-rest bench "$(gpu)" ${REALNETS_LIMIT:-540} realnets-cudagraphs-rest \
+  job cudagraphs-rest runs "$(gpu)" ${REALNETS_LIMIT:-540} realnets-cudagraphs-rest \
     --suite $r/r3d_18.py,$r/wav2vec2_base.py,$r/dcgan_generator.py,$r/sd_vae_decoder.py $nets \
     --compile-mode reduce-overhead
-  job cudagraphs-fp32 bench "$(gpu)" ${REALNETS_LIMIT:-540} realnets-cudagraphs-fp32 --suite $r/resnet50.py $nets \
+  job cudagraphs-fp32 runs "$(gpu)" ${REALNETS_LIMIT:-540} realnets-cudagraphs-fp32 --suite $r/resnet50.py $nets \
     --dtype fp32 --compile-mode reduce-overhead
   wait
   exit 0
