@@ -61,8 +61,8 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   BatchNorm-backward sums; the prologue recomputed in wgrad).  Cases ``{resnet_1x1,resnet_3x3,
   resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-{bf16,fp32}[-hooked][-box|-taps]`` (``-box``: the input and
   weight gradients load boxes, the stride-1 shapes alone; the forward has no box path; ``-taps``: the weight
-  gradient on 8 warps with 1 and with 3 taps per program, the 3-wide kernels with more than one channel per
-  group); default six
+  gradient's several-taps tiles the timed choice weighs, then its first tile on 8 warps with 1 and with 3
+  taps per program, the 3-wide kernels with more than one channel per group); default six
   of them.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
   the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
@@ -534,7 +534,8 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     :data:`CONV_FAMILY_SHAPES`, channels-last, with the tile ``pick_tile`` picks; ``box``: ``conv_dgrad``
     and ``conv_wgrad`` with their first tiles loading boxes (``tiles.box_width``); ``taps``: ``conv_wgrad``
     with its first tile on 8 warps, taking 1 and then a kernel row's 3 taps per program
-    (``TileConfig.taps_per_program``); ``hooked``: the hooks
+    (``TileConfig.taps_per_program``), after the several-taps tiles the timed choice weighs
+    (``tiles.candidates``); ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
     it, an eval norm's scale and shift; dgrad: relu' of the recomputed prologue and the BatchNorm-backward
@@ -567,10 +568,12 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
         FAMILY.conv_dgrad(dy, w, x_shape, x_prev=x if hooked else None,
                           norm_stats=FAMILY.NormStats(vec, vec) if hooked else None, tile=dtile, **hooks,
                           **geo)  # fmt: skip
-        if taps:  # on 8 warps (three accumulators), against the same tile with one tap per program
+        if taps:  # the timed choice's several-taps tiles, then the first on 8 warps with one and three taps
             m = dy.shape[0] * dy.shape[2] * dy.shape[3]
-            wfirst = FAMILY_TILES.candidates("wgrad", c_in, c_out, w_shape[2] * w_shape[3], m, dt)[0]
-            wtile = dataclasses.replace(wfirst, num_warps=8)
+            wtiles = FAMILY_TILES.candidates("wgrad", c_in, c_out, w_shape[2] * w_shape[3], m, dt)
+            for wtile in [t for t in wtiles if t.taps_per_program > 1]:
+                FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)
+            wtile = dataclasses.replace(wtiles[0], num_warps=8)
             FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)
             wtile = dataclasses.replace(wtile, taps_per_program=3)
         FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)

@@ -126,11 +126,11 @@ def test_a_weight_gradient_whose_taps_3_or_2_divide_times_several_taps_per_progr
     assert (first.block_m, first.block_n, first.num_warps) == (128, 64, 4)
     three = candidates("wgrad", 64, 64, 9, 200704, torch.bfloat16)
     assert three == [first, dataclasses.replace(first, block_m=64, taps_per_program=3),
-                     dataclasses.replace(first, taps_per_program=3)]
+                     dataclasses.replace(first, num_warps=8, taps_per_program=3)]  # 3 x 128 x 64 accumulators: 8 warps
     for tile in three[1:]:
         tile.check_for("wgrad")
     wide = candidates("wgrad", 512, 512, 9, 65536, torch.bfloat16)  # the heuristic's 64 x 128: the small tile is 64 x 64
-    assert [(t.block_m, t.block_n, t.num_warps, t.taps_per_program) for t in wide[1:]] == [(64, 64, 4, 3), (64, 128, 4, 3)]
+    assert [(t.block_m, t.block_n, t.num_warps, t.taps_per_program) for t in wide[1:]] == [(64, 64, 4, 3), (64, 128, 8, 3)]
     assert candidates("wgrad", 64, 64, 4, 200704, torch.bfloat16)[1].taps_per_program == 2  # a 2x2 kernel
     boxed = candidates("wgrad", 64, 64, 9, 200704, torch.bfloat16, box_plane=(56, 56))
     assert boxed == three  # a hooked 3x3's taps before its box (the box lost to them on the H200)

@@ -210,17 +210,20 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     channels at 14 x 14; the weight gradient with the prologue 0.149 against 0.155 on 64 at 56 x 56).
     A weight gradient whose taps 3 or 2 divide (tap-major, more than one channel per group) times that
     many taps per program next (where a ``grad_y`` tile and the taps' A tiles per pipeline stage fit in
-    shared memory), before the box: on a tile of at most 64 x 64 on 4 warps (three fp32 accumulators of
-    32 registers per thread), then on the heuristic's tile.  NOTE: the H200's tile sweep of ResNet-50's
+    shared memory), before the box: on a tile of at most 64 x 64, then on the heuristic's tile, each on 4
+    warps where its accumulators take at most 96 fp32 registers per thread, else 8.  NOTE: the H200's tile
+    sweep of ResNet-50's
     3x3 weight gradients (bf16; ``CONVK_BENCH=0 CONVK_SWEEP=0 CONVK_HOOKED_SWEEP=1 bash
     tools/gpu_session.sh convk`` and the plain sweep ``CONVK_TESTS=0 CONVK_BENCH=0``,
     ``docs/perf/h200/conv-kernels/sweep-*.json``): three taps per program ran fastest of every tile on
     four of the five 3x3 problems (on the fifth, 64 channels at 56 x 56 plain, the box 0.079 against
     0.083 ms), 1.24-1.60x the one-tap tile the choice had taken plain and 1.05-1.13x with the prologue;
     the 64 x 64 tile on 4 warps was the fastest taps tile on four of them (0.056 against cuDNN's 0.052 ms
-    on 128 channels at stride 2) and within 12% on the fifth, where the heuristic's tile with three taps
-    was within 2% of the best; the box won no hooked weight gradient over the taps.  An empty problem
-    (``m == 0``) gets its first tile alone."""
+    on 128 channels at stride 2) and within 12% on the fifth; the heuristic's 128 x 64 and 64 x 128 tiles
+    with three taps ran faster on 8 warps than on 4 in three of four (on 4 warps, 255 registers and the
+    SD VAE's 512-channel 3x3 spilling: ``python tools/compile_check.py conv_family --cases
+    vae_3x3-bf16-taps --kernels wgrad``); the box won no hooked weight gradient over the taps.  An empty
+    problem (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
@@ -234,11 +237,13 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     kept = [first]
     per = several_taps(taps)
     if pass_name == "wgrad" and per > 1 and k_channels > 1:  # several taps per program (``wgrad``)
-        small = replace(first, block_m=min(first.block_m, 64), block_n=min(first.block_n, 64), num_warps=4)
+        small = replace(first, block_m=min(first.block_m, 64), block_n=min(first.block_n, 64))
         for tile in (small, first):
             staged = (tile.block_m * tile.block_n + per * tile.block_m * tile.block_k) * size * tile.num_stages
             if staged <= _SHARED_BYTES:  # a grad_y tile and ``per`` A tiles per pipeline stage
-                kept.append(replace(tile, taps_per_program=per))
+                # the accumulators within 96 fp32 registers per thread: 4 warps up to three of 64 x 64
+                warps = 4 if per * tile.block_m * tile.block_n <= 3 * 64 * 64 else 8
+                kept.append(replace(tile, taps_per_program=per, num_warps=warps))
     if box_plane is not None:
         kept.append(replace(first, box_w=box_width(*box_plane, first.block_m)))
     for c in CANDIDATES[pass_name]:
