@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU session in one call: install, then the named stages in order; logs under $OUT (or ./gpu_out).
+# One GPU session in one call: install, then the named stages in order; logs under $OUT (or ./gpu_out), packed
+# last into results.tgz there (tools/pack_out.sh; PACK=0 leaves the files).
 #   bash tools/gpu_session.sh tests,kernels,explain,parity,bench      (default: all of them)
 # Stages:
 #   tests    the whole test suite on CUDA (pytest -n 4 --dist loadgroup: the full-size gpu tests on one worker, as
@@ -143,4 +144,5 @@ if has firstcall; then
       | tee -a "$out/first_call.log" | grep -E "cold|budget|launch:|profile"
   done
 fi
+[[ ${PACK:-1} == 1 ]] && bash tools/pack_out.sh "$out"  # at most 8 files come back
 exit $rc

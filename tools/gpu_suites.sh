@@ -13,6 +13,7 @@
 #   (the median: tools/first_call_runs.py) in $OUT/suites/warm-first-calls.md.
 # With fewer GPUs the jobs share them round-robin (slower; one GPU: run the stages of gpu_session.sh instead);
 # the realnets jobs then wait for a free GPU (each still within its own limit; REALNETS_JOBS picks some).
+# $OUT/suites is packed last into $OUT/suites/results.tgz (tools/pack_out.sh; PACK=0 leaves the files).
 # Each job has cache folders of its own (cold first calls, as on a fresh machine) and Inductor compile
 # threads of the host's cores / 4: four processes compiling at once on one host read their cold first
 # calls slower otherwise (both backends alike). The reports land in $OUT/suites/<name>/; copy them into
@@ -88,6 +89,7 @@ if [[ ${1:-} == realnets ]]; then  # the realnets suite, default mode and reduce
   job cudagraphs-fp32 runs "$(gpu)" ${REALNETS_LIMIT:-540} realnets-cudagraphs-fp32 --suite $r/resnet50.py $nets \
     --dtype fp32 --compile-mode reduce-overhead
   wait
+  [[ ${PACK:-1} == 1 ]] && bash tools/pack_out.sh "$out"  # at most 8 files come back
   exit 0
 fi
 if [[ ${1:-} == warm-first-calls ]]; then  # seeds-small cold, then again on its caches, on every GPU
@@ -97,7 +99,7 @@ if [[ ${1:-} == warm-first-calls ]]; then  # seeds-small cold, then again on its
   done
   wait
   python3 tools/first_call_runs.py "$out"/warm-seeds-small-*/bench.json | tee "$out/warm-first-calls.md"
-  rm -f "$out"/*/bench.png
+  [[ ${PACK:-1} == 1 ]] && bash tools/pack_out.sh "$out"  # at most 8 files come back
   exit 0
 fi
 ( bench 0 560 seeds --suite seeds $grid ) &
@@ -112,3 +114,5 @@ fi
 wait
 python3 -m fusion_backend bench --merge "$out"/convnets-{1,2,3,4} --no-chart --out "$out/convnets-merged" 2>&1 | tail -2
 rm -f "$out"/*/bench.png
+[[ ${PACK:-1} == 1 ]] && bash tools/pack_out.sh "$out"  # at most 8 files come back
+exit 0
