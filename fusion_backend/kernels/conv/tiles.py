@@ -212,12 +212,12 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     many taps per program next (where a ``grad_y`` tile and the taps' A tiles per pipeline stage fit in
     shared memory), before the box: on a tile of at most 64 x 64, then on the heuristic's tile, each on 4
     warps where its accumulators take at most 96 fp32 registers per thread, else 8.  NOTE: the H200's tile
-    sweep of ResNet-50's
-    3x3 weight gradients (bf16; ``CONVK_BENCH=0 CONVK_SWEEP=0 CONVK_HOOKED_SWEEP=1 bash
-    tools/gpu_session.sh convk`` and the plain sweep ``CONVK_TESTS=0 CONVK_BENCH=0``,
+    sweep of ResNet-50's 3x3 weight gradients (bf16; ``CONVK_BENCH=0 CONVK_SWEEP=0 CONVK_HOOKED_SWEEP=1
+    bash tools/gpu_session.sh convk`` and the plain sweep ``CONVK_TESTS=0 CONVK_BENCH=0``,
     ``docs/perf/h200/conv-kernels/sweep-*.json``): three taps per program ran fastest of every tile on
     four of the five 3x3 problems (on the fifth, 64 channels at 56 x 56 plain, the box 0.079 against
-    0.083 ms), 1.24-1.60x the one-tap tile the choice had taken plain and 1.05-1.13x with the prologue;
+    0.083 ms), the fastest taps tile 1.11-1.60x the tile the choice had taken plain and 1.05-1.13x with
+    the prologue;
     the 64 x 64 tile on 4 warps was the fastest taps tile on four of them (0.056 against cuDNN's 0.052 ms
     on 128 channels at stride 2) and within 12% on the fifth; the heuristic's 128 x 64 and 64 x 128 tiles
     with three taps ran faster on 8 warps than on 4 in three of four (on 4 warps, 255 registers and the
