@@ -46,7 +46,8 @@ if [[ ${1:-} == realnets ]]; then  # the realnets suite, default mode and reduce
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       && export PYTHONPATH=/tmp/site
   fi
-  nets="--dtype fp32,bf16 --mode infer,train --backends eager,inductor,fusion --no-memory --no-cold --no-chart"
+  nets="--dtype fp32,bf16 --mode infer,train --backends eager,inductor,fusion --no-memory --no-cold --no-chart
+        --steady-state-budget 1.25"
   r=demos/realnets
   # one job per GPU at a time (two jobs timing on one GPU disturb each other): with fewer GPUs than jobs the
   # rest wait for a GPU; REALNETS_JOBS picks some (on a two-GPU host, as one call's limit holds two jobs:

@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pin", action="store_true",
                    help="leave the process on every CPU it may use (by default it is pinned to the CPUs of the "
                         "GPU's NUMA node, where those span several nodes; the report's environment says which)")
+    p.add_argument("--steady-state-budget", type=float, default=None, metavar="X",
+                   help="hold each row's time to steady state (fusion's first call and settle over Inductor's "
+                   "first call) to X in the first-call line (whole networks: 1.25; default: not judged)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and upstream gradients")
     p.add_argument("--tol", type=_tolerances, default=None,
                    help="override the gate's tolerances vs eager, e.g. fp32=1e-4,bf16=2e-2 (norm-wise relative "
@@ -286,7 +289,8 @@ def _run(args: argparse.Namespace, argv: list[str], out: TextIO, err: TextIO) ->
         backend_names = tuple(with_compile_mode(args.backends, args.compile_mode))
         config = BenchConfig(dtypes=args.dtype, modes=args.mode, backends=backend_names, seed=args.seed,
                              check_only=args.check_only, memory=not args.no_memory, measure=measure,
-                             tolerances=args.tol or {}, fp64_check=not args.no_fp64_check)
+                             tolerances=args.tol or {}, fp64_check=not args.no_fp64_check,
+                             steady_state_budget=args.steady_state_budget)
         backends = resolve_backends(config.backends)
         workloads = filter_workloads(resolve_suite(args.suite), args.filter)
         if not workloads:

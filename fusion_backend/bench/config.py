@@ -148,7 +148,9 @@ class BenchConfig:
     parameters, inputs and upstream gradients, identical for every backend.  ``tolerances`` overrides
     the gate's rule-1 tolerance per precision name (otherwise :meth:`tolerance` picks the precision's
     default); ``fp64_check`` enables rule 2 (the float64 comparison).  ``check_only`` runs the gate and
-    skips every timing and memory measurement.
+    skips every timing and memory measurement.  ``steady_state_budget``: the most a row's time to
+    steady state may take (fusion's first call and settle over Inductor's first call), which the
+    verdict's first-call line holds each row to; ``None``: not judged (whole networks are held to 1.25).
     """
 
     dtypes: tuple[str, ...] = ("fp32", "bf16")
@@ -160,8 +162,11 @@ class BenchConfig:
     check_only: bool = False
     memory: bool = True
     measure: MeasureConfig = field(default_factory=MeasureConfig)
+    steady_state_budget: float | None = None
 
     def __post_init__(self) -> None:
+        if self.steady_state_budget is not None and not self.steady_state_budget > 0:
+            raise ConfigError(f"steady_state_budget must be > 0, got {self.steady_state_budget}")
         for name in self.dtypes:
             if name not in PRECISIONS:
                 raise ConfigError(f"unknown dtype {name!r}; choose from {', '.join(PRECISIONS)}")

@@ -38,7 +38,9 @@ compiled first in the row (the later copy reuses the code Dynamo compiled for th
 budget :data:`FIRST_CALL_BUDGET`, or :data:`WARM_FIRST_CALL_BUDGET` where that copy's graphs all came from
 Inductor's disk caches (``ItemResult.from_inductor_caches``: a run on warm caches), and, where fusion
 decided regions after its first call (its option ``defer``), how long after it the rows settled
-(``settle_s``).  It changes no count of the verdict.
+(``settle_s``), and, where the run holds rows to ``BenchConfig.steady_state_budget`` (``bench
+--steady-state-budget``), each row's time to steady state (first call and settle) over Inductor's first
+call against it.  It changes no count of the verdict.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class RowRatio:
     ``subject_failed`` whether the subject failed.  ``baseline_failed``: Inductor FAILed or raised there,
     so the row is left out of the verdict's counts (module docstring).  ``same_code``: the subject rewrote no
     region, so both columns ran Inductor's code for the whole graph.  ``first_call_ratio``: the
-    subject's ``compile_s`` over Inductor's (``None`` unless both first calls were measured).
+    subject's ``compile_s`` over Inductor's (``None`` unless both first calls were measured);
+    ``steady_state_ratio``: the subject's ``compile_s + settle_s`` over Inductor's ``compile_s``.
     """
 
     workload: str
@@ -94,6 +97,7 @@ class RowRatio:
     warm_first_call: bool = False
     #: Inductor FAILed or raised in this row: it is left out of the counts
     baseline_failed: bool = False
+    steady_state_ratio: float | None = None
 
     @property
     def first_call_budget(self) -> float:
@@ -131,6 +135,8 @@ class Verdict:
     copies_spread: tuple[float, float] | None = None
     #: the Inductor backend whose first calls the subject's are compared with
     first_call_reference: str | None = None
+    #: ``BenchConfig.steady_state_budget``: the rows' time to steady state held to it (``None``: not judged)
+    steady_state_budget: float | None = None
 
     @property
     def counted(self) -> tuple[RowRatio, ...]:
@@ -229,7 +235,20 @@ class Verdict:
         settled = (f"; {len(settles)} rows decided after their first call, settled {min(settles):.1f}-"
                    f"{max(settles):.1f} s later" if settles else "")
         return (f"first call {self.subject} / {self.first_call_reference} {min(ratios):.1f}-{max(ratios):.1f}x; "  # type: ignore[type-var]
-                f"{len(over)}/{len(rows)} rows above {budget}{where}{settled}")
+                f"{len(over)}/{len(rows)} rows above {budget}{where}{settled}{self._steady_state_clause(rows)}")
+
+    def _steady_state_clause(self, rows: list[RowRatio]) -> str:
+        """``; time to steady state 0.2-1.5x, 1/9 rows above the 1.25x budget, the highest r3d bf16 infer``
+        where the run holds rows to ``steady_state_budget`` (empty otherwise)."""
+        budget = self.steady_state_budget
+        judged = [(r.steady_state_ratio, r) for r in rows if r.steady_state_ratio is not None]
+        if budget is None or not judged:
+            return ""
+        ratios = [x for x, _ in judged]
+        over = [(x, r) for x, r in judged if x > budget]
+        where = f", the highest {max(over, key=lambda pair: pair[0])[1].label}" if over else ""
+        return (f"; time to steady state {min(ratios):.1f}-{max(ratios):.1f}x, {len(over)}/{len(judged)} rows above "
+                f"the {budget:g}x budget{where}")
 
     def json_extras(self) -> dict[str, object]:
         """Derived values written to the JSON report next to the fields."""
@@ -293,16 +312,18 @@ def verdict_of(report: BenchReport) -> Verdict:
                 problem = f"{baseline} {_why_untimed(theirs)}"
         same_code = mine is not None and mine.fused_regions == 0
         first = case.item(reference)
+        first_call = _first_call_ratio(mine, first)
+        steady = None if first_call is None else first_call * (1.0 + (mine.settle_s or 0.0) / mine.compile_s)
         rows.append(RowRatio(case.workload, case.dtype, case.mode, ratio, problem, subject_failed, same_code,
-                             _first_call_ratio(mine, first), mine.settle_s if mine else None,
+                             first_call, mine.settle_s if mine else None,
                              warm_first_call=bool(first and first.from_inductor_caches),
-                             baseline_failed=baseline_failed))
+                             baseline_failed=baseline_failed, steady_state_ratio=steady))
     spread = None
     if copy is not None:
         ratios = [r for r in (case.speedup(copy, baseline) for case in report.cases) if r is not None]
         spread = (min(ratios), max(ratios)) if ratios else None
     return Verdict(subject, baseline, rows=tuple(rows), copy=copy if spread else None, copies_spread=spread,
-                   first_call_reference=reference)
+                   first_call_reference=reference, steady_state_budget=report.config.steady_state_budget)
 
 
 def inductor_failed(case: CaseResult, baseline: str) -> bool:

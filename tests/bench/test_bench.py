@@ -1087,6 +1087,42 @@ def test_the_first_call_line_says_how_long_after_their_first_call_deferred_rows_
         "settled 0.8-2.2 s later")
 
 
+def test_a_run_with_a_steady_state_budget_holds_each_rows_first_call_and_settle_to_it(tmp_path: Path) -> None:
+    """Whole networks are held to 1.25x Inductor's first call for fusion's first call and settle
+    together (``--steady-state-budget``); the clause names the row furthest over it, survives the JSON
+    report, and is absent where the run sets no budget."""
+    report = synthetic_report([(w, "bf16", "infer", {"inductor": 1.0, "fusion": 1.0}) for w in ("net_a", "net_b", "net_c")])
+    times = {"net_a": (1.0, 2.0), "net_b": (1.5, 9.5), "net_c": (1.0, None)}  # fusion's first call, its settle
+
+    def item(item: ItemResult) -> ItemResult:
+        first, settle = times[item.workload]
+        if item.backend == "fusion":
+            return dataclasses.replace(item, compile_s=first, settle_s=settle)
+        return dataclasses.replace(item, compile_s=8.0)
+
+    report = dataclasses.replace(report, cases=tuple(
+        dataclasses.replace(case, items=tuple(item(i) for i in case.items)) for case in report.cases))
+    assert "steady state" not in verdict_of(report).first_call_line()
+    budgeted = dataclasses.replace(report, config=dataclasses.replace(report.config, steady_state_budget=1.25))
+    verdict = verdict_of(budgeted)
+    assert [r.steady_state_ratio for r in verdict.rows] == [pytest.approx(3 / 8), pytest.approx(11 / 8),
+                                                            pytest.approx(1 / 8)]
+    line = verdict.first_call_line()
+    assert line.endswith("; time to steady state 0.1-1.4x, 1/3 rows above the 1.25x budget, the highest net_b bf16 infer")
+    files = write_reports(budgeted, tmp_path, chart=False)
+    data = json.loads(files.json.read_text())
+    assert data["verdict"]["first_call_line"] == line and data["config"]["steady_state_budget"] == 1.25
+    assert BenchReport.from_dict(data).config.steady_state_budget == 1.25
+    with pytest.raises(ConfigError, match="steady_state_budget must be > 0"):
+        BenchConfig(steady_state_budget=0.0)
+
+
+def test_the_steady_state_budget_is_an_option_of_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--suite", "seeds-small", "--steady-state-budget", "1.25", "--dry-run"]) == 0
+    assert cli.main(["--steady-state-budget", "-1", "--dry-run"]) == 2
+    assert "steady_state_budget must be > 0" in capsys.readouterr().err
+
+
 def test_rows_whose_inductor_first_call_came_from_its_caches_are_held_to_the_warm_budget() -> None:
     """1.2x where Inductor's first call found its graphs in its disk caches (a rerun on warm caches),
     3x elsewhere; the highest row is the one furthest over its own budget."""
