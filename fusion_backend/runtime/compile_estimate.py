@@ -34,8 +34,8 @@ def graph_size(gm: fx.GraphModule) -> int:
 
 def inductor_cache_counts() -> tuple[int, int]:
     """Inductor's graph-cache lookups so far in this process: (hits, compiles), where an AOTAutograd
-    cache hit counts as a hit and a graph compiled past the cache (a miss or a bypass) as a compile.
-    Read before and after a compile: it compiled past the caches where ``compiles`` grew."""
+    cache hit counts as a hit and a graph compiled past the cache (a miss or a bypass) as a compile;
+    read before and after a compile for :func:`served_by_caches`."""
     try:
         from torch._dynamo.utils import counters
 
