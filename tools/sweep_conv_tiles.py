@@ -5,8 +5,12 @@ choose ``kernels/conv/tiles.py``'s ``CANDIDATES`` (CUDA only).
     python tools/sweep_conv_tiles.py --out /tmp/sweep.json --budget-s 300
 
 Per shape (``conv_shapes``, largest first) and pass: cuDNN's time, the tuned launch's (whatever
-``tiles.tuned_tile`` picks), and every tile of :data:`GRID` that fits the problem, each by
-``triton.testing.do_bench`` on channels-last bf16 (``--dtype``) tensors; with ``--box`` each gradient tile also
+``tiles.tuned_tile`` picks), and every tile of :data:`GRID` that fits the problem, each its GPU time per
+call (``impl_choice.gpu_ms_per_call``, as ``tools/bench_conv.py`` times: calls queued behind a GPU spin,
+L2 warm, so that neither the host's launch cost nor a busy host moves the ranking; NOTE: with
+``triton.testing.do_bench`` instead, the hooked forward's steps read about 0.07 ms above the
+conv-kernels report's for the same tile, on a host whose other GPU ran a benchmark, docs/perf/RESULTS.md)
+on channels-last bf16 (``--dtype``) tensors; with ``--box`` each gradient tile also
 loading boxes (``tiles.box_width``'s shape; where the call refuses a box, the tile's gather time stands
 for it, as the timed choice would then run the gather); with ``--taps`` each tap-major weight-gradient
 tile also taking 3 (or 2) taps per program (``TileConfig.taps_per_program``); with ``--hooked`` the passes with their hooks
@@ -67,8 +71,7 @@ def _score(rows: list[dict[str, float]], chosen: tuple[str, ...]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import triton
-
+    from fusion_backend.impl_choice import gpu_ms_per_call
     from fusion_backend.kernels.conv import TileConfig
     from fusion_backend.kernels.conv.tiles import box_width, several_taps
     from fusion_backend.kernels.plan_cache import ContractError
@@ -100,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         cin_g, cout_g = shape.w_shape[1], shape.w_shape[0] // shape.groups
         n_extent, k_extent = (cin_g, cout_g) if pass_name == "dgrad" else (cout_g, cin_g)
         base = BASELINES[args.hooked]
-        times = {base: triton.testing.do_bench(_baseline(t, pass_name, args.hooked)),
-                 "tuned": triton.testing.do_bench(_steps(t, pass_name, None, args.hooked))}  # fmt: skip
+        times = {base: gpu_ms_per_call(_baseline(t, pass_name, args.hooked)),
+                 "tuned": gpu_ms_per_call(_steps(t, pass_name, None, args.hooked))}  # fmt: skip
         for bm, bn, bk, warps, stages in GRID:
             if bn > 2 * max(16, 1 << (n_extent - 1).bit_length()) or bk > max(16, k_extent):
                 continue
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                     variants.append(dataclasses.replace(tile, taps_per_program=per))
             for variant in variants:
                 try:
-                    times[variant.label()] = triton.testing.do_bench(_steps(t, pass_name, variant, args.hooked))
+                    times[variant.label()] = gpu_ms_per_call(_steps(t, pass_name, variant, args.hooked))
                 except ContractError:  # a box the call refuses: the choice would run the gather
                     if tile.label() in times:
                         times[variant.label()] = times[tile.label()]
