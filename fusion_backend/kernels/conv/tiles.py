@@ -238,7 +238,7 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     per = several_taps(taps)
     if pass_name == "wgrad" and per > 1 and k_channels > 1:  # several taps per program (``wgrad``)
         small = replace(first, block_m=min(first.block_m, 64), block_n=min(first.block_n, 64))
-        for tile in (small, first):
+        for tile in dict.fromkeys((small, first)):  # one where the heuristic's tile is that small already
             staged = (tile.block_m * tile.block_n + per * tile.block_m * tile.block_k) * size * tile.num_stages
             if staged <= _SHARED_BYTES:  # a grad_y tile and ``per`` A tiles per pipeline stage
                 # the accumulators within 96 fp32 registers per thread: 4 warps up to three of 64 x 64
