@@ -203,7 +203,7 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     ``depthwise_channels``: the pass runs the direct depthwise path over that many channels
     (:func:`depthwise_candidates`).  ``box_plane``: the call may load its tiles as boxes (stride and
     dilation 1, aligned strides, a hooked gradient), its planes ``(rows, columns)``: the heuristic's tile
-    as a box (:func:`box_width`) comes second.  NOTE: on the H200 (bf16, a quarter of ResNet-50's convs
+    as a box (:func:`box_width`) comes next, after a weight gradient's several-taps tiles.  NOTE: on the H200 (bf16, a quarter of ResNet-50's convs
     and its 56 x 56 3x3, each pass's three candidates timed: ``CONVK_SWEEP=0 bash tools/gpu_session.sh
     convk``) the box won none of the six plain gradients it was offered (within 3% on two) and four of the
     six hooked ones (the input gradient with relu' and the BatchNorm sums 0.067 against 0.105 ms on 256
@@ -217,9 +217,8 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     ``docs/perf/h200/conv-kernels/sweep-*.json``): three taps per program ran fastest of every tile on
     four of the five 3x3 problems (on the fifth, 64 channels at 56 x 56 plain, the box 0.079 against
     0.083 ms), the fastest taps tile 1.11-1.60x the tile the choice had taken plain and 1.05-1.13x with
-    the prologue;
-    the 64 x 64 tile on 4 warps was the fastest taps tile on four of them (0.056 against cuDNN's 0.052 ms
-    on 128 channels at stride 2) and within 12% on the fifth; the heuristic's 128 x 64 and 64 x 128 tiles
+    the prologue; the 64 x 64 tile on 4 warps was the fastest taps tile on four of them (0.056 against
+    cuDNN's 0.052 ms on 128 channels at stride 2) and within 12% on the fifth; the heuristic's 128 x 64 and 64 x 128 tiles
     with three taps ran faster on 8 warps than on 4 in three of four (on 4 warps, 255 registers and the
     SD VAE's 512-channel 3x3 spilling: ``python tools/compile_check.py conv_family --cases
     vae_3x3-bf16-taps --kernels wgrad``); the box won no hooked weight gradient over the taps.  An empty

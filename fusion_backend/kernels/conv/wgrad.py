@@ -400,9 +400,9 @@ class _WgradPlan:
         if self.box:
             box_tiles, m_tiles = box_grid(geo.out_size, geo.n, tile, wgrad_box_refusal(geo, xs, dys, tile))
         taps_per = tile.taps_per_program
-        if taps_per > 1 and (self.depthwise or tile.flat_k or tile.box_w or geo.taps % taps_per):
-            raise ContractError(f"tile taps_per_program={taps_per} needs a tap-major gather over a kernel whose "
-                                f"{geo.taps} taps it divides, with more than one input channel per group")
+        if taps_per > 1 and (self.depthwise or geo.taps % taps_per):  # (the tile's own walk: ``TileConfig.check``)
+            raise ContractError(f"tile taps_per_program={taps_per} needs a kernel whose {geo.taps} taps it divides, "
+                                "with more than one input channel per group")
         if self.depthwise:  # grid (taps, channel blocks, splits)
             k_steps, n_tiles = geo.taps, cdiv(geo.c_out, tile.block_n)
         else:  # programs: K steps, or (tap groups x channel blocks) with several taps per program
