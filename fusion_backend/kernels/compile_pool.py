@@ -113,6 +113,35 @@ def key_parts(job: Job, kernel: Any = None) -> dict[str, str]:
             "environment": str(sorted(dict(get_cache_invalidating_env_vars()).items()))}  # fmt: skip
 
 
+def compiled_on_disk(job: Job) -> bool:
+    """Whether Triton's on-disk cache (``job.cache_dir``) holds ``job`` compiled, under the key this
+    process's launch of it looks up (``triton.compile``'s own key, :func:`key_parts`): its launch
+    then loads it in milliseconds.  False where that cannot be told (Triton's internals drifted, a
+    stage-inspection hook changes the key): the job is then treated as not compiled.
+
+    WHY: Triton's launch path asks ``jit_cache_hook`` on every miss of the process's own kernel
+    cache, so to :func:`capturing` every kernel of a new process looks uncompiled, those a worker
+    (or an earlier process) put on disk included."""
+    import hashlib
+
+    from triton import knobs
+    from triton.runtime.cache import get_cache_manager
+
+    try:
+        if getattr(knobs.runtime, "add_stages_inspection_hook", None) or getattr(knobs.compilation, "always_compile", False):
+            return False
+        kernel = _jit_function(job.module, job.qualname)
+        key = "-".join(key_parts(job, kernel).values())  # get_cache_key's format
+        with knobs.cache.scope():
+            knobs.cache.dir = job.cache_dir
+            manager = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest())
+            name = f"{kernel.__name__[:150]}.json"  # triton.compile's metadata file: the kernel's name, cut
+            return bool((manager.get_group(name) or {}).get(name))
+    except Exception as err:  # noqa: BLE001 - unknown: compile it
+        log.debug("could not tell whether %s is on disk: %s: %s", job.name, type(err).__name__, err)
+        return False
+
+
 def compile_job(job: Job) -> dict[str, str] | str:
     """Compile ``job`` into Triton's on-disk cache (runs in a worker process): the parts of the key it
     was filed under (:func:`key_parts`), or why it was not compiled."""

@@ -307,10 +307,10 @@ def compile_in_background(calls: Iterable[Callable[[], object]]) -> compile_pool
     each implementation choice (``impl_choice.choose`` runs them all, and answers its default
     without timing or remembering), to Inductor's worker processes, and return at once: the batch
     says when they have compiled (a pool whose workers are still starting takes them: they wait for
-    the workers).  None where nothing was sent: no worker pool is allowed, the calls
-    launch no kernel that is not compiled yet, under the interpreter, or inside a compile ahead.  As
-    in :func:`compile_ahead`, the calls run with their launches replaced by compile submissions; a
-    call that raises is skipped."""
+    the workers).  None where nothing was sent: no worker pool is allowed, every kernel the calls
+    launch is compiled already (in this process, or in Triton's disk cache: ``compile_pool.compiled_on_disk``),
+    under the interpreter, or inside a compile ahead.  As in :func:`compile_ahead`, the calls run
+    with their launches replaced by compile submissions; a call that raises is skipped."""
     if INTERPRETER or _compiling_ahead.get():
         return None
     pool = compile_pool.ready_pool(starting=True)
@@ -322,7 +322,8 @@ def compile_in_background(calls: Iterable[Callable[[], object]]) -> compile_pool
             _run_without_launching(calls)
     finally:
         _every_candidate.reset(token)
-    return compile_pool.submit_all(pool, list(jobs.values())) if jobs else None
+    cold = [job for job in jobs.values() if not compile_pool.compiled_on_disk(job)]
+    return compile_pool.submit_all(pool, cold) if cold else None
 
 
 def compiling_every_candidate() -> bool:

@@ -283,6 +283,24 @@ def test_a_background_compile_returns_at_once_and_its_batch_checks_what_compiled
     assert batch is not None and batch.collect(60) == 1 and batch.ready()
     assert len(os.listdir(cache_dir)) == 1 and compile_pool._workers_off is None
     assert launch.compile_in_background([lambda: None]) is None  # nothing to compile: nothing to wait for
+    # a later process's launch misses its own kernel cache again; on disk, the kernel is not sent
+    assert launch.compile_in_background([call]) is None and len(ran) == 2
+
+
+def test_a_job_is_on_disk_once_compiled_under_the_key_this_processs_launch_looks_up(cache_dir, worker, launcher):
+    with compile_pool.capturing() as jobs:
+        _call_hook(add_offset, 64)
+    (job,) = jobs.values()
+    other = compile_pool.Job(**{**vars(job), "constexprs": {(3,): 32}})
+    assert not compile_pool.compiled_on_disk(job)
+    worker.submit(compile_pool.compile_job, job).result()
+    assert compile_pool.compiled_on_disk(job) and not compile_pool.compiled_on_disk(other)
+    assert launcher.submit(compile_pool_kernel.compile_as_the_launch_would, job).result()  # the same key
+    elsewhere = compile_pool.Job(**{**vars(job), "cache_dir": str(cache_dir / "elsewhere")})
+    assert not compile_pool.compiled_on_disk(elsewhere)
+    with knobs.compilation.scope():
+        knobs.compilation.always_compile = True  # Triton compiles anyway: not a cache hit to count on
+        assert not compile_pool.compiled_on_disk(job)
 
 
 def test_a_pool_whose_workers_are_still_starting_takes_only_background_compiles(monkeypatch):
