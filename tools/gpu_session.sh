@@ -41,33 +41,33 @@ has() { [[ ",$stages," == *",$1,"* ]]; }
 BACKENDS=${BACKENDS:-eager,inductor,fusion,inductor:default}
 rc=0
 if has tests; then
-  timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest -v -rf -n "${TEST_WORKERS:-4}" --dist loadgroup -p no:cacheprovider tests >"$out/pytest.log" 2>&1 || rc=1
+  timeout -k 10 "${TESTS_TIMEOUT:-560}" python3 -m pytest -v -rf -n "${TEST_WORKERS:-4}" --dist loadgroup -p no:cacheprovider tests >"$out/pytest.log" 2>&1 || rc=1
   grep -E " (FAILED|ERROR)|^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -40  # -v: names even if timed out
-  TORCH_LOGS=recompiles timeout 60 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_e2e_conv_epilogue.py \
+  TORCH_LOGS=recompiles timeout -k 10 60 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_e2e_conv_epilogue.py \
     -k dynamic_true 2>&1 | grep -i -E -A4 "recompil|passed|failed" | grep -v DEBUG | head -20
 fi
 if has kernels; then
   for t in tools/bench_conv_fused.py tools/bench_conv_fused_bwd.py tools/bench_conv_global_mean.py; do
-    [[ -f $t ]] && { echo "== $t"; timeout "${KERNEL_TIMEOUT:-120}" python3 "$t" 2>&1 | grep -v -i warn | tee -a "$out/kernels.log" | tail -30; }
+    [[ -f $t ]] && { echo "== $t"; timeout -k 10 "${KERNEL_TIMEOUT:-120}" python3 "$t" 2>&1 | grep -v -i warn | tee -a "$out/kernels.log" | tail -30; }
   done
 fi
 if has explain; then
   for s in convt3d_leaky_mul_leaky_maxpool conv2d_mul_leaky_gelu convt2d_global_mean_bias_logsumexp; do
-    timeout 60 python3 -m fusion_backend explain "demos/seeds/$s.py" --train 2>&1 | grep -v -i warn \
+    timeout -k 10 60 python3 -m fusion_backend explain "demos/seeds/$s.py" --train 2>&1 | grep -v -i warn \
       | tee -a "$out/explain.log" | tail -14
   done
 fi
 if has parity; then
-  timeout 150 python3 tools/parity_check.py 2>&1 | grep -E "PASS|FAIL|skipped|imported" | tee "$out/parity.log"
+  timeout -k 10 150 python3 tools/parity_check.py 2>&1 | grep -E "PASS|FAIL|skipped|imported" | tee "$out/parity.log"
 fi
 if has demo; then
   for d in fp32 bf16; do
-    timeout 150 python3 demos/run_demo.py --seeds convt3d,conv2d,convt2d --dtype "$d" 2>&1 | grep -v -i warn | tee -a "$out/demo.log" | tail -40
+    timeout -k 10 150 python3 demos/run_demo.py --seeds convt3d,conv2d,convt2d --dtype "$d" 2>&1 | grep -v -i warn | tee -a "$out/demo.log" | tail -40
   done
 fi
 if has bench; then
   seeds_bench() {  # seeds_bench NAME: the seeds run into $out/NAME, its log $out/NAME.log
-    timeout "${BENCH_TIMEOUT:-300}" python3 -m fusion_backend bench --log --suite seeds --dtype fp32,bf16 --mode infer,train \
+    timeout -k 10 "${BENCH_TIMEOUT:-300}" python3 -m fusion_backend bench --log --suite seeds --dtype fp32,bf16 --mode infer,train \
       --backends "$BACKENDS" --out "$out/$1" ${BENCH_ARGS:-} >"$out/$1.log" 2>&1
   }
   seeds_bench bench
@@ -81,46 +81,46 @@ fi
 if has convnets; then
   part=${CONVNETS_PART:-1}
   files=$(ls demos/convnets/*.py | sed -n "$(( (part - 1) * 6 + 1 )),$(( part * 6 ))p" | paste -sd,)
-  timeout "${BENCH_TIMEOUT:-520}" python3 -m fusion_backend bench --log --suite "$files" --dtype fp32,bf16 \
+  timeout -k 10 "${BENCH_TIMEOUT:-520}" python3 -m fusion_backend bench --log --suite "$files" --dtype fp32,bf16 \
     --mode infer,train --no-memory --no-cold --no-chart --backends "$BACKENDS" --out "$out/convnets" ${BENCH_ARGS:-} \
     >"$out/convnets.log" 2>&1
   tail -40 "$out/convnets.log"
 fi
 if has families; then
   if [[ ${FAMILIES_TESTS:-1} == 1 ]]; then
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 tests/ops/test_conv_group_norm_op.py \
+    timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider -n 4 tests/ops/test_conv_group_norm_op.py \
       tests/ops/test_conv_batch_norm_op.py tests/kernels/test_group_norm_kernel.py tests/e2e/test_e2e_conv_group_norm.py \
       tests/e2e/test_e2e_conv_batch_norm.py tests/e2e/test_e2e_conv_channel_reduce.py tests/ops/test_conv_layer_norm_op.py \
       tests/kernels/test_layer_norm_kernel.py tests/e2e/test_e2e_conv_layer_norm.py tests/kernels/test_norm_pool_kernel.py \
       >"$out/families_tests.log" 2>&1 || rc=1
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/families_tests.log" | tail -20
   fi
-  timeout "${BENCH_TIMEOUT:-330}" python3 -m fusion_backend bench --log --suite families --dtype fp32,bf16 --mode infer,train \
+  timeout -k 10 "${BENCH_TIMEOUT:-330}" python3 -m fusion_backend bench --log --suite families --dtype fp32,bf16 --mode infer,train \
     --no-memory --no-chart --backends "$BACKENDS" --out "$out/families" ${BENCH_ARGS:-} >"$out/families.log" 2>&1
   tail -32 "$out/families.log"
 fi
 if has hostbwd; then
-  timeout 120 python3 tools/conv_backward_host.py demos/convnets/conv2d_64_k3_relu_batch1.py \
+  timeout -k 10 120 python3 tools/conv_backward_host.py demos/convnets/conv2d_64_k3_relu_batch1.py \
     demos/convnets/conv2d_depthwise_144_k3_relu6.py 2>&1 | grep -v -i warn | tee "$out/hostbwd.log" | tail -12
 fi
 if has convk; then
   if [[ ${CONVK_TESTS:-1} == 1 ]]; then
-    timeout 240 python3 -m pytest -q -n 4 -p no:cacheprovider tests/kernels >"$out/convk_tests.log" 2>&1 || rc=1
+    timeout -k 10 240 python3 -m pytest -q -n 4 -p no:cacheprovider tests/kernels >"$out/convk_tests.log" 2>&1 || rc=1
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/convk_tests.log" | tail -12
   fi
   if [[ ${CONVK_BENCH:-1} == 1 ]]; then
-    timeout 200 python3 tools/bench_conv.py demos/realnets/resnet50.py --shard 1/4 --rounds 3 --out "$out/convk" \
+    timeout -k 10 200 python3 tools/bench_conv.py demos/realnets/resnet50.py --shard 1/4 --rounds 3 --out "$out/convk" \
       >"$out/convk.log" 2>&1
-    timeout 90 python3 tools/bench_conv.py demos/realnets/resnet50.py --filter "*64x64x56x56 -> 64 k3x3*" --rounds 3 \
+    timeout -k 10 90 python3 tools/bench_conv.py demos/realnets/resnet50.py --filter "*64x64x56x56 -> 64 k3x3*" --rounds 3 \
       --out "$out/convk" --append >>"$out/convk.log" 2>&1
     sed -n '/## Summary/,/## Rows/p' "$out/convk/bench.md" | head -12
   fi
   if [[ ${CONVK_SWEEP:-1} == 1 ]]; then
-    timeout 150 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --passes wgrad --box --taps --max-shapes 4 \
+    timeout -k 10 150 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --passes wgrad --box --taps --max-shapes 4 \
       --out "$out/convk_sweep.json" 2>&1 | grep -v -i warn | tail -16
   fi
   if [[ ${CONVK_HOOKED_SWEEP:-0} == 1 ]]; then  # the tile grid on the hooked passes (the candidates are the plain ones')
-    timeout 240 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --hooked --box --taps --passes fprop,dgrad,wgrad \
+    timeout -k 10 240 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --hooked --box --taps --passes fprop,dgrad,wgrad \
       --max-shapes 4 --out "$out/convk_hooked_sweep.json" 2>&1 | grep -v -i warn | tail -24
   fi
 fi
@@ -130,7 +130,7 @@ if has hostrow; then
     read -r name extra <<<"$run"
     echo "== hostrow $name"
     TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton FUSION_CACHE_DIR=$caches/fusion \
-      timeout 170 python3 tools/bench_step_accounting.py --in-a-row 30 -- \
+      timeout -k 10 170 python3 tools/bench_step_accounting.py --in-a-row 30 -- \
       --suite "${HOSTROW_SUITE:-demos/realnets/resnet50.py}" --dtype bf16 --mode infer --backends "$BACKENDS" \
       --no-memory --no-cold --no-chart --out "$out/hostrow_$name" ${extra:-} >"$out/hostrow_$name.log" 2>&1
     grep -E "^resnet|fusion >=|calls  wall|static|triton'|Bypassing|x " "$out/hostrow_$name.log" | cut -c1-220 | tail -24
@@ -140,7 +140,7 @@ if has firstcall; then
   for spec in "demos/convnets/conv2d_64_k3_relu.py infer" "demos/convnets/conv2d_64_k3_relu.py train" \
               "demos/convnets/conv3d_32_64_k3_leaky_maxpool.py infer" "demos/seeds/convt3d_leaky_mul_leaky_maxpool.py train"; do
     read -r model mode <<<"$spec"
-    timeout 150 python3 tools/first_call.py "$model" --mode "$mode" --dtype fp32 --log ${FIRSTCALL_ARGS:-} 2>&1 \
+    timeout -k 10 150 python3 tools/first_call.py "$model" --mode "$mode" --dtype fp32 --log ${FIRSTCALL_ARGS:-} 2>&1 \
       | tee -a "$out/first_call.log" | grep -E "cold|budget|launch:|profile"
   done
 fi

@@ -31,9 +31,10 @@ convnets="--no-memory --no-cold --no-chart"
 part() { ls demos/convnets/*.py | sed -n "$1p" | paste -sd,; }
 
 bench() {  # bench GPU TIMEOUT NAME ARGS...: one report in $out/NAME, its last two lines echoed
+  # (timeout -k: a bench stopped inside Inductor's compile outlived its TERM and held the call to its limit)
   local gpu=$1 limit=$2 name=$3; shift 3
   CUDA_VISIBLE_DEVICES=$(( gpu % gpus )) FUSION_CACHE_DIR=/tmp/gpu_suites/$gpu/fusion \
-    TORCHINDUCTOR_CACHE_DIR=/tmp/gpu_suites/$gpu/inductor timeout "$limit" \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/gpu_suites/$gpu/inductor timeout -k 10 "$limit" \
     python3 -m fusion_backend bench --log --out "$out/$name" "$@" >"$out/$name.log" 2>&1
   echo "[$name rc $?] $(tail -2 "$out/$name.log" | tr '\n' ' ' | cut -c1-600)"
 }
@@ -75,7 +76,7 @@ if [[ ${1:-} == realnets ]]; then  # the realnets suite, default mode and reduce
   job rest runs "$(gpu)" ${REALNETS_LIMIT:-540} realnets-rest \
     --suite $r/efficientnet_b0.py,$r/r3d_18.py,$r/wav2vec2_base.py,$r/dcgan_generator.py $nets
   cudagraphs() {
-    CUDA_VISIBLE_DEVICES=$1 timeout 120 python3 -m pytest -q -n 0 -rs tests/e2e/test_fp32_precision_gpu.py \
+    CUDA_VISIBLE_DEVICES=$1 timeout -k 10 120 python3 -m pytest -q -n 0 -rs tests/e2e/test_fp32_precision_gpu.py \
       tests/ops/test_conv_precision.py >"$out/precision-tests.log" 2>&1
     echo "[precision tests rc $?] $(tail -1 "$out/precision-tests.log")"
     runs "$1" ${REALNETS_CG_LIMIT:-400} realnets-cudagraphs --suite $r/resnet50.py,$r/efficientnet_b0.py $nets \

@@ -6,7 +6,7 @@
 set -uo pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-timeout "${NCU_TIMEOUT:-400}" ncu --profile-from-start off --target-processes all \
+timeout -k 10 "${NCU_TIMEOUT:-400}" ncu --profile-from-start off --target-processes all \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
   --section Occupancy --section LaunchStats --section WarpStateStats \
   --metrics "$(python3 tools/profile_conv_kernels.py --stall-metrics)" \
