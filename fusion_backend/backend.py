@@ -141,7 +141,11 @@ def fusion(
     # a region kept alone is checked in the whole graph where the graph can be compiled again later
     in_context = may_defer and opts.decide == "measure" and not cuda_graphs
     caches_before = compile_estimate.inductor_cache_counts()  # whether the compile below is a rate
-    found = _build(gm, example_inputs, opts, config_patches, decide_first, index)
+    keep = decide_first
+    if timed_in_compile:  # decided first, so that the regions a compile could not afford are left out
+        keep = functools.partial(_replay, _decided_in_compile(gm, example_inputs, opts, config_patches, index,
+                                                              decide_first, budget, size, training))
+    found = _build(gm, example_inputs, opts, config_patches, keep, index)
     decided = {d.anchor: d for d in found.report.decisions}
     checks: list[GraphCheck] = []
     if in_context and any(d.fused for d in decided.values()):
@@ -522,45 +526,88 @@ def _decide_candidates(graph: fx.GraphModule, regions: Regions,
     return kept
 
 
-#: The rule of a region kept alone whose graph would compile again past the settle's budget (``_within_budget``).
+#: The rule of a region kept alone whose graph would compile again past its decision budget (``_postponed``).
 POSTPONED_RULE = ("faster alone ({speedup}), kept from a later process on: compiling the graph with "
-                  "{them} (about {seconds:.1f} s) does not fit this process's decision budget ({budget}; "
+                  "{them} ({cost}) does not fit this process's decision budget ({budget}; "
                   "option decide_budget); a later process finds the decision in the cache and compiles "
                   "the graph with {them}")
+
+
+def _postponed(decided: dict[str, Decision], held: frozenset[str], budget: DecisionBudget,
+               compile_seconds: Callable[[], Optional[float]]) -> dict[str, Decision]:
+    """``decided`` with the regions it keeps beyond ``held`` (those the graph's compile holds
+    anyway) left to Inductor (``POSTPONED_RULE``) where this process measured every one of them
+    (``DecisionBudget.measured_anchors``) and compiling the graph with them (``compile_seconds()``;
+    None: not known) would not end within ``budget``.  Where one of them was kept by an earlier
+    process's measurement, this process is the later one that process's rule promised: it compiles,
+    the regions it measured itself included (the one compile costs the same).
+
+    WHY: keeping a region means compiling the graph with it, about as long as Inductor's cold compile
+    of the graph, where the decision budget allows a fraction of it; in the process that measured the
+    region that compile comes on top (Inductor's caches may hold the graph without it)."""
+    new = [d for d in decided.values() if d.fused and d.anchor not in held]
+    if not new or any(d.anchor not in budget.measured_anchors for d in new):
+        return decided
+    if math.isinf(budget.seconds):
+        return decided
+    seconds = compile_seconds()
+    if seconds is not None and seconds <= max(0.0, budget.seconds - budget.spent()):
+        return decided
+    them = "it" if len(new) == 1 else f"the {len(new)} regions kept"
+    cost = f"about {seconds:.1f} s" if seconds is not None else "its time not known yet: no graph of its kind compiled here"
+    postponed = dict(decided)
+    for d in new:
+        speedup = f"{d.speedup:.2f}x" if d.speedup is not None else "by its rule"
+        postponed[d.anchor] = dataclasses.replace(d, fused=False, rule=POSTPONED_RULE.format(
+            speedup=speedup, them=them, cost=cost, budget=budget.describe()))
+    return postponed
 
 
 def _within_budget(untouched: fx.GraphModule, inputs: Sequence[Any], opts: FusionOptions,
                    config_patches: dict[str, Any], index: int, decided: dict[str, Decision],
                    first_compile: _FirstCompile, budget: DecisionBudget) -> dict[str, Decision]:
-    """``decided`` with the regions it keeps beyond those the first compile holds left to Inductor
-    (``POSTPONED_RULE``) where this settle measured every one of them
-    (``DecisionBudget.measured_anchors``) and the compile of the graph with the kept regions would
-    not end within ``budget``: the graph rewritten with them (not compiled) is what that compile
-    would take, by its nodes (nothing where it runs directly, without Inductor).  Where one of those
-    regions was kept by an earlier process's measurement, this process is the later one that
-    process's rule promised: it compiles, the regions this settle kept with it (the one compile
-    costs the same).
-
-    WHY: keeping a region means compiling the graph a second time, about as long as its first
-    compile; the settle that also measured would take the first call's time twice over, where the
-    decision budget allows a fraction of it."""
-    new = [d for d in decided.values() if d.fused and d.anchor not in first_compile.regions]
-    if not new or any(d.anchor not in budget.measured_anchors for d in new):
+    """A settle's ``_postponed``: the regions its first compile holds are held; the compile is the
+    graph rewritten with the kept regions (not compiled), by its nodes (``_FirstCompile``); nothing
+    is postponed where the rewritten graph runs directly, without Inductor (no compile to wait for)."""
+    if not any(d.fused and d.anchor not in first_compile.regions for d in decided.values()):
         return decided
     rewritten = _build(untouched, inputs, dataclasses.replace(opts, dump_dir=None), config_patches,
                        functools.partial(_replay, decided), index, compile_graph=False).rewritten
     if rewritten is None or _why_not_direct(rewritten, opts, config_patches) is None:
         return decided  # nothing to rewrite (the rebuild falls back and says why), or no compile to wait for
-    seconds = first_compile.recompile_seconds(compile_estimate.graph_size(rewritten))
-    if seconds <= max(0.0, budget.seconds - budget.spent()):
+    return _postponed(decided, first_compile.regions, budget,
+                      lambda: first_compile.recompile_seconds(compile_estimate.graph_size(rewritten)))
+
+
+def _decided_in_compile(gm: fx.GraphModule, inputs: Sequence[Any], opts: FusionOptions,
+                        config_patches: dict[str, Any], index: int,
+                        decide: Callable[[fx.GraphModule, Candidate, list[Decision]], bool],
+                        budget: dict[str, DecisionBudget], size: int, training: bool) -> dict[str, Decision]:
+    """Under CUDA graphs, every region decided during the graph's compile (``decide`` appends each
+    decision, within the budget it creates in ``budget``), by anchor, and ``_postponed``: the graph
+    compiles once, with what it keeps; where this process measured the regions it keeps, that compile
+    is Inductor's cold one (by this machine's rate, ``compile_estimate``), where Inductor's caches
+    may hold the graph without them.
+
+    NOTE: on an H200 a second process of R3D-18's inference (bf16, reduce-overhead), whose kernels
+    the first had compiled, measured its stem's region (1.47x) and compiled the graph with it: first
+    call 6.8x Inductor's, served by its caches (``python -m fusion_backend bench --suite
+    demos/realnets/r3d_18.py --dtype bf16 --mode infer --compile-mode reduce-overhead``, twice on one
+    cache); ResNet-50 training 17.5x (38.1 s against 2.2 s)."""
+    decided: dict[str, Decision] = {}
+
+    def collect(graph: fx.GraphModule, candidate: Candidate, decisions: list[Decision]) -> bool:
+        decide(graph, candidate, decisions)
+        decided[decisions[-1].anchor] = decisions[-1]
+        return False
+
+    _build(gm, inputs, dataclasses.replace(opts, dump_dir=None), config_patches, collect, index, compile_graph=False)
+    if "budget" not in budget:
         return decided
-    them = "it" if len(new) == 1 else f"the {len(new)} regions kept"
-    postponed = dict(decided)
-    for d in new:
-        speedup = f"{d.speedup:.2f}x" if d.speedup is not None else "by its rule"
-        postponed[d.anchor] = dataclasses.replace(d, fused=False, rule=POSTPONED_RULE.format(
-            speedup=speedup, them=them, seconds=seconds, budget=budget.describe()))
-    return postponed
+    def compile_seconds() -> Optional[float]:
+        return compile_estimate.estimate(size, training=training, cuda_graphs=True, cache_dir=opts.cache_dir) or None
+
+    return _postponed(decided, frozenset(), budget["budget"], compile_seconds)
 
 
 def _decide_regions(untouched: fx.GraphModule, inputs: Sequence[Any], opts: FusionOptions,

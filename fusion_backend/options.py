@@ -41,10 +41,12 @@ key                     meaning
                         no limit.  The first region of a settle is always measured.  A settle
                         that measured the regions it keeps compiles the graph again with them
                         only where that compile fits the rest of the budget; else a later
-                        process, finding them in the cache, does (``backend._within_budget``)
+                        process, finding them in the cache, does (``backend._postponed``).
                         Under CUDA graphs, where the regions are decided during the
                         compile, the fraction is of Inductor's compile time estimated
-                        from earlier graphs (``runtime/compile_estimate.py``)
+                        from earlier graphs (``runtime/compile_estimate.py``), and the
+                        regions a process measured itself are likewise kept from a later
+                        process on, unless the compile with them fits the rest of the budget
 ======================  ===========================================================================
 
 Environment variables that set defaults here (``fusion_backend.environment`` lists them all):

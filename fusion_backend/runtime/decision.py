@@ -298,7 +298,7 @@ class DecisionBudget:
     began: float = field(default_factory=time.perf_counter)
     measured: int = 0
     #: the regions (by anchor) whose decisions rest on a measurement of this budget, theirs or one of
-    #: the same key; the others' came from an earlier process (``backend._within_budget``)
+    #: the same key; the others' came from an earlier process (``backend._postponed``)
     measured_anchors: set[str] = field(default_factory=set)
     measured_keys: set[str] = field(default_factory=set)
     warm_kernels_only: bool = False

@@ -616,6 +616,47 @@ def test_under_cuda_graphs_the_budget_is_the_compile_rate_of_earlier_graphs_time
     assert timer.calls == 2 and [d.cached for d in reports[0].decisions] == [True] * 3 + [False]
 
 
+def test_under_cuda_graphs_regions_this_process_measured_wait_for_a_later_process_which_compiles_them(monkeypatch):
+    """The graph compiles once, during which its regions are decided: the regions a process measured
+    itself would make that compile Inductor's cold one where its caches may hold the graph as given,
+    so past the budget they are left to Inductor (the report says so, and why); the next process
+    finds them in the cache and compiles the graph with them, with the one region it measures itself."""
+    compiles = counting_graph_compiles(monkeypatch)
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(2, 8, 10, 10)
+    options = {"triton.cudagraphs": True, "decide_budget": 0.2}  # no compile rate known: the first measurement
+    timer = RegionTimer((1.0, 2.0))  # the fused op wins
+    with decision.timing_override(timer, ("cpu",)), torch.no_grad():
+        with collect_reports() as reports:
+            torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
+        measured, *same, last = reports[0].decisions
+        assert timer.calls == 1 and not any(d.fused for d in reports[0].decisions) and reports[0].matches == ()
+        assert all(re.match(r"faster alone \(2\.00x\), kept from a later process on: compiling the graph with "
+                            r"the 3 regions kept \(its time not known yet: no graph of its kind compiled here\) "
+                            r"does not fit", d.rule) for d in [measured, *same]), measured.rule
+        assert "budget is spent" in last.rule and len(compiles) == 1
+        decision.forget_in_memory()  # a later process
+        torch._dynamo.reset()
+        compiles.clear()
+        with collect_reports() as reports:
+            torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
+    assert timer.calls == 2 and all(d.fused for d in reports[0].decisions)
+    assert [d.cached for d in reports[0].decisions] == [True] * 3 + [False] and len(compiles) == 1
+
+
+def test_under_cuda_graphs_a_compile_that_fits_the_budget_keeps_what_this_process_measured(tmp_path):
+    from fusion_backend.runtime import compile_estimate
+
+    compile_estimate.record(1, 1e-6, training=False, cuda_graphs=True, cache_dir=tmp_path)  # a fast compiler
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(2, 8, 10, 10)
+    timer = RegionTimer((1.0, 2.0))
+    with decision.timing_override(timer, ("cpu",)), torch.no_grad(), collect_reports() as reports:
+        compiled = torch.compile(model, backend="fusion", options={"triton.cudagraphs": True, "decide_budget": 1e6})
+        torch.testing.assert_close(compiled(x), model(x))
+    assert timer.calls == 2 and all(d.fused for d in reports[0].decisions)
+
+
 def test_under_cuda_graphs_a_region_whose_kernels_are_cold_is_not_measured_and_they_compile_in_the_background(
         monkeypatch):
     """A measurement inside the compile that first compiles the fused op's kernels costs seconds
