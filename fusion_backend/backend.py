@@ -604,6 +604,7 @@ def _decided_in_compile(gm: fx.GraphModule, inputs: Sequence[Any], opts: FusionO
     _build(gm, inputs, dataclasses.replace(opts, dump_dir=None), config_patches, collect, index, compile_graph=False)
     if "budget" not in budget:
         return decided
+
     def compile_seconds() -> Optional[float]:
         return compile_estimate.estimate(size, training=training, cuda_graphs=True, cache_dir=opts.cache_dir) or None
 
