@@ -121,6 +121,19 @@ def test_a_call_that_may_load_boxes_times_the_heuristics_tile_as_a_box_second():
     assert not any(t.box_w for t in candidates("fprop", 64, 64, 9, 200704, torch.bfloat16))
 
 
+def test_an_input_gradient_with_epilogue_hooks_times_the_heuristics_tile_on_8_warps_after_the_box():
+    first = pick_tile(64, 64, 9, 200704, torch.bfloat16)
+    assert first.num_warps == 4
+    hooked = candidates("dgrad", 64, 64, 9, 200704, torch.bfloat16, box_plane=(56, 56), epilogue_hooks=True)
+    assert hooked[:3] == [first, dataclasses.replace(first, box_w=tiles.box_width(56, 56, first.block_m)),
+                          dataclasses.replace(first, num_warps=8)]
+    hooked[2].check_for("dgrad")
+    assert candidates("dgrad", 64, 64, 9, 200704, torch.bfloat16, epilogue_hooks=True)[1] == hooked[2]  # no box
+    for other in (candidates("dgrad", 64, 64, 9, 200704, torch.bfloat16),  # no hooks
+                  candidates("fprop", 64, 64, 9, 200704, torch.bfloat16, epilogue_hooks=True)):  # not a gradient
+        assert dataclasses.replace(first, num_warps=8) not in other
+
+
 def test_a_weight_gradient_whose_taps_3_or_2_divide_times_several_taps_per_program_on_a_small_tile_and_its_own():
     first = pick_tile(64, 64, 9, 200704, torch.bfloat16)
     assert (first.block_m, first.block_n, first.num_warps) == (128, 64, 4)

@@ -569,10 +569,11 @@ def conv_dgrad(
         m = geo.n * math.prod(geo.size)
         dys = _layout_of(grad_y)
         # boxes only where the hooks take the tile through registers anyway (``tiles.candidates``)
-        boxed = (code != 0 or norm_stats is not None) and not dgrad_box_refusal(geo, dys, None)
+        hooked = code != 0 or norm_stats is not None
+        boxed = hooked and not dgrad_box_refusal(geo, dys, None)
         tiles = candidates("dgrad", geo.c_out_g, geo.c_in_g, geo.taps, m, grad_y.dtype,
                            geo.c_in if geo.c_in_g == 1 else None,  # the direct depthwise path
-                           geo.size[1:] if boxed else None)  # fmt: skip
+                           geo.size[1:] if boxed else None, epilogue_hooks=hooked)  # fmt: skip
         tiles = [t for t in tiles if not t.box_w or not dgrad_box_refusal(geo, dys, t)]
         return plan_with(tuned_tile("dgrad", key, tiles, lambda t: functools.partial(
             plan_with(t).run, grad_y, weight, x_prev, prologue, norm_stats, slope), grad_y.device))

@@ -189,7 +189,8 @@ _SHARED_BYTES = 200 * 1024
 
 
 def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: int, dtype: torch.dtype,
-               depthwise_channels: int | None = None, box_plane: tuple[int, int] | None = None) -> list[TileConfig]:  # fmt: skip
+               depthwise_channels: int | None = None, box_plane: tuple[int, int] | None = None,
+               epilogue_hooks: bool = False) -> list[TileConfig]:  # fmt: skip
     """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"), at most
     ``host.MAX_TUNED_CONFIGS`` (each compiles before it is timed): the heuristic's (:func:`pick_tile`
     with ``k_channels`` the channels per group a K step walks and ``n_channels`` those of the N axis),
@@ -221,8 +222,17 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     cuDNN's 0.052 ms on 128 channels at stride 2) and within 12% on the fifth; the heuristic's 128 x 64 and 64 x 128 tiles
     with three taps ran faster on 8 warps than on 4 in three of four (on 4 warps, 255 registers and the
     SD VAE's 512-channel 3x3 spilling: ``python tools/compile_check.py conv_family --cases
-    vae_3x3-bf16-taps --kernels wgrad``); the box won no hooked weight gradient over the taps.  An empty
-    problem (``m == 0``) gets its first tile alone."""
+    vae_3x3-bf16-taps --kernels wgrad``); the box won no hooked weight gradient over the taps.
+    ``epilogue_hooks``: an input gradient whose epilogue applies the backward hooks (act', the
+    BatchNorm-backward sums) times the heuristic's tile on 8 warps next, where the heuristic took 4.
+    NOTE: that epilogue's per-element work held 168 registers per thread on a 4-warp 64 x 128 tile (110
+    on 8; ``python tools/compile_check.py conv_family --cases resnet_1x1-bf16-hooked --kernels dgrad
+    --sass``), three programs per SM at half the plain pass's bandwidth; the H200's hooked sweep
+    (``docs/perf/h200/conv-kernels/sweep-hooked.json``) timed 128 x 64 x 64 on 8 warps at 0.094 ms
+    against the heuristic's 4-warp 0.117 on ResNet-50's 3x3 of 64 channels at 56 x 56 (on the stride-2
+    3x3 of 128 channels 0.221 against 0.146), and the generic 256 x 128 tile it pushes out of the three
+    timed where a box is offered at 0.19-0.20 ms on both shapes swept.  An empty problem
+    (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
@@ -245,6 +255,8 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
                 kept.append(replace(tile, taps_per_program=per, num_warps=warps))
     if box_plane is not None:
         kept.append(replace(first, box_w=box_width(*box_plane, first.block_m)))
+    if epilogue_hooks and pass_name == "dgrad" and first.num_warps == 4:
+        kept.append(replace(first, num_warps=8))
     for c in CANDIDATES[pass_name]:
         block_n = min(c.block_n, max(16, next_pow2(n_channels)))
         cap = min(c.block_k, 32 if dtype == torch.float32 else 128)  # the widest that divides the channels
