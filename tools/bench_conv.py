@@ -316,7 +316,7 @@ def fprop_case(t: _Inputs, hooked: bool, tile: Any = None) -> tuple[Steps, Check
     def check(r: dict[str, Any]) -> float:
         (y, st), (y_ref, (s_ref, sq_ref)) = r["hooked"], r["unfused"]
         magnitude = y_ref.float().abs().sum(_channel_dims(y_ref))
-        return max(rel_err(y, y_ref), sums_err(st.sum, s_ref, magnitude), rel_err(st.sum_sq, sq_ref))
+        return max(rel_err(y, y_ref), sums_err(st.sum, s_ref, magnitude), rel_err(st.sum_sq(), sq_ref))
 
     steps["hooked"] = lambda: conv_fprop(t.x, t.w, t.b, prologue=prologue, act_in="relu", stats=True, tile=tile,
                                          **t.geo)  # fmt: skip

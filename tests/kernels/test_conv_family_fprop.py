@@ -65,14 +65,16 @@ def _check(name: str, x: torch.Tensor, weight: torch.Tensor, bias=None, **kw):  
     assert why is None, why
     if kw.get("stats"):
         assert stats.count == truth_stats.count
-        # The reduction itself: the float64 sums of the stored output, up to the fp32 rounding of the
-        # tiles' partial sums (a relative 2**-24 per term of the tile).
+        # The reduction itself: the float64 sums of the stored output and of its squared deviations
+        # from the channel's mean, up to the fp32 rounding of the tiles' partials (a tile's fp32 sum
+        # of up to 128 terms: a relative 128 * 2**-24 of their magnitudes).
         mine = out.double().transpose(0, 1).reshape(out.shape[1], -1)
-        for what, got, terms in (("sum", stats.sum, mine), ("sum_sq", stats.sum_sq, mine * mine)):
-            slack = 1e-6 * terms.abs().sum(1)
+        deviations = mine - mine.mean(1, keepdim=True)
+        for what, got, terms in (("sum", stats.sum, mine), ("m2", stats.m2, deviations * deviations)):
+            slack = 128 * 2**-24 * terms.abs().sum(1)
             assert ((got - terms.sum(1)).abs() <= slack).all(), f"{name}: {what} is not the sum of the output"
         # And against the truth, eager's statistics as the yardstick.
-        for what in ("sum", "sum_sq"):
+        for what in ("sum", "m2"):
             why = compare(f"{name} stats {what}", getattr(stats, what), getattr(eager_stats, what), FLOOR[x.dtype],
                           reference=getattr(truth_stats, what))  # fmt: skip
             assert why is None, why
@@ -343,11 +345,28 @@ def test_statistics_of_the_stored_output_match_float64_and_repeat_bitwise(dtype)
     assert stats.count == 3 * 5 * 7 and stats.sum.dtype == torch.float64
     again, stats2 = conv_fprop(x, w, b, **kw)
     assert torch.equal(out, again)
-    assert torch.equal(stats.sum, stats2.sum) and torch.equal(stats.sum_sq, stats2.sum_sq)
+    assert torch.equal(stats.sum, stats2.sum) and torch.equal(stats.m2, stats2.m2)
     flat = out.double().transpose(0, 1).reshape(36, -1)
-    # (the fp32 partials' rounding, relative to E[y^2], carries into E[y^2] - E[y]^2)
     torch.testing.assert_close(stats.mean(), flat.mean(1), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(stats.var(), flat.var(1, unbiased=False), rtol=0, atol=1e-6 * flat.square().mean().item())
+    torch.testing.assert_close(stats.var(), flat.var(1, unbiased=False), rtol=1e-5, atol=0)
+    torch.testing.assert_close(stats.var(unbiased=True), flat.var(1, unbiased=True), rtol=1e-5, atol=0)
+
+
+def test_statistics_keep_the_variance_of_a_channel_whose_mean_dwarfs_its_spread():
+    """A bias of 3000 over outputs of spread about 1 (fp32): sums of squares in fp32 partials lose the
+    variance (each tile's sum of y^2 rounds at 2**-24 of 9e6 per term, the spread itself), and fp32
+    tile sums lose some (2**-24 of the sum); the tiles' shifted sums and deviations keep it, as eager's
+    Welford BatchNorm does."""
+    g = torch.Generator().manual_seed(5)
+    x = _channels_last(_randn(4, 6, 9, 11, g=g))
+    w, b = _randn(5, 6, 3, 3, g=g, scale=0.2), torch.full((5,), 3000.0) + _randn(5, g=g)
+    out, stats = conv_fprop(x, w, b, padding=1, stats=True, tile=SMALL_FLAT)
+    flat = out.double().transpose(0, 1).reshape(5, -1)
+    want = flat.var(1, unbiased=False)
+    eager = out.transpose(0, 1).reshape(5, -1).var(1, unbiased=False).double()  # fp32, as eager's BatchNorm
+    mine_err, eager_err = (stats.var() - want).abs(), (eager - want).abs()
+    assert (mine_err <= 4 * eager_err + 1e-6 * want).all(), (mine_err / want, eager_err / want)
+    assert (mine_err <= 1e-6 * want).all() and (want > 0.5).all()
     torch.testing.assert_close(stats.var(unbiased=True), flat.var(1, unbiased=True), rtol=0,
                                atol=1e-6 * flat.square().mean().item())
 

@@ -203,7 +203,7 @@ def test_fprop_on_random_problems_matches_float64(p, tile, hook, dtype, layout, 
     terms = _magnitude_of_terms(_hooked(x, hooks["prologue"], hooks["act_in"]), w, b, p.conv)
     _check(f"fprop {p} {tile} {hook}", out, eager, truth, dtype, magnitude=terms)
     if stats:
-        for what in ("sum", "sum_sq"):
+        for what in ("sum", "m2"):
             _check(f"fprop {p} stats {what}", getattr(st_, what), getattr(eager_st, what), getattr(truth_st, what),
                    dtype, STATS_FLOOR)  # fmt: skip
 

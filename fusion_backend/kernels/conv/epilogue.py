@@ -15,7 +15,9 @@ Order (per element, all in fp32 from the fp32 accumulator; one rounding, at the 
     v = act_out(v)
     v = v + residual[m, c]                  (RESIDUAL == after the activation)
     out[m, c] = round(v)
-    stats: sum and sum of squares over the tile's rows of round(v), in fp32
+    stats: per channel, over the tile's rows of round(v), in fp32: a shift k (the tile's mean as fp32
+           rounds it), the sum of (round(v) - k), and the sum of the squared deviations from
+           k + that sum / rows (three passes over the tile in registers; ``stats`` module docstring)
 
 The conv output is not rounded to the output dtype before the bias (the library path, conv then a
 pointwise kernel, rounds it there): one rounding is closer to the float64 truth, and the tests measure
@@ -56,8 +58,9 @@ def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, conv_ptr, scale_ptr, bias_
     q_ptr     CHAIN (a tuple of ``chain_math.MAX_SLOTS`` op codes, all 0: none): the chain's operand
               matrix, fp32 ``(chain_math.NUM_PARAM_ROWS, C_OUT)`` contiguous (``epilogue.build_params``).
     res_ptr   RESIDUAL (1 before ACT_OUT, 2 after): the residual, the output's dtype and strides.
-    part_ptr  STATS: fp32 ``(2, M_TILES, C_OUT)`` contiguous: ``[0, pid_m, c]`` the tile's sum over its
-              rows, ``[1, pid_m, c]`` its sum of squares (of the stored values).
+    part_ptr  STATS: fp32 ``(3, M_TILES, C_OUT)`` contiguous, of the tile's stored values: ``[0, pid_m, c]``
+              the shift ``k``, ``[1, pid_m, c]`` their sum less ``k`` per row, ``[2, pid_m, c]`` their
+              sum of squared deviations from their mean (``stats.reduce_partials`` combines them).
     BIG       int64 element offsets.
     """
     if BIG:
@@ -85,5 +88,11 @@ def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, conv_ptr, scale_ptr, bias_
     tl.store(out_ptr + offs, y, mask=mask)
     if STATS:
         s = tl.where(mask, y.to(tl.float32), 0.0)
-        tl.store(part_ptr + pid_m * C_OUT + c, tl.sum(s, axis=0), mask=c_ok)
-        tl.store(part_ptr + (M_TILES + pid_m) * C_OUT + c, tl.sum(s * s, axis=0), mask=c_ok)
+        rows = tl.sum(m_ok.to(tl.float32), axis=0)  # a launched tile holds at least one row
+        k = tl.sum(s, axis=0) / rows
+        e = tl.where(mask, s - k[None, :], 0.0)  # small where the spread is: exact or nearly
+        e_sum = tl.sum(e, axis=0)
+        d = tl.where(mask, e - (e_sum / rows)[None, :], 0.0)
+        tl.store(part_ptr + pid_m * C_OUT + c, k, mask=c_ok)
+        tl.store(part_ptr + (M_TILES + pid_m) * C_OUT + c, e_sum, mask=c_ok)
+        tl.store(part_ptr + (2 * M_TILES + pid_m) * C_OUT + c, tl.sum(d * d, axis=0), mask=c_ok)

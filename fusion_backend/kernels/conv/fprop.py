@@ -445,13 +445,13 @@ class _Plan:
         out = torch.empty_strided(geo.out_shape, self.out_stride, dtype=self.dtype, device=self.device)
         partials = None
         if self.stats:
-            partials = torch.empty((2, self.m_tiles, geo.c_out), dtype=torch.float32, device=self.device)
+            partials = torch.empty((3, self.m_tiles, geo.c_out), dtype=torch.float32, device=self.device)
         p = [out if t is None else t for t in hooks.prologue_tensors(prologue)]
         q = out if self.chain is None else self.chain.build(tensor_rows(chain, None))
         self.launch(x, w, out if scale is None else scale, out if bias is None else bias,
                     out if residual is None else residual, out, saved if self.save_conv else out,
                     out if partials is None else partials, q, *p, *slopes)  # fmt: skip
-        return out, None if partials is None else reduce_partials(partials, geo.m)
+        return out, None if partials is None else reduce_partials(partials, geo.m, self.tile.block_m)
 
 
 #: Launch plans by ``plan_key`` of a call's signature.

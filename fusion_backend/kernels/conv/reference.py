@@ -97,7 +97,7 @@ def conv_fprop_reference(
     dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, ChannelStats | None]:
     """``conv_fprop``'s result computed op by op in ``dtype`` (None: x's) on x's device; the
-    statistics are float64 sums of the output as returned (in ``dtype``)."""
+    statistics are float64 (sums and squared deviations) of the output as returned (in ``dtype``)."""
     dtype = x.dtype if dtype is None else dtype
     v = apply_activation(apply_prologue(x.to(dtype), prologue, dtype), act_in)
     conv = _CONV[x.dim()]
@@ -117,7 +117,8 @@ def conv_fprop_reference(
     if not stats:
         return y, None
     flat = y.double().transpose(0, 1).reshape(y.shape[1], -1)
-    return y, ChannelStats(flat.sum(1), (flat * flat).sum(1), flat.shape[1])
+    deviations = flat - flat.mean(1, keepdim=True)
+    return y, ChannelStats(flat.sum(1), (deviations * deviations).sum(1), flat.shape[1])
 
 
 _WEIGHT_GRAD = {3: torch.nn.grad.conv1d_weight, 4: torch.nn.grad.conv2d_weight, 5: torch.nn.grad.conv3d_weight}
