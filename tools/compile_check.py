@@ -57,8 +57,9 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   TF32 outside a GPU: ``_launchable_on_cpu_tensors`` lifts that for the recording), on ResNet-50's
   bottleneck 1x1 and 3x3, layer2's strided 3x3 and the 7x7 stem (batch 64), an EfficientNet-B0 depthwise
   3x3 and the SD VAE decoder's 512-channel 3x3 (``CONV_FAMILY_SHAPES``); ``bf16`` or ``fp32`` (TF32);
-  ``-hooked``: a BatchNorm + ReLU's hooks (prologue, relu, output statistics; relu' and the
-  BatchNorm-backward sums; the prologue recomputed in wgrad).  Cases ``{resnet_1x1,resnet_3x3,
+  ``-hooked``: a BatchNorm + ReLU's hooks (prologue, relu, output statistics, and GroupNorm's
+  statistics where 32 divides the output channels; relu' and the BatchNorm-backward sums; the prologue
+  recomputed in wgrad).  Cases ``{resnet_1x1,resnet_3x3,
   resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-{bf16,fp32}[-hooked][-box|-taps]`` (``-box``: the input and
   weight gradients load boxes, the stride-1 shapes alone; the forward has no box path; ``-taps``: the weight
   gradient's several-taps tiles the timed choice weighs, then its first tile on 8 warps with 1 and with 3
@@ -538,7 +539,8 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     (``tiles.candidates``); ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
-    it, an eval norm's scale and shift; dgrad: relu' of the recomputed prologue and the BatchNorm-backward
+    it, an eval norm's scale and shift; then, where 32 divides the output channels, GroupNorm's
+    statistics of 32 groups instead (tiles that do not cross samples); dgrad: relu' of the recomputed prologue and the BatchNorm-backward
     sums; wgrad: the prologue recomputed on load, and the bias gradient where the conv has a bias)."""
     x_shape, w_shape, stride, padding, groups, has_bias = CONV_FAMILY_SHAPES[shape]
     dt = CONV_FAMILY_DTYPES[dtype]
@@ -565,6 +567,8 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             dtile = dataclasses.replace(dfirst, box_w=FAMILY_TILES.box_width(*x_shape[2:], dfirst.block_m))
         FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, saved=dy if hooked else None, **hooks,
                           **geo)  # fmt: skip
+        if hooked and c_out % 32 == 0:  # GroupNorm's statistics (32 groups, as the SD VAE's): per-sample tiles
+            FAMILY.conv_fprop(x, w, bias, stats_groups=32, chain=chain, **hooks, **geo)
         FAMILY.conv_dgrad(dy, w, x_shape, x_prev=x if hooked else None,
                           norm_stats=FAMILY.NormStats(vec, vec) if hooked else None, tile=dtile, **hooks,
                           **geo)  # fmt: skip

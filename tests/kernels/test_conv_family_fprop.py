@@ -352,6 +352,67 @@ def test_statistics_of_the_stored_output_match_float64_and_repeat_bitwise(dtype)
     torch.testing.assert_close(stats.var(unbiased=True), flat.var(1, unbiased=True), rtol=1e-5, atol=0)
 
 
+# name, x shape, weight shape, conv kwargs, stats groups, tile: samples whose rows fill no tile (the
+# 5 x 3 plane of 15 rows against 16-row tiles), several tiles per sample, conv groups across stats groups,
+# depthwise, 1-d and 3-d
+GROUP_STATS = [
+    ("2d-15-rows", (3, 4, 5, 3), (12, 4, 3, 3), dict(padding=1), 4, SMALL_FLAT),
+    ("2d-several-tiles", (2, 6, 9, 7), (8, 3, 3, 3), dict(padding=1, groups=2), 2, SMALL),
+    ("2d-one-group", (2, 5, 6, 6), (6, 5, 3, 3), dict(stride=2, padding=1), 1, SMALL_FLAT),
+    ("depthwise", (2, 6, 7, 5), (6, 1, 3, 3), dict(padding=1, groups=6), 3, None),
+    ("1d", (3, 4, 21), (6, 4, 3), dict(padding=1), 3, SMALL_FLAT),
+    ("3d", (2, 3, 3, 4, 5), (4, 3, 3, 3, 3), dict(padding=1), 2, SMALL_FLAT),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name,xs,ws,conv,groups,tile", GROUP_STATS, ids=[c[0] for c in GROUP_STATS])
+def test_group_statistics_per_sample_and_group_match_float64(name, xs, ws, conv, groups, tile, dtype):
+    """GroupNorm's statistics of the stored output (per sample and group of consecutive channels)
+    against float64, eager's as the yardstick; the output itself is the same bits as without them
+    (only which rows a program computes changes: no tile crosses a sample)."""
+    g = torch.Generator().manual_seed(stable_seed(("group stats", name, str(dtype))))
+    x = _channels_last(_randn(*xs, g=g, dtype=dtype))
+    w, b = _randn(*ws, g=g, scale=0.3, dtype=dtype), _randn(ws[0], g=g, dtype=dtype) + 2.0
+    kw = dict(act_out="silu", tile=tile, **conv)
+    out, stats = conv_fprop(x, w, b, stats_groups=groups, **kw)
+    plain, _ = conv_fprop(x, w, b, **kw)
+    assert torch.equal(out, plain), name
+    kw.pop("tile")
+    _, eager = conv_fprop_reference(x, w, b, stats_groups=groups, **kw)
+    _, truth = conv_fprop_reference(x, w, b, stats_groups=groups, dtype=torch.float64, **kw)
+    assert stats.sum.shape == (xs[0], groups) and stats.count == truth.count == ws[0] // groups * out[0, 0].numel()
+    for what in ("sum", "m2"):
+        why = compare(f"{name} group stats {what}", getattr(stats, what), getattr(eager, what), FLOOR[dtype],
+                      reference=getattr(truth, what))  # fmt: skip
+        assert why is None, why
+    # and of the very values stored: up to the fp32 rounding of the tiles' partials
+    _, exact = conv_fprop_reference(out.double(), torch.eye(ws[0], dtype=torch.float64, device=DEVICE).view(
+        ws[0], ws[0], *(1,) * (x.dim() - 2)), stats_groups=groups)  # fmt: skip
+    torch.testing.assert_close(stats.mean(), exact.mean(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stats.var(), exact.var(), rtol=1e-5, atol=1e-7)
+    again, stats2 = conv_fprop(x, w, b, stats_groups=groups, tile=tile, act_out="silu", **conv)
+    assert torch.equal(stats.sum, stats2.sum) and torch.equal(stats.m2, stats2.m2)  # bitwise, run to run
+
+
+def test_group_statistics_keep_the_variance_of_a_group_whose_mean_dwarfs_its_spread():
+    g = torch.Generator().manual_seed(9)
+    x = _channels_last(_randn(3, 6, 9, 11, g=g))
+    w, b = _randn(8, 6, 3, 3, g=g, scale=0.2), torch.full((8,), 3000.0) + 0.1 * _randn(8, g=g)
+    out, stats = conv_fprop(x, w, b, padding=1, stats_groups=2, tile=SMALL_FLAT)
+    grouped = out.double().reshape(3, 2, -1)
+    want = grouped.var(2, unbiased=False)
+    eager = out.reshape(3, 2, -1).var(2, unbiased=False).double()  # fp32, as eager's GroupNorm
+    mine_err, eager_err = (stats.var() - want).abs(), (eager - want).abs()
+    assert (mine_err <= 4 * eager_err + 1e-6 * want).all(), (mine_err / want, eager_err / want)
+
+
+def test_group_statistics_of_an_empty_batch():
+    x = _channels_last(torch.zeros(0, 5, 6, 7, device=DEVICE))
+    out, stats = conv_fprop(x, torch.zeros(4, 5, 3, 3, device=DEVICE), padding=1, stats_groups=2)
+    assert out.shape == (0, 4, 6, 7) and stats.sum.shape == (0, 2) and stats.count == 2 * 42
+
+
 def test_statistics_keep_the_variance_of_a_channel_whose_mean_dwarfs_its_spread():
     """A bias of 3000 over outputs of spread about 1 (fp32): sums of squares in fp32 partials lose the
     variance (each tile's sum of y^2 rounds at 2**-24 of 9e6 per term, the spread itself), and fp32
@@ -525,6 +586,9 @@ def _bad_calls():
         ("stride must be an int or 2 ints", lambda: conv_fprop(x, w, stride=(1, 1, 1))),
         ("must be >= 1", lambda: conv_fprop(x, w, stride=0)),
         ("empty output", lambda: conv_fprop(x, torch.randn(6, 4, 7, 7, device=DEVICE))),
+        ("stats_groups=4 must divide the 6 output channels", lambda: conv_fprop(x, w, stats_groups=4)),
+        ("stats_groups must be an int >= 0, got -1", lambda: conv_fprop(x, w, stats_groups=-1)),
+        ("stats_groups must be an int >= 0, got True", lambda: conv_fprop(x, w, stats_groups=True)),
         ("bias must be", lambda: conv_fprop(x, w, torch.ones(5, device=DEVICE))),
         ("scale must be .* contiguous", lambda: conv_fprop(x, w, scale=torch.ones(8, device=DEVICE)[::2])),
         ("residual must be channels-last dense", lambda: conv_fprop(x, w, padding=1, residual=cl.contiguous())),

@@ -17,7 +17,8 @@ Modules (one responsibility each):
                 the timed choice among a few candidates per call signature (cached on disk);
 * ``prologue``  device: the A tile of the implicit GEMM, gathered with the prologue applied;
 * ``epilogue``  device: bias, the pointwise chain, activation, residual, store, per-tile statistics;
-* ``stats``     the statistics' host reduction (deterministic) and ``ChannelStats``;
+* ``stats``     the statistics' host reduction (deterministic), ``ChannelStats`` (BatchNorm's) and
+                ``GroupStats`` (GroupNorm's);
 * ``fprop``     the forward kernel, its launcher ``conv_fprop`` and its plan ``fprop_plan``;
 * ``dgrad``     the input gradient (also a transposed conv's forward) and ``conv_dgrad``;
 * ``grad_epilogue`` device: dgrad's store with the backward hooks (act', BatchNorm-backward sums);
@@ -36,7 +37,7 @@ nothing (inference), where it measures faster than its other paths (``ops/conv_e
 from .dgrad import conv_dgrad
 from .fprop import FpropCall, conv_fprop, fprop_plan
 from .hooks import Activation, ChannelAffine, GroupAffine, NormStats, SampleChannelScale
-from .stats import BatchNormGradSums, ChannelStats
+from .stats import BatchNormGradSums, ChannelStats, GroupStats
 from .tiles import TileConfig, pick_tile
 from .wgrad import conv_wgrad
 
@@ -47,6 +48,7 @@ __all__ = [
     "ChannelStats",
     "FpropCall",
     "GroupAffine",
+    "GroupStats",
     "NormStats",
     "SampleChannelScale",
     "TileConfig",

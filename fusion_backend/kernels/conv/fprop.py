@@ -37,7 +37,8 @@ GEMM mapping (every rank lifted to 3d with leading size-1 spatial dims):
 Hooks (``hooks``; device code in ``prologue`` and ``epilogue``): the A tile applies the prologue and
 the input activation, then zeroes the padded taps (the conv pads the activated tensor); the store
 applies the scale and the bias, the pointwise chain, the output activation, the residual (before or
-after that activation) and writes the per-channel partial statistics of the stored values.
+after that activation) and writes the per-channel partial statistics of the stored values (per M
+tile; for GroupNorm's statistics, ``stats_groups``, the M tiles do not cross samples: ``_tile_rows``).
 
 Numerics: fp16/bf16 operands with fp32 accumulation, output in the input dtype; fp32 operands dot
 in TF32 (each operand rounded to nearest first, ``kernels.tf32``) iff ``torch.backends.cudnn.
@@ -70,7 +71,14 @@ from . import hooks
 from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile, load_depthwise_tile, window_rows
-from .stats import ChannelStats, empty_stats, reduce_partials
+from .stats import (
+    ChannelStats,
+    GroupStats,
+    empty_group_stats,
+    empty_stats,
+    reduce_group_partials,
+    reduce_partials,
+)
 from .tiles import TileConfig, cached_plan, candidates, compiling_only, tuned_tile
 
 _INT32_LIMIT = 2**31 - 1
@@ -91,7 +99,7 @@ _INTERPRETER_DTYPES = (torch.float32, torch.float16)
 def conv_fprop_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr,
     p3_ptr, slope_in, slope_out,
-    M, D, H, W, OD, OH, OW, C_IN, C_OUT, C_OUT_G, M_TILES,
+    M, D, H, W, OD, OH, OW, C_IN, C_OUT, C_OUT_G, M_TILES, SAMPLE_ROWS, SAMPLE_TILES,
     x_sn, x_sd, x_sh, x_sw,
     C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, K_ROW: tl.constexpr, COUT_PAD: tl.constexpr,
     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
@@ -101,8 +109,9 @@ def conv_fprop_kernel(
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
     SAVE_CONV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr,
     ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr,
-    STATS: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
-    DEPTHWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STATS: tl.constexpr, PER_SAMPLE: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr,
+    FLAT_K: tl.constexpr, DEPTHWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile of group ``program_id(2)`` (module docstring); with
     ``DEPTHWISE`` (one input channel per group) ``BLOCK_N`` output channels of any groups, computed
@@ -119,7 +128,9 @@ def conv_fprop_kernel(
       p0..p3   the prologue's vectors (``prologue.normalise``).
     Unused pointers receive any tensor and are never dereferenced.
     Runtime: ``slope_in`` / ``slope_out`` the leaky slopes; ``M = N * OD * OH * OW``; ``C_OUT_G`` the
-    group's output channels; ``M_TILES`` the grid's first dim.  Constexprs: ``C_IN_G`` input channels
+    group's output channels; ``M_TILES`` the grid's first dim; with ``PER_SAMPLE`` (GroupNorm's
+    statistics: no tile crosses a sample) ``SAMPLE_TILES`` tiles per sample of ``SAMPLE_ROWS`` rows
+    (:func:`_tile_rows`), else both unused.  Constexprs: ``C_IN_G`` input channels
     per group, ``CIN_PAD`` (tap-major) those rounded up to ``BLOCK_K``, ``K_ROW`` one output channel's
     K extent in ``w``; kernel size ``K*``, stride ``S*``, padding ``P*``, dilation ``D*`` per dim;
     the hooks' codes (``hooks``); ``PRECISION`` the dot's input precision; ``BIG`` int64 offsets.
@@ -129,9 +140,10 @@ def conv_fprop_kernel(
     g = tl.program_id(2)
     K_ITERS: tl.constexpr = K_ROW // BLOCK_K  # tap-major: taps x CIN_PAD // BLOCK_K channel blocks
     compute = w_ptr.dtype.element_ty
+    m, m_ok = _tile_rows(pid_m, M, SAMPLE_ROWS, SAMPLE_TILES, PER_SAMPLE, BLOCK_M)
     if DEPTHWISE:
-        m, m_ok, c, c_ok, acc = _depthwise_tile(
-            x_ptr, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, pid_n, M, D, H, W, OD, OH, OW, C_IN,
+        c, c_ok, acc = _depthwise_tile(
+            x_ptr, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, m, m_ok, pid_n, M, D, H, W, OD, OH, OW, C_IN,
             C_OUT, C_OUT_G, x_sn, x_sd, x_sh, x_sw, KD, KH, KW, SD, SH, SW, PD, PH, PW, DD, DH, DW, PROLOGUE,
             G_NORM, NORM_AFFINE, ACT_IN, BIG, BLOCK_M, BLOCK_N)  # fmt: skip
         store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr, part_ptr, q_ptr,
@@ -141,8 +153,6 @@ def conv_fprop_kernel(
 
     PADDED: tl.constexpr = (PD > 0) or (PH > 0) or (PW > 0)
     co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < M
     # rows past M read the last row's window (``load_a_tile`` loads them unmasked); never stored
     n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(tl.minimum(m, M - 1), OD, OH, OW, SD, SH, SW, PD, PH, PW,
                                                          x_sn, x_sd, x_sh, x_sw, BIG)  # fmt: skip
@@ -166,7 +176,22 @@ def conv_fprop_kernel(
 
 
 @triton.jit
-def _depthwise_tile(x_ptr, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, pid_n, M, D, H, W, OD, OH, OW,
+def _tile_rows(pid_m, M, SAMPLE_ROWS, SAMPLE_TILES, PER_SAMPLE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The output rows of M tile ``pid_m`` and which of them are real: ``BLOCK_M`` consecutive rows of
+    the ``M``; with ``PER_SAMPLE``, tile ``t`` of sample ``i = pid_m // SAMPLE_TILES`` (``t = pid_m %
+    SAMPLE_TILES``), rows ``[t * BLOCK_M, (t + 1) * BLOCK_M)`` of the sample's ``SAMPLE_ROWS``, so that
+    a tile's statistics are one sample's (GroupNorm's).  Rows past the end are not real (their
+    addresses stay inside the output: a caller clamps them to ``M - 1`` before it reads)."""
+    r = tl.arange(0, BLOCK_M)
+    if PER_SAMPLE:
+        within = (pid_m % SAMPLE_TILES) * BLOCK_M + r
+        return (pid_m // SAMPLE_TILES) * SAMPLE_ROWS + within, within < SAMPLE_ROWS
+    m = pid_m * BLOCK_M + r
+    return m, m < M
+
+
+@triton.jit
+def _depthwise_tile(x_ptr, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, m, m_ok, pid_n, M, D, H, W, OD, OH, OW,
                     C_IN, C_OUT, MULT, x_sn, x_sd, x_sh, x_sw,
                     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                     SD: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
@@ -177,14 +202,13 @@ def _depthwise_tile(x_ptr, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_
     """The fp32 ``[BLOCK_M, BLOCK_N]`` accumulator of a conv with one input channel per group (depthwise,
     channel multiplier ``MULT``): output channel ``c`` reads input channel ``c // MULT``; per tap, one
     load of the rows' ``BLOCK_N`` input channels (contiguous, channels-last) through the prologue, times
-    the channels' weights ``w[c * taps + tap]``, accumulated in fp32 (no dot: K is just the taps).  The
-    input is rounded to the weight's dtype before the product, as the GEMM form's operand is.  Returns
-    ``(m, m_ok, c, c_ok, acc)`` for the epilogue."""
+    the channels' weights ``w[c * taps + tap]``, accumulated in fp32 (no dot: K is just the taps), for
+    the rows ``m`` (``m_ok`` the real ones; :func:`_tile_rows`).  The input is rounded to the weight's
+    dtype before the product, as the GEMM form's operand is.  Returns ``(c, c_ok, acc)`` for the
+    epilogue."""
     TAPS: tl.constexpr = KD * KH * KW
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < M
-    n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(m, OD, OH, OW, SD, SH, SW, PD, PH, PW, x_sn, x_sd, x_sh,
-                                                         x_sw, BIG)  # fmt: skip
+    n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(tl.minimum(m, M - 1), OD, OH, OW, SD, SH, SW, PD, PH, PW,
+                                                         x_sn, x_sd, x_sh, x_sw, BIG)  # fmt: skip
     c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ok = c < C_OUT
     ci = c // MULT
@@ -198,7 +222,7 @@ def _depthwise_tile(x_ptr, w_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_
                                 G_NORM, NORM_AFFINE, ACT_IN, w_ptr.dtype.element_ty)  # fmt: skip
         wv = tl.load(w_ptr + c * TAPS + tap, mask=c_ok, other=0.0).to(tl.float32)
         acc += a.to(tl.float32) * wv[None, :]
-    return m, m_ok, c, c_ok, acc
+    return c, c_ok, acc
 
 
 # --------------------------------------------------------------------------------------------------
@@ -378,8 +402,12 @@ class _Plan:
 
     def __init__(self, geo: _Geometry, x: torch.Tensor, weight: torch.Tensor, prologue: Prologue | None, act_in: int,
                  act_out: int, has_scale: bool, has_bias: bool, chain: Sequence[KernelStep], residual_mode: int,
-                 stats: bool, tile: TileConfig, precision: str, save_conv: bool = False) -> None:  # fmt: skip
-        self.geo, self.tile, self.stats, self.save_conv = geo, tile, stats, save_conv
+                 stats: bool, tile: TileConfig, precision: str, save_conv: bool = False,
+                 stats_groups: int = 0) -> None:  # fmt: skip
+        self.geo, self.tile, self.stats, self.save_conv = geo, tile, stats or stats_groups > 0, save_conv
+        #: GroupNorm's statistics (groups of output channels per sample): tiles that do not cross samples
+        self.stats_groups = stats_groups
+        self.sample_rows = math.prod(geo.out_size)
         #: the output's strides (channels-last dense), so that a call allocates it in one op
         self.out_stride = empty_channels_last(geo.out_shape, x.dtype, torch.device("meta")).stride()
         #: the chain's operand matrix, assembled per call from its tensor operands (None: no chain)
@@ -399,7 +427,8 @@ class _Plan:
         #: ``(groups, COUT_PAD, K_ROW)`` matrix already where the tile needs no padding
         self.weight_in_place = (dense_channels_last(weight) and not tile.flat_k and cin_pad == geo.c_in_g
                                 and cout_pad == geo.c_out_g)  # fmt: skip
-        self.m_tiles = cdiv(geo.m, tile.block_m)
+        self.sample_tiles = cdiv(self.sample_rows, tile.block_m)
+        self.m_tiles = geo.n * self.sample_tiles if stats_groups else cdiv(geo.m, tile.block_m)
         #: one input channel per group: the direct depthwise tile (``_depthwise_tile``), over all channels
         self.depthwise = geo.c_in_g == 1
         if self.depthwise:
@@ -418,22 +447,24 @@ class _Plan:
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
             SAVE_CONV=save_conv, HAS_SCALE=has_scale, HAS_BIAS=has_bias, CHAIN=op_codes(chain), ACT_OUT=act_out,
-            RESIDUAL=residual_mode, STATS=stats,
+            RESIDUAL=residual_mode, STATS=self.stats, PER_SAMPLE=stats_groups > 0,
             PRECISION=precision, BIG=big, FLAT_K=tile.flat_k, DEPTHWISE=self.depthwise, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
-        fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, *x_strides)
+        fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, self.sample_rows,
+                 self.sample_tiles, *x_strides)  # fmt: skip
         self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
             chain: Sequence[KernelStep], residual: torch.Tensor | None, prologue: Prologue | None,
-            slopes: tuple[float, float], saved: torch.Tensor | None = None) -> tuple[torch.Tensor, ChannelStats | None]:  # fmt: skip
+            slopes: tuple[float, float], saved: torch.Tensor | None = None,
+            ) -> tuple[torch.Tensor, ChannelStats | GroupStats | None]:  # fmt: skip
         geo = self.geo
         if self.save_conv and saved is None:
             raise ContractError("this plan writes the conv's raw result: pass saved")
         if geo.m == 0:  # N == 0: nothing to launch
             out = empty_channels_last(geo.out_shape, self.dtype, self.device)
-            return out, (empty_stats(geo.c_out, self.device) if self.stats else None)
+            return out, self._empty_stats()
         if self.relayout:
             x = to_channels_last(x)
         if self.depthwise:  # (C_out, taps) rows, as the weight of one input channel per group is laid out
@@ -451,7 +482,19 @@ class _Plan:
         self.launch(x, w, out if scale is None else scale, out if bias is None else bias,
                     out if residual is None else residual, out, saved if self.save_conv else out,
                     out if partials is None else partials, q, *p, *slopes)  # fmt: skip
-        return out, None if partials is None else reduce_partials(partials, geo.m, self.tile.block_m)
+        if partials is None:
+            return out, None
+        if self.stats_groups:
+            return out, reduce_group_partials(partials, geo.n, self.sample_rows, self.tile.block_m, self.stats_groups)
+        return out, reduce_partials(partials, geo.m, self.tile.block_m)
+
+    def _empty_stats(self) -> ChannelStats | GroupStats | None:
+        if not self.stats:
+            return None
+        if self.stats_groups:
+            return empty_group_stats(self.stats_groups, self.sample_rows * self.geo.c_out // self.stats_groups,
+                                     self.device)  # fmt: skip
+        return empty_stats(self.geo.c_out, self.device)
 
 
 #: Launch plans by ``plan_key`` of a call's signature.
@@ -475,12 +518,13 @@ def conv_fprop(
     residual: torch.Tensor | None = None,
     residual_after_act: bool = False,
     stats: bool = False,
+    stats_groups: int = 0,
     saved: torch.Tensor | None = None,
     tile: TileConfig | None = None,
     allow_tf32: bool | None = None,
-) -> tuple[torch.Tensor, ChannelStats | None]:
+) -> tuple[torch.Tensor, ChannelStats | GroupStats | None]:
     """``out = act_out(chain(conv(act_in(prologue(x)), weight) * scale + bias) [+ residual]) [+ residual]``
-    and, with ``stats``, the per-channel sums of ``out`` and ``out**2``, in one kernel launch.
+    and, with ``stats``, the next normalization's statistics of ``out``, in one kernel launch.
 
     x         (N, C_in, *spatial), 1 to 3 spatial dims, fp32/fp16/bf16 (no bf16 under the interpreter),
               on CUDA (on CPU under ``TRITON_INTERPRET=1``).  Channels-last strides (channel stride 1;
@@ -504,7 +548,10 @@ def conv_fprop(
               C_out values on x's device.
     residual  None or a tensor of the output's shape and dtype, channels-last dense; added before
               ``act_out`` (ResNet) or, with ``residual_after_act``, after it.
-    stats     also return ``stats.ChannelStats`` of the stored output (deterministic; ``epilogue``).
+    stats     also return ``stats.ChannelStats`` of the stored output (BatchNorm's: per channel over the
+              batch; deterministic; ``epilogue``).
+    stats_groups: G > 0 instead returns ``stats.GroupStats`` (GroupNorm's: per sample and group of
+              ``C_out / G`` consecutive channels; G divides C_out); its tiles then do not cross samples.
     saved     None or a tensor of the output's shape, channels-last dense, fp32/fp16/bf16: also written,
               with the conv's raw result rounded to its dtype (before scale, bias, chain and residual),
               which a training forward keeps for its backward.
@@ -520,8 +567,8 @@ def conv_fprop(
     """
     plan = fprop_plan(x, weight, bias, stride=stride, padding=padding, dilation=dilation, groups=groups,
                       prologue=prologue, act_in=act_in, scale=scale, chain=chain, act_out=act_out, residual=residual,
-                      residual_after_act=residual_after_act, stats=stats, saved=saved, tile=tile,
-                      allow_tf32=allow_tf32)  # fmt: skip
+                      residual_after_act=residual_after_act, stats=stats, stats_groups=stats_groups, saved=saved,
+                      tile=tile, allow_tf32=allow_tf32)  # fmt: skip
     return plan(x, weight, scale, bias, chain, residual, prologue, saved)
 
 
@@ -539,7 +586,7 @@ class FpropCall:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                  chain: Sequence[KernelStep], residual: torch.Tensor | None, prologue: Prologue | None,
-                 saved: torch.Tensor | None = None) -> tuple[torch.Tensor, ChannelStats | None]:  # fmt: skip
+                 saved: torch.Tensor | None = None) -> tuple[torch.Tensor, ChannelStats | GroupStats | None]:  # fmt: skip
         return self.plan.run(x, weight, scale, bias, chain, residual, prologue, self.slopes, saved)
 
 
@@ -560,6 +607,7 @@ def fprop_plan(
     residual: torch.Tensor | None = None,
     residual_after_act: bool = False,
     stats: bool = False,
+    stats_groups: int = 0,
     saved: torch.Tensor | None = None,
     tile: TileConfig | None = None,
     allow_tf32: bool | None = None,
@@ -580,10 +628,14 @@ def fprop_plan(
     precision_flag = bool(torch.backends.cudnn.allow_tf32 if allow_tf32 is None else allow_tf32)
     key = plan_key(x, weight, scale, bias, residual, saved, *hooks.prologue_tensors(prologue), hooks.plan_parts(prologue),
                    _hashable(stride), _hashable(padding), _hashable(dilation), groups, code_in, code_out,
-                   _chain_key(chain), residual_mode, bool(stats), tile, precision_flag)  # fmt: skip
+                   _chain_key(chain), residual_mode, bool(stats), stats_groups, tile, precision_flag)  # fmt: skip
 
     def build() -> _Plan:
         geo = _check_call(x, weight, scale, bias, residual, stride, padding, dilation, groups, saved)
+        if not isinstance(stats_groups, int) or isinstance(stats_groups, bool) or stats_groups < 0:
+            raise ContractError(f"stats_groups must be an int >= 0, got {stats_groups!r}")
+        if stats_groups and geo.c_out % stats_groups:
+            raise ContractError(f"stats_groups={stats_groups} must divide the {geo.c_out} output channels")
         hooks.check_prologue(prologue, geo.n, geo.c_in, x.device)
         _check_chain(chain, geo.c_out, x.device)
         precision = dot_precision(x.dtype, precision_flag, INTERPRETER)
@@ -591,7 +643,7 @@ def fprop_plan(
         def plan_with(t: TileConfig) -> _Plan:
             t.check_for("fprop")
             return _Plan(geo, x, weight, prologue, code_in, code_out, scale is not None, bias is not None, chain,
-                         residual_mode, bool(stats), t, precision, saved is not None)  # fmt: skip
+                         residual_mode, bool(stats), t, precision, saved is not None, stats_groups)  # fmt: skip
 
         if tile is not None:
             return plan_with(tile)

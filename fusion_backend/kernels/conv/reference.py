@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ..chain_math import KernelStep
 from . import hooks
 from .hooks import ActivationLike, Prologue
-from .stats import BatchNormGradSums, ChannelStats
+from .stats import BatchNormGradSums, ChannelStats, GroupStats
 
 _CONV = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
 
@@ -95,9 +95,11 @@ def conv_fprop_reference(
     residual_after_act: bool = False,
     stats: bool = False,
     dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, ChannelStats | None]:
+    stats_groups: int = 0,
+) -> tuple[torch.Tensor, ChannelStats | GroupStats | None]:
     """``conv_fprop``'s result computed op by op in ``dtype`` (None: x's) on x's device; the
-    statistics are float64 (sums and squared deviations) of the output as returned (in ``dtype``)."""
+    statistics are float64 (sums and squared deviations) of the output as returned (in ``dtype``):
+    per channel, or with ``stats_groups`` per sample and group of channels (``conv_fprop``'s)."""
     dtype = x.dtype if dtype is None else dtype
     v = apply_activation(apply_prologue(x.to(dtype), prologue, dtype), act_in)
     conv = _CONV[x.dim()]
@@ -114,6 +116,10 @@ def conv_fprop_reference(
     y = apply_activation(y, act_out)
     if residual is not None and residual_after_act:
         y = y + residual.to(dtype)
+    if stats_groups:
+        grouped = y.double().reshape(y.shape[0], stats_groups, -1)
+        deviations = grouped - grouped.mean(2, keepdim=True)
+        return y, GroupStats(grouped.sum(2), (deviations * deviations).sum(2), grouped.shape[2])
     if not stats:
         return y, None
     flat = y.double().transpose(0, 1).reshape(y.shape[1], -1)

@@ -48,18 +48,67 @@ class ChannelStats:
         return self.m2 + (self.sum * self.sum / self.count if self.count else 0.0)
 
 
-def reduce_partials(partials: torch.Tensor, count: int, block_m: int) -> ChannelStats:
-    """The statistics from the kernel's partials, fp32 ``(3, M_TILES, C_out)`` contiguous (per tile: the
-    shift ``k``, the sum of the values less ``k``, the sum of their squared deviations from their mean),
-    over ``count`` output positions, tile ``t`` holding rows ``[t * block_m, (t + 1) * block_m)`` of
-    them: ``mean_t = k + Σ(y - k) / n_t``, ``M2 = Σ_t M2_t + Σ_t n_t (mean_t - mean)^2``."""
+@dataclass(frozen=True)
+class GroupStats:
+    """GroupNorm's statistics of a conv's output: ``sum`` and ``m2`` float64 ``(N, G)`` over the ``count``
+    values (``C_out / G`` channels times ``OD * OH * OW`` positions) of each sample's group of
+    channels: their sum and their sum of squared deviations from the group's mean."""
+
+    sum: torch.Tensor
+    m2: torch.Tensor
+    count: int
+
+    def mean(self) -> torch.Tensor:
+        """float64 ``(N, G)`` mean (NaN where a group holds no value)."""
+        return self.sum / self.count if self.count else torch.full_like(self.sum, float("nan"))
+
+    def var(self) -> torch.Tensor:
+        """float64 ``(N, G)`` biased variance (GroupNorm normalises with it)."""
+        return self.m2 / self.count if self.count else torch.full_like(self.m2, float("nan"))
+
+
+def _combine(partials: torch.Tensor, rows: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum, m2)`` float64 of the values whose partials (fp32 ``(3, ...)``: shift, shifted sum,
+    squared deviations) are combined over ``dims`` (of the partials less their first axis), ``rows``
+    (broadcastable to them) each partial's count: ``mean_t = k + Σ(y - k) / n_t``, ``M2 = Σ_t M2_t +
+    Σ_t n_t (mean_t - mean)^2`` (Chan et al.), in a fixed order."""
     shift, shifted_sum, m2 = partials.to(torch.float64).unbind(0)
-    rows = torch.arange(shift.shape[0], dtype=torch.float64, device=shift.device) * block_m
-    n_t = (count - rows).clamp(max=block_m)[:, None]
-    tile_mean = shift + shifted_sum / n_t
-    total = (n_t * tile_mean).sum(dim=0)
-    spread = n_t * (tile_mean - total / count) ** 2
-    return ChannelStats(total, m2.sum(dim=0) + spread.sum(dim=0), count)
+    tile_mean = shift + shifted_sum / rows
+    total = (rows * tile_mean).sum(dim=dims, keepdim=True)
+    count = (rows * torch.ones_like(tile_mean)).sum(dim=dims, keepdim=True)
+    spread = rows * (tile_mean - total / count) ** 2
+    return total.sum(dim=dims), m2.sum(dim=dims) + spread.sum(dim=dims)  # (size 1 along dims: summed away)
+
+
+def reduce_partials(partials: torch.Tensor, count: int, block_m: int) -> ChannelStats:
+    """The per-channel statistics from the kernel's partials, fp32 ``(3, M_TILES, C_out)`` contiguous
+    (per tile: the shift ``k``, the sum of the values less ``k``, the sum of their squared deviations
+    from their mean), over ``count`` output positions, tile ``t`` holding rows ``[t * block_m, (t +
+    1) * block_m)`` of them."""
+    starts = torch.arange(partials.shape[1], dtype=torch.float64, device=partials.device) * block_m
+    rows = (count - starts).clamp(max=block_m)[:, None]
+    total, m2 = _combine(partials, rows, (0,))
+    return ChannelStats(total, m2, count)
+
+
+def reduce_group_partials(partials: torch.Tensor, n: int, rows_per_sample: int, block_m: int,
+                          groups: int) -> GroupStats:  # fmt: skip
+    """GroupNorm's statistics from the kernel's partials of a launch whose tiles do not cross samples,
+    fp32 ``(3, n * T, C_out)`` contiguous (as :func:`reduce_partials`'s; tile ``i * T + t`` holds rows
+    ``[t * block_m, (t + 1) * block_m)`` of sample ``i``'s ``rows_per_sample``, ``T`` their tiles),
+    over each sample's ``groups`` groups of ``C_out / groups`` consecutive channels."""
+    tiles, c_out = partials.shape[1] // n, partials.shape[2]
+    starts = torch.arange(tiles, dtype=torch.float64, device=partials.device) * block_m
+    rows = (rows_per_sample - starts).clamp(max=block_m).view(1, tiles, 1, 1)
+    grouped = partials.view(3, n, tiles, groups, c_out // groups)
+    total, m2 = _combine(grouped, rows, (1, 3))
+    return GroupStats(total, m2, rows_per_sample * (c_out // groups))
+
+
+def empty_group_stats(groups: int, count: int, device: torch.device) -> GroupStats:
+    """The statistics of an empty batch (no sample): ``(0, groups)`` sums."""
+    zeros = torch.zeros(0, groups, dtype=torch.float64, device=device)
+    return GroupStats(zeros, zeros.clone(), count)
 
 
 def empty_stats(c_out: int, device: torch.device) -> ChannelStats:
