@@ -401,6 +401,71 @@ def test_statistics_and_gradients_are_bitwise_reproducible(kernels, kernel_devic
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+# ------------------------------------------------------------------------------------------------
+# The conv family's forward as the norm's conv (its statistics written as it stores)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def family_conv(monkeypatch, kernel_device) -> str:
+    """The Triton path with the conv family's forward forced as the norm's conv (``statistics.py``)."""
+    from fusion_backend import environment
+
+    monkeypatch.setenv(environment.CONV_IMPL, "family")
+    if kernel_device == "cpu":
+        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    return kernel_device
+
+
+#: name -> (conv, C_in, C_out, spatial size, post, pool, dtype, batch): 2-d and 3-d, grouped, strided,
+#: pooled, fp16; the bias far from zero (``make``) so that the mean's path matters
+FAMILY_CASES = {
+    "conv2d stride, chain": (CONV2D, 3, 6, (6, 7), POST, None, torch.float32, 2),
+    "conv3d groups, relu": (CONV3D, 4, 6, (3, 4, 5), (ChainStep(K.RELU),), None, torch.float32, 1),
+    "conv2d max pool": (CONV2D, 3, 5, (7, 8), (ChainStep(K.RELU),), MAX_3_2_1, torch.float32, 3),
+    "conv2d fp16": (CONV2D, 3, 4, (5, 6), POST, None, torch.float16, 2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CASES))
+def test_the_conv_familys_forward_as_the_norms_conv_matches_float64(name, family_conv, monkeypatch) -> None:
+    from fusion_backend.kernels import conv as family
+    from fusion_backend.ops.conv_batch_norm import statistics
+
+    launches = []
+    real = family.conv_fprop
+    monkeypatch.setattr(family, "conv_fprop", lambda *a, **k: launches.append(k["stats"]) or real(*a, **k))
+    monkeypatch.setattr(statistics, "_library", lambda *a: pytest.fail("the library conv ran"))
+    spec, c_in, c_out, size, post, pool, dtype, batch = FAMILY_CASES[name]
+    cfg = ConvBatchNormConfig(spec, 1e-5, 0.1, 0, 1, False, post, pool=pool)
+    tensors = make(spec, c_in, c_out, size, len(name), dtype=dtype, batch=batch)
+    check(cfg, tensors, family_conv, layout=lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4
+          else t.contiguous(memory_format=torch.channels_last_3d))  # fmt: skip
+    assert launches == [True]
+
+
+def test_the_conv_familys_statistics_and_saved_output_are_the_library_paths(family_conv, monkeypatch) -> None:
+    from fusion_backend import environment
+
+    x, w, b, *ops = [t.to(family_conv) for t in make(CONV2D, 3, 6, (5, 6), 1)]
+    x = x.contiguous(memory_format=torch.channels_last)
+    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1).to_json()
+    out, saved_y, _, stats = conv_batch_norm_fwd(x, w, b, ops, cfg, True)
+    monkeypatch.setenv(environment.CONV_IMPL, "library")
+    out_lib, saved_lib, _, stats_lib = conv_batch_norm_fwd(x, w, b, ops, cfg, True)
+    assert saved_y.stride() == saved_lib.stride() and out.stride() == out_lib.stride()
+    torch.testing.assert_close(saved_y, saved_lib, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats, stats_lib, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, out_lib, rtol=1e-5, atol=1e-5)
+
+
+def test_a_conv_the_family_cannot_run_is_named_when_forced(family_conv) -> None:
+    spec, c_in, c_out, size, wi, bi, post, batch = CASES["conv_transpose1d no affine, gelu"]
+    x, w, b, *ops = [t.to(family_conv) for t in make(spec, c_in, c_out, size, 1, batch=batch)]
+    with pytest.raises(UnsupportedInputError, match="FUSION_CONV_IMPL=family but .* a transposed conv"):
+        conv_batch_norm(x, w, b, ops, ConvBatchNormConfig(spec, strict=True).to_json())
+
+
 def test_bad_inputs_get_one_line_errors() -> None:
     x, w, b, *ops = make(CONV2D, 3, 6, (5, 6), 1)
     with pytest.raises(UnsupportedInputError, match="needs x and weight with 4 dims"):

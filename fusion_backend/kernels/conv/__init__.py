@@ -31,7 +31,9 @@ and on the H200 (fp32, fp16, bf16); the forward near cuDNN's speed, the gradient
 descriptors (``tiles`` module docstring), a candidate of the timed tile choice, checked on CPU and by
 the sm_90 compile, not yet timed on a GPU.  Used by ``fusion::conv_epilogue``'s forward for calls that save
 nothing (inference), where it measures faster than its other paths (``ops/conv_epilogue/forward.py``,
-``FamilyForward``); the hooks are not used by a fused op yet.
+``FamilyForward``), and by ``fusion::conv_batch_norm``'s forward for its conv and the output's
+statistics, where that measures faster than the library conv and the statistics kernel
+(``ops/conv_batch_norm/statistics.py``); the backward hooks are not used by a fused op yet.
 """
 
 from .dgrad import conv_dgrad

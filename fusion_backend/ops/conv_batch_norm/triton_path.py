@@ -1,8 +1,9 @@
 """The Triton path of ``fusion::conv_batch_norm`` (the frame every family's: ``ops/declare.py``).
 
-Forward: ``kernels/batch_norm.py``'s statistics kernel (per channel and chunk), their fixed-order
-combine, and the kernel that adds the bias, normalises, scales and shifts per channel, applies the
-post-chain and writes the result; where the region ends in a max or avg pool, the normalise pass is
+Forward: the conv and its statistics (``statistics.py``: the library conv and ``kernels/batch_norm.py``'s
+statistics kernel, per channel and chunk, with their fixed-order combine; or the conv family writing
+them as it stores, whichever measures faster), and the kernel that adds the bias, normalises, scales
+and shifts per channel, applies the post-chain and writes the result; where the region ends in a max or avg pool, the normalise pass is
 ``kernels/norm_pool.py``'s, which writes only the pooled result (and the max pool's winners when the
 backward will need them).  The running statistics' update is an op of its own.
 
@@ -19,18 +20,20 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..chain_lowering import norm_chains, norm_operand_grads, wanted_slots
+from ..conv_io import conv_channels
 from ..library_conv import conv_backward_plan
 from .config import ConvBatchNormConfig, conv_outputs
+from .statistics import conv_and_statistics
 
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvBatchNormConfig,
             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(out, saved_y, saved_winner, stats)`` as ``config.conv_outputs`` lays them out."""
-    from ...kernels.batch_norm import batch_norm_apply, batch_norm_stats
+    from ...kernels.batch_norm import batch_norm_apply
 
-    y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save)
-    chains = norm_chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
-    batch_norm_stats(y0, chains.bias, cfg.eps, stats)  # mean, rstd, unbiased variance
+    chains = norm_chains(cfg, bias, operands, x.dim(), conv_channels(weight, cfg.conv), x.device)
+    y0, stats = conv_and_statistics(x, weight, chains.bias, cfg)  # mean, rstd, unbiased variance
+    _, out, saved_y, winner, _ = conv_outputs(x, weight, cfg, save, y0=y0)
     norm_stats = stats[:2]
     if cfg.pool is None:
         batch_norm_apply(y0, chains.bias, chains.post, chains.post_params, chains.affine, norm_stats, out)

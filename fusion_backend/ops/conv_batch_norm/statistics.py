@@ -1,0 +1,86 @@
+"""The conv of ``fusion::conv_batch_norm``'s Triton forward and its batch statistics: the library conv
+and then the statistics kernel (``kernels/batch_norm.py``, one more read of the conv output), or the
+conv kernel family's forward writing the statistics as it stores (``kernels/conv``: no second read),
+whichever measures faster per call signature on CUDA (``impl_choice``, the results checked against
+the library path's); ``FUSION_CONV_IMPL=family`` forces the family where it serves the call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ... import environment, impl_choice
+from ...errors import UnsupportedInputError
+from ...kernels.host import tensor_key
+from .. import conv_precision
+from ..conv_epilogue.forward import results_agree
+from ..conv_io import stats_dtype
+from ..library_conv import channels_last_conv, conv_forward
+from .config import ConvBatchNormConfig
+
+
+def conv_and_statistics(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> tuple[Tensor, Tensor]:
+    """``(y0, stats)``: the conv output without bias, laid out as ``library_conv.conv_forward`` lays it
+    out, and the fp32 ``(3, C)`` statistics of ``y0 + bias`` (``bias``: None or C contiguous values)
+    as ``kernels.batch_norm.batch_norm_stats`` writes them (mean, ``1 / sqrt(var + eps)``, unbiased
+    variance)."""
+    library = functools.partial(_library, x, weight, bias, cfg)
+    why = family_unsupported(x, weight, cfg)
+    mode = environment.conv_impl()
+    if mode == "family":
+        if why is not None:
+            raise UnsupportedInputError(f"{environment.CONV_IMPL}=family but the conv family's forward cannot run "
+                                        f"conv_batch_norm's conv: {why}")  # fmt: skip
+        return _family(x, weight, bias, cfg)
+    if mode != "auto" or why is not None or x.device.type != "cuda":
+        return library()
+    candidates = {"library": library, "family": functools.partial(_family, x, weight, bias, cfg)}
+    fast_key = ("conv_batch_norm conv", tensor_key(x), tensor_key(weight), bias is None, cfg,
+                torch.backends.cudnn.allow_tf32)  # fmt: skip
+    name = impl_choice.choose(lambda: _choice_key(x, weight, bias, cfg), candidates, default="library",
+                              agree=results_agree, fast_key=fast_key)  # fmt: skip
+    return candidates[name]()
+
+
+def family_unsupported(x: Tensor, weight: Tensor, cfg: ConvBatchNormConfig) -> str | None:
+    """Why the conv family's forward cannot stand in for the library conv here, or None: it runs
+    direct 2-d and 3-d convs of fp32, fp16 or bf16 x and weight of one dtype, writing channels-last,
+    as the library conv lays out such a conv's output (``channels_last_conv``)."""
+    if cfg.conv.transposed:
+        return "a transposed conv"
+    if x.dtype != weight.dtype:
+        return f"x in {x.dtype} and the weight in {weight.dtype}"
+    if not channels_last_conv(x):
+        return "a conv whose output the library path does not lay out channels-last (1-d, or not fp32/fp16/bf16)"
+    return None
+
+
+def _library(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> tuple[Tensor, Tensor]:
+    from ...kernels.batch_norm import batch_norm_stats
+
+    y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+    return y0, batch_norm_stats(y0, bias, cfg.eps)
+
+
+def _family(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> tuple[Tensor, Tensor]:
+    """The family's conv with the statistics of its stored output (``kernels.conv.conv_fprop(stats=True)``),
+    in TF32 only where eager's conv of x and the weight is (``conv_precision``)."""
+    from ...kernels.conv import conv_fprop
+
+    spec = cfg.conv
+    tf32 = conv_precision.forward_tf32(x, weight, spec).tf32
+    y0, st = conv_fprop(x, weight, None, stride=spec.stride, padding=spec.padding, dilation=spec.dilation,
+                        groups=spec.groups, stats=True, allow_tf32=tf32)  # fmt: skip
+    mean = st.mean() if bias is None else st.mean() + bias.to(torch.float64)
+    var = st.var()
+    stats = torch.stack([mean, (var + cfg.eps).rsqrt(), st.var(unbiased=True)])
+    return y0, stats.to(stats_dtype(y0.dtype))
+
+
+def _choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> str:
+    """Everything the library-vs-family timing depends on."""
+    return (f"conv_batch_norm conv|{cfg.conv.to_dict()}|x {tuple(x.shape)} {x.stride()} {x.dtype}|w "
+            f"{tuple(weight.shape)} {weight.stride()}|bias {bias is not None}|tf32 {torch.backends.cudnn.allow_tf32}")
