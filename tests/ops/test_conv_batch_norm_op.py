@@ -459,6 +459,53 @@ def test_the_conv_familys_statistics_and_saved_output_are_the_library_paths(fami
     torch.testing.assert_close(out, out_lib, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family_ms,perturb,want", [(1.0, 0.0, "family"), (3.0, 0.0, "library"),
+                                                     (1.0, 1e-2, "library")],
+                         ids=["family faster", "library faster", "family disagrees"])  # fmt: skip
+def test_the_timed_choice_takes_the_faster_path_whose_results_agree(family_ms, perturb, want, kernel_device,
+                                                                   monkeypatch, tmp_path) -> None:  # fmt: skip
+    """``statistics.timed_candidates`` (what ``auto`` runs once the family's candidate is measured on a
+    GPU): the faster path by a fake timer, never a family whose statistics disagree with the library's."""
+    from fusion_backend import impl_choice
+    from fusion_backend.ops.conv_batch_norm import statistics
+
+    if kernel_device == "cpu":
+        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(impl_choice.MEASURE_ENV, "1")
+    impl_choice.forget_in_memory()
+    ran: list[str] = []
+    real = {"library": statistics._library, "family": statistics._family}
+
+    def path(name):
+        def run(*args):
+            ran.append(name)
+            y0, stats = real[name](*args)
+            return y0, stats * (1 + perturb) if name == "family" else stats
+        return run
+
+    def choose(key, candidates, default, **kwargs):
+        names = {id(fn): name for name, fn in candidates.items()}
+
+        def timer(fn):
+            fn()
+            return {"library": 2.0, "family": family_ms}[names[id(fn)]]
+
+        return real_choose(key, candidates, default, timer=timer, **kwargs)
+
+    real_choose = impl_choice.choose
+    monkeypatch.setattr(statistics, "_library", path("library"))
+    monkeypatch.setattr(statistics, "_family", path("family"))
+    monkeypatch.setattr(impl_choice, "choose", choose)
+    x, w, b, *_ = [t.to(kernel_device) for t in make(CONV2D, 3, 6, (5, 6), 2)]
+    try:
+        statistics.timed_candidates(x.contiguous(memory_format=torch.channels_last), w, b,
+                                    ConvBatchNormConfig(CONV2D, 1e-5, 0.1))  # fmt: skip
+    finally:
+        impl_choice.forget_in_memory()
+    assert "family" in ran[:-1] and ran[-1] == want  # both timed, then the chosen one ran
+
+
 def test_a_conv_the_family_cannot_run_is_named_when_forced(family_conv) -> None:
     spec, c_in, c_out, size, wi, bi, post, batch = CASES["conv_transpose1d no affine, gelu"]
     x, w, b, *ops = [t.to(family_conv) for t in make(spec, c_in, c_out, size, 1, batch=batch)]

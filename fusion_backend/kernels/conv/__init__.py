@@ -32,8 +32,8 @@ descriptors (``tiles`` module docstring), a candidate of the timed tile choice, 
 the sm_90 compile, not yet timed on a GPU.  Used by ``fusion::conv_epilogue``'s forward for calls that save
 nothing (inference), where it measures faster than its other paths (``ops/conv_epilogue/forward.py``,
 ``FamilyForward``), and by ``fusion::conv_batch_norm``'s forward for its conv and the output's
-statistics, where that measures faster than the library conv and the statistics kernel
-(``ops/conv_batch_norm/statistics.py``); the backward hooks are not used by a fused op yet.
+statistics under ``FUSION_CONV_IMPL=family`` (``ops/conv_batch_norm/statistics.py``); the backward
+hooks are not used by a fused op yet.
 """
 
 from .dgrad import conv_dgrad

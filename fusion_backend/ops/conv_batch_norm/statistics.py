@@ -1,9 +1,12 @@
 """The conv of ``fusion::conv_batch_norm``'s Triton forward and its batch statistics: the library conv
 and then the statistics kernel (``kernels/batch_norm.py``, one more read of the conv output), or the
 conv kernel family's forward writing the statistics as it stores (``kernels/conv``: no second read),
-whichever measures faster per call signature on CUDA (``impl_choice``, the results checked against
-the library path's); ``FUSION_CONV_IMPL=family`` forces the family where it serves the call.
-"""
+under ``FUSION_CONV_IMPL=family`` where it serves the call.
+
+NOTE: ``auto`` keeps the library path until the family's candidate has been timed on a GPU (its
+compile and tile tuning join a region's measurement, and the whole-network first calls are held to
+1.25x Inductor's); :func:`timed_candidates` is the measured choice it would make, the same
+``impl_choice`` the other conv paths use, exercised by the tests."""
 
 from __future__ import annotations
 
@@ -35,8 +38,19 @@ def conv_and_statistics(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: Con
             raise UnsupportedInputError(f"{environment.CONV_IMPL}=family but the conv family's forward cannot run "
                                         f"conv_batch_norm's conv: {why}")  # fmt: skip
         return _family(x, weight, bias, cfg)
-    if mode != "auto" or why is not None or x.device.type != "cuda":
+    if mode != "auto" or why is not None or x.device.type != "cuda" or not MEASURE_FAMILY:
         return library()
+    return timed_candidates(x, weight, bias, cfg)
+
+
+#: Whether ``auto`` times the family's candidate (module NOTE).
+MEASURE_FAMILY = False
+
+
+def timed_candidates(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> tuple[Tensor, Tensor]:
+    """:func:`conv_and_statistics` by the faster of the library path and the family's, measured once per
+    call signature (``impl_choice``; the family's results checked against the library path's)."""
+    library = functools.partial(_library, x, weight, bias, cfg)
     candidates = {"library": library, "family": functools.partial(_family, x, weight, bias, cfg)}
     fast_key = ("conv_batch_norm conv", tensor_key(x), tensor_key(weight), bias is None, cfg,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
