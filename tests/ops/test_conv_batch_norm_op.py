@@ -567,8 +567,13 @@ def test_a_kernel_failure_falls_back_to_the_reference_or_raises_under_strict(mon
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
-def test_gpu_bench_workload_size(dtype, channels_last) -> None:
-    """Conv2d 64->64 k3 p1 -> BatchNorm2d(64) -> ReLU on 32x64x128x128 (524,288 values per channel)."""
+@pytest.mark.parametrize("conv", ["auto", "family"])
+def test_gpu_bench_workload_size(dtype, channels_last, conv, monkeypatch) -> None:
+    """Conv2d 64->64 k3 p1 -> BatchNorm2d(64) -> ReLU on 32x64x128x128 (524,288 values per channel);
+    ``family``: the norm's conv and statistics from the conv kernel family (``statistics.py``)."""
+    from fusion_backend import environment
+
+    monkeypatch.setenv(environment.CONV_IMPL, conv)
     spec = ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 1)
     cfg = ConvBatchNormConfig(spec, 1e-5, 0.1, 0, 1, False, (ChainStep(K.RELU),))
     gen = torch.Generator().manual_seed(0)
