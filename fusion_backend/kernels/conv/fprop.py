@@ -451,8 +451,11 @@ class _Plan:
             PRECISION=precision, BIG=big, FLAT_K=tile.flat_k, DEPTHWISE=self.depthwise, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
-        fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, self.sample_rows,
-                 self.sample_tiles, *x_strides)  # fmt: skip
+        # 0 where unused: Triton specializes an int argument on its value (1, multiples of 16), and a
+        # plan without per-sample tiles should not compile apart for its sample's size
+        per_sample = (self.sample_rows, self.sample_tiles) if stats_groups else (0, 0)
+        fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, *per_sample,
+                 *x_strides)  # fmt: skip
         self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
