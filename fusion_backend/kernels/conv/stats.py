@@ -1,10 +1,13 @@
-"""Per-channel statistics of a conv's output, as the epilogue produces them for the next BatchNorm.
+"""Statistics of a conv's output, as the epilogue produces them for the next normalization: per
+channel for a BatchNorm (:class:`ChannelStats`), per sample and group of channels for a GroupNorm
+(:class:`GroupStats`, from a launch whose tiles do not cross samples).
 
 The kernel writes one row of partials per M tile (``epilogue.store_tile``), each channel's: a shift
 ``k`` (the tile's mean as fp32 rounds it), the sum of the values less ``k``, and the sum of their
 squared deviations from their mean.  :func:`reduce_partials` combines the tiles as Chan et al.'s
 parallel variance does, in float64, with torch reductions over fixed shapes: the result is the same
-bits on every run (no atomics anywhere).  WHY the shift: where a channel's mean dwarfs its spread (a
+bits on every run (no atomics anywhere); about ten small torch ops per call (host time a fused
+kernel could take back).  WHY the shift: where a channel's mean dwarfs its spread (a
 conv with a large bias), an fp32 tile sum rounds at ``2**-24`` of the sum, and so would an fp32 mean;
 the tile's mean as ``k`` plus the small, nearly exact sum of ``y - k`` keeps it.  And WHY not sums of
 squares: ``E[y^2] - E[y]^2`` from fp32 partials leaves the rounding of ``mean^2`` as an error of the
