@@ -251,10 +251,10 @@ class _Pending:
 
         def prepare(args: Sequence[Any]) -> list[Any]:
             for candidate, timing in regions:
-                if self._wants_preparation(timing):
+                if self._wants_preparation(timing):  # noted whatever it sends, as ``admit`` does: one
+                    self._note_prepared(timing)      # attempt per key (the kernels may all be on disk)
                     preparation = deferred.prepare(copy, candidate, args, strict)
                     if preparation is not None:
-                        self._note_prepared(timing)
                         self.preparations.append(preparation)
             return self.preparations
 
