@@ -4,8 +4,9 @@ Forward: the conv and its statistics (``statistics.py``: the library conv and ``
 statistics kernel, per channel and chunk, with their fixed-order combine; or, under
 ``FUSION_CONV_IMPL=family``, the conv family writing them as it stores), and the kernel that adds the
 bias, normalises, scales and shifts per channel, applies the post-chain and writes the result; where
-the region ends in a max or avg pool, the normalise pass is ``kernels/norm_pool.py``'s, which writes only the pooled result (and the max pool's winners when the
-backward will need them).  The running statistics' update is an op of its own.
+the region ends in a max or avg pool, the normalise pass is ``kernels/norm_pool.py``'s, which writes
+only the pooled result (and the max pool's winners when the backward will need them).  The running
+statistics' update is an op of its own.
 
 Backward: two kernels (``kernels/batch_norm.py``) from the output gradient, the saved conv output and
 the per-channel statistics (the sums the norm's gradient needs combined in a fixed order between
