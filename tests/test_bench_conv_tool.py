@@ -314,3 +314,18 @@ def test_the_tile_sweeps_hooked_calls_are_the_benchmarks_hooked_rows(pass_name: 
     tiled = sweep_conv_tiles._steps(t, pass_name, TileConfig(16, 16, 16, num_warps=1, num_stages=1), hooked=True)()
     got = [v for v in (tiled if isinstance(tiled, tuple) else (tiled,)) if isinstance(v, torch.Tensor)][0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_forwards_statistics_alone_are_timed_against_the_conv_and_the_statistics_pass(monkeypatch) -> None:
+    """``--fprop-hooks stats``: the hooked forward writes its output's statistics without a prologue,
+    checked against cuDNN's conv and the statistics pass (here on CPU under the interpreter, fp32)."""
+    monkeypatch.setattr(bench_conv, "_inductor", lambda fn: fn)  # the pass in eager: no compile on CPU
+    shape = ConvShape((2, 4, 6, 5), (6, 4, 3, 3), (1, 1), (1, 1), (1, 1), 1, True)
+    (case,) = bench_conv.build_cases(shape, ["m"], "fp32", ["fprop"], True, torch.device("cpu"), fprop_stats_only=True)
+    plain, hooked = bench_conv.measure_case(case, FakeTimer({n: 1.0 for n in case.steps}), rounds=1)
+    assert hooked.hooks == bench_conv.STATS_HOOKS and plain.hooks == "none"
+    assert hooked.ok and plain.ok and hooked.rel_err < 1e-5, (hooked.error, hooked.rel_err)
+    y, _ = case.steps["hooked"]()
+    assert bench_conv.rel_err(y, case.steps["cudnn"]()) < 1e-5  # the plain conv's output: no prologue
+    (default,) = bench_conv.build_cases(shape, ["m"], "fp32", ["fprop"], True, torch.device("cpu"))
+    assert default.hooks == bench_conv.HOOKS["fprop"]

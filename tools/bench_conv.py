@@ -19,7 +19,8 @@ Per shape, dtype (``--dtype``, default bf16) and pass (``--passes``): one interl
 * ``cudnn``: ``torch.ops.aten.convolution`` / ``convolution_backward`` for the same pass, same
   channels-last tensors and dtype (fp32: TF32 as ``torch.backends.cudnn.allow_tf32`` says, for both);
 * ``hooked``: the launcher with the pass's hooks (``conv_bench_report.HOOKS``): fprop reads
-  ``relu(x * scale + shift)`` (a folded BatchNorm) and writes the per-channel sums of its output; dgrad
+  ``relu(x * scale + shift)`` (a folded BatchNorm) and writes the per-channel sums of its output
+  (``--fprop-hooks stats``: the sums alone, against the conv and the statistics pass); dgrad
   multiplies by relu' of the forward's normalised input and writes the BatchNorm-backward sums; wgrad
   recomputes the forward's prologue while loading ``x``;
 * ``unfused``: what Inductor runs instead of the hooks: cuDNN and, compiled with ``torch.compile(...,
@@ -163,6 +164,8 @@ class Case:
     op: str
     steps: dict[str, Callable[[], Any]]
     checks: dict[str, Callable[[dict[str, Any]], float]] = field(default_factory=dict)
+    #: what the hooked row fuses (``HOOKS[op]``, or :data:`STATS_HOOKS` for ``--fprop-hooks stats``)
+    hooks: str = ""
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -294,10 +297,16 @@ Steps = dict[str, Callable[[], Any]]
 Checks = dict[str, Callable[[dict[str, Any]], float]]
 
 
-def fprop_case(t: _Inputs, hooked: bool, tile: Any = None) -> tuple[Steps, Checks]:
+#: The forward's hooks under ``--fprop-hooks stats``: the next BatchNorm's statistics alone (what
+#: ``fusion::conv_batch_norm``'s forward takes from the family, ``ops/conv_batch_norm/statistics.py``).
+STATS_HOOKS = "epilogue stats"
+
+
+def fprop_case(t: _Inputs, hooked: bool, tile: Any = None, stats_only: bool = False) -> tuple[Steps, Checks]:
     """The forward: plain against ``aten.convolution``; hooked (prologue bn+relu, epilogue statistics)
-    against the prologue pass, the conv and the statistics pass.  ``tile``: the kernel's (None: its
-    tuned choice), as for every case builder."""
+    against the prologue pass, the conv and the statistics pass; ``stats_only``: the statistics alone
+    against the conv and the statistics pass.  ``tile``: the kernel's (None: its tuned choice), as for
+    every case builder."""
     from fusion_backend.kernels.conv import conv_fprop
 
     aten = torch.ops.aten
@@ -307,10 +316,11 @@ def fprop_case(t: _Inputs, hooked: bool, tile: Any = None) -> tuple[Steps, Check
     if not hooked:
         return steps, checks
     stats_pass = _inductor(channel_sums)
-    prologue = t.prologue()
+    prologue = None if stats_only else t.prologue()
 
     def unfused() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        y = aten.convolution(t.prologue_pass(t.x, t.scale, t.shift), t.w, t.b, *t.conv_args)
+        x = t.x if stats_only else t.prologue_pass(t.x, t.scale, t.shift)
+        y = aten.convolution(x, t.w, t.b, *t.conv_args)
         return y, stats_pass(y)
 
     def check(r: dict[str, Any]) -> float:
@@ -318,8 +328,8 @@ def fprop_case(t: _Inputs, hooked: bool, tile: Any = None) -> tuple[Steps, Check
         magnitude = y_ref.float().abs().sum(_channel_dims(y_ref))
         return max(rel_err(y, y_ref), sums_err(st.sum, s_ref, magnitude), rel_err(st.sum_sq(), sq_ref))
 
-    steps["hooked"] = lambda: conv_fprop(t.x, t.w, t.b, prologue=prologue, act_in="relu", stats=True, tile=tile,
-                                         **t.geo)  # fmt: skip
+    steps["hooked"] = lambda: conv_fprop(t.x, t.w, t.b, prologue=prologue, act_in=None if stats_only else "relu",
+                                         stats=True, tile=tile, **t.geo)  # fmt: skip
     steps["unfused"] = unfused
     checks["hooked"] = check
     return steps, checks
@@ -380,14 +390,20 @@ CASE_BUILDERS = {"fprop": fprop_case, "dgrad": dgrad_case, "wgrad": wgrad_case}
 
 
 def build_cases(shape: ConvShape, models: list[str], dtype: str, passes: Sequence[str], hooked: bool,
-                device: torch.device) -> list[Case]:  # fmt: skip
+                device: torch.device, fprop_stats_only: bool = False) -> list[Case]:  # fmt: skip
     """The cases of one shape and dtype, one per pass of ``passes`` (module docstring), on ``device``,
-    sharing one set of inputs."""
+    sharing one set of inputs; ``fprop_stats_only``: the forward's hooked row fuses the statistics
+    alone (``--fprop-hooks stats``)."""
     unknown = [p for p in passes if p not in CASE_BUILDERS]
     if unknown:
         raise ValueError(f"unknown pass {', '.join(unknown)}; choose from {', '.join(PASSES)}")
     inputs = _Inputs.make(shape, DTYPES[dtype], device)
-    return [Case(shape, models, dtype, op, *CASE_BUILDERS[op](inputs, hooked)) for op in passes]
+    cases = []
+    for op in passes:
+        stats_only = fprop_stats_only and op == "fprop"
+        built = fprop_case(inputs, hooked, stats_only=True) if stats_only else CASE_BUILDERS[op](inputs, hooked)
+        cases.append(Case(shape, models, dtype, op, *built, hooks=STATS_HOOKS if stats_only else HOOKS[op]))
+    return cases
 
 
 # --------------------------------------------------------------------------------------------------
@@ -439,7 +455,7 @@ def measure_case(case: Case, timer: Timer, rounds: int, verbose: bool = False) -
     ms = {n: statistics.median(v) for n, v in samples.items() if v and n not in errors}
     tol = TOLERANCE[case.dtype]
     rows = []
-    for which, kernel, hooks in (("plain", "kernel", "none"), ("hooked", "hooked", HOOKS[case.op])):
+    for which, kernel, hooks in (("plain", "kernel", "none"), ("hooked", "hooked", case.hooks or HOOKS[case.op])):
         if kernel not in case.steps:
             continue
         other = "cudnn" if which == "plain" else "unfused"
@@ -529,6 +545,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-shapes", type=_positive, default=None, help="time at most this many shapes")
     parser.add_argument("--shard", type=_shard, default=None, help="K/N: every N-th shape from the K-th")
     parser.add_argument("--no-hooks", action="store_true", help="time the plain passes only")
+    parser.add_argument("--fprop-hooks", choices=("bn-relu-stats", "stats"), default="bn-relu-stats",
+                        help="the forward's hooked row: the BatchNorm + ReLU prologue and the statistics "
+                             "(default), or the statistics alone (conv_batch_norm's forward)")
     parser.add_argument("--rounds", type=_positive, default=3, help="interleaved rounds per case (default 3)")
     parser.add_argument("--out", type=Path, default=None, help="write bench.json and bench.md into this folder")
     parser.add_argument("--docs-out", action="store_true", help=f"write them into {DOCS_OUT.relative_to(ROOT)}/")
@@ -589,7 +608,8 @@ def main(argv: Sequence[str] | None = None, timer: Timer | None = None) -> int:
     for i, shape in enumerate(shapes, 1):
         for dtype in args.dtype:
             try:
-                cases = build_cases(shape, collection.models_of(shape), dtype, args.passes, not args.no_hooks, device)
+                cases = build_cases(shape, collection.models_of(shape), dtype, args.passes, not args.no_hooks, device,
+                                    args.fprop_hooks == "stats")  # fmt: skip
             except Exception as exc:  # the shape's inputs could not be built (memory): go on
                 print(f"[{i}/{len(shapes)}] {shape.label()} {dtype}: {_one_line(exc)}", flush=True)
                 continue
