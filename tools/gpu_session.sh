@@ -22,7 +22,8 @@
 #   convk    the conv family: its kernel tests (CONVK_TESTS=0 skips them), tools/bench_conv.py on a quarter of ResNet-50's convs and its
 #            56x56 3x3 (the weight gradient's worst row) into $out/convk (CONVK_BENCH=0 skips it),
 #            then the weight gradient's tile sweep with boxes and several taps per program (CONVK_SWEEP=0 skips it), and with
-#            CONVK_HOOKED_SWEEP=1 the tile sweep of the three passes with their hooks
+#            CONVK_HOOKED_SWEEP=1 the tile sweep of the three passes with their hooks; CONVK_STATS=1 also times the
+#            forward with the statistics alone against cuDNN + the statistics pass (conv_batch_norm's family candidate)
 #   hostrow  the host-bound row (ResNet-50 bf16 inference): tools/bench_step_accounting.py on fresh caches, then
 #            twice on the caches the first left (the run where Inductor's graph comes from its cache): once with
 #            one repetition per backend in turn, once with --consecutive 10 (HOSTROW_SUITE names another file)
@@ -118,6 +119,11 @@ if has convk; then
   if [[ ${CONVK_SWEEP:-1} == 1 ]]; then
     timeout -k 10 150 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --passes wgrad --box --taps --max-shapes 4 \
       --out "$out/convk_sweep.json" 2>&1 | grep -v -i warn | tail -16
+  fi
+  if [[ ${CONVK_STATS:-0} == 1 ]]; then  # the forward with the statistics alone: conv_batch_norm's family candidate
+    timeout -k 10 150 python3 tools/bench_conv.py demos/realnets/resnet50.py --passes fprop --fprop-hooks stats \
+      --shard 1/2 --rounds 3 --out "$out/convk_stats" >"$out/convk_stats.log" 2>&1
+    sed -n '/## Summary/,/## Rows/p' "$out/convk_stats/bench.md" | head -8
   fi
   if [[ ${CONVK_HOOKED_SWEEP:-0} == 1 ]]; then  # the tile grid on the hooked passes (the candidates are the plain ones')
     timeout -k 10 240 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --hooked --box --taps --passes fprop,dgrad,wgrad \
