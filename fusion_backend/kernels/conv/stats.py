@@ -52,22 +52,11 @@ class ChannelStats:
 
 
 @dataclass(frozen=True)
-class GroupStats:
-    """GroupNorm's statistics of a conv's output: ``sum`` and ``m2`` float64 ``(N, G)`` over the ``count``
-    values (``C_out / G`` channels times ``OD * OH * OW`` positions) of each sample's group of
-    channels: their sum and their sum of squared deviations from the group's mean."""
-
-    sum: torch.Tensor
-    m2: torch.Tensor
-    count: int
-
-    def mean(self) -> torch.Tensor:
-        """float64 ``(N, G)`` mean (NaN where a group holds no value)."""
-        return self.sum / self.count if self.count else torch.full_like(self.sum, float("nan"))
-
-    def var(self) -> torch.Tensor:
-        """float64 ``(N, G)`` biased variance (GroupNorm normalises with it)."""
-        return self.m2 / self.count if self.count else torch.full_like(self.m2, float("nan"))
+class GroupStats(ChannelStats):
+    """GroupNorm's statistics of a conv's output, as :class:`ChannelStats` (its methods too) with
+    ``sum`` and ``m2`` float64 ``(N, G)`` over the ``count`` values (``C_out / G`` channels times ``OD *
+    OH * OW`` positions) of each sample's group of channels; GroupNorm normalises with the biased
+    ``var()``."""
 
 
 def _combine(partials: torch.Tensor, rows: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

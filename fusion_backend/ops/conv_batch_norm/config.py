@@ -80,11 +80,12 @@ def values_per_channel(y_shape: Sequence[int]) -> int:
 
 
 def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvBatchNormConfig, save: bool,
-                 y0: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+                 computed: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(y0, out, saved_y, saved_winner, stats)``:
-    ``y0`` the conv output without bias (``library_conv.conv_forward``'s, or the caller's: laid out as
-    that one would be), then the shape function's outputs (``ops/declare.py``; ``saved_y`` as
-    ``conv_io`` says, absent entries ``empty_placeholder(x)``).
+    ``y0`` the conv output without bias (``library_conv.conv_forward``'s), then the shape function's outputs
+    (``ops/declare.py``; ``saved_y`` as ``conv_io`` says, absent entries ``empty_placeholder(x)``).
+    ``computed``: ``(y0, stats)`` the caller computed (``statistics.conv_and_statistics``), laid out as
+    these would be, returned in their places.
 
     * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s, ``out`` in
       ``library_conv.nominal_format`` (eager's layout), dtype ``out_dtype``.
@@ -92,11 +93,13 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvBatchNormConfig, save: bool
       0 the batch mean, row 1 ``1 / sqrt(var + eps)`` (``var`` biased; rows 0-1 are what the backward
       reads), row 2 the unbiased variance (what the running variance is updated with).
     """
-    if y0 is None:
+    if computed is None:
         y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
+        stats = torch.empty([3, y0.shape[1]], dtype=stats_dtype(y0.dtype), device=x.device)
+    else:
+        y0, stats = computed
     out_format = nominal_format(x, weight, cfg.conv)
     out, winner = allocate_result(x, y0, cfg.pool, dtype_named(OP, cfg.out_dtype, y0.dtype), save, out_format)
-    stats = torch.empty([3, y0.shape[1]], dtype=stats_dtype(y0.dtype), device=x.device)
     return y0, out, (in_format(y0, output_memory_format(y0)) if save else empty_placeholder(x)), winner, stats
 
 

@@ -33,8 +33,8 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     from ...kernels.batch_norm import batch_norm_apply
 
     chains = norm_chains(cfg, bias, operands, x.dim(), conv_channels(weight, cfg.conv), x.device)
-    y0, stats = conv_and_statistics(x, weight, chains.bias, cfg)  # mean, rstd, unbiased variance
-    _, out, saved_y, winner, _ = conv_outputs(x, weight, cfg, save, y0=y0)
+    y0, out, saved_y, winner, stats = conv_outputs(  # stats: mean, rstd, unbiased variance
+        x, weight, cfg, save, computed=conv_and_statistics(x, weight, chains.bias, cfg))
     norm_stats = stats[:2]
     if cfg.pool is None:
         batch_norm_apply(y0, chains.bias, chains.post, chains.post_params, chains.affine, norm_stats, out)
