@@ -59,12 +59,11 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   3x3 and the SD VAE decoder's 512-channel 3x3 (``CONV_FAMILY_SHAPES``); ``bf16`` or ``fp32`` (TF32);
   ``-hooked``: a BatchNorm + ReLU's hooks (prologue, relu, output statistics, and GroupNorm's
   statistics where 32 divides the output channels; relu' and the BatchNorm-backward sums; the prologue
-  recomputed in wgrad).  Cases ``{resnet_1x1,resnet_3x3,
-  resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-{bf16,fp32}[-hooked][-box|-taps]`` (``-box``: the input and
-  weight gradients load boxes, the stride-1 shapes alone; the forward has no box path; ``-taps``: the weight
-  gradient's several-taps tiles the timed choice weighs, then its first tile on 8 warps with 1 and with 3
-  taps per program, the 3-wide kernels with more than one channel per group); default six
-  of them.
+  recomputed in wgrad).  Cases ``{resnet_1x1,resnet_3x3,resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-
+  {bf16,fp32}[-hooked][-box|-taps]`` (``-box``: the input and weight gradients load boxes, the stride-1
+  shapes alone; the forward has no box path; ``-taps``: the weight gradient's several-taps tiles the
+  timed choice weighs, then its first tile on 8 warps with 1 and with 3 taps per program, the 3-wide
+  kernels with more than one channel per group); default six of them.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
   the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
   pool, a max or an avg pool; ``fp32``, ``bf16``.  Cases ``{none,max,avg}-{fp32,bf16}``, all by default.
@@ -540,8 +539,9 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
     it, an eval norm's scale and shift; then, where 32 divides the output channels, GroupNorm's
-    statistics of 32 groups instead (tiles that do not cross samples); dgrad: relu' of the recomputed prologue and the BatchNorm-backward
-    sums; wgrad: the prologue recomputed on load, and the bias gradient where the conv has a bias)."""
+    statistics of 32 groups instead (tiles that do not cross samples); dgrad: relu' of the recomputed
+    prologue and the BatchNorm-backward sums; wgrad: the prologue recomputed on load, and the bias
+    gradient where the conv has a bias)."""
     x_shape, w_shape, stride, padding, groups, has_bias = CONV_FAMILY_SHAPES[shape]
     dt = CONV_FAMILY_DTYPES[dtype]
     c_in, c_out = x_shape[1], w_shape[0]
