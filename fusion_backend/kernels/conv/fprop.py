@@ -71,14 +71,7 @@ from . import hooks
 from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile, load_depthwise_tile, window_rows
-from .stats import (
-    ChannelStats,
-    GroupStats,
-    empty_group_stats,
-    empty_stats,
-    reduce_group_partials,
-    reduce_partials,
-)
+from .stats import ChannelStats, GroupStats, PartialsReduction, empty_group_stats, empty_stats
 from .tiles import TileConfig, cached_plan, candidates, compiling_only, tuned_tile
 
 _INT32_LIMIT = 2**31 - 1
@@ -429,6 +422,12 @@ class _Plan:
                                 and cout_pad == geo.c_out_g)  # fmt: skip
         self.sample_tiles = cdiv(self.sample_rows, tile.block_m)
         self.m_tiles = geo.n * self.sample_tiles if stats_groups else cdiv(geo.m, tile.block_m)
+        #: the launch that turns the store's partials into the statistics (None: no statistics)
+        self.reduce = None
+        if self.stats and self.m_tiles:
+            self.reduce = (PartialsReduction(self.m_tiles, geo.c_out, tile.block_m, self.sample_rows, x.device,
+                                             groups=stats_groups, samples=geo.n) if stats_groups  # fmt: skip
+                           else PartialsReduction(self.m_tiles, geo.c_out, tile.block_m, geo.m, x.device))
         #: one input channel per group: the direct depthwise tile (``_depthwise_tile``), over all channels
         self.depthwise = geo.c_in_g == 1
         if self.depthwise:
@@ -487,9 +486,7 @@ class _Plan:
                     out if partials is None else partials, q, *p, *slopes)  # fmt: skip
         if partials is None:
             return out, None
-        if self.stats_groups:
-            return out, reduce_group_partials(partials, geo.n, self.sample_rows, self.tile.block_m, self.stats_groups)
-        return out, reduce_partials(partials, geo.m, self.tile.block_m)
+        return out, self.reduce(partials)
 
     def _empty_stats(self) -> ChannelStats | GroupStats | None:
         if not self.stats:

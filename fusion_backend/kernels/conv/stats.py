@@ -23,6 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+
+from ..launch import FastLaunch
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,19 @@ class ChannelStats:
             return torch.full_like(self.m2, float("nan"))
         return self.m2 / (self.count - int(unbiased))
 
+    def batch_norm_form(self, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """The statistics as BatchNorm's kernels take them (``kernels.batch_norm.batch_norm_stats``'s
+        form), of the values plus ``bias`` (None or ``(C_out,)`` contiguous, any float dtype): fp32 ``(3,
+        C_out)``, row 0 the mean, row 1 ``1 / sqrt(var + eps)`` (biased ``var``), row 2 the unbiased
+        variance; one launch.  Needs more than one value per channel."""
+        c = self.sum.shape[0]
+        out = torch.empty((3, c), dtype=torch.float32, device=self.sum.device)
+        has_bias = bias is not None
+        _batch_norm_form_kernel[(triton.cdiv(c, _BLOCK_C),)](
+            self.sum, self.m2, bias if has_bias else self.sum, out, c, float(self.count), float(eps),
+            HAS_BIAS=has_bias, BLOCK_C=_BLOCK_C)  # fmt: skip
+        return out
+
     def sum_sq(self) -> torch.Tensor:
         """float64 ``(C_out,)`` sums of the squared values (``m2 + sum^2 / count``), for comparisons
         with a pass that sums squares."""
@@ -59,42 +76,141 @@ class GroupStats(ChannelStats):
     ``var()``."""
 
 
-def _combine(partials: torch.Tensor, rows: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum, m2)`` float64 of the values whose partials (fp32 ``(3, ...)``: shift, shifted sum,
-    squared deviations) are combined over ``dims`` (of the partials less their first axis), ``rows``
-    (broadcastable to them) each partial's count: ``mean_t = k + Σ(y - k) / n_t``, ``M2 = Σ_t M2_t +
-    Σ_t n_t (mean_t - mean)^2`` (Chan et al.), in a fixed order."""
-    shift, shifted_sum, m2 = partials.to(torch.float64).unbind(0)
-    tile_mean = shift + shifted_sum / rows
-    total = (rows * tile_mean).sum(dim=dims, keepdim=True)
-    count = (rows * torch.ones_like(tile_mean)).sum(dim=dims, keepdim=True)
-    spread = rows * (tile_mean - total / count) ** 2
-    return total.sum(dim=dims), m2.sum(dim=dims) + spread.sum(dim=dims)  # (size 1 along dims: summed away)
+# NOTE: one launch replaces the ~13 float64 torch ops that combined the partials before: those cost
+# 0.07-0.13 ms of GPU time per forward on ResNet-50's convs (the statistics-hooked forward 3.7x the plain
+# one, the hook's store itself a few percent; ``CONVK_STATS=1 CONVK_TESTS=0 CONVK_BENCH=0 CONVK_SWEEP=0
+# bash tools/gpu_session.sh convk`` before this kernel).
+_BLOCK_C = 16  # channels per program (BatchNorm's statistics) or per step over a group's channels
+#: tiles per step; NOTE: with 4 warps 256 x 16 spilled 8 registers, with 8 none (sm_90: ``python
+#: tools/compile_check.py conv_family --cases resnet_3x3-bf16-hooked --kernels combine``)
+_MAX_BLOCK_T = 256
 
 
-def reduce_partials(partials: torch.Tensor, count: int, block_m: int) -> ChannelStats:
-    """The per-channel statistics from the kernel's partials, fp32 ``(3, M_TILES, C_out)`` contiguous
-    (per tile: the shift ``k``, the sum of the values less ``k``, the sum of their squared deviations
-    from their mean), over ``count`` output positions, tile ``t`` holding rows ``[t * block_m, (t +
-    1) * block_m)`` of them."""
-    starts = torch.arange(partials.shape[1], dtype=torch.float64, device=partials.device) * block_m
-    rows = (count - starts).clamp(max=block_m)[:, None]
-    total, m2 = _combine(partials, rows, (0,))
-    return ChannelStats(total, m2, count)
+@triton.jit
+def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, M_TILES, C, TILES, ROWS, CG, GROUPS,
+                            PER_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_C: tl.constexpr):  # fmt: skip
+    """Combine the store's partials into float64 sums and sums of squared deviations.
+
+    ``part_ptr``: fp32 ``(3, M_TILES, C)`` contiguous (per tile and channel: the shift ``k``, the sum
+    of the values less ``k``, their sum of squared deviations from their mean).  Tile ``t`` of a run of
+    ``TILES`` tiles holds ``min(BLOCK_M, ROWS - t * BLOCK_M)`` values per channel.
+
+    * ``PER_GROUP`` False (BatchNorm): program ``p`` owns channels ``[p * BLOCK_C, (p + 1) * BLOCK_C)``
+      over all ``TILES == M_TILES`` tiles (``ROWS`` the output positions) and writes ``sum_ptr[c]``,
+      ``m2_ptr[c]`` (float64 ``(C,)``).
+    * ``PER_GROUP`` True (GroupNorm): program ``p = i * GROUPS + g`` owns sample ``i``'s ``TILES`` tiles
+      (``ROWS`` its positions) and the ``CG`` channels of group ``g`` and writes ``sum_ptr[p]``,
+      ``m2_ptr[p]`` (float64 ``(N, GROUPS)``).
+
+    Each step loads ``BLOCK_T`` tiles of ``BLOCK_C`` channels, forms their combined sum and squared
+    deviations (tile means ``k + Σ(y - k) / n_t``; ``M2 = Σ M2_t + Σ n_t (mean_t - mean)^2``), and merges
+    them into the running ones (Chan et al.): a fixed order, so the result is the same bits every run.
+    """
+    pid = tl.program_id(0)
+    if PER_GROUP:
+        tile0 = (pid // GROUPS) * TILES
+        c0 = (pid % GROUPS) * CG
+        width = CG
+    else:
+        tile0 = 0
+        c0 = pid * BLOCK_C
+        width = tl.minimum(C - c0, BLOCK_C)
+    zero = tl.zeros([BLOCK_C], tl.float64)
+    n_run = tl.sum(zero, axis=0)  # a float64 scalar: GroupNorm's running count, sum and M2
+    s_run = n_run
+    m_run = n_run
+    lane_c = tl.arange(0, BLOCK_C)
+    lane_t = tl.arange(0, BLOCK_T)
+    for cb in range(0, width, BLOCK_C):
+        c_ok = cb + lane_c < width
+        c = c0 + cb + lane_c
+        n_c = zero
+        s_c = zero
+        m_c = zero
+        for tb in range(0, TILES, BLOCK_T):
+            t = tb + lane_t
+            rows = tl.minimum(ROWS - t * BLOCK_M, BLOCK_M).to(tl.float64)
+            ok = (t < TILES)[:, None] & c_ok[None, :]
+            r = tl.where(ok, rows[:, None], 0.0)
+            offs = (tile0 + t).to(tl.int64)[:, None] * C + c[None, :]  # 3 * M_TILES * C may pass 2**31
+            k = tl.load(part_ptr + offs, mask=ok, other=0.0).to(tl.float64)
+            e = tl.load(part_ptr + M_TILES * C + offs, mask=ok, other=0.0).to(tl.float64)
+            q = tl.load(part_ptr + 2 * M_TILES * C + offs, mask=ok, other=0.0).to(tl.float64)
+            n_b = tl.sum(r, axis=0)
+            s_b = tl.sum(r * k + e, axis=0)
+            mean_b = s_b / tl.maximum(n_b, 1.0)
+            dev = tl.where(ok, k + e / tl.maximum(r, 1.0) - mean_b[None, :], 0.0)
+            m_b = tl.sum(q, axis=0) + tl.sum(r * dev * dev, axis=0)
+            n_c, s_c, m_c = _merge(n_c, s_c, m_c, n_b, s_b, m_b)
+        if PER_GROUP:  # the chunk's channels (each over the same tiles) into the group's running values
+            n_g = tl.sum(n_c, axis=0)
+            s_g = tl.sum(s_c, axis=0)
+            dev_c = tl.where(c_ok, s_c / tl.maximum(n_c, 1.0) - s_g / tl.maximum(n_g, 1.0), 0.0)
+            m_g = tl.sum(m_c, axis=0) + tl.sum(n_c * dev_c * dev_c, axis=0)
+            n_run, s_run, m_run = _merge(n_run, s_run, m_run, n_g, s_g, m_g)
+        else:
+            tl.store(sum_ptr + c, s_c, mask=c_ok)
+            tl.store(m2_ptr + c, m_c, mask=c_ok)
+    if PER_GROUP:
+        tl.store(sum_ptr + pid, s_run)
+        tl.store(m2_ptr + pid, m_run)
 
 
-def reduce_group_partials(partials: torch.Tensor, n: int, rows_per_sample: int, block_m: int,
-                          groups: int) -> GroupStats:  # fmt: skip
-    """GroupNorm's statistics from the kernel's partials of a launch whose tiles do not cross samples,
-    fp32 ``(3, n * T, C_out)`` contiguous (as :func:`reduce_partials`'s; tile ``i * T + t`` holds rows
-    ``[t * block_m, (t + 1) * block_m)`` of sample ``i``'s ``rows_per_sample``, ``T`` their tiles),
-    over each sample's ``groups`` groups of ``C_out / groups`` consecutive channels."""
-    tiles, c_out = partials.shape[1] // n, partials.shape[2]
-    starts = torch.arange(tiles, dtype=torch.float64, device=partials.device) * block_m
-    rows = (rows_per_sample - starts).clamp(max=block_m).view(1, tiles, 1, 1)
-    grouped = partials.view(3, n, tiles, groups, c_out // groups)
-    total, m2 = _combine(grouped, rows, (1, 3))
-    return GroupStats(total, m2, rows_per_sample * (c_out // groups))
+@triton.jit
+def _merge(n_a, s_a, m_a, n_b, s_b, m_b):
+    """Two sets' counts, sums and M2 (float64, any shape) as one: ``M2 = M2_a + M2_b + (mean_b -
+    mean_a)^2 n_a n_b / (n_a + n_b)`` (Chan et al.); an empty set adds nothing."""
+    n = n_a + n_b
+    delta = s_b / tl.maximum(n_b, 1.0) - s_a / tl.maximum(n_a, 1.0)
+    both = (n_a > 0) & (n_b > 0)
+    m = m_a + m_b + tl.where(both, delta * delta * (n_a * n_b / tl.maximum(n, 1.0)), 0.0)
+    return n, s_a + s_b, m
+
+
+@triton.jit
+def _batch_norm_form_kernel(sum_ptr, m2_ptr, bias_ptr, out_ptr, C, COUNT, eps, HAS_BIAS: tl.constexpr,
+                            BLOCK_C: tl.constexpr):  # fmt: skip
+    """``ChannelStats.batch_norm_form``: from float64 ``sum`` and ``m2`` ``(C,)`` over ``COUNT`` values,
+    fp32 ``(3, C)``: the mean (plus ``bias``), ``1 / sqrt(m2 / COUNT + eps)``, ``m2 / (COUNT - 1)``."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < C
+    total = tl.load(sum_ptr + c, mask=ok, other=0.0)
+    m2 = tl.load(m2_ptr + c, mask=ok, other=0.0)
+    mean = total / COUNT
+    if HAS_BIAS:
+        mean += tl.load(bias_ptr + c, mask=ok, other=0.0).to(tl.float64)
+    var = m2 / COUNT
+    tl.store(out_ptr + c, mean.to(tl.float32), mask=ok)
+    tl.store(out_ptr + C + c, (1.0 / tl.sqrt(var + eps)).to(tl.float32), mask=ok)
+    tl.store(out_ptr + 2 * C + c, (m2 / (COUNT - 1.0)).to(tl.float32), mask=ok)
+
+
+class PartialsReduction:
+    """One forward plan's reduction of its store's partials (fp32 ``(3, m_tiles, c_out)``) to its
+    statistics, one launch of :func:`combine_partials_kernel`: per channel over ``count`` output
+    positions in ``m_tiles`` tiles of ``block_m`` rows (``groups`` 0), or, with ``groups`` > 0, per
+    sample and group over ``samples`` samples of ``count`` positions each, ``m_tiles / samples`` tiles
+    per sample (the launch's tiles do not cross samples)."""
+
+    def __init__(self, m_tiles: int, c_out: int, block_m: int, count: int, device: torch.device,
+                 groups: int = 0, samples: int = 1) -> None:  # fmt: skip
+        self.c_out, self.count, self.groups, self.samples, self.device = c_out, count, groups, samples, device
+        tiles = m_tiles // samples if groups else m_tiles
+        block_t = min(_MAX_BLOCK_T, triton.next_power_of_2(max(tiles, 1)))
+        grid = (samples * groups,) if groups else (triton.cdiv(c_out, _BLOCK_C),)
+        constexprs = dict(PER_GROUP=groups > 0, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_C=_BLOCK_C, num_warps=8)
+        fixed = (m_tiles, c_out, tiles, count, c_out // groups if groups else 0, max(groups, 1))
+        self.launch = FastLaunch(combine_partials_kernel, grid, constexprs, fixed=fixed)
+
+    def __call__(self, partials: torch.Tensor) -> ChannelStats | GroupStats:
+        shape = (self.samples, self.groups) if self.groups else (self.c_out,)
+        total = torch.empty(shape, dtype=torch.float64, device=self.device)
+        m2 = torch.empty(shape, dtype=torch.float64, device=self.device)
+        self.launch(partials, total, m2)
+        if self.groups:
+            return GroupStats(total, m2, self.count * (self.c_out // self.groups))
+        return ChannelStats(total, m2, self.count)
 
 
 def empty_group_stats(groups: int, count: int, device: torch.device) -> GroupStats:

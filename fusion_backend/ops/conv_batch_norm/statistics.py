@@ -20,7 +20,6 @@ from ...errors import UnsupportedInputError
 from ...kernels.host import tensor_key
 from .. import conv_precision
 from ..conv_epilogue.forward import results_agree
-from ..conv_io import stats_dtype
 from ..library_conv import channels_last_conv, conv_forward
 from .config import ConvBatchNormConfig
 
@@ -88,10 +87,7 @@ def _family(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormCo
     tf32 = conv_precision.forward_tf32(x, weight, spec).tf32
     y0, st = conv_fprop(x, weight, None, stride=spec.stride, padding=spec.padding, dilation=spec.dilation,
                         groups=spec.groups, stats=True, allow_tf32=tf32)  # fmt: skip
-    mean = st.mean() if bias is None else st.mean() + bias.to(torch.float64)
-    var = st.var()
-    stats = torch.stack([mean, (var + cfg.eps).rsqrt(), st.var(unbiased=True)])
-    return y0, stats.to(stats_dtype(y0.dtype))
+    return y0, st.batch_norm_form(bias, cfg.eps)
 
 
 def _choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> str:

@@ -1,0 +1,96 @@
+"""The conv family's statistics reduction (``kernels/conv/stats.py``, ``PartialsReduction``): the store's
+per-tile partials combined into float64 sums and sums of squared deviations, against the same
+statistics computed straight from the values in float64.
+
+The partials are made here as the store makes them (per tile and channel, in fp32: the tile's mean as
+the shift ``k``, the sum of ``y - k``, the squared deviations from the tile's mean), from values with a
+mean that dwarfs their spread, so a combination that lost the shift or summed squares would show.
+Sizes are chosen so that the kernel's loops run more than once: more tiles than one step takes (256),
+channel counts that fill no block of 16, groups wider than 16 channels, last tiles that are partial.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusion_backend.kernels.conv.stats import ChannelStats, GroupStats, PartialsReduction
+from fusion_backend.testing import stable_seed
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+def _partials(values: torch.Tensor, block_m: int) -> torch.Tensor:
+    """fp32 ``(3, tiles, C)`` partials of float64 ``values`` ``(rows, C)`` (one run of tiles)."""
+    parts = []
+    for start in range(0, values.shape[0], block_m):
+        y = values[start:start + block_m].float()
+        k = y.mean(0)
+        e = y - k
+        d = e - e.sum(0) / y.shape[0]
+        parts.append(torch.stack([k, e.sum(0), (d * d).sum(0)]))
+    return torch.stack(parts, 1).contiguous()
+
+
+def _combined(partials: torch.Tensor, rows: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partials combined in float64 by plain torch (Chan et al., over ``dims``; ``rows`` each
+    tile's count, broadcastable): what the kernel must compute up to float64 rounding."""
+    shift, shifted_sum, m2 = partials.double().unbind(0)
+    tile_mean = shift + shifted_sum / rows
+    total = (rows * tile_mean).sum(dim=dims, keepdim=True)
+    count = (rows * torch.ones_like(tile_mean)).sum(dim=dims, keepdim=True)
+    spread = rows * (tile_mean - total / count) ** 2
+    return total.sum(dim=dims), m2.sum(dim=dims) + spread.sum(dim=dims)
+
+
+def _tile_rows(rows: int, block_m: int) -> torch.Tensor:
+    starts = torch.arange(0, rows, block_m, dtype=torch.float64)
+    return (rows - starts).clamp(max=block_m)
+
+
+def _check(stats: ChannelStats, combined: tuple[torch.Tensor, torch.Tensor], values: torch.Tensor) -> None:
+    """The kernel's sums equal the float64 combination of the same partials (to float64 rounding), and
+    are within the fp32 partials' own rounding of the statistics of the values themselves."""
+    total, m2 = combined
+    torch.testing.assert_close(stats.sum.cpu(), total, rtol=1e-13, atol=0)
+    torch.testing.assert_close(stats.m2.cpu(), m2, rtol=1e-11, atol=0)
+    y = values.float().double()  # the values as the store wrote them (rounded to fp32 here)
+    torch.testing.assert_close(stats.sum.cpu(), y.sum(-1), rtol=1e-9, atol=0)
+    torch.testing.assert_close(stats.m2.cpu(), ((y - y.mean(-1, keepdim=True)) ** 2).sum(-1), rtol=2e-6, atol=0)
+
+
+def _values(rows: int, c: int, seed: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(stable_seed(seed))
+    mean = 3000.0 + 100.0 * torch.randn(c, generator=g, dtype=torch.float64)
+    return mean + torch.randn(rows, c, generator=g, dtype=torch.float64) * (0.5 + torch.rand(c, generator=g))
+
+
+@pytest.mark.parametrize("rows,c,block_m", [(37, 5, 16), (16 * 300 + 3, 21, 16), (64, 16, 64), (1, 3, 16)],
+                         ids=["tail", "several-steps", "one-tile", "one-row"])  # fmt: skip
+def test_channel_statistics_match_float64(rows: int, c: int, block_m: int, kernel_device: str) -> None:
+    values = _values(rows, c, f"channel {rows} {c}")
+    partials = _partials(values, block_m).to(kernel_device)
+    stats = PartialsReduction(partials.shape[1], c, block_m, rows, torch.device(kernel_device))(partials)
+    assert isinstance(stats, ChannelStats) and stats.count == rows
+    _check(stats, _combined(partials.cpu(), _tile_rows(rows, block_m)[:, None], (0,)), values.T)
+    again = PartialsReduction(partials.shape[1], c, block_m, rows, torch.device(kernel_device))(partials)
+    assert torch.equal(again.sum, stats.sum) and torch.equal(again.m2, stats.m2)  # the same bits
+
+
+@pytest.mark.parametrize("n,rows_per_sample,c,groups,block_m", [(3, 37, 8, 2, 16), (2, 16 * 260, 6, 3, 16),
+                                                                 (2, 20, 40, 2, 16), (1, 5, 4, 4, 16)],
+                         ids=["tails", "several-steps", "wide-groups", "one-channel-groups"])  # fmt: skip
+def test_group_statistics_match_float64(n: int, rows_per_sample: int, c: int, groups: int, block_m: int,
+                                        kernel_device: str) -> None:  # fmt: skip
+    values = _values(n * rows_per_sample, c, f"group {n} {rows_per_sample} {c} {groups}")
+    per_sample = values.view(n, rows_per_sample, c)
+    partials = torch.cat([_partials(s, block_m) for s in per_sample], 1).contiguous().to(kernel_device)
+    reduce = PartialsReduction(partials.shape[1], c, block_m, rows_per_sample, torch.device(kernel_device),
+                               groups=groups, samples=n)  # fmt: skip
+    stats = reduce(partials)
+    assert isinstance(stats, GroupStats) and stats.count == rows_per_sample * (c // groups)
+    tiles = partials.shape[1] // n
+    rows = _tile_rows(rows_per_sample, block_m).view(1, tiles, 1, 1)
+    combined = _combined(partials.cpu().view(3, n, tiles, groups, c // groups), rows, (1, 3))
+    grouped = per_sample.view(n, rows_per_sample, groups, c // groups).transpose(1, 2).reshape(n, groups, -1)
+    _check(stats, combined, grouped)
