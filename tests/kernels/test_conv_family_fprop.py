@@ -398,7 +398,7 @@ def test_group_statistics_per_sample_and_group_match_float64(name, xs, ws, conv,
 def test_group_statistics_keep_the_variance_of_a_group_whose_mean_dwarfs_its_spread():
     g = torch.Generator().manual_seed(9)
     x = _channels_last(_randn(3, 6, 9, 11, g=g))
-    w, b = _randn(8, 6, 3, 3, g=g, scale=0.2), torch.full((8,), 3000.0) + 0.1 * _randn(8, g=g)
+    w, b = _randn(8, 6, 3, 3, g=g, scale=0.2), torch.full((8,), 3000.0, device=DEVICE) + 0.1 * _randn(8, g=g)
     out, stats = conv_fprop(x, w, b, padding=1, stats_groups=2, tile=SMALL_FLAT)
     grouped = out.double().reshape(3, 2, -1)
     want = grouped.var(2, unbiased=False)
@@ -420,7 +420,7 @@ def test_statistics_keep_the_variance_of_a_channel_whose_mean_dwarfs_its_spread(
     Welford BatchNorm does."""
     g = torch.Generator().manual_seed(5)
     x = _channels_last(_randn(4, 6, 9, 11, g=g))
-    w, b = _randn(5, 6, 3, 3, g=g, scale=0.2), torch.full((5,), 3000.0) + _randn(5, g=g)
+    w, b = _randn(5, 6, 3, 3, g=g, scale=0.2), torch.full((5,), 3000.0, device=DEVICE) + _randn(5, g=g)
     out, stats = conv_fprop(x, w, b, padding=1, stats=True, tile=SMALL_FLAT)
     flat = out.double().transpose(0, 1).reshape(5, -1)
     want = flat.var(1, unbiased=False)

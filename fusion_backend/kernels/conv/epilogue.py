@@ -27,8 +27,8 @@ Statistics are of the value *written*, as rounded to the output dtype: the next 
 normalises the stored tensor, so its mean and variance must be those of the stored values (eager's
 BatchNorm computes them from that tensor too).  Rows past ``M`` and channels past the group's count
 contribute nothing.  Each program writes its M tile's row of the partials; no two programs write the
-same element, and nothing is accumulated with atomics, so the host's fixed-order sum over the tiles
-(``stats.reduce_partials``) is bitwise reproducible run to run.
+same element, and nothing is accumulated with atomics, so the fixed-order combination of the tiles
+(``stats.PartialsReduction``) is bitwise reproducible run to run.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, conv_ptr, scale_ptr, bias_
     res_ptr   RESIDUAL (1 before ACT_OUT, 2 after): the residual, the output's dtype and strides.
     part_ptr  STATS: fp32 ``(3, M_TILES, C_OUT)`` contiguous, of the tile's stored values: ``[0, pid_m, c]``
               the shift ``k``, ``[1, pid_m, c]`` their sum less ``k`` per row, ``[2, pid_m, c]`` their
-              sum of squared deviations from their mean (``stats.reduce_partials`` combines them).
+              sum of squared deviations from their mean (``stats.PartialsReduction`` combines them).
     BIG       int64 element offsets.
     """
     if BIG:

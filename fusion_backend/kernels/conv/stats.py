@@ -4,10 +4,9 @@ channel for a BatchNorm (:class:`ChannelStats`), per sample and group of channel
 
 The kernel writes one row of partials per M tile (``epilogue.store_tile``), each channel's: a shift
 ``k`` (the tile's mean as fp32 rounds it), the sum of the values less ``k``, and the sum of their
-squared deviations from their mean.  :func:`reduce_partials` combines the tiles as Chan et al.'s
-parallel variance does, in float64, with torch reductions over fixed shapes: the result is the same
-bits on every run (no atomics anywhere); about ten small torch ops per call (host time a fused
-kernel could take back).  WHY the shift: where a channel's mean dwarfs its spread (a
+squared deviations from their mean.  :class:`PartialsReduction` combines the tiles as Chan et al.'s
+parallel variance does, in float64, in one launch (:func:`combine_partials_kernel`) that walks them in a
+fixed order: the result is the same bits on every run (no atomics anywhere).  WHY the shift: where a channel's mean dwarfs its spread (a
 conv with a large bias), an fp32 tile sum rounds at ``2**-24`` of the sum, and so would an fp32 mean;
 the tile's mean as ``k`` plus the small, nearly exact sum of ``y - k`` keeps it.  And WHY not sums of
 squares: ``E[y^2] - E[y]^2`` from fp32 partials leaves the rounding of ``mean^2`` as an error of the
@@ -76,29 +75,34 @@ class GroupStats(ChannelStats):
     ``var()``."""
 
 
-# NOTE: one launch replaces the ~13 float64 torch ops that combined the partials before: those cost
-# 0.07-0.13 ms of GPU time per forward on ResNet-50's convs (the statistics-hooked forward 3.7x the plain
-# one, the hook's store itself a few percent; ``CONVK_STATS=1 CONVK_TESTS=0 CONVK_BENCH=0 CONVK_SWEEP=0
-# bash tools/gpu_session.sh convk`` before this kernel).
+# NOTE: the ~13 float64 torch ops that combined the partials before cost 0.07-0.13 ms of GPU time per
+# forward on ResNet-50's convs (the statistics-hooked forward 3.7x the plain one); one launch over
+# channel blocks alone still cost 0.05-0.26 ms (4 programs on a 64-channel output walking 1,568-6,272
+# tiles, a float64 division per value): 1.84x.  Hence the split over tiles and one reciprocal per tile
+# (``CONVK_STATS=1 CONVK_TESTS=0 CONVK_BENCH=0 CONVK_SWEEP=0 bash tools/gpu_session.sh convk``).
 _BLOCK_C = 16  # channels per program (BatchNorm's statistics) or per step over a group's channels
-#: tiles per step; NOTE: with 4 warps 256 x 16 spilled 8 registers, with 8 none (sm_90: ``python
-#: tools/compile_check.py conv_family --cases resnet_3x3-bf16-hooked --kernels combine``)
+#: tiles per step, and per program of the first of two launches; NOTE: with 4 warps 256 x 16 spilled 8
+#: registers, with 8 none (sm_90: ``python tools/compile_check.py conv_family --cases
+#: resnet_3x3-bf16-hooked --kernels combine``)
 _MAX_BLOCK_T = 256
 
 
 @triton.jit
 def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, M_TILES, C, TILES, ROWS, CG, GROUPS,
-                            PER_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
-                            BLOCK_C: tl.constexpr):  # fmt: skip
-    """Combine the store's partials into float64 sums and sums of squared deviations.
+                            PER_GROUP: tl.constexpr, SPLIT_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """Combine per-tile partials into float64 sums and sums of squared deviations.
 
-    ``part_ptr``: fp32 ``(3, M_TILES, C)`` contiguous (per tile and channel: the shift ``k``, the sum
-    of the values less ``k``, their sum of squared deviations from their mean).  Tile ``t`` of a run of
-    ``TILES`` tiles holds ``min(BLOCK_M, ROWS - t * BLOCK_M)`` values per channel.
+    ``part_ptr``: ``(3, M_TILES, C)`` contiguous, fp32 (the store's) or float64 (this kernel's own with
+    ``SPLIT_OUT``): per tile and channel a shift ``k``, the sum of the values less ``k``, their sum of
+    squared deviations from their mean.  Tile ``t`` (of ``M_TILES``, or of a sample's run of
+    ``TILES``) holds ``min(BLOCK_M, ROWS - t * BLOCK_M)`` values per channel.
 
-    * ``PER_GROUP`` False (BatchNorm): program ``p`` owns channels ``[p * BLOCK_C, (p + 1) * BLOCK_C)``
-      over all ``TILES == M_TILES`` tiles (``ROWS`` the output positions) and writes ``sum_ptr[c]``,
-      ``m2_ptr[c]`` (float64 ``(C,)``).
+    * ``PER_GROUP`` False (BatchNorm): program ``(p, s)`` owns channels ``[p * BLOCK_C, (p + 1) *
+      BLOCK_C)`` over tiles ``[s * TILES, (s + 1) * TILES)`` (``ROWS`` the output positions).  It writes
+      ``sum_ptr[c]`` and ``m2_ptr[c]`` (float64 ``(C,)``; one program along tiles), or with
+      ``SPLIT_OUT`` its span's partials, float64 ``(3, splits, C)`` at ``sum_ptr`` row ``s`` (mean, 0,
+      M2): the input of a second launch with ``BLOCK_M`` the span's rows.
     * ``PER_GROUP`` True (GroupNorm): program ``p = i * GROUPS + g`` owns sample ``i``'s ``TILES`` tiles
       (``ROWS`` its positions) and the ``CG`` channels of group ``g`` and writes ``sum_ptr[p]``,
       ``m2_ptr[p]`` (float64 ``(N, GROUPS)``).
@@ -108,14 +112,19 @@ def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, M_TILES, C, TILES, ROWS, 
     them into the running ones (Chan et al.): a fixed order, so the result is the same bits every run.
     """
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     if PER_GROUP:
-        tile0 = (pid // GROUPS) * TILES
+        tile0 = (pid // GROUPS) * TILES  # the sample's first tile; tile indices below are the sample's
         c0 = (pid % GROUPS) * CG
         width = CG
+        t_end = TILES
+        t_first = 0
     else:
         tile0 = 0
         c0 = pid * BLOCK_C
         width = tl.minimum(C - c0, BLOCK_C)
+        t_first = split * TILES
+        t_end = tl.minimum(t_first + TILES, M_TILES)
     zero = tl.zeros([BLOCK_C], tl.float64)
     n_run = tl.sum(zero, axis=0)  # a float64 scalar: GroupNorm's running count, sum and M2
     s_run = n_run
@@ -128,10 +137,12 @@ def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, M_TILES, C, TILES, ROWS, 
         n_c = zero
         s_c = zero
         m_c = zero
-        for tb in range(0, TILES, BLOCK_T):
+        for tb in range(t_first, t_end, BLOCK_T):
             t = tb + lane_t
-            rows = tl.minimum(ROWS - t * BLOCK_M, BLOCK_M).to(tl.float64)
-            ok = (t < TILES)[:, None] & c_ok[None, :]
+            t_ok = t < t_end
+            rows = tl.where(t_ok, tl.minimum(ROWS - t.to(tl.float64) * BLOCK_M, BLOCK_M), 0.0)
+            inv_rows = 1.0 / tl.maximum(rows, 1.0)  # one division per tile, not per value
+            ok = t_ok[:, None] & c_ok[None, :]
             r = tl.where(ok, rows[:, None], 0.0)
             offs = (tile0 + t).to(tl.int64)[:, None] * C + c[None, :]  # 3 * M_TILES * C may pass 2**31
             k = tl.load(part_ptr + offs, mask=ok, other=0.0).to(tl.float64)
@@ -140,7 +151,7 @@ def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, M_TILES, C, TILES, ROWS, 
             n_b = tl.sum(r, axis=0)
             s_b = tl.sum(r * k + e, axis=0)
             mean_b = s_b / tl.maximum(n_b, 1.0)
-            dev = tl.where(ok, k + e / tl.maximum(r, 1.0) - mean_b[None, :], 0.0)
+            dev = tl.where(ok, k + e * inv_rows[:, None] - mean_b[None, :], 0.0)
             m_b = tl.sum(q, axis=0) + tl.sum(r * dev * dev, axis=0)
             n_c, s_c, m_c = _merge(n_c, s_c, m_c, n_b, s_b, m_b)
         if PER_GROUP:  # the chunk's channels (each over the same tiles) into the group's running values
@@ -149,6 +160,11 @@ def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, M_TILES, C, TILES, ROWS, 
             dev_c = tl.where(c_ok, s_c / tl.maximum(n_c, 1.0) - s_g / tl.maximum(n_g, 1.0), 0.0)
             m_g = tl.sum(m_c, axis=0) + tl.sum(n_c * dev_c * dev_c, axis=0)
             n_run, s_run, m_run = _merge(n_run, s_run, m_run, n_g, s_g, m_g)
+        elif SPLIT_OUT:
+            splits = tl.num_programs(1)
+            tl.store(sum_ptr + split * C + c, s_c / tl.maximum(n_c, 1.0), mask=c_ok)
+            tl.store(sum_ptr + (splits + split) * C + c, zero, mask=c_ok)
+            tl.store(sum_ptr + (2 * splits + split) * C + c, m_c, mask=c_ok)
         else:
             tl.store(sum_ptr + c, s_c, mask=c_ok)
             tl.store(m2_ptr + c, m_c, mask=c_ok)
@@ -188,25 +204,44 @@ def _batch_norm_form_kernel(sum_ptr, m2_ptr, bias_ptr, out_ptr, C, COUNT, eps, H
 
 class PartialsReduction:
     """One forward plan's reduction of its store's partials (fp32 ``(3, m_tiles, c_out)``) to its
-    statistics, one launch of :func:`combine_partials_kernel`: per channel over ``count`` output
-    positions in ``m_tiles`` tiles of ``block_m`` rows (``groups`` 0), or, with ``groups`` > 0, per
-    sample and group over ``samples`` samples of ``count`` positions each, ``m_tiles / samples`` tiles
-    per sample (the launch's tiles do not cross samples)."""
+    statistics (:func:`combine_partials_kernel`): per channel over ``count`` output positions in
+    ``m_tiles`` tiles of ``block_m`` rows (``groups`` 0): one launch up to ``_MAX_BLOCK_T`` tiles, else
+    two (spans of that many tiles per program, then the spans); or, with ``groups`` > 0, per sample and
+    group over ``samples`` samples of ``count`` positions each, ``m_tiles / samples`` tiles per sample
+    (the launch's tiles do not cross samples), one launch."""
 
     def __init__(self, m_tiles: int, c_out: int, block_m: int, count: int, device: torch.device,
                  groups: int = 0, samples: int = 1) -> None:  # fmt: skip
         self.c_out, self.count, self.groups, self.samples, self.device = c_out, count, groups, samples, device
-        tiles = m_tiles // samples if groups else m_tiles
+        common = dict(PER_GROUP=groups > 0, BLOCK_C=_BLOCK_C, num_warps=8)
+        self.splits = 0
+        if groups:
+            tiles = m_tiles // samples
+            grid = (samples * groups, 1)
+            fixed = (m_tiles, c_out, tiles, count, c_out // groups, groups)
+        elif m_tiles > _MAX_BLOCK_T:
+            self.splits = triton.cdiv(m_tiles, _MAX_BLOCK_T)
+            c_blocks = triton.cdiv(c_out, _BLOCK_C)
+            self.spans = FastLaunch(combine_partials_kernel, (c_blocks, self.splits), dict(
+                common, SPLIT_OUT=True, BLOCK_M=block_m, BLOCK_T=_MAX_BLOCK_T),
+                fixed=(m_tiles, c_out, _MAX_BLOCK_T, count, 0, 1))  # fmt: skip
+            block_m, m_tiles, tiles, grid = _MAX_BLOCK_T * block_m, self.splits, self.splits, (c_blocks, 1)
+            fixed = (m_tiles, c_out, tiles, count, 0, 1)
+        else:
+            tiles, grid = m_tiles, (triton.cdiv(c_out, _BLOCK_C), 1)
+            fixed = (m_tiles, c_out, tiles, count, 0, 1)
         block_t = min(_MAX_BLOCK_T, triton.next_power_of_2(max(tiles, 1)))
-        grid = (samples * groups,) if groups else (triton.cdiv(c_out, _BLOCK_C),)
-        constexprs = dict(PER_GROUP=groups > 0, BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_C=_BLOCK_C, num_warps=8)
-        fixed = (m_tiles, c_out, tiles, count, c_out // groups if groups else 0, max(groups, 1))
-        self.launch = FastLaunch(combine_partials_kernel, grid, constexprs, fixed=fixed)
+        self.launch = FastLaunch(combine_partials_kernel, grid,
+                                 dict(common, SPLIT_OUT=False, BLOCK_M=block_m, BLOCK_T=block_t), fixed=fixed)
 
     def __call__(self, partials: torch.Tensor) -> ChannelStats | GroupStats:
         shape = (self.samples, self.groups) if self.groups else (self.c_out,)
         total = torch.empty(shape, dtype=torch.float64, device=self.device)
         m2 = torch.empty(shape, dtype=torch.float64, device=self.device)
+        if self.splits:
+            spans = torch.empty((3, self.splits, self.c_out), dtype=torch.float64, device=self.device)
+            self.spans(partials, spans, spans)
+            partials = spans
         self.launch(partials, total, m2)
         if self.groups:
             return GroupStats(total, m2, self.count * (self.c_out // self.groups))
@@ -241,7 +276,7 @@ class BatchNormGradSums:
 def reduce_grad_partials(partials: torch.Tensor, count: int) -> BatchNormGradSums:
     """The sums from the dgrad epilogue's partials, fp32 ``(2, M_TILES, C)`` contiguous (row 0 the tiles'
     ``Σ grad_z``, row 1 their ``Σ grad_z · x̂``), in float64 over the tiles in one fixed-shape reduction
-    (bitwise reproducible, as :func:`reduce_partials`)."""
+    (bitwise reproducible, as :class:`PartialsReduction`)."""
     total = partials.sum(dim=1, dtype=torch.float64)
     return BatchNormGradSums(total[0], total[1], count)
 
