@@ -425,9 +425,10 @@ class _Plan:
         #: the launch that turns the store's partials into the statistics (None: no statistics)
         self.reduce = None
         if self.stats and self.m_tiles:
-            self.reduce = (PartialsReduction(self.m_tiles, geo.c_out, tile.block_m, self.sample_rows, x.device,
-                                             groups=stats_groups, samples=geo.n) if stats_groups  # fmt: skip
-                           else PartialsReduction(self.m_tiles, geo.c_out, tile.block_m, geo.m, x.device))
+            per_sample = stats_groups > 0
+            self.reduce = PartialsReduction(self.m_tiles, geo.c_out, tile.block_m,
+                                            self.sample_rows if per_sample else geo.m, x.device,
+                                            groups=stats_groups, samples=geo.n if per_sample else 1)  # fmt: skip
         #: one input channel per group: the direct depthwise tile (``_depthwise_tile``), over all channels
         self.depthwise = geo.c_in_g == 1
         if self.depthwise:
