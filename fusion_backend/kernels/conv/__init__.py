@@ -17,8 +17,8 @@ Modules (one responsibility each):
                 the timed choice among a few candidates per call signature (cached on disk);
 * ``prologue``  device: the A tile of the implicit GEMM, gathered with the prologue applied;
 * ``epilogue``  device: bias, the pointwise chain, activation, residual, store, per-tile statistics;
-* ``stats``     the statistics' host reduction (deterministic), ``ChannelStats`` (BatchNorm's) and
-                ``GroupStats`` (GroupNorm's);
+* ``stats``     the statistics' reduction of the store's partials (one or two launches, deterministic),
+                ``ChannelStats`` (BatchNorm's) and ``GroupStats`` (GroupNorm's);
 * ``fprop``     the forward kernel, its launcher ``conv_fprop`` and its plan ``fprop_plan``;
 * ``dgrad``     the input gradient (also a transposed conv's forward) and ``conv_dgrad``;
 * ``grad_epilogue`` device: dgrad's store with the backward hooks (act', BatchNorm-backward sums);

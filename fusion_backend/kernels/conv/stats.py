@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..launch import FastLaunch
+from ..plan_cache import PlanCache
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,9 @@ class ChannelStats:
         c = self.sum.shape[0]
         out = torch.empty((3, c), dtype=torch.float32, device=self.sum.device)
         has_bias = bias is not None
-        _batch_norm_form_kernel[(triton.cdiv(c, _BLOCK_C),)](
-            self.sum, self.m2, bias if has_bias else self.sum, out, c, float(self.count), float(eps),
-            HAS_BIAS=has_bias, BLOCK_C=_BLOCK_C)  # fmt: skip
+        launch = _FORM_LAUNCHES.plan((c, has_bias), lambda: FastLaunch(
+            _batch_norm_form_kernel, (triton.cdiv(c, _BLOCK_C),), dict(HAS_BIAS=has_bias, BLOCK_C=_BLOCK_C)))
+        launch(self.sum, self.m2, bias if has_bias else self.sum, out, c, float(self.count), float(eps))
         return out
 
     def sum_sq(self) -> torch.Tensor:
@@ -202,6 +203,10 @@ def _batch_norm_form_kernel(sum_ptr, m2_ptr, bias_ptr, out_ptr, C, COUNT, eps, H
     tl.store(out_ptr + 2 * C + c, (m2 / (COUNT - 1.0)).to(tl.float32), mask=ok)
 
 
+#: ``ChannelStats.batch_norm_form``'s launches, per channel count and bias
+_FORM_LAUNCHES = PlanCache()
+
+
 class PartialsReduction:
     """One forward plan's reduction of its store's partials (fp32 ``(3, m_tiles, c_out)``) to its
     statistics (:func:`combine_partials_kernel`): per channel over ``count`` output positions in
@@ -214,25 +219,23 @@ class PartialsReduction:
                  groups: int = 0, samples: int = 1) -> None:  # fmt: skip
         self.c_out, self.count, self.groups, self.samples, self.device = c_out, count, groups, samples, device
         common = dict(PER_GROUP=groups > 0, BLOCK_C=_BLOCK_C, num_warps=8)
-        self.splits = 0
+        group_args = (c_out // groups, groups) if groups else (0, 1)  # CG, GROUPS
+        c_blocks = triton.cdiv(c_out, _BLOCK_C)
+        #: the first launch's programs along tiles, 0 for one launch; ``spans``: that first launch
+        self.splits = triton.cdiv(m_tiles, _MAX_BLOCK_T) if not groups and m_tiles > _MAX_BLOCK_T else 0
         if groups:
-            tiles = m_tiles // samples
-            grid = (samples * groups, 1)
-            fixed = (m_tiles, c_out, tiles, count, c_out // groups, groups)
-        elif m_tiles > _MAX_BLOCK_T:
-            self.splits = triton.cdiv(m_tiles, _MAX_BLOCK_T)
-            c_blocks = triton.cdiv(c_out, _BLOCK_C)
+            tiles, grid = m_tiles // samples, (samples * groups, 1)
+        elif self.splits:
             self.spans = FastLaunch(combine_partials_kernel, (c_blocks, self.splits), dict(
                 common, SPLIT_OUT=True, BLOCK_M=block_m, BLOCK_T=_MAX_BLOCK_T),
-                fixed=(m_tiles, c_out, _MAX_BLOCK_T, count, 0, 1))  # fmt: skip
+                fixed=(m_tiles, c_out, _MAX_BLOCK_T, count, *group_args))  # fmt: skip
             block_m, m_tiles, tiles, grid = _MAX_BLOCK_T * block_m, self.splits, self.splits, (c_blocks, 1)
-            fixed = (m_tiles, c_out, tiles, count, 0, 1)
         else:
-            tiles, grid = m_tiles, (triton.cdiv(c_out, _BLOCK_C), 1)
-            fixed = (m_tiles, c_out, tiles, count, 0, 1)
+            tiles, grid = m_tiles, (c_blocks, 1)
         block_t = min(_MAX_BLOCK_T, triton.next_power_of_2(max(tiles, 1)))
         self.launch = FastLaunch(combine_partials_kernel, grid,
-                                 dict(common, SPLIT_OUT=False, BLOCK_M=block_m, BLOCK_T=block_t), fixed=fixed)
+                                 dict(common, SPLIT_OUT=False, BLOCK_M=block_m, BLOCK_T=block_t),
+                                 fixed=(m_tiles, c_out, tiles, count, *group_args))  # fmt: skip
 
     def __call__(self, partials: torch.Tensor) -> ChannelStats | GroupStats:
         shape = (self.samples, self.groups) if self.groups else (self.c_out,)
