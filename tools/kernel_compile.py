@@ -204,7 +204,10 @@ def compile_specialisation(
     ``keep``: file extension (``ptx``, ``ttgir``, ``cubin``, ``sass``) -> folder receiving
     ``<label>.<extension>`` of this compile.  Raises what ``triton.compile`` raises."""
     start = time.time()
-    compiled = triton.compile(ASTSource(spec.kernel, spec.signature, spec.constexprs, spec.attrs),
+    source = ASTSource
+    if getattr(spec.kernel, "is_gluon", lambda: False)():  # a Gluon kernel (its own module attributes)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    compiled = triton.compile(source(spec.kernel, spec.signature, spec.constexprs, spec.attrs),
                               target=TARGET, options=spec.options.__dict__)  # fmt: skip
     ptx, cubin = compiled.asm["ptx"], compiled.asm["cubin"]
     regs, spills, error = ptxas_report(ptx)

@@ -65,18 +65,27 @@ MAX_REMEMBERED = 64
 #: Placeholder for a runtime argument in ``FastLaunch``'s argument template.
 _RUNTIME = object()
 
+_TENSOR_DESCRIPTORS: tuple[type, ...] = ()
 try:  # Triton >= 3.3: host-side tensor descriptors (a box load's arguments)
-    from triton.tools.tensor_descriptor import TensorDescriptor as _TENSOR_DESCRIPTOR
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TRITON_DESCRIPTOR
+
+    _TENSOR_DESCRIPTORS += (_TRITON_DESCRIPTOR,)
 except ImportError:  # pragma: no cover - old Triton: no such argument ever comes
-    _TENSOR_DESCRIPTOR = None
+    pass
+try:  # Gluon's, which carry their shared-memory layout (the pointwise kernel's arguments)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GLUON_DESCRIPTOR
+
+    _TENSOR_DESCRIPTORS += (_GLUON_DESCRIPTOR,)
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    pass
 
 
 def call_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """The key of a call with runtime arguments ``args`` (see the module docstring).
 
-    A tensor descriptor (``triton.tools.tensor_descriptor.TensorDescriptor``, a box load's argument) is
-    keyed by everything it holds but its tensor's data: base dtype and alignment, shape, strides, block
-    shape, padding and TF32 rounding; finer than Triton's key (its dtype and block shape), so the
+    A tensor descriptor (``triton.tools.tensor_descriptor.TensorDescriptor``, a box load's argument, or
+    Gluon's) is keyed by everything it holds but its tensor's data: base dtype and alignment, shape,
+    strides, block shape, padding, TF32 rounding and (Gluon's) shared-memory layout; finer than Triton's key (its dtype and block shape), so the
     remembered kernel is the generic path's, which the direct launch then receives the descriptor as
     the generic path would.
 
@@ -92,7 +101,7 @@ def call_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
             else call_key(a)
             if type(a) is tuple
             else _descriptor_key(a)
-            if type(a) is _TENSOR_DESCRIPTOR
+            if type(a) in _TENSOR_DESCRIPTORS
             else a
             for a in args
         ]
@@ -103,7 +112,8 @@ def call_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
 def _descriptor_key(desc: Any) -> tuple[Any, ...]:
     """``call_key``'s part for a tensor descriptor (its docstring)."""
     return (desc.base.dtype, desc.base.data_ptr() % 16 == 0, tuple(desc.shape), tuple(desc.strides),
-            tuple(desc.block_shape), desc.padding, getattr(desc, "round_f32_to_tf32", False))  # fmt: skip
+            tuple(desc.block_shape), desc.padding, getattr(desc, "round_f32_to_tf32", False),
+            getattr(desc, "layout", None))  # fmt: skip
 
 
 

@@ -1,7 +1,7 @@
 """Which tile the conv family's launches use (``kernels/conv/tiles.py``): the candidates fitted to a
 problem, the timed choice among them and its cache.
 
-On CPU nothing is timed for real: ``tiles._measuring`` is forced on and ``tiles.tile_bench`` replaced
+On CPU nothing is timed for real: ``tiles._measuring`` is forced on and ``tiles.gpu_ms_per_call`` replaced
 by a fake that gives each tile a time, so the choice, its cache and its fallbacks are checked here; the
 kernels run under Triton's interpreter.
 """
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.i
 
 
 class FakeBench:
-    """``tile_bench`` whose time for a tile is ``times[tile]`` (default 1.0); records what it timed.
+    """``gpu_ms_per_call`` whose time for a tile is ``times[tile]`` (default 1.0); records what it timed.
     ``failing``: tiles whose run raises, as a tile that does not compile would."""
 
     def __init__(self, times=None, failing=()):
@@ -69,7 +69,7 @@ def timed(monkeypatch, tmp_path):
     measurements.forget_in_memory()
     bench = FakeBench()
     monkeypatch.setattr(tiles, "_measuring", lambda device: True)
-    monkeypatch.setattr(tiles, "tile_bench", bench)
+    monkeypatch.setattr(tiles, "gpu_ms_per_call", bench)
     real = tiles.tuned_tile
 
     def tuned(pass_name, signature, tried, time_tile, device):
@@ -207,7 +207,7 @@ def test_a_tile_that_fails_is_skipped_and_when_all_fail_the_first_is_used_uncach
 
 
 def test_without_measuring_the_heuristic_tile_runs_untimed(monkeypatch):
-    monkeypatch.setattr(tiles, "tile_bench", lambda call: pytest.fail("timed"))
+    monkeypatch.setattr(tiles, "gpu_ms_per_call", lambda call: pytest.fail("timed"))
     tried = candidates("fprop", 64, 64, 9, 4096, torch.float16)
     with tiles.recording_choices() as choices:
         assert tuned_tile("fprop", "s", tried, lambda t: lambda: None, torch.device("cpu")) == tried[0]

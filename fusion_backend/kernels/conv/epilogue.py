@@ -16,8 +16,9 @@ Order (per element, all in fp32 from the fp32 accumulator; one rounding, at the 
     v = v + residual[m, c]                  (RESIDUAL == after the activation)
     out[m, c] = round(v)
     stats: per channel, over the tile's rows of round(v), in fp32: a shift k (the tile's mean as fp32
-           rounds it), the sum of (round(v) - k), and the sum of the squared deviations from
-           k + that sum / rows (three passes over the tile in registers; ``stats`` module docstring)
+           rounds it), the sum of e = round(v) - k, and the sum of the squared deviations from k + that
+           sum / rows, as Σ e^2 - (Σ e)^2 / rows (two reductions over the tile: k, then both sums in one;
+           ``stats`` module docstring)
 
 The conv output is not rounded to the output dtype before the bias (the library path, conv then a
 pointwise kernel, rounds it there): one rounding is closer to the float64 truth, and the tests measure
@@ -86,13 +87,20 @@ def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, conv_ptr, scale_ptr, bias_
         v = v + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = v.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, y, mask=mask)
-    if STATS:
-        s = tl.where(mask, y.to(tl.float32), 0.0)
+    if STATS:  # rows past M masked; channels past C_OUT are reduced like the others and never stored
+        rows_ok = m_ok[:, None]
+        s = tl.where(rows_ok, y.to(tl.float32), 0.0)
         rows = tl.sum(m_ok.to(tl.float32), axis=0)  # a launched tile holds at least one row
         k = tl.sum(s, axis=0) / rows
-        e = tl.where(mask, s - k[None, :], 0.0)  # small where the spread is: exact or nearly
-        e_sum = tl.sum(e, axis=0)
-        d = tl.where(mask, e - (e_sum / rows)[None, :], 0.0)
+        e = tl.where(rows_ok, s - k[None, :], 0.0)  # small where the spread is: exact or nearly
+        e_sum, e_sq = tl.reduce((e, e * e), 0, _add_pair)  # one reduction for both sums
         tl.store(part_ptr + pid_m * C_OUT + c, k, mask=c_ok)
         tl.store(part_ptr + (M_TILES + pid_m) * C_OUT + c, e_sum, mask=c_ok)
-        tl.store(part_ptr + (2 * M_TILES + pid_m) * C_OUT + c, tl.sum(d * d, axis=0), mask=c_ok)
+        # Σ (e - ē)^2 = Σ e^2 - (Σ e)^2 / rows, ē the rounding residue of k: no cancellation to speak of
+        tl.store(part_ptr + (2 * M_TILES + pid_m) * C_OUT + c, tl.maximum(e_sq - e_sum * e_sum / rows, 0.0),
+                 mask=c_ok)
+
+
+@triton.jit
+def _add_pair(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
