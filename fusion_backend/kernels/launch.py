@@ -85,9 +85,9 @@ def call_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
     A tensor descriptor (``triton.tools.tensor_descriptor.TensorDescriptor``, a box load's argument, or
     Gluon's) is keyed by everything it holds but its tensor's data: base dtype and alignment, shape,
-    strides, block shape, padding, TF32 rounding and (Gluon's) shared-memory layout; finer than Triton's key (its dtype and block shape), so the
-    remembered kernel is the generic path's, which the direct launch then receives the descriptor as
-    the generic path would.
+    strides, block shape, padding, TF32 rounding and (Gluon's) shared-memory layout; finer than
+    Triton's key (its dtype and block shape), so the remembered kernel is the generic path's, which the
+    direct launch then receives the descriptor as the generic path would.
 
     NOTE: one comprehension and one ``map`` rather than a function call per argument: this runs on
     every launch, and per-argument Python calls were most of the launch's host time.

@@ -249,8 +249,9 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     against the heuristic's 4-warp 0.117 on ResNet-50's 3x3 of 64 channels at 56 x 56 (on the stride-2
     3x3 of 128 channels 0.221 against 0.146), and the generic 256 x 128 tile it pushes out of the three
     timed where a box is offered at 0.19-0.20 ms on both shapes swept.  ``pointwise``: a forward the
-    Gluon pointwise kernel takes (``pointwise.supports``): the heuristic's gather tile (what runs untimed),
-    then the pointwise kernel's tiles (:func:`pointwise_tiles`).  An empty problem (``m == 0``) gets its first tile alone."""
+    Gluon pointwise kernel takes (``pointwise.supports``): the heuristic's gather tile (what runs
+    untimed), then the pointwise kernel's tiles (:func:`pointwise_tiles`).  An empty problem (``m ==
+    0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
@@ -342,8 +343,8 @@ def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
     gather tile first on ResNet-50's 1x1 64 -> 256 conv at 56 x 56 with the BatchNorm hooks (0.147
     against 0.160 ms) where the pointwise kernel's GPU time is 0.093 against 0.145 (H200, bf16,
     ``python tools/bench_conv.py demos/realnets/resnet50.py --passes fprop --filter '*k1x1*'``, its
-    ``tile_ms``, against GPU time per call): the pointwise launch's host cost decided.  A tile that fails to compile or run is skipped; if all
-    fail, ``tiles[0]``.  Inside ``launch.compile_ahead`` (or ``compile_in_background``) every tile's
+    ``tile_ms``, against GPU time per call): the pointwise launch's host cost decided.  A tile that fails
+    to compile or run is skipped; if all fail, ``tiles[0]``.  Inside ``launch.compile_ahead`` (or ``compile_in_background``) every tile's
     call runs once, so that all of them compile in that batch, and the answer is ``tiles[0]``, untimed."""
     if len(tiles) == 1 or not _measuring(device):  # nothing to choose, or no timing here
         return _chosen(pass_name, tiles, 0, [], "untimed")
