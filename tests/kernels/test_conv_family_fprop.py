@@ -802,6 +802,7 @@ def test_pointwise_tiles_join_the_forward_candidates_where_the_kernel_applies():
     ("a 3x3 conv", dict(padding=1), TileConfig(64, 64, 64, 4, 2, pointwise=True)),
     ("a strided 1x1", dict(stride=2), TileConfig(64, 64, 64, 4, 2, pointwise=True)),
     ("a tile of 32 rows", {}, TileConfig(32, 64, 64, 4, 2, pointwise=True)),
+    ("a tile of 512 rows", {}, TileConfig(512, 64, 64, 8, 2, pointwise=True)),
 ], ids=lambda c: c if isinstance(c, str) else None)  # fmt: skip
 def test_a_pointwise_tile_the_call_cannot_take_is_refused_in_one_line(why, conv, tile):
     """On CPU (no Gluon run) and for any conv the kernel does not take, a pointwise tile asked for by

@@ -119,10 +119,11 @@ class TileConfig:
         if pass_name != "wgrad" and self.taps_per_program != 1:
             raise ContractError(f"tile taps_per_program={self.taps_per_program}: several taps per program is the "
                                 "weight gradient's")
-        if self.pointwise and (pass_name != "fprop" or self.flat_k or self.block_m < 64 or self.block_n > 256
-                               or self.num_warps not in (4, 8) or self.num_stages < 2):  # fmt: skip
+        if self.pointwise and (pass_name != "fprop" or self.flat_k or not 64 <= self.block_m <= 256
+                               or self.block_n > 256 or self.num_warps not in (4, 8) or self.num_stages < 2):  # fmt: skip
             raise ContractError(f"tile {self.label()}: the pointwise kernel is the forward's, tap-major, with "
-                                "block_m >= 64 (a warpgroup's wgmma), block_n <= 256, 4 or 8 warps and 2+ stages")
+                                "64 <= block_m <= 256 (a warpgroup's wgmma; a TMA box side), block_n <= 256, 4 or 8 "
+                                "warps and 2+ stages")
 
 
 def several_taps(taps: int) -> int:
