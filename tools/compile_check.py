@@ -60,11 +60,11 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   ``-hooked``: a BatchNorm + ReLU's hooks (prologue, relu, output statistics, and GroupNorm's
   statistics where 32 divides the output channels; relu' and the BatchNorm-backward sums; the prologue
   recomputed in wgrad).  Cases ``{resnet_1x1,resnet_3x3,resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-
-  {bf16,fp32}[-hooked][-box|-taps|-pointwise]`` (``-box``: the input and weight gradients load boxes, the
+  {bf16,fp32}[-hooked][-box|-taps|-tma]`` (``-box``: the input and weight gradients load boxes, the
   stride-1 shapes alone; the forward has no box path; ``-taps``: the weight gradient's several-taps tiles
   the timed choice weighs, then its first tile on 8 warps with 1 and with 3 taps per program, the 3-wide
-  kernels with more than one channel per group; ``-pointwise``: the forward alone, on each tile of the
-  Gluon pointwise kernel, ``resnet_1x1-bf16`` alone); default six of them.
+  kernels with more than one channel per group; ``-tma``: the forward alone, on each tile of the
+  Gluon TMA forward, ``resnet_1x1-bf16`` alone); default six of them.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
   the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
   pool, a max or an avg pool; ``fp32``, ``bf16``.  Cases ``{none,max,avg}-{fp32,bf16}``, all by default.
@@ -186,8 +186,8 @@ from fusion_backend.kernels import norm_pool as NP  # noqa: E402
 from fusion_backend.kernels import tf32 as TF32  # noqa: E402
 from fusion_backend.kernels.chain_math import OP_CODES  # noqa: E402
 from fusion_backend.kernels.conv import fprop as FAMILY_FPROP  # noqa: E402
-from fusion_backend.kernels.conv import pointwise as FAMILY_POINTWISE  # noqa: E402
 from fusion_backend.kernels.conv import tiles as FAMILY_TILES  # noqa: E402
+from fusion_backend.kernels.conv import tma_fprop as FAMILY_TMA  # noqa: E402
 from fusion_backend.ops import chain_lowering, conv_io  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
@@ -528,19 +528,19 @@ def _launchable_on_cpu_tensors():  # noqa: ANN202
     stack.enter_context(mock.patch.object(FAMILY_FPROP, "_INTERPRETER_DTYPES", FAMILY_FPROP._CUDA_DTYPES))
     stack.enter_context(mock.patch.object(FAMILY_FPROP, "dot_precision",
                                           lambda dtype, allow, interpret: TF32.dot_precision(dtype, allow, False)))  # fmt: skip
-    stack.enter_context(mock.patch.object(FAMILY_POINTWISE, "_is_sm90", lambda device: True))
+    stack.enter_context(mock.patch.object(FAMILY_TMA, "_is_sm90", lambda device: True))
     return stack
 
 
 def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, taps: bool = False,
-                     pointwise: bool = False) -> None:  # fmt: skip
+                     tma: bool = False) -> None:  # fmt: skip
     """``kernels/conv/``'s three launchers (``conv_fprop``, ``conv_dgrad``, ``conv_wgrad``) on one of
     :data:`CONV_FAMILY_SHAPES`, channels-last, with the tile ``pick_tile`` picks; ``box``: ``conv_dgrad``
     and ``conv_wgrad`` with their first tiles loading boxes (``tiles.box_width``); ``taps``: ``conv_wgrad``
     with its first tile on 8 warps, taking 1 and then a kernel row's 3 taps per program
     (``TileConfig.taps_per_program``), after the several-taps tiles the timed choice weighs
-    (``tiles.candidates``); ``pointwise``: ``conv_fprop`` alone, with each of the Gluon pointwise kernel's
-    tiles (``tiles.pointwise_tiles``; a 1x1 shape); ``hooked``: the hooks
+    (``tiles.candidates``); ``tma``: ``conv_fprop`` alone, with each of the Gluon TMA forward's tiles
+    (``tiles.tma_tiles``; a 1x1 shape); ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
     it, an eval norm's scale and shift; then, where 32 divides the output channels, GroupNorm's
@@ -563,9 +563,9 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     per_out = torch.empty(c_out, dtype=torch.float32)
     chain = [(OP_CODES["mul"], [per_out]), (OP_CODES["add"], [per_out])] if hooked and has_bias else []
     with _launchable_on_cpu_tensors():
-        if pointwise:
+        if tma:
             m = x_shape[0] * x_shape[2] * x_shape[3]
-            for tile in FAMILY_TILES.pointwise_tiles(c_in, c_out, m):
+            for tile in FAMILY_TILES.tma_tiles(c_in, c_out, m):
                 FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, saved=dy if hooked else None, tile=tile,
                                   **hooks, **geo)  # fmt: skip
             return
@@ -660,8 +660,8 @@ class Job:
 
 PHASE_ALIGNED_FIELDS = ("BLOCK_M", "BLOCK_CI", "BLOCK_CO", "KPB")
 FAMILY_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
-#: the pointwise kernel's M and K blocks are its tensor descriptors' boxes
-POINTWISE_FIELDS = ("BLOCK_N", "STAGES")
+#: the TMA forward's M and K blocks are its tensor descriptors' boxes
+TMA_FIELDS = ("BLOCK_N", "STAGES")
 JOBS = {job.name: job for job in (
     Job(
         "conv_fused", "conv_epilogue forward through kernels/conv_fused/ (ConvTranspose3d + chain + MaxPool3d)",
@@ -695,17 +695,17 @@ JOBS = {job.name: job for job in (
     ),
     Job(
         "conv_family", "kernels/conv/: conv_fprop, conv_dgrad, conv_wgrad, plain and hooked (ResNet-50, EfficientNet, SD VAE shapes)",
-        {f"{w}-{d}{h}{b}": partial(conv_family_pass, w, d, bool(h), b == "-box", b == "-taps", b == "-pointwise")
+        {f"{w}-{d}{h}{b}": partial(conv_family_pass, w, d, bool(h), b == "-box", b == "-taps", b == "-tma")
          for w in CONV_FAMILY_SHAPES for d in CONV_FAMILY_DTYPES for h in ("", "-hooked")
-         for b in ("", "-box", "-taps", "-pointwise")
+         for b in ("", "-box", "-taps", "-tma")
          if not b or (b == "-box" and CONV_FAMILY_SHAPES[w][2] == 1 and CONV_FAMILY_SHAPES[w][4] == 1)
          or (b == "-taps" and CONV_FAMILY_SHAPES[w][1][1] > 1 and CONV_FAMILY_SHAPES[w][1][-1] == 3)
-         or (b == "-pointwise" and d == "bf16" and CONV_FAMILY_SHAPES[w][1][-1] == 1)},
+         or (b == "-tma" and d == "bf16" and CONV_FAMILY_SHAPES[w][1][-1] == 1)},
         ("resnet_3x3-bf16", "resnet_3x3-bf16-hooked", "resnet_3x3-fp32-hooked", "resnet_stem-bf16-hooked",
          "depthwise-bf16-hooked", "vae_3x3-bf16-hooked"),
         (*(TiledKernel(k, FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS))
            for k in ("conv_fprop_kernel", "conv_dgrad_kernel", "conv_wgrad_kernel")),
-         TiledKernel("pointwise_fprop_kernel", POINTWISE_FIELDS, "", as_launched(POINTWISE_FIELDS))),
+         TiledKernel("tma_fprop_kernel", TMA_FIELDS, "", as_launched(TMA_FIELDS))),
     ),
     Job(
         "epilogue", "kernels/epilogue.py: the epilogue kernels' forward and backward (a DAG chain, each pool kind)",

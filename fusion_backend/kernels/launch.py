@@ -72,7 +72,7 @@ try:  # Triton >= 3.3: host-side tensor descriptors (a box load's arguments)
     _TENSOR_DESCRIPTORS += (_TRITON_DESCRIPTOR,)
 except ImportError:  # pragma: no cover - old Triton: no such argument ever comes
     pass
-try:  # Gluon's, which carry their shared-memory layout (the pointwise kernel's arguments)
+try:  # Gluon's, which carry their shared-memory layout (the TMA forward's arguments)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GLUON_DESCRIPTOR
 
     _TENSOR_DESCRIPTORS += (_GLUON_DESCRIPTOR,)

@@ -689,23 +689,23 @@ def test_a_box_tile_is_refused_by_the_forward_in_one_line():
 
 
 # --------------------------------------------------------------------------------------------------
-# The pointwise kernel (Gluon: TMA loads, the prologue in wgmma's register layout; sm_90 only)
+# The TMA forward (Gluon: TMA boxes, the prologue in wgmma's register layout; sm_90 only)
 # --------------------------------------------------------------------------------------------------
 
 requires_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-                                   reason="the pointwise kernel runs on sm_90 (Gluon has no interpreter)")
+                                   reason="the TMA forward runs on sm_90 (Gluon has no interpreter)")
 
 #: Tiles of every shape the kernel takes: one warpgroup, 4-stage ring with K steps of 32, two
 #: warpgroups over 128 channels, and warps side by side along N (64 rows on 8 warps, 16-channel K steps).
-POINTWISE_TILES = [
-    TileConfig(64, 64, 64, 4, 2, pointwise=True),
-    TileConfig(128, 64, 32, 4, 4, pointwise=True),
-    TileConfig(128, 128, 64, 8, 3, pointwise=True),
-    TileConfig(64, 32, 16, 8, 2, pointwise=True),
+TMA_ROW_TILES = [
+    TileConfig(64, 64, 64, 4, 2, tma=True),
+    TileConfig(128, 64, 32, 4, 4, tma=True),
+    TileConfig(128, 128, 64, 8, 3, tma=True),
+    TileConfig(64, 32, 16, 8, 2, tma=True),
 ]
 #: name, x shape, output channels: rows that fill no tile, channels that fill no K step (72 against
 #: 64 and 32) or N tile (40, 200), a K step narrower than the tile (24 channels), 1-d and 3-d.
-POINTWISE_SHAPES = [
+TMA_1X1_SHAPES = [
     ("2d-tails", (3, 72, 7, 9), 40),
     ("2d-wide", (2, 256, 9, 8), 200),
     ("1d-narrow-k", (3, 24, 50), 48),
@@ -713,7 +713,7 @@ POINTWISE_SHAPES = [
 ]
 
 
-def _pointwise_case(shape, c_out, dtype, g):  # noqa: ANN001, ANN202
+def _one_by_one_case(shape, c_out, dtype, g):  # noqa: ANN001, ANN202
     x = _channels_last(_randn(*shape, g=g, dtype=dtype))
     w = _randn(c_out, shape[1], *([1] * (len(shape) - 2)), g=g, scale=shape[1] ** -0.5, dtype=dtype)
     return x, w, _randn(c_out, g=g)
@@ -723,44 +723,44 @@ def _pointwise_case(shape, c_out, dtype, g):  # noqa: ANN001, ANN202
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kind,act", [*PROLOGUES, (None, None)],
                          ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in [*PROLOGUES, (None, None)]])
-@pytest.mark.parametrize("name,shape,c_out", POINTWISE_SHAPES, ids=[c[0] for c in POINTWISE_SHAPES])
-def test_pointwise_kernel_matches_float64_with_its_statistics(name, shape, c_out, kind, act, dtype):
-    """Every tile of :data:`POINTWISE_TILES` (the failure names it) against float64, with the hooks and
+@pytest.mark.parametrize("name,shape,c_out", TMA_1X1_SHAPES, ids=[c[0] for c in TMA_1X1_SHAPES])
+def test_tma_forward_1x1_matches_float64_with_its_statistics(name, shape, c_out, kind, act, dtype):
+    """Every tile of :data:`TMA_ROW_TILES` (the failure names it) against float64, with the hooks and
     the statistics, and the same bits on a second call."""
-    for tile in POINTWISE_TILES:
-        g = torch.Generator().manual_seed(stable_seed(("pointwise", name, str(kind), str(act), tile.label())))
-        x, w, b = _pointwise_case(shape, c_out, dtype, g)
+    for tile in TMA_ROW_TILES:
+        g = torch.Generator().manual_seed(stable_seed(("tma-1x1", name, str(kind), str(act), tile.label())))
+        x, w, b = _one_by_one_case(shape, c_out, dtype, g)
         prologue = None if kind is None else _prologue(kind.split("-")[0], shape[0], shape[1], g,
                                                         affine=not kind.endswith("no-affine"))  # fmt: skip
         hooks = dict(prologue=prologue, act_in=act, act_out="relu", stats=True, tile=tile)
-        out, stats = _check(f"pointwise {name} {kind} {act} {tile.label()}", x, w, b, **hooks)
+        out, stats = _check(f"tma 1x1 {name} {kind} {act} {tile.label()}", x, w, b, **hooks)
         again, stats2 = conv_fprop(x, w, b, **hooks)
         assert torch.equal(out, again) and torch.equal(stats.sum, stats2.sum) and torch.equal(stats.m2, stats2.m2)
 
 
 @requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_pointwise_kernel_takes_every_epilogue_hook(dtype):
+def test_tma_forward_takes_every_epilogue_hook(dtype):
     """The store is the gather kernel's (``epilogue.store_tile``): scale, bias, chain, output
     activation, residual, the saved raw conv, against float64."""
-    g = torch.Generator().manual_seed(stable_seed(("pointwise-epilogue", str(dtype))))
-    x, w, b = _pointwise_case((2, 48, 7, 11), 40, dtype, g)
+    g = torch.Generator().manual_seed(stable_seed(("tma-epilogue", str(dtype))))
+    x, w, b = _one_by_one_case((2, 48, 7, 11), 40, dtype, g)
     prologue = ChannelAffine(_randn(48, g=g) * 0.2 + 1.0, _randn(48, g=g))
     residual = _channels_last(_randn(2, 40, 7, 11, g=g, dtype=dtype))
     hooks = dict(prologue=prologue, act_in="silu", scale=_randn(40, g=g), chain=[(OP["leaky_relu"], [0.1])],
-                 act_out="gelu", residual=residual, stats=True, tile=POINTWISE_TILES[0])  # fmt: skip
-    out, _ = _check("pointwise every hook", x, w, b, **hooks)
+                 act_out="gelu", residual=residual, stats=True, tile=TMA_ROW_TILES[0])  # fmt: skip
+    out, _ = _check("tma every hook", x, w, b, **hooks)
     saved = _channels_last(torch.full(out.shape, float("nan"), device=DEVICE, dtype=torch.float32))
     out2, _ = conv_fprop(x, w, b, saved=saved, **hooks)
     assert torch.equal(out, out2)
     raw = dict(prologue=prologue, act_in="silu")
-    why = compare("pointwise saved", saved, conv_fprop_reference(x, w, None, **raw)[0].float(), FLOOR[torch.float32],
+    why = compare("tma saved", saved, conv_fprop_reference(x, w, None, **raw)[0].float(), FLOOR[torch.float32],
                   reference=conv_fprop_reference(x, w, None, dtype=torch.float64, **raw)[0])  # fmt: skip
     assert why is None, why
 
 
 @requires_sm90
-def test_pointwise_kernel_reads_any_layout_and_alignment():
+def test_tma_forward_reads_any_layout_and_alignment():
     """A sliced channels-last input, one whose storage starts off 16 bytes, an NCHW one, and a sliced
     weight: each is copied to the dense, aligned matrix TMA reads, and the result is right."""
     g = torch.Generator().manual_seed(41)
@@ -769,47 +769,47 @@ def test_pointwise_kernel_reads_any_layout_and_alignment():
     parent[:, :8] = float("nan")  # outside the window
     x = parent[:, 8:72, 1:8, 2:9]
     w_parent = _randn(40, 96, 1, 1, g=g, scale=0.125, dtype=dtype)
-    tile = POINTWISE_TILES[1]
+    tile = TMA_ROW_TILES[1]
     prologue = ChannelAffine(_randn(64, g=g).abs() + 0.5, _randn(64, g=g))
     shifted = torch.empty(x.numel() + 1, dtype=dtype, device=DEVICE)[1:].view(3, 7, 7, 64).permute(0, 3, 1, 2)
     shifted.copy_(x)  # channels-last dense, its storage 2 bytes past an allocation's start
     for name, xi, wi in (("sliced", x, w_parent[:, :64]), ("offset", shifted, w_parent[:, 8:72]),
                          ("nchw", x.contiguous(), w_parent[:, :64].contiguous())):
-        out, _ = _check(f"pointwise {name}", xi, wi, None, prologue=prologue, act_in="relu", stats=True, tile=tile)
+        out, _ = _check(f"tma {name}", xi, wi, None, prologue=prologue, act_in="relu", stats=True, tile=tile)
         assert out.isfinite().all(), name
 
 
 @requires_sm90
-def test_pointwise_kernel_nan_and_inf_reach_only_their_rows():
+def test_tma_forward_nan_and_inf_reach_only_their_rows():
     g = torch.Generator().manual_seed(43)
-    x, w, b = _pointwise_case((2, 64, 5, 9), 24, torch.bfloat16, g)
+    x, w, b = _one_by_one_case((2, 64, 5, 9), 24, torch.bfloat16, g)
     x[0, 3, 2, 4] = float("nan")
     x[1, 60, 0, 0] = float("inf")
-    out, _ = _check("pointwise nan inf", x, w, b, tile=POINTWISE_TILES[0])
+    out, _ = _check("tma nan inf", x, w, b, tile=TMA_ROW_TILES[0])
     bad = ~out.isfinite().all(1)
     assert bad.sum() == 2 and bad[0, 2, 4] and bad[1, 0, 0]
 
 
-def test_pointwise_tiles_join_the_forward_candidates_where_the_kernel_applies():
-    """A pointwise problem times the gather heuristic's tile (what runs untimed) and the pointwise
-    kernel's tiles; other problems never see one."""
-    tiles = candidates("fprop", 64, 256, 1, 200704, torch.bfloat16, pointwise=True)
-    assert not tiles[0].pointwise and all(t.pointwise for t in tiles[1:]) and len(tiles) == 3
-    assert not any(t.pointwise for t in candidates("fprop", 256, 64, 1, 200704, torch.bfloat16))
+def test_tma_tiles_join_the_forward_candidates_where_the_kernel_applies():
+    """A 1x1 problem the TMA forward takes times the gather heuristic's tile (what runs untimed) and the
+    TMA forward's tiles; other problems never see one."""
+    tiles = candidates("fprop", 64, 256, 1, 200704, torch.bfloat16, tma=True)
+    assert not tiles[0].tma and all(t.tma for t in tiles[1:]) and len(tiles) == 3
+    assert not any(t.tma for t in candidates("fprop", 256, 64, 1, 200704, torch.bfloat16))
 
 
 @pytest.mark.parametrize("why,conv,tile", [
-    ("a 3x3 conv", dict(padding=1), TileConfig(64, 64, 64, 4, 2, pointwise=True)),
-    ("a strided 1x1", dict(stride=2), TileConfig(64, 64, 64, 4, 2, pointwise=True)),
-    ("a tile of 32 rows", {}, TileConfig(32, 64, 64, 4, 2, pointwise=True)),
-    ("a tile of 512 rows", {}, TileConfig(512, 64, 64, 8, 2, pointwise=True)),
+    ("a 3x3 conv", dict(padding=1), TileConfig(64, 64, 64, 4, 2, tma=True)),
+    ("a strided 1x1", dict(stride=2), TileConfig(64, 64, 64, 4, 2, tma=True)),
+    ("a tile of 32 rows", {}, TileConfig(32, 64, 64, 4, 2, tma=True)),
+    ("a tile of 512 rows", {}, TileConfig(512, 64, 64, 8, 2, tma=True)),
 ], ids=lambda c: c if isinstance(c, str) else None)  # fmt: skip
-def test_a_pointwise_tile_the_call_cannot_take_is_refused_in_one_line(why, conv, tile):
-    """On CPU (no Gluon run) and for any conv the kernel does not take, a pointwise tile asked for by
+def test_a_tma_tile_the_call_cannot_take_is_refused_in_one_line(why, conv, tile):
+    """On CPU (no Gluon run) and for any conv the kernel does not take, a TMA tile asked for by
     name is a one-line contract error, not a silent gather."""
     g = torch.Generator().manual_seed(0)
     x = _channels_last(_randn(2, 16, 6, 6, g=g, dtype=torch.float16))
     k = 3 if "3x3" in why else 1
-    with pytest.raises(ContractError, match="pointwise") as info:
+    with pytest.raises(ContractError, match="TMA") as info:
         conv_fprop(x, _randn(8, 16, k, k, g=g, dtype=torch.float16), tile=tile, **conv)
     assert "\n" not in str(info.value)

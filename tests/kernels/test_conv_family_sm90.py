@@ -13,7 +13,7 @@ def test_hooked_kernels_compile_for_sm90_without_spills_within_shared_memory(sm9
     ask for more shared memory than an sm_90 block has.  Compiles fprop, dgrad and wgrad with every
     hook on four of the job's cases: a ResNet-50 3x3 in bf16 (tap-major K; and the gradients loading
     boxes through tensor descriptors, which the interpreter emulates), the RGB stem in fp32/TF32 (flat K)
-    and a ResNet-50 1x1 through the Gluon pointwise kernel (which has no interpreter: this compile is the
+    and a ResNet-50 1x1 through the Gluon TMA forward (which has no interpreter: this compile is the
     CPU suite's only check of it), in the suite's one compile-check process
     (``conftest.SM90_COMPILE_CASES``).  NOTE: 12 specialisations, about 16 s of compiling on the 2-core
     CPU box with a cold Triton cache (``time python tools/compile_check.py conv_family --cases ...``)."""
@@ -22,6 +22,6 @@ def test_hooked_kernels_compile_for_sm90_without_spills_within_shared_memory(sm9
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell").exists():
         pytest.skip("Triton's bundled ptxas-blackwell is missing: nothing here compiles for sm_90")
     out = sm90_compile_check("conv_family")
-    for kernel in ("conv_fprop_kernel", "conv_dgrad_kernel", "conv_wgrad_kernel", "pointwise_fprop_kernel"):
+    for kernel in ("conv_fprop_kernel", "conv_dgrad_kernel", "conv_wgrad_kernel", "tma_fprop_kernel"):
         assert kernel in out, out
     assert "conv_family: all kernels compiled without spills" in out, out

@@ -20,9 +20,8 @@ Modules (one responsibility each):
 * ``stats``     the statistics' reduction of the store's partials (one or two launches, deterministic),
                 ``ChannelStats`` (BatchNorm's) and ``GroupStats`` (GroupNorm's);
 * ``fprop``     the forward kernel, its launcher ``conv_fprop`` and its plan ``fprop_plan``;
-* ``pointwise``  the forward of 1x1 convs (stride 1, one group) on sm_90, in Gluon: TMA loads, the
-                prologue in wgmma's register layout, the same store; a tile kind of the forward's
-                timed choice (``TileConfig.pointwise``);
+* ``tma_fprop`` the forward on sm_90 in Gluon: TMA boxes, the prologue in wgmma's register layout,
+                the same store; a tile kind of the forward (``TileConfig.tma``);
 * ``dgrad``     the input gradient (also a transposed conv's forward) and ``conv_dgrad``;
 * ``grad_epilogue`` device: dgrad's store with the backward hooks (act', BatchNorm-backward sums);
 * ``wgrad``     the weight gradient, the forward's prologue recomputed on load, and ``conv_wgrad``;

@@ -31,7 +31,7 @@ GEMM mapping (every rank lifted to 3d with leading size-1 spatial dims):
   against 0.094 at 14 x 14; ``CONVK_SWEEP=0 bash tools/gpu_session.sh convk``, the report's tile
   timings), so the forward has no box path.
 * A 1x1 conv with stride 1 and one group (a plain GEMM over the rows of a channels-last ``x``) may
-  instead run the Gluon kernel of ``pointwise`` (a ``TileConfig`` with ``pointwise``; fp16/bf16 on
+  instead run the Gluon kernel of ``tma_fprop`` (a ``TileConfig`` with ``tma``; fp16/bf16 on
   sm_90): its tiles join the timed choice (``tiles.candidates``).
 * One input channel per group (depthwise, any channel multiplier, or a single-channel input): no GEMM
   (its K would be the taps alone) but a direct tile over ``BLOCK_N`` output channels of any groups
@@ -70,7 +70,7 @@ from ..host import INTERPRETER, cdiv, element_extent, lift3
 from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import dot_precision, round_tf32
-from . import hooks, pointwise
+from . import hooks, tma_fprop
 from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile, load_depthwise_tile, window_rows
@@ -459,15 +459,15 @@ class _Plan:
         per_sample = (self.sample_rows, self.sample_tiles) if stats_groups else (0, 0)
         fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, *per_sample,
                  *x_strides)  # fmt: skip
-        if tile.pointwise:
-            if not pointwise.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups):
-                raise ContractError(f"tile {tile.label()}: this call is not one the pointwise kernel takes "
-                                    "(pointwise.supports)")
+        if tile.tma:
+            if not tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups):
+                raise ContractError(f"tile {tile.label()}: this call is not one the TMA forward takes "
+                                    "(tma_fprop.supports)")
             self.weight_in_place = True  # a 1x1 weight is the [C_out, C_in] matrix the kernel's box reads
             hook_codes = {k: constexprs[k] for k in ("PROLOGUE", "G_NORM", "NORM_AFFINE", "ACT_IN", "SAVE_CONV",
                                                      "HAS_SCALE", "HAS_BIAS", "CHAIN", "ACT_OUT", "RESIDUAL",
                                                      "STATS", "BIG")}  # fmt: skip
-            self.launch = pointwise.PointwiseLaunch(tile, geo.m, geo.c_in, geo.c_out, self.m_tiles, self.sample_rows,
+            self.launch = tma_fprop.TmaLaunch(tile, geo.m, geo.c_in, geo.c_out, self.m_tiles, self.sample_rows,
                                                     hook_codes, x.device, x.dtype)  # fmt: skip
         else:
             self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
@@ -664,7 +664,7 @@ def fprop_plan(
             return plan_with(tile)
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise path (``_Plan.depthwise``)
-                           pointwise=pointwise.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups))
+                           tma=tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups))
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out), saved),
             x.device))  # fmt: skip

@@ -72,9 +72,9 @@ class TileConfig:
     #: the weight gradient's taps per program (tap-major gather): 2 or 3 read each grad_y tile once for
     #: that many taps, one accumulator each (``wgrad`` module docstring); 1 elsewhere
     taps_per_program: int = 1
-    #: the forward runs the pointwise (1x1, stride 1, one group) conv kernel written in Gluon: TMA
-    #: loads, the prologue in wgmma's register layout (``pointwise`` module docstring)
-    pointwise: bool = False
+    #: the forward runs its Gluon kernel: TMA boxes, the prologue in wgmma's register layout
+    #: (``tma_fprop`` module docstring)
+    tma: bool = False
 
     @property
     def box_h(self) -> int:
@@ -85,7 +85,7 @@ class TileConfig:
         """``M x N x K``, warps, stages and the K walk and load, e.g. ``128x64x64 w4 s3 box 8x16``."""
         walk = " flat" if self.flat_k else (f" box {self.box_h}x{self.box_w}" if self.box_w else "")
         taps = f" taps {self.taps_per_program}" if self.taps_per_program > 1 else ""
-        kernel = " pointwise" if self.pointwise else ""
+        kernel = " tma" if self.tma else ""
         return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{walk}{taps}{kernel}"
 
     def check(self) -> None:
@@ -119,9 +119,9 @@ class TileConfig:
         if pass_name != "wgrad" and self.taps_per_program != 1:
             raise ContractError(f"tile taps_per_program={self.taps_per_program}: several taps per program is the "
                                 "weight gradient's")
-        if self.pointwise and (pass_name != "fprop" or self.flat_k or not 64 <= self.block_m <= 256
+        if self.tma and (pass_name != "fprop" or self.flat_k or not 64 <= self.block_m <= 256
                                or self.block_n > 256 or self.num_warps not in (4, 8) or self.num_stages < 2):  # fmt: skip
-            raise ContractError(f"tile {self.label()}: the pointwise kernel is the forward's, tap-major, with "
+            raise ContractError(f"tile {self.label()}: the TMA kernel is the forward's, tap-major, with "
                                 "64 <= block_m <= 256 (a warpgroup's wgmma; a TMA box side), block_n <= 256, 4 or 8 "
                                 "warps and 2+ stages")
 
@@ -199,16 +199,16 @@ _SHARED_BYTES = 200 * 1024
 #: An sm_90 SM's shared memory for its blocks (228 KiB, 1 KiB of it per block reserved), and its registers.
 _SM_SHARED_BYTES = 226 * 1024
 _SM_REGISTERS = 65536
-#: Registers per thread the pointwise kernel holds (ptxas's choice, uncapped).  NOTE: capped at 168 the
+#: Registers per thread the TMA forward holds (ptxas's choice, uncapped).  NOTE: capped at 168 the
 #: persistent loop spilled 428 bytes (its store, statistics included, lives inside the loop), at 128 over
-#: 1 KB (``python tools/compile_check.py conv_family --cases resnet_1x1-bf16-hooked-pointwise`` with the
+#: 1 KB (``python tools/compile_check.py conv_family --cases resnet_1x1-bf16-hooked-tma`` with the
 #: launch option ``maxnreg``); uncapped: 255 and no spill.
-POINTWISE_REGISTERS = 255
+TMA_REGISTERS = 255
 
 
 def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: int, dtype: torch.dtype,
                depthwise_channels: int | None = None, box_plane: tuple[int, int] | None = None,
-               epilogue_hooks: bool = False, pointwise: bool = False) -> list[TileConfig]:  # fmt: skip
+               epilogue_hooks: bool = False, tma: bool = False) -> list[TileConfig]:  # fmt: skip
     """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"), at most
     ``host.MAX_TUNED_CONFIGS`` (each compiles before it is timed): the heuristic's (:func:`pick_tile`
     with ``k_channels`` the channels per group a K step walks and ``n_channels`` those of the N axis),
@@ -249,17 +249,17 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     (``docs/perf/h200/conv-kernels/sweep-hooked.json``) timed 128 x 64 x 64 on 8 warps at 0.094 ms
     against the heuristic's 4-warp 0.117 on ResNet-50's 3x3 of 64 channels at 56 x 56 (on the stride-2
     3x3 of 128 channels 0.221 against 0.146), and the generic 256 x 128 tile it pushes out of the three
-    timed where a box is offered at 0.19-0.20 ms on both shapes swept.  ``pointwise``: a forward the
-    Gluon pointwise kernel takes (``pointwise.supports``): the heuristic's gather tile (what runs
-    untimed), then the pointwise kernel's tiles (:func:`pointwise_tiles`).  An empty problem (``m ==
+    timed where a box is offered at 0.19-0.20 ms on both shapes swept.  ``tma``: a forward the
+    Gluon TMA kernel takes (``tma_fprop.supports``): the heuristic's gather tile (what runs untimed),
+    then the TMA kernel's tiles (:func:`tma_tiles`).  An empty problem (``m ==
     0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
     if m == 0:
         return [first]
-    if pointwise:
-        return best_first([first, *pointwise_tiles(k_channels, n_channels, m)])
+    if tma:
+        return best_first([first, *tma_tiles(k_channels, n_channels, m)])
     if first.flat_k:
         other_warps = replace(first, num_warps=12 - first.num_warps)  # 4 <-> 8
         halved = replace(first, block_m=max(16, first.block_m // 2), num_warps=4)
@@ -342,9 +342,9 @@ def tuned_tile(pass_name: str, signature: Hashable, tiles: list[TileConfig],
     by its GPU time (``impl_choice.gpu_ms_per_call``, as the implementation choices are) and cached.
     NOTE: timed with ``do_bench`` (events around host-paced calls, L2 flushed), the choice ranked the
     gather tile first on ResNet-50's 1x1 64 -> 256 conv at 56 x 56 with the BatchNorm hooks (0.147
-    against 0.160 ms) where the pointwise kernel's GPU time is 0.093 against 0.145 (H200, bf16,
+    against 0.160 ms) where the TMA kernel's GPU time is 0.093 against 0.145 (H200, bf16,
     ``python tools/bench_conv.py demos/realnets/resnet50.py --passes fprop --filter '*k1x1*'``, its
-    ``tile_ms``, against GPU time per call): the pointwise launch's host cost decided.  A tile that fails
+    ``tile_ms``, against GPU time per call): the TMA launch's host cost decided.  A tile that fails
     to compile or run is skipped; if all fail, ``tiles[0]``.  Inside ``launch.compile_ahead`` (or ``compile_in_background``) every tile's
     call runs once, so that all of them compile in that batch, and the answer is ``tiles[0]``, untimed."""
     if len(tiles) == 1 or not _measuring(device):  # nothing to choose, or no timing here
@@ -395,28 +395,28 @@ def _measuring(device: torch.device) -> bool:
     return device.type == "cuda" and (impl_choice.measuring_now() or (compiling_only() and environment.measuring()))
 
 
-def pointwise_programs_per_sm(tile: TileConfig, stages: int) -> int:
-    """How many programs of the pointwise kernel an SM holds with ``tile`` and ``stages`` ring stages:
-    by registers (:data:`POINTWISE_REGISTERS` per thread) and by shared memory (the ring's A and B boxes
+def tma_programs_per_sm(tile: TileConfig, stages: int) -> int:
+    """How many programs of the TMA forward an SM holds with ``tile`` and ``stages`` ring stages:
+    by registers (:data:`TMA_REGISTERS` per thread) and by shared memory (the ring's A and B boxes
     and the store's fp32 copy of the accumulator)."""
     shared = stages * (tile.block_m + tile.block_n) * tile.block_k * 2 + tile.block_m * tile.block_n * 4
-    by_registers = _SM_REGISTERS // (POINTWISE_REGISTERS * 32 * tile.num_warps)
+    by_registers = _SM_REGISTERS // (TMA_REGISTERS * 32 * tile.num_warps)
     return max(1, min(_SM_SHARED_BYTES // shared, by_registers))
 
 
-def pointwise_tiles(c_in: int, c_out: int, m: int) -> list[TileConfig]:
-    """The pointwise kernel's tiles for ``c_in`` -> ``c_out`` channels over ``m`` rows (16-bit
+def tma_tiles(c_in: int, c_out: int, m: int) -> list[TileConfig]:
+    """The TMA forward's tiles for a 1x1 conv of ``c_in`` -> ``c_out`` channels over ``m`` rows (16-bit
     operands), best first: 128 rows by up to 128 output channels (8 warps past 64: two warpgroups of 64
     rows each, 64 accumulator registers per thread), then 64 output channels on 4 warps where the layer
     is wider.  K steps of 64 channels (fewer where ``c_in`` is narrower).  Stages: the most, up to 4,
-    that keep as many programs per SM as the registers allow (:func:`pointwise_programs_per_sm`)."""
+    that keep as many programs per SM as the registers allow (:func:`tma_programs_per_sm`)."""
     block_k = min(64, max(16, next_pow2(c_in)))
     block_m = 128 if m > 64 else 64
     tiles = []
     for block_n in dict.fromkeys((min(128, max(16, next_pow2(c_out))), min(64, max(16, next_pow2(c_out))))):
-        tile = TileConfig(block_m, block_n, block_k, 8 if block_n > 64 else 4, 2, pointwise=True)
-        most = pointwise_programs_per_sm(tile, 1)
-        stages = max([2, *(n for n in (2, 3, 4) if pointwise_programs_per_sm(tile, n) == most)])
+        tile = TileConfig(block_m, block_n, block_k, 8 if block_n > 64 else 4, 2, tma=True)
+        most = tma_programs_per_sm(tile, 1)
+        stages = max([2, *(n for n in (2, 3, 4) if tma_programs_per_sm(tile, n) == most)])
         tiles.append(replace(tile, num_stages=stages))
     return tiles
 

@@ -1,7 +1,7 @@
 """The conv family's forward for pointwise convs on sm_90, written in Gluon: a 1x1 (1x1x1, width-1)
 conv with stride 1, no padding and one group is the GEMM ``out[M, C_out] = a(x)[M, C_in] @ W[C_in,
 C_out]`` over the channels-last rows of ``x``, and this kernel runs it with the same hooks and the
-same store as :func:`fprop.conv_fprop_kernel`: a :class:`tiles.TileConfig` with ``pointwise``, which
+same store as :func:`fprop.conv_fprop_kernel`: a :class:`tiles.TileConfig` with ``tma``, which
 the forward's timed tile choice weighs against the gather kernel's tiles (``tiles.candidates``).
 
 WHY a kernel of its own: Triton's ``tl.dot`` form fixes the layouts, and two of them cost the hooked
@@ -47,7 +47,7 @@ past ``C_in`` in both operands and the prologue's vectors are masked to 0 there,
 Gluon is Triton's experimental explicit-layout language (``triton.experimental.gluon``); the kernel
 compiles with Triton 3.6 and 3.9, whose TMA load and CTA barrier differ in name (``_tma_load``,
 ``_thread_barrier``).  It has no interpreter: on CPU this path is compiled
-(``tools/compile_check.py conv_family --cases resnet_1x1-bf16-hooked-pointwise``) but never run, and
+(``tools/compile_check.py conv_family --cases resnet_1x1-bf16-hooked-tma``) but never run, and
 :func:`supports` is False there.
 """
 
@@ -83,7 +83,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 from .epilogue import store_tile
 from .prologue import activation, normalise
-from .tiles import pointwise_programs_per_sm
+from .tiles import tma_programs_per_sm
 
 #: Element sizes the TMA boxes take here (16-bit operands).
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -146,7 +146,7 @@ if GLUON:
         _tma_load(b_desc, [(tile % n_tiles) * BLOCK_N, k0], ready.index(stage), b_smem.index(stage))
 
     @gluon.jit
-    def pointwise_fprop_kernel(
+    def tma_fprop_kernel(
         a_desc, b_desc, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr,
         p3_ptr, slope_in, slope_out, M, C_IN, C_OUT, M_TILES, SAMPLE_ROWS,
         PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
@@ -280,9 +280,9 @@ def _shared_layout(block: list[int], dtype: torch.dtype) -> Any:
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-class PointwiseLaunch:
-    """The launch of :func:`pointwise_fprop_kernel` for one forward plan that :func:`supports` accepted
-    (``fprop._Plan`` with a ``pointwise`` tile), called as the gather kernel's launch is: ``(x, weight,
+class TmaLaunch:
+    """The launch of :func:`tma_fprop_kernel` for one forward plan that :func:`supports` accepted
+    (``fprop._Plan`` with a ``tma`` tile), called as the gather kernel's launch is: ``(x, weight,
     scale, bias, res, out, conv, part, q, p0, p1, p2, p3, slope_in, slope_out)``.  ``constexprs``: the
     hooks' (``PROLOGUE`` .. ``BIG`` of the gather kernel's, without ``PER_SAMPLE``).
 
@@ -298,8 +298,8 @@ class PointwiseLaunch:
         constexprs = dict(constexprs, EVEN_K=c_in % tile.block_k == 0, BLOCK_N=tile.block_n, STAGES=stages,
                           num_warps=tile.num_warps)  # fmt: skip
         tiles = m_tiles * -(-c_out // tile.block_n)
-        programs = min(tiles, pointwise_programs_per_sm(tile, stages) * _multiprocessors(device))
-        self.launch = FastLaunch(pointwise_fprop_kernel, (programs,), constexprs,
+        programs = min(tiles, tma_programs_per_sm(tile, stages) * _multiprocessors(device))
+        self.launch = FastLaunch(tma_fprop_kernel, (programs,), constexprs,
                                  fixed=(m, c_in, c_out, m_tiles, sample_rows))  # fmt: skip
         self.a_block, self.b_block = [tile.block_m, tile.block_k], [tile.block_n, tile.block_k]
         self.a_layout, self.b_layout = _shared_layout(self.a_block, dtype), _shared_layout(self.b_block, dtype)
