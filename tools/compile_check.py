@@ -64,7 +64,7 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   stride-1 shapes alone; the forward has no box path; ``-taps``: the weight gradient's several-taps tiles
   the timed choice weighs, then its first tile on 8 warps with 1 and with 3 taps per program, the 3-wide
   kernels with more than one channel per group; ``-tma``: the forward alone, on each tile of the
-  Gluon TMA forward, ``resnet_1x1-bf16`` alone); default six of them.
+  Gluon TMA forward, the bf16 stride-1 shapes with one group); default six of them.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
   the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
   pool, a max or an avg pool; ``fp32``, ``bf16``.  Cases ``{none,max,avg}-{fp32,bf16}``, all by default.
@@ -540,7 +540,7 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     with its first tile on 8 warps, taking 1 and then a kernel row's 3 taps per program
     (``TileConfig.taps_per_program``), after the several-taps tiles the timed choice weighs
     (``tiles.candidates``); ``tma``: ``conv_fprop`` alone, with each of the Gluon TMA forward's tiles
-    (``tiles.tma_tiles``; a 1x1 shape); ``hooked``: the hooks
+    (``tiles.tma_tiles``: row tiles for a 1x1 conv, box tiles for the others; stride 1, one group); ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
     it, an eval norm's scale and shift; then, where 32 divides the output channels, GroupNorm's
@@ -564,8 +564,9 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     chain = [(OP_CODES["mul"], [per_out]), (OP_CODES["add"], [per_out])] if hooked and has_bias else []
     with _launchable_on_cpu_tensors():
         if tma:
-            m = x_shape[0] * x_shape[2] * x_shape[3]
-            for tile in FAMILY_TILES.tma_tiles(c_in, c_out, m):
+            m = out_shape[0] * out_shape[2] * out_shape[3]
+            plane = out_shape[2:] if w_shape[2] * w_shape[3] > 1 or padding else None
+            for tile in FAMILY_TILES.tma_tiles(c_in, c_out, m, plane):
                 FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, saved=dy if hooked else None, tile=tile,
                                   **hooks, **geo)  # fmt: skip
             return
@@ -700,7 +701,7 @@ JOBS = {job.name: job for job in (
          for b in ("", "-box", "-taps", "-tma")
          if not b or (b == "-box" and CONV_FAMILY_SHAPES[w][2] == 1 and CONV_FAMILY_SHAPES[w][4] == 1)
          or (b == "-taps" and CONV_FAMILY_SHAPES[w][1][1] > 1 and CONV_FAMILY_SHAPES[w][1][-1] == 3)
-         or (b == "-tma" and d == "bf16" and CONV_FAMILY_SHAPES[w][1][-1] == 1)},
+         or (b == "-tma" and d == "bf16" and CONV_FAMILY_SHAPES[w][2] == 1 and CONV_FAMILY_SHAPES[w][4] == 1)},
         ("resnet_3x3-bf16", "resnet_3x3-bf16-hooked", "resnet_3x3-fp32-hooked", "resnet_stem-bf16-hooked",
          "depthwise-bf16-hooked", "vae_3x3-bf16-hooked"),
         (*(TiledKernel(k, FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS))

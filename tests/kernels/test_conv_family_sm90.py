@@ -11,12 +11,13 @@ import pytest
 def test_hooked_kernels_compile_for_sm90_without_spills_within_shared_memory(sm90_compile_check) -> None:
     """The interpreter runs the kernels on CPU but cannot say whether they compile for the GPU, spill or
     ask for more shared memory than an sm_90 block has.  Compiles fprop, dgrad and wgrad with every
-    hook on four of the job's cases: a ResNet-50 3x3 in bf16 (tap-major K; and the gradients loading
-    boxes through tensor descriptors, which the interpreter emulates), the RGB stem in fp32/TF32 (flat K)
-    and a ResNet-50 1x1 through the Gluon TMA forward (which has no interpreter: this compile is the
-    CPU suite's only check of it), in the suite's one compile-check process
-    (``conftest.SM90_COMPILE_CASES``).  NOTE: 12 specialisations, about 16 s of compiling on the 2-core
-    CPU box with a cold Triton cache (``time python tools/compile_check.py conv_family --cases ...``)."""
+    hook on five of the job's cases: a ResNet-50 3x3 in bf16 (tap-major K; and the gradients loading
+    boxes through tensor descriptors, which the interpreter emulates), the RGB stem in fp32/TF32 (flat K),
+    and the Gluon TMA forward (which has no interpreter: this compile is the CPU suite's only check of
+    it) on a ResNet-50 1x1 with every hook (row tiles) and on the 3x3 plain (box tiles), in the suite's
+    one compile-check process (``conftest.SM90_COMPILE_CASES``).  NOTE: 14 specialisations, about 18 s
+    of compiling on the 2-core CPU box with a cold Triton cache (``time python tools/compile_check.py
+    conv_family --cases ...``)."""
     import triton
 
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas-blackwell").exists():

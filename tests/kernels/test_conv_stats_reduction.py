@@ -94,3 +94,49 @@ def test_group_statistics_match_float64(n: int, rows_per_sample: int, c: int, gr
     combined = _combined(partials.cpu().view(3, n, tiles, groups, c // groups), rows, (1, 3))
     grouped = per_sample.view(n, rows_per_sample, groups, c // groups).transpose(1, 2).reshape(n, groups, -1)
     _check(stats, combined, grouped)
+
+
+def _irregular_tiles(rows: int, block_m: int, seed: str) -> list[int]:
+    """Tile sizes summing to ``rows``, each 1..``block_m``, in no regular pattern (boxes of an output
+    plane: the ones at its edges hold fewer rows, anywhere in the order)."""
+    g = torch.Generator().manual_seed(stable_seed(seed))
+    sizes, left = [], rows
+    while left:
+        sizes.append(min(left, int(torch.randint(1, block_m + 1, (1,), generator=g))))
+        left -= sizes[-1]
+    return sizes
+
+
+def _partials_of(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """fp32 ``(3, tiles, C)`` partials of ``values`` cut into consecutive tiles of ``sizes`` rows."""
+    return torch.cat([_partials(chunk, chunk.shape[0]) for chunk in values.split(sizes)], 1).contiguous()
+
+
+@pytest.mark.parametrize("rows,c", [(300, 5), (16 * 400 + 7, 21)], ids=["one-launch", "two-launches"])
+def test_channel_statistics_of_tiles_with_given_rows_match_float64(rows: int, c: int, kernel_device: str) -> None:
+    """``tile_rows``: tiles of any sizes (the TMA forward's boxes), per channel, in one launch and in the
+    split over more than 256 tiles (whose spans then hold given rows too)."""
+    values = _values(rows, c, f"given {rows} {c}")
+    sizes = _irregular_tiles(rows, 16, f"given sizes {rows}")
+    partials = _partials_of(values, sizes).to(kernel_device)
+    stats = PartialsReduction(len(sizes), c, 16, rows, torch.device(kernel_device), tile_rows=sizes)(partials)
+    assert stats.count == rows
+    tile_rows = torch.tensor(sizes, dtype=torch.float64)[:, None]
+    _check(stats, _combined(partials.cpu(), tile_rows, (0,)), values.T)
+    uniform = PartialsReduction(len(sizes), c, 16, rows, torch.device(kernel_device))(partials)
+    assert not torch.allclose(uniform.m2, stats.m2, rtol=1e-3)  # the counts matter: taken as 16 each, wrong
+
+
+def test_group_statistics_of_tiles_with_given_rows_match_float64(kernel_device: str) -> None:
+    """``tile_rows`` with per-sample tiles (GroupNorm's statistics over boxes of each sample's plane)."""
+    n, per, c, groups = 3, 45, 8, 2
+    values = _values(n * per, c, "given groups")
+    sizes = _irregular_tiles(per, 16, "given group sizes")  # every sample cut the same way, as boxes are
+    partials = torch.cat([_partials_of(s, sizes) for s in values.view(n, per, c)], 1).contiguous().to(kernel_device)
+    stats = PartialsReduction(partials.shape[1], c, 16, per, torch.device(kernel_device), groups=groups, samples=n,
+                              tile_rows=sizes * n)(partials)  # fmt: skip
+    tiles = len(sizes)
+    rows = torch.tensor(sizes, dtype=torch.float64).view(1, tiles, 1, 1)
+    combined = _combined(partials.cpu().view(3, n, tiles, groups, c // groups), rows, (1, 3))
+    grouped = values.view(n, per, groups, c // groups).transpose(1, 2).reshape(n, groups, -1)
+    _check(stats, combined, grouped)

@@ -30,9 +30,9 @@ GEMM mapping (every rank lifted to 3d with leading size-1 spatial dims):
   BatchNorm + ReLU prologue: 0.046 against 0.061 ms on the 3x3 of 64 channels at 56 x 56, 0.037
   against 0.094 at 14 x 14; ``CONVK_SWEEP=0 bash tools/gpu_session.sh convk``, the report's tile
   timings), so the forward has no box path.
-* A 1x1 conv with stride 1 and one group (a plain GEMM over the rows of a channels-last ``x``) may
-  instead run the Gluon kernel of ``tma_fprop`` (a ``TileConfig`` with ``tma``; fp16/bf16 on
-  sm_90): its tiles join the timed choice (``tiles.candidates``).
+* On sm_90 (fp16/bf16, stride 1, one group) the forward may instead run its Gluon kernel,
+  ``tma_fprop`` (a ``TileConfig`` with ``tma``): row tiles for a 1x1 conv, which join the timed choice
+  (``tiles.candidates``), or box tiles of the output plane for any kernel.
 * One input channel per group (depthwise, any channel multiplier, or a single-channel input): no GEMM
   (its K would be the taps alone) but a direct tile over ``BLOCK_N`` output channels of any groups
   (:func:`_depthwise_tile`), grid ``(M tiles, C_out tiles, 1)``, with the same hooks.
@@ -425,13 +425,27 @@ class _Plan:
                                 and cout_pad == geo.c_out_g)  # fmt: skip
         self.sample_tiles = cdiv(self.sample_rows, tile.block_m)
         self.m_tiles = geo.n * self.sample_tiles if stats_groups else cdiv(geo.m, tile.block_m)
+        #: each M tile's output positions where they are not ``block_m`` but the last (the TMA forward's
+        #: boxes of the output plane, which never cross samples), else None
+        tile_rows = None
+        if tile.tma:
+            if not tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups,
+                                      box=tile.box_w > 0):  # fmt: skip
+                raise ContractError(f"tile {tile.label()}: this call is not one the TMA forward takes "
+                                    "(tma_fprop.supports)")
+            if tile.box_w:
+                boxes = tma_fprop.box_tiles(geo.out_size[1], geo.out_size[2], tile.block_m // tile.box_w, tile.box_w)
+                self.sample_tiles, self.m_tiles, tile_rows = len(boxes), geo.n * len(boxes), boxes * geo.n
+            else:  # a 1x1 weight is the [C_out, C_in] matrix the row tiles' box reads, whatever its layout
+                self.weight_in_place = True
         #: the launch that turns the store's partials into the statistics (None: no statistics)
         self.reduce = None
         if self.stats and self.m_tiles:
             per_sample = stats_groups > 0
             self.reduce = PartialsReduction(self.m_tiles, geo.c_out, tile.block_m,
                                             self.sample_rows if per_sample else geo.m, x.device,
-                                            groups=stats_groups, samples=geo.n if per_sample else 1)  # fmt: skip
+                                            groups=stats_groups, samples=geo.n if per_sample else 1,
+                                            tile_rows=tile_rows)  # fmt: skip
         #: one input channel per group: the direct depthwise tile (``_depthwise_tile``), over all channels
         self.depthwise = geo.c_in_g == 1
         if self.depthwise:
@@ -460,15 +474,11 @@ class _Plan:
         fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, *per_sample,
                  *x_strides)  # fmt: skip
         if tile.tma:
-            if not tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups):
-                raise ContractError(f"tile {tile.label()}: this call is not one the TMA forward takes "
-                                    "(tma_fprop.supports)")
-            self.weight_in_place = True  # a 1x1 weight is the [C_out, C_in] matrix the kernel's box reads
             hook_codes = {k: constexprs[k] for k in ("PROLOGUE", "G_NORM", "NORM_AFFINE", "ACT_IN", "SAVE_CONV",
                                                      "HAS_SCALE", "HAS_BIAS", "CHAIN", "ACT_OUT", "RESIDUAL",
                                                      "STATS", "BIG")}  # fmt: skip
-            self.launch = tma_fprop.TmaLaunch(tile, geo.m, geo.c_in, geo.c_out, self.m_tiles, self.sample_rows,
-                                                    hook_codes, x.device, x.dtype)  # fmt: skip
+            self.launch = tma_fprop.TmaLaunch(tile, geo, self.m_tiles, hook_codes, self.weight_in_place, x.device,
+                                              x.dtype)  # fmt: skip
         else:
             self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
 
@@ -664,7 +674,8 @@ def fprop_plan(
             return plan_with(tile)
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise path (``_Plan.depthwise``)
-                           tma=tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups))
+                           tma=tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups,
+                                                  box=False))
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out), saved),
             x.device))  # fmt: skip

@@ -19,6 +19,7 @@ of the same output: 3e-9-3e-8).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,15 +90,17 @@ _MAX_BLOCK_T = 256
 
 
 @triton.jit
-def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, M_TILES, C, TILES, ROWS, CG, GROUPS,
-                            PER_GROUP: tl.constexpr, SPLIT_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, rows_ptr, M_TILES, C, TILES, ROWS, CG, GROUPS,
+                            PER_GROUP: tl.constexpr, SPLIT_OUT: tl.constexpr, ROWS_GIVEN: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
     """Combine per-tile partials into float64 sums and sums of squared deviations.
 
     ``part_ptr``: ``(3, M_TILES, C)`` contiguous, fp32 (the store's) or float64 (this kernel's own with
     ``SPLIT_OUT``): per tile and channel a shift ``k``, the sum of the values less ``k``, their sum of
     squared deviations from their mean.  Tile ``t`` (of ``M_TILES``, or of a sample's run of
-    ``TILES``) holds ``min(BLOCK_M, ROWS - t * BLOCK_M)`` values per channel.
+    ``TILES``) holds ``min(BLOCK_M, ROWS - t * BLOCK_M)`` values per channel, or with ``ROWS_GIVEN``
+    ``rows_ptr[t]`` (float64 ``(M_TILES,)``; tiles that are boxes of the output plane: some hold fewer
+    rows at the plane's edges).
 
     * ``PER_GROUP`` False (BatchNorm): program ``(p, s)`` owns channels ``[p * BLOCK_C, (p + 1) *
       BLOCK_C)`` over tiles ``[s * TILES, (s + 1) * TILES)`` (``ROWS`` the output positions).  It writes
@@ -141,7 +144,10 @@ def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, M_TILES, C, TILES, ROWS, 
         for tb in range(t_first, t_end, BLOCK_T):
             t = tb + lane_t
             t_ok = t < t_end
-            rows = tl.where(t_ok, tl.minimum(ROWS - t.to(tl.float64) * BLOCK_M, BLOCK_M), 0.0)
+            if ROWS_GIVEN:
+                rows = tl.load(rows_ptr + tile0 + t, mask=t_ok, other=0.0)
+            else:
+                rows = tl.where(t_ok, tl.minimum(ROWS - t.to(tl.float64) * BLOCK_M, BLOCK_M), 0.0)
             inv_rows = 1.0 / tl.maximum(rows, 1.0)  # one division per tile, not per value
             ok = t_ok[:, None] & c_ok[None, :]
             r = tl.where(ok, rows[:, None], 0.0)
@@ -213,16 +219,26 @@ class PartialsReduction:
     ``m_tiles`` tiles of ``block_m`` rows (``groups`` 0): one launch up to ``_MAX_BLOCK_T`` tiles, else
     two (spans of that many tiles per program, then the spans); or, with ``groups`` > 0, per sample and
     group over ``samples`` samples of ``count`` positions each, ``m_tiles / samples`` tiles per sample
-    (the launch's tiles do not cross samples), one launch."""
+    (the launch's tiles do not cross samples), one launch.  ``tile_rows``: each tile's number of output
+    positions where they are not ``block_m`` but the last (a forward whose tiles are boxes of the output
+    plane, ``tma_fprop``)."""
 
     def __init__(self, m_tiles: int, c_out: int, block_m: int, count: int, device: torch.device,
-                 groups: int = 0, samples: int = 1) -> None:  # fmt: skip
+                 groups: int = 0, samples: int = 1, tile_rows: Sequence[int] | None = None) -> None:  # fmt: skip
         self.c_out, self.count, self.groups, self.samples, self.device = c_out, count, groups, samples, device
-        common = dict(PER_GROUP=groups > 0, BLOCK_C=_BLOCK_C, num_warps=8)
+        given = tile_rows is not None
+        common = dict(PER_GROUP=groups > 0, ROWS_GIVEN=given, BLOCK_C=_BLOCK_C, num_warps=8)
         group_args = (c_out // groups, groups) if groups else (0, 1)  # CG, GROUPS
         c_blocks = triton.cdiv(c_out, _BLOCK_C)
         #: the first launch's programs along tiles, 0 for one launch; ``spans``: that first launch
         self.splits = triton.cdiv(m_tiles, _MAX_BLOCK_T) if not groups and m_tiles > _MAX_BLOCK_T else 0
+        #: float64 rows per tile and per span (``ROWS_GIVEN``), else None
+        self.tile_rows = self.span_rows = None
+        if given:
+            rows = [float(r) for r in tile_rows]
+            self.tile_rows = torch.tensor(rows, dtype=torch.float64, device=device)
+            spans = [sum(rows[i:i + _MAX_BLOCK_T]) for i in range(0, len(rows), _MAX_BLOCK_T)]
+            self.span_rows = torch.tensor(spans, dtype=torch.float64, device=device)
         if groups:
             tiles, grid = m_tiles // samples, (samples * groups, 1)
         elif self.splits:
@@ -241,11 +257,13 @@ class PartialsReduction:
         shape = (self.samples, self.groups) if self.groups else (self.c_out,)
         total = torch.empty(shape, dtype=torch.float64, device=self.device)
         m2 = torch.empty(shape, dtype=torch.float64, device=self.device)
+        rows = self.tile_rows if self.tile_rows is not None else total  # unused without ROWS_GIVEN
         if self.splits:
             spans = torch.empty((3, self.splits, self.c_out), dtype=torch.float64, device=self.device)
-            self.spans(partials, spans, spans)
+            self.spans(partials, spans, spans, rows)
             partials = spans
-        self.launch(partials, total, m2)
+            rows = self.span_rows if self.span_rows is not None else total
+        self.launch(partials, total, m2, rows)
         if self.groups:
             return GroupStats(total, m2, self.count * (self.c_out // self.groups))
         return ChannelStats(total, m2, self.count)

@@ -73,7 +73,8 @@ class TileConfig:
     #: that many taps, one accumulator each (``wgrad`` module docstring); 1 elsewhere
     taps_per_program: int = 1
     #: the forward runs its Gluon kernel: TMA boxes, the prologue in wgmma's register layout
-    #: (``tma_fprop`` module docstring)
+    #: (``tma_fprop`` module docstring); with ``box_w`` its M tiles are boxes of the output plane (any
+    #: kernel size, padding and dilation), without, row ranges (1x1 convs without padding)
     tma: bool = False
 
     @property
@@ -110,10 +111,11 @@ class TileConfig:
                                 f"{self.taps_per_program} (flat_k={self.flat_k}, box_w={self.box_w})")
 
     def check_for(self, pass_name: str) -> None:
-        """:meth:`check`, and what ``pass_name``'s kernel takes: the forward loads no boxes (``fprop``
-        module docstring), and several taps per program are the weight gradient's alone."""
+        """:meth:`check`, and what ``pass_name``'s kernel takes: the forward's gather kernel loads no boxes
+        (``fprop`` module docstring; its TMA kernel does, ``tma``), several taps per program are the
+        weight gradient's alone, and a TMA tile the forward's."""
         self.check()
-        if pass_name == "fprop" and self.box_w:
+        if pass_name == "fprop" and self.box_w and not self.tma:
             raise ContractError(f"tile box_w={self.box_w}: the forward loads its A tiles by gather, not as boxes "
                                 "(fprop module docstring)")
         if pass_name != "wgrad" and self.taps_per_program != 1:
@@ -404,17 +406,20 @@ def tma_programs_per_sm(tile: TileConfig, stages: int) -> int:
     return max(1, min(_SM_SHARED_BYTES // shared, by_registers))
 
 
-def tma_tiles(c_in: int, c_out: int, m: int) -> list[TileConfig]:
-    """The TMA forward's tiles for a 1x1 conv of ``c_in`` -> ``c_out`` channels over ``m`` rows (16-bit
-    operands), best first: 128 rows by up to 128 output channels (8 warps past 64: two warpgroups of 64
-    rows each, 64 accumulator registers per thread), then 64 output channels on 4 warps where the layer
-    is wider.  K steps of 64 channels (fewer where ``c_in`` is narrower).  Stages: the most, up to 4,
-    that keep as many programs per SM as the registers allow (:func:`tma_programs_per_sm`)."""
+def tma_tiles(c_in: int, c_out: int, m: int, plane: tuple[int, int] | None = None) -> list[TileConfig]:
+    """The TMA forward's tiles for a conv of ``c_in`` -> ``c_out`` channels over ``m`` output positions
+    (16-bit operands), best first: 128 rows by up to 128 output channels (8 warps past 64: two
+    warpgroups of 64 rows each, 64 accumulator registers per thread), then 64 output channels on 4 warps
+    where the layer is wider.  K steps of 64 channels (fewer where ``c_in`` is narrower).  Stages: the
+    most, up to 4, that keep as many programs per SM as the registers allow
+    (:func:`tma_programs_per_sm`).  ``plane``: the output plane ``(rows, columns)`` of a conv the row
+    tiles do not take (a kernel wider than 1x1, padding): box tiles of it (:func:`box_width`)."""
     block_k = min(64, max(16, next_pow2(c_in)))
     block_m = 128 if m > 64 else 64
+    box_w = box_width(*plane, block_m) if plane is not None else 0
     tiles = []
     for block_n in dict.fromkeys((min(128, max(16, next_pow2(c_out))), min(64, max(16, next_pow2(c_out))))):
-        tile = TileConfig(block_m, block_n, block_k, 8 if block_n > 64 else 4, 2, tma=True)
+        tile = TileConfig(block_m, block_n, block_k, 8 if block_n > 64 else 4, 2, box_w=box_w, tma=True)
         most = tma_programs_per_sm(tile, 1)
         stages = max([2, *(n for n in (2, 3, 4) if tma_programs_per_sm(tile, n) == most)])
         tiles.append(replace(tile, num_stages=stages))
