@@ -905,3 +905,47 @@ def test_box_tiles_count_the_positions_of_the_boxes_at_the_plane_edges():
     assert sum(box_tiles(56, 56, 8, 16)) == 56 * 56
     tiles = candidates("fprop", 64, 64, 1, 200704, torch.bfloat16, tma=True)
     assert all(t.box_w == 0 for t in tiles if t.tma)  # the timed choice offers row tiles alone
+
+
+def test_tma_forward_operand_matrices_hold_the_conv_in_tap_major_order():
+    """What the TMA forward's descriptors span (CPU: the host side only): x's rows or planes, the
+    weight as ``[C_out, (tap, channel)]`` columns from every source (prearranged with padded channels,
+    a channels-last weight in place, a 1x1 weight in any layout), each element where the kernel's
+    coordinates look for it; and copies where the memory is not dense and aligned."""
+    from fusion_backend.kernels.conv.tma_fprop import input_boxes_source, weight_matrix
+
+    g = torch.Generator().manual_seed(61)
+    x = _channels_last(torch.randn(2, 24, 5, 7, generator=g))
+    w = torch.randn(16, 24, 3, 3, generator=g)
+    geo = fprop._check_call(x, w, None, None, None, 1, 1, 1, 1)
+    planes = input_boxes_source(x, geo, box=True)
+    assert planes.shape == (2, 5, 7, 24) and torch.equal(planes, x.permute(0, 2, 3, 1))
+    assert planes.data_ptr() == x.data_ptr()  # a view of channels-last memory
+    rows = input_boxes_source(x, geo, box=False)
+    assert rows.shape == (70, 24) and torch.equal(rows[12], x[0, :, 1, 5])
+    sliced = x[:, 4:20]  # channel stride 1, rows 24 apart: copied to dense rows
+    sliced_geo = fprop._check_call(sliced, w[:, :16], None, None, None, 1, 1, 1, 1)
+    dense = input_boxes_source(sliced, sliced_geo, box=True)
+    assert dense.is_contiguous() and torch.equal(dense, sliced.permute(0, 2, 3, 1))
+    tile = TileConfig(64, 16, 16, 4, 2, box_w=8, tma=True)
+    cin_pad = 32  # 24 channels in K steps of 16
+    for name, source, in_place in (("prearranged", fprop.prearrange_weight(w, 1, tile, w.dtype), False),
+                                   ("in place", _channels_last(w), True)):  # fmt: skip
+        matrix = weight_matrix(source, in_place, box=True)
+        pad = cin_pad if not in_place else 24
+        for co, c, kh, kw in ((0, 0, 0, 0), (5, 23, 2, 1), (15, 7, 1, 2)):
+            assert matrix[co, (kh * 3 + kw) * pad + c] == w[co, c, kh, kw], name
+        if not in_place:
+            assert (matrix.view(16, 9, cin_pad)[:, :, 24:] == 0).all()
+    w1 = torch.randn(16, 24, 1, 1, generator=g)
+    for source in (w1, _channels_last(w1), w1.transpose(0, 1).contiguous().transpose(0, 1)):
+        assert torch.equal(weight_matrix(source, True, box=False), w1[:, :, 0, 0])
+
+
+@requires_sm90
+@pytest.mark.parametrize("k,tile", [(1, TMA_ROW_TILES[0]), (3, TMA_BOX_TILES[0])], ids=["rows", "boxes"])
+def test_tma_forward_of_an_empty_batch(k, tile):
+    x = _channels_last(torch.empty(0, 16, 5, 6, device=DEVICE, dtype=torch.bfloat16))
+    w = torch.randn(24, 16, k, k, device=DEVICE, dtype=torch.bfloat16)
+    out, stats = conv_fprop(x, w, padding=k // 2, stats=True, tile=tile)
+    assert out.shape == (0, 24, 5, 6) and stats.count == 0 and (stats.sum == 0).all()

@@ -477,8 +477,8 @@ class _Plan:
             hook_codes = {k: constexprs[k] for k in ("PROLOGUE", "G_NORM", "NORM_AFFINE", "ACT_IN", "SAVE_CONV",
                                                      "HAS_SCALE", "HAS_BIAS", "CHAIN", "ACT_OUT", "RESIDUAL",
                                                      "STATS", "BIG")}  # fmt: skip
-            self.launch = tma_fprop.TmaLaunch(tile, geo, self.m_tiles, hook_codes, self.weight_in_place, x.device,
-                                              x.dtype)  # fmt: skip
+            self.launch = tma_fprop.TmaLaunch(tile, geo, self.m_tiles, self.sample_tiles, hook_codes,
+                                              self.weight_in_place, x.device, x.dtype)  # fmt: skip
         else:
             self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
 

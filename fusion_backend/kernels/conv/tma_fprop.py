@@ -372,12 +372,12 @@ class TmaLaunch:
     not pad).
 
     ``geo``: the plan's ``_Geometry`` (lifted to 3 dims); ``m_tiles``: row tiles of ``block_m`` rows, or
-    ``N`` times :func:`box_tiles` of the output plane; ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG``
+    ``N`` times ``sample_tiles``, the boxes of one sample's output plane (:func:`box_tiles`); ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG``
     of the gather kernel's).  Persistent: as many programs as fit the device's SMs at once (by shared
     memory and registers), at most one per tile."""
 
-    def __init__(self, tile: Any, geo: Any, m_tiles: int, constexprs: dict[str, Any], weight_in_place: bool,
-                 device: torch.device, dtype: torch.dtype) -> None:  # fmt: skip
+    def __init__(self, tile: Any, geo: Any, m_tiles: int, sample_tiles: int, constexprs: dict[str, Any],
+                 weight_in_place: bool, device: torch.device, dtype: torch.dtype) -> None:  # fmt: skip
         self.tile, self.geo, self.weight_in_place = tile, geo, weight_in_place
         taps = geo.kernel[1] * geo.kernel[2]
         cin_steps = -(-geo.c_in // tile.block_k)
@@ -385,7 +385,7 @@ class TmaLaunch:
         # stage whose MMA the wait before it retired
         stages = max(2, min(tile.num_stages, taps * cin_steps))
         box_w = tile.box_w
-        sample_tiles = m_tiles // geo.n if box_w else 0
+        sample_tiles = sample_tiles if box_w else 0
         tiles_w = -(-geo.out_size[2] // box_w) if box_w else 0
         constexprs = dict(constexprs, EVEN_K=geo.c_in % tile.block_k == 0, KH=geo.kernel[1], KW=geo.kernel[2],
                           PH=geo.padding[1], PW=geo.padding[2], DH=geo.dilation[1], DW=geo.dilation[2], BOX_W=box_w,
@@ -404,18 +404,28 @@ class TmaLaunch:
         self.a_layout, self.b_layout = _shared_layout(self.a_block, dtype), _shared_layout(self.b_block, dtype)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, *pointers: Any) -> None:
-        geo = self.geo
-        planes = _dense(x.movedim(1, -1))  # (N, *spatial, C): the channels-last dims in memory order
-        if self.tile.box_w:
-            a = planes.view(geo.n, geo.size[1], geo.size[2], geo.c_in)
-        else:
-            a = planes.view(-1, geo.c_in)
-        if not self.weight_in_place:  # ``prearrange_weight``'s (1, COUT_PAD, K_ROW)
-            w = weight[0]
-        elif self.tile.box_w:  # channels-last dense: (C_out, KH, KW, C_in) in memory
-            w = _dense(weight.movedim(1, -1)).view(weight.shape[0], -1)
-        else:  # a 1x1 weight, any layout
-            w = _dense(weight.reshape(weight.shape[0], weight.shape[1]))
+        a = input_boxes_source(x, self.geo, box=self.tile.box_w > 0)
+        w = weight_matrix(weight, self.weight_in_place, box=self.tile.box_w > 0)
         a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), self.a_block, self.a_layout)
         b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), self.b_block, self.b_layout)
         self.launch(a_desc, b_desc, *pointers)
+
+
+def input_boxes_source(x: torch.Tensor, geo: Any, box: bool) -> torch.Tensor:
+    """The tensor x's descriptor spans: row tiles' ``[M, C_in]`` matrix of its channels-last rows, or box
+    tiles' ``[N, H, W, C_in]`` planes (a 1-d conv's ``H`` is 1); dense and 16-byte aligned (a copy where
+    ``x`` is not)."""
+    planes = _dense(x.movedim(1, -1))  # (N, *spatial, C): the channels-last dims in memory order
+    return planes.view(geo.n, geo.size[1], geo.size[2], geo.c_in) if box else planes.view(-1, geo.c_in)
+
+
+def weight_matrix(weight: torch.Tensor, in_place: bool, box: bool) -> torch.Tensor:
+    """The ``[C_out, KH * KW * CIN_PAD]`` matrix the weight's descriptor spans, taps outer and channels
+    inner: ``fprop.prearrange_weight``'s ``(1, COUT_PAD, K_ROW)`` (``in_place`` False), a channels-last
+    weight whose channels the tile does not pad (box tiles), or a 1x1 weight in any layout (row tiles);
+    dense and 16-byte aligned."""
+    if not in_place:
+        return _dense(weight[0])
+    if box:  # channels-last dense: (C_out, KH, KW, C_in) in memory
+        return _dense(weight.movedim(1, -1)).view(weight.shape[0], -1)
+    return _dense(weight.reshape(weight.shape[0], weight.shape[1]))
