@@ -23,7 +23,9 @@
 #            56x56 3x3 (the weight gradient's worst row) into $out/convk (CONVK_BENCH=0 skips it),
 #            then the weight gradient's tile sweep with boxes and several taps per program (CONVK_SWEEP=0 skips it), and with
 #            CONVK_HOOKED_SWEEP=1 the tile sweep of the three passes with their hooks; CONVK_STATS=1 also times the
-#            forward with the statistics alone against cuDNN + the statistics pass (conv_batch_norm's family candidate)
+#            forward with the statistics alone against cuDNN + the statistics pass (conv_batch_norm's family candidate);
+#            CONVK_TMA=1: the Gluon TMA forward's GPU tests (rows and boxes) and the forward's tile sweep with each
+#            tile also as the TMA forward's, plain and hooked, on ResNet-50's and the SD VAE decoder's largest convs
 #   hostrow  the host-bound row (ResNet-50 bf16 inference): tools/bench_step_accounting.py on fresh caches, then
 #            twice on the caches the first left (the run where Inductor's graph comes from its cache): once with
 #            one repetition per backend in turn, once with --consecutive 10 (HOSTROW_SUITE names another file)
@@ -124,6 +126,16 @@ if has convk; then
     timeout -k 10 150 python3 tools/bench_conv.py demos/realnets/resnet50.py --passes fprop --fprop-hooks stats \
       --shard 1/2 --rounds 3 --out "$out/convk_stats" >"$out/convk_stats.log" 2>&1
     sed -n '/## Summary/,/## Rows/p' "$out/convk_stats/bench.md" | head -8
+  fi
+  if [[ ${CONVK_TMA:-0} == 1 ]]; then  # the TMA forward: its tests, then its tiles (rows, boxes) against the gather's
+    timeout -k 10 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_conv_family_fprop.py \
+      tests/kernels/test_conv_stats_reduction.py -k "tma or box or stat" >"$out/convk_tma_tests.log" 2>&1 || rc=1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$out/convk_tma_tests.log" | tail -12
+    for hooked in "" "--hooked"; do
+      timeout -k 10 150 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py demos/realnets/sd_vae_decoder.py \
+        --passes fprop --tma $hooked --max-shapes 6 --out "$out/convk_tma_sweep${hooked:+_hooked}.json" 2>&1 \
+        | grep -v -i warn | tail -24
+    done
   fi
   if [[ ${CONVK_HOOKED_SWEEP:-0} == 1 ]]; then  # the tile grid on the hooked passes (the candidates are the plain ones')
     timeout -k 10 240 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --hooked --box --taps --passes fprop,dgrad,wgrad \
