@@ -372,9 +372,9 @@ class TmaLaunch:
     not pad).
 
     ``geo``: the plan's ``_Geometry`` (lifted to 3 dims); ``m_tiles``: row tiles of ``block_m`` rows, or
-    ``N`` times ``sample_tiles``, the boxes of one sample's output plane (:func:`box_tiles`); ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG``
-    of the gather kernel's).  Persistent: as many programs as fit the device's SMs at once (by shared
-    memory and registers), at most one per tile."""
+    ``N`` times ``sample_tiles``, the boxes of one sample's output plane (:func:`box_tiles`);
+    ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG`` of the gather kernel's).  Persistent: as many
+    programs as fit the device's SMs at once (by shared memory and registers), at most one per tile."""
 
     def __init__(self, tile: Any, geo: Any, m_tiles: int, sample_tiles: int, constexprs: dict[str, Any],
                  weight_in_place: bool, device: torch.device, dtype: torch.dtype) -> None:  # fmt: skip
