@@ -32,7 +32,7 @@ GEMM mapping (every rank lifted to 3d with leading size-1 spatial dims):
   timings), so the forward has no box path.
 * On sm_90 (fp16/bf16, stride 1, one group) the forward may instead run its Gluon kernel,
   ``tma_fprop`` (a ``TileConfig`` with ``tma``): row tiles for a 1x1 conv, which join the timed choice
-  (``tiles.candidates``), or box tiles of the output plane for any kernel.
+  (``tiles.candidates``, while ``tiles.TMA_TIMED``), or box tiles of the output plane for any kernel.
 * One input channel per group (depthwise, any channel multiplier, or a single-channel input): no GEMM
   (its K would be the taps alone) but a direct tile over ``BLOCK_N`` output channels of any groups
   (:func:`_depthwise_tile`), grid ``(M tiles, C_out tiles, 1)``, with the same hooks.
@@ -75,7 +75,7 @@ from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile, load_depthwise_tile, window_rows
 from .stats import ChannelStats, GroupStats, PartialsReduction, empty_group_stats, empty_stats
-from .tiles import TileConfig, cached_plan, candidates, compiling_only, tuned_tile
+from .tiles import TMA_TIMED, TileConfig, cached_plan, candidates, compiling_only, tuned_tile
 
 _INT32_LIMIT = 2**31 - 1
 #: Tensors that span more elements than this get int64 offsets (``BIG``); a module constant so that
@@ -674,8 +674,8 @@ def fprop_plan(
             return plan_with(tile)
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise path (``_Plan.depthwise``)
-                           tma=tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups,
-                                                  box=False))
+                           tma=TMA_TIMED and tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups,
+                                                                 stats_groups, box=False))
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out), saved),
             x.device))  # fmt: skip

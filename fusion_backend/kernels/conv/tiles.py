@@ -201,6 +201,12 @@ _SHARED_BYTES = 200 * 1024
 #: An sm_90 SM's shared memory for its blocks (228 KiB, 1 KiB of it per block reserved), and its registers.
 _SM_SHARED_BYTES = 226 * 1024
 _SM_REGISTERS = 65536
+#: Whether the forward's timed choice offers the TMA forward's row tiles where they apply (``candidates``'
+#: ``tma``; explicit tiles are taken either way).  NOTE: off while the kernel's current code (its box tiles
+#: written into it) has only been compiled: its row tiles were tested and timed on the H200 before that
+#: (``docs/perf/h200/conv-kernels-pointwise``); ``CONVK_TMA=1 bash tools/gpu_session.sh convk`` runs the
+#: tests and the sweeps that decide this.
+TMA_TIMED = False
 #: Registers per thread the TMA forward holds (ptxas's choice, uncapped).  NOTE: capped at 168 the
 #: persistent loop spilled 428 bytes (its store, statistics included, lives inside the loop), at 128 over
 #: 1 KB (``python tools/compile_check.py conv_family --cases resnet_1x1-bf16-hooked-tma`` with the

@@ -5,7 +5,8 @@ chosen; a :class:`tiles.TileConfig` with ``tma`` selects it.  Two tile kinds:
 * *row tiles* (``box_w`` 0): a 1x1 conv with stride 1, no padding and one group is the GEMM ``out[M,
   C_out] = a(x)[M, C_in] @ W[C_in, C_out]`` over the channels-last rows of ``x``; an M tile is
   ``BLOCK_M`` consecutive rows, a K step one ``[BLOCK_M, BLOCK_K]`` box of them.  The forward's timed
-  tile choice weighs these against the gather kernel's (``tiles.candidates``);
+  tile choice weighs these against the gather kernel's (``tiles.candidates``) where ``tiles.TMA_TIMED``
+  says so (off while the code below, box tiles included, has only been compiled);
 * *box tiles* (``box_w`` > 0): a 1-d or 2-d conv of any kernel size, padding and dilation at stride 1;
   an M tile is a ``BLOCK_M / box_w x box_w`` box of one sample's output plane, a K step one
   ``[1, BLOCK_M / box_w, box_w, BLOCK_K]`` box of the input plane shifted by the step's tap (taps
