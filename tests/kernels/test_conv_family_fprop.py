@@ -435,6 +435,22 @@ def test_statistics_keep_the_variance_of_a_channel_whose_mean_dwarfs_its_spread(
                                atol=1e-6 * flat.square().mean().item())
 
 
+def test_statistics_of_constant_channels_are_exactly_zero_spread_and_of_one_row_tiles_exact():
+    """A channel whose every value is the same (a zero weight, a bias fp32 does not hold exactly) has a
+    variance of exactly 0, not a rounding residue; and a last tile of one row (M = 16 k + 1) adds that
+    row with no spread of its own."""
+    g = torch.Generator().manual_seed(67)
+    x = _channels_last(_randn(1, 4, 17, 1, g=g))  # M = 17: a 16-row tile and a one-row tile
+    w = _randn(3, 4, 1, 1, g=g)
+    w[1] = 0.0
+    b = torch.tensor([0.5, 3000.1, -7.0], device=DEVICE)
+    out, stats = conv_fprop(x, w, b, stats=True, tile=SMALL)
+    flat = out.double().transpose(0, 1).reshape(3, -1)
+    assert stats.m2[1].item() == 0.0 and stats.mean()[1].item() == torch.tensor(3000.1).item()
+    torch.testing.assert_close(stats.var(), flat.var(1, unbiased=False), rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats.mean(), flat.mean(1), rtol=0, atol=2**-22 * flat.abs().max().item())  # fp32 sums
+
+
 # --------------------------------------------------------------------------------------------------
 # Layouts, empty batch, non-finite values
 # --------------------------------------------------------------------------------------------------
