@@ -885,7 +885,7 @@ def test_tma_forward_box_tiles_give_group_statistics_per_sample(tile):
     x = _channels_last(_randn(3, 24, 9, 11, g=g, dtype=torch.bfloat16))
     w = _randn(32, 24, 3, 3, g=g, scale=0.1, dtype=torch.bfloat16)
     out, stats = conv_fprop(x, w, padding=1, act_out="silu", stats_groups=4, tile=tile)
-    flat = out.double().view(3, 4, -1)
+    flat = out.double().contiguous().view(3, 4, -1)  # (sample, group, its 8 channels x positions)
     torch.testing.assert_close(stats.sum.cpu(), flat.sum(-1).cpu(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(stats.var().cpu(), flat.var(-1, unbiased=False).cpu(), rtol=1e-4, atol=1e-6)
     _check("tma box group-stats output", x, w, None, padding=1, act_out="silu", tile=tile)
@@ -893,8 +893,8 @@ def test_tma_forward_box_tiles_give_group_statistics_per_sample(tile):
 
 @requires_sm90
 def test_tma_forward_box_tiles_take_every_store_hook_and_any_layout():
-    """The store's hooks (scale, chain, residual, the saved raw conv) and a sliced, an offset and an
-    NCHW input, and an NCHW weight (prearranged), through box tiles."""
+    """The store's hooks (scale, chain, output activation, residual, statistics) with a sliced, an offset
+    and an NCHW input, and an NCHW weight (prearranged), through box tiles."""
     g = torch.Generator().manual_seed(53)
     dtype, tile = torch.bfloat16, TMA_BOX_TILES[0]
     parent = _channels_last(_randn(2, 40, 11, 12, g=g, dtype=dtype))
