@@ -540,7 +540,8 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     with its first tile on 8 warps, taking 1 and then a kernel row's 3 taps per program
     (``TileConfig.taps_per_program``), after the several-taps tiles the timed choice weighs
     (``tiles.candidates``); ``tma``: ``conv_fprop`` alone, with each of the Gluon TMA forward's tiles
-    (``tiles.tma_tiles``: row tiles for a 1x1 conv, box tiles for the others; stride 1, one group); ``hooked``: the hooks
+    (``tiles.tma_tiles``: row tiles for a 1x1 conv, box tiles for the others; stride 1, one group; the
+    hooks without the saved raw conv); ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
     it, an eval norm's scale and shift; then, where 32 divides the output channels, GroupNorm's
@@ -566,9 +567,8 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
         if tma:
             m = out_shape[0] * out_shape[2] * out_shape[3]
             plane = out_shape[2:] if w_shape[2] * w_shape[3] > 1 or padding else None
-            for tile in FAMILY_TILES.tma_tiles(c_in, c_out, m, plane):
-                FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, saved=dy if hooked else None, tile=tile,
-                                  **hooks, **geo)  # fmt: skip
+            for tile in FAMILY_TILES.tma_tiles(c_in, c_out, m, plane):  # as a BatchNorm between convs: no save
+                FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
             return
         wtile = dtile = None
         if box:

@@ -140,3 +140,32 @@ def test_group_statistics_of_tiles_with_given_rows_match_float64(kernel_device: 
     combined = _combined(partials.cpu().view(3, n, tiles, groups, c // groups), rows, (1, 3))
     grouped = values.view(n, per, groups, c // groups).transpose(1, 2).reshape(n, groups, -1)
     _check(stats, combined, grouped)
+
+
+def _raw_partials_of(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """fp32 ``(3, parts, C)``: per part (a program's rows), the shift ``k`` (its first 16 rows' mean, near
+    but not at the part's), the sum of ``y - k`` and the sum of ``(y - k)^2`` (``raw_squares``)."""
+    parts = []
+    for chunk in values.split(sizes):
+        y = chunk.float()
+        k = y[:16].mean(0)
+        e = y - k
+        parts.append(torch.stack([k, e.sum(0), (e * e).sum(0)]))
+    return torch.stack(parts, 1).contiguous()
+
+
+@pytest.mark.parametrize("rows,c,parts", [(3000, 5, 7), (300 * 40 + 9, 21, 300)], ids=["one-launch", "two-launches"])
+def test_raw_square_partials_of_programs_match_float64(rows: int, c: int, parts: int, kernel_device: str) -> None:
+    """``raw_squares``: each part's sum of squares about its shift becomes its squared deviations from its
+    mean in float64 (the TMA forward's per-program statistics), in one launch and in the split."""
+    values = _values(rows, c, f"raw {rows} {c}")
+    sizes = [rows // parts + (i < rows % parts) for i in range(parts)]
+    raw = _raw_partials_of(values, sizes).to(kernel_device)
+    stats = PartialsReduction(parts, c, 16, rows, torch.device(kernel_device), tile_rows=sizes,
+                              raw_squares=True)(raw)  # fmt: skip
+    n = torch.tensor(sizes, dtype=torch.float64)[:, None]
+    k, e, q = raw.cpu().double().unbind(0)
+    as_deviations = torch.stack([k, e, q - e * e / n])  # the store's format, in float64 as the kernel forms it
+    _check(stats, _combined(as_deviations, n, (0,)), values.T)
+    plain = PartialsReduction(parts, c, 16, rows, torch.device(kernel_device), tile_rows=sizes)(raw)
+    assert not torch.allclose(plain.m2, stats.m2, rtol=1e-6)  # taken as squared deviations: wrong

@@ -63,6 +63,7 @@ def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, conv_ptr, scale_ptr, bias_
               the shift ``k``, ``[1, pid_m, c]`` their sum less ``k`` per row, ``[2, pid_m, c]`` their
               sum of squared deviations from their mean (``stats.PartialsReduction`` combines them).
     BIG       int64 element offsets.
+    Returns the stored values (the output dtype; a caller summing its own statistics of them).
     """
     if BIG:
         m = m.to(tl.int64)
@@ -99,6 +100,7 @@ def store_tile(acc, m, m_ok, c, c_ok, pid_m, out_ptr, conv_ptr, scale_ptr, bias_
         # Σ (e - ē)^2 = Σ e^2 - (Σ e)^2 / rows, ē the rounding residue of k: no cancellation to speak of
         tl.store(part_ptr + (2 * M_TILES + pid_m) * C_OUT + c, tl.maximum(e_sq - e_sum * e_sum / rows, 0.0),
                  mask=c_ok)
+    return y
 
 
 @triton.jit

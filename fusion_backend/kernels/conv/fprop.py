@@ -438,14 +438,23 @@ class _Plan:
                 self.sample_tiles, self.m_tiles, tile_rows = len(boxes), geo.n * len(boxes), boxes * geo.n
             else:  # a 1x1 weight is the [C_out, C_in] matrix the row tiles' box reads, whatever its layout
                 self.weight_in_place = True
+        #: the TMA forward sums a BatchNorm's statistics per program (``tma_fprop.grid_programs``)
+        self.program_stats = tile.tma and self.stats and not stats_groups
+        #: rows of the store's partials: one per M tile, or per program lane
+        self.partial_rows = self.m_tiles
+        if self.program_stats and self.m_tiles:
+            programs = tma_fprop.grid_programs(tile, geo, self.m_tiles, x.device, True)
+            rows = tile_rows or [min(tile.block_m, geo.m - t * tile.block_m) for t in range(self.m_tiles)]
+            self.partial_rows = programs // cdiv(geo.c_out, tile.block_n)
+            tile_rows = tma_fprop.lane_rows(rows, self.partial_rows)
         #: the launch that turns the store's partials into the statistics (None: no statistics)
         self.reduce = None
         if self.stats and self.m_tiles:
             per_sample = stats_groups > 0
-            self.reduce = PartialsReduction(self.m_tiles, geo.c_out, tile.block_m,
+            self.reduce = PartialsReduction(self.partial_rows, geo.c_out, tile.block_m,
                                             self.sample_rows if per_sample else geo.m, x.device,
                                             groups=stats_groups, samples=geo.n if per_sample else 1,
-                                            tile_rows=tile_rows)  # fmt: skip
+                                            tile_rows=tile_rows, raw_squares=self.program_stats)  # fmt: skip
         #: one input channel per group: the direct depthwise tile (``_depthwise_tile``), over all channels
         self.depthwise = geo.c_in_g == 1
         if self.depthwise:
@@ -478,7 +487,7 @@ class _Plan:
                                                      "HAS_SCALE", "HAS_BIAS", "CHAIN", "ACT_OUT", "RESIDUAL",
                                                      "STATS", "BIG")}  # fmt: skip
             self.launch = tma_fprop.TmaLaunch(tile, geo, self.m_tiles, self.sample_tiles, hook_codes,
-                                              self.weight_in_place, x.device, x.dtype)  # fmt: skip
+                                              self.weight_in_place, self.program_stats, x.device, x.dtype)  # fmt: skip
         else:
             self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
 
@@ -503,7 +512,7 @@ class _Plan:
         out = torch.empty_strided(geo.out_shape, self.out_stride, dtype=self.dtype, device=self.device)
         partials = None
         if self.stats:
-            partials = torch.empty((3, self.m_tiles, geo.c_out), dtype=torch.float32, device=self.device)
+            partials = torch.empty((3, self.partial_rows, geo.c_out), dtype=torch.float32, device=self.device)
         p = [out if t is None else t for t in hooks.prologue_tensors(prologue)]
         q = out if self.chain is None else self.chain.build(tensor_rows(chain, None))
         self.launch(x, w, out if scale is None else scale, out if bias is None else bias,

@@ -92,7 +92,8 @@ _MAX_BLOCK_T = 256
 @triton.jit
 def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, rows_ptr, M_TILES, C, TILES, ROWS, CG, GROUPS,
                             PER_GROUP: tl.constexpr, SPLIT_OUT: tl.constexpr, ROWS_GIVEN: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+                            RAW_SQUARES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_C: tl.constexpr):  # fmt: skip
     """Combine per-tile partials into float64 sums and sums of squared deviations.
 
     ``part_ptr``: ``(3, M_TILES, C)`` contiguous, fp32 (the store's) or float64 (this kernel's own with
@@ -100,7 +101,9 @@ def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, rows_ptr, M_TILES, C, TIL
     squared deviations from their mean.  Tile ``t`` (of ``M_TILES``, or of a sample's run of
     ``TILES``) holds ``min(BLOCK_M, ROWS - t * BLOCK_M)`` values per channel, or with ``ROWS_GIVEN``
     ``rows_ptr[t]`` (float64 ``(M_TILES,)``; tiles that are boxes of the output plane: some hold fewer
-    rows at the plane's edges).
+    rows at the plane's edges).  ``RAW_SQUARES``: row 2 holds the sum of the squared values less ``k``
+    instead, turned into their squared deviations here, in float64 (``Σe^2 - (Σe)^2 / n``: partials of a
+    program's many tiles, whose shift is near but not at their mean).
 
     * ``PER_GROUP`` False (BatchNorm): program ``(p, s)`` owns channels ``[p * BLOCK_C, (p + 1) *
       BLOCK_C)`` over tiles ``[s * TILES, (s + 1) * TILES)`` (``ROWS`` the output positions).  It writes
@@ -155,6 +158,8 @@ def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, rows_ptr, M_TILES, C, TIL
             k = tl.load(part_ptr + offs, mask=ok, other=0.0).to(tl.float64)
             e = tl.load(part_ptr + M_TILES * C + offs, mask=ok, other=0.0).to(tl.float64)
             q = tl.load(part_ptr + 2 * M_TILES * C + offs, mask=ok, other=0.0).to(tl.float64)
+            if RAW_SQUARES:
+                q = tl.where(ok, q - e * e * inv_rows[:, None], 0.0)
             n_b = tl.sum(r, axis=0)
             s_b = tl.sum(r * k + e, axis=0)
             mean_b = s_b / tl.maximum(n_b, 1.0)
@@ -221,10 +226,12 @@ class PartialsReduction:
     group over ``samples`` samples of ``count`` positions each, ``m_tiles / samples`` tiles per sample
     (the launch's tiles do not cross samples), one launch.  ``tile_rows``: each tile's number of output
     positions where they are not ``block_m`` but the last (a forward whose tiles are boxes of the output
-    plane, ``tma_fprop``)."""
+    plane, or whose programs sum several tiles, ``tma_fprop``); ``raw_squares``: the partials' row 2 holds
+    sums of squares about the shift (:func:`combine_partials_kernel`)."""
 
     def __init__(self, m_tiles: int, c_out: int, block_m: int, count: int, device: torch.device,
-                 groups: int = 0, samples: int = 1, tile_rows: Sequence[int] | None = None) -> None:  # fmt: skip
+                 groups: int = 0, samples: int = 1, tile_rows: Sequence[int] | None = None,
+                 raw_squares: bool = False) -> None:  # fmt: skip
         self.c_out, self.count, self.groups, self.samples, self.device = c_out, count, groups, samples, device
         given = tile_rows is not None
         common = dict(PER_GROUP=groups > 0, ROWS_GIVEN=given, BLOCK_C=_BLOCK_C, num_warps=8)
@@ -243,14 +250,15 @@ class PartialsReduction:
             tiles, grid = m_tiles // samples, (samples * groups, 1)
         elif self.splits:
             self.spans = FastLaunch(combine_partials_kernel, (c_blocks, self.splits), dict(
-                common, SPLIT_OUT=True, BLOCK_M=block_m, BLOCK_T=_MAX_BLOCK_T),
+                common, SPLIT_OUT=True, RAW_SQUARES=raw_squares, BLOCK_M=block_m, BLOCK_T=_MAX_BLOCK_T),
                 fixed=(m_tiles, c_out, _MAX_BLOCK_T, count, *group_args))  # fmt: skip
             block_m, m_tiles, tiles, grid = _MAX_BLOCK_T * block_m, self.splits, self.splits, (c_blocks, 1)
         else:
             tiles, grid = m_tiles, (c_blocks, 1)
         block_t = min(_MAX_BLOCK_T, triton.next_power_of_2(max(tiles, 1)))
+        last_raw = raw_squares and not self.splits  # the spans' partials hold squared deviations
         self.launch = FastLaunch(combine_partials_kernel, grid,
-                                 dict(common, SPLIT_OUT=False, BLOCK_M=block_m, BLOCK_T=block_t),
+                                 dict(common, SPLIT_OUT=False, RAW_SQUARES=last_raw, BLOCK_M=block_m, BLOCK_T=block_t),
                                  fixed=(m_tiles, c_out, tiles, count, *group_args))  # fmt: skip
 
     def __call__(self, partials: torch.Tensor) -> ChannelStats | GroupStats:

@@ -4,16 +4,18 @@ chosen; a :class:`tiles.TileConfig` with ``tma`` selects it.  Two tile kinds:
 
 * *row tiles* (``box_w`` 0): a 1x1 conv with stride 1, no padding and one group is the GEMM ``out[M,
   C_out] = a(x)[M, C_in] @ W[C_in, C_out]`` over the channels-last rows of ``x``; an M tile is
-  ``BLOCK_M`` consecutive rows, a K step one ``[BLOCK_M, BLOCK_K]`` box of them.  The forward's timed
-  tile choice weighs these against the gather kernel's (``tiles.candidates``) where ``tiles.TMA_TIMED``
-  says so (off while the code below, box tiles included, has only been compiled);
+  ``BLOCK_M`` consecutive rows, a K step one ``[BLOCK_M, BLOCK_K]`` box of them; the forward's timed
+  tile choice weighs these against the gather kernel's (``tiles.candidates``, ``tiles.TMA_TIMED``);
 * *box tiles* (``box_w`` > 0): a 1-d or 2-d conv of any kernel size, padding and dilation at stride 1;
   an M tile is a ``BLOCK_M / box_w x box_w`` box of one sample's output plane, a K step one
   ``[1, BLOCK_M / box_w, box_w, BLOCK_K]`` box of the input plane shifted by the step's tap (taps
-  outer, channels inner), whose padding and far edges the copy reads as zeros.  Status: compiled for
-  sm_90 with Triton 3.6 and 3.9 (``tools/compile_check.py conv_family --cases
-  resnet_3x3-bf16-hooked-tma``), its GPU tests written (``tests/kernels/test_conv_family_fprop.py -k
-  box``), not yet run on a GPU: taken only where a caller names such a tile.
+  outer, channels inner), whose padding and far edges the copy reads as zeros.
+
+Status: row tiles with per-tile statistics were tested and timed on the H200 (NOTE below); the code
+since (box tiles, per-program statistics) is compiled for sm_90 with Triton 3.6 and 3.9
+(``tools/compile_check.py conv_family --cases resnet_3x3-bf16-hooked-tma``) and its GPU tests are
+written (``tests/kernels/test_conv_family_fprop.py -k "tma or box"``), not yet run on a GPU: the timed
+choice offers no TMA tile meanwhile (``tiles.TMA_TIMED``).
 
 WHY a kernel of its own: Triton's ``tl.dot`` form fixes the layouts, and two of them cost the hooked
 forward most of its time.  (1) A prologue on the A tile (``relu(x * scale + shift)``) takes the tile
@@ -34,19 +36,25 @@ per tile.  Gluon states its layouts:
   shared memory; one ``wgmma`` group stays in flight while the next step's prologue runs;
 * the store converts the accumulator to a layout whose lanes run along the channels and whose
   threads each hold ``BLOCK_M / num_warps`` rows of their columns, and calls the family's own
-  :func:`epilogue.store_tile` there: the bias, scale, chain, activations, residual, saved conv and the
-  statistics' partials are the gather kernel's formulas, and the statistics' sums over the rows run in
-  registers, then across warps.  Box tiles at the plane's edges hold fewer positions: their counts go
-  to the statistics' reduction (``stats.PartialsReduction``'s ``tile_rows``); boxes never cross
-  samples, so GroupNorm's per-sample statistics come from box tiles too.
+  :func:`epilogue.store_tile` there: the bias, scale, chain, activations, residual and saved conv are
+  the gather kernel's formulas;
+* a BatchNorm's statistics are summed per program, not per tile: the grid is a multiple of the N
+  tiles, so a program's tiles share their channels; each thread adds its own rows' deviations from the
+  program's shift (its first tile's mean) and their squares in registers over all the program's
+  tiles, and the program reduces them across threads once, at its end (:func:`grid_programs`,
+  :func:`lane_rows`; the reduction then forms the squared deviations in float64,
+  ``stats.PartialsReduction``'s ``raw_squares``).  Per tile, the gather kernel's store sums each tile
+  across lanes and warps and writes a row of partials.  GroupNorm's per-sample statistics (box tiles
+  alone: boxes never cross samples) stay per tile, with the box tiles' own counts (fewer positions at
+  the plane's edges: ``tile_rows``).
 
-NOTE: the statistics, not the prologue, were the hooked forward's cost on 1x1 convs.  H200, bf16,
+NOTE: the statistics, not the prologue, were the hooked forward's cost on 1x1 convs (measured with
+the statistics summed per tile in the store's layout, before the per-program sums).  H200, bf16,
 batch 64 (GPU ms per call; ``conv_fprop`` plain, with BatchNorm + ReLU on load, with the output's
 statistics, with both), 64 -> 256 channels at 56 x 56: gather 0.049 / 0.058 / 0.133 / 0.145, row
 tiles 0.044 / 0.053 / 0.083 / 0.093; 128 -> 512 at 28 x 28: gather 0.032 / 0.036 / 0.079 / 0.086,
 row tiles 0.037 / 0.042 / 0.060 / 0.068.  Where ``C_in`` is 256 or more the K loop trails the gather
-kernel's (512 -> 128 at 28 x 28: 0.027 against 0.022 plain), and the timed choice keeps the gather
-there.  The launch's host cost is about twice the gather's (0.099 against 0.050 ms per plain call,
+kernel's (512 -> 128 at 28 x 28: 0.027 against 0.022 plain), where the timed choice took the gather.  The launch's host cost is about twice the gather's (0.099 against 0.050 ms per plain call,
 0.109 against 0.081 hooked): two tensor descriptors built and encoded per call.
 
 Contract (:func:`supports` says whether a call qualifies): fp16 or bf16 (TMA boxes of 16-bit
@@ -207,7 +215,8 @@ if GLUON:
         PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
         SAVE_CONV: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, CHAIN: gl.constexpr,
         ACT_OUT: gl.constexpr, RESIDUAL: gl.constexpr, STATS: gl.constexpr, BIG: gl.constexpr,
-        EVEN_K: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, PH: gl.constexpr, PW: gl.constexpr,
+        PROGRAM_STATS: gl.constexpr, EVEN_K: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, PH: gl.constexpr,
+        PW: gl.constexpr,
         DH: gl.constexpr, DW: gl.constexpr, BOX_W: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
@@ -244,6 +253,16 @@ if GLUON:
         out_layout: gl.constexpr = gl.BlockedLayout([ROWS_PT, VEC], [32 // LANES_N, LANES_N], [num_warps, 1], [1, 0])
         HOOKED: gl.constexpr = PROLOGUE != 0 or ACT_IN != 0
         MASK_ROWS: gl.constexpr = HOOKED and BOX_W > 0 and (PH > 0 or PW > 0)
+        # PROGRAM_STATS: every tile of a program holds the same N tile (the grid is a multiple of N_TILES);
+        # each thread sums its rows' deviations from the program's shift (its first tile's mean) and their
+        # squares over all its tiles in registers, and the program reduces them across threads once, at
+        # its end: its partials are one row of (3, programs / N_TILES, C_OUT), the shift, the sum and the
+        # sum of squares, which the reduction turns into squared deviations from the mean in float64
+        # (``stats.PartialsReduction``'s ``raw_squares``, with each program's count)
+        TPW_M: gl.constexpr = 32 // LANES_N
+        GROUPS: gl.constexpr = BLOCK_M // ROWS_PT
+        sums3: gl.constexpr = gl.BlockedLayout([1, ROWS_PT, VEC], [TPW_M, 1, LANES_N], [num_warps, 1, 1], [2, 1, 0])
+        sums_layout: gl.constexpr = gl.SliceLayout(1, sums3)
 
         pid = gl.program_id(0)
         programs = gl.num_programs(0)
@@ -268,6 +287,9 @@ if GLUON:
                            STAGES)  # fmt: skip
 
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        stat_shift = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, out_layout))
+        dev_sum = gl.zeros([GROUPS, BLOCK_N], gl.float32, sums_layout)
+        dev_sq = gl.zeros([GROUPS, BLOCK_N], gl.float32, sums_layout)
         for step in range(steps):
             ki = step % k_steps
             tile = pid + (step // k_steps) * programs
@@ -310,11 +332,30 @@ if GLUON:
                                       out_layout)  # fmt: skip
                 m, m_ok = rows_out[0], rows_out[1]
                 c = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
-                store_tile(out, m, m_ok, c, c < C_OUT, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr,
-                           part_ptr, q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN, ACT_OUT,
-                           RESIDUAL, STATS, BIG)  # fmt: skip
+                y = store_tile(out, m, m_ok, c, c < C_OUT, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr,
+                               part_ptr, q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN,
+                               ACT_OUT, RESIDUAL, STATS and not PROGRAM_STATS, BIG)  # fmt: skip
+                if PROGRAM_STATS:
+                    ok = m_ok[:, None]
+                    if step < k_steps:  # the program's first tile: its mean is the program's shift
+                        first = gl.sum(gl.where(ok, y.to(gl.float32), 0.0), axis=0)
+                        stat_shift = gl.convert_layout(first / gl.sum(m_ok.to(gl.float32), axis=0),
+                                                       gl.SliceLayout(0, out_layout))  # fmt: skip
+                    e = gl.where(ok, y.to(gl.float32) - stat_shift[None, :], 0.0)
+                    e3 = gl.convert_layout(gl.reshape(e, [GROUPS, ROWS_PT, BLOCK_N]), sums3)
+                    dev_sum += gl.sum(e3, axis=1)  # a thread's own rows: no exchange between threads
+                    dev_sq += gl.sum(e3 * e3, axis=1)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
+        if PROGRAM_STATS:  # (shift, sum of the deviations from it, sum of their squares): ``raw_squares``
+            lanes = programs // n_tiles
+            lane = pid // n_tiles
+            c = (pid % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sums_layout))
+            c_ok = c < C_OUT
+            gl.store(part_ptr + lane * C_OUT + c, gl.convert_layout(stat_shift, gl.SliceLayout(0, sums_layout)),
+                     mask=c_ok)
+            gl.store(part_ptr + (lanes + lane) * C_OUT + c, gl.sum(dev_sum, axis=0), mask=c_ok)
+            gl.store(part_ptr + (2 * lanes + lane) * C_OUT + c, gl.sum(dev_sq, axis=0), mask=c_ok)
 
 
 def _is_sm90(device: torch.device) -> bool:
@@ -356,6 +397,30 @@ def _shared_layout(block: list[int], dtype: torch.dtype) -> Any:
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
+def ring_stages(tile: Any, geo: Any) -> int:
+    """The ring's stages: the tile's, no more than the K steps (shared memory is programs per SM), but 2
+    (the ring refills the stage whose MMA the wait before it retired)."""
+    steps = geo.kernel[1] * geo.kernel[2] * -(-geo.c_in // tile.block_k)
+    return max(2, min(tile.num_stages, steps))
+
+
+def grid_programs(tile: Any, geo: Any, m_tiles: int, device: torch.device, program_stats: bool) -> int:
+    """The persistent grid: as many programs as fit the device's SMs at once (by shared memory and
+    registers), at most one per tile; with ``program_stats`` (each program sums the statistics of its
+    tiles, which then must share one N tile) a multiple of the N tiles, ``lanes`` of them each."""
+    n_tiles = -(-geo.c_out // tile.block_n)
+    capacity = tma_programs_per_sm(tile, ring_stages(tile, geo)) * _multiprocessors(device)
+    if program_stats:
+        return max(1, min(m_tiles, capacity // n_tiles)) * n_tiles
+    return min(m_tiles * n_tiles, capacity)
+
+
+def lane_rows(tile_rows: Sequence[int], lanes: int) -> list[int]:
+    """The output positions each of ``lanes`` programs' statistics cover, program lane ``j`` taking M
+    tiles ``j, j + lanes, ...`` of ``tile_rows`` positions each."""
+    return [sum(tile_rows[j::lanes]) for j in range(lanes)]
+
+
 def box_tiles(out_h: int, out_w: int, box_h: int, box_w: int) -> list[int]:
     """Each box tile's number of output positions, in tile order (row-major over the boxes covering an
     ``out_h x out_w`` plane): fewer at the plane's bottom and right edges."""
@@ -374,26 +439,23 @@ class TmaLaunch:
 
     ``geo``: the plan's ``_Geometry`` (lifted to 3 dims); ``m_tiles``: row tiles of ``block_m`` rows, or
     ``N`` times ``sample_tiles``, the boxes of one sample's output plane (:func:`box_tiles`);
-    ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG`` of the gather kernel's).  Persistent: as many
-    programs as fit the device's SMs at once (by shared memory and registers), at most one per tile."""
+    ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG`` of the gather kernel's); ``program_stats``: the
+    statistics summed per program, not per tile (:func:`grid_programs`, :func:`lane_rows`)."""
 
     def __init__(self, tile: Any, geo: Any, m_tiles: int, sample_tiles: int, constexprs: dict[str, Any],
-                 weight_in_place: bool, device: torch.device, dtype: torch.dtype) -> None:  # fmt: skip
+                 weight_in_place: bool, program_stats: bool, device: torch.device,
+                 dtype: torch.dtype) -> None:  # fmt: skip
         self.tile, self.geo, self.weight_in_place = tile, geo, weight_in_place
-        taps = geo.kernel[1] * geo.kernel[2]
         cin_steps = -(-geo.c_in // tile.block_k)
-        # no more stages than K steps (shared memory is programs per SM), but 2: the ring refills the
-        # stage whose MMA the wait before it retired
-        stages = max(2, min(tile.num_stages, taps * cin_steps))
+        stages = ring_stages(tile, geo)
         box_w = tile.box_w
         sample_tiles = sample_tiles if box_w else 0
         tiles_w = -(-geo.out_size[2] // box_w) if box_w else 0
         constexprs = dict(constexprs, EVEN_K=geo.c_in % tile.block_k == 0, KH=geo.kernel[1], KW=geo.kernel[2],
                           PH=geo.padding[1], PW=geo.padding[2], DH=geo.dilation[1], DW=geo.dilation[2], BOX_W=box_w,
                           BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
-                          num_warps=tile.num_warps)  # fmt: skip
-        tiles = m_tiles * -(-geo.c_out // tile.block_n)
-        programs = min(tiles, tma_programs_per_sm(tile, stages) * _multiprocessors(device))
+                          PROGRAM_STATS=program_stats, num_warps=tile.num_warps)  # fmt: skip
+        programs = grid_programs(tile, geo, m_tiles, device, program_stats)
         fixed = (geo.m, geo.c_in, geo.c_out, m_tiles, math.prod(geo.out_size), geo.size[1], geo.size[2],
                  geo.out_size[1], geo.out_size[2], sample_tiles, tiles_w, cin_steps * tile.block_k)  # fmt: skip
         self.launch = FastLaunch(tma_fprop_kernel, (programs,), constexprs, fixed=fixed)
