@@ -5,7 +5,7 @@
         [--tiles T;...] [--dgrad-tiles T;...] [--wgrad-tiles T;...]
 
 KERNEL (a job; none: all): ``conv_fused``, ``conv_dense``, ``conv_fused_bwd``, ``conv_phase_aligned_bwd``,
-``conv_family``, ``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``, ``batch_norm``, ``layer_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
+``conv_family``, ``conv_tma``, ``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``, ``batch_norm``, ``layer_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
 compile for the GPU; on ``conv_global_mean``'s default path such a kernel makes the op fall back to
 the slow torch reference (with one warning).  Run this after every change to a kernel.
 
@@ -60,11 +60,15 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   ``-hooked``: a BatchNorm + ReLU's hooks (prologue, relu, output statistics, and GroupNorm's
   statistics where 32 divides the output channels; relu' and the BatchNorm-backward sums; the prologue
   recomputed in wgrad).  Cases ``{resnet_1x1,resnet_3x3,resnet_3x3_s2,resnet_stem,depthwise,vae_3x3}-
-  {bf16,fp32}[-hooked][-box|-taps|-tma]`` (``-box``: the input and weight gradients load boxes, the
-  stride-1 shapes alone; the forward has no box path; ``-taps``: the weight gradient's several-taps tiles
-  the timed choice weighs, then its first tile on 8 warps with 1 and with 3 taps per program, the 3-wide
-  kernels with more than one channel per group; ``-tma``: the forward alone, on each tile of the
-  Gluon TMA forward, the bf16 stride-1 shapes with one group); default six of them.
+  {bf16,fp32}[-hooked][-box|-taps]`` (``-box``: the input and weight gradients load boxes, the stride-1
+  shapes alone; the forward has no box path; ``-taps``: the weight gradient's several-taps tiles the
+  timed choice weighs, then its first tile on 8 warps with 1 and with 3 taps per program, the 3-wide
+  kernels with more than one channel per group); default six of them.
+* ``conv_tma``: ``kernels/conv/tma_fprop.py``'s ``tma_fprop_kernel`` (Gluon) through ``conv_fprop`` with
+  each of the TMA forward's tiles (``tiles.tma_tiles``: row tiles for a 1x1 conv, box tiles for the
+  others), on ``conv_family``'s stride-1 shapes with one group, ``bf16``; ``-hooked``: a BatchNorm +
+  ReLU between convs (the prologue, relu on load and the output statistics, no saved raw conv).
+  Cases ``{resnet_1x1,resnet_3x3,vae_3x3}-bf16[-hooked]``; default four of them.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
   the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
   pool, a max or an avg pool; ``fp32``, ``bf16``.  Cases ``{none,max,avg}-{fp32,bf16}``, all by default.
@@ -696,17 +700,23 @@ JOBS = {job.name: job for job in (
     ),
     Job(
         "conv_family", "kernels/conv/: conv_fprop, conv_dgrad, conv_wgrad, plain and hooked (ResNet-50, EfficientNet, SD VAE shapes)",
-        {f"{w}-{d}{h}{b}": partial(conv_family_pass, w, d, bool(h), b == "-box", b == "-taps", b == "-tma")
+        {f"{w}-{d}{h}{b}": partial(conv_family_pass, w, d, bool(h), b == "-box", b == "-taps")
          for w in CONV_FAMILY_SHAPES for d in CONV_FAMILY_DTYPES for h in ("", "-hooked")
-         for b in ("", "-box", "-taps", "-tma")
+         for b in ("", "-box", "-taps")
          if not b or (b == "-box" and CONV_FAMILY_SHAPES[w][2] == 1 and CONV_FAMILY_SHAPES[w][4] == 1)
-         or (b == "-taps" and CONV_FAMILY_SHAPES[w][1][1] > 1 and CONV_FAMILY_SHAPES[w][1][-1] == 3)
-         or (b == "-tma" and d == "bf16" and CONV_FAMILY_SHAPES[w][2] == 1 and CONV_FAMILY_SHAPES[w][4] == 1)},
+         or (b == "-taps" and CONV_FAMILY_SHAPES[w][1][1] > 1 and CONV_FAMILY_SHAPES[w][1][-1] == 3)},
         ("resnet_3x3-bf16", "resnet_3x3-bf16-hooked", "resnet_3x3-fp32-hooked", "resnet_stem-bf16-hooked",
          "depthwise-bf16-hooked", "vae_3x3-bf16-hooked"),
-        (*(TiledKernel(k, FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS))
-           for k in ("conv_fprop_kernel", "conv_dgrad_kernel", "conv_wgrad_kernel")),
-         TiledKernel("tma_fprop_kernel", TMA_FIELDS, "", as_launched(TMA_FIELDS))),
+        tuple(TiledKernel(k, FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS))
+              for k in ("conv_fprop_kernel", "conv_dgrad_kernel", "conv_wgrad_kernel")),
+    ),
+    Job(
+        "conv_tma", "kernels/conv/tma_fprop.py: the Gluon TMA forward, plain and hooked (stride-1 shapes of conv_family)",
+        {f"{w}-bf16{h}": partial(conv_family_pass, w, "bf16", bool(h), tma=True)
+         for w in CONV_FAMILY_SHAPES for h in ("", "-hooked")
+         if CONV_FAMILY_SHAPES[w][2] == 1 and CONV_FAMILY_SHAPES[w][4] == 1},
+        ("resnet_1x1-bf16-hooked", "resnet_3x3-bf16", "resnet_3x3-bf16-hooked", "vae_3x3-bf16-hooked"),
+        (TiledKernel("tma_fprop_kernel", TMA_FIELDS, "", as_launched(TMA_FIELDS)),),
     ),
     Job(
         "epilogue", "kernels/epilogue.py: the epilogue kernels' forward and backward (a DAG chain, each pool kind)",
@@ -811,9 +821,10 @@ class JobRun:
         with kc.recording() as launches:
             self.job.cases[case]()
         launched = {launch.name for launch in launches}
-        if self.tiled and not set(self.tiled) & launched:
+        missing = sorted(set(self.tiled) - launched)
+        if missing:
             raise RuntimeError(
-                f"launched {', '.join(sorted(launched)) or 'nothing'}, none of {', '.join(sorted(self.tiled))}"
+                f"launched {', '.join(sorted(launched)) or 'nothing'}, not {', '.join(missing)}"
             )
         return launches
 

@@ -209,7 +209,7 @@ _SM_REGISTERS = 65536
 TMA_TIMED = False
 #: Registers per thread the TMA forward holds (ptxas's choice, uncapped).  NOTE: capped at 168 the
 #: persistent loop spilled 428 bytes (its store, statistics included, lives inside the loop), at 128 over
-#: 1 KB (``python tools/compile_check.py conv_family --cases resnet_1x1-bf16-hooked-tma`` with the
+#: 1 KB (``python tools/compile_check.py conv_tma --cases resnet_1x1-bf16-hooked`` with the
 #: launch option ``maxnreg``); uncapped: 255 and no spill.
 TMA_REGISTERS = 255
 

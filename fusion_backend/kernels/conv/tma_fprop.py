@@ -13,7 +13,7 @@ chosen; a :class:`tiles.TileConfig` with ``tma`` selects it.  Two tile kinds:
 
 Status: row tiles with per-tile statistics were tested and timed on the H200 (NOTE below); the code
 since (box tiles, per-program statistics) is compiled for sm_90 with Triton 3.6 and 3.9
-(``tools/compile_check.py conv_family --cases resnet_3x3-bf16-hooked-tma``) and its GPU tests are
+(``tools/compile_check.py conv_tma``) and its GPU tests are
 written (``tests/kernels/test_conv_family_fprop.py -k "tma or box"``), not yet run on a GPU: the timed
 choice offers no TMA tile meanwhile (``tiles.TMA_TIMED``).
 
@@ -70,7 +70,7 @@ plane) are computed and never stored or counted.
 Gluon is Triton's experimental explicit-layout language (``triton.experimental.gluon``); the kernel
 compiles with Triton 3.6 and 3.9, whose TMA load and CTA barrier differ in name (``_tma_load``,
 ``_thread_barrier``).  It has no interpreter: on CPU this path is compiled
-(``tools/compile_check.py conv_family --cases resnet_1x1-bf16-hooked-tma``) but never run, and
+(``tools/compile_check.py conv_tma``) but never run, and
 :func:`supports` is False there.
 """
 
