@@ -440,10 +440,11 @@ class _Plan:
                 self.weight_in_place = True
         #: the TMA forward sums a BatchNorm's statistics per program (``tma_fprop.grid_programs``)
         self.program_stats = tile.tma and self.stats and not stats_groups
+        #: the TMA forward's persistent grid
+        programs = tma_fprop.grid_programs(tile, geo, self.m_tiles, x.device, self.program_stats) if tile.tma else 0
         #: rows of the store's partials: one per M tile, or per program lane
         self.partial_rows = self.m_tiles
         if self.program_stats and self.m_tiles:
-            programs = tma_fprop.grid_programs(tile, geo, self.m_tiles, x.device, True)
             rows = tile_rows or [min(tile.block_m, geo.m - t * tile.block_m) for t in range(self.m_tiles)]
             self.partial_rows = programs // cdiv(geo.c_out, tile.block_n)
             tile_rows = tma_fprop.lane_rows(rows, self.partial_rows)
@@ -486,8 +487,8 @@ class _Plan:
             hook_codes = {k: constexprs[k] for k in ("PROLOGUE", "G_NORM", "NORM_AFFINE", "ACT_IN", "SAVE_CONV",
                                                      "HAS_SCALE", "HAS_BIAS", "CHAIN", "ACT_OUT", "RESIDUAL",
                                                      "STATS", "BIG")}  # fmt: skip
-            self.launch = tma_fprop.TmaLaunch(tile, geo, self.m_tiles, self.sample_tiles, hook_codes,
-                                              self.weight_in_place, self.program_stats, x.device, x.dtype)  # fmt: skip
+            self.launch = tma_fprop.TmaLaunch(tile, geo, self.m_tiles, self.sample_tiles, programs, hook_codes,
+                                              self.weight_in_place, self.program_stats, x.dtype)  # fmt: skip
         else:
             self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
 

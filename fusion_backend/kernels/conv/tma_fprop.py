@@ -439,11 +439,12 @@ class TmaLaunch:
 
     ``geo``: the plan's ``_Geometry`` (lifted to 3 dims); ``m_tiles``: row tiles of ``block_m`` rows, or
     ``N`` times ``sample_tiles``, the boxes of one sample's output plane (:func:`box_tiles`);
-    ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG`` of the gather kernel's); ``program_stats``: the
-    statistics summed per program, not per tile (:func:`grid_programs`, :func:`lane_rows`)."""
+    ``programs``: the persistent grid (:func:`grid_programs`, which the plan's statistics' reduction
+    reads too); ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG`` of the gather kernel's);
+    ``program_stats``: the statistics summed per program, not per tile (:func:`lane_rows`)."""
 
-    def __init__(self, tile: Any, geo: Any, m_tiles: int, sample_tiles: int, constexprs: dict[str, Any],
-                 weight_in_place: bool, program_stats: bool, device: torch.device,
+    def __init__(self, tile: Any, geo: Any, m_tiles: int, sample_tiles: int, programs: int,
+                 constexprs: dict[str, Any], weight_in_place: bool, program_stats: bool,
                  dtype: torch.dtype) -> None:  # fmt: skip
         self.tile, self.geo, self.weight_in_place = tile, geo, weight_in_place
         cin_steps = -(-geo.c_in // tile.block_k)
@@ -455,7 +456,6 @@ class TmaLaunch:
                           PH=geo.padding[1], PW=geo.padding[2], DH=geo.dilation[1], DW=geo.dilation[2], BOX_W=box_w,
                           BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
                           PROGRAM_STATS=program_stats, num_warps=tile.num_warps)  # fmt: skip
-        programs = grid_programs(tile, geo, m_tiles, device, program_stats)
         fixed = (geo.m, geo.c_in, geo.c_out, m_tiles, math.prod(geo.out_size), geo.size[1], geo.size[2],
                  geo.out_size[1], geo.out_size[2], sample_tiles, tiles_w, cin_steps * tile.block_k)  # fmt: skip
         self.launch = FastLaunch(tma_fprop_kernel, (programs,), constexprs, fixed=fixed)
