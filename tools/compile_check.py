@@ -65,10 +65,9 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   timed choice weighs, then its first tile on 8 warps with 1 and with 3 taps per program, the 3-wide
   kernels with more than one channel per group); default six of them.
 * ``conv_tma``: ``kernels/conv/tma_fprop.py``'s ``tma_fprop_kernel`` (Gluon) through ``conv_fprop`` with
-  each of the TMA forward's tiles (``tiles.tma_tiles``: row tiles for a 1x1 conv, box tiles for the
-  others), on ``conv_family``'s stride-1 shapes with one group, ``bf16``; ``-hooked``: a BatchNorm +
-  ReLU between convs (the prologue, relu on load and the output statistics, no saved raw conv).
-  Cases ``{resnet_1x1,resnet_3x3,vae_3x3}-bf16[-hooked]``; default four of them.
+  each of the TMA forward's tiles (``tiles.tma_tiles``), on ``conv_family``'s 1x1 shape, ``bf16``;
+  ``-hooked``: a BatchNorm + ReLU between convs (the prologue, relu on load and the output statistics,
+  no saved raw conv).  Cases ``resnet_1x1-bf16[-hooked]``, both by default.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
   the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
   pool, a max or an avg pool; ``fp32``, ``bf16``.  Cases ``{none,max,avg}-{fp32,bf16}``, all by default.
@@ -544,8 +543,7 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     with its first tile on 8 warps, taking 1 and then a kernel row's 3 taps per program
     (``TileConfig.taps_per_program``), after the several-taps tiles the timed choice weighs
     (``tiles.candidates``); ``tma``: ``conv_fprop`` alone, with each of the Gluon TMA forward's tiles
-    (``tiles.tma_tiles``: row tiles for a 1x1 conv, box tiles for the others; stride 1, one group; the
-    hooks without the saved raw conv); ``hooked``: the hooks
+    (``tiles.tma_tiles``; a 1x1 conv; the hooks without the saved raw conv); ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
     it, an eval norm's scale and shift; then, where 32 divides the output channels, GroupNorm's
@@ -570,8 +568,7 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     with _launchable_on_cpu_tensors():
         if tma:
             m = out_shape[0] * out_shape[2] * out_shape[3]
-            plane = out_shape[2:] if w_shape[2] * w_shape[3] > 1 or padding else None
-            for tile in FAMILY_TILES.tma_tiles(c_in, c_out, m, plane):  # as a BatchNorm between convs: no save
+            for tile in FAMILY_TILES.tma_tiles(c_in, c_out, m):  # as a BatchNorm between convs: no save
                 FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
             return
         wtile = dtile = None
@@ -711,11 +708,10 @@ JOBS = {job.name: job for job in (
               for k in ("conv_fprop_kernel", "conv_dgrad_kernel", "conv_wgrad_kernel")),
     ),
     Job(
-        "conv_tma", "kernels/conv/tma_fprop.py: the Gluon TMA forward, plain and hooked (stride-1 shapes of conv_family)",
-        {f"{w}-bf16{h}": partial(conv_family_pass, w, "bf16", bool(h), tma=True)
-         for w in CONV_FAMILY_SHAPES for h in ("", "-hooked")
-         if CONV_FAMILY_SHAPES[w][2] == 1 and CONV_FAMILY_SHAPES[w][4] == 1},
-        ("resnet_1x1-bf16-hooked", "resnet_3x3-bf16", "resnet_3x3-bf16-hooked", "vae_3x3-bf16-hooked"),
+        "conv_tma", "kernels/conv/tma_fprop.py: the Gluon TMA forward, plain and hooked (conv_family's 1x1 shape)",
+        {f"resnet_1x1-bf16{h}": partial(conv_family_pass, "resnet_1x1", "bf16", bool(h), tma=True)
+         for h in ("", "-hooked")},
+        ("resnet_1x1-bf16", "resnet_1x1-bf16-hooked"),
         (TiledKernel("tma_fprop_kernel", TMA_FIELDS, "", as_launched(TMA_FIELDS)),),
     ),
     Job(

@@ -14,8 +14,8 @@ on channels-last bf16 (``--dtype``) tensors; with ``--box`` each gradient tile a
 loading boxes (``tiles.box_width``'s shape; where the call refuses a box, the tile's gather time stands
 for it, as the timed choice would then run the gather); with ``--taps`` each tap-major weight-gradient
 tile also taking 3 (or 2) taps per program (``TileConfig.taps_per_program``); with ``--tma`` each forward
-tile also as the TMA forward's (``TileConfig.tma``: row tiles for a 1x1 conv without padding, else boxes of
-the output plane; a call it does not take, stride 2 or fp32, is skipped); with ``--hooked`` the passes with their hooks
+tile of a 1x1 conv also as the TMA forward's (``TileConfig.tma``; a call it does not take, stride 2 or
+fp32, is skipped); with ``--hooked`` the passes with their hooks
 (``tools/bench_conv.py``'s: the forward with a BatchNorm + ReLU prologue and the output statistics, the
 input gradient with relu' and the BatchNorm sums, the weight gradient with the prologue recomputed),
 against cuDNN plus the Inductor passes the hooks replace (``unfused``).  Prints one line per row
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--taps", action="store_true",
                         help="also time each tap-major weight-gradient tile with 3 (or 2) taps per program")
     parser.add_argument("--tma", action="store_true",
-                        help="also time each forward tile as the Gluon TMA forward's (rows or boxes)")
+                        help="also time each 1x1 forward tile as the Gluon TMA forward's")
     parser.add_argument("--hooked", action="store_true",
                         help="time the passes with their hooks, against cuDNN plus the passes they replace")
     args = parser.parse_args(argv)
@@ -123,10 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                 per = several_taps(taps)
                 if per > 1:
                     variants.append(dataclasses.replace(tile, taps_per_program=per))
-            if args.tma and pass_name == "fprop" and not tile.flat_k and bm >= 64 and warps in (4, 8):
-                one_by_one = taps == 1 and not any(shape.padding)
-                box = 0 if one_by_one else box_width(*(1, *shape.out_shape[2:])[-2:], bm)
-                variants.append(dataclasses.replace(tile, box_w=box, tma=True))
+            if (args.tma and pass_name == "fprop" and not tile.flat_k and bm >= 64 and warps in (4, 8)
+                    and taps == 1 and not any(shape.padding)):  # fmt: skip
+                variants.append(dataclasses.replace(tile, tma=True))
             for variant in variants:
                 try:
                     times[variant.label()] = gpu_ms_per_call(_steps(t, pass_name, variant, args.hooked))

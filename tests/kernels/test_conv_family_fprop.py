@@ -11,8 +11,6 @@ fp32 with TF32 off; ``test_fp32_on_cuda_follows_cudnns_own_precision`` checks th
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -696,14 +694,16 @@ def test_saved_contracts():
 
 
 def test_a_box_tile_is_refused_by_the_forward_in_one_line():
-    """The forward loads its A tiles by gather only (``fprop`` module docstring: a box reached the dot
-    through registers and lost); a box tile asked for by name is a contract error, not a silent gather."""
+    """The forward loads no boxes of the plane, with either kernel (``fprop`` module docstring: a box
+    reached the gather kernel's dot through registers and lost; ``tma_fprop``'s: box tiles lost to the
+    gather); a box tile asked for by name is a contract error, not a silent gather."""
     g = torch.Generator().manual_seed(0)
     x = _channels_last(_randn(1, 16, 7, 7, g=g))
-    with pytest.raises(ContractError, match="gather, not as boxes") as info:
-        conv_fprop(x, _randn(4, 16, 3, 3, g=g), tile=TileConfig(16, 16, 16, num_warps=1, num_stages=1, box_w=4),
-                   padding=1)
-    assert "\n" not in str(info.value)
+    for tile in (TileConfig(16, 16, 16, num_warps=1, num_stages=1, box_w=4), TileConfig(64, 16, 16, 4, 2, box_w=8,
+                                                                                        tma=True)):  # fmt: skip
+        with pytest.raises(ContractError, match="not as boxes") as info:
+            conv_fprop(x, _randn(4, 16, 3, 3, g=g), tile=tile, padding=1)
+        assert "\n" not in str(info.value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -821,7 +821,6 @@ def test_tma_tiles_join_the_forward_candidates_where_the_kernel_applies():
     ("a strided 1x1", dict(stride=2), TileConfig(64, 64, 64, 4, 2, tma=True)),
     ("a tile of 32 rows", {}, TileConfig(32, 64, 64, 4, 2, tma=True)),
     ("a tile of 512 rows", {}, TileConfig(512, 64, 64, 8, 2, tma=True)),
-    ("a strided 3x3 in boxes", dict(padding=1, stride=2), TileConfig(64, 64, 64, 4, 2, box_w=8, tma=True)),
 ], ids=lambda c: c if isinstance(c, str) else None)  # fmt: skip
 def test_a_tma_tile_the_call_cannot_take_is_refused_in_one_line(why, conv, tile):
     """On CPU (no Gluon run) and for any conv the kernel does not take, a TMA tile asked for by
@@ -834,134 +833,56 @@ def test_a_tma_tile_the_call_cannot_take_is_refused_in_one_line(why, conv, tile)
     assert "\n" not in str(info.value)
 
 
-#: Box tiles of the TMA forward: 8 x 16 boxes of 64-channel K steps, 8 x 8 boxes of 16-channel steps
-#: (several per tap), 4 x 32 boxes on two warpgroups over 128 channels.
-TMA_BOX_TILES = [
-    TileConfig(128, 64, 64, 4, 3, box_w=16, tma=True),
-    TileConfig(64, 32, 16, 4, 2, box_w=8, tma=True),
-    TileConfig(128, 128, 32, 8, 4, box_w=32, tma=True),
-]
-#: name, x shape, weight shape, conv kwargs: planes no box tiles evenly (9 x 11, 1 x 50), channels that
-#: fill no K step (24 against 32 and 64), padding wider than the box's edge rows, dilation, a kernel
-#: wider than tall, an unpadded kernel, a padded 1x1 (its pad lanes hold act(shift) unless masked).
-TMA_BOX_SHAPES = [
-    ("3x3-pad1", (2, 24, 9, 11), (40, 24, 3, 3), dict(padding=1)),
-    ("3x3-dil2-pad2", (2, 16, 10, 9), (24, 16, 3, 3), dict(padding=2, dilation=2)),
-    ("5x3-pad2x1", (1, 32, 12, 7), (16, 32, 5, 3), dict(padding=(2, 1))),
-    ("3x3-valid", (2, 16, 9, 11), (24, 16, 3, 3), {}),
-    ("1x1-pad1", (2, 16, 5, 6), (24, 16, 1, 1), dict(padding=1)),
-    ("1d-k3-pad1", (3, 24, 50), (40, 24, 3), dict(padding=1)),
-]
+def test_tma_forward_operand_matrices_and_their_kept_descriptors():
+    """What the TMA forward's descriptors span (the host side only, on any device): x's channels-last
+    rows and a 1x1 weight in any layout as ``[C_out, C_in]``, each element where the kernel's
+    coordinates look for it, and copies where the memory is not dense and aligned.  The launch keeps a
+    view's descriptor by data pointer and builds a copy's anew, and keeps no tensor alive."""
+    import gc
+    import weakref
 
-
-@requires_sm90
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("kind,act", [*PROLOGUES, (None, None)],
-                         ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in [*PROLOGUES, (None, None)]])
-@pytest.mark.parametrize("name,xs,ws,conv", TMA_BOX_SHAPES, ids=[c[0] for c in TMA_BOX_SHAPES])
-def test_tma_forward_box_tiles_match_float64_with_their_statistics(name, xs, ws, conv, kind, act, dtype):
-    """Box tiles (any kernel, padding and dilation at stride 1): every tile of :data:`TMA_BOX_TILES`
-    against float64 with the hooks, padding the activated tensor (the pad lanes, which the copy reads
-    as zeros, are 0 after the prologue), and the statistics of boxes that hold fewer rows at the
-    plane's edges; the same bits on a second call."""
-    for tile in TMA_BOX_TILES:
-        g = torch.Generator().manual_seed(stable_seed(("tma-box", name, str(kind), str(act), tile.label())))
-        x = _channels_last(_randn(*xs, g=g, dtype=dtype))
-        w = _randn(*ws, g=g, scale=(ws[1] * math.prod(ws[2:])) ** -0.5, dtype=dtype)
-        b = _randn(ws[0], g=g)
-        prologue = None if kind is None else _prologue(kind.split("-")[0], xs[0], xs[1], g,
-                                                        affine=not kind.endswith("no-affine"))  # fmt: skip
-        hooks = dict(prologue=prologue, act_in=act, act_out="relu", stats=True, tile=tile, **conv)
-        out, stats = _check(f"tma box {name} {kind} {act} {tile.label()}", x, w, b, **hooks)
-        again, stats2 = conv_fprop(x, w, b, **hooks)
-        assert torch.equal(out, again) and torch.equal(stats.sum, stats2.sum) and torch.equal(stats.m2, stats2.m2)
-
-
-@requires_sm90
-@pytest.mark.parametrize("tile", TMA_BOX_TILES[:2], ids=lambda t: t.label().replace(" ", "-"))
-def test_tma_forward_box_tiles_give_group_statistics_per_sample(tile):
-    """Boxes never cross samples: GroupNorm's per-(sample, group) statistics, against float64."""
-    g = torch.Generator().manual_seed(stable_seed(("tma-box-groups", tile.label())))
-    x = _channels_last(_randn(3, 24, 9, 11, g=g, dtype=torch.bfloat16))
-    w = _randn(32, 24, 3, 3, g=g, scale=0.1, dtype=torch.bfloat16)
-    out, stats = conv_fprop(x, w, padding=1, act_out="silu", stats_groups=4, tile=tile)
-    flat = out.double().contiguous().view(3, 4, -1)  # (sample, group, its 8 channels x positions)
-    torch.testing.assert_close(stats.sum.cpu(), flat.sum(-1).cpu(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(stats.var().cpu(), flat.var(-1, unbiased=False).cpu(), rtol=1e-4, atol=1e-6)
-    _check("tma box group-stats output", x, w, None, padding=1, act_out="silu", tile=tile)
-
-
-@requires_sm90
-def test_tma_forward_box_tiles_take_every_store_hook_and_any_layout():
-    """The store's hooks (scale, chain, output activation, residual, statistics) with a sliced, an offset
-    and an NCHW input, and an NCHW weight (prearranged), through box tiles."""
-    g = torch.Generator().manual_seed(53)
-    dtype, tile = torch.bfloat16, TMA_BOX_TILES[0]
-    parent = _channels_last(_randn(2, 40, 11, 12, g=g, dtype=dtype))
-    parent[:, :8] = float("nan")
-    x = parent[:, 8:32, 1:10, 1:12]
-    w = _randn(24, 24, 3, 3, g=g, scale=0.07, dtype=dtype)
-    prologue = ChannelAffine(_randn(24, g=g) * 0.2 + 1.0, _randn(24, g=g))
-    residual = _channels_last(_randn(2, 24, 9, 11, g=g, dtype=dtype))
-    hooks = dict(prologue=prologue, act_in="relu", scale=_randn(24, g=g), chain=[(OP["leaky_relu"], [0.1])],
-                 act_out="gelu", residual=residual, stats=True, padding=1, tile=tile)  # fmt: skip
-    shifted = torch.empty(x.numel() + 1, dtype=dtype, device=DEVICE)[1:].view(2, 9, 11, 24).permute(0, 3, 1, 2)
-    shifted.copy_(x)
-    for name, xi, wi in (("sliced", x, _channels_last(w)), ("offset", shifted, w), ("nchw", x.contiguous(), w)):
-        out, _ = _check(f"tma box {name}", xi, wi, _randn(24, g=g), **hooks)
-        assert out.isfinite().all(), name
-
-
-def test_box_tiles_count_the_positions_of_the_boxes_at_the_plane_edges():
-    """The statistics' per-tile counts of box tiles: full boxes inside, cut ones at the bottom and right."""
-    from fusion_backend.kernels.conv.tma_fprop import box_tiles
-
-    assert box_tiles(9, 11, 8, 8) == [64, 24, 8, 3]
-    assert box_tiles(16, 16, 8, 16) == [128, 128]
-    assert sum(box_tiles(56, 56, 8, 16)) == 56 * 56
-    tiles = candidates("fprop", 64, 64, 1, 200704, torch.bfloat16, tma=True)
-    assert all(t.box_w == 0 for t in tiles if t.tma)  # the timed choice offers row tiles alone
-
-
-def test_tma_forward_operand_matrices_hold_the_conv_in_tap_major_order():
-    """What the TMA forward's descriptors span (CPU: the host side only): x's rows or planes, the
-    weight as ``[C_out, (tap, channel)]`` columns from every source (prearranged with padded channels,
-    a channels-last weight in place, a 1x1 weight in any layout), each element where the kernel's
-    coordinates look for it; and copies where the memory is not dense and aligned."""
-    from fusion_backend.kernels.conv.tma_fprop import input_boxes_source, weight_matrix
+    from fusion_backend.kernels.conv.tma_fprop import (
+        GLUON,
+        TmaLaunch,
+        _shared_layout,
+        input_rows,
+        weight_matrix,
+    )
 
     g = torch.Generator().manual_seed(61)
-    x = _channels_last(torch.randn(2, 24, 5, 7, generator=g))
-    w = torch.randn(16, 24, 3, 3, generator=g)
-    geo = fprop._check_call(x, w, None, None, None, 1, 1, 1, 1)
-    planes = input_boxes_source(x, geo, box=True)
-    assert planes.shape == (2, 5, 7, 24) and torch.equal(planes, x.permute(0, 2, 3, 1))
-    assert planes.data_ptr() == x.data_ptr()  # a view of channels-last memory
-    rows = input_boxes_source(x, geo, box=False)
+    x = _channels_last(torch.randn(2, 24, 5, 7, generator=g).to(DEVICE))
+    rows = input_rows(x)
     assert rows.shape == (70, 24) and torch.equal(rows[12], x[0, :, 1, 5])
+    assert rows.data_ptr() == x.data_ptr()  # a view of channels-last memory
     sliced = x[:, 4:20]  # channel stride 1, rows 24 apart: copied to dense rows
-    sliced_geo = fprop._check_call(sliced, w[:, :16], None, None, None, 1, 1, 1, 1)
-    dense = input_boxes_source(sliced, sliced_geo, box=True)
-    assert dense.is_contiguous() and torch.equal(dense, sliced.permute(0, 2, 3, 1))
-    tile = TileConfig(64, 16, 16, 4, 2, box_w=8, tma=True)
-    cin_pad = 32  # 24 channels in K steps of 16
-    for name, source, in_place in (("prearranged", fprop.prearrange_weight(w, 1, tile, w.dtype), False),
-                                   ("in place", _channels_last(w), True)):  # fmt: skip
-        matrix = weight_matrix(source, in_place, box=True)
-        pad = cin_pad if not in_place else 24
-        for co, c, kh, kw in ((0, 0, 0, 0), (5, 23, 2, 1), (15, 7, 1, 2)):
-            assert matrix[co, (kh * 3 + kw) * pad + c] == w[co, c, kh, kw], name
-        if not in_place:
-            assert (matrix.view(16, 9, cin_pad)[:, :, 24:] == 0).all()
-    w1 = torch.randn(16, 24, 1, 1, generator=g)
+    dense = input_rows(sliced)
+    assert dense.is_contiguous() and torch.equal(dense, sliced.permute(0, 2, 3, 1).reshape(70, 16))
+    w1 = torch.randn(16, 24, 1, 1, generator=g).to(DEVICE)
     for source in (w1, _channels_last(w1), w1.transpose(0, 1).contiguous().transpose(0, 1)):
-        assert torch.equal(weight_matrix(source, True, box=False), w1[:, :, 0, 0])
+        assert torch.equal(weight_matrix(source), w1[:, :, 0, 0])
+    if not GLUON:
+        return
+    x16 = x.to(torch.float16)
+    block = [64, 16]
+    layout = _shared_layout(block, torch.float16)
+    kept = {}
+    first, copy = TmaLaunch._descriptor(kept, x16, input_rows, block, layout)
+    again, _ = TmaLaunch._descriptor(kept, x16, input_rows, block, layout)
+    assert copy is None and again is first and list(kept) == [x16.data_ptr()]
+    assert (first.shape, first.strides) == ([70, 24], [24, 1])
+    sliced16 = x16[:, 4:20]
+    d1, c1 = TmaLaunch._descriptor(kept, sliced16, input_rows, block, layout)
+    d2, c2 = TmaLaunch._descriptor(kept, sliced16, input_rows, block, layout)
+    assert c1 is not None and d1.base.data_ptr() == c1.data_ptr() and d2 is not d1 and len(kept) == 1
+    probe = weakref.ref(x16)
+    del x16, sliced16, first, again
+    gc.collect()
+    assert probe() is None  # the kept descriptor holds the pointer, not the tensor
 
 
 @requires_sm90
-@pytest.mark.parametrize("k,tile", [(1, TMA_ROW_TILES[0]), (3, TMA_BOX_TILES[0])], ids=["rows", "boxes"])
-def test_tma_forward_of_an_empty_batch(k, tile):
+def test_tma_forward_of_an_empty_batch():
     x = _channels_last(torch.empty(0, 16, 5, 6, device=DEVICE, dtype=torch.bfloat16))
-    w = torch.randn(24, 16, k, k, device=DEVICE, dtype=torch.bfloat16)
-    out, stats = conv_fprop(x, w, padding=k // 2, stats=True, tile=tile)
+    w = torch.randn(24, 16, 1, 1, device=DEVICE, dtype=torch.bfloat16)
+    out, stats = conv_fprop(x, w, stats=True, tile=TMA_ROW_TILES[0])
     assert out.shape == (0, 24, 5, 6) and stats.count == 0 and (stats.sum == 0).all()

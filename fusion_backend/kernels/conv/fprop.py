@@ -30,9 +30,9 @@ GEMM mapping (every rank lifted to 3d with leading size-1 spatial dims):
   BatchNorm + ReLU prologue: 0.046 against 0.061 ms on the 3x3 of 64 channels at 56 x 56, 0.037
   against 0.094 at 14 x 14; ``CONVK_SWEEP=0 bash tools/gpu_session.sh convk``, the report's tile
   timings), so the forward has no box path.
-* On sm_90 (fp16/bf16, stride 1, one group) the forward may instead run its Gluon kernel,
-  ``tma_fprop`` (a ``TileConfig`` with ``tma``): row tiles for a 1x1 conv, which join the timed choice
-  (``tiles.candidates``, while ``tiles.TMA_TIMED``), or box tiles of the output plane for any kernel.
+* On sm_90 (fp16/bf16, a 1x1 kernel, stride 1, no padding, one group) the forward may instead run
+  its Gluon kernel, ``tma_fprop`` (a ``TileConfig`` with ``tma``), whose tiles join the timed choice
+  (``tiles.candidates``).
 * One input channel per group (depthwise, any channel multiplier, or a single-channel input): no GEMM
   (its K would be the taps alone) but a direct tile over ``BLOCK_N`` output channels of any groups
   (:func:`_depthwise_tile`), grid ``(M tiles, C_out tiles, 1)``, with the same hooks.
@@ -75,7 +75,7 @@ from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile, load_depthwise_tile, window_rows
 from .stats import ChannelStats, GroupStats, PartialsReduction, empty_group_stats, empty_stats
-from .tiles import TMA_TIMED, TileConfig, cached_plan, candidates, compiling_only, tuned_tile
+from .tiles import TileConfig, cached_plan, candidates, compiling_only, tuned_tile
 
 _INT32_LIMIT = 2**31 - 1
 #: Tensors that span more elements than this get int64 offsets (``BIG``); a module constant so that
@@ -425,19 +425,14 @@ class _Plan:
                                 and cout_pad == geo.c_out_g)  # fmt: skip
         self.sample_tiles = cdiv(self.sample_rows, tile.block_m)
         self.m_tiles = geo.n * self.sample_tiles if stats_groups else cdiv(geo.m, tile.block_m)
-        #: each M tile's output positions where they are not ``block_m`` but the last (the TMA forward's
-        #: boxes of the output plane, which never cross samples), else None
+        #: the statistics' positions per partials row where they are not ``block_m`` but the last
+        #: (the TMA forward's program lanes), else None
         tile_rows = None
         if tile.tma:
-            if not tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups,
-                                      box=tile.box_w > 0):  # fmt: skip
+            if not tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups):
                 raise ContractError(f"tile {tile.label()}: this call is not one the TMA forward takes "
                                     "(tma_fprop.supports)")
-            if tile.box_w:
-                boxes = tma_fprop.box_tiles(geo.out_size[1], geo.out_size[2], tile.block_m // tile.box_w, tile.box_w)
-                self.sample_tiles, self.m_tiles, tile_rows = len(boxes), geo.n * len(boxes), boxes * geo.n
-            else:  # a 1x1 weight is the [C_out, C_in] matrix the row tiles' box reads, whatever its layout
-                self.weight_in_place = True
+            self.weight_in_place = True  # a 1x1 weight is the [C_out, C_in] matrix its box reads, any layout
         #: the TMA forward sums a BatchNorm's statistics per program (``tma_fprop.grid_programs``)
         self.program_stats = tile.tma and self.stats and not stats_groups
         #: the TMA forward's persistent grid
@@ -445,7 +440,7 @@ class _Plan:
         #: rows of the store's partials: one per M tile, or per program lane
         self.partial_rows = self.m_tiles
         if self.program_stats and self.m_tiles:
-            rows = tile_rows or [min(tile.block_m, geo.m - t * tile.block_m) for t in range(self.m_tiles)]
+            rows = [min(tile.block_m, geo.m - t * tile.block_m) for t in range(self.m_tiles)]
             self.partial_rows = programs // cdiv(geo.c_out, tile.block_n)
             tile_rows = tma_fprop.lane_rows(rows, self.partial_rows)
         #: the launch that turns the store's partials into the statistics (None: no statistics)
@@ -487,8 +482,8 @@ class _Plan:
             hook_codes = {k: constexprs[k] for k in ("PROLOGUE", "G_NORM", "NORM_AFFINE", "ACT_IN", "SAVE_CONV",
                                                      "HAS_SCALE", "HAS_BIAS", "CHAIN", "ACT_OUT", "RESIDUAL",
                                                      "STATS", "BIG")}  # fmt: skip
-            self.launch = tma_fprop.TmaLaunch(tile, geo, self.m_tiles, self.sample_tiles, programs, hook_codes,
-                                              self.weight_in_place, self.program_stats, x.dtype)  # fmt: skip
+            self.launch = tma_fprop.TmaLaunch(tile, geo, self.m_tiles, programs, hook_codes, self.program_stats,
+                                              x.dtype)  # fmt: skip
         else:
             self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
 
@@ -684,8 +679,7 @@ def fprop_plan(
             return plan_with(tile)
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise path (``_Plan.depthwise``)
-                           tma=TMA_TIMED and tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups,
-                                                                 stats_groups, box=False))
+                           tma=tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups))
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out), saved),
             x.device))  # fmt: skip

@@ -72,9 +72,8 @@ class TileConfig:
     #: the weight gradient's taps per program (tap-major gather): 2 or 3 read each grad_y tile once for
     #: that many taps, one accumulator each (``wgrad`` module docstring); 1 elsewhere
     taps_per_program: int = 1
-    #: the forward runs its Gluon kernel: TMA boxes, the prologue in wgmma's register layout
-    #: (``tma_fprop`` module docstring); with ``box_w`` its M tiles are boxes of the output plane (any
-    #: kernel size, padding and dilation), without, row ranges (1x1 convs without padding)
+    #: the forward runs its Gluon kernel on a 1x1 conv: TMA boxes of rows, the prologue in wgmma's
+    #: register layout (``tma_fprop`` module docstring)
     tma: bool = False
 
     @property
@@ -111,13 +110,13 @@ class TileConfig:
                                 f"{self.taps_per_program} (flat_k={self.flat_k}, box_w={self.box_w})")
 
     def check_for(self, pass_name: str) -> None:
-        """:meth:`check`, and what ``pass_name``'s kernel takes: the forward's gather kernel loads no boxes
-        (``fprop`` module docstring; its TMA kernel does, ``tma``), several taps per program are the
-        weight gradient's alone, and a TMA tile the forward's."""
+        """:meth:`check`, and what ``pass_name``'s kernel takes: the forward loads no boxes of the
+        plane (``fprop`` and ``tma_fprop`` module docstrings), several taps per program are the weight
+        gradient's alone, and a TMA tile the forward's."""
         self.check()
-        if pass_name == "fprop" and self.box_w and not self.tma:
-            raise ContractError(f"tile box_w={self.box_w}: the forward loads its A tiles by gather, not as boxes "
-                                "(fprop module docstring)")
+        if pass_name == "fprop" and self.box_w:
+            raise ContractError(f"tile box_w={self.box_w}: the forward loads its A tiles by gather or as rows, "
+                                "not as boxes of the plane (fprop and tma_fprop module docstrings)")
         if pass_name != "wgrad" and self.taps_per_program != 1:
             raise ContractError(f"tile taps_per_program={self.taps_per_program}: several taps per program is the "
                                 "weight gradient's")
@@ -201,12 +200,6 @@ _SHARED_BYTES = 200 * 1024
 #: An sm_90 SM's shared memory for its blocks (228 KiB, 1 KiB of it per block reserved), and its registers.
 _SM_SHARED_BYTES = 226 * 1024
 _SM_REGISTERS = 65536
-#: Whether the forward's timed choice offers the TMA forward's row tiles where they apply (``candidates``'
-#: ``tma``; explicit tiles are taken either way).  NOTE: off while the kernel's current code (its box tiles
-#: written into it) has only been compiled: its row tiles were tested and timed on the H200 before that
-#: (``docs/perf/h200/conv-kernels-pointwise``); ``CONVK_TMA=1 bash tools/gpu_session.sh convk`` runs the
-#: tests and the sweeps that decide this.
-TMA_TIMED = False
 #: Registers per thread the TMA forward holds (ptxas's choice, uncapped).  NOTE: capped at 168 the
 #: persistent loop spilled 428 bytes (its store, statistics included, lives inside the loop), at 128 over
 #: 1 KB (``python tools/compile_check.py conv_tma --cases resnet_1x1-bf16-hooked`` with the
@@ -412,20 +405,18 @@ def tma_programs_per_sm(tile: TileConfig, stages: int) -> int:
     return max(1, min(_SM_SHARED_BYTES // shared, by_registers))
 
 
-def tma_tiles(c_in: int, c_out: int, m: int, plane: tuple[int, int] | None = None) -> list[TileConfig]:
-    """The TMA forward's tiles for a conv of ``c_in`` -> ``c_out`` channels over ``m`` output positions
-    (16-bit operands), best first: 128 rows by up to 128 output channels (8 warps past 64: two
+def tma_tiles(c_in: int, c_out: int, m: int) -> list[TileConfig]:
+    """The TMA forward's tiles for a 1x1 conv of ``c_in`` -> ``c_out`` channels over ``m`` output
+    positions (16-bit operands), best first: 128 rows by up to 128 output channels (8 warps past 64: two
     warpgroups of 64 rows each, 64 accumulator registers per thread), then 64 output channels on 4 warps
     where the layer is wider.  K steps of 64 channels (fewer where ``c_in`` is narrower).  Stages: the
     most, up to 4, that keep as many programs per SM as the registers allow
-    (:func:`tma_programs_per_sm`).  ``plane``: the output plane ``(rows, columns)`` of a conv the row
-    tiles do not take (a kernel wider than 1x1, padding): box tiles of it (:func:`box_width`)."""
+    (:func:`tma_programs_per_sm`)."""
     block_k = min(64, max(16, next_pow2(c_in)))
     block_m = 128 if m > 64 else 64
-    box_w = box_width(*plane, block_m) if plane is not None else 0
     tiles = []
     for block_n in dict.fromkeys((min(128, max(16, next_pow2(c_out))), min(64, max(16, next_pow2(c_out))))):
-        tile = TileConfig(block_m, block_n, block_k, 8 if block_n > 64 else 4, 2, box_w=box_w, tma=True)
+        tile = TileConfig(block_m, block_n, block_k, 8 if block_n > 64 else 4, 2, tma=True)
         most = tma_programs_per_sm(tile, 1)
         stages = max([2, *(n for n in (2, 3, 4) if tma_programs_per_sm(tile, n) == most)])
         tiles.append(replace(tile, num_stages=stages))

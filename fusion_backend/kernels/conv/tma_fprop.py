@@ -1,21 +1,22 @@
 """The conv family's forward on sm_90 written in Gluon (the *TMA forward*): the same conv, hooks and
 store as :func:`fprop.conv_fprop_kernel`, with its operands loaded as TMA boxes and its layouts
-chosen; a :class:`tiles.TileConfig` with ``tma`` selects it.  Two tile kinds:
+chosen; a :class:`tiles.TileConfig` with ``tma`` selects it.  It takes 1x1 convs with stride 1, no
+padding and one group: the GEMM ``out[M, C_out] = a(x)[M, C_in] @ W[C_in, C_out]`` over the
+channels-last rows of ``x``; an M tile is ``BLOCK_M`` consecutive rows (*row tiles*), a K step one
+``[BLOCK_M, BLOCK_K]`` box of them.  The forward's timed tile choice weighs its tiles against the gather
+kernel's (``tiles.candidates``).
 
-* *row tiles* (``box_w`` 0): a 1x1 conv with stride 1, no padding and one group is the GEMM ``out[M,
-  C_out] = a(x)[M, C_in] @ W[C_in, C_out]`` over the channels-last rows of ``x``; an M tile is
-  ``BLOCK_M`` consecutive rows, a K step one ``[BLOCK_M, BLOCK_K]`` box of them; the forward's timed
-  tile choice weighs these against the gather kernel's (``tiles.candidates``, ``tiles.TMA_TIMED``);
-* *box tiles* (``box_w`` > 0): a 1-d or 2-d conv of any kernel size, padding and dilation at stride 1;
-  an M tile is a ``BLOCK_M / box_w x box_w`` box of one sample's output plane, a K step one
-  ``[1, BLOCK_M / box_w, box_w, BLOCK_K]`` box of the input plane shifted by the step's tap (taps
-  outer, channels inner), whose padding and far edges the copy reads as zeros.
-
-Status: row tiles with per-tile statistics were tested and timed on the H200 (NOTE below); the code
-since (box tiles, per-program statistics) is compiled for sm_90 with Triton 3.6 and 3.9
-(``tools/compile_check.py conv_tma``) and its GPU tests are
-written (``tests/kernels/test_conv_family_fprop.py -k "tma or box"``), not yet run on a GPU: the timed
-choice offers no TMA tile meanwhile (``tiles.TMA_TIMED``).
+NOTE: no box tiles (an M tile a box of the output plane, a K step the input box shifted by its tap,
+for kernels wider than 1x1): written, GPU-tested and timed, they lost to the gather kernel on every
+shape, plain and hooked (H200, bf16, GPU ms per call, plain / BatchNorm + ReLU on load + statistics:
+ResNet-50's 3x3 of 64 channels at 56 x 56, batch 64, 0.063 / 0.142 against the gather's 0.050 / 0.109;
+of 512 at 7 x 7 0.107 / 0.233 against 0.043 / 0.094, its 8 x 16 boxes mostly past the plane; the SD VAE
+decoder's 512-channel 3x3 at 256 x 256 0.49 against 0.42 plain, its best tile each; the sweep
+``CONVK_TMA=1 CONVK_TESTS=0 CONVK_BENCH=0 CONVK_SWEEP=0 bash tools/gpu_session.sh convk`` with box
+tiles in ``tiles.tma_tiles``).  A 3x3's prologue runs once per tap on every element, which is ALU work
+of the order of the MMA's at 64 output channels, whatever loads the boxes; applying it once per element
+needs the taps' A operands as row-shifted views of one normalized box in shared memory, which Triton's
+shared-memory slices refuse (a slice's offset must be a multiple of its length).
 
 WHY a kernel of its own: Triton's ``tl.dot`` form fixes the layouts, and two of them cost the hooked
 forward most of its time.  (1) A prologue on the A tile (``relu(x * scale + shift)``) takes the tile
@@ -31,8 +32,7 @@ per tile.  Gluon states its layouts:
 * with a prologue, each thread loads its part of the A tile straight into ``wgmma``'s register
   operand layout (``DotOperandLayout``), applies the prologue there (fp32, one rounding to the compute
   dtype, as :func:`prologue.load_a_tile`; the channel affine's vectors are loaded before the stage's
-  wait; a box tile's rows whose tap reads the padding are zeroed after it, as the conv pads the
-  activated tensor) and issues ``wgmma`` with A from registers; without one, ``wgmma`` reads A from
+  wait) and issues ``wgmma`` with A from registers; without one, ``wgmma`` reads A from
   shared memory; one ``wgmma`` group stays in flight while the next step's prologue runs;
 * the store converts the accumulator to a layout whose lanes run along the channels and whose
   threads each hold ``BLOCK_M / num_warps`` rows of their columns, and calls the family's own
@@ -44,28 +44,27 @@ per tile.  Gluon states its layouts:
   tiles, and the program reduces them across threads once, at its end (:func:`grid_programs`,
   :func:`lane_rows`; the reduction then forms the squared deviations in float64,
   ``stats.PartialsReduction``'s ``raw_squares``).  Per tile, the gather kernel's store sums each tile
-  across lanes and warps and writes a row of partials.  GroupNorm's per-sample statistics (box tiles
-  alone: boxes never cross samples) stay per tile, with the box tiles' own counts (fewer positions at
-  the plane's edges: ``tile_rows``).
+  across lanes and warps and writes a row of partials.
 
 NOTE: the statistics, not the prologue, were the hooked forward's cost on 1x1 convs (measured with
 the statistics summed per tile in the store's layout, before the per-program sums).  H200, bf16,
 batch 64 (GPU ms per call; ``conv_fprop`` plain, with BatchNorm + ReLU on load, with the output's
 statistics, with both), 64 -> 256 channels at 56 x 56: gather 0.049 / 0.058 / 0.133 / 0.145, row
-tiles 0.044 / 0.053 / 0.083 / 0.093; 128 -> 512 at 28 x 28: gather 0.032 / 0.036 / 0.079 / 0.086,
-row tiles 0.037 / 0.042 / 0.060 / 0.068.  Where ``C_in`` is 256 or more the K loop trails the gather
-kernel's (512 -> 128 at 28 x 28: 0.027 against 0.022 plain), where the timed choice took the gather.  The launch's host cost is about twice the gather's (0.099 against 0.050 ms per plain call,
-0.109 against 0.081 hooked): two tensor descriptors built and encoded per call.
+tiles with the statistics per tile 0.044 / 0.053 / 0.083 / 0.093, per program 0.044 / 0.054 / 0.064 /
+0.072 (the 128 x 64 tile); 512 -> 128 at 28 x 28: gather 0.022 / 0.024 / 0.041 / 0.044, row tiles per
+program 0.024 / 0.032 / 0.033 / 0.041 (``tools/sweep_conv_tiles.py --passes fprop --tma [--hooked]``
+times these tiles).  Where ``C_in`` is 256 or more the plain K loop trails the gather kernel's, where
+the timed choice takes the gather.
 
 Contract (:func:`supports` says whether a call qualifies): fp16 or bf16 (TMA boxes of 16-bit
 elements; fp32 keeps the gather kernel and its TF32 rounding), ``C_in`` a multiple of 8 (TMA strides
-are multiples of 16 bytes), one group, stride 1; the prologue a channel affine, a group affine or a
-gate, any input activation; every store hook (GroupNorm's per-sample statistics with box tiles only).
-An ``x`` or weight that is not the dense, 16-byte aligned tensor the boxes read (a slice, a view at an
-odd offset) is copied to one first.  K tails (``C_in`` not a multiple of ``BLOCK_K``): the boxes read
-zeros past ``C_in`` in ``x`` and the weight holds zeros there, and the prologue's vectors are masked
-to 0, so those lanes add ``act(0) * 0 = 0``.  Rows past the output (past ``M``, or a box's past the
-plane) are computed and never stored or counted.
+are multiples of 16 bytes), a 1x1 kernel, one group, stride 1, no padding; the prologue a channel
+affine, a group affine or a gate, any input activation; every store hook but GroupNorm's per-sample
+statistics (row tiles cross samples).  An ``x`` or weight that is not the dense, 16-byte aligned
+tensor the boxes read (a slice, a view at an odd offset) is copied to one first.  K tails (``C_in``
+not a multiple of ``BLOCK_K``): the boxes read zeros past ``C_in`` in ``x`` and in the weight, and the
+prologue's vectors are masked to 0, so those lanes add ``act(0) * 0 = 0``.  Rows past ``M`` are
+computed and never stored or counted.
 
 Gluon is Triton's experimental explicit-layout language (``triton.experimental.gluon``); the kernel
 compiles with Triton 3.6 and 3.9, whose TMA load and CTA barrier differ in name (``_tma_load``,
@@ -115,16 +114,14 @@ _DTYPES = (torch.float16, torch.bfloat16)
 if GLUON:
 
     @gluon.jit
-    def _a_operand(a_smem, scale, shift, inside, k0, n, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+    def _a_operand(a_smem, scale, shift, k0, n, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
                    a_layout: gl.constexpr, PROLOGUE: gl.constexpr, G_NORM: gl.constexpr,
-                   NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr, EVEN_K: gl.constexpr,
-                   MASK_ROWS: gl.constexpr):  # fmt: skip
+                   NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr, EVEN_K: gl.constexpr):  # fmt: skip
         """The A tile of the K step at channel ``k0`` in ``wgmma``'s register layout, through the
         prologue (``prologue.normalise``, then ``act_in``, in fp32; one rounding to the compute dtype).
         ``scale``, ``shift``: a channel affine's vectors for the step (:func:`_channel_vectors`, loaded
         before the step's wait); ``n``: the tile rows' samples (``[BLOCK_M]``, the group affine's and the
-        gate's index); ``inside`` (``MASK_ROWS``): the rows whose tap reads the input, not its zero
-        padding: the others are 0 after the hook (the conv pads the activated tensor)."""
+        gate's index)."""
         a = a_smem.load(a_layout)
         v = a.to(gl.float32)
         if PROLOGUE == 1:
@@ -136,8 +133,6 @@ if GLUON:
             v = normalise(v, n, c, c_ok[None, :], c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE, G_NORM,
                           NORM_AFFINE, MASK_PAD=False)  # fmt: skip
         v = activation(v, ACT_IN, slope_in)
-        if MASK_ROWS:
-            v = gl.where(inside[:, None], v, 0.0)
         return v.to(a.dtype)
 
     @gluon.jit
@@ -160,83 +155,50 @@ if GLUON:
         return zero, zero
 
     @gluon.jit
-    def _tile_rows(pid_m, M, SAMPLE_ROWS, OH, OW, SAMPLE_TILES, TILES_W, BLOCK_M: gl.constexpr,
-                   BOX_W: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-        """M tile ``pid_m``'s rows in ``layout``'s row slice: ``(m, m_ok, n, oh, ow)``, the output
-        positions (row-major ``(n, oh, ow)``), which are real, their samples and their output rows and
-        columns (a box tile's; a row tile's ``oh`` and ``ow`` are unused)."""
-        i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        if BOX_W == 0:
-            m = pid_m * BLOCK_M + i
-            m_ok = m < M
-            n = gl.minimum(m, M - 1) // SAMPLE_ROWS
-            oh = i
-            ow = i
-        else:
-            n = pid_m // SAMPLE_TILES + 0 * i
-            r = pid_m % SAMPLE_TILES
-            oh = (r // TILES_W) * (BLOCK_M // BOX_W) + i // BOX_W
-            ow = (r % TILES_W) * BOX_W + i % BOX_W
-            m = (n * OH + oh) * OW + ow
-            m_ok = (oh < OH) & (ow < OW)
-        return m, m_ok, n, oh, ow
+    def _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+        """M tile ``pid_m``'s rows in ``layout``'s row slice: ``(m, m_ok, n)``, the output positions
+        (row-major ``(n, *spatial)``), which are real, and their samples."""
+        m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        m_ok = m < M
+        return m, m_ok, gl.minimum(m, M - 1) // SAMPLE_ROWS
 
     @gluon.jit
-    def _load_step(a_desc, b_desc, a_ring, b_ring, ready, step, pid, programs, k_steps, n_tiles, CIN_STEPS,
-                   CIN_PAD, SAMPLE_TILES, TILES_W, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_K: gl.constexpr, BOX_W: gl.constexpr, KW: gl.constexpr, PH: gl.constexpr,
-                   PW: gl.constexpr, DH: gl.constexpr, DW: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        """Issue the TMA loads of this program's ``step``-th (tile, K step) pair into its ring stage: a
-        row tile's ``[BLOCK_M, BLOCK_K]`` rows of x, or a box tile's ``[1, BOX_H, BOX_W, BLOCK_K]`` box of
-        the input plane shifted by the step's tap (the padding and the plane's far edges read as zeros
-        by the copy), and the weight's ``[BLOCK_N, BLOCK_K]`` block of that tap and channels."""
+    def _load_step(a_desc, b_desc, a_ring, b_ring, ready, step, pid, programs, k_steps, n_tiles,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   STAGES: gl.constexpr):  # fmt: skip
+        """Issue the TMA loads of this program's ``step``-th (tile, K step) pair into its ring stage: the
+        tile's ``[BLOCK_M, BLOCK_K]`` rows of x at the step's channels and the weight's ``[BLOCK_N,
+        BLOCK_K]`` block of them."""
         tile = pid + (step // k_steps) * programs
-        ks = step % k_steps
-        pid_m = tile // n_tiles
-        tap = ks // CIN_STEPS
-        c0 = (ks % CIN_STEPS) * BLOCK_K
+        c0 = (step % k_steps) * BLOCK_K
         stage = step % STAGES
         mbarrier.expect(ready.index(stage), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        if BOX_W == 0:
-            _tma_load(a_desc, [pid_m * BLOCK_M, c0], ready.index(stage), a_ring.index(stage))
-        else:
-            BOX_H: gl.constexpr = BLOCK_M // BOX_W
-            r = pid_m % SAMPLE_TILES
-            ih = (r // TILES_W) * BOX_H + (tap // KW) * DH - PH
-            iw = (r % TILES_W) * BOX_W + (tap % KW) * DW - PW
-            _tma_load(a_desc, [pid_m // SAMPLE_TILES, ih, iw, c0], ready.index(stage), a_ring.index(stage))
-        _tma_load(b_desc, [(tile % n_tiles) * BLOCK_N, tap * CIN_PAD + c0], ready.index(stage), b_ring.index(stage))
+        _tma_load(a_desc, [(tile // n_tiles) * BLOCK_M, c0], ready.index(stage), a_ring.index(stage))
+        _tma_load(b_desc, [(tile % n_tiles) * BLOCK_N, c0], ready.index(stage), b_ring.index(stage))
 
     @gluon.jit
     def tma_fprop_kernel(
         a_desc, b_desc, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr,
-        p3_ptr, slope_in, slope_out, M, C_IN, C_OUT, M_TILES, SAMPLE_ROWS, H, W, OH, OW, SAMPLE_TILES, TILES_W,
-        CIN_PAD,
+        p3_ptr, slope_in, slope_out, M, C_IN, C_OUT, M_TILES, SAMPLE_ROWS,
         PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
         SAVE_CONV: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, CHAIN: gl.constexpr,
         ACT_OUT: gl.constexpr, RESIDUAL: gl.constexpr, STATS: gl.constexpr, BIG: gl.constexpr,
-        PROGRAM_STATS: gl.constexpr, EVEN_K: gl.constexpr, KH: gl.constexpr, KW: gl.constexpr, PH: gl.constexpr,
-        PW: gl.constexpr,
-        DH: gl.constexpr, DW: gl.constexpr, BOX_W: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        PROGRAM_STATS: gl.constexpr, EVEN_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The ``[BLOCK_M, BLOCK_N]`` tiles ``pid, pid + programs, ...`` of ``out[M, C_OUT]`` (module
         docstring), tile ``t`` being M tile ``t // N_TILES`` and N tile ``t % N_TILES`` (programs running
         together share their A rows in L2).  One walk over the program's (tile, K step) pairs keeps
         ``STAGES - 1`` loads in flight across tiles: the next tile's first boxes arrive during this
-        tile's store.  K steps: the taps (``KH x KW``, row-major) outer, ``BLOCK_K`` channels inner.
+        tile's store.  A K step: ``BLOCK_K`` channels.
 
-        a_desc  TMA descriptor of x: a row tile's (``BOX_W`` 0) over the row-major ``[M, C_IN]`` matrix,
-                box ``[BLOCK_M, BLOCK_K]``; a box tile's over the channels-last ``[N, H, W, C_IN]`` input,
-                box ``[1, BLOCK_M // BOX_W, BOX_W, BLOCK_K]``.
-        b_desc  TMA descriptor of the weight as the row-major ``[C_OUT, KH * KW * CIN_PAD]`` matrix (tap
-                outer; ``CIN_PAD`` the channels padded to ``BLOCK_K`` with zeros, ``fprop.
-                prearrange_weight``), box ``[BLOCK_N, BLOCK_K]`` (read transposed by ``wgmma``).
+        a_desc  TMA descriptor of x as the row-major ``[M, C_IN]`` matrix of its channels-last rows, box
+                ``[BLOCK_M, BLOCK_K]``.
+        b_desc  TMA descriptor of the 1x1 weight as the row-major ``[C_OUT, C_IN]`` matrix, box
+                ``[BLOCK_N, BLOCK_K]`` (read transposed by ``wgmma``).
         The other pointers and the hooks' constexprs are :func:`fprop.conv_fprop_kernel`'s (the
-        store's are :func:`epilogue.store_tile`'s).  Runtime: ``SAMPLE_ROWS`` output positions per
-        sample; box tiles: ``H x W`` the input plane, ``OH x OW`` the output's (stride 1), ``SAMPLE_TILES``
-        boxes per sample, ``TILES_W`` per row of boxes.  ``EVEN_K``: ``BLOCK_K`` divides ``C_IN``;
-        ``PH, PW``: padding, ``DH, DW``: dilation."""
+        store's are :func:`epilogue.store_tile`'s).  ``SAMPLE_ROWS``: output positions per sample (the
+        rows' samples, which a per-sample prologue reads).  ``EVEN_K``: ``BLOCK_K`` divides ``C_IN``."""
         # warps stacked along M (16 rows each per wgmma), the rest side by side along N
         WARPS_M: gl.constexpr = min(num_warps, BLOCK_M // 16)
         WARPS_N: gl.constexpr = num_warps // WARPS_M
@@ -252,7 +214,6 @@ if GLUON:
         ROWS_PT: gl.constexpr = max(1, BLOCK_M // (num_warps * (32 // LANES_N)))
         out_layout: gl.constexpr = gl.BlockedLayout([ROWS_PT, VEC], [32 // LANES_N, LANES_N], [num_warps, 1], [1, 0])
         HOOKED: gl.constexpr = PROLOGUE != 0 or ACT_IN != 0
-        MASK_ROWS: gl.constexpr = HOOKED and BOX_W > 0 and (PH > 0 or PW > 0)
         # PROGRAM_STATS: every tile of a program holds the same N tile (the grid is a multiple of N_TILES);
         # each thread sums its rows' deviations from the program's shift (its first tile's mean) and their
         # squares over all its tiles in registers, and the program reduces them across threads once, at
@@ -267,24 +228,18 @@ if GLUON:
         pid = gl.program_id(0)
         programs = gl.num_programs(0)
         n_tiles = gl.cdiv(C_OUT, BLOCK_N)
-        cin_steps = gl.cdiv(C_IN, BLOCK_K)
-        k_steps = KH * KW * cin_steps
+        k_steps = gl.cdiv(C_IN, BLOCK_K)
         steps = gl.cdiv(M_TILES * n_tiles - pid, programs) * k_steps
 
-        if BOX_W == 0:
-            a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-        else:
-            a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, 1, BLOCK_M // BOX_W, BOX_W, BLOCK_K],
-                                               a_desc.layout)  # fmt: skip
+        a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
         for i in gl.static_range(STAGES - 1):
             if i < steps:
-                _load_step(a_desc, b_desc, a_ring, b_ring, ready, i, pid, programs, k_steps, n_tiles, cin_steps,
-                           CIN_PAD, SAMPLE_TILES, TILES_W, BLOCK_M, BLOCK_N, BLOCK_K, BOX_W, KW, PH, PW, DH, DW,
-                           STAGES)  # fmt: skip
+                _load_step(a_desc, b_desc, a_ring, b_ring, ready, i, pid, programs, k_steps, n_tiles, BLOCK_M,
+                           BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
 
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         stat_shift = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, out_layout))
@@ -296,23 +251,15 @@ if GLUON:
             pid_m = tile // n_tiles
             s = step % STAGES
             b = b_ring.index(s).permute((1, 0))
-            if BOX_W == 0:
-                a_tile = a_ring.index(s)
-            else:
-                a_tile = a_ring.index(s).reshape([BLOCK_M, BLOCK_K])
+            a_tile = a_ring.index(s)
             if HOOKED:
                 # the vectors' loads go out before the wait, their latency under the box's
-                c0 = (ki % cin_steps) * BLOCK_K
+                c0 = ki * BLOCK_K
                 scale, shift = _channel_vectors(c0, p0_ptr, p1_ptr, C_IN, a_layout, PROLOGUE, EVEN_K, BLOCK_K)
-                rows_a = _tile_rows(pid_m, M, SAMPLE_ROWS, OH, OW, SAMPLE_TILES, TILES_W, BLOCK_M, BOX_W, a_layout)
-                n_a, oh_a, ow_a = rows_a[2], rows_a[3], rows_a[4]
-                tap = ki // cin_steps
-                ih = oh_a + (tap // KW) * DH - PH
-                iw = ow_a + (tap % KW) * DW - PW
-                inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                n_a = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, a_layout)[2]
                 mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-                a = _a_operand(a_tile, scale, shift, inside, c0, n_a, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                               a_layout, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, EVEN_K, MASK_ROWS)  # fmt: skip
+                a = _a_operand(a_tile, scale, shift, c0, n_a, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                               a_layout, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, EVEN_K)  # fmt: skip
                 acc = warpgroup_mma(a, b, acc, use_acc=ki > 0, is_async=True)
             else:
                 mbarrier.wait(ready.index(s), (step // STAGES) & 1)
@@ -323,14 +270,11 @@ if GLUON:
             _thread_barrier()
             if step + STAGES - 1 < steps:
                 _load_step(a_desc, b_desc, a_ring, b_ring, ready, step + STAGES - 1, pid, programs, k_steps, n_tiles,
-                           cin_steps, CIN_PAD, SAMPLE_TILES, TILES_W, BLOCK_M, BLOCK_N, BLOCK_K, BOX_W, KW, PH, PW,
-                           DH, DW, STAGES)  # fmt: skip
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
             if ki == k_steps - 1:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 out = gl.convert_layout(acc, out_layout)
-                rows_out = _tile_rows(pid_m, M, SAMPLE_ROWS, OH, OW, SAMPLE_TILES, TILES_W, BLOCK_M, BOX_W,
-                                      out_layout)  # fmt: skip
-                m, m_ok = rows_out[0], rows_out[1]
+                m, m_ok, _ = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, out_layout)
                 c = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
                 y = store_tile(out, m, m_ok, c, c < C_OUT, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr,
                                part_ptr, q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN,
@@ -369,19 +313,15 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
-             groups: int, stats_groups: int, box: bool) -> bool:  # fmt: skip
-    """Whether a forward call can run here with row tiles (``box`` False: a 1x1 conv without padding,
-    and not GroupNorm's per-sample statistics, which row tiles would cross) or with box tiles (a 1-d or
-    2-d conv of any kernel, padding and dilation, stride 1; ``stride`` and ``padding`` lifted to 3 dims,
-    a 3-d conv refused).  Both: fp16/bf16 on sm_90, one group, ``C_in`` a multiple of 8.  Any layout
-    qualifies: an ``x`` or weight that is not the dense, 16-byte aligned tensor the boxes read is copied
-    to one first (:func:`_dense`), which the timed tile choice weighs."""
-    if not (GLUON and not INTERPRETER and _is_sm90(x.device) and x.dtype in _DTYPES and weight.dtype == x.dtype
-            and groups == 1 and all(s == 1 for s in stride) and x.shape[1] % 8 == 0):  # fmt: skip
-        return False
-    if box:
-        return x.dim() <= 4
-    return stats_groups == 0 and math.prod(weight.shape[2:]) == 1 and all(p == 0 for p in padding)
+             groups: int, stats_groups: int) -> bool:  # fmt: skip
+    """Whether a forward call can run here: a 1x1 conv with stride 1, no padding and one group, fp16 or
+    bf16 on sm_90, ``C_in`` a multiple of 8, and not GroupNorm's per-sample statistics (``stats_groups``
+    0: the row tiles cross samples).  Any layout qualifies: an ``x`` or weight that is not the dense,
+    16-byte aligned tensor the boxes read is copied to one first (:func:`_dense`), which the timed tile
+    choice weighs."""
+    return (GLUON and not INTERPRETER and _is_sm90(x.device) and x.dtype in _DTYPES and weight.dtype == x.dtype
+            and groups == 1 and all(s == 1 for s in stride) and x.shape[1] % 8 == 0 and stats_groups == 0
+            and math.prod(weight.shape[2:]) == 1 and all(p == 0 for p in padding))  # fmt: skip
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -400,8 +340,7 @@ def _shared_layout(block: list[int], dtype: torch.dtype) -> Any:
 def ring_stages(tile: Any, geo: Any) -> int:
     """The ring's stages: the tile's, no more than the K steps (shared memory is programs per SM), but 2
     (the ring refills the stage whose MMA the wait before it retired)."""
-    steps = geo.kernel[1] * geo.kernel[2] * -(-geo.c_in // tile.block_k)
-    return max(2, min(tile.num_stages, steps))
+    return max(2, min(tile.num_stages, -(-geo.c_in // tile.block_k)))
 
 
 def grid_programs(tile: Any, geo: Any, m_tiles: int, device: torch.device, program_stats: bool) -> int:
@@ -421,74 +360,87 @@ def lane_rows(tile_rows: Sequence[int], lanes: int) -> list[int]:
     return [sum(tile_rows[j::lanes]) for j in range(lanes)]
 
 
-def box_tiles(out_h: int, out_w: int, box_h: int, box_w: int) -> list[int]:
-    """Each box tile's number of output positions, in tile order (row-major over the boxes covering an
-    ``out_h x out_w`` plane): fewer at the plane's bottom and right edges."""
-    rows = [min(box_h, out_h - i) for i in range(0, out_h, box_h)]
-    cols = [min(box_w, out_w - j) for j in range(0, out_w, box_w)]
-    return [r * c for r in rows for c in cols]
+class _Base:
+    """What a tensor descriptor reads of its tensor (the data pointer, the dtype), without holding the
+    tensor: the descriptors a launch keeps (:class:`TmaLaunch`) must not keep activations alive."""
+
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._ptr, self.dtype = t.data_ptr(), t.dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+#: Descriptors a :class:`TmaLaunch` keeps per operand (by data pointer) before it starts over.
+_KEPT_DESCRIPTORS = 16
 
 
 class TmaLaunch:
     """The launch of :func:`tma_fprop_kernel` for one forward plan (``fprop._Plan`` with a ``tma``
     tile) that :func:`supports` accepted, called as the gather kernel's launch is: ``(x, weight, scale,
-    bias, res, out, conv, part, q, p0, p1, p2, p3, slope_in, slope_out)``; ``weight``: a row tile's 1x1
-    weight, a box tile's ``[C_out, KH * KW * CIN_PAD]`` matrix as the plan arranged it (its
-    ``prearrange_weight``, or, ``weight_in_place``, a channels-last weight whose channels the tile does
-    not pad).
+    bias, res, out, conv, part, q, p0, p1, p2, p3, slope_in, slope_out)``, ``weight`` the 1x1 weight in
+    any layout.
 
-    ``geo``: the plan's ``_Geometry`` (lifted to 3 dims); ``m_tiles``: row tiles of ``block_m`` rows, or
-    ``N`` times ``sample_tiles``, the boxes of one sample's output plane (:func:`box_tiles`);
-    ``programs``: the persistent grid (:func:`grid_programs`, which the plan's statistics' reduction
-    reads too); ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG`` of the gather kernel's);
-    ``program_stats``: the statistics summed per program, not per tile (:func:`lane_rows`)."""
+    ``geo``: the plan's ``_Geometry``; ``m_tiles``: row tiles of ``block_m`` rows; ``programs``: the
+    persistent grid (:func:`grid_programs`, which the plan's statistics' reduction reads too);
+    ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG`` of the gather kernel's); ``program_stats``: the
+    statistics summed per program, not per tile (:func:`lane_rows`).
 
-    def __init__(self, tile: Any, geo: Any, m_tiles: int, sample_tiles: int, programs: int,
-                 constexprs: dict[str, Any], weight_in_place: bool, program_stats: bool,
-                 dtype: torch.dtype) -> None:  # fmt: skip
-        self.tile, self.geo, self.weight_in_place = tile, geo, weight_in_place
-        cin_steps = -(-geo.c_in // tile.block_k)
-        stages = ring_stages(tile, geo)
-        box_w = tile.box_w
-        sample_tiles = sample_tiles if box_w else 0
-        tiles_w = -(-geo.out_size[2] // box_w) if box_w else 0
-        constexprs = dict(constexprs, EVEN_K=geo.c_in % tile.block_k == 0, KH=geo.kernel[1], KW=geo.kernel[2],
-                          PH=geo.padding[1], PW=geo.padding[2], DH=geo.dilation[1], DW=geo.dilation[2], BOX_W=box_w,
-                          BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages,
+    The tensor descriptors are kept per operand by data pointer (the plan fixes every shape and stride
+    they hold): a call on memory seen before builds none.  NOTE: building and validating the two per
+    call was a third of the launch's host time (H200, ResNet-50's 64 -> 256 1x1 at 56 x 56, batch 64:
+    0.051 against the gather kernel's 0.030 ms per plan call; the operand matrices
+    6.5 us, two ``TensorDescriptor`` 4.6 us; a scratch timing of the plan's calls)."""
+
+    def __init__(self, tile: Any, geo: Any, m_tiles: int, programs: int, constexprs: dict[str, Any],
+                 program_stats: bool, dtype: torch.dtype) -> None:  # fmt: skip
+        self.tile, self.geo = tile, geo
+        constexprs = dict(constexprs, EVEN_K=geo.c_in % tile.block_k == 0, BLOCK_M=tile.block_m,
+                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=ring_stages(tile, geo),
                           PROGRAM_STATS=program_stats, num_warps=tile.num_warps)  # fmt: skip
-        fixed = (geo.m, geo.c_in, geo.c_out, m_tiles, math.prod(geo.out_size), geo.size[1], geo.size[2],
-                 geo.out_size[1], geo.out_size[2], sample_tiles, tiles_w, cin_steps * tile.block_k)  # fmt: skip
+        fixed = (geo.m, geo.c_in, geo.c_out, m_tiles, math.prod(geo.out_size))
         self.launch = FastLaunch(tma_fprop_kernel, (programs,), constexprs, fixed=fixed)
-        if box_w:
-            self.a_block = [1, tile.block_m // box_w, box_w, tile.block_k]
-        else:
-            self.a_block = [tile.block_m, tile.block_k]
-        self.b_block = [tile.block_n, tile.block_k]
+        self.a_block, self.b_block = [tile.block_m, tile.block_k], [tile.block_n, tile.block_k]
         self.a_layout, self.b_layout = _shared_layout(self.a_block, dtype), _shared_layout(self.b_block, dtype)
+        self._a_kept: dict[int, Any] = {}
+        self._b_kept: dict[int, Any] = {}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, *pointers: Any) -> None:
-        a = input_boxes_source(x, self.geo, box=self.tile.box_w > 0)
-        w = weight_matrix(weight, self.weight_in_place, box=self.tile.box_w > 0)
-        a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), self.a_block, self.a_layout)
-        b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), self.b_block, self.b_layout)
+        a_desc, a_copy = self._descriptor(self._a_kept, x, input_rows, self.a_block, self.a_layout)
+        b_desc, b_copy = self._descriptor(self._b_kept, weight, weight_matrix, self.b_block, self.b_layout)
         self.launch(a_desc, b_desc, *pointers)
+        del a_copy, b_copy  # the copies the descriptors point at lived until the launch was queued
+
+    @staticmethod
+    def _descriptor(kept: dict[int, Any], t: torch.Tensor, matrix: Any, block: list[int],
+                    layout: Any) -> tuple[Any, torch.Tensor | None]:  # fmt: skip
+        """``(descriptor, copy)``: the descriptor of ``matrix(t)`` (the operand's dense matrix) and the
+        copy of ``t`` it points at (None where the matrix is a view of ``t``).  A view's descriptor is
+        kept by ``t``'s data pointer: the plan fixes the matrix's shape and strides, so the pointer is
+        all that differs between calls."""
+        ptr = t.data_ptr()
+        desc = kept.get(ptr)
+        if desc is not None:
+            return desc, None
+        m = matrix(t)
+        desc = TensorDescriptor(_Base(m), list(m.shape), list(m.stride()), block, layout)
+        if m.data_ptr() != ptr:
+            return desc, m
+        if len(kept) >= _KEPT_DESCRIPTORS:
+            kept.clear()
+        kept[ptr] = desc
+        return desc, None
 
 
-def input_boxes_source(x: torch.Tensor, geo: Any, box: bool) -> torch.Tensor:
-    """The tensor x's descriptor spans: row tiles' ``[M, C_in]`` matrix of its channels-last rows, or box
-    tiles' ``[N, H, W, C_in]`` planes (a 1-d conv's ``H`` is 1); dense and 16-byte aligned (a copy where
-    ``x`` is not)."""
-    planes = _dense(x.movedim(1, -1))  # (N, *spatial, C): the channels-last dims in memory order
-    return planes.view(geo.n, geo.size[1], geo.size[2], geo.c_in) if box else planes.view(-1, geo.c_in)
+def input_rows(x: torch.Tensor) -> torch.Tensor:
+    """The ``[M, C_in]`` matrix of x's channels-last rows that its descriptor spans; dense and 16-byte
+    aligned (a copy where ``x`` is not)."""
+    return _dense(x.movedim(1, -1)).view(-1, x.shape[1])
 
 
-def weight_matrix(weight: torch.Tensor, in_place: bool, box: bool) -> torch.Tensor:
-    """The ``[C_out, KH * KW * CIN_PAD]`` matrix the weight's descriptor spans, taps outer and channels
-    inner: ``fprop.prearrange_weight``'s ``(1, COUT_PAD, K_ROW)`` (``in_place`` False), a channels-last
-    weight whose channels the tile does not pad (box tiles), or a 1x1 weight in any layout (row tiles);
-    dense and 16-byte aligned."""
-    if not in_place:
-        return _dense(weight[0])
-    if box:  # channels-last dense: (C_out, KH, KW, C_in) in memory
-        return _dense(weight.movedim(1, -1)).view(weight.shape[0], -1)
+def weight_matrix(weight: torch.Tensor) -> torch.Tensor:
+    """The ``[C_out, C_in]`` matrix of a 1x1 weight (any layout) that its descriptor spans; dense and
+    16-byte aligned (a copy where the weight is not)."""
     return _dense(weight.reshape(weight.shape[0], weight.shape[1]))
