@@ -58,8 +58,9 @@ _captured: contextvars.ContextVar[dict[str, Job] | None] = contextvars.ContextVa
 
 @dataclass(frozen=True)
 class Job:
-    """One compile, as Triton was about to run it (``ASTSource(kernel, signature, constexprs, attrs)``
-    compiled for ``target`` with ``options``), and the process state its cache key depends on.
+    """One compile, as Triton was about to run it (:func:`compile_source`'s source of the kernel,
+    signature, constexprs and attrs, compiled for ``target`` with ``options``), and the process state
+    its cache key depends on.
     Picklable: the kernel travels as its module and qualified name."""
 
     module: str
@@ -92,13 +93,25 @@ def _jit_function(module: str, qualname: str) -> Any:
     return value
 
 
+def compile_source(kernel: Any, job: Job) -> Any:
+    """The source ``triton.compile`` takes for ``job``, as Triton's launch builds it: Gluon's
+    (``GluonASTSource``, its own front end) for a Gluon kernel, ``ASTSource`` for the others.  WHY one
+    place: the worker's compile and this process's key must read the same source, or the worker files
+    the kernel under a key the launch never looks up (or fails to parse a Gluon kernel at all)."""
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    else:
+        from triton.compiler import ASTSource as source
+    return source(kernel, job.signature, job.constexprs, job.attrs)
+
+
 def key_parts(job: Job, kernel: Any = None) -> dict[str, str]:
     """The parts of the cache key ``triton.compile`` files ``job`` under, in this process (Triton's
     own ``get_cache_key``: Triton's build, the kernel's source with what it depends on, the target's
     compiler, the options, the environment)."""
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import make_backend
 
     try:
         from triton.runtime.cache import triton_key
@@ -106,7 +119,7 @@ def key_parts(job: Job, kernel: Any = None) -> dict[str, str]:
         from triton.compiler.compiler import triton_key
 
     kernel = kernel if kernel is not None else _jit_function(job.module, job.qualname)
-    src = ASTSource(kernel, job.signature, job.constexprs, job.attrs)
+    src = compile_source(kernel, job)
     backend = make_backend(GPUTarget(*job.target))
     options = backend.parse_options(dict(job.options, **src.parse_options()))
     return {"Triton": triton_key(), "kernel source": src.hash(), "compiler": backend.hash(), "options": options.hash(),
@@ -149,15 +162,13 @@ def compile_job(job: Job) -> dict[str, str] | str:
     from triton import knobs
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     if dict(get_cache_invalidating_env_vars()) != job.env_vars:
         return "the worker's Triton environment variables differ"
     kernel = _jit_function(job.module, job.qualname)
     with knobs.cache.scope(), _assembler(job.assembler):
         knobs.cache.dir = job.cache_dir
-        triton.compile(ASTSource(kernel, job.signature, job.constexprs, job.attrs), target=GPUTarget(*job.target),
-                       options=dict(job.options))  # fmt: skip
+        triton.compile(compile_source(kernel, job), target=GPUTarget(*job.target), options=dict(job.options))
         return key_parts(job, kernel)
 
 

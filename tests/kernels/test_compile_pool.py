@@ -50,21 +50,23 @@ def launcher():
         yield pool
 
 
-def _specialization(block: int) -> dict:
-    """What Triton's launch path hands ``jit_cache_hook`` for ``add_offset`` (``compile=...``)."""
+def _specialization(block: int, name: str = "add_offset") -> dict:
+    """What Triton's launch path hands ``jit_cache_hook`` for ``add_offset`` (``compile=...``; ``name``:
+    the kernel's, which has its signature)."""
     options = make_backend(TARGET).parse_options({})
     signature = {"x_ptr": "*fp32", "n": "i32", "offset": "fp32", "BLOCK": "constexpr"}
     constants, attrs = {(3,): block}, {(0,): [["tt.divisibility", 16]]}
-    data = json.dumps({"name": "add_offset", "signature": signature, "options": options.__dict__})
-    return {"key": ("add_offset", block), "signature": signature, "constants": constants, "configs": [attrs],
+    data = json.dumps({"name": name, "signature": signature, "options": options.__dict__})
+    return {"key": (name, block), "signature": signature, "constants": constants, "configs": [attrs],
             "specialization_data": data, "options": options}  # fmt: skip
 
 
 def _call_hook(kernel: JITFunction, block: int):
     """Call the installed ``jit_cache_hook`` as ``JITFunction._do_compile`` does."""
-    spec = _specialization(block)
+    spec = _specialization(block, kernel.fn.__name__)
     return knobs.runtime.jit_cache_hook(
-        key=spec["key"], repr="add_offset", fn=JitFunctionInfo(kernel.fn.__module__, kernel.fn.__qualname__, kernel),
+        key=spec["key"], repr=kernel.fn.__name__, fn=JitFunctionInfo(kernel.fn.__module__, kernel.fn.__qualname__,
+                                                                      kernel),  # fmt: skip
         compile={k: spec[k] for k in ("key", "signature", "constants", "configs", "specialization_data")},
         is_manual_warmup=True, already_compiled=False,
     )  # fmt: skip
@@ -285,6 +287,19 @@ def test_a_background_compile_returns_at_once_and_its_batch_checks_what_compiled
     assert launch.compile_in_background([lambda: None]) is None  # nothing to compile: nothing to wait for
     # a later process's launch misses its own kernel cache again; on disk, the kernel is not sent
     assert launch.compile_in_background([call]) is None and len(ran) == 2
+
+
+@pytest.mark.skipif(compile_pool_kernel.gluon_add_offset is None, reason="this Triton has no Gluon")
+def test_a_gluon_kernel_compiles_in_a_worker_under_the_key_its_launch_looks_up(cache_dir, worker, launcher):
+    """A Gluon kernel (the TMA forward is one) compiles from Gluon's own source in the worker (Triton's
+    ``ASTSource`` cannot parse it) and is filed under the key its launch here looks up."""
+    with compile_pool.capturing() as jobs:
+        assert _call_hook(compile_pool_kernel.gluon_add_offset, 64) is True
+    (job,) = jobs.values()
+    assert job.name == "compile_pool_kernel.gluon_add_offset"
+    assert worker.submit(compile_pool.compile_job, job).result() == compile_pool.key_parts(job)
+    assert compile_pool.compiled_on_disk(job)
+    assert launcher.submit(compile_pool_kernel.compile_as_the_launch_would, job).result()
 
 
 def test_a_job_is_on_disk_once_compiled_under_the_key_this_processs_launch_looks_up(cache_dir, worker, launcher):
