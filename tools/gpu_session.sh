@@ -24,8 +24,8 @@
 #            then the weight gradient's tile sweep with boxes and several taps per program (CONVK_SWEEP=0 skips it), and with
 #            CONVK_HOOKED_SWEEP=1 the tile sweep of the three passes with their hooks; CONVK_STATS=1 also times the
 #            forward with the statistics alone against cuDNN + the statistics pass (conv_batch_norm's family candidate);
-#            CONVK_TMA=1: the Gluon TMA forward's GPU tests (rows and boxes) and the forward's tile sweep with each
-#            tile also as the TMA forward's, plain and hooked, on ResNet-50's and the SD VAE decoder's largest convs
+#            CONVK_TMA=1: the Gluon TMA forward's GPU tests and the forward's tile sweep with each 1x1 tile also
+#            as the TMA forward's, plain and hooked, on ResNet-50's largest 1x1 convs
 #   hostrow  the host-bound row (ResNet-50 bf16 inference): tools/bench_step_accounting.py on fresh caches, then
 #            twice on the caches the first left (the run where Inductor's graph comes from its cache): once with
 #            one repetition per backend in turn, once with --consecutive 10 (HOSTROW_SUITE names another file)
@@ -127,12 +127,12 @@ if has convk; then
       --shard 1/2 --rounds 3 --out "$out/convk_stats" >"$out/convk_stats.log" 2>&1
     sed -n '/## Summary/,/## Rows/p' "$out/convk_stats/bench.md" | head -8
   fi
-  if [[ ${CONVK_TMA:-0} == 1 ]]; then  # the TMA forward: its tests, then its tiles (rows, boxes) against the gather's
+  if [[ ${CONVK_TMA:-0} == 1 ]]; then  # the TMA forward: its tests, then its tiles against the gather's
     timeout -k 10 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_conv_family_fprop.py \
-      tests/kernels/test_conv_stats_reduction.py -k "tma or box or stat" >"$out/convk_tma_tests.log" 2>&1 || rc=1
+      tests/kernels/test_conv_stats_reduction.py -k "tma or stat" >"$out/convk_tma_tests.log" 2>&1 || rc=1
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/convk_tma_tests.log" | tail -12
     for hooked in "" "--hooked"; do
-      timeout -k 10 150 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py demos/realnets/sd_vae_decoder.py \
+      timeout -k 10 150 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --filter "*k1x1*" \
         --passes fprop --tma $hooked --max-shapes 6 --out "$out/convk_tma_sweep${hooked:+_hooked}.json" 2>&1 \
         | grep -v -i warn | tail -24
     done

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_conv import CASE_BUILDERS, DEFAULT_MODELS, _Inputs  # noqa: E402
+from bench_conv import CASE_BUILDERS, DEFAULT_MODELS, _Inputs, select  # noqa: E402
 from conv_shapes import collect  # noqa: E402
 
 #: ``(block_m, block_n, block_k, num_warps, num_stages)`` tried per pass.
@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", default="fprop,dgrad,wgrad")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--max-shapes", type=int, default=8)
+    parser.add_argument("--filter", default=None,
+                        help="comma-separated patterns on shape labels and model names (bench_conv.py's)")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="stop starting rows after this long")
     parser.add_argument("--set-size", type=int, default=3)
     parser.add_argument("--out", help="write the rows as JSON here")
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         print("sweep_conv_tiles: needs CUDA")
         return 2
     began, dtype = time.time(), DTYPES[args.dtype]
-    shapes = sorted(collect(args.models, "cuda").shapes, key=lambda s: -s.macs)[: args.max_shapes]
+    shapes = sorted(select(collect(args.models, "cuda"), args.filter, None, None), key=lambda s: -s.macs)
+    shapes = shapes[: args.max_shapes]
     rows = []
     for shape, pass_name in itertools.product(shapes, args.passes.split(",")):
         if time.time() - began > args.budget_s:

@@ -97,8 +97,8 @@ def test_group_statistics_match_float64(n: int, rows_per_sample: int, c: int, gr
 
 
 def _irregular_tiles(rows: int, block_m: int, seed: str) -> list[int]:
-    """Tile sizes summing to ``rows``, each 1..``block_m``, in no regular pattern (boxes of an output
-    plane: the ones at its edges hold fewer rows, anywhere in the order)."""
+    """Tile sizes summing to ``rows``, each 1..``block_m``, in no regular pattern (parts of unequal
+    counts anywhere in the order)."""
     g = torch.Generator().manual_seed(stable_seed(seed))
     sizes, left = [], rows
     while left:
@@ -114,7 +114,7 @@ def _partials_of(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows,c", [(300, 5), (16 * 400 + 7, 21)], ids=["one-launch", "two-launches"])
 def test_channel_statistics_of_tiles_with_given_rows_match_float64(rows: int, c: int, kernel_device: str) -> None:
-    """``tile_rows``: tiles of any sizes (the TMA forward's boxes), per channel, in one launch and in the
+    """``tile_rows``: tiles of any sizes (the TMA forward's program lanes), per channel, in one launch and in the
     split over more than 256 tiles (whose spans then hold given rows too)."""
     values = _values(rows, c, f"given {rows} {c}")
     sizes = _irregular_tiles(rows, 16, f"given sizes {rows}")
@@ -128,10 +128,11 @@ def test_channel_statistics_of_tiles_with_given_rows_match_float64(rows: int, c:
 
 
 def test_group_statistics_of_tiles_with_given_rows_match_float64(kernel_device: str) -> None:
-    """``tile_rows`` with per-sample tiles (GroupNorm's statistics over boxes of each sample's plane)."""
+    """``tile_rows`` with per-sample tiles (GroupNorm's statistics over tiles of unequal counts in each
+    sample)."""
     n, per, c, groups = 3, 45, 8, 2
     values = _values(n * per, c, "given groups")
-    sizes = _irregular_tiles(per, 16, "given group sizes")  # every sample cut the same way, as boxes are
+    sizes = _irregular_tiles(per, 16, "given group sizes")  # every sample cut the same way
     partials = torch.cat([_partials_of(s, sizes) for s in values.view(n, per, c)], 1).contiguous().to(kernel_device)
     stats = PartialsReduction(partials.shape[1], c, 16, per, torch.device(kernel_device), groups=groups, samples=n,
                               tile_rows=sizes * n)(partials)  # fmt: skip

@@ -100,8 +100,8 @@ def combine_partials_kernel(part_ptr, sum_ptr, m2_ptr, rows_ptr, M_TILES, C, TIL
     ``SPLIT_OUT``): per tile and channel a shift ``k``, the sum of the values less ``k``, their sum of
     squared deviations from their mean.  Tile ``t`` (of ``M_TILES``, or of a sample's run of
     ``TILES``) holds ``min(BLOCK_M, ROWS - t * BLOCK_M)`` values per channel, or with ``ROWS_GIVEN``
-    ``rows_ptr[t]`` (float64 ``(M_TILES,)``; tiles that are boxes of the output plane: some hold fewer
-    rows at the plane's edges).  ``RAW_SQUARES``: row 2 holds the sum of the squared values less ``k``
+    ``rows_ptr[t]`` (float64 ``(M_TILES,)``; a "tile" that is a program's sum over several tiles, as
+    the TMA forward's: the programs hold unequal counts).  ``RAW_SQUARES``: row 2 holds the sum of the squared values less ``k``
     instead, turned into their squared deviations here, in float64 (``Σe^2 - (Σe)^2 / n``: partials of a
     program's many tiles, whose shift is near but not at their mean).
 
@@ -225,8 +225,8 @@ class PartialsReduction:
     two (spans of that many tiles per program, then the spans); or, with ``groups`` > 0, per sample and
     group over ``samples`` samples of ``count`` positions each, ``m_tiles / samples`` tiles per sample
     (the launch's tiles do not cross samples), one launch.  ``tile_rows``: each tile's number of output
-    positions where they are not ``block_m`` but the last (a forward whose tiles are boxes of the output
-    plane, or whose programs sum several tiles, ``tma_fprop``); ``raw_squares``: the partials' row 2 holds
+    positions where they are not ``block_m`` but the last (a forward whose programs sum several tiles,
+    ``tma_fprop``); ``raw_squares``: the partials' row 2 holds
     sums of squares about the shift (:func:`combine_partials_kernel`)."""
 
     def __init__(self, m_tiles: int, c_out: int, block_m: int, count: int, device: torch.device,

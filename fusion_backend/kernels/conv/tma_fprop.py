@@ -13,10 +13,11 @@ ResNet-50's 3x3 of 64 channels at 56 x 56, batch 64, 0.063 / 0.142 against the g
 of 512 at 7 x 7 0.107 / 0.217 against 0.043 / 0.094, its 8 x 16 boxes mostly past the plane; the SD VAE
 decoder's 512-channel 3x3 at 256 x 256 0.49 against 0.42 plain, its best tile each; the sweep
 ``CONVK_TMA=1 CONVK_TESTS=0 CONVK_BENCH=0 CONVK_SWEEP=0 bash tools/gpu_session.sh convk`` at commit
-f8cb842, whose ``tiles.tma_tiles`` offered box tiles; docs/perf/RESULTS.md).  A 3x3's prologue runs once per tap on every element, which is ALU work
-of the order of the MMA's at 64 output channels, whatever loads the boxes; applying it once per element
-needs the taps' A operands as row-shifted views of one normalized box in shared memory, which Triton's
-shared-memory slices refuse (a slice's offset must be a multiple of its length).
+f8cb842, whose ``tiles.tma_tiles`` offered box tiles; docs/perf/RESULTS.md).  A 3x3's prologue runs once
+per tap on every element, ALU work of the order of the MMA's at 64 output channels, whatever loads the
+boxes; applying it once per element needs the taps' A operands as row-shifted views of one normalized
+box in shared memory, which Triton's shared-memory slices refuse (a slice's offset must be a multiple of
+its length).
 
 WHY a kernel of its own: Triton's ``tl.dot`` form fixes the layouts, and two of them cost the hooked
 forward most of its time.  (1) A prologue on the A tile (``relu(x * scale + shift)``) takes the tile
