@@ -32,8 +32,10 @@ import torch
 import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, make_backend
+from triton.compiler import make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from fusion_backend.kernels.compile_pool import compile_source
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
@@ -204,10 +206,7 @@ def compile_specialisation(
     ``keep``: file extension (``ptx``, ``ttgir``, ``cubin``, ``sass``) -> folder receiving
     ``<label>.<extension>`` of this compile.  Raises what ``triton.compile`` raises."""
     start = time.time()
-    source = ASTSource
-    if getattr(spec.kernel, "is_gluon", lambda: False)():  # a Gluon kernel (its own module attributes)
-        from triton.experimental.gluon._runtime import GluonASTSource as source
-    compiled = triton.compile(source(spec.kernel, spec.signature, spec.constexprs, spec.attrs),
+    compiled = triton.compile(compile_source(spec.kernel, spec.signature, spec.constexprs, spec.attrs),
                               target=TARGET, options=spec.options.__dict__)  # fmt: skip
     ptx, cubin = compiled.asm["ptx"], compiled.asm["cubin"]
     regs, spills, error = ptxas_report(ptx)

@@ -93,16 +93,17 @@ def _jit_function(module: str, qualname: str) -> Any:
     return value
 
 
-def compile_source(kernel: Any, job: Job) -> Any:
-    """The source ``triton.compile`` takes for ``job``, as Triton's launch builds it: Gluon's
-    (``GluonASTSource``, its own front end) for a Gluon kernel, ``ASTSource`` for the others.  WHY one
-    place: the worker's compile and this process's key must read the same source, or the worker files
-    the kernel under a key the launch never looks up (or fails to parse a Gluon kernel at all)."""
+def compile_source(kernel: Any, signature: dict[str, Any], constexprs: dict[Any, Any], attrs: dict[Any, Any]) -> Any:
+    """The source ``triton.compile`` takes for a specialisation of ``kernel``, as Triton's launch builds
+    it: Gluon's (``GluonASTSource``, its own front end) for a Gluon kernel, ``ASTSource`` for the
+    others.  WHY one place: the worker's compile and this process's key must read the same source, or
+    the worker files the kernel under a key the launch never looks up (or fails to parse a Gluon kernel
+    at all); ``tools/kernel_compile.py`` compiles through it too."""
     if getattr(kernel, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as source
     else:
         from triton.compiler import ASTSource as source
-    return source(kernel, job.signature, job.constexprs, job.attrs)
+    return source(kernel, signature, constexprs, attrs)
 
 
 def key_parts(job: Job, kernel: Any = None) -> dict[str, str]:
@@ -119,7 +120,7 @@ def key_parts(job: Job, kernel: Any = None) -> dict[str, str]:
         from triton.compiler.compiler import triton_key
 
     kernel = kernel if kernel is not None else _jit_function(job.module, job.qualname)
-    src = compile_source(kernel, job)
+    src = compile_source(kernel, job.signature, job.constexprs, job.attrs)
     backend = make_backend(GPUTarget(*job.target))
     options = backend.parse_options(dict(job.options, **src.parse_options()))
     return {"Triton": triton_key(), "kernel source": src.hash(), "compiler": backend.hash(), "options": options.hash(),
@@ -168,7 +169,8 @@ def compile_job(job: Job) -> dict[str, str] | str:
     kernel = _jit_function(job.module, job.qualname)
     with knobs.cache.scope(), _assembler(job.assembler):
         knobs.cache.dir = job.cache_dir
-        triton.compile(compile_source(kernel, job), target=GPUTarget(*job.target), options=dict(job.options))
+        triton.compile(compile_source(kernel, job.signature, job.constexprs, job.attrs),
+                       target=GPUTarget(*job.target), options=dict(job.options))  # fmt: skip
         return key_parts(job, kernel)
 
 
