@@ -7,10 +7,12 @@ The families are imported, and so registered, in the order they take a conv with
 tier (``match.engine.Precedence``): ``conv_global_mean`` first, whose algebraic route never writes the
 conv output; then the norm families and the reduction over the channels, which claim different ops
 (their regions never share a conv, so their order only fixes the order of the regions and which near
-miss of a conv is reported); ``conv_epilogue``, the plain chain, is a tier of its own below them all.
+miss of a conv is reported); ``conv_epilogue``, the plain chain, is a tier of its own below them all,
+and ``batch_norm_conv``, which takes the norm and activation a conv reads, one above them all.
 """
 
 # isort: off
+from . import batch_norm_conv  # noqa: F401
 from . import conv_global_mean  # noqa: F401
 from . import conv_group_norm  # noqa: F401
 from . import conv_layer_norm  # noqa: F401

@@ -177,12 +177,15 @@ def _batch_norm_stats_kernel(
 
 
 @triton.jit
-def _batch_norm_combine_kernel(ws_ptr, counts_ptr, st_ptr, C, K, VALUES, eps, BLOCK_K: tl.constexpr):
+def _batch_norm_combine_kernel(ws_ptr, counts_ptr, st_ptr, a_ptr, C, K, VALUES, eps, FOLD: tl.constexpr,
+                               BLOCK_K: tl.constexpr):  # fmt: skip
     """Per channel (program ``c``): Chan's merge of the ``K`` chunks' means and sums of squared
     deviations (``ws_ptr``, the statistics kernel's (2, C, K); ``counts_ptr`` fp32 (K,) values per
     chunk; ``VALUES`` their total, > 1) into ``st_ptr``, fp32 (3, C) contiguous: row 0 the mean, row 1
-    ``1 / sqrt(var + eps)`` (``var`` biased), row 2 the unbiased variance.  One program reduces a
-    fixed shape in a fixed order: bitwise reproducible."""
+    ``1 / sqrt(var + eps)`` (``var`` biased), row 2 the unbiased variance; with ``FOLD``, (5, C): rows 3
+    and 4 the norm folded with its affine (``a_ptr``: gamma and beta, fp32 (2, C) contiguous) into
+    ``scale = gamma * rstd`` and ``shift = beta - mean * scale``, what a conv's prologue applies.  One
+    program reduces a fixed shape in a fixed order: bitwise reproducible."""
     c = tl.program_id(0)
     k = tl.arange(0, BLOCK_K)
     kmask = k < K
@@ -192,9 +195,14 @@ def _batch_norm_combine_kernel(ws_ptr, counts_ptr, st_ptr, C, K, VALUES, eps, BL
     mean = tl.sum(means * counts, axis=0) / VALUES
     d = means - mean
     var = (tl.sum(m2s, axis=0) + tl.sum(counts * d * d, axis=0)) / VALUES
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
     tl.store(st_ptr + c, mean)
-    tl.store(st_ptr + C + c, tl.div_rn(1.0, tl.sqrt_rn(var + eps)))
+    tl.store(st_ptr + C + c, rstd)
     tl.store(st_ptr + 2 * C + c, var * (VALUES / (VALUES - 1.0)))
+    if FOLD:
+        scale = tl.load(a_ptr + c) * rstd
+        tl.store(st_ptr + 3 * C + c, scale)
+        tl.store(st_ptr + 4 * C + c, tl.load(a_ptr + C + c) - mean * scale)
 
 
 @triton.jit
@@ -387,27 +395,36 @@ def plan_for(y: torch.Tensor) -> tuple[Plan, torch.Tensor]:
 
 
 def batch_norm_stats(y: torch.Tensor, bias: torch.Tensor | None, eps: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                     out: torch.Tensor | None = None, fold: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Per-channel batch statistics of ``v = y + bias``: fp32 ``(3, C)`` contiguous (``out`` where
     given), row 0 the mean, row 1 ``rstd = 1 / sqrt(var + eps)`` (``var`` biased), row 2 the unbiased
     variance (what a running variance is updated with).  Rows 0-1 are what ``batch_norm_apply`` and
-    the backward take.  Two launches: the statistics kernel and the combine kernel.
+    the backward take.  With ``fold`` the result is ``(5, C)``: rows 3-4 the norm folded with its affine,
+    ``scale = gamma * rstd`` and ``shift = beta - mean * scale`` (``kernels.conv.hooks.ChannelAffine``:
+    what the conv that reads the norm's output applies as it loads it).  Two launches: the statistics
+    kernel and the combine kernel.
 
     Args:
       y: conv output without bias, (N, C, *spatial) with 1-3 spatial dims that flatten (contiguous or
         channels-last), fp32/fp16/bf16, more than one value per channel.
       bias: None or the conv bias, C values, contiguous.
+      fold: None or the norm's gamma and beta, fp32 (2, C) contiguous (ones and zeros for a norm
+        without affine: ``ops.chain_lowering.affine_rows``).
     """
     plan, counts = plan_for(y)
     _check_bias(bias, plan.channels)
     if plan.values < 2:
         raise ValueError(f"batch statistics need more than one value per channel, got y {tuple(y.shape)}")
+    rows = 3 if fold is None else 5
+    if fold is not None:
+        require_rows("the folded affine", fold, plan.channels, 2)
     if out is None:
-        out = torch.empty((3, plan.channels), dtype=torch.float32, device=y.device)
-    elif out.shape != (3, plan.channels) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous fp32 (3, {plan.channels}), got {tuple(out.shape)} {out.dtype}")
-    launch = _STATS_LAUNCHES.plan((y, bias is None), lambda: _StatsLaunch(y, bias is not None, plan))
-    launch(y, y if bias is None else bias, counts, out, float(eps))
+        out = torch.empty((rows, plan.channels), dtype=torch.float32, device=y.device)
+    elif out.shape != (rows, plan.channels) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous fp32 ({rows}, {plan.channels}), got {tuple(out.shape)} {out.dtype}")
+    launch = _STATS_LAUNCHES.plan((y, bias is None, rows),
+                                  lambda: _StatsLaunch(y, bias is not None, fold is not None, plan))
+    launch(y, y if bias is None else bias, counts, out, out if fold is None else fold, float(eps))
     return out
 
 
@@ -415,21 +432,21 @@ class _StatsLaunch:
     """``batch_norm_stats``' two launches for one signature of y, worked out once (``FastLaunch``):
     the host time of a small step is what it waits on."""
 
-    def __init__(self, y: torch.Tensor, has_bias: bool, plan: Plan) -> None:
+    def __init__(self, y: torch.Tensor, has_bias: bool, fold: bool, plan: Plan) -> None:
         self.plan = plan
         self.stats = FastLaunch(_batch_norm_stats_kernel, plan.grid, dict(
             HAS_BIAS=has_bias, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r, num_warps=plan.num_warps,
         ), fixed=(plan.channels, plan.positions, plan.values, plan.chunk, plan.chunks, *flat_strides("y", y)))  # fmt: skip
         self.combine = FastLaunch(_batch_norm_combine_kernel, (plan.channels,), dict(
-            BLOCK_K=next_pow2(plan.chunks), num_warps=4 if plan.chunks <= 512 else 8,
+            FOLD=fold, BLOCK_K=next_pow2(plan.chunks), num_warps=4 if plan.chunks <= 512 else 8,
         ))  # fmt: skip
 
     def __call__(self, y: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
-                 eps: float) -> None:  # fmt: skip
+                 fold: torch.Tensor, eps: float) -> None:  # fmt: skip
         plan = self.plan
         ws = torch.empty((2, plan.channels, plan.chunks), dtype=torch.float32, device=y.device)
         self.stats(y, bias, ws)
-        self.combine(ws, counts, out, plan.channels, plan.chunks, float(plan.values), eps)
+        self.combine(ws, counts, out, fold, plan.channels, plan.chunks, float(plan.values), eps)
 
 
 _STATS_LAUNCHES = PlanCache()
@@ -532,6 +549,47 @@ def batch_norm_backward(
 
 
 _BACKWARD_LAUNCHES = PlanCache()
+
+
+def batch_norm_input_grad(grad_z: torch.Tensor, y: torch.Tensor, affine: torch.Tensor, stats: torch.Tensor,
+                          means: torch.Tensor, grad_y: torch.Tensor) -> None:  # fmt: skip
+    """Write ``grad_y = gamma * rstd * (grad_z - mean(grad_z) - x_hat * mean(grad_z * x_hat))``, the
+    input gradient of a batch norm (batch statistics, no bias, no chain after it) whose output's
+    gradient ``grad_z`` and its two means someone else computed (``kernels.conv.conv_dgrad``'s
+    epilogue, which produces them as the conv reading the norm's output stores its input gradient).
+    One launch of the backward's second kernel.
+
+    Args:
+      grad_z: the gradient at the norm's (affine) output, y's shape, spatial dims flattening.
+      y: the norm's input, (N, C, *spatial), spatial dims flattening, fp32/fp16/bf16.
+      affine: fp32 (2, C) contiguous: gamma, beta (ones / zeros without an affine norm).
+      stats: fp32 (2+, C) contiguous, rows 0-1 the mean and rstd (``batch_norm_stats``).
+      means: fp32 (2, C) contiguous: ``mean(grad_z)`` and ``mean(grad_z * x_hat)`` over each channel's
+        ``N * prod(spatial)`` values.
+      grad_y: preallocated, y's shape, spatial dims flattening, any float dtype.
+    """
+    plan, _ = plan_for(y)
+    for name, t, rows in (("the affine rows", affine, 2), ("stats", stats, None), ("the means", means, 2)):
+        require_rows(name, t, plan.channels, rows)
+    for name, t in (("grad_z", grad_z), ("grad_y", grad_y)):
+        if t.shape != y.shape:
+            raise ValueError(f"{name} must have y's shape {tuple(y.shape)}, got {tuple(t.shape)}")
+    if y.numel() == 0:
+        return
+
+    def build() -> FastLaunch:
+        pool_ints, pool_consts = pool_arguments(grad_z, y, None, None)
+        return FastLaunch(_batch_norm_bwd_dx_kernel, plan.grid, dict(
+            POST=op_codes(()), HAS_BIAS=False, **pool_consts, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r,
+            num_warps=plan.num_warps), fixed=(plan.channels, plan.positions, plan.values, plan.chunk,
+                                              *flat_strides("grad_z", grad_z), *flat_strides("y", y),
+                                              *flat_strides("grad_y", grad_y), *pool_ints))  # fmt: skip
+
+    launch = _INPUT_GRAD_LAUNCHES.plan((grad_z, y, grad_y), build)
+    launch(grad_z, y, y, affine, affine, stats, means, grad_y, y)
+
+
+_INPUT_GRAD_LAUNCHES = PlanCache()
 
 
 class _BackwardLaunch:

@@ -129,6 +129,11 @@ class Precedence(IntEnum):
     """A family that claims an op after the conv (a norm, a reduction, a global mean): it takes the
     conv before the plain chain could, which would leave that op, and the conv output it reads, to
     Inductor."""
+    TAKES_ITS_INPUT = 2
+    """A family that takes the ops computing the conv's input (a training norm and its activation, which
+    the conv applies as it loads it): that norm is also where the previous conv's norm family would end,
+    and only this family's region removes the norm's output from memory in both directions; the other
+    stays an alternate the decision weighs where this one loses (``Regions.alternates``)."""
 
 
 class Pattern:

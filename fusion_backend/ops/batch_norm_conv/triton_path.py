@@ -1,0 +1,184 @@
+"""The Triton path of ``fusion::batch_norm_conv`` (the frame every family's: ``ops/declare.py``).
+
+Each pass has two implementations, timed against each other once per call signature on CUDA
+(``impl_choice``; ``FUSION_CONV_IMPL=family`` or ``library`` forces one for every pass):
+
+============  ==========================================  =============================================
+pass          family (the conv kernel family's hooks)       library (cuDNN and the norm's Triton passes)
+============  ==========================================  =============================================
+forward       the batch statistics (``batch_norm_stats``, the norm folded into a per-channel scale and shift in the same launch),
+              then ``conv_fprop`` normalising and             then ``batch_norm_apply`` writes the
+              activating x as it loads it: the normalised     activation, which aten's conv reads
+              activation never exists in memory
+input grad    ``conv_dgrad`` multiplies by the activation's   aten's input gradient, then the norm's two
+              derivative (recomputed from x) and sums the     backward kernels (``batch_norm_backward``:
+              norm's backward sums as it stores; then one      the sums, then x's gradient)
+              pass writes x's gradient
+              (``batch_norm_input_grad``)
+weight grad   ``conv_wgrad`` recomputes the normalised        ``batch_norm_apply`` recomputes the
+              activation as it loads x                        activation, aten's weight gradient reads it
+============  ==========================================  =============================================
+
+Nothing full-size is saved: the backward recomputes from x (which the graph keeps) and the saved
+per-channel statistics (``config.outputs``).  Every dot follows eager's precision (``conv_precision``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ... import environment, impl_choice
+from ...kernels.plan_cache import tensor_key
+from .. import conv_precision
+from ..chain_lowering import affine_rows, family_activation, norm_chains
+from ..conv_io import in_format, run_conv
+from ..library_conv import nominal_format
+from .config import OP, BatchNormConvConfig, outputs
+
+#: The implementations of each pass, the default (what runs where nothing is measured) first.
+IMPLS = ("library", "family")
+
+
+def _geometry(cfg: BatchNormConvConfig) -> dict[str, Any]:
+    spec = cfg.conv
+    return {"stride": spec.stride, "padding": spec.padding, "dilation": spec.dilation, "groups": spec.groups}
+
+
+def _activation(cfg: BatchNormConvConfig) -> Any:
+    from ...kernels.conv import Activation
+
+    return Activation(*family_activation(cfg.act[0])) if cfg.act else None
+
+
+def _prologue(stats: Tensor) -> Any:
+    from ...kernels.conv import ChannelAffine
+
+    return ChannelAffine(stats[3], stats[4])
+
+
+def _choose(direction: str, x: Tensor, weight: Tensor, bias: Tensor | None, cfg: BatchNormConvConfig,
+            candidates: dict[str, Callable[[], object]]) -> str:  # fmt: skip
+    """The implementation of one pass: forced by ``FUSION_CONV_IMPL`` (``family`` / ``library``), else
+    the faster of the two on this call signature (``impl_choice``: timed once on CUDA; the library
+    path where nothing is measured)."""
+    forced = environment.conv_impl()
+    if forced in IMPLS:
+        return forced
+    fast_key = (OP, direction, cfg, tensor_key(x), tensor_key(weight), bias is None, torch.backends.cudnn.allow_tf32)
+    key = functools.partial(lambda: f"{OP}|{direction}|{cfg.to_json()}|x {tuple(x.shape)} {x.stride()} {x.dtype}|"
+                                    f"w {tuple(weight.shape)} {weight.stride()}|bias {bias is not None}|"
+                                    f"tf32 {torch.backends.cudnn.allow_tf32}")  # fmt: skip
+    return impl_choice.choose(key, candidates, default=IMPLS[0], fast_key=fast_key)
+
+
+def _activation_input(x: Tensor, affine: Sequence[Tensor], stats: Tensor, cfg: BatchNormConvConfig) -> Tensor:
+    """``act(norm(x))`` written out, in x's dtype and layout (``batch_norm_apply``): what the library
+    conv passes read."""
+    from ...kernels.batch_norm import batch_norm_apply
+
+    chains = norm_chains(cfg, None, affine, x.dim(), x.shape[1], x.device)
+    a = torch.empty_like(x)
+    batch_norm_apply(x, None, chains.post, chains.post_params, chains.affine, stats[:2], a)
+    return a
+
+
+def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: BatchNormConvConfig,
+            save: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(out, saved_stats)`` as ``config.outputs`` lays them out."""
+    from ...kernels.batch_norm import batch_norm_stats
+    from ...kernels.conv import conv_fprop
+
+    _, stats = outputs(x, weight, bias, operands, cfg, save)
+    batch_norm_stats(x, None, cfg.eps, out=stats, fold=affine_rows(operands, cfg.weight, cfg.bias, x.shape[1], x.device))
+    tf32 = conv_precision.forward_tf32(x, weight, cfg.conv).tf32
+
+    def family() -> Tensor:
+        return conv_fprop(x, weight, bias, **_geometry(cfg), prologue=_prologue(stats), act_in=_activation(cfg),
+                          allow_tf32=tf32)[0]  # fmt: skip
+
+    def library() -> Tensor:
+        a = _activation_input(x, operands, stats, cfg)
+        with conv_precision.cudnn_tf32(tf32):
+            return run_conv(a, weight, bias, cfg.conv)
+
+    run = {"family": family, "library": library}
+    y = run[_choose("forward", x, weight, bias, cfg, run)]()
+    return in_format(y, nominal_format(x, weight, cfg.conv)), stats
+
+
+def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+             saved_stats: Tensor, cfg: BatchNormConvConfig, mask: Sequence[bool]) -> list[Tensor | None]:  # fmt: skip
+    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False; the running
+    statistics get none)."""
+    operand_mask = list(mask[3:])
+    wanted = [index is not None and bool(operand_mask[index]) for index in (cfg.weight, cfg.bias)]
+    tf32 = conv_precision.backward_tf32(x, weight, cfg.conv)
+    grads: list[Tensor | None] = [None] * len(operands)
+    grad_x = grad_w = grad_b = None
+    if mask[0] or any(wanted):
+        grad_x, affine_grads = _input_grad(grad_out, x, weight, bias, operands, saved_stats, cfg, tf32.grad_input)
+        for index, total, want in zip((cfg.weight, cfg.bias), affine_grads, wanted, strict=True):
+            if want:  # a fresh tensor: the two sums may be rows of one (outputs must not alias)
+                grads[index] = total.reshape(operands[index].shape).to(operands[index].dtype, copy=True)
+    if mask[1] or mask[2]:
+        grad_w, grad_b = _weight_grad(grad_out, x, weight, bias, operands, saved_stats, cfg, bool(mask[2]),
+                                      tf32.grad_weight)  # fmt: skip
+    return [grad_x if mask[0] else None, grad_w if mask[1] else None,
+            None if grad_b is None else grad_b.to(bias.dtype), *grads]  # fmt: skip
+
+
+def _input_grad(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, affine: Sequence[Tensor],
+                stats: Tensor, cfg: BatchNormConvConfig, tf32: bool) -> tuple[Tensor, tuple[Tensor, Tensor]]:  # fmt: skip
+    """x's gradient (x's shape, dtype and ``empty_like`` strides) and the norm's ``(Σ grad_z · x̂, Σ
+    grad_z)``, its weight's and bias's gradients (fp32 or float64, C values)."""
+    from ...kernels.batch_norm import batch_norm_backward, batch_norm_input_grad
+    from ...kernels.conv import NormStats, conv_dgrad
+
+    chains = norm_chains(cfg, None, affine, x.dim(), x.shape[1], x.device)
+
+    def family() -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        grad_z, sums = conv_dgrad(grad_out, weight, x.shape, **_geometry(cfg), x_prev=x, prologue=_prologue(stats),
+                                  act_in=_activation(cfg), norm_stats=NormStats(stats[0], stats[1]), allow_tf32=tf32)  # fmt: skip
+        means = (torch.stack((sums.sum_dz, sums.sum_dz_xhat)) / sums.count).float()
+        grad_x = torch.empty_like(x)
+        batch_norm_input_grad(grad_z, x, chains.affine, stats, means, grad_x)
+        return grad_x, (sums.sum_dz_xhat, sums.sum_dz)
+
+    def library() -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        with conv_precision.cudnn_tf32(tf32):
+            grad_a = torch.ops.aten.convolution_backward(
+                grad_out, x, weight, None, list(cfg.conv.stride), list(cfg.conv.padding), list(cfg.conv.dilation),
+                False, list(cfg.conv.output_padding), cfg.conv.groups, [True, False, False])[0]  # fmt: skip
+        grad_x = torch.empty_like(x)
+        dgamma, dbeta, _ = batch_norm_backward(grad_a, x, None, chains.post, chains.post_params, chains.affine,
+                                               stats[:2], grad_x)  # fmt: skip
+        return grad_x, (dgamma, dbeta)
+
+    run = {"family": family, "library": library}
+    return run[_choose("input_grad", x, weight, bias, cfg, run)]()
+
+
+def _weight_grad(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, affine: Sequence[Tensor],
+                 stats: Tensor, cfg: BatchNormConvConfig, need_b: bool, tf32: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """The conv weight's gradient (its shape, dtype and ``empty_like`` strides) and, with ``need_b``, the
+    conv bias's (C_out values, x's dtype)."""
+    from ...kernels.conv import conv_wgrad
+
+    def family() -> tuple[Tensor, Tensor | None]:
+        return conv_wgrad(grad_out, x, weight, **_geometry(cfg), prologue=_prologue(stats), act_in=_activation(cfg),
+                          bias_grad=need_b, allow_tf32=tf32)  # fmt: skip
+
+    def library() -> tuple[Tensor, Tensor | None]:
+        a = _activation_input(x, affine, stats, cfg)
+        _, grad_w, grad_b = conv_precision.conv_backward(grad_out, a, weight, cfg.conv, False, True, need_b,
+                                                         (tf32, tf32))  # fmt: skip
+        return grad_w, grad_b
+
+    run = {"family": family, "library": library}
+    return run[_choose("weight_grad", x, weight, bias, cfg, run)]()
+
