@@ -33,13 +33,12 @@ import torch.fx as fx
 
 from ..frontend.canonical import BatchNorm, Conv, Pointwise
 from ..match.chain_walk import operand_index, per_channel_problem
-from ..match.conv_walk import conv_label
+from ..match.conv_walk import conv_label, is_sync_batch_norm
 from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, Precedence, fake_of, register_pattern
 from ..match.rewrite import rewrite_conv_region
 from ..ops.chain import ChainStep, Const
 from ..ops.chain_lowering import family_activation
 from ..report import Match, NearMiss, ReasonKind
-from .conv_batch_norm import _is_sync_batch_norm
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ class BatchNormConvPattern(ConvAnchoredPattern):
             return ctx.near_miss(self.name, conv.node, at, reason, message)
         nodes = [op.node, *([act[0]] if act else []), conv.node]
         labels = ["batch_norm(train)", *([act[1].kind.name.lower()] if act else []), conv_label(conv)]
-        return Candidate(self.name, conv.node, nodes, region, " → ".join(labels))
+        return Candidate(self.name, conv.node, nodes, region, " -> ".join(labels))
 
     def _refusal(self, ctx: MatchContext, region: BatchNormConvRegion) -> Optional[tuple[fx.Node, ReasonKind, str]]:
         """``(node, reason, message)`` where the region cannot be fused, else None."""
@@ -89,7 +88,7 @@ class BatchNormConvPattern(ConvAnchoredPattern):
         for value, user in ((norm.node, reader), *(((region.act[0], conv.node),) if region.act else ())):
             if list(value.users) != [user]:
                 return value, ReasonKind.SHARED_INTERMEDIATE, ctx.sole_user(value)[1]
-        if _is_sync_batch_norm(norm.node):
+        if is_sync_batch_norm(norm.node):
             return norm.node, ReasonKind.UNSUPPORTED_OP, (f"`{norm.node.name}` is a SyncBatchNorm: its statistics "
                                                           "span every process, which one process's fused op cannot "
                                                           "compute")  # fmt: skip

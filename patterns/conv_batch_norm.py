@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
 import torch.fx as fx
 
 from ..frontend.canonical import BatchNorm, CanonicalOp
@@ -41,6 +40,7 @@ from ..match.conv_walk import (
     ConvWalkPattern,
     Refusal,
     claim_wording,
+    is_sync_batch_norm,
 )
 from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
 from ..match.rewrite import dtype_if_changed, rewrite_conv_region
@@ -64,7 +64,7 @@ def _in_sight(op: BatchNorm, rank: int) -> bool:
 def _refusal(site: CentreSite) -> Optional[Refusal]:
     norm: BatchNorm = site.op
     user, anchor = site.node, site.anchor
-    if _is_sync_batch_norm(user):
+    if is_sync_batch_norm(user):
         return Refusal(ReasonKind.UNSUPPORTED_OP,
                        f"`{user.name}` is a SyncBatchNorm: its statistics span every process, which one process's "
                        "fused op cannot compute")  # fmt: skip
@@ -149,12 +149,6 @@ class ConvBatchNormPattern(ConvWalkPattern):
             ctx, candidate, conv, operands, op_module.conv_batch_norm, config, "fusion::conv_batch_norm_fwd",
             op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type),
         )  # fmt: skip
-
-
-def _is_sync_batch_norm(node: fx.Node) -> bool:
-    """Whether Dynamo recorded ``node`` inside an ``nn.SyncBatchNorm``'s forward."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return any(isinstance(t, type) and issubclass(t, torch.nn.SyncBatchNorm) for _, t in stack.values())
 
 
 def _describe(value: Any) -> str:

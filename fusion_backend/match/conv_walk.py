@@ -524,3 +524,8 @@ def _ops_within(ctx: MatchContext, anchor: fx.Node, steps: int) -> Iterator[Any]
                     following.append(user)
         frontier = following
 
+
+def is_sync_batch_norm(node: fx.Node) -> bool:
+    """Whether Dynamo recorded ``node`` inside an ``nn.SyncBatchNorm``'s forward."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return any(isinstance(t, type) and issubclass(t, torch.nn.SyncBatchNorm) for _, t in stack.values())

@@ -47,7 +47,7 @@ class Then(torch.nn.Module):
 
 #: Family name -> the module holding its ``CASES``.
 FAMILIES = ("conv_epilogue", "conv_global_mean", "conv_channel_reduce", "conv_group_norm", "conv_batch_norm",
-            "conv_layer_norm")
+            "conv_layer_norm", "batch_norm_conv")
 
 
 def cases(family: str) -> list[CorpusCase]:

@@ -1,0 +1,109 @@
+"""batch_norm_conv end to end: torch.compile(backend="fusion") over three training steps of ResNet's
+bottleneck against eager (output, every gradient, running statistics, num_batches_tracked), with the
+reference and the interpreted kernels; the region it takes from ``conv_batch_norm`` and the alternate
+that leaves; eval mode (no match: the norm folds into the producer's chain); autocast on CUDA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fusion_backend.match.engine import find_regions, registered_patterns
+from fusion_backend.patterns.corpus.batch_norm_conv import bottleneck
+from fusion_backend.report import collect_reports
+from fusion_backend.testing import Autocast, assert_fused, dry_run
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
+    pytest.mark.usefixtures("exact_fp32"),
+]
+
+
+def train_steps(model, shape, device, steps=3, options=None):
+    """``steps`` training steps of the compiled model and of an eager copy; everything compared."""
+    torch.manual_seed(0)
+    model = model.to(device)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="fusion", options={"decide": "fuse", "strict": True, **(options or {})})
+    with collect_reports() as reports:
+        for _ in range(steps):
+            x = torch.randn(shape, device=device)
+            out, want = compiled(x), eager(x)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+            g = torch.randn_like(want)
+            out.backward(g)
+            want.backward(g)
+            for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+            for (name, b), c in zip(model.named_buffers(), eager.buffers(), strict=True):
+                torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
+    return reports
+
+
+def test_bottleneck_trains_as_eager_with_both_norms_applied_by_the_convs_that_read_them(kernels, kernel_device,
+                                                                                         monkeypatch) -> None:  # fmt: skip
+    monkeypatch.setenv("FUSION_CONV_IMPL", "family")
+    reports = train_steps(bottleneck(), (2, 16, 6, 5), kernel_device)
+    assert reports[0].counts() == {"batch_norm_conv": 2}
+    assert [m.summary for m in reports[0].matches] == ["batch_norm(train) -> relu -> conv2d"] * 2
+    assert all(m.kernel.startswith("triton" if kernels != "reference" else "reference") for m in reports[0].matches)
+
+
+def test_conv_batch_norm_takes_the_norms_where_batch_norm_conv_is_left_out(kernel_device) -> None:
+    """The same graph without the family: the producers' regions, the alternates the decision weighs."""
+    reports = train_steps(bottleneck(), (2, 16, 6, 5), kernel_device, options={"disable_patterns": ["batch_norm_conv"]})
+    assert reports[0].counts() == {"conv_batch_norm": 2}
+
+
+class FunctionalChain(nn.Module):
+    """conv -> F.batch_norm -> relu -> conv -> F.batch_norm, traceable by ``fx.symbolic_trace``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(4, 8, 1), nn.Conv2d(8, 8, 3, padding=1)
+        for i in (1, 2):
+            self.register_buffer(f"rm{i}", torch.zeros(8))
+            self.register_buffer(f"rv{i}", torch.ones(8))
+
+    def forward(self, x):
+        a = torch.relu(F.batch_norm(self.c1(x), self.rm1, self.rv1, None, None, True, 0.1, 1e-5))
+        return F.batch_norm(self.c2(a), self.rm2, self.rv2, None, None, True, 0.1, 1e-5)
+
+
+def test_the_producers_region_of_a_norm_this_family_took_is_an_alternate() -> None:
+    from fusion_backend.backend import _ensure_fake_values
+
+    gm = torch.fx.symbolic_trace(FunctionalChain().train())
+    _ensure_fake_values(gm, [torch.randn(2, 4, 6, 6)])
+    regions = find_regions(gm, list(registered_patterns()))
+    assert [(c.pattern, c.summary) for _, c in regions.accepted] == [
+        ("batch_norm_conv", "batch_norm(train) -> relu -> conv2d")]
+    # each conv's own region, its chain stopped where the accepted region begins
+    assert [(c.pattern, [n.name for n in c.nodes]) for c in regions.alternates] == [
+        ("conv_batch_norm", ["c1", "batch_norm"]), ("conv_batch_norm", ["c2", "batch_norm_1"])]
+
+
+def test_eval_mode_is_not_this_family() -> None:
+    found = dry_run(bottleneck().eval(), [torch.randn(2, 16, 6, 5)])
+    assert not any(pattern == "batch_norm_conv" for pattern, _, _ in found.regions)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_bottleneck_under_autocast_channels_last_on_the_gpu(dtype) -> None:
+    """What mixed-precision training runs: the convs and norms in bf16 / fp16 with fp32 parameters."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = Autocast(bottleneck(), "cuda", dtype).cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(8, 16, 28, 28, device="cuda").to(memory_format=torch.channels_last)
+    assert_fused(model, [x], {"batch_norm_conv": 2})
+
+
+def test_a_bf16_model_with_fp32_norm_inputs_is_a_near_miss() -> None:
+    model = Autocast(nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3)).train(), "cpu")
+    found = dry_run(model, [torch.randn(2, 4, 6, 6)])
+    assert [m.reason.value for m in found.near_misses if m.pattern == "batch_norm_conv"] == ["unsupported_dtype"]
