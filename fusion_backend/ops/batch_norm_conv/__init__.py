@@ -19,8 +19,8 @@ backward sums as it stores (``triton_path``, which also says when cuDNN's passes
 Saved state ``(saved_stats,)``: fp32 ``(5, C_in)`` (``config.outputs``: mean, rstd, unbiased variance,
 the folded scale and shift), nothing full-size.  Everything else as every family's
 (``ops/declare.py``); the reference runs ``aten.native_batch_norm`` and eager's conv.  The running
-statistics' update is ``conv_batch_norm``'s op ``fusion::batch_norm_running_update`` (why an op of its
-own: that module's docstring).
+statistics' update is ``fusion::batch_norm_running_update`` (``ops/batch_statistics.py`` says why it is
+an op of its own).
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..conv_batch_norm import batch_norm_running_update
-from ..conv_batch_norm.config import update_running_stats
+from ..batch_statistics import batch_norm_running_update, running_update
 from ..declare import FusedOpDeclaration, declare, family_names
 from ..direct_impls import profiled, records_backward, register_direct
 from . import config, reference, triton_path
@@ -81,7 +80,7 @@ def _batch_norm_conv_direct(x, weight, bias, operands, config):
         out, stats = BATCH_NORM_CONV.forward_impl(x, weight, bias, affine, config, False)
     if running_mean is not None and x.numel() > 0:
         with torch.no_grad():
-            update_running_stats(running_mean.view(-1), running_var.view(-1), stats, cfg.momentum)
+            running_update(running_mean, running_var, stats, cfg.momentum)
     return out
 
 

@@ -14,10 +14,10 @@ from torch import Tensor
 
 from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
+from ..batch_statistics import values_per_channel
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, family_activation
 from ..config import JsonConfig, describe_affine
-from ..conv_batch_norm.config import values_per_channel
 from ..conv_io import check_conv_inputs, conv_output_shape, stats_dtype
 from ..library_conv import nominal_format
 

@@ -17,12 +17,8 @@ and unbiased variance, always: the running update reads them), nothing else full
 else as every family's (``ops/declare.py``); the reference runs ``aten.native_batch_norm`` and its
 backward.
 
-The running statistics' update is an op of its own, ``fusion::batch_norm_running_update(running_mean,
-running_var, stats, momentum)``, which mutates them and says so (``mutates_args``), so that AOTAutograd
-functionalizes the call (the buffers are graph inputs it copies the new values back into) and
-Inductor keeps the update; the direct runner calls it eagerly, which updates them in place.  Why
-apart: torch.library takes no autograd formula for an op that mutates its arguments, and the forward
-needs one.
+The running statistics' update is an op of its own, ``fusion::batch_norm_running_update``
+(``ops/batch_statistics.py`` says why).
 """
 
 from __future__ import annotations
@@ -33,35 +29,17 @@ import torch
 from torch import Tensor
 
 from ...errors import UnsupportedInputError
+from ..batch_statistics import batch_norm_running_update, running_update
 from ..chain_lowering import pool_unroll_problem
 from ..declare import declare, family_declaration, family_names
 from ..direct_impls import profiled, records_backward, register_direct
 from . import config, reference, triton_path
-from .config import OP, ConvBatchNormConfig, update_running_stats
+from .config import OP, ConvBatchNormConfig
 
 CONV_BATCH_NORM = declare(family_declaration(
     OP, ConvBatchNormConfig, ("saved_y", "saved_winner", "saved_stats"), config, reference, triton_path,
     kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool)))
 conv_batch_norm_fwd, conv_batch_norm_bwd, kernel_path = CONV_BATCH_NORM.fwd, CONV_BATCH_NORM.bwd, CONV_BATCH_NORM.kernel_path
-
-
-def _running_update_impl(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:
-    """``running = (1 - momentum) * running + momentum * batch`` in place (``config.update_running_stats``;
-    ``stats``: the forward's ``(3, C)``)."""
-    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
-        if t.numel() != stats.shape[1] or not t.is_floating_point():
-            raise UnsupportedInputError(f"fusion::batch_norm_running_update: {name} must hold {stats.shape[1]} "
-                                        f"floating values, got {tuple(t.shape)} {t.dtype}")  # fmt: skip
-    update_running_stats(running_mean.view(-1), running_var.view(-1), stats, momentum)
-
-
-batch_norm_running_update = torch.library.custom_op(
-    "fusion::batch_norm_running_update", mutates_args=("running_mean", "running_var"))(_running_update_impl)
-
-
-@batch_norm_running_update.register_fake
-def _running_update_fake(running_mean, running_var, stats, momentum):
-    return None
 
 
 def split_operands(operands: Sequence[Tensor], config: str) -> tuple[list[Tensor], Tensor | None, Tensor | None]:
@@ -111,7 +89,7 @@ def _conv_batch_norm_direct(x, weight, bias, operands, config):
         out, _, _, stats = CONV_BATCH_NORM.forward_impl(x, weight, bias, ops, config, False)
     if running_mean is not None and out.numel() > 0:
         with torch.no_grad():
-            _running_update_impl(running_mean, running_var, stats, ConvBatchNormConfig.from_json(config).momentum)
+            running_update(running_mean, running_var, stats, ConvBatchNormConfig.from_json(config).momentum)
     return out
 
 

@@ -5,7 +5,6 @@ after the norm, dtypes, strict, the pool that may end the region).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ...ir.specs import ConvSpec, PoolSpec
+from ..batch_statistics import values_per_channel
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, check_operand_refs
 from ..config import JsonConfig, check_norm_config, describe_affine, describe_chain, describe_pool
@@ -70,15 +70,6 @@ class ConvBatchNormConfig(JsonConfig):
         return ()
 
 
-def values_per_channel(y_shape: Sequence[int]) -> int:
-    """How many values each channel's batch statistics cover: ``N * prod(spatial)``; exactly one is
-    eager's ``ValueError`` (zero is an empty batch: an empty result, the running statistics unchanged)."""
-    count = y_shape[0] * math.prod(y_shape[2:])
-    if count == 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {torch.Size(y_shape)}")
-    return count
-
-
 def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvBatchNormConfig, save: bool,
                  computed: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(y0, out, saved_y, saved_winner, stats)``:
@@ -114,11 +105,3 @@ def describe(cfg: ConvBatchNormConfig) -> str:
     """``batch_norm(eps=1e-05, momentum=0.1, weight, bias) -> post [relu]`` for messages."""
     return (f"batch_norm(eps={cfg.eps:g}, momentum={cfg.momentum:g}{describe_affine(cfg)}) -> post "
             f"[{describe_chain(cfg.post)}]{describe_pool(cfg.pool)}")
-
-
-def update_running_stats(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:
-    """Eager's in-place update ``running = (1 - m) * running + m * batch`` with the batch mean and
-    unbiased variance (``stats`` rows 0 and 2), computed in the statistics' dtype and stored in the
-    running statistics' own dtype."""
-    running_mean.copy_(stats[0] * momentum + running_mean.to(stats.dtype) * (1.0 - momentum))
-    running_var.copy_(stats[2] * momentum + running_var.to(stats.dtype) * (1.0 - momentum))

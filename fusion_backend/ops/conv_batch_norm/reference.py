@@ -13,9 +13,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..batch_statistics import values_per_channel
 from ..chain_reference import norm_backward, norm_forward
 from ..conv_io import channel_view
-from .config import OP, ConvBatchNormConfig, conv_outputs, values_per_channel
+from .config import OP, ConvBatchNormConfig, conv_outputs
 
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvBatchNormConfig,

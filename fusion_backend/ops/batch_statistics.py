@@ -1,0 +1,58 @@
+"""What the ops with a batch norm in training mode share (``conv_batch_norm``, ``batch_norm_conv``): the
+count rule of batch statistics, eager's update of the running statistics, and the op that applies it.
+
+The update is an op of its own, ``fusion::batch_norm_running_update(running_mean, running_var, stats,
+momentum)``, which mutates them and says so (``mutates_args``), so that AOTAutograd functionalizes the
+call (the buffers are graph inputs it copies the new values back into) and Inductor keeps the update;
+the direct runner calls :func:`running_update` eagerly, which updates them in place.  Why apart from the
+fused ops: torch.library takes no autograd formula for an op that mutates its arguments, and their
+forwards need one.  ``stats`` is a fused op's saved statistics, rows 0 (the batch mean) and 2 (the
+unbiased batch variance) read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import UnsupportedInputError
+
+
+def values_per_channel(shape: Sequence[int]) -> int:
+    """How many values each channel's batch statistics cover in a tensor of ``shape``: ``N *
+    prod(spatial)``; exactly one is eager's ``ValueError`` (zero is an empty batch: an empty result,
+    the running statistics unchanged)."""
+    count = shape[0] * math.prod(shape[2:])
+    if count == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {torch.Size(shape)}")
+    return count
+
+
+def update_running_stats(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:
+    """Eager's in-place update ``running = (1 - m) * running + m * batch`` with the batch mean and
+    unbiased variance (``stats`` rows 0 and 2), computed in the statistics' dtype and stored in the
+    running statistics' own dtype."""
+    running_mean.copy_(stats[0] * momentum + running_mean.to(stats.dtype) * (1.0 - momentum))
+    running_var.copy_(stats[2] * momentum + running_var.to(stats.dtype) * (1.0 - momentum))
+
+
+def running_update(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:
+    """:func:`update_running_stats` of the running statistics as a graph passes them (any shape of C
+    floating values), after checking them (one-line ``UnsupportedInputError``)."""
+    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
+        if t.numel() != stats.shape[1] or not t.is_floating_point():
+            raise UnsupportedInputError(f"fusion::batch_norm_running_update: {name} must hold {stats.shape[1]} "
+                                        f"floating values, got {tuple(t.shape)} {t.dtype}")  # fmt: skip
+    update_running_stats(running_mean.view(-1), running_var.view(-1), stats, momentum)
+
+
+batch_norm_running_update = torch.library.custom_op(
+    "fusion::batch_norm_running_update", mutates_args=("running_mean", "running_var"))(running_update)
+
+
+@batch_norm_running_update.register_fake
+def _running_update_fake(running_mean, running_var, stats, momentum):
+    return None
