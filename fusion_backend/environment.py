@@ -8,7 +8,8 @@ variable                    meaning
                             or ``family`` (the conv kernel family's forward, ``kernels.conv``, where
                             it serves the call; the backward as ``library``); and the conv of
                             ``conv_batch_norm``'s forward (``family``: the family's, with the
-                            statistics in its store; else the library conv)
+                            statistics in its store; else the library conv); for ``batch_norm_conv``
+                            every pass's implementation (``family`` / ``library``; else timed per pass)
 ``FUSION_CONV_AUTOTUNE``    ``0`` turns measuring off: no timed choice between paths (the library path
                             runs) and no tile tuning (each kernel takes its heuristic tile);
                             deterministic first calls.  ``1``, or unset: on

@@ -34,8 +34,10 @@ descriptors (``tiles`` module docstring), a candidate of the timed tile choice, 
 the sm_90 compile, not yet timed on a GPU.  Used by ``fusion::conv_epilogue``'s forward for calls that save
 nothing (inference), where it measures faster than its other paths (``ops/conv_epilogue/forward.py``,
 ``FamilyForward``), and by ``fusion::conv_batch_norm``'s forward for its conv and the output's
-statistics under ``FUSION_CONV_IMPL=family`` (``ops/conv_batch_norm/statistics.py``); the backward
-hooks are not used by a fused op yet.
+statistics under ``FUSION_CONV_IMPL=family`` (``ops/conv_batch_norm/statistics.py``), and by
+``fusion::batch_norm_conv`` in all three passes (a training BatchNorm and its activation applied as the
+conv loads its input, the backward hooks in its gradients), each pass timed against cuDNN's with the
+norm's own passes (``ops/batch_norm_conv/triton_path.py``).
 """
 
 from .dgrad import conv_dgrad
