@@ -19,6 +19,8 @@ variable                    meaning
 ``FUSION_CACHE_DIR``        where measured choices (region decisions, path choices) are kept across
                             processes; default ``~/.cache/fusion_backend``
 ``FUSION_DECIDE``           the default of the ``decide`` option (``measure``, ``fuse`` or ``inductor``)
+``FUSION_PATTERNS``         the default of the ``patterns`` option: comma-separated family names (e.g.
+                            what one family gives a benchmarked network, next to the others)
 ``FUSION_DUMP_DIR``         the default of the ``dump_dir`` option (per-graph dumps)
 ==========================  ===========================================================================
 
@@ -50,6 +52,7 @@ CPU_KERNELS = "FUSION_CPU_KERNELS"
 CACHE_DIR = "FUSION_CACHE_DIR"
 DECIDE = "FUSION_DECIDE"
 DUMP_DIR = "FUSION_DUMP_DIR"
+PATTERNS = "FUSION_PATTERNS"
 
 DEFAULT_CONV_IMPL = "auto"
 CONV_IMPLS = ("auto", "library", "triton", "family")
@@ -98,6 +101,14 @@ def decide() -> str | None:
     default applies)."""
     value = _read(DECIDE, DECIDE_VALUES, "measure")
     return value if os.environ.get(DECIDE) else None
+
+
+def patterns() -> tuple[str, ...] | None:
+    """``FUSION_PATTERNS``'s comma-separated names, or None when unset or empty (the ``patterns``
+    option's own default applies; the option checks the names)."""
+    raw = os.environ.get(PATTERNS) or ""
+    names = tuple(name.strip() for name in raw.split(",") if name.strip())
+    return names or None
 
 
 def dump_dir() -> str | None:

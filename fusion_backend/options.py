@@ -9,7 +9,8 @@ Our keys are stripped; every other key must be an Inductor config key and is for
 key                     meaning
 ======================  ===========================================================================
 ``patterns``            names of the pattern families to run (iterable of str, or ``"all"``);
-                        default: every registered family
+                        default: every registered family, or those the ``FUSION_PATTERNS``
+                        environment variable names (comma-separated)
 ``disable_patterns``    names to leave out of the above
 ``strict``              bool; a failure to rewrite/compile a region, or a kernel that cannot run,
                         raises instead of falling back to Inductor / the reference (for tests)
@@ -108,7 +109,7 @@ class FusionOptions:
         for key, value in inductor.items():
             _check_inductor_value(key, value, inductor_keys[key])
 
-        wanted = ours.get("patterns", "all")
+        wanted = ours.get("patterns") or environment.patterns() or "all"
         if wanted == "all" or wanted is None:
             names = tuple(registered)
         elif isinstance(wanted, str):

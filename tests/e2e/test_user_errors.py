@@ -96,3 +96,14 @@ def test_the_fixture_counts_fused_regions_and_refuses_an_unknown_pattern_name(fu
     assert fusion_rewrites.fused("conv_epilogue") == 1 and fusion_rewrites.fused("conv_global_mean") == 0
     with pytest.raises(UnknownPatternError, match="conv_epilog"):
         fusion_rewrites.fused("conv_epilog")
+
+
+def test_fusion_patterns_sets_the_patterns_options_default_and_its_names_are_checked(monkeypatch):
+    monkeypatch.setenv("FUSION_PATTERNS", " conv_global_mean ,")
+    assert FusionOptions.parse({}, REGISTERED).patterns == ("conv_global_mean",)
+    assert FusionOptions.parse({"patterns": "all"}, REGISTERED).patterns == REGISTERED  # the option wins
+    monkeypatch.setenv("FUSION_PATTERNS", "conv_epilog")
+    with pytest.raises(UnknownPatternError, match=r"unknown pattern 'conv_epilog' \(did you mean 'conv_epilogue'\?\)"):
+        FusionOptions.parse({}, REGISTERED)
+    monkeypatch.setenv("FUSION_PATTERNS", "")
+    assert FusionOptions.parse({}, REGISTERED).patterns == REGISTERED
