@@ -39,7 +39,14 @@ import torch.fx as fx
 
 from .errors import ConfigurationError, RewriteError
 from .kernels import compile_pool
-from .match.engine import Candidate, Regions, find_regions, registered_patterns, rewrite_regions
+from .match.engine import (
+    Candidate,
+    Regions,
+    default_patterns,
+    find_regions,
+    registered_patterns,
+    rewrite_regions,
+)
 from .ops.autograd_free import with_autograd_free_pass
 from .options import FusionOptions
 from .report import Decision, Fallback, GraphCheck, GraphReport, publish
@@ -85,7 +92,7 @@ def fusion(
     """
     compiled_at = time.perf_counter()
     try:
-        opts = FusionOptions.parse(options, tuple(registered_patterns()))
+        opts = FusionOptions.parse(options, tuple(registered_patterns()), default_patterns())
     except ConfigurationError as error:
         raise _as_users_error(error) from None
     cuda = next((t.get_device() for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)

@@ -59,10 +59,10 @@ def backend_options(args: argparse.Namespace) -> dict:
         options["decide"] = args.decide
     if args.dump:
         options["dump_dir"] = args.dump
-    from .match.engine import registered_patterns
+    from .match.engine import default_patterns, registered_patterns
     from .options import FusionOptions
 
-    FusionOptions.parse(options, tuple(registered_patterns()))
+    FusionOptions.parse(options, tuple(registered_patterns()), default_patterns())
     return options
 
 

@@ -8,9 +8,10 @@ Our keys are stripped; every other key must be an Inductor config key and is for
 ======================  ===========================================================================
 key                     meaning
 ======================  ===========================================================================
-``patterns``            names of the pattern families to run (iterable of str, or ``"all"``);
-                        default: every registered family, or those the ``FUSION_PATTERNS``
-                        environment variable names (comma-separated)
+``patterns``            names of the pattern families to run (iterable of str), or ``"all"``: every
+                        registered family; default: every registered family but the opt-in ones
+                        (``Pattern.opt_in``), or those the ``FUSION_PATTERNS`` environment variable
+                        names (comma-separated)
 ``disable_patterns``    names to leave out of the above
 ``strict``              bool; a failure to rewrite/compile a region, or a kernel that cannot run,
                         raises instead of falling back to Inductor / the reference (for tests)
@@ -95,8 +96,11 @@ class FusionOptions:
     """``math.inf`` where the option is None."""
 
     @staticmethod
-    def parse(options: Optional[Mapping[str, Any]], registered: tuple[str, ...]) -> FusionOptions:
-        """Validate ``options`` against our keys and Inductor's config; see the module docstring."""
+    def parse(options: Optional[Mapping[str, Any]], registered: tuple[str, ...],
+              default: Optional[tuple[str, ...]] = None) -> FusionOptions:  # fmt: skip
+        """Validate ``options`` against our keys and Inductor's config; see the module docstring.
+        ``registered``: every family's name; ``default``: the families that run where neither the
+        option nor ``FUSION_PATTERNS`` names any (None: all of them)."""
         options = dict(options or {})
         if not all(isinstance(k, str) for k in options):
             raise InvalidOptionError(f"option keys must be strings, got {sorted(map(repr, options))}")
@@ -109,8 +113,10 @@ class FusionOptions:
         for key, value in inductor.items():
             _check_inductor_value(key, value, inductor_keys[key])
 
-        wanted = ours.get("patterns") or environment.patterns() or "all"
-        if wanted == "all" or wanted is None:
+        wanted = ours.get("patterns") or environment.patterns()
+        if wanted is None:
+            names = tuple(registered if default is None else default)
+        elif wanted == "all":
             names = tuple(registered)
         elif isinstance(wanted, str):
             names = (wanted,)

@@ -100,13 +100,15 @@ def forget_call_plans() -> None:
 
 
 def dry_run(model: Any, inputs: Sequence[Any], patterns: Optional[Sequence[str]] = None, **compile_kwargs: Any) -> DryRun:
-    """What ``fusion`` would fuse in ``model(*inputs)``, without rewriting or running fused ops."""
-    from .match.engine import find_regions, registered_patterns
+    """What ``fusion`` would fuse in ``model(*inputs)``, without rewriting or running fused ops:
+    ``patterns`` the families to run (default: those the backend runs by default,
+    ``match.engine.default_patterns``)."""
+    from .match.engine import default_patterns, find_regions
 
     if patterns is not None:
         _check_patterns([patterns] if isinstance(patterns, str) else patterns, "pattern")
         patterns = [patterns] if isinstance(patterns, str) else patterns
-    enabled = tuple(patterns) if patterns is not None else tuple(registered_patterns())
+    enabled = tuple(patterns) if patterns is not None else default_patterns()
     regions: list[tuple[str, str, tuple[str, ...]]] = []
     misses: list[NearMiss] = []
 

@@ -177,15 +177,18 @@ def _batch_norm_stats_kernel(
 
 
 @triton.jit
-def _batch_norm_combine_kernel(ws_ptr, counts_ptr, st_ptr, a_ptr, C, K, VALUES, eps, FOLD: tl.constexpr,
+def _batch_norm_combine_kernel(ws_ptr, counts_ptr, st_ptr, gamma_ptr, beta_ptr, C, K, VALUES, eps,
+                               FOLD: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
                                BLOCK_K: tl.constexpr):  # fmt: skip
     """Per channel (program ``c``): Chan's merge of the ``K`` chunks' means and sums of squared
     deviations (``ws_ptr``, the statistics kernel's (2, C, K); ``counts_ptr`` fp32 (K,) values per
     chunk; ``VALUES`` their total, > 1) into ``st_ptr``, fp32 (3, C) contiguous: row 0 the mean, row 1
-    ``1 / sqrt(var + eps)`` (``var`` biased), row 2 the unbiased variance; with ``FOLD``, (5, C): rows 3
-    and 4 the norm folded with its affine (``a_ptr``: gamma and beta, fp32 (2, C) contiguous) into
-    ``scale = gamma * rstd`` and ``shift = beta - mean * scale``, what a conv's prologue applies.  One
-    program reduces a fixed shape in a fixed order: bitwise reproducible."""
+    ``1 / sqrt(var + eps)`` (``var`` biased), row 2 the unbiased variance.  With ``FOLD`` (7, C): rows 3
+    and 4 the norm folded with its affine into ``scale = gamma * rstd`` and ``shift = beta - mean *
+    scale`` (what a conv's prologue applies), rows 5 and 6 ``gamma`` and ``beta`` in fp32 (what its
+    backward reads); ``gamma_ptr`` / ``beta_ptr`` (C,) contiguous, any float dtype, or 1 and 0 without
+    ``HAS_GAMMA`` / ``HAS_BETA``.  One program reduces a fixed shape in a fixed order: bitwise
+    reproducible."""
     c = tl.program_id(0)
     k = tl.arange(0, BLOCK_K)
     kmask = k < K
@@ -200,9 +203,13 @@ def _batch_norm_combine_kernel(ws_ptr, counts_ptr, st_ptr, a_ptr, C, K, VALUES, 
     tl.store(st_ptr + C + c, rstd)
     tl.store(st_ptr + 2 * C + c, var * (VALUES / (VALUES - 1.0)))
     if FOLD:
-        scale = tl.load(a_ptr + c) * rstd
+        gamma = tl.load(gamma_ptr + c).to(tl.float32) if HAS_GAMMA else 1.0
+        beta = tl.load(beta_ptr + c).to(tl.float32) if HAS_BETA else 0.0
+        scale = gamma * rstd
         tl.store(st_ptr + 3 * C + c, scale)
-        tl.store(st_ptr + 4 * C + c, tl.load(a_ptr + C + c) - mean * scale)
+        tl.store(st_ptr + 4 * C + c, beta - mean * scale)
+        tl.store(st_ptr + 5 * C + c, gamma)
+        tl.store(st_ptr + 6 * C + c, beta)
 
 
 @triton.jit
@@ -310,18 +317,21 @@ def _batch_norm_bwd_sums_kernel(
 
 @triton.jit
 def _batch_norm_bwd_dx_kernel(
-    gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, gm_ptr, gy_ptr, win_ptr, C, S, R, CHUNK,
+    gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, sz_ptr, szx_ptr, gy_ptr, win_ptr, dg_ptr, db_ptr, C, S, R, CHUNK,
     g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, gy_sn, gy_sc, gy_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh,
     w_sw, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr, POOL_GEOM: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    AFFINE_GRADS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """grad_y = gamma * rstd * (dz - mean(dz) - x_hat * mean(dz * x_hat)).
 
     Pointers (element strides):
       gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, win_ptr   as in the sums kernel (the pool
                 arguments too).
-      gm_ptr    fp32 (2, C) contiguous: per channel mean(dz) and mean(dz * x_hat) over its R values.
+      sz_ptr, szx_ptr  per channel Σ dz and Σ dz * x_hat over its R values, (C,) contiguous each, fp32 or
+                float64; each mean is the sum divided by R in float64, rounded once to fp32.
       gy_ptr    grad_y, (N, C, S), the conv output's dtype, strides ``gy_s*``.
+      dg_ptr, db_ptr  AFFINE_GRADS: the norm's weight and bias gradients, (C,) contiguous, any float
+                dtype: Σ dz * x_hat and Σ dz rounded to it, written by the programs of the first chunk.
     Grid: as the forward's.
     """
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
@@ -332,8 +342,14 @@ def _batch_norm_bwd_dx_kernel(
     rstd = tl.load(st_ptr + C + c, mask=cmask, other=0.0)
     gamma = tl.load(a_ptr + c, mask=cmask, other=0.0)
     beta = tl.load(a_ptr + C + c, mask=cmask, other=0.0)
-    mean_dz = tl.load(gm_ptr + c, mask=cmask, other=0.0)
-    mean_dzxh = tl.load(gm_ptr + C + c, mask=cmask, other=0.0)
+    sum_dz = tl.load(sz_ptr + c, mask=cmask, other=0.0)
+    sum_dzxh = tl.load(szx_ptr + c, mask=cmask, other=0.0)
+    mean_dz = (sum_dz.to(tl.float64) / R).to(tl.float32)
+    mean_dzxh = (sum_dzxh.to(tl.float64) / R).to(tl.float32)
+    if AFFINE_GRADS:
+        if tl.program_id(1) == 0:
+            tl.store(dg_ptr + c, sum_dzxh.to(dg_ptr.dtype.element_ty), mask=cmask)
+            tl.store(db_ptr + c, sum_dz.to(db_ptr.dtype.element_ty), mask=cmask)
     for r0 in range(start, tl.minimum(start + CHUNK, R), BLOCK_R):
         r = r0 + rb
         valid = cmask & (r < R)
@@ -394,37 +410,47 @@ def plan_for(y: torch.Tensor) -> tuple[Plan, torch.Tensor]:
     return _PLANS.plan((y,), lambda: (lambda p: (p, p.chunk_counts(y.device)))(Plan(y)))
 
 
-def batch_norm_stats(y: torch.Tensor, bias: torch.Tensor | None, eps: float,
-                     out: torch.Tensor | None = None, fold: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+#: Rows of ``batch_norm_stats``' result with its ``fold``: mean, rstd, unbiased variance, the folded scale
+#: and shift, gamma and beta.
+FOLDED_ROWS = 7
+
+
+def batch_norm_stats(y: torch.Tensor, bias: torch.Tensor | None, eps: float, out: torch.Tensor | None = None,
+                     fold: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:  # fmt: skip
     """Per-channel batch statistics of ``v = y + bias``: fp32 ``(3, C)`` contiguous (``out`` where
     given), row 0 the mean, row 1 ``rstd = 1 / sqrt(var + eps)`` (``var`` biased), row 2 the unbiased
     variance (what a running variance is updated with).  Rows 0-1 are what ``batch_norm_apply`` and
-    the backward take.  With ``fold`` the result is ``(5, C)``: rows 3-4 the norm folded with its affine,
-    ``scale = gamma * rstd`` and ``shift = beta - mean * scale`` (``kernels.conv.hooks.ChannelAffine``:
-    what the conv that reads the norm's output applies as it loads it).  Two launches: the statistics
-    kernel and the combine kernel.
+    the backward take.  With ``fold`` the result is ``(FOLDED_ROWS, C)``: rows 3-4 the norm folded with
+    its affine, ``scale = gamma * rstd`` and ``shift = beta - mean * scale``
+    (``kernels.conv.hooks.ChannelAffine``: what the conv that reads the norm's output applies as it
+    loads it), rows 5-6 gamma and beta in fp32 (the affine rows its backward reads,
+    ``batch_norm_input_grad``).  Two launches: the statistics kernel and the combine kernel.
 
     Args:
       y: conv output without bias, (N, C, *spatial) with 1-3 spatial dims that flatten (contiguous or
         channels-last), fp32/fp16/bf16, more than one value per channel.
       bias: None or the conv bias, C values, contiguous.
-      fold: None or the norm's gamma and beta, fp32 (2, C) contiguous (ones and zeros for a norm
-        without affine: ``ops.chain_lowering.affine_rows``).
+      fold: None or the norm's ``(gamma, beta)``, each None (1 and 0) or C contiguous values of any float
+        dtype.
     """
     plan, counts = plan_for(y)
     _check_bias(bias, plan.channels)
     if plan.values < 2:
         raise ValueError(f"batch statistics need more than one value per channel, got y {tuple(y.shape)}")
-    rows = 3 if fold is None else 5
-    if fold is not None:
-        require_rows("the folded affine", fold, plan.channels, 2)
+    rows = 3 if fold is None else FOLDED_ROWS
+    gamma, beta = (None, None) if fold is None else fold
+    for name, t in (("gamma", gamma), ("beta", beta)):
+        if t is not None and (t.numel() != plan.channels or not t.is_contiguous() or not t.is_floating_point()):
+            raise ValueError(f"{name} must be {plan.channels} contiguous floating values, got {tuple(t.shape)} {t.dtype}")
     if out is None:
         out = torch.empty((rows, plan.channels), dtype=torch.float32, device=y.device)
     elif out.shape != (rows, plan.channels) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be contiguous fp32 ({rows}, {plan.channels}), got {tuple(out.shape)} {out.dtype}")
-    launch = _STATS_LAUNCHES.plan((y, bias is None, rows),
-                                  lambda: _StatsLaunch(y, bias is not None, fold is not None, plan))
-    launch(y, y if bias is None else bias, counts, out, out if fold is None else fold, float(eps))
+    launch = _STATS_LAUNCHES.plan((y, bias is None, rows, gamma is None, beta is None),
+                                  lambda: _StatsLaunch(y, bias is not None, fold is not None, gamma is not None,
+                                                       beta is not None, plan))  # fmt: skip
+    launch(y, y if bias is None else bias, counts, out, out if gamma is None else gamma, out if beta is None else beta,
+           float(eps))  # fmt: skip
     return out
 
 
@@ -432,21 +458,23 @@ class _StatsLaunch:
     """``batch_norm_stats``' two launches for one signature of y, worked out once (``FastLaunch``):
     the host time of a small step is what it waits on."""
 
-    def __init__(self, y: torch.Tensor, has_bias: bool, fold: bool, plan: Plan) -> None:
+    def __init__(self, y: torch.Tensor, has_bias: bool, fold: bool, has_gamma: bool, has_beta: bool,
+                 plan: Plan) -> None:  # fmt: skip
         self.plan = plan
         self.stats = FastLaunch(_batch_norm_stats_kernel, plan.grid, dict(
             HAS_BIAS=has_bias, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r, num_warps=plan.num_warps,
         ), fixed=(plan.channels, plan.positions, plan.values, plan.chunk, plan.chunks, *flat_strides("y", y)))  # fmt: skip
         self.combine = FastLaunch(_batch_norm_combine_kernel, (plan.channels,), dict(
-            FOLD=fold, BLOCK_K=next_pow2(plan.chunks), num_warps=4 if plan.chunks <= 512 else 8,
+            FOLD=fold, HAS_GAMMA=has_gamma, HAS_BETA=has_beta, BLOCK_K=next_pow2(plan.chunks),
+            num_warps=4 if plan.chunks <= 512 else 8,
         ))  # fmt: skip
 
     def __call__(self, y: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
-                 fold: torch.Tensor, eps: float) -> None:  # fmt: skip
+                 gamma: torch.Tensor, beta: torch.Tensor, eps: float) -> None:  # fmt: skip
         plan = self.plan
         ws = torch.empty((2, plan.channels, plan.chunks), dtype=torch.float32, device=y.device)
         self.stats(y, bias, ws)
-        self.combine(ws, counts, out, fold, plan.channels, plan.chunks, float(plan.values), eps)
+        self.combine(ws, counts, out, gamma, beta, plan.channels, plan.chunks, float(plan.values), eps)
 
 
 _STATS_LAUNCHES = PlanCache()
@@ -542,9 +570,8 @@ def batch_norm_backward(
         launch.sums(grad_out, *common, part, win)
     # NOTE: torch's reduction over a fixed shape runs in a fixed order: bitwise reproducible sums.
     sums = part.sum(2)
-    means = (sums[:2] / plan.values).contiguous()
     if y.numel() > 0:
-        launch.dx(grad_out, *common, means, grad_y, win)
+        launch.dx(grad_out, *common, sums[0], sums[1], grad_y, win, win, win)
     return sums[1], sums[0], [sums[2 + k] if w else None for k, w in enumerate(slots)]
 
 
@@ -552,25 +579,32 @@ _BACKWARD_LAUNCHES = PlanCache()
 
 
 def batch_norm_input_grad(grad_z: torch.Tensor, y: torch.Tensor, affine: torch.Tensor, stats: torch.Tensor,
-                          means: torch.Tensor, grad_y: torch.Tensor) -> None:  # fmt: skip
+                          sum_dz: torch.Tensor, sum_dz_xhat: torch.Tensor, grad_y: torch.Tensor,
+                          affine_grads: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
     """Write ``grad_y = gamma * rstd * (grad_z - mean(grad_z) - x_hat * mean(grad_z * x_hat))``, the
     input gradient of a batch norm (batch statistics, no bias, no chain after it) whose output's
-    gradient ``grad_z`` and its two means someone else computed (``kernels.conv.conv_dgrad``'s
-    epilogue, which produces them as the conv reading the norm's output stores its input gradient).
-    One launch of the backward's second kernel.
+    gradient ``grad_z`` and its two sums someone else computed (``kernels.conv.conv_dgrad``'s epilogue,
+    which produces them as the conv reading the norm's output stores its input gradient), and with
+    ``affine_grads`` the norm's weight and bias gradients.  One launch of the backward's second kernel.
 
     Args:
       grad_z: the gradient at the norm's (affine) output, y's shape, spatial dims flattening.
       y: the norm's input, (N, C, *spatial), spatial dims flattening, fp32/fp16/bf16.
       affine: fp32 (2, C) contiguous: gamma, beta (ones / zeros without an affine norm).
       stats: fp32 (2+, C) contiguous, rows 0-1 the mean and rstd (``batch_norm_stats``).
-      means: fp32 (2, C) contiguous: ``mean(grad_z)`` and ``mean(grad_z * x_hat)`` over each channel's
-        ``N * prod(spatial)`` values.
+      sum_dz, sum_dz_xhat: ``Σ grad_z`` and ``Σ grad_z * x_hat`` per channel over its ``N *
+        prod(spatial)`` values, (C,) contiguous each, fp32 or float64.
       grad_y: preallocated, y's shape, spatial dims flattening, any float dtype.
+      affine_grads: None or preallocated ``(grad_gamma, grad_beta)``, C contiguous values each, any float
+        dtype: ``sum_dz_xhat`` and ``sum_dz`` rounded to it.
     """
     plan, _ = plan_for(y)
-    for name, t, rows in (("the affine rows", affine, 2), ("stats", stats, None), ("the means", means, 2)):
+    for name, t, rows in (("the affine rows", affine, 2), ("stats", stats, None)):
         require_rows(name, t, plan.channels, rows)
+    for name, t in (("sum_dz", sum_dz), ("sum_dz_xhat", sum_dz_xhat), *(
+            zip(("grad_gamma", "grad_beta"), affine_grads, strict=True) if affine_grads is not None else ())):
+        if t.numel() != plan.channels or not t.is_contiguous() or not t.is_floating_point():
+            raise ValueError(f"{name} must be {plan.channels} contiguous floating values, got {tuple(t.shape)} {t.dtype}")
     for name, t in (("grad_z", grad_z), ("grad_y", grad_y)):
         if t.shape != y.shape:
             raise ValueError(f"{name} must have y's shape {tuple(y.shape)}, got {tuple(t.shape)}")
@@ -580,13 +614,14 @@ def batch_norm_input_grad(grad_z: torch.Tensor, y: torch.Tensor, affine: torch.T
     def build() -> FastLaunch:
         pool_ints, pool_consts = pool_arguments(grad_z, y, None, None)
         return FastLaunch(_batch_norm_bwd_dx_kernel, plan.grid, dict(
-            POST=op_codes(()), HAS_BIAS=False, **pool_consts, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r,
-            num_warps=plan.num_warps), fixed=(plan.channels, plan.positions, plan.values, plan.chunk,
-                                              *flat_strides("grad_z", grad_z), *flat_strides("y", y),
-                                              *flat_strides("grad_y", grad_y), *pool_ints))  # fmt: skip
+            POST=op_codes(()), HAS_BIAS=False, **pool_consts, AFFINE_GRADS=affine_grads is not None,
+            BLOCK_C=plan.block_c, BLOCK_R=plan.block_r, num_warps=plan.num_warps),
+            fixed=(plan.channels, plan.positions, plan.values, plan.chunk, *flat_strides("grad_z", grad_z),
+                   *flat_strides("y", y), *flat_strides("grad_y", grad_y), *pool_ints))  # fmt: skip
 
-    launch = _INPUT_GRAD_LAUNCHES.plan((grad_z, y, grad_y), build)
-    launch(grad_z, y, y, affine, affine, stats, means, grad_y, y)
+    launch = _INPUT_GRAD_LAUNCHES.plan((grad_z, y, grad_y, sum_dz, *(affine_grads or (None, None))), build)
+    dg, db = affine_grads if affine_grads is not None else (y, y)
+    launch(grad_z, y, y, affine, affine, stats, sum_dz, sum_dz_xhat, grad_y, y, dg, db)
 
 
 _INPUT_GRAD_LAUNCHES = PlanCache()
@@ -609,5 +644,5 @@ class _BackwardLaunch:
                      num_warps=plan.num_warps)  # fmt: skip
         self.sums = FastLaunch(_batch_norm_bwd_sums_kernel, plan.grid, dict(tiles, POST_MASK=mask),
                                fixed=(*sizes, plan.chunks, *g_flat, *y_flat, *pool_ints))  # fmt: skip
-        self.dx = FastLaunch(_batch_norm_bwd_dx_kernel, plan.grid, tiles,
+        self.dx = FastLaunch(_batch_norm_bwd_dx_kernel, plan.grid, dict(tiles, AFFINE_GRADS=False),
                              fixed=(*sizes, *g_flat, *y_flat, *flat_strides("grad_y", grad_y), *pool_ints))  # fmt: skip

@@ -147,6 +147,10 @@ class Pattern:
     name: str = ""
     precedence: Precedence = Precedence.CLAIMS_AN_OP
     description: str = ""
+    opt_in: bool = False
+    """A family that runs only where it is named (the ``patterns`` option, ``"all"``, or
+    ``FUSION_PATTERNS``): one whose fused op has not yet measured faster than Inductor on the
+    networks it was built for, so that its regions cost no one a decision's measurement by default."""
 
     def find(self, ctx: MatchContext) -> Iterable[Union[Candidate, NearMiss]]:
         raise NotImplementedError
@@ -196,6 +200,11 @@ def registered_patterns() -> dict[str, Pattern]:
     from .. import patterns  # noqa: F401  (registers the built-in families)
 
     return dict(_REGISTRY)
+
+
+def default_patterns() -> tuple[str, ...]:
+    """The families that run unless told otherwise: every registered one but the opt-in ones."""
+    return tuple(name for name, pattern in registered_patterns().items() if not pattern.opt_in)
 
 
 def precedence_order() -> list[str]:

@@ -33,10 +33,14 @@ def values_per_channel(shape: Sequence[int]) -> int:
 
 def update_running_stats(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:
     """Eager's in-place update ``running = (1 - m) * running + m * batch`` with the batch mean and
-    unbiased variance (``stats`` rows 0 and 2), computed in the statistics' dtype and stored in the
-    running statistics' own dtype."""
-    running_mean.copy_(stats[0] * momentum + running_mean.to(stats.dtype) * (1.0 - momentum))
-    running_var.copy_(stats[2] * momentum + running_var.to(stats.dtype) * (1.0 - momentum))
+    unbiased variance (``stats`` rows 0 and 2), computed as ``running + m * (batch - running)``
+    (``lerp``: within an ulp of eager's form) in the running statistics' dtype.  NOTE: one foreach launch
+    for both where eager's form took eight small kernels (mul, mul, add, copy per statistic), each a few
+    microseconds of a training step's GPU time under CUDA graphs."""
+    batch = [stats[0], stats[2]]
+    if stats.dtype != running_mean.dtype or stats.dtype != running_var.dtype:
+        batch = [batch[0].to(running_mean.dtype), batch[1].to(running_var.dtype)]
+    torch._foreach_lerp_([running_mean, running_var], batch, momentum)
 
 
 def running_update(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:

@@ -28,6 +28,7 @@ def train_steps(model, shape, device, steps=3, options=None):
     torch.manual_seed(0)
     model = model.to(device)
     eager = copy.deepcopy(model)
+    torch._dynamo.reset()  # a fresh compile under these options (Dynamo would reuse one of this code)
     compiled = torch.compile(model, backend="fusion", options={"decide": "fuse", "strict": True, **(options or {})})
     with collect_reports() as reports:
         for _ in range(steps):
@@ -47,16 +48,20 @@ def train_steps(model, shape, device, steps=3, options=None):
 def test_bottleneck_trains_as_eager_with_both_norms_applied_by_the_convs_that_read_them(kernels, kernel_device,
                                                                                          monkeypatch) -> None:  # fmt: skip
     monkeypatch.setenv("FUSION_CONV_IMPL", "family")
-    reports = train_steps(bottleneck(), (2, 16, 6, 5), kernel_device)
+    reports = train_steps(bottleneck(), (2, 16, 6, 5), kernel_device, options={"patterns": "all"})
     assert reports[0].counts() == {"batch_norm_conv": 2}
     assert [m.summary for m in reports[0].matches] == ["batch_norm(train) -> relu -> conv2d"] * 2
     assert all(m.kernel.startswith("triton" if kernels != "reference" else "reference") for m in reports[0].matches)
 
 
-def test_conv_batch_norm_takes_the_norms_where_batch_norm_conv_is_left_out(kernel_device) -> None:
-    """The same graph without the family: the producers' regions, the alternates the decision weighs."""
-    reports = train_steps(bottleneck(), (2, 16, 6, 5), kernel_device, options={"disable_patterns": ["batch_norm_conv"]})
-    assert reports[0].counts() == {"conv_batch_norm": 2}
+def test_the_family_is_opt_in_and_conv_batch_norm_takes_the_norms_without_it(kernel_device, monkeypatch) -> None:
+    """By default (and where it is left out) the producers take the norms."""
+    for options in ({}, {"patterns": "all", "disable_patterns": ["batch_norm_conv"]}):
+        reports = train_steps(bottleneck(), (2, 16, 6, 5), kernel_device, steps=1, options=options)
+        assert reports[0].counts() == {"conv_batch_norm": 2}
+    monkeypatch.setenv("FUSION_PATTERNS", "batch_norm_conv")
+    reports = train_steps(bottleneck(), (2, 16, 6, 5), kernel_device, steps=1)
+    assert reports[0].counts() == {"batch_norm_conv": 2}
 
 
 class FunctionalChain(nn.Module):
@@ -88,7 +93,7 @@ def test_the_producers_region_of_a_norm_this_family_took_is_an_alternate() -> No
 
 
 def test_eval_mode_is_not_this_family() -> None:
-    found = dry_run(bottleneck().eval(), [torch.randn(2, 16, 6, 5)])
+    found = dry_run(bottleneck().eval(), [torch.randn(2, 16, 6, 5)], patterns=list(registered_patterns()))
     assert not any(pattern == "batch_norm_conv" for pattern, _, _ in found.regions)
 
 
@@ -100,10 +105,10 @@ def test_bottleneck_under_autocast_channels_last_on_the_gpu(dtype) -> None:
         pytest.skip("needs CUDA")
     model = Autocast(bottleneck(), "cuda", dtype).cuda().to(memory_format=torch.channels_last)
     x = torch.randn(8, 16, 28, 28, device="cuda").to(memory_format=torch.channels_last)
-    assert_fused(model, [x], {"batch_norm_conv": 2})
+    assert_fused(model, [x], {"batch_norm_conv": 2}, options={"patterns": "all"})
 
 
 def test_a_bf16_model_with_fp32_norm_inputs_is_a_near_miss() -> None:
     model = Autocast(nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3)).train(), "cpu")
-    found = dry_run(model, [torch.randn(2, 4, 6, 6)])
+    found = dry_run(model, [torch.randn(2, 4, 6, 6)], patterns=["batch_norm_conv"])
     assert [m.reason.value for m in found.near_misses if m.pattern == "batch_norm_conv"] == ["unsupported_dtype"]

@@ -107,3 +107,10 @@ def test_fusion_patterns_sets_the_patterns_options_default_and_its_names_are_che
         FusionOptions.parse({}, REGISTERED)
     monkeypatch.setenv("FUSION_PATTERNS", "")
     assert FusionOptions.parse({}, REGISTERED).patterns == REGISTERED
+
+
+def test_an_opt_in_family_runs_only_where_it_is_named(monkeypatch):
+    assert FusionOptions.parse({}, REGISTERED, default=("conv_epilogue",)).patterns == ("conv_epilogue",)
+    assert FusionOptions.parse({"patterns": "all"}, REGISTERED, default=("conv_epilogue",)).patterns == REGISTERED
+    monkeypatch.setenv("FUSION_PATTERNS", "conv_global_mean")
+    assert FusionOptions.parse({}, REGISTERED, default=("conv_epilogue",)).patterns == ("conv_global_mean",)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from fusion_backend.match.engine import registered_patterns
 from fusion_backend.patterns.corpus import FAMILIES, cases
 from fusion_backend.testing import dry_run
 
@@ -14,7 +15,7 @@ CASES = [(family, case) for family in FAMILIES for case in cases(family)]
 @pytest.mark.parametrize("family, case", CASES, ids=[f"{f}-{c.name}" for f, c in CASES])
 def test_corpus_case(family, case):
     model, inputs = case.build()
-    found = dry_run(model, inputs)
+    found = dry_run(model, inputs, patterns=list(registered_patterns()))  # the opt-in families too
     assert [summary for _, summary, _ in found.regions] == list(case.regions)
     got = sorted((m.pattern, m.reason.value) for m in found.near_misses)
     assert got == sorted((pattern, reason) for pattern, reason, _ in case.near_misses)

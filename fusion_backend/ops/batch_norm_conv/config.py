@@ -22,8 +22,9 @@ from ..conv_io import check_conv_inputs, conv_output_shape, stats_dtype
 from ..library_conv import nominal_format
 
 OP = "batch_norm_conv"
-#: Rows of the saved statistics (``outputs``).
-STATS_ROWS = 5
+#: Rows of the saved statistics (``outputs``), and those of the norm's affine among them.
+STATS_ROWS = 7
+AFFINE_ROWS = slice(5, 7)
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,12 @@ def outputs(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
 
     * ``out``: the conv output, x's dtype, in the memory format eager's conv gives for x and the
       weight (``library_conv.nominal_format``).
-    * ``saved_stats``: ``stats_dtype`` ``(5, C_in)`` contiguous, always (the running update reads it):
+    * ``saved_stats``: ``stats_dtype`` ``(7, C_in)`` contiguous, always (the running update reads it):
       row 0 the batch mean, row 1 ``rstd = 1 / sqrt(var + eps)`` (var biased), row 2 the unbiased
       variance, rows 3-4 the norm folded with its affine, ``scale = gamma * rstd`` and ``shift = beta -
-      mean * scale`` (what the conv applies as it loads x, and its backward recomputes)."""
+      mean * scale`` (what the conv applies as it loads x, and its backward recomputes), rows 5-6
+      gamma and beta (1 and 0 without them; the affine rows the norm's backward kernels read:
+      ``kernels.batch_norm.batch_norm_stats`` writes all seven in its one combine launch)."""
     shape = conv_output_shape(x, weight, cfg.conv)
     out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=nominal_format(x, weight, cfg.conv))
     stats = torch.empty((STATS_ROWS, x.shape[1]), dtype=stats_dtype(x.dtype), device=x.device)

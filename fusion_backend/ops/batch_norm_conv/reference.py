@@ -30,9 +30,10 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     z, mean, rstd = torch.ops.aten.native_batch_norm(x.to(sdt), gamma, beta, batch_mean, batch_var, True, 1.0, cfg.eps)
     a = apply_chain(z.to(x.dtype), cfg.act, operands)
     out.copy_(run_conv(a, weight, bias, cfg.conv))
-    scale = rstd if gamma is None else gamma * rstd
-    shift = -mean * scale if beta is None else beta - mean * scale
-    for row, value in zip(stats, (mean, rstd, batch_var, scale, shift), strict=True):
+    gamma = torch.ones_like(rstd) if gamma is None else gamma
+    beta = torch.zeros_like(rstd) if beta is None else beta
+    scale = gamma * rstd
+    for row, value in zip(stats, (mean, rstd, batch_var, scale, beta - mean * scale, gamma, beta), strict=True):
         row.copy_(value)
     return out, stats
 

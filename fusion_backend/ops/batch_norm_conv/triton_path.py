@@ -35,10 +35,10 @@ from torch import Tensor
 from ... import environment, impl_choice
 from ...kernels.plan_cache import tensor_key
 from .. import conv_precision
-from ..chain_lowering import affine_rows, family_activation, norm_chains
+from ..chain_lowering import KernelChains, family_activation
 from ..conv_io import in_format, run_conv
 from ..library_conv import nominal_format
-from .config import OP, BatchNormConvConfig, outputs
+from .config import AFFINE_ROWS, OP, BatchNormConvConfig, outputs
 
 #: The implementations of each pass, the default (what runs where nothing is measured) first.
 IMPLS = ("library", "family")
@@ -76,14 +76,20 @@ def _choose(direction: str, x: Tensor, weight: Tensor, bias: Tensor | None, cfg:
     return impl_choice.choose(key, candidates, default=IMPLS[0], fast_key=fast_key)
 
 
-def _activation_input(x: Tensor, affine: Sequence[Tensor], stats: Tensor, cfg: BatchNormConvConfig) -> Tensor:
+def _post_chain(x: Tensor, operands: Sequence[Tensor], cfg: BatchNormConvConfig) -> KernelChains:
+    """The activation as the norm's kernels take it (their post-chain); the norm's affine rows are the
+    saved statistics' rows 5-6 (``config.outputs``), not built here."""
+    return KernelChains(cfg.pre, cfg.post, None, operands, x.dim(), x.shape[1], x.device)
+
+
+def _activation_input(x: Tensor, operands: Sequence[Tensor], stats: Tensor, cfg: BatchNormConvConfig) -> Tensor:
     """``act(norm(x))`` written out, in x's dtype and layout (``batch_norm_apply``): what the library
     conv passes read."""
     from ...kernels.batch_norm import batch_norm_apply
 
-    chains = norm_chains(cfg, None, affine, x.dim(), x.shape[1], x.device)
+    chains = _post_chain(x, operands, cfg)
     a = torch.empty_like(x)
-    batch_norm_apply(x, None, chains.post, chains.post_params, chains.affine, stats[:2], a)
+    batch_norm_apply(x, None, chains.post, chains.post_params, stats[AFFINE_ROWS], stats[:2], a)
     return a
 
 
@@ -94,7 +100,8 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     from ...kernels.conv import conv_fprop
 
     _, stats = outputs(x, weight, bias, operands, cfg, save)
-    batch_norm_stats(x, None, cfg.eps, out=stats, fold=affine_rows(operands, cfg.weight, cfg.bias, x.shape[1], x.device))
+    fold = tuple(None if i is None else operands[i].reshape(-1) for i in (cfg.weight, cfg.bias))
+    batch_norm_stats(x, None, cfg.eps, out=stats, fold=fold)
     tf32 = conv_precision.forward_tf32(x, weight, cfg.conv).tf32
 
     def family() -> Tensor:
@@ -121,10 +128,11 @@ def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, o
     grads: list[Tensor | None] = [None] * len(operands)
     grad_x = grad_w = grad_b = None
     if mask[0] or any(wanted):
-        grad_x, affine_grads = _input_grad(grad_out, x, weight, bias, operands, saved_stats, cfg, tf32.grad_input)
-        for index, total, want in zip((cfg.weight, cfg.bias), affine_grads, wanted, strict=True):
-            if want:  # a fresh tensor: the two sums may be rows of one (outputs must not alias)
-                grads[index] = total.reshape(operands[index].shape).to(operands[index].dtype, copy=True)
+        grad_x, affine_grads = _input_grad(grad_out, x, weight, bias, operands, saved_stats, cfg, tf32.grad_input,
+                                           bool(mask[0]))  # fmt: skip
+        for index, grad, want in zip((cfg.weight, cfg.bias), affine_grads, wanted, strict=True):
+            if want:
+                grads[index] = grad
     if mask[1] or mask[2]:
         grad_w, grad_b = _weight_grad(grad_out, x, weight, bias, operands, saved_stats, cfg, bool(mask[2]),
                                       tf32.grad_weight)  # fmt: skip
@@ -132,38 +140,57 @@ def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, o
             None if grad_b is None else grad_b.to(bias.dtype), *grads]  # fmt: skip
 
 
-def _input_grad(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, affine: Sequence[Tensor],
-                stats: Tensor, cfg: BatchNormConvConfig, tf32: bool) -> tuple[Tensor, tuple[Tensor, Tensor]]:  # fmt: skip
-    """x's gradient (x's shape, dtype and ``empty_like`` strides) and the norm's ``(Σ grad_z · x̂, Σ
-    grad_z)``, its weight's and bias's gradients (fp32 or float64, C values)."""
+def _affine_grads(operands: Sequence[Tensor], cfg: BatchNormConvConfig, sums: tuple[Tensor, Tensor] | None,
+                  channels: int, device: torch.device) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The norm's weight and bias gradients, fresh tensors (the op's outputs must not alias): in each
+    operand's shape and dtype (fp32 ``(C,)`` for an absent one), filled from ``sums`` (``(Σ grad_z · x̂,
+    Σ grad_z)``) where given, else empty for a kernel to write."""
+    out = []
+    for index, total in zip((cfg.weight, cfg.bias), sums or (None, None), strict=True):
+        like = operands[index] if index is not None else None
+        shape, dtype = (like.shape, like.dtype) if like is not None else ((channels,), torch.float32)
+        out.append(torch.empty(shape, dtype=dtype, device=device) if total is None
+                   else total.reshape(shape).to(dtype, copy=True))  # fmt: skip
+    return out[0], out[1]
+
+
+def _input_grad(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                stats: Tensor, cfg: BatchNormConvConfig, tf32: bool,
+                need_x: bool) -> tuple[Tensor | None, tuple[Tensor, Tensor]]:  # fmt: skip
+    """x's gradient (x's shape, dtype and ``empty_like`` strides; None without ``need_x``) and the norm's
+    weight and bias gradients (``_affine_grads``)."""
     from ...kernels.batch_norm import batch_norm_backward, batch_norm_input_grad
     from ...kernels.conv import NormStats, conv_dgrad
 
-    chains = norm_chains(cfg, None, affine, x.dim(), x.shape[1], x.device)
+    channels = x.shape[1]
 
-    def family() -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    def family() -> tuple[Tensor | None, tuple[Tensor, Tensor]]:
         grad_z, sums = conv_dgrad(grad_out, weight, x.shape, **_geometry(cfg), x_prev=x, prologue=_prologue(stats),
                                   act_in=_activation(cfg), norm_stats=NormStats(stats[0], stats[1]), allow_tf32=tf32)  # fmt: skip
-        means = (torch.stack((sums.sum_dz, sums.sum_dz_xhat)) / sums.count).float()
+        if not need_x:
+            return None, _affine_grads(operands, cfg, (sums.sum_dz_xhat, sums.sum_dz), channels, x.device)
         grad_x = torch.empty_like(x)
-        batch_norm_input_grad(grad_z, x, chains.affine, stats, means, grad_x)
-        return grad_x, (sums.sum_dz_xhat, sums.sum_dz)
+        affine_grads = _affine_grads(operands, cfg, None, channels, x.device)  # written by the same launch
+        batch_norm_input_grad(grad_z, x, stats[AFFINE_ROWS], stats, sums.sum_dz, sums.sum_dz_xhat, grad_x,
+                              affine_grads)  # fmt: skip
+        return grad_x, affine_grads
 
-    def library() -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    def library() -> tuple[Tensor | None, tuple[Tensor, Tensor]]:
         with conv_precision.cudnn_tf32(tf32):
             grad_a = torch.ops.aten.convolution_backward(
                 grad_out, x, weight, None, list(cfg.conv.stride), list(cfg.conv.padding), list(cfg.conv.dilation),
                 False, list(cfg.conv.output_padding), cfg.conv.groups, [True, False, False])[0]  # fmt: skip
         grad_x = torch.empty_like(x)
-        dgamma, dbeta, _ = batch_norm_backward(grad_a, x, None, chains.post, chains.post_params, chains.affine,
+        chains = _post_chain(x, operands, cfg)
+        dgamma, dbeta, _ = batch_norm_backward(grad_a, x, None, chains.post, chains.post_params, stats[AFFINE_ROWS],
                                                stats[:2], grad_x)  # fmt: skip
-        return grad_x, (dgamma, dbeta)
+        return grad_x if need_x else None, _affine_grads(operands, cfg, (dgamma, dbeta), channels, x.device)
 
     run = {"family": family, "library": library}
     return run[_choose("input_grad", x, weight, bias, cfg, run)]()
 
 
-def _weight_grad(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, affine: Sequence[Tensor],
+def _weight_grad(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  stats: Tensor, cfg: BatchNormConvConfig, need_b: bool, tf32: bool) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """The conv weight's gradient (its shape, dtype and ``empty_like`` strides) and, with ``need_b``, the
     conv bias's (C_out values, x's dtype)."""
@@ -174,7 +201,7 @@ def _weight_grad(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | Non
                           bias_grad=need_b, allow_tf32=tf32)  # fmt: skip
 
     def library() -> tuple[Tensor, Tensor | None]:
-        a = _activation_input(x, affine, stats, cfg)
+        a = _activation_input(x, operands, stats, cfg)
         _, grad_w, grad_b = conv_precision.conv_backward(grad_out, a, weight, cfg.conv, False, True, need_b,
                                                          (tf32, tf32))  # fmt: skip
         return grad_w, grad_b
