@@ -29,6 +29,10 @@
 #   hostrow  the host-bound row (ResNet-50 bf16 inference): tools/bench_step_accounting.py on fresh caches, then
 #            twice on the caches the first left (the run where Inductor's graph comes from its cache): once with
 #            one repetition per backend in turn, once with --consecutive 10 (HOSTROW_SUITE names another file)
+#   bnconv   batch_norm_conv (opt-in): its op and end-to-end GPU tests (BNCONV_TESTS=0 skips them), then ResNet-50's
+#            bf16 training step under CUDA graphs with every batch_norm_conv region fused, into $out/bnconv; the log's
+#            impl-choice lines time each pass's family and library implementations (BNCONV_SUITE names other
+#            model files, comma-separated)
 #   firstcall tools/first_call.py, cold and warm, on Conv2d 64->64 (infer, train), Conv3d (infer), ConvT3d (train)
 #            (FIRSTCALL_ARGS adds options, e.g. "--warm-runs 1 --profile 25": where each first call's time goes)
 set -uo pipefail
@@ -153,6 +157,20 @@ if has hostrow; then
       --no-memory --no-cold --no-chart --out "$out/hostrow_$name" ${extra:-} >"$out/hostrow_$name.log" 2>&1
     grep -E "^resnet|fusion >=|calls  wall|static|triton'|Bypassing|x " "$out/hostrow_$name.log" | cut -c1-220 | tail -24
   done
+fi
+if has bnconv; then
+  if [[ ${BNCONV_TESTS:-1} == 1 ]]; then
+    timeout -k 10 300 python3 -m pytest -q -n 4 --dist loadgroup -p no:cacheprovider tests/ops/test_batch_norm_conv_op.py \
+      tests/e2e/test_e2e_batch_norm_conv.py tests/ops/test_conv_batch_norm_op.py tests/e2e/test_e2e_conv_batch_norm.py \
+      tests/kernels/test_norm_pool_kernel.py >"$out/bnconv_tests.log" 2>&1 || rc=1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$out/bnconv_tests.log" | tail -12
+  fi
+  FUSION_CACHE_DIR=$(mktemp -d) FUSION_DECIDE=fuse FUSION_PATTERNS=batch_norm_conv timeout -k 10 280 python3 -m fusion_backend \
+    bench --log --suite "${BNCONV_SUITE:-demos/realnets/resnet50.py}" --dtype bf16 --mode train --backends eager,inductor,fusion \
+    --no-memory --no-cold --no-chart --compile-mode reduce-overhead --out "$out/bnconv" >"$out/bnconv.log" 2>&1
+  grep -E "impl choice batch_norm_conv" "$out/bnconv.log" \
+    | sed -E 's/.*[|](forward|input_grad|weight_grad)[|].*x (\([0-9, ]+\)).*w (\([0-9, ]+\)).*: (library|family) (.*)/\1 x\2 w\3 -> \4 \5/' | sort -u
+  tail -4 "$out/bnconv.log"
 fi
 if has firstcall; then
   for spec in "demos/convnets/conv2d_64_k3_relu.py infer" "demos/convnets/conv2d_64_k3_relu.py train" \

@@ -1,31 +1,27 @@
 """The Triton path of ``fusion::batch_norm_conv`` (the frame every family's: ``ops/declare.py``).
 
-Each pass has two implementations, timed against each other once per call signature on CUDA
-(``impl_choice``; ``FUSION_CONV_IMPL=family`` or ``library`` forces one for every pass):
+The forward first computes the batch statistics (``kernels.batch_norm.batch_norm_stats``: one pass over
+x, and the combine launch that also folds the norm with its affine into a per-channel scale and shift
+and keeps gamma and beta in fp32 beside them, ``config.outputs``).  Then each pass has two
+implementations, timed against each other once per call signature on CUDA (``impl_choice``; the
+library one where nothing is measured; ``FUSION_CONV_IMPL=family`` or ``library`` forces one for every
+pass):
 
-============  ==========================================  =============================================
-pass          family (the conv kernel family's hooks)       library (cuDNN and the norm's Triton passes)
-============  ==========================================  =============================================
-forward       the batch statistics (``batch_norm_stats``, the norm folded into a per-channel scale and shift in the same launch),
-              then ``conv_fprop`` normalising and             then ``batch_norm_apply`` writes the
-              activating x as it loads it: the normalised     activation, which aten's conv reads
-              activation never exists in memory
-input grad    ``conv_dgrad`` multiplies by the activation's   aten's input gradient, then the norm's two
-              derivative (recomputed from x) and sums the     backward kernels (``batch_norm_backward``:
-              norm's backward sums as it stores; then one      the sums, then x's gradient)
-              pass writes x's gradient
-              (``batch_norm_input_grad``)
-weight grad   ``conv_wgrad`` recomputes the normalised        ``batch_norm_apply`` recomputes the
-              activation as it loads x                        activation, aten's weight gradient reads it
-============  ==========================================  =============================================
+* forward.  family: ``conv_fprop`` normalises and activates x as it loads it (the activation never
+  exists in memory).  library: ``batch_norm_apply`` writes the activation, aten's conv reads it.
+* input gradient.  family: ``conv_dgrad`` multiplies by the activation's derivative (recomputed from
+  x) and sums the norm's backward terms as it stores, then ``batch_norm_input_grad`` writes x's
+  gradient and the norm's weight and bias gradients in one launch.  library: aten's input gradient,
+  then the norm's two backward kernels (``batch_norm_backward``).
+* weight gradient.  family: ``conv_wgrad`` recomputes the activation as it loads x.  library:
+  ``batch_norm_apply`` recomputes it, aten's weight gradient reads it.
 
 Nothing full-size is saved: the backward recomputes from x (which the graph keeps) and the saved
-per-channel statistics (``config.outputs``).  Every dot follows eager's precision (``conv_precision``).
+per-channel statistics.  Every conv follows eager's precision (``conv_precision``).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,10 +66,10 @@ def _choose(direction: str, x: Tensor, weight: Tensor, bias: Tensor | None, cfg:
     if forced in IMPLS:
         return forced
     fast_key = (OP, direction, cfg, tensor_key(x), tensor_key(weight), bias is None, torch.backends.cudnn.allow_tf32)
-    key = functools.partial(lambda: f"{OP}|{direction}|{cfg.to_json()}|x {tuple(x.shape)} {x.stride()} {x.dtype}|"
-                                    f"w {tuple(weight.shape)} {weight.stride()}|bias {bias is not None}|"
-                                    f"tf32 {torch.backends.cudnn.allow_tf32}")  # fmt: skip
-    return impl_choice.choose(key, candidates, default=IMPLS[0], fast_key=fast_key)
+    return impl_choice.choose(
+        lambda: f"{OP}|{direction}|{cfg.to_json()}|x {tuple(x.shape)} {x.stride()} {x.dtype}|w {tuple(weight.shape)} "
+                f"{weight.stride()}|bias {bias is not None}|tf32 {torch.backends.cudnn.allow_tf32}",
+        candidates, default=IMPLS[0], fast_key=fast_key)  # fmt: skip
 
 
 def _post_chain(x: Tensor, operands: Sequence[Tensor], cfg: BatchNormConvConfig) -> KernelChains:
@@ -100,7 +96,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     from ...kernels.conv import conv_fprop
 
     _, stats = outputs(x, weight, bias, operands, cfg, save)
-    fold = tuple(None if i is None else operands[i].reshape(-1) for i in (cfg.weight, cfg.bias))
+    fold = tuple(None if i is None else operands[i].reshape(-1).contiguous() for i in (cfg.weight, cfg.bias))
     batch_norm_stats(x, None, cfg.eps, out=stats, fold=fold)
     tf32 = conv_precision.forward_tf32(x, weight, cfg.conv).tf32
 
