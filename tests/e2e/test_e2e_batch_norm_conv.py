@@ -54,6 +54,28 @@ def test_bottleneck_trains_as_eager_with_both_norms_applied_by_the_convs_that_re
     assert all(m.kernel.startswith("triton" if kernels != "reference" else "reference") for m in reports[0].matches)
 
 
+def test_dynamic_shapes_train_as_eager(kernels, kernel_device, monkeypatch) -> None:
+    """``dynamic=True``: batch and spatial sizes change between steps."""
+    monkeypatch.setenv("FUSION_CONV_IMPL", "family")
+    torch.manual_seed(0)
+    model = bottleneck().to(kernel_device)
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusion", dynamic=True,
+                             options={"decide": "fuse", "strict": True, "patterns": "all"})  # fmt: skip
+    with collect_reports() as reports:
+        for shape in ((2, 16, 6, 5), (3, 16, 7, 9)):
+            x = torch.randn(shape, device=kernel_device)
+            out, want = compiled(x), eager(x)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+            g = torch.randn_like(want)
+            out.backward(g)
+            want.backward(g)
+            for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert all(r.counts() == {"batch_norm_conv": 2} for r in reports) and reports
+
+
 def test_the_family_is_opt_in_and_conv_batch_norm_takes_the_norms_without_it(kernel_device, monkeypatch) -> None:
     """By default (and where it is left out) the producers take the norms."""
     for options in ({}, {"patterns": "all", "disable_patterns": ["batch_norm_conv"]}):

@@ -252,6 +252,39 @@ def test_nan_in_one_channel_reaches_the_outputs_as_in_eager(kernels, kernel_devi
     assert torch.equal(out.isnan(), want.isnan()) and out.isnan().any()
 
 
+@pytest.mark.parametrize("impl", ["family", "library"])
+@pytest.mark.parametrize("view", ["channels_last_w_slice", "channels_last_c_slice", "nchw_h_slice"])
+def test_sliced_inputs_match_float64(view, impl, kernels, kernel_device, monkeypatch) -> None:
+    """x a view whose spatial dims do not flatten (the norm's kernels then read a dense copy), or a
+    channel slice the kernels read in place: output and every gradient against float64."""
+    monkeypatch.setenv("FUSION_CONV_IMPL", impl)
+    case = CASES["2d_3x3_relu_channels_last"]
+    cfg = case.config()
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(2, case.c_in + 2, 7, 9, generator=gen, dtype=torch.float64) * 2 + 0.5
+    base = base.to(kernel_device)
+    if view != "nchw_h_slice":
+        base = base.contiguous(memory_format=torch.channels_last)
+    cut = {"channels_last_w_slice": lambda t: t[:, :case.c_in, :, 1:], "channels_last_c_slice": lambda t: t[:, 1:1 + case.c_in],
+           "nchw_h_slice": lambda t: t[:, 2:, 1:]}[view]  # fmt: skip
+    _, w, _, *affine = tensors(case, 11, kernel_device)
+    runs = {}
+    for name, dtype in (("got", torch.float32), ("eager", torch.float32), ("ref", torch.float64)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (base, w, *affine)]
+        x = cut(leaves[0])
+        if name == "got":
+            out = batch_norm_conv(x, leaves[1], None, leaves[2:], cfg.to_json())
+        else:
+            out = eager(x, leaves[1], None, leaves[2:], cfg)
+        out.backward(torch.ones_like(out) * torch.linspace(-1, 1, out.shape[-1], device=kernel_device, dtype=dtype))
+        runs[name] = (out, [t.grad for t in leaves])
+    problems = [compare("output", runs["got"][0], runs["eager"][0], reference=runs["ref"][0])]
+    for i, name in enumerate(["x", "weight", "gamma", "beta"]):
+        problems.append(compare(f"grad of {name}", runs["got"][1][i], runs["eager"][1][i], reference=runs["ref"][1][i]))
+    problems = [p for p in problems if p]
+    assert not problems, "\n".join(problems)
+
+
 def test_an_empty_batch_gives_an_empty_output_zero_gradients_and_unchanged_statistics(kernels, kernel_device) -> None:
     case = CASES["2d_3x3_relu_channels_last"]
     cfg = case.config(running_stats=True)
