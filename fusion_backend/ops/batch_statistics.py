@@ -34,13 +34,15 @@ def values_per_channel(shape: Sequence[int]) -> int:
 def update_running_stats(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:
     """Eager's in-place update ``running = (1 - m) * running + m * batch`` with the batch mean and
     unbiased variance (``stats`` rows 0 and 2), computed as ``running + m * (batch - running)``
-    (``lerp``: within an ulp of eager's form) in the running statistics' dtype.  NOTE: one foreach launch
-    for both where eager's form took eight small kernels (mul, mul, add, copy per statistic), each a few
-    microseconds of a training step's GPU time under CUDA graphs."""
-    batch = [stats[0], stats[2]]
-    if stats.dtype != running_mean.dtype or stats.dtype != running_var.dtype:
-        batch = [batch[0].to(running_mean.dtype), batch[1].to(running_var.dtype)]
-    torch._foreach_lerp_([running_mean, running_var], batch, momentum)
+    (``lerp``: within an ulp of eager's form) in the statistics' dtype and stored in the running
+    statistics' own.  NOTE: where those dtypes agree (fp32 buffers, the common case), one foreach launch
+    for both, where eager's form took eight small kernels (mul, mul, add, copy per statistic), each a
+    few microseconds of a training step's GPU time under CUDA graphs."""
+    if running_mean.dtype == running_var.dtype == stats.dtype:
+        torch._foreach_lerp_([running_mean, running_var], [stats[0], stats[2]], momentum)
+        return
+    running_mean.copy_(torch.lerp(running_mean.to(stats.dtype), stats[0], momentum))
+    running_var.copy_(torch.lerp(running_var.to(stats.dtype), stats[2], momentum))
 
 
 def running_update(running_mean: Tensor, running_var: Tensor, stats: Tensor, momentum: float) -> None:
