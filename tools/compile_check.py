@@ -361,6 +361,11 @@ def batch_norm_pass(workload: str, dtype: str) -> None:
                              pool, out, winner)  # fmt: skip
     BN.batch_norm_backward(torch.empty_like(out), y, bias, steps, post_params, affine, stats, torch.empty_like(y),
                            [True] * len(steps), pool, winner)
+    if pool is None:  # ``fusion::batch_norm_conv``'s: the norm folded for the next conv, its input gradient
+        folded = BN.batch_norm_stats(y, None, 1e-5, fold=(torch.empty(c), torch.empty(c, dtype=dt)))
+        sums = torch.empty(2, c, dtype=torch.float64)
+        BN.batch_norm_input_grad(torch.empty_like(y), y, folded[5:7], folded, sums[0], sums[1], torch.empty_like(y),
+                                 (torch.empty(c), torch.empty(c)))  # fmt: skip
 
 
 #: The layer_norm job's workloads: conv output shape, normalized dims, channels-last, pre-chain, post-chain.
