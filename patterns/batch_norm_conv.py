@@ -55,17 +55,13 @@ class BatchNormConvRegion:
 class BatchNormConvPattern(ConvAnchoredPattern):
     name = "batch_norm_conv"
     precedence = Precedence.TAKES_ITS_INPUT
-    # NOTE: opt-in (``patterns=[..., "batch_norm_conv"]`` or ``FUSION_PATTERNS``) until its op wins a
-    # region: every pass of each implementation and the region against Inductor's, fwd + bwd, GPU ms,
-    # H200, bf16, batch 64, channels-last: ResNet-50's consumer convs 0.61-0.83x Inductor (3x3 64@56x56:
-    # 0.327 vs 0.264 ms; its family passes 0.108 / 0.120 / 0.110 ms against cuDNN's with the norm's passes
-    # 0.090 / 0.122 / 0.065), EfficientNet-B0's depthwise ones 0.76-0.95x (a scratch timing of the op's
-    # passes); the whole ResNet-50 training step 0.89x Inductor with every region fused
-    # (``FUSION_DECIDE=fuse FUSION_PATTERNS=batch_norm_conv python -m fusion_backend bench --log --dtype bf16
-    # --mode train --backends eager,inductor,fusion --no-memory --no-cold --no-chart --compile-mode
-    # reduce-overhead --suite demos/realnets/resnet50.py``; the log's impl-choice lines time each pass).  By
-    # default a measured decision would keep none of them and cost each process one region's measurement
-    # (6.3 s under CUDA graphs).
+    # NOTE: opt-in (``patterns=[..., "batch_norm_conv"]``, ``"all"`` or ``FUSION_PATTERNS``) until its op
+    # wins a region: with every region fused, ResNet-50's bf16 training step under CUDA graphs ran 0.89x
+    # Inductor (H200; ``FUSION_DECIDE=fuse FUSION_PATTERNS=batch_norm_conv python -m fusion_backend bench
+    # --log --dtype bf16 --mode train --backends eager,inductor,fusion --no-memory --no-cold --no-chart
+    # --compile-mode reduce-overhead --suite demos/realnets/resnet50.py``), each pass at the faster of its
+    # two implementations (the log's impl-choice lines; docs/perf/RESULTS.md, ``batch_norm_conv``).  By
+    # default a measured decision would keep none of its regions and spend a measurement on one per process.
     opt_in = True
     description = ("batch norm with batch statistics (training mode) → optional relu/leaky_relu/gelu/silu → conv "
                    "(1-3d), the norm and activation applied as the conv loads its input")

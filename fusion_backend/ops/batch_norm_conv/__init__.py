@@ -16,8 +16,8 @@ loads it, so the activation is never written nor read again, and its backward re
 (which the graph keeps anyway) instead of saving it; the input gradient's kernel produces the norm's
 backward sums as it stores (``triton_path``, which also says when cuDNN's passes run instead).
 
-Saved state ``(saved_stats,)``: fp32 ``(5, C_in)`` (``config.outputs``: mean, rstd, unbiased variance,
-the folded scale and shift), nothing full-size.  Everything else as every family's
+Saved state ``(saved_stats,)``: fp32 ``(7, C_in)`` (``config.outputs``: mean, rstd, unbiased variance,
+the folded scale and shift, gamma and beta), nothing full-size.  Everything else as every family's
 (``ops/declare.py``); the reference runs ``aten.native_batch_norm`` and eager's conv.  The running
 statistics' update is ``fusion::batch_norm_running_update`` (``ops/batch_statistics.py`` says why it is
 an op of its own).
