@@ -134,3 +134,23 @@ def test_a_bf16_model_with_fp32_norm_inputs_is_a_near_miss() -> None:
     model = Autocast(nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3)).train(), "cpu")
     found = dry_run(model, [torch.randn(2, 4, 6, 6)], patterns=["batch_norm_conv"])
     assert [m.reason.value for m in found.near_misses if m.pattern == "batch_norm_conv"] == ["unsupported_dtype"]
+
+
+def test_the_region_timing_updates_copies_of_the_running_statistics() -> None:
+    """Timing the region many times (the decision) must not move the model's own running statistics."""
+    from fusion_backend.runtime.region_timing import extract_region, region_inputs
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        (_, candidate), = find_regions(gm, ["batch_norm_conv"]).accepted
+        region = extract_region(gm, candidate.nodes)
+        inputs = region_inputs(region, gm, example_inputs)
+        seen["copies"] = [n.name for n, t in zip(region.inputs, inputs, strict=True) if t.data_ptr() not in
+                          {e.data_ptr() for e in example_inputs}]  # fmt: skip
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3)).train()
+    torch.compile(model, backend=backend)(torch.randn(2, 4, 6, 6))
+    assert sorted(seen["copies"]) == ["l_fn_modules_0_buffers_running_mean_", "l_fn_modules_0_buffers_running_var_"]
