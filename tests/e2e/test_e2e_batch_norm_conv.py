@@ -1,7 +1,9 @@
 """batch_norm_conv end to end: torch.compile(backend="fusion") over three training steps of ResNet's
 bottleneck against eager (output, every gradient, running statistics, num_batches_tracked), with the
-reference and the interpreted kernels; the region it takes from ``conv_batch_norm`` and the alternate
-that leaves; eval mode (no match: the norm folds into the producer's chain); autocast on CUDA."""
+reference and the interpreted kernels, through Inductor and the direct runner, with dynamic shapes;
+the family opt-in; the region it takes from ``conv_batch_norm`` and the alternate that leaves; the
+decision's region timing on copies of the running statistics; eval mode (no match: the norm folds
+into the producer's chain); autocast on CUDA."""
 
 from __future__ import annotations
 
@@ -154,3 +156,24 @@ def test_the_region_timing_updates_copies_of_the_running_statistics() -> None:
     model = nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3)).train()
     torch.compile(model, backend=backend)(torch.randn(2, 4, 6, 6))
     assert sorted(seen["copies"]) == ["l_fn_modules_0_buffers_running_mean_", "l_fn_modules_0_buffers_running_var_"]
+
+
+class FunctionalPreActivation(nn.Module):
+    """``conv(relu(F.batch_norm(x)))`` with the module's own buffers: no ``num_batches_tracked``, so the
+    rewritten graph holds only the fused op and runs directly (no Inductor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(6, 4, 3, padding=1)
+        self.register_buffer("rm", torch.zeros(6))
+        self.register_buffer("rv", torch.ones(6))
+        self.gamma = nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, x):
+        return self.conv(torch.relu(F.batch_norm(x, self.rm, self.rv, self.gamma, None, True, 0.3, 1e-3)))
+
+
+def test_the_direct_runner_trains_as_eager(kernels, kernel_device, monkeypatch) -> None:
+    monkeypatch.setenv("FUSION_CONV_IMPL", "family")
+    reports = train_steps(FunctionalPreActivation(), (2, 6, 5, 7), kernel_device, options={"patterns": "all"})
+    assert reports[0].counts() == {"batch_norm_conv": 1} and reports[0].runner == "direct"
