@@ -32,12 +32,11 @@ import torch
 import torch.fx as fx
 
 from ..frontend.canonical import BatchNorm, Conv, Pointwise
-from ..match.chain_walk import operand_index, per_channel_problem
-from ..match.conv_walk import conv_label, is_sync_batch_norm
+from ..match.chain_walk import operand_index
+from ..match.conv_walk import batch_norm_problem, conv_label, is_sync_batch_norm, prologue_activation
 from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, Precedence, fake_of, register_pattern
 from ..match.rewrite import rewrite_conv_region
-from ..ops.chain import ChainStep, Const
-from ..ops.chain_lowering import family_activation
+from ..ops.chain import ChainStep
 from ..report import Match, NearMiss, ReasonKind
 
 
@@ -73,7 +72,7 @@ class BatchNormConvPattern(ConvAnchoredPattern):
         act = None
         op = ctx.op(node)
         if isinstance(op, Pointwise):
-            step = _activation_step(op)
+            step = prologue_activation(op)
             if step is None:
                 return None
             act, node = (node, step), op.args[0]
@@ -100,22 +99,14 @@ class BatchNormConvPattern(ConvAnchoredPattern):
             return norm.node, ReasonKind.UNSUPPORTED_OP, (f"`{norm.node.name}` is a SyncBatchNorm: its statistics "
                                                           "span every process, which one process's fused op cannot "
                                                           "compute")  # fmt: skip
-        if norm.node.op == "call_module":
-            return norm.node, ReasonKind.UNSUPPORTED_OP, (f"`{norm.node.name}` calls a batch norm module, which also "
-                                                          "counts num_batches_tracked; only its inlined F.batch_norm "
-                                                          "(what Dynamo records) fuses")  # fmt: skip
-        momentum = norm.momentum
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
-            return norm.node, ReasonKind.UNSUPPORTED_ARGUMENT, f"the batch norm's momentum {momentum!r} is not a number"
         x, y = fake_of(norm.input), fake_of(conv.node)
         if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
             return norm.node, ReasonKind.MISSING_METADATA, "the batch norm's input or the conv's output has no fake value"
         if not isinstance(x.shape[1], int):
             return norm.node, ReasonKind.UNSUPPORTED_ARGUMENT, "the batch norm's channel count is dynamic"
-        for name in ("weight", "bias", "running_mean", "running_var"):
-            why = per_channel_problem(getattr(norm, name), int(x.shape[1]))
-            if why is not None:
-                return norm.node, ReasonKind.UNSUPPORTED_OPERAND, f"the batch norm's {name} {why}"
+        problem = batch_norm_problem(norm, x.shape[1])
+        if problem is not None:
+            return (norm.node, *problem)
         if (norm.running_mean is None) != (norm.running_var is None):
             return norm.node, ReasonKind.UNSUPPORTED_OPERAND, "the batch norm has one running statistic without the other"
         if x.dtype != y.dtype:
@@ -150,18 +141,3 @@ class BatchNormConvPattern(ConvAnchoredPattern):
             ctx, candidate, conv, operands, op_module.batch_norm_conv, config, "fusion::batch_norm_conv_fwd",
             op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type), x=norm.input,
         )  # fmt: skip
-
-
-def _activation_step(op: Pointwise) -> Optional[ChainStep]:
-    """The chain step of an activation the conv family's prologue applies (relu, leaky_relu of a
-    constant slope, gelu, silu) reading its first argument, or None."""
-    if not op.args or not isinstance(op.args[0], fx.Node):
-        return None
-    seen = op.with_flowing(op.args[0])
-    if isinstance(seen, str):
-        return None
-    kind, operands = seen
-    if not all(isinstance(o, (int, float)) and not isinstance(o, bool) for o in operands):
-        return None
-    step = ChainStep(kind, tuple(Const(float(o)) for o in operands))
-    return step if family_activation(step) is not None else None

@@ -26,12 +26,12 @@ elsewhere, another dimensionality, dilation or ``return_indices``, an adaptive p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch.fx as fx
 
 from ..frontend.canonical import BatchNorm, CanonicalOp
-from ..match.chain_walk import operand_index, per_channel_problem
+from ..match.chain_walk import operand_index
 from ..match.conv_walk import (
     NOT_MATCHED,
     Centre,
@@ -39,6 +39,7 @@ from ..match.conv_walk import (
     ConvRegion,
     ConvWalkPattern,
     Refusal,
+    batch_norm_problem,
     claim_wording,
     is_sync_batch_norm,
 )
@@ -74,17 +75,9 @@ def _refusal(site: CentreSite) -> Optional[Refusal]:
                        "read the conv output)")  # fmt: skip
     if len(anchor.users) != 1:
         return Refusal(ReasonKind.SHARED_INTERMEDIATE, site.ctx.sole_user(anchor)[1], at=anchor)
-    if user.op == "call_module":
-        return Refusal(ReasonKind.UNSUPPORTED_OP,
-                       f"`{user.name}` calls a batch norm module, which also counts num_batches_tracked; only its "
-                       "inlined F.batch_norm (what Dynamo records) fuses")  # fmt: skip
-    momentum = norm.momentum
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
-        return Refusal(ReasonKind.UNSUPPORTED_ARGUMENT, f"the batch norm's momentum {_describe(momentum)} is not a number")
-    for name in ("weight", "bias", "running_mean", "running_var"):
-        why = per_channel_problem(getattr(norm, name), int(site.y.shape[1]))
-        if why is not None:
-            return Refusal(ReasonKind.UNSUPPORTED_OPERAND, f"the batch norm's {name} {why}")
+    problem = batch_norm_problem(norm, int(site.y.shape[1]))
+    if problem is not None:
+        return Refusal(*problem)
     if (norm.running_mean is None) != (norm.running_var is None):
         return NOT_MATCHED  # torch takes batch statistics and updates nothing: rare enough to leave alone
     return None
@@ -149,7 +142,3 @@ class ConvBatchNormPattern(ConvWalkPattern):
             ctx, candidate, conv, operands, op_module.conv_batch_norm, config, "fusion::conv_batch_norm_fwd",
             op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type),
         )  # fmt: skip
-
-
-def _describe(value: Any) -> str:
-    return f"`{value.name}` (a traced value)" if isinstance(value, fx.Node) else repr(value)

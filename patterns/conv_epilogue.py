@@ -53,10 +53,11 @@ from ..match.conv_walk import (
     InputPrologue,
     Refusal,
     claimed_elsewhere,
+    prologue_activation,
 )
 from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
 from ..match.rewrite import Deferred, dtype_if_changed, dtype_name, materialize, rewrite_conv_region
-from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, Const, PointwiseKind, TensorRef
+from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, PointwiseKind, TensorRef
 from ..ops.chain_lowering import family_activation
 from ..ops.config import ConvEpilogueConfig
 from ..report import Match, ReasonKind
@@ -129,9 +130,8 @@ class ConvEpiloguePattern(ConvWalkPattern):
         act = None
         op = ctx.op(node)
         if isinstance(op, Pointwise) and len(node.users) == 1 and op.args and isinstance(op.args[0], fx.Node):
-            seen = op.with_flowing(op.args[0])
-            step = None if isinstance(seen, str) else _constant_step(*seen)
-            if step is None or family_activation(step) is None:
+            step = prologue_activation(op)
+            if step is None:
                 return None
             act, node = (node, step), op.args[0]
             op = ctx.op(node)
@@ -227,13 +227,6 @@ def _prologue_operands(prologue: Optional[InputPrologue]) -> list[Any]:
     if isinstance(prologue, InputNorm) and prologue.norm.weight is not None:
         return [prologue.norm.weight, prologue.norm.bias]
     return []
-
-
-def _constant_step(kind: PointwiseKind, operands: tuple) -> Optional[ChainStep]:
-    """``kind`` with its operands as a chain step where they are all numbers, else None."""
-    if not all(isinstance(o, (int, float)) and not isinstance(o, bool) for o in operands):
-        return None
-    return ChainStep(kind, tuple(Const(float(o)) for o in operands))
 
 
 def _unfoldable(bn: BatchNorm, flowing: fx.Node, y: torch.Tensor) -> Optional[str]:

@@ -62,7 +62,7 @@ from .chain_math import (
 from .host import cdiv, next_pow2
 from .launch import FastLaunch
 from .norm_pool import pool_arguments, pool_input_grad, pooled_grad_strides
-from .plan_cache import PlanCache, flat_strides, require_rows
+from .plan_cache import PlanCache, flat_strides, require_rows, spatial_flat_strides
 
 #: Elements of a program's tile (``BLOCK_C * BLOCK_R``).
 TILE_ELEMENTS = 2048
@@ -518,6 +518,12 @@ def _layout_of(t: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
+def flattening(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where its spatial dims flatten to one stride, as these kernels walk a tensor (contiguous,
+    channels-last, a slice along N or C), else a dense copy in its layout (a slice along a spatial dim)."""
+    return t if spatial_flat_strides(t) is not None else t.contiguous(memory_format=_layout_of(t))
+
+
 def batch_norm_backward(
     grad_out: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, post: Sequence[KernelStep],
     post_params: torch.Tensor, affine: torch.Tensor, stats: torch.Tensor, grad_y: torch.Tensor,
@@ -546,11 +552,8 @@ def batch_norm_backward(
         if t.shape != y.shape:
             raise ValueError(f"{name} must have y's shape {tuple(y.shape)}, got {tuple(t.shape)}")
     if pool is None:
-        try:
-            g_flat = flat_strides("grad_out", grad_out)
-        except ValueError:
-            grad_out = grad_out.contiguous()
-            g_flat = flat_strides("grad_out", grad_out)
+        grad_out = flattening(grad_out)
+        g_flat = flat_strides("grad_out", grad_out)
     else:
         if _layout_of(grad_out) != _layout_of(y):
             # NOTE: the kernels gather each position's pooled gradient over the tile's channels and

@@ -47,11 +47,12 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-from ..frontend.canonical import CanonicalOp, Conv, GroupNorm, Opaque, Pointwise, Pool
+from ..frontend.canonical import BatchNorm, CanonicalOp, Conv, GroupNorm, Opaque, Pointwise, Pool
 from ..frontend.normalize import describe_target
-from ..ops.chain import ChainStep
+from ..ops.chain import ChainStep, Const
+from ..ops.chain_lowering import family_activation
 from ..report import NearMiss, ReasonKind
-from .chain_walk import ChainPart, ChainValues, full_size_operand, grow_chain
+from .chain_walk import ChainPart, ChainValues, full_size_operand, grow_chain, per_channel_problem
 from .engine import (
     Candidate,
     ConvAnchoredPattern,
@@ -529,3 +530,39 @@ def is_sync_batch_norm(node: fx.Node) -> bool:
     """Whether Dynamo recorded ``node`` inside an ``nn.SyncBatchNorm``'s forward."""
     stack = node.meta.get("nn_module_stack") or {}
     return any(isinstance(t, type) and issubclass(t, torch.nn.SyncBatchNorm) for _, t in stack.values())
+
+
+def batch_norm_problem(norm: BatchNorm, channels: int) -> Optional[tuple[ReasonKind, str]]:
+    """``(reason, message)`` where a batch norm with batch statistics over ``channels`` channels cannot
+    be fused, by the checks every family taking one makes, else None: a batch norm module call (it
+    would hide ``num_batches_tracked``'s increment), a momentum that is not a number, a weight, bias or
+    running statistic that is not one value per channel."""
+    node = norm.node
+    if node.op == "call_module":
+        return ReasonKind.UNSUPPORTED_OP, (f"`{node.name}` calls a batch norm module, which also counts "
+                                           "num_batches_tracked; only its inlined F.batch_norm (what Dynamo "
+                                           "records) fuses")  # fmt: skip
+    momentum = norm.momentum
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+        described = f"`{momentum.name}` (a traced value)" if isinstance(momentum, fx.Node) else repr(momentum)
+        return ReasonKind.UNSUPPORTED_ARGUMENT, f"the batch norm's momentum {described} is not a number"
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        why = per_channel_problem(getattr(norm, name), channels)
+        if why is not None:
+            return ReasonKind.UNSUPPORTED_OPERAND, f"the batch norm's {name} {why}"
+    return None
+
+
+def prologue_activation(op: Any) -> Optional[ChainStep]:
+    """The chain step of ``op`` where it is an activation the conv family's prologue applies (relu,
+    leaky_relu of a constant slope, gelu, silu) to its first argument, else None."""
+    if not isinstance(op, Pointwise) or not op.args or not isinstance(op.args[0], fx.Node):
+        return None
+    seen = op.with_flowing(op.args[0])
+    if isinstance(seen, str):
+        return None
+    kind, operands = seen
+    if not all(isinstance(o, (int, float)) and not isinstance(o, bool) for o in operands):
+        return None
+    step = ChainStep(kind, tuple(Const(float(o)) for o in operands))
+    return step if family_activation(step) is not None else None

@@ -32,7 +32,7 @@ from ... import environment, impl_choice
 from ...kernels.plan_cache import tensor_key
 from .. import conv_precision
 from ..chain_lowering import KernelChains, family_activation
-from ..conv_io import channels_last_format, in_format, run_conv
+from ..conv_io import in_format, run_conv
 from ..library_conv import nominal_format
 from .config import AFFINE_ROWS, OP, BatchNormConvConfig, outputs
 
@@ -72,17 +72,6 @@ def _choose(direction: str, x: Tensor, weight: Tensor, bias: Tensor | None, cfg:
         candidates, default=IMPLS[0], fast_key=fast_key)  # fmt: skip
 
 
-def _flattening(x: Tensor) -> Tensor:
-    """x where its spatial dims flatten to one stride (what the norm's kernels walk: contiguous,
-    channels-last, a slice along N or C), else a dense copy in its layout (a slice along a spatial dim)."""
-    from ...kernels.plan_cache import spatial_flat_strides
-
-    if spatial_flat_strides(x) is not None:
-        return x
-    return x.contiguous(memory_format=channels_last_format(x.dim()) if x.dim() > 3 and x.stride(1) == 1
-                        else torch.contiguous_format)  # fmt: skip
-
-
 def _post_chain(x: Tensor, operands: Sequence[Tensor], cfg: BatchNormConvConfig) -> KernelChains:
     """The activation as the norm's kernels take it (their post-chain); the norm's affine rows are the
     saved statistics' rows 5-6 (``config.outputs``), not built here."""
@@ -103,13 +92,13 @@ def _activation_input(x: Tensor, operands: Sequence[Tensor], stats: Tensor, cfg:
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: BatchNormConvConfig,
             save: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(out, saved_stats)`` as ``config.outputs`` lays them out."""
-    from ...kernels.batch_norm import batch_norm_stats
+    from ...kernels.batch_norm import batch_norm_stats, flattening
     from ...kernels.conv import conv_fprop
 
     x_given = x
 
     _, stats = outputs(x, weight, bias, operands, cfg, save)
-    x = _flattening(x)  # (the output's layout stays the one eager gives the x it was called with)
+    x = flattening(x)  # (the output's layout stays the one eager gives the x it was called with)
     fold = tuple(None if i is None else operands[i].reshape(-1).contiguous() for i in (cfg.weight, cfg.bias))
     batch_norm_stats(x, None, cfg.eps, out=stats, fold=fold)
     tf32 = conv_precision.forward_tf32(x, weight, cfg.conv).tf32
@@ -132,10 +121,12 @@ def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, o
              saved_stats: Tensor, cfg: BatchNormConvConfig, mask: Sequence[bool]) -> list[Tensor | None]:  # fmt: skip
     """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False; the running
     statistics get none)."""
+    from ...kernels.batch_norm import flattening
+
     operand_mask = list(mask[3:])
     wanted = [index is not None and bool(operand_mask[index]) for index in (cfg.weight, cfg.bias)]
     tf32 = conv_precision.backward_tf32(x, weight, cfg.conv)
-    x = _flattening(x)  # x's gradient takes x's strides where the op's outputs are laid out (``declare``)
+    x = flattening(x)  # x's gradient takes x's strides where the op's outputs are laid out (``declare``)
     grads: list[Tensor | None] = [None] * len(operands)
     grad_x = grad_w = grad_b = None
     if mask[0] or any(wanted):
