@@ -1,8 +1,8 @@
 """batch_norm_conv end to end: torch.compile(backend="fusion") over three training steps of ResNet's
 bottleneck against eager (output, every gradient, running statistics, num_batches_tracked), with the
 reference and the interpreted kernels, through Inductor and the direct runner, with dynamic shapes;
-the family opt-in; the region it takes from ``conv_batch_norm`` and the alternate that leaves; the
-decision's region timing on copies of the running statistics; eval mode (no match: the norm folds
+the family opt-in; the region it takes from ``conv_batch_norm`` and the alternate that leaves (the
+decision's region timing on copies of the running statistics: ``test_e2e_conv_batch_norm.py``); eval mode (no match: the norm folds
 into the producer's chain); autocast on CUDA."""
 
 from __future__ import annotations
@@ -25,15 +25,17 @@ pytestmark = [
 ]
 
 
-def train_steps(model, shape, device, steps=3, options=None):
-    """``steps`` training steps of the compiled model and of an eager copy; everything compared."""
+def train_steps(model, shapes, device, options=None, **compile_kwargs):
+    """One training step per input shape of ``shapes`` of the compiled model (``torch.compile``'s
+    ``compile_kwargs``) and of an eager copy; everything compared."""
     torch.manual_seed(0)
     model = model.to(device)
     eager = copy.deepcopy(model)
     torch._dynamo.reset()  # a fresh compile under these options (Dynamo would reuse one of this code)
-    compiled = torch.compile(model, backend="fusion", options={"decide": "fuse", "strict": True, **(options or {})})
+    compiled = torch.compile(model, backend="fusion", options={"decide": "fuse", "strict": True, **(options or {})},
+                             **compile_kwargs)  # fmt: skip
     with collect_reports() as reports:
-        for _ in range(steps):
+        for shape in shapes:
             x = torch.randn(shape, device=device)
             out, want = compiled(x), eager(x)
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
@@ -47,10 +49,14 @@ def train_steps(model, shape, device, steps=3, options=None):
     return reports
 
 
+#: Three steps of one input shape of the bottleneck.
+STEPS = [(2, 16, 6, 5)] * 3
+
+
 def test_bottleneck_trains_as_eager_with_both_norms_applied_by_the_convs_that_read_them(kernels, kernel_device,
                                                                                          monkeypatch) -> None:  # fmt: skip
     monkeypatch.setenv("FUSION_CONV_IMPL", "family")
-    reports = train_steps(bottleneck(), (2, 16, 6, 5), kernel_device, options={"patterns": "all"})
+    reports = train_steps(bottleneck(), STEPS, kernel_device, options={"patterns": "all"})
     assert reports[0].counts() == {"batch_norm_conv": 2}
     assert [m.summary for m in reports[0].matches] == ["batch_norm(train) -> relu -> conv2d"] * 2
     assert all(m.kernel.startswith("triton" if kernels != "reference" else "reference") for m in reports[0].matches)
@@ -59,32 +65,18 @@ def test_bottleneck_trains_as_eager_with_both_norms_applied_by_the_convs_that_re
 def test_dynamic_shapes_train_as_eager(kernels, kernel_device, monkeypatch) -> None:
     """``dynamic=True``: batch and spatial sizes change between steps."""
     monkeypatch.setenv("FUSION_CONV_IMPL", "family")
-    torch.manual_seed(0)
-    model = bottleneck().to(kernel_device)
-    eager = copy.deepcopy(model)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="fusion", dynamic=True,
-                             options={"decide": "fuse", "strict": True, "patterns": "all"})  # fmt: skip
-    with collect_reports() as reports:
-        for shape in ((2, 16, 6, 5), (3, 16, 7, 9)):
-            x = torch.randn(shape, device=kernel_device)
-            out, want = compiled(x), eager(x)
-            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-            g = torch.randn_like(want)
-            out.backward(g)
-            want.backward(g)
-            for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    reports = train_steps(bottleneck(), [(2, 16, 6, 5), (3, 16, 7, 9)], kernel_device, options={"patterns": "all"},
+                          dynamic=True)  # fmt: skip
     assert all(r.counts() == {"batch_norm_conv": 2} for r in reports) and reports
 
 
 def test_the_family_is_opt_in_and_conv_batch_norm_takes_the_norms_without_it(kernel_device, monkeypatch) -> None:
     """By default (and where it is left out) the producers take the norms."""
     for options in ({}, {"patterns": "all", "disable_patterns": ["batch_norm_conv"]}):
-        reports = train_steps(bottleneck(), (2, 16, 6, 5), kernel_device, steps=1, options=options)
+        reports = train_steps(bottleneck(), STEPS[:1], kernel_device, options=options)
         assert reports[0].counts() == {"conv_batch_norm": 2}
     monkeypatch.setenv("FUSION_PATTERNS", "batch_norm_conv")
-    reports = train_steps(bottleneck(), (2, 16, 6, 5), kernel_device, steps=1)
+    reports = train_steps(bottleneck(), STEPS[:1], kernel_device)
     assert reports[0].counts() == {"batch_norm_conv": 2}
 
 
@@ -138,26 +130,6 @@ def test_a_bf16_model_with_fp32_norm_inputs_is_a_near_miss() -> None:
     assert [m.reason.value for m in found.near_misses if m.pattern == "batch_norm_conv"] == ["unsupported_dtype"]
 
 
-def test_the_region_timing_updates_copies_of_the_running_statistics() -> None:
-    """Timing the region many times (the decision) must not move the model's own running statistics."""
-    from fusion_backend.runtime.region_timing import extract_region, region_inputs
-
-    seen = {}
-
-    def backend(gm, example_inputs):
-        (_, candidate), = find_regions(gm, ["batch_norm_conv"]).accepted
-        region = extract_region(gm, candidate.nodes)
-        inputs = region_inputs(region, gm, example_inputs)
-        seen["copies"] = [n.name for n, t in zip(region.inputs, inputs, strict=True) if t.data_ptr() not in
-                          {e.data_ptr() for e in example_inputs}]  # fmt: skip
-        return gm.forward
-
-    torch._dynamo.reset()
-    model = nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3)).train()
-    torch.compile(model, backend=backend)(torch.randn(2, 4, 6, 6))
-    assert sorted(seen["copies"]) == ["l_fn_modules_0_buffers_running_mean_", "l_fn_modules_0_buffers_running_var_"]
-
-
 class FunctionalPreActivation(nn.Module):
     """``conv(relu(F.batch_norm(x)))`` with the module's own buffers: no ``num_batches_tracked``, so the
     rewritten graph holds only the fused op and runs directly (no Inductor)."""
@@ -175,5 +147,5 @@ class FunctionalPreActivation(nn.Module):
 
 def test_the_direct_runner_trains_as_eager(kernels, kernel_device, monkeypatch) -> None:
     monkeypatch.setenv("FUSION_CONV_IMPL", "family")
-    reports = train_steps(FunctionalPreActivation(), (2, 6, 5, 7), kernel_device, options={"patterns": "all"})
+    reports = train_steps(FunctionalPreActivation(), [(2, 6, 5, 7)] * 3, kernel_device, options={"patterns": "all"})
     assert reports[0].counts() == {"batch_norm_conv": 1} and reports[0].runner == "direct"
