@@ -5,7 +5,7 @@
         [--tiles T;...] [--dgrad-tiles T;...] [--wgrad-tiles T;...]
 
 KERNEL (a job; none: all): ``conv_fused``, ``conv_dense``, ``conv_fused_bwd``, ``conv_phase_aligned_bwd``,
-``conv_family``, ``conv_tma``, ``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``, ``batch_norm``, ``layer_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
+``conv_family``, ``conv_tma``, ``conv_tma_wgrad``, ``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``, ``batch_norm``, ``layer_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
 compile for the GPU; on ``conv_global_mean``'s default path such a kernel makes the op fall back to
 the slow torch reference (with one warning).  Run this after every change to a kernel.
 
@@ -68,6 +68,10 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   each of the TMA forward's tiles (``tiles.tma_tiles``), on ``conv_family``'s 1x1 shape, ``bf16``;
   ``-hooked``: a BatchNorm + ReLU between convs (the prologue, relu on load and the output statistics,
   no saved raw conv).  Cases ``resnet_1x1-bf16[-hooked]``, both by default.
+* ``conv_tma_wgrad``: ``kernels/conv/tma_wgrad.py``'s ``tma_wgrad_kernel`` (Gluon) through ``conv_wgrad``
+  with each of its tiles (``tiles.tma_wgrad_tiles``) on ``conv_family``'s stride-1 shapes, ``bf16``;
+  ``-hooked``: the BatchNorm + ReLU prologue recomputed (and the bias gradient where the conv has a
+  bias).  Cases ``{resnet_1x1,resnet_3x3,vae_3x3}-bf16[-hooked]``, ResNet-50's four by default.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
   the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
   pool, a max or an avg pool; ``fp32``, ``bf16``.  Cases ``{none,max,avg}-{fp32,bf16}``, all by default.
@@ -191,6 +195,7 @@ from fusion_backend.kernels.chain_math import OP_CODES  # noqa: E402
 from fusion_backend.kernels.conv import fprop as FAMILY_FPROP  # noqa: E402
 from fusion_backend.kernels.conv import tiles as FAMILY_TILES  # noqa: E402
 from fusion_backend.kernels.conv import tma_fprop as FAMILY_TMA  # noqa: E402
+from fusion_backend.kernels.conv import tma_wgrad as FAMILY_TMA_WGRAD  # noqa: E402
 from fusion_backend.ops import chain_lowering, conv_io  # noqa: E402
 from fusion_backend.ops import conv_epilogue as ce  # noqa: E402
 from fusion_backend.ops import conv_global_mean as cgm  # noqa: E402
@@ -537,18 +542,20 @@ def _launchable_on_cpu_tensors():  # noqa: ANN202
     stack.enter_context(mock.patch.object(FAMILY_FPROP, "dot_precision",
                                           lambda dtype, allow, interpret: TF32.dot_precision(dtype, allow, False)))  # fmt: skip
     stack.enter_context(mock.patch.object(FAMILY_TMA, "_is_sm90", lambda device: True))
+    stack.enter_context(mock.patch.object(FAMILY_TMA_WGRAD, "_is_sm90", lambda device: True))
     return stack
 
 
 def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, taps: bool = False,
-                     tma: bool = False) -> None:  # fmt: skip
+                     tma: str = "") -> None:  # fmt: skip
     """``kernels/conv/``'s three launchers (``conv_fprop``, ``conv_dgrad``, ``conv_wgrad``) on one of
     :data:`CONV_FAMILY_SHAPES`, channels-last, with the tile ``pick_tile`` picks; ``box``: ``conv_dgrad``
     and ``conv_wgrad`` with their first tiles loading boxes (``tiles.box_width``); ``taps``: ``conv_wgrad``
     with its first tile on 8 warps, taking 1 and then a kernel row's 3 taps per program
     (``TileConfig.taps_per_program``), after the several-taps tiles the timed choice weighs
-    (``tiles.candidates``); ``tma``: ``conv_fprop`` alone, with each of the Gluon TMA forward's tiles
-    (``tiles.tma_tiles``; a 1x1 conv; the hooks without the saved raw conv); ``hooked``: the hooks
+    (``tiles.candidates``); ``tma="fprop"``: ``conv_fprop`` alone, with each of the Gluon TMA forward's tiles
+    (``tiles.tma_tiles``; a 1x1 conv; the hooks without the saved raw conv); ``tma="wgrad"``: ``conv_wgrad``
+    alone with each of the Gluon TMA weight gradient's tiles (``tiles.tma_wgrad_tiles``); ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
     it, an eval norm's scale and shift; then, where 32 divides the output channels, GroupNorm's
@@ -571,10 +578,16 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     per_out = torch.empty(c_out, dtype=torch.float32)
     chain = [(OP_CODES["mul"], [per_out]), (OP_CODES["add"], [per_out])] if hooked and has_bias else []
     with _launchable_on_cpu_tensors():
-        if tma:
+        if tma == "fprop":
             m = out_shape[0] * out_shape[2] * out_shape[3]
             for tile in FAMILY_TILES.tma_tiles(c_in, c_out, m):  # as a BatchNorm between convs: no save
                 FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
+            return
+        if tma == "wgrad":
+            taps = w_shape[2] * w_shape[3]
+            rows = taps == 1 and not padding  # the plain call's tiles, hooked too: the register path compiles
+            for tile in FAMILY_TILES.tma_wgrad_tiles(c_in, c_out, taps, out_shape[2:], rows, False):
+                FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=tile, **hooks, **geo)
             return
         wtile = dtile = None
         if box:
@@ -669,6 +682,7 @@ PHASE_ALIGNED_FIELDS = ("BLOCK_M", "BLOCK_CI", "BLOCK_CO", "KPB")
 FAMILY_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 #: the TMA forward's M and K blocks are its tensor descriptors' boxes
 TMA_FIELDS = ("BLOCK_N", "STAGES")
+TMA_WGRAD_FIELDS = ("BLOCK_N", "SLOTS", "BOX_W", "STAGES")
 JOBS = {job.name: job for job in (
     Job(
         "conv_fused", "conv_epilogue forward through kernels/conv_fused/ (ConvTranspose3d + chain + MaxPool3d)",
@@ -714,10 +728,18 @@ JOBS = {job.name: job for job in (
     ),
     Job(
         "conv_tma", "kernels/conv/tma_fprop.py: the Gluon TMA forward, plain and hooked (conv_family's 1x1 shape)",
-        {f"resnet_1x1-bf16{h}": partial(conv_family_pass, "resnet_1x1", "bf16", bool(h), tma=True)
+        {f"resnet_1x1-bf16{h}": partial(conv_family_pass, "resnet_1x1", "bf16", bool(h), tma="fprop")
          for h in ("", "-hooked")},
         ("resnet_1x1-bf16", "resnet_1x1-bf16-hooked"),
         (TiledKernel("tma_fprop_kernel", TMA_FIELDS, "", as_launched(TMA_FIELDS)),),
+    ),
+    Job(
+        "conv_tma_wgrad", "kernels/conv/tma_wgrad.py: the Gluon TMA weight gradient, plain and hooked (conv_family's "
+        "stride-1 shapes, each of its tiles)",
+        {f"{w}-bf16{h}": partial(conv_family_pass, w, "bf16", bool(h), tma="wgrad")
+         for w in ("resnet_1x1", "resnet_3x3", "vae_3x3") for h in ("", "-hooked")},
+        ("resnet_1x1-bf16", "resnet_1x1-bf16-hooked", "resnet_3x3-bf16", "resnet_3x3-bf16-hooked"),
+        (TiledKernel("tma_wgrad_kernel", TMA_WGRAD_FIELDS, "", as_launched(TMA_WGRAD_FIELDS)),),
     ),
     Job(
         "epilogue", "kernels/epilogue.py: the epilogue kernels' forward and backward (a DAG chain, each pool kind)",
@@ -801,7 +823,7 @@ class JobRun:
                 launches = self.record(case)
             except Exception as err:  # noqa: BLE001 - report every failing case, go on
                 self.failed += 1
-                print(f"FAIL {case}: {type(err).__name__}: {str(err)[:1500]}", flush=True)
+                print(f"FAIL {case}: {type(err).__name__}: {str(err)[-3000:]}", flush=True)
                 continue
             words = self.opts.kernels.split(",") if self.opts.kernels else []
             for launch in launches:
@@ -861,7 +883,10 @@ class JobRun:
             report = kc.compile_specialisation(spec, rates, self.keep, label)
         except Exception as err:  # noqa: BLE001 - report every failing specialisation, go on
             self.failed += 1
-            return "FAIL", f"{type(err).__name__}: {str(err)[:1500]}"
+            root = err
+            while root.__cause__ is not None:  # a Triton CompilationError wraps the call chain's errors
+                root = root.__cause__
+            return "FAIL", f"{type(err).__name__}: {str(err)[:1500]}" + (f" <- {root!r:.1500}" if root is not err else "")
         self.compiled += 1
         self.spilled += report.spills
         too_much_shared = report.shared > SM90_MAX_SHARED

@@ -1,4 +1,5 @@
-"""The conv family's kernels compile for sm_90 (``tools/compile_check.py conv_family`` and ``conv_tma``),
+"""The conv family's kernels compile for sm_90 (``tools/compile_check.py conv_family``, ``conv_tma`` and
+``conv_tma_wgrad``),
 without a GPU."""
 
 from __future__ import annotations
@@ -40,3 +41,15 @@ def test_tma_forward_compiles_for_sm90_without_spills(sm90_compile_check) -> Non
     out = sm90_compile_check("conv_tma")
     assert "tma_fprop_kernel" in out, out
     assert "conv_tma: all kernels compiled without spills" in out, out
+
+
+@pytest.mark.heavy
+def test_tma_weight_gradient_compiles_for_sm90_without_spills(sm90_compile_check) -> None:
+    """The Gluon TMA weight gradient has no interpreter either: ResNet-50's 1x1 read as rows with the
+    recomputed prologue, and its 3x3 in boxes of the plane, plain (``a^T`` from shared memory) and with
+    the prologue (through registers), in the same compile-check process.  NOTE: 3 specialisations, a
+    few seconds of compiling."""
+    _needs_ptxas()
+    out = sm90_compile_check("conv_tma_wgrad")
+    assert "tma_wgrad_kernel" in out, out
+    assert "conv_tma_wgrad: all kernels compiled without spills" in out, out

@@ -25,6 +25,9 @@ Modules (one responsibility each):
 * ``dgrad``     the input gradient (also a transposed conv's forward) and ``conv_dgrad``;
 * ``grad_epilogue`` device: dgrad's store with the backward hooks (act', BatchNorm-backward sums);
 * ``wgrad``     the weight gradient, the forward's prologue recomputed on load, and ``conv_wgrad``;
+* ``tma_wgrad`` the weight gradient on sm_90 in Gluon: TMA boxes of the output and input planes,
+                ``wgmma`` on them as they landed, the same partials and split sum; a tile kind of the
+                weight gradient (``TileConfig.tma`` with a box);
 * ``reference`` the same computation in plain torch (the tests' truth and yardstick).
 
 Status: forward, input and weight gradients, correct against float64 on CPU under Triton's interpreter

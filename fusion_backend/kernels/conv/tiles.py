@@ -69,11 +69,12 @@ class TileConfig:
     flat_k: bool = False
     #: the box load's output columns per tile (0: the gather; module docstring)
     box_w: int = 0
-    #: the weight gradient's taps per program (tap-major gather): 2 or 3 read each grad_y tile once for
-    #: that many taps, one accumulator each (``wgrad`` module docstring); 1 elsewhere
+    #: the weight gradient's K steps per program: 2 or 3 read each grad_y tile once for that many, one
+    #: accumulator each; in the gather kernel consecutive taps of one channel block (``wgrad`` module
+    #: docstring), in the TMA kernel consecutive (tap, channel block) steps (``tma_wgrad``); 1 elsewhere
     taps_per_program: int = 1
-    #: the forward runs its Gluon kernel on a 1x1 conv: TMA boxes of rows, the prologue in wgmma's
-    #: register layout (``tma_fprop`` module docstring)
+    #: a Gluon kernel on sm_90: the forward's on a 1x1 conv (TMA boxes of rows, the prologue in wgmma's
+    #: register layout: ``tma_fprop``), or with a box the weight gradient's (``tma_wgrad``)
     tma: bool = False
 
     @property
@@ -105,14 +106,16 @@ class TileConfig:
             raise ContractError(f"tile box_w must be a power of two dividing block_m={self.block_m}, at most 256 "
                                 f"with block_m / box_w at most 256, and the K walk tap-major; got box_w="
                                 f"{self.box_w}, flat_k={self.flat_k}")  # fmt: skip
-        if self.taps_per_program not in (1, 2, 3) or (self.taps_per_program > 1 and (self.flat_k or self.box_w)):
-            raise ContractError(f"tile taps_per_program must be 1, 2 or 3, and 1 with a flat K walk or a box; got "
-                                f"{self.taps_per_program} (flat_k={self.flat_k}, box_w={self.box_w})")
+        if self.taps_per_program not in (1, 2, 3) or (self.taps_per_program > 1 and (
+                self.flat_k or (self.box_w and not self.tma))):  # fmt: skip
+            raise ContractError(f"tile taps_per_program must be 1, 2 or 3, and 1 with a flat K walk or a gather "
+                                f"kernel's box; got {self.taps_per_program} (flat_k={self.flat_k}, "
+                                f"box_w={self.box_w})")  # fmt: skip
 
     def check_for(self, pass_name: str) -> None:
         """:meth:`check`, and what ``pass_name``'s kernel takes: the forward loads no boxes of the
         plane (``fprop`` and ``tma_fprop`` module docstrings), several taps per program are the weight
-        gradient's alone, and a TMA tile the forward's."""
+        gradient's alone, and a TMA tile the forward's (rows) or the weight gradient's (boxes)."""
         self.check()
         if pass_name == "fprop" and self.box_w:
             raise ContractError(f"tile box_w={self.box_w}: the forward loads its A tiles by gather or as rows, "
@@ -120,11 +123,16 @@ class TileConfig:
         if pass_name != "wgrad" and self.taps_per_program != 1:
             raise ContractError(f"tile taps_per_program={self.taps_per_program}: several taps per program is the "
                                 "weight gradient's")
-        if self.tma and (pass_name != "fprop" or self.flat_k or not 64 <= self.block_m <= 256
-                               or self.block_n > 256 or self.num_warps not in (4, 8) or self.num_stages < 2):  # fmt: skip
-            raise ContractError(f"tile {self.label()}: the TMA kernel is the forward's, tap-major, with "
-                                "64 <= block_m <= 256 (a warpgroup's wgmma; a TMA box side), block_n <= 256, 4 or 8 "
-                                "warps and 2+ stages")
+        if self.tma and pass_name == "wgrad":
+            if not self.box_w or self.block_k != 16 * self.num_warps or self.num_warps not in (4, 8) \
+                    or self.block_n > 256:  # fmt: skip
+                raise ContractError(f"tile {self.label()}: the TMA weight gradient loads boxes (box_w), with "
+                                    "block_k 64 per warpgroup of 4 or 8 warps (wgmma's M) and block_n <= 256")
+        elif self.tma and (pass_name != "fprop" or self.flat_k or not 64 <= self.block_m <= 256
+                           or self.block_n > 256 or self.num_warps not in (4, 8) or self.num_stages < 2):  # fmt: skip
+            raise ContractError(f"tile {self.label()}: the TMA kernel is the forward's or the weight gradient's; "
+                                "the forward's tap-major, with 64 <= block_m <= 256 (a warpgroup's wgmma; a TMA "
+                                "box side), block_n <= 256, 4 or 8 warps and 2+ stages")
 
 
 def several_taps(taps: int) -> int:
@@ -434,3 +442,38 @@ def depthwise_candidates(c_out: int, m: int) -> list[TileConfig]:
         n = min(block_n, channels)
         tiles.append(TileConfig(min(block_m, max(16, next_pow2(m))), n, 16, 4, 1))
     return best_first(list(dict.fromkeys(tiles)))
+
+
+#: Shared memory the TMA weight gradient's rings of one SM may take (of an sm_90 SM's 227 KiB).
+_TMA_WGRAD_SHARED = 200 * 1024
+
+
+# NOTE: which TMA weight-gradient tiles are offered is measured (H200, bf16, ResNet-50 at batch 64, every
+# stride-1 conv, plain and with the BatchNorm + ReLU prologue, each candidate timed beside the gather
+# kernel's: ``python tools/bench_conv.py demos/realnets/resnet50.py --passes wgrad --filter '*k3x3 p1
+# g1*,*k1x1 p0 g1*'``, ``docs/perf/h200/conv-kernels-wgrad``).  Rows of 64 positions with two programs
+# per SM ran at or below 128 with one (0.0256 against 0.0304 ms on 1024 -> 256 channels at 14 x 14) and
+# beat the gather kernel on 10 of the 22 1x1 rows (by up to 1.45x with the prologue, 512 -> 256 at 28 x
+# 28: 0.0521 against 0.0733 ms), losing on the 56 x 56 ones (256 -> 64: 0.092 against 0.064).  A wider
+# kernel read from shared memory (plain, boxes tiling the plane exactly) beat it on the 3x3 of 64
+# channels at 56 x 56 (0.068 against 0.080 ms; three taps per program 0.087); through registers (a
+# prologue, or boxes over the plane's edge) it lost on every 3x3 (0.157 against 0.112 ms with the prologue
+# there, 0.098 against 0.050 on 128 channels at 28 x 28), so those are not offered.
+def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], rows: bool,
+                    hooked: bool) -> list[TileConfig]:  # fmt: skip
+    """The TMA weight gradient's tiles (``tma_wgrad``) the timed choice weighs for ``c_in`` -> ``c_out``
+    channels, ``taps`` kernel taps and an output plane of ``plane`` (rows, columns): ``wgmma``'s M is the
+    input channels, 64 per warpgroup (8 warps where ``c_in`` reaches 128), N up to 128 output channels,
+    one K step per program, boxes of 64 positions, the ring's stages as many as fit half of
+    :data:`_TMA_WGRAD_SHARED` (two programs per SM, each one's waits under the other's MMAs).  A 1x1 conv
+    without padding (``rows``) reads consecutive positions, any hooks; a wider kernel only where its
+    ``a^T`` comes from shared memory: no prologue (``hooked``) and boxes that tile the plane exactly
+    (NOTE above); none otherwise."""
+    warps = 8 if c_in >= 128 else 4
+    block_k = 16 * warps
+    block_n = min(128, max(16, next_pow2(c_out)))
+    box_w = 64 if rows else box_width(plane[0], plane[1], 64)
+    if not rows and (hooked or plane[0] % (64 // box_w) or plane[1] % box_w):
+        return []
+    stages = min(4, _TMA_WGRAD_SHARED // 2 // ((block_n + block_k) * 64 * 2))
+    return [TileConfig(64, block_n, block_k, warps, stages, box_w=box_w, tma=True)] if stages >= 2 else []

@@ -53,6 +53,10 @@ One input channel per group (depthwise): no GEMM (its K would be the taps alone)
 (tap, channel block, split) summing ``grad_y * a`` over its split's rows (``_depthwise_weight_grad``),
 into the same partial layout (no padding), summed by the same launch.
 
+On sm_90 a tile with ``tma`` runs the Gluon kernel of ``tma_wgrad`` instead (stride 1, one group,
+fp16/bf16): TMA boxes of both operands, the same partial layout and split sum; its tiles join the
+timed choice where they have won (``tiles.tma_wgrad_tiles``).
+
 Numerics: operands in the input dtype (fp16: fp32 accumulation), fp32 dots in TF32 iff allowed
 (``tf32.backward_dot_precision``), the prologue in fp32 rounded once to the compute dtype (as the
 forward does, so the recomputed A is the forward's A bit for bit).
@@ -72,7 +76,7 @@ from ..host import cdiv, element_extent
 from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import backward_dot_precision, round_tf32
-from . import hooks
+from . import hooks, tma_wgrad
 from .boxes import box_descriptor, box_grid, box_refusal
 from .fprop import (
     _BIG_INDEX_THRESHOLD,
@@ -85,7 +89,7 @@ from .fprop import (
 )
 from .hooks import ActivationLike, Prologue
 from .prologue import box_coords, load_a_box, load_a_tile, load_depthwise_tile, window_rows
-from .tiles import TileConfig, cached_plan, candidates, tuned_tile
+from .tiles import TileConfig, cached_plan, candidates, tma_wgrad_tiles, tuned_tile
 
 #: Programs a split-K launch aims for (about two waves of a 132-SM GPU); each split keeps at least
 #: ``_MIN_TILES_PER_SPLIT`` M tiles so that the partial buffer stays small next to the reads.  Not
@@ -378,8 +382,9 @@ _SUM_BLOCK = 1024
 class _WgradPlan:
     """Everything :func:`conv_wgrad` derives from a call's signature, built once (``_PLANS``)."""
 
-    def __init__(self, geo: _Geometry, x: torch.Tensor, grad_y: torch.Tensor, prologue: Prologue | None,
-                 act_in: int, bias_grad: bool, tile: TileConfig, split: int | None, precision: str) -> None:  # fmt: skip
+    def __init__(self, geo: _Geometry, x: torch.Tensor, grad_y: torch.Tensor, weight_dtype: torch.dtype,
+                 prologue: Prologue | None, act_in: int, bias_grad: bool, tile: TileConfig, split: int | None,
+                 precision: str) -> None:  # fmt: skip
         self.geo, self.tile, self.bias_grad = geo, tile, bias_grad
         self.dtype, self.device = x.dtype, x.device
         self.relayout_x, self.relayout_dy = not channels_last(x), not channels_last(grad_y)
@@ -394,6 +399,11 @@ class _WgradPlan:
         self.k_row = cdiv(k, tile.block_k) * tile.block_k if flat_k else geo.taps * self.cin_pad
         self.cout_pad = geo.c_out_g if self.depthwise else cdiv(geo.c_out_g, tile.block_n) * tile.block_n
         m_tiles = cdiv(geo.m, tile.block_m)
+        #: the Gluon kernel (``tma_wgrad``): TMA boxes of both operands, wgmma on them as they landed
+        self.tma = tile.tma
+        if self.tma:
+            self._init_tma(geo, x, grad_y, weight_dtype, prologue, act_in, bias_grad, tile, split, big)
+            return
         #: the M tiles are boxes of the output planes (``_box_weight_grad``): ``(OH_TILES, OW_TILES)`` per plane
         self.box = bool(tile.box_w)
         box_tiles = (0, 0)
@@ -439,6 +449,38 @@ class _WgradPlan:
             C_IN_G=geo.c_in_g, CIN_PAD=self.cin_pad, K_ROW=self.k_row, COUT_PAD=self.cout_pad, KD=geo.kernel[0],
             KH=geo.kernel[1], KW=geo.kernel[2], FLAT_K=flat_k, BLOCK=_SUM_BLOCK, num_warps=4))  # fmt: skip
 
+    def _init_tma(self, geo: _Geometry, x: torch.Tensor, grad_y: torch.Tensor, weight_dtype: torch.dtype,
+                  prologue: Prologue | None, act_in: int, bias_grad: bool, tile: TileConfig, split: int | None,
+                  big: bool) -> None:  # fmt: skip
+        """The plan of a ``tma`` tile (``tma_wgrad``): its partials in the gather kernel's tap-major
+        layout, summed by the same launch."""
+        why = tma_wgrad.refusal(geo, x.dtype, tile)
+        if not why and not tma_wgrad.supports(x, grad_y, torch.empty(0, dtype=weight_dtype, device="meta"),
+                                              geo.stride, geo.groups):  # fmt: skip
+            why = "the call is outside the TMA weight gradient's contract (tma_wgrad.supports)"
+        if why:
+            raise ContractError(f"tile {tile.label()}: {why}")
+        self.depthwise = self.box = False
+        self.relayout_x = self.relayout_dy = False  # (the launch reads dense channels-last copies itself)
+        self.cin_pad = cdiv(geo.c_in, tile.block_k) * tile.block_k
+        self.cout_pad = cdiv(geo.c_out, tile.block_n) * tile.block_n
+        self.k_row = geo.taps * self.cin_pad
+        g_norm, norm_affine = 1, False
+        if isinstance(prologue, hooks.GroupAffine):
+            g_norm, norm_affine = prologue.groups, prologue.weight is not None
+        boxes = geo.n * geo.out_size[0] * cdiv(geo.out_size[1], tile.box_h) * cdiv(geo.out_size[2], tile.box_w)
+        want = pick_split(boxes, tma_wgrad.programs(tile, geo)) if split is None else split
+        big = big or want * self.cout_pad * self.k_row > _BIG_INDEX_THRESHOLD
+        hook_codes = dict(PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine,
+                          ACT_IN=act_in, BIAS_GRAD=bias_grad, BIG=big)  # fmt: skip
+        self.launch = tma_wgrad.TmaWgradLaunch(tile, geo, self.k_row, self.cout_pad, max(1, want),
+                                               hook_codes)  # fmt: skip
+        self.split = self.launch.split
+        total = self.cout_pad * self.k_row
+        self.sum_splits = FastLaunch(sum_splits_kernel, (cdiv(total, _SUM_BLOCK),), dict(
+            C_IN_G=geo.c_in_g, CIN_PAD=self.cin_pad, K_ROW=self.k_row, COUT_PAD=self.cout_pad, KD=geo.kernel[0],
+            KH=geo.kernel[1], KW=geo.kernel[2], FLAT_K=False, BLOCK=_SUM_BLOCK, num_warps=4))  # fmt: skip
+
     def _tap_strides(self, grad_w: torch.Tensor) -> tuple[int, ...]:
         """``grad_w``'s element strides over (output channel, input channel, kd, kh, kw), the kernel
         dims lifted to 3 (a missing dim: stride 0)."""
@@ -459,6 +501,12 @@ class _WgradPlan:
         part = torch.empty((self.split, geo.groups, self.cout_pad, self.k_row), dtype=torch.float32, device=self.device)
         bpart = torch.empty((self.split, geo.c_out), dtype=torch.float32, device=self.device) if self.bias_grad else part
         p = [part if t is None else t for t in hooks.prologue_tensors(prologue)]
+        if self.tma:
+            x, grad_y = tma_wgrad.dense_channels_last(x), tma_wgrad.dense_channels_last(grad_y)
+            self.launch(x, grad_y, part, bpart, *p, slope_in)
+            self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
+            grad_b = (bpart[0] if self.split == 1 else _reduce_splits(bpart)).to(self.dtype) if self.bias_grad else None
+            return grad_w, grad_b
         x_desc: Any = x
         dy_desc: Any = grad_y
         if self.box:
@@ -533,16 +581,20 @@ def conv_wgrad(
 
         def plan_with(t: TileConfig) -> _WgradPlan:
             t.check_for("wgrad")
-            return _WgradPlan(geo, x, grad_y, prologue, code_in, bool(bias_grad), t, split, precision)
+            return _WgradPlan(geo, x, grad_y, weight.dtype, prologue, code_in, bool(bias_grad), t, split, precision)
 
         if tile is not None:
             return plan_with(tile)
         xs, dys = _layout_of(x), _layout_of(grad_y)
         # boxes only where the hooks take the tile through registers anyway (``tiles.candidates``)
-        boxed = (prologue is not None or code_in != 0) and not wgrad_box_refusal(geo, xs, dys, None)
+        hooked = prologue is not None or code_in != 0
+        boxed = hooked and not wgrad_box_refusal(geo, xs, dys, None)
         tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise sums
                            geo.out_size[1:] if boxed else None)  # fmt: skip
+        if geo.m and tma_wgrad.supports(x, grad_y, weight, geo.stride, geo.groups):
+            tiles = [*tiles, *tma_wgrad_tiles(geo.c_in, geo.c_out, geo.taps, geo.out_size[1:],
+                                              geo.taps == 1 and not any(geo.padding), hooked)]  # fmt: skip
         return plan_with(tuned_tile("wgrad", key, tiles, lambda t: functools.partial(
             plan_with(t).run, grad_y, x, weight, prologue, slope_in), x.device))
 

@@ -1,0 +1,462 @@
+"""The conv family's weight gradient on sm_90 written in Gluon (the *TMA weight gradient*): the same
+result, partial layout and split sum as :func:`wgrad.conv_wgrad_kernel`, with both operands loaded as
+TMA boxes of the planes and ``wgmma``'s operands in the layouts the data arrives in.  A
+:class:`tiles.TileConfig` with ``tma`` and a box (``box_w``) selects it for a weight gradient.
+
+The GEMM, per tap: ``grad_w[co, ci, tap] = sum_m a_tap[m, ci] * dy[m, co]`` over the output positions
+``m``, ``a_tap`` the forward's input after its prologue, shifted by the tap.  Here it is computed
+transposed, ``grad_w^T[ci, co] = a_tap^T @ dy``:
+
+* an M step is one box of ``BOX_H x BOX_W`` output positions of one plane (``(n, od)``); its ``dy``
+  operand is that box of ``grad_y`` (``[positions, BLOCK_N]``, channels contiguous: the MN-major B
+  operand ``wgmma`` takes for 16-bit types), and tap ``(kd, kh, kw)``'s ``a`` operand the box of ``x``
+  at the same positions shifted by the tap (TMA reads the padding as zeros);
+* ``wgmma``'s M is ``BLOCK_K`` input channels (64 per warpgroup), its N ``BLOCK_N`` output channels,
+  its K the box's positions.  Without a prologue ``a^T`` is read from shared memory as it landed (an
+  MN-major A operand); with one (or where boxes hang over the output plane's edge) each thread loads
+  its part of ``a^T`` into ``wgmma``'s register layout, applies the prologue there (fp32, one rounding to
+  the compute dtype: the forward's A bit for bit) and zeroes the positions that are padding or past the
+  plane (the prologue of a zero is not zero; an infinite input times a zero gradient is NaN);
+* the rank-5 box ``[1, 1, BOX_H, BOX_W, C]`` lands in shared memory row after row of ``C`` channels,
+  swizzled by address as a rank-2 ``[BOX_H * BOX_W, C]`` tile of the same rows is: the kernel reads it
+  as that tile (``_as_rows``).
+
+The prologue's vectors depend on the sample alone (a channel affine: on nothing), and a box holds
+one sample: a group affine or a gate is a per-channel scale and shift for the whole box, loaded once
+per box.
+
+A program owns ``TAPS_PER_PROGRAM`` consecutive taps (one accumulator each, reading each ``dy`` box
+once for all of them) of one ``BLOCK_K`` input-channel block and one ``BLOCK_N`` output-channel block,
+over one split's run of boxes; the grid is ``(tap groups x channel blocks x output blocks, splits)``,
+the first dim fastest so that the programs of a split, which read the same boxes, run together.  The
+boxes arrive through a ring of ``STAGES`` stages (the ``dy`` box and the taps' ``x`` boxes of one M step
+per stage, one mbarrier each).  Each program writes its fp32 partials to its split's slot of the
+``(splits, 1, COUT_PAD, K_ROW)`` buffer (tap-major rows, every element once, padding included) and
+:func:`wgrad.sum_splits_kernel` sums the slots in split order: bitwise reproducible run to run for one
+plan, as the gather kernel.
+
+Contract (:func:`supports`): fp16 or bf16 on sm_90, one group, more than one input channel, stride 1
+(any kernel size, padding and dilation), channels-last ``x`` and ``grad_y`` whose channel counts are
+multiples of 8 (TMA strides of 16 bytes); a bias gradient is summed from the ``dy`` boxes by the
+programs of the first tap group and channel block.  Gluon has no interpreter: on CPU this kernel is
+compiled (``tools/compile_check.py conv_tma``), never run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..host import INTERPRETER, cdiv
+from ..launch import FastLaunch
+from . import hooks as hooks_mod
+from .prologue import activation
+from .tiles import TileConfig
+from .tma_fprop import _DTYPES, GLUON, _Base, _is_sm90
+
+if GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .tma_fprop import _thread_barrier, _tma_load
+
+    #: Triton 3.9 names a shared-memory view's reinterpretation ``reinterpret``; 3.6 ``_reinterpret``
+    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+    @gluon.jit
+    def _as_rows(box, BLOCK_M: gl.constexpr, C: gl.constexpr):
+        """A ``[1, 1, BOX_H, BOX_W, C]`` box in shared memory as the ``[BLOCK_M, C]`` tile of its rows
+        (module docstring: the swizzle is by address, rows of ``C`` channels either way)."""
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, C], box.dtype)
+        if _PUBLIC_REINTERPRET:
+            rows = box.reinterpret(box.dtype, [BLOCK_M, C], layout)
+        else:
+            rows = box._reinterpret(box.dtype, [BLOCK_M, C], layout)
+        return rows
+
+    @gluon.jit
+    def _box_vectors(n, ci, ci_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE: gl.constexpr,
+                     G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, BLOCK_K: gl.constexpr,
+                     layout: gl.constexpr):  # fmt: skip
+        """The prologue of sample ``n`` on channels ``ci`` as ``(scale, shift, weight, bias)`` vectors
+        (``prologue.normalise``'s formulas, with one sample per box); 0 past ``C_IN`` (``ci_ok``)."""
+        one = gl.full([BLOCK_K], 1.0, gl.float32, layout)
+        zero = gl.zeros([BLOCK_K], gl.float32, layout)
+        if PROLOGUE == 1:  # channel affine
+            return (gl.load(p0_ptr + ci, mask=ci_ok, other=0.0), gl.load(p1_ptr + ci, mask=ci_ok, other=0.0),
+                    one, zero)  # fmt: skip
+        elif PROLOGUE == 2:  # group affine: (N, G) statistics, then the (C,) affine
+            ng = n * G_NORM + ci // (C_IN // G_NORM)
+            scale = gl.load(p0_ptr + ng, mask=ci_ok, other=0.0)
+            shift = gl.load(p1_ptr + ng, mask=ci_ok, other=0.0)
+            if NORM_AFFINE:
+                return (scale, shift, gl.load(p2_ptr + ci, mask=ci_ok, other=0.0),
+                        gl.load(p3_ptr + ci, mask=ci_ok, other=0.0))  # fmt: skip
+            return scale, shift, one, zero
+        elif PROLOGUE == 3:  # gate: (N, C)
+            return gl.load(p0_ptr + n * C_IN + ci, mask=ci_ok, other=0.0), zero, one, zero
+        return one, zero, one, zero
+
+    @gluon.jit
+    def _a_registers(x_box, scale, shift, weight, bias, ok, slope_in, a_layout: gl.constexpr,
+                     PROLOGUE: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
+                     MASKED: gl.constexpr):  # fmt: skip
+        """``a^T`` ``[BLOCK_K, BLOCK_M]`` of one tap in ``wgmma``'s register layout: the ``x`` box's rows
+        read transposed, the prologue in fp32 (the forward's order: ``x * scale + shift``, then the group
+        affine's ``* weight + bias``, then ``act_in``), rounded once, the positions not ``ok`` zeroed."""
+        a = x_box.permute((1, 0)).load(a_layout)
+        v = a.to(gl.float32)
+        if PROLOGUE == 3:
+            v = v * scale[:, None]
+        elif PROLOGUE != 0:
+            v = v * scale[:, None] + shift[:, None]
+            if PROLOGUE == 2 and NORM_AFFINE:
+                v = v * weight[:, None] + bias[:, None]
+        v = activation(v, ACT_IN, slope_in)
+        if MASKED:
+            v = gl.where(ok[None, :], v, 0.0)
+        return v.to(a.dtype)
+
+    @gluon.jit
+    def _positions_ok(od, oh0, ow0, kd, kh, kw, D, H, W, OH, OW, PD: gl.constexpr, PH: gl.constexpr, PW: gl.constexpr, DD: gl.constexpr,
+                      DH: gl.constexpr, DW: gl.constexpr, BOX_W: gl.constexpr, BLOCK_M: gl.constexpr,
+                      layout: gl.constexpr):  # fmt: skip
+        """Which of a box's ``BLOCK_M`` positions (row-major ``BOX_H x BOX_W`` from ``(oh0, ow0)`` of
+        output plane ``od``) are output positions whose tap ``(kd, kh, kw)`` reads inside the input."""
+        i = gl.arange(0, BLOCK_M, layout=layout)
+        oh = oh0 + i // BOX_W
+        ow = ow0 + i % BOX_W
+        ih = oh + kh * DH - PH
+        iw = ow + kw * DW - PW
+        idd = od + kd * DD - PD
+        return ((oh < OH) & (ow < OW) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                & (idd >= 0) & (idd < D))  # fmt: skip
+
+    @gluon.jit
+    def _slot(k, CI_BLOCKS, KH: gl.constexpr, KW: gl.constexpr, BLOCK_K: gl.constexpr):
+        """K step ``k`` (tap-major over ``(tap, channel block)``) -> ``(kd, kh, kw, ci0)``."""
+        tap = k // CI_BLOCKS
+        return tap // (KH * KW), (tap // KW) % KH, tap % KW, (k % CI_BLOCKS) * BLOCK_K
+
+    @gluon.jit
+    def _load_step(x_desc, dy_desc, x_ring, dy_ring, ready, step, first_box, k0, co0, CI_BLOCKS, OD, OH_TILES,
+                   OW_TILES, KH: gl.constexpr, KW: gl.constexpr, PD: gl.constexpr, PH: gl.constexpr,
+                   PW: gl.constexpr, DD: gl.constexpr, DH: gl.constexpr, DW: gl.constexpr, BOX_H: gl.constexpr,
+                   BOX_W: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr,
+                   STAGES: gl.constexpr):  # fmt: skip
+        """Issue the TMA loads of the program's ``step``-th box into its ring stage: the ``dy`` box and
+        the ``x`` box of each of the program's K steps (its tap's shift, its channel block)."""
+        n, od, oh0, ow0 = _box_origin(first_box + step, OD, OH_TILES, OW_TILES, BOX_H, BOX_W)
+        stage = step % STAGES
+        mbarrier.expect(ready.index(stage), dy_desc.block_type.nbytes + SLOTS * x_desc.block_type.nbytes)
+        _tma_load(dy_desc, [n, od, oh0, ow0, co0], ready.index(stage), dy_ring.index(stage))
+        for j in gl.static_range(SLOTS):
+            kd, kh, kw, ci0 = _slot(k0 + j, CI_BLOCKS, KH, KW, BLOCK_K)
+            _tma_load(x_desc, [n, od + kd * DD - PD, oh0 + kh * DH - PH, ow0 + kw * DW - PW, ci0],
+                      ready.index(stage), x_ring.index(stage * SLOTS + j))  # fmt: skip
+
+    @gluon.jit
+    def _box_origin(b, OD, OH_TILES, OW_TILES, BOX_H: gl.constexpr, BOX_W: gl.constexpr):
+        """Box ``b`` of the walk over the output planes (``tw`` fastest, then ``th``, the depth, the
+        sample): ``(n, od, oh0, ow0)``."""
+        tw = b % OW_TILES
+        rest = b // OW_TILES
+        th = rest % OH_TILES
+        rest = rest // OH_TILES
+        return rest // OD, rest % OD, th * BOX_H, tw * BOX_W
+
+    @gluon.jit
+    def _slot_mma(x_ring, dy_tile, acc, ring_slot, k, n, od, oh0, ow0, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in,
+                  C_IN, CI_BLOCKS, D, H, W, OH, OW, KH: gl.constexpr, KW: gl.constexpr, PD: gl.constexpr,
+                  PH: gl.constexpr, PW: gl.constexpr, DD: gl.constexpr, DH: gl.constexpr, DW: gl.constexpr,
+                  a_layout: gl.constexpr, PROLOGUE: gl.constexpr, G_NORM: gl.constexpr,
+                  NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr, REGISTER_A: gl.constexpr,
+                  MASKED: gl.constexpr, BOX_W: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_K: gl.constexpr):  # fmt: skip
+        """Issue K step ``k``'s ``wgmma`` of this box (async), its ``x`` box in ring slot ``ring_slot``:
+        ``acc += a^T @ dy``; returns ``(acc, a)``, ``a`` the operand (in registers: to keep alive until
+        the MMA retires)."""
+        x_tile = _as_rows(x_ring.index(ring_slot), BLOCK_M, BLOCK_K)
+        if REGISTER_A:
+            kd, kh, kw, ci0 = _slot(k, CI_BLOCKS, KH, KW, BLOCK_K)
+            ci = ci0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, a_layout))
+            scale, shift, weight, bias = _box_vectors(n, ci, ci < C_IN, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
+                                                      PROLOGUE, G_NORM, NORM_AFFINE, BLOCK_K,
+                                                      gl.SliceLayout(1, a_layout))  # fmt: skip
+            ok = _positions_ok(od, oh0, ow0, kd, kh, kw, D, H, W, OH, OW, PD, PH, PW, DD, DH, DW, BOX_W, BLOCK_M,
+                               gl.SliceLayout(0, a_layout))  # fmt: skip
+            a = _a_registers(x_tile, scale, shift, weight, bias, ok, slope_in, a_layout, PROLOGUE, NORM_AFFINE,
+                             ACT_IN, MASKED)  # fmt: skip
+        else:
+            a = x_tile.permute((1, 0))
+        return warpgroup_mma(a, dy_tile, acc, is_async=True), a
+
+    @gluon.jit
+    def _retire(acc0, acc1, acc2, a0, a1, a2, SLOTS: gl.constexpr, REGISTER_A: gl.constexpr,
+                OUTSTANDING: gl.constexpr):  # fmt: skip
+        """Wait until at most ``OUTSTANDING`` ``wgmma`` groups are in flight; ``a0..a2``: the register
+        operands of the groups that retire (kept alive until then; unused without ``REGISTER_A``)."""
+        if REGISTER_A:
+            if SLOTS == 1:
+                acc0, a0 = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc0, a0))
+            elif SLOTS == 2:
+                acc0, acc1, a0, a1 = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc0, acc1, a0, a1))
+            else:
+                acc0, acc1, acc2, a0, a1, a2 = warpgroup_mma_wait(num_outstanding=OUTSTANDING,
+                                                                  deps=(acc0, acc1, acc2, a0, a1, a2))  # fmt: skip
+        else:
+            if SLOTS == 1:
+                acc0 = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc0,))
+            elif SLOTS == 2:
+                acc0, acc1 = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc0, acc1))
+            else:
+                acc0, acc1, acc2 = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc0, acc1, acc2))
+        return acc0, acc1, acc2
+
+    @gluon.jit
+    def tma_wgrad_kernel(
+        x_desc, dy_desc, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in,
+        C_IN, C_OUT, D, H, W, OD, OH, OW, OH_TILES, OW_TILES, BOXES, BOXES_PER_SPLIT, CI_BLOCKS, CO_BLOCKS,
+        K_ROW: gl.constexpr, COUT_PAD: gl.constexpr,
+        KH: gl.constexpr, KW: gl.constexpr,
+        PD: gl.constexpr, PH: gl.constexpr, PW: gl.constexpr,
+        DD: gl.constexpr, DH: gl.constexpr, DW: gl.constexpr,
+        PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
+        BIAS_GRAD: gl.constexpr, REGISTER_A: gl.constexpr, MASKED: gl.constexpr, BIG: gl.constexpr,
+        SLOTS: gl.constexpr, BOX_H: gl.constexpr, BOX_W: gl.constexpr, BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """Program ``(K-step group, output block)`` x split (module docstring): its ``SLOTS`` partial
+        tiles ``[BLOCK_K, BLOCK_N]`` (transposed) over the split's boxes, K steps ``k0 .. k0 + SLOTS - 1``
+        of the tap-major ``(tap, channel block)`` axis.
+
+        x_desc    TMA descriptor of the forward's input before its prologue as ``(N, D, H, W, C_IN)``,
+                  box ``[1, 1, BOX_H, BOX_W, BLOCK_K]``, zero padding.
+        dy_desc   TMA descriptor of grad_y as ``(N, OD, OH, OW, C_OUT)``, box ``[1, 1, BOX_H, BOX_W,
+                  BLOCK_N]``.
+        part_ptr  fp32 ``(splits, 1, COUT_PAD, K_ROW)``, ``K_ROW = taps * CI_BLOCKS * BLOCK_K``: element
+                  ``(s, 0, co, k * BLOCK_K + ci)`` for K step ``k``; every element written once.
+        bpart_ptr BIAS_GRAD: fp32 ``(splits, C_OUT)``, written by the programs of K step 0.
+        p0..p3    the prologue's vectors (``hooks.prologue_tensors``).
+        Runtime: ``BOXES`` boxes in all (``OH_TILES x OW_TILES`` per plane, ``OD`` planes per sample),
+        ``BOXES_PER_SPLIT`` per split; ``CI_BLOCKS``, ``CO_BLOCKS``: channel blocks of ``x`` and ``dy``.
+        ``REGISTER_A``: ``a^T`` through registers (a prologue, or ``MASKED``: positions to zero, where
+        boxes hang over the plane or the prologue meets padding)."""
+        BLOCK_M: gl.constexpr = BOX_H * BOX_W
+        WARPS_M: gl.constexpr = min(num_warps, BLOCK_K // 16)
+        WARPS_N: gl.constexpr = num_warps // WARPS_M
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BLOCK_N // WARPS_N, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+        pid = gl.program_id(0)
+        split = gl.program_id(1)
+        co0 = (pid % CO_BLOCKS) * BLOCK_N
+        k0 = (pid // CO_BLOCKS) * SLOTS
+        first_box = split * BOXES_PER_SPLIT
+        steps = gl.minimum(BOXES - first_box, BOXES_PER_SPLIT)
+
+        x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES * SLOTS, 1, 1, BOX_H, BOX_W, BLOCK_K], x_desc.layout)
+        dy_ring = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, 1, 1, BOX_H, BOX_W, BLOCK_N], dy_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            if i < steps:
+                _load_step(x_desc, dy_desc, x_ring, dy_ring, ready, i, first_box, k0, co0, CI_BLOCKS, OD, OH_TILES,
+                           OW_TILES, KH, KW, PD, PH, PW, DD, DH, DW, BOX_H, BOX_W, BLOCK_K, SLOTS,
+                           STAGES)  # fmt: skip
+
+        acc0 = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        acc1 = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        acc2 = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+        LANES_N: gl.constexpr = min(32, BLOCK_N)
+        bias_layout: gl.constexpr = gl.BlockedLayout([1, BLOCK_N // LANES_N], [32 // LANES_N, LANES_N],
+                                                     [num_warps, 1], [1, 0])  # fmt: skip
+        bacc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, bias_layout))
+        # the register operands of the MMAs in flight (``REGISTER_A``; placeholders before the first)
+        prev_a0 = gl.zeros([BLOCK_K, BLOCK_M], x_desc.dtype, a_layout)
+        prev_a1 = prev_a0
+        prev_a2 = prev_a0
+        for step in range(steps):
+            s = step % STAGES
+            n, od, oh0, ow0 = _box_origin(first_box + step, OD, OH_TILES, OW_TILES, BOX_H, BOX_W)
+            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+            dy_tile = _as_rows(dy_ring.index(s), BLOCK_M, BLOCK_N)
+            acc0, a0 = _slot_mma(x_ring, dy_tile, acc0, s * SLOTS, k0, n, od, oh0, ow0, p0_ptr, p1_ptr, p2_ptr,
+                                 p3_ptr, slope_in, C_IN, CI_BLOCKS, D, H, W, OH, OW, KH, KW, PD, PH, PW, DD, DH, DW,
+                                 a_layout, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, REGISTER_A, MASKED, BOX_W,
+                                 BLOCK_M, BLOCK_K)  # fmt: skip
+            a1 = a0  # (placeholders where the program has fewer K steps)
+            a2 = a0
+            if SLOTS > 1:
+                acc1, a1 = _slot_mma(x_ring, dy_tile, acc1, s * SLOTS + 1, k0 + 1, n, od, oh0, ow0, p0_ptr, p1_ptr,
+                                     p2_ptr, p3_ptr, slope_in, C_IN, CI_BLOCKS, D, H, W, OH, OW, KH, KW, PD, PH, PW,
+                                     DD, DH, DW, a_layout, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, REGISTER_A, MASKED,
+                                     BOX_W, BLOCK_M, BLOCK_K)  # fmt: skip
+            if SLOTS > 2:
+                acc2, a2 = _slot_mma(x_ring, dy_tile, acc2, s * SLOTS + 2, k0 + 2, n, od, oh0, ow0, p0_ptr, p1_ptr,
+                                     p2_ptr, p3_ptr, slope_in, C_IN, CI_BLOCKS, D, H, W, OH, OW, KH, KW, PD, PH, PW,
+                                     DD, DH, DW, a_layout, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, REGISTER_A, MASKED,
+                                     BOX_W, BLOCK_M, BLOCK_K)  # fmt: skip
+            if BIAS_GRAD:
+                if k0 == 0:
+                    bacc += gl.sum(dy_tile.load(bias_layout).to(gl.float32), axis=0)
+            # this step's MMAs stay in flight while the previous step's retire (with the register
+            # operands they read, kept alive until then); every warp is then past its reads of the
+            # previous step's stage, which takes the box STAGES steps after it
+            acc0, acc1, acc2 = _retire(acc0, acc1, acc2, prev_a0, prev_a1, prev_a2, SLOTS, REGISTER_A, SLOTS)
+            if REGISTER_A:
+                prev_a0 = a0
+                prev_a1 = a1
+                prev_a2 = a2
+            _thread_barrier()
+            if (step > 0) & (step - 1 + STAGES < steps):
+                _load_step(x_desc, dy_desc, x_ring, dy_ring, ready, step - 1 + STAGES, first_box, k0, co0, CI_BLOCKS,
+                           OD, OH_TILES, OW_TILES, KH, KW, PD, PH, PW, DD, DH, DW, BOX_H, BOX_W, BLOCK_K, SLOTS,
+                           STAGES)  # fmt: skip
+        acc0, acc1, acc2 = _retire(acc0, acc1, acc2, prev_a0, prev_a1, prev_a2, SLOTS, REGISTER_A, 0)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+
+        # the partial tiles, transposed: element (ci, co) of K step k at part[split, 0, co, k * BLOCK_K + ci]
+        rows = k0 * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))
+        cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        slot = split
+        if BIG:
+            slot = slot.to(gl.int64)
+        base = part_ptr + (slot * COUT_PAD + cols)[None, :] * K_ROW + rows[:, None]
+        gl.store(base, acc0)
+        if SLOTS > 1:
+            gl.store(base + BLOCK_K, acc1)
+        if SLOTS > 2:
+            gl.store(base + 2 * BLOCK_K, acc2)
+        if BIAS_GRAD:
+            if k0 == 0:
+                c = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, bias_layout))
+                gl.store(bpart_ptr + split * C_OUT + c, bacc, mask=c < C_OUT)
+
+
+#: Channel counts a TMA box's channel dim takes (16-byte strides: multiples of 8 16-bit elements).
+_CHANNEL_ALIGN = 8
+
+
+def supports(x: torch.Tensor, grad_y: torch.Tensor, weight: torch.Tensor, stride: tuple[int, ...],
+             groups: int) -> bool:  # fmt: skip
+    """Whether a weight-gradient call can run here (module docstring's contract); layouts are not
+    asked: the launch reads channels-last copies where the tensors are not."""
+    return (GLUON and not INTERPRETER and _is_sm90(x.device) and x.dtype in _DTYPES and grad_y.dtype == x.dtype
+            and weight.dtype == x.dtype and groups == 1 and all(s == 1 for s in stride) and x.shape[1] > 1
+            and x.shape[1] % _CHANNEL_ALIGN == 0 and grad_y.shape[1] % _CHANNEL_ALIGN == 0)  # fmt: skip
+
+
+def refusal(geo: Any, dtype: torch.dtype, tile: TileConfig) -> str:
+    """Why ``tile`` cannot run a weight gradient of geometry ``geo`` on this kernel ("" where it can):
+    the tile's own limits (a warpgroup's ``wgmma`` and TMA boxes); the call's are :func:`supports`'s."""
+    if dtype not in _DTYPES:
+        return f"the TMA weight gradient takes fp16 or bf16, got {dtype}"
+    if geo.groups != 1 or any(s != 1 for s in geo.stride):
+        return f"the TMA weight gradient takes one group and stride 1, got {geo.groups} and {geo.stride}"
+    if geo.taps * cdiv(geo.c_in, tile.block_k) % tile.taps_per_program:
+        return (f"taps_per_program={tile.taps_per_program} must divide the {geo.taps} taps x "
+                f"{cdiv(geo.c_in, tile.block_k)} channel blocks of K")  # fmt: skip
+    if tile.block_k != 16 * 4 * (tile.num_warps // 4) or tile.num_warps not in (4, 8):
+        return (f"block_k={tile.block_k} must be 64 per warpgroup (wgmma's M) on 4 or 8 warps, got "
+                f"{tile.num_warps} warps")  # fmt: skip
+    if not tile.box_w or tile.block_m % 16 or tile.block_n > 256 or tile.num_stages < 1:
+        return "the TMA weight gradient needs a box of a multiple of 16 positions, block_n <= 256 and 1+ stages"
+    return ""
+
+
+def _descriptor(t: torch.Tensor, block: list[int], rows: int) -> Any:
+    """``t`` (channels-last, dense in that order, 16-byte aligned) as the ``(N, D, H, W, C)`` TMA
+    descriptor with box ``block`` (zero padding), in the swizzled layout ``wgmma`` reads; ``rows`` > 0:
+    as ``(rows, 1, 1, M / rows, C)``, its positions ``rows`` rows."""
+    from .boxes import _descriptor_dims
+
+    if rows:
+        m, c = t.numel() // t.shape[1] // rows, t.shape[1]
+        sizes, strides = [rows, 1, 1, m, c], [m * c, m * c, m * c, c, 1]
+    else:
+        sizes, strides = _descriptor_dims(t)
+    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(block, element)
+    return TensorDescriptor(_Base(t), sizes, strides, block, layout)
+
+
+class TmaWgradLaunch:
+    """The launch of :func:`tma_wgrad_kernel` for one weight-gradient plan (``wgrad._WgradPlan`` with a
+    ``tma`` tile), called as ``(x, grad_y, part, bpart, p0, p1, p2, p3, slope_in)`` with channels-last,
+    16-byte aligned ``x`` and ``grad_y`` (the plan copies them where they are not).
+
+    ``geo``: the plan's ``_Geometry``; ``k_row``, ``cout_pad``: the partial layout's;
+    ``split``: the splits of the boxes; ``hooks``: the prologue's constexprs (``PROLOGUE``, ``G_NORM``,
+    ``NORM_AFFINE``, ``ACT_IN``, ``BIAS_GRAD``, ``BIG``)."""
+
+    def __init__(self, tile: TileConfig, geo: Any, k_row: int, cout_pad: int, split: int,
+                 hooks: dict[str, Any]) -> None:  # fmt: skip
+        self.tile = tile
+        #: a 1x1 conv without padding reads its positions as rows (``box_w`` must be ``block_m``): all
+        #: samples' positions as one row of ``M``, or where the prologue's vectors are per sample (a box
+        #: holds one sample) each sample's as a row of its own
+        self.rows = geo.taps == 1 and not any(geo.padding)
+        self.sample_rows = self.rows and hooks["PROLOGUE"] in (hooks_mod.PROLOGUE_GROUP_AFFINE,
+                                                               hooks_mod.PROLOGUE_SAMPLE_CHANNEL_SCALE)  # fmt: skip
+        n, (od, oh, ow), size = geo.n, geo.out_size, geo.size
+        if self.rows:
+            n, row = (geo.n, geo.m // max(1, geo.n)) if self.sample_rows else (1, geo.m)
+            (od, oh, ow), size = (1, 1, row), (1, 1, row)
+        self.box_tiles = (cdiv(oh, tile.box_h), cdiv(ow, tile.box_w))
+        self.boxes = n * od * self.box_tiles[0] * self.box_tiles[1]
+        self.boxes_per_split = cdiv(self.boxes, split)
+        self.split = cdiv(self.boxes, self.boxes_per_split) if self.boxes else 1
+        padded = any(p > 0 for p in geo.padding)
+        hooked = hooks["PROLOGUE"] != 0 or hooks["ACT_IN"] != 0
+        # positions past the output plane's edge whose taps read real input (a left-looking tap of a box
+        # over the right edge: (K - 1) * dilation > padding); an input there may be inf, its dy is 0
+        overhang = any(o % b and (k - 1) * d > p for o, b, k, d, p in zip(
+            (oh, ow), (tile.box_h, tile.box_w), geo.kernel[1:], geo.dilation[1:], geo.padding[1:], strict=True))  # fmt: skip
+        ci_blocks, co_blocks = cdiv(geo.c_in, tile.block_k), cdiv(geo.c_out, tile.block_n)
+        constexprs = dict(
+            hooks, K_ROW=k_row, COUT_PAD=cout_pad, KH=geo.kernel[1], KW=geo.kernel[2],
+            PD=geo.padding[0], PH=geo.padding[1], PW=geo.padding[2],
+            DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
+            # positions to zero: the overhang's, and the padding the prologue would turn into act(shift)
+            # (a plain box reads the padding as zeros)
+            MASKED=overhang or (hooked and padded), SLOTS=tile.taps_per_program, BOX_H=tile.box_h, BOX_W=tile.box_w,
+            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, num_warps=tile.num_warps,
+        )  # fmt: skip
+        constexprs["REGISTER_A"] = hooked or constexprs["MASKED"]
+        fixed = (geo.c_in, geo.c_out, *size, od, oh, ow, *self.box_tiles, self.boxes, self.boxes_per_split,
+                 ci_blocks, co_blocks)  # fmt: skip
+        grid = (geo.taps * ci_blocks // tile.taps_per_program * co_blocks, self.split)
+        self.launch = FastLaunch(tma_wgrad_kernel, grid, constexprs, fixed=fixed)
+        self.x_block = [1, 1, tile.box_h, tile.box_w, tile.block_k]
+        self.dy_block = [1, 1, tile.box_h, tile.box_w, tile.block_n]
+
+    def __call__(self, x: torch.Tensor, grad_y: torch.Tensor, *pointers: Any) -> None:
+        rows = (self.sample_rows and x.shape[0]) or (self.rows and 1)
+        self.launch(_descriptor(x, self.x_block, rows), _descriptor(grad_y, self.dy_block, rows), *pointers)
+
+
+def dense_channels_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as TMA reads it: channels-last, dense in that order, 16-byte aligned; itself where it is."""
+    dense = t.movedim(1, -1)
+    if not dense.is_contiguous():
+        dense = dense.contiguous()
+    if dense.data_ptr() % 16:
+        dense = dense.clone()
+    return dense.movedim(-1, 1)
+
+
+def programs(tile: TileConfig, geo: Any) -> int:
+    """Programs of one split: the K steps' groups (``taps_per_program`` of the tap-major ``(tap,
+    channel block)`` steps each) x the output-channel blocks."""
+    return geo.taps * cdiv(geo.c_in, tile.block_k) // tile.taps_per_program * cdiv(geo.c_out, tile.block_n)

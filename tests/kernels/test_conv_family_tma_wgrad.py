@@ -1,0 +1,226 @@
+"""The conv family's TMA weight gradient (``kernels/conv/tma_wgrad.py``, Gluon, sm_90) against float64,
+with eager's own error as the yardstick.
+
+Gluon has no interpreter: the kernel runs on an sm_90 GPU alone (the CPU suite compiles it:
+``test_conv_family_sm90.py``; its host rules are tested here on any machine).  Each case runs
+``conv_wgrad`` with TMA tiles chosen to reach the kernel's corners: boxes that hang over the output
+plane (the masked register path) and boxes that tile it exactly (``a^T`` read from shared memory),
+several K steps per program over taps and over channel blocks, channel counts below one block and
+between blocks, 1d/2d/3d, dilation, every prologue kind and the bias gradient.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fusion_backend.kernels.conv import (
+    Activation,
+    ChannelAffine,
+    GroupAffine,
+    SampleChannelScale,
+    TileConfig,
+    conv_wgrad,
+    tma_wgrad,
+)
+from fusion_backend.kernels.conv.reference import conv_fprop_reference, conv_wgrad_reference
+from fusion_backend.kernels.conv.tiles import candidates, tma_wgrad_tiles
+from fusion_backend.kernels.plan_cache import ContractError
+from fusion_backend.testing import compare, stable_seed
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not SM90, reason="the TMA weight gradient runs on sm_90 alone (Gluon, no interpreter)")
+#: The least error bound relative to the result's norm (the gather kernel's tests').
+FLOOR = {torch.float16: 5e-4, torch.bfloat16: 4e-3}
+
+
+def _tile(block_m: int, block_n: int, warps: int, box_w: int, slots: int = 1, stages: int = 2) -> TileConfig:
+    return TileConfig(block_m, block_n, 16 * warps, warps, stages, box_w=box_w, taps_per_program=slots, tma=True)
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+def _randn(*shape, g, dtype=torch.float32, scale=1.0):  # noqa: ANN001, ANN002
+    return (torch.randn(*shape, generator=g) * scale).to("cuda", dtype)
+
+
+def _check(name: str, xs, ws, conv, tile, dtype, prologue=None, act_in=None, bias_grad=False, x=None):  # noqa: ANN001
+    """``conv_wgrad`` with ``tile`` against the float64 reference (eager's error the yardstick)."""
+    g = torch.Generator().manual_seed(stable_seed((name, repr(tile), str(dtype))))
+    x = _channels_last(_randn(*xs, g=g, dtype=dtype)) if x is None else x
+    w = _randn(*ws, g=g, dtype=dtype, scale=0.3)
+    out_shape = conv_fprop_reference(torch.zeros(xs, device="meta"), torch.zeros(ws, device="meta"), **conv)[0].shape
+    gy = _channels_last(_randn(*out_shape, g=g, dtype=dtype))
+    hooks = dict(prologue=prologue, act_in=act_in)
+    gw, gb = conv_wgrad(gy, x, w, tile=tile, bias_grad=bias_grad, **hooks, **conv)
+    eager_w, eager_b = conv_wgrad_reference(gy, x, w, bias_grad=bias_grad, **hooks, **conv)
+    truth_w, truth_b = conv_wgrad_reference(gy, x, w, bias_grad=bias_grad, dtype=torch.float64, **hooks, **conv)
+    assert gw.shape == w.shape and gw.dtype == w.dtype and gw.stride() == w.stride(), f"{name}: layout"
+    why = compare(f"{name} grad_w", gw, eager_w, FLOOR[dtype], reference=truth_w)
+    assert why is None, why
+    if bias_grad:
+        why = compare(f"{name} grad_bias", gb, eager_b, FLOOR[dtype], reference=truth_b)
+        assert why is None, why
+    return gw, (gy, x, w)
+
+
+# name, x shape, weight shape, conv kwargs, tile
+CASES = [
+    # 56 x 56 with 8 x 16 boxes: the last column of boxes hangs over the plane (masked, registers)
+    ("3x3-overhang-3-taps", (2, 64, 12, 20), (64, 64, 3, 3), dict(padding=1), _tile(128, 64, 4, 16, 3)),
+    # 8 x 8 boxes that tile a 16 x 16 plane: a^T straight from shared memory
+    ("3x3-exact-boxes-smem", (2, 64, 16, 16), (64, 64, 3, 3), dict(padding=1), _tile(64, 64, 4, 8, 1, 3)),
+    ("3x3-exact-boxes-3-taps", (1, 64, 16, 16), (128, 64, 3, 3), dict(padding=1), _tile(64, 64, 4, 8, 3)),
+    # two warpgroups (128 input channels per block), output channels past one block with a tail
+    ("3x3-8-warps-cout-tail", (2, 192, 9, 11), (72, 192, 3, 3), dict(padding=1), _tile(64, 64, 8, 8, 3)),
+    ("3x3-wide-n", (2, 128, 8, 8), (256, 128, 3, 3), dict(padding=1), _tile(64, 128, 8, 8, 1)),
+    # fewer input channels than a block (the box reads zeros past them), an odd plane, dilation 2
+    ("3x3-dil2-cin24", (2, 24, 11, 13), (40, 24, 3, 3), dict(padding=2, dilation=2), _tile(128, 64, 4, 16, 3)),
+    ("3x3-no-padding", (2, 32, 10, 9), (16, 32, 3, 3), dict(), _tile(64, 16, 4, 8, 3)),
+    ("5x5-pad2-taps-of-25", (1, 16, 12, 12), (32, 16, 5, 5), dict(padding=2), _tile(64, 32, 4, 8, 1)),
+    # 1x1 as rows (M consecutive positions), several channel blocks per program, an M tail
+    ("1x1-rows-2-blocks", (3, 256, 7, 9), (64, 256, 1, 1), dict(), _tile(128, 64, 8, 128, 2)),
+    ("1x1-rows-3-blocks", (2, 192, 5, 5), (40, 192, 1, 1), dict(), _tile(64, 64, 4, 64, 3)),
+    ("1x1-padded-boxes", (2, 64, 6, 7), (32, 64, 1, 1), dict(padding=1), _tile(64, 32, 4, 8, 1)),
+    ("conv1d-k3", (2, 32, 50), (48, 32, 3), dict(padding=1), _tile(64, 64, 4, 64, 3)),
+    ("conv3d-k3", (1, 16, 4, 6, 5), (24, 16, 3, 3, 3), dict(padding=1), _tile(64, 32, 4, 8, 3)),
+]  # fmt: skip
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_tma_wgrad_matches_float64(case, dtype):
+    name, xs, ws, conv, tile = case
+    _check(name, xs, ws, conv, tile, dtype, bias_grad=True)
+
+
+def _prologue(kind: str, n: int, c: int, g: torch.Generator):
+    if kind == "channel_affine":  # shifts far from 0: a padded tap that saw the shift would show
+        return ChannelAffine(_randn(c, g=g).abs() + 0.5, _randn(c, g=g) + 2.0)
+    if kind in ("group_affine", "group_affine-no-affine"):
+        affine = kind == "group_affine"
+        weight, bias = (_randn(c, g=g), _randn(c, g=g) + 1.0) if affine else (None, None)
+        return GroupAffine(_randn(n, 4, g=g).abs() + 0.5, _randn(n, 4, g=g) - 1.5, weight, bias)
+    return SampleChannelScale(torch.sigmoid(_randn(n, c, g=g)) + 0.5)
+
+
+PROLOGUES = [
+    ("channel_affine", "relu"),
+    ("group_affine", "silu"),
+    ("group_affine-no-affine", "gelu"),
+    ("gate", Activation("leaky_relu", 0.2)),
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("geometry", ["3x3-overhang", "3x3-exact", "1x1-rows"])
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+def test_tma_wgrad_recomputes_each_prologue(kind, act, geometry):
+    """The forward's prologue and activation recomputed on ``a^T`` in registers; the padding's taps and
+    the overhang's positions add nothing (the prologue of a zero is not zero).  Several samples per
+    call: a box's per-sample vectors (group affine, gate) follow its sample."""
+    xs, ws, conv, tile = {
+        "3x3-overhang": ((3, 64, 9, 11), (64, 64, 3, 3), dict(padding=1), _tile(128, 64, 4, 16, 3)),
+        "3x3-exact": ((3, 64, 8, 8), (32, 64, 3, 3), dict(padding=1), _tile(64, 32, 4, 8, 1)),
+        "1x1-rows": ((3, 128, 5, 7), (64, 128, 1, 1), dict(), _tile(64, 64, 8, 64, 1)),
+    }[geometry]
+    g = torch.Generator().manual_seed(stable_seed(("tma-prologue", kind, geometry)))
+    prologue = _prologue(kind, xs[0], xs[1], g)
+    gw, (gy, x, w) = _check(f"{geometry} {kind}", xs, ws, conv, tile, torch.bfloat16, prologue=prologue, act_in=act)
+    w64 = w.double().requires_grad_(True)
+    y = conv_fprop_reference(x, w64, prologue=prologue, act_in=act, dtype=torch.float64, **conv)[0]
+    (auto,) = torch.autograd.grad(y, w64, gy.double())
+    why = compare(f"{geometry} {kind} vs autograd", gw, auto.to(gw.dtype), FLOOR[torch.bfloat16], reference=auto)
+    assert why is None, why
+
+
+@needs_sm90
+def test_tma_wgrad_overhang_beside_an_infinite_input_adds_nothing():
+    """A box over the plane's right edge reads real inputs for its left-looking taps, where ``grad_y``
+    is 0: an infinite input there must not turn the tap's gradient into NaN (eager never pairs them)."""
+    xs, ws, conv = (1, 64, 8, 12), (64, 64, 3, 3), dict(padding=1)
+    g = torch.Generator().manual_seed(stable_seed("tma-inf"))
+    x = _randn(*xs, g=g, dtype=torch.bfloat16)
+    x[:, :, :, -1] = float("inf")  # the last column: only the kw=2 taps of ow=OW-1 and the overhang's read it
+    x = _channels_last(x)
+    tile = _tile(128, 64, 4, 16, 3)  # 8 x 16 boxes over 12 columns: 4 past the edge
+    gy = _channels_last(_randn(1, 64, 8, 12, g=g, dtype=torch.bfloat16))
+    gw, _ = conv_wgrad(gy, x, torch.empty(ws, device="cuda", dtype=torch.bfloat16), tile=tile, **conv)
+    eager, _ = conv_wgrad_reference(gy, x, torch.empty(ws, device="cuda", dtype=torch.bfloat16), **conv)
+    assert torch.equal(gw.isfinite(), eager.isfinite()), "the overhang's zero gradient met the infinite input"
+
+
+@needs_sm90
+def test_tma_wgrad_is_bit_identical_across_runs_and_reads_any_layout():
+    xs, ws, conv = (2, 64, 12, 12), (64, 64, 3, 3), dict(padding=1)
+    tile = _tile(128, 64, 4, 16, 3)
+    gw, (gy, x, w) = _check("layouts", xs, ws, conv, tile, torch.bfloat16)
+    again, _ = conv_wgrad(gy, x, w, tile=tile, **conv)
+    assert torch.equal(gw, again)
+    nchw, _ = conv_wgrad(gy.contiguous(), x.contiguous(), w, tile=tile, **conv)  # copied to channels-last
+    assert torch.equal(gw, nchw)
+    big = torch.empty(x.numel() + 8, device="cuda", dtype=x.dtype)[1:]  # an odd offset: copied to 16 bytes
+    odd = big[: x.numel()].view(x.shape[0], *x.shape[2:], x.shape[1]).movedim(-1, 1)
+    odd.copy_(x)
+    shifted, _ = conv_wgrad(gy, odd, w, tile=tile, **conv)
+    assert torch.equal(gw, shifted)
+
+
+@needs_sm90
+def test_tma_wgrad_tiles_join_the_timed_choice_where_the_kernel_applies():
+    """``conv_wgrad``'s timed choice weighs the TMA tiles beside the gather kernel's, and its result
+    matches float64 whichever it takes."""
+    xs, ws, conv = (4, 64, 14, 14), (64, 64, 3, 3), dict(padding=1)
+    _check("timed choice", xs, ws, conv, None, torch.bfloat16)
+
+
+def test_tma_wgrad_tiles_fit_the_kernel_and_shared_memory():
+    """Every tile :func:`tma_wgrad_tiles` offers passes the kernel's refusal rules, its ring fits half
+    an sm_90 SM's shared memory (two programs per SM), and a wider kernel is offered only where ``a^T``
+    comes from shared memory: no prologue, boxes that tile the plane."""
+    offered = {}
+    for c_in, c_out, k, plane in [(64, 64, 3, (56, 56)), (256, 64, 1, (56, 56)), (512, 512, 3, (64, 64)),
+                                  (24, 40, 3, (11, 13)), (1024, 2048, 1, (7, 7)), (128, 128, 5, (28, 28))]:  # fmt: skip
+        geo = SimpleNamespace(groups=1, stride=(1, 1, 1), taps=k * k, c_in=c_in)  # what the refusal reads
+        for hooked in (False, True):
+            tiles = tma_wgrad_tiles(c_in, c_out, k * k, plane, k == 1, hooked)
+            offered[(c_in, k, hooked)] = len(tiles)
+            for tile in tiles:
+                tile.check_for("wgrad")
+                assert tma_wgrad.refusal(geo, torch.bfloat16, tile) == "", tile.label()
+                ring = tile.num_stages * (tile.block_n + tile.taps_per_program * tile.block_k) * tile.block_m * 2
+                assert 2 <= tile.num_stages and ring <= 100 * 1024, tile.label()
+                assert k == 1 or plane[1] % tile.box_w == 0 and plane[0] % tile.box_h == 0, tile.label()
+    assert offered[(64, 3, False)] == 1 and offered[(64, 3, True)] == 0  # 8 x 8 boxes tile 56 x 56
+    assert offered[(24, 3, False)] == 0  # 11 x 13: no box of 64 tiles it
+    assert offered[(256, 1, True)] == offered[(1024, 1, True)] == 1  # rows take any hooks
+
+
+@pytest.mark.parametrize("tile,words", [
+    (TileConfig(128, 64, 64, 4, 2, tma=True), "loads boxes"),
+    (TileConfig(128, 64, 32, 4, 2, box_w=16, tma=True), "block_k 64 per warpgroup"),
+    (TileConfig(128, 64, 64, 8, 2, box_w=16, tma=True), "block_k 64 per warpgroup"),
+])  # fmt: skip
+def test_tma_wgrad_tile_outside_the_kernel_is_refused_in_one_line(tile, words):
+    with pytest.raises(ContractError, match=words) as err:
+        tile.check_for("wgrad")
+    assert "\n" not in str(err.value)
+
+
+def test_tma_wgrad_refuses_a_call_outside_its_contract_in_one_line():
+    """On a machine without sm_90 (or for fp32, groups, strides) a TMA tile is refused before anything
+    launches, with one line naming why; the timed choice never offers one there."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(1, 64, 8, 8, device=device).to(memory_format=torch.channels_last)
+    w = torch.randn(64, 64, 3, 3, device=device)
+    gy = torch.randn(1, 64, 8, 8, device=device).to(memory_format=torch.channels_last)
+    with pytest.raises(ContractError, match="TMA weight gradient takes fp16 or bf16") as err:
+        conv_wgrad(gy, x, w, padding=1, tile=_tile(64, 64, 4, 8))
+    assert "\n" not in str(err.value)
+    assert not tma_wgrad.supports(x, gy, w, (1, 1, 1), 1)
+    assert all(not t.tma for t in candidates("wgrad", 64, 64, 9, 64, torch.float32))
