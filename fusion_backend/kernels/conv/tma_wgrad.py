@@ -22,15 +22,16 @@ transposed, ``grad_w^T[ci, co] = a_tap^T @ dy``:
   as that tile (``_as_rows``).
 
 The prologue's vectors depend on the sample alone (a channel affine: on nothing), and a box holds
-one sample: a group affine or a gate is a per-channel scale and shift for the whole box, loaded once
-per box.
+one sample: a group affine or a gate is a per-channel scale and shift for the whole box.
 
-A program owns ``TAPS_PER_PROGRAM`` consecutive taps (one accumulator each, reading each ``dy`` box
-once for all of them) of one ``BLOCK_K`` input-channel block and one ``BLOCK_N`` output-channel block,
-over one split's run of boxes; the grid is ``(tap groups x channel blocks x output blocks, splits)``,
-the first dim fastest so that the programs of a split, which read the same boxes, run together.  The
-boxes arrive through a ring of ``STAGES`` stages (the ``dy`` box and the taps' ``x`` boxes of one M step
-per stage, one mbarrier each).  Each program writes its fp32 partials to its split's slot of the
+The GEMM's K axis, the gather kernel's tap-major order, is walked in K steps of ``(tap, BLOCK_K input
+channels)``.  A program owns ``TileConfig.taps_per_program`` consecutive K steps (``SLOTS``: one
+accumulator each, reading each ``dy`` box once for all of them) and one ``BLOCK_N`` output-channel
+block, over one split's run of boxes; the grid is ``(K-step groups x output blocks, splits)``, the
+first dim fastest so that the programs of a split, which read the same boxes, run together.  The boxes
+arrive through a ring of ``STAGES`` stages (the ``dy`` box and the K steps' ``x`` boxes of one M step
+per stage, one mbarrier each); a step's ``wgmma`` groups stay in flight while the next step's issue,
+and the previous step's stage is refilled once they retire.  Each program writes its fp32 partials to its split's slot of the
 ``(splits, 1, COUT_PAD, K_ROW)`` buffer (tap-major rows, every element once, padding included) and
 :func:`wgrad.sum_splits_kernel` sums the slots in split order: bitwise reproducible run to run for one
 plan, as the gather kernel.
@@ -39,7 +40,8 @@ Contract (:func:`supports`): fp16 or bf16 on sm_90, one group, more than one inp
 (any kernel size, padding and dilation), channels-last ``x`` and ``grad_y`` whose channel counts are
 multiples of 8 (TMA strides of 16 bytes); a bias gradient is summed from the ``dy`` boxes by the
 programs of the first tap group and channel block.  Gluon has no interpreter: on CPU this kernel is
-compiled (``tools/compile_check.py conv_tma``), never run.
+compiled (``tools/compile_check.py conv_tma_wgrad``), never run; on the GPU, what it measured and where
+the timed choice is offered it: ``tiles.tma_wgrad_tiles``' NOTE.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import torch
 
 from ..host import INTERPRETER, cdiv
 from ..launch import FastLaunch
-from . import hooks as hooks_mod
+from .hooks import PROLOGUE_GROUP_AFFINE, PROLOGUE_SAMPLE_CHANNEL_SCALE
 from .prologue import activation
 from .tiles import TileConfig
 from .tma_fprop import _DTYPES, GLUON, _Base, _is_sm90
@@ -125,9 +127,9 @@ if GLUON:
         return v.to(a.dtype)
 
     @gluon.jit
-    def _positions_ok(od, oh0, ow0, kd, kh, kw, D, H, W, OH, OW, PD: gl.constexpr, PH: gl.constexpr, PW: gl.constexpr, DD: gl.constexpr,
-                      DH: gl.constexpr, DW: gl.constexpr, BOX_W: gl.constexpr, BLOCK_M: gl.constexpr,
-                      layout: gl.constexpr):  # fmt: skip
+    def _positions_ok(od, oh0, ow0, kd, kh, kw, D, H, W, OH, OW, PD: gl.constexpr, PH: gl.constexpr,
+                      PW: gl.constexpr, DD: gl.constexpr, DH: gl.constexpr, DW: gl.constexpr, BOX_W: gl.constexpr,
+                      BLOCK_M: gl.constexpr, layout: gl.constexpr):  # fmt: skip
         """Which of a box's ``BLOCK_M`` positions (row-major ``BOX_H x BOX_W`` from ``(oh0, ow0)`` of
         output plane ``od``) are output positions whose tap ``(kd, kh, kw)`` reads inside the input."""
         i = gl.arange(0, BLOCK_M, layout=layout)
@@ -367,7 +369,7 @@ def refusal(geo: Any, dtype: torch.dtype, tile: TileConfig) -> str:
     if geo.taps * cdiv(geo.c_in, tile.block_k) % tile.taps_per_program:
         return (f"taps_per_program={tile.taps_per_program} must divide the {geo.taps} taps x "
                 f"{cdiv(geo.c_in, tile.block_k)} channel blocks of K")  # fmt: skip
-    if tile.block_k != 16 * 4 * (tile.num_warps // 4) or tile.num_warps not in (4, 8):
+    if tile.block_k != 16 * tile.num_warps or tile.num_warps not in (4, 8):
         return (f"block_k={tile.block_k} must be 64 per warpgroup (wgmma's M) on 4 or 8 warps, got "
                 f"{tile.num_warps} warps")  # fmt: skip
     if not tile.box_w or tile.block_m % 16 or tile.block_n > 256 or tile.num_stages < 1:
@@ -397,35 +399,36 @@ class TmaWgradLaunch:
     16-byte aligned ``x`` and ``grad_y`` (the plan copies them where they are not).
 
     ``geo``: the plan's ``_Geometry``; ``k_row``, ``cout_pad``: the partial layout's;
-    ``split``: the splits of the boxes; ``hooks``: the prologue's constexprs (``PROLOGUE``, ``G_NORM``,
-    ``NORM_AFFINE``, ``ACT_IN``, ``BIAS_GRAD``, ``BIG``)."""
+    ``split``: the splits of the boxes; ``hook_codes``: the prologue's constexprs (``PROLOGUE``,
+    ``G_NORM``, ``NORM_AFFINE``, ``ACT_IN``, ``BIAS_GRAD``, ``BIG``)."""
 
     def __init__(self, tile: TileConfig, geo: Any, k_row: int, cout_pad: int, split: int,
-                 hooks: dict[str, Any]) -> None:  # fmt: skip
+                 hook_codes: dict[str, Any]) -> None:  # fmt: skip
         self.tile = tile
         #: a 1x1 conv without padding reads its positions as rows (``box_w`` must be ``block_m``): all
         #: samples' positions as one row of ``M``, or where the prologue's vectors are per sample (a box
         #: holds one sample) each sample's as a row of its own
-        self.rows = geo.taps == 1 and not any(geo.padding)
-        self.sample_rows = self.rows and hooks["PROLOGUE"] in (hooks_mod.PROLOGUE_GROUP_AFFINE,
-                                                               hooks_mod.PROLOGUE_SAMPLE_CHANNEL_SCALE)  # fmt: skip
+        rows = geo.taps == 1 and not any(geo.padding)
+        per_sample = hook_codes["PROLOGUE"] in (PROLOGUE_GROUP_AFFINE, PROLOGUE_SAMPLE_CHANNEL_SCALE)
+        #: the descriptors' rows (``_descriptor``): 0 where they span the planes
+        self.row_count = (geo.n if per_sample else 1) if rows else 0
         n, (od, oh, ow), size = geo.n, geo.out_size, geo.size
-        if self.rows:
-            n, row = (geo.n, geo.m // max(1, geo.n)) if self.sample_rows else (1, geo.m)
+        if rows:
+            n, row = self.row_count, geo.m // max(1, self.row_count)
             (od, oh, ow), size = (1, 1, row), (1, 1, row)
         self.box_tiles = (cdiv(oh, tile.box_h), cdiv(ow, tile.box_w))
         self.boxes = n * od * self.box_tiles[0] * self.box_tiles[1]
         self.boxes_per_split = cdiv(self.boxes, split)
         self.split = cdiv(self.boxes, self.boxes_per_split) if self.boxes else 1
         padded = any(p > 0 for p in geo.padding)
-        hooked = hooks["PROLOGUE"] != 0 or hooks["ACT_IN"] != 0
+        hooked = hook_codes["PROLOGUE"] != 0 or hook_codes["ACT_IN"] != 0
         # positions past the output plane's edge whose taps read real input (a left-looking tap of a box
         # over the right edge: (K - 1) * dilation > padding); an input there may be inf, its dy is 0
         overhang = any(o % b and (k - 1) * d > p for o, b, k, d, p in zip(
             (oh, ow), (tile.box_h, tile.box_w), geo.kernel[1:], geo.dilation[1:], geo.padding[1:], strict=True))  # fmt: skip
         ci_blocks, co_blocks = cdiv(geo.c_in, tile.block_k), cdiv(geo.c_out, tile.block_n)
         constexprs = dict(
-            hooks, K_ROW=k_row, COUT_PAD=cout_pad, KH=geo.kernel[1], KW=geo.kernel[2],
+            hook_codes, K_ROW=k_row, COUT_PAD=cout_pad, KH=geo.kernel[1], KW=geo.kernel[2],
             PD=geo.padding[0], PH=geo.padding[1], PW=geo.padding[2],
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             # positions to zero: the overhang's, and the padding the prologue would turn into act(shift)
@@ -442,8 +445,8 @@ class TmaWgradLaunch:
         self.dy_block = [1, 1, tile.box_h, tile.box_w, tile.block_n]
 
     def __call__(self, x: torch.Tensor, grad_y: torch.Tensor, *pointers: Any) -> None:
-        rows = (self.sample_rows and x.shape[0]) or (self.rows and 1)
-        self.launch(_descriptor(x, self.x_block, rows), _descriptor(grad_y, self.dy_block, rows), *pointers)
+        self.launch(_descriptor(x, self.x_block, self.row_count), _descriptor(grad_y, self.dy_block, self.row_count),
+                    *pointers)  # fmt: skip
 
 
 def dense_channels_last(t: torch.Tensor) -> torch.Tensor:

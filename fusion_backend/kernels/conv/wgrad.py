@@ -382,7 +382,7 @@ _SUM_BLOCK = 1024
 class _WgradPlan:
     """Everything :func:`conv_wgrad` derives from a call's signature, built once (``_PLANS``)."""
 
-    def __init__(self, geo: _Geometry, x: torch.Tensor, grad_y: torch.Tensor, weight_dtype: torch.dtype,
+    def __init__(self, geo: _Geometry, x: torch.Tensor, grad_y: torch.Tensor, weight: torch.Tensor,
                  prologue: Prologue | None, act_in: int, bias_grad: bool, tile: TileConfig, split: int | None,
                  precision: str) -> None:  # fmt: skip
         self.geo, self.tile, self.bias_grad = geo, tile, bias_grad
@@ -402,7 +402,7 @@ class _WgradPlan:
         #: the Gluon kernel (``tma_wgrad``): TMA boxes of both operands, wgmma on them as they landed
         self.tma = tile.tma
         if self.tma:
-            self._init_tma(geo, x, grad_y, weight_dtype, prologue, act_in, bias_grad, tile, split, big)
+            self._init_tma(geo, x, grad_y, weight, prologue, act_in, bias_grad, tile, split, big)
             return
         #: the M tiles are boxes of the output planes (``_box_weight_grad``): ``(OH_TILES, OW_TILES)`` per plane
         self.box = bool(tile.box_w)
@@ -449,14 +449,13 @@ class _WgradPlan:
             C_IN_G=geo.c_in_g, CIN_PAD=self.cin_pad, K_ROW=self.k_row, COUT_PAD=self.cout_pad, KD=geo.kernel[0],
             KH=geo.kernel[1], KW=geo.kernel[2], FLAT_K=flat_k, BLOCK=_SUM_BLOCK, num_warps=4))  # fmt: skip
 
-    def _init_tma(self, geo: _Geometry, x: torch.Tensor, grad_y: torch.Tensor, weight_dtype: torch.dtype,
+    def _init_tma(self, geo: _Geometry, x: torch.Tensor, grad_y: torch.Tensor, weight: torch.Tensor,
                   prologue: Prologue | None, act_in: int, bias_grad: bool, tile: TileConfig, split: int | None,
                   big: bool) -> None:  # fmt: skip
         """The plan of a ``tma`` tile (``tma_wgrad``): its partials in the gather kernel's tap-major
         layout, summed by the same launch."""
         why = tma_wgrad.refusal(geo, x.dtype, tile)
-        if not why and not tma_wgrad.supports(x, grad_y, torch.empty(0, dtype=weight_dtype, device="meta"),
-                                              geo.stride, geo.groups):  # fmt: skip
+        if not why and not tma_wgrad.supports(x, grad_y, weight, geo.stride, geo.groups):
             why = "the call is outside the TMA weight gradient's contract (tma_wgrad.supports)"
         if why:
             raise ContractError(f"tile {tile.label()}: {why}")
@@ -581,7 +580,7 @@ def conv_wgrad(
 
         def plan_with(t: TileConfig) -> _WgradPlan:
             t.check_for("wgrad")
-            return _WgradPlan(geo, x, grad_y, weight.dtype, prologue, code_in, bool(bias_grad), t, split, precision)
+            return _WgradPlan(geo, x, grad_y, weight, prologue, code_in, bool(bias_grad), t, split, precision)
 
         if tile is not None:
             return plan_with(tile)
