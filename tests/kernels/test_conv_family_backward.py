@@ -256,6 +256,22 @@ def test_wgrad_is_bit_identical_across_runs_and_splits_only_reorder():
     torch.testing.assert_close(one[0], first[0], rtol=1e-5, atol=1e-5)
 
 
+def test_wgrad_sums_more_splits_than_one_step_of_the_split_sum_reads():
+    """40 splits: the split sum reads 32 slots per step, then the last 8 (``wgrad.sum_splits_launch``);
+    the result matches float64 and one split's, bit for bit across runs."""
+    g = torch.Generator().manual_seed(57)
+    xs, ws, conv = (2, 8, 16, 20), (12, 8, 3, 3), dict(padding=1)
+    x = _channels_last(_randn(*xs, g=g))
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    w = _randn(*ws, g=g)
+    first, bias = _check_wgrad("40 splits", gy, x, w, bias_grad=True, tile=SMALL, split=40, **conv)
+    assert wgrad._PLANS.values()[-1].split == 40
+    again = conv_wgrad(gy, x, w, bias_grad=True, tile=SMALL, split=40, **conv)
+    assert torch.equal(first, again[0]) and torch.equal(bias, again[1])
+    one = conv_wgrad(gy, x, w, bias_grad=True, tile=SMALL, split=1, **conv)
+    torch.testing.assert_close(one[0], first, rtol=1e-5, atol=1e-5)
+
+
 def test_wgrad_reads_sliced_and_nchw_grad_y():
     """A window of a larger channels-last gradient (channel stride 1, the parent's other strides) is read
     in place; an NCHW gradient is relaid once; both give the contiguous one's result."""

@@ -20,7 +20,7 @@ into ``split`` contiguous runs of ``tiles_per_split`` tiles, one run per program
 axis (``(K steps, N tiles, split * groups)``).  Each program writes its fp32 partial tile to its own
 slot of a ``(split, groups, COUT_PAD, K_ROW)`` buffer (and its bias partial to ``(split, C_out)``);
 nothing is accumulated with atomics.  One more launch (:func:`sum_splits_kernel`) sums each element's
-slots in split order in float64, rounds once to the weight's dtype and stores it straight into the
+slots in float64 in a fixed order, rounds once to the weight's dtype and stores it straight into the
 gradient at the weight's strides (the padding dropped): for one plan (shapes, tile, split) the result
 is the same bits on every run.  A different ``split`` or tile changes the order of the fp32 sums, not
 the mapping.
@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host import cdiv, element_extent
+from ..host import cdiv, element_extent, next_pow2
 from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import backward_dot_precision, round_tf32
@@ -307,11 +307,17 @@ def _box_weight_grad(x_desc, dy_desc, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, 
 def sum_splits_kernel(part_ptr, out_ptr, SPLIT, TOTAL, C_OUT_G, w_so, w_si, w_sd, w_sh, w_sw,
                       C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, K_ROW: tl.constexpr, COUT_PAD: tl.constexpr,
                       KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, FLAT_K: tl.constexpr,
-                      BLOCK: tl.constexpr):  # fmt: skip
+                      BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr):  # fmt: skip
     """``BLOCK`` elements of the weight gradient: element ``e`` of the ``(GROUPS, COUT_PAD, K_ROW)``
-    partial layout (``TOTAL`` of them per split), summed over its ``SPLIT`` slots in split order in
-    float64, rounded once to ``out_ptr``'s dtype and stored at ``(g * C_OUT_G + co) * w_so + ci * w_si +
-    kd * w_sd + kh * w_sh + kw * w_sw``; padded output channels and K entries are not stored."""
+    partial layout (``TOTAL`` of them per split), summed over its ``SPLIT`` slots in float64 (the slots
+    read ``SPLIT_BLOCK`` at a time, each block reduced as a tree, the blocks in split order: a fixed
+    order for one plan), rounded once to ``out_ptr``'s dtype and stored at ``(g * C_OUT_G + co) * w_so + ci
+    * w_si + kd * w_sd + kh * w_sh + kw * w_sw``; padded output channels and K entries are not stored.
+    Why blocks of slots: one slot per step is a loop of ``SPLIT`` loads in a row per element, and that
+    is the suspected cost of a small weight gradient with many splits (H200, bf16: the 64 -> 64 1x1 at 56
+    x 56, 264 slots of a 64 x 64 weight, 0.099 ms for the pass with either kernel, where the 64 -> 256 one,
+    four times the work in half the slots, took 0.061-0.079; ``docs/perf/h200/conv-kernels-wgrad``); the
+    blocked sum is not timed on a GPU yet."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = e < TOTAL
     k = e % K_ROW
@@ -329,11 +335,27 @@ def sum_splits_kernel(part_ptr, out_ptr, SPLIT, TOTAL, C_OUT_G, w_so, w_si, w_sd
     kw = tap % KW
     kh = (tap // KW) % KH
     kd = tap // (KW * KH)
+    slots = tl.arange(0, SPLIT_BLOCK).to(tl.int64)
     acc = tl.zeros([BLOCK], tl.float64)
-    for split in range(0, SPLIT):
-        acc += tl.load(part_ptr + split * TOTAL + e, mask=in_range, other=0.0).to(tl.float64)
+    for s0 in range(0, SPLIT, SPLIT_BLOCK):
+        s = s0 + slots
+        v = tl.load(part_ptr + s[:, None] * TOTAL + e[None, :], mask=(s < SPLIT)[:, None] & in_range[None, :],
+                    other=0.0)  # fmt: skip
+        acc += tl.sum(v.to(tl.float64), axis=0)
     dst = (g * C_OUT_G + co) * w_so + ci * w_si + kd * w_sd + kh * w_sh + kw * w_sw
     tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=in_range & real & (co < C_OUT_G))
+
+
+def sum_splits_launch(geo: _Geometry, split: int, cin_pad: int, k_row: int, cout_pad: int, flat_k: bool) -> FastLaunch:
+    """The launch of :func:`sum_splits_kernel` over a plan's ``(split, groups, cout_pad, k_row)`` partials:
+    up to :data:`_SUM_SLOTS` slots per step (a power of two, no more than ``split`` needs) and about
+    :data:`_SUM_ELEMENTS` partials per step, at least 64 elements of the gradient per program."""
+    slots = min(_SUM_SLOTS, next_pow2(split))
+    block = max(64, _SUM_ELEMENTS // slots)
+    total = geo.groups * cout_pad * k_row
+    return FastLaunch(sum_splits_kernel, (cdiv(total, block),), dict(
+        C_IN_G=geo.c_in_g, CIN_PAD=cin_pad, K_ROW=k_row, COUT_PAD=cout_pad, KD=geo.kernel[0], KH=geo.kernel[1],
+        KW=geo.kernel[2], FLAT_K=flat_k, BLOCK=block, SPLIT_BLOCK=slots, num_warps=4))  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -375,8 +397,9 @@ def _reduce_splits(partials: torch.Tensor) -> torch.Tensor:
     return partials.sum(dim=0, dtype=torch.float64)
 
 
-#: Elements of the weight gradient per program of :func:`sum_splits_kernel`.
-_SUM_BLOCK = 1024
+#: :func:`sum_splits_kernel`'s step: at most this many slots, about this many partials.
+_SUM_SLOTS = 32
+_SUM_ELEMENTS = 4096
 
 
 class _WgradPlan:
@@ -444,10 +467,7 @@ class _WgradPlan:
                  *_spatial_strides(xs), *_spatial_strides(dys))  # fmt: skip
         grid = (k_steps, n_tiles, self.split * (1 if self.depthwise else geo.groups))
         self.launch = FastLaunch(conv_wgrad_kernel, grid, constexprs, fixed=fixed)
-        total = geo.groups * self.cout_pad * self.k_row
-        self.sum_splits = FastLaunch(sum_splits_kernel, (cdiv(total, _SUM_BLOCK),), dict(
-            C_IN_G=geo.c_in_g, CIN_PAD=self.cin_pad, K_ROW=self.k_row, COUT_PAD=self.cout_pad, KD=geo.kernel[0],
-            KH=geo.kernel[1], KW=geo.kernel[2], FLAT_K=flat_k, BLOCK=_SUM_BLOCK, num_warps=4))  # fmt: skip
+        self.sum_splits = sum_splits_launch(geo, self.split, self.cin_pad, self.k_row, self.cout_pad, flat_k)
 
     def _init_tma(self, geo: _Geometry, x: torch.Tensor, grad_y: torch.Tensor, weight: torch.Tensor,
                   prologue: Prologue | None, act_in: int, bias_grad: bool, tile: TileConfig, split: int | None,
@@ -475,10 +495,7 @@ class _WgradPlan:
         self.launch = tma_wgrad.TmaWgradLaunch(tile, geo, self.k_row, self.cout_pad, max(1, want),
                                                hook_codes)  # fmt: skip
         self.split = self.launch.split
-        total = self.cout_pad * self.k_row
-        self.sum_splits = FastLaunch(sum_splits_kernel, (cdiv(total, _SUM_BLOCK),), dict(
-            C_IN_G=geo.c_in_g, CIN_PAD=self.cin_pad, K_ROW=self.k_row, COUT_PAD=self.cout_pad, KD=geo.kernel[0],
-            KH=geo.kernel[1], KW=geo.kernel[2], FLAT_K=False, BLOCK=_SUM_BLOCK, num_warps=4))  # fmt: skip
+        self.sum_splits = sum_splits_launch(geo, self.split, self.cin_pad, self.k_row, self.cout_pad, False)
 
     def _tap_strides(self, grad_w: torch.Tensor) -> tuple[int, ...]:
         """``grad_w``'s element strides over (output channel, input channel, kd, kh, kw), the kernel
