@@ -33,15 +33,16 @@ arrive through a ring of ``STAGES`` stages (the ``dy`` box and the K steps' ``x`
 per stage, one mbarrier each); a step's ``wgmma`` groups stay in flight while the next step's issue,
 and the previous step's stage is refilled once they retire.  Each program writes its fp32 partials to its split's slot of the
 ``(splits, 1, COUT_PAD, K_ROW)`` buffer (tap-major rows, every element once, padding included) and
-:func:`wgrad.sum_splits_kernel` sums the slots in split order: bitwise reproducible run to run for one
-plan, as the gather kernel.
+:func:`wgrad.sum_splits_kernel` sums the slots in a fixed order: bitwise reproducible run to run for
+one plan, as the gather kernel.
 
 Contract (:func:`supports`): fp16 or bf16 on sm_90, one group, more than one input channel, stride 1
-(any kernel size, padding and dilation), channels-last ``x`` and ``grad_y`` whose channel counts are
-multiples of 8 (TMA strides of 16 bytes); a bias gradient is summed from the ``dy`` boxes by the
-programs of the first tap group and channel block.  Gluon has no interpreter: on CPU this kernel is
-compiled (``tools/compile_check.py conv_tma_wgrad``), never run; on the GPU, what it measured and where
-the timed choice is offered it: ``tiles.tma_wgrad_tiles``' NOTE.
+(any kernel size, padding and dilation), ``x`` and ``grad_y`` whose channel counts are multiples of 8
+(TMA strides of 16 bytes), in any layout (read as dense, 16-byte aligned channels-last copies where
+they are not: :func:`dense_channels_last`).  A bias gradient is summed from the ``dy`` boxes by the
+programs whose K steps start at the first (tap 0, channels 0).  Gluon has no interpreter: on CPU this
+kernel is compiled (``tools/compile_check.py conv_tma_wgrad``), never run; on the GPU, what it measured
+and where the timed choice offers it: ``tiles.tma_wgrad_tiles``' NOTE.
 """
 
 from __future__ import annotations
