@@ -30,8 +30,9 @@ accumulator each, reading each ``dy`` box once for all of them) and one ``BLOCK_
 block, over one split's run of boxes; the grid is ``(K-step groups x output blocks, splits)``, the
 first dim fastest so that the programs of a split, which read the same boxes, run together.  The boxes
 arrive through a ring of ``STAGES`` stages (the ``dy`` box and the K steps' ``x`` boxes of one M step
-per stage, one mbarrier each); a step's ``wgmma`` groups stay in flight while the next step's issue,
-and the previous step's stage is refilled once they retire.  Each program writes its fp32 partials to its split's slot of the
+per stage, one mbarrier each).  With ``a^T`` from shared memory a step's ``wgmma`` groups stay in
+flight while the next step's issue, and the previous step's stage is refilled once they retire; with
+register operands each step's retire before the next step loads (NOTE at ``_retire``).  Each program writes its fp32 partials to its split's slot of the
 ``(splits, 1, COUT_PAD, K_ROW)`` buffer (tap-major rows, every element once, padding included) and
 :func:`wgrad.sum_splits_kernel` sums the slots in a fixed order: bitwise reproducible run to run for
 one plan, as the gather kernel.
@@ -205,7 +206,16 @@ if GLUON:
     def _retire(acc0, acc1, acc2, a0, a1, a2, SLOTS: gl.constexpr, REGISTER_A: gl.constexpr,
                 OUTSTANDING: gl.constexpr):  # fmt: skip
         """Wait until at most ``OUTSTANDING`` ``wgmma`` groups are in flight; ``a0..a2``: the register
-        operands of the groups that retire (kept alive until then; unused without ``REGISTER_A``)."""
+        operands of the groups that retire (kept alive until then; unused without ``REGISTER_A``).
+
+        NOTE: register operands in flight across steps make ptxas serialise every ``wgmma`` ("C7515:
+        wgmma.mma_async instructions are serialized due to non wgmma instructions defining accumulator
+        registers"), whether the previous step's operands are kept alive as loop-carried copies or not
+        at all; retiring each step's MMAs before the next step's loads compiles without it (sm_90a,
+        Triton 3.6: ``python tools/compile_check.py conv_tma_wgrad --cases resnet_3x3-bf16-hooked``, then
+        ``ptxas -arch=sm_90a -v`` on the kernel's PTX in Triton's cache).  On the H200 the two timed
+        alike (ResNet-50's 3x3 of 64 channels at 56 x 56 with the prologue: 0.166 ms retiring each step,
+        0.157 with the copies; ``docs/perf/RESULTS.md``), so the register path retires each step."""
         if REGISTER_A:
             if SLOTS == 1:
                 acc0, a0 = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc0, a0))
@@ -284,10 +294,6 @@ if GLUON:
         bias_layout: gl.constexpr = gl.BlockedLayout([1, BLOCK_N // LANES_N], [32 // LANES_N, LANES_N],
                                                      [num_warps, 1], [1, 0])  # fmt: skip
         bacc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, bias_layout))
-        # the register operands of the MMAs in flight (``REGISTER_A``; placeholders before the first)
-        prev_a0 = gl.zeros([BLOCK_K, BLOCK_M], x_desc.dtype, a_layout)
-        prev_a1 = prev_a0
-        prev_a2 = prev_a0
         for step in range(steps):
             s = step % STAGES
             n, od, oh0, ow0 = _box_origin(first_box + step, OD, OH_TILES, OW_TILES, BOX_H, BOX_W)
@@ -312,20 +318,25 @@ if GLUON:
             if BIAS_GRAD:
                 if k0 == 0:
                     bacc += gl.sum(dy_tile.load(bias_layout).to(gl.float32), axis=0)
-            # this step's MMAs stay in flight while the previous step's retire (with the register
-            # operands they read, kept alive until then); every warp is then past its reads of the
-            # previous step's stage, which takes the box STAGES steps after it
-            acc0, acc1, acc2 = _retire(acc0, acc1, acc2, prev_a0, prev_a1, prev_a2, SLOTS, REGISTER_A, SLOTS)
             if REGISTER_A:
-                prev_a0 = a0
-                prev_a1 = a1
-                prev_a2 = a2
-            _thread_barrier()
-            if (step > 0) & (step - 1 + STAGES < steps):
-                _load_step(x_desc, dy_desc, x_ring, dy_ring, ready, step - 1 + STAGES, first_box, k0, co0, CI_BLOCKS,
-                           OD, OH_TILES, OW_TILES, KH, KW, PD, PH, PW, DD, DH, DW, BOX_H, BOX_W, BLOCK_K, SLOTS,
-                           STAGES)  # fmt: skip
-        acc0, acc1, acc2 = _retire(acc0, acc1, acc2, prev_a0, prev_a1, prev_a2, SLOTS, REGISTER_A, 0)
+                # the step's MMAs retire, their register operands with them (NOTE above: in flight across
+                # steps they serialise every wgmma), and the stage takes the box STAGES steps ahead
+                acc0, acc1, acc2 = _retire(acc0, acc1, acc2, a0, a1, a2, SLOTS, True, 0)
+                _thread_barrier()
+                if step + STAGES < steps:
+                    _load_step(x_desc, dy_desc, x_ring, dy_ring, ready, step + STAGES, first_box, k0, co0, CI_BLOCKS,
+                               OD, OH_TILES, OW_TILES, KH, KW, PD, PH, PW, DD, DH, DW, BOX_H, BOX_W, BLOCK_K, SLOTS,
+                               STAGES)  # fmt: skip
+            else:
+                # this step's MMAs stay in flight while the previous step's retire; every warp is then past
+                # the previous step's stage, which takes the box STAGES steps after it
+                acc0, acc1, acc2 = _retire(acc0, acc1, acc2, a0, a1, a2, SLOTS, False, SLOTS)
+                _thread_barrier()
+                if (step > 0) & (step - 1 + STAGES < steps):
+                    _load_step(x_desc, dy_desc, x_ring, dy_ring, ready, step - 1 + STAGES, first_box, k0, co0,
+                               CI_BLOCKS, OD, OH_TILES, OW_TILES, KH, KW, PD, PH, PW, DD, DH, DW, BOX_H, BOX_W,
+                               BLOCK_K, SLOTS, STAGES)  # fmt: skip
+        acc0, acc1, acc2 = _retire(acc0, acc1, acc2, acc0, acc1, acc2, SLOTS, False, 0)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
