@@ -453,8 +453,10 @@ _TMA_WGRAD_SHARED = 200 * 1024
 # kernel's: ``python tools/bench_conv.py demos/realnets/resnet50.py --passes wgrad --filter '*k3x3 p1
 # g1*,*k1x1 p0 g1*'``, ``docs/perf/h200/conv-kernels-wgrad``).  Rows of 64 positions with two programs
 # per SM ran at or below 128 with one (0.0256 against 0.0304 ms on 1024 -> 256 channels at 14 x 14) and
-# beat the gather kernel on 10 of the 22 1x1 rows (by up to 1.45x with the prologue, 512 -> 256 at 28 x
-# 28: 0.0521 against 0.0733 ms), losing on the 56 x 56 ones (256 -> 64: 0.092 against 0.064).  A wider
+# beat the gather kernel on 12 of the 24 1x1 rows by 1.04-1.47x (512 -> 256 at 28 x 28 and all at 14 x 14
+# and 7 x 7, plain and with the prologue: 0.0521 against 0.0733 ms there), tied one and lost the others
+# by 0.70-0.92x (56 x 56: 256 -> 64 0.092 against 0.064; 128 <-> 512 at 28 x 28); the timed choice keeps
+# the faster per call signature.  A wider
 # kernel read from shared memory (plain, boxes tiling the plane exactly) beat it on the 3x3 of 64
 # channels at 56 x 56 (0.068 against 0.080 ms; three taps per program 0.087); through registers (a
 # prologue, or boxes over the plane's edge) it lost on every 3x3 (0.157 against 0.112 ms with the prologue
