@@ -14,13 +14,12 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from conv_prologues import PROLOGUES, conv_prologue, prologue_ids
 
 from fusion_backend.kernels.conv import (
     Activation,
     ChannelAffine,
-    GroupAffine,
     NormStats,
-    SampleChannelScale,
     TileConfig,
     conv_dgrad,
     conv_fprop,
@@ -121,30 +120,13 @@ def test_wgrad_half_accumulates_in_fp32(name):
     assert gw.dtype == gb.dtype == torch.float16
 
 
-def _prologue(kind: str, n: int, c: int, g: torch.Generator, affine: bool = True):
-    if kind == "channel_affine":  # shifts far from 0: a padded tap that saw the shift would show
-        return ChannelAffine(_randn(c, g=g).abs() + 0.5, _randn(c, g=g) + 2.0)
-    if kind == "group_affine":
-        weight, bias = (_randn(c, g=g), _randn(c, g=g) + 1.0) if affine else (None, None)
-        return GroupAffine(_randn(n, c // 2, g=g).abs() + 0.5, _randn(n, c // 2, g=g) - 1.5, weight, bias)
-    return SampleChannelScale(torch.sigmoid(_randn(n, c, g=g)) + 0.5)
-
-
-PROLOGUES = [
-    ("channel_affine", "relu"),
-    ("group_affine", "silu"),
-    ("group_affine-no-affine", "gelu"),
-    ("gate", Activation("leaky_relu", 0.2)),
-]
-
-
 def _check_wgrad_prologue(name: str, kind: str, act, xs, ws, conv, tile: TileConfig, split: int) -> None:  # noqa: ANN001
     """``conv_wgrad`` of ``conv(act(prologue(x)))`` with the prologue of ``kind`` recomputed on load:
     against the float64 reference (``_check_wgrad``) and against autograd through the forward reference."""
     g = torch.Generator().manual_seed(stable_seed((name, kind, str(act), repr(tile))))
     x = _channels_last(_randn(*xs, g=g))
     w = _randn(*ws, g=g, scale=0.3)
-    prologue = _prologue(kind.split("-")[0], xs[0], xs[1], g, affine=not kind.endswith("no-affine"))
+    prologue = conv_prologue(kind, xs[0], xs[1], g, DEVICE)
     gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
     gw, _ = _check_wgrad(f"{name} {kind}", gy, x, w, prologue=prologue, act_in=act, tile=tile, split=split, **conv)
     w64 = w.double().requires_grad_(True)
@@ -153,7 +135,7 @@ def _check_wgrad_prologue(name: str, kind: str, act, xs, ws, conv, tile: TileCon
     torch.testing.assert_close(gw.double(), auto, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=prologue_ids(PROLOGUES))
 def test_wgrad_recomputes_each_prologue_on_load(kind, act):
     """The gradient of ``conv(act(norm(x)))``'s weight from the pre-norm ``x``: the hooked input is
     rebuilt while loading (padded taps 0 after the hook)."""
@@ -162,7 +144,7 @@ def test_wgrad_recomputes_each_prologue_on_load(kind, act):
 
 
 @pytest.mark.parametrize("tile", [SMALL, SMALL_FLAT], ids=["tap-major", "flat"])
-@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=prologue_ids(PROLOGUES))
 def test_wgrad_of_an_unpadded_conv_recomputes_the_prologue_and_rows_past_the_output_add_nothing(kind, act, tile):
     """Without padding the loads take no pad mask and the rows past the output (M = 3 x 6 x 5 fills no
     tile) read the last row's window: their grad_y rows are 0, so they must add exactly nothing."""
@@ -217,7 +199,7 @@ def test_wgrad_with_several_taps_per_program_matches_float64(case):
     assert several_plan.launch.grid[0] * taps == one_plan.launch.grid[0]
 
 
-@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=prologue_ids(PROLOGUES))
 def test_wgrad_with_several_taps_per_program_recomputes_each_prologue(kind, act):
     _check_wgrad_prologue("wgrad-taps", kind, act, (2, 16, 5, 6), (8, 16, 3, 3), dict(padding=(1, 2)),
                           dataclasses.replace(SMALL, taps_per_program=3), 2)  # fmt: skip
@@ -482,12 +464,12 @@ def test_dgrad_applies_each_activations_derivative_at_the_recomputed_prologue(ac
     _check_dgrad(f"act' {act}", gy, w, xs, x_prev=x, prologue=prologue, act_in=act, tile=SMALL_FLAT, **conv)
 
 
-@pytest.mark.parametrize("kind,act", PROLOGUES[1:], ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES[1:]])
+@pytest.mark.parametrize("kind,act", PROLOGUES[1:], ids=prologue_ids(PROLOGUES[1:]))
 def test_dgrad_recomputes_group_and_gate_prologues(kind, act):
     g = torch.Generator().manual_seed(stable_seed(("dgrad-prologue", kind)))
     xs, ws, conv = (2, 6, 5, 6), (7, 6, 3, 3), dict(padding=1)
     x = _channels_last(_randn(*xs, g=g))
-    prologue = _prologue(kind.split("-")[0], 2, 6, g, affine=not kind.endswith("no-affine"))
+    prologue = conv_prologue(kind, 2, 6, g, DEVICE)
     gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
     _check_dgrad(kind, gy, _randn(*ws, g=g), xs, x_prev=x, prologue=prologue, act_in=act, **conv)
 
@@ -673,7 +655,7 @@ def test_wgrad_with_box_loads_matches_float64(case, split):
     _check_wgrad(f"box {name}", gy, x, w, tile=SMALL_BOX, split=split, bias_grad=True, **conv)
 
 
-@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=prologue_ids(PROLOGUES))
 def test_wgrad_with_box_loads_recomputes_each_prologue(kind, act):
     _check_wgrad_prologue("wgrad-box", kind, act, (2, 16, 5, 6), (8, 16, 3, 3), dict(padding=(1, 2)), SMALL_BOX, 2)
 

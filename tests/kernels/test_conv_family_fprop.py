@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conv_prologues import PROLOGUES, conv_prologue, prologue_ids
 
 from fusion_backend.kernels.chain_math import OP_CODES as OP
 from fusion_backend.kernels.conv import (
@@ -172,26 +173,12 @@ def test_tiles_change_nothing_but_the_sum_order():
 # --------------------------------------------------------------------------------------------------
 
 
-def _prologue(kind: str, n: int, c: int, g: torch.Generator, affine: bool = True):
-    if kind == "channel_affine":  # shifts far from 0: a padded tap that saw the shift would show
-        return ChannelAffine(_randn(c, g=g).abs() + 0.5, _randn(c, g=g) + 2.0)
-    if kind == "group_affine":  # groups of 2 channels (a group's channels share a tile's columns or not)
-        weight, bias = (_randn(c, g=g), _randn(c, g=g) + 1.0) if affine else (None, None)
-        return GroupAffine(_randn(n, c // 2, g=g).abs() + 0.5, _randn(n, c // 2, g=g) - 1.5, weight, bias)
-    return SampleChannelScale(torch.sigmoid(_randn(n, c, g=g)) + 0.5)
-
-
-PROLOGUES = [
-    ("channel_affine", "relu"),
-    ("channel_affine", None),
-    ("group_affine", "silu"),
-    ("group_affine-no-affine", "gelu"),
-    ("gate", Activation("leaky_relu", 0.2)),
-]
+#: Every prologue kind, and a channel affine without an activation.
+FPROP_PROLOGUES = [PROLOGUES[0], ("channel_affine", None), *PROLOGUES[1:]]
 
 
 @pytest.mark.parametrize("tile", [None, "small"])
-@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+@pytest.mark.parametrize("kind,act", FPROP_PROLOGUES, ids=prologue_ids(FPROP_PROLOGUES))
 def test_prologue_pads_the_activated_tensor(kind, act, tile):
     """``conv(act(norm(x)))`` with zero padding of ``act(norm(x))``: padded taps contribute exactly 0
     after the hook, which the shifts (and the GroupNorm bias) would break if the mask came first."""
@@ -199,7 +186,7 @@ def test_prologue_pads_the_activated_tensor(kind, act, tile):
     cin = 20 if tile == "small" else 6
     x = _channels_last(_randn(2, cin, 5, 6, g=g))
     w, b = _randn(7, cin, 3, 3, g=g, scale=0.3), _randn(7, g=g)
-    prologue = _prologue(kind.split("-")[0], 2, cin, g, affine=not kind.endswith("no-affine"))
+    prologue = conv_prologue(kind, 2, cin, g, DEVICE)
     conv = dict(padding=(1, 2), stride=(2, 1), prologue=prologue, act_in=act)
     out, _ = _check(f"{kind} {act}", x, w, b, tile=SMALL if tile == "small" else None, **conv)
     if kind != "gate":  # the mask before the hook would differ by far more than the tolerance
@@ -221,7 +208,7 @@ UNPADDED = [
 ]
 
 
-@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+@pytest.mark.parametrize("kind,act", FPROP_PROLOGUES, ids=prologue_ids(FPROP_PROLOGUES))
 @pytest.mark.parametrize("name,cin,kernel,stride,tile", UNPADDED, ids=[c[0] for c in UNPADDED])
 def test_an_unpadded_conv_hooks_every_lane_and_its_statistics_leave_out_the_rows_past_the_output(
         name, cin, kernel, stride, tile, kind, act):  # fmt: skip
@@ -230,7 +217,7 @@ def test_an_unpadded_conv_hooks_every_lane_and_its_statistics_leave_out_the_rows
     g = torch.Generator().manual_seed(stable_seed(("unpadded", name, kind, str(act))))
     x = _channels_last(_randn(3, cin, 7, 5, g=g))  # M = 3 x 7 x 5 (or 3 x 4 x 3): no multiple of 16
     w, b = _randn(9, cin, *kernel, g=g, scale=0.3), _randn(9, g=g)
-    prologue = _prologue(kind.split("-")[0], 3, cin, g, affine=not kind.endswith("no-affine"))
+    prologue = conv_prologue(kind, 3, cin, g, DEVICE)
     _check(f"unpadded {name} {kind} {act}", x, w, b, stride=stride, prologue=prologue, act_in=act, act_out="relu",
            stats=True, tile=tile)
 
@@ -739,8 +726,8 @@ def _one_by_one_case(shape, c_out, dtype, g):  # noqa: ANN001, ANN202
 
 @requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("kind,act", [*PROLOGUES, (None, None)],
-                         ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in [*PROLOGUES, (None, None)]])
+@pytest.mark.parametrize("kind,act", [*FPROP_PROLOGUES, (None, None)],
+                         ids=prologue_ids([*FPROP_PROLOGUES, (None, None)]))
 @pytest.mark.parametrize("name,shape,c_out", TMA_1X1_SHAPES, ids=[c[0] for c in TMA_1X1_SHAPES])
 def test_tma_forward_1x1_matches_float64_with_its_statistics(name, shape, c_out, kind, act, dtype):
     """Every tile of :data:`TMA_ROW_TILES` (the failure names it) against float64, with the hooks and
@@ -748,8 +735,7 @@ def test_tma_forward_1x1_matches_float64_with_its_statistics(name, shape, c_out,
     for tile in TMA_ROW_TILES:
         g = torch.Generator().manual_seed(stable_seed(("tma-1x1", name, str(kind), str(act), tile.label())))
         x, w, b = _one_by_one_case(shape, c_out, dtype, g)
-        prologue = None if kind is None else _prologue(kind.split("-")[0], shape[0], shape[1], g,
-                                                        affine=not kind.endswith("no-affine"))  # fmt: skip
+        prologue = None if kind is None else conv_prologue(kind, shape[0], shape[1], g, DEVICE)
         hooks = dict(prologue=prologue, act_in=act, act_out="relu", stats=True, tile=tile)
         out, stats = _check(f"tma 1x1 {name} {kind} {act} {tile.label()}", x, w, b, **hooks)
         again, stats2 = conv_fprop(x, w, b, **hooks)

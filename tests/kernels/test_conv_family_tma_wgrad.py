@@ -15,12 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conv_prologues import PROLOGUES, conv_prologue, prologue_ids
 
 from fusion_backend.kernels.conv import (
-    Activation,
-    ChannelAffine,
-    GroupAffine,
-    SampleChannelScale,
     TileConfig,
     conv_wgrad,
     tma_wgrad,
@@ -99,27 +96,9 @@ def test_tma_wgrad_matches_float64(case, dtype):
     _check(name, xs, ws, conv, tile, dtype, bias_grad=True)
 
 
-def _prologue(kind: str, n: int, c: int, g: torch.Generator):
-    if kind == "channel_affine":  # shifts far from 0: a padded tap that saw the shift would show
-        return ChannelAffine(_randn(c, g=g).abs() + 0.5, _randn(c, g=g) + 2.0)
-    if kind in ("group_affine", "group_affine-no-affine"):
-        affine = kind == "group_affine"
-        weight, bias = (_randn(c, g=g), _randn(c, g=g) + 1.0) if affine else (None, None)
-        return GroupAffine(_randn(n, 4, g=g).abs() + 0.5, _randn(n, 4, g=g) - 1.5, weight, bias)
-    return SampleChannelScale(torch.sigmoid(_randn(n, c, g=g)) + 0.5)
-
-
-PROLOGUES = [
-    ("channel_affine", "relu"),
-    ("group_affine", "silu"),
-    ("group_affine-no-affine", "gelu"),
-    ("gate", Activation("leaky_relu", 0.2)),
-]
-
-
 @needs_sm90
 @pytest.mark.parametrize("geometry", ["3x3-overhang", "3x3-exact", "1x1-rows"])
-@pytest.mark.parametrize("kind,act", PROLOGUES, ids=[f"{k}-{getattr(a, 'kind', a)}" for k, a in PROLOGUES])
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=prologue_ids(PROLOGUES))
 def test_tma_wgrad_recomputes_each_prologue(kind, act, geometry):
     """The forward's prologue and activation recomputed on ``a^T`` in registers; the padding's taps and
     the overhang's positions add nothing (the prologue of a zero is not zero).  Several samples per
@@ -130,7 +109,7 @@ def test_tma_wgrad_recomputes_each_prologue(kind, act, geometry):
         "1x1-rows": ((3, 128, 5, 7), (64, 128, 1, 1), dict(), _tile(64, 64, 8, 64, 1)),
     }[geometry]
     g = torch.Generator().manual_seed(stable_seed(("tma-prologue", kind, geometry)))
-    prologue = _prologue(kind, xs[0], xs[1], g)
+    prologue = conv_prologue(kind, xs[0], xs[1], g, "cuda")
     gw, (gy, x, w) = _check(f"{geometry} {kind}", xs, ws, conv, tile, torch.bfloat16, prologue=prologue, act_in=act)
     w64 = w.double().requires_grad_(True)
     y = conv_fprop_reference(x, w64, prologue=prologue, act_in=act, dtype=torch.float64, **conv)[0]
