@@ -7,46 +7,20 @@ into the producer's chain); autocast on CUDA."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from train_parity import train_steps
 
 from fusion_backend.match.engine import find_regions, registered_patterns
 from fusion_backend.patterns.corpus.batch_norm_conv import bottleneck
-from fusion_backend.report import collect_reports
 from fusion_backend.testing import Autocast, assert_fused, dry_run
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter"),
     pytest.mark.usefixtures("exact_fp32"),
 ]
-
-
-def train_steps(model, shapes, device, options=None, **compile_kwargs):
-    """One training step per input shape of ``shapes`` of the compiled model (``torch.compile``'s
-    ``compile_kwargs``) and of an eager copy; everything compared."""
-    torch.manual_seed(0)
-    model = model.to(device)
-    eager = copy.deepcopy(model)
-    torch._dynamo.reset()  # a fresh compile under these options (Dynamo would reuse one of this code)
-    compiled = torch.compile(model, backend="fusion", options={"decide": "fuse", "strict": True, **(options or {})},
-                             **compile_kwargs)  # fmt: skip
-    with collect_reports() as reports:
-        for shape in shapes:
-            x = torch.randn(shape, device=device)
-            out, want = compiled(x), eager(x)
-            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-            g = torch.randn_like(want)
-            out.backward(g)
-            want.backward(g)
-            for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
-            for (name, b), c in zip(model.named_buffers(), eager.buffers(), strict=True):
-                torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
-    return reports
 
 
 #: Three steps of one input shape of the bottleneck.
@@ -56,7 +30,7 @@ STEPS = [(2, 16, 6, 5)] * 3
 def test_bottleneck_trains_as_eager_with_both_norms_applied_by_the_convs_that_read_them(kernels, kernel_device,
                                                                                          monkeypatch) -> None:  # fmt: skip
     monkeypatch.setenv("FUSION_CONV_IMPL", "family")
-    reports = train_steps(bottleneck(), STEPS, kernel_device, options={"patterns": "all"})
+    _, _, reports = train_steps(bottleneck(), STEPS, kernel_device, options={"patterns": "all"})
     assert reports[0].counts() == {"batch_norm_conv": 2}
     assert [m.summary for m in reports[0].matches] == ["batch_norm(train) -> relu -> conv2d"] * 2
     assert all(m.kernel.startswith("triton" if kernels != "reference" else "reference") for m in reports[0].matches)
@@ -65,7 +39,7 @@ def test_bottleneck_trains_as_eager_with_both_norms_applied_by_the_convs_that_re
 def test_dynamic_shapes_train_as_eager(kernels, kernel_device, monkeypatch) -> None:
     """``dynamic=True``: batch and spatial sizes change between steps."""
     monkeypatch.setenv("FUSION_CONV_IMPL", "family")
-    reports = train_steps(bottleneck(), [(2, 16, 6, 5), (3, 16, 7, 9)], kernel_device, options={"patterns": "all"},
+    _, _, reports = train_steps(bottleneck(), [(2, 16, 6, 5), (3, 16, 7, 9)], kernel_device, options={"patterns": "all"},
                           dynamic=True)  # fmt: skip
     assert all(r.counts() == {"batch_norm_conv": 2} for r in reports) and reports
 
@@ -73,10 +47,10 @@ def test_dynamic_shapes_train_as_eager(kernels, kernel_device, monkeypatch) -> N
 def test_the_family_is_opt_in_and_conv_batch_norm_takes_the_norms_without_it(kernel_device, monkeypatch) -> None:
     """By default (and where it is left out) the producers take the norms."""
     for options in ({}, {"patterns": "all", "disable_patterns": ["batch_norm_conv"]}):
-        reports = train_steps(bottleneck(), STEPS[:1], kernel_device, options=options)
+        _, _, reports = train_steps(bottleneck(), STEPS[:1], kernel_device, options=options)
         assert reports[0].counts() == {"conv_batch_norm": 2}
     monkeypatch.setenv("FUSION_PATTERNS", "batch_norm_conv")
-    reports = train_steps(bottleneck(), STEPS[:1], kernel_device)
+    _, _, reports = train_steps(bottleneck(), STEPS[:1], kernel_device)
     assert reports[0].counts() == {"batch_norm_conv": 2}
 
 
@@ -147,5 +121,5 @@ class FunctionalPreActivation(nn.Module):
 
 def test_the_direct_runner_trains_as_eager(kernels, kernel_device, monkeypatch) -> None:
     monkeypatch.setenv("FUSION_CONV_IMPL", "family")
-    reports = train_steps(FunctionalPreActivation(), [(2, 6, 5, 7)] * 3, kernel_device, options={"patterns": "all"})
+    _, _, reports = train_steps(FunctionalPreActivation(), [(2, 6, 5, 7)] * 3, kernel_device, options={"patterns": "all"})
     assert reports[0].counts() == {"batch_norm_conv": 1} and reports[0].runner == "direct"
