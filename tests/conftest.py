@@ -544,6 +544,24 @@ def kernels(request, monkeypatch) -> str:
 
 
 @pytest.fixture
+def failing_kernels(monkeypatch, kernel_device):
+    """A fused op's failure-policy test: its Triton path even on CPU (under the interpreter), and a
+    function ``(module, *names)`` that makes those launchers of a kernels module raise
+    ``RuntimeError("simulated launch failure")``."""
+    if kernel_device == "cpu":
+        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated launch failure")
+
+    def fail(module, *names: str) -> None:
+        for name in names:
+            monkeypatch.setattr(module, name, broken)
+
+    return fail
+
+
+@pytest.fixture
 def exact_fp32():
     """TF32 off for the test (fp32 parity at 1e-5 needs it; the fused kernels follow the same flags)."""
     saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32

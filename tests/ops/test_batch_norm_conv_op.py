@@ -315,15 +315,10 @@ def test_bad_input_gives_one_line_errors() -> None:
         batch_norm_conv(x[:1, :, :1, :1], w, b, affine, cfg.to_json())
 
 
-def test_a_kernel_failure_falls_back_to_the_reference_or_raises_under_strict(monkeypatch, kernel_device) -> None:
-    if kernel_device == "cpu":
-        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+def test_a_kernel_failure_falls_back_to_the_reference_or_raises_under_strict(kernel_device, failing_kernels) -> None:
     from fusion_backend.kernels import batch_norm as kernels_module
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("simulated launch failure")
-
-    monkeypatch.setattr(kernels_module, "batch_norm_stats", broken)
+    failing_kernels(kernels_module, "batch_norm_stats")
     case = CASES["2d_1x1_leaky_bias_nchw"]
     cfg = case.config(running_stats=True)
     x, w, b, *affine = tensors(case, 2, kernel_device, torch.float32)

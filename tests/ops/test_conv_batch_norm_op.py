@@ -532,16 +532,10 @@ def test_bad_inputs_get_one_line_errors() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_a_kernel_failure_falls_back_to_the_reference_or_raises_under_strict(monkeypatch, kernel_device) -> None:
-    if kernel_device == "cpu":
-        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+def test_a_kernel_failure_falls_back_to_the_reference_or_raises_under_strict(kernel_device, failing_kernels) -> None:
     from fusion_backend.kernels import batch_norm as kernels_module
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("simulated launch failure")
-
-    monkeypatch.setattr(kernels_module, "batch_norm_stats", broken)
-    monkeypatch.setattr(kernels_module, "batch_norm_backward", broken)
+    failing_kernels(kernels_module, "batch_norm_stats", "batch_norm_backward")
     x, w, b, *ops = [t.to(kernel_device) for t in make(CONV2D, 3, 4, (5, 6), 4)]
     cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, True, (ChainStep(K.SILU),))
     running = [torch.zeros(4, device=kernel_device), torch.ones(4, device=kernel_device)]

@@ -342,16 +342,10 @@ def test_bad_inputs_get_one_line_errors() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_a_kernel_failure_falls_back_to_the_reference_or_raises_under_strict(monkeypatch, kernel_device) -> None:
-    if kernel_device == "cpu":
-        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+def test_a_kernel_failure_falls_back_to_the_reference_or_raises_under_strict(kernel_device, failing_kernels) -> None:
     from fusion_backend.kernels import group_norm as kernels_module
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("simulated launch failure")
-
-    monkeypatch.setattr(kernels_module, "group_norm_forward", broken)
-    monkeypatch.setattr(kernels_module, "group_norm_backward", broken)
+    failing_kernels(kernels_module, "group_norm_forward", "group_norm_backward")
     x, w, b, *ops = [t.to(kernel_device) for t in make(CONV2D, 3, 4, (5, 6), 4, operands(4, 4))]
     cfg = ConvGroupNormConfig(CONV2D, 2, 1e-5, 0, 1, (), (ChainStep(K.SILU),))
     x.requires_grad_()
