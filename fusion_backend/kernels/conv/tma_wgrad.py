@@ -57,7 +57,7 @@ from ..launch import FastLaunch
 from .hooks import PROLOGUE_GROUP_AFFINE, PROLOGUE_SAMPLE_CHANNEL_SCALE
 from .prologue import activation
 from .tiles import TileConfig
-from .tma_fprop import _DTYPES, GLUON, _Base, _is_sm90
+from .tma_fprop import _DTYPES, GLUON, _Base, _dense, _is_sm90
 
 if GLUON:
     from triton.experimental import gluon
@@ -372,8 +372,9 @@ def supports(x: torch.Tensor, grad_y: torch.Tensor, weight: torch.Tensor, stride
 
 
 def refusal(geo: Any, dtype: torch.dtype, tile: TileConfig) -> str:
-    """Why ``tile`` cannot run a weight gradient of geometry ``geo`` on this kernel ("" where it can):
-    the tile's own limits (a warpgroup's ``wgmma`` and TMA boxes); the call's are :func:`supports`'s."""
+    """Why ``tile`` cannot run a weight gradient of geometry ``geo`` in ``dtype`` on this kernel (""
+    where it can); the tile's own limits (a warpgroup's ``wgmma``, a box) are
+    ``TileConfig.check_for("wgrad")``'s, the device's and layouts' :func:`supports`'s."""
     if dtype not in _DTYPES:
         return f"the TMA weight gradient takes fp16 or bf16, got {dtype}"
     if geo.groups != 1 or any(s != 1 for s in geo.stride):
@@ -381,11 +382,6 @@ def refusal(geo: Any, dtype: torch.dtype, tile: TileConfig) -> str:
     if geo.taps * cdiv(geo.c_in, tile.block_k) % tile.taps_per_program:
         return (f"taps_per_program={tile.taps_per_program} must divide the {geo.taps} taps x "
                 f"{cdiv(geo.c_in, tile.block_k)} channel blocks of K")  # fmt: skip
-    if tile.block_k != 16 * tile.num_warps or tile.num_warps not in (4, 8):
-        return (f"block_k={tile.block_k} must be 64 per warpgroup (wgmma's M) on 4 or 8 warps, got "
-                f"{tile.num_warps} warps")  # fmt: skip
-    if not tile.box_w or tile.block_m % 16 or tile.block_n > 256 or tile.num_stages < 1:
-        return "the TMA weight gradient needs a box of a multiple of 16 positions, block_n <= 256 and 1+ stages"
     return ""
 
 
@@ -463,12 +459,7 @@ class TmaWgradLaunch:
 
 def dense_channels_last(t: torch.Tensor) -> torch.Tensor:
     """``t`` as TMA reads it: channels-last, dense in that order, 16-byte aligned; itself where it is."""
-    dense = t.movedim(1, -1)
-    if not dense.is_contiguous():
-        dense = dense.contiguous()
-    if dense.data_ptr() % 16:
-        dense = dense.clone()
-    return dense.movedim(-1, 1)
+    return _dense(t.movedim(1, -1)).movedim(-1, 1)
 
 
 def programs(tile: TileConfig, geo: Any) -> int:
