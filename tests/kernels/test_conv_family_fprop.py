@@ -862,9 +862,9 @@ def test_tma_forward_operand_matrices_and_their_kept_descriptors():
 
     from fusion_backend.kernels.conv.tma_fprop import (
         GLUON,
-        TmaLaunch,
         _shared_layout,
         input_rows,
+        kept_descriptor,
         weight_matrix,
     )
 
@@ -885,13 +885,13 @@ def test_tma_forward_operand_matrices_and_their_kept_descriptors():
     block = [64, 16]
     layout = _shared_layout(block, torch.float16)
     kept = {}
-    first, copy = TmaLaunch._descriptor(kept, x16, input_rows, block, layout)
-    again, _ = TmaLaunch._descriptor(kept, x16, input_rows, block, layout)
+    first, copy = kept_descriptor(kept, x16, input_rows, block, layout)
+    again, _ = kept_descriptor(kept, x16, input_rows, block, layout)
     assert copy is None and again is first and list(kept) == [x16.data_ptr()]
     assert (first.shape, first.strides) == ([70, 24], [24, 1])
     sliced16 = x16[:, 4:20]
-    d1, c1 = TmaLaunch._descriptor(kept, sliced16, input_rows, block, layout)
-    d2, c2 = TmaLaunch._descriptor(kept, sliced16, input_rows, block, layout)
+    d1, c1 = kept_descriptor(kept, sliced16, input_rows, block, layout)
+    d2, c2 = kept_descriptor(kept, sliced16, input_rows, block, layout)
     assert c1 is not None and d1.base.data_ptr() == c1.data_ptr() and d2 is not d1 and len(kept) == 1
     probe = weakref.ref(x16)
     del x16, sliced16, first, again

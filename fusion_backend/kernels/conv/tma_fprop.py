@@ -409,30 +409,31 @@ class TmaLaunch:
         self._b_kept: dict[int, Any] = {}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, *pointers: Any) -> None:
-        a_desc, a_copy = self._descriptor(self._a_kept, x, input_rows, self.a_block, self.a_layout)
-        b_desc, b_copy = self._descriptor(self._b_kept, weight, weight_matrix, self.b_block, self.b_layout)
+        a_desc, a_copy = kept_descriptor(self._a_kept, x, input_rows, self.a_block, self.a_layout)
+        b_desc, b_copy = kept_descriptor(self._b_kept, weight, weight_matrix, self.b_block, self.b_layout)
         self.launch(a_desc, b_desc, *pointers)
         del a_copy, b_copy  # the copies the descriptors point at lived until the launch was queued
 
-    @staticmethod
-    def _descriptor(kept: dict[int, Any], t: torch.Tensor, matrix: Any, block: list[int],
+
+def kept_descriptor(kept: dict[int, Any], t: torch.Tensor, matrix: Any, block: list[int],
                     layout: Any) -> tuple[Any, torch.Tensor | None]:  # fmt: skip
-        """``(descriptor, copy)``: the descriptor of ``matrix(t)`` (the operand's dense matrix) and the
-        copy of ``t`` it points at (None where the matrix is a view of ``t``).  A view's descriptor is
-        kept by ``t``'s data pointer: the plan fixes the matrix's shape and strides, so the pointer is
-        all that differs between calls."""
-        ptr = t.data_ptr()
-        desc = kept.get(ptr)
-        if desc is not None:
-            return desc, None
-        m = matrix(t)
-        desc = TensorDescriptor(_Base(m), list(m.shape), list(m.stride()), block, layout)
-        if m.data_ptr() != ptr:
-            return desc, m
-        if len(kept) >= _KEPT_DESCRIPTORS:
-            kept.clear()
-        kept[ptr] = desc
+    """``(descriptor, copy)``: the TMA descriptor of ``matrix(t)`` (the operand as the kernel's
+    descriptor spans it, shape and strides) with box ``block`` in ``layout``, and the copy of ``t`` it
+    points at (None where ``matrix(t)`` is a view of ``t``).  A view's descriptor is kept in ``kept`` by
+    ``t``'s data pointer: a launch plan fixes the view's shape and strides, so the pointer is all that
+    differs between calls (:class:`TmaLaunch`'s NOTE: building them was a third of a launch's host time)."""
+    ptr = t.data_ptr()
+    desc = kept.get(ptr)
+    if desc is not None:
         return desc, None
+    m = matrix(t)
+    desc = TensorDescriptor(_Base(m), list(m.shape), list(m.stride()), block, layout)
+    if m.data_ptr() != ptr:
+        return desc, m
+    if len(kept) >= _KEPT_DESCRIPTORS:
+        kept.clear()
+    kept[ptr] = desc
+    return desc, None
 
 
 def input_rows(x: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ and where the timed choice offers it: ``tiles.tma_wgrad_tiles``' NOTE.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -57,7 +58,7 @@ from ..launch import FastLaunch
 from .hooks import PROLOGUE_GROUP_AFFINE, PROLOGUE_SAMPLE_CHANNEL_SCALE
 from .prologue import activation
 from .tiles import TileConfig
-from .tma_fprop import _DTYPES, GLUON, _Base, _dense, _is_sm90
+from .tma_fprop import _DTYPES, GLUON, _dense, _is_sm90, _shared_layout, kept_descriptor
 
 if GLUON:
     from triton.experimental import gluon
@@ -67,7 +68,6 @@ if GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .tma_fprop import _thread_barrier, _tma_load
 
@@ -385,10 +385,10 @@ def refusal(geo: Any, dtype: torch.dtype, tile: TileConfig) -> str:
     return ""
 
 
-def _descriptor(t: torch.Tensor, block: list[int], rows: int) -> Any:
-    """``t`` (channels-last, dense in that order, 16-byte aligned) as the ``(N, D, H, W, C)`` TMA
-    descriptor with box ``block`` (zero padding), in the swizzled layout ``wgmma`` reads; ``rows`` > 0:
-    as ``(rows, 1, 1, M / rows, C)``, its positions ``rows`` rows."""
+def _planes(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` (channels-last, dense in that order, 16-byte aligned) viewed as the ``(N, D, H, W, C)``
+    tensor its TMA descriptor spans (``boxes._descriptor_dims``' sizes and strides); ``rows`` > 0: as
+    ``(rows, 1, 1, M / rows, C)``, its positions ``rows`` rows."""
     from .boxes import _descriptor_dims
 
     if rows:
@@ -396,9 +396,7 @@ def _descriptor(t: torch.Tensor, block: list[int], rows: int) -> Any:
         sizes, strides = [rows, 1, 1, m, c], [m * c, m * c, m * c, c, 1]
     else:
         sizes, strides = _descriptor_dims(t)
-    element = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(block, element)
-    return TensorDescriptor(_Base(t), sizes, strides, block, layout)
+    return t.as_strided(sizes, strides)
 
 
 class TmaWgradLaunch:
@@ -408,10 +406,11 @@ class TmaWgradLaunch:
 
     ``geo``: the plan's ``_Geometry``; ``k_row``, ``cout_pad``: the partial layout's;
     ``split``: the splits of the boxes; ``hook_codes``: the prologue's constexprs (``PROLOGUE``,
-    ``G_NORM``, ``NORM_AFFINE``, ``ACT_IN``, ``BIAS_GRAD``, ``BIG``)."""
+    ``G_NORM``, ``NORM_AFFINE``, ``ACT_IN``, ``BIAS_GRAD``, ``BIG``); ``dtype``: the operands'.  The
+    descriptors are kept per operand by data pointer, as the TMA forward's (``tma_fprop.kept_descriptor``)."""
 
     def __init__(self, tile: TileConfig, geo: Any, k_row: int, cout_pad: int, split: int,
-                 hook_codes: dict[str, Any]) -> None:  # fmt: skip
+                 hook_codes: dict[str, Any], dtype: torch.dtype) -> None:  # fmt: skip
         self.tile = tile
         #: a 1x1 conv without padding reads its positions as rows (``box_w`` must be ``block_m``): all
         #: samples' positions as one row of ``M``, or where the prologue's vectors are per sample (a box
@@ -451,10 +450,15 @@ class TmaWgradLaunch:
         self.launch = FastLaunch(tma_wgrad_kernel, grid, constexprs, fixed=fixed)
         self.x_block = [1, 1, tile.box_h, tile.box_w, tile.block_k]
         self.dy_block = [1, 1, tile.box_h, tile.box_w, tile.block_n]
+        self.x_layout, self.dy_layout = _shared_layout(self.x_block, dtype), _shared_layout(self.dy_block, dtype)
+        self._x_kept: dict[int, Any] = {}
+        self._dy_kept: dict[int, Any] = {}
 
     def __call__(self, x: torch.Tensor, grad_y: torch.Tensor, *pointers: Any) -> None:
-        self.launch(_descriptor(x, self.x_block, self.row_count), _descriptor(grad_y, self.dy_block, self.row_count),
-                    *pointers)  # fmt: skip
+        planes = functools.partial(_planes, rows=self.row_count)
+        x_desc, _ = kept_descriptor(self._x_kept, x, planes, self.x_block, self.x_layout)
+        dy_desc, _ = kept_descriptor(self._dy_kept, grad_y, planes, self.dy_block, self.dy_layout)
+        self.launch(x_desc, dy_desc, *pointers)
 
 
 def dense_channels_last(t: torch.Tensor) -> torch.Tensor:

@@ -495,7 +495,7 @@ class _WgradPlan:
         hook_codes = dict(PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine,
                           ACT_IN=act_in, BIAS_GRAD=bias_grad, BIG=big)  # fmt: skip
         self.launch = tma_wgrad.TmaWgradLaunch(tile, geo, self.k_row, self.cout_pad, max(1, want),
-                                               hook_codes)  # fmt: skip
+                                               hook_codes, x.dtype)  # fmt: skip
         self.split = self.launch.split
         self.sum_splits = sum_splits_launch(geo, self.split, self.cin_pad, self.k_row, self.cout_pad, False)
 
