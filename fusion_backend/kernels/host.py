@@ -65,6 +65,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def multiprocessors(device: torch.device) -> int:
+    """The device's SM count; an H100's 132 for a CPU device (``tools/compile_check.py`` records the
+    launches of CPU tensors, and the CPU tests plan launches as on that GPU)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -238,20 +238,63 @@ def test_wgrad_is_bit_identical_across_runs_and_splits_only_reorder():
     torch.testing.assert_close(one[0], first[0], rtol=1e-5, atol=1e-5)
 
 
-def test_wgrad_sums_more_splits_than_one_step_of_the_split_sum_reads():
-    """40 splits: the split sum reads 32 slots per step, then the last 8 (``wgrad.sum_splits_launch``);
-    the result matches float64 and one split's, bit for bit across runs."""
+def test_wgrad_sums_more_splits_than_one_step_of_the_split_sum_reads(monkeypatch):  # noqa: ANN001
+    """40 splits summed 4 slots per step in 10 steps (one program per 1,024 elements, forced here by
+    asking the split sum for a single program: ``wgrad.sum_splits_blocks``); the result matches float64
+    and one split's, bit for bit across runs."""
+    monkeypatch.setattr(wgrad, "_SUM_PROGRAMS", 1)
+    assert wgrad.sum_splits_blocks(2304, 40) == (1024, 4)
     g = torch.Generator().manual_seed(57)
     xs, ws, conv = (2, 8, 16, 20), (12, 8, 3, 3), dict(padding=1)
     x = _channels_last(_randn(*xs, g=g))
     gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
     w = _randn(*ws, g=g)
     first, bias = _check_wgrad("40 splits", gy, x, w, bias_grad=True, tile=SMALL, split=40, **conv)
-    assert wgrad._PLANS.values()[-1].split == 40
+    plan = wgrad._PLANS.values()[-1]
+    assert plan.split == 40 and plan.sum_splits.constexprs["SPLIT_BLOCK"] == 4
     again = conv_wgrad(gy, x, w, bias_grad=True, tile=SMALL, split=40, **conv)
     assert torch.equal(first, again[0]) and torch.equal(bias, again[1])
     one = conv_wgrad(gy, x, w, bias_grad=True, tile=SMALL, split=1, **conv)
-    torch.testing.assert_close(one[0], first, rtol=1e-5, atol=1e-5)
+    # One split sums its 640 products in another order than forty: fp32 rounding apart, scaled to the largest
+    # entry (a 1e-5 absolute bound failed on an H200 at 1.1e-5, entries up to about 80).
+    torch.testing.assert_close(one[0], first, rtol=1e-5, atol=1e-6 * first.abs().max().item())
+
+
+@pytest.mark.parametrize("m_tiles,per_split", [(3136, 1), (3136, 4), (784, 16), (49, 64), (49, 512), (0, 3)])
+def test_wgrad_split_aims_at_the_tiles_programs_per_sm(m_tiles, per_split):  # noqa: ANN001
+    """``pick_split``: about ``programs_per_sm`` programs per SM (132 SMs for a CPU device), one program per
+    SM about half the splits of two, never a split of fewer than 4 M tiles, at least one."""
+    cpu = torch.device("cpu")
+    two, one = (wgrad.pick_split(m_tiles, per_split, TileConfig(programs_per_sm=n), cpu) for n in (2, 1))
+    for split, per_sm in ((two, 2), (one, 1)):
+        assert split == max(1, min(-(-132 * per_sm // per_split), m_tiles // 4))
+    assert one <= two <= 2 * one
+
+
+def test_only_the_weight_gradient_takes_a_programs_per_sm():
+    """A split's programs per SM is the weight gradient's option: other passes refuse it in one line,
+    and out of 1..4 it is refused everywhere."""
+    TileConfig(programs_per_sm=1).check_for("wgrad")
+    for pass_name in ("fprop", "dgrad"):
+        with pytest.raises(ContractError, match="programs per SM"):
+            TileConfig(programs_per_sm=1).check_for(pass_name)
+    with pytest.raises(ContractError, match="programs_per_sm must be 1 to 4"):
+        TileConfig(programs_per_sm=0).check_for("wgrad")
+
+
+@pytest.mark.parametrize("total", [1, 100, 2304, 4096, 4224, 70_000, 2_359_296])
+@pytest.mark.parametrize("split", [1, 2, 5, 40, 262, 600])
+def test_split_sum_blocks_spread_the_gradient_over_programs(total, split):  # noqa: ANN001
+    """The split sum's launch: elements per program a power of two in 16..1024, programs enough to fill a
+    GPU where the gradient is large enough (a small gradient over many splits must not be a few programs
+    walking their slots), each step about 4,096 loads and never more slots than the split has."""
+    block, slots = wgrad.sum_splits_blocks(total, split)
+    assert block & (block - 1) == 0 and 16 <= block <= 1024
+    assert slots & (slots - 1) == 0 and 1 <= slots <= max(1, 2 * split - 1) and block * slots <= 4096
+    programs = -(-total // block)
+    assert programs >= min(wgrad._SUM_PROGRAMS, -(-total // 1024)) and (block == 16 or programs >= wgrad._SUM_PROGRAMS)
+    steps = -(-split // slots)
+    assert steps <= max(1, -(-split // (4096 // block)))
 
 
 def test_wgrad_reads_sliced_and_nchw_grad_y():

@@ -11,6 +11,7 @@ between blocks, 1d/2d/3d, dilation, every prologue kind and the bias gradient.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -160,8 +161,9 @@ def test_tma_wgrad_tiles_join_the_timed_choice_where_the_kernel_applies():
 
 def test_tma_wgrad_tiles_fit_the_kernel_and_shared_memory():
     """Every tile :func:`tma_wgrad_tiles` offers passes the kernel's refusal rules, its ring fits half
-    an sm_90 SM's shared memory (two programs per SM), and a wider kernel is offered only where ``a^T``
-    comes from shared memory: no prologue, boxes that tile the plane."""
+    an sm_90 SM's shared memory (two programs per SM), each comes with its split aiming at two programs
+    per SM and at one, and a wider kernel is offered only where ``a^T`` comes from shared memory: no
+    prologue, boxes that tile the plane."""
     offered = {}
     for c_in, c_out, k, plane in [(64, 64, 3, (56, 56)), (256, 64, 1, (56, 56)), (512, 512, 3, (64, 64)),
                                   (24, 40, 3, (11, 13)), (1024, 2048, 1, (7, 7)), (128, 128, 5, (28, 28))]:  # fmt: skip
@@ -169,15 +171,17 @@ def test_tma_wgrad_tiles_fit_the_kernel_and_shared_memory():
         for hooked in (False, True):
             tiles = tma_wgrad_tiles(c_in, c_out, k * k, plane, k == 1, hooked)
             offered[(c_in, k, hooked)] = len(tiles)
+            assert [t.programs_per_sm for t in tiles] == [2, 1][:len(tiles)]
+            assert len({dataclasses.replace(t, programs_per_sm=2) for t in tiles}) <= 1
             for tile in tiles:
                 tile.check_for("wgrad")
                 assert tma_wgrad.refusal(geo, torch.bfloat16, tile) == "", tile.label()
                 ring = tile.num_stages * (tile.block_n + tile.taps_per_program * tile.block_k) * tile.block_m * 2
                 assert 2 <= tile.num_stages and ring <= 100 * 1024, tile.label()
                 assert k == 1 or plane[1] % tile.box_w == 0 and plane[0] % tile.box_h == 0, tile.label()
-    assert offered[(64, 3, False)] == 1 and offered[(64, 3, True)] == 0  # 8 x 8 boxes tile 56 x 56
+    assert offered[(64, 3, False)] == 2 and offered[(64, 3, True)] == 0  # 8 x 8 boxes tile 56 x 56
     assert offered[(24, 3, False)] == 0  # 11 x 13: no box of 64 tiles it
-    assert offered[(256, 1, True)] == offered[(1024, 1, True)] == 1  # rows take any hooks
+    assert offered[(256, 1, True)] == offered[(1024, 1, True)] == 2  # rows take any hooks
 
 
 @pytest.mark.parametrize("tile,words", [

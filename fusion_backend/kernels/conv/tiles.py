@@ -76,6 +76,10 @@ class TileConfig:
     #: a Gluon kernel on sm_90: the forward's on a 1x1 conv (TMA boxes of rows, the prologue in wgmma's
     #: register layout: ``tma_fprop``), or with a box the weight gradient's (``tma_wgrad``)
     tma: bool = False
+    #: the weight gradient's split of M aims for this many programs per SM (``wgrad.pick_split``): 2 lets
+    #: a second program's loads run under the first's MMAs; 1 halves the fp32 partials where one program
+    #: per SM already streams its operands at full speed (TMA tiles: :func:`tma_wgrad_tiles`)
+    programs_per_sm: int = 2
 
     @property
     def box_h(self) -> int:
@@ -87,7 +91,9 @@ class TileConfig:
         walk = " flat" if self.flat_k else (f" box {self.box_h}x{self.box_w}" if self.box_w else "")
         taps = f" taps {self.taps_per_program}" if self.taps_per_program > 1 else ""
         kernel = " tma" if self.tma else ""
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{walk}{taps}{kernel}"
+        per_sm = f" {self.programs_per_sm}/sm" if self.programs_per_sm != 2 else ""
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{walk}{taps}"
+                f"{kernel}{per_sm}")
 
     def check(self) -> None:
         """Raise :class:`ContractError` unless the blocks are powers of two >= 16, the launch options
@@ -111,18 +117,20 @@ class TileConfig:
             raise ContractError(f"tile taps_per_program must be 1, 2 or 3, and 1 with a flat K walk or a gather "
                                 f"kernel's box; got {self.taps_per_program} (flat_k={self.flat_k}, "
                                 f"box_w={self.box_w})")  # fmt: skip
+        if not 1 <= self.programs_per_sm <= 4:
+            raise ContractError(f"tile programs_per_sm must be 1 to 4, got {self.programs_per_sm}")
 
     def check_for(self, pass_name: str) -> None:
         """:meth:`check`, and what ``pass_name``'s kernel takes: the forward loads no boxes of the
-        plane (``fprop`` and ``tma_fprop`` module docstrings), several taps per program are the weight
-        gradient's alone, and a TMA tile the forward's (rows) or the weight gradient's (boxes)."""
+        plane (``fprop`` and ``tma_fprop`` module docstrings), several taps per program and the split's
+        programs per SM are the weight gradient's alone, and a TMA tile the forward's (rows) or the weight gradient's (boxes)."""
         self.check()
         if pass_name == "fprop" and self.box_w:
             raise ContractError(f"tile box_w={self.box_w}: the forward loads its A tiles by gather or as rows, "
                                 "not as boxes of the plane (fprop and tma_fprop module docstrings)")
-        if pass_name != "wgrad" and self.taps_per_program != 1:
-            raise ContractError(f"tile taps_per_program={self.taps_per_program}: several taps per program is the "
-                                "weight gradient's")
+        if pass_name != "wgrad" and (self.taps_per_program != 1 or self.programs_per_sm != 2):
+            raise ContractError(f"tile {self.label()}: several taps per program and a split's programs per SM are "
+                                "the weight gradient's")
         if self.tma and pass_name == "wgrad":
             if not self.box_w or self.block_k != 16 * self.num_warps or self.num_warps not in (4, 8) \
                     or self.block_n > 256:  # fmt: skip
@@ -461,13 +469,22 @@ _TMA_WGRAD_SHARED = 200 * 1024
 # channels at 56 x 56 (0.068 against 0.080 ms; three taps per program 0.087); through registers (a
 # prologue, or boxes over the plane's edge) it lost on every 3x3 (0.157 against 0.112 ms with the prologue
 # there, 0.098 against 0.050 on 128 channels at 28 x 28), so those are not offered.
+# NOTE: each TMA tile is offered with its split aiming at two programs per SM and at one
+# (``TileConfig.programs_per_sm``; H200, bf16, ResNet-50 batch 64, each tile's time against its split,
+# with the split sum of ``wgrad.sum_splits_blocks``; the bench above times both variants).  On every 1x1
+# one program per SM ran fastest, the fp32 partials halved while the kernel kept streaming its operands:
+# 64 -> 64 at 56 x 56 0.0186 ms (128 splits) against 0.0216 (262), 128 -> 512 at 28 x 28 0.0320 against
+# 0.0393, 1024 -> 256 at 14 x 14 0.0213 against 0.0245, 512 -> 2048 at 7 x 7 0.0209 against 0.0274; on
+# the plain 3x3 of 64 channels at 56 x 56 two did (0.058 against 0.088 ms).  The gather kernel's tiles
+# keep two: with one, 4 of 5 such rows ran 1.1-1.4x slower.
 def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], rows: bool,
                     hooked: bool) -> list[TileConfig]:  # fmt: skip
     """The TMA weight gradient's tiles (``tma_wgrad``) the timed choice weighs for ``c_in`` -> ``c_out``
     channels, ``taps`` kernel taps and an output plane of ``plane`` (rows, columns): ``wgmma``'s M is the
     input channels, 64 per warpgroup (8 warps where ``c_in`` reaches 128), N up to 128 output channels,
     one K step per program, boxes of 64 positions, the ring's stages as many as fit half of
-    :data:`_TMA_WGRAD_SHARED` (two programs per SM, each one's waits under the other's MMAs).  A 1x1 conv
+    :data:`_TMA_WGRAD_SHARED` (two programs per SM, each one's waits under the other's MMAs); each tile
+    twice, its split aiming at two programs per SM and at one (NOTE above).  A 1x1 conv
     without padding (``rows``) reads consecutive positions, any hooks; a wider kernel only where its
     ``a^T`` comes from shared memory: no prologue (``hooked``) and boxes that tile the plane exactly
     (NOTE above); none otherwise."""
@@ -478,4 +495,7 @@ def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], ro
     if not rows and (hooked or plane[0] % (64 // box_w) or plane[1] % box_w):
         return []
     stages = min(4, _TMA_WGRAD_SHARED // 2 // ((block_n + block_k) * 64 * 2))
-    return [TileConfig(64, block_n, block_k, warps, stages, box_w=box_w, tma=True)] if stages >= 2 else []
+    if stages < 2:
+        return []
+    tile = TileConfig(64, block_n, block_k, warps, stages, box_w=box_w, tma=True)
+    return [tile, replace(tile, programs_per_sm=1)]

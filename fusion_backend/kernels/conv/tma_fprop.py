@@ -82,7 +82,7 @@ from typing import Any
 
 import torch
 
-from ..host import INTERPRETER
+from ..host import INTERPRETER, multiprocessors
 from ..launch import FastLaunch
 
 try:  # Gluon is experimental: a Triton without it (or with another API) keeps the gather kernel
@@ -307,12 +307,6 @@ def _is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def _multiprocessors(device: torch.device) -> int:
-    """The device's SM count; an H100's 132 for a CPU device (``tools/compile_check.py`` records the
-    launches of CPU tensors)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def supports(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
              groups: int, stats_groups: int) -> bool:  # fmt: skip
     """Whether a forward call can run here: a 1x1 conv with stride 1, no padding and one group, fp16 or
@@ -349,7 +343,7 @@ def grid_programs(tile: Any, geo: Any, m_tiles: int, device: torch.device, progr
     registers), at most one per tile; with ``program_stats`` (each program sums the statistics of its
     tiles, which then must share one N tile) a multiple of the N tiles, ``lanes`` of them each."""
     n_tiles = -(-geo.c_out // tile.block_n)
-    capacity = tma_programs_per_sm(tile, ring_stages(tile, geo)) * _multiprocessors(device)
+    capacity = tma_programs_per_sm(tile, ring_stages(tile, geo)) * multiprocessors(device)
     if program_stats:
         return max(1, min(m_tiles, capacity // n_tiles)) * n_tiles
     return min(m_tiles * n_tiles, capacity)

@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host import cdiv, element_extent, next_pow2
+from ..host import cdiv, element_extent, multiprocessors, next_pow2
 from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import backward_dot_precision, round_tf32
@@ -91,10 +91,7 @@ from .hooks import ActivationLike, Prologue
 from .prologue import box_coords, load_a_box, load_a_tile, load_depthwise_tile, window_rows
 from .tiles import TileConfig, cached_plan, candidates, tma_wgrad_tiles, tuned_tile
 
-#: Programs a split-K launch aims for (about two waves of a 132-SM GPU); each split keeps at least
-#: ``_MIN_TILES_PER_SPLIT`` M tiles so that the partial buffer stays small next to the reads.  Not
-#: measured: the shape of the heuristic, not its numbers, is what matters until a GPU tunes it.
-_TARGET_PROGRAMS = 264
+#: Each split of a weight gradient's M keeps at least this many M tiles (``pick_split``).
 _MIN_TILES_PER_SPLIT = 4
 
 
@@ -313,11 +310,7 @@ def sum_splits_kernel(part_ptr, out_ptr, SPLIT, TOTAL, C_OUT_G, w_so, w_si, w_sd
     read ``SPLIT_BLOCK`` at a time, each block reduced as a tree, the blocks in split order: a fixed
     order for one plan), rounded once to ``out_ptr``'s dtype and stored at ``(g * C_OUT_G + co) * w_so + ci
     * w_si + kd * w_sd + kh * w_sh + kw * w_sw``; padded output channels and K entries are not stored.
-    Why blocks of slots: one slot per step is a loop of ``SPLIT`` loads in a row per element, and that
-    is the suspected cost of a small weight gradient with many splits (H200, bf16: the 64 -> 64 1x1 at 56
-    x 56, 264 slots of a 64 x 64 weight, 0.099 ms for the pass with either kernel, where the 64 -> 256 one,
-    four times the work in half the slots, took 0.061-0.079; ``docs/perf/h200/conv-kernels-wgrad``); the
-    blocked sum is not timed on a GPU yet."""
+    How many of each per program: :func:`sum_splits_blocks`."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = e < TOTAL
     k = e % K_ROW
@@ -346,15 +339,28 @@ def sum_splits_kernel(part_ptr, out_ptr, SPLIT, TOTAL, C_OUT_G, w_so, w_si, w_sd
     tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=in_range & real & (co < C_OUT_G))
 
 
+def sum_splits_blocks(total: int, split: int) -> tuple[int, int]:
+    """``(block, slots)`` of :func:`sum_splits_kernel` for ``total`` gradient elements (padding included)
+    summed over ``split`` slots: ``block`` elements per program (a power of two in 16..1024, small enough
+    that the launch has :data:`_SUM_PROGRAMS` programs where ``total`` allows) and up to ``slots`` slots
+    read per step (a power of two, no more than ``split`` needs, about :data:`_SUM_ELEMENTS` loads per
+    step).
+    NOTE: a small gradient over many splits is a few programs each walking its slots in a loop of
+    dependent steps, whatever each step holds: ResNet-50's 64 -> 64 1x1 at 56 x 56 (4,096 elements, 262
+    slots) took 16.1 us in 32 programs of 9 steps, more than its weight-gradient kernel's 12.3 us (H200,
+    bf16; ``torch.profiler`` over ``conv_wgrad`` calls, ``python tools/bench_conv.py
+    demos/realnets/resnet50.py --passes wgrad --filter '*64x64x56x56 -> 64 k1x1*'`` times the pass).
+    Index arithmetic is per element and per thread: 4,096 elements on 4 warps took 214 registers, 1,024
+    took 48 with one slot per step and 72 with four (the sm_90a compile of Triton 3.6)."""
+    block = max(16, min(1024, 1 << (max(1, total // _SUM_PROGRAMS).bit_length() - 1)))  # a power of two
+    return block, min(next_pow2(split), max(1, _SUM_ELEMENTS // block))
+
+
 def sum_splits_launch(geo: _Geometry, split: int, cin_pad: int, k_row: int, cout_pad: int, flat_k: bool) -> FastLaunch:
-    """The launch of :func:`sum_splits_kernel` over a plan's ``(split, groups, cout_pad, k_row)`` partials:
-    up to :data:`_SUM_SLOTS` slots per step (a power of two, no more than ``split`` needs) and about
-    :data:`_SUM_ELEMENTS` partials per step, 64 to 1024 elements of the gradient per program (each
-    element's index arithmetic is per thread: 4096 of them on 4 warps took 214 registers, 1024 took
-    48 with one slot per step and 72 with four; the sm_90a compile of Triton 3.6)."""
-    slots = min(_SUM_SLOTS, next_pow2(split))
-    block = max(64, min(1024, _SUM_ELEMENTS // slots))
+    """The launch of :func:`sum_splits_kernel` over a plan's ``(split, groups, cout_pad, k_row)`` partials
+    (its blocks: :func:`sum_splits_blocks`)."""
     total = geo.groups * cout_pad * k_row
+    block, slots = sum_splits_blocks(total, split)
     return FastLaunch(sum_splits_kernel, (cdiv(total, block),), dict(
         C_IN_G=geo.c_in_g, CIN_PAD=cin_pad, K_ROW=k_row, COUT_PAD=cout_pad, KD=geo.kernel[0], KH=geo.kernel[1],
         KW=geo.kernel[2], FLAT_K=flat_k, BLOCK=block, SPLIT_BLOCK=slots, num_warps=4))  # fmt: skip
@@ -373,11 +379,13 @@ def wgrad_box_refusal(geo: _Geometry, x: torch.Tensor, dy: torch.Tensor, tile: T
             or box_refusal(geo, dy, tile, what="grad_y"))  # fmt: skip
 
 
-def pick_split(m_tiles: int, programs_per_split: int) -> int:
+def pick_split(m_tiles: int, programs_per_split: int, tile: TileConfig, device: torch.device) -> int:
     """How many splits of M a launch of ``programs_per_split`` programs (K steps x N tiles x groups)
-    over ``m_tiles`` M tiles uses (module docstring): enough to reach ``_TARGET_PROGRAMS`` programs,
-    never so many that a split holds fewer than ``_MIN_TILES_PER_SPLIT`` tiles; at least 1."""
-    want = cdiv(_TARGET_PROGRAMS, max(1, programs_per_split))
+    over ``m_tiles`` M tiles uses (module docstring): enough for ``tile.programs_per_sm`` programs per SM
+    of ``device``, never so many that a split holds fewer than ``_MIN_TILES_PER_SPLIT`` tiles; at least 1.
+    Each split writes and the split sum reads one fp32 partial of the whole gradient: where a program's
+    reads are few (a short M, a wide gradient), fewer splits win (``TileConfig.programs_per_sm``)."""
+    want = cdiv(multiprocessors(device) * tile.programs_per_sm, max(1, programs_per_split))
     return max(1, min(want, m_tiles // _MIN_TILES_PER_SPLIT))
 
 
@@ -399,9 +407,10 @@ def _reduce_splits(partials: torch.Tensor) -> torch.Tensor:
     return partials.sum(dim=0, dtype=torch.float64)
 
 
-#: :func:`sum_splits_kernel`'s step: at most this many slots, about this many partials.
-_SUM_SLOTS = 32
+#: :func:`sum_splits_kernel`'s launch (:func:`sum_splits_blocks`): about this many loads per step, at least
+#: this many programs (two per SM of a 132-SM GPU) where the gradient is large enough.
 _SUM_ELEMENTS = 4096
+_SUM_PROGRAMS = 264
 
 
 class _WgradPlan:
@@ -443,7 +452,7 @@ class _WgradPlan:
         else:  # programs: K steps, or (tap groups x channel blocks) with several taps per program
             k_steps, n_tiles = self.k_row // tile.block_k // taps_per, self.cout_pad // tile.block_n
         programs = k_steps * n_tiles * (1 if self.depthwise else geo.groups)
-        split = pick_split(m_tiles, programs) if split is None else min(split, max(1, m_tiles))
+        split = pick_split(m_tiles, programs, tile, x.device) if split is None else min(split, max(1, m_tiles))
         tiles_per_split = cdiv(m_tiles, split)
         self.split = cdiv(m_tiles, tiles_per_split) if m_tiles else 1  # no empty split
         big = big or self.split * geo.groups * self.cout_pad * self.k_row > _BIG_INDEX_THRESHOLD
@@ -490,7 +499,7 @@ class _WgradPlan:
         if isinstance(prologue, hooks.GroupAffine):
             g_norm, norm_affine = prologue.groups, prologue.weight is not None
         boxes = geo.n * geo.out_size[0] * cdiv(geo.out_size[1], tile.box_h) * cdiv(geo.out_size[2], tile.box_w)
-        want = pick_split(boxes, tma_wgrad.programs(tile, geo)) if split is None else split
+        want = pick_split(boxes, tma_wgrad.programs(tile, geo), tile, x.device) if split is None else split
         big = big or want * self.cout_pad * self.k_row > _BIG_INDEX_THRESHOLD
         hook_codes = dict(PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine,
                           ACT_IN=act_in, BIAS_GRAD=bias_grad, BIG=big)  # fmt: skip
