@@ -166,6 +166,27 @@ def test_measure_case_times_the_steps_interleaved_and_checks_them() -> None:
     assert wrong.ok is False and wrong.rel_err == pytest.approx(0.5)
 
 
+def test_profile_lists_each_rows_two_steps_kernels_and_survives_a_failing_profile() -> None:
+    """``--profile``: a row carries its own step's and its reference's kernel times; a profile that fails
+    leaves one line in their place and the row's times as they were."""
+    profiled = []
+
+    def profiler(fn: Any) -> dict[str, float]:
+        profiled.append(fn)
+        if len(profiled) == 3:  # the hooked step's
+            raise RuntimeError("profiler busy\nmore")
+        return {"conv_kernel": 10.0 * len(profiled), "sum_splits_kernel": 1.0}
+
+    case = fake_case("wgrad")
+    plain, hooked = bench_conv.measure_case(case, FakeTimer({n: 1.0 for n in case.steps}), rounds=1, profiler=profiler)
+    assert profiled == [case.steps[n] for n in ("kernel", "cudnn", "hooked", "unfused")]
+    assert plain.kernels == {"kernel": {"conv_kernel": 10.0, "sum_splits_kernel": 1.0},
+                             "cudnn": {"conv_kernel": 20.0, "sum_splits_kernel": 1.0}}  # fmt: skip
+    assert list(hooked.kernels["hooked"]) == ["profile failed: RuntimeError: profiler busy"]
+    assert hooked.kernels["unfused"]["conv_kernel"] == 40.0 and hooked.ms == 1.0
+    assert bench_conv.measure_case(case, FakeTimer({n: 1.0 for n in case.steps}), rounds=1)[0].kernels == {}
+
+
 def test_a_row_names_the_tile_its_kernels_first_call_chose() -> None:
     from fusion_backend.kernels.conv.tiles import TileConfig, tuned_tile
 

@@ -37,7 +37,9 @@ the unfused path's (hooked): the worst relative error over its outputs within th
 :data:`TOLERANCE`, else the row is a MISMATCH; that first call's tile choice (``tiles.recording_choices``)
 is the row's ``tile`` and ``tile_ms``.  Output: a table on stdout; with ``--out DIR``,
 ``DIR/bench.json`` and ``DIR/bench.md`` (``conv_bench_report``); ``--append`` merges into an
-existing ``bench.json`` (a sharded run).  Needs CUDA except with ``--list``.
+existing ``bench.json`` (a sharded run).  ``--profile``: each row also lists the kernels of its two steps
+and their microseconds per call (``torch.profiler``; where a pass's time goes: its kernel, the split sum,
+a relayout, a statistics combine).  Needs CUDA except with ``--list``.
 """
 
 from __future__ import annotations
@@ -416,10 +418,30 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
-def measure_case(case: Case, timer: Timer, rounds: int, verbose: bool = False) -> list[Row]:
+def kernel_times(fn: Callable[[], Any], calls: int = 5) -> dict[str, float]:
+    """Each GPU kernel's microseconds per call of ``fn`` over ``calls`` calls (``torch.profiler``, after
+    the timing has compiled and warmed it), slowest first; kernel names cut at 80 characters."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name[:80]
+            total[name] = total.get(name, 0.0) + event.device_time / calls
+    return dict(sorted(total.items(), key=lambda kv: -kv[1]))
+
+
+def measure_case(case: Case, timer: Timer, rounds: int, verbose: bool = False,
+                 profiler: Callable[[Callable[[], Any]], dict[str, float]] | None = None) -> list[Row]:  # fmt: skip
     """Run every step of ``case`` once (compiling), check the results, time the steps that ran with
     ``timer`` (interleaved, ``rounds`` rounds, each step's median of round medians) and return its
-    plain row and, where it has hooks, its hooked row."""
+    plain row and, where it has hooks, its hooked row; ``profiler`` (``--profile``: :func:`kernel_times`)
+    also lists each step's kernels."""
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
     chosen: dict[str, TileChoice] = {}
@@ -453,6 +475,12 @@ def measure_case(case: Case, timer: Timer, rounds: int, verbose: bool = False) -
             else:
                 samples[step.name].append(stats.median_ms)
     ms = {n: statistics.median(v) for n, v in samples.items() if v and n not in errors}
+    kernels: dict[str, dict[str, float]] = {}
+    for name in ms if profiler is not None else ():
+        try:
+            kernels[name] = profiler(case.steps[name])
+        except Exception as exc:  # noqa: BLE001 - the profile is an extra: the row keeps its times
+            kernels[name] = {f"profile failed: {_one_line(exc)}": math.nan}
     tol = TOLERANCE[case.dtype]
     rows = []
     for which, kernel, hooks in (("plain", "kernel", "none"), ("hooked", "hooked", case.hooks or HOOKS[case.op])):
@@ -474,6 +502,7 @@ def measure_case(case: Case, timer: Timer, rounds: int, verbose: bool = False) -
             tile=chosen[kernel].tile.label() if kernel in chosen else None,
             tile_ms=dict(zip((t.label() for t in chosen[kernel].tiles), chosen[kernel].ms, strict=False))
             if kernel in chosen else {},
+            kernels={n: kernels[n] for n in (kernel, other) if n in kernels},
         ))  # fmt: skip
     return rows
 
@@ -552,6 +581,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="write bench.json and bench.md into this folder")
     parser.add_argument("--docs-out", action="store_true", help=f"write them into {DOCS_OUT.relative_to(ROOT)}/")
     parser.add_argument("--append", action="store_true", help="merge into the folder's existing bench.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="also list each step's GPU kernels and their microseconds per call (torch.profiler)")
     parser.add_argument("--verbose", action="store_true", help="print tracebacks of failing steps")
     args = parser.parse_args(argv)
     if args.out is not None and args.docs_out:
@@ -614,12 +645,14 @@ def main(argv: Sequence[str] | None = None, timer: Timer | None = None) -> int:
                 print(f"[{i}/{len(shapes)}] {shape.label()} {dtype}: {_one_line(exc)}", flush=True)
                 continue
             for case in cases:
-                new = measure_case(case, timer, args.rounds, args.verbose)
+                new = measure_case(case, timer, args.rounds, args.verbose, kernel_times if args.profile else None)
                 rows += new
                 for r in new:
                     status = r.error or ("ok" if r.ok else "MISMATCH" if r.ok is False else "-")
                     print(f"[{i}/{len(shapes)}] {r.op} {dtype} {r.shape} [{r.hooks}] ms {r.ms} cudnn {r.cudnn_ms} "
                           f"unfused {r.unfused_ms} {status}", flush=True)  # fmt: skip
+                    for step, times in r.kernels.items():
+                        print(f"    {step}: " + "; ".join(f"{us:.1f} us {name}" for name, us in times.items()))
             del cases
             if device.type == "cuda":
                 torch.cuda.empty_cache()

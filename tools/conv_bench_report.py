@@ -45,7 +45,9 @@ class Row:
     measured or failed, ``error`` says why); ``ok``: the result matched the reference within
     ``tolerance`` (``rel_err``: the worst relative error of its outputs), None when unchecked.
     ``tile``: the family kernel's tile (``TileConfig.label``; None: not known, e.g. its plan was built
-    before); ``tile_ms``: each candidate's ms where the choice timed them (this run or a cached one)."""
+    before); ``tile_ms``: each candidate's ms where the choice timed them (this run or a cached one);
+    ``kernels`` (``--profile``): per step of the row, the family's and the reference's, each GPU kernel's
+    microseconds per call (``torch.profiler``), slowest first."""
 
     op: str
     shape: str
@@ -63,6 +65,7 @@ class Row:
     round_medians_ms: dict[str, list[float]] = field(default_factory=dict)
     tile: str | None = None
     tile_ms: dict[str, float] = field(default_factory=dict)
+    kernels: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, str, str, str]:
