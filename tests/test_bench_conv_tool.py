@@ -317,16 +317,21 @@ def test_tile_sweep_scores_a_set_by_its_best_member_per_row_and_needs_cuda(capsy
         assert "needs CUDA" in capsys.readouterr().out
 
 
+#: Where the kernels of the two tests below run: the GPU where there is one, else the CPU interpreter.
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @pytest.mark.parametrize("pass_name", ["fprop", "dgrad", "wgrad"])
-def test_the_tile_sweeps_hooked_calls_are_the_benchmarks_hooked_rows(pass_name: str) -> None:
+def test_the_tile_sweeps_hooked_calls_are_the_benchmarks_hooked_rows(pass_name: str, monkeypatch) -> None:  # noqa: ANN001
     """``sweep_conv_tiles --hooked`` times the same hooked call ``bench_conv`` reports (same result bits),
-    with a tile of its own where it passes one."""
+    with a tile of its own where it passes one (fp32 without TF32: two tiles agree to fp32 rounding)."""
     import sweep_conv_tiles
 
     from fusion_backend.kernels.conv.tiles import TileConfig
 
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     shape = ConvShape((2, 16, 6, 6), (16, 16, 3, 3), (1, 1), (1, 1), (1, 1), 1, False)
-    t = bench_conv._Inputs.make(shape, torch.float32, torch.device("cpu"))
+    t = bench_conv._Inputs.make(shape, torch.float32, KERNEL_DEVICE)
     swept = sweep_conv_tiles._steps(t, pass_name, None, hooked=True)()
     reported = bench_conv.CASE_BUILDERS[pass_name](t, True)[0]["hooked"]()
     first = [v for v in (swept if isinstance(swept, tuple) else (swept,)) if isinstance(v, torch.Tensor)][0]
@@ -339,10 +344,11 @@ def test_the_tile_sweeps_hooked_calls_are_the_benchmarks_hooked_rows(pass_name: 
 
 def test_the_forwards_statistics_alone_are_timed_against_the_conv_and_the_statistics_pass(monkeypatch) -> None:
     """``--fprop-hooks stats``: the hooked forward writes its output's statistics without a prologue,
-    checked against cuDNN's conv and the statistics pass (here on CPU under the interpreter, fp32)."""
+    checked against cuDNN's conv and the statistics pass (fp32; on CPU under the interpreter)."""
     monkeypatch.setattr(bench_conv, "_inductor", lambda fn: fn)  # the pass in eager: no compile on CPU
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # both convs exact on a GPU
     shape = ConvShape((2, 4, 6, 5), (6, 4, 3, 3), (1, 1), (1, 1), (1, 1), 1, True)
-    (case,) = bench_conv.build_cases(shape, ["m"], "fp32", ["fprop"], True, torch.device("cpu"), fprop_stats_only=True)
+    (case,) = bench_conv.build_cases(shape, ["m"], "fp32", ["fprop"], True, KERNEL_DEVICE, fprop_stats_only=True)
     plain, hooked = bench_conv.measure_case(case, FakeTimer({n: 1.0 for n in case.steps}), rounds=1)
     assert hooked.hooks == bench_conv.STATS_HOOKS and plain.hooks == "none"
     assert hooked.ok and plain.ok and hooked.rel_err < 1e-5, (hooked.error, hooked.rel_err)
