@@ -25,6 +25,7 @@ from fusion_backend.kernels.conv import (
     conv_fprop,
     conv_wgrad,
     dgrad,
+    split_sum,
     wgrad,
 )
 from fusion_backend.kernels.conv.reference import (
@@ -240,10 +241,10 @@ def test_wgrad_is_bit_identical_across_runs_and_splits_only_reorder():
 
 def test_wgrad_sums_more_splits_than_one_step_of_the_split_sum_reads(monkeypatch):  # noqa: ANN001
     """40 splits summed 4 slots per step in 10 steps (one program per 1,024 elements, forced here by
-    asking the split sum for a single program: ``wgrad.sum_splits_blocks``); the result matches float64
+    asking the split sum for a single program: ``split_sum.split_sum_blocks``); the result matches float64
     and one split's, bit for bit across runs."""
-    monkeypatch.setattr(wgrad, "_SUM_PROGRAMS", 1)
-    assert wgrad.sum_splits_blocks(2304, 40) == (1024, 4)
+    monkeypatch.setattr(split_sum, "_PROGRAMS", 1)
+    assert split_sum.split_sum_blocks(2304, 40) == (1024, 4)
     g = torch.Generator().manual_seed(57)
     xs, ws, conv = (2, 8, 16, 20), (12, 8, 3, 3), dict(padding=1)
     x = _channels_last(_randn(*xs, g=g))
@@ -280,21 +281,6 @@ def test_only_the_weight_gradient_takes_a_programs_per_sm():
             TileConfig(programs_per_sm=1).check_for(pass_name)
     with pytest.raises(ContractError, match="programs_per_sm must be 1 to 4"):
         TileConfig(programs_per_sm=0).check_for("wgrad")
-
-
-@pytest.mark.parametrize("total", [1, 100, 2304, 4096, 4224, 70_000, 2_359_296])
-@pytest.mark.parametrize("split", [1, 2, 5, 40, 262, 600])
-def test_split_sum_blocks_spread_the_gradient_over_programs(total, split):  # noqa: ANN001
-    """The split sum's launch: elements per program a power of two in 16..1024, programs enough to fill a
-    GPU where the gradient is large enough (a small gradient over many splits must not be a few programs
-    walking their slots), each step about 4,096 loads and never more slots than the split has."""
-    block, slots = wgrad.sum_splits_blocks(total, split)
-    assert block & (block - 1) == 0 and 16 <= block <= 1024
-    assert slots & (slots - 1) == 0 and 1 <= slots <= max(1, 2 * split - 1) and block * slots <= 4096
-    programs = -(-total // block)
-    assert programs >= min(wgrad._SUM_PROGRAMS, -(-total // 1024)) and (block == 16 or programs >= wgrad._SUM_PROGRAMS)
-    steps = -(-split // slots)
-    assert steps <= max(1, -(-split // (4096 // block)))
 
 
 def test_wgrad_reads_sliced_and_nchw_grad_y():

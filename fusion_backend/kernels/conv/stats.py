@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ..launch import FastLaunch
 from ..plan_cache import PlanCache
+from .split_sum import sum_dim
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ _BLOCK_C = 16  # channels per program (BatchNorm's statistics) or per step over 
 #: registers, with 8 none (sm_90: ``python tools/compile_check.py conv_family --cases
 #: resnet_3x3-bf16-hooked --kernels combine``)
 _MAX_BLOCK_T = 256
+#: the most tiles one launch walks (in steps of ``_MAX_BLOCK_T``); more take two launches, spans of
+#: ``_MAX_BLOCK_T`` tiles then the spans.  NOTE: the TMA forward's 264 program lanes took two launches
+#: of about 4 us each on the H200 (ResNet-50's 64 -> 64 1x1 at 56 x 56 with its statistics, ``python
+#: tools/bench_conv.py demos/realnets/resnet50.py --passes fprop --profile --filter '*64x64x56x56 -> 64
+#: k1x1*'``); a launch is mostly its latency, a second step of 256 tiles a few loads more.
+_ONE_LAUNCH_TILES = 4 * _MAX_BLOCK_T
 
 
 @triton.jit
@@ -221,8 +228,8 @@ _FORM_LAUNCHES = PlanCache()
 class PartialsReduction:
     """One forward plan's reduction of its store's partials (fp32 ``(3, m_tiles, c_out)``) to its
     statistics (:func:`combine_partials_kernel`): per channel over ``count`` output positions in
-    ``m_tiles`` tiles of ``block_m`` rows (``groups`` 0): one launch up to ``_MAX_BLOCK_T`` tiles, else
-    two (spans of that many tiles per program, then the spans); or, with ``groups`` > 0, per sample and
+    ``m_tiles`` tiles of ``block_m`` rows (``groups`` 0): one launch up to ``_ONE_LAUNCH_TILES`` tiles,
+    else two (spans of ``_MAX_BLOCK_T`` tiles per program, then the spans); or, with ``groups`` > 0, per sample and
     group over ``samples`` samples of ``count`` positions each, ``m_tiles / samples`` tiles per sample
     (the launch's tiles do not cross samples), one launch.  ``tile_rows``: each tile's number of output
     positions where they are not ``block_m`` but the last (a forward whose programs sum several tiles,
@@ -238,7 +245,7 @@ class PartialsReduction:
         group_args = (c_out // groups, groups) if groups else (0, 1)  # CG, GROUPS
         c_blocks = triton.cdiv(c_out, _BLOCK_C)
         #: the first launch's programs along tiles, 0 for one launch; ``spans``: that first launch
-        self.splits = triton.cdiv(m_tiles, _MAX_BLOCK_T) if not groups and m_tiles > _MAX_BLOCK_T else 0
+        self.splits = triton.cdiv(m_tiles, _MAX_BLOCK_T) if not groups and m_tiles > _ONE_LAUNCH_TILES else 0
         #: float64 rows per tile and per span (``ROWS_GIVEN``), else None
         self.tile_rows = self.span_rows = None
         if given:
@@ -305,8 +312,12 @@ class BatchNormGradSums:
 def reduce_grad_partials(partials: torch.Tensor, count: int) -> BatchNormGradSums:
     """The sums from the dgrad epilogue's partials, fp32 ``(2, M_TILES, C)`` contiguous (row 0 the tiles'
     ``Σ grad_z``, row 1 their ``Σ grad_z · x̂``), in float64 over the tiles in one fixed-shape reduction
-    (bitwise reproducible, as :class:`PartialsReduction`)."""
-    total = partials.sum(dim=1, dtype=torch.float64)
+    (bitwise reproducible, as :class:`PartialsReduction`): ``split_sum.sum_dim`` over the tiles.
+    NOTE: ``partials.sum(dim=1, dtype=torch.float64)`` took 13.8 us on 1,568 tiles of 64 channels (a
+    float64 copy of the partials, then torch's reduction; H200, ResNet-50's 64 -> 64 1x1 at 56 x 56, ``python
+    tools/bench_conv.py demos/realnets/resnet50.py --passes dgrad --profile --filter '*64x64x56x56 -> 64
+    k1x1*'``), about as long as the input gradient's own kernel (14.9 us plain)."""
+    total = sum_dim(partials, 1)
     return BatchNormGradSums(total[0], total[1], count)
 
 

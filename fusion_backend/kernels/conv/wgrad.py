@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host import cdiv, element_extent, multiprocessors, next_pow2
+from ..host import cdiv, element_extent, multiprocessors
 from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import backward_dot_precision, round_tf32
@@ -89,6 +89,7 @@ from .fprop import (
 )
 from .hooks import ActivationLike, Prologue
 from .prologue import box_coords, load_a_box, load_a_tile, load_depthwise_tile, window_rows
+from .split_sum import split_sum_blocks, sum_slots
 from .tiles import TileConfig, cached_plan, candidates, tma_wgrad_tiles, tuned_tile
 
 #: Each split of a weight gradient's M keeps at least this many M tiles (``pick_split``).
@@ -306,11 +307,10 @@ def sum_splits_kernel(part_ptr, out_ptr, SPLIT, TOTAL, C_OUT_G, w_so, w_si, w_sd
                       KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, FLAT_K: tl.constexpr,
                       BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr):  # fmt: skip
     """``BLOCK`` elements of the weight gradient: element ``e`` of the ``(GROUPS, COUT_PAD, K_ROW)``
-    partial layout (``TOTAL`` of them per split), summed over its ``SPLIT`` slots in float64 (the slots
-    read ``SPLIT_BLOCK`` at a time, each block reduced as a tree, the blocks in split order: a fixed
-    order for one plan), rounded once to ``out_ptr``'s dtype and stored at ``(g * C_OUT_G + co) * w_so + ci
+    partial layout (``TOTAL`` of them per split), summed over its ``SPLIT`` slots in float64
+    (``split_sum.sum_slots``: a fixed order for one plan), rounded once to ``out_ptr``'s dtype and stored at ``(g * C_OUT_G + co) * w_so + ci
     * w_si + kd * w_sd + kh * w_sh + kw * w_sw``; padded output channels and K entries are not stored.
-    How many of each per program: :func:`sum_splits_blocks`."""
+    How many of each per program: ``split_sum.split_sum_blocks``."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = e < TOTAL
     k = e % K_ROW
@@ -328,39 +328,16 @@ def sum_splits_kernel(part_ptr, out_ptr, SPLIT, TOTAL, C_OUT_G, w_so, w_si, w_sd
     kw = tap % KW
     kh = (tap // KW) % KH
     kd = tap // (KW * KH)
-    slots = tl.arange(0, SPLIT_BLOCK).to(tl.int64)
-    acc = tl.zeros([BLOCK], tl.float64)
-    for s0 in range(0, SPLIT, SPLIT_BLOCK):
-        s = s0 + slots
-        v = tl.load(part_ptr + s[:, None] * TOTAL + e[None, :], mask=(s < SPLIT)[:, None] & in_range[None, :],
-                    other=0.0)  # fmt: skip
-        acc += tl.sum(v.to(tl.float64), axis=0)
+    acc = sum_slots(part_ptr, e, in_range, SPLIT, TOTAL, SPLIT_BLOCK)  # slot s of element e at s * TOTAL + e
     dst = (g * C_OUT_G + co) * w_so + ci * w_si + kd * w_sd + kh * w_sh + kw * w_sw
     tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=in_range & real & (co < C_OUT_G))
 
 
-def sum_splits_blocks(total: int, split: int) -> tuple[int, int]:
-    """``(block, slots)`` of :func:`sum_splits_kernel` for ``total`` gradient elements (padding included)
-    summed over ``split`` slots: ``block`` elements per program (a power of two in 16..1024, small enough
-    that the launch has :data:`_SUM_PROGRAMS` programs where ``total`` allows) and up to ``slots`` slots
-    read per step (a power of two, no more than ``split`` needs, about :data:`_SUM_ELEMENTS` loads per
-    step).
-    NOTE: a small gradient over many splits is a few programs each walking its slots in a loop of
-    dependent steps, whatever each step holds: ResNet-50's 64 -> 64 1x1 at 56 x 56 (4,096 elements, 262
-    slots) took 16.1 us in 32 programs of 9 steps, more than its weight-gradient kernel's 12.3 us (H200,
-    bf16; ``torch.profiler`` over ``conv_wgrad`` calls, ``python tools/bench_conv.py
-    demos/realnets/resnet50.py --passes wgrad --filter '*64x64x56x56 -> 64 k1x1*'`` times the pass).
-    Index arithmetic is per element and per thread: 4,096 elements on 4 warps took 214 registers, 1,024
-    took 48 with one slot per step and 72 with four (the sm_90a compile of Triton 3.6)."""
-    block = max(16, min(1024, 1 << (max(1, total // _SUM_PROGRAMS).bit_length() - 1)))  # a power of two
-    return block, min(next_pow2(split), max(1, _SUM_ELEMENTS // block))
-
-
 def sum_splits_launch(geo: _Geometry, split: int, cin_pad: int, k_row: int, cout_pad: int, flat_k: bool) -> FastLaunch:
     """The launch of :func:`sum_splits_kernel` over a plan's ``(split, groups, cout_pad, k_row)`` partials
-    (its blocks: :func:`sum_splits_blocks`)."""
+    (its blocks: ``split_sum.split_sum_blocks``)."""
     total = geo.groups * cout_pad * k_row
-    block, slots = sum_splits_blocks(total, split)
+    block, slots = split_sum_blocks(total, split)
     return FastLaunch(sum_splits_kernel, (cdiv(total, block),), dict(
         C_IN_G=geo.c_in_g, CIN_PAD=cin_pad, K_ROW=k_row, COUT_PAD=cout_pad, KD=geo.kernel[0], KH=geo.kernel[1],
         KW=geo.kernel[2], FLAT_K=flat_k, BLOCK=block, SPLIT_BLOCK=slots, num_warps=4))  # fmt: skip
@@ -407,10 +384,6 @@ def _reduce_splits(partials: torch.Tensor) -> torch.Tensor:
     return partials.sum(dim=0, dtype=torch.float64)
 
 
-#: :func:`sum_splits_kernel`'s launch (:func:`sum_splits_blocks`): about this many loads per step, at least
-#: this many programs (two per SM of a 132-SM GPU) where the gradient is large enough.
-_SUM_ELEMENTS = 4096
-_SUM_PROGRAMS = 264
 
 
 class _WgradPlan:

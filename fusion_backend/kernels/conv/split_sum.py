@@ -1,0 +1,91 @@
+"""Sums of fp32 partials over one axis (their splits or tiles), in float64, in a fixed order: what the conv
+family's kernels leave per split or per M tile (the weight gradient's split-K partials, the input
+gradient's BatchNorm-backward sums) becomes one result, the same bits on every run (no atomics).
+
+A launch covers ``total`` elements, each the sum of its ``split`` slots, a fixed stride apart:
+a program owns ``block`` elements and reads ``slots`` of their slots per step (:func:`split_sum_blocks`),
+each step's ``[slots, block]`` loads reduced as a tree in float64, the steps in split order.
+:func:`sum_slots` is that loop, for kernels that store the sums their own way (``wgrad``'s weight
+layout); :func:`sum_dim` sums a contiguous tensor over one dim into float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..host import cdiv, next_pow2
+from ..launch import FastLaunch
+from ..plan_cache import PlanCache
+
+#: About this many loads per step of a program (``[slots, block]``); at least this many programs (two per
+#: SM of a 132-SM GPU) where the elements are enough for them (:func:`split_sum_blocks`).
+_STEP_LOADS = 4096
+_PROGRAMS = 264
+
+
+def split_sum_blocks(total: int, split: int) -> tuple[int, int]:
+    """``(block, slots)`` for ``total`` elements summed over ``split`` slots: ``block`` elements per
+    program (a power of two in 16..1024, small enough that the launch has :data:`_PROGRAMS` programs
+    where ``total`` allows) and up to ``slots`` slots read per step (a power of two, no more than
+    ``split`` needs, about :data:`_STEP_LOADS` loads per step).
+    NOTE: a few elements over many slots is a few programs each walking its slots in a loop of
+    dependent steps, whatever each step holds: ResNet-50's 64 -> 64 1x1 weight gradient at 56 x 56
+    (4,096 elements, 262 slots) took 16.1 us in 32 programs of 9 steps, more than its weight-gradient
+    kernel's 12.3 us, and 4.4 us in 256 programs of 2 (H200, bf16; ``python tools/bench_conv.py
+    demos/realnets/resnet50.py --passes wgrad --profile --filter '*64x64x56x56 -> 64 k1x1*'``).  Index
+    arithmetic is per element and per thread: 4,096 elements on 4 warps took 214 registers, 1,024 took
+    48 with one slot per step and 72 with four (the sm_90a compile of Triton 3.6)."""
+    block = max(16, min(1024, 1 << (max(1, total // _PROGRAMS).bit_length() - 1)))  # a power of two
+    return block, min(next_pow2(split), max(1, _STEP_LOADS // block))
+
+
+@triton.jit
+def sum_slots(part_ptr, base, in_range, SPLIT, SLOT_STRIDE, SPLIT_BLOCK: tl.constexpr):
+    """float64 sums over ``SPLIT`` slots of the elements whose first slot is at ``part_ptr + base`` (int64
+    ``[BLOCK]``, ``in_range`` their mask), slot ``s`` at ``base + s * SLOT_STRIDE``: ``SPLIT_BLOCK`` slots
+    per step as a tree, the steps in order."""
+    slots = tl.arange(0, SPLIT_BLOCK).to(tl.int64)
+    acc = tl.zeros(base.shape, tl.float64)
+    for s0 in range(0, SPLIT, SPLIT_BLOCK):
+        s = s0 + slots
+        v = tl.load(part_ptr + s[:, None] * SLOT_STRIDE + base[None, :],
+                    mask=(s < SPLIT)[:, None] & in_range[None, :], other=0.0)  # fmt: skip
+        acc += tl.sum(v.to(tl.float64), axis=0)
+    return acc
+
+
+@triton.jit
+def sum_dim_kernel(part_ptr, out_ptr, SPLIT, TOTAL, INNER, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """``out[o, i] = Σ_s part[o, s, i]`` in float64 (``part`` contiguous ``(TOTAL / INNER, SPLIT, INNER)``),
+    ``BLOCK`` of the ``TOTAL`` outputs per program (module docstring)."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = e < TOTAL
+    base = (e // INNER) * SPLIT * INNER + e % INNER
+    tl.store(out_ptr + e, sum_slots(part_ptr, base, in_range, SPLIT, INNER, SPLIT_BLOCK), mask=in_range)
+
+
+#: :func:`sum_dim`'s launches, per ``(split, total, inner)``
+_LAUNCHES = PlanCache()
+
+
+def sum_dim(partials: torch.Tensor, dim: int) -> torch.Tensor:
+    """float64 sums of contiguous fp32 ``partials`` over ``dim``: its shape without ``dim``, one launch
+    (module docstring), the same bits on every run for one shape."""
+    shape = list(partials.shape)
+    split = shape.pop(dim)
+    inner = math.prod(shape[dim:])
+    total = math.prod(shape)
+    out = torch.empty(shape, dtype=torch.float64, device=partials.device)
+    if total == 0 or split == 0:
+        return out.zero_()
+
+    def build() -> FastLaunch:
+        block, slots = split_sum_blocks(total, split)
+        return FastLaunch(sum_dim_kernel, (cdiv(total, block),), dict(BLOCK=block, SPLIT_BLOCK=slots, num_warps=4))
+
+    _LAUNCHES.plan((split, total, inner), build)(partials, out, split, total, inner)
+    return out
