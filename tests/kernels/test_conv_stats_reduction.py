@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion_backend.kernels.conv import stats as stats_module
 from fusion_backend.kernels.conv.stats import ChannelStats, GroupStats, PartialsReduction
 from fusion_backend.testing import stable_seed
 
@@ -66,13 +65,9 @@ def _values(rows: int, c: int, seed: str) -> torch.Tensor:
     return mean + torch.randn(rows, c, generator=g, dtype=torch.float64) * (0.5 + torch.rand(c, generator=g))
 
 
-@pytest.mark.parametrize("rows,c,block_m,one_launch", [(37, 5, 16, None), (16 * 300 + 3, 21, 16, None),
-                                                       (16 * 300 + 3, 21, 16, 256), (64, 16, 64, None), (1, 3, 16, None)],
-                         ids=["tail", "several-steps", "two-launches", "one-tile", "one-row"])  # fmt: skip
-def test_channel_statistics_match_float64(rows: int, c: int, block_m: int, one_launch: int | None, kernel_device: str,
-                                          monkeypatch) -> None:  # fmt: skip  # noqa: ANN001
-    if one_launch is not None:  # at most this many tiles in one launch: the spans' launch, then theirs
-        monkeypatch.setattr(stats_module, "_ONE_LAUNCH_TILES", one_launch)
+@pytest.mark.parametrize("rows,c,block_m", [(37, 5, 16), (16 * 300 + 3, 21, 16), (64, 16, 64), (1, 3, 16)],
+                         ids=["tail", "several-steps", "one-tile", "one-row"])  # fmt: skip
+def test_channel_statistics_match_float64(rows: int, c: int, block_m: int, kernel_device: str) -> None:
     values = _values(rows, c, f"channel {rows} {c}")
     partials = _partials(values, block_m).to(kernel_device)
     stats = PartialsReduction(partials.shape[1], c, block_m, rows, torch.device(kernel_device))(partials)
@@ -117,26 +112,14 @@ def _partials_of(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return torch.cat([_partials(chunk, chunk.shape[0]) for chunk in values.split(sizes)], 1).contiguous()
 
 
-#: ``(rows, channels, the most tiles one launch walks)``: one step; 400 tiles in one launch of two steps;
-#: the same in two launches (spans of 256 tiles, then the spans)
-LAUNCH_FORMS = [(300, 5, None), (16 * 400 + 7, 21, None), (16 * 400 + 7, 21, 256)]
-LAUNCH_IDS = ["one-step", "one-launch-two-steps", "two-launches"]
-
-
-@pytest.mark.parametrize("rows,c,one_launch", LAUNCH_FORMS, ids=LAUNCH_IDS)
-def test_channel_statistics_of_tiles_with_given_rows_match_float64(rows: int, c: int, one_launch: int | None,
-                                                                    kernel_device: str, monkeypatch) -> None:  # fmt: skip  # noqa: ANN001
-    """``tile_rows``: tiles of any sizes (the TMA forward's program lanes), per channel, in one launch of
-    one or more steps and in the split over more tiles than one launch walks (whose spans then hold given
-    rows too)."""
-    if one_launch is not None:
-        monkeypatch.setattr(stats_module, "_ONE_LAUNCH_TILES", one_launch)
+@pytest.mark.parametrize("rows,c", [(300, 5), (16 * 400 + 7, 21)], ids=["one-launch", "two-launches"])
+def test_channel_statistics_of_tiles_with_given_rows_match_float64(rows: int, c: int, kernel_device: str) -> None:
+    """``tile_rows``: tiles of any sizes (the TMA forward's program lanes), per channel, in one launch and in the
+    split over more than 256 tiles (whose spans then hold given rows too)."""
     values = _values(rows, c, f"given {rows} {c}")
     sizes = _irregular_tiles(rows, 16, f"given sizes {rows}")
     partials = _partials_of(values, sizes).to(kernel_device)
-    reduction = PartialsReduction(len(sizes), c, 16, rows, torch.device(kernel_device), tile_rows=sizes)
-    assert bool(reduction.splits) == (one_launch is not None)
-    stats = reduction(partials)
+    stats = PartialsReduction(len(sizes), c, 16, rows, torch.device(kernel_device), tile_rows=sizes)(partials)
     assert stats.count == rows
     tile_rows = torch.tensor(sizes, dtype=torch.float64)[:, None]
     _check(stats, _combined(partials.cpu(), tile_rows, (0,)), values.T)
@@ -172,14 +155,10 @@ def _raw_partials_of(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return torch.stack(parts, 1).contiguous()
 
 
-@pytest.mark.parametrize("rows,c,parts,one_launch", [(3000, 5, 7, None), (300 * 40 + 9, 21, 300, None),
-                                                     (300 * 40 + 9, 21, 300, 256)], ids=LAUNCH_IDS)  # fmt: skip
-def test_raw_square_partials_of_programs_match_float64(rows: int, c: int, parts: int, one_launch: int | None,
-                                                       kernel_device: str, monkeypatch) -> None:  # fmt: skip  # noqa: ANN001
+@pytest.mark.parametrize("rows,c,parts", [(3000, 5, 7), (300 * 40 + 9, 21, 300)], ids=["one-launch", "two-launches"])
+def test_raw_square_partials_of_programs_match_float64(rows: int, c: int, parts: int, kernel_device: str) -> None:
     """``raw_squares``: each part's sum of squares about its shift becomes its squared deviations from its
     mean in float64 (the TMA forward's per-program statistics), in one launch and in the split."""
-    if one_launch is not None:
-        monkeypatch.setattr(stats_module, "_ONE_LAUNCH_TILES", one_launch)
     values = _values(rows, c, f"raw {rows} {c}")
     sizes = [rows // parts + (i < rows % parts) for i in range(parts)]
     raw = _raw_partials_of(values, sizes).to(kernel_device)

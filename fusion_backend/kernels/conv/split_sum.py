@@ -6,7 +6,8 @@ A launch covers ``total`` elements, each the sum of its ``split`` slots, a fixed
 a program owns ``block`` elements and reads ``slots`` of their slots per step (:func:`split_sum_blocks`),
 each step's ``[slots, block]`` loads reduced as a tree in float64, the steps in split order.
 :func:`sum_slots` is that loop, for kernels that store the sums their own way (``wgrad``'s weight
-layout); :func:`sum_dim` sums a contiguous tensor over one dim into float64.
+layout); :func:`sum_dim` sums a contiguous tensor over one dim into float64, each step in a program of
+its own where the slots need several.
 """
 
 from __future__ import annotations
@@ -59,22 +60,38 @@ def sum_slots(part_ptr, base, in_range, SPLIT, SLOT_STRIDE, SPLIT_BLOCK: tl.cons
 
 
 @triton.jit
-def sum_dim_kernel(part_ptr, out_ptr, SPLIT, TOTAL, INNER, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
-    """``out[o, i] = Σ_s part[o, s, i]`` in float64 (``part`` contiguous ``(TOTAL / INNER, SPLIT, INNER)``),
-    ``BLOCK`` of the ``TOTAL`` outputs per program (module docstring)."""
+def sum_dim_kernel(part_ptr, out_ptr, SPLIT, TOTAL, INNER, CHUNK, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """``out[j, o, i] = Σ_{s in chunk j} part[o, s, i]`` in float64 (``part`` contiguous ``(TOTAL / INNER,
+    SPLIT, INNER)``, fp32 or float64; chunk ``j`` the grid's second dim, ``CHUNK`` slots each), ``BLOCK``
+    of the ``TOTAL`` outputs per program (module docstring)."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    chunk = tl.program_id(1)
     in_range = e < TOTAL
-    base = (e // INNER) * SPLIT * INNER + e % INNER
-    tl.store(out_ptr + e, sum_slots(part_ptr, base, in_range, SPLIT, INNER, SPLIT_BLOCK), mask=in_range)
+    first = chunk.to(tl.int64) * CHUNK
+    base = (e // INNER) * SPLIT * INNER + e % INNER + first * INNER
+    acc = sum_slots(part_ptr, base, in_range, tl.minimum(SPLIT - first, CHUNK), INNER, SPLIT_BLOCK)
+    tl.store(out_ptr + chunk * TOTAL + e, acc, mask=in_range)
 
 
 #: :func:`sum_dim`'s launches, per ``(split, total, inner)``
 _LAUNCHES = PlanCache()
 
 
+def _dim_launch(split: int, total: int, inner: int, one_step: bool) -> tuple[FastLaunch, int]:
+    """A launch of :func:`sum_dim_kernel` and its chunks: ``one_step``: chunks of one step each (the
+    grid's second dim), else one chunk of every slot."""
+    block, slots = split_sum_blocks(total, split)
+    chunks = cdiv(split, slots) if one_step else 1
+    launch = FastLaunch(sum_dim_kernel, (cdiv(total, block), chunks), dict(BLOCK=block, SPLIT_BLOCK=slots, num_warps=8),
+                        fixed=(split, total, inner, slots if one_step else split))  # fmt: skip
+    return launch, chunks
+
+
 def sum_dim(partials: torch.Tensor, dim: int) -> torch.Tensor:
-    """float64 sums of contiguous fp32 ``partials`` over ``dim``: its shape without ``dim``, one launch
-    (module docstring), the same bits on every run for one shape."""
+    """float64 sums of contiguous fp32 ``partials`` over ``dim``: its shape without ``dim``, the same bits
+    on every run for one shape.  Where the slots take one step of a program: one launch; else two, the
+    first summing each step's slots in a program of its own (a chunk), the second the chunks in order
+    (the slot loop's steps are dependent: a few programs walking many steps are mostly waiting)."""
     shape = list(partials.shape)
     split = shape.pop(dim)
     inner = math.prod(shape[dim:])
@@ -83,9 +100,15 @@ def sum_dim(partials: torch.Tensor, dim: int) -> torch.Tensor:
     if total == 0 or split == 0:
         return out.zero_()
 
-    def build() -> FastLaunch:
-        block, slots = split_sum_blocks(total, split)
-        return FastLaunch(sum_dim_kernel, (cdiv(total, block),), dict(BLOCK=block, SPLIT_BLOCK=slots, num_warps=4))
+    def build() -> tuple[FastLaunch, int, FastLaunch | None]:
+        first, chunks = _dim_launch(split, total, inner, one_step=True)
+        return first, chunks, _dim_launch(chunks, total, total, one_step=False)[0] if chunks > 1 else None
 
-    _LAUNCHES.plan((split, total, inner), build)(partials, out, split, total, inner)
+    first, chunks, second = _LAUNCHES.plan((split, total, inner), build)
+    if second is None:
+        first(partials, out)
+        return out
+    steps = torch.empty((chunks, total), dtype=torch.float64, device=partials.device)
+    first(partials, steps)
+    second(steps, out)
     return out

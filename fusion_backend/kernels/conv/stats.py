@@ -84,16 +84,14 @@ class GroupStats(ChannelStats):
 # tiles, a float64 division per value): 1.84x.  Hence the split over tiles and one reciprocal per tile
 # (``CONVK_STATS=1 CONVK_TESTS=0 CONVK_BENCH=0 CONVK_SWEEP=0 bash tools/gpu_session.sh convk``).
 _BLOCK_C = 16  # channels per program (BatchNorm's statistics) or per step over a group's channels
-#: tiles per step, and per program of the first of two launches; NOTE: with 4 warps 256 x 16 spilled 8
+#: tiles per step, and per program of the first of two launches, and the most one launch takes.  NOTE: one
+#: launch of two steps over the TMA forward's 264 program lanes took 9.4 us against 8.3 for the two
+#: launches (H200, ResNet-50's 64 -> 64 1x1 at 56 x 56 with its statistics, ``python tools/bench_conv.py
+#: demos/realnets/resnet50.py --passes fprop --profile --filter '*64x64x56x56 -> 64 k1x1*'``), and
+#: spilled on sm_90.  NOTE: with 4 warps 256 x 16 spilled 8
 #: registers, with 8 none (sm_90: ``python tools/compile_check.py conv_family --cases
 #: resnet_3x3-bf16-hooked --kernels combine``)
 _MAX_BLOCK_T = 256
-#: the most tiles one launch walks (in steps of ``_MAX_BLOCK_T``); more take two launches, spans of
-#: ``_MAX_BLOCK_T`` tiles then the spans.  NOTE: the TMA forward's 264 program lanes took two launches
-#: of about 4 us each on the H200 (ResNet-50's 64 -> 64 1x1 at 56 x 56 with its statistics, ``python
-#: tools/bench_conv.py demos/realnets/resnet50.py --passes fprop --profile --filter '*64x64x56x56 -> 64
-#: k1x1*'``); a launch is mostly its latency, a second step of 256 tiles a few loads more.
-_ONE_LAUNCH_TILES = 4 * _MAX_BLOCK_T
 
 
 @triton.jit
@@ -228,8 +226,8 @@ _FORM_LAUNCHES = PlanCache()
 class PartialsReduction:
     """One forward plan's reduction of its store's partials (fp32 ``(3, m_tiles, c_out)``) to its
     statistics (:func:`combine_partials_kernel`): per channel over ``count`` output positions in
-    ``m_tiles`` tiles of ``block_m`` rows (``groups`` 0): one launch up to ``_ONE_LAUNCH_TILES`` tiles,
-    else two (spans of ``_MAX_BLOCK_T`` tiles per program, then the spans); or, with ``groups`` > 0, per sample and
+    ``m_tiles`` tiles of ``block_m`` rows (``groups`` 0): one launch up to ``_MAX_BLOCK_T`` tiles, else
+    two (spans of that many tiles per program, then the spans); or, with ``groups`` > 0, per sample and
     group over ``samples`` samples of ``count`` positions each, ``m_tiles / samples`` tiles per sample
     (the launch's tiles do not cross samples), one launch.  ``tile_rows``: each tile's number of output
     positions where they are not ``block_m`` but the last (a forward whose programs sum several tiles,
@@ -241,11 +239,13 @@ class PartialsReduction:
                  raw_squares: bool = False) -> None:  # fmt: skip
         self.c_out, self.count, self.groups, self.samples, self.device = c_out, count, groups, samples, device
         given = tile_rows is not None
-        common = dict(PER_GROUP=groups > 0, ROWS_GIVEN=given, BLOCK_C=_BLOCK_C, num_warps=8)
+        # NOTE: per group on 8 warps (steps of 32 tiles) spilled 4 bytes on sm_90, on 4 none (``python
+        # tools/compile_check.py conv_family --cases resnet_3x3-bf16-hooked --kernels combine``)
+        common = dict(PER_GROUP=groups > 0, ROWS_GIVEN=given, BLOCK_C=_BLOCK_C, num_warps=4 if groups else 8)
         group_args = (c_out // groups, groups) if groups else (0, 1)  # CG, GROUPS
         c_blocks = triton.cdiv(c_out, _BLOCK_C)
         #: the first launch's programs along tiles, 0 for one launch; ``spans``: that first launch
-        self.splits = triton.cdiv(m_tiles, _MAX_BLOCK_T) if not groups and m_tiles > _ONE_LAUNCH_TILES else 0
+        self.splits = triton.cdiv(m_tiles, _MAX_BLOCK_T) if not groups and m_tiles > _MAX_BLOCK_T else 0
         #: float64 rows per tile and per span (``ROWS_GIVEN``), else None
         self.tile_rows = self.span_rows = None
         if given:
