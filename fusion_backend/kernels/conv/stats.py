@@ -313,10 +313,12 @@ def reduce_grad_partials(partials: torch.Tensor, count: int) -> BatchNormGradSum
     """The sums from the dgrad epilogue's partials, fp32 ``(2, M_TILES, C)`` contiguous (row 0 the tiles'
     ``Σ grad_z``, row 1 their ``Σ grad_z · x̂``), in float64 over the tiles in one fixed-shape reduction
     (bitwise reproducible, as :class:`PartialsReduction`): ``split_sum.sum_dim`` over the tiles.
-    NOTE: ``partials.sum(dim=1, dtype=torch.float64)`` took 13.8 us on 1,568 tiles of 64 channels (a
-    float64 copy of the partials, then torch's reduction; H200, ResNet-50's 64 -> 64 1x1 at 56 x 56, ``python
-    tools/bench_conv.py demos/realnets/resnet50.py --passes dgrad --profile --filter '*64x64x56x56 -> 64
-    k1x1*'``), about as long as the input gradient's own kernel (14.9 us plain)."""
+    NOTE: ``partials.sum(dim=1, dtype=torch.float64)`` (a float64 copy of the partials, then torch's
+    reduction) took 13.8 us on ResNet-50's 64 -> 64 1x1 at 56 x 56 (1,568 tiles of 64 channels) and 19.9
+    on its 256 -> 64 (256 channels), about as long as the input gradient's own plain kernel (15.0 us on
+    the first); ``sum_dim`` takes 4.8 and 7.0 (H200, bf16, ``python tools/bench_conv.py
+    demos/realnets/resnet50.py --passes dgrad --profile --filter '*64x64x56x56 -> 64 k1x1*,*64x256x56x56
+    -> 64 k1x1*'``)."""
     total = sum_dim(partials, 1)
     return BatchNormGradSums(total[0], total[1], count)
 
