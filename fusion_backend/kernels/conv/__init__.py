@@ -19,6 +19,8 @@ Modules (one responsibility each):
 * ``epilogue``  device: bias, the pointwise chain, activation, residual, store, per-tile statistics;
 * ``stats``     the statistics' reduction of the store's partials (one or two launches, deterministic),
                 ``ChannelStats`` (BatchNorm's) and ``GroupStats`` (GroupNorm's);
+* ``split_sum`` float64 sums of partials over their splits or tiles, in a fixed order (the weight
+                gradient's split-K, the input gradient's BatchNorm-backward sums);
 * ``fprop``     the forward kernel, its launcher ``conv_fprop`` and its plan ``fprop_plan``;
 * ``tma_fprop`` the forward on sm_90 in Gluon: TMA boxes, the prologue in wgmma's register layout,
                 the same store; a tile kind of the forward (``TileConfig.tma``);
