@@ -65,52 +65,52 @@ class FunctionalBnAvgPool(FunctionalBn):
         return F.avg_pool1d(super().forward(x), 3, 2, 1, ceil_mode=True, count_include_pad=False)
 
 
-def train_steps(model, shape, steps=3):
-    """``steps`` training steps of one input shape, the compiled model against an eager copy
+def train_steps(model, shape, steps=3, device="cpu"):
+    """``steps`` training steps of one input shape on ``device``, the compiled model against an eager copy
     (``train_parity.train_steps``); the conv bias's gradient is zero up to rounding (the norm removes
     any shift), compared to 1e-4."""
-    return parity_steps(model, [shape] * steps, grad_atol={"conv.bias": 1e-4})
+    return parity_steps(model, [shape] * steps, device, grad_atol={"conv.bias": 1e-4})
 
 
 @pytest.mark.parametrize("bn", [{}, {"affine": False, "momentum": 0.5}, {"track_running_stats": False}],
                          ids=["default", "no affine, momentum 0.5", "no running statistics"])  # fmt: skip
-def test_three_training_steps_match_eager_through_inductor(bn, kernels) -> None:
+def test_three_training_steps_match_eager_through_inductor(bn, kernels, kernel_device) -> None:
     model = ConvBnRelu(**bn).train()
-    _, eager, reports = train_steps(model, (2, 3, 5, 6))
+    _, eager, reports = train_steps(model, (2, 3, 5, 6), device=kernel_device)
     assert [r.counts().get("conv_batch_norm") for r in reports][:1] == [1]
     if "track_running_stats" not in bn:
         assert model.bn.num_batches_tracked.item() == eager.bn.num_batches_tracked.item() == 3
         assert reports[0].runner == "inductor"
 
 
-def test_three_training_steps_match_eager_run_directly(kernels) -> None:
+def test_three_training_steps_match_eager_run_directly(kernels, kernel_device) -> None:
     model = FunctionalBn()
-    _, _, reports = train_steps(model, (2, 3, 9))
+    _, _, reports = train_steps(model, (2, 3, 9), device=kernel_device)
     assert reports[0].counts() == {"conv_batch_norm": 1} and reports[0].runner == "direct"
-    assert reports[0].matches[0].kernel.startswith("triton" if kernels == "triton" else "reference")
+    assert reports[0].matches[0].kernel.startswith("triton" if kernels != "reference" else "reference")
 
 
-def test_resnet_stem_three_training_steps_match_eager(kernels) -> None:
+def test_resnet_stem_three_training_steps_match_eager(kernels, kernel_device) -> None:
     """The pooled region through Inductor: output, gradients, running statistics and
     num_batches_tracked after each step, odd input sizes (partial windows at the edges)."""
     model = ResNetStem().train()
-    _, eager, reports = train_steps(model, (2, 3, 19, 21))
+    _, eager, reports = train_steps(model, (2, 3, 19, 21), device=kernel_device)
     assert reports[0].counts() == {"conv_batch_norm": 1} and reports[0].runner == "inductor"
     assert reports[0].matches[0].summary == "conv2d -> batch_norm(train) -> relu -> max_pool2d"
     assert model.bn.num_batches_tracked.item() == eager.bn.num_batches_tracked.item() == 3
 
 
-def test_avg_pool_three_training_steps_run_directly(kernels) -> None:
-    _, _, reports = train_steps(FunctionalBnAvgPool(), (2, 3, 12))
+def test_avg_pool_three_training_steps_run_directly(kernels, kernel_device) -> None:
+    _, _, reports = train_steps(FunctionalBnAvgPool(), (2, 3, 12), device=kernel_device)
     assert reports[0].counts() == {"conv_batch_norm": 1} and reports[0].runner == "direct"
     assert reports[0].matches[0].summary.endswith("silu -> avg_pool1d")
 
 
-def test_train_eval_train_switch(kernels) -> None:
+def test_train_eval_train_switch(kernels, kernel_device) -> None:
     model = ConvBnRelu().train()
-    compiled, eager, _ = train_steps(model, (2, 3, 5, 6), steps=2)
+    compiled, eager, _ = train_steps(model, (2, 3, 5, 6), steps=2, device=kernel_device)
     model.eval(), eager.eval()
-    x = torch.randn(2, 3, 5, 6)
+    x = torch.randn(2, 3, 5, 6, device=kernel_device)
     with collect_reports() as reports:
         torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-6)  # the running statistics
     assert reports[0].counts() == {"conv_epilogue": 1}  # eval mode: folded
