@@ -243,16 +243,28 @@ def check_dtype_names(config: Any, *fields: str) -> None:
             raise ValueError(f"{name} {value!r} is not a torch dtype name")
 
 
-def check_norm_config(config: Any, **chains: tuple[ChainStep, ...]) -> None:
-    """The fields the norm families' configs share (the module docstring): ``eps`` (non-negative), the
-    ``weight`` / ``bias`` operand indices (None or a non-negative int), the named chains
-    (``check_kernel_chains``), the dtype names and a pool of the conv's spatial dims."""
+def check_norm_fields(config: Any) -> None:
+    """A norm's own fields: ``eps`` (non-negative) and the ``weight`` / ``bias`` operand indices (None or a
+    non-negative int)."""
     if not config.eps >= 0.0:
         raise ValueError(f"eps must be a non-negative number, got {config.eps!r}")
     for name in ("weight", "bias"):
         index = getattr(config, name)
         if index is not None and (not isinstance(index, int) or index < 0):
             raise ValueError(f"{name} must be an operand index or None, got {index!r}")
+
+
+def check_momentum(momentum: Any) -> None:
+    """A training BatchNorm's running-statistics factor: a number (not a bool)."""
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+        raise ValueError(f"momentum must be a number, got {momentum!r}")
+
+
+def check_norm_config(config: Any, **chains: tuple[ChainStep, ...]) -> None:
+    """The fields the norm families' configs share (the module docstring): the norm's own
+    (:func:`check_norm_fields`), the named chains (``check_kernel_chains``), the dtype names and a pool
+    of the conv's spatial dims."""
+    check_norm_fields(config)
     check_kernel_chains(**chains)
     check_dtype_names(config, "norm_dtype", "out_dtype")
     if config.pool is not None and len(config.pool.kernel_size) != config.conv.spatial_dims:

@@ -17,7 +17,7 @@ from ...ir.specs import ConvSpec
 from ..batch_statistics import values_per_channel
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, family_activation
-from ..config import JsonConfig, describe_affine
+from ..config import JsonConfig, check_momentum, check_norm_fields, describe_affine
 from ..conv_io import check_conv_inputs, conv_output_shape, stats_dtype
 from ..library_conv import nominal_format
 
@@ -56,14 +56,8 @@ class BatchNormConvConfig(JsonConfig):
     def __post_init__(self) -> None:
         if self.conv.transposed:
             raise ValueError("the conv of a batch_norm_conv region is a direct conv, not a transposed one")
-        if not self.eps >= 0.0:
-            raise ValueError(f"eps must be a non-negative number, got {self.eps!r}")
-        if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)):
-            raise ValueError(f"momentum must be a number, got {self.momentum!r}")
-        for name in ("weight", "bias"):
-            index = getattr(self, name)
-            if index is not None and (not isinstance(index, int) or index < 0):
-                raise ValueError(f"{name} must be an operand index or None, got {index!r}")
+        check_norm_fields(self)
+        check_momentum(self.momentum)
         if len(self.act) > 1 or any(family_activation(s) is None for s in self.act):
             raise ValueError("act holds at most one of gelu, leaky_relu (a constant slope), relu, silu "
                              "(what the conv family's prologue applies)")  # fmt: skip

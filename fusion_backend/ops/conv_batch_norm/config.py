@@ -15,7 +15,14 @@ from ...ir.specs import ConvSpec, PoolSpec
 from ..batch_statistics import values_per_channel
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, check_operand_refs
-from ..config import JsonConfig, check_norm_config, describe_affine, describe_chain, describe_pool
+from ..config import (
+    JsonConfig,
+    check_momentum,
+    check_norm_config,
+    describe_affine,
+    describe_chain,
+    describe_pool,
+)
 from ..conv_io import (
     allocate_result,
     check_conv_inputs,
@@ -59,8 +66,7 @@ class ConvBatchNormConfig(JsonConfig):
     pool: PoolSpec | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.momentum, (int, float)) or isinstance(self.momentum, bool):
-            raise ValueError(f"momentum must be a number, got {self.momentum!r}")
+        check_momentum(self.momentum)
         check_norm_config(self, post=self.post)
 
     @property
