@@ -1,6 +1,6 @@
 """Sums of fp32 partials over one axis (their splits or tiles), in float64, in a fixed order: what the conv
-family's kernels leave per split or per M tile (the weight gradient's split-K partials, the input
-gradient's BatchNorm-backward sums) becomes one result, the same bits on every run (no atomics).
+family's kernels leave per split or per M tile (the weight gradient's split-K partials and its bias's,
+the input gradient's BatchNorm-backward sums) becomes one result, the same bits on every run (no atomics).
 
 A launch covers ``total`` elements, each the sum of its ``split`` slots, a fixed stride apart:
 a program owns ``block`` elements and reads ``slots`` of their slots per step (:func:`split_sum_blocks`),
@@ -70,7 +70,7 @@ def sum_dim_kernel(part_ptr, out_ptr, SPLIT, TOTAL, INNER, CHUNK, BLOCK: tl.cons
     first = chunk.to(tl.int64) * CHUNK
     base = (e // INNER) * SPLIT * INNER + e % INNER + first * INNER
     acc = sum_slots(part_ptr, base, in_range, tl.minimum(SPLIT - first, CHUNK), INNER, SPLIT_BLOCK)
-    tl.store(out_ptr + chunk * TOTAL + e, acc, mask=in_range)
+    tl.store(out_ptr + chunk.to(tl.int64) * TOTAL + e, acc, mask=in_range)
 
 
 #: :func:`sum_dim`'s launches, per ``(split, total, inner)``

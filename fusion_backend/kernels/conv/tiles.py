@@ -471,7 +471,7 @@ _TMA_WGRAD_SHARED = 200 * 1024
 # there, 0.098 against 0.050 on 128 channels at 28 x 28), so those are not offered.
 # NOTE: each TMA tile is offered with its split aiming at two programs per SM and at one
 # (``TileConfig.programs_per_sm``; H200, bf16, ResNet-50 batch 64, each tile's time against its split,
-# with the split sum of ``wgrad.sum_splits_blocks``; the bench above times both variants).  On every 1x1
+# with the split sum of ``split_sum.split_sum_blocks``; the bench above times both variants).  On every 1x1
 # one program per SM ran fastest, the fp32 partials halved while the kernel kept streaming its operands:
 # 64 -> 64 at 56 x 56 0.0186 ms (128 splits) against 0.0216 (262), 128 -> 512 at 28 x 28 0.0320 against
 # 0.0393, 1024 -> 256 at 14 x 14 0.0213 against 0.0245, 512 -> 2048 at 7 x 7 0.0209 against 0.0274; on

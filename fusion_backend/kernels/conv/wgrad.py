@@ -89,7 +89,7 @@ from .fprop import (
 )
 from .hooks import ActivationLike, Prologue
 from .prologue import box_coords, load_a_box, load_a_tile, load_depthwise_tile, window_rows
-from .split_sum import split_sum_blocks, sum_slots
+from .split_sum import split_sum_blocks, sum_dim, sum_slots
 from .tiles import TileConfig, cached_plan, candidates, tma_wgrad_tiles, tuned_tile
 
 #: Each split of a weight gradient's M keeps at least this many M tiles (``pick_split``).
@@ -378,14 +378,6 @@ def _layout_of(t: torch.Tensor) -> torch.Tensor:
     return t if channels_last(t) else empty_channels_last(t.shape, t.dtype, torch.device("meta"))
 
 
-def _reduce_splits(partials: torch.Tensor) -> torch.Tensor:
-    """The sum over the split axis (dim 0) of fp32 partials, in float64, in one fixed-shape torch
-    reduction: the same bits on every run for one shape (no atomics anywhere)."""
-    return partials.sum(dim=0, dtype=torch.float64)
-
-
-
-
 class _WgradPlan:
     """Everything :func:`conv_wgrad` derives from a call's signature, built once (``_PLANS``)."""
 
@@ -505,7 +497,7 @@ class _WgradPlan:
             x, grad_y = tma_wgrad.dense_channels_last(x), tma_wgrad.dense_channels_last(grad_y)
             self.launch(x, grad_y, part, bpart, *p, slope_in)
             self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
-            grad_b = (bpart[0] if self.split == 1 else _reduce_splits(bpart)).to(self.dtype) if self.bias_grad else None
+            grad_b = (bpart[0] if self.split == 1 else sum_dim(bpart, 0)).to(self.dtype) if self.bias_grad else None
             return grad_w, grad_b
         x_desc: Any = x
         dy_desc: Any = grad_y
@@ -515,7 +507,7 @@ class _WgradPlan:
             dy_desc = box_descriptor(grad_y, [1, 1, tile.box_h, tile.box_w, tile.block_n])
         self.launch(x, grad_y, x_desc, dy_desc, part, bpart, *p, slope_in)
         self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
-        grad_b = (bpart[0] if self.split == 1 else _reduce_splits(bpart)).to(self.dtype) if self.bias_grad else None
+        grad_b = (bpart[0] if self.split == 1 else sum_dim(bpart, 0)).to(self.dtype) if self.bias_grad else None
         return grad_w, grad_b
 
 
