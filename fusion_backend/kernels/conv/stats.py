@@ -88,8 +88,8 @@ _BLOCK_C = 16  # channels per program (BatchNorm's statistics) or per step over 
 #: launch of two steps over the TMA forward's 264 program lanes took 9.4 us against 8.3 for the two
 #: launches (H200, ResNet-50's 64 -> 64 1x1 at 56 x 56 with its statistics, ``python tools/bench_conv.py
 #: demos/realnets/resnet50.py --passes fprop --profile --filter '*64x64x56x56 -> 64 k1x1*'``), and
-#: spilled on sm_90.  NOTE: with 4 warps 256 x 16 spilled 8
-#: registers, with 8 none (sm_90: ``python tools/compile_check.py conv_family --cases
+#: spilled on sm_90.  And on 4 warps 256 x 16 spilled 8
+#: registers, on 8 none (sm_90: ``python tools/compile_check.py conv_family --cases
 #: resnet_3x3-bf16-hooked --kernels combine``)
 _MAX_BLOCK_T = 256
 
