@@ -317,6 +317,30 @@ def test_tile_sweep_scores_a_set_by_its_best_member_per_row_and_needs_cuda(capsy
         assert "needs CUDA" in capsys.readouterr().out
 
 
+def test_tile_sweep_variants_follow_the_options() -> None:
+    """``sweep_conv_tiles``' variants of one grid tile: boxes for the gradients only, several taps and
+    programs per SM for the weight gradient only (each variant again at each), the TMA weight gradient's
+    tiles where the call is stride 1 with one group, each at both of its own programs per SM and the
+    asked ones."""
+    import sweep_conv_tiles
+
+    from fusion_backend.kernels.conv.tiles import TileConfig
+
+    conv3 = ConvShape((8, 64, 56, 56), (64, 64, 3, 3), (1, 1), (1, 1), (1, 1), 1, False)
+    tile = TileConfig(64, 64, 64, 4, 3)
+    labels = [v.label() for v in sweep_conv_tiles.tile_variants(tile, conv3, "wgrad", True, True, False, (1,))]
+    assert labels == ["64x64x64 w4 s3", "64x64x64 w4 s3 box 8x8", "64x64x64 w4 s3 taps 3", "64x64x64 w4 s3 1/sm",
+                      "64x64x64 w4 s3 box 8x8 1/sm", "64x64x64 w4 s3 taps 3 1/sm"]  # fmt: skip
+    assert [v.label() for v in sweep_conv_tiles.tile_variants(tile, conv3, "fprop", True, True, True, (1,))] == [
+        "64x64x64 w4 s3"]  # a 3x3 forward: no box, no taps, no TMA, no split
+    per_sm = [[t.programs_per_sm for t in sweep_conv_tiles.tma_wgrad_variants(conv3, False, extra)] for extra in ((), (4,))]
+    assert per_sm == [[2, 1], [2, 1, 4]]  # the two offered tiles are one tile at 4 per SM
+    strided = ConvShape((8, 64, 56, 56), (64, 64, 3, 3), (2, 2), (1, 1), (1, 1), 1, False)
+    assert sweep_conv_tiles.tma_wgrad_variants(strided, False, (1,)) == []
+    with pytest.raises(Exception, match="from 1 to 4"):
+        sweep_conv_tiles._per_sm("0,2")
+
+
 #: Where the kernels of the two tests below run: the GPU where there is one, else the CPU interpreter.
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

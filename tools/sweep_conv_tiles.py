@@ -15,7 +15,9 @@ loading boxes (``tiles.box_width``'s shape; where the call refuses a box, the ti
 for it, as the timed choice would then run the gather); with ``--taps`` each tap-major weight-gradient
 tile also taking 3 (or 2) taps per program (``TileConfig.taps_per_program``); with ``--tma`` each forward
 tile of a 1x1 conv also as the TMA forward's (``TileConfig.tma``; a call it does not take, stride 2 or
-fp32, is skipped); with ``--hooked`` the passes with their hooks
+fp32, is skipped) and the TMA weight gradient's tiles timed beside the grid's (``tiles.tma_wgrad_tiles``);
+with ``--per-sm 1,4`` each weight-gradient tile also with its split aiming at those programs per SM
+(``TileConfig.programs_per_sm``; the split's cost against its programs); with ``--hooked`` the passes with their hooks
 (``tools/bench_conv.py``'s: the forward with a BatchNorm + ReLU prologue and the output statistics, the
 input gradient with relu' and the BatchNorm sums, the weight gradient with the prologue recomputed),
 against cuDNN plus the Inductor passes the hooks replace (``unfused``).  Prints one line per row
@@ -33,6 +35,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,10 +75,61 @@ def _score(rows: list[dict[str, float]], chosen: tuple[str, ...]) -> float:
                         for m in rows) / len(rows))  # fmt: skip
 
 
+def _per_sm(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or any(not 1 <= v <= 4 for v in values):
+        raise argparse.ArgumentTypeError(f"--per-sm takes comma-separated programs per SM from 1 to 4, got {text!r}")
+    return values
+
+
+def tile_variants(tile: Any, shape: Any, pass_name: str, box: bool, taps: bool, tma: bool,
+                  per_sm: tuple[int, ...]) -> list[Any]:  # fmt: skip
+    """``tile`` and the variants the options add for ``pass_name`` on ``shape``: a box load of the same
+    tile (``box``, the gradients), 3 or 2 taps per program (``taps``, a tap-major weight gradient), the TMA
+    forward's (``tma``, a 1x1 forward without padding), then every weight-gradient variant again at each
+    of ``per_sm``'s programs per SM."""
+    from fusion_backend.kernels.conv.tiles import box_width, several_taps
+
+    cin_g = shape.w_shape[1]
+    variants = [tile]
+    if box and not tile.flat_k and pass_name != "fprop":
+        spatial = (shape.x_shape if pass_name == "dgrad" else shape.out_shape)[2:]
+        plane = (1, *spatial)[-2:]  # a 1d conv's one row
+        variants.append(dataclasses.replace(tile, box_w=box_width(*plane, tile.block_m)))
+    n_taps = math.prod(shape.w_shape[2:])
+    if taps and pass_name == "wgrad" and not tile.flat_k and cin_g > 1 and n_taps > 1:
+        per = several_taps(n_taps)
+        if per > 1:
+            variants.append(dataclasses.replace(tile, taps_per_program=per))
+    if (tma and pass_name == "fprop" and not tile.flat_k and tile.block_m >= 64 and tile.num_warps in (4, 8)
+            and n_taps == 1 and not any(shape.padding)):  # fmt: skip
+        variants.append(dataclasses.replace(tile, tma=True))
+    if pass_name == "wgrad":
+        variants += [dataclasses.replace(v, programs_per_sm=n) for n in per_sm for v in list(variants)
+                     if n != v.programs_per_sm]  # fmt: skip
+    return variants
+
+
+def tma_wgrad_variants(shape: Any, hooked: bool, per_sm: tuple[int, ...]) -> list[Any]:
+    """The TMA weight gradient's tiles the timed choice weighs on ``shape`` (``tiles.tma_wgrad_tiles``, stride
+    1 and one group only), and each at ``per_sm``'s programs per SM besides."""
+    from fusion_backend.kernels.conv.tiles import tma_wgrad_tiles
+
+    if any(s != 1 for s in shape.stride) or shape.groups != 1:
+        return []
+    taps = math.prod(shape.w_shape[2:])
+    plane = tuple((1, *shape.out_shape[2:])[-2:])  # the output's last two dims (a 1d conv's one row)
+    tiles = tma_wgrad_tiles(shape.x_shape[1], shape.w_shape[0], taps, plane, taps == 1 and not any(shape.padding),
+                            hooked)  # fmt: skip
+    return list(dict.fromkeys([*tiles, *(dataclasses.replace(t, programs_per_sm=n) for n in per_sm for t in tiles)]))
+
+
 def main(argv: list[str] | None = None) -> int:
     from fusion_backend.impl_choice import gpu_ms_per_call
     from fusion_backend.kernels.conv import TileConfig
-    from fusion_backend.kernels.conv.tiles import box_width, several_taps
     from fusion_backend.kernels.plan_cache import ContractError
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -92,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--taps", action="store_true",
                         help="also time each tap-major weight-gradient tile with 3 (or 2) taps per program")
     parser.add_argument("--tma", action="store_true",
-                        help="also time each 1x1 forward tile as the Gluon TMA forward's")
+                        help="also time each 1x1 forward tile as the Gluon TMA forward's, and the TMA weight "
+                             "gradient's tiles (tiles.tma_wgrad_tiles)")
+    parser.add_argument("--per-sm", type=_per_sm, default=(),
+                        help="comma-separated programs per SM (1-4): also time each weight-gradient tile with "
+                             "its split aiming at these (TileConfig.programs_per_sm)")
     parser.add_argument("--hooked", action="store_true",
                         help="time the passes with their hooks, against cuDNN plus the passes they replace")
     args = parser.parse_args(argv)
@@ -115,28 +173,18 @@ def main(argv: list[str] | None = None) -> int:
         for bm, bn, bk, warps, stages in GRID:
             if bn > 2 * max(16, 1 << (n_extent - 1).bit_length()) or bk > max(16, k_extent):
                 continue
-            tile = TileConfig(bm, bn, bk, warps, stages, flat_k=cin_g < 16)
-            variants = [tile]
-            if args.box and not tile.flat_k:
-                spatial = (shape.x_shape if pass_name == "dgrad" else shape.out_shape)[2:]
-                plane = (1, *spatial)[-2:]  # a 1d conv's one row
-                variants.append(dataclasses.replace(tile, box_w=box_width(*plane, bm)))
-            taps = math.prod(shape.w_shape[2:])
-            if args.taps and pass_name == "wgrad" and not tile.flat_k and cin_g > 1 and taps > 1:
-                per = several_taps(taps)
-                if per > 1:
-                    variants.append(dataclasses.replace(tile, taps_per_program=per))
-            if (args.tma and pass_name == "fprop" and not tile.flat_k and bm >= 64 and warps in (4, 8)
-                    and taps == 1 and not any(shape.padding)):  # fmt: skip
-                variants.append(dataclasses.replace(tile, tma=True))
+            variants = tile_variants(TileConfig(bm, bn, bk, warps, stages, flat_k=cin_g < 16), shape, pass_name,
+                                     args.box, args.taps, args.tma, args.per_sm)  # fmt: skip
+            if pass_name == "wgrad" and args.tma and (bm, bn, bk, warps, stages) == GRID[0]:  # once per row
+                variants += tma_wgrad_variants(shape, args.hooked, args.per_sm)
             for variant in variants:
                 try:
                     times[variant.label()] = gpu_ms_per_call(_steps(t, pass_name, variant, args.hooked))
                 except ContractError:  # a box the call refuses: the choice would run the gather
                     if variant.tma:
                         continue
-                    if tile.label() in times:
-                        times[variant.label()] = times[tile.label()]
+                    if variants[0].label() in times:
+                        times[variant.label()] = times[variants[0].label()]
                 except Exception as exc:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
                     print(f"  {variant.label()}: {type(exc).__name__}")
         best = min((k for k in times if k != base), key=times.get)
