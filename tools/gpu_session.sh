@@ -27,6 +27,7 @@
 #            CONVK_TMA=1: the Gluon TMA forward's GPU tests and the forward's tile sweep with each 1x1 tile also
 #            as the TMA forward's, plain and hooked, on ResNet-50's largest 1x1 convs; CONVK_WGRAD=1: the weight gradient's
 #            GPU tests (the TMA kernel, the split sum) and ResNet-50's stride-1 weight gradients with every tile timed
+#            and every row's kernels profiled (--profile)
 #   hostrow  the host-bound row (ResNet-50 bf16 inference): tools/bench_step_accounting.py on fresh caches, then
 #            twice on the caches the first left (the run where Inductor's graph comes from its cache): once with
 #            one repetition per backend in turn, once with --consecutive 10 (HOSTROW_SUITE names another file)
@@ -145,9 +146,9 @@ if has convk; then
   if [[ ${CONVK_WGRAD:-0} == 1 ]]; then  # the weight gradient: the TMA kernel's and the split sum's tests, then
     # ResNet-50's stride-1 weight gradients with every candidate tile timed (docs/perf/h200/conv-kernels-wgrad)
     timeout -k 10 150 python3 -m pytest -q -n 4 -p no:cacheprovider tests/kernels/test_conv_family_tma_wgrad.py \
-      tests/kernels/test_conv_family_backward.py >"$out/convk_wgrad_tests.log" 2>&1 || rc=1
+      tests/kernels/test_conv_family_backward.py tests/kernels/test_split_sum.py >"$out/convk_wgrad_tests.log" 2>&1 || rc=1
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/convk_wgrad_tests.log" | tail -12
-    timeout -k 10 240 python3 tools/bench_conv.py demos/realnets/resnet50.py --passes wgrad \
+    timeout -k 10 240 python3 tools/bench_conv.py demos/realnets/resnet50.py --passes wgrad --profile \
       --filter '*k3x3 p1 g1*,*k1x1 p0 g1*' --rounds 3 --out "$out/convk_wgrad" >"$out/convk_wgrad.log" 2>&1
     sed -n '/## Summary/,/## Rows/p' "$out/convk_wgrad/bench.md" | head -8
   fi
