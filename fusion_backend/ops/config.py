@@ -260,6 +260,34 @@ def check_momentum(momentum: Any) -> None:
         raise ValueError(f"momentum must be a number, got {momentum!r}")
 
 
+@dataclass(frozen=True)
+class TrainingBatchNormConfig(JsonConfig):
+    """The fields every region holding a training BatchNorm (batch statistics) beside a conv declares,
+    first in its config (``conv_batch_norm``'s, ``batch_norm_conv``'s), checked by
+    :meth:`__post_init__` (:func:`check_norm_fields`, :func:`check_momentum`):
+
+    * ``conv``: the conv's parameters.
+    * ``eps``: added to each channel's biased batch variance before the reciprocal square root.
+    * ``momentum``: the running statistics' update factor ``m`` (``running = (1 - m) * running + m *
+      batch``, the variance unbiased); used only with ``running_stats``.
+    * ``weight`` / ``bias``: the operand indices of the norm's weight and bias (one value per channel
+      each; None: not affine).
+    * ``running_stats``: whether the graph's call passes the running statistics (the last two entries
+      of its operand list: each op's ``split_operands``).
+    """
+
+    conv: ConvSpec
+    eps: float = 1e-5
+    momentum: float = 0.1
+    weight: int | None = None
+    bias: int | None = None
+    running_stats: bool = False
+
+    def __post_init__(self) -> None:
+        check_norm_fields(self)
+        check_momentum(self.momentum)
+
+
 def check_norm_config(config: Any, **chains: tuple[ChainStep, ...]) -> None:
     """The fields the norm families' configs share (the module docstring): the norm's own
     (:func:`check_norm_fields`), the named chains (``check_kernel_chains``), the dtype names and a pool

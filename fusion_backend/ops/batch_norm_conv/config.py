@@ -13,11 +13,10 @@ import torch
 from torch import Tensor
 
 from ...errors import UnsupportedInputError
-from ...ir.specs import ConvSpec
 from ..batch_statistics import values_per_channel
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, family_activation
-from ..config import JsonConfig, check_momentum, check_norm_fields, describe_affine
+from ..config import TrainingBatchNormConfig, describe_affine
 from ..conv_io import check_conv_inputs, conv_output_shape, stats_dtype
 from ..library_conv import nominal_format
 
@@ -28,36 +27,24 @@ AFFINE_ROWS = slice(5, 7)
 
 
 @dataclass(frozen=True)
-class BatchNormConvConfig(JsonConfig):
-    """Everything static about one ``batch norm (batch statistics) -> activation -> conv`` region.
+class BatchNormConvConfig(TrainingBatchNormConfig):
+    """Everything static about one ``batch norm (batch statistics) -> activation -> conv`` region: the
+    training BatchNorm's fields (``ops/config.py``'s ``TrainingBatchNormConfig``; ``conv`` a direct conv,
+    not transposed; ``weight`` and ``bias`` C_in values each; the running statistics split off by
+    ``split_operands``), then
 
-    * ``conv``: the conv's parameters (a direct conv: not transposed).
-    * ``eps``: added to each channel's biased batch variance before the reciprocal square root.
-    * ``momentum``: the running statistics' update factor ``m`` (``running = (1 - m) * running + m *
-      batch``, the variance unbiased); used only with ``running_stats``.
-    * ``weight`` / ``bias``: the operand indices of the norm's weight and bias (C_in values each;
-      None: not affine).
-    * ``running_stats``: whether the graph's call passes the running statistics (the last two entries
-      of its operand list: ``split_operands``).
     * ``act``: the activation between the norm and the conv: none, or one ``relu``, ``leaky_relu`` of
       a constant slope, ``gelu`` or ``silu`` step (what the conv family's prologue applies).
     * ``strict``: a kernel failure raises instead of falling back to the reference.
     """
 
-    conv: ConvSpec
-    eps: float = 1e-5
-    momentum: float = 0.1
-    weight: int | None = None
-    bias: int | None = None
-    running_stats: bool = False
     act: tuple[ChainStep, ...] = ()
     strict: bool = False
 
     def __post_init__(self) -> None:
         if self.conv.transposed:
             raise ValueError("the conv of a batch_norm_conv region is a direct conv, not a transposed one")
-        check_norm_fields(self)
-        check_momentum(self.momentum)
+        super().__post_init__()
         if len(self.act) > 1 or any(family_activation(s) is None for s in self.act):
             raise ValueError("act holds at most one of gelu, leaky_relu (a constant slope), relu, silu "
                              "(what the conv family's prologue applies)")  # fmt: skip

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...ir.specs import ConvSpec, PoolSpec
+from ...ir.specs import PoolSpec
 from ..batch_statistics import values_per_channel
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, check_operand_refs
 from ..config import (
-    JsonConfig,
+    TrainingBatchNormConfig,
     check_momentum,
     check_norm_config,
     describe_affine,
@@ -40,25 +40,14 @@ OP = "conv_batch_norm"
 
 
 @dataclass(frozen=True)
-class ConvBatchNormConfig(JsonConfig):
-    """Everything static about one ``conv -> batch norm (batch statistics) -> post-chain`` region.
-
-    * ``eps``: added to each channel's biased batch variance before the reciprocal square root.
-    * ``momentum``: the running statistics' update factor ``m`` (``running = (1 - m) * running + m *
-      batch``, the variance unbiased); used only when the call is given running statistics.
-    * ``weight`` / ``bias``: C values each (one per channel).
-    * ``running_stats``: whether the graph's call passes the running statistics (the last two entries
-      of its operand list: ``op.split_operands``).
-    * ``post``, ``norm_dtype``, ``out_dtype``, ``strict``, ``pool``: as every norm family's
-      (``ops/config.py``); no pre-chain.
+class ConvBatchNormConfig(TrainingBatchNormConfig):
+    """Everything static about one ``conv -> batch norm (batch statistics) -> post-chain`` region: the
+    training BatchNorm's fields (``ops/config.py``'s ``TrainingBatchNormConfig``: the conv, eps, momentum,
+    the affine operands, the running statistics, split off by ``op.split_operands``), then ``post``,
+    ``norm_dtype``, ``out_dtype``, ``strict``, ``pool``: as every norm family's (``ops/config.py``); no
+    pre-chain.
     """
 
-    conv: ConvSpec
-    eps: float = 1e-5
-    momentum: float = 0.1
-    weight: int | None = None
-    bias: int | None = None
-    running_stats: bool = False
     post: tuple[ChainStep, ...] = ()
     norm_dtype: str | None = None
     out_dtype: str | None = None
@@ -66,6 +55,7 @@ class ConvBatchNormConfig(JsonConfig):
     pool: PoolSpec | None = None
 
     def __post_init__(self) -> None:
+        # the norm's fields with every norm family's checks (``check_norm_config``), not super()'s twice
         check_momentum(self.momentum)
         check_norm_config(self, post=self.post)
 
