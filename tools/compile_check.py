@@ -67,7 +67,9 @@ compiles both jobs in one process; a named job without a case of its own keeps i
 * ``conv_tma``: ``kernels/conv/tma_fprop.py``'s ``tma_fprop_kernel`` (Gluon) through ``conv_fprop`` with
   each of the TMA forward's tiles (``tiles.tma_tiles``), on ``conv_family``'s 1x1 shape, ``bf16``;
   ``-hooked``: a BatchNorm + ReLU between convs (the prologue, relu on load and the output statistics,
-  no saved raw conv).  Cases ``resnet_1x1-bf16[-hooked]``, both by default.
+  no saved raw conv); then the same kernel as the input gradient (``GRAD``) through ``conv_dgrad`` with
+  each of its tiles (``-hooked``: relu' and the BatchNorm-backward sums).  Cases
+  ``resnet_1x1-bf16[-hooked]``, both by default.
 * ``conv_tma_wgrad``: ``kernels/conv/tma_wgrad.py``'s ``tma_wgrad_kernel`` (Gluon) through ``conv_wgrad``
   with each of its tiles (``tiles.tma_wgrad_tiles``) on ``conv_family``'s stride-1 shapes, ``bf16``;
   ``-hooked``: the BatchNorm + ReLU prologue recomputed (and the bias gradient where the conv has a
@@ -553,8 +555,10 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     and ``conv_wgrad`` with their first tiles loading boxes (``tiles.box_width``); ``taps``: ``conv_wgrad``
     with its first tile on 8 warps, taking 1 and then a kernel row's 3 taps per program
     (``TileConfig.taps_per_program``), after the several-taps tiles the timed choice weighs
-    (``tiles.candidates``); ``tma="fprop"``: ``conv_fprop`` alone, with each of the Gluon TMA forward's tiles
-    (``tiles.tma_tiles``; a 1x1 conv; the hooks without the saved raw conv); ``tma="wgrad"``: ``conv_wgrad``
+    (``tiles.candidates``); ``tma="rows"``: ``conv_fprop`` alone, with each of the Gluon TMA forward's tiles
+    (``tiles.tma_tiles``; a 1x1 conv; the hooks without the saved raw conv), then ``conv_dgrad`` with each of
+    the input gradient's (the same kernel, ``GRAD``; with the hooks relu' and the BatchNorm-backward sums);
+    ``tma="wgrad"``: ``conv_wgrad``
     alone with each of the Gluon TMA weight gradient's tiles (``tiles.tma_wgrad_tiles``); ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
@@ -578,10 +582,15 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     per_out = torch.empty(c_out, dtype=torch.float32)
     chain = [(OP_CODES["mul"], [per_out]), (OP_CODES["add"], [per_out])] if hooked and has_bias else []
     with _launchable_on_cpu_tensors():
-        if tma == "fprop":
+        if tma == "rows":
             m = out_shape[0] * out_shape[2] * out_shape[3]
             for tile in FAMILY_TILES.tma_tiles(c_in, c_out, m):  # as a BatchNorm between convs: no save
                 FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
+            # the input gradient's tiles: the channels exchanged, as the timed choice offers them
+            for tile in FAMILY_TILES.candidates("dgrad", c_out, c_in, 1, m, dt, epilogue_hooks=hooked, tma=True)[1:]:
+                FAMILY.conv_dgrad(dy, w, x_shape, x_prev=x if hooked else None,
+                                  norm_stats=FAMILY.NormStats(vec, vec) if hooked else None, tile=tile, **hooks,
+                                  **geo)  # fmt: skip
             return
         if tma == "wgrad":
             taps = w_shape[2] * w_shape[3]
@@ -727,8 +736,9 @@ JOBS = {job.name: job for job in (
               for k in ("conv_fprop_kernel", "conv_dgrad_kernel", "conv_wgrad_kernel")),
     ),
     Job(
-        "conv_tma", "kernels/conv/tma_fprop.py: the Gluon TMA forward, plain and hooked (conv_family's 1x1 shape)",
-        {f"resnet_1x1-bf16{h}": partial(conv_family_pass, "resnet_1x1", "bf16", bool(h), tma="fprop")
+        "conv_tma", "kernels/conv/tma_fprop.py: the Gluon TMA forward and input gradient, plain and hooked (conv_family's "
+        "1x1 shape)",
+        {f"resnet_1x1-bf16{h}": partial(conv_family_pass, "resnet_1x1", "bf16", bool(h), tma="rows")
          for h in ("", "-hooked")},
         ("resnet_1x1-bf16", "resnet_1x1-bf16-hooked"),
         (TiledKernel("tma_fprop_kernel", TMA_FIELDS, "", as_launched(TMA_FIELDS)),),

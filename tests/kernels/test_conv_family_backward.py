@@ -45,7 +45,7 @@ FLOOR = {torch.float32: 5e-7, torch.float16: 5e-4, torch.bfloat16: 4e-3}
 #: The bias gradient is a plain sum of M terms of either sign (|Σ| far below Σ|terms|) that eager sums
 #: pairwise; ours adds fp32 tile sums per split: a few roundings of Σ|terms| more, relative to a small
 #: result (about 7e-7 seen on these shapes).
-BIAS_FLOOR = {torch.float32: 2e-6, torch.float16: 5e-4}
+BIAS_FLOOR = {torch.float32: 2e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}
 SMALL = TileConfig(16, 16, 16, num_warps=1, num_stages=1)
 SMALL_FLAT = TileConfig(16, 16, 16, num_warps=1, num_stages=1, flat_k=True)
 
@@ -784,3 +784,127 @@ def test_a_box_tile_whose_groups_do_not_start_on_16_bytes_is_refused_in_one_line
     gy = _channels_last(_randn(2, 16, 9, 1, g=g, dtype=torch.float16))
     with pytest.raises(ContractError, match="x's groups of 4 2-byte channels"):
         conv_wgrad(gy, x, _randn(16, 4, 1, 1, g=g, dtype=torch.float16), tile=SMALL_BOX, groups=2)
+
+
+# --------------------------------------------------------------------------------------------------
+# The TMA input gradient (``tma_fprop``'s kernel with ``GRAD``: a 1x1 conv's GEMM with the channels
+# exchanged; Gluon, sm_90 only)
+# --------------------------------------------------------------------------------------------------
+
+requires_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                                   reason="the TMA input gradient runs on sm_90 (Gluon has no interpreter)")
+
+#: Tiles of every shape the kernel takes: one warpgroup, a 4-stage ring with K steps of 32, two
+#: warpgroups over 128 channels, warps side by side along N (64 rows on 8 warps, 16-channel K steps).
+TMA_GRAD_TILES = [
+    TileConfig(64, 64, 64, 4, 2, tma=True),
+    TileConfig(128, 64, 32, 8, 4, tma=True),
+    TileConfig(128, 128, 64, 8, 3, tma=True),
+    TileConfig(64, 32, 16, 8, 2, tma=True),
+]
+#: name, the forward input's shape, its output channels: rows that fill no tile, output channels (the
+#: GEMM's K) that fill no K step (40 against 64 and 32; 200), input channels (its N) that fill no N tile
+#: (72, 24), 1-d and 3-d.
+TMA_GRAD_SHAPES = [
+    ("2d-tails", (3, 72, 7, 9), 40),
+    ("2d-wide", (2, 256, 9, 8), 200),
+    ("1d-narrow-n", (3, 24, 50), 48),
+    ("3d", (2, 16, 3, 5, 7), 24),
+]
+
+
+def _tma_grad_case(shape, c_out, dtype, g):  # noqa: ANN001, ANN202
+    """x_prev (channels-last, BatchNorm-like spread), its batch statistics and folded affine, grad_y and a
+    1x1 weight of ``c_out`` output channels."""
+    x = _channels_last(_randn(*shape, g=g, scale=1.5).to(dtype) + 0.5)
+    stats, folded, _, _ = _bn(x, g)
+    ws = (c_out, shape[1], *([1] * (len(shape) - 2)))
+    gy = _channels_last(_randn(shape[0], c_out, *shape[2:], g=g, dtype=dtype))
+    return x, stats, folded, gy, _randn(*ws, g=g, scale=c_out ** -0.5, dtype=dtype)
+
+
+@requires_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind,act", [("batch_norm", "relu"), *PROLOGUES[1:], (None, None)],
+                         ids=prologue_ids([("batch_norm", "relu"), *PROLOGUES[1:], (None, None)]))
+@pytest.mark.parametrize("name,shape,c_out", TMA_GRAD_SHAPES, ids=[c[0] for c in TMA_GRAD_SHAPES])
+def test_tma_dgrad_1x1_matches_float64_with_its_sums(name, shape, c_out, kind, act, dtype):
+    """Every tile of :data:`TMA_GRAD_TILES` (the failure names it) against float64: act' of each
+    recomputed prologue, the BatchNorm-backward sums (per program lane), the same bits on a second
+    call; without hooks the plain input gradient."""
+    for tile in TMA_GRAD_TILES:
+        g = torch.Generator().manual_seed(stable_seed(("tma-dgrad", name, str(kind), str(act), tile.label())))
+        x, stats, folded, gy, w = _tma_grad_case(shape, c_out, dtype, g)
+        if kind is None:
+            kw = dict(tile=tile)
+        else:
+            prologue = folded if kind == "batch_norm" else conv_prologue(kind, shape[0], shape[1], g, DEVICE)
+            kw = dict(x_prev=x, prologue=prologue, act_in=act, norm_stats=stats, tile=tile)
+        grad, sums = _check_dgrad(f"tma dgrad {name} {kind} {act} {tile.label()}", gy, w, x.shape, **kw)
+        assert dgrad._PLANS.values()[-1].tma is not None
+        again, sums2 = conv_dgrad(gy, w, x.shape, **kw)
+        assert torch.equal(grad, again)
+        if sums is not None:
+            assert torch.equal(sums.sum_dz, sums2.sum_dz) and torch.equal(sums.sum_dz_xhat, sums2.sum_dz_xhat)
+            flat = grad.double().transpose(0, 1).reshape(shape[1], -1)
+            torch.testing.assert_close(sums.sum_dz, flat.sum(1), rtol=1e-5,
+                                       atol=1e-5 * flat.abs().sum(1).max().item())  # fmt: skip
+
+
+@requires_sm90
+def test_tma_dgrad_sums_alone_and_any_layout():
+    """The sums without an activation (grad_z = grad_a), a sliced grad_y, an NCHW x_prev and weight:
+    each copied to the dense rows the kernel reads."""
+    g = torch.Generator().manual_seed(83)
+    dtype = torch.bfloat16
+    x, stats, _, _, w = _tma_grad_case((2, 48, 7, 6), 40, dtype, g)
+    parent = _channels_last(_randn(3, 56, 8, 7, g=g, dtype=dtype))
+    parent[:, :8] = float("nan")  # outside the window
+    gy = parent[1:, 8:48, 1:8, :6]
+    tile = TMA_GRAD_TILES[1]
+    for name, xp, wi in (("sliced", x, w), ("nchw", x.contiguous(), _channels_last(w))):
+        grad, _ = _check_dgrad(f"tma dgrad {name}", gy, wi, x.shape, x_prev=xp, norm_stats=stats, tile=tile)
+        assert grad.isfinite().all(), name
+
+
+@requires_sm90
+def test_tma_dgrad_nan_and_inf_reach_only_their_rows():
+    g = torch.Generator().manual_seed(89)
+    x, stats, folded, gy, w = _tma_grad_case((2, 64, 5, 9), 24, torch.bfloat16, g)
+    gy[0, 3, 2, 4] = float("nan")
+    gy[1, 20, 0, 0] = float("inf")
+    grad, _ = _check_dgrad("tma dgrad nan inf", gy, w, x.shape, tile=TMA_GRAD_TILES[0])
+    bad = ~grad.isfinite().all(1)
+    assert bad.sum() == 2 and bad[0, 2, 4] and bad[1, 0, 0]
+
+
+def test_tma_tiles_join_the_input_gradients_candidates_on_8_warps_with_hooks():
+    """A 1x1 input gradient the TMA kernel takes times the gather heuristic's tile and the TMA tiles,
+    hooked ones on 8 warps (the hooked store spilled on 4); its channels exchanged: K the output's."""
+    from fusion_backend.kernels.conv.tiles import candidates
+
+    plain = candidates("dgrad", 64, 256, 1, 200704, torch.bfloat16, tma=True)
+    hooked = candidates("dgrad", 64, 256, 1, 200704, torch.bfloat16, epilogue_hooks=True, tma=True)
+    assert not plain[0].tma and all(t.tma for t in plain[1:]) and len(plain) == 3
+    assert [t.num_warps for t in plain[1:]] == [8, 4] and [t.num_warps for t in hooked[1:]] == [8, 8]
+    assert all(t.block_k == 64 and t.block_n in (64, 128) for t in hooked[1:])
+    for t in hooked[1:]:
+        t.check_for("dgrad")
+
+
+@pytest.mark.parametrize("why,conv,ws", [
+    ("a 3x3 conv", dict(padding=1), (8, 16, 3, 3)),
+    ("a strided 1x1", dict(stride=2), (8, 16, 1, 1)),
+    ("grouped", dict(groups=2), (8, 8, 1, 1)),
+    ("12 output channels", {}, (12, 16, 1, 1)),
+], ids=lambda c: c if isinstance(c, str) else None)  # fmt: skip
+def test_a_tma_tile_the_input_gradient_cannot_take_is_refused_in_one_line(why, conv, ws):
+    """On CPU (no Gluon run) and for any conv the kernel does not take, a TMA tile asked for by name is
+    a one-line contract error, not a silent gather."""
+    g = torch.Generator().manual_seed(0)
+    xs = (2, 16, 6, 6)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g, dtype=torch.float16))
+    with pytest.raises(ContractError, match="TMA") as info:
+        conv_dgrad(gy, _randn(*ws, g=g, dtype=torch.float16), xs, tile=TileConfig(64, 64, 64, 4, 2, tma=True),
+                   **conv)  # fmt: skip
+    assert "\n" not in str(info.value)

@@ -810,24 +810,21 @@ def test_tma_grid_and_statistics_lanes_cover_every_tile_once(c_in, c_out, m):
     a multiple of the N tiles (each program's tiles share their channels) within the device's capacity,
     and the lanes' row counts (``lane_rows``) partition the output rows, lane ``j`` taking M tiles ``j,
     j + lanes, ...``."""
-    from types import SimpleNamespace
-
     from fusion_backend.kernels.conv.tiles import TMA_REGISTERS, tma_programs_per_sm, tma_tiles
     from fusion_backend.kernels.conv.tma_fprop import grid_programs, lane_rows, ring_stages
 
-    geo = SimpleNamespace(c_in=c_in, c_out=c_out)
     for tile in tma_tiles(c_in, c_out, m):
         tile.check_for("fprop")
-        stages = ring_stages(tile, geo)
+        stages = ring_stages(tile, c_in)
         assert 2 <= stages <= max(2, min(tile.num_stages, -(-c_in // tile.block_k)))
         per_sm = tma_programs_per_sm(tile, stages)
         shared = stages * (tile.block_m + tile.block_n) * tile.block_k * 2 + tile.block_m * tile.block_n * 4
         assert per_sm * shared <= 226 * 1024 and per_sm * TMA_REGISTERS * 32 * tile.num_warps <= 65536
         m_tiles, n_tiles = -(-m // tile.block_m), -(-c_out // tile.block_n)
-        programs = grid_programs(tile, geo, m_tiles, torch.device("cpu"), program_stats=True)
+        programs = grid_programs(tile, c_in, c_out, m_tiles, torch.device("cpu"), program_stats=True)
         lanes = programs // n_tiles
         assert programs % n_tiles == 0 and 1 <= lanes <= m_tiles and programs <= max(n_tiles, per_sm * 132)
-        plain = grid_programs(tile, geo, m_tiles, torch.device("cpu"), program_stats=False)
+        plain = grid_programs(tile, c_in, c_out, m_tiles, torch.device("cpu"), program_stats=False)
         assert plain == min(m_tiles * n_tiles, per_sm * 132)
         rows = [min(tile.block_m, m - t * tile.block_m) for t in range(m_tiles)]
         per_lane = lane_rows(rows, lanes)

@@ -57,12 +57,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..chain_math import op_codes
 from ..conv_common import peel_coords
 from ..host import cdiv, element_extent
 from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import backward_dot_precision, round_tf32
-from . import hooks
+from . import hooks, tma_fprop
 from .boxes import box_descriptor, box_grid, box_refusal
 from .fprop import (
     _BIG_INDEX_THRESHOLD,
@@ -76,7 +77,7 @@ from .fprop import (
     prearrange_weight,
     to_channels_last,
 )
-from .grad_epilogue import store_grad_tile
+from .grad_epilogue import load_saved_input, store_grad_tile
 from .hooks import ActivationLike, NormStats, Prologue
 from .prologue import _tap_coords, box_coords
 from .stats import BatchNormGradSums, empty_grad_sums, reduce_grad_partials
@@ -261,7 +262,8 @@ def conv_dgrad_kernel(
                row ``ci`` of group ``g`` over K in (tap, co) order; with ``W_IN_PLACE`` the weight
                itself, channels-last dense, whose channels need no padding; ``DEPTHWISE``: (C_OUT, taps)
                rows, contiguous (``_depthwise_grad_tile``).
-      out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr, p0..p3: ``grad_epilogue.store_grad_tile``'s.
+      out_ptr, part_ptr, mean_ptr, rstd_ptr, p0..p3: ``grad_epilogue.store_grad_tile``'s; xp_ptr
+               ``grad_epilogue.load_saved_input``'s.
       dy_desc  ``BOX_W``: grad_y as an (N, OD, OH, OW, C_OUT) tensor descriptor, block ``(1, 1, BLOCK_M //
                BOX_W, BOX_W, BLOCK_K)``, zero padding; else any tensor, unused.
     Unused pointers receive any tensor and are never dereferenced.
@@ -284,9 +286,10 @@ def conv_dgrad_kernel(
         acc = _depthwise_grad_tile(dy_ptr, w_ptr, n, d, h, w, m_ok, ci, ci < C_IN, OD, OH, OW, C_OUT_G,
                                    dy_sn, dy_sd, dy_sh, dy_sw, KD, KH, KW, SD, SH, SW, PD, PH, PW, DD, DH, DW,
                                    BIG, BLOCK_M, BLOCK_N)  # fmt: skip
-        store_grad_tile(acc, m, m_ok, n, d, h, w, ci, ci < C_IN, pid_m, out_ptr, xp_ptr, part_ptr, mean_ptr,
-                        rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES, xp_sn, xp_sd, xp_sh, xp_sw,
-                        PROLOGUE, G_NORM, NORM_AFFINE, ACT, SUMS, BIG)  # fmt: skip
+        x_saved = load_saved_input(m_ok, n, d, h, w, ci, ci < C_IN, xp_ptr, xp_sn, xp_sd, xp_sh, xp_sw, ACT, SUMS, BIG)
+        store_grad_tile(acc, x_saved, m, m_ok, n, ci, ci < C_IN, pid_m, out_ptr, part_ptr, mean_ptr, rstd_ptr,
+                        p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES, PROLOGUE, G_NORM, NORM_AFFINE, ACT, SUMS,
+                        BIG)  # fmt: skip
         return
     if PHASED:
         groups = C_IN // C_IN_G
@@ -359,9 +362,15 @@ def conv_dgrad_kernel(
                 b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
             acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
 
-    store_grad_tile(acc, m, m_ok, n, d, h, w, g * C_IN_G + ci, ci < C_IN_G, part_row, out_ptr, xp_ptr, part_ptr,
-                    mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES,
-                    xp_sn, xp_sd, xp_sh, xp_sw, PROLOGUE, G_NORM, NORM_AFFINE, ACT, SUMS, BIG)  # fmt: skip
+    # NOTE: x_prev read after the K loop, not before it: read before, its tile held registers through the
+    # loop (ResNet-50's hooked 3x3 of 64 channels, 128 x 64 x 64 on 4 warps: 226 against 168) and the pass
+    # took 72.6 against 62.8 us (H200, bf16, batch 64: ``python tools/bench_conv.py demos/realnets/resnet50.py
+    # --passes dgrad --profile --filter '*64x64x56x56 -> 64 k3x3*'``)
+    c_in = g * C_IN_G + ci
+    x_saved = load_saved_input(m_ok, n, d, h, w, c_in, ci < C_IN_G, xp_ptr, xp_sn, xp_sd, xp_sh, xp_sw, ACT, SUMS, BIG)
+    store_grad_tile(acc, x_saved, m, m_ok, n, c_in, ci < C_IN_G, part_row, out_ptr, part_ptr, mean_ptr, rstd_ptr,
+                    p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES, PROLOGUE, G_NORM, NORM_AFFINE, ACT, SUMS,
+                    BIG)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -449,7 +458,20 @@ class _DgradPlan:
         xp_strides = _spatial_strides(xps) if xps is not None else [0, 0, 0, 0]
         fixed = (self.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, self.m_tiles, *box_tiles,
                  *_spatial_strides(dys), *xp_strides)  # fmt: skip
-        self.launch = FastLaunch(conv_dgrad_kernel, grid, constexprs, fixed=fixed)
+        #: the Gluon kernel's persistent launch (``tma_fprop``, ``GRAD``): the sums per program lane
+        self.tma = None
+        if tile.tma:
+            if not tma_fprop.supports_grad(grad_y, weight, geo.stride, geo.padding, geo.groups):
+                raise ContractError(f"tile {tile.label()}: this call is not one the TMA input gradient takes "
+                                    "(tma_fprop.supports_grad)")
+            programs = tma_fprop.grid_programs(tile, geo.c_out, geo.c_in, m_tiles, grad_y.device, sums)
+            self.m_tiles = programs // cdiv(geo.c_in, tile.block_n) if sums else m_tiles
+            hook_codes = dict(PROLOGUE=constexprs["PROLOGUE"], G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act,
+                              SAVE_CONV=False, HAS_SCALE=False, HAS_BIAS=False, CHAIN=op_codes([]), ACT_OUT=0,
+                              RESIDUAL=0, STATS=sums, BIG=big)  # fmt: skip
+            self.tma = tma_fprop.TmaLaunch(tile, geo, m_tiles, programs, hook_codes, sums, grad_y.dtype, grad=True)
+        else:
+            self.launch = FastLaunch(conv_dgrad_kernel, grid, constexprs, fixed=fixed)
 
     def run(self, grad_y: torch.Tensor, weight: torch.Tensor, x_prev: torch.Tensor | None, prologue: Prologue | None,
             norm_stats: NormStats | None, slope: float) -> tuple[torch.Tensor, BatchNormGradSums | None]:  # fmt: skip
@@ -457,6 +479,14 @@ class _DgradPlan:
         out = empty_channels_last(self.in_shape, self.dtype, self.device)
         if self.m == 0:  # N == 0: nothing to launch
             return out, (empty_grad_sums(geo.c_in, self.device) if self.sums else None)
+        part = None
+        if self.sums:
+            part = torch.empty((2, self.m_tiles, geo.c_in), dtype=torch.float32, device=self.device)
+        p = [out if t is None else t for t in hooks.prologue_tensors(prologue)]
+        mean, rstd = (norm_stats.mean, norm_stats.rstd) if norm_stats is not None else (out, out)
+        if self.tma is not None:  # its operands as rows, in any layout (``tma_fprop.input_rows``)
+            self.tma.input_grad(grad_y, weight, out, part, p, x_prev, mean, rstd, slope)
+            return out, None if part is None else reduce_grad_partials(part, self.m)
         if self.relayout_dy:
             grad_y = to_channels_last(grad_y)
         if self.relayout_xp:
@@ -467,11 +497,6 @@ class _DgradPlan:
             w = weight
         else:
             w = prearrange_dgrad_weight(weight, geo.groups, self.tile, self.dtype)
-        part = None
-        if self.sums:
-            part = torch.empty((2, self.m_tiles, geo.c_in), dtype=torch.float32, device=self.device)
-        p = [out if t is None else t for t in hooks.prologue_tensors(prologue)]
-        mean, rstd = (norm_stats.mean, norm_stats.rstd) if norm_stats is not None else (out, out)
         dy_desc: Any = grad_y
         if self.box:
             tile = self.tile
@@ -573,7 +598,8 @@ def conv_dgrad(
         boxed = hooked and not dgrad_box_refusal(geo, dys, None)
         tiles = candidates("dgrad", geo.c_out_g, geo.c_in_g, geo.taps, m, grad_y.dtype,
                            geo.c_in if geo.c_in_g == 1 else None,  # the direct depthwise path
-                           geo.size[1:] if boxed else None, epilogue_hooks=hooked)  # fmt: skip
+                           geo.size[1:] if boxed else None, epilogue_hooks=hooked,
+                           tma=tma_fprop.supports_grad(grad_y, weight, geo.stride, geo.padding, geo.groups))  # fmt: skip
         tiles = [t for t in tiles if not t.box_w or not dgrad_box_refusal(geo, dys, t)]
         return plan_with(tuned_tile("dgrad", key, tiles, lambda t: functools.partial(
             plan_with(t).run, grad_y, weight, x_prev, prologue, norm_stats, slope), grad_y.device))

@@ -436,7 +436,8 @@ class _Plan:
         #: the TMA forward sums a BatchNorm's statistics per program (``tma_fprop.grid_programs``)
         self.program_stats = tile.tma and self.stats and not stats_groups
         #: the TMA forward's persistent grid
-        programs = tma_fprop.grid_programs(tile, geo, self.m_tiles, x.device, self.program_stats) if tile.tma else 0
+        programs = (tma_fprop.grid_programs(tile, geo.c_in, geo.c_out, self.m_tiles, x.device, self.program_stats)
+                    if tile.tma else 0)  # fmt: skip
         #: rows of the store's partials: one per M tile, or per program lane
         self.partial_rows = self.m_tiles
         if self.program_stats and self.m_tiles:

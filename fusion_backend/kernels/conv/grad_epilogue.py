@@ -30,22 +30,40 @@ from .prologue import normalise
 
 
 @triton.jit
-def store_grad_tile(acc, m, m_ok, n, d, h, w, c, c_ok, pid_m, out_ptr, xp_ptr, part_ptr, mean_ptr, rstd_ptr,
-                    p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES, xp_sn, xp_sd, xp_sh, xp_sw,
+def load_saved_input(m_ok, n, d, h, w, c, c_ok, xp_ptr, xp_sn, xp_sd, xp_sh, xp_sw,
+                     ACT: tl.constexpr, SUMS: tl.constexpr, BIG: tl.constexpr):  # fmt: skip
+    """x_prev's ``[BLOCK_M, BLOCK_N]`` tile for :func:`store_grad_tile`, in x_prev's dtype (0 outside ``m_ok`` x
+    ``c_ok``); a zero scalar where the hooks read none (neither ACT nor SUMS).  Rows and columns as
+    :func:`store_grad_tile`'s (``d, h, w`` the rows' coordinates; element ``(n, c, d, h, w)`` of x_prev at
+    ``n * xp_sn + d * xp_sd + h * xp_sh + w * xp_sw + c``).  A read of its own so that a kernel may issue
+    it where its latency hides best (the TMA kernel: at the tile's first K step)."""
+    if ACT != 0 or SUMS:
+        if BIG:
+            xrow = n.to(tl.int64) * xp_sn + d.to(tl.int64) * xp_sd + h.to(tl.int64) * xp_sh + w.to(tl.int64) * xp_sw
+        else:
+            xrow = n * xp_sn + d * xp_sd + h * xp_sh + w * xp_sw
+        return tl.load(xp_ptr + xrow[:, None] + c[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+    else:
+        return 0.0
+
+
+@triton.jit
+def store_grad_tile(acc, x_saved, m, m_ok, n, c, c_ok, pid_m, out_ptr, part_ptr, mean_ptr, rstd_ptr,
+                    p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope, C_IN, M_TILES,
                     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr,
                     ACT: tl.constexpr, SUMS: tl.constexpr, BIG: tl.constexpr):  # fmt: skip
     """Finish and store one tile (module docstring for the order).
 
-    acc       fp32 ``[BLOCK_M, BLOCK_N]`` grad_a: rows ``m`` (input positions, ``m_ok``: ``< M``; ``n, d, h,
-              w`` their coordinates), columns ``c`` (input channels, ``c_ok``: real ones of this group).
+    acc       fp32 ``[BLOCK_M, BLOCK_N]`` grad_a: rows ``m`` (input positions, ``m_ok``: ``< M``; ``n`` their
+              sample), columns ``c`` (input channels, ``c_ok``: real ones of this group).
+    x_saved   ACT or SUMS: :func:`load_saved_input`'s tile of x_prev (N, C_IN, D, H, W), channel stride 1.
     out_ptr   the result, channels-last dense: element ``(m, c)`` at ``m * C_IN + c``, its dtype stored.
-    xp_ptr    ACT or SUMS: x_prev (N, C_IN, D, H, W), channel stride 1, element ``(n, c, d, h, w)`` at
-              ``n * xp_sn + d * xp_sd + h * xp_sh + w * xp_sw + c``.
     p0..p3    ACT: the forward's prologue vectors (``prologue.normalise``; PROLOGUE 0: ``z = x_prev``).
     mean_ptr, rstd_ptr: SUMS: fp32 ``(C_IN,)``.
     part_ptr  SUMS: fp32 ``(2, M_TILES, C_IN)`` contiguous: ``[0, pid_m, c]`` Σ grad_z, ``[1, pid_m, c]``
               Σ grad_z · x̂ over the tile's rows.
     slope     ACT leaky_relu's negative slope.  BIG: int64 element offsets.
+    Returns the stored values (the output dtype; a caller summing its own BatchNorm-backward sums of them).
     """
     if BIG:
         m = m.to(tl.int64)
@@ -53,11 +71,7 @@ def store_grad_tile(acc, m, m_ok, n, d, h, w, c, c_ok, pid_m, out_ptr, xp_ptr, p
     mask = m_ok[:, None] & c_ok[None, :]
     v = acc
     if ACT != 0 or SUMS:
-        if BIG:
-            xrow = n.to(tl.int64) * xp_sn + d.to(tl.int64) * xp_sd + h.to(tl.int64) * xp_sh + w.to(tl.int64) * xp_sw
-        else:
-            xrow = n * xp_sn + d * xp_sd + h * xp_sh + w * xp_sw
-        x = tl.load(xp_ptr + xrow[:, None] + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = x_saved.to(tl.float32)
     if ACT != 0:
         z = normalise(x, n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE, G_NORM, NORM_AFFINE)
         v, _ = step_backward(v, z, slope, 0.0, ACT)
@@ -70,3 +84,4 @@ def store_grad_tile(acc, m, m_ok, n, d, h, w, c, c_ok, pid_m, out_ptr, xp_ptr, p
         xhat = (x - mean[None, :]) * rstd[None, :]
         tl.store(part_ptr + pid_m * C_IN + c, tl.sum(gz, axis=0), mask=c_ok)
         tl.store(part_ptr + (M_TILES + pid_m) * C_IN + c, tl.sum(gz * xhat, axis=0), mask=c_ok)
+    return y

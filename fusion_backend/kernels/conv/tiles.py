@@ -73,8 +73,9 @@ class TileConfig:
     #: accumulator each; in the gather kernel consecutive taps of one channel block (``wgrad`` module
     #: docstring), in the TMA kernel consecutive (tap, channel block) steps (``tma_wgrad``); 1 elsewhere
     taps_per_program: int = 1
-    #: a Gluon kernel on sm_90: the forward's on a 1x1 conv (TMA boxes of rows, the prologue in wgmma's
-    #: register layout: ``tma_fprop``), or with a box the weight gradient's (``tma_wgrad``)
+    #: a Gluon kernel on sm_90: the forward's or the input gradient's on a 1x1 conv (TMA boxes of rows,
+    #: the forward's prologue in wgmma's register layout: ``tma_fprop``), or with a box the weight
+    #: gradient's (``tma_wgrad``)
     tma: bool = False
     #: the weight gradient's split of M aims for this many programs per SM (``wgrad.pick_split``): 2 lets
     #: a second program's loads run under the first's MMAs; 1 halves the fp32 partials where one program
@@ -123,7 +124,8 @@ class TileConfig:
     def check_for(self, pass_name: str) -> None:
         """:meth:`check`, and what ``pass_name``'s kernel takes: the forward loads no boxes of the
         plane (``fprop`` and ``tma_fprop`` module docstrings), several taps per program and the split's
-        programs per SM are the weight gradient's alone, and a TMA tile the forward's (rows) or the weight gradient's (boxes)."""
+        programs per SM are the weight gradient's alone, and a TMA tile the forward's or the input gradient's
+        (rows of a 1x1 conv's GEMM) or the weight gradient's (boxes)."""
         self.check()
         if pass_name == "fprop" and self.box_w:
             raise ContractError(f"tile box_w={self.box_w}: the forward loads its A tiles by gather or as rows, "
@@ -136,11 +138,11 @@ class TileConfig:
                     or self.block_n > 256:  # fmt: skip
                 raise ContractError(f"tile {self.label()}: the TMA weight gradient loads boxes (box_w), with "
                                     "block_k 64 per warpgroup of 4 or 8 warps (wgmma's M) and block_n <= 256")
-        elif self.tma and (pass_name != "fprop" or self.flat_k or not 64 <= self.block_m <= 256
-                           or self.block_n > 256 or self.num_warps not in (4, 8) or self.num_stages < 2):  # fmt: skip
-            raise ContractError(f"tile {self.label()}: the TMA kernel is the forward's or the weight gradient's; "
-                                "the forward's tap-major, with 64 <= block_m <= 256 (a warpgroup's wgmma; a TMA "
-                                "box side), block_n <= 256, 4 or 8 warps and 2+ stages")
+        elif self.tma and (self.box_w or self.flat_k or not 64 <= self.block_m <= 256 or self.block_n > 256
+                           or self.num_warps not in (4, 8) or self.num_stages < 2):  # fmt: skip
+            raise ContractError(f"tile {self.label()}: the TMA forward's and input gradient's tiles are rows, "
+                                "tap-major, with 64 <= block_m <= 256 (a warpgroup's wgmma; a TMA box side), "
+                                "block_n <= 256, 4 or 8 warps and 2+ stages")
 
 
 def several_taps(taps: int) -> int:
@@ -267,16 +269,19 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     against the heuristic's 4-warp 0.117 on ResNet-50's 3x3 of 64 channels at 56 x 56 (on the stride-2
     3x3 of 128 channels 0.221 against 0.146), and the generic 256 x 128 tile it pushes out of the three
     timed where a box is offered at 0.19-0.20 ms on both shapes swept.  ``tma``: a forward the
-    Gluon TMA kernel takes (``tma_fprop.supports``): the heuristic's gather tile (what runs untimed),
-    then the TMA kernel's tiles (:func:`tma_tiles`).  An empty problem (``m ==
+    Gluon TMA kernel takes (``tma_fprop.supports``), or an input gradient it takes
+    (``tma_fprop.supports_grad``): the heuristic's gather tile (what runs untimed), then the TMA kernel's
+    tiles (:func:`tma_tiles`).  An empty problem (``m ==
     0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
     if m == 0:
         return [first]
-    if tma:
-        return best_first([first, *tma_tiles(k_channels, n_channels, m)])
+    if tma:  # NOTE: the input gradient's hooked store (act', the sums) spilled 96 bytes on 4 warps at 128 x 64
+        # (``python tools/compile_check.py conv_tma --cases resnet_1x1-bf16-hooked``, Triton 3.6): 8 warps there
+        warps = 8 if pass_name == "dgrad" and epilogue_hooks else 4
+        return best_first([first, *tma_tiles(k_channels, n_channels, m, min_warps=warps)])
     if first.flat_k:
         other_warps = replace(first, num_warps=12 - first.num_warps)  # 4 <-> 8
         halved = replace(first, block_m=max(16, first.block_m // 2), num_warps=4)
@@ -421,18 +426,19 @@ def tma_programs_per_sm(tile: TileConfig, stages: int) -> int:
     return max(1, min(_SM_SHARED_BYTES // shared, by_registers))
 
 
-def tma_tiles(c_in: int, c_out: int, m: int) -> list[TileConfig]:
+def tma_tiles(c_in: int, c_out: int, m: int, min_warps: int = 4) -> list[TileConfig]:
     """The TMA forward's tiles for a 1x1 conv of ``c_in`` -> ``c_out`` channels over ``m`` output
-    positions (16-bit operands), best first: 128 rows by up to 128 output channels (8 warps past 64: two
-    warpgroups of 64 rows each, 64 accumulator registers per thread), then 64 output channels on 4 warps
-    where the layer is wider.  K steps of 64 channels (fewer where ``c_in`` is narrower).  Stages: the
-    most, up to 4, that keep as many programs per SM as the registers allow
+    positions (16-bit operands; an input gradient's GEMM: its output channels in ``c_in``'s place), best
+    first: 128 rows by up to 128 output channels (8 warps past 64: two warpgroups of 64 rows each, 64
+    accumulator registers per thread), then 64 output channels on 4 warps (``min_warps``: at least that
+    many) where the layer is wider.  K steps of 64 channels (fewer where ``c_in`` is narrower).  Stages:
+    the most, up to 4, that keep as many programs per SM as the registers allow
     (:func:`tma_programs_per_sm`)."""
     block_k = min(64, max(16, next_pow2(c_in)))
     block_m = 128 if m > 64 else 64
     tiles = []
     for block_n in dict.fromkeys((min(128, max(16, next_pow2(c_out))), min(64, max(16, next_pow2(c_out))))):
-        tile = TileConfig(block_m, block_n, block_k, 8 if block_n > 64 else 4, 2, tma=True)
+        tile = TileConfig(block_m, block_n, block_k, max(min_warps, 8 if block_n > 64 else 4), 2, tma=True)
         most = tma_programs_per_sm(tile, 1)
         stages = max([2, *(n for n in (2, 3, 4) if tma_programs_per_sm(tile, n) == most)])
         tiles.append(replace(tile, num_stages=stages))

@@ -105,6 +105,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     GLUON = False
 
 from .epilogue import store_tile
+from .grad_epilogue import store_grad_tile
 from .prologue import activation, normalise
 from .tiles import tma_programs_per_sm
 
@@ -166,40 +167,65 @@ if GLUON:
     @gluon.jit
     def _load_step(a_desc, b_desc, a_ring, b_ring, ready, step, pid, programs, k_steps, n_tiles,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                   STAGES: gl.constexpr):  # fmt: skip
+                   STAGES: gl.constexpr, GRAD: gl.constexpr):  # fmt: skip
         """Issue the TMA loads of this program's ``step``-th (tile, K step) pair into its ring stage: the
-        tile's ``[BLOCK_M, BLOCK_K]`` rows of x at the step's channels and the weight's ``[BLOCK_N,
-        BLOCK_K]`` block of them."""
+        tile's ``[BLOCK_M, BLOCK_K]`` rows of the A matrix at the step's channels and the weight's block of
+        them, ``[BLOCK_N, BLOCK_K]`` (the forward's) or ``[BLOCK_K, BLOCK_N]`` (``GRAD``)."""
         tile = pid + (step // k_steps) * programs
         c0 = (step % k_steps) * BLOCK_K
         stage = step % STAGES
         mbarrier.expect(ready.index(stage), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         _tma_load(a_desc, [(tile // n_tiles) * BLOCK_M, c0], ready.index(stage), a_ring.index(stage))
-        _tma_load(b_desc, [(tile % n_tiles) * BLOCK_N, c0], ready.index(stage), b_ring.index(stage))
+        if GRAD:
+            _tma_load(b_desc, [c0, (tile % n_tiles) * BLOCK_N], ready.index(stage), b_ring.index(stage))
+        else:
+            _tma_load(b_desc, [(tile % n_tiles) * BLOCK_N, c0], ready.index(stage), b_ring.index(stage))
+
+    @gluon.jit
+    def _row_sums(v, ROWS_PT: gl.constexpr, sums3: gl.constexpr):
+        """``v`` ``[BLOCK_M, BLOCK_N]`` in the store's layout summed over each thread's own rows: ``[BLOCK_M //
+        ROWS_PT, BLOCK_N]``, no exchange between threads (the program's sums, reduced across threads once
+        at its end)."""
+        BLOCK_M: gl.constexpr = v.shape[0]
+        BLOCK_N: gl.constexpr = v.shape[1]
+        return gl.sum(gl.convert_layout(gl.reshape(v, [BLOCK_M // ROWS_PT, ROWS_PT, BLOCK_N]), sums3), axis=1)
 
     @gluon.jit
     def tma_fprop_kernel(
         a_desc, b_desc, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr,
-        p3_ptr, slope_in, slope_out, M, C_IN, C_OUT, M_TILES, SAMPLE_ROWS,
+        p3_ptr, slope_in, slope_out, xp_ptr, mean_ptr, rstd_ptr, M, K_CH, N_CH, M_TILES, SAMPLE_ROWS,
         PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
         SAVE_CONV: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, CHAIN: gl.constexpr,
         ACT_OUT: gl.constexpr, RESIDUAL: gl.constexpr, STATS: gl.constexpr, BIG: gl.constexpr,
-        PROGRAM_STATS: gl.constexpr, EVEN_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+        PROGRAM_STATS: gl.constexpr, GRAD: gl.constexpr, EVEN_K: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """The ``[BLOCK_M, BLOCK_N]`` tiles ``pid, pid + programs, ...`` of ``out[M, C_OUT]`` (module
-        docstring), tile ``t`` being M tile ``t // N_TILES`` and N tile ``t % N_TILES`` (programs running
-        together share their A rows in L2).  One walk over the program's (tile, K step) pairs keeps
-        ``STAGES - 1`` loads in flight across tiles: the next tile's first boxes arrive during this
-        tile's store.  A K step: ``BLOCK_K`` channels.
+        """The ``[BLOCK_M, BLOCK_N]`` tiles ``pid, pid + programs, ...`` of ``out[M, N_CH] = A[M, K_CH] @
+        B[K_CH, N_CH]`` (module docstring), tile ``t`` being M tile ``t // N_TILES`` and N tile ``t %
+        N_TILES`` (programs running together share their A rows in L2).  One walk over the program's
+        (tile, K step) pairs keeps ``STAGES - 1`` loads in flight across tiles: the next tile's first boxes
+        arrive during this tile's store.  A K step: ``BLOCK_K`` channels.
 
-        a_desc  TMA descriptor of x as the row-major ``[M, C_IN]`` matrix of its channels-last rows, box
+        The forward (``GRAD`` False): ``K_CH = C_in``, ``N_CH = C_out``.
+        a_desc  TMA descriptor of x as the row-major ``[M, C_in]`` matrix of its channels-last rows, box
                 ``[BLOCK_M, BLOCK_K]``.
-        b_desc  TMA descriptor of the 1x1 weight as the row-major ``[C_OUT, C_IN]`` matrix, box
+        b_desc  TMA descriptor of the 1x1 weight as the row-major ``[C_out, C_in]`` matrix, box
                 ``[BLOCK_N, BLOCK_K]`` (read transposed by ``wgmma``).
         The other pointers and the hooks' constexprs are :func:`fprop.conv_fprop_kernel`'s (the
-        store's are :func:`epilogue.store_tile`'s).  ``SAMPLE_ROWS``: output positions per sample (the
-        rows' samples, which a per-sample prologue reads).  ``EVEN_K``: ``BLOCK_K`` divides ``C_IN``."""
+        store's are :func:`epilogue.store_tile`'s); ``xp_ptr``, ``mean_ptr``, ``rstd_ptr`` unused.
+
+        The input gradient (``GRAD``; the same GEMM with the conv's channels exchanged: ``K_CH = C_out``,
+        ``N_CH = C_in``): ``a_desc`` grad_y's ``[M, C_out]`` rows, ``b_desc`` the weight's ``[C_out, C_in]``
+        matrix with box ``[BLOCK_K, BLOCK_N]`` (read as it lies), no prologue on A; the store is
+        ``grad_epilogue.store_grad_tile``'s, its x_prev tile (``xp_ptr``, the ``[M, C_in]`` rows, dense)
+        read at the tile's first K step; ``PROLOGUE`` .. ``ACT_IN`` the forward's hooks that it recomputes
+        (``ACT_IN`` 0: none), ``p0..p3`` their vectors, ``slope_in`` act_in's slope; ``STATS`` (with
+        ``PROGRAM_STATS``): the BatchNorm-backward sums per program (``mean_ptr``, ``rstd_ptr``: fp32
+        ``(C_in,)``), one row of ``(2, programs / N_TILES, C_in)`` in ``part_ptr``: Σ grad_z and Σ grad_z · x̂
+        over the program's rows (``stats.reduce_grad_partials``).  The forward's other pointers unused.
+
+        ``SAMPLE_ROWS``: positions per sample (the rows' samples, which a per-sample prologue reads).
+        ``EVEN_K``: ``BLOCK_K`` divides ``K_CH``."""
         # warps stacked along M (16 rows each per wgmma), the rest side by side along N
         WARPS_M: gl.constexpr = min(num_warps, BLOCK_M // 16)
         WARPS_N: gl.constexpr = num_warps // WARPS_M
@@ -214,52 +240,75 @@ if GLUON:
         VEC: gl.constexpr = BLOCK_N // LANES_N
         ROWS_PT: gl.constexpr = max(1, BLOCK_M // (num_warps * (32 // LANES_N)))
         out_layout: gl.constexpr = gl.BlockedLayout([ROWS_PT, VEC], [32 // LANES_N, LANES_N], [num_warps, 1], [1, 0])
-        HOOKED: gl.constexpr = PROLOGUE != 0 or ACT_IN != 0
+        HOOKED: gl.constexpr = (PROLOGUE != 0 or ACT_IN != 0) and not GRAD
+        # the input gradient's store reads x_prev (act' recomputed, or x̂ for the sums)
+        READS_X: gl.constexpr = GRAD and (ACT_IN != 0 or STATS)
         # PROGRAM_STATS: every tile of a program holds the same N tile (the grid is a multiple of N_TILES);
         # each thread sums its rows' deviations from the program's shift (its first tile's mean) and their
         # squares over all its tiles in registers, and the program reduces them across threads once, at
         # its end: its partials are one row of (3, programs / N_TILES, C_OUT), the shift, the sum and the
         # sum of squares, which the reduction turns into squared deviations from the mean in float64
-        # (``stats.PartialsReduction``'s ``raw_squares``, with each program's count)
+        # (``stats.PartialsReduction``'s ``raw_squares``, with each program's count).  The input gradient
+        # sums Σ grad_z and Σ grad_z · x̂ in the same two registers (x̂'s mean is known: no shift).
         TPW_M: gl.constexpr = 32 // LANES_N
         GROUPS: gl.constexpr = BLOCK_M // ROWS_PT
         sums3: gl.constexpr = gl.BlockedLayout([1, ROWS_PT, VEC], [TPW_M, 1, LANES_N], [num_warps, 1, 1], [2, 1, 0])
         sums_layout: gl.constexpr = gl.SliceLayout(1, sums3)
+        cols_layout: gl.constexpr = gl.SliceLayout(0, out_layout)
 
         pid = gl.program_id(0)
         programs = gl.num_programs(0)
-        n_tiles = gl.cdiv(C_OUT, BLOCK_N)
-        k_steps = gl.cdiv(C_IN, BLOCK_K)
+        n_tiles = gl.cdiv(N_CH, BLOCK_N)
+        k_steps = gl.cdiv(K_CH, BLOCK_K)
         steps = gl.cdiv(M_TILES * n_tiles - pid, programs) * k_steps
 
         a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        if GRAD:
+            b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+        else:
+            b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
         for i in gl.static_range(STAGES - 1):
             if i < steps:
                 _load_step(a_desc, b_desc, a_ring, b_ring, ready, i, pid, programs, k_steps, n_tiles, BLOCK_M,
-                           BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
+                           BLOCK_N, BLOCK_K, STAGES, GRAD)  # fmt: skip
 
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        stat_shift = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, out_layout))
+        stat_shift = gl.zeros([BLOCK_N], gl.float32, cols_layout)
         dev_sum = gl.zeros([GROUPS, BLOCK_N], gl.float32, sums_layout)
         dev_sq = gl.zeros([GROUPS, BLOCK_N], gl.float32, sums_layout)
+        x_saved = gl.zeros([BLOCK_M, BLOCK_N], a_desc.dtype, out_layout)  # READS_X: the tile's x_prev
+        if GRAD and STATS:  # a program's tiles share their channels (PROGRAM_STATS): x̂'s vectors once
+            c_prog = (pid % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
+            mean = gl.load(mean_ptr + c_prog, mask=c_prog < N_CH, other=0.0)
+            rstd = gl.load(rstd_ptr + c_prog, mask=c_prog < N_CH, other=0.0)
         for step in range(steps):
             ki = step % k_steps
             tile = pid + (step // k_steps) * programs
             pid_m = tile // n_tiles
             s = step % STAGES
-            b = b_ring.index(s).permute((1, 0))
+            if GRAD:
+                b = b_ring.index(s)
+            else:
+                b = b_ring.index(s).permute((1, 0))
             a_tile = a_ring.index(s)
+            if READS_X:
+                if ki == 0:  # issued before the step's wait: its latency under the K steps'
+                    x_rows, x_rows_ok, _ = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, out_layout)
+                    x_cols = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
+                    if BIG:
+                        x_rows = x_rows.to(gl.int64)
+                    x_saved = gl.load(xp_ptr + x_rows[:, None] * N_CH + x_cols[None, :],
+                                      mask=x_rows_ok[:, None] & (x_cols < N_CH)[None, :], other=0.0)  # fmt: skip
             if HOOKED:
                 # the vectors' loads go out before the wait, their latency under the box's
                 c0 = ki * BLOCK_K
-                scale, shift = _channel_vectors(c0, p0_ptr, p1_ptr, C_IN, a_layout, PROLOGUE, EVEN_K, BLOCK_K)
+                scale, shift = _channel_vectors(c0, p0_ptr, p1_ptr, K_CH, a_layout, PROLOGUE, EVEN_K, BLOCK_K)
                 n_a = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, a_layout)[2]
                 mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-                a = _a_operand(a_tile, scale, shift, c0, n_a, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                a = _a_operand(a_tile, scale, shift, c0, n_a, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, K_CH,
                                a_layout, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, EVEN_K)  # fmt: skip
                 acc = warpgroup_mma(a, b, acc, use_acc=ki > 0, is_async=True)
             else:
@@ -271,36 +320,49 @@ if GLUON:
             _thread_barrier()
             if step + STAGES - 1 < steps:
                 _load_step(a_desc, b_desc, a_ring, b_ring, ready, step + STAGES - 1, pid, programs, k_steps, n_tiles,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES)  # fmt: skip
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GRAD)  # fmt: skip
             if ki == k_steps - 1:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 out = gl.convert_layout(acc, out_layout)
-                m, m_ok, _ = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, out_layout)
-                c = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
-                y = store_tile(out, m, m_ok, c, c < C_OUT, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr,
-                               part_ptr, q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN,
-                               ACT_OUT, RESIDUAL, STATS and not PROGRAM_STATS, BIG)  # fmt: skip
-                if PROGRAM_STATS:
-                    ok = m_ok[:, None]
-                    if step < k_steps:  # the program's first tile: its mean is the program's shift
-                        first = gl.sum(gl.where(ok, y.to(gl.float32), 0.0), axis=0)
-                        stat_shift = gl.convert_layout(first / gl.sum(m_ok.to(gl.float32), axis=0),
-                                                       gl.SliceLayout(0, out_layout))  # fmt: skip
-                    e = gl.where(ok, y.to(gl.float32) - stat_shift[None, :], 0.0)
-                    e3 = gl.convert_layout(gl.reshape(e, [GROUPS, ROWS_PT, BLOCK_N]), sums3)
-                    dev_sum += gl.sum(e3, axis=1)  # a thread's own rows: no exchange between threads
-                    dev_sq += gl.sum(e3 * e3, axis=1)
+                m, m_ok, n = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, out_layout)
+                c = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
+                if GRAD:
+                    y = store_grad_tile(out, x_saved, m, m_ok, n, c, c < N_CH, pid_m, out_ptr, part_ptr, mean_ptr,
+                                        rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, N_CH, M_TILES, PROLOGUE,
+                                        G_NORM, NORM_AFFINE, ACT_IN, False, BIG)  # fmt: skip
+                    if STATS:
+                        gz = gl.where(m_ok[:, None], y.to(gl.float32), 0.0)  # channels past N_CH: rstd 0
+                        xhat = (x_saved.to(gl.float32) - mean[None, :]) * rstd[None, :]
+                        dev_sum += _row_sums(gz, ROWS_PT, sums3)
+                        dev_sq += _row_sums(gz * xhat, ROWS_PT, sums3)
+                else:
+                    y = store_tile(out, m, m_ok, c, c < N_CH, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr,
+                                   part_ptr, q_ptr, slope_out, N_CH, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN,
+                                   ACT_OUT, RESIDUAL, STATS and not PROGRAM_STATS, BIG)  # fmt: skip
+                    if PROGRAM_STATS:
+                        ok = m_ok[:, None]
+                        if step < k_steps:  # the program's first tile: its mean is the program's shift
+                            first = gl.sum(gl.where(ok, y.to(gl.float32), 0.0), axis=0)
+                            stat_shift = gl.convert_layout(first / gl.sum(m_ok.to(gl.float32), axis=0),
+                                                           cols_layout)  # fmt: skip
+                        e = gl.where(ok, y.to(gl.float32) - stat_shift[None, :], 0.0)
+                        dev_sum += _row_sums(e, ROWS_PT, sums3)  # a thread's own rows: no exchange between threads
+                        dev_sq += _row_sums(e * e, ROWS_PT, sums3)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
-        if PROGRAM_STATS:  # (shift, sum of the deviations from it, sum of their squares): ``raw_squares``
+        if PROGRAM_STATS:
             lanes = programs // n_tiles
             lane = pid // n_tiles
             c = (pid % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, sums_layout))
-            c_ok = c < C_OUT
-            gl.store(part_ptr + lane * C_OUT + c, gl.convert_layout(stat_shift, gl.SliceLayout(0, sums_layout)),
-                     mask=c_ok)
-            gl.store(part_ptr + (lanes + lane) * C_OUT + c, gl.sum(dev_sum, axis=0), mask=c_ok)
-            gl.store(part_ptr + (2 * lanes + lane) * C_OUT + c, gl.sum(dev_sq, axis=0), mask=c_ok)
+            c_ok = c < N_CH
+            if GRAD:  # (Σ grad_z, Σ grad_z · x̂): ``stats.reduce_grad_partials``
+                gl.store(part_ptr + lane * N_CH + c, gl.sum(dev_sum, axis=0), mask=c_ok)
+                gl.store(part_ptr + (lanes + lane) * N_CH + c, gl.sum(dev_sq, axis=0), mask=c_ok)
+            else:  # (shift, sum of the deviations from it, sum of their squares): ``raw_squares``
+                gl.store(part_ptr + lane * N_CH + c, gl.convert_layout(stat_shift, gl.SliceLayout(0, sums_layout)),
+                         mask=c_ok)
+                gl.store(part_ptr + (lanes + lane) * N_CH + c, gl.sum(dev_sum, axis=0), mask=c_ok)
+                gl.store(part_ptr + (2 * lanes + lane) * N_CH + c, gl.sum(dev_sq, axis=0), mask=c_ok)
 
 
 def _is_sm90(device: torch.device) -> bool:
@@ -319,6 +381,18 @@ def supports(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], paddi
             and math.prod(weight.shape[2:]) == 1 and all(p == 0 for p in padding))  # fmt: skip
 
 
+def supports_grad(grad_y: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
+                  groups: int) -> bool:  # fmt: skip
+    """Whether an input gradient can run here (``GRAD``): the forward's GEMM with the channels exchanged,
+    so a 1x1 conv with stride 1, no padding and one group, fp16 or bf16 on sm_90, ``C_out`` and ``C_in``
+    multiples of 8 (grad_y's rows and the weight's are the boxes' 16-byte strides).  Any layout, as
+    :func:`supports`."""
+    return (GLUON and not INTERPRETER and _is_sm90(grad_y.device) and grad_y.dtype in _DTYPES
+            and weight.dtype == grad_y.dtype and groups == 1 and all(s == 1 for s in stride)
+            and all(p == 0 for p in padding) and math.prod(weight.shape[2:]) == 1
+            and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0)  # fmt: skip
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` dense (row-major in its dim order) and 16-byte aligned, as TMA reads it: itself where it
     is, else a copy."""
@@ -332,18 +406,20 @@ def _shared_layout(block: list[int], dtype: torch.dtype) -> Any:
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def ring_stages(tile: Any, geo: Any) -> int:
-    """The ring's stages: the tile's, no more than the K steps (shared memory is programs per SM), but 2
-    (the ring refills the stage whose MMA the wait before it retired)."""
-    return max(2, min(tile.num_stages, -(-geo.c_in // tile.block_k)))
+def ring_stages(tile: Any, k_channels: int) -> int:
+    """The ring's stages: the tile's, no more than the K steps over ``k_channels`` (shared memory is
+    programs per SM), but 2 (the ring refills the stage whose MMA the wait before it retired)."""
+    return max(2, min(tile.num_stages, -(-k_channels // tile.block_k)))
 
 
-def grid_programs(tile: Any, geo: Any, m_tiles: int, device: torch.device, program_stats: bool) -> int:
-    """The persistent grid: as many programs as fit the device's SMs at once (by shared memory and
-    registers), at most one per tile; with ``program_stats`` (each program sums the statistics of its
-    tiles, which then must share one N tile) a multiple of the N tiles, ``lanes`` of them each."""
-    n_tiles = -(-geo.c_out // tile.block_n)
-    capacity = tma_programs_per_sm(tile, ring_stages(tile, geo)) * multiprocessors(device)
+def grid_programs(tile: Any, k_channels: int, n_channels: int, m_tiles: int, device: torch.device,
+                  program_stats: bool) -> int:  # fmt: skip
+    """The persistent grid of a GEMM over ``k_channels`` into ``n_channels``: as many programs as fit the
+    device's SMs at once (by shared memory and registers), at most one per tile; with ``program_stats``
+    (each program sums the statistics of its tiles, which then must share one N tile) a multiple of the
+    N tiles, ``lanes`` of them each."""
+    n_tiles = -(-n_channels // tile.block_n)
+    capacity = tma_programs_per_sm(tile, ring_stages(tile, k_channels)) * multiprocessors(device)
     if program_stats:
         return max(1, min(m_tiles, capacity // n_tiles)) * n_tiles
     return min(m_tiles * n_tiles, capacity)
@@ -373,15 +449,16 @@ _KEPT_DESCRIPTORS = 16
 
 
 class TmaLaunch:
-    """The launch of :func:`tma_fprop_kernel` for one forward plan (``fprop._Plan`` with a ``tma``
+    """The launch of :func:`tma_fprop_kernel` for one plan: a forward (``fprop._Plan`` with a ``tma``
     tile) that :func:`supports` accepted, called as the gather kernel's launch is: ``(x, weight, scale,
     bias, res, out, conv, part, q, p0, p1, p2, p3, slope_in, slope_out)``, ``weight`` the 1x1 weight in
-    any layout.
+    any layout; or, with ``grad``, an input gradient (``dgrad._DgradPlan``) that :func:`supports_grad`
+    accepted, called by :meth:`input_grad`.
 
-    ``geo``: the plan's ``_Geometry``; ``m_tiles``: row tiles of ``block_m`` rows; ``programs``: the
-    persistent grid (:func:`grid_programs`, which the plan's statistics' reduction reads too);
-    ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG`` of the gather kernel's); ``program_stats``: the
-    statistics summed per program, not per tile (:func:`lane_rows`).
+    ``geo``: the plan's ``_Geometry`` (the forward's; the input gradient's GEMM exchanges its channels);
+    ``m_tiles``: row tiles of ``block_m`` rows; ``programs``: the persistent grid (:func:`grid_programs`,
+    which the plan's reduction reads too); ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG`` of the
+    gather kernel's); ``program_stats``: the sums per program, not per tile (:func:`lane_rows`).
 
     The tensor descriptors are kept per operand by data pointer (the plan fixes every shape and stride
     they hold): a call on memory seen before builds none.  NOTE: building and validating the two per
@@ -390,20 +467,41 @@ class TmaLaunch:
     6.5 us, two ``TensorDescriptor`` 4.6 us; a scratch timing of the plan's calls)."""
 
     def __init__(self, tile: Any, geo: Any, m_tiles: int, programs: int, constexprs: dict[str, Any],
-                 program_stats: bool, dtype: torch.dtype) -> None:  # fmt: skip
+                 program_stats: bool, dtype: torch.dtype, grad: bool = False) -> None:  # fmt: skip
         self.tile, self.geo = tile, geo
-        constexprs = dict(constexprs, EVEN_K=geo.c_in % tile.block_k == 0, BLOCK_M=tile.block_m,
-                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=ring_stages(tile, geo),
-                          PROGRAM_STATS=program_stats, num_warps=tile.num_warps)  # fmt: skip
-        fixed = (geo.m, geo.c_in, geo.c_out, m_tiles, math.prod(geo.out_size))
+        k_channels, n_channels = (geo.c_out, geo.c_in) if grad else (geo.c_in, geo.c_out)
+        constexprs = dict(constexprs, EVEN_K=k_channels % tile.block_k == 0, BLOCK_M=tile.block_m,
+                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=ring_stages(tile, k_channels),
+                          PROGRAM_STATS=program_stats, GRAD=grad, num_warps=tile.num_warps)  # fmt: skip
+        fixed = (geo.m, k_channels, n_channels, m_tiles, math.prod(geo.out_size))
         self.launch = FastLaunch(tma_fprop_kernel, (programs,), constexprs, fixed=fixed)
-        self.a_block, self.b_block = [tile.block_m, tile.block_k], [tile.block_n, tile.block_k]
+        self.a_block = [tile.block_m, tile.block_k]
+        self.b_block = [tile.block_k, tile.block_n] if grad else [tile.block_n, tile.block_k]
         self.a_layout, self.b_layout = _shared_layout(self.a_block, dtype), _shared_layout(self.b_block, dtype)
         self._a_kept: dict[int, Any] = {}
         self._b_kept: dict[int, Any] = {}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, *pointers: Any) -> None:
-        a_desc, a_copy = kept_descriptor(self._a_kept, x, input_rows, self.a_block, self.a_layout)
+        """The forward: the gather kernel's arguments (class docstring)."""
+        out = pointers[3]
+        self._launch(x, weight, *pointers, out, out, out)  # the input gradient's three pointers unused
+
+    def input_grad(self, grad_y: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, part: torch.Tensor | None,
+                   prologue_vectors: Sequence[torch.Tensor], x_prev: torch.Tensor | None,
+                   mean: torch.Tensor | None, rstd: torch.Tensor | None, slope: float) -> None:  # fmt: skip
+        """The input gradient into ``out`` (channels-last dense, the forward input's shape): ``part`` the
+        sums' ``(2, lanes, C_in)`` partials (None: no sums), ``prologue_vectors`` ``hooks.prologue_tensors``'
+        four (any tensor where unused), ``x_prev`` the forward's input before its prologue (any layout: its
+        rows copied dense where they are not), ``mean`` / ``rstd`` the sums' fp32 vectors, ``slope``
+        act_in's."""
+        rows = out if x_prev is None else input_rows(x_prev)
+        unused = out
+        self._launch(grad_y, weight, unused, unused, unused, out, unused, unused if part is None else part, unused,
+                     *prologue_vectors, slope, 0.0, rows, unused if mean is None else mean,
+                     unused if rstd is None else rstd)  # fmt: skip
+
+    def _launch(self, a: torch.Tensor, weight: torch.Tensor, *pointers: Any) -> None:
+        a_desc, a_copy = kept_descriptor(self._a_kept, a, input_rows, self.a_block, self.a_layout)
         b_desc, b_copy = kept_descriptor(self._b_kept, weight, weight_matrix, self.b_block, self.b_layout)
         self.launch(a_desc, b_desc, *pointers)
         del a_copy, b_copy  # the copies the descriptors point at lived until the launch was queued
@@ -431,8 +529,8 @@ def kept_descriptor(kept: dict[int, Any], t: torch.Tensor, matrix: Any, block: l
 
 
 def input_rows(x: torch.Tensor) -> torch.Tensor:
-    """The ``[M, C_in]`` matrix of x's channels-last rows that its descriptor spans; dense and 16-byte
-    aligned (a copy where ``x`` is not)."""
+    """The ``[M, C]`` matrix of x's channels-last rows (x any ``(N, C, *spatial)`` tensor: an input, an
+    output gradient) that its descriptor spans; dense and 16-byte aligned (a copy where ``x`` is not)."""
     return _dense(x.movedim(1, -1)).view(-1, x.shape[1])
 
 
