@@ -22,8 +22,9 @@ Modules (one responsibility each):
 * ``split_sum`` float64 sums of partials over their splits or tiles, in a fixed order (the weight
                 gradient's split-K, the input gradient's BatchNorm-backward sums);
 * ``fprop``     the forward kernel, its launcher ``conv_fprop`` and its plan ``fprop_plan``;
-* ``tma_fprop`` the forward on sm_90 in Gluon: TMA boxes, the prologue in wgmma's register layout,
-                the same store; a tile kind of the forward (``TileConfig.tma``);
+* ``tma_fprop`` a 1x1 conv's forward and input gradient on sm_90 in Gluon (one GEMM, the channels
+                exchanged): TMA boxes, the forward's prologue in wgmma's register layout, the gather
+                kernels' stores; a tile kind of both passes (``TileConfig.tma``);
 * ``dgrad``     the input gradient (also a transposed conv's forward) and ``conv_dgrad``;
 * ``grad_epilogue`` device: dgrad's store with the backward hooks (act', BatchNorm-backward sums);
 * ``wgrad``     the weight gradient, the forward's prologue recomputed on load, and ``conv_wgrad``;

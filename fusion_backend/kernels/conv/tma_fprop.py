@@ -6,6 +6,20 @@ channels-last rows of ``x``; an M tile is ``BLOCK_M`` consecutive rows (*row til
 ``[BLOCK_M, BLOCK_K]`` box of them.  The forward's timed tile choice weighs its tiles against the gather
 kernel's (``tiles.candidates``).
 
+The same kernel is such a conv's input gradient (``GRAD``, :meth:`TmaLaunch.input_grad`):
+``grad_a[M, C_in] = dy[M, C_out] @ W[C_out, C_in]``, the forward's GEMM with the channels exchanged,
+the weight's box read as it lies (``wgmma`` takes a 16-bit B MN-major), the store
+:func:`grad_epilogue.store_grad_tile` (act' of the recomputed prologue), and the BatchNorm-backward sums
+per program as the forward's statistics below.  NOTE: on ResNet-50's 1x1 input gradients with relu' and
+the sums (H200, bf16, batch 64), 256 -> 64 at 56 x 56 0.0837 ms against the gather kernel's 0.171, 64
+-> 64 0.0314 against 0.0447; plain 64 -> 64 0.0157 against 0.0165 (``python tools/bench_conv.py
+demos/realnets/resnet50.py --passes dgrad --profile``, ``docs/perf/h200/conv-kernels-dgrad/``).
+NOTE: a TMA store of the output tile (a shared-memory tile stored asynchronously while the next tile
+computes, and the plain store in the accumulator's layout) was written and timed on the same rows and
+removed: plain forwards unchanged (64 -> 256 0.0436 against 0.0442 ms), hooked rows 10% faster or
+slower by shape (64 -> 256 forward with the prologue and statistics 0.064 against 0.071, the 256 -> 64
+hooked input gradient 0.093 against 0.084).
+
 NOTE: no box tiles (an M tile a box of the output plane, a K step the input box shifted by its tap,
 for kernels wider than 1x1): written, GPU-tested and timed, they lost to the gather kernel on every
 shape, plain and hooked (H200, bf16, GPU ms per call, plain / BatchNorm + ReLU on load + statistics:
