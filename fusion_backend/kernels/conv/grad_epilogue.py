@@ -35,8 +35,8 @@ def load_saved_input(m_ok, n, d, h, w, c, c_ok, xp_ptr, xp_sn, xp_sd, xp_sh, xp_
     """x_prev's ``[BLOCK_M, BLOCK_N]`` tile for :func:`store_grad_tile`, in x_prev's dtype (0 outside ``m_ok`` x
     ``c_ok``); a zero scalar where the hooks read none (neither ACT nor SUMS).  Rows and columns as
     :func:`store_grad_tile`'s (``d, h, w`` the rows' coordinates; element ``(n, c, d, h, w)`` of x_prev at
-    ``n * xp_sn + d * xp_sd + h * xp_sh + w * xp_sw + c``).  A read of its own so that a kernel may issue
-    it where its latency hides best (the TMA kernel: at the tile's first K step)."""
+    ``n * xp_sn + d * xp_sd + h * xp_sh + w * xp_sw + c``).  A read apart from the store, whose tile a kernel
+    with its own addressing passes instead (the TMA kernel's dense rows)."""
     if ACT != 0 or SUMS:
         if BIG:
             xrow = n.to(tl.int64) * xp_sn + d.to(tl.int64) * xp_sd + h.to(tl.int64) * xp_sh + w.to(tl.int64) * xp_sw

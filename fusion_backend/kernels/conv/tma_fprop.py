@@ -232,8 +232,8 @@ if GLUON:
         ``N_CH = C_in``): ``a_desc`` grad_y's ``[M, C_out]`` rows, ``b_desc`` the weight's ``[C_out, C_in]``
         matrix with box ``[BLOCK_K, BLOCK_N]`` (read as it lies), no prologue on A; the store is
         ``grad_epilogue.store_grad_tile``'s, its x_prev tile (``xp_ptr``, the ``[M, C_in]`` rows, dense)
-        read at the tile's first K step; ``PROLOGUE`` .. ``ACT_IN`` the forward's hooks that it recomputes
-        (``ACT_IN`` 0: none), ``p0..p3`` their vectors, ``slope_in`` act_in's slope; ``STATS`` (with
+        read once the accumulator is converted; ``PROLOGUE`` .. ``ACT_IN`` the forward's hooks that it
+        recomputes (``ACT_IN`` 0: none), ``p0..p3`` their vectors, ``slope_in`` act_in's slope; ``STATS`` (with
         ``PROGRAM_STATS``): the BatchNorm-backward sums per program (``mean_ptr``, ``rstd_ptr``: fp32
         ``(C_in,)``), one row of ``(2, programs / N_TILES, C_in)`` in ``part_ptr``: Σ grad_z and Σ grad_z · x̂
         over the program's rows (``stats.reduce_grad_partials``).  The forward's other pointers unused.
@@ -293,7 +293,6 @@ if GLUON:
         stat_shift = gl.zeros([BLOCK_N], gl.float32, cols_layout)
         dev_sum = gl.zeros([GROUPS, BLOCK_N], gl.float32, sums_layout)
         dev_sq = gl.zeros([GROUPS, BLOCK_N], gl.float32, sums_layout)
-        x_saved = gl.zeros([BLOCK_M, BLOCK_N], a_desc.dtype, out_layout)  # READS_X: the tile's x_prev
         if GRAD and STATS:  # a program's tiles share their channels (PROGRAM_STATS): x̂'s vectors once
             c_prog = (pid % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
             mean = gl.load(mean_ptr + c_prog, mask=c_prog < N_CH, other=0.0)
@@ -308,14 +307,6 @@ if GLUON:
             else:
                 b = b_ring.index(s).permute((1, 0))
             a_tile = a_ring.index(s)
-            if READS_X:
-                if ki == 0:  # issued before the step's wait: its latency under the K steps'
-                    x_rows, x_rows_ok, _ = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, out_layout)
-                    x_cols = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
-                    if BIG:
-                        x_rows = x_rows.to(gl.int64)
-                    x_saved = gl.load(xp_ptr + x_rows[:, None] * N_CH + x_cols[None, :],
-                                      mask=x_rows_ok[:, None] & (x_cols < N_CH)[None, :], other=0.0)  # fmt: skip
             if HOOKED:
                 # the vectors' loads go out before the wait, their latency under the box's
                 c0 = ki * BLOCK_K
@@ -340,6 +331,16 @@ if GLUON:
                 out = gl.convert_layout(acc, out_layout)
                 m, m_ok, n = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, out_layout)
                 c = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
+                x_saved = 0.0  # the tile of x_prev, where the store reads one
+                if READS_X:
+                    # NOTE: read here, once the accumulator is converted, not at the tile's first K step: read
+                    # there it stayed live through the MMA and the conversion, and the 8-warp 128 x 128 tile
+                    # with relu' and the sums spilled 68 bytes under Triton 3.9 (254 registers under 3.6;
+                    # ``python tools/compile_check.py conv_tma --cases resnet_1x1-bf16-hooked``).  The H200
+                    # timings in docs/perf/h200/conv-kernels-dgrad are of the early read.
+                    x_rows = m.to(gl.int64) if BIG else m
+                    x_saved = gl.load(xp_ptr + x_rows[:, None] * N_CH + c[None, :],
+                                      mask=m_ok[:, None] & (c < N_CH)[None, :], other=0.0)  # fmt: skip
                 if GRAD:
                     y = store_grad_tile(out, x_saved, m, m_ok, n, c, c < N_CH, pid_m, out_ptr, part_ptr, mean_ptr,
                                         rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, N_CH, M_TILES, PROLOGUE,
