@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conv_prologues import PROLOGUES, conv_prologue, prologue_ids
+from conv_tma_cases import TMA_1X1_SHAPES, TMA_ROW_TILES, requires_sm90
 
 from fusion_backend.kernels.conv import (
     Activation,
@@ -791,27 +792,6 @@ def test_a_box_tile_whose_groups_do_not_start_on_16_bytes_is_refused_in_one_line
 # exchanged; Gluon, sm_90 only)
 # --------------------------------------------------------------------------------------------------
 
-requires_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-                                   reason="the TMA input gradient runs on sm_90 (Gluon has no interpreter)")
-
-#: Tiles of every shape the kernel takes: one warpgroup, a 4-stage ring with K steps of 32, two
-#: warpgroups over 128 channels, warps side by side along N (64 rows on 8 warps, 16-channel K steps).
-TMA_GRAD_TILES = [
-    TileConfig(64, 64, 64, 4, 2, tma=True),
-    TileConfig(128, 64, 32, 8, 4, tma=True),
-    TileConfig(128, 128, 64, 8, 3, tma=True),
-    TileConfig(64, 32, 16, 8, 2, tma=True),
-]
-#: name, the forward input's shape, its output channels: rows that fill no tile, output channels (the
-#: GEMM's K) that fill no K step (40 against 64 and 32; 200), input channels (its N) that fill no N tile
-#: (72, 24), 1-d and 3-d.
-TMA_GRAD_SHAPES = [
-    ("2d-tails", (3, 72, 7, 9), 40),
-    ("2d-wide", (2, 256, 9, 8), 200),
-    ("1d-narrow-n", (3, 24, 50), 48),
-    ("3d", (2, 16, 3, 5, 7), 24),
-]
-
 
 def _tma_grad_case(shape, c_out, dtype, g):  # noqa: ANN001, ANN202
     """x_prev (channels-last, BatchNorm-like spread), its batch statistics and folded affine, grad_y and a
@@ -827,12 +807,12 @@ def _tma_grad_case(shape, c_out, dtype, g):  # noqa: ANN001, ANN202
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kind,act", [("batch_norm", "relu"), *PROLOGUES[1:], (None, None)],
                          ids=prologue_ids([("batch_norm", "relu"), *PROLOGUES[1:], (None, None)]))
-@pytest.mark.parametrize("name,shape,c_out", TMA_GRAD_SHAPES, ids=[c[0] for c in TMA_GRAD_SHAPES])
+@pytest.mark.parametrize("name,shape,c_out", TMA_1X1_SHAPES, ids=[c[0] for c in TMA_1X1_SHAPES])
 def test_tma_dgrad_1x1_matches_float64_with_its_sums(name, shape, c_out, kind, act, dtype):
-    """Every tile of :data:`TMA_GRAD_TILES` (the failure names it) against float64: act' of each
+    """Every tile of :data:`TMA_ROW_TILES` (the failure names it) against float64: act' of each
     recomputed prologue, the BatchNorm-backward sums (per program lane), the same bits on a second
     call; without hooks the plain input gradient."""
-    for tile in TMA_GRAD_TILES:
+    for tile in TMA_ROW_TILES:
         g = torch.Generator().manual_seed(stable_seed(("tma-dgrad", name, str(kind), str(act), tile.label())))
         x, stats, folded, gy, w = _tma_grad_case(shape, c_out, dtype, g)
         if kind is None:
@@ -861,7 +841,7 @@ def test_tma_dgrad_sums_alone_and_any_layout():
     parent = _channels_last(_randn(3, 56, 8, 7, g=g, dtype=dtype))
     parent[:, :8] = float("nan")  # outside the window
     gy = parent[1:, 8:48, 1:8, :6]
-    tile = TMA_GRAD_TILES[1]
+    tile = TMA_ROW_TILES[1]
     for name, xp, wi in (("sliced", x, w), ("nchw", x.contiguous(), _channels_last(w))):
         grad, _ = _check_dgrad(f"tma dgrad {name}", gy, wi, x.shape, x_prev=xp, norm_stats=stats, tile=tile)
         assert grad.isfinite().all(), name
@@ -873,7 +853,7 @@ def test_tma_dgrad_nan_and_inf_reach_only_their_rows():
     x, stats, folded, gy, w = _tma_grad_case((2, 64, 5, 9), 24, torch.bfloat16, g)
     gy[0, 3, 2, 4] = float("nan")
     gy[1, 20, 0, 0] = float("inf")
-    grad, _ = _check_dgrad("tma dgrad nan inf", gy, w, x.shape, tile=TMA_GRAD_TILES[0])
+    grad, _ = _check_dgrad("tma dgrad nan inf", gy, w, x.shape, tile=TMA_ROW_TILES[0])
     bad = ~grad.isfinite().all(1)
     assert bad.sum() == 2 and bad[0, 2, 4] and bad[1, 0, 0]
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conv_prologues import PROLOGUES, conv_prologue, prologue_ids
+from conv_tma_cases import TMA_1X1_SHAPES, TMA_ROW_TILES, requires_sm90
 
 from fusion_backend.kernels.chain_math import OP_CODES as OP
 from fusion_backend.kernels.conv import (
@@ -696,26 +697,6 @@ def test_a_box_tile_is_refused_by_the_forward_in_one_line():
 # --------------------------------------------------------------------------------------------------
 # The TMA forward (Gluon: TMA boxes, the prologue in wgmma's register layout; sm_90 only)
 # --------------------------------------------------------------------------------------------------
-
-requires_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-                                   reason="the TMA forward runs on sm_90 (Gluon has no interpreter)")
-
-#: Tiles of every shape the kernel takes: one warpgroup, 4-stage ring with K steps of 32, two
-#: warpgroups over 128 channels, and warps side by side along N (64 rows on 8 warps, 16-channel K steps).
-TMA_ROW_TILES = [
-    TileConfig(64, 64, 64, 4, 2, tma=True),
-    TileConfig(128, 64, 32, 4, 4, tma=True),
-    TileConfig(128, 128, 64, 8, 3, tma=True),
-    TileConfig(64, 32, 16, 8, 2, tma=True),
-]
-#: name, x shape, output channels: rows that fill no tile, channels that fill no K step (72 against
-#: 64 and 32) or N tile (40, 200), a K step narrower than the tile (24 channels), 1-d and 3-d.
-TMA_1X1_SHAPES = [
-    ("2d-tails", (3, 72, 7, 9), 40),
-    ("2d-wide", (2, 256, 9, 8), 200),
-    ("1d-narrow-k", (3, 24, 50), 48),
-    ("3d", (2, 16, 3, 5, 7), 24),
-]
 
 
 def _one_by_one_case(shape, c_out, dtype, g):  # noqa: ANN001, ANN202

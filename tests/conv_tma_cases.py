@@ -1,0 +1,34 @@
+"""Vocabulary shared by the tests of the conv family's Gluon TMA row kernel (``kernels/conv/tma_fprop.py``:
+a 1x1 conv's forward and input gradient): the marker of the machines it runs on and the shapes both
+passes are checked on."""
+
+import pytest
+import torch
+
+from fusion_backend.kernels.conv import TileConfig
+
+#: Gluon has no interpreter: the kernel runs on sm_90 alone (the CPU suite compiles it:
+#: ``test_conv_family_sm90.py``).
+requires_sm90 = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="the TMA row kernel runs on sm_90 (Gluon has no interpreter)",
+)
+
+#: Tiles of every shape the kernel takes: one warpgroup, a 4-stage ring with K steps of 32, two
+#: warpgroups over 128 channels, and warps side by side along N (64 rows on 8 warps, 16-channel K steps).
+TMA_ROW_TILES = [
+    TileConfig(64, 64, 64, 4, 2, tma=True),
+    TileConfig(128, 64, 32, 4, 4, tma=True),
+    TileConfig(128, 128, 64, 8, 3, tma=True),
+    TileConfig(64, 32, 16, 8, 2, tma=True),
+]
+
+#: name, the forward input's shape, its output channels: rows that fill no tile; channels that fill no
+#: K step or N tile of either pass (72 and 40 against 64 and 32; 256 and 200), a K step narrower than the
+#: tile (24 channels), 1-d and 3-d.
+TMA_1X1_SHAPES = [
+    ("2d-tails", (3, 72, 7, 9), 40),
+    ("2d-wide", (2, 256, 9, 8), 200),
+    ("1d-narrow-k", (3, 24, 50), 48),
+    ("3d", (2, 16, 3, 5, 7), 24),
+]
