@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusion_backend.bench.env import describe_code
 from fusion_backend.bench.output import fmt_ms, fmt_x, render_table
 
 PASSES = ("fprop", "dgrad", "wgrad")
@@ -163,7 +164,7 @@ def format_markdown(rows: Sequence[Row], environment: dict[str, Any], notes: Seq
         f"Command: `{environment.get('command', '-')}`",
         "",
         f"GPU {gpu_name or '-'}, torch {environment.get('torch', '-')}, triton {environment.get('triton', '-')}, "
-        f"cuDNN {environment.get('cudnn', '-')}, commit {environment.get('git_commit') or '-'}, "
+        f"cuDNN {environment.get('cudnn', '-')}, {describe_code(environment)}, "
         f"{environment.get('date_utc', '-')}.",
         "",
         "GPU ms per call (calls queued behind a GPU spin: the host's launch cost left out, as under CUDA "

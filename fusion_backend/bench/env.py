@@ -10,9 +10,12 @@ from __future__ import annotations
 import datetime as _dt
 import importlib
 import importlib.metadata
+import os
 import platform
 import shlex
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,6 +78,52 @@ def _git_commit() -> str | None:
     return None
 
 
+def git_code(root: Path | None = None) -> dict[str, Any]:
+    """The code a run ran, as git sees the checkout at ``root`` (None: this package's): ``git_tree``, the
+    tree id of the working tree as it is (tracked files and untracked ones that are not ignored, with
+    their uncommitted changes: what ``git add -A && git write-tree`` would give), and ``git_local_changes``,
+    whether it differs from the checked-out commit's tree.  Computed with a temporary index and object
+    store, so that the checkout's repository is not written.  WHY: a checkout copied over an older one (a
+    GPU machine's copy of a working tree) reports that older commit; its tree still names the code run,
+    and ``git log --format='%H %T'`` finds the commit with that tree.  Empty without git or outside a
+    checkout."""
+    root = Path(__file__).resolve().parents[2] if root is None else root
+
+    def git(*args: str, env: dict[str, str] | None = None) -> str:
+        done = subprocess.run(["git", *args], cwd=root, env=env, capture_output=True, text=True, timeout=60)
+        if done.returncode:
+            raise OSError(done.stderr.strip() or f"git {args[0]} failed")
+        return done.stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+            return {}  # the package installed somewhere inside another repository: not its checkout
+        with tempfile.TemporaryDirectory() as tmp:
+            objects = Path(tmp) / "objects"
+            objects.mkdir()
+            env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"), GIT_OBJECT_DIRECTORY=str(objects),
+                       GIT_ALTERNATE_OBJECT_DIRECTORIES=git("rev-parse", "--path-format=absolute", "--git-path",
+                                                            "objects"))  # fmt: skip
+            git("add", "-A", ".", env=env)
+            tree = git("write-tree", env=env)
+            head = git("rev-parse", "HEAD^{tree}", env=env)
+    except (OSError, subprocess.SubprocessError):  # no git, not a checkout, no commit yet
+        return {}
+    return {"git_tree": tree, "git_local_changes": tree != head}
+
+
+def describe_code(env: dict[str, Any]) -> str:
+    """A report's line for the code a run ran (:func:`git_code`'s fields and ``git_commit``): ``commit C``,
+    ``commit C with local changes (working tree T)`` (no ``T`` where merged parts ran different trees), or
+    ``-`` where nothing is known."""
+    commit, tree = env.get("git_commit"), env.get("git_tree")
+    if not commit:
+        return f"working tree {tree}" if tree else "-"
+    if env.get("git_local_changes"):
+        return f"commit {commit} with local changes" + (f" (working tree {tree})" if tree else "")
+    return f"commit {commit}"
+
+
 def gpu_info(device: torch.device) -> dict[str, Any]:
     """Name, compute capability, SM count, memory and L2 size of a CUDA device."""
     props = torch.cuda.get_device_properties(device)
@@ -104,6 +153,7 @@ def collect_environment(device: torch.device, argv: Sequence[str] | None = None,
         "triton": _safe(lambda: importlib.import_module("triton").__version__),
         "fusion_backend": _version("fusion-backend"),
         "git_commit": _git_commit(),
+        **git_code(),
         "cuda": torch.version.cuda,
         "cudnn": _safe(torch.backends.cudnn.version),
         "cudnn_benchmark": torch.backends.cudnn.benchmark,

@@ -11,7 +11,8 @@ The parts may cover other precisions and modes (one part the fp32 rows, another 
 merged report's configuration lists the union, in the order the parts name them.  With ``across_commits`` (``--merge-across-commits``) the parts may come from
 different commits, for a part rerun after a change that cannot touch the other parts' rows: the
 merged report's ``git_commit`` is then ``None`` and ``part_git_commits`` lists each part's, in the
-order of ``merged_from``.  Rows keep their order (the reports' order, then each report's); the merged run
+order of ``merged_from``; parts run on different working trees (``env.git_code``) likewise leave
+``git_tree`` ``None`` and list ``part_git_trees``.  Rows keep their order (the reports' order, then each report's); the merged run
 started when the first began and finished when the last ended, its wall time is the sum, and it is
 complete only if every part is.  A workload skipped in a part stays skipped unless another part ran it.
 Each row was timed within its own run, with all of its backends: merging never compares numbers
@@ -78,6 +79,10 @@ def merge_reports(reports: Sequence[BenchReport], across_commits: bool = False) 
     commits = [r.environment.get("git_commit") for r in reports]
     if len(set(commits)) > 1:
         environment["git_commit"], environment["part_git_commits"] = None, commits
+    trees = [r.environment.get("git_tree") for r in reports]
+    if len(set(trees)) > 1:  # parts run on other working trees (``env.git_code``): each part's, in order
+        environment["git_tree"], environment["part_git_trees"] = None, trees
+        environment["git_local_changes"] = any(r.environment.get("git_local_changes") for r in reports)
     ran = {case.workload for report in reports for case in report.cases}
     skipped = {name: reason for report in reports for name, reason in report.skipped.items()
                if name not in ran}

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .backends import pick_contenders
+from .env import describe_code
 from .results import BenchReport, CaseResult, ItemResult, Status
 from .roofline import describe_rates
 from .verdict import inductor_failed, verdict_of
@@ -259,6 +260,7 @@ def environment_lines(report: BenchReport) -> list[str]:
         gate_line(report),
         f"date: {env.get('date_utc')}; wall time {report.wall_s:.0f} s",
         f"command: {env.get('command')}",
+        f"code: {describe_code(env)}",
     ]
     if report.rates is not None:
         lines.append(f"measured rates: {describe_rates(report.rates)}")

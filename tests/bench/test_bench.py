@@ -1458,20 +1458,23 @@ def test_merging_refuses_other_settings_a_repeated_row_or_a_single_report(tmp_pa
     assert cli.main(["--merge", str(tmp_path / "nowhere"), str(tmp_path / "nowhere"), "--out", str(tmp_path / "m")]) == 2
 
 
-def test_parts_from_different_commits_merge_only_when_asked_and_name_each_commit(tmp_path: Path) -> None:
+def test_parts_from_different_commits_merge_only_when_asked_and_name_each_commit_and_tree(tmp_path: Path) -> None:
     a = load_workload(write_model(tmp_path / "models", "part_a"))
     b = load_workload(write_model(tmp_path / "models", "part_b", TINY_CONVT))
     backends = [BUILTIN_EAGER, FAKE_INDUCTOR, FAKE_FUSION]
     for name, workload, commit in (("a", a, "a" * 40), ("b", b, "b" * 40)):
         report = run([workload], backends)
-        write_reports(dataclasses.replace(report, environment={**report.environment, "git_commit": commit}),
-                      tmp_path / name, chart=False)
+        code = {"git_commit": commit, "git_tree": name * 40, "git_local_changes": name == "b"}
+        write_reports(dataclasses.replace(report, environment={**report.environment, **code}), tmp_path / name,
+                      chart=False)  # fmt: skip
     parts = [str(tmp_path / "a"), str(tmp_path / "b")]
     assert cli.main(["--merge", *parts, "--out", str(tmp_path / "refused"), "--no-chart"]) == 2
     assert cli.main(["--merge", *parts, "--merge-across-commits", "--out", str(tmp_path / "m"), "--no-chart"]) == 0
     merged = read_json(tmp_path / "m" / "bench.json")
     assert merged.environment["git_commit"] is None
     assert merged.environment["part_git_commits"] == ["a" * 40, "b" * 40]
+    assert merged.environment["git_tree"] is None and merged.environment["part_git_trees"] == ["a" * 40, "b" * 40]
+    assert merged.environment["git_local_changes"]  # one part ran local changes
     assert len(merged.environment["merged_from"]) == 2 and len(merged.cases) == 2 * len(run([a], backends).cases)
 
 
