@@ -1,17 +1,17 @@
-"""Vocabulary shared by the tests of the conv family's Gluon TMA row kernel (``kernels/conv/tma_fprop.py``:
-a 1x1 conv's forward and input gradient): the marker of the machines it runs on and the shapes both
-passes are checked on."""
+"""Vocabulary shared by the tests of the conv family's Gluon kernels: the marker of the machines they run
+on, and the TMA row kernel's (``kernels/conv/tma_fprop.py``: a 1x1 conv's forward and input gradient)
+tiles and the shapes both its passes are checked on."""
 
 import pytest
 import torch
 
 from fusion_backend.kernels.conv import TileConfig
 
-#: Gluon has no interpreter: the kernel runs on sm_90 alone (the CPU suite compiles it:
+#: Gluon has no interpreter: the kernels run on sm_90 alone (the CPU suite compiles it:
 #: ``test_conv_family_sm90.py``).
 requires_sm90 = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-    reason="the TMA row kernel runs on sm_90 (Gluon has no interpreter)",
+    reason="the Gluon TMA kernels run on sm_90 alone (no interpreter)",
 )
 
 #: Tiles of every shape the kernel takes: one warpgroup, a 4-stage ring with K steps of 32, two

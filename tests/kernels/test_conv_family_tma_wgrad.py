@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conv_prologues import PROLOGUES, conv_prologue, prologue_ids
+from conv_tma_cases import requires_sm90
 
 from fusion_backend.kernels.conv import (
     TileConfig,
@@ -28,8 +29,6 @@ from fusion_backend.kernels.conv.tiles import candidates, tma_wgrad_tiles
 from fusion_backend.kernels.plan_cache import ContractError
 from fusion_backend.testing import compare, stable_seed
 
-SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_sm90 = pytest.mark.skipif(not SM90, reason="the TMA weight gradient runs on sm_90 alone (Gluon, no interpreter)")
 #: The least error bound relative to the result's norm (the gather kernel's tests').
 FLOOR = {torch.float16: 5e-4, torch.bfloat16: 4e-3}
 
@@ -89,7 +88,7 @@ CASES = [
 ]  # fmt: skip
 
 
-@needs_sm90
+@requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_tma_wgrad_matches_float64(case, dtype):
@@ -97,7 +96,7 @@ def test_tma_wgrad_matches_float64(case, dtype):
     _check(name, xs, ws, conv, tile, dtype, bias_grad=True)
 
 
-@needs_sm90
+@requires_sm90
 @pytest.mark.parametrize("geometry", ["3x3-overhang", "3x3-exact", "1x1-rows"])
 @pytest.mark.parametrize("kind,act", PROLOGUES, ids=prologue_ids(PROLOGUES))
 def test_tma_wgrad_recomputes_each_prologue(kind, act, geometry):
@@ -119,7 +118,7 @@ def test_tma_wgrad_recomputes_each_prologue(kind, act, geometry):
     assert why is None, why
 
 
-@needs_sm90
+@requires_sm90
 def test_tma_wgrad_overhang_beside_an_infinite_input_adds_nothing():
     """A box over the plane's right edge reads real inputs for its left-looking taps, where ``grad_y``
     is 0: an infinite input there must not turn the tap's gradient into NaN (eager never pairs them)."""
@@ -135,7 +134,7 @@ def test_tma_wgrad_overhang_beside_an_infinite_input_adds_nothing():
     assert torch.equal(gw.isfinite(), eager.isfinite()), "the overhang's zero gradient met the infinite input"
 
 
-@needs_sm90
+@requires_sm90
 def test_tma_wgrad_is_bit_identical_across_runs_and_reads_any_layout():
     xs, ws, conv = (2, 64, 12, 12), (64, 64, 3, 3), dict(padding=1)
     tile = _tile(128, 64, 4, 16, 3)
@@ -151,7 +150,7 @@ def test_tma_wgrad_is_bit_identical_across_runs_and_reads_any_layout():
     assert torch.equal(gw, shifted)
 
 
-@needs_sm90
+@requires_sm90
 def test_tma_wgrad_tiles_join_the_timed_choice_where_the_kernel_applies():
     """``conv_wgrad``'s timed choice weighs the TMA tiles beside the gather kernel's, and its result
     matches float64 whichever it takes."""

@@ -125,6 +125,8 @@ from .tiles import tma_programs_per_sm
 
 #: Element sizes the TMA boxes take here (16-bit operands).
 _DTYPES = (torch.float16, torch.bfloat16)
+#: Channel counts a TMA box's channel dim takes (16-byte strides: multiples of 8 16-bit elements).
+CHANNEL_ALIGN = 8
 
 
 if GLUON:
@@ -384,6 +386,15 @@ def _is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def _one_by_one_gemm(a: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
+                     groups: int) -> bool:  # fmt: skip
+    """What both passes ask: a 1x1 conv with stride 1, no padding and one group, its GEMM operand ``a`` (x
+    or grad_y) and weight of one 16-bit dtype, on sm_90 with Gluon."""
+    return (GLUON and not INTERPRETER and _is_sm90(a.device) and a.dtype in _DTYPES and weight.dtype == a.dtype
+            and groups == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding)
+            and math.prod(weight.shape[2:]) == 1)  # fmt: skip
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
              groups: int, stats_groups: int) -> bool:  # fmt: skip
     """Whether a forward call can run here: a 1x1 conv with stride 1, no padding and one group, fp16 or
@@ -391,9 +402,8 @@ def supports(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], paddi
     0: the row tiles cross samples).  Any layout qualifies: an ``x`` or weight that is not the dense,
     16-byte aligned tensor the boxes read is copied to one first (:func:`_dense`), which the timed tile
     choice weighs."""
-    return (GLUON and not INTERPRETER and _is_sm90(x.device) and x.dtype in _DTYPES and weight.dtype == x.dtype
-            and groups == 1 and all(s == 1 for s in stride) and x.shape[1] % 8 == 0 and stats_groups == 0
-            and math.prod(weight.shape[2:]) == 1 and all(p == 0 for p in padding))  # fmt: skip
+    return (_one_by_one_gemm(x, weight, stride, padding, groups) and x.shape[1] % CHANNEL_ALIGN == 0
+            and stats_groups == 0)  # fmt: skip
 
 
 def supports_grad(grad_y: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
@@ -402,10 +412,8 @@ def supports_grad(grad_y: torch.Tensor, weight: torch.Tensor, stride: Sequence[i
     so a 1x1 conv with stride 1, no padding and one group, fp16 or bf16 on sm_90, ``C_out`` and ``C_in``
     multiples of 8 (grad_y's rows and the weight's are the boxes' 16-byte strides).  Any layout, as
     :func:`supports`."""
-    return (GLUON and not INTERPRETER and _is_sm90(grad_y.device) and grad_y.dtype in _DTYPES
-            and weight.dtype == grad_y.dtype and groups == 1 and all(s == 1 for s in stride)
-            and all(p == 0 for p in padding) and math.prod(weight.shape[2:]) == 1
-            and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0)  # fmt: skip
+    return (_one_by_one_gemm(grad_y, weight, stride, padding, groups) and weight.shape[0] % CHANNEL_ALIGN == 0
+            and weight.shape[1] % CHANNEL_ALIGN == 0)  # fmt: skip
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

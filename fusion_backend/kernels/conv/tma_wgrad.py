@@ -58,7 +58,7 @@ from ..launch import FastLaunch
 from .hooks import PROLOGUE_GROUP_AFFINE, PROLOGUE_SAMPLE_CHANNEL_SCALE
 from .prologue import activation
 from .tiles import TileConfig
-from .tma_fprop import _DTYPES, GLUON, _dense, _is_sm90, _shared_layout, kept_descriptor
+from .tma_fprop import _DTYPES, CHANNEL_ALIGN, GLUON, _dense, _is_sm90, _shared_layout, kept_descriptor
 
 if GLUON:
     from triton.experimental import gluon
@@ -358,17 +358,13 @@ if GLUON:
                 gl.store(bpart_ptr + split * C_OUT + c, bacc, mask=c < C_OUT)
 
 
-#: Channel counts a TMA box's channel dim takes (16-byte strides: multiples of 8 16-bit elements).
-_CHANNEL_ALIGN = 8
-
-
 def supports(x: torch.Tensor, grad_y: torch.Tensor, weight: torch.Tensor, stride: tuple[int, ...],
              groups: int) -> bool:  # fmt: skip
     """Whether a weight-gradient call can run here (module docstring's contract); layouts are not
     asked: the launch reads channels-last copies where the tensors are not."""
     return (GLUON and not INTERPRETER and _is_sm90(x.device) and x.dtype in _DTYPES and grad_y.dtype == x.dtype
             and weight.dtype == x.dtype and groups == 1 and all(s == 1 for s in stride) and x.shape[1] > 1
-            and x.shape[1] % _CHANNEL_ALIGN == 0 and grad_y.shape[1] % _CHANNEL_ALIGN == 0)  # fmt: skip
+            and x.shape[1] % CHANNEL_ALIGN == 0 and grad_y.shape[1] % CHANNEL_ALIGN == 0)  # fmt: skip
 
 
 def refusal(geo: Any, dtype: torch.dtype, tile: TileConfig) -> str:
