@@ -12,9 +12,9 @@ merged report's configuration lists the union, in the order the parts name them.
 different commits, for a part rerun after a change that cannot touch the other parts' rows: the
 merged report's ``git_commit`` is then ``None`` and ``part_git_commits`` lists each part's, in the
 order of ``merged_from``; parts run on different working trees (``env.git_code``) likewise leave
-``git_tree`` ``None`` and list ``part_git_trees``.  Rows keep their order (the reports' order, then each report's); the merged run
-started when the first began and finished when the last ended, its wall time is the sum, and it is
-complete only if every part is.  A workload skipped in a part stays skipped unless another part ran it.
+``git_tree`` ``None`` and list ``part_git_trees``.  Rows keep their order (the reports' order, then
+each report's); the merged run started when the first began and finished when the last ended, its wall
+time is the sum, and it is complete only if every part is.  A workload skipped in a part stays skipped unless another part ran it.
 Each row was timed within its own run, with all of its backends: merging never compares numbers
 across runs.
 """
