@@ -584,10 +584,13 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     with _launchable_on_cpu_tensors():
         if tma == "rows":
             m = out_shape[0] * out_shape[2] * out_shape[3]
-            for tile in FAMILY_TILES.tma_tiles(c_in, c_out, m):  # as a BatchNorm between convs: no save
+            # a plain call's tiles include the wide one (``tiles.tma_tiles``)
+            tiles = FAMILY_TILES.tma_tiles(c_in, c_out, m) + FAMILY_TILES.tma_tiles(c_in, c_out, m, wide=not hooked)
+            for tile in dict.fromkeys(tiles):  # as a BatchNorm between convs: no save
                 FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
             # the input gradient's tiles: the channels exchanged, as the timed choice offers them
-            for tile in FAMILY_TILES.candidates("dgrad", c_out, c_in, 1, m, dt, epilogue_hooks=hooked, tma=True)[1:]:
+            for tile in FAMILY_TILES.candidates("dgrad", c_out, c_in, 1, m, dt, epilogue_hooks=hooked, tma=True,
+                                                plain=not hooked)[1:]:  # fmt: skip
                 FAMILY.conv_dgrad(dy, w, x_shape, x_prev=x if hooked else None,
                                   norm_stats=FAMILY.NormStats(vec, vec) if hooked else None, tile=tile, **hooks,
                                   **geo)  # fmt: skip

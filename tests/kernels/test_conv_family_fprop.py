@@ -11,6 +11,8 @@ fp32 with TF32 off; ``test_fp32_on_cuda_follows_cudnns_own_precision`` checks th
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -794,18 +796,20 @@ def test_tma_grid_and_statistics_lanes_cover_every_tile_once(c_in, c_out, m):
     from fusion_backend.kernels.conv.tiles import TMA_REGISTERS, tma_programs_per_sm, tma_tiles
     from fusion_backend.kernels.conv.tma_fprop import grid_programs, lane_rows, ring_stages
 
-    for tile in tma_tiles(c_in, c_out, m):
+    tiles = dict.fromkeys([*tma_tiles(c_in, c_out, m), *tma_tiles(c_in, c_out, m, wide=True)])
+    for tile, store_bytes in itertools.product(tiles, (2, 4)):  # the store's exchange: 16-bit or fp32
         tile.check_for("fprop")
-        stages = ring_stages(tile, c_in)
+        stages = ring_stages(tile, c_in, store_bytes)
         assert 2 <= stages <= max(2, min(tile.num_stages, -(-c_in // tile.block_k)))
-        per_sm = tma_programs_per_sm(tile, stages)
-        shared = stages * (tile.block_m + tile.block_n) * tile.block_k * 2 + tile.block_m * tile.block_n * 4
+        per_sm = tma_programs_per_sm(tile, stages, store_bytes)
+        shared = (stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+                  + tile.block_m * tile.block_n * store_bytes)  # fmt: skip
         assert per_sm * shared <= 226 * 1024 and per_sm * TMA_REGISTERS * 32 * tile.num_warps <= 65536
         m_tiles, n_tiles = -(-m // tile.block_m), -(-c_out // tile.block_n)
-        programs = grid_programs(tile, c_in, c_out, m_tiles, torch.device("cpu"), program_stats=True)
+        programs = grid_programs(tile, c_in, c_out, m_tiles, torch.device("cpu"), True, store_bytes)
         lanes = programs // n_tiles
         assert programs % n_tiles == 0 and 1 <= lanes <= m_tiles and programs <= max(n_tiles, per_sm * 132)
-        plain = grid_programs(tile, c_in, c_out, m_tiles, torch.device("cpu"), program_stats=False)
+        plain = grid_programs(tile, c_in, c_out, m_tiles, torch.device("cpu"), False, store_bytes)
         assert plain == min(m_tiles * n_tiles, per_sm * 132)
         rows = [min(tile.block_m, m - t * tile.block_m) for t in range(m_tiles)]
         per_lane = lane_rows(rows, lanes)

@@ -464,12 +464,15 @@ class _DgradPlan:
             if not tma_fprop.supports_grad(grad_y, weight, geo.stride, geo.padding, geo.groups):
                 raise ContractError(f"tile {tile.label()}: this call is not one the TMA input gradient takes "
                                     "(tma_fprop.supports_grad)")
-            programs = tma_fprop.grid_programs(tile, geo.c_out, geo.c_in, m_tiles, grad_y.device, sums)
+            rounded = tma_fprop.round_first(True, act)
+            programs = tma_fprop.grid_programs(tile, geo.c_out, geo.c_in, m_tiles, grad_y.device, sums,
+                                               tma_fprop.exchange_bytes(rounded))  # fmt: skip
             self.m_tiles = programs // cdiv(geo.c_in, tile.block_n) if sums else m_tiles
             hook_codes = dict(PROLOGUE=constexprs["PROLOGUE"], G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act,
                               SAVE_CONV=False, HAS_SCALE=False, HAS_BIAS=False, CHAIN=op_codes([]), ACT_OUT=0,
                               RESIDUAL=0, STATS=sums, BIG=big)  # fmt: skip
-            self.tma = tma_fprop.TmaLaunch(tile, geo, m_tiles, programs, hook_codes, sums, grad_y.dtype, grad=True)
+            self.tma = tma_fprop.TmaLaunch(tile, geo, m_tiles, programs, hook_codes, sums, grad_y.dtype, rounded,
+                                           grad=True)  # fmt: skip
         else:
             self.launch = FastLaunch(conv_dgrad_kernel, grid, constexprs, fixed=fixed)
 
@@ -598,7 +601,7 @@ def conv_dgrad(
         boxed = hooked and not dgrad_box_refusal(geo, dys, None)
         tiles = candidates("dgrad", geo.c_out_g, geo.c_in_g, geo.taps, m, grad_y.dtype,
                            geo.c_in if geo.c_in_g == 1 else None,  # the direct depthwise path
-                           geo.size[1:] if boxed else None, epilogue_hooks=hooked,
+                           geo.size[1:] if boxed else None, epilogue_hooks=hooked, plain=not hooked,
                            tma=tma_fprop.supports_grad(grad_y, weight, geo.stride, geo.padding, geo.groups))  # fmt: skip
         tiles = [t for t in tiles if not t.box_w or not dgrad_box_refusal(geo, dys, t)]
         return plan_with(tuned_tile("dgrad", key, tiles, lambda t: functools.partial(

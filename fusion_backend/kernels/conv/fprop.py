@@ -435,9 +435,12 @@ class _Plan:
             self.weight_in_place = True  # a 1x1 weight is the [C_out, C_in] matrix its box reads, any layout
         #: the TMA forward sums a BatchNorm's statistics per program (``tma_fprop.grid_programs``)
         self.program_stats = tile.tma and self.stats and not stats_groups
+        #: the TMA forward's store rounds before its layout exchange (no fp32 arithmetic before the rounding)
+        rounded = tma_fprop.round_first(False, act_in, save_conv or has_scale or has_bias or bool(chain)
+                                        or act_out != 0 or residual_mode != 0)  # fmt: skip
         #: the TMA forward's persistent grid
-        programs = (tma_fprop.grid_programs(tile, geo.c_in, geo.c_out, self.m_tiles, x.device, self.program_stats)
-                    if tile.tma else 0)  # fmt: skip
+        programs = (tma_fprop.grid_programs(tile, geo.c_in, geo.c_out, self.m_tiles, x.device, self.program_stats,
+                                            tma_fprop.exchange_bytes(rounded)) if tile.tma else 0)  # fmt: skip
         #: rows of the store's partials: one per M tile, or per program lane
         self.partial_rows = self.m_tiles
         if self.program_stats and self.m_tiles:
@@ -484,7 +487,7 @@ class _Plan:
                                                      "HAS_SCALE", "HAS_BIAS", "CHAIN", "ACT_OUT", "RESIDUAL",
                                                      "STATS", "BIG")}  # fmt: skip
             self.launch = tma_fprop.TmaLaunch(tile, geo, self.m_tiles, programs, hook_codes, self.program_stats,
-                                              x.dtype)  # fmt: skip
+                                              x.dtype, rounded)  # fmt: skip
         else:
             self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
 
@@ -680,7 +683,8 @@ def fprop_plan(
             return plan_with(tile)
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise path (``_Plan.depthwise``)
-                           tma=tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups))
+                           tma=tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups),
+                           plain=prologue is None and code_in == 0 and not stats)  # fmt: skip
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out), saved),
             x.device))  # fmt: skip

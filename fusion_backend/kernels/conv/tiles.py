@@ -216,7 +216,7 @@ CANDIDATES: dict[str, tuple[TileConfig, ...]] = {
 #: Shared memory an sm_90 block may use (227 KiB), less room for the epilogue's scratch.
 _SHARED_BYTES = 200 * 1024
 #: An sm_90 SM's shared memory for its blocks (228 KiB, 1 KiB of it per block reserved), and its registers.
-_SM_SHARED_BYTES = 226 * 1024
+SM_SHARED_BYTES = 226 * 1024
 _SM_REGISTERS = 65536
 #: Registers per thread the TMA forward holds (ptxas's choice, uncapped).  NOTE: capped at 168 the
 #: persistent loop spilled 428 bytes (its store, statistics included, lives inside the loop), at 128 over
@@ -227,7 +227,7 @@ TMA_REGISTERS = 255
 
 def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: int, dtype: torch.dtype,
                depthwise_channels: int | None = None, box_plane: tuple[int, int] | None = None,
-               epilogue_hooks: bool = False, tma: bool = False) -> list[TileConfig]:  # fmt: skip
+               epilogue_hooks: bool = False, tma: bool = False, plain: bool = False) -> list[TileConfig]:  # fmt: skip
     """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"), at most
     ``host.MAX_TUNED_CONFIGS`` (each compiles before it is timed): the heuristic's (:func:`pick_tile`
     with ``k_channels`` the channels per group a K step walks and ``n_channels`` those of the N axis),
@@ -271,8 +271,8 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     timed where a box is offered at 0.19-0.20 ms on both shapes swept.  ``tma``: a forward the
     Gluon TMA kernel takes (``tma_fprop.supports``), or an input gradient it takes
     (``tma_fprop.supports_grad``): the heuristic's gather tile (what runs untimed), then the TMA kernel's
-    tiles (:func:`tma_tiles`).  An empty problem (``m ==
-    0``) gets its first tile alone."""
+    tiles (:func:`tma_tiles`; ``plain``: the pass runs no hooks, so the wide TMA tile too).  An empty
+    problem (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
@@ -281,7 +281,7 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     if tma:  # NOTE: the input gradient's hooked store (act', the sums) spilled 96 bytes on 4 warps at 128 x 64
         # (``python tools/compile_check.py conv_tma --cases resnet_1x1-bf16-hooked``, Triton 3.6): 8 warps there
         warps = 8 if pass_name == "dgrad" and epilogue_hooks else 4
-        return best_first([first, *tma_tiles(k_channels, n_channels, m, min_warps=warps)])
+        return best_first([first, *tma_tiles(k_channels, n_channels, m, min_warps=warps, wide=plain)])
     if first.flat_k:
         other_warps = replace(first, num_warps=12 - first.num_warps)  # 4 <-> 8
         halved = replace(first, block_m=max(16, first.block_m // 2), num_warps=4)
@@ -417,30 +417,49 @@ def _measuring(device: torch.device) -> bool:
     return device.type == "cuda" and (impl_choice.measuring_now() or (compiling_only() and environment.measuring()))
 
 
-def tma_programs_per_sm(tile: TileConfig, stages: int) -> int:
+def tma_shared_bytes(tile: TileConfig, stages: int, store_bytes: int = 2) -> int:
+    """Shared memory of one TMA forward program: ``stages`` ring stages of the A and B boxes (16-bit) and
+    the store's layout exchange of the accumulator tile at ``store_bytes`` per element
+    (``tma_fprop.exchange_bytes``: 2 where the store rounds first, else 4)."""
+    return stages * (tile.block_m + tile.block_n) * tile.block_k * 2 + tile.block_m * tile.block_n * store_bytes
+
+
+def tma_programs_per_sm(tile: TileConfig, stages: int, store_bytes: int = 2) -> int:
     """How many programs of the TMA forward an SM holds with ``tile`` and ``stages`` ring stages:
-    by registers (:data:`TMA_REGISTERS` per thread) and by shared memory (the ring's A and B boxes
-    and the store's fp32 copy of the accumulator)."""
-    shared = stages * (tile.block_m + tile.block_n) * tile.block_k * 2 + tile.block_m * tile.block_n * 4
+    by registers (:data:`TMA_REGISTERS` per thread) and by shared memory (:func:`tma_shared_bytes`)."""
     by_registers = _SM_REGISTERS // (TMA_REGISTERS * 32 * tile.num_warps)
-    return max(1, min(_SM_SHARED_BYTES // shared, by_registers))
+    return max(1, min(SM_SHARED_BYTES // tma_shared_bytes(tile, stages, store_bytes), by_registers))
 
 
-def tma_tiles(c_in: int, c_out: int, m: int, min_warps: int = 4) -> list[TileConfig]:
+# NOTE: a plain pass (no hooks) whose N axis spans 256 channels or more times the 128 x 256 tile first: on
+# ResNet-50's 1x1 convs (H200, bf16, batch 64; GPU ms per call, the tile against the 128 x 128 one and the
+# timed choice of the tiles before) forwards 512 -> 256 at 28 x 28 0.0306 against 0.0354, 128 -> 512
+# 0.0305 against 0.0327, 256 -> 1024 at 14 x 14 0.0181 against 0.0206; input gradients 256 -> 128 at 56 x
+# 56 0.0587 against 0.0683, 1024 -> 256 at 14 x 14 0.0180 against 0.0206 (n256 wgmma: half the A reads
+# per MMA of the 128-wide tile).  With the prologue it won one forward of five (512 -> 256, 0.0643
+# against 0.0685), the 4-warp 128 x 64 tile three; with an input gradient's x_prev tile in registers its
+# accumulator leaves no room.  A scratch sweep of the TMA kernel's tiles, stages and programs per SM;
+# 256 x 128 on 8 warps ran within 3% of 128 x 256 and is not offered.
+def tma_tiles(c_in: int, c_out: int, m: int, min_warps: int = 4, wide: bool = False) -> list[TileConfig]:
     """The TMA forward's tiles for a 1x1 conv of ``c_in`` -> ``c_out`` channels over ``m`` output
     positions (16-bit operands; an input gradient's GEMM: its output channels in ``c_in``'s place), best
     first: 128 rows by up to 128 output channels (8 warps past 64: two warpgroups of 64 rows each, 64
     accumulator registers per thread), then 64 output channels on 4 warps (``min_warps``: at least that
-    many) where the layer is wider.  K steps of 64 channels (fewer where ``c_in`` is narrower).  Stages:
-    the most, up to 4, that keep as many programs per SM as the registers allow
-    (:func:`tma_programs_per_sm`)."""
+    many) where the layer is wider; ``wide`` (a pass without hooks) and 256 output channels or more: 128
+    by 256 on 8 warps first, then 128 by 128 (NOTE above).  K steps of 64 channels (fewer where ``c_in``
+    is narrower).  Stages: the most, up to 4, that keep as many programs per SM as the registers allow
+    (:func:`tma_programs_per_sm`, the store rounding first) and fit the SM's shared memory."""
     block_k = min(64, max(16, next_pow2(c_in)))
     block_m = 128 if m > 64 else 64
+    widths = (min(128, max(16, next_pow2(c_out))), min(64, max(16, next_pow2(c_out))))
+    if wide and next_pow2(c_out) >= 256:
+        widths = (256, 128)
     tiles = []
-    for block_n in dict.fromkeys((min(128, max(16, next_pow2(c_out))), min(64, max(16, next_pow2(c_out))))):
+    for block_n in dict.fromkeys(widths):
         tile = TileConfig(block_m, block_n, block_k, max(min_warps, 8 if block_n > 64 else 4), 2, tma=True)
         most = tma_programs_per_sm(tile, 1)
-        stages = max([2, *(n for n in (2, 3, 4) if tma_programs_per_sm(tile, n) == most)])
+        stages = max([2, *(n for n in (2, 3, 4) if tma_programs_per_sm(tile, n) == most
+                           and tma_shared_bytes(tile, n) <= SM_SHARED_BYTES)])  # fmt: skip
         tiles.append(replace(tile, num_stages=stages))
     return tiles
 

@@ -121,7 +121,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 from .epilogue import store_tile
 from .grad_epilogue import store_grad_tile
 from .prologue import activation, normalise
-from .tiles import tma_programs_per_sm
+from .tiles import SM_SHARED_BYTES, tma_programs_per_sm
+from .tiles import tma_shared_bytes as _shared_bytes
 
 #: Element sizes the TMA boxes take here (16-bit operands).
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -198,6 +199,18 @@ if GLUON:
             _tma_load(b_desc, [(tile % n_tiles) * BLOCK_N, c0], ready.index(stage), b_ring.index(stage))
 
     @gluon.jit
+    def _x_prev_tile(xp_ptr, pid_m, tile, n_tiles, M, N_CH, SAMPLE_ROWS, BIG: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+        """The input gradient's ``[BLOCK_M, BLOCK_N]`` tile of x_prev (``xp_ptr``: its dense ``[M, N_CH]``
+        rows) under output tile ``tile`` (M tile ``pid_m``), in ``layout``; 0 past ``M`` and ``N_CH``."""
+        rows, rows_ok, _ = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, layout)
+        cols = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        if BIG:
+            rows = rows.to(gl.int64)
+        return gl.load(xp_ptr + rows[:, None] * N_CH + cols[None, :], mask=rows_ok[:, None] & (cols < N_CH)[None, :],
+                       other=0.0)  # fmt: skip
+
+    @gluon.jit
     def _row_sums(v, ROWS_PT: gl.constexpr, sums3: gl.constexpr):
         """``v`` ``[BLOCK_M, BLOCK_N]`` in the store's layout summed over each thread's own rows: ``[BLOCK_M //
         ROWS_PT, BLOCK_N]``, no exchange between threads (the program's sums, reduced across threads once
@@ -213,7 +226,8 @@ if GLUON:
         PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
         SAVE_CONV: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, CHAIN: gl.constexpr,
         ACT_OUT: gl.constexpr, RESIDUAL: gl.constexpr, STATS: gl.constexpr, BIG: gl.constexpr,
-        PROGRAM_STATS: gl.constexpr, GRAD: gl.constexpr, EVEN_K: gl.constexpr, BLOCK_M: gl.constexpr,
+        PROGRAM_STATS: gl.constexpr, GRAD: gl.constexpr, EVEN_K: gl.constexpr, ROUND_FIRST: gl.constexpr,
+        EARLY_X: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The ``[BLOCK_M, BLOCK_N]`` tiles ``pid, pid + programs, ...`` of ``out[M, N_CH] = A[M, K_CH] @
@@ -234,14 +248,18 @@ if GLUON:
         ``N_CH = C_in``): ``a_desc`` grad_y's ``[M, C_out]`` rows, ``b_desc`` the weight's ``[C_out, C_in]``
         matrix with box ``[BLOCK_K, BLOCK_N]`` (read as it lies), no prologue on A; the store is
         ``grad_epilogue.store_grad_tile``'s, its x_prev tile (``xp_ptr``, the ``[M, C_in]`` rows, dense)
-        read once the accumulator is converted; ``PROLOGUE`` .. ``ACT_IN`` the forward's hooks that it
+        read at the tile's first K step or after its K loop (``EARLY_X``); ``PROLOGUE`` .. ``ACT_IN`` the forward's hooks that it
         recomputes (``ACT_IN`` 0: none), ``p0..p3`` their vectors, ``slope_in`` act_in's slope; ``STATS`` (with
         ``PROGRAM_STATS``): the BatchNorm-backward sums per program (``mean_ptr``, ``rstd_ptr``: fp32
         ``(C_in,)``), one row of ``(2, programs / N_TILES, C_in)`` in ``part_ptr``: Σ grad_z and Σ grad_z · x̂
         over the program's rows (``stats.reduce_grad_partials``).  The forward's other pointers unused.
 
         ``SAMPLE_ROWS``: positions per sample (the rows' samples, which a per-sample prologue reads).
-        ``EVEN_K``: ``BLOCK_K`` divides ``K_CH``."""
+        ``EVEN_K``: ``BLOCK_K`` divides ``K_CH``.  ``ROUND_FIRST`` (:func:`round_first`): the store does no
+        fp32 arithmetic before its one rounding, so the accumulator is rounded before its exchange into the
+        store's layout (16-bit values in the exchange's shared memory, :func:`exchange_bytes`).  ``EARLY_X``
+        (:func:`early_x_read`: the GEMM has one K step): the input gradient reads its x_prev tile before the
+        step's wait, not after the K loop."""
         # warps stacked along M (16 rows each per wgmma), the rest side by side along N
         WARPS_M: gl.constexpr = min(num_warps, BLOCK_M // 16)
         WARPS_N: gl.constexpr = num_warps // WARPS_M
@@ -309,6 +327,9 @@ if GLUON:
             else:
                 b = b_ring.index(s).permute((1, 0))
             a_tile = a_ring.index(s)
+            if READS_X and EARLY_X:  # one K step per tile: issued before its wait, its latency under the step's
+                x_early = _x_prev_tile(xp_ptr, pid_m, tile, n_tiles, M, N_CH, SAMPLE_ROWS, BIG, BLOCK_M, BLOCK_N,
+                                       out_layout)  # fmt: skip
             if HOOKED:
                 # the vectors' loads go out before the wait, their latency under the box's
                 c0 = ki * BLOCK_K
@@ -330,19 +351,19 @@ if GLUON:
                            BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GRAD)  # fmt: skip
             if ki == k_steps - 1:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                out = gl.convert_layout(acc, out_layout)
+                if ROUND_FIRST:  # the stored values are the rounded accumulator: half the exchange's bytes
+                    out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
+                else:
+                    out = gl.convert_layout(acc, out_layout)
                 m, m_ok, n = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, out_layout)
                 c = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
                 x_saved = 0.0  # the tile of x_prev, where the store reads one
                 if READS_X:
-                    # NOTE: read here, once the accumulator is converted, not at the tile's first K step: read
-                    # there it stayed live through the MMA and the conversion, and the 8-warp 128 x 128 tile
-                    # with relu' and the sums spilled 68 bytes under Triton 3.9 (254 registers under 3.6;
-                    # ``python tools/compile_check.py conv_tma --cases resnet_1x1-bf16-hooked``).  The H200
-                    # timings in docs/perf/h200/conv-kernels-dgrad are of the early read.
-                    x_rows = m.to(gl.int64) if BIG else m
-                    x_saved = gl.load(xp_ptr + x_rows[:, None] * N_CH + c[None, :],
-                                      mask=m_ok[:, None] & (c < N_CH)[None, :], other=0.0)  # fmt: skip
+                    if EARLY_X:
+                        x_saved = x_early
+                    else:
+                        x_saved = _x_prev_tile(xp_ptr, pid_m, tile, n_tiles, M, N_CH, SAMPLE_ROWS, BIG, BLOCK_M,
+                                               BLOCK_N, out_layout)  # fmt: skip
                 if GRAD:
                     y = store_grad_tile(out, x_saved, m, m_ok, n, c, c < N_CH, pid_m, out_ptr, part_ptr, mean_ptr,
                                         rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, N_CH, M_TILES, PROLOGUE,
@@ -429,20 +450,57 @@ def _shared_layout(block: list[int], dtype: torch.dtype) -> Any:
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def ring_stages(tile: Any, k_channels: int) -> int:
-    """The ring's stages: the tile's, no more than the K steps over ``k_channels`` (shared memory is
-    programs per SM), but 2 (the ring refills the stage whose MMA the wait before it retired)."""
-    return max(2, min(tile.num_stages, -(-k_channels // tile.block_k)))
+def round_first(grad: bool, act: int, store_arithmetic: bool = False) -> bool:
+    """Whether the kernel's store rounds the accumulator before exchanging it into the store's layout
+    (``ROUND_FIRST``): where it does no fp32 arithmetic before its one rounding.  The forward: no
+    ``store_arithmetic`` (a saved raw conv, a scale, bias, chain, output activation or residual; the
+    statistics are of the rounded values); the input gradient: no act' (``act``, the forward's input
+    activation, 0)."""
+    return act == 0 if grad else not store_arithmetic
+
+
+def exchange_bytes(rounded: bool) -> int:
+    """Bytes per element of the store's layout exchange: 16-bit values where the store rounds first
+    (:func:`round_first`), else fp32."""
+    return 2 if rounded else 4
+
+
+# NOTE: the input gradient's x_prev tile is read at the tile's first K step where the GEMM has one K step,
+# else after the K loop.  H200, bf16, ResNet-50 at batch 64, hooked 1x1 input gradients (relu' and the
+# sums), kernel us early / late / copied into shared memory by cp.async, one run: K of 64 channels 64 ->
+# 64 26.4 / 34.2 / 31.2 and 256 -> 64 80.4 / 96.9 / 94.8; K of 256 or more 64 -> 256 50.2 / 53.3 / 46.8,
+# 512 -> 256 70.1 / 65.1 / 64.6, 1024 -> 256 41.5 / 39.5 / 39.0, 2048 -> 512 30.5 / 28.4 / 31.1
+# (``python tools/bench_conv.py demos/realnets/resnet50.py --passes dgrad --profile``, each variant of the
+# kernel in turn).  With one step the early read hides under that step's load; with several, the tile's
+# registers held through the loop cost more than they hide.  The early tile is the step's own value, not
+# one carried through the loop: carried, the hooked 8-warp 128 x 128 tile spilled 68 bytes under Triton
+# 3.9 (``python tools/compile_check.py conv_tma --cases resnet_1x1-bf16-hooked``).
+def early_x_read(k_channels: int, block_k: int) -> bool:
+    """Whether the input gradient reads its x_prev tile at the tile's first K step (``EARLY_X``): where
+    the GEMM over ``k_channels`` takes one K step of ``block_k`` (NOTE above)."""
+    return k_channels <= block_k
+
+
+def ring_stages(tile: Any, k_channels: int, store_bytes: int = 2) -> int:
+    """The ring's stages: the tile's (chosen for a store that rounds first, ``tiles.tma_tiles``), no more
+    than the K steps over ``k_channels``, and where the store's exchange takes ``store_bytes`` per element
+    (:func:`exchange_bytes`) no more than keep the programs per SM the tile's stages keep and fit the SM's
+    shared memory; but 2 (the ring refills the stage whose MMA the wait before it retired)."""
+    target = tma_programs_per_sm(tile, tile.num_stages)
+    fit = [n for n in range(2, tile.num_stages + 1) if tma_programs_per_sm(tile, n, store_bytes) >= target
+           and _shared_bytes(tile, n, store_bytes) <= SM_SHARED_BYTES]  # fmt: skip
+    return max(2, min(tile.num_stages, -(-k_channels // tile.block_k), max(fit, default=2)))
 
 
 def grid_programs(tile: Any, k_channels: int, n_channels: int, m_tiles: int, device: torch.device,
-                  program_stats: bool) -> int:  # fmt: skip
+                  program_stats: bool, store_bytes: int = 2) -> int:  # fmt: skip
     """The persistent grid of a GEMM over ``k_channels`` into ``n_channels``: as many programs as fit the
-    device's SMs at once (by shared memory and registers), at most one per tile; with ``program_stats``
-    (each program sums the statistics of its tiles, which then must share one N tile) a multiple of the
-    N tiles, ``lanes`` of them each."""
+    device's SMs at once (by shared memory, the store's exchange of ``store_bytes`` per element included,
+    and registers), at most one per tile; with ``program_stats`` (each program sums the statistics of its
+    tiles, which then must share one N tile) a multiple of the N tiles, ``lanes`` of them each."""
     n_tiles = -(-n_channels // tile.block_n)
-    capacity = tma_programs_per_sm(tile, ring_stages(tile, k_channels)) * multiprocessors(device)
+    stages = ring_stages(tile, k_channels, store_bytes)
+    capacity = tma_programs_per_sm(tile, stages, store_bytes) * multiprocessors(device)
     if program_stats:
         return max(1, min(m_tiles, capacity // n_tiles)) * n_tiles
     return min(m_tiles * n_tiles, capacity)
@@ -481,7 +539,8 @@ class TmaLaunch:
     ``geo``: the plan's ``_Geometry`` (the forward's; the input gradient's GEMM exchanges its channels);
     ``m_tiles``: row tiles of ``block_m`` rows; ``programs``: the persistent grid (:func:`grid_programs`,
     which the plan's reduction reads too); ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG`` of the
-    gather kernel's); ``program_stats``: the sums per program, not per tile (:func:`lane_rows`).
+    gather kernel's); ``program_stats``: the sums per program, not per tile (:func:`lane_rows`);
+    ``rounded``: the store rounds first (:func:`round_first`).
 
     The tensor descriptors are kept per operand by data pointer (the plan fixes every shape and stride
     they hold): a call on memory seen before builds none.  NOTE: building and validating the two per
@@ -490,12 +549,14 @@ class TmaLaunch:
     6.5 us, two ``TensorDescriptor`` 4.6 us; a scratch timing of the plan's calls)."""
 
     def __init__(self, tile: Any, geo: Any, m_tiles: int, programs: int, constexprs: dict[str, Any],
-                 program_stats: bool, dtype: torch.dtype, grad: bool = False) -> None:  # fmt: skip
+                 program_stats: bool, dtype: torch.dtype, rounded: bool, grad: bool = False) -> None:  # fmt: skip
         self.tile, self.geo = tile, geo
         k_channels, n_channels = (geo.c_out, geo.c_in) if grad else (geo.c_in, geo.c_out)
-        constexprs = dict(constexprs, EVEN_K=k_channels % tile.block_k == 0, BLOCK_M=tile.block_m,
-                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=ring_stages(tile, k_channels),
-                          PROGRAM_STATS=program_stats, GRAD=grad, num_warps=tile.num_warps)  # fmt: skip
+        stages = ring_stages(tile, k_channels, exchange_bytes(rounded))
+        constexprs = dict(constexprs, EVEN_K=k_channels % tile.block_k == 0, ROUND_FIRST=rounded,
+                          EARLY_X=grad and early_x_read(k_channels, tile.block_k), BLOCK_M=tile.block_m,
+                          BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages, PROGRAM_STATS=program_stats,
+                          GRAD=grad, num_warps=tile.num_warps)  # fmt: skip
         fixed = (geo.m, k_channels, n_channels, m_tiles, math.prod(geo.out_size))
         self.launch = FastLaunch(tma_fprop_kernel, (programs,), constexprs, fixed=fixed)
         self.a_block = [tile.block_m, tile.block_k]
