@@ -55,8 +55,8 @@ class BatchNormConvPattern(ConvAnchoredPattern):
     name = "batch_norm_conv"
     precedence = Precedence.TAKES_ITS_INPUT
     # NOTE: opt-in (``patterns=[..., "batch_norm_conv"]``, ``"all"`` or ``FUSION_PATTERNS``) until its op
-    # wins a region: with every region fused, ResNet-50's bf16 training step under CUDA graphs ran 0.94x
-    # Inductor (H200, code of 1e7fb81; ``FUSION_DECIDE=fuse FUSION_PATTERNS=batch_norm_conv python -m fusion_backend bench
+    # wins a region: with every region fused, ResNet-50's bf16 training step under CUDA graphs ran 0.95x
+    # Inductor (H200, code of ee43d42; ``FUSION_DECIDE=fuse FUSION_PATTERNS=batch_norm_conv python -m fusion_backend bench
     # --log --dtype bf16 --mode train --backends eager,inductor,fusion --no-memory --no-cold --no-chart
     # --compile-mode reduce-overhead --suite demos/realnets/resnet50.py``), each pass at the faster of its
     # two implementations (the log's impl-choice lines; docs/perf/RESULTS.md, ``batch_norm_conv``).  By

@@ -52,7 +52,8 @@ per tile.  Gluon states its layouts:
 * the store converts the accumulator to a layout whose lanes run along the channels and whose
   threads each hold ``BLOCK_M / num_warps`` rows of their columns, and calls the family's own
   :func:`epilogue.store_tile` there: the bias, scale, chain, activations, residual and saved conv are
-  the gather kernel's formulas;
+  the gather kernel's formulas; a store with no fp32 arithmetic before its one rounding converts the
+  accumulator already rounded (:func:`round_first`: 16-bit values in the exchange's shared memory);
 * a BatchNorm's statistics are summed per program, not per tile: the grid is a multiple of the N
   tiles, so a program's tiles share their channels; each thread adds its own rows' deviations from the
   program's shift (its first tile's mean) and their squares in registers over all the program's
