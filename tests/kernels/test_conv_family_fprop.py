@@ -817,6 +817,19 @@ def test_tma_grid_and_statistics_lanes_cover_every_tile_once(c_in, c_out, m):
         assert per_lane[0] == sum(rows[0::lanes]) and per_lane[-1] == sum(rows[lanes - 1::lanes])
 
 
+def test_tma_store_rounds_first_only_without_fp32_arithmetic_and_reads_x_prev_early_on_one_k_step():
+    """The TMA kernel's host rules (CPU): the forward's store rounds before its layout exchange unless it
+    computes in fp32 first (a bias, chain, activation, residual, scale or saved conv), the input
+    gradient's unless it applies act'; the exchange then takes 2 bytes per element, else 4; the input
+    gradient reads x_prev before the step's wait exactly where its GEMM takes one K step."""
+    from fusion_backend.kernels.conv.tma_fprop import early_x_read, exchange_bytes, round_first
+
+    assert round_first(False, 1) and not round_first(False, 0, store_arithmetic=True)
+    assert round_first(True, 0) and not round_first(True, 1)
+    assert (exchange_bytes(True), exchange_bytes(False)) == (2, 4)
+    assert early_x_read(64, 64) and early_x_read(40, 64) and not early_x_read(72, 64)
+
+
 @pytest.mark.parametrize("why,conv,tile", [
     ("a 3x3 conv", dict(padding=1), TileConfig(64, 64, 64, 4, 2, tma=True)),
     ("a strided 1x1", dict(stride=2), TileConfig(64, 64, 64, 4, 2, tma=True)),
