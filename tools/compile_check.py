@@ -14,7 +14,9 @@ every kernel launch is recorded instead of run (``tools/kernel_compile.py``).  E
 goes through Triton's own argument binder and ``_pack_args`` (the code a real launch runs), so the
 signature, the constexprs and the divisibility attributes are exactly the ones a CUDA launch
 compiles; then Triton -> PTX -> cubin for sm_90a, and Triton's bundled ``ptxas-blackwell -v``
-reports registers and spill stores, besides shared memory and whether ``wgmma`` appears in the PTX.
+reports registers and spill stores, besides shared memory and whether ``wgmma`` appears in the PTX,
+and its ``wgmma`` pipeline advisories (``wgmma_advice=C7517x1``: a ``warpgroup.wait`` ptxas injected, or
+C7515, ``wgmma`` serialised; MMAs the kernel meant to keep in flight then run synchronously).
 A job's tiled kernel is compiled for every tile of its list that fits the launch (only the first
 with ``--quick``): ``conv_fused`` / ``conv_dense``: the tiles their ``_prune`` keeps (what the
 autotuner times); ``conv_fused_bwd``: every config of ``_dgrad_configs`` / ``_wgrad_configs``;

@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +162,10 @@ class Report:
     ptx_lines: int
     ptxas_error: str = ""  # ptxas's message when it reported no registers
     sass: str = ""
+    #: ptxas's wgmma pipeline advisories by code, e.g. ``C7517`` (a ``warpgroup.wait`` it injected before
+    #: registers an in-flight ``wgmma`` defines are read) or ``C7515`` (the kernel's ``wgmma`` serialised):
+    #: where they appear, MMAs the kernel meant to keep in flight run synchronously
+    wgmma_advice: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -175,6 +179,9 @@ class Report:
     def line(self) -> str:
         text = (f"{self.seconds:5.1f}s regs={','.join(self.registers)} spill={','.join(self.spill_stores) or '?'} "
                 f"shared={self.shared} wgmma={self.wgmma} ptx_lines={self.ptx_lines}")  # fmt: skip
+        if self.wgmma_advice:
+            counts = {code: self.wgmma_advice.count(code) for code in sorted(set(self.wgmma_advice))}
+            text += " wgmma_advice=" + ",".join(f"{code}x{n}" for code, n in counts.items())
         if self.ptxas_error:
             text += f"\n        {self.ptxas_error}"
         if self.sass:
@@ -182,8 +189,9 @@ class Report:
         return text
 
 
-def ptxas_report(ptx: str) -> tuple[list[str], list[str], str]:
-    """``(registers, spill stores, ptxas's message when it reported no registers)`` of ``ptx`` for sm_90a."""
+def ptxas_report(ptx: str) -> tuple[list[str], list[str], str, list[str]]:
+    """``(registers, spill stores, ptxas's message when it reported no registers, its wgmma advisories'
+    codes)`` of ``ptx`` for sm_90a (:attr:`Report.wgmma_advice`)."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
@@ -193,7 +201,8 @@ def ptxas_report(ptx: str) -> tuple[list[str], list[str], str]:
         os.unlink(f.name)
     regs = re.findall(r"Used (\d+) registers", proc.stderr)
     error = "" if regs else f"ptxas exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[:400]!r}"
-    return regs, re.findall(r"(\d+) bytes spill stores", proc.stderr), error
+    advice = re.findall(r"\((C75\d\d)\)[^\n]*(?:wgmma|warpgroup)", proc.stderr)
+    return regs, re.findall(r"(\d+) bytes spill stores", proc.stderr), error, advice
 
 
 def compile_specialisation(
@@ -209,9 +218,9 @@ def compile_specialisation(
     compiled = triton.compile(compile_source(spec.kernel, spec.signature, spec.constexprs, spec.attrs),
                               target=TARGET, options=spec.options.__dict__)  # fmt: skip
     ptx, cubin = compiled.asm["ptx"], compiled.asm["cubin"]
-    regs, spills, error = ptxas_report(ptx)
+    regs, spills, error, advice = ptxas_report(ptx)
     report = Report(time.time() - start, regs, spills, compiled.metadata.shared, "wgmma" in ptx,
-                    ptx.count("\n"), error)  # fmt: skip
+                    ptx.count("\n"), error, wgmma_advice=advice)  # fmt: skip
     keep = keep or {}
     listing = sass_listing(cubin) if sass_rates is not None or "sass" in keep else []
     if sass_rates is not None:
