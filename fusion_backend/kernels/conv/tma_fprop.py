@@ -249,8 +249,9 @@ if GLUON:
         ``N_CH = C_in``): ``a_desc`` grad_y's ``[M, C_out]`` rows, ``b_desc`` the weight's ``[C_out, C_in]``
         matrix with box ``[BLOCK_K, BLOCK_N]`` (read as it lies), no prologue on A; the store is
         ``grad_epilogue.store_grad_tile``'s, its x_prev tile (``xp_ptr``, the ``[M, C_in]`` rows, dense)
-        read at the tile's first K step or after its K loop (``EARLY_X``); ``PROLOGUE`` .. ``ACT_IN`` the forward's hooks that it
-        recomputes (``ACT_IN`` 0: none), ``p0..p3`` their vectors, ``slope_in`` act_in's slope; ``STATS`` (with
+        read before the wait of the tile's one K step or after its K loop (``EARLY_X``); ``PROLOGUE`` ..
+        ``ACT_IN`` the forward's hooks that it recomputes (``ACT_IN`` 0: none), ``p0..p3`` their vectors,
+        ``slope_in`` act_in's slope; ``STATS`` (with
         ``PROGRAM_STATS``): the BatchNorm-backward sums per program (``mean_ptr``, ``rstd_ptr``: fp32
         ``(C_in,)``), one row of ``(2, programs / N_TILES, C_in)`` in ``part_ptr``: Σ grad_z and Σ grad_z · x̂
         over the program's rows (``stats.reduce_grad_partials``).  The forward's other pointers unused.
