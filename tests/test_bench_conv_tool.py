@@ -319,9 +319,9 @@ def test_tile_sweep_scores_a_set_by_its_best_member_per_row_and_needs_cuda(capsy
 
 def test_tile_sweep_variants_follow_the_options() -> None:
     """``sweep_conv_tiles``' variants of one grid tile: boxes for the gradients only, several taps and
-    programs per SM for the weight gradient only (each variant again at each), the TMA weight gradient's
-    tiles where the call is stride 1 with one group, each at both of its own programs per SM and the
-    asked ones."""
+    programs per SM for the weight gradient only (each variant again at each), the TMA row kernel's for a
+    1x1 forward and input gradient, the TMA weight gradient's tiles where the call is stride 1 with one
+    group, each at both of its own programs per SM and the asked ones."""
     import sweep_conv_tiles
 
     from fusion_backend.kernels.conv.tiles import TileConfig
@@ -335,6 +335,10 @@ def test_tile_sweep_variants_follow_the_options() -> None:
         "64x64x64 w4 s3"]  # a 3x3 forward: no box, no taps, no TMA, no split
     per_sm = [[t.programs_per_sm for t in sweep_conv_tiles.tma_wgrad_variants(conv3, False, extra)] for extra in ((), (4,))]
     assert per_sm == [[2, 1], [2, 1, 4]]  # the two offered tiles are one tile at 4 per SM
+    conv1 = ConvShape((8, 64, 56, 56), (256, 64, 1, 1), (1, 1), (0, 0), (1, 1), 1, False)
+    for pass_name in ("fprop", "dgrad"):  # a 1x1 without padding: the TMA row kernel's too
+        labels = [v.label() for v in sweep_conv_tiles.tile_variants(tile, conv1, pass_name, False, False, True, ())]
+        assert labels == ["64x64x64 w4 s3", "64x64x64 w4 s3 tma"]
     strided = ConvShape((8, 64, 56, 56), (64, 64, 3, 3), (2, 2), (1, 1), (1, 1), 1, False)
     assert sweep_conv_tiles.tma_wgrad_variants(strided, False, (1,)) == []
     with pytest.raises(Exception, match="from 1 to 4"):

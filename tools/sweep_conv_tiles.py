@@ -14,8 +14,8 @@ on channels-last bf16 (``--dtype``) tensors; with ``--box`` each gradient tile a
 loading boxes (``tiles.box_width``'s shape; where the call refuses a box, the tile's gather time stands
 for it, as the timed choice would then run the gather); with ``--taps`` each tap-major weight-gradient
 tile also taking 3 (or 2) taps per program (``TileConfig.taps_per_program``); with ``--tma`` each forward
-tile of a 1x1 conv also as the TMA forward's (``TileConfig.tma``; a call it does not take, stride 2 or
-fp32, is skipped) and the TMA weight gradient's tiles timed beside the grid's (``tiles.tma_wgrad_tiles``);
+tile and input-gradient tile of a 1x1 conv also as the TMA row kernel's (``TileConfig.tma``; a call it
+does not take, stride 2 or fp32, is skipped) and the TMA weight gradient's tiles timed beside the grid's (``tiles.tma_wgrad_tiles``);
 with ``--per-sm 1,4`` each weight-gradient tile also with its split aiming at those programs per SM
 (``TileConfig.programs_per_sm``; the split's cost against its programs); with ``--hooked`` the passes with their hooks
 (``tools/bench_conv.py``'s: the forward with a BatchNorm + ReLU prologue and the output statistics, the
@@ -89,8 +89,8 @@ def tile_variants(tile: Any, shape: Any, pass_name: str, box: bool, taps: bool, 
                   per_sm: tuple[int, ...]) -> list[Any]:  # fmt: skip
     """``tile`` and the variants the options add for ``pass_name`` on ``shape``: a box load of the same
     tile (``box``, the gradients), 3 or 2 taps per program (``taps``, a tap-major weight gradient), the TMA
-    forward's (``tma``, a 1x1 forward without padding), then every weight-gradient variant again at each
-    of ``per_sm``'s programs per SM."""
+    row kernel's (``tma``, a 1x1 forward or input gradient without padding), then every weight-gradient
+    variant again at each of ``per_sm``'s programs per SM."""
     from fusion_backend.kernels.conv.tiles import box_width, several_taps
 
     cin_g = shape.w_shape[1]
@@ -104,8 +104,8 @@ def tile_variants(tile: Any, shape: Any, pass_name: str, box: bool, taps: bool, 
         per = several_taps(n_taps)
         if per > 1:
             variants.append(dataclasses.replace(tile, taps_per_program=per))
-    if (tma and pass_name == "fprop" and not tile.flat_k and tile.block_m >= 64 and tile.num_warps in (4, 8)
-            and n_taps == 1 and not any(shape.padding)):  # fmt: skip
+    if (tma and pass_name in ("fprop", "dgrad") and not tile.flat_k and tile.block_m >= 64
+            and tile.num_warps in (4, 8) and n_taps == 1 and not any(shape.padding)):  # fmt: skip
         variants.append(dataclasses.replace(tile, tma=True))
     if pass_name == "wgrad":
         variants += [dataclasses.replace(v, programs_per_sm=n) for n in per_sm for v in list(variants)

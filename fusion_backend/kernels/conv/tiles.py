@@ -438,8 +438,9 @@ def tma_programs_per_sm(tile: TileConfig, stages: int, store_bytes: int = 2) -> 
 # 56 0.0587 against 0.0683, 1024 -> 256 at 14 x 14 0.0180 against 0.0206 (n256 wgmma: half the A reads
 # per MMA of the 128-wide tile).  With the prologue it won one forward of five (512 -> 256, 0.0643
 # against 0.0685), the 4-warp 128 x 64 tile three; with an input gradient's x_prev tile in registers its
-# accumulator leaves no room.  A scratch sweep of the TMA kernel's tiles, stages and programs per SM;
-# 256 x 128 on 8 warps ran within 3% of 128 x 256 and is not offered.
+# accumulator leaves no room.  256 x 128 on 8 warps ran within 3% of 128 x 256 and is not offered.  (A
+# scratch sweep of the TMA kernel's tiles, stages and programs per SM; ``python tools/sweep_conv_tiles.py
+# demos/realnets/resnet50.py --passes fprop,dgrad --tma --filter '*k1x1 p0*'`` times the same tiles.)
 def tma_tiles(c_in: int, c_out: int, m: int, min_warps: int = 4, wide: bool = False) -> list[TileConfig]:
     """The TMA forward's tiles for a 1x1 conv of ``c_in`` -> ``c_out`` channels over ``m`` output
     positions (16-bit operands; an input gradient's GEMM: its output channels in ``c_in``'s place), best
