@@ -278,10 +278,9 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
     if m == 0:
         return [first]
-    if tma:  # NOTE: the input gradient's hooked store (act', the sums) spilled 96 bytes on 4 warps at 128 x 64
-        # (``python tools/compile_check.py conv_tma --cases resnet_1x1-bf16-hooked``, Triton 3.6): 8 warps there
-        warps = 8 if pass_name == "dgrad" and epilogue_hooks else 4
-        return best_first([first, *tma_tiles(k_channels, n_channels, m, min_warps=warps, wide=plain)])
+    if tma:
+        grad_hooks = pass_name == "dgrad" and epilogue_hooks  # ``tma_tiles``' NOTE
+        return best_first([first, *tma_tiles(k_channels, n_channels, m, wide=plain, grad_hooks=grad_hooks)])
     if first.flat_k:
         other_warps = replace(first, num_warps=12 - first.num_warps)  # 4 <-> 8
         halved = replace(first, block_m=max(16, first.block_m // 2), num_warps=4)
@@ -441,23 +440,35 @@ def tma_programs_per_sm(tile: TileConfig, stages: int, store_bytes: int = 2) -> 
 # accumulator leaves no room.  256 x 128 on 8 warps ran within 3% of 128 x 256 and is not offered.  (A
 # scratch sweep of the TMA kernel's tiles, stages and programs per SM; ``python tools/sweep_conv_tiles.py
 # demos/realnets/resnet50.py --passes fprop,dgrad --tma --filter '*k1x1 p0*'`` times the same tiles.)
-def tma_tiles(c_in: int, c_out: int, m: int, min_warps: int = 4, wide: bool = False) -> list[TileConfig]:
+# NOTE: an input gradient with its hooks (relu' and the BatchNorm sums, x_prev's tile read into registers)
+# times 128 rows on 8 warps, then 64 rows on 4 warps (one warpgroup: its accumulator and x_prev's tile as
+# many registers per thread as the 8-warp 128-row tile's).  ResNet-50's hooked 1x1 input gradients at 14 x
+# 14 and 7 x 7 (H200, bf16, batch 64, GPU ms per call, the same scratch sweep as the NOTE above): 64 x 128
+# on 4 warps the fastest tile on all five, 256 -> 1024 at 14 x 14 0.0245 against 128 x 128 on 8 warps'
+# 0.0272, 1024 -> 256 0.0369 against 0.0430, 1024 -> 512 0.0479 against 0.0556, 2048 -> 512 at 7 x 7
+# 0.0276 against 0.0311, 512 -> 2048 0.0220 against 0.0248 (twice the tiles over few rows); 128 x 64 on 4
+# warps spilled 96 bytes (``python tools/compile_check.py conv_tma --cases resnet_1x1-bf16-hooked``).
+def tma_tiles(c_in: int, c_out: int, m: int, wide: bool = False, grad_hooks: bool = False) -> list[TileConfig]:
     """The TMA forward's tiles for a 1x1 conv of ``c_in`` -> ``c_out`` channels over ``m`` output
     positions (16-bit operands; an input gradient's GEMM: its output channels in ``c_in``'s place), best
     first: 128 rows by up to 128 output channels (8 warps past 64: two warpgroups of 64 rows each, 64
-    accumulator registers per thread), then 64 output channels on 4 warps (``min_warps``: at least that
-    many) where the layer is wider; ``wide`` (a pass without hooks) and 256 output channels or more: 128
-    by 256 on 8 warps first, then 128 by 128 (NOTE above).  K steps of 64 channels (fewer where ``c_in``
-    is narrower).  Stages: the most, up to 4, that keep as many programs per SM as the registers allow
-    (:func:`tma_programs_per_sm`, the store rounding first) and fit the SM's shared memory."""
+    accumulator registers per thread), then 64 output channels on 4 warps where the layer is wider;
+    ``wide`` (a pass without hooks) and 256 output channels or more: 128 by 256 on 8 warps first, then
+    128 by 128 (NOTE above); ``grad_hooks`` (an input gradient with its hooks): 128 rows by up to 128
+    channels on 8 warps, then 64 rows by as many on 4 (NOTE above).  K steps of 64 channels (fewer where
+    ``c_in`` is narrower).  Stages: the most, up to 4, that keep as many programs per SM as the registers
+    allow (:func:`tma_programs_per_sm`, the store rounding first) and fit the SM's shared memory."""
     block_k = min(64, max(16, next_pow2(c_in)))
     block_m = 128 if m > 64 else 64
-    widths = (min(128, max(16, next_pow2(c_out))), min(64, max(16, next_pow2(c_out))))
+    width = min(128, max(16, next_pow2(c_out)))
+    shapes = [(block_m, width, 8 if width > 64 else 4), (block_m, min(64, width), 4)]
     if wide and next_pow2(c_out) >= 256:
-        widths = (256, 128)
+        shapes = [(block_m, 256, 8), (block_m, 128, 8)]
+    elif grad_hooks:
+        shapes = [(block_m, width, 8), (64, width, 4)]
     tiles = []
-    for block_n in dict.fromkeys(widths):
-        tile = TileConfig(block_m, block_n, block_k, max(min_warps, 8 if block_n > 64 else 4), 2, tma=True)
+    for rows, block_n, warps in dict.fromkeys(shapes):
+        tile = TileConfig(rows, block_n, block_k, warps, 2, tma=True)
         most = tma_programs_per_sm(tile, 1)
         stages = max([2, *(n for n in (2, 3, 4) if tma_programs_per_sm(tile, n) == most
                            and tma_shared_bytes(tile, n) <= SM_SHARED_BYTES)])  # fmt: skip
