@@ -935,6 +935,17 @@ def test_halo_forward_matches_float64_with_every_prologue(name, xs, ws, conv, ki
     _check(f"halo {name} {kind}", x, w, b, prologue=prologue, act_in=act, stats=True, tile=SMALL_HALO, **conv)
 
 
+def test_halo_forward_writes_its_window_in_chunks_narrower_than_its_tile():
+    """A tile of 64 rows writes its halo (64 + 2 * 9 + 2 rows of a 9-wide plane) in chunks of 32 rows
+    (``halo.HALO_CHUNK``), the last one partial."""
+    g = torch.Generator().manual_seed(41)
+    x = _channels_last(_randn(2, 24, 7, 9, g=g))
+    w, b = _randn(20, 24, 3, 3, g=g, scale=0.3), _randn(20, g=g)
+    prologue = conv_prologue("channel_affine", 2, 24, g, DEVICE)
+    _check("halo chunks", x, w, b, padding=1, prologue=prologue, act_in="relu", stats=True,
+           tile=TileConfig(64, 16, 16, num_warps=4, num_stages=1, halo=True))  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_halo_forward_equals_the_gather_kernel_up_to_the_sum_order_and_repeats_bitwise(dtype):
     """The halo kernel computes what the gather kernel does (the same products, summed channel block by
