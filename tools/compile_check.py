@@ -67,7 +67,8 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   timed choice weighs, then its first tile on 8 warps with 1 and with 3 taps per program, the 3-wide
   kernels with more than one channel per group); default six of them.
 * ``conv_halo``: ``kernels/conv/halo.py``'s ``conv_fprop_halo_kernel`` through ``conv_fprop`` with the
-  heuristic's tile as the halo kernel's, on ``conv_family``'s 'same' stride-1 3x3 shapes (ResNet-50's of 64
+  heuristic's tile as the halo kernel's, then ``conv_wgrad_kernel`` with its halo (the several-taps tiles
+  the timed choice weighs), on ``conv_family``'s 'same' stride-1 3x3 shapes (ResNet-50's of 64
   channels, the SD VAE's of 512); ``bf16`` or ``fp32``; ``-hooked``: the BatchNorm + ReLU prologue and the
   output statistics.  Cases ``{resnet_3x3,vae_3x3}-{bf16,fp32}[-hooked]``; the bf16 hooked two by default.
 * ``conv_tma``: ``kernels/conv/tma_fprop.py``'s ``tma_fprop_kernel`` (Gluon) through ``conv_fprop`` with
@@ -609,11 +610,14 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             for tile in FAMILY_TILES.tma_wgrad_tiles(c_in, c_out, taps, out_shape[2:], rows, False):
                 FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=tile, **hooks, **geo)
             return
-        if halo:  # the heuristic's tile as the halo kernel's: the forward alone
+        if halo:  # the heuristic's tile as the halo kernel's; the weight gradient's several-taps tiles with one
             m = x_shape[0] * out_shape[2] * out_shape[3]
-            tile = dataclasses.replace(FAMILY_TILES.candidates("fprop", c_in, c_out, w_shape[2] * w_shape[3], m, dt)[0],
-                                       halo=True)  # fmt: skip
+            taps = w_shape[2] * w_shape[3]
+            tile = dataclasses.replace(FAMILY_TILES.candidates("fprop", c_in, c_out, taps, m, dt)[0], halo=True)
             FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
+            for wtile in FAMILY_TILES.candidates("wgrad", c_in, c_out, taps, m, dt, halo=True):
+                if wtile.halo:
+                    FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)
             return
         wtile = dtile = None
         if box:
@@ -758,7 +762,8 @@ JOBS = {job.name: job for job in (
         {f"{w}-{d}{h}": partial(conv_family_pass, w, d, bool(h), halo=True)
          for w in ("resnet_3x3", "vae_3x3") for d in CONV_FAMILY_DTYPES for h in ("", "-hooked")},
         ("resnet_3x3-bf16-hooked", "vae_3x3-bf16-hooked"),
-        (TiledKernel("conv_fprop_halo_kernel", FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS)),),
+        (TiledKernel("conv_fprop_halo_kernel", FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS)),
+         TiledKernel("conv_wgrad_kernel", FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS))),
     ),
     Job(
         "conv_tma", "kernels/conv/tma_fprop.py: the Gluon TMA forward and input gradient, plain and hooked (conv_family's "

@@ -133,8 +133,10 @@ class TileConfig:
         if pass_name == "fprop" and self.box_w:
             raise ContractError(f"tile box_w={self.box_w}: the forward loads its A tiles by gather or as rows, "
                                 "not as boxes of the plane (fprop and tma_fprop module docstrings)")
-        if self.halo and (pass_name != "fprop" or self.flat_k or self.tma):
-            raise ContractError(f"tile {self.label()}: the halo kernel is the forward's, tap-major, not a TMA tile")
+        if self.halo and (pass_name == "dgrad" or self.flat_k or self.tma or self.box_w
+                          or (pass_name == "wgrad" and self.taps_per_program < 2)):  # fmt: skip
+            raise ContractError(f"tile {self.label()}: a halo is the forward's or, with several taps per program, "
+                                "the weight gradient's, on a tap-major gather tile")
         if pass_name != "wgrad" and (self.taps_per_program != 1 or self.programs_per_sm != 2):
             raise ContractError(f"tile {self.label()}: several taps per program and a split's programs per SM are "
                                 "the weight gradient's")
@@ -279,7 +281,8 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     (``tma_fprop.supports_grad``): the heuristic's gather tile (what runs untimed), then the TMA kernel's
     tiles (:func:`tma_tiles`; ``plain``: the pass runs no hooks, so the wide TMA tile too).  ``halo``: a
     hooked forward the halo kernel takes (``kernels/conv/halo.py``): the heuristic's tile as the halo
-    kernel's comes second.  An empty problem (``m == 0``) gets its first tile alone."""
+    kernel's comes second; a hooked weight gradient whose several taps per program are a kernel row's:
+    those tiles with the halo (``wgrad``'s ``HALO``).  An empty problem (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
@@ -306,7 +309,7 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
             if staged <= _SHARED_BYTES:  # a grad_y tile and ``per`` A tiles per pipeline stage
                 # the accumulators within 96 fp32 registers per thread: 4 warps up to three of 64 x 64
                 warps = 4 if per * tile.block_m * tile.block_n <= 3 * 64 * 64 else 8
-                kept.append(replace(tile, taps_per_program=per, num_warps=warps))
+                kept.append(replace(tile, taps_per_program=per, num_warps=warps, halo=halo))
     if box_plane is not None:
         kept.append(replace(first, box_w=box_width(*box_plane, first.block_m)))
     if epilogue_hooks and pass_name == "dgrad" and first.num_warps == 4:
