@@ -207,6 +207,58 @@ def test_wgrad_with_several_taps_per_program_recomputes_each_prologue(kind, act)
                           dataclasses.replace(SMALL, taps_per_program=3), 2)  # fmt: skip
 
 
+#: The weight gradient's halo (several taps of a kernel row per program, their rows through the prologue
+#: once per M step): 'same' stride-1 convs; a channel tail (20 channels in blocks of 16), rows of 3 and of
+#: 2 taps, dilation 2 along the row, 1-d, groups.
+HALO_WGRAD = [
+    ("3x3-cin20", (2, 20, 5, 7), (24, 20, 3, 3), dict(padding=1), 3),
+    ("3x2-pad1x0-dil2", (2, 16, 7, 6), (8, 16, 3, 2), dict(padding=(1, 1), dilation=(1, 2)), 2),
+    ("conv1d-k3-dil2", (2, 16, 13), (8, 16, 3), dict(padding=2, dilation=2), 3),
+    ("groups2-1x3", (1, 32, 6, 5), (10, 16, 1, 3), dict(padding=(0, 1), groups=2), 3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=prologue_ids(PROLOGUES))
+@pytest.mark.parametrize("case", HALO_WGRAD, ids=[c[0] for c in HALO_WGRAD])
+def test_wgrad_with_a_halo_recomputes_each_prologue_once_per_row_window(case, kind, act):
+    """The halo weight gradient against float64 and autograd, every prologue kind: the taps' A tiles
+    are the window's rows as the forward's prologue makes them (padded taps and rows past M 0)."""
+    name, xs, ws, conv, taps = case
+    tile = dataclasses.replace(SMALL, taps_per_program=taps, halo=True)
+    _check_wgrad_prologue(f"wgrad-halo {name}", kind, act, xs, ws, conv, tile, 2)
+
+
+def test_wgrad_with_a_halo_equals_the_several_taps_gather_bit_for_bit():
+    """The window's A tiles are the gather's bit for bit (one rounding of the same fp32 prologue), summed in
+    the same order: the same partials, the same gradient."""
+    g = torch.Generator().manual_seed(43)
+    x = _channels_last(_randn(2, 20, 6, 7, g=g))
+    w = _randn(12, 20, 3, 3, g=g, scale=0.3)
+    gy = _channels_last(_randn(2, 12, 6, 7, g=g))
+    hooks = dict(prologue=conv_prologue("channel_affine", 2, 20, g, DEVICE), act_in="relu")
+    taps = dataclasses.replace(SMALL, taps_per_program=3)
+    gather = conv_wgrad(gy, x, w, tile=taps, split=2, bias_grad=True, padding=1, **hooks)
+    window = conv_wgrad(gy, x, w, tile=dataclasses.replace(taps, halo=True), split=2, bias_grad=True, padding=1,
+                        **hooks)  # fmt: skip
+    assert torch.equal(gather[0], window[0]) and torch.equal(gather[1], window[1])
+
+
+@pytest.mark.parametrize("why,xs,ws,conv,taps", [
+    ("a strided conv", (1, 16, 6, 6), (8, 16, 3, 3), dict(padding=1, stride=2), 3),
+    ("another size", (1, 16, 6, 6), (8, 16, 3, 3), {}, 3),
+    ("a 3-d conv", (1, 16, 3, 4, 4), (8, 16, 3, 3, 3), dict(padding=1), 3),
+    ("a kernel row's", (1, 16, 6, 6), (8, 16, 3, 1), dict(padding=(1, 0)), 3),
+], ids=lambda c: c if isinstance(c, str) else None)  # fmt: skip
+def test_a_halo_weight_gradient_the_call_cannot_take_is_refused_in_one_line(why, xs, ws, conv, taps):
+    g = torch.Generator().manual_seed(0)
+    x = _channels_last(_randn(*xs, g=g))
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    tile = dataclasses.replace(SMALL, taps_per_program=taps, halo=True)
+    with pytest.raises(ContractError, match=why) as info:
+        conv_wgrad(gy, x, _randn(*ws, g=g), tile=tile, **conv)
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("conv,taps,words", [
     (dict(ws=(8, 16, 2, 2)), 3, "4 taps it divides"),
     (dict(ws=(8, 3, 3, 3)), 3, "1 with a flat K walk"),  # 3 channels: a flat K walk

@@ -77,6 +77,9 @@ class TileConfig:
     #: the forward's prologue in wgmma's register layout: ``tma_fprop``), or with a box the weight
     #: gradient's (``tma_wgrad``)
     tma: bool = False
+    #: the forward's halo kernel (``halo``): a hooked conv wider than 1x1 normalises each tile's input
+    #: window once per channel block into a scratch slot, its taps then plain loads of the slot
+    halo: bool = False
     #: the weight gradient's split of M aims for this many programs per SM (``wgrad.pick_split``): 2 lets
     #: a second program's loads run under the first's MMAs; 1 halves the fp32 partials where one program
     #: per SM already streams its operands at full speed (TMA tiles: :func:`tma_wgrad_tiles`)
@@ -91,7 +94,7 @@ class TileConfig:
         """``M x N x K``, warps, stages and the K walk and load, e.g. ``128x64x64 w4 s3 box 8x16``."""
         walk = " flat" if self.flat_k else (f" box {self.box_h}x{self.box_w}" if self.box_w else "")
         taps = f" taps {self.taps_per_program}" if self.taps_per_program > 1 else ""
-        kernel = " tma" if self.tma else ""
+        kernel = " tma" if self.tma else " halo" if self.halo else ""
         per_sm = f" {self.programs_per_sm}/sm" if self.programs_per_sm != 2 else ""
         return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{walk}{taps}"
                 f"{kernel}{per_sm}")
@@ -130,6 +133,10 @@ class TileConfig:
         if pass_name == "fprop" and self.box_w:
             raise ContractError(f"tile box_w={self.box_w}: the forward loads its A tiles by gather or as rows, "
                                 "not as boxes of the plane (fprop and tma_fprop module docstrings)")
+        if self.halo and (pass_name == "dgrad" or self.flat_k or self.tma or self.box_w
+                          or (pass_name == "wgrad" and self.taps_per_program < 2)):  # fmt: skip
+            raise ContractError(f"tile {self.label()}: a halo is the forward's or, with several taps per program, "
+                                "the weight gradient's, on a tap-major gather tile")
         if pass_name != "wgrad" and (self.taps_per_program != 1 or self.programs_per_sm != 2):
             raise ContractError(f"tile {self.label()}: several taps per program and a split's programs per SM are "
                                 "the weight gradient's")
@@ -227,7 +234,8 @@ TMA_REGISTERS = 255
 
 def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: int, dtype: torch.dtype,
                depthwise_channels: int | None = None, box_plane: tuple[int, int] | None = None,
-               epilogue_hooks: bool = False, tma: bool = False, plain: bool = False) -> list[TileConfig]:  # fmt: skip
+               epilogue_hooks: bool = False, tma: bool = False, plain: bool = False,
+               halo: bool = False) -> list[TileConfig]:  # fmt: skip
     """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"), at most
     ``host.MAX_TUNED_CONFIGS`` (each compiles before it is timed): the heuristic's (:func:`pick_tile`
     with ``k_channels`` the channels per group a K step walks and ``n_channels`` those of the N axis),
@@ -271,8 +279,10 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     timed where a box is offered at 0.19-0.20 ms on both shapes swept.  ``tma``: a forward the
     Gluon TMA kernel takes (``tma_fprop.supports``), or an input gradient it takes
     (``tma_fprop.supports_grad``): the heuristic's gather tile (what runs untimed), then the TMA kernel's
-    tiles (:func:`tma_tiles`; ``plain``: the pass runs no hooks, so the wide TMA tile too).  An empty
-    problem (``m == 0``) gets its first tile alone."""
+    tiles (:func:`tma_tiles`; ``plain``: the pass runs no hooks, so the wide TMA tile too).  ``halo``: a
+    hooked forward the halo kernel takes (``kernels/conv/halo.py``): the heuristic's tile as the halo
+    kernel's comes second; a hooked weight gradient whose several taps per program are a kernel row's:
+    those tiles with the halo (``wgrad``'s ``HALO``).  An empty problem (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
@@ -281,6 +291,9 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     if tma:
         grad_hooks = pass_name == "dgrad" and epilogue_hooks  # ``tma_tiles``' NOTE
         return best_first([first, *tma_tiles(k_channels, n_channels, m, wide=plain, grad_hooks=grad_hooks)])
+    if halo and pass_name == "fprop" and not first.flat_k:
+        return best_first([first, replace(first, halo=True), *[t for t in candidates(
+            pass_name, k_channels, n_channels, taps, m, dtype, box_plane=box_plane)[1:]]])
     if first.flat_k:
         other_warps = replace(first, num_warps=12 - first.num_warps)  # 4 <-> 8
         halved = replace(first, block_m=max(16, first.block_m // 2), num_warps=4)
@@ -295,7 +308,7 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
             if staged <= _SHARED_BYTES:  # a grad_y tile and ``per`` A tiles per pipeline stage
                 # the accumulators within 96 fp32 registers per thread: 4 warps up to three of 64 x 64
                 warps = 4 if per * tile.block_m * tile.block_n <= 3 * 64 * 64 else 8
-                kept.append(replace(tile, taps_per_program=per, num_warps=warps))
+                kept.append(replace(tile, taps_per_program=per, num_warps=warps, halo=halo))
     if box_plane is not None:
         kept.append(replace(first, box_w=box_width(*box_plane, first.block_m)))
     if epilogue_hooks and pass_name == "dgrad" and first.num_warps == 4:

@@ -76,7 +76,7 @@ from ..host import cdiv, element_extent, multiprocessors
 from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import backward_dot_precision, round_tf32
-from . import hooks, tma_wgrad
+from . import halo, hooks, tma_wgrad
 from .boxes import box_descriptor, box_grid, box_refusal
 from .fprop import (
     _BIG_INDEX_THRESHOLD,
@@ -84,13 +84,22 @@ from .fprop import (
     _Geometry,
     _hashable,
     channels_last,
+    dense_channels_last,
     empty_channels_last,
     to_channels_last,
 )
 from .hooks import ActivationLike, Prologue
-from .prologue import box_coords, load_a_box, load_a_tile, load_depthwise_tile, window_rows
+from .prologue import (
+    activation,
+    box_coords,
+    load_a_box,
+    load_a_tile,
+    load_depthwise_tile,
+    normalise,
+    window_rows,
+)
 from .split_sum import split_sum_blocks, sum_dim, sum_slots
-from .tiles import TileConfig, cached_plan, candidates, tma_wgrad_tiles, tuned_tile
+from .tiles import TileConfig, cached_plan, candidates, several_taps, tma_wgrad_tiles, tuned_tile
 
 #: Each split of a weight gradient's M keeps at least this many M tiles (``pick_split``).
 _MIN_TILES_PER_SPLIT = 4
@@ -156,7 +165,7 @@ def _depthwise_weight_grad(x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p
 # resnet_3x3-bf16,resnet_3x3-bf16-hooked --kernels wgrad --sass``).  The price: one compile per output size.
 @triton.jit
 def conv_wgrad_kernel(
-    x_ptr, dy_ptr, x_desc, dy_desc, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+    x_ptr, dy_ptr, x_desc, dy_desc, scratch_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
     slope_in,
     M, D, H, W, C_IN, C_OUT, C_OUT_G, TILES_PER_SPLIT, GROUPS, OH_TILES, OW_TILES,
     x_sn, x_sd, x_sh, x_sw, dy_sn, dy_sd, dy_sh, dy_sw,
@@ -168,14 +177,19 @@ def conv_wgrad_kernel(
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
     BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
-    DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, TAPS_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, TAPS_PER_PROGRAM: tl.constexpr, HALO: tl.constexpr,
+    HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_N, BLOCK_K]`` partial tile of group ``g`` over split ``s``'s M tiles, where
     ``program_id(2) = s * GROUPS + g`` (module docstring); with ``BOX_W`` the M tiles are boxes of the
     output planes and both operands are loaded as boxes (:func:`_box_weight_grad`).  ``TAPS_PER_PROGRAM``
     (2 or 3; tap-major, gather): the program owns that many consecutive taps of one channel block, one
     accumulator each, and reads each ``grad_y`` tile once for all of them (``TileConfig.taps_per_program``).
+    ``HALO`` (with them, a 'same' stride-1 1-d or 2-d conv, x channels-last dense, its taps one kernel
+    row's): per M step the rows those taps read, ``BLOCK_M + (TAPS_PER_PROGRAM - 1) * DW`` consecutive
+    ones, go through the prologue once into the program's scratch slot, and each tap's A tile is a plain
+    load of the slot (:func:`_halo_window`; ``kernels/conv/halo.py`` explains the shift).
 
     Pointers (element offsets):
       x_ptr     the forward's input before its prologue, (N, C_IN, D, H, W), channel stride 1: element
@@ -186,6 +200,8 @@ def conv_wgrad_kernel(
       bpart_ptr BIAS_GRAD: fp32 (splits, C_OUT) contiguous, written by the ``kk == 0`` programs.
       x_desc, dy_desc ``BOX_W``: tensor descriptors of x and grad_y (``_box_weight_grad``); else any
                 tensors, unused.
+      scratch_ptr ``HALO``: one slot of ``HALO_CAP * BLOCK_K`` elements of x's dtype per program
+                (:func:`_halo_window`); else any tensor, unused.
       p0..p3    the forward's prologue vectors (``prologue.normalise``).
     Runtime: ``slope_in`` the leaky slope of ``ACT_IN``; ``M = N * OD * OH * OW``; ``TILES_PER_SPLIT``
     the M tiles of one split; ``OH_TILES`` / ``OW_TILES`` the boxes along an output plane (``BOX_W``).  Constexprs: the output's sizes ``OD, OH, OW``, then as
@@ -222,6 +238,14 @@ def conv_wgrad_kernel(
                                      PADDED, BIAS_GRAD, PRECISION, compute, BOX_W, BLOCK_M, BLOCK_N,
                                      BLOCK_K)  # fmt: skip
     else:
+        if HALO:  # the program's slot, its taps' kernel row and first column, their rows' shift from the outputs'
+            slot = scratch_ptr + (tl.program_id(0) + tl.num_programs(0) * (
+                pid_n + tl.num_programs(1) * pid_z)) * (HALO_CAP * BLOCK_K)  # fmt: skip
+            kh_halo = (kk // CB) // KW
+            kw_halo = (kk // CB) % KW
+            halo_shift = (kh_halo * DH - PH) * W + kw_halo * DW - PW
+            ci = (kk % CB) * BLOCK_K + tl.arange(0, BLOCK_K)
+            c_ok = ci < C_IN_G
         for t in range(0, TILES_PER_SPLIT):
             m = (split * TILES_PER_SPLIT + t) * BLOCK_M + mb
             m_ok = m < M
@@ -230,25 +254,40 @@ def conv_wgrad_kernel(
                                                                  PW, x_sn, x_sd, x_sh, x_sw, BIG)  # fmt: skip
             dy_row = _dy_rows(n, od, oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG)
             row_base += g * C_IN_G
-            a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
-                            p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                            C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                            FLAT_K, PADDED, True, compute, BLOCK_K)  # fmt: skip
+            if HALO:  # the taps' rows through the prologue once, into the slot
+                _halo_window(x_ptr, slot, (split * TILES_PER_SPLIT + t) * BLOCK_M + halo_shift, M, g * C_IN_G + ci,
+                             c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, H * W, PROLOGUE, G_NORM,
+                             NORM_AFFINE, ACT_IN, BIG, BLOCK_M + (TAPS_PER_PROGRAM - 1) * DW, HALO_CHUNK,
+                             BLOCK_K)  # fmt: skip
+                a = _halo_tap(slot, 0, kh_halo, kw_halo, ih0, iw0, m_ok, c_ok, H, W, DH, DW, PADDED, BLOCK_M, BLOCK_K)
+            else:
+                a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
+                                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                                C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                                FLAT_K, PADDED, True, compute, BLOCK_K)  # fmt: skip
             dy_mask = m_ok[:, None] & co_ok[None, :]
             dy = tl.load(dy_ptr + (dy_row + g * C_OUT_G)[:, None] + co[None, :], mask=dy_mask, other=0.0)
             dy_t = round_tf32(tl.trans(dy), PRECISION)
             acc = tl.dot(dy_t, round_tf32(a, PRECISION), acc, input_precision=PRECISION)
             if TAPS_PER_PROGRAM > 1:  # the same grad_y tile against the next taps' A tiles
-                a = load_a_tile(x_ptr, kk + CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
-                                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                                C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                                False, PADDED, True, compute, BLOCK_K)  # fmt: skip
+                if HALO:
+                    a = _halo_tap(slot, 1, kh_halo, kw_halo, ih0, iw0, m_ok, c_ok, H, W, DH, DW, PADDED, BLOCK_M,
+                                  BLOCK_K)  # fmt: skip
+                else:
+                    a = load_a_tile(x_ptr, kk + CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
+                                    p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                                    C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                                    False, PADDED, True, compute, BLOCK_K)  # fmt: skip
                 acc1 = tl.dot(dy_t, round_tf32(a, PRECISION), acc1, input_precision=PRECISION)
             if TAPS_PER_PROGRAM > 2:
-                a = load_a_tile(x_ptr, kk + 2 * CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
-                                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                                C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                                False, PADDED, True, compute, BLOCK_K)  # fmt: skip
+                if HALO:
+                    a = _halo_tap(slot, 2, kh_halo, kw_halo, ih0, iw0, m_ok, c_ok, H, W, DH, DW, PADDED, BLOCK_M,
+                                  BLOCK_K)  # fmt: skip
+                else:
+                    a = load_a_tile(x_ptr, kk + 2 * CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh,
+                                    x_sw, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                                    C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                                    False, PADDED, True, compute, BLOCK_K)  # fmt: skip
                 acc2 = tl.dot(dy_t, round_tf32(a, PRECISION), acc2, input_precision=PRECISION)
             if BIAS_GRAD:
                 bacc += tl.sum(dy.to(tl.float32), axis=0)
@@ -266,6 +305,55 @@ def conv_wgrad_kernel(
     if BIAS_GRAD:
         if kk == 0:
             tl.store(bpart_ptr + split * C_OUT + g * C_OUT_G + co, bacc, mask=co_ok)
+
+
+@triton.jit
+def _halo_window(x_ptr, slot, first, ROWS, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, PLANE,
+                 PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
+                 BIG: tl.constexpr, HALO_ROWS: tl.constexpr, HALO_CHUNK: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
+    """``HALO_ROWS`` flat rows of x (channels-last dense: row ``r`` at ``r * C_IN``) from ``first``, at
+    channels ``c`` (``c_ok`` the real ones), through the prologue and ``act_in`` (fp32, rounded once to
+    x's dtype, as ``prologue.load_a_tile``), into ``slot`` (``[HALO_ROWS, BLOCK_K]`` row-major), between two
+    CTA barriers: the slot's previous window read by every thread before, this one written by every
+    thread after.  Rows outside ``[0, ROWS)`` (x's rows) are written as anything (their taps' loads mask
+    them)."""
+    rc = tl.arange(0, HALO_CHUNK)
+    kb = tl.arange(0, BLOCK_K)
+    tl.debug_barrier()
+    for r0 in tl.static_range(0, HALO_ROWS, HALO_CHUNK):
+        rows = first + r0 + rc
+        mask = ((rows >= 0) & (rows < ROWS) & (r0 + rc < HALO_ROWS))[:, None] & c_ok[None, :]
+        if BIG:
+            offs = rows.to(tl.int64)[:, None] * C_IN + c[None, :]
+        else:
+            offs = rows[:, None] * C_IN + c[None, :]
+        v = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if PROLOGUE != 0 or ACT_IN != 0:
+            n = tl.minimum(tl.maximum(rows, 0), ROWS - 1) // PLANE
+            v = normalise(v.to(tl.float32), n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE, G_NORM,
+                          NORM_AFFINE)  # fmt: skip
+            v = activation(v, ACT_IN, slope_in)
+        tl.store(slot + (r0 + rc)[:, None] * BLOCK_K + kb[None, :], v.to(x_ptr.dtype.element_ty))
+    tl.debug_barrier()
+
+
+@triton.jit
+def _halo_tap(slot, j, kh, kw0, ih0, iw0, m_ok, c_ok, H, W, DH: tl.constexpr, DW: tl.constexpr,
+              PADDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The A tile of the program's ``j``-th tap (kernel row ``kh``, column ``kw0 + j``) from the window in
+    ``slot`` (:func:`_halo_window`): row ``i`` at slot row ``i + j * DW``, the pad lanes and rows past M 0
+    (``ih0``, ``iw0``: the rows' window origins; ``prologue.load_a_tile``'s mask)."""
+    r = tl.arange(0, BLOCK_M)
+    kb = tl.arange(0, BLOCK_K)
+    if PADDED:
+        hi = ih0 + kh * DH
+        wi = iw0 + (kw0 + j) * DW
+        r_ok = m_ok & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+    else:
+        r_ok = m_ok
+    return tl.load(slot + (r + j * DW)[:, None] * BLOCK_K + kb[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                   other=0.0, cache_modifier=".cg")  # fmt: skip
 
 
 @triton.jit
@@ -424,6 +512,16 @@ class _WgradPlan:
         g_norm, norm_affine = 1, False
         if isinstance(prologue, hooks.GroupAffine):
             g_norm, norm_affine = prologue.groups, prologue.weight is not None
+        #: the halo's scratch (``HALO``): one slot per program of ``halo_cap`` rows (elements; 0: none)
+        self.scratch_elems, halo_cap, chunk = 0, 0, halo.HALO_CHUNK
+        if tile.halo:
+            why = halo.applies(geo, not self.relayout_x and dense_channels_last(x), False)
+            if why is None and (taps_per < 2 or geo.kernel[2] % taps_per or self.box or self.depthwise):
+                why = "taps per program other than a kernel row's 2 or 3"
+            if why is not None:
+                raise ContractError(f"tile {tile.label()}: the halo weight gradient does not take {why}")
+            halo_cap = cdiv(tile.block_m + (taps_per - 1) * geo.dilation[2], chunk) * chunk
+            self.scratch_elems = k_steps * n_tiles * self.split * geo.groups * halo_cap * tile.block_k
         constexprs = dict(
             C_IN_G=geo.c_in_g, CIN_PAD=self.cin_pad, K_ROW=self.k_row, COUT_PAD=self.cout_pad,
             KD=geo.kernel[0], KH=geo.kernel[1], KW=geo.kernel[2],
@@ -432,7 +530,8 @@ class _WgradPlan:
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
             BIAS_GRAD=bias_grad, PRECISION=precision, BIG=big, FLAT_K=flat_k, DEPTHWISE=self.depthwise,
-            BOX_W=tile.box_w, TAPS_PER_PROGRAM=tile.taps_per_program, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+            BOX_W=tile.box_w, TAPS_PER_PROGRAM=tile.taps_per_program, HALO=tile.halo, HALO_CAP=halo_cap,
+            HALO_CHUNK=chunk, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
             BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
@@ -505,7 +604,8 @@ class _WgradPlan:
             tile = self.tile
             x_desc = box_descriptor(x, [1, 1, tile.box_h, tile.box_w, tile.block_k])
             dy_desc = box_descriptor(grad_y, [1, 1, tile.box_h, tile.box_w, tile.block_n])
-        self.launch(x, grad_y, x_desc, dy_desc, part, bpart, *p, slope_in)
+        scratch = torch.empty(self.scratch_elems, dtype=x.dtype, device=self.device) if self.scratch_elems else part
+        self.launch(x, grad_y, x_desc, dy_desc, scratch, part, bpart, *p, slope_in)
         self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
         grad_b = (bpart[0] if self.split == 1 else sum_dim(bpart, 0)).to(self.dtype) if self.bias_grad else None
         return grad_w, grad_b
@@ -581,9 +681,13 @@ def conv_wgrad(
         # boxes only where the hooks take the tile through registers anyway (``tiles.candidates``)
         hooked = prologue is not None or code_in != 0
         boxed = hooked and not wgrad_box_refusal(geo, xs, dys, None)
+        # the several-taps tiles with the halo where their taps are a kernel row's (``_WgradPlan``)
+        per = several_taps(geo.taps)
+        with_halo = (hooked and per > 1 and geo.kernel[2] % per == 0
+                     and halo.applies(geo, not channels_last(x) or dense_channels_last(x), False) is None)  # fmt: skip
         tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise sums
-                           geo.out_size[1:] if boxed else None)  # fmt: skip
+                           geo.out_size[1:] if boxed else None, halo=with_halo)  # fmt: skip
         if geo.m and tma_wgrad.supports(x, grad_y, weight, geo.stride, geo.groups):
             tiles = [*tiles, *tma_wgrad_tiles(geo.c_in, geo.c_out, geo.taps, geo.out_size[1:],
                                               geo.taps == 1 and not any(geo.padding), hooked)]  # fmt: skip

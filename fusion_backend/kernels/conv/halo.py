@@ -1,0 +1,158 @@
+"""The conv family's forward with its prologue applied once per input element and channel block (the
+*halo forward*): a variant of :func:`fprop.conv_fprop_kernel` for hooked convs wider than 1x1, which a
+:class:`tiles.TileConfig` with ``halo`` selects.
+
+WHY: the gather forward applies the prologue (the previous layer's normalisation and activation) to its
+A tile on every K step, so a 3x3 conv normalises each input element nine times, ALU work of the order
+of the MMA's at 64 output channels per tile (docs/perf/RESULTS.md: the hooked 3x3 of 64 channels at 56 x
+56 0.109 ms against the plain kernel's 0.050).  Here a program first normalises its tile's input window,
+the *halo*, once per channel block into a scratch slot of its own (global memory, L2-resident: one slot
+per program of a persistent grid), and each tap's A tile is then a plain masked load from the slot.
+
+Which convs: stride 1, 'same' size (the output plane is the input plane: ``OH == H``, ``OW == W``), one
+or two spatial dims (``KD == 1``), any kernel size, padding and dilation, groups, a channels-last dense
+``x``.  Then output row ``m`` (flat over ``(n, oh, ow)``) reads, at tap ``(kh, kw)``, input row ``m -
+(PH * W + PW) + kh * DH * W + kw * DW`` of ``x``'s flat ``[N * H * W, C_in]`` rows (where the tap lies
+inside the plane; the pad mask zeroes the others, as the gather kernel's): a shift uniform over the
+tile.  So the rows a tile's taps read are the ``HALO_ROWS = BLOCK_M + (KH - 1) * DH * W + (KW - 1) * DW``
+consecutive rows from its first row less ``PH * W + PW`` (:func:`halo_rows`).
+
+Per tile and channel block: a CTA barrier (every thread's reads of the slot's previous block are done),
+the halo's rows in chunks of :data:`HALO_CHUNK`: loaded, normalised and activated (fp32, one rounding to the
+compute dtype, as :func:`prologue.load_a_tile`), stored to the slot; a barrier; then each tap's A tile
+loaded from the slot (through L2: ``.cg``, the slot was written by other threads of the CTA) with the
+gather kernel's pad mask, and one dot with the weight's block of the tap.  Within a CTA, global writes
+before a barrier are visible to the CTA's loads after it.  The epilogue is :func:`epilogue.store_tile`.
+
+Prologue work per tile: ``HALO_ROWS`` rows (rounded up to :data:`HALO_CHUNK`) against ``BLOCK_M`` rows
+per tap (nine taps) in the gather kernel, 1.1-1.9x the tile's rows for ResNet-50's 3x3s at 7 x 7 to 56
+x 56; the slot is written once and read once per tap.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..tf32 import round_tf32
+from .epilogue import store_tile
+from .prologue import activation, normalise
+
+#: Programs per SM of the halo kernel's persistent grid, each with its scratch slot (the slots of a
+#: grid that fits the device at once stay in L2: 528 slots of 256 x 64 bf16 rows are 17 MB).
+PROGRAMS_PER_SM = 4
+#: Rows of the halo normalised per step: every lane of a step runs the prologue, so the halo's rows are
+#: rounded up to this many, not to a tile's (ResNet-50's 7 x 7 planes: 144 rows, 160 in steps of 32, 256
+#: in steps of 128).
+HALO_CHUNK = 32
+
+
+@triton.jit
+def conv_fprop_halo_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr,
+    p3_ptr, slope_in, slope_out, scratch_ptr,
+    M, H, W, C_IN, C_OUT, C_OUT_G, M_TILES, N_TILES, TILES, HALO_ROWS,
+    C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, K_ROW: tl.constexpr, COUT_PAD: tl.constexpr,
+    KH: tl.constexpr, KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
+    SAVE_CONV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr,
+    ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr, STATS: tl.constexpr, PRECISION: tl.constexpr,
+    BIG: tl.constexpr, HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Tiles ``program_id(0), + num_programs(0), ...`` of the ``TILES = groups * M_TILES * N_TILES``
+    output tiles (group slowest, then M tile, then N tile), each ``[BLOCK_M, BLOCK_N]`` (module
+    docstring).  ``x_ptr``: channels-last dense ``(N, C_IN, H, W)`` (row ``r`` of the flat ``[N * H *
+    W, C_IN]`` at ``r * C_IN``); ``scratch_ptr``: one slot of ``HALO_CAP * BLOCK_K`` elements of the
+    compute dtype per program; ``HALO_ROWS``: the rows a tile's taps read (:func:`halo_rows`), written
+    in chunks of ``HALO_CHUNK`` rows; ``HALO_CAP`` at least that, a multiple of ``HALO_CHUNK``.  The other pointers, sizes and constexprs are
+    :func:`fprop.conv_fprop_kernel`'s (the weight prearranged or in place as there, tap-major)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    compute = w_ptr.dtype.element_ty
+    CB: tl.constexpr = CIN_PAD // BLOCK_K
+    TAPS: tl.constexpr = KH * KW
+    PADDED: tl.constexpr = (PH > 0) or (PW > 0)
+    plane = H * W
+    rows_total = M  # 'same' stride 1: the input's flat rows are the output's
+    slot = scratch_ptr + pid * (HALO_CAP * BLOCK_K)
+    r = tl.arange(0, BLOCK_M)
+    rc = tl.arange(0, HALO_CHUNK)
+    kb = tl.arange(0, BLOCK_K)
+    for t in range(pid, TILES, programs):
+        g = t // (M_TILES * N_TILES)
+        pid_m = (t // N_TILES) % M_TILES
+        pid_n = t % N_TILES
+        m = pid_m * BLOCK_M + r
+        m_ok = m < M
+        mc = tl.minimum(m, M - 1)
+        oh = (mc % plane) // W
+        ow = mc % W
+        first = pid_m * BLOCK_M - (PH * W + PW)  # the halo's first flat input row (may be negative)
+        co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_cols = w_ptr + g * (COUT_PAD * K_ROW) + co[None, :] * K_ROW  # [1, BLOCK_N]; padded rows: no mask
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for cb in range(0, CB):
+            ci = cb * BLOCK_K + kb
+            c_ok = ci < C_IN_G
+            c = g * C_IN_G + ci
+            tl.debug_barrier()  # the slot's previous block read by every thread
+            for r0 in range(0, HALO_ROWS, HALO_CHUNK):
+                rows = first + r0 + rc
+                rows_ok = (rows >= 0) & (rows < rows_total) & (r0 + rc < HALO_ROWS)
+                mask = rows_ok[:, None] & c_ok[None, :]
+                if BIG:
+                    offs = rows.to(tl.int64)[:, None] * C_IN + c[None, :]
+                else:
+                    offs = rows[:, None] * C_IN + c[None, :]
+                v = tl.load(x_ptr + offs, mask=mask, other=0.0)
+                if PROLOGUE != 0 or ACT_IN != 0:
+                    n = tl.minimum(tl.maximum(rows, 0), rows_total - 1) // plane
+                    v = normalise(v.to(tl.float32), n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE,
+                                  G_NORM, NORM_AFFINE)  # fmt: skip
+                    v = activation(v, ACT_IN, slope_in)
+                tl.store(slot + (r0 + rc)[:, None] * BLOCK_K + kb[None, :], v.to(compute))
+            tl.debug_barrier()  # the block's halo written by every thread
+            for tap in range(0, TAPS):
+                kh = tap // KW
+                kw = tap % KW
+                local = r + (kh * DH * W + kw * DW)  # the rows' inputs at the tap, as rows of the slot
+                if PADDED:
+                    hi = oh - PH + kh * DH
+                    wi = ow - PW + kw * DW
+                    r_ok = m_ok & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+                else:
+                    r_ok = m_ok
+                a = tl.load(slot + local[:, None] * BLOCK_K + kb[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                            other=0.0, cache_modifier=".cg")  # fmt: skip
+                b = tl.load(w_cols + (tap * CIN_PAD + cb * BLOCK_K + kb)[:, None])
+                acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
+        store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr,
+                   res_ptr, part_ptr, q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN,
+                   ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
+
+
+def halo_rows(block_m: int, width: int, kernel: tuple[int, int], dilation: tuple[int, int]) -> int:
+    """The consecutive flat input rows one tile of ``block_m`` output rows reads over every tap of a
+    'same', stride-1 conv over planes ``width`` wide (module docstring)."""
+    return block_m + (kernel[0] - 1) * dilation[0] * width + (kernel[1] - 1) * dilation[1]
+
+
+def applies(geo: object, x_dense: bool, per_sample_stats: bool) -> str | None:
+    """Why the halo forward cannot run a call (``fprop._Geometry`` ``geo``), or None where it can: stride
+    1, 'same' size, no depth (``KD == 1``), more than one input channel per group, a channels-last dense
+    ``x`` (``x_dense``) and no per-sample statistics (its tiles cross samples)."""
+    if any(s != 1 for s in geo.stride):
+        return "a strided conv"
+    if tuple(geo.out_size) != tuple(geo.size):
+        return "an output plane of another size than the input's"
+    if geo.kernel[0] != 1 or geo.size[0] != 1:
+        return "a 3-d conv"
+    if geo.c_in_g == 1:
+        return "one input channel per group (the depthwise path)"
+    if not x_dense:
+        return "an x that is not channels-last dense"
+    if per_sample_stats:
+        return "per-sample statistics"
+    return None
