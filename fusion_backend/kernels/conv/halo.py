@@ -48,6 +48,36 @@ HALO_CHUNK = 32
 
 
 @triton.jit
+def write_window(x_ptr, slot, first, ROWS, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, PLANE, HALO_ROWS,
+                 PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
+                 BIG: tl.constexpr, HALO_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``HALO_ROWS`` flat rows of x (channels-last dense: row ``r`` at ``r * C_IN``) from ``first``, at
+    channels ``c`` (``c_ok`` the real ones), through the prologue and ``act_in`` (fp32, rounded once to
+    x's dtype, as ``prologue.load_a_tile``), into ``slot`` (row-major ``[rows, BLOCK_K]``), in chunks of
+    ``HALO_CHUNK`` rows, between two CTA barriers: the slot's previous window read by every thread before,
+    this one written by every thread after.  Rows outside ``[0, ROWS)`` (x's) are written as anything:
+    the taps' loads mask them.  ``PLANE``: rows per sample (a per-sample prologue's index)."""
+    rc = tl.arange(0, HALO_CHUNK)
+    kb = tl.arange(0, BLOCK_K)
+    tl.debug_barrier()
+    for r0 in range(0, HALO_ROWS, HALO_CHUNK):
+        rows = first + r0 + rc
+        mask = ((rows >= 0) & (rows < ROWS) & (r0 + rc < HALO_ROWS))[:, None] & c_ok[None, :]
+        if BIG:
+            offs = rows.to(tl.int64)[:, None] * C_IN + c[None, :]
+        else:
+            offs = rows[:, None] * C_IN + c[None, :]
+        v = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if PROLOGUE != 0 or ACT_IN != 0:
+            n = tl.minimum(tl.maximum(rows, 0), ROWS - 1) // PLANE
+            v = normalise(v.to(tl.float32), n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE, G_NORM,
+                          NORM_AFFINE)  # fmt: skip
+            v = activation(v, ACT_IN, slope_in)
+        tl.store(slot + (r0 + rc)[:, None] * BLOCK_K + kb[None, :], v.to(x_ptr.dtype.element_ty))
+    tl.debug_barrier()
+
+
+@triton.jit
 def conv_fprop_halo_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr,
     p3_ptr, slope_in, slope_out, scratch_ptr,
@@ -70,7 +100,6 @@ def conv_fprop_halo_kernel(
     :func:`fprop.conv_fprop_kernel`'s (the weight prearranged or in place as there, tap-major)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    compute = w_ptr.dtype.element_ty
     CB: tl.constexpr = CIN_PAD // BLOCK_K
     TAPS: tl.constexpr = KH * KW
     PADDED: tl.constexpr = (PH > 0) or (PW > 0)
@@ -78,7 +107,6 @@ def conv_fprop_halo_kernel(
     rows_total = M  # 'same' stride 1: the input's flat rows are the output's
     slot = scratch_ptr + pid * (HALO_CAP * BLOCK_K)
     r = tl.arange(0, BLOCK_M)
-    rc = tl.arange(0, HALO_CHUNK)
     kb = tl.arange(0, BLOCK_K)
     for t in range(pid, TILES, programs):
         g = t // (M_TILES * N_TILES)
@@ -97,23 +125,8 @@ def conv_fprop_halo_kernel(
             ci = cb * BLOCK_K + kb
             c_ok = ci < C_IN_G
             c = g * C_IN_G + ci
-            tl.debug_barrier()  # the slot's previous block read by every thread
-            for r0 in range(0, HALO_ROWS, HALO_CHUNK):
-                rows = first + r0 + rc
-                rows_ok = (rows >= 0) & (rows < rows_total) & (r0 + rc < HALO_ROWS)
-                mask = rows_ok[:, None] & c_ok[None, :]
-                if BIG:
-                    offs = rows.to(tl.int64)[:, None] * C_IN + c[None, :]
-                else:
-                    offs = rows[:, None] * C_IN + c[None, :]
-                v = tl.load(x_ptr + offs, mask=mask, other=0.0)
-                if PROLOGUE != 0 or ACT_IN != 0:
-                    n = tl.minimum(tl.maximum(rows, 0), rows_total - 1) // plane
-                    v = normalise(v.to(tl.float32), n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE,
-                                  G_NORM, NORM_AFFINE)  # fmt: skip
-                    v = activation(v, ACT_IN, slope_in)
-                tl.store(slot + (r0 + rc)[:, None] * BLOCK_K + kb[None, :], v.to(compute))
-            tl.debug_barrier()  # the block's halo written by every thread
+            write_window(x_ptr, slot, first, rows_total, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, plane,
+                         HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_K)  # fmt: skip
             for tap in range(0, TAPS):
                 kh = tap // KW
                 kw = tap % KW

@@ -88,14 +88,13 @@ from .fprop import (
     empty_channels_last,
     to_channels_last,
 )
+from .halo import write_window
 from .hooks import ActivationLike, Prologue
 from .prologue import (
-    activation,
     box_coords,
     load_a_box,
     load_a_tile,
     load_depthwise_tile,
-    normalise,
     window_rows,
 )
 from .split_sum import split_sum_blocks, sum_dim, sum_slots
@@ -189,7 +188,7 @@ def conv_wgrad_kernel(
     ``HALO`` (with them, a 'same' stride-1 1-d or 2-d conv, x channels-last dense, its taps one kernel
     row's): per M step the rows those taps read, ``BLOCK_M + (TAPS_PER_PROGRAM - 1) * DW`` consecutive
     ones, go through the prologue once into the program's scratch slot, and each tap's A tile is a plain
-    load of the slot (:func:`_halo_window`; ``kernels/conv/halo.py`` explains the shift).
+    load of the slot (``halo.write_window``; ``kernels/conv/halo.py`` explains the shift).
 
     Pointers (element offsets):
       x_ptr     the forward's input before its prologue, (N, C_IN, D, H, W), channel stride 1: element
@@ -201,7 +200,7 @@ def conv_wgrad_kernel(
       x_desc, dy_desc ``BOX_W``: tensor descriptors of x and grad_y (``_box_weight_grad``); else any
                 tensors, unused.
       scratch_ptr ``HALO``: one slot of ``HALO_CAP * BLOCK_K`` elements of x's dtype per program
-                (:func:`_halo_window`); else any tensor, unused.
+                (``halo.write_window``); else any tensor, unused.
       p0..p3    the forward's prologue vectors (``prologue.normalise``).
     Runtime: ``slope_in`` the leaky slope of ``ACT_IN``; ``M = N * OD * OH * OW``; ``TILES_PER_SPLIT``
     the M tiles of one split; ``OH_TILES`` / ``OW_TILES`` the boxes along an output plane (``BOX_W``).  Constexprs: the output's sizes ``OD, OH, OW``, then as
@@ -255,10 +254,10 @@ def conv_wgrad_kernel(
             dy_row = _dy_rows(n, od, oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG)
             row_base += g * C_IN_G
             if HALO:  # the taps' rows through the prologue once, into the slot
-                _halo_window(x_ptr, slot, (split * TILES_PER_SPLIT + t) * BLOCK_M + halo_shift, M, g * C_IN_G + ci,
-                             c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, H * W, PROLOGUE, G_NORM,
-                             NORM_AFFINE, ACT_IN, BIG, BLOCK_M + (TAPS_PER_PROGRAM - 1) * DW, HALO_CHUNK,
-                             BLOCK_K)  # fmt: skip
+                write_window(x_ptr, slot, (split * TILES_PER_SPLIT + t) * BLOCK_M + halo_shift, M, g * C_IN_G + ci,
+                             c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, H * W,
+                             BLOCK_M + (TAPS_PER_PROGRAM - 1) * DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG,
+                             HALO_CHUNK, BLOCK_K)  # fmt: skip
                 a = _halo_tap(slot, 0, kh_halo, kw_halo, ih0, iw0, m_ok, c_ok, H, W, DH, DW, PADDED, BLOCK_M, BLOCK_K)
             else:
                 a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
@@ -308,41 +307,10 @@ def conv_wgrad_kernel(
 
 
 @triton.jit
-def _halo_window(x_ptr, slot, first, ROWS, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, PLANE,
-                 PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
-                 BIG: tl.constexpr, HALO_ROWS: tl.constexpr, HALO_CHUNK: tl.constexpr,
-                 BLOCK_K: tl.constexpr):  # fmt: skip
-    """``HALO_ROWS`` flat rows of x (channels-last dense: row ``r`` at ``r * C_IN``) from ``first``, at
-    channels ``c`` (``c_ok`` the real ones), through the prologue and ``act_in`` (fp32, rounded once to
-    x's dtype, as ``prologue.load_a_tile``), into ``slot`` (``[HALO_ROWS, BLOCK_K]`` row-major), between two
-    CTA barriers: the slot's previous window read by every thread before, this one written by every
-    thread after.  Rows outside ``[0, ROWS)`` (x's rows) are written as anything (their taps' loads mask
-    them)."""
-    rc = tl.arange(0, HALO_CHUNK)
-    kb = tl.arange(0, BLOCK_K)
-    tl.debug_barrier()
-    for r0 in tl.static_range(0, HALO_ROWS, HALO_CHUNK):
-        rows = first + r0 + rc
-        mask = ((rows >= 0) & (rows < ROWS) & (r0 + rc < HALO_ROWS))[:, None] & c_ok[None, :]
-        if BIG:
-            offs = rows.to(tl.int64)[:, None] * C_IN + c[None, :]
-        else:
-            offs = rows[:, None] * C_IN + c[None, :]
-        v = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        if PROLOGUE != 0 or ACT_IN != 0:
-            n = tl.minimum(tl.maximum(rows, 0), ROWS - 1) // PLANE
-            v = normalise(v.to(tl.float32), n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE, G_NORM,
-                          NORM_AFFINE)  # fmt: skip
-            v = activation(v, ACT_IN, slope_in)
-        tl.store(slot + (r0 + rc)[:, None] * BLOCK_K + kb[None, :], v.to(x_ptr.dtype.element_ty))
-    tl.debug_barrier()
-
-
-@triton.jit
 def _halo_tap(slot, j, kh, kw0, ih0, iw0, m_ok, c_ok, H, W, DH: tl.constexpr, DW: tl.constexpr,
               PADDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """The A tile of the program's ``j``-th tap (kernel row ``kh``, column ``kw0 + j``) from the window in
-    ``slot`` (:func:`_halo_window`): row ``i`` at slot row ``i + j * DW``, the pad lanes and rows past M 0
+    ``slot`` (``halo.write_window``): row ``i`` at slot row ``i + j * DW``, the pad lanes and rows past M 0
     (``ih0``, ``iw0``: the rows' window origins; ``prologue.load_a_tile``'s mask)."""
     r = tl.arange(0, BLOCK_M)
     kb = tl.arange(0, BLOCK_K)
