@@ -69,8 +69,9 @@ compiles both jobs in one process; a named job without a case of its own keeps i
 * ``conv_halo``: ``kernels/conv/halo.py``'s ``conv_fprop_halo_kernel`` through ``conv_fprop`` with the
   heuristic's tile as the halo kernel's, then ``conv_wgrad_kernel`` with its halo (the several-taps tiles
   the timed choice weighs), on ``conv_family``'s 'same' stride-1 3x3 shapes (ResNet-50's of 64
-  channels, the SD VAE's of 512); ``bf16`` or ``fp32``; ``-hooked``: the BatchNorm + ReLU prologue and the
-  output statistics.  Cases ``{resnet_3x3,vae_3x3}-{bf16,fp32}[-hooked]``; the bf16 hooked two by default.
+  channels, the SD VAE's of 512, an EfficientNet-B0 depthwise of 144: its halo over the direct tile's
+  channels); ``bf16`` or ``fp32``; ``-hooked``: the BatchNorm + ReLU prologue and the output statistics.
+  Cases ``{resnet_3x3,vae_3x3,depthwise_s1}-{bf16,fp32}[-hooked]``; the bf16 hooked three by default.
 * ``conv_tma``: ``kernels/conv/tma_fprop.py``'s ``tma_fprop_kernel`` (Gluon) through ``conv_fprop`` with
   each of the TMA forward's tiles (``tiles.tma_tiles``), on ``conv_family``'s 1x1 shape, ``bf16``;
   ``-hooked``: a BatchNorm + ReLU between convs (the prologue, relu on load and the output statistics,
@@ -533,6 +534,7 @@ CONV_FAMILY_SHAPES = {
     "resnet_3x3_s2": ((64, 128, 56, 56), (128, 128, 3, 3), 2, 1, 1, False),
     "resnet_stem": ((64, 3, 224, 224), (64, 3, 7, 7), 2, 3, 1, False),
     "depthwise": ((64, 96, 112, 112), (96, 1, 3, 3), 2, 1, 96, False),
+    "depthwise_s1": ((64, 144, 56, 56), (144, 1, 3, 3), 1, 1, 144, False),
     "vae_3x3": ((1, 512, 64, 64), (512, 512, 3, 3), 1, 1, 1, True),
 }
 CONV_FAMILY_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -613,9 +615,11 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
         if halo:  # the heuristic's tile as the halo kernel's; the weight gradient's several-taps tiles with one
             m = x_shape[0] * out_shape[2] * out_shape[3]
             taps = w_shape[2] * w_shape[3]
-            tile = dataclasses.replace(FAMILY_TILES.candidates("fprop", c_in, c_out, taps, m, dt)[0], halo=True)
+            depthwise = groups > 1 and w_shape[1] == 1  # the direct depthwise tile's halo
+            tile = dataclasses.replace(FAMILY_TILES.candidates("fprop", w_shape[1], c_out // groups, taps, m, dt,
+                                                               c_out if depthwise else None)[0], halo=True)  # fmt: skip
             FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
-            for wtile in FAMILY_TILES.candidates("wgrad", c_in, c_out, taps, m, dt, halo=True):
+            for wtile in [] if depthwise else FAMILY_TILES.candidates("wgrad", c_in, c_out, taps, m, dt, halo=True):
                 if wtile.halo:
                     FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)
             return
@@ -760,10 +764,9 @@ JOBS = {job.name: job for job in (
         "conv_halo", "kernels/conv/halo.py: the forward normalising each tile's input window once per channel block "
         "(conv_family's 'same' stride-1 shapes)",
         {f"{w}-{d}{h}": partial(conv_family_pass, w, d, bool(h), halo=True)
-         for w in ("resnet_3x3", "vae_3x3") for d in CONV_FAMILY_DTYPES for h in ("", "-hooked")},
-        ("resnet_3x3-bf16-hooked", "vae_3x3-bf16-hooked"),
-        (TiledKernel("conv_fprop_halo_kernel", FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS)),
-         TiledKernel("conv_wgrad_kernel", FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS))),
+         for w in ("resnet_3x3", "vae_3x3", "depthwise_s1") for d in CONV_FAMILY_DTYPES for h in ("", "-hooked")},
+        ("resnet_3x3-bf16-hooked", "vae_3x3-bf16-hooked", "depthwise_s1-bf16-hooked"),
+        (TiledKernel("conv_fprop_halo_kernel", FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS)),),
     ),
     Job(
         "conv_tma", "kernels/conv/tma_fprop.py: the Gluon TMA forward and input gradient, plain and hooked (conv_family's "

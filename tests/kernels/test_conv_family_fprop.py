@@ -920,6 +920,8 @@ HALO_GEOMETRY = [
     ("1x3-pad0x1", (2, 4, 3, 11), (5, 4, 1, 3), dict(padding=(0, 1))),
     ("conv1d-k3", (3, 6, 13), (5, 6, 3), dict(padding=1)),
     ("groups2-cout5-per-group", (2, 32, 4, 5), (10, 16, 3, 3), dict(padding=1, groups=2)),
+    ("depthwise-3x3", (2, 20, 5, 6), (20, 1, 3, 3), dict(padding=1, groups=20)),
+    ("depthwise-5x5", (2, 6, 7, 5), (6, 1, 5, 5), dict(padding=2, groups=6)),
 ]  # fmt: skip
 
 
@@ -982,7 +984,7 @@ def test_halo_forward_keeps_nan_to_the_outputs_whose_taps_read_it():
     ("a strided conv", (1, 4, 6, 6), (3, 4, 3, 3), dict(padding=1, stride=2)),
     ("another size", (1, 4, 6, 6), (3, 4, 3, 3), {}),
     ("a 3-d conv", (1, 4, 3, 4, 4), (3, 4, 3, 3, 3), dict(padding=1)),
-    ("one input channel per group", (1, 4, 6, 6), (4, 1, 3, 3), dict(padding=1, groups=4)),
+    ("a channel multiplier", (1, 4, 6, 6), (8, 1, 3, 3), dict(padding=1, groups=4)),
 ], ids=lambda c: c if isinstance(c, str) else None)  # fmt: skip
 def test_a_halo_tile_the_call_cannot_take_is_refused_in_one_line(why, xs, ws, conv):
     """The halo kernel takes 'same' stride-1 1-d and 2-d convs with channels to gather: any other call

@@ -486,20 +486,22 @@ class _Plan:
         self.scratch_elems = 0
         if tile.halo:
             why = halo.applies(geo, not self.relayout and dense_channels_last(x), stats_groups > 0)
-            if why is not None or self.depthwise:
-                raise ContractError(f"tile {tile.label()}: the halo kernel does not take {why or 'this call'}")
+            if why is not None:
+                raise ContractError(f"tile {tile.label()}: the halo kernel does not take {why}")
             rows = halo.halo_rows(tile.block_m, geo.size[2], geo.kernel[1:], geo.dilation[1:])
             chunk = min(halo.HALO_CHUNK, tile.block_m)
             cap = cdiv(rows, chunk) * chunk
-            tiles = geo.groups * self.m_tiles * (cout_pad // tile.block_n)
+            n_tiles = cdiv(geo.c_out, tile.block_n) if self.depthwise else cout_pad // tile.block_n
+            tiles = (1 if self.depthwise else geo.groups) * self.m_tiles * n_tiles
             programs = max(1, min(tiles, halo.PROGRAMS_PER_SM * multiprocessors(x.device)))
-            self.scratch_elems = programs * cap * tile.block_k
+            self.scratch_elems = programs * cap * (tile.block_n if self.depthwise else tile.block_k)
             keep = ("C_IN_G", "CIN_PAD", "K_ROW", "COUT_PAD", "KH", "KW", "PH", "PW", "DH", "DW", "PROLOGUE", "G_NORM",
                     "NORM_AFFINE", "ACT_IN", "SAVE_CONV", "HAS_SCALE", "HAS_BIAS", "CHAIN", "ACT_OUT", "RESIDUAL",
-                    "STATS", "PRECISION", "BIG", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")  # fmt: skip
+                    "STATS", "PRECISION", "BIG", "DEPTHWISE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
+                    "num_stages")  # fmt: skip
             halo_constexprs = dict({k: constexprs[k] for k in keep}, HALO_CAP=cap, HALO_CHUNK=chunk)
-            halo_fixed = (geo.m, geo.size[1], geo.size[2], geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles,
-                          cout_pad // tile.block_n, tiles, rows)  # fmt: skip
+            halo_fixed = (geo.m, geo.size[1], geo.size[2], geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, n_tiles,
+                          tiles, rows)  # fmt: skip
             self.launch = FastLaunch(halo.conv_fprop_halo_kernel, (programs,), halo_constexprs, fixed=halo_fixed)
         elif tile.tma:
             hook_codes = {k: constexprs[k] for k in ("PROLOGUE", "G_NORM", "NORM_AFFINE", "ACT_IN", "SAVE_CONV",

@@ -87,17 +87,20 @@ def conv_fprop_halo_kernel(
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
     SAVE_CONV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr,
     ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr, STATS: tl.constexpr, PRECISION: tl.constexpr,
-    BIG: tl.constexpr, HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BIG: tl.constexpr, DEPTHWISE: tl.constexpr, HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Tiles ``program_id(0), + num_programs(0), ...`` of the ``TILES = groups * M_TILES * N_TILES``
     output tiles (group slowest, then M tile, then N tile), each ``[BLOCK_M, BLOCK_N]`` (module
     docstring).  ``x_ptr``: channels-last dense ``(N, C_IN, H, W)`` (row ``r`` of the flat ``[N * H *
     W, C_IN]`` at ``r * C_IN``); ``scratch_ptr``: one slot of ``HALO_CAP * BLOCK_K`` elements of the
-    compute dtype per program; ``HALO_ROWS``: the rows a tile's taps read (:func:`halo_rows`), written
-    in chunks of ``HALO_CHUNK`` rows; ``HALO_CAP`` at least that, a multiple of ``HALO_CHUNK``.  The other pointers, sizes and constexprs are
-    :func:`fprop.conv_fprop_kernel`'s (the weight prearranged or in place as there, tap-major)."""
+    compute dtype per program (of ``HALO_CAP * BLOCK_N`` with ``DEPTHWISE``); ``HALO_ROWS``: the rows a
+    tile's taps read (:func:`halo_rows`), written in chunks of ``HALO_CHUNK`` rows; ``HALO_CAP`` at least
+    that, a multiple of ``HALO_CHUNK``.  ``DEPTHWISE``: one input channel per output channel (no channel
+    multiplier), the weight ``(C_OUT, taps)`` rows, N tiles over all channels (one group).  The other
+    pointers, sizes and constexprs are :func:`fprop.conv_fprop_kernel`'s (the weight prearranged or in
+    place as there, tap-major)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     CB: tl.constexpr = CIN_PAD // BLOCK_K
@@ -105,7 +108,8 @@ def conv_fprop_halo_kernel(
     PADDED: tl.constexpr = (PH > 0) or (PW > 0)
     plane = H * W
     rows_total = M  # 'same' stride 1: the input's flat rows are the output's
-    slot = scratch_ptr + pid * (HALO_CAP * BLOCK_K)
+    WIDTH: tl.constexpr = BLOCK_N if DEPTHWISE else BLOCK_K  # a window row's channels
+    slot = scratch_ptr + pid * (HALO_CAP * WIDTH)
     r = tl.arange(0, BLOCK_M)
     kb = tl.arange(0, BLOCK_K)
     for t in range(pid, TILES, programs):
@@ -121,29 +125,53 @@ def conv_fprop_halo_kernel(
         co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_cols = w_ptr + g * (COUT_PAD * K_ROW) + co[None, :] * K_ROW  # [1, BLOCK_N]; padded rows: no mask
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for cb in range(0, CB):
+        if DEPTHWISE:  # one input channel per output channel: the window over the tile's channels, then per tap a
+            # product with the channels' weights (``fprop._depthwise_tile``'s, summed in fp32), no dot
+            co_ok = co < C_OUT
+            write_window(x_ptr, slot, first, rows_total, co, co_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                         plane, HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_N)  # fmt: skip
+            for tap in range(0, TAPS):
+                a = _window_tap(slot, tap, oh, ow, m_ok, co_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_N)
+                wv = tl.load(w_ptr + co * TAPS + tap, mask=co_ok, other=0.0).to(tl.float32)
+                acc += a.to(tl.float32) * wv[None, :]
+        for cb in range(0, 0 if DEPTHWISE else CB):
             ci = cb * BLOCK_K + kb
             c_ok = ci < C_IN_G
             c = g * C_IN_G + ci
             write_window(x_ptr, slot, first, rows_total, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, plane,
                          HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_K)  # fmt: skip
             for tap in range(0, TAPS):
-                kh = tap // KW
-                kw = tap % KW
-                local = r + (kh * DH * W + kw * DW)  # the rows' inputs at the tap, as rows of the slot
-                if PADDED:
-                    hi = oh - PH + kh * DH
-                    wi = ow - PW + kw * DW
-                    r_ok = m_ok & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
-                else:
-                    r_ok = m_ok
-                a = tl.load(slot + local[:, None] * BLOCK_K + kb[None, :], mask=r_ok[:, None] & c_ok[None, :],
-                            other=0.0, cache_modifier=".cg")  # fmt: skip
+                a = _window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_K)
                 b = tl.load(w_cols + (tap * CIN_PAD + cb * BLOCK_K + kb)[:, None])
                 acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
-        store_tile(acc, m, m_ok, g * C_OUT_G + co, co < C_OUT_G, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr,
-                   res_ptr, part_ptr, q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN,
-                   ACT_OUT, RESIDUAL, STATS, BIG)  # fmt: skip
+        if DEPTHWISE:  # the tile's channels are the output's own
+            cols, cols_ok = co, co < C_OUT
+        else:
+            cols, cols_ok = g * C_OUT_G + co, co < C_OUT_G
+        store_tile(acc, m, m_ok, cols, cols_ok, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr, part_ptr,
+                   q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS,
+                   BIG)  # fmt: skip
+
+
+@triton.jit
+def _window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                DH: tl.constexpr, DW: tl.constexpr, PADDED: tl.constexpr, BLOCK_M: tl.constexpr,
+                WIDTH: tl.constexpr):  # fmt: skip
+    """Tap ``tap``'s ``[BLOCK_M, WIDTH]`` input tile from the window in ``slot`` (rows of ``WIDTH``
+    channels, :func:`write_window`): output row ``i`` (``(oh, ow)`` its position) at slot row ``i + kh *
+    DH * W + kw * DW``; taps outside the plane, rows past M (``m_ok``) and channels past ``c_ok`` 0, as
+    the gather kernel's pad mask."""
+    kh = tap // KW
+    kw = tap % KW
+    local = tl.arange(0, BLOCK_M) + (kh * DH * W + kw * DW)
+    if PADDED:
+        hi = oh - PH + kh * DH
+        wi = ow - PW + kw * DW
+        r_ok = m_ok & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+    else:
+        r_ok = m_ok
+    return tl.load(slot + local[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                   other=0.0, cache_modifier=".cg")  # fmt: skip
 
 
 def halo_rows(block_m: int, width: int, kernel: tuple[int, int], dilation: tuple[int, int]) -> int:
@@ -154,16 +182,17 @@ def halo_rows(block_m: int, width: int, kernel: tuple[int, int], dilation: tuple
 
 def applies(geo: object, x_dense: bool, per_sample_stats: bool) -> str | None:
     """Why the halo forward cannot run a call (``fprop._Geometry`` ``geo``), or None where it can: stride
-    1, 'same' size, no depth (``KD == 1``), more than one input channel per group, a channels-last dense
-    ``x`` (``x_dense``) and no per-sample statistics (its tiles cross samples)."""
+    1, 'same' size, no depth (``KD == 1``), more than one input channel per group or a depthwise conv
+    without a channel multiplier, a channels-last dense ``x`` (``x_dense``) and no per-sample statistics
+    (its tiles cross samples)."""
     if any(s != 1 for s in geo.stride):
         return "a strided conv"
     if tuple(geo.out_size) != tuple(geo.size):
         return "an output plane of another size than the input's"
     if geo.kernel[0] != 1 or geo.size[0] != 1:
         return "a 3-d conv"
-    if geo.c_in_g == 1:
-        return "one input channel per group (the depthwise path)"
+    if geo.c_in_g == 1 and geo.c_out != geo.c_in:
+        return "a depthwise conv with a channel multiplier"
     if not x_dense:
         return "an x that is not channels-last dense"
     if per_sample_stats:

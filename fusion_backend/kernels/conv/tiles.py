@@ -280,11 +280,14 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     Gluon TMA kernel takes (``tma_fprop.supports``), or an input gradient it takes
     (``tma_fprop.supports_grad``): the heuristic's gather tile (what runs untimed), then the TMA kernel's
     tiles (:func:`tma_tiles`; ``plain``: the pass runs no hooks, so the wide TMA tile too).  ``halo``: a
-    hooked forward the halo kernel takes (``kernels/conv/halo.py``): the heuristic's tile as the halo
-    kernel's comes second; a hooked weight gradient whose several taps per program are a kernel row's:
+    hooked forward the halo kernel takes (``kernels/conv/halo.py``): the heuristic's tile (the direct
+    depthwise path's first) as the halo kernel's comes second; a hooked weight gradient whose several taps per program are a kernel row's:
     those tiles with the halo (``wgrad``'s ``HALO``).  An empty problem (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
-        return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
+        tiles = depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
+        if halo and pass_name == "fprop" and m:  # the direct tile's halo next (``kernels/conv/halo.py``)
+            tiles = best_first([tiles[0], replace(tiles[0], halo=True), *tiles[1:]])
+        return tiles
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
     if m == 0:
         return [first]
