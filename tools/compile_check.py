@@ -619,7 +619,9 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             tile = dataclasses.replace(FAMILY_TILES.candidates("fprop", w_shape[1], c_out // groups, taps, m, dt,
                                                                c_out if depthwise else None)[0], halo=True)  # fmt: skip
             FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
-            for wtile in [] if depthwise else FAMILY_TILES.candidates("wgrad", c_in, c_out, taps, m, dt, halo=True):
+            wtiles = FAMILY_TILES.candidates("wgrad", w_shape[1], c_out // groups, taps, m, dt,
+                                             c_out if depthwise else None, halo=True)  # fmt: skip
+            for wtile in wtiles:
                 if wtile.halo:
                     FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)
             return

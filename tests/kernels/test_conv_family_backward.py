@@ -243,6 +243,27 @@ def test_wgrad_with_a_halo_equals_the_several_taps_gather_bit_for_bit():
     assert torch.equal(gather[0], window[0]) and torch.equal(gather[1], window[1])
 
 
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=prologue_ids(PROLOGUES))
+@pytest.mark.parametrize("xs,ws,conv", [
+    ((2, 20, 5, 7), (20, 1, 3, 3), dict(padding=1, groups=20)),
+    ((2, 6, 7, 5), (6, 1, 5, 5), dict(padding=2, groups=6)),
+], ids=["depthwise-3x3", "depthwise-5x5"])  # fmt: skip
+def test_depthwise_wgrad_with_a_halo_reads_every_tap_from_one_window(xs, ws, conv, kind, act):
+    """The depthwise weight gradient with the halo (every tap of a channel block in one program, from one
+    window per M step) against float64 and autograd, every prologue kind, and bit for bit the per-tap
+    programs' gradient (the same products, summed in the same order)."""
+    tile = dataclasses.replace(SMALL, halo=True)
+    _check_wgrad_prologue("wgrad-dw-halo", kind, act, xs, ws, conv, tile, 2)
+    g = torch.Generator().manual_seed(stable_seed(("dw-halo-bits", kind, str(act), ws)))
+    x = _channels_last(_randn(*xs, g=g))
+    w = _randn(*ws, g=g, scale=0.3)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    hooks = dict(prologue=conv_prologue(kind, xs[0], xs[1], g, DEVICE), act_in=act)
+    per_tap = conv_wgrad(gy, x, w, tile=SMALL, split=2, bias_grad=True, **hooks, **conv)
+    window = conv_wgrad(gy, x, w, tile=tile, split=2, bias_grad=True, **hooks, **conv)
+    assert torch.equal(per_tap[0], window[0]) and torch.equal(per_tap[1], window[1])
+
+
 @pytest.mark.parametrize("why,xs,ws,conv,taps", [
     ("a strided conv", (1, 16, 6, 6), (8, 16, 3, 3), dict(padding=1, stride=2), 3),
     ("another size", (1, 16, 6, 6), (8, 16, 3, 3), {}, 3),

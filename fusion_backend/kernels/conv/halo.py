@@ -131,7 +131,7 @@ def conv_fprop_halo_kernel(
             write_window(x_ptr, slot, first, rows_total, co, co_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
                          plane, HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_N)  # fmt: skip
             for tap in range(0, TAPS):
-                a = _window_tap(slot, tap, oh, ow, m_ok, co_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_N)
+                a = window_tap(slot, tap, oh, ow, m_ok, co_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_N)
                 wv = tl.load(w_ptr + co * TAPS + tap, mask=co_ok, other=0.0).to(tl.float32)
                 acc += a.to(tl.float32) * wv[None, :]
         for cb in range(0, 0 if DEPTHWISE else CB):
@@ -141,7 +141,7 @@ def conv_fprop_halo_kernel(
             write_window(x_ptr, slot, first, rows_total, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, plane,
                          HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_K)  # fmt: skip
             for tap in range(0, TAPS):
-                a = _window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_K)
+                a = window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_K)
                 b = tl.load(w_cols + (tap * CIN_PAD + cb * BLOCK_K + kb)[:, None])
                 acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
         if DEPTHWISE:  # the tile's channels are the output's own
@@ -154,7 +154,7 @@ def conv_fprop_halo_kernel(
 
 
 @triton.jit
-def _window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+def window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
                 DH: tl.constexpr, DW: tl.constexpr, PADDED: tl.constexpr, BLOCK_M: tl.constexpr,
                 WIDTH: tl.constexpr):  # fmt: skip
     """Tap ``tap``'s ``[BLOCK_M, WIDTH]`` input tile from the window in ``slot`` (rows of ``WIDTH``

@@ -133,10 +133,9 @@ class TileConfig:
         if pass_name == "fprop" and self.box_w:
             raise ContractError(f"tile box_w={self.box_w}: the forward loads its A tiles by gather or as rows, "
                                 "not as boxes of the plane (fprop and tma_fprop module docstrings)")
-        if self.halo and (pass_name == "dgrad" or self.flat_k or self.tma or self.box_w
-                          or (pass_name == "wgrad" and self.taps_per_program < 2)):  # fmt: skip
-            raise ContractError(f"tile {self.label()}: a halo is the forward's or, with several taps per program, "
-                                "the weight gradient's, on a tap-major gather tile")
+        if self.halo and (pass_name == "dgrad" or self.flat_k or self.tma or self.box_w):
+            raise ContractError(f"tile {self.label()}: a halo is the forward's or the weight gradient's, on a "
+                                "tap-major gather tile")
         if pass_name != "wgrad" and (self.taps_per_program != 1 or self.programs_per_sm != 2):
             raise ContractError(f"tile {self.label()}: several taps per program and a split's programs per SM are "
                                 "the weight gradient's")
@@ -285,7 +284,7 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     those tiles with the halo (``wgrad``'s ``HALO``).  An empty problem (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         tiles = depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
-        if halo and pass_name == "fprop" and m:  # the direct tile's halo next (``kernels/conv/halo.py``)
+        if halo and m:  # the direct tile's halo next (``kernels/conv/halo.py``)
             tiles = best_first([tiles[0], replace(tiles[0], halo=True), *tiles[1:]])
         return tiles
     first = pick_tile(k_channels, n_channels, taps, m, dtype)

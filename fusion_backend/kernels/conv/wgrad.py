@@ -88,7 +88,7 @@ from .fprop import (
     empty_channels_last,
     to_channels_last,
 )
-from .halo import write_window
+from .halo import window_tap, write_window
 from .hooks import ActivationLike, Prologue
 from .prologue import (
     box_coords,
@@ -157,6 +157,57 @@ def _depthwise_weight_grad(x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p
             tl.store(bpart_ptr + split * C_OUT + c, bacc, mask=c_ok)
 
 
+@triton.jit
+def _depthwise_halo_weight_grad(x_ptr, dy_ptr, scratch_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+                                slope_in, M, H, W, C_IN, C_OUT, TILES_PER_SPLIT, dy_sn, dy_sd, dy_sh, dy_sw,
+                                OD: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr, KH: tl.constexpr,
+                                KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr,
+                                DW: tl.constexpr, PROLOGUE: tl.constexpr, G_NORM: tl.constexpr,
+                                NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr, BIAS_GRAD: tl.constexpr,
+                                BIG: tl.constexpr, HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """:func:`_depthwise_weight_grad` with the halo (``HALO``; a 'same' stride-1 1-d/2-d depthwise conv
+    without a channel multiplier, x channels-last dense): program ``(0, channel block, split)`` puts each M
+    step's window of rows (``BLOCK_M + (KH - 1) * DH * W + (KW - 1) * DW`` of them, ``halo.write_window``)
+    through the prologue once, reads the step's ``grad_y`` tile once, and sums every tap's products from
+    the window (``halo.window_tap``) into one row of ``[taps, BLOCK_N]`` fp32 accumulators; the same
+    partials (``part[split, c, tap]``) and bias partials."""
+    TAPS: tl.constexpr = KH * KW
+    TAPS_P2: tl.constexpr = triton.next_power_of_2(TAPS)
+    PADDED: tl.constexpr = (PH > 0) or (PW > 0)
+    pid_c = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = scratch_ptr + (pid_c + tl.num_programs(1) * split) * (HALO_CAP * BLOCK_N)
+    c = pid_c * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = c < C_OUT
+    mb = tl.arange(0, BLOCK_M)
+    taps = tl.arange(0, TAPS_P2)
+    acc = tl.zeros([TAPS_P2, BLOCK_N], tl.float32)
+    bacc = tl.zeros([BLOCK_N], tl.float32)
+    for t in range(0, TILES_PER_SPLIT):
+        m0 = (split * TILES_PER_SPLIT + t) * BLOCK_M
+        m = m0 + mb
+        m_ok = m < M
+        mc = tl.minimum(m, M - 1)
+        ow = mc % OW
+        oh = (mc // OW) % OH
+        n = mc // (OW * OH * OD)
+        write_window(x_ptr, slot, m0 - (PH * W + PW), M, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                     H * W, BLOCK_M + (KH - 1) * DH * W + (KW - 1) * DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG,
+                     HALO_CHUNK, BLOCK_N)  # fmt: skip
+        dy = tl.load(dy_ptr + _dy_rows(n, tl.zeros_like(oh), oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG)[:, None]
+                     + c[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        for tap in range(0, TAPS):  # a loop, not unrolled: the taps' loads all in flight spilled (as the forward's)
+            a = window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_N)
+            acc += tl.where(taps[:, None] == tap, tl.sum(dy * a.to(tl.float32), axis=0)[None, :], 0.0)
+        if BIAS_GRAD:
+            bacc += tl.sum(dy, axis=0)
+    tl.store(part_ptr + (split * C_OUT + c)[None, :] * TAPS + taps[:, None], acc,
+             mask=(taps < TAPS)[:, None] & c_ok[None, :])  # fmt: skip
+    if BIAS_GRAD:
+        tl.store(bpart_ptr + split * C_OUT + c, bacc, mask=c_ok)
+
+
 # NOTE: every M step peels its rows' output coordinates (two divisions per row); by runtime sizes a
 # division is a dozen instructions, by constexprs a multiply-high: the main loop of ResNet-50's 3x3 wgrad
 # (bf16, 128 x 64 x 64 tile, sm_90) went from 776 to 504 SASS instructions per step, 97 to 63 per MMA,
@@ -206,6 +257,12 @@ def conv_wgrad_kernel(
     the M tiles of one split; ``OH_TILES`` / ``OW_TILES`` the boxes along an output plane (``BOX_W``).  Constexprs: the output's sizes ``OD, OH, OW``, then as
     ``fprop.conv_fprop_kernel``'s (``K_ROW``: the K extent of one output channel, a multiple of ``BLOCK_K``).
     """
+    if DEPTHWISE and HALO:  # program (channel block, split), every tap from one window per M step
+        _depthwise_halo_weight_grad(x_ptr, dy_ptr, scratch_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+                                    slope_in, M, H, W, C_IN, C_OUT, TILES_PER_SPLIT, dy_sn, dy_sd, dy_sh, dy_sw, OD,
+                                    OH, OW, KH, KW, PH, PW, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIAS_GRAD,
+                                    BIG, HALO_CAP, HALO_CHUNK, BLOCK_M, BLOCK_N)  # fmt: skip
+        return
     if DEPTHWISE:  # one input channel per group: program (tap, channel block, split), no GEMM
         _depthwise_weight_grad(x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, M, D, H,
                                W, C_IN, C_OUT, C_OUT_G, TILES_PER_SPLIT, x_sn, x_sd, x_sh, x_sw, dy_sn, dy_sd, dy_sh,
@@ -468,8 +525,8 @@ class _WgradPlan:
         if taps_per > 1 and (self.depthwise or geo.taps % taps_per):  # (the tile's own walk: ``TileConfig.check``)
             raise ContractError(f"tile taps_per_program={taps_per} needs a kernel whose {geo.taps} taps it divides, "
                                 "with more than one input channel per group")
-        if self.depthwise:  # grid (taps, channel blocks, splits)
-            k_steps, n_tiles = geo.taps, cdiv(geo.c_out, tile.block_n)
+        if self.depthwise:  # grid (taps, channel blocks, splits); with the halo every tap in one program
+            k_steps, n_tiles = 1 if tile.halo else geo.taps, cdiv(geo.c_out, tile.block_n)
         else:  # programs: K steps, or (tap groups x channel blocks) with several taps per program
             k_steps, n_tiles = self.k_row // tile.block_k // taps_per, self.cout_pad // tile.block_n
         programs = k_steps * n_tiles * (1 if self.depthwise else geo.groups)
@@ -484,12 +541,17 @@ class _WgradPlan:
         self.scratch_elems, halo_cap, chunk = 0, 0, halo.HALO_CHUNK
         if tile.halo:
             why = halo.applies(geo, not self.relayout_x and dense_channels_last(x), False)
-            if why is None and (taps_per < 2 or geo.kernel[2] % taps_per or self.box or self.depthwise):
+            if why is None and not self.depthwise and (taps_per < 2 or geo.kernel[2] % taps_per or self.box):
                 why = "taps per program other than a kernel row's 2 or 3"
             if why is not None:
                 raise ContractError(f"tile {tile.label()}: the halo weight gradient does not take {why}")
-            halo_cap = cdiv(tile.block_m + (taps_per - 1) * geo.dilation[2], chunk) * chunk
-            self.scratch_elems = k_steps * n_tiles * self.split * geo.groups * halo_cap * tile.block_k
+            if self.depthwise:  # one window of every tap's rows per program and M step
+                rows = halo.halo_rows(tile.block_m, geo.size[2], geo.kernel[1:], geo.dilation[1:])
+                halo_cap = cdiv(rows, chunk) * chunk
+                self.scratch_elems = n_tiles * self.split * halo_cap * tile.block_n
+            else:  # one window of the program's taps' rows per M step
+                halo_cap = cdiv(tile.block_m + (taps_per - 1) * geo.dilation[2], chunk) * chunk
+                self.scratch_elems = k_steps * n_tiles * self.split * geo.groups * halo_cap * tile.block_k
         constexprs = dict(
             C_IN_G=geo.c_in_g, CIN_PAD=self.cin_pad, K_ROW=self.k_row, COUT_PAD=self.cout_pad,
             KD=geo.kernel[0], KH=geo.kernel[1], KW=geo.kernel[2],
@@ -651,7 +713,7 @@ def conv_wgrad(
         boxed = hooked and not wgrad_box_refusal(geo, xs, dys, None)
         # the several-taps tiles with the halo where their taps are a kernel row's (``_WgradPlan``)
         per = several_taps(geo.taps)
-        with_halo = (hooked and per > 1 and geo.kernel[2] % per == 0
+        with_halo = (hooked and (geo.c_in_g == 1 or (per > 1 and geo.kernel[2] % per == 0))
                      and halo.applies(geo, not channels_last(x) or dense_channels_last(x), False) is None)  # fmt: skip
         tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise sums
