@@ -445,6 +445,15 @@ def tma_programs_per_sm(tile: TileConfig, stages: int, store_bytes: int = 2) -> 
     return max(1, min(SM_SHARED_BYTES // tma_shared_bytes(tile, stages, store_bytes), by_registers))
 
 
+def tma_stages(tile: TileConfig, most: int, store_bytes: int = 2, programs: int | None = None) -> int:
+    """The most ring stages, 2 to ``most``, that keep ``programs`` programs of ``tile`` per SM (None: as
+    many as one stage allows) and fit an SM's shared memory, the store's exchange taking ``store_bytes``
+    per element (:func:`tma_shared_bytes`); 2 where none does."""
+    want = tma_programs_per_sm(tile, 1, store_bytes) if programs is None else programs
+    return max([2, *(n for n in range(2, most + 1) if tma_programs_per_sm(tile, n, store_bytes) >= want
+                     and tma_shared_bytes(tile, n, store_bytes) <= SM_SHARED_BYTES)])  # fmt: skip
+
+
 # NOTE: a plain pass (no hooks) whose N axis spans 256 channels or more times the 128 x 256 tile first: on
 # ResNet-50's 1x1 convs (H200, bf16, batch 64; GPU ms per call, the tile against the 128 x 128 one and the
 # timed choice of the tiles before) forwards 512 -> 256 at 28 x 28 0.0306 against 0.0354, 128 -> 512
@@ -484,10 +493,7 @@ def tma_tiles(c_in: int, c_out: int, m: int, wide: bool = False, grad_hooks: boo
     tiles = []
     for rows, block_n, warps in dict.fromkeys(shapes):
         tile = TileConfig(rows, block_n, block_k, warps, 2, tma=True)
-        most = tma_programs_per_sm(tile, 1)
-        stages = max([2, *(n for n in (2, 3, 4) if tma_programs_per_sm(tile, n) == most
-                           and tma_shared_bytes(tile, n) <= SM_SHARED_BYTES)])  # fmt: skip
-        tiles.append(replace(tile, num_stages=stages))
+        tiles.append(replace(tile, num_stages=tma_stages(tile, 4)))
     return tiles
 
 

@@ -122,8 +122,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 from .epilogue import store_tile
 from .grad_epilogue import store_grad_tile
 from .prologue import activation, normalise
-from .tiles import SM_SHARED_BYTES, tma_programs_per_sm
-from .tiles import tma_shared_bytes as _shared_bytes
+from .tiles import tma_programs_per_sm, tma_stages
 
 #: Element sizes the TMA boxes take here (16-bit operands).
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -496,10 +495,8 @@ def ring_stages(tile: Any, k_channels: int, store_bytes: int = 2) -> int:
     than the K steps over ``k_channels``, and where the store's exchange takes ``store_bytes`` per element
     (:func:`exchange_bytes`) no more than keep the programs per SM the tile's stages keep and fit the SM's
     shared memory; but 2 (the ring refills the stage whose MMA the wait before it retired)."""
-    target = tma_programs_per_sm(tile, tile.num_stages)
-    fit = [n for n in range(2, tile.num_stages + 1) if tma_programs_per_sm(tile, n, store_bytes) >= target
-           and _shared_bytes(tile, n, store_bytes) <= SM_SHARED_BYTES]  # fmt: skip
-    return max(2, min(tile.num_stages, -(-k_channels // tile.block_k), max(fit, default=2)))
+    fit = tma_stages(tile, tile.num_stages, store_bytes, programs=tma_programs_per_sm(tile, tile.num_stages))
+    return max(2, min(tile.num_stages, -(-k_channels // tile.block_k), fit))
 
 
 def grid_programs(tile: Any, k_channels: int, n_channels: int, m_tiles: int, device: torch.device,
