@@ -295,8 +295,7 @@ if GLUON:
         programs = gl.num_programs(0)
         n_tiles = gl.cdiv(N_CH, BLOCK_N)
         k_steps = gl.cdiv(K_CH, BLOCK_K)
-        my_tiles = gl.cdiv(M_TILES * n_tiles - pid, programs)
-        steps = my_tiles * k_steps
+        steps = gl.cdiv(M_TILES * n_tiles - pid, programs) * k_steps
 
         a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         if GRAD:
@@ -319,82 +318,75 @@ if GLUON:
             c_prog = (pid % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
             mean = gl.load(mean_ptr + c_prog, mask=c_prog < N_CH, other=0.0)
             rstd = gl.load(rstd_ptr + c_prog, mask=c_prog < N_CH, other=0.0)
-        step = 0  # the program's (tile, K step) pairs walked so far: the ring's stage and phase
-        for t in range(my_tiles):
-            tile = pid + t * programs
+        for step in range(steps):
+            ki = step % k_steps
+            tile = pid + (step // k_steps) * programs
             pid_m = tile // n_tiles
+            s = step % STAGES
+            if GRAD:
+                b = b_ring.index(s)
+            else:
+                b = b_ring.index(s).permute((1, 0))
+            a_tile = a_ring.index(s)
             if READS_X and EARLY_X:  # one K step per tile: issued before its wait, its latency under the step's
                 x_early = _x_prev_tile(xp_ptr, pid_m, tile, n_tiles, M, N_CH, SAMPLE_ROWS, BIG, BLOCK_M, BLOCK_N,
                                        out_layout)  # fmt: skip
             if HOOKED:
+                # the vectors' loads go out before the wait, their latency under the box's
+                c0 = ki * BLOCK_K
+                scale, shift = _channel_vectors(c0, p0_ptr, p1_ptr, K_CH, a_layout, PROLOGUE, EVEN_K, BLOCK_K)
                 n_a = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, a_layout)[2]
-            # the tile's K steps as a loop of their own: ptxas keeps one wgmma group in flight across its back
-            # edge (one loop over (tile, K step) pairs merged the store's branch into every step, and ptxas
-            # waited for the group there: C7517, ``python tools/compile_check.py conv_tma``)
-            for ki in range(k_steps):
-                s = step % STAGES
-                if GRAD:
-                    b = b_ring.index(s)
-                else:
-                    b = b_ring.index(s).permute((1, 0))
-                a_tile = a_ring.index(s)
-                if HOOKED:
-                    # the vectors' loads go out before the wait, their latency under the box's
-                    c0 = ki * BLOCK_K
-                    scale, shift = _channel_vectors(c0, p0_ptr, p1_ptr, K_CH, a_layout, PROLOGUE, EVEN_K, BLOCK_K)
-                    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-                    a = _a_operand(a_tile, scale, shift, c0, n_a, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, K_CH,
-                                   a_layout, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, EVEN_K)  # fmt: skip
-                    acc = warpgroup_mma(a, b, acc, use_acc=ki > 0, is_async=True)
-                else:
-                    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-                    acc = warpgroup_mma(a_tile, b, acc, use_acc=ki > 0, is_async=True)
-                # one group in flight: the previous step's MMA has finished, its stage takes the step
-                # STAGES - 1 ahead (every warp read that stage's A before its MMA was issued)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                _thread_barrier()
-                if step + STAGES - 1 < steps:
-                    _load_step(a_desc, b_desc, a_ring, b_ring, ready, step + STAGES - 1, pid, programs, k_steps,
-                               n_tiles, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GRAD)  # fmt: skip
-                step += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if ROUND_FIRST:  # the stored values are the rounded accumulator: half the exchange's bytes
-                out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
+                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                a = _a_operand(a_tile, scale, shift, c0, n_a, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, K_CH,
+                               a_layout, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, EVEN_K)  # fmt: skip
+                acc = warpgroup_mma(a, b, acc, use_acc=ki > 0, is_async=True)
             else:
-                out = gl.convert_layout(acc, out_layout)
-            m, m_ok, n = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, out_layout)
-            c = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
-            x_saved = 0.0  # the tile of x_prev, where the store reads one
-            if READS_X:
-                if EARLY_X:
-                    x_saved = x_early
-                else:
-                    x_saved = _x_prev_tile(xp_ptr, pid_m, tile, n_tiles, M, N_CH, SAMPLE_ROWS, BIG, BLOCK_M,
-                                           BLOCK_N, out_layout)  # fmt: skip
-            if GRAD:
-                y = store_grad_tile(out, x_saved, m, m_ok, n, c, c < N_CH, pid_m, out_ptr, part_ptr, mean_ptr,
-                                    rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, N_CH, M_TILES, PROLOGUE,
-                                    G_NORM, NORM_AFFINE, ACT_IN, False, BIG)  # fmt: skip
-                if STATS:
-                    gz = gl.where(m_ok[:, None], y.to(gl.float32), 0.0)  # channels past N_CH: rstd 0
-                    xhat = (x_saved.to(gl.float32) - mean[None, :]) * rstd[None, :]
-                    dev_sum += _row_sums(gz, ROWS_PT, sums3)
-                    dev_sq += _row_sums(gz * xhat, ROWS_PT, sums3)
-            else:
-                y = store_tile(out, m, m_ok, c, c < N_CH, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr,
-                               part_ptr, q_ptr, slope_out, N_CH, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN,
-                               ACT_OUT, RESIDUAL, STATS and not PROGRAM_STATS, BIG)  # fmt: skip
-                if PROGRAM_STATS:
-                    ok = m_ok[:, None]
-                    if t == 0:  # the program's first tile: its mean is the program's shift
-                        first = gl.sum(gl.where(ok, y.to(gl.float32), 0.0), axis=0)
-                        stat_shift = gl.convert_layout(first / gl.sum(m_ok.to(gl.float32), axis=0),
-                                                       cols_layout)  # fmt: skip
-                    e = gl.where(ok, y.to(gl.float32) - stat_shift[None, :], 0.0)
-                    dev_sum += _row_sums(e, ROWS_PT, sums3)  # a thread's own rows: no exchange between threads
-                    dev_sq += _row_sums(e * e, ROWS_PT, sums3)
-            # every warp's reads of the store's exchange and sums done before the next tile's reuse them
+                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                acc = warpgroup_mma(a_tile, b, acc, use_acc=ki > 0, is_async=True)
+            # one group in flight: the previous step's MMA has finished, its stage takes the step
+            # STAGES - 1 ahead (every warp read that stage's A before its MMA was issued)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             _thread_barrier()
+            if step + STAGES - 1 < steps:
+                _load_step(a_desc, b_desc, a_ring, b_ring, ready, step + STAGES - 1, pid, programs, k_steps, n_tiles,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GRAD)  # fmt: skip
+            if ki == k_steps - 1:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if ROUND_FIRST:  # the stored values are the rounded accumulator: half the exchange's bytes
+                    out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
+                else:
+                    out = gl.convert_layout(acc, out_layout)
+                m, m_ok, n = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, out_layout)
+                c = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
+                x_saved = 0.0  # the tile of x_prev, where the store reads one
+                if READS_X:
+                    if EARLY_X:
+                        x_saved = x_early
+                    else:
+                        x_saved = _x_prev_tile(xp_ptr, pid_m, tile, n_tiles, M, N_CH, SAMPLE_ROWS, BIG, BLOCK_M,
+                                               BLOCK_N, out_layout)  # fmt: skip
+                if GRAD:
+                    y = store_grad_tile(out, x_saved, m, m_ok, n, c, c < N_CH, pid_m, out_ptr, part_ptr, mean_ptr,
+                                        rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, N_CH, M_TILES, PROLOGUE,
+                                        G_NORM, NORM_AFFINE, ACT_IN, False, BIG)  # fmt: skip
+                    if STATS:
+                        gz = gl.where(m_ok[:, None], y.to(gl.float32), 0.0)  # channels past N_CH: rstd 0
+                        xhat = (x_saved.to(gl.float32) - mean[None, :]) * rstd[None, :]
+                        dev_sum += _row_sums(gz, ROWS_PT, sums3)
+                        dev_sq += _row_sums(gz * xhat, ROWS_PT, sums3)
+                else:
+                    y = store_tile(out, m, m_ok, c, c < N_CH, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr,
+                                   part_ptr, q_ptr, slope_out, N_CH, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN,
+                                   ACT_OUT, RESIDUAL, STATS and not PROGRAM_STATS, BIG)  # fmt: skip
+                    if PROGRAM_STATS:
+                        ok = m_ok[:, None]
+                        if step < k_steps:  # the program's first tile: its mean is the program's shift
+                            first = gl.sum(gl.where(ok, y.to(gl.float32), 0.0), axis=0)
+                            stat_shift = gl.convert_layout(first / gl.sum(m_ok.to(gl.float32), axis=0),
+                                                           cols_layout)  # fmt: skip
+                        e = gl.where(ok, y.to(gl.float32) - stat_shift[None, :], 0.0)
+                        dev_sum += _row_sums(e, ROWS_PT, sums3)  # a thread's own rows: no exchange between threads
+                        dev_sq += _row_sums(e * e, ROWS_PT, sums3)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
         if PROGRAM_STATS:
