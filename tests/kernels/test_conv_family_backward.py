@@ -250,8 +250,9 @@ def test_wgrad_with_a_halo_equals_the_several_taps_gather_bit_for_bit():
 ], ids=["depthwise-3x3", "depthwise-5x5"])  # fmt: skip
 def test_depthwise_wgrad_with_a_halo_reads_every_tap_from_one_window(xs, ws, conv, kind, act):
     """The depthwise weight gradient with the halo (every tap of a channel block in one program, from one
-    window per M step) against float64 and autograd, every prologue kind, and bit for bit the per-tap
-    programs' gradient (the same products, summed in the same order)."""
+    window per M step) against float64 and autograd, every prologue kind; the per-tap programs' gradient
+    up to rounding (the same products in the same order, but on the GPU the compiler contracts their
+    multiply-adds differently) and bit for bit run to run."""
     tile = dataclasses.replace(SMALL, halo=True)
     _check_wgrad_prologue("wgrad-dw-halo", kind, act, xs, ws, conv, tile, 2)
     g = torch.Generator().manual_seed(stable_seed(("dw-halo-bits", kind, str(act), ws)))
@@ -261,7 +262,9 @@ def test_depthwise_wgrad_with_a_halo_reads_every_tap_from_one_window(xs, ws, con
     hooks = dict(prologue=conv_prologue(kind, xs[0], xs[1], g, DEVICE), act_in=act)
     per_tap = conv_wgrad(gy, x, w, tile=SMALL, split=2, bias_grad=True, **hooks, **conv)
     window = conv_wgrad(gy, x, w, tile=tile, split=2, bias_grad=True, **hooks, **conv)
-    assert torch.equal(per_tap[0], window[0]) and torch.equal(per_tap[1], window[1])
+    again = conv_wgrad(gy, x, w, tile=tile, split=2, bias_grad=True, **hooks, **conv)
+    torch.testing.assert_close(window, per_tap, rtol=1e-5, atol=1e-5)
+    assert torch.equal(window[0], again[0]) and torch.equal(window[1], again[1])
 
 
 @pytest.mark.parametrize("why,xs,ws,conv,taps", [

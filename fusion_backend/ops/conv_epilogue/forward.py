@@ -19,6 +19,7 @@ from ... import environment, impl_choice
 from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
+from ...kernels.weight_fold import fold_affine_into_weight
 from .. import conv_precision
 from ..chain import ChainValue, PointwiseKind, TensorRef
 from ..chain_lowering import family_activation, kernel_steps
@@ -668,7 +669,8 @@ class CudnnFusedForward:
     chain's per-channel scale folded into the weight (``w * scale``, per output channel, in fp32, rounded
     once to the conv's dtype) and its shift with the bias into the conv's bias (``bias * scale + shift``),
     then one ``torch.cudnn_convolution_relu`` (or ``cudnn_convolution_add_relu`` with the residual): the conv
-    output is never written unfused.  On CPU (no cuDNN) the same arithmetic in torch ops (the tests' path).
+    output is never written unfused.  The fold is one kernel per call (``kernels/weight_fold.py``).  On
+    CPU (no cuDNN) the same arithmetic in torch ops (the tests' path).
 
     Precision: the folded weight is rounded once more than eager's (which rounds the norm's output
     instead); the conv's own precision is cuDNN's, as eager's (TF32 where ``allow_tf32`` says)."""
@@ -690,20 +692,13 @@ class CudnnFusedForward:
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        xc, wc, bc = cast_inputs(x, weight, bias, self.dtype)
-        view = (-1, *([1] * (wc.dim() - 1)))
-        bias32 = torch.zeros(wc.shape[0], dtype=torch.float32, device=x.device) if bc is None else bc.float()
-        w = wc
-        if self.scale is not None:
-            scale = operands[self.scale].reshape(-1).float()
-            w = (wc.float() * scale.view(view)).to(self.dtype)
-            bias32 = bias32 * scale
-        if self.shift is not None:
-            bias32 = bias32 + operands[self.shift].reshape(-1).float()
+        xc = x if x.dtype == self.dtype else x.to(self.dtype)
+        scale = None if self.scale is None else operands[self.scale].reshape(-1)
+        shift = None if self.shift is None else operands[self.shift].reshape(-1)
         fmt = torch.channels_last if xc.dim() == 4 else torch.channels_last_3d
-        if xc.is_contiguous(memory_format=fmt):
-            w = w.contiguous(memory_format=fmt)
-        b = bias32.to(self.dtype)
+        if xc.is_contiguous(memory_format=fmt) and not weight.is_contiguous(memory_format=fmt):
+            weight = weight.contiguous(memory_format=fmt)  # cuDNN's channels-last conv wants both so
+        w, b = fold_affine_into_weight(weight, scale, shift, bias, self.dtype)
         residual = None if self.residual is None else operands[self.residual].to(self.dtype)
         if x.device.type == "cuda":
             if residual is None:
