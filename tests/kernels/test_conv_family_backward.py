@@ -228,6 +228,34 @@ def test_wgrad_with_a_halo_recomputes_each_prologue_once_per_row_window(case, ki
     _check_wgrad_prologue(f"wgrad-halo {name}", kind, act, xs, ws, conv, tile, 2)
 
 
+def test_the_timed_choice_offers_the_halo_to_depthwise_weight_gradients_alone(monkeypatch):
+    """A hooked weight gradient's timed candidates: the depthwise conv's direct tile with its halo next; a
+    dense conv's several-taps tiles without it (``wgrad``'s NOTE: it measured slower there)."""
+    from fusion_backend.kernels.conv import wgrad as wgrad_module
+
+    offered = {}
+
+    def record(pass_name, key, tiles, factory, device):
+        offered[key[0] if isinstance(key, tuple) else key] = tiles
+        return tiles[0]
+
+    monkeypatch.setattr(wgrad_module, "tuned_tile", record)
+    g = torch.Generator().manual_seed(5)
+    for name, (c_in, groups) in {"dense": (16, 1), "depthwise": (16, 16)}.items():
+        offered.clear()
+        x = _channels_last(_randn(3, c_in, 5, 11, g=g))  # a size no other test takes: its plan is new
+        w = _randn(16, c_in // groups, 3, 3, g=g, scale=0.3)
+        gy = _channels_last(_randn(3, 16, 5, 11, g=g))
+        hooks = dict(prologue=conv_prologue("channel_affine", 3, c_in, g, DEVICE), act_in="relu")
+        conv_wgrad(gy, x, w, padding=1, groups=groups, **hooks)
+        (tiles,) = offered.values()
+        halos = [t for t in tiles if t.halo]
+        if name == "dense":
+            assert not halos and any(t.taps_per_program > 1 for t in tiles), tiles
+        else:
+            assert len(halos) == 1 and tiles[1] == halos[0], tiles
+
+
 def test_wgrad_with_a_halo_equals_the_several_taps_gather_bit_for_bit():
     """The window's A tiles are the gather's bit for bit (one rounding of the same fp32 prologue), summed in
     the same order: the same partials, the same gradient."""

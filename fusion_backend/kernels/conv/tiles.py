@@ -280,8 +280,9 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     (``tma_fprop.supports_grad``): the heuristic's gather tile (what runs untimed), then the TMA kernel's
     tiles (:func:`tma_tiles`; ``plain``: the pass runs no hooks, so the wide TMA tile too).  ``halo``: a
     hooked forward the halo kernel takes (``kernels/conv/halo.py``): the heuristic's tile (the direct
-    depthwise path's first) as the halo kernel's comes second; a hooked weight gradient whose several taps per program are a kernel row's:
-    those tiles with the halo (``wgrad``'s ``HALO``).  An empty problem (``m == 0``) gets its first tile alone."""
+    depthwise path's first) as the halo kernel's comes second; a weight gradient's several-taps tiles
+    take ``halo`` as given (``wgrad`` asks for it only for a depthwise conv: its NOTE).  An empty problem
+    (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         tiles = depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
         if halo and m:  # the direct tile's halo next (``kernels/conv/halo.py``)

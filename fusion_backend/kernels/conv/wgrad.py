@@ -98,7 +98,7 @@ from .prologue import (
     window_rows,
 )
 from .split_sum import split_sum_blocks, sum_dim, sum_slots
-from .tiles import TileConfig, cached_plan, candidates, several_taps, tma_wgrad_tiles, tuned_tile
+from .tiles import TileConfig, cached_plan, candidates, tma_wgrad_tiles, tuned_tile
 
 #: Each split of a weight gradient's M keeps at least this many M tiles (``pick_split``).
 _MIN_TILES_PER_SPLIT = 4
@@ -711,9 +711,17 @@ def conv_wgrad(
         # boxes only where the hooks take the tile through registers anyway (``tiles.candidates``)
         hooked = prologue is not None or code_in != 0
         boxed = hooked and not wgrad_box_refusal(geo, xs, dys, None)
-        # the several-taps tiles with the halo where their taps are a kernel row's (``_WgradPlan``)
-        per = several_taps(geo.taps)
-        with_halo = (hooked and (geo.c_in_g == 1 or (per > 1 and geo.kernel[2] % per == 0))
+        # the direct depthwise tile's halo (``_WgradPlan``).  NOTE: a dense conv's several-taps tiles are not
+        # offered with it: on the H200 (bf16, batch 64, ResNet-50's four 3x3s, BatchNorm + ReLU prologue,
+        # ``python tools/bench_conv.py demos/realnets/resnet50.py --passes wgrad --filter '*k3x3 p1 g1*'``,
+        # ``tile_ms``) the best halo tile took 0.118 / 0.113 / 0.117 / 0.096 ms where the several-taps tiles
+        # without it took 0.087 / 0.083 / 0.078 / 0.100 (the committed ``conv-kernels-wgrad`` report; the
+        # halo's barriers stop Triton pipelining the M loop's loads); a depthwise conv's halo was the
+        # fastest tile on 3 of EfficientNet-B0's 8 hooked stride-1 depthwise weight gradients, 1.15-1.69x
+        # the best tile without it (``python tools/bench_conv.py demos/realnets/efficientnet_b0.py
+        # --passes wgrad --filter '*k3x3 p1 g[2-9]*,*k5x5 p2 g[2-9]*,*k3x3 p1 g1[0-9]*,*k5x5 p2 g1[0-9]*'``).  Explicit
+        # tiles (``tile=``, ``tools/sweep_conv_tiles.py --halo``) still take the dense halo.
+        with_halo = (hooked and geo.c_in_g == 1
                      and halo.applies(geo, not channels_last(x) or dense_channels_last(x), False) is None)  # fmt: skip
         tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise sums
