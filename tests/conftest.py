@@ -622,6 +622,7 @@ def _fresh_dynamo():
 #: ``tests/kernels/test_epilogue_kernels.py`` and ``tests/ops/test_conv_global_mean_op.py``.
 SM90_COMPILE_CASES = {
     "conv_family": ("resnet_3x3-bf16-hooked", "resnet_stem-fp32-hooked", "resnet_3x3-bf16-hooked-box"),
+    "conv_halo": ("resnet_3x3-bf16-hooked", "depthwise_s1-bf16-hooked"),
     "conv_tma": ("resnet_1x1-bf16", "resnet_1x1-bf16-hooked"),
     "conv_tma_wgrad": ("resnet_1x1-bf16-hooked", "resnet_3x3-bf16", "resnet_3x3-bf16-hooked"),
     "epilogue": ("none-fp32", "max-bf16", "avg-fp32"),

@@ -339,6 +339,10 @@ def test_tile_sweep_variants_follow_the_options() -> None:
     for pass_name in ("fprop", "dgrad"):  # a 1x1 without padding: the TMA row kernel's too
         labels = [v.label() for v in sweep_conv_tiles.tile_variants(tile, conv1, pass_name, False, False, True, ())]
         assert labels == ["64x64x64 w4 s3", "64x64x64 w4 s3 tma"]
+    halo = [v.label() for v in sweep_conv_tiles.tile_variants(tile, conv3, "wgrad", False, True, False, (), True)]
+    assert halo == ["64x64x64 w4 s3", "64x64x64 w4 s3 taps 3", "64x64x64 w4 s3 taps 3 halo"]
+    assert [v.label() for v in sweep_conv_tiles.tile_variants(tile, conv3, "fprop", False, False, False, (), True)] == [
+        "64x64x64 w4 s3", "64x64x64 w4 s3 halo"]
     strided = ConvShape((8, 64, 56, 56), (64, 64, 3, 3), (2, 2), (1, 1), (1, 1), 1, False)
     assert sweep_conv_tiles.tma_wgrad_variants(strided, False, (1,)) == []
     with pytest.raises(Exception, match="from 1 to 4"):

@@ -5,7 +5,7 @@
         [--tiles T;...] [--dgrad-tiles T;...] [--wgrad-tiles T;...]
 
 KERNEL (a job; none: all): ``conv_fused``, ``conv_dense``, ``conv_fused_bwd``, ``conv_phase_aligned_bwd``,
-``conv_family``, ``conv_tma``, ``conv_tma_wgrad``, ``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``, ``batch_norm``, ``layer_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
+``conv_family``, ``conv_halo``, ``conv_tma``, ``conv_tma_wgrad``, ``epilogue``, ``global_mean``, ``channel_reduce``, ``group_norm``, ``batch_norm``, ``layer_norm``.  A kernel that runs under the interpreter (the CPU tests) can still fail to
 compile for the GPU; on ``conv_global_mean``'s default path such a kernel makes the op fall back to
 the slow torch reference (with one warning).  Run this after every change to a kernel.
 
@@ -66,6 +66,12 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   shapes alone; the forward has no box path; ``-taps``: the weight gradient's several-taps tiles the
   timed choice weighs, then its first tile on 8 warps with 1 and with 3 taps per program, the 3-wide
   kernels with more than one channel per group); default six of them.
+* ``conv_halo``: ``kernels/conv/halo.py``'s ``conv_fprop_halo_kernel`` through ``conv_fprop`` with the
+  heuristic's tile as the halo kernel's, then ``conv_wgrad_kernel`` with its halo (the several-taps tiles
+  the timed choice weighs), on ``conv_family``'s 'same' stride-1 3x3 shapes (ResNet-50's of 64
+  channels, the SD VAE's of 512, an EfficientNet-B0 depthwise of 144: its halo over the direct tile's
+  channels); ``bf16`` or ``fp32``; ``-hooked``: the BatchNorm + ReLU prologue and the output statistics.
+  Cases ``{resnet_3x3,vae_3x3,depthwise_s1}-{bf16,fp32}[-hooked]``; the bf16 hooked three by default.
 * ``conv_tma``: ``kernels/conv/tma_fprop.py``'s ``tma_fprop_kernel`` (Gluon) through ``conv_fprop`` with
   each of the TMA forward's tiles (``tiles.tma_tiles``), on ``conv_family``'s 1x1 shape, ``bf16``;
   ``-hooked``: a BatchNorm + ReLU between convs (the prologue, relu on load and the output statistics,
@@ -528,6 +534,7 @@ CONV_FAMILY_SHAPES = {
     "resnet_3x3_s2": ((64, 128, 56, 56), (128, 128, 3, 3), 2, 1, 1, False),
     "resnet_stem": ((64, 3, 224, 224), (64, 3, 7, 7), 2, 3, 1, False),
     "depthwise": ((64, 96, 112, 112), (96, 1, 3, 3), 2, 1, 96, False),
+    "depthwise_s1": ((64, 144, 56, 56), (144, 1, 3, 3), 1, 1, 144, False),
     "vae_3x3": ((1, 512, 64, 64), (512, 512, 3, 3), 1, 1, 1, True),
 }
 CONV_FAMILY_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -551,7 +558,7 @@ def _launchable_on_cpu_tensors():  # noqa: ANN202
 
 
 def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, taps: bool = False,
-                     tma: str = "") -> None:  # fmt: skip
+                     tma: str = "", halo: bool = False) -> None:  # fmt: skip
     """``kernels/conv/``'s three launchers (``conv_fprop``, ``conv_dgrad``, ``conv_wgrad``) on one of
     :data:`CONV_FAMILY_SHAPES`, channels-last, with the tile ``pick_tile`` picks; ``box``: ``conv_dgrad``
     and ``conv_wgrad`` with their first tiles loading boxes (``tiles.box_width``); ``taps``: ``conv_wgrad``
@@ -561,7 +568,9 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
     (``tiles.tma_tiles``; a 1x1 conv; the hooks without the saved raw conv), then ``conv_dgrad`` with each of
     the input gradient's (the same kernel, ``GRAD``; with the hooks relu' and the BatchNorm-backward sums);
     ``tma="wgrad"``: ``conv_wgrad``
-    alone with each of the Gluon TMA weight gradient's tiles (``tiles.tma_wgrad_tiles``); ``hooked``: the hooks
+    alone with each of the Gluon TMA weight gradient's tiles (``tiles.tma_wgrad_tiles``); ``halo``:
+    ``conv_fprop`` alone with the heuristic's tile as the halo kernel's (``kernels/conv/halo.py``, 'same'
+    stride-1 shapes; the hooks without the saved raw conv); ``hooked``: the hooks
     a BatchNorm + ReLU between two convs uses (fprop: ``ChannelAffine`` prologue, relu on load, output
     statistics, the raw conv output saved for a backward, and where the conv has a bias a chain after
     it, an eval norm's scale and shift; then, where 32 divides the output channels, GroupNorm's
@@ -602,6 +611,19 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             rows = taps == 1 and not padding  # the plain call's tiles, hooked too: the register path compiles
             for tile in FAMILY_TILES.tma_wgrad_tiles(c_in, c_out, taps, out_shape[2:], rows, False):
                 FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=tile, **hooks, **geo)
+            return
+        if halo:  # the heuristic's tile as the halo kernel's; the weight gradient's several-taps tiles with one
+            m = x_shape[0] * out_shape[2] * out_shape[3]
+            taps = w_shape[2] * w_shape[3]
+            depthwise = groups > 1 and w_shape[1] == 1  # the direct depthwise tile's halo
+            tile = dataclasses.replace(FAMILY_TILES.candidates("fprop", w_shape[1], c_out // groups, taps, m, dt,
+                                                               c_out if depthwise else None)[0], halo=True)  # fmt: skip
+            FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
+            wtiles = FAMILY_TILES.candidates("wgrad", w_shape[1], c_out // groups, taps, m, dt,
+                                             c_out if depthwise else None, halo=True)  # fmt: skip
+            for wtile in wtiles:
+                if wtile.halo:
+                    FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)
             return
         wtile = dtile = None
         if box:
@@ -739,6 +761,14 @@ JOBS = {job.name: job for job in (
          "depthwise-bf16-hooked", "vae_3x3-bf16-hooked"),
         tuple(TiledKernel(k, FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS))
               for k in ("conv_fprop_kernel", "conv_dgrad_kernel", "conv_wgrad_kernel")),
+    ),
+    Job(
+        "conv_halo", "kernels/conv/halo.py: the forward normalising each tile's input window once per channel block "
+        "(conv_family's 'same' stride-1 shapes)",
+        {f"{w}-{d}{h}": partial(conv_family_pass, w, d, bool(h), halo=True)
+         for w in ("resnet_3x3", "vae_3x3", "depthwise_s1") for d in CONV_FAMILY_DTYPES for h in ("", "-hooked")},
+        ("resnet_3x3-bf16-hooked", "vae_3x3-bf16-hooked", "depthwise_s1-bf16-hooked"),
+        (TiledKernel("conv_fprop_halo_kernel", FAMILY_FIELDS, "", as_launched(FAMILY_FIELDS)),),
     ),
     Job(
         "conv_tma", "kernels/conv/tma_fprop.py: the Gluon TMA forward and input gradient, plain and hooked (conv_family's "

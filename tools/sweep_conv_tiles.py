@@ -16,7 +16,8 @@ for it, as the timed choice would then run the gather); with ``--taps`` each tap
 tile also taking 3 (or 2) taps per program (``TileConfig.taps_per_program``); with ``--tma`` each forward
 tile and input-gradient tile of a 1x1 conv also as the TMA row kernel's (``TileConfig.tma``; a call it
 does not take, stride 2 or fp32, is skipped) and the TMA weight gradient's tiles timed beside the grid's (``tiles.tma_wgrad_tiles``);
-with ``--per-sm 1,4`` each weight-gradient tile also with its split aiming at those programs per SM
+with ``--halo`` each forward tile and several-taps weight-gradient tile also with the halo
+(``TileConfig.halo``, ``kernels/conv/halo.py``; a call it does not take is skipped); with ``--per-sm 1,4`` each weight-gradient tile also with its split aiming at those programs per SM
 (``TileConfig.programs_per_sm``; the split's cost against its programs); with ``--hooked`` the passes with their hooks
 (``tools/bench_conv.py``'s: the forward with a BatchNorm + ReLU prologue and the output statistics, the
 input gradient with relu' and the BatchNorm sums, the weight gradient with the prologue recomputed),
@@ -86,11 +87,13 @@ def _per_sm(text: str) -> tuple[int, ...]:
 
 
 def tile_variants(tile: Any, shape: Any, pass_name: str, box: bool, taps: bool, tma: bool,
-                  per_sm: tuple[int, ...]) -> list[Any]:  # fmt: skip
+                  per_sm: tuple[int, ...], halo: bool = False) -> list[Any]:  # fmt: skip
     """``tile`` and the variants the options add for ``pass_name`` on ``shape``: a box load of the same
     tile (``box``, the gradients), 3 or 2 taps per program (``taps``, a tap-major weight gradient), the TMA
-    row kernel's (``tma``, a 1x1 forward or input gradient without padding), then every weight-gradient
-    variant again at each of ``per_sm``'s programs per SM."""
+    row kernel's (``tma``, a 1x1 forward or input gradient without padding), the halo's (``halo``: a
+    forward tile, and each weight-gradient tile with several taps per program, wider than 1x1; a call the
+    halo does not take is skipped), then every weight-gradient variant again at each of ``per_sm``'s
+    programs per SM."""
     from fusion_backend.kernels.conv.tiles import box_width, several_taps
 
     cin_g = shape.w_shape[1]
@@ -107,6 +110,9 @@ def tile_variants(tile: Any, shape: Any, pass_name: str, box: bool, taps: bool, 
     if (tma and pass_name in ("fprop", "dgrad") and not tile.flat_k and tile.block_m >= 64
             and tile.num_warps in (4, 8) and n_taps == 1 and not any(shape.padding)):  # fmt: skip
         variants.append(dataclasses.replace(tile, tma=True))
+    if halo and not tile.flat_k and n_taps > 1:
+        variants += [dataclasses.replace(v, halo=True) for v in list(variants) if not v.box_w and not v.tma
+                     and (pass_name == "fprop" or (pass_name == "wgrad" and v.taps_per_program > 1))]  # fmt: skip
     if pass_name == "wgrad":
         variants += [dataclasses.replace(v, programs_per_sm=n) for n in per_sm for v in list(variants)
                      if n != v.programs_per_sm]  # fmt: skip
@@ -148,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tma", action="store_true",
                         help="also time each 1x1 forward tile as the Gluon TMA forward's, and the TMA weight "
                              "gradient's tiles (tiles.tma_wgrad_tiles)")
+    parser.add_argument("--halo", action="store_true",
+                        help="also time each forward tile, and each several-taps weight-gradient tile, with the "
+                             "halo (kernels/conv/halo.py; 'same' stride-1 convs wider than 1x1)")
     parser.add_argument("--per-sm", type=_per_sm, default=(),
                         help="comma-separated programs per SM (1-4): also time each weight-gradient tile with "
                              "its split aiming at these (TileConfig.programs_per_sm)")
@@ -174,14 +183,14 @@ def main(argv: list[str] | None = None) -> int:
             if bn > 2 * max(16, 1 << (n_extent - 1).bit_length()) or bk > max(16, k_extent):
                 continue
             variants = tile_variants(TileConfig(bm, bn, bk, warps, stages, flat_k=cin_g < 16), shape, pass_name,
-                                     args.box, args.taps, args.tma, args.per_sm)  # fmt: skip
+                                     args.box, args.taps, args.tma, args.per_sm, args.halo)  # fmt: skip
             if pass_name == "wgrad" and args.tma and (bm, bn, bk, warps, stages) == GRID[0]:  # once per row
                 variants += tma_wgrad_variants(shape, args.hooked, args.per_sm)
             for variant in variants:
                 try:
                     times[variant.label()] = gpu_ms_per_call(_steps(t, pass_name, variant, args.hooked))
                 except ContractError:  # a box the call refuses: the choice would run the gather
-                    if variant.tma:
+                    if variant.tma or variant.halo:
                         continue
                     if variants[0].label() in times:
                         times[variant.label()] = times[variants[0].label()]

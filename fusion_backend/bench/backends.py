@@ -16,6 +16,9 @@ reference weights) to the callable that is run.  Built-ins:
 ``fusion-fused``           ``torch.compile(m, backend="fusion", options={"decide": "fuse"})``: every matched
                            region rewritten, nothing measured (what the fused ops give the whole model,
                            next to what the decision keeps)
+``fusion-decide-all``      ``torch.compile(m, backend="fusion", options={"decide_budget": None})``: every
+                           region measured in the first process (no decision budget): the decisions a
+                           user's later processes converge to, in one run
 
 Any other name registered with Dynamo (``torch._dynamo.list_backends()``, e.g. ``aot_eager``,
 ``cudagraphs``) works too, and ``NAME:MODE`` passes a ``torch.compile`` mode.  ``--compile-mode MODE``
@@ -90,9 +93,11 @@ def torch_compile_backend(name: str, backend: str, mode: str | None = None,
 
     def compile_fn(module: torch.nn.Module) -> Callable[..., Any]:
         kwargs: dict[str, Any] = {}
-        if mode is not None:
+        if mode is not None and options:  # torch.compile takes one: fusion takes the mode's Inductor options
+            kwargs["options"] = {**torch._inductor.list_mode_options(mode, None), **options}
+        elif mode is not None:
             kwargs["mode"] = mode
-        if options:
+        elif options:
             kwargs["options"] = dict(options)
         return torch.compile(module, backend=backend, **kwargs)
 
@@ -111,6 +116,7 @@ BUILTIN_BACKENDS: dict[str, BenchBackend] = {
     "fusion-via-inductor": torch_compile_backend("fusion-via-inductor", "fusion", options={"direct": False}),
     "fusion-unfused": torch_compile_backend("fusion-unfused", "fusion", options={"decide": "inductor"}),
     "fusion-fused": torch_compile_backend("fusion-fused", "fusion", options={"decide": "fuse"}),
+    "fusion-decide-all": torch_compile_backend("fusion-decide-all", "fusion", options={"decide_budget": None}),
 }
 
 
@@ -131,6 +137,10 @@ def resolve_backend(name: str, extra: Mapping[str, BenchBackend] | None = None) 
     if name in BUILTIN_BACKENDS:
         return BUILTIN_BACKENDS[name]
     backend, _, mode = name.partition(":")
+    builtin = BUILTIN_BACKENDS.get(backend)
+    if mode and builtin is not None and builtin.compiler == "fusion" and builtin.options and builtin.mode is None:
+        # a fusion built-in with options under a mode: the mode goes in as its Inductor options
+        return torch_compile_backend(name, "fusion", mode, builtin.options)
     known_dynamo = _dynamo_backends()
     if backend in {"inductor", "fusion"} or backend in known_dynamo:
         return torch_compile_backend(name, backend, mode or None)
@@ -232,7 +242,9 @@ def with_compile_mode(names: Sequence[str], mode: str | None) -> list[str]:
     names the same mode (``inductor:reduce-overhead``, ``inductor-max-autotune`` under
     ``max-autotune``).  Raises :class:`ConfigError` for a mode this torch does not know and
     :class:`BackendSpecError` for a backend that names another mode, or passes ``torch.compile``
-    options (which takes a mode or options, not both).  ``mode=None`` returns ``names`` unchanged.
+    options (which takes a mode or options, not both) to a compiler other than fusion (which takes the
+    mode's Inductor options among its own: ``fusion-fused:reduce-overhead``).  ``mode=None`` returns
+    ``names`` unchanged.
 
     >>> with_compile_mode(["eager", "inductor", "fusion:reduce-overhead"], "reduce-overhead")
     ['eager', 'inductor:reduce-overhead', 'fusion:reduce-overhead']
@@ -247,7 +259,7 @@ def with_compile_mode(names: Sequence[str], mode: str | None) -> list[str]:
         backend = resolve_backend(name)
         if not backend.uses_dynamo or backend.compiler is None:
             out.append(name)
-        elif backend.options:
+        elif backend.options and not (backend.compiler == "fusion" and backend.mode is None):
             raise BackendSpecError(
                 f"--compile-mode {mode} cannot apply to backend {name!r}: it passes torch.compile options "
                 f"{dict(backend.options)!r}, and torch.compile takes a mode or options, not both; drop one")

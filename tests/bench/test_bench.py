@@ -535,10 +535,26 @@ def test_compile_mode_applies_to_every_compiled_backend_and_rejects_a_conflictin
         with_compile_mode(["fusion", "inductor:max-autotune"], "reduce-overhead")
     with pytest.raises(BackendSpecError, match="conflicts with backend 'fusion-max-autotune'"):
         with_compile_mode(["fusion-max-autotune"], "reduce-overhead")
-    with pytest.raises(BackendSpecError, match="'fusion-via-inductor'.*a mode or options, not both"):
-        with_compile_mode(["fusion-via-inductor"], "reduce-overhead")
+    assert with_compile_mode(["fusion-via-inductor", "fusion-decide-all"], "reduce-overhead") == [
+        "fusion-via-inductor:reduce-overhead", "fusion-decide-all:reduce-overhead"]  # options and a mode: fusion's
     with pytest.raises(ConfigError, match="unknown --compile-mode 'turbo'.*reduce-overhead"):
         with_compile_mode(["inductor"], "turbo")
+
+
+def test_a_fusion_backend_with_options_takes_a_mode_as_its_inductor_options(monkeypatch) -> None:
+    """torch.compile takes a mode or options: ``fusion-fused:reduce-overhead`` passes the options with the
+    mode's Inductor options (CUDA graphs) among them, and is known to replay graphs."""
+    backend = resolve_backend("fusion-fused:reduce-overhead")
+    assert (backend.compiler, backend.mode, backend.options, backend.cudagraphs) == (
+        "fusion", "reduce-overhead", {"decide": "fuse"}, True)
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda module, **kwargs: seen.update(kwargs))
+    backend.compile(torch.nn.Identity())
+    assert "mode" not in seen and seen["options"]["decide"] == "fuse"
+    assert seen["options"]["triton.cudagraphs"] is True
+    from fusion_backend.options import FusionOptions
+    opts = FusionOptions.parse(seen["options"], ("a",))  # fusion takes them
+    assert opts.decide == "fuse" and opts.inductor["triton.cudagraphs"] is True
 
 
 def test_cudagraph_modes_and_the_cudagraphs_backend_are_known_to_replay_graphs() -> None:

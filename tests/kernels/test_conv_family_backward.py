@@ -207,6 +207,110 @@ def test_wgrad_with_several_taps_per_program_recomputes_each_prologue(kind, act)
                           dataclasses.replace(SMALL, taps_per_program=3), 2)  # fmt: skip
 
 
+#: The weight gradient's halo (several taps of a kernel row per program, their rows through the prologue
+#: once per M step): 'same' stride-1 convs; a channel tail (20 channels in blocks of 16), rows of 3 and of
+#: 2 taps, dilation 2 along the row, 1-d, groups.
+HALO_WGRAD = [
+    ("3x3-cin20", (2, 20, 5, 7), (24, 20, 3, 3), dict(padding=1), 3),
+    ("3x2-pad1x0-dil2", (2, 16, 7, 6), (8, 16, 3, 2), dict(padding=(1, 1), dilation=(1, 2)), 2),
+    ("conv1d-k3-dil2", (2, 16, 13), (8, 16, 3), dict(padding=2, dilation=2), 3),
+    ("groups2-1x3", (1, 32, 6, 5), (10, 16, 1, 3), dict(padding=(0, 1), groups=2), 3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=prologue_ids(PROLOGUES))
+@pytest.mark.parametrize("case", HALO_WGRAD, ids=[c[0] for c in HALO_WGRAD])
+def test_wgrad_with_a_halo_recomputes_each_prologue_once_per_row_window(case, kind, act):
+    """The halo weight gradient against float64 and autograd, every prologue kind: the taps' A tiles
+    are the window's rows as the forward's prologue makes them (padded taps and rows past M 0)."""
+    name, xs, ws, conv, taps = case
+    tile = dataclasses.replace(SMALL, taps_per_program=taps, halo=True)
+    _check_wgrad_prologue(f"wgrad-halo {name}", kind, act, xs, ws, conv, tile, 2)
+
+
+def test_the_timed_choice_offers_the_halo_to_depthwise_weight_gradients_alone(monkeypatch):
+    """A hooked weight gradient's timed candidates: the depthwise conv's direct tile with its halo next; a
+    dense conv's several-taps tiles without it (``wgrad``'s NOTE: it measured slower there)."""
+    from fusion_backend.kernels.conv import wgrad as wgrad_module
+
+    offered = {}
+
+    def record(pass_name, key, tiles, factory, device):
+        offered[key[0] if isinstance(key, tuple) else key] = tiles
+        return tiles[0]
+
+    monkeypatch.setattr(wgrad_module, "tuned_tile", record)
+    g = torch.Generator().manual_seed(5)
+    for name, (c_in, groups) in {"dense": (16, 1), "depthwise": (16, 16)}.items():
+        offered.clear()
+        x = _channels_last(_randn(3, c_in, 5, 11, g=g))  # a size no other test takes: its plan is new
+        w = _randn(16, c_in // groups, 3, 3, g=g, scale=0.3)
+        gy = _channels_last(_randn(3, 16, 5, 11, g=g))
+        hooks = dict(prologue=conv_prologue("channel_affine", 3, c_in, g, DEVICE), act_in="relu")
+        conv_wgrad(gy, x, w, padding=1, groups=groups, **hooks)
+        (tiles,) = offered.values()
+        halos = [t for t in tiles if t.halo]
+        if name == "dense":
+            assert not halos and any(t.taps_per_program > 1 for t in tiles), tiles
+        else:
+            assert len(halos) == 1 and tiles[1] == halos[0], tiles
+
+
+def test_wgrad_with_a_halo_equals_the_several_taps_gather_bit_for_bit():
+    """The window's A tiles are the gather's bit for bit (one rounding of the same fp32 prologue), summed in
+    the same order: the same partials, the same gradient."""
+    g = torch.Generator().manual_seed(43)
+    x = _channels_last(_randn(2, 20, 6, 7, g=g))
+    w = _randn(12, 20, 3, 3, g=g, scale=0.3)
+    gy = _channels_last(_randn(2, 12, 6, 7, g=g))
+    hooks = dict(prologue=conv_prologue("channel_affine", 2, 20, g, DEVICE), act_in="relu")
+    taps = dataclasses.replace(SMALL, taps_per_program=3)
+    gather = conv_wgrad(gy, x, w, tile=taps, split=2, bias_grad=True, padding=1, **hooks)
+    window = conv_wgrad(gy, x, w, tile=dataclasses.replace(taps, halo=True), split=2, bias_grad=True, padding=1,
+                        **hooks)  # fmt: skip
+    assert torch.equal(gather[0], window[0]) and torch.equal(gather[1], window[1])
+
+
+@pytest.mark.parametrize("kind,act", PROLOGUES, ids=prologue_ids(PROLOGUES))
+@pytest.mark.parametrize("xs,ws,conv", [
+    ((2, 20, 5, 7), (20, 1, 3, 3), dict(padding=1, groups=20)),
+    ((2, 6, 7, 5), (6, 1, 5, 5), dict(padding=2, groups=6)),
+], ids=["depthwise-3x3", "depthwise-5x5"])  # fmt: skip
+def test_depthwise_wgrad_with_a_halo_reads_every_tap_from_one_window(xs, ws, conv, kind, act):
+    """The depthwise weight gradient with the halo (every tap of a channel block in one program, from one
+    window per M step) against float64 and autograd, every prologue kind; the per-tap programs' gradient
+    up to rounding (the same products in the same order, but on the GPU the compiler contracts their
+    multiply-adds differently) and bit for bit run to run."""
+    tile = dataclasses.replace(SMALL, halo=True)
+    _check_wgrad_prologue("wgrad-dw-halo", kind, act, xs, ws, conv, tile, 2)
+    g = torch.Generator().manual_seed(stable_seed(("dw-halo-bits", kind, str(act), ws)))
+    x = _channels_last(_randn(*xs, g=g))
+    w = _randn(*ws, g=g, scale=0.3)
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    hooks = dict(prologue=conv_prologue(kind, xs[0], xs[1], g, DEVICE), act_in=act)
+    per_tap = conv_wgrad(gy, x, w, tile=SMALL, split=2, bias_grad=True, **hooks, **conv)
+    window = conv_wgrad(gy, x, w, tile=tile, split=2, bias_grad=True, **hooks, **conv)
+    again = conv_wgrad(gy, x, w, tile=tile, split=2, bias_grad=True, **hooks, **conv)
+    torch.testing.assert_close(window, per_tap, rtol=1e-5, atol=1e-5)
+    assert torch.equal(window[0], again[0]) and torch.equal(window[1], again[1])
+
+
+@pytest.mark.parametrize("why,xs,ws,conv,taps", [
+    ("a strided conv", (1, 16, 6, 6), (8, 16, 3, 3), dict(padding=1, stride=2), 3),
+    ("another size", (1, 16, 6, 6), (8, 16, 3, 3), {}, 3),
+    ("a 3-d conv", (1, 16, 3, 4, 4), (8, 16, 3, 3, 3), dict(padding=1), 3),
+    ("a kernel row's", (1, 16, 6, 6), (8, 16, 3, 1), dict(padding=(1, 0)), 3),
+], ids=lambda c: c if isinstance(c, str) else None)  # fmt: skip
+def test_a_halo_weight_gradient_the_call_cannot_take_is_refused_in_one_line(why, xs, ws, conv, taps):
+    g = torch.Generator().manual_seed(0)
+    x = _channels_last(_randn(*xs, g=g))
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    tile = dataclasses.replace(SMALL, taps_per_program=taps, halo=True)
+    with pytest.raises(ContractError, match=why) as info:
+        conv_wgrad(gy, x, _randn(*ws, g=g), tile=tile, **conv)
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("conv,taps,words", [
     (dict(ws=(8, 16, 2, 2)), 3, "4 taps it divides"),
     (dict(ws=(8, 3, 3, 3)), 3, "1 with a flat K walk"),  # 3 channels: a flat K walk
@@ -858,18 +962,19 @@ def test_tma_dgrad_nan_and_inf_reach_only_their_rows():
     assert bad.sum() == 2 and bad[0, 2, 4] and bad[1, 0, 0]
 
 
-def test_tma_tiles_join_the_input_gradients_candidates_on_8_warps_with_hooks():
+def test_tma_tiles_join_the_input_gradients_candidates():
     """A 1x1 input gradient the TMA kernel takes times the gather heuristic's tile and the TMA tiles, its
     channels exchanged (K the output's): a plain one 256 channels wide the 128 x 256 tile first, then 128 x
-    128, both on 8 warps; hooked ones on 8 warps (the hooked store spilled on 4)."""
+    128, both on 8 warps; a hooked one 128 rows on 8 warps (the hooked store spilled on 4 at 128 x 64),
+    then 64 rows on 4 (``tiles.tma_tiles``' NOTE)."""
     from fusion_backend.kernels.conv.tiles import candidates
 
     plain = candidates("dgrad", 64, 256, 1, 200704, torch.bfloat16, tma=True, plain=True)
     hooked = candidates("dgrad", 64, 256, 1, 200704, torch.bfloat16, epilogue_hooks=True, tma=True)
     assert not plain[0].tma and all(t.tma for t in plain[1:]) and len(plain) == 3
     assert [(t.block_m, t.block_n, t.num_warps) for t in plain[1:]] == [(128, 256, 8), (128, 128, 8)]
-    assert [t.num_warps for t in hooked[1:]] == [8, 8]
-    assert all(t.block_k == 64 for t in plain[1:]) and all(t.block_n in (64, 128) for t in hooked[1:])
+    assert [(t.block_m, t.block_n, t.num_warps) for t in hooked[1:]] == [(128, 128, 8), (64, 128, 4)]
+    assert all(t.block_k == 64 for t in plain[1:] + hooked[1:])
     for t in plain[1:] + hooked[1:]:
         t.check_for("dgrad")
 

@@ -900,3 +900,97 @@ def test_tma_forward_of_an_empty_batch():
     w = torch.randn(24, 16, 1, 1, device=DEVICE, dtype=torch.bfloat16)
     out, stats = conv_fprop(x, w, stats=True, tile=TMA_ROW_TILES[0])
     assert out.shape == (0, 24, 5, 6) and stats.count == 0 and (stats.sum == 0).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# The halo forward (``kernels/conv/halo.py``): each tile's input window normalised once per channel block
+# --------------------------------------------------------------------------------------------------
+
+#: The halo kernel's tile: 16 x 16 x 16, so that a call spans several M and N tiles, channel blocks and
+#: programs of its persistent grid even on tiny shapes.
+SMALL_HALO = TileConfig(16, 16, 16, num_warps=1, num_stages=1, halo=True)
+
+# name, x shape, weight shape, conv kwargs: 'same' stride-1 convs (the halo kernel's), rows that fill no
+# tile across samples, a channel tail (20 channels, blocks of 16), 5x5, dilation 2, an asymmetric kernel,
+# 1-d, groups
+HALO_GEOMETRY = [
+    ("3x3-channel-tail", (2, 20, 5, 7), (24, 20, 3, 3), dict(padding=1)),
+    ("5x5-pad2", (2, 6, 6, 5), (7, 6, 5, 5), dict(padding=2)),
+    ("3x3-dil2", (1, 6, 7, 9), (6, 6, 3, 3), dict(padding=2, dilation=2)),
+    ("1x3-pad0x1", (2, 4, 3, 11), (5, 4, 1, 3), dict(padding=(0, 1))),
+    ("conv1d-k3", (3, 6, 13), (5, 6, 3), dict(padding=1)),
+    ("groups2-cout5-per-group", (2, 32, 4, 5), (10, 16, 3, 3), dict(padding=1, groups=2)),
+    ("depthwise-3x3", (2, 20, 5, 6), (20, 1, 3, 3), dict(padding=1, groups=20)),
+    ("depthwise-5x5", (2, 6, 7, 5), (6, 1, 5, 5), dict(padding=2, groups=6)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind,act", FPROP_PROLOGUES, ids=prologue_ids(FPROP_PROLOGUES))
+@pytest.mark.parametrize("name,xs,ws,conv", HALO_GEOMETRY, ids=[c[0] for c in HALO_GEOMETRY])
+def test_halo_forward_matches_float64_with_every_prologue(name, xs, ws, conv, kind, act):
+    """The halo kernel against float64, eager's error as the yardstick: every prologue kind and its
+    activation (the padded taps zero after the hook), the bias and the output's statistics."""
+    g = torch.Generator().manual_seed(stable_seed((name, kind, str(act))))
+    x = _channels_last(_randn(*xs, g=g))
+    w, b = _randn(*ws, g=g, scale=0.3), _randn(ws[0], g=g)
+    prologue = conv_prologue(kind, xs[0], xs[1], g, DEVICE)
+    _check(f"halo {name} {kind}", x, w, b, prologue=prologue, act_in=act, stats=True, tile=SMALL_HALO, **conv)
+
+
+def test_halo_forward_writes_its_window_in_chunks_narrower_than_its_tile():
+    """A tile of 64 rows writes its halo (64 + 2 * 9 + 2 rows of a 9-wide plane) in chunks of 32 rows
+    (``halo.HALO_CHUNK``), the last one partial."""
+    g = torch.Generator().manual_seed(41)
+    x = _channels_last(_randn(2, 24, 7, 9, g=g))
+    w, b = _randn(20, 24, 3, 3, g=g, scale=0.3), _randn(20, g=g)
+    prologue = conv_prologue("channel_affine", 2, 24, g, DEVICE)
+    _check("halo chunks", x, w, b, padding=1, prologue=prologue, act_in="relu", stats=True,
+           tile=TileConfig(64, 16, 16, num_warps=4, num_stages=1, halo=True))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_halo_forward_equals_the_gather_kernel_up_to_the_sum_order_and_repeats_bitwise(dtype):
+    """The halo kernel computes what the gather kernel does (the same products, summed channel block by
+    channel block across the taps instead of tap by tap), with the epilogue's chain and a residual, and
+    twice the same bits."""
+    g = torch.Generator().manual_seed(31)
+    x = _channels_last(_randn(2, 20, 6, 5, g=g, dtype=dtype))
+    w, b = _randn(18, 20, 3, 3, g=g, scale=0.3, dtype=dtype), _randn(18, g=g, dtype=dtype)
+    res = _channels_last(_randn(2, 18, 6, 5, g=g, dtype=dtype))
+    prologue = conv_prologue("channel_affine", 2, 20, g, DEVICE)
+    kw = dict(padding=1, prologue=prologue, act_in="relu", act_out="silu", residual=res, stats=True)
+    halo, halo_stats = _check("halo chain", x, w, b, tile=SMALL_HALO, **kw)
+    gather, _ = conv_fprop(x, w, b, tile=SMALL, **kw)
+    torch.testing.assert_close(halo, gather, rtol=FLOOR[dtype] * 8, atol=FLOOR[dtype] * 8)
+    again, again_stats = conv_fprop(x, w, b, tile=SMALL_HALO, **kw)
+    assert torch.equal(halo, again) and torch.equal(halo_stats.sum, again_stats.sum)
+
+
+def test_halo_forward_keeps_nan_to_the_outputs_whose_taps_read_it():
+    """A NaN in x reaches exactly the outputs whose 3x3 windows hold it, not the halo's other rows (a
+    neighbouring sample, a wrapped column)."""
+    g = torch.Generator().manual_seed(37)
+    x = _channels_last(_randn(2, 4, 5, 6, g=g))
+    x[0, 1, 4, 5] = float("nan")  # the last element of sample 0: its halo runs on into sample 1
+    w = _randn(3, 4, 3, 3, g=g, scale=0.3)
+    out, _ = conv_fprop(x, w, None, padding=1, prologue=conv_prologue("channel_affine", 2, 4, g, DEVICE),
+                        act_in="relu", tile=SMALL_HALO)  # fmt: skip
+    expected = torch.zeros(2, 5, 6, dtype=torch.bool)
+    expected[0, 3:5, 4:6] = True
+    assert torch.equal(out.isnan().any(1).cpu(), expected)
+
+
+@pytest.mark.parametrize("why,xs,ws,conv", [
+    ("a strided conv", (1, 4, 6, 6), (3, 4, 3, 3), dict(padding=1, stride=2)),
+    ("another size", (1, 4, 6, 6), (3, 4, 3, 3), {}),
+    ("a 3-d conv", (1, 4, 3, 4, 4), (3, 4, 3, 3, 3), dict(padding=1)),
+    ("a channel multiplier", (1, 4, 6, 6), (8, 1, 3, 3), dict(padding=1, groups=4)),
+], ids=lambda c: c if isinstance(c, str) else None)  # fmt: skip
+def test_a_halo_tile_the_call_cannot_take_is_refused_in_one_line(why, xs, ws, conv):
+    """The halo kernel takes 'same' stride-1 1-d and 2-d convs with channels to gather: any other call
+    asking for it by name is a one-line contract error naming why."""
+    g = torch.Generator().manual_seed(0)
+    x = _channels_last(_randn(*xs, g=g))
+    with pytest.raises(ContractError, match="halo") as info:
+        conv_fprop(x, _randn(*ws, g=g), tile=SMALL_HALO, **conv)
+    assert "\n" not in str(info.value)

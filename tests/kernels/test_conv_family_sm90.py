@@ -33,6 +33,18 @@ def test_hooked_kernels_compile_for_sm90_without_spills_within_shared_memory(sm9
 
 
 @pytest.mark.heavy
+def test_halo_forward_compiles_for_sm90_without_spills(sm90_compile_check) -> None:
+    """The halo forward (its prologue once per channel block into a scratch slot, its CTA barriers and
+    L2 loads) runs under the interpreter, which cannot say whether it compiles for the GPU: a ResNet-50
+    3x3 and an EfficientNet depthwise 3x3 with the BatchNorm hooks.  NOTE: a few specialisations, a few
+    seconds of compiling."""
+    _needs_ptxas()
+    out = sm90_compile_check("conv_halo")
+    assert "conv_fprop_halo_kernel" in out, out
+    assert "conv_halo: all kernels compiled without spills" in out, out
+
+
+@pytest.mark.heavy
 def test_tma_forward_compiles_for_sm90_without_spills(sm90_compile_check) -> None:
     """The Gluon TMA forward has no interpreter: this compile is the CPU suite's only check of it.  A
     ResNet-50 1x1, plain and with the BatchNorm hooks, in the same compile-check process.  NOTE: 4

@@ -66,11 +66,11 @@ import triton.language as tl
 
 from ..chain_math import MAX_SLOTS, SOURCE_STRIDE, KernelStep, op_codes
 from ..epilogue import OperandMatrix, tensor_rows
-from ..host import INTERPRETER, cdiv, element_extent, lift3
+from ..host import INTERPRETER, cdiv, element_extent, lift3, multiprocessors
 from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import dot_precision, round_tf32
-from . import hooks, tma_fprop
+from . import halo, hooks, tma_fprop
 from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile, load_depthwise_tile, window_rows
@@ -482,7 +482,28 @@ class _Plan:
         per_sample = (self.sample_rows, self.sample_tiles) if stats_groups else (0, 0)
         fixed = (geo.m, *geo.size, *geo.out_size, geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, *per_sample,
                  *x_strides)  # fmt: skip
-        if tile.tma:
+        #: the halo kernel's scratch: one slot per program of its persistent grid (elements; 0: none)
+        self.scratch_elems = 0
+        if tile.halo:
+            why = halo.applies(geo, not self.relayout and dense_channels_last(x), stats_groups > 0)
+            if why is not None:
+                raise ContractError(f"tile {tile.label()}: the halo kernel does not take {why}")
+            rows = halo.halo_rows(tile.block_m, geo.size[2], geo.kernel[1:], geo.dilation[1:])
+            chunk = min(halo.HALO_CHUNK, tile.block_m)
+            cap = cdiv(rows, chunk) * chunk
+            n_tiles = cdiv(geo.c_out, tile.block_n) if self.depthwise else cout_pad // tile.block_n
+            tiles = (1 if self.depthwise else geo.groups) * self.m_tiles * n_tiles
+            programs = max(1, min(tiles, halo.PROGRAMS_PER_SM * multiprocessors(x.device)))
+            self.scratch_elems = programs * cap * (tile.block_n if self.depthwise else tile.block_k)
+            keep = ("C_IN_G", "CIN_PAD", "K_ROW", "COUT_PAD", "KH", "KW", "PH", "PW", "DH", "DW", "PROLOGUE", "G_NORM",
+                    "NORM_AFFINE", "ACT_IN", "SAVE_CONV", "HAS_SCALE", "HAS_BIAS", "CHAIN", "ACT_OUT", "RESIDUAL",
+                    "STATS", "PRECISION", "BIG", "DEPTHWISE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
+                    "num_stages")  # fmt: skip
+            halo_constexprs = dict({k: constexprs[k] for k in keep}, HALO_CAP=cap, HALO_CHUNK=chunk)
+            halo_fixed = (geo.m, geo.size[1], geo.size[2], geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, n_tiles,
+                          tiles, rows)  # fmt: skip
+            self.launch = FastLaunch(halo.conv_fprop_halo_kernel, (programs,), halo_constexprs, fixed=halo_fixed)
+        elif tile.tma:
             hook_codes = {k: constexprs[k] for k in ("PROLOGUE", "G_NORM", "NORM_AFFINE", "ACT_IN", "SAVE_CONV",
                                                      "HAS_SCALE", "HAS_BIAS", "CHAIN", "ACT_OUT", "RESIDUAL",
                                                      "STATS", "BIG")}  # fmt: skip
@@ -515,9 +536,10 @@ class _Plan:
             partials = torch.empty((3, self.partial_rows, geo.c_out), dtype=torch.float32, device=self.device)
         p = [out if t is None else t for t in hooks.prologue_tensors(prologue)]
         q = out if self.chain is None else self.chain.build(tensor_rows(chain, None))
+        scratch = (torch.empty(self.scratch_elems, dtype=w.dtype, device=self.device),) if self.scratch_elems else ()
         self.launch(x, w, out if scale is None else scale, out if bias is None else bias,
                     out if residual is None else residual, out, saved if self.save_conv else out,
-                    out if partials is None else partials, q, *p, *slopes)  # fmt: skip
+                    out if partials is None else partials, q, *p, *slopes, *scratch)  # fmt: skip
         if partials is None:
             return out, None
         return out, self.reduce(partials)
@@ -684,7 +706,9 @@ def fprop_plan(
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise path (``_Plan.depthwise``)
                            tma=tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups),
-                           plain=prologue is None and code_in == 0 and not stats)  # fmt: skip
+                           plain=prologue is None and code_in == 0 and not stats,
+                           halo=(prologue is not None or code_in != 0) and geo.taps > 1
+                           and halo.applies(geo, not channels_last(x) or dense_channels_last(x), stats_groups > 0) is None)
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out), saved),
             x.device))  # fmt: skip

@@ -77,6 +77,9 @@ class TileConfig:
     #: the forward's prologue in wgmma's register layout: ``tma_fprop``), or with a box the weight
     #: gradient's (``tma_wgrad``)
     tma: bool = False
+    #: the forward's halo kernel (``halo``): a hooked conv wider than 1x1 normalises each tile's input
+    #: window once per channel block into a scratch slot, its taps then plain loads of the slot
+    halo: bool = False
     #: the weight gradient's split of M aims for this many programs per SM (``wgrad.pick_split``): 2 lets
     #: a second program's loads run under the first's MMAs; 1 halves the fp32 partials where one program
     #: per SM already streams its operands at full speed (TMA tiles: :func:`tma_wgrad_tiles`)
@@ -91,7 +94,7 @@ class TileConfig:
         """``M x N x K``, warps, stages and the K walk and load, e.g. ``128x64x64 w4 s3 box 8x16``."""
         walk = " flat" if self.flat_k else (f" box {self.box_h}x{self.box_w}" if self.box_w else "")
         taps = f" taps {self.taps_per_program}" if self.taps_per_program > 1 else ""
-        kernel = " tma" if self.tma else ""
+        kernel = " tma" if self.tma else " halo" if self.halo else ""
         per_sm = f" {self.programs_per_sm}/sm" if self.programs_per_sm != 2 else ""
         return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{walk}{taps}"
                 f"{kernel}{per_sm}")
@@ -130,6 +133,9 @@ class TileConfig:
         if pass_name == "fprop" and self.box_w:
             raise ContractError(f"tile box_w={self.box_w}: the forward loads its A tiles by gather or as rows, "
                                 "not as boxes of the plane (fprop and tma_fprop module docstrings)")
+        if self.halo and (pass_name == "dgrad" or self.flat_k or self.tma or self.box_w):
+            raise ContractError(f"tile {self.label()}: a halo is the forward's or the weight gradient's, on a "
+                                "tap-major gather tile")
         if pass_name != "wgrad" and (self.taps_per_program != 1 or self.programs_per_sm != 2):
             raise ContractError(f"tile {self.label()}: several taps per program and a split's programs per SM are "
                                 "the weight gradient's")
@@ -227,7 +233,8 @@ TMA_REGISTERS = 255
 
 def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: int, dtype: torch.dtype,
                depthwise_channels: int | None = None, box_plane: tuple[int, int] | None = None,
-               epilogue_hooks: bool = False, tma: bool = False, plain: bool = False) -> list[TileConfig]:  # fmt: skip
+               epilogue_hooks: bool = False, tma: bool = False, plain: bool = False,
+               halo: bool = False) -> list[TileConfig]:  # fmt: skip
     """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"), at most
     ``host.MAX_TUNED_CONFIGS`` (each compiles before it is timed): the heuristic's (:func:`pick_tile`
     with ``k_channels`` the channels per group a K step walks and ``n_channels`` those of the N axis),
@@ -271,17 +278,25 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     timed where a box is offered at 0.19-0.20 ms on both shapes swept.  ``tma``: a forward the
     Gluon TMA kernel takes (``tma_fprop.supports``), or an input gradient it takes
     (``tma_fprop.supports_grad``): the heuristic's gather tile (what runs untimed), then the TMA kernel's
-    tiles (:func:`tma_tiles`; ``plain``: the pass runs no hooks, so the wide TMA tile too).  An empty
-    problem (``m == 0``) gets its first tile alone."""
+    tiles (:func:`tma_tiles`; ``plain``: the pass runs no hooks, so the wide TMA tile too).  ``halo``: a
+    hooked forward the halo kernel takes (``kernels/conv/halo.py``): the heuristic's tile (the direct
+    depthwise path's first) as the halo kernel's comes second; a weight gradient's several-taps tiles
+    take ``halo`` as given (``wgrad`` asks for it only for a depthwise conv: its NOTE).  An empty problem
+    (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
-        return depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
+        tiles = depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
+        if halo and m:  # the direct tile's halo next (``kernels/conv/halo.py``)
+            tiles = best_first([tiles[0], replace(tiles[0], halo=True), *tiles[1:]])
+        return tiles
     first = pick_tile(k_channels, n_channels, taps, m, dtype)
     if m == 0:
         return [first]
-    if tma:  # NOTE: the input gradient's hooked store (act', the sums) spilled 96 bytes on 4 warps at 128 x 64
-        # (``python tools/compile_check.py conv_tma --cases resnet_1x1-bf16-hooked``, Triton 3.6): 8 warps there
-        warps = 8 if pass_name == "dgrad" and epilogue_hooks else 4
-        return best_first([first, *tma_tiles(k_channels, n_channels, m, min_warps=warps, wide=plain)])
+    if tma:
+        grad_hooks = pass_name == "dgrad" and epilogue_hooks  # ``tma_tiles``' NOTE
+        return best_first([first, *tma_tiles(k_channels, n_channels, m, wide=plain, grad_hooks=grad_hooks)])
+    if halo and pass_name == "fprop" and not first.flat_k:
+        return best_first([first, replace(first, halo=True), *[t for t in candidates(
+            pass_name, k_channels, n_channels, taps, m, dtype, box_plane=box_plane)[1:]]])
     if first.flat_k:
         other_warps = replace(first, num_warps=12 - first.num_warps)  # 4 <-> 8
         halved = replace(first, block_m=max(16, first.block_m // 2), num_warps=4)
@@ -296,7 +311,7 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
             if staged <= _SHARED_BYTES:  # a grad_y tile and ``per`` A tiles per pipeline stage
                 # the accumulators within 96 fp32 registers per thread: 4 warps up to three of 64 x 64
                 warps = 4 if per * tile.block_m * tile.block_n <= 3 * 64 * 64 else 8
-                kept.append(replace(tile, taps_per_program=per, num_warps=warps))
+                kept.append(replace(tile, taps_per_program=per, num_warps=warps, halo=halo))
     if box_plane is not None:
         kept.append(replace(first, box_w=box_width(*box_plane, first.block_m)))
     if epilogue_hooks and pass_name == "dgrad" and first.num_warps == 4:
@@ -450,23 +465,35 @@ def tma_stages(tile: TileConfig, most: int, store_bytes: int = 2, programs: int 
 # accumulator leaves no room.  256 x 128 on 8 warps ran within 3% of 128 x 256 and is not offered.  (A
 # scratch sweep of the TMA kernel's tiles, stages and programs per SM; ``python tools/sweep_conv_tiles.py
 # demos/realnets/resnet50.py --passes fprop,dgrad --tma --filter '*k1x1 p0*'`` times the same tiles.)
-def tma_tiles(c_in: int, c_out: int, m: int, min_warps: int = 4, wide: bool = False) -> list[TileConfig]:
+# NOTE: an input gradient with its hooks (relu' and the BatchNorm sums, x_prev's tile read into registers)
+# times 128 rows on 8 warps, then 64 rows on 4 warps (one warpgroup: its accumulator and x_prev's tile as
+# many registers per thread as the 8-warp 128-row tile's).  ResNet-50's hooked 1x1 input gradients at 14 x
+# 14 and 7 x 7 (H200, bf16, batch 64, GPU ms per call, the same scratch sweep as the NOTE above): 64 x 128
+# on 4 warps the fastest tile on all five, 256 -> 1024 at 14 x 14 0.0245 against 128 x 128 on 8 warps'
+# 0.0272, 1024 -> 256 0.0369 against 0.0430, 1024 -> 512 0.0479 against 0.0556, 2048 -> 512 at 7 x 7
+# 0.0276 against 0.0311, 512 -> 2048 0.0220 against 0.0248 (twice the tiles over few rows); 128 x 64 on 4
+# warps spilled 96 bytes (``python tools/compile_check.py conv_tma --cases resnet_1x1-bf16-hooked``).
+def tma_tiles(c_in: int, c_out: int, m: int, wide: bool = False, grad_hooks: bool = False) -> list[TileConfig]:
     """The TMA forward's tiles for a 1x1 conv of ``c_in`` -> ``c_out`` channels over ``m`` output
     positions (16-bit operands; an input gradient's GEMM: its output channels in ``c_in``'s place), best
     first: 128 rows by up to 128 output channels (8 warps past 64: two warpgroups of 64 rows each, 64
-    accumulator registers per thread), then 64 output channels on 4 warps (``min_warps``: at least that
-    many) where the layer is wider; ``wide`` (a pass without hooks) and 256 output channels or more: 128
-    by 256 on 8 warps first, then 128 by 128 (NOTE above).  K steps of 64 channels (fewer where ``c_in``
-    is narrower).  Stages: the most, up to 4, that keep as many programs per SM as the registers allow
-    (:func:`tma_programs_per_sm`, the store rounding first) and fit the SM's shared memory."""
+    accumulator registers per thread), then 64 output channels on 4 warps where the layer is wider;
+    ``wide`` (a pass without hooks) and 256 output channels or more: 128 by 256 on 8 warps first, then
+    128 by 128 (NOTE above); ``grad_hooks`` (an input gradient with its hooks): 128 rows by up to 128
+    channels on 8 warps, then 64 rows by as many on 4 (NOTE above).  K steps of 64 channels (fewer where
+    ``c_in`` is narrower).  Stages: the most, up to 4, that keep as many programs per SM as the registers
+    allow (:func:`tma_programs_per_sm`, the store rounding first) and fit the SM's shared memory."""
     block_k = min(64, max(16, next_pow2(c_in)))
     block_m = 128 if m > 64 else 64
-    widths = (min(128, max(16, next_pow2(c_out))), min(64, max(16, next_pow2(c_out))))
+    width = min(128, max(16, next_pow2(c_out)))
+    shapes = [(block_m, width, 8 if width > 64 else 4), (block_m, min(64, width), 4)]
     if wide and next_pow2(c_out) >= 256:
-        widths = (256, 128)
+        shapes = [(block_m, 256, 8), (block_m, 128, 8)]
+    elif grad_hooks:
+        shapes = [(block_m, width, 8), (64, width, 4)]
     tiles = []
-    for block_n in dict.fromkeys(widths):
-        tile = TileConfig(block_m, block_n, block_k, max(min_warps, 8 if block_n > 64 else 4), 2, tma=True)
+    for rows, block_n, warps in dict.fromkeys(shapes):
+        tile = TileConfig(rows, block_n, block_k, warps, 2, tma=True)
         tiles.append(replace(tile, num_stages=tma_stages(tile, 4)))
     return tiles
 

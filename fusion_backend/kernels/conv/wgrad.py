@@ -76,7 +76,7 @@ from ..host import cdiv, element_extent, multiprocessors
 from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import backward_dot_precision, round_tf32
-from . import hooks, tma_wgrad
+from . import halo, hooks, tma_wgrad
 from .boxes import box_descriptor, box_grid, box_refusal
 from .fprop import (
     _BIG_INDEX_THRESHOLD,
@@ -84,11 +84,19 @@ from .fprop import (
     _Geometry,
     _hashable,
     channels_last,
+    dense_channels_last,
     empty_channels_last,
     to_channels_last,
 )
+from .halo import window_tap, write_window
 from .hooks import ActivationLike, Prologue
-from .prologue import box_coords, load_a_box, load_a_tile, load_depthwise_tile, window_rows
+from .prologue import (
+    box_coords,
+    load_a_box,
+    load_a_tile,
+    load_depthwise_tile,
+    window_rows,
+)
 from .split_sum import split_sum_blocks, sum_dim, sum_slots
 from .tiles import TileConfig, cached_plan, candidates, tma_wgrad_tiles, tuned_tile
 
@@ -149,6 +157,57 @@ def _depthwise_weight_grad(x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p
             tl.store(bpart_ptr + split * C_OUT + c, bacc, mask=c_ok)
 
 
+@triton.jit
+def _depthwise_halo_weight_grad(x_ptr, dy_ptr, scratch_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+                                slope_in, M, H, W, C_IN, C_OUT, TILES_PER_SPLIT, dy_sn, dy_sd, dy_sh, dy_sw,
+                                OD: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr, KH: tl.constexpr,
+                                KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr,
+                                DW: tl.constexpr, PROLOGUE: tl.constexpr, G_NORM: tl.constexpr,
+                                NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr, BIAS_GRAD: tl.constexpr,
+                                BIG: tl.constexpr, HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """:func:`_depthwise_weight_grad` with the halo (``HALO``; a 'same' stride-1 1-d/2-d depthwise conv
+    without a channel multiplier, x channels-last dense): program ``(0, channel block, split)`` puts each M
+    step's window of rows (``BLOCK_M + (KH - 1) * DH * W + (KW - 1) * DW`` of them, ``halo.write_window``)
+    through the prologue once, reads the step's ``grad_y`` tile once, and sums every tap's products from
+    the window (``halo.window_tap``) into one row of ``[taps, BLOCK_N]`` fp32 accumulators; the same
+    partials (``part[split, c, tap]``) and bias partials."""
+    TAPS: tl.constexpr = KH * KW
+    TAPS_P2: tl.constexpr = triton.next_power_of_2(TAPS)
+    PADDED: tl.constexpr = (PH > 0) or (PW > 0)
+    pid_c = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = scratch_ptr + (pid_c + tl.num_programs(1) * split) * (HALO_CAP * BLOCK_N)
+    c = pid_c * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = c < C_OUT
+    mb = tl.arange(0, BLOCK_M)
+    taps = tl.arange(0, TAPS_P2)
+    acc = tl.zeros([TAPS_P2, BLOCK_N], tl.float32)
+    bacc = tl.zeros([BLOCK_N], tl.float32)
+    for t in range(0, TILES_PER_SPLIT):
+        m0 = (split * TILES_PER_SPLIT + t) * BLOCK_M
+        m = m0 + mb
+        m_ok = m < M
+        mc = tl.minimum(m, M - 1)
+        ow = mc % OW
+        oh = (mc // OW) % OH
+        n = mc // (OW * OH * OD)
+        write_window(x_ptr, slot, m0 - (PH * W + PW), M, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                     H * W, BLOCK_M + (KH - 1) * DH * W + (KW - 1) * DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG,
+                     HALO_CHUNK, BLOCK_N)  # fmt: skip
+        dy = tl.load(dy_ptr + _dy_rows(n, tl.zeros_like(oh), oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG)[:, None]
+                     + c[None, :], mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        for tap in range(0, TAPS):  # a loop, not unrolled: the taps' loads all in flight spilled (as the forward's)
+            a = window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_N)
+            acc += tl.where(taps[:, None] == tap, tl.sum(dy * a.to(tl.float32), axis=0)[None, :], 0.0)
+        if BIAS_GRAD:
+            bacc += tl.sum(dy, axis=0)
+    tl.store(part_ptr + (split * C_OUT + c)[None, :] * TAPS + taps[:, None], acc,
+             mask=(taps < TAPS)[:, None] & c_ok[None, :])  # fmt: skip
+    if BIAS_GRAD:
+        tl.store(bpart_ptr + split * C_OUT + c, bacc, mask=c_ok)
+
+
 # NOTE: every M step peels its rows' output coordinates (two divisions per row); by runtime sizes a
 # division is a dozen instructions, by constexprs a multiply-high: the main loop of ResNet-50's 3x3 wgrad
 # (bf16, 128 x 64 x 64 tile, sm_90) went from 776 to 504 SASS instructions per step, 97 to 63 per MMA,
@@ -156,7 +215,7 @@ def _depthwise_weight_grad(x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p
 # resnet_3x3-bf16,resnet_3x3-bf16-hooked --kernels wgrad --sass``).  The price: one compile per output size.
 @triton.jit
 def conv_wgrad_kernel(
-    x_ptr, dy_ptr, x_desc, dy_desc, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+    x_ptr, dy_ptr, x_desc, dy_desc, scratch_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
     slope_in,
     M, D, H, W, C_IN, C_OUT, C_OUT_G, TILES_PER_SPLIT, GROUPS, OH_TILES, OW_TILES,
     x_sn, x_sd, x_sh, x_sw, dy_sn, dy_sd, dy_sh, dy_sw,
@@ -168,14 +227,19 @@ def conv_wgrad_kernel(
     DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
     BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
-    DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, TAPS_PER_PROGRAM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, TAPS_PER_PROGRAM: tl.constexpr, HALO: tl.constexpr,
+    HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_N, BLOCK_K]`` partial tile of group ``g`` over split ``s``'s M tiles, where
     ``program_id(2) = s * GROUPS + g`` (module docstring); with ``BOX_W`` the M tiles are boxes of the
     output planes and both operands are loaded as boxes (:func:`_box_weight_grad`).  ``TAPS_PER_PROGRAM``
     (2 or 3; tap-major, gather): the program owns that many consecutive taps of one channel block, one
     accumulator each, and reads each ``grad_y`` tile once for all of them (``TileConfig.taps_per_program``).
+    ``HALO`` (with them, a 'same' stride-1 1-d or 2-d conv, x channels-last dense, its taps one kernel
+    row's): per M step the rows those taps read, ``BLOCK_M + (TAPS_PER_PROGRAM - 1) * DW`` consecutive
+    ones, go through the prologue once into the program's scratch slot, and each tap's A tile is a plain
+    load of the slot (``halo.write_window``; ``kernels/conv/halo.py`` explains the shift).
 
     Pointers (element offsets):
       x_ptr     the forward's input before its prologue, (N, C_IN, D, H, W), channel stride 1: element
@@ -186,11 +250,19 @@ def conv_wgrad_kernel(
       bpart_ptr BIAS_GRAD: fp32 (splits, C_OUT) contiguous, written by the ``kk == 0`` programs.
       x_desc, dy_desc ``BOX_W``: tensor descriptors of x and grad_y (``_box_weight_grad``); else any
                 tensors, unused.
+      scratch_ptr ``HALO``: one slot of ``HALO_CAP * BLOCK_K`` elements of x's dtype per program
+                (``halo.write_window``); else any tensor, unused.
       p0..p3    the forward's prologue vectors (``prologue.normalise``).
     Runtime: ``slope_in`` the leaky slope of ``ACT_IN``; ``M = N * OD * OH * OW``; ``TILES_PER_SPLIT``
     the M tiles of one split; ``OH_TILES`` / ``OW_TILES`` the boxes along an output plane (``BOX_W``).  Constexprs: the output's sizes ``OD, OH, OW``, then as
     ``fprop.conv_fprop_kernel``'s (``K_ROW``: the K extent of one output channel, a multiple of ``BLOCK_K``).
     """
+    if DEPTHWISE and HALO:  # program (channel block, split), every tap from one window per M step
+        _depthwise_halo_weight_grad(x_ptr, dy_ptr, scratch_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+                                    slope_in, M, H, W, C_IN, C_OUT, TILES_PER_SPLIT, dy_sn, dy_sd, dy_sh, dy_sw, OD,
+                                    OH, OW, KH, KW, PH, PW, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIAS_GRAD,
+                                    BIG, HALO_CAP, HALO_CHUNK, BLOCK_M, BLOCK_N)  # fmt: skip
+        return
     if DEPTHWISE:  # one input channel per group: program (tap, channel block, split), no GEMM
         _depthwise_weight_grad(x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, M, D, H,
                                W, C_IN, C_OUT, C_OUT_G, TILES_PER_SPLIT, x_sn, x_sd, x_sh, x_sw, dy_sn, dy_sd, dy_sh,
@@ -222,6 +294,14 @@ def conv_wgrad_kernel(
                                      PADDED, BIAS_GRAD, PRECISION, compute, BOX_W, BLOCK_M, BLOCK_N,
                                      BLOCK_K)  # fmt: skip
     else:
+        if HALO:  # the program's slot, its taps' kernel row and first column, their rows' shift from the outputs'
+            slot = scratch_ptr + (tl.program_id(0) + tl.num_programs(0) * (
+                pid_n + tl.num_programs(1) * pid_z)) * (HALO_CAP * BLOCK_K)  # fmt: skip
+            kh_halo = (kk // CB) // KW
+            kw_halo = (kk // CB) % KW
+            halo_shift = (kh_halo * DH - PH) * W + kw_halo * DW - PW
+            ci = (kk % CB) * BLOCK_K + tl.arange(0, BLOCK_K)
+            c_ok = ci < C_IN_G
         for t in range(0, TILES_PER_SPLIT):
             m = (split * TILES_PER_SPLIT + t) * BLOCK_M + mb
             m_ok = m < M
@@ -230,25 +310,40 @@ def conv_wgrad_kernel(
                                                                  PW, x_sn, x_sd, x_sh, x_sw, BIG)  # fmt: skip
             dy_row = _dy_rows(n, od, oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG)
             row_base += g * C_IN_G
-            a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
-                            p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                            C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                            FLAT_K, PADDED, True, compute, BLOCK_K)  # fmt: skip
+            if HALO:  # the taps' rows through the prologue once, into the slot
+                write_window(x_ptr, slot, (split * TILES_PER_SPLIT + t) * BLOCK_M + halo_shift, M, g * C_IN_G + ci,
+                             c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, H * W,
+                             BLOCK_M + (TAPS_PER_PROGRAM - 1) * DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG,
+                             HALO_CHUNK, BLOCK_K)  # fmt: skip
+                a = _halo_tap(slot, 0, kh_halo, kw_halo, ih0, iw0, m_ok, c_ok, H, W, DH, DW, PADDED, BLOCK_M, BLOCK_K)
+            else:
+                a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
+                                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                                C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                                FLAT_K, PADDED, True, compute, BLOCK_K)  # fmt: skip
             dy_mask = m_ok[:, None] & co_ok[None, :]
             dy = tl.load(dy_ptr + (dy_row + g * C_OUT_G)[:, None] + co[None, :], mask=dy_mask, other=0.0)
             dy_t = round_tf32(tl.trans(dy), PRECISION)
             acc = tl.dot(dy_t, round_tf32(a, PRECISION), acc, input_precision=PRECISION)
             if TAPS_PER_PROGRAM > 1:  # the same grad_y tile against the next taps' A tiles
-                a = load_a_tile(x_ptr, kk + CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
-                                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                                C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                                False, PADDED, True, compute, BLOCK_K)  # fmt: skip
+                if HALO:
+                    a = _halo_tap(slot, 1, kh_halo, kw_halo, ih0, iw0, m_ok, c_ok, H, W, DH, DW, PADDED, BLOCK_M,
+                                  BLOCK_K)  # fmt: skip
+                else:
+                    a = load_a_tile(x_ptr, kk + CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
+                                    p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                                    C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                                    False, PADDED, True, compute, BLOCK_K)  # fmt: skip
                 acc1 = tl.dot(dy_t, round_tf32(a, PRECISION), acc1, input_precision=PRECISION)
             if TAPS_PER_PROGRAM > 2:
-                a = load_a_tile(x_ptr, kk + 2 * CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
-                                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                                C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                                False, PADDED, True, compute, BLOCK_K)  # fmt: skip
+                if HALO:
+                    a = _halo_tap(slot, 2, kh_halo, kw_halo, ih0, iw0, m_ok, c_ok, H, W, DH, DW, PADDED, BLOCK_M,
+                                  BLOCK_K)  # fmt: skip
+                else:
+                    a = load_a_tile(x_ptr, kk + 2 * CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh,
+                                    x_sw, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                                    C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                                    False, PADDED, True, compute, BLOCK_K)  # fmt: skip
                 acc2 = tl.dot(dy_t, round_tf32(a, PRECISION), acc2, input_precision=PRECISION)
             if BIAS_GRAD:
                 bacc += tl.sum(dy.to(tl.float32), axis=0)
@@ -266,6 +361,24 @@ def conv_wgrad_kernel(
     if BIAS_GRAD:
         if kk == 0:
             tl.store(bpart_ptr + split * C_OUT + g * C_OUT_G + co, bacc, mask=co_ok)
+
+
+@triton.jit
+def _halo_tap(slot, j, kh, kw0, ih0, iw0, m_ok, c_ok, H, W, DH: tl.constexpr, DW: tl.constexpr,
+              PADDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The A tile of the program's ``j``-th tap (kernel row ``kh``, column ``kw0 + j``) from the window in
+    ``slot`` (``halo.write_window``): row ``i`` at slot row ``i + j * DW``, the pad lanes and rows past M 0
+    (``ih0``, ``iw0``: the rows' window origins; ``prologue.load_a_tile``'s mask)."""
+    r = tl.arange(0, BLOCK_M)
+    kb = tl.arange(0, BLOCK_K)
+    if PADDED:
+        hi = ih0 + kh * DH
+        wi = iw0 + (kw0 + j) * DW
+        r_ok = m_ok & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+    else:
+        r_ok = m_ok
+    return tl.load(slot + (r + j * DW)[:, None] * BLOCK_K + kb[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                   other=0.0, cache_modifier=".cg")  # fmt: skip
 
 
 @triton.jit
@@ -412,8 +525,8 @@ class _WgradPlan:
         if taps_per > 1 and (self.depthwise or geo.taps % taps_per):  # (the tile's own walk: ``TileConfig.check``)
             raise ContractError(f"tile taps_per_program={taps_per} needs a kernel whose {geo.taps} taps it divides, "
                                 "with more than one input channel per group")
-        if self.depthwise:  # grid (taps, channel blocks, splits)
-            k_steps, n_tiles = geo.taps, cdiv(geo.c_out, tile.block_n)
+        if self.depthwise:  # grid (taps, channel blocks, splits); with the halo every tap in one program
+            k_steps, n_tiles = 1 if tile.halo else geo.taps, cdiv(geo.c_out, tile.block_n)
         else:  # programs: K steps, or (tap groups x channel blocks) with several taps per program
             k_steps, n_tiles = self.k_row // tile.block_k // taps_per, self.cout_pad // tile.block_n
         programs = k_steps * n_tiles * (1 if self.depthwise else geo.groups)
@@ -424,6 +537,21 @@ class _WgradPlan:
         g_norm, norm_affine = 1, False
         if isinstance(prologue, hooks.GroupAffine):
             g_norm, norm_affine = prologue.groups, prologue.weight is not None
+        #: the halo's scratch (``HALO``): one slot per program of ``halo_cap`` rows (elements; 0: none)
+        self.scratch_elems, halo_cap, chunk = 0, 0, halo.HALO_CHUNK
+        if tile.halo:
+            why = halo.applies(geo, not self.relayout_x and dense_channels_last(x), False)
+            if why is None and not self.depthwise and (taps_per < 2 or geo.kernel[2] % taps_per or self.box):
+                why = "taps per program other than a kernel row's 2 or 3"
+            if why is not None:
+                raise ContractError(f"tile {tile.label()}: the halo weight gradient does not take {why}")
+            if self.depthwise:  # one window of every tap's rows per program and M step
+                rows = halo.halo_rows(tile.block_m, geo.size[2], geo.kernel[1:], geo.dilation[1:])
+                halo_cap = cdiv(rows, chunk) * chunk
+                self.scratch_elems = n_tiles * self.split * halo_cap * tile.block_n
+            else:  # one window of the program's taps' rows per M step
+                halo_cap = cdiv(tile.block_m + (taps_per - 1) * geo.dilation[2], chunk) * chunk
+                self.scratch_elems = k_steps * n_tiles * self.split * geo.groups * halo_cap * tile.block_k
         constexprs = dict(
             C_IN_G=geo.c_in_g, CIN_PAD=self.cin_pad, K_ROW=self.k_row, COUT_PAD=self.cout_pad,
             KD=geo.kernel[0], KH=geo.kernel[1], KW=geo.kernel[2],
@@ -432,7 +560,8 @@ class _WgradPlan:
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
             BIAS_GRAD=bias_grad, PRECISION=precision, BIG=big, FLAT_K=flat_k, DEPTHWISE=self.depthwise,
-            BOX_W=tile.box_w, TAPS_PER_PROGRAM=tile.taps_per_program, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+            BOX_W=tile.box_w, TAPS_PER_PROGRAM=tile.taps_per_program, HALO=tile.halo, HALO_CAP=halo_cap,
+            HALO_CHUNK=chunk, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
             BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
@@ -505,7 +634,8 @@ class _WgradPlan:
             tile = self.tile
             x_desc = box_descriptor(x, [1, 1, tile.box_h, tile.box_w, tile.block_k])
             dy_desc = box_descriptor(grad_y, [1, 1, tile.box_h, tile.box_w, tile.block_n])
-        self.launch(x, grad_y, x_desc, dy_desc, part, bpart, *p, slope_in)
+        scratch = torch.empty(self.scratch_elems, dtype=x.dtype, device=self.device) if self.scratch_elems else part
+        self.launch(x, grad_y, x_desc, dy_desc, scratch, part, bpart, *p, slope_in)
         self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
         grad_b = (bpart[0] if self.split == 1 else sum_dim(bpart, 0)).to(self.dtype) if self.bias_grad else None
         return grad_w, grad_b
@@ -581,9 +711,21 @@ def conv_wgrad(
         # boxes only where the hooks take the tile through registers anyway (``tiles.candidates``)
         hooked = prologue is not None or code_in != 0
         boxed = hooked and not wgrad_box_refusal(geo, xs, dys, None)
+        # the direct depthwise tile's halo (``_WgradPlan``).  NOTE: a dense conv's several-taps tiles are not
+        # offered with it: on the H200 (bf16, batch 64, ResNet-50's four 3x3s, BatchNorm + ReLU prologue,
+        # ``python tools/bench_conv.py demos/realnets/resnet50.py --passes wgrad --filter '*k3x3 p1 g1*'``,
+        # ``tile_ms``) the best halo tile took 0.118 / 0.113 / 0.117 / 0.096 ms where the several-taps tiles
+        # without it took 0.087 / 0.083 / 0.078 / 0.100 (the committed ``conv-kernels-wgrad`` report; the
+        # halo's barriers stop Triton pipelining the M loop's loads); a depthwise conv's halo was the
+        # fastest tile on 3 of EfficientNet-B0's 8 hooked stride-1 depthwise weight gradients, 1.15-1.69x
+        # the best tile without it (``python tools/bench_conv.py demos/realnets/efficientnet_b0.py
+        # --passes wgrad --filter '*k3x3 p1 g[2-9]*,*k5x5 p2 g[2-9]*,*k3x3 p1 g1[0-9]*,*k5x5 p2 g1[0-9]*'``).  Explicit
+        # tiles (``tile=``, ``tools/sweep_conv_tiles.py --halo``) still take the dense halo.
+        with_halo = (hooked and geo.c_in_g == 1
+                     and halo.applies(geo, not channels_last(x) or dense_channels_last(x), False) is None)  # fmt: skip
         tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise sums
-                           geo.out_size[1:] if boxed else None)  # fmt: skip
+                           geo.out_size[1:] if boxed else None, halo=with_halo)  # fmt: skip
         if geo.m and tma_wgrad.supports(x, grad_y, weight, geo.stride, geo.groups):
             tiles = [*tiles, *tma_wgrad_tiles(geo.c_in, geo.c_out, geo.taps, geo.out_size[1:],
                                               geo.taps == 1 and not any(geo.padding), hooked)]  # fmt: skip

@@ -19,6 +19,7 @@ from ... import environment, impl_choice
 from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
+from ...kernels.weight_fold import fold_affine_into_weight
 from .. import conv_precision
 from ..chain import ChainValue, PointwiseKind, TensorRef
 from ..chain_lowering import family_activation, kernel_steps
@@ -333,7 +334,7 @@ def _measured_forward(plans: dict[str, Any], args: tuple, cfg: ConvEpilogueConfi
     x, weight, bias, _ = args
     fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
-    return measured_plan(plans, args, lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v4", fast_key, probes)
+    return measured_plan(plans, args, lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v5", fast_key, probes)
 
 
 class ReferenceForward:
@@ -414,7 +415,8 @@ def forward_candidates(
     ``fused``; always ``library``; ``family`` (``FamilyForward``) where the conv family's forward
     serves the call (``family_forward_unsupported``); ``library-channels-last``
     (``ChannelsLastLibraryForward``) for 2-d and 3-d convs of an x that is not channels-last
-    (``channels_last_forward_unsupported``)."""
+    (``channels_last_forward_unsupported``); ``cudnn-fused`` (``CudnnFusedForward``) for CUDA inference
+    calls of conv, a folded eval BatchNorm, (a residual add,) relu (``cudnn_fused_unsupported``)."""
     args = (x, weight, bias, operands, cfg, save)
     plans: dict[str, Any] = {}
     if fused:
@@ -430,6 +432,11 @@ def forward_candidates(
         plans["library-channels-last"] = ChannelsLastLibraryForward(*args)
     else:
         logger.debug("conv_epilogue forward: no channels-last library forward (%s)", why)
+    why = "no cuDNN" if x.device.type != "cuda" else cudnn_fused_unsupported(x, weight, operands, cfg, save)
+    if why is None:
+        plans["cudnn-fused"] = CudnnFusedForward(*args)
+    else:
+        logger.debug("conv_epilogue forward: no cuDNN fused conv + relu (%s)", why)
     return plans
 
 
@@ -609,6 +616,103 @@ class ChannelsLastLibraryForward(LibraryForward):
             weight = self.weight_relayout(weight)
         with conv_precision.cudnn_tf32(self.tf32):
             return run_conv(self.x_relayout(x), weight, None, self.spec)
+
+
+def _fold_sources(steps: Sequence[Any], operands: Sequence[Tensor], channels: int) -> tuple[int | None, int | None, int]:
+    """``(scale, shift, taken)``: the operand indices of ``steps``' leading per-channel ``mul`` and ``add``
+    (a folded eval BatchNorm; None where absent) and how many steps they are."""
+    scale = shift = None
+    taken = 0
+
+    def per_channel(step: Any, kind: PointwiseKind) -> int | None:
+        if step.kind != kind or not isinstance(step.operands[0], TensorRef):
+            return None
+        index = step.operands[0].index
+        return index if operands[index].numel() == channels > 1 else None
+
+    if taken < len(steps) and (scale := per_channel(steps[taken], PointwiseKind.MUL)) is not None:
+        taken += 1
+    if taken < len(steps) and (shift := per_channel(steps[taken], PointwiseKind.ADD)) is not None:
+        taken += 1
+    return scale, shift, taken
+
+
+def cudnn_fused_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+                            save: bool) -> str | None:  # fmt: skip
+    """Why cuDNN's fused conv + bias + ReLU (``CudnnFusedForward``) cannot serve this call, or None: an
+    inference call (nothing saved) of a direct 2-d or 3-d conv whose chain is a per-channel ``mul`` and
+    ``add`` (a folded eval BatchNorm; either or both may be absent), then ``relu``, or with a residual:
+    those, the residual's ``add``, then ``relu``; no pool, gate or input norm; the output in the conv's
+    dtype (fp32, fp16 or bf16)."""
+    if save:
+        return "a call that saves for the backward"
+    if cfg.conv.transposed or cfg.pool is not None or cfg.gate is not None or cfg.norm_in is not None:
+        return "a transposed conv, a pool, a gate or an input norm"
+    if x.dim() not in (4, 5):
+        return "a 1-d conv"
+    dtype = conv_compute_dtype(cfg, x)
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"a {dtype} conv"
+    if _forward_layouts(x, weight, operands, cfg, save, dtype)[2][0].dtype != dtype:
+        return "an output dtype other than the conv's"
+    head, tail = (cfg.chain, ()) if cfg.residual is None else residual_parts(cfg)
+    if cfg.residual is None:
+        head, tail = head[:-1], head[-1:]
+    taken = _fold_sources(head, operands, weight.shape[0])[2]
+    if taken != len(head) or [step.kind for step in tail] != [PointwiseKind.RELU]:
+        return "a chain other than a per-channel scale and shift, (a residual add,) then relu"
+    return None
+
+
+class CudnnFusedForward:
+    """cuDNN's fused conv + bias + ReLU for one inference call signature (``cudnn_fused_unsupported``): the
+    chain's per-channel scale folded into the weight (``w * scale``, per output channel, in fp32, rounded
+    once to the conv's dtype) and its shift with the bias into the conv's bias (``bias * scale + shift``),
+    then one ``torch.cudnn_convolution_relu`` (or ``cudnn_convolution_add_relu`` with the residual): the conv
+    output is never written unfused.  The fold is one kernel per call (``kernels/weight_fold.py``).  On
+    CPU (no cuDNN) the same arithmetic in torch ops (the tests' path).
+
+    Precision: the folded weight is rounded once more than eager's (which rounds the norm's output
+    instead); the conv's own precision is cuDNN's, as eager's (TF32 where ``allow_tf32`` says)."""
+
+    #: the same signature always gets this plan
+    settled: bool = True
+
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                 cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
+        self.dtype = conv_compute_dtype(cfg, x)
+        head = cfg.chain if cfg.residual is None else residual_parts(cfg)[0]
+        self.scale, self.shift, _ = _fold_sources(head, operands, weight.shape[0])
+        self.residual = cfg.residual
+        spec = cfg.conv
+        self.args = (list(spec.stride), list(spec.padding), list(spec.dilation), spec.groups)
+        out = _forward_layouts(x, weight, operands, cfg, save, self.dtype)[2][0]
+        #: the output's (shape, strides), as the op's fake lays it out
+        self.out_layout = (tuple(out.shape), out.stride())
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        xc = x if x.dtype == self.dtype else x.to(self.dtype)
+        scale = None if self.scale is None else operands[self.scale].reshape(-1)
+        shift = None if self.shift is None else operands[self.shift].reshape(-1)
+        fmt = torch.channels_last if xc.dim() == 4 else torch.channels_last_3d
+        if xc.is_contiguous(memory_format=fmt) and not weight.is_contiguous(memory_format=fmt):
+            weight = weight.contiguous(memory_format=fmt)  # cuDNN's channels-last conv wants both so
+        w, b = fold_affine_into_weight(weight, scale, shift, bias, self.dtype)
+        residual = None if self.residual is None else operands[self.residual].to(self.dtype)
+        if x.device.type == "cuda":
+            if residual is None:
+                out = torch.cudnn_convolution_relu(xc, w, b, *self.args)
+            else:
+                out = torch.cudnn_convolution_add_relu(xc, w, residual, 1.0, b, *self.args)
+        else:
+            conv = torch.nn.functional.conv2d if xc.dim() == 4 else torch.nn.functional.conv3d
+            y = conv(xc, w, b, *self.args)
+            out = torch.relu(y if residual is None else y + residual)
+        shape, stride = self.out_layout
+        if out.stride() != stride:
+            out = torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
+        return out, empty_placeholder(x), empty_placeholder(x)  # inference: nothing saved, no pool
 
 
 def channels_last_forward_unsupported(x: Tensor, weight: Tensor, cfg: ConvEpilogueConfig) -> str | None:

@@ -1,0 +1,200 @@
+"""The conv family's forward with its prologue applied once per input element and channel block (the
+*halo forward*): a variant of :func:`fprop.conv_fprop_kernel` for hooked convs wider than 1x1, which a
+:class:`tiles.TileConfig` with ``halo`` selects.
+
+WHY: the gather forward applies the prologue (the previous layer's normalisation and activation) to its
+A tile on every K step, so a 3x3 conv normalises each input element nine times, ALU work of the order
+of the MMA's at 64 output channels per tile (docs/perf/RESULTS.md: the hooked 3x3 of 64 channels at 56 x
+56 0.109 ms against the plain kernel's 0.050).  Here a program first normalises its tile's input window,
+the *halo*, once per channel block into a scratch slot of its own (global memory, L2-resident: one slot
+per program of a persistent grid), and each tap's A tile is then a plain masked load from the slot.
+
+Which convs: stride 1, 'same' size (the output plane is the input plane: ``OH == H``, ``OW == W``), one
+or two spatial dims (``KD == 1``), any kernel size, padding and dilation, groups, a channels-last dense
+``x``.  Then output row ``m`` (flat over ``(n, oh, ow)``) reads, at tap ``(kh, kw)``, input row ``m -
+(PH * W + PW) + kh * DH * W + kw * DW`` of ``x``'s flat ``[N * H * W, C_in]`` rows (where the tap lies
+inside the plane; the pad mask zeroes the others, as the gather kernel's): a shift uniform over the
+tile.  So the rows a tile's taps read are the ``HALO_ROWS = BLOCK_M + (KH - 1) * DH * W + (KW - 1) * DW``
+consecutive rows from its first row less ``PH * W + PW`` (:func:`halo_rows`).
+
+Per tile and channel block: a CTA barrier (every thread's reads of the slot's previous block are done),
+the halo's rows in chunks of :data:`HALO_CHUNK`: loaded, normalised and activated (fp32, one rounding to the
+compute dtype, as :func:`prologue.load_a_tile`), stored to the slot; a barrier; then each tap's A tile
+loaded from the slot (through L2: ``.cg``, the slot was written by other threads of the CTA) with the
+gather kernel's pad mask, and one dot with the weight's block of the tap.  Within a CTA, global writes
+before a barrier are visible to the CTA's loads after it.  The epilogue is :func:`epilogue.store_tile`.
+
+Prologue work per tile: ``HALO_ROWS`` rows (rounded up to :data:`HALO_CHUNK`) against ``BLOCK_M`` rows
+per tap (nine taps) in the gather kernel, 1.1-1.9x the tile's rows for ResNet-50's 3x3s at 7 x 7 to 56
+x 56; the slot is written once and read once per tap.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..tf32 import round_tf32
+from .epilogue import store_tile
+from .prologue import activation, normalise
+
+#: Programs per SM of the halo kernel's persistent grid, each with its scratch slot (the slots of a
+#: grid that fits the device at once stay in L2: 528 slots of 256 x 64 bf16 rows are 17 MB).
+PROGRAMS_PER_SM = 4
+#: Rows of the halo normalised per step: every lane of a step runs the prologue, so the halo's rows are
+#: rounded up to this many, not to a tile's (ResNet-50's 7 x 7 planes: 144 rows, 160 in steps of 32, 256
+#: in steps of 128).
+HALO_CHUNK = 32
+
+
+@triton.jit
+def write_window(x_ptr, slot, first, ROWS, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, PLANE, HALO_ROWS,
+                 PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
+                 BIG: tl.constexpr, HALO_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``HALO_ROWS`` flat rows of x (channels-last dense: row ``r`` at ``r * C_IN``) from ``first``, at
+    channels ``c`` (``c_ok`` the real ones), through the prologue and ``act_in`` (fp32, rounded once to
+    x's dtype, as ``prologue.load_a_tile``), into ``slot`` (row-major ``[rows, BLOCK_K]``), in chunks of
+    ``HALO_CHUNK`` rows, between two CTA barriers: the slot's previous window read by every thread before,
+    this one written by every thread after.  Rows outside ``[0, ROWS)`` (x's) are written as anything:
+    the taps' loads mask them.  ``PLANE``: rows per sample (a per-sample prologue's index)."""
+    rc = tl.arange(0, HALO_CHUNK)
+    kb = tl.arange(0, BLOCK_K)
+    tl.debug_barrier()
+    for r0 in range(0, HALO_ROWS, HALO_CHUNK):
+        rows = first + r0 + rc
+        mask = ((rows >= 0) & (rows < ROWS) & (r0 + rc < HALO_ROWS))[:, None] & c_ok[None, :]
+        if BIG:
+            offs = rows.to(tl.int64)[:, None] * C_IN + c[None, :]
+        else:
+            offs = rows[:, None] * C_IN + c[None, :]
+        v = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if PROLOGUE != 0 or ACT_IN != 0:
+            n = tl.minimum(tl.maximum(rows, 0), ROWS - 1) // PLANE
+            v = normalise(v.to(tl.float32), n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE, G_NORM,
+                          NORM_AFFINE)  # fmt: skip
+            v = activation(v, ACT_IN, slope_in)
+        tl.store(slot + (r0 + rc)[:, None] * BLOCK_K + kb[None, :], v.to(x_ptr.dtype.element_ty))
+    tl.debug_barrier()
+
+
+@triton.jit
+def conv_fprop_halo_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr,
+    p3_ptr, slope_in, slope_out, scratch_ptr,
+    M, H, W, C_IN, C_OUT, C_OUT_G, M_TILES, N_TILES, TILES, HALO_ROWS,
+    C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, K_ROW: tl.constexpr, COUT_PAD: tl.constexpr,
+    KH: tl.constexpr, KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
+    SAVE_CONV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr,
+    ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr, STATS: tl.constexpr, PRECISION: tl.constexpr,
+    BIG: tl.constexpr, DEPTHWISE: tl.constexpr, HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Tiles ``program_id(0), + num_programs(0), ...`` of the ``TILES = groups * M_TILES * N_TILES``
+    output tiles (group slowest, then M tile, then N tile), each ``[BLOCK_M, BLOCK_N]`` (module
+    docstring).  ``x_ptr``: channels-last dense ``(N, C_IN, H, W)`` (row ``r`` of the flat ``[N * H *
+    W, C_IN]`` at ``r * C_IN``); ``scratch_ptr``: one slot of ``HALO_CAP * BLOCK_K`` elements of the
+    compute dtype per program (of ``HALO_CAP * BLOCK_N`` with ``DEPTHWISE``); ``HALO_ROWS``: the rows a
+    tile's taps read (:func:`halo_rows`), written in chunks of ``HALO_CHUNK`` rows; ``HALO_CAP`` at least
+    that, a multiple of ``HALO_CHUNK``.  ``DEPTHWISE``: one input channel per output channel (no channel
+    multiplier), the weight ``(C_OUT, taps)`` rows, N tiles over all channels (one group).  The other
+    pointers, sizes and constexprs are :func:`fprop.conv_fprop_kernel`'s (the weight prearranged or in
+    place as there, tap-major)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    CB: tl.constexpr = CIN_PAD // BLOCK_K
+    TAPS: tl.constexpr = KH * KW
+    PADDED: tl.constexpr = (PH > 0) or (PW > 0)
+    plane = H * W
+    rows_total = M  # 'same' stride 1: the input's flat rows are the output's
+    WIDTH: tl.constexpr = BLOCK_N if DEPTHWISE else BLOCK_K  # a window row's channels
+    slot = scratch_ptr + pid * (HALO_CAP * WIDTH)
+    r = tl.arange(0, BLOCK_M)
+    kb = tl.arange(0, BLOCK_K)
+    for t in range(pid, TILES, programs):
+        g = t // (M_TILES * N_TILES)
+        pid_m = (t // N_TILES) % M_TILES
+        pid_n = t % N_TILES
+        m = pid_m * BLOCK_M + r
+        m_ok = m < M
+        mc = tl.minimum(m, M - 1)
+        oh = (mc % plane) // W
+        ow = mc % W
+        first = pid_m * BLOCK_M - (PH * W + PW)  # the halo's first flat input row (may be negative)
+        co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_cols = w_ptr + g * (COUT_PAD * K_ROW) + co[None, :] * K_ROW  # [1, BLOCK_N]; padded rows: no mask
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if DEPTHWISE:  # one input channel per output channel: the window over the tile's channels, then per tap a
+            # product with the channels' weights (``fprop._depthwise_tile``'s, summed in fp32), no dot
+            co_ok = co < C_OUT
+            write_window(x_ptr, slot, first, rows_total, co, co_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                         plane, HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_N)  # fmt: skip
+            for tap in range(0, TAPS):
+                a = window_tap(slot, tap, oh, ow, m_ok, co_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_N)
+                wv = tl.load(w_ptr + co * TAPS + tap, mask=co_ok, other=0.0).to(tl.float32)
+                acc += a.to(tl.float32) * wv[None, :]
+        for cb in range(0, 0 if DEPTHWISE else CB):
+            ci = cb * BLOCK_K + kb
+            c_ok = ci < C_IN_G
+            c = g * C_IN_G + ci
+            write_window(x_ptr, slot, first, rows_total, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, plane,
+                         HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_K)  # fmt: skip
+            for tap in range(0, TAPS):
+                a = window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_K)
+                b = tl.load(w_cols + (tap * CIN_PAD + cb * BLOCK_K + kb)[:, None])
+                acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
+        if DEPTHWISE:  # the tile's channels are the output's own
+            cols, cols_ok = co, co < C_OUT
+        else:
+            cols, cols_ok = g * C_OUT_G + co, co < C_OUT_G
+        store_tile(acc, m, m_ok, cols, cols_ok, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr, part_ptr,
+                   q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS,
+                   BIG)  # fmt: skip
+
+
+@triton.jit
+def window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                DH: tl.constexpr, DW: tl.constexpr, PADDED: tl.constexpr, BLOCK_M: tl.constexpr,
+                WIDTH: tl.constexpr):  # fmt: skip
+    """Tap ``tap``'s ``[BLOCK_M, WIDTH]`` input tile from the window in ``slot`` (rows of ``WIDTH``
+    channels, :func:`write_window`): output row ``i`` (``(oh, ow)`` its position) at slot row ``i + kh *
+    DH * W + kw * DW``; taps outside the plane, rows past M (``m_ok``) and channels past ``c_ok`` 0, as
+    the gather kernel's pad mask."""
+    kh = tap // KW
+    kw = tap % KW
+    local = tl.arange(0, BLOCK_M) + (kh * DH * W + kw * DW)
+    if PADDED:
+        hi = oh - PH + kh * DH
+        wi = ow - PW + kw * DW
+        r_ok = m_ok & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
+    else:
+        r_ok = m_ok
+    return tl.load(slot + local[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                   other=0.0, cache_modifier=".cg")  # fmt: skip
+
+
+def halo_rows(block_m: int, width: int, kernel: tuple[int, int], dilation: tuple[int, int]) -> int:
+    """The consecutive flat input rows one tile of ``block_m`` output rows reads over every tap of a
+    'same', stride-1 conv over planes ``width`` wide (module docstring)."""
+    return block_m + (kernel[0] - 1) * dilation[0] * width + (kernel[1] - 1) * dilation[1]
+
+
+def applies(geo: object, x_dense: bool, per_sample_stats: bool) -> str | None:
+    """Why the halo forward cannot run a call (``fprop._Geometry`` ``geo``), or None where it can: stride
+    1, 'same' size, no depth (``KD == 1``), more than one input channel per group or a depthwise conv
+    without a channel multiplier, a channels-last dense ``x`` (``x_dense``) and no per-sample statistics
+    (its tiles cross samples)."""
+    if any(s != 1 for s in geo.stride):
+        return "a strided conv"
+    if tuple(geo.out_size) != tuple(geo.size):
+        return "an output plane of another size than the input's"
+    if geo.kernel[0] != 1 or geo.size[0] != 1:
+        return "a 3-d conv"
+    if geo.c_in_g == 1 and geo.c_out != geo.c_in:
+        return "a depthwise conv with a channel multiplier"
+    if not x_dense:
+        return "an x that is not channels-last dense"
+    if per_sample_stats:
+        return "per-sample statistics"
+    return None

@@ -1,0 +1,86 @@
+"""``kernels/weight_fold``: a per-output-channel scale and shift folded into a conv's weight and bias in
+one kernel, against the same arithmetic in float64 (each value rounded once to the conv's dtype, so at
+most one rounding step from the exact fold) and against ``fold_reference`` (what CPU tensors run);
+contiguous and channels-last weights, odd sizes with partial blocks, every operand optional, casts from
+fp32 weights (autocast); a one-line error for a weight it cannot walk.  Under the interpreter on CPU,
+with CUDA on the GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fusion_backend.kernels.plan_cache import ContractError
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CL = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+@pytest.fixture
+def fold(monkeypatch):
+    if DEVICE == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1")
+        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    from fusion_backend.kernels import weight_fold
+
+    return weight_fold
+
+
+def _ulp(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("shape,layout", [
+    ((37, 5, 3, 3), "contiguous"), ((37, 5, 3, 3), "channels-last"), ((300, 7, 1, 1), "channels-last"),
+    ((6, 4, 3, 3, 3), "channels-last"), ((1, 1, 1, 1), "contiguous"), ((9, 2, 5), "contiguous"),
+], ids=str)  # fmt: skip
+@pytest.mark.parametrize("parts", ["scale-shift-bias", "scale-shift", "shift", "scale-bias"])
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float16), (torch.float32, torch.float16),
+                                    (torch.float32, torch.float32)], ids=lambda d: f"{d[0]}->{d[1]}")  # fmt: skip
+def test_the_fold_rounds_the_exact_product_once(fold, shape, layout, parts, dtypes):
+    src, dtype = dtypes
+    g = torch.Generator().manual_seed(len(shape) * 31 + shape[0] + len(parts))
+    c = shape[0]
+    weight = torch.randn(shape, generator=g).to(DEVICE, src)
+    if layout == "channels-last":
+        weight = weight.contiguous(memory_format=CL[len(shape)])
+    scale = (torch.rand(c, generator=g) + 0.5).to(DEVICE) if "scale" in parts else None
+    shift = torch.randn(c, generator=g).to(DEVICE) if "shift" in parts else None
+    bias = torch.randn(c, generator=g).to(DEVICE, src) if "bias" in parts else None
+    w, b = fold.fold_affine_into_weight(weight, scale, shift, bias, dtype)
+    assert w.dtype == b.dtype == dtype and w.stride() == weight.stride() and b.shape == (c,)
+    exact_w = weight.double() * (1.0 if scale is None else scale.double().view(-1, *([1] * (len(shape) - 1))))
+    base = torch.zeros(c, dtype=torch.float64, device=DEVICE) if bias is None else bias.double()
+    product = base * (1.0 if scale is None else scale.double())
+    exact_b = product + (0.0 if shift is None else shift.double())
+    # one rounding to dtype (half an ulp) plus the fp32 arithmetic: a product (the weight), a product and a
+    # sum (the bias, whose fp32 error scales with its terms, not with the sum)
+    fp32 = torch.finfo(torch.float32).eps
+    assert ((w.double() - exact_w).abs() <= _ulp(dtype) * exact_w.abs() + 1e-30).all()
+    terms = product.abs() + (0.0 if shift is None else shift.double().abs())
+    assert ((b.double() - exact_b).abs() <= _ulp(dtype) * exact_b.abs() + 2 * fp32 * terms + 1e-30).all()
+    ref_w, ref_b = fold.fold_reference(weight, scale, shift, bias, dtype)
+    torch.testing.assert_close(w, ref_w, rtol=_ulp(dtype), atol=0)
+    torch.testing.assert_close(b, ref_b, rtol=_ulp(dtype), atol=2 * _ulp(dtype) * terms.max().item())
+
+
+def test_nan_and_inf_in_the_weight_stay_where_they_are(fold):
+    weight = torch.randn(4, 3, 3, 3).to(DEVICE)
+    weight[1, 2, 0, 0], weight[3, 0, 2, 1] = float("nan"), float("inf")
+    w, _ = fold.fold_affine_into_weight(weight, torch.full((4,), 2.0, device=DEVICE), None, None, torch.float32)
+    assert torch.equal(w.isnan(), weight.isnan()) and torch.equal(w.isinf(), weight.isinf())
+    finite = weight.isfinite()
+    assert torch.equal(w[finite], weight[finite] * 2)
+
+
+def test_a_weight_it_cannot_walk_is_refused_in_one_line(fold):
+    weight = torch.randn(8, 6, 3, 3, device=DEVICE)[:, ::2]  # channel stride 2: not dense
+    with pytest.raises(ContractError, match="weight fold: the weight must be dense") as info:
+        fold.fold_affine_into_weight(weight, None, torch.zeros(8, device=DEVICE), None, torch.float32)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ContractError, match="scale must hold the weight's 8 output channels"):
+        fold.fold_affine_into_weight(torch.randn(8, 6, 3, 3, device=DEVICE), torch.ones(7, device=DEVICE), None,
+                                     None, torch.float32)  # fmt: skip
