@@ -67,6 +67,21 @@ def test_the_fold_rounds_the_exact_product_once(fold, shape, layout, parts, dtyp
     torch.testing.assert_close(b, ref_b, rtol=_ulp(dtype), atol=2 * _ulp(dtype) * terms.max().item())
 
 
+def test_a_chain_operands_per_channel_shape_folds_as_its_values(fold):
+    """Scale and shift as the chain hands them over (``(1, C, 1, 1)`` views) fold as their ``C`` values do,
+    through a plan kept per signature (``fold_plan``, what ``CudnnFusedForward`` holds)."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(5, 3, 3, 3, generator=g).to(DEVICE).contiguous(memory_format=torch.channels_last)
+    scale, shift = (torch.rand(5, generator=g) + 0.5).to(DEVICE), torch.randn(5, generator=g).to(DEVICE)
+    flat = fold.fold_affine_into_weight(weight, scale, shift, None, torch.float16)
+    plan = fold.fold_plan(weight, scale.view(1, 5, 1, 1), shift.view(1, 5, 1, 1), None, torch.float16)
+    for _ in range(2):
+        got = plan(weight, scale.view(1, 5, 1, 1), shift.view(1, 5, 1, 1), None)
+        assert torch.equal(got[0], flat[0]) and torch.equal(got[1], flat[1])
+    ref = fold.fold_reference(weight, scale.view(1, 5, 1, 1), shift.view(1, 5, 1, 1), None, torch.float16)
+    torch.testing.assert_close(ref, flat, rtol=1e-3, atol=1e-3)
+
+
 def test_nan_and_inf_in_the_weight_stay_where_they_are(fold):
     weight = torch.randn(4, 3, 3, 3).to(DEVICE)
     weight[1, 2, 0, 0], weight[3, 0, 2, 1] = float("nan"), float("inf")
