@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .host import cdiv, kernels_unavailable
 from .launch import FastLaunch
-from .plan_cache import ContractError, PlanCache
+from .plan_cache import ContractError
 
 #: elements of the weight per program (4-8 per thread on 4 warps: the kernel is a copy)
 BLOCK = 1024
@@ -112,8 +112,6 @@ def _or(t: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
     return other if t is None else t
 
 
-_PLANS = PlanCache()
-
 
 def fold_reference(weight: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
                    bias: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,11 +140,3 @@ def fold_plan(weight: torch.Tensor, scale: torch.Tensor | None, shift: torch.Ten
 def _reference_plan(weight: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
                     bias: torch.Tensor | None, *, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return fold_reference(weight, scale, shift, bias, dtype)
-
-
-def fold_affine_into_weight(weight: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
-                            bias: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w', b')`` of the module docstring in ``dtype``, ``w'`` with ``weight``'s strides, by the plan
-    :func:`fold_plan` gives this signature (kept per signature)."""
-    plan = _PLANS.plan((weight, scale, shift, bias, dtype), lambda: fold_plan(weight, scale, shift, bias, dtype))
-    return plan(weight, scale, shift, bias)
