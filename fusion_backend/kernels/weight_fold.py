@@ -112,7 +112,6 @@ def _or(t: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
     return other if t is None else t
 
 
-
 def fold_reference(weight: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
                    bias: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's arithmetic in torch ops (CPU tensors without the interpreter; the tests' yardstick)."""
@@ -133,10 +132,6 @@ def fold_plan(weight: torch.Tensor, scale: torch.Tensor | None, shift: torch.Ten
     :class:`FoldPlan` (one kernel) on CUDA, and on CPU under the interpreter (``kernels_unavailable``),
     else :func:`fold_reference`.  For a caller that keeps a plan per call signature."""
     if kernels_unavailable(dtype, weight.device.type) is not None:
-        return functools.partial(_reference_plan, dtype=dtype)
+        return functools.partial(fold_reference, dtype=dtype)
     return FoldPlan(weight, scale, shift, bias, dtype)
 
-
-def _reference_plan(weight: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
-                    bias: torch.Tensor | None, *, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return fold_reference(weight, scale, shift, bias, dtype)
