@@ -374,13 +374,27 @@ def test_the_tile_sweeps_hooked_calls_are_the_benchmarks_hooked_rows(pass_name: 
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_the_forwards_prologue_alone_is_timed_against_the_prologue_pass_and_the_conv(monkeypatch) -> None:
+    """``--fprop-hooks bn-relu``: the hooked forward applies the BatchNorm + ReLU prologue and writes no
+    statistics, checked against the prologue pass and cuDNN's conv (fp32; on CPU under the interpreter)."""
+    monkeypatch.setattr(bench_conv, "_inductor", lambda fn: fn)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    shape = ConvShape((2, 4, 6, 5), (6, 4, 3, 3), (1, 1), (1, 1), (1, 1), 1, True)
+    (case,) = bench_conv.build_cases(shape, ["m"], "fp32", ["fprop"], True, KERNEL_DEVICE, fprop_hooks="bn-relu")
+    plain, hooked = bench_conv.measure_case(case, FakeTimer({n: 1.0 for n in case.steps}), rounds=1)
+    assert hooked.hooks == "prologue bn+relu" and plain.hooks == "none"
+    assert hooked.ok and plain.ok and hooked.rel_err < 1e-5, (hooked.error, hooked.rel_err)
+    y, stats = case.steps["hooked"]()
+    assert stats is None and bench_conv.rel_err(y, case.steps["cudnn"]()) > 1e-2  # the prologue changed the input
+
+
 def test_the_forwards_statistics_alone_are_timed_against_the_conv_and_the_statistics_pass(monkeypatch) -> None:
     """``--fprop-hooks stats``: the hooked forward writes its output's statistics without a prologue,
     checked against cuDNN's conv and the statistics pass (fp32; on CPU under the interpreter)."""
     monkeypatch.setattr(bench_conv, "_inductor", lambda fn: fn)  # the pass in eager: no compile on CPU
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # both convs exact on a GPU
     shape = ConvShape((2, 4, 6, 5), (6, 4, 3, 3), (1, 1), (1, 1), (1, 1), 1, True)
-    (case,) = bench_conv.build_cases(shape, ["m"], "fp32", ["fprop"], True, KERNEL_DEVICE, fprop_stats_only=True)
+    (case,) = bench_conv.build_cases(shape, ["m"], "fp32", ["fprop"], True, KERNEL_DEVICE, fprop_hooks="stats")
     plain, hooked = bench_conv.measure_case(case, FakeTimer({n: 1.0 for n in case.steps}), rounds=1)
     assert hooked.hooks == bench_conv.STATS_HOOKS and plain.hooks == "none"
     assert hooked.ok and plain.ok and hooked.rel_err < 1e-5, (hooked.error, hooked.rel_err)

@@ -20,7 +20,9 @@ Per shape, dtype (``--dtype``, default bf16) and pass (``--passes``): one interl
   channels-last tensors and dtype (fp32: TF32 as ``torch.backends.cudnn.allow_tf32`` says, for both);
 * ``hooked``: the launcher with the pass's hooks (``conv_bench_report.HOOKS``): fprop reads
   ``relu(x * scale + shift)`` (a folded BatchNorm) and writes the per-channel sums of its output
-  (``--fprop-hooks stats``: the sums alone, against the conv and the statistics pass); dgrad
+  (``--fprop-hooks stats``: the sums alone, against the conv and the statistics pass; ``bn-relu``:
+  the prologue alone, against the prologue pass and the conv: the two costs of the hooked forward
+  apart); dgrad
   multiplies by relu' of the forward's normalised input and writes the BatchNorm-backward sums; wgrad
   recomputes the forward's prologue while loading ``x``;
 * ``unfused``: what Inductor runs instead of the hooks: cuDNN and, compiled with ``torch.compile(...,
@@ -166,7 +168,7 @@ class Case:
     op: str
     steps: dict[str, Callable[[], Any]]
     checks: dict[str, Callable[[dict[str, Any]], float]] = field(default_factory=dict)
-    #: what the hooked row fuses (``HOOKS[op]``, or :data:`STATS_HOOKS` for ``--fprop-hooks stats``)
+    #: what the hooked row fuses (``HOOKS[op]``, or the forward's :data:`FPROP_HOOKS` entry)
     hooks: str = ""
 
 
@@ -299,16 +301,25 @@ Steps = dict[str, Callable[[], Any]]
 Checks = dict[str, Callable[[dict[str, Any]], float]]
 
 
-#: The forward's hooks under ``--fprop-hooks stats``: the next BatchNorm's statistics alone (what
-#: ``fusion::conv_batch_norm``'s forward takes from the family, ``ops/conv_batch_norm/statistics.py``).
-STATS_HOOKS = "epilogue stats"
+#: The forward's hooked row under ``--fprop-hooks``: the BatchNorm + ReLU prologue and the next
+#: BatchNorm's statistics (the default), the statistics alone (what ``fusion::conv_batch_norm``'s forward
+#: takes from the family, ``ops/conv_batch_norm/statistics.py``), or the prologue alone: its ``hooks``
+#: label and the parts (prologue, statistics) it fuses.
+FPROP_HOOKS = {
+    "bn-relu-stats": (HOOKS["fprop"], True, True),
+    "stats": ("epilogue stats", False, True),
+    "bn-relu": ("prologue bn+relu", True, False),
+}
+STATS_HOOKS = FPROP_HOOKS["stats"][0]
 
 
-def fprop_case(t: _Inputs, hooked: bool, tile: Any = None, stats_only: bool = False) -> tuple[Steps, Checks]:
+def fprop_case(t: _Inputs, hooked: bool, tile: Any = None, prologue_part: bool = True,
+               stats_part: bool = True) -> tuple[Steps, Checks]:  # fmt: skip
     """The forward: plain against ``aten.convolution``; hooked (prologue bn+relu, epilogue statistics)
-    against the prologue pass, the conv and the statistics pass; ``stats_only``: the statistics alone
-    against the conv and the statistics pass.  ``tile``: the kernel's (None: its tuned choice), as for
-    every case builder."""
+    against the prologue pass, the conv and the statistics pass; without ``prologue_part`` the
+    statistics alone against the conv and the statistics pass, without ``stats_part`` the prologue
+    alone against the prologue pass and the conv.  ``tile``: the kernel's (None: its tuned choice), as
+    for every case builder."""
     from fusion_backend.kernels.conv import conv_fprop
 
     aten = torch.ops.aten
@@ -318,20 +329,23 @@ def fprop_case(t: _Inputs, hooked: bool, tile: Any = None, stats_only: bool = Fa
     if not hooked:
         return steps, checks
     stats_pass = _inductor(channel_sums)
-    prologue = None if stats_only else t.prologue()
+    prologue = t.prologue() if prologue_part else None
 
-    def unfused() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        x = t.x if stats_only else t.prologue_pass(t.x, t.scale, t.shift)
+    def unfused() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        x = t.prologue_pass(t.x, t.scale, t.shift) if prologue_part else t.x
         y = aten.convolution(x, t.w, t.b, *t.conv_args)
-        return y, stats_pass(y)
+        return y, stats_pass(y) if stats_part else None
 
     def check(r: dict[str, Any]) -> float:
-        (y, st), (y_ref, (s_ref, sq_ref)) = r["hooked"], r["unfused"]
+        (y, st), (y_ref, sums) = r["hooked"], r["unfused"]
+        if sums is None:
+            return rel_err(y, y_ref)
+        s_ref, sq_ref = sums
         magnitude = y_ref.float().abs().sum(_channel_dims(y_ref))
         return max(rel_err(y, y_ref), sums_err(st.sum, s_ref, magnitude), rel_err(st.sum_sq(), sq_ref))
 
-    steps["hooked"] = lambda: conv_fprop(t.x, t.w, t.b, prologue=prologue, act_in=None if stats_only else "relu",
-                                         stats=True, tile=tile, **t.geo)  # fmt: skip
+    steps["hooked"] = lambda: conv_fprop(t.x, t.w, t.b, prologue=prologue, act_in="relu" if prologue_part else None,
+                                         stats=stats_part, tile=tile, **t.geo)  # fmt: skip
     steps["unfused"] = unfused
     checks["hooked"] = check
     return steps, checks
@@ -392,19 +406,22 @@ CASE_BUILDERS = {"fprop": fprop_case, "dgrad": dgrad_case, "wgrad": wgrad_case}
 
 
 def build_cases(shape: ConvShape, models: list[str], dtype: str, passes: Sequence[str], hooked: bool,
-                device: torch.device, fprop_stats_only: bool = False) -> list[Case]:  # fmt: skip
+                device: torch.device, fprop_hooks: str = "bn-relu-stats") -> list[Case]:  # fmt: skip
     """The cases of one shape and dtype, one per pass of ``passes`` (module docstring), on ``device``,
-    sharing one set of inputs; ``fprop_stats_only``: the forward's hooked row fuses the statistics
-    alone (``--fprop-hooks stats``)."""
+    sharing one set of inputs; ``fprop_hooks``: what the forward's hooked row fuses (a key of
+    :data:`FPROP_HOOKS`, ``--fprop-hooks``)."""
     unknown = [p for p in passes if p not in CASE_BUILDERS]
     if unknown:
         raise ValueError(f"unknown pass {', '.join(unknown)}; choose from {', '.join(PASSES)}")
     inputs = _Inputs.make(shape, DTYPES[dtype], device)
     cases = []
     for op in passes:
-        stats_only = fprop_stats_only and op == "fprop"
-        built = fprop_case(inputs, hooked, stats_only=True) if stats_only else CASE_BUILDERS[op](inputs, hooked)
-        cases.append(Case(shape, models, dtype, op, *built, hooks=STATS_HOOKS if stats_only else HOOKS[op]))
+        if op == "fprop":
+            label, with_prologue, with_stats = FPROP_HOOKS[fprop_hooks]
+            built = fprop_case(inputs, hooked, prologue_part=with_prologue, stats_part=with_stats)
+        else:
+            label, built = HOOKS[op], CASE_BUILDERS[op](inputs, hooked)
+        cases.append(Case(shape, models, dtype, op, *built, hooks=label))
     return cases
 
 
@@ -574,9 +591,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-shapes", type=_positive, default=None, help="time at most this many shapes")
     parser.add_argument("--shard", type=_shard, default=None, help="K/N: every N-th shape from the K-th")
     parser.add_argument("--no-hooks", action="store_true", help="time the plain passes only")
-    parser.add_argument("--fprop-hooks", choices=("bn-relu-stats", "stats"), default="bn-relu-stats",
+    parser.add_argument("--fprop-hooks", choices=tuple(FPROP_HOOKS), default="bn-relu-stats",
                         help="the forward's hooked row: the BatchNorm + ReLU prologue and the statistics "
-                             "(default), or the statistics alone (conv_batch_norm's forward)")
+                             "(default), the statistics alone (conv_batch_norm's forward), or the prologue alone")
     parser.add_argument("--rounds", type=_positive, default=3, help="interleaved rounds per case (default 3)")
     parser.add_argument("--out", type=Path, default=None, help="write bench.json and bench.md into this folder")
     parser.add_argument("--docs-out", action="store_true", help=f"write them into {DOCS_OUT.relative_to(ROOT)}/")
@@ -640,7 +657,7 @@ def main(argv: Sequence[str] | None = None, timer: Timer | None = None) -> int:
         for dtype in args.dtype:
             try:
                 cases = build_cases(shape, collection.models_of(shape), dtype, args.passes, not args.no_hooks, device,
-                                    args.fprop_hooks == "stats")  # fmt: skip
+                                    args.fprop_hooks)  # fmt: skip
             except Exception as exc:  # the shape's inputs could not be built (memory): go on
                 print(f"[{i}/{len(shapes)}] {shape.label()} {dtype}: {_one_line(exc)}", flush=True)
                 continue

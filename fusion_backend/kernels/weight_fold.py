@@ -15,10 +15,14 @@ Contract (checked by :class:`FoldPlan`, ``ContractError`` otherwise): ``weight``
 dense, each output channel's ``K = numel / C`` elements one contiguous block (``stride(0) == K``: both
 the contiguous and the channels-last layouts); the folded weight has the weight's strides, so the
 kernel walks both as flat arrays; ``scale``, ``shift`` and ``bias`` hold ``C`` values each, contiguous
-(any float dtype, read as fp32); any of them may be absent.
+(any shape, e.g. a chain operand's ``(C, 1, 1)``; any float dtype, read as fp32); any of them may be
+absent.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -26,7 +30,7 @@ import triton.language as tl
 
 from .host import cdiv, kernels_unavailable
 from .launch import FastLaunch
-from .plan_cache import ContractError, PlanCache
+from .plan_cache import ContractError
 
 #: elements of the weight per program (4-8 per thread on 4 warps: the kernel is a copy)
 BLOCK = 1024
@@ -108,28 +112,26 @@ def _or(t: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
     return other if t is None else t
 
 
-_PLANS = PlanCache()
-
-
 def fold_reference(weight: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
                    bias: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's arithmetic in torch ops (CPU tensors without the interpreter; the tests' yardstick)."""
     w = weight.float()
     if scale is not None:
-        w = w * scale.float().view(-1, *([1] * (weight.dim() - 1)))
-    b = torch.zeros(weight.shape[0], device=weight.device) if bias is None else bias.float()
+        w = w * scale.float().reshape(-1, *([1] * (weight.dim() - 1)))
+    b = torch.zeros(weight.shape[0], device=weight.device) if bias is None else bias.float().reshape(-1)
     if scale is not None:
-        b = b * scale.float()
+        b = b * scale.float().reshape(-1)
     if shift is not None:
-        b = b + shift.float()
+        b = b + shift.float().reshape(-1)
     return w.to(dtype), b.to(dtype)
 
 
-def fold_affine_into_weight(weight: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None,
-                            bias: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w', b')`` of the module docstring in ``dtype``, ``w'`` with ``weight``'s strides: one kernel on
-    CUDA (and on CPU under the interpreter, ``kernels_unavailable``), else :func:`fold_reference`."""
+def fold_plan(weight: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, bias: torch.Tensor | None,
+              dtype: torch.dtype) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """``plan(weight, scale, shift, bias) -> (w', b')`` for calls laid out as these tensors: a
+    :class:`FoldPlan` (one kernel) on CUDA, and on CPU under the interpreter (``kernels_unavailable``),
+    else :func:`fold_reference`.  For a caller that keeps a plan per call signature."""
     if kernels_unavailable(dtype, weight.device.type) is not None:
-        return fold_reference(weight, scale, shift, bias, dtype)
-    plan = _PLANS.plan((weight, scale, shift, bias, dtype), lambda: FoldPlan(weight, scale, shift, bias, dtype))
-    return plan(weight, scale, shift, bias)
+        return functools.partial(fold_reference, dtype=dtype)
+    return FoldPlan(weight, scale, shift, bias, dtype)
+

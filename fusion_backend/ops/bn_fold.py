@@ -31,8 +31,9 @@ def scale_and_shift(running_mean: Tensor, running_var: Tensor, gamma: Optional[T
     scale = torch.rsqrt(running_var.to(dtype) + eps)
     if gamma is not None:
         scale = scale * gamma.to(dtype)
-    shift = -running_mean.to(dtype) * scale
-    if beta is not None:
-        shift = shift + beta.to(dtype)
+    # beta - mean * scale as one op: where the rewritten graph runs without Inductor (``runtime/direct.py``)
+    # each op here is a launch of its own
+    mean = running_mean.to(dtype)
+    shift = torch.addcmul(beta.to(dtype), mean, scale, value=-1) if beta is not None else -(mean * scale)
     per_channel = (-1, *(1,) * spatial_dims)
     return scale.view(per_channel), shift.view(per_channel)

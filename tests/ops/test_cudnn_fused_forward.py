@@ -85,3 +85,23 @@ def test_calls_it_cannot_serve_say_why(why, kw):
     cfg = ConvEpilogueConfig(conv=_spec(dims), chain=kw.pop("chain", (MUL0, ADD1, RELU)), **kw)
     reason = cudnn_fused_unsupported(x, w, operands, cfg, save)
     assert reason is not None and why in reason, reason
+
+
+@pytest.mark.parametrize("weight_layout", ["contiguous", "channels-last"])
+def test_a_weight_in_another_layout_than_x_folds_into_xs_and_the_plan_is_reused(weight_layout, monkeypatch):
+    """A channels-last x with a contiguous weight (a model converted by hand) folds into a channels-last
+    weight, as cuDNN's channels-last conv wants; the plan, kept per signature, gives the same bits on a
+    second call, and follows new values of the norm's scale and shift (the fold runs every call).  fp32
+    without TF32: both paths exact enough for a tight tolerance."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    x, w, b, operands, cfg = _case(2, (MUL0, ADD1, RELU), False, True, torch.float32)
+    if weight_layout == "contiguous":
+        w = w.contiguous()
+    plan = CudnnFusedForward(x, w, b, operands, cfg, False)
+    out = plan(x, w, b, operands)[0]
+    assert torch.equal(plan(x, w, b, operands)[0], out)
+    eager = reference_forward(x, w, b, operands, cfg, False)[0]
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    changed = [operands[0] * 2, operands[1] - 1]
+    torch.testing.assert_close(plan(x, w, b, changed)[0], reference_forward(x, w, b, changed, cfg, False)[0],
+                               rtol=1e-5, atol=1e-5)  # fmt: skip

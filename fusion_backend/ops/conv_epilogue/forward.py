@@ -19,7 +19,7 @@ from ... import environment, impl_choice
 from ...errors import UnsupportedInputError
 from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
-from ...kernels.weight_fold import fold_affine_into_weight
+from ...kernels.weight_fold import fold_plan
 from .. import conv_precision
 from ..chain import ChainValue, PointwiseKind, TensorRef
 from ..chain_lowering import family_activation, kernel_steps
@@ -689,16 +689,23 @@ class CudnnFusedForward:
         out = _forward_layouts(x, weight, operands, cfg, save, self.dtype)[2][0]
         #: the output's (shape, strides), as the op's fake lays it out
         self.out_layout = (tuple(out.shape), out.stride())
+        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        #: cuDNN's channels-last conv wants both operands so: a channels-last x's weight is copied so per call
+        self.weight_format = fmt if (x.is_contiguous(memory_format=fmt)
+                                     and not weight.is_contiguous(memory_format=fmt)) else None  # fmt: skip
+        folded = weight if self.weight_format is None else weight.contiguous(memory_format=fmt)
+        self.fold = fold_plan(folded, *self._fold_operands(operands), bias, self.dtype)
+
+    def _fold_operands(self, operands: Sequence[Tensor]) -> tuple[Tensor | None, Tensor | None]:
+        return (None if self.scale is None else operands[self.scale],
+                None if self.shift is None else operands[self.shift])  # fmt: skip
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         xc = x if x.dtype == self.dtype else x.to(self.dtype)
-        scale = None if self.scale is None else operands[self.scale].reshape(-1)
-        shift = None if self.shift is None else operands[self.shift].reshape(-1)
-        fmt = torch.channels_last if xc.dim() == 4 else torch.channels_last_3d
-        if xc.is_contiguous(memory_format=fmt) and not weight.is_contiguous(memory_format=fmt):
-            weight = weight.contiguous(memory_format=fmt)  # cuDNN's channels-last conv wants both so
-        w, b = fold_affine_into_weight(weight, scale, shift, bias, self.dtype)
+        if self.weight_format is not None:
+            weight = weight.contiguous(memory_format=self.weight_format)
+        w, b = self.fold(weight, *self._fold_operands(operands), bias)
         residual = None if self.residual is None else operands[self.residual].to(self.dtype)
         if x.device.type == "cuda":
             if residual is None:
