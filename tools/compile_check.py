@@ -621,6 +621,8 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
             wtiles = FAMILY_TILES.candidates("wgrad", w_shape[1], c_out // groups, taps, m, dt,
                                              c_out if depthwise else None, halo=True)  # fmt: skip
+            if not depthwise:  # the several-taps tiles as explicit halo tiles (the timed choice does not offer them)
+                wtiles = [dataclasses.replace(t, halo=True) for t in wtiles if t.taps_per_program > 1]
             for wtile in wtiles:
                 if wtile.halo:
                     FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)

@@ -280,8 +280,8 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     (``tma_fprop.supports_grad``): the heuristic's gather tile (what runs untimed), then the TMA kernel's
     tiles (:func:`tma_tiles`; ``plain``: the pass runs no hooks, so the wide TMA tile too).  ``halo``: a
     hooked forward the halo kernel takes (``kernels/conv/halo.py``): the heuristic's tile (the direct
-    depthwise path's first) as the halo kernel's comes second; a weight gradient's several-taps tiles
-    take ``halo`` as given (``wgrad`` asks for it only for a depthwise conv: its NOTE).  An empty problem
+    depthwise path's first) as the halo kernel's comes second; a weight gradient asks for it only for a
+    depthwise conv (``wgrad``'s NOTE), whose direct tile's halo comes second too.  An empty problem
     (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
         tiles = depthwise_candidates(depthwise_channels, m)[: 1 if m == 0 else None]
@@ -315,7 +315,7 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
             if staged <= _SHARED_BYTES:  # a grad_y tile and ``per`` A tiles per pipeline stage
                 # the accumulators within 96 fp32 registers per thread: 4 warps up to three of 64 x 64
                 warps = 4 if per * tile.block_m * tile.block_n <= 3 * 64 * 64 else 8
-                kept.append(replace(tile, taps_per_program=per, num_warps=warps, halo=halo))
+                kept.append(replace(tile, taps_per_program=per, num_warps=warps))
     if box_plane is not None:
         kept.append(replace(first, box_w=box_width(*box_plane, first.block_m)))
     if epilogue_hooks and pass_name == "dgrad" and first.num_warps == 4:

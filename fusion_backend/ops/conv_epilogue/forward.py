@@ -618,23 +618,23 @@ class ChannelsLastLibraryForward(LibraryForward):
             return run_conv(self.x_relayout(x), weight, None, self.spec)
 
 
+def _per_channel_operand(steps: Sequence[Any], kind: PointwiseKind, operands: Sequence[Tensor],
+                         channels: int) -> int | None:  # fmt: skip
+    """The operand index of ``steps``' first step where it is ``kind`` of one per-channel tensor
+    (``channels`` values, more than one: a folded eval BatchNorm's scale or shift), else None."""
+    if not steps or steps[0].kind != kind or not isinstance(steps[0].operands[0], TensorRef):
+        return None
+    index = steps[0].operands[0].index
+    return index if operands[index].numel() == channels > 1 else None
+
+
 def _fold_sources(steps: Sequence[Any], operands: Sequence[Tensor], channels: int) -> tuple[int | None, int | None, int]:
     """``(scale, shift, taken)``: the operand indices of ``steps``' leading per-channel ``mul`` and ``add``
     (a folded eval BatchNorm; None where absent) and how many steps they are."""
-    scale = shift = None
-    taken = 0
-
-    def per_channel(step: Any, kind: PointwiseKind) -> int | None:
-        if step.kind != kind or not isinstance(step.operands[0], TensorRef):
-            return None
-        index = step.operands[0].index
-        return index if operands[index].numel() == channels > 1 else None
-
-    if taken < len(steps) and (scale := per_channel(steps[taken], PointwiseKind.MUL)) is not None:
-        taken += 1
-    if taken < len(steps) and (shift := per_channel(steps[taken], PointwiseKind.ADD)) is not None:
-        taken += 1
-    return scale, shift, taken
+    scale = _per_channel_operand(steps, PointwiseKind.MUL, operands, channels)
+    taken = 0 if scale is None else 1
+    shift = _per_channel_operand(steps[taken:], PointwiseKind.ADD, operands, channels)
+    return scale, shift, taken + (shift is not None)
 
 
 def cudnn_fused_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
@@ -685,11 +685,11 @@ class CudnnFusedForward:
         self.scale, self.shift, _ = _fold_sources(head, operands, weight.shape[0])
         self.residual = cfg.residual
         spec = cfg.conv
-        self.args = (list(spec.stride), list(spec.padding), list(spec.dilation), spec.groups)
+        self.spec, self.args = spec, (list(spec.stride), list(spec.padding), list(spec.dilation), spec.groups)
         out = _forward_layouts(x, weight, operands, cfg, save, self.dtype)[2][0]
         #: the output's (shape, strides), as the op's fake lays it out
         self.out_layout = (tuple(out.shape), out.stride())
-        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        fmt = channels_last_format(x.dim())
         #: cuDNN's channels-last conv wants both operands so: a channels-last x's weight is copied so per call
         self.weight_format = fmt if (x.is_contiguous(memory_format=fmt)
                                      and not weight.is_contiguous(memory_format=fmt)) else None  # fmt: skip
@@ -713,8 +713,7 @@ class CudnnFusedForward:
             else:
                 out = torch.cudnn_convolution_add_relu(xc, w, residual, 1.0, b, *self.args)
         else:
-            conv = torch.nn.functional.conv2d if xc.dim() == 4 else torch.nn.functional.conv3d
-            y = conv(xc, w, b, *self.args)
+            y = run_conv(xc, w, b, self.spec)
             out = torch.relu(y if residual is None else y + residual)
         shape, stride = self.out_layout
         if out.stride() != stride:
@@ -827,10 +826,8 @@ class FamilyForward:
 
     def _leading(self, steps: Sequence[Any], kind: PointwiseKind, operands: Sequence[Tensor]) -> bool:
         """Whether ``steps`` opens with ``kind`` of one per-channel tensor (fp32 or the compute dtype)."""
-        if not steps or steps[0].kind != kind or not isinstance(steps[0].operands[0], TensorRef):
-            return False
-        t = operands[steps[0].operands[0].index]
-        return t.numel() == self.channels > 1 and t.dtype in (torch.float32, self.dtype)
+        index = _per_channel_operand(steps, kind, operands, self.channels)
+        return index is not None and operands[index].dtype in (torch.float32, self.dtype)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
