@@ -650,6 +650,10 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)
             wtile = dataclasses.replace(wtile, taps_per_program=3)
         FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)
+        if groups == c_in and w_shape[1] == 1:  # the direct depthwise path's other timed tiles
+            m = out_shape[0] * out_shape[2] * out_shape[3]
+            for wtile in FAMILY_TILES.depthwise_candidates(c_out, m)[1:]:
+                FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)
 
 
 # --------------------------------------------------------------------------------------------------

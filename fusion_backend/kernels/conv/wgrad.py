@@ -136,8 +136,10 @@ def _depthwise_weight_grad(x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p
     c_ok = c < C_OUT
     ci = c // MULT
     mb = tl.arange(0, BLOCK_M)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    bacc = tl.zeros([BLOCK_N], tl.float32)
+    # per (row, channel) products summed over the M steps, the rows summed once after the loop: a sum
+    # over the tile's rows per step would cross threads every step
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    bacc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for t in range(0, TILES_PER_SPLIT):
         m = (split * TILES_PER_SPLIT + t) * BLOCK_M + mb
         m_ok = m < M
@@ -148,13 +150,13 @@ def _depthwise_weight_grad(x_ptr, dy_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p
                                 G_NORM, NORM_AFFINE, ACT_IN, x_ptr.dtype.element_ty)  # fmt: skip
         dy = tl.load(dy_ptr + _dy_rows(n, od, oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG)[:, None] + c[None, :],
                      mask=m_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        acc += tl.sum(dy * a.to(tl.float32), axis=0)
+        acc += dy * a.to(tl.float32)
         if BIAS_GRAD:
-            bacc += tl.sum(dy, axis=0)
-    tl.store(part_ptr + (split * C_OUT + c) * TAPS + tap, acc, mask=c_ok)
+            bacc += dy
+    tl.store(part_ptr + (split * C_OUT + c) * TAPS + tap, tl.sum(acc, axis=0), mask=c_ok)
     if BIAS_GRAD:
         if tap == 0:
-            tl.store(bpart_ptr + split * C_OUT + c, bacc, mask=c_ok)
+            tl.store(bpart_ptr + split * C_OUT + c, tl.sum(bacc, axis=0), mask=c_ok)
 
 
 @triton.jit
