@@ -36,8 +36,9 @@ GLUE_METHODS = frozenset({
 })
 #: ``call_function`` targets that are glue.  Dynamo records an autocast region inside the compiled
 #: code as ``_enter_autocast``/``_exit_autocast`` calls (no kernels, the casts are separate nodes).
-#: Batch norm's folded scale and shift (``ops/bn_fold.py``) count as glue too: a few small kernels
-#: on per-channel tensors, never on activations; the region's measured decision times them with it.
+#: Batch norm's folded scale and shift (``ops/bn_fold.py``) count as glue too: one small kernel on
+#: per-channel tensors (its direct implementation), never on activations; the region's measured
+#: decision times it with it.
 GLUE_FUNCTIONS = frozenset({
     operator.getitem, torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten, torch.permute,
     torch.transpose, bn_fold.scale_and_shift,
@@ -59,12 +60,12 @@ def why_not_direct(gm: fx.GraphModule) -> str | None:
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr", "output"):
             continue
-        if node.op == "call_function" and direct_impl(node.target) is not None:
-            fused += 1
-            continue
         if node.op == "call_method" and node.target in GLUE_METHODS:
             continue
         if node.op == "call_function" and node.target in GLUE_FUNCTIONS:
+            continue
+        if node.op == "call_function" and direct_impl(node.target) is not None:
+            fused += 1
             continue
         blocking.append(_describe(node))
     if blocking:

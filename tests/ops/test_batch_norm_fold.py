@@ -161,3 +161,20 @@ def test_under_autocast_the_folded_conv_gives_eager_s_dtype_and_gradients(kernel
     model, inputs = _case("conv2d-relu-maxpool")
     (report,) = assert_fused(Autocast(model, DEVICE), inputs, expect={"conv_epilogue": 1}, train=True)
     assert "batch_norm (folded)" in report.matches[0].summary
+
+
+def test_a_graph_run_directly_makes_the_scale_and_shift_in_one_kernel(kernels, monkeypatch):
+    """Conv -> batch norm -> ReLU alone runs without Inductor (``runtime/direct.py``): its scale and shift
+    come from the one-kernel form (``bn_fold.scale_and_shift_direct``) once per call where the Triton
+    kernels run, and the values and gradients stay eager's."""
+    from fusion_backend.kernels import bn_scale_shift
+
+    calls = []
+    real = bn_scale_shift.scale_and_shift
+    monkeypatch.setattr(bn_scale_shift, "scale_and_shift", lambda *a: calls.append(1) or real(*a))
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    _randomize(model[1], torch.Generator().manual_seed(2))
+    model = model.eval().to(DEVICE)
+    (report,) = assert_fused(model, [torch.randn(2, 3, 6, 5, device=DEVICE)], expect={"conv_epilogue": 1}, train=True)
+    assert report.runner == "direct"
+    assert len(calls) == (0 if kernels == "reference" and DEVICE == "cpu" else 1)  # assert_fused calls the model once
