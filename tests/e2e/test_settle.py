@@ -658,14 +658,17 @@ def test_under_cuda_graphs_a_compile_that_fits_the_budget_keeps_what_this_proces
 
 
 def test_under_cuda_graphs_a_region_whose_kernels_are_cold_is_not_measured_and_they_compile_in_the_background(
-        monkeypatch):
+        monkeypatch, tmp_path):
     """A measurement inside the compile that first compiles the fused op's kernels costs seconds
     beyond the budget: under CUDA graphs such a region stays with Inductor, unmeasured, and its
     kernels go to the workers (once per decision key, at most ``COLD_PER_KIND`` keys of a kind);
     a region whose kernels are compiled already is measured as before."""
+    from fusion_backend.runtime import compile_estimate
+
+    compile_estimate.record(1, 1.0, training=False, cuda_graphs=True, cache_dir=tmp_path)  # a budget of hours
     torch.manual_seed(0)
     model, x = Blocks(), torch.randn(2, 8, 10, 10)
-    options = {"triton.cudagraphs": True, "decide_budget": None}
+    options = {"triton.cudagraphs": True, "decide_budget": 1e3}
     monkeypatch.setattr(decision.DecisionBudget, "COLD_PER_KIND", 1)
     compiles, timer = Compiles(), RegionTimer((1.0, 2.0))  # the fused op would win
     with deferred.preparing_with(compiles), decision.timing_override(timer, ("cpu",)), torch.no_grad(), \
@@ -680,3 +683,16 @@ def test_under_cuda_graphs_a_region_whose_kernels_are_cold_is_not_measured_and_t
             torch.no_grad(), collect_reports() as reports:  # the kernels compiled since: measured
         torch.compile(model, backend="fusion", options=options)(x)
     assert timer.calls == 2 and all(d.fused for d in reports[0].decisions)
+
+
+def test_under_cuda_graphs_without_a_budget_cold_regions_are_measured_in_the_first_process(monkeypatch):
+    """``decide_budget=None``: no limit, so a region whose kernels are cold is measured during the compile
+    (compiling them there) instead of waiting for a later process: one process makes every decision."""
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(2, 8, 10, 10)
+    compiles, timer = Compiles(), RegionTimer((1.0, 2.0))  # the fused op would win
+    with deferred.preparing_with(compiles), decision.timing_override(timer, ("cpu",)), torch.no_grad(), \
+            collect_reports() as reports:
+        compiled = torch.compile(model, backend="fusion", options={"triton.cudagraphs": True, "decide_budget": None})
+        torch.testing.assert_close(compiled(x), model(x))
+    assert compiles.prepared == 0 and timer.calls == 2 and all(d.fused for d in reports[0].decisions)
