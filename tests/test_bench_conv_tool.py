@@ -321,7 +321,8 @@ def test_tile_sweep_variants_follow_the_options() -> None:
     """``sweep_conv_tiles``' variants of one grid tile: boxes for the gradients only, several taps and
     programs per SM for the weight gradient only (each variant again at each), the TMA row kernel's for a
     1x1 forward and input gradient, the TMA weight gradient's tiles where the call is stride 1 with one
-    group, each at both of its own programs per SM and the asked ones."""
+    group, each at both of its own programs per SM and the asked ones; the halo's for a forward tile and a
+    depthwise weight gradient's."""
     import sweep_conv_tiles
 
     from fusion_backend.kernels.conv.tiles import TileConfig
@@ -340,7 +341,10 @@ def test_tile_sweep_variants_follow_the_options() -> None:
         labels = [v.label() for v in sweep_conv_tiles.tile_variants(tile, conv1, pass_name, False, False, True, ())]
         assert labels == ["64x64x64 w4 s3", "64x64x64 w4 s3 tma"]
     halo = [v.label() for v in sweep_conv_tiles.tile_variants(tile, conv3, "wgrad", False, True, False, (), True)]
-    assert halo == ["64x64x64 w4 s3", "64x64x64 w4 s3 taps 3", "64x64x64 w4 s3 taps 3 halo"]
+    assert halo == ["64x64x64 w4 s3", "64x64x64 w4 s3 taps 3"]  # a dense weight gradient has no halo
+    depthwise = ConvShape((8, 64, 56, 56), (64, 1, 3, 3), (1, 1), (1, 1), (1, 1), 64, False)
+    assert [v.label() for v in sweep_conv_tiles.tile_variants(tile, depthwise, "wgrad", False, True, False, (),
+                                                              True)] == ["64x64x64 w4 s3", "64x64x64 w4 s3 halo"]
     assert [v.label() for v in sweep_conv_tiles.tile_variants(tile, conv3, "fprop", False, False, False, (), True)] == [
         "64x64x64 w4 s3", "64x64x64 w4 s3 halo"]
     strided = ConvShape((8, 64, 56, 56), (64, 64, 3, 3), (2, 2), (1, 1), (1, 1), 1, False)

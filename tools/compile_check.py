@@ -67,8 +67,8 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   timed choice weighs, then its first tile on 8 warps with 1 and with 3 taps per program, the 3-wide
   kernels with more than one channel per group); default six of them.
 * ``conv_halo``: ``kernels/conv/halo.py``'s ``conv_fprop_halo_kernel`` through ``conv_fprop`` with the
-  heuristic's tile as the halo kernel's, then ``conv_wgrad_kernel`` with its halo (the several-taps tiles
-  the timed choice weighs), on ``conv_family``'s 'same' stride-1 3x3 shapes (ResNet-50's of 64
+  heuristic's tile as the halo kernel's, then, on the depthwise shape, ``conv_wgrad_kernel`` with its halo
+  (the tile the timed choice weighs), on ``conv_family``'s 'same' stride-1 3x3 shapes (ResNet-50's of 64
   channels, the SD VAE's of 512, an EfficientNet-B0 depthwise of 144: its halo over the direct tile's
   channels); ``bf16`` or ``fp32``; ``-hooked``: the BatchNorm + ReLU prologue and the output statistics.
   Cases ``{resnet_3x3,vae_3x3,depthwise_s1}-{bf16,fp32}[-hooked]``; the bf16 hooked three by default.
@@ -612,20 +612,17 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             for tile in FAMILY_TILES.tma_wgrad_tiles(c_in, c_out, taps, out_shape[2:], rows, False):
                 FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=tile, **hooks, **geo)
             return
-        if halo:  # the heuristic's tile as the halo kernel's; the weight gradient's several-taps tiles with one
+        if halo:  # the heuristic's tile as the halo kernel's; a depthwise weight gradient's halo tile
             m = x_shape[0] * out_shape[2] * out_shape[3]
             taps = w_shape[2] * w_shape[3]
             depthwise = groups > 1 and w_shape[1] == 1  # the direct depthwise tile's halo
             tile = dataclasses.replace(FAMILY_TILES.candidates("fprop", w_shape[1], c_out // groups, taps, m, dt,
                                                                c_out if depthwise else None)[0], halo=True)  # fmt: skip
             FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
-            wtiles = FAMILY_TILES.candidates("wgrad", w_shape[1], c_out // groups, taps, m, dt,
-                                             c_out if depthwise else None, halo=True)  # fmt: skip
-            if not depthwise:  # the several-taps tiles as explicit halo tiles (the timed choice does not offer them)
-                wtiles = [dataclasses.replace(t, halo=True) for t in wtiles if t.taps_per_program > 1]
-            for wtile in wtiles:
-                if wtile.halo:
-                    FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)
+            if depthwise:
+                for wtile in FAMILY_TILES.candidates("wgrad", 1, c_out // groups, taps, m, dt, c_out, halo=True):
+                    if wtile.halo:
+                        FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=wtile, **hooks, **geo)
             return
         wtile = dtile = None
         if box:

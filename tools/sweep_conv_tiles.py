@@ -16,7 +16,7 @@ for it, as the timed choice would then run the gather); with ``--taps`` each tap
 tile also taking 3 (or 2) taps per program (``TileConfig.taps_per_program``); with ``--tma`` each forward
 tile and input-gradient tile of a 1x1 conv also as the TMA row kernel's (``TileConfig.tma``; a call it
 does not take, stride 2 or fp32, is skipped) and the TMA weight gradient's tiles timed beside the grid's (``tiles.tma_wgrad_tiles``);
-with ``--halo`` each forward tile and several-taps weight-gradient tile also with the halo
+with ``--halo`` each forward tile and depthwise weight-gradient tile also with the halo
 (``TileConfig.halo``, ``kernels/conv/halo.py``; a call it does not take is skipped); with ``--per-sm 1,4`` each weight-gradient tile also with its split aiming at those programs per SM
 (``TileConfig.programs_per_sm``; the split's cost against its programs); with ``--hooked`` the passes with their hooks
 (``tools/bench_conv.py``'s: the forward with a BatchNorm + ReLU prologue and the output statistics, the
@@ -91,8 +91,8 @@ def tile_variants(tile: Any, shape: Any, pass_name: str, box: bool, taps: bool, 
     """``tile`` and the variants the options add for ``pass_name`` on ``shape``: a box load of the same
     tile (``box``, the gradients), 3 or 2 taps per program (``taps``, a tap-major weight gradient), the TMA
     row kernel's (``tma``, a 1x1 forward or input gradient without padding), the halo's (``halo``: a
-    forward tile, and each weight-gradient tile with several taps per program, wider than 1x1; a call the
-    halo does not take is skipped), then every weight-gradient variant again at each of ``per_sm``'s
+    forward tile, and a depthwise conv's weight-gradient tile, wider than 1x1; a call the halo does not
+    take is skipped), then every weight-gradient variant again at each of ``per_sm``'s
     programs per SM."""
     from fusion_backend.kernels.conv.tiles import box_width, several_taps
 
@@ -112,7 +112,7 @@ def tile_variants(tile: Any, shape: Any, pass_name: str, box: bool, taps: bool, 
         variants.append(dataclasses.replace(tile, tma=True))
     if halo and not tile.flat_k and n_taps > 1:
         variants += [dataclasses.replace(v, halo=True) for v in list(variants) if not v.box_w and not v.tma
-                     and (pass_name == "fprop" or (pass_name == "wgrad" and v.taps_per_program > 1))]  # fmt: skip
+                     and (pass_name == "fprop" or (pass_name == "wgrad" and cin_g == 1))]  # fmt: skip
     if pass_name == "wgrad":
         variants += [dataclasses.replace(v, programs_per_sm=n) for n in per_sm for v in list(variants)
                      if n != v.programs_per_sm]  # fmt: skip
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time each 1x1 forward tile as the Gluon TMA forward's, and the TMA weight "
                              "gradient's tiles (tiles.tma_wgrad_tiles)")
     parser.add_argument("--halo", action="store_true",
-                        help="also time each forward tile, and each several-taps weight-gradient tile, with the "
+                        help="also time each forward tile, and each depthwise weight-gradient tile, with the "
                              "halo (kernels/conv/halo.py; 'same' stride-1 convs wider than 1x1)")
     parser.add_argument("--per-sm", type=_per_sm, default=(),
                         help="comma-separated programs per SM (1-4): also time each weight-gradient tile with "

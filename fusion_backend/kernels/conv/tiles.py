@@ -78,7 +78,8 @@ class TileConfig:
     #: gradient's (``tma_wgrad``)
     tma: bool = False
     #: the forward's halo kernel (``halo``): a hooked conv wider than 1x1 normalises each tile's input
-    #: window once per channel block into a scratch slot, its taps then plain loads of the slot
+    #: window once per channel block into a scratch slot, its taps then plain loads of the slot; on a
+    #: weight gradient tile, a depthwise conv's (``wgrad._depthwise_halo_weight_grad``)
     halo: bool = False
     #: the weight gradient's split of M aims for this many programs per SM (``wgrad.pick_split``): 2 lets
     #: a second program's loads run under the first's MMAs; 1 halves the fp32 partials where one program

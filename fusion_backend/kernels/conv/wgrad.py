@@ -238,10 +238,7 @@ def conv_wgrad_kernel(
     output planes and both operands are loaded as boxes (:func:`_box_weight_grad`).  ``TAPS_PER_PROGRAM``
     (2 or 3; tap-major, gather): the program owns that many consecutive taps of one channel block, one
     accumulator each, and reads each ``grad_y`` tile once for all of them (``TileConfig.taps_per_program``).
-    ``HALO`` (with them, a 'same' stride-1 1-d or 2-d conv, x channels-last dense, its taps one kernel
-    row's): per M step the rows those taps read, ``BLOCK_M + (TAPS_PER_PROGRAM - 1) * DW`` consecutive
-    ones, go through the prologue once into the program's scratch slot, and each tap's A tile is a plain
-    load of the slot (``halo.write_window``; ``kernels/conv/halo.py`` explains the shift).
+    ``HALO`` (a depthwise conv's alone: :func:`_depthwise_halo_weight_grad`).
 
     Pointers (element offsets):
       x_ptr     the forward's input before its prologue, (N, C_IN, D, H, W), channel stride 1: element
@@ -252,8 +249,8 @@ def conv_wgrad_kernel(
       bpart_ptr BIAS_GRAD: fp32 (splits, C_OUT) contiguous, written by the ``kk == 0`` programs.
       x_desc, dy_desc ``BOX_W``: tensor descriptors of x and grad_y (``_box_weight_grad``); else any
                 tensors, unused.
-      scratch_ptr ``HALO``: one slot of ``HALO_CAP * BLOCK_K`` elements of x's dtype per program
-                (``halo.write_window``); else any tensor, unused.
+      scratch_ptr ``HALO``: the depthwise halo's slots (:func:`_depthwise_halo_weight_grad`); else any
+                tensor, unused.
       p0..p3    the forward's prologue vectors (``prologue.normalise``).
     Runtime: ``slope_in`` the leaky slope of ``ACT_IN``; ``M = N * OD * OH * OW``; ``TILES_PER_SPLIT``
     the M tiles of one split; ``OH_TILES`` / ``OW_TILES`` the boxes along an output plane (``BOX_W``).  Constexprs: the output's sizes ``OD, OH, OW``, then as
@@ -296,14 +293,6 @@ def conv_wgrad_kernel(
                                      PADDED, BIAS_GRAD, PRECISION, compute, BOX_W, BLOCK_M, BLOCK_N,
                                      BLOCK_K)  # fmt: skip
     else:
-        if HALO:  # the program's slot, its taps' kernel row and first column, their rows' shift from the outputs'
-            slot = scratch_ptr + (tl.program_id(0) + tl.num_programs(0) * (
-                pid_n + tl.num_programs(1) * pid_z)) * (HALO_CAP * BLOCK_K)  # fmt: skip
-            kh_halo = (kk // CB) // KW
-            kw_halo = (kk // CB) % KW
-            halo_shift = (kh_halo * DH - PH) * W + kw_halo * DW - PW
-            ci = (kk % CB) * BLOCK_K + tl.arange(0, BLOCK_K)
-            c_ok = ci < C_IN_G
         for t in range(0, TILES_PER_SPLIT):
             m = (split * TILES_PER_SPLIT + t) * BLOCK_M + mb
             m_ok = m < M
@@ -312,40 +301,25 @@ def conv_wgrad_kernel(
                                                                  PW, x_sn, x_sd, x_sh, x_sw, BIG)  # fmt: skip
             dy_row = _dy_rows(n, od, oh, ow, dy_sn, dy_sd, dy_sh, dy_sw, BIG)
             row_base += g * C_IN_G
-            if HALO:  # the taps' rows through the prologue once, into the slot
-                write_window(x_ptr, slot, (split * TILES_PER_SPLIT + t) * BLOCK_M + halo_shift, M, g * C_IN_G + ci,
-                             c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, H * W,
-                             BLOCK_M + (TAPS_PER_PROGRAM - 1) * DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG,
-                             HALO_CHUNK, BLOCK_K)  # fmt: skip
-                a = _halo_tap(slot, 0, kh_halo, kw_halo, ih0, iw0, m_ok, c_ok, H, W, DH, DW, PADDED, BLOCK_M, BLOCK_K)
-            else:
-                a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
-                                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                                C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                                FLAT_K, PADDED, True, compute, BLOCK_K)  # fmt: skip
+            a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
+                            p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                            C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                            FLAT_K, PADDED, True, compute, BLOCK_K)  # fmt: skip
             dy_mask = m_ok[:, None] & co_ok[None, :]
             dy = tl.load(dy_ptr + (dy_row + g * C_OUT_G)[:, None] + co[None, :], mask=dy_mask, other=0.0)
             dy_t = round_tf32(tl.trans(dy), PRECISION)
             acc = tl.dot(dy_t, round_tf32(a, PRECISION), acc, input_precision=PRECISION)
             if TAPS_PER_PROGRAM > 1:  # the same grad_y tile against the next taps' A tiles
-                if HALO:
-                    a = _halo_tap(slot, 1, kh_halo, kw_halo, ih0, iw0, m_ok, c_ok, H, W, DH, DW, PADDED, BLOCK_M,
-                                  BLOCK_K)  # fmt: skip
-                else:
-                    a = load_a_tile(x_ptr, kk + CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
-                                    p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                                    C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                                    False, PADDED, True, compute, BLOCK_K)  # fmt: skip
+                a = load_a_tile(x_ptr, kk + CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
+                                p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                                C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                                False, PADDED, True, compute, BLOCK_K)  # fmt: skip
                 acc1 = tl.dot(dy_t, round_tf32(a, PRECISION), acc1, input_precision=PRECISION)
             if TAPS_PER_PROGRAM > 2:
-                if HALO:
-                    a = _halo_tap(slot, 2, kh_halo, kw_halo, ih0, iw0, m_ok, c_ok, H, W, DH, DW, PADDED, BLOCK_M,
-                                  BLOCK_K)  # fmt: skip
-                else:
-                    a = load_a_tile(x_ptr, kk + 2 * CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh,
-                                    x_sw, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                                    C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                                    False, PADDED, True, compute, BLOCK_K)  # fmt: skip
+                a = load_a_tile(x_ptr, kk + 2 * CB, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh,
+                                x_sw, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                                C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                                False, PADDED, True, compute, BLOCK_K)  # fmt: skip
                 acc2 = tl.dot(dy_t, round_tf32(a, PRECISION), acc2, input_precision=PRECISION)
             if BIAS_GRAD:
                 bacc += tl.sum(dy.to(tl.float32), axis=0)
@@ -363,24 +337,6 @@ def conv_wgrad_kernel(
     if BIAS_GRAD:
         if kk == 0:
             tl.store(bpart_ptr + split * C_OUT + g * C_OUT_G + co, bacc, mask=co_ok)
-
-
-@triton.jit
-def _halo_tap(slot, j, kh, kw0, ih0, iw0, m_ok, c_ok, H, W, DH: tl.constexpr, DW: tl.constexpr,
-              PADDED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """The A tile of the program's ``j``-th tap (kernel row ``kh``, column ``kw0 + j``) from the window in
-    ``slot`` (``halo.write_window``): row ``i`` at slot row ``i + j * DW``, the pad lanes and rows past M 0
-    (``ih0``, ``iw0``: the rows' window origins; ``prologue.load_a_tile``'s mask)."""
-    r = tl.arange(0, BLOCK_M)
-    kb = tl.arange(0, BLOCK_K)
-    if PADDED:
-        hi = ih0 + kh * DH
-        wi = iw0 + (kw0 + j) * DW
-        r_ok = m_ok & (hi >= 0) & (hi < H) & (wi >= 0) & (wi < W)
-    else:
-        r_ok = m_ok
-    return tl.load(slot + (r + j * DW)[:, None] * BLOCK_K + kb[None, :], mask=r_ok[:, None] & c_ok[None, :],
-                   other=0.0, cache_modifier=".cg")  # fmt: skip
 
 
 @triton.jit
@@ -541,19 +497,15 @@ class _WgradPlan:
             g_norm, norm_affine = prologue.groups, prologue.weight is not None
         #: the halo's scratch (``HALO``): one slot per program of ``halo_cap`` rows (elements; 0: none)
         self.scratch_elems, halo_cap, chunk = 0, 0, halo.HALO_CHUNK
-        if tile.halo:
-            why = halo.applies(geo, not self.relayout_x and dense_channels_last(x), False)
-            if why is None and not self.depthwise and (taps_per < 2 or geo.kernel[2] % taps_per or self.box):
-                why = "taps per program other than a kernel row's 2 or 3"
+        if tile.halo:  # a depthwise conv's alone (NOTE at ``conv_wgrad``'s candidates)
+            why = "a conv that is not depthwise" if not self.depthwise else halo.applies(
+                geo, not self.relayout_x and dense_channels_last(x), False)  # fmt: skip
             if why is not None:
                 raise ContractError(f"tile {tile.label()}: the halo weight gradient does not take {why}")
-            if self.depthwise:  # one window of every tap's rows per program and M step
-                rows = halo.halo_rows(tile.block_m, geo.size[2], geo.kernel[1:], geo.dilation[1:])
-                halo_cap = cdiv(rows, chunk) * chunk
-                self.scratch_elems = n_tiles * self.split * halo_cap * tile.block_n
-            else:  # one window of the program's taps' rows per M step
-                halo_cap = cdiv(tile.block_m + (taps_per - 1) * geo.dilation[2], chunk) * chunk
-                self.scratch_elems = k_steps * n_tiles * self.split * geo.groups * halo_cap * tile.block_k
+            # one window of every tap's rows per program and M step
+            rows = halo.halo_rows(tile.block_m, geo.size[2], geo.kernel[1:], geo.dilation[1:])
+            halo_cap = cdiv(rows, chunk) * chunk
+            self.scratch_elems = n_tiles * self.split * halo_cap * tile.block_n
         constexprs = dict(
             C_IN_G=geo.c_in_g, CIN_PAD=self.cin_pad, K_ROW=self.k_row, COUT_PAD=self.cout_pad,
             KD=geo.kernel[0], KH=geo.kernel[1], KW=geo.kernel[2],
@@ -713,16 +665,16 @@ def conv_wgrad(
         # boxes only where the hooks take the tile through registers anyway (``tiles.candidates``)
         hooked = prologue is not None or code_in != 0
         boxed = hooked and not wgrad_box_refusal(geo, xs, dys, None)
-        # the direct depthwise tile's halo (``_WgradPlan``).  NOTE: a dense conv's several-taps tiles are not
-        # offered with it: on the H200 (bf16, batch 64, ResNet-50's four 3x3s, BatchNorm + ReLU prologue,
+        # the direct depthwise tile's halo (``_WgradPlan``).  NOTE: a dense conv's weight gradient has no
+        # halo: with one (several taps of a kernel row per program, their rows through the prologue once),
+        # on the H200 (bf16, batch 64, ResNet-50's four 3x3s, BatchNorm + ReLU prologue,
         # ``python tools/bench_conv.py demos/realnets/resnet50.py --passes wgrad --filter '*k3x3 p1 g1*'``,
         # ``tile_ms``) the best halo tile took 0.118 / 0.113 / 0.117 / 0.096 ms where the several-taps tiles
         # without it took 0.087 / 0.083 / 0.078 / 0.100 (the committed ``conv-kernels-wgrad`` report; the
         # halo's barriers stop Triton pipelining the M loop's loads); a depthwise conv's halo was the
         # fastest tile on 3 of EfficientNet-B0's 8 hooked stride-1 depthwise weight gradients, 1.15-1.69x
         # the best tile without it (``python tools/bench_conv.py demos/realnets/efficientnet_b0.py
-        # --passes wgrad --filter '*k3x3 p1 g[2-9]*,*k5x5 p2 g[2-9]*,*k3x3 p1 g1[0-9]*,*k5x5 p2 g1[0-9]*'``).  Explicit
-        # tiles (``tile=``, ``tools/sweep_conv_tiles.py --halo``) still take the dense halo.
+        # --passes wgrad --filter '*k3x3 p1 g[2-9]*,*k5x5 p2 g[2-9]*,*k3x3 p1 g1[0-9]*,*k5x5 p2 g1[0-9]*'``).
         with_halo = (hooked and geo.c_in_g == 1
                      and halo.applies(geo, not channels_last(x) or dense_channels_last(x), False) is None)  # fmt: skip
         tiles = candidates("wgrad", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
