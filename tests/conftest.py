@@ -534,6 +534,16 @@ def kernel_device() -> str:
     return KERNEL_DEVICE
 
 
+@pytest.fixture
+def triton_kernels(monkeypatch) -> None:
+    """A kernel module's own test: its Triton kernel runs, on CUDA, or on CPU tensors under the
+    interpreter (``FUSION_CPU_KERNELS=triton``; skipped where ``TRITON_INTERPRET=1`` is not set)."""
+    if KERNEL_DEVICE == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1")
+        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+
+
 @pytest.fixture(params=["reference", "triton"] if KERNEL_DEVICE == "cpu" else ["cuda"])
 def kernels(request, monkeypatch) -> str:
     """Which implementation of a fused op runs: the CPU reference, the Triton kernels on CPU under

@@ -7,8 +7,6 @@ on CPU, with CUDA on the GPU."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,11 +19,7 @@ HALF = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
 @pytest.fixture
-def kernel(monkeypatch):
-    if DEVICE == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1")
-        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+def kernel(triton_kernels):
     from fusion_backend.kernels import bn_scale_shift
 
     return bn_scale_shift

@@ -7,8 +7,6 @@ with CUDA on the GPU."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -19,11 +17,7 @@ CL = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 @pytest.fixture
-def fold(monkeypatch):
-    if DEVICE == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1")
-        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+def fold(triton_kernels):
     from fusion_backend.kernels import weight_fold
 
     return weight_fold
