@@ -54,7 +54,7 @@ def scale_and_shift_direct(running_mean: Tensor, running_var: Tensor, gamma: Opt
     backward differentiates :func:`scale_and_shift` (fine-tuning with frozen statistics, rare enough
     for torch ops)."""
     tensors = (running_mean, running_var, gamma, beta)
-    if (running_var.dtype == torch.float64 or kernels_unavailable(torch.float32, running_var.device.type) is not None
+    if (kernels_unavailable(torch.float32, running_var.device.type) is not None
             or any(t is not None and t.dtype == torch.float64 for t in tensors)):  # fmt: skip
         return scale_and_shift(running_mean, running_var, gamma, beta, eps, spatial_dims)
     from ..kernels import bn_scale_shift
@@ -86,6 +86,8 @@ class _ScaleAndShift(torch.autograd.Function):
     def backward(ctx: Any, grad_scale: Tensor, grad_shift: Tensor) -> tuple[Optional[Tensor], ...]:
         saved = ctx.saved_tensors
         wanted = [t is not None and need for t, need in zip(saved, ctx.needs_input_grad[:4], strict=True)]
+        if not any(wanted):
+            return (None,) * 5
         with torch.enable_grad():
             leaves = [None if t is None else t.detach().requires_grad_(want) for t, want in zip(saved, wanted, strict=True)]
             scale, shift = scale_and_shift(*leaves, ctx.eps, 0)
