@@ -10,8 +10,9 @@ of ``bn_fold.BATCHED``, whose fp32 results each region reads as a slice (a view:
 Contract: ``gm``'s graph is changed in place (not recompiled: the caller does); every replaced call
 read graph inputs or attributes only (placeholders, ``get_attr`` nodes: those after the first call,
 made by a later region's rewrite, move up before it), and the batched call and every region's views
-go right before the first of the calls; a call that reads anything else, whose statistics are float64, or one
-whose tensors require grad while grad mode is on, stays as it was.  The values are the calls' own
+go right before the first of the calls; a call that reads anything else, whose statistics are float64, whose
+statistics another node reads too (it could write them between the calls), or one whose tensors
+require grad while grad mode is on, stays as it was.  The values are the calls' own
 (one kernel over the concatenated statistics, the same arithmetic).
 """
 
@@ -53,6 +54,8 @@ def _group_key(gm: fx.GraphModule, call: fx.Node) -> tuple | None:
             return None
         if torch.is_grad_enabled() and t.requires_grad:
             return None
+        if not isinstance(t.numel(), int) or any(u.target is not bn_fold.scale_and_shift for u in node.users):
+            return None  # read by anything else (which could write it between the calls): left where it is
     if any(node is not None and t.numel() != tensors[1].numel() for node, t in zip(stats, tensors, strict=True)):
         return None
     return (float(eps), tensors[1].device, *((None if t is None else t.dtype) for t in tensors))

@@ -119,3 +119,25 @@ def test_statistics_that_require_grad_in_grad_mode_are_not_batched_and_gradients
     model = Blocks().eval().to(DEVICE)
     assert_fused(model, [torch.randn(2, 3, 7, 9, device=DEVICE)], expect={"conv_epilogue": 4}, train=True)
     assert batched == [0]
+
+
+def test_statistics_another_node_reads_keep_their_own_call():
+    """A running variance that another node reads too (which could write it between the calls) keeps its
+    call where it is; the two others still share one."""
+    graph = torch.fx.Graph()
+    calls = []
+    for name in "abc":
+        nodes = []
+        for part in ("mean", "var"):
+            node = graph.placeholder(f"{name}_{part}")
+            node.meta["example_value"] = torch.ones(4)
+            nodes.append(node)
+        calls.append(graph.call_function(bn_fold.scale_and_shift, (*nodes, None, None, 1e-5, 1)))
+    other = graph.call_method("add_", (calls[2].args[1], 1.0))  # c's variance, written in place
+    graph.output((*(graph.call_function(operator.getitem, (c, 0)) for c in calls), other))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert batch_scale_and_shift(gm) == 2
+    gm.graph.lint()
+    (batched,) = _batched_calls(gm)
+    assert [n.name for n in batched.args[1]] == ["a_var", "b_var"]
+    assert [n.args[1].name for n in gm.graph.nodes if n.target is bn_fold.scale_and_shift] == ["c_var"]
