@@ -124,8 +124,9 @@ def fusion(
             expected = compile_estimate.estimate(size, training=training, cuda_graphs=cuda_graphs,
                                                  cache_dir=opts.cache_dir)
             seconds = math.inf if math.isinf(opts.decide_budget) else opts.decide_budget * expected  # (inf * 0: nan)
-            # no limit (``decide_budget=None``): a region whose kernels are cold is measured too, compiling
-            # them inside this compile, so that one process reaches the decisions later ones would settle to
+            # no limit (``decide_budget=None``): a region whose kernels are cold is measured too (their compiles
+            # sent to the workers first, all at once: ``_compile_cold_kernels_first``), so that one process
+            # reaches the decisions later ones would settle to
             budget["budget"] = DecisionBudget(seconds, warm_kernels_only=not math.isinf(seconds))
         return budget.get("budget")
 
