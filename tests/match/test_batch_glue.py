@@ -141,3 +141,15 @@ def test_statistics_another_node_reads_keep_their_own_call():
     (batched,) = _batched_calls(gm)
     assert [n.name for n in batched.args[1]] == ["a_var", "b_var"]
     assert [n.args[1].name for n in gm.graph.nodes if n.target is bn_fold.scale_and_shift] == ["c_var"]
+
+
+def test_frozen_batch_norms_in_a_training_graph_share_one_call_and_gradients_match(kernels, batched):
+    """Training with frozen batch norms (statistics and affine parameters not requiring grad, as
+    detection backbones freeze them): the calls share one, and the gradients of the input and the
+    conv weights are eager's."""
+    model = Blocks().eval().to(DEVICE)
+    for bn in (m[1] for m in (model.a, model.b, model.c, model.d)):
+        bn.requires_grad_(False)
+    x = torch.randn(2, 3, 7, 9, device=DEVICE, requires_grad=True)
+    assert_fused(model, [x], expect={"conv_epilogue": 4}, train=True)
+    assert batched == [2]
