@@ -7,13 +7,13 @@ through those statistics, :func:`batch_scale_and_shift` replaces the calls that 
 (the same ``eps``, the same statistics dtypes, device and presence of gamma and beta) with one call
 of ``bn_fold.BATCHED``, whose fp32 results each region reads as a slice (a view: no copy).
 
-Contract: ``gm``'s graph is changed in place (not recompiled: the caller does); every replaced call
-read graph inputs or attributes only (placeholders, ``get_attr`` nodes: those after the first call,
-made by a later region's rewrite, move up before it), and the batched call and every region's views
-go right before the first of the calls; a call that reads anything else, whose statistics are float64, whose
-statistics another node reads too (it could write them between the calls), or one whose tensors
-require grad while grad mode is on, stays as it was.  The values are the calls' own
-(one kernel over the concatenated statistics, the same arithmetic).
+Contract: ``gm``'s graph is changed in place (not recompiled: the caller does).  A call is replaced
+where it reads graph inputs or attributes alone (placeholders, ``get_attr`` nodes), of at most 32
+bits, that no other node reads (which could write them between the calls), and, with grad mode on,
+that do not require grad; the others stay as they were.  The batched call and every region's views go
+right before the first of the calls it replaces (a ``get_attr`` a later region's rewrite made after
+it moves up: it has no inputs).  The values are the calls' own (one kernel over the concatenated
+statistics, the same arithmetic).
 """
 
 from __future__ import annotations
