@@ -54,7 +54,7 @@ def scale_and_shift_direct(running_mean: Tensor, running_var: Tensor, gamma: Opt
     backward differentiates :func:`scale_and_shift` (fine-tuning with frozen statistics, rare enough
     for torch ops)."""
     tensors = (running_mean, running_var, gamma, beta)
-    if (running_var.dtype == torch.float64 or kernels_unavailable(torch.float32, running_var.device.type) is not None
+    if (kernels_unavailable(torch.float32, running_var.device.type) is not None
             or any(t is not None and t.dtype == torch.float64 for t in tensors)):  # fmt: skip
         return scale_and_shift(running_mean, running_var, gamma, beta, eps, spatial_dims)
     from ..kernels import bn_scale_shift
