@@ -41,8 +41,9 @@ key                     meaning
                         may take this fraction of the graph's first call; a region not
                         measured in time stays with Inductor (a later process measures it).  None:
                         no limit (under CUDA graphs every region is then measured during the
-                        compile, its kernels compiled there if they are cold, so that one process
-                        makes the decisions later ones settle to).  The first region of a settle
+                        compile, the cold kernels of all of them compiled first, at once, in the
+                        worker processes, so that one process makes the decisions later ones
+                        settle to).  The first region of a settle
                         is always measured.  A settle
                         that measured the regions it keeps compiles the graph again with them
                         only where that compile fits the rest of the budget; else a later

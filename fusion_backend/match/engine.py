@@ -32,6 +32,7 @@ from ..frontend.normalize import functionalize_inplace, normalize_graph
 from ..ir.fakes import fake_of
 from ..ops.chain import Const, Operand, TensorRef
 from ..report import Match, NearMiss, ReasonKind, source_line_of
+from .batch_glue import batch_scale_and_shift
 
 
 @dataclass
@@ -425,7 +426,8 @@ def _empty_value(candidate: Candidate) -> Optional[fx.Node]:
 def rewrite_regions(regions: Regions, chosen: Iterable[Candidate],
                     on_stage: Optional[Callable[[str, Optional[str]], None]] = None) -> list[Match]:
     """Rewrite the ``chosen`` candidates of ``regions`` (some or all of ``regions.accepted``, as the
-    caller decided) in the graph they were found in; lints and recompiles it once.  Raises on failure."""
+    caller decided) in the graph they were found in, then batch their eval batch norms' scale and
+    shift (``batch_glue.py``); lints and recompiles it once.  Raises on failure."""
     stage = on_stage or (lambda s, p: None)
     matches = []
     for candidate in chosen:
@@ -433,6 +435,7 @@ def rewrite_regions(regions: Regions, chosen: Iterable[Candidate],
         assert candidate.family is not None  # find_regions sets it
         matches.append(candidate.family.rewrite(regions.ctx, candidate))
     if matches:
+        batch_scale_and_shift(regions.ctx.gm)
         regions.ctx.gm.graph.lint()
         regions.ctx.gm.recompile()
     return matches

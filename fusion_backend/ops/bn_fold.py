@@ -86,6 +86,8 @@ class _ScaleAndShift(torch.autograd.Function):
     def backward(ctx: Any, grad_scale: Tensor, grad_shift: Tensor) -> tuple[Optional[Tensor], ...]:
         saved = ctx.saved_tensors
         wanted = [t is not None and need for t, need in zip(saved, ctx.needs_input_grad[:4], strict=True)]
+        if not any(wanted):
+            return (None,) * 5
         with torch.enable_grad():
             leaves = [None if t is None else t.detach().requires_grad_(want) for t, want in zip(saved, wanted, strict=True)]
             scale, shift = scale_and_shift(*leaves, ctx.eps, 0)
@@ -95,3 +97,41 @@ class _ScaleAndShift(torch.autograd.Function):
 
 
 register_direct(scale_and_shift, scale_and_shift_direct)
+
+
+def batched_scale_and_shift(means: list[Tensor], variances: list[Tensor], gammas: list[Tensor], betas: list[Tensor],
+                            eps: float) -> tuple[Tensor, Tensor]:
+    """The scale and shift of several eval batch norms at once: fp32 ``(sum of C,)`` each, batch norm
+    ``i``'s ``C_i`` values after those of the ones before it, each as :func:`scale_and_shift` gives
+    them.  The batch norms share ``eps``, their statistics' dtypes (floats of at most 32 bits) and
+    device, and either all have a ``gamma`` (``beta``) or none does (an empty list).  No gradient: for
+    graphs in which nothing differentiates through the statistics (``match/batch_glue.py``).
+
+    WHY: a network's inference graph calls :func:`scale_and_shift` once per folded batch norm, and
+    Inductor makes a kernel of each call: one small launch per conv (53 in ResNet-50) where one would
+    do.  Here the statistics are concatenated (one ``cat`` launch each) and one kernel
+    (``kernels/bn_scale_shift.py``) makes every value."""
+    mean, var = torch.cat(means), torch.cat(variances)
+    gamma = torch.cat(gammas) if gammas else None
+    beta = torch.cat(betas) if betas else None
+    if kernels_unavailable(torch.float32, var.device.type) is None:
+        from ..kernels import bn_scale_shift
+
+        return bn_scale_shift.scale_and_shift(mean, var, gamma, beta, eps)
+    scale, shift = scale_and_shift(mean, var, gamma, beta, eps, 0)
+    return scale.float(), shift.float()
+
+
+bn_scale_shift_batched = torch.library.custom_op("fusion::bn_scale_shift_batched",
+                                                 mutates_args=())(batched_scale_and_shift)
+
+
+@bn_scale_shift_batched.register_fake
+def _batched_fake(means, variances, gammas, betas, eps):  # noqa: ANN001, ANN202
+    total = sum(t.numel() for t in variances)
+    return (variances[0].new_empty(total, dtype=torch.float32), variances[0].new_empty(total, dtype=torch.float32))
+
+
+#: what a graph calls (``match/batch_glue.py``)
+BATCHED = torch.ops.fusion.bn_scale_shift_batched.default
+register_direct(BATCHED, batched_scale_and_shift)

@@ -37,11 +37,11 @@ GLUE_METHODS = frozenset({
 #: ``call_function`` targets that are glue.  Dynamo records an autocast region inside the compiled
 #: code as ``_enter_autocast``/``_exit_autocast`` calls (no kernels, the casts are separate nodes).
 #: Batch norm's folded scale and shift (``ops/bn_fold.py``) count as glue too: one small kernel on
-#: per-channel tensors (its direct implementation), never on activations; the region's measured
-#: decision times it with it.
+#: per-channel tensors (its direct implementation; batched, one for the graph's batch norms:
+#: ``match/batch_glue.py``), never on activations; the region's measured decision times it with it.
 GLUE_FUNCTIONS = frozenset({
     operator.getitem, torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten, torch.permute,
-    torch.transpose, bn_fold.scale_and_shift,
+    torch.transpose, torch.narrow, bn_fold.scale_and_shift, bn_fold.BATCHED,
     *(getattr(torch.amp.autocast_mode, name) for name in ("_enter_autocast", "_exit_autocast")
       if hasattr(torch.amp.autocast_mode, name)),
 })

@@ -687,7 +687,9 @@ def test_under_cuda_graphs_a_region_whose_kernels_are_cold_is_not_measured_and_t
 
 def test_under_cuda_graphs_without_a_budget_cold_regions_are_measured_in_the_first_process(monkeypatch):
     """``decide_budget=None``: no limit, so a region whose kernels are cold is measured during the compile
-    (compiling them there) instead of waiting for a later process: one process makes every decision."""
+    instead of waiting for a later process: one process makes every decision, the kernels of each
+    decision key sent to the compile workers first, all at once (two keys: the three regions of one
+    shape and the last conv)."""
     torch.manual_seed(0)
     model, x = Blocks(), torch.randn(2, 8, 10, 10)
     compiles, timer = Compiles(), RegionTimer((1.0, 2.0))  # the fused op would win
@@ -695,4 +697,9 @@ def test_under_cuda_graphs_without_a_budget_cold_regions_are_measured_in_the_fir
             collect_reports() as reports:
         compiled = torch.compile(model, backend="fusion", options={"triton.cudagraphs": True, "decide_budget": None})
         torch.testing.assert_close(compiled(x), model(x))
-    assert compiles.prepared == 0 and timer.calls == 2 and all(d.fused for d in reports[0].decisions)
+    assert compiles.prepared == 2 and timer.calls == 2 and all(d.fused for d in reports[0].decisions)
+    torch._dynamo.reset()
+    with deferred.preparing_with(compiles), decision.timing_override(timer, ("cpu",)), torch.no_grad(), \
+            collect_reports() as reports:  # a later process: the decisions cached, nothing sent or measured
+        torch.compile(model, backend="fusion", options={"triton.cudagraphs": True, "decide_budget": None})(x)
+    assert compiles.prepared == 2 and timer.calls == 2 and all(d.fused and d.cached for d in reports[0].decisions)

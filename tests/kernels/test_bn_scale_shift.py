@@ -123,3 +123,20 @@ def test_the_direct_form_takes_what_the_kernel_cannot_through_the_reference(kern
         assert scale.dtype == ref_scale.dtype
         torch.testing.assert_close(scale, ref_scale, rtol=0, atol=0)
         torch.testing.assert_close(shift, ref_shift, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_batched_op_gives_each_batch_norm_s_values_one_after_another(kernel, affine):
+    """``bn_fold.BATCHED`` (what a graph's batched call runs): the concatenation of each batch norm's
+    ``scale_and_shift``, fp32; its fake and schema agree with it (``opcheck``)."""
+    sets = [_stats(c, torch.float16, c, (affine, affine)) for c in (3, 512, 7)]
+    means, variances = [s[0] for s in sets], [s[1] for s in sets]
+    gammas = [s[2] for s in sets] if affine else []
+    betas = [s[3] for s in sets] if affine else []
+    scale, shift = bn_fold.BATCHED(means, variances, gammas, betas, 1e-4)
+    assert scale.dtype == shift.dtype == torch.float32 and scale.shape == shift.shape == (522,)
+    want = [bn_fold.scale_and_shift(*s, 1e-4, 0) for s in sets]
+    torch.testing.assert_close(scale, torch.cat([w[0] for w in want]), rtol=2e-6, atol=0)
+    torch.testing.assert_close(shift, torch.cat([w[1] for w in want]), rtol=2e-6, atol=2e-6)
+    torch.library.opcheck(bn_fold.BATCHED, (means, variances, gammas, betas, 1e-4),
+                          test_utils=("test_schema", "test_faketensor"))

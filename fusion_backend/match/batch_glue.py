@@ -1,0 +1,107 @@
+"""Batch the rewritten graph's per-region eval BatchNorm scale and shift into one op per graph.
+
+A conv region that folds an eval batch norm (``ops/bn_fold.py``) calls ``scale_and_shift`` on the
+batch norm's statistics, once per region: in a network's inference graph one tiny kernel per conv
+(53 in ResNet-50), each a launch of its own, under CUDA graphs too.  Where nothing differentiates
+through those statistics, :func:`batch_scale_and_shift` replaces the calls that can share one
+(the same ``eps``, the same statistics dtypes, device and presence of gamma and beta) with one call
+of ``bn_fold.BATCHED``, whose fp32 results each region reads as a slice (a view: no copy).
+
+Contract: ``gm``'s graph is changed in place (not recompiled: the caller does).  A call is replaced
+where it reads graph inputs or attributes alone (placeholders, ``get_attr`` nodes), of at most 32
+bits, that no other node reads (which could write them between the calls), and, with grad mode on,
+that do not require grad; the others stay as they were.  The batched call and every region's views go
+right before the first of the calls it replaces (a ``get_attr`` a later region's rewrite made after
+it moves up: it has no inputs).  The values are the calls' own (one kernel over the concatenated
+statistics, the same arithmetic).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..ir.fakes import fake_of
+from ..ops import bn_fold
+
+
+def _tensor_of(gm: fx.GraphModule, node: Any) -> Any:
+    """The tensor (real or fake) a statistic's node stands for, or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "get_attr":
+        value: Any = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part, None)
+        return value
+    return fake_of(node)
+
+
+def _group_key(gm: fx.GraphModule, call: fx.Node) -> tuple | None:
+    """What the calls batched together share, or None where ``call`` stays on its own."""
+    *stats, eps, _spatial = call.args
+    tensors = [_tensor_of(gm, s) for s in stats]
+    for node, t in zip(stats, tensors, strict=True):
+        if node is None:
+            continue
+        if not isinstance(node, fx.Node) or node.op not in ("placeholder", "get_attr"):
+            return None
+        if not isinstance(t, torch.Tensor) or t.dtype == torch.float64 or not t.is_floating_point():
+            return None
+        if torch.is_grad_enabled() and t.requires_grad:
+            return None
+        if not isinstance(t.numel(), int) or any(u.target is not bn_fold.scale_and_shift for u in node.users):
+            return None  # read by anything else (which could write it between the calls): left where it is
+    if any(node is not None and t.numel() != tensors[1].numel() for node, t in zip(stats, tensors, strict=True)):
+        return None
+    return (float(eps), tensors[1].device, *((None if t is None else t.dtype) for t in tensors))
+
+
+def batch_scale_and_shift(gm: fx.GraphModule) -> int:
+    """Replace the graph's batchable ``scale_and_shift`` calls (module docstring); the number replaced."""
+    graph = gm.graph
+    groups: dict[tuple, list[fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is bn_fold.scale_and_shift:
+            key = _group_key(gm, node)
+            if key is not None:
+                groups[key].append(node)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    replaced = 0
+    for key, calls in groups.items():
+        if len(calls) < 2:
+            continue
+        first = min(calls, key=order.__getitem__)
+        stats = [[c.args[i] for c in calls] for i in range(4)]
+        for read in {n for column in stats for n in column if n is not None}:
+            if order[read] > order[first]:  # a get_attr a later region's rewrite made: inputs-free, moved up
+                first.prepend(read)
+        with graph.inserting_before(first):
+            batched = graph.call_function(bn_fold.BATCHED, (
+                stats[0], stats[1], stats[2] if stats[2][0] is not None else [],
+                stats[3] if stats[3][0] is not None else [], key[0]))  # fmt: skip
+            parts = [graph.call_function(operator.getitem, (batched, i)) for i in (0, 1)]
+            offset, views = 0, {}
+            for call in calls:
+                channels = _tensor_of(gm, call.args[1]).numel()
+                per_channel = (-1, *(1,) * call.args[5])
+                views[call] = [graph.call_method("view", (graph.call_function(
+                    torch.narrow, (part, 0, offset, channels)), per_channel)) for part in parts]  # fmt: skip
+                if any(not _is_getitem_of(user, call) for user in call.users):  # the tuple itself is read too
+                    call.replace_all_uses_with(graph.call_function(tuple, (views[call],)))
+                offset += channels
+        for call in calls:  # (after the insertions before ``first``, which goes too)
+            for user in list(call.users):
+                user.replace_all_uses_with(views[call][user.args[1]])
+                graph.erase_node(user)
+            graph.erase_node(call)
+            replaced += 1
+    return replaced
+
+
+def _is_getitem_of(node: fx.Node, call: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem and node.args[0] is call
