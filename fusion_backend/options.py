@@ -35,24 +35,22 @@ key                     meaning
                         first call itself) or at ``fusion_backend.settle()``, so that the first
                         call costs what Inductor's does (``runtime/deferred.py``); False decides
                         during the first call
-``decide_budget``       float >= 0 or None, default 0.2: a graph's deferred decisions (sending the fused
-                        ops' kernels to the compile workers during its first call, then at the settle
-                        waiting for them, measuring regions, recompiling and timing the whole graph)
-                        may take this fraction of the graph's first call; a region not
-                        measured in time stays with Inductor (a later process measures it).  None:
-                        no limit (under CUDA graphs every region is then measured during the
-                        compile, the cold kernels of all of them compiled first, at once, in the
-                        worker processes, so that one process makes the decisions later ones
-                        settle to).  The first region of a settle
-                        is always measured.  A settle
-                        that measured the regions it keeps compiles the graph again with them
-                        only where that compile fits the rest of the budget; else a later
-                        process, finding them in the cache, does (``backend._postponed``).
-                        Under CUDA graphs, where the regions are decided during the
-                        compile, the fraction is of Inductor's compile time estimated
-                        from earlier graphs (``runtime/compile_estimate.py``), and the
-                        regions a process measured itself are likewise kept from a later
-                        process on, unless the compile with them fits the rest of the budget
+``decide_budget``       float >= 0 or None; default 0.2, and 3.0 under CUDA graphs: what a graph's
+                        decisions may take.  Deferred (the default mode): a fraction of the graph's
+                        first call for sending the fused ops' kernels to the compile workers during
+                        that call, then at the settle waiting for them, measuring regions,
+                        recompiling and timing the whole graph; a region not measured in time stays
+                        with Inductor (a later process measures it); the first region of a settle
+                        is always measured; a settle that measured the regions it keeps compiles
+                        the graph again with them only where that compile fits the rest of the
+                        budget, else a later process, finding them in the cache, does
+                        (``backend._postponed``).  Under CUDA graphs, where the regions are decided
+                        during the compile: a multiple of Inductor's compile of the graph, estimated
+                        from earlier graphs (``runtime/compile_estimate.py``), for compiling the
+                        fused kernels of every region to be measured (all at once, in the worker
+                        processes) and measuring the regions whose kernels are ready; the graph
+                        then compiles once, with what they keep.  None: no limit (under CUDA graphs
+                        every region is measured, its kernels waited for)
 ======================  ===========================================================================
 
 Environment variables that set defaults here (``fusion_backend.environment`` lists them all):
@@ -76,8 +74,19 @@ from .runtime.decision import DEFAULT_MARGIN, POLICIES
 
 OUR_KEYS = ("patterns", "disable_patterns", "strict", "dump_dir", "direct", "decide", "decide_margin", "defer",
             "decide_budget")
-#: The default of ``decide_budget``: a fraction of the graph's first call.
+#: The default of ``decide_budget`` where decisions are deferred: a fraction of the graph's first call.
 DEFAULT_DECIDE_BUDGET = 0.2
+# NOTE: under CUDA graphs a graph's decisions are made once per machine, during its compile, and kept in
+# the cache.  Measuring every region made the first call 1.8x Inductor's on ResNet-50's training graph
+# (65.4 s against 36.6 s), 3.2x on its inference graph (37.3 against 11.5 s) and 3.5x on EfficientNet-B0's
+# (62.0 against 17.6 s; bf16, H200, the fused kernels compiled all at once first: ``python -m
+# fusion_backend bench --log --suite demos/realnets/resnet50.py --dtype bf16 --mode infer --backends
+# inductor,fusion-decide-all --compile-mode reduce-overhead``): a budget of three times Inductor's
+# compile decides such networks in their first process, where with a fifth of it (measuring only
+# regions whose kernels had compiled, and sending the kernels of two decision keys per kind of region
+# per process) they ran Inductor's code in their first two processes.
+#: The default of ``decide_budget`` under CUDA graphs: a multiple of Inductor's compile of the graph.
+CUDA_GRAPHS_DECIDE_BUDGET = 3.0
 DECIDE_ENV = environment.DECIDE
 CACHE_DIR_ENV = environment.CACHE_DIR
 cache_dir = environment.cache_dir
@@ -96,8 +105,16 @@ class FusionOptions:
     decide_margin: float = DEFAULT_MARGIN
     cache_dir: Path = field(default_factory=cache_dir)
     defer: bool = True
-    decide_budget: float = DEFAULT_DECIDE_BUDGET
-    """``math.inf`` where the option is None."""
+    decide_budget: Optional[float] = None
+    """As given (``math.inf`` where the option is None), or None where not given: see :meth:`budget_fraction`."""
+
+    def budget_fraction(self, cuda_graphs: bool) -> float:
+        """``decide_budget`` as given, else its default for where the decisions are made: deferred
+        (a fraction of the graph's first call) or, under CUDA graphs, during the compile (a
+        multiple of Inductor's compile of the graph)."""
+        if self.decide_budget is not None:
+            return self.decide_budget
+        return CUDA_GRAPHS_DECIDE_BUDGET if cuda_graphs else DEFAULT_DECIDE_BUDGET
 
     @staticmethod
     def parse(options: Optional[Mapping[str, Any]], registered: tuple[str, ...],
@@ -154,14 +171,14 @@ class FusionOptions:
         defer = ours.get("defer", True)
         if not isinstance(defer, bool):
             raise InvalidOptionError(f"option 'defer' must be a bool, got {defer!r}")
-        budget = ours.get("decide_budget", DEFAULT_DECIDE_BUDGET)
-        if budget is None:
-            budget = math.inf
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+        budget = None  # not given: the default of where the decisions are made (``budget_fraction``)
+        if "decide_budget" in ours:
+            budget = math.inf if ours["decide_budget"] is None else ours["decide_budget"]
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0):
             raise InvalidOptionError(f"option 'decide_budget' must be a number >= 0 (a fraction of the graph's first "
                                      f"call) or None (no limit), got {budget!r}")
         return FusionOptions(names, strict, Path(dump) if dump else None, inductor, direct, decide, float(margin),
-                             defer=defer, decide_budget=float(budget))
+                             defer=defer, decide_budget=None if budget is None else float(budget))
 
 
 def check_pattern_names(names: Any, registered: Any, what: str = "pattern") -> None:

@@ -3,17 +3,18 @@
 Two decisions need it before the compile they are about:
 
 - under CUDA graphs a graph's regions are decided during its compile, within a budget that is a
-  fraction of Inductor's compile of the graph (option ``decide_budget``); compiling the graph as
+  multiple of Inductor's compile of the graph (option ``decide_budget``); compiling the graph as
   given only to learn that time would compile it twice wherever a region is kept;
 - a deferred graph's settle compiles the graph again with the regions it keeps only where that
   compile fits what is left of its decision budget (``backend._settle``).
 
-The estimate: Inductor's seconds per node of the latest graph this machine compiled past Inductor's
-caches, of the same kind (training or inference, with or without CUDA graphs), times this graph's
-nodes.  The rate is kept in the measurement cache (``measurements.py``), so a later process starts
+The estimate: Inductor's seconds per node of the latest graph as given (nothing rewritten) this
+machine compiled past Inductor's caches, of the same kind (training or inference, with or without
+CUDA graphs), times this graph's nodes.  The rate is kept in the measurement cache (``measurements.py``), so a later process starts
 with it.  A compile served by Inductor's caches is not a rate (``served_by_caches``).  Where no
-graph was compiled yet the estimate is zero: the budget then allows the one measurement every
-budget allows (``decision.DecisionBudget``) and no more.
+graph of its kind was compiled yet, ``estimate`` is zero (a deferred settle then compiles nothing
+it cannot afford), and ``expected`` falls back on a prior rate (``PRIOR_SECONDS_PER_NODE``): the
+budget under CUDA graphs, spent before the graph's first compile on the machine, needs a number.
 """
 
 from __future__ import annotations
@@ -73,3 +74,18 @@ def estimate(size: int, *, training: bool, cuda_graphs: bool, cache_dir: Path) -
     entry = measurements.lookup(_key(training, cuda_graphs), cache_dir,
                                 lambda e: e.get("kind") == KIND and isinstance(e.get("seconds_per_node"), float))
     return 0.0 if entry is None else entry["seconds_per_node"] * size
+
+
+# NOTE: Inductor's compile of ResNet-50 under CUDA graphs (bf16, batch 64, fresh caches) took 11.5 s for
+# the inference graph and 36.6 s for the training graph, 175 operations each, on an H200's host
+# (``python -m fusion_backend bench --suite demos/realnets/resnet50.py --dtype bf16 --mode infer,train
+# --backends inductor --compile-mode reduce-overhead``).  A slower host compiles slower: the prior's
+# budget is then a smaller multiple of its compile, never a larger one.
+#: Seconds per node of Inductor's compile where this machine timed none yet: (inference, training).
+PRIOR_SECONDS_PER_NODE = (0.065, 0.2)
+
+
+def expected(size: int, *, training: bool, cuda_graphs: bool, cache_dir: Path) -> float:
+    """``estimate``, or where it is not known, ``size`` times the prior rate of its kind."""
+    return (estimate(size, training=training, cuda_graphs=cuda_graphs, cache_dir=cache_dir)
+            or PRIOR_SECONDS_PER_NODE[training] * size)

@@ -20,8 +20,8 @@ GPU time is below ``HOST_BOUND_GPU_SHARE`` of its time per call, its win per cal
 ``NOTE:`` comments at the constant.
 Under CUDA graphs (``mode="reduce-overhead"``), where a replay does the host's work for all the
 kernels at once, the GPU time alone decides: fused where it wins on the GPU by the margin.  There the
-decisions run inside the graph's compile, and a region whose fused kernels are not compiled yet is
-not measured (``DecisionBudget.warm_kernels_only``).
+decisions run inside the graph's compile, and a region whose fused kernels had not compiled when
+the budget was spent is not measured (``DecisionBudget.warm_kernels_only``).
 
 The two candidates are timed in alternating rounds, and what is compared with the margin is, for
 each time, the median over the rounds of each round's ratio (Inductor's time over the fused op's).
@@ -288,11 +288,11 @@ class DecisionBudget:
     runs (``measured`` counts them): a graph with one or two regions, whose first call is short, is
     still decided.
 
-    ``warm_kernels_only``: measure only regions whose fused kernels are compiled already (in this
-    process or in Triton's disk cache); the kernels of the others are sent to the compile workers
-    (``deferred.prepare``; at most ``COLD_PER_KIND`` decision keys of one kind, as a deferred graph
-    sends them) and a later process measures them.  Set where the decisions run inside the graph's
-    compile (under CUDA graphs), which a cold measurement would lengthen by seconds."""
+    ``warm_kernels_only``: measure only regions whose fused kernels are compiled.  Set where the
+    decisions run inside the graph's compile (under CUDA graphs), which a cold measurement would
+    lengthen by seconds: there the kernels of every region to be measured were sent to the compile
+    workers first, and those that had not compiled when the budget was spent wait in ``compiling``
+    (by decision key), their regions measured by a later process."""
 
     seconds: float
     began: float = field(default_factory=time.perf_counter)
@@ -302,21 +302,31 @@ class DecisionBudget:
     measured_anchors: set[str] = field(default_factory=set)
     measured_keys: set[str] = field(default_factory=set)
     warm_kernels_only: bool = False
-    #: decision keys of each kind whose kernels were sent to the workers (``warm_kernels_only``)
-    sent_cold: dict[str, set[str]] = field(default_factory=dict)
-
-    #: Decision keys of one kind of region whose kernels one compile sends to the workers: a network
-    #: repeats a kind at many shapes, and too many compiles at once slow Inductor's own (``_Pending``).
-    COLD_PER_KIND = 2
+    #: the compiles sent before the measurements that had not finished when the budget was spent, by
+    #: decision key (``backend._compile_cold_kernels_first``; ``deferred.Preparation``)
+    compiling: dict[str, Any] = field(default_factory=dict)
+    #: when the first measurement began (``count_measurement``)
+    measuring_since: float = 0.0
 
     def spent(self) -> float:
         return time.perf_counter() - self.began
 
     def allows_another(self) -> bool:
         """Whether another region may be measured: the first always, the others while the time left
-        covers one more of what the budget spent per measurement so far (its waits included; a cold
-        measurement takes seconds: a settle ends within its budget, not one measurement past it)."""
-        return self.measured == 0 or self.spent() * (self.measured + 1) / self.measured <= self.seconds
+        covers one more of what the measurements took each so far (from the first one on: a wait for
+        kernels before it is not a measurement's; a cold measurement takes seconds: a settle ends
+        within its budget, not one measurement past it)."""
+        if self.measured == 0:
+            return True
+        return self.spent() + (time.perf_counter() - self.measuring_since) / self.measured <= self.seconds
+
+    def count_measurement(self, key: str, anchor: str) -> None:
+        """Note a measurement about to run, of decision key ``key`` for the region at ``anchor``."""
+        if self.measured == 0:
+            self.measuring_since = time.perf_counter()
+        self.measured += 1
+        self.measured_keys.add(key)
+        self.measured_anchors.add(anchor)
 
     def spent_all(self) -> bool:
         return self.spent() >= self.seconds
@@ -520,17 +530,15 @@ def _measured(gm: fx.GraphModule, candidate: Region, example_inputs: Sequence[An
         predicted = _predicted_loss(looked_up, cache_dir, cuda_graphs=cuda_graphs)
         if predicted is not None:
             return Decision(pattern, summary, anchor, False, predicted), False
+        cold = _cold_kernels(looked_up, budget)
+        if cold is not None:
+            return Decision(pattern, summary, anchor, False, cold), False
         if budget is not None and not budget.allows_another():
             return Decision(pattern, summary, anchor, False,
                             f"not measured: the decision budget is spent ({budget.describe()}; option "
                             "decide_budget); Inductor keeps the region, a later process measures it"), False
-        cold = _cold_kernels(gm, candidate, example_inputs, strict, looked_up, budget)
-        if cold is not None:
-            return Decision(pattern, summary, anchor, False, cold), False
         if budget is not None:
-            budget.measured += 1
-            budget.measured_keys.add(looked_up.key)
-            budget.measured_anchors.add(anchor)
+            budget.count_measurement(looked_up.key, anchor)
         times = _measure(gm, candidate, looked_up.region, example_inputs, looked_up.train, looked_up.patches, strict,
                          _timer)
         measured = summarise_rounds(times["fused"], times["inductor"])
@@ -553,29 +561,17 @@ def _measured(gm: fx.GraphModule, candidate: Region, example_inputs: Sequence[An
 # training step under CUDA graphs, where Inductor's whole first call took 20.2 s: time to steady state
 # 1.30x Inductor's (H200, bf16, fresh caches: ``python tools/first_call.py demos/realnets/r3d_18.py
 # --dtype bf16 --mode train --compile-mode reduce-overhead --warm-runs 0 --log``).
-def _cold_kernels(gm: fx.GraphModule, candidate: Region, example_inputs: Sequence[Any], strict: bool,
-                  looked_up: _Lookup, budget: DecisionBudget | None) -> str | None:
-    """Why the region is not measured now because its fused kernels are not compiled yet (their
-    compiles sent to the workers, see ``DecisionBudget.warm_kernels_only``), or None: measure it."""
+def _cold_kernels(looked_up: _Lookup, budget: DecisionBudget | None) -> str | None:
+    """Why the region is not measured now because its fused kernels had not compiled when the budget
+    was spent (``DecisionBudget.compiling``), or None: measure it."""
     if budget is None or not budget.warm_kernels_only:
         return None
-    from . import deferred
-
-    sent = budget.sent_cold.setdefault(looked_up.region_class, set())
-    if looked_up.key in sent:
-        return ("not measured: its fused kernels are not compiled on this machine yet (CUDA graphs: "
-                "they compile in the background for a region of the same key; a later process measures "
-                "it); Inductor keeps the region")
-    if len(sent) >= budget.COLD_PER_KIND:
-        return (f"not measured: the fused kernels of {budget.COLD_PER_KIND} regions of its kind were not compiled "
-                "yet and compile in the background now; measuring this one could compile its own inside the "
-                "graph's compile (CUDA graphs), so a later process measures it; Inductor keeps the region")
-    if deferred.prepare(gm, candidate, example_inputs, strict) is None:
-        return None  # nothing left to compile (or no worker pool: then it compiles as it is measured)
-    sent.add(looked_up.key)
-    return ("not measured: its fused kernels are not compiled on this machine yet, and measuring would "
-            "compile them inside the graph's compile (CUDA graphs); they compile in the background now, "
-            "a later process measures the region; Inductor keeps it")
+    batch = budget.compiling.get(looked_up.key)
+    if batch is None or batch.ready():
+        return None
+    return ("not measured: its fused kernels were still compiling in the worker processes when the decision "
+            f"budget was spent ({budget.describe()}; option decide_budget); Triton's disk cache will hold them "
+            "and a later process measures the region; Inductor keeps it")
 
 
 def _entry_verdict(pattern: str, summary: str, anchor: str, entry: Mapping[str, Any], margin: float, train: bool,

@@ -589,59 +589,67 @@ def test_under_cuda_graphs_a_graph_compiles_once_whether_its_regions_are_measure
             assert stages["total"] >= sum(v for k, v in stages.items() if k != "total") > 0
 
 
-def test_under_cuda_graphs_the_budget_is_the_compile_rate_of_earlier_graphs_times_the_graphs_size(tmp_path):
-    """Before any graph of its kind compiled, the budget allows the first measurement alone; each
-    compile keeps Inductor's seconds per node in the measurement cache, and a later process's budget
-    is that rate times its graph's size (here a rate so high that every region is measured)."""
+def test_under_cuda_graphs_the_budget_is_a_multiple_of_the_compile_rate_times_the_graphs_size(tmp_path, monkeypatch):
+    """The budget under CUDA graphs: ``decide_budget`` (default ``CUDA_GRAPHS_DECIDE_BUDGET``) times
+    Inductor's expected compile of the graph: this machine's rate per node (each compile past
+    Inductor's caches keeps it in the measurement cache) times the graph's size, and before any graph
+    of its kind compiled here, a prior rate."""
+    from fusion_backend.options import CUDA_GRAPHS_DECIDE_BUDGET
     from fusion_backend.runtime import compile_estimate
 
-    def rate():
-        return compile_estimate.estimate(1, training=False, cuda_graphs=True, cache_dir=tmp_path)
+    budgets = []
 
+    def recorded(*args, **kwargs):
+        budgets.append(decision.DecisionBudget(*args, **kwargs))
+        return budgets[-1]
+
+    monkeypatch.setattr(backend, "DecisionBudget", recorded)
+    size = compile_estimate.graph_size
+    monkeypatch.setattr(compile_estimate, "graph_size", lambda gm: 10 if gm.__class__.__name__ == "GraphModule" else size(gm))
     torch.manual_seed(0)
     model, x = Blocks(), torch.randn(2, 8, 10, 10)
-    options = {"triton.cudagraphs": True, "decide_budget": 0.2}
     timer = RegionTimer((2.0, 1.0))  # Inductor wins: nothing kept
-    assert rate() == 0.0
-    with decision.timing_override(timer, ("cpu",)), torch.no_grad():
-        with collect_reports() as reports, torch._inductor.config.patch(fx_graph_cache=False):
-            torch.compile(model, backend="fusion", options=options)(x)  # a compile, not a cache hit
-        assert timer.calls == 1 and "budget is spent" in reports[0].decisions[-1].rule
-        assert rate() > 0.0  # the graph's compile, per node
-        decision.forget_in_memory()  # a new process: the file alone remembers
+
+    def compile_once(**options):
         torch._dynamo.reset()
-        compile_estimate.record(1, 1e6, training=False, cuda_graphs=True, cache_dir=tmp_path)
-        with collect_reports() as reports:
-            torch.compile(model, backend="fusion", options=options)(x)
-    assert timer.calls == 2 and [d.cached for d in reports[0].decisions] == [True] * 3 + [False]
+        with torch._inductor.config.patch(fx_graph_cache=False):  # a compile, not a cache hit
+            torch.compile(model, backend="fusion", options={"triton.cudagraphs": True, **options})(x)
+        return budgets[-1].seconds
+
+    with decision.timing_override(timer, ("cpu",)), torch.no_grad():
+        prior = compile_estimate.PRIOR_SECONDS_PER_NODE[False]
+        assert compile_once() == pytest.approx(CUDA_GRAPHS_DECIDE_BUDGET * prior * 10)
+        assert compile_estimate.estimate(1, training=False, cuda_graphs=True, cache_dir=tmp_path) > 0.0  # kept
+        for given, fraction in ({}, CUDA_GRAPHS_DECIDE_BUDGET), ({"decide_budget": 0.5}, 0.5):
+            compile_estimate.record(1, 2.0, training=False, cuda_graphs=True, cache_dir=tmp_path)
+            assert compile_once(**given) == pytest.approx(fraction * 2.0 * 10)
+        assert compile_once(decide_budget=None) == float("inf")
+    assert timer.calls == 2  # the two decision keys, measured once: the later compiles found them cached
 
 
-def test_under_cuda_graphs_regions_this_process_measured_wait_for_a_later_process_which_compiles_them(monkeypatch):
-    """The graph compiles once, during which its regions are decided: the regions a process measured
-    itself would make that compile Inductor's cold one where its caches may hold the graph as given,
-    so past the budget they are left to Inductor (the report says so, and why); the next process
-    finds them in the cache and compiles the graph with them, with the one region it measures itself."""
+def test_under_cuda_graphs_the_regions_a_process_measured_are_kept_in_the_compile_that_measured_them(
+        monkeypatch, tmp_path):
+    """The graph compiles once, with what its decisions keep, those measured in this process
+    included (where Inductor's caches held the graph as given, that compile is the cold one a later
+    process would pay instead); the next process finds them in the cache.  The compile of a
+    rewritten graph is no rate of Inductor's compile of graphs as given: none is kept."""
+    from fusion_backend.runtime import compile_estimate
+
     compiles = counting_graph_compiles(monkeypatch)
     torch.manual_seed(0)
     model, x = Blocks(), torch.randn(2, 8, 10, 10)
-    options = {"triton.cudagraphs": True, "decide_budget": 0.2}  # no compile rate known: the first measurement
+    options = {"triton.cudagraphs": True}
     timer = RegionTimer((1.0, 2.0))  # the fused op wins
     with decision.timing_override(timer, ("cpu",)), torch.no_grad():
-        with collect_reports() as reports:
-            torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
-        measured, *same, last = reports[0].decisions
-        assert timer.calls == 1 and not any(d.fused for d in reports[0].decisions) and reports[0].matches == ()
-        assert all(re.match(r"faster alone \(2\.00x\), kept from a later process on: compiling the graph with "
-                            r"the 3 regions kept \(its time not known yet: no graph of its kind compiled here\) "
-                            r"does not fit", d.rule) for d in [measured, *same]), measured.rule
-        assert "budget is spent" in last.rule and len(compiles) == 1
-        decision.forget_in_memory()  # a later process
-        torch._dynamo.reset()
-        compiles.clear()
-        with collect_reports() as reports:
-            torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
-    assert timer.calls == 2 and all(d.fused for d in reports[0].decisions)
-    assert [d.cached for d in reports[0].decisions] == [True] * 3 + [False] and len(compiles) == 1
+        for cached in ([False, True, True, False], [True] * 4):
+            torch._dynamo.reset()
+            compiles.clear()
+            with collect_reports() as reports:
+                torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
+            assert all(d.fused for d in reports[0].decisions) and [d.cached for d in reports[0].decisions] == cached
+            assert timer.calls == 2 and len(compiles) == 1
+            decision.forget_in_memory()  # a later process
+    assert compile_estimate.estimate(1, training=False, cuda_graphs=True, cache_dir=tmp_path) == 0.0
 
 
 def test_under_cuda_graphs_a_compile_that_fits_the_budget_keeps_what_this_process_measured(tmp_path):
@@ -657,31 +665,59 @@ def test_under_cuda_graphs_a_compile_that_fits_the_budget_keeps_what_this_proces
     assert timer.calls == 2 and all(d.fused for d in reports[0].decisions)
 
 
-def test_under_cuda_graphs_a_region_whose_kernels_are_cold_is_not_measured_and_they_compile_in_the_background(
-        monkeypatch, tmp_path):
-    """A measurement inside the compile that first compiles the fused op's kernels costs seconds
-    beyond the budget: under CUDA graphs such a region stays with Inductor, unmeasured, and its
-    kernels go to the workers (once per decision key, at most ``COLD_PER_KIND`` keys of a kind);
-    a region whose kernels are compiled already is measured as before."""
+class SlowCompiles(Compiles):
+    """Fake background compiles of which the ``slow``-th prepared (from 1) never finishes."""
+
+    def __init__(self, slow):
+        super().__init__()
+        self.slow, self.batches = slow, []
+
+    def __call__(self, gm, candidate, example_inputs, strict):
+        self.prepared += 1
+        self.batches.append(Batch(ready=self.prepared != self.slow))
+        return self.batches[-1]
+
+
+class Batch:
+    """A fake background compile, ready or never; says whether it was collected."""
+
+    def __init__(self, ready):
+        self.ready_now, self.collected = ready, False
+
+    def ready(self):
+        return self.ready_now
+
+    def collect(self, timeout):
+        self.collected = True
+        return 0
+
+
+def test_under_cuda_graphs_the_kernels_of_every_region_compile_first_and_those_not_ready_within_the_budget_wait(
+        tmp_path):
+    """The fused kernels of every region to be measured (one region per decision key) go to the
+    compile workers at once, before any measurement; a region whose kernels had not compiled when the
+    budget was spent stays with Inductor, unmeasured (the report says why), and a later process,
+    whose kernels are compiled, measures it.  A batch still compiling is not collected (that would
+    turn the workers off as late)."""
     from fusion_backend.runtime import compile_estimate
 
-    compile_estimate.record(1, 1.0, training=False, cuda_graphs=True, cache_dir=tmp_path)  # a budget of hours
+    compile_estimate.record(1, 1e-4, training=False, cuda_graphs=True, cache_dir=tmp_path)  # a budget of ms
     torch.manual_seed(0)
     model, x = Blocks(), torch.randn(2, 8, 10, 10)
-    options = {"triton.cudagraphs": True, "decide_budget": 1e3}
-    monkeypatch.setattr(decision.DecisionBudget, "COLD_PER_KIND", 1)
-    compiles, timer = Compiles(), RegionTimer((1.0, 2.0))  # the fused op would win
+    compiles, timer = SlowCompiles(slow=2), RegionTimer((1.0, 2.0))  # the last conv's kernels never compile
     with deferred.preparing_with(compiles), decision.timing_override(timer, ("cpu",)), torch.no_grad(), \
             collect_reports() as reports:
-        torch.testing.assert_close(torch.compile(model, backend="fusion", options=options)(x), model(x))
-    decisions = reports[0].decisions
-    assert timer.calls == 0 and compiles.prepared == 1 and not any(d.fused for d in decisions)
-    assert all("compile in the background" in d.rule for d in decisions[:3])
-    assert "regions of its kind" in decisions[3].rule
+        torch.testing.assert_close(torch.compile(model, backend="fusion", options={"triton.cudagraphs": True})(x),
+                                   model(x))
+    *same, last = reports[0].decisions
+    assert compiles.prepared == 2 and timer.calls == 1 and all(d.fused for d in same) and not last.fused
+    assert re.match(r"not measured: its fused kernels were still compiling in the worker processes when the "
+                    r"decision budget was spent \(.* budget; option decide_budget\)", last.rule), last.rule
+    assert [b.collected for b in compiles.batches] == [True, False]
     torch._dynamo.reset()
     with deferred.preparing_with(lambda *args: None), decision.timing_override(timer, ("cpu",)), \
             torch.no_grad(), collect_reports() as reports:  # the kernels compiled since: measured
-        torch.compile(model, backend="fusion", options=options)(x)
+        torch.compile(model, backend="fusion", options={"triton.cudagraphs": True})(x)
     assert timer.calls == 2 and all(d.fused for d in reports[0].decisions)
 
 
