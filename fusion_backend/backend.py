@@ -629,7 +629,15 @@ def _compile_cold_kernels_first(gm: fx.GraphModule, inputs: Sequence[Any], opts:
     WHY all at once: with every region measured, one measurement after another compiling its own
     kernels made the first call of ResNet-50's bf16 inference graph 46.8 s against Inductor's 12.0 s;
     with the kernels compiled side by side in the workers first, 37.3 s against 11.5 s (H200;
-    ``h200/realnets/cudagraphs-decide-all``)."""
+    ``h200/realnets/cudagraphs-decide-all``).
+
+    NOTE: waiting for all of them before the first measurement, not for each region's own as it is
+    measured: Inductor's compile of the measured region sends its kernels to the same workers, behind
+    every fused kernel sent, so the first measurement took 12.2 s (Inductor 11.8 s of it) and a budget
+    of twice Inductor's compile (22.8 s), judged by it, allowed no second: ResNet-50 bf16 inference under reduce-overhead kept one
+    region (0.98x; H200, ``python -m fusion_backend bench --log --suite demos/realnets/resnet50.py
+    --dtype bf16 --mode infer --backends inductor,fusion --compile-mode reduce-overhead``, a fresh
+    machine), where waiting for all first kept 52 of 53 (1.29x)."""
     batches: dict[str, deferred.Preparation] = {}
 
     def send(graph: fx.GraphModule, candidate: Candidate, decisions: list[Decision]) -> bool:
