@@ -633,11 +633,12 @@ def _compile_cold_kernels_first(gm: fx.GraphModule, inputs: Sequence[Any], opts:
 
     NOTE: waiting for all of them before the first measurement, not for each region's own as it is
     measured: Inductor's compile of the measured region sends its kernels to the same workers, behind
-    every fused kernel sent, so the first measurement took 12.2 s (Inductor 11.8 s of it) and a budget
-    of twice Inductor's compile (22.8 s), judged by it, allowed no second: ResNet-50 bf16 inference under reduce-overhead kept one
-    region (0.98x; H200, ``python -m fusion_backend bench --log --suite demos/realnets/resnet50.py
-    --dtype bf16 --mode infer --backends inductor,fusion --compile-mode reduce-overhead``, a fresh
-    machine), where waiting for all first kept 52 of 53 (1.29x)."""
+    every fused kernel sent, so the first measurement took 12.2 s (Inductor 11.8 s of it) and a
+    budget of twice Inductor's compile (22.8 s), judged by it, allowed no second: ResNet-50 bf16
+    inference under reduce-overhead kept one region (0.98x), where waiting for all first kept 52 of
+    53 (1.29x; H200, a fresh machine: ``python -m fusion_backend bench --log --suite
+    demos/realnets/resnet50.py --dtype bf16 --mode infer --backends inductor,fusion --compile-mode
+    reduce-overhead``)."""
     batches: dict[str, deferred.Preparation] = {}
 
     def send(graph: fx.GraphModule, candidate: Candidate, decisions: list[Decision]) -> bool:
