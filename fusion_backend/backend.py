@@ -149,10 +149,10 @@ def fusion(
     caches_before = compile_estimate.inductor_cache_counts()  # whether the compile below is a rate
     keep = decide_first
     decided_first_s = 0.0
-    if timed_in_compile:  # decided first, so that the regions a compile could not afford are left out
+    if timed_in_compile and budget is not None:  # decided first: the graph then compiles once, with what they keep
         keep = functools.partial(_replay, _decided_in_compile(gm, example_inputs, opts, config_patches, index,
                                                               decide_first, budget))
-        decided_first_s = budget.spent() if budget is not None else 0.0
+        decided_first_s = budget.spent()
     found = _build(gm, example_inputs, opts, config_patches, keep, index)
     if decided_first_s:  # the report's decide stage: the decisions made before the build replayed them
         found.report.stage_seconds["decide"] = found.report.stage_seconds.get("decide", 0.0) + decided_first_s
