@@ -148,10 +148,14 @@ def fusion(
     in_context = may_defer and opts.decide == "measure" and not cuda_graphs
     caches_before = compile_estimate.inductor_cache_counts()  # whether the compile below is a rate
     keep = decide_first
-    if timed_in_compile:  # decided first, so that the regions a compile could not afford are left out
+    decided_first_s = 0.0
+    if timed_in_compile and budget is not None:  # decided first: the graph then compiles once, with what they keep
         keep = functools.partial(_replay, _decided_in_compile(gm, example_inputs, opts, config_patches, index,
                                                               decide_first, budget))
+        decided_first_s = budget.spent()
     found = _build(gm, example_inputs, opts, config_patches, keep, index)
+    if decided_first_s:  # the report's decide stage: the decisions made before the build replayed them
+        found.report.stage_seconds["decide"] = found.report.stage_seconds.get("decide", 0.0) + decided_first_s
     decided = {d.anchor: d for d in found.report.decisions}
     checks: list[GraphCheck] = []
     if in_context and any(d.fused for d in decided.values()):

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .host import cdiv
 from .launch import FastLaunch
-from .plan_cache import ContractError, PlanCache, plan_key
+from .plan_cache import PlanCache, plan_key, require_channel_vector
 
 #: channels per program (a few per thread: the kernel is a handful of loads and stores)
 BLOCK = 512
@@ -56,17 +56,10 @@ class ScaleShiftPlan:
     def __init__(self, running_mean: torch.Tensor, running_var: torch.Tensor, gamma: torch.Tensor | None,
                  beta: torch.Tensor | None, eps: float) -> None:  # fmt: skip
         channels = running_var.numel()
-        device = running_var.device
         for name, t in (("running_mean", running_mean), ("running_var", running_var), ("gamma", gamma),
                         ("beta", beta)):  # fmt: skip
-            if t is None:
-                continue
-            if (t.numel() != channels or channels == 0 or not t.is_contiguous() or not t.is_floating_point()
-                    or t.dtype == torch.float64 or t.device != device):  # fmt: skip
-                raise ContractError(
-                    f"batch norm scale and shift: {name} must hold {max(channels, 1)} channel values as contiguous "
-                    f"floats of at most 32 bits on {device}; got shape {tuple(t.shape)}, strides {t.stride()}, "
-                    f"{t.dtype}, {t.device}")
+            require_channel_vector(f"batch norm scale and shift: {name} must hold {max(channels, 1)} channel values",
+                                   t, max(channels, 1), running_var.device, widest=32)
         self.channels = channels
         self.launch = FastLaunch(_scale_shift_kernel, (cdiv(channels, BLOCK),), dict(
             HAS_GAMMA=gamma is not None, HAS_BETA=beta is not None, BLOCK=BLOCK, num_warps=4,

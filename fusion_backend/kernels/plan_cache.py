@@ -183,6 +183,20 @@ def require_dtype(name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype]) -> 
         raise ContractError(f"{name} must be {names}, got {t.dtype}")
 
 
+def require_channel_vector(what: str, t: torch.Tensor | None, channels: int, device: torch.device,
+                           widest: int = 64) -> None:
+    """``t`` (None: absent) is ``channels`` contiguous floats of at most ``widest`` bits on ``device``: a
+    per-channel vector a kernel reads flat.  ``what`` begins the one-line error (``"<op>: <name> must
+    hold <channels> ..."``), which then says what was given."""
+    if t is None:
+        return
+    if (t.numel() != channels or not t.is_contiguous() or not t.is_floating_point() or t.element_size() * 8 > widest
+            or t.device != device):  # fmt: skip
+        bits = f" of at most {widest} bits" if widest < 64 else ""
+        raise ContractError(f"{what} as contiguous floats{bits} on {device}; got shape {tuple(t.shape)}, strides "
+                            f"{t.stride()}, {t.dtype}, {t.device}")
+
+
 def require_same_device(device: torch.device, **tensors: torch.Tensor | None) -> None:
     """Every given tensor lives on ``device`` (one kernel launch reads them all)."""
     for name, t in tensors.items():

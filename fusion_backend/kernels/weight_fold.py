@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .host import cdiv, kernels_unavailable
 from .launch import FastLaunch
-from .plan_cache import ContractError
+from .plan_cache import ContractError, require_channel_vector
 
 #: elements of the weight per program (4-8 per thread on 4 warps: the kernel is a copy)
 BLOCK = 1024
@@ -59,15 +59,6 @@ def _fold_kernel(w_ptr, out_w_ptr, scale_ptr, shift_ptr, bias_ptr, out_b_ptr, nu
     tl.store(out_b_ptr + offs, b.to(out_b_ptr.dtype.element_ty), mask=ours)
 
 
-def _per_channel(name: str, t: torch.Tensor | None, channels: int, device: torch.device) -> None:
-    if t is None:
-        return
-    if t.numel() != channels or not t.is_contiguous() or not t.is_floating_point() or t.device != device:
-        raise ContractError(f"weight fold: {name} must hold the weight's {channels} output channels as contiguous "
-                            f"floats on {device}; got shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype}, "
-                            f"{t.device}")
-
-
 class FoldPlan:
     """The fold's launch for one signature (module docstring): checks the contract once, then
     ``plan(weight, scale, shift, bias) -> (folded weight, folded bias)`` launches one kernel."""
@@ -81,7 +72,8 @@ class FoldPlan:
                                 f"contiguous (stride(0) == {per_channel}); got shape {tuple(weight.shape)}, "
                                 f"strides {weight.stride()}")
         for name, t in (("scale", scale), ("shift", shift), ("bias", bias)):
-            _per_channel(name, t, channels, weight.device)
+            require_channel_vector(f"weight fold: {name} must hold the weight's {channels} output channels", t,
+                                   channels, weight.device)
         self.dtype = dtype
         self.channels = channels
         self.launch = FastLaunch(_fold_kernel, (cdiv(weight.numel(), BLOCK),), dict(
