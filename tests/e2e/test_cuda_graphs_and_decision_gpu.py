@@ -277,3 +277,86 @@ def test_a_second_process_finds_every_fused_kernel_the_first_compiled(tmp_path):
         cubins.append(sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.cubin")))
     assert any(not os.path.basename(name).startswith("triton_") for name in cubins[0]), cubins[0]  # a fused op's
     assert cubins[1] == cubins[0]
+
+
+class _Family(nn.Module):
+    """A conv, then what one fused family matches after it (``tail``), on a small 2-d input."""
+
+    def __init__(self, tail):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
+        self.tail = tail
+
+    def forward(self, x):
+        return self.tail(self.conv(x))
+
+
+class _Lambda(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, y):
+        return self.fn(y)
+
+
+def _family_cases():
+    """(id, family, tail, training mode, gradients): every family that matches a conv's output, as the
+    networks of the benchmark spell them."""
+    return [
+        ("bn-eval-relu", "conv_epilogue", lambda: nn.Sequential(nn.BatchNorm2d(16), nn.ReLU()), False, False),
+        ("bn-eval-relu-fine-tuned", "conv_epilogue", lambda: nn.Sequential(nn.BatchNorm2d(16), nn.ReLU()), False, True),
+        ("bn-train-relu", "conv_batch_norm", lambda: nn.Sequential(nn.BatchNorm2d(16), nn.ReLU()), True, True),
+        ("bn-train-relu-no-grad", "conv_batch_norm", lambda: nn.Sequential(nn.BatchNorm2d(16), nn.ReLU()), True, False),
+        ("gn-silu", "conv_group_norm", lambda: nn.Sequential(nn.GroupNorm(4, 16), nn.SiLU()), True, True),
+        ("ln", "conv_layer_norm", lambda: nn.LayerNorm([16, 12, 10]), True, True),
+        ("channel-max", "conv_channel_reduce", lambda: _Lambda(lambda y: torch.amax(F.relu(y), dim=1)), True, True),
+        ("global-mean", "conv_global_mean", lambda: _Lambda(lambda y: (y * 0.5).mean(dim=(2, 3))), True, True),
+    ]
+
+
+def _family_steps(case, device, compile_kwargs, steps=4):
+    """Run ``case``'s model compiled (every region fused: the suite's ``FUSION_DECIDE=fuse``), eagerly
+    and in float64 over ``steps`` fresh inputs; a list of what differs from eager beyond eager's own
+    error against float64 (outputs, every gradient, the buffers after each step; ``testing.compare``),
+    and the reports of the compiles."""
+    import copy
+
+    from fusion_backend.testing import compare
+
+    _, _, tail, training, grads = case
+    torch.manual_seed(0)
+    model = _Family(tail()).to(device).train(training)
+    eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    compiled = torch.compile(model, backend="fusion", **compile_kwargs)
+    problems = []
+    with collect_reports() as reports, torch.set_grad_enabled(grads):
+        for _ in range(steps):
+            x = torch.randn(4, 8, 12, 10, device=device)
+            outs, weight = {}, None  # the loss weighs the output at random: its gradient is not the output
+            for name, m in (("eager", eager), ("exact", exact), ("compiled", model)):
+                m.zero_grad(set_to_none=True)
+                if name == "compiled" and device == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()
+                out = (compiled if name == "compiled" else m)(x.double() if name == "exact" else x)
+                weight = torch.randn_like(out) if weight is None else weight
+                if grads:
+                    (out * weight.to(out.dtype)).sum().backward()
+                outs[name] = out.detach()
+            problems.append(compare("output", outs["compiled"], outs["eager"], reference=outs["exact"]))
+            trios = zip(model.named_parameters(), eager.parameters(), exact.parameters(), strict=True)
+            problems += [compare(f"grad {name}", p.grad, q.grad, reference=r.grad) for (name, p), q, r in trios
+                         if grads]
+            trios = zip(model.named_buffers(), eager.buffers(), exact.buffers(), strict=True)
+            problems += [compare(name, b, c, reference=d) for (name, b), c, d in trios if b.is_floating_point()]
+    return [p for p in problems if p], reports
+
+
+@pytest.mark.parametrize("case", _family_cases(), ids=lambda c: c[0])
+def test_every_family_under_cuda_graphs_matches_eager_over_steps(case, exact_fp32):
+    """Each family's fused op recorded in CUDA graphs (``mode="reduce-overhead"``, every region fused):
+    over several replays its outputs, every gradient and the batch norm's running statistics are
+    eager's, within eager's own error against float64 (fp32, TF32 off)."""
+    problems, reports = _family_steps(case, "cuda", {"mode": "reduce-overhead"})
+    assert not problems, problems
+    assert sum(r.counts().get(case[1], 0) for r in reports) >= 1, [r.counts() for r in reports]
