@@ -14,6 +14,15 @@ post-grad pass the backend installs (:func:`with_autograd_free_pass`) where a gr
 fused ops, retargets the graph nodes from op to autograd-free op.  Eager calls, graph
 breaks and the explain report keep using the custom op itself.
 
+NOTE: going further, a settled call plan traced into the graph Inductor compiles in the op's place
+(``torch.library.wrap_triton``: Inductor compiles the conv family's kernel from its source and launches
+it from its generated code) was measured slower than this op's call: ResNet-50 bf16 inference with
+every region fused, 19 of its 53 calls traced, on the H200: 6.51 against 6.38 ms per step at batch
+64, 8.77 against 6.51 at batch 2, where the GPU work is nothing (``python tools/fused_call_host.py
+demos/realnets/resnet50.py --dtype bf16 [--batch 2]`` for the op's side; the traced side was a second
+compile of the same model with the plans traced; ``docs/perf/RESULTS.md``, "A fused call's host time
+in the default mode").
+
 Contract of :func:`register_autograd_free`: ``impl`` is the custom op's undecorated function (same arguments,
 same results, no autograd), ``fake`` its fake; the autograd-free op is never differentiable (calling it on tensors
 that require grad, with grad mode on, warns or raises through the autograd fallback, like any op

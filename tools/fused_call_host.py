@@ -1,0 +1,154 @@
+"""Host time of a network's fused calls in default mode, layer by layer.
+
+Compiles the model with Inductor alone and with every region fused (``fusion-fused``) and prints, for
+each, the wall time per step (CUDA events around ``--steps`` back-to-back steps) and the host's enqueue
+time per step (a step whose host time exceeds its GPU time runs at the host's speed); then, for each
+fused call site of one step, the host microseconds per call through the autograd-free custom op that
+Inductor's code calls (``ops/autograd_free.py``), through its implementation (``forward_impl``: the
+settled plan's lookup and the plan) and of the settled plan alone, grouped by plan kind.  The layers'
+differences are what the dispatcher and the lookup cost; the plan's time, its casts, checks and launch.
+
+Usage (repository root, needs CUDA; ``--batch 2`` makes the GPU work ~0, so the step time is the host's)::
+
+    python tools/fused_call_host.py demos/realnets/resnet50.py --dtype bf16 [--batch 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_step import _step_fn  # noqa: E402
+
+from fusion_backend.bench.backends import resolve_backend  # noqa: E402
+from fusion_backend.bench.suite import load_workload  # noqa: E402
+from fusion_backend.frame_room import call_with_frame_room  # noqa: E402
+
+
+def per_call_us(fn, calls: int = 300, reps: int = 5) -> float:
+    """Host microseconds per call of ``fn``: the best of ``reps`` runs of ``calls`` back-to-back calls
+    (the loop with room on the frame stack: ``frame_room``)."""
+    return call_with_frame_room(lambda: _per_call_us(fn, calls, reps))
+
+
+def _per_call_us(fn, calls: int, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - began) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def step_times(step, steps: int) -> tuple[float, float]:
+    """``(wall ms, host enqueue ms)`` per step, the best of five runs of ``steps`` steps (with room on
+    the frame stack, as the benchmark's rounds: ``frame_room``)."""
+    return call_with_frame_room(lambda: _step_times(step, steps))
+
+
+def _step_times(step, steps: int) -> tuple[float, float]:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    wall, host = float("inf"), float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began = time.perf_counter()
+        start.record()
+        for _ in range(steps):
+            step()
+        host = min(host, (time.perf_counter() - began) / steps * 1e3)
+        end.record()
+        torch.cuda.synchronize()
+        wall = min(wall, start.elapsed_time(end) / steps)
+    return wall, host
+
+
+def _compiled(backend: str, model, inputs, dtype: str):
+    """The model compiled with ``backend``, its step, its first call's seconds and its generated code."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    fn = resolve_backend(backend).compile(model)
+    step = _step_fn(fn, model, inputs, False, dtype)
+    began = time.perf_counter()
+    _, code = run_and_get_code(step)
+    return step, time.perf_counter() - began, "\n".join(code)
+
+
+def _call_sites(step) -> list[tuple]:
+    """The fused calls of one step: ``(config, x, weight, bias, operands, plan)`` each."""
+    from fusion_backend.ops import conv_epilogue as ce
+
+    declaration, calls = ce.CONV_EPILOGUE.d, []
+    settled = declaration.settled_forward
+
+    def recording(config, save, x, weight, bias, operands):
+        plan = settled(config, save, x, weight, bias, operands)
+        calls.append((config, x, weight, bias, list(operands), plan))
+        return plan
+
+    object.__setattr__(declaration, "settled_forward", recording)
+    try:
+        step()
+    finally:
+        object.__setattr__(declaration, "settled_forward", settled)
+    return calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
+    parser.add_argument("--batch", type=int, default=0, help="cut the inputs to this batch (0: the file's)")
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("fused_call_host.py needs CUDA")
+    workload = load_workload(args.model)
+    model, inputs = workload.build(seed=0)
+    if args.batch:
+        inputs = [x[: args.batch].contiguous() if isinstance(x, torch.Tensor) else x for x in inputs]
+    model = workload.set_mode(model.cuda(), "infer")
+    inputs = [x.cuda() if isinstance(x, torch.Tensor) else x for x in inputs]
+    print(f"{workload.name} {args.dtype} inference, inputs {[tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)]}")
+    rows = {}
+    with torch.no_grad():
+        for name, backend in (("inductor", "inductor"), ("every region fused", "fusion-fused")):
+            step, first_s, code = _compiled(backend, model, inputs, args.dtype)
+            wall, host = step_times(step, args.steps)
+            rows[name] = wall
+            print(f"{name:20s} wall {wall:7.3f} ms/step  host enqueue {host:7.3f} ms/step  first call {first_s:5.1f} s  "
+                  f"fused calls per step: {code.count('_noautograd.default(')}", flush=True)
+        sites = _call_sites(step)
+        print(f"Inductor / every region fused: {rows['inductor'] / rows['every region fused']:.2f}x")
+        from fusion_backend.ops import conv_epilogue as ce
+
+        op = torch.ops.fusion.conv_epilogue_fwd_noautograd.default
+        kinds: dict[str, list[tuple[float, float, float]]] = collections.defaultdict(list)
+        for config, x, weight, bias, operands, plan in sites:
+            tensors = (x, weight, bias, operands)
+            kinds[type(plan).__name__].append((
+                per_call_us(lambda t=tensors, c=config: op(*t, c, False)),
+                per_call_us(lambda t=tensors, c=config: ce.CONV_EPILOGUE.forward_impl(*t, c, False)),
+                per_call_us(lambda t=tensors, p=plan: p(*t))))
+        for kind, times in kinds.items():
+            op_us, impl_us, plan_us = (statistics.median(t[i] for t in times) for i in range(3))
+            print(f"{kind:24s} {len(times):3d} calls, median host us per call: custom op "
+                  f"{op_us:6.1f}, forward_impl {impl_us:6.1f}, plan {plan_us:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
