@@ -120,7 +120,7 @@ def main() -> None:
     workload = load_workload(args.model)
     model, inputs = workload.build(seed=0)
     if args.batch:
-        inputs = [x[: args.batch].contiguous() if isinstance(x, torch.Tensor) else x for x in inputs]
+        inputs = [x[: args.batch].clone() if isinstance(x, torch.Tensor) else x for x in inputs]  # clone keeps the layout
     model = workload.set_mode(model.cuda(), "infer")
     inputs = [x.cuda() if isinstance(x, torch.Tensor) else x for x in inputs]
     print(f"{workload.name} {args.dtype} inference, inputs {[tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)]}")

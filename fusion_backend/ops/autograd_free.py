@@ -18,10 +18,10 @@ NOTE: going further, a settled call plan traced into the graph Inductor compiles
 (``torch.library.wrap_triton``: Inductor compiles the conv family's kernel from its source and launches
 it from its generated code) was measured slower than this op's call: ResNet-50 bf16 inference with
 every region fused, 19 of its 53 calls traced, on the H200: 6.51 against 6.38 ms per step at batch
-64, 8.77 against 6.51 at batch 2, where the GPU work is nothing (``python tools/fused_call_host.py
-demos/realnets/resnet50.py --dtype bf16 [--batch 2]`` for the op's side; the traced side was a second
-compile of the same model with the plans traced; ``docs/perf/RESULTS.md``, "A fused call's host time
-in the default mode").
+64, and 8.77 against 6.51 at batch 2 (an NCHW copy of the input), where the GPU work is nothing
+(``python tools/fused_call_host.py demos/realnets/resnet50.py --dtype bf16`` for the op's side; the
+traced side was a second compile of the same model with the plans traced; ``docs/perf/RESULTS.md``,
+"A fused call's host time in the default mode").
 
 Contract of :func:`register_autograd_free`: ``impl`` is the custom op's undecorated function (same arguments,
 same results, no autograd), ``fake`` its fake; the autograd-free op is never differentiable (calling it on tensors
