@@ -8,9 +8,9 @@ Two decisions need it before the compile they are about:
 - a deferred graph's settle compiles the graph again with the regions it keeps only where that
   compile fits what is left of its decision budget (``backend._settle``).
 
-The estimate: Inductor's seconds per node of the latest graph as given (nothing rewritten) this
-machine compiled past Inductor's caches, of the same kind (training or inference, with or without
-CUDA graphs), times this graph's nodes.  The rate is kept in the measurement cache (``measurements.py``), so a later process starts
+The estimate: Inductor's seconds per node of the latest graph as given (nothing rewritten) of at least
+``RATE_MIN_NODES`` operations this machine compiled past Inductor's caches, of the same kind (training
+or inference, with or without CUDA graphs), times this graph's nodes.  The rate is kept in the measurement cache (``measurements.py``), so a later process starts
 with it.  A compile served by Inductor's caches is not a rate (``served_by_caches``).  Where no
 graph of its kind was compiled yet, ``estimate`` is zero (a deferred settle then compiles nothing
 it cannot afford), and ``expected`` falls back on a prior rate (``PRIOR_SECONDS_PER_NODE``): the
@@ -57,9 +57,19 @@ def _key(training: bool, cuda_graphs: bool) -> str:
     return measurements.key(KIND, {"training": training, "cuda_graphs": cuda_graphs})
 
 
+# NOTE: a small graph's compile is mostly what any compile costs, not its nodes: under CUDA graphs
+# Inductor's first call of the seeds' graphs of a few operations took 1.1-2.9 s (0.3-0.7 s per node; H100,
+# ``docs/perf/h100/cudagraphs``), ResNet-50's of 175 operations 13.6-14.4 s (0.08 s per node; H200,
+# ``docs/perf/h200/realnets/cudagraphs-first-process``): a rate taken from a small graph made a large
+# one's estimate, and the budget under CUDA graphs three times it, several times too large.
+#: The fewest operations of a graph whose compile is kept as a rate.
+RATE_MIN_NODES = 50
+
+
 def record(size: int, seconds: float, *, training: bool, cuda_graphs: bool, cache_dir: Path) -> None:
-    """Keep Inductor's compile of a graph of ``size`` nodes (``seconds``) as the rate of its kind."""
-    if size and seconds > 0:
+    """Keep Inductor's compile of a graph of ``size`` nodes (``seconds``) as the rate of its kind, where
+    the graph has at least ``RATE_MIN_NODES`` of them."""
+    if size >= RATE_MIN_NODES and seconds > 0:
         measurements.store(_key(training, cuda_graphs), {"kind": KIND, "seconds_per_node": seconds / size,
                                                          "nodes": size, "seconds": seconds}, cache_dir)
 

@@ -605,7 +605,8 @@ def test_under_cuda_graphs_the_budget_is_a_multiple_of_the_compile_rate_times_th
         return budgets[-1]
 
     monkeypatch.setattr(backend, "DecisionBudget", recorded)
-    monkeypatch.setattr(compile_estimate, "graph_size", lambda gm: 10)  # a graph of ten operations
+    size = compile_estimate.RATE_MIN_NODES  # the graph's operations: as many as a rate needs
+    monkeypatch.setattr(compile_estimate, "graph_size", lambda gm: size)
     torch.manual_seed(0)
     model, x = Blocks(), torch.randn(2, 8, 10, 10)
     timer = RegionTimer((2.0, 1.0))  # Inductor wins: nothing kept
@@ -618,11 +619,11 @@ def test_under_cuda_graphs_the_budget_is_a_multiple_of_the_compile_rate_times_th
 
     with decision.timing_override(timer, ("cpu",)), torch.no_grad():
         prior = compile_estimate.PRIOR_SECONDS_PER_NODE[False]
-        assert compile_once() == pytest.approx(CUDA_GRAPHS_DECIDE_BUDGET * prior * 10)
+        assert compile_once() == pytest.approx(CUDA_GRAPHS_DECIDE_BUDGET * prior * size)
         assert compile_estimate.estimate(1, training=False, cuda_graphs=True, cache_dir=tmp_path) > 0.0  # kept
         for given, fraction in ({}, CUDA_GRAPHS_DECIDE_BUDGET), ({"decide_budget": 0.5}, 0.5):
-            compile_estimate.record(1, 2.0, training=False, cuda_graphs=True, cache_dir=tmp_path)
-            assert compile_once(**given) == pytest.approx(fraction * 2.0 * 10)
+            compile_estimate.record(size, 2.0 * size, training=False, cuda_graphs=True, cache_dir=tmp_path)
+            assert compile_once(**given) == pytest.approx(fraction * 2.0 * size)
         assert compile_once(decide_budget=None) == float("inf")
     assert timer.calls == 2  # the two decision keys, measured once: the later compiles found them cached
 
@@ -636,6 +637,7 @@ def test_under_cuda_graphs_the_regions_a_process_measured_are_kept_in_the_compil
     from fusion_backend.runtime import compile_estimate
 
     compiles = counting_graph_compiles(monkeypatch)
+    monkeypatch.setattr(compile_estimate, "graph_size", lambda gm: compile_estimate.RATE_MIN_NODES)  # a rate's size
     torch.manual_seed(0)
     model, x = Blocks(), torch.randn(2, 8, 10, 10)
     options = {"triton.cudagraphs": True}
@@ -655,7 +657,8 @@ def test_under_cuda_graphs_the_regions_a_process_measured_are_kept_in_the_compil
 def test_under_cuda_graphs_a_compile_that_fits_the_budget_keeps_what_this_process_measured(tmp_path):
     from fusion_backend.runtime import compile_estimate
 
-    compile_estimate.record(1, 1e-6, training=False, cuda_graphs=True, cache_dir=tmp_path)  # a fast compiler
+    n = compile_estimate.RATE_MIN_NODES
+    compile_estimate.record(n, 1e-6 * n, training=False, cuda_graphs=True, cache_dir=tmp_path)  # a fast compiler
     torch.manual_seed(0)
     model, x = Blocks(), torch.randn(2, 8, 10, 10)
     timer = RegionTimer((1.0, 2.0))
@@ -701,7 +704,8 @@ def test_under_cuda_graphs_the_kernels_of_every_region_compile_first_and_those_n
     turn the workers off as late)."""
     from fusion_backend.runtime import compile_estimate
 
-    compile_estimate.record(1, 1e-4, training=False, cuda_graphs=True, cache_dir=tmp_path)  # a budget of ms
+    n = compile_estimate.RATE_MIN_NODES
+    compile_estimate.record(n, 1e-4 * n, training=False, cuda_graphs=True, cache_dir=tmp_path)  # a budget of ms
     torch.manual_seed(0)
     model, x = Blocks(), torch.randn(2, 8, 10, 10)
     compiles, timer = SlowCompiles(slow=2), RegionTimer((1.0, 2.0))  # the last conv's kernels never compile
@@ -739,3 +743,17 @@ def test_under_cuda_graphs_without_a_budget_cold_regions_are_measured_in_the_fir
             collect_reports() as reports:  # a later process: the decisions cached, nothing sent or measured
         torch.compile(model, backend="fusion", options={"triton.cudagraphs": True, "decide_budget": None})(x)
     assert compiles.prepared == 2 and timer.calls == 2 and all(d.fused and d.cached for d in reports[0].decisions)
+
+
+def test_a_small_graphs_compile_is_no_rate(tmp_path):
+    """A graph of fewer than ``RATE_MIN_NODES`` operations compiles mostly what any compile costs: its
+    seconds per node would make a large graph's estimate several times too large, so none is kept."""
+    from fusion_backend.runtime import compile_estimate
+
+    n = compile_estimate.RATE_MIN_NODES
+    compile_estimate.record(n - 1, 5.0, training=False, cuda_graphs=True, cache_dir=tmp_path)
+    assert compile_estimate.estimate(175, training=False, cuda_graphs=True, cache_dir=tmp_path) == 0.0
+    assert compile_estimate.expected(175, training=False, cuda_graphs=True, cache_dir=tmp_path) == pytest.approx(
+        compile_estimate.PRIOR_SECONDS_PER_NODE[False] * 175)
+    compile_estimate.record(n, 0.1 * n, training=False, cuda_graphs=True, cache_dir=tmp_path)
+    assert compile_estimate.estimate(175, training=False, cuda_graphs=True, cache_dir=tmp_path) == pytest.approx(17.5)
