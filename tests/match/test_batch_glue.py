@@ -246,3 +246,36 @@ def test_the_cast_pass_moves_what_can_share_a_call_and_leaves_the_rest():
     assert out[1].stride() == weights["w2"].stride()
     for got, w in zip(out, (weights["w1"], weights["w2"]), strict=True):
         assert torch.equal(got, w.to(torch.float16))
+
+
+def test_a_weight_attribute_made_after_the_first_call_moves_up_before_the_batched_cast():
+    """A ``get_attr`` a later region's rewrite put after the first call it is batched with moves up
+    (it has no inputs): the batched call reads it before anything uses the results."""
+    from fusion_backend.match.batch_glue import batch_casts
+    from fusion_backend.ops import conv_epilogue as ce
+    from fusion_backend.ops.config import ConvEpilogueConfig
+
+    config = ConvEpilogueConfig(conv=_CONV, compute_dtype="float16").to_json()
+    root = nn.Module()
+    root.register_buffer("w1", torch.randn(4, 3, 3, 3))
+    root.register_buffer("w2", torch.randn(4, 4, 3, 3))
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(2, 3, 5, 5)
+    first = graph.call_function(ce.conv_epilogue, (x, graph.get_attr("w1"), None, [], config))
+    first.meta["val"] = torch.empty(2, 4, 5, 5)
+    late = graph.get_attr("w2")  # made after the first call
+    second = graph.call_function(ce.conv_epilogue, (first, late, None, [], config))
+    second.meta["val"] = torch.empty(2, 4, 5, 5)
+    graph.output(second)
+    gm = torch.fx.GraphModule(root, graph)
+    assert batch_casts(gm) == 2
+    gm.graph.lint()
+    order = list(gm.graph.nodes)
+    (batched,) = _cast_calls(gm)
+    assert order.index(late) < order.index(batched) < order.index(first)
+    gm.recompile()
+    x_in = torch.randn(2, 3, 5, 5)
+    with torch.no_grad():  # the calls casting the weights themselves: the same values, bit for bit
+        want = ce.conv_epilogue(ce.conv_epilogue(x_in, root.w1, None, [], config), root.w2, None, [], config)
+        torch.testing.assert_close(gm(x_in), want, rtol=0, atol=0)
