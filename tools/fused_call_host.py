@@ -1,7 +1,7 @@
 """Host time of a network's fused calls in default mode, layer by layer.
 
 Compiles the model with Inductor alone and with every region fused (``fusion-fused``) and prints, for
-each, the wall time per step (CUDA events around ``--steps`` back-to-back steps) and the host's enqueue
+each, the wall time per step (``--steps`` back-to-back steps ended by a synchronization) and the host's enqueue
 time per step (a step whose host time exceeds its GPU time runs at the host's speed); then, for each
 fused call site of one step, the host microseconds per call through the autograd-free custom op that
 Inductor's code calls (``ops/autograd_free.py``), through its implementation (``forward_impl``: the
@@ -27,53 +27,31 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_step import _step_fn  # noqa: E402
+from profile_step import _step_fn, time_calls  # noqa: E402
 
 from fusion_backend.bench.backends import resolve_backend  # noqa: E402
 from fusion_backend.bench.suite import load_workload  # noqa: E402
 from fusion_backend.frame_room import call_with_frame_room  # noqa: E402
 
 
+def _best(fn, calls: int, reps: int) -> tuple[float, float]:
+    """``(enqueue ms, wall ms)`` per call of ``fn`` (``profile_step.time_calls``), the best of ``reps``
+    runs of ``calls`` back-to-back calls, the loop with room on the frame stack (``frame_room``)."""
+    sync = torch.cuda.synchronize
+    runs = call_with_frame_room(lambda: [time_calls(fn, calls, sync) for _ in range(reps)])
+    return min(r[0] for r in runs), min(r[1] for r in runs)
+
+
 def per_call_us(fn, calls: int = 300, reps: int = 5) -> float:
-    """Host microseconds per call of ``fn``: the best of ``reps`` runs of ``calls`` back-to-back calls
-    (the loop with room on the frame stack: ``frame_room``)."""
-    return call_with_frame_room(lambda: _per_call_us(fn, calls, reps))
-
-
-def _per_call_us(fn, calls: int, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - began) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
+    """Host microseconds per call of ``fn`` (back to back, no synchronization inside)."""
+    return _best(fn, calls, reps)[0] * 1e3
 
 
 def step_times(step, steps: int) -> tuple[float, float]:
-    """``(wall ms, host enqueue ms)`` per step, the best of five runs of ``steps`` steps (with room on
-    the frame stack, as the benchmark's rounds: ``frame_room``)."""
-    return call_with_frame_room(lambda: _step_times(step, steps))
-
-
-def _step_times(step, steps: int) -> tuple[float, float]:
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    wall, host = float("inf"), float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        began = time.perf_counter()
-        start.record()
-        for _ in range(steps):
-            step()
-        host = min(host, (time.perf_counter() - began) / steps * 1e3)
-        end.record()
-        torch.cuda.synchronize()
-        wall = min(wall, start.elapsed_time(end) / steps)
-    return wall, host
+    """``(wall ms, host enqueue ms)`` per step over ``steps`` back-to-back steps, the best of five runs
+    (with room on the frame stack, as the benchmark's rounds)."""
+    enqueue, wall = _best(step, steps, 5)
+    return wall, enqueue
 
 
 def _compiled(backend: str, model, inputs, dtype: str):
