@@ -52,18 +52,33 @@ def _tensor_of(gm: fx.GraphModule, node: Any) -> Any:
     return fake_of(node)
 
 
+def _constant_input(gm: fx.GraphModule, node: Any) -> torch.Tensor | None:
+    """The floating tensor (real or fake) of a graph input or attribute node that nothing differentiates
+    through (with grad mode on, it does not require grad), else None: what a batched call may read."""
+    if not isinstance(node, fx.Node) or node.op not in ("placeholder", "get_attr"):
+        return None
+    t = _tensor_of(gm, node)
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or (torch.is_grad_enabled() and t.requires_grad):
+        return None
+    return t
+
+
+def _hoist(reads: Any, first: fx.Node, order: dict[fx.Node, int]) -> None:
+    """Move each of ``reads`` that comes after ``first`` right before it: a ``get_attr`` a later region's
+    rewrite made (it has no inputs), which the batched call going before ``first`` reads."""
+    for read in reads:
+        if order[read] > order[first]:
+            first.prepend(read)
+
+
 def _group_key(gm: fx.GraphModule, call: fx.Node) -> tuple | None:
     """What the calls batched together share, or None where ``call`` stays on its own."""
     *stats, eps, _spatial = call.args
-    tensors = [_tensor_of(gm, s) for s in stats]
+    tensors = [None if s is None else _constant_input(gm, s) for s in stats]
     for node, t in zip(stats, tensors, strict=True):
         if node is None:
             continue
-        if not isinstance(node, fx.Node) or node.op not in ("placeholder", "get_attr"):
-            return None
-        if not isinstance(t, torch.Tensor) or t.dtype == torch.float64 or not t.is_floating_point():
-            return None
-        if torch.is_grad_enabled() and t.requires_grad:
+        if t is None or t.dtype == torch.float64:
             return None
         if not isinstance(t.numel(), int) or any(u.target is not bn_fold.scale_and_shift for u in node.users):
             return None  # read by anything else (which could write it between the calls): left where it is
@@ -88,9 +103,7 @@ def batch_scale_and_shift(gm: fx.GraphModule) -> int:
             continue
         first = min(calls, key=order.__getitem__)
         stats = [[c.args[i] for c in calls] for i in range(4)]
-        for read in {n for column in stats for n in column if n is not None}:
-            if order[read] > order[first]:  # a get_attr a later region's rewrite made: inputs-free, moved up
-                first.prepend(read)
+        _hoist({n for column in stats for n in column if n is not None}, first, order)
         with graph.inserting_before(first):
             batched = graph.call_function(bn_fold.BATCHED, (
                 stats[0], stats[1], stats[2] if stats[2][0] is not None else [],
@@ -140,9 +153,7 @@ def batch_casts(gm: fx.GraphModule) -> int:
             continue
         first = min((call for call, _, _ in entries), key=order.__getitem__)
         sources = [source for _, _, source in entries]
-        for source in sources:
-            if order[source] > order[first]:  # a get_attr a later region's rewrite made: inputs-free, moved up
-                first.prepend(source)
+        _hoist(sources, first, order)
         with graph.inserting_before(first):
             batched = graph.call_function(CAST_BATCHED, (sources, key[2]))
             items = [graph.call_function(operator.getitem, (batched, i)) for i in range(len(entries))]
@@ -158,12 +169,8 @@ def batch_casts(gm: fx.GraphModule) -> int:
 def _cast_key(gm: fx.GraphModule, source: Any, dtype: torch.dtype) -> tuple | None:
     """``(device, source dtype, dtype)`` where ``source``'s cast to ``dtype`` may join a batched one
     (module docstring), else None."""
-    if not isinstance(source, fx.Node) or source.op not in ("placeholder", "get_attr") or len(source.users) != 1:
-        return None
-    t = _tensor_of(gm, source)
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == dtype or not dtype.is_floating_point:
-        return None
-    if torch.is_grad_enabled() and t.requires_grad:
+    t = _constant_input(gm, source)
+    if t is None or len(source.users) != 1 or t.dtype == dtype or not dtype.is_floating_point:
         return None
     if not all(isinstance(v, int) for v in (*t.shape, *t.stride())) or not is_dense(t):
         return None
