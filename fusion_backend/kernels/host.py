@@ -142,6 +142,17 @@ def lift3(values: Sequence[int], fill: int) -> tuple[int, int, int]:
     return tuple([fill] * (3 - len(values)) + [int(v) for v in values])  # type: ignore[return-value]
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive slots (non-overlapping and dense: any
+    permutation of the dims, size-1 dims' strides aside)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda p: p[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def element_extent(t: torch.Tensor) -> int:
     """One past the largest element offset ``t`` addresses (0 when empty)."""
     if t.numel() == 0:

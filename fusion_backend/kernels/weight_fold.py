@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import cdiv, kernels_unavailable
+from .host import cdiv, is_dense, kernels_unavailable
 from .launch import FastLaunch
 from .plan_cache import ContractError, require_channel_vector
 
@@ -67,7 +67,7 @@ class FoldPlan:
                  bias: torch.Tensor | None, dtype: torch.dtype) -> None:  # fmt: skip
         channels = weight.shape[0]
         per_channel = weight.numel() // max(channels, 1)
-        if weight.numel() == 0 or weight.stride(0) != per_channel or not _is_dense(weight):
+        if weight.numel() == 0 or weight.stride(0) != per_channel or not is_dense(weight):
             raise ContractError(f"weight fold: the weight must be dense with each output channel's elements "
                                 f"contiguous (stride(0) == {per_channel}); got shape {tuple(weight.shape)}, "
                                 f"strides {weight.stride()}")
@@ -88,16 +88,6 @@ class FoldPlan:
         # absent operands: any pointer (never read: their constexpr flag is off)
         self.launch(weight, out_w, _or(scale, weight), _or(shift, weight), _or(bias, weight), out_b)
         return out_w, out_b
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill ``numel`` consecutive slots (any permutation of the dims)."""
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda p: p[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _or(t: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from ..frontend.normalize import functionalize_inplace, normalize_graph
 from ..ir.fakes import fake_of
 from ..ops.chain import Const, Operand, TensorRef
 from ..report import Match, NearMiss, ReasonKind, source_line_of
-from .batch_glue import batch_scale_and_shift
+from .batch_glue import batch_casts, batch_scale_and_shift
 
 
 @dataclass
@@ -427,7 +427,7 @@ def rewrite_regions(regions: Regions, chosen: Iterable[Candidate],
                     on_stage: Optional[Callable[[str, Optional[str]], None]] = None) -> list[Match]:
     """Rewrite the ``chosen`` candidates of ``regions`` (some or all of ``regions.accepted``, as the
     caller decided) in the graph they were found in, then batch their eval batch norms' scale and
-    shift (``batch_glue.py``); lints and recompiles it once.  Raises on failure."""
+    shift and their weights' casts (``batch_glue.py``); lints and recompiles it once.  Raises on failure."""
     stage = on_stage or (lambda s, p: None)
     matches = []
     for candidate in chosen:
@@ -436,6 +436,7 @@ def rewrite_regions(regions: Regions, chosen: Iterable[Candidate],
         matches.append(candidate.family.rewrite(regions.ctx, candidate))
     if matches:
         batch_scale_and_shift(regions.ctx.gm)
+        batch_casts(regions.ctx.gm)
         regions.ctx.gm.graph.lint()
         regions.ctx.gm.recompile()
     return matches

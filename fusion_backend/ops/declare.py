@@ -117,6 +117,8 @@ class FusedOpDeclaration:
       may); ``call_problem(cfg, x, weight)`` the same for one call's tensors.  Unserved dtypes and
       devices (``kernels.host.kernels_unavailable``) are checked for every op.
     * ``compute_dtype(cfg, x)``: the dtype the kernels run in (default x's).
+    * ``casts_weight``: the op casts its weight and bias to ``compute_dtype`` before its conv (what
+      autocast did), so a graph may hand them over cast already (``match/batch_glue.py``).
     * ``keeps_x``: whether the backward reads x; False saves ``XMeta`` instead, with
       ``grad_input_strides(x)`` the strides of x's gradient.
     * ``settled_forward(config, save, x, weight, bias, operands)`` / ``settled_backward(config,
@@ -138,6 +140,7 @@ class FusedOpDeclaration:
     kernel_problem: Callable[[Any], str | None] = _none
     call_problem: Callable[..., str | None] = _none
     compute_dtype: Callable[[Any, Tensor], torch.dtype] = lambda cfg, x: x.dtype
+    casts_weight: bool = False
     keeps_x: bool = True
     grad_input_strides: Callable[[Tensor], tuple[int, ...]] | None = None
     settled_forward: Callable[..., Any] | None = None
@@ -400,7 +403,20 @@ class FusedOp:
 
         functools.update_wrapper(direct, fn)
         register_direct(fn, direct)
+        _ENTRIES[fn] = self
         return fn
+
+
+#: public entry point -> its declared op (``FusedOp.entry``)
+_ENTRIES: dict[Callable[..., Tensor], FusedOp] = {}
+
+
+def declared_op(target: Any) -> FusedOp | None:
+    """The declared fused op whose public entry point ``target`` is (a graph node's target), or None."""
+    try:
+        return _ENTRIES.get(target)
+    except TypeError:  # an unhashable target
+        return None
 
 
 def family_declaration(name: str, config: type, state: tuple[str, ...], semantics: Any, reference: Any, triton: Any,

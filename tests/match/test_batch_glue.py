@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.match.batch_glue import batch_scale_and_shift
 from fusion_backend.ops import bn_fold
 from fusion_backend.testing import assert_fused
@@ -153,3 +154,128 @@ def test_frozen_batch_norms_in_a_training_graph_share_one_call_and_gradients_mat
     x = torch.randn(2, 3, 7, 9, device=DEVICE, requires_grad=True)
     assert_fused(model, [x], expect={"conv_epilogue": 4}, train=True)
     assert batched == [2]
+
+
+class AutocastBlocks(nn.Module):
+    """Blocks (three conv -> eval BN -> ReLU, one with a conv bias) under autocast to fp16, with a weight
+    that a second conv reads too (tied: its cast stays in the calls), then a cumulative sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = Blocks(tail=False)
+        self.blocks.b[0] = nn.Conv2d(8, 6, 1, bias=True)
+        self.tied = nn.Conv2d(5, 5, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, dtype=torch.float16):
+            y = self.blocks(x)
+            y = torch.relu(self.tied(y))
+            y = torch.relu(nn.functional.conv2d(y, self.tied.weight, padding=1))
+        return torch.cumsum(y.float(), 1)
+
+
+_CONV = ConvSpec(transposed=False, stride=(1, 1), padding=(1, 1), dilation=(1, 1), output_padding=(0, 0), groups=1)
+
+
+def _cast_calls(gm) -> list:
+    from fusion_backend.ops.batched_cast import CAST_BATCHED
+
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is CAST_BATCHED]
+
+
+@pytest.fixture
+def cast_batched(monkeypatch):
+    """How many casts each rewrite's pass batched."""
+    from fusion_backend.match import batch_glue, engine
+
+    counts = []
+    monkeypatch.setattr(engine, "batch_casts", lambda gm: counts.append(batch_glue.batch_casts(gm)))
+    return counts
+
+
+def test_the_weights_that_fused_calls_cast_under_autocast_are_cast_in_one_call(kernels, cast_batched):
+    model = AutocastBlocks().eval().to(DEVICE)
+    x = torch.randn(2, 3, 7, 9, device=DEVICE)
+    with torch.no_grad():
+        assert_fused(model, [x], expect={"conv_epilogue": 6}, train=False)
+    # four weights read by one call each and one conv bias; the tied weight's two calls keep their casts
+    assert cast_batched == [5]
+
+
+def test_with_gradients_through_the_weights_nothing_is_batched_and_gradients_match(kernels, cast_batched):
+    model = AutocastBlocks().eval().to(DEVICE)
+    x = torch.randn(2, 3, 7, 9, device=DEVICE, requires_grad=True)
+    assert_fused(model, [x], expect={"conv_epilogue": 6}, train=True)
+    assert cast_batched == [0]
+
+
+def test_the_cast_pass_moves_what_can_share_a_call_and_leaves_the_rest():
+    """Straight on a graph: two fp32 weights that one fused call each reads join one call and each call
+    reads its own result; a weight read twice and an fp16 weight (nothing to cast) stay where they
+    were; the values are ``Tensor.to``'s."""
+    from fusion_backend.match.batch_glue import batch_casts
+    from fusion_backend.ops import conv_epilogue as ce
+    from fusion_backend.ops.batched_cast import cast_all
+    from fusion_backend.ops.config import ConvEpilogueConfig
+
+    config = ConvEpilogueConfig(conv=_CONV, compute_dtype="float16").to_json()
+    weights = {"w1": torch.randn(4, 3, 3, 3), "w2": torch.randn(4, 4, 3, 3).to(memory_format=torch.channels_last),
+               "shared": torch.randn(4, 4, 3, 3), "w_half": torch.randn(4, 4, 3, 3).half()}
+    root = nn.Module()
+    for name, w in weights.items():
+        root.register_buffer(name, w)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(2, 3, 5, 5)
+    nodes = {name: graph.get_attr(name) for name in weights}
+    y = x
+    calls = []
+    for name in ("w1", "w2", "shared", "shared", "w_half"):
+        y = graph.call_function(ce.conv_epilogue, (y, nodes[name], None, [], config))
+        y.meta["val"] = torch.empty(2, 4, 5, 5)
+        calls.append(y)
+    graph.output(y)
+    gm = torch.fx.GraphModule(root, graph)
+    assert batch_casts(gm) == 2
+    (batched,) = _cast_calls(gm)
+    assert batched.args == ([nodes["w1"], nodes["w2"]], torch.float16)
+    assert [c.args[1].target for c in calls[:2]] == [operator.getitem] * 2
+    assert [c.args[1].args for c in calls[:2]] == [(batched, 0), (batched, 1)]
+    assert [c.args[1] for c in calls[2:]] == [nodes["shared"], nodes["shared"], nodes["w_half"]]
+    out = cast_all([weights["w1"], weights["w2"]], torch.float16)
+    assert out[1].stride() == weights["w2"].stride()
+    for got, w in zip(out, (weights["w1"], weights["w2"]), strict=True):
+        assert torch.equal(got, w.to(torch.float16))
+
+
+def test_a_weight_attribute_made_after_the_first_call_moves_up_before_the_batched_cast():
+    """A ``get_attr`` a later region's rewrite put after the first call it is batched with moves up
+    (it has no inputs): the batched call reads it before anything uses the results."""
+    from fusion_backend.match.batch_glue import batch_casts
+    from fusion_backend.ops import conv_epilogue as ce
+    from fusion_backend.ops.config import ConvEpilogueConfig
+
+    config = ConvEpilogueConfig(conv=_CONV, compute_dtype="float16").to_json()
+    root = nn.Module()
+    root.register_buffer("w1", torch.randn(4, 3, 3, 3))
+    root.register_buffer("w2", torch.randn(4, 4, 3, 3))
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(2, 3, 5, 5)
+    first = graph.call_function(ce.conv_epilogue, (x, graph.get_attr("w1"), None, [], config))
+    first.meta["val"] = torch.empty(2, 4, 5, 5)
+    late = graph.get_attr("w2")  # made after the first call
+    second = graph.call_function(ce.conv_epilogue, (first, late, None, [], config))
+    second.meta["val"] = torch.empty(2, 4, 5, 5)
+    graph.output(second)
+    gm = torch.fx.GraphModule(root, graph)
+    assert batch_casts(gm) == 2
+    gm.graph.lint()
+    order = list(gm.graph.nodes)
+    (batched,) = _cast_calls(gm)
+    assert order.index(late) < order.index(batched) < order.index(first)
+    gm.recompile()
+    x_in = torch.randn(2, 3, 5, 5)
+    with torch.no_grad():  # the calls casting the weights themselves: the same values, bit for bit
+        want = ce.conv_epilogue(ce.conv_epilogue(x_in, root.w1, None, [], config), root.w2, None, [], config)
+        torch.testing.assert_close(gm(x_in), want, rtol=0, atol=0)

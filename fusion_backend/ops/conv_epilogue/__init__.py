@@ -100,8 +100,8 @@ CONV_EPILOGUE = declare(FusedOpDeclaration(  # the Triton path is two modules: i
     name=OP, config=ConvEpilogueConfig, state=("saved_y0", "saved_winner"), outputs=reference.outputs,
     reference_forward=reference.forward, triton_forward=forward.forward, reference_backward=reference.backward,
     triton_backward=backward.backward, check_inputs=reference.check_inputs, describe=reference.describe,
-    kernel_problem=_kernel_problem, compute_dtype=reference.conv_compute_dtype, settled_forward=forward.settled,
-    settled_backward=backward.settled))
+    kernel_problem=_kernel_problem, compute_dtype=reference.conv_compute_dtype, casts_weight=True,
+    settled_forward=forward.settled, settled_backward=backward.settled))
 conv_epilogue_fwd, conv_epilogue_bwd, kernel_path = CONV_EPILOGUE.fwd, CONV_EPILOGUE.bwd, CONV_EPILOGUE.kernel_path
 
 
