@@ -92,6 +92,13 @@ _BLOCK_C = 16  # channels per program (BatchNorm's statistics) or per step over 
 #: registers, on 8 none (sm_90: ``python tools/compile_check.py conv_family --cases
 #: resnet_3x3-bf16-hooked --kernels combine``)
 _MAX_BLOCK_T = 256
+# NOTE: the two launches are latency, not work: spans of 16 to 256 tiles per program of the first took
+# 9.3-10.3 us on 1,568 tiles of 64 channels, and one launch over 25 tiles 4.2 (H200, ``PartialsReduction``
+# timed alone by ``impl_choice.gpu_ms_per_call``).  Combining in the forward kernel itself (the program
+# completing a group of tiles combines it, the one completing the last group the groups) was slower on
+# every row: its float64 registers cost every tile's occupancy (ResNet-50's 3x3 of 64 channels at 56 x 56
+# with its statistics 0.0669 -> 0.0821 ms, the 7x7 stem 0.233 -> 0.460; ``python tools/bench_conv.py
+# demos/realnets/resnet50.py --passes fprop --fprop-hooks stats --shard 1/2``, before and after).
 
 
 @triton.jit

@@ -541,6 +541,10 @@ _TMA_WGRAD_SHARED = 200 * 1024
 # 0.0393, 1024 -> 256 at 14 x 14 0.0213 against 0.0245, 512 -> 2048 at 7 x 7 0.0209 against 0.0274; on
 # the plain 3x3 of 64 channels at 56 x 56 two did (0.058 against 0.088 ms).  The gather kernel's tiles
 # keep two: with one, 4 of 5 such rows ran 1.1-1.4x slower.
+# NOTE: N of 256 (wgmma's widest, 8 warps, two stages) lost to 128 on 9 of ResNet-50's 10 1x1 weight
+# gradients with 256 output channels or more (512 -> 2048 at 7 x 7: 0.0383 against 0.0208 ms; ``python
+# tools/bench_conv.py demos/realnets/resnet50.py --passes wgrad --filter '*-> 2048 k1x1 p0 g1*,...'``):
+# not offered.
 def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], rows: bool,
                     hooked: bool) -> list[TileConfig]:  # fmt: skip
     """The TMA weight gradient's tiles (``tma_wgrad``) the timed choice weighs for ``c_in`` -> ``c_out``
