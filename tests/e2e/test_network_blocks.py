@@ -1,0 +1,168 @@
+"""torch.compile(backend="fusion") end to end on blocks of networks the suites do not hold: a MobileNetV3
+inverted residual (hardswish, a squeeze-and-excitation gate with hardsigmoid), a RegNetY block (grouped
+stride-2 conv, a sigmoid gate, a projected shortcut), a ConvNeXt block (depthwise 7x7, LayerNorm over
+the permuted channels, an MLP, a layer scale), a diffusion UNet residual block (GroupNorm, SiLU, a time
+embedding added per sample and channel), a wav2vec2-style conv1d feature extractor, a DCGAN-style
+transposed-conv decoder and a 3d conv block with a max pool.
+
+Every region fused (``fusion_backend.testing.assert_fused``: ``decide="fuse"``, ``strict``), the
+regions each block is expected to hold counted, its output and every gradient (parameters and inputs)
+against eager and a float64 reference, in training and inference, contiguous and channels-last, and
+under bf16 autocast; on the CPU reference and the Triton kernels under the interpreter, with CUDA on
+the GPU.  What the blocks do not fuse (the ConvNeXt block's permuted LayerNorm, the UNet block's
+per-sample embedding, a residual add with gradients flowing) stays Inductor's, and the results are
+eager's all the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fusion_backend.testing import Autocast, assert_fused
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = [pytest.mark.usefixtures("exact_fp32"),
+              pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")]  # fmt: skip
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self, channels: int, reduced: int, gate: type[nn.Module]) -> None:
+        super().__init__()
+        self.reduce, self.expand, self.gate = nn.Conv2d(channels, reduced, 1), nn.Conv2d(reduced, channels, 1), gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gate(self.expand(F.relu(self.reduce(x.mean((2, 3), keepdim=True)))))
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV3's: 1x1 expansion, 5x5 depthwise, both BatchNorm + hardswish; a hardsigmoid gate; 1x1 projection."""
+
+    def __init__(self, channels: int = 16, expanded: int = 48) -> None:
+        super().__init__()
+        self.expand = nn.Sequential(nn.Conv2d(channels, expanded, 1, bias=False), nn.BatchNorm2d(expanded), nn.Hardswish())
+        self.depthwise = nn.Sequential(nn.Conv2d(expanded, expanded, 5, padding=2, groups=expanded, bias=False),
+                                       nn.BatchNorm2d(expanded), nn.Hardswish())  # fmt: skip
+        self.se = SqueezeExcite(expanded, 16, nn.Hardsigmoid)
+        self.project = nn.Sequential(nn.Conv2d(expanded, channels, 1, bias=False), nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.project(self.se(self.depthwise(self.expand(x))))
+
+
+class RegNetYBlock(nn.Module):
+    """RegNetY's: 1x1, grouped 3x3 of stride 2, a sigmoid gate, 1x1, and a strided 1x1 shortcut, ReLU after the sum."""
+
+    def __init__(self, channels: int = 32, group_width: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(channels, channels, 1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=channels // group_width,
+                                         bias=False), nn.BatchNorm2d(channels), nn.ReLU())  # fmt: skip
+        self.se = SqueezeExcite(channels, 8, nn.Sigmoid)
+        self.c = nn.Sequential(nn.Conv2d(channels, channels, 1, bias=False), nn.BatchNorm2d(channels))
+        self.shortcut = nn.Sequential(nn.Conv2d(channels, channels, 1, stride=2, bias=False), nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.shortcut(x) + self.c(self.se(self.b(self.a(x)))))
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, channels: int = 32) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(channels, channels, 7, padding=3, groups=channels)
+        self.norm = nn.LayerNorm(channels)
+        self.up, self.down = nn.Linear(channels, 4 * channels), nn.Linear(4 * channels, channels)
+        self.scale = nn.Parameter(torch.full((channels,), 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.depthwise(x).permute(0, 2, 3, 1)
+        return x + (self.down(F.gelu(self.up(self.norm(y)))) * self.scale).permute(0, 3, 1, 2)
+
+
+class UNetResBlock(nn.Module):
+    def __init__(self, channels: int = 32, embedding: int = 16) -> None:
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(8, channels), nn.Conv2d(channels, channels, 3, padding=1)
+        self.time = nn.Linear(embedding, channels)
+        self.norm2, self.conv2 = nn.GroupNorm(8, channels), nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x))) + self.time(F.silu(t))[:, :, None, None]
+        return x + self.conv2(F.silu(self.norm2(h)))
+
+
+class FeatureExtractor(nn.Module):
+    """wav2vec2's first layers: a strided conv1d, GroupNorm with a group per channel, GELU, a second conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv0, self.norm = nn.Conv1d(1, 32, 10, stride=5, bias=False), nn.GroupNorm(32, 32)
+        self.conv1 = nn.Conv1d(32, 32, 3, stride=2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.conv1(F.gelu(self.norm(self.conv0(x)))))
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Sequential(nn.ConvTranspose2d(16, 8, 4, 2, 1, bias=False), nn.BatchNorm2d(8), nn.LeakyReLU(0.2),
+                                nn.ConvTranspose2d(8, 3, 4, 2, 1), nn.Tanh())  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x)
+
+
+class Conv3dBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv3d(4, 8, 3, padding=1, bias=False), nn.BatchNorm3d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.max_pool3d(F.relu(self.norm(self.conv(x))), 2)
+
+
+#: name -> (the block, its inputs' shapes, the regions it holds: in inference, in training).  In training
+#: a conv's BatchNorm takes its batch statistics (``conv_batch_norm``); the rest ``conv_epilogue``.
+BLOCKS = {
+    "mobilenetv3 inverted residual": (InvertedResidual, [(2, 16, 9, 11)],
+                                      {"conv_epilogue": 4}, {"conv_batch_norm": 3, "conv_epilogue": 1}),
+    "regnety block": (RegNetYBlock, [(2, 32, 12, 12)], {"conv_epilogue": 6}, {"conv_batch_norm": 4, "conv_epilogue": 2}),
+    "convnext block": (ConvNeXtBlock, [(2, 32, 10, 10)], {}, {}),
+    "unet residual block": (UNetResBlock, [(2, 32, 8, 8), (2, 16)], {}, {}),
+    "wav2vec2 feature extractor": (FeatureExtractor, [(2, 1, 400)], {"conv_group_norm": 1, "conv_epilogue": 1},
+                                   {"conv_group_norm": 1, "conv_epilogue": 1}),
+    "dcgan decoder": (Decoder, [(2, 16, 4, 4)], {"conv_epilogue": 2}, {"conv_batch_norm": 1, "conv_epilogue": 1}),
+    "conv3d block": (Conv3dBlock, [(2, 4, 6, 6, 6)], {"conv_epilogue": 1}, {"conv_batch_norm": 1}),
+}  # fmt: skip
+
+
+def _build(name: str, channels_last: bool) -> tuple[nn.Module, list[torch.Tensor]]:
+    block, shapes, _, _ = BLOCKS[name]
+    torch.manual_seed(5)
+    model, inputs = block().to(DEVICE), [torch.randn(s).to(DEVICE) for s in shapes]
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        inputs = [t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in inputs]
+    return model, inputs
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_a_block_of_a_network_runs_fused_as_eager_does(kernels, name, train, channels_last):
+    if channels_last and len(BLOCKS[name][1][0]) != 4:
+        pytest.skip("channels-last is a 4-d layout")
+    model, inputs = _build(name, channels_last)
+    assert_fused(model.train(train), inputs, expect=BLOCKS[name][3 if train else 2], train=train)
+
+
+@pytest.mark.parametrize("name", ["mobilenetv3 inverted residual", "regnety block", "dcgan decoder"])
+def test_a_block_under_bf16_autocast_trains_as_eager_does(kernels, name):
+    """Autocast's bf16 convs and fp32 norms, fused as eager runs them: against float64 with eager's own
+    error as the yardstick."""
+    model, inputs = _build(name, True)
+    assert_fused(Autocast(model.train(), DEVICE), inputs, expect=BLOCKS[name][3], tol=3e-2)
