@@ -406,3 +406,21 @@ def test_the_forwards_statistics_alone_are_timed_against_the_conv_and_the_statis
     assert bench_conv.rel_err(y, case.steps["cudnn"]()) < 1e-5  # the plain conv's output: no prologue
     (default,) = bench_conv.build_cases(shape, ["m"], "fp32", ["fprop"], True, torch.device("cpu"))
     assert default.hooks == bench_conv.HOOKS["fprop"]
+
+
+def test_the_profiling_tool_launches_the_benchmarks_four_forwards_on_the_tile_given(tmp_path: Path,
+                                                                                    triton_kernels: None) -> None:
+    """``tools/profile_conv_family.py`` (Nsight Compute's launcher): per selected conv the forward
+    plain, with its statistics, with the prologue, and with both, as the benchmark calls them, on the
+    tile given; a malformed tile is a one-line error."""
+    import profile_conv_family
+
+    (tmp_path / "tiny.py").write_text(CONVS_MODEL)
+    tile = profile_conv_family.parse_tile("16,16,16,1,1")
+    built = profile_conv_family.cases([str(tmp_path / "tiny.py")], "*8x16x16 -> 8 k3x3*", "fp32", tile,
+                                      torch.device("cpu"))
+    assert [label.rsplit(" fp32 ", 1)[1] for label, _ in built] == list(profile_conv_family.VARIANTS)
+    plain, stats, prologue, both = (call() for _, call in built)
+    assert plain.shape == (4, 8, 16, 16) and stats[1] is not None and prologue[1] is None and both[1] is not None
+    with pytest.raises(SystemExit, match="five ints"):
+        profile_conv_family.parse_tile("128,64")

@@ -72,6 +72,7 @@ METRICS = {
     "Compute (SM) Throughput": "SM %",
     "Achieved Occupancy": "occup %",
     "Registers Per Thread": "regs",
+    "Executed Instructions": "instr",
 }
 
 
