@@ -342,7 +342,7 @@ def _build(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: FusionOption
             notes.append(f"runs through Inductor, not directly: {why_not}")
     if compiled is None and rewritten is not None and matches and compile_graph:
         try:
-            compiled = _compile_inductor(rewritten, example_inputs, with_autograd_free_pass(config_patches))
+            compiled = _compile_rewritten(rewritten, example_inputs, config_patches)
         except _CONTROL_FLOW:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -852,6 +852,22 @@ def _inductor_patches(mode: Optional[str], opts: FusionOptions) -> dict[str, Any
         patches.update(torch._inductor.list_mode_options(mode, None))
     patches.update(opts.inductor)
     return patches
+
+
+# NOTE: AOTAutograd compiles a training graph's backward at its first backward call, not with the forward:
+# an Inductor failure there (the CPU code generator's assertion on a DeepLab-style pooled branch whose
+# upsample's gradient scatters into a fused op's output, torch 2.13) escaped from ``loss.backward()``,
+# after the point where the backend falls back to the graph as given.  The rewritten graph's backward is
+# therefore compiled with its forward (``tests/e2e/test_backend.py -k backward``).
+def _compile_rewritten(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any]) -> Callable[..., Any]:
+    """Inductor's compile of a rewritten graph (the autograd-free ops' pass added), a training graph's
+    backward included, so that a failure anywhere in it is the compile's and falls back (NOTE above)."""
+    functorch_config = torch._functorch.config
+    training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+    if training and hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            return _compile_inductor(gm, example_inputs, with_autograd_free_pass(patches))
+    return _compile_inductor(gm, example_inputs, with_autograd_free_pass(patches))
 
 
 def _compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any]) -> Callable[..., Any]:

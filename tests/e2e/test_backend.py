@@ -128,6 +128,50 @@ def test_a_failing_compile_of_the_rewritten_graph_falls_back_to_the_original(mon
     assert "conv_epilogue" not in calls[1].code and "conv2d" in calls[1].code
 
 
+def _break_rewritten_backward(monkeypatch):
+    """Inductor fails on the backward of a graph that holds a fused op (as its CPU code generator did
+    on a DeepLab-style block), wherever AOTAutograd compiles that backward."""
+    import torch._inductor.compile_fx as compile_fx
+
+    real = compile_fx.compile_fx_backward
+
+    def failing(gm, *args, **kwargs):
+        if "torch.ops.fusion." in gm.code:
+            raise Boom("backward lowering failed")
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_backward", failing)
+
+
+def test_a_failing_compile_of_the_rewritten_backward_falls_back_before_the_first_step(monkeypatch):
+    """AOTAutograd compiles a training graph's backward at its first backward call; the rewritten
+    graph's is compiled with its forward, so an Inductor failure there falls back to the graph as
+    given during the compile (one warning, the report says so), and the step's output and every
+    gradient are eager's, not an exception out of ``backward()``."""
+    _break_rewritten_backward(monkeypatch)
+    model, eager = small_model(), small_model()
+    x = X.clone().requires_grad_(True)
+    x_eager = X.clone().requires_grad_(True)
+    with pytest.warns(UserWarning, match="backward lowering failed"), collect_reports() as reports:
+        out = torch.compile(model, backend="fusion", options={"direct": False})(x)
+    (fallback,) = reports[0].fallbacks
+    assert fallback.stage == "compile" and "Boom" in fallback.error and reports[0].matches == ()
+    want = eager(x_eager)
+    torch.testing.assert_close(out, want)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_eager.grad)
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_strict_raises_a_failing_backward_compile_at_the_compile(monkeypatch):
+    _break_rewritten_backward(monkeypatch)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        torch.compile(small_model(), backend="fusion", options={"strict": True, "direct": False})(X)
+    assert isinstance(info.value.inner_exception, RewriteError) and "backward lowering failed" in str(info.value)
+
+
 def test_placeholders_are_kept_in_order_with_dynamic_shapes():
     model = small_model()
     with collect_reports() as reports:

@@ -3,7 +3,8 @@ inverted residual (hardswish, a squeeze-and-excitation gate with hardsigmoid), a
 stride-2 conv, a sigmoid gate, a projected shortcut), a ConvNeXt block (depthwise 7x7, LayerNorm over
 the permuted channels, an MLP, a layer scale), a diffusion UNet residual block (GroupNorm, SiLU, a time
 embedding added per sample and channel), a wav2vec2-style conv1d feature extractor, a DCGAN-style
-transposed-conv decoder and a 3d conv block with a max pool.
+transposed-conv decoder, a 3d conv block with a max pool and DeepLab's atrous pyramid (dilated branches
+and an image-pooling branch upsampled back).
 
 Every region fused (``fusion_backend.testing.assert_fused``: ``decide="fuse"``, ``strict``), the
 regions each block is expected to hold counted, its output and every gradient (parameters and inputs)
@@ -16,11 +17,15 @@ eager's all the same.
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fusion_backend.report import collect_reports
 from fusion_backend.testing import Autocast, assert_fused
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,6 +121,26 @@ class Decoder(nn.Module):
         return self.up(x)
 
 
+class AtrousPyramid(nn.Module):
+    """DeepLab's ASPP: a 1x1 branch, two dilated 3x3 branches, the image pooled to 1x1, convolved and
+    upsampled back, all concatenated and projected."""
+
+    def __init__(self, channels: int = 16, width: int = 8) -> None:
+        super().__init__()
+
+        def branch(k: int, dilation: int = 1) -> nn.Module:
+            return nn.Sequential(nn.Conv2d(channels, width, k, padding=dilation * (k // 2), dilation=dilation,
+                                           bias=False), nn.BatchNorm2d(width), nn.ReLU())  # fmt: skip
+
+        self.branches = nn.ModuleList([branch(1), branch(3, 2), branch(3, 3)])
+        self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(channels, width, 1, bias=False), nn.ReLU())
+        self.project = nn.Sequential(nn.Conv2d(4 * width, channels, 1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = F.interpolate(self.pool(x), size=x.shape[-2:], mode="bilinear", align_corners=False)
+        return self.project(torch.cat([b(x) for b in self.branches] + [pooled], 1))
+
+
 class Conv3dBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -137,6 +162,7 @@ BLOCKS = {
                                    {"conv_group_norm": 1, "conv_epilogue": 1}),
     "dcgan decoder": (Decoder, [(2, 16, 4, 4)], {"conv_epilogue": 2}, {"conv_batch_norm": 1, "conv_epilogue": 1}),
     "conv3d block": (Conv3dBlock, [(2, 4, 6, 6, 6)], {"conv_epilogue": 1}, {"conv_batch_norm": 1}),
+    "deeplab atrous pyramid": (AtrousPyramid, [(2, 16, 9, 9)], {"conv_epilogue": 5}, None),
 }  # fmt: skip
 
 
@@ -156,6 +182,8 @@ def _build(name: str, channels_last: bool) -> tuple[nn.Module, list[torch.Tensor
 def test_a_block_of_a_network_runs_fused_as_eager_does(kernels, name, train, channels_last):
     if channels_last and len(BLOCKS[name][1][0]) != 4:
         pytest.skip("channels-last is a 4-d layout")
+    if BLOCKS[name][3 if train else 2] is None:
+        pytest.skip("no strict expectation: test_a_block_whose_rewrite_fails_to_compile_trains_as_eager_does")
     model, inputs = _build(name, channels_last)
     assert_fused(model.train(train), inputs, expect=BLOCKS[name][3 if train else 2], train=train)
 
@@ -166,3 +194,30 @@ def test_a_block_under_bf16_autocast_trains_as_eager_does(kernels, name):
     error as the yardstick."""
     model, inputs = _build(name, True)
     assert_fused(Autocast(model.train(), DEVICE), inputs, expect=BLOCKS[name][3], tol=3e-2)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
+def test_a_block_whose_rewrite_fails_to_compile_trains_as_eager_does(kernels, channels_last):
+    """DeepLab's pyramid in training: the upsample's gradient scatters into the pooled branch's fused op,
+    and on CPU Inductor's code generator asserts on that backward (torch 2.13).  The backward compiles
+    with the forward, so the graph falls back to Inductor's as given during the compile, and the step's
+    output and every gradient are eager's; where the rewrite compiles (another device or torch), it runs
+    fused with the same results."""
+    model, inputs = _build("deeplab atrous pyramid", channels_last)
+    eager = copy.deepcopy(model)
+    x, x_eager = (inputs[0].clone().requires_grad_(True) for _ in range(2))
+    torch._dynamo.reset()
+    with collect_reports() as reports, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's own warning, where there is one
+        out = torch.compile(model, backend="fusion", options={"decide": "fuse"})(x)
+    want = eager(x_eager)
+    torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-4)
+    g = torch.randn_like(want)
+    out.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-3, atol=1e-4)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    fallbacks = [f for r in reports for f in r.fallbacks]
+    assert all(f.stage == "compile" for f in fallbacks)
+    assert fallbacks or sum(r.counts().get("conv_batch_norm", 0) for r in reports) == 4
