@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -221,3 +222,108 @@ def test_a_block_whose_rewrite_fails_to_compile_trains_as_eager_does(kernels, ch
     fallbacks = [f for r in reports for f in r.fallbacks]
     assert all(f.stage == "compile" for f in fallbacks)
     assert fallbacks or sum(r.counts().get("conv_batch_norm", 0) for r in reports) == 4
+
+
+# Spellings and edge cases inside such blocks: a BatchNorm that normalises with the batch's statistics in
+# eval (no running statistics), one with a cumulative average (momentum None: not fused in training),
+# one without affine; a conv used twice (tied weights); a weight computed in the forward (weight
+# standardisation before a GroupNorm); ``padding="same"`` and a reflect-padded conv; 1x1 inputs to a
+# padded 3x3; a conv called functionally on a reshaped parameter; a sliced input; a graph break between
+# two blocks; a LayerNorm over (C, H, W).
+
+
+class _ConvNormAct(nn.Module):
+    def __init__(self, norm: nn.Module, act: Any = F.relu, c_in: int = 4, c_out: int = 8, **conv: Any) -> None:
+        super().__init__()
+        self.conv, self.norm, self.act = nn.Conv2d(c_in, c_out, 3, **{"padding": 1, "bias": False, **conv}), norm, act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.norm(self.conv(x)))
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn1, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn2(self.conv(F.relu(self.bn1(self.conv(x))))))
+
+
+class _WeightStandardised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight, self.norm = nn.Parameter(torch.randn(8, 4, 3, 3)), nn.GroupNorm(2, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight - self.weight.mean((1, 2, 3), keepdim=True)
+        return F.silu(self.norm(F.conv2d(x, w / (w.std((1, 2, 3), keepdim=True) + 1e-5), padding=1)))
+
+
+class _SameThenReflect(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(4, 8, 3, padding="same")
+        # no bias before the BatchNorm: its gradient is zero up to rounding, which no comparison can judge
+        self.b, self.norm = nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect", bias=False), nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.norm(self.b(F.relu(self.a(x)))))
+
+
+class _Functional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flat, self.bias = nn.Parameter(torch.randn(8 * 4 * 9) * 0.2), nn.Parameter(torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(F.conv2d(x, self.flat.view(8, 4, 3, 3), self.bias, padding=1))
+
+
+class _Sliced(_ConvNormAct):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x[:, :, 1:-1, ::2])
+
+
+class _GraphBreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _ConvNormAct(nn.BatchNorm2d(8)), _ConvNormAct(nn.BatchNorm2d(8), c_in=8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(y)
+
+
+#: name -> (the block, x's shape, its regions in inference, in training)
+EDGES = {
+    "batch norm without running statistics": (lambda: _ConvNormAct(nn.BatchNorm2d(8, track_running_stats=False)),
+                                              (2, 4, 6, 6), {"conv_batch_norm": 1}, {"conv_batch_norm": 1}),
+    "batch norm with a cumulative average": (lambda: _ConvNormAct(nn.BatchNorm2d(8, momentum=None), F.silu),
+                                             (2, 4, 6, 6), {"conv_epilogue": 1}, {}),
+    "batch norm without affine": (lambda: _ConvNormAct(nn.BatchNorm2d(8, affine=False)), (2, 4, 6, 6),
+                                  {"conv_epilogue": 1}, {"conv_batch_norm": 1}),
+    "a conv used twice": (_Tied, (2, 8, 6, 6), {"conv_epilogue": 2}, {"conv_batch_norm": 2}),
+    "a weight standardised in the forward": (_WeightStandardised, (2, 4, 6, 6), {"conv_group_norm": 1},
+                                             {"conv_group_norm": 1}),
+    "same and reflect padding": (_SameThenReflect, (2, 4, 7, 6), {"conv_epilogue": 1}, {"conv_batch_norm": 1}),
+    "1x1 inputs to a padded 3x3": (lambda: _ConvNormAct(nn.BatchNorm2d(16), c_in=16, c_out=16), (4, 16, 1, 1),
+                                   {"conv_epilogue": 1}, {"conv_batch_norm": 1}),
+    "a functional conv on a reshaped parameter": (_Functional, (2, 4, 6, 6), {"conv_epilogue": 1},
+                                                  {"conv_epilogue": 1}),
+    "a sliced input": (lambda: _Sliced(nn.BatchNorm2d(8)), (2, 4, 8, 9), {"conv_epilogue": 1}, {"conv_batch_norm": 1}),
+    "a graph break between blocks": (_GraphBreak, (2, 4, 6, 6), {"conv_epilogue": 2}, {"conv_batch_norm": 2}),
+    "layer norm over channels and plane": (lambda: _ConvNormAct(nn.LayerNorm([8, 6, 6]), F.gelu, bias=True),
+                                           (2, 4, 6, 6), {"conv_layer_norm": 1}, {"conv_layer_norm": 1}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize("name", list(EDGES))
+def test_an_edge_case_inside_a_block_runs_fused_as_eager_does(kernels, name, train):
+    block, shape, infer_regions, train_regions = EDGES[name]
+    torch.manual_seed(6)
+    model = block().to(DEVICE)
+    assert_fused(model.train(train), [torch.randn(shape).to(DEVICE)], expect=train_regions if train else infer_regions,
+                 train=train)
