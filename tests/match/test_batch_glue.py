@@ -16,7 +16,7 @@ import torch.nn as nn
 from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.match.batch_glue import batch_scale_and_shift
 from fusion_backend.ops import bn_fold
-from fusion_backend.testing import assert_fused
+from fusion_backend.testing import assert_fused, stable_seed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -203,9 +203,16 @@ def test_the_weights_that_fused_calls_cast_under_autocast_are_cast_in_one_call(k
 
 
 def test_with_gradients_through_the_weights_nothing_is_batched_and_gradients_match(kernels, cast_batched):
+    """Nothing is batched where gradients flow through the weights; the gradients are eager's to fp16's
+    precision.  NOTE: the tolerance is autocast's (as the other autocast tests'): a ReLU after a folded
+    BatchNorm flips the sign of values within fp16's rounding of zero differently from eager's unfolded
+    one, and on these small shapes the gradient of a flipped element is a visible part of the whole
+    (1 of 68 seeds of the inputs read 0.65% from float64 where 2x eager's error was 0.27%; one run of
+    the whole suite 1.4%)."""
+    torch.manual_seed(stable_seed("gradients through the weights"))
     model = AutocastBlocks().eval().to(DEVICE)
     x = torch.randn(2, 3, 7, 9, device=DEVICE, requires_grad=True)
-    assert_fused(model, [x], expect={"conv_epilogue": 6}, train=True)
+    assert_fused(model, [x], expect={"conv_epilogue": 6}, train=True, tol=3e-2)
     assert cast_batched == [0]
 
 
