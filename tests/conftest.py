@@ -626,6 +626,16 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True)
+def _seeded_per_test(request):
+    """Torch's generator seeded from the test's own id: its random inputs are the same whichever tests
+    ran before it in its worker (under ``pytest -n`` that order changes from run to run), so a failure
+    reproduces with the test alone."""
+    from fusion_backend.testing import stable_seed
+
+    torch.manual_seed(stable_seed(request.node.nodeid))
+
+
 
 #: The suite's sm_90 compile checks, ``tools/compile_check.py`` job -> its cases (each test that reads
 #: a job says why those cases): ``tests/kernels/test_conv_family_sm90.py``,
