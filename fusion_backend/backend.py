@@ -113,8 +113,7 @@ def fusion(
     # of the graph, estimated from the graphs compiled before (``runtime/compile_estimate.py``): the
     # graph compiles once, as it will run.
     cuda_graphs = bool(config_patches.get("triton.cudagraphs"))
-    training = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+    training = _training_graph(example_inputs)
     timed_in_compile = may_defer and real and opts.decide == "measure" and cuda_graphs
     size = compile_estimate.graph_size(gm)  # before Inductor may mutate ``gm``
     budget: Optional[DecisionBudget] = None
@@ -854,6 +853,12 @@ def _inductor_patches(mode: Optional[str], opts: FusionOptions) -> dict[str, Any
     return patches
 
 
+def _training_graph(example_inputs: Sequence[Any]) -> bool:
+    """Whether AOTAutograd makes a backward for a graph of these inputs: grad mode on and an input (a
+    parameter, as Dynamo lifts them, or the user's) that requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
 # NOTE: AOTAutograd compiles a training graph's backward at its first backward call, not with the forward:
 # an Inductor failure there (the CPU code generator's assertion on a DeepLab-style pooled branch whose
 # upsample's gradient scatters into a fused op's output, torch 2.13) escaped from ``loss.backward()``,
@@ -863,8 +868,7 @@ def _compile_rewritten(gm: fx.GraphModule, example_inputs: Sequence[Any], patche
     """Inductor's compile of a rewritten graph (the autograd-free ops' pass added), a training graph's
     backward included, so that a failure anywhere in it is the compile's and falls back (NOTE above)."""
     functorch_config = torch._functorch.config
-    training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
-    if training and hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+    if _training_graph(example_inputs) and hasattr(functorch_config, "force_non_lazy_backward_lowering"):
         with functorch_config.patch(force_non_lazy_backward_lowering=True):
             return _compile_inductor(gm, example_inputs, with_autograd_free_pass(patches))
     return _compile_inductor(gm, example_inputs, with_autograd_free_pass(patches))
