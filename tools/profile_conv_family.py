@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_conv  # noqa: E402
 from conv_shapes import collect  # noqa: E402
+from profile_conv_kernels import launch_in_profiler_range  # noqa: E402
 
 #: variant -> (the prologue, the statistics)
 VARIANTS = {"plain": (False, False), "statistics": (False, True), "bn+relu prologue": (True, False),
@@ -77,23 +78,7 @@ def main() -> int:
             print("\n".join(f"{shape.label()} {args.dtype} {variant}" for variant in VARIANTS))
         return 0
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    built = cases(args.models, args.filter, args.dtype, tile, device)
-    for _, call in built:  # compile, tune, warm
-        call()
-        call()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-    for label, call in built:
-        if device.type == "cuda":
-            torch.cuda.nvtx.range_push(label)
-        call()
-        if device.type == "cuda":
-            torch.cuda.nvtx.range_pop()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
-    print("profiled:", "; ".join(label for label, _ in built))
+    launch_in_profiler_range(cases(args.models, args.filter, args.dtype, tile, device), warm_runs=2)
     return 0
 
 

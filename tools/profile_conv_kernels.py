@@ -21,6 +21,7 @@ import os
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,18 +52,33 @@ def run_cases(seeds: list[str], dtypes: list[str], only: str = "") -> None:
             cases.append(
                 (f"{seed} {name} backward triton", lambda g=grad, x=bx, w=bw, a=args: K.convolution_backward(g, x, w, *a))
             )
-    cases = [(label, fn) for label, fn in cases if only in label]
-    for _label, fn in cases:  # compile and autotune outside the range
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
+    launch_in_profiler_range([(label, fn) for label, fn in cases if only in label])
+
+
+def launch_in_profiler_range(cases: list[tuple[str, Any]], warm_runs: int = 1) -> None:
+    """Run each ``(label, call)`` ``warm_runs`` times (compiling and tuning outside the range), then
+    once each inside ``torch.cuda.profiler`` start/stop under an NVTX range of its label, so that
+    ``ncu --profile-from-start off`` sees one launch of each kernel.  Without CUDA (the interpreter)
+    the calls run without a profiler range."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    for _ in range(warm_runs):
+        for _label, fn in cases:
+            fn()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
     for label, fn in cases:
-        torch.cuda.nvtx.range_push(label)
+        if cuda:
+            torch.cuda.nvtx.range_push(label)
         fn()
-        torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
-    print("profiled:", ", ".join(label for label, _ in cases))
+        if cuda:
+            torch.cuda.nvtx.range_pop()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+    print("profiled:", "; ".join(label for label, _ in cases))
 
 
 #: ncu metric names (as printed in --page details) -> column title
