@@ -22,6 +22,7 @@ from conv_tma_cases import TMA_1X1_SHAPES, TMA_ROW_TILES, requires_sm90
 from fusion_backend.kernels.chain_math import OP_CODES as OP
 from fusion_backend.kernels.conv import (
     Activation,
+    BatchNormForm,
     ChannelAffine,
     GroupAffine,
     SampleChannelScale,
@@ -341,6 +342,9 @@ def test_statistics_of_the_stored_output_match_float64_and_repeat_bitwise(dtype)
     torch.testing.assert_close(stats.mean(), flat.mean(1), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(stats.var(), flat.var(1, unbiased=False), rtol=1e-5, atol=0)
     torch.testing.assert_close(stats.var(unbiased=True), flat.var(1, unbiased=True), rtol=1e-5, atol=0)
+    shift = _randn(36, g=g)
+    _, with_form = conv_fprop(x, w, b, **kw, bn_form=BatchNormForm(shift, 1e-3))  # BatchNorm's form, same launch
+    assert torch.equal(with_form.sum, stats.sum) and torch.equal(with_form.form, stats.batch_norm_form(shift, 1e-3))
 
 
 # name, x shape, weight shape, conv kwargs, stats groups, tile: samples whose rows fill no tile (the
@@ -482,6 +486,8 @@ def test_empty_batch_returns_empty_output_without_launch(monkeypatch):
     out, stats = conv_fprop(x, w, padding=1, stride=2, stats=True)
     assert out.shape == (0, 4, 3, 4) and out.stride(1) == 1
     assert stats.count == 0 and stats.sum.shape == (4,) and not stats.sum.any()
+    _, stats = conv_fprop(x, w, padding=1, stride=2, stats=True, bn_form=BatchNormForm(None, 1e-5))
+    assert stats.form.shape == (3, 4) and stats.form.isnan().all()  # the mean of nothing, and all from it
     with pytest.raises(ContractError, match="weight dtype"):  # an empty batch is still checked
         conv_fprop(x, w.half())
 
@@ -618,6 +624,14 @@ def _bad_calls():
         ("earlier chain value", lambda: conv_fprop(x, w, chain=[(OP["mul"] + 32, [])])),
         ("1 or C_out=6 values", lambda: conv_fprop(x, w, chain=[(OP["mul"], [ones4])])),
         ("sequence of (op code, operands)", lambda: conv_fprop(x, w, chain=["relu"])),
+        ("bn_form needs the output's channel statistics (stats=True, stats_groups=0)",
+         lambda: conv_fprop(x, w, bn_form=BatchNormForm(None, 1e-5))),
+        ("bn_form needs the output's channel statistics",
+         lambda: conv_fprop(x, w, stats_groups=2, bn_form=BatchNormForm(None, 1e-5))),
+        ("bn_form must be a stats.BatchNormForm or None, got tuple",
+         lambda: conv_fprop(x, w, stats=True, bn_form=(None, 1e-5))),
+        ("bn_form.bias must be None or 6 contiguous float values on",
+         lambda: conv_fprop(x, w, stats=True, bn_form=BatchNormForm(torch.ones(12, device=DEVICE)[::2], 1e-5))),
     ]  # fmt: skip
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion_backend.kernels.conv.stats import ChannelStats, GroupStats, PartialsReduction
+from fusion_backend.kernels import arrival
+from fusion_backend.kernels.conv.stats import BatchNormForm, ChannelStats, GroupStats, PartialsReduction
+from fusion_backend.kernels.plan_cache import ContractError
 from fusion_backend.testing import stable_seed
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
@@ -170,3 +172,54 @@ def test_raw_square_partials_of_programs_match_float64(rows: int, c: int, parts:
     _check(stats, _combined(as_deviations, n, (0,)), values.T)
     plain = PartialsReduction(parts, c, 16, rows, torch.device(kernel_device), tile_rows=sizes)(raw)
     assert not torch.allclose(plain.m2, stats.m2, rtol=1e-6)  # taken as squared deviations: wrong
+
+
+@pytest.mark.parametrize("rows,c,has_bias", [(37, 5, False), (16 * 300 + 3, 21, True), (1, 3, True)],
+                         ids=["one-span", "spans-bias", "one-row"])  # fmt: skip
+def test_batch_norm_form_made_by_the_combining_launch_equals_the_form_of_the_sums(rows: int, c: int, has_bias: bool,
+                                                                                kernel_device: str) -> None:  # fmt: skip
+    """``BatchNormForm``: the reduction's launch writes BatchNorm's form of the sums it makes, the same
+    bits ``ChannelStats.batch_norm_form`` makes of those sums in a launch of its own (its mean plus the
+    bias, rstd, the unbiased variance: NaN or inf where one value leaves it undefined, as there)."""
+    values = _values(rows, c, f"form {rows} {c}")
+    partials = _partials(values, 16).to(kernel_device)
+    g = torch.Generator().manual_seed(stable_seed(f"form bias {c}"))
+    bias = (torch.randn(c, generator=g) * 10).to(kernel_device) if has_bias else None
+    reduce = PartialsReduction(partials.shape[1], c, 16, rows, torch.device(kernel_device))
+    stats = reduce(partials, BatchNormForm(bias, 1e-5))
+    assert stats.form is not None and stats.form.shape == (3, c) and stats.form.dtype == torch.float32
+    expected = stats.batch_norm_form(bias, 1e-5)
+    assert torch.equal(stats.form.isnan(), expected.isnan())
+    assert torch.equal(torch.nan_to_num(stats.form), torch.nan_to_num(expected))
+    y = values.float().double()  # against float64 from the values themselves
+    mean = y.mean(0) + (0 if bias is None else bias.cpu().double())
+    torch.testing.assert_close(stats.form[0].cpu().double(), mean, rtol=2e-7, atol=0)
+    if rows > 1:
+        var = y.var(0, unbiased=False)
+        torch.testing.assert_close(stats.form[1].cpu().double(), (var + 1e-5).rsqrt(), rtol=2e-6, atol=0)
+        torch.testing.assert_close(stats.form[2].cpu().double(), y.var(0, unbiased=True), rtol=2e-6, atol=0)
+    assert reduce(partials).form is None  # asked for nothing, made nothing
+
+
+def test_spans_leave_their_arrival_counters_zero_and_results_repeat_bitwise(kernel_device: str) -> None:
+    """A reduction in several spans (more than 256 tiles) combines them in the launch's last program to
+    arrive: every counter it used is zero again afterwards, and launch after launch the bits repeat."""
+    rows, c = 16 * 700 + 5, 40
+    values = _values(rows, c, "spans counters")
+    partials = _partials(values, 16).to(kernel_device)
+    reduce = PartialsReduction(partials.shape[1], c, 16, rows, torch.device(kernel_device))
+    assert reduce.spans == 3
+    first = reduce(partials, BatchNormForm(None, 1e-3))
+    assert not arrival.counters(torch.device(kernel_device), reduce.c_blocks).any()
+    for _ in range(3):
+        again = reduce(partials, BatchNormForm(None, 1e-3))
+        assert torch.equal(again.sum, first.sum) and torch.equal(again.m2, first.m2)
+        assert torch.equal(again.form, first.form)
+    _check(first, _combined(partials.cpu(), _tile_rows(rows, 16)[:, None], (0,)), values.T)
+
+
+def test_a_batch_norm_form_of_group_statistics_is_refused(kernel_device: str) -> None:
+    partials = torch.zeros(3, 4, 8, device=kernel_device)
+    reduce = PartialsReduction(4, 8, 16, 32, torch.device(kernel_device), groups=2, samples=2)
+    with pytest.raises(ContractError, match="BatchNorm form is made of channel statistics"):
+        reduce(partials, BatchNormForm(None, 1e-5))

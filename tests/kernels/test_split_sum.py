@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fusion_backend.kernels import arrival
 from fusion_backend.kernels.conv import split_sum
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,8 +44,9 @@ def test_sums_match_float64_bit_for_bit_across_runs(shape, dim):  # noqa: ANN001
     assert got.dtype == torch.float64 and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13 * want.abs().max().item())
     assert torch.equal(got, split_sum.sum_dim(parts, dim))
-    chunks = split_sum._LAUNCHES.values()[-1][1]  # several steps: one program per step, then the steps
+    _, blocks, chunks = split_sum._LAUNCHES.values()[-1]  # several steps: one program per step, then the steps
     assert chunks == -(-shape[dim] // split_sum.split_sum_blocks(got.numel(), shape[dim])[1])
+    assert not arrival.counters(parts.device, blocks).any()  # the last chunk of each block left its counter 0
 
 
 def test_inf_and_nan_reach_their_sums_and_empty_axes_sum_to_zero():

@@ -49,12 +49,13 @@ norm's own passes (``ops/batch_norm_conv/triton_path.py``).
 from .dgrad import conv_dgrad
 from .fprop import FpropCall, conv_fprop, fprop_plan
 from .hooks import Activation, ChannelAffine, GroupAffine, NormStats, SampleChannelScale
-from .stats import BatchNormGradSums, ChannelStats, GroupStats
+from .stats import BatchNormForm, BatchNormGradSums, ChannelStats, GroupStats
 from .tiles import TileConfig, pick_tile
 from .wgrad import conv_wgrad
 
 __all__ = [
     "Activation",
+    "BatchNormForm",
     "BatchNormGradSums",
     "ChannelAffine",
     "ChannelStats",

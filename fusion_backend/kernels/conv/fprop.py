@@ -54,6 +54,7 @@ and statistics are deterministic.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -74,7 +75,7 @@ from . import halo, hooks, tma_fprop
 from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile, load_depthwise_tile, window_rows
-from .stats import ChannelStats, GroupStats, PartialsReduction, empty_group_stats, empty_stats
+from .stats import BatchNormForm, ChannelStats, GroupStats, PartialsReduction, empty_group_stats, empty_stats
 from .tiles import TileConfig, cached_plan, candidates, compiling_only, tuned_tile
 
 _INT32_LIMIT = 2**31 - 1
@@ -514,14 +515,16 @@ class _Plan:
 
     def run(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
             chain: Sequence[KernelStep], residual: torch.Tensor | None, prologue: Prologue | None,
-            slopes: tuple[float, float], saved: torch.Tensor | None = None,
+            slopes: tuple[float, float], saved: torch.Tensor | None = None, bn_form: BatchNormForm | None = None,
             ) -> tuple[torch.Tensor, ChannelStats | GroupStats | None]:  # fmt: skip
         geo = self.geo
         if self.save_conv and saved is None:
             raise ContractError("this plan writes the conv's raw result: pass saved")
+        if bn_form is not None:
+            _check_bn_form(bn_form, self.stats and not self.stats_groups, geo.c_out, self.device)
         if geo.m == 0:  # N == 0: nothing to launch
             out = empty_channels_last(geo.out_shape, self.dtype, self.device)
-            return out, self._empty_stats()
+            return out, self._empty_stats(bn_form)
         if self.relayout:
             x = to_channels_last(x)
         if self.depthwise:  # (C_out, taps) rows, as the weight of one input channel per group is laid out
@@ -542,15 +545,31 @@ class _Plan:
                     out if partials is None else partials, q, *p, *slopes, *scratch)  # fmt: skip
         if partials is None:
             return out, None
-        return out, self.reduce(partials)
+        return out, self.reduce(partials, bn_form)
 
-    def _empty_stats(self) -> ChannelStats | GroupStats | None:
+    def _empty_stats(self, bn_form: BatchNormForm | None) -> ChannelStats | GroupStats | None:
         if not self.stats:
             return None
         if self.stats_groups:
             return empty_group_stats(self.stats_groups, self.sample_rows * self.geo.c_out // self.stats_groups,
                                      self.device)  # fmt: skip
-        return empty_stats(self.geo.c_out, self.device)
+        stats = empty_stats(self.geo.c_out, self.device)
+        if bn_form is None:
+            return stats
+        # the form of no values: every row undefined (the mean, and with it rstd and the variance)
+        return dataclasses.replace(stats, form=torch.full((3, self.geo.c_out), math.nan, device=self.device))
+
+
+def _check_bn_form(bn_form: Any, channel_stats: bool, c_out: int, device: torch.device) -> None:
+    """``bn_form``'s contract (``conv_fprop``), one line per broken part."""
+    if not isinstance(bn_form, BatchNormForm):
+        raise ContractError(f"bn_form must be a stats.BatchNormForm or None, got {type(bn_form).__name__}")
+    if not channel_stats:
+        raise ContractError("bn_form needs the output's channel statistics (stats=True, stats_groups=0)")
+    bias = bn_form.bias
+    if bias is not None and not (isinstance(bias, torch.Tensor) and bias.is_floating_point() and bias.dim() == 1
+                                 and bias.numel() == c_out and bias.is_contiguous() and bias.device == device):
+        raise ContractError(f"bn_form.bias must be None or {c_out} contiguous float values on {device}")
 
 
 #: Launch plans by ``plan_key`` of a call's signature.
@@ -578,6 +597,7 @@ def conv_fprop(
     saved: torch.Tensor | None = None,
     tile: TileConfig | None = None,
     allow_tf32: bool | None = None,
+    bn_form: BatchNormForm | None = None,
 ) -> tuple[torch.Tensor, ChannelStats | GroupStats | None]:
     """``out = act_out(chain(conv(act_in(prologue(x)), weight) * scale + bias) [+ residual]) [+ residual]``
     and, with ``stats``, the next normalization's statistics of ``out``, in one kernel launch.
@@ -616,6 +636,9 @@ def conv_fprop(
               eager's rule for a conv.  A caller that knows eager's conv of these tensors runs in full
               fp32 anyway (cuDNN does for 3 input channels) passes False.
 
+    bn_form   None or a ``stats.BatchNormForm`` (with ``stats``): the statistics' ``form`` is then their
+              ``batch_norm_form(bn_form.bias, bn_form.eps)``, made by the launch that combines them.
+
     Returns ``(out, stats or None)``: out (N, C_out, *out_spatial) as ``F.conv*d`` shapes it, x's dtype,
     channels-last dense.  N == 0 returns an empty output (and zero statistics) without a launch.
     Raises ``plan_cache.ContractError`` (a ``ValueError``, one line) for any broken contract before
@@ -625,7 +648,7 @@ def conv_fprop(
                       prologue=prologue, act_in=act_in, scale=scale, chain=chain, act_out=act_out, residual=residual,
                       residual_after_act=residual_after_act, stats=stats, stats_groups=stats_groups, saved=saved,
                       tile=tile, allow_tf32=allow_tf32)  # fmt: skip
-    return plan(x, weight, scale, bias, chain, residual, prologue, saved)
+    return plan(x, weight, scale, bias, chain, residual, prologue, saved, bn_form)
 
 
 @dataclass(frozen=True)
@@ -642,8 +665,9 @@ class FpropCall:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                  chain: Sequence[KernelStep], residual: torch.Tensor | None, prologue: Prologue | None,
-                 saved: torch.Tensor | None = None) -> tuple[torch.Tensor, ChannelStats | GroupStats | None]:  # fmt: skip
-        return self.plan.run(x, weight, scale, bias, chain, residual, prologue, self.slopes, saved)
+                 saved: torch.Tensor | None = None, bn_form: BatchNormForm | None = None,
+                 ) -> tuple[torch.Tensor, ChannelStats | GroupStats | None]:  # fmt: skip
+        return self.plan.run(x, weight, scale, bias, chain, residual, prologue, self.slopes, saved, bn_form)
 
 
 def fprop_plan(

@@ -1,13 +1,14 @@
 """Sums of fp32 partials over one axis (their splits or tiles), in float64, in a fixed order: what the conv
 family's kernels leave per split or per M tile (the weight gradient's split-K partials and its bias's,
-the input gradient's BatchNorm-backward sums) becomes one result, the same bits on every run (no atomics).
+the input gradient's BatchNorm-backward sums) becomes one result, the same bits on every run (no atomic
+touches a value).
 
 A launch covers ``total`` elements, each the sum of its ``split`` slots, a fixed stride apart:
 a program owns ``block`` elements and reads ``slots`` of their slots per step (:func:`split_sum_blocks`),
 each step's ``[slots, block]`` loads reduced as a tree in float64, the steps in split order.
 :func:`sum_slots` is that loop, for kernels that store the sums their own way (``wgrad``'s weight
 layout); :func:`sum_dim` sums a contiguous tensor over one dim into float64, each step in a program of
-its own where the slots need several.
+its own where the slots need several, the steps' sums summed by the last of them to finish (``arrival``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import arrival
+from ..arrival import last_to_arrive
 from ..host import cdiv, next_pow2
 from ..launch import FastLaunch
 from ..plan_cache import PlanCache
@@ -45,53 +48,57 @@ def split_sum_blocks(total: int, split: int) -> tuple[int, int]:
 
 
 @triton.jit
-def sum_slots(part_ptr, base, in_range, SPLIT, SLOT_STRIDE, SPLIT_BLOCK: tl.constexpr):
+def sum_slots(part_ptr, base, in_range, SPLIT, SLOT_STRIDE, SPLIT_BLOCK: tl.constexpr, CACHE: tl.constexpr = ""):
     """float64 sums over ``SPLIT`` slots of the elements whose first slot is at ``part_ptr + base`` (int64
     ``[BLOCK]``, ``in_range`` their mask), slot ``s`` at ``base + s * SLOT_STRIDE``: ``SPLIT_BLOCK`` slots
-    per step as a tree, the steps in order."""
+    per step as a tree, the steps in order.  ``CACHE``: the loads' cache modifier (``".cg"`` for slots
+    other programs of the launch stored: ``arrival``)."""
     slots = tl.arange(0, SPLIT_BLOCK).to(tl.int64)
     acc = tl.zeros(base.shape, tl.float64)
     for s0 in range(0, SPLIT, SPLIT_BLOCK):
         s = s0 + slots
         v = tl.load(part_ptr + s[:, None] * SLOT_STRIDE + base[None, :],
-                    mask=(s < SPLIT)[:, None] & in_range[None, :], other=0.0)  # fmt: skip
+                    mask=(s < SPLIT)[:, None] & in_range[None, :], other=0.0, cache_modifier=CACHE)  # fmt: skip
         acc += tl.sum(v.to(tl.float64), axis=0)
     return acc
 
 
 @triton.jit
-def sum_dim_kernel(part_ptr, out_ptr, SPLIT, TOTAL, INNER, CHUNK, BLOCK: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
-    """``out[j, o, i] = Σ_{s in chunk j} part[o, s, i]`` in float64 (``part`` contiguous ``(TOTAL / INNER,
-    SPLIT, INNER)``, fp32 or float64; chunk ``j`` the grid's second dim, ``CHUNK`` slots each), ``BLOCK``
-    of the ``TOTAL`` outputs per program (module docstring)."""
+def sum_dim_kernel(part_ptr, out_ptr, step_ptr, count_ptr, SPLIT, TOTAL, INNER, CHUNK, BLOCK: tl.constexpr,
+                   SPLIT_BLOCK: tl.constexpr, CHUNKED: tl.constexpr, CHUNK_BLOCK: tl.constexpr):  # fmt: skip
+    """``out[o, i] = Σ_s part[o, s, i]`` in float64 (``part`` contiguous ``(TOTAL / INNER, SPLIT, INNER)``,
+    fp32 or float64), ``BLOCK`` of the ``TOTAL`` outputs per program, in one launch.  With ``CHUNKED``
+    program ``(p, j)`` sums chunk ``j`` of the slots (``CHUNK`` slots, the grid's second dim) into
+    ``step_ptr[j, e]`` (float64 ``(chunks, TOTAL)``) and the last of its block's programs to arrive
+    (``arrival.last_to_arrive`` on ``count_ptr[p]``, int32 zeros) sums the chunks in their order,
+    ``CHUNK_BLOCK`` per step (module docstring)."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     chunk = tl.program_id(1)
     in_range = e < TOTAL
     first = chunk.to(tl.int64) * CHUNK
     base = (e // INNER) * SPLIT * INNER + e % INNER + first * INNER
     acc = sum_slots(part_ptr, base, in_range, tl.minimum(SPLIT - first, CHUNK), INNER, SPLIT_BLOCK)
-    tl.store(out_ptr + chunk.to(tl.int64) * TOTAL + e, acc, mask=in_range)
+    if CHUNKED:
+        chunks = tl.num_programs(1)
+        tl.store(step_ptr + chunk.to(tl.int64) * TOTAL + e, acc, mask=in_range)
+        if last_to_arrive(count_ptr + tl.program_id(0), chunks):
+            total = sum_slots(step_ptr, e, in_range, chunks, TOTAL, CHUNK_BLOCK, ".cg")
+            tl.store(out_ptr + e, total, mask=in_range)
+    else:
+        tl.store(out_ptr + e, acc, mask=in_range)
 
 
-#: :func:`sum_dim`'s launches, per ``(split, total, inner)``
+#: :func:`sum_dim`'s launches, per ``(split, total, inner)``: the launch, its programs along the
+#: elements, its chunks of slots
 _LAUNCHES = PlanCache()
-
-
-def _dim_launch(split: int, total: int, inner: int, one_step: bool) -> tuple[FastLaunch, int]:
-    """A launch of :func:`sum_dim_kernel` and its chunks: ``one_step``: chunks of one step each (the
-    grid's second dim), else one chunk of every slot."""
-    block, slots = split_sum_blocks(total, split)
-    chunks = cdiv(split, slots) if one_step else 1
-    launch = FastLaunch(sum_dim_kernel, (cdiv(total, block), chunks), dict(BLOCK=block, SPLIT_BLOCK=slots, num_warps=8),
-                        fixed=(split, total, inner, slots if one_step else split))  # fmt: skip
-    return launch, chunks
 
 
 def sum_dim(partials: torch.Tensor, dim: int) -> torch.Tensor:
     """float64 sums of contiguous fp32 ``partials`` over ``dim``: its shape without ``dim``, the same bits
-    on every run for one shape.  Where the slots take one step of a program: one launch; else two, the
-    first summing each step's slots in a program of its own (a chunk), the second the chunks in order
-    (the slot loop's steps are dependent: a few programs walking many steps are mostly waiting).
+    on every run for one shape, in one launch.  Where the slots take more than one step of a program, each
+    step's slots are summed in a program of its own (a chunk), and the last chunk of an element block to
+    finish sums the chunks in order (``arrival``: the slot loop's steps are dependent, so a few programs
+    walking many steps are mostly waiting).
     NOTE: the input gradient's BatchNorm sums of ResNet-50's 1x1 convs at 56 x 56 (1,568 tiles; 64 and 256
     channels) took 11.9 and 32.6 us in one launch of seven steps, 4.8 and 7.0 in two (H200; the command in
     ``stats.reduce_grad_partials``' NOTE)."""
@@ -103,15 +110,20 @@ def sum_dim(partials: torch.Tensor, dim: int) -> torch.Tensor:
     if total == 0 or split == 0:
         return out.zero_()
 
-    def build() -> tuple[FastLaunch, int, FastLaunch | None]:
-        first, chunks = _dim_launch(split, total, inner, one_step=True)
-        return first, chunks, _dim_launch(chunks, total, total, one_step=False)[0] if chunks > 1 else None
+    def build() -> tuple[FastLaunch, int, int]:
+        block, slots = split_sum_blocks(total, split)
+        chunks = cdiv(split, slots)
+        chunk_block = min(next_pow2(chunks), max(1, _STEP_LOADS // block))
+        launch = FastLaunch(sum_dim_kernel, (cdiv(total, block), chunks),
+                            dict(BLOCK=block, SPLIT_BLOCK=slots, CHUNKED=chunks > 1, CHUNK_BLOCK=chunk_block,
+                                 num_warps=8),
+                            fixed=(split, total, inner, slots))  # fmt: skip
+        return launch, cdiv(total, block), chunks
 
-    first, chunks, second = _LAUNCHES.plan((split, total, inner), build)
-    if second is None:
-        first(partials, out)
+    launch, blocks, chunks = _LAUNCHES.plan((split, total, inner, partials.device), build)
+    if chunks == 1:
+        launch(partials, out, out, out)
         return out
     steps = torch.empty((chunks, total), dtype=torch.float64, device=partials.device)
-    first(partials, steps)
-    second(steps, out)
+    launch(partials, out, steps, arrival.counters(partials.device, blocks))
     return out

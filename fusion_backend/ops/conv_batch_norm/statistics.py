@@ -84,13 +84,13 @@ def _library(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormC
 def _family(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> tuple[Tensor, Tensor]:
     """The family's conv with the statistics of its stored output (``kernels.conv.conv_fprop(stats=True)``),
     in TF32 only where eager's conv of x and the weight is (``conv_precision``)."""
-    from ...kernels.conv import conv_fprop
+    from ...kernels.conv import BatchNormForm, conv_fprop
 
     spec = cfg.conv
     tf32 = conv_precision.forward_tf32(x, weight, spec).tf32
     y0, st = conv_fprop(x, weight, None, stride=spec.stride, padding=spec.padding, dilation=spec.dilation,
-                        groups=spec.groups, stats=True, allow_tf32=tf32)  # fmt: skip
-    return y0, st.batch_norm_form(bias, cfg.eps)
+                        groups=spec.groups, stats=True, allow_tf32=tf32, bn_form=BatchNormForm(bias, cfg.eps))  # fmt: skip
+    return y0, st.form
 
 
 def _choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> str:

@@ -1,0 +1,55 @@
+"""The last program to arrive: a two-stage reduction in one launch.
+
+A reduction whose parts are made by many programs (each a span of tiles or slots) and then combined
+needs every part stored before the combination reads them.  As two launches, the second is a few
+microseconds of latency for a few hundred bytes of work, once per call (``docs/perf/RESULTS.md``, "The
+hooked forward under Nsight Compute").  Here each program, once its part is stored, counts its arrival
+on a counter it shares with the programs whose parts are combined together, and the one that arrives
+last (:func:`last_to_arrive`) combines them, reading them in their fixed order: the result is the same
+bits whichever program that is (no atomics touch the values).
+
+Contract of :func:`counters`: int32 zeros in global memory, kept per device and stream.  A launch's
+last program sets its group's counter back to 0, so every launch finds them zero and none pays a
+memset; launches on one stream never overlap (no programmatic dependent launch), so a stream's
+launches share one set; a launch on another stream (two streams running one model at once) gets a set
+of its own.  A set first made while a CUDA graph is captured is made (and zeroed) inside that capture:
+its replays zero it again before the kernels that use it, and the capture stream's later graphs find it
+zero as every launch leaves it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: counters per ``(device, stream)``; each set at least this many, grown to the largest asked for
+_MIN_SLOTS = 1024
+_SETS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def counters(device: torch.device, slots: int) -> torch.Tensor:
+    """int32 zeros, at least ``slots`` of them, for launches on ``device``'s current stream (module
+    docstring); a launch uses slots ``[0, slots)`` and leaves them zero."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device, stream)
+    have = _SETS.get(key)
+    if have is None or have.numel() < slots:
+        have = torch.zeros(max(slots, _MIN_SLOTS), dtype=torch.int32, device=device)
+        _SETS[key] = have
+    return have
+
+
+@triton.jit
+def last_to_arrive(counter_ptr, programs):
+    """Whether the calling program is the last of ``programs`` to arrive at ``counter_ptr`` (int32,
+    shared by them and zero at the launch's start); every global store the others made before they
+    arrived is then visible to its loads (read them with ``cache_modifier=".cg"``: not through L1).  The
+    last one sets the counter back to 0.  Call once per program, after its stores."""
+    tl.debug_barrier()  # every thread's stores issued before the release below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == programs - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
