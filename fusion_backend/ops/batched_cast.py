@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .autograd_free import register_autograd_free
 from .direct_impls import register_direct
 
 
@@ -37,6 +38,7 @@ def _fake(tensors, dtype):  # noqa: ANN001, ANN202
     return [torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=t.device) for t in tensors]
 
 
-#: what a graph calls (``match/batch_glue.py``)
+#: what a graph calls (``match/batch_glue.py``); Inductor's code calls its autograd-free op
 CAST_BATCHED = torch.ops.fusion.cast_batched.default
 register_direct(CAST_BATCHED, cast_all)
+register_autograd_free(cast_batched, cast_all, _fake)

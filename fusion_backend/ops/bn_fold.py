@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..kernels.host import kernels_unavailable
 from ..kernels.plan_cache import ContractError
+from .autograd_free import register_autograd_free
 from .direct_impls import register_direct
 
 
@@ -132,6 +133,7 @@ def _batched_fake(means, variances, gammas, betas, eps):  # noqa: ANN001, ANN202
     return (variances[0].new_empty(total, dtype=torch.float32), variances[0].new_empty(total, dtype=torch.float32))
 
 
-#: what a graph calls (``match/batch_glue.py``)
+#: what a graph calls (``match/batch_glue.py``); Inductor's code calls its autograd-free op
 BATCHED = torch.ops.fusion.bn_scale_shift_batched.default
 register_direct(BATCHED, batched_scale_and_shift)
+register_autograd_free(bn_scale_shift_batched, batched_scale_and_shift, _batched_fake)

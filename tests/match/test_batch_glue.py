@@ -286,3 +286,23 @@ def test_a_weight_attribute_made_after_the_first_call_moves_up_before_the_batche
     with torch.no_grad():  # the calls casting the weights themselves: the same values, bit for bit
         want = ce.conv_epilogue(ce.conv_epilogue(x_in, root.w1, None, [], config), root.w2, None, [], config)
         torch.testing.assert_close(gm(x_in), want, rtol=0, atol=0)
+
+
+def test_inductor_code_calls_the_batched_glue_through_its_autograd_free_ops(kernels):
+    """The batched scale-and-shift and weight casts run as the fused ops do in Inductor's code: through
+    their autograd-free ops (``ops/autograd_free.py``: no custom-op Python layers per call, whose checks
+    walk every tensor of the lists), with eager's outputs."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = AutocastBlocks().eval().to(DEVICE)
+    x = torch.randn(2, 3, 7, 9, device=DEVICE)
+    fn = torch.compile(model, backend="fusion", options={"decide": "fuse", "direct": False})
+    with torch.no_grad():
+        out, codes = run_and_get_code(fn, x)
+        expected = model(x)
+    code = "\n".join(codes)
+    for name in ("cast_batched", "bn_scale_shift_batched"):
+        assert f"torch.ops.fusion.{name}_noautograd.default(" in code, name
+        assert f"torch.ops.fusion.{name}.default(" not in code, name
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)  # autocast fp16, folded norms
