@@ -31,7 +31,11 @@ _SETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 def counters(device: torch.device, slots: int) -> torch.Tensor:
     """int32 zeros, at least ``slots`` of them, for launches on ``device``'s current stream (module
     docstring); a launch uses slots ``[0, slots)`` and leaves them zero."""
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        device, stream = torch.device("cuda", index), torch._C._cuda_getCurrentRawStream(index)
+    else:
+        stream = 0
     key = (device, stream)
     have = _SETS.get(key)
     if have is None or have.numel() < slots:

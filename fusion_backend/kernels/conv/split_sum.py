@@ -48,11 +48,13 @@ def split_sum_blocks(total: int, split: int) -> tuple[int, int]:
 
 
 @triton.jit
-def sum_slots(part_ptr, base, in_range, SPLIT, SLOT_STRIDE, SPLIT_BLOCK: tl.constexpr, CACHE: tl.constexpr = ""):
+def sum_slots(part_ptr, base, in_range, SPLIT, SLOT_STRIDE, SPLIT_BLOCK: tl.constexpr, CACHE: tl.constexpr):
     """float64 sums over ``SPLIT`` slots of the elements whose first slot is at ``part_ptr + base`` (int64
     ``[BLOCK]``, ``in_range`` their mask), slot ``s`` at ``base + s * SLOT_STRIDE``: ``SPLIT_BLOCK`` slots
-    per step as a tree, the steps in order.  ``CACHE``: the loads' cache modifier (``".cg"`` for slots
-    other programs of the launch stored: ``arrival``)."""
+    per step as a tree, the steps in order.  ``CACHE``: the loads' cache modifier, ``""`` or ``".cg"`` for
+    slots other programs of the launch stored (``arrival``).  NOTE: passed by every caller: Triton 3.6 fails
+    to compile a call that leaves a string constexpr to its default ("'str' object has no attribute
+    'type'"; ``tests/kernels/test_split_sum.py`` on the H200)."""
     slots = tl.arange(0, SPLIT_BLOCK).to(tl.int64)
     acc = tl.zeros(base.shape, tl.float64)
     for s0 in range(0, SPLIT, SPLIT_BLOCK):
@@ -77,7 +79,7 @@ def sum_dim_kernel(part_ptr, out_ptr, step_ptr, count_ptr, SPLIT, TOTAL, INNER, 
     in_range = e < TOTAL
     first = chunk.to(tl.int64) * CHUNK
     base = (e // INNER) * SPLIT * INNER + e % INNER + first * INNER
-    acc = sum_slots(part_ptr, base, in_range, tl.minimum(SPLIT - first, CHUNK), INNER, SPLIT_BLOCK)
+    acc = sum_slots(part_ptr, base, in_range, tl.minimum(SPLIT - first, CHUNK), INNER, SPLIT_BLOCK, "")
     if CHUNKED:
         chunks = tl.num_programs(1)
         tl.store(step_ptr + chunk.to(tl.int64) * TOTAL + e, acc, mask=in_range)

@@ -399,7 +399,7 @@ def sum_splits_kernel(part_ptr, out_ptr, SPLIT, TOTAL, C_OUT_G, w_so, w_si, w_sd
     kw = tap % KW
     kh = (tap // KW) % KH
     kd = tap // (KW * KH)
-    acc = sum_slots(part_ptr, e, in_range, SPLIT, TOTAL, SPLIT_BLOCK)  # slot s of element e at s * TOTAL + e
+    acc = sum_slots(part_ptr, e, in_range, SPLIT, TOTAL, SPLIT_BLOCK, "")  # slot s of element e at s * TOTAL + e
     dst = (g * C_OUT_G + co) * w_so + ci * w_si + kd * w_sd + kh * w_sh + kw * w_sw
     tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=in_range & real & (co < C_OUT_G))
 
