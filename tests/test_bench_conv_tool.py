@@ -408,8 +408,8 @@ def test_the_forwards_statistics_alone_are_timed_against_the_conv_and_the_statis
     assert default.hooks == bench_conv.HOOKS["fprop"]
 
 
-def test_the_profiling_tool_launches_the_benchmarks_four_forwards_on_the_tile_given(tmp_path: Path,
-                                                                                    triton_kernels: None) -> None:
+def test_the_profiling_tool_launches_the_benchmarks_four_forwards_on_the_tile_given(tmp_path: Path, triton_kernels: None,
+                                                                                    kernel_device: str) -> None:
     """``tools/profile_conv_family.py`` (Nsight Compute's launcher): per selected conv the forward
     plain, with its statistics, with the prologue, and with both, as the benchmark calls them, on the
     tile given; a malformed tile is a one-line error."""
@@ -418,7 +418,7 @@ def test_the_profiling_tool_launches_the_benchmarks_four_forwards_on_the_tile_gi
     (tmp_path / "tiny.py").write_text(CONVS_MODEL)
     tile = profile_conv_family.parse_tile("16,16,16,1,1")
     built = profile_conv_family.cases([str(tmp_path / "tiny.py")], "*8x16x16 -> 8 k3x3*", "fp32", tile,
-                                      torch.device("cpu"))
+                                      torch.device(kernel_device))
     assert [label.rsplit(" fp32 ", 1)[1] for label, _ in built] == list(profile_conv_family.VARIANTS)
     plain, stats, prologue, both = (call() for _, call in built)
     assert plain.shape == (4, 8, 16, 16) and stats[1] is not None and prologue[1] is None and both[1] is not None
