@@ -102,8 +102,11 @@ def sum_dim(partials: torch.Tensor, dim: int) -> torch.Tensor:
     finish sums the chunks in order (``arrival``: the slot loop's steps are dependent, so a few programs
     walking many steps are mostly waiting).
     NOTE: the input gradient's BatchNorm sums of ResNet-50's 1x1 convs at 56 x 56 (1,568 tiles; 64 and 256
-    channels) took 11.9 and 32.6 us in one launch of seven steps, 4.8 and 7.0 in two (H200; the command in
-    ``stats.reduce_grad_partials``' NOTE)."""
+    channels) took 11.9 and 32.6 us in one program walking seven steps, 4.8 and 7.0 with a program per step
+    and a second launch summing the steps (H200; the command in ``stats.reduce_grad_partials``' NOTE); the
+    steps summed by the last of them instead: the hooked input gradient of the 3x3 of 64 channels at 56 x 56
+    0.0707 -> 0.0691 ms (``docs/perf/RESULTS.md``, "The statistics' reduction and BatchNorm's form in one
+    launch")."""
     shape = list(partials.shape)
     split = shape.pop(dim)
     inner = math.prod(shape[dim:])

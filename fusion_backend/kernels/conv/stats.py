@@ -90,21 +90,25 @@ class GroupStats(ChannelStats):
 # tiles, a float64 division per value): 1.84x.  Hence the split over tiles and one reciprocal per tile
 # (``CONVK_STATS=1 CONVK_TESTS=0 CONVK_BENCH=0 CONVK_SWEEP=0 bash tools/gpu_session.sh convk``).
 _BLOCK_C = 16  # channels per program (BatchNorm's statistics) or per step over a group's channels
-#: tiles per step, and per program of the first of two launches, and the most one launch takes.  NOTE: one
-#: launch of two steps over the TMA forward's 264 program lanes took 9.4 us against 8.3 for the two
-#: launches (H200, ResNet-50's 64 -> 64 1x1 at 56 x 56 with its statistics, ``python tools/bench_conv.py
+#: tiles per step, and per span (a program along the tiles).  NOTE: a program walking two steps over the
+#: TMA forward's 264 program lanes took 9.4 us against 8.3 for spans combined by a second launch (H200,
+#: ResNet-50's 64 -> 64 1x1 at 56 x 56 with its statistics, ``python tools/bench_conv.py
 #: demos/realnets/resnet50.py --passes fprop --profile --filter '*64x64x56x56 -> 64 k1x1*'``), and
 #: spilled on sm_90.  And on 4 warps 256 x 16 spilled 8
 #: registers, on 8 none (sm_90: ``python tools/compile_check.py conv_family --cases
 #: resnet_3x3-bf16-hooked --kernels combine``)
 _MAX_BLOCK_T = 256
-# NOTE: the two launches are latency, not work: spans of 16 to 256 tiles per program of the first took
-# 9.3-10.3 us on 1,568 tiles of 64 channels, and one launch over 25 tiles 4.2 (H200, ``PartialsReduction``
-# timed alone by ``impl_choice.gpu_ms_per_call``).  Combining in the forward kernel itself (the program
-# completing a group of tiles combines it, the one completing the last group the groups) was slower on
-# every row: its float64 registers cost every tile's occupancy (ResNet-50's 3x3 of 64 channels at 56 x 56
-# with its statistics 0.0669 -> 0.0821 ms, the 7x7 stem 0.233 -> 0.460; ``python tools/bench_conv.py
-# demos/realnets/resnet50.py --passes fprop --fprop-hooks stats --shard 1/2``, before and after).
+# NOTE: the reduction is latency, not work: spans of 16 to 256 tiles took 9.3-10.3 us on 1,568 tiles of 64
+# channels as two launches, and one launch over 25 tiles 4.2 (H200, ``PartialsReduction`` timed alone by
+# ``impl_choice.gpu_ms_per_call``).  The spans combined by the last program to arrive (``arrival``) instead
+# of a second launch: the same 8.6 us of kernel time, the gap between the launches gone (the 3x3 of 64
+# channels at 56 x 56 with its statistics 0.0669 -> 0.0653 ms, the 1x1 of 256 -> 64 0.0469 -> 0.0450), and
+# BatchNorm's form written by that launch instead of one of its own (``conv_fprop`` + ``batch_norm_form``
+# 48.0 -> 45.8 us on the 1x1; ``docs/perf/RESULTS.md``, "The statistics' reduction and BatchNorm's form in
+# one launch").  Combining in the forward kernel itself (the program completing a group of tiles combines
+# it, the one completing the last group the groups) was slower on every row: its float64 registers cost
+# every tile's occupancy (the 3x3 0.0669 -> 0.0821 ms, the 7x7 stem 0.233 -> 0.460; ``python
+# tools/bench_conv.py demos/realnets/resnet50.py --passes fprop --fprop-hooks stats --shard 1/2``).
 
 
 @triton.jit
