@@ -8,9 +8,14 @@ Inductor's code calls (``ops/autograd_free.py``), through its implementation (``
 settled plan's lookup and the plan) and of the settled plan alone, grouped by plan kind.  The layers'
 differences are what the dispatcher and the lookup cost; the plan's time, its casts, checks and launch.
 
+With ``--ops N`` it also lists, for each compiled model, the N operators and runtime calls with the most
+host time per step (``torch.profiler``'s self CPU time over five steps: the fused op's own Python is its
+``fusion::..._noautograd`` row, the tensors it allocates ``aten::empty``/``empty_strided``; the profiler
+adds its own cost to every row, so compare rows, not totals with the times above).
+
 Usage (repository root, needs CUDA; ``--batch 2`` makes the GPU work ~0, so the step time is the host's)::
 
-    python tools/fused_call_host.py demos/realnets/resnet50.py --dtype bf16 [--batch 2]
+    python tools/fused_call_host.py demos/realnets/resnet50.py --dtype bf16 [--batch 2] [--ops 25]
 """
 
 from __future__ import annotations
@@ -54,6 +59,18 @@ def step_times(step, steps: int) -> tuple[float, float]:
     return wall, enqueue
 
 
+def print_host_ops(step, top: int, steps: int = 5) -> None:
+    """The ``top`` operators by self CPU time per step over ``steps`` profiled steps (module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call_with_frame_room(lambda: [step() for _ in range(steps)])
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    for e in events[:top]:
+        print(f"    {e.self_cpu_time_total / steps:9.1f} us/step  {e.count / steps:6.1f} calls/step  {e.key[:90]}")
+
+
 def _compiled(backend: str, model, inputs, dtype: str):
     """The model compiled with ``backend``, its step, its first call's seconds and its generated code."""
     from torch._inductor.utils import run_and_get_code
@@ -92,6 +109,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
     parser.add_argument("--batch", type=int, default=0, help="cut the inputs to this batch (0: the file's)")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--ops", type=int, default=0, help="also list this many operators by host time per step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fused_call_host.py needs CUDA")
@@ -110,6 +128,8 @@ def main() -> None:
             rows[name] = wall
             print(f"{name:20s} wall {wall:7.3f} ms/step  host enqueue {host:7.3f} ms/step  first call {first_s:5.1f} s  "
                   f"fused calls per step: {code.count('_noautograd.default(')}", flush=True)
+            if args.ops:
+                print_host_ops(step, args.ops)
         sites = _call_sites(step)
         print(f"Inductor / every region fused: {rows['inductor'] / rows['every region fused']:.2f}x")
         from fusion_backend.ops import conv_epilogue as ce
