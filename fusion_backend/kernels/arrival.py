@@ -1,12 +1,13 @@
 """The last program to arrive: a two-stage reduction in one launch.
 
 A reduction whose parts are made by many programs (each a span of tiles or slots) and then combined
-needs every part stored before the combination reads them.  As two launches, the second is a few
-microseconds of latency for a few hundred bytes of work, once per call (``docs/perf/RESULTS.md``, "The
-hooked forward under Nsight Compute").  Here each program, once its part is stored, counts its arrival
-on a counter it shares with the programs whose parts are combined together, and the one that arrives
-last (:func:`last_to_arrive`) combines them, reading them in their fixed order: the result is the same
-bits whichever program that is (no atomics touch the values).
+needs every part stored before the combination reads them.  As two launches, the second adds the gap
+between two launches for a few hundred bytes of work, once per call (1.6-1.9 us on the H200:
+``docs/perf/RESULTS.md``, "The statistics' reduction and BatchNorm's form in one launch").  Here each
+program, once its part is stored, counts its arrival on a counter it shares with the programs whose
+parts are combined together, and the one that arrives last (:func:`last_to_arrive`) combines them,
+reading them in their fixed order: the result is the same bits whichever program that is (no atomics
+touch the values).
 
 Contract of :func:`counters`: int32 zeros in global memory, kept per device and stream.  A launch's
 last program sets its group's counter back to 0, so every launch finds them zero and none pays a
