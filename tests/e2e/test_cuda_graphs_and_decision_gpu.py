@@ -315,7 +315,7 @@ def _family_cases():
     ]
 
 
-def _family_steps(case, device, compile_kwargs, steps=4):
+def _family_steps(case, device, compile_kwargs, steps=4, shape=(4, 8, 12, 10)):
     """Run ``case``'s model compiled (every region fused: the suite's ``FUSION_DECIDE=fuse``), eagerly
     and in float64 over ``steps`` fresh inputs; a list of what differs from eager beyond eager's own
     error against float64 (outputs, every gradient, the buffers after each step; ``testing.compare``),
@@ -332,7 +332,7 @@ def _family_steps(case, device, compile_kwargs, steps=4):
     problems = []
     with collect_reports() as reports, torch.set_grad_enabled(grads):
         for _ in range(steps):
-            x = torch.randn(4, 8, 12, 10, device=device)
+            x = torch.randn(shape, device=device)
             outs, weight = {}, None  # the loss weighs the output at random: its gradient is not the output
             for name, m in (("eager", eager), ("exact", exact), ("compiled", model)):
                 m.zero_grad(set_to_none=True)
@@ -358,5 +358,30 @@ def test_every_family_under_cuda_graphs_matches_eager_over_steps(case, exact_fp3
     over several replays its outputs, every gradient and the batch norm's running statistics are
     eager's, within eager's own error against float64 (fp32, TF32 off)."""
     problems, reports = _family_steps(case, "cuda", {"mode": "reduce-overhead"})
+    assert not problems, problems
+    assert sum(r.counts().get(case[1], 0) for r in reports) >= 1, [r.counts() for r in reports]
+
+
+_FORCED_FAMILY_BN_WGRAD = pytest.mark.xfail(
+    strict=True, reason="known fault of the forced conv family's training BatchNorm path: its fp32 weight gradient "
+    "read 2.7e-3 relative error against float64 on the H200 (TF32 off), where eager's is within 1e-5")
+_FORCED_FAMILY_CASES = [pytest.param(c, id=c[0], marks=[_FORCED_FAMILY_BN_WGRAD] if c[0] == "bn-train-relu" else [])
+                        for c in _family_cases() if c[0] in ("bn-train-relu", "gn-silu")]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", _FORCED_FAMILY_CASES)
+def test_the_conv_family_s_kernels_under_cuda_graphs_match_eager_over_steps(case, exact_fp32, monkeypatch):
+    """The same with the conv family's kernels forced (``FUSION_CONV_IMPL=family``), on an input whose
+    statistics span more than 256 tiles: their one-launch reductions keep their arrival counters out of
+    the graphs' memory pool (a counter set made there failed the pool's check of live blocks on the
+    graph's first call)."""
+    from fusion_backend.kernels.plan_cache import forget_call_plans
+
+    monkeypatch.setenv("FUSION_CONV_IMPL", "family")
+    forget_call_plans()
+    try:
+        problems, reports = _family_steps(case, "cuda", {"mode": "reduce-overhead"}, shape=(8, 8, 64, 72))
+    finally:
+        forget_call_plans()
     assert not problems, problems
     assert sum(r.counts().get(case[1], 0) for r in reports) >= 1, [r.counts() for r in reports]

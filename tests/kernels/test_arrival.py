@@ -57,3 +57,22 @@ def test_counters_are_kept_per_device_and_stream_and_grow_to_what_is_asked() -> 
     if DEVICE == "cuda":
         with torch.cuda.stream(torch.cuda.Stream()):
             assert arrival.counters(device, 3).data_ptr() != big.data_ptr()  # another stream, another set
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA graph's memory pool")
+def test_a_set_made_while_the_thread_allocates_from_a_graph_pool_is_not_in_that_pool() -> None:
+    """What ``torch.compile(mode="reduce-overhead")`` does around a graph's first calls: the thread's
+    allocations go to the graph's pool, and afterwards every live block there must be an output."""
+    index = torch.cuda.current_device()
+    pool = torch.cuda.graph_pool_handle()
+    with torch.cuda.stream(torch.cuda.Stream()):  # a stream without a set yet
+        torch._C._cuda_beginAllocateCurrentThreadToPool(index, pool)
+        try:
+            made = arrival.counters(torch.device("cuda", index), 5)
+            routed = torch.empty(64, device="cuda")  # an ordinary allocation: in the pool
+        finally:
+            torch._C._cuda_endAllocateToPool(index, pool)
+    assert made.numel() >= 5 and not made.any()
+    assert torch._C._cuda_checkPoolLiveAllocations(index, pool, {routed.untyped_storage().data_ptr()})
+    del routed
+    torch._C._cuda_releasePool(index, pool)

@@ -125,7 +125,7 @@ def sum_dim(partials: torch.Tensor, dim: int) -> torch.Tensor:
                             fixed=(split, total, inner, slots))  # fmt: skip
         return launch, cdiv(total, block), chunks
 
-    launch, blocks, chunks = _LAUNCHES.plan((split, total, inner, partials.device), build)
+    launch, blocks, chunks = _LAUNCHES.plan((split, total, inner), build)  # FastLaunch keys the device
     if chunks == 1:
         launch(partials, out, out, out)
         return out
