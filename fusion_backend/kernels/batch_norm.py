@@ -82,16 +82,31 @@ SUM_ROWS = 2 + MAX_SLOTS
 
 
 @triton.jit
-def _offsets(c, r, S, sn, sc, ss):
-    """Element offsets of channels ``c`` and flat indices ``r`` in a tensor of strides ``(sn, sc, ss)``."""
+def _offsets(c, r, S, sn, sc, ss, FLAT: tl.constexpr):
+    """Element offsets of channels ``c`` and flat indices ``r`` in a tensor of strides ``(sn, sc, ss)``;
+    with ``FLAT`` (``walks_flat``: one sample, or ``sn == S * ss``) without dividing ``r`` by ``S``.
+    NOTE: with the division and remainder per element, ResNet-50's nine BatchNorm shapes (bf16, batch 64,
+    channels-last) took 887 us in the statistics and normalise passes and 1,405 us in the backward, on
+    the H200, against 765 and 1,358 us without; reading and writing their tensors once each at the copy
+    rate would take 427 and 711 us (``python tools/bench_batch_norm.py``; ``docs/perf/RESULTS.md``,
+    "BatchNorm's training passes walked without a division")."""
+    if FLAT:
+        return r.to(tl.int64) * ss + c.to(tl.int64) * sc
     return (r // S).to(tl.int64) * sn + c.to(tl.int64) * sc + (r % S).to(tl.int64) * ss
 
 
+def walks_flat(plan: Plan, *strides: tuple[int, int, int]) -> bool:
+    """Whether every ``(sn, sc, ss)`` walks the flat index ``r = n * positions + s`` of ``plan``'s tensors
+    with one stride (one sample, or ``sn == positions * ss``: channels-last and dense), so ``_offsets``
+    needs no division."""
+    return plan.values == plan.positions or all(sn == plan.positions * ss for sn, _, ss in strides)
+
+
 @triton.jit
-def _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS: tl.constexpr):
+def _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS: tl.constexpr, FLAT: tl.constexpr):
     """``v = y + bias`` (fp32) at channels ``c`` ([BLOCK_C, 1]) and flat indices ``r`` ([1, BLOCK_R]);
     lanes outside ``valid`` hold 0."""
-    v = tl.load(y_ptr + _offsets(c, r, S, y_sn, y_sc, y_ss), mask=valid, other=0.0).to(tl.float32)
+    v = tl.load(y_ptr + _offsets(c, r, S, y_sn, y_sc, y_ss, FLAT), mask=valid, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b = tl.load(bias_ptr + c, mask=c < C, other=0.0).to(y_ptr.dtype.element_ty).to(tl.float32)
         v = tl.where(valid, v + b, 0.0)
@@ -102,16 +117,16 @@ def _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS: tl.c
 def _norm_grad_tile(gout_ptr, y_ptr, bias_ptr, q_ptr, win_ptr, c, r, valid, mu, rstd, gamma, beta, C, S,
                     g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh, w_sw,
                     POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr,
-                    POOL_GEOM: tl.constexpr):  # fmt: skip
+                    POOL_GEOM: tl.constexpr, FLAT: tl.constexpr):  # fmt: skip
     """One tile of the backward: ``(x_hat, dz, q0..q7)``: the normalised value, the gradient at the
     norm's output (the post-chain walked back from grad_out; 0 outside ``valid``) and the post-chain's
     operand gradients.  With a pool (POOL 1 max, 2 avg) grad_out is the pooled gradient and each
     position's gradient is gathered from the windows that hold it (``norm_pool.pool_input_grad``: a
     max pool's only at its winners), so nothing full-size is read but y."""
-    v = _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS)
+    v = _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS, FLAT)
     xh = (v - mu) * rstd
     if POOL == 0:
-        g = tl.load(gout_ptr + _offsets(c, r, S, g_sn, g_sc, g_ss), mask=valid, other=0.0).to(tl.float32)
+        g = tl.load(gout_ptr + _offsets(c, r, S, g_sn, g_sc, g_ss, FLAT), mask=valid, other=0.0).to(tl.float32)
     else:
         n64 = (r // S).to(tl.int64)
         c64 = c.to(tl.int64)
@@ -130,12 +145,14 @@ def _norm_grad_tile(gout_ptr, y_ptr, bias_ptr, q_ptr, win_ptr, c, r, valid, mu, 
 def _batch_norm_stats_kernel(
     y_ptr, bias_ptr, ws_ptr, C, S, R, CHUNK, K,
     y_sn, y_sc, y_ss,
-    HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FLAT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Per (channel, chunk): the chunk's mean and sum of squared deviations of ``v = y + bias``.
 
     Each lane of the ``[BLOCK_C, BLOCK_R]`` tile keeps its own Welford mean, sum of squared deviations
-    and count over the chunk's tiles; the lanes are merged once, at the end, with Chan's formula.
+    and count over the chunk's tiles; the lanes are merged once, at the end, with Chan's formula.  Every
+    lane of a channel holds a value in each of the chunk's full tiles, so there the count is the loop's
+    (no per-lane count to keep and no mask); the chunk's last, partial tile counts per lane.
     NOTE: the loop is elementwise, so the kernel reads at memory speed; a two-pass reduction across
     the lanes of every tile (a tile mean, then the deviations from it) made it 3.6x slower than
     Inductor's statistics pass on a channels-last 32x64x128x128 fp32 conv output, 0.167 vs 0.046 ms
@@ -151,21 +168,30 @@ def _batch_norm_stats_kernel(
     flat indices ``[k * CHUNK, min((k + 1) * CHUNK, R))``.
     """
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    cmask = c < C
     k = tl.program_id(1)
     rb = tl.arange(0, BLOCK_R)[None, :]
     start = k * CHUNK
-    n = tl.zeros([BLOCK_C, BLOCK_R], tl.float32)
+    end = tl.minimum(start + CHUNK, R)
+    full = (end - start) // BLOCK_R
     mean = tl.zeros([BLOCK_C, BLOCK_R], tl.float32)
     m2 = tl.zeros([BLOCK_C, BLOCK_R], tl.float32)
-    for r0 in range(start, tl.minimum(start + CHUNK, R), BLOCK_R):
-        r = r0 + rb
-        valid = (c < C) & (r < R)
-        v = _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS)
+    for i in range(0, full):  # full tiles: every lane's count is i + 1 (a channel past C: never stored)
+        v = _load_v(y_ptr, bias_ptr, c, start + i * BLOCK_R + rb, cmask, C, S, y_sn, y_sc, y_ss, HAS_BIAS, FLAT)
+        delta = v - mean
+        mean = mean + delta / (i + 1.0)  # the division of a per-lane count: the same bits
+        m2 = m2 + delta * (v - mean)
+    n = tl.zeros([BLOCK_C, BLOCK_R], tl.float32) + full.to(tl.float32)
+    r = start + full * BLOCK_R + rb
+    if start + full * BLOCK_R < end:  # the partial tile: per-lane counts
+        valid = cmask & (r < end)
+        v = _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS, FLAT)
         n_new = n + valid.to(tl.float32)
         delta = v - mean
         mean = mean + tl.where(valid, delta / tl.maximum(n_new, 1.0), 0.0)
         m2 = m2 + tl.where(valid, delta * (v - mean), 0.0)
         n = n_new
+    n = tl.where(cmask, n, 0.0)
     count = tl.sum(n, axis=1)
     chunk_mean = tl.sum(mean * n, axis=1) / tl.maximum(count, 1.0)
     d = mean - chunk_mean[:, None]
@@ -216,7 +242,7 @@ def _batch_norm_combine_kernel(ws_ptr, counts_ptr, st_ptr, gamma_ptr, beta_ptr, 
 def _batch_norm_apply_kernel(
     y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, out_ptr, C, S, R, CHUNK,
     y_sn, y_sc, y_ss, o_sn, o_sc, o_ss,
-    POST: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    POST: tl.constexpr, HAS_BIAS: tl.constexpr, FLAT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """out = post((y + bias - mean) * rstd * gamma + beta).
 
@@ -239,9 +265,9 @@ def _batch_norm_apply_kernel(
     for r0 in range(start, tl.minimum(start + CHUNK, R), BLOCK_R):
         r = r0 + rb
         valid = cmask & (r < R)
-        v = _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS)
+        v = _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS, FLAT)
         out = apply_chain_at((v - mu) * rstd * gamma + beta, q_ptr, c, C, cmask, POST)
-        tl.store(out_ptr + _offsets(c, r, S, o_sn, o_sc, o_ss), out.to(out_ptr.dtype.element_ty), mask=valid)
+        tl.store(out_ptr + _offsets(c, r, S, o_sn, o_sc, o_ss, FLAT), out.to(out_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -249,7 +275,7 @@ def _batch_norm_bwd_sums_kernel(
     gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, part_ptr, win_ptr, C, S, R, CHUNK, K,
     g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh, w_sw,
     POST: tl.constexpr, HAS_BIAS: tl.constexpr, POST_MASK: tl.constexpr, POOL: tl.constexpr, POOL_GEOM: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    FLAT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """Per (channel, chunk) sums of ``dz``, ``dz * x_hat`` and the post-chain's operand gradients.
 
@@ -284,7 +310,7 @@ def _batch_norm_bwd_sums_kernel(
         xh, dz, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_grad_tile(
             gout_ptr, y_ptr, bias_ptr, q_ptr, win_ptr, c, r, valid, mu, rstd, gamma, beta, C, S, g_sn, g_sc, g_ss,
             y_sn, y_sc, y_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh, w_sw, POST, HAS_BIAS, POOL,
-            POOL_GEOM)  # fmt: skip
+            POOL_GEOM, FLAT)  # fmt: skip
         s_dz += dz  # 0 outside valid
         s_dzxh += tl.where(valid, dz * xh, 0.0)
         if (POST_MASK & 1) != 0:
@@ -320,7 +346,7 @@ def _batch_norm_bwd_dx_kernel(
     gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, sz_ptr, szx_ptr, gy_ptr, win_ptr, dg_ptr, db_ptr, C, S, R, CHUNK,
     g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, gy_sn, gy_sc, gy_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh,
     w_sw, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr, POOL_GEOM: tl.constexpr,
-    AFFINE_GRADS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    AFFINE_GRADS: tl.constexpr, FLAT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     """grad_y = gamma * rstd * (dz - mean(dz) - x_hat * mean(dz * x_hat)).
 
@@ -356,9 +382,9 @@ def _batch_norm_bwd_dx_kernel(
         xh, dz, _q0, _q1, _q2, _q3, _q4, _q5, _q6, _q7 = _norm_grad_tile(
             gout_ptr, y_ptr, bias_ptr, q_ptr, win_ptr, c, r, valid, mu, rstd, gamma, beta, C, S, g_sn, g_sc, g_ss,
             y_sn, y_sc, y_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh, w_sw, POST, HAS_BIAS, POOL,
-            POOL_GEOM)  # fmt: skip
+            POOL_GEOM, FLAT)  # fmt: skip
         gy = gamma * rstd * (dz - mean_dz - xh * mean_dzxh)
-        tl.store(gy_ptr + _offsets(c, r, S, gy_sn, gy_sc, gy_ss), gy.to(gy_ptr.dtype.element_ty), mask=valid)
+        tl.store(gy_ptr + _offsets(c, r, S, gy_sn, gy_sc, gy_ss, FLAT), gy.to(gy_ptr.dtype.element_ty), mask=valid)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -370,7 +396,8 @@ class Plan:
     """How a ``(N, C, S)`` tensor is tiled: ``block_c`` x ``block_r`` tiles, ``chunks`` chunks of
     ``chunk`` flat indices per channel block (see the module docstring)."""
 
-    def __init__(self, y: torch.Tensor, target_programs: int = TARGET_PROGRAMS) -> None:
+    def __init__(self, y: torch.Tensor, target_programs: int | None = None) -> None:
+        target_programs = TARGET_PROGRAMS if target_programs is None else target_programs
         if not 3 <= y.dim() <= 5:
             raise ValueError(f"y must be (N, C, *spatial) with 1-3 spatial dims, got {tuple(y.shape)}")
         n, channels = y.shape[:2]
@@ -461,9 +488,11 @@ class _StatsLaunch:
     def __init__(self, y: torch.Tensor, has_bias: bool, fold: bool, has_gamma: bool, has_beta: bool,
                  plan: Plan) -> None:  # fmt: skip
         self.plan = plan
+        y_flat = flat_strides("y", y)
         self.stats = FastLaunch(_batch_norm_stats_kernel, plan.grid, dict(
-            HAS_BIAS=has_bias, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r, num_warps=plan.num_warps,
-        ), fixed=(plan.channels, plan.positions, plan.values, plan.chunk, plan.chunks, *flat_strides("y", y)))  # fmt: skip
+            HAS_BIAS=has_bias, FLAT=walks_flat(plan, y_flat), BLOCK_C=plan.block_c, BLOCK_R=plan.block_r,
+            num_warps=plan.num_warps,
+        ), fixed=(plan.channels, plan.positions, plan.values, plan.chunk, plan.chunks, *y_flat))  # fmt: skip
         self.combine = FastLaunch(_batch_norm_combine_kernel, (plan.channels,), dict(
             FOLD=fold, HAS_GAMMA=has_gamma, HAS_BETA=has_beta, BLOCK_K=next_pow2(plan.chunks),
             num_warps=4 if plan.chunks <= 512 else 8,
@@ -503,11 +532,15 @@ def batch_norm_apply(y: torch.Tensor, bias: torch.Tensor | None, post: Sequence[
     if out.numel() == 0:
         return
     ops = op_codes(post)
-    launch = _APPLY_LAUNCHES.plan((y, out, bias is None, ops), lambda: FastLaunch(
-        _batch_norm_apply_kernel, plan.grid, dict(POST=ops, HAS_BIAS=bias is not None, BLOCK_C=plan.block_c,
-                                                  BLOCK_R=plan.block_r, num_warps=plan.num_warps),
-        fixed=(plan.channels, plan.positions, plan.values, plan.chunk, *flat_strides("y", y),
-               *flat_strides("out", out))))  # fmt: skip
+
+    def build() -> FastLaunch:
+        y_flat, out_flat = flat_strides("y", y), flat_strides("out", out)
+        return FastLaunch(_batch_norm_apply_kernel, plan.grid, dict(
+            POST=ops, HAS_BIAS=bias is not None, FLAT=walks_flat(plan, y_flat, out_flat), BLOCK_C=plan.block_c,
+            BLOCK_R=plan.block_r, num_warps=plan.num_warps),
+            fixed=(plan.channels, plan.positions, plan.values, plan.chunk, *y_flat, *out_flat))  # fmt: skip
+
+    launch = _APPLY_LAUNCHES.plan((y, out, bias is None, ops), build)
     launch(y, y if bias is None else bias, post_params, affine, stats, out)
 
 
@@ -616,11 +649,12 @@ def batch_norm_input_grad(grad_z: torch.Tensor, y: torch.Tensor, affine: torch.T
 
     def build() -> FastLaunch:
         pool_ints, pool_consts = pool_arguments(grad_z, y, None, None)
+        walks = flat_strides("grad_z", grad_z), flat_strides("y", y), flat_strides("grad_y", grad_y)
         return FastLaunch(_batch_norm_bwd_dx_kernel, plan.grid, dict(
             POST=op_codes(()), HAS_BIAS=False, **pool_consts, AFFINE_GRADS=affine_grads is not None,
-            BLOCK_C=plan.block_c, BLOCK_R=plan.block_r, num_warps=plan.num_warps),
-            fixed=(plan.channels, plan.positions, plan.values, plan.chunk, *flat_strides("grad_z", grad_z),
-                   *flat_strides("y", y), *flat_strides("grad_y", grad_y), *pool_ints))  # fmt: skip
+            FLAT=walks_flat(plan, *walks), BLOCK_C=plan.block_c, BLOCK_R=plan.block_r, num_warps=plan.num_warps),
+            fixed=(plan.channels, plan.positions, plan.values, plan.chunk, *walks[0], *walks[1], *walks[2],
+                   *pool_ints))  # fmt: skip
 
     launch = _INPUT_GRAD_LAUNCHES.plan((grad_z, y, grad_y, sum_dz, *(affine_grads or (None, None))), build)
     dg, db = affine_grads if affine_grads is not None else (y, y)
@@ -642,10 +676,12 @@ class _BackwardLaunch:
         #: rows of the partial sums: sum dz, sum dz * x_hat, then the post-chain slots up to the last wanted
         self.rows = 2 + (max(k for k, w in enumerate(slots) if w) + 1 if mask else 0)
         sizes = (plan.channels, plan.positions, plan.values, plan.chunk)
-        y_flat = flat_strides("y", y)
-        tiles = dict(POST=ops, HAS_BIAS=has_bias, **pool_consts, BLOCK_C=plan.block_c, BLOCK_R=plan.block_r,
-                     num_warps=plan.num_warps)  # fmt: skip
+        y_flat, gy_flat = flat_strides("y", y), flat_strides("grad_y", grad_y)
+        # a pooled gradient is gathered per window, not walked by ``_offsets``
+        flat = walks_flat(plan, y_flat, gy_flat, *(() if pool is not None else (g_flat,)))
+        tiles = dict(POST=ops, HAS_BIAS=has_bias, **pool_consts, FLAT=flat, BLOCK_C=plan.block_c,
+                     BLOCK_R=plan.block_r, num_warps=plan.num_warps)  # fmt: skip
         self.sums = FastLaunch(_batch_norm_bwd_sums_kernel, plan.grid, dict(tiles, POST_MASK=mask),
                                fixed=(*sizes, plan.chunks, *g_flat, *y_flat, *pool_ints))  # fmt: skip
         self.dx = FastLaunch(_batch_norm_bwd_dx_kernel, plan.grid, dict(tiles, AFFINE_GRADS=False),
-                             fixed=(*sizes, *g_flat, *y_flat, *flat_strides("grad_y", grad_y), *pool_ints))  # fmt: skip
+                             fixed=(*sizes, *g_flat, *y_flat, *gy_flat, *pool_ints))  # fmt: skip
