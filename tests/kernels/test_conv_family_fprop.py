@@ -364,15 +364,20 @@ GROUP_STATS = [
 @pytest.mark.parametrize("name,xs,ws,conv,groups,tile", GROUP_STATS, ids=[c[0] for c in GROUP_STATS])
 def test_group_statistics_per_sample_and_group_match_float64(name, xs, ws, conv, groups, tile, dtype):
     """GroupNorm's statistics of the stored output (per sample and group of consecutive channels)
-    against float64, eager's as the yardstick; the output itself is the same bits as without them
-    (only which rows a program computes changes: no tile crosses a sample)."""
+    against float64, eager's as the yardstick; the output itself is the same bits as without them on
+    the GPU (only which rows a program computes changes: no tile crosses a sample)."""
     g = torch.Generator().manual_seed(stable_seed(("group stats", name, str(dtype))))
     x = _channels_last(_randn(*xs, g=g, dtype=dtype))
     w, b = _randn(*ws, g=g, scale=0.3, dtype=dtype), _randn(ws[0], g=g, dtype=dtype) + 2.0
     kw = dict(act_out="silu", tile=tile, **conv)
     out, stats = conv_fprop(x, w, b, stats_groups=groups, **kw)
     plain, _ = conv_fprop(x, w, b, **kw)
-    assert torch.equal(out, plain), name
+    if DEVICE == "cuda":
+        assert torch.equal(out, plain), name
+    else:  # the interpreter's dot is numpy's matmul, whose rounding of a row can follow its place in the
+        # tile: within two units in the last place of the largest value (a wrong row is off by its size)
+        ulp = torch.finfo(dtype).eps * plain.abs().max().item()
+        torch.testing.assert_close(out, plain, rtol=0.0, atol=2 * ulp, msg=name)
     kw.pop("tile")
     _, eager = conv_fprop_reference(x, w, b, stats_groups=groups, **kw)
     _, truth = conv_fprop_reference(x, w, b, stats_groups=groups, dtype=torch.float64, **kw)
