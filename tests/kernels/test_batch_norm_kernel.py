@@ -15,6 +15,7 @@ from fusion_backend.kernels import batch_norm as bn
 from fusion_backend.kernels.chain_math import OP_CODES
 from fusion_backend.kernels.epilogue import build_params
 from fusion_backend.kernels.plan_cache import forget_call_plans, spatial_flat_strides
+from fusion_backend.testing import stable_seed
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
@@ -30,19 +31,26 @@ def few_programs(monkeypatch):
     forget_call_plans()
 
 
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its channels innermost (a 1-d tensor: its (N, L, C) transposed)."""
+    if t.dim() == 3:
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    return t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+
+
 def _laid_out(kind: str, shape, gen, device):
     """A y of ``shape`` as the named layout, and whether the kernels walk it flat."""
     if kind == "channels_last":
-        return torch.randn(shape, generator=gen).to(device).to(memory_format=torch.channels_last), True
+        return _channels_last(torch.randn(shape, generator=gen).to(device)), True
     if kind == "one_sample":
         return torch.randn((1, *shape[1:]), generator=gen).to(device), True
     if kind == "contiguous":
         return torch.randn(shape, generator=gen).to(device), False
     if kind == "batch_slice_channels_last":  # still flat: the samples keep their spacing
-        big = torch.randn((shape[0] + 2, *shape[1:]), generator=gen).to(device).to(memory_format=torch.channels_last)
+        big = _channels_last(torch.randn((shape[0] + 2, *shape[1:]), generator=gen).to(device))
         return big[1:-1], True
     assert kind == "channels_slice_channels_last"  # flat, channels strided inside each position
-    big = torch.randn((shape[0], shape[1] + 3, *shape[2:]), generator=gen).to(device).to(memory_format=torch.channels_last)
+    big = _channels_last(torch.randn((shape[0], shape[1] + 3, *shape[2:]), generator=gen).to(device))
     return big[:, 2:-1], True
 
 
@@ -50,22 +58,23 @@ LAYOUTS = ["channels_last", "one_sample", "contiguous", "batch_slice_channels_la
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("shape", [(3, 5, 7, 9), (2, 16, 5, 33)], ids=["5ch", "16ch"])
+@pytest.mark.parametrize("shape", [(3, 5, 7, 9), (2, 16, 5, 33), (3, 6, 40), (2, 5, 3, 4, 7)],
+                         ids=["2d-5ch", "2d-16ch", "1d", "3d"])  # fmt: skip
 def test_training_batch_norm_matches_float64(layout, shape, kernel_device, few_programs):
-    gen = torch.Generator().manual_seed(hash((layout, shape)) % 2**31)
+    gen = torch.Generator().manual_seed(stable_seed(("batch norm", layout, shape)))
     y, flat = _laid_out(layout, shape, gen, kernel_device)
-    c = y.shape[1]
+    c, dims, per_channel = y.shape[1], (0, *range(2, y.dim())), (-1, *(1,) * (y.dim() - 2))
     assert bn.walks_flat(bn.plan_for(y)[0], spatial_flat_strides(y)) == flat
     bias, gamma, beta = (torch.randn(c, generator=gen).to(kernel_device) for _ in range(3))
     gamma = gamma.abs() + 0.5
     affine = torch.stack([gamma, beta]).contiguous()
     stats = bn.batch_norm_stats(y, bias, 1e-5)
-    v64 = y.double() + bias.double()[:, None, None]
-    mean = v64.mean((0, 2, 3))
-    var = v64.var((0, 2, 3), unbiased=False)
+    v64 = y.double() + bias.double().view(per_channel)
+    mean = v64.mean(dims)
+    var = v64.var(dims, unbiased=False)
     torch.testing.assert_close(stats[0].double(), mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(stats[1].double(), (var + 1e-5).rsqrt(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(stats[2].double(), v64.var((0, 2, 3), unbiased=True), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats[2].double(), v64.var(dims, unbiased=True), rtol=1e-5, atol=1e-6)
 
     q = build_params(RELU, None, c, y.device)
     out = torch.empty_like(y)
@@ -84,10 +93,10 @@ def test_training_batch_norm_matches_float64(layout, shape, kernel_device, few_p
 
     # the input gradient from sums made elsewhere (what the conv family's input gradient hands over)
     dz = torch.where(want > 0, grad_out.double(), 0.0)
-    xh = (v64 - mean[:, None, None]) * (var[:, None, None] + 1e-5).rsqrt()
+    xh = (v64 - mean.view(per_channel)) * (var.view(per_channel) + 1e-5).rsqrt()
     grad_y2 = torch.empty_like(y)
-    bn.batch_norm_input_grad(dz.float(), y + bias[:, None, None], affine, stats[:2], dz.sum((0, 2, 3)),
-                             (dz * xh).sum((0, 2, 3)), grad_y2)  # fmt: skip
+    bn.batch_norm_input_grad(dz.float(), y + bias.view(per_channel), affine, stats[:2], dz.sum(dims),
+                             (dz * xh).sum(dims), grad_y2)  # fmt: skip
     torch.testing.assert_close(grad_y2.double(), wants[0], rtol=1e-4, atol=1e-5)
 
 
@@ -96,14 +105,14 @@ def test_statistics_keep_a_spread_that_its_mean_dwarfs(layout, kernel_device, fe
     """A bias of 3000 over a spread of about 1: the running means per lane keep the variance."""
     gen = torch.Generator().manual_seed(7)
     y, _ = _laid_out(layout, (2, 8, 9, 31), gen, kernel_device)
-    y = y + 3000.0
+    y, dims = y + 3000.0, (0, 2, 3)
     stats = bn.batch_norm_stats(y, None, 0.0)
-    var = y.double().var((0, 2, 3), unbiased=False)
+    var = y.double().var(dims, unbiased=False)
     # the fp32 mean within a couple of its units in the last place (2.4e-4 at 3000)
-    torch.testing.assert_close(stats[0].double(), y.double().mean((0, 2, 3)), rtol=3e-7, atol=0.0)
+    torch.testing.assert_close(stats[0].double(), y.double().mean(dims), rtol=3e-7, atol=0.0)
     torch.testing.assert_close(stats[1].double(), var.rsqrt(), rtol=2e-4, atol=0.0)
     # Welford's running means per lane round at fp32's 2.4e-4 near 3000, a 2**-12 of the spread: a
-    # variance off by about 1e-5 of itself (fp32 sums of squares per tile lost it whole)
+    # variance off by about 1e-5 of itself (E[y^2] - E[y]^2 in fp32 would lose it whole)
     got_err = ((stats[1].double() ** -2) - var).abs().max() / var.max()
     assert got_err <= 5e-5, got_err
 
