@@ -37,6 +37,9 @@ import triton.language as tl
 #: counters per ``(device, stream)``; each set at least this many, grown to the largest asked for
 _MIN_SLOTS = 1024
 _SETS: dict[tuple[str, int | None, int], torch.Tensor] = {}
+#: sets replaced by larger ones, never freed: made on a stream of their own, their memory would return to
+#: that stream's cache while kernels queued on the launch streams may still count on them
+_RETIRED: list[torch.Tensor] = []
 
 
 def counters(device: torch.device, slots: int) -> torch.Tensor:
@@ -50,6 +53,8 @@ def counters(device: torch.device, slots: int) -> torch.Tensor:
         key = (device.type, device.index, 0)
     have = _SETS.get(key)
     if have is None or have.numel() < slots:
+        if have is not None:
+            _RETIRED.append(have)
         have = _zeros(max(slots, _MIN_SLOTS), torch.device(key[0], key[1]))
         _SETS[key] = have
     return have

@@ -54,6 +54,7 @@ def test_counters_are_kept_per_device_and_stream_and_grow_to_what_is_asked() -> 
     assert arrival.counters(device, 3) is small  # the same set for the same stream
     big = arrival.counters(device, small.numel() + 1)
     assert big.numel() > small.numel() and not big.any()
+    assert any(t is small for t in arrival._RETIRED)  # replaced, never freed: queued launches may count on it
     if DEVICE == "cuda":
         with torch.cuda.stream(torch.cuda.Stream()):
             assert arrival.counters(device, 3).data_ptr() != big.data_ptr()  # another stream, another set
