@@ -396,8 +396,7 @@ class Plan:
     """How a ``(N, C, S)`` tensor is tiled: ``block_c`` x ``block_r`` tiles, ``chunks`` chunks of
     ``chunk`` flat indices per channel block (see the module docstring)."""
 
-    def __init__(self, y: torch.Tensor, target_programs: int | None = None) -> None:
-        target_programs = TARGET_PROGRAMS if target_programs is None else target_programs
+    def __init__(self, y: torch.Tensor) -> None:
         if not 3 <= y.dim() <= 5:
             raise ValueError(f"y must be (N, C, *spatial) with 1-3 spatial dims, got {tuple(y.shape)}")
         n, channels = y.shape[:2]
@@ -409,7 +408,7 @@ class Plan:
         self.block_c = min(next_pow2(channels), cap)
         self.block_r = max(1, min(next_pow2(max(self.values, 1)), TILE_ELEMENTS // self.block_c))
         channel_blocks = cdiv(channels, self.block_c)
-        wanted = max(1, min(cdiv(self.values, self.block_r), cdiv(target_programs, channel_blocks)))
+        wanted = max(1, min(cdiv(self.values, self.block_r), cdiv(TARGET_PROGRAMS, channel_blocks)))
         self.chunk = cdiv(cdiv(max(self.values, 1), wanted), self.block_r) * self.block_r
         self.chunks = cdiv(max(self.values, 1), self.chunk)
         self.grid = (channel_blocks, self.chunks)
