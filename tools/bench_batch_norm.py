@@ -60,7 +60,9 @@ def _ours(y: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 def _inductor(y: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[float, float]:
-    # static shapes: one function compiled for several shapes would recompile them with symbolic sizes
+    # static shapes: one function compiled for several shapes would recompile them with symbolic sizes; a
+    # fresh Dynamo per shape, as the lambda's code object is the same for every shape (its recompile limit)
+    torch._dynamo.reset()
     compiled = torch.compile(lambda y, w, b: F.relu(F.batch_norm(y, None, None, w, b, True, 0.1, 1e-5)),
                              dynamic=False)
     y, w, b = (t.detach().requires_grad_() for t in (y, weight, bias))

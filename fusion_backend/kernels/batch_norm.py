@@ -21,8 +21,10 @@ fp32 ``(2, C)`` contiguous (row 0 mean, row 1 rstd).
 Tiling.  Grid ``(channel blocks, chunks)``: a program owns ``BLOCK_C`` channels and one chunk of
 ``CHUNK`` consecutive flat indices (a multiple of ``BLOCK_R``), walked in ``[BLOCK_C, BLOCK_R]``
 tiles in a fixed order.  A channel's ``R`` values split over many chunks so that the grid fills the
-GPU whatever C is (``Plan``); every cross-chunk combination reduces the small ``(C, chunks)``
-partials over a fixed shape in a fixed order (the forward's in a kernel, the backward's in torch), so
+GPU whatever C is, but a chunk of a small tensor holds about ``MIN_CHUNK_TILES`` tiles (``Plan``); the
+elementwise passes (normalise, input gradient) need no combination and walk chunks of their own
+(``POINTWISE_TILES``); every loop is software-pipelined.  Every cross-chunk combination reduces the
+small ``(C, chunks)`` partials over a fixed shape in a fixed order (the forward's in a kernel, the backward's in torch), so
 every result is bitwise reproducible.
 
 Forward: ``batch_norm_stats`` (kernel A) writes per (channel, chunk) the chunk's mean and sum of
@@ -34,7 +36,7 @@ beta and the post-chain and writes ``out`` in its own layout and dtype.
 Backward: kernel A recomputes ``x_hat`` and the post-chain from the saved conv output, walks the chain
 back from ``grad_out`` to ``dz`` (the gradient at the norm's output) and writes per (channel, chunk)
 the sums of ``dz``, ``dz * x_hat`` and the post-chain's operand gradients; the combine sums the chunks
-(``dbeta = sum dz``, ``dgamma = sum dz * x_hat``); kernel B writes
+(``dbeta = sum dz``, ``dgamma = sum dz * x_hat``, written by kernel B's first chunk); kernel B writes
 ``grad_y = gamma * rstd * (dz - mean(dz) - x_hat * mean(dz * x_hat))``.
 
 A max or avg pool after the post-chain: the forward's normalise pass is ``kernels/norm_pool.py``'s
@@ -74,6 +76,25 @@ CHANNELS_OUTER_BLOCK_C = 8
 TARGET_PROGRAMS = 1024
 #: Rows of the backward's partial sums: sum dz, sum dz * x_hat, then one per post-chain slot.
 SUM_ROWS = 2 + MAX_SLOTS
+#: A reduction splits a channel's values into at most one chunk per this many tiles (balanced chunks of
+#: about this many tiles each on a small tensor: fewer, longer programs rather than ``TARGET_PROGRAMS``
+#: of one tile each).
+MIN_CHUNK_TILES = 16
+#: Software-pipelining stages of the reductions' loops (the statistics, the backward's sums) and of the
+#: elementwise passes' loops (normalise, input gradient): ``tl.range(num_stages=...)``, 1 for none.
+REDUCE_STAGES = 3
+POINTWISE_STAGES = 4
+#: Tiles per program of the elementwise passes (0: the reductions' chunks).
+POINTWISE_TILES = 16
+# NOTE: ResNet-50's nine BatchNorm inputs (H200, bf16, batch 64, channels-last; GPU us summed over the nine):
+# statistics 229, normalise 218, backward 746 with none of the three (chunks of one tile on the small
+# tensors, loops unpipelined, the elementwise passes on the reductions' chunks); 190 / 191 / 578 with them
+# (Inductor's compile of relu(batch_norm(...)) alone: forward 481, backward 637).  One tile per program in
+# the elementwise passes: 276 / 1,272; pipelining the reductions in 2 stages: slower than none
+# (``python tools/bench_batch_norm.py``; the sweep behind these in docs/perf/RESULTS.md, "BatchNorm's
+# passes pipelined").  The knobs change no elementwise bit; MIN_CHUNK_TILES regroups the statistics' sums.
+#: The most programs along a launch grid's second axis (CUDA's limit).
+MAX_GRID_Y = 65535
 
 
 # --------------------------------------------------------------------------------------------------
@@ -145,7 +166,7 @@ def _norm_grad_tile(gout_ptr, y_ptr, bias_ptr, q_ptr, win_ptr, c, r, valid, mu, 
 def _batch_norm_stats_kernel(
     y_ptr, bias_ptr, ws_ptr, C, S, R, CHUNK, K,
     y_sn, y_sc, y_ss,
-    HAS_BIAS: tl.constexpr, FLAT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FLAT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Per (channel, chunk): the chunk's mean and sum of squared deviations of ``v = y + bias``.
 
@@ -176,7 +197,7 @@ def _batch_norm_stats_kernel(
     full = (end - start) // BLOCK_R
     mean = tl.zeros([BLOCK_C, BLOCK_R], tl.float32)
     m2 = tl.zeros([BLOCK_C, BLOCK_R], tl.float32)
-    for i in range(0, full):  # full tiles: every lane's count is i + 1 (a channel past C: never stored)
+    for i in tl.range(0, full, num_stages=STAGES):  # full tiles: every lane's count is i + 1 (a channel past C: never stored)
         v = _load_v(y_ptr, bias_ptr, c, start + i * BLOCK_R + rb, cmask, C, S, y_sn, y_sc, y_ss, HAS_BIAS, FLAT)
         delta = v - mean
         mean = mean + delta / (i + 1.0)  # the division of a per-lane count: the same bits
@@ -243,6 +264,7 @@ def _batch_norm_apply_kernel(
     y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, out_ptr, C, S, R, CHUNK,
     y_sn, y_sc, y_ss, o_sn, o_sc, o_ss,
     POST: tl.constexpr, HAS_BIAS: tl.constexpr, FLAT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """out = post((y + bias - mean) * rstd * gamma + beta).
 
@@ -262,7 +284,7 @@ def _batch_norm_apply_kernel(
     rstd = tl.load(st_ptr + C + c, mask=cmask, other=0.0)
     gamma = tl.load(a_ptr + c, mask=cmask, other=0.0)
     beta = tl.load(a_ptr + C + c, mask=cmask, other=0.0)
-    for r0 in range(start, tl.minimum(start + CHUNK, R), BLOCK_R):
+    for r0 in tl.range(start, tl.minimum(start + CHUNK, R), BLOCK_R, num_stages=STAGES):
         r = r0 + rb
         valid = cmask & (r < R)
         v = _load_v(y_ptr, bias_ptr, c, r, valid, C, S, y_sn, y_sc, y_ss, HAS_BIAS, FLAT)
@@ -275,7 +297,7 @@ def _batch_norm_bwd_sums_kernel(
     gout_ptr, y_ptr, bias_ptr, q_ptr, a_ptr, st_ptr, part_ptr, win_ptr, C, S, R, CHUNK, K,
     g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh, w_sw,
     POST: tl.constexpr, HAS_BIAS: tl.constexpr, POST_MASK: tl.constexpr, POOL: tl.constexpr, POOL_GEOM: tl.constexpr,
-    FLAT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    FLAT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Per (channel, chunk) sums of ``dz``, ``dz * x_hat`` and the post-chain's operand gradients.
 
@@ -304,7 +326,7 @@ def _batch_norm_bwd_sums_kernel(
     s_dz = tl.zeros([BLOCK_C, BLOCK_R], tl.float32)
     s_dzxh = tl.zeros([BLOCK_C, BLOCK_R], tl.float32)
     p0, p1, p2, p3, p4, p5, p6, p7 = s_dz, s_dz, s_dz, s_dz, s_dz, s_dz, s_dz, s_dz
-    for r0 in range(start, tl.minimum(start + CHUNK, R), BLOCK_R):
+    for r0 in tl.range(start, tl.minimum(start + CHUNK, R), BLOCK_R, num_stages=STAGES):
         r = r0 + rb
         valid = cmask & (r < R)
         xh, dz, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_grad_tile(
@@ -347,6 +369,7 @@ def _batch_norm_bwd_dx_kernel(
     g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, gy_sn, gy_sc, gy_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh,
     w_sw, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr, POOL_GEOM: tl.constexpr,
     AFFINE_GRADS: tl.constexpr, FLAT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """grad_y = gamma * rstd * (dz - mean(dz) - x_hat * mean(dz * x_hat)).
 
@@ -376,7 +399,7 @@ def _batch_norm_bwd_dx_kernel(
         if tl.program_id(1) == 0:
             tl.store(dg_ptr + c, sum_dzxh.to(dg_ptr.dtype.element_ty), mask=cmask)
             tl.store(db_ptr + c, sum_dz.to(db_ptr.dtype.element_ty), mask=cmask)
-    for r0 in range(start, tl.minimum(start + CHUNK, R), BLOCK_R):
+    for r0 in tl.range(start, tl.minimum(start + CHUNK, R), BLOCK_R, num_stages=STAGES):
         r = r0 + rb
         valid = cmask & (r < R)
         xh, dz, _q0, _q1, _q2, _q3, _q4, _q5, _q6, _q7 = _norm_grad_tile(
@@ -394,7 +417,8 @@ def _batch_norm_bwd_dx_kernel(
 
 class Plan:
     """How a ``(N, C, S)`` tensor is tiled: ``block_c`` x ``block_r`` tiles, ``chunks`` chunks of
-    ``chunk`` flat indices per channel block (see the module docstring)."""
+    ``chunk`` flat indices per channel block for the reductions (``grid``), chunks of
+    ``pointwise_chunk`` for the elementwise passes (``pointwise_grid``; see the module docstring)."""
 
     def __init__(self, y: torch.Tensor) -> None:
         if not 3 <= y.dim() <= 5:
@@ -408,10 +432,15 @@ class Plan:
         self.block_c = min(next_pow2(channels), cap)
         self.block_r = max(1, min(next_pow2(max(self.values, 1)), TILE_ELEMENTS // self.block_c))
         channel_blocks = cdiv(channels, self.block_c)
-        wanted = max(1, min(cdiv(self.values, self.block_r), cdiv(TARGET_PROGRAMS, channel_blocks)))
+        wanted = max(1, min(cdiv(self.values, self.block_r * MIN_CHUNK_TILES), cdiv(TARGET_PROGRAMS, channel_blocks)))
         self.chunk = cdiv(cdiv(max(self.values, 1), wanted), self.block_r) * self.block_r
         self.chunks = cdiv(max(self.values, 1), self.chunk)
         self.grid = (channel_blocks, self.chunks)
+        #: the elementwise passes' chunk and grid: no cross-chunk combination, so any chunking gives the
+        #: same bits
+        tiles_cap = cdiv(cdiv(max(self.values, 1), MAX_GRID_Y), self.block_r) * self.block_r
+        self.pointwise_chunk = max(self.block_r * POINTWISE_TILES, tiles_cap) if POINTWISE_TILES else self.chunk
+        self.pointwise_grid = (channel_blocks, cdiv(max(self.values, 1), self.pointwise_chunk))
         self.num_warps = 8 if self.block_c * self.block_r >= 2048 else 4
 
     def chunk_counts(self, device: torch.device) -> torch.Tensor:
@@ -490,7 +519,7 @@ class _StatsLaunch:
         y_flat = flat_strides("y", y)
         self.stats = FastLaunch(_batch_norm_stats_kernel, plan.grid, dict(
             HAS_BIAS=has_bias, FLAT=walks_flat(plan, y_flat), BLOCK_C=plan.block_c, BLOCK_R=plan.block_r,
-            num_warps=plan.num_warps,
+            STAGES=REDUCE_STAGES, num_warps=plan.num_warps,
         ), fixed=(plan.channels, plan.positions, plan.values, plan.chunk, plan.chunks, *y_flat))  # fmt: skip
         self.combine = FastLaunch(_batch_norm_combine_kernel, (plan.channels,), dict(
             FOLD=fold, HAS_GAMMA=has_gamma, HAS_BETA=has_beta, BLOCK_K=next_pow2(plan.chunks),
@@ -534,10 +563,10 @@ def batch_norm_apply(y: torch.Tensor, bias: torch.Tensor | None, post: Sequence[
 
     def build() -> FastLaunch:
         y_flat, out_flat = flat_strides("y", y), flat_strides("out", out)
-        return FastLaunch(_batch_norm_apply_kernel, plan.grid, dict(
+        return FastLaunch(_batch_norm_apply_kernel, plan.pointwise_grid, dict(
             POST=ops, HAS_BIAS=bias is not None, FLAT=walks_flat(plan, y_flat, out_flat), BLOCK_C=plan.block_c,
-            BLOCK_R=plan.block_r, num_warps=plan.num_warps),
-            fixed=(plan.channels, plan.positions, plan.values, plan.chunk, *y_flat, *out_flat))  # fmt: skip
+            BLOCK_R=plan.block_r, STAGES=POINTWISE_STAGES, num_warps=plan.num_warps),
+            fixed=(plan.channels, plan.positions, plan.values, plan.pointwise_chunk, *y_flat, *out_flat))  # fmt: skip
 
     launch = _APPLY_LAUNCHES.plan((y, out, bias is None, ops), build)
     launch(y, y if bias is None else bias, post_params, affine, stats, out)
@@ -573,8 +602,9 @@ def batch_norm_backward(
         (``norm_pool.norm_pool_forward``).
       winner: a max pool's winners as that forward saved them (int8 / int32, grad_out's shape).
     Returns:
-      fp32 (C,) ``sum dz * x_hat`` (gamma's gradient) and ``sum dz`` (beta's), and per slot None or
-      the fp32 (C,) sum of its operand gradient; the chunks' partials summed in a fixed order.
+      fp32 (C,) ``sum dz * x_hat`` (gamma's gradient) and ``sum dz`` (beta's), each a tensor of its own
+      (written by the input-gradient launch), and per slot None or the fp32 (C,) sum of its operand
+      gradient (a row of one tensor); the chunks' partials summed in a fixed order.
     """
     plan, _ = plan_for(y)
     _check_bias(bias, plan.channels)
@@ -599,15 +629,19 @@ def batch_norm_backward(
     parts = (grad_out, y, grad_y, win, bias is None, ops, slots, pool)
     launch = _BACKWARD_LAUNCHES.plan(parts, lambda: _BackwardLaunch(grad_out, y, grad_y, win, winner, bias is not None,
                                                                  ops, slots, pool, g_flat, plan))  # fmt: skip
-    part = torch.zeros((launch.rows, plan.channels, plan.chunks), dtype=torch.float32, device=y.device)
+    # the sums kernel writes every row whose sum is used (not a row between two wanted slots); an empty y
+    # launches nothing
+    alloc = torch.empty if y.numel() > 0 else torch.zeros
+    part = alloc((launch.rows, plan.channels, plan.chunks), dtype=torch.float32, device=y.device)
+    dgamma, dbeta = (alloc(plan.channels, dtype=torch.float32, device=y.device) for _ in range(2))
     common = (y, y if bias is None else bias, post_params, affine, stats)
     if y.numel() > 0:
         launch.sums(grad_out, *common, part, win)
     # NOTE: torch's reduction over a fixed shape runs in a fixed order: bitwise reproducible sums.
     sums = part.sum(2)
     if y.numel() > 0:
-        launch.dx(grad_out, *common, sums[0], sums[1], grad_y, win, win, win)
-    return sums[1], sums[0], [sums[2 + k] if w else None for k, w in enumerate(slots)]
+        launch.dx(grad_out, *common, sums[0], sums[1], grad_y, win, dgamma, dbeta)
+    return dgamma, dbeta, [sums[2 + k] if w else None for k, w in enumerate(slots)]
 
 
 _BACKWARD_LAUNCHES = PlanCache()
@@ -649,10 +683,11 @@ def batch_norm_input_grad(grad_z: torch.Tensor, y: torch.Tensor, affine: torch.T
     def build() -> FastLaunch:
         pool_ints, pool_consts = pool_arguments(grad_z, y, None, None)
         walks = flat_strides("grad_z", grad_z), flat_strides("y", y), flat_strides("grad_y", grad_y)
-        return FastLaunch(_batch_norm_bwd_dx_kernel, plan.grid, dict(
+        return FastLaunch(_batch_norm_bwd_dx_kernel, plan.pointwise_grid, dict(
             POST=op_codes(()), HAS_BIAS=False, **pool_consts, AFFINE_GRADS=affine_grads is not None,
-            FLAT=walks_flat(plan, *walks), BLOCK_C=plan.block_c, BLOCK_R=plan.block_r, num_warps=plan.num_warps),
-            fixed=(plan.channels, plan.positions, plan.values, plan.chunk, *walks[0], *walks[1], *walks[2],
+            FLAT=walks_flat(plan, *walks), BLOCK_C=plan.block_c, BLOCK_R=plan.block_r, STAGES=POINTWISE_STAGES,
+            num_warps=plan.num_warps),
+            fixed=(plan.channels, plan.positions, plan.values, plan.pointwise_chunk, *walks[0], *walks[1], *walks[2],
                    *pool_ints))  # fmt: skip
 
     launch = _INPUT_GRAD_LAUNCHES.plan((grad_z, y, grad_y, sum_dz, *(affine_grads or (None, None))), build)
@@ -680,7 +715,8 @@ class _BackwardLaunch:
         flat = walks_flat(plan, y_flat, gy_flat, *(() if pool is not None else (g_flat,)))
         tiles = dict(POST=ops, HAS_BIAS=has_bias, **pool_consts, FLAT=flat, BLOCK_C=plan.block_c,
                      BLOCK_R=plan.block_r, num_warps=plan.num_warps)  # fmt: skip
-        self.sums = FastLaunch(_batch_norm_bwd_sums_kernel, plan.grid, dict(tiles, POST_MASK=mask),
+        self.sums = FastLaunch(_batch_norm_bwd_sums_kernel, plan.grid, dict(tiles, POST_MASK=mask, STAGES=REDUCE_STAGES),
                                fixed=(*sizes, plan.chunks, *g_flat, *y_flat, *pool_ints))  # fmt: skip
-        self.dx = FastLaunch(_batch_norm_bwd_dx_kernel, plan.grid, dict(tiles, AFFINE_GRADS=False),
-                             fixed=(*sizes, *g_flat, *y_flat, *gy_flat, *pool_ints))  # fmt: skip
+        self.dx = FastLaunch(_batch_norm_bwd_dx_kernel, plan.pointwise_grid,
+                             dict(tiles, AFFINE_GRADS=True, STAGES=POINTWISE_STAGES),
+                             fixed=(*sizes[:3], plan.pointwise_chunk, *g_flat, *y_flat, *gy_flat, *pool_ints))  # fmt: skip

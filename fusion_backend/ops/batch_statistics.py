@@ -20,6 +20,27 @@ from torch import Tensor
 
 from ..errors import UnsupportedInputError
 
+#: Rows of a training batch norm's saved statistics, as ``kernels.batch_norm.batch_norm_stats`` writes them
+#: with its fold in one combine launch: the batch mean, ``rstd = 1 / sqrt(var + eps)`` (var biased), the
+#: unbiased variance (what the running variance is updated with), the norm folded with its affine
+#: (``scale = gamma * rstd``, ``shift = beta - mean * scale``: what a conv's prologue applies), then gamma
+#: and beta in the statistics' dtype (1 and 0 without them): the affine rows the norm's kernels read, so
+#: that no call copies the norm's weight and bias into rows of their own.
+STATS_ROWS = 7
+AFFINE_ROWS = slice(5, 7)
+
+
+def fill_folded_rows(stats: Tensor, gamma: Tensor | None, beta: Tensor | None) -> None:
+    """Rows 3-6 of ``stats`` (``STATS_ROWS``) from its rows 0-1 and the norm's weight and bias (None: 1
+    and 0; any shape of C values), as the kernels' combine writes them; for the paths that compute the
+    first rows another way (the references, the conv family's statistics)."""
+    mean, rstd = stats[0], stats[1]
+    gamma = torch.ones_like(rstd) if gamma is None else gamma.detach().reshape(-1).to(stats.dtype)
+    beta = torch.zeros_like(rstd) if beta is None else beta.detach().reshape(-1).to(stats.dtype)
+    scale = gamma * rstd
+    for row, value in zip(stats[3:STATS_ROWS], (scale, beta - mean * scale, gamma, beta), strict=True):
+        row.copy_(value)
+
 
 def values_per_channel(shape: Sequence[int]) -> int:
     """How many values each channel's batch statistics cover in a tensor of ``shape``: ``N *

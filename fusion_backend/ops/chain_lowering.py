@@ -112,19 +112,24 @@ class KernelChains:
 
 
 def norm_chains(cfg: Any, bias: Tensor | None, operands: Sequence[Tensor], ndim: int, channels: int,
-                device: torch.device, count: int | None = None) -> KernelChains:  # fmt: skip
+                device: torch.device, count: int | None = None, affine: Tensor | None = None) -> KernelChains:  # fmt: skip
     """A norm family's ``KernelChains`` over the C channels, with its scale and shift ``affine_rows``
-    over ``count`` values (default one per channel)."""
-    affine = affine_rows(operands, cfg.weight, cfg.bias, channels if count is None else count, device)
+    over ``count`` values (default one per channel), or ``affine`` where the caller has those rows
+    already (a training batch norm's saved statistics hold them: no copies)."""
+    if affine is None:
+        affine = affine_rows(operands, cfg.weight, cfg.bias, channels if count is None else count, device)
     return KernelChains(cfg.pre, cfg.post, bias, operands, ndim, channels, device, affine=affine)
 
 
 def norm_operand_grads(operands: Sequence[Tensor], operand_mask: Sequence[bool], cfg: Any,
                        chain_sums: Sequence[tuple[Sequence[ChainStep], Sequence[Tensor | None]]],
                        affine_sums: Sequence[Tensor | None]) -> list[Tensor | None]:  # fmt: skip
-    """``operand_grads`` plus the norm's weight and bias gradients (``affine_sums``, None where not
-    computed) added in at ``cfg.weight`` / ``cfg.bias``."""
-    grads = operand_grads(operands, operand_mask, chain_sums)
+    """``operand_grads`` plus the norm's weight and bias gradients (``affine_sums``: None where not
+    computed, each wanted one a tensor of its own) added in at ``cfg.weight`` / ``cfg.bias``.  An affine
+    operand no chain reads gets its sum alone (no zeros to add it to)."""
+    read = {op.index for chain, _ in chain_sums for step in chain for op in step.operands if isinstance(op, TensorRef)}
+    alone = {index for index in (cfg.weight, cfg.bias) if index is not None and index not in read}
+    grads = operand_grads(operands, [want and i not in alone for i, want in enumerate(operand_mask)], chain_sums)
     for index, total in zip((cfg.weight, cfg.bias), affine_sums, strict=True):
         add_operand_grad(grads, operands, index, total)
     return grads

@@ -22,10 +22,16 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.i
 RELU = [(OP_CODES["relu"], [])]
 
 
-@pytest.fixture
-def few_programs(monkeypatch):
-    """Launches of at most 4 programs per channel block: chunks of several full tiles at test sizes."""
+@pytest.fixture(params=[(0, 1), (1, 1), None], ids=["pointwise-chunks", "pointwise-tile-per-program", "defaults"])
+def few_programs(monkeypatch, request):
+    """Launches of at most 4 programs per channel block.  With chunks of any size (``MIN_CHUNK_TILES``
+    1): several chunks of several full tiles at test sizes, and the elementwise passes walking the
+    reductions' chunks or one tile per program; or the module's own chunking (one chunk per channel
+    block at test sizes)."""
     monkeypatch.setattr(bn, "TARGET_PROGRAMS", 4)
+    if request.param is not None:
+        monkeypatch.setattr(bn, "POINTWISE_TILES", request.param[0])
+        monkeypatch.setattr(bn, "MIN_CHUNK_TILES", request.param[1])
     forget_call_plans()
     yield
     forget_call_plans()
@@ -122,3 +128,18 @@ def test_the_statistics_are_the_same_bits_run_to_run(kernel_device, few_programs
     y = y.to(memory_format=torch.channels_last)
     first = bn.batch_norm_stats(y, None, 1e-5)
     assert torch.equal(first, bn.batch_norm_stats(y, None, 1e-5))
+
+
+@pytest.mark.parametrize("shape", [(64, 512, 7, 7), (64, 64, 56, 56), (2, 16, 5, 33), (1, 3, 1, 1)])
+def test_a_small_tensor_is_reduced_in_chunks_of_about_the_minimum_tiles(shape):
+    """A small tensor is reduced in fewer, longer programs (at most one chunk per ``MIN_CHUNK_TILES``
+    tiles of a channel's values), never more programs than ``TARGET_PROGRAMS`` allows; the chunks cover
+    every value once; the elementwise passes' chunks too."""
+    y = torch.empty(shape, device="meta").to(memory_format=torch.channels_last)
+    plan = bn.Plan(y)
+    assert plan.chunk % plan.block_r == 0 and plan.pointwise_chunk % plan.block_r == 0
+    assert plan.chunks <= -(-plan.values // (plan.block_r * bn.MIN_CHUNK_TILES))
+    assert plan.grid[0] * plan.grid[1] <= max(bn.TARGET_PROGRAMS, plan.grid[0])
+    for chunk, chunks in ((plan.chunk, plan.chunks), (plan.pointwise_chunk, plan.pointwise_grid[1])):
+        assert (chunks - 1) * chunk < plan.values <= chunks * chunk
+    assert plan.pointwise_grid[1] <= bn.MAX_GRID_Y

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from fusion_backend.errors import KernelError, UnsupportedInputError
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
+from fusion_backend.ops.batch_statistics import AFFINE_ROWS, STATS_ROWS
 from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef
 from fusion_backend.ops.chain_reference import apply_chain
 from fusion_backend.ops.conv_batch_norm import (
@@ -197,12 +198,16 @@ def test_saved_state_is_the_conv_output_and_the_channel_statistics(kernels, kern
     assert saved_y.shape == y0.shape
     torch.testing.assert_close(saved_y, y0, rtol=1e-5, atol=1e-5)
     v = (y0 + b.view(1, -1, 1, 1)).transpose(0, 1).reshape(6, -1)
-    assert stats.shape == (3, 6) and stats.dtype == torch.float32
+    assert stats.shape == (STATS_ROWS, 6) and stats.dtype == torch.float32
     torch.testing.assert_close(stats[0], v.mean(-1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stats[1], (v.var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(stats[2], v.var(-1, unbiased=True), rtol=1e-4, atol=1e-5)
+    gamma, beta = ops[0].float(), ops[1].float()  # the affine rows the kernels read, and the norm folded
+    torch.testing.assert_close(stats[AFFINE_ROWS], torch.stack([gamma, beta]), rtol=0, atol=0)
+    torch.testing.assert_close(stats[3], gamma * stats[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stats[4], beta - stats[0] * stats[3], rtol=1e-6, atol=1e-6)
     _, saved_y, _, stats = conv_batch_norm_fwd(x, w, b, ops, cfg.to_json(), False)
-    assert saved_y.numel() == 0 and stats.shape == (3, 6)  # the statistics feed the running update
+    assert saved_y.numel() == 0 and stats.shape == (STATS_ROWS, 6)  # the statistics feed the running update
 
 
 # ------------------------------------------------------------------------------------------------
@@ -385,6 +390,29 @@ def test_nan_and_inf_spread_over_their_channel_as_eager(kernels, kernel_device) 
     assert out.cpu().isnan()[:, 0].all()
 
 
+def test_the_conv_bias_gradient_is_exactly_zero_and_nan_where_eagers_is(kernel_device, monkeypatch) -> None:
+    """The norm subtracts each channel's mean, so the conv bias has no effect on the output: the Triton
+    path returns its gradient as the exact zero (eager's is rounding residue), and NaN in the channels
+    where eager's is NaN (a NaN in the output's gradient)."""
+    if kernel_device == "cpu":
+        monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, False, POST, strict=True)
+    x, w, b, *ops = [t.to(kernel_device) for t in make(CONV2D, 3, 5, (6, 7), 11)]
+    grads = {}
+    for name, run in (("fused", lambda *t: conv_batch_norm(*t[:3], t[3:], cfg.to_json())),
+                      ("eager", lambda *t: eager(*t[:3], t[3:], cfg))):  # fmt: skip
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, b, *ops)]
+        out = run(*leaves)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(kernel_device)
+        finite = torch.autograd.grad(out, leaves[2], g, retain_graph=True)[0]
+        g[1, 2, 0, 1] = float("nan")  # channel 2's gradient
+        grads[name] = (finite, torch.autograd.grad(out, leaves[2], g)[0])
+    assert torch.equal(grads["fused"][0], torch.zeros_like(b)), grads["fused"][0]
+    assert grads["eager"][0].abs().max() > 0  # eager's residue: what the exact zero replaces
+    assert torch.equal(grads["fused"][1].isnan(), grads["eager"][1].isnan()) and grads["fused"][1].isnan()[2]
+    assert not grads["fused"][1][~grads["fused"][1].isnan()].any()
+
+
 def test_statistics_and_gradients_are_bitwise_reproducible(kernels, kernel_device) -> None:
     dev = device_of(kernels, kernel_device)
     cfg = ConvBatchNormConfig(CONV2D, 1e-5, 0.1, 0, 1, True, POST, strict=True).to_json()
@@ -500,7 +528,7 @@ def test_the_timed_choice_takes_the_faster_path_whose_results_agree(family_ms, p
     x, w, b, *_ = [t.to(kernel_device) for t in make(CONV2D, 3, 6, (5, 6), 2)]
     try:
         statistics.timed_candidates(x.contiguous(memory_format=torch.channels_last), w, b,
-                                    ConvBatchNormConfig(CONV2D, 1e-5, 0.1))  # fmt: skip
+                                    ConvBatchNormConfig(CONV2D, 1e-5, 0.1), (None, None))  # fmt: skip
     finally:
         impl_choice.forget_in_memory()
     assert "family" in ran[:-1] and ran[-1] == want  # both timed, then the chosen one ran

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ...errors import UnsupportedInputError
-from ..batch_statistics import values_per_channel
+from ..batch_statistics import STATS_ROWS, values_per_channel
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, family_activation
 from ..config import TrainingBatchNormConfig, describe_affine
@@ -21,9 +21,6 @@ from ..conv_io import check_conv_inputs, conv_output_shape, stats_dtype
 from ..library_conv import nominal_format
 
 OP = "batch_norm_conv"
-#: Rows of the saved statistics (``outputs``), and those of the norm's affine among them.
-STATS_ROWS = 7
-AFFINE_ROWS = slice(5, 7)
 
 
 @dataclass(frozen=True)

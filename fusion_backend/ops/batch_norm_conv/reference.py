@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..batch_statistics import fill_folded_rows
 from ..chain_reference import apply_chain, chain_backward, chain_with_tape, norm_affine
 from ..conv_io import channel_view, run_conv, run_conv_backward
 from .config import BatchNormConvConfig, outputs
@@ -30,11 +31,9 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     z, mean, rstd = torch.ops.aten.native_batch_norm(x.to(sdt), gamma, beta, batch_mean, batch_var, True, 1.0, cfg.eps)
     a = apply_chain(z.to(x.dtype), cfg.act, operands)
     out.copy_(run_conv(a, weight, bias, cfg.conv))
-    gamma = torch.ones_like(rstd) if gamma is None else gamma
-    beta = torch.zeros_like(rstd) if beta is None else beta
-    scale = gamma * rstd
-    for row, value in zip(stats, (mean, rstd, batch_var, scale, beta - mean * scale, gamma, beta), strict=True):
+    for row, value in zip(stats, (mean, rstd, batch_var), strict=False):
         row.copy_(value)
+    fill_folded_rows(stats, gamma, beta)
     return out, stats
 
 

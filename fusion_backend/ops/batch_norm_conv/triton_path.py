@@ -31,10 +31,11 @@ from torch import Tensor
 from ... import environment, impl_choice
 from ...kernels.plan_cache import tensor_key
 from .. import conv_precision
+from ..batch_statistics import AFFINE_ROWS
 from ..chain_lowering import KernelChains, family_activation
 from ..conv_io import in_format, run_conv
 from ..library_conv import nominal_format
-from .config import AFFINE_ROWS, OP, BatchNormConvConfig, outputs
+from .config import OP, BatchNormConvConfig, outputs
 
 #: The implementations of each pass, the default (what runs where nothing is measured) first.
 IMPLS = ("library", "family")

@@ -12,8 +12,9 @@ eager updates them.
 
 Saved state ``(saved_y, saved_winner, saved_stats)`` (``config.conv_outputs``): the conv output
 without bias and, behind a max pool, each window's winner (int8), both only with
-``save_for_backward``, and fp32 ``(3, C)`` statistics (each channel's mean, ``1 / sqrt(var + eps)``
-and unbiased variance, always: the running update reads them), nothing else full-size.  Everything
+``save_for_backward``, and fp32 ``(STATS_ROWS, C)`` statistics (``ops/batch_statistics.py``: each
+channel's mean, ``1 / sqrt(var + eps)``, unbiased variance, folded scale and shift, gamma and beta;
+always: the running update reads them), nothing else full-size.  Everything
 else as every family's (``ops/declare.py``); the reference runs ``aten.native_batch_norm`` and its
 backward.
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ...ir.specs import PoolSpec
-from ..batch_statistics import values_per_channel
+from ..batch_statistics import STATS_ROWS, values_per_channel
 from ..chain import ChainStep
 from ..chain_lowering import check_affine_operands, check_operand_refs
 from ..config import (
@@ -76,13 +76,14 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvBatchNormConfig, save: bool
 
     * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s, ``out`` in
       ``library_conv.nominal_format`` (eager's layout), dtype ``out_dtype``.
-    * ``stats``: ``stats_dtype`` ``(3, C)`` contiguous, of the conv output plus bias per channel: row
-      0 the batch mean, row 1 ``1 / sqrt(var + eps)`` (``var`` biased; rows 0-1 are what the backward
-      reads), row 2 the unbiased variance (what the running variance is updated with).
+    * ``stats``: ``stats_dtype`` ``(STATS_ROWS, C)`` contiguous, of the conv output plus bias per channel,
+      the rows ``batch_statistics.STATS_ROWS`` names: the batch mean, ``1 / sqrt(var + eps)`` (``var``
+      biased), the unbiased variance (what the running variance is updated with), the folded scale and
+      shift, gamma and beta (the affine rows the kernels read, forward and backward).
     """
     if computed is None:
         y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
-        stats = torch.empty([3, y0.shape[1]], dtype=stats_dtype(y0.dtype), device=x.device)
+        stats = torch.empty([STATS_ROWS, y0.shape[1]], dtype=stats_dtype(y0.dtype), device=x.device)
     else:
         y0, stats = computed
     out_format = nominal_format(x, weight, cfg.conv)

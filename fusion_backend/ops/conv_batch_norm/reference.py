@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..batch_statistics import values_per_channel
-from ..chain_reference import norm_backward, norm_forward
+from ..batch_statistics import fill_folded_rows, values_per_channel
+from ..chain_reference import norm_affine, norm_backward, norm_forward
 from ..conv_io import channel_view
 from .config import OP, ConvBatchNormConfig, conv_outputs
 
@@ -35,6 +35,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
 
     norm_forward(OP, y0, bias, operands, cfg, out, stats, norm, winner)  # rows 0-1: mean, rstd
     stats[2].copy_(batch_var)
+    fill_folded_rows(stats, *norm_affine(operands, cfg, stats.dtype))
     return out, saved_y, winner, stats
 
 

@@ -14,6 +14,7 @@ exercised by the tests."""
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -22,38 +23,44 @@ from ... import environment, impl_choice
 from ...errors import UnsupportedInputError
 from ...kernels.host import tensor_key
 from .. import conv_precision
+from ..batch_statistics import STATS_ROWS, fill_folded_rows
 from ..conv_epilogue.forward import results_agree
 from ..library_conv import channels_last_conv, conv_forward
 from .config import ConvBatchNormConfig
 
+#: The norm's gamma and beta as the statistics' fold takes them: each None or C contiguous values.
+Affine = tuple[Optional[Tensor], Optional[Tensor]]
 
-def conv_and_statistics(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> tuple[Tensor, Tensor]:
+
+def conv_and_statistics(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig,
+                        affine: Affine) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(y0, stats)``: the conv output without bias, laid out as ``library_conv.conv_forward`` lays it
-    out, and the fp32 ``(3, C)`` statistics of ``y0 + bias`` (``bias``: None or C contiguous values)
-    as ``kernels.batch_norm.batch_norm_stats`` writes them (mean, ``1 / sqrt(var + eps)``, unbiased
-    variance)."""
-    library = functools.partial(_library, x, weight, bias, cfg)
+    out, and the fp32 ``(STATS_ROWS, C)`` statistics of ``y0 + bias`` (``bias``: None or C contiguous
+    values) as ``kernels.batch_norm.batch_norm_stats`` writes them with its fold of ``affine`` (the
+    norm's gamma and beta, each None or C contiguous values): ``batch_statistics.STATS_ROWS``' rows."""
+    library = functools.partial(_library, x, weight, bias, cfg, affine)
     why = family_unsupported(x, weight, cfg)
     mode = environment.conv_impl()
     if mode == "family":
         if why is not None:
             raise UnsupportedInputError(f"{environment.CONV_IMPL}=family but the conv family's forward cannot run "
                                         f"conv_batch_norm's conv: {why}")  # fmt: skip
-        return _family(x, weight, bias, cfg)
+        return _family(x, weight, bias, cfg, affine)
     if mode != "auto" or why is not None or x.device.type != "cuda" or not MEASURE_FAMILY:
         return library()
-    return timed_candidates(x, weight, bias, cfg)
+    return timed_candidates(x, weight, bias, cfg, affine)
 
 
 #: Whether ``auto`` times the family's candidate (module NOTE).
 MEASURE_FAMILY = False
 
 
-def timed_candidates(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> tuple[Tensor, Tensor]:
+def timed_candidates(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig,
+                     affine: Affine) -> tuple[Tensor, Tensor]:  # fmt: skip
     """:func:`conv_and_statistics` by the faster of the library path and the family's, measured once per
     call signature (``impl_choice``; the family's results checked against the library path's)."""
-    library = functools.partial(_library, x, weight, bias, cfg)
-    candidates = {"library": library, "family": functools.partial(_family, x, weight, bias, cfg)}
+    library = functools.partial(_library, x, weight, bias, cfg, affine)
+    candidates = {"library": library, "family": functools.partial(_family, x, weight, bias, cfg, affine)}
     fast_key = ("conv_batch_norm conv", tensor_key(x), tensor_key(weight), bias is None, cfg,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
     name = impl_choice.choose(lambda: _choice_key(x, weight, bias, cfg), candidates, default="library",
@@ -74,23 +81,29 @@ def family_unsupported(x: Tensor, weight: Tensor, cfg: ConvBatchNormConfig) -> s
     return None
 
 
-def _library(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> tuple[Tensor, Tensor]:
+def _library(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig,
+             affine: Affine) -> tuple[Tensor, Tensor]:  # fmt: skip
     from ...kernels.batch_norm import batch_norm_stats
 
     y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
-    return y0, batch_norm_stats(y0, bias, cfg.eps)
+    return y0, batch_norm_stats(y0, bias, cfg.eps, fold=affine)
 
 
-def _family(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> tuple[Tensor, Tensor]:
+def _family(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig,
+            affine: Affine) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The family's conv with the statistics of its stored output (``kernels.conv.conv_fprop(stats=True)``),
-    in TF32 only where eager's conv of x and the weight is (``conv_precision``)."""
+    in TF32 only where eager's conv of x and the weight is (``conv_precision``); the folded rows from
+    them (``fill_folded_rows``)."""
     from ...kernels.conv import BatchNormForm, conv_fprop
 
     spec = cfg.conv
     tf32 = conv_precision.forward_tf32(x, weight, spec).tf32
     y0, st = conv_fprop(x, weight, None, stride=spec.stride, padding=spec.padding, dilation=spec.dilation,
                         groups=spec.groups, stats=True, allow_tf32=tf32, bn_form=BatchNormForm(bias, cfg.eps))  # fmt: skip
-    return y0, st.form
+    stats = torch.empty((STATS_ROWS, y0.shape[1]), dtype=torch.float32, device=y0.device)
+    stats[:3].copy_(st.form[:3])
+    fill_folded_rows(stats, *affine)
+    return y0, stats
 
 
 def _choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvBatchNormConfig) -> str:
