@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,6 +29,13 @@ from ..errors import UnsupportedInputError
 #: that no call copies the norm's weight and bias into rows of their own.
 STATS_ROWS = 7
 AFFINE_ROWS = slice(5, 7)
+
+
+def norm_fold(operands: Sequence[Tensor], cfg: Any) -> tuple[Tensor | None, Tensor | None]:
+    """The norm's gamma and beta (``operands`` at ``cfg.weight`` / ``cfg.bias``, None where absent) as C
+    contiguous values each: what ``kernels.batch_norm.batch_norm_stats`` folds into ``STATS_ROWS``."""
+    return tuple(None if i is None else operands[i].reshape(-1).contiguous()  # type: ignore[return-value]
+                 for i in (cfg.weight, cfg.bias))  # fmt: skip
 
 
 def fill_folded_rows(stats: Tensor, gamma: Tensor | None, beta: Tensor | None) -> None:

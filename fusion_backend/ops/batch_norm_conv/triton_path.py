@@ -31,7 +31,7 @@ from torch import Tensor
 from ... import environment, impl_choice
 from ...kernels.plan_cache import tensor_key
 from .. import conv_precision
-from ..batch_statistics import AFFINE_ROWS
+from ..batch_statistics import AFFINE_ROWS, norm_fold
 from ..chain_lowering import KernelChains, family_activation
 from ..conv_io import in_format, run_conv
 from ..library_conv import nominal_format
@@ -100,7 +100,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
 
     _, stats = outputs(x, weight, bias, operands, cfg, save)
     x = flattening(x)  # (the output's layout stays the one eager gives the x it was called with)
-    fold = tuple(None if i is None else operands[i].reshape(-1).contiguous() for i in (cfg.weight, cfg.bias))
+    fold = norm_fold(operands, cfg)
     batch_norm_stats(x, None, cfg.eps, out=stats, fold=fold)
     tf32 = conv_precision.forward_tf32(x, weight, cfg.conv).tf32
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from ..batch_statistics import AFFINE_ROWS
+from ..batch_statistics import AFFINE_ROWS, norm_fold
 from ..chain_lowering import norm_chains, norm_operand_grads, wanted_slots
 from ..conv_io import conv_channels
 from ..library_conv import conv_backward_plan
@@ -34,7 +34,7 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     """``(out, saved_y, saved_winner, stats)`` as ``config.conv_outputs`` lays them out."""
     from ...kernels.batch_norm import batch_norm_apply
 
-    fold = tuple(None if i is None else operands[i].reshape(-1).contiguous() for i in (cfg.weight, cfg.bias))
+    fold = norm_fold(operands, cfg)
     computed = conv_and_statistics(x, weight, None if bias is None else bias.reshape(-1).contiguous(), cfg, fold)
     y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save, computed=computed)  # STATS_ROWS' rows
     chains = norm_chains(cfg, bias, operands, x.dim(), conv_channels(weight, cfg.conv), x.device,
