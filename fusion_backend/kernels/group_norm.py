@@ -53,7 +53,6 @@ the windows that hold it (``norm_pool.pool_input_grad``: a max pool's only at th
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,16 +61,25 @@ import triton
 import triton.language as tl
 
 from ..ir.specs import PoolSpec
+from .batch_norm import (
+    CHANNELS_INNER_BLOCK_C,
+    POINTWISE_STAGES,
+    REDUCE_STAGES,
+    TARGET_PROGRAMS,
+)
 from .chain_math import MAX_SLOTS, KernelStep, apply_chain_at, chain_grad_at, op_codes, step_codes
+from .epilogue import channels_innermost
 from .host import cdiv, next_pow2
 from .launch import FastLaunch
 from .norm_common import (
     MIN_CHUNK_ELEMENTS,
     PROGRAMS_PER_SM,
     accumulate,
+    accumulate_lanes,
     chunk_moments,
     chunk_positions,
     combined_moments,
+    sm_count,
     store_rows,
     tile_values,
 )
@@ -84,6 +92,17 @@ __all__ = ["MIN_CHUNK_ELEMENTS", "PROGRAMS_PER_SM", "chunk_positions"]
 TILE_ELEMENTS = 2048
 #: Most channels of a group held in one tile; wider groups are walked in channel blocks.
 MAX_BLOCK_C = 64
+#: Channels of a channels-last kernel's tile: BatchNorm's, whose tiling these kernels share.
+CHANNELS_LAST_BLOCK_C = CHANNELS_INNER_BLOCK_C
+#: The channels-last kernels' chunks hold at least this many tiles (``_ChannelBlocks.plan``), and their
+#: loops' software-pipelining stages (the reductions', the elementwise passes').
+CL_MIN_CHUNK_TILES = 8
+CL_REDUCE_STAGES = REDUCE_STAGES
+CL_POINTWISE_STAGES = POINTWISE_STAGES
+#: Lanes of the channels-last combine (chunks x channels of a group read at once), and the most
+#: channels of a group among them; larger groups and more chunks are walked in blocks.
+COMBINE_LANES = 4096
+COMBINE_GROUP_LANES = 64
 
 
 # --------------------------------------------------------------------------------------------------
@@ -403,6 +422,283 @@ def _group_norm_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------------
+# Channels-last kernels: a program owns a block of channels (of several groups) of one sample's chunk
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _per_channel(rows_ptr, row_stride, n, c, G, CG, cmask):
+    """Rows 0 and 1 of a fp32 ``(2, N, G)`` buffer at each channel's group: ``[BLOCK_C, 1]`` each."""
+    at = n * G + c // CG
+    return (tl.load(rows_ptr + at, mask=cmask, other=0.0),
+            tl.load(rows_ptr + row_stride + at, mask=cmask, other=0.0))  # fmt: skip
+
+
+@triton.jit
+def _group_norm_cl_stats_kernel(
+    y_ptr, p_ptr, ws_ptr, C, S, CHUNK, K,
+    y_sn, y_sc, y_ss,
+    PRE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """Per (sample, chunk, channel): the statistics of ``v = pre(y + bias)`` over the chunk's
+    positions as ``shift`` (the channel's value at the chunk's first position), the mean of ``v -
+    shift`` and the sum of squared deviations from it.  Each lane of the ``[BLOCK_C, BLOCK_S]`` tile
+    keeps its own Welford accumulators of ``v - shift`` over the chunk's tiles, merged once at the end
+    with Chan's formula (as ``batch_norm._batch_norm_stats_kernel``: the loop is elementwise).  The
+    shift keeps the digits of a spread small against the values' size (3000 +- 0.01: unshifted, fp32
+    Welford means lose them).
+
+    Pointers (element strides; ``S`` flattened positions):
+      y_ptr, p_ptr  as in ``_group_norm_fwd_partial_kernel``.
+      ws_ptr   fp32 (N * K, 3, C) contiguous: rows shift, mean, sum of squared deviations.
+    Grid: ``(cdiv(C, BLOCK_C), N * K)``; program ``(i, n * K + k)`` owns channels ``i * BLOCK_C + [0,
+    BLOCK_C)`` and positions ``k * CHUNK + [0, CHUNK)`` (clipped to ``S``) of sample ``n``.
+    """
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    cmask = c < C
+    j = tl.program_id(1)
+    start = (j % K) * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    y_base = y_ptr + (j // K).to(tl.int64) * y_sn
+    sb = tl.arange(0, BLOCK_S)[None, :]
+    full = (end - start) // BLOCK_S
+    shift = tile_values(y_ptr, p_ptr, y_base, c, start, cmask, C, y_sc, y_ss, PRE, HAS_BIAS)[1]
+    mean = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
+    m2 = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
+    for i in tl.range(0, full, num_stages=STAGES):  # full tiles: every lane's count is i + 1
+        _, v = tile_values(y_ptr, p_ptr, y_base, c, start + i * BLOCK_S + sb, cmask, C, y_sc, y_ss, PRE, HAS_BIAS)
+        v = v - shift
+        delta = v - mean
+        mean = mean + delta / (i + 1.0)
+        m2 = m2 + delta * (v - mean)
+    count = tl.zeros([BLOCK_C, BLOCK_S], tl.float32) + full.to(tl.float32)
+    s = start + full * BLOCK_S + sb
+    if start + full * BLOCK_S < end:  # the partial tile: per-lane counts
+        valid = cmask & (s < end)
+        _, v = tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
+        v = v - shift
+        n_new = count + valid.to(tl.float32)
+        delta = v - mean
+        mean = mean + tl.where(valid, delta / tl.maximum(n_new, 1.0), 0.0)
+        m2 = m2 + tl.where(valid, delta * (v - mean), 0.0)
+        count = n_new
+    total = tl.sum(count, axis=1)
+    chunk_mean = tl.sum(mean * count, axis=1) / tl.maximum(total, 1.0)
+    d = mean - chunk_mean[:, None]
+    chunk_m2 = tl.sum(m2 + count * d * d, axis=1)
+    c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    w = ws_ptr + j.to(tl.int64) * 3 * C + c1
+    tl.store(w, tl.sum(shift, axis=1), mask=c1 < C)
+    tl.store(w + C, chunk_mean, mask=c1 < C)
+    tl.store(w + 2 * C, chunk_m2, mask=c1 < C)
+
+
+@triton.jit
+def _group_norm_cl_combine_kernel(ws_ptr, out_ptr, eps, C, S, G, CG, CHUNK, K, out_row,
+                                  MOMENTS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
+    """Per (sample, group) (program ``n * G + g``): its ``K`` chunks' by ``CG`` channels' entries of
+    ``ws_ptr`` combined into row 0 and row 1 of ``out_ptr`` (fp32 (2, N, G) contiguous, row stride
+    ``out_row``).  ``MOMENTS``: ``ws_ptr`` is ``_group_norm_cl_stats_kernel``'s (N * K, 3, C) rows of
+    ``min(CHUNK, S - k * CHUNK)`` values each, combined with Chan's decomposition ``M2 = sum M2_i + sum
+    n_i (r_i - mean)^2``, each mean taken relative to the group's first shift as ``r_i = (shift_i -
+    shift_0) + mean_i`` (the shifts of values close together are close, so their difference is
+    exact), into the group's mean and ``1 / sqrt(var + eps)``; else ``ws_ptr`` is (N * K, 2, C) sums,
+    and the results their totals over the group divided by its ``CG * S`` values.  Every sum runs over
+    a fixed shape in a fixed order: bitwise reproducible."""
+    pid = tl.program_id(0)
+    ROWS: tl.constexpr = 3 if MOMENTS else 2
+    rows = ws_ptr + (pid // G).to(tl.int64) * K * ROWS * C + (pid % G) * CG
+    kk = tl.arange(0, BLOCK_K)[:, None]
+    gg = tl.arange(0, BLOCK_G)[None, :]
+    values = CG * 1.0 * S
+    shift0 = tl.load(rows) if MOMENTS else 0.0
+    acc0 = tl.zeros([BLOCK_K, BLOCK_G], tl.float32)
+    acc1 = tl.zeros([BLOCK_K, BLOCK_G], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        for g0 in range(0, CG, BLOCK_G):
+            k = k0 + kk
+            live = (k < K) & (g0 + gg < CG)
+            at = rows + k * ROWS * C + g0 + gg
+            if MOMENTS:
+                count = tl.where(live, tl.minimum(CHUNK, S - k * CHUNK), 0).to(tl.float32)
+                r = (tl.load(at, mask=live, other=0.0) - shift0) + tl.load(at + C, mask=live, other=0.0)
+                acc0 += count * r
+                acc1 += tl.load(at + 2 * C, mask=live, other=0.0)
+            else:
+                acc0 += tl.load(at, mask=live, other=0.0)
+                acc1 += tl.load(at + C, mask=live, other=0.0)
+    first = tl.sum(tl.sum(acc0, axis=1), axis=0) / values
+    second = tl.sum(tl.sum(acc1, axis=1), axis=0)
+    if MOMENTS:
+        dev = tl.zeros([BLOCK_K, BLOCK_G], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            for g0 in range(0, CG, BLOCK_G):
+                k = k0 + kk
+                live = (k < K) & (g0 + gg < CG)
+                at = rows + k * ROWS * C + g0 + gg
+                d = (tl.load(at, mask=live, other=0.0) - shift0) + tl.load(at + C, mask=live, other=0.0) - first
+                dev += tl.where(live, tl.minimum(CHUNK, S - k * CHUNK), 0).to(tl.float32) * d * d
+        second = 1.0 / tl.sqrt((second + tl.sum(tl.sum(dev, axis=1), axis=0)) / values + eps)
+        first = first + shift0
+    else:
+        second = second / values
+    tl.store(out_ptr + pid, first)
+    tl.store(out_ptr + out_row + pid, second)
+
+
+@triton.jit
+def _group_norm_cl_apply_kernel(
+    y_ptr, p_ptr, q_ptr, a_ptr, st_ptr, out_ptr, C, S, G, CG, CHUNK, K, st_row,
+    y_sn, y_sc, y_ss, o_sn, o_sc, o_ss,
+    PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    """out = post(group_norm(pre(y + bias)) * gamma + beta) from the group statistics ``st_ptr`` (fp32
+    (2, N, G): mean, rstd; row stride ``st_row``); pointers otherwise as in ``_group_norm_fwd_kernel``.
+    Grid: as ``_group_norm_cl_stats_kernel``'s."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    cmask = c < C
+    j = tl.program_id(1)
+    n = j // K
+    start = (j % K) * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    mu, rstd = _per_channel(st_ptr, st_row, n, c, G, CG, cmask)
+    scale = rstd * tl.load(a_ptr + c, mask=cmask, other=0.0)
+    beta = tl.load(a_ptr + C + c, mask=cmask, other=0.0)
+    y_base = y_ptr + n.to(tl.int64) * y_sn
+    o_base = out_ptr + n.to(tl.int64) * o_sn
+    sb = tl.arange(0, BLOCK_S)[None, :]
+    for s0 in tl.range(start, end, BLOCK_S, num_stages=STAGES):
+        s = s0 + sb
+        valid = cmask & (s < end)
+        _, v = tile_values(y_ptr, p_ptr, y_base, c, s, valid, C, y_sc, y_ss, PRE, HAS_BIAS)
+        out = apply_chain_at((v - mu) * scale + beta, q_ptr, c, C, cmask, POST)
+        tl.store(o_base + c.to(tl.int64) * o_sc + s.to(tl.int64) * o_ss, out.to(out_ptr.dtype.element_ty),
+                 mask=valid)  # fmt: skip
+
+
+@triton.jit
+def _group_norm_cl_bwd_sums_kernel(
+    gout_ptr, y_ptr, st_ptr, p_ptr, q_ptr, a_ptr, ws_ptr, qpart_ptr, apart_ptr, win_ptr,
+    C, S, G, CG, CHUNK, K, st_row, part_row,
+    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh, w_sw,
+    PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr, POOL_GEOM: tl.constexpr,
+    POST_MASK: tl.constexpr, AFFINE_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    """The backward's sums per (sample, chunk, channel): of ``dz * gamma`` and ``dz * gamma * x_hat``
+    into ``ws_ptr`` (fp32 (N * K, 2, C) contiguous), of gamma's, beta's and the post-chain's operand
+    gradients into their rows of ``apart_ptr`` / ``qpart_ptr`` (as ``_group_norm_bwd_partial_kernel``'s,
+    with ``N * K`` (sample, chunk) rows).  Other pointers as there.  Grid: as
+    ``_group_norm_cl_stats_kernel``'s."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    cmask = c < C
+    j = tl.program_id(1)
+    n = j // K
+    n64 = n.to(tl.int64)
+    start = (j % K) * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    mu, rstd = _per_channel(st_ptr, st_row, n, c, G, CG, cmask)
+    y_base = y_ptr + n64 * y_sn
+    g_base = gout_ptr + n64 * g_sn
+    w_base = win_ptr + n64 * w_sn
+    sb = tl.arange(0, BLOCK_S)[None, :]
+    # per-lane sums, reduced across the lanes once after the walk (the loop stays elementwise)
+    sum_dxh = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
+    sum_dxh_xh = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
+    dgamma = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
+    dbeta = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
+    p0 = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)
+    p1, p2, p3, p4, p5, p6, p7 = p0, p0, p0, p0, p0, p0, p0
+    for s0 in tl.range(start, end, BLOCK_S, num_stages=STAGES):
+        s = s0 + sb
+        valid = cmask & (s < end)
+        yb, xh, dz, dxh, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_backward_tile(
+            gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, w_base, c, s, valid, mu, rstd, C, y_sc, y_ss,
+            g_sc, g_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sc, w_sd, w_sh, w_sw, PRE, POST, HAS_BIAS, POOL,
+            POOL_GEOM)  # fmt: skip
+        sum_dxh += dxh
+        sum_dxh_xh += tl.where(valid, dxh * xh, 0.0)
+        dgamma = accumulate_lanes(dgamma, dz * xh, valid, (AFFINE_MASK & 1) != 0)
+        dbeta = accumulate_lanes(dbeta, dz, valid, (AFFINE_MASK & 2) != 0)
+        p0 = accumulate_lanes(p0, q0, valid, (POST_MASK & 1) != 0)
+        p1 = accumulate_lanes(p1, q1, valid, (POST_MASK & 2) != 0)
+        p2 = accumulate_lanes(p2, q2, valid, (POST_MASK & 4) != 0)
+        p3 = accumulate_lanes(p3, q3, valid, (POST_MASK & 8) != 0)
+        p4 = accumulate_lanes(p4, q4, valid, (POST_MASK & 16) != 0)
+        p5 = accumulate_lanes(p5, q5, valid, (POST_MASK & 32) != 0)
+        p6 = accumulate_lanes(p6, q6, valid, (POST_MASK & 64) != 0)
+        p7 = accumulate_lanes(p7, q7, valid, (POST_MASK & 128) != 0)
+    c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask1 = c1 < C
+    w = ws_ptr + j.to(tl.int64) * 2 * C + c1
+    tl.store(w, tl.sum(sum_dxh, axis=1), mask=cmask1)
+    tl.store(w + C, tl.sum(sum_dxh_xh, axis=1), mask=cmask1)
+    row = j.to(tl.int64) * C + c1
+    if AFFINE_MASK != 0:
+        db = tl.sum(dbeta, axis=1)
+        store_rows(apart_ptr, part_row, row, cmask1, tl.sum(dgamma, axis=1), db, db, db, db, db, db, db, AFFINE_MASK)
+    if POST_MASK != 0:
+        store_rows(qpart_ptr, part_row, row, cmask1, tl.sum(p0, axis=1), tl.sum(p1, axis=1), tl.sum(p2, axis=1),
+                   tl.sum(p3, axis=1), tl.sum(p4, axis=1), tl.sum(p5, axis=1), tl.sum(p6, axis=1), tl.sum(p7, axis=1),
+                   POST_MASK)  # fmt: skip
+
+
+@triton.jit
+def _group_norm_cl_bwd_dx_kernel(
+    gout_ptr, y_ptr, st_ptr, gs_ptr, p_ptr, q_ptr, a_ptr, gy_ptr, part_ptr, win_ptr,
+    C, S, G, CG, CHUNK, K, st_row, part_row,
+    g_sn, g_sc, g_ss, y_sn, y_sc, y_ss, gy_sn, gy_sc, gy_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sn, w_sc, w_sd, w_sh,
+    w_sw, PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr, POOL: tl.constexpr, POOL_GEOM: tl.constexpr,
+    PRE_MASK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """grad_y (``gy_ptr``, strides ``gy_s*``) from the group means of ``dz * gamma`` and ``dz * gamma *
+    x_hat`` (``gs_ptr``, fp32 (2, N, G), row stride ``st_row`` as the statistics'), and the pre-chain's
+    per-(sample, chunk, channel) operand-gradient sums (``part_ptr``, as ``_group_norm_bwd_kernel``'s
+    with ``N * K`` rows).  Other pointers as in ``_group_norm_cl_bwd_sums_kernel``; same grid."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    cmask = c < C
+    j = tl.program_id(1)
+    n = j // K
+    n64 = n.to(tl.int64)
+    start = (j % K) * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    mu, rstd = _per_channel(st_ptr, st_row, n, c, G, CG, cmask)
+    mean_dxh, mean_dxh_xh = _per_channel(gs_ptr, st_row, n, c, G, CG, cmask)
+    y_base = y_ptr + n64 * y_sn
+    g_base = gout_ptr + n64 * g_sn
+    w_base = win_ptr + n64 * w_sn
+    gy_base = gy_ptr + n64 * gy_sn
+    sb = tl.arange(0, BLOCK_S)[None, :]
+    p0 = tl.zeros([BLOCK_C, BLOCK_S], tl.float32)  # per-lane sums, as the sums kernel's
+    p1, p2, p3, p4, p5, p6, p7 = p0, p0, p0, p0, p0, p0, p0
+    for s0 in tl.range(start, end, BLOCK_S, num_stages=STAGES):
+        s = s0 + sb
+        valid = cmask & (s < end)
+        yb, xh, dz, dxh, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_backward_tile(
+            gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, w_base, c, s, valid, mu, rstd, C, y_sc, y_ss,
+            g_sc, g_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sc, w_sd, w_sh, w_sw, PRE, POST, HAS_BIAS, POOL,
+            POOL_GEOM)  # fmt: skip
+        dv = rstd * (dxh - mean_dxh - xh * mean_dxh_xh)
+        gy, a0, a1, a2, a3, a4, a5, a6, a7 = chain_grad_at(dv, yb, p_ptr, c, C, cmask, PRE)
+        tl.store(gy_base + c.to(tl.int64) * gy_sc + s.to(tl.int64) * gy_ss, gy.to(gy_ptr.dtype.element_ty),
+                 mask=valid)  # fmt: skip
+        p0 = accumulate_lanes(p0, a0, valid, (PRE_MASK & 1) != 0)
+        p1 = accumulate_lanes(p1, a1, valid, (PRE_MASK & 2) != 0)
+        p2 = accumulate_lanes(p2, a2, valid, (PRE_MASK & 4) != 0)
+        p3 = accumulate_lanes(p3, a3, valid, (PRE_MASK & 8) != 0)
+        p4 = accumulate_lanes(p4, a4, valid, (PRE_MASK & 16) != 0)
+        p5 = accumulate_lanes(p5, a5, valid, (PRE_MASK & 32) != 0)
+        p6 = accumulate_lanes(p6, a6, valid, (PRE_MASK & 64) != 0)
+        p7 = accumulate_lanes(p7, a7, valid, (PRE_MASK & 128) != 0)
+    if PRE_MASK != 0:
+        c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        store_rows(part_ptr, part_row, j.to(tl.int64) * C + c1, c1 < C, tl.sum(p0, axis=1), tl.sum(p1, axis=1),
+                   tl.sum(p2, axis=1), tl.sum(p3, axis=1), tl.sum(p4, axis=1), tl.sum(p5, axis=1), tl.sum(p6, axis=1),
+                   tl.sum(p7, axis=1), PRE_MASK)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
 
@@ -413,12 +709,6 @@ def _tile(group_channels: int, positions: int) -> tuple[int, int]:
     block_c = min(next_pow2(group_channels), MAX_BLOCK_C)
     block_s = max(1, min(next_pow2(max(positions, 1)), TILE_ELEMENTS // block_c))
     return block_c, block_s
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA ``device``; 0 for any other (``chunk_positions``)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 @dataclass(frozen=True)
@@ -439,7 +729,7 @@ class _Chunks:
         longer than a chunk; else ``chunk_positions``' choice."""
         block_c, block_s = _tile(group_channels, positions)
         if chunk is None:
-            chunk = chunk_positions(n * groups, group_channels, positions, block_s, _sm_count(device))
+            chunk = chunk_positions(n * groups, group_channels, positions, block_s, sm_count(device))
         else:
             if chunk < 1:
                 raise ValueError(f"chunk_positions must be positive, got {chunk}")
@@ -453,6 +743,86 @@ class _Chunks:
     def num_warps(self) -> int:
         return 8 if self.block_c * self.block_s >= 2048 else 4
 
+
+#: Bytes of a DRAM sector, what one memory transaction moves (``takes_channels_last_kernels``).
+SECTOR_BYTES = 32
+
+
+def takes_channels_last_kernels(y: torch.Tensor, groups: int, chunk: int | None = None) -> bool:
+    """Whether a call on ``y`` (N, C, *spatial) runs the channels-last kernels: ``y``'s channels are its
+    contiguous axis, and the group kernels would not read it well in one launch, because they split its
+    groups into chunks (two launches, each reading a position's group channels as one short run) or
+    because that run (``C / groups`` channels) is shorter than a DRAM sector, so most of each sector
+    read is other groups' data.  Otherwise the group kernels' one launch (each program normalising one
+    group whole) beats the channels-last kernels' three.
+    NOTE: measured on the H200 (bf16, GroupNorm + SiLU, GPU us forward / backward; ``python
+    tools/bench_batch_norm.py --groups 32 --shapes ...``): 1x512x256x256 (a split group of 16
+    channels) 176 / 326 with the group kernels, 81 / 153 with the channels-last kernels; 64x64x56x56
+    (2048 groups of 2 channels, one launch) 180 / 268 against 46 / 109; 32x128x16x16 (1024 groups of 4
+    channels, one launch, 2 MB) 11.2 / 20.2 against 12.7 / 23.4: a small tensor pays the launches."""
+    n, channels = y.shape[:2]
+    if not channels_innermost(y.stride(), y.shape) or y.numel() == 0:
+        return False
+    group_channels = channels // groups
+    if group_channels * y.element_size() < SECTOR_BYTES:
+        return True
+    return _Chunks.plan(n, groups, group_channels, y[0, 0].numel(), y.device, chunk).split > 1
+
+
+@dataclass(frozen=True)
+class _ChannelBlocks:
+    """How the channels-last kernels cut a ``(N, C, S)`` tensor: ``[block_c, block_s]`` tiles,
+    ``blocks`` channel blocks, ``chunks`` chunks of ``chunk`` positions per sample (every kernel of a
+    call the same), ``grid``; the combine's lanes ``block_k`` x ``block_g``."""
+
+    block_c: int
+    block_s: int
+    chunk: int
+    chunks: int
+    blocks: int
+    block_k: int
+    block_g: int
+
+    @staticmethod
+    def plan(n: int, channels: int, group_channels: int, positions: int, sms: int,
+             chunk: int | None) -> _ChannelBlocks:  # fmt: skip
+        """BatchNorm's channels-last tiling (``kernels/batch_norm.py``): 64 channels by the positions
+        that fill ``TILE_ELEMENTS``; chunks of ``CL_MIN_CHUNK_TILES`` tiles or more, as many as bring
+        the grid to ``TARGET_PROGRAMS``, and shorter ones where that leaves fewer programs than the
+        GPU's ``sms`` multiprocessors (0: no GPU, the interpreter).  ``chunk`` given (tests): that many
+        positions per chunk."""
+        block_c = min(next_pow2(channels), CHANNELS_LAST_BLOCK_C)
+        block_s = max(1, min(next_pow2(max(positions, 1)), TILE_ELEMENTS // block_c))
+        blocks = cdiv(channels, block_c)
+        if chunk is None:
+            tiles, rows = cdiv(max(positions, 1), block_s), blocks * max(n, 1)
+            wanted = max(1, min(cdiv(tiles, CL_MIN_CHUNK_TILES), cdiv(TARGET_PROGRAMS, rows)))
+            if rows * wanted < sms:
+                wanted = min(tiles, cdiv(sms, rows))
+            chunk = cdiv(tiles, wanted) * block_s
+        else:
+            if chunk < 1:
+                raise ValueError(f"chunk_positions must be positive, got {chunk}")
+            block_s = min(block_s, next_pow2(chunk))
+        chunk = min(chunk, max(positions, 1))
+        chunks = cdiv(max(positions, 1), chunk)
+        block_g = min(next_pow2(group_channels), COMBINE_GROUP_LANES)
+        block_k = min(next_pow2(chunks), max(1, COMBINE_LANES // block_g))
+        return _ChannelBlocks(block_c, block_s, chunk, chunks, blocks, block_k, block_g)
+
+    def grid(self, n: int) -> tuple[int, int]:
+        return (self.blocks, n * self.chunks)
+
+    def tiles(self, stages: int) -> dict[str, int]:
+        """The tile constexprs and launch options of the walking kernels."""
+        return dict(BLOCK_C=self.block_c, BLOCK_S=self.block_s, STAGES=stages,
+                    num_warps=8 if self.block_c * self.block_s >= 2048 else 4)  # fmt: skip
+
+    def combine(self, n: int, groups: int, channels: int, positions: int, moments: bool) -> FastLaunch:
+        """The combine's launch over ``n * groups`` programs (``_group_norm_cl_combine_kernel``)."""
+        return FastLaunch(_group_norm_cl_combine_kernel, (n * groups,), dict(
+            MOMENTS=moments, BLOCK_K=self.block_k, BLOCK_G=self.block_g, num_warps=4),
+            fixed=(channels, positions, groups, channels // groups, self.chunk, self.chunks, n * groups))  # fmt: skip
 
 
 def _check_common(y: torch.Tensor, groups: int, params: torch.Tensor, post_params: torch.Tensor,
@@ -501,11 +871,13 @@ def group_norm_forward(
            stats, chunk)  # fmt: skip
     launch = _FORWARD_LAUNCHES.plan(parts, lambda: _ForwardLaunch(y, has_bias, pre, post, groups, eps, params,
                                                                post_params, affine, out, stats, chunk))  # fmt: skip
-    launch(y, params, post_params, affine, out, stats)
+    launch(y, params, post_params, affine, out, stats, float(eps))
 
 
 class _ForwardLaunch:
-    """``group_norm_forward`` for one signature: arguments checked and the launches worked out once."""
+    """``group_norm_forward`` for one signature: arguments checked and the launches worked out once.
+    A channels-last ``y`` takes the channels-last kernels: statistics per channel, their combine per
+    group, then the normalise pass (three launches); any other the group kernels (one or two)."""
 
     def __init__(self, y, has_bias, pre, post, groups, eps, params, post_params, affine, out, stats, chunk) -> None:
         n, channels, positions = _check_common(y, groups, params, post_params, affine)
@@ -515,31 +887,50 @@ class _ForwardLaunch:
                                   or stats.dtype != torch.float32):  # fmt: skip
             raise ValueError(f"stats must be contiguous fp32 (2, {n}, {groups}), got {tuple(stats.shape)} {stats.dtype}")
         group_channels = channels // groups
-        plan = _Chunks.plan(n, groups, group_channels, positions, y.device, chunk)
         self.save = stats is not None
+        self.workspace = self.stats_shape = None
+        self.launch = self.partial = self.combine = None
+        if out.numel() == 0:
+            return
+        y_flat, out_flat = flat_strides("y", y), flat_strides("out", out)
+        if takes_channels_last_kernels(y, groups, chunk):
+            blocks = _ChannelBlocks.plan(n, channels, group_channels, positions, sm_count(y.device), chunk)
+            self.workspace, self.stats_shape = (n * blocks.chunks, 3, channels), (2, n, groups)
+            self.partial = FastLaunch(_group_norm_cl_stats_kernel, blocks.grid(n), dict(
+                PRE=op_codes(pre), HAS_BIAS=has_bias, **blocks.tiles(CL_REDUCE_STAGES)),
+                fixed=(channels, positions, blocks.chunk, blocks.chunks, *y_flat))  # fmt: skip
+            self.combine = blocks.combine(n, groups, channels, positions, moments=True)
+            self.launch = FastLaunch(_group_norm_cl_apply_kernel, blocks.grid(n), dict(
+                PRE=op_codes(pre), POST=op_codes(post), HAS_BIAS=has_bias, **blocks.tiles(CL_POINTWISE_STAGES)),
+                fixed=(channels, positions, groups, group_channels, blocks.chunk, blocks.chunks, n * groups, *y_flat,
+                       *out_flat))  # fmt: skip
+            return
+        plan = _Chunks.plan(n, groups, group_channels, positions, y.device, chunk)
         self.workspace = (n * groups, plan.split, 3) if plan.split > 1 else None
-        self.launch = self.partial = None
-        if out.numel() > 0:
-            grid = (n * groups, plan.split)
-            y_flat = flat_strides("y", y)
-            tiles = dict(BLOCK_C=plan.block_c, BLOCK_S=plan.block_s, num_warps=plan.num_warps)
-            if self.workspace is not None:
-                self.partial = FastLaunch(_group_norm_fwd_partial_kernel, grid, dict(
-                    PRE=op_codes(pre), HAS_BIAS=has_bias, **tiles), fixed=(channels, positions, groups, group_channels,
-                                                                       plan.chunk, *y_flat))  # fmt: skip
-            ints = (float(eps), channels, positions, groups, group_channels, plan.chunk, n * groups, *y_flat,
-                    *flat_strides("out", out))  # fmt: skip
-            self.launch = FastLaunch(_group_norm_fwd_kernel, grid, dict(
-                PRE=op_codes(pre), POST=op_codes(post), HAS_BIAS=has_bias, SAVE=self.save, SPLIT_P2=plan.split_p2, **tiles,
-            ), fixed=ints)  # fmt: skip
+        grid = (n * groups, plan.split)
+        tiles = dict(BLOCK_C=plan.block_c, BLOCK_S=plan.block_s, num_warps=plan.num_warps)
+        if self.workspace is not None:
+            self.partial = FastLaunch(_group_norm_fwd_partial_kernel, grid, dict(
+                PRE=op_codes(pre), HAS_BIAS=has_bias, **tiles), fixed=(channels, positions, groups, group_channels,
+                                                                   plan.chunk, *y_flat))  # fmt: skip
+        ints = (float(eps), channels, positions, groups, group_channels, plan.chunk, n * groups, *y_flat, *out_flat)
+        self.launch = FastLaunch(_group_norm_fwd_kernel, grid, dict(
+            PRE=op_codes(pre), POST=op_codes(post), HAS_BIAS=has_bias, SAVE=self.save, SPLIT_P2=plan.split_p2, **tiles,
+        ), fixed=ints)  # fmt: skip
 
-    def __call__(self, y, params, post_params, affine, out, stats) -> None:
+    def __call__(self, y, params, post_params, affine, out, stats, eps: float) -> None:
         if self.launch is None:
             return
         ws = params
         if self.partial is not None:
             ws = torch.empty(self.workspace, dtype=torch.float32, device=y.device)
             self.partial(y, params, ws)
+        if self.combine is not None:
+            if not self.save:
+                stats = torch.empty(self.stats_shape, dtype=torch.float32, device=y.device)
+            self.combine(ws, stats, eps)
+            self.launch(y, params, post_params, affine, stats, out)
+            return
         self.launch(y, params, post_params, affine, out, stats if self.save else params, ws)
 
 
@@ -566,25 +957,35 @@ _STATS_LAUNCHES = PlanCache()
 
 
 class _StatsLaunch:
-    """``group_norm_stats`` for one signature: arguments checked and the launch worked out once."""
+    """``group_norm_stats`` for one signature: arguments checked and the launches worked out once (a
+    channels-last ``y``: the channels-last statistics and their combine, as ``_ForwardLaunch``)."""
 
     def __init__(self, y, has_bias, pre, groups, params, stats, chunk) -> None:
         n, channels, positions = _check_common(y, groups, params, params, params[:2])  # (only P is read here)
         if tuple(stats.shape) != (2, n, groups) or not stats.is_contiguous() or stats.dtype != torch.float32:
             raise ValueError(f"stats must be contiguous fp32 (2, {n}, {groups}), got {tuple(stats.shape)} {stats.dtype}")
         group_channels = channels // groups
+        self.launch = self.combine = None
+        if y.numel() == 0:
+            return
+        if takes_channels_last_kernels(y, groups, chunk):
+            blocks = _ChannelBlocks.plan(n, channels, group_channels, positions, sm_count(y.device), chunk)
+            self.workspace = (n * blocks.chunks, 3, channels)
+            self.launch = FastLaunch(_group_norm_cl_stats_kernel, blocks.grid(n), dict(
+                PRE=op_codes(pre), HAS_BIAS=has_bias, **blocks.tiles(CL_REDUCE_STAGES)),
+                fixed=(channels, positions, blocks.chunk, blocks.chunks, *flat_strides("y", y)))  # fmt: skip
+            self.combine = blocks.combine(n, groups, channels, positions, moments=True)
+            return
         plan = _Chunks.plan(n, groups, group_channels, positions, y.device, chunk)
         self.workspace = (n * groups, plan.split, 3)
         self.values = float(group_channels * positions)
         ends = torch.minimum(torch.arange(1, plan.split + 1) * plan.chunk, torch.tensor(positions))
         #: values per chunk of a group, fp32 (SPLIT,)
         self.counts = (group_channels * (ends - torch.arange(plan.split) * plan.chunk)).to(torch.float32).to(y.device)
-        self.launch = None
-        if y.numel() > 0:
-            self.launch = FastLaunch(_group_norm_fwd_partial_kernel, (n * groups, plan.split), dict(
-                PRE=op_codes(pre), HAS_BIAS=has_bias, BLOCK_C=plan.block_c, BLOCK_S=plan.block_s,
-                num_warps=plan.num_warps), fixed=(channels, positions, groups, group_channels, plan.chunk,
-                                                  *flat_strides("y", y)))  # fmt: skip
+        self.launch = FastLaunch(_group_norm_fwd_partial_kernel, (n * groups, plan.split), dict(
+            PRE=op_codes(pre), HAS_BIAS=has_bias, BLOCK_C=plan.block_c, BLOCK_S=plan.block_s,
+            num_warps=plan.num_warps), fixed=(channels, positions, groups, group_channels, plan.chunk,
+                                              *flat_strides("y", y)))  # fmt: skip
 
     def __call__(self, y, params, stats, eps: float) -> None:
         if self.launch is None:
@@ -592,6 +993,9 @@ class _StatsLaunch:
             return
         ws = torch.empty(self.workspace, dtype=torch.float32, device=y.device)
         self.launch(y, params, ws)
+        if self.combine is not None:
+            self.combine(ws, stats, eps)
+            return
         shift, means, m2s = ws.unbind(2)
         r = (shift - shift[:, :1]) + means  # each chunk's mean relative to chunk 0's shift
         mean = (r * self.counts).sum(1) / self.values
@@ -638,7 +1042,9 @@ def group_norm_backward(
 
 
 class _BackwardLaunch:
-    """``group_norm_backward`` for one signature: arguments checked and the launches worked out once."""
+    """``group_norm_backward`` for one signature: arguments checked and the launches worked out once.
+    A channels-last ``y`` takes the channels-last kernels (the sums per channel, their combine per
+    group, then grad_y: three launches), any other the group kernels (one or two)."""
 
     def __init__(self, grad_out, y, stats, has_bias, pre, post, groups, params, post_params, affine, grad_y,
                  pre_grad_slots, post_grad_slots, affine_grads, chunk, pool=None, winner=None) -> None:  # fmt: skip
@@ -658,29 +1064,45 @@ class _BackwardLaunch:
                 self.copy_grad_out, g_flat = True, flat_strides("grad_out", torch.empty(grad_out.shape, device="meta"))
         pool_ints, pool_consts = pool_arguments(grad_out, y, pool, winner)
         group_channels = channels // groups
-        plan = _Chunks.plan(n, groups, group_channels, positions, y.device, chunk)
         self.pre_slots = [k < len(pre_grad_slots) and bool(pre_grad_slots[k]) for k in range(len(pre))]
         self.post_slots = [k < len(post_grad_slots) and bool(post_grad_slots[k]) for k in range(len(post))]
         self.affine_slots = [bool(a) for a in affine_grads]
         masks = [sum(1 << k for k, w in enumerate(slots) if w) for slots in (self.pre_slots, self.post_slots,
                                                                               self.affine_slots)]  # fmt: skip
-        self.rows = (n * plan.split, channels)
+        self.launch = self.partial = self.combine = None
+        self.workspace = self.sums_shape = None
+        blocks = _ChannelBlocks.plan(n, channels, group_channels, positions, sm_count(y.device), chunk) \
+            if takes_channels_last_kernels(y, groups, chunk) else None  # fmt: skip
+        plan = None if blocks else _Chunks.plan(n, groups, group_channels, positions, y.device, chunk)
+        self.rows = (n * (blocks.chunks if blocks else plan.split), channels)
+        if grad_y.numel() == 0:
+            return
+        y_flat = flat_strides("y", y)
+        common = dict(PRE=op_codes(pre), POST=op_codes(post), HAS_BIAS=has_bias, **pool_consts)
+        if blocks is not None:
+            self.workspace, self.sums_shape = (n * blocks.chunks, 2, channels), (2, n, groups)
+            head = (channels, positions, groups, group_channels, blocks.chunk, blocks.chunks, n * groups,
+                    self.rows[0] * channels)  # fmt: skip
+            self.partial = FastLaunch(_group_norm_cl_bwd_sums_kernel, blocks.grid(n), dict(
+                common, POST_MASK=masks[1], AFFINE_MASK=masks[2], **blocks.tiles(CL_REDUCE_STAGES)),
+                fixed=(*head, *g_flat, *y_flat, *pool_ints))  # fmt: skip
+            self.combine = blocks.combine(n, groups, channels, positions, moments=False)
+            self.launch = FastLaunch(_group_norm_cl_bwd_dx_kernel, blocks.grid(n), dict(
+                common, PRE_MASK=masks[0], **blocks.tiles(CL_POINTWISE_STAGES)),
+                fixed=(*head, *g_flat, *y_flat, *flat_strides("grad_y", grad_y), *pool_ints))  # fmt: skip
+            return
         self.workspace = (n * groups, plan.split, 2) if plan.split > 1 else None
-        self.launch = self.partial = None
-        if grad_y.numel() > 0:
-            grid = (n * groups, plan.split)
-            y_flat = flat_strides("y", y)
-            common = dict(PRE=op_codes(pre), POST=op_codes(post), HAS_BIAS=has_bias, **pool_consts, POST_MASK=masks[1],
-                          AFFINE_MASK=masks[2], BLOCK_C=plan.block_c, BLOCK_S=plan.block_s,
-                          num_warps=plan.num_warps)  # fmt: skip
-            head = (channels, positions, groups, group_channels, plan.chunk, n * groups, n * plan.split * channels)
-            if self.workspace is not None:
-                self.partial = FastLaunch(_group_norm_bwd_partial_kernel, grid, common,
-                                          fixed=(*head, *g_flat, *y_flat, *pool_ints))  # fmt: skip
-            self.launch = FastLaunch(_group_norm_bwd_kernel, grid, dict(
-                common, PRE_MASK=masks[0], SPLIT_P2=plan.split_p2), fixed=(*head, *g_flat, *y_flat,
-                                                                            *flat_strides("grad_y", grad_y),
-                                                                            *pool_ints))  # fmt: skip
+        grid = (n * groups, plan.split)
+        common.update(POST_MASK=masks[1], AFFINE_MASK=masks[2], BLOCK_C=plan.block_c, BLOCK_S=plan.block_s,
+                      num_warps=plan.num_warps)  # fmt: skip
+        head = (channels, positions, groups, group_channels, plan.chunk, n * groups, n * plan.split * channels)
+        if self.workspace is not None:
+            self.partial = FastLaunch(_group_norm_bwd_partial_kernel, grid, common,
+                                      fixed=(*head, *g_flat, *y_flat, *pool_ints))  # fmt: skip
+        self.launch = FastLaunch(_group_norm_bwd_kernel, grid, dict(
+            common, PRE_MASK=masks[0], SPLIT_P2=plan.split_p2), fixed=(*head, *g_flat, *y_flat,
+                                                                        *flat_strides("grad_y", grad_y),
+                                                                        *pool_ints))  # fmt: skip
 
     def __call__(self, grad_out, y, stats, params, post_params, affine, grad_y, winner=None):
         if self.copy_grad_out:
@@ -699,7 +1121,12 @@ class _BackwardLaunch:
             if self.partial is not None:
                 ws = torch.empty(self.workspace, dtype=torch.float32, device=device)
                 self.partial(grad_out, y, stats, params, post_params, affine, ws, qpart, apart, win)
-            self.launch(grad_out, y, stats, params, post_params, affine, grad_y, ws, part, qpart, apart, win)
+            if self.combine is not None:
+                sums = torch.empty(self.sums_shape, dtype=torch.float32, device=device)
+                self.combine(ws, sums, 0.0)
+                self.launch(grad_out, y, stats, sums, params, post_params, affine, grad_y, part, win)
+            else:
+                self.launch(grad_out, y, stats, params, post_params, affine, grad_y, ws, part, qpart, apart, win)
         # NOTE: torch's reduction over a fixed shape runs in a fixed order: bitwise reproducible sums.
         return tuple([buf[k].sum(0) if w else None for k, w in enumerate(slots)]
                      for buf, slots in ((part, self.pre_slots), (qpart, self.post_slots), (apart, self.affine_slots)))  # fmt: skip

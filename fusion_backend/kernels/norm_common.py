@@ -64,6 +64,15 @@ def accumulate(acc, ga, keep, WANT: tl.constexpr):
 
 
 @triton.jit
+def accumulate_lanes(acc, ga, keep, WANT: tl.constexpr):
+    """``acc`` (the tile's shape) plus ``ga`` where ``keep``: per-lane sums that a walk reduces across
+    its lanes once, at its end (a reduction per tile costs the lanes' exchange on every tile)."""
+    if WANT:
+        acc += tl.where(keep, ga, 0.0)
+    return acc
+
+
+@triton.jit
 def store_rows(ptr, row_stride, c1, cmask, r0, r1, r2, r3, r4, r5, r6, r7, MASK: tl.constexpr):
     """Row ``k`` of a partial-sum buffer at offsets ``c1`` for every wanted slot ``k`` (``MASK`` bit k)."""
     rows = (r0, r1, r2, r3, r4, r5, r6, r7)

@@ -315,11 +315,21 @@ def _family_cases():
     ]
 
 
+#: Outputs within this of zero get no weight in the loss (``_family_steps``).
+_KINK_BAND = 1e-4
+
+
 def _family_steps(case, device, compile_kwargs, steps=4, shape=(4, 8, 12, 10)):
     """Run ``case``'s model compiled (every region fused: the suite's ``FUSION_DECIDE=fuse``), eagerly
     and in float64 over ``steps`` fresh inputs; a list of what differs from eager beyond eager's own
     error against float64 (outputs, every gradient, the buffers after each step; ``testing.compare``),
-    and the reports of the compiles."""
+    and the reports of the compiles.
+
+    The loss weighs each output at random, and not at all where the float64 output is within
+    ``_KINK_BAND`` of zero: there a ReLU's input may lie on either side of its kink within rounding
+    (a BatchNorm output at 6.3e-8 from zero, fp32, 1 of 295k values), and the two answers' gradients
+    differ by a whole output gradient, which moved the conv's weight gradient 2.7e-3 from float64
+    where eager's draw had no such value (H200, 8x8x64x72, library and conv-family paths alike)."""
     import copy
 
     from fusion_backend.testing import compare
@@ -334,12 +344,13 @@ def _family_steps(case, device, compile_kwargs, steps=4, shape=(4, 8, 12, 10)):
         for _ in range(steps):
             x = torch.randn(shape, device=device)
             outs, weight = {}, None  # the loss weighs the output at random: its gradient is not the output
-            for name, m in (("eager", eager), ("exact", exact), ("compiled", model)):
+            for name, m in (("exact", exact), ("eager", eager), ("compiled", model)):
                 m.zero_grad(set_to_none=True)
                 if name == "compiled" and device == "cuda":
                     torch.compiler.cudagraph_mark_step_begin()
                 out = (compiled if name == "compiled" else m)(x.double() if name == "exact" else x)
-                weight = torch.randn_like(out) if weight is None else weight
+                if weight is None:  # the float64 output's
+                    weight = torch.randn_like(out) * (out.detach().abs() > _KINK_BAND)
                 if grads:
                     (out * weight.to(out.dtype)).sum().backward()
                 outs[name] = out.detach()
@@ -362,11 +373,7 @@ def test_every_family_under_cuda_graphs_matches_eager_over_steps(case, exact_fp3
     assert sum(r.counts().get(case[1], 0) for r in reports) >= 1, [r.counts() for r in reports]
 
 
-_FORCED_FAMILY_BN_WGRAD = pytest.mark.xfail(
-    strict=True, reason="known fault of the forced conv family's training BatchNorm path: its fp32 weight gradient "
-    "read 2.7e-3 relative error against float64 on the H200 (TF32 off), where eager's is within 1e-5")
-_FORCED_FAMILY_CASES = [pytest.param(c, id=c[0], marks=[_FORCED_FAMILY_BN_WGRAD] if c[0] == "bn-train-relu" else [])
-                        for c in _family_cases() if c[0] in ("bn-train-relu", "gn-silu")]  # fmt: skip
+_FORCED_FAMILY_CASES = [pytest.param(c, id=c[0]) for c in _family_cases() if c[0] in ("bn-train-relu", "gn-silu")]
 
 
 @pytest.mark.parametrize("case", _FORCED_FAMILY_CASES)

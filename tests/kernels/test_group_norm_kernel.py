@@ -33,9 +33,14 @@ def forward(y, bias, groups, eps=1e-5, pre=(), post=(), gamma=None, beta=None, o
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Tiles of 2 channels x 4 positions: a group spans several channel blocks and position tiles."""
+    """Tiles of 2 channels x 4 positions: a group spans several channel blocks and position tiles.
+    The channels-last kernels' tiles: 4 channels x 2 positions, so a block holds parts of two groups
+    of 3 and a group straddles two blocks; their combine reads one chunk of 2 channels at a time."""
     monkeypatch.setattr(gn, "MAX_BLOCK_C", 2)
     monkeypatch.setattr(gn, "TILE_ELEMENTS", 8)
+    monkeypatch.setattr(gn, "CHANNELS_LAST_BLOCK_C", 4)
+    monkeypatch.setattr(gn, "COMBINE_LANES", 2)
+    monkeypatch.setattr(gn, "COMBINE_GROUP_LANES", 2)
     gn._FORWARD_LAUNCHES.clear()
     gn._BACKWARD_LAUNCHES.clear()
     yield
@@ -43,12 +48,17 @@ def small_tiles(monkeypatch):
     gn._BACKWARD_LAUNCHES.clear()
 
 
+#: The layouts of a conv output: the group kernels walk a contiguous one, the channels-last kernels the others.
+LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("tiling", ["one tile", "many tiles"])
-def test_statistics_and_output_match_torch(tiling, kernel_device, request):
+def test_statistics_and_output_match_torch(tiling, layout, kernel_device, request):
     if tiling == "many tiles":
         request.getfixturevalue("small_tiles")
     gen = torch.Generator().manual_seed(0)
-    y = torch.randn(2, 10, 3, 5, generator=gen).to(kernel_device)
+    y = torch.randn(2, 10, 3, 5, generator=gen).to(kernel_device).to(memory_format=LAYOUTS[layout])
     bias = torch.randn(10, generator=gen).to(kernel_device)
     gamma, beta = torch.randn(10, generator=gen).to(kernel_device), torch.randn(10, generator=gen).to(kernel_device)
     pre = [(OP_CODES["leaky_relu"], [0.1])]
@@ -61,20 +71,23 @@ def test_statistics_and_output_match_torch(tiling, kernel_device, request):
     torch.testing.assert_close(stats[1], (grouped.var(-1, unbiased=False) + 1e-4).rsqrt())
 
 
-def test_variance_far_from_zero_is_sound_in_fp32(small_tiles, kernel_device):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_variance_far_from_zero_is_sound_in_fp32(layout, small_tiles, kernel_device):
     """Values around 3000 with spread 0.01: E[x^2] - E[x]^2 in fp32 loses every digit of the variance;
-    the shifted per-tile two-pass statistics merged with Chan's formula keep it."""
+    the shifted per-tile two-pass statistics merged with Chan's formula keep it (the group kernels),
+    as do the per-lane Welford accumulators merged with it (the channels-last kernels)."""
     gen = torch.Generator().manual_seed(2)
     y64 = 3000.0 + 0.01 * torch.randn(2, 4, 6, 7, generator=gen, dtype=torch.float64)
-    y = y64.float().to(kernel_device)
+    y = y64.float().to(kernel_device).to(memory_format=LAYOUTS[layout])
     _, stats = forward(y, None, 2, eps=0.0)
     var = y.double().reshape(2, 2, -1).var(-1, unbiased=False)
     torch.testing.assert_close(stats[1].double().cpu(), var.rsqrt().cpu(), rtol=1e-4, atol=0)
 
 
-def test_backward_gradients_match_autograd_and_are_bitwise_reproducible(small_tiles, kernel_device):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_backward_gradients_match_autograd_and_are_bitwise_reproducible(layout, small_tiles, kernel_device):
     gen = torch.Generator().manual_seed(3)
-    y = torch.randn(3, 6, 5, 3, generator=gen).to(kernel_device)
+    y = torch.randn(3, 6, 5, 3, generator=gen).to(kernel_device).to(memory_format=LAYOUTS[layout])
     bias, gamma, beta, p, q = (torch.randn(6, generator=gen).to(kernel_device) for _ in range(5))
     pre = [(OP_CODES["mul"], [p]), (OP_CODES["tanh"], [])]
     post = [(OP_CODES["add"], [q]), (OP_CODES["gelu"], [])]
@@ -103,13 +116,37 @@ def test_backward_gradients_match_autograd_and_are_bitwise_reproducible(small_ti
     assert torch.equal(again_affine[0], affine_sums[0]) and torch.equal(again_post[0], post_sums[0])
 
 
-def test_channels_last_y_and_out_in_their_own_layouts(kernel_device):
+@pytest.mark.parametrize("channels, groups", [(6, 3), (16, 2)], ids=["channels-last kernels", "group kernels"])
+def test_channels_last_y_and_out_in_their_own_layouts(channels, groups, kernel_device):
     gen = torch.Generator().manual_seed(4)
-    y = torch.randn(2, 6, 4, 5, generator=gen).to(kernel_device).to(memory_format=torch.channels_last)
-    params, post_params, affine = inputs(y, None, 3)
+    y = torch.randn(2, channels, 4, 5, generator=gen).to(kernel_device).to(memory_format=torch.channels_last)
+    assert gn.takes_channels_last_kernels(y, groups) == (channels // groups < 8)
+    params, post_params, affine = inputs(y, None, groups)
     out = torch.empty(y.shape, device=kernel_device)  # contiguous while y is channels-last
-    gn.group_norm_forward(y, False, [], [], 3, 1e-5, params, post_params, affine, out)
-    torch.testing.assert_close(out, F.group_norm(y, 3), rtol=1e-5, atol=1e-5)
+    stats = torch.empty(2, 2, groups, device=kernel_device)
+    gn.group_norm_forward(y, False, [], [], groups, 1e-5, params, post_params, affine, out, stats)
+    torch.testing.assert_close(out, F.group_norm(y, groups), rtol=1e-5, atol=1e-5)
+    g = torch.randn(y.shape, generator=gen).to(kernel_device)
+    grad_y = torch.empty_like(y)
+    _, _, (dgamma, dbeta) = gn.group_norm_backward(g, y, stats, False, [], [], groups, params, post_params, affine,
+                                                   grad_y, (), (), (True, True))  # fmt: skip
+    yl, gl, bl = (t.detach().clone().requires_grad_() for t in (y, affine[0], affine[1]))
+    want = torch.autograd.grad(F.group_norm(yl, groups, gl, bl, 1e-5), (yl, gl, bl), g)
+    for name, got, w in zip(("grad_y", "gamma", "beta"), (grad_y, dgamma, dbeta), want, strict=True):
+        torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_which_kernels_serve_a_call():
+    """The channels-last kernels where y's channels are its contiguous axis and a group's channels at a
+    position are shorter than a 32-byte sector or the groups split into chunks; the group kernels else."""
+    y = torch.empty(2, 64, 4, 4)
+    cl = y.to(memory_format=torch.channels_last)
+    assert not gn.takes_channels_last_kernels(y, 32)  # contiguous
+    assert gn.takes_channels_last_kernels(cl, 32)  # 2 fp32 channels: 8 bytes per position
+    assert not gn.takes_channels_last_kernels(cl, 8)  # 8 fp32 channels (a sector), one chunk (no GPU: no split)
+    assert gn.takes_channels_last_kernels(cl, 8, chunk=4)  # groups split into chunks
+    assert gn.takes_channels_last_kernels(cl.half(), 8)  # 8 fp16 channels: 16 bytes
+    assert not gn.takes_channels_last_kernels(cl[:0], 32)  # nothing to read
 
 
 def test_arguments_are_checked_with_one_line_messages(kernel_device):
@@ -160,7 +197,7 @@ def split_case(layout, seed):
     return y.to(memory_format=fmt), gen
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "channels_last_3d"])
 def test_split_groups_match_torch_and_are_bitwise_reproducible(layout, small_tiles, kernel_device):
     y, gen = split_case(layout, 5)
     y = y.to(kernel_device)

@@ -69,14 +69,16 @@ def test_batch_norm_pooled_forward_and_backward_match_torch(pool, kernel_device)
         torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("kind, chunk", [("max", 16), ("avg", None)],
                          ids=["max, groups split into chunks", "avg, one chunk per group"])  # fmt: skip
-def test_group_norm_pooled_forward_and_backward_match_torch(kind, chunk, kernel_device):
+def test_group_norm_pooled_forward_and_backward_match_torch(kind, chunk, layout, kernel_device):
     """The group statistics alone (``group_norm_stats``), the pooled pass on them, and the pooled
     backward, with a pre-chain, a per-channel post operand whose gradient is summed, and overlapping
     3 x 3 windows (stride 2, padding 1, ceil_mode; tied rows); ``chunk`` forces the split two-kernel
-    paths (3 chunks of a group's 35 positions)."""
+    paths (3 chunks of a group's 35 positions); a channels-last y takes the channels-last kernels."""
     y, bias, gamma, beta, affine = tensors((1, 6, 5, 7), 2, kernel_device, tie_rows=2)
+    y = y.to(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
     p = torch.randn(6, generator=torch.Generator().manual_seed(3)).to(kernel_device)
     pre, post = [(OP_CODES["tanh"], [])], [(OP_CODES["mul"], [p]), (OP_CODES["silu"], [])]
     pool = PoolSpec(kind, (3, 3), (2, 2), (1, 1), ceil_mode=True)
