@@ -91,3 +91,29 @@ def test_bench_workload_at_full_size_on_gpu(autocast, demo_model):
     x = torch.randn(16, 64, 64, 64)  # the demo's get_inputs()
     reports = assert_fused(model, [x.cuda()], expect={"conv_group_norm": 1}, tol=3e-2 if autocast else None)
     assert "triton" in str(reports[0])
+
+
+class DecoderBlock(nn.Module):
+    """The SD VAE decoder's resnet half on a channels-last model: GroupNorm -> SiLU -> conv -> GroupNorm ->
+    SiLU, the conv's input contiguous, as torch's CUDA GroupNorm writes its result whatever its input's
+    layout (made so here on any device), with a channels-last weight: eager's conv copies it into
+    channels-last."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.norm1, self.conv, self.norm2 = nn.GroupNorm(2, 8), nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8)
+
+    def forward(self, x):
+        return F.silu(self.norm2(self.conv(F.silu(self.norm1(x)).contiguous())))
+
+
+def test_a_contiguous_input_is_relaid_in_the_graph_where_eager_s_conv_relays_it(tmp_path, kernels):
+    """The rewrite hands the fused op its input channels-last (``match.rewrite.in_conv_layout``), a
+    relayout Inductor writes in the producer's kernel, instead of the op's conv copying it; outputs and
+    gradients are eager's."""
+    model = DecoderBlock().to(DEVICE).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 6, 5, device=DEVICE).to(memory_format=torch.channels_last)
+    assert_fused(model, [x], expect={"conv_group_norm": 1}, options={"dump_dir": str(tmp_path)})
+    after = "\n".join(p.read_text() for p in tmp_path.glob("graph_*/after.py"))
+    assert "contiguous(memory_format = torch.channels_last)" in after, after
