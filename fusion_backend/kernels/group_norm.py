@@ -95,7 +95,12 @@ MAX_BLOCK_C = 64
 #: Channels of a channels-last kernel's tile: BatchNorm's, whose tiling these kernels share.
 CHANNELS_LAST_BLOCK_C = CHANNELS_INNER_BLOCK_C
 #: The channels-last kernels' chunks hold at least this many tiles (``_ChannelBlocks.plan``), and their
-#: loops' software-pipelining stages (the reductions', the elementwise passes').
+#: loops' software-pipelining stages (the reductions', the elementwise passes': BatchNorm's).
+#: NOTE: H200, bf16, the 13 shapes of ``takes_channels_last_kernels``' NOTE summed, GPU us forward /
+#: backward: chunks of at least 2 / 4 / 8 tiles 580 / 1,198, 563 / 1,152, 553 / 1,114 (stages 3 / 4);
+#: with 8, stages 1 / 1 613 / 1,536 and 2 / 2 669 / 1,428.  Fewer tiles per chunk helped the smallest
+#: tensors (32x128x16x16 4 tiles: 12.7 / 23.4 against 14.8 / 28.4) and cost the middle ones
+#: (1x512x128x128 34.6 / 74.9 against 27.1 / 58.4).
 CL_MIN_CHUNK_TILES = 8
 CL_REDUCE_STAGES = REDUCE_STAGES
 CL_POINTWISE_STAGES = POINTWISE_STAGES
@@ -750,16 +755,17 @@ SECTOR_BYTES = 32
 
 def takes_channels_last_kernels(y: torch.Tensor, groups: int, chunk: int | None = None) -> bool:
     """Whether a call on ``y`` (N, C, *spatial) runs the channels-last kernels: ``y``'s channels are its
-    contiguous axis, and the group kernels would not read it well in one launch, because they split its
-    groups into chunks (two launches, each reading a position's group channels as one short run) or
-    because that run (``C / groups`` channels) is shorter than a DRAM sector, so most of each sector
-    read is other groups' data.  Otherwise the group kernels' one launch (each program normalising one
-    group whole) beats the channels-last kernels' three.
-    NOTE: measured on the H200 (bf16, GroupNorm + SiLU, GPU us forward / backward; ``python
-    tools/bench_batch_norm.py --groups 32 --shapes ...``): 1x512x256x256 (a split group of 16
-    channels) 176 / 326 with the group kernels, 81 / 153 with the channels-last kernels; 64x64x56x56
-    (2048 groups of 2 channels, one launch) 180 / 268 against 46 / 109; 32x128x16x16 (1024 groups of 4
-    channels, one launch, 2 MB) 11.2 / 20.2 against 12.7 / 23.4: a small tensor pays the launches."""
+    contiguous axis, and the group kernels would not read it well, because a position's run of a
+    group's ``C / groups`` channels is shorter than a DRAM sector (most of each sector read is other
+    groups' data) or because they split its groups into chunks (two launches, each reading those runs).
+    Otherwise the group kernels' one launch (a program normalising a group whole) is kept.
+    NOTE: measured on the H200 (bf16, GroupNorm + SiLU, GPU us per call forward / backward, group
+    kernels against channels-last kernels; a scratch sweep over ``tools/bench_batch_norm.py
+    --groups``' functions, docs/perf/RESULTS.md "GroupNorm on channels-last tensors"): 1x512x256x256,
+    G 32 (split groups of 16 channels) 177 / 327 against 82 / 154; 64x64x56x56, G 32 (one launch,
+    runs of 4 bytes) 181 / 269 against 46 / 110; 13 shapes summed 1,349 / 1,939 against 552 / 1,120.
+    The sector rule costs small tensors their launches: 32x128x16x16 (2 MB) 11.1 / 20.4 against
+    14.8 / 28.4, 4x96x32x32 9.1 / 15.6 against 14.6 / 26.2."""
     n, channels = y.shape[:2]
     if not channels_innermost(y.stride(), y.shape) or y.numel() == 0:
         return False
@@ -784,21 +790,16 @@ class _ChannelBlocks:
     block_g: int
 
     @staticmethod
-    def plan(n: int, channels: int, group_channels: int, positions: int, sms: int,
-             chunk: int | None) -> _ChannelBlocks:  # fmt: skip
+    def plan(n: int, channels: int, group_channels: int, positions: int, chunk: int | None) -> _ChannelBlocks:
         """BatchNorm's channels-last tiling (``kernels/batch_norm.py``): 64 channels by the positions
         that fill ``TILE_ELEMENTS``; chunks of ``CL_MIN_CHUNK_TILES`` tiles or more, as many as bring
-        the grid to ``TARGET_PROGRAMS``, and shorter ones where that leaves fewer programs than the
-        GPU's ``sms`` multiprocessors (0: no GPU, the interpreter).  ``chunk`` given (tests): that many
-        positions per chunk."""
+        the grid to ``TARGET_PROGRAMS``.  ``chunk`` given (tests): that many positions per chunk."""
         block_c = min(next_pow2(channels), CHANNELS_LAST_BLOCK_C)
         block_s = max(1, min(next_pow2(max(positions, 1)), TILE_ELEMENTS // block_c))
         blocks = cdiv(channels, block_c)
         if chunk is None:
             tiles, rows = cdiv(max(positions, 1), block_s), blocks * max(n, 1)
             wanted = max(1, min(cdiv(tiles, CL_MIN_CHUNK_TILES), cdiv(TARGET_PROGRAMS, rows)))
-            if rows * wanted < sms:
-                wanted = min(tiles, cdiv(sms, rows))
             chunk = cdiv(tiles, wanted) * block_s
         else:
             if chunk < 1:
@@ -894,7 +895,7 @@ class _ForwardLaunch:
             return
         y_flat, out_flat = flat_strides("y", y), flat_strides("out", out)
         if takes_channels_last_kernels(y, groups, chunk):
-            blocks = _ChannelBlocks.plan(n, channels, group_channels, positions, sm_count(y.device), chunk)
+            blocks = _ChannelBlocks.plan(n, channels, group_channels, positions, chunk)
             self.workspace, self.stats_shape = (n * blocks.chunks, 3, channels), (2, n, groups)
             self.partial = FastLaunch(_group_norm_cl_stats_kernel, blocks.grid(n), dict(
                 PRE=op_codes(pre), HAS_BIAS=has_bias, **blocks.tiles(CL_REDUCE_STAGES)),
@@ -969,7 +970,7 @@ class _StatsLaunch:
         if y.numel() == 0:
             return
         if takes_channels_last_kernels(y, groups, chunk):
-            blocks = _ChannelBlocks.plan(n, channels, group_channels, positions, sm_count(y.device), chunk)
+            blocks = _ChannelBlocks.plan(n, channels, group_channels, positions, chunk)
             self.workspace = (n * blocks.chunks, 3, channels)
             self.launch = FastLaunch(_group_norm_cl_stats_kernel, blocks.grid(n), dict(
                 PRE=op_codes(pre), HAS_BIAS=has_bias, **blocks.tiles(CL_REDUCE_STAGES)),
@@ -1071,7 +1072,7 @@ class _BackwardLaunch:
                                                                               self.affine_slots)]  # fmt: skip
         self.launch = self.partial = self.combine = None
         self.workspace = self.sums_shape = None
-        blocks = _ChannelBlocks.plan(n, channels, group_channels, positions, sm_count(y.device), chunk) \
+        blocks = _ChannelBlocks.plan(n, channels, group_channels, positions, chunk) \
             if takes_channels_last_kernels(y, groups, chunk) else None  # fmt: skip
         plan = None if blocks else _Chunks.plan(n, groups, group_channels, positions, y.device, chunk)
         self.rows = (n * (blocks.chunks if blocks else plan.split), channels)

@@ -247,7 +247,9 @@ def test_eps_is_honoured_on_a_nearly_constant_group(kernels, kernel_device) -> N
     assert want.abs().max() < 0.1  # eps dominates (eps 1e-5 would give values around 1)
 
 
-def test_nan_and_inf_spread_over_their_group_as_eager(kernels, kernel_device) -> None:
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["contiguous", "channels-last"])
+def test_nan_and_inf_spread_over_their_group_as_eager(kernels, kernel_device, layout) -> None:
+    """Contiguous: the group kernels; channels-last: the channels-last kernels (groups of 2 channels)."""
     dev = kernel_device if kernels != "reference" else "cpu"
     cfg = ConvGroupNormConfig(CONV2D, 2, 1e-5, 0, 1, (), (ChainStep(K.SILU),))
     x, w, b, *ops = make(CONV2D, 3, 4, (5, 6), 9, operands(4, 9))
@@ -255,6 +257,7 @@ def test_nan_and_inf_spread_over_their_group_as_eager(kernels, kernel_device) ->
     b[0] = float("nan")  # group 0 of every sample is NaN
     x = x.clone()
     x[1, :, 2, 3] = float("inf")  # sample 1: an infinity reaches every channel
+    x, w = x.to(memory_format=layout), w.to(memory_format=layout)
     out = conv_group_norm(x.to(dev), w.to(dev), b.to(dev), [o.to(dev) for o in ops], dataclasses.replace(cfg, strict=True).to_json())
     want = eager(x, w, b, ops, cfg)
     assert torch.equal(out.cpu().isnan(), want.isnan())
