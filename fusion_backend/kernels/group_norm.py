@@ -76,6 +76,7 @@ from .norm_common import (
     PROGRAMS_PER_SM,
     accumulate,
     accumulate_lanes,
+    accumulate_slots,
     chunk_moments,
     chunk_positions,
     combined_moments,
@@ -142,6 +143,24 @@ def _norm_backward_tile(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, w_
 
 
 @triton.jit
+def _input_grad_tile(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, gy_ptr, y_base, g_base, w_base, gy_base, c, s, valid, mu,
+                     rstd, mean_dxh, mean_dxh_xh, C, y_sc, y_ss, g_sc, g_ss, gy_sc, gy_ss, D, H, W, OD, OH, OW, g_sd,
+                     g_sh, w_sc, w_sd, w_sh, w_sw, PRE: tl.constexpr, POST: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     POOL: tl.constexpr, POOL_GEOM: tl.constexpr):  # fmt: skip
+    """The conv-output gradient on one tile, ``pre'(rstd * (dz * gamma - mean_dxh - x_hat * mean_dxh_xh))``,
+    stored at ``gy_base`` where ``valid``; returns the pre-chain's operand gradients ``(a0, ..., a7)``.
+    ``mu``, ``rstd`` and the group means of ``dz * gamma`` and ``dz * gamma * x_hat`` broadcast against the
+    tile (a group's scalars, or per-channel vectors)."""
+    yb, xh, dz, dxh, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_backward_tile(
+        gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, w_base, c, s, valid, mu, rstd, C, y_sc, y_ss, g_sc, g_ss,
+        D, H, W, OD, OH, OW, g_sd, g_sh, w_sc, w_sd, w_sh, w_sw, PRE, POST, HAS_BIAS, POOL, POOL_GEOM)  # fmt: skip
+    dv = rstd * (dxh - mean_dxh - xh * mean_dxh_xh)
+    gy, a0, a1, a2, a3, a4, a5, a6, a7 = chain_grad_at(dv, yb, p_ptr, c, C, c < C, PRE)
+    tl.store(gy_base + c.to(tl.int64) * gy_sc + s.to(tl.int64) * gy_ss, gy.to(gy_ptr.dtype.element_ty), mask=valid)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
 def _backward_chunk_sums(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, qpart_ptr, apart_ptr, y_base, g_base, w_base,
                          c_first, s_lo, s_hi, mu, rstd, row_base, part_row, C, CG, y_sc, y_ss, g_sc, g_ss,
                          D, H, W, OD, OH, OW, g_sd, g_sh, w_sc, w_sd, w_sh, w_sw,
@@ -173,14 +192,8 @@ def _backward_chunk_sums(gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, qpart_ptr, apart_
             sum_dxh_xh += tl.sum(tl.sum(tl.where(valid, dxh * xh, 0.0), axis=1), axis=0)
             dgamma = accumulate(dgamma, dz * xh, valid, (AFFINE_MASK & 1) != 0)
             dbeta = accumulate(dbeta, dz, valid, (AFFINE_MASK & 2) != 0)
-            p0 = accumulate(p0, q0, valid, (POST_MASK & 1) != 0)
-            p1 = accumulate(p1, q1, valid, (POST_MASK & 2) != 0)
-            p2 = accumulate(p2, q2, valid, (POST_MASK & 4) != 0)
-            p3 = accumulate(p3, q3, valid, (POST_MASK & 8) != 0)
-            p4 = accumulate(p4, q4, valid, (POST_MASK & 16) != 0)
-            p5 = accumulate(p5, q5, valid, (POST_MASK & 32) != 0)
-            p6 = accumulate(p6, q6, valid, (POST_MASK & 64) != 0)
-            p7 = accumulate(p7, q7, valid, (POST_MASK & 128) != 0)
+            p0, p1, p2, p3, p4, p5, p6, p7 = accumulate_slots(
+                p0, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, valid, POST_MASK, False)
         c1 = row_base + c_first + c0 + tl.arange(0, BLOCK_C)
         if AFFINE_MASK != 0:
             store_rows(apart_ptr, part_row, c1, cmask1, dgamma, dbeta, dbeta, dbeta, dbeta, dbeta, dbeta, dbeta,
@@ -398,29 +411,18 @@ def _group_norm_bwd_kernel(
     gy_base = gy_ptr + n64 * gy_sn
     for c0 in range(0, CG, BLOCK_C):
         c = c_first + c0 + cb
-        cmask = c < C
         cmask1 = c0 + tl.arange(0, BLOCK_C) < CG
         p0 = tl.zeros([BLOCK_C], tl.float32)
         p1, p2, p3, p4, p5, p6, p7 = p0, p0, p0, p0, p0, p0, p0
         for s0 in range(s_lo, s_hi, BLOCK_S):
             s = s0 + sb
             valid = (c0 + cb < CG) & (s < s_hi)
-            yb, xh, dz, dxh, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_backward_tile(
-                gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, w_base, c, s, valid, mu, rstd, C, y_sc, y_ss,
-                g_sc, g_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sc, w_sd, w_sh, w_sw, PRE, POST, HAS_BIAS, POOL,
-                POOL_GEOM)  # fmt: skip
-            dv = rstd * (dxh - mean_dxh - xh * mean_dxh_xh)
-            gy, a0, a1, a2, a3, a4, a5, a6, a7 = chain_grad_at(dv, yb, p_ptr, c, C, cmask, PRE)
-            tl.store(gy_base + c.to(tl.int64) * gy_sc + s.to(tl.int64) * gy_ss, gy.to(gy_ptr.dtype.element_ty),
-                     mask=valid)  # fmt: skip
-            p0 = accumulate(p0, a0, valid, (PRE_MASK & 1) != 0)
-            p1 = accumulate(p1, a1, valid, (PRE_MASK & 2) != 0)
-            p2 = accumulate(p2, a2, valid, (PRE_MASK & 4) != 0)
-            p3 = accumulate(p3, a3, valid, (PRE_MASK & 8) != 0)
-            p4 = accumulate(p4, a4, valid, (PRE_MASK & 16) != 0)
-            p5 = accumulate(p5, a5, valid, (PRE_MASK & 32) != 0)
-            p6 = accumulate(p6, a6, valid, (PRE_MASK & 64) != 0)
-            p7 = accumulate(p7, a7, valid, (PRE_MASK & 128) != 0)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _input_grad_tile(
+                gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, gy_ptr, y_base, g_base, w_base, gy_base, c, s, valid, mu, rstd,
+                mean_dxh, mean_dxh_xh, C, y_sc, y_ss, g_sc, g_ss, gy_sc, gy_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sc,
+                w_sd, w_sh, w_sw, PRE, POST, HAS_BIAS, POOL, POOL_GEOM)  # fmt: skip
+            p0, p1, p2, p3, p4, p5, p6, p7 = accumulate_slots(
+                p0, p1, p2, p3, p4, p5, p6, p7, a0, a1, a2, a3, a4, a5, a6, a7, valid, PRE_MASK, False)
         if PRE_MASK != 0:
             c1 = row_base + c_first + c0 + tl.arange(0, BLOCK_C)
             store_rows(part_ptr, part_row, c1, cmask1, p0, p1, p2, p3, p4, p5, p6, p7, PRE_MASK)
@@ -429,6 +431,17 @@ def _group_norm_bwd_kernel(
 # --------------------------------------------------------------------------------------------------
 # Channels-last kernels: a program owns a block of channels (of several groups) of one sample's chunk
 # --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _channel_block(C, S, CHUNK, K, BLOCK_C: tl.constexpr):
+    """What program ``(i, n * K + k)`` of a channels-last kernel owns: ``(c, cmask, n, start, end)``, its
+    channels ``i * BLOCK_C + [0, BLOCK_C)`` as a ``[BLOCK_C, 1]`` column and their mask, its sample, and
+    its chunk's positions ``[start, end)``."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
+    j = tl.program_id(1)
+    start = (j % K) * CHUNK
+    return c, c < C, j // K, start, tl.minimum(start + CHUNK, S)
 
 
 @triton.jit
@@ -459,12 +472,8 @@ def _group_norm_cl_stats_kernel(
     Grid: ``(cdiv(C, BLOCK_C), N * K)``; program ``(i, n * K + k)`` owns channels ``i * BLOCK_C + [0,
     BLOCK_C)`` and positions ``k * CHUNK + [0, CHUNK)`` (clipped to ``S``) of sample ``n``.
     """
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
-    cmask = c < C
-    j = tl.program_id(1)
-    start = (j % K) * CHUNK
-    end = tl.minimum(start + CHUNK, S)
-    y_base = y_ptr + (j // K).to(tl.int64) * y_sn
+    c, cmask, n, start, end = _channel_block(C, S, CHUNK, K, BLOCK_C)
+    y_base = y_ptr + n.to(tl.int64) * y_sn
     sb = tl.arange(0, BLOCK_S)[None, :]
     full = (end - start) // BLOCK_S
     shift = tile_values(y_ptr, p_ptr, y_base, c, start, cmask, C, y_sc, y_ss, PRE, HAS_BIAS)[1]
@@ -492,7 +501,7 @@ def _group_norm_cl_stats_kernel(
     d = mean - chunk_mean[:, None]
     chunk_m2 = tl.sum(m2 + count * d * d, axis=1)
     c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    w = ws_ptr + j.to(tl.int64) * 3 * C + c1
+    w = ws_ptr + tl.program_id(1).to(tl.int64) * 3 * C + c1
     tl.store(w, tl.sum(shift, axis=1), mask=c1 < C)
     tl.store(w + C, chunk_mean, mask=c1 < C)
     tl.store(w + 2 * C, chunk_m2, mask=c1 < C)
@@ -561,12 +570,7 @@ def _group_norm_cl_apply_kernel(
     """out = post(group_norm(pre(y + bias)) * gamma + beta) from the group statistics ``st_ptr`` (fp32
     (2, N, G): mean, rstd; row stride ``st_row``); pointers otherwise as in ``_group_norm_fwd_kernel``.
     Grid: as ``_group_norm_cl_stats_kernel``'s."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
-    cmask = c < C
-    j = tl.program_id(1)
-    n = j // K
-    start = (j % K) * CHUNK
-    end = tl.minimum(start + CHUNK, S)
+    c, cmask, n, start, end = _channel_block(C, S, CHUNK, K, BLOCK_C)
     mu, rstd = _per_channel(st_ptr, st_row, n, c, G, CG, cmask)
     scale = rstd * tl.load(a_ptr + c, mask=cmask, other=0.0)
     beta = tl.load(a_ptr + C + c, mask=cmask, other=0.0)
@@ -596,13 +600,9 @@ def _group_norm_cl_bwd_sums_kernel(
     gradients into their rows of ``apart_ptr`` / ``qpart_ptr`` (as ``_group_norm_bwd_partial_kernel``'s,
     with ``N * K`` (sample, chunk) rows).  Other pointers as there.  Grid: as
     ``_group_norm_cl_stats_kernel``'s."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
-    cmask = c < C
-    j = tl.program_id(1)
-    n = j // K
+    c, cmask, n, start, end = _channel_block(C, S, CHUNK, K, BLOCK_C)
     n64 = n.to(tl.int64)
-    start = (j % K) * CHUNK
-    end = tl.minimum(start + CHUNK, S)
+    j = tl.program_id(1)  # the (sample, chunk) row of the partial sums
     mu, rstd = _per_channel(st_ptr, st_row, n, c, G, CG, cmask)
     y_base = y_ptr + n64 * y_sn
     g_base = gout_ptr + n64 * g_sn
@@ -626,14 +626,8 @@ def _group_norm_cl_bwd_sums_kernel(
         sum_dxh_xh += tl.where(valid, dxh * xh, 0.0)
         dgamma = accumulate_lanes(dgamma, dz * xh, valid, (AFFINE_MASK & 1) != 0)
         dbeta = accumulate_lanes(dbeta, dz, valid, (AFFINE_MASK & 2) != 0)
-        p0 = accumulate_lanes(p0, q0, valid, (POST_MASK & 1) != 0)
-        p1 = accumulate_lanes(p1, q1, valid, (POST_MASK & 2) != 0)
-        p2 = accumulate_lanes(p2, q2, valid, (POST_MASK & 4) != 0)
-        p3 = accumulate_lanes(p3, q3, valid, (POST_MASK & 8) != 0)
-        p4 = accumulate_lanes(p4, q4, valid, (POST_MASK & 16) != 0)
-        p5 = accumulate_lanes(p5, q5, valid, (POST_MASK & 32) != 0)
-        p6 = accumulate_lanes(p6, q6, valid, (POST_MASK & 64) != 0)
-        p7 = accumulate_lanes(p7, q7, valid, (POST_MASK & 128) != 0)
+        p0, p1, p2, p3, p4, p5, p6, p7 = accumulate_slots(
+            p0, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, valid, POST_MASK, True)
     c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask1 = c1 < C
     w = ws_ptr + j.to(tl.int64) * 2 * C + c1
@@ -641,12 +635,10 @@ def _group_norm_cl_bwd_sums_kernel(
     tl.store(w + C, tl.sum(sum_dxh_xh, axis=1), mask=cmask1)
     row = j.to(tl.int64) * C + c1
     if AFFINE_MASK != 0:
-        db = tl.sum(dbeta, axis=1)
-        store_rows(apart_ptr, part_row, row, cmask1, tl.sum(dgamma, axis=1), db, db, db, db, db, db, db, AFFINE_MASK)
+        store_rows(apart_ptr, part_row, row, cmask1, dgamma, dbeta, dbeta, dbeta, dbeta, dbeta, dbeta, dbeta, AFFINE_MASK,
+                   LANES=True)  # fmt: skip
     if POST_MASK != 0:
-        store_rows(qpart_ptr, part_row, row, cmask1, tl.sum(p0, axis=1), tl.sum(p1, axis=1), tl.sum(p2, axis=1),
-                   tl.sum(p3, axis=1), tl.sum(p4, axis=1), tl.sum(p5, axis=1), tl.sum(p6, axis=1), tl.sum(p7, axis=1),
-                   POST_MASK)  # fmt: skip
+        store_rows(qpart_ptr, part_row, row, cmask1, p0, p1, p2, p3, p4, p5, p6, p7, POST_MASK, LANES=True)
 
 
 @triton.jit
@@ -661,13 +653,9 @@ def _group_norm_cl_bwd_dx_kernel(
     x_hat`` (``gs_ptr``, fp32 (2, N, G), row stride ``st_row`` as the statistics'), and the pre-chain's
     per-(sample, chunk, channel) operand-gradient sums (``part_ptr``, as ``_group_norm_bwd_kernel``'s
     with ``N * K`` rows).  Other pointers as in ``_group_norm_cl_bwd_sums_kernel``; same grid."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
-    cmask = c < C
-    j = tl.program_id(1)
-    n = j // K
+    c, cmask, n, start, end = _channel_block(C, S, CHUNK, K, BLOCK_C)
     n64 = n.to(tl.int64)
-    start = (j % K) * CHUNK
-    end = tl.minimum(start + CHUNK, S)
+    j = tl.program_id(1)  # the (sample, chunk) row of the partial sums
     mu, rstd = _per_channel(st_ptr, st_row, n, c, G, CG, cmask)
     mean_dxh, mean_dxh_xh = _per_channel(gs_ptr, st_row, n, c, G, CG, cmask)
     y_base = y_ptr + n64 * y_sn
@@ -680,27 +668,16 @@ def _group_norm_cl_bwd_dx_kernel(
     for s0 in tl.range(start, end, BLOCK_S, num_stages=STAGES):
         s = s0 + sb
         valid = cmask & (s < end)
-        yb, xh, dz, dxh, q0, q1, q2, q3, q4, q5, q6, q7 = _norm_backward_tile(
-            gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, y_base, g_base, w_base, c, s, valid, mu, rstd, C, y_sc, y_ss,
-            g_sc, g_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sc, w_sd, w_sh, w_sw, PRE, POST, HAS_BIAS, POOL,
-            POOL_GEOM)  # fmt: skip
-        dv = rstd * (dxh - mean_dxh - xh * mean_dxh_xh)
-        gy, a0, a1, a2, a3, a4, a5, a6, a7 = chain_grad_at(dv, yb, p_ptr, c, C, cmask, PRE)
-        tl.store(gy_base + c.to(tl.int64) * gy_sc + s.to(tl.int64) * gy_ss, gy.to(gy_ptr.dtype.element_ty),
-                 mask=valid)  # fmt: skip
-        p0 = accumulate_lanes(p0, a0, valid, (PRE_MASK & 1) != 0)
-        p1 = accumulate_lanes(p1, a1, valid, (PRE_MASK & 2) != 0)
-        p2 = accumulate_lanes(p2, a2, valid, (PRE_MASK & 4) != 0)
-        p3 = accumulate_lanes(p3, a3, valid, (PRE_MASK & 8) != 0)
-        p4 = accumulate_lanes(p4, a4, valid, (PRE_MASK & 16) != 0)
-        p5 = accumulate_lanes(p5, a5, valid, (PRE_MASK & 32) != 0)
-        p6 = accumulate_lanes(p6, a6, valid, (PRE_MASK & 64) != 0)
-        p7 = accumulate_lanes(p7, a7, valid, (PRE_MASK & 128) != 0)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _input_grad_tile(
+            gout_ptr, y_ptr, p_ptr, q_ptr, a_ptr, gy_ptr, y_base, g_base, w_base, gy_base, c, s, valid, mu, rstd,
+            mean_dxh, mean_dxh_xh, C, y_sc, y_ss, g_sc, g_ss, gy_sc, gy_ss, D, H, W, OD, OH, OW, g_sd, g_sh, w_sc, w_sd,
+            w_sh, w_sw, PRE, POST, HAS_BIAS, POOL, POOL_GEOM)  # fmt: skip
+        p0, p1, p2, p3, p4, p5, p6, p7 = accumulate_slots(
+            p0, p1, p2, p3, p4, p5, p6, p7, a0, a1, a2, a3, a4, a5, a6, a7, valid, PRE_MASK, True)
     if PRE_MASK != 0:
         c1 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-        store_rows(part_ptr, part_row, j.to(tl.int64) * C + c1, c1 < C, tl.sum(p0, axis=1), tl.sum(p1, axis=1),
-                   tl.sum(p2, axis=1), tl.sum(p3, axis=1), tl.sum(p4, axis=1), tl.sum(p5, axis=1), tl.sum(p6, axis=1),
-                   tl.sum(p7, axis=1), PRE_MASK)  # fmt: skip
+        store_rows(part_ptr, part_row, j.to(tl.int64) * C + c1, c1 < C, p0, p1, p2, p3, p4, p5, p6, p7, PRE_MASK,
+                   LANES=True)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------

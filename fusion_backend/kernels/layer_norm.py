@@ -64,6 +64,7 @@ from .launch import FastLaunch
 from .norm_common import (
     PROGRAMS_PER_SM,
     accumulate,
+    accumulate_slots,
     chunk_moments,
     chunk_positions,
     combined_moments,
@@ -407,14 +408,8 @@ def _layer_norm_walk_bwd_sums_kernel(
                 rstd, C, E, y_sc, y_ss, g_sc, g_ss, PRE, POST, HAS_BIAS)  # fmt: skip
             sum_dxh += tl.sum(tl.sum(dxh, axis=1), axis=0)
             sum_dxh_xh += tl.sum(tl.sum(tl.where(valid, dxh * xh, 0.0), axis=1), axis=0)
-            p0 = accumulate(p0, q0, valid, (POST_MASK & 1) != 0)
-            p1 = accumulate(p1, q1, valid, (POST_MASK & 2) != 0)
-            p2 = accumulate(p2, q2, valid, (POST_MASK & 4) != 0)
-            p3 = accumulate(p3, q3, valid, (POST_MASK & 8) != 0)
-            p4 = accumulate(p4, q4, valid, (POST_MASK & 16) != 0)
-            p5 = accumulate(p5, q5, valid, (POST_MASK & 32) != 0)
-            p6 = accumulate(p6, q6, valid, (POST_MASK & 64) != 0)
-            p7 = accumulate(p7, q7, valid, (POST_MASK & 128) != 0)
+            p0, p1, p2, p3, p4, p5, p6, p7 = accumulate_slots(
+                p0, p1, p2, p3, p4, p5, p6, p7, q0, q1, q2, q3, q4, q5, q6, q7, valid, POST_MASK, False)
         if POST_MASK != 0:
             c1 = c0 + tl.arange(0, BLOCK_C)
             store_rows(qpart_ptr, part_row, (m * split + k) * RC + c1, c1 < RC, p0, p1, p2, p3, p4, p5, p6, p7,

@@ -73,12 +73,43 @@ def accumulate_lanes(acc, ga, keep, WANT: tl.constexpr):
 
 
 @triton.jit
-def store_rows(ptr, row_stride, c1, cmask, r0, r1, r2, r3, r4, r5, r6, r7, MASK: tl.constexpr):
-    """Row ``k`` of a partial-sum buffer at offsets ``c1`` for every wanted slot ``k`` (``MASK`` bit k)."""
+def accumulate_slots(p0, p1, p2, p3, p4, p5, p6, p7, a0, a1, a2, a3, a4, a5, a6, a7, keep, MASK: tl.constexpr,
+                     LANES: tl.constexpr):  # fmt: skip
+    """The eight slots' sums ``p0..p7`` plus their values ``a0..a7`` where ``keep``, for each slot wanted
+    (``MASK`` bit k): per lane (``LANES``: ``accumulate_lanes``) or per channel (``accumulate``)."""
+    if LANES:
+        p0 = accumulate_lanes(p0, a0, keep, (MASK & 1) != 0)
+        p1 = accumulate_lanes(p1, a1, keep, (MASK & 2) != 0)
+        p2 = accumulate_lanes(p2, a2, keep, (MASK & 4) != 0)
+        p3 = accumulate_lanes(p3, a3, keep, (MASK & 8) != 0)
+        p4 = accumulate_lanes(p4, a4, keep, (MASK & 16) != 0)
+        p5 = accumulate_lanes(p5, a5, keep, (MASK & 32) != 0)
+        p6 = accumulate_lanes(p6, a6, keep, (MASK & 64) != 0)
+        p7 = accumulate_lanes(p7, a7, keep, (MASK & 128) != 0)
+    else:
+        p0 = accumulate(p0, a0, keep, (MASK & 1) != 0)
+        p1 = accumulate(p1, a1, keep, (MASK & 2) != 0)
+        p2 = accumulate(p2, a2, keep, (MASK & 4) != 0)
+        p3 = accumulate(p3, a3, keep, (MASK & 8) != 0)
+        p4 = accumulate(p4, a4, keep, (MASK & 16) != 0)
+        p5 = accumulate(p5, a5, keep, (MASK & 32) != 0)
+        p6 = accumulate(p6, a6, keep, (MASK & 64) != 0)
+        p7 = accumulate(p7, a7, keep, (MASK & 128) != 0)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def store_rows(ptr, row_stride, c1, cmask, r0, r1, r2, r3, r4, r5, r6, r7, MASK: tl.constexpr,
+               LANES: tl.constexpr = False):  # fmt: skip
+    """Row ``k`` of a partial-sum buffer at offsets ``c1`` for every wanted slot ``k`` (``MASK`` bit k);
+    with ``LANES`` the rows are per-lane sums (``[BLOCK_C, BLOCK_S]``), summed over their positions first."""
     rows = (r0, r1, r2, r3, r4, r5, r6, r7)
     for k in tl.static_range(8):
         if ((MASK >> k) & 1) != 0:
-            tl.store(ptr + k * row_stride + c1, rows[k], mask=cmask)
+            if LANES:
+                tl.store(ptr + k * row_stride + c1, tl.sum(rows[k], axis=1), mask=cmask)
+            else:
+                tl.store(ptr + k * row_stride + c1, rows[k], mask=cmask)
 
 
 @triton.jit
