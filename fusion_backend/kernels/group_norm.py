@@ -26,6 +26,16 @@ a second kernel, over the same grid, combines its group's ``SPLIT`` partials (a 
 reduction, the same in every program of the group) before its own chunk's pass.  Every result is
 bitwise reproducible run to run (no atomics); it depends on ``SPLIT``, which depends on the shape only.
 
+Channels-last kernels.  On a channels-last ``y`` a group's ``CG`` channels at one position are a run
+of ``CG`` elements, and a program walking one group reads runs of a few bytes (a quarter of each
+32-byte sector for 4 bf16 channels).  Where that run is shorter than a sector or the groups split into
+chunks (``takes_channels_last_kernels``), the call takes kernels whose program owns ``BLOCK_C``
+consecutive channels (parts of several groups) by one chunk of one sample's positions (``_ChannelBlocks``:
+BatchNorm's channels-last tiling): per (sample, chunk, channel) statistics, then a combine per (sample,
+group), then the normalise pass; in the backward, per (sample, chunk, channel) sums, their combine per
+group, then the input gradient.  Each channel reads its group's statistics by ``c // CG``.  Every sum
+keeps per-lane accumulators over the walk and reduces across lanes once, at its end.
+
 Forward statistics: a chunk's tiles are read once: each tile's own mean and sum of squared
 deviations (exact two-pass inside the tile, which is in registers) are merged into the chunk's
 running ones with Chan's parallel formula (no ``E[x^2] - E[x]^2`` cancellation), all of the values
