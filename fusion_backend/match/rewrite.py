@@ -62,7 +62,7 @@ def in_conv_layout(graph: fx.Graph, x: Any, fake: Any, conv_output: torch.Tensor
     WHY: in the graph the relayout is Inductor's to place, and it writes x's producer's result
     channels-last in the producer's own kernel (no pass of its own), where the fused op, which Inductor
     hands x with the strides it was traced with, would pay the copy.  NOTE: the SD VAE decoder's
-    GroupNorm outputs are contiguous (torch's GroupNorm does not keep channels-last), so every conv
+    GroupNorm outputs are contiguous (torch's CUDA GroupNorm does not keep channels-last), so every conv
     after one copied its input: ``aten::contiguous`` of 1x512x64x64 to 1x128x512x512 bf16 inputs inside
     the fused GroupNorm regions, 1.45 ms of a 9.5 ms step with every region fused (H200, bf16
     inference; a torch.profiler run of ``demos/realnets/sd_vae_decoder.py``)."""
