@@ -108,10 +108,10 @@ class DecoderBlock(nn.Module):
         return F.silu(self.norm2(self.conv(F.silu(self.norm1(x)).contiguous())))
 
 
-def test_a_contiguous_input_is_relaid_in_the_graph_where_eager_s_conv_relays_it(tmp_path, kernels):
+def test_a_contiguous_input_is_relaid_in_the_graph_where_eager_s_conv_relays_it(tmp_path):
     """The rewrite hands the fused op its input channels-last (``match.rewrite.in_conv_layout``), a
     relayout Inductor writes in the producer's kernel, instead of the op's conv copying it; outputs and
-    gradients are eager's."""
+    gradients are eager's (a graph rewrite: the op's implementation on the device as the suite sets it)."""
     model = DecoderBlock().to(DEVICE).to(memory_format=torch.channels_last)
     x = torch.randn(2, 8, 6, 5, device=DEVICE).to(memory_format=torch.channels_last)
     assert_fused(model, [x], expect={"conv_group_norm": 1}, options={"dump_dir": str(tmp_path)})

@@ -14,6 +14,8 @@ eager's own error as the yardstick.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -195,3 +197,66 @@ def test_a_norm_of_x_in_another_dtype_than_the_conv_s_stays_outside_the_region()
 
     found = dry_run(under_autocast, [torch.randn(2, 8, 5, 5)], patterns=["conv_epilogue"])
     assert not any(summary.startswith("group_norm") for _, summary, _ in found.regions), found.regions
+
+
+# ------------------------------------------------------------------------------------------------
+# The library plan: the norm kernels, then the library conv (``InputNormLibraryForward``)
+# ------------------------------------------------------------------------------------------------
+
+#: name -> (channels, groups, out channels, act_in, a chain after the conv, affine, x's memory format,
+#: the conv's compute dtype: x stays fp32, as autocast hands a norm's input to a half-precision conv)
+LIBRARY_CASES = {
+    "silu, channels-last": (8, 4, 6, (ChainStep(PointwiseKind.SILU),), (), True, torch.channels_last, None),
+    "instance norm, leaky, contiguous": (6, 6, 4, (ChainStep(PointwiseKind.LEAKY_RELU, (Const(0.2),)),), (), False,
+                                         torch.contiguous_format, None),
+    "no act, a relu after the conv": (8, 2, 5, (), (ChainStep(PointwiseKind.RELU),), True, torch.channels_last, None),
+    "gelu, fp16 conv of an fp32 x": (8, 4, 6, (ChainStep(PointwiseKind.GELU),), (), True, torch.channels_last,
+                                     "float16"),
+}
+
+
+@pytest.mark.parametrize("case", list(LIBRARY_CASES))
+def test_the_input_norm_s_library_plan_is_within_eager_s_error_of_float64(case, exact_fp32):
+    """The plan's output against the region's float64 composite (norm, activation, the cast to the conv's
+    dtype, conv, bias, chain), eager's own error the yardstick; the norm kernels run under the interpreter."""
+    channels, groups, out, act, chain, affine, fmt, compute = LIBRARY_CASES[case]
+    torch.manual_seed(33)
+    x = (torch.randn(2, channels, 9, 7) * 2 + 1).to(memory_format=fmt)
+    w = torch.randn(out, channels, 3, 3).to(memory_format=fmt) * 0.2
+    b = torch.randn(out)
+    ops = [torch.rand(channels) + 0.5, torch.randn(channels)] if affine else []
+    cfg = ConvEpilogueConfig(conv=_spec(), chain=chain, norm_in=groups, norm_in_eps=1e-5,
+                             norm_in_affine=0 if affine else None, act_in=act, compute_dtype=compute)  # fmt: skip
+    assert ce.forward.input_norm_library_unsupported(x, w, ops, cfg, False) is None
+    plan = ce.forward.InputNormLibraryForward(x, w, b, ops, cfg, False)
+    got, _, _ = plan(x, w, b, ops)
+    eager, _, _ = ce.reference.forward(x, w, b, ops, cfg, False)
+    exact, _, _ = ce.reference.forward(x.double(), w.double(), b.double(), [o.double() for o in ops],
+                                       dataclasses.replace(cfg, compute_dtype=None), False)  # fmt: skip
+    assert got.shape == eager.shape and got.stride() == eager.stride() and got.dtype == eager.dtype
+    err, eager_err = ((t.double() - exact).norm() / exact.norm() for t in (got, eager))
+    assert err <= max(4 * eager_err, 1e-6), (err, eager_err)
+    again, _, _ = plan(x, w, b, ops)  # the kept library plan
+    assert torch.equal(again, got)
+
+
+def test_auto_offers_the_input_norm_s_library_plan_for_calls_that_save_nothing(monkeypatch):
+    """Under ``auto`` the plan joins the measured candidates of a region with an input norm; a call that
+    saves for a backward, or a region without the norm, does not get it (each says why)."""
+    from fusion_backend import environment
+
+    offered = []
+    monkeypatch.setattr(ce.forward, "_times_library_layouts", lambda x: True)
+    monkeypatch.setattr(ce.forward, "_measured_forward", lambda plans, *a, **k: (offered.append(set(plans)),
+                                                                                 (plans["library"], True))[1])  # fmt: skip
+    monkeypatch.setenv(environment.CONV_IMPL, "auto")
+    x, w = _channels_last(torch.randn(2, 8, 5, 5)), torch.randn(6, 8, 3, 3)
+    cfg = ConvEpilogueConfig(conv=_spec(), norm_in=4, act_in=(ChainStep(PointwiseKind.SILU),))
+    for save in (False, True):
+        ce.forward.plan_for(x, w, None, [], cfg, save)
+    assert "norm-library" in offered[0] and "norm-library" not in offered[1]
+    assert ce.forward.input_norm_library_unsupported(x, w, [], cfg, True) == "a call that saves state for a backward"
+    no_norm = ConvEpilogueConfig(conv=_spec(), residual=0, chain=(ChainStep(PointwiseKind.ADD, (TensorRef(0),)),))
+    assert ce.forward.input_norm_library_unsupported(x, w, [], no_norm, False) == "no input norm, or a residual"
+    why = ce.forward.input_norm_library_unsupported(x[..., ::2], w, [], cfg, False)
+    assert why is not None and "not a dense layout's" in why

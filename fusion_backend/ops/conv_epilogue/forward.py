@@ -6,6 +6,7 @@ the declaration's Triton forward and settled-plan lookup).
 """
 
 import copy
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from ...kernels.host import BoundedCache, tensor_key
 from ...kernels.weight_fold import fold_plan
 from .. import conv_precision
 from ..chain import ChainValue, PointwiseKind, TensorRef
-from ..chain_lowering import family_activation, kernel_steps
+from ..chain_lowering import KernelChains, affine_rows, family_activation, kernel_steps
 from ..config import ConvEpilogueConfig
 from ..conv_io import (
     DECISIONS,
@@ -334,7 +335,7 @@ def _measured_forward(plans: dict[str, Any], args: tuple, cfg: ConvEpilogueConfi
     x, weight, bias, _ = args
     fast_key = ("forward", tensor_key(x), tensor_key(weight), bias is None, cfg, save,
                 torch.backends.cudnn.allow_tf32)  # fmt: skip
-    return measured_plan(plans, args, lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v5", fast_key, probes)
+    return measured_plan(plans, args, lambda: choice_key(x, weight, bias, cfg, save) + "|forward-v6", fast_key, probes)
 
 
 class ReferenceForward:
@@ -353,18 +354,78 @@ class ReferenceForward:
 
 def _family_or_reference_plan(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                               cfg: ConvEpilogueConfig, save: bool, mode: str) -> tuple[Any, bool]:  # fmt: skip
-    """``plan_for`` of a ``family_only`` region: the conv family's forward (which adds the residual in
-    its store and applies the gate or the input norm as it loads) where it serves the call, else
-    ``ReferenceForward``; under ``auto`` the faster, measured."""
+    """``plan_for`` of a ``family_only`` region: ``ReferenceForward``, the conv family's forward (which
+    adds the residual in its store and applies the gate or the input norm as it loads) and, for an
+    input norm, ``InputNormLibraryForward``, each where it serves the call; under ``auto`` the fastest,
+    measured (without a CUDA timer: the family's where it serves, else the input norm's library plan)."""
     if mode == "family":
         return _forced_family(x, weight, bias, operands, cfg, save)
-    if mode != "auto" or family_forward_unsupported(x, weight, operands, cfg, save) is not None:
-        return ReferenceForward(cfg, save), True
-    family = FamilyForward(x, weight, bias, operands, cfg, save)
-    if not _times_library_layouts(x):
-        return family, family.settled
-    return _measured_forward({"library": ReferenceForward(cfg, save), "family": family}, (x, weight, bias, operands),
-                             cfg, save)
+    plans: dict[str, Any] = {"library": ReferenceForward(cfg, save)}
+    if mode == "auto" and family_forward_unsupported(x, weight, operands, cfg, save) is None:
+        plans["family"] = FamilyForward(x, weight, bias, operands, cfg, save)
+    if mode == "auto" and input_norm_library_unsupported(x, weight, operands, cfg, save) is None:
+        plans["norm-library"] = InputNormLibraryForward(x, weight, bias, operands, cfg, save)
+    if len(plans) == 1 or _times_library_layouts(x):
+        return _measured_forward(plans, (x, weight, bias, operands), cfg, save)
+    plan = plans.get("family", plans.get("norm-library"))
+    return plan, plan.settled
+
+
+def input_norm_library_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
+                                   save: bool) -> str | None:  # fmt: skip
+    """Why ``InputNormLibraryForward`` cannot serve a call, or None: it serves a region with an input
+    norm (no residual), a call that saves nothing (the region's backward starts from x: plain torch's),
+    and an fp32 / fp16 / bf16 x dense in its memory format (the normalised tensor then has x's strides,
+    so its conv lays the outputs out as the region's fake does)."""
+    if cfg.norm_in is None or cfg.residual is not None:
+        return "no input norm, or a residual"
+    if save:
+        return "a call that saves state for a backward"
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.dim() < 3:
+        return f"x is {x.dtype} with {x.dim()} dims"
+    dense = torch.empty(x.shape, device="meta", memory_format=output_memory_format(x)).stride()
+    return None if x.stride() == dense else f"x's strides {x.stride()} are not a dense layout's"
+
+
+class InputNormLibraryForward:
+    """A region whose conv reads ``act(group_norm(x))`` (``cfg.norm_in``), for a call that saves nothing
+    (``input_norm_library_unsupported``): the norm and its activation by ``kernels.group_norm`` in fp32,
+    written once in the conv's dtype and x's layout (rounded once, as eager rounds autocast's fp32
+    norm for its conv), then the rest of the region on that tensor as the library path runs it
+    (``LibraryForward``: aten's conv, then the epilogue kernel).
+
+    WHY: the conv family's forward, which applies the norm as it loads, lost every such region of the
+    SD VAE decoder to Inductor (0.21-0.55x on the H200, bf16 inference), and the plain-torch reference
+    runs aten's GroupNorm; Inductor's own GroupNorm statistics of its 1x256x512x512 input took 541 us
+    where ``kernels.group_norm``'s channels-last kernels take 138 us with the normalise pass
+    (``docs/perf/RESULTS.md``, "GroupNorm on channels-last tensors").  ``auto`` measures it against
+    the other two per call signature; the region's decision against Inductor's code as every region's.
+    """
+
+    settled = True
+
+    def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                 cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
+        self.cfg, self.dtype = cfg, conv_compute_dtype(cfg, x)
+        #: the region without its input norm: what the library plan runs on the normalised tensor
+        self.conv_cfg = dataclasses.replace(cfg, norm_in=None, norm_in_affine=None, act_in=())
+        #: the library plan, made on the first call (from the normalised tensor)
+        self.conv: LibraryForward | None = None
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
+                 operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        from ...kernels.group_norm import group_norm_forward
+
+        cfg, channels = self.cfg, x.shape[1]
+        affine = cfg.norm_in_affine
+        chains = KernelChains((), cfg.act_in, None, operands, x.dim(), channels, x.device, affine=affine_rows(
+            operands, affine, None if affine is None else affine + 1, channels, x.device))  # fmt: skip
+        normed = torch.empty_like(x, dtype=self.dtype)  # x's strides (dense: ``input_norm_library_unsupported``)
+        group_norm_forward(x, False, chains.pre, chains.post, cfg.norm_in, cfg.norm_in_eps, chains.params,
+                           chains.post_params, chains.affine, normed)  # fmt: skip
+        if self.conv is None:
+            self.conv = LibraryForward(normed, weight, bias, operands, self.conv_cfg, False)
+        return self.conv(normed, weight, bias, operands)
 
 
 def residual_parts(cfg: ConvEpilogueConfig) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
