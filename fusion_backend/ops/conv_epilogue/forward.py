@@ -29,7 +29,9 @@ from ..conv_io import (
     DECISIONS,
     channels_last_format,
     conv_output_shape,
+    dtype_named,
     empty_placeholder,
+    in_format,
     output_memory_format,
     planned_relayout,
     pooled_output_shape,
@@ -37,7 +39,7 @@ from ..conv_io import (
     run_conv,
 )
 from ..library_conv import channels_last_problem, nominal_format
-from .reference import allocate_forward_outputs, cast_inputs, conv_compute_dtype, input_norm_affine
+from .reference import OP, allocate_forward_outputs, cast_inputs, conv_compute_dtype, input_norm_affine
 from .reference import forward as reference_forward
 
 logger = logging.getLogger("fusion_backend")
@@ -391,7 +393,8 @@ class InputNormLibraryForward:
     """A region whose conv reads ``act(group_norm(x))`` (``cfg.norm_in``), for a call that saves nothing
     (``input_norm_library_unsupported``): the norm and its activation by ``kernels.group_norm`` in fp32,
     written once in the conv's dtype and x's layout (rounded once, as eager rounds autocast's fp32
-    norm for its conv), then the rest of the region on that tensor as the library path runs it
+    norm for its conv), then the rest of the region on that tensor: eager's conv with its bias where the
+    region ends there (the VAE decoder's ``norm -> silu -> conv``), else as the library path runs it
     (``LibraryForward``: aten's conv, then the epilogue kernel).
 
     WHY: the conv family's forward, which applies the norm as it loads, lost every such region of the
@@ -407,6 +410,10 @@ class InputNormLibraryForward:
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
         self.cfg, self.dtype = cfg, conv_compute_dtype(cfg, x)
+        #: a region that ends at the conv's bias, in the conv's dtype: eager's conv with its bias (one
+        #: pass), where the library plan would write the conv output and add the bias in a second
+        self.conv_with_bias = not cfg.chain and cfg.pool is None and dtype_named(OP, cfg.out_dtype,
+                                                                                 self.dtype) == self.dtype
         #: the region without its input norm: what the library plan runs on the normalised tensor
         self.conv_cfg = dataclasses.replace(cfg, norm_in=None, norm_in_affine=None, act_in=())
         #: the library plan, made on the first call (from the normalised tensor)
@@ -423,9 +430,14 @@ class InputNormLibraryForward:
         normed = torch.empty_like(x, dtype=self.dtype)  # x's strides (dense: ``input_norm_library_unsupported``)
         group_norm_forward(x, False, chains.pre, chains.post, cfg.norm_in, cfg.norm_in_eps, chains.params,
                            chains.post_params, chains.affine, normed)  # fmt: skip
-        if self.conv is None:
-            self.conv = LibraryForward(normed, weight, bias, operands, self.conv_cfg, False)
-        return self.conv(normed, weight, bias, operands)
+        if self.conv_with_bias:
+            _, wc, bc = cast_inputs(normed, weight, bias, self.dtype)
+            out = in_format(run_conv(normed, wc, bc, cfg.conv), output_memory_format(normed))
+        else:
+            if self.conv is None:
+                self.conv = LibraryForward(normed, weight, bias, operands, self.conv_cfg, False)
+            out = self.conv(normed, weight, bias, operands)[0]
+        return out, empty_placeholder(x), empty_placeholder(x)  # the op's x's placeholders: nothing saved
 
 
 def residual_parts(cfg: ConvEpilogueConfig) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
