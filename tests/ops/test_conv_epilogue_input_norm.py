@@ -209,6 +209,8 @@ LIBRARY_CASES = {
     "silu, channels-last": (8, 4, 6, (ChainStep(PointwiseKind.SILU),), (), True, torch.channels_last, None),
     "instance norm, leaky, contiguous": (6, 6, 4, (ChainStep(PointwiseKind.LEAKY_RELU, (Const(0.2),)),), (), False,
                                          torch.contiguous_format, None),
+    "silu, a contiguous x before a channels-last weight": (8, 4, 6, (ChainStep(PointwiseKind.SILU),), (), True,
+                                                           "contiguous x", None),
     "no act, a relu after the conv": (8, 2, 5, (), (ChainStep(PointwiseKind.RELU),), True, torch.channels_last, None),
     "gelu, fp16 conv of an fp32 x": (8, 4, 6, (ChainStep(PointwiseKind.GELU),), (), True, torch.channels_last,
                                      "float16"),
@@ -221,8 +223,8 @@ def test_the_input_norm_s_library_plan_is_within_eager_s_error_of_float64(case, 
     dtype, conv, bias, chain), eager's own error the yardstick; the norm kernels run under the interpreter."""
     channels, groups, out, act, chain, affine, fmt, compute = LIBRARY_CASES[case]
     torch.manual_seed(33)
-    x = (torch.randn(2, channels, 9, 7) * 2 + 1).to(memory_format=fmt)
-    w = torch.randn(out, channels, 3, 3).to(memory_format=fmt) * 0.2
+    x = (torch.randn(2, channels, 9, 7) * 2 + 1).to(memory_format=torch.contiguous_format if fmt == "contiguous x" else fmt)
+    w = torch.randn(out, channels, 3, 3).to(memory_format=torch.channels_last if fmt == "contiguous x" else fmt) * 0.2
     b = torch.randn(out)
     ops = [torch.rand(channels) + 0.5, torch.randn(channels)] if affine else []
     cfg = ConvEpilogueConfig(conv=_spec(), chain=chain, norm_in=groups, norm_in_eps=1e-5,

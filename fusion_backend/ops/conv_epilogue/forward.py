@@ -31,7 +31,6 @@ from ..conv_io import (
     conv_output_shape,
     dtype_named,
     empty_placeholder,
-    in_format,
     output_memory_format,
     planned_relayout,
     pooled_output_shape,
@@ -414,6 +413,9 @@ class InputNormLibraryForward:
         #: pass), where the library plan would write the conv output and add the bias in a second
         self.conv_with_bias = not cfg.chain and cfg.pool is None and dtype_named(OP, cfg.out_dtype,
                                                                                  self.dtype) == self.dtype
+        out = _forward_layouts(x, weight, operands, cfg, save, self.dtype)[2][0]
+        #: the output's shape and strides as the region's fake lays it out
+        self.out_layout = (tuple(out.shape), out.stride())
         #: the region without its input norm: what the library plan runs on the normalised tensor
         self.conv_cfg = dataclasses.replace(cfg, norm_in=None, norm_in_affine=None, act_in=())
         #: the library plan, made on the first call (from the normalised tensor)
@@ -432,7 +434,9 @@ class InputNormLibraryForward:
                            chains.post_params, chains.affine, normed)  # fmt: skip
         if self.conv_with_bias:
             _, wc, bc = cast_inputs(normed, weight, bias, self.dtype)
-            out = in_format(run_conv(normed, wc, bc, cfg.conv), output_memory_format(normed))
+            out = run_conv(normed, wc, bc, cfg.conv)
+            if out.stride() != self.out_layout[1]:
+                out = torch.empty_strided(*self.out_layout, dtype=out.dtype, device=out.device).copy_(out)
         else:
             if self.conv is None:
                 self.conv = LibraryForward(normed, weight, bias, operands, self.conv_cfg, False)
