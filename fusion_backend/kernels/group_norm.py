@@ -518,6 +518,21 @@ def _group_norm_cl_stats_kernel(
 
 
 @triton.jit
+def _combine_lanes(rows, k, g, K, CG, C, S, CHUNK, ROWS: tl.constexpr):
+    """Lanes of chunks ``k`` by group channels ``g`` of one (sample, group)'s combine: ``(live, at,
+    count)``, which lanes hold an entry, their row-0 addresses in ``rows``, and their chunk's value count."""
+    live = (k < K) & (g < CG)
+    count = tl.where(live, tl.minimum(CHUNK, S - k * CHUNK), 0).to(tl.float32)
+    return live, rows + k * ROWS * C + g, count
+
+
+@triton.jit
+def _shifted_mean(at, live, C, shift0):
+    """A chunk's mean relative to the group's first shift: ``(shift - shift0) + mean`` (0 off ``live``)."""
+    return (tl.load(at, mask=live, other=0.0) - shift0) + tl.load(at + C, mask=live, other=0.0)
+
+
+@triton.jit
 def _group_norm_cl_combine_kernel(ws_ptr, out_ptr, eps, C, S, G, CG, CHUNK, K, out_row,
                                   MOMENTS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
     """Per (sample, group) (program ``n * G + g``): its ``K`` chunks' by ``CG`` channels' entries of
@@ -540,13 +555,9 @@ def _group_norm_cl_combine_kernel(ws_ptr, out_ptr, eps, C, S, G, CG, CHUNK, K, o
     acc1 = tl.zeros([BLOCK_K, BLOCK_G], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         for g0 in range(0, CG, BLOCK_G):
-            k = k0 + kk
-            live = (k < K) & (g0 + gg < CG)
-            at = rows + k * ROWS * C + g0 + gg
+            live, at, count = _combine_lanes(rows, k0 + kk, g0 + gg, K, CG, C, S, CHUNK, ROWS)
             if MOMENTS:
-                count = tl.where(live, tl.minimum(CHUNK, S - k * CHUNK), 0).to(tl.float32)
-                r = (tl.load(at, mask=live, other=0.0) - shift0) + tl.load(at + C, mask=live, other=0.0)
-                acc0 += count * r
+                acc0 += count * _shifted_mean(at, live, C, shift0)
                 acc1 += tl.load(at + 2 * C, mask=live, other=0.0)
             else:
                 acc0 += tl.load(at, mask=live, other=0.0)
@@ -557,11 +568,9 @@ def _group_norm_cl_combine_kernel(ws_ptr, out_ptr, eps, C, S, G, CG, CHUNK, K, o
         dev = tl.zeros([BLOCK_K, BLOCK_G], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             for g0 in range(0, CG, BLOCK_G):
-                k = k0 + kk
-                live = (k < K) & (g0 + gg < CG)
-                at = rows + k * ROWS * C + g0 + gg
-                d = (tl.load(at, mask=live, other=0.0) - shift0) + tl.load(at + C, mask=live, other=0.0) - first
-                dev += tl.where(live, tl.minimum(CHUNK, S - k * CHUNK), 0).to(tl.float32) * d * d
+                live, at, count = _combine_lanes(rows, k0 + kk, g0 + gg, K, CG, C, S, CHUNK, ROWS)
+                d = _shifted_mean(at, live, C, shift0) - first
+                dev += count * d * d
         second = 1.0 / tl.sqrt((second + tl.sum(tl.sum(dev, axis=1), axis=0)) / values + eps)
         first = first + shift0
     else:

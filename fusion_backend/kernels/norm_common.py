@@ -73,28 +73,28 @@ def accumulate_lanes(acc, ga, keep, WANT: tl.constexpr):
 
 
 @triton.jit
+def _accumulate_slot(acc, ga, keep, WANT: tl.constexpr, LANES: tl.constexpr):
+    """``accumulate_lanes`` with ``LANES``, else ``accumulate``."""
+    if LANES:
+        acc = accumulate_lanes(acc, ga, keep, WANT)
+    else:
+        acc = accumulate(acc, ga, keep, WANT)
+    return acc
+
+
+@triton.jit
 def accumulate_slots(p0, p1, p2, p3, p4, p5, p6, p7, a0, a1, a2, a3, a4, a5, a6, a7, keep, MASK: tl.constexpr,
                      LANES: tl.constexpr):  # fmt: skip
     """The eight slots' sums ``p0..p7`` plus their values ``a0..a7`` where ``keep``, for each slot wanted
     (``MASK`` bit k): per lane (``LANES``: ``accumulate_lanes``) or per channel (``accumulate``)."""
-    if LANES:
-        p0 = accumulate_lanes(p0, a0, keep, (MASK & 1) != 0)
-        p1 = accumulate_lanes(p1, a1, keep, (MASK & 2) != 0)
-        p2 = accumulate_lanes(p2, a2, keep, (MASK & 4) != 0)
-        p3 = accumulate_lanes(p3, a3, keep, (MASK & 8) != 0)
-        p4 = accumulate_lanes(p4, a4, keep, (MASK & 16) != 0)
-        p5 = accumulate_lanes(p5, a5, keep, (MASK & 32) != 0)
-        p6 = accumulate_lanes(p6, a6, keep, (MASK & 64) != 0)
-        p7 = accumulate_lanes(p7, a7, keep, (MASK & 128) != 0)
-    else:
-        p0 = accumulate(p0, a0, keep, (MASK & 1) != 0)
-        p1 = accumulate(p1, a1, keep, (MASK & 2) != 0)
-        p2 = accumulate(p2, a2, keep, (MASK & 4) != 0)
-        p3 = accumulate(p3, a3, keep, (MASK & 8) != 0)
-        p4 = accumulate(p4, a4, keep, (MASK & 16) != 0)
-        p5 = accumulate(p5, a5, keep, (MASK & 32) != 0)
-        p6 = accumulate(p6, a6, keep, (MASK & 64) != 0)
-        p7 = accumulate(p7, a7, keep, (MASK & 128) != 0)
+    p0 = _accumulate_slot(p0, a0, keep, (MASK & 1) != 0, LANES)
+    p1 = _accumulate_slot(p1, a1, keep, (MASK & 2) != 0, LANES)
+    p2 = _accumulate_slot(p2, a2, keep, (MASK & 4) != 0, LANES)
+    p3 = _accumulate_slot(p3, a3, keep, (MASK & 8) != 0, LANES)
+    p4 = _accumulate_slot(p4, a4, keep, (MASK & 16) != 0, LANES)
+    p5 = _accumulate_slot(p5, a5, keep, (MASK & 32) != 0, LANES)
+    p6 = _accumulate_slot(p6, a6, keep, (MASK & 64) != 0, LANES)
+    p7 = _accumulate_slot(p7, a7, keep, (MASK & 128) != 0, LANES)
     return p0, p1, p2, p3, p4, p5, p6, p7
 
 

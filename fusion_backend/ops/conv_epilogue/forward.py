@@ -413,9 +413,12 @@ class InputNormLibraryForward:
         #: pass), where the library plan would write the conv output and add the bias in a second
         self.conv_with_bias = not cfg.chain and cfg.pool is None and dtype_named(OP, cfg.out_dtype,
                                                                                  self.dtype) == self.dtype
-        out = _forward_layouts(x, weight, operands, cfg, save, self.dtype)[2][0]
-        #: the output's shape and strides as the region's fake lays it out
-        self.out_layout = (tuple(out.shape), out.stride())
+        #: the output's shape and strides as the region's fake lays it out (what the conv with its bias
+        #: must match)
+        self.out_layout = None
+        if self.conv_with_bias:
+            out = _forward_layouts(x, weight, operands, cfg, save, self.dtype)[2][0]
+            self.out_layout = (tuple(out.shape), out.stride())
         #: the region without its input norm: what the library plan runs on the normalised tensor
         self.conv_cfg = dataclasses.replace(cfg, norm_in=None, norm_in_affine=None, act_in=())
         #: the library plan, made on the first call (from the normalised tensor)
