@@ -220,13 +220,15 @@ LIBRARY_CASES = {
 @pytest.mark.parametrize("case", list(LIBRARY_CASES))
 def test_the_input_norm_s_library_plan_is_within_eager_s_error_of_float64(case, exact_fp32):
     """The plan's output against the region's float64 composite (norm, activation, the cast to the conv's
-    dtype, conv, bias, chain), eager's own error the yardstick; the norm kernels run under the interpreter."""
+    dtype, conv, bias, chain), eager's own error the yardstick; on CPU the norm kernels run under the interpreter."""
     channels, groups, out, act, chain, affine, fmt, compute = LIBRARY_CASES[case]
     torch.manual_seed(33)
-    x = (torch.randn(2, channels, 9, 7) * 2 + 1).to(memory_format=torch.contiguous_format if fmt == "contiguous x" else fmt)
-    w = torch.randn(out, channels, 3, 3).to(memory_format=torch.channels_last if fmt == "contiguous x" else fmt) * 0.2
-    b = torch.randn(out)
-    ops = [torch.rand(channels) + 0.5, torch.randn(channels)] if affine else []
+    x = (torch.randn(2, channels, 9, 7, device=DEVICE) * 2 + 1).to(
+        memory_format=torch.contiguous_format if fmt == "contiguous x" else fmt)
+    w = torch.randn(out, channels, 3, 3, device=DEVICE).to(
+        memory_format=torch.channels_last if fmt == "contiguous x" else fmt) * 0.2
+    b = torch.randn(out, device=DEVICE)
+    ops = [torch.rand(channels, device=DEVICE) + 0.5, torch.randn(channels, device=DEVICE)] if affine else []
     cfg = ConvEpilogueConfig(conv=_spec(), chain=chain, norm_in=groups, norm_in_eps=1e-5,
                              norm_in_affine=0 if affine else None, act_in=act, compute_dtype=compute)  # fmt: skip
     assert ce.forward.input_norm_library_unsupported(x, w, ops, cfg, False) is None
