@@ -18,7 +18,9 @@ squeeze-and-excitation gate), or ``act(group_norm(source))`` (the VAE's and UNet
 ``act`` none or one relu, leaky_relu, gelu or silu), takes that product or that norm and activation
 into the region, without gradients, where the conv family's forward can apply it as it loads
 (``input_prologue``); a group norm another family claimed (``conv_group_norm``'s conv -> norm) stays
-there.
+there.  A nearest upsample the conv folds into a transposed conv (every conv walk takes it in:
+``match/conv_walk.input_upsample``) is such a prologue too, with or without gradients: a region may
+hold the upsample and the conv alone.
 
 The region then ends at the last value of the longest prefix whose earlier values are read only
 inside it (a value read outside, such as a graph output, can only be the region's result).

@@ -175,6 +175,18 @@ class LayerNorm:
 
 
 @dataclass(frozen=True)
+class Upsample:
+    """A nearest-neighbour upsample (``F.interpolate(x, ..., mode="nearest")``, ``nn.Upsample``) of the
+    spatial dims.  ``scale_factor``: what the call gave (one float, or one per spatial dim), None
+    where it gave a ``size``; the sizes themselves are the fake tensors' (a pattern reads the scale
+    from them)."""
+
+    node: fx.Node
+    input: fx.Node
+    scale_factor: Optional[Union[float, tuple[float, ...]]]
+
+
+@dataclass(frozen=True)
 class Opaque:
     """Anything else.  ``description`` names the op for reports (e.g. ``torch.softmax``)."""
 
@@ -182,4 +194,4 @@ class Opaque:
     description: str
 
 
-CanonicalOp = Union[Conv, Pointwise, Pool, GlobalReduce, Reduce, BatchNorm, GroupNorm, LayerNorm, Opaque]
+CanonicalOp = Union[Conv, Pointwise, Pool, GlobalReduce, Reduce, BatchNorm, GroupNorm, LayerNorm, Upsample, Opaque]

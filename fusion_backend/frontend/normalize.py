@@ -37,6 +37,7 @@ from .canonical import (
     Pointwise,
     Pool,
     Reduce,
+    Upsample,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -73,6 +74,11 @@ def _sig_instance_norm(input, running_mean=None, running_var=None, weight=None, 
                        momentum=0.1, eps=1e-05, cudnn_enabled=True): ...
 def _sig_torch_instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
                              cudnn_enabled): ...
+
+
+def _sig_interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,
+                     recompute_scale_factor=None, antialias=False): ...
+def _sig_upsample_nearest(input, size=None, scale_factor=None): ...
 
 
 def _bind(sig_fn: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[dict[str, Any]]:
@@ -177,6 +183,11 @@ _SOFTMAX_FUNCS = {torch.softmax: "softmax", F.softmax: "softmax", torch.log_soft
                   F.log_softmax: "log_softmax", torch.special.softmax: "softmax",
                   torch.special.log_softmax: "log_softmax"}
 
+#: Nearest-neighbour upsamples: ``F.interpolate`` and ``F.upsample`` with ``mode="nearest"`` (or
+#: "nearest-exact": the same indices at an integer scale), ``F.upsample_nearest``.
+_INTERPOLATE_FUNCS = {F.interpolate, F.upsample}
+_NEAREST_MODES = ("nearest", "nearest-exact")
+
 _POINTWISE_MODULES: dict[type, K] = {
     nn.ReLU: K.RELU, nn.SiLU: K.SILU, nn.Sigmoid: K.SIGMOID, nn.Tanh: K.TANH,
     nn.Hardswish: K.HARDSWISH, nn.Mish: K.MISH,
@@ -276,6 +287,18 @@ def _pool(node: fx.Node, kind: str, dims: int, b: dict[str, Any]) -> Pool:
     return Pool(node, b["input"], dims, spec, unsupported)
 
 
+def _upsample(node: fx.Node, b: dict[str, Any]) -> Optional[Upsample]:
+    """A nearest-neighbour upsample, or None for another mode (an ``Opaque``: no pattern reads it)."""
+    if b.get("mode", "nearest") not in _NEAREST_MODES or b.get("antialias"):
+        return None
+    scale = b["scale_factor"]
+    if scale is not None and not (isinstance(scale, (int, float)) or (
+            isinstance(scale, (list, tuple)) and all(isinstance(s, (int, float)) for s in scale))):
+        raise _Unsupported(f"scale_factor={scale!r} is not a number or a tuple of numbers")
+    return Upsample(node, b["input"], None if scale is None else tuple(scale) if isinstance(scale, (list, tuple))
+                    else float(scale))
+
+
 def _reduce(node: fx.Node, kind: str, b: Optional[dict[str, Any]]) -> Optional[GlobalReduce | Reduce]:
     """A mean or sum: ``GlobalReduce``, or with a ``dtype=`` argument a ``Reduce`` that says so."""
     if b is None:
@@ -338,6 +361,9 @@ def _normalize_function(node: fx.Node, target: Any, args: tuple, kwargs: dict) -
         if dims is None:
             raise _Unsupported("cannot tell the number of spatial dims")
         return _conv(node, dims, bool(b["transposed"]), b)
+    if target in _INTERPOLATE_FUNCS or target is F.upsample_nearest:
+        b = _bind(_sig_interpolate if target in _INTERPOLATE_FUNCS else _sig_upsample_nearest, args, kwargs)
+        return _upsample(node, b) if b else None
     if target in _UNARY_FUNCS:
         kind, inplace = _UNARY_FUNCS[target]
         b = _bind(_sig_neg, args, kwargs)
@@ -560,6 +586,8 @@ def _normalize_module(node: fx.Node, root: torch.nn.Module) -> Optional[Canonica
             "groups": mod.groups,
         }
         return _conv(node, dims, transposed, b)
+    if isinstance(mod, nn.Upsample):
+        return _upsample(node, {"input": x, "scale_factor": mod.scale_factor, "mode": mod.mode})
     if type(mod) in _POINTWISE_MODULES:
         return Pointwise(node, _POINTWISE_MODULES[type(mod)], (x,), bool(getattr(mod, "inplace", False)))
     if isinstance(mod, nn.LeakyReLU):

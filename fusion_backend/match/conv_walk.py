@@ -29,6 +29,11 @@ The walk from a conv whose output is batched and floating point (``FUSED_DTYPES`
    ``Centre.region_refusal`` may then refuse the whole region.
 5. A max / avg pool may end the region where the centre allows one (``match/pool_end.py``).
 
+Either walk first takes in a nearest upsample that only the conv reads, where the pair folds into a
+transposed conv (``input_upsample``, ``ops/upsample_fold.py``): the region's conv is then that
+transposed conv on the upsample's input, its weight made from the conv's when the region is
+rewritten, and its summary opens ``upsample(2) -> conv2d``.
+
 Without a centre the one chain grows from the conv output through pointwise ops and the ops the
 family folds into its chain (``ConvWalkPattern.folds`` / ``fold``), up to a pool that may end it.
 There the chain is the region, so where it stopped is reported (unless at the graph output or the
@@ -47,10 +52,11 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-from ..frontend.canonical import BatchNorm, CanonicalOp, Conv, GroupNorm, Opaque, Pointwise, Pool
+from ..frontend.canonical import BatchNorm, CanonicalOp, Conv, GroupNorm, Opaque, Pointwise, Pool, Upsample
 from ..frontend.normalize import describe_target
 from ..ops.chain import ChainStep, Const
 from ..ops.chain_lowering import family_activation
+from ..ops.upsample_fold import transposed_equivalent, upsample_fold_problem
 from ..report import NearMiss, ReasonKind
 from .chain_walk import ChainPart, ChainValues, full_size_operand, grow_chain, per_channel_problem
 from .engine import (
@@ -63,6 +69,7 @@ from .engine import (
     registered_patterns,
 )
 from .pool_end import pool_after, pool_refusal
+from .rewrite import Deferred, materialize
 
 #: The conv-output dtypes (and the chain's value dtypes) the fused conv ops take.
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -147,8 +154,80 @@ class InputNorm:
         return [f"group_norm({groups})"] + ([self.act[1].kind.name.lower()] if self.act else [])
 
 
+@dataclass(frozen=True)
+class InputUpsample:
+    """``conv(upsample(source, scale))``: a nearest upsample (``node``) by an integer ``scale`` per
+    spatial dim that only ``conv`` reads, folded into it: the region's conv is ``folded``, the
+    transposed conv of stride ``scale`` on ``source`` that computes the same (``ops/upsample_fold.py``;
+    its weight a ``Deferred``, made from the conv's when the region is rewritten: a family's rewrite
+    passes it as the conv's)."""
+
+    node: fx.Node
+    source: fx.Node
+    scale: tuple[int, ...]
+    conv: Conv
+    folded: Conv
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        return (self.node,)
+
+    @property
+    def labels(self) -> list[str]:
+        scale = self.scale[0] if len(set(self.scale)) == 1 else "x".join(map(str, self.scale))
+        return [f"upsample({scale})"]
+
+
 #: What a conv may apply to its input as it loads it, taken into its region (its nodes come first).
-InputPrologue = Union[InputGate, InputNorm]
+InputPrologue = Union[InputGate, InputNorm, InputUpsample]
+
+
+def input_upsample(ctx: MatchContext, conv: Conv) -> Optional[InputUpsample]:
+    """The nearest upsample ``conv`` reads, where it folds into the conv (``ops/upsample_fold.py``):
+    read by the conv alone, every spatial size multiplied by an integer power of two (a scale whose
+    reciprocal is exact, so that the upsample's source index is ``o // s`` as the fold assumes), a
+    conv of stride and dilation 1 and padding below its kernel; else None.  The scale is the
+    ``scale_factor`` the call gave, or with a ``size`` the ratio of the sizes where they are numbers
+    (not symbols: dynamic shapes)."""
+    node = conv.input
+    op = ctx.op(node) if isinstance(node, fx.Node) else None
+    if not isinstance(op, Upsample) or len(node.users) != 1 or not isinstance(op.input, fx.Node):
+        return None
+    source, upsampled, weight = fake_of(op.input), fake_of(node), fake_of(conv.weight) if isinstance(
+        conv.weight, fx.Node) else None  # fmt: skip
+    dims = conv.spec.spatial_dims
+    if not all(isinstance(t, torch.Tensor) for t in (source, upsampled)) or source.dim() != dims + 2 \
+            or upsampled.dim() != dims + 2:
+        return None
+    given = op.scale_factor
+    if given is not None:  # the scale the call gave (sizes may be symbolic: dynamic shapes)
+        given = given if isinstance(given, tuple) else (given,) * dims
+        if len(given) != dims or any(float(g) != int(g) or int(g) < 1 for g in given):
+            return None
+        scale = tuple(int(g) for g in given)
+    else:  # a size: the scale from the sizes, where they are numbers
+        sizes = list(zip(source.shape[2:], upsampled.shape[2:], strict=True))
+        if not all(isinstance(a, int) and isinstance(b, int) and a > 0 and b % a == 0 for a, b in sizes):
+            return None
+        scale = tuple(b // a for a, b in sizes)
+    if any(s & (s - 1) for s in scale):
+        return None
+    kernel = tuple(int(k) for k in weight.shape[2:]) if isinstance(weight, torch.Tensor) else None
+    if kernel is None or upsample_fold_problem(conv.spec, kernel, scale) is not None:
+        return None
+    folded = Conv(conv.node, op.input, _folded_weight(conv, scale), conv.bias,
+                  transposed_equivalent(conv.spec, kernel, scale))  # fmt: skip
+    return InputUpsample(node, op.input, scale, conv, folded)
+
+
+def _folded_weight(conv: Conv, scale: tuple[int, ...]) -> Deferred:
+    """The transposed conv's weight, made from ``conv``'s when the region is rewritten: in the graph,
+    where Inductor makes one kernel of it and autograd differentiates it (``ops/upsample_fold.py``)."""
+    from ..ops.upsample_fold import upsampled_conv_weight
+
+    groups = conv.spec.groups
+    return Deferred(lambda graph, inputs: graph.call_function(
+        upsampled_conv_weight, (materialize(graph, inputs[0]), scale, groups)), (conv.weight,))
 
 
 @dataclass
@@ -293,9 +372,10 @@ class ConvWalkPattern(ConvAnchoredPattern):
         return Precedence.CHAIN_ONLY if self.centre is None else Precedence.CLAIMS_AN_OP
 
     def input_prologue(self, ctx: MatchContext, conv: Conv) -> Optional[InputPrologue]:
-        """For a walk with no centre: what made the conv's input (a gate it is multiplied by, a group
-        norm and its activation), where the family takes it into the region (its nodes then join the
-        region, before the conv); None otherwise."""
+        """For a walk with no centre and a conv that reads no foldable upsample (every walk takes
+        that in: ``input_upsample``): what made the conv's input (a gate it is multiplied by, a
+        group norm and its activation), where the family takes it into the region (its nodes then
+        join the region, before the conv); None otherwise."""
         return None
 
     def chain_limit(self, ctx: MatchContext, conv: Conv, part: ChainPart, y: torch.Tensor) -> Optional[tuple[int, Refusal]]:
@@ -309,16 +389,22 @@ class ConvWalkPattern(ConvAnchoredPattern):
         raise NotImplementedError(f"{type(self).__name__} folds {self.folds} but does not define fold()")
 
     def match_conv(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
+        upsample = input_upsample(ctx, conv)
+        if upsample is not None and upsample.node in ctx.claimed:
+            upsample = None
         if self.centre is None:
-            return self._walk_chain(ctx, conv)
-        return self._walk_to_centre(ctx, conv, self.centre)
+            return self._walk_chain(ctx, conv, upsample)
+        return self._walk_to_centre(ctx, conv, self.centre, upsample)
 
     def _miss(self, ctx: MatchContext, conv: Conv) -> Callable[[fx.Node, ReasonKind, str], NearMiss]:
         return lambda at, reason, message: ctx.near_miss(self.name, conv.node, at, reason, message)
 
     # -- a walk with a centre -------------------------------------------------------------------
 
-    def _walk_to_centre(self, ctx: MatchContext, conv: Conv, centre: Centre) -> Optional[Union[Candidate, NearMiss]]:
+    def _walk_to_centre(self, ctx: MatchContext, conv: Conv, centre: Centre,
+                        upsample: Optional[InputUpsample]) -> Optional[Union[Candidate, NearMiss]]:  # fmt: skip
+        if upsample is not None:
+            conv = upsample.folded  # the region's conv is the transposed conv it folds into
         anchor = conv.node
         y = fake_of(anchor)
         if not isinstance(y, torch.Tensor) or y.dim() != conv.spec.spatial_dims + 2:
@@ -371,7 +457,7 @@ class ConvWalkPattern(ConvAnchoredPattern):
             return miss(value, ReasonKind.MISSING_METADATA, f"no metadata for `{value.name}`")
         if out.dtype not in FUSED_DTYPES:
             return miss(value, ReasonKind.UNSUPPORTED_DTYPE, f"`{value.name}` yields {out.dtype}")
-        region = ConvRegion(conv, pre, ChainPart(pre.operands), site.op, centre.facts(site))
+        region = ConvRegion(conv, pre, ChainPart(pre.operands), site.op, centre.facts(site), prologue=upsample)
 
         # 3. the chain after it, then an optional pool
         notes = self._chain_after(ctx, conv, centre, site.op, value, region.post, out)
@@ -382,7 +468,8 @@ class ConvWalkPattern(ConvAnchoredPattern):
             last = region.post.step_nodes[-1] if region.post.step_nodes else value
             region.pool, pool_notes = pool_after(ctx, self.name, anchor, last, conv.spec.spatial_dims)
             notes += pool_notes
-        nodes = [anchor, *pre.step_nodes, *value_nodes, *region.post.step_nodes] + ([region.pool.node] if region.pool else [])
+        nodes = ([upsample.node] if upsample else []) + [anchor, *pre.step_nodes, *value_nodes, *region.post.step_nodes] + (
+            [region.pool.node] if region.pool else [])
         return Candidate(self.name, anchor, nodes, region, self._summary(region), notes)
 
     def _chain_after(self, ctx: MatchContext, conv: Conv, centre: Centre, op: Any, value: fx.Node, post: ChainPart,
@@ -412,7 +499,7 @@ class ConvWalkPattern(ConvAnchoredPattern):
 
     # -- a walk with no centre: the chain alone ----------------------------------------------------
 
-    def _walk_chain(self, ctx: MatchContext, conv: Conv) -> Union[Candidate, NearMiss]:
+    def _walk_chain(self, ctx: MatchContext, conv: Conv, upsample: Optional[InputUpsample]) -> Union[Candidate, NearMiss]:
         anchor = conv.node
         y = fake_of(anchor)
         miss = self._miss(ctx, conv)
@@ -424,7 +511,10 @@ class ConvWalkPattern(ConvAnchoredPattern):
             return miss(anchor, ReasonKind.DIMENSION_MISMATCH, f"unbatched conv input (output rank {y.dim()})")
 
         part = ChainPart([])
-        region = ConvRegion(conv, ChainPart(part.operands), part, prologue=self.input_prologue(ctx, conv))
+        prologue = upsample or self.input_prologue(ctx, conv)
+        if upsample is not None:
+            conv = upsample.folded  # the region's conv is the transposed conv it folds into
+        region = ConvRegion(conv, ChainPart(part.operands), part, prologue=prologue)
         values = ChainValues(anchor)
         fusible = (Pointwise, Pool, *self.folds)
         stop: Optional[NearMiss] = None
@@ -490,7 +580,8 @@ class ConvWalkPattern(ConvAnchoredPattern):
     def _summary(self, region: ConvRegion) -> str:
         """``conv2d -> relu -> group_norm(4) -> silu -> max_pool2d``: the conv, the chain before the
         centre, the centre's label, the chain after it, the pool."""
-        parts = (region.prologue.labels if region.prologue else []) + [conv_label(region.conv), *region.pre.labels]
+        conv = region.prologue.conv if isinstance(region.prologue, InputUpsample) else region.conv
+        parts = (region.prologue.labels if region.prologue else []) + [conv_label(conv), *region.pre.labels]
         if self.centre is not None:
             parts.append(self.centre.label(region))
         parts += region.post.labels

@@ -173,6 +173,7 @@ def rewrite_conv_region(
     ``finish(graph, node)`` may append nodes after the fused call (e.g. unsqueezes) and returns the
     region's new result.  ``kernel`` is the fused op's ``kernel_path`` answer, for the report.  ``x``:
     the fused op's input where it is not the conv's (a region that takes in the op computing it).
+    The conv's weight may be ``Deferred`` too (a folded upsample's transposed-conv weight).
     The conv's own input is passed in the layout eager's conv ran it in (``in_conv_layout``).
     """
     conv_output = fake_of(conv.node)
@@ -186,10 +187,14 @@ def rewrite_conv_region(
         x_in = cast(graph, source)
         if x is None and isinstance(source, fx.Node):
             x_in = in_conv_layout(graph, x_in, fake_of(source), conv_output)
-        w = cast(graph, materialize(graph, ctx.resolve(conv.weight)))
-        b = cast(graph, materialize(graph, ctx.resolve(conv.bias)))
-        ops = [v.make(graph, tuple(ctx.resolve(i) for i in v.inputs)) if isinstance(v, Deferred)
-               else materialize(graph, ctx.resolve(v)) for v in operands]  # fmt: skip
+        def made(v: Any) -> Any:
+            if isinstance(v, Deferred):
+                return v.make(graph, tuple(ctx.resolve(i) for i in v.inputs))
+            return materialize(graph, ctx.resolve(v))
+
+        w = cast(graph, made(conv.weight))
+        b = cast(graph, made(conv.bias))
+        ops = [made(v) for v in operands]
         out = graph.call_function(fused, (x_in, w, b, ops, config))
         return finish(graph, out) if finish is not None else out
 

@@ -26,7 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..ops import bn_fold
+from ..ops import bn_fold, upsample_fold
 from ..ops.batched_cast import CAST_BATCHED
 from ..ops.direct_impls import direct_impl
 
@@ -40,10 +40,12 @@ GLUE_METHODS = frozenset({
 #: Batch norm's folded scale and shift (``ops/bn_fold.py``) count as glue too: one small kernel on
 #: per-channel tensors (its direct implementation; batched, one for the graph's batch norms:
 #: ``match/batch_glue.py``), never on activations; the region's measured decision times it with it.  So
-#: do the batched casts of the fused calls' weights (``ops/batched_cast.py``): one copy of parameters.
+#: do the batched casts of the fused calls' weights (``ops/batched_cast.py``): one copy of parameters,
+#: and a folded upsample's transposed-conv weight (``ops/upsample_fold.py``): a few small passes over one.
 GLUE_FUNCTIONS = frozenset({
     operator.getitem, torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten, torch.permute,
     torch.transpose, torch.narrow, bn_fold.scale_and_shift, bn_fold.BATCHED, CAST_BATCHED,
+    upsample_fold.upsampled_conv_weight,
     *(getattr(torch.amp.autocast_mode, name) for name in ("_enter_autocast", "_exit_autocast")
       if hasattr(torch.amp.autocast_mode, name)),
 })

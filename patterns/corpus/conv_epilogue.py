@@ -76,6 +76,9 @@ CASES = [
     CorpusCase("unet_decoder_up", lambda: (nn.Sequential(nn.ConvTranspose2d(16, 8, 2, 2), nn.ReLU()),
                                            x_of(2, 16, 8, 8)),  # fmt: skip
                regions=("conv_transpose2d -> relu",)),
+    CorpusCase("decoder_upsample_conv", lambda: (nn.Sequential(nn.Upsample(scale_factor=2), nn.Conv2d(16, 8, 3, padding=1)),
+                                                 x_of(2, 16, 8, 8)),  # fmt: skip
+               regions=("upsample(2) -> conv2d",)),
     CorpusCase("dcgan_output", lambda: (nn.Sequential(nn.ConvTranspose2d(16, 3, 4, 2, 1), nn.Tanh()), x_of(2, 16, 8, 8)),
                regions=("conv_transpose2d -> tanh",)),
     CorpusCase("conv3d_leaky_maxpool", lambda: (nn.Sequential(nn.Conv3d(4, 8, 3, padding=1), nn.LeakyReLU(0.01),
