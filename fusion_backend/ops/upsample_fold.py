@@ -24,7 +24,8 @@ the folded weight 0.32 / 0.44 ms (a scratch script of ``F.conv_transpose2d`` aga
 pair, CUDA events; the SD VAE decoder's three upsampling convs).
 
 The folded weight costs one small pass over the weight per call (in the rewritten graph, where
-Inductor makes one kernel of :func:`upsampled_conv_weight`'s ops and autograd differentiates them);
+Inductor makes one kernel of :func:`upsampled_conv_weight`'s ops and autograd differentiates them;
+a graph that runs without Inductor launches ``kernels/upsample_fold.py``'s one kernel instead);
 it is summed in float32 and rounded once to the weight's dtype.  Eager rounds each tap of the
 autocast weight instead, so results differ from eager's by that rounding (within eager's own error
 against float64: ``tests/ops/test_upsample_fold.py``).
@@ -33,11 +34,14 @@ against float64: ``tests/ops/test_upsample_fold.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from ..ir.specs import ConvSpec
+from ..kernels.host import kernels_unavailable
+from ..kernels.plan_cache import ContractError
 from .direct_impls import register_direct
 
 
@@ -81,14 +85,58 @@ def upsampled_conv_weight(weight: Tensor, scale: Sequence[int], groups: int) -> 
     c_out, c_in_group = w.shape[:2]
     w = w.reshape(groups, c_out // groups, c_in_group, *w.shape[2:]).transpose(1, 2)
     w = w.reshape(groups * c_in_group, c_out // groups, *w.shape[3:])
-    fmt = torch.channels_last if dims == 2 else torch.channels_last_3d if dims == 3 else torch.contiguous_format
-    keep = fmt if fmt is not torch.contiguous_format and weight.is_contiguous(memory_format=fmt) \
-        and not weight.is_contiguous() else torch.contiguous_format
-    return w.to(weight.dtype).contiguous(memory_format=keep)
+    return w.to(weight.dtype).contiguous(memory_format=folded_layout(weight))
 
 
-# (its own direct implementation: marks the graph's calls as cacheable, ``match/rewrite.mark_cacheable``)
-register_direct(upsampled_conv_weight, upsampled_conv_weight)
+def folded_layout(weight: Tensor) -> torch.memory_format:
+    """The folded weight's memory format: channels-last where ``weight`` is (and not also contiguous),
+    else contiguous."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(weight.dim())
+    if fmt is not None and weight.is_contiguous(memory_format=fmt) and not weight.is_contiguous():
+        return fmt
+    return torch.contiguous_format
+
+
+def upsampled_conv_weight_direct(weight: Tensor, scale: Sequence[int], groups: int) -> Tensor:
+    """:func:`upsampled_conv_weight` as one kernel where one runs (``kernels/upsample_fold.py``: CUDA,
+    or CPU under the interpreter; weights of at most 32 bits), else the torch ops themselves.  The
+    same values to the rounding of fp32 sums taken in another order, and the same gradient: the
+    backward differentiates :func:`upsampled_conv_weight`."""
+    if kernels_unavailable(torch.float32, weight.device.type) is not None or weight.dtype == torch.float64:
+        return upsampled_conv_weight(weight, scale, groups)
+    try:
+        if torch.is_grad_enabled() and weight.requires_grad:
+            return _FoldedWeight.apply(weight, tuple(scale), groups)
+        from ..kernels.upsample_fold import fold_weight
+
+        return fold_weight(weight, scale, groups)
+    except ContractError:  # a weight the kernel cannot take: the torch ops take it
+        return upsampled_conv_weight(weight, scale, groups)
+
+
+class _FoldedWeight(torch.autograd.Function):
+    """The kernel forward, :func:`upsampled_conv_weight`'s own backward (through autograd)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, scale: tuple[int, ...], groups: int) -> Tensor:
+        from ..kernels.upsample_fold import fold_weight
+
+        ctx.save_for_backward(weight)
+        ctx.scale, ctx.groups = scale, groups
+        return fold_weight(weight, scale, groups)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None]:
+        (weight,) = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = weight.detach().requires_grad_()
+            (grad_weight,) = torch.autograd.grad(upsampled_conv_weight(leaf, ctx.scale, ctx.groups), leaf, grad)
+        return grad_weight, None, None
+
+
+# a graph that runs directly launches one kernel for it (and its calls are marked cacheable:
+# ``match/rewrite.mark_cacheable``)
+register_direct(upsampled_conv_weight, upsampled_conv_weight_direct)
 
 
 def _sized(t: Tensor, dim: int, size: int) -> list[int]:
