@@ -41,8 +41,9 @@ from torch import Tensor
 
 from ..ir.specs import ConvSpec
 from ..kernels.host import kernels_unavailable
-from ..kernels.plan_cache import ContractError
+from ..kernels.plan_cache import ContractError, tensor_key
 from .direct_impls import register_direct
+from .failure import kernel_failed
 
 
 def upsample_fold_problem(spec: ConvSpec, kernel: Sequence[int], scale: Sequence[int]) -> str | None:
@@ -104,6 +105,9 @@ def upsampled_conv_weight_direct(weight: Tensor, scale: Sequence[int], groups: i
     backward differentiates :func:`upsampled_conv_weight`."""
     if kernels_unavailable(torch.float32, weight.device.type) is not None or weight.dtype == torch.float64:
         return upsampled_conv_weight(weight, scale, groups)
+    signature = (tensor_key(weight), tuple(scale), groups)
+    if signature in _FAILED:
+        return upsampled_conv_weight(weight, scale, groups)
     try:
         if torch.is_grad_enabled() and weight.requires_grad:
             return _FoldedWeight.apply(weight, tuple(scale), groups)
@@ -112,6 +116,16 @@ def upsampled_conv_weight_direct(weight: Tensor, scale: Sequence[int], groups: i
         return fold_weight(weight, scale, groups)
     except ContractError:  # a weight the kernel cannot take: the torch ops take it
         return upsampled_conv_weight(weight, scale, groups)
+    except Exception as error:  # noqa: BLE001 - a failed launch: the torch ops give the same values
+        kernel_failed(f"the upsample fold's kernel failed for a weight {tuple(weight.shape)} {weight.dtype} on "
+                      f"{weight.device}: {type(error).__name__}: {error}", error, False,
+                      ("upsample_fold", weight.dtype, weight.device.type))  # fmt: skip
+        _FAILED.add(signature)
+        return upsampled_conv_weight(weight, scale, groups)
+
+
+#: the weight signatures whose kernel launch failed: the torch ops serve them from then on
+_FAILED: set[tuple[Any, ...]] = set()
 
 
 class _FoldedWeight(torch.autograd.Function):

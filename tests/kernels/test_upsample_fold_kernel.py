@@ -92,3 +92,21 @@ def test_a_weight_the_kernel_cannot_take_says_why_and_the_torch_ops_take_it(fold
         fold(w, (2,), 1)
     wide = w.double()
     torch.testing.assert_close(upsampled_conv_weight_direct(wide, (2, 2), 1), upsampled_conv_weight(wide, (2, 2), 1))
+
+
+def test_a_failed_launch_warns_once_and_the_torch_ops_serve_that_weight_from_then_on(triton_kernels, monkeypatch):
+    from fusion_backend.kernels import upsample_fold as kernel
+
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        raise RuntimeError("simulated launch failure")
+
+    monkeypatch.setattr(kernel, "fold_weight", failing)
+    w = _weight((5, 3, 3, 3), torch.float32, "contiguous", 10)
+    with pytest.warns(RuntimeWarning, match="the upsample fold's kernel failed .* simulated launch failure"):
+        got = upsampled_conv_weight_direct(w, (2, 2), 1)
+    assert torch.equal(got, upsampled_conv_weight(w, (2, 2), 1))
+    upsampled_conv_weight_direct(w, (2, 2), 1)
+    assert len(calls) == 1  # not tried again for that weight
