@@ -206,7 +206,9 @@ class ConvEpiloguePattern(ConvWalkPattern):
         return rewrite_conv_region(
             ctx, candidate, conv, operands, op_module.conv_epilogue, config, "fusion::conv_epilogue_fwd",
             op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type), cast_inputs=not absorb,
-            x=prologue.source if prologue else None,
+            # (a folded upsample's conv reads its source already, which ``in_conv_layout`` then relays
+            # as the conv's own input where eager's conv would have)
+            x=prologue.source if prologue and region.conv.input is not prologue.source else None,
         )
 
 

@@ -14,7 +14,7 @@ where it runs directly, so the glue must cost there what it costs inside a netwo
 
 Contract (``FoldPlan`` checks it once per signature, ``ContractError`` otherwise): ``weight`` 3-d to
 5-d, floating point of at most 32 bits, any strides; the result ``(C_in, C_out/g, *(s + k - 1))`` in
-the weight's dtype, laid out as ``ops/upsample_fold.folded_layout`` says.
+the dtype asked for (fp32, fp16 or bf16), laid out as ``ops/upsample_fold.folded_layout`` says.
 """
 
 from __future__ import annotations
@@ -73,19 +73,20 @@ def _three(values: Sequence[int], fill: int) -> list[int]:
 class FoldPlan:
     """The launch for one signature (module docstring): ``plan(weight) -> K``, one kernel."""
 
-    def __init__(self, weight: torch.Tensor, scale: Sequence[int], groups: int) -> None:
+    def __init__(self, weight: torch.Tensor, scale: Sequence[int], groups: int, dtype: torch.dtype) -> None:
         from ..ops.upsample_fold import folded_layout
 
         dims = weight.dim() - 2
-        if not 1 <= dims <= 3 or weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        floats = (torch.float16, torch.bfloat16, torch.float32)
+        if not 1 <= dims <= 3 or weight.dtype not in floats or dtype not in floats:
             raise ContractError(f"upsample fold: a 3-d to 5-d weight of at most 32 bits, got {tuple(weight.shape)} "
-                                f"{weight.dtype}")  # fmt: skip
+                                f"{weight.dtype}, folded into {dtype}")  # fmt: skip
         if len(scale) != dims or weight.shape[0] % groups:
             raise ContractError(f"upsample fold: scale {tuple(scale)} and groups {groups} do not fit a weight of "
                                 f"shape {tuple(weight.shape)}")  # fmt: skip
         c_out, c_in_group, *kernel = weight.shape
         folded = [k + s - 1 for k, s in zip(kernel, scale, strict=True)]
-        self.shape = (c_in_group * groups, c_out // groups, *folded)
+        self.shape, self.dtype = (c_in_group * groups, c_out // groups, *folded), dtype
         self.memory_format = folded_layout(weight)
         self.total = c_out * c_in_group * math.prod(folded)
         probe = torch.empty(self.shape, device="meta").contiguous(memory_format=self.memory_format)
@@ -96,7 +97,7 @@ class FoldPlan:
                   *probe.stride()[:2], *_three(probe.stride()[2:], 0)))  # fmt: skip
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=weight.dtype, device=weight.device).contiguous(
+        out = torch.empty(self.shape, dtype=self.dtype, device=weight.device).contiguous(
             memory_format=self.memory_format)  # fmt: skip
         if self.total:
             self.launch(weight, out)
@@ -106,8 +107,10 @@ class FoldPlan:
 _PLANS = PlanCache()
 
 
-def fold_weight(weight: torch.Tensor, scale: Sequence[int], groups: int) -> torch.Tensor:
-    """The folded transposed-conv weight (module docstring) through the plan cached for this
-    signature; ``ContractError`` (one line) for a weight the kernel cannot take."""
-    plan = _PLANS.get(plan_key(weight, tuple(scale), groups), lambda: FoldPlan(weight, scale, groups))
+def fold_weight(weight: torch.Tensor, scale: Sequence[int], groups: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The folded transposed-conv weight (module docstring) in ``dtype`` (default the weight's),
+    through the plan cached for this signature; ``ContractError`` (one line) for a weight the kernel
+    cannot take."""
+    dtype = weight.dtype if dtype is None else dtype
+    plan = _PLANS.get(plan_key(weight, tuple(scale), groups, dtype), lambda: FoldPlan(weight, scale, groups, dtype))
     return plan(weight)

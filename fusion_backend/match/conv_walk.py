@@ -225,9 +225,9 @@ def _folded_weight(conv: Conv, scale: tuple[int, ...]) -> Deferred:
     where Inductor makes one kernel of it and autograd differentiates it (``ops/upsample_fold.py``)."""
     from ..ops.upsample_fold import upsampled_conv_weight
 
-    groups = conv.spec.groups
+    groups, dtype = conv.spec.groups, fake_of(conv.node).dtype  # in the conv's dtype: no cast after it
     return Deferred(lambda graph, inputs: graph.call_function(
-        upsampled_conv_weight, (materialize(graph, inputs[0]), scale, groups)), (conv.weight,))
+        upsampled_conv_weight, (materialize(graph, inputs[0]), scale, groups, dtype)), (conv.weight,))
 
 
 @dataclass
@@ -235,8 +235,9 @@ class ConvRegion:
     """A region the walk found: the conv, the chain before the centre (``pre``), the centre's
     canonical op and what its config needs (``facts``, ``Centre.facts``' answer), the chain after it
     (``post``; the whole chain of a walk with no centre), the pool that ends it and what the conv
-    applies to its input as it loads it (``prologue``: a gate or a group norm; its nodes come first).  ``pre`` and ``post`` share one
-    operand list: the fused op's tensor operands in order."""
+    applies to its input as it loads it (``prologue``: a gate, a group norm, or a folded upsample, whose
+    region's ``conv`` is then the transposed conv it folds into; its nodes come first).  ``pre`` and
+    ``post`` share one operand list: the fused op's tensor operands in order."""
 
     conv: Conv
     pre: ChainPart

@@ -26,7 +26,8 @@ pair, CUDA events; the SD VAE decoder's three upsampling convs).
 The folded weight costs one small pass over the weight per call (in the rewritten graph, where
 Inductor makes one kernel of :func:`upsampled_conv_weight`'s ops and autograd differentiates them;
 a graph that runs without Inductor launches ``kernels/upsample_fold.py``'s one kernel instead);
-it is summed in float32 and rounded once to the weight's dtype.  Eager rounds each tap of the
+it is summed in float32 and rounded once to the conv's dtype (autocast's half precision: the
+rewrite asks for it, so that no cast of the folded weight follows).  Eager rounds each tap of the
 autocast weight instead, so results differ from eager's by that rounding (within eager's own error
 against float64: ``tests/ops/test_upsample_fold.py``).
 """
@@ -67,10 +68,12 @@ def transposed_equivalent(spec: ConvSpec, kernel: Sequence[int], scale: Sequence
                     dilation=spec.dilation, output_padding=(0,) * spec.spatial_dims, groups=spec.groups)  # fmt: skip
 
 
-def upsampled_conv_weight(weight: Tensor, scale: Sequence[int], groups: int) -> Tensor:
+def upsampled_conv_weight(weight: Tensor, scale: Sequence[int], groups: int,
+                          dtype: Optional[torch.dtype] = None) -> Tensor:  # fmt: skip
     """The transposed conv's weight for a conv of ``weight`` ``(C_out, C_in/g, *k)`` after a
-    nearest upsample by ``scale``: ``(C_in, C_out/g, *(s + k - 1))`` in ``weight``'s dtype and memory
-    format (computed in at least float32, rounded once), by torch ops autograd differentiates."""
+    nearest upsample by ``scale``: ``(C_in, C_out/g, *(s + k - 1))`` in ``dtype`` (default the
+    weight's) and the weight's memory format (``folded_layout``), computed in at least float32 and
+    rounded once, by torch ops autograd differentiates."""
     dims = weight.dim() - 2
     spatial = list(range(2, 2 + dims))
     w = torch.flip(weight.to(torch.promote_types(weight.dtype, torch.float32)), spatial)
@@ -86,7 +89,7 @@ def upsampled_conv_weight(weight: Tensor, scale: Sequence[int], groups: int) -> 
     c_out, c_in_group = w.shape[:2]
     w = w.reshape(groups, c_out // groups, c_in_group, *w.shape[2:]).transpose(1, 2)
     w = w.reshape(groups * c_in_group, c_out // groups, *w.shape[3:])
-    return w.to(weight.dtype).contiguous(memory_format=folded_layout(weight))
+    return w.to(weight.dtype if dtype is None else dtype).contiguous(memory_format=folded_layout(weight))
 
 
 def folded_layout(weight: Tensor) -> torch.memory_format:
@@ -98,30 +101,32 @@ def folded_layout(weight: Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def upsampled_conv_weight_direct(weight: Tensor, scale: Sequence[int], groups: int) -> Tensor:
+def upsampled_conv_weight_direct(weight: Tensor, scale: Sequence[int], groups: int,
+                                 dtype: Optional[torch.dtype] = None) -> Tensor:  # fmt: skip
     """:func:`upsampled_conv_weight` as one kernel where one runs (``kernels/upsample_fold.py``: CUDA,
     or CPU under the interpreter; weights of at most 32 bits), else the torch ops themselves.  The
     same values to the rounding of fp32 sums taken in another order, and the same gradient: the
     backward differentiates :func:`upsampled_conv_weight`."""
-    if kernels_unavailable(torch.float32, weight.device.type) is not None or weight.dtype == torch.float64:
-        return upsampled_conv_weight(weight, scale, groups)
-    signature = (tensor_key(weight), tuple(scale), groups)
+    out_dtype = weight.dtype if dtype is None else dtype
+    if kernels_unavailable(torch.float32, weight.device.type) is not None or torch.float64 in (weight.dtype, out_dtype):
+        return upsampled_conv_weight(weight, scale, groups, dtype)
+    signature = (tensor_key(weight), tuple(scale), groups, out_dtype)
     if signature in _FAILED:
-        return upsampled_conv_weight(weight, scale, groups)
+        return upsampled_conv_weight(weight, scale, groups, dtype)
     try:
         if torch.is_grad_enabled() and weight.requires_grad:
-            return _FoldedWeight.apply(weight, tuple(scale), groups)
+            return _FoldedWeight.apply(weight, tuple(scale), groups, out_dtype)
         from ..kernels.upsample_fold import fold_weight
 
-        return fold_weight(weight, scale, groups)
+        return fold_weight(weight, scale, groups, out_dtype)
     except ContractError:  # a weight the kernel cannot take: the torch ops take it
-        return upsampled_conv_weight(weight, scale, groups)
+        return upsampled_conv_weight(weight, scale, groups, dtype)
     except Exception as error:  # noqa: BLE001 - a failed launch: the torch ops give the same values
         kernel_failed(f"the upsample fold's kernel failed for a weight {tuple(weight.shape)} {weight.dtype} on "
                       f"{weight.device}: {type(error).__name__}: {error}", error, False,
                       ("upsample_fold", weight.dtype, weight.device.type))  # fmt: skip
         _FAILED.add(signature)
-        return upsampled_conv_weight(weight, scale, groups)
+        return upsampled_conv_weight(weight, scale, groups, dtype)
 
 
 #: the weight signatures whose kernel launch failed: the torch ops serve them from then on
@@ -132,20 +137,21 @@ class _FoldedWeight(torch.autograd.Function):
     """The kernel forward, :func:`upsampled_conv_weight`'s own backward (through autograd)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: Tensor, scale: tuple[int, ...], groups: int) -> Tensor:
+    def forward(ctx: Any, weight: Tensor, scale: tuple[int, ...], groups: int, dtype: torch.dtype) -> Tensor:
         from ..kernels.upsample_fold import fold_weight
 
         ctx.save_for_backward(weight)
-        ctx.scale, ctx.groups = scale, groups
-        return fold_weight(weight, scale, groups)
+        ctx.scale, ctx.groups, ctx.dtype = scale, groups, dtype
+        return fold_weight(weight, scale, groups, dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None]:
         (weight,) = ctx.saved_tensors
         with torch.enable_grad():
             leaf = weight.detach().requires_grad_()
-            (grad_weight,) = torch.autograd.grad(upsampled_conv_weight(leaf, ctx.scale, ctx.groups), leaf, grad)
-        return grad_weight, None, None
+            folded = upsampled_conv_weight(leaf, ctx.scale, ctx.groups, ctx.dtype)
+            (grad_weight,) = torch.autograd.grad(folded, leaf, grad)
+        return grad_weight, None, None, None
 
 
 # a graph that runs directly launches one kernel for it (and its calls are marked cacheable:

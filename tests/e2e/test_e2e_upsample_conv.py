@@ -67,6 +67,18 @@ def test_an_upsample_then_conv_trains_as_one_transposed_conv(kernels, spelling, 
     assert spec.transposed and spec.stride == (2, 2) and spec.padding == (1, 1)  # the fold's transposed conv
 
 
+def test_a_contiguous_input_before_a_channels_last_weight_is_relaid_in_the_graph(tmp_path):
+    """Where eager's conv would copy its contiguous input into channels-last (its weight is), the
+    rewrite relays the upsample's source in the graph (``match.rewrite.in_conv_layout``), where
+    Inductor writes it from the producer's kernel."""
+    torch.manual_seed(46)
+    model = UpConv(tail=nn.ReLU()).to(DEVICE).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 6, 5, 7, device=DEVICE)
+    assert_fused(model, [x], expect={"conv_epilogue": 1}, options={"dump_dir": str(tmp_path)})
+    after = "\n".join(p.read_text() for p in tmp_path.glob("graph_*/after.py"))
+    assert "contiguous(memory_format = torch.channels_last)" in after, after
+
+
 def test_a_centred_family_takes_the_upsample_in_too(kernels):
     """A UNet's ``upsample -> conv -> group_norm -> silu``: ``conv_group_norm``'s region, its conv the
     folded transposed conv, trained."""

@@ -73,7 +73,7 @@ def test_the_direct_implementation_is_the_kernel_with_the_definition_s_gradient(
     from fusion_backend.kernels import upsample_fold as kernel
 
     launched = []
-    monkeypatch.setattr(kernel, "fold_weight", lambda *a: (launched.append(a), kernel.FoldPlan(*a)(a[0]))[1])
+    monkeypatch.setattr(kernel, "fold_weight", lambda *a: (launched.append(a), kernel.FoldPlan(*a)(a[0]))[1])  # (w, s, g, dtype)
     w = _weight((6, 2, 3, 3), torch.float32, "channels-last", 8).requires_grad_()
     grad = torch.randn(4, 3, 4, 4, device=DEVICE)
     got = upsampled_conv_weight_direct(w, (2, 2), 2)
@@ -110,3 +110,14 @@ def test_a_failed_launch_warns_once_and_the_torch_ops_serve_that_weight_from_the
     assert torch.equal(got, upsampled_conv_weight(w, (2, 2), 1))
     upsampled_conv_weight_direct(w, (2, 2), 1)
     assert len(calls) == 1  # not tried again for that weight
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=lambda d: str(d).replace("torch.", ""))
+def test_an_fp32_weight_folds_into_the_conv_s_half_precision_rounded_once(fold, dtype):
+    """Under autocast the rewrite asks for the conv's dtype: fp32 sums rounded once, as the torch
+    ops round them (no cast of the folded weight after it)."""
+    w = _weight((6, 4, 3, 3), torch.float32, "channels-last", 11)
+    got, want = fold(w, (2, 2), 1, dtype), upsampled_conv_weight(w, (2, 2), 1, dtype)
+    assert got.dtype == dtype and got.stride() == want.stride()
+    torch.testing.assert_close(got, want)  # (fp32 sums in another order may round to a neighbour)
+    torch.testing.assert_close(upsampled_conv_weight_direct(w, (2, 2), 1, dtype), want)

@@ -233,8 +233,8 @@ def test_the_input_norm_s_library_plan_is_within_eager_s_error_of_float64(case, 
                              norm_in_affine=0 if affine else None, act_in=act, compute_dtype=compute)  # fmt: skip
     assert ce.forward.input_norm_library_unsupported(x, w, ops, cfg, False) is None
     plan = ce.forward.InputNormLibraryForward(x, w, b, ops, cfg, False)
-    assert plan.conv_with_bias == (not chain)  # a region ending at the bias: eager's conv with it
     outputs = plan(x, w, b, ops)
+    assert plan.conv.conv_with_bias == (not chain)  # a region ending at the bias: eager's conv with it
     eager_outputs = ce.reference.forward(x, w, b, ops, cfg, False)
     assert [(t.shape, t.dtype) for t in outputs[1:]] == [(t.shape, t.dtype) for t in eager_outputs[1:]]
     got, eager = outputs[0], eager_outputs[0]

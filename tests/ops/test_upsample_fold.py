@@ -83,3 +83,31 @@ def test_the_folded_weight_keeps_the_weight_s_dtype_and_layout_and_rounds_once(d
 ], ids=["strided", "dilated", "padding beyond the kernel", "transposed", "scale 1"])
 def test_what_does_not_fold_says_why(spec, kernel, scale, why):
     assert why in upsample_fold_problem(spec, kernel, scale)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels-last"])
+def test_a_folded_region_that_ends_at_the_bias_runs_eager_s_conv_with_it(layout, triton_kernels):
+    """``conv_epilogue``'s library plan for ``upsample -> conv`` alone, saving nothing: one aten conv
+    with the bias (no epilogue pass over the output), eager's values and the op's fake layout; with a
+    chain, or saving for a backward, the plan is the usual conv then epilogue kernel."""
+    from fusion_backend.ops import conv_epilogue as ce
+    from fusion_backend.ops.chain import ChainStep, PointwiseKind
+    from fusion_backend.ops.config import ConvEpilogueConfig
+
+    fmt = torch.channels_last if layout == "channels-last" else torch.contiguous_format
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(2, 4, 5, 6, device=device).to(memory_format=fmt)
+    w, b = torch.randn(6, 4, 3, 3, device=device).to(memory_format=fmt), torch.randn(6, device=device)
+    spec = transposed_equivalent(ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 1), (3, 3), (2, 2))
+    folded = upsampled_conv_weight(w, (2, 2), 1)
+    cfg = ConvEpilogueConfig(conv=spec)
+    plan = ce.forward.LibraryForward(x, folded, b, [], cfg, False)
+    assert plan.conv_with_bias
+    out, *_ = plan(x, folded, b, [])
+    want = F.conv_transpose2d(x, folded, b, stride=2, padding=1)
+    assert torch.equal(out, want)
+    fake, *_ = ce.reference.forward(x, folded, b, [], cfg, False)
+    assert out.stride() == fake.stride()
+    relu = ConvEpilogueConfig(conv=spec, chain=(ChainStep(PointwiseKind.RELU),))
+    assert not ce.forward.LibraryForward(x, folded, b, [], relu, False).conv_with_bias
+    assert not ce.forward.LibraryForward(x, folded, b, [], cfg, True).conv_with_bias

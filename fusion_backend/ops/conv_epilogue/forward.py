@@ -29,7 +29,6 @@ from ..conv_io import (
     DECISIONS,
     channels_last_format,
     conv_output_shape,
-    dtype_named,
     empty_placeholder,
     output_memory_format,
     planned_relayout,
@@ -38,7 +37,7 @@ from ..conv_io import (
     run_conv,
 )
 from ..library_conv import channels_last_problem, nominal_format
-from .reference import OP, allocate_forward_outputs, cast_inputs, conv_compute_dtype, input_norm_affine
+from .reference import allocate_forward_outputs, cast_inputs, conv_compute_dtype, input_norm_affine
 from .reference import forward as reference_forward
 
 logger = logging.getLogger("fusion_backend")
@@ -392,9 +391,9 @@ class InputNormLibraryForward:
     """A region whose conv reads ``act(group_norm(x))`` (``cfg.norm_in``), for a call that saves nothing
     (``input_norm_library_unsupported``): the norm and its activation by ``kernels.group_norm`` in fp32,
     written once in the conv's dtype and x's layout (rounded once, as eager rounds autocast's fp32
-    norm for its conv), then the rest of the region on that tensor: eager's conv with its bias where the
-    region ends there (the VAE decoder's ``norm -> silu -> conv``), else as the library path runs it
-    (``LibraryForward``: aten's conv, then the epilogue kernel).
+    norm for its conv), then the rest of the region on that tensor as the library path runs it
+    (``LibraryForward``: eager's conv with its bias where the region ends there, the VAE decoder's
+    ``norm -> silu -> conv``; else aten's conv, then the epilogue kernel).
 
     WHY: the conv family's forward, which applies the norm as it loads, lost every such region of the
     SD VAE decoder to Inductor (0.21-0.55x on the H200, bf16 inference), and the plain-torch reference
@@ -409,17 +408,8 @@ class InputNormLibraryForward:
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
         self.cfg, self.dtype = cfg, conv_compute_dtype(cfg, x)
-        #: a region that ends at the conv's bias, in the conv's dtype: eager's conv with its bias (one
-        #: pass), where the library plan would write the conv output and add the bias in a second
-        self.conv_with_bias = not cfg.chain and cfg.pool is None and dtype_named(OP, cfg.out_dtype,
-                                                                                 self.dtype) == self.dtype
-        #: the output's shape and strides as the region's fake lays it out (what the conv with its bias
-        #: must match)
-        self.out_layout = None
-        if self.conv_with_bias:
-            out = _forward_layouts(x, weight, operands, cfg, save, self.dtype)[2][0]
-            self.out_layout = (tuple(out.shape), out.stride())
         #: the region without its input norm: what the library plan runs on the normalised tensor
+        #: (a region that ends at the conv's bias: eager's conv with it, ``LibraryForward.conv_with_bias``)
         self.conv_cfg = dataclasses.replace(cfg, norm_in=None, norm_in_affine=None, act_in=())
         #: the library plan, made on the first call (from the normalised tensor)
         self.conv: LibraryForward | None = None
@@ -435,15 +425,9 @@ class InputNormLibraryForward:
         normed = torch.empty_like(x, dtype=self.dtype)  # x's strides (dense: ``input_norm_library_unsupported``)
         group_norm_forward(x, False, chains.pre, chains.post, cfg.norm_in, cfg.norm_in_eps, chains.params,
                            chains.post_params, chains.affine, normed)  # fmt: skip
-        if self.conv_with_bias:
-            _, wc, bc = cast_inputs(normed, weight, bias, self.dtype)
-            out = run_conv(normed, wc, bc, cfg.conv)
-            if out.stride() != self.out_layout[1]:
-                out = torch.empty_strided(*self.out_layout, dtype=out.dtype, device=out.device).copy_(out)
-        else:
-            if self.conv is None:
-                self.conv = LibraryForward(normed, weight, bias, operands, self.conv_cfg, False)
-            out = self.conv(normed, weight, bias, operands)[0]
+        if self.conv is None:
+            self.conv = LibraryForward(normed, weight, bias, operands, self.conv_cfg, False)
+        out = self.conv(normed, weight, bias, operands)[0]
         return out, empty_placeholder(x), empty_placeholder(x)  # the op's x's placeholders: nothing saved
 
 
@@ -605,6 +589,11 @@ class LibraryForward:
         #: the epilogue kernel's launches by y0's strides (one, unless the conv surprises us)
         self.launches = {y0.stride(): self._plan_launch(y0)}
         self.params = PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
+        #: a region that ends at the conv's bias, in the conv's dtype, saving nothing (an upsample or
+        #: an input norm folded into the conv, with no chain after it): eager's conv with its bias, one
+        #: pass, where the epilogue kernel would read the conv output again to add the bias
+        self.conv_with_bias = (not save and not cfg.chain and cfg.pool is None and self.conv_format is None
+                               and outputs[0].dtype == self.dtype)  # fmt: skip
 
     def _plan_launch(self, y0: Tensor) -> Any:  # kernels.epilogue.ForwardLaunch
         """The epilogue kernel's launch for a conv output laid out like ``y0`` (real or meta)."""
@@ -625,6 +614,8 @@ class LibraryForward:
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        if self.conv_with_bias:
+            return self._conv_with_bias(x, weight, bias)
         y0 = self._conv_output(x, weight)
         launch = self.launches.get(y0.stride())
         if launch is None:  # a layout the plan did not expect (``ChannelsLastLibraryForward`` only)
@@ -643,6 +634,15 @@ class LibraryForward:
                 relayout(y0, saved_y0)
             launch(y0, params, bias, out)
         return out, saved_y0, saved_winner
+
+    def _conv_with_bias(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """The outputs of a region that ends at the bias: aten's conv with it, in the fake's layout."""
+        xc, wc, bc = cast_inputs(x, weight, bias, self.dtype)
+        out = run_conv(xc, wc, bc, self.spec)
+        (shape, stride, _), *placeholders = self.layouts
+        if out.stride() != stride:
+            out = torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
+        return out, *(torch.empty_strided(*layout[:2], dtype=layout[2], device=x.device) for layout in placeholders)
 
 
 class ChannelsLastLibraryForward(LibraryForward):
