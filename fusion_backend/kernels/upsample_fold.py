@@ -89,7 +89,7 @@ class FoldPlan:
         self.shape, self.dtype = (c_in_group * groups, c_out // groups, *folded), dtype
         self.memory_format = folded_layout(weight)
         self.total = c_out * c_in_group * math.prod(folded)
-        probe = torch.empty(self.shape, device="meta").contiguous(memory_format=self.memory_format)
+        probe = torch.empty(self.shape, device="meta", memory_format=self.memory_format)
         self.launch = FastLaunch(_fold_kernel, (cdiv(self.total, BLOCK),), dict(
             S1=_three(scale, 1)[0], S2=_three(scale, 1)[1], S3=_three(scale, 1)[2], BLOCK=BLOCK, num_warps=4,
         ), fixed=(self.total, c_out // groups, c_in_group, *_three(kernel, 1), *_three(folded, 1),
@@ -97,8 +97,7 @@ class FoldPlan:
                   *probe.stride()[:2], *_three(probe.stride()[2:], 0)))  # fmt: skip
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.dtype, device=weight.device).contiguous(
-            memory_format=self.memory_format)  # fmt: skip
+        out = torch.empty(self.shape, dtype=self.dtype, device=weight.device, memory_format=self.memory_format)
         if self.total:
             self.launch(weight, out)
         return out

@@ -182,39 +182,53 @@ class InputUpsample:
 InputPrologue = Union[InputGate, InputNorm, InputUpsample]
 
 
-def input_upsample(ctx: MatchContext, conv: Conv) -> Optional[InputUpsample]:
+def input_upsample(ctx: MatchContext, conv: Conv, family: str) -> Union[InputUpsample, NearMiss, None]:
     """The nearest upsample ``conv`` reads, where it folds into the conv (``ops/upsample_fold.py``):
     read by the conv alone, every spatial size multiplied by an integer power of two (a scale whose
     reciprocal is exact, so that the upsample's source index is ``o // s`` as the fold assumes), a
-    conv of stride and dilation 1 and padding below its kernel; else None.  The scale is the
-    ``scale_factor`` the call gave, or with a ``size`` the ratio of the sizes where they are numbers
-    (not symbols: dynamic shapes)."""
+    conv of stride and dilation 1 and padding below its kernel.  The scale is the ``scale_factor``
+    the call gave, or with a ``size`` the ratio of the sizes where they are numbers (not symbols:
+    dynamic shapes).  A nearest upsample that does not fold is ``family``'s ``NearMiss`` saying why
+    (its region then opens at the conv); no nearest upsample (or one without metadata, or claimed): None."""
     node = conv.input
     op = ctx.op(node) if isinstance(node, fx.Node) else None
-    if not isinstance(op, Upsample) or len(node.users) != 1 or not isinstance(op.input, fx.Node):
+    if not isinstance(op, Upsample) or not isinstance(op.input, fx.Node) or node in ctx.claimed:
         return None
     source, upsampled, weight = fake_of(op.input), fake_of(node), fake_of(conv.weight) if isinstance(
         conv.weight, fx.Node) else None  # fmt: skip
     dims = conv.spec.spatial_dims
-    if not all(isinstance(t, torch.Tensor) for t in (source, upsampled)) or source.dim() != dims + 2 \
+    if not all(isinstance(t, torch.Tensor) for t in (source, upsampled, weight)) or source.dim() != dims + 2 \
             or upsampled.dim() != dims + 2:
         return None
+
+    def miss(reason: ReasonKind, why: str) -> NearMiss:
+        return ctx.near_miss(family, conv.node, node, reason, f"the nearest upsample `{node.name}` is not "
+                             f"folded into the conv: {why}")  # fmt: skip
+
+    if len(node.users) != 1:
+        return miss(ReasonKind.SHARED_INTERMEDIATE, "its result is read outside the conv too")
     given = op.scale_factor
     if given is not None:  # the scale the call gave (sizes may be symbolic: dynamic shapes)
         given = given if isinstance(given, tuple) else (given,) * dims
         if len(given) != dims or any(float(g) != int(g) or int(g) < 1 for g in given):
-            return None
+            return miss(ReasonKind.UNSUPPORTED_ARGUMENT, f"scale_factor {op.scale_factor} is not a whole number per dim")
         scale = tuple(int(g) for g in given)
     else:  # a size: the scale from the sizes, where they are numbers
         sizes = list(zip(source.shape[2:], upsampled.shape[2:], strict=True))
-        if not all(isinstance(a, int) and isinstance(b, int) and a > 0 and b % a == 0 for a, b in sizes):
-            return None
+        if not all(isinstance(a, int) and isinstance(b, int) for a, b in sizes):
+            return miss(ReasonKind.UNSUPPORTED_ARGUMENT, "its size is not known when compiling (dynamic shapes: a "
+                        "scale_factor folds)")  # fmt: skip
+        if not all(a > 0 and b % a == 0 for a, b in sizes):
+            return miss(ReasonKind.UNSUPPORTED_ARGUMENT, f"its sizes {tuple(b for _, b in sizes)} are not whole "
+                        f"multiples of {tuple(a for a, _ in sizes)}")  # fmt: skip
         scale = tuple(b // a for a, b in sizes)
     if any(s & (s - 1) for s in scale):
-        return None
-    kernel = tuple(int(k) for k in weight.shape[2:]) if isinstance(weight, torch.Tensor) else None
-    if kernel is None or upsample_fold_problem(conv.spec, kernel, scale) is not None:
-        return None
+        return miss(ReasonKind.UNSUPPORTED_ARGUMENT, f"scale {scale} is not a power of two (the fold reads source "
+                    "index o // s, which is nearest's where 1/s is exact)")  # fmt: skip
+    kernel = tuple(int(k) for k in weight.shape[2:])
+    why = upsample_fold_problem(conv.spec, kernel, scale)
+    if why is not None:
+        return miss(ReasonKind.UNSUPPORTED_ARGUMENT, why)
     folded = Conv(conv.node, op.input, _folded_weight(conv, scale), conv.bias,
                   transposed_equivalent(conv.spec, kernel, scale))  # fmt: skip
     return InputUpsample(node, op.input, scale, conv, folded)
@@ -390,12 +404,16 @@ class ConvWalkPattern(ConvAnchoredPattern):
         raise NotImplementedError(f"{type(self).__name__} folds {self.folds} but does not define fold()")
 
     def match_conv(self, ctx: MatchContext, conv: Conv) -> Optional[Union[Candidate, NearMiss]]:
-        upsample = input_upsample(ctx, conv)
-        if upsample is not None and upsample.node in ctx.claimed:
-            upsample = None
+        upsample = input_upsample(ctx, conv, self.name)
+        unfolded = upsample if isinstance(upsample, NearMiss) else None
+        upsample = upsample if isinstance(upsample, InputUpsample) else None
         if self.centre is None:
-            return self._walk_chain(ctx, conv, upsample)
-        return self._walk_to_centre(ctx, conv, self.centre, upsample)
+            found = self._walk_chain(ctx, conv, upsample)
+        else:
+            found = self._walk_to_centre(ctx, conv, self.centre, upsample)
+        if unfolded is not None and isinstance(found, Candidate):  # the region opens at the conv: say why
+            found.notes.append(unfolded)
+        return found
 
     def _miss(self, ctx: MatchContext, conv: Conv) -> Callable[[fx.Node, ReasonKind, str], NearMiss]:
         return lambda at, reason, message: ctx.near_miss(self.name, conv.node, at, reason, message)

@@ -133,9 +133,20 @@ class Unfoldable(nn.Module):
         return y + up.mean() if self.case == "the upsample read twice" else y
 
 
-@pytest.mark.parametrize("case", ["bilinear", "scale 3", "a strided conv", "the upsample read twice"])
-def test_what_does_not_fold_is_left_as_it_was(case):
-    """A bilinear upsample, a scale whose reciprocal is inexact, a strided conv, an upsample something
-    else reads: no region takes the upsample (the conv alone, with nothing after it, is none)."""
-    summaries = _summaries(Unfoldable(case), torch.randn(2, 4, 5, 5))
-    assert not any("upsample" in s for s in summaries), summaries
+@pytest.mark.parametrize(("case", "why"), [
+    ("bilinear", None),
+    ("scale 3", "scale (3, 3) is not a power of two"),
+    ("a strided conv", "the conv after the upsample has stride (2, 2)"),
+    ("the upsample read twice", "its result is read outside the conv too"),
+])
+def test_what_does_not_fold_is_left_as_it_was_and_a_nearest_upsample_says_why(case, why):
+    """A bilinear upsample (no nearest one: nothing to say), a scale whose reciprocal is inexact, a
+    strided conv, an upsample something else reads: no region takes the upsample; the region that
+    opens at the conv (with a relu after it) carries the near miss."""
+    model = Unfoldable(case)
+    model.conv = nn.Sequential(model.conv, nn.ReLU())
+    found = dry_run(model, [torch.randn(2, 4, 5, 5)], patterns=["conv_epilogue"])
+    assert not any("upsample" in summary for _, summary, _ in found.regions), found.regions
+    said = [m.message for m in found.near_misses if "upsample" in m.message]
+    assert len(said) == (0 if why is None else 1), said
+    assert why is None or (said[0].startswith("the nearest upsample `up` is not folded into the conv: ") and why in said[0])
