@@ -118,6 +118,10 @@ def test_dynamic_shapes_fold_an_upsample_that_gives_its_scale():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
     found = dry_run(model, [torch.randn(2, 6, 5, 7, device=DEVICE)], patterns=["conv_epilogue"], dynamic=True)
     assert [summary for _, summary, _ in found.regions] == ["upsample(2) -> conv2d"]
+    sized = UpConv(spelling="size", tail=nn.ReLU()).to(DEVICE)  # a size of symbols: no scale to fold
+    found = dry_run(sized, [torch.randn(2, 6, 5, 7, device=DEVICE)], patterns=["conv_epilogue"], dynamic=True)
+    assert [summary for _, summary, _ in found.regions] == ["conv2d -> relu"]
+    assert any("its size is not known when compiling" in m.message for m in found.near_misses), found.near_misses
 
 
 class Unfoldable(nn.Module):

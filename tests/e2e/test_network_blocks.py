@@ -100,6 +100,21 @@ class UNetResBlock(nn.Module):
         return x + self.conv2(F.silu(self.norm2(h)))
 
 
+class DecoderUpBlock(nn.Module):
+    """The SD VAE decoder's up block, small: a residual block (GroupNorm, SiLU, conv, twice, plus its
+    input), then ``Upsample2D``'s nearest upsample and conv, and the next block's GroupNorm, SiLU, conv."""
+
+    def __init__(self, channels: int = 16) -> None:
+        super().__init__()
+        self.res = UNetResBlock(channels)
+        self.upsample_conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm, self.conv = nn.GroupNorm(4, channels), nn.Conv2d(channels, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.upsample_conv(F.interpolate(self.res(x, t), scale_factor=2.0, mode="nearest"))
+        return self.conv(F.silu(self.norm(h)))
+
+
 class FeatureExtractor(nn.Module):
     """wav2vec2's first layers: a strided conv1d, GroupNorm with a group per channel, GELU, a second conv."""
 
@@ -159,6 +174,7 @@ BLOCKS = {
     "regnety block": (RegNetYBlock, [(2, 32, 12, 12)], {"conv_epilogue": 6}, {"conv_batch_norm": 4, "conv_epilogue": 2}),
     "convnext block": (ConvNeXtBlock, [(2, 32, 10, 10)], {}, {}),
     "unet residual block": (UNetResBlock, [(2, 32, 8, 8), (2, 16)], {}, {}),
+    "vae decoder up block": (DecoderUpBlock, [(2, 16, 5, 6), (2, 16)], {"conv_group_norm": 1}, {"conv_group_norm": 1}),
     "wav2vec2 feature extractor": (FeatureExtractor, [(2, 1, 400)], {"conv_group_norm": 1, "conv_epilogue": 1},
                                    {"conv_group_norm": 1, "conv_epilogue": 1}),
     "dcgan decoder": (Decoder, [(2, 16, 4, 4)], {"conv_epilogue": 2}, {"conv_batch_norm": 1, "conv_epilogue": 1}),
@@ -189,7 +205,7 @@ def test_a_block_of_a_network_runs_fused_as_eager_does(kernels, name, train, cha
     assert_fused(model.train(train), inputs, expect=BLOCKS[name][3 if train else 2], train=train)
 
 
-@pytest.mark.parametrize("name", ["mobilenetv3 inverted residual", "regnety block", "dcgan decoder"])
+@pytest.mark.parametrize("name", ["mobilenetv3 inverted residual", "regnety block", "dcgan decoder", "vae decoder up block"])
 def test_a_block_under_bf16_autocast_trains_as_eager_does(kernels, name):
     """Autocast's bf16 convs and fp32 norms, fused as eager runs them: against float64 with eager's own
     error as the yardstick."""
