@@ -65,6 +65,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -866,9 +867,20 @@ def group_norm_forward(
     parts = (y, has_bias, step_codes(pre), step_codes(post), groups,
            float(eps), params, post_params, affine, out,
            stats, chunk)  # fmt: skip
-    launch = _FORWARD_LAUNCHES.plan(parts, lambda: _ForwardLaunch(y, has_bias, pre, post, groups, eps, params,
-                                                               post_params, affine, out, stats, chunk))  # fmt: skip
+    launch = _FORWARD_LAUNCHES.plan(parts, lambda: group_norm_launch(y, has_bias, pre, post, groups, eps, params,
+                                                                  post_params, affine, out, stats, chunk))  # fmt: skip
     launch(y, params, post_params, affine, out, stats, float(eps))
+
+
+def group_norm_launch(
+    y: torch.Tensor, has_bias: bool, pre: Sequence[KernelStep], post: Sequence[KernelStep], groups: int, eps: float,
+    params: torch.Tensor, post_params: torch.Tensor, affine: torch.Tensor, out: torch.Tensor,
+    stats: torch.Tensor | None = None, chunk: int | None = None,
+) -> Any:
+    """``group_norm_forward``'s launch for its arguments' signature, checked and worked out, for a
+    caller that keeps it (a fused op's call plan): ``launch(y, params, post_params, affine, out, stats,
+    eps)`` runs it on any tensors of that signature."""
+    return _ForwardLaunch(y, has_bias, pre, post, groups, eps, params, post_params, affine, out, stats, chunk)
 
 
 class _ForwardLaunch:

@@ -76,6 +76,8 @@ def kernel_steps(chain: Sequence[ChainStep], operands: Sequence[Tensor], y_ndim:
 def affine_rows(operands: Sequence[Tensor], weight: int | None, bias: int | None, count: int, device) -> Tensor:
     """A norm's scale and shift as the kernels read them: fp32 ``(2, count)`` contiguous, row 0
     ``operands[weight]`` (ones without one), row 1 ``operands[bias]`` (zeros without one)."""
+    if weight is not None and bias is not None:  # one launch (a stack), where filling rows takes two
+        return torch.stack((operands[weight].reshape(-1), operands[bias].reshape(-1))).to(device, torch.float32)
     rows = torch.empty((2, count), dtype=torch.float32, device=device)
     for row, index, fill in ((0, weight, 1.0), (1, bias, 0.0)):
         if index is None:

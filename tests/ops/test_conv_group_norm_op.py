@@ -193,6 +193,30 @@ def test_saved_state_is_the_conv_output_and_the_group_statistics(kernels, kernel
     assert saved_y.numel() == winner.numel() == stats.numel() == 0
 
 
+def test_a_signature_s_later_calls_run_its_kept_plan_with_their_own_values(kernels, kernel_device,
+                                                                          fresh_plans) -> None:  # fmt: skip
+    """The Triton path keeps a plan per call signature (``triton_path.ForwardPlan``): a later call of
+    the signature with other values (x, the conv's weight and bias, gamma, beta, the chains' tensors)
+    runs it and gives, bitwise, what a first call on those values gives; saving or not is another
+    signature."""
+    from fusion_backend.ops.conv_group_norm import triton_path
+    from fusion_backend.testing import forget_call_plans
+
+    dev = kernel_device if kernels != "reference" else "cpu"
+    cfg = ConvGroupNormConfig(CONV2D, 2, 1e-5, 0, 1, PRE, POST)
+    config = cfg.to_json()
+    first = [t.to(dev) for t in make(CONV2D, 3, 6, (5, 6), 21, operands(6, 21))]
+    later = [t.to(dev) for t in make(CONV2D, 3, 6, (5, 6), 22, operands(6, 22))]
+    for save in (True, False):
+        conv_group_norm_fwd(*first[:3], first[3:], config, save)
+        assert (triton_path.settled(config, save, *first[:3], first[3:]) is not None) == (kernels != "reference")
+        got = conv_group_norm_fwd(*later[:3], later[3:], config, save)
+        forget_call_plans()
+        want = conv_group_norm_fwd(*later[:3], later[3:], config, save)
+        for a, e in zip(got, want, strict=True):
+            assert a.shape == e.shape and a.stride() == e.stride() and torch.equal(a, e)
+
+
 # ------------------------------------------------------------------------------------------------
 # Parity against float64
 # ------------------------------------------------------------------------------------------------
@@ -345,10 +369,11 @@ def test_bad_inputs_get_one_line_errors() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_a_kernel_failure_falls_back_to_the_reference_or_raises_under_strict(kernel_device, failing_kernels) -> None:
+def test_a_kernel_failure_falls_back_to_the_reference_or_raises_under_strict(kernel_device, failing_kernels,
+                                                                             fresh_plans) -> None:  # fmt: skip
     from fusion_backend.kernels import group_norm as kernels_module
 
-    failing_kernels(kernels_module, "group_norm_forward", "group_norm_backward")
+    failing_kernels(kernels_module, "group_norm_forward", "group_norm_launch", "group_norm_backward")
     x, w, b, *ops = [t.to(kernel_device) for t in make(CONV2D, 3, 4, (5, 6), 4, operands(4, 4))]
     cfg = ConvGroupNormConfig(CONV2D, 2, 1e-5, 0, 1, (), (ChainStep(K.SILU),))
     x.requires_grad_()
