@@ -35,6 +35,10 @@
 #            bf16 training step under CUDA graphs with every batch_norm_conv region fused, into $out/bnconv; the log's
 #            impl-choice lines time each pass's family and library implementations (BNCONV_SUITE names other
 #            model files, comma-separated)
+#   vae      the SD VAE decoder's paths: the GPU tests of the upsample fold, the GroupNorm family and the input-norm
+#            prologue (VAE_TESTS=0 skips them), then the decoder in bf16 inference with every region measured, under
+#            CUDA graphs and in the default mode, into $out/vae-ro and $out/vae-default, each region's verdict printed
+#            (diffusers from the wheels under .whl/, carried to the device: device/README.md)
 #   firstcall tools/first_call.py, cold and warm, on Conv2d 64->64 (infer, train), Conv3d (infer), ConvT3d (train)
 #            (FIRSTCALL_ARGS adds options, e.g. "--warm-runs 1 --profile 25": where each first call's time goes)
 set -uo pipefail
@@ -182,6 +186,27 @@ if has bnconv; then
   grep -E "impl choice batch_norm_conv" "$out/bnconv.log" \
     | sed -E 's/.*[|](forward|input_grad|weight_grad)[|].*x (\([0-9, ]+\)).*w (\([0-9, ]+\)).*: (library|family) (.*)/\1 x\2 w\3 -> \4 \5/' | sort -u
   tail -4 "$out/bnconv.log"
+fi
+if has vae; then
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      >>"$out/install.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  if [[ ${VAE_TESTS:-1} == 1 ]]; then
+    timeout -k 10 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_upsample_fold_kernel.py \
+      tests/ops/test_upsample_fold.py tests/e2e/test_e2e_upsample_conv.py tests/ops/test_conv_group_norm_op.py \
+      tests/ops/test_conv_epilogue_input_norm.py tests/kernels/test_group_norm_kernel.py tests/e2e/test_e2e_conv_group_norm.py \
+      >"$out/vae_tests.log" 2>&1 || rc=1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$out/vae_tests.log" | tail -12
+  fi
+  for mode in ro default; do
+    extra=(); [[ $mode == ro ]] && extra=(--compile-mode reduce-overhead)
+    timeout -k 10 240 python3 -m fusion_backend bench --log --suite demos/realnets/sd_vae_decoder.py --dtype bf16 \
+      --mode infer --backends inductor,fusion-decide-all --no-memory --no-cold --no-chart "${extra[@]}" \
+      --out "$out/vae-$mode" >"$out/vae-$mode.log" 2>&1
+    echo "== vae $mode"; grep -E "^[|] sd_vae" "$out/vae-$mode/bench.md" | head -1
+    grep -h "fusion-decide-all" "$out/vae-$mode/bench.md" | grep -v cached | sed 's/.*fusion-decide-all[^:]*: //' | cut -c1-200
+  done
 fi
 if has firstcall; then
   for spec in "demos/convnets/conv2d_64_k3_relu.py infer" "demos/convnets/conv2d_64_k3_relu.py train" \
