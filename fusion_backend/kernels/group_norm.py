@@ -1044,10 +1044,24 @@ def group_norm_backward(
            step_codes(post), groups, params, post_params, affine,
            grad_y, tuple(map(bool, pre_grad_slots)), tuple(map(bool, post_grad_slots)),
            tuple(map(bool, affine_grads)), chunk, pool, winner)  # fmt: skip
-    launch = _BACKWARD_LAUNCHES.plan(parts, lambda: _BackwardLaunch(
+    launch = _BACKWARD_LAUNCHES.plan(parts, lambda: group_norm_backward_launch(
         grad_out, y, stats, has_bias, pre, post, groups, params, post_params, affine, grad_y, pre_grad_slots,
         post_grad_slots, affine_grads, chunk, pool, winner))  # fmt: skip
     return launch(grad_out, y, stats, params, post_params, affine, grad_y, winner)
+
+
+def group_norm_backward_launch(
+    grad_out: torch.Tensor, y: torch.Tensor, stats: torch.Tensor, has_bias: bool, pre: Sequence[KernelStep],
+    post: Sequence[KernelStep], groups: int, params: torch.Tensor, post_params: torch.Tensor, affine: torch.Tensor,
+    grad_y: torch.Tensor, pre_grad_slots: Sequence[bool] = (), post_grad_slots: Sequence[bool] = (),
+    affine_grads: tuple[bool, bool] = (False, False), chunk: int | None = None, pool: PoolSpec | None = None,
+    winner: torch.Tensor | None = None,
+) -> Any:
+    """``group_norm_backward``'s launch for its arguments' signature, checked and worked out, for a
+    caller that keeps it (a fused op's call plan): ``launch(grad_out, y, stats, params, post_params,
+    affine, grad_y, winner)`` runs it on any tensors of that signature and returns the sums."""
+    return _BackwardLaunch(grad_out, y, stats, has_bias, pre, post, groups, params, post_params, affine, grad_y,
+                           pre_grad_slots, post_grad_slots, affine_grads, chunk, pool, winner)  # fmt: skip
 
 
 class _BackwardLaunch:

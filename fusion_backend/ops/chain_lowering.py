@@ -123,6 +123,36 @@ def norm_chains(cfg: Any, bias: Tensor | None, operands: Sequence[Tensor], ndim:
     return KernelChains(cfg.pre, cfg.post, bias, operands, ndim, channels, device, affine=affine)
 
 
+class PlannedChains:
+    """``norm_chains``' work done once per call signature: the chains' op codes (``pre``, ``post``:
+    steps without operand values, all a launcher's plan reads of them), the operand matrices' plans and
+    the places of their tensors among ``operands``, the norm's affine operands; ``bind(bias, operands)``
+    gives a call's ``(params, post_params, affine)`` (``KernelChains``' tensors, built from the call's
+    values).  It holds no tensor of a call."""
+
+    def __init__(self, cfg: Any, bias: Tensor | None, operands: Sequence[Tensor], ndim: int, channels: int,
+                 device: torch.device, count: int | None = None) -> None:  # fmt: skip
+        from ..kernels.epilogue import OperandMatrix  # lazily: TRITON_INTERPRET is read at import
+
+        pre, post = kernel_steps(cfg.pre, operands, ndim, channels), kernel_steps(cfg.post, operands, ndim, channels)
+        self.pre, self.post = [(code, ()) for code, _ in pre], [(code, ()) for code, _ in post]
+        self.pre_matrix = OperandMatrix(pre, bias, channels, device)
+        self.post_matrix = OperandMatrix(post, None, channels, device)
+        self.pre_sources, self.post_sources = _tensor_sources(cfg.pre), _tensor_sources(cfg.post)
+        self.has_bias, self.device = bias is not None, device
+        self.affine = (cfg.weight, cfg.bias, channels if count is None else count)
+
+    def bind(self, bias: Tensor | None, operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        params = self.pre_matrix.build([*([bias] if self.has_bias else []), *(operands[i] for i in self.pre_sources)])
+        post_params = self.post_matrix.build([operands[i] for i in self.post_sources])
+        return params, post_params, affine_rows(operands, *self.affine, self.device)
+
+
+def _tensor_sources(chain: Sequence[ChainStep]) -> tuple[int, ...]:
+    """The indices into ``operands`` of a chain's tensor operands, in its operand matrix's row order."""
+    return tuple(op.index for step in chain for op in step.operands if isinstance(op, TensorRef))
+
+
 def norm_operand_grads(operands: Sequence[Tensor], operand_mask: Sequence[bool], cfg: Any,
                        chain_sums: Sequence[tuple[Sequence[ChainStep], Sequence[Tensor | None]]],
                        affine_sums: Sequence[Tensor | None]) -> list[Tensor | None]:  # fmt: skip

@@ -193,26 +193,40 @@ def test_saved_state_is_the_conv_output_and_the_group_statistics(kernels, kernel
     assert saved_y.numel() == winner.numel() == stats.numel() == 0
 
 
-def test_a_signature_s_later_calls_run_its_kept_plan_with_their_own_values(kernels, kernel_device,
-                                                                          fresh_plans) -> None:  # fmt: skip
-    """The Triton path keeps a plan per call signature (``triton_path.ForwardPlan``): a later call of
-    the signature with other values (x, the conv's weight and bias, gamma, beta, the chains' tensors)
-    runs it and gives, bitwise, what a first call on those values gives; saving or not is another
-    signature."""
+@pytest.mark.parametrize("pool", [None, PoolSpec("max", (2, 2), (2, 2), (0, 0), False)], ids=["no pool", "max pool"])
+def test_a_signature_s_later_calls_run_its_kept_plans_with_their_own_values(kernels, kernel_device, fresh_plans,
+                                                                           pool) -> None:  # fmt: skip
+    """The Triton path keeps its plans per call signature (``triton_path.ForwardPlan`` without a pool,
+    ``BackwardPlan``): a later call of the signature with other values (x, the conv's weight and bias,
+    gamma, beta, the chains' tensors, the output gradient) runs them and gives, bitwise, what a first
+    call on those values gives; saving or not, and which gradients, are other signatures."""
     from fusion_backend.ops.conv_group_norm import triton_path
     from fusion_backend.testing import forget_call_plans
 
     dev = kernel_device if kernels != "reference" else "cpu"
-    cfg = ConvGroupNormConfig(CONV2D, 2, 1e-5, 0, 1, PRE, POST)
+    cfg = ConvGroupNormConfig(CONV2D, 2, 1e-5, 0, 1, PRE, POST, pool=pool)
     config = cfg.to_json()
     first = [t.to(dev) for t in make(CONV2D, 3, 6, (5, 6), 21, operands(6, 21))]
     later = [t.to(dev) for t in make(CONV2D, 3, 6, (5, 6), 22, operands(6, 22))]
-    for save in (True, False):
-        conv_group_norm_fwd(*first[:3], first[3:], config, save)
-        assert (triton_path.settled(config, save, *first[:3], first[3:]) is not None) == (kernels != "reference")
-        got = conv_group_norm_fwd(*later[:3], later[3:], config, save)
+    triton = kernels != "reference"
+
+    def both_directions(tensors, save, mask, seed):
+        outputs = conv_group_norm_fwd(*tensors[:3], tensors[3:], config, save)
+        if not save:
+            return list(outputs)
+        grad = torch.randn(outputs[0].shape, generator=torch.Generator().manual_seed(seed)).to(dev)
+        return [*outputs, *conv_group_norm_bwd(grad, *tensors[:3], tensors[3:], *outputs[1:], config, mask)]
+
+    for save, mask in ((True, [True] * 7), (True, [True, False, False, True, False, True, False]), (False, None)):
+        first_outputs = both_directions(first, save, mask, 1)
+        assert (triton_path.settled(config, save, *first[:3], first[3:]) is not None) == (triton and pool is None)
+        if save:
+            kept = triton_path.settled_backward(config, torch.empty_like(first_outputs[0]), *first[:3], first[3:],
+                                                *first_outputs[1:4], mask)  # fmt: skip
+            assert (kept is not None) == triton
+        got = both_directions(later, save, mask, 2)
         forget_call_plans()
-        want = conv_group_norm_fwd(*later[:3], later[3:], config, save)
+        want = both_directions(later, save, mask, 2)
         for a, e in zip(got, want, strict=True):
             assert a.shape == e.shape and a.stride() == e.stride() and torch.equal(a, e)
 

@@ -27,7 +27,8 @@ from .config import OP, ConvGroupNormConfig
 
 CONV_GROUP_NORM = declare(family_declaration(
     OP, ConvGroupNormConfig, ("saved_y", "saved_winner", "saved_stats"), config, reference, triton_path,
-    kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool), settled_forward=triton_path.settled))
+    kernel_problem=lambda cfg: pool_unroll_problem(cfg.pool), settled_forward=triton_path.settled,
+    settled_backward=triton_path.settled_backward))
 conv_group_norm_fwd, conv_group_norm_bwd, kernel_path = CONV_GROUP_NORM.fwd, CONV_GROUP_NORM.bwd, CONV_GROUP_NORM.kernel_path
 
 

@@ -25,8 +25,8 @@ from torch import Tensor
 
 from ... import environment
 from ...kernels.plan_cache import PlanCache, tensor_key
-from ..chain import TensorRef
-from ..chain_lowering import affine_rows, kernel_steps, norm_chains, norm_operand_grads, wanted_slots
+from ..chain_lowering import PlannedChains, norm_chains, norm_operand_grads, wanted_slots
+from ..conv_io import conv_channels
 from ..library_conv import conv_backward_plan
 from .config import ConvGroupNormConfig, conv_outputs
 
@@ -49,11 +49,10 @@ def settled(config: str, save: bool, x: Tensor, weight: Tensor, bias: Tensor | N
 
 
 class ForwardPlan:
-    """The forward without a pool for one call signature: the chains' op codes and operand matrices'
-    plans, their operands' places among ``operands``, and the norm kernels' launch (per conv output
-    layout) worked out once; a call convolves, allocates the outputs (``conv_outputs``), builds what
-    holds values of the call (the bias and the chains' tensors as the operand matrices, the affine
-    rows) and launches.  It holds no tensor of a call.
+    """The forward without a pool for one call signature: the chains lowered (``PlannedChains``) and the
+    norm kernels' launch (per conv output layout) worked out once; a call convolves, allocates the
+    outputs (``conv_outputs``), builds what holds the call's values (the bias and the chains' tensors as
+    the operand matrices, the affine rows) and launches.  It holds no tensor of a call.
 
     WHY: most of a call's Python was the checks, the chains' lowering and the launch lookup, the same
     for every call of a signature, and in the default mode a small region's step waits on it.  NOTE:
@@ -63,41 +62,26 @@ class ForwardPlan:
 
     def __init__(self, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  cfg: ConvGroupNormConfig, save: bool) -> None:  # fmt: skip
-        from ...kernels.epilogue import OperandMatrix
-
         self.cfg, self.save = cfg, save
-        channels = weight.shape[1] * cfg.conv.groups if cfg.conv.transposed else weight.shape[0]
-        dims = x.dim()
-        pre, post = kernel_steps(cfg.pre, operands, dims, channels), kernel_steps(cfg.post, operands, dims, channels)
-        self.pre = [(code, ()) for code, _ in pre]  # the codes alone: no tensor of a call is kept
-        self.post = [(code, ()) for code, _ in post]
-        self.pre_matrix = OperandMatrix(pre, bias, channels, x.device)
-        self.post_matrix = OperandMatrix(post, None, channels, x.device)
-        self.pre_sources, self.post_sources = _sources(cfg.pre), _sources(cfg.post)
-        self.channels, self.has_bias = channels, bias is not None
+        self.chains = PlannedChains(cfg, bias, operands, x.dim(), conv_channels(weight, cfg.conv), x.device)
         self.launches: dict[tuple[int, ...], Any] = {}
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
         from ...kernels.group_norm import group_norm_launch
 
-        cfg = self.cfg
+        cfg, chains, stats_out = self.cfg, self.chains, None
         y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, self.save)
-        params = self.pre_matrix.build([*([bias] if self.has_bias else []), *(operands[i] for i in self.pre_sources)])
-        post_params = self.post_matrix.build([operands[i] for i in self.post_sources])
-        affine = affine_rows(operands, cfg.weight, cfg.bias, self.channels, y0.device)
+        params, post_params, affine = chains.bind(bias, operands)
+        if self.save:
+            stats_out = stats
         launch = self.launches.get(y0.stride())
         if launch is None:
             launch = self.launches[y0.stride()] = group_norm_launch(
-                y0, self.has_bias, self.pre, self.post, cfg.groups, cfg.eps, params, post_params, affine, out,
-                stats if self.save else None)  # fmt: skip
-        launch(y0, params, post_params, affine, out, stats if self.save else None, float(cfg.eps))
+                y0, chains.has_bias, chains.pre, chains.post, cfg.groups, cfg.eps, params, post_params, affine, out,
+                stats_out)  # fmt: skip
+        launch(y0, params, post_params, affine, out, stats_out, float(cfg.eps))
         return out, saved_y, winner, stats
-
-
-def _sources(chain: Sequence[Any]) -> tuple[int, ...]:
-    """The indices into ``operands`` of a chain's tensor operands, in the operand matrix's row order."""
-    return tuple(op.index for step in chain for op in step.operands if isinstance(op, TensorRef))
 
 
 def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor], cfg: ConvGroupNormConfig,
@@ -127,24 +111,69 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     return out, saved_y, winner, stats
 
 
+class BackwardPlan:
+    """The backward for one call signature (``ForwardPlan``'s counterpart, a pool included): the chains
+    lowered, the wanted sums and the norm kernels' launch (per conv-output gradient layout) worked out
+    once; a call builds the operand matrices and the affine rows from its values, launches, runs the
+    conv's backward and gathers the operands' gradients.  It holds no tensor of a call.  NOTE: the
+    backward op's implementation on CPU tensors with the conv's backward and the kernel launches stubbed
+    (this repository's CPU machine, another process loading it): 347 us per call without the plan,
+    130 with it."""
+
+    def __init__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                 saved_y: Tensor, cfg: ConvGroupNormConfig, mask: Sequence[bool]) -> None:  # fmt: skip
+        self.cfg, self.mask, self.operand_mask = cfg, tuple(mask), list(mask[3:])
+        self.chains = PlannedChains(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device)
+        self.slots = (wanted_slots(cfg.pre, self.operand_mask), wanted_slots(cfg.post, self.operand_mask),
+                      tuple(i is not None and bool(self.operand_mask[i]) for i in (cfg.weight, cfg.bias)))  # fmt: skip
+        self.launches: dict[tuple[int, ...], Any] = {}
+
+    def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                 saved_y: Tensor, saved_winner: Tensor, saved_stats: Tensor) -> list[Tensor | None]:  # fmt: skip
+        from ...kernels.group_norm import group_norm_backward_launch
+
+        cfg, mask, chains = self.cfg, self.mask, self.chains
+        conv_backward = conv_backward_plan(x, weight, cfg.conv, saved_y)
+        grad_y = conv_backward.new_grad_y(x.device)
+        params, post_params, affine = chains.bind(bias, operands)
+        winner = saved_winner if saved_winner.numel() else None
+        launch = self.launches.get(grad_y.stride())
+        if launch is None:
+            launch = self.launches[grad_y.stride()] = group_norm_backward_launch(
+                grad_out, saved_y, saved_stats, chains.has_bias, chains.pre, chains.post, cfg.groups, params,
+                post_params, affine, grad_y, *self.slots, pool=cfg.pool, winner=winner)  # fmt: skip
+        pre_sums, post_sums, affine_sums = launch(grad_out, saved_y, saved_stats, params, post_params, affine, grad_y,
+                                                  winner)  # fmt: skip
+        grad_x, grad_w, grad_b = conv_backward(grad_y, x, weight, mask[0], mask[1], bool(mask[2]))
+        grads = norm_operand_grads(operands, self.operand_mask, cfg, [(cfg.pre, pre_sums), (cfg.post, post_sums)],
+                                   affine_sums)  # fmt: skip
+        return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]
+
+
+def backward_signature(config: str, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+                       operands: Sequence[Tensor], saved_y: Tensor, saved_winner: Tensor, saved_stats: Tensor,
+                       mask: Sequence[bool]) -> tuple[Any, ...]:  # fmt: skip
+    """What a backward plan depends on (``signature``'s parts, the gradient's and the saved state's)."""
+    return (signature(config, True, x, weight, bias, operands), tuple(mask), tensor_key(grad_out),
+            tensor_key(saved_y), tensor_key(saved_winner), tensor_key(saved_stats))  # fmt: skip
+
+
+def settled_backward(config: str, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+                     operands: Sequence[Tensor], saved_y: Tensor, saved_winner: Tensor, saved_stats: Tensor,
+                     mask: Sequence[bool]) -> Any:  # fmt: skip
+    """The declaration's ``settled_backward``: the plan kept for this call's signature, or None."""
+    return PLANS.peek(backward_signature(config, grad_out, x, weight, bias, operands, saved_y, saved_winner,
+                                         saved_stats, mask))  # fmt: skip
+
+
 def backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
              saved_y: Tensor, saved_winner: Tensor, saved_stats: Tensor, cfg: ConvGroupNormConfig,
              mask: Sequence[bool]) -> list[Tensor | None]:  # fmt: skip
-    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False).  With a
-    pool ``grad_out`` is the pooled result's gradient."""
-    from ...kernels.group_norm import group_norm_backward
-
-    conv_backward = conv_backward_plan(x, weight, cfg.conv, saved_y)
-    grad_y = conv_backward.new_grad_y(x.device)
-    chains = norm_chains(cfg, bias, operands, saved_y.dim(), saved_y.shape[1], x.device)
-    operand_mask = list(mask[3:])
-    affine_wanted = tuple(index is not None and bool(operand_mask[index]) for index in (cfg.weight, cfg.bias))
-    pre_sums, post_sums, affine_sums = group_norm_backward(
-        grad_out, saved_y, saved_stats, bias is not None, chains.pre, chains.post, cfg.groups, chains.params,
-        chains.post_params, chains.affine, grad_y, wanted_slots(cfg.pre, operand_mask),
-        wanted_slots(cfg.post, operand_mask), affine_wanted, pool=cfg.pool,
-        winner=saved_winner if saved_winner.numel() else None,
-    )  # fmt: skip
-    grad_x, grad_w, grad_b = conv_backward(grad_y, x, weight, mask[0], mask[1], bool(mask[2]))
-    grads = norm_operand_grads(operands, operand_mask, cfg, [(cfg.pre, pre_sums), (cfg.post, post_sums)], affine_sums)
-    return [grad_x, grad_w, None if grad_b is None else grad_b.to(bias.dtype), *grads]
+    """``[grad_x, grad_weight, grad_bias, *grad_operands]`` (None where ``mask`` is False), through the
+    call's ``BackwardPlan``, kept for the signature's later calls.  With a pool ``grad_out`` is the
+    pooled result's gradient."""
+    plan = BackwardPlan(grad_out, x, weight, bias, operands, saved_y, cfg, mask)
+    grads = plan(grad_out, x, weight, bias, operands, saved_y, saved_winner, saved_stats)
+    PLANS.put(backward_signature(cfg.to_json(), grad_out, x, weight, bias, operands, saved_y, saved_winner,
+                                 saved_stats, mask), plan)  # fmt: skip
+    return grads
