@@ -11,8 +11,9 @@ Backward: ``kernels/group_norm.py``'s backward from the output gradient, the sav
 group statistics (behind a pool each position's gradient gathered from the pooled one, a max pool's
 only at the saved winners), with the norm's weight and bias gradients as partial sums too.
 
-A forward without a pool is kept as a plan per call signature (``ForwardPlan``, ``settled``): later
-calls of the signature skip the checks, the chains' lowering and the launch lookup.
+A forward without a pool and every backward are kept as plans per call signature (``ForwardPlan``,
+``BackwardPlan``; ``settled``, ``settled_backward``): later calls of the signature skip the checks, the
+chains' lowering and the launch lookup.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..conv_io import conv_channels
 from ..library_conv import conv_backward_plan
 from .config import ConvGroupNormConfig, conv_outputs
 
-#: the forward plans kept per call signature (``signature``)
+#: the forward and backward plans kept per call signature (``signature``, ``backward_signature``)
 PLANS = PlanCache(256)
 
 
@@ -70,11 +71,10 @@ class ForwardPlan:
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
         from ...kernels.group_norm import group_norm_launch
 
-        cfg, chains, stats_out = self.cfg, self.chains, None
+        cfg, chains = self.cfg, self.chains
         y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, self.save)
         params, post_params, affine = chains.bind(bias, operands)
-        if self.save:
-            stats_out = stats
+        stats_out = stats if self.save else None
         launch = self.launches.get(y0.stride())
         if launch is None:
             launch = self.launches[y0.stride()] = group_norm_launch(
@@ -88,8 +88,6 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
             save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(out, saved_y, saved_winner, saved_stats)`` as ``config.conv_outputs`` lays them out; without a
     pool through the call's ``ForwardPlan``, kept for the signature's later calls."""
-    from ...kernels.group_norm import group_norm_forward
-
     if cfg.pool is None:
         plan = ForwardPlan(x, weight, bias, operands, cfg, save)
         outputs = plan(x, weight, bias, operands)
@@ -97,10 +95,6 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
         return outputs
     y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save)
     chains = norm_chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
-    if cfg.pool is None:
-        group_norm_forward(y0, bias is not None, chains.pre, chains.post, cfg.groups, cfg.eps, chains.params,
-                           chains.post_params, chains.affine, out, stats if save else None)  # fmt: skip
-        return out, saved_y, winner, stats
     from ...kernels.group_norm import group_norm_stats
     from ...kernels.norm_pool import norm_pool_forward
 
