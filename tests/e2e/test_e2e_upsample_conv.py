@@ -29,7 +29,7 @@ class UpConv(nn.Module):
     def __init__(self, c_in=6, c_out=5, dims=2, spelling="scale_factor", tail=None, **conv):
         super().__init__()
         conv = {"kernel_size": 3, "padding": 1, **conv}
-        self.conv = (nn.Conv2d if dims == 2 else nn.Conv3d)(c_in, c_out, **conv)
+        self.conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](c_in, c_out, **conv)
         self.upsample = nn.Upsample(scale_factor=2) if spelling == "module" else None
         self.spelling, self.tail = spelling, tail
 
@@ -90,10 +90,11 @@ def test_a_centred_family_takes_the_upsample_in_too(kernels):
     assert_fused(model, [x], expect={"conv_group_norm": 1})
 
 
-@pytest.mark.parametrize("case", ["3-d, groups 2", "1x1 conv", "a 1x1 input, pad 0 kernel 2"])
+@pytest.mark.parametrize("case", ["1-d, kernel 5", "3-d, groups 2", "1x1 conv", "a 1x1 input, pad 0 kernel 2"])
 def test_the_fold_s_variants_are_within_eager_s_error_of_float64(kernels, case):
     torch.manual_seed(42)
     model, shape = {
+        "1-d, kernel 5": (UpConv(3, 5, dims=1, kernel_size=5, padding=2), (2, 3, 7)),
         "3-d, groups 2": (UpConv(4, 6, dims=3, groups=2), (1, 4, 3, 2, 3)),
         "1x1 conv": (UpConv(4, 3, kernel_size=1, padding=0), (2, 4, 3, 5)),
         "a 1x1 input, pad 0 kernel 2": (UpConv(3, 4, kernel_size=2, padding=0), (2, 3, 1, 1)),
