@@ -108,6 +108,7 @@ SUITES: dict[str, NamedSuite] = {
     "families": NamedSuite("families", (
         "conv2d_64_k3_batchnorm_train_relu.py",
         "convt2d_64_32_k4_s2_groupnorm_silu.py",
+        "upsample2x_conv2d_128_k3_groupnorm_silu.py",
         "conv3d_16_32_k3_softmax_mul.py",
         "conv2d_64_128_k3_min_tanh.py",
         "conv2d_3_64_k7_s2_batchnorm_eval_relu_maxpool.py",

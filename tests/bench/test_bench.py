@@ -436,6 +436,7 @@ def test_convnets_models_have_the_documented_layers_and_shapes_and_run_on_cpu() 
 FAMILIES = {
     "conv2d_64_k3_batchnorm_train_relu": ({"conv_batch_norm": 1}, None),
     "convt2d_64_32_k4_s2_groupnorm_silu": ({"conv_group_norm": 1}, None),
+    "upsample2x_conv2d_128_k3_groupnorm_silu": ({"conv_group_norm": 1}, None),
     "conv3d_16_32_k3_softmax_mul": ({"conv_channel_reduce": 1}, None),
     "conv2d_64_128_k3_min_tanh": ({"conv_channel_reduce": 1}, None),
     "conv2d_3_64_k7_s2_batchnorm_eval_relu_maxpool": ({"conv_epilogue": 1}, None),
