@@ -29,7 +29,8 @@ a graph that runs without Inductor launches ``kernels/upsample_fold.py``'s one k
 it is summed in float32 and rounded once to the conv's dtype (autocast's half precision: the
 rewrite asks for it, so that no cast of the folded weight follows).  Eager rounds each tap of the
 autocast weight instead, so results differ from eager's by that rounding (within eager's own error
-against float64: ``tests/ops/test_upsample_fold.py``).
+against float64: ``tests/e2e/test_e2e_upsample_conv.py``'s autocast case; the definition's exactness in
+float64: ``tests/ops/test_upsample_fold.py``).
 """
 
 from __future__ import annotations
