@@ -53,6 +53,7 @@ from ..match.conv_walk import (
     InputGate,
     InputNorm,
     InputPrologue,
+    InputUpsample,
     Refusal,
     claimed_elsewhere,
     prologue_activation,
@@ -208,7 +209,7 @@ class ConvEpiloguePattern(ConvWalkPattern):
             op_module.kernel_path(config, conv_fake.dtype, conv_fake.device.type), cast_inputs=not absorb,
             # (a folded upsample's conv reads its source already, which ``in_conv_layout`` then relays
             # as the conv's own input where eager's conv would have)
-            x=prologue.source if prologue and region.conv.input is not prologue.source else None,
+            x=prologue.source if prologue and not isinstance(prologue, InputUpsample) else None,
         )
 
 

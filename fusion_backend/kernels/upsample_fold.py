@@ -14,7 +14,7 @@ where it runs directly, so the glue must cost there what it costs inside a netwo
 
 Contract (``FoldPlan`` checks it once per signature, ``ContractError`` otherwise): ``weight`` 3-d to
 5-d, floating point of at most 32 bits, any strides; the result ``(C_in, C_out/g, *(s + k - 1))`` in
-the dtype asked for (fp32, fp16 or bf16), laid out as ``ops/upsample_fold.folded_layout`` says.
+the dtype asked for (fp32, fp16 or bf16), in the memory format asked for.
 """
 
 from __future__ import annotations
@@ -73,9 +73,8 @@ def _three(values: Sequence[int], fill: int) -> list[int]:
 class FoldPlan:
     """The launch for one signature (module docstring): ``plan(weight) -> K``, one kernel."""
 
-    def __init__(self, weight: torch.Tensor, scale: Sequence[int], groups: int, dtype: torch.dtype) -> None:
-        from ..ops.upsample_fold import folded_layout
-
+    def __init__(self, weight: torch.Tensor, scale: Sequence[int], groups: int, dtype: torch.dtype,
+                 memory_format: torch.memory_format) -> None:  # fmt: skip
         dims = weight.dim() - 2
         floats = (torch.float16, torch.bfloat16, torch.float32)
         if not 1 <= dims <= 3 or weight.dtype not in floats or dtype not in floats:
@@ -87,7 +86,7 @@ class FoldPlan:
         c_out, c_in_group, *kernel = weight.shape
         folded = [k + s - 1 for k, s in zip(kernel, scale, strict=True)]
         self.shape, self.dtype = (c_in_group * groups, c_out // groups, *folded), dtype
-        self.memory_format = folded_layout(weight)
+        self.memory_format = memory_format
         self.total = c_out * c_in_group * math.prod(folded)
         probe = torch.empty(self.shape, device="meta", memory_format=self.memory_format)
         self.launch = FastLaunch(_fold_kernel, (cdiv(self.total, BLOCK),), dict(
@@ -106,10 +105,10 @@ class FoldPlan:
 _PLANS = PlanCache()
 
 
-def fold_weight(weight: torch.Tensor, scale: Sequence[int], groups: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The folded transposed-conv weight (module docstring) in ``dtype`` (default the weight's),
-    through the plan cached for this signature; ``ContractError`` (one line) for a weight the kernel
-    cannot take."""
-    dtype = weight.dtype if dtype is None else dtype
-    plan = _PLANS.get(plan_key(weight, tuple(scale), groups, dtype), lambda: FoldPlan(weight, scale, groups, dtype))
+def fold_weight(weight: torch.Tensor, scale: Sequence[int], groups: int, dtype: torch.dtype,
+                memory_format: torch.memory_format) -> torch.Tensor:  # fmt: skip
+    """The folded transposed-conv weight (module docstring) in ``dtype`` and ``memory_format``, through
+    the plan cached for this signature; ``ContractError`` (one line) for a weight the kernel cannot take."""
+    plan = _PLANS.get(plan_key(weight, tuple(scale), groups, dtype, memory_format),
+                      lambda: FoldPlan(weight, scale, groups, dtype, memory_format))  # fmt: skip
     return plan(weight)

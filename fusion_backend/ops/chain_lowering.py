@@ -138,7 +138,7 @@ class PlannedChains:
         self.pre, self.post = [(code, ()) for code, _ in pre], [(code, ()) for code, _ in post]
         self.pre_matrix = OperandMatrix(pre, bias, channels, device)
         self.post_matrix = OperandMatrix(post, None, channels, device)
-        self.pre_sources, self.post_sources = _tensor_sources(cfg.pre), _tensor_sources(cfg.post)
+        self.pre_sources, self.post_sources = tensor_sources(cfg.pre), tensor_sources(cfg.post)
         self.has_bias, self.device = bias is not None, device
         self.affine = (cfg.weight, cfg.bias, channels if count is None else count)
 
@@ -148,7 +148,7 @@ class PlannedChains:
         return params, post_params, affine_rows(operands, *self.affine, self.device)
 
 
-def _tensor_sources(chain: Sequence[ChainStep]) -> tuple[int, ...]:
+def tensor_sources(chain: Sequence[ChainStep]) -> tuple[int, ...]:
     """The indices into ``operands`` of a chain's tensor operands, in its operand matrix's row order."""
     return tuple(op.index for step in chain for op in step.operands if isinstance(op, TensorRef))
 

@@ -119,7 +119,7 @@ def upsampled_conv_weight_direct(weight: Tensor, scale: Sequence[int], groups: i
             return _FoldedWeight.apply(weight, tuple(scale), groups, out_dtype)
         from ..kernels.upsample_fold import fold_weight
 
-        return fold_weight(weight, scale, groups, out_dtype)
+        return fold_weight(weight, scale, groups, out_dtype, folded_layout(weight))
     except ContractError:  # a weight the kernel cannot take: the torch ops take it
         return upsampled_conv_weight(weight, scale, groups, dtype)
     except Exception as error:  # noqa: BLE001 - a failed launch: the torch ops give the same values
@@ -143,7 +143,7 @@ class _FoldedWeight(torch.autograd.Function):
 
         ctx.save_for_backward(weight)
         ctx.scale, ctx.groups, ctx.dtype = scale, groups, dtype
-        return fold_weight(weight, scale, groups, dtype)
+        return fold_weight(weight, scale, groups, dtype, folded_layout(weight))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None]:

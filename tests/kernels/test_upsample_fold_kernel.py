@@ -29,9 +29,11 @@ CASES = {
 
 @pytest.fixture
 def fold(triton_kernels):
+    """``fold_weight`` in the weight's dtype (or ``dtype``) and the layout the op asks for."""
     from fusion_backend.kernels.upsample_fold import fold_weight
+    from fusion_backend.ops.upsample_fold import folded_layout
 
-    return fold_weight
+    return lambda w, scale, groups, dtype=None: fold_weight(w, scale, groups, dtype or w.dtype, folded_layout(w))
 
 
 def _weight(shape, dtype, layout, seed):
@@ -73,7 +75,7 @@ def test_the_direct_implementation_is_the_kernel_with_the_definition_s_gradient(
     from fusion_backend.kernels import upsample_fold as kernel
 
     launched = []
-    monkeypatch.setattr(kernel, "fold_weight", lambda *a: (launched.append(a), kernel.FoldPlan(*a)(a[0]))[1])  # (w, s, g, dtype)
+    monkeypatch.setattr(kernel, "fold_weight", lambda *a: (launched.append(a), kernel.FoldPlan(*a)(a[0]))[1])  # (w, s, g, dtype, layout)
     w = _weight((6, 2, 3, 3), torch.float32, "channels-last", 8).requires_grad_()
     grad = torch.randn(4, 3, 4, 4, device=DEVICE)
     got = upsampled_conv_weight_direct(w, (2, 2), 2)

@@ -23,7 +23,7 @@ from ...kernels.host import BoundedCache, tensor_key
 from ...kernels.weight_fold import fold_plan
 from .. import conv_precision
 from ..chain import ChainValue, PointwiseKind, TensorRef
-from ..chain_lowering import KernelChains, affine_rows, family_activation, kernel_steps
+from ..chain_lowering import KernelChains, affine_rows, family_activation, kernel_steps, tensor_sources
 from ..config import ConvEpilogueConfig
 from ..conv_io import (
     DECISIONS,
@@ -236,9 +236,7 @@ class PlannedOperands:
     def __init__(self, cfg: ConvEpilogueConfig, steps: Sequence[Any], bias: Tensor | None, channels: int,
                  device: torch.device) -> None:  # fmt: skip
         self.matrix = epilogue_kernels().OperandMatrix(steps, None, channels, device)
-        self.sources = tuple(
-            operand.index for step in cfg.chain for operand in step.operands if isinstance(operand, TensorRef)
-        )  # fmt: skip
+        self.sources = tensor_sources(cfg.chain)
         #: the signature's bias is not one contiguous run of C values (a view): copied per call
         self.copy_bias = bias is not None and not (bias.dim() == 1 and bias.is_contiguous())
 
