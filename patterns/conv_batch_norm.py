@@ -44,7 +44,7 @@ from ..match.conv_walk import (
     is_sync_batch_norm,
 )
 from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
-from ..match.rewrite import dtype_if_changed, rewrite_conv_region
+from ..match.rewrite import dtype_if_changed, region_result, rewrite_conv_region
 from ..report import Match, ReasonKind
 
 
@@ -133,7 +133,7 @@ class ConvBatchNormPattern(ConvWalkPattern):
             running_stats=running,
             post=tuple(region.post.steps),
             norm_dtype=dtype_if_changed(fake_of(norm.node), conv_fake),
-            out_dtype=dtype_if_changed(fake_of(candidate.nodes[-1]), conv_fake),
+            out_dtype=dtype_if_changed(region_result(ctx, candidate.nodes[-1]), conv_fake),
             strict=ctx.strict,
             pool=region.pool.spec if region.pool else None,
         ).to_json()

@@ -37,7 +37,7 @@ from ..frontend.canonical import CanonicalOp, GlobalReduce, Reduce
 from ..frontend.normalize import target_name
 from ..match.conv_walk import Centre, CentreSite, ConvRegion, ConvWalkPattern, Refusal, claim_wording
 from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
-from ..match.rewrite import dtype_if_changed, rewrite_conv_region
+from ..match.rewrite import dtype_if_changed, region_result, rewrite_conv_region
 from ..report import Match, ReasonKind
 
 #: Most channels the fused kernels reduce over (``kernels/channel_reduce.py``).
@@ -165,7 +165,7 @@ class ConvChannelReducePattern(ConvWalkPattern):
             keepdim=region.facts.keepdim,
             pre=tuple(region.pre.steps),
             post=tuple(region.post.steps),
-            out_dtype=dtype_if_changed(fake_of(candidate.nodes[-1]), conv_fake),
+            out_dtype=dtype_if_changed(region_result(ctx, candidate.nodes[-1]), conv_fake),
             strict=ctx.strict,
         ).to_json()
         return rewrite_conv_region(

@@ -59,7 +59,14 @@ from ..match.conv_walk import (
     prologue_activation,
 )
 from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
-from ..match.rewrite import Deferred, dtype_if_changed, dtype_name, materialize, rewrite_conv_region
+from ..match.rewrite import (
+    Deferred,
+    dtype_if_changed,
+    dtype_name,
+    materialize,
+    region_result,
+    rewrite_conv_region,
+)
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, PointwiseKind, TensorRef
 from ..ops.chain_lowering import family_activation
 from ..ops.config import ConvEpilogueConfig
@@ -182,7 +189,7 @@ class ConvEpiloguePattern(ConvWalkPattern):
 
         region: ConvRegion = candidate.payload
         conv = region.conv
-        conv_fake, out_fake = fake_of(conv.node), fake_of(candidate.nodes[-1])
+        conv_fake, out_fake = fake_of(conv.node), region_result(ctx, candidate.nodes[-1])
         # WHY absorb autocast's casts only before a max pool or where no gradient flows: the op then
         # takes the fp32 input, weight and bias and its kernels cast them as they load them (no cast
         # kernels around it; the Triton backward reads x as it is).  With a gradient and no max pool

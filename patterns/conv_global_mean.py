@@ -30,7 +30,7 @@ import torch.fx as fx
 from ..frontend.canonical import Conv, GlobalReduce, Pointwise
 from ..match.conv_walk import FUSED_DTYPES
 from ..match.engine import Candidate, ConvAnchoredPattern, MatchContext, fake_of, register_pattern
-from ..match.rewrite import dtype_name, rewrite_conv_region
+from ..match.rewrite import dtype_name, region_result, rewrite_conv_region
 from ..ops.chain import ChainStep, PointwiseKind
 from ..report import Match, NearMiss, ReasonKind
 
@@ -188,7 +188,7 @@ class ConvGlobalMeanPattern(ConvAnchoredPattern):
 
         region: MeanRegion = candidate.payload
         conv = region.conv
-        conv_fake, final = fake_of(conv.node), fake_of(candidate.nodes[-1])
+        conv_fake, final = fake_of(conv.node), region_result(ctx, candidate.nodes[-1])
         rank = conv_fake.dim()
         keepdim = final.dim() == rank
         config = op_module.ConvGlobalMeanConfig(

@@ -40,7 +40,7 @@ from ..match.conv_walk import (
     claim_wording,
 )
 from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
-from ..match.rewrite import dtype_if_changed, rewrite_conv_region
+from ..match.rewrite import dtype_if_changed, region_result, rewrite_conv_region
 from ..report import Match, ReasonKind
 
 #: The normalizations this family takes, by function name, as its near misses' words name them.
@@ -119,7 +119,7 @@ class ConvGroupNormPattern(ConvWalkPattern):
             pre=tuple(region.pre.steps),
             post=tuple(region.post.steps),
             norm_dtype=dtype_if_changed(fake_of(norm.node), conv_fake),
-            out_dtype=dtype_if_changed(fake_of(candidate.nodes[-1]), conv_fake),
+            out_dtype=dtype_if_changed(region_result(ctx, candidate.nodes[-1]), conv_fake),
             strict=ctx.strict,
             pool=region.pool.spec if region.pool else None,
         ).to_json()

@@ -44,7 +44,7 @@ from ..match.conv_walk import (
     claim_wording,
 )
 from ..match.engine import Candidate, MatchContext, fake_of, register_pattern
-from ..match.rewrite import dtype_if_changed, rewrite_conv_region
+from ..match.rewrite import dtype_if_changed, region_result, rewrite_conv_region
 from ..report import Match, ReasonKind
 
 #: Names of a conv output's dims after the batch, by spatial rank (for summaries).
@@ -135,7 +135,7 @@ class ConvLayerNormPattern(ConvWalkPattern):
             pre=tuple(region.pre.steps),
             post=tuple(region.post.steps),
             norm_dtype=dtype_if_changed(fake_of(norm.node), conv_fake),
-            out_dtype=dtype_if_changed(fake_of(candidate.nodes[-1]), conv_fake),
+            out_dtype=dtype_if_changed(region_result(ctx, candidate.nodes[-1]), conv_fake),
             strict=ctx.strict,
         ).to_json()
         return rewrite_conv_region(

@@ -1,0 +1,96 @@
+"""A region whose result only autocast's convs read is written in their dtype.
+
+Under bf16 autocast a GroupNorm (or LayerNorm) runs in fp32, and the conv after it casts its input to
+bf16 as it takes it.  A fused ``conv -> group_norm -> silu`` region feeding such a conv writes its
+result in bf16 itself (``match.rewrite.region_result``): the same value the conv reads, rounded once,
+with no fp32 tensor written and no cast pass.  Where anything else reads the result (the graph's
+output, a pointwise op, a conv in fp32) it keeps eager's dtype.  Every case against float64 with
+eager's own error as the yardstick (``assert_fused``), forward and every gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fusion_backend.ops.conv_group_norm import ConvGroupNormConfig
+from fusion_backend.testing import assert_fused
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = [pytest.mark.usefixtures("exact_fp32"),
+              pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")]  # fmt: skip
+
+
+class TwoConvs(nn.Module):
+    """``conv2(silu(group_norm(conv1(x))))``, conv2 under bf16 autocast (``autocast="conv2"``: the region
+    computes in fp32 and conv2 casts its result to bf16) or all of it (``"all"``: CUDA's autocast runs
+    the conv in bf16 and the norm in fp32, the CPU's the norm in bf16 too) or none of it (``"none"``); ``also``: another reader
+    of the norm's result."""
+
+    def __init__(self, also: str = "none", autocast: str = "conv2") -> None:
+        super().__init__()
+        self.conv1, self.norm, self.conv2 = nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Conv2d(8, 6, 3, padding=1)
+        self.also, self.autocast = also, autocast
+
+    def forward(self, x):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=self.autocast == "all"):
+            h = F.silu(self.norm(self.conv1(x)))
+            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=self.autocast != "none"):
+                y = self.conv2(h)
+                if self.also == "second conv":
+                    y = y + self.conv2(h).flip(-1)
+            if self.also == "output":
+                return y, h
+            if self.also == "pointwise":
+                return y + h.mean()
+            return y
+
+
+def _group_norm_config(reports) -> ConvGroupNormConfig:
+    (match,) = [m for r in reports for m in r.matches if m.pattern == "conv_group_norm"]
+    return ConvGroupNormConfig.from_json(match.config)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
+@pytest.mark.parametrize("also", ["none", "second conv"])
+def test_a_result_read_only_by_autocast_convs_is_written_in_their_dtype(kernels, train, channels_last, also):
+    torch.manual_seed(31)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = TwoConvs(also).to(DEVICE, memory_format=fmt).train(train)
+    x = torch.randn(2, 4, 9, 7, device=DEVICE).to(memory_format=fmt)
+    reports = assert_fused(model, [x], expect={"conv_group_norm": 1}, train=train, tol=3e-2)
+    assert _group_norm_config(reports).out_dtype == "bfloat16"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CPU's autocast runs GroupNorm in bf16")
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_under_cuda_autocast_a_fp32_norm_s_result_is_written_in_the_conv_s_bf16(train):
+    torch.manual_seed(34)
+    model = TwoConvs(autocast="all").to(DEVICE, memory_format=torch.channels_last).train(train)
+    x = torch.randn(2, 4, 9, 7, device=DEVICE).to(memory_format=torch.channels_last)
+    reports = assert_fused(model, [x], expect={"conv_group_norm": 1}, train=train, tol=3e-2)
+    cfg = _group_norm_config(reports)
+    assert cfg.norm_dtype == "float32" and cfg.out_dtype is None  # (None: the conv's own bf16)
+
+
+@pytest.mark.parametrize("also", ["output", "pointwise"])
+def test_a_result_read_by_anything_else_keeps_eager_s_dtype(kernels, also):
+    torch.manual_seed(32)
+    model = TwoConvs(also).to(DEVICE).eval()
+    with torch.no_grad():
+        reports = assert_fused(model, [torch.randn(2, 4, 6, 5, device=DEVICE)],
+                               expect={"conv_group_norm": 1, **({"conv_epilogue": 1} if also == "pointwise" else {})},
+                               train=False)  # (conv2 -> add: a region of its own)
+    assert _group_norm_config(reports).out_dtype is None  # the conv's fp32
+
+
+def test_without_autocast_nothing_is_narrowed(kernels):
+    torch.manual_seed(33)
+    model = TwoConvs(autocast="none").to(DEVICE)
+    reports = assert_fused(model, [torch.randn(2, 4, 6, 5, device=DEVICE)], expect={"conv_group_norm": 1})
+    cfg = _group_norm_config(reports)
+    assert cfg.out_dtype is None and cfg.norm_dtype is None
