@@ -145,36 +145,53 @@ def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
 
 
 def region_result(ctx: MatchContext, node: fx.Node) -> Any:
-    """The fake value a region whose result is ``node`` produces: ``node``'s own, or, where every user
-    of ``node`` is a conv that takes it as its input in a lower-precision float dtype, the same value
-    in that dtype.
+    """The fake value a region whose result is ``node`` produces: ``node``'s own, or the same value in
+    the narrower dtype every reader takes it in (``narrow_read_dtype``)."""
+    dtype = narrow_read_dtype(node, ctx.op)
+    fake = fake_of(node)
+    return fake if dtype is None else torch.empty_like(fake, dtype=dtype)
+
+
+#: The tensor methods that cast their tensor (to a dtype their result's fake names).
+_CAST_METHODS = ("to", "type", "bfloat16", "half")
+
+
+def narrow_read_dtype(node: fx.Node, op_of: Callable[[fx.Node], Any]) -> Optional[torch.dtype]:
+    """The bf16 or fp16 dtype every user of ``node`` (a floating result of a wider dtype) reads it in,
+    or None: each user a conv taking ``node`` as its input and computing in that dtype (autocast
+    casts the input as the conv takes it) or a cast of ``node`` to it.  ``op_of``: a node's canonical
+    op (``MatchContext.op``, ``frontend.normalize.normalize_node``).
 
     WHY: under autocast a GroupNorm or LayerNorm runs in fp32 and the conv after it casts its input
     to bf16/fp16 as it takes it.  Inductor fuses that cast into the norm's kernel, which writes the
     narrow tensor alone; a fused op that wrote the fp32 result would write twice the bytes and leave
     the cast as a pass of its own (eager's rounding either way: the conv rounds what it reads once,
-    the fused op's store rounds the same value once).  NOTE: in the SD VAE decoder every
-    ``conv -> group_norm -> silu`` region feeds one autocast conv: with every region fused, the
-    bf16 casts of their fp32 results were 42 copy kernels, 0.34 ms of a 6.9 ms step (H200, bf16
-    inference; ``python tools/profile_step.py demos/realnets/sd_vae_decoder.py --backends
-    fusion-fused --mode infer --dtype bf16``)."""
+    the fused op's store rounds the same value once).  The region's timing casts its result so too
+    (``runtime.region_timing.extract_region``), so both candidates write what the graph reads.
+    NOTE: in the SD VAE decoder every ``conv -> group_norm -> silu`` region feeds one autocast conv:
+    with every region fused, the bf16 casts of their fp32 results were 42 copy kernels, 0.34 ms of a
+    6.9 ms step (H200, bf16 inference; ``python tools/profile_step.py demos/realnets/sd_vae_decoder.py
+    --backends fusion-fused --mode infer --dtype bf16``)."""
     fake = fake_of(node)
     if not isinstance(fake, torch.Tensor) or not fake.is_floating_point() or not node.users:
-        return fake
-    narrowed = set()
+        return None
+    read = set()
     for user in node.users:
-        op = ctx.op(user)
         used = fake_of(user)
-        if (not isinstance(op, Conv) or op.input is not node or node in (op.weight, op.bias)
-                or not isinstance(used, torch.Tensor)):
-            return fake
-        narrowed.add(used.dtype)
-    if len(narrowed) != 1:
-        return fake
-    (dtype,) = narrowed
+        if not isinstance(used, torch.Tensor):
+            return None
+        op = op_of(user)
+        conv_input = isinstance(op, Conv) and op.input is node and node not in (op.weight, op.bias)
+        cast = user.op == "call_method" and user.target in _CAST_METHODS and user.args[0] is node
+        if not (conv_input or cast):
+            return None
+        read.add(used.dtype)
+    if len(read) != 1:
+        return None
+    (dtype,) = read
     if dtype not in (torch.bfloat16, torch.float16) or dtype.itemsize >= fake.dtype.itemsize:
-        return fake
-    return torch.empty_like(fake, dtype=dtype)
+        return None
+    return dtype
 
 
 def dtype_if_changed(value: torch.Tensor, conv_output: torch.Tensor) -> Optional[str]:

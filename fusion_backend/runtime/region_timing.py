@@ -10,7 +10,8 @@ Contract of :func:`extract_region`: ``nodes`` are a region as a pattern claimed 
 the last one used outside the region).  The result is a self-contained ``GraphModule`` whose
 placeholders are the region's inputs (every outside node a region node reads, in order of first
 use; an ``x.item()`` feeding the region is pulled in and ``x`` becomes the input), whose output is
-the one-tuple of the region's result, and whose nodes carry the original fake values.  Where the
+the one-tuple of the region's result (cast to the narrower dtype every reader in the graph takes it
+in: ``match.rewrite.narrow_read_dtype``), and whose nodes carry the original fake values.  Where the
 region sits inside an autocast block recorded in the graph (``_enter_autocast``), the copy enters
 and leaves the same block.  A region whose inputs are not all tensors (symbolic scalars) raises
 :class:`NotMeasurable`.
@@ -51,8 +52,9 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .. import gpu_timing
 from ..frame_room import call_with_frame_room
-from ..frontend.normalize import target_name
+from ..frontend.normalize import normalize_node, target_name
 from ..ir.fakes import fake_of
+from ..match.rewrite import narrow_read_dtype
 
 #: Timing: rounds per candidate (interleaved), the length one round aims at, the most calls in one.
 ROUNDS = 5
@@ -147,7 +149,12 @@ def extract_region(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> ExtractedReg
         env[node] = graph.node_copy(node, lambda n: env[n])
     for block in reversed(blocks):
         graph.call_function(_AUTOCAST_EXIT, (block,))
-    graph.output((env[nodes[-1]],))
+    result = env[nodes[-1]]
+    narrow = narrow_read_dtype(nodes[-1], functools.partial(normalize_node, root=gm))
+    if narrow is not None:  # what the graph reads of it: the narrow copy alone (``narrow_read_dtype``)
+        result = graph.call_method("to", (result, narrow))
+        result.meta["example_value"] = torch.empty_like(fake_of(nodes[-1]), dtype=narrow)
+    graph.output((result,))
     inputs = [n for n in inputs if n.op != "get_attr"]
     return ExtractedRegion(graph, gm, inputs, nodes[-1], dict(env))
 

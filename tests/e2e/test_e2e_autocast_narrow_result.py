@@ -94,3 +94,32 @@ def test_without_autocast_nothing_is_narrowed(kernels):
     reports = assert_fused(model, [torch.randn(2, 4, 6, 5, device=DEVICE)], expect={"conv_group_norm": 1})
     cfg = _group_norm_config(reports)
     assert cfg.out_dtype is None and cfg.norm_dtype is None
+
+
+def test_the_region_is_timed_writing_what_the_graph_reads_of_it(monkeypatch, tmp_path):
+    """Measured against Inductor's code, the region's copy ends in the narrowing cast, so Inductor's
+    candidate writes the bf16 tensor alone, as it would in the graph; the fused candidate writes it
+    so itself (the cast after it does nothing)."""
+    from fusion_backend.report import collect_reports
+    from fusion_backend.runtime import decision, region_timing
+
+    monkeypatch.setenv("FUSION_CACHE_DIR", str(tmp_path))  # a fresh decision cache, measuring on
+    monkeypatch.delenv("FUSION_DECIDE", raising=False)
+    decision.forget_in_memory()
+    extracted = []
+    real = region_timing.extract_region
+    monkeypatch.setattr(region_timing, "extract_region", lambda gm, nodes: extracted.append(real(gm, nodes)) or extracted[-1])
+    torch.manual_seed(35)
+    model, x = TwoConvs().eval(), torch.randn(1, 4, 6, 5)
+    with torch.no_grad():
+        want = model(x)
+        with decision.timing_override(None, measure_on=("cpu",)), collect_reports() as reports:
+            out = torch.compile(model, backend="fusion", options={"defer": False})(x)
+    (d,) = [d for r in reports for d in r.decisions]
+    assert d.pattern == "conv_group_norm" and d.fused_ms and d.inductor_ms, d.rule
+    assert extracted
+    for region in extracted:
+        (result,) = region.graph.output_node().args[0]
+        assert result.op == "call_method" and result.target == "to" and result.args[1] == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    decision.forget_in_memory()
