@@ -36,9 +36,10 @@ class TwoConvs(nn.Module):
         self.also, self.autocast = also, autocast
 
     def forward(self, x):
-        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=self.autocast == "all"):
+        device = x.device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast == "all"):
             h = F.silu(self.norm(self.conv1(x)))
-            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=self.autocast != "none"):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast != "none"):
                 y = self.conv2(h)
                 if self.also == "second conv":
                     y = y + self.conv2(h).flip(-1)
