@@ -163,8 +163,9 @@ class ConvEpiloguePattern(ConvWalkPattern):
         """A residual add stays in the region only where the conv family's forward can add it in its
         store: a direct 2-d or 3-d conv, no gradient flowing (no kernel writes the residual's full-size
         gradient), and after it at most one relu, leaky_relu (a constant slope), gelu or silu; else
-        the region ends before it (or after that activation).  Elsewhere the op would run plain torch,
-        which never beats Inductor's code for the same ops: measuring it would only cost warm-up."""
+        the region ends before it (or after that activation).  Elsewhere the op's best is the library
+        conv and one epilogue pass, Inductor's own passes, and with gradients plain torch's backward:
+        measuring it would only cost warm-up."""
         at = full_size_operand(ctx, part.operands, y)
         if at is None:
             return None

@@ -49,6 +49,7 @@ from .chain_math import (
     NUM_GRAD_ROWS,
     NUM_PARAM_ROWS,
     OPERAND_GRAD_CODES,
+    SOURCE_STRIDE,
     KernelStep,
     OperandValue,
     add_spatial_offset,
@@ -112,15 +113,17 @@ def store_pooled(out_ptr, win_ptr, win_y_ptr, off, mask, best, win, win_y, total
 
 @triton.jit
 def _epilogue_fwd_kernel(
-    y_ptr, p_ptr, b_ptr, out_ptr, win_ptr, win_y_ptr,
+    y_ptr, p_ptr, b_ptr, r_ptr, out_ptr, win_ptr, win_y_ptr,
     C, D, H, W, OD, OH, OW, num_s_blocks,
     y_sn, y_sc, y_sd, y_sh, y_sw,
     o_sn, o_sc, o_sd, o_sh, o_sw,
-    OPS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    r_sn, r_sc, r_sw,
+    OPS: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     POOL: tl.constexpr, POOL_GEOM: tl.constexpr, SAVE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """out = pool(chain(y + bias)); with a max pool and SAVE, also the winner and its y; without a
-    pool and with SAVE, also a copy of y in out's layout.
+    pool and with SAVE, also a copy of y in out's layout.  With a residual (HAS_RESIDUAL, no pool):
+    out = tail(head(y + bias) + r), the chain split at the residual's empty slot.
 
     Pointers (all element strides, dims (N, C, D, H, W)):
       y_ptr     conv output without bias, (N, C, D, H, W), fp32/fp16/bf16, strides ``y_s*``
@@ -135,7 +138,11 @@ def _epilogue_fwd_kernel(
       win_y_ptr (SAVE only) with a max pool: y (without bias) at the winner; without a pool: y
                 (without bias) itself; any float dtype (y's for the saved state), same shape and
                 strides as out.
-    OPS: the chain's op codes, one per slot (0 = empty).  POOL: 0 none, 1 max, 2 avg (SAVE is not
+      r_ptr     (HAS_RESIDUAL only) the residual, y's shape, any float dtype, strides ``r_s*`` over
+                (n, c, flat position): its spatial dims flatten.
+    OPS: the chain's op codes, one per slot (0 = empty), whose operands are loaded; HEAD and TAIL:
+    OPS with the slots from the residual's on, and up to it, emptied (without a residual HEAD is
+    OPS and TAIL all empty).  POOL: 0 none, 1 max, 2 avg (SAVE is not
     used with an avg pool); POOL_GEOM: its geometry (module docstring; the identity pool without a
     pool).  Without a pool the spatial dims must flatten for y and out (s_h == W*s_w and
     s_d == H*s_h where those sizes exceed 1): only ``*_sw`` is used then, so that contiguous rows
@@ -162,7 +169,11 @@ def _epilogue_fwd_kernel(
         if HAS_BIAS:
             y = y + bias
         v = chain_forward(y, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
-                       OPS[0], OPS[1], OPS[2], OPS[3], OPS[4], OPS[5], OPS[6], OPS[7])  # fmt: skip
+                          HEAD[0], HEAD[1], HEAD[2], HEAD[3], HEAD[4], HEAD[5], HEAD[6], HEAD[7])  # fmt: skip
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + n64 * r_sn + c64 * r_sc + s64 * r_sw, mask=mask, other=0.0)
+            v = chain_forward(v + r.to(tl.float32), a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7,
+                              TAIL[0], TAIL[1], TAIL[2], TAIL[3], TAIL[4], TAIL[5], TAIL[6], TAIL[7])  # fmt: skip
         tl.store(out_ptr + o_off + s64 * o_sw, v.to(out_ptr.dtype.element_ty), mask=mask)
         if SAVE:  # the conv output itself, relaid into out's layout (the saved state)
             tl.store(win_y_ptr + o_off + s64 * o_sw, y_raw.to(win_y_ptr.dtype.element_ty), mask=mask)
@@ -484,6 +495,8 @@ def epilogue_forward(
     winner: torch.Tensor | None = None,
     winner_y: torch.Tensor | None = None,
     y_copy: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    residual_at: int | None = None,
 ) -> None:
     """Write ``out = pool(chain(y + bias))`` (and the max-pool winners) with one kernel launch.
 
@@ -503,15 +516,34 @@ def epilogue_forward(
       y_copy: no pool only: None, or preallocated like ``out`` (same shape and strides), any float
         dtype (y's for a saved conv output); receives y (without bias), i.e. y relaid into out's
         layout in the same pass.
+      residual, residual_at: no pool only: None, or a tensor of out's shape (any float dtype and
+        strides) added where the chain's step ``residual_at`` is, an empty step ``(0, [])``:
+        ``out = tail(head(y + bias) + residual)`` (``residual_split``).
     """
     parts = (
         y, bias is None, step_codes(steps), pool, out,
-        winner, winner_y, y_copy,
+        winner, winner_y, y_copy, residual, residual_at,
     )  # fmt: skip
-    launch = _FORWARD_LAUNCHES.plan(parts, lambda: ForwardLaunch(y, bias, steps, pool, out, winner, winner_y, y_copy=y_copy)
-    )
+    launch = _FORWARD_LAUNCHES.plan(parts, lambda: ForwardLaunch(
+        y, bias, steps, pool, out, winner, winner_y, y_copy=y_copy, residual=residual, residual_at=residual_at))
     launch(y, build_params(steps, None, launch.channels, y.device), _flat_bias(bias), out, winner, winner_y,
-           y_copy=y_copy)  # fmt: skip
+           y_copy=y_copy, residual=residual)  # fmt: skip
+
+
+def residual_split(ops: Sequence[int], at: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(HEAD, TAIL)`` of a chain ``ops`` whose residual add is the empty slot ``at``: the slots before
+    it, and those after it, each with the others emptied.  ValueError where slot ``at`` is not empty,
+    or a step after it reads a chain value from before the residual (the tail starts from the sum)."""
+
+    if not 0 <= at < len(ops) or ops[at] != 0:
+        raise ValueError(f"the residual's slot {at} must be an empty slot of the chain {tuple(ops)}")
+    for code in ops[at + 1:]:
+        source = code // SOURCE_STRIDE - 1  # the slot whose input the step reads, -1 for none
+        if 0 <= source <= at:
+            raise ValueError(f"a step after the residual add reads the chain value before slot {source}")
+    head = tuple(code if k < at else 0 for k, code in enumerate(ops))
+    tail = tuple(code if k > at else 0 for k, code in enumerate(ops))
+    return head, tail
 
 
 #: ``epilogue_forward``'s launch plans by what they depend on (layouts, op codes, pool).
@@ -535,7 +567,10 @@ class ForwardLaunch:
 
     def __init__(self, y: torch.Tensor, bias: torch.Tensor | None, steps: Sequence[KernelStep],
                  pool: PoolSpec | None, out: torch.Tensor, winner: torch.Tensor | None = None,
-                 winner_y: torch.Tensor | None = None, y_copy: torch.Tensor | None = None) -> None:  # fmt: skip
+                 winner_y: torch.Tensor | None = None, y_copy: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, residual_at: int | None = None) -> None:  # fmt: skip
+        if (residual is None) != (residual_at is None):
+            raise ValueError("residual and residual_at go together")
         if (winner is None) != (winner_y is None):
             raise ValueError("winner and winner_y go together")
         if winner is not None and (pool is None or pool.kind != "max"):
@@ -568,6 +603,20 @@ class ForwardLaunch:
                 y_strides = lift_5d(torch.empty_like(out, dtype=y.dtype, device="meta"))[1]
         pool_geom = pool_geometry(pool, y.dim() - 2)
         ops = op_codes(steps)  # checks the op codes before anything is kept
+        head, tail = ops, (0,) * len(ops)
+        #: the residual is copied into out's (flattening) layout first
+        self.copy_residual = False
+        r_strides = (0, 0, 0)
+        if residual is not None:
+            head, tail = residual_split(ops, residual_at)
+            if pool is not None or tuple(residual.shape) != tuple(out.shape):
+                raise ValueError(f"a residual has out's shape {tuple(out.shape)} and no pool, got shape "
+                                 f"{tuple(residual.shape)} and pool {pool}")  # fmt: skip
+            r_sizes, r_lifted = lift_5d(residual)
+            if not _spatial_flattens(r_sizes, r_lifted):
+                self.copy_residual = True
+                r_lifted = o_strides
+            r_strides = (r_lifted[0], r_lifted[1], r_lifted[4])
         s_out = o_sizes[2] * o_sizes[3] * o_sizes[4]
         write_inner = channels_innermost(o_strides, o_sizes)
         read_inner = channels_innermost(y_strides, y_sizes)
@@ -578,26 +627,31 @@ class ForwardLaunch:
         self.save = save
         self.launch = None
         if out.numel() > 0:
-            ints = (channels, *y_sizes[2:], *o_sizes[2:], num_s_blocks, *y_strides, *o_strides)
+            ints = (channels, *y_sizes[2:], *o_sizes[2:], num_s_blocks, *y_strides, *o_strides, *r_strides)
             self.launch = FastLaunch(_epilogue_fwd_kernel, grid, dict(
-                OPS=ops, HAS_BIAS=bias is not None, POOL=pool_code(pool), POOL_GEOM=pool_geom, SAVE=save,
+                OPS=ops, HEAD=head, TAIL=tail, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                POOL=pool_code(pool), POOL_GEOM=pool_geom, SAVE=save,
                 BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4,
             ), fixed=ints)  # fmt: skip
 
     def __call__(self, y: torch.Tensor, params: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                  winner: torch.Tensor | None = None, winner_y: torch.Tensor | None = None,
-                 y_copy: torch.Tensor | None = None) -> None:  # fmt: skip
+                 y_copy: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> None:  # fmt: skip
         if self.launch is None:
             return
         if self.copy_y:
             y = torch.empty_like(out, dtype=y.dtype).copy_(y)
         b = params if bias is None else bias  # (the bias pointer is not read without a bias)
-        if not self.save:
-            self.launch(y, params, b, out, out, out)
-        elif y_copy is not None:  # (the winner pointer is not read without a pool)
-            self.launch(y, params, b, out, out, y_copy)
+        if residual is None:
+            r = y  # (not read without a residual)
         else:
-            self.launch(y, params, b, out, winner, winner_y)
+            r = torch.empty_like(out, dtype=residual.dtype).copy_(residual) if self.copy_residual else residual
+        if not self.save:
+            self.launch(y, params, b, r, out, out, out)
+        elif y_copy is not None:  # (the winner pointer is not read without a pool)
+            self.launch(y, params, b, r, out, out, y_copy)
+        else:
+            self.launch(y, params, b, r, out, winner, winner_y)
 
 
 def epilogue_backward(

@@ -5,9 +5,11 @@ The chain's ``add`` may read one tensor of the conv output's full shape (``ConvE
 Without gradients the conv family's forward adds it in its store, before the store's activation
 (``FUSION_CONV_IMPL=family`` forces it; on CPU under the interpreter, ``FUSION_CPU_KERNELS=triton``);
 the pattern keeps the add only where that can serve (a direct 2-d or 3-d conv, no gradient, at most
-one store activation after it).  The op itself also takes a residual elsewhere, running plain torch on
-the device (``ReferenceForward`` / ``ReferenceBackward``); the residual's gradient is then the chain's
-gradient at its add.  Every case is checked against float64 with eager's own error as the yardstick
+one store activation after it).  The op's library path adds it in the epilogue kernel's one pass after
+the library conv (``LibraryForward``, the chain split at the residual's slot:
+``kernels.epilogue.residual_split``), and runs plain torch on the device where that kernel cannot
+(``ReferenceForward``) and in the backward (``ReferenceBackward``); the residual's gradient is then the
+chain's gradient at its add.  Every case is checked against float64 with eager's own error as the yardstick
 (``assert_fused``).
 """
 
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.ops import conv_epilogue as ce
-from fusion_backend.ops.chain import ChainStep, Const, PointwiseKind, TensorRef
+from fusion_backend.ops.chain import ChainStep, ChainValue, Const, PointwiseKind, TensorRef
 from fusion_backend.ops.config import ConvEpilogueConfig
 from fusion_backend.testing import assert_fused, dry_run
 
@@ -255,3 +257,67 @@ def test_where_two_convs_outputs_meet_at_an_add_one_region_takes_it_and_the_othe
     summaries, misses = _region(Block().eval(), torch.randn(2, 4, 5, 5))
     assert sorted(summaries) == ["conv2d -> batch_norm (folded)", "conv2d -> batch_norm (folded) -> add -> relu"]
     assert any(n.reason.value == "claimed" and "already part of another fused region" in n.message for n in misses)
+
+
+def _tail_config(*after: ChainStep) -> ConvEpilogueConfig:
+    """``after(leaky_relu(conv(x) * m + r, 0.1))``, the residual ``operands[1]``."""
+    return ConvEpilogueConfig(conv=_conv(), chain=(ChainStep(PointwiseKind.MUL, (TensorRef(0),)),
+                                                   ChainStep(PointwiseKind.ADD, (TensorRef(1),)),
+                                                   ChainStep(PointwiseKind.LEAKY_RELU, (Const(0.1),)), *after),
+                              residual=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+@pytest.mark.parametrize("r_dtype", [torch.float32, torch.float16], ids=["r-fp32", "r-fp16"])
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous", "sliced"])
+def test_the_library_path_adds_the_residual_in_its_epilogue_pass(monkeypatch, exact_fp32, fresh_plans, layout,
+                                                                   r_dtype, train):  # fmt: skip
+    """The library conv, then one epilogue pass: bias, the steps before the add, the residual (any
+    layout and float dtype), the steps after it; against float64 with eager's error as the yardstick,
+    and every gradient (the backward is the reference's, on the library forward's saved conv output)."""
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    monkeypatch.setenv("FUSION_CONV_IMPL", "library")
+    monkeypatch.setattr(ce.forward.ReferenceForward, "__call__", lambda *a: pytest.fail("ran the reference"))
+    torch.manual_seed(16)
+    cfg = _tail_config(ChainStep(PointwiseKind.DIV, (Const(2.0),)))
+    x = _channels_last(torch.randn(2, 4, 7, 5, device=DEVICE))
+    w, b = torch.randn(6, 4, 3, 3, device=DEVICE), torch.randn(6, device=DEVICE)
+    m = torch.rand(6, 1, 1, device=DEVICE) + 0.5
+    r = torch.randn(2, 6, 7, 10, device=DEVICE)
+    r = {"channels_last": _channels_last(r[..., :5].contiguous()), "contiguous": r[..., :5].contiguous(),
+         "sliced": r[..., ::2]}[layout].to(r_dtype)  # fmt: skip
+    leaves = [t.detach().requires_grad_(train) for t in (x, w, b, m, r)]
+    got = ce.conv_epilogue(*leaves[:3], leaves[3:], cfg.to_json())
+    doubles = [t.detach().double().requires_grad_(train) for t in leaves]
+    want = ce.conv_epilogue_eager(*doubles[:3], doubles[3:], cfg.to_json())
+    eager = ce.conv_epilogue_eager(*leaves[:3], leaves[3:], cfg.to_json())
+    assert got.dtype == eager.dtype == torch.float32
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    assert rel(got, want) <= max(4 * rel(eager, want), 1e-6), (rel(got, want), rel(eager, want))
+    if train:
+        g = torch.randn_like(want)
+        grads = torch.autograd.grad(got, leaves, g.float())
+        wants = torch.autograd.grad(want, doubles, g)
+        eagers = torch.autograd.grad(eager, leaves, g.float())
+        for name, gg, ww, ee in zip("x w b m r".split(), grads, wants, eagers, strict=True):
+            assert rel(gg, ww) <= max(4 * rel(ee, ww), 1e-6), (name, rel(gg, ww), rel(ee, ww))
+
+
+def test_a_step_after_the_residual_reading_a_value_from_before_it_runs_the_reference(monkeypatch, fresh_plans):
+    """The epilogue kernel's tail starts from the sum: a later step that reads the conv output itself
+    (``ChainValue(0)``) is the reference's, with the same results."""
+    monkeypatch.setenv("FUSION_CPU_KERNELS", "triton")
+    monkeypatch.setenv("FUSION_CONV_IMPL", "library")
+    torch.manual_seed(17)
+    cfg = _tail_config(ChainStep(PointwiseKind.MUL, (ChainValue(0),)))
+    x, w = torch.randn(1, 4, 5, 5, device=DEVICE), torch.randn(6, 4, 3, 3, device=DEVICE)
+    ops = [torch.rand(6, 1, 1, device=DEVICE) + 0.5, torch.randn(1, 6, 5, 5, device=DEVICE)]
+    plan, _ = ce.forward.plan_for(x, w, None, ops, cfg, False)
+    assert isinstance(plan, ce.forward.ReferenceForward)
+    torch.testing.assert_close(ce.conv_epilogue(x, w, None, ops, cfg.to_json()),
+                               ce.conv_epilogue_eager(x, w, None, ops, cfg.to_json()))  # fmt: skip
+    with pytest.raises(ValueError, match="reads the chain value before slot 0"):
+        ce.forward.epilogue_kernels().residual_split((13, 0, 5 + 32 * 1), 1)

@@ -62,9 +62,11 @@ path when measuring is off or on CPU):
   output written in the same pass), for a direct conv without a pool writing a channels-last output
   (``forward.family_forward_unsupported``); the backward under ``family`` is the library one.
 
-A region with a residual or a gate takes the family's forward (which adds the residual in its store
-and applies the gate as it loads x) where it serves a call without a backward, else plain torch on the
-device (``ReferenceForward``, ``ReferenceBackward``).
+A region with a residual takes the library path with the residual added in the epilogue kernel's
+pass (``forward._residual_library_or_reference``) or, where measured faster for a call without a
+backward, the family's forward (which adds it in its store); a gate or an input norm takes the
+family's forward (which applies it as it loads x) or the input norm's library plan; elsewhere, and in
+the backward, plain torch on the device (``ReferenceForward``, ``ReferenceBackward``).
 
 The reference, the failure policy and ``kernel_path`` are every family's (``ops/declare.py``); a call
 whose signature has a settled plan (``forward.settled`` / ``backward.settled``) runs it straight.

@@ -221,8 +221,23 @@ def _forward_layouts(
     saved_winner)`` as ``allocate_forward_outputs`` gives them."""
     y0 = _library_conv_meta(x, weight, cfg.conv, dtype)
     y0 = torch.empty(y0.shape, dtype=dtype, device="meta", memory_format=output_memory_format(y0))
-    steps = [] if cfg.residual is not None else kernel_steps(cfg.chain, operands, y0.dim(), y0.shape[1])
+    steps = epilogue_steps(cfg, operands, y0.dim(), y0.shape[1])
     return y0, steps, allocate_forward_outputs(torch.empty(0, dtype=x.dtype, device="meta"), y0, cfg, save)
+
+
+def epilogue_steps(cfg: ConvEpilogueConfig, operands: Sequence[Tensor], y_ndim: int, channels: int) -> list:
+    """The chain as the epilogue kernels take it (``kernel_steps``), the residual's add an empty step
+    (the kernel adds the residual there: ``kernels.epilogue.residual_split``)."""
+    if cfg.residual is None:
+        return kernel_steps(cfg.chain, operands, y_ndim, channels)
+    at = residual_slot(cfg)
+    return [*kernel_steps(cfg.chain[:at], operands, y_ndim, channels), (0, []),
+            *kernel_steps(cfg.chain[at + 1:], operands, y_ndim, channels)]
+
+
+def residual_slot(cfg: ConvEpilogueConfig) -> int:
+    """The index of the chain step that adds the residual."""
+    return next(i for i, step in enumerate(cfg.chain) if TensorRef(cfg.residual) in step.operands)
 
 
 class PlannedOperands:
@@ -236,7 +251,8 @@ class PlannedOperands:
     def __init__(self, cfg: ConvEpilogueConfig, steps: Sequence[Any], bias: Tensor | None, channels: int,
                  device: torch.device) -> None:  # fmt: skip
         self.matrix = epilogue_kernels().OperandMatrix(steps, None, channels, device)
-        self.sources = tensor_sources(cfg.chain)
+        #: (a residual is read through its own pointer, not as a row of ``P``)
+        self.sources = tuple(i for i in tensor_sources(cfg.chain) if i != cfg.residual)
         #: the signature's bias is not one contiguous run of C values (a view): copied per call
         self.copy_bias = bias is not None and not (bias.dim() == 1 and bias.is_contiguous())
 
@@ -337,9 +353,9 @@ def _measured_forward(plans: dict[str, Any], args: tuple, cfg: ConvEpilogueConfi
 
 
 class ReferenceForward:
-    """``reference.forward`` on the call's device as a plan: the baseline of a region with a residual
-    (a full-size operand the epilogue kernels' operand matrix cannot hold), an input gate or an input
-    norm (which the library and fused conv kernels do not apply): ``ConvEpilogueConfig.family_only``."""
+    """``reference.forward`` on the call's device as a plan: the baseline of a region with an input gate
+    or an input norm (which the library and fused conv kernels do not apply), and of a residual the
+    epilogue kernel cannot add (``_residual_library_or_reference``): ``ConvEpilogueConfig.family_only``."""
 
     settled = True
 
@@ -358,7 +374,7 @@ def _family_or_reference_plan(x: Tensor, weight: Tensor, bias: Tensor | None, op
     measured (without a CUDA timer: the family's where it serves, else the input norm's library plan)."""
     if mode == "family":
         return _forced_family(x, weight, bias, operands, cfg, save)
-    plans: dict[str, Any] = {"library": ReferenceForward(cfg, save)}
+    plans: dict[str, Any] = {"library": _residual_library_or_reference(x, weight, bias, operands, cfg, save)}
     if mode == "auto" and family_forward_unsupported(x, weight, operands, cfg, save) is None:
         plans["family"] = FamilyForward(x, weight, bias, operands, cfg, save)
     if mode == "auto" and input_norm_library_unsupported(x, weight, operands, cfg, save) is None:
@@ -367,6 +383,21 @@ def _family_or_reference_plan(x: Tensor, weight: Tensor, bias: Tensor | None, op
         return _measured_forward(plans, (x, weight, bias, operands), cfg, save)
     plan = plans.get("family", plans.get("norm-library"))
     return plan, plan.settled
+
+
+def _residual_library_or_reference(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
+                                   cfg: ConvEpilogueConfig, save: bool) -> Any:  # fmt: skip
+    """A ``family_only`` region's baseline plan: for a residual (no gate, no input norm), the library
+    path with the residual added by the epilogue kernel in its one pass (``LibraryForward``), where the
+    kernel serves the chain (``kernels.epilogue.residual_split``: no step after the add reads a value
+    from before it; per-channel or one-value operands); else ``ReferenceForward``."""
+    if cfg.residual is None or cfg.gate is not None or cfg.norm_in is not None:
+        return ReferenceForward(cfg, save)
+    try:
+        return LibraryForward(x, weight, bias, operands, cfg, save)
+    except (UnsupportedInputError, ValueError) as exc:
+        logger.debug("conv_epilogue forward: the residual's library plan cannot serve the call (%s)", exc)
+        return ReferenceForward(cfg, save)
 
 
 def input_norm_library_unsupported(x: Tensor, weight: Tensor, operands: Sequence[Tensor], cfg: ConvEpilogueConfig,
@@ -431,7 +462,7 @@ class InputNormLibraryForward:
 
 def residual_parts(cfg: ConvEpilogueConfig) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """A residual region's chain as ``(the steps before its add, the steps after it)``."""
-    at = next(i for i, step in enumerate(cfg.chain) if TensorRef(cfg.residual) in step.operands)
+    at = residual_slot(cfg)
     return cfg.chain[:at], cfg.chain[at + 1:]
 
 
@@ -583,7 +614,13 @@ class LibraryForward:
         #: no tensor of a call)
         bias_meta = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device="meta")
         pool = cfg.pool
-        self._launch_args = (bias_meta, [(code, ()) for code, _ in steps], pool, outputs)
+        #: the residual's operand index (None: none), read by the epilogue kernel at its chain slot
+        self.residual = cfg.residual
+        residual = None
+        if cfg.residual is not None:
+            r = operands[cfg.residual]
+            residual = (torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta"), residual_slot(cfg))
+        self._launch_args = (bias_meta, [(code, ()) for code, _ in steps], pool, outputs, residual)
         #: the epilogue kernel's launches by y0's strides (one, unless the conv surprises us)
         self.launches = {y0.stride(): self._plan_launch(y0)}
         self.params = PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
@@ -595,10 +632,11 @@ class LibraryForward:
 
     def _plan_launch(self, y0: Tensor) -> Any:  # kernels.epilogue.ForwardLaunch
         """The epilogue kernel's launch for a conv output laid out like ``y0`` (real or meta)."""
-        bias_meta, codes, pool, (out, saved_y0, saved_winner) = self._launch_args
+        bias_meta, codes, pool, (out, saved_y0, saved_winner), residual = self._launch_args
         return epilogue_kernels().ForwardLaunch(
             y0, bias_meta, codes, pool, out, saved_winner if self.max_save else None,
             saved_y0 if self.max_save else None, y_copy=saved_y0 if self.kernel_saves_y0 else None,
+            **({} if residual is None else dict(residual=residual[0], residual_at=residual[1])),
         )  # fmt: skip
 
     def _conv_output(self, x: Tensor, weight: Tensor) -> Tensor:
@@ -623,14 +661,15 @@ class LibraryForward:
             for i, (shape, stride, dtype) in enumerate(self.layouts)
         )  # (the saved conv output is y0 itself where it can be: nothing allocated for it)
         params, bias = self.params(bias, operands)
+        residual = None if self.residual is None else operands[self.residual]
         if self.max_save:
             launch(y0, params, bias, out, saved_winner, saved_y0)
         elif self.kernel_saves_y0:
-            launch(y0, params, bias, out, y_copy=saved_y0)
+            launch(y0, params, bias, out, y_copy=saved_y0, residual=residual)
         else:
             if self.relays_y0:
                 relayout(y0, saved_y0)
-            launch(y0, params, bias, out)
+            launch(y0, params, bias, out, residual=residual)
         return out, saved_y0, saved_winner
 
     def _conv_with_bias(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
