@@ -66,6 +66,7 @@ from ..match.rewrite import (
     materialize,
     region_result,
     rewrite_conv_region,
+    written_by_inductor,
 )
 from ..ops.chain import MAX_CHAIN_LENGTH, ChainStep, PointwiseKind, TensorRef
 from ..ops.chain_lowering import family_activation
@@ -198,8 +199,18 @@ class ConvEpiloguePattern(ConvWalkPattern):
         # graph's cast, done once and saved, is cheaper there than casting again in the backward
         # (Conv2d 64->64 k3 on 64x64x256x256, bf16 train: +0.55 ms, H100).  Without a gradient (the
         # graph was traced under no_grad, or nothing in it requires grad; Dynamo guards on grad mode)
-        # nothing is saved, so the cast pass is pure cost.
-        absorb = (region.pool is not None and region.pool.spec.kind == "max") or not conv_fake.requires_grad
+        # nothing is saved, so a cast pass of its own is pure cost; but where Inductor's code writes x
+        # the graph's cast costs nothing (its kernel stores the narrow copy), and the op's own cast
+        # would be a pass: there the cast stays in the graph, unless a gate or an input norm must see
+        # x as it is.  NOTE: with every region fused, the SD VAE decoder's ops cast their inputs in
+        # 42 copy kernels, 0.34 ms of a 6.9 ms step (H200, bf16 inference; ``python
+        # tools/profile_step.py demos/realnets/sd_vae_decoder.py --backends fusion-fused --mode infer
+        # --dtype bf16``).
+        prologue = region.prologue
+        raw_x = prologue is not None and not isinstance(prologue, InputUpsample)
+        x_source = prologue.source if prologue is not None else conv.input
+        absorb = ((region.pool is not None and region.pool.spec.kind == "max")
+                  or (not conv_fake.requires_grad and (raw_x or not written_by_inductor(ctx, x_source))))
         config = ConvEpilogueConfig(
             conv=conv.spec,
             chain=tuple(region.post.steps),
@@ -210,7 +221,6 @@ class ConvEpiloguePattern(ConvWalkPattern):
             residual=full_size_operand(ctx, region.post.operands, conv_fake),
             **_prologue_fields(region.prologue, len(region.post.operands)),
         ).to_json()
-        prologue = region.prologue
         operands = [*region.post.operands, *_prologue_operands(prologue)]
         return rewrite_conv_region(
             ctx, candidate, conv, operands, op_module.conv_epilogue, config, "fusion::conv_epilogue_fwd",

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..frontend.canonical import Conv, ParamRef
+from ..frontend.normalize import target_name
 from ..report import Match, source_lines_of
 from .engine import Candidate, MatchContext, fake_of
 
@@ -192,6 +193,31 @@ def narrow_read_dtype(node: fx.Node, op_of: Callable[[fx.Node], Any]) -> Optiona
     if dtype not in (torch.bfloat16, torch.float16) or dtype.itemsize >= fake.dtype.itemsize:
         return None
     return dtype
+
+
+#: Ops Inductor hands to a library kernel (cuDNN, cuBLAS, its attention kernels): their results are
+#: written by that kernel, so a cast of one is a pass of its own.
+_LIBRARY_OPS = ("conv", "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product")
+#: Views: no kernel writes their result; what wrote their input counts.
+_VIEWS = ("view", "reshape", "permute", "transpose", "unsqueeze", "squeeze", "flatten", "expand", "t")
+
+
+def written_by_inductor(ctx: MatchContext, value: Any) -> bool:
+    """Whether Inductor's own code writes ``value`` (resolved through earlier rewrites): a pointwise
+    op or a reduction it generates a kernel for, whose store then also casts it at no cost of its own.
+    Not a graph input, a parameter, a fused op's result or a library op's (a conv, a matmul, attention);
+    a view counts as what wrote its input."""
+    node = ctx.resolve(value)
+    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method"):
+        name = target_name(node).lower()
+        if name not in _VIEWS:
+            break
+        node = node.args[0] if node.args else None
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    if node in ctx.replaced.values() or isinstance(ctx.op(node), Conv):
+        return False
+    return not any(op in target_name(node).lower() for op in _LIBRARY_OPS)
 
 
 def dtype_if_changed(value: torch.Tensor, conv_output: torch.Tensor) -> Optional[str]:

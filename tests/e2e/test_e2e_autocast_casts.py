@@ -1,14 +1,22 @@
-"""A region whose result only autocast's convs read is written in their dtype.
+"""Where autocast's casts around a fused region happen.
 
-Under bf16 autocast a GroupNorm (or LayerNorm) runs in fp32, and the conv after it casts its input to
-bf16 as it takes it.  A fused ``conv -> group_norm -> silu`` region feeding such a conv writes its
-result in bf16 itself (``match.rewrite.region_result``): the same value the conv reads, rounded once,
-with no fp32 tensor written and no cast pass.  Where anything else reads the result (the graph's
-output, a pointwise op, a conv in fp32) it keeps eager's dtype.  Every case against float64 with
-eager's own error as the yardstick (``assert_fused``), forward and every gradient.
+A region whose result only autocast's convs read is written in their dtype.  Under bf16 autocast a
+GroupNorm (or LayerNorm) runs in fp32, and the conv after it casts its input to bf16 as it takes it.  A
+fused ``conv -> group_norm -> silu`` region feeding such a conv writes its result in bf16 itself
+(``match.rewrite.narrow_read_dtype``): the same value the conv reads, rounded once, with no fp32 tensor
+written and no cast pass.  Where anything else reads the result (the graph's output, a pointwise op, a
+conv in fp32) it keeps eager's dtype.
+
+A region's own fp32 input, without gradients, is cast in the graph where Inductor's code writes it (its
+kernel stores the bf16 copy: ``match.rewrite.written_by_inductor``), else by the op as it loads it.
+
+Every case against float64 with eager's own error as the yardstick (``assert_fused``), forward and
+every gradient.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -124,3 +132,34 @@ def test_the_region_is_timed_writing_what_the_graph_reads_of_it(monkeypatch, tmp
         assert result.op == "call_method" and result.target == "to" and result.args[1] == torch.bfloat16
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
     decision.forget_in_memory()
+
+
+class ConvRelu(nn.Module):
+    """``relu(conv(producer(x)))`` under bf16 autocast, without gradients."""
+
+    def __init__(self, producer: str) -> None:
+        super().__init__()
+        self.conv, self.producer = nn.Conv2d(4, 6, 3, padding=1), producer
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            if self.producer == "pointwise":
+                x = torch.sigmoid(x) * 2.0
+            elif self.producer == "pointwise, then a view":
+                x = (torch.sigmoid(x) * 2.0).reshape(x.shape)
+            return torch.relu(self.conv(x))
+
+
+@pytest.mark.parametrize("producer", ["graph input", "pointwise", "pointwise, then a view"])
+def test_without_gradients_the_input_cast_goes_where_it_costs_no_pass(kernels, producer):
+    """Where Inductor's code writes the conv's fp32 input, the cast stays in the graph (its kernel
+    stores the bf16 copy); where nothing of Inductor's does (a graph input), the op casts it as it
+    loads it (the config names the compute dtype)."""
+    torch.manual_seed(36)
+    model = ConvRelu(producer).to(DEVICE).requires_grad_(False)
+    with torch.no_grad():
+        reports = assert_fused(model, [torch.randn(2, 4, 6, 5, device=DEVICE)], expect={"conv_epilogue": 1},
+                               train=False, tol=3e-2)  # fmt: skip
+    (match,) = [m for r in reports for m in r.matches]
+    absorbed = json.loads(match.config)["compute_dtype"]
+    assert absorbed == ("bfloat16" if producer == "graph input" else None)
