@@ -105,3 +105,18 @@ def test_a_weight_in_another_layout_than_x_folds_into_xs_and_the_plan_is_reused(
     changed = [operands[0] * 2, operands[1] - 1]
     torch.testing.assert_close(plan(x, w, b, changed)[0], reference_forward(x, w, b, changed, cfg, False)[0],
                                rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_a_residual_region_is_timed_against_the_library_pass_and_on_cuda_the_fused_conv(monkeypatch):
+    """A ResNet block's tail (folded BatchNorm, residual add, ReLU) without a backward: its candidates
+    are the library conv with the residual added in the epilogue pass, the conv family's forward and,
+    on CUDA, cuDNN's fused conv + add + ReLU."""
+    from fusion_backend.ops.conv_epilogue import forward as fwd
+
+    x, w, b, operands, cfg = _case(2, (MUL0, ADD1, RESIDUAL, RELU), True, False, torch.float32)
+    timed = {}
+    monkeypatch.setattr(fwd, "_measured_forward", lambda plans, *a, **k: timed.update(plans) or (plans["library"], True))
+    monkeypatch.setattr(fwd, "_times_library_layouts", lambda x: True)
+    fwd._family_or_reference_plan(x, w, b, operands, cfg, False, "auto")
+    assert isinstance(timed["library"], fwd.LibraryForward) and "family" in timed
+    assert ("cudnn-fused" in timed) == (DEVICE == "cuda")

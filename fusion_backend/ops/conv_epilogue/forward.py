@@ -368,9 +368,11 @@ class ReferenceForward:
 
 def _family_or_reference_plan(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                               cfg: ConvEpilogueConfig, save: bool, mode: str) -> tuple[Any, bool]:  # fmt: skip
-    """``plan_for`` of a ``family_only`` region: ``ReferenceForward``, the conv family's forward (which
-    adds the residual in its store and applies the gate or the input norm as it loads) and, for an
-    input norm, ``InputNormLibraryForward``, each where it serves the call; under ``auto`` the fastest,
+    """``plan_for`` of a ``family_only`` region: its baseline (``_residual_library_or_reference``), the
+    conv family's forward (which adds the residual in its store and applies the gate or the input norm
+    as it loads), for an input norm ``InputNormLibraryForward``, and for a residual after a folded eval
+    BatchNorm then ReLU cuDNN's fused conv + add + ReLU (``CudnnFusedForward``), each where it serves
+    the call; under ``auto`` the fastest,
     measured (without a CUDA timer: the family's where it serves, else the input norm's library plan)."""
     if mode == "family":
         return _forced_family(x, weight, bias, operands, cfg, save)
@@ -379,6 +381,8 @@ def _family_or_reference_plan(x: Tensor, weight: Tensor, bias: Tensor | None, op
         plans["family"] = FamilyForward(x, weight, bias, operands, cfg, save)
     if mode == "auto" and input_norm_library_unsupported(x, weight, operands, cfg, save) is None:
         plans["norm-library"] = InputNormLibraryForward(x, weight, bias, operands, cfg, save)
+    if mode == "auto" and x.device.type == "cuda" and cudnn_fused_unsupported(x, weight, operands, cfg, save) is None:
+        plans["cudnn-fused"] = CudnnFusedForward(x, weight, bias, operands, cfg, save)
     if len(plans) == 1 or _times_library_layouts(x):
         return _measured_forward(plans, (x, weight, bias, operands), cfg, save)
     plan = plans.get("family", plans.get("norm-library"))
