@@ -202,20 +202,29 @@ _LIBRARY_OPS = ("conv", "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "ei
 _VIEWS = ("view", "reshape", "permute", "transpose", "unsqueeze", "squeeze", "flatten", "expand", "t")
 
 
+#: A region copy's placeholder's meta key: whether Inductor's code writes the value it stands for in
+#: the graph the region was copied from (``runtime.region_timing.extract_region``).
+WRITTEN_BY_INDUCTOR = "fusion_written_by_inductor"
+
+
 def written_by_inductor(ctx: MatchContext, value: Any) -> bool:
     """Whether Inductor's own code writes ``value`` (resolved through earlier rewrites): a pointwise
     op or a reduction it generates a kernel for, whose store then also casts it at no cost of its own.
     Not a graph input, a parameter, a fused op's result or a library op's (a conv, a matmul, attention);
-    a view counts as what wrote its input."""
+    a view counts as what wrote its input; a region copy's input as what it stands for."""
     node = ctx.resolve(value)
-    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method"):
-        name = target_name(node).lower()
-        if name not in _VIEWS:
-            break
-        node = node.args[0] if node.args else None
-    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
-        return False
-    if node in ctx.replaced.values() or isinstance(ctx.op(node), Conv):
+    return isinstance(node, fx.Node) and node not in ctx.replaced.values() and inductor_writes(node, ctx.op)
+
+
+def inductor_writes(node: fx.Node, op_of: Callable[[fx.Node], Any]) -> bool:
+    """``written_by_inductor`` for a node of an unrewritten graph (``op_of``: its canonical ops)."""
+    while node.op in ("call_function", "call_method") and target_name(node).lower() in _VIEWS:
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
+    if node.op == "placeholder":
+        return bool(node.meta.get(WRITTEN_BY_INDUCTOR, False))
+    if node.op not in ("call_function", "call_method") or isinstance(op_of(node), Conv):
         return False
     return not any(op in target_name(node).lower() for op in _LIBRARY_OPS)
 

@@ -11,7 +11,9 @@ the last one used outside the region).  The result is a self-contained ``GraphMo
 placeholders are the region's inputs (every outside node a region node reads, in order of first
 use; an ``x.item()`` feeding the region is pulled in and ``x`` becomes the input), whose output is
 the one-tuple of the region's result (cast to the narrower dtype every reader in the graph takes it
-in: ``match.rewrite.narrow_read_dtype``), and whose nodes carry the original fake values.  Where the
+in: ``match.rewrite.narrow_read_dtype``), and whose nodes carry the original fake values (each
+placeholder also whether Inductor's code writes what it stands for, which decides where a fused op's
+input cast goes: ``match.rewrite.written_by_inductor``).  Where the
 region sits inside an autocast block recorded in the graph (``_enter_autocast``), the copy enters
 and leaves the same block.  A region whose inputs are not all tensors (symbolic scalars) raises
 :class:`NotMeasurable`.
@@ -54,7 +56,7 @@ from .. import gpu_timing
 from ..frame_room import call_with_frame_room
 from ..frontend.normalize import normalize_node, target_name
 from ..ir.fakes import fake_of
-from ..match.rewrite import narrow_read_dtype
+from ..match.rewrite import WRITTEN_BY_INDUCTOR, inductor_writes, narrow_read_dtype
 
 #: Timing: rounds per candidate (interleaved), the length one round aims at, the most calls in one.
 ROUNDS = 5
@@ -136,12 +138,15 @@ def extract_region(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> ExtractedReg
 
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    op_of = functools.partial(normalize_node, root=gm)
     for i, source in enumerate(inputs):
         if source.op == "get_attr":
             env[source] = graph.get_attr(source.target)
             continue
         placeholder = graph.placeholder(f"input_{i}")
         placeholder.meta["example_value"] = fake_of(source)
+        # (where the cast of an input goes depends on what writes it in the graph: ``written_by_inductor``)
+        placeholder.meta[WRITTEN_BY_INDUCTOR] = inductor_writes(source, op_of)
         env[source] = placeholder
     blocks = [graph.call_function(_AUTOCAST_ENTER, enter.args, enter.kwargs) for enter in _open_autocast_blocks(gm, nodes[0])]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -150,7 +155,7 @@ def extract_region(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> ExtractedReg
     for block in reversed(blocks):
         graph.call_function(_AUTOCAST_EXIT, (block,))
     result = env[nodes[-1]]
-    narrow = narrow_read_dtype(nodes[-1], functools.partial(normalize_node, root=gm))
+    narrow = narrow_read_dtype(nodes[-1], op_of)
     if narrow is not None:  # what the graph reads of it: the narrow copy alone (``narrow_read_dtype``)
         result = graph.call_method("to", (result, narrow))
         result.meta["example_value"] = torch.empty_like(fake_of(nodes[-1]), dtype=narrow)

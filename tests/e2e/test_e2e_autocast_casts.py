@@ -163,3 +163,32 @@ def test_without_gradients_the_input_cast_goes_where_it_costs_no_pass(kernels, p
     (match,) = [m for r in reports for m in r.matches]
     absorbed = json.loads(match.config)["compute_dtype"]
     assert absorbed == ("bfloat16" if producer == "graph input" else None)
+
+
+def test_a_region_copy_s_inputs_say_whether_inductor_s_code_writes_them():
+    """Timed on its own, a region's input is a placeholder: it carries what wrote it in the graph, so
+    the fused candidate casts it where the graph will (``written_by_inductor``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from fusion_backend.frontend.normalize import normalize_node
+    from fusion_backend.match.rewrite import WRITTEN_BY_INDUCTOR, inductor_writes
+    from fusion_backend.runtime import region_timing
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            return torch.relu(self.a(torch.sigmoid(x).reshape(x.shape))) + torch.relu(self.b(x))
+
+    gm = torch.fx.symbolic_trace(Two())
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.randn(1, 4, 5, 5)))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for conv, written in (("a", True), ("b", False)):
+        region = region_timing.extract_region(gm, [nodes[conv], nodes["relu" if conv == "a" else "relu_1"]])
+        (placeholder,) = [n for n in region.graph.nodes if n.op == "placeholder"]
+        assert placeholder.meta[WRITTEN_BY_INDUCTOR] is written, conv
+        assert inductor_writes(placeholder, normalize_node) is written, conv
