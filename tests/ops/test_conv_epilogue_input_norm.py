@@ -234,7 +234,7 @@ def test_the_input_norm_s_library_plan_is_within_eager_s_error_of_float64(case, 
     assert ce.forward.input_norm_library_unsupported(x, w, ops, cfg, False) is None
     plan = ce.forward.InputNormLibraryForward(x, w, b, ops, cfg, False)
     outputs = plan(x, w, b, ops)
-    assert plan.conv.conv_with_bias == (not chain)  # a region ending at the bias: eager's conv with it
+    assert not plan.conv.conv_alone  # (the bias: the epilogue kernel adds it)
     eager_outputs = ce.reference.forward(x, w, b, ops, cfg, False)
     assert [(t.shape, t.dtype) for t in outputs[1:]] == [(t.shape, t.dtype) for t in eager_outputs[1:]]
     got, eager = outputs[0], eager_outputs[0]

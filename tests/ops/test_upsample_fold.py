@@ -86,10 +86,11 @@ def test_what_does_not_fold_says_why(spec, kernel, scale, why):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels-last"])
-def test_a_folded_region_that_ends_at_the_bias_runs_eager_s_conv_with_it(layout, triton_kernels):
-    """``conv_epilogue``'s library plan for ``upsample -> conv`` alone, saving nothing: one aten conv
-    with the bias (no epilogue pass over the output), eager's values and the op's fake layout; with a
-    chain, or saving for a backward, the plan is the usual conv then epilogue kernel."""
+def test_a_folded_bias_free_region_runs_the_conv_alone_and_a_bias_goes_to_the_epilogue(layout, triton_kernels):
+    """``conv_epilogue``'s library plan for ``upsample -> conv`` alone, saving nothing: without a bias,
+    one aten conv (no epilogue pass over the output); with a bias (aten adds it in a slow broadcast
+    add of its own), a chain, or saving for a backward, the conv then the epilogue kernel; eager's
+    values and the op's fake layout either way."""
     from fusion_backend.ops import conv_epilogue as ce
     from fusion_backend.ops.chain import ChainStep, PointwiseKind
     from fusion_backend.ops.config import ConvEpilogueConfig
@@ -101,13 +102,13 @@ def test_a_folded_region_that_ends_at_the_bias_runs_eager_s_conv_with_it(layout,
     spec = transposed_equivalent(ConvSpec(False, (1, 1), (1, 1), (1, 1), (0, 0), 1), (3, 3), (2, 2))
     folded = upsampled_conv_weight(w, (2, 2), 1)
     cfg = ConvEpilogueConfig(conv=spec)
-    plan = ce.forward.LibraryForward(x, folded, b, [], cfg, False)
-    assert plan.conv_with_bias
-    out, *_ = plan(x, folded, b, [])
-    want = F.conv_transpose2d(x, folded, b, stride=2, padding=1)
-    assert torch.equal(out, want)
-    fake, *_ = ce.reference.forward(x, folded, b, [], cfg, False)
+    plan = ce.forward.LibraryForward(x, folded, None, [], cfg, False)
+    assert plan.conv_alone
+    out, *_ = plan(x, folded, None, [])
+    assert torch.equal(out, F.conv_transpose2d(x, folded, None, stride=2, padding=1))
+    fake, *_ = ce.reference.forward(x, folded, None, [], cfg, False)
     assert out.stride() == fake.stride()
     relu = ConvEpilogueConfig(conv=spec, chain=(ChainStep(PointwiseKind.RELU),))
-    assert not ce.forward.LibraryForward(x, folded, b, [], relu, False).conv_with_bias
-    assert not ce.forward.LibraryForward(x, folded, b, [], cfg, True).conv_with_bias
+    assert not ce.forward.LibraryForward(x, folded, b, [], cfg, False).conv_alone
+    assert not ce.forward.LibraryForward(x, folded, None, [], relu, False).conv_alone
+    assert not ce.forward.LibraryForward(x, folded, None, [], cfg, True).conv_alone

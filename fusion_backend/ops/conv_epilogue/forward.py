@@ -425,8 +425,8 @@ class InputNormLibraryForward:
     (``input_norm_library_unsupported``): the norm and its activation by ``kernels.group_norm`` in fp32,
     written once in the conv's dtype and x's layout (rounded once, as eager rounds autocast's fp32
     norm for its conv), then the rest of the region on that tensor as the library path runs it
-    (``LibraryForward``: eager's conv with its bias where the region ends there, the VAE decoder's
-    ``norm -> silu -> conv``; else aten's conv, then the epilogue kernel).
+    (``LibraryForward``: aten's conv, then the epilogue kernel adding the bias and the chain; a
+    bias-free conv alone is the conv's own output).
 
     WHY: the conv family's forward, which applies the norm as it loads, lost every such region of the
     SD VAE decoder to Inductor (0.21-0.55x on the H200, bf16 inference), and the plain-torch reference
@@ -442,7 +442,7 @@ class InputNormLibraryForward:
                  cfg: ConvEpilogueConfig, save: bool) -> None:  # fmt: skip
         self.cfg, self.dtype = cfg, conv_compute_dtype(cfg, x)
         #: the region without its input norm: what the library plan runs on the normalised tensor
-        #: (a region that ends at the conv's bias: eager's conv with it, ``LibraryForward.conv_with_bias``)
+        #: (a bias-free conv alone: the conv's own output, ``LibraryForward.conv_alone``)
         self.conv_cfg = dataclasses.replace(cfg, norm_in=None, norm_in_affine=None, act_in=())
         #: the library plan, made on the first call (from the normalised tensor)
         self.conv: LibraryForward | None = None
@@ -628,11 +628,14 @@ class LibraryForward:
         #: the epilogue kernel's launches by y0's strides (one, unless the conv surprises us)
         self.launches = {y0.stride(): self._plan_launch(y0)}
         self.params = PlannedOperands(cfg, steps, bias, y0.shape[1], x.device)
-        #: a region that ends at the conv's bias, in the conv's dtype, saving nothing (an upsample or
-        #: an input norm folded into the conv, with no chain after it): eager's conv with its bias, one
-        #: pass, where the epilogue kernel would read the conv output again to add the bias
-        self.conv_with_bias = (not save and not cfg.chain and cfg.pool is None and self.conv_format is None
-                               and outputs[0].dtype == self.dtype)  # fmt: skip
+        #: a region that is the conv alone, without a bias, in the conv's dtype, saving nothing (an
+        #: upsample or an input norm folded into a bias-free conv): the conv's own output, no pass after
+        #: it.  NOTE: with a bias the epilogue kernel adds it: aten's conv adds it in a broadcast add of
+        #: its own after cuDNN's, which does not vectorise on channels-last outputs (0.021 ms on a
+        #: 1x512x128x128 bf16 output, where the epilogue kernel streams at about 4 TB/s; H200,
+        #: ``python tools/profile_step.py`` on an upsample -> Conv2d(512, 512, 3) model, fusion-fused).
+        self.conv_alone = (bias is None and not save and not cfg.chain and cfg.pool is None
+                           and self.conv_format is None and outputs[0].dtype == self.dtype)  # fmt: skip
 
     def _plan_launch(self, y0: Tensor) -> Any:  # kernels.epilogue.ForwardLaunch
         """The epilogue kernel's launch for a conv output laid out like ``y0`` (real or meta)."""
@@ -654,8 +657,8 @@ class LibraryForward:
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        if self.conv_with_bias:
-            return self._conv_with_bias(x, weight, bias)
+        if self.conv_alone:
+            return self._conv_alone(x, weight)
         y0 = self._conv_output(x, weight)
         launch = self.launches.get(y0.stride())
         if launch is None:  # a layout the plan did not expect (``ChannelsLastLibraryForward`` only)
@@ -676,10 +679,10 @@ class LibraryForward:
             launch(y0, params, bias, out, residual=residual)
         return out, saved_y0, saved_winner
 
-    def _conv_with_bias(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """The outputs of a region that ends at the bias: aten's conv with it, in the fake's layout."""
-        xc, wc, bc = cast_inputs(x, weight, bias, self.dtype)
-        out = run_conv(xc, wc, bc, self.spec)
+    def _conv_alone(self, x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The outputs of a region that is a bias-free conv alone: aten's conv, in the fake's layout."""
+        xc, wc, _ = cast_inputs(x, weight, None, self.dtype)
+        out = run_conv(xc, wc, None, self.spec)
         (shape, stride, _), *placeholders = self.layouts
         if out.stride() != stride:
             out = torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
