@@ -534,7 +534,6 @@ def residual_split(ops: Sequence[int], at: int) -> tuple[tuple[int, ...], tuple[
     """``(HEAD, TAIL)`` of a chain ``ops`` whose residual add is the empty slot ``at``: the slots before
     it, and those after it, each with the others emptied.  ValueError where slot ``at`` is not empty,
     or a step after it reads a chain value from before the residual (the tail starts from the sum)."""
-
     if not 0 <= at < len(ops) or ops[at] != 0:
         raise ValueError(f"the residual's slot {at} must be an empty slot of the chain {tuple(ops)}")
     for code in ops[at + 1:]:

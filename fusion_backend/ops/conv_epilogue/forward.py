@@ -372,8 +372,8 @@ def _family_or_reference_plan(x: Tensor, weight: Tensor, bias: Tensor | None, op
     conv family's forward (which adds the residual in its store and applies the gate or the input norm
     as it loads), for an input norm ``InputNormLibraryForward``, and for a residual after a folded eval
     BatchNorm then ReLU cuDNN's fused conv + add + ReLU (``CudnnFusedForward``), each where it serves
-    the call; under ``auto`` the fastest,
-    measured (without a CUDA timer: the family's where it serves, else the input norm's library plan)."""
+    the call; under ``auto`` the fastest, measured (without a CUDA timer: the family's where it serves,
+    else the input norm's library plan)."""
     if mode == "family":
         return _forced_family(x, weight, bias, operands, cfg, save)
     plans: dict[str, Any] = {"library": _residual_library_or_reference(x, weight, bias, operands, cfg, save)}
@@ -576,8 +576,8 @@ def choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvEpilogue
 
 class LibraryForward:
     """The library path's forward for one call signature (see ``FusedForward``): aten's conv
-    without bias, then one Triton kernel for bias + chain + pool (+ max-pool winners).  The conv
-    output's layout (``_library_conv_meta``, the fake's rule), the outputs' layouts, the operand
+    without bias, then one Triton kernel for bias + chain (+ a residual) + pool (+ max-pool
+    winners).  The conv output's layout (``_library_conv_meta``, the fake's rule), the outputs' layouts, the operand
     matrix layout and the epilogue kernel's launch (``kernels.epilogue.ForwardLaunch``) are worked
     out once; a call casts, convolves, allocates and launches.
 
