@@ -577,9 +577,10 @@ def choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvEpilogue
 class LibraryForward:
     """The library path's forward for one call signature (see ``FusedForward``): aten's conv
     without bias, then one Triton kernel for bias + chain (+ a residual) + pool (+ max-pool
-    winners).  The conv output's layout (``_library_conv_meta``, the fake's rule), the outputs' layouts, the operand
-    matrix layout and the epilogue kernel's launch (``kernels.epilogue.ForwardLaunch``) are worked
-    out once; a call casts, convolves, allocates and launches.
+    winners).  The conv output's layout (``_library_conv_meta``, the fake's rule), the outputs'
+    layouts, the operand matrix layout and the epilogue kernel's launch
+    (``kernels.epilogue.ForwardLaunch``) are worked out once; a call casts, convolves, allocates and
+    launches.
 
     WHY a plan object: on small convs (Conv2d 3->16 k3 on 128 x 3 x 32 x 32) the step is host time,
     and the per-call checks, key building and Triton's generic launch were most of it.
