@@ -93,7 +93,10 @@ def test_ddp_and_fsdp2_training_match_single_process_eager(tmp_path):
 
     import fusion_backend.backend  # noqa: F401
 
-    mp.start_processes(_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    # A process that has initialised CUDA (an xdist worker that ran GPU tests first) cannot fork ranks
+    # that touch CUDA again ("Cannot re-initialize CUDA in forked subprocess"): those spawn.
+    start = "spawn" if torch.cuda.is_initialized() else "fork"
+    mp.start_processes(_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method=start)
     for rank in range(2):
         summary = json.loads((tmp_path / f"rank{rank}.json").read_text())
         # DDP: three graphs, [conv], [x multiplier -> leaky -> pool], [conv-transpose -> gelu -> mean]: the
