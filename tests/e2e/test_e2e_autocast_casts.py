@@ -38,9 +38,10 @@ class TwoConvs(nn.Module):
     the conv in bf16 and the norm in fp32, the CPU's the norm in bf16 too) or none of it (``"none"``); ``also``: another reader
     of the norm's result."""
 
-    def __init__(self, also: str = "none", autocast: str = "conv2") -> None:
+    def __init__(self, also: str = "none", autocast: str = "conv2", norm: nn.Module | None = None) -> None:
         super().__init__()
-        self.conv1, self.norm, self.conv2 = nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Conv2d(8, 6, 3, padding=1)
+        self.conv1, self.conv2 = nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 6, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8) if norm is None else norm
         self.also, self.autocast = also, autocast
 
     def forward(self, x):
@@ -73,6 +74,20 @@ def test_a_result_read_only_by_autocast_convs_is_written_in_their_dtype(kernels,
     x = torch.randn(2, 4, 9, 7, device=DEVICE).to(memory_format=fmt)
     reports = assert_fused(model, [x], expect={"conv_group_norm": 1}, train=train, tol=3e-2)
     assert _group_norm_config(reports).out_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("family", ["conv_batch_norm", "conv_layer_norm", "conv_epilogue"])
+def test_every_family_writes_a_result_read_only_by_autocast_convs_in_their_dtype(kernels, family):
+    """The rule is the rewrite's, so every family follows it: a training BatchNorm, a LayerNorm over
+    (C, H, W), an eval BatchNorm folded into the conv's epilogue."""
+    torch.manual_seed(37)
+    norm = {"conv_batch_norm": nn.BatchNorm2d(8), "conv_layer_norm": nn.LayerNorm([8, 6, 5]),
+            "conv_epilogue": nn.BatchNorm2d(8).eval()}[family]  # fmt: skip
+    model = TwoConvs(norm=norm).to(DEVICE)
+    train = family != "conv_epilogue"
+    reports = assert_fused(model, [torch.randn(2, 4, 6, 5, device=DEVICE)], expect={family: 1}, train=train, tol=3e-2)
+    (match,) = [m for r in reports for m in r.matches]
+    assert json.loads(match.config)["out_dtype"] == "bfloat16"
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CPU's autocast runs GroupNorm in bf16")
