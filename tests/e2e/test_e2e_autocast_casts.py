@@ -207,3 +207,14 @@ def test_a_region_copy_s_inputs_say_whether_inductor_s_code_writes_them():
         (placeholder,) = [n for n in region.graph.nodes if n.op == "placeholder"]
         assert placeholder.meta[WRITTEN_BY_INDUCTOR] is written, conv
         assert inductor_writes(placeholder, normalize_node) is written, conv
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 6, 5), (3, 4, 7, 9)])
+def test_under_dynamic_shapes_the_narrowed_region_fuses(kernels, shape):
+    """``dynamic=True`` turns the norm's eps into a tensor read with ``.item()``, and an autocast block
+    entered with ``enabled=False`` carries no fake value in Dynamo's graph: the backend does not
+    propagate fake values again for that (which failed on the ``.item()`` and left the graph to Inductor)."""
+    torch.manual_seed(38)
+    reports = assert_fused(TwoConvs().to(DEVICE), [torch.randn(*shape, device=DEVICE)], expect={"conv_group_norm": 1},
+                           tol=3e-2, dynamic=True)  # fmt: skip
+    assert _group_norm_config(reports).out_dtype == "bfloat16"
