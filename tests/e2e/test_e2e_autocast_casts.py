@@ -218,3 +218,26 @@ def test_under_dynamic_shapes_the_narrowed_region_fuses(kernels, shape):
     reports = assert_fused(TwoConvs().to(DEVICE), [torch.randn(*shape, device=DEVICE)], expect={"conv_group_norm": 1},
                            tol=3e-2, dynamic=True)  # fmt: skip
     assert _group_norm_config(reports).out_dtype == "bfloat16"
+
+
+class NormThenFusedConv(nn.Module):
+    """``relu(conv2(silu(group_norm(conv1(x)))))``, conv2 under bf16 autocast: two regions, the second
+    reading the first's narrowed result; the graph holds fused ops alone and runs directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.norm, self.conv2 = nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Conv2d(8, 6, 3, padding=1)
+
+    def forward(self, x):
+        h = F.silu(self.norm(self.conv1(x)))
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            return torch.relu(self.conv2(h))
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_a_fused_op_reads_the_narrowed_result_of_the_one_before(kernels, train):
+    torch.manual_seed(39)
+    reports = assert_fused(NormThenFusedConv().to(DEVICE), [torch.randn(2, 4, 6, 5, device=DEVICE)],
+                           expect={"conv_group_norm": 1, "conv_epilogue": 1}, train=train, tol=3e-2)  # fmt: skip
+    assert _group_norm_config(reports).out_dtype == "bfloat16"
+    assert all(str(r).splitlines()[0].endswith("runs direct") for r in reports)
