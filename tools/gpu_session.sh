@@ -35,8 +35,8 @@
 #            bf16 training step under CUDA graphs with every batch_norm_conv region fused, into $out/bnconv; the log's
 #            impl-choice lines time each pass's family and library implementations (BNCONV_SUITE names other
 #            model files, comma-separated)
-#   vae      the SD VAE decoder's paths: the GPU tests of the upsample fold, the GroupNorm family and the input-norm
-#            prologue (VAE_TESTS=0 skips them), then the decoder in bf16 inference with every region measured, under
+#   vae      the SD VAE decoder's paths: the GPU tests of the upsample fold, the GroupNorm family, the input-norm
+#            prologue, autocast's casts around regions and the residual's library pass (VAE_TESTS=0 skips them), then the decoder in bf16 inference with every region measured, under
 #            CUDA graphs and in the default mode, into $out/vae-ro and $out/vae-default, each region's verdict printed
 #            (diffusers from the wheels under .whl/, carried to the device: device/README.md)
 #   firstcall tools/first_call.py, cold and warm, on Conv2d 64->64 (infer, train), Conv3d (infer), ConvT3d (train)
@@ -196,6 +196,7 @@ if has vae; then
     timeout -k 10 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_upsample_fold_kernel.py \
       tests/ops/test_upsample_fold.py tests/e2e/test_e2e_upsample_conv.py tests/ops/test_conv_group_norm_op.py \
       tests/ops/test_conv_epilogue_input_norm.py tests/kernels/test_group_norm_kernel.py tests/e2e/test_e2e_conv_group_norm.py \
+      tests/e2e/test_e2e_autocast_casts.py tests/ops/test_conv_epilogue_residual.py tests/ops/test_cudnn_fused_forward.py \
       >"$out/vae_tests.log" 2>&1 || rc=1
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/vae_tests.log" | tail -12
   fi
