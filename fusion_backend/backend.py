@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from .errors import ConfigurationError, RewriteError
+from .frontend.normalize import AUTOCAST_MARKERS
 from .kernels import compile_pool
 from .match.engine import (
     Candidate,
@@ -810,21 +811,16 @@ def _clone(gm: fx.GraphModule) -> fx.GraphModule:
     return clone
 
 
-#: Nodes whose value is no tensor and that Dynamo may record without one (an autocast block entered with
-#: ``enabled=False``): their missing value does not make a graph one that needs its values propagated.
-_VALUELESS_TARGETS = tuple(t for t in (getattr(torch.amp.autocast_mode, "_enter_autocast", None),
-                                       getattr(torch.amp.autocast_mode, "_exit_autocast", None)) if t is not None)
-
-
 def _ensure_fake_values(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     """Graphs that do not come from Dynamo carry no fake values; propagate them from the inputs.
 
-    WHY not for an autocast block's enter and exit alone: propagating again runs every op on fake
+    WHY not for an autocast block's enter and exit alone (Dynamo records a block entered with
+    ``enabled=False`` without values; they are no tensors anyway): propagating again runs every op on fake
     tensors, and under ``dynamic=True`` a module's float attribute (a norm's eps) reaches the graph as a
     tensor read with ``.item()``, which fake tensors cannot answer: the whole graph fell back to
     Inductor."""
     if all("example_value" in n.meta or "val" in n.meta for n in gm.graph.nodes
-           if n.op != "output" and not (n.op == "call_function" and n.target in _VALUELESS_TARGETS)):
+           if n.op != "output" and not (n.op == "call_function" and n.target in AUTOCAST_MARKERS)):
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp

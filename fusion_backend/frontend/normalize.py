@@ -197,6 +197,13 @@ _POINTWISE_MODULES: dict[type, K] = {
 # --------------------------------------------------------------------------------------------
 
 
+#: What Dynamo records an autocast block in the graph as: ``_enter_autocast(...)`` and ``_exit_autocast(enter)``
+#: calls (None on a torch without them).  No kernels, no tensor values: the casts are nodes of their own.
+AUTOCAST_ENTER = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
+AUTOCAST_EXIT = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
+AUTOCAST_MARKERS = frozenset(t for t in (AUTOCAST_ENTER, AUTOCAST_EXIT) if t is not None)
+
+
 def target_name(node: fx.Node) -> str:
     """The bare name of what a node calls: a method's name, a function's ``__name__`` (``softmax``,
     ``group_norm``), ``""`` for anything else."""

@@ -195,9 +195,9 @@ def narrow_read_dtype(node: fx.Node, op_of: Callable[[fx.Node], Any]) -> Optiona
     return dtype
 
 
-#: Ops Inductor hands to a library kernel (cuDNN, cuBLAS, its attention kernels): their results are
-#: written by that kernel, so a cast of one is a pass of its own.
-_LIBRARY_OPS = ("conv", "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product")
+#: Ops Inductor hands to a library kernel (cuDNN, cuBLAS, its attention kernels), by target name: their
+#: results are written by that kernel, so a cast of one is a pass of its own.
+LIBRARY_OPS = ("conv", "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product")
 #: Views: no kernel writes their result; what wrote their input counts.
 _VIEWS = ("view", "reshape", "permute", "transpose", "unsqueeze", "squeeze", "flatten", "expand", "t")
 
@@ -226,7 +226,7 @@ def inductor_writes(node: fx.Node, op_of: Callable[[fx.Node], Any]) -> bool:
         return bool(node.meta.get(WRITTEN_BY_INDUCTOR, False))
     if node.op not in ("call_function", "call_method") or isinstance(op_of(node), Conv):
         return False
-    return not any(op in target_name(node).lower() for op in _LIBRARY_OPS)
+    return not any(op in target_name(node).lower() for op in LIBRARY_OPS)
 
 
 def dtype_if_changed(value: torch.Tensor, conv_output: torch.Tensor) -> Optional[str]:

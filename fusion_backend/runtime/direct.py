@@ -26,6 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..frontend.normalize import AUTOCAST_MARKERS
 from ..ops import bn_fold, upsample_fold
 from ..ops.batched_cast import CAST_BATCHED
 from ..ops.direct_impls import direct_impl
@@ -46,8 +47,7 @@ GLUE_FUNCTIONS = frozenset({
     operator.getitem, torch.reshape, torch.unsqueeze, torch.squeeze, torch.flatten, torch.permute,
     torch.transpose, torch.narrow, bn_fold.scale_and_shift, bn_fold.BATCHED, CAST_BATCHED,
     upsample_fold.upsampled_conv_weight,
-    *(getattr(torch.amp.autocast_mode, name) for name in ("_enter_autocast", "_exit_autocast")
-      if hasattr(torch.amp.autocast_mode, name)),
+    *AUTOCAST_MARKERS,
 })
 
 

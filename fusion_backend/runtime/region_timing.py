@@ -54,17 +54,14 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .. import gpu_timing
 from ..frame_room import call_with_frame_room
-from ..frontend.normalize import normalize_node, target_name
+from ..frontend.normalize import AUTOCAST_ENTER, AUTOCAST_EXIT, AUTOCAST_MARKERS, normalize_node, target_name
 from ..ir.fakes import fake_of
-from ..match.rewrite import WRITTEN_BY_INDUCTOR, inductor_writes, narrow_read_dtype
+from ..match.rewrite import LIBRARY_OPS, WRITTEN_BY_INDUCTOR, inductor_writes, narrow_read_dtype
 
 #: Timing: rounds per candidate (interleaved), the length one round aims at, the most calls in one.
 ROUNDS = 5
 ROUND_MS = 15.0
 MAX_CALLS = 200
-
-_AUTOCAST_ENTER = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
-_AUTOCAST_EXIT = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
 
 
 class NotMeasurable(Exception):
@@ -148,12 +145,12 @@ def extract_region(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> ExtractedReg
         # (where the cast of an input goes depends on what writes it in the graph: ``written_by_inductor``)
         placeholder.meta[WRITTEN_BY_INDUCTOR] = inductor_writes(source, op_of)
         env[source] = placeholder
-    blocks = [graph.call_function(_AUTOCAST_ENTER, enter.args, enter.kwargs) for enter in _open_autocast_blocks(gm, nodes[0])]
+    blocks = [graph.call_function(AUTOCAST_ENTER, enter.args, enter.kwargs) for enter in _open_autocast_blocks(gm, nodes[0])]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sorted(members, key=order.__getitem__):
         env[node] = graph.node_copy(node, lambda n: env[n])
     for block in reversed(blocks):
-        graph.call_function(_AUTOCAST_EXIT, (block,))
+        graph.call_function(AUTOCAST_EXIT, (block,))
     result = env[nodes[-1]]
     narrow = narrow_read_dtype(nodes[-1], op_of)
     if narrow is not None:  # what the graph reads of it: the narrow copy alone (``narrow_read_dtype``)
@@ -164,10 +161,9 @@ def extract_region(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> ExtractedReg
     return ExtractedRegion(graph, gm, inputs, nodes[-1], dict(env))
 
 
-#: Ops a region's consumers may not be: the compute a later region would claim.  (Nor may they write
-#: to a tensor: timing runs the copy many times and must not touch the user's tensors.)
-_HEAVY_NAMES = ("conv", "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product")
-
+#: In-place operators: a region's consumers may not write to a tensor (timing runs the copy many times and
+#: must not touch the user's tensors), nor be library ops (``match.rewrite.LIBRARY_OPS``: the compute a
+#: later region would claim).
 _IN_PLACE_OPERATORS = {getattr(operator, n) for n in dir(operator)
                        if n.startswith("i") and (n[1:] in dir(operator) or f"{n[1:]}_" in dir(operator))}
 
@@ -192,8 +188,7 @@ def with_consumers(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> list[fx.Node
     limit = _numel_hint(fake_of(nodes[-1]))
     if limit is None:
         return grown
-    boundaries = {_AUTOCAST_ENTER, _AUTOCAST_EXIT} - {None}
-    markers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in boundaries]
+    markers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in AUTOCAST_MARKERS]
     while len(grown) < len(nodes) + MAX_CONSUMERS:
         users = list(grown[-1].users)
         if len(users) != 1:
@@ -211,7 +206,7 @@ def _cheap_consumer(node: fx.Node, max_numel: int) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     name = target_name(node).lower()
-    if not name or name in ("setitem", "item") or any(heavy in name for heavy in _HEAVY_NAMES):
+    if not name or name in ("setitem", "item") or any(op in name for op in LIBRARY_OPS):
         return False
     in_place = (name.endswith("_") and not name.endswith("__") or name.startswith("__i")
                 or node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True)
@@ -238,7 +233,7 @@ def _numel_hint(value: Any) -> int | None:
 
 def _open_autocast_blocks(gm: fx.GraphModule, first: fx.Node) -> list[fx.Node]:
     """The ``_enter_autocast`` nodes of ``gm`` still open where ``first`` runs, outermost first."""
-    if _AUTOCAST_ENTER is None:
+    if AUTOCAST_ENTER is None:
         return []
     open_blocks: list[fx.Node] = []
     for node in gm.graph.nodes:
@@ -246,9 +241,9 @@ def _open_autocast_blocks(gm: fx.GraphModule, first: fx.Node) -> list[fx.Node]:
             break
         if node.op != "call_function":
             continue
-        if node.target is _AUTOCAST_ENTER:
+        if node.target is AUTOCAST_ENTER:
             open_blocks.append(node)
-        elif node.target is _AUTOCAST_EXIT and node.args and node.args[0] in open_blocks:
+        elif node.target is AUTOCAST_EXIT and node.args and node.args[0] in open_blocks:
             open_blocks.remove(node.args[0])
     return open_blocks
 
