@@ -37,6 +37,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
 import torch
 
@@ -242,3 +243,32 @@ def _settle(name: str, fast_key: Hashable | None) -> str:
     if fast_key is not None:
         _fast.put(fast_key, name)
     return name
+
+
+#: Largest norm-wise relative difference between the fused and the library path's floating results
+#: for ``auto`` to consider the fused one, by the results' dtype.  Measured on the H100: both in TF32
+#: (the ConvT3d pipeline) they differ by 1e-6..1e-5; a TF32 kernel against cuDNN's full-fp32 kernel
+#: for a 3-channel conv (``conv2d_mul_leaky_gelu_small``) by 2.7e-4 in the output and 1e-2 in the
+#: gradients (leaky-ReLU kinks flip).  Every path follows eager's precision (``conv_precision``);
+#: this screen checks that a candidate computes the same thing as the library path.
+_AGREEMENT = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+def results_agree(result: Any, reference: Any) -> str | None:
+    """``choose``'s ``agree`` for paths that return tuples of tensors (a fused op's outputs): None when every floating tensor of ``result``
+    is within ``_AGREEMENT`` of ``reference``'s (integer tensors, the max-pool winners, may differ
+    at ties), else which one is not."""
+    for i, (got, want) in enumerate(zip(result, reference, strict=True)):
+        if got is None or want is None or not want.is_floating_point() or want.numel() == 0:
+            continue
+        # fp32 (no copy for fp32 results: a saved conv output can be 1 GB), fp32-accumulated norms
+        a, b = got.float(), want.float()
+        finite = b.isfinite()
+        if not torch.equal(a.isfinite(), finite):
+            return f"result {i}: non-finite values in other places"
+        zero = torch.zeros((), dtype=torch.float32, device=b.device)
+        diff = torch.where(finite, a - b, zero).norm().item()
+        norm = max(torch.where(finite, b, zero).norm().item(), 1e-30)
+        if diff > _AGREEMENT.get(want.dtype, 1e-4) * norm:
+            return f"result {i}: relative difference {diff / norm:.1e} from the library path"
+    return None

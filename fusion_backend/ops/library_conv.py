@@ -48,12 +48,14 @@ eager's conv (backward: each gradient) of x and the weight as the caller gave th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
+from .. import environment
 from ..ir.specs import ConvSpec
 from ..kernels.host import BoundedCache, tensor_key
 from . import conv_precision
@@ -160,6 +162,123 @@ def _relayout_into(t: Tensor, fmt: torch.memory_format) -> object | None:
     """A planned relayout of ``t`` into ``fmt`` (None: ``t`` has that layout already)."""
     like = torch.empty(t.shape, dtype=t.dtype, device="meta", memory_format=fmt)
     return None if t.stride() == like.stride() else planned_relayout(t, like)
+
+
+class ConvAlone:
+    """The conv without bias for one call signature that saves nothing: aten's conv (cuDNN), or the conv
+    family's plain forward (``kernels.conv.fprop_plan``) where it serves the call (:func:`family_conv_problem`)
+    and ``FUSION_CONV_IMPL`` asks for it (``family``) or, under ``auto`` on CUDA, it measured faster for
+    this signature (``impl_choice``, against aten's results; the answer kept on disk per machine).
+    ``library`` and ``triton`` keep aten's conv.  Both write the output in aten's layout for these
+    tensors (the family candidate only where that is channels-last dense), in x's dtype.
+
+    ``plan(x, weight)`` runs it on tensors of the signature (x and the weight in the conv's dtype).
+
+    WHY: on the SD VAE decoder's 3x3 convs (batch 1, large planes, bf16) the family's plain forward is
+    cuDNN's equal or better (NOTE at :func:`conv_alone_plan`), and the library paths of the fused ops
+    around them (an input norm's, a group norm region's) then run it in place of cuDNN's.
+    Calls that save for a backward keep aten's conv: timing a candidate adds its compile and tile
+    tuning to a region's measurement, and a training region's first call is held to its budget
+    (``ops/conv_batch_norm/statistics.py`` says what that cost)."""
+
+    def __init__(self, x: Tensor, weight: Tensor, spec: ConvSpec) -> None:
+        self.spec = spec
+        self.family_why = family_conv_problem(x, weight, spec)
+        #: the chosen runner once settled (None: ask again at the next call)
+        self.run = None
+        #: which one it is: "library" or "family" (None: not settled)
+        self.choice: str | None = None
+        self._family_call = None
+        self._fast_key = ("conv_alone", tensor_key(x), tensor_key(weight), spec)
+
+    def _library(self, x: Tensor, weight: Tensor) -> Tensor:
+        return run_conv(x, weight, None, self.spec)
+
+    def _family(self, x: Tensor, weight: Tensor) -> Tensor:
+        call = self._family_call
+        if call is None:
+            from ..kernels import conv as conv_family  # lazily: TRITON_INTERPRET is read at its import
+
+            spec = self.spec
+            call = conv_family.fprop_plan(x, weight, None, stride=spec.stride, padding=spec.padding,
+                                          dilation=spec.dilation, groups=spec.groups)  # fmt: skip
+            self._family_call = call if call.final else None
+        return call(x, weight, None, None, (), None, None)[0]
+
+    def __call__(self, x: Tensor, weight: Tensor) -> Tensor:
+        if self.run is not None:
+            return self.run(x, weight)
+        choice, settled = self._choose(x, weight)
+        run = self._family if choice == "family" else self._library
+        if settled:
+            self.run, self.choice = run, choice
+        return run(x, weight)
+
+    def _choose(self, x: Tensor, weight: Tensor) -> tuple[str, bool]:
+        """``(choice, settled)`` for this call (the class docstring's rule)."""
+        mode = environment.conv_impl()
+        if self.family_why is not None or mode in ("library", "triton"):
+            return "library", True
+        if mode == "family":
+            return "family", True
+        if not _measures_conv_alone(x):
+            return "library", True
+        from .. import impl_choice
+
+        def key() -> str:
+            return (f"conv_alone|{self.spec}|x {tuple(x.shape)} {x.stride()} {x.dtype}|w {tuple(weight.shape)} "
+                    f"{weight.stride()}")  # fmt: skip
+
+        choice = impl_choice.choose(
+            key, {"library": functools.partial(self._library, x, weight), "family": functools.partial(self._family, x, weight)},
+            default="library", agree=lambda got, want: impl_choice.results_agree((got,), (want,)),
+            fast_key=self._fast_key)  # fmt: skip
+        return choice, impl_choice.is_final(self._fast_key)
+
+
+def family_conv_problem(x: Tensor, weight: Tensor, spec: ConvSpec) -> str | None:
+    """Why the conv family's plain forward cannot stand in for aten's conv of ``x`` and ``weight``, or
+    None: it serves direct 2-d and 3-d convs of fp16 / bf16 tensors (one dtype) on CUDA (on CPU under
+    ``FUSION_CPU_KERNELS=triton``) whose output aten lays out channels-last dense, as the family writes it."""
+    if spec.transposed:
+        return "a transposed conv"
+    if x.dim() not in (4, 5):
+        return f"a {x.dim() - 2}-d conv"
+    if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
+        return f"a {x.dtype} conv of a {weight.dtype} weight (the family's plain forward stands in for fp16 / bf16 convs)"
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and environment.cpu_kernels_triton()):
+        return f"a {x.device.type} tensor"
+    if nominal_format(x, weight, spec) != channels_last_format(x.dim()):
+        return "aten's output is not channels-last"
+    return None
+
+
+def _measures_conv_alone(x: Tensor) -> bool:
+    """Whether ``auto`` times the family's forward against aten's conv for ``x``: on CUDA only
+    (``impl_choice`` times with CUDA events; tests replace this answer)."""
+    return x.device.type == "cuda"
+
+
+_CONV_ALONE = BoundedCache(256)
+
+
+# NOTE: the SD VAE decoder's 3x3 convs, bf16, channels-last, batch 1, GPU ms per call (H200, cuDNN 9.19,
+# ``impl_choice.gpu_ms_per_call``; a scratch probe over ``kernels.conv.conv_fprop``): 512 -> 256 on 256 x
+# 256 0.239 against cuDNN's 0.238; 256 -> 256 on 256 x 256 0.127 against 0.148; 256 -> 128 on 512 x 512
+# 0.252 against 0.305; 128 -> 128 on 512 x 512 0.141 against 0.207.
+def conv_alone_plan(x: Tensor, weight: Tensor, spec: ConvSpec) -> ConvAlone:
+    """The :class:`ConvAlone` of this signature (x and the weight in the conv's dtype), kept per
+    signature and the environment's switches (``environment.plan_switches``)."""
+    key = (tensor_key(x), tensor_key(weight), spec, *environment.plan_switches())
+    return _CONV_ALONE.get(key, lambda: ConvAlone(x, weight, spec))
+
+
+def conv_alone(x: Tensor, weight: Tensor, spec: ConvSpec) -> Tensor:
+    """The conv of ``x`` and ``weight`` without bias for a call that saves nothing, as :class:`ConvAlone`
+    runs it; on fake and meta tensors aten's (the same layout)."""
+    if x.device.type == "meta" or is_fake(x):
+        return run_conv(x, weight, None, spec)
+    return conv_alone_plan(x, weight, spec)(x, weight)
 
 
 @dataclass

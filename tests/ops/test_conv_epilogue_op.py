@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fusion_backend import impl_choice
 from fusion_backend.errors import KernelError, UnsupportedInputError
 from fusion_backend.ir.specs import ConvSpec, PoolSpec
 from fusion_backend.kernels import epilogue as kernels
@@ -696,7 +697,7 @@ def test_auto_times_the_triton_backward_only_behind_a_transposed_conv_with_a_max
 
 
 def test_op_results_agree_within_the_dtype_bound():
-    """``conv_epilogue.forward.results_agree``: TF32-vs-TF32 differences pass, a TF32-vs-fp32 sized one
+    """``impl_choice.results_agree``: TF32-vs-TF32 differences pass, a TF32-vs-fp32 sized one
     (conv2d_mul_leaky_gelu_small on the H100: 2.7e-4) does not; integer winners and None entries are
     ignored."""
     g = torch.Generator().manual_seed(0)
@@ -704,10 +705,10 @@ def test_op_results_agree_within_the_dtype_bound():
     winners = torch.randint(0, 8, (10,), dtype=torch.int8)
     close = ref + 1e-6 * torch.randn(1000, generator=g)
     far = ref + 3e-4 * torch.randn(1000, generator=g)
-    assert ce.forward.results_agree((close, winners, None), (ref, winners.flip(0), None)) is None
-    assert "relative difference" in ce.forward.results_agree((far,), (ref,))
+    assert impl_choice.results_agree((close, winners, None), (ref, winners.flip(0), None)) is None
+    assert "relative difference" in impl_choice.results_agree((far,), (ref,))
     nan = ref.clone()
     nan[3] = float("nan")
-    assert "non-finite" in ce.forward.results_agree((ref,), (nan,))
+    assert "non-finite" in impl_choice.results_agree((ref,), (nan,))
     half = ref.to(torch.bfloat16)
-    assert ce.forward.results_agree((half + 1e-3 * half,), (half,)) is None
+    assert impl_choice.results_agree((half + 1e-3 * half,), (half,)) is None

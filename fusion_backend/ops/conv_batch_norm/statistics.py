@@ -21,10 +21,10 @@ from torch import Tensor
 
 from ... import environment, impl_choice
 from ...errors import UnsupportedInputError
+from ...impl_choice import results_agree
 from ...kernels.host import tensor_key
 from .. import conv_precision
 from ..batch_statistics import STATS_ROWS, fill_folded_rows
-from ..conv_epilogue.forward import results_agree
 from ..library_conv import channels_last_conv, conv_forward
 from .config import ConvBatchNormConfig
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ... import environment, impl_choice
 from ...errors import UnsupportedInputError
+from ...impl_choice import results_agree
 from ...ir.specs import ConvSpec
 from ...kernels.host import BoundedCache, tensor_key
 from ...kernels.weight_fold import fold_plan
@@ -36,7 +37,7 @@ from ..conv_io import (
     relayout,
     run_conv,
 )
-from ..library_conv import channels_last_problem, nominal_format
+from ..library_conv import channels_last_problem, conv_alone_plan, nominal_format
 from .reference import allocate_forward_outputs, cast_inputs, conv_compute_dtype, input_norm_affine
 from .reference import forward as reference_forward
 
@@ -537,35 +538,6 @@ def forward_candidates(
     return plans
 
 
-#: Largest norm-wise relative difference between the fused and the library path's floating results
-#: for ``auto`` to consider the fused one, by the results' dtype.  Measured on the H100: both in TF32
-#: (the ConvT3d pipeline) they differ by 1e-6..1e-5; a TF32 kernel against cuDNN's full-fp32 kernel
-#: for a 3-channel conv (``conv2d_mul_leaky_gelu_small``) by 2.7e-4 in the output and 1e-2 in the
-#: gradients (leaky-ReLU kinks flip).  Every path follows eager's precision (``conv_precision``);
-#: this screen checks that a candidate computes the same thing as the library path.
-_AGREEMENT = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-
-
-def results_agree(result: Any, reference: Any) -> str | None:
-    """``impl_choice``'s ``agree`` for the op's paths: None when every floating tensor of ``result``
-    is within ``_AGREEMENT`` of ``reference``'s (integer tensors, the max-pool winners, may differ
-    at ties), else which one is not."""
-    for i, (got, want) in enumerate(zip(result, reference, strict=True)):
-        if got is None or want is None or not want.is_floating_point() or want.numel() == 0:
-            continue
-        # fp32 (no copy for fp32 results: a saved conv output can be 1 GB), fp32-accumulated norms
-        a, b = got.float(), want.float()
-        finite = b.isfinite()
-        if not torch.equal(a.isfinite(), finite):
-            return f"result {i}: non-finite values in other places"
-        zero = torch.zeros((), dtype=torch.float32, device=b.device)
-        diff = torch.where(finite, a - b, zero).norm().item()
-        norm = max(torch.where(finite, b, zero).norm().item(), 1e-30)
-        if diff > _AGREEMENT.get(want.dtype, 1e-4) * norm:
-            return f"result {i}: relative difference {diff / norm:.1e} from the library path"
-    return None
-
-
 def choice_key(x: Tensor, weight: Tensor, bias: Tensor | None, cfg: ConvEpilogueConfig, save: bool) -> str:
     """Everything the fused-vs-library timing depends on (the chain's op codes included)."""
     return (
@@ -637,6 +609,10 @@ class LibraryForward:
         #: ``python tools/profile_step.py`` on an upsample -> Conv2d(512, 512, 3) model, fusion-fused).
         self.conv_alone = (bias is None and not save and not cfg.chain and cfg.pool is None
                            and self.conv_format is None and outputs[0].dtype == self.dtype)  # fmt: skip
+        #: a call that saves nothing runs its conv as ``library_conv.ConvAlone`` chooses (aten's, or the
+        #: conv family's plain forward where it measured faster), planned at the first call (None: aten's)
+        self.measures_conv = not save
+        self.conv_plan = None
 
     def _plan_launch(self, y0: Tensor) -> Any:  # kernels.epilogue.ForwardLaunch
         """The epilogue kernel's launch for a conv output laid out like ``y0`` (real or meta)."""
@@ -650,11 +626,19 @@ class LibraryForward:
     def _conv_output(self, x: Tensor, weight: Tensor) -> Tensor:
         """y0: the conv of x and weight cast to the compute dtype, in ``y0_layout``."""
         xc, wc, _ = cast_inputs(x, weight, None, self.dtype)
-        y0 = run_conv(xc, wc, None, self.spec)
+        y0 = self._conv(xc, wc)
         shape, stride = self.y0_layout
         if y0.stride() != stride:
             y0 = torch.empty_strided(shape, stride, dtype=y0.dtype, device=y0.device).copy_(y0)
         return y0
+
+    def _conv(self, xc: Tensor, wc: Tensor) -> Tensor:
+        """The conv of x and the weight in the compute dtype, without bias, in its library layout."""
+        if not self.measures_conv:
+            return run_conv(xc, wc, None, self.spec)
+        if self.conv_plan is None:
+            self.conv_plan = conv_alone_plan(xc, wc, self.spec)
+        return self.conv_plan(xc, wc)
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
@@ -683,7 +667,7 @@ class LibraryForward:
     def _conv_alone(self, x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The outputs of a region that is a bias-free conv alone: aten's conv, in the fake's layout."""
         xc, wc, _ = cast_inputs(x, weight, None, self.dtype)
-        out = run_conv(xc, wc, None, self.spec)
+        out = self._conv(xc, wc)
         (shape, stride, _), *placeholders = self.layouts
         if out.stride() != stride:
             out = torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
