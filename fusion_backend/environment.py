@@ -9,7 +9,10 @@ variable                    meaning
                             it serves the call; the backward as ``library``); and the conv of
                             ``conv_batch_norm``'s forward (``family``: the family's, with the
                             statistics in its store; else the library conv); for ``batch_norm_conv``
-                            every pass's implementation (``family`` / ``library``; else timed per pass)
+                            every pass's implementation (``family`` / ``library``; else timed per pass);
+                            and the conv alone of the fused ops' library paths in calls that save
+                            nothing (``ops/library_conv.ConvAlone``: ``family`` the family's plain
+                            forward where it serves, ``auto`` timed on CUDA, else aten's)
 ``FUSION_CONV_AUTOTUNE``    ``0`` turns measuring off: no timed choice between paths (the library path
                             runs) and no tile tuning (each kernel takes its heuristic tile);
                             deterministic first calls.  ``1``, or unset: on

@@ -174,9 +174,8 @@ class ConvAlone:
 
     ``plan(x, weight)`` runs it on tensors of the signature (x and the weight in the conv's dtype).
 
-    WHY: on the SD VAE decoder's 3x3 convs (batch 1, large planes, bf16) the family's plain forward is
-    cuDNN's equal or better (NOTE at :func:`conv_alone_plan`), and the library paths of the fused ops
-    around them (an input norm's, a group norm region's) then run it in place of cuDNN's.
+    WHY: cuDNN's conv is far from the family's on some shapes (ResNet-50's 7x7 stem on three input
+    channels: NOTE at :func:`conv_alone_plan`) and ahead of it or level on most, so the measurement decides.
     Calls that save for a backward keep aten's conv: timing a candidate adds its compile and tile
     tuning to a region's measurement, and a training region's first call is held to its budget
     (``ops/conv_batch_norm/statistics.py`` says what that cost)."""
@@ -262,10 +261,13 @@ def _measures_conv_alone(x: Tensor) -> bool:
 _CONV_ALONE = BoundedCache(256)
 
 
-# NOTE: the SD VAE decoder's 3x3 convs, bf16, channels-last, batch 1, GPU ms per call (H200, cuDNN 9.19,
-# ``impl_choice.gpu_ms_per_call``; a scratch probe over ``kernels.conv.conv_fprop``): 512 -> 256 on 256 x
-# 256 0.239 against cuDNN's 0.238; 256 -> 256 on 256 x 256 0.127 against 0.148; 256 -> 128 on 512 x 512
-# 0.252 against 0.305; 128 -> 128 on 512 x 512 0.141 against 0.207.
+# NOTE: cuDNN's conv against the family's plain forward as this choice timed them (bf16, channels-last, GPU
+# ms per call, H200, cuDNN 9.19; ``python -m fusion_backend bench --log --suite demos/realnets/resnet50.py
+# --dtype bf16 --mode infer --backends inductor,fusion-decide-all --compile-mode reduce-overhead``, the
+# ``impl choice conv_alone`` lines, and the same for ``sd_vae_decoder.py``): ResNet-50's 7x7 stride-2 stem
+# on 64 x 3 x 224 x 224 0.452 against 0.165 (the family's) and its 1x1 stride-2 1024 -> 2048 0.028 against
+# 0.026; the SD VAE decoder's 128 -> 3 output conv on 512 x 512 0.099 against 0.086; its other 3x3s cuDNN's
+# (0.78-0.88x the family's time), and ResNet-50's other 27 convs cuDNN's or level.
 def conv_alone_plan(x: Tensor, weight: Tensor, spec: ConvSpec) -> ConvAlone:
     """The :class:`ConvAlone` of this signature (x and the weight in the conv's dtype), kept per
     signature and the environment's switches (``environment.plan_switches``)."""

@@ -39,7 +39,8 @@ and on the H200 (fp32, fp16, bf16); the forward near cuDNN's speed, the gradient
 descriptors (``tiles`` module docstring), a candidate of the timed tile choice, checked on CPU and by
 the sm_90 compile, not yet timed on a GPU.  Used by ``fusion::conv_epilogue``'s forward for calls that save
 nothing (inference), where it measures faster than its other paths (``ops/conv_epilogue/forward.py``,
-``FamilyForward``), and by ``fusion::conv_batch_norm``'s forward for its conv and the output's
+``FamilyForward``), as the plain conv of the fused ops' library paths in such calls where it measures
+faster than cuDNN's (``ops/library_conv.py``, ``ConvAlone``), and by ``fusion::conv_batch_norm``'s forward for its conv and the output's
 statistics under ``FUSION_CONV_IMPL=family`` (``ops/conv_batch_norm/statistics.py``), and by
 ``fusion::batch_norm_conv`` in all three passes (a training BatchNorm and its activation applied as the
 conv loads its input, the backward hooks in its gradients), each pass timed against cuDNN's with the
