@@ -13,6 +13,10 @@ groups of a few channels would read it in short runs):
   (``kernels.relayout``, one pass each; on fake, meta and CPU tensors torch's ``contiguous``) and cuDNN
   writes a channels-last output.  Real and fake calls give the same layout, so an op's fake may
   call it as its implementations do.
+* ``conv_alone(x, weight, spec)`` / ``conv_alone_plan``: the conv without bias of a call that saves
+  nothing (:class:`ConvAlone`): aten's, or the conv family's plain forward where it measured faster;
+  ``conv_forward(..., save=False)`` runs its channels-last conv so, and so do ``conv_epilogue``'s
+  library plans and ``conv_group_norm``'s forward.
 * ``nominal_format(x, weight, spec)``: the memory format aten's conv gives for x and the weight as
   they are: what the op's result takes, so that the caller sees eager's layout whatever the conv
   ran in.
@@ -107,20 +111,24 @@ class _ForwardPlan:
     x_relayout: object | None
     weight_relayout: object | None
     tf32: bool
+    #: the conv alone of the calls that save nothing (``ConvAlone``), made at the first such call
+    alone: ConvAlone | None = None
 
 
 _FORWARD_PLANS = BoundedCache(256)
 _NOMINAL_FORMATS = BoundedCache(256)
 
 
-def conv_forward(x: Tensor, weight: Tensor, spec: ConvSpec, channels_last: bool) -> Tensor:
+def conv_forward(x: Tensor, weight: Tensor, spec: ConvSpec, channels_last: bool, save: bool = True) -> Tensor:
     """The conv output without bias; channels-last where ``channels_last`` and
     :func:`channels_last_conv` (see the module docstring), then with cuDNN's TF32 off where eager's
     conv of x and the weight as given runs in full fp32 (``conv_precision``: on channels-last copies
-    cuDNN may pick a TF32 kernel where eager's layout got a full-fp32 one)."""
+    cuDNN may pick a TF32 kernel where eager's layout got a full-fp32 one).  A call that saves nothing
+    (``save`` False) runs the channels-last conv as :class:`ConvAlone` chooses."""
     if not (channels_last and channels_last_conv(x)):
         return run_conv(x, weight, None, spec)  # eager's own call: eager's kernel and precision
     fmt = channels_last_format(x.dim())
+    plan = None
     if x.device.type != "cuda" or is_fake(x):  # fakes, meta and CPU tensors: torch's copy
         tf32 = conv_precision.forward_tf32(x, weight, spec).tf32
         x_in, weight_in = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
@@ -136,7 +144,14 @@ def conv_forward(x: Tensor, weight: Tensor, spec: ConvSpec, channels_last: bool)
         x_in = x if plan.x_relayout is None else plan.x_relayout(x)
         weight_in = weight if plan.weight_relayout is None else plan.weight_relayout(weight)
     with conv_precision.cudnn_tf32(tf32):
-        y0 = run_conv(x_in, weight_in, None, spec)
+        if save:
+            y0 = run_conv(x_in, weight_in, None, spec)
+        elif plan is None:  # fakes, meta and CPU tensors
+            y0 = conv_alone(x_in, weight_in, spec)
+        else:
+            if plan.alone is None:
+                plan.alone = conv_alone_plan(x_in, weight_in, spec)
+            y0 = plan.alone(x_in, weight_in)
     # The conv gives channels-last for channels-last inputs, but a fake conv need not say so (a
     # 3-d conv's fake on CPU gave NCHW where the real one gave channels-last): one layout for both.
     return in_format(y0, fmt)

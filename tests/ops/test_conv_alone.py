@@ -188,3 +188,29 @@ def test_conv_group_norm_s_inference_forward_runs_the_chosen_conv(monkeypatch, f
     x = (torch.randn(2, 8, 9, 7, device=DEVICE) * 2 + 1).to(memory_format=torch.channels_last)
     assert_fused(model, [x], expect={"conv_group_norm": 1}, train=False, dtype=DTYPE)
     assert len(family_launches) == 1 and "prologue" not in family_launches[0]  # the plain forward
+
+
+class ConvLogSoftmax(nn.Module):
+    """``log_softmax(conv(x))`` over the channels: a ``conv_channel_reduce`` region, whose conv is
+    ``library_conv.conv_forward``'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 12, 3, padding=1)
+
+    def forward(self, x):
+        return F.log_softmax(self.conv(x), dim=1)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_the_channels_last_library_conv_runs_the_chosen_conv_in_calls_that_save_nothing(monkeypatch, family_launches,
+                                                                                       train):  # fmt: skip
+    """``conv_forward(..., save=False)`` (``conv_channel_reduce``'s forward here): the family's conv where
+    forced; a training call, which saves, keeps aten's.  Output (and gradients) against eager."""
+    monkeypatch.setenv(environment.CONV_IMPL, "family")
+    model = ConvLogSoftmax().to(DEVICE).to(memory_format=torch.channels_last)
+    if not train:
+        model = model.eval().requires_grad_(False)
+    x = torch.randn(2, 8, 9, 7, device=DEVICE).to(memory_format=torch.channels_last)
+    assert_fused(model, [x], expect={"conv_channel_reduce": 1}, train=train, dtype=DTYPE)
+    assert len(family_launches) == (0 if train else 1)
