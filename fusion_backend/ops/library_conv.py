@@ -111,7 +111,8 @@ class _ForwardPlan:
     x_relayout: object | None
     weight_relayout: object | None
     tf32: bool
-    #: the conv alone of the calls that save nothing (``ConvAlone``), made at the first such call
+    #: the conv alone of the calls that save nothing (``ConvAlone``), made at the first such call (the
+    #: plan is kept per ``environment.plan_switches``, which its choice follows)
     alone: ConvAlone | None = None
 
 
@@ -133,7 +134,7 @@ def conv_forward(x: Tensor, weight: Tensor, spec: ConvSpec, channels_last: bool,
         tf32 = conv_precision.forward_tf32(x, weight, spec).tf32
         x_in, weight_in = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
     else:
-        key = (tensor_key(x), tensor_key(weight), *conv_precision.plan_key(x, spec))
+        key = (tensor_key(x), tensor_key(weight), *conv_precision.plan_key(x, spec), *environment.plan_switches())
         plan = _FORWARD_PLANS.peek(key)
         if plan is None:
             answer = conv_precision.forward_tf32(x, weight, spec)
