@@ -600,6 +600,40 @@ def family_launches(monkeypatch, exact_fp32, fresh_plans):
 
 
 @pytest.fixture
+def fake_impl_timer(monkeypatch, tmp_path):
+    """``impl_choice.choose`` measuring under ``FUSION_CONV_IMPL=auto`` (answers kept under ``tmp_path``,
+    none kept in memory past the test) with a fake timer; yields ``(times, timed)``: the time each
+    candidate reports, by name, and the names timed, per ``choose`` call.  A candidate's probe is
+    named ``"<name> (probe)"`` and reports the candidate's time unless ``times`` names it."""
+    from fusion_backend import environment, impl_choice
+
+    monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(impl_choice.MEASURE_ENV, "1")
+    monkeypatch.setenv(environment.CONV_IMPL, "auto")
+    impl_choice.forget_in_memory()
+    times: dict[str, float] = {}
+    timed: list[list[str]] = []
+    real_choose = impl_choice.choose
+
+    def choose(key, candidates, default, **kwargs):
+        names = {id(fn): name for name, fn in candidates.items()}
+        names.update({id(fn): f"{name} (probe)" for name, fn in (kwargs.get("probes") or {}).items()})
+        timed.append([])
+
+        def timer(fn):
+            fn()
+            name = names[id(fn)]
+            timed[-1].append(name)
+            return times.get(name, times.get(name.removesuffix(" (probe)")))
+
+        return real_choose(key, candidates, default, timer=timer, **kwargs)
+
+    monkeypatch.setattr(impl_choice, "choose", choose)
+    yield times, timed
+    impl_choice.forget_in_memory()  # answers given by the fake timer stay with this test
+
+
+@pytest.fixture
 def family_forward(monkeypatch, family_launches):
     """``family_launches`` with the conv family's forward forced (``FUSION_CONV_IMPL=family``)."""
     from fusion_backend import environment

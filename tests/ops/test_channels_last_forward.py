@@ -299,34 +299,9 @@ def test_forward_candidates(save, interpreted):
 
 
 @pytest.fixture
-def measured(monkeypatch, tmp_path, interpreted):
-    """``auto`` with measuring on and a fake timer; returns ``(times, timed)``: the time each
-    candidate reports, by name, and the names timed, per ``choose`` call.  A candidate's probe is
-    named ``"<name> (probe)"`` and reports the candidate's time unless ``times`` names it."""
-    monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.setenv(impl_choice.MEASURE_ENV, "1")
-    monkeypatch.setenv(ce.CONV_IMPL_ENV, "auto")
-    impl_choice.forget_in_memory()
-    times: dict[str, float] = {}
-    timed: list[list[str]] = []
-    real_choose = impl_choice.choose
-
-    def choose(key, candidates, default, **kwargs):
-        names = {id(fn): name for name, fn in candidates.items()}
-        names.update({id(fn): f"{name} (probe)" for name, fn in (kwargs.get("probes") or {}).items()})
-        timed.append([])
-
-        def timer(fn):
-            fn()
-            name = names[id(fn)]
-            timed[-1].append(name)
-            return times.get(name, times.get(name.removesuffix(" (probe)")))
-
-        return real_choose(key, candidates, default, timer=timer, **kwargs)
-
-    monkeypatch.setattr(impl_choice, "choose", choose)
-    yield times, timed
-    impl_choice.forget_in_memory()  # answers given by the fake timer stay with this test
+def measured(interpreted, fake_impl_timer):
+    """``auto`` with measuring on and a fake timer (``fake_impl_timer``'s ``(times, timed)``)."""
+    return fake_impl_timer
 
 
 def test_auto_times_three_candidates_where_the_fused_conv_serves(monkeypatch, measured):

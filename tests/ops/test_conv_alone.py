@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fusion_backend import environment, impl_choice
+from fusion_backend import environment
 from fusion_backend.ir.specs import ConvSpec
 from fusion_backend.ops import conv_epilogue as ce
 from fusion_backend.ops import library_conv
@@ -90,32 +90,10 @@ def test_aten_where_the_family_cannot_stand_in(monkeypatch, family_launches):
 
 
 @pytest.fixture
-def measured(monkeypatch, tmp_path, family_launches):
-    """``auto`` measuring with a fake timer (``times``: each candidate's ms by name); returns
-    ``(times, timed)``, ``timed`` the names timed per ``choose`` call."""
-    monkeypatch.setenv(impl_choice.CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.setenv(impl_choice.MEASURE_ENV, "1")
-    monkeypatch.setenv(environment.CONV_IMPL, "auto")
-    monkeypatch.setattr(library_conv, "_measures_conv_alone", lambda x: True)  # as on CUDA
-    impl_choice.forget_in_memory()
-    times: dict[str, float] = {}
-    timed: list[list[str]] = []
-    real_choose = impl_choice.choose
-
-    def choose(key, candidates, default, **kwargs):
-        names = {id(fn): name for name, fn in candidates.items()}
-        timed.append([])
-
-        def timer(fn):
-            fn()
-            timed[-1].append(names[id(fn)])
-            return times[names[id(fn)]]
-
-        return real_choose(key, candidates, default, timer=timer, **kwargs)
-
-    monkeypatch.setattr(impl_choice, "choose", choose)
-    yield times, timed
-    impl_choice.forget_in_memory()
+def measured(monkeypatch, family_launches, fake_impl_timer):
+    """``auto`` measuring as on CUDA, with a fake timer (``fake_impl_timer``'s ``(times, timed)``)."""
+    monkeypatch.setattr(library_conv, "_measures_conv_alone", lambda x: True)
+    return fake_impl_timer
 
 
 @pytest.mark.parametrize("faster", ["family", "library"])
