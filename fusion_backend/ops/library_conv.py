@@ -15,8 +15,9 @@ groups of a few channels would read it in short runs):
   call it as its implementations do.
 * ``conv_alone(x, weight, spec)`` / ``conv_alone_plan``: the conv without bias of a call that saves
   nothing (:class:`ConvAlone`): aten's, or the conv family's plain forward where it measured faster;
-  ``conv_forward(..., save=False)`` runs its channels-last conv so, and so do ``conv_epilogue``'s
-  library plans and ``conv_group_norm``'s forward.
+  ``conv_forward(..., alone=True)`` runs its channels-last conv so; the Triton paths take it (``conv_epilogue``'s
+  library plans, the forwards of ``conv_group_norm``, ``conv_channel_reduce``, ``conv_layer_norm``), never
+  a reference, which stays eager's ops (a failed kernel's fallback must not run the family again).
 * ``nominal_format(x, weight, spec)``: the memory format aten's conv gives for x and the weight as
   they are: what the op's result takes, so that the caller sees eager's layout whatever the conv
   ran in.
@@ -61,7 +62,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 from .. import environment
 from ..ir.specs import ConvSpec
-from ..kernels.host import BoundedCache, tensor_key
+from ..kernels.host import BoundedCache, kernels_unavailable, tensor_key
 from . import conv_precision
 from .conv_io import (
     channels_last_format,
@@ -120,12 +121,12 @@ _FORWARD_PLANS = BoundedCache(256)
 _NOMINAL_FORMATS = BoundedCache(256)
 
 
-def conv_forward(x: Tensor, weight: Tensor, spec: ConvSpec, channels_last: bool, save: bool = True) -> Tensor:
+def conv_forward(x: Tensor, weight: Tensor, spec: ConvSpec, channels_last: bool, alone: bool = False) -> Tensor:
     """The conv output without bias; channels-last where ``channels_last`` and
     :func:`channels_last_conv` (see the module docstring), then with cuDNN's TF32 off where eager's
     conv of x and the weight as given runs in full fp32 (``conv_precision``: on channels-last copies
-    cuDNN may pick a TF32 kernel where eager's layout got a full-fp32 one).  A call that saves nothing
-    (``save`` False) runs the channels-last conv as :class:`ConvAlone` chooses."""
+    cuDNN may pick a TF32 kernel where eager's layout got a full-fp32 one).  With ``alone`` (a Triton
+    path's call that saves nothing) the channels-last conv runs as :class:`ConvAlone` chooses."""
     if not (channels_last and channels_last_conv(x)):
         return run_conv(x, weight, None, spec)  # eager's own call: eager's kernel and precision
     fmt = channels_last_format(x.dim())
@@ -145,7 +146,7 @@ def conv_forward(x: Tensor, weight: Tensor, spec: ConvSpec, channels_last: bool,
         x_in = x if plan.x_relayout is None else plan.x_relayout(x)
         weight_in = weight if plan.weight_relayout is None else plan.weight_relayout(weight)
     with conv_precision.cudnn_tf32(tf32):
-        if save:
+        if not alone:
             y0 = run_conv(x_in, weight_in, None, spec)
         elif plan is None:  # fakes, meta and CPU tensors
             y0 = conv_alone(x_in, weight_in, spec)
@@ -253,16 +254,17 @@ class ConvAlone:
 
 def family_conv_problem(x: Tensor, weight: Tensor, spec: ConvSpec) -> str | None:
     """Why the conv family's plain forward cannot stand in for aten's conv of ``x`` and ``weight``, or
-    None: it serves direct 2-d and 3-d convs of fp16 / bf16 tensors (one dtype) on CUDA (on CPU under
-    ``FUSION_CPU_KERNELS=triton``) whose output aten lays out channels-last dense, as the family writes it."""
+    None: it serves direct 2-d and 3-d convs of fp16 / bf16 tensors (one dtype) where the Triton kernels
+    run (``kernels.host.kernels_unavailable``: CUDA, or CPU under the interpreter) whose output aten lays
+    out channels-last dense, as the family writes it."""
     if spec.transposed:
         return "a transposed conv"
     if x.dim() not in (4, 5):
         return f"a {x.dim() - 2}-d conv"
     if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
         return f"a {x.dtype} conv of a {weight.dtype} weight (the family's plain forward stands in for fp16 / bf16 convs)"
-    if x.device.type != "cuda" and not (x.device.type == "cpu" and environment.cpu_kernels_triton()):
-        return f"a {x.device.type} tensor"
+    if (why := kernels_unavailable(x.dtype, x.device.type)) is not None:
+        return why
     if nominal_format(x, weight, spec) != channels_last_format(x.dim()):
         return "aten's output is not channels-last"
     return None

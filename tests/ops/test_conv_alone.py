@@ -183,7 +183,7 @@ class ConvLogSoftmax(nn.Module):
 @pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
 def test_the_channels_last_library_conv_runs_the_chosen_conv_in_calls_that_save_nothing(monkeypatch, family_launches,
                                                                                        train):  # fmt: skip
-    """``conv_forward(..., save=False)`` (``conv_channel_reduce``'s forward here): the family's conv where
+    """``conv_forward(..., alone=True)`` (``conv_channel_reduce``'s forward here): the family's conv where
     forced; a training call, which saves, keeps aten's.  Output (and gradients) against eager."""
     monkeypatch.setenv(environment.CONV_IMPL, "family")
     model = ConvLogSoftmax().to(DEVICE).to(memory_format=torch.channels_last)
@@ -192,3 +192,28 @@ def test_the_channels_last_library_conv_runs_the_chosen_conv_in_calls_that_save_
     x = torch.randn(2, 8, 9, 7, device=DEVICE).to(memory_format=torch.channels_last)
     assert_fused(model, [x], expect={"conv_channel_reduce": 1}, train=train, dtype=DTYPE)
     assert len(family_launches) == (0 if train else 1)
+
+
+@pytest.mark.usefixtures("family_launches")
+def test_a_failed_kernel_s_fallback_runs_eager_s_conv_not_the_family_again(monkeypatch):
+    """The reference, which a failed kernel falls back to, is eager's ops: its conv is aten's, never the
+    conv alone's choice (the failure may be the family's own)."""
+    import fusion_backend.kernels.group_norm as group_norm_kernels
+    from fusion_backend.ops import conv_group_norm as gn
+
+    monkeypatch.setenv(environment.CONV_IMPL, "family")
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(group_norm_kernels, "group_norm_launch", failing)
+    family_runs = []
+    family = library_conv.ConvAlone._family
+    monkeypatch.setattr(library_conv.ConvAlone, "_family", lambda self, *a: family_runs.append(1) or family(self, *a))
+    x, w, spec = _inputs("2d-k3-p1")
+    config = gn.ConvGroupNormConfig(conv=spec, groups=4).to_json()
+    with pytest.warns(RuntimeWarning, match="a kernel failed"), torch.no_grad():
+        out = gn.conv_group_norm(x, w, None, [], config)
+    want = F.group_norm(F.conv2d(x.double(), w.double(), padding=1), 4)
+    assert len(family_runs) == 1, "the Triton path's conv once; the fallback's conv is aten's"
+    assert _rel(out, want) <= 2 * _rel(F.group_norm(F.conv2d(x, w, padding=1).float(), 4), want) + 1e-3

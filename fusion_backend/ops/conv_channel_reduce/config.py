@@ -110,10 +110,11 @@ def reduced_shape(y_shape: Sequence[int], cfg: ConvChannelReduceConfig) -> list[
     return [y_shape[0], *([1] if cfg.keepdim else []), *y_shape[2:]]
 
 
-def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvChannelReduceConfig,
-                 save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvChannelReduceConfig, save: bool,
+                 y0: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(y0, out, saved_y, saved_index, saved_stats)``:
-    ``y0`` the conv output without bias (``library_conv.conv_forward``'s, as it runs a call that saves or not), then the shape function's outputs
+    ``y0`` the conv output without bias (``library_conv.conv_forward``'s, or the one given: the Triton path's
+    conv alone in a call that saves nothing), then the shape function's outputs
     (``ops/declare.py``; ``saved_y`` as ``conv_io`` says, absent entries ``empty_placeholder(x)``).
 
     * ``out``: softmax / log_softmax: y's shape in ``library_conv.nominal_format`` (eager's layout);
@@ -124,7 +125,8 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvChannelReduceConfig,
     * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, N, *spatial)`` contiguous
       (``kernels/channel_reduce.py``'s table).
     """
-    y0 = conv_forward(x, weight, cfg.conv, channels_last=True, save=save)
+    if y0 is None:
+        y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     shape = reduced_shape(y0.shape, cfg)
     dtype = dtype_named(OP, cfg.out_dtype, y0.dtype)
     if cfg.full_size:

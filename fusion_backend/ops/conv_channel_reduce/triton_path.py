@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..chain_lowering import KernelChains, operand_grads, wanted_slots
-from ..library_conv import conv_backward_plan
+from ..library_conv import conv_backward_plan, conv_forward
 from .config import ConvChannelReduceConfig, conv_outputs, needs_y
 
 
@@ -30,7 +30,8 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     """``(out, saved_y, saved_index, saved_stats)`` as ``config.conv_outputs`` lays them out."""
     from ...kernels.channel_reduce import channel_reduce_forward
 
-    y0, out, saved_y, index, stats = conv_outputs(x, weight, cfg, save)
+    alone = None if save else conv_forward(x, weight, cfg.conv, channels_last=True, alone=True)
+    y0, out, saved_y, index, stats = conv_outputs(x, weight, cfg, save, alone)
     chains = _chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
     channel_reduce_forward(
         y0, bias is not None, chains.pre, chains.post, cfg.reduction, chains.params, chains.post_params, out,

@@ -27,7 +27,6 @@ from ..conv_io import (
     run_conv,
     stats_dtype,
 )
-from ..library_conv import conv_alone
 
 OP = "conv_group_norm"
 
@@ -64,11 +63,11 @@ class ConvGroupNormConfig(JsonConfig):
         check_norm_config(self, pre=self.pre, post=self.post)
 
 
-def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvGroupNormConfig,
-                 save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvGroupNormConfig, save: bool,
+                 y0: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(y0, out, saved_y, saved_winner, saved_stats)``:
-    ``y0`` the conv output without bias (``conv_io.run_conv``'s; without ``save`` as
-    ``library_conv.conv_alone`` runs it, in the same layout), then the shape function's outputs
+    ``y0`` the conv output without bias (``conv_io.run_conv``'s, or the one given: the Triton path's
+    conv alone, ``library_conv.conv_alone``, in the same layout), then the shape function's outputs
     (``ops/declare.py``; ``saved_y`` as ``conv_io`` says, absent entries ``empty_placeholder(x)``).
 
     * ``out`` and ``saved_winner``: ``conv_io.allocate_result``'s (the pooled shape with a pool, dtype
@@ -76,7 +75,8 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvGroupNormConfig,
     * ``saved_stats`` (with ``save``): ``stats_dtype`` ``(2, N, groups)`` contiguous: row 0 each
       group's mean, row 1 its ``1 / sqrt(var + eps)`` (of the pre-chain's result, bias included).
     """
-    y0 = run_conv(x, weight, None, cfg.conv) if save else conv_alone(x, weight, cfg.conv)
+    if y0 is None:
+        y0 = run_conv(x, weight, None, cfg.conv)
     out, winner = allocate_result(x, y0, cfg.pool, dtype_named(OP, cfg.out_dtype, y0.dtype), save)
     if not save:
         return y0, out, empty_placeholder(x), winner, empty_placeholder(x)

@@ -28,7 +28,7 @@ from ... import environment
 from ...kernels.plan_cache import PlanCache, tensor_key
 from ..chain_lowering import PlannedChains, norm_chains, norm_operand_grads, wanted_slots
 from ..conv_io import conv_channels
-from ..library_conv import conv_backward_plan
+from ..library_conv import conv_alone, conv_alone_plan, conv_backward_plan
 from .config import ConvGroupNormConfig, conv_outputs
 
 #: the forward and backward plans kept per call signature (``signature``, ``backward_signature``)
@@ -66,13 +66,20 @@ class ForwardPlan:
         self.cfg, self.save = cfg, save
         self.chains = PlannedChains(cfg, bias, operands, x.dim(), conv_channels(weight, cfg.conv), x.device)
         self.launches: dict[tuple[int, ...], Any] = {}
+        #: a call that saves nothing: its conv as ``library_conv.ConvAlone`` chooses, planned at the first call
+        self.conv_plan = None
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None,
                  operands: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
         from ...kernels.group_norm import group_norm_launch
 
         cfg, chains = self.cfg, self.chains
-        y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, self.save)
+        alone = None
+        if not self.save:
+            if self.conv_plan is None:
+                self.conv_plan = conv_alone_plan(x, weight, cfg.conv)
+            alone = self.conv_plan(x, weight)
+        y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, self.save, alone)
         params, post_params, affine = chains.bind(bias, operands)
         stats_out = stats if self.save else None
         launch = self.launches.get(y0.stride())
@@ -93,7 +100,8 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
         outputs = plan(x, weight, bias, operands)
         PLANS.put(signature(cfg.to_json(), save, x, weight, bias, operands), plan)
         return outputs
-    y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save)
+    alone = None if save else conv_alone(x, weight, cfg.conv)
+    y0, out, saved_y, winner, stats = conv_outputs(x, weight, cfg, save, alone)
     chains = norm_chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device)
     from ...kernels.group_norm import group_norm_stats
     from ...kernels.norm_pool import norm_pool_forward
@@ -120,6 +128,8 @@ class BackwardPlan:
         self.slots = (wanted_slots(cfg.pre, self.operand_mask), wanted_slots(cfg.post, self.operand_mask),
                       tuple(i is not None and bool(self.operand_mask[i]) for i in (cfg.weight, cfg.bias)))  # fmt: skip
         self.launches: dict[tuple[int, ...], Any] = {}
+        #: a call that saves nothing: its conv as ``library_conv.ConvAlone`` chooses, planned at the first call
+        self.conv_plan = None
 
     def __call__(self, grad_out: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[Tensor],
                  saved_y: Tensor, saved_winner: Tensor, saved_stats: Tensor) -> list[Tensor | None]:  # fmt: skip

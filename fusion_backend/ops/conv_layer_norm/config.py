@@ -85,10 +85,11 @@ def rows(y_shape: Sequence[int], cfg: ConvLayerNormConfig) -> int:
     return math.prod(y_shape[: len(y_shape) - cfg.normalized_dims])
 
 
-def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvLayerNormConfig,
-                 save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvLayerNormConfig, save: bool,
+                 y0: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """``(y0, out, saved_y, saved_stats)``:
-    ``y0`` the conv output without bias (``library_conv.conv_forward``'s, as it runs a call that saves or not), then the shape function's outputs
+    ``y0`` the conv output without bias (``library_conv.conv_forward``'s, or the one given: the Triton path's
+    conv alone in a call that saves nothing), then the shape function's outputs
     (``ops/declare.py``; ``saved_y`` as ``conv_io`` says, absent entries ``empty_placeholder(x)``).
 
     * ``out``: y0's shape, contiguous (what eager's layer norm returns whatever its input's layout),
@@ -97,7 +98,8 @@ def conv_outputs(x: Tensor, weight: Tensor, cfg: ConvLayerNormConfig,
       ``native_layer_norm``'s order (the dims before the normalized ones, row-major): row 0 each
       row's mean, row 1 its ``1 / sqrt(var + eps)`` (of the pre-chain's result, bias included).
     """
-    y0 = conv_forward(x, weight, cfg.conv, channels_last=True, save=save)
+    if y0 is None:
+        y0 = conv_forward(x, weight, cfg.conv, channels_last=True)
     out = torch.empty(y0.shape, dtype=dtype_named(OP, cfg.out_dtype, y0.dtype), device=x.device)
     if not save:
         return y0, out, empty_placeholder(x), empty_placeholder(x)

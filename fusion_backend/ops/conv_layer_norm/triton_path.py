@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..chain_lowering import norm_chains, norm_operand_grads, wanted_slots
-from ..library_conv import conv_backward_plan
+from ..library_conv import conv_backward_plan, conv_forward
 from .config import ConvLayerNormConfig, conv_outputs
 
 
@@ -24,7 +24,8 @@ def forward(x: Tensor, weight: Tensor, bias: Tensor | None, operands: Sequence[T
     """``(out, saved_y, saved_stats)`` as ``config.conv_outputs`` lays them out."""
     from ...kernels.layer_norm import layer_norm_forward
 
-    y0, out, saved_y, stats = conv_outputs(x, weight, cfg, save)
+    alone = None if save else conv_forward(x, weight, cfg.conv, channels_last=True, alone=True)
+    y0, out, saved_y, stats = conv_outputs(x, weight, cfg, save, alone)
     chains = norm_chains(cfg, bias, operands, y0.dim(), y0.shape[1], y0.device, cfg.elements)
     layer_norm_forward(y0, cfg.normalized_dims, bias is not None, chains.pre, chains.post, cfg.eps, chains.params,
                        chains.post_params, chains.affine, out, stats if save else None)  # fmt: skip
