@@ -105,11 +105,12 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   channels-last (8, 96, 80, 80) (``instance_cl``), on 64 channels per group (``wide_groups``: the
   channel-block loop), all three with their groups split into chunks (the partial kernels and the
   combining ones), and on groups of 2 x 256 elements with both chains (``small_groups``: one chunk
-  per group, the one-launch kernels); with a pool after the post-chain, the statistics pass alone,
+  per group, the one-launch kernels), and on the SD VAE decoder's largest GroupNorm input, channels-last
+  (1, 128, 512, 512) with groups of 4 channels and SiLU (``vae_cl``: the channels-last kernels); with a pool after the post-chain, the statistics pass alone,
   ``kernels/norm_pool.py``'s pooled normalise pass and the pooled backward: the demo with a 3x3 max
   pool of stride 2 and padding 1 (``decoder_max_pool``), the instance norm with a 2x2 avg pool in
   ceil_mode without the padding (``instance_cl_avg_pool``); ``fp32``, ``bf16``.  Cases
-  ``{decoder,instance_cl,wide_groups,small_groups,decoder_max_pool,instance_cl_avg_pool}-{fp32,bf16}``,
+  ``{decoder,instance_cl,wide_groups,small_groups,vae_cl,decoder_max_pool,instance_cl_avg_pool}-{fp32,bf16}``,
   all by default.
 * ``batch_norm``: ``kernels/batch_norm.py``'s statistics and normalisation kernels and both backward
   kernels (every gradient wanted) on the ``families`` BatchNorm-training demo's conv output
@@ -298,6 +299,7 @@ GROUP_NORM_WORKLOADS = {
     "instance_cl": ((8, 96, 80, 80), 96, True, EPILOGUE_CHAIN, (ChainStep(PointwiseKind.MUL, (TensorRef(1),)),), None),
     "wide_groups": ((4, 256, 40, 40), 4, False, (), (ChainStep(PointwiseKind.SILU),), None),
     "small_groups": ((8, 64, 16, 16), 32, False, EPILOGUE_CHAIN, (ChainStep(PointwiseKind.SILU),), None),
+    "vae_cl": ((1, 128, 512, 512), 32, True, (), (ChainStep(PointwiseKind.SILU),), None),
     "decoder_max_pool": ((16, 32, 128, 128), 8, False, (), (ChainStep(PointwiseKind.SILU),), MAX_3_2_1),
     "instance_cl_avg_pool": ((8, 96, 80, 80), 96, True, EPILOGUE_CHAIN, (ChainStep(PointwiseKind.MUL, (TensorRef(1),)),),
                              PoolSpec("avg", (2, 2), ceil_mode=True, count_include_pad=False)),
@@ -321,7 +323,7 @@ def group_norm_pass(workload: str, dtype: str) -> None:
     winner = None
     if pool is not None:  # the statistics pass alone, the pooled normalise pass, the pooled backward
         out, winner = pooled_outputs(y, pool)
-    with mock.patch.object(GN, "_sm_count", lambda device: H100_SMS):
+    with mock.patch.object(GN, "sm_count", lambda device: H100_SMS):
         if pool is None:
             GN.group_norm_forward(y, True, pre_steps, post_steps, groups, 1e-5, params, post_params, affine, out, stats)
         else:
