@@ -494,7 +494,7 @@ def _group_norm_cl_stats_kernel(
         _, v = tile_values(y_ptr, p_ptr, y_base, c, start + i * BLOCK_S + sb, cmask, C, y_sc, y_ss, PRE, HAS_BIAS)
         v = v - shift
         delta = v - mean
-        mean = mean + delta / (i + 1.0)
+        mean = mean + delta * (1.0 / (i + 1.0))  # one reciprocal per tile (NOTE in ``batch_norm``'s statistics)
         m2 = m2 + delta * (v - mean)
     count = tl.zeros([BLOCK_C, BLOCK_S], tl.float32) + full.to(tl.float32)
     s = start + full * BLOCK_S + sb
