@@ -211,11 +211,12 @@ class ConvEpiloguePattern(ConvWalkPattern):
         x_source = prologue.source if prologue is not None else conv.input
         absorb = ((region.pool is not None and region.pool.spec.kind == "max")
                   or (not conv_fake.requires_grad and (raw_x or not written_by_inductor(ctx, x_source))))
+        out_dtype = dtype_if_changed(out_fake, conv_fake)
         config = ConvEpilogueConfig(
             conv=conv.spec,
             chain=tuple(region.post.steps),
             pool=region.pool.spec if region.pool else None,
-            out_dtype=dtype_if_changed(out_fake, conv_fake),
+            out_dtype=out_dtype,
             strict=ctx.strict,
             compute_dtype=dtype_name(conv_fake.dtype) if absorb else None,
             residual=full_size_operand(ctx, region.post.operands, conv_fake),
@@ -228,6 +229,9 @@ class ConvEpiloguePattern(ConvWalkPattern):
             # (a folded upsample's conv reads its source already, which ``in_conv_layout`` then relays
             # as the conv's own input where eager's conv would have)
             x=prologue.source if prologue and not isinstance(prologue, InputUpsample) else None,
+            # a region whose result is the conv's output (an input prologue alone) adds the conv's bias
+            # in the graph, where Inductor adds it in the next op's kernel (``bias_added_in_graph``)
+            bias_in_graph=not region.post.steps and region.pool is None and out_dtype is None,
         )
 
 

@@ -7,6 +7,7 @@ region is defined before it), takes over all its uses and its metadata, and the 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -75,6 +76,21 @@ def in_conv_layout(graph: fx.Graph, x: Any, fake: Any, conv_output: torch.Tensor
     if fake.is_contiguous(memory_format=fmt):
         return x
     return graph.call_method("contiguous", (x,), {"memory_format": fmt})
+
+
+def bias_added_in_graph(graph: fx.Graph, out: fx.Node, bias: Any, dims: int) -> fx.Node:
+    """``out + bias`` over dim 1 of ``out`` (a ``dims``-dim conv output; ``bias``: a graph value of its
+    ``C`` elements, in its dtype): a conv's bias added after the fused op, where Inductor adds it.
+
+    WHY: Inductor lowers a conv with a bias to the library conv without it and adds the bias in the
+    kernel of the conv output's next op, a pass it runs anyway (a GroupNorm's statistics and normalise
+    pass, a cast, a concatenation).  A fused op that adds the bias itself after a library conv reads and
+    writes the conv output once more.  NOTE: the SD VAE decoder's GroupNorm -> SiLU -> conv regions at
+    batch 1 (bf16, channels-last, H200, under CUDA graphs; a scratch probe of the region followed by a
+    concatenation): the op's bias pass took 16-32 us of 246-390 us, the difference between a tie and a
+    win on the 256-channel 256 x 256 one (Inductor 235.1 against 245.9 us with the pass)."""
+    view = graph.call_method("view", (bias, -1, *([1] * (dims - 2))))
+    return graph.call_function(operator.add, (out, view))
 
 
 def splice_fused_call(
@@ -247,6 +263,7 @@ def rewrite_conv_region(
     finish: Optional[Callable[[fx.Graph, fx.Node], fx.Node]] = None,
     cast_inputs: bool = True,
     x: Optional[fx.Node] = None,
+    bias_in_graph: bool = False,
 ) -> Match:
     """Replace a conv-anchored region by ``fused(x, weight, bias, operands, config)`` and describe it.
 
@@ -260,6 +277,8 @@ def rewrite_conv_region(
     the fused op's input where it is not the conv's (a region that takes in the op computing it).
     The conv's weight may be ``Deferred`` too (a folded upsample's transposed-conv weight).
     The conv's own input is passed in the layout eager's conv ran it in (``in_conv_layout``).
+    ``bias_in_graph`` (a region whose result is its conv's output): the fused op gets no bias and the
+    conv's bias, in the conv's dtype, is added to its result in the graph (``bias_added_in_graph``).
     """
     conv_output = fake_of(conv.node)
     dtype = conv_output.dtype
@@ -279,9 +298,12 @@ def rewrite_conv_region(
             return materialize(graph, ctx.resolve(v))
 
         w = cast(graph, made(conv.weight))
-        b = cast(graph, made(conv.bias))
-        ops = [made(v) for v in operands]
-        out = graph.call_function(fused, (x_in, w, b, ops, config))
+        if bias_in_graph and conv.bias is not None:
+            out = graph.call_function(fused, (x_in, w, None, [made(v) for v in operands], config))
+            out = bias_added_in_graph(graph, out, cast_if_needed(graph, made(conv.bias), dtype), conv_output.dim())
+        else:
+            out = graph.call_function(fused, (x_in, w, cast(graph, made(conv.bias)), [made(v) for v in operands],
+                                              config))  # fmt: skip
         return finish(graph, out) if finish is not None else out
 
     fused_result = splice_fused_call(ctx, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))

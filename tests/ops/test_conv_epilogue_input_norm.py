@@ -267,3 +267,35 @@ def test_auto_offers_the_input_norm_s_library_plan_for_calls_that_save_nothing(m
     assert ce.forward.input_norm_library_unsupported(x, w, [], no_norm, False) == "no input norm, or a residual"
     why = ce.forward.input_norm_library_unsupported(x[..., ::2], w, [], cfg, False)
     assert why is not None and "not a dense layout's" in why
+
+
+class NormActConvRelu(NormActConv):
+    def forward(self, x):
+        return torch.relu(super().forward(x))
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["conv-output", "chain-after"])
+def test_a_region_whose_result_is_the_conv_output_adds_the_bias_in_the_graph(chain, tmp_path):
+    """Where the region's result is the conv's output the op gets no bias and the graph adds it (where
+    Inductor folds it into the next op's kernel); a region with a chain after the conv keeps the bias in
+    the op.  Either way the result is within eager's error of float64."""
+    torch.manual_seed(36)
+    model = _eval((NormActConvRelu if chain else NormActConv)(8, 4, 6, nn.SiLU(), padding=1))
+    with torch.no_grad():
+        model.conv.bias.uniform_(2, 3)  # a bias far from 0: a lost or doubled bias shows
+    x = _channels_last(torch.randn(2, 8, 7, 5) * 3 + 2).to(DEVICE)
+    compiled = torch.compile(model, backend="fusion", options={"decide": "fuse", "strict": True, "dump_dir": str(tmp_path)})
+    with torch.no_grad():
+        got, eager = compiled(x), model(x)
+        want = model.double()(x.double())
+    err, eager_err = (got.double() - want).norm() / want.norm(), (eager.double() - want).norm() / want.norm()
+    assert err <= max(4 * eager_err, 1e-6), (err, eager_err)
+    (after,) = tmp_path.glob("**/after.py")
+    code = after.read_text()
+    call = next(line for line in code.splitlines() if "conv_epilogue(" in line)
+    bias_name = "l_self_modules_conv_parameters_bias_"
+    if chain:
+        assert f"weight_, {bias_name}, [" in call and "view(-1, 1, 1)" not in code, code
+    else:
+        assert "weight_, None, [" in call, code
+        assert f"view = {bias_name}.view(-1, 1, 1)" in code and "add = conv_epilogue + view" in code, code
