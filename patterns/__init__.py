@@ -9,6 +9,7 @@ conv output; then the norm families and the reduction over the channels, which c
 (their regions never share a conv, so their order only fixes the order of the regions and which near
 miss of a conv is reported); ``conv_epilogue``, the plain chain, is a tier of its own below them all,
 and ``batch_norm_conv``, which takes the norm and activation a conv reads, one above them all.
+``attention`` claims no conv (its regions are attention calls), so its place orders nothing.
 """
 
 # isort: off
@@ -19,4 +20,5 @@ from . import conv_layer_norm  # noqa: F401
 from . import conv_batch_norm  # noqa: F401
 from . import conv_channel_reduce  # noqa: F401
 from . import conv_epilogue  # noqa: F401
+from . import attention  # noqa: F401
 # isort: on

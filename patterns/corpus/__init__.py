@@ -17,7 +17,7 @@ import torch
 
 @dataclass(frozen=True)
 class CorpusCase:
-    """``build()`` returns ``(model, inputs)`` (CPU, float32, small); ``regions``: the summaries of
+    """``build()`` returns ``(model, inputs)`` (CPU, small, float32 unless the family takes other dtypes only); ``regions``: the summaries of
     the regions that must match, in graph order (``"conv2d -> relu -> max_pool2d"``); ``near_misses``:
     ``(pattern, reason, words)`` of every near miss the report must give, ``reason`` a ``ReasonKind``
     value and ``words`` a phrase of its message.  Both lists are complete: anything else is a change."""
@@ -47,7 +47,7 @@ class Then(torch.nn.Module):
 
 #: Family name -> the module holding its ``CASES``.
 FAMILIES = ("conv_epilogue", "conv_global_mean", "conv_channel_reduce", "conv_group_norm", "conv_batch_norm",
-            "conv_layer_norm", "batch_norm_conv")
+            "conv_layer_norm", "batch_norm_conv", "attention")
 
 
 def cases(family: str) -> list[CorpusCase]:

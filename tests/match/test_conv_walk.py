@@ -183,4 +183,4 @@ def test_a_family_with_a_centre_takes_the_conv_before_the_plain_chain(only):
 
 def test_the_built_in_families_precedence():
     assert precedence_order() == ["batch_norm_conv", "conv_global_mean", "conv_group_norm", "conv_layer_norm", "conv_batch_norm",
-                                  "conv_channel_reduce", "conv_epilogue"]
+                                  "conv_channel_reduce", "conv_epilogue", "attention"]

@@ -1,0 +1,107 @@
+"""The Triton path of ``fusion::attention``: library matmuls around the row-softmax kernels.
+
+Per chunk of query rows (all of them unless the fp32 scores would pass ``SCORE_BYTES``):
+
+* forward: ``s = q @ k^T`` accumulated and written in fp32 (a batched matmul), ``p = softmax(s *
+  scale)`` in the inputs' dtype (``kernels/softmax_rows.py``), ``out = p @ v``;
+* backward: ``s`` again and ``dp = grad_out @ v^T`` (fp32), ``(p, ds)`` from the backward kernel, then
+  ``dq = ds @ k``, ``dk = ds^T @ q`` and ``dv = p^T @ grad_out``; over several chunks ``dk`` and ``dv``
+  sum in fp32 and are rounded once.
+
+The matmuls take the inputs' dtype and accumulate in fp32, as eager's attention kernels do; fp32
+inputs multiply in fp32 (TF32 where ``torch.backends.cuda.matmul.allow_tf32`` allows it).  Inputs:
+``q`` ``(*B, L, E)``, ``k`` ``(*B, S, E)``, ``v`` ``(*B, S, Ev)`` with the same leading dims ``*B``,
+any strides; every result is contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ...kernels.host import kernels_unavailable
+from ...kernels.softmax_rows import softmax_rows_plan
+
+#: the most bytes one chunk's fp32 scores take (the backward holds two such tensors, ``s`` and ``dp``)
+SCORE_BYTES = 256 << 20
+
+
+def unsupported(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why the Triton path does not serve these inputs (``None`` when it does)."""
+    why = kernels_unavailable(q.dtype, q.device.type)
+    if why is not None:
+        return why
+    if q.dim() < 3 or not (q.dim() == k.dim() == v.dim()):
+        return f"q, k and v need one rank of at least 3, got {q.dim()}, {k.dim()} and {v.dim()}"
+    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]) or k.shape[-2] != v.shape[-2] or q.shape[-1] != k.shape[-1]:
+        return f"shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not pair without broadcasting"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"q, k and v in {q.dtype}, {k.dtype} and {v.dtype}"
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return "an empty input"
+    return None
+
+
+def _bmm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` (batched) accumulated and returned in fp32."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    if a.is_cuda:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())  # (the CPU has no low-precision bmm into fp32)
+
+
+def _chunks(batch: int, rows: int, length: int) -> list[tuple[int, int]]:
+    per = max(1, SCORE_BYTES // max(1, batch * length * 4))
+    return [(r, min(rows, r + per)) for r in range(0, rows, per)]
+
+
+def _flat(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, Tensor, Tensor, Tensor]:
+    n = math.prod(q.shape[:-2])
+    return n, q.reshape(n, *q.shape[-2:]), k.reshape(n, *k.shape[-2:]), v.reshape(n, *v.shape[-2:])
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    n, q3, k3, v3 = _flat(q, k, v)
+    length = k3.shape[1]
+    chunks = _chunks(n, q3.shape[1], length)
+    out = None if len(chunks) == 1 else torch.empty((n, q3.shape[1], v3.shape[2]), dtype=q.dtype, device=q.device)
+    for r0, r1 in chunks:
+        rows = r1 - r0
+        s = _bmm_fp32(q3[:, r0:r1], k3.transpose(1, 2))
+        p = softmax_rows_plan(n * rows, length, q.dtype, q.device).forward(s.view(n * rows, length), scale)
+        part = torch.bmm(p.view(n, rows, length), v3)
+        if out is None:
+            out = part
+        else:
+            out[:, r0:r1] = part
+    assert out is not None
+    return out.view(*q.shape[:-1], v.shape[-1])
+
+
+def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    n, q3, k3, v3 = _flat(q, k, v)
+    g3 = grad_out.reshape(n, *grad_out.shape[-2:]).to(q.dtype)
+    length = k3.shape[1]
+    chunks = _chunks(n, q3.shape[1], length)
+    dq = torch.empty_like(q3, memory_format=torch.contiguous_format)
+    dk = dv = None
+    for r0, r1 in chunks:
+        rows = r1 - r0
+        q_c, g_c = q3[:, r0:r1], g3[:, r0:r1]
+        s = _bmm_fp32(q_c, k3.transpose(1, 2))
+        dp = _bmm_fp32(g_c, v3.transpose(1, 2))
+        plan = softmax_rows_plan(n * rows, length, q.dtype, q.device)
+        p, ds = (t.view(n, rows, length) for t in plan.backward(s.view(n * rows, length), dp.view(n * rows, length),
+                                                                scale))  # fmt: skip
+        dq[:, r0:r1] = torch.bmm(ds, k3)
+        if len(chunks) == 1:
+            dk, dv = torch.bmm(ds.transpose(1, 2), q_c), torch.bmm(p.transpose(1, 2), g_c)
+        else:
+            dk_part, dv_part = _bmm_fp32(ds.transpose(1, 2), q_c), _bmm_fp32(p.transpose(1, 2), g_c)
+            dk = dk_part if dk is None else dk.add_(dk_part)
+            dv = dv_part if dv is None else dv.add_(dv_part)
+    assert dk is not None and dv is not None
+    return dq.view(q.shape), dk.to(k.dtype).view(k.shape), dv.to(v.dtype).view(v.shape)
