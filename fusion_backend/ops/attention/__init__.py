@@ -12,12 +12,16 @@ recomputed).
 
 WHY: eager's attention on CUDA takes the flash kernel for head dims up to 256; past that (the
 single-head, 512-wide attention of the Stable Diffusion VAE's mid-block) it falls back to the
-memory-efficient kernel, which is far off the chip's matmul rate there.  Two library matmuls around
-a softmax over fp32 scores (``triton_path``) are faster where the scores fit in memory by chunks of
-rows, and round what flash rounds: the probabilities, once, before ``p @ v``.  NOTE: H200, bf16, one
-head of 512 over 4096 positions (the VAE's, at a 512 x 512 image): eager 359.7 us, the matmuls with
-torch's softmax 211.6 us, with the softmax compiled 171.8 us; 1024 positions: eager 113.5 us against
-122.5 us (a scratch probe; the decision measures each region).
+memory-efficient kernel, which is far off the chip's matmul rate there, and its backward further.  Two
+library matmuls around a softmax over fp32 scores (``triton_path``) are faster where the scores fit in
+memory by chunks of rows, and round what flash rounds: the probabilities, once, before ``p @ v``.
+NOTE: H200, bf16, the VAE decoder's region (one head of 512 over 4096 positions) as the decision
+measured it, GPU time per call: forward 0.110 against eager's 0.333 ms, forward and backward 0.349
+against 5.912 ms (``python -m fusion_backend bench --log --suite demos/realnets/sd_vae_decoder.py
+--dtype bf16 --mode infer --backends inductor,fusion-decide-all --no-memory --no-cold --no-chart
+--compile-mode reduce-overhead``, and ``--mode train``).  The price is host time (the region's 0.27 against
+0.07 ms per call: in the default mode the decision leaves it to Inductor) and memory: the fp32 scores of a chunk (``SCORE_BYTES``), twice in
+the backward, where eager's kernels hold a few rows.
 
 Implementations (``ops/failure.py``'s policy): the Triton path on CUDA (fp32, fp16, bf16) and on the
 CPU under ``FUSION_CPU_KERNELS=triton`` with the interpreter; else, or where a kernel fails, the
