@@ -16,8 +16,9 @@ writes); the second walk reads the row from L2 (a row of 4096 fp32 scores is 16 
 gives NaN, as eager's softmax does; a NaN score makes its row NaN.
 
 Contract (checked by ``SoftmaxRowsPlan``, ``ContractError`` otherwise): ``s`` (and ``dp``) contiguous
-fp32 ``(R, S)`` with ``R, S >= 1``; ``p`` / ``ds`` come back contiguous ``(R, S)`` in the plan's dtype
-(fp16, bf16 or fp32) on the scores' device.
+fp32 of ``R`` rows of ``S >= 1`` (any shape ``(..., S)`` holding ``R * S`` values: a batched matmul's
+``(n, L, S)`` result as it is); ``p`` / ``ds`` come back in ``s``'s shape, contiguous, in the plan's
+dtype (fp16, bf16 or fp32) on the scores' device.
 """
 
 from __future__ import annotations
@@ -113,20 +114,21 @@ class SoftmaxRowsPlan:
         self.fwd = FastLaunch(_softmax_rows_fwd_kernel, (rows,), meta)
         self.bwd = FastLaunch(_softmax_rows_bwd_kernel, (rows,), meta)
 
-    def _check(self, name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        _require(tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous() and t.device == self.device,
-                 f"{name} must be a contiguous {dtype} {list(shape)} on {self.device}, got {t.dtype} "
-                 f"{list(t.shape)} on {t.device}")
+    def _check(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+        _require(t.numel() == self.rows * self.length and t.shape[-1] == self.length and t.dtype == dtype
+                 and t.is_contiguous() and t.device == self.device,
+                 f"{name} must be a contiguous {dtype} of {self.rows} rows of {self.length} on {self.device}, got "
+                 f"{t.dtype} {list(t.shape)} on {t.device}")  # fmt: skip
 
     def forward(self, s: torch.Tensor, scale: float) -> torch.Tensor:
-        self._check("s", s, (self.rows, self.length), torch.float32)
+        self._check("s", s, torch.float32)
         p = torch.empty_like(s, dtype=self.out_dtype)
         self.fwd(s, p, self.length, float(scale))
         return p
 
     def backward(self, s: torch.Tensor, dp: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check("s", s, (self.rows, self.length), torch.float32)
-        self._check("dp", dp, (self.rows, self.length), torch.float32)
+        self._check("s", s, torch.float32)
+        self._check("dp", dp, torch.float32)
         p = torch.empty_like(s, dtype=self.out_dtype)
         ds = torch.empty_like(s, dtype=self.out_dtype)
         self.bwd(s, dp, p, ds, self.length, float(scale))

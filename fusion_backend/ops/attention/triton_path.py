@@ -65,43 +65,39 @@ def _flat(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, Tensor, Tensor, Tensor]
 
 def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     n, q3, k3, v3 = _flat(q, k, v)
-    length = k3.shape[1]
-    chunks = _chunks(n, q3.shape[1], length)
-    out = None if len(chunks) == 1 else torch.empty((n, q3.shape[1], v3.shape[2]), dtype=q.dtype, device=q.device)
+    rows, length = q3.shape[1], k3.shape[1]
+    kt = k3.transpose(1, 2)
+    chunks = _chunks(n, rows, length)
+    if len(chunks) == 1:  # (the common case, in the fewest host ops: the op's host time is a region's cost)
+        p = softmax_rows_plan(n * rows, length, q.dtype, q.device).forward(_bmm_fp32(q3, kt), scale)
+        return torch.bmm(p, v3).view(*q.shape[:-1], v.shape[-1])
+    out = torch.empty((n, rows, v3.shape[2]), dtype=q.dtype, device=q.device)
     for r0, r1 in chunks:
-        rows = r1 - r0
-        s = _bmm_fp32(q3[:, r0:r1], k3.transpose(1, 2))
-        p = softmax_rows_plan(n * rows, length, q.dtype, q.device).forward(s.view(n * rows, length), scale)
-        part = torch.bmm(p.view(n, rows, length), v3)
-        if out is None:
-            out = part
-        else:
-            out[:, r0:r1] = part
-    assert out is not None
+        p = softmax_rows_plan(n * (r1 - r0), length, q.dtype, q.device).forward(_bmm_fp32(q3[:, r0:r1], kt), scale)
+        out[:, r0:r1] = torch.bmm(p, v3)
     return out.view(*q.shape[:-1], v.shape[-1])
 
 
 def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     n, q3, k3, v3 = _flat(q, k, v)
     g3 = grad_out.reshape(n, *grad_out.shape[-2:]).to(q.dtype)
-    length = k3.shape[1]
-    chunks = _chunks(n, q3.shape[1], length)
+    rows, length = q3.shape[1], k3.shape[1]
+    kt, vt = k3.transpose(1, 2), v3.transpose(1, 2)
+    chunks = _chunks(n, rows, length)
+    if len(chunks) == 1:
+        plan = softmax_rows_plan(n * rows, length, q.dtype, q.device)
+        p, ds = plan.backward(_bmm_fp32(q3, kt), _bmm_fp32(g3, vt), scale)
+        dq, dk, dv = torch.bmm(ds, k3), torch.bmm(ds.transpose(1, 2), q3), torch.bmm(p.transpose(1, 2), g3)
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
     dq = torch.empty_like(q3, memory_format=torch.contiguous_format)
     dk = dv = None
     for r0, r1 in chunks:
-        rows = r1 - r0
         q_c, g_c = q3[:, r0:r1], g3[:, r0:r1]
-        s = _bmm_fp32(q_c, k3.transpose(1, 2))
-        dp = _bmm_fp32(g_c, v3.transpose(1, 2))
-        plan = softmax_rows_plan(n * rows, length, q.dtype, q.device)
-        p, ds = (t.view(n, rows, length) for t in plan.backward(s.view(n * rows, length), dp.view(n * rows, length),
-                                                                scale))  # fmt: skip
+        plan = softmax_rows_plan(n * (r1 - r0), length, q.dtype, q.device)
+        p, ds = plan.backward(_bmm_fp32(q_c, kt), _bmm_fp32(g_c, vt), scale)
         dq[:, r0:r1] = torch.bmm(ds, k3)
-        if len(chunks) == 1:
-            dk, dv = torch.bmm(ds.transpose(1, 2), q_c), torch.bmm(p.transpose(1, 2), g_c)
-        else:
-            dk_part, dv_part = _bmm_fp32(ds.transpose(1, 2), q_c), _bmm_fp32(p.transpose(1, 2), g_c)
-            dk = dk_part if dk is None else dk.add_(dk_part)
-            dv = dv_part if dv is None else dv.add_(dv_part)
+        dk_part, dv_part = _bmm_fp32(ds.transpose(1, 2), q_c), _bmm_fp32(p.transpose(1, 2), g_c)
+        dk = dk_part if dk is None else dk.add_(dk_part)
+        dv = dv_part if dv is None else dv.add_(dv_part)
     assert dk is not None and dv is not None
     return dq.view(q.shape), dk.to(k.dtype).view(k.shape), dv.to(v.dtype).view(v.shape)
