@@ -11,7 +11,6 @@ than Inductor's code (which runs eager's attention kernels).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any, Union
 
@@ -30,6 +29,18 @@ FLASH_MAX_HEAD_DIM = 256
 _SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention,)
 _ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def _size_hint(size: Any) -> int | None:
+    """A size as an int: itself, or a symbolic size's hint (the size of the inputs traced).
+
+    A symbolic head dim (``dynamic=True``) is judged by its hint: the head-dim rule says where the op
+    is expected to win, not where it is correct (it is correct for every size, and the decision
+    measures the region), so it needs no guard."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return int(hint) if hint is not None else None
 
 
 def _arguments(node: fx.Node) -> dict[str, Any]:
@@ -74,16 +85,15 @@ class AttentionPattern(Pattern):
             return miss(ReasonKind.DIMENSION_MISMATCH, f"q {list(fq.shape)}, k {list(fk.shape)}, v {list(fv.shape)}: "
                                                        "the fused op needs one rank of at least 3 and the same "
                                                        "leading dims (no broadcasting)")  # fmt: skip
-        head = fq.shape[-1]
-        if not isinstance(head, int):
-            return miss(ReasonKind.DIMENSION_MISMATCH, "a dynamic head dim")
+        head = _size_hint(fq.shape[-1])
+        if head is None:
+            return miss(ReasonKind.MISSING_METADATA, "a dynamic head dim without a size hint")
         if head <= FLASH_MAX_HEAD_DIM:
             return miss(ReasonKind.UNSUPPORTED_ARGUMENT, f"head dim {head}: torch's flash attention kernel takes "
                                                          f"heads up to {FLASH_MAX_HEAD_DIM}")
         if any(t.numel() == 0 for t in (fq, fk, fv)):
             return miss(ReasonKind.EMPTY_TENSOR, "an empty attention input")
-        scale = args["scale"]
-        scale = 1.0 / math.sqrt(head) if scale is None else float(scale)
+        scale = None if args["scale"] is None else float(args["scale"])  # (None: eager's 1 / sqrt(E), at run time)
         return Candidate(self.name, node, [node], (q, k, v, scale), f"attention(head dim {head})")
 
     def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:

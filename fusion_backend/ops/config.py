@@ -72,6 +72,7 @@ _CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     "tuple[ChainStep, ...]": (lambda chain: chain_to_list(chain), lambda items: chain_from_list(items)),
     "tuple[int, ...]": (list, lambda items: tuple(int(v) for v in items)),
     "float": (_same, float),
+    "float | None": (_same, _optional(float)),
     "int": (_same, int),
     "bool": (_same, bool),
     "str": (_same, str),

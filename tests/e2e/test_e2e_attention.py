@@ -109,6 +109,31 @@ def test_autocast_s_casts_move_before_the_op(triton_on_cpu, tmp_path):
     assert code.count("torch.float16)") == 3, code
 
 
+def test_dynamic_shapes_run_one_graph_within_eager_s_error(triton_on_cpu, tmp_path):
+    """``dynamic=True``: every size symbolic, the head dim judged by its hint and the default scale
+    computed at run time; other lengths then run the same graph, each within eager's error."""
+    from torch._dynamo.utils import counters
+
+    def block(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v) * 2
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, backend="fusion", dynamic=True,
+                             options={"decide": "fuse", "strict": True, "dump_dir": str(tmp_path)})  # fmt: skip
+    for seed, (length, keys) in enumerate(((5, 7), (9, 4), (3, 3))):
+        torch.manual_seed(seed)
+        q, k, v = (torch.randn(2, 1, n, 288, device=DEVICE).half() for n in (length, keys, keys))
+        got, eager = compiled(q, k, v), block(q, k, v)
+        exact = block(q.double(), k.double(), v.double())
+        err, eager_err = ((got.double() - exact).norm() / exact.norm()), ((eager.double() - exact).norm() / exact.norm())
+        assert err <= 2 * eager_err, (length, keys, err, eager_err)
+    assert counters["stats"]["unique_graphs"] == 1
+    (after,) = tmp_path.glob("**/after.py")
+    assert "fusion.attention.default(" in after.read_text()
+    assert '"scale":null' in after.read_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

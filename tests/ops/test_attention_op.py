@@ -72,6 +72,15 @@ def test_the_triton_path_is_within_eager_s_error_of_float64(triton_on_cpu, dtype
     _check_against_float64(q, k, v, scale=shapes[0][-1] ** -0.5 * 1.3)
 
 
+def test_no_scale_is_eager_s_default(triton_on_cpu):
+    """``scale=None``: ``1 / sqrt(E)`` of the call's head dim, as eager's default."""
+    q, k, v = _inputs(((2, 5, 24), (2, 6, 24), (2, 6, 24)), torch.float16, seed=8)
+    torch.testing.assert_close(attention(q, k, v, AttentionConfig(strict=True).to_json()),
+                               attention(q, k, v, AttentionConfig(scale=24 ** -0.5, strict=True).to_json()),
+                               rtol=0, atol=0)  # fmt: skip
+    _check_against_float64(q, k, v, scale=None)
+
+
 def test_rows_in_chunks_give_the_same_result(triton_on_cpu, monkeypatch):
     """Scores past ``SCORE_BYTES`` go by chunks of query rows (the weights' gradients summed in fp32):
     the result is the single chunk's within rounding, and within eager's error of float64."""

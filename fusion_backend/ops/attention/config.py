@@ -9,9 +9,9 @@ from ..config import JsonConfig
 
 @dataclass(frozen=True)
 class AttentionConfig(JsonConfig):
-    """* ``scale``: the factor of the scores ``q @ k^T`` before the softmax (SDPA's ``scale``, resolved:
-      ``1 / sqrt(E)`` where the call left it out);
+    """* ``scale``: the factor of the scores ``q @ k^T`` before the softmax (SDPA's ``scale``); ``None``:
+      eager's default, ``1 / sqrt(E)`` of the call's head dim ``E``;
     * ``strict``: a kernel failure raises ``KernelError`` instead of falling back to the reference."""
 
-    scale: float
+    scale: float | None = None
     strict: bool = False

@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def forward(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
     """Eager's attention, contiguous (the op's output layout)."""
     return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
 
 
-def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)``, each contiguous in its input's dtype."""
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]

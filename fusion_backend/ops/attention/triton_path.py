@@ -53,6 +53,11 @@ def _bmm_fp32(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.float(), b.float())  # (the CPU has no low-precision bmm into fp32)
 
 
+def _resolved(scale: float | None, q: Tensor) -> float:
+    """The scores' factor: ``scale``, or eager's default ``1 / sqrt(E)`` where it is ``None``."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
 def _chunks(batch: int, rows: int, length: int) -> list[tuple[int, int]]:
     per = max(1, SCORE_BYTES // max(1, batch * length * 4))
     return [(r, min(rows, r + per)) for r in range(0, rows, per)]
@@ -63,8 +68,9 @@ def _flat(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, Tensor, Tensor, Tensor]
     return n, q.reshape(n, *q.shape[-2:]), k.reshape(n, *k.shape[-2:]), v.reshape(n, *v.shape[-2:])
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def forward(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
     n, q3, k3, v3 = _flat(q, k, v)
+    scale = _resolved(scale, q)
     rows, length = q3.shape[1], k3.shape[1]
     kt = k3.transpose(1, 2)
     chunks = _chunks(n, rows, length)
@@ -78,8 +84,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return out.view(*q.shape[:-1], v.shape[-1])
 
 
-def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
     n, q3, k3, v3 = _flat(q, k, v)
+    scale = _resolved(scale, q)
     g3 = grad_out.reshape(n, *grad_out.shape[-2:]).to(q.dtype)
     rows, length = q3.shape[1], k3.shape[1]
     kt, vt = k3.transpose(1, 2), v3.transpose(1, 2)
