@@ -91,10 +91,14 @@ class AttentionPattern(Pattern):
         if head <= FLASH_MAX_HEAD_DIM:
             return miss(ReasonKind.UNSUPPORTED_ARGUMENT, f"head dim {head}: torch's flash attention kernel takes "
                                                          f"heads up to {FLASH_MAX_HEAD_DIM}")
-        if any(t.numel() == 0 for t in (fq, fk, fv)):
+        if any(_size_hint(t.numel()) == 0 for t in (fq, fk, fv)):
             return miss(ReasonKind.EMPTY_TENSOR, "an empty attention input")
-        scale = None if args["scale"] is None else float(args["scale"])  # (None: eager's 1 / sqrt(E), at run time)
-        return Candidate(self.name, node, [node], (q, k, v, scale), f"attention(head dim {head})")
+        scale = args["scale"]  # (None: eager's 1 / sqrt(E), resolved at run time)
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+            return miss(ReasonKind.UNSUPPORTED_ARGUMENT, f"a scale computed in the graph ({scale!r}): the fused op's "
+                                                         "config holds a number")  # fmt: skip
+        return Candidate(self.name, node, [node], (q, k, v, None if scale is None else float(scale)),
+                         f"attention(head dim {head})")  # fmt: skip
 
     def rewrite(self, ctx: MatchContext, candidate: Candidate) -> Match:
         q, k, v, scale = candidate.payload
