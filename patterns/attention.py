@@ -17,6 +17,7 @@ from typing import Any, Union
 import torch
 import torch.fx as fx
 
+from ..ir.fakes import size_hint
 from ..match.engine import Candidate, MatchContext, Pattern, Precedence, fake_of, register_pattern
 from ..match.rewrite import cast_if_needed, splice_fused_call
 from ..ops.attention import ATTENTION, OP, AttentionConfig, kernel_path
@@ -29,18 +30,6 @@ FLASH_MAX_HEAD_DIM = 256
 _SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention,)
 _ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-
-
-def _size_hint(size: Any) -> int | None:
-    """A size as an int: itself, or a symbolic size's hint (the size of the inputs traced).
-
-    A symbolic head dim (``dynamic=True``) is judged by its hint: the head-dim rule says where the op
-    is expected to win, not where it is correct (it is correct for every size, and the decision
-    measures the region), so it needs no guard."""
-    if isinstance(size, int):
-        return size
-    hint = getattr(getattr(size, "node", None), "hint", None)
-    return int(hint) if hint is not None else None
 
 
 def _arguments(node: fx.Node) -> dict[str, Any]:
@@ -85,13 +74,15 @@ class AttentionPattern(Pattern):
             return miss(ReasonKind.DIMENSION_MISMATCH, f"q {list(fq.shape)}, k {list(fk.shape)}, v {list(fv.shape)}: "
                                                        "the fused op needs one rank of at least 3 and the same "
                                                        "leading dims (no broadcasting)")  # fmt: skip
-        head = _size_hint(fq.shape[-1])
+        # a symbolic head dim is judged by its example value, unguarded: the rule says where the op should
+        # win (the decision measures it), and the op is right for every size
+        head = size_hint(fq.shape[-1])
         if head is None:
             return miss(ReasonKind.MISSING_METADATA, "a dynamic head dim without a size hint")
         if head <= FLASH_MAX_HEAD_DIM:
             return miss(ReasonKind.UNSUPPORTED_ARGUMENT, f"head dim {head}: torch's flash attention kernel takes "
                                                          f"heads up to {FLASH_MAX_HEAD_DIM}")
-        if any(_size_hint(t.numel()) == 0 for t in (fq, fk, fv)):
+        if any(size_hint(t.numel()) == 0 for t in (fq, fk, fv)):
             return miss(ReasonKind.EMPTY_TENSOR, "an empty attention input")
         scale = args["scale"]  # (None: eager's 1 / sqrt(E), resolved at run time)
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 
@@ -20,3 +21,12 @@ def fake_of(node: Any) -> Any:
     if "example_value" in meta:
         return meta["example_value"]
     return meta.get("val")
+
+
+def size_hint(size: Any) -> int | None:
+    """A size as an int: itself, or a symbolic size's example value (the size of the inputs traced;
+    reading it adds no guard); ``None`` for a symbol without one (an unbacked size)."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return None if hint is None else int(hint)
+    return int(size)

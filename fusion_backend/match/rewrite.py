@@ -298,12 +298,10 @@ def rewrite_conv_region(
             return materialize(graph, ctx.resolve(v))
 
         w = cast(graph, made(conv.weight))
+        b = None if bias_in_graph else cast(graph, made(conv.bias))
+        out = graph.call_function(fused, (x_in, w, b, [made(v) for v in operands], config))
         if bias_in_graph and conv.bias is not None:
-            out = graph.call_function(fused, (x_in, w, None, [made(v) for v in operands], config))
             out = bias_added_in_graph(graph, out, cast_if_needed(graph, made(conv.bias), dtype), conv_output.dim())
-        else:
-            out = graph.call_function(fused, (x_in, w, cast(graph, made(conv.bias)), [made(v) for v in operands],
-                                              config))  # fmt: skip
         return finish(graph, out) if finish is not None else out
 
     fused_result = splice_fused_call(ctx, candidate.nodes, build, extra_dead=item_nodes_feeding(candidate.nodes))

@@ -55,7 +55,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .. import gpu_timing
 from ..frame_room import call_with_frame_room
 from ..frontend.normalize import AUTOCAST_ENTER, AUTOCAST_EXIT, AUTOCAST_MARKERS, normalize_node, target_name
-from ..ir.fakes import fake_of
+from ..ir.fakes import fake_of, size_hint
 from ..match.rewrite import LIBRARY_OPS, WRITTEN_BY_INDUCTOR, inductor_writes, narrow_read_dtype
 
 #: Timing: rounds per candidate (interleaved), the length one round aims at, the most calls in one.
@@ -298,12 +298,10 @@ def random_like(fake: torch.Tensor) -> torch.Tensor:
 
 
 def _hint(size: Any) -> int:
-    if isinstance(size, torch.SymInt):
-        hint = size.node.hint
-        if hint is None:
-            raise NotMeasurable(f"size {size} has no example value (an unbacked symbol)")
-        return int(hint)
-    return int(size)
+    hint = size_hint(size)
+    if hint is None:
+        raise NotMeasurable(f"size {size} has no example value (an unbacked symbol)")
+    return hint
 
 
 def make_step(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], train: bool) -> Callable[[], None]:

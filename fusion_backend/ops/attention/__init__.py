@@ -92,6 +92,7 @@ def _forward_fake(q: Tensor, k: Tensor, v: Tensor, config: str) -> Tensor:
 
 
 def _backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, config: str) -> list[Tensor]:
+    _check(q, k, v)
     cfg = AttentionConfig.from_json(config)
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:  # nothing reached the output: zero gradients
         return [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
