@@ -308,38 +308,25 @@ def test_wgrad_is_bit_identical_across_runs_and_splits_only_reorder():
     torch.testing.assert_close(one[0], first[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("split,fold", [(1, split_sum.FOLD_DIRECT), (3, split_sum.FOLD_LAST), (30, split_sum.FOLD_NONE)])
 @pytest.mark.parametrize("taps", [1, 3])
-def test_wgrad_splits_are_summed_by_whoever_the_plan_names(split, fold, taps):
-    """One split: the programs write the gradient from their accumulators; a few splits of a small tile:
-    the tile's last program to arrive sums them (``arrival``); many: the separate sum launch.  Each within
-    eager's error of float64, into a weight of any strides (here channels-last), the same bits on a rerun
-    (the arrival counters left at zero for the next launch), and the splits' results one rounding apart."""
-    g = torch.Generator().manual_seed(stable_seed(("wgrad-fold", split, taps)))
-    xs, ws, conv = (2, 20, 20, 24), (24, 10, 3, 3), dict(padding=1, groups=2)
+def test_one_split_writes_the_weight_gradient_from_its_accumulators(taps):
+    """With one split the programs round their accumulators into the gradient themselves (no partials, no
+    sum launch), into a weight of any strides (here channels-last): one rounding from three splits' result,
+    the same bits on a rerun; three splits within eager's error of float64 through the sum launch."""
+    g = torch.Generator().manual_seed(stable_seed(("wgrad-direct", taps)))
+    xs, ws, conv = (2, 20, 12, 10), (24, 10, 3, 3), dict(padding=1, groups=2)
     x = _channels_last(_randn(*xs, g=g))
     w = _channels_last(_randn(*ws, g=g))
     gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
     tile = dataclasses.replace(SMALL, taps_per_program=taps)
-    first, bias = _check_wgrad(f"{split} splits, {taps} taps", gy, x, w, tile=tile, split=split, bias_grad=True,
-                               **conv)  # fmt: skip
-    plan = next(p for p in reversed(wgrad._PLANS.values()) if p.tile == tile and p.geo.size[1:] == (20, 24))
-    assert (plan.split, plan.fold) == (split, fold)
-    again = conv_wgrad(gy, x, w, tile=tile, split=split, bias_grad=True, **conv)
-    assert torch.equal(first, again[0]) and torch.equal(bias, again[1])
-    one = conv_wgrad(gy, x, w, tile=tile, split=1, bias_grad=True, **conv)
-    torch.testing.assert_close(one[0], first, rtol=1e-5, atol=1e-6 * first.abs().max().item())
-
-
-def test_wgrad_fold_takes_few_splits_of_small_tiles():
-    """``fold_mode``: one split direct; the last program to arrive sums a tile's splits while they are few
-    and small (its rows per step a power of two); else the separate launch."""
-    assert split_sum.fold_mode(1, 128, 128, 3) == (split_sum.FOLD_DIRECT, 1)
-    assert split_sum.fold_mode(2, 64, 64, 1) == (split_sum.FOLD_LAST, 64)
-    assert split_sum.fold_mode(3, 128, 64, 1) == (split_sum.FOLD_LAST, 32)
-    assert split_sum.fold_mode(16, 16, 16, 1) == (split_sum.FOLD_LAST, 16)
-    assert split_sum.fold_mode(17, 16, 16, 1)[0] == split_sum.FOLD_NONE
-    assert split_sum.fold_mode(8, 128, 128, 1)[0] == split_sum.FOLD_NONE  # 512 KiB of partials for one program
+    three, bias3 = _check_wgrad(f"3 splits, {taps} taps", gy, x, w, tile=tile, split=3, bias_grad=True, **conv)
+    one, bias1 = conv_wgrad(gy, x, w, tile=tile, split=1, bias_grad=True, **conv)
+    plan = next(p for p in reversed(wgrad._PLANS.values()) if p.tile == tile and p.geo.size[1:] == (12, 10))
+    assert plan.split == 1 and plan.direct and one.stride() == w.stride()
+    again = conv_wgrad(gy, x, w, tile=tile, split=1, bias_grad=True, **conv)
+    assert torch.equal(one, again[0]) and torch.equal(bias1, again[1])
+    torch.testing.assert_close(one, three, rtol=1e-5, atol=1e-6 * three.abs().max().item())
+    torch.testing.assert_close(bias1, bias3, rtol=1e-5, atol=1e-6 * bias3.abs().max().item())
 
 
 def test_wgrad_sums_more_splits_than_one_step_of_the_split_sum_reads(monkeypatch):  # noqa: ANN001

@@ -31,34 +31,6 @@ _STEP_LOADS = 4096
 _PROGRAMS = 264
 
 
-#: Who turns a GEMM-form weight gradient's split partials into the gradient (the kernel's ``FOLD``,
-#: :func:`fold_mode`): a launch of ``wgrad.sum_splits_kernel``, the last of each tile's splits to arrive
-#: (``arrival``), or each program from its accumulator where there is one split.
-FOLD_NONE, FOLD_LAST, FOLD_DIRECT = 0, 1, 2
-#: The last program to arrive sums at most this many bytes of partials per tile (its splits' slots), and
-#: at most :data:`_FOLD_MAX_SPLIT` slots per element (their loads in flight at once).
-_FOLD_BYTES = 256 * 1024
-_FOLD_MAX_SPLIT = 16
-#: Elements per step of a fold (a step's loads: this many per slot, every slot at once, ``_fold_tile``).
-_FOLD_STEP = 8192
-
-
-def fold_mode(split: int, block_n: int, block_k: int, blocks: int) -> tuple[int, int]:
-    """``(FOLD, FOLD_ROWS)`` for a GEMM-form launch of ``split`` splits whose programs each own ``blocks``
-    ``[block_n, block_k]`` blocks of the gradient (their K steps): with one split the accumulators are the
-    gradient; a few splits of a small tile are summed by the tile's last program to arrive, ``FOLD_ROWS``
-    rows of a block per step (a power of two: :data:`_FOLD_STEP` loads per step over the slots); more are
-    left to the separate sum launch, which spreads them over many programs where the last program of a
-    tile would walk them alone.  NOTE: the thresholds, measured: ``docs/perf/RESULTS.md``, "The weight
-    gradient's splits summed by their last program"."""
-    if split == 1:
-        return FOLD_DIRECT, 1
-    if split > _FOLD_MAX_SPLIT or split * blocks * block_n * block_k * 4 > _FOLD_BYTES:
-        return FOLD_NONE, 1
-    rows = max(1, min(block_n, _FOLD_STEP // (split * block_k)))
-    return FOLD_LAST, 1 << (rows.bit_length() - 1)
-
-
 def split_sum_blocks(total: int, split: int) -> tuple[int, int]:
     """``(block, slots)`` for ``total`` elements summed over ``split`` slots: ``block`` elements per
     program (a power of two in 16..1024, small enough that the launch has :data:`_PROGRAMS` programs

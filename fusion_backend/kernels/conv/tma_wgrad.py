@@ -34,9 +34,8 @@ per stage, one mbarrier each).  With ``a^T`` from shared memory a step's ``wgmma
 flight while the next step's issue, and the previous step's stage is refilled once they retire; with
 register operands each step's retire before the next step loads (NOTE at ``_retire``).  Each program writes its fp32 partials to its split's slot of the
 ``(splits, 1, COUT_PAD, K_ROW)`` buffer (tap-major rows, every element once, padding included) and
-the slots are summed in a fixed order (``split_sum.fold_mode``: by the last program of a tile's splits to
-arrive, or by :func:`wgrad.sum_splits_kernel`; with one split each program writes the gradient itself):
-bitwise reproducible run to run for one plan, as the gather kernel.
+:func:`wgrad.sum_splits_kernel` sums the slots in a fixed order (with one split each program writes the
+gradient itself): bitwise reproducible run to run for one plan, as the gather kernel.
 
 Contract (:func:`supports`): fp16 or bf16 on sm_90, one group, more than one input channel, stride 1
 (any kernel size, padding and dilation), ``x`` and ``grad_y`` whose channel counts are multiples of 8
@@ -58,7 +57,7 @@ from ..host import INTERPRETER, cdiv
 from ..launch import FastLaunch
 from .hooks import PROLOGUE_GROUP_AFFINE, PROLOGUE_SAMPLE_CHANNEL_SCALE
 from .prologue import activation
-from .split_sum import FOLD_LAST, fold_mode, weight_grad_offsets
+from .split_sum import weight_grad_offsets
 from .tiles import TileConfig
 from .tma_fprop import _DTYPES, CHANNEL_ALIGN, GLUON, _dense, _is_sm90, _shared_layout, kept_descriptor
 
@@ -236,33 +235,8 @@ if GLUON:
         return acc0, acc1, acc2
 
     @gluon.jit
-    def _fold_tile(part_ptr, out_ptr, co0, k_first, w_so, w_si, w_sd, w_sh, w_sw, C_IN, C_OUT,
-                   K_ROW: gl.constexpr, COUT_PAD: gl.constexpr, CIN_PAD: gl.constexpr, KH: gl.constexpr,
-                   KW: gl.constexpr, BIG: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr,
-                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-        """``wgrad._fold_tile`` for this kernel's partials: output channels ``co0 ..`` (``BLOCK_N``, ``ROWS``
-        per step) by the ``BLOCK_K`` K entries from ``k_first`` (one K step's input channels, contiguous in
-        a partial row), summed over the ``SPLIT`` slots in float64 in slot order, rounded once and stored
-        into the gradient (one group, tap-major K of ``CIN_PAD`` entries per tap)."""
-        LANES_K: gl.constexpr = min(32, BLOCK_K // 4)
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // LANES_K, LANES_K], [num_warps, 1], [1, 0])
-        slot_stride = COUT_PAD * K_ROW
-        if BIG:
-            slot_stride = slot_stride.to(gl.int64)
-        k = k_first + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-        for r0 in gl.static_range(0, BLOCK_N, ROWS):
-            co = co0 + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-            e = co[:, None] * K_ROW + k[None, :]
-            total = gl.zeros([ROWS, BLOCK_K], gl.float64, layout)
-            for s in gl.static_range(SPLIT):
-                total += gl.load(part_ptr + s * slot_stride + e, cache_modifier=".cg").to(gl.float64)
-            dst, ok = weight_grad_offsets(0, co[:, None], k[None, :], C_OUT, w_so, w_si, w_sd, w_sh, w_sw, C_IN,
-                                          CIN_PAD, 1, KH, KW, False)  # fmt: skip
-            gl.store(out_ptr + dst, total.to(out_ptr.dtype.element_ty), mask=ok)
-
-    @gluon.jit
     def tma_wgrad_kernel(
-        x_desc, dy_desc, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, out_ptr, count_ptr, slope_in,
+        x_desc, dy_desc, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, out_ptr, slope_in,
         C_IN, C_OUT, D, H, W, OD, OH, OW, OH_TILES, OW_TILES, BOXES, BOXES_PER_SPLIT, CI_BLOCKS, CO_BLOCKS,
         w_so, w_si, w_sd, w_sh, w_sw,
         K_ROW: gl.constexpr, COUT_PAD: gl.constexpr, CIN_PAD: gl.constexpr,
@@ -272,8 +246,7 @@ if GLUON:
         PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
         BIAS_GRAD: gl.constexpr, REGISTER_A: gl.constexpr, MASKED: gl.constexpr, BIG: gl.constexpr,
         SLOTS: gl.constexpr, BOX_H: gl.constexpr, BOX_W: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, FOLD: gl.constexpr, FOLD_SPLIT: gl.constexpr,
-        FOLD_ROWS: gl.constexpr, num_warps: gl.constexpr,
+        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """Program ``(K-step group, output block)`` x split (module docstring): its ``SLOTS`` partial
         tiles ``[BLOCK_K, BLOCK_N]`` (transposed) over the split's boxes, K steps ``k0 .. k0 + SLOTS - 1``
@@ -287,8 +260,8 @@ if GLUON:
                   ``(s, 0, co, k * BLOCK_K + ci)`` for K step ``k``; every element written once.
         bpart_ptr BIAS_GRAD: fp32 ``(splits, C_OUT)``, written by the programs of K step 0.
         p0..p3    the prologue's vectors (``hooks.prologue_tensors``).
-        out_ptr, count_ptr, ``w_s*``, ``FOLD``, ``FOLD_SPLIT``, ``FOLD_ROWS``: who sums the splits into the
-                  gradient, as ``wgrad.conv_wgrad_kernel``'s (a counter per program of a split).
+        out_ptr, ``w_s*``, ``DIRECT``: one split, each program writes the gradient itself, as
+                  ``wgrad.conv_wgrad_kernel``'s.
         Runtime: ``BOXES`` boxes in all (``OH_TILES x OW_TILES`` per plane, ``OD`` planes per sample),
         ``BOXES_PER_SPLIT`` per split; ``CI_BLOCKS``, ``CO_BLOCKS``: channel blocks of ``x`` and ``dy``.
         ``REGISTER_A``: ``a^T`` through registers (a prologue, or ``MASKED``: positions to zero, where
@@ -374,7 +347,7 @@ if GLUON:
         # the partial tiles, transposed: element (ci, co) of K step k at part[split, 0, co, k * BLOCK_K + ci]
         rows = k0 * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))
         cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        if FOLD == 2:  # FOLD_DIRECT, one split: the accumulators are the gradient
+        if DIRECT:  # one split: the accumulators are the gradient
             dst, ok = weight_grad_offsets(0, cols[None, :], rows[:, None], C_OUT, w_so, w_si, w_sd, w_sh, w_sw, C_IN,
                                           CIN_PAD, 1, KH, KW, False)  # fmt: skip
             gl.store(out_ptr + dst, acc0.to(out_ptr.dtype.element_ty), mask=ok)
@@ -396,15 +369,6 @@ if GLUON:
                 gl.store(base + BLOCK_K, acc1)
             if SLOTS > 2:
                 gl.store(base + 2 * BLOCK_K, acc2)
-            if FOLD == 1:  # FOLD_LAST: the last of the program's splits to arrive sums them (``arrival``)
-                _thread_barrier()  # every thread's stores issued before the release
-                arrived = gl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-                if arrived == FOLD_SPLIT - 1:
-                    gl.atomic_xchg(count_ptr + pid, 0, sem="relaxed", scope="gpu")
-                    for j in gl.static_range(SLOTS):
-                        _fold_tile(part_ptr, out_ptr, co0, (k0 + j) * BLOCK_K, w_so, w_si, w_sd, w_sh, w_sw, C_IN,
-                                   C_OUT, K_ROW, COUT_PAD, CIN_PAD, KH, KW, BIG, FOLD_SPLIT, FOLD_ROWS, BLOCK_N,
-                                   BLOCK_K, num_warps)  # fmt: skip
         if BIAS_GRAD:
             if k0 == 0:
                 c = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, bias_layout))
@@ -456,9 +420,8 @@ class TmaWgradLaunch:
     ``geo``: the plan's ``_Geometry``; ``k_row``, ``cout_pad``: the partial layout's;
     ``split``: the splits of the boxes; ``hook_codes``: the prologue's constexprs (``PROLOGUE``,
     ``G_NORM``, ``NORM_AFFINE``, ``ACT_IN``, ``BIAS_GRAD``, ``BIG``); ``dtype``: the operands';
-    ``w_strides``: the gradient's over (output channel, input channel, kd, kh, kw).  ``fold``: who sums the
-    splits (``split_sum.fold_mode``); the call then also takes the gradient and the arrival counters
-    (one per program of a split, ``grid[0]``) after ``p3``.  The
+    ``w_strides``: the gradient's over (output channel, input channel, kd, kh, kw); the call takes the
+    gradient after ``p3`` (written by the kernel where ``direct``: one split).  The
     descriptors are kept per operand by data pointer, as the TMA forward's (``tma_fprop.kept_descriptor``)."""
 
     def __init__(self, tile: TileConfig, geo: Any, k_row: int, cout_pad: int, split: int,
@@ -496,13 +459,12 @@ class TmaWgradLaunch:
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, num_warps=tile.num_warps,
         )  # fmt: skip
         constexprs["REGISTER_A"] = hooked or constexprs["MASKED"]
-        self.grid = (geo.taps * ci_blocks // tile.taps_per_program * co_blocks, self.split)
-        self.fold, fold_rows = fold_mode(self.split, tile.block_n, tile.block_k, tile.taps_per_program)
-        constexprs.update(CIN_PAD=ci_blocks * tile.block_k, FOLD=self.fold, FOLD_ROWS=fold_rows,
-                          FOLD_SPLIT=self.split if self.fold == FOLD_LAST else 1)  # fmt: skip
+        grid = (geo.taps * ci_blocks // tile.taps_per_program * co_blocks, self.split)
+        self.direct = self.split == 1
+        constexprs.update(CIN_PAD=ci_blocks * tile.block_k, DIRECT=self.direct)
         fixed = (geo.c_in, geo.c_out, *size, od, oh, ow, *self.box_tiles, self.boxes, self.boxes_per_split,
                  ci_blocks, co_blocks, *w_strides)  # fmt: skip
-        self.launch = FastLaunch(tma_wgrad_kernel, self.grid, constexprs, fixed=fixed)
+        self.launch = FastLaunch(tma_wgrad_kernel, grid, constexprs, fixed=fixed)
         self.x_block = [1, 1, tile.box_h, tile.box_w, tile.block_k]
         self.dy_block = [1, 1, tile.box_h, tile.box_w, tile.block_n]
         self.x_layout, self.dy_layout = _shared_layout(self.x_block, dtype), _shared_layout(self.dy_block, dtype)

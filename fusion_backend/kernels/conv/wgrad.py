@@ -72,8 +72,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import arrival
-from ..arrival import last_to_arrive
 from ..host import cdiv, element_extent, multiprocessors
 from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
@@ -99,16 +97,7 @@ from .prologue import (
     load_depthwise_tile,
     window_rows,
 )
-from .split_sum import (
-    FOLD_DIRECT,
-    FOLD_LAST,
-    FOLD_NONE,
-    fold_mode,
-    split_sum_blocks,
-    sum_dim,
-    sum_slots,
-    weight_grad_offsets,
-)
+from .split_sum import split_sum_blocks, sum_dim, sum_slots, weight_grad_offsets
 from .tiles import TileConfig, cached_plan, candidates, tma_wgrad_tiles, tuned_tile
 
 #: Each split of a weight gradient's M keeps at least this many M tiles (``pick_split``).
@@ -230,7 +219,7 @@ def _depthwise_halo_weight_grad(x_ptr, dy_ptr, scratch_ptr, part_ptr, bpart_ptr,
 @triton.jit
 def conv_wgrad_kernel(
     x_ptr, dy_ptr, x_desc, dy_desc, scratch_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
-    out_ptr, count_ptr, slope_in,
+    out_ptr, slope_in,
     M, D, H, W, C_IN, C_OUT, C_OUT_G, TILES_PER_SPLIT, GROUPS, OH_TILES, OW_TILES,
     x_sn, x_sd, x_sh, x_sw, dy_sn, dy_sd, dy_sh, dy_sw, w_so, w_si, w_sd, w_sh, w_sw,
     OD: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
@@ -242,8 +231,8 @@ def conv_wgrad_kernel(
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
     BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
     DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, TAPS_PER_PROGRAM: tl.constexpr, HALO: tl.constexpr,
-    HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr, FOLD: tl.constexpr, FOLD_SPLIT: tl.constexpr,
-    FOLD_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_N, BLOCK_K]`` partial tile of group ``g`` over split ``s``'s M tiles, where
     ``program_id(2) = s * GROUPS + g`` (module docstring); with ``BOX_W`` the M tiles are boxes of the
@@ -264,14 +253,10 @@ def conv_wgrad_kernel(
       scratch_ptr ``HALO``: the depthwise halo's slots (:func:`_depthwise_halo_weight_grad`); else any
                 tensor, unused.
       p0..p3    the forward's prologue vectors (``prologue.normalise``).
-      out_ptr   ``FOLD``: the weight gradient, element ``(co, ci, kd, kh, kw)`` at ``co * w_so + ci * w_si +
-                kd * w_sd + kh * w_sh + kw * w_sw`` (the GEMM form's alone; else any tensor, unused).
-      count_ptr ``FOLD == FOLD_LAST``: int32 zeros, one per ``(K-step program, N tile, group)``
-                (``arrival.counters``); else any tensor, unused.
-    ``FOLD`` (``split_sum``'s ``FOLD_NONE``, ``FOLD_LAST``, ``FOLD_DIRECT``; ``split_sum.fold_mode``): who turns the
-    partials into the gradient: a launch of :func:`sum_splits_kernel` after this one, the last of a tile's
-    ``FOLD_SPLIT`` splits to arrive (``FOLD_ROWS`` rows of the tile per step, :func:`_fold_tile`), or, with
-    one split, each program from its accumulator (no partials).
+      out_ptr   ``DIRECT``: the weight gradient, element ``(co, ci, kd, kh, kw)`` at ``co * w_so + ci * w_si +
+                kd * w_sd + kh * w_sh + kw * w_sw``; else any tensor, unused.
+    ``DIRECT`` (one split, the GEMM form's): each program rounds its accumulators into the gradient
+    itself, no partials and no sum launch (the same bits: the sum launch adds one slot in float64).
     Runtime: ``slope_in`` the leaky slope of ``ACT_IN``; ``M = N * OD * OH * OW``; ``TILES_PER_SPLIT``
     the M tiles of one split; ``OH_TILES`` / ``OW_TILES`` the boxes along an output plane (``BOX_W``).  Constexprs: the output's sizes ``OD, OH, OW``, then as
     ``fprop.conv_fprop_kernel``'s (``K_ROW``: the K extent of one output channel, a multiple of ``BLOCK_K``).
@@ -345,7 +330,7 @@ def conv_wgrad_kernel(
                 bacc += tl.sum(dy.to(tl.float32), axis=0)
 
     k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
-    if FOLD == 2:  # FOLD_DIRECT, one split: the accumulators are the gradient
+    if DIRECT:  # one split: the accumulators are the gradient
         dst, ok = weight_grad_offsets(g, co[:, None], k[None, :], C_OUT_G, w_so, w_si, w_sd, w_sh, w_sw, C_IN_G, CIN_PAD,
                                   KD, KH, KW, FLAT_K)  # fmt: skip
         tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -367,40 +352,9 @@ def conv_wgrad_kernel(
             tl.store(rows + (k + CB * BLOCK_K)[None, :], acc1)
         if TAPS_PER_PROGRAM > 2:
             tl.store(rows + (k + 2 * CB * BLOCK_K)[None, :], acc2)
-        if FOLD == 1:  # FOLD_LAST: the last of the tile's splits to arrive sums them all, in slot order
-            tile = (g * tl.num_programs(1) + pid_n) * tl.num_programs(0) + tl.program_id(0)
-            if last_to_arrive(count_ptr + tile, FOLD_SPLIT):
-                for j in tl.static_range(TAPS_PER_PROGRAM):
-                    _fold_tile(part_ptr, out_ptr, g, pid_n * BLOCK_N, kk * BLOCK_K + j * CB * BLOCK_K, GROUPS,
-                               C_OUT_G, w_so, w_si, w_sd, w_sh, w_sw, C_IN_G, CIN_PAD, K_ROW, COUT_PAD, KD, KH, KW,
-                               FLAT_K, BIG, FOLD_SPLIT, FOLD_ROWS, BLOCK_N, BLOCK_K)  # fmt: skip
     if BIAS_GRAD:
         if kk == 0:
             tl.store(bpart_ptr + split * C_OUT + g * C_OUT_G + co, bacc, mask=co_ok)
-
-
-@triton.jit
-def _fold_tile(part_ptr, out_ptr, g, co0, k0, GROUPS, C_OUT_G, w_so, w_si, w_sd, w_sh, w_sw, C_IN_G: tl.constexpr,
-               CIN_PAD: tl.constexpr, K_ROW: tl.constexpr, COUT_PAD: tl.constexpr, KD: tl.constexpr,
-               KH: tl.constexpr, KW: tl.constexpr, FLAT_K: tl.constexpr, BIG: tl.constexpr, SPLIT: tl.constexpr,
-               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """The ``[BLOCK_N, BLOCK_K]`` block of group ``g``'s partial matrix at ``(co0, k0)``, summed over its
-    ``SPLIT`` slots in float64 in slot order (the same bits whichever program sums them), rounded once to
-    the gradient's dtype and stored there; ``ROWS`` rows per step (every slot's loads of a step in flight
-    at once).  The slots were stored by other programs of the launch: read past L1 (``arrival``)."""
-    slot_stride = GROUPS * COUT_PAD * K_ROW
-    if BIG:
-        slot_stride = slot_stride.to(tl.int64)
-    k = k0 + tl.arange(0, BLOCK_K)
-    for r0 in tl.static_range(0, BLOCK_N, ROWS):
-        co = co0 + r0 + tl.arange(0, ROWS)
-        e = (g * COUT_PAD + co)[:, None] * K_ROW + k[None, :]
-        total = tl.zeros([ROWS, BLOCK_K], tl.float64)
-        for s in tl.static_range(SPLIT):
-            total += tl.load(part_ptr + s * slot_stride + e, cache_modifier=".cg").to(tl.float64)
-        dst, ok = weight_grad_offsets(g, co[:, None], k[None, :], C_OUT_G, w_so, w_si, w_sd, w_sh, w_sw, C_IN_G, CIN_PAD,
-                                  KD, KH, KW, FLAT_K)  # fmt: skip
-        tl.store(out_ptr + dst, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -571,11 +525,10 @@ class _WgradPlan:
             BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
-        #: who sums the splits (``fold_mode``): the depthwise sums keep the separate launch
-        self.fold, fold_rows = (FOLD_NONE, 1) if self.depthwise else fold_mode(
-            self.split, tile.block_n, tile.block_k, taps_per)  # fmt: skip
-        self.counters = k_steps * n_tiles * geo.groups if self.fold == FOLD_LAST else 0
-        constexprs.update(FOLD=self.fold, FOLD_SPLIT=self.split if self.fold == FOLD_LAST else 1, FOLD_ROWS=fold_rows)
+        #: one split of the GEMM form: the programs write the gradient themselves (``DIRECT``); the
+        #: depthwise sums keep the sum launch
+        self.direct = self.split == 1 and not self.depthwise
+        constexprs.update(DIRECT=self.direct)
         # the output's sizes are constexprs: every M step peels its rows' coordinates by them, and a
         # division by a constant is a multiply (NOTE at ``conv_wgrad_kernel``)
         constexprs.update(OD=geo.out_size[0], OH=geo.out_size[1], OW=geo.out_size[2])
@@ -610,8 +563,7 @@ class _WgradPlan:
                           ACT_IN=act_in, BIAS_GRAD=bias_grad, BIG=big)  # fmt: skip
         self.launch = tma_wgrad.TmaWgradLaunch(tile, geo, self.k_row, self.cout_pad, max(1, want),
                                                hook_codes, x.dtype, self._tap_strides(weight))  # fmt: skip
-        self.split, self.fold = self.launch.split, self.launch.fold
-        self.counters = self.launch.grid[0] if self.fold == FOLD_LAST else 0
+        self.split, self.direct = self.launch.split, self.launch.direct
         self.sum_splits = sum_splits_launch(geo, self.split, self.cin_pad, self.k_row, self.cout_pad, False)
 
     @staticmethod
@@ -632,16 +584,15 @@ class _WgradPlan:
             x = to_channels_last(x)
         if self.relayout_dy:
             grad_y = to_channels_last(grad_y)
-        part = (grad_w if self.fold == FOLD_DIRECT else
+        part = (grad_w if self.direct else
                 torch.empty((self.split, geo.groups, self.cout_pad, self.k_row), dtype=torch.float32,
                             device=self.device))  # fmt: skip
         bpart = torch.empty((self.split, geo.c_out), dtype=torch.float32, device=self.device) if self.bias_grad else part
         p = [part if t is None else t for t in hooks.prologue_tensors(prologue)]
         if self.tma:
             x, grad_y = tma_wgrad.dense_channels_last(x), tma_wgrad.dense_channels_last(grad_y)
-            count = arrival.counters(self.device, self.counters) if self.counters else part
-            self.launch(x, grad_y, part, bpart, *p, grad_w, count, slope_in)
-            if self.fold == FOLD_NONE:
+            self.launch(x, grad_y, part, bpart, *p, grad_w, slope_in)
+            if not self.direct:
                 self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
             grad_b = (bpart[0] if self.split == 1 else sum_dim(bpart, 0)).to(self.dtype) if self.bias_grad else None
             return grad_w, grad_b
@@ -652,9 +603,8 @@ class _WgradPlan:
             x_desc = box_descriptor(x, [1, 1, tile.box_h, tile.box_w, tile.block_k])
             dy_desc = box_descriptor(grad_y, [1, 1, tile.box_h, tile.box_w, tile.block_n])
         scratch = torch.empty(self.scratch_elems, dtype=x.dtype, device=self.device) if self.scratch_elems else part
-        count = arrival.counters(self.device, self.counters) if self.counters else part
-        self.launch(x, grad_y, x_desc, dy_desc, scratch, part, bpart, *p, grad_w, count, slope_in)
-        if self.fold == FOLD_NONE:
+        self.launch(x, grad_y, x_desc, dy_desc, scratch, part, bpart, *p, grad_w, slope_in)
+        if not self.direct:
             self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
         grad_b = (bpart[0] if self.split == 1 else sum_dim(bpart, 0)).to(self.dtype) if self.bias_grad else None
         return grad_w, grad_b
