@@ -79,8 +79,7 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   each of its tiles (``-hooked``: relu' and the BatchNorm-backward sums).  Cases
   ``resnet_1x1-bf16[-hooked]``, both by default.
 * ``conv_tma_wgrad``: ``kernels/conv/tma_wgrad.py``'s ``tma_wgrad_kernel`` (Gluon) through ``conv_wgrad``
-  with each of its tiles (``tiles.tma_wgrad_tiles``), then its first with one split (the gradient written
-  by the programs themselves) and with three, on ``conv_family``'s stride-1 shapes, ``bf16``;
+  with each of its tiles (``tiles.tma_wgrad_tiles``) on ``conv_family``'s stride-1 shapes, ``bf16``;
   ``-hooked``: the BatchNorm + ReLU prologue recomputed (and the bias gradient where the conv has a
   bias).  Cases ``{resnet_1x1,resnet_3x3,vae_3x3}-bf16[-hooked]``, ResNet-50's four by default.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
@@ -612,11 +611,8 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
         if tma == "wgrad":
             taps = w_shape[2] * w_shape[3]
             rows = taps == 1 and not padding  # the plain call's tiles, hooked too: the register path compiles
-            tiles = FAMILY_TILES.tma_wgrad_tiles(c_in, c_out, taps, out_shape[2:], rows, False)
-            for tile in tiles:
+            for tile in FAMILY_TILES.tma_wgrad_tiles(c_in, c_out, taps, out_shape[2:], rows, False):
                 FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=tile, **hooks, **geo)
-            for split in (1, 3):  # one split: the gradient written by the programs themselves (``DIRECT``)
-                FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=tiles[0], split=split, **hooks, **geo)
             return
         if halo:  # the heuristic's tile as the halo kernel's; a depthwise weight gradient's halo tile
             m = x_shape[0] * out_shape[2] * out_shape[3]

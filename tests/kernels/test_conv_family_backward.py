@@ -308,27 +308,6 @@ def test_wgrad_is_bit_identical_across_runs_and_splits_only_reorder():
     torch.testing.assert_close(one[0], first[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("taps", [1, 3])
-def test_one_split_writes_the_weight_gradient_from_its_accumulators(taps):
-    """With one split the programs round their accumulators into the gradient themselves (no partials, no
-    sum launch), into a weight of any strides (here channels-last): one rounding from three splits' result,
-    the same bits on a rerun; three splits within eager's error of float64 through the sum launch."""
-    g = torch.Generator().manual_seed(stable_seed(("wgrad-direct", taps)))
-    xs, ws, conv = (2, 20, 12, 10), (24, 10, 3, 3), dict(padding=1, groups=2)
-    x = _channels_last(_randn(*xs, g=g))
-    w = _channels_last(_randn(*ws, g=g))
-    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
-    tile = dataclasses.replace(SMALL, taps_per_program=taps)
-    three, bias3 = _check_wgrad(f"3 splits, {taps} taps", gy, x, w, tile=tile, split=3, bias_grad=True, **conv)
-    one, bias1 = conv_wgrad(gy, x, w, tile=tile, split=1, bias_grad=True, **conv)
-    plan = next(p for p in reversed(wgrad._PLANS.values()) if p.tile == tile and p.geo.size[1:] == (12, 10))
-    assert plan.split == 1 and plan.direct and one.stride() == w.stride()
-    again = conv_wgrad(gy, x, w, tile=tile, split=1, bias_grad=True, **conv)
-    assert torch.equal(one, again[0]) and torch.equal(bias1, again[1])
-    torch.testing.assert_close(one, three, rtol=1e-5, atol=1e-6 * three.abs().max().item())
-    torch.testing.assert_close(bias1, bias3, rtol=1e-5, atol=1e-6 * bias3.abs().max().item())
-
-
 def test_wgrad_sums_more_splits_than_one_step_of_the_split_sum_reads(monkeypatch):  # noqa: ANN001
     """40 splits summed 4 slots per step in 10 steps (one program per 1,024 elements, forced here by
     asking the split sum for a single program: ``split_sum.split_sum_blocks``); the result matches float64
