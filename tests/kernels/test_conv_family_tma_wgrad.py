@@ -85,6 +85,11 @@ CASES = [
     ("1x1-padded-boxes", (2, 64, 6, 7), (32, 64, 1, 1), dict(padding=1), _tile(64, 32, 4, 8, 1)),
     ("conv1d-k3", (2, 32, 50), (48, 32, 3), dict(padding=1), _tile(64, 64, 4, 64, 3)),
     ("conv3d-k3", (1, 16, 4, 6, 5), (24, 16, 3, 3, 3), dict(padding=1), _tile(64, 32, 4, 8, 3)),
+    # the wide tiles (``tiles._wide_tma_wgrad_tiles``): N of 256 with an output-channel tail, boxes of 128
+    # positions on a plane and as rows with an M tail
+    ("3x3-n256-cout-tail", (1, 128, 6, 64), (320, 128, 3, 3), dict(padding=1), _tile(64, 256, 8, 64, 1, 3)),
+    ("3x3-box-128", (2, 128, 16, 32), (96, 128, 3, 3), dict(padding=1), _tile(128, 128, 8, 32, 1, 3)),
+    ("1x1-rows-128", (3, 256, 9, 11), (128, 256, 1, 1), dict(), _tile(128, 128, 8, 128, 1, 3)),
 ]  # fmt: skip
 
 
@@ -159,28 +164,36 @@ def test_tma_wgrad_tiles_join_the_timed_choice_where_the_kernel_applies():
 
 
 def test_tma_wgrad_tiles_fit_the_kernel_and_shared_memory():
-    """Every tile :func:`tma_wgrad_tiles` offers passes the kernel's refusal rules, its ring fits half
-    an sm_90 SM's shared memory (two programs per SM), each comes with its split aiming at two programs
-    per SM and at one, and a wider kernel is offered only where ``a^T`` comes from shared memory: no
-    prologue, boxes that tile the plane."""
+    """Every tile :func:`tma_wgrad_tiles` offers passes the kernel's refusal rules; the first comes with
+    its split aiming at two programs per SM and at one, its ring within half an sm_90 SM's shared memory
+    (two programs per SM); the wide tiles (plain calls, 8 warps: N of 256 on a plane of 256 output channels
+    or more, boxes of 128 positions) within one program's; a wider kernel is offered only where ``a^T``
+    comes from shared memory: no prologue, boxes that tile the plane."""
     offered = {}
     for c_in, c_out, k, plane in [(64, 64, 3, (56, 56)), (256, 64, 1, (56, 56)), (512, 512, 3, (64, 64)),
-                                  (24, 40, 3, (11, 13)), (1024, 2048, 1, (7, 7)), (128, 128, 5, (28, 28))]:  # fmt: skip
+                                  (24, 40, 3, (11, 13)), (1024, 2048, 1, (7, 7)), (128, 128, 5, (28, 28)),
+                                  (256, 256, 3, (256, 256))]:  # fmt: skip
         geo = SimpleNamespace(groups=1, stride=(1, 1, 1), taps=k * k, c_in=c_in)  # what the refusal reads
         for hooked in (False, True):
             tiles = tma_wgrad_tiles(c_in, c_out, k * k, plane, k == 1, hooked)
-            offered[(c_in, k, hooked)] = len(tiles)
-            assert [t.programs_per_sm for t in tiles] == [2, 1][:len(tiles)]
-            assert len({dataclasses.replace(t, programs_per_sm=2) for t in tiles}) <= 1
-            for tile in tiles:
+            offered[(c_in, k, hooked)] = [t.label() for t in tiles]
+            assert tiles[1:2] == [dataclasses.replace(t, programs_per_sm=1) for t in tiles[:1]]
+            assert tiles[:1] == [] or tiles[0].programs_per_sm == 2
+            assert not tiles[2:] or (not hooked and c_in >= 128)
+            for i, tile in enumerate(tiles):
                 tile.check_for("wgrad")
                 assert tma_wgrad.refusal(geo, torch.bfloat16, tile) == "", tile.label()
                 ring = tile.num_stages * (tile.block_n + tile.taps_per_program * tile.block_k) * tile.block_m * 2
-                assert 2 <= tile.num_stages and ring <= 100 * 1024, tile.label()
+                assert 2 <= tile.num_stages and ring <= (100 if i < 2 else 200) * 1024, tile.label()
                 assert k == 1 or plane[1] % tile.box_w == 0 and plane[0] % tile.box_h == 0, tile.label()
-    assert offered[(64, 3, False)] == 2 and offered[(64, 3, True)] == 0  # 8 x 8 boxes tile 56 x 56
-    assert offered[(24, 3, False)] == 0  # 11 x 13: no box of 64 tiles it
-    assert offered[(256, 1, True)] == offered[(1024, 1, True)] == 2  # rows take any hooks
+    assert len(offered[(64, 3, False)]) == 2 and offered[(64, 3, True)] == []  # 8 x 8 boxes tile 56 x 56
+    assert offered[(24, 3, False)] == []  # 11 x 13: no box of 64 tiles it
+    assert len(offered[(256, 1, True)]) == len(offered[(1024, 1, True)]) == 2  # rows take any hooks
+    # plain rows of 128+ channels: boxes of 128 positions, one program per SM; no N of 256 on rows
+    assert offered[(1024, 1, False)][2:] == ["128x128x128 w8 s3 box 1x128 tma 1/sm"]
+    # a 512-channel plane of 64 x 64: N of 256, and boxes of 128 positions tiling it (2 x 64)
+    assert offered[(512, 3, False)][2:] == ["64x256x128 w8 s3 box 1x64 tma", "128x128x128 w8 s3 box 2x64 tma"]
+    assert offered[(256, 3, False)][2:] == ["64x256x128 w8 s3 box 1x64 tma", "128x128x128 w8 s3 box 1x128 tma"]
 
 
 @pytest.mark.parametrize("tile,words", [

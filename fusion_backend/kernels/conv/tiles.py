@@ -544,7 +544,18 @@ _TMA_WGRAD_SHARED = 200 * 1024
 # NOTE: N of 256 (wgmma's widest, 8 warps, two stages) lost to 128 on 9 of ResNet-50's 10 1x1 weight
 # gradients with 256 output channels or more (512 -> 2048 at 7 x 7: 0.0383 against 0.0208 ms; ``python
 # tools/bench_conv.py demos/realnets/resnet50.py --passes wgrad --filter '*-> 2048 k1x1 p0 g1*,...'``):
-# not offered.
+# not offered on rows.
+# NOTE: the wide tiles (plain calls, 128 input channels per program or more; one program's ring per SM,
+# three stages): H200, bf16, each TMA tile timed beside today's on the SD VAE decoder's 3x3 weight
+# gradients at batch 1 and ResNet-50's at batch 64 (a scratch sweep over ``conv_wgrad(..., tile=...)``,
+# ``impl_choice.gpu_ms_per_call``; ``docs/perf/RESULTS.md``, "Wider tiles for the TMA weight gradient").
+# N of 256 on a plane's boxes of 64 positions reads each ``x`` box once per 256 output channels: 512
+# channels at 256 x 256 0.569 ms against 0.750 (cuDNN 0.618), at 128 x 128 0.167 against 0.197, 256
+# channels at 256 x 256 0.163 against 0.194 and at 512 x 512 0.596 against 0.751; it lost at 64 x 64
+# (0.061 against 0.055) and on rows.  Boxes of 128 positions (half the steps, so half their waits) won on
+# rows with one program per SM (256 -> 128 at 56 x 56 0.0513 against 0.0541; 512 -> 256 at 28 x 28 0.0365
+# against 0.0393) and on 128 channels at 512 x 512 with two (0.186 against 0.196); the timed choice keeps
+# the faster per signature.
 def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], rows: bool,
                     hooked: bool) -> list[TileConfig]:  # fmt: skip
     """The TMA weight gradient's tiles (``tma_wgrad``) the timed choice weighs for ``c_in`` -> ``c_out``
@@ -555,7 +566,8 @@ def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], ro
     twice, its split aiming at two programs per SM and at one (NOTE above).  A 1x1 conv
     without padding (``rows``) reads consecutive positions, any hooks; a wider kernel only where its
     ``a^T`` comes from shared memory: no prologue (``hooked``) and boxes that tile the plane exactly
-    (NOTE above); none otherwise."""
+    (NOTE above); none otherwise.  Plain calls of 128 input channels or more also weigh the wide tiles
+    (:func:`_wide_tma_wgrad_tiles`)."""
     warps = 8 if c_in >= 128 else 4
     block_k = 16 * warps
     block_n = min(128, max(16, next_pow2(c_out)))
@@ -566,4 +578,24 @@ def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], ro
     if stages < 2:
         return []
     tile = TileConfig(64, block_n, block_k, warps, stages, box_w=box_w, tma=True)
-    return [tile, replace(tile, programs_per_sm=1)]
+    wide = _wide_tma_wgrad_tiles(c_out, plane, rows, tile) if not hooked and warps == 8 else []
+    return [tile, replace(tile, programs_per_sm=1), *wide]
+
+
+def _wide_tma_wgrad_tiles(c_out: int, plane: tuple[int, int], rows: bool, tile: TileConfig) -> list[TileConfig]:
+    """The TMA weight gradient's wide tiles beside ``tile`` (8 warps; NOTE above): on a plane of 256 output
+    channels or more, N of 256 (each ``x`` box read once per 256 output channels); boxes of 128 positions
+    where they tile the plane, or rows of 128 with one program per SM.  Each ring takes up to one
+    program's share of :data:`_TMA_WGRAD_SHARED`, three stages at most."""
+
+    def stages(block_m: int, block_n: int) -> int:
+        return min(3, _TMA_WGRAD_SHARED // ((block_n + tile.block_k) * block_m * 2))
+
+    wide = []
+    if not rows and c_out >= 256:
+        wide.append(replace(tile, block_n=256, num_stages=stages(64, 256)))
+    box_w = 128 if rows else box_width(plane[0], plane[1], 128)
+    if rows or (plane[0] % (128 // box_w) == 0 and plane[1] % box_w == 0):
+        wide.append(replace(tile, block_m=128, box_w=box_w, num_stages=stages(128, tile.block_n),
+                            programs_per_sm=1 if rows else 2))  # fmt: skip
+    return wide
