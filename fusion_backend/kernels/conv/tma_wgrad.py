@@ -40,8 +40,8 @@ one plan, as the gather kernel.
 Contract (:func:`supports`): fp16 or bf16 on sm_90, one group, more than one input channel, stride 1
 (any kernel size, padding and dilation), ``x`` and ``grad_y`` whose channel counts are multiples of 8
 (TMA strides of 16 bytes), in any layout (read as dense, 16-byte aligned channels-last copies where
-they are not: :func:`dense_channels_last`).  A bias gradient is summed from the ``dy`` boxes by the
-programs whose K steps start at the first (tap 0, channels 0).  Gluon has no interpreter: on CPU this
+they are not: :func:`dense_channels_last`).  No bias gradient: the plan sums it apart (``wgrad``, NOTE
+at ``_WgradPlan.run``).  Gluon has no interpreter: on CPU this
 kernel is compiled (``tools/compile_check.py conv_tma_wgrad``), never run; on the GPU, what it measured
 and where the timed choice offers it: ``tiles.tma_wgrad_tiles``' NOTE.
 """
@@ -235,14 +235,14 @@ if GLUON:
 
     @gluon.jit
     def tma_wgrad_kernel(
-        x_desc, dy_desc, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in,
+        x_desc, dy_desc, part_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in,
         C_IN, C_OUT, D, H, W, OD, OH, OW, OH_TILES, OW_TILES, BOXES, BOXES_PER_SPLIT, CI_BLOCKS, CO_BLOCKS,
         K_ROW: gl.constexpr, COUT_PAD: gl.constexpr,
         KH: gl.constexpr, KW: gl.constexpr,
         PD: gl.constexpr, PH: gl.constexpr, PW: gl.constexpr,
         DD: gl.constexpr, DH: gl.constexpr, DW: gl.constexpr,
         PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
-        BIAS_GRAD: gl.constexpr, REGISTER_A: gl.constexpr, MASKED: gl.constexpr, BIG: gl.constexpr,
+        REGISTER_A: gl.constexpr, MASKED: gl.constexpr, BIG: gl.constexpr,
         SLOTS: gl.constexpr, BOX_H: gl.constexpr, BOX_W: gl.constexpr, BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
@@ -256,7 +256,6 @@ if GLUON:
                   BLOCK_N]``.
         part_ptr  fp32 ``(splits, 1, COUT_PAD, K_ROW)``, ``K_ROW = taps * CI_BLOCKS * BLOCK_K``: element
                   ``(s, 0, co, k * BLOCK_K + ci)`` for K step ``k``; every element written once.
-        bpart_ptr BIAS_GRAD: fp32 ``(splits, C_OUT)``, written by the programs of K step 0.
         p0..p3    the prologue's vectors (``hooks.prologue_tensors``).
         Runtime: ``BOXES`` boxes in all (``OH_TILES x OW_TILES`` per plane, ``OD`` planes per sample),
         ``BOXES_PER_SPLIT`` per split; ``CI_BLOCKS``, ``CO_BLOCKS``: channel blocks of ``x`` and ``dy``.
@@ -290,10 +289,6 @@ if GLUON:
         acc0 = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         acc1 = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         acc2 = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        LANES_N: gl.constexpr = min(32, BLOCK_N)
-        bias_layout: gl.constexpr = gl.BlockedLayout([1, BLOCK_N // LANES_N], [32 // LANES_N, LANES_N],
-                                                     [num_warps, 1], [1, 0])  # fmt: skip
-        bacc = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, bias_layout))
         for step in range(steps):
             s = step % STAGES
             n, od, oh0, ow0 = _box_origin(first_box + step, OD, OH_TILES, OW_TILES, BOX_H, BOX_W)
@@ -315,9 +310,6 @@ if GLUON:
                                      p2_ptr, p3_ptr, slope_in, C_IN, CI_BLOCKS, D, H, W, OH, OW, KH, KW, PD, PH, PW,
                                      DD, DH, DW, a_layout, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, REGISTER_A, MASKED,
                                      BOX_W, BLOCK_M, BLOCK_K)  # fmt: skip
-            if BIAS_GRAD:
-                if k0 == 0:
-                    bacc += gl.sum(dy_tile.load(bias_layout).to(gl.float32), axis=0)
             if REGISTER_A:
                 # the step's MMAs retire, their register operands with them (NOTE above: in flight across
                 # steps they serialise every wgmma), and the stage takes the box STAGES steps ahead
@@ -352,10 +344,6 @@ if GLUON:
             gl.store(base + BLOCK_K, acc1)
         if SLOTS > 2:
             gl.store(base + 2 * BLOCK_K, acc2)
-        if BIAS_GRAD:
-            if k0 == 0:
-                c = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, bias_layout))
-                gl.store(bpart_ptr + split * C_OUT + c, bacc, mask=c < C_OUT)
 
 
 def supports(x: torch.Tensor, grad_y: torch.Tensor, weight: torch.Tensor, stride: tuple[int, ...],
@@ -397,12 +385,12 @@ def _planes(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 class TmaWgradLaunch:
     """The launch of :func:`tma_wgrad_kernel` for one weight-gradient plan (``wgrad._WgradPlan`` with a
-    ``tma`` tile), called as ``(x, grad_y, part, bpart, p0, p1, p2, p3, slope_in)`` with channels-last,
+    ``tma`` tile), called as ``(x, grad_y, part, p0, p1, p2, p3, slope_in)`` with channels-last,
     16-byte aligned ``x`` and ``grad_y`` (the plan copies them where they are not).
 
     ``geo``: the plan's ``_Geometry``; ``k_row``, ``cout_pad``: the partial layout's;
     ``split``: the splits of the boxes; ``hook_codes``: the prologue's constexprs (``PROLOGUE``,
-    ``G_NORM``, ``NORM_AFFINE``, ``ACT_IN``, ``BIAS_GRAD``, ``BIG``); ``dtype``: the operands'.  The
+    ``G_NORM``, ``NORM_AFFINE``, ``ACT_IN``, ``BIG``); ``dtype``: the operands'.  The
     descriptors are kept per operand by data pointer, as the TMA forward's (``tma_fprop.kept_descriptor``)."""
 
     def __init__(self, tile: TileConfig, geo: Any, k_row: int, cout_pad: int, split: int,

@@ -550,7 +550,7 @@ class _WgradPlan:
         want = pick_split(boxes, tma_wgrad.programs(tile, geo), tile, x.device) if split is None else split
         big = big or want * self.cout_pad * self.k_row > _BIG_INDEX_THRESHOLD
         hook_codes = dict(PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine,
-                          ACT_IN=act_in, BIAS_GRAD=bias_grad, BIG=big)  # fmt: skip
+                          ACT_IN=act_in, BIG=big)  # fmt: skip
         self.launch = tma_wgrad.TmaWgradLaunch(tile, geo, self.k_row, self.cout_pad, max(1, want),
                                                hook_codes, x.dtype)  # fmt: skip
         self.split = self.launch.split
@@ -574,14 +574,20 @@ class _WgradPlan:
         if self.relayout_dy:
             grad_y = to_channels_last(grad_y)
         part = torch.empty((self.split, geo.groups, self.cout_pad, self.k_row), dtype=torch.float32, device=self.device)
-        bpart = torch.empty((self.split, geo.c_out), dtype=torch.float32, device=self.device) if self.bias_grad else part
         p = [part if t is None else t for t in hooks.prologue_tensors(prologue)]
         if self.tma:
             x, grad_y = tma_wgrad.dense_channels_last(x), tma_wgrad.dense_channels_last(grad_y)
-            self.launch(x, grad_y, part, bpart, *p, slope_in)
+            self.launch(x, grad_y, part, *p, slope_in)
             self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
-            grad_b = (bpart[0] if self.split == 1 else sum_dim(bpart, 0)).to(self.dtype) if self.bias_grad else None
+            # NOTE: the TMA kernel leaves the bias gradient to one reduction of grad_y: summed in the
+            # kernel by the programs of the first K step, it held the launch to those programs' time (the
+            # SD VAE decoder's 512-channel 3x3 at 256 x 256, batch 1, bf16, H200: 1.268 ms with the bias
+            # against 0.750-0.778 without, cuDNN 0.67 with it; ``docs/perf/RESULTS.md``, "Wider tiles for
+            # the TMA weight gradient").  torch's reduction is deterministic for one shape.
+            dims = [d for d in range(grad_y.dim()) if d != 1]
+            grad_b = grad_y.sum(dims, dtype=torch.float32).to(self.dtype) if self.bias_grad else None
             return grad_w, grad_b
+        bpart = torch.empty((self.split, geo.c_out), dtype=torch.float32, device=self.device) if self.bias_grad else part
         x_desc: Any = x
         dy_desc: Any = grad_y
         if self.box:
