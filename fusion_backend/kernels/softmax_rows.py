@@ -68,32 +68,22 @@ def _row_stats(s_ptr, dp_ptr, base, S, scale, HAS_DP: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
-def _softmax_rows_fwd_kernel(s_ptr, p_ptr, S, scale, BLOCK: tl.constexpr):
+def _softmax_rows_kernel(s_ptr, dp_ptr, p_ptr, ds_ptr, S, scale, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program: its statistics (``_row_stats``), then a second walk storing ``p`` and, with
+    ``BACKWARD``, ``ds = p * (dp - D) * scale`` (without it ``dp_ptr`` and ``ds_ptr`` are not read)."""
     row = tl.program_id(0).to(tl.int64)
     base = row * S
-    lse, _ = _row_stats(s_ptr, s_ptr, base, S, scale, False, BLOCK)
+    lse, d = _row_stats(s_ptr, dp_ptr, base, S, scale, BACKWARD, BLOCK)
     offs = tl.arange(0, BLOCK)
     for start in range(0, S, BLOCK):
         idx = start + offs
         inside = idx < S
         x = tl.load(s_ptr + base + idx, mask=inside, other=0.0)
-        tl.store(p_ptr + base + idx, tl.exp(x * scale - lse).to(p_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
-def _softmax_rows_bwd_kernel(s_ptr, dp_ptr, p_ptr, ds_ptr, S, scale, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = row * S
-    lse, d = _row_stats(s_ptr, dp_ptr, base, S, scale, True, BLOCK)
-    offs = tl.arange(0, BLOCK)
-    for start in range(0, S, BLOCK):
-        idx = start + offs
-        inside = idx < S
-        x = tl.load(s_ptr + base + idx, mask=inside, other=0.0)
-        dp = tl.load(dp_ptr + base + idx, mask=inside, other=0.0)
         p = tl.exp(x * scale - lse)
         tl.store(p_ptr + base + idx, p.to(p_ptr.dtype.element_ty), mask=inside)
-        tl.store(ds_ptr + base + idx, (p * (dp - d) * scale).to(ds_ptr.dtype.element_ty), mask=inside)
+        if BACKWARD:
+            dp = tl.load(dp_ptr + base + idx, mask=inside, other=0.0)
+            tl.store(ds_ptr + base + idx, (p * (dp - d) * scale).to(ds_ptr.dtype.element_ty), mask=inside)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -111,8 +101,8 @@ class SoftmaxRowsPlan:
         self.rows, self.length, self.out_dtype, self.device = rows, length, out_dtype, device
         block = min(MAX_BLOCK, next_pow2(length))
         meta = dict(BLOCK=block, num_warps=8 if block >= 2048 else 4)
-        self.fwd = FastLaunch(_softmax_rows_fwd_kernel, (rows,), meta)
-        self.bwd = FastLaunch(_softmax_rows_bwd_kernel, (rows,), meta)
+        self.fwd = FastLaunch(_softmax_rows_kernel, (rows,), dict(meta, BACKWARD=False))
+        self.bwd = FastLaunch(_softmax_rows_kernel, (rows,), dict(meta, BACKWARD=True))
 
     def _check(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
         _require(t.numel() == self.rows * self.length and t.shape[-1] == self.length and t.dtype == dtype
@@ -123,7 +113,7 @@ class SoftmaxRowsPlan:
     def forward(self, s: torch.Tensor, scale: float) -> torch.Tensor:
         self._check("s", s, torch.float32)
         p = torch.empty_like(s, dtype=self.out_dtype)
-        self.fwd(s, p, self.length, float(scale))
+        self.fwd(s, s, p, p, self.length, float(scale))  # (no dp, no ds: BACKWARD False reads neither)
         return p
 
     def backward(self, s: torch.Tensor, dp: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
