@@ -79,9 +79,10 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   each of its tiles (``-hooked``: relu' and the BatchNorm-backward sums).  Cases
   ``resnet_1x1-bf16[-hooked]``, both by default.
 * ``conv_tma_wgrad``: ``kernels/conv/tma_wgrad.py``'s ``tma_wgrad_kernel`` (Gluon) through ``conv_wgrad``
-  with each of its tiles (``tiles.tma_wgrad_tiles``) on ``conv_family``'s stride-1 shapes, ``bf16``;
-  ``-hooked``: the BatchNorm + ReLU prologue recomputed (and the bias gradient where the conv has a
-  bias).  Cases ``{resnet_1x1,resnet_3x3,vae_3x3}-bf16[-hooked]``, ResNet-50's four by default.
+  with each of its tiles (``tiles.tma_wgrad_tiles``) on ``conv_family``'s stride-1 shapes, ``bf16``
+  (``resnet_3x3_14``: boxes past the plane, read through clipped descriptors); ``-hooked``: the BatchNorm
+  + ReLU prologue recomputed (and the bias gradient where the conv has a bias).  Cases
+  ``{resnet_1x1,resnet_3x3,resnet_3x3_14,vae_3x3}-bf16[-hooked]``, ResNet-50's six by default.
 * ``epilogue``: ``kernels/epilogue.py``'s forward and backward kernels (the library path's epilogue) on
   the ``seeds`` Conv2d's output with a chain that reads earlier values again (``EPILOGUE_CHAIN``), no
   pool, a max or an avg pool; ``fp32``, ``bf16``.  Cases ``{none,max,avg}-{fp32,bf16}``, all by default.
@@ -176,6 +177,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 os.environ.pop("TRITON_INTERPRET", None)  # before the kernels are decorated
@@ -527,12 +529,13 @@ def global_mean_pipeline(dtype: str, channels_last: bool, padded: bool) -> None:
 
 
 #: The conv family job's problems: ``(x shape, weight shape, stride, padding, groups, bias)`` of
-#: torchvision ResNet-50 at batch 64 (a bottleneck's 1x1 reduce, its 3x3, layer2's strided 3x3, the 7x7
-#: RGB stem: flat K), an EfficientNet-B0 depthwise 3x3 (flat K, one channel per group) and the SD VAE
+#: torchvision ResNet-50 at batch 64 (a bottleneck's 1x1 reduce, its 3x3, layer3's 3x3 on a plane no
+#: power-of-two box tiles, layer2's strided 3x3, the 7x7 RGB stem: flat K), an EfficientNet-B0 depthwise 3x3 (flat K, one channel per group) and the SD VAE
 #: decoder's 512-channel 3x3 with bias (batch 1, 64x64).
 CONV_FAMILY_SHAPES = {
     "resnet_1x1": ((64, 256, 56, 56), (64, 256, 1, 1), 1, 0, 1, False),
     "resnet_3x3": ((64, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1, False),
+    "resnet_3x3_14": ((64, 256, 14, 14), (256, 256, 3, 3), 1, 1, 1, False),
     "resnet_3x3_s2": ((64, 128, 56, 56), (128, 128, 3, 3), 2, 1, 1, False),
     "resnet_stem": ((64, 3, 224, 224), (64, 3, 7, 7), 2, 3, 1, False),
     "depthwise": ((64, 96, 112, 112), (96, 1, 3, 3), 2, 1, 96, False),
@@ -611,7 +614,11 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
         if tma == "wgrad":
             taps = w_shape[2] * w_shape[3]
             rows = taps == 1 and not padding  # the plain call's tiles, hooked too: the register path compiles
-            for tile in FAMILY_TILES.tma_wgrad_tiles(c_in, c_out, taps, out_shape[2:], rows, False):
+            lift = (lambda v: (1, *v))  # noqa: E731 - the geometry's (D, H, W)
+            dims = SimpleNamespace(out_size=lift(out_shape[2:]), size=lift(x_shape[2:]), kernel=lift(w_shape[2:]),
+                                   dilation=(1, 1, 1), padding=(0, padding, padding))  # fmt: skip
+            clippable = FAMILY_TMA_WGRAD.clippable_dims(dims)  # boxes past the plane: clipped descriptors
+            for tile in FAMILY_TILES.tma_wgrad_tiles(c_in, c_out, taps, out_shape[2:], rows, False, clippable):
                 FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=tile, **hooks, **geo)
             return
         if halo:  # the heuristic's tile as the halo kernel's; a depthwise weight gradient's halo tile
@@ -723,7 +730,7 @@ PHASE_ALIGNED_FIELDS = ("BLOCK_M", "BLOCK_CI", "BLOCK_CO", "KPB")
 FAMILY_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 #: the TMA forward's M and K blocks are its tensor descriptors' boxes
 TMA_FIELDS = ("BLOCK_N", "STAGES")
-TMA_WGRAD_FIELDS = ("BLOCK_N", "SLOTS", "BOX_W", "STAGES")
+TMA_WGRAD_FIELDS = ("BLOCK_N", "SLOTS", "BOX_W", "STAGES", "CLIP_H", "CLIP_W")
 JOBS = {job.name: job for job in (
     Job(
         "conv_fused", "conv_epilogue forward through kernels/conv_fused/ (ConvTranspose3d + chain + MaxPool3d)",
@@ -787,8 +794,9 @@ JOBS = {job.name: job for job in (
         "conv_tma_wgrad", "kernels/conv/tma_wgrad.py: the Gluon TMA weight gradient, plain and hooked (conv_family's "
         "stride-1 shapes, each of its tiles)",
         {f"{w}-bf16{h}": partial(conv_family_pass, w, "bf16", bool(h), tma="wgrad")
-         for w in ("resnet_1x1", "resnet_3x3", "vae_3x3") for h in ("", "-hooked")},
-        ("resnet_1x1-bf16", "resnet_1x1-bf16-hooked", "resnet_3x3-bf16", "resnet_3x3-bf16-hooked"),
+         for w in ("resnet_1x1", "resnet_3x3", "resnet_3x3_14", "vae_3x3") for h in ("", "-hooked")},
+        ("resnet_1x1-bf16", "resnet_1x1-bf16-hooked", "resnet_3x3-bf16", "resnet_3x3-bf16-hooked",
+         "resnet_3x3_14-bf16", "resnet_3x3_14-bf16-hooked"),
         (TiledKernel("tma_wgrad_kernel", TMA_WGRAD_FIELDS, "", as_launched(TMA_WGRAD_FIELDS)),),
     ),
     Job(

@@ -4,7 +4,8 @@ with eager's own error as the yardstick.
 Gluon has no interpreter: the kernel runs on an sm_90 GPU alone (the CPU suite compiles it:
 ``test_conv_family_sm90.py``; its host rules are tested here on any machine).  Each case runs
 ``conv_wgrad`` with TMA tiles chosen to reach the kernel's corners: boxes that hang over the output
-plane (the masked register path) and boxes that tile it exactly (``a^T`` read from shared memory),
+plane (read through clipped descriptors, or where those cannot serve the masked register path) and
+boxes that tile it exactly (``a^T`` read from shared memory),
 several K steps per program over taps and over channel blocks, channel counts below one block and
 between blocks, 1d/2d/3d, dilation, every prologue kind and the bias gradient.
 """
@@ -67,8 +68,11 @@ def _check(name: str, xs, ws, conv, tile, dtype, prologue=None, act_in=None, bia
 
 # name, x shape, weight shape, conv kwargs, tile
 CASES = [
-    # 56 x 56 with 8 x 16 boxes: the last column of boxes hangs over the plane (masked, registers)
+    # 12 x 20 with 8 x 16 boxes: the last row and column of boxes hang over the plane (clipped descriptors)
     ("3x3-overhang-3-taps", (2, 64, 12, 20), (64, 64, 3, 3), dict(padding=1), _tile(128, 64, 4, 16, 3)),
+    # ResNet-50's planes no power-of-two box tiles: 8 x 8 boxes over 14 x 14 and 7 x 7, 8 warps, N of 256
+    ("3x3-overhang-14", (2, 128, 14, 14), (96, 128, 3, 3), dict(padding=1), _tile(64, 64, 8, 8, 1, 3)),
+    ("3x3-overhang-7-n256", (3, 128, 7, 7), (256, 128, 3, 3), dict(padding=1), _tile(64, 256, 8, 8, 1, 3)),
     # 8 x 8 boxes that tile a 16 x 16 plane: a^T straight from shared memory
     ("3x3-exact-boxes-smem", (2, 64, 16, 16), (64, 64, 3, 3), dict(padding=1), _tile(64, 64, 4, 8, 1, 3)),
     ("3x3-exact-boxes-3-taps", (1, 64, 16, 16), (128, 64, 3, 3), dict(padding=1), _tile(64, 64, 4, 8, 3)),
@@ -124,19 +128,61 @@ def test_tma_wgrad_recomputes_each_prologue(kind, act, geometry):
 
 
 @requires_sm90
-def test_tma_wgrad_overhang_beside_an_infinite_input_adds_nothing():
-    """A box over the plane's right edge reads real inputs for its left-looking taps, where ``grad_y``
+@pytest.mark.parametrize("plane,edge,conv", [
+    ((8, 12), "column", dict(padding=1)),  # 8 x 16 boxes over 12 columns: 4 past the edge, clipped W
+    ((12, 8), "row", dict(padding=1)),  # over 12 rows: clipped H
+    ((12, 12), "both", dict(padding=1)),
+    ((12, 12), "both", dict(padding=2, kernel=5)),  # two taps read past the edge: the masked registers
+])  # fmt: skip
+def test_tma_wgrad_overhang_beside_an_infinite_input_adds_nothing(plane, edge, conv):
+    """A box over the plane's edge reads real inputs for its left- and up-looking taps, where ``grad_y``
     is 0: an infinite input there must not turn the tap's gradient into NaN (eager never pairs them)."""
-    xs, ws, conv = (1, 64, 8, 12), (64, 64, 3, 3), dict(padding=1)
-    g = torch.Generator().manual_seed(stable_seed("tma-inf"))
+    conv = dict(conv)
+    k = conv.pop("kernel", 3)
+    xs, ws = (1, 64, *plane), (64, 64, k, k)
+    g = torch.Generator().manual_seed(stable_seed(("tma-inf", plane, edge, k)))
     x = _randn(*xs, g=g, dtype=torch.bfloat16)
-    x[:, :, :, -1] = float("inf")  # the last column: only the kw=2 taps of ow=OW-1 and the overhang's read it
+    if edge in ("column", "both"):  # the last column: the right-looking taps of the last outputs read it
+        x[:, :, :, -1] = float("inf")
+    if edge in ("row", "both"):
+        x[:, :, -1, :] = float("-inf")
     x = _channels_last(x)
-    tile = _tile(128, 64, 4, 16, 3)  # 8 x 16 boxes over 12 columns: 4 past the edge
-    gy = _channels_last(_randn(1, 64, 8, 12, g=g, dtype=torch.bfloat16))
+    tile = _tile(128, 64, 4, 16 if plane[0] == 8 else 8, 3 if k == 3 else 1)  # 8 x 16 or 16 x 8 boxes
+    gy = _channels_last(_randn(1, 64, *plane, g=g, dtype=torch.bfloat16))
     gw, _ = conv_wgrad(gy, x, torch.empty(ws, device="cuda", dtype=torch.bfloat16), tile=tile, **conv)
     eager, _ = conv_wgrad_reference(gy, x, torch.empty(ws, device="cuda", dtype=torch.bfloat16), **conv)
     assert torch.equal(gw.isfinite(), eager.isfinite()), "the overhang's zero gradient met the infinite input"
+    assert not eager.isfinite().all() and eager.isfinite().any()  # the case has both kinds of taps
+
+
+@pytest.mark.parametrize("size,out,kernel,dilation,padding,box,clips", [
+    ((14, 14), (14, 14), (3, 3), 1, 1, (8, 8), (13, 13)),  # 'same' 3x3: the first tap row and column
+    ((56, 56), (56, 56), (3, 3), 1, 1, (8, 8), (0, 0)),  # boxes tile the plane: nothing to clip
+    ((14, 14), (14, 14), (3, 3), 1, 1, (2, 32), (0, 13)),  # 2-row boxes tile 14 rows
+    ((11, 13), (11, 13), (3, 3), 2, 2, (8, 16), (9, 11)),  # dilation 2: the first tap reads 2 back
+    ((12, 12), (12, 12), (5, 5), 1, 2, (8, 8), None),  # two taps read past the edge: no single extent
+    ((10, 9), (8, 7), (3, 3), 1, 0, (8, 8), None),  # no padding: the later taps read past it too
+    ((6, 7), (8, 9), (1, 1), 1, 1, (8, 8), (0, 0)),  # a padded 1x1: every tap there reads padding
+])  # fmt: skip
+def test_overhang_clips_cut_x_where_only_the_first_tap_reads_past_the_plane(size, out, kernel, dilation, padding,
+                                                                            box, clips):  # fmt: skip
+    """``tma_wgrad.overhang_clips``: the extents that make every read of a box past the output plane a
+    zero (positions past them), without cutting a read eager makes."""
+    geo = SimpleNamespace(size=(1, *size), out_size=(1, *out), kernel=(1, *kernel), dilation=(1, dilation, dilation),
+                          padding=(0, padding, padding))  # fmt: skip
+    assert tma_wgrad.overhang_clips(geo, box) == clips
+    assert tma_wgrad.clippable_dims(geo) == (clips is not None,) * 2
+    if clips is None:
+        return
+    for dim, clip in enumerate(clips):  # each tap's box positions, the outputs' and the overhang's
+        positions = -(-out[dim] // box[dim]) * box[dim]
+        for k in range(kernel[dim]):
+            extent = clip if k == 0 and clip else size[dim]  # the first tap through the clipped descriptor
+            for o in range(positions):
+                i = o + k * dilation - padding
+                reads_input = 0 <= i < extent
+                eager_reads = o < out[dim] and 0 <= i < size[dim]  # past the outputs: nothing
+                assert reads_input == eager_reads, (dim, k, o)
 
 
 @requires_sm90
@@ -194,6 +240,12 @@ def test_tma_wgrad_tiles_fit_the_kernel_and_shared_memory():
     # a 512-channel plane of 64 x 64: N of 256, and boxes of 128 positions tiling it (2 x 64)
     assert offered[(512, 3, False)][2:] == ["64x256x128 w8 s3 box 1x64 tma", "128x128x128 w8 s3 box 2x64 tma"]
     assert offered[(256, 3, False)][2:] == ["64x256x128 w8 s3 box 1x64 tma", "128x128x128 w8 s3 box 1x128 tma"]
+    # boxes past the plane read a^T from shared memory where their overhang is clipped (a 'same' 3x3)
+    assert tma_wgrad_tiles(128, 128, 9, (28, 28), False, False) == []
+    clipped = tma_wgrad_tiles(128, 128, 9, (28, 28), False, False, (True, True))
+    assert [t.label() for t in clipped][2:] == ["128x128x128 w8 s3 box 4x32 tma"]
+    assert tma_wgrad_tiles(128, 128, 9, (28, 28), False, True, (True, True)) == []  # a prologue: registers
+    assert tma_wgrad_tiles(128, 128, 9, (28, 28), False, False, (True, False)) == []  # 28 columns: 8 x 8 over
 
 
 @pytest.mark.parametrize("tile,words", [

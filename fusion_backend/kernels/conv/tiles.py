@@ -556,8 +556,8 @@ _TMA_WGRAD_SHARED = 200 * 1024
 # rows with one program per SM (256 -> 128 at 56 x 56 0.0513 against 0.0541; 512 -> 256 at 28 x 28 0.0365
 # against 0.0393) and on 128 channels at 512 x 512 with two (0.186 against 0.196); the timed choice keeps
 # the faster per signature.
-def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], rows: bool,
-                    hooked: bool) -> list[TileConfig]:  # fmt: skip
+def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], rows: bool, hooked: bool,
+                    clippable: tuple[bool, bool] = (False, False)) -> list[TileConfig]:  # fmt: skip
     """The TMA weight gradient's tiles (``tma_wgrad``) the timed choice weighs for ``c_in`` -> ``c_out``
     channels, ``taps`` kernel taps and an output plane of ``plane`` (rows, columns): ``wgmma``'s M is the
     input channels, 64 per warpgroup (8 warps where ``c_in`` reaches 128), N up to 128 output channels,
@@ -565,28 +565,37 @@ def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], ro
     :data:`_TMA_WGRAD_SHARED` (two programs per SM, each one's waits under the other's MMAs); each tile
     twice, its split aiming at two programs per SM and at one (NOTE above).  A 1x1 conv
     without padding (``rows``) reads consecutive positions, any hooks; a wider kernel only where its
-    ``a^T`` comes from shared memory: no prologue (``hooked``) and boxes that tile the plane exactly
-    (NOTE above); none otherwise.  Plain calls of 128 input channels or more also weigh the wide tiles
+    ``a^T`` comes from shared memory: no prologue (``hooked``) and boxes that tile the plane exactly or
+    hang past it only in a dim of ``clippable`` (rows, columns: ``tma_wgrad.clippable_dims``) (NOTE
+    above); none otherwise.  Plain calls of 128 input channels or more also weigh the wide tiles
     (:func:`_wide_tma_wgrad_tiles`)."""
     warps = 8 if c_in >= 128 else 4
     block_k = 16 * warps
     block_n = min(128, max(16, next_pow2(c_out)))
     box_w = 64 if rows else box_width(plane[0], plane[1], 64)
-    if not rows and (hooked or plane[0] % (64 // box_w) or plane[1] % box_w):
+    if not rows and (hooked or not _boxes_read_smem(plane, 64 // box_w, box_w, clippable)):
         return []
     stages = min(4, _TMA_WGRAD_SHARED // 2 // ((block_n + block_k) * 64 * 2))
     if stages < 2:
         return []
     tile = TileConfig(64, block_n, block_k, warps, stages, box_w=box_w, tma=True)
-    wide = _wide_tma_wgrad_tiles(c_out, plane, rows, tile) if not hooked and warps == 8 else []
+    wide = _wide_tma_wgrad_tiles(c_out, plane, rows, tile, clippable) if not hooked and warps == 8 else []
     return [tile, replace(tile, programs_per_sm=1), *wide]
 
 
-def _wide_tma_wgrad_tiles(c_out: int, plane: tuple[int, int], rows: bool, tile: TileConfig) -> list[TileConfig]:
+def _boxes_read_smem(plane: tuple[int, int], box_h: int, box_w: int, clippable: tuple[bool, bool]) -> bool:
+    """Whether ``box_h x box_w`` boxes over an output ``plane`` read ``a^T`` from shared memory: in each
+    dim they tile the plane or their overhang is ``clippable`` (``tma_wgrad.overhang_clips``)."""
+    return (plane[0] % box_h == 0 or clippable[0]) and (plane[1] % box_w == 0 or clippable[1])
+
+
+def _wide_tma_wgrad_tiles(c_out: int, plane: tuple[int, int], rows: bool, tile: TileConfig,
+                          clippable: tuple[bool, bool]) -> list[TileConfig]:  # fmt: skip
     """The TMA weight gradient's wide tiles beside ``tile`` (8 warps; NOTE above): on a plane of 256 output
     channels or more, N of 256 (each ``x`` box read once per 256 output channels); boxes of 128 positions
-    where they tile the plane, or rows of 128 with one program per SM.  Each ring takes up to one
-    program's share of :data:`_TMA_WGRAD_SHARED`, three stages at most."""
+    where they read ``a^T`` from shared memory (:func:`_boxes_read_smem`), or rows of 128 with one program
+    per SM.  Each ring takes up to one program's share of :data:`_TMA_WGRAD_SHARED`, three stages at
+    most."""
 
     def stages(block_m: int, block_n: int) -> int:
         return min(3, _TMA_WGRAD_SHARED // ((block_n + tile.block_k) * block_m * 2))
@@ -595,7 +604,7 @@ def _wide_tma_wgrad_tiles(c_out: int, plane: tuple[int, int], rows: bool, tile: 
     if not rows and c_out >= 256:
         wide.append(replace(tile, block_n=256, num_stages=stages(64, 256)))
     box_w = 128 if rows else box_width(plane[0], plane[1], 128)
-    if rows or (plane[0] % (128 // box_w) == 0 and plane[1] % box_w == 0):
+    if rows or _boxes_read_smem(plane, 128 // box_w, box_w, clippable):
         wide.append(replace(tile, block_m=128, box_w=box_w, num_stages=stages(128, tile.block_n),
                             programs_per_sm=1 if rows else 2))  # fmt: skip
     return wide

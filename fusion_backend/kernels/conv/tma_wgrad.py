@@ -17,6 +17,12 @@ transposed, ``grad_w^T[ci, co] = a_tap^T @ dy``:
   its part of ``a^T`` into ``wgmma``'s register layout, applies the prologue there (fp32, one rounding to
   the compute dtype: the forward's A bit for bit) and zeroes the positions that are padding or past the
   plane (the prologue of a zero is not zero; an infinite input times a zero gradient is NaN);
+* a box over the output plane's edge computes positions that are not outputs: their ``dy`` reads zeros
+  (past ``grad_y``'s extent), and a tap reading left or up reads real inputs there, which eager never
+  pairs with a gradient (an infinite one would make the sum NaN).  Where only the first kernel row
+  (column) reads so, its taps load through a descriptor of ``x`` whose H (W) extent ends where the
+  last output's tap does (:func:`overhang_clips`): TMA reads zeros past it, and ``a^T`` comes from
+  shared memory as on a plane the boxes tile; elsewhere the register path masks those positions;
 * the rank-5 box ``[1, 1, BOX_H, BOX_W, C]`` lands in shared memory row after row of ``C`` channels,
   swizzled by address as a rank-2 ``[BOX_H * BOX_W, C]`` tile of the same rows is: the kernel reads it
   as that tile (``_as_rows``).
@@ -150,21 +156,51 @@ if GLUON:
         return tap // (KH * KW), (tap // KW) % KH, tap % KW, (k % CI_BLOCKS) * BLOCK_K
 
     @gluon.jit
-    def _load_step(x_desc, dy_desc, x_ring, dy_ring, ready, step, first_box, k0, co0, CI_BLOCKS, OD, OH_TILES,
-                   OW_TILES, KH: gl.constexpr, KW: gl.constexpr, PD: gl.constexpr, PH: gl.constexpr,
-                   PW: gl.constexpr, DD: gl.constexpr, DH: gl.constexpr, DW: gl.constexpr, BOX_H: gl.constexpr,
-                   BOX_W: gl.constexpr, BLOCK_K: gl.constexpr, SLOTS: gl.constexpr,
-                   STAGES: gl.constexpr):  # fmt: skip
+    def _load_step(x_desc, x_desc_h, x_desc_w, x_desc_hw, dy_desc, x_ring, dy_ring, ready, step, first_box, k0, co0,
+                   CI_BLOCKS, OD, OH_TILES, OW_TILES, KH: gl.constexpr, KW: gl.constexpr, PD: gl.constexpr,
+                   PH: gl.constexpr, PW: gl.constexpr, DD: gl.constexpr, DH: gl.constexpr, DW: gl.constexpr,
+                   CLIP_H: gl.constexpr, CLIP_W: gl.constexpr, BOX_H: gl.constexpr, BOX_W: gl.constexpr,
+                   BLOCK_K: gl.constexpr, SLOTS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
         """Issue the TMA loads of the program's ``step``-th box into its ring stage: the ``dy`` box and
-        the ``x`` box of each of the program's K steps (its tap's shift, its channel block)."""
+        the ``x`` box of each of the program's K steps (its tap's shift, its channel block; the first
+        tap row's or column's through its clipped descriptor, :func:`_x_box_load`)."""
         n, od, oh0, ow0 = _box_origin(first_box + step, OD, OH_TILES, OW_TILES, BOX_H, BOX_W)
         stage = step % STAGES
         mbarrier.expect(ready.index(stage), dy_desc.block_type.nbytes + SLOTS * x_desc.block_type.nbytes)
         _tma_load(dy_desc, [n, od, oh0, ow0, co0], ready.index(stage), dy_ring.index(stage))
         for j in gl.static_range(SLOTS):
             kd, kh, kw, ci0 = _slot(k0 + j, CI_BLOCKS, KH, KW, BLOCK_K)
-            _tma_load(x_desc, [n, od + kd * DD - PD, oh0 + kh * DH - PH, ow0 + kw * DW - PW, ci0],
-                      ready.index(stage), x_ring.index(stage * SLOTS + j))  # fmt: skip
+            _x_box_load(x_desc, x_desc_h, x_desc_w, x_desc_hw, n, od + kd * DD - PD, oh0 + kh * DH - PH,
+                        ow0 + kw * DW - PW, ci0, kh == 0, kw == 0, ready.index(stage),
+                        x_ring.index(stage * SLOTS + j), CLIP_H, CLIP_W)  # fmt: skip
+
+    @gluon.jit
+    def _x_box_load(x_desc, x_desc_h, x_desc_w, x_desc_hw, n, d, h, w, c, first_row, first_col, bar, dst,
+                    CLIP_H: gl.constexpr, CLIP_W: gl.constexpr):  # fmt: skip
+        """The ``x`` box at ``(n, d, h, w, c)`` into ``dst``: a tap of the first kernel row (``first_row``)
+        through the descriptor whose H extent is clipped where ``CLIP_H``, of the first column through the
+        W-clipped one where ``CLIP_W``, both through ``x_desc_hw`` (:func:`overhang_clips`)."""
+        if CLIP_H and CLIP_W:
+            if first_row & first_col:
+                _tma_load(x_desc_hw, [n, d, h, w, c], bar, dst)
+            elif first_row:
+                _tma_load(x_desc_h, [n, d, h, w, c], bar, dst)
+            elif first_col:
+                _tma_load(x_desc_w, [n, d, h, w, c], bar, dst)
+            else:
+                _tma_load(x_desc, [n, d, h, w, c], bar, dst)
+        elif CLIP_H:
+            if first_row:
+                _tma_load(x_desc_h, [n, d, h, w, c], bar, dst)
+            else:
+                _tma_load(x_desc, [n, d, h, w, c], bar, dst)
+        elif CLIP_W:
+            if first_col:
+                _tma_load(x_desc_w, [n, d, h, w, c], bar, dst)
+            else:
+                _tma_load(x_desc, [n, d, h, w, c], bar, dst)
+        else:
+            _tma_load(x_desc, [n, d, h, w, c], bar, dst)
 
     @gluon.jit
     def _box_origin(b, OD, OH_TILES, OW_TILES, BOX_H: gl.constexpr, BOX_W: gl.constexpr):
@@ -235,15 +271,15 @@ if GLUON:
 
     @gluon.jit
     def tma_wgrad_kernel(
-        x_desc, dy_desc, part_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in,
+        x_desc, x_desc_h, x_desc_w, x_desc_hw, dy_desc, part_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in,
         C_IN, C_OUT, D, H, W, OD, OH, OW, OH_TILES, OW_TILES, BOXES, BOXES_PER_SPLIT, CI_BLOCKS, CO_BLOCKS,
         K_ROW: gl.constexpr, COUT_PAD: gl.constexpr,
         KH: gl.constexpr, KW: gl.constexpr,
         PD: gl.constexpr, PH: gl.constexpr, PW: gl.constexpr,
         DD: gl.constexpr, DH: gl.constexpr, DW: gl.constexpr,
         PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
-        REGISTER_A: gl.constexpr, MASKED: gl.constexpr, BIG: gl.constexpr,
-        SLOTS: gl.constexpr, BOX_H: gl.constexpr, BOX_W: gl.constexpr, BLOCK_N: gl.constexpr,
+        REGISTER_A: gl.constexpr, MASKED: gl.constexpr, CLIP_H: gl.constexpr, CLIP_W: gl.constexpr,
+        BIG: gl.constexpr, SLOTS: gl.constexpr, BOX_H: gl.constexpr, BOX_W: gl.constexpr, BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """Program ``(K-step group, output block)`` x split (module docstring): its ``SLOTS`` partial
@@ -252,6 +288,10 @@ if GLUON:
 
         x_desc    TMA descriptor of the forward's input before its prologue as ``(N, D, H, W, C_IN)``,
                   box ``[1, 1, BOX_H, BOX_W, BLOCK_K]``, zero padding.
+        x_desc_h, x_desc_w, x_desc_hw
+                  the same with the H extent, the W extent, both clipped: the first kernel row's taps
+                  read through them where ``CLIP_H``, the first column's where ``CLIP_W``
+                  (:func:`overhang_clips`; ``x_desc`` itself where unused).
         dy_desc   TMA descriptor of grad_y as ``(N, OD, OH, OW, C_OUT)``, box ``[1, 1, BOX_H, BOX_W,
                   BLOCK_N]``.
         part_ptr  fp32 ``(splits, 1, COUT_PAD, K_ROW)``, ``K_ROW = taps * CI_BLOCKS * BLOCK_K``: element
@@ -260,7 +300,8 @@ if GLUON:
         Runtime: ``BOXES`` boxes in all (``OH_TILES x OW_TILES`` per plane, ``OD`` planes per sample),
         ``BOXES_PER_SPLIT`` per split; ``CI_BLOCKS``, ``CO_BLOCKS``: channel blocks of ``x`` and ``dy``.
         ``REGISTER_A``: ``a^T`` through registers (a prologue, or ``MASKED``: positions to zero, where
-        boxes hang over the plane or the prologue meets padding)."""
+        boxes hang over the plane without clipped descriptors to read zeros there, or the prologue meets
+        padding)."""
         BLOCK_M: gl.constexpr = BOX_H * BOX_W
         WARPS_M: gl.constexpr = min(num_warps, BLOCK_K // 16)
         WARPS_N: gl.constexpr = num_warps // WARPS_M
@@ -282,9 +323,9 @@ if GLUON:
             mbarrier.init(ready.index(i), count=1)
         for i in gl.static_range(STAGES):
             if i < steps:
-                _load_step(x_desc, dy_desc, x_ring, dy_ring, ready, i, first_box, k0, co0, CI_BLOCKS, OD, OH_TILES,
-                           OW_TILES, KH, KW, PD, PH, PW, DD, DH, DW, BOX_H, BOX_W, BLOCK_K, SLOTS,
-                           STAGES)  # fmt: skip
+                _load_step(x_desc, x_desc_h, x_desc_w, x_desc_hw, dy_desc, x_ring, dy_ring, ready, i, first_box, k0,
+                           co0, CI_BLOCKS, OD, OH_TILES, OW_TILES, KH, KW, PD, PH, PW, DD, DH, DW, CLIP_H, CLIP_W,
+                           BOX_H, BOX_W, BLOCK_K, SLOTS, STAGES)  # fmt: skip
 
         acc0 = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         acc1 = gl.zeros((BLOCK_K, BLOCK_N), dtype=gl.float32, layout=acc_layout)
@@ -316,18 +357,18 @@ if GLUON:
                 acc0, acc1, acc2 = _retire(acc0, acc1, acc2, a0, a1, a2, SLOTS, True, 0)
                 _thread_barrier()
                 if step + STAGES < steps:
-                    _load_step(x_desc, dy_desc, x_ring, dy_ring, ready, step + STAGES, first_box, k0, co0, CI_BLOCKS,
-                               OD, OH_TILES, OW_TILES, KH, KW, PD, PH, PW, DD, DH, DW, BOX_H, BOX_W, BLOCK_K, SLOTS,
-                               STAGES)  # fmt: skip
+                    _load_step(x_desc, x_desc_h, x_desc_w, x_desc_hw, dy_desc, x_ring, dy_ring, ready, step + STAGES,
+                               first_box, k0, co0, CI_BLOCKS, OD, OH_TILES, OW_TILES, KH, KW, PD, PH, PW, DD, DH, DW,
+                               CLIP_H, CLIP_W, BOX_H, BOX_W, BLOCK_K, SLOTS, STAGES)  # fmt: skip
             else:
                 # this step's MMAs stay in flight while the previous step's retire; every warp is then past
                 # the previous step's stage, which takes the box STAGES steps after it
                 acc0, acc1, acc2 = _retire(acc0, acc1, acc2, a0, a1, a2, SLOTS, False, SLOTS)
                 _thread_barrier()
                 if (step > 0) & (step - 1 + STAGES < steps):
-                    _load_step(x_desc, dy_desc, x_ring, dy_ring, ready, step - 1 + STAGES, first_box, k0, co0,
-                               CI_BLOCKS, OD, OH_TILES, OW_TILES, KH, KW, PD, PH, PW, DD, DH, DW, BOX_H, BOX_W,
-                               BLOCK_K, SLOTS, STAGES)  # fmt: skip
+                    _load_step(x_desc, x_desc_h, x_desc_w, x_desc_hw, dy_desc, x_ring, dy_ring, ready,
+                               step - 1 + STAGES, first_box, k0, co0, CI_BLOCKS, OD, OH_TILES, OW_TILES, KH, KW, PD, PH,
+                               PW, DD, DH, DW, CLIP_H, CLIP_W, BOX_H, BOX_W, BLOCK_K, SLOTS, STAGES)  # fmt: skip
         acc0, acc1, acc2 = _retire(acc0, acc1, acc2, acc0, acc1, acc2, SLOTS, False, 0)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -369,9 +410,10 @@ def refusal(geo: Any, dtype: torch.dtype, tile: TileConfig) -> str:
     return ""
 
 
-def _planes(t: torch.Tensor, rows: int) -> torch.Tensor:
+def _planes(t: torch.Tensor, rows: int, clip_h: int = 0, clip_w: int = 0) -> torch.Tensor:
     """``t`` (channels-last, dense in that order, 16-byte aligned) viewed as the ``(N, D, H, W, C)``
-    tensor its TMA descriptor spans (``boxes._descriptor_dims``' sizes and strides); ``rows`` > 0: as
+    tensor its TMA descriptor spans (``boxes._descriptor_dims``' sizes and strides), its H and W extents
+    cut to ``clip_h`` and ``clip_w`` where they are not 0 (:func:`overhang_clips`); ``rows`` > 0: as
     ``(rows, 1, 1, M / rows, C)``, its positions ``rows`` rows."""
     from .boxes import _descriptor_dims
 
@@ -380,7 +422,36 @@ def _planes(t: torch.Tensor, rows: int) -> torch.Tensor:
         sizes, strides = [rows, 1, 1, m, c], [m * c, m * c, m * c, c, 1]
     else:
         sizes, strides = _descriptor_dims(t)
+        sizes[2], sizes[3] = clip_h or sizes[2], clip_w or sizes[3]
     return t.as_strided(sizes, strides)
+
+
+def _first_tap_clip(out: int, size: int, kernel: int, dilation: int, padding: int) -> int | None:
+    """The extent of an input dim of ``size`` that its first kernel tap reads through where boxes hang
+    past the output's ``out`` positions: 0 where no tap reads real input there (each reads past the
+    input's end), ``out - padding`` (where the last output's first tap reads, exclusive) where only the
+    first tap does, None where a later tap does too (it would need an extent of its own)."""
+    reading = [k for k in range(kernel) if out + k * dilation - padding < size]
+    if not reading:
+        return 0
+    return out - padding if reading == [0] and out - padding >= 1 else None
+
+
+def clippable_dims(geo: Any) -> tuple[bool, bool]:
+    """Per output dim (H, W) of a stride-1 conv of geometry ``geo``: whether boxes hanging past its edge
+    can read zeros there through a clipped descriptor (:func:`overhang_clips`)."""
+    return tuple(_first_tap_clip(o, s, k, d, p) is not None for o, s, k, d, p in zip(
+        geo.out_size[1:], geo.size[1:], geo.kernel[1:], geo.dilation[1:], geo.padding[1:], strict=True))  # fmt: skip
+
+
+def overhang_clips(geo: Any, box: tuple[int, int]) -> tuple[int, int] | None:
+    """The H and W extents of ``x``'s descriptor for the first kernel row's and column's taps (``CLIP_H``,
+    ``CLIP_W``; 0: that dim needs none) so that ``box`` (rows, columns) tiles hanging past the output plane
+    read zeros there, as the gradient does (module docstring); None where a dim's overhang cannot be
+    clipped so (:func:`_first_tap_clip`; the register path masks it)."""
+    clips = tuple(_first_tap_clip(o, s, k, d, p) if o % b else 0 for o, s, k, d, p, b in zip(
+        geo.out_size[1:], geo.size[1:], geo.kernel[1:], geo.dilation[1:], geo.padding[1:], box, strict=True))  # fmt: skip
+    return None if None in clips else clips
 
 
 class TmaWgradLaunch:
@@ -414,9 +485,12 @@ class TmaWgradLaunch:
         padded = any(p > 0 for p in geo.padding)
         hooked = hook_codes["PROLOGUE"] != 0 or hook_codes["ACT_IN"] != 0
         # positions past the output plane's edge whose taps read real input (a left-looking tap of a box
-        # over the right edge: (K - 1) * dilation > padding); an input there may be inf, its dy is 0
-        overhang = any(o % b and (k - 1) * d > p for o, b, k, d, p in zip(
-            (oh, ow), (tile.box_h, tile.box_w), geo.kernel[1:], geo.dilation[1:], geo.padding[1:], strict=True))  # fmt: skip
+        # over the right edge); an input there may be inf, its dy is 0: read through clipped descriptors
+        # where only the first tap row or column does so, else masked
+        clips = (0, 0) if rows else overhang_clips(geo, (tile.box_h, tile.box_w))
+        overhang = clips is None
+        #: the H and W extents of the first tap row's and column's descriptors (0: ``x``'s own)
+        self.clips = (0, 0) if clips is None else clips
         ci_blocks, co_blocks = cdiv(geo.c_in, tile.block_k), cdiv(geo.c_out, tile.block_n)
         constexprs = dict(
             hook_codes, K_ROW=k_row, COUT_PAD=cout_pad, KH=geo.kernel[1], KW=geo.kernel[2],
@@ -424,7 +498,8 @@ class TmaWgradLaunch:
             DD=geo.dilation[0], DH=geo.dilation[1], DW=geo.dilation[2],
             # positions to zero: the overhang's, and the padding the prologue would turn into act(shift)
             # (a plain box reads the padding as zeros)
-            MASKED=overhang or (hooked and padded), SLOTS=tile.taps_per_program, BOX_H=tile.box_h, BOX_W=tile.box_w,
+            MASKED=overhang or (hooked and padded), CLIP_H=self.clips[0] > 0, CLIP_W=self.clips[1] > 0,
+            SLOTS=tile.taps_per_program, BOX_H=tile.box_h, BOX_W=tile.box_w,
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, num_warps=tile.num_warps,
         )  # fmt: skip
         constexprs["REGISTER_A"] = hooked or constexprs["MASKED"]
@@ -435,14 +510,23 @@ class TmaWgradLaunch:
         self.x_block = [1, 1, tile.box_h, tile.box_w, tile.block_k]
         self.dy_block = [1, 1, tile.box_h, tile.box_w, tile.block_n]
         self.x_layout, self.dy_layout = _shared_layout(self.x_block, dtype), _shared_layout(self.dy_block, dtype)
-        self._x_kept: dict[int, Any] = {}
+        #: x's descriptors by extent clip (``(clip_h, clip_w)``: none, H, W, both), each kept per operand
+        h, w = self.clips
+        self._x_clips = [(0, 0), (h, 0) if h else None, (0, w) if w else None, (h, w) if h and w else None]
+        self._x_kept: dict[tuple[int, int], dict[int, Any]] = {c: {} for c in self._x_clips if c is not None}
         self._dy_kept: dict[int, Any] = {}
 
     def __call__(self, x: torch.Tensor, grad_y: torch.Tensor, *pointers: Any) -> None:
+        x_descs = []
+        for clip in self._x_clips:
+            if clip is None:  # unused: the unclipped descriptor in its place
+                x_descs.append(x_descs[0])
+                continue
+            planes = functools.partial(_planes, rows=self.row_count, clip_h=clip[0], clip_w=clip[1])
+            x_descs.append(kept_descriptor(self._x_kept[clip], x, planes, self.x_block, self.x_layout)[0])
         planes = functools.partial(_planes, rows=self.row_count)
-        x_desc, _ = kept_descriptor(self._x_kept, x, planes, self.x_block, self.x_layout)
         dy_desc, _ = kept_descriptor(self._dy_kept, grad_y, planes, self.dy_block, self.dy_layout)
-        self.launch(x_desc, dy_desc, *pointers)
+        self.launch(*x_descs, dy_desc, *pointers)
 
 
 def dense_channels_last(t: torch.Tensor) -> torch.Tensor:

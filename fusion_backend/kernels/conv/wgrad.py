@@ -688,7 +688,8 @@ def conv_wgrad(
                            geo.out_size[1:] if boxed else None, halo=with_halo)  # fmt: skip
         if geo.m and tma_wgrad.supports(x, grad_y, weight, geo.stride, geo.groups):
             tiles = [*tiles, *tma_wgrad_tiles(geo.c_in, geo.c_out, geo.taps, geo.out_size[1:],
-                                              geo.taps == 1 and not any(geo.padding), hooked)]  # fmt: skip
+                                              geo.taps == 1 and not any(geo.padding), hooked,
+                                              tma_wgrad.clippable_dims(geo))]  # fmt: skip
         return plan_with(tuned_tile("wgrad", key, tiles, lambda t: functools.partial(
             plan_with(t).run, grad_y, x, weight, prologue, slope_in), x.device))
 
