@@ -531,8 +531,13 @@ _TMA_WGRAD_SHARED = 200 * 1024
 # the faster per call signature.  A wider
 # kernel read from shared memory (plain, boxes tiling the plane exactly) beat it on the 3x3 of 64
 # channels at 56 x 56 (0.068 against 0.080 ms; three taps per program 0.087); through registers (a
-# prologue, or boxes over the plane's edge) it lost on every 3x3 (0.157 against 0.112 ms with the prologue
-# there, 0.098 against 0.050 on 128 channels at 28 x 28), so those are not offered.
+# prologue, or boxes over the plane's edge masked) it lost on every 3x3 (0.157 against 0.112 ms with the
+# prologue there, 0.098 against 0.050 on 128 channels at 28 x 28), so those are not offered.  Boxes over
+# the edge whose overhang clipped descriptors zero (``tma_wgrad.overhang_clips``) read from shared memory
+# and are offered: the fastest tile on ResNet-50's 3x3s at 14 x 14 and 7 x 7 (0.0483 against the gather
+# kernel's 0.0518 ms, 0.0474 against 0.0594) and on R3D-18's 3x3x3s at 28 x 28 and below (1.2-1.45x), 4%
+# behind it at 28 x 28 (``python tools/bench_conv.py demos/realnets/resnet50.py demos/realnets/r3d_18.py
+# --passes wgrad --no-hooks --filter '*k3x3 p1 g1*,*k3x3x3 p1 g1*'``, ``tile_ms``).
 # NOTE: each TMA tile is offered with its split aiming at two programs per SM and at one
 # (``TileConfig.programs_per_sm``; H200, bf16, ResNet-50 batch 64, each tile's time against its split,
 # with the split sum of ``split_sum.split_sum_blocks``; the bench above times both variants).  On every 1x1
