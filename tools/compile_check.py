@@ -177,7 +177,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 from unittest import mock
 
 os.environ.pop("TRITON_INTERPRET", None)  # before the kernels are decorated
@@ -614,10 +613,8 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
         if tma == "wgrad":
             taps = w_shape[2] * w_shape[3]
             rows = taps == 1 and not padding  # the plain call's tiles, hooked too: the register path compiles
-            lift = (lambda v: (1, *v))  # noqa: E731 - the geometry's (D, H, W)
-            dims = SimpleNamespace(out_size=lift(out_shape[2:]), size=lift(x_shape[2:]), kernel=lift(w_shape[2:]),
-                                   dilation=(1, 1, 1), padding=(0, padding, padding))  # fmt: skip
-            clippable = FAMILY_TMA_WGRAD.clippable_dims(dims)  # boxes past the plane: clipped descriptors
+            # boxes past the plane: clipped descriptors where they serve
+            clippable = FAMILY_TMA_WGRAD.clippable_for_shapes(x_shape, w_shape, (padding,) * 2, (1, 1))
             for tile in FAMILY_TILES.tma_wgrad_tiles(c_in, c_out, taps, out_shape[2:], rows, False, clippable):
                 FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=tile, **hooks, **geo)
             return

@@ -123,13 +123,15 @@ def tma_wgrad_variants(shape: Any, hooked: bool, per_sm: tuple[int, ...]) -> lis
     """The TMA weight gradient's tiles the timed choice weighs on ``shape`` (``tiles.tma_wgrad_tiles``, stride
     1 and one group only), and each at ``per_sm``'s programs per SM besides."""
     from fusion_backend.kernels.conv.tiles import tma_wgrad_tiles
+    from fusion_backend.kernels.conv.tma_wgrad import clippable_for_shapes
 
     if any(s != 1 for s in shape.stride) or shape.groups != 1:
         return []
     taps = math.prod(shape.w_shape[2:])
     plane = tuple((1, *shape.out_shape[2:])[-2:])  # the output's last two dims (a 1d conv's one row)
+    clippable = clippable_for_shapes(shape.x_shape, shape.w_shape, shape.padding, shape.dilation)
     tiles = tma_wgrad_tiles(shape.x_shape[1], shape.w_shape[0], taps, plane, taps == 1 and not any(shape.padding),
-                            hooked)  # fmt: skip
+                            hooked, clippable)  # fmt: skip
     return list(dict.fromkeys([*tiles, *(dataclasses.replace(t, programs_per_sm=n) for n in per_sm for t in tiles)]))
 
 

@@ -55,11 +55,13 @@ and where the timed choice offers it: ``tiles.tma_wgrad_tiles``' NOTE.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from ..host import INTERPRETER, cdiv
+from ..host import INTERPRETER, cdiv, lift3
 from ..launch import FastLaunch
 from .hooks import PROLOGUE_GROUP_AFFINE, PROLOGUE_SAMPLE_CHANNEL_SCALE
 from .prologue import activation
@@ -442,6 +444,17 @@ def clippable_dims(geo: Any) -> tuple[bool, bool]:
     can read zeros there through a clipped descriptor (:func:`overhang_clips`)."""
     return tuple(_first_tap_clip(o, s, k, d, p) is not None for o, s, k, d, p in zip(
         geo.out_size[1:], geo.size[1:], geo.kernel[1:], geo.dilation[1:], geo.padding[1:], strict=True))  # fmt: skip
+
+
+def clippable_for_shapes(x_shape: Sequence[int], w_shape: Sequence[int], padding: Sequence[int],
+                         dilation: Sequence[int]) -> tuple[bool, bool]:  # fmt: skip
+    """:func:`clippable_dims` of a stride-1 conv of input ``x_shape`` and weight ``w_shape`` (N, C, *spatial
+    and C_out, C_in, *kernel, 1 to 3 spatial dims) with ``padding`` and ``dilation`` per spatial dim."""
+    from .fprop import output_size
+
+    out = output_size(x_shape[2:], w_shape[2:], (1,) * len(padding), padding, dilation)
+    return clippable_dims(SimpleNamespace(size=lift3(x_shape[2:], 1), out_size=lift3(out, 1), kernel=lift3(
+        w_shape[2:], 1), dilation=lift3(dilation, 1), padding=lift3(padding, 0)))  # fmt: skip
 
 
 def overhang_clips(geo: Any, box: tuple[int, int]) -> tuple[int, int] | None:
