@@ -14,13 +14,14 @@ requires_sm90 = pytest.mark.skipif(
     reason="the Gluon TMA kernels run on sm_90 alone (no interpreter)",
 )
 
-#: Tiles of every shape the kernel takes: one warpgroup (over 64 and over 128 channels), a 4-stage ring
-#: with K steps of 32, two warpgroups over 128 and over 256 channels, and warps side by side along N (64
+#: Tiles of every shape the kernel takes: one warpgroup (over 64 and over 128 channels, and over 128 rows
+#: of 128 channels), a 4-stage ring with K steps of 32, two warpgroups over 128 and over 256 channels, and warps side by side along N (64
 #: rows on 8 warps, 16-channel K steps).
 TMA_ROW_TILES = [
     TileConfig(64, 64, 64, 4, 2, tma=True),
     TileConfig(128, 64, 32, 4, 4, tma=True),
     TileConfig(128, 128, 64, 8, 3, tma=True),
+    TileConfig(128, 128, 64, 4, 2, tma=True),
     TileConfig(128, 256, 64, 8, 2, tma=True),
     TileConfig(64, 128, 64, 4, 3, tma=True),
     TileConfig(64, 32, 16, 8, 2, tma=True),

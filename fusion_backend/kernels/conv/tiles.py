@@ -470,6 +470,13 @@ def tma_stages(tile: TileConfig, most: int, store_bytes: int = 2, programs: int 
 # accumulator leaves no room.  256 x 128 on 8 warps ran within 3% of 128 x 256 and is not offered.  (A
 # scratch sweep of the TMA kernel's tiles, stages and programs per SM; ``python tools/sweep_conv_tiles.py
 # demos/realnets/resnet50.py --passes fprop,dgrad --tma --filter '*k1x1 p0*'`` times the same tiles.)
+# NOTE: the second wide tile is 128 x 128 on 4 warps with a 2-stage ring, two programs per SM, not 8 warps
+# with 4 stages, one per SM: on ResNet-50's eight 1x1s with the widest gap to cuBLAS (H200, bf16, batch
+# 64; that sweep's grid with both, GPU ms per call) it was the fastest tile of the pass on 7 of the 16
+# rows and the 8-warp one on none: forwards 128 -> 512 at 28 x 28 0.0278 against 0.0370 (the choice before
+# 0.0299), 256 -> 1024 at 14 x 14 0.0169 against 0.0212; input gradients 256 -> 128 at 56 x 56 0.0516
+# against 0.0734 (before 0.0583), 512 -> 128 at 28 x 28 0.0272 against 0.0373 (before 0.0301), 2048 -> 512
+# at 7 x 7 0.0179 against 0.0244.
 # NOTE: an input gradient with its hooks (relu' and the BatchNorm sums, x_prev's tile read into registers)
 # times 128 rows on 8 warps, then 64 rows on 4 warps (one warpgroup: its accumulator and x_prev's tile as
 # many registers per thread as the 8-warp 128-row tile's).  ResNet-50's hooked 1x1 input gradients at 14 x
@@ -484,7 +491,7 @@ def tma_tiles(c_in: int, c_out: int, m: int, wide: bool = False, grad_hooks: boo
     first: 128 rows by up to 128 output channels (8 warps past 64: two warpgroups of 64 rows each, 64
     accumulator registers per thread), then 64 output channels on 4 warps where the layer is wider;
     ``wide`` (a pass without hooks) and 256 output channels or more: 128 by 256 on 8 warps first, then
-    128 by 128 (NOTE above); ``grad_hooks`` (an input gradient with its hooks): 128 rows by up to 128
+    128 by 128 on 4 (two programs per SM: one's store runs under the other's MMAs; NOTE above); ``grad_hooks`` (an input gradient with its hooks): 128 rows by up to 128
     channels on 8 warps, then 64 rows by as many on 4 (NOTE above).  K steps of 64 channels (fewer where
     ``c_in`` is narrower).  Stages: the most, up to 4, that keep as many programs per SM as the registers
     allow (:func:`tma_programs_per_sm`, the store rounding first) and fit the SM's shared memory."""
@@ -493,7 +500,7 @@ def tma_tiles(c_in: int, c_out: int, m: int, wide: bool = False, grad_hooks: boo
     width = min(128, max(16, next_pow2(c_out)))
     shapes = [(block_m, width, 8 if width > 64 else 4), (block_m, min(64, width), 4)]
     if wide and next_pow2(c_out) >= 256:
-        shapes = [(block_m, 256, 8), (block_m, 128, 8)]
+        shapes = [(block_m, 256, 8), (block_m, 128, 4)]
     elif grad_hooks:
         shapes = [(block_m, width, 8), (64, width, 4)]
     tiles = []
