@@ -493,8 +493,9 @@ def tma_tiles(c_in: int, c_out: int, m: int, wide: bool = False, grad_hooks: boo
     ``wide`` (a pass without hooks) and 256 output channels or more: 128 by 256 on 8 warps first, then
     128 by 128 on 4 (two programs per SM: one's store runs under the other's MMAs; NOTE above);
     ``grad_hooks`` (an input gradient with its hooks): 128 rows by up to 128 channels on 8 warps, then 64
-    rows by as many on 4 (NOTE above).  K steps of 64 channels (fewer where ``c_in`` is narrower).  Stages: the most, up to 4, that keep as many programs per SM as the registers
-    allow (:func:`tma_programs_per_sm`, the store rounding first) and fit the SM's shared memory."""
+    rows by as many on 4 (NOTE above).  K steps of 64 channels (fewer where ``c_in`` is narrower).
+    Stages: the most, up to 4, that keep as many programs per SM as the registers allow
+    (:func:`tma_programs_per_sm`, the store rounding first) and fit the SM's shared memory."""
     block_k = min(64, max(16, next_pow2(c_in)))
     block_m = 128 if m > 64 else 64
     width = min(128, max(16, next_pow2(c_out)))
