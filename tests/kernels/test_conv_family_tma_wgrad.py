@@ -209,6 +209,52 @@ def test_tma_wgrad_tiles_join_the_timed_choice_where_the_kernel_applies():
     _check("timed choice", xs, ws, conv, None, torch.bfloat16)
 
 
+def test_overhang_clips_over_drawn_geometries():
+    """``overhang_clips`` over random stride-1 geometries (sizes, kernels, dilations, paddings, boxes):
+    where it gives extents, every box position reads x through them exactly where eager's gradient pairs
+    it with an output; where it gives None, some tap past the first reads real input past the plane (no
+    single extent per dim would do)."""
+    g = torch.Generator().manual_seed(stable_seed("overhang-clips-fuzz"))
+
+    def draw(lo, hi):  # noqa: ANN001, ANN202
+        return int(torch.randint(lo, hi + 1, (), generator=g))
+
+    drawn = {True: 0, False: 0}
+    for _ in range(400):
+        dims = []
+        for _ in range(2):
+            k, d = draw(1, 7), draw(1, 3)
+            p, size = draw(0, (k - 1) * d), draw(1, 40)
+            out = size + 2 * p - d * (k - 1)
+            if out < 1:
+                break
+            dims.append((size, out, k, d, p, 1 << draw(0, 5)))
+        if len(dims) < 2:
+            continue
+        size, out, kernel, dil, pad, box = (tuple(v[i] for v in dims) for i in range(6))
+        geo = SimpleNamespace(size=(1, *size), out_size=(1, *out), kernel=(1, *kernel), dilation=(1, *dil),
+                              padding=(0, *pad))  # fmt: skip
+        clips = tma_wgrad.overhang_clips(geo, box)
+        for dim in range(2):
+            positions = -(-out[dim] // box[dim]) * box[dim]
+            past_reads = [k for k in range(kernel[dim]) for o in range(out[dim], positions)
+                          if 0 <= o + k * dil[dim] - pad[dim] < size[dim]]  # fmt: skip
+            if clips is None:
+                continue
+            for k in range(kernel[dim]):
+                extent = clips[dim] if k == 0 and clips[dim] else size[dim]
+                for o in range(positions):
+                    i = o + k * dil[dim] - pad[dim]
+                    assert (0 <= i < extent) == (o < out[dim] and 0 <= i < size[dim]), (dims, dim, k, o)
+            assert past_reads == [] or set(past_reads) == {0}, (dims, dim)
+        if clips is None:  # a dim past whose edge a later tap reads too, or where tap 0's extent would be empty
+            past = [range(out[i], -(-out[i] // box[i]) * box[i]) for i in range(2)]
+            assert any(any(k > 0 and 0 <= o + k * dil[i] - pad[i] < size[i] for k in range(kernel[i]) for o in past[i])
+                       or (len(past[i]) and out[i] - pad[i] < 1) for i in range(2)), dims  # fmt: skip
+        drawn[clips is None] += 1
+    assert min(drawn.values()) > 50, drawn  # both outcomes well represented
+
+
 def test_tma_wgrad_tiles_fit_the_kernel_and_shared_memory():
     """Every tile :func:`tma_wgrad_tiles` offers passes the kernel's refusal rules; the first comes with
     its split aiming at two programs per SM and at one, its ring within half an sm_90 SM's shared memory
