@@ -439,11 +439,16 @@ def _first_tap_clip(out: int, size: int, kernel: int, dilation: int, padding: in
     return out - padding if reading == [0] and out - padding >= 1 else None
 
 
+def _first_tap_clips(geo: Any) -> list[int | None]:
+    """:func:`_first_tap_clip` of each output dim (H, W) of a stride-1 conv of geometry ``geo``."""
+    return [_first_tap_clip(o, s, k, d, p) for o, s, k, d, p in zip(
+        geo.out_size[1:], geo.size[1:], geo.kernel[1:], geo.dilation[1:], geo.padding[1:], strict=True)]  # fmt: skip
+
+
 def clippable_dims(geo: Any) -> tuple[bool, bool]:
     """Per output dim (H, W) of a stride-1 conv of geometry ``geo``: whether boxes hanging past its edge
     can read zeros there through a clipped descriptor (:func:`overhang_clips`)."""
-    return tuple(_first_tap_clip(o, s, k, d, p) is not None for o, s, k, d, p in zip(
-        geo.out_size[1:], geo.size[1:], geo.kernel[1:], geo.dilation[1:], geo.padding[1:], strict=True))  # fmt: skip
+    return tuple(clip is not None for clip in _first_tap_clips(geo))
 
 
 def clippable_for_shapes(x_shape: Sequence[int], w_shape: Sequence[int], padding: Sequence[int],
@@ -462,8 +467,7 @@ def overhang_clips(geo: Any, box: tuple[int, int]) -> tuple[int, int] | None:
     ``CLIP_W``; 0: that dim needs none) so that ``box`` (rows, columns) tiles hanging past the output plane
     read zeros there, as the gradient does (module docstring); None where a dim's overhang cannot be
     clipped so (:func:`_first_tap_clip`; the register path masks it)."""
-    clips = tuple(_first_tap_clip(o, s, k, d, p) if o % b else 0 for o, s, k, d, p, b in zip(
-        geo.out_size[1:], geo.size[1:], geo.kernel[1:], geo.dilation[1:], geo.padding[1:], box, strict=True))  # fmt: skip
+    clips = tuple(clip if o % b else 0 for clip, o, b in zip(_first_tap_clips(geo), geo.out_size[1:], box, strict=True))
     return None if None in clips else clips
 
 
@@ -523,22 +527,20 @@ class TmaWgradLaunch:
         self.x_block = [1, 1, tile.box_h, tile.box_w, tile.block_k]
         self.dy_block = [1, 1, tile.box_h, tile.box_w, tile.block_n]
         self.x_layout, self.dy_layout = _shared_layout(self.x_block, dtype), _shared_layout(self.dy_block, dtype)
-        #: x's descriptors by extent clip (``(clip_h, clip_w)``: none, H, W, both), each kept per operand
+        #: the extents of the kernel's four x descriptors (none, H, W, both clipped; a dim not clipped keeps
+        #: x's own, so an unused descriptor is the unclipped one), each clip's views kept per operand
         h, w = self.clips
-        self._x_clips = [(0, 0), (h, 0) if h else None, (0, w) if w else None, (h, w) if h and w else None]
-        self._x_kept: dict[tuple[int, int], dict[int, Any]] = {c: {} for c in self._x_clips if c is not None}
+        self._x_clips = [(0, 0), (h, 0), (0, w), (h, w)]
+        self._x_planes = {c: functools.partial(_planes, rows=self.row_count, clip_h=c[0], clip_w=c[1])
+                          for c in self._x_clips}  # fmt: skip
+        self._x_kept: dict[tuple[int, int], dict[int, Any]] = {c: {} for c in self._x_clips}
+        self._dy_planes = functools.partial(_planes, rows=self.row_count)
         self._dy_kept: dict[int, Any] = {}
 
     def __call__(self, x: torch.Tensor, grad_y: torch.Tensor, *pointers: Any) -> None:
-        x_descs = []
-        for clip in self._x_clips:
-            if clip is None:  # unused: the unclipped descriptor in its place
-                x_descs.append(x_descs[0])
-                continue
-            planes = functools.partial(_planes, rows=self.row_count, clip_h=clip[0], clip_w=clip[1])
-            x_descs.append(kept_descriptor(self._x_kept[clip], x, planes, self.x_block, self.x_layout)[0])
-        planes = functools.partial(_planes, rows=self.row_count)
-        dy_desc, _ = kept_descriptor(self._dy_kept, grad_y, planes, self.dy_block, self.dy_layout)
+        x_descs = [kept_descriptor(self._x_kept[c], x, self._x_planes[c], self.x_block, self.x_layout)[0]
+                   for c in self._x_clips]  # fmt: skip
+        dy_desc, _ = kept_descriptor(self._dy_kept, grad_y, self._dy_planes, self.dy_block, self.dy_layout)
         self.launch(*x_descs, dy_desc, *pointers)
 
 
