@@ -15,8 +15,8 @@ requires_sm90 = pytest.mark.skipif(
 )
 
 #: Tiles of every shape the kernel takes: one warpgroup (over 64 and over 128 channels, and over 128 rows
-#: of 128 channels), a 4-stage ring with K steps of 32, two warpgroups over 128 and over 256 channels, and warps side by side along N (64
-#: rows on 8 warps, 16-channel K steps).
+#: of 128 channels), a 4-stage ring with K steps of 32, two warpgroups over 128 and over 256 channels,
+#: and warps side by side along N (64 rows on 8 warps, 16-channel K steps).
 TMA_ROW_TILES = [
     TileConfig(64, 64, 64, 4, 2, tma=True),
     TileConfig(128, 64, 32, 4, 4, tma=True),

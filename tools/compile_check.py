@@ -529,8 +529,9 @@ def global_mean_pipeline(dtype: str, channels_last: bool, padded: bool) -> None:
 
 #: The conv family job's problems: ``(x shape, weight shape, stride, padding, groups, bias)`` of
 #: torchvision ResNet-50 at batch 64 (a bottleneck's 1x1 reduce, its 3x3, layer3's 3x3 on a plane no
-#: power-of-two box tiles, layer2's strided 3x3, the 7x7 RGB stem: flat K), an EfficientNet-B0 depthwise 3x3 (flat K, one channel per group) and the SD VAE
-#: decoder's 512-channel 3x3 with bias (batch 1, 64x64).
+#: power-of-two box tiles, layer2's strided 3x3, the 7x7 RGB stem: flat K), an EfficientNet-B0
+#: depthwise 3x3 (flat K, one channel per group) and the SD VAE decoder's 512-channel 3x3 with bias
+#: (batch 1, 64x64).
 CONV_FAMILY_SHAPES = {
     "resnet_1x1": ((64, 256, 56, 56), (64, 256, 1, 1), 1, 0, 1, False),
     "resnet_3x3": ((64, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1, False),

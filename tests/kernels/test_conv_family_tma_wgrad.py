@@ -172,17 +172,22 @@ def test_overhang_clips_cut_x_where_only_the_first_tap_reads_past_the_plane(size
                           padding=(0, padding, padding))  # fmt: skip
     assert tma_wgrad.overhang_clips(geo, box) == clips
     assert tma_wgrad.clippable_dims(geo) == (clips is not None,) * 2
-    if clips is None:
-        return
-    for dim, clip in enumerate(clips):  # each tap's box positions, the outputs' and the overhang's
-        positions = -(-out[dim] // box[dim]) * box[dim]
-        for k in range(kernel[dim]):
-            extent = clip if k == 0 and clip else size[dim]  # the first tap through the clipped descriptor
-            for o in range(positions):
+    if clips is not None:
+        _assert_clipped_reads_are_eagers(geo, box, clips)
+
+
+def _assert_clipped_reads_are_eagers(geo, box, clips):  # noqa: ANN001
+    """Every tap's reads over the box positions of each dim (H, W) of ``geo`` (the outputs' and the
+    overhang's), the first tap through its extent in ``clips``: inside the input exactly where eager's
+    gradient pairs an input with an output."""
+    for dim, clip in enumerate(clips):
+        size, out, kernel = geo.size[dim + 1], geo.out_size[dim + 1], geo.kernel[dim + 1]
+        dilation, padding = geo.dilation[dim + 1], geo.padding[dim + 1]
+        for k in range(kernel):
+            extent = clip if k == 0 and clip else size  # the first tap through the clipped descriptor
+            for o in range(-(-out // box[dim]) * box[dim]):
                 i = o + k * dilation - padding
-                reads_input = 0 <= i < extent
-                eager_reads = o < out[dim] and 0 <= i < size[dim]  # past the outputs: nothing
-                assert reads_input == eager_reads, (dim, k, o)
+                assert (0 <= i < extent) == (o < out and 0 <= i < size), (geo, dim, k, o)  # past the outputs: none
 
 
 @requires_sm90
@@ -235,22 +240,14 @@ def test_overhang_clips_over_drawn_geometries():
         geo = SimpleNamespace(size=(1, *size), out_size=(1, *out), kernel=(1, *kernel), dilation=(1, *dil),
                               padding=(0, *pad))  # fmt: skip
         clips = tma_wgrad.overhang_clips(geo, box)
-        for dim in range(2):
-            positions = -(-out[dim] // box[dim]) * box[dim]
-            past_reads = [k for k in range(kernel[dim]) for o in range(out[dim], positions)
-                          if 0 <= o + k * dil[dim] - pad[dim] < size[dim]]  # fmt: skip
-            if clips is None:
-                continue
-            for k in range(kernel[dim]):
-                extent = clips[dim] if k == 0 and clips[dim] else size[dim]
-                for o in range(positions):
-                    i = o + k * dil[dim] - pad[dim]
-                    assert (0 <= i < extent) == (o < out[dim] and 0 <= i < size[dim]), (dims, dim, k, o)
-            assert past_reads == [] or set(past_reads) == {0}, (dims, dim)
-        if clips is None:  # a dim past whose edge a later tap reads too, or where tap 0's extent would be empty
-            past = [range(out[i], -(-out[i] // box[i]) * box[i]) for i in range(2)]
-            assert any(any(k > 0 and 0 <= o + k * dil[i] - pad[i] < size[i] for k in range(kernel[i]) for o in past[i])
-                       or (len(past[i]) and out[i] - pad[i] < 1) for i in range(2)), dims  # fmt: skip
+        past = [range(out[i], -(-out[i] // box[i]) * box[i]) for i in range(2)]  # each dim's overhang
+        later_tap_reads_past = [any(0 <= o + k * dil[i] - pad[i] < size[i] for k in range(1, kernel[i])
+                                    for o in past[i]) for i in range(2)]  # fmt: skip
+        if clips is not None:
+            _assert_clipped_reads_are_eagers(geo, box, clips)
+            assert not any(later_tap_reads_past), dims
+        else:  # a dim past whose edge a later tap reads too, or where tap 0's extent would be empty
+            assert any(later_tap_reads_past[i] or (len(past[i]) and out[i] - pad[i] < 1) for i in range(2)), dims
         drawn[clips is None] += 1
     assert min(drawn.values()) > 50, drawn  # both outcomes well represented
 
