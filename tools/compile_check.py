@@ -79,7 +79,8 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   each of its tiles (``-hooked``: relu' and the BatchNorm-backward sums).  Cases
   ``resnet_1x1-bf16[-hooked]``, both by default.
 * ``conv_tma_wgrad``: ``kernels/conv/tma_wgrad.py``'s ``tma_wgrad_kernel`` (Gluon) through ``conv_wgrad``
-  with each of its tiles (``tiles.tma_wgrad_tiles``) on ``conv_family``'s stride-1 shapes, ``bf16``
+  with each of its tiles (``tiles.tma_wgrad_tiles``), then its first with one split (the gradient written
+  by the programs themselves, ``DIRECT``) and with three, on ``conv_family``'s stride-1 shapes, ``bf16``
   (``resnet_3x3_14``: boxes past the plane, read through clipped descriptors); ``-hooked``: the BatchNorm
   + ReLU prologue recomputed (and the bias gradient where the conv has a bias).  Cases
   ``{resnet_1x1,resnet_3x3,resnet_3x3_14,vae_3x3}-bf16[-hooked]``, ResNet-50's six by default.
@@ -616,8 +617,11 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             rows = taps == 1 and not padding  # the plain call's tiles, hooked too: the register path compiles
             # boxes past the plane: clipped descriptors where they serve
             clippable = FAMILY_TMA_WGRAD.clippable_for_shapes(x_shape, w_shape, (padding,) * 2, (1, 1))
-            for tile in FAMILY_TILES.tma_wgrad_tiles(c_in, c_out, taps, out_shape[2:], rows, False, clippable):
+            tiles = FAMILY_TILES.tma_wgrad_tiles(c_in, c_out, taps, out_shape[2:], rows, False, clippable)
+            for tile in tiles:
                 FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=tile, **hooks, **geo)
+            for split in (1, 3):  # one split: the gradient written by the programs themselves (``DIRECT``)
+                FAMILY.conv_wgrad(dy, x, w, bias_grad=has_bias, tile=tiles[0], split=split, **hooks, **geo)
             return
         if halo:  # the heuristic's tile as the halo kernel's; a depthwise weight gradient's halo tile
             m = x_shape[0] * out_shape[2] * out_shape[3]

@@ -76,7 +76,7 @@ def _check_wgrad(name: str, grad_y, x, w, **kw):  # noqa: ANN001, ANN003
         kw.pop(k, None)
     eager_w, eager_b = conv_wgrad_reference(grad_y, x, w, **kw)
     truth_w, truth_b = conv_wgrad_reference(grad_y, x, w, dtype=torch.float64, **kw)
-    assert gw.shape == w.shape and gw.dtype == w.dtype and gw.stride() == w.stride(), f"{name}: layout"
+    assert gw.shape == w.shape and gw.dtype == w.dtype and gw.stride() == torch.empty_like(w).stride(), f"{name}: layout"
     _compare(f"{name} grad_w", gw, eager_w, truth_w)
     if kw.get("bias_grad"):
         _compare(f"{name} grad_bias", gb, eager_b, truth_b, BIAS_FLOOR[gb.dtype])
@@ -306,6 +306,29 @@ def test_wgrad_is_bit_identical_across_runs_and_splits_only_reorder():
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
     one = conv_wgrad(gy, x, w, split=1, **kw)
     torch.testing.assert_close(one[0], first[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("taps", [1, 3])
+@pytest.mark.parametrize("weight_layout", ["channels_last", "sliced"])
+def test_one_split_writes_the_weight_gradient_from_its_accumulators(taps, weight_layout):
+    """With one split the programs round their accumulators into the gradient themselves (no partials, no
+    sum launch), at the strides ``empty_like(weight)`` gives (channels-last here; contiguous for a sliced,
+    non-dense weight): one rounding from three splits' result, the same bits on a rerun; three splits
+    within eager's error of float64 through the sum launch."""
+    g = torch.Generator().manual_seed(stable_seed(("wgrad-direct", taps, weight_layout)))
+    xs, ws, conv = (2, 20, 12, 10), (24, 10, 3, 3), dict(padding=1, groups=2)
+    x = _channels_last(_randn(*xs, g=g))
+    w = _channels_last(_randn(*ws, g=g)) if weight_layout == "channels_last" else _randn(24, 10, 3, 5, g=g)[..., 1:4]
+    gy = _channels_last(_randn(*_out_shape(xs, ws, conv), g=g))
+    tile = dataclasses.replace(SMALL, taps_per_program=taps)
+    three, bias3 = _check_wgrad(f"3 splits, {taps} taps", gy, x, w, tile=tile, split=3, bias_grad=True, **conv)
+    one, bias1 = conv_wgrad(gy, x, w, tile=tile, split=1, bias_grad=True, **conv)
+    plan = wgrad._PLANS.values()[-1]
+    assert plan.split == 1 and plan.direct and one.stride() == torch.empty_like(w).stride()
+    again = conv_wgrad(gy, x, w, tile=tile, split=1, bias_grad=True, **conv)
+    assert torch.equal(one, again[0]) and torch.equal(bias1, again[1])
+    torch.testing.assert_close(one, three, rtol=1e-5, atol=1e-6 * three.abs().max().item())
+    torch.testing.assert_close(bias1, bias3, rtol=1e-5, atol=1e-6 * bias3.abs().max().item())
 
 
 def test_wgrad_sums_more_splits_than_one_step_of_the_split_sum_reads(monkeypatch):  # noqa: ANN001

@@ -24,6 +24,7 @@ from fusion_backend.kernels.conv import (
     TileConfig,
     conv_wgrad,
     tma_wgrad,
+    wgrad,
 )
 from fusion_backend.kernels.conv.reference import conv_fprop_reference, conv_wgrad_reference
 from fusion_backend.kernels.conv.tiles import candidates, tma_wgrad_tiles
@@ -46,15 +47,18 @@ def _randn(*shape, g, dtype=torch.float32, scale=1.0):  # noqa: ANN001, ANN002
     return (torch.randn(*shape, generator=g) * scale).to("cuda", dtype)
 
 
-def _check(name: str, xs, ws, conv, tile, dtype, prologue=None, act_in=None, bias_grad=False, x=None):  # noqa: ANN001
-    """``conv_wgrad`` with ``tile`` against the float64 reference (eager's error the yardstick)."""
+def _check(name: str, xs, ws, conv, tile, dtype, prologue=None, act_in=None, bias_grad=False, x=None,  # noqa: ANN001
+           split=None, weight_channels_last=False):  # noqa: ANN001
+    """``conv_wgrad`` with ``tile`` (and ``split``) against the float64 reference (eager's error the
+    yardstick)."""
     g = torch.Generator().manual_seed(stable_seed((name, repr(tile), str(dtype))))
     x = _channels_last(_randn(*xs, g=g, dtype=dtype)) if x is None else x
     w = _randn(*ws, g=g, dtype=dtype, scale=0.3)
+    w = _channels_last(w) if weight_channels_last else w
     out_shape = conv_fprop_reference(torch.zeros(xs, device="meta"), torch.zeros(ws, device="meta"), **conv)[0].shape
     gy = _channels_last(_randn(*out_shape, g=g, dtype=dtype))
     hooks = dict(prologue=prologue, act_in=act_in)
-    gw, gb = conv_wgrad(gy, x, w, tile=tile, bias_grad=bias_grad, **hooks, **conv)
+    gw, gb = conv_wgrad(gy, x, w, tile=tile, split=split, bias_grad=bias_grad, **hooks, **conv)
     eager_w, eager_b = conv_wgrad_reference(gy, x, w, bias_grad=bias_grad, **hooks, **conv)
     truth_w, truth_b = conv_wgrad_reference(gy, x, w, bias_grad=bias_grad, dtype=torch.float64, **hooks, **conv)
     assert gw.shape == w.shape and gw.dtype == w.dtype and gw.stride() == w.stride(), f"{name}: layout"
@@ -204,6 +208,28 @@ def test_tma_wgrad_is_bit_identical_across_runs_and_reads_any_layout():
     odd.copy_(x)
     shifted, _ = conv_wgrad(gy, odd, w, tile=tile, **conv)
     assert torch.equal(gw, shifted)
+
+
+@requires_sm90
+@pytest.mark.parametrize("case", ["3x3-overhang-3-taps", "1x1-rows-2-blocks", "3x3-overhang-7-n256"])
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "prologue"])
+def test_tma_wgrad_one_split_writes_the_gradient_from_its_accumulators(case, hooked):
+    """With one split each program rounds its accumulators into the gradient itself (``DIRECT``: no
+    partials, no sum launch), at the weight's strides (channels-last here): within eager's error of
+    float64, the same bits on a rerun, one rounding from three splits' result (through the sum launch)."""
+    _, xs, ws, conv, tile = next(c for c in CASES if c[0] == case)
+    g = torch.Generator().manual_seed(stable_seed(("tma-direct", case, hooked)))
+    hooks = dict(prologue=conv_prologue("channel_affine", xs[0], xs[1], g, "cuda"), act_in="relu") if hooked else {}
+    gw, (gy, x, w) = _check(f"{case} one split", xs, ws, conv, tile, torch.bfloat16, split=1,
+                            weight_channels_last=True, **hooks)  # fmt: skip
+    plan = wgrad._PLANS.values()[-1]
+    assert plan.tma and plan.split == 1 and plan.direct, (plan.split, plan.direct)
+    again, _ = conv_wgrad(gy, x, w, tile=tile, split=1, **hooks, **conv)
+    assert torch.equal(gw, again)
+    three, _ = conv_wgrad(gy, x, w, tile=tile, split=3, **hooks, **conv)
+    plan = wgrad._PLANS.values()[-1]
+    assert plan.split > 1 and not plan.direct
+    torch.testing.assert_close(gw, three, rtol=1e-2, atol=1e-2 * three.abs().max().item())
 
 
 @requires_sm90

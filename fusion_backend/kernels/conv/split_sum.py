@@ -132,3 +132,27 @@ def sum_dim(partials: torch.Tensor, dim: int) -> torch.Tensor:
     steps = torch.empty((chunks, total), dtype=torch.float64, device=partials.device)
     launch(partials, out, steps, arrival.counters(partials.device, blocks))
     return out
+
+
+@triton.jit
+def weight_grad_offsets(g, co, k, C_OUT_G, w_so, w_si, w_sd, w_sh, w_sw, C_IN_G, CIN_PAD: tl.constexpr,
+                        KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, FLAT_K: tl.constexpr):  # fmt: skip
+    """Where element ``(co, k)`` of group ``g``'s ``[COUT_PAD, K_ROW]`` weight-gradient partial matrix lives
+    in the gradient, and whether it is real (not a padded channel or K entry): ``(offsets, mask)`` of
+    ``co``'s and ``k``'s broadcast shape.  K is ``wgrad``'s order, taps outer and the group's ``C_IN_G``
+    channels inner, padded to ``CIN_PAD`` per tap (or, ``FLAT_K``, not padded); ``w_s*`` the gradient's
+    strides over (output channel, input channel, kd, kh, kw).  The split sum and a single split's
+    programs (``DIRECT``) store through it."""
+    if FLAT_K:
+        tap = k // C_IN_G
+        ci = k % C_IN_G
+        real = k < KD * KH * KW * C_IN_G
+    else:
+        tap = k // CIN_PAD
+        ci = k % CIN_PAD
+        real = ci < C_IN_G
+    kw = tap % KW
+    kh = (tap // KW) % KH
+    kd = tap // (KW * KH)
+    dst = (g * C_OUT_G + co) * w_so + ci * w_si + kd * w_sd + kh * w_sh + kw * w_sw
+    return dst, real & (co < C_OUT_G)

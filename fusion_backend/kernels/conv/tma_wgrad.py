@@ -40,8 +40,8 @@ per stage, one mbarrier each).  With ``a^T`` from shared memory a step's ``wgmma
 flight while the next step's issue, and the previous step's stage is refilled once they retire; with
 register operands each step's retire before the next step loads (NOTE at ``_retire``).  Each program writes its fp32 partials to its split's slot of the
 ``(splits, 1, COUT_PAD, K_ROW)`` buffer (tap-major rows, every element once, padding included) and
-:func:`wgrad.sum_splits_kernel` sums the slots in a fixed order: bitwise reproducible run to run for
-one plan, as the gather kernel.
+:func:`wgrad.sum_splits_kernel` sums the slots in a fixed order (with one split each program writes the
+gradient itself, ``DIRECT``): bitwise reproducible run to run for one plan, as the gather kernel.
 
 Contract (:func:`supports`): fp16 or bf16 on sm_90, one group, more than one input channel, stride 1
 (any kernel size, padding and dilation), ``x`` and ``grad_y`` whose channel counts are multiples of 8
@@ -65,6 +65,7 @@ from ..host import INTERPRETER, cdiv, lift3
 from ..launch import FastLaunch
 from .hooks import PROLOGUE_GROUP_AFFINE, PROLOGUE_SAMPLE_CHANNEL_SCALE
 from .prologue import activation
+from .split_sum import weight_grad_offsets
 from .tiles import TileConfig
 from .tma_fprop import _DTYPES, CHANNEL_ALIGN, GLUON, _dense, _is_sm90, _shared_layout, kept_descriptor
 
@@ -273,16 +274,18 @@ if GLUON:
 
     @gluon.jit
     def tma_wgrad_kernel(
-        x_desc, x_desc_h, x_desc_w, x_desc_hw, dy_desc, part_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in,
+        x_desc, x_desc_h, x_desc_w, x_desc_hw, dy_desc, part_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, out_ptr,
+        slope_in,
         C_IN, C_OUT, D, H, W, OD, OH, OW, OH_TILES, OW_TILES, BOXES, BOXES_PER_SPLIT, CI_BLOCKS, CO_BLOCKS,
-        K_ROW: gl.constexpr, COUT_PAD: gl.constexpr,
+        w_so, w_si, w_sd, w_sh, w_sw,
+        K_ROW: gl.constexpr, COUT_PAD: gl.constexpr, CIN_PAD: gl.constexpr,
         KH: gl.constexpr, KW: gl.constexpr,
         PD: gl.constexpr, PH: gl.constexpr, PW: gl.constexpr,
         DD: gl.constexpr, DH: gl.constexpr, DW: gl.constexpr,
         PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
         REGISTER_A: gl.constexpr, MASKED: gl.constexpr, CLIP_H: gl.constexpr, CLIP_W: gl.constexpr,
         BIG: gl.constexpr, SLOTS: gl.constexpr, BOX_H: gl.constexpr, BOX_W: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """Program ``(K-step group, output block)`` x split (module docstring): its ``SLOTS`` partial
         tiles ``[BLOCK_K, BLOCK_N]`` (transposed) over the split's boxes, K steps ``k0 .. k0 + SLOTS - 1``
@@ -299,6 +302,10 @@ if GLUON:
         part_ptr  fp32 ``(splits, 1, COUT_PAD, K_ROW)``, ``K_ROW = taps * CI_BLOCKS * BLOCK_K``: element
                   ``(s, 0, co, k * BLOCK_K + ci)`` for K step ``k``; every element written once.
         p0..p3    the prologue's vectors (``hooks.prologue_tensors``).
+        out_ptr, ``w_s*``, ``DIRECT``: one split, each program rounds its accumulators into the gradient
+                  itself (element ``(co, ci, kd, kh, kw)`` at ``co * w_so + ci * w_si + kd * w_sd + kh *
+                  w_sh + kw * w_sw``; ``CIN_PAD`` input channels per tap in K), as
+                  ``wgrad.conv_wgrad_kernel``'s; ``part_ptr`` unused.
         Runtime: ``BOXES`` boxes in all (``OH_TILES x OW_TILES`` per plane, ``OD`` planes per sample),
         ``BOXES_PER_SPLIT`` per split; ``CI_BLOCKS``, ``CO_BLOCKS``: channel blocks of ``x`` and ``dy``.
         ``REGISTER_A``: ``a^T`` through registers (a prologue, or ``MASKED``: positions to zero, where
@@ -378,15 +385,28 @@ if GLUON:
         # the partial tiles, transposed: element (ci, co) of K step k at part[split, 0, co, k * BLOCK_K + ci]
         rows = k0 * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))
         cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        slot = split
-        if BIG:
-            slot = slot.to(gl.int64)
-        base = part_ptr + (slot * COUT_PAD + cols)[None, :] * K_ROW + rows[:, None]
-        gl.store(base, acc0)
-        if SLOTS > 1:
-            gl.store(base + BLOCK_K, acc1)
-        if SLOTS > 2:
-            gl.store(base + 2 * BLOCK_K, acc2)
+        if DIRECT:  # one split: the accumulators are the gradient
+            dst, ok = weight_grad_offsets(0, cols[None, :], rows[:, None], C_OUT, w_so, w_si, w_sd, w_sh, w_sw, C_IN,
+                                          CIN_PAD, 1, KH, KW, False)  # fmt: skip
+            gl.store(out_ptr + dst, acc0.to(out_ptr.dtype.element_ty), mask=ok)
+            if SLOTS > 1:
+                dst, ok = weight_grad_offsets(0, cols[None, :], rows[:, None] + BLOCK_K, C_OUT, w_so, w_si, w_sd,
+                                              w_sh, w_sw, C_IN, CIN_PAD, 1, KH, KW, False)  # fmt: skip
+                gl.store(out_ptr + dst, acc1.to(out_ptr.dtype.element_ty), mask=ok)
+            if SLOTS > 2:
+                dst, ok = weight_grad_offsets(0, cols[None, :], rows[:, None] + 2 * BLOCK_K, C_OUT, w_so, w_si,
+                                              w_sd, w_sh, w_sw, C_IN, CIN_PAD, 1, KH, KW, False)  # fmt: skip
+                gl.store(out_ptr + dst, acc2.to(out_ptr.dtype.element_ty), mask=ok)
+        else:
+            slot = split
+            if BIG:
+                slot = slot.to(gl.int64)
+            base = part_ptr + (slot * COUT_PAD + cols)[None, :] * K_ROW + rows[:, None]
+            gl.store(base, acc0)
+            if SLOTS > 1:
+                gl.store(base + BLOCK_K, acc1)
+            if SLOTS > 2:
+                gl.store(base + 2 * BLOCK_K, acc2)
 
 
 def supports(x: torch.Tensor, grad_y: torch.Tensor, weight: torch.Tensor, stride: tuple[int, ...],
@@ -473,16 +493,18 @@ def overhang_clips(geo: Any, box: tuple[int, int]) -> tuple[int, int] | None:
 
 class TmaWgradLaunch:
     """The launch of :func:`tma_wgrad_kernel` for one weight-gradient plan (``wgrad._WgradPlan`` with a
-    ``tma`` tile), called as ``(x, grad_y, part, p0, p1, p2, p3, slope_in)`` with channels-last,
+    ``tma`` tile), called as ``(x, grad_y, part, p0, p1, p2, p3, grad_w, slope_in)`` with channels-last,
     16-byte aligned ``x`` and ``grad_y`` (the plan copies them where they are not).
 
     ``geo``: the plan's ``_Geometry``; ``k_row``, ``cout_pad``: the partial layout's;
     ``split``: the splits of the boxes; ``hook_codes``: the prologue's constexprs (``PROLOGUE``,
-    ``G_NORM``, ``NORM_AFFINE``, ``ACT_IN``, ``BIG``); ``dtype``: the operands'.  The
+    ``G_NORM``, ``NORM_AFFINE``, ``ACT_IN``, ``BIG``); ``dtype``: the operands'; ``w_strides``: the
+    gradient's over (output channel, input channel, kd, kh, kw).  The call takes the gradient after
+    ``p3``: written by the programs themselves where ``direct`` (one split).  The
     descriptors are kept per operand by data pointer, as the TMA forward's (``tma_fprop.kept_descriptor``)."""
 
     def __init__(self, tile: TileConfig, geo: Any, k_row: int, cout_pad: int, split: int,
-                 hook_codes: dict[str, Any], dtype: torch.dtype) -> None:  # fmt: skip
+                 hook_codes: dict[str, Any], dtype: torch.dtype, w_strides: Sequence[int]) -> None:  # fmt: skip
         self.tile = tile
         #: a 1x1 conv without padding reads its positions as rows (``box_w`` must be ``block_m``): all
         #: samples' positions as one row of ``M``, or where the prologue's vectors are per sample (a box
@@ -520,8 +542,10 @@ class TmaWgradLaunch:
             BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, num_warps=tile.num_warps,
         )  # fmt: skip
         constexprs["REGISTER_A"] = hooked or constexprs["MASKED"]
+        self.direct = self.split == 1
+        constexprs.update(CIN_PAD=ci_blocks * tile.block_k, DIRECT=self.direct)
         fixed = (geo.c_in, geo.c_out, *size, od, oh, ow, *self.box_tiles, self.boxes, self.boxes_per_split,
-                 ci_blocks, co_blocks)  # fmt: skip
+                 ci_blocks, co_blocks, *w_strides)  # fmt: skip
         grid = (geo.taps * ci_blocks // tile.taps_per_program * co_blocks, self.split)
         self.launch = FastLaunch(tma_wgrad_kernel, grid, constexprs, fixed=fixed)
         self.x_block = [1, 1, tile.box_h, tile.box_w, tile.block_k]

@@ -23,7 +23,8 @@ nothing is accumulated with atomics.  One more launch (:func:`sum_splits_kernel`
 slots in float64 in a fixed order, rounds once to the weight's dtype and stores it straight into the
 gradient at the weight's strides (the padding dropped): for one plan (shapes, tile, split) the result
 is the same bits on every run.  A different ``split`` or tile changes the order of the fp32 sums, not
-the mapping.
+the mapping.  With one split (the GEMM form's, ``DIRECT``) each program rounds its accumulators into the
+gradient itself: no partials and no sum launch, the same bits.
 
 Box loads (``TileConfig.box_w``; stride and dilation 1, 16-byte strides): the M tiles are boxes of the
 output planes, as the forward's (``fprop`` module docstring), and both operands, the box of
@@ -97,7 +98,7 @@ from .prologue import (
     load_depthwise_tile,
     window_rows,
 )
-from .split_sum import split_sum_blocks, sum_dim, sum_slots
+from .split_sum import split_sum_blocks, sum_dim, sum_slots, weight_grad_offsets
 from .tiles import TileConfig, cached_plan, candidates, tma_wgrad_tiles, tuned_tile
 
 #: Each split of a weight gradient's M keeps at least this many M tiles (``pick_split``).
@@ -218,9 +219,9 @@ def _depthwise_halo_weight_grad(x_ptr, dy_ptr, scratch_ptr, part_ptr, bpart_ptr,
 @triton.jit
 def conv_wgrad_kernel(
     x_ptr, dy_ptr, x_desc, dy_desc, scratch_ptr, part_ptr, bpart_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
-    slope_in,
+    out_ptr, slope_in,
     M, D, H, W, C_IN, C_OUT, C_OUT_G, TILES_PER_SPLIT, GROUPS, OH_TILES, OW_TILES,
-    x_sn, x_sd, x_sh, x_sw, dy_sn, dy_sd, dy_sh, dy_sw,
+    x_sn, x_sd, x_sh, x_sw, dy_sn, dy_sd, dy_sh, dy_sw, w_so, w_si, w_sd, w_sh, w_sw,
     OD: tl.constexpr, OH: tl.constexpr, OW: tl.constexpr,
     C_IN_G: tl.constexpr, CIN_PAD: tl.constexpr, K_ROW: tl.constexpr, COUT_PAD: tl.constexpr,
     KD: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
@@ -230,8 +231,8 @@ def conv_wgrad_kernel(
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
     BIAS_GRAD: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr, FLAT_K: tl.constexpr,
     DEPTHWISE: tl.constexpr, BOX_W: tl.constexpr, TAPS_PER_PROGRAM: tl.constexpr, HALO: tl.constexpr,
-    HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_N, BLOCK_K]`` partial tile of group ``g`` over split ``s``'s M tiles, where
     ``program_id(2) = s * GROUPS + g`` (module docstring); with ``BOX_W`` the M tiles are boxes of the
@@ -252,6 +253,10 @@ def conv_wgrad_kernel(
       scratch_ptr ``HALO``: the depthwise halo's slots (:func:`_depthwise_halo_weight_grad`); else any
                 tensor, unused.
       p0..p3    the forward's prologue vectors (``prologue.normalise``).
+      out_ptr   ``DIRECT``: the weight gradient, element ``(co, ci, kd, kh, kw)`` at ``co * w_so + ci * w_si +
+                kd * w_sd + kh * w_sh + kw * w_sw``; else any tensor, unused.
+    ``DIRECT`` (one split, the GEMM form's): each program rounds its accumulators into the gradient
+    itself, no partials and no sum launch (the same bits: the sum launch adds one slot in float64).
     Runtime: ``slope_in`` the leaky slope of ``ACT_IN``; ``M = N * OD * OH * OW``; ``TILES_PER_SPLIT``
     the M tiles of one split; ``OH_TILES`` / ``OW_TILES`` the boxes along an output plane (``BOX_W``).  Constexprs: the output's sizes ``OD, OH, OW``, then as
     ``fprop.conv_fprop_kernel``'s (``K_ROW``: the K extent of one output channel, a multiple of ``BLOCK_K``).
@@ -324,16 +329,29 @@ def conv_wgrad_kernel(
             if BIAS_GRAD:
                 bacc += tl.sum(dy.to(tl.float32), axis=0)
 
-    slot = split * GROUPS + g
-    if BIG:
-        slot = slot.to(tl.int64)
     k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
-    rows = part_ptr + (slot * COUT_PAD + co)[:, None] * K_ROW
-    tl.store(rows + k[None, :], acc)
-    if TAPS_PER_PROGRAM > 1:  # the next taps' K entries: one tap further is CB K steps further
-        tl.store(rows + (k + CB * BLOCK_K)[None, :], acc1)
-    if TAPS_PER_PROGRAM > 2:
-        tl.store(rows + (k + 2 * CB * BLOCK_K)[None, :], acc2)
+    if DIRECT:  # one split: the accumulators are the gradient
+        dst, ok = weight_grad_offsets(g, co[:, None], k[None, :], C_OUT_G, w_so, w_si, w_sd, w_sh, w_sw, C_IN_G,
+                                      CIN_PAD, KD, KH, KW, FLAT_K)  # fmt: skip
+        tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        if TAPS_PER_PROGRAM > 1:  # the next taps' K entries: one tap further is CB K steps further
+            dst, ok = weight_grad_offsets(g, co[:, None], (k + CB * BLOCK_K)[None, :], C_OUT_G, w_so, w_si, w_sd,
+                                          w_sh, w_sw, C_IN_G, CIN_PAD, KD, KH, KW, FLAT_K)  # fmt: skip
+            tl.store(out_ptr + dst, acc1.to(out_ptr.dtype.element_ty), mask=ok)
+        if TAPS_PER_PROGRAM > 2:
+            dst, ok = weight_grad_offsets(g, co[:, None], (k + 2 * CB * BLOCK_K)[None, :], C_OUT_G, w_so, w_si,
+                                          w_sd, w_sh, w_sw, C_IN_G, CIN_PAD, KD, KH, KW, FLAT_K)  # fmt: skip
+            tl.store(out_ptr + dst, acc2.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        slot = split * GROUPS + g
+        if BIG:
+            slot = slot.to(tl.int64)
+        rows = part_ptr + (slot * COUT_PAD + co)[:, None] * K_ROW
+        tl.store(rows + k[None, :], acc)
+        if TAPS_PER_PROGRAM > 1:
+            tl.store(rows + (k + CB * BLOCK_K)[None, :], acc1)
+        if TAPS_PER_PROGRAM > 2:
+            tl.store(rows + (k + 2 * CB * BLOCK_K)[None, :], acc2)
     if BIAS_GRAD:
         if kk == 0:
             tl.store(bpart_ptr + split * C_OUT + g * C_OUT_G + co, bacc, mask=co_ok)
@@ -386,22 +404,10 @@ def sum_splits_kernel(part_ptr, out_ptr, SPLIT, TOTAL, C_OUT_G, w_so, w_si, w_sd
     in_range = e < TOTAL
     k = e % K_ROW
     row = e // K_ROW
-    co = row % COUT_PAD
-    g = row // COUT_PAD
-    if FLAT_K:
-        tap = k // C_IN_G
-        ci = k % C_IN_G
-        real = k < KD * KH * KW * C_IN_G
-    else:
-        tap = k // CIN_PAD
-        ci = k % CIN_PAD
-        real = ci < C_IN_G
-    kw = tap % KW
-    kh = (tap // KW) % KH
-    kd = tap // (KW * KH)
     acc = sum_slots(part_ptr, e, in_range, SPLIT, TOTAL, SPLIT_BLOCK, "")  # slot s of element e at s * TOTAL + e
-    dst = (g * C_OUT_G + co) * w_so + ci * w_si + kd * w_sd + kh * w_sh + kw * w_sw
-    tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=in_range & real & (co < C_OUT_G))
+    dst, ok = weight_grad_offsets(row // COUT_PAD, row % COUT_PAD, k, C_OUT_G, w_so, w_si, w_sd, w_sh, w_sw, C_IN_G,
+                                  CIN_PAD, KD, KH, KW, FLAT_K)  # fmt: skip
+    tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=in_range & ok)
 
 
 def sum_splits_launch(geo: _Geometry, split: int, cin_pad: int, k_row: int, cout_pad: int, flat_k: bool) -> FastLaunch:
@@ -432,7 +438,13 @@ def pick_split(m_tiles: int, programs_per_split: int, tile: TileConfig, device: 
     over ``m_tiles`` M tiles uses (module docstring): enough for ``tile.programs_per_sm`` programs per SM
     of ``device``, never so many that a split holds fewer than ``_MIN_TILES_PER_SPLIT`` tiles; at least 1.
     Each split writes and the split sum reads one fp32 partial of the whole gradient: where a program's
-    reads are few (a short M, a wide gradient), fewer splits win (``TileConfig.programs_per_sm``)."""
+    reads are few (a short M, a wide gradient), fewer splits win (``TileConfig.programs_per_sm``); where
+    one split's programs reach that many, the programs write the gradient themselves (``DIRECT``).
+    NOTE: one wave instead (at most one program per SM for ``programs_per_sm`` 1, so one split from 67
+    programs on) was slower where it took one split of fewer programs than SMs: R3D-18's 3x3x3 of 256
+    channels at 4 x 14 x 14, 108 programs, 0.0782 ms against two splits' 0.0685 (H200, bf16, ``python
+    tools/bench_conv.py demos/realnets/r3d_18.py --passes wgrad --no-hooks --filter '*k3x3x3 p1 g1*'``,
+    ``tile_ms``)."""
     want = cdiv(multiprocessors(device) * tile.programs_per_sm, max(1, programs_per_split))
     return max(1, min(want, m_tiles // _MIN_TILES_PER_SPLIT))
 
@@ -441,6 +453,14 @@ def _spatial_strides(t: torch.Tensor) -> list[int]:
     """``(sn, sd, sh, sw)`` element strides of an (N, C, *spatial) tensor, lifted to 3 spatial dims."""
     strides = list(t.stride()[2:])
     return [t.stride(0), *([0] * (3 - len(strides))), *strides]
+
+
+def _gradient_strides(weight: torch.Tensor) -> tuple[int, ...]:
+    """The element strides of ``weight``'s gradient as :meth:`_WgradPlan.run` allocates it
+    (``empty_like(weight)``: the weight's where it is dense) over (output channel, input channel, kd, kh,
+    kw), the kernel dims lifted to 3 (a missing dim: stride 0)."""
+    strides = torch.empty_like(weight, device="meta").stride()
+    return (strides[0], strides[1], *([0] * (5 - weight.dim())), *strides[2:])
 
 
 def _layout_of(t: torch.Tensor) -> torch.Tensor:
@@ -457,6 +477,7 @@ class _WgradPlan:
                  precision: str) -> None:  # fmt: skip
         self.geo, self.tile, self.bias_grad = geo, tile, bias_grad
         self.dtype, self.device = x.dtype, x.device
+        self.w_strides = _gradient_strides(weight)
         self.relayout_x, self.relayout_dy = not channels_last(x), not channels_last(grad_y)
         xs, dys = _layout_of(x), _layout_of(grad_y)
         big = max(element_extent(xs), element_extent(dys)) > _BIG_INDEX_THRESHOLD
@@ -519,11 +540,14 @@ class _WgradPlan:
             BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
+        #: one split of the GEMM form: the programs write the gradient themselves (``DIRECT``); the
+        #: depthwise sums keep the sum launch
+        self.direct = self.split == 1 and not self.depthwise
         # the output's sizes are constexprs: every M step peels its rows' coordinates by them, and a
         # division by a constant is a multiply (NOTE at ``conv_wgrad_kernel``)
-        constexprs.update(OD=geo.out_size[0], OH=geo.out_size[1], OW=geo.out_size[2])
+        constexprs.update(OD=geo.out_size[0], OH=geo.out_size[1], OW=geo.out_size[2], DIRECT=self.direct)
         fixed = (geo.m, *geo.size, geo.c_in, geo.c_out, geo.c_out_g, tiles_per_split, geo.groups, *box_tiles,
-                 *_spatial_strides(xs), *_spatial_strides(dys))  # fmt: skip
+                 *_spatial_strides(xs), *_spatial_strides(dys), *self.w_strides)  # fmt: skip
         grid = (k_steps, n_tiles, self.split * (1 if self.depthwise else geo.groups))
         self.launch = FastLaunch(conv_wgrad_kernel, grid, constexprs, fixed=fixed)
         self.sum_splits = sum_splits_launch(geo, self.split, self.cin_pad, self.k_row, self.cout_pad, flat_k)
@@ -552,15 +576,9 @@ class _WgradPlan:
         hook_codes = dict(PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine,
                           ACT_IN=act_in, BIG=big)  # fmt: skip
         self.launch = tma_wgrad.TmaWgradLaunch(tile, geo, self.k_row, self.cout_pad, max(1, want),
-                                               hook_codes, x.dtype)  # fmt: skip
-        self.split = self.launch.split
+                                               hook_codes, x.dtype, self.w_strides)  # fmt: skip
+        self.split, self.direct = self.launch.split, self.launch.direct
         self.sum_splits = sum_splits_launch(geo, self.split, self.cin_pad, self.k_row, self.cout_pad, False)
-
-    def _tap_strides(self, grad_w: torch.Tensor) -> tuple[int, ...]:
-        """``grad_w``'s element strides over (output channel, input channel, kd, kh, kw), the kernel
-        dims lifted to 3 (a missing dim: stride 0)."""
-        strides = grad_w.stride()
-        return (strides[0], strides[1], *([0] * (5 - grad_w.dim())), *strides[2:])
 
     def run(self, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, prologue: Prologue | None,
             slope_in: float) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
@@ -573,12 +591,15 @@ class _WgradPlan:
             x = to_channels_last(x)
         if self.relayout_dy:
             grad_y = to_channels_last(grad_y)
-        part = torch.empty((self.split, geo.groups, self.cout_pad, self.k_row), dtype=torch.float32, device=self.device)
+        part = (grad_w if self.direct else
+                torch.empty((self.split, geo.groups, self.cout_pad, self.k_row), dtype=torch.float32,
+                            device=self.device))  # fmt: skip
         p = [part if t is None else t for t in hooks.prologue_tensors(prologue)]
         if self.tma:
             x, grad_y = tma_wgrad.dense_channels_last(x), tma_wgrad.dense_channels_last(grad_y)
-            self.launch(x, grad_y, part, *p, slope_in)
-            self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
+            self.launch(x, grad_y, part, *p, grad_w, slope_in)
+            if not self.direct:
+                self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self.w_strides)
             # NOTE: the TMA kernel leaves the bias gradient to one reduction of grad_y: summed in the
             # kernel by the programs of the first K step, it held the launch to those programs' time (the
             # SD VAE decoder's 512-channel 3x3 at 256 x 256, batch 1, bf16, H200: 1.268 ms with the bias
@@ -595,8 +616,9 @@ class _WgradPlan:
             x_desc = box_descriptor(x, [1, 1, tile.box_h, tile.box_w, tile.block_k])
             dy_desc = box_descriptor(grad_y, [1, 1, tile.box_h, tile.box_w, tile.block_n])
         scratch = torch.empty(self.scratch_elems, dtype=x.dtype, device=self.device) if self.scratch_elems else part
-        self.launch(x, grad_y, x_desc, dy_desc, scratch, part, bpart, *p, slope_in)
-        self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self._tap_strides(grad_w))
+        self.launch(x, grad_y, x_desc, dy_desc, scratch, part, bpart, *p, grad_w, slope_in)
+        if not self.direct:
+            self.sum_splits(part, grad_w, self.split, part[0].numel(), geo.c_out_g, *self.w_strides)
         grad_b = (bpart[0] if self.split == 1 else sum_dim(bpart, 0)).to(self.dtype) if self.bias_grad else None
         return grad_w, grad_b
 
