@@ -369,8 +369,9 @@ def test_only_the_weight_gradient_takes_a_programs_per_sm():
     and out of 1..4 it is refused everywhere."""
     TileConfig(programs_per_sm=1).check_for("wgrad")
     for pass_name in ("fprop", "dgrad"):
-        with pytest.raises(ContractError, match="programs per SM"):
-            TileConfig(programs_per_sm=1).check_for(pass_name)
+        for tile in (TileConfig(programs_per_sm=1), TileConfig(one_split=True)):
+            with pytest.raises(ContractError, match="programs per SM"):
+                tile.check_for(pass_name)
     with pytest.raises(ContractError, match="programs_per_sm must be 1 to 4"):
         TileConfig(programs_per_sm=0).check_for("wgrad")
 

@@ -290,7 +290,7 @@ def test_tma_wgrad_tiles_fit_the_kernel_and_shared_memory():
                                   (256, 256, 3, (256, 256))]:  # fmt: skip
         geo = SimpleNamespace(groups=1, stride=(1, 1, 1), taps=k * k, c_in=c_in)  # what the refusal reads
         for hooked in (False, True):
-            tiles = tma_wgrad_tiles(c_in, c_out, k * k, plane, k == 1, hooked)
+            tiles = [t for t in tma_wgrad_tiles(c_in, c_out, k * k, plane, k == 1, hooked) if not t.one_split]
             offered[(c_in, k, hooked)] = [t.label() for t in tiles]
             assert tiles[1:2] == [dataclasses.replace(t, programs_per_sm=1) for t in tiles[:1]]
             assert tiles[:1] == [] or tiles[0].programs_per_sm == 2
@@ -315,6 +315,31 @@ def test_tma_wgrad_tiles_fit_the_kernel_and_shared_memory():
     assert [t.label() for t in clipped][2:] == ["128x128x128 w8 s3 box 4x32 tma"]
     assert tma_wgrad_tiles(128, 128, 9, (28, 28), False, True, (True, True)) == []  # a prologue: registers
     assert tma_wgrad_tiles(128, 128, 9, (28, 28), False, False, (True, False)) == []  # 28 columns: 8 x 8 over
+
+
+@pytest.mark.parametrize("c_in,c_out,taps,sms", [(512, 2048, 1, 132), (2048, 512, 1, 132), (512, 512, 9, 132),
+                                                 (256, 256, 27, 132), (1024, 256, 1, 132), (512, 2048, 1, 78),
+                                                 (64, 64, 9, 132), (64, 256, 1, 132)])  # fmt: skip
+def test_one_split_tma_wgrad_tiles_fill_half_the_sms(c_in, c_out, taps, sms):
+    """The one-split tiles: the first tile and, where it has two warpgroups, its one-warpgroup form (64 input
+    channels per program), each where its programs fill half the SMs or more and a split aiming at one
+    program per SM would not already be one; within the kernel's rules and half an SM's shared memory."""
+    rows = taps == 1
+    tiles = tma_wgrad_tiles(c_in, c_out, taps, (7, 7) if rows else (8, 8), rows, False, sms=sms)
+    first, singles = tiles[0], [t for t in tiles if t.one_split]
+
+    def programs(t: TileConfig) -> int:
+        return taps * -(-c_in // t.block_k) * -(-c_out // t.block_n)
+
+    forms = [first] + ([dataclasses.replace(first, block_k=64, num_warps=4)] if first.num_warps == 8 else [])
+    want = [f for f in forms if 2 * programs(f) >= sms and (f is not first or programs(f) < sms)]
+    assert [(t.block_k, t.num_warps) for t in singles] == [(f.block_k, f.num_warps) for f in want]
+    geo = SimpleNamespace(groups=1, stride=(1, 1, 1), taps=taps, c_in=c_in)
+    for t in singles:
+        t.check_for("wgrad")
+        assert tma_wgrad.refusal(geo, torch.bfloat16, t) == "" and t.label().endswith("1 split")
+        assert t.num_stages * (t.block_n + t.block_k) * t.block_m * 2 <= 100 * 1024
+        assert wgrad.pick_split(10**6, programs(t), t, torch.device("cpu")) == 1
 
 
 @pytest.mark.parametrize("tile,words", [

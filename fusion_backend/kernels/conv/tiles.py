@@ -48,7 +48,7 @@ import torch
 from ... import environment, impl_choice, measurements
 from ...impl_choice import gpu_ms_per_call
 from .. import launch
-from ..host import best_first, next_pow2
+from ..host import best_first, cdiv, next_pow2
 from ..plan_cache import ContractError, PlanCache
 
 #: Channels per group below which K is walked flat (a tap-major step would be mostly padding).
@@ -85,6 +85,10 @@ class TileConfig:
     #: a second program's loads run under the first's MMAs; 1 halves the fp32 partials where one program
     #: per SM already streams its operands at full speed (TMA tiles: :func:`tma_wgrad_tiles`)
     programs_per_sm: int = 2
+    #: the weight gradient's M in one split whatever its programs (``wgrad.pick_split``): the programs
+    #: write the gradient themselves, no fp32 partials and no sum launch (``DIRECT``), where a split's
+    #: programs fill half the SMs or more (TMA tiles: :func:`tma_wgrad_tiles`)
+    one_split: bool = False
 
     @property
     def box_h(self) -> int:
@@ -96,7 +100,7 @@ class TileConfig:
         walk = " flat" if self.flat_k else (f" box {self.box_h}x{self.box_w}" if self.box_w else "")
         taps = f" taps {self.taps_per_program}" if self.taps_per_program > 1 else ""
         kernel = " tma" if self.tma else " halo" if self.halo else ""
-        per_sm = f" {self.programs_per_sm}/sm" if self.programs_per_sm != 2 else ""
+        per_sm = " 1 split" if self.one_split else f" {self.programs_per_sm}/sm" if self.programs_per_sm != 2 else ""
         return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}{walk}{taps}"
                 f"{kernel}{per_sm}")
 
@@ -137,9 +141,9 @@ class TileConfig:
         if self.halo and (pass_name == "dgrad" or self.flat_k or self.tma or self.box_w):
             raise ContractError(f"tile {self.label()}: a halo is the forward's or the weight gradient's, on a "
                                 "tap-major gather tile")
-        if pass_name != "wgrad" and (self.taps_per_program != 1 or self.programs_per_sm != 2):
-            raise ContractError(f"tile {self.label()}: several taps per program and a split's programs per SM are "
-                                "the weight gradient's")
+        if pass_name != "wgrad" and (self.taps_per_program != 1 or self.programs_per_sm != 2 or self.one_split):
+            raise ContractError(f"tile {self.label()}: several taps per program and a split's programs per SM (or "
+                                "one split) are the weight gradient's")
         if self.tma and pass_name == "wgrad":
             if not self.box_w or self.block_k != 16 * self.num_warps or self.num_warps not in (4, 8) \
                     or self.block_n > 256:  # fmt: skip
@@ -570,7 +574,7 @@ _TMA_WGRAD_SHARED = 200 * 1024
 # against 0.0393) and on 128 channels at 512 x 512 with two (0.186 against 0.196); the timed choice keeps
 # the faster per signature.
 def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], rows: bool, hooked: bool,
-                    clippable: tuple[bool, bool] = (False, False)) -> list[TileConfig]:  # fmt: skip
+                    clippable: tuple[bool, bool] = (False, False), sms: int = 132) -> list[TileConfig]:  # fmt: skip
     """The TMA weight gradient's tiles (``tma_wgrad``) the timed choice weighs for ``c_in`` -> ``c_out``
     channels, ``taps`` kernel taps and an output plane of ``plane`` (rows, columns): ``wgmma``'s M is the
     input channels, 64 per warpgroup (8 warps where ``c_in`` reaches 128), N up to 128 output channels,
@@ -581,7 +585,8 @@ def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], ro
     ``a^T`` comes from shared memory: no prologue (``hooked``) and boxes that tile the plane exactly or
     hang past it only in a dim of ``clippable`` (rows, columns: ``tma_wgrad.clippable_dims``) (NOTE
     above); none otherwise.  Plain calls of 128 input channels or more also weigh the wide tiles
-    (:func:`_wide_tma_wgrad_tiles`)."""
+    (:func:`_wide_tma_wgrad_tiles`), and every call the one-split tiles (:func:`_one_split_tma_wgrad_tiles`,
+    for a GPU of ``sms`` SMs)."""
     warps = 8 if c_in >= 128 else 4
     block_k = 16 * warps
     block_n = min(128, max(16, next_pow2(c_out)))
@@ -593,7 +598,23 @@ def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], ro
         return []
     tile = TileConfig(64, block_n, block_k, warps, stages, box_w=box_w, tma=True)
     wide = _wide_tma_wgrad_tiles(c_out, plane, rows, tile, clippable) if not hooked and warps == 8 else []
-    return [tile, replace(tile, programs_per_sm=1), *wide]
+    return [tile, replace(tile, programs_per_sm=1), *wide, *_one_split_tma_wgrad_tiles(tile, c_in, c_out, taps, sms)]
+
+
+def _one_split_tma_wgrad_tiles(tile: TileConfig, c_in: int, c_out: int, taps: int, sms: int) -> list[TileConfig]:
+    """``tile`` and its one-warpgroup form (64 input channels per program, where ``tile`` has two: twice
+    the programs) with their M in one split (``TileConfig.one_split``), each where its programs fill
+    half of ``sms`` SMs or more and a split aiming at one program per SM would not already be one."""
+
+    def programs(t: TileConfig) -> int:
+        return taps * cdiv(c_in, t.block_k) * cdiv(c_out, t.block_n)
+
+    forms = [tile]
+    if tile.num_warps == 8:
+        stages = min(4, _TMA_WGRAD_SHARED // 2 // ((tile.block_n + 64) * tile.block_m * 2))
+        forms.append(replace(tile, block_k=64, num_warps=4, num_stages=stages))
+    return [replace(t, one_split=True) for t in forms
+            if 2 * programs(t) >= sms and (t is not tile or programs(t) < sms)]
 
 
 def _boxes_read_smem(plane: tuple[int, int], box_h: int, box_w: int, clippable: tuple[bool, bool]) -> bool:

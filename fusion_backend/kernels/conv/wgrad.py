@@ -440,11 +440,14 @@ def pick_split(m_tiles: int, programs_per_split: int, tile: TileConfig, device: 
     Each split writes and the split sum reads one fp32 partial of the whole gradient: where a program's
     reads are few (a short M, a wide gradient), fewer splits win (``TileConfig.programs_per_sm``); where
     one split's programs reach that many, the programs write the gradient themselves (``DIRECT``).
+    ``tile.one_split``: one split, whatever the programs.
     NOTE: one wave instead (at most one program per SM for ``programs_per_sm`` 1, so one split from 67
     programs on) was slower where it took one split of fewer programs than SMs: R3D-18's 3x3x3 of 256
     channels at 4 x 14 x 14, 108 programs, 0.0782 ms against two splits' 0.0685 (H200, bf16, ``python
     tools/bench_conv.py demos/realnets/r3d_18.py --passes wgrad --no-hooks --filter '*k3x3x3 p1 g1*'``,
     ``tile_ms``)."""
+    if tile.one_split:
+        return 1
     want = cdiv(multiprocessors(device) * tile.programs_per_sm, max(1, programs_per_split))
     return max(1, min(want, m_tiles // _MIN_TILES_PER_SPLIT))
 
@@ -711,7 +714,7 @@ def conv_wgrad(
         if geo.m and tma_wgrad.supports(x, grad_y, weight, geo.stride, geo.groups):
             tiles = [*tiles, *tma_wgrad_tiles(geo.c_in, geo.c_out, geo.taps, geo.out_size[1:],
                                               geo.taps == 1 and not any(geo.padding), hooked,
-                                              tma_wgrad.clippable_dims(geo))]  # fmt: skip
+                                              tma_wgrad.clippable_dims(geo), multiprocessors(x.device))]  # fmt: skip
         return plan_with(tuned_tile("wgrad", key, tiles, lambda t: functools.partial(
             plan_with(t).run, grad_y, x, weight, prologue, slope_in), x.device))
 
