@@ -604,7 +604,12 @@ def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], ro
 def _one_split_tma_wgrad_tiles(tile: TileConfig, c_in: int, c_out: int, taps: int, sms: int) -> list[TileConfig]:
     """``tile`` and its one-warpgroup form (64 input channels per program, where ``tile`` has two: twice
     the programs) with their M in one split (``TileConfig.one_split``), each where its programs fill
-    half of ``sms`` SMs or more and a split aiming at one program per SM would not already be one."""
+    half of ``sms`` SMs or more and a split aiming at one program per SM would not already be one.
+    NOTE: on the H200 (bf16, ResNet-50 batch 64, ``python tools/bench_conv.py demos/realnets/resnet50.py
+    --passes wgrad --filter '*k1x1 p0 g1*'``, ``tile_ms``) the one-warpgroup form in one split (128
+    programs) took the plain 1x1s at 7 x 7 from 0.0216 / 0.0202 ms (two and three splits) to 0.0184 /
+    0.0183; with the prologue it ran 4-5% behind the split tiles, and on the 3x3 of 256 at 14 x 14 (72
+    programs) twice as long: the timed choice keeps the faster."""
 
     def programs(t: TileConfig) -> int:
         return taps * cdiv(c_in, t.block_k) * cdiv(c_out, t.block_n)
