@@ -378,15 +378,18 @@ def test_the_tile_sweeps_hooked_calls_are_the_benchmarks_hooked_rows(pass_name: 
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_the_forwards_prologue_alone_is_timed_against_the_prologue_pass_and_the_conv(monkeypatch) -> None:
-    """``--fprop-hooks bn-relu``: the hooked forward applies the BatchNorm + ReLU prologue and writes no
-    statistics, checked against the prologue pass and cuDNN's conv (fp32; on CPU under the interpreter)."""
+@pytest.mark.parametrize("hooks,label,c_in", [("bn-relu", "prologue bn+relu", 4), ("gn-silu", "prologue gn+silu", 64)])
+def test_the_forwards_prologue_alone_is_timed_against_the_prologue_pass_and_the_conv(hooks, label, c_in,  # noqa: ANN001
+                                                                                    monkeypatch) -> None:  # noqa: ANN001
+    """``--fprop-hooks bn-relu`` / ``gn-silu``: the hooked forward applies the BatchNorm + ReLU (GroupNorm, 32
+    groups, + SiLU) prologue and writes no statistics, checked against the prologue pass and cuDNN's conv
+    (fp32; on CPU under the interpreter)."""
     monkeypatch.setattr(bench_conv, "_inductor", lambda fn: fn)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    shape = ConvShape((2, 4, 6, 5), (6, 4, 3, 3), (1, 1), (1, 1), (1, 1), 1, True)
-    (case,) = bench_conv.build_cases(shape, ["m"], "fp32", ["fprop"], True, KERNEL_DEVICE, fprop_hooks="bn-relu")
+    shape = ConvShape((2, c_in, 6, 5), (6, c_in, 3, 3), (1, 1), (1, 1), (1, 1), 1, True)
+    (case,) = bench_conv.build_cases(shape, ["m"], "fp32", ["fprop"], True, KERNEL_DEVICE, fprop_hooks=hooks)
     plain, hooked = bench_conv.measure_case(case, FakeTimer({n: 1.0 for n in case.steps}), rounds=1)
-    assert hooked.hooks == "prologue bn+relu" and plain.hooks == "none"
+    assert hooked.hooks == label and plain.hooks == "none"
     assert hooked.ok and plain.ok and hooked.rel_err < 1e-5, (hooked.error, hooked.rel_err)
     y, stats = case.steps["hooked"]()
     assert stats is None and bench_conv.rel_err(y, case.steps["cudnn"]()) > 1e-2  # the prologue changed the input

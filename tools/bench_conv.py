@@ -22,7 +22,7 @@ Per shape, dtype (``--dtype``, default bf16) and pass (``--passes``): one interl
   ``relu(x * scale + shift)`` (a folded BatchNorm) and writes the per-channel sums of its output
   (``--fprop-hooks stats``: the sums alone, against the conv and the statistics pass; ``bn-relu``:
   the prologue alone, against the prologue pass and the conv: the two costs of the hooked forward
-  apart); dgrad
+  apart; ``gn-silu``: a GroupNorm + SiLU prologue alone, against Inductor's pass and the conv); dgrad
   multiplies by relu' of the forward's normalised input and writes the BatchNorm-backward sums; wgrad
   recomputes the forward's prologue while loading ``x``;
 * ``unfused``: what Inductor runs instead of the hooks: cuDNN and, compiled with ``torch.compile(...,
@@ -198,6 +198,20 @@ def norm_relu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torc
     return torch.relu(x.float() * _per_channel(scale, x) + _per_channel(shift, x)).to(x.dtype)
 
 
+def group_norm_silu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``silu((x * scale[n, g] + shift[n, g]) * weight + bias)`` in fp32, rounded to x's dtype: a
+    GroupNorm's normalisation (per (sample, group) ``scale`` and ``shift`` of shape ``(N, G)``), its affine
+    and SiLU as a separate pass."""
+    n, c = x.shape[:2]
+    groups = scale.shape[1]
+    per_channel = [n, c, *([1] * (x.dim() - 2))]
+    s = scale.repeat_interleave(c // groups, dim=1).view(per_channel)
+    t = shift.repeat_interleave(c // groups, dim=1).view(per_channel)
+    v = (x.float() * s + t) * _per_channel(weight, x) + _per_channel(bias, x)
+    return torch.nn.functional.silu(v).to(x.dtype)
+
+
 def channel_sums(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``Σ y`` and ``Σ y²`` in fp32: the statistics pass after a conv."""
     y32 = y.float()
@@ -243,8 +257,10 @@ def _channels_last(t: torch.Tensor) -> torch.Tensor:
 class _Inputs:
     """The tensors and arguments one shape's cases share: random (seed 0), channels-last ``x``,
     ``weight``, ``bias``, the output gradient ``dy``; a folded BatchNorm (``scale``, ``shift``) and the
-    statistics it normalised with (``mean``, ``rstd``); the launchers' keyword arguments ``geo``, aten's
-    positional ``conv_args``, and the Inductor-compiled prologue pass."""
+    statistics it normalised with (``mean``, ``rstd``); a GroupNorm's per-(sample, group) ``g_scale`` and
+    ``g_shift`` (32 groups where the channels divide, else one) with its affine (``scale``, ``shift``
+    again); the launchers' keyword arguments ``geo``, aten's positional ``conv_args``, and the
+    Inductor-compiled prologue passes."""
 
     shape: ConvShape
     x: torch.Tensor
@@ -258,6 +274,9 @@ class _Inputs:
     geo: dict[str, Any]
     conv_args: tuple[Any, ...]
     prologue_pass: Callable[..., torch.Tensor]
+    g_scale: torch.Tensor
+    g_shift: torch.Tensor
+    group_prologue_pass: Callable[..., torch.Tensor]
 
     @classmethod
     def make(cls, shape: ConvShape, dtype: torch.dtype, device: torch.device) -> _Inputs:
@@ -267,6 +286,7 @@ class _Inputs:
             return (torch.randn(size, generator=gen) * scale + shift).to(device)
 
         c_in, c_out = shape.x_shape[1], shape.w_shape[0]
+        groups = 32 if c_in % 32 == 0 else 1
         return cls(
             shape=shape,
             x=_channels_last(rand(*shape.x_shape).to(dtype)),
@@ -279,12 +299,24 @@ class _Inputs:
             conv_args=(list(shape.stride), list(shape.padding), list(shape.dilation), False, [0] * shape.dims,
                        shape.groups),
             prologue_pass=_inductor(norm_relu),
+            g_scale=rand(shape.x_shape[0], groups, scale=0.1, shift=1.0),
+            g_shift=rand(shape.x_shape[0], groups, scale=0.1), group_prologue_pass=_inductor(group_norm_silu),
         )  # fmt: skip
 
     def prologue(self) -> Any:
         from fusion_backend.kernels.conv import ChannelAffine
 
         return ChannelAffine(self.scale, self.shift)
+
+    def fprop_prologue(self, kind: str) -> tuple[Any, str, Callable[[], torch.Tensor]]:
+        """The forward's prologue of ``kind`` (``bn-relu``: a folded BatchNorm and ReLU; ``gn-silu``: a
+        GroupNorm with its affine and SiLU): ``(prologue, act_in, the pass it replaces on x)``."""
+        from fusion_backend.kernels.conv import GroupAffine
+
+        if kind == "gn-silu":
+            return (GroupAffine(self.g_scale, self.g_shift, self.scale, self.shift), "silu",
+                    lambda: self.group_prologue_pass(self.x, self.g_scale, self.g_shift, self.scale, self.shift))
+        return self.prologue(), "relu", lambda: self.prologue_pass(self.x, self.scale, self.shift)
 
     def cudnn_dgrad(self) -> torch.Tensor:
         return torch.ops.aten.convolution_backward(self.dy, self.x, self.w, None, *self.conv_args,
@@ -303,23 +335,25 @@ Checks = dict[str, Callable[[dict[str, Any]], float]]
 
 #: The forward's hooked row under ``--fprop-hooks``: the BatchNorm + ReLU prologue and the next
 #: BatchNorm's statistics (the default), the statistics alone (what ``fusion::conv_batch_norm``'s forward
-#: takes from the family, ``ops/conv_batch_norm/statistics.py``), or the prologue alone: its ``hooks``
-#: label and the parts (prologue, statistics) it fuses.
+#: takes from the family, ``ops/conv_batch_norm/statistics.py``), the prologue alone, or a GroupNorm +
+#: SiLU prologue alone (the SD VAE decoder's residual blocks): its ``hooks`` label and the parts (the
+#: prologue's kind, "" for none; statistics) it fuses.
 FPROP_HOOKS = {
-    "bn-relu-stats": (HOOKS["fprop"], True, True),
-    "stats": ("epilogue stats", False, True),
-    "bn-relu": ("prologue bn+relu", True, False),
+    "bn-relu-stats": (HOOKS["fprop"], "bn-relu", True),
+    "stats": ("epilogue stats", "", True),
+    "bn-relu": ("prologue bn+relu", "bn-relu", False),
+    "gn-silu": ("prologue gn+silu", "gn-silu", False),
 }
 STATS_HOOKS = FPROP_HOOKS["stats"][0]
 
 
-def fprop_case(t: _Inputs, hooked: bool, tile: Any = None, prologue_part: bool = True,
+def fprop_case(t: _Inputs, hooked: bool, tile: Any = None, prologue_part: str = "bn-relu",
                stats_part: bool = True) -> tuple[Steps, Checks]:  # fmt: skip
-    """The forward: plain against ``aten.convolution``; hooked (prologue bn+relu, epilogue statistics)
-    against the prologue pass, the conv and the statistics pass; without ``prologue_part`` the
-    statistics alone against the conv and the statistics pass, without ``stats_part`` the prologue
-    alone against the prologue pass and the conv.  ``tile``: the kernel's (None: its tuned choice), as
-    for every case builder."""
+    """The forward: plain against ``aten.convolution``; hooked (the prologue of kind ``prologue_part``,
+    :meth:`_Inputs.fprop_prologue`, and the epilogue statistics) against the prologue pass, the conv and
+    the statistics pass; with ``prologue_part`` "" the statistics alone against the conv and the
+    statistics pass, without ``stats_part`` the prologue alone against the prologue pass and the conv.
+    ``tile``: the kernel's (None: its tuned choice), as for every case builder."""
     from fusion_backend.kernels.conv import conv_fprop
 
     aten = torch.ops.aten
@@ -329,10 +363,10 @@ def fprop_case(t: _Inputs, hooked: bool, tile: Any = None, prologue_part: bool =
     if not hooked:
         return steps, checks
     stats_pass = _inductor(channel_sums)
-    prologue = t.prologue() if prologue_part else None
+    prologue, act_in, prologue_pass = t.fprop_prologue(prologue_part) if prologue_part else (None, None, None)
 
     def unfused() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        x = t.prologue_pass(t.x, t.scale, t.shift) if prologue_part else t.x
+        x = prologue_pass() if prologue_pass else t.x
         y = aten.convolution(x, t.w, t.b, *t.conv_args)
         return y, stats_pass(y) if stats_part else None
 
@@ -344,8 +378,8 @@ def fprop_case(t: _Inputs, hooked: bool, tile: Any = None, prologue_part: bool =
         magnitude = y_ref.float().abs().sum(_channel_dims(y_ref))
         return max(rel_err(y, y_ref), sums_err(st.sum, s_ref, magnitude), rel_err(st.sum_sq(), sq_ref))
 
-    steps["hooked"] = lambda: conv_fprop(t.x, t.w, t.b, prologue=prologue, act_in="relu" if prologue_part else None,
-                                         stats=stats_part, tile=tile, **t.geo)  # fmt: skip
+    steps["hooked"] = lambda: conv_fprop(t.x, t.w, t.b, prologue=prologue, act_in=act_in, stats=stats_part, tile=tile,
+                                         **t.geo)  # fmt: skip
     steps["unfused"] = unfused
     checks["hooked"] = check
     return steps, checks

@@ -59,7 +59,8 @@ def cases(models: list[str], patterns: str | None, dtype: str, tile: Any,
     for shape in bench_conv.select(collection, patterns, None, None):
         inputs = bench_conv._Inputs.make(shape, bench_conv.DTYPES[dtype], device)
         for variant, (prologue, stats) in VARIANTS.items():
-            steps, _ = bench_conv.fprop_case(inputs, prologue or stats, tile, prologue_part=prologue, stats_part=stats)
+            steps, _ = bench_conv.fprop_case(inputs, prologue or stats, tile, prologue_part="bn-relu" if prologue else "",
+                                             stats_part=stats)  # fmt: skip
             built.append((f"{shape.label()} {dtype} {variant}", steps["hooked" if prologue or stats else "kernel"]))
     return built
 
