@@ -226,6 +226,36 @@ def test_an_unpadded_conv_hooks_every_lane_and_its_statistics_leave_out_the_rows
            stats=True, tile=tile)
 
 
+#: Convs whose M tiles (16 rows) each lie in one sample: one sample with a padded 3x3 and a stride 2;
+#: whole tiles per sample (a 4 x 8 plane); per-sample tiles (GroupNorm's statistics) over a 5 x 7 plane,
+#: the last tile of each sample partial; and, for contrast, tiles that cross samples (5 x 7, no statistics).
+ONE_SAMPLE = [
+    ("one-sample-padded", (1, 20, 9, 7), dict(padding=1), 0, True),
+    ("one-sample-stride2", (1, 20, 9, 7), dict(padding=1, stride=2), 0, True),
+    ("whole-tiles-per-sample", (3, 20, 4, 8), dict(padding=1), 0, True),
+    ("per-sample-tiles", (3, 20, 5, 7), dict(padding=1), 2, True),
+    ("tiles-cross-samples", (3, 20, 5, 7), dict(padding=1), 0, False),
+]
+
+
+@pytest.mark.parametrize("kind,act", PROLOGUES[1:], ids=prologue_ids(PROLOGUES[1:]))
+@pytest.mark.parametrize("name,xs,conv,groups,one", ONE_SAMPLE, ids=[c[0] for c in ONE_SAMPLE])
+def test_a_per_sample_prologue_reads_its_vectors_once_per_tile_where_tiles_hold_one_sample(name, xs, conv, groups,
+                                                                                            one, kind, act):  # fmt: skip
+    """A group affine's or a gate's vectors read once per K step (``fprop.one_sample_tiles``) where every
+    tile lies in one sample, else per element: against float64 with eager's error as the yardstick, the
+    padded taps zero after the hook, and each sample's own vectors (drawn apart per sample)."""
+    g = torch.Generator().manual_seed(stable_seed(("one sample", name, kind)))
+    x = _channels_last(_randn(*xs, g=g))
+    w, b = _randn(12, xs[1], 3, 3, g=g, scale=0.3), _randn(12, g=g)
+    prologue = conv_prologue(kind, xs[0], xs[1], g, DEVICE)
+    geo = fprop._check_call(x, w, None, None, None, conv.get("stride", 1), conv["padding"], 1, 1)
+    assert fprop.one_sample_tiles(prologue, geo, SMALL.block_m, groups > 0) == one
+    assert not fprop.one_sample_tiles(conv_prologue("channel_affine", xs[0], xs[1], g, DEVICE), geo, 16, True)
+    stats = dict(stats_groups=groups) if groups else {}
+    _check(f"{name} {kind}", x, w, b, prologue=prologue, act_in=act, tile=SMALL, **stats, **conv)
+
+
 ACTIVATIONS = ["relu", Activation("leaky_relu", 0.3), "gelu", "silu"]
 
 
@@ -954,6 +984,49 @@ def test_halo_forward_matches_float64_with_every_prologue(name, xs, ws, conv, ki
     w, b = _randn(*ws, g=g, scale=0.3), _randn(ws[0], g=g)
     prologue = conv_prologue(kind, xs[0], xs[1], g, DEVICE)
     _check(f"halo {name} {kind}", x, w, b, prologue=prologue, act_in=act, stats=True, tile=SMALL_HALO, **conv)
+
+
+#: The halo's box tiles: 4 x 4, 2 x 8 and 1 x 16 boxes of 16 output positions (1 warp).
+HALO_BOXES = [TileConfig(16, 16, 16, num_warps=1, num_stages=1, halo=True, box_w=w) for w in (4, 8, 16)]
+
+
+@pytest.mark.parametrize("kind,act", [*FPROP_PROLOGUES[:1], *FPROP_PROLOGUES[2:]],
+                         ids=prologue_ids([*FPROP_PROLOGUES[:1], *FPROP_PROLOGUES[2:]]))
+@pytest.mark.parametrize("name,xs,ws,conv", HALO_GEOMETRY, ids=[c[0] for c in HALO_GEOMETRY])
+def test_halo_box_tiles_match_float64_with_every_prologue(name, xs, ws, conv, kind, act):
+    """The halo kernel's box tiles against float64, eager's error as the yardstick: boxes over planes they
+    do not tile (their positions past the edge computed and not stored), windows reaching past the plane
+    on every side (the padding's zeros written after the prologue), every prologue kind (per-sample
+    vectors read per box), the bias and an output activation; each box shape on a different case."""
+    g = torch.Generator().manual_seed(stable_seed(("halo box", name, kind, str(act))))
+    x = _channels_last(_randn(*xs, g=g))
+    w, b = _randn(*ws, g=g, scale=0.3), _randn(ws[0], g=g)
+    prologue = conv_prologue(kind, xs[0], xs[1], g, DEVICE)
+    tile = HALO_BOXES[stable_seed((name, kind)) % len(HALO_BOXES)]
+    _check(f"halo box {tile.box_w} {name} {kind}", x, w, b, prologue=prologue, act_in=act, act_out="silu",
+           tile=tile, **conv)  # fmt: skip
+
+
+def test_halo_box_tiles_equal_the_flat_halo_and_refuse_statistics_in_one_line():
+    """A box tile computes what the flat halo does (the same products in the same order per output: the
+    bits on the GPU, fp32 rounding of the dot apart under the interpreter), twice the same bits, and asks
+    for no statistics (one line); the forward's candidates offer the box halo first where the call
+    writes none."""
+    g = torch.Generator().manual_seed(43)
+    x = _channels_last(_randn(2, 20, 9, 11, g=g))
+    w, b = _randn(18, 20, 3, 3, g=g, scale=0.3), _randn(18, g=g)
+    prologue = conv_prologue("group_affine", 2, 20, g, DEVICE)
+    kw = dict(padding=1, prologue=prologue, act_in="silu")
+    boxed, _ = _check("halo box vs flat", x, w, b, tile=HALO_BOXES[0], **kw)
+    flat, _ = conv_fprop(x, w, b, tile=SMALL_HALO, **kw)
+    torch.testing.assert_close(boxed, flat, rtol=1e-5, atol=1e-5)
+    assert torch.equal(boxed, conv_fprop(x, w, b, tile=HALO_BOXES[0], **kw)[0])
+    with pytest.raises(ContractError, match="statistics on box tiles") as info:
+        conv_fprop(x, w, b, tile=HALO_BOXES[0], stats=True, **kw)
+    assert "\n" not in str(info.value)
+    offered = candidates("fprop", 64, 64, 9, 2 * 56 * 56, torch.bfloat16, box_plane=(56, 56), halo=True)
+    assert offered[1].halo and offered[1].box_w and offered[2].halo and not offered[2].box_w
+    assert offered[1].block_m % offered[1].box_w == 0
 
 
 def test_halo_forward_writes_its_window_in_chunks_narrower_than_its_tile():

@@ -107,8 +107,8 @@ def conv_fprop_kernel(
     SAVE_CONV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr,
     ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr,
     STATS: tl.constexpr, PER_SAMPLE: tl.constexpr, PRECISION: tl.constexpr, BIG: tl.constexpr,
-    FLAT_K: tl.constexpr, DEPTHWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    FLAT_K: tl.constexpr, DEPTHWISE: tl.constexpr, ONE_SAMPLE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_M, BLOCK_N]`` output tile of group ``program_id(2)`` (module docstring); with
     ``DEPTHWISE`` (one input channel per group) ``BLOCK_N`` output channels of any groups, computed
@@ -130,7 +130,9 @@ def conv_fprop_kernel(
     (:func:`_tile_rows`), else both unused.  Constexprs: ``C_IN_G`` input channels
     per group, ``CIN_PAD`` (tap-major) those rounded up to ``BLOCK_K``, ``K_ROW`` one output channel's
     K extent in ``w``; kernel size ``K*``, stride ``S*``, padding ``P*``, dilation ``D*`` per dim;
-    the hooks' codes (``hooks``); ``PRECISION`` the dot's input precision; ``BIG`` int64 offsets.
+    the hooks' codes (``hooks``); ``PRECISION`` the dot's input precision; ``BIG`` int64 offsets;
+    ``ONE_SAMPLE``: no tile crosses a sample (one sample, whole tiles per sample, or ``PER_SAMPLE``), so a
+    per-sample prologue reads its vectors once per K step (``prologue.normalise``).
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -154,6 +156,11 @@ def conv_fprop_kernel(
     n, od, oh, ow, id0, ih0, iw0, row_base = window_rows(tl.minimum(m, M - 1), OD, OH, OW, SD, SH, SW, PD, PH, PW,
                                                          x_sn, x_sd, x_sh, x_sw, BIG)  # fmt: skip
     row_base += g * C_IN_G
+    if ONE_SAMPLE:  # the tile's sample: its first row's
+        if PER_SAMPLE:
+            n = pid_m // SAMPLE_TILES
+        else:
+            n = tl.minimum(pid_m * BLOCK_M, M - 1) // (OD * OH * OW)
 
     w_cols = w_ptr + g * (COUT_PAD * K_ROW) + co[None, :] * K_ROW  # [1, BLOCK_N]; padded rows: no mask
     kb = tl.arange(0, BLOCK_K)
@@ -163,7 +170,7 @@ def conv_fprop_kernel(
         a = load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x_sh, x_sw,
                         p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
                         C_IN_G, CIN_PAD, KD, KH, KW, DD, DH, DW, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
-                        FLAT_K, PADDED, False, compute, BLOCK_K)  # fmt: skip
+                        FLAT_K, PADDED, False, compute, BLOCK_K, ONE_SAMPLE)  # fmt: skip
         b = tl.load(w_cols + (kk * BLOCK_K + kb)[:, None])
         acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
 
@@ -371,6 +378,16 @@ def _check_call(x: Any, weight: Any, scale: Any, bias: Any, residual: Any, strid
                      lift3(padding_, 0), lift3(dilation_, 1), lift3(out_size, 1), out_shape)  # fmt: skip
 
 
+def one_sample_tiles(prologue: Any, geo: _Geometry, block_m: int, per_sample_tiles: bool) -> bool:
+    """Whether a per-sample prologue (a group affine, a gate) may read its vectors once per tile: every
+    ``block_m``-row tile of the output's rows lies in one sample (``per_sample_tiles``: the tiles are cut
+    per sample; one sample; or whole tiles per sample).  False for every other prologue (nothing to
+    gain, one compile less)."""
+    if not isinstance(prologue, (hooks.GroupAffine, hooks.SampleChannelScale)):
+        return False
+    return per_sample_tiles or geo.n == 1 or math.prod(geo.out_size) % block_m == 0
+
+
 def prearrange_weight(weight: torch.Tensor, groups: int, tile: TileConfig, dtype: torch.dtype) -> torch.Tensor:
     """``weight`` (C_out, C_in/groups, *k) as the kernel reads it: ``(groups, COUT_PAD, K_ROW)`` in
     ``dtype``, contiguous, zeros in the padding.  Row ``co`` of group ``g`` holds output channel ``g *
@@ -426,6 +443,8 @@ class _Plan:
                                 and cout_pad == geo.c_out_g)  # fmt: skip
         self.sample_tiles = cdiv(self.sample_rows, tile.block_m)
         self.m_tiles = geo.n * self.sample_tiles if stats_groups else cdiv(geo.m, tile.block_m)
+        if tile.box_w:  # the halo kernel's box tiles (``halo`` module docstring), of one sample's plane each
+            self.m_tiles = geo.n * cdiv(geo.size[1], tile.box_h) * cdiv(geo.size[2], tile.box_w)
         #: the statistics' positions per partials row where they are not ``block_m`` but the last
         #: (the TMA forward's program lanes), else None
         tile_rows = None
@@ -475,7 +494,9 @@ class _Plan:
             PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine, ACT_IN=act_in,
             SAVE_CONV=save_conv, HAS_SCALE=has_scale, HAS_BIAS=has_bias, CHAIN=op_codes(chain), ACT_OUT=act_out,
             RESIDUAL=residual_mode, STATS=self.stats, PER_SAMPLE=stats_groups > 0,
-            PRECISION=precision, BIG=big, FLAT_K=tile.flat_k, DEPTHWISE=self.depthwise, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            PRECISION=precision, BIG=big, FLAT_K=tile.flat_k, DEPTHWISE=self.depthwise,
+            ONE_SAMPLE=one_sample_tiles(prologue, geo, tile.block_m, stats_groups > 0),
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )  # fmt: skip
         # 0 where unused: Triton specializes an int argument on its value (1, multiples of 16), and a
@@ -487,9 +508,11 @@ class _Plan:
         self.scratch_elems = 0
         if tile.halo:
             why = halo.applies(geo, not self.relayout and dense_channels_last(x), stats_groups > 0)
+            if why is None and tile.box_w and self.stats:
+                why = "statistics on box tiles"
             if why is not None:
                 raise ContractError(f"tile {tile.label()}: the halo kernel does not take {why}")
-            rows = halo.halo_rows(tile.block_m, geo.size[2], geo.kernel[1:], geo.dilation[1:])
+            rows = halo.halo_rows(tile.block_m, geo.size[2], geo.kernel[1:], geo.dilation[1:], tile.box_w)
             chunk = min(halo.HALO_CHUNK, tile.block_m)
             cap = cdiv(rows, chunk) * chunk
             n_tiles = cdiv(geo.c_out, tile.block_n) if self.depthwise else cout_pad // tile.block_n
@@ -500,7 +523,9 @@ class _Plan:
                     "NORM_AFFINE", "ACT_IN", "SAVE_CONV", "HAS_SCALE", "HAS_BIAS", "CHAIN", "ACT_OUT", "RESIDUAL",
                     "STATS", "PRECISION", "BIG", "DEPTHWISE", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
                     "num_stages")  # fmt: skip
-            halo_constexprs = dict({k: constexprs[k] for k in keep}, HALO_CAP=cap, HALO_CHUNK=chunk)
+            # the halo's windows cross samples: one sample's vectors only where x holds one
+            halo_constexprs = dict({k: constexprs[k] for k in keep}, HALO_CAP=cap, HALO_CHUNK=chunk,
+                                   ONE_SAMPLE=constexprs["ONE_SAMPLE"] and geo.n == 1, BOX_W=tile.box_w)  # fmt: skip
             halo_fixed = (geo.m, geo.size[1], geo.size[2], geo.c_in, geo.c_out, geo.c_out_g, self.m_tiles, n_tiles,
                           tiles, rows)  # fmt: skip
             self.launch = FastLaunch(halo.conv_fprop_halo_kernel, (programs,), halo_constexprs, fixed=halo_fixed)
@@ -727,12 +752,13 @@ def fprop_plan(
 
         if tile is not None:
             return plan_with(tile)
+        with_halo = ((prologue is not None or code_in != 0) and geo.taps > 1
+                     and halo.applies(geo, not channels_last(x) or dense_channels_last(x), stats_groups > 0) is None)
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise path (``_Plan.depthwise``)
+                           box_plane=geo.size[1:] if with_halo and not stats else None,  # the halo's boxes
                            tma=tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups),
-                           plain=prologue is None and code_in == 0 and not stats,
-                           halo=(prologue is not None or code_in != 0) and geo.taps > 1
-                           and halo.applies(geo, not channels_last(x) or dense_channels_last(x), stats_groups > 0) is None)
+                           plain=prologue is None and code_in == 0 and not stats, halo=with_halo)  # fmt: skip
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out), saved),
             x.device))  # fmt: skip

@@ -27,6 +27,16 @@ before a barrier are visible to the CTA's loads after it.  The epilogue is :func
 Prologue work per tile: ``HALO_ROWS`` rows (rounded up to :data:`HALO_CHUNK`) against ``BLOCK_M`` rows
 per tap (nine taps) in the gather kernel, 1.1-1.9x the tile's rows for ResNet-50's 3x3s at 7 x 7 to 56
 x 56; the slot is written once and read once per tap.
+
+Box tiles (``TileConfig.box_w``): on a wide plane the flat halo is mostly the rows above and below the
+tile (a 3x3 over planes 512 wide: 64 output rows read a halo of 1,090), so a tile may instead be a box of
+``BLOCK_M // BOX_W`` rows by ``BOX_W`` columns of one sample's plane (:func:`box_rows`), whose window is
+the box widened by the kernel's reach, ``(BOX_H + (KH - 1) * DH) x (BOX_W + (KW - 1) * DW)`` positions
+(8 x 16 boxes of a 3x3: 180 for 128 outputs).  The window is written with the padding's zeros in place
+(:func:`write_box_window`), so a tap's tile is an unmasked load of the window shifted by the tap
+(:func:`box_tap`); positions of a box past the plane's edge are computed and not stored.  A box holds one
+sample (a per-sample prologue's vectors are read once per chunk).  No statistics on box tiles (the
+reduction counts a tile's rows as consecutive rows).
 """
 
 from __future__ import annotations
@@ -50,13 +60,15 @@ HALO_CHUNK = 32
 @triton.jit
 def write_window(x_ptr, slot, first, ROWS, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, PLANE, HALO_ROWS,
                  PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
-                 BIG: tl.constexpr, HALO_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                 BIG: tl.constexpr, HALO_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ONE_SAMPLE: tl.constexpr = False):  # fmt: skip
     """``HALO_ROWS`` flat rows of x (channels-last dense: row ``r`` at ``r * C_IN``) from ``first``, at
     channels ``c`` (``c_ok`` the real ones), through the prologue and ``act_in`` (fp32, rounded once to
     x's dtype, as ``prologue.load_a_tile``), into ``slot`` (row-major ``[rows, BLOCK_K]``), in chunks of
     ``HALO_CHUNK`` rows, between two CTA barriers: the slot's previous window read by every thread before,
     this one written by every thread after.  Rows outside ``[0, ROWS)`` (x's) are written as anything:
-    the taps' loads mask them.  ``PLANE``: rows per sample (a per-sample prologue's index)."""
+    the taps' loads mask them.  ``PLANE``: rows per sample (a per-sample prologue's index; ``ONE_SAMPLE``:
+    x holds one sample, whose vectors the prologue reads once per chunk)."""
     rc = tl.arange(0, HALO_CHUNK)
     kb = tl.arange(0, BLOCK_K)
     tl.debug_barrier()
@@ -69,12 +81,82 @@ def write_window(x_ptr, slot, first, ROWS, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_p
             offs = rows[:, None] * C_IN + c[None, :]
         v = tl.load(x_ptr + offs, mask=mask, other=0.0)
         if PROLOGUE != 0 or ACT_IN != 0:
-            n = tl.minimum(tl.maximum(rows, 0), ROWS - 1) // PLANE
+            if ONE_SAMPLE:
+                n = 0
+            else:
+                n = tl.minimum(tl.maximum(rows, 0), ROWS - 1) // PLANE
             v = normalise(v.to(tl.float32), n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE, G_NORM,
-                          NORM_AFFINE)  # fmt: skip
+                          NORM_AFFINE, True, ONE_SAMPLE)  # fmt: skip
             v = activation(v, ACT_IN, slope_in)
         tl.store(slot + (r0 + rc)[:, None] * BLOCK_K + kb[None, :], v.to(x_ptr.dtype.element_ty))
     tl.debug_barrier()
+
+
+@triton.jit
+def box_rows(pid_m, H, W, BOX_W: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Box tile ``pid_m`` of the planes (``BOX_H = BLOCK_M // BOX_W`` rows by ``BOX_W`` columns of one
+    sample's plane; columns of boxes fastest, then rows, then samples): ``(n, oh0, ow0, m, m_ok)``, its
+    sample and first position, and its ``BLOCK_M`` output rows (flat over ``(n, oh, ow)``; a position past
+    the plane's edge is not real and addresses the edge's)."""
+    BOX_H: tl.constexpr = BLOCK_M // BOX_W
+    tw_tiles = (W + BOX_W - 1) // BOX_W
+    th_tiles = (H + BOX_H - 1) // BOX_H
+    rest = pid_m // tw_tiles
+    oh0 = (rest % th_tiles) * BOX_H
+    ow0 = (pid_m % tw_tiles) * BOX_W
+    n = rest // th_tiles
+    r = tl.arange(0, BLOCK_M)
+    oh = oh0 + r // BOX_W
+    ow = ow0 + r % BOX_W
+    m = n * (H * W) + tl.minimum(oh, H - 1) * W + tl.minimum(ow, W - 1)
+    return n, oh0, ow0, m, (oh < H) & (ow < W)
+
+
+@triton.jit
+def write_box_window(x_ptr, slot, n, ih0, iw0, H, W, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                     HALO_ROWS, WIN_W: tl.constexpr, PROLOGUE: tl.constexpr, G_NORM: tl.constexpr,
+                     NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr, BIG: tl.constexpr, HALO_CHUNK: tl.constexpr,
+                     WIDTH: tl.constexpr):  # fmt: skip
+    """A box tile's window (module docstring): the ``HALO_ROWS / WIN_W`` rows by ``WIN_W`` columns of
+    sample ``n``'s input plane from ``(ih0, iw0)`` (may start or run past the plane), at channels ``c``
+    (``c_ok`` the real ones), through the prologue and ``act_in`` (fp32, rounded once to x's dtype, as
+    ``prologue.load_a_tile``), into ``slot`` (window position ``j`` at row ``j``, ``[rows, WIDTH]``), in
+    chunks of ``HALO_CHUNK`` rows between two CTA barriers, as :func:`write_window`.  Positions outside
+    the plane and channels past ``c_ok`` are written as 0 (the conv's padding of the activated tensor),
+    so that the taps' loads need no mask (:func:`box_tap`).  A box holds one sample: a per-sample
+    prologue reads its vectors once per chunk."""
+    rc = tl.arange(0, HALO_CHUNK)
+    kb = tl.arange(0, WIDTH)
+    tl.debug_barrier()
+    for r0 in range(0, HALO_ROWS, HALO_CHUNK):
+        j = r0 + rc
+        ih = ih0 + j // WIN_W
+        iw = iw0 + j % WIN_W
+        inside = (j < HALO_ROWS) & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        rows = n * (H * W) + ih * W + iw
+        if BIG:
+            rows = rows.to(tl.int64)
+        mask = inside[:, None] & c_ok[None, :]
+        v = tl.load(x_ptr + rows[:, None] * C_IN + c[None, :], mask=mask, other=0.0)
+        if PROLOGUE != 0 or ACT_IN != 0:
+            v = normalise(v.to(tl.float32), n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN, PROLOGUE, G_NORM,
+                          NORM_AFFINE, True, True)  # fmt: skip
+            v = tl.where(mask, activation(v, ACT_IN, slope_in), 0.0)
+        tl.store(slot + j[:, None] * WIDTH + kb[None, :], v.to(x_ptr.dtype.element_ty))
+    tl.debug_barrier()
+
+
+@triton.jit
+def box_tap(slot, tap, KW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr, WIN_W: tl.constexpr,
+            BOX_W: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
+    """Tap ``tap``'s ``[BLOCK_M, WIDTH]`` input tile of a box tile from its window in ``slot``
+    (:func:`write_box_window`): output position ``(bh, bw)`` of the box at window position ``(bh + kh *
+    DH, bw + kw * DW)``; unmasked (the window holds the padding's zeros)."""
+    kh = tap // KW
+    kw = tap % KW
+    r = tl.arange(0, BLOCK_M)
+    local = (r // BOX_W + kh * DH) * WIN_W + r % BOX_W + kw * DW
+    return tl.load(slot + local[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :], cache_modifier=".cg")
 
 
 @triton.jit
@@ -87,7 +169,8 @@ def conv_fprop_halo_kernel(
     PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr,
     SAVE_CONV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, CHAIN: tl.constexpr,
     ACT_OUT: tl.constexpr, RESIDUAL: tl.constexpr, STATS: tl.constexpr, PRECISION: tl.constexpr,
-    BIG: tl.constexpr, DEPTHWISE: tl.constexpr, HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr,
+    BIG: tl.constexpr, DEPTHWISE: tl.constexpr, ONE_SAMPLE: tl.constexpr, BOX_W: tl.constexpr,
+    HALO_CAP: tl.constexpr, HALO_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -100,7 +183,9 @@ def conv_fprop_halo_kernel(
     that, a multiple of ``HALO_CHUNK``.  ``DEPTHWISE``: one input channel per output channel (no channel
     multiplier), the weight ``(C_OUT, taps)`` rows, N tiles over all channels (one group).  The other
     pointers, sizes and constexprs are :func:`fprop.conv_fprop_kernel`'s (the weight prearranged or in
-    place as there, tap-major)."""
+    place as there, tap-major); ``ONE_SAMPLE`` here: x holds one sample (:func:`write_window`).  ``BOX_W``
+    (box tiles, module docstring): ``M_TILES`` boxes of ``BLOCK_M // BOX_W`` rows by ``BOX_W`` columns,
+    ``HALO_ROWS`` the positions of one box's window."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     CB: tl.constexpr = CIN_PAD // BLOCK_K
@@ -112,36 +197,60 @@ def conv_fprop_halo_kernel(
     slot = scratch_ptr + pid * (HALO_CAP * WIDTH)
     r = tl.arange(0, BLOCK_M)
     kb = tl.arange(0, BLOCK_K)
+    WIN_W: tl.constexpr = BOX_W + (KW - 1) * DW  # a box's window's columns (box tiles)
     for t in range(pid, TILES, programs):
         g = t // (M_TILES * N_TILES)
         pid_m = (t // N_TILES) % M_TILES
         pid_n = t % N_TILES
-        m = pid_m * BLOCK_M + r
-        m_ok = m < M
-        mc = tl.minimum(m, M - 1)
-        oh = (mc % plane) // W
-        ow = mc % W
-        first = pid_m * BLOCK_M - (PH * W + PW)  # the halo's first flat input row (may be negative)
+        if BOX_W > 0:  # a box of one sample's plane, its window the box widened by the kernel's reach
+            n, oh0, ow0, m, m_ok = box_rows(pid_m, H, W, BOX_W, BLOCK_M)
+            ih0 = oh0 - PH
+            iw0 = ow0 - PW
+        else:
+            m = pid_m * BLOCK_M + r
+            m_ok = m < M
+            mc = tl.minimum(m, M - 1)
+            oh = (mc % plane) // W
+            ow = mc % W
+            first = pid_m * BLOCK_M - (PH * W + PW)  # the halo's first flat input row (may be negative)
         co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_cols = w_ptr + g * (COUT_PAD * K_ROW) + co[None, :] * K_ROW  # [1, BLOCK_N]; padded rows: no mask
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if DEPTHWISE:  # one input channel per output channel: the window over the tile's channels, then per tap a
             # product with the channels' weights (``fprop._depthwise_tile``'s, summed in fp32), no dot
             co_ok = co < C_OUT
-            write_window(x_ptr, slot, first, rows_total, co, co_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                         plane, HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_N)  # fmt: skip
+            if BOX_W > 0:
+                write_box_window(x_ptr, slot, n, ih0, iw0, H, W, co, co_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in,
+                                 C_IN, HALO_ROWS, WIN_W, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK,
+                                 BLOCK_N)  # fmt: skip
+            else:
+                write_window(x_ptr, slot, first, rows_total, co, co_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                             plane, HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_N,
+                             ONE_SAMPLE)  # fmt: skip
             for tap in range(0, TAPS):
-                a = window_tap(slot, tap, oh, ow, m_ok, co_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_N)
+                if BOX_W > 0:
+                    a = box_tap(slot, tap, KW, DH, DW, WIN_W, BOX_W, BLOCK_M, BLOCK_N)
+                else:
+                    a = window_tap(slot, tap, oh, ow, m_ok, co_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_N)
                 wv = tl.load(w_ptr + co * TAPS + tap, mask=co_ok, other=0.0).to(tl.float32)
                 acc += a.to(tl.float32) * wv[None, :]
         for cb in range(0, 0 if DEPTHWISE else CB):
             ci = cb * BLOCK_K + kb
             c_ok = ci < C_IN_G
             c = g * C_IN_G + ci
-            write_window(x_ptr, slot, first, rows_total, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, plane,
-                         HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_K)  # fmt: skip
+            if BOX_W > 0:
+                write_box_window(x_ptr, slot, n, ih0, iw0, H, W, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                                 HALO_ROWS, WIN_W, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK,
+                                 BLOCK_K)  # fmt: skip
+            else:
+                write_window(x_ptr, slot, first, rows_total, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                             plane, HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_K,
+                             ONE_SAMPLE)  # fmt: skip
             for tap in range(0, TAPS):
-                a = window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_K)
+                if BOX_W > 0:
+                    a = box_tap(slot, tap, KW, DH, DW, WIN_W, BOX_W, BLOCK_M, BLOCK_K)
+                else:
+                    a = window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_K)
                 b = tl.load(w_cols + (tap * CIN_PAD + cb * BLOCK_K + kb)[:, None])
                 acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
         if DEPTHWISE:  # the tile's channels are the output's own
@@ -174,9 +283,12 @@ def window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW: tl.constexpr, PH: tl.con
                    other=0.0, cache_modifier=".cg")  # fmt: skip
 
 
-def halo_rows(block_m: int, width: int, kernel: tuple[int, int], dilation: tuple[int, int]) -> int:
-    """The consecutive flat input rows one tile of ``block_m`` output rows reads over every tap of a
-    'same', stride-1 conv over planes ``width`` wide (module docstring)."""
+def halo_rows(block_m: int, width: int, kernel: tuple[int, int], dilation: tuple[int, int], box_w: int = 0) -> int:
+    """The input positions one tile of ``block_m`` output rows reads over every tap of a 'same',
+    stride-1 conv over planes ``width`` wide (module docstring): consecutive flat rows, or with ``box_w``
+    (box tiles of ``block_m // box_w`` rows by ``box_w`` columns) the box's window."""
+    if box_w:
+        return (block_m // box_w + (kernel[0] - 1) * dilation[0]) * (box_w + (kernel[1] - 1) * dilation[1])
     return block_m + (kernel[0] - 1) * dilation[0] * width + (kernel[1] - 1) * dilation[1]
 
 

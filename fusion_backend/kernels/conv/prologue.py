@@ -58,12 +58,15 @@ def _tap_coords(tap, KH: tl.constexpr, KW: tl.constexpr):
 @triton.jit
 def normalise(v, n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
               PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr,
-              MASK_PAD: tl.constexpr = True):  # fmt: skip
+              MASK_PAD: tl.constexpr = True, ONE_SAMPLE: tl.constexpr = False):  # fmt: skip
     """The normalisation part of the hook on ``v`` (fp32 ``[BLOCK_M, BLOCK_K]``): ``n`` the rows'
-    samples ``[BLOCK_M]``, ``c`` the columns' input channels ``[BLOCK_K]`` (``c_ok``: which are real),
-    ``mask`` the tile's valid elements.  ``MASK_PAD`` False: the tile has no padded lanes but channel
-    tails (an unpadded conv's, ``load_a_tile``), which the vectors' ``c_ok`` loads keep at 0, so the
-    channel affine's shift needs no mask.  Pointers (fp32, contiguous; ``hooks.prologue_tensors``):
+    samples ``[BLOCK_M]`` (``ONE_SAMPLE``: the tile's one sample, a scalar: a per-sample prologue's
+    vectors are then ``[BLOCK_K]`` loads, not a gather per element), ``c`` the columns' input channels
+    ``[BLOCK_K]`` (``c_ok``: which are real), ``mask`` the tile's valid elements.  ``MASK_PAD`` False: the
+    tile has no padded lanes but channel tails (an unpadded conv's, ``load_a_tile``), which the vectors'
+    ``c_ok`` loads keep at 0, so the channel affine's shift needs no mask.  A per-sample prologue's pad
+    lanes come out as anything: its callers mask them after it.  Pointers (fp32, contiguous;
+    ``hooks.prologue_tensors``):
       PROLOGUE 1 (channel affine): p0 scale (C_IN,), p1 shift (C_IN,).
       PROLOGUE 2 (group affine):   p0 scale (N, G_NORM), p1 shift (N, G_NORM); NORM_AFFINE: p2 weight
                                    (C_IN,), p3 bias (C_IN,).
@@ -77,16 +80,24 @@ def normalise(v, n, c, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
         else:
             v = v * scale[None, :] + shift[None, :]
     elif PROLOGUE == 2:
-        ng = n[:, None] * G_NORM + (c // (C_IN // G_NORM))[None, :]
-        scale = tl.load(p0_ptr + ng, mask=mask, other=0.0)
-        shift = tl.load(p1_ptr + ng, mask=mask, other=0.0)
+        if ONE_SAMPLE:
+            ng = n * G_NORM + c // (C_IN // G_NORM)
+            scale = tl.load(p0_ptr + ng, mask=c_ok, other=0.0)[None, :]
+            shift = tl.load(p1_ptr + ng, mask=c_ok, other=0.0)[None, :]
+        else:
+            ng = n[:, None] * G_NORM + (c // (C_IN // G_NORM))[None, :]
+            scale = tl.load(p0_ptr + ng, mask=mask, other=0.0)
+            shift = tl.load(p1_ptr + ng, mask=mask, other=0.0)
         v = v * scale + shift
         if NORM_AFFINE:
             weight = tl.load(p2_ptr + c, mask=c_ok, other=0.0)
             bias = tl.load(p3_ptr + c, mask=c_ok, other=0.0)
             v = v * weight[None, :] + bias[None, :]
     elif PROLOGUE == 3:
-        gate = tl.load(p0_ptr + n[:, None] * C_IN + c[None, :], mask=mask, other=0.0)
+        if ONE_SAMPLE:
+            gate = tl.load(p0_ptr + n * C_IN + c, mask=c_ok, other=0.0)[None, :]
+        else:
+            gate = tl.load(p0_ptr + n[:, None] * C_IN + c[None, :], mask=mask, other=0.0)
         v = v * gate
     return v
 
@@ -104,11 +115,12 @@ def load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x
                 KW: tl.constexpr, DD: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
                 PROLOGUE: tl.constexpr, G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr,
                 ACT_IN: tl.constexpr, FLAT_K: tl.constexpr, PADDED: tl.constexpr, ROWS_ZERO: tl.constexpr,
-                COMPUTE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                COMPUTE: tl.constexpr, BLOCK_K: tl.constexpr, ONE_SAMPLE: tl.constexpr = False):  # fmt: skip
     """The A tile of K step ``kk`` in the compute dtype ``COMPUTE`` (module docstring).
 
     ``row_base`` ``[BLOCK_M]``: each row's element offset of its window origin in its group's first
-    channel (int64 for BIG tensors); ``n``, ``id0``, ``ih0``, ``iw0``: its sample and origin;
+    channel (int64 for BIG tensors); ``n``, ``id0``, ``ih0``, ``iw0``: its sample and origin (``n`` a
+    scalar with ``ONE_SAMPLE``: every row of the tile is in that sample, :func:`normalise`);
     ``m_ok``: rows that are real outputs.  ``D, H, W``: input sizes; ``x_s*``: element strides of the
     spatial dims (channel stride 1).  Tap-major (``FLAT_K`` False): ``CIN_PAD`` is ``C_IN_G`` rounded up
     to ``BLOCK_K``, so step ``kk`` is tap ``kk // (CIN_PAD // BLOCK_K)``; flat: ``k`` runs over
@@ -159,7 +171,7 @@ def load_a_tile(x_ptr, kk, row_base, n, id0, ih0, iw0, m_ok, g, D, H, W, x_sd, x
     if PROLOGUE != 0 or ACT_IN != 0:
         v = a.to(tl.float32)
         v = normalise(v, n, g * C_IN_G + ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
-                      PROLOGUE, G_NORM, NORM_AFFINE, PADDED)  # fmt: skip
+                      PROLOGUE, G_NORM, NORM_AFFINE, PADDED, ONE_SAMPLE)  # fmt: skip
         if PROLOGUE > 1 and PADDED:  # the pad lanes: 0, which the activation keeps (channel affine: above)
             v = tl.where(mask, v, 0.0)
         a = activation(v, ACT_IN, slope_in)
@@ -262,9 +274,8 @@ def load_a_box(x_desc, kk, n, od, oh0, ow0, oh, ow, g, D, H, W, p0_ptr, p1_ptr, 
             mask = r_ok[:, None] & c_ok[None, :]
         else:
             mask = (oh[:, None] >= 0) & c_ok[None, :]  # [BLOCK_M, BLOCK_K]: the channel tail alone
-        rows_n = tl.zeros([BOX_H * BOX_W], tl.int32) + n
-        v = normalise(a.to(tl.float32), rows_n, g * C_IN_G + ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
-                      PROLOGUE, G_NORM, NORM_AFFINE, PADDED)  # fmt: skip
+        v = normalise(a.to(tl.float32), n, g * C_IN_G + ci, mask, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, C_IN,
+                      PROLOGUE, G_NORM, NORM_AFFINE, PADDED, True)  # fmt: skip
         if PROLOGUE > 1 and PADDED:
             v = tl.where(mask, v, 0.0)
         a = activation(v, ACT_IN, slope_in)

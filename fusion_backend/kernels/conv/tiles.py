@@ -135,12 +135,13 @@ class TileConfig:
         programs per SM are the weight gradient's alone, and a TMA tile the forward's or the input gradient's
         (rows of a 1x1 conv's GEMM) or the weight gradient's (boxes)."""
         self.check()
-        if pass_name == "fprop" and self.box_w:
+        if pass_name == "fprop" and self.box_w and not self.halo:
             raise ContractError(f"tile box_w={self.box_w}: the forward loads its A tiles by gather or as rows, "
-                                "not as boxes of the plane (fprop and tma_fprop module docstrings)")
-        if self.halo and (pass_name == "dgrad" or self.flat_k or self.tma or self.box_w):
-            raise ContractError(f"tile {self.label()}: a halo is the forward's or the weight gradient's, on a "
-                                "tap-major gather tile")
+                                "not as boxes of the plane, but for the halo kernel's box tiles (fprop, tma_fprop and "
+                                "halo module docstrings)")
+        if self.halo and (pass_name == "dgrad" or self.flat_k or self.tma or (self.box_w and pass_name != "fprop")):
+            raise ContractError(f"tile {self.label()}: a halo is the forward's (on a tap-major gather tile or its "
+                                "boxes) or the weight gradient's (on a tap-major gather tile)")
         if pass_name != "wgrad" and (self.taps_per_program != 1 or self.programs_per_sm != 2 or self.one_split):
             raise ContractError(f"tile {self.label()}: several taps per program and a split's programs per SM (or "
                                 "one split) are the weight gradient's")
@@ -285,7 +286,8 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     (``tma_fprop.supports_grad``): the heuristic's gather tile (what runs untimed), then the TMA kernel's
     tiles (:func:`tma_tiles`; ``plain``: the pass runs no hooks, so the wide TMA tile too).  ``halo``: a
     hooked forward the halo kernel takes (``kernels/conv/halo.py``): the heuristic's tile (the direct
-    depthwise path's first) as the halo kernel's comes second; a weight gradient asks for it only for a
+    depthwise path's first) as the halo kernel's comes second (a forward's with ``box_plane``, the halo's
+    box tiles over that plane, then the flat halo); a weight gradient asks for it only for a
     depthwise conv (``wgrad``'s NOTE), whose direct tile's halo comes second too.  An empty problem
     (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
@@ -304,8 +306,13 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
         # the gather kernel's (H200, bf16, batch 64: ``python tools/bench_conv.py demos/realnets/resnet50.py
         # --passes fprop --filter '*k3x3 p1 g1*' --profile``, ``tile_ms``), so it is second, ahead of the
         # heuristic's alternatives
-        return best_first([first, replace(first, halo=True), *[t for t in candidates(
-            pass_name, k_channels, n_channels, taps, m, dtype, box_plane=box_plane)[1:]]])
+        # ``box_plane`` here: the halo may walk boxes of that plane (:func:`box_width`), whose windows reach
+        # a few positions past the box where the flat halo reads whole rows of the plane: first
+        halos = [replace(first, halo=True)]
+        if box_plane:
+            halos.insert(0, replace(first, halo=True, box_w=box_width(*box_plane, first.block_m)))
+        return best_first([first, *halos, *[t for t in candidates(pass_name, k_channels, n_channels, taps, m,
+                                                                  dtype)[1:]]])  # fmt: skip
     if first.flat_k:
         other_warps = replace(first, num_warps=12 - first.num_warps)  # 4 <-> 8
         halved = replace(first, block_m=max(16, first.block_m // 2), num_warps=4)
