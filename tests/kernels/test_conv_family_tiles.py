@@ -263,9 +263,10 @@ def test_each_pass_runs_the_tile_its_timing_chose_and_gives_the_same_result(time
 
 
 def test_only_a_hooked_gradient_times_a_box_candidate(timed, monkeypatch):
-    """Stride 1 and 128-byte pixels allow boxes everywhere; the forward never times one, a plain
-    gradient neither, a gradient with hooks does (``tiles.candidates``: where a box has won), after a
-    3x3 weight gradient's several-taps tiles."""
+    """Stride 1 and 128-byte pixels allow boxes everywhere; the forward times one only as the halo
+    kernel's box tile (a hooked 'same' conv writing no statistics), a plain gradient none, a gradient
+    with hooks does (``tiles.candidates``: where a box has won), after a 3x3 weight gradient's
+    several-taps tiles."""
     from fusion_backend.kernels.conv.hooks import ChannelAffine, NormStats
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
@@ -282,7 +283,9 @@ def test_only_a_hooked_gradient_times_a_box_candidate(timed, monkeypatch):
         assert timed.timed, "nothing was timed"
         return any(t.box_w for t in timed.timed)
 
-    assert not boxes_timed(lambda: conv_fprop(x, w, padding=1, prologue=affine, act_in="relu"))
+    assert boxes_timed(lambda: conv_fprop(x, w, padding=1, prologue=affine, act_in="relu"))
+    assert all(t.halo for t in timed.timed if t.box_w)
+    assert not boxes_timed(lambda: conv_fprop(x, w, padding=1, prologue=affine, act_in="relu", stats=True))
     assert not boxes_timed(lambda: conv_dgrad(dy, w, x.shape, padding=1))
     assert not boxes_timed(lambda: conv_wgrad(dy, x, w, padding=1))
     assert boxes_timed(lambda: conv_dgrad(dy, w, x.shape, padding=1, x_prev=x, prologue=affine, act_in="relu",
