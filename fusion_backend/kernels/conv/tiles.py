@@ -307,7 +307,10 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
         # --passes fprop --filter '*k3x3 p1 g1*' --profile``, ``tile_ms``), so it is second, ahead of the
         # heuristic's alternatives
         # ``box_plane`` here: the halo may walk boxes of that plane (:func:`box_width`), whose windows reach
-        # a few positions past the box where the flat halo reads whole rows of the plane: first
+        # a few positions past the box where the flat halo reads whole rows of the plane: first.  NOTE: 1 x
+        # 64 boxes ran 1.1-3.0x the flat halo on the SD VAE decoder's four largest 3x3s with the GroupNorm +
+        # SiLU prologue (H200, bf16: ``python tools/bench_conv.py demos/realnets/sd_vae_decoder.py --passes
+        # fprop --fprop-hooks gn-silu``, ``tile_ms``; ``docs/perf/h200/conv-kernels-gn-silu``)
         halos = [replace(first, halo=True)]
         if box_plane:
             halos.insert(0, replace(first, halo=True, box_w=box_width(*box_plane, first.block_m)))
