@@ -72,6 +72,7 @@ from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import dot_precision, round_tf32
 from . import halo, hooks, tma_fprop
+from .boxes import box_grid
 from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile, load_depthwise_tile, window_rows
@@ -444,7 +445,7 @@ class _Plan:
         self.sample_tiles = cdiv(self.sample_rows, tile.block_m)
         self.m_tiles = geo.n * self.sample_tiles if stats_groups else cdiv(geo.m, tile.block_m)
         if tile.box_w:  # the halo kernel's box tiles (``halo`` module docstring), of one sample's plane each
-            self.m_tiles = geo.n * cdiv(geo.size[1], tile.box_h) * cdiv(geo.size[2], tile.box_w)
+            self.m_tiles = box_grid(geo.size, geo.n, tile, "")[1]
         #: the statistics' positions per partials row where they are not ``block_m`` but the last
         #: (the TMA forward's program lanes), else None
         tile_rows = None

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..tf32 import round_tf32
 from .epilogue import store_tile
-from .prologue import activation, normalise
+from .prologue import activation, box_coords, normalise
 
 #: Programs per SM of the halo kernel's persistent grid, each with its scratch slot (the slots of a
 #: grid that fits the device at once stay in L2: 528 slots of 256 x 64 bf16 rows are 17 MB).
@@ -95,21 +95,13 @@ def write_window(x_ptr, slot, first, ROWS, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_p
 @triton.jit
 def box_rows(pid_m, H, W, BOX_W: tl.constexpr, BLOCK_M: tl.constexpr):
     """Box tile ``pid_m`` of the planes (``BOX_H = BLOCK_M // BOX_W`` rows by ``BOX_W`` columns of one
-    sample's plane; columns of boxes fastest, then rows, then samples): ``(n, oh0, ow0, m, m_ok)``, its
-    sample and first position, and its ``BLOCK_M`` output rows (flat over ``(n, oh, ow)``; a position past
-    the plane's edge is not real and addresses the edge's)."""
+    sample's plane, walked as ``prologue.box_coords`` walks them): ``(n, oh0, ow0, m, m_ok)``, its sample
+    and first position, and its ``BLOCK_M`` output rows (flat over ``(n, oh, ow)``; a position past the
+    plane's edge is not real and addresses the edge's)."""
     BOX_H: tl.constexpr = BLOCK_M // BOX_W
-    tw_tiles = (W + BOX_W - 1) // BOX_W
-    th_tiles = (H + BOX_H - 1) // BOX_H
-    rest = pid_m // tw_tiles
-    oh0 = (rest % th_tiles) * BOX_H
-    ow0 = (pid_m % tw_tiles) * BOX_W
-    n = rest // th_tiles
-    r = tl.arange(0, BLOCK_M)
-    oh = oh0 + r // BOX_W
-    ow = ow0 + r % BOX_W
+    n, _, th, tw, oh, ow = box_coords(pid_m, 1, (H + BOX_H - 1) // BOX_H, (W + BOX_W - 1) // BOX_W, BOX_W, BLOCK_M)
     m = n * (H * W) + tl.minimum(oh, H - 1) * W + tl.minimum(ow, W - 1)
-    return n, oh0, ow0, m, (oh < H) & (ow < W)
+    return n, th * BOX_H, tw * BOX_W, m, (oh < H) & (ow < W)
 
 
 @triton.jit
