@@ -603,12 +603,25 @@ def tma_wgrad_tiles(c_in: int, c_out: int, taps: int, plane: tuple[int, int], ro
     box_w = 64 if rows else box_width(plane[0], plane[1], 64)
     if not rows and (hooked or not _boxes_read_smem(plane, 64 // box_w, box_w, clippable)):
         return []
-    stages = min(4, _TMA_WGRAD_SHARED // 2 // ((block_n + block_k) * 64 * 2))
+    stages = _half_sm_stages(block_n, block_k)
     if stages < 2:
         return []
     tile = TileConfig(64, block_n, block_k, warps, stages, box_w=box_w, tma=True)
     wide = _wide_tma_wgrad_tiles(c_out, plane, rows, tile, clippable) if not hooked and warps == 8 else []
     return [tile, replace(tile, programs_per_sm=1), *wide, *_one_split_tma_wgrad_tiles(tile, c_in, c_out, taps, sms)]
+
+
+def tma_wgrad_programs(tile: TileConfig, c_in: int, c_out: int, taps: int) -> int:
+    """Programs of one split of the TMA weight gradient (``tma_wgrad``) for ``c_in`` -> ``c_out`` channels
+    and ``taps`` kernel taps: the K steps' groups (``taps_per_program`` of the tap-major ``(tap, channel
+    block)`` steps each) x the output-channel blocks."""
+    return taps * cdiv(c_in, tile.block_k) // tile.taps_per_program * cdiv(c_out, tile.block_n)
+
+
+def _half_sm_stages(block_n: int, block_k: int, block_m: int = 64) -> int:
+    """Stages of a TMA weight gradient's ring (a ``dy`` box and an ``x`` box of ``block_m`` positions per
+    stage, 16-bit) within half of :data:`_TMA_WGRAD_SHARED` (two programs per SM), four at most."""
+    return min(4, _TMA_WGRAD_SHARED // 2 // ((block_n + block_k) * block_m * 2))
 
 
 def _one_split_tma_wgrad_tiles(tile: TileConfig, c_in: int, c_out: int, taps: int, sms: int) -> list[TileConfig]:
@@ -620,16 +633,12 @@ def _one_split_tma_wgrad_tiles(tile: TileConfig, c_in: int, c_out: int, taps: in
     programs) took the plain 1x1s at 7 x 7 from 0.0216 / 0.0202 ms (two and three splits) to 0.0184 /
     0.0183; with the prologue it ran 4-5% behind the split tiles, and on the 3x3 of 256 at 14 x 14 (72
     programs) twice as long: the timed choice keeps the faster."""
-
-    def programs(t: TileConfig) -> int:
-        return taps * cdiv(c_in, t.block_k) * cdiv(c_out, t.block_n)
-
     forms = [tile]
     if tile.num_warps == 8:
-        stages = min(4, _TMA_WGRAD_SHARED // 2 // ((tile.block_n + 64) * tile.block_m * 2))
-        forms.append(replace(tile, block_k=64, num_warps=4, num_stages=stages))
-    return [replace(t, one_split=True) for t in forms
-            if 2 * programs(t) >= sms and (t is not tile or programs(t) < sms)]
+        forms.append(replace(tile, block_k=64, num_warps=4, num_stages=_half_sm_stages(tile.block_n, 64, tile.block_m)))
+    programs = [tma_wgrad_programs(t, c_in, c_out, taps) for t in forms]
+    return [replace(t, one_split=True) for t, p in zip(forms, programs, strict=True)
+            if 2 * p >= sms and (t is not tile or p < sms)]
 
 
 def _boxes_read_smem(plane: tuple[int, int], box_h: int, box_w: int, clippable: tuple[bool, bool]) -> bool:

@@ -572,8 +572,3 @@ def dense_channels_last(t: torch.Tensor) -> torch.Tensor:
     """``t`` as TMA reads it: channels-last, dense in that order, 16-byte aligned; itself where it is."""
     return _dense(t.movedim(1, -1)).movedim(-1, 1)
 
-
-def programs(tile: TileConfig, geo: Any) -> int:
-    """Programs of one split: the K steps' groups (``taps_per_program`` of the tap-major ``(tap,
-    channel block)`` steps each) x the output-channel blocks."""
-    return geo.taps * cdiv(geo.c_in, tile.block_k) // tile.taps_per_program * cdiv(geo.c_out, tile.block_n)

@@ -99,7 +99,7 @@ from .prologue import (
     window_rows,
 )
 from .split_sum import split_sum_blocks, sum_dim, sum_slots, weight_grad_offsets
-from .tiles import TileConfig, cached_plan, candidates, tma_wgrad_tiles, tuned_tile
+from .tiles import TileConfig, cached_plan, candidates, tma_wgrad_programs, tma_wgrad_tiles, tuned_tile
 
 #: Each split of a weight gradient's M keeps at least this many M tiles (``pick_split``).
 _MIN_TILES_PER_SPLIT = 4
@@ -574,7 +574,8 @@ class _WgradPlan:
         if isinstance(prologue, hooks.GroupAffine):
             g_norm, norm_affine = prologue.groups, prologue.weight is not None
         boxes = geo.n * geo.out_size[0] * cdiv(geo.out_size[1], tile.box_h) * cdiv(geo.out_size[2], tile.box_w)
-        want = pick_split(boxes, tma_wgrad.programs(tile, geo), tile, x.device) if split is None else split
+        programs = tma_wgrad_programs(tile, geo.c_in, geo.c_out, geo.taps)
+        want = pick_split(boxes, programs, tile, x.device) if split is None else split
         big = big or want * self.cout_pad * self.k_row > _BIG_INDEX_THRESHOLD
         hook_codes = dict(PROLOGUE=hooks.prologue_code(prologue), G_NORM=g_norm, NORM_AFFINE=norm_affine,
                           ACT_IN=act_in, BIG=big)  # fmt: skip
