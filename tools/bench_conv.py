@@ -202,13 +202,11 @@ def group_norm_silu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, w
                     bias: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """``silu((x * scale[n, g] + shift[n, g]) * weight + bias)`` in fp32, rounded to x's dtype: a
     GroupNorm's normalisation (per (sample, group) ``scale`` and ``shift`` of shape ``(N, G)``), its affine
-    and SiLU as a separate pass."""
-    n, c = x.shape[:2]
-    groups = scale.shape[1]
-    per_channel = [n, c, *([1] * (x.dim() - 2))]
-    s = scale.repeat_interleave(c // groups, dim=1).view(per_channel)
-    t = shift.repeat_interleave(c // groups, dim=1).view(per_channel)
-    v = (x.float() * s + t) * _per_channel(weight, x) + _per_channel(bias, x)
+    and SiLU as a separate pass (the family's reference of the prologue, ``reference.apply_prologue``)."""
+    from fusion_backend.kernels.conv import GroupAffine
+    from fusion_backend.kernels.conv.reference import apply_prologue
+
+    v = apply_prologue(x.float(), GroupAffine(scale, shift, weight, bias), torch.float32)
     return torch.nn.functional.silu(v).to(x.dtype)
 
 
