@@ -632,7 +632,7 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
                                                                c_out if depthwise else None)[0], halo=True)  # fmt: skip
             FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
             if not depthwise:  # its box tiles (no statistics on them)
-                box = FAMILY_TILES.box_width(out_shape[2], out_shape[3], tile.block_m)
+                box = FAMILY_TILES.halo_box_width(tuple(out_shape[2:]), tile.block_m, tuple(w_shape[2:]), (1, 1))
                 FAMILY.conv_fprop(x, w, bias, chain=chain, tile=dataclasses.replace(tile, box_w=box), **hooks, **geo)
             if depthwise:
                 for wtile in FAMILY_TILES.candidates("wgrad", 1, c_out // groups, taps, m, dt, c_out, halo=True):

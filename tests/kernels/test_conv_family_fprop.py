@@ -32,7 +32,7 @@ from fusion_backend.kernels.conv import (
     pick_tile,
 )
 from fusion_backend.kernels.conv.reference import conv_fprop_reference
-from fusion_backend.kernels.conv.tiles import candidates
+from fusion_backend.kernels.conv.tiles import candidates, halo_box_width
 from fusion_backend.kernels.plan_cache import ContractError
 from fusion_backend.testing import compare, stable_seed
 
@@ -1024,9 +1024,14 @@ def test_halo_box_tiles_equal_the_flat_halo_and_refuse_statistics_in_one_line():
     with pytest.raises(ContractError, match="statistics on box tiles") as info:
         conv_fprop(x, w, b, tile=HALO_BOXES[0], stats=True, **kw)
     assert "\n" not in str(info.value)
-    offered = candidates("fprop", 64, 64, 9, 2 * 56 * 56, torch.bfloat16, box_plane=(56, 56), halo=True)
+    offered = candidates("fprop", 64, 64, 9, 2 * 56 * 56, torch.bfloat16, halo=True,
+                         halo_window=((56, 56), (3, 3), (1, 1)))  # fmt: skip
     assert offered[1].halo and offered[1].box_w and offered[2].halo and not offered[2].box_w
     assert offered[1].block_m % offered[1].box_w == 0
+    # the box whose windows hold the fewest positions: 8 x 8 of 64 over a 512-wide plane (10 x 10 each),
+    # not the widest that tiles it (1 x 64: 3 x 66)
+    assert halo_box_width((512, 512), 64, (3, 3), (1, 1)) == 8
+    assert halo_box_width((1, 50), 64, (1, 3), (1, 1)) == 64  # a 1-d conv: one row
 
 
 def test_halo_forward_writes_its_window_in_chunks_narrower_than_its_tile():

@@ -757,9 +757,10 @@ def fprop_plan(
                      and halo.applies(geo, not channels_last(x) or dense_channels_last(x), stats_groups > 0) is None)
         tiles = candidates("fprop", geo.c_in_g, geo.c_out_g, geo.taps, geo.m, x.dtype,
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise path (``_Plan.depthwise``)
-                           box_plane=geo.size[1:] if with_halo and not stats else None,  # the halo's boxes
                            tma=tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups),
-                           plain=prologue is None and code_in == 0 and not stats, halo=with_halo)  # fmt: skip
+                           plain=prologue is None and code_in == 0 and not stats, halo=with_halo,
+                           halo_window=(geo.size[1:], geo.kernel[1:], geo.dilation[1:]) if with_halo and not stats
+                           else None)  # fmt: skip
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
             plan_with(t).run, x, weight, scale, bias, chain, residual, prologue, (slope_in, slope_out), saved),
             x.device))  # fmt: skip

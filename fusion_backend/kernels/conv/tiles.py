@@ -179,6 +179,23 @@ def box_width(out_h: int, out_w: int, block_m: int) -> int:
     return min(widths, key=cost)
 
 
+def halo_box_width(plane: tuple[int, int], block_m: int, kernel: tuple[int, int], dilation: tuple[int, int]) -> int:
+    """The box tiles' columns (``TileConfig.box_w``) for a 'same' conv over planes ``plane`` (rows,
+    columns) of ``block_m`` output positions per tile: the power of two whose boxes' windows hold the
+    fewest positions over the plane, the wider of a tie: the halo normalises each window position once
+    per box, so its prologue work is the windows' positions (8 x 8 boxes of a 3x3 read 10 x 10 per 64
+    outputs where 1 x 64 boxes, the widest that tile a 512-wide plane, read 3 x 66; ``candidates``' NOTE
+    has the timing)."""
+    widths = [1 << i for i in range(block_m.bit_length()) if (1 << i) <= 256 and block_m >> i <= 256]
+
+    def cost(w: int) -> tuple[int, int]:
+        h = block_m // w
+        boxes = -(-plane[0] // h) * -(-plane[1] // w)
+        return boxes * (h + (kernel[0] - 1) * dilation[0]) * (w + (kernel[1] - 1) * dilation[1]), -w
+
+    return min(widths, key=cost)
+
+
 def pick_tile(cin_g: int, cout_g: int, taps: int, m: int, dtype: torch.dtype) -> TileConfig:
     """A tile for a conv of ``cin_g`` input and ``cout_g`` output channels per group, ``taps`` kernel
     taps, ``m`` output positions and operand ``dtype``, without measuring (module docstring).
@@ -240,7 +257,7 @@ TMA_REGISTERS = 255
 def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: int, dtype: torch.dtype,
                depthwise_channels: int | None = None, box_plane: tuple[int, int] | None = None,
                epilogue_hooks: bool = False, tma: bool = False, plain: bool = False,
-               halo: bool = False) -> list[TileConfig]:  # fmt: skip
+               halo: bool = False, halo_window: tuple[Any, Any, Any] | None = None) -> list[TileConfig]:  # fmt: skip
     """The tiles :func:`tuned_tile` times for ``pass_name`` ("fprop", "dgrad", "wgrad"), at most
     ``host.MAX_TUNED_CONFIGS`` (each compiles before it is timed): the heuristic's (:func:`pick_tile`
     with ``k_channels`` the channels per group a K step walks and ``n_channels`` those of the N axis),
@@ -286,8 +303,9 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     (``tma_fprop.supports_grad``): the heuristic's gather tile (what runs untimed), then the TMA kernel's
     tiles (:func:`tma_tiles`; ``plain``: the pass runs no hooks, so the wide TMA tile too).  ``halo``: a
     hooked forward the halo kernel takes (``kernels/conv/halo.py``): the heuristic's tile (the direct
-    depthwise path's first) as the halo kernel's comes second (a forward's with ``box_plane``, the halo's
-    box tiles over that plane, then the flat halo); a weight gradient asks for it only for a
+    depthwise path's first) as the halo kernel's comes second (a forward's with ``halo_window``, its
+    ``(plane, kernel, dilation)``: the halo's box tiles, :func:`halo_box_width`, then the flat halo); a
+    weight gradient asks for it only for a
     depthwise conv (``wgrad``'s NOTE), whose direct tile's halo comes second too.  An empty problem
     (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
@@ -306,14 +324,16 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
         # the gather kernel's (H200, bf16, batch 64: ``python tools/bench_conv.py demos/realnets/resnet50.py
         # --passes fprop --filter '*k3x3 p1 g1*' --profile``, ``tile_ms``), so it is second, ahead of the
         # heuristic's alternatives
-        # ``box_plane`` here: the halo may walk boxes of that plane (:func:`box_width`), whose windows reach
-        # a few positions past the box where the flat halo reads whole rows of the plane: first.  NOTE: 1 x
-        # 64 boxes ran 1.1-3.0x the flat halo on the SD VAE decoder's four largest 3x3s with the GroupNorm +
-        # SiLU prologue (H200, bf16: ``python tools/bench_conv.py demos/realnets/sd_vae_decoder.py --passes
-        # fprop --fprop-hooks gn-silu``, ``tile_ms``; ``docs/perf/h200/conv-kernels-gn-silu``)
+        # the halo's box tiles (:func:`halo_box_width`), whose windows reach a few positions past the box
+        # where the flat halo reads whole rows of the plane: first.  NOTE: on the SD VAE decoder's four
+        # largest 3x3s with the GroupNorm + SiLU prologue, 1 x 64 boxes ran 1.1-3.0x the flat halo and 8 x 8
+        # boxes 1.2-1.3x the 1 x 64 ones (0.361 -> 0.287 ms at 512 channels on 128 x 128, 1.414 -> 1.177 ms
+        # at 256 on 512 x 512; H200, bf16: ``python tools/bench_conv.py demos/realnets/sd_vae_decoder.py
+        # --passes fprop --fprop-hooks gn-silu``; ``docs/perf/h200/conv-kernels-gn-silu``)
         halos = [replace(first, halo=True)]
-        if box_plane:
-            halos.insert(0, replace(first, halo=True, box_w=box_width(*box_plane, first.block_m)))
+        if halo_window:
+            halos.insert(0, replace(first, halo=True, box_w=halo_box_width(halo_window[0], first.block_m,
+                                                                           *halo_window[1:])))  # fmt: skip
         return best_first([first, *halos, *[t for t in candidates(pass_name, k_channels, n_channels, taps, m,
                                                                   dtype)[1:]]])  # fmt: skip
     if first.flat_k:
