@@ -67,7 +67,8 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   timed choice weighs, then its first tile on 8 warps with 1 and with 3 taps per program, the 3-wide
   kernels with more than one channel per group); default six of them.
 * ``conv_halo``: ``kernels/conv/halo.py``'s ``conv_fprop_halo_kernel`` through ``conv_fprop`` with the
-  heuristic's tile as the halo kernel's and as its box tile (without the statistics), then, on the
+  halo's wide and short tiles (``tiles.halo_tiles``; the depthwise path's tile on the depthwise shape),
+  each flat and as box tiles (without the statistics), then, on the
   depthwise shape, ``conv_wgrad_kernel`` with its halo
   (the tile the timed choice weighs), on ``conv_family``'s 'same' stride-1 3x3 shapes (ResNet-50's of 64
   channels, the SD VAE's of 512, an EfficientNet-B0 depthwise of 144: its halo over the direct tile's
@@ -628,12 +629,16 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             m = x_shape[0] * out_shape[2] * out_shape[3]
             taps = w_shape[2] * w_shape[3]
             depthwise = groups > 1 and w_shape[1] == 1  # the direct depthwise tile's halo
-            tile = dataclasses.replace(FAMILY_TILES.candidates("fprop", w_shape[1], c_out // groups, taps, m, dt,
-                                                               c_out if depthwise else None)[0], halo=True)  # fmt: skip
-            FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
-            if not depthwise:  # its box tiles (no statistics on them)
-                box = FAMILY_TILES.halo_box_width(tuple(out_shape[2:]), tile.block_m, tuple(w_shape[2:]), (1, 1))
-                FAMILY.conv_fprop(x, w, bias, chain=chain, tile=dataclasses.replace(tile, box_w=box), **hooks, **geo)
+            first = FAMILY_TILES.candidates("fprop", w_shape[1], c_out // groups, taps, m, dt,
+                                            c_out if depthwise else None)[0]  # fmt: skip
+            # the depthwise path's tile as the halo's, else the halo's wide and short tiles (``tiles.halo_tiles``)
+            tiles = [first] if depthwise else FAMILY_TILES.halo_tiles(first, c_out // groups, m)
+            for tile in (dataclasses.replace(t, halo=True) for t in tiles):
+                FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
+                if not depthwise:  # its box tiles (no statistics on them)
+                    box = FAMILY_TILES.halo_box_width(tuple(out_shape[2:]), tile.block_m, tuple(w_shape[2:]), (1, 1))
+                    FAMILY.conv_fprop(x, w, bias, chain=chain, tile=dataclasses.replace(tile, box_w=box), **hooks,
+                                      **geo)  # fmt: skip
             if depthwise:
                 for wtile in FAMILY_TILES.candidates("wgrad", 1, c_out // groups, taps, m, dt, c_out, halo=True):
                     if wtile.halo:

@@ -1026,8 +1026,11 @@ def test_halo_box_tiles_equal_the_flat_halo_and_refuse_statistics_in_one_line():
     assert "\n" not in str(info.value)
     offered = candidates("fprop", 64, 64, 9, 2 * 56 * 56, torch.bfloat16, halo=True,
                          halo_window=((56, 56), (3, 3), (1, 1)))  # fmt: skip
-    assert offered[1].halo and offered[1].box_w and offered[2].halo and not offered[2].box_w
-    assert offered[1].block_m % offered[1].box_w == 0
+    assert all(t.halo and t.box_w and t.block_m % t.box_w == 0 for t in offered[1:])
+    # the halo's wide tile and its short one (``tiles.halo_tiles``); flat where the call writes statistics
+    assert (offered[1].block_m, offered[1].num_warps, offered[2].block_m, offered[2].num_warps) == (128, 8, 64, 4)
+    with_stats = candidates("fprop", 64, 64, 9, 2 * 56 * 56, torch.bfloat16, halo=True)
+    assert all(t.halo and not t.box_w for t in with_stats[1:])
     # the box whose windows hold the fewest positions: 8 x 8 of 64 over a 512-wide plane (10 x 10 each),
     # not the widest that tiles it (1 x 64: 3 x 66)
     assert halo_box_width((512, 512), 64, (3, 3), (1, 1)) == 8

@@ -196,6 +196,28 @@ def halo_box_width(plane: tuple[int, int], block_m: int, kernel: tuple[int, int]
     return min(widths, key=cost)
 
 
+def halo_tiles(first: TileConfig, n_channels: int, m: int) -> list[TileConfig]:
+    """The halo forward's two tiles (before :func:`halo_box_width` makes them boxes) for a conv of
+    ``n_channels`` output channels per group over ``m`` output positions whose heuristic tile is
+    ``first``: a wide one, 128 rows by up to 256 channels on 8 warps, and a short one, 64 rows of
+    ``first``'s channels on 4 warps.  WHY: the halo normalises its window once per tile, so a tile as
+    wide as the output's channels normalises each window once, not once per N tile; a short tile on 4
+    warps leaves room for more programs per SM, whose window writes (between barriers, not pipelined)
+    overlap the others' MMAs.  NOTE: the wide tile ran 1.5-1.7x the short one on the SD VAE decoder's 3x3s
+    of 512 channels at 128 x 128 and 256 at 512 x 512 with GroupNorm + SiLU on load (0.290 -> 0.192,
+    1.261 -> 0.727 ms; without the prologue 0.234 -> 0.161, 0.858 -> 0.627: the window's writes, not the
+    prologue, are the halo's cost) and 1.5x on ResNet-50's 3x3 of 256 channels at 14 x 14 with BatchNorm
+    + ReLU (0.059 -> 0.039 ms); the short one won its 3x3 of 64 channels at 56 x 56 (0.062 against 0.078
+    for 128 x 64 on 4 warps) and of 512 at 7 x 7 (0.058 against 0.072: too few wide tiles for the SMs)
+    (H200, bf16, ``tile_ms`` of ``python tools/bench_conv.py demos/realnets/sd_vae_decoder.py --passes
+    fprop --fprop-hooks gn-silu --out DIR`` and ``python tools/bench_conv.py demos/realnets/resnet50.py
+    --passes fprop --fprop-hooks bn-relu --filter '*k3x3 p1 g1*' --out DIR``)."""
+    rows = max(16, next_pow2(m))
+    wide = replace(first, block_m=min(128, rows), block_n=min(256, max(16, next_pow2(n_channels))), num_warps=8,
+                   num_stages=3)  # fmt: skip
+    return [wide, replace(first, block_m=min(64, rows), num_warps=4)]
+
+
 def pick_tile(cin_g: int, cout_g: int, taps: int, m: int, dtype: torch.dtype) -> TileConfig:
     """A tile for a conv of ``cin_g`` input and ``cout_g`` output channels per group, ``taps`` kernel
     taps, ``m`` output positions and operand ``dtype``, without measuring (module docstring).
@@ -302,10 +324,11 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
     Gluon TMA kernel takes (``tma_fprop.supports``), or an input gradient it takes
     (``tma_fprop.supports_grad``): the heuristic's gather tile (what runs untimed), then the TMA kernel's
     tiles (:func:`tma_tiles`; ``plain``: the pass runs no hooks, so the wide TMA tile too).  ``halo``: a
-    hooked forward the halo kernel takes (``kernels/conv/halo.py``): the heuristic's tile (the direct
-    depthwise path's first) as the halo kernel's comes second (a forward's with ``halo_window``, its
-    ``(plane, kernel, dilation)``: the halo's box tiles, :func:`halo_box_width`, then the flat halo); a
-    weight gradient asks for it only for a
+    hooked forward the halo kernel takes (``kernels/conv/halo.py``): after the heuristic's gather tile,
+    the halo's tiles (:func:`halo_tiles`; with
+    ``halo_window``, the forward's ``(plane, kernel, dilation)``: as box tiles, :func:`halo_box_width`;
+    without, a forward with statistics: flat); the direct depthwise path's first tile's halo comes second;
+    a weight gradient asks for it only for a
     depthwise conv (``wgrad``'s NOTE), whose direct tile's halo comes second too.  An empty problem
     (``m == 0``) gets its first tile alone."""
     if depthwise_channels is not None:
@@ -325,17 +348,19 @@ def candidates(pass_name: str, k_channels: int, n_channels: int, taps: int, m: i
         # --passes fprop --filter '*k3x3 p1 g1*' --profile``, ``tile_ms``), so it is second, ahead of the
         # heuristic's alternatives
         # the halo's box tiles (:func:`halo_box_width`), whose windows reach a few positions past the box
-        # where the flat halo reads whole rows of the plane: first.  NOTE: on the SD VAE decoder's four
-        # largest 3x3s with the GroupNorm + SiLU prologue, 1 x 64 boxes ran 1.1-3.0x the flat halo and 8 x 8
-        # boxes 1.2-1.3x the 1 x 64 ones (0.361 -> 0.287 ms at 512 channels on 128 x 128, 1.414 -> 1.177 ms
-        # at 256 on 512 x 512; H200, bf16: ``python tools/bench_conv.py demos/realnets/sd_vae_decoder.py
-        # --passes fprop --fprop-hooks gn-silu``; ``docs/perf/h200/conv-kernels-gn-silu``)
-        halos = [replace(first, halo=True)]
-        if halo_window:
-            halos.insert(0, replace(first, halo=True, box_w=halo_box_width(halo_window[0], first.block_m,
-                                                                           *halo_window[1:])))  # fmt: skip
-        return best_first([first, *halos, *[t for t in candidates(pass_name, k_channels, n_channels, taps, m,
-                                                                  dtype)[1:]]])  # fmt: skip
+        # where the flat halo reads whole rows of the plane.  NOTE: on the SD VAE decoder's four largest
+        # 3x3s with the GroupNorm + SiLU prologue, 1 x 64 boxes ran 1.1-3.0x the flat halo and 8 x 8 boxes
+        # 1.2-1.3x the 1 x 64 ones (H200, bf16: ``python tools/bench_conv.py
+        # demos/realnets/sd_vae_decoder.py --passes fprop --fprop-hooks gn-silu``, ``tile_ms``); boxes won
+        # ResNet-50's four 3x3s with BatchNorm + ReLU on load too (``--fprop-hooks bn-relu``)
+        def as_halo(tile: TileConfig) -> TileConfig:
+            if halo_window is None:
+                return replace(tile, halo=True)
+            return replace(tile, halo=True, box_w=halo_box_width(halo_window[0], tile.block_m, *halo_window[1:]))
+
+        halos = [as_halo(t) for t in halo_tiles(first, n_channels, m)]
+        return best_first(list(dict.fromkeys([first, *halos, *candidates(pass_name, k_channels, n_channels, taps, m,
+                                                                         dtype)[1:]])))  # fmt: skip
     if first.flat_k:
         other_warps = replace(first, num_warps=12 - first.num_warps)  # 4 <-> 8
         halved = replace(first, block_m=max(16, first.block_m // 2), num_warps=4)
