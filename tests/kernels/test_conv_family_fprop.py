@@ -29,6 +29,7 @@ from fusion_backend.kernels.conv import (
     TileConfig,
     conv_fprop,
     fprop,
+    halo,
     pick_tile,
 )
 from fusion_backend.kernels.conv.reference import conv_fprop_reference
@@ -1037,11 +1038,15 @@ def test_halo_box_tiles_equal_the_flat_halo_and_refuse_statistics_in_one_line():
     assert halo_box_width((1, 50), 64, (1, 3), (1, 1)) == 64  # a 1-d conv: one row
 
 
-def test_halo_forward_writes_its_window_in_chunks_narrower_than_its_tile():
-    """A tile of 64 rows writes its halo (64 + 2 * 9 + 2 rows of a 9-wide plane) in chunks of 32 rows
-    (``halo.HALO_CHUNK``), the last one partial."""
+@pytest.mark.parametrize(("width", "step"), [(9, 32), (17, 64)])
+def test_halo_forward_writes_its_window_in_steps_the_last_one_partial(width, step):
+    """A tile of 64 rows writes its halo (64 + 2 * width + 2 rows of the plane) in steps of
+    ``halo.halo_chunk`` rows, the last one partial: of 32 rows on a 9-wide plane (82 rows; steps of 64
+    would pad them to 128), of 64 on a 17-wide one (100 rows, padded to 128 either way)."""
+    assert halo.halo_chunk(64 + 2 * width + 2, 64, 16) == step
+    assert halo.halo_chunk(64 + 2 * width + 2, 64, 128) == 32  # 64 rows of 128 channels: too wide a step
     g = torch.Generator().manual_seed(41)
-    x = _channels_last(_randn(2, 24, 7, 9, g=g))
+    x = _channels_last(_randn(2, 24, 7, width, g=g))
     w, b = _randn(20, 24, 3, 3, g=g, scale=0.3), _randn(20, g=g)
     prologue = conv_prologue("channel_affine", 2, 24, g, DEVICE)
     _check("halo chunks", x, w, b, padding=1, prologue=prologue, act_in="relu", stats=True,

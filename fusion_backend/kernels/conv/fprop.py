@@ -514,7 +514,7 @@ class _Plan:
             if why is not None:
                 raise ContractError(f"tile {tile.label()}: the halo kernel does not take {why}")
             rows = halo.halo_rows(tile.block_m, geo.size[2], geo.kernel[1:], geo.dilation[1:], tile.box_w)
-            chunk = min(halo.HALO_CHUNK, tile.block_m)
+            chunk = halo.halo_chunk(rows, tile.block_m, tile.block_n if self.depthwise else tile.block_k)
             cap = cdiv(rows, chunk) * chunk
             n_tiles = cdiv(geo.c_out, tile.block_n) if self.depthwise else cout_pad // tile.block_n
             tiles = (1 if self.depthwise else geo.groups) * self.m_tiles * n_tiles

@@ -18,7 +18,7 @@ tile.  So the rows a tile's taps read are the ``HALO_ROWS = BLOCK_M + (KH - 1) *
 consecutive rows from its first row less ``PH * W + PW`` (:func:`halo_rows`).
 
 Per tile and channel block: a CTA barrier (every thread's reads of the slot's previous block are done),
-the halo's rows in chunks of :data:`HALO_CHUNK`: loaded, normalised and activated (fp32, one rounding to the
+the halo's rows in steps of :func:`halo_chunk` rows: loaded, normalised and activated (fp32, one rounding to the
 compute dtype, as :func:`prologue.load_a_tile`), stored to the slot; a barrier; then each tap's A tile
 loaded from the slot (through L2: ``.cg``, the slot was written by other threads of the CTA) with the
 gather kernel's pad mask, and one dot with the weight's block of the tap.  Within a CTA, global writes
@@ -30,7 +30,7 @@ slot holding every block's window, all written first, then one K loop over (tap,
 3x3s: ``python tools/bench_conv.py demos/realnets/sd_vae_decoder.py --passes fprop --fprop-hooks
 gn-silu``, ``tile_ms``, with both walks offered), so the walk stays per block.
 
-Prologue work per tile: ``HALO_ROWS`` rows (rounded up to :data:`HALO_CHUNK`) against ``BLOCK_M`` rows
+Prologue work per tile: ``HALO_ROWS`` rows (rounded up to a step, :func:`halo_chunk`) against ``BLOCK_M`` rows
 per tap (nine taps) in the gather kernel, 1.1-1.9x the tile's rows for ResNet-50's 3x3s at 7 x 7 to 56
 x 56; the slot is written once and read once per tap.
 
@@ -50,6 +50,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..host import cdiv
 from ..tf32 import round_tf32
 from .epilogue import store_tile
 from .prologue import activation, box_coords, normalise
@@ -57,10 +58,9 @@ from .prologue import activation, box_coords, normalise
 #: Programs per SM of the halo kernel's persistent grid, each with its scratch slot (the slots of a
 #: grid that fits the device at once stay in L2: 528 slots of 256 x 64 bf16 rows are 17 MB).
 PROGRAMS_PER_SM = 4
-#: Rows of the halo normalised per step: every lane of a step runs the prologue, so the halo's rows are
-#: rounded up to this many, not to a tile's (ResNet-50's 7 x 7 planes: 144 rows, 160 in steps of 32, 256
-#: in steps of 128).
-HALO_CHUNK = 32
+#: The rows of the halo written per step (:func:`halo_chunk`): the first where it holds at most 64 x 64
+#: values and pads the window with no more rows than the second.
+HALO_CHUNKS = (64, 32)
 
 
 @triton.jit
@@ -71,7 +71,8 @@ def write_window(x_ptr, slot, first, ROWS, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_p
     """``HALO_ROWS`` flat rows of x (channels-last dense: row ``r`` at ``r * C_IN``) from ``first``, at
     channels ``c`` (``c_ok`` the real ones), through the prologue and ``act_in`` (fp32, rounded once to
     x's dtype, as ``prologue.load_a_tile``), into ``slot`` (row-major ``[rows, BLOCK_K]``), in chunks of
-    ``HALO_CHUNK`` rows, between two CTA barriers: the slot's previous window read by every thread before,
+    ``HALO_CHUNK`` rows (:func:`halo_chunk`), between two CTA barriers: the slot's previous window read by
+    every thread before,
     this one written by every thread after.  Rows outside ``[0, ROWS)`` (x's) are written as anything:
     the taps' loads mask them.  ``PLANE``: rows per sample (a per-sample prologue's index; ``ONE_SAMPLE``:
     x holds one sample, whose vectors the prologue reads once per chunk)."""
@@ -288,6 +289,22 @@ def halo_rows(block_m: int, width: int, kernel: tuple[int, int], dilation: tuple
     if box_w:
         return (block_m // box_w + (kernel[0] - 1) * dilation[0]) * (box_w + (kernel[1] - 1) * dilation[1])
     return block_m + (kernel[0] - 1) * dilation[0] * width + (kernel[1] - 1) * dilation[1]
+
+
+def halo_chunk(rows: int, block_m: int, width: int) -> int:
+    """The rows of a window of ``rows`` positions by ``width`` channels that a tile of ``block_m``
+    output rows writes per step (``HALO_CHUNK``; the window is padded to a multiple of it,
+    ``HALO_CAP``): 64 where a step holds at most 64 x 64 values and pads the window with no more rows
+    than steps of 32 (every lane of a step loads, runs the prologue and stores), else 32; at most
+    ``block_m``.  WHY: a step's prologue waits for its loads, so fewer, wider steps keep more of them in
+    flight.  NOTE: steps of 64 rows of 64 channels ran 1.03-1.26x faster than steps of 32 on the SD VAE
+    decoder's GroupNorm + SiLU 3x3s (512 channels at 128 x 128, 256 and 128 at 512 x 512; the wide halo
+    tile 0.190 -> 0.170, 0.727 -> 0.647, 0.387 -> 0.354 ms, the short one 0.293 -> 0.255, 1.205 ->
+    0.955, 0.293 -> 0.283), steps of 128 and 256 rows slower than 64 on all six (H200, bf16,
+    ``conv_fprop`` with fixed box tiles, CUDA events; windows of 180 and 100 positions, padded alike by
+    32 and 64); wider steps (a depthwise tile's 128 channels) were not timed."""
+    steps = [min(c, block_m) for c in HALO_CHUNKS if c == HALO_CHUNKS[-1] or c * width <= 64 * 64]
+    return min(steps, key=lambda c: (cdiv(rows, c) * c, -c))
 
 
 def applies(geo: object, x_dense: bool, per_sample_stats: bool) -> str | None:

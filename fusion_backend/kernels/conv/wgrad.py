@@ -520,7 +520,8 @@ class _WgradPlan:
         if isinstance(prologue, hooks.GroupAffine):
             g_norm, norm_affine = prologue.groups, prologue.weight is not None
         #: the halo's scratch (``HALO``): one slot per program of ``halo_cap`` rows (elements; 0: none)
-        self.scratch_elems, halo_cap, chunk = 0, 0, halo.HALO_CHUNK
+        # steps of 32 rows: the forward's wider steps (``halo.halo_chunk``) were not timed on this kernel
+        self.scratch_elems, halo_cap, chunk = 0, 0, halo.HALO_CHUNKS[-1]
         if tile.halo:  # a depthwise conv's alone (NOTE at ``conv_wgrad``'s candidates)
             why = "a conv that is not depthwise" if not self.depthwise else halo.applies(
                 geo, not self.relayout_x and dense_channels_last(x), False)  # fmt: skip
