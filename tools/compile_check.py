@@ -68,7 +68,7 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   kernels with more than one channel per group); default six of them.
 * ``conv_halo``: ``kernels/conv/halo.py``'s ``conv_fprop_halo_kernel`` through ``conv_fprop`` with the
   halo's wide and short tiles (``tiles.halo_tiles``; the depthwise path's tile on the depthwise shape),
-  each flat and as box tiles (without the statistics), then, on the
+  each flat and as box tiles, then, on the
   depthwise shape, ``conv_wgrad_kernel`` with its halo
   (the tile the timed choice weighs), on ``conv_family``'s 'same' stride-1 3x3 shapes (ResNet-50's of 64
   channels, the SD VAE's of 512, an EfficientNet-B0 depthwise of 144: its halo over the direct tile's
@@ -635,10 +635,10 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             tiles = [first] if depthwise else FAMILY_TILES.halo_tiles(first, c_out // groups, m)
             for tile in (dataclasses.replace(t, halo=True) for t in tiles):
                 FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
-                if not depthwise:  # its box tiles (no statistics on them)
+                if not depthwise:  # its box tiles
                     box = FAMILY_TILES.halo_box_width(tuple(out_shape[2:]), tile.block_m, tuple(w_shape[2:]), (1, 1))
-                    FAMILY.conv_fprop(x, w, bias, chain=chain, tile=dataclasses.replace(tile, box_w=box), **hooks,
-                                      **geo)  # fmt: skip
+                    FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=dataclasses.replace(tile, box_w=box),
+                                      **hooks, **geo)  # fmt: skip
             if depthwise:
                 for wtile in FAMILY_TILES.candidates("wgrad", 1, c_out // groups, taps, m, dt, c_out, halo=True):
                     if wtile.halo:

@@ -32,6 +32,7 @@ from fusion_backend.kernels.conv import (
     halo,
     pick_tile,
 )
+from fusion_backend.kernels.conv.boxes import box_positions
 from fusion_backend.kernels.conv.reference import conv_fprop_reference
 from fusion_backend.kernels.conv.tiles import candidates, halo_box_width
 from fusion_backend.kernels.plan_cache import ContractError
@@ -1008,27 +1009,30 @@ def test_halo_box_tiles_match_float64_with_every_prologue(name, xs, ws, conv, ki
            tile=tile, **conv)  # fmt: skip
 
 
-def test_halo_box_tiles_equal_the_flat_halo_and_refuse_statistics_in_one_line():
+def test_halo_box_tiles_equal_the_flat_halo_with_their_statistics():
     """A box tile computes what the flat halo does (the same products in the same order per output: the
-    bits on the GPU, fp32 rounding of the dot apart under the interpreter), twice the same bits, and asks
-    for no statistics (one line); the forward's candidates offer the box halo first where the call
-    writes none."""
+    bits on the GPU, fp32 rounding of the dot apart under the interpreter), twice the same bits, and its
+    statistics too, over boxes that hang over the plane's bottom and right edges (9 x 11 in boxes of 4 x
+    4: each box's count its real positions, ``boxes.box_positions``); the forward's candidates offer the
+    box halo first."""
     g = torch.Generator().manual_seed(43)
     x = _channels_last(_randn(2, 20, 9, 11, g=g))
     w, b = _randn(18, 20, 3, 3, g=g, scale=0.3), _randn(18, g=g)
     prologue = conv_prologue("group_affine", 2, 20, g, DEVICE)
-    kw = dict(padding=1, prologue=prologue, act_in="silu")
-    boxed, _ = _check("halo box vs flat", x, w, b, tile=HALO_BOXES[0], **kw)
-    flat, _ = conv_fprop(x, w, b, tile=SMALL_HALO, **kw)
+    kw = dict(padding=1, prologue=prologue, act_in="silu", stats=True)
+    boxed, boxed_stats = _check("halo box vs flat", x, w, b, tile=HALO_BOXES[0], **kw)
+    flat, flat_stats = conv_fprop(x, w, b, tile=SMALL_HALO, **kw)
     torch.testing.assert_close(boxed, flat, rtol=1e-5, atol=1e-5)
-    assert torch.equal(boxed, conv_fprop(x, w, b, tile=HALO_BOXES[0], **kw)[0])
-    with pytest.raises(ContractError, match="statistics on box tiles") as info:
-        conv_fprop(x, w, b, tile=HALO_BOXES[0], stats=True, **kw)
-    assert "\n" not in str(info.value)
+    torch.testing.assert_close(boxed_stats.mean(), flat_stats.mean(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(boxed_stats.var(), flat_stats.var(), rtol=1e-4, atol=1e-5)
+    again, again_stats = conv_fprop(x, w, b, tile=HALO_BOXES[0], **kw)
+    assert torch.equal(boxed, again) and torch.equal(boxed_stats.sum, again_stats.sum)
+    positions = box_positions((1, 9, 11), 2, HALO_BOXES[0])
+    assert positions[:3] == [16, 16, 12] and positions[-1] == 3 and sum(positions) == 2 * 9 * 11
     offered = candidates("fprop", 64, 64, 9, 2 * 56 * 56, torch.bfloat16, halo=True,
                          halo_window=((56, 56), (3, 3), (1, 1)))  # fmt: skip
     assert all(t.halo and t.box_w and t.block_m % t.box_w == 0 for t in offered[1:])
-    # the halo's wide tile and its short one (``tiles.halo_tiles``); flat where the call writes statistics
+    # the halo's wide tile and its short one (``tiles.halo_tiles``); flat without the window's geometry
     assert (offered[1].block_m, offered[1].num_warps, offered[2].block_m, offered[2].num_warps) == (128, 8, 64, 4)
     with_stats = candidates("fprop", 64, 64, 9, 2 * 56 * 56, torch.bfloat16, halo=True)
     assert all(t.halo and not t.box_w for t in with_stats[1:])

@@ -73,3 +73,14 @@ def box_grid(planes: Sequence[int], n: int, tile: TileConfig, refusal: str) -> t
         raise ContractError(f"tile box_w={tile.box_w}: {refusal}")
     per_plane = (cdiv(planes[1], tile.box_h), cdiv(planes[2], tile.box_w))
     return per_plane, n * planes[0] * per_plane[0] * per_plane[1]
+
+
+def box_positions(planes: Sequence[int], n: int, tile: TileConfig) -> list[int]:
+    """The real output positions of each box of :func:`box_grid`'s walk over ``n`` samples' planes of
+    size ``planes`` ``(D, H, W)`` (``prologue.box_coords``' order: column fastest, then row, depth,
+    sample): ``box_h x box_w`` but for the boxes that hang over the plane's bottom or right edge (the
+    statistics' count per box, ``stats.PartialsReduction``'s ``tile_rows``)."""
+    (rows, cols), _ = box_grid(planes, n, tile, "")
+    plane = [min(tile.box_h, planes[1] - r * tile.box_h) * min(tile.box_w, planes[2] - c * tile.box_w)
+             for r in range(rows) for c in range(cols)]  # fmt: skip
+    return plane * (n * planes[0])

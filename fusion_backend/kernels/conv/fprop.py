@@ -72,7 +72,7 @@ from ..launch import FastLaunch
 from ..plan_cache import ContractError, PlanCache, plan_key
 from ..tf32 import dot_precision, round_tf32
 from . import halo, hooks, tma_fprop
-from .boxes import box_grid
+from .boxes import box_grid, box_positions
 from .epilogue import store_tile
 from .hooks import ActivationLike, Prologue
 from .prologue import load_a_tile, load_depthwise_tile, window_rows
@@ -449,6 +449,8 @@ class _Plan:
         #: the statistics' positions per partials row where they are not ``block_m`` but the last
         #: (the TMA forward's program lanes), else None
         tile_rows = None
+        if tile.box_w and self.stats:  # the halo's box tiles: boxes past the plane's edge hold fewer
+            tile_rows = box_positions(geo.size, geo.n, tile)
         if tile.tma:
             if not tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups):
                 raise ContractError(f"tile {tile.label()}: this call is not one the TMA forward takes "
@@ -509,8 +511,6 @@ class _Plan:
         self.scratch_elems = 0
         if tile.halo:
             why = halo.applies(geo, not self.relayout and dense_channels_last(x), stats_groups > 0)
-            if why is None and tile.box_w and self.stats:
-                why = "statistics on box tiles"
             if why is not None:
                 raise ContractError(f"tile {tile.label()}: the halo kernel does not take {why}")
             rows = halo.halo_rows(tile.block_m, geo.size[2], geo.kernel[1:], geo.dilation[1:], tile.box_w)
@@ -759,6 +759,8 @@ def fprop_plan(
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise path (``_Plan.depthwise``)
                            tma=tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups),
                            plain=prologue is None and code_in == 0 and not stats, halo=with_halo,
+                           # with statistics the flat halo: box tiles take them (``boxes.box_positions``) but
+                           # have not been timed with them against the flat halo
                            halo_window=(geo.size[1:], geo.kernel[1:], geo.dilation[1:]) if with_halo and not stats
                            else None)  # fmt: skip
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(

@@ -41,8 +41,9 @@ the box widened by the kernel's reach, ``(BOX_H + (KH - 1) * DH) x (BOX_W + (KW 
 (8 x 16 boxes of a 3x3: 180 for 128 outputs).  The window is written with the padding's zeros in place
 (:func:`write_box_window`), so a tap's tile is an unmasked load of the window shifted by the tap
 (:func:`box_tap`); positions of a box past the plane's edge are computed and not stored.  A box holds one
-sample (a per-sample prologue's vectors are read once per chunk).  No statistics on box tiles (the
-reduction counts a tile's rows as consecutive rows).
+sample (a per-sample prologue's vectors are read once per chunk).  A box's statistics are its real
+positions' (the store masks the others), their count per box given to the reduction
+(``boxes.box_positions``).
 """
 
 from __future__ import annotations
