@@ -321,8 +321,8 @@ def test_tile_sweep_variants_follow_the_options() -> None:
     """``sweep_conv_tiles``' variants of one grid tile: boxes for the gradients only, several taps and
     programs per SM for the weight gradient only (each variant again at each), the TMA row kernel's for a
     1x1 forward and input gradient, the TMA weight gradient's tiles where the call is stride 1 with one
-    group, each at both of its own programs per SM and the asked ones; the halo's for a forward tile and a
-    depthwise weight gradient's."""
+    group, each at both of its own programs per SM and the asked ones; the halo's for a forward tile (with
+    boxes, its box tiles too) and a depthwise weight gradient's."""
     import sweep_conv_tiles
 
     from fusion_backend.kernels.conv.tiles import TileConfig
@@ -347,6 +347,9 @@ def test_tile_sweep_variants_follow_the_options() -> None:
                                                               True)] == ["64x64x64 w4 s3", "64x64x64 w4 s3 halo"]
     assert [v.label() for v in sweep_conv_tiles.tile_variants(tile, conv3, "fprop", False, False, False, (), True)] == [
         "64x64x64 w4 s3", "64x64x64 w4 s3 halo"]
+    # with boxes: the halo forward's box tiles too (``tiles.halo_box_width``)
+    assert [v.label() for v in sweep_conv_tiles.tile_variants(tile, conv3, "fprop", True, False, False, (), True)] == [
+        "64x64x64 w4 s3", "64x64x64 w4 s3 halo", "64x64x64 w4 s3 box 8x8 halo"]
     strided = ConvShape((8, 64, 56, 56), (64, 64, 3, 3), (2, 2), (1, 1), (1, 1), 1, False)
     assert sweep_conv_tiles.tma_wgrad_variants(strided, False, (1,)) == []
     with pytest.raises(Exception, match="from 1 to 4"):

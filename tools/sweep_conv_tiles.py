@@ -12,7 +12,8 @@ L2 warm, so that neither the host's launch cost nor a busy host moves the rankin
 conv-kernels report's for the same tile, on a host whose other GPU ran a benchmark, docs/perf/RESULTS.md)
 on channels-last bf16 (``--dtype``) tensors; with ``--box`` each gradient tile also
 loading boxes (``tiles.box_width``'s shape; where the call refuses a box, the tile's gather time stands
-for it, as the timed choice would then run the gather); with ``--taps`` each tap-major weight-gradient
+for it, as the timed choice would then run the gather), and with ``--halo`` each halo forward tile as box
+tiles too (``tiles.halo_box_width``); with ``--taps`` each tap-major weight-gradient
 tile also taking 3 (or 2) taps per program (``TileConfig.taps_per_program``); with ``--tma`` each forward
 tile and input-gradient tile of a 1x1 conv also as the TMA row kernel's (``TileConfig.tma``; a call it
 does not take, stride 2 or fp32, is skipped) and the TMA weight gradient's tiles timed beside the grid's (``tiles.tma_wgrad_tiles``);
@@ -94,7 +95,7 @@ def tile_variants(tile: Any, shape: Any, pass_name: str, box: bool, taps: bool, 
     forward tile, and a depthwise conv's weight-gradient tile, wider than 1x1; a call the halo does not
     take is skipped), then every weight-gradient variant again at each of ``per_sm``'s
     programs per SM."""
-    from fusion_backend.kernels.conv.tiles import box_width, several_taps
+    from fusion_backend.kernels.conv.tiles import box_width, halo_box_width, several_taps
 
     cin_g = shape.w_shape[1]
     variants = [tile]
@@ -111,8 +112,13 @@ def tile_variants(tile: Any, shape: Any, pass_name: str, box: bool, taps: bool, 
             and tile.num_warps in (4, 8) and n_taps == 1 and not any(shape.padding)):  # fmt: skip
         variants.append(dataclasses.replace(tile, tma=True))
     if halo and not tile.flat_k and n_taps > 1:
-        variants += [dataclasses.replace(v, halo=True) for v in list(variants) if not v.box_w and not v.tma
-                     and (pass_name == "fprop" or (pass_name == "wgrad" and cin_g == 1))]  # fmt: skip
+        halos = [dataclasses.replace(v, halo=True) for v in list(variants) if not v.box_w and not v.tma
+                 and (pass_name == "fprop" or (pass_name == "wgrad" and cin_g == 1))]  # fmt: skip
+        if box and pass_name == "fprop" and cin_g > 1:  # the halo's box tiles too (``tiles.halo_box_width``)
+            plane, kernel, dilation = ((1, *dims)[-2:] for dims in (shape.out_shape[2:], shape.w_shape[2:],
+                                                                    shape.dilation))  # fmt: skip
+            halos += [dataclasses.replace(v, box_w=halo_box_width(plane, v.block_m, kernel, dilation)) for v in halos]
+        variants += halos
     if pass_name == "wgrad":
         variants += [dataclasses.replace(v, programs_per_sm=n) for n in per_sm for v in list(variants)
                      if n != v.programs_per_sm]  # fmt: skip
@@ -150,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=math.inf, help="stop starting rows after this long")
     parser.add_argument("--set-size", type=int, default=3)
     parser.add_argument("--out", help="write the rows as JSON here")
-    parser.add_argument("--box", action="store_true", help="also time each gradient tile loading boxes (the forward has none)")
+    parser.add_argument("--box", action="store_true",
+                        help="also time each gradient tile loading boxes (with --halo the halo forward's box tiles too)")
     parser.add_argument("--taps", action="store_true",
                         help="also time each tap-major weight-gradient tile with 3 (or 2) taps per program")
     parser.add_argument("--tma", action="store_true",
