@@ -206,6 +206,7 @@ def conv_fprop_halo_kernel(
             n, oh0, ow0, m, m_ok = box_rows(pid_m, H, W, BOX_W, BLOCK_M)
             ih0 = oh0 - PH
             iw0 = ow0 - PW
+            oh, ow, first = 0, 0, 0  # the flat window's (unused)
         else:
             m = pid_m * BLOCK_M + r
             m_ok = m < M
@@ -213,46 +214,31 @@ def conv_fprop_halo_kernel(
             oh = (mc % plane) // W
             ow = mc % W
             first = pid_m * BLOCK_M - (PH * W + PW)  # the halo's first flat input row (may be negative)
+            n, ih0, iw0 = 0, 0, 0  # the box's (unused)
         co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_cols = w_ptr + g * (COUT_PAD * K_ROW) + co[None, :] * K_ROW  # [1, BLOCK_N]; padded rows: no mask
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if DEPTHWISE:  # one input channel per output channel: the window over the tile's channels, then per tap a
-            # product with the channels' weights (``fprop._depthwise_tile``'s, summed in fp32), no dot
-            co_ok = co < C_OUT
-            if BOX_W > 0:
-                write_box_window(x_ptr, slot, n, ih0, iw0, H, W, co, co_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in,
-                                 C_IN, HALO_ROWS, WIN_W, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK,
-                                 BLOCK_N)  # fmt: skip
+        # per channel block, the window, then each tap's tile of it; DEPTHWISE: one block, the tile's own
+        # channels, and per tap a product with the channels' weights (``fprop._depthwise_tile``'s, summed in
+        # fp32), no dot
+        for cb in range(0, 1 if DEPTHWISE else CB):
+            if DEPTHWISE:
+                c, c_ok = co, co < C_OUT
             else:
-                write_window(x_ptr, slot, first, rows_total, co, co_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                             plane, HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_N,
-                             ONE_SAMPLE)  # fmt: skip
+                ci = cb * BLOCK_K + kb
+                c, c_ok = g * C_IN_G + ci, ci < C_IN_G
+            write_tile_window(x_ptr, slot, n, ih0, iw0, first, rows_total, H, W, c, c_ok, p0_ptr, p1_ptr, p2_ptr,
+                              p3_ptr, slope_in, C_IN, plane, HALO_ROWS, WIN_W, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN,
+                              BIG, HALO_CHUNK, WIDTH, ONE_SAMPLE, BOX_W)  # fmt: skip
             for tap in range(0, TAPS):
-                if BOX_W > 0:
-                    a = box_tap(slot, tap, KW, DH, DW, WIN_W, BOX_W, BLOCK_M, BLOCK_N)
+                a = tap_tile(slot, tap, oh, ow, m_ok, c_ok, H, W, KW, PH, PW, DH, DW, PADDED, WIN_W, BOX_W, BLOCK_M,
+                             WIDTH)  # fmt: skip
+                if DEPTHWISE:
+                    wv = tl.load(w_ptr + co * TAPS + tap, mask=c_ok, other=0.0).to(tl.float32)
+                    acc += a.to(tl.float32) * wv[None, :]
                 else:
-                    a = window_tap(slot, tap, oh, ow, m_ok, co_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_N)
-                wv = tl.load(w_ptr + co * TAPS + tap, mask=co_ok, other=0.0).to(tl.float32)
-                acc += a.to(tl.float32) * wv[None, :]
-        for cb in range(0, 0 if DEPTHWISE else CB):
-            ci = cb * BLOCK_K + kb
-            c_ok = ci < C_IN_G
-            c = g * C_IN_G + ci
-            if BOX_W > 0:
-                write_box_window(x_ptr, slot, n, ih0, iw0, H, W, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                                 HALO_ROWS, WIN_W, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK,
-                                 BLOCK_K)  # fmt: skip
-            else:
-                write_window(x_ptr, slot, first, rows_total, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
-                             plane, HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, BLOCK_K,
-                             ONE_SAMPLE)  # fmt: skip
-            for tap in range(0, TAPS):
-                if BOX_W > 0:
-                    a = box_tap(slot, tap, KW, DH, DW, WIN_W, BOX_W, BLOCK_M, BLOCK_K)
-                else:
-                    a = window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, BLOCK_K)
-                b = tl.load(w_cols + (tap * CIN_PAD + cb * BLOCK_K + kb)[:, None])
-                acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
+                    b = tl.load(w_cols + (tap * CIN_PAD + cb * BLOCK_K + kb)[:, None])
+                    acc = tl.dot(round_tf32(a, PRECISION), round_tf32(b, PRECISION), acc, input_precision=PRECISION)
         if DEPTHWISE:  # the tile's channels are the output's own
             cols, cols_ok = co, co < C_OUT
         else:
@@ -260,6 +246,35 @@ def conv_fprop_halo_kernel(
         store_tile(acc, m, m_ok, cols, cols_ok, pid_m, out_ptr, conv_ptr, scale_ptr, bias_ptr, res_ptr, part_ptr,
                    q_ptr, slope_out, C_OUT, M_TILES, SAVE_CONV, HAS_SCALE, HAS_BIAS, CHAIN, ACT_OUT, RESIDUAL, STATS,
                    BIG)  # fmt: skip
+
+
+@triton.jit
+def write_tile_window(x_ptr, slot, n, ih0, iw0, first, ROWS, H, W, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr,
+                      slope_in, C_IN, PLANE, HALO_ROWS, WIN_W: tl.constexpr, PROLOGUE: tl.constexpr,
+                      G_NORM: tl.constexpr, NORM_AFFINE: tl.constexpr, ACT_IN: tl.constexpr, BIG: tl.constexpr,
+                      HALO_CHUNK: tl.constexpr, WIDTH: tl.constexpr, ONE_SAMPLE: tl.constexpr,
+                      BOX_W: tl.constexpr):  # fmt: skip
+    """A tile's window at channels ``c``: a box tile's (``BOX_W`` > 0: :func:`write_box_window` from
+    ``(n, ih0, iw0)``) or the flat halo's (:func:`write_window` from row ``first``)."""
+    if BOX_W > 0:
+        write_box_window(x_ptr, slot, n, ih0, iw0, H, W, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN,
+                         HALO_ROWS, WIN_W, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, WIDTH)  # fmt: skip
+    else:
+        write_window(x_ptr, slot, first, ROWS, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, C_IN, PLANE,
+                     HALO_ROWS, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, BIG, HALO_CHUNK, WIDTH, ONE_SAMPLE)  # fmt: skip
+
+
+@triton.jit
+def tap_tile(slot, tap, oh, ow, m_ok, c_ok, H, W, KW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+             DH: tl.constexpr, DW: tl.constexpr, PADDED: tl.constexpr, WIN_W: tl.constexpr, BOX_W: tl.constexpr,
+             BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
+    """Tap ``tap``'s ``[BLOCK_M, WIDTH]`` tile of the window :func:`write_tile_window` wrote: a box
+    tile's (:func:`box_tap`) or the flat halo's (:func:`window_tap`)."""
+    if BOX_W > 0:
+        a = box_tap(slot, tap, KW, DH, DW, WIN_W, BOX_W, BLOCK_M, WIDTH)
+    else:
+        a = window_tap(slot, tap, oh, ow, m_ok, c_ok, H, W, KW, PH, PW, DH, DW, PADDED, BLOCK_M, WIDTH)
+    return a
 
 
 @triton.jit
