@@ -447,7 +447,7 @@ class _Plan:
         if tile.box_w:  # the halo kernel's box tiles (``halo`` module docstring), of one sample's plane each
             self.m_tiles = box_grid(geo.size, geo.n, tile, "")[1]
         #: the statistics' positions per partials row where they are not ``block_m`` but the last
-        #: (the TMA forward's program lanes), else None
+        #: (the TMA forward's program lanes, the halo's boxes), else None
         tile_rows = None
         if tile.box_w and self.stats:  # the halo's box tiles: boxes past the plane's edge hold fewer
             tile_rows = box_positions(geo.size, geo.n, tile)

@@ -207,8 +207,8 @@ def halo_tiles(first: TileConfig, n_channels: int, m: int) -> list[TileConfig]:
     of 512 channels at 128 x 128 and 256 at 512 x 512 with GroupNorm + SiLU on load (0.290 -> 0.192,
     1.261 -> 0.727 ms; without the prologue 0.234 -> 0.161, 0.858 -> 0.627: the window's writes, not the
     prologue, are the halo's cost) and 1.5x on ResNet-50's 3x3 of 256 channels at 14 x 14 with BatchNorm
-    + ReLU (0.059 -> 0.039 ms); the short one won its 3x3 of 64 channels at 56 x 56 (0.062 against 0.078
-    for 128 x 64 on 4 warps) and of 512 at 7 x 7 (0.058 against 0.072: too few wide tiles for the SMs)
+    + ReLU (0.059 -> 0.039 ms); the short one won its 3x3 of 64 channels at 56 x 56 (0.062 against the
+    wide tile's 0.083) and of 512 at 7 x 7 (0.058 against 0.072: too few wide tiles for the SMs)
     (H200, bf16, ``tile_ms`` of ``python tools/bench_conv.py demos/realnets/sd_vae_decoder.py --passes
     fprop --fprop-hooks gn-silu --out DIR`` and ``python tools/bench_conv.py demos/realnets/resnet50.py
     --passes fprop --fprop-hooks bn-relu --filter '*k3x3 p1 g1*' --out DIR``)."""
