@@ -999,14 +999,15 @@ def test_halo_box_tiles_match_float64_with_every_prologue(name, xs, ws, conv, ki
     """The halo kernel's box tiles against float64, eager's error as the yardstick: boxes over planes they
     do not tile (their positions past the edge computed and not stored), windows reaching past the plane
     on every side (the padding's zeros written after the prologue), every prologue kind (per-sample
-    vectors read per box), the bias and an output activation; each box shape on a different case."""
+    vectors read per box), the bias and an output activation, and the output's per-channel statistics
+    (each box counting its real positions); each box shape on a different case."""
     g = torch.Generator().manual_seed(stable_seed(("halo box", name, kind, str(act))))
     x = _channels_last(_randn(*xs, g=g))
     w, b = _randn(*ws, g=g, scale=0.3), _randn(ws[0], g=g)
     prologue = conv_prologue(kind, xs[0], xs[1], g, DEVICE)
     tile = HALO_BOXES[stable_seed((name, kind)) % len(HALO_BOXES)]
     _check(f"halo box {tile.box_w} {name} {kind}", x, w, b, prologue=prologue, act_in=act, act_out="silu",
-           tile=tile, **conv)  # fmt: skip
+           stats=True, tile=tile, **conv)  # fmt: skip
 
 
 def test_halo_box_tiles_equal_the_flat_halo_with_their_statistics():
