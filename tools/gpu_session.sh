@@ -39,6 +39,11 @@
 #            prologue, autocast's casts around regions and the residual's library pass (VAE_TESTS=0 skips them), then the decoder in bf16 inference with every region measured, under
 #            CUDA graphs and in the default mode, into $out/vae-ro and $out/vae-default, each region's verdict printed
 #            (diffusers from the wheels under .whl/, carried to the device: device/README.md)
+#   halo     the halo forward (kernels/conv/halo.py): its GPU tests (box and flat tiles, statistics, window steps),
+#            the SD VAE decoder's four largest GroupNorm + SiLU 3x3 forwards (tools/bench_conv.py --fprop-hooks
+#            gn-silu --profile) into $out/gn-silu, then ResNet-50's hooked 3x3 forwards (prologue and statistics)
+#            with every tile flat and as box halo tiles (tools/sweep_conv_tiles.py --hooked --halo --box) into
+#            $out/halo-sweep.json: whether box tiles should be offered where a forward writes statistics
 #   firstcall tools/first_call.py, cold and warm, on Conv2d 64->64 (infer, train), Conv3d (infer), ConvT3d (train)
 #            (FIRSTCALL_ARGS adds options, e.g. "--warm-runs 1 --profile 25": where each first call's time goes)
 set -uo pipefail
@@ -208,6 +213,20 @@ if has vae; then
     echo "== vae $mode"; grep -E "^[|] sd_vae" "$out/vae-$mode/bench.md" | head -1
     grep -h "fusion-decide-all" "$out/vae-$mode/bench.md" | grep -v cached | sed 's/.*fusion-decide-all[^:]*: //' | cut -c1-200
   done
+fi
+if has halo; then
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      >>"$out/install.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  timeout -k 10 150 python3 -m pytest -q -n 4 -p no:cacheprovider tests/kernels/test_conv_family_fprop.py \
+    -k "halo or box" >"$out/halo_tests.log" 2>&1 || rc=1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/halo_tests.log" | tail -12
+  timeout -k 10 150 python3 tools/bench_conv.py demos/realnets/sd_vae_decoder.py --passes fprop --fprop-hooks gn-silu \
+    --filter '*1x512x128x128 -> 512 k3x3*,*1x512x256x256 -> 256 k3x3*,*1x256x512x512 -> 256 k3x3*,*1x128x512x512 -> 128 k3x3*' \
+    --rounds 3 --profile --out "$out/gn-silu" 2>&1 | tail -12
+  timeout -k 10 200 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --passes fprop --hooked --halo --box \
+    --filter '*k3x3 p1 g1*' --budget-s 150 --out "$out/halo-sweep.json" 2>&1 | tail -20
 fi
 if has firstcall; then
   for spec in "demos/convnets/conv2d_64_k3_relu.py infer" "demos/convnets/conv2d_64_k3_relu.py train" \
