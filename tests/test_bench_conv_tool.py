@@ -381,6 +381,31 @@ def test_the_tile_sweeps_hooked_calls_are_the_benchmarks_hooked_rows(pass_name: 
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_the_tile_sweep_times_a_grid_it_is_given_with_the_forwards_hooks_it_is_asked_for(monkeypatch) -> None:  # noqa: ANN001
+    """``sweep_conv_tiles --grid``: tiles as the benchmark labels them (a malformed one refused in one line);
+    ``--fprop-hooks gn-silu``: the forward's hooked step and its baseline are the benchmark's GroupNorm +
+    SiLU ones (a halo box tile of the given grid computing what the tuned choice does; fp32, no TF32)."""
+    import sweep_conv_tiles
+
+    from fusion_backend.kernels.conv.tiles import TileConfig
+
+    assert sweep_conv_tiles._grid("128x256x64 w8 s3, 64x128x64 w4 s3") == [(128, 256, 64, 8, 3), (64, 128, 64, 4, 3)]
+    with pytest.raises(Exception, match="--grid takes tiles as 'MxNxK wW sS', got '128x256 w8'") as info:
+        sweep_conv_tiles._grid("128x256 w8")
+    assert "\n" not in str(info.value)
+    monkeypatch.setattr(bench_conv, "_inductor", lambda fn: fn)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    shape = ConvShape((1, 64, 6, 5), (16, 64, 3, 3), (1, 1), (1, 1), (1, 1), 1, True)
+    t = bench_conv._Inputs.make(shape, torch.float32, KERNEL_DEVICE)
+    unfused = sweep_conv_tiles._baseline(t, "fprop", True, "gn-silu")()[0]  # (the conv's output, no statistics)
+    tuned, stats = sweep_conv_tiles._steps(t, "fprop", None, True, "gn-silu")()
+    box = TileConfig(16, 16, 16, num_warps=1, num_stages=1, halo=True, box_w=4)
+    boxed, _ = sweep_conv_tiles._steps(t, "fprop", box, True, "gn-silu")()
+    assert stats is None  # the prologue alone
+    torch.testing.assert_close(tuned, unfused, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(boxed, tuned, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("hooks,label,c_in", [("bn-relu", "prologue bn+relu", 4), ("gn-silu", "prologue gn+silu", 64)])
 def test_the_forwards_prologue_alone_is_timed_against_the_prologue_pass_and_the_conv(hooks, label, c_in,  # noqa: ANN001
                                                                                     monkeypatch) -> None:  # noqa: ANN001

@@ -42,7 +42,7 @@
 #   halo     the halo forward (kernels/conv/halo.py): its GPU tests (box and flat tiles, statistics, window steps),
 #            the SD VAE decoder's four largest GroupNorm + SiLU 3x3 forwards (tools/bench_conv.py --fprop-hooks
 #            gn-silu --profile) into $out/gn-silu, then ResNet-50's hooked 3x3 forwards (prologue and statistics)
-#            with every tile flat and as box halo tiles (tools/sweep_conv_tiles.py --hooked --halo --box) into
+#            with the halo's tiles flat and as box tiles (tools/sweep_conv_tiles.py --hooked --halo --box --grid) into
 #            $out/halo-sweep.json: whether box tiles should be offered where a forward writes statistics
 #   firstcall tools/first_call.py, cold and warm, on Conv2d 64->64 (infer, train), Conv3d (infer), ConvT3d (train)
 #            (FIRSTCALL_ARGS adds options, e.g. "--warm-runs 1 --profile 25": where each first call's time goes)
@@ -225,8 +225,9 @@ if has halo; then
   timeout -k 10 150 python3 tools/bench_conv.py demos/realnets/sd_vae_decoder.py --passes fprop --fprop-hooks gn-silu \
     --filter '*1x512x128x128 -> 512 k3x3*,*1x512x256x256 -> 256 k3x3*,*1x256x512x512 -> 256 k3x3*,*1x128x512x512 -> 128 k3x3*' \
     --rounds 3 --profile --out "$out/gn-silu" 2>&1 | tail -12
-  timeout -k 10 200 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --passes fprop --hooked --halo --box \
-    --filter '*k3x3 p1 g1*' --budget-s 150 --out "$out/halo-sweep.json" 2>&1 | tail -20
+  timeout -k 10 240 python3 tools/sweep_conv_tiles.py demos/realnets/resnet50.py --passes fprop --hooked --halo --box \
+    --grid '128x256x64 w8 s3,128x128x64 w8 s3,128x64x64 w8 s3,64x128x64 w4 s3,64x64x64 w4 s3' \
+    --filter '*k3x3 p1 g1*' --budget-s 200 --out "$out/halo-sweep.json" 2>&1 | tail -24
 fi
 if has firstcall; then
   for spec in "demos/convnets/conv2d_64_k3_relu.py infer" "demos/convnets/conv2d_64_k3_relu.py train" \

@@ -22,7 +22,9 @@ with ``--halo`` each forward tile and depthwise weight-gradient tile also with t
 (``TileConfig.programs_per_sm``; the split's cost against its programs); with ``--hooked`` the passes with their hooks
 (``tools/bench_conv.py``'s: the forward with a BatchNorm + ReLU prologue and the output statistics, the
 input gradient with relu' and the BatchNorm sums, the weight gradient with the prologue recomputed),
-against cuDNN plus the Inductor passes the hooks replace (``unfused``).  Prints one line per row
+against cuDNN plus the Inductor passes the hooks replace (``unfused``); ``--fprop-hooks`` names what the
+forward's hooked step fuses (``bench_conv.py``'s option: ``gn-silu``, the GroupNorm + SiLU prologue);
+``--grid 'MxNxK wW sS,...'`` times those tiles instead of :data:`GRID`.  Prints one line per row
 and, at the end, per pass: each tile's time as a fraction of the row's best (geometric mean over
 rows) and the best set of ``--set-size`` tiles, what the candidates of a timed choice should be.
 """
@@ -45,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_conv import CASE_BUILDERS, DEFAULT_MODELS, _Inputs, select  # noqa: E402
+from bench_conv import CASE_BUILDERS, DEFAULT_MODELS, FPROP_HOOKS, _Inputs, fprop_case, select  # noqa: E402
 from conv_shapes import collect  # noqa: E402
 
 #: ``(block_m, block_n, block_k, num_warps, num_stages)`` tried per pass.
@@ -59,16 +61,42 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BASELINES = ("cudnn", "unfused")
 
 
-def _steps(t: _Inputs, pass_name: str, tile: object, hooked: bool = False) -> object:
+def _case(t: _Inputs, pass_name: str, hooked: bool, tile: object = None,
+          fprop_hooks: str = "bn-relu-stats") -> dict[str, Any]:  # fmt: skip
+    """``bench_conv``'s steps of ``pass_name`` with ``tile`` (None: the tuned choice's); the forward's hooked
+    step fuses ``fprop_hooks`` (a key of ``bench_conv.FPROP_HOOKS``)."""
+    if pass_name == "fprop":
+        _, prologue_part, stats_part = FPROP_HOOKS[fprop_hooks]
+        return fprop_case(t, hooked, tile, prologue_part, stats_part)[0]
+    return CASE_BUILDERS[pass_name](t, hooked, tile)[0]
+
+
+def _steps(t: _Inputs, pass_name: str, tile: object, hooked: bool = False, fprop_hooks: str = "bn-relu-stats") -> object:
     """One call of ``pass_name`` with ``tile`` (None: the tuned choice's): ``bench_conv``'s plain or, where
     ``hooked``, hooked step."""
-    return CASE_BUILDERS[pass_name](t, hooked, tile)[0]["hooked" if hooked else "kernel"]
+    return _case(t, pass_name, hooked, tile, fprop_hooks)["hooked" if hooked else "kernel"]
 
 
-def _baseline(t: _Inputs, pass_name: str, hooked: bool) -> object:
+def _baseline(t: _Inputs, pass_name: str, hooked: bool, fprop_hooks: str = "bn-relu-stats") -> object:
     """cuDNN's pass, or with ``hooked`` cuDNN's plus the Inductor passes the hooks replace (``bench_conv``'s
     ``cudnn`` or ``unfused`` step)."""
-    return CASE_BUILDERS[pass_name](t, hooked)[0][BASELINES[hooked]]
+    return _case(t, pass_name, hooked, None, fprop_hooks)[BASELINES[hooked]]
+
+
+def _grid(text: str) -> list[tuple[int, int, int, int, int]]:
+    """``--grid``: comma-separated tiles as ``bench_conv`` labels them, ``MxNxK wW sS`` (e.g. ``128x256x64
+    w8 s3``), the variant options adding their forms of each."""
+    grid = []
+    for spec in (part.strip() for part in text.split(",") if part.strip()):
+        try:
+            blocks, warps, stages = spec.split()
+            bm, bn, bk = (int(v) for v in blocks.split("x"))
+            grid.append((bm, bn, bk, int(warps.removeprefix("w")), int(stages.removeprefix("s"))))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--grid takes tiles as 'MxNxK wW sS', got {spec!r}") from None
+    if not grid:
+        raise argparse.ArgumentTypeError("--grid names no tile")
+    return grid
 
 
 def _score(rows: list[dict[str, float]], chosen: tuple[str, ...]) -> float:
@@ -171,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
                              "its split aiming at these (TileConfig.programs_per_sm)")
     parser.add_argument("--hooked", action="store_true",
                         help="time the passes with their hooks, against cuDNN plus the passes they replace")
+    parser.add_argument("--fprop-hooks", choices=tuple(FPROP_HOOKS), default="bn-relu-stats",
+                        help="what the forward's hooked step fuses (bench_conv.py's option)")
+    parser.add_argument("--grid", type=_grid, default=GRID,
+                        help="comma-separated tiles 'MxNxK wW sS' to time instead of the built-in grid")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_conv_tiles: needs CUDA")
@@ -186,18 +218,19 @@ def main(argv: list[str] | None = None) -> int:
         cin_g, cout_g = shape.w_shape[1], shape.w_shape[0] // shape.groups
         n_extent, k_extent = (cin_g, cout_g) if pass_name == "dgrad" else (cout_g, cin_g)
         base = BASELINES[args.hooked]
-        times = {base: gpu_ms_per_call(_baseline(t, pass_name, args.hooked)),
-                 "tuned": gpu_ms_per_call(_steps(t, pass_name, None, args.hooked))}  # fmt: skip
-        for bm, bn, bk, warps, stages in GRID:
+        times = {base: gpu_ms_per_call(_baseline(t, pass_name, args.hooked, args.fprop_hooks)),
+                 "tuned": gpu_ms_per_call(_steps(t, pass_name, None, args.hooked, args.fprop_hooks))}  # fmt: skip
+        for bm, bn, bk, warps, stages in args.grid:
             if bn > 2 * max(16, 1 << (n_extent - 1).bit_length()) or bk > max(16, k_extent):
                 continue
             variants = tile_variants(TileConfig(bm, bn, bk, warps, stages, flat_k=cin_g < 16), shape, pass_name,
                                      args.box, args.taps, args.tma, args.per_sm, args.halo)  # fmt: skip
-            if pass_name == "wgrad" and args.tma and (bm, bn, bk, warps, stages) == GRID[0]:  # once per row
+            if pass_name == "wgrad" and args.tma and (bm, bn, bk, warps, stages) == args.grid[0]:  # once per row
                 variants += tma_wgrad_variants(shape, args.hooked, args.per_sm)
             for variant in variants:
                 try:
-                    times[variant.label()] = gpu_ms_per_call(_steps(t, pass_name, variant, args.hooked))
+                    times[variant.label()] = gpu_ms_per_call(_steps(t, pass_name, variant, args.hooked,
+                                                                    args.fprop_hooks))  # fmt: skip
                 except ContractError:  # a box the call refuses: the choice would run the gather
                     if variant.tma or variant.halo:
                         continue
