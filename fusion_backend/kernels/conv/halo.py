@@ -18,21 +18,22 @@ tile.  So the rows a tile's taps read are the ``HALO_ROWS = BLOCK_M + (KH - 1) *
 consecutive rows from its first row less ``PH * W + PW`` (:func:`halo_rows`).
 
 Per tile and channel block: a CTA barrier (every thread's reads of the slot's previous block are done),
-the halo's rows in steps of :func:`halo_chunk` rows: loaded, normalised and activated (fp32, one rounding to the
-compute dtype, as :func:`prologue.load_a_tile`), stored to the slot; a barrier; then each tap's A tile
-loaded from the slot (through L2: ``.cg``, the slot was written by other threads of the CTA) with the
-gather kernel's pad mask, and one dot with the weight's block of the tap.  Within a CTA, global writes
+the halo's rows in steps of :func:`halo_chunk` rows: loaded, normalised and activated (fp32, one
+rounding to the compute dtype, as :func:`prologue.load_a_tile`), stored to the slot; a barrier; then
+each tap's A tile loaded from the slot (through L2: ``.cg``, the slot was written by other threads of
+the CTA) with the gather kernel's pad mask, and one dot with the weight's block of the tap.  Within a CTA, global writes
 before a barrier are visible to the CTA's loads after it.  The epilogue is :func:`epilogue.store_tile`.
 NOTE: the tap loop is short (nine steps per block), its pipeline filled and drained once per block; a
 slot holding every block's window, all written first, then one K loop over (tap, block) pipelined whole
 (one program per SM, the slots in L2) ran 1.02-1.06x the time of this walk on the wide halo tile and
 1.4-1.9x on the short one (H200, bf16, the SD VAE decoder's GroupNorm + SiLU 3x3s and ResNet-50's hooked
 3x3s: ``python tools/bench_conv.py demos/realnets/sd_vae_decoder.py --passes fprop --fprop-hooks
-gn-silu``, ``tile_ms``, with both walks offered), so the walk stays per block.
+gn-silu``, ``tile_ms``, the whole-K tiles added to the timed choice's candidates), so the walk stays per
+block.
 
-Prologue work per tile: ``HALO_ROWS`` rows (rounded up to a step, :func:`halo_chunk`) against ``BLOCK_M`` rows
-per tap (nine taps) in the gather kernel, 1.1-1.9x the tile's rows for ResNet-50's 3x3s at 7 x 7 to 56
-x 56; the slot is written once and read once per tap.
+Prologue work per tile: ``HALO_ROWS`` rows (rounded up to a step, :func:`halo_chunk`) against
+``BLOCK_M`` rows per tap (nine taps) in the gather kernel, 1.1-1.9x the tile's rows for ResNet-50's
+3x3s at 7 x 7 to 56 x 56; the slot is written once and read once per tap.
 
 Box tiles (``TileConfig.box_w``): on a wide plane the flat halo is mostly the rows above and below the
 tile (a 3x3 over planes 512 wide: 64 output rows read a halo of 1,090), so a tile may instead be a box of
@@ -73,8 +74,7 @@ def write_window(x_ptr, slot, first, ROWS, c, c_ok, p0_ptr, p1_ptr, p2_ptr, p3_p
     channels ``c`` (``c_ok`` the real ones), through the prologue and ``act_in`` (fp32, rounded once to
     x's dtype, as ``prologue.load_a_tile``), into ``slot`` (row-major ``[rows, BLOCK_K]``), in chunks of
     ``HALO_CHUNK`` rows (:func:`halo_chunk`), between two CTA barriers: the slot's previous window read by
-    every thread before,
-    this one written by every thread after.  Rows outside ``[0, ROWS)`` (x's) are written as anything:
+    every thread before, this one written by every thread after.  Rows outside ``[0, ROWS)`` (x's) are written as anything:
     the taps' loads mask them.  ``PLANE``: rows per sample (a per-sample prologue's index; ``ONE_SAMPLE``:
     x holds one sample, whose vectors the prologue reads once per chunk)."""
     rc = tl.arange(0, HALO_CHUNK)
