@@ -24,6 +24,7 @@ from ..arrival import last_to_arrive
 from ..host import cdiv, next_pow2
 from ..launch import FastLaunch
 from ..plan_cache import PlanCache
+from .prologue import _tap_coords
 
 #: About this many loads per step of a program (``[slots, block]``); at least this many programs (two per
 #: SM of a 132-SM GPU) where the elements are enough for them (:func:`split_sum_blocks`).
@@ -151,8 +152,6 @@ def weight_grad_offsets(g, co, k, C_OUT_G, w_so, w_si, w_sd, w_sh, w_sw, C_IN_G,
         tap = k // CIN_PAD
         ci = k % CIN_PAD
         real = ci < C_IN_G
-    kw = tap % KW
-    kh = (tap // KW) % KH
-    kd = tap // (KW * KH)
+    kd, kh, kw = _tap_coords(tap, KH, KW)
     dst = (g * C_OUT_G + co) * w_so + ci * w_si + kd * w_sd + kh * w_sh + kw * w_sw
     return dst, real & (co < C_OUT_G)
