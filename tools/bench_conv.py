@@ -448,13 +448,20 @@ def build_cases(shape: ConvShape, models: list[str], dtype: str, passes: Sequenc
     inputs = _Inputs.make(shape, DTYPES[dtype], device)
     cases = []
     for op in passes:
-        if op == "fprop":
-            label, with_prologue, with_stats = FPROP_HOOKS[fprop_hooks]
-            built = fprop_case(inputs, hooked, prologue_part=with_prologue, stats_part=with_stats)
-        else:
-            label, built = HOOKS[op], CASE_BUILDERS[op](inputs, hooked)
+        label, *built = pass_case(inputs, op, hooked, fprop_hooks=fprop_hooks)
         cases.append(Case(shape, models, dtype, op, *built, hooks=label))
     return cases
+
+
+def pass_case(t: _Inputs, op: str, hooked: bool, tile: Any = None,
+              fprop_hooks: str = "bn-relu-stats") -> tuple[str, Steps, Checks]:  # fmt: skip
+    """Pass ``op``'s hooked row's label, steps and checks on inputs ``t`` (:data:`CASE_BUILDERS`; the
+    forward's hooks ``fprop_hooks``, a key of :data:`FPROP_HOOKS`); ``tile``: the kernel's (None: its
+    tuned choice)."""
+    if op == "fprop":
+        label, with_prologue, with_stats = FPROP_HOOKS[fprop_hooks]
+        return label, *fprop_case(t, hooked, tile, prologue_part=with_prologue, stats_part=with_stats)
+    return HOOKS[op], *CASE_BUILDERS[op](t, hooked, tile)
 
 
 # --------------------------------------------------------------------------------------------------

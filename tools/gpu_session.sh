@@ -53,6 +53,13 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 has() { [[ ",$stages," == *",$1,"* ]]; }
+# the wheels carried under .whl/ (diffusers for the SD VAE decoder: device/README.md), on PYTHONPATH
+install_wheels() {
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      >>"$out/install.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+}
 # The first model a case compiles times a few percent slower on host-bound rows (docs/perf/RESULTS.md,
 # noise section): a first Inductor copy takes that place, and the verdict judges fusion against the
 # copy compiled after it.
@@ -193,10 +200,7 @@ if has bnconv; then
   tail -4 "$out/bnconv.log"
 fi
 if has vae; then
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      >>"$out/install.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  fi
+  install_wheels
   if [[ ${VAE_TESTS:-1} == 1 ]]; then
     timeout -k 10 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_upsample_fold_kernel.py \
       tests/ops/test_upsample_fold.py tests/e2e/test_e2e_upsample_conv.py tests/ops/test_conv_group_norm_op.py \
@@ -215,10 +219,7 @@ if has vae; then
   done
 fi
 if has halo; then
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      >>"$out/install.log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  fi
+  install_wheels
   timeout -k 10 150 python3 -m pytest -q -n 4 -p no:cacheprovider tests/kernels/test_conv_family_fprop.py \
     -k "halo or box" >"$out/halo_tests.log" 2>&1 || rc=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/halo_tests.log" | tail -12

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_conv import CASE_BUILDERS, DEFAULT_MODELS, FPROP_HOOKS, _Inputs, fprop_case, select  # noqa: E402
+from bench_conv import DEFAULT_MODELS, FPROP_HOOKS, _Inputs, pass_case, select  # noqa: E402
 from conv_shapes import collect  # noqa: E402
 
 #: ``(block_m, block_n, block_k, num_warps, num_stages)`` tried per pass.
@@ -61,26 +61,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BASELINES = ("cudnn", "unfused")
 
 
-def _case(t: _Inputs, pass_name: str, hooked: bool, tile: object = None,
-          fprop_hooks: str = "bn-relu-stats") -> dict[str, Any]:  # fmt: skip
-    """``bench_conv``'s steps of ``pass_name`` with ``tile`` (None: the tuned choice's); the forward's hooked
-    step fuses ``fprop_hooks`` (a key of ``bench_conv.FPROP_HOOKS``)."""
-    if pass_name == "fprop":
-        _, prologue_part, stats_part = FPROP_HOOKS[fprop_hooks]
-        return fprop_case(t, hooked, tile, prologue_part, stats_part)[0]
-    return CASE_BUILDERS[pass_name](t, hooked, tile)[0]
-
-
 def _steps(t: _Inputs, pass_name: str, tile: object, hooked: bool = False, fprop_hooks: str = "bn-relu-stats") -> object:
     """One call of ``pass_name`` with ``tile`` (None: the tuned choice's): ``bench_conv``'s plain or, where
     ``hooked``, hooked step."""
-    return _case(t, pass_name, hooked, tile, fprop_hooks)["hooked" if hooked else "kernel"]
+    return pass_case(t, pass_name, hooked, tile, fprop_hooks)[1]["hooked" if hooked else "kernel"]
 
 
 def _baseline(t: _Inputs, pass_name: str, hooked: bool, fprop_hooks: str = "bn-relu-stats") -> object:
     """cuDNN's pass, or with ``hooked`` cuDNN's plus the Inductor passes the hooks replace (``bench_conv``'s
     ``cudnn`` or ``unfused`` step)."""
-    return _case(t, pass_name, hooked, None, fprop_hooks)[BASELINES[hooked]]
+    return pass_case(t, pass_name, hooked, None, fprop_hooks)[1][BASELINES[hooked]]
 
 
 def _grid(text: str) -> list[tuple[int, int, int, int, int]]:
