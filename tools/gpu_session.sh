@@ -43,7 +43,7 @@
 #            the SD VAE decoder's four largest GroupNorm + SiLU 3x3 forwards (tools/bench_conv.py --fprop-hooks
 #            gn-silu --profile) into $out/gn-silu, then ResNet-50's hooked 3x3 forwards (prologue and statistics)
 #            with the halo's tiles flat and as box tiles (tools/sweep_conv_tiles.py --hooked --halo --box --grid) into
-#            $out/halo-sweep.json: whether box tiles should be offered where a forward writes statistics
+#            $out/halo-sweep.json: box tiles against the flat halo where a forward writes statistics
 #   firstcall tools/first_call.py, cold and warm, on Conv2d 64->64 (infer, train), Conv3d (infer), ConvT3d (train)
 #            (FIRSTCALL_ARGS adds options, e.g. "--warm-runs 1 --profile 25": where each first call's time goes)
 set -uo pipefail

@@ -759,8 +759,10 @@ def fprop_plan(
                            geo.c_out if geo.c_in_g == 1 else None,  # the direct depthwise path (``_Plan.depthwise``)
                            tma=tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups),
                            plain=prologue is None and code_in == 0 and not stats, halo=with_halo,
-                           # with statistics the flat halo: box tiles take them (``boxes.box_positions``) but
-                           # have not been timed with them against the flat halo
+                           # NOTE: with statistics the flat halo.  Box tiles take them (``boxes.box_positions``)
+                           # but were no faster: ResNet-50's hooked 3x3s with statistics, H200 bf16, best flat /
+                           # best box ms 0.0936 / 0.0887, 0.0637 / 0.0692, 0.0513 / 0.0511, 0.0588 / 0.0622
+                           # (``bash tools/gpu_session.sh halo``: ``sweep_conv_tiles.py --hooked --halo --box``)
                            halo_window=(geo.size[1:], geo.kernel[1:], geo.dilation[1:]) if with_halo and not stats
                            else None)  # fmt: skip
         return plan_with(tuned_tile("fprop", key, tiles, lambda t: functools.partial(
