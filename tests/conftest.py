@@ -680,7 +680,7 @@ def _seeded_per_test(request):
 SM90_COMPILE_CASES = {
     "conv_family": ("resnet_3x3-bf16-hooked", "resnet_stem-fp32-hooked", "resnet_3x3-bf16-hooked-box"),
     "conv_halo": ("resnet_3x3-bf16-hooked", "depthwise_s1-bf16-hooked"),
-    "conv_tma": ("resnet_1x1-bf16", "resnet_1x1-bf16-hooked"),
+    "conv_tma": ("resnet_1x1-bf16", "resnet_1x1-bf16-hooked", "resnet_1x1_s2-bf16-hooked"),
     "conv_tma_wgrad": ("resnet_1x1-bf16-hooked", "resnet_3x3-bf16", "resnet_3x3-bf16-hooked"),
     "epilogue": ("none-fp32", "max-bf16", "avg-fp32"),
     "global_mean": ("convt2d-fp32", "convt2d-bf16-cl", "conv2d_padded-fp32-cl"),

@@ -36,3 +36,15 @@ TMA_1X1_SHAPES = [
     ("1d-narrow-k", (3, 24, 50), 48),
     ("3d", (2, 16, 3, 5, 7), 24),
 ]
+
+#: name, the forward input's shape, its output channels, the stride: the TMA forward's strided boxes
+#: (``tma_fprop.StridedRows``) where rows run on across samples (a 2-d height twice the output's), where
+#: a sample's rows end its plane and boxes hang past it (odd sizes, two strides), 1-d and 3-d; channels that
+#: fill no K step or N tile.
+TMA_STRIDED_1X1_SHAPES = [
+    ("2d-even", (3, 72, 14, 12), 40, 2),
+    ("2d-odd", (2, 48, 9, 11), 24, 2),
+    ("2d-3x2", (2, 32, 10, 9), 72, (3, 2)),
+    ("1d", (3, 24, 50), 48, 2),
+    ("3d", (2, 16, 4, 6, 7), 24, 2),
+]

@@ -75,11 +75,12 @@ compiles both jobs in one process; a named job without a case of its own keeps i
   channels); ``bf16`` or ``fp32``; ``-hooked``: the BatchNorm + ReLU prologue and the output statistics.
   Cases ``{resnet_3x3,vae_3x3,depthwise_s1}-{bf16,fp32}[-hooked]``; the bf16 hooked three by default.
 * ``conv_tma``: ``kernels/conv/tma_fprop.py``'s ``tma_fprop_kernel`` (Gluon) through ``conv_fprop`` with
-  each of the TMA forward's tiles (``tiles.tma_tiles``), on ``conv_family``'s 1x1 shape, ``bf16``;
+  each of the TMA forward's tiles (``tiles.tma_tiles``), on ``conv_family``'s 1x1 shapes, ``bf16``;
   ``-hooked``: a BatchNorm + ReLU between convs (the prologue, relu on load and the output statistics,
-  no saved raw conv); then the same kernel as the input gradient (``GRAD``) through ``conv_dgrad`` with
-  each of its tiles (``-hooked``: relu' and the BatchNorm-backward sums).  Cases
-  ``resnet_1x1-bf16[-hooked]``, both by default.
+  no saved raw conv); then, at stride 1, the same kernel as the input gradient (``GRAD``) through
+  ``conv_dgrad`` with each of its tiles (``-hooked``: relu' and the BatchNorm-backward sums); at stride 2
+  the forward's strided boxes alone.  Cases ``{resnet_1x1,resnet_1x1_s2}-bf16[-hooked]``, all four by
+  default.
 * ``conv_tma_wgrad``: ``kernels/conv/tma_wgrad.py``'s ``tma_wgrad_kernel`` (Gluon) through ``conv_wgrad``
   with each of its tiles (``tiles.tma_wgrad_tiles``), then its first with one split (the gradient written
   by the programs themselves, ``DIRECT``) and with three, on ``conv_family``'s stride-1 shapes, ``bf16``
@@ -531,12 +532,13 @@ def global_mean_pipeline(dtype: str, channels_last: bool, padded: bool) -> None:
 
 
 #: The conv family job's problems: ``(x shape, weight shape, stride, padding, groups, bias)`` of
-#: torchvision ResNet-50 at batch 64 (a bottleneck's 1x1 reduce, its 3x3, layer3's 3x3 on a plane no
+#: torchvision ResNet-50 at batch 64 (a bottleneck's 1x1 reduce, a downsampling 1x1 at stride 2, its 3x3, layer3's 3x3 on a plane no
 #: power-of-two box tiles, layer2's strided 3x3, the 7x7 RGB stem: flat K), an EfficientNet-B0
 #: depthwise 3x3 (flat K, one channel per group) and the SD VAE decoder's 512-channel 3x3 with bias
 #: (batch 1, 64x64).
 CONV_FAMILY_SHAPES = {
     "resnet_1x1": ((64, 256, 56, 56), (64, 256, 1, 1), 1, 0, 1, False),
+    "resnet_1x1_s2": ((64, 256, 56, 56), (512, 256, 1, 1), 2, 0, 1, False),
     "resnet_3x3": ((64, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1, False),
     "resnet_3x3_14": ((64, 256, 14, 14), (256, 256, 3, 3), 1, 1, 1, False),
     "resnet_3x3_s2": ((64, 128, 56, 56), (128, 128, 3, 3), 2, 1, 1, False),
@@ -607,6 +609,8 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             tiles = FAMILY_TILES.tma_tiles(c_in, c_out, m) + FAMILY_TILES.tma_tiles(c_in, c_out, m, wide=not hooked)
             for tile in dict.fromkeys(tiles):  # as a BatchNorm between convs: no save
                 FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
+            if stride != 1:  # the forward's strided boxes; the input gradient takes stride 1 alone
+                return
             # the input gradient's tiles: the channels exchanged, as the timed choice offers them
             for tile in FAMILY_TILES.candidates("dgrad", c_out, c_in, 1, m, dt, epilogue_hooks=hooked, tma=True,
                                                 plain=not hooked)[1:]:  # fmt: skip
@@ -795,10 +799,10 @@ JOBS = {job.name: job for job in (
     ),
     Job(
         "conv_tma", "kernels/conv/tma_fprop.py: the Gluon TMA forward and input gradient, plain and hooked (conv_family's "
-        "1x1 shape)",
-        {f"resnet_1x1-bf16{h}": partial(conv_family_pass, "resnet_1x1", "bf16", bool(h), tma="rows")
-         for h in ("", "-hooked")},
-        ("resnet_1x1-bf16", "resnet_1x1-bf16-hooked"),
+        "1x1 shapes; at stride 2 the forward's strided boxes)",
+        {f"{w}-bf16{h}": partial(conv_family_pass, w, "bf16", bool(h), tma="rows")
+         for w in ("resnet_1x1", "resnet_1x1_s2") for h in ("", "-hooked")},
+        ("resnet_1x1-bf16", "resnet_1x1-bf16-hooked", "resnet_1x1_s2-bf16", "resnet_1x1_s2-bf16-hooked"),
         (TiledKernel("tma_fprop_kernel", TMA_FIELDS, "", as_launched(TMA_FIELDS)),),
     ),
     Job(

@@ -12,12 +12,13 @@ fp32 with TF32 off; ``test_fp32_on_cuda_follows_cudnns_own_precision`` checks th
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conv_prologues import PROLOGUES, conv_prologue, prologue_ids
-from conv_tma_cases import TMA_1X1_SHAPES, TMA_ROW_TILES, requires_sm90
+from conv_tma_cases import TMA_1X1_SHAPES, TMA_ROW_TILES, TMA_STRIDED_1X1_SHAPES, requires_sm90
 
 from fusion_backend.kernels.chain_math import OP_CODES as OP
 from fusion_backend.kernels.conv import (
@@ -883,7 +884,8 @@ def test_tma_store_rounds_first_only_without_fp32_arithmetic_and_reads_x_prev_ea
 
 @pytest.mark.parametrize("why,conv,tile", [
     ("a 3x3 conv", dict(padding=1), TileConfig(64, 64, 64, 4, 2, tma=True)),
-    ("a strided 1x1", dict(stride=2), TileConfig(64, 64, 64, 4, 2, tma=True)),
+    ("a padded 1x1", dict(padding=1), TileConfig(64, 64, 64, 4, 2, tma=True)),
+    ("a grouped 1x1", dict(groups=2), TileConfig(64, 64, 64, 4, 2, tma=True)),
     ("a tile of 32 rows", {}, TileConfig(32, 64, 64, 4, 2, tma=True)),
     ("a tile of 512 rows", {}, TileConfig(512, 64, 64, 8, 2, tma=True)),
 ], ids=lambda c: c if isinstance(c, str) else None)  # fmt: skip
@@ -894,7 +896,7 @@ def test_a_tma_tile_the_call_cannot_take_is_refused_in_one_line(why, conv, tile)
     x = _channels_last(_randn(2, 16, 6, 6, g=g, dtype=torch.float16))
     k = 3 if "3x3" in why else 1
     with pytest.raises(ContractError, match="TMA") as info:
-        conv_fprop(x, _randn(8, 16, k, k, g=g, dtype=torch.float16), tile=tile, **conv)
+        conv_fprop(x, _randn(8, 16 // conv.get("groups", 1), k, k, g=g, dtype=torch.float16), tile=tile, **conv)
     assert "\n" not in str(info.value)
 
 
@@ -943,6 +945,67 @@ def test_tma_forward_operand_matrices_and_their_kept_descriptors():
     del x16, sliced16, first, again
     gc.collect()
     assert probe() is None  # the kept descriptor holds the pointer, not the tensor
+
+
+@pytest.mark.parametrize("shape,stride,merged", [
+    ((3, 16, 14, 12), (2, 2), (1, 1, 21)),  # the height twice the output's: rows run on across samples
+    ((2, 8, 9, 11), (2, 2), (1, 2, 5)),  # an odd height: a sample's rows end its plane
+    ((2, 8, 10, 9), (3, 2), (1, 2, 4)),  # two strides, a width no power of two divides
+    ((3, 8, 50), (2,), (1, 1, 3)),  # 1-d: one row per sample
+    ((2, 8, 4, 6, 7), (2, 2, 2), (1, 4, 3)),  # 3-d: samples and depths merged, heights apart
+    ((2, 8, 5, 6, 7), (2, 3, 2), (2, 3, 2)),  # 3-d, nothing merges
+    ((1, 8, 1, 9), (2, 2), (1, 1, 1)),  # a plane of one row
+], ids=["2d-even", "2d-odd", "2d-3x2", "1d", "3d", "3d-apart", "one-row"])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_tma_strided_boxes_cover_each_output_once_from_its_input_row(shape, stride, merged, block_m):
+    """The strided forward's host side (any device): :class:`StridedRows`' view of x's channels-last
+    memory holds, in output order, x's rows at the stride; its dims merge where x's strides allow; and
+    the boxes, walked as the kernel walks them (``_box_origin``, ``_tile_rows``), cover every output
+    position once, each box's real positions its ``tile_rows`` entry."""
+    from fusion_backend.kernels.conv.fprop import output_size
+    from fusion_backend.kernels.conv.tma_fprop import StridedRows
+
+    g = torch.Generator().manual_seed(stable_seed(("strided-rows", str(shape), str(stride))))
+    x = _channels_last(torch.randn(*shape, generator=g))
+    spatial = len(shape) - 2
+    out = output_size(shape[2:], (1,) * spatial, stride, (0,) * spatial, (1,) * spatial)
+    lift = lambda t, fill: (fill,) * (3 - len(t)) + tuple(t)  # noqa: E731
+    n, c = shape[:2]
+    rows = StridedRows.of(n, c, lift(shape[2:], 1), lift(out, 1), lift(stride, 1), block_m)
+    assert rows.dims == merged and rows.box_h * rows.box_w == block_m
+    at_stride = x[(slice(None), slice(None), *(slice(None, None, s) for s in stride))]
+    want = at_stride.movedim(1, -1).reshape(-1, c)
+    view = rows.view(x.movedim(1, -1))
+    assert view.data_ptr() == x.data_ptr() and torch.equal(view.reshape(-1, c), want)
+    r_all, w_all = rows.dims[2], rows.out_w
+    col_boxes, row_boxes = -(-w_all // rows.box_w), -(-r_all // rows.box_h)
+    seen = []
+    for t, count in enumerate(rows.tile_rows()):
+        p, r0, w0 = t // (col_boxes * row_boxes), ((t // col_boxes) % row_boxes) * rows.box_h, (t % col_boxes) * rows.box_w
+        real = [(p * r_all + r0 + i // rows.box_w) * w_all + w0 + i % rows.box_w for i in range(block_m)
+                if r0 + i // rows.box_w < r_all and w0 + i % rows.box_w < w_all]  # fmt: skip
+        assert len(real) == count
+        seen += real
+    assert len(rows.tile_rows()) == rows.m_tiles and sorted(seen) == list(range(n * math.prod(out)))
+
+
+@requires_sm90
+@pytest.mark.parametrize("kind,act", [FPROP_PROLOGUES[0], (None, None)], ids=prologue_ids([FPROP_PROLOGUES[0],
+                                                                                          (None, None)]))
+@pytest.mark.parametrize("name,shape,c_out,stride", TMA_STRIDED_1X1_SHAPES, ids=[c[0] for c in TMA_STRIDED_1X1_SHAPES])
+def test_tma_forward_strided_1x1_matches_float64_with_its_statistics(name, shape, c_out, stride, kind, act):
+    """The strided boxes (``tma_fprop.StridedRows``) on every tile of :data:`TMA_ROW_TILES` against
+    float64, bf16 with the hooks and the statistics (which count each box's real positions alone), and
+    fp16 plain on the first tile; the same bits on a second call."""
+    for dtype, tiles in ((torch.bfloat16, TMA_ROW_TILES), (torch.float16, TMA_ROW_TILES[:1])):
+        for tile in tiles:
+            g = torch.Generator().manual_seed(stable_seed(("tma-strided", name, str(kind), str(dtype), tile.label())))
+            x, w, b = _one_by_one_case(shape, c_out, dtype, g)
+            prologue = None if kind is None else conv_prologue(kind, shape[0], shape[1], g, DEVICE)
+            hooks = dict(prologue=prologue, act_in=act, act_out="relu", stats=True, tile=tile, stride=stride)
+            out, stats = _check(f"tma strided {name} {kind} {dtype} {tile.label()}", x, w, b, **hooks)
+            again, stats2 = conv_fprop(x, w, b, **hooks)
+            assert torch.equal(out, again) and torch.equal(stats.sum, stats2.sum) and torch.equal(stats.m2, stats2.m2)
 
 
 @requires_sm90

@@ -47,8 +47,9 @@ def test_halo_forward_compiles_for_sm90_without_spills(sm90_compile_check) -> No
 @pytest.mark.heavy
 def test_tma_forward_compiles_for_sm90_without_spills(sm90_compile_check) -> None:
     """The Gluon TMA forward has no interpreter: this compile is the CPU suite's only check of it.  A
-    ResNet-50 1x1, plain and with the BatchNorm hooks, in the same compile-check process.  NOTE: 4
-    specialisations, a few seconds of compiling."""
+    ResNet-50 1x1, plain and with the BatchNorm hooks, and its downsampling 1x1 at stride 2 with them
+    (strided boxes), in the same compile-check process.  NOTE: 6 specialisations, a few seconds of
+    compiling."""
     _needs_ptxas()
     out = sm90_compile_check("conv_tma")
     assert "tma_fprop_kernel" in out, out

@@ -30,7 +30,7 @@ GEMM mapping (every rank lifted to 3d with leading size-1 spatial dims):
   BatchNorm + ReLU prologue: 0.046 against 0.061 ms on the 3x3 of 64 channels at 56 x 56, 0.037
   against 0.094 at 14 x 14; ``CONVK_SWEEP=0 bash tools/gpu_session.sh convk``, the report's tile
   timings), so the forward has no box path.
-* On sm_90 (fp16/bf16, a 1x1 kernel, stride 1, no padding, one group) the forward may instead run
+* On sm_90 (fp16/bf16, a 1x1 kernel, no padding, one group) the forward may instead run
   its Gluon kernel, ``tma_fprop`` (a ``TileConfig`` with ``tma``), whose tiles join the timed choice
   (``tiles.candidates``).
 * One input channel per group (depthwise, any channel multiplier, or a single-channel input): no GEMM
@@ -451,11 +451,17 @@ class _Plan:
         tile_rows = None
         if tile.box_w and self.stats:  # the halo's box tiles: boxes past the plane's edge hold fewer
             tile_rows = box_positions(geo.size, geo.n, tile)
+        #: the TMA forward's strided boxes (a 1x1 conv's stride past 1), else None
+        strided = None
         if tile.tma:
             if not tma_fprop.supports(x, weight, geo.stride, geo.padding, geo.groups, stats_groups):
                 raise ContractError(f"tile {tile.label()}: this call is not one the TMA forward takes "
                                     "(tma_fprop.supports)")
             self.weight_in_place = True  # a 1x1 weight is the [C_out, C_in] matrix its box reads, any layout
+            if geo.stride != (1, 1, 1):
+                strided = tma_fprop.StridedRows.of(geo.n, geo.c_in, geo.size, geo.out_size, geo.stride,
+                                                   tile.block_m)  # fmt: skip
+                self.m_tiles = strided.m_tiles
         #: the TMA forward sums a BatchNorm's statistics per program (``tma_fprop.grid_programs``)
         self.program_stats = tile.tma and self.stats and not stats_groups
         #: the TMA forward's store rounds before its layout exchange (no fp32 arithmetic before the rounding)
@@ -467,7 +473,8 @@ class _Plan:
         #: rows of the store's partials: one per M tile, or per program lane
         self.partial_rows = self.m_tiles
         if self.program_stats and self.m_tiles:
-            rows = [min(tile.block_m, geo.m - t * tile.block_m) for t in range(self.m_tiles)]
+            rows = (strided.tile_rows() if strided else
+                    [min(tile.block_m, geo.m - t * tile.block_m) for t in range(self.m_tiles)])  # fmt: skip
             self.partial_rows = programs // cdiv(geo.c_out, tile.block_n)
             tile_rows = tma_fprop.lane_rows(rows, self.partial_rows)
         #: the launch that turns the store's partials into the statistics (None: no statistics)
@@ -535,7 +542,7 @@ class _Plan:
                                                      "HAS_SCALE", "HAS_BIAS", "CHAIN", "ACT_OUT", "RESIDUAL",
                                                      "STATS", "BIG")}  # fmt: skip
             self.launch = tma_fprop.TmaLaunch(tile, geo, self.m_tiles, programs, hook_codes, self.program_stats,
-                                              x.dtype, rounded)  # fmt: skip
+                                              x.dtype, rounded, strided=strided)  # fmt: skip
         else:
             self.launch = FastLaunch(conv_fprop_kernel, grid, constexprs, fixed=fixed)
 

@@ -1,10 +1,18 @@
 """The conv family's forward on sm_90 written in Gluon (the *TMA forward*): the same conv, hooks and
 store as :func:`fprop.conv_fprop_kernel`, with its operands loaded as TMA boxes and its layouts
-chosen; a :class:`tiles.TileConfig` with ``tma`` selects it.  It takes 1x1 convs with stride 1, no
-padding and one group: the GEMM ``out[M, C_out] = a(x)[M, C_in] @ W[C_in, C_out]`` over the
-channels-last rows of ``x``; an M tile is ``BLOCK_M`` consecutive rows (*row tiles*), a K step one
-``[BLOCK_M, BLOCK_K]`` box of them.  The forward's timed tile choice weighs its tiles against the gather
-kernel's (``tiles.candidates``).
+chosen; a :class:`tiles.TileConfig` with ``tma`` selects it.  It takes 1x1 convs without padding and
+with one group: the GEMM ``out[M, C_out] = a(x)[M, C_in] @ W[C_in, C_out]`` over the channels-last rows
+of ``x`` the conv reads.  At stride 1 those are all of x's rows: an M tile is ``BLOCK_M`` consecutive
+rows (*row tiles*), a K step one ``[BLOCK_M, BLOCK_K]`` box of them.  At a larger stride they are x's
+rows at the stride, which no 2-d box spans: the descriptor spans them as the 5-d view ``[P2, P1, R,
+W_out, C_in]`` of :class:`StridedRows` (the output's ``(N, D_out, H_out)`` rows merged into as few dims
+as their strides allow: a 2-d conv's whose height is the stride times the output's is one dim of ``N *
+H_out`` rows), and an M tile is the ``[1, 1, box_h, box_w]`` box of it (*strided boxes*; ``box_h * box_w
+= BLOCK_M``, powers of two chosen so that the boxes cover the fewest positions past the plane), loaded
+into the ring as such and read by ``wgmma`` as the ``[BLOCK_M, BLOCK_K]`` tile it is.  A box's
+positions past the plane (below its last ``R`` row or right of its last column) read zeros and are never
+stored or counted.  The forward's timed tile choice weighs its tiles against the gather kernel's
+(``tiles.candidates``).
 
 The same kernel is such a conv's input gradient (``GRAD``, :meth:`TmaLaunch.input_grad`):
 ``grad_a[M, C_in] = dy[M, C_out] @ W[C_out, C_in]``, the forward's GEMM with the channels exchanged,
@@ -74,9 +82,9 @@ the timed choice takes the gather.
 
 Contract (:func:`supports` says whether a call qualifies): fp16 or bf16 (TMA boxes of 16-bit
 elements; fp32 keeps the gather kernel and its TF32 rounding), ``C_in`` a multiple of 8 (TMA strides
-are multiples of 16 bytes), a 1x1 kernel, one group, stride 1, no padding; the prologue a channel
-affine, a group affine or a gate, any input activation; every store hook but GroupNorm's per-sample
-statistics (row tiles cross samples).  An ``x`` or weight that is not the dense, 16-byte aligned
+are multiples of 16 bytes), a 1x1 kernel, one group, no padding, any stride (the input gradient:
+stride 1); the prologue a channel affine, a group affine or a gate, any input activation; every store
+hook but GroupNorm's per-sample statistics (tiles cross samples).  An ``x`` or weight that is not the dense, 16-byte aligned
 tensor the boxes read (a slice, a view at an odd offset) is copied to one first.  K tails (``C_in``
 not a multiple of ``BLOCK_K``): the boxes read zeros past ``C_in`` in ``x`` and in the weight, and the
 prologue's vectors are masked to 0, so those lanes add ``act(0) * 0 = 0``.  Rows past ``M`` are
@@ -93,6 +101,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -174,25 +183,51 @@ if GLUON:
         return zero, zero
 
     @gluon.jit
-    def _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    def _tile_rows(pid_m, M, SAMPLE_ROWS, BOX_R, BOX_WO, BLOCK_M: gl.constexpr, BOX_W: gl.constexpr,
+                   layout: gl.constexpr):  # fmt: skip
         """M tile ``pid_m``'s rows in ``layout``'s row slice: ``(m, m_ok, n)``, the output positions
-        (row-major ``(n, *spatial)``), which are real, and their samples."""
-        m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        m_ok = m < M
+        (row-major ``(n, *spatial)``), which are real, and their samples.  ``BOX_W`` 0: a row tile's
+        ``BLOCK_M`` consecutive positions; else a strided box's (:func:`_box_origin`), position ``i`` of
+        the tile its row ``i // BOX_W`` and column ``i % BOX_W``, real where those are below ``BOX_R`` and
+        ``BOX_WO``."""
+        i = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        if BOX_W == 0:
+            m = pid_m * BLOCK_M + i
+            m_ok = m < M
+        else:
+            p, r0, w0 = _box_origin(pid_m, BOX_R, BOX_WO, BLOCK_M // BOX_W, BOX_W)
+            r = r0 + i // BOX_W
+            w = w0 + i % BOX_W
+            m = (p * BOX_R + r) * BOX_WO + w
+            m_ok = (r < BOX_R) & (w < BOX_WO)
         return m, m_ok, gl.minimum(m, M - 1) // SAMPLE_ROWS
 
     @gluon.jit
-    def _load_step(a_desc, b_desc, a_ring, b_ring, ready, step, pid, programs, k_steps, n_tiles,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                   STAGES: gl.constexpr, GRAD: gl.constexpr):  # fmt: skip
+    def _box_origin(pid_m, BOX_R, BOX_WO, BOX_H: gl.constexpr, BOX_W: gl.constexpr):
+        """Strided box ``pid_m``'s ``(p, row, column)`` in the ``[P, BOX_R, BOX_WO]`` positions of
+        :class:`StridedRows` (``P = P2 * P1``): boxes column-major fastest, then down the rows, then ``p``
+        (programs running together read neighbouring columns of the same rows)."""
+        col_boxes = gl.cdiv(BOX_WO, BOX_W)
+        row_boxes = gl.cdiv(BOX_R, BOX_H)
+        return pid_m // (col_boxes * row_boxes), ((pid_m // col_boxes) % row_boxes) * BOX_H, (pid_m % col_boxes) * BOX_W
+
+    @gluon.jit
+    def _load_step(a_desc, b_desc, a_ring, b_ring, ready, step, pid, programs, k_steps, n_tiles, BOX_P1, BOX_R,
+                   BOX_WO, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   STAGES: gl.constexpr, GRAD: gl.constexpr, BOX_W: gl.constexpr):  # fmt: skip
         """Issue the TMA loads of this program's ``step``-th (tile, K step) pair into its ring stage: the
-        tile's ``[BLOCK_M, BLOCK_K]`` rows of the A matrix at the step's channels and the weight's block of
-        them, ``[BLOCK_N, BLOCK_K]`` (the forward's) or ``[BLOCK_K, BLOCK_N]`` (``GRAD``)."""
+        tile's ``[BLOCK_M, BLOCK_K]`` rows of the A matrix at the step's channels (a row tile's, or a strided
+        box's ``[1, 1, BLOCK_M / BOX_W, BOX_W, BLOCK_K]``) and the weight's block of them, ``[BLOCK_N,
+        BLOCK_K]`` (the forward's) or ``[BLOCK_K, BLOCK_N]`` (``GRAD``)."""
         tile = pid + (step // k_steps) * programs
         c0 = (step % k_steps) * BLOCK_K
         stage = step % STAGES
         mbarrier.expect(ready.index(stage), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        _tma_load(a_desc, [(tile // n_tiles) * BLOCK_M, c0], ready.index(stage), a_ring.index(stage))
+        if BOX_W == 0:
+            _tma_load(a_desc, [(tile // n_tiles) * BLOCK_M, c0], ready.index(stage), a_ring.index(stage))
+        else:
+            p, r0, w0 = _box_origin(tile // n_tiles, BOX_R, BOX_WO, BLOCK_M // BOX_W, BOX_W)
+            _tma_load(a_desc, [p // BOX_P1, p % BOX_P1, r0, w0, c0], ready.index(stage), a_ring.index(stage))
         if GRAD:
             _tma_load(b_desc, [c0, (tile % n_tiles) * BLOCK_N], ready.index(stage), b_ring.index(stage))
         else:
@@ -202,8 +237,9 @@ if GLUON:
     def _x_prev_tile(xp_ptr, pid_m, tile, n_tiles, M, N_CH, SAMPLE_ROWS, BIG: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
         """The input gradient's ``[BLOCK_M, BLOCK_N]`` tile of x_prev (``xp_ptr``: its dense ``[M, N_CH]``
-        rows) under output tile ``tile`` (M tile ``pid_m``), in ``layout``; 0 past ``M`` and ``N_CH``."""
-        rows, rows_ok, _ = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, layout)
+        rows) under output tile ``tile`` (M tile ``pid_m``, a row tile), in ``layout``; 0 past ``M`` and
+        ``N_CH``."""
+        rows, rows_ok, _ = _tile_rows(pid_m, M, SAMPLE_ROWS, 0, 0, BLOCK_M, 0, layout)
         cols = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         if BIG:
             rows = rows.to(gl.int64)
@@ -222,12 +258,12 @@ if GLUON:
     @gluon.jit
     def tma_fprop_kernel(
         a_desc, b_desc, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr,
-        p3_ptr, slope_in, slope_out, xp_ptr, mean_ptr, rstd_ptr, M, K_CH, N_CH, M_TILES, SAMPLE_ROWS,
-        PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
+        p3_ptr, slope_in, slope_out, xp_ptr, mean_ptr, rstd_ptr, M, K_CH, N_CH, M_TILES, SAMPLE_ROWS, BOX_P1, BOX_R,
+        BOX_WO, PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
         SAVE_CONV: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, CHAIN: gl.constexpr,
         ACT_OUT: gl.constexpr, RESIDUAL: gl.constexpr, STATS: gl.constexpr, BIG: gl.constexpr,
         PROGRAM_STATS: gl.constexpr, GRAD: gl.constexpr, EVEN_K: gl.constexpr, ROUND_FIRST: gl.constexpr,
-        EARLY_X: gl.constexpr, BLOCK_M: gl.constexpr,
+        EARLY_X: gl.constexpr, BOX_W: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The ``[BLOCK_M, BLOCK_N]`` tiles ``pid, pid + programs, ...`` of ``out[M, N_CH] = A[M, K_CH] @
@@ -237,8 +273,10 @@ if GLUON:
         arrive during this tile's store.  A K step: ``BLOCK_K`` channels.
 
         The forward (``GRAD`` False): ``K_CH = C_in``, ``N_CH = C_out``.
-        a_desc  TMA descriptor of x as the row-major ``[M, C_in]`` matrix of its channels-last rows, box
-                ``[BLOCK_M, BLOCK_K]``.
+        a_desc  TMA descriptor of x: as the row-major ``[M, C_in]`` matrix of its channels-last rows, box
+                ``[BLOCK_M, BLOCK_K]`` (``BOX_W`` 0, stride 1); or (strided boxes, ``BOX_W`` their width) as
+                :class:`StridedRows`' ``[P2, P1, BOX_R, BOX_WO, C_in]`` view of its rows at the stride
+                (``BOX_P1`` = P1), box ``[1, 1, BLOCK_M // BOX_W, BOX_W, BLOCK_K]``.
         b_desc  TMA descriptor of the 1x1 weight as the row-major ``[C_out, C_in]`` matrix, box
                 ``[BLOCK_N, BLOCK_K]`` (read transposed by ``wgmma``).
         The other pointers and the hooks' constexprs are :func:`fprop.conv_fprop_kernel`'s (the
@@ -256,6 +294,8 @@ if GLUON:
         over the program's rows (``stats.reduce_grad_partials``).  The forward's other pointers unused.
 
         ``SAMPLE_ROWS``: positions per sample (the rows' samples, which a per-sample prologue reads).
+        ``M_TILES``: row tiles, or strided boxes (``P2 * P1 * cdiv(BOX_R, BLOCK_M // BOX_W) * cdiv(BOX_WO,
+        BOX_W)``).
         ``EVEN_K``: ``BLOCK_K`` divides ``K_CH``.  ``ROUND_FIRST`` (:func:`round_first`): the store does no
         fp32 arithmetic before its one rounding, so the accumulator is rounded before its exchange into the
         store's layout (16-bit values in the exchange's shared memory, :func:`exchange_bytes`).  ``EARLY_X``
@@ -297,7 +337,11 @@ if GLUON:
         k_steps = gl.cdiv(K_CH, BLOCK_K)
         steps = gl.cdiv(M_TILES * n_tiles - pid, programs) * k_steps
 
-        a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        if BOX_W == 0:
+            a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        else:  # a strided box lands as [1, 1, rows, columns, channels]: the same bytes as [BLOCK_M, BLOCK_K]
+            a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, 1, 1, BLOCK_M // BOX_W, BOX_W, BLOCK_K],
+                                               a_desc.layout)  # fmt: skip
         if GRAD:
             b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
         else:
@@ -307,8 +351,8 @@ if GLUON:
             mbarrier.init(ready.index(i), count=1)
         for i in gl.static_range(STAGES - 1):
             if i < steps:
-                _load_step(a_desc, b_desc, a_ring, b_ring, ready, i, pid, programs, k_steps, n_tiles, BLOCK_M,
-                           BLOCK_N, BLOCK_K, STAGES, GRAD)  # fmt: skip
+                _load_step(a_desc, b_desc, a_ring, b_ring, ready, i, pid, programs, k_steps, n_tiles, BOX_P1, BOX_R,
+                           BOX_WO, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GRAD, BOX_W)  # fmt: skip
 
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
         stat_shift = gl.zeros([BLOCK_N], gl.float32, cols_layout)
@@ -327,7 +371,10 @@ if GLUON:
                 b = b_ring.index(s)
             else:
                 b = b_ring.index(s).permute((1, 0))
-            a_tile = a_ring.index(s)
+            if BOX_W == 0:
+                a_tile = a_ring.index(s)
+            else:
+                a_tile = a_ring.index(s).reshape([BLOCK_M, BLOCK_K])
             if READS_X and EARLY_X:  # one K step per tile: issued before its wait, its latency under the step's
                 x_early = _x_prev_tile(xp_ptr, pid_m, tile, n_tiles, M, N_CH, SAMPLE_ROWS, BIG, BLOCK_M, BLOCK_N,
                                        out_layout)  # fmt: skip
@@ -335,7 +382,7 @@ if GLUON:
                 # the vectors' loads go out before the wait, their latency under the box's
                 c0 = ki * BLOCK_K
                 scale, shift = _channel_vectors(c0, p0_ptr, p1_ptr, K_CH, a_layout, PROLOGUE, EVEN_K, BLOCK_K)
-                n_a = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, a_layout)[2]
+                n_a = _tile_rows(pid_m, M, SAMPLE_ROWS, BOX_R, BOX_WO, BLOCK_M, BOX_W, a_layout)[2]
                 mbarrier.wait(ready.index(s), (step // STAGES) & 1)
                 a = _a_operand(a_tile, scale, shift, c0, n_a, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, K_CH,
                                a_layout, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, EVEN_K)  # fmt: skip
@@ -349,14 +396,14 @@ if GLUON:
             _thread_barrier()
             if step + STAGES - 1 < steps:
                 _load_step(a_desc, b_desc, a_ring, b_ring, ready, step + STAGES - 1, pid, programs, k_steps, n_tiles,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GRAD)  # fmt: skip
+                           BOX_P1, BOX_R, BOX_WO, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GRAD, BOX_W)  # fmt: skip
             if ki == k_steps - 1:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 if ROUND_FIRST:  # the stored values are the rounded accumulator: half the exchange's bytes
                     out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), out_layout)
                 else:
                     out = gl.convert_layout(acc, out_layout)
-                m, m_ok, n = _tile_rows(pid_m, M, SAMPLE_ROWS, BLOCK_M, out_layout)
+                m, m_ok, n = _tile_rows(pid_m, M, SAMPLE_ROWS, BOX_R, BOX_WO, BLOCK_M, BOX_W, out_layout)
                 c = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
                 x_saved = 0.0  # the tile of x_prev, where the store reads one
                 if READS_X:
@@ -408,23 +455,21 @@ def _is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def _one_by_one_gemm(a: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
-                     groups: int) -> bool:  # fmt: skip
-    """What both passes ask: a 1x1 conv with stride 1, no padding and one group, its GEMM operand ``a`` (x
-    or grad_y) and weight of one 16-bit dtype, on sm_90 with Gluon."""
+def _one_by_one_gemm(a: torch.Tensor, weight: torch.Tensor, padding: Sequence[int], groups: int) -> bool:
+    """What both passes ask: a 1x1 conv with no padding and one group, its GEMM operand ``a`` (x or
+    grad_y) and weight of one 16-bit dtype, on sm_90 with Gluon."""
     return (GLUON and not INTERPRETER and _is_sm90(a.device) and a.dtype in _DTYPES and weight.dtype == a.dtype
-            and groups == 1 and all(s == 1 for s in stride) and all(p == 0 for p in padding)
-            and math.prod(weight.shape[2:]) == 1)  # fmt: skip
+            and groups == 1 and all(p == 0 for p in padding) and math.prod(weight.shape[2:]) == 1)  # fmt: skip
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
              groups: int, stats_groups: int) -> bool:  # fmt: skip
-    """Whether a forward call can run here: a 1x1 conv with stride 1, no padding and one group, fp16 or
-    bf16 on sm_90, ``C_in`` a multiple of 8, and not GroupNorm's per-sample statistics (``stats_groups``
-    0: the row tiles cross samples).  Any layout qualifies: an ``x`` or weight that is not the dense,
-    16-byte aligned tensor the boxes read is copied to one first (:func:`_dense`), which the timed tile
-    choice weighs."""
-    return (_one_by_one_gemm(x, weight, stride, padding, groups) and x.shape[1] % CHANNEL_ALIGN == 0
+    """Whether a forward call can run here: a 1x1 conv with no padding and one group (any stride: strided
+    boxes past 1), fp16 or bf16 on sm_90, ``C_in`` a multiple of 8, and not GroupNorm's per-sample
+    statistics (``stats_groups`` 0: the tiles cross samples).  Any layout qualifies: an ``x`` or weight
+    that is not the dense, 16-byte aligned tensor the boxes read is copied to one first (:func:`_dense`),
+    which the timed tile choice weighs."""
+    return (_one_by_one_gemm(x, weight, padding, groups) and x.shape[1] % CHANNEL_ALIGN == 0
             and stats_groups == 0)  # fmt: skip
 
 
@@ -434,8 +479,8 @@ def supports_grad(grad_y: torch.Tensor, weight: torch.Tensor, stride: Sequence[i
     so a 1x1 conv with stride 1, no padding and one group, fp16 or bf16 on sm_90, ``C_out`` and ``C_in``
     multiples of 8 (grad_y's rows and the weight's are the boxes' 16-byte strides).  Any layout, as
     :func:`supports`."""
-    return (_one_by_one_gemm(grad_y, weight, stride, padding, groups) and weight.shape[0] % CHANNEL_ALIGN == 0
-            and weight.shape[1] % CHANNEL_ALIGN == 0)  # fmt: skip
+    return (_one_by_one_gemm(grad_y, weight, padding, groups) and all(s == 1 for s in stride)
+            and weight.shape[0] % CHANNEL_ALIGN == 0 and weight.shape[1] % CHANNEL_ALIGN == 0)  # fmt: skip
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -511,6 +556,69 @@ def lane_rows(tile_rows: Sequence[int], lanes: int) -> list[int]:
     return [sum(tile_rows[j::lanes]) for j in range(lanes)]
 
 
+@dataclass(frozen=True)
+class StridedRows:
+    """A strided 1x1 forward's A operand (module docstring, *strided boxes*): x's channels-last rows at
+    the stride as the 5-d view ``[P2, P1, R, W_out, C_in]`` (:meth:`view`), and the boxes of ``box_h x
+    box_w`` output positions that tile each ``R x W_out`` plane, ``box_h * box_w = block_m`` (powers of two),
+    the pair whose boxes cover the fewest positions past the plane (:meth:`of`).  ``(P2, P1, R)`` are the output's ``(N, D_out, H_out)`` merged from the inside wherever a
+    dim's stride at the stride is the next one's extent, so that boxes run on across samples and planes
+    where x's memory allows (a 2-d conv whose height is the stride times the output's: one dim of ``N *
+    H_out`` rows); ``strides`` are their element strides in x's dense channels-last memory."""
+
+    dims: tuple[int, int, int]
+    strides: tuple[int, int, int]
+    out_w: int
+    w_stride: int
+    box_h: int
+    box_w: int
+
+    @classmethod
+    def of(cls, n: int, c_in: int, size: Sequence[int], out_size: Sequence[int], stride: Sequence[int],
+           block_m: int) -> StridedRows:  # fmt: skip
+        """The view of an ``(N, C_in, D, H, W)`` channels-last dense input (sizes lifted to 3 spatial
+        dims) read at ``stride`` into ``out_size``, for tiles of ``block_m`` rows."""
+        d, h, w = size
+        merged = [[out_size[1], stride[1] * w * c_in]]  # (extent, stride), innermost first: H_out's
+        for extent, step in ((out_size[0], stride[0] * h * w * c_in), (n, d * h * w * c_in)):
+            inner_extent, inner_step = merged[-1]
+            if extent == 1:
+                continue
+            if inner_extent == 1:
+                merged[-1] = [extent, step]
+            elif step == inner_extent * inner_step:
+                merged[-1] = [extent * inner_extent, inner_step]
+            else:
+                merged.append([extent, step])
+        while len(merged) < 3:  # a dim of extent 1 strides over the one inside it (TMA: 16-byte strides)
+            merged.append([1, merged[-1][0] * merged[-1][1]])
+        (r, sr), (p1, s1), (p2, s2) = merged
+        out_w = out_size[2]
+        widths = [1 << i for i in range(block_m.bit_length()) if (1 << i) <= block_m]
+        # the fewest positions covered (the MMA's work), then the widest box
+        box_w = min(widths, key=lambda bw: (-(-r * bw // block_m) * block_m // bw * -(-out_w // bw) * bw, -bw))
+        return cls((p2, p1, r), (s2, s1, sr), out_w, stride[2] * c_in, block_m // box_w, box_w)
+
+    def view(self, x_rows: torch.Tensor) -> torch.Tensor:
+        """The ``[P2, P1, R, W_out, C_in]`` view of ``x_rows`` (x's dense channels-last memory, any shape)
+        the descriptor spans."""
+        c_in = x_rows.shape[-1]
+        return x_rows.as_strided((*self.dims, self.out_w, c_in), (*self.strides, self.w_stride, 1))
+
+    @property
+    def m_tiles(self) -> int:
+        """Boxes in all: ``P2 * P1`` times the boxes of one ``R x W_out`` plane."""
+        return self.dims[0] * self.dims[1] * -(-self.dims[2] // self.box_h) * -(-self.out_w // self.box_w)
+
+    def tile_rows(self) -> list[int]:
+        """Each box's real output positions, in the kernel's box order (``_box_origin``: columns fastest,
+        then rows, then the planes): fewer in the boxes past the plane's last row or column."""
+        r, w = self.dims[2], self.out_w
+        plane = [min(self.box_h, r - r0) * min(self.box_w, w - w0) for r0 in range(0, r, self.box_h)
+                 for w0 in range(0, w, self.box_w)]  # fmt: skip
+        return plane * (self.dims[0] * self.dims[1])
+
+
 class _Base:
     """What a tensor descriptor reads of its tensor (the data pointer, the dtype), without holding the
     tensor: the descriptors a launch keeps (:class:`TmaLaunch`) must not keep activations alive."""
@@ -536,7 +644,8 @@ class TmaLaunch:
     accepted, called by :meth:`input_grad`.
 
     ``geo``: the plan's ``_Geometry`` (the forward's; the input gradient's GEMM exchanges its channels);
-    ``m_tiles``: row tiles of ``block_m`` rows; ``programs``: the persistent grid (:func:`grid_programs`,
+    ``strided``: a strided forward's :class:`StridedRows` (None: row tiles); ``m_tiles``: row tiles of
+    ``block_m`` rows or strided boxes; ``programs``: the persistent grid (:func:`grid_programs`,
     which the plan's reduction reads too); ``constexprs``: the hooks' (``PROLOGUE`` .. ``BIG`` of the
     gather kernel's); ``program_stats``: the sums per program, not per tile (:func:`lane_rows`);
     ``rounded``: the store rounds first (:func:`round_first`).
@@ -548,17 +657,24 @@ class TmaLaunch:
     6.5 us, two ``TensorDescriptor`` 4.6 us; a scratch timing of the plan's calls)."""
 
     def __init__(self, tile: Any, geo: Any, m_tiles: int, programs: int, constexprs: dict[str, Any],
-                 program_stats: bool, dtype: torch.dtype, rounded: bool, grad: bool = False) -> None:  # fmt: skip
-        self.tile, self.geo = tile, geo
+                 program_stats: bool, dtype: torch.dtype, rounded: bool, grad: bool = False,
+                 strided: StridedRows | None = None) -> None:  # fmt: skip
+        self.tile, self.geo, self.strided = tile, geo, strided
         k_channels, n_channels = (geo.c_out, geo.c_in) if grad else (geo.c_in, geo.c_out)
         stages = ring_stages(tile, k_channels, exchange_bytes(rounded))
         constexprs = dict(constexprs, EVEN_K=k_channels % tile.block_k == 0, ROUND_FIRST=rounded,
                           EARLY_X=grad and early_x_read(k_channels, tile.block_k), BLOCK_M=tile.block_m,
                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages, PROGRAM_STATS=program_stats,
-                          GRAD=grad, num_warps=tile.num_warps)  # fmt: skip
-        fixed = (geo.m, k_channels, n_channels, m_tiles, math.prod(geo.out_size))
+                          GRAD=grad, BOX_W=strided.box_w if strided else 0, num_warps=tile.num_warps)  # fmt: skip
+        boxes = (strided.dims[1], strided.dims[2], strided.out_w) if strided else (0, 0, 0)
+        fixed = (geo.m, k_channels, n_channels, m_tiles, math.prod(geo.out_size), *boxes)
         self.launch = FastLaunch(tma_fprop_kernel, (programs,), constexprs, fixed=fixed)
-        self.a_block = [tile.block_m, tile.block_k]
+        if strided:
+            self.a_block = [1, 1, strided.box_h, strided.box_w, tile.block_k]
+            self.a_matrix = strided_input(strided)
+        else:
+            self.a_block = [tile.block_m, tile.block_k]
+            self.a_matrix = input_rows
         self.b_block = [tile.block_k, tile.block_n] if grad else [tile.block_n, tile.block_k]
         self.a_layout, self.b_layout = _shared_layout(self.a_block, dtype), _shared_layout(self.b_block, dtype)
         self._a_kept: dict[int, Any] = {}
@@ -584,7 +700,7 @@ class TmaLaunch:
                      unused if rstd is None else rstd)  # fmt: skip
 
     def _launch(self, a: torch.Tensor, weight: torch.Tensor, *pointers: Any) -> None:
-        a_desc, a_copy = kept_descriptor(self._a_kept, a, input_rows, self.a_block, self.a_layout)
+        a_desc, a_copy = kept_descriptor(self._a_kept, a, self.a_matrix, self.a_block, self.a_layout)
         b_desc, b_copy = kept_descriptor(self._b_kept, weight, weight_matrix, self.b_block, self.b_layout)
         self.launch(a_desc, b_desc, *pointers)
         del a_copy, b_copy  # the copies the descriptors point at lived until the launch was queued
@@ -615,6 +731,13 @@ def input_rows(x: torch.Tensor) -> torch.Tensor:
     """The ``[M, C]`` matrix of x's channels-last rows (x any ``(N, C, *spatial)`` tensor: an input, an
     output gradient) that its descriptor spans; dense and 16-byte aligned (a copy where ``x`` is not)."""
     return _dense(x.movedim(1, -1)).view(-1, x.shape[1])
+
+
+def strided_input(strided: StridedRows) -> Any:
+    """The function from x to the view of its rows at the stride that a strided forward's descriptor
+    spans (:meth:`StridedRows.view` of x's dense, 16-byte aligned channels-last memory: a copy where x
+    is not that)."""
+    return lambda x: strided.view(_dense(x.movedim(1, -1)))
 
 
 def weight_matrix(weight: torch.Tensor) -> torch.Tensor:
