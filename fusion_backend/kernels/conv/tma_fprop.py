@@ -12,7 +12,12 @@ H_out`` rows), and an M tile is the ``[1, 1, box_h, box_w]`` box of it (*strided
 into the ring as such and read by ``wgmma`` as the ``[BLOCK_M, BLOCK_K]`` tile it is.  A box's
 positions past the plane (below its last ``R`` row or right of its last column) read zeros and are never
 stored or counted.  The forward's timed tile choice weighs its tiles against the gather kernel's
-(``tiles.candidates``).
+(``tiles.candidates``).  NOTE: H200, bf16, ResNet-50's 1x1s at stride 2, batch 64 (GPU ms per call,
+strided boxes' best tile against the gather kernel's): 256 -> 512 at 56 x 56 0.0389 against 0.0451 (cuDNN
+0.0318), with BatchNorm + ReLU on load and the statistics 0.0826 against 0.1008; 512 -> 1024 at 28 x 28
+0.0323 against 0.0306 and 1024 -> 2048 at 14 x 14 0.0330 against 0.0251, where the gather is chosen
+(``python tools/bench_conv.py demos/realnets/resnet50.py --passes fprop --filter '*k1x1 s2*' --profile``,
+the report's ``tile_ms``).
 
 The same kernel is such a conv's input gradient (``GRAD``, :meth:`TmaLaunch.input_grad`):
 ``grad_a[M, C_in] = dy[M, C_out] @ W[C_out, C_in]``, the forward's GEMM with the channels exchanged,
