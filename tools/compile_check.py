@@ -77,10 +77,10 @@ compiles both jobs in one process; a named job without a case of its own keeps i
 * ``conv_tma``: ``kernels/conv/tma_fprop.py``'s ``tma_fprop_kernel`` (Gluon) through ``conv_fprop`` with
   each of the TMA forward's tiles (``tiles.tma_tiles``), on ``conv_family``'s 1x1 shapes, ``bf16``;
   ``-hooked``: a BatchNorm + ReLU between convs (the prologue, relu on load and the output statistics,
-  no saved raw conv); then, at stride 1, the same kernel as the input gradient (``GRAD``) through
-  ``conv_dgrad`` with each of its tiles (``-hooked``: relu' and the BatchNorm-backward sums); at stride 2
-  the forward's strided boxes alone.  Cases ``{resnet_1x1,resnet_1x1_s2}-bf16[-hooked]``, all four by
-  default.
+  no saved raw conv; at stride 2 the forward's strided boxes); then the same kernel as the input gradient
+  (``GRAD``; at stride 2 its results at the stride and zeros between) through ``conv_dgrad`` with each of
+  its tiles (``-hooked``: relu' and the BatchNorm-backward sums).  Cases
+  ``{resnet_1x1,resnet_1x1_s2}-bf16[-hooked]``, all four by default.
 * ``conv_tma_wgrad``: ``kernels/conv/tma_wgrad.py``'s ``tma_wgrad_kernel`` (Gluon) through ``conv_wgrad``
   with each of its tiles (``tiles.tma_wgrad_tiles``), then its first with one split (the gradient written
   by the programs themselves, ``DIRECT``) and with three, on ``conv_family``'s stride-1 shapes, ``bf16``
@@ -609,8 +609,6 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             tiles = FAMILY_TILES.tma_tiles(c_in, c_out, m) + FAMILY_TILES.tma_tiles(c_in, c_out, m, wide=not hooked)
             for tile in dict.fromkeys(tiles):  # as a BatchNorm between convs: no save
                 FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
-            if stride != 1:  # the forward's strided boxes; the input gradient takes stride 1 alone
-                return
             # the input gradient's tiles: the channels exchanged, as the timed choice offers them
             for tile in FAMILY_TILES.candidates("dgrad", c_out, c_in, 1, m, dt, epilogue_hooks=hooked, tma=True,
                                                 plain=not hooked)[1:]:  # fmt: skip
@@ -799,7 +797,7 @@ JOBS = {job.name: job for job in (
     ),
     Job(
         "conv_tma", "kernels/conv/tma_fprop.py: the Gluon TMA forward and input gradient, plain and hooked (conv_family's "
-        "1x1 shapes; at stride 2 the forward's strided boxes)",
+        "1x1 shapes; at stride 2 the forward's strided boxes and the input gradient's zeros)",
         {f"{w}-bf16{h}": partial(conv_family_pass, w, "bf16", bool(h), tma="rows")
          for w in ("resnet_1x1", "resnet_1x1_s2") for h in ("", "-hooked")},
         ("resnet_1x1-bf16", "resnet_1x1-bf16-hooked", "resnet_1x1_s2-bf16", "resnet_1x1_s2-bf16-hooked"),

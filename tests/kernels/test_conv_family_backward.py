@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conv_prologues import PROLOGUES, conv_prologue, prologue_ids
-from conv_tma_cases import TMA_1X1_SHAPES, TMA_ROW_TILES, requires_sm90
+from conv_tma_cases import TMA_1X1_SHAPES, TMA_ROW_TILES, TMA_STRIDED_1X1_SHAPES, requires_sm90
 
 from fusion_backend.kernels.conv import (
     Activation,
@@ -924,6 +924,49 @@ def test_tma_dgrad_1x1_matches_float64_with_its_sums(name, shape, c_out, kind, a
 
 
 @requires_sm90
+@pytest.mark.parametrize("kind,act", [("batch_norm", "relu"), PROLOGUES[1], (None, None)],
+                         ids=prologue_ids([("batch_norm", "relu"), PROLOGUES[1], (None, None)]))
+@pytest.mark.parametrize("name,shape,c_out,stride", TMA_STRIDED_1X1_SHAPES, ids=[c[0] for c in TMA_STRIDED_1X1_SHAPES])
+def test_tma_dgrad_strided_1x1_matches_float64_with_its_sums(name, shape, c_out, stride, kind, act):
+    """A strided 1x1's input gradient on the TMA kernel (results at the stride, zeros between through the
+    same store: act' of the recomputed prologue and the BatchNorm-backward sums over every input position)
+    on every tile of :data:`TMA_ROW_TILES` in bf16 and the first in fp16, against float64; the same bits on
+    a second call."""
+    for dtype, tiles in ((torch.bfloat16, TMA_ROW_TILES), (torch.float16, TMA_ROW_TILES[:1])):
+        for tile in tiles:
+            g = torch.Generator().manual_seed(stable_seed(("tma-dgrad-strided", name, str(kind), str(dtype),
+                                                           tile.label())))  # fmt: skip
+            x, stats, folded, _, w = _tma_grad_case(shape, c_out, dtype, g)
+            spatial = len(shape) - 2
+            gy = _channels_last(_randn(*_out_shape(shape, w.shape, dict(stride=stride)), g=g, dtype=dtype))
+            kw = dict(tile=tile, stride=stride)
+            if kind is not None:
+                prologue = folded if kind == "batch_norm" else conv_prologue(kind, shape[0], shape[1], g, DEVICE)
+                kw.update(x_prev=x, prologue=prologue, act_in=act, norm_stats=stats)
+            grad, sums = _check_dgrad(f"tma dgrad strided {name} {kind} {dtype} {tile.label()}", gy, w, x.shape, **kw)
+            assert dgrad._PLANS.values()[-1].tma is not None and spatial >= 1
+            again, sums2 = conv_dgrad(gy, w, x.shape, **kw)
+            assert torch.equal(grad, again)
+            if sums is not None:
+                assert torch.equal(sums.sum_dz, sums2.sum_dz) and torch.equal(sums.sum_dz_xhat, sums2.sum_dz_xhat)
+
+
+@requires_sm90
+def test_tma_dgrad_strided_zeros_take_act_prime_of_their_input():
+    """Where no output reads an input position its gradient is 0 * act'(z), as eager's: NaN where SiLU's
+    derivative of an infinite z is NaN, 0 where ReLU's is 0; the sums carry the NaN as eager's do."""
+    g = torch.Generator().manual_seed(97)
+    x, stats, folded, _, w = _tma_grad_case((2, 32, 6, 6), 24, torch.bfloat16, g)
+    x[0, :, 1, 3] = float("inf")  # an odd row: no output of the stride-2 conv reads it
+    gy = _channels_last(_randn(2, 24, 3, 3, g=g, dtype=torch.bfloat16))
+    for act in ("silu", "relu"):
+        grad, _ = conv_dgrad(gy, w, x.shape, stride=2, x_prev=x, prologue=None, act_in=act, tile=TMA_ROW_TILES[0])
+        eager, _ = conv_dgrad_reference(gy, w, x.shape, stride=2, x_prev=x, prologue=None, act_in=act)
+        assert torch.equal(grad.isnan(), eager.isnan()), act
+        assert grad.isnan().any() == (act == "silu"), act
+
+
+@requires_sm90
 def test_tma_dgrad_sums_alone_and_any_layout():
     """The sums without an activation (grad_z = grad_a), a sliced grad_y, an NCHW x_prev and weight:
     each copied to the dense rows the kernel reads."""
@@ -970,7 +1013,7 @@ def test_tma_tiles_join_the_input_gradients_candidates():
 
 @pytest.mark.parametrize("why,conv,ws", [
     ("a 3x3 conv", dict(padding=1), (8, 16, 3, 3)),
-    ("a strided 1x1", dict(stride=2), (8, 16, 1, 1)),
+    ("a padded 1x1", dict(padding=1), (8, 16, 1, 1)),
     ("grouped", dict(groups=2), (8, 8, 1, 1)),
     ("12 output channels", {}, (12, 16, 1, 1)),
 ], ids=lambda c: c if isinstance(c, str) else None)  # fmt: skip

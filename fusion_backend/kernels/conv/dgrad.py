@@ -465,6 +465,7 @@ class _DgradPlan:
                 raise ContractError(f"tile {tile.label()}: this call is not one the TMA input gradient takes "
                                     "(tma_fprop.supports_grad)")
             rounded = tma_fprop.round_first(True, act)
+            m_tiles = cdiv(geo.m, tile.block_m)  # row tiles of grad_y (the output's positions, at any stride)
             programs = tma_fprop.grid_programs(tile, geo.c_out, geo.c_in, m_tiles, grad_y.device, sums,
                                                tma_fprop.exchange_bytes(rounded))  # fmt: skip
             self.m_tiles = programs // cdiv(geo.c_in, tile.block_n) if sums else m_tiles

@@ -20,7 +20,9 @@ strided boxes' best tile against the gather kernel's): 256 -> 512 at 56 x 56 0.0
 the report's ``tile_ms``).
 
 The same kernel is such a conv's input gradient (``GRAD``, :meth:`TmaLaunch.input_grad`):
-``grad_a[M, C_in] = dy[M, C_out] @ W[C_out, C_in]``, the forward's GEMM with the channels exchanged,
+``grad_a[M, C_in] = dy[M, C_out] @ W[C_out, C_in]``, the forward's GEMM with the channels exchanged
+(at a stride past 1 over grad_y's rows, each result stored at its input position at the stride and the
+window's other positions, which no output reads, stored as 0 through the same store),
 the weight's box read as it lies (``wgmma`` takes a 16-bit B MN-major), the store
 :func:`grad_epilogue.store_grad_tile` (act' of the recomputed prologue), and the BatchNorm-backward sums
 per program as the forward's statistics below.  NOTE: on ResNet-50's 1x1 input gradients with relu' and
@@ -87,8 +89,7 @@ the timed choice takes the gather.
 
 Contract (:func:`supports` says whether a call qualifies): fp16 or bf16 (TMA boxes of 16-bit
 elements; fp32 keeps the gather kernel and its TF32 rounding), ``C_in`` a multiple of 8 (TMA strides
-are multiples of 16 bytes), a 1x1 kernel, one group, no padding, any stride (the input gradient:
-stride 1); the prologue a channel affine, a group affine or a gate, any input activation; every store
+are multiples of 16 bytes), a 1x1 kernel, one group, no padding, any stride; the prologue a channel affine, a group affine or a gate, any input activation; every store
 hook but GroupNorm's per-sample statistics (tiles cross samples).  An ``x`` or weight that is not the dense, 16-byte aligned
 tensor the boxes read (a slice, a view at an odd offset) is copied to one first.  K tails (``C_in``
 not a multiple of ``BLOCK_K``): the boxes read zeros past ``C_in`` in ``x`` and in the weight, and the
@@ -246,10 +247,90 @@ if GLUON:
         ``N_CH``."""
         rows, rows_ok, _ = _tile_rows(pid_m, M, SAMPLE_ROWS, 0, 0, BLOCK_M, 0, layout)
         cols = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        return _x_prev_rows(xp_ptr, rows, rows_ok, cols, N_CH, BIG)
+
+    @gluon.jit
+    def _x_prev_rows(xp_ptr, rows, rows_ok, cols, N_CH, BIG: gl.constexpr):
+        """x_prev's elements ``(rows, cols)`` of its dense ``[rows, N_CH]`` matrix; 0 where a row is not
+        ``rows_ok`` or a column is past ``N_CH``."""
         if BIG:
             rows = rows.to(gl.int64)
         return gl.load(xp_ptr + rows[:, None] * N_CH + cols[None, :], mask=rows_ok[:, None] & (cols < N_CH)[None, :],
                        other=0.0)  # fmt: skip
+
+    @gluon.jit
+    def _window_corners(m, OUT_D, OUT_H, OUT_W, IN_D, IN_H, IN_W, SD: gl.constexpr, SH: gl.constexpr,
+                        SW: gl.constexpr):  # fmt: skip
+        """A strided input gradient's input positions under output rows ``m`` (row-major ``(n, od, oh,
+        ow)`` of the ``OUT_D x OUT_H x OUT_W`` output): ``(row, d, h, w)`` of ``(s * od, ...)``, the corner of
+        each row's window, its row row-major in the ``IN_D x IN_H x IN_W`` input (:func:`_window_row`
+        offsets it)."""
+        ow = m % OUT_W
+        t = m // OUT_W
+        oh = t % OUT_H
+        t = t // OUT_H
+        od = t % OUT_D
+        d = od * SD
+        h = oh * SH
+        w = ow * SW
+        return ((t // OUT_D * IN_D + d) * IN_H + h) * IN_W + w, d, h, w
+
+    @gluon.jit
+    def _zero_windows(out_ptr, xp_ptr, mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, pid_m, tile,
+                      n_tiles, M, N_CH, SAMPLE_ROWS, OUT_D, OUT_H, OUT_W, IN_D, IN_H, IN_W, PROLOGUE: gl.constexpr,
+                      G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr, READS_X: gl.constexpr,
+                      STATS: gl.constexpr, BIG: gl.constexpr, SD: gl.constexpr, SH: gl.constexpr, SW: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+        """A strided input gradient's zeros: for M tile ``pid_m``'s rows (row tiles of grad_y) and tile
+        ``tile``'s channels, the input positions at every window offset but the corner (:func:`_window_row`),
+        which no output reads: 0, through the input gradient's store where it reads x_prev (``READS_X``:
+        0 * act'(z) is eager's, NaN where z is) and then ``(Σ grad_z, Σ grad_z · x̂)`` over them
+        (``STATS``; ``[BLOCK_N]`` each, 0 without), else stored as they are.  A few rows at a time in
+        ``layout`` (16 bytes per thread and row), so that it holds few registers beside the tile's result:
+        in the store's layout the 4-warp 128 x 128 tile spilled (``python tools/compile_check.py conv_tma
+        --cases resnet_1x1_s2-bf16,resnet_1x1_s2-bf16-hooked``)."""
+        ROWS: gl.constexpr = layout.threads_per_warp[0] * layout.warps_per_cta[0]
+        cols: gl.constexpr = gl.SliceLayout(0, layout)
+        c = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols)
+        c_ok = c < N_CH
+        zsum = gl.zeros([BLOCK_N], gl.float32, cols)
+        zsq = gl.zeros([BLOCK_N], gl.float32, cols)
+        if STATS:
+            mean = gl.load(mean_ptr + c, mask=c_ok, other=0.0)
+            rstd = gl.load(rstd_ptr + c, mask=c_ok, other=0.0)
+        zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
+        for r0 in range(0, BLOCK_M, ROWS):
+            m = pid_m * BLOCK_M + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+            m_ok = m < M
+            n = gl.minimum(m, M - 1) // SAMPLE_ROWS
+            corner, d0, h0, w0 = _window_corners(m, OUT_D, OUT_H, OUT_W, IN_D, IN_H, IN_W, SD, SH, SW)
+            for f in gl.static_range(1, SD * SH * SW):
+                rows, ok = _window_row(corner, d0, h0, w0, m_ok, IN_D, IN_H, IN_W, f, SH, SW)
+                if READS_X:
+                    x = _x_prev_rows(xp_ptr, rows, ok, c, N_CH, BIG)
+                    y = store_grad_tile(zeros, x, rows, ok, n, c, c_ok, 0, out_ptr, out_ptr, mean_ptr, rstd_ptr,
+                                        p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, N_CH, 0, PROLOGUE, G_NORM,
+                                        NORM_AFFINE, ACT_IN, False, BIG)  # fmt: skip
+                    if STATS:
+                        gz = gl.where(ok[:, None], y.to(gl.float32), 0.0)
+                        zsum += gl.sum(gz, axis=0)
+                        zsq += gl.sum(gz * ((x.to(gl.float32) - mean[None, :]) * rstd[None, :]), axis=0)
+                else:
+                    if BIG:
+                        rows = rows.to(gl.int64)
+                    gl.store(out_ptr + rows[:, None] * N_CH + c[None, :], zeros.to(out_ptr.dtype.element_ty),
+                             mask=ok[:, None] & c_ok[None, :])  # fmt: skip
+        return zsum, zsq
+
+    @gluon.jit
+    def _window_row(corner, d, h, w, m_ok, IN_D, IN_H, IN_W, F: gl.constexpr, SH: gl.constexpr, SW: gl.constexpr):
+        """The input rows at window offset ``F`` (row-major over the ``SD x SH x SW`` window) from
+        :func:`_window_corners`' corners, and which of them lie in the input."""
+        FD: gl.constexpr = F // (SH * SW)
+        FH: gl.constexpr = (F // SW) % SH
+        FW: gl.constexpr = F % SW
+        ok = m_ok & (d + FD < IN_D) & (h + FH < IN_H) & (w + FW < IN_W)
+        return corner + (FD * IN_H + FH) * IN_W + FW, ok
 
     @gluon.jit
     def _row_sums(v, ROWS_PT: gl.constexpr, sums3: gl.constexpr):
@@ -264,11 +345,12 @@ if GLUON:
     def tma_fprop_kernel(
         a_desc, b_desc, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr,
         p3_ptr, slope_in, slope_out, xp_ptr, mean_ptr, rstd_ptr, M, K_CH, N_CH, M_TILES, SAMPLE_ROWS, BOX_P1, BOX_R,
-        BOX_WO, PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
+        BOX_WO, OUT_D, OUT_H, OUT_W, IN_D, IN_H, IN_W, PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
         SAVE_CONV: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, CHAIN: gl.constexpr,
         ACT_OUT: gl.constexpr, RESIDUAL: gl.constexpr, STATS: gl.constexpr, BIG: gl.constexpr,
         PROGRAM_STATS: gl.constexpr, GRAD: gl.constexpr, EVEN_K: gl.constexpr, ROUND_FIRST: gl.constexpr,
-        EARLY_X: gl.constexpr, BOX_W: gl.constexpr, BLOCK_M: gl.constexpr,
+        EARLY_X: gl.constexpr, BOX_W: gl.constexpr, SD: gl.constexpr, SH: gl.constexpr, SW: gl.constexpr,
+        BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The ``[BLOCK_M, BLOCK_N]`` tiles ``pid, pid + programs, ...`` of ``out[M, N_CH] = A[M, K_CH] @
@@ -298,6 +380,12 @@ if GLUON:
         ``(C_in,)``), one row of ``(2, programs / N_TILES, C_in)`` in ``part_ptr``: Σ grad_z and Σ grad_z · x̂
         over the program's rows (``stats.reduce_grad_partials``).  The forward's other pointers unused.
 
+        A strided input gradient (``GRAD``, stride ``(SD, SH, SW)`` past 1; the forward's is 1): the GEMM's
+        rows are grad_y's (the output's ``OUT_D x OUT_H x OUT_W`` positions); a row's result lands on the
+        input position at the stride (:func:`_strided_input_rows`, in the ``IN_D x IN_H x IN_W`` input),
+        and its other ``SD * SH * SW - 1`` window offsets, which no output reads, on 0 (each through the
+        same store, act' and sums included, with x_prev's row there): together every input position once.
+        The sizes are 0 where unused.
         ``SAMPLE_ROWS``: positions per sample (the rows' samples, which a per-sample prologue reads).
         ``M_TILES``: row tiles, or strided boxes (``P2 * P1 * cdiv(BOX_R, BLOCK_M // BOX_W) * cdiv(BOX_WO,
         BOX_W)``).
@@ -363,6 +451,11 @@ if GLUON:
         stat_shift = gl.zeros([BLOCK_N], gl.float32, cols_layout)
         dev_sum = gl.zeros([GROUPS, BLOCK_N], gl.float32, sums_layout)
         dev_sq = gl.zeros([GROUPS, BLOCK_N], gl.float32, sums_layout)
+        # a strided input gradient's rows, one per thread; its zeros' layout (``_zero_windows``): 16 bytes per
+        # thread and row
+        one_row: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        ZERO_LANES: gl.constexpr = min(32, max(1, BLOCK_N // 8))
+        zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ZERO_LANES, ZERO_LANES], [num_warps, 1], [1, 0])
         if GRAD and STATS:  # a program's tiles share their channels (PROGRAM_STATS): x̂'s vectors once
             c_prog = (pid % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
             mean = gl.load(mean_ptr + c_prog, mask=c_prog < N_CH, other=0.0)
@@ -411,13 +504,31 @@ if GLUON:
                 m, m_ok, n = _tile_rows(pid_m, M, SAMPLE_ROWS, BOX_R, BOX_WO, BLOCK_M, BOX_W, out_layout)
                 c = (tile % n_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
                 x_saved = 0.0  # the tile of x_prev, where the store reads one
-                if READS_X:
+                if READS_X and SD * SH * SW == 1:
                     if EARLY_X:
                         x_saved = x_early
                     else:
                         x_saved = _x_prev_tile(xp_ptr, pid_m, tile, n_tiles, M, N_CH, SAMPLE_ROWS, BIG, BLOCK_M,
                                                BLOCK_N, out_layout)  # fmt: skip
-                if GRAD:
+                if GRAD and SD * SH * SW > 1:  # the rows' results at their windows' corners, then the zeros
+                    # the rows' index arithmetic one row per thread, then spread to the store's rows (in the
+                    # store's layout, a row vector per thread and step, the plain 4-warp 128 x 128 tile spilled)
+                    m_one = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=one_row)
+                    rows_x = gl.convert_layout(
+                        _window_corners(m_one, OUT_D, OUT_H, OUT_W, IN_D, IN_H, IN_W, SD, SH, SW)[0],
+                        gl.SliceLayout(1, out_layout))
+                    ok_x = m_ok  # a window's corner lies in the input
+                    if READS_X:
+                        x_saved = _x_prev_rows(xp_ptr, rows_x, ok_x, c, N_CH, BIG)
+                    y = store_grad_tile(out, x_saved, rows_x, ok_x, n, c, c < N_CH, pid_m, out_ptr, part_ptr, mean_ptr,
+                                        rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, N_CH, M_TILES, PROLOGUE,
+                                        G_NORM, NORM_AFFINE, ACT_IN, False, BIG)  # fmt: skip
+                    if STATS:
+                        gz = gl.where(ok_x[:, None], y.to(gl.float32), 0.0)  # channels past N_CH: rstd 0
+                        xhat = (x_saved.to(gl.float32) - mean[None, :]) * rstd[None, :]
+                        dev_sum += _row_sums(gz, ROWS_PT, sums3)
+                        dev_sq += _row_sums(gz * xhat, ROWS_PT, sums3)
+                elif GRAD:
                     y = store_grad_tile(out, x_saved, m, m_ok, n, c, c < N_CH, pid_m, out_ptr, part_ptr, mean_ptr,
                                         rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, N_CH, M_TILES, PROLOGUE,
                                         G_NORM, NORM_AFFINE, ACT_IN, False, BIG)  # fmt: skip
@@ -441,6 +552,20 @@ if GLUON:
                         dev_sq += _row_sums(e * e, ROWS_PT, sums3)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
+        if GRAD and SD * SH * SW > 1:
+            # a strided input gradient's zeros, once the loop's accumulator and ring have let their registers
+            # go (inside the loop, under the next tile's loads, the hooked tiles spilled 120-128 bytes and the
+            # plain 4-warp 128 x 128 one 40: ``python tools/compile_check.py conv_tma --cases
+            # resnet_1x1_s2-bf16,resnet_1x1_s2-bf16-hooked``); each program its own tiles, in their order
+            for tile in range(pid, M_TILES * n_tiles, programs):
+                zs, zq = _zero_windows(out_ptr, xp_ptr, mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in,
+                                       tile // n_tiles, tile, n_tiles, M, N_CH, SAMPLE_ROWS, OUT_D, OUT_H, OUT_W, IN_D,
+                                       IN_H, IN_W, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, READS_X, STATS, BIG, SD, SH,
+                                       SW, BLOCK_M, BLOCK_N, zero_layout)  # fmt: skip
+                if STATS:  # into the first of the program's row sums (a fixed place: the same bits run to run)
+                    first = (gl.arange(0, GROUPS, layout=gl.SliceLayout(1, sums_layout)) == 0)[:, None]
+                    dev_sum += gl.where(first, gl.convert_layout(zs, gl.SliceLayout(0, sums_layout))[None, :], 0.0)
+                    dev_sq += gl.where(first, gl.convert_layout(zq, gl.SliceLayout(0, sums_layout))[None, :], 0.0)
         if PROGRAM_STATS:
             lanes = programs // n_tiles
             lane = pid // n_tiles
@@ -481,11 +606,11 @@ def supports(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], paddi
 def supports_grad(grad_y: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
                   groups: int) -> bool:  # fmt: skip
     """Whether an input gradient can run here (``GRAD``): the forward's GEMM with the channels exchanged,
-    so a 1x1 conv with stride 1, no padding and one group, fp16 or bf16 on sm_90, ``C_out`` and ``C_in``
-    multiples of 8 (grad_y's rows and the weight's are the boxes' 16-byte strides).  Any layout, as
-    :func:`supports`."""
-    return (_one_by_one_gemm(grad_y, weight, padding, groups) and all(s == 1 for s in stride)
-            and weight.shape[0] % CHANNEL_ALIGN == 0 and weight.shape[1] % CHANNEL_ALIGN == 0)  # fmt: skip
+    so a 1x1 conv with no padding and one group (any stride: the results land at the stride, the other
+    input positions on 0), fp16 or bf16 on sm_90, ``C_out`` and ``C_in`` multiples of 8 (grad_y's rows and
+    the weight's are the boxes' 16-byte strides).  Any layout, as :func:`supports`."""
+    return (_one_by_one_gemm(grad_y, weight, padding, groups) and weight.shape[0] % CHANNEL_ALIGN == 0
+            and weight.shape[1] % CHANNEL_ALIGN == 0)  # fmt: skip
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -667,12 +792,17 @@ class TmaLaunch:
         self.tile, self.geo, self.strided = tile, geo, strided
         k_channels, n_channels = (geo.c_out, geo.c_in) if grad else (geo.c_in, geo.c_out)
         stages = ring_stages(tile, k_channels, exchange_bytes(rounded))
+        #: an input gradient's stride (its results land at the stride, the other positions on 0)
+        grad_stride = tuple(geo.stride) if grad else (1, 1, 1)
+        strided_grad = grad_stride != (1, 1, 1)
         constexprs = dict(constexprs, EVEN_K=k_channels % tile.block_k == 0, ROUND_FIRST=rounded,
-                          EARLY_X=grad and early_x_read(k_channels, tile.block_k), BLOCK_M=tile.block_m,
+                          EARLY_X=grad and not strided_grad and early_x_read(k_channels, tile.block_k),
+                          SD=grad_stride[0], SH=grad_stride[1], SW=grad_stride[2], BLOCK_M=tile.block_m,
                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages, PROGRAM_STATS=program_stats,
                           GRAD=grad, BOX_W=strided.box_w if strided else 0, num_warps=tile.num_warps)  # fmt: skip
         boxes = (strided.dims[1], strided.dims[2], strided.out_w) if strided else (0, 0, 0)
-        fixed = (geo.m, k_channels, n_channels, m_tiles, math.prod(geo.out_size), *boxes)
+        sizes = (*geo.out_size, *geo.size) if strided_grad else (0,) * 6
+        fixed = (geo.m, k_channels, n_channels, m_tiles, math.prod(geo.out_size), *boxes, *sizes)
         self.launch = FastLaunch(tma_fprop_kernel, (programs,), constexprs, fixed=fixed)
         if strided:
             self.a_block = [1, 1, strided.box_h, strided.box_w, tile.block_k]
