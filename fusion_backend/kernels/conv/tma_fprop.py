@@ -22,7 +22,12 @@ the report's ``tile_ms``).
 The same kernel is such a conv's input gradient (``GRAD``, :meth:`TmaLaunch.input_grad`):
 ``grad_a[M, C_in] = dy[M, C_out] @ W[C_out, C_in]``, the forward's GEMM with the channels exchanged
 (at a stride past 1 over grad_y's rows, each result stored at its input position at the stride and the
-window's other positions, which no output reads, stored as 0 through the same store),
+window's other positions, which no output reads, stored as 0 through the same store; NOTE: H200, bf16,
+ResNet-50's 1x1s at stride 2, plain, against the gather kernel's phases: 256 -> 512 at 56 x 56 0.0509
+against 0.0748 ms (cuDNN 0.0586), 512 -> 1024 at 28 x 28 0.0448 against 0.0472, 1024 -> 2048 at 14 x 14
+0.0357 against 0.0323; with relu' and the sums 1.7-1.9x the gather's time, which the timed choice keeps:
+``python tools/bench_conv.py demos/realnets/resnet50.py --passes dgrad --filter '*k1x1 s2*'``, the
+report's ``tile_ms``),
 the weight's box read as it lies (``wgmma`` takes a 16-bit B MN-major), the store
 :func:`grad_epilogue.store_grad_tile` (act' of the recomputed prologue), and the BatchNorm-backward sums
 per program as the forward's statistics below.  NOTE: on ResNet-50's 1x1 input gradients with relu' and
@@ -553,10 +558,12 @@ if GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
         if GRAD and SD * SH * SW > 1:
-            # a strided input gradient's zeros, once the loop's accumulator and ring have let their registers
-            # go (inside the loop, under the next tile's loads, the hooked tiles spilled 120-128 bytes and the
-            # plain 4-warp 128 x 128 one 40: ``python tools/compile_check.py conv_tma --cases
-            # resnet_1x1_s2-bf16,resnet_1x1_s2-bf16-hooked``); each program its own tiles, in their order
+            # NOTE: a strided input gradient's zeros, once the loop's accumulator and ring have let their
+            # registers go; each program its own tiles, in their order.  Inside the loop, under the next
+            # tile's loads, the hooked tiles spilled 108 bytes (``python tools/compile_check.py conv_tma
+            # --cases resnet_1x1_s2-bf16-hooked``) and plain ones ran 1-2% faster (H200, bf16, ResNet-50's
+            # 256 -> 512 1x1 at stride 2: 0.0499 against 0.0509 ms; ``python tools/bench_conv.py
+            # demos/realnets/resnet50.py --passes dgrad --filter '*k1x1 s2*'``, both kernels in one run)
             for tile in range(pid, M_TILES * n_tiles, programs):
                 zs, zq = _zero_windows(out_ptr, xp_ptr, mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in,
                                        tile // n_tiles, tile, n_tiles, M, N_CH, SAMPLE_ROWS, OUT_D, OUT_H, OUT_W, IN_D,
