@@ -778,21 +778,23 @@ def test_tma_forward_1x1_matches_float64_with_its_statistics(name, shape, c_out,
 
 
 @requires_sm90
+@pytest.mark.parametrize("stride", [1, 2], ids=["rows", "strided"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_tma_forward_takes_every_epilogue_hook(dtype):
+def test_tma_forward_takes_every_epilogue_hook(dtype, stride):
     """The store is the gather kernel's (``epilogue.store_tile``): scale, bias, chain, output
-    activation, residual, the saved raw conv, against float64."""
-    g = torch.Generator().manual_seed(stable_seed(("tma-epilogue", str(dtype))))
-    x, w, b = _one_by_one_case((2, 48, 7, 11), 40, dtype, g)
+    activation, residual, the saved raw conv, against float64; row tiles and strided boxes (whose
+    rows are the store's output positions too)."""
+    g = torch.Generator().manual_seed(stable_seed(("tma-epilogue", str(dtype), stride)))
+    x, w, b = _one_by_one_case((2, 48, 7 * stride, 11 * stride), 40, dtype, g)
     prologue = ChannelAffine(_randn(48, g=g) * 0.2 + 1.0, _randn(48, g=g))
     residual = _channels_last(_randn(2, 40, 7, 11, g=g, dtype=dtype))
     hooks = dict(prologue=prologue, act_in="silu", scale=_randn(40, g=g), chain=[(OP["leaky_relu"], [0.1])],
-                 act_out="gelu", residual=residual, stats=True, tile=TMA_ROW_TILES[0])  # fmt: skip
+                 act_out="gelu", residual=residual, stats=True, tile=TMA_ROW_TILES[0], stride=stride)  # fmt: skip
     out, _ = _check("tma every hook", x, w, b, **hooks)
     saved = _channels_last(torch.full(out.shape, float("nan"), device=DEVICE, dtype=torch.float32))
     out2, _ = conv_fprop(x, w, b, saved=saved, **hooks)
     assert torch.equal(out, out2)
-    raw = dict(prologue=prologue, act_in="silu")
+    raw = dict(prologue=prologue, act_in="silu", stride=stride)
     why = compare("tma saved", saved, conv_fprop_reference(x, w, None, **raw)[0].float(), FLOOR[torch.float32],
                   reference=conv_fprop_reference(x, w, None, dtype=torch.float64, **raw)[0])  # fmt: skip
     assert why is None, why
@@ -827,6 +829,23 @@ def test_tma_forward_nan_and_inf_reach_only_their_rows():
     out, _ = _check("tma nan inf", x, w, b, tile=TMA_ROW_TILES[0])
     bad = ~out.isfinite().all(1)
     assert bad.sum() == 2 and bad[0, 2, 4] and bad[1, 0, 0]
+
+
+@requires_sm90
+def test_tma_strided_forward_reads_only_the_rows_at_the_stride():
+    """Strided boxes: a NaN where the stride reads reaches its output row alone, and one where it does
+    not (an odd row or column at stride 2, the odd tail of an odd height) reaches nothing, with the
+    statistics finite where no real position holds a NaN."""
+    g = torch.Generator().manual_seed(47)
+    x, w, b = _one_by_one_case((2, 64, 9, 10), 24, torch.bfloat16, g)
+    x[0, 3, 1, 4] = float("nan")  # an odd row
+    x[1, 5, 2, 7] = float("inf")  # an odd column
+    out, stats = _check("tma strided unread nan", x, w, b, stride=2, stats=True, tile=TMA_ROW_TILES[2])
+    assert out.isfinite().all() and stats.sum.isfinite().all() and stats.m2.isfinite().all()
+    x[1, 60, 4, 6] = float("nan")  # read: output (2, 3)
+    out, _ = _check("tma strided read nan", x, w, b, stride=2, tile=TMA_ROW_TILES[2])
+    bad = ~out.isfinite().all(1)
+    assert bad.sum() == 1 and bad[1, 2, 3]
 
 
 def test_tma_tiles_join_the_forward_candidates_where_the_kernel_applies():
