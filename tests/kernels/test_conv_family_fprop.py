@@ -1000,7 +1000,8 @@ def test_tma_strided_boxes_cover_each_output_once_from_its_input_row(shape, stri
     col_boxes, row_boxes = -(-w_all // rows.box_w), -(-r_all // rows.box_h)
     seen = []
     for t, count in enumerate(rows.tile_rows()):
-        p, r0, w0 = t // (col_boxes * row_boxes), ((t // col_boxes) % row_boxes) * rows.box_h, (t % col_boxes) * rows.box_w
+        p, r0 = t // (col_boxes * row_boxes), ((t // col_boxes) % row_boxes) * rows.box_h
+        w0 = (t % col_boxes) * rows.box_w
         real = [(p * r_all + r0 + i // rows.box_w) * w_all + w0 + i % rows.box_w for i in range(block_m)
                 if r0 + i // rows.box_w < r_all and w0 + i % rows.box_w < w_all]  # fmt: skip
         assert len(real) == count

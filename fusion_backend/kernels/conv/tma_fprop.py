@@ -92,14 +92,15 @@ program 0.024 / 0.032 / 0.033 / 0.041 (``tools/sweep_conv_tiles.py --passes fpro
 times these tiles).  Where ``C_in`` is 256 or more the plain K loop trails the gather kernel's, where
 the timed choice takes the gather.
 
-Contract (:func:`supports` says whether a call qualifies): fp16 or bf16 (TMA boxes of 16-bit
-elements; fp32 keeps the gather kernel and its TF32 rounding), ``C_in`` a multiple of 8 (TMA strides
-are multiples of 16 bytes), a 1x1 kernel, one group, no padding, any stride; the prologue a channel affine, a group affine or a gate, any input activation; every store
-hook but GroupNorm's per-sample statistics (tiles cross samples).  An ``x`` or weight that is not the dense, 16-byte aligned
-tensor the boxes read (a slice, a view at an odd offset) is copied to one first.  K tails (``C_in``
-not a multiple of ``BLOCK_K``): the boxes read zeros past ``C_in`` in ``x`` and in the weight, and the
-prologue's vectors are masked to 0, so those lanes add ``act(0) * 0 = 0``.  Rows past ``M`` are
-computed and never stored or counted.
+Contract (:func:`supports` says whether a call qualifies): fp16 or bf16 (TMA boxes of 16-bit elements;
+fp32 keeps the gather kernel and its TF32 rounding), ``C_in`` a multiple of 8 (TMA strides are multiples
+of 16 bytes), a 1x1 kernel, one group, no padding, any stride; the prologue a channel affine, a group
+affine or a gate, any input activation; every store hook but GroupNorm's per-sample statistics (tiles
+cross samples).  An ``x`` or weight that is not the dense, 16-byte aligned tensor the boxes read (a
+slice, a view at an odd offset) is copied to one first.  K tails (``C_in`` not a multiple of
+``BLOCK_K``): the boxes read zeros past ``C_in`` in ``x`` and in the weight, and the prologue's vectors
+are masked to 0, so those lanes add ``act(0) * 0 = 0``.  Rows past ``M`` are computed and never stored or
+counted.
 
 Gluon is Triton's experimental explicit-layout language (``triton.experimental.gluon``); the kernel
 compiles with Triton 3.6 and 3.9, whose TMA load and CTA barrier differ in name (``_tma_load``,
@@ -220,7 +221,8 @@ if GLUON:
         (programs running together read neighbouring columns of the same rows)."""
         col_boxes = gl.cdiv(BOX_WO, BOX_W)
         row_boxes = gl.cdiv(BOX_R, BOX_H)
-        return pid_m // (col_boxes * row_boxes), ((pid_m // col_boxes) % row_boxes) * BOX_H, (pid_m % col_boxes) * BOX_W
+        row = ((pid_m // col_boxes) % row_boxes) * BOX_H
+        return pid_m // (col_boxes * row_boxes), row, (pid_m % col_boxes) * BOX_W
 
     @gluon.jit
     def _load_step(a_desc, b_desc, a_ring, b_ring, ready, step, pid, programs, k_steps, n_tiles, BOX_P1, BOX_R,
@@ -350,7 +352,8 @@ if GLUON:
     def tma_fprop_kernel(
         a_desc, b_desc, scale_ptr, bias_ptr, res_ptr, out_ptr, conv_ptr, part_ptr, q_ptr, p0_ptr, p1_ptr, p2_ptr,
         p3_ptr, slope_in, slope_out, xp_ptr, mean_ptr, rstd_ptr, M, K_CH, N_CH, M_TILES, SAMPLE_ROWS, BOX_P1, BOX_R,
-        BOX_WO, OUT_D, OUT_H, OUT_W, IN_D, IN_H, IN_W, PROLOGUE: gl.constexpr, G_NORM: gl.constexpr, NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
+        BOX_WO, OUT_D, OUT_H, OUT_W, IN_D, IN_H, IN_W, PROLOGUE: gl.constexpr, G_NORM: gl.constexpr,
+        NORM_AFFINE: gl.constexpr, ACT_IN: gl.constexpr,
         SAVE_CONV: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, CHAIN: gl.constexpr,
         ACT_OUT: gl.constexpr, RESIDUAL: gl.constexpr, STATS: gl.constexpr, BIG: gl.constexpr,
         PROGRAM_STATS: gl.constexpr, GRAD: gl.constexpr, EVEN_K: gl.constexpr, ROUND_FIRST: gl.constexpr,
@@ -386,11 +389,11 @@ if GLUON:
         over the program's rows (``stats.reduce_grad_partials``).  The forward's other pointers unused.
 
         A strided input gradient (``GRAD``, stride ``(SD, SH, SW)`` past 1; the forward's is 1): the GEMM's
-        rows are grad_y's (the output's ``OUT_D x OUT_H x OUT_W`` positions); a row's result lands on the
-        input position at the stride (:func:`_strided_input_rows`, in the ``IN_D x IN_H x IN_W`` input),
-        and its other ``SD * SH * SW - 1`` window offsets, which no output reads, on 0 (each through the
-        same store, act' and sums included, with x_prev's row there): together every input position once.
-        The sizes are 0 where unused.
+        rows are grad_y's (the output's ``OUT_D x OUT_H x OUT_W`` positions); a row's result lands on its
+        window's corner (:func:`_window_corners`, in the ``IN_D x IN_H x IN_W`` input), and the window's
+        other ``SD * SH * SW - 1`` positions, which no output reads, on 0 in a pass after the loop
+        (:func:`_zero_windows`: act' and the sums included where the store has them): together every
+        input position once.  The sizes are 0 where unused.
         ``SAMPLE_ROWS``: positions per sample (the rows' samples, which a per-sample prologue reads).
         ``M_TILES``: row tiles, or strided boxes (``P2 * P1 * cdiv(BOX_R, BLOCK_M // BOX_W) * cdiv(BOX_WO,
         BOX_W)``).
@@ -697,11 +700,12 @@ def lane_rows(tile_rows: Sequence[int], lanes: int) -> list[int]:
 class StridedRows:
     """A strided 1x1 forward's A operand (module docstring, *strided boxes*): x's channels-last rows at
     the stride as the 5-d view ``[P2, P1, R, W_out, C_in]`` (:meth:`view`), and the boxes of ``box_h x
-    box_w`` output positions that tile each ``R x W_out`` plane, ``box_h * box_w = block_m`` (powers of two),
-    the pair whose boxes cover the fewest positions past the plane (:meth:`of`).  ``(P2, P1, R)`` are the output's ``(N, D_out, H_out)`` merged from the inside wherever a
-    dim's stride at the stride is the next one's extent, so that boxes run on across samples and planes
-    where x's memory allows (a 2-d conv whose height is the stride times the output's: one dim of ``N *
-    H_out`` rows); ``strides`` are their element strides in x's dense channels-last memory."""
+    box_w`` output positions that tile each ``R x W_out`` plane, ``box_h * box_w = block_m`` (powers of
+    two), the pair whose boxes cover the fewest positions past the plane (:meth:`of`).  ``(P2, P1, R)``
+    are the output's ``(N, D_out, H_out)`` merged from the inside wherever a dim's stride at the stride
+    is the next one's extent, so that boxes run on across samples and planes where x's memory allows (a
+    2-d conv whose height is the stride times the output's: one dim of ``N * H_out`` rows); ``strides``
+    are their element strides in x's dense channels-last memory."""
 
     dims: tuple[int, int, int]
     strides: tuple[int, int, int]
