@@ -174,6 +174,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import re
 import sys
@@ -609,12 +610,15 @@ def conv_family_pass(shape: str, dtype: str, hooked: bool, box: bool = False, ta
             tiles = FAMILY_TILES.tma_tiles(c_in, c_out, m) + FAMILY_TILES.tma_tiles(c_in, c_out, m, wide=not hooked)
             for tile in dict.fromkeys(tiles):  # as a BatchNorm between convs: no save
                 FAMILY.conv_fprop(x, w, bias, stats=hooked, chain=chain, tile=tile, **hooks, **geo)
-            # the input gradient's tiles: the channels exchanged, as the timed choice offers them
-            for tile in FAMILY_TILES.candidates("dgrad", c_out, c_in, 1, m, dt, epilogue_hooks=hooked, tma=True,
-                                                plain=not hooked)[1:]:  # fmt: skip
+            # the input gradient's tiles: the channels exchanged, as the timed choice offers them; at a stride
+            # with SiLU too (its zeros through act' and the sums: ``tma_fprop.zeros_read_x``)
+            acts = ("relu", "silu") if hooked and stride != 1 else (hooks.get("act_in"),)
+            for tile, act in itertools.product(FAMILY_TILES.candidates("dgrad", c_out, c_in, 1, m, dt,
+                                                                       epilogue_hooks=hooked, tma=True,
+                                                                       plain=not hooked)[1:], acts):  # fmt: skip
                 FAMILY.conv_dgrad(dy, w, x_shape, x_prev=x if hooked else None,
-                                  norm_stats=FAMILY.NormStats(vec, vec) if hooked else None, tile=tile, **hooks,
-                                  **geo)  # fmt: skip
+                                  norm_stats=FAMILY.NormStats(vec, vec) if hooked else None, tile=tile,
+                                  **dict(hooks, act_in=act) if hooked else {}, **geo)  # fmt: skip
             return
         if tma == "wgrad":
             taps = w_shape[2] * w_shape[3]

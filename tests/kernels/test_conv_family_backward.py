@@ -954,16 +954,35 @@ def test_tma_dgrad_strided_1x1_matches_float64_with_its_sums(name, shape, c_out,
 @requires_sm90
 def test_tma_dgrad_strided_zeros_take_act_prime_of_their_input():
     """Where no output reads an input position its gradient is 0 * act'(z), as eager's: NaN where SiLU's
-    derivative of an infinite z is NaN, 0 where ReLU's is 0; the sums carry the NaN as eager's do."""
+    derivative of an infinite z is NaN, 0 where ReLU's and leaky ReLU's are (``tma_fprop.zeros_read_x``:
+    those zeros do not read x_prev); with the statistics of that x_prev, the sums are NaN as eager's."""
     g = torch.Generator().manual_seed(97)
-    x, stats, folded, _, w = _tma_grad_case((2, 32, 6, 6), 24, torch.bfloat16, g)
+    x, _, _, _, w = _tma_grad_case((2, 32, 6, 6), 24, torch.bfloat16, g)
     x[0, :, 1, 3] = float("inf")  # an odd row: no output of the stride-2 conv reads it
+    stats = _bn(x, g)[0]  # x's own statistics: non-finite
     gy = _channels_last(_randn(2, 24, 3, 3, g=g, dtype=torch.bfloat16))
-    for act in ("silu", "relu"):
-        grad, _ = conv_dgrad(gy, w, x.shape, stride=2, x_prev=x, prologue=None, act_in=act, tile=TMA_ROW_TILES[0])
-        eager, _ = conv_dgrad_reference(gy, w, x.shape, stride=2, x_prev=x, prologue=None, act_in=act)
+    for act in ("silu", "relu", Activation("leaky_relu", 0.1)):
+        kw = dict(stride=2, x_prev=x, prologue=None, act_in=act)
+        grad, _ = conv_dgrad(gy, w, x.shape, tile=TMA_ROW_TILES[0], **kw)
+        eager, _ = conv_dgrad_reference(gy, w, x.shape, **kw)
         assert torch.equal(grad.isnan(), eager.isnan()), act
         assert grad.isnan().any() == (act == "silu"), act
+        _, sums = conv_dgrad(gy, w, x.shape, tile=TMA_ROW_TILES[0], norm_stats=stats, **kw)
+        _, eager_sums = conv_dgrad_reference(gy, w, x.shape, norm_stats=stats, **kw)
+        for what in ("sum_dz", "sum_dz_xhat"):
+            got, want = getattr(sums, what), getattr(eager_sums, what)
+            assert torch.equal(got.isfinite(), want.isfinite()), (act, what)
+
+
+def test_strided_input_gradients_zeros_read_x_prev_only_where_act_prime_can_be_nan():
+    """``tma_fprop.zeros_read_x``: the zeros of a strided input gradient go through act' (reading x_prev)
+    for GELU and SiLU alone; without an activation, with ReLU and leaky ReLU, 0 times the derivative is 0
+    at every input (torch's backward formulas select, ``chain_math.step_backward``)."""
+    from fusion_backend.kernels.chain_math import OP_CODES
+    from fusion_backend.kernels.conv.tma_fprop import zeros_read_x
+
+    assert [zeros_read_x(a) for a in (0, OP_CODES["relu"], OP_CODES["leaky_relu"])] == [False] * 3
+    assert zeros_read_x(OP_CODES["silu"]) and zeros_read_x(OP_CODES["gelu"])
 
 
 @requires_sm90

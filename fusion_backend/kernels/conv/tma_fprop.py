@@ -25,7 +25,8 @@ The same kernel is such a conv's input gradient (``GRAD``, :meth:`TmaLaunch.inpu
 window's other positions, which no output reads, stored as 0 through the same store; NOTE: H200, bf16,
 ResNet-50's 1x1s at stride 2, plain, against the gather kernel's phases: 256 -> 512 at 56 x 56 0.0509
 against 0.0748 ms (cuDNN 0.0586), 512 -> 1024 at 28 x 28 0.0448 against 0.0472, 1024 -> 2048 at 14 x 14
-0.0357 against 0.0323; with relu' and the sums 1.7-1.9x the gather's time, which the timed choice keeps:
+0.0357 against 0.0323; with relu' and the sums 1.7-1.9x the gather's time while every zero went through
+act' and the sums reading x_prev, which :func:`zeros_read_x` now spares ReLU's (not yet timed):
 ``python tools/bench_conv.py demos/realnets/resnet50.py --passes dgrad --filter '*k1x1 s2*'``, the
 report's ``tile_ms``),
 the weight's box read as it lies (``wgmma`` takes a 16-bit B MN-major), the store
@@ -118,6 +119,7 @@ from typing import Any
 
 import torch
 
+from ..chain_math import OP_CODES
 from ..host import INTERPRETER, multiprocessors
 from ..launch import FastLaunch
 
@@ -290,9 +292,9 @@ if GLUON:
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):  # fmt: skip
         """A strided input gradient's zeros: for M tile ``pid_m``'s rows (row tiles of grad_y) and tile
         ``tile``'s channels, the input positions at every window offset but the corner (:func:`_window_row`),
-        which no output reads: 0, through the input gradient's store where it reads x_prev (``READS_X``:
-        0 * act'(z) is eager's, NaN where z is) and then ``(Σ grad_z, Σ grad_z · x̂)`` over them
-        (``STATS``; ``[BLOCK_N]`` each, 0 without), else stored as they are.  A few rows at a time in
+        which no output reads: 0, through the input gradient's store where it reads x_prev there (``READS_X``,
+        :func:`zeros_read_x`: 0 * act'(z) is eager's, NaN where act'(z) is) and then ``(Σ grad_z, Σ grad_z ·
+        x̂)`` over them (``STATS``; ``[BLOCK_N]`` each, 0 without), else stored as they are.  A few rows at a time in
         ``layout`` (16 bytes per thread and row), so that it holds few registers beside the tile's result:
         in the store's layout the 4-warp 128 x 128 tile spilled (``python tools/compile_check.py conv_tma
         --cases resnet_1x1_s2-bf16,resnet_1x1_s2-bf16-hooked``)."""
@@ -358,7 +360,7 @@ if GLUON:
         ACT_OUT: gl.constexpr, RESIDUAL: gl.constexpr, STATS: gl.constexpr, BIG: gl.constexpr,
         PROGRAM_STATS: gl.constexpr, GRAD: gl.constexpr, EVEN_K: gl.constexpr, ROUND_FIRST: gl.constexpr,
         EARLY_X: gl.constexpr, BOX_W: gl.constexpr, SD: gl.constexpr, SH: gl.constexpr, SW: gl.constexpr,
-        BLOCK_M: gl.constexpr,
+        ZEROS_READ_X: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The ``[BLOCK_M, BLOCK_N]`` tiles ``pid, pid + programs, ...`` of ``out[M, N_CH] = A[M, K_CH] @
@@ -392,8 +394,8 @@ if GLUON:
         rows are grad_y's (the output's ``OUT_D x OUT_H x OUT_W`` positions); a row's result lands on its
         window's corner (:func:`_window_corners`, in the ``IN_D x IN_H x IN_W`` input), and the window's
         other ``SD * SH * SW - 1`` positions, which no output reads, on 0 in a pass after the loop
-        (:func:`_zero_windows`: act' and the sums included where the store has them): together every
-        input position once.  The sizes are 0 where unused.
+        (:func:`_zero_windows`; ``ZEROS_READ_X``, :func:`zeros_read_x`: through act' and into the sums):
+        together every input position once.  The sizes are 0 where unused.
         ``SAMPLE_ROWS``: positions per sample (the rows' samples, which a per-sample prologue reads).
         ``M_TILES``: row tiles, or strided boxes (``P2 * P1 * cdiv(BOX_R, BLOCK_M // BOX_W) * cdiv(BOX_WO,
         BOX_W)``).
@@ -570,9 +572,9 @@ if GLUON:
             for tile in range(pid, M_TILES * n_tiles, programs):
                 zs, zq = _zero_windows(out_ptr, xp_ptr, mean_ptr, rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in,
                                        tile // n_tiles, tile, n_tiles, M, N_CH, SAMPLE_ROWS, OUT_D, OUT_H, OUT_W, IN_D,
-                                       IN_H, IN_W, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, READS_X, STATS, BIG, SD, SH,
-                                       SW, BLOCK_M, BLOCK_N, zero_layout)  # fmt: skip
-                if STATS:  # into the first of the program's row sums (a fixed place: the same bits run to run)
+                                       IN_H, IN_W, PROLOGUE, G_NORM, NORM_AFFINE, ACT_IN, ZEROS_READ_X,
+                                       STATS and ZEROS_READ_X, BIG, SD, SH, SW, BLOCK_M, BLOCK_N, zero_layout)  # fmt: skip
+                if STATS and ZEROS_READ_X:  # into the first of the program's row sums (a fixed place: the same bits run to run)
                     first = (gl.arange(0, GROUPS, layout=gl.SliceLayout(1, sums_layout)) == 0)[:, None]
                     dev_sum += gl.where(first, gl.convert_layout(zs, gl.SliceLayout(0, sums_layout))[None, :], 0.0)
                     dev_sq += gl.where(first, gl.convert_layout(zq, gl.SliceLayout(0, sums_layout))[None, :], 0.0)
@@ -665,6 +667,23 @@ def early_x_read(k_channels: int, block_k: int) -> bool:
     """Whether the input gradient reads its x_prev tile at the tile's first K step (``EARLY_X``): where
     the GEMM over ``k_channels`` takes one K step of ``block_k`` (NOTE above)."""
     return k_channels <= block_k
+
+
+#: Input activations whose derivative times a zero gradient is 0 at every input (torch's backward formulas
+#: are selections: ``where(z <= 0, 0, g)``, ``where(z > 0, g, g * slope)``), NaN and inf included.
+_ZERO_PRESERVING = (0, OP_CODES["relu"], OP_CODES["leaky_relu"])
+
+
+def zeros_read_x(act: int) -> bool:
+    """Whether a strided input gradient's zeros (the positions no output reads, ``_zero_windows``) go
+    through act' and the BatchNorm-backward sums, reading x_prev there: where the forward's input
+    activation ``act`` is not zero-preserving (:data:`_ZERO_PRESERVING`: GELU and SiLU, whose derivative
+    at an infinite input is NaN, and 0 * NaN is eager's NaN).  Elsewhere their gradient is 0 whatever
+    x_prev holds, and their share of the sums ``(Σ grad_z, Σ grad_z · x̂)`` is 0 too, exactly so where the
+    statistics are x_prev's own (a non-finite x_prev makes its mean non-finite, and then every position's
+    x̂, the output's included): the zeros are stored as they are, and x_prev read at the outputs' rows
+    alone (a quarter of it at stride 2)."""
+    return act not in _ZERO_PRESERVING
 
 
 def ring_stages(tile: Any, k_channels: int, store_bytes: int = 2) -> int:
@@ -808,7 +827,8 @@ class TmaLaunch:
         strided_grad = grad_stride != (1, 1, 1)
         constexprs = dict(constexprs, EVEN_K=k_channels % tile.block_k == 0, ROUND_FIRST=rounded,
                           EARLY_X=grad and not strided_grad and early_x_read(k_channels, tile.block_k),
-                          SD=grad_stride[0], SH=grad_stride[1], SW=grad_stride[2], BLOCK_M=tile.block_m,
+                          SD=grad_stride[0], SH=grad_stride[1], SW=grad_stride[2],
+                          ZEROS_READ_X=strided_grad and zeros_read_x(constexprs["ACT_IN"]), BLOCK_M=tile.block_m,
                           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=stages, PROGRAM_STATS=program_stats,
                           GRAD=grad, BOX_W=strided.box_w if strided else 0, num_warps=tile.num_warps)  # fmt: skip
         boxes = (strided.dims[1], strided.dims[2], strided.out_w) if strided else (0, 0, 0)
