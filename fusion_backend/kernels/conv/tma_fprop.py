@@ -520,26 +520,18 @@ if GLUON:
                     else:
                         x_saved = _x_prev_tile(xp_ptr, pid_m, tile, n_tiles, M, N_CH, SAMPLE_ROWS, BIG, BLOCK_M,
                                                BLOCK_N, out_layout)  # fmt: skip
-                if GRAD and SD * SH * SW > 1:  # the rows' results at their windows' corners, then the zeros
-                    # the rows' index arithmetic one row per thread, then spread to the store's rows (in the
-                    # store's layout, a row vector per thread and step, the plain 4-warp 128 x 128 tile spilled)
-                    m_one = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=one_row)
-                    rows_x = gl.convert_layout(
-                        _window_corners(m_one, OUT_D, OUT_H, OUT_W, IN_D, IN_H, IN_W, SD, SH, SW)[0],
-                        gl.SliceLayout(1, out_layout))
-                    ok_x = m_ok  # a window's corner lies in the input
-                    if READS_X:
-                        x_saved = _x_prev_rows(xp_ptr, rows_x, ok_x, c, N_CH, BIG)
-                    y = store_grad_tile(out, x_saved, rows_x, ok_x, n, c, c < N_CH, pid_m, out_ptr, part_ptr, mean_ptr,
-                                        rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, N_CH, M_TILES, PROLOGUE,
-                                        G_NORM, NORM_AFFINE, ACT_IN, False, BIG)  # fmt: skip
-                    if STATS:
-                        gz = gl.where(ok_x[:, None], y.to(gl.float32), 0.0)  # channels past N_CH: rstd 0
-                        xhat = (x_saved.to(gl.float32) - mean[None, :]) * rstd[None, :]
-                        dev_sum += _row_sums(gz, ROWS_PT, sums3)
-                        dev_sq += _row_sums(gz * xhat, ROWS_PT, sums3)
-                elif GRAD:
-                    y = store_grad_tile(out, x_saved, m, m_ok, n, c, c < N_CH, pid_m, out_ptr, part_ptr, mean_ptr,
+                if GRAD:
+                    rows_x = m  # the input's rows: the output's at stride 1
+                    if SD * SH * SW > 1:  # at their windows' corners (the windows' zeros after the loop); the
+                        # index arithmetic one row per thread, then spread to the store's rows (in the store's
+                        # layout, a row vector per thread and step, the plain 4-warp 128 x 128 tile spilled)
+                        m_one = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=one_row)
+                        rows_x = gl.convert_layout(
+                            _window_corners(m_one, OUT_D, OUT_H, OUT_W, IN_D, IN_H, IN_W, SD, SH, SW)[0],
+                            gl.SliceLayout(1, out_layout))
+                        if READS_X:
+                            x_saved = _x_prev_rows(xp_ptr, rows_x, m_ok, c, N_CH, BIG)
+                    y = store_grad_tile(out, x_saved, rows_x, m_ok, n, c, c < N_CH, pid_m, out_ptr, part_ptr, mean_ptr,
                                         rstd_ptr, p0_ptr, p1_ptr, p2_ptr, p3_ptr, slope_in, N_CH, M_TILES, PROLOGUE,
                                         G_NORM, NORM_AFFINE, ACT_IN, False, BIG)  # fmt: skip
                     if STATS:
