@@ -45,7 +45,7 @@
 #            with the halo's tiles flat and as box tiles (tools/sweep_conv_tiles.py --hooked --halo --box --grid) into
 #            $out/halo-sweep.json: box tiles against the flat halo where a forward writes statistics
 #   strided  the TMA 1x1 kernel at a stride past 1 (kernels/conv/tma_fprop.py: the forward's strided boxes, the
-#            input gradient's zeros): its GPU tests, then ResNet-50's stride-2 1x1 forwards and input gradients
+#            input gradient's zeros): the kernel's GPU tests (every stride), then ResNet-50's stride-2 1x1 forwards and input gradients
 #            (tools/bench_conv.py --filter '*k1x1 s2*' --profile) into $out/strided-fprop and $out/strided-dgrad
 #   firstcall tools/first_call.py, cold and warm, on Conv2d 64->64 (infer, train), Conv3d (infer), ConvT3d (train)
 #            (FIRSTCALL_ARGS adds options, e.g. "--warm-runs 1 --profile 25": where each first call's time goes)
@@ -234,9 +234,8 @@ if has halo; then
     --filter '*k3x3 p1 g1*' --budget-s 200 --out "$out/halo-sweep.json" 2>&1 | tail -24
 fi
 if has strided; then
-  timeout -k 10 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_conv_family_fprop.py \
-    tests/kernels/test_conv_family_backward.py -k "strided or every_epilogue or reads_only_the_rows" \
-    >"$out/strided_tests.log" 2>&1 || rc=1
+  timeout -k 10 300 python3 -m pytest -q -n 12 -p no:cacheprovider tests/kernels/test_conv_family_fprop.py \
+    tests/kernels/test_conv_family_backward.py -k "tma" >"$out/strided_tests.log" 2>&1 || rc=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/strided_tests.log" | tail -12
   for pass in fprop dgrad; do
     timeout -k 10 150 python3 tools/bench_conv.py demos/realnets/resnet50.py --passes "$pass" --filter '*k1x1 s2*' \
