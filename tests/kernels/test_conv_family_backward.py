@@ -937,14 +937,13 @@ def test_tma_dgrad_strided_1x1_matches_float64_with_its_sums(name, shape, c_out,
             g = torch.Generator().manual_seed(stable_seed(("tma-dgrad-strided", name, str(kind), str(dtype),
                                                            tile.label())))  # fmt: skip
             x, stats, folded, _, w = _tma_grad_case(shape, c_out, dtype, g)
-            spatial = len(shape) - 2
             gy = _channels_last(_randn(*_out_shape(shape, w.shape, dict(stride=stride)), g=g, dtype=dtype))
             kw = dict(tile=tile, stride=stride)
             if kind is not None:
                 prologue = folded if kind == "batch_norm" else conv_prologue(kind, shape[0], shape[1], g, DEVICE)
                 kw.update(x_prev=x, prologue=prologue, act_in=act, norm_stats=stats)
             grad, sums = _check_dgrad(f"tma dgrad strided {name} {kind} {dtype} {tile.label()}", gy, w, x.shape, **kw)
-            assert dgrad._PLANS.values()[-1].tma is not None and spatial >= 1
+            assert dgrad._PLANS.values()[-1].tma is not None
             again, sums2 = conv_dgrad(gy, w, x.shape, **kw)
             assert torch.equal(grad, again)
             if sums is not None:
