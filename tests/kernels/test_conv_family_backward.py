@@ -895,6 +895,24 @@ def _tma_grad_case(shape, c_out, dtype, g):  # noqa: ANN001, ANN202
     return x, stats, folded, gy, _randn(*ws, g=g, scale=c_out ** -0.5, dtype=dtype)
 
 
+def _check_tma_dgrad(name, gy, w, x, stats, folded, kind, act, g, tile, **conv):  # noqa: ANN001, ANN003, ANN202
+    """``conv_dgrad`` on the TMA kernel with ``tile`` against float64 (``_check_dgrad``): plain where
+    ``kind`` is None, else act' of the recomputed prologue (``kind``: the folded BatchNorm or one of
+    ``conv_prologue``'s) and the BatchNorm-backward sums; the same bits on a second call.  Returns
+    ``(grad, sums)``."""
+    kw = dict(tile=tile, **conv)
+    if kind is not None:
+        prologue = folded if kind == "batch_norm" else conv_prologue(kind, x.shape[0], x.shape[1], g, DEVICE)
+        kw.update(x_prev=x, prologue=prologue, act_in=act, norm_stats=stats)
+    grad, sums = _check_dgrad(name, gy, w, x.shape, **kw)
+    assert dgrad._PLANS.values()[-1].tma is not None
+    again, sums2 = conv_dgrad(gy, w, x.shape, **kw)
+    assert torch.equal(grad, again)
+    if sums is not None:
+        assert torch.equal(sums.sum_dz, sums2.sum_dz) and torch.equal(sums.sum_dz_xhat, sums2.sum_dz_xhat)
+    return grad, sums
+
+
 @requires_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kind,act", [("batch_norm", "relu"), *PROLOGUES[1:], (None, None)],
@@ -907,17 +925,9 @@ def test_tma_dgrad_1x1_matches_float64_with_its_sums(name, shape, c_out, kind, a
     for tile in TMA_ROW_TILES:
         g = torch.Generator().manual_seed(stable_seed(("tma-dgrad", name, str(kind), str(act), tile.label())))
         x, stats, folded, gy, w = _tma_grad_case(shape, c_out, dtype, g)
-        if kind is None:
-            kw = dict(tile=tile)
-        else:
-            prologue = folded if kind == "batch_norm" else conv_prologue(kind, shape[0], shape[1], g, DEVICE)
-            kw = dict(x_prev=x, prologue=prologue, act_in=act, norm_stats=stats, tile=tile)
-        grad, sums = _check_dgrad(f"tma dgrad {name} {kind} {act} {tile.label()}", gy, w, x.shape, **kw)
-        assert dgrad._PLANS.values()[-1].tma is not None
-        again, sums2 = conv_dgrad(gy, w, x.shape, **kw)
-        assert torch.equal(grad, again)
+        grad, sums = _check_tma_dgrad(f"tma dgrad {name} {kind} {act} {tile.label()}", gy, w, x, stats, folded,
+                                      kind, act, g, tile)  # fmt: skip
         if sums is not None:
-            assert torch.equal(sums.sum_dz, sums2.sum_dz) and torch.equal(sums.sum_dz_xhat, sums2.sum_dz_xhat)
             flat = grad.double().transpose(0, 1).reshape(shape[1], -1)
             torch.testing.assert_close(sums.sum_dz, flat.sum(1), rtol=1e-5,
                                        atol=1e-5 * flat.abs().sum(1).max().item())  # fmt: skip
@@ -938,16 +948,8 @@ def test_tma_dgrad_strided_1x1_matches_float64_with_its_sums(name, shape, c_out,
                                                            tile.label())))  # fmt: skip
             x, stats, folded, _, w = _tma_grad_case(shape, c_out, dtype, g)
             gy = _channels_last(_randn(*_out_shape(shape, w.shape, dict(stride=stride)), g=g, dtype=dtype))
-            kw = dict(tile=tile, stride=stride)
-            if kind is not None:
-                prologue = folded if kind == "batch_norm" else conv_prologue(kind, shape[0], shape[1], g, DEVICE)
-                kw.update(x_prev=x, prologue=prologue, act_in=act, norm_stats=stats)
-            grad, sums = _check_dgrad(f"tma dgrad strided {name} {kind} {dtype} {tile.label()}", gy, w, x.shape, **kw)
-            assert dgrad._PLANS.values()[-1].tma is not None
-            again, sums2 = conv_dgrad(gy, w, x.shape, **kw)
-            assert torch.equal(grad, again)
-            if sums is not None:
-                assert torch.equal(sums.sum_dz, sums2.sum_dz) and torch.equal(sums.sum_dz_xhat, sums2.sum_dz_xhat)
+            _check_tma_dgrad(f"tma dgrad strided {name} {kind} {dtype} {tile.label()}", gy, w, x, stats, folded, kind,
+                             act, g, tile, stride=stride)  # fmt: skip
 
 
 @requires_sm90

@@ -811,7 +811,7 @@ class TmaLaunch:
     def __init__(self, tile: Any, geo: Any, m_tiles: int, programs: int, constexprs: dict[str, Any],
                  program_stats: bool, dtype: torch.dtype, rounded: bool, grad: bool = False,
                  strided: StridedRows | None = None) -> None:  # fmt: skip
-        self.tile, self.geo, self.strided = tile, geo, strided
+        self.tile, self.geo = tile, geo
         k_channels, n_channels = (geo.c_out, geo.c_in) if grad else (geo.c_in, geo.c_out)
         stages = ring_stages(tile, k_channels, exchange_bytes(rounded))
         #: an input gradient's stride (its results land at the stride, the other positions on 0)
